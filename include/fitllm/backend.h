@@ -1,0 +1,178 @@
+/* fitllm: the backend vtable (ggml's ggml_backend_i, llm.c's kernels).
+ *
+ * A backend is one device's set of kernels. Model code calls only these ops,
+ * so a CUDA backend later implements the same table and the model does not
+ * change. The CPU backend (src/backend/cpu/) is the tested reference; every op
+ * has a reference test (float64) and a finite-difference gradient check.
+ *
+ * Conventions for every op:
+ *  - row-major, contiguous, float32 (reduced-precision storage arrives with the
+ *    precision policy; gemm already carries dtypes for that);
+ *  - shapes in comments use B, T, C, NH, NKV, HD, V, F (ffn width), N (= B*T rows);
+ *  - forward ops OVERWRITE their outputs;
+ *  - backward ops ACCUMULATE (+=) into every gradient they produce, input
+ *    gradients and parameter gradients alike (callers zero what they need), so a
+ *    residual branch and gradient accumulation need no extra adds;
+ *  - parameter-gradient outputs may be NULL (frozen parameter): not computed;
+ *  - results are deterministic for a fixed thread count (no atomics, fixed
+ *    reduction order);
+ *  - ops never allocate; they may use small fixed-size stack tiles.
+ */
+#ifndef FITLLM_BACKEND_H
+#define FITLLM_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fitllm/dtype.h"
+#include "fitllm/mem.h"
+#include "fitllm/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FL_IGNORE_INDEX (-100)
+
+typedef struct fl_backend fl_backend;
+
+/* RoPE frequency scaling (HF config.json "rope_scaling"). */
+typedef enum { FL_ROPE_NONE = 0, FL_ROPE_LINEAR, FL_ROPE_LLAMA3, FL_ROPE_SCALING_COUNT } fl_rope_scaling_type;
+typedef struct {
+    fl_rope_scaling_type type;
+    float factor;                 /* linear and llama3 */
+    float low_freq_factor;        /* llama3 */
+    float high_freq_factor;       /* llama3 */
+    int original_max_position;    /* llama3: original_max_position_embeddings */
+} fl_rope_scaling;
+
+struct fl_backend {
+    const char *name;       /* "cpu" */
+    fl_device device;
+    int n_threads;
+    const char *gemm_name;  /* which GEMM library: "openblas", "onednn", "naive" */
+
+    /* ---- matmul ---------------------------------------------------------
+     * C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C, row-major, with
+     * op(X) = X or X^T. lda/ldb/ldc are row strides of the stored matrices.
+     * Types: F32 everywhere for now; other combinations return UNSUPPORTED. */
+    fl_status (*gemm)(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                      const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
+                      void *C, fl_dtype tc, int ldc);
+
+    /* ---- embeddings -----------------------------------------------------
+     * out[b,t,:] = wte[ids[b,t],:] (+ wpe[t,:] if wpe). ids outside [0,V) are
+     * the caller's bug (validated at the data boundary). */
+    void (*embedding_forward)(const fl_backend *be, float *out /*(B,T,C)*/, const int32_t *ids /*(B,T)*/,
+                              const float *wte /*(V,C)*/, const float *wpe /*(maxT,C) or NULL*/, int B, int T,
+                              int C);
+    void (*embedding_backward)(const fl_backend *be, float *dwte /*(V,C) or NULL*/, float *dwpe /*(maxT,C) or NULL*/,
+                               const float *dout /*(B,T,C)*/, const int32_t *ids /*(B,T)*/, int B, int T, int C);
+
+    /* ---- normalization --------------------------------------------------
+     * RMSNorm: out = x * rstd * w, rstd = 1/sqrt(mean(x^2) + eps)  (LLaMA).
+     * LayerNorm: out = (x - mean) * rstd * w + b                     (GPT-2). */
+    void (*rmsnorm_forward)(const fl_backend *be, float *out /*(N,C)*/, float *rstd /*(N)*/, const float *inp /*(N,C)*/,
+                            const float *w /*(C)*/, int N, int C, float eps);
+    void (*rmsnorm_backward)(const fl_backend *be, float *dinp /*(N,C)*/, float *dw /*(C) or NULL*/,
+                             const float *dout /*(N,C)*/, const float *inp /*(N,C)*/, const float *w /*(C)*/,
+                             const float *rstd /*(N)*/, int N, int C);
+    void (*layernorm_forward)(const fl_backend *be, float *out /*(N,C)*/, float *mean /*(N)*/, float *rstd /*(N)*/,
+                              const float *inp /*(N,C)*/, const float *w /*(C)*/, const float *b /*(C) or NULL*/,
+                              int N, int C, float eps);
+    void (*layernorm_backward)(const fl_backend *be, float *dinp /*(N,C)*/, float *dw /*(C) or NULL*/,
+                               float *db /*(C) or NULL*/, const float *dout /*(N,C)*/, const float *inp /*(N,C)*/,
+                               const float *w /*(C)*/, const float *mean /*(N)*/, const float *rstd /*(N)*/, int N,
+                               int C);
+
+    /* ---- rotary position embedding (HF rotate-half pairing j <-> j+HD/2) --
+     * Applied IN PLACE to `nh` heads of each row of x, where row (b,t) starts at
+     * x + (b*T + t)*row_stride and head h at + h*HD. cos/sin are (maxT, HD/2)
+     * tables from fl_rope_table_init; position of token t is pos0 + t.
+     * backward rotates the gradient by the opposite angle, in place (it is the
+     * transpose of the forward rotation, so it overwrites rather than adds). */
+    void (*rope_forward)(const fl_backend *be, float *x, int B, int T, int nh, int HD, size_t row_stride,
+                         const float *cos_t, const float *sin_t, int pos0);
+    void (*rope_backward)(const fl_backend *be, float *dx, int B, int T, int nh, int HD, size_t row_stride,
+                          const float *cos_t, const float *sin_t, int pos0);
+
+    /* ---- causal self-attention with grouped-query heads -----------------
+     * qkv rows are [q (NH*HD) | k (NKV*HD) | v (NKV*HD)]; query head h uses kv
+     * head h / (NH/NKV). Scale 1/sqrt(HD). Never materializes the (T,T) scores
+     * of all heads: tiles over keys with an online softmax (flash-attention
+     * style) and saves only the log-sum-exp per (b, h, t) for backward. */
+    void (*attention_forward)(const fl_backend *be, float *out /*(B,T,NH*HD)*/, float *lse /*(B,NH,T)*/,
+                              const float *qkv /*(B,T,(NH+2*NKV)*HD)*/, int B, int T, int NH, int NKV, int HD);
+    void (*attention_backward)(const fl_backend *be, float *dqkv /*(B,T,(NH+2*NKV)*HD)*/,
+                               const float *dout /*(B,T,NH*HD)*/, const float *qkv, const float *out /*(B,T,NH*HD)*/,
+                               const float *lse /*(B,NH,T)*/, int B, int T, int NH, int NKV, int HD);
+
+    /* ---- activations ----------------------------------------------------
+     * SwiGLU on the fused gate/up projection: gu rows are [gate (F) | up (F)],
+     * out = silu(gate) * up. GELU is the tanh approximation (GPT-2 "gelu_new"). */
+    void (*swiglu_forward)(const fl_backend *be, float *out /*(N,F)*/, const float *gu /*(N,2F)*/, int N, int F);
+    void (*swiglu_backward)(const fl_backend *be, float *dgu /*(N,2F)*/, const float *dout /*(N,F)*/,
+                            const float *gu /*(N,2F)*/, int N, int F);
+    void (*gelu_forward)(const fl_backend *be, float *out /*(n)*/, const float *inp /*(n)*/, size_t n);
+    void (*gelu_backward)(const fl_backend *be, float *dinp /*(n)*/, const float *dout, const float *inp, size_t n);
+
+    /* ---- elementwise / bias -------------------------------------------- */
+    /* out = a + b (out may alias a or b). */
+    void (*add)(const fl_backend *be, float *out, const float *a, const float *b, size_t n);
+    /* y[n,:] += b for every row. */
+    void (*bias_forward)(const fl_backend *be, float *y /*(N,OC)*/, const float *b /*(OC)*/, int N, int OC);
+    /* db += column sums of dy. */
+    void (*bias_backward)(const fl_backend *be, float *db /*(OC)*/, const float *dy /*(N,OC)*/, int N, int OC);
+
+    /* ---- fused cross-entropy --------------------------------------------
+     * For each row n: if targets[n] == ignore_index, loss[n] = 0 and (when
+     * dlogits) the row's gradient is 0; else loss[n] = logsumexp(logits[n]) -
+     * logits[n, targets[n]], computed in one pass over the vocabulary in chunks
+     * with an online max/sum. If dlogits != NULL it receives (OVERWRITES, may
+     * alias logits) grad_scale * (softmax(logits[n]) - onehot(targets[n])).
+     * Returns nothing; sum loss[] yourself (in double) for the mean. */
+    void (*cross_entropy)(const fl_backend *be, float *loss /*(N)*/, float *dlogits /*(N,V) or NULL*/,
+                          const float *logits /*(N,V)*/, const int32_t *targets /*(N)*/, int N, int V,
+                          float grad_scale, int ignore_index);
+
+    /* ---- optimizers (flat buffers; one call per contiguous range) --------
+     * AdamW exactly as torch.optim.AdamW: p *= 1 - lr*wd; m = b1 m + (1-b1) g;
+     * v = b2 v + (1-b2) g^2; p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps).
+     * g is multiplied by grad_scale first (clipping, loss-scale removal). step >= 1. */
+    void (*adamw_update)(const fl_backend *be, float *p, const float *g, float *m, float *v, size_t n, float lr,
+                         float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale);
+    /* SGD exactly as torch.optim.SGD (weight decay added to the gradient;
+     * momentum buffer initialized to the gradient on the first step; buf NULL
+     * when momentum == 0). */
+    void (*sgd_update)(const fl_backend *be, float *p, const float *g, float *buf, size_t n, float lr,
+                       float momentum, float dampening, float weight_decay, int nesterov, int first_step,
+                       float grad_scale);
+
+    /* ---- reductions / misc ---------------------------------------------- */
+    /* sum of x[i]^2 in double, deterministic for a fixed thread count. */
+    double (*sumsq)(const fl_backend *be, const float *x, size_t n);
+    /* x *= s */
+    void (*scale)(const fl_backend *be, float *x, size_t n, float s);
+    /* x = 0 (device memset) */
+    void (*zero)(const fl_backend *be, void *x, size_t bytes);
+
+    void *impl; /* backend-private state */
+};
+
+/* Create the CPU backend. n_threads <= 0: use the OpenMP default / all cores.
+ * The GEMM library is chosen at build time (see docs/BENCHMARKS.md). */
+fl_status fl_cpu_backend_init(fl_backend *be, int n_threads);
+void fl_cpu_backend_free(fl_backend *be);
+
+/* The portable scalar reference backend: same ops, simple loops, no BLAS. The
+ * fast CPU ops are tested against it and against float64. */
+fl_status fl_ref_backend_init(fl_backend *be);
+
+/* RoPE tables: cos_t/sin_t (maxT, HD/2). inv_freq_j = theta^(-2j/HD), adjusted
+ * by `scaling` (NULL or FL_ROPE_NONE: none); angle = pos * inv_freq_j. */
+void fl_rope_table_init(float *cos_t, float *sin_t, int maxT, int HD, float theta, const fl_rope_scaling *scaling);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,113 @@
+/* fitllm: model files in and out.
+ *
+ *  - Hugging Face folders: config.json (LLaMA, GPT-2), model.safetensors or a
+ *    sharded set with model.safetensors.index.json; F32/BF16/F16 on disk are
+ *    converted to the run's dtype; files are read through mmap.
+ *  - llama2.c .bin checkpoints (v0 header), converted to HF layout (Meta's
+ *    interleaved RoPE rows permuted to rotate-half order).
+ *  - writing safetensors (HF names, 8-byte aligned header, __metadata__),
+ *    atomically (temp file, fsync, rename).
+ * Every error names the file and the key or tensor at fault.
+ */
+#ifndef FITLLM_IO_H
+#define FITLLM_IO_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fitllm/dtype.h"
+#include "fitllm/model.h"
+#include "fitllm/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- safetensors reading ------------------------------------------------- */
+
+#define FL_ST_MAX_HEADER (100u * 1000u * 1000u) /* 100 MB, as the reference lib */
+
+typedef struct {
+    char *name;
+    fl_dtype dtype;
+    int ndim;
+    int64_t shape[8];
+    size_t begin, end;     /* byte offsets relative to the data section */
+    const void *data;      /* pointer into the mapping */
+} fl_st_tensor;
+
+typedef struct {
+    char *path;
+    void *map;             /* mmap of the whole file */
+    size_t map_size;
+    const uint8_t *data;   /* start of the data section */
+    size_t data_size;
+    fl_st_tensor *tensors;
+    int n_tensors;
+    char **meta_keys, **meta_vals; /* __metadata__ (string -> string) */
+    int n_meta;
+} fl_st_file;
+
+/* Open and validate: header length sane (<= FL_ST_MAX_HEADER, within file),
+ * header is a JSON object, each tensor has a known dtype, a shape whose byte
+ * count equals end-begin, offsets inside the data section, ranges ordered and
+ * non-overlapping and covering the data section exactly. */
+fl_status fl_st_open(fl_st_file *f, const char *path);
+void fl_st_close(fl_st_file *f);
+const fl_st_tensor *fl_st_find(const fl_st_file *f, const char *name);
+
+/* ---- safetensors writing ------------------------------------------------- */
+
+typedef struct {
+    const char *name;
+    fl_dtype dtype;       /* dtype to WRITE */
+    int ndim;
+    int64_t shape[8];
+    const void *data;     /* source elements */
+    fl_dtype src_dtype;   /* dtype of data (converted on write) */
+    int transpose2d;      /* write the 2-D source (shape[1], shape[0]) transposed */
+} fl_st_write_tensor;
+
+/* Write tensors (in the given order) with optional metadata pairs to `path`
+ * atomically: path.tmp, fsync, rename. */
+fl_status fl_st_write(const char *path, const fl_st_write_tensor *t, int n, const char *const *meta_keys,
+                      const char *const *meta_vals, int n_meta);
+
+/* ---- Hugging Face model folders ------------------------------------------ */
+
+/* Parse config.json (LLaMA: model_type "llama" or architectures LlamaForCausalLM,
+ * also mistral-free llama variants; GPT-2: model_type "gpt2"). Unknown
+ * architecture, missing or mistyped keys give FL_ERR_FORMAT naming file and key. */
+fl_status fl_hf_load_config(const char *config_json_path, fl_model_config *cfg);
+/* Write config.json for cfg. */
+fl_status fl_hf_save_config(const char *path, const fl_model_config *cfg);
+
+/* Load all parameters of m from a folder's model.safetensors or sharded index.
+ * Every layout entry must be present with the right shape (tied lm_head may be
+ * absent or equal to wte); tensors not in the layout are an error, except
+ * known buffers (rotary inv_freq, GPT-2 attn.bias/masked_bias). */
+fl_status fl_hf_load_weights(fl_model *m, const char *dir);
+
+/* Convenience: config + model init + weights. */
+fl_status fl_hf_load_model(fl_model *m, const char *dir, const fl_backend *be, fl_mem_pool *pool);
+
+/* Save m as an HF folder (config.json + model.safetensors), atomically. */
+fl_status fl_hf_save_model(const fl_model *m, const char *dir);
+
+/* ---- llama2.c checkpoints ------------------------------------------------ */
+
+/* Load a llama2.c v0 .bin (header: dim, hidden_dim, n_layers, n_heads,
+ * n_kv_heads, vocab_size (negative = separate classifier), seq_len; then
+ * weights in llama2.c order, freq_cis tables included). */
+fl_status fl_llama2c_load_model(fl_model *m, const char *path, const fl_backend *be, fl_mem_pool *pool);
+
+/* Any of the above by sniffing: a directory with config.json (HF), a .bin
+ * file (llama2.c), or a config.json path (random-init shape only: weights not
+ * loaded, *weights_loaded = 0). */
+fl_status fl_model_load_auto(fl_model *m, const char *path, const fl_backend *be, fl_mem_pool *pool,
+                             int *weights_loaded);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

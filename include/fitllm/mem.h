@@ -1,0 +1,143 @@
+/* fitllm: the one allocator.
+ *
+ * Every buffer on every device is allocated through a pool with a tag saying
+ * what it is for. The pool keeps current and peak bytes per tag and in total,
+ * named phase snapshots (before_fwd, after_fwd, after_bwd, after_opt_step) and
+ * an optional byte budget: an allocation that would exceed it fails with
+ * FL_ERR_OOM and the pool keeps the request and the breakdown at that moment
+ * (fl_mem_last_oom) so the CLI can print an exact report.
+ *
+ * Bytes are counted exactly as requested (alignment padding is not counted),
+ * so PARAMS/GRADS/OPTIM equal their analytic counts. The raw allocator is
+ * pluggable (host aligned memory by default; CUDA device and pinned-host pools
+ * plug in their own raw_alloc/raw_free later, the accounting stays here).
+ *
+ * Ownership: the pool owns nothing it did not hand out; fl_mem_pool_free()
+ * releases the bookkeeping and reports (fl_mem_live_count) what is still live.
+ * Not thread-safe: allocate from the driving thread only (kernels never allocate).
+ */
+#ifndef FITLLM_MEM_H
+#define FITLLM_MEM_H
+
+#include <stddef.h>
+#include <stdio.h>
+
+#include "fitllm/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+    FL_TAG_PARAMS = 0, /* model weights (and master copies) */
+    FL_TAG_GRADS,      /* parameter gradients */
+    FL_TAG_OPTIM,      /* optimizer state */
+    FL_TAG_ACTS,       /* activations saved for backward */
+    FL_TAG_WORKSPACE,  /* temporaries: activation grads, logits chunks, scratch */
+    FL_TAG_OTHER,      /* everything else (token buffers, bookkeeping) */
+    FL_TAG_COUNT
+} fl_mem_tag;
+
+typedef enum { FL_DEV_CPU = 0, FL_DEV_CUDA, FL_DEV_CUDA_HOST, FL_DEV_COUNT } fl_device;
+
+const char *fl_mem_tag_name(fl_mem_tag t); /* "PARAMS", ... */
+
+#define FL_MEM_MAX_PHASES 32
+#define FL_MEM_PHASE_NAME 32
+
+/* State recorded by fl_mem_snapshot(). `peak*` are the maxima reached since the
+ * previous snapshot (or since fl_mem_reset_phases), i.e. during the phase that
+ * the snapshot closes, including the moment of the snapshot. */
+typedef struct {
+    char name[FL_MEM_PHASE_NAME];
+    size_t cur[FL_TAG_COUNT];
+    size_t cur_total;
+    size_t peak[FL_TAG_COUNT];
+    size_t peak_total;
+} fl_mem_phase;
+
+/* Details of the last failed allocation. */
+typedef struct {
+    int valid;
+    fl_mem_tag tag;
+    size_t requested;
+    size_t budget;     /* 0 = no budget (the OS refused) */
+    size_t in_use;     /* total bytes live at the time */
+    size_t cur[FL_TAG_COUNT];
+    char phase[FL_MEM_PHASE_NAME];
+} fl_mem_oom;
+
+typedef void *(*fl_raw_alloc_fn)(size_t bytes, void *ud);
+typedef void (*fl_raw_free_fn)(void *ptr, size_t bytes, void *ud);
+
+typedef struct fl_mem_entry fl_mem_entry; /* private */
+
+typedef struct {
+    char name[32];
+    fl_device device;
+    size_t budget;                 /* 0 = unlimited */
+    size_t cur[FL_TAG_COUNT];
+    size_t peak[FL_TAG_COUNT];     /* all-time */
+    size_t cur_total, peak_total;  /* all-time peak */
+    size_t phase_peak[FL_TAG_COUNT], phase_peak_total; /* since last snapshot */
+    fl_mem_phase phases[FL_MEM_MAX_PHASES];
+    int n_phases;
+    char phase[FL_MEM_PHASE_NAME]; /* label used in OOM reports */
+    fl_mem_oom oom;
+    long fail_after;               /* fault injection: -1 off, else allocs left before failure */
+    size_t n_allocs;               /* total successful allocations */
+    /* private: open-addressing table ptr -> (bytes, tag) */
+    fl_mem_entry *tab;
+    size_t tab_cap, tab_len;
+    fl_raw_alloc_fn raw_alloc;
+    fl_raw_free_fn raw_free;
+    void *raw_ud;
+} fl_mem_pool;
+
+/* Initialize a host pool (64-byte aligned memory). budget 0 = unlimited. */
+fl_status fl_mem_pool_init(fl_mem_pool *p, const char *name, size_t budget);
+/* Same with a custom raw allocator (device pools). */
+fl_status fl_mem_pool_init_raw(fl_mem_pool *p, const char *name, fl_device dev, size_t budget,
+                               fl_raw_alloc_fn a, fl_raw_free_fn f, void *ud);
+/* Frees the bookkeeping. Live allocations are released too (and counted as leaks). */
+void fl_mem_pool_free(fl_mem_pool *p);
+
+/* Allocate `bytes` (may be 0: returns a unique non-NULL pointer) tagged `tag`.
+ * On failure *out = NULL and FL_ERR_OOM with a message naming tag, request,
+ * budget and the breakdown. Memory is uninitialized; fl_mem_calloc zeroes. */
+fl_status fl_mem_alloc(fl_mem_pool *p, fl_mem_tag tag, size_t bytes, void **out);
+fl_status fl_mem_calloc(fl_mem_pool *p, fl_mem_tag tag, size_t bytes, void **out);
+/* Free a pointer from this pool; NULL is a no-op. */
+void fl_mem_free(fl_mem_pool *p, void *ptr);
+/* Bytes recorded for a live pointer (0 if unknown). */
+size_t fl_mem_size_of(const fl_mem_pool *p, const void *ptr);
+
+size_t fl_mem_live_count(const fl_mem_pool *p);
+void fl_mem_set_budget(fl_mem_pool *p, size_t budget);
+/* Fault injection for tests: the (n+1)-th allocation from now fails with OOM; -1 disables. */
+void fl_mem_fail_after(fl_mem_pool *p, long n);
+
+/* Label the phase now running (used in OOM reports), e.g. "forward". */
+void fl_mem_set_phase(fl_mem_pool *p, const char *name);
+/* Record a named snapshot; starts a new phase-peak window. */
+void fl_mem_snapshot(fl_mem_pool *p, const char *name);
+/* Forget snapshots and restart the phase-peak window (peaks stay). */
+void fl_mem_reset_phases(fl_mem_pool *p);
+const fl_mem_phase *fl_mem_find_phase(const fl_mem_pool *p, const char *name);
+
+/* Print the phase report table (one row per snapshot, columns per tag, total,
+ * phase peak) followed by the all-time peak per tag. */
+void fl_mem_print_report(const fl_mem_pool *p, FILE *f);
+/* Print the OOM breakdown of the last failure (nothing if none). */
+void fl_mem_print_oom(const fl_mem_pool *p, FILE *f);
+
+/* Format a byte count as "1.23 GiB" / "512.0 KiB" / "17 B" into buf. */
+const char *fl_fmt_bytes(size_t bytes, char *buf, size_t n);
+/* Parse "80GB", "512MiB", "1.5G", "1000000" (SI units: powers of 1000; *iB: 1024;
+ * bare K/M/G/T: 1024). Returns 0 or -1. */
+int fl_parse_bytes(const char *s, size_t *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

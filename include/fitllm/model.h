@@ -1,0 +1,167 @@
+/* fitllm: transformer models (LLaMA and GPT-2 families) with explicit
+ * forward/backward, flat per-block parameter storage and a sized activation
+ * arena.
+ *
+ * One decoder implementation covers both families; the config says which
+ * norm (RMSNorm / LayerNorm), position scheme (RoPE / learned), MLP (SwiGLU /
+ * GELU) and biases are used, as LitGPT's single GPT class does.
+ *
+ * Parameter storage: ONE flat buffer (tag PARAMS) laid out group by group:
+ *   group 0        embeddings: wte (V,C) [, wpe (maxT,C)]
+ *   group 1..L     block l-1: ln1 w[,b] | q,k,v weights (consecutive rows, so
+ *                  together they ARE the fused (QKV,C) matrix) [| q,k,v biases]
+ *                  | o (C,NH*HD) [,b] | ln2 w[,b] | fc (gate rows then up rows
+ *                  for SwiGLU: fused (2F,C); GPT-2 c_fc (F,C)) [,b] | proj (C,F) [,b]
+ *   group L+1      head: final norm w[,b] [| lm_head (V,C) if untied]
+ * Grads and optimizer state use the same layout, so a ZeRO shard, an FSDP
+ * gather, an offload range or an all-reduce bucket is a contiguous slice.
+ * Every entry of the layout is one Hugging Face tensor (HF name, HF shape in
+ * our (out,in) orientation); GPT-2 Conv1D tensors are stored transposed on
+ * disk ([in,out]) and flagged so the loader/saver transposes.
+ */
+#ifndef FITLLM_MODEL_H
+#define FITLLM_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fitllm/backend.h"
+#include "fitllm/mem.h"
+#include "fitllm/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum { FL_ARCH_LLAMA = 0, FL_ARCH_GPT2, FL_ARCH_COUNT } fl_arch;
+
+typedef struct {
+    fl_arch arch;
+    char name[64];       /* preset or model_type, informational */
+    int vocab_size;      /* V */
+    int dim;             /* C: hidden_size / n_embd */
+    int n_layers;        /* L */
+    int n_heads;         /* NH */
+    int n_kv_heads;      /* NKV (GPT-2: = NH) */
+    int head_dim;        /* HD (LLaMA: head_dim or C/NH) */
+    int ffn_dim;         /* F: intermediate_size (GPT-2: n_inner or 4C) */
+    int max_seq;         /* max_position_embeddings / n_positions */
+    float norm_eps;      /* rms_norm_eps / layer_norm_epsilon */
+    float rope_theta;    /* LLaMA only */
+    fl_rope_scaling rope_scaling;
+    int tie_embeddings;  /* lm_head shares wte */
+    int attention_bias;  /* biases on q,k,v,o (GPT-2: always) */
+    int mlp_bias;        /* biases on fc/proj (GPT-2: always) */
+} fl_model_config;
+
+/* Fill derived defaults and validate (positive sizes, NH % NKV == 0, ...).
+ * Errors name the offending key. */
+fl_status fl_config_validate(fl_model_config *cfg);
+
+/* ---- parameter layout ---------------------------------------------------- */
+
+#define FL_PARAM_NAME_MAX 96
+
+typedef struct {
+    char name[FL_PARAM_NAME_MAX]; /* HF name, e.g. "model.layers.0.self_attn.q_proj.weight" */
+    int ndim;                     /* 1 or 2 */
+    int64_t shape[2];             /* our orientation: (out, in) for weights */
+    size_t offset;                /* element offset into the flat buffer */
+    size_t numel;
+    int group;                    /* 0 embed, 1..L blocks, L+1 head */
+    int transposed_on_disk;       /* GPT-2 Conv1D: file holds shape[1] x shape[0] */
+} fl_param_info;
+
+typedef struct {
+    fl_param_info *params;  /* n entries, in storage order */
+    int n;
+    int n_groups;           /* L + 2 */
+    size_t *group_offset;   /* n_groups + 1 element offsets; group g = [off[g], off[g+1]) */
+    size_t numel;           /* total elements */
+} fl_param_layout;
+
+/* Build the layout for a config (malloc'd bookkeeping, not model memory). */
+fl_status fl_layout_build(fl_param_layout *lay, const fl_model_config *cfg);
+void fl_layout_free(fl_param_layout *lay);
+/* Index of an entry by HF name, or -1. Accepts GPT-2 names without the
+ * "transformer." prefix too. */
+int fl_layout_find(const fl_param_layout *lay, const char *name);
+
+/* ---- sizing (shared by the runtime and the planner) ---------------------- */
+
+/* Number of parameters (elements) for a config. */
+size_t fl_sizing_param_count(const fl_model_config *cfg);
+
+/* Activation arena and workspace for micro-batch (B,T), in bytes, float32.
+ * ACTS = what backward needs (per layer plus final norm); WORKSPACE = scratch
+ * (activation gradients, one logits chunk, rope tables). */
+typedef struct {
+    size_t acts_bytes;
+    size_t workspace_bytes;
+    size_t per_layer_acts_bytes;
+    int logits_chunk_rows;  /* rows of (rows, V) logits processed at once */
+} fl_act_sizes;
+void fl_sizing_acts(const fl_model_config *cfg, int B, int T, fl_act_sizes *out);
+
+/* ---- the model ----------------------------------------------------------- */
+
+typedef struct fl_acts fl_acts; /* private: pointers into the ACTS arena */
+
+typedef struct {
+    fl_model_config cfg;
+    fl_param_layout layout;
+    const fl_backend *be;
+    fl_mem_pool *pool;
+    float *params;  /* (numel) PARAMS */
+    float *grads;   /* (numel) GRADS, NULL until fl_model_alloc_grads */
+    /* activation arena for (B,T), allocated by fl_model_alloc_acts */
+    int B, T;
+    fl_act_sizes sizes;
+    float *acts_arena;      /* ACTS */
+    float *work_arena;      /* WORKSPACE */
+    fl_acts *acts;          /* views into the arenas */
+    /* last forward */
+    int have_targets;
+    double loss_sum;        /* sum of per-token losses over non-ignored targets */
+    long n_valid;           /* number of non-ignored targets */
+} fl_model;
+
+/* Create an empty model for cfg (validates cfg, builds the layout, allocates
+ * PARAMS, uninitialized). */
+fl_status fl_model_init(fl_model *m, const fl_model_config *cfg, const fl_backend *be, fl_mem_pool *pool);
+void fl_model_free(fl_model *m);
+/* Random init like HF's _init_weights (normal(0, 0.02) for linears and
+ * embeddings, zeros for biases, ones for norm weights), deterministic in seed. */
+void fl_model_init_random(fl_model *m, uint64_t seed);
+fl_status fl_model_alloc_grads(fl_model *m);
+void fl_model_zero_grads(fl_model *m);
+/* Size and allocate the activation arena and workspace for micro-batches of
+ * at most (B,T). Re-callable; frees the previous arena. */
+fl_status fl_model_alloc_acts(fl_model *m, int B, int T);
+
+/* Pointer to a parameter / gradient by HF name (NULL if absent). */
+float *fl_model_param(fl_model *m, const char *name);
+float *fl_model_grad(fl_model *m, const char *name);
+
+/* Forward over ids (B,T). If targets != NULL (B,T; FL_IGNORE_INDEX masks),
+ * computes the summed loss into m->loss_sum and m->n_valid. If logits_out !=
+ * NULL, writes the full logits (B,T,V) there (inference/debug; the fused path
+ * never holds more than one chunk). If `grad_scale` > 0 and targets are given,
+ * the head's backward runs fused inside the chunked loss (dlogits never fully
+ * materialized) with d(loss)/d(logit) scaled by grad_scale (for a mean loss:
+ * 1 / number of valid targets in the whole optimizer step), preparing
+ * fl_model_backward. B,T must not exceed the arena's. */
+fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targets, int B, int T,
+                           float grad_scale, float *logits_out);
+/* Backward through all blocks and embeddings after a forward with grad_scale
+ * > 0; ACCUMULATES into m->grads (so micro-batches accumulate). */
+fl_status fl_model_backward(fl_model *m);
+
+/* FLOPs of one training step (forward + backward) for B*T tokens: 6 * N_matmul
+ * * tokens + attention, the figure MFU is based on. */
+double fl_model_train_flops(const fl_model_config *cfg, int B, int T);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,53 @@
+/* fitllm: status codes and error messages.
+ *
+ * Library code never exits and never prints: every fallible function returns an
+ * fl_status and, on failure, records a human-readable message (naming the file,
+ * key or tensor at fault) with fl_errorf(). The message lives in thread-local
+ * storage, like errno/dlerror, so deep I/O code does not have to thread a
+ * context through every call. Only the CLI prints it and picks the exit code.
+ */
+#ifndef FITLLM_STATUS_H
+#define FITLLM_STATUS_H
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+    FL_OK = 0,
+    FL_ERR_INVALID,     /* bad argument or bad user input (config, options) */
+    FL_ERR_IO,          /* open/read/write/mmap failed */
+    FL_ERR_FORMAT,      /* malformed or inconsistent file contents */
+    FL_ERR_OOM,         /* allocation failed or the memory budget is exhausted */
+    FL_ERR_UNSUPPORTED, /* valid request this build or backend cannot do (yet) */
+    FL_ERR_NOT_FOUND,   /* missing file, tensor or key */
+    FL_ERR_INTERNAL,    /* a bug: an invariant did not hold */
+    FL_STATUS_COUNT
+} fl_status;
+
+/* Record a formatted message for status s and return s (so callers can write
+ * `return fl_errorf(FL_ERR_FORMAT, "%s: ...", path);`). */
+fl_status fl_errorf(fl_status s, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+/* Prepend context to the current message: "ctx: <old message>". Returns s. */
+fl_status fl_error_prefix(fl_status s, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+/* The last message recorded on this thread ("" if none). */
+const char *fl_error_message(void);
+void fl_error_clear(void);
+
+/* Short name of a status ("OOM", "FORMAT", ...). */
+const char *fl_status_name(fl_status s);
+
+#define FL_TRY(expr)                                                           \
+    do {                                                                       \
+        fl_status fl_try_s_ = (expr);                                          \
+        if (fl_try_s_ != FL_OK) return fl_try_s_;                              \
+    } while (0)
+
+#ifdef __cplusplus
+}
+#endif
+#endif

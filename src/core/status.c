@@ -1,0 +1,38 @@
+/* Thread-local error message storage; see include/fitllm/status.h. */
+#include "fitllm/status.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#define FL_ERRMSG_MAX 2048
+
+static _Thread_local char g_msg[FL_ERRMSG_MAX];
+
+fl_status fl_errorf(fl_status s, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g_msg, sizeof g_msg, fmt, ap);
+    va_end(ap);
+    return s;
+}
+
+fl_status fl_error_prefix(fl_status s, const char *fmt, ...) {
+    char pre[FL_ERRMSG_MAX], old[FL_ERRMSG_MAX];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(pre, sizeof pre, fmt, ap);
+    va_end(ap);
+    memcpy(old, g_msg, sizeof old);
+    snprintf(g_msg, sizeof g_msg, "%s: %s", pre, old);
+    return s;
+}
+
+const char *fl_error_message(void) { return g_msg; }
+void fl_error_clear(void) { g_msg[0] = '\0'; }
+
+const char *fl_status_name(fl_status s) {
+    static const char *names[FL_STATUS_COUNT] = {
+        "OK", "INVALID", "IO", "FORMAT", "OOM", "UNSUPPORTED", "NOT_FOUND", "INTERNAL"};
+    return (s >= 0 && s < FL_STATUS_COUNT) ? names[s] : "UNKNOWN";
+}

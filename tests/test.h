@@ -1,0 +1,83 @@
+/* fitllm test harness: tests self-register with FL_TEST(name) from any file in
+ * tests/; the runner (tests/main.c) runs all or those matching argv filters
+ * and prints "N passed, N failed, N skipped". A check failure marks the test
+ * failed and continues; FL_REQUIRE stops the test. */
+#ifndef FL_TEST_H
+#define FL_TEST_H
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef void (*fl_test_fn)(void);
+void fl_test_register(const char *name, const char *file, fl_test_fn fn);
+void fl_test_fail(const char *file, int line, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+void fl_test_skip(const char *why);
+int fl_test_failed(void);
+/* Path to the shared data folder: $FITLLM_DATA or ../shared/data. Returns NULL
+ * (and the test should skip with a clear message) if it does not exist. */
+const char *fl_test_data_dir(void);
+/* Join data dir and a relative path into a static buffer (NULL if no data dir). */
+const char *fl_test_data_path(const char *rel);
+/* A fresh temporary directory for this test (created). */
+const char *fl_test_tmpdir(void);
+
+#define FL_TEST(name)                                                                \
+    static void fl_test_##name(void);                                                \
+    __attribute__((constructor)) static void fl_test_reg_##name(void) {              \
+        fl_test_register(#name, __FILE__, fl_test_##name);                           \
+    }                                                                                \
+    static void fl_test_##name(void)
+
+#define FL_CHECK(cond)                                                               \
+    do {                                                                             \
+        if (!(cond)) fl_test_fail(__FILE__, __LINE__, "check failed: %s", #cond);    \
+    } while (0)
+#define FL_CHECKF(cond, ...)                                                         \
+    do {                                                                             \
+        if (!(cond)) fl_test_fail(__FILE__, __LINE__, __VA_ARGS__);                  \
+    } while (0)
+#define FL_REQUIRE(cond)                                                             \
+    do {                                                                             \
+        if (!(cond)) { fl_test_fail(__FILE__, __LINE__, "required: %s", #cond); return; } \
+    } while (0)
+#define FL_REQUIRE_OK(expr)                                                          \
+    do {                                                                             \
+        fl_status s_ = (expr);                                                       \
+        if (s_ != FL_OK) {                                                           \
+            fl_test_fail(__FILE__, __LINE__, "%s -> %s: %s", #expr, fl_status_name(s_), \
+                         fl_error_message());                                        \
+            return;                                                                  \
+        }                                                                            \
+    } while (0)
+#define FL_SKIP_IF_NO_DATA()                                                         \
+    do {                                                                             \
+        if (!fl_test_data_dir()) {                                                   \
+            fl_test_skip("shared data folder not found (set FITLLM_DATA or provide ../shared/data)"); \
+            return;                                                                  \
+        }                                                                            \
+    } while (0)
+
+/* max |a-b| / max(|b|, floor) over n elements; reports the worst index. */
+double fl_test_max_rel_err(const float *a, const float *b, size_t n, double floor, size_t *worst);
+/* Check arrays close: |a-b| <= atol + rtol*|b| elementwise; prints first bad. */
+int fl_test_allclose(const char *what, const float *a, const float *b, size_t n, double rtol, double atol);
+
+/* Deterministic RNG for tests. */
+typedef struct { unsigned long long s; } fl_test_rng;
+static inline unsigned long long fl_test_rng_u64(fl_test_rng *r) {
+    unsigned long long z = (r->s += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+/* uniform in [lo, hi) */
+static inline float fl_test_rng_uniform(fl_test_rng *r, float lo, float hi) {
+    return lo + (hi - lo) * (float)((fl_test_rng_u64(r) >> 40) * (1.0 / 16777216.0));
+}
+static inline void fl_test_fill(fl_test_rng *r, float *x, size_t n, float lo, float hi) {
+    for (size_t i = 0; i < n; i++) x[i] = fl_test_rng_uniform(r, lo, hi);
+}
+
+#endif
