@@ -1,0 +1,63 @@
+# fitllm: top-level entry points. `make test` and `make demo` set everything up
+# on a fresh Debian machine (installing missing packages when run as root,
+# otherwise printing the exact apt-get command), build, and run.
+
+BUILD      ?= build
+ASAN_BUILD ?= build-asan
+JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
+DEB_PKGS   := cmake make gcc libc6-dev libopenblas-dev libdnnl-dev
+FITLLM_DATA ?= ../shared/data
+export FITLLM_DATA
+
+.PHONY: all setup build test test-fast asan demo bench clean help
+
+all: build
+
+help:
+	@echo "make demo   - build and run the demo (short real training run + memory report)"
+	@echo "make test   - build and run the whole test suite (release + AddressSanitizer pass)"
+	@echo "make build  - configure and build into $(BUILD)/"
+	@echo "make asan   - build with ASan/UBSan and run the whole suite under it"
+	@echo "make bench  - fitllm vs PyTorch training-step benchmark (needs a torch virtualenv)"
+
+setup:
+	@missing=""; for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = "0" ]; then \
+	    echo "installing:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null || exit 1; \
+	  else \
+	    echo "missing Debian packages:$$missing"; \
+	    echo "run:  sudo apt-get update && sudo apt-get install -y$$missing"; exit 1; \
+	  fi; \
+	fi
+
+$(BUILD)/Makefile: CMakeLists.txt
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release >/dev/null
+
+build: setup $(BUILD)/Makefile
+	cmake --build $(BUILD) -j $(JOBS)
+
+# Release suite, then the memory/I-O/error-path tests again under ASan+UBSan
+# (fault-injection sweeps and bad-input files must not leak or crash).
+test: build
+	./$(BUILD)/fitllm_tests
+	$(MAKE) --no-print-directory asan ASAN_FILTER="mem_ io_ json st_ config weights fault bad"
+
+test-fast: build
+	./$(BUILD)/fitllm_tests $(FILTER)
+
+ASAN_FILTER ?=
+asan: setup
+	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DFL_SANITIZE=ON -DFL_NATIVE=ON >/dev/null
+	cmake --build $(ASAN_BUILD) -j $(JOBS) --target fitllm_tests
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 ./$(ASAN_BUILD)/fitllm_tests $(ASAN_FILTER)
+
+demo: build
+	./$(BUILD)/fitllm demo
+
+bench: build
+	bench/run_bench_step.sh
+
+clean:
+	rm -rf $(BUILD) $(ASAN_BUILD)

@@ -1,0 +1,213 @@
+/* Allocator accounting, budgets, OOM reports, fault injection, and the exact
+ * memory of a model's buffers against their analytic counts. */
+#include "fitllm/backend.h"
+#include "fitllm/mem.h"
+#include "fitllm/model.h"
+#include "fitllm/train.h"
+#include "test.h"
+
+FL_TEST(mem_accounting_per_tag_and_peak) {
+    fl_mem_pool p;
+    FL_REQUIRE_OK(fl_mem_pool_init(&p, "t", 0));
+    void *a, *b, *c;
+    FL_REQUIRE_OK(fl_mem_alloc(&p, FL_TAG_PARAMS, 1000, &a));
+    FL_REQUIRE_OK(fl_mem_alloc(&p, FL_TAG_ACTS, 333, &b));
+    FL_REQUIRE_OK(fl_mem_calloc(&p, FL_TAG_ACTS, 7, &c));
+    FL_CHECK(((unsigned char *)c)[6] == 0);
+    FL_CHECK(((size_t)a % 64) == 0 && ((size_t)b % 64) == 0);
+    FL_CHECK(p.cur[FL_TAG_PARAMS] == 1000 && p.cur[FL_TAG_ACTS] == 340 && p.cur_total == 1340);
+    FL_CHECK(fl_mem_size_of(&p, b) == 333);
+    fl_mem_free(&p, b);
+    FL_CHECK(p.cur[FL_TAG_ACTS] == 7 && p.peak[FL_TAG_ACTS] == 340 && p.peak_total == 1340);
+    fl_mem_free(&p, NULL);
+    fl_mem_free(&p, a);
+    fl_mem_free(&p, c);
+    FL_CHECK(p.cur_total == 0 && fl_mem_live_count(&p) == 0);
+    fl_mem_pool_free(&p);
+}
+
+FL_TEST(mem_many_allocs_table_growth) {
+    fl_mem_pool p;
+    FL_REQUIRE_OK(fl_mem_pool_init(&p, "t", 0));
+    void *ptrs[500];
+    for (int i = 0; i < 500; i++) FL_REQUIRE_OK(fl_mem_alloc(&p, (fl_mem_tag)(i % FL_TAG_COUNT), (size_t)i + 1, &ptrs[i]));
+    size_t want = 500 * 501 / 2;
+    FL_CHECK(p.cur_total == want);
+    for (int i = 0; i < 500; i += 2) fl_mem_free(&p, ptrs[i]);
+    for (int i = 1; i < 500; i += 2) FL_CHECK(fl_mem_size_of(&p, ptrs[i]) == (size_t)i + 1);
+    for (int i = 1; i < 500; i += 2) fl_mem_free(&p, ptrs[i]);
+    FL_CHECK(p.cur_total == 0 && fl_mem_live_count(&p) == 0);
+    fl_mem_pool_free(&p);
+}
+
+FL_TEST(mem_phase_snapshots) {
+    fl_mem_pool p;
+    FL_REQUIRE_OK(fl_mem_pool_init(&p, "t", 0));
+    void *a, *b;
+    FL_REQUIRE_OK(fl_mem_alloc(&p, FL_TAG_PARAMS, 100, &a));
+    fl_mem_snapshot(&p, "before_fwd");
+    FL_REQUIRE_OK(fl_mem_alloc(&p, FL_TAG_WORKSPACE, 50, &b));
+    fl_mem_free(&p, b);
+    fl_mem_snapshot(&p, "after_fwd");
+    const fl_mem_phase *f = fl_mem_find_phase(&p, "after_fwd");
+    FL_REQUIRE(f != NULL);
+    FL_CHECK(f->cur_total == 100 && f->peak_total == 150 && f->peak[FL_TAG_WORKSPACE] == 50 && f->cur[FL_TAG_WORKSPACE] == 0);
+    FL_CHECK(fl_mem_find_phase(&p, "before_fwd")->peak_total == 100);
+    fl_mem_snapshot(&p, "before_fwd"); /* a repeated name overwrites its row */
+    FL_CHECK(p.n_phases == 2);
+    fl_mem_free(&p, a);
+    fl_mem_pool_free(&p);
+}
+
+FL_TEST(mem_budget_oom_reports_breakdown) {
+    fl_mem_pool p;
+    FL_REQUIRE_OK(fl_mem_pool_init(&p, "gpu0", 1000));
+    void *a, *b;
+    FL_REQUIRE_OK(fl_mem_alloc(&p, FL_TAG_PARAMS, 600, &a));
+    fl_mem_set_phase(&p, "forward");
+    fl_status s = fl_mem_alloc(&p, FL_TAG_ACTS, 401, &b);
+    FL_CHECK(s == FL_ERR_OOM && b == NULL);
+    FL_CHECK(p.oom.valid && p.oom.requested == 401 && p.oom.tag == FL_TAG_ACTS && p.oom.in_use == 600 &&
+             p.oom.cur[FL_TAG_PARAMS] == 600 && !strcmp(p.oom.phase, "forward"));
+    const char *msg = fl_error_message();
+    FL_CHECKF(strstr(msg, "ACTS") && strstr(msg, "forward") && strstr(msg, "PARAMS 600 B") && strstr(msg, "401 B"),
+              "OOM message lacks the breakdown: %s", msg);
+    FL_CHECK(p.cur_total == 600); /* the failed request left no trace */
+    FL_REQUIRE_OK(fl_mem_alloc(&p, FL_TAG_ACTS, 400, &b)); /* exactly the budget fits */
+    fl_mem_free(&p, a);
+    fl_mem_free(&p, b);
+    fl_mem_pool_free(&p);
+}
+
+FL_TEST(mem_parse_bytes) {
+    size_t v;
+    FL_CHECK(fl_parse_bytes("80GB", &v) == 0 && v == 80000000000ULL);
+    FL_CHECK(fl_parse_bytes("512MiB", &v) == 0 && v == 512ULL << 20);
+    FL_CHECK(fl_parse_bytes("1.5G", &v) == 0 && v == (size_t)(1.5 * (1ULL << 30)));
+    FL_CHECK(fl_parse_bytes("1000", &v) == 0 && v == 1000);
+    FL_CHECK(fl_parse_bytes("12XB", &v) == -1);
+    FL_CHECK(fl_parse_bytes("-3GB", &v) == -1);
+    FL_CHECK(fl_parse_bytes("", &v) == -1);
+}
+
+static fl_model_config small_llama(void) {
+    fl_model_config c = {0};
+    c.arch = FL_ARCH_LLAMA;
+    c.vocab_size = 101;
+    c.dim = 48;
+    c.n_layers = 2;
+    c.n_heads = 6;
+    c.n_kv_heads = 2;
+    c.ffn_dim = 72;
+    c.max_seq = 64;
+    c.norm_eps = 1e-5f;
+    c.rope_theta = 10000.0f;
+    return c;
+}
+
+/* Analytic parameter count, written independently of the layout code. */
+static size_t analytic_llama_params(const fl_model_config *c) {
+    size_t C = c->dim, HD = C / c->n_heads, kv = HD * c->n_kv_heads;
+    size_t per = C /*ln1*/ + C * C /*q*/ + 2 * kv * C /*k,v*/ + C * C /*o*/ + C /*ln2*/ + 3 * C * c->ffn_dim;
+    return c->vocab_size * C * (c->tie_embeddings ? 1 : 2) + c->n_layers * per + C;
+}
+
+FL_TEST(mem_model_buffers_equal_analytic_counts) {
+    fl_backend be;
+    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    fl_mem_pool p;
+    FL_REQUIRE_OK(fl_mem_pool_init(&p, "cpu", 0));
+    fl_model_config c = small_llama();
+    fl_model m;
+    FL_REQUIRE_OK(fl_model_init(&m, &c, &be, &p));
+    size_t np = analytic_llama_params(&c);
+    FL_CHECK(m.layout.numel == np);
+    FL_CHECK(p.cur[FL_TAG_PARAMS] == np * 4);
+    FL_REQUIRE_OK(fl_model_alloc_grads(&m));
+    FL_CHECK(p.cur[FL_TAG_GRADS] == np * 4);
+    fl_optimizer o;
+    fl_optim_config oc;
+    fl_optim_config_default(&oc, FL_OPT_ADAMW);
+    FL_REQUIRE_OK(fl_optim_init(&o, &m, &oc));
+    FL_CHECK(p.cur[FL_TAG_OPTIM] == 2 * np * 4);
+    FL_CHECK(fl_optim_state_bytes(&oc, np) == 2 * np * 4);
+    FL_REQUIRE_OK(fl_model_alloc_acts(&m, 3, 17));
+    fl_act_sizes sz;
+    fl_sizing_acts(&c, 3, 17, &sz);
+    FL_CHECK(p.cur[FL_TAG_ACTS] == sz.acts_bytes && p.cur[FL_TAG_WORKSPACE] == sz.workspace_bytes);
+    /* The ACTS formula, written out: per layer 4 (N,C) + qkv + att + fc + act + 2 rstd + lse, plus
+     * L+1 residuals and the final norm; each view rounded up to 64 bytes. */
+    size_t N = 51, C = 48, HD = 8, QKV = (6 + 4) * HD, F = 72;
+#define R64(x) (((x) * 4 + 63) / 64 * 64)
+    size_t per = 3 * R64(N * C) + R64(N * QKV) + R64(N * 6 * HD) + R64(N * 6) + R64(N * 2 * F) + R64(N * F) + 2 * R64(N);
+    size_t want = 2 * per + 3 * R64(N * C) + R64(N * C) + R64(N);
+    FL_CHECKF(sz.acts_bytes == want, "ACTS %zu != formula %zu", sz.acts_bytes, want);
+    FL_CHECK(sz.per_layer_acts_bytes == per + R64(N * C)); /* a layer also adds one residual */
+#undef R64
+    fl_optim_free(&o);
+    fl_model_free(&m);
+    FL_CHECK(p.cur_total == 0 && fl_mem_live_count(&p) == 0);
+    fl_mem_pool_free(&p);
+    fl_cpu_backend_free(&be);
+}
+
+/* Every allocation of a training set-up failing in turn returns FL_ERR_OOM and
+ * leaves nothing allocated once the caller frees what it owns. */
+FL_TEST(mem_fault_injection_sweep_setup) {
+    fl_backend be;
+    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 1));
+    fl_model_config c = small_llama();
+    int failures = 0;
+    for (long k = 0; k < 64; k++) {
+        fl_mem_pool p;
+        FL_REQUIRE_OK(fl_mem_pool_init(&p, "cpu", 0));
+        fl_mem_fail_after(&p, k);
+        fl_model m = {0};
+        fl_optimizer o = {0};
+        fl_optim_config oc;
+        fl_optim_config_default(&oc, FL_OPT_ADAMW);
+        fl_status s = fl_model_init(&m, &c, &be, &p);
+        int inited = s == FL_OK;
+        if (s == FL_OK) s = fl_model_alloc_grads(&m);
+        if (s == FL_OK) s = fl_optim_init(&o, &m, &oc);
+        if (s == FL_OK) s = fl_model_alloc_acts(&m, 2, 9);
+        if (s != FL_OK) {
+            failures++;
+            FL_CHECKF(s == FL_ERR_OOM, "k=%ld: status %s", k, fl_status_name(s));
+        }
+        fl_optim_free(&o);
+        if (inited) fl_model_free(&m);
+        FL_CHECKF(p.cur_total == 0 && fl_mem_live_count(&p) == 0, "k=%ld: %zu bytes leaked", k, p.cur_total);
+        fl_mem_pool_free(&p);
+        if (s == FL_OK) break; /* k is past the last allocation */
+    }
+    FL_CHECK(failures >= 5); /* params, grads, m, v, acts, workspace */
+    fl_cpu_backend_free(&be);
+}
+
+FL_TEST(mem_budget_oom_during_setup_names_phase) {
+    fl_backend be;
+    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 1));
+    fl_model_config c = small_llama();
+    fl_mem_pool p;
+    /* enough for params + grads + AdamW, not for the activations */
+    size_t np = analytic_llama_params(&c) * 4;
+    FL_REQUIRE_OK(fl_mem_pool_init(&p, "cpu", 4 * np + 1000));
+    fl_model m;
+    fl_optimizer o;
+    fl_optim_config oc;
+    fl_optim_config_default(&oc, FL_OPT_ADAMW);
+    FL_REQUIRE_OK(fl_model_init(&m, &c, &be, &p));
+    FL_REQUIRE_OK(fl_model_alloc_grads(&m));
+    FL_REQUIRE_OK(fl_optim_init(&o, &m, &oc));
+    fl_mem_set_phase(&p, "activation setup");
+    fl_status s = fl_model_alloc_acts(&m, 8, 64);
+    FL_CHECK(s == FL_ERR_OOM);
+    FL_CHECK(p.oom.valid && p.oom.tag == FL_TAG_ACTS && p.oom.cur[FL_TAG_OPTIM] == 2 * np);
+    FL_CHECKF(strstr(fl_error_message(), "activation setup") != NULL, "%s", fl_error_message());
+    fl_optim_free(&o);
+    fl_model_free(&m);
+    FL_CHECK(p.cur_total == 0 && fl_mem_live_count(&p) == 0);
+    fl_mem_pool_free(&p);
+    fl_cpu_backend_free(&be);
+}
