@@ -1,0 +1,23 @@
+/* Linear layers on top of the backend's GEMM: the three products a training
+ * step needs (y = x W^T, dx = dy W, dW += dy^T x). */
+#include "model-impl.h"
+
+fl_status fl_linear_forward(const fl_backend *be, float *y, const float *x, const fl_linear *lin, int N) {
+    /* y (N,out) = x (N,in) @ W^T (in,out) */
+    FL_TRY(be->gemm(be, 0, 1, N, lin->out, lin->in, 1.0f, x, FL_F32, lin->in, lin->w, FL_F32, lin->in, 0.0f, y,
+                    FL_F32, lin->out));
+    if (lin->b) be->bias_forward(be, y, lin->b, N, lin->out);
+    return FL_OK;
+}
+
+fl_status fl_linear_backward(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, const float *x,
+                             const fl_linear *lin, int N) {
+    if (dx) /* dx (N,in) = dy (N,out) @ W (out,in) */
+        FL_TRY(be->gemm(be, 0, 0, N, lin->in, lin->out, 1.0f, dy, FL_F32, lin->out, lin->w, FL_F32, lin->in,
+                        dx_accumulate ? 1.0f : 0.0f, dx, FL_F32, lin->in));
+    if (lin->dw) /* dW (out,in) += dy^T (out,N) @ x (N,in) */
+        FL_TRY(be->gemm(be, 1, 0, lin->out, lin->in, N, 1.0f, dy, FL_F32, lin->out, x, FL_F32, lin->in, 1.0f,
+                        lin->dw, FL_F32, lin->in));
+    if (lin->db) be->bias_backward(be, lin->db, dy, N, lin->out);
+    return FL_OK;
+}

@@ -1,0 +1,80 @@
+/* Private model internals: views into the activation arena and workspace. */
+#ifndef FL_MODEL_IMPL_H
+#define FL_MODEL_IMPL_H
+
+#include "fitllm/model.h"
+
+/* Per-layer saved activations, all views into m->acts_arena. N = B*T rows. */
+typedef struct {
+    float *ln1;        /* (N, C) */
+    float *ln1_mean;   /* (N) LayerNorm only */
+    float *ln1_rstd;   /* (N) */
+    float *qkv;        /* (N, QKV) q,k after RoPE */
+    float *att;        /* (N, QD) attention output before o_proj */
+    float *lse;        /* (B, NH, T) */
+    float *res_mid;    /* (N, C) residual after the attention branch */
+    float *ln2;        /* (N, C) */
+    float *ln2_mean;   /* (N) */
+    float *ln2_rstd;   /* (N) */
+    float *fc;         /* (N, FCW) pre-activation (SwiGLU: [gate | up]) */
+    float *act;        /* (N, F) post-activation */
+} fl_layer_acts;
+
+struct fl_acts {
+    int L;
+    float **res;            /* L+1 views (N, C): res[l] = input of block l; res[L] = final residual */
+    fl_layer_acts *layer;   /* L */
+    float *lnf;             /* (N, C) */
+    float *lnf_mean;        /* (N) */
+    float *lnf_rstd;        /* (N) */
+    /* workspace */
+    float *dres;            /* (N, C) gradient of the residual stream */
+    float *buf1;            /* (N, max(C, QD, F)) activation-gradient scratch; also dlnf */
+    float *buf2;            /* (N, max(QKV, FCW)) */
+    float *logits;          /* (chunk, V) */
+    float *losses;          /* (N) per-token loss */
+    float *rope_cos;        /* (T, HD/2) */
+    float *rope_sin;        /* (T, HD/2) */
+    int rope_T;
+};
+
+/* Widths derived from the config. */
+typedef struct {
+    int C, QD, KVD, QKV, F, FCW, V, NH, NKV, HD, L;
+} fl_dims;
+
+static inline fl_dims fl_model_dims(const fl_model_config *c) {
+    fl_dims d;
+    d.C = c->dim;
+    d.NH = c->n_heads;
+    d.NKV = c->n_kv_heads;
+    d.HD = c->head_dim;
+    d.QD = d.NH * d.HD;
+    d.KVD = d.NKV * d.HD;
+    d.QKV = d.QD + 2 * d.KVD;
+    d.F = c->ffn_dim;
+    d.FCW = c->arch == FL_ARCH_LLAMA ? 2 * d.F : d.F;
+    d.V = c->vocab_size;
+    d.L = c->n_layers;
+    return d;
+}
+
+/* A linear layer: weight (out, in) in HF orientation, optional bias, optional
+ * gradients (NULL = frozen). LoRA and quantized bases become fields here so
+ * the model code does not change. */
+typedef struct {
+    int in, out;
+    const float *w;   /* (out, in) */
+    const float *b;   /* (out) or NULL */
+    float *dw;        /* (out, in) or NULL */
+    float *db;        /* (out) or NULL */
+} fl_linear;
+
+/* y (N,out) = x (N,in) @ W^T + b */
+fl_status fl_linear_forward(const fl_backend *be, float *y, const float *x, const fl_linear *lin, int N);
+/* dx (N,in) = dy @ W (OVERWRITES dx when dx_accumulate == 0, else +=);
+ * dW += dy^T x; db += colsum(dy). dx may be NULL. */
+fl_status fl_linear_backward(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, const float *x,
+                             const fl_linear *lin, int N);
+
+#endif
