@@ -124,6 +124,8 @@ typedef struct {
     int have_targets;
     double loss_sum;        /* sum of per-token losses over non-ignored targets */
     long n_valid;           /* number of non-ignored targets */
+    int fwd_B, fwd_T;       /* shape of the last forward */
+    int fwd_train;          /* last forward prepared a backward */
 } fl_model;
 
 /* Create an empty model for cfg (validates cfg, builds the layout, allocates
@@ -161,6 +163,22 @@ fl_status fl_model_backward(fl_model *m);
  * * tokens + attention, the figure MFU is based on. */
 double fl_model_train_flops(const fl_model_config *cfg, int B, int T);
 
+#ifdef __cplusplus
+}
+#endif
+#endif
+
+#ifndef FITLLM_MODEL_PRESETS
+#define FITLLM_MODEL_PRESETS
+#ifdef __cplusplus
+extern "C" {
+#endif
+/* Named model shapes with the real configurations (tinyllama-1.1b, open-llama-*,
+ * llama-2-*, llama-3*, gpt2*) and small CPU shapes ("tiny", "small", "micro").
+ * Returns FL_ERR_NOT_FOUND listing the known names if absent. */
+fl_status fl_preset_find(const char *name, fl_model_config *cfg);
+/* NULL-terminated list of preset names. */
+const char *const *fl_preset_names(void);
 #ifdef __cplusplus
 }
 #endif

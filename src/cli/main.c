@@ -1,12 +1,31 @@
-/* fitllm command-line entry point. */
+/* fitllm command-line entry point: dispatches to the subcommands. */
 #include <stdio.h>
 #include <string.h>
 
+#include "cli.h"
+
+static const struct {
+    const char *name;
+    int (*fn)(int, char **);
+    const char *help;
+} k_cmds[] = {
+    {"demo", fl_cmd_demo, "short real training run on a built-in model with synthetic data + memory report"},
+    {"loss", fl_cmd_loss, "mean next-token cross-entropy of a model on token ids (optionally dump logits)"},
+    {"bench-step", fl_cmd_bench_step, "time full training steps (median ms/step, tok/s, GFLOP/s, memory report)"},
+};
+
+static void usage(FILE *f) {
+    fprintf(f, "usage: fitllm <command> [options]   (fitllm <command> --help for its options)\n\ncommands:\n");
+    for (size_t i = 0; i < sizeof k_cmds / sizeof k_cmds[0]; i++) fprintf(f, "  %-12s %s\n", k_cmds[i].name, k_cmds[i].help);
+    fprintf(f, "\nexit codes: 0 ok, 1 runtime error, 2 usage error, 3 out of memory\n");
+}
+
 int main(int argc, char **argv) {
-    if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
-        printf("usage: fitllm <command> [options]\n");
-        return argc < 2 ? 2 : 0;
-    }
+    if (argc < 2) { usage(stderr); return FL_EXIT_USAGE; }
+    if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) { usage(stdout); return 0; }
+    for (size_t i = 0; i < sizeof k_cmds / sizeof k_cmds[0]; i++)
+        if (!strcmp(argv[1], k_cmds[i].name)) return k_cmds[i].fn(argc - 1, argv + 1);
     fprintf(stderr, "fitllm: unknown command '%s'\n", argv[1]);
-    return 2;
+    usage(stderr);
+    return FL_EXIT_USAGE;
 }

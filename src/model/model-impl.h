@@ -33,6 +33,7 @@ struct fl_acts {
     float *buf2;            /* (N, max(QKV, FCW)) */
     float *logits;          /* (chunk, V) */
     float *losses;          /* (N) per-token loss */
+    int32_t *ids;           /* (N) copy of the forward's token ids, for the embedding backward */
     float *rope_cos;        /* (T, HD/2) */
     float *rope_sin;        /* (T, HD/2) */
     int rope_T;
@@ -58,6 +59,9 @@ static inline fl_dims fl_model_dims(const fl_model_config *c) {
     d.L = c->n_layers;
     return d;
 }
+
+/* Release the activation arena and its views (safe when none). */
+void fl_model_free_acts(fl_model *m);
 
 /* A linear layer: weight (out, in) in HF orientation, optional bias, optional
  * gradients (NULL = frozen). LoRA and quantized bases become fields here so

@@ -6,94 +6,6 @@
 
 #include "model-impl.h"
 
-/* ---- activation arena carving --------------------------------------------
- * One function walks the arena layout: with base == NULL it only counts
- * bytes (the planner and fl_sizing_acts), with a base it also sets the views.
- * So the size the planner predicts is by construction the size we allocate. */
-
-typedef struct {
-    char *base;
-    size_t off;
-} carver;
-
-static float *carve(carver *cv, size_t nfloats) {
-    size_t bytes = (nfloats * sizeof(float) + 63) / 64 * 64; /* keep every view 64-byte aligned */
-    float *p = cv->base ? (float *)(cv->base + cv->off) : NULL;
-    cv->off += bytes;
-    return p;
-}
-
-static int logits_chunk_rows(const fl_model_config *c, int N) {
-    /* About 32 MiB of logits per chunk: large enough for an efficient lm_head
-     * GEMM, small enough that (N, V) never exists at once. */
-    long rows = (32L << 20) / ((long)c->vocab_size * 4);
-    if (rows < 32) rows = 32;
-    if (rows > N) rows = N;
-    return (int)rows;
-}
-
-static size_t carve_acts(const fl_model_config *c, int B, int T, char *base, fl_acts *a) {
-    fl_dims d = fl_model_dims(c);
-    size_t N = (size_t)B * T;
-    int ln = c->arch == FL_ARCH_GPT2; /* LayerNorm keeps the mean too */
-    carver cv = {base, 0};
-    for (int l = 0; l <= d.L; l++) {
-        float *r = carve(&cv, N * d.C);
-        if (a) a->res[l] = r;
-    }
-    for (int l = 0; l < d.L; l++) {
-        fl_layer_acts la;
-        la.ln1 = carve(&cv, N * d.C);
-        la.ln1_mean = ln ? carve(&cv, N) : NULL;
-        la.ln1_rstd = carve(&cv, N);
-        la.qkv = carve(&cv, N * d.QKV);
-        la.att = carve(&cv, N * d.QD);
-        la.lse = carve(&cv, N * d.NH);
-        la.res_mid = carve(&cv, N * d.C);
-        la.ln2 = carve(&cv, N * d.C);
-        la.ln2_mean = ln ? carve(&cv, N) : NULL;
-        la.ln2_rstd = carve(&cv, N);
-        la.fc = carve(&cv, N * d.FCW);
-        la.act = carve(&cv, N * d.F);
-        if (a) a->layer[l] = la;
-    }
-    float *lnf = carve(&cv, N * d.C);
-    float *lnf_mean = ln ? carve(&cv, N) : NULL;
-    float *lnf_rstd = carve(&cv, N);
-    if (a) { a->lnf = lnf; a->lnf_mean = lnf_mean; a->lnf_rstd = lnf_rstd; }
-    return cv.off;
-}
-
-static size_t imax(size_t a, size_t b) { return a > b ? a : b; }
-
-static size_t carve_work(const fl_model_config *c, int B, int T, char *base, fl_acts *a) {
-    fl_dims d = fl_model_dims(c);
-    size_t N = (size_t)B * T;
-    carver cv = {base, 0};
-    float *dres = carve(&cv, N * d.C);
-    float *buf1 = carve(&cv, N * imax(imax(d.C, d.QD), d.F));
-    float *buf2 = carve(&cv, N * imax(d.QKV, d.FCW));
-    float *logits = carve(&cv, (size_t)logits_chunk_rows(c, (int)N) * d.V);
-    float *losses = carve(&cv, N);
-    size_t half = c->arch == FL_ARCH_LLAMA ? (size_t)T * (d.HD / 2) : 0;
-    float *rc = carve(&cv, half), *rs = carve(&cv, half);
-    if (a) {
-        a->dres = dres; a->buf1 = buf1; a->buf2 = buf2; a->logits = logits; a->losses = losses;
-        a->rope_cos = rc; a->rope_sin = rs; a->rope_T = T;
-    }
-    return cv.off;
-}
-
-void fl_sizing_acts(const fl_model_config *cfg, int B, int T, fl_act_sizes *out) {
-    out->acts_bytes = carve_acts(cfg, B, T, NULL, NULL);
-    out->workspace_bytes = carve_work(cfg, B, T, NULL, NULL);
-    /* per layer: the difference between L and L-1 layers */
-    fl_model_config c1 = *cfg;
-    c1.n_layers = cfg->n_layers > 0 ? cfg->n_layers - 1 : 0;
-    out->per_layer_acts_bytes = out->acts_bytes - carve_acts(&c1, B, T, NULL, NULL);
-    out->logits_chunk_rows = logits_chunk_rows(cfg, B * T);
-}
-
 /* ---- lifetime ------------------------------------------------------------ */
 
 fl_status fl_model_init(fl_model *m, const fl_model_config *cfg, const fl_backend *be, fl_mem_pool *pool) {
@@ -116,7 +28,7 @@ fl_status fl_model_init(fl_model *m, const fl_model_config *cfg, const fl_backen
     return FL_OK;
 }
 
-static void free_acts(fl_model *m) {
+void fl_model_free_acts(fl_model *m) {
     fl_mem_free(m->pool, m->acts_arena);
     fl_mem_free(m->pool, m->work_arena);
     m->acts_arena = m->work_arena = NULL;
@@ -131,7 +43,7 @@ static void free_acts(fl_model *m) {
 
 void fl_model_free(fl_model *m) {
     if (!m->pool) return;
-    free_acts(m);
+    fl_model_free_acts(m);
     fl_mem_free(m->pool, m->grads);
     fl_mem_free(m->pool, m->params);
     fl_layout_free(&m->layout);
@@ -146,32 +58,6 @@ fl_status fl_model_alloc_grads(fl_model *m) {
 
 void fl_model_zero_grads(fl_model *m) {
     if (m->grads) m->be->zero(m->be, m->grads, m->layout.numel * sizeof(float));
-}
-
-fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
-    if (B <= 0 || T <= 0) return fl_errorf(FL_ERR_INVALID, "micro-batch must be positive (B=%d, T=%d)", B, T);
-    if (T > m->cfg.max_seq)
-        return fl_errorf(FL_ERR_INVALID, "sequence length %d exceeds the model's max_position_embeddings %d", T,
-                         m->cfg.max_seq);
-    free_acts(m);
-    fl_sizing_acts(&m->cfg, B, T, &m->sizes);
-    fl_acts *a = calloc(1, sizeof *a);
-    if (!a) return fl_errorf(FL_ERR_OOM, "activation views: out of host memory");
-    a->L = m->cfg.n_layers;
-    a->res = calloc((size_t)a->L + 1, sizeof *a->res);
-    a->layer = calloc((size_t)a->L, sizeof *a->layer);
-    m->acts = a;
-    if (!a->res || !a->layer) { free_acts(m); return fl_errorf(FL_ERR_OOM, "activation views: out of host memory"); }
-    fl_status s = fl_mem_alloc(m->pool, FL_TAG_ACTS, m->sizes.acts_bytes, (void **)&m->acts_arena);
-    if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, m->sizes.workspace_bytes, (void **)&m->work_arena);
-    if (s != FL_OK) { free_acts(m); return fl_error_prefix(s, "allocating activations for B=%d T=%d", B, T); }
-    carve_acts(&m->cfg, B, T, (char *)m->acts_arena, a);
-    carve_work(&m->cfg, B, T, (char *)m->work_arena, a);
-    if (m->cfg.arch == FL_ARCH_LLAMA)
-        fl_rope_table_init(a->rope_cos, a->rope_sin, T, m->cfg.head_dim, m->cfg.rope_theta, &m->cfg.rope_scaling);
-    m->B = B;
-    m->T = T;
-    return FL_OK;
 }
 
 float *fl_model_param(fl_model *m, const char *name) {

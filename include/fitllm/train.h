@@ -1,0 +1,71 @@
+/* fitllm: optimizers and the one-step training API the CLI drives.
+ *
+ * A step = n_micro micro-batches (gradient accumulation) then one optimizer
+ * update. The loss of a step is the mean over ALL non-ignored target tokens of
+ * all its micro-batches: the step counts them first and gives each micro-batch
+ * grad_scale = 1/total, so accumulation equals one large batch exactly (up to
+ * float summation order).
+ */
+#ifndef FITLLM_TRAIN_H
+#define FITLLM_TRAIN_H
+
+#include "fitllm/model.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum { FL_OPT_ADAMW = 0, FL_OPT_SGD, FL_OPT_COUNT } fl_optim_kind;
+
+typedef struct {
+    fl_optim_kind kind;
+    float lr;
+    float beta1, beta2, eps;   /* AdamW */
+    float weight_decay;        /* AdamW: decoupled; SGD: L2 added to the gradient (torch semantics) */
+    float momentum, dampening; /* SGD */
+    int nesterov;              /* SGD */
+} fl_optim_config;
+
+/* torch defaults: AdamW lr 1e-3, betas (0.9, 0.999), eps 1e-8, wd 0.01; SGD lr 1e-3, no momentum. */
+void fl_optim_config_default(fl_optim_config *c, fl_optim_kind kind);
+const char *fl_optim_name(fl_optim_kind kind);
+
+/* Optimizer state bytes for n parameters (shared with the planner). */
+size_t fl_optim_state_bytes(const fl_optim_config *c, size_t n_params);
+
+typedef struct {
+    fl_optim_config cfg;
+    fl_model *model;
+    float *m, *v;   /* AdamW moments (numel each), OPTIM tag */
+    float *buf;     /* SGD momentum buffer or NULL */
+    int step;       /* updates done */
+} fl_optimizer;
+
+fl_status fl_optim_init(fl_optimizer *o, fl_model *model, const fl_optim_config *cfg);
+void fl_optim_free(fl_optimizer *o);
+/* Global L2 norm of the model's gradients (double accumulation). */
+double fl_grad_norm(const fl_model *model);
+/* One update with learning rate lr. If max_norm > 0 the gradients are clipped
+ * to that global norm (torch.nn.utils.clip_grad_norm_: coef = max_norm /
+ * (norm + 1e-6), applied when < 1). *norm_out (may be NULL) gets the norm
+ * before clipping. */
+fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_out);
+
+typedef struct {
+    double loss;        /* mean over valid targets of the step */
+    long n_valid;       /* valid targets */
+    double grad_norm;   /* before clipping */
+    double ms_fwd, ms_bwd, ms_opt, ms_total;
+} fl_step_result;
+
+/* One training step over n_micro micro-batches of (B,T) ids/targets laid out
+ * consecutively ((n_micro, B, T) each). Zeroes gradients first. Records the
+ * memory snapshots before_fwd, after_fwd, after_bwd, after_opt_step (first
+ * micro-batch's forward/backward). */
+fl_status fl_train_step(fl_model *m, fl_optimizer *o, const int32_t *ids, const int32_t *targets, int n_micro, int B,
+                        int T, float lr, float max_norm, fl_step_result *res);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,37 @@
+/* CLI internals: shared helpers for the subcommands. Only the CLI prints and
+ * chooses exit codes: 0 ok, 1 runtime error, 2 usage error, 3 out of memory. */
+#ifndef FL_CLI_H
+#define FL_CLI_H
+
+#include "fitllm/backend.h"
+#include "fitllm/io.h"
+#include "fitllm/mem.h"
+#include "fitllm/model.h"
+#include "fitllm/status.h"
+#include "fitllm/train.h"
+
+enum { FL_EXIT_OK = 0, FL_EXIT_RUNTIME = 1, FL_EXIT_USAGE = 2, FL_EXIT_OOM = 3 };
+
+/* Print "fitllm <cmd>: error: <message>" (+ a hint for OOM) and return the exit code for s. */
+int fl_cli_fail(const char *cmd, fl_status s, const fl_mem_pool *pool);
+/* Usage error: prints the message and "see fitllm <cmd> --help"; returns 2. */
+int fl_cli_usage(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* Parse helpers: return 0 on success, -1 with a usage message printed. */
+int fl_cli_int(const char *cmd, const char *opt, const char *val, long lo, long hi, int *out);
+int fl_cli_float(const char *cmd, const char *opt, const char *val, float *out);
+
+/* Load a model from a preset name, HF folder, llama2.c .bin or config.json.
+ * random_init: ignore weights and initialize randomly with seed. */
+fl_status fl_cli_load_model(fl_model *m, const char *path, int random_init, uint64_t seed, const fl_backend *be,
+                            fl_mem_pool *pool, int *weights_loaded);
+
+double fl_cli_now_ms(void);
+/* Peak resident set size of this process in MiB. */
+double fl_cli_peak_rss_mb(void);
+
+int fl_cmd_loss(int argc, char **argv);
+int fl_cmd_bench_step(int argc, char **argv);
+int fl_cmd_demo(int argc, char **argv);
+
+#endif

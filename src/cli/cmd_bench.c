@@ -1,0 +1,135 @@
+/* fitllm bench-step: times full training steps (forward + backward + AdamW)
+ * on random tokens and prints median ms/step, tok/s, GFLOP/s and the memory
+ * phase report. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "cli.h"
+
+static void help(void) {
+    printf("usage: fitllm bench-step <model> [options]\n\n"
+           "  <model>               preset name (tiny, small, tinyllama-1.1b, ...), HF folder, config.json or\n"
+           "                        llama2.c .bin (--preset NAME is the same as a preset positional)\n"
+           "  --init random         ignore stored weights, initialize randomly (presets always are)\n"
+           "  --micro-batch B       sequences per step (default 4)\n"
+           "  --seq T               tokens per sequence (default 256)\n"
+           "  --steps N             timed steps (default 10)\n"
+           "  --warmup N            untimed steps first (default 2)\n"
+           "  --optimizer NAME      AdamW (default) or SGD\n"
+           "  --lr X                learning rate (default 1e-4)\n"
+           "  --threads N           CPU threads (default: all cores)\n"
+           "  --max-memory SIZE     allocator budget, e.g. 2GB, 512MiB (default: unlimited)\n"
+           "  --seed N              init/data seed (default 1337)\n\n"
+           "Output ends with a machine-readable line:\n"
+           "RESULT impl=fitllm shape=<model> median_ms=.. tok_s=.. gflops=.. peak_rss_mb=..\n");
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+int fl_cmd_bench_step(int argc, char **argv) {
+    const char *cmd = "bench-step", *model_path = NULL;
+    int B = 4, T = 256, steps = 10, warmup = 2, threads = 0, seed = 1337, random_init = 0;
+    float lr = 1e-4f;
+    size_t budget = 0;
+    fl_optim_kind okind = FL_OPT_ADAMW;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { help(); return 0; }
+        else if (!strcmp(a, "--init")) {
+            if (!v || strcmp(v, "random")) return fl_cli_usage(cmd, "--init accepts only 'random'");
+            random_init = 1; i++;
+        } else if (!strcmp(a, "--preset")) {
+            if (!v) return fl_cli_usage(cmd, "--preset needs a name");
+            model_path = v; i++;
+        } else if (!strcmp(a, "--micro-batch")) { if (fl_cli_int(cmd, a, v, 1, 1 << 20, &B)) return 2; i++; }
+        else if (!strcmp(a, "--seq")) { if (fl_cli_int(cmd, a, v, 1, 1 << 24, &T)) return 2; i++; }
+        else if (!strcmp(a, "--steps")) { if (fl_cli_int(cmd, a, v, 1, 1 << 20, &steps)) return 2; i++; }
+        else if (!strcmp(a, "--warmup")) { if (fl_cli_int(cmd, a, v, 0, 1 << 20, &warmup)) return 2; i++; }
+        else if (!strcmp(a, "--threads")) { if (fl_cli_int(cmd, a, v, 0, 1024, &threads)) return 2; i++; }
+        else if (!strcmp(a, "--seed")) { if (fl_cli_int(cmd, a, v, 0, 1 << 30, &seed)) return 2; i++; }
+        else if (!strcmp(a, "--lr")) { if (fl_cli_float(cmd, a, v, &lr)) return 2; i++; }
+        else if (!strcmp(a, "--optimizer")) {
+            if (!v) return fl_cli_usage(cmd, "--optimizer needs a name");
+            if (!strcasecmp(v, "adamw")) okind = FL_OPT_ADAMW;
+            else if (!strcasecmp(v, "sgd")) okind = FL_OPT_SGD;
+            else return fl_cli_usage(cmd, "unknown optimizer '%s' (AdamW, SGD)", v);
+            i++;
+        } else if (!strcmp(a, "--max-memory")) {
+            if (!v || fl_parse_bytes(v, &budget)) return fl_cli_usage(cmd, "--max-memory: '%s' is not a size like 2GB", v ? v : "");
+            i++;
+        } else if (a[0] == '-') return fl_cli_usage(cmd, "unknown option '%s'", a);
+        else if (!model_path) model_path = a;
+        else return fl_cli_usage(cmd, "unexpected argument '%s'", a);
+    }
+    if (!model_path) return fl_cli_usage(cmd, "missing <model>");
+
+    fl_backend be;
+    fl_mem_pool pool;
+    fl_model m = {0};
+    fl_optimizer opt = {0};
+    int32_t *ids = NULL, *tg = NULL;
+    double *times = NULL;
+    int loaded = 0, rc = 0;
+    fl_status s = fl_cpu_backend_init(&be, threads);
+    if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
+    if ((s = fl_mem_pool_init(&pool, "cpu", budget)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
+    fl_mem_set_phase(&pool, "model load");
+    if ((s = fl_cli_load_model(&m, model_path, random_init, (uint64_t)seed, &be, &pool, &loaded)) != FL_OK) goto fail;
+    fl_mem_set_phase(&pool, "setup");
+    if ((s = fl_model_alloc_grads(&m)) != FL_OK) goto fail;
+    fl_optim_config oc;
+    fl_optim_config_default(&oc, okind);
+    oc.lr = lr;
+    if (okind == FL_OPT_ADAMW) oc.weight_decay = 0.1f;
+    if ((s = fl_optim_init(&opt, &m, &oc)) != FL_OK) goto fail;
+    if ((s = fl_model_alloc_acts(&m, B, T)) != FL_OK) goto fail;
+    size_t N = (size_t)B * T;
+    if ((s = fl_mem_alloc(&pool, FL_TAG_OTHER, N * sizeof *ids, (void **)&ids)) != FL_OK) goto fail;
+    if ((s = fl_mem_alloc(&pool, FL_TAG_OTHER, N * sizeof *tg, (void **)&tg)) != FL_OK) goto fail;
+    times = calloc((size_t)steps, sizeof *times);
+    uint64_t r = (uint64_t)seed * 0x9e3779b97f4a7c15ULL + 1;
+    for (size_t i = 0; i < N; i++) {
+        r ^= r << 13; r ^= r >> 7; r ^= r << 17;
+        ids[i] = (int32_t)(r % (uint64_t)m.cfg.vocab_size);
+    }
+    for (size_t i = 0; i < N; i++) tg[i] = (i + 1) % T ? ids[i + 1] : ids[i - T + 1];
+
+    const fl_model_config *c = &m.cfg;
+    printf("bench-step: %s (%s, %zu params, L=%d C=%d NH=%d NKV=%d F=%d V=%d), B=%d T=%d, %s, %d threads, gemm=%s\n",
+           model_path, c->arch == FL_ARCH_LLAMA ? "llama" : "gpt2", m.layout.numel, c->n_layers, c->dim, c->n_heads,
+           c->n_kv_heads, c->ffn_dim, c->vocab_size, B, T, fl_optim_name(okind), be.n_threads, be.gemm_name);
+    fl_step_result res;
+    for (int k = 0; k < warmup + steps; k++) {
+        if ((s = fl_train_step(&m, &opt, ids, tg, 1, B, T, lr, 1.0f, &res)) != FL_OK) goto fail;
+        if (k >= warmup) times[k - warmup] = res.ms_total;
+        printf("  step %3d  loss %.4f  %8.1f ms (fwd %.1f, bwd %.1f, opt %.1f)%s\n", k + 1, res.loss, res.ms_total,
+               res.ms_fwd, res.ms_bwd, res.ms_opt, k < warmup ? "  [warmup]" : "");
+    }
+    qsort(times, (size_t)steps, sizeof *times, cmp_double);
+    double med = steps % 2 ? times[steps / 2] : 0.5 * (times[steps / 2 - 1] + times[steps / 2]);
+    double flops = fl_model_train_flops(c, B, T);
+    double toks = (double)N / (med / 1e3), gflops = flops / (med / 1e3) / 1e9;
+    printf("\nmedian %.1f ms/step over %d steps, %.0f tok/s, %.1f GFLOP/s (%.2f GFLOP/step)\n\n", med, steps, toks,
+           gflops, flops / 1e9);
+    fl_mem_print_report(&pool, stdout);
+    printf("\nRESULT impl=fitllm shape=%s median_ms=%.2f tok_s=%.1f gflops=%.2f peak_rss_mb=%.1f\n", model_path, med,
+           toks, gflops, fl_cli_peak_rss_mb());
+    goto done;
+fail:
+    rc = fl_cli_fail(cmd, s, &pool);
+done:
+    free(times);
+    fl_mem_free(&pool, ids);
+    fl_mem_free(&pool, tg);
+    fl_optim_free(&opt);
+    fl_model_free(&m);
+    fl_mem_pool_free(&pool);
+    fl_cpu_backend_free(&be);
+    return rc;
+}

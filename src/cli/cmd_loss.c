@@ -1,0 +1,120 @@
+/* fitllm loss: mean next-token cross-entropy of a model on a token file. */
+#include <errno.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+
+static void help(void) {
+    printf("usage: fitllm loss <model> --tokens-file ids.txt [--dump-logits out.f32] [--threads N]\n\n"
+           "  <model>              HF folder (config.json + safetensors), llama2.c .bin, or preset name\n"
+           "                       (presets are randomly initialized: --seed)\n"
+           "  --tokens-file FILE   whitespace-separated token ids (at least 2)\n"
+           "  --dump-logits FILE   write the logits of positions 0..n-2 as little-endian float32, (n-1) x V\n"
+           "  --threads N          CPU threads (default: all cores)\n"
+           "  --seed N             seed for presets (default 1337)\n\n"
+           "Prints the mean cross-entropy of tokens[1:] given tokens[:-1], and perplexity.\n");
+}
+
+static fl_status read_tokens(const char *path, int32_t **out, int *n) {
+    FILE *f = fopen(path, "r");
+    if (!f) return fl_errorf(FL_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    int cap = 1024, k = 0;
+    int32_t *ids = malloc((size_t)cap * sizeof *ids);
+    char tok[64];
+    fl_status s = FL_OK;
+    while (ids && fscanf(f, "%63s", tok) == 1) {
+        char *end;
+        errno = 0;
+        long v = strtol(tok, &end, 10);
+        if (errno || *end || v < 0 || v > INT32_MAX) {
+            s = fl_errorf(FL_ERR_FORMAT, "%s: token %d ('%s') is not a non-negative integer", path, k + 1, tok);
+            break;
+        }
+        if (k == cap) {
+            int32_t *p = realloc(ids, (size_t)(cap *= 2) * sizeof *ids);
+            if (!p) break;
+            ids = p;
+        }
+        ids[k++] = (int32_t)v;
+    }
+    fclose(f);
+    if (!ids) return fl_errorf(FL_ERR_OOM, "%s: out of host memory", path);
+    if (s == FL_OK && k < 2) s = fl_errorf(FL_ERR_FORMAT, "%s: needs at least 2 token ids, found %d", path, k);
+    if (s != FL_OK) { free(ids); return s; }
+    *out = ids;
+    *n = k;
+    return FL_OK;
+}
+
+int fl_cmd_loss(int argc, char **argv) {
+    const char *cmd = "loss", *model_path = NULL, *tokens = NULL, *dump = NULL;
+    int threads = 0, seed = 1337;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { help(); return 0; }
+        else if (!strcmp(a, "--tokens-file") && i + 1 < argc) tokens = argv[++i];
+        else if (!strcmp(a, "--dump-logits") && i + 1 < argc) dump = argv[++i];
+        else if (!strcmp(a, "--threads")) { if (fl_cli_int(cmd, a, i + 1 < argc ? argv[++i] : NULL, 0, 1024, &threads)) return 2; }
+        else if (!strcmp(a, "--seed")) { if (fl_cli_int(cmd, a, i + 1 < argc ? argv[++i] : NULL, 0, 1 << 30, &seed)) return 2; }
+        else if (a[0] == '-') return fl_cli_usage(cmd, "unknown or incomplete option '%s'", a);
+        else if (!model_path) model_path = a;
+        else return fl_cli_usage(cmd, "unexpected argument '%s'", a);
+    }
+    if (!model_path) return fl_cli_usage(cmd, "missing <model>");
+    if (!tokens) return fl_cli_usage(cmd, "missing --tokens-file");
+
+    fl_backend be;
+    fl_mem_pool pool;
+    fl_model m = {0};
+    int32_t *ids = NULL;
+    float *logits = NULL;
+    int n = 0, loaded = 0, rc = 0;
+    fl_status s = fl_cpu_backend_init(&be, threads);
+    if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
+    if ((s = fl_mem_pool_init(&pool, "cpu", 0)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
+    if ((s = read_tokens(tokens, &ids, &n)) != FL_OK) goto fail;
+    if ((s = fl_cli_load_model(&m, model_path, 0, (uint64_t)seed, &be, &pool, &loaded)) != FL_OK) goto fail;
+    int T = n - 1;
+    if (T > m.cfg.max_seq) {
+        s = fl_errorf(FL_ERR_INVALID, "%s: %d positions exceed the model's context of %d", tokens, T, m.cfg.max_seq);
+        goto fail;
+    }
+    if ((s = fl_model_alloc_acts(&m, 1, T)) != FL_OK) goto fail;
+    if (dump && (s = fl_mem_alloc(&pool, FL_TAG_OTHER, (size_t)T * m.cfg.vocab_size * sizeof(float), (void **)&logits)) != FL_OK)
+        goto fail;
+    if ((s = fl_model_forward(&m, ids, ids + 1, 1, T, 0.0f, logits)) != FL_OK) goto fail;
+    double loss = m.loss_sum / (double)m.n_valid;
+    printf("loss %.6f  ppl %.4f  tokens %d  model %s%s\n", loss, exp(loss), T, model_path,
+           loaded ? "" : " (random init)");
+    if (dump) {
+        char tmp[4096];
+        snprintf(tmp, sizeof tmp, "%s.tmp", dump);
+        FILE *f = fopen(tmp, "wb");
+        size_t cnt = (size_t)T * m.cfg.vocab_size;
+        if (!f || fwrite(logits, sizeof(float), cnt, f) != cnt || fclose(f) != 0) {
+            s = fl_errorf(FL_ERR_IO, "%s: cannot write logits: %s", dump, strerror(errno));
+            remove(tmp);
+            goto fail;
+        }
+        if (rename(tmp, dump) != 0) {
+            s = fl_errorf(FL_ERR_IO, "%s: cannot rename: %s", dump, strerror(errno));
+            remove(tmp);
+            goto fail;
+        }
+        printf("logits (%d x %d float32) written to %s\n", T, m.cfg.vocab_size, dump);
+    }
+    goto done;
+fail:
+    rc = fl_cli_fail(cmd, s, &pool);
+done:
+    fl_mem_free(&pool, logits);
+    free(ids);
+    fl_model_free(&m);
+    fl_mem_pool_free(&pool);
+    fl_cpu_backend_free(&be);
+    return rc;
+}

@@ -1,0 +1,109 @@
+/* Shared CLI helpers: error reporting, option parsing, model loading. */
+#include <errno.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#include "cli.h"
+
+int fl_cli_fail(const char *cmd, fl_status s, const fl_mem_pool *pool) {
+    fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
+    if (s == FL_ERR_OOM) {
+        if (pool && pool->oom.valid) fl_mem_print_oom(pool, stderr);
+        fprintf(stderr,
+                "hint: try a smaller --micro-batch or --seq, a larger --max-memory, or (when available) bf16, "
+                "activation checkpointing, SGD / 8-bit Adam, LoRA or QLoRA\n");
+        return FL_EXIT_OOM;
+    }
+    return FL_EXIT_RUNTIME;
+}
+
+int fl_cli_usage(const char *cmd, const char *fmt, ...) {
+    va_list ap;
+    fprintf(stderr, "fitllm %s: ", cmd);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "\nsee 'fitllm %s --help'\n", cmd);
+    return FL_EXIT_USAGE;
+}
+
+int fl_cli_int(const char *cmd, const char *opt, const char *val, long lo, long hi, int *out) {
+    if (!val) { fl_cli_usage(cmd, "option %s needs a value", opt); return -1; }
+    char *end;
+    errno = 0;
+    long v = strtol(val, &end, 10);
+    if (errno || end == val || *end || v < lo || v > hi) {
+        fl_cli_usage(cmd, "option %s: '%s' is not an integer in [%ld, %ld]", opt, val, lo, hi);
+        return -1;
+    }
+    *out = (int)v;
+    return 0;
+}
+
+int fl_cli_float(const char *cmd, const char *opt, const char *val, float *out) {
+    if (!val) { fl_cli_usage(cmd, "option %s needs a value", opt); return -1; }
+    char *end;
+    float v = strtof(val, &end);
+    if (end == val || *end) { fl_cli_usage(cmd, "option %s: '%s' is not a number", opt, val); return -1; }
+    *out = v;
+    return 0;
+}
+
+static int is_dir(const char *p) {
+    struct stat st;
+    return stat(p, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+static int exists(const char *p) {
+    struct stat st;
+    return stat(p, &st) == 0;
+}
+
+fl_status fl_cli_load_model(fl_model *m, const char *path, int random_init, uint64_t seed, const fl_backend *be,
+                            fl_mem_pool *pool, int *weights_loaded) {
+    fl_model_config cfg;
+    *weights_loaded = 0;
+    if (!exists(path)) {
+        fl_status s = fl_preset_find(path, &cfg);
+        if (s != FL_OK)
+            return fl_errorf(FL_ERR_NOT_FOUND, "'%s' is neither a file, a folder nor a model preset (%s)", path,
+                             fl_error_message());
+        FL_TRY(fl_model_init(m, &cfg, be, pool));
+        fl_model_init_random(m, seed);
+        return FL_OK;
+    }
+    if (random_init) {
+        char cp[4096];
+        if (is_dir(path)) snprintf(cp, sizeof cp, "%s/config.json", path);
+        else snprintf(cp, sizeof cp, "%s", path);
+        size_t n = strlen(cp);
+        if (n > 4 && strcmp(cp + n - 4, ".bin") == 0) {
+            /* llama2.c checkpoint: take its shape, then re-initialize. */
+            FL_TRY(fl_llama2c_load_model(m, path, be, pool));
+        } else {
+            FL_TRY(fl_hf_load_config(cp, &cfg));
+            FL_TRY(fl_model_init(m, &cfg, be, pool));
+        }
+        fl_model_init_random(m, seed);
+        return FL_OK;
+    }
+    return fl_model_load_auto(m, path, be, pool, weights_loaded);
+}
+
+double fl_cli_now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+}
+
+double fl_cli_peak_rss_mb(void) {
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return ru.ru_maxrss / 1024.0;
+}
