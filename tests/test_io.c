@@ -14,7 +14,10 @@ static char *tdir(void) {
     static char b[8][256];
     static int k;
     k = (k + 1) % 8;
-    snprintf(b[k], sizeof b[k], "%s", fl_test_tmpdir());
+    const char *t = fl_test_tmpdir();
+    size_t n = strlen(t);
+    memcpy(b[k], t, n + 1 < sizeof b[k] ? n + 1 : sizeof b[k]);
+    b[k][sizeof b[k] - 1] = 0;
     return b[k];
 }
 
@@ -22,7 +25,9 @@ static const char *pj(const char *a, const char *b) {
     static char buf[8][512];
     static int k;
     k = (k + 1) % 8;
-    snprintf(buf[k], sizeof buf[k], "%s/%s", a, b);
+    char tmp[512];
+    snprintf(tmp, sizeof tmp, "%s/%s", a, b);
+    memcpy(buf[k], tmp, sizeof tmp);
     return buf[k];
 }
 
@@ -71,7 +76,7 @@ FL_TEST(json_valid) {
         " \"n\": null, \"t\": true, \"f\": false, \"o\": {\"p\": {\"q\": [[], {}]}}, \"e\": [], \"u\": \"\xc3\xa9\"}";
     fl_json *j = NULL;
     FL_REQUIRE_OK(fl_json_parse(t, strlen(t), "t.json", &j));
-    FL_CHECK(j->type == FL_JSON_OBJECT && j->len == 9);
+    FL_CHECK(j->type == FL_JSON_OBJECT && j->len == 8);
     const fl_json *a = fl_json_get(j, "a");
     FL_REQUIRE(a && a->type == FL_JSON_ARRAY && a->len == 8);
     FL_CHECK(fl_json_at(a, 0)->is_int && fl_json_at(a, 0)->i == 1);
@@ -518,6 +523,15 @@ static fl_status write_subset(const fl_model *m, const char *path, int lo, int h
     return s;
 }
 
+static int cfg_eq(const fl_model_config *a, const fl_model_config *b) {
+    return a->arch == b->arch && a->vocab_size == b->vocab_size && a->dim == b->dim && a->n_layers == b->n_layers &&
+           a->n_heads == b->n_heads && a->n_kv_heads == b->n_kv_heads && a->head_dim == b->head_dim &&
+           a->ffn_dim == b->ffn_dim && a->max_seq == b->max_seq && a->norm_eps == b->norm_eps &&
+           (a->arch == FL_ARCH_GPT2 || a->rope_theta == b->rope_theta) &&
+           memcmp(&a->rope_scaling, &b->rope_scaling, sizeof a->rope_scaling) == 0 &&
+           a->tie_embeddings == b->tie_embeddings && a->attention_bias == b->attention_bias && a->mlp_bias == b->mlp_bias;
+}
+
 static void roundtrip(fl_model_config cfg, unsigned long long seed) {
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "io", 0));
@@ -530,7 +544,7 @@ static void roundtrip(fl_model_config cfg, unsigned long long seed) {
     FL_CHECK(count_entries(d) == 1); /* no temp folder left beside it */
     FL_CHECK(count_entries(out) == 2);
     FL_REQUIRE_OK(fl_hf_load_model(&m2, out, NULL, &pool));
-    FL_CHECK(memcmp(&m.cfg, &m2.cfg, sizeof m.cfg) == 0);
+    FL_CHECK(cfg_eq(&m.cfg, &m2.cfg));
     FL_REQUIRE(m2.layout.numel == m.layout.numel);
     FL_CHECK(memcmp(m.params, m2.params, m.layout.numel * sizeof(float)) == 0);
     /* metadata and the on-disk orientation */
