@@ -7,6 +7,7 @@
 
 #include <errno.h>
 #include <limits.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,20 +53,31 @@ static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s: tensor '%s': dtype %s cannot be loaded as a parameter (F32, BF16, F16)",
                          f->path, t->name, fl_dtype_name(t->dtype));
     float *dst = m->params + p->offset;
+    size_t es = fl_dtype_size(t->dtype);
+    const void *src = t->data;
+    void *aligned = NULL;
+    if ((uintptr_t)src % es) { /* the format does not promise alignment: copy out first */
+        aligned = malloc(p->numel * es + 1);
+        if (!aligned) return fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", f->path, t->name);
+        memcpy(aligned, src, p->numel * es);
+        src = aligned;
+    }
+    fl_status s = FL_OK;
     if (!(p->ndim == 2 && p->transposed_on_disk)) {
-        if (fl_convert(dst, FL_F32, t->data, t->dtype, p->numel))
-            return fl_errorf(FL_ERR_INTERNAL, "%s: tensor '%s': conversion failed", f->path, t->name);
-        return FL_OK;
+        if (fl_convert(dst, FL_F32, src, t->dtype, p->numel))
+            s = fl_errorf(FL_ERR_INTERNAL, "%s: tensor '%s': conversion failed", f->path, t->name);
+    } else {
+        size_t out = (size_t)p->shape[0], in = (size_t)p->shape[1];
+        float *row = malloc(out * sizeof(float));
+        if (!row) s = fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", f->path, t->name);
+        for (size_t i = 0; row && i < in; i++) { /* disk row i: out elements */
+            fl_convert(row, FL_F32, (const char *)src + i * out * es, t->dtype, out);
+            for (size_t o = 0; o < out; o++) dst[o * in + i] = row[o];
+        }
+        free(row);
     }
-    size_t out = (size_t)p->shape[0], in = (size_t)p->shape[1], es = fl_dtype_size(t->dtype);
-    float *row = malloc(out * sizeof(float));
-    if (!row) return fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", f->path, t->name);
-    for (size_t i = 0; i < in; i++) { /* disk row i: out elements */
-        fl_convert(row, FL_F32, (const char *)t->data + i * out * es, t->dtype, out);
-        for (size_t o = 0; o < out; o++) dst[o * in + i] = row[o];
-    }
-    free(row);
-    return FL_OK;
+    free(aligned);
+    return s;
 }
 
 typedef struct {
