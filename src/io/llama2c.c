@@ -132,6 +132,11 @@ fl_status fl_llama2c_load_model(fl_model *m, const char *path, const fl_backend 
     uint64_t C = (uint64_t)c.dim, F = (uint64_t)c.ffn_dim, L = (uint64_t)c.n_layers, V = (uint64_t)c.vocab_size;
     uint64_t KV = (uint64_t)c.n_kv_heads * (uint64_t)c.head_dim, T = (uint64_t)c.max_seq, HS = (uint64_t)c.head_dim;
     uint64_t nfl = V * C + L * (2 * C + 2 * C * C + 2 * KV * C + 3 * F * C) + C + T * HS + (shared ? 0 : V * C);
+    double approx = (double)V * C + (double)L * (2.0 * C + 2.0 * C * C + 2.0 * KV * C + 3.0 * F * C) + (double)T * HS;
+    if (approx > 1e14) {
+        close(fd);
+        return fl_errorf(FL_ERR_FORMAT, "%s: header sizes describe %.3g parameters (not a llama2.c v0 checkpoint?)", path, approx);
+    }
     uint64_t expect = 28 + 4 * nfl;
     if ((uint64_t)size != expect) {
         close(fd);
