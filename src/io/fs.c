@@ -1,0 +1,84 @@
+/* Filesystem helpers for the io module; see io-internal.h. */
+#include "io-internal.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+fl_status fl_io_join(char *buf, size_t n, const char *dir, const char *name) {
+    size_t dl = strlen(dir);
+    int slash = dl > 0 && dir[dl - 1] != '/';
+    int w = snprintf(buf, n, "%s%s%s", dir, slash ? "/" : "", name);
+    if (w < 0 || (size_t)w >= n) return fl_errorf(FL_ERR_INVALID, "%s/%s: path too long", dir, name);
+    return FL_OK;
+}
+
+int fl_io_is_dir(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+int fl_io_is_file(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISREG(st.st_mode);
+}
+
+fl_status fl_io_write_file_atomic(const char *path, const void *data, size_t len) {
+    size_t pl = strlen(path);
+    char *tmp = malloc(pl + 5);
+    if (!tmp) return fl_errorf(FL_ERR_OOM, "%s: out of memory", path);
+    memcpy(tmp, path, pl);
+    memcpy(tmp + pl, ".tmp", 5);
+    fl_status s = FL_OK;
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        s = fl_errorf(FL_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
+        free(tmp);
+        return s;
+    }
+    const char *p = data;
+    size_t left = len;
+    while (left && s == FL_OK) {
+        ssize_t w = write(fd, p, left);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            s = fl_errorf(FL_ERR_IO, "%s: write failed: %s", tmp, strerror(errno));
+            break;
+        }
+        p += w;
+        left -= (size_t)w;
+    }
+    if (s == FL_OK && fsync(fd) != 0) s = fl_errorf(FL_ERR_IO, "%s: fsync failed: %s", tmp, strerror(errno));
+    if (close(fd) != 0 && s == FL_OK) s = fl_errorf(FL_ERR_IO, "%s: close failed: %s", tmp, strerror(errno));
+    if (s == FL_OK && rename(tmp, path) != 0) s = fl_errorf(FL_ERR_IO, "%s: rename to %s failed: %s", tmp, path, strerror(errno));
+    if (s != FL_OK) unlink(tmp);
+    free(tmp);
+    return s;
+}
+
+void fl_io_remove_flat_dir(const char *path) {
+    DIR *d = opendir(path);
+    if (d) {
+        struct dirent *e;
+        char buf[4096];
+        while ((e = readdir(d)) != NULL) {
+            if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+            if (fl_io_join(buf, sizeof buf, path, e->d_name) == FL_OK) unlink(buf);
+        }
+        closedir(d);
+    }
+    rmdir(path);
+}
+
+void fl_io_sync_dir(const char *path) {
+    int fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd >= 0) {
+        (void)fsync(fd);
+        close(fd);
+    }
+}

@@ -1,0 +1,287 @@
+/* Hugging Face config.json <-> fl_model_config (LLaMA and GPT-2 families). */
+#include "fitllm/io.h"
+#include "fitllm/json.h"
+
+#include "io-internal.h"
+
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char *fl_hf_type_name(const fl_json *j) {
+    static const char *names[] = {"null", "boolean", "number", "string", "array", "object"};
+    return j ? names[j->type] : "absent";
+}
+
+/* Key present and not null. */
+static const fl_json *fl_hf_key(const fl_json *o, const char *key) {
+    const fl_json *j = fl_json_get(o, key);
+    return (j && j->type != FL_JSON_NULL) ? j : NULL;
+}
+
+/* Integer key: required (no default) when def == NULL. */
+static fl_status fl_hf_int(const char *path, const fl_json *o, const char *key, const int *def, int *out) {
+    const fl_json *j = fl_hf_key(o, key);
+    if (!j) {
+        if (def) { *out = *def; return FL_OK; }
+        return fl_errorf(FL_ERR_FORMAT, "%s: missing key '%s'", path, key);
+    }
+    if (j->type != FL_JSON_NUMBER || !j->is_int)
+        return fl_errorf(FL_ERR_FORMAT, "%s: key '%s' must be an integer (got %s)", path, key,
+                         j->type == FL_JSON_NUMBER ? "a non-integer number" : fl_hf_type_name(j));
+    if (j->i < INT_MIN || j->i > INT_MAX)
+        return fl_errorf(FL_ERR_FORMAT, "%s: key '%s' value %lld is out of range", path, key, (long long)j->i);
+    *out = (int)j->i;
+    return FL_OK;
+}
+
+static fl_status fl_hf_float(const char *path, const fl_json *o, const char *key, const float *def, float *out) {
+    const fl_json *j = fl_hf_key(o, key);
+    if (!j) {
+        if (def) { *out = *def; return FL_OK; }
+        return fl_errorf(FL_ERR_FORMAT, "%s: missing key '%s'", path, key);
+    }
+    if (j->type != FL_JSON_NUMBER)
+        return fl_errorf(FL_ERR_FORMAT, "%s: key '%s' must be a number (got %s)", path, key, fl_hf_type_name(j));
+    *out = (float)j->num;
+    return FL_OK;
+}
+
+static fl_status fl_hf_bool(const char *path, const fl_json *o, const char *key, int def, int *out) {
+    const fl_json *j = fl_hf_key(o, key);
+    if (!j) { *out = def; return FL_OK; }
+    if (j->type != FL_JSON_BOOL)
+        return fl_errorf(FL_ERR_FORMAT, "%s: key '%s' must be true or false (got %s)", path, key, fl_hf_type_name(j));
+    *out = j->b;
+    return FL_OK;
+}
+
+/* Optional string key; *out = NULL if absent/null. */
+static fl_status fl_hf_str(const char *path, const fl_json *o, const char *key, const char **out) {
+    const fl_json *j = fl_hf_key(o, key);
+    *out = NULL;
+    if (!j) return FL_OK;
+    if (j->type != FL_JSON_STRING)
+        return fl_errorf(FL_ERR_FORMAT, "%s: key '%s' must be a string (got %s)", path, key, fl_hf_type_name(j));
+    *out = j->str;
+    return FL_OK;
+}
+
+static fl_status fl_hf_rope_scaling(const char *path, const fl_json *root, fl_rope_scaling *rs) {
+    memset(rs, 0, sizeof *rs);
+    const fl_json *j = fl_hf_key(root, "rope_scaling");
+    if (!j) return FL_OK;
+    if (j->type != FL_JSON_OBJECT)
+        return fl_errorf(FL_ERR_FORMAT, "%s: key 'rope_scaling' must be an object or null (got %s)", path, fl_hf_type_name(j));
+    const char *type = NULL;
+    FL_TRY(fl_hf_str(path, j, "rope_type", &type));
+    if (!type) FL_TRY(fl_hf_str(path, j, "type", &type));
+    if (!type) return fl_errorf(FL_ERR_FORMAT, "%s: missing key 'rope_scaling.rope_type'", path);
+    if (strcmp(type, "default") == 0) return FL_OK;
+    if (strcmp(type, "linear") == 0) {
+        rs->type = FL_ROPE_LINEAR;
+        FL_TRY(fl_hf_float(path, j, "factor", NULL, &rs->factor));
+        return FL_OK;
+    }
+    if (strcmp(type, "llama3") == 0) {
+        rs->type = FL_ROPE_LLAMA3;
+        FL_TRY(fl_hf_float(path, j, "factor", NULL, &rs->factor));
+        FL_TRY(fl_hf_float(path, j, "low_freq_factor", NULL, &rs->low_freq_factor));
+        FL_TRY(fl_hf_float(path, j, "high_freq_factor", NULL, &rs->high_freq_factor));
+        FL_TRY(fl_hf_int(path, j, "original_max_position_embeddings", NULL, &rs->original_max_position));
+        if (!(rs->high_freq_factor > rs->low_freq_factor))
+            return fl_errorf(FL_ERR_FORMAT, "%s: key 'rope_scaling.high_freq_factor' must exceed low_freq_factor", path);
+        return FL_OK;
+    }
+    return fl_errorf(FL_ERR_UNSUPPORTED, "%s: key 'rope_scaling.rope_type' = '%s' is not supported (linear, llama3, default)",
+                     path, type);
+}
+
+static int fl_hf_arch_has(const fl_json *root, const char *name) {
+    const fl_json *a = fl_json_get(root, "architectures");
+    if (!a || a->type != FL_JSON_ARRAY) return 0;
+    for (const fl_json *c = a->child; c; c = c->next)
+        if (c->type == FL_JSON_STRING && strcmp(c->str, name) == 0) return 1;
+    return 0;
+}
+
+static fl_status fl_hf_parse_llama(const char *path, const fl_json *r, fl_model_config *c) {
+    c->arch = FL_ARCH_LLAMA;
+    snprintf(c->name, sizeof c->name, "llama");
+    const char *act = NULL;
+    FL_TRY(fl_hf_str(path, r, "hidden_act", &act));
+    if (act && strcmp(act, "silu") != 0)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: key 'hidden_act' = '%s' is not supported (silu)", path, act);
+    FL_TRY(fl_hf_int(path, r, "hidden_size", NULL, &c->dim));
+    FL_TRY(fl_hf_int(path, r, "intermediate_size", NULL, &c->ffn_dim));
+    FL_TRY(fl_hf_int(path, r, "num_attention_heads", NULL, &c->n_heads));
+    FL_TRY(fl_hf_int(path, r, "num_key_value_heads", &c->n_heads, &c->n_kv_heads));
+    int hd_def = c->n_heads > 0 ? c->dim / c->n_heads : 0;
+    FL_TRY(fl_hf_int(path, r, "head_dim", &hd_def, &c->head_dim));
+    FL_TRY(fl_hf_int(path, r, "num_hidden_layers", NULL, &c->n_layers));
+    FL_TRY(fl_hf_float(path, r, "rms_norm_eps", NULL, &c->norm_eps));
+    const float theta = 10000.0f;
+    FL_TRY(fl_hf_float(path, r, "rope_theta", &theta, &c->rope_theta));
+    FL_TRY(fl_hf_rope_scaling(path, r, &c->rope_scaling));
+    FL_TRY(fl_hf_int(path, r, "vocab_size", NULL, &c->vocab_size));
+    FL_TRY(fl_hf_bool(path, r, "tie_word_embeddings", 0, &c->tie_embeddings));
+    FL_TRY(fl_hf_int(path, r, "max_position_embeddings", NULL, &c->max_seq));
+    FL_TRY(fl_hf_bool(path, r, "attention_bias", 0, &c->attention_bias));
+    FL_TRY(fl_hf_bool(path, r, "mlp_bias", 0, &c->mlp_bias));
+    return FL_OK;
+}
+
+static fl_status fl_hf_parse_gpt2(const char *path, const fl_json *r, fl_model_config *c) {
+    c->arch = FL_ARCH_GPT2;
+    snprintf(c->name, sizeof c->name, "gpt2");
+    const char *act = NULL;
+    FL_TRY(fl_hf_str(path, r, "activation_function", &act));
+    if (act && strcmp(act, "gelu_new") != 0 && strcmp(act, "gelu_pytorch_tanh") != 0 && strcmp(act, "gelu_fast") != 0)
+        return fl_errorf(FL_ERR_UNSUPPORTED,
+                         "%s: key 'activation_function' = '%s' is not supported (gelu_new, gelu_pytorch_tanh)", path, act);
+    FL_TRY(fl_hf_int(path, r, "n_embd", NULL, &c->dim));
+    FL_TRY(fl_hf_int(path, r, "n_layer", NULL, &c->n_layers));
+    FL_TRY(fl_hf_int(path, r, "n_head", NULL, &c->n_heads));
+    c->n_kv_heads = c->n_heads;
+    c->head_dim = c->n_heads > 0 ? c->dim / c->n_heads : 0;
+    if (fl_hf_key(r, "n_positions")) FL_TRY(fl_hf_int(path, r, "n_positions", NULL, &c->max_seq));
+    else if (fl_hf_key(r, "n_ctx")) FL_TRY(fl_hf_int(path, r, "n_ctx", NULL, &c->max_seq));
+    else return fl_errorf(FL_ERR_FORMAT, "%s: missing key 'n_positions'", path);
+    FL_TRY(fl_hf_int(path, r, "vocab_size", NULL, &c->vocab_size));
+    const float eps = 1e-5f;
+    FL_TRY(fl_hf_float(path, r, "layer_norm_epsilon", &eps, &c->norm_eps));
+    int inner = 4 * c->dim;
+    FL_TRY(fl_hf_int(path, r, "n_inner", &inner, &c->ffn_dim));
+    FL_TRY(fl_hf_bool(path, r, "tie_word_embeddings", 1, &c->tie_embeddings));
+    c->rope_theta = 0.0f;
+    c->attention_bias = 1;
+    c->mlp_bias = 1;
+    return FL_OK;
+}
+
+fl_status fl_hf_load_config(const char *path, fl_model_config *cfg) {
+    fl_json *root = NULL;
+    FL_TRY(fl_json_parse_file(path, &root));
+    fl_status s = FL_OK;
+    fl_model_config c;
+    memset(&c, 0, sizeof c);
+    if (root->type != FL_JSON_OBJECT) {
+        s = fl_errorf(FL_ERR_FORMAT, "%s: top level must be a JSON object (got %s)", path, fl_hf_type_name(root));
+        goto done;
+    }
+    const char *mt = NULL;
+    s = fl_hf_str(path, root, "model_type", &mt);
+    if (s != FL_OK) goto done;
+    int is_llama = mt ? strcmp(mt, "llama") == 0 : 0, is_gpt2 = mt ? strcmp(mt, "gpt2") == 0 : 0;
+    if (!is_llama && !is_gpt2) { /* llama-compatible variants name the architecture */
+        is_llama = fl_hf_arch_has(root, "LlamaForCausalLM");
+        is_gpt2 = !is_llama && !mt && fl_hf_arch_has(root, "GPT2LMHeadModel");
+    }
+    if (is_llama)
+        s = fl_hf_parse_llama(path, root, &c);
+    else if (is_gpt2)
+        s = fl_hf_parse_gpt2(path, root, &c);
+    else if (mt)
+        s = fl_errorf(FL_ERR_UNSUPPORTED, "%s: model_type '%s' is not supported (llama, gpt2)", path, mt);
+    else
+        s = fl_errorf(FL_ERR_FORMAT, "%s: missing key 'model_type' (and no known 'architectures')", path);
+    if (s != FL_OK) goto done;
+    s = fl_config_validate(&c);
+    if (s != FL_OK) {
+        fl_error_prefix(s, "%s", path);
+        goto done;
+    }
+    *cfg = c;
+done:
+    fl_json_free(root);
+    return s;
+}
+
+/* ---- writing ------------------------------------------------------------ */
+
+static void fl_hf_fmt_float(char *buf, size_t n, float v) {
+    snprintf(buf, n, "%.9g", (double)v);
+    if (!strpbrk(buf, ".eEn")) strncat(buf, ".0", n - strlen(buf) - 1);
+}
+
+fl_status fl_hf_save_config(const char *path, const fl_model_config *c) {
+    char buf[4096], eps[48], theta[48];
+    int w;
+    fl_hf_fmt_float(eps, sizeof eps, c->norm_eps);
+    if (c->arch == FL_ARCH_LLAMA) {
+        char rs[512];
+        fl_hf_fmt_float(theta, sizeof theta, c->rope_theta > 0 ? c->rope_theta : 10000.0f);
+        if (c->rope_scaling.type == FL_ROPE_LINEAR) {
+            char f[48];
+            fl_hf_fmt_float(f, sizeof f, c->rope_scaling.factor);
+            snprintf(rs, sizeof rs, "{\"rope_type\": \"linear\", \"factor\": %s}", f);
+        } else if (c->rope_scaling.type == FL_ROPE_LLAMA3) {
+            char f[48], lo[48], hi[48];
+            fl_hf_fmt_float(f, sizeof f, c->rope_scaling.factor);
+            fl_hf_fmt_float(lo, sizeof lo, c->rope_scaling.low_freq_factor);
+            fl_hf_fmt_float(hi, sizeof hi, c->rope_scaling.high_freq_factor);
+            snprintf(rs, sizeof rs,
+                     "{\"rope_type\": \"llama3\", \"factor\": %s, \"low_freq_factor\": %s, \"high_freq_factor\": %s, "
+                     "\"original_max_position_embeddings\": %d}",
+                     f, lo, hi, c->rope_scaling.original_max_position);
+        } else {
+            snprintf(rs, sizeof rs, "null");
+        }
+        w = snprintf(buf, sizeof buf,
+                     "{\n"
+                     "  \"architectures\": [\"LlamaForCausalLM\"],\n"
+                     "  \"model_type\": \"llama\",\n"
+                     "  \"hidden_act\": \"silu\",\n"
+                     "  \"hidden_size\": %d,\n"
+                     "  \"intermediate_size\": %d,\n"
+                     "  \"num_hidden_layers\": %d,\n"
+                     "  \"num_attention_heads\": %d,\n"
+                     "  \"num_key_value_heads\": %d,\n"
+                     "  \"head_dim\": %d,\n"
+                     "  \"vocab_size\": %d,\n"
+                     "  \"max_position_embeddings\": %d,\n"
+                     "  \"rms_norm_eps\": %s,\n"
+                     "  \"rope_theta\": %s,\n"
+                     "  \"rope_scaling\": %s,\n"
+                     "  \"attention_bias\": %s,\n"
+                     "  \"mlp_bias\": %s,\n"
+                     "  \"tie_word_embeddings\": %s,\n"
+                     "  \"initializer_range\": 0.02,\n"
+                     "  \"use_cache\": true,\n"
+                     "  \"torch_dtype\": \"float32\"\n"
+                     "}\n",
+                     c->dim, c->ffn_dim, c->n_layers, c->n_heads, c->n_kv_heads, c->head_dim, c->vocab_size, c->max_seq,
+                     eps, theta, rs, c->attention_bias ? "true" : "false", c->mlp_bias ? "true" : "false",
+                     c->tie_embeddings ? "true" : "false");
+    } else if (c->arch == FL_ARCH_GPT2) {
+        w = snprintf(buf, sizeof buf,
+                     "{\n"
+                     "  \"architectures\": [\"GPT2LMHeadModel\"],\n"
+                     "  \"model_type\": \"gpt2\",\n"
+                     "  \"activation_function\": \"gelu_new\",\n"
+                     "  \"n_embd\": %d,\n"
+                     "  \"n_layer\": %d,\n"
+                     "  \"n_head\": %d,\n"
+                     "  \"n_inner\": %d,\n"
+                     "  \"n_positions\": %d,\n"
+                     "  \"n_ctx\": %d,\n"
+                     "  \"vocab_size\": %d,\n"
+                     "  \"layer_norm_epsilon\": %s,\n"
+                     "  \"tie_word_embeddings\": %s,\n"
+                     "  \"attn_pdrop\": 0.0,\n"
+                     "  \"embd_pdrop\": 0.0,\n"
+                     "  \"resid_pdrop\": 0.0,\n"
+                     "  \"initializer_range\": 0.02,\n"
+                     "  \"scale_attn_weights\": true,\n"
+                     "  \"use_cache\": true,\n"
+                     "  \"torch_dtype\": \"float32\"\n"
+                     "}\n",
+                     c->dim, c->n_layers, c->n_heads, c->ffn_dim, c->max_seq, c->max_seq, c->vocab_size, eps,
+                     c->tie_embeddings ? "true" : "false");
+    } else {
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: cannot write a config for architecture %d", path, (int)c->arch);
+    }
+    if (w < 0 || (size_t)w >= sizeof buf) return fl_errorf(FL_ERR_INTERNAL, "%s: config text too long", path);
+    return fl_io_write_file_atomic(path, buf, (size_t)w);
+}

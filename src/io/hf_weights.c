@@ -1,0 +1,254 @@
+/* Hugging Face model folders: weights in (model.safetensors or a sharded set
+ * with model.safetensors.index.json) and whole-folder save. */
+#include "fitllm/io.h"
+#include "fitllm/json.h"
+
+#include "io-internal.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define FL_HF_PATH_MAX 4096
+
+static int fl_hf_ends_with(const char *s, const char *suf) {
+    size_t a = strlen(s), b = strlen(suf);
+    return a >= b && strcmp(s + a - b, suf) == 0;
+}
+
+/* Buffers HF keeps in some checkpoints that are not parameters. */
+static int fl_hf_is_ignored_buffer(const char *name) {
+    return fl_hf_ends_with(name, ".attn.bias") || fl_hf_ends_with(name, ".attn.masked_bias") ||
+           fl_hf_ends_with(name, "rotary_emb.inv_freq");
+}
+
+static void fl_hf_fmt_shape(char *buf, size_t n, int ndim, const int64_t *shape) {
+    size_t k = (size_t)snprintf(buf, n, "[");
+    for (int d = 0; d < ndim && k < n; d++) k += (size_t)snprintf(buf + k, n - k, d ? ", %lld" : "%lld", (long long)shape[d]);
+    if (k < n) snprintf(buf + k, n - k, "]");
+}
+
+/* Copy one file tensor into the parameter entry, converting dtype and
+ * transposing Conv1D weights ([in,out] on disk -> (out,in)). */
+static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl_st_file *f, const fl_st_tensor *t) {
+    int64_t want[2];
+    int want_nd = p->ndim;
+    if (p->ndim == 2 && p->transposed_on_disk) { want[0] = p->shape[1]; want[1] = p->shape[0]; }
+    else { want[0] = p->shape[0]; want[1] = p->shape[1]; }
+    int ok = t->ndim == want_nd;
+    for (int d = 0; ok && d < want_nd; d++) ok = t->shape[d] == want[d];
+    if (!ok) {
+        char a[128], b[128];
+        fl_hf_fmt_shape(a, sizeof a, want_nd, want);
+        fl_hf_fmt_shape(b, sizeof b, t->ndim, t->shape);
+        return fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s': expected shape %s (from config.json) but the file has %s", f->path,
+                         t->name, a, b);
+    }
+    if (t->dtype != FL_F32 && t->dtype != FL_BF16 && t->dtype != FL_F16 && t->dtype != FL_F64)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: tensor '%s': dtype %s cannot be loaded as a parameter (F32, BF16, F16)",
+                         f->path, t->name, fl_dtype_name(t->dtype));
+    float *dst = m->params + p->offset;
+    size_t es = fl_dtype_size(t->dtype);
+    const void *src = t->data;
+    void *aligned = NULL;
+    if ((uintptr_t)src % es) { /* the format does not promise alignment: copy out first */
+        aligned = malloc(p->numel * es + 1);
+        if (!aligned) return fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", f->path, t->name);
+        memcpy(aligned, src, p->numel * es);
+        src = aligned;
+    }
+    fl_status s = FL_OK;
+    if (!(p->ndim == 2 && p->transposed_on_disk)) {
+        if (fl_convert(dst, FL_F32, src, t->dtype, p->numel))
+            s = fl_errorf(FL_ERR_INTERNAL, "%s: tensor '%s': conversion failed", f->path, t->name);
+    } else {
+        size_t out = (size_t)p->shape[0], in = (size_t)p->shape[1];
+        float *row = malloc(out * sizeof(float));
+        if (!row) s = fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", f->path, t->name);
+        for (size_t i = 0; row && i < in; i++) { /* disk row i: out elements */
+            fl_convert(row, FL_F32, (const char *)src + i * out * es, t->dtype, out);
+            for (size_t o = 0; o < out; o++) dst[o * in + i] = row[o];
+        }
+        free(row);
+    }
+    free(aligned);
+    return s;
+}
+
+typedef struct {
+    fl_st_file *files;
+    int n_files;
+    char (*names)[256]; /* shard file names */
+} fl_hf_shards;
+
+static void fl_hf_shards_free(fl_hf_shards *s) {
+    for (int i = 0; i < s->n_files; i++) fl_st_close(&s->files[i]);
+    free(s->files);
+    free(s->names);
+    memset(s, 0, sizeof *s);
+}
+
+/* Open model.safetensors or every shard named by the index (each once). */
+static fl_status fl_hf_open_shards(const char *dir, fl_hf_shards *sh) {
+    char path[FL_HF_PATH_MAX];
+    memset(sh, 0, sizeof *sh);
+    FL_TRY(fl_io_join(path, sizeof path, dir, "model.safetensors"));
+    if (fl_io_is_file(path)) {
+        sh->files = calloc(1, sizeof *sh->files);
+        if (!sh->files) return fl_errorf(FL_ERR_OOM, "%s: out of memory", path);
+        FL_TRY(fl_st_open(&sh->files[0], path));
+        sh->n_files = 1;
+        return FL_OK;
+    }
+    char ipath[FL_HF_PATH_MAX];
+    FL_TRY(fl_io_join(ipath, sizeof ipath, dir, "model.safetensors.index.json"));
+    if (!fl_io_is_file(ipath))
+        return fl_errorf(FL_ERR_NOT_FOUND, "%s: no model.safetensors or model.safetensors.index.json", dir);
+    fl_json *idx = NULL;
+    FL_TRY(fl_json_parse_file(ipath, &idx));
+    fl_status s = FL_OK;
+    const fl_json *wm = fl_json_get(idx, "weight_map");
+    if (!wm || wm->type != FL_JSON_OBJECT) {
+        s = fl_errorf(FL_ERR_FORMAT, "%s: missing key 'weight_map' (an object of tensor name -> shard file)", ipath);
+        goto done;
+    }
+    sh->files = calloc(wm->len ? wm->len : 1, sizeof *sh->files);
+    sh->names = calloc(wm->len ? wm->len : 1, sizeof *sh->names);
+    if (!sh->files || !sh->names) { s = fl_errorf(FL_ERR_OOM, "%s: out of memory", ipath); goto done; }
+    for (const fl_json *e = wm->child; e && s == FL_OK; e = e->next) {
+        if (e->type != FL_JSON_STRING) { s = fl_errorf(FL_ERR_FORMAT, "%s: weight_map['%s'] must be a file name string", ipath, e->key); break; }
+        if (strchr(e->str, '/') || strlen(e->str) >= sizeof sh->names[0] || !e->str[0]) {
+            s = fl_errorf(FL_ERR_FORMAT, "%s: weight_map['%s'] = '%s' is not a plain file name in the folder", ipath, e->key, e->str);
+            break;
+        }
+        int k = 0;
+        while (k < sh->n_files && strcmp(sh->names[k], e->str) != 0) k++;
+        if (k == sh->n_files) {
+            snprintf(sh->names[k], sizeof sh->names[k], "%s", e->str);
+            s = fl_io_join(path, sizeof path, dir, e->str);
+            if (s == FL_OK) s = fl_st_open(&sh->files[k], path);
+            if (s != FL_OK) break;
+            sh->n_files++;
+        }
+        if (!fl_st_find(&sh->files[k], e->key))
+            s = fl_errorf(FL_ERR_FORMAT, "%s: weight_map says tensor '%s' is in %s, but that shard does not have it", ipath, e->key, e->str);
+    }
+done:
+    fl_json_free(idx);
+    return s;
+}
+
+fl_status fl_hf_load_weights(fl_model *m, const char *dir) {
+    fl_hf_shards sh;
+    fl_status s = fl_hf_open_shards(dir, &sh);
+    if (s != FL_OK) { fl_hf_shards_free(&sh); return s; }
+    const fl_param_layout *lay = &m->layout;
+    char *seen = calloc((size_t)lay->n + 1, 1);
+    if (!seen) { fl_hf_shards_free(&sh); return fl_errorf(FL_ERR_OOM, "%s: out of memory", dir); }
+    int wte = fl_layout_find(lay, m->cfg.arch == FL_ARCH_GPT2 ? "transformer.wte.weight" : "model.embed_tokens.weight");
+    for (int fi = 0; fi < sh.n_files && s == FL_OK; fi++) {
+        const fl_st_file *f = &sh.files[fi];
+        for (int ti = 0; ti < f->n_tensors && s == FL_OK; ti++) {
+            const fl_st_tensor *t = &f->tensors[ti];
+            int k = fl_layout_find(lay, t->name);
+            if (k < 0) {
+                if (fl_hf_is_ignored_buffer(t->name)) continue;
+                if (m->cfg.tie_embeddings && strcmp(t->name, "lm_head.weight") == 0 && wte >= 0) {
+                    const fl_param_info *p = &lay->params[wte];
+                    if (t->ndim != 2 || t->shape[0] != p->shape[0] || t->shape[1] != p->shape[1])
+                        s = fl_errorf(FL_ERR_FORMAT, "%s: tensor 'lm_head.weight' (tied to the embeddings) has a shape different from %s",
+                                      f->path, p->name);
+                    continue; /* tied: the embedding is the head */
+                }
+                s = fl_errorf(FL_ERR_FORMAT, "%s: unexpected tensor '%s' (not a parameter of this %s model per config.json)",
+                              f->path, t->name, m->cfg.arch == FL_ARCH_GPT2 ? "GPT-2" : "LLaMA");
+                break;
+            }
+            if (seen[k]) {
+                s = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s' appears twice (as '%s')", f->path, lay->params[k].name, t->name);
+                break;
+            }
+            seen[k] = 1;
+            s = fl_hf_copy_tensor(m, &lay->params[k], f, t);
+        }
+    }
+    for (int k = 0; k < lay->n && s == FL_OK; k++)
+        if (!seen[k]) s = fl_errorf(FL_ERR_NOT_FOUND, "%s: tensor '%s' not found in the model files", dir, lay->params[k].name);
+    free(seen);
+    fl_hf_shards_free(&sh);
+    return s;
+}
+
+fl_status fl_hf_load_model(fl_model *m, const char *dir, const fl_backend *be, fl_mem_pool *pool) {
+    char path[FL_HF_PATH_MAX];
+    FL_TRY(fl_io_join(path, sizeof path, dir, "config.json"));
+    fl_model_config cfg;
+    FL_TRY(fl_hf_load_config(path, &cfg));
+    FL_TRY(fl_model_init(m, &cfg, be, pool));
+    fl_status s = fl_hf_load_weights(m, dir);
+    if (s != FL_OK) fl_model_free(m);
+    return s;
+}
+
+/* ---- saving ------------------------------------------------------------- */
+
+static fl_status fl_hf_write_files(const fl_model *m, const char *dir) {
+    char path[FL_HF_PATH_MAX];
+    const fl_param_layout *lay = &m->layout;
+    fl_st_write_tensor *t = calloc((size_t)lay->n + 1, sizeof *t);
+    if (!t) return fl_errorf(FL_ERR_OOM, "%s: out of memory", dir);
+    for (int k = 0; k < lay->n; k++) {
+        const fl_param_info *p = &lay->params[k];
+        t[k].name = p->name;
+        t[k].dtype = FL_F32;
+        t[k].src_dtype = FL_F32;
+        t[k].data = m->params + p->offset;
+        t[k].ndim = p->ndim;
+        if (p->ndim == 2 && p->transposed_on_disk) {
+            t[k].shape[0] = p->shape[1];
+            t[k].shape[1] = p->shape[0];
+            t[k].transpose2d = 1;
+        } else {
+            t[k].shape[0] = p->shape[0];
+            t[k].shape[1] = p->shape[1];
+        }
+    }
+    const char *mk[] = {"format"}, *mv[] = {"pt"};
+    fl_status s = fl_io_join(path, sizeof path, dir, "model.safetensors");
+    if (s == FL_OK) s = fl_st_write(path, t, lay->n, mk, mv, 1);
+    free(t);
+    if (s == FL_OK) s = fl_io_join(path, sizeof path, dir, "config.json");
+    if (s == FL_OK) s = fl_hf_save_config(path, &m->cfg);
+    return s;
+}
+
+fl_status fl_hf_save_model(const fl_model *m, const char *dir) {
+    if (!m || !m->params || !dir || !dir[0]) return fl_errorf(FL_ERR_INVALID, "fl_hf_save_model: no model or folder");
+    if (fl_io_is_dir(dir)) {
+        /* Existing folder (it may hold tokenizer files): replace our two files,
+         * each atomically (weights first, then the config). */
+        fl_status s = fl_hf_write_files(m, dir);
+        if (s == FL_OK) fl_io_sync_dir(dir);
+        return s;
+    }
+    /* New folder: build it beside the target, then rename it into place. */
+    char tmp[FL_HF_PATH_MAX];
+    size_t dl = strlen(dir);
+    while (dl > 1 && dir[dl - 1] == '/') dl--;
+    int w = snprintf(tmp, sizeof tmp, "%.*s.tmp-%ld", (int)dl, dir, (long)getpid());
+    if (w < 0 || (size_t)w >= sizeof tmp) return fl_errorf(FL_ERR_INVALID, "%s: path too long", dir);
+    fl_io_remove_flat_dir(tmp); /* stale leftover of a crashed save by this pid */
+    if (mkdir(tmp, 0755) != 0) return fl_errorf(FL_ERR_IO, "%s: cannot create folder %s: %s", dir, tmp, strerror(errno));
+    fl_status s = fl_hf_write_files(m, tmp);
+    if (s == FL_OK) {
+        fl_io_sync_dir(tmp);
+        if (rename(tmp, dir) != 0) s = fl_errorf(FL_ERR_IO, "%s: cannot rename %s into place: %s", dir, tmp, strerror(errno));
+    }
+    if (s != FL_OK) fl_io_remove_flat_dir(tmp);
+    return s;
+}

@@ -1,0 +1,23 @@
+/* fitllm io: small filesystem helpers shared by the model-file readers and
+ * writers (not public API). */
+#ifndef FITLLM_IO_INTERNAL_H
+#define FITLLM_IO_INTERNAL_H
+
+#include <stddef.h>
+
+#include "fitllm/status.h"
+
+/* Join dir and name with '/' into buf; FL_ERR_INVALID naming both if too long. */
+fl_status fl_io_join(char *buf, size_t n, const char *dir, const char *name);
+/* 1 if path exists and is a directory / regular file. */
+int fl_io_is_dir(const char *path);
+int fl_io_is_file(const char *path);
+/* Write len bytes to path atomically: path.tmp, fsync, rename; the temp file
+ * is removed on failure. */
+fl_status fl_io_write_file_atomic(const char *path, const void *data, size_t len);
+/* Remove a flat directory (its regular files, then itself); best effort. */
+void fl_io_remove_flat_dir(const char *path);
+/* fsync a directory so a rename inside it is durable; best effort. */
+void fl_io_sync_dir(const char *path);
+
+#endif
