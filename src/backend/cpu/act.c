@@ -1,6 +1,7 @@
 /* Activations: SwiGLU on the fused gate/up projection (LLaMA) and the tanh
- * GELU (GPT-2 "gelu_new"). Elementwise, parallel over rows / elements. The
- * exp/tanh come from the vectorizable helpers in cpu-impl.h. */
+ * GELU (GPT-2 "gelu_new"), evaluated through sigmoid(2u) = (1 + tanh u)/2.
+ * Elementwise, parallel over rows / elements; the sigmoid comes from the
+ * vectorizable exp in cpu-impl.h. */
 #include <math.h>
 #include <omp.h>
 
@@ -41,7 +42,9 @@ void fl_cpu_gelu_forward(const fl_backend *be, float *out /*(n)*/, const float *
     for (size_t i = 0; i < n; i++) {
         float x = inp[i];
         float u = GELU_K * (x + GELU_A * x * x * x);
-        out[i] = 0.5f * x * (1.0f + fl_cpu_tanhf(u));
+        /* 0.5 (1 + tanh u) == sigmoid(2u): same value, but without the
+         * cancellation of 1 + tanh(u) near -1 (large negative x). */
+        out[i] = x * fl_cpu_sigmoidf(2.0f * u);
     }
 }
 
@@ -51,9 +54,10 @@ void fl_cpu_gelu_backward(const fl_backend *be, float *dinp /*(n)*/, const float
     for (size_t i = 0; i < n; i++) {
         float x = inp[i];
         float u = GELU_K * (x + GELU_A * x * x * x);
-        float th = fl_cpu_tanhf(u);
-        float sech2 = 1.0f - th * th;
-        float g = 0.5f * (1.0f + th) + 0.5f * x * sech2 * GELU_K * (1.0f + 3.0f * GELU_A * x * x);
+        /* with sg = sigmoid(2u) = (1 + tanh u)/2:  1 - tanh^2 u = 4 sg (1 - sg), so
+         * d/dx = sg + 0.5 x (1 - tanh^2 u) K (1 + 3 A x^2) = sg + 2 x sg (1 - sg) K (1 + 3 A x^2). */
+        float sg = fl_cpu_sigmoidf(2.0f * u);
+        float g = sg + 2.0f * x * sg * (1.0f - sg) * GELU_K * (1.0f + 3.0f * GELU_A * x * x);
         dinp[i] += g * dout[i];
     }
 }

@@ -121,8 +121,4 @@ static inline float fl_cpu_expf(float x) {
 /* 1 / (1 + e^-x) */
 static inline float fl_cpu_sigmoidf(float x) { return 1.0f / (1.0f + fl_cpu_expf(-x)); }
 
-/* tanh(x) = 1 - 2 / (e^{2x} + 1): exact limits +-1 for large |x| (clamped exp),
- * absolute error ~1e-7 near 0 which is what GELU needs (it multiplies by x). */
-static inline float fl_cpu_tanhf(float x) { return 1.0f - 2.0f / (fl_cpu_expf(2.0f * x) + 1.0f); }
-
 #endif
