@@ -28,6 +28,7 @@
 
 #define BQ 32 /* query rows per forward work item */
 #define BK 32 /* keys per tile: two AVX-512 vectors of scores */
+#define RB 4  /* query rows processed together (register blocking); the code below is unrolled for 4 */
 #define MAXHD FL_CPU_ATTN_MAX_HD
 
 /* Transpose rows k0..k0+kn-1 of one head (row stride W) into Kt (HD, BK);
@@ -68,50 +69,77 @@ void fl_cpu_attention_forward(const fl_backend *be, float *out /*(B,T,NH*HD)*/, 
         const float *K = qkv + (size_t)b * T * W + (size_t)(NH + g) * HD;          // (T,HD) stride W
         const float *V = qkv + (size_t)b * T * W + (size_t)(NH + NKV + g) * HD;    // (T,HD) stride W
         float Kt[MAXHD * BK];  // (HD,BK) transposed key tile
+        float Qs[BQ * MAXHD];  // (BQ,HD) query tile, pre-scaled by 1/sqrt(HD); rows >= qn zero
         float O[BQ * MAXHD];   // (BQ,HD) unnormalized output accumulator
         float m[BQ], l[BQ];    // (BQ) running max / running sum
-        for (int r = 0; r < qn; r++) {
+        for (int r = 0; r < BQ; r++) {
+            for (int d = 0; d < HD; d++) Qs[r * HD + d] = O[r * HD + d] = 0.0f;
+            if (r < qn) {
+                const float *q = Q + (size_t)(q0 + r) * W;
+                for (int d = 0; d < HD; d++) Qs[r * HD + d] = q[d] * scale;
+            }
             m[r] = -INFINITY;
             l[r] = 0.0f;
-            for (int d = 0; d < HD; d++) O[r * HD + d] = 0.0f;
         }
         int kend = q0 + qn; /* causal: keys 0..q0+qn-1 */
         for (int k0 = 0; k0 < kend; k0 += BK) {
             int kn = kend - k0 < BK ? kend - k0 : BK;
             load_transposed(Kt, K + (size_t)k0 * W, W, kn, HD);
-            for (int r = 0; r < qn; r++) {
-                int t = q0 + r;
-                int jmax = t - k0 + 1 < kn ? t - k0 + 1 : kn; /* keys k0..k0+jmax-1 are visible */
-                if (jmax <= 0) continue;
-                const float *q = Q + (size_t)t * W;
-                float s[BK]; // (BK) scores of row t against the tile
-                for (int j = 0; j < BK; j++) s[j] = 0.0f;
+            /* RB query rows at a time: every Kt / V load feeds RB FMAs. */
+            for (int r0 = 0; r0 < qn; r0 += RB) {
+                float s[RB][BK]; // (RB,BK) scores, then probabilities
+                int jm[RB];      // visible keys per row (0 for padding rows)
+                for (int r = 0; r < RB; r++) {
+                    int t = q0 + r0 + r, j = t - k0 + 1;
+                    jm[r] = r0 + r >= qn ? 0 : j < kn ? j : kn;
+                    for (int j2 = 0; j2 < BK; j2++) s[r][j2] = 0.0f;
+                }
                 for (int d = 0; d < HD; d++) {
-                    float qd = q[d] * scale;
+                    const float *kt = Kt + d * BK;
+                    for (int r = 0; r < RB; r++) {
+                        float a = Qs[(r0 + r) * HD + d];
 #pragma omp simd
-                    for (int j = 0; j < BK; j++) s[j] += qd * Kt[d * BK + j];
+                        for (int j = 0; j < BK; j++) s[r][j] += a * kt[j];
+                    }
                 }
-                float smax = -INFINITY;
-                for (int j = 0; j < jmax; j++) smax = s[j] > smax ? s[j] : smax;
-                float mnew = smax > m[r] ? smax : m[r];
-                float corr = fl_cpu_expf(m[r] - mnew); /* first tile: m=-inf -> ~0, O and l are 0 */
-                float ps = 0.0f;
+                int jmx = 0;
+                for (int r = 0; r < RB; r++) {
+                    int rr = r0 + r, jmax = jm[r];
+                    jmx = jmax > jmx ? jmax : jmx;
+                    if (jmax <= 0) { /* padding row (or no visible key): contributes nothing */
+                        for (int j = 0; j < BK; j++) s[r][j] = 0.0f;
+                        continue;
+                    }
+                    float smax = -INFINITY;
+                    for (int j = 0; j < jmax; j++) smax = s[r][j] > smax ? s[r][j] : smax;
+                    float mnew = smax > m[rr] ? smax : m[rr];
+                    float corr = fl_cpu_expf(m[rr] - mnew); /* first tile: m=-inf -> ~0, O and l are 0 */
+                    float ps = 0.0f;
 #pragma omp simd reduction(+ : ps)
-                for (int j = 0; j < BK; j++) {
-                    float p = j < jmax ? fl_cpu_expf(s[j] - mnew) : 0.0f;
-                    s[j] = p;
-                    ps += p;
+                    for (int j = 0; j < BK; j++) {
+                        float p = j < jmax ? fl_cpu_expf(s[r][j] - mnew) : 0.0f;
+                        s[r][j] = p;
+                        ps += p;
+                    }
+                    l[rr] = l[rr] * corr + ps;
+                    m[rr] = mnew;
+                    float *o = O + rr * HD;
+#pragma omp simd
+                    for (int d = 0; d < HD; d++) o[d] *= corr;
                 }
-                l[r] = l[r] * corr + ps;
-                m[r] = mnew;
-                float *o = O + r * HD;
-#pragma omp simd
-                for (int d = 0; d < HD; d++) o[d] *= corr;
-                for (int j = 0; j < jmax; j++) {
+                /* O[r] += P[r,j] V[j]; masked / padding entries of P are exactly 0. */
+                float *o0 = O + r0 * HD, *o1 = o0 + HD, *o2 = o1 + HD, *o3 = o2 + HD;
+                for (int j = 0; j < jmx; j++) {
                     const float *v = V + (size_t)(k0 + j) * W;
-                    float p = s[j];
+                    float p0 = s[0][j], p1 = s[1][j], p2 = s[2][j], p3 = s[3][j];
 #pragma omp simd
-                    for (int d = 0; d < HD; d++) o[d] += p * v[d];
+                    for (int d = 0; d < HD; d++) {
+                        float vd = v[d];
+                        o0[d] += p0 * vd;
+                        o1[d] += p1 * vd;
+                        o2[d] += p2 * vd;
+                        o3[d] += p3 * vd;
+                    }
                 }
             }
         }
@@ -147,8 +175,10 @@ void fl_cpu_attention_backward(const fl_backend *be, float *dqkv /*(B,T,(NH+2*NK
         const float *V = base + (size_t)(NH + NKV + g) * HD; // (T,HD) stride W
         float Kt[MAXHD * BK], Vt[MAXHD * BK]; // (HD,BK) transposed key / value tiles
         float dK[BK * MAXHD], dV[BK * MAXHD]; // (BK,HD) tile gradient accumulators
-        float qs[MAXHD], dq[MAXHD];           // (HD) scaled query row, its dQ contribution
-        float s[BK], dp[BK];                  // (BK) scores -> P, dP -> dS
+        float qs[RB][MAXHD], go[RB][MAXHD], dq[RB][MAXHD]; // (RB,HD) scaled q, dO, dQ of a row block
+        float s[RB][BK], dp[RB][BK];                        // (RB,BK) scores -> P, dP -> dS
+        float D[RB], lt[RB];                                // (RB) dO.O and lse per row
+        int jm[RB];                                         // (RB) visible keys per row
         for (int k0 = 0; k0 < T; k0 += BK) {
             int kn = T - k0 < BK ? T - k0 : BK;
             load_transposed(Kt, K + (size_t)k0 * W, W, kn, HD);
@@ -157,46 +187,79 @@ void fl_cpu_attention_backward(const fl_backend *be, float *dqkv /*(B,T,(NH+2*NK
             memset(dV, 0, sizeof(float) * (size_t)kn * HD);
             for (int h = g * rep; h < (g + 1) * rep; h++) {
                 const float *L = lse + ((size_t)b * NH + h) * T; // (T)
-                for (int t = k0; t < T; t++) { /* causal: only rows t >= k0 see this tile */
-                    int jmax = t - k0 + 1 < kn ? t - k0 + 1 : kn;
-                    const float *q = base + (size_t)t * W + (size_t)h * HD;
-                    const float *dO = dout + ((size_t)b * T + t) * OW + (size_t)h * HD;
-                    const float *o = out + ((size_t)b * T + t) * OW + (size_t)h * HD;
-                    float D = 0.0f;
-#pragma omp simd reduction(+ : D)
-                    for (int d = 0; d < HD; d++) D += dO[d] * o[d];
-                    for (int j = 0; j < BK; j++) s[j] = dp[j] = 0.0f;
+                /* causal: only rows t >= k0 see this tile; RB rows at a time so
+                 * each Kt/Vt load and each dK/dV row update serves RB rows.
+                 * Padding rows (t >= T) have zero q/dO and P = dS = 0. */
+                for (int t0 = k0; t0 < T; t0 += RB) {
+                    for (int r = 0; r < RB; r++) {
+                        int t = t0 + r;
+                        if (t < T) {
+                            const float *q = base + (size_t)t * W + (size_t)h * HD;
+                            const float *dO = dout + ((size_t)b * T + t) * OW + (size_t)h * HD;
+                            const float *o = out + ((size_t)b * T + t) * OW + (size_t)h * HD;
+                            float Dr = 0.0f;
+#pragma omp simd reduction(+ : Dr)
+                            for (int d = 0; d < HD; d++) Dr += dO[d] * o[d];
+                            for (int d = 0; d < HD; d++) {
+                                qs[r][d] = q[d] * scale;
+                                go[r][d] = dO[d];
+                            }
+                            D[r] = Dr;
+                            lt[r] = L[t];
+                            jm[r] = t - k0 + 1 < kn ? t - k0 + 1 : kn;
+                        } else {
+                            for (int d = 0; d < HD; d++) qs[r][d] = go[r][d] = 0.0f;
+                            D[r] = lt[r] = 0.0f;
+                            jm[r] = 0;
+                        }
+                        for (int j = 0; j < BK; j++) s[r][j] = dp[r][j] = 0.0f;
+                    }
                     for (int d = 0; d < HD; d++) {
-                        float qd = q[d] * scale, gd = dO[d];
-                        qs[d] = qd;
+                        const float *kt = Kt + d * BK, *vt = Vt + d * BK;
+                        for (int r = 0; r < RB; r++) {
+                            float a = qs[r][d], gd = go[r][d];
+#pragma omp simd
+                            for (int j = 0; j < BK; j++) {
+                                s[r][j] += a * kt[j];
+                                dp[r][j] += gd * vt[j];
+                            }
+                        }
+                    }
+                    int jmx = 0;
+                    for (int r = 0; r < RB; r++) {
+                        int jmax = jm[r];
+                        float Lr = lt[r], Dr = D[r];
+                        jmx = jmax > jmx ? jmax : jmx;
 #pragma omp simd
                         for (int j = 0; j < BK; j++) {
-                            s[j] += qd * Kt[d * BK + j];
-                            dp[j] += gd * Vt[d * BK + j];
+                            float p = j < jmax ? fl_cpu_expf(s[r][j] - Lr) : 0.0f;
+                            s[r][j] = p;
+                            dp[r][j] = p * (dp[r][j] - Dr); /* dS (without the scale) */
                         }
+                        for (int d = 0; d < HD; d++) dq[r][d] = 0.0f;
                     }
-                    float lt = L[t];
-#pragma omp simd
-                    for (int j = 0; j < BK; j++) {
-                        float p = j < jmax ? fl_cpu_expf(s[j] - lt) : 0.0f;
-                        s[j] = p;
-                        dp[j] = p * (dp[j] - D); /* dS (without the scale) */
-                    }
-                    for (int d = 0; d < HD; d++) dq[d] = 0.0f;
-                    for (int j = 0; j < jmax; j++) {
-                        float p = s[j], ds = dp[j];
+                    for (int j = 0; j < jmx; j++) {
                         float *dv = dV + j * HD, *dk = dK + j * HD;
                         const float *kr = K + (size_t)(k0 + j) * W;
+                        float p0 = s[0][j], p1 = s[1][j], p2 = s[2][j], p3 = s[3][j];
+                        float e0 = dp[0][j], e1 = dp[1][j], e2 = dp[2][j], e3 = dp[3][j];
 #pragma omp simd
                         for (int d = 0; d < HD; d++) {
-                            dv[d] += p * dO[d];
-                            dk[d] += ds * qs[d]; /* scale folded into qs */
-                            dq[d] += ds * kr[d];
+                            dv[d] += p0 * go[0][d] + p1 * go[1][d] + p2 * go[2][d] + p3 * go[3][d];
+                            /* scale folded into qs */
+                            dk[d] += e0 * qs[0][d] + e1 * qs[1][d] + e2 * qs[2][d] + e3 * qs[3][d];
+                            float kd = kr[d];
+                            dq[0][d] += e0 * kd;
+                            dq[1][d] += e1 * kd;
+                            dq[2][d] += e2 * kd;
+                            dq[3][d] += e3 * kd;
                         }
                     }
-                    float *dqr = dbase + (size_t)t * W + (size_t)h * HD;
+                    for (int r = 0; r < RB && t0 + r < T; r++) {
+                        float *dqr = dbase + (size_t)(t0 + r) * W + (size_t)h * HD;
 #pragma omp simd
-                    for (int d = 0; d < HD; d++) dqr[d] += scale * dq[d];
+                        for (int d = 0; d < HD; d++) dqr[d] += scale * dq[r][d];
+                    }
                 }
             }
             for (int j = 0; j < kn; j++) {
