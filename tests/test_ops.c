@@ -211,7 +211,7 @@ FL_TEST(ops_embedding) {
     int32_t ids[10] = {3, 7, 3, 0, 10, 7, 7, 2, 3, 9}; /* repeats within and across batches */
     float *wte = frand(&r, V * C, -1, 1), *wpe = frand(&r, maxT * C, -1, 1);
     float *out = frand(&r, B * T * C, -9, 9), *R = frand(&r, B * T * C, -1, 1);
-    emb_ctx c = {d_of(wte, V * C), d_of(wpe, maxT * C), ids, R, B, T, C, malloc(sizeof(double) * B * T * C)};
+    emb_ctx c = {d_of(wte, V * C), NULL, ids, R, B, T, C, malloc(sizeof(double) * B * T * C)};
     for (int with_pe = 0; with_pe < 2; with_pe++) {
         c.wpe = with_pe ? d_of(wpe, maxT * C) : NULL;
         be.embedding_forward(&be, out, ids, wte, with_pe ? wpe : NULL, B, T, C);
@@ -483,8 +483,10 @@ static void attn_case(int B, int T, int NH, int NKV, int HD, size_t nsample) {
 
     float *dqkv = frand(&r, nq, -1, 1), *pre = fdup(dqkv, nq);
     be.attention_backward(&be, dqkv, R, qkv, out, lse, B, T, NH, NKV, HD);
-    c.lse = NULL;
+    double *lse_keep = c.lse;
+    c.lse = NULL; /* the FD loss does not need lse */
     FD_CHECK(what, dqkv, pre, c.qkv, nq, attn_loss, &c, nsample);
+    free(lse_keep);
 
     /* determinism: bit-identical across runs and, by construction, thread counts */
     fl_backend ref;
@@ -706,8 +708,9 @@ FL_TEST(ops_adamw) {
     }
     float *wp = f_of(dp, n), *wm = f_of(dm, n), *wv = f_of(dv, n);
     FL_CHECK(fl_test_allclose("adamw p", p, wp, n, 1e-5, 1e-7));
-    FL_CHECK(fl_test_allclose("adamw m", m, wm, n, 1e-5, 1e-9));
-    FL_CHECK(fl_test_allclose("adamw v", v, wv, n, 1e-5, 1e-12));
+    /* m can cancel to far below |g| ~ 1, so its float error is ~ulp(|g|), not ulp(m) */
+    FL_CHECK(fl_test_allclose("adamw m", m, wm, n, 1e-5, 1e-7));
+    FL_CHECK(fl_test_allclose("adamw v", v, wv, n, 1e-5, 1e-9));
     free(p); free(m); free(v); free(dp); free(dm); free(dv); free(wp); free(wm); free(wv);
 }
 
