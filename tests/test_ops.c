@@ -797,3 +797,15 @@ FL_TEST(ops_attention_timing) {
     FL_CHECK(isfinite(dqkv[0]) && isfinite(out[no - 1]));
     free(qkv); free(dout); free(out); free(lse); free(dqkv);
 }
+
+FL_TEST(ops_attention_hd_too_large_is_loud) {
+    /* HD beyond the fixed stack tiles must not silently compute garbage */
+    fl_backend be = cpu2();
+    const int B = 1, T = 3, NH = 1, NKV = 1, HD = FL_CPU_ATTN_MAX_HD + 2;
+    size_t nq = (size_t)B * T * 3 * HD, no = (size_t)B * T * HD;
+    float *qkv = calloc(nq, 4), *out = calloc(no, 4), *lse = calloc(T, 4), *dq = calloc(nq, 4);
+    be.attention_forward(&be, out, lse, qkv, B, T, NH, NKV, HD);
+    be.attention_backward(&be, dq, out, qkv, out, lse, B, T, NH, NKV, HD);
+    FL_CHECK(isnan(out[0]) && isnan(lse[T - 1]) && isnan(dq[nq - 1]));
+    free(qkv); free(out); free(lse); free(dq);
+}
