@@ -1,0 +1,63 @@
+/* Activations: SwiGLU on the fused gate/up projection (LLaMA) and the tanh
+ * GELU (GPT-2 "gelu_new"), evaluated through sigmoid(2u) = (1 + tanh u)/2.
+ * Elementwise, parallel over rows / elements; the sigmoid comes from the
+ * vectorizable exp in cpu-impl.h. */
+#include <math.h>
+#include <omp.h>
+
+#include "backend/cpu/cpu-impl.h"
+
+#define GELU_K 0.7978845608028654f /* sqrt(2/pi) */
+#define GELU_A 0.044715f
+
+void fl_cpu_swiglu_forward(const fl_backend *be, float *out /*(N,F)*/, const float *gu /*(N,2F)*/, int N, int F) {
+#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+    for (int n = 0; n < N; n++) {
+        const float *g = gu + (size_t)n * 2 * F, *u = g + F; // (F) gate, (F) up
+        float *o = out + (size_t)n * F;
+#pragma omp simd
+        for (int i = 0; i < F; i++) o[i] = g[i] * fl_cpu_sigmoidf(g[i]) * u[i];
+    }
+}
+
+void fl_cpu_swiglu_backward(const fl_backend *be, float *dgu /*(N,2F)*/, const float *dout /*(N,F)*/,
+                            const float *gu /*(N,2F)*/, int N, int F) {
+#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+    for (int n = 0; n < N; n++) {
+        const float *g = gu + (size_t)n * 2 * F, *u = g + F;
+        const float *d = dout + (size_t)n * F;
+        float *dg = dgu + (size_t)n * 2 * F, *du = dg + F;
+#pragma omp simd
+        for (int i = 0; i < F; i++) {
+            float sg = fl_cpu_sigmoidf(g[i]);
+            /* d silu/dg = sig + g sig (1 - sig) */
+            dg[i] += d[i] * u[i] * sg * (1.0f + g[i] * (1.0f - sg));
+            du[i] += d[i] * g[i] * sg;
+        }
+    }
+}
+
+void fl_cpu_gelu_forward(const fl_backend *be, float *out /*(n)*/, const float *inp /*(n)*/, size_t n) {
+#pragma omp parallel for simd num_threads(be->n_threads) schedule(static)
+    for (size_t i = 0; i < n; i++) {
+        float x = inp[i];
+        float u = GELU_K * (x + GELU_A * x * x * x);
+        /* 0.5 (1 + tanh u) == sigmoid(2u): same value, but without the
+         * cancellation of 1 + tanh(u) near -1 (large negative x). */
+        out[i] = x * fl_cpu_sigmoidf(2.0f * u);
+    }
+}
+
+void fl_cpu_gelu_backward(const fl_backend *be, float *dinp /*(n)*/, const float *dout /*(n)*/,
+                          const float *inp /*(n)*/, size_t n) {
+#pragma omp parallel for simd num_threads(be->n_threads) schedule(static)
+    for (size_t i = 0; i < n; i++) {
+        float x = inp[i];
+        float u = GELU_K * (x + GELU_A * x * x * x);
+        /* with sg = sigmoid(2u) = (1 + tanh u)/2:  1 - tanh^2 u = 4 sg (1 - sg), so
+         * d/dx = sg + 0.5 x (1 - tanh^2 u) K (1 + 3 A x^2) = sg + 2 x sg (1 - sg) K (1 + 3 A x^2). */
+        float sg = fl_cpu_sigmoidf(2.0f * u);
+        float g = sg + 2.0f * x * sg * (1.0f - sg) * GELU_K * (1.0f + 3.0f * GELU_A * x * x);
+        dinp[i] += g * dout[i];
+    }
+}

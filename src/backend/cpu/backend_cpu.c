@@ -1,0 +1,60 @@
+/* The CPU backend vtable: the fast CPU ops (OpenMP) and the reference backend
+ * (the same ops on one thread with the naive GEMM). */
+#include <omp.h>
+
+#include "backend/cpu/cpu-impl.h"
+
+static void fill_ops(fl_backend *be) {
+    be->embedding_forward = fl_cpu_embedding_forward;
+    be->embedding_backward = fl_cpu_embedding_backward;
+    be->rmsnorm_forward = fl_cpu_rmsnorm_forward;
+    be->rmsnorm_backward = fl_cpu_rmsnorm_backward;
+    be->layernorm_forward = fl_cpu_layernorm_forward;
+    be->layernorm_backward = fl_cpu_layernorm_backward;
+    be->rope_forward = fl_cpu_rope_forward;
+    be->rope_backward = fl_cpu_rope_backward;
+    be->attention_forward = fl_cpu_attention_forward;
+    be->attention_backward = fl_cpu_attention_backward;
+    be->swiglu_forward = fl_cpu_swiglu_forward;
+    be->swiglu_backward = fl_cpu_swiglu_backward;
+    be->gelu_forward = fl_cpu_gelu_forward;
+    be->gelu_backward = fl_cpu_gelu_backward;
+    be->add = fl_cpu_add;
+    be->bias_forward = fl_cpu_bias_forward;
+    be->bias_backward = fl_cpu_bias_backward;
+    be->cross_entropy = fl_cpu_cross_entropy;
+    be->adamw_update = fl_cpu_adamw_update;
+    be->sgd_update = fl_cpu_sgd_update;
+    be->sumsq = fl_cpu_sumsq;
+    be->scale = fl_cpu_scale;
+    be->zero = fl_cpu_zero;
+}
+
+fl_status fl_cpu_backend_init(fl_backend *be, int n_threads) {
+    if (!be) return fl_errorf(FL_ERR_INVALID, "fl_cpu_backend_init: NULL backend");
+    memset(be, 0, sizeof *be);
+    be->name = "cpu";
+    be->device = FL_DEV_CPU;
+    be->n_threads = n_threads > 0 ? n_threads : omp_get_max_threads();
+    if (be->n_threads > FL_CPU_MAX_THREADS) be->n_threads = FL_CPU_MAX_THREADS;
+    be->gemm_name = fl_cpu_gemm_library();
+    be->gemm = fl_cpu_gemm;
+    fill_ops(be);
+    return FL_OK;
+}
+
+void fl_cpu_backend_free(fl_backend *be) {
+    if (be) memset(be, 0, sizeof *be);
+}
+
+fl_status fl_ref_backend_init(fl_backend *be) {
+    if (!be) return fl_errorf(FL_ERR_INVALID, "fl_ref_backend_init: NULL backend");
+    memset(be, 0, sizeof *be);
+    be->name = "ref";
+    be->device = FL_DEV_CPU;
+    be->n_threads = 1;
+    be->gemm_name = "naive";
+    be->gemm = fl_cpu_gemm_naive;
+    fill_ops(be);
+    return FL_OK;
+}

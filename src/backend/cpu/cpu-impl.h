@@ -1,0 +1,124 @@
+/* fitllm CPU backend: private declarations shared by the op files.
+ *
+ * Each op family lives in its own file (embedding.c, norm.c, rope.c,
+ * attention.c, act.c, elementwise.c, xent.c, optim.c); backend_cpu.c wires
+ * them into the vtable. The GEMM lives in gemm.c (OpenBLAS / oneDNN / naive).
+ * Semantics of every op: see include/fitllm/backend.h.
+ */
+#ifndef FITLLM_CPU_IMPL_H
+#define FITLLM_CPU_IMPL_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "fitllm/backend.h"
+
+/* Largest head dimension attention supports: its tiles are fixed-size stack
+ * buffers sized for this (ops never allocate). Covers LLaMA (64/128) and
+ * Gemma-style 256. Larger HD fills the outputs with NaN so misuse is loud;
+ * model setup should reject such configs up front. */
+#define FL_CPU_ATTN_MAX_HD 256
+
+/* Upper bound on threads for ops that keep per-thread partial sums on the stack. */
+#define FL_CPU_MAX_THREADS 256
+
+/* ---- gemm (gemm.c) ------------------------------------------------------ */
+fl_status fl_cpu_gemm(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                      const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta, void *C,
+                      fl_dtype tc, int ldc);
+/* Plain triple loop, single-threaded: the reference the fast GEMM is tested against. */
+fl_status fl_cpu_gemm_naive(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                            const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
+                            void *C, fl_dtype tc, int ldc);
+/* "openblas", "onednn" or "naive". */
+const char *fl_cpu_gemm_library(void);
+
+/* ---- embedding.c ---------------------------------------------------------- */
+void fl_cpu_embedding_forward(const fl_backend *be, float *out, const int32_t *ids, const float *wte,
+                              const float *wpe, int B, int T, int C);
+void fl_cpu_embedding_backward(const fl_backend *be, float *dwte, float *dwpe, const float *dout,
+                               const int32_t *ids, int B, int T, int C);
+
+/* ---- norm.c --------------------------------------------------------------- */
+void fl_cpu_rmsnorm_forward(const fl_backend *be, float *out, float *rstd, const float *inp, const float *w, int N,
+                            int C, float eps);
+void fl_cpu_rmsnorm_backward(const fl_backend *be, float *dinp, float *dw, const float *dout, const float *inp,
+                             const float *w, const float *rstd, int N, int C);
+void fl_cpu_layernorm_forward(const fl_backend *be, float *out, float *mean, float *rstd, const float *inp,
+                              const float *w, const float *b, int N, int C, float eps);
+void fl_cpu_layernorm_backward(const fl_backend *be, float *dinp, float *dw, float *db, const float *dout,
+                               const float *inp, const float *w, const float *mean, const float *rstd, int N, int C);
+
+/* ---- rope.c ----------------------------------------------------------------- */
+void fl_cpu_rope_forward(const fl_backend *be, float *x, int B, int T, int nh, int HD, size_t row_stride,
+                         const float *cos_t, const float *sin_t, int pos0);
+void fl_cpu_rope_backward(const fl_backend *be, float *dx, int B, int T, int nh, int HD, size_t row_stride,
+                          const float *cos_t, const float *sin_t, int pos0);
+
+/* ---- attention.c -------------------------------------------------------------- */
+void fl_cpu_attention_forward(const fl_backend *be, float *out, float *lse, const float *qkv, int B, int T, int NH,
+                              int NKV, int HD);
+void fl_cpu_attention_backward(const fl_backend *be, float *dqkv, const float *dout, const float *qkv,
+                               const float *out, const float *lse, int B, int T, int NH, int NKV, int HD);
+
+/* ---- act.c -------------------------------------------------------------------- */
+void fl_cpu_swiglu_forward(const fl_backend *be, float *out, const float *gu, int N, int F);
+void fl_cpu_swiglu_backward(const fl_backend *be, float *dgu, const float *dout, const float *gu, int N, int F);
+void fl_cpu_gelu_forward(const fl_backend *be, float *out, const float *inp, size_t n);
+void fl_cpu_gelu_backward(const fl_backend *be, float *dinp, const float *dout, const float *inp, size_t n);
+
+/* ---- elementwise.c -------------------------------------------------------------- */
+void fl_cpu_add(const fl_backend *be, float *out, const float *a, const float *b, size_t n);
+void fl_cpu_bias_forward(const fl_backend *be, float *y, const float *b, int N, int OC);
+void fl_cpu_bias_backward(const fl_backend *be, float *db, const float *dy, int N, int OC);
+double fl_cpu_sumsq(const fl_backend *be, const float *x, size_t n);
+void fl_cpu_scale(const fl_backend *be, float *x, size_t n, float s);
+void fl_cpu_zero(const fl_backend *be, void *x, size_t bytes);
+
+/* ---- xent.c ----------------------------------------------------------------------- */
+void fl_cpu_cross_entropy(const fl_backend *be, float *loss, float *dlogits, const float *logits,
+                          const int32_t *targets, int N, int V, float grad_scale, int ignore_index);
+
+/* ---- optim.c ---------------------------------------------------------------------- */
+void fl_cpu_adamw_update(const fl_backend *be, float *p, const float *g, float *m, float *v, size_t n, float lr,
+                         float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale);
+void fl_cpu_sgd_update(const fl_backend *be, float *p, const float *g, float *buf, size_t n, float lr,
+                       float momentum, float dampening, float weight_decay, int nesterov, int first_step,
+                       float grad_scale);
+
+/* ---- shared math helpers ------------------------------------------------------------ */
+
+/* Vectorizable expf. glibc's expf is a scalar call that gcc only vectorizes
+ * (via libmvec) under -ffast-math, which we do not use; softmax, sigmoid and
+ * tanh sit in hot loops, so we use a branch-free Cody-Waite reduction
+ * x = n*ln2 + r, |r| <= ln2/2, and a degree-7 Taylor polynomial for e^r
+ * (truncation error < 2e-8 relative, i.e. about 1 ulp). The input is clamped
+ * to [-87, 88] so the exponent bits stay in the normal range: exp(-87) ~ 1.6e-38
+ * stands in for 0 and callers that need an exact 0 (masked scores) set it
+ * themselves. -inf clamps to -87 (no NaN); NaN inputs give NaN. */
+static inline float fl_cpu_expf(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    x = x > 88.0f ? 88.0f : x;
+    /* round(x / ln2) with the 1.5*2^23 trick (no reassociation without fast-math). */
+    const float shifter = 12582912.0f;
+    float n = (x * 1.44269504088896341f + shifter) - shifter;
+    float r = x - n * 0.693359375f;    /* ln2 high part (exact in float) */
+    r = r - n * -2.12194440e-4f;       /* ln2 low part */
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { int32_t i; float f; } s;
+    s.i = ((int32_t)n + 127) << 23;
+    return p * s.f;
+}
+
+/* 1 / (1 + e^-x) */
+static inline float fl_cpu_sigmoidf(float x) { return 1.0f / (1.0f + fl_cpu_expf(-x)); }
+
+#endif

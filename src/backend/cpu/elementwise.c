@@ -1,0 +1,74 @@
+/* Elementwise ops, bias, and the deterministic sum of squares (grad-norm clipping).
+ *
+ * Everything here is either purely elementwise (any partition gives the same
+ * bits) or a reduction whose partition is fixed by n_threads alone, so the
+ * result is reproducible for a fixed thread count. */
+#include <omp.h>
+
+#include "backend/cpu/cpu-impl.h"
+
+/* Column block owned by one thread in column-parallel reductions: wide enough
+ * for two AVX-512 vectors, small enough to spread OC=768 over many threads. */
+#define COL_BLOCK 32
+
+void fl_cpu_zero(const fl_backend *be, void *x, size_t bytes) {
+    (void)be;
+    if (bytes) memset(x, 0, bytes);
+}
+
+void fl_cpu_scale(const fl_backend *be, float *x /*(n)*/, size_t n, float s) {
+#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+    for (size_t i = 0; i < n; i++) x[i] *= s;
+}
+
+void fl_cpu_add(const fl_backend *be, float *out /*(n)*/, const float *a /*(n)*/, const float *b /*(n)*/, size_t n) {
+    /* out may alias a or b: each element is read before it is written. */
+#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+    for (size_t i = 0; i < n; i++) out[i] = a[i] + b[i];
+}
+
+void fl_cpu_bias_forward(const fl_backend *be, float *y /*(N,OC)*/, const float *b /*(OC)*/, int N, int OC) {
+#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+    for (int n = 0; n < N; n++) {
+        float *yr = y + (size_t)n * OC;
+#pragma omp simd
+        for (int o = 0; o < OC; o++) yr[o] += b[o];
+    }
+}
+
+void fl_cpu_bias_backward(const fl_backend *be, float *db /*(OC)*/, const float *dy /*(N,OC)*/, int N, int OC) {
+    if (!db) return;
+    /* Parallel over column blocks; each column is summed over rows in order by
+     * one thread, so the result does not even depend on the thread count. */
+    int nblk = (OC + COL_BLOCK - 1) / COL_BLOCK;
+#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+    for (int blk = 0; blk < nblk; blk++) {
+        int c0 = blk * COL_BLOCK, c1 = c0 + COL_BLOCK < OC ? c0 + COL_BLOCK : OC;
+        float acc[COL_BLOCK]; // (COL_BLOCK) column partial sums
+        for (int c = 0; c < COL_BLOCK; c++) acc[c] = 0.0f;
+        for (int n = 0; n < N; n++) {
+            const float *r = dy + (size_t)n * OC;
+            for (int c = c0; c < c1; c++) acc[c - c0] += r[c];
+        }
+        for (int c = c0; c < c1; c++) db[c] += acc[c - c0];
+    }
+}
+
+double fl_cpu_sumsq(const fl_backend *be, const float *x /*(n)*/, size_t n) {
+    /* Fixed static partition into nt chunks (nt = the backend's thread count,
+     * independent of how many threads OpenMP actually gives us); partial sums
+     * are combined in chunk order. */
+    int nt = be->n_threads < 1 ? 1 : be->n_threads > FL_CPU_MAX_THREADS ? FL_CPU_MAX_THREADS : be->n_threads;
+    double part[FL_CPU_MAX_THREADS]; // (nt) per-chunk partial sums
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int c = 0; c < nt; c++) {
+        size_t i0 = n * (size_t)c / (size_t)nt, i1 = n * (size_t)(c + 1) / (size_t)nt;
+        double s = 0.0;
+#pragma omp simd reduction(+ : s)
+        for (size_t i = i0; i < i1; i++) s += (double)x[i] * (double)x[i];
+        part[c] = s;
+    }
+    double s = 0.0;
+    for (int c = 0; c < nt; c++) s += part[c];
+    return s;
+}
