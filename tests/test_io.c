@@ -925,3 +925,25 @@ FL_TEST(real_tiny_gpt2) {
     FL_CHECK(fl_mem_live_count(&pool) == 0);
     fl_mem_pool_free(&pool);
 }
+
+/* transformers 5 writes rope_theta and the scaling inside "rope_parameters". */
+FL_TEST(config_llama_rope_parameters_v5) {
+    const char *d = tdir();
+    const char *p = pj(d, "config.json");
+    FL_REQUIRE(write_text(p, "{\"model_type\": \"llama\", \"hidden_size\": 16, \"intermediate_size\": 24,"
+                             " \"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"vocab_size\": 32,"
+                             " \"max_position_embeddings\": 32, \"rms_norm_eps\": 1e-05,"
+                             " \"rope_parameters\": {\"rope_theta\": 500000.0, \"rope_type\": \"llama3\", \"factor\": 32.0,"
+                             " \"low_freq_factor\": 1.0, \"high_freq_factor\": 4.0,"
+                             " \"original_max_position_embeddings\": 8192}}") == 0);
+    fl_model_config c;
+    FL_REQUIRE_OK(fl_hf_load_config(p, &c));
+    FL_CHECK(c.rope_theta == 500000.0f && c.rope_scaling.type == FL_ROPE_LLAMA3 && c.rope_scaling.factor == 32.0f);
+    FL_CHECK(c.rope_scaling.original_max_position == 8192);
+    FL_REQUIRE(write_text(p, "{\"model_type\": \"llama\", \"hidden_size\": 16, \"intermediate_size\": 24,"
+                             " \"num_hidden_layers\": 2, \"num_attention_heads\": 4, \"vocab_size\": 32,"
+                             " \"max_position_embeddings\": 32, \"rms_norm_eps\": 1e-05,"
+                             " \"rope_parameters\": {\"rope_theta\": 20000.0, \"rope_type\": \"default\"}}") == 0);
+    FL_REQUIRE_OK(fl_hf_load_config(p, &c));
+    FL_CHECK(c.rope_theta == 20000.0f && c.rope_scaling.type == FL_ROPE_NONE);
+}

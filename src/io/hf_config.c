@@ -68,16 +68,18 @@ static fl_status fl_hf_str(const char *path, const fl_json *o, const char *key, 
     return FL_OK;
 }
 
-static fl_status fl_hf_rope_scaling(const char *path, const fl_json *root, fl_rope_scaling *rs) {
+/* rope_scaling (transformers <= 4) or rope_parameters (transformers 5, which
+ * also moves rope_theta inside it): `key` names the object. */
+static fl_status fl_hf_rope_scaling(const char *path, const fl_json *root, const char *key, fl_rope_scaling *rs) {
     memset(rs, 0, sizeof *rs);
-    const fl_json *j = fl_hf_key(root, "rope_scaling");
+    const fl_json *j = fl_hf_key(root, key);
     if (!j) return FL_OK;
     if (j->type != FL_JSON_OBJECT)
-        return fl_errorf(FL_ERR_FORMAT, "%s: key 'rope_scaling' must be an object or null (got %s)", path, fl_hf_type_name(j));
+        return fl_errorf(FL_ERR_FORMAT, "%s: key '%s' must be an object or null (got %s)", path, key, fl_hf_type_name(j));
     const char *type = NULL;
     FL_TRY(fl_hf_str(path, j, "rope_type", &type));
     if (!type) FL_TRY(fl_hf_str(path, j, "type", &type));
-    if (!type) return fl_errorf(FL_ERR_FORMAT, "%s: missing key 'rope_scaling.rope_type'", path);
+    if (!type) return fl_errorf(FL_ERR_FORMAT, "%s: missing key '%s.rope_type'", path, key);
     if (strcmp(type, "default") == 0) return FL_OK;
     if (strcmp(type, "linear") == 0) {
         rs->type = FL_ROPE_LINEAR;
@@ -122,8 +124,14 @@ static fl_status fl_hf_parse_llama(const char *path, const fl_json *r, fl_model_
     FL_TRY(fl_hf_int(path, r, "num_hidden_layers", NULL, &c->n_layers));
     FL_TRY(fl_hf_float(path, r, "rms_norm_eps", NULL, &c->norm_eps));
     const float theta = 10000.0f;
-    FL_TRY(fl_hf_float(path, r, "rope_theta", &theta, &c->rope_theta));
-    FL_TRY(fl_hf_rope_scaling(path, r, &c->rope_scaling));
+    const fl_json *rp = fl_hf_key(r, "rope_parameters");
+    if (rp && rp->type == FL_JSON_OBJECT && !fl_hf_key(r, "rope_theta") && !fl_hf_key(r, "rope_scaling")) {
+        FL_TRY(fl_hf_float(path, rp, "rope_theta", &theta, &c->rope_theta));
+        FL_TRY(fl_hf_rope_scaling(path, r, "rope_parameters", &c->rope_scaling));
+    } else {
+        FL_TRY(fl_hf_float(path, r, "rope_theta", &theta, &c->rope_theta));
+        FL_TRY(fl_hf_rope_scaling(path, r, "rope_scaling", &c->rope_scaling));
+    }
     FL_TRY(fl_hf_int(path, r, "vocab_size", NULL, &c->vocab_size));
     FL_TRY(fl_hf_bool(path, r, "tie_word_embeddings", 0, &c->tie_embeddings));
     FL_TRY(fl_hf_int(path, r, "max_position_embeddings", NULL, &c->max_seq));
