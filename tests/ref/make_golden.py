@@ -114,7 +114,13 @@ def build_golden(model, outdir, batch_seed, cmd):
     l64 = loss_fn(m64(input_ids=ids).logits, targets)
     l64.backward()
     g64 = {k: p.grad.detach().clone() for k, p in m64.named_parameters()}
-    del m64
+    opt64 = torch.optim.AdamW(m64.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    for _ in range(NSTEPS):
+        opt64.zero_grad()
+        loss_fn(m64(input_ids=ids).logits, targets).backward()
+        opt64.step()
+    p64 = {k: p.detach().clone() for k, p in m64.named_parameters()}
+    del m64, opt64
 
     out = {"input_ids": input_ids, "targets": targets}
     model.train()
@@ -148,6 +154,8 @@ def build_golden(model, outdir, batch_seed, cmd):
     for n, p in pmap.items():
         out["after5." + n] = p.detach().float().contiguous().clone()
     print("  losses5:", " ".join(f"{x:.6f}" for x in losses))
+    d = max((p.detach().double() - p64[pnames[id(p)]]).abs().max().item() for p in pmap.values())
+    print(f"  after5 max abs diff f32 vs f64 = {d:.2e}")
 
     meta = {
         "torch": torch.__version__,
