@@ -37,7 +37,8 @@ mkdir -p "$(dirname "$OUT")"
 : > "$OUT.tmp"
 {
     echo "# $(date -u +%FT%TZ) host=$(hostname) nproc=$(nproc) cpu=$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1)"
-    echo "# rounds=$ROUNDS steps=$STEPS threads=$THREADS batch=$BATCH seq=$SEQ"
+    echo "# rounds=$ROUNDS steps=$STEPS threads=$THREADS batch=$BATCH seq=$SEQ loadavg=$(cut -d" " -f1-3 /proc/loadavg)"
+    echo "# note: other processes on this machine skew the timings; check loadavg is ~0 first"
 } | tee -a "$OUT"
 
 run_one() { # impl shape
