@@ -103,11 +103,11 @@ static void golden(const char *dir) {
     printf("      %s: logits err %.2g, loss %.7f (ref %.7f), worst grad err %.2g over %d tensors\n", dir, e, our_loss,
            ref_loss, worst_grad, checked);
 
-    /* 3. five AdamW steps (lr 1e-2, betas (0.9, 0.95), eps 1e-8, wd 0.1) on the same batch */
+    /* 3. five AdamW steps (lr 1e-3, betas (0.9, 0.95), eps 1e-8, wd 0.1) on the same batch */
     fl_optimizer o;
     fl_optim_config oc;
     fl_optim_config_default(&oc, FL_OPT_ADAMW);
-    oc.lr = 1e-2f;
+    oc.lr = 1e-3f;
     oc.beta1 = 0.9f;
     oc.beta2 = 0.95f;
     oc.eps = 1e-8f;
@@ -122,10 +122,13 @@ static void golden(const char *dir) {
     /* Adam divides each element's update by its own gradient scale, so an element
      * whose gradient is at float-noise level (e.g. GPT-2's k bias, whose exact
      * gradient is 0) moves by +-lr on noise in BOTH implementations, and elements
-     * whose gradient is tiny relative to the tensor amplify rounding differences.
-     * Those are excluded from the 1e-5 check (counted, must be few) and only held
-     * to Adam's bound |delta| <= steps * lr. */
-    double worst_p = 0, tau = getenv("FL_GOLDEN_TAU") ? atof(getenv("FL_GOLDEN_TAU")) : 1e-2;
+     * whose gradient is tiny relative to the tensor amplify rounding differences
+     * (torch's own float32 run differs from its float64 run there: see
+     * tests/ref/README.md). Elements with 0 < |grad| < 1e-4 x the tensor's max are
+     * excluded from the 1e-5 check (counted, must be under 2%) and only held to
+     * Adam's bound |delta| <= steps * lr; exact zeros (unused embedding rows) are
+     * checked like the rest. */
+    double worst_p = 0, tau = 1e-4;
     size_t excluded = 0, total = 0;
     for (int i = 0; i < m.layout.n; i++) {
         const fl_param_info *p = &m.layout.params[i];
@@ -142,10 +145,13 @@ static void golden(const char *dir) {
             if (fabs(tmp[k]) > pmax) pmax = fabs(tmp[k]);
         }
         size_t wk = 0;
+        /* GPT-2's key bias (c_attn.bias[C:2C]) has an exact gradient of 0: pure noise. */
+        int kbias = m.cfg.arch == FL_ARCH_GPT2 && strstr(p->name, "c_attn.bias") != NULL;
         for (size_t k = 0; k < p->numel; k++) {
             double d = fabs((double)m.params[p->offset + k] - tmp[k]);
             total++;
-            if (fabs(g1[k]) < tau * gmax) {
+            int noise = kbias && k >= (size_t)m.cfg.dim && k < 2 * (size_t)m.cfg.dim;
+            if (noise || (g1[k] != 0.0f && fabs(g1[k]) < tau * gmax)) {
                 excluded++;
                 FL_CHECKF(d <= 5 * oc.lr * 1.01, "%s: %s[%zu] moved beyond Adam's bound", dir, p->name, k);
             } else if (d > dmax) { dmax = d; wk = k; }

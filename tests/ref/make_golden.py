@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 B, T, V = 2, 40, 257
-LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.1
+LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
 NSTEPS = 5
 
 
