@@ -772,32 +772,6 @@ FL_TEST(ops_backend_vtables) {
 
 /* ---- timing (informational) ------------------------------------------------------------------ */
 
-FL_TEST(ops_attention_timing) {
-    fl_backend be = cpu2();
-    fl_test_rng r = {14};
-    const int B = 4, T = 256, NH = 12, NKV = 12, HD = 64;
-    size_t W = (size_t)(NH + 2 * NKV) * HD, nq = (size_t)B * T * W, no = (size_t)B * T * NH * HD;
-    float *qkv = frand(&r, nq, -1, 1), *dout = frand(&r, no, -1, 1), *out = malloc(no * 4);
-    float *lse = malloc((size_t)B * NH * T * 4), *dqkv = calloc(nq, 4);
-    struct timespec t0, t1, t2;
-    double fw = 1e30, bw = 1e30;
-    for (int it = 0; it < 3; it++) {
-        clock_gettime(CLOCK_MONOTONIC, &t0);
-        be.attention_forward(&be, out, lse, qkv, B, T, NH, NKV, HD);
-        clock_gettime(CLOCK_MONOTONIC, &t1);
-        be.attention_backward(&be, dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD);
-        clock_gettime(CLOCK_MONOTONIC, &t2);
-        double f = (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6;
-        double b = (t2.tv_sec - t1.tv_sec) * 1e3 + (t2.tv_nsec - t1.tv_nsec) / 1e6;
-        fw = f < fw ? f : fw;
-        bw = b < bw ? b : bw;
-    }
-    printf("     attention B4 T256 NH12 HD64, %d threads: forward %.2f ms, backward %.2f ms\n", be.n_threads, fw,
-           bw);
-    FL_CHECK(isfinite(dqkv[0]) && isfinite(out[no - 1]));
-    free(qkv); free(dout); free(out); free(lse); free(dqkv);
-}
-
 FL_TEST(ops_attention_hd_too_large_is_loud) {
     /* HD beyond the fixed stack tiles must not silently compute garbage */
     fl_backend be = cpu2();

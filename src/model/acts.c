@@ -84,14 +84,19 @@ static size_t carve_work(const fl_model_config *c, int B, int T, char *base, fl_
     return cv.off;
 }
 
-void fl_sizing_acts(const fl_model_config *cfg, int B, int T, fl_act_sizes *out) {
-    out->acts_bytes = carve_acts(cfg, B, T, NULL, NULL);
-    out->workspace_bytes = carve_work(cfg, B, T, NULL, NULL);
+void fl_sizing_acts(const fl_model_config *cfg_in, int B, int T, fl_act_sizes *out) {
+    /* Fill the config's derived defaults (head_dim, kv heads) the same way the
+     * model does, so planner and runtime size the same arena. */
+    fl_model_config c = *cfg_in;
+    memset(out, 0, sizeof *out);
+    if (fl_config_validate(&c) != FL_OK || B <= 0 || T <= 0) return;
+    out->acts_bytes = carve_acts(&c, B, T, NULL, NULL);
+    out->workspace_bytes = carve_work(&c, B, T, NULL, NULL);
     /* per layer: the difference between L and L-1 layers */
-    fl_model_config c1 = *cfg;
-    c1.n_layers = cfg->n_layers > 0 ? cfg->n_layers - 1 : 0;
+    fl_model_config c1 = c;
+    c1.n_layers = c.n_layers - 1;
     out->per_layer_acts_bytes = out->acts_bytes - carve_acts(&c1, B, T, NULL, NULL);
-    out->logits_chunk_rows = logits_chunk_rows(cfg, B * T);
+    out->logits_chunk_rows = logits_chunk_rows(&c, B * T);
 }
 
 fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
