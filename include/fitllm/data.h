@@ -1,0 +1,109 @@
+/* fitllm: datasets and micro-batches (LitGPT's data modules).
+ *
+ * A dataset is a list of tokenized samples, each with its input ids and its
+ * labels (same length, unshifted, as LitGPT: labels == ids except masked prompt
+ * positions, which hold ignore_index). The loader turns samples into (B, T)
+ * micro-batches for fl_model_forward: ids = sample[0..n-2], targets =
+ * labels[1..n-1] (the next-token shift), padded to the longest sample in the
+ * micro-batch with pad id 0 and target ignore_index.
+ */
+#ifndef FITLLM_DATA_H
+#define FITLLM_DATA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fitllm/status.h"
+#include "fitllm/tokenizer.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum { FL_DATA_SYNTHETIC = 0, FL_DATA_ALPACA, FL_DATA_JSON, FL_DATA_TEXTFILES, FL_DATA_KIND_COUNT } fl_data_kind;
+typedef enum { FL_SPLIT_TRAIN = 0, FL_SPLIT_VAL, FL_SPLIT_COUNT } fl_split;
+
+typedef struct {
+    fl_data_kind kind;
+    char json_path[4096];       /* Alpaca/JSON: .json array, .jsonl, or folder with train.json/val.json */
+    char train_data_path[4096]; /* TextFiles: folder of .txt for training */
+    char val_data_path[4096];   /* TextFiles: folder for validation ("" = split from train) */
+    char prompt_style[32];      /* "alpaca" (default) */
+    int mask_prompt;            /* LitGPT default false */
+    int ignore_index;           /* default -100 */
+    float val_split_fraction;   /* default 0.05 (Alpaca: 0.03865 as LitGPT) */
+    uint64_t seed;              /* default 42 */
+    int max_seq_length;         /* samples longer are truncated (counted); -1 = no limit */
+    int synthetic_train, synthetic_val; /* Synthetic sizes (defaults 2000 / 100) */
+    char cache_dir[4096];       /* tokenized-dataset cache ("" = no cache) */
+} fl_data_config;
+
+void fl_data_config_default(fl_data_config *c, fl_data_kind kind);
+const char *fl_data_kind_name(fl_data_kind k); /* "Synthetic", "Alpaca", "JSON", "TextFiles" */
+
+typedef struct {
+    int32_t *ids;     /* (len) */
+    int32_t *labels;  /* (len) */
+    int len;
+    int prompt_len;   /* tokens belonging to the prompt */
+} fl_sample;
+
+typedef struct {
+    size_t n_samples[FL_SPLIT_COUNT];
+    size_t n_truncated;       /* samples cut to max_seq_length */
+    size_t n_tokens;          /* all tokens of all samples (after truncation) */
+    int cache_hit;            /* loaded from the cache without tokenizing */
+} fl_data_stats;
+
+typedef struct fl_dataset fl_dataset; /* opaque */
+
+fl_status fl_data_load(fl_dataset **out, const fl_data_config *cfg, const fl_tokenizer *tok);
+void fl_data_free(fl_dataset *d);
+size_t fl_data_count(const fl_dataset *d, fl_split split);
+const fl_sample *fl_data_get(const fl_dataset *d, fl_split split, size_t i);
+const fl_data_stats *fl_data_get_stats(const fl_dataset *d);
+
+/* Format one instruction record with a prompt style ("alpaca": LitGPT's text).
+ * *out is malloc'd. */
+fl_status fl_data_format_prompt(const char *style, const char *instruction, const char *input, char **out);
+
+/* ---- micro-batches ------------------------------------------------------- */
+
+typedef struct {
+    int B, T;            /* this batch: B samples padded to T positions */
+    int32_t *ids;        /* (B, T) */
+    int32_t *targets;    /* (B, T), ignore_index where masked or padded */
+    long real_tokens;    /* non-pad positions (ids) */
+    long prompt_tokens;  /* of which prompt */
+    long padded_tokens;  /* B*T */
+    long target_tokens;  /* targets != ignore_index */
+} fl_batch;
+
+/* Resumable position: epoch, index into the epoch's permutation. */
+typedef struct {
+    uint64_t seed;
+    int64_t epoch;
+    int64_t pos;
+} fl_loader_state;
+
+typedef struct fl_loader fl_loader; /* opaque */
+
+/* Loader over one split with micro-batch size B and at most T_max positions
+ * (samples longer than T_max+1 tokens are truncated). Train: shuffled per
+ * epoch by (seed, epoch); val: in order, no shuffle. Buffers for (B, T_max)
+ * are allocated once. */
+fl_status fl_loader_init(fl_loader **out, const fl_dataset *d, fl_split split, int B, int T_max, uint64_t seed,
+                         int shuffle);
+void fl_loader_free(fl_loader *l);
+/* Next micro-batch (valid until the next call). At the end of an epoch it
+ * wraps to the next epoch (*new_epoch = 1 when this batch starts one). */
+fl_status fl_loader_next(fl_loader *l, fl_batch *b, int *new_epoch);
+void fl_loader_get_state(const fl_loader *l, fl_loader_state *s);
+fl_status fl_loader_set_state(fl_loader *l, const fl_loader_state *s);
+/* Batches per epoch (ceil(n / B)). */
+size_t fl_loader_batches_per_epoch(const fl_loader *l);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
