@@ -107,6 +107,11 @@ fl_status fl_llama2c_load_model(fl_model *m, const char *path, const fl_backend 
 fl_status fl_model_load_auto(fl_model *m, const char *path, const fl_backend *be, fl_mem_pool *pool,
                              int *weights_loaded);
 
+/* Fault injection for tests: the (n+1)-th file write from now fails as if the
+ * disk were full (ENOSPC); -1 disables. Covers safetensors, config and
+ * checkpoint writes. */
+void fl_io_fail_writes_after(long n);
+
 #ifdef __cplusplus
 }
 #endif

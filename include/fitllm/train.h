@@ -58,6 +58,22 @@ typedef struct {
     double ms_fwd, ms_bwd, ms_opt, ms_total;
 } fl_step_result;
 
+/* One micro-batch of a step; micro-batches of a step may differ in shape. */
+typedef struct {
+    const int32_t *ids;      /* (B, T) */
+    const int32_t *targets;  /* (B, T) */
+    int B, T;
+} fl_micro_batch;
+
+/* Forward+backward of micro-batch k of a step whose micro-batches hold
+ * `step_valid` non-ignored targets in total (grad scale 1/step_valid), then,
+ * when `last`, the optimizer update. Gradients must be zeroed before the
+ * first micro-batch of a step (fl_model_zero_grads). *loss_sum and *n_valid get
+ * this micro-batch's summed loss and target count. Snapshots as fl_train_step
+ * when k == 0 / last. */
+fl_status fl_train_micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb, int k, int last, long step_valid,
+                         float lr, float max_norm, double *loss_sum, long *n_valid, fl_step_result *res);
+
 /* One training step over n_micro micro-batches of (B,T) ids/targets laid out
  * consecutively ((n_micro, B, T) each). Zeroes gradients first. Records the
  * memory snapshots before_fwd, after_fwd, after_bwd, after_opt_step (first

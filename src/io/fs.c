@@ -10,6 +10,18 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+/* Fault injection for tests: -1 = off, else writes left before one fails. */
+static long g_fail_writes = -1;
+
+void fl_io_fail_writes_after(long n) { g_fail_writes = n; }
+
+int fl_io_write_fault(void) {
+    if (g_fail_writes < 0) return 0;
+    if (g_fail_writes == 0) { errno = ENOSPC; return 1; }
+    g_fail_writes--;
+    return 0;
+}
+
 fl_status fl_io_join(char *buf, size_t n, const char *dir, const char *name) {
     size_t dl = strlen(dir);
     int slash = dl > 0 && dir[dl - 1] != '/';
@@ -44,7 +56,7 @@ fl_status fl_io_write_file_atomic(const char *path, const void *data, size_t len
     const char *p = data;
     size_t left = len;
     while (left && s == FL_OK) {
-        ssize_t w = write(fd, p, left);
+        ssize_t w = fl_io_write_fault() ? -1 : write(fd, p, left);
         if (w < 0) {
             if (errno == EINTR) continue;
             s = fl_errorf(FL_ERR_IO, "%s: write failed: %s", tmp, strerror(errno));

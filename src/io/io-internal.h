@@ -20,4 +20,7 @@ void fl_io_remove_flat_dir(const char *path);
 /* fsync a directory so a rename inside it is durable; best effort. */
 void fl_io_sync_dir(const char *path);
 
+/* 1 when the write fault injected by fl_io_fail_writes_after fires (errno = ENOSPC). */
+int fl_io_write_fault(void);
+
 #endif

@@ -5,6 +5,7 @@
  * contiguous and covering the data section exactly.
  */
 #include "fitllm/io.h"
+#include "io-internal.h"
 #include "fitllm/json.h"
 
 #include <errno.h>
@@ -273,7 +274,7 @@ static void fl_st_sb_json_str(fl_st_sb *s, const char *p) {
 static int fl_st_write_all(int fd, const void *p, size_t n) {
     const char *c = p;
     while (n) {
-        ssize_t w = write(fd, c, n);
+        ssize_t w = fl_io_write_fault() ? -1 : write(fd, c, n);
         if (w < 0) { if (errno == EINTR) continue; return -1; }
         c += w;
         n -= (size_t)w;

@@ -10,44 +10,58 @@ static double now_ms(void) {
     return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
 }
 
+fl_status fl_train_micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb, int k, int last, long step_valid,
+                         float lr, float max_norm, double *loss_sum, long *n_valid, fl_step_result *res) {
+    fl_mem_pool *pool = m->pool;
+    if (step_valid <= 0) return fl_errorf(FL_ERR_INVALID, "training step has no target tokens (all are ignore_index)");
+    float grad_scale = (float)(1.0 / (double)step_valid);
+    double a = now_ms();
+    if (k == 0) fl_mem_snapshot(pool, "before_fwd");
+    fl_mem_set_phase(pool, "forward");
+    FL_TRY(fl_model_forward(m, mb->ids, mb->targets, mb->B, mb->T, grad_scale, NULL));
+    *loss_sum = m->loss_sum;
+    *n_valid = m->n_valid;
+    if (k == 0) fl_mem_snapshot(pool, "after_fwd");
+    double b = now_ms();
+    fl_mem_set_phase(pool, "backward");
+    FL_TRY(fl_model_backward(m));
+    if (k == 0) fl_mem_snapshot(pool, "after_bwd");
+    double c = now_ms();
+    if (res) {
+        res->ms_fwd += b - a;
+        res->ms_bwd += c - b;
+    }
+    if (last) {
+        fl_mem_set_phase(pool, "optimizer step");
+        double norm = 0;
+        FL_TRY(fl_optim_step(o, lr, max_norm, &norm));
+        fl_mem_snapshot(pool, "after_opt_step");
+        if (res) {
+            res->grad_norm = norm;
+            res->ms_opt += now_ms() - c;
+        }
+    }
+    return FL_OK;
+}
+
 fl_status fl_train_step(fl_model *m, fl_optimizer *o, const int32_t *ids, const int32_t *targets, int n_micro, int B,
                         int T, float lr, float max_norm, fl_step_result *res) {
-    fl_mem_pool *pool = m->pool;
     const size_t mb = (size_t)B * T;
     long total = 0;
     for (size_t i = 0; i < (size_t)n_micro * mb; i++) total += targets[i] != FL_IGNORE_INDEX;
-    if (total == 0) return fl_errorf(FL_ERR_INVALID, "training step has no target tokens (all are ignore_index)");
-    float grad_scale = (float)(1.0 / (double)total);
-    double t0 = now_ms(), tf = 0, tb = 0, loss_sum = 0;
+    fl_step_result r = {0};
+    double t0 = now_ms(), loss_sum = 0;
     fl_model_zero_grads(m);
     for (int k = 0; k < n_micro; k++) {
-        double a = now_ms();
-        if (k == 0) fl_mem_snapshot(pool, "before_fwd");
-        fl_mem_set_phase(pool, "forward");
-        FL_TRY(fl_model_forward(m, ids + k * mb, targets + k * mb, B, T, grad_scale, NULL));
-        loss_sum += m->loss_sum;
-        if (k == 0) fl_mem_snapshot(pool, "after_fwd");
-        double b = now_ms();
-        fl_mem_set_phase(pool, "backward");
-        FL_TRY(fl_model_backward(m));
-        if (k == 0) fl_mem_snapshot(pool, "after_bwd");
-        tf += b - a;
-        tb += now_ms() - b;
+        fl_micro_batch b = {ids + k * mb, targets + k * mb, B, T};
+        double ls;
+        long nv;
+        FL_TRY(fl_train_micro(m, o, &b, k, k == n_micro - 1, total, lr, max_norm, &ls, &nv, &r));
+        loss_sum += ls;
     }
-    double c = now_ms();
-    fl_mem_set_phase(pool, "optimizer step");
-    double norm = 0;
-    FL_TRY(fl_optim_step(o, lr, max_norm, &norm));
-    fl_mem_snapshot(pool, "after_opt_step");
-    double d = now_ms();
-    if (res) {
-        res->loss = loss_sum / (double)total;
-        res->n_valid = total;
-        res->grad_norm = norm;
-        res->ms_fwd = tf;
-        res->ms_bwd = tb;
-        res->ms_opt = d - c;
-        res->ms_total = d - t0;
-    }
+    r.loss = loss_sum / (double)total;
+    r.n_valid = total;
+    r.ms_total = now_ms() - t0;
+    if (res) *res = r;
     return FL_OK;
 }

@@ -1,0 +1,56 @@
+/* fitllm: training checkpoints.
+ *
+ * out_dir/step-000100/ (and out_dir/final/) is a Hugging Face folder that
+ * transformers loads unchanged (config.json, model.safetensors, tokenizer
+ * files, hyperparameters.yaml) plus training_state.safetensors (optimizer
+ * state tensors; step, iteration, data position and counters as metadata),
+ * which transformers ignores. A checkpoint is built in a temporary folder,
+ * fsynced, renamed into place, and only then marked committed by the file
+ * COMMITTED (written atomically). Only committed checkpoints are resumed, so a
+ * crash or kill -9 during a save never leaves a checkpoint --resume would pick
+ * but could not load.
+ */
+#ifndef FITLLM_CHECKPOINT_H
+#define FITLLM_CHECKPOINT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fitllm/config.h"
+#include "fitllm/data.h"
+#include "fitllm/model.h"
+#include "fitllm/train.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Everything besides parameters and optimizer tensors a bit-exact resume needs. */
+typedef struct {
+    long step;               /* optimizer steps done */
+    long iter;               /* micro-batch iterations done */
+    fl_loader_state loader;  /* data position */
+    long long tokens_real, tokens_prompt, tokens_padded; /* counters of the final report */
+    double train_seconds;    /* wall time spent training so far */
+    double flops;            /* model FLOPs done so far */
+} fl_train_state;
+
+/* Save to out_dir/<name>. o and st may be NULL (weights-only, e.g. an export).
+ * tokenizer_src: folder whose tokenizer files are copied (NULL = none). */
+fl_status fl_ckpt_save(const char *out_dir, const char *name, const fl_model *m, const fl_optimizer *o,
+                       const fl_train_state *st, const fl_run_config *cfg, const char *tokenizer_src);
+/* 1 if dir holds a committed checkpoint. */
+int fl_ckpt_is_committed(const char *dir);
+/* Newest committed step-* checkpoint in out_dir (by step number) into path.
+ * FL_ERR_NOT_FOUND if there is none. */
+fl_status fl_ckpt_find_latest(const char *out_dir, char *path, size_t n);
+/* Load parameters, optimizer state and train state from a committed
+ * checkpoint into an initialized model/optimizer of the same shape. */
+fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_state *st);
+/* Remove leftover temporary folders of interrupted saves in out_dir. */
+void fl_ckpt_clean_tmp(const char *out_dir);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,101 @@
+/* fitllm: run configuration with LitGPT's names and defaults.
+ *
+ * Precedence: built-in defaults < --config YAML < dotted command-line
+ * overrides (--train.micro_batch_size 8). YAML is parsed with libyaml; LitGPT's
+ * config_hub files load unchanged (class_path: litgpt.data.Alpaca2k,
+ * torch.optim.AdamW, init_args). An unknown key is an error that suggests the
+ * nearest valid key.
+ */
+#ifndef FITLLM_CONFIG_H
+#define FITLLM_CONFIG_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "fitllm/data.h"
+#include "fitllm/status.h"
+#include "fitllm/train.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FL_CFG_PATH 4096
+
+typedef enum { FL_CMD_FINETUNE_FULL = 0, FL_CMD_PRETRAIN, FL_CMD_COUNT } fl_cmd_kind;
+
+typedef struct {
+    int save_interval;        /* optimizer steps between checkpoints; 0 = never (null) */
+    int log_interval;         /* iterations between log lines */
+    int global_batch_size;
+    int micro_batch_size;
+    int lr_warmup_steps;      /* -1 = null */
+    float lr_warmup_fraction; /* < 0 = null */
+    int epochs;               /* -1 = null */
+    long long max_tokens;     /* -1 = null */
+    int max_steps;            /* -1 = null */
+    int max_seq_length;       /* -1 = null */
+    int tie_embeddings;       /* -1 = null (keep the checkpoint's) */
+    float max_norm;           /* <= 0 = null (no clipping) */
+    float min_lr;
+    int activation_checkpointing; /* fitllm extension (lab's act_ckpt) */
+} fl_train_args;
+
+typedef struct {
+    int interval;             /* optimizer steps between evaluations */
+    int max_new_tokens;       /* sample generation length (0 = none) */
+    int max_iters;            /* validation batches */
+    int initial_validation;
+    int final_validation;
+} fl_eval_args;
+
+typedef struct {
+    fl_cmd_kind command;
+    char checkpoint_dir[FL_CFG_PATH]; /* finetune: required; pretrain: optional initial weights */
+    char out_dir[FL_CFG_PATH];
+    char precision[16];               /* "32-true", "bf16-true", "bf16-mixed", "16-mixed", ... */
+    int devices, num_nodes;
+    char resume[FL_CFG_PATH];         /* "false", "true", "auto" or a checkpoint folder */
+    uint64_t seed;
+    char logger_name[16];             /* "csv" or "jsonl" */
+    char model_name[64];              /* pretrain: preset name */
+    char model_config[FL_CFG_PATH];   /* pretrain: config.json path */
+    char tokenizer_dir[FL_CFG_PATH];  /* pretrain: tokenizer folder ("" = built-in bytes) */
+    fl_data_config data;
+    fl_train_args train;
+    fl_eval_args eval;
+    fl_optim_config optimizer;
+    /* fitllm extensions */
+    size_t max_memory;                /* allocator budget in bytes, 0 = unlimited */
+    int threads;                      /* 0 = all cores */
+    int quiet;
+    int overwrite;
+} fl_run_config;
+
+/* Defaults of the command (LitGPT's setup() defaults). */
+void fl_cfg_defaults(fl_run_config *c, fl_cmd_kind cmd);
+
+/* Apply a YAML file. Errors name the file, line and key. */
+fl_status fl_cfg_apply_yaml_file(fl_run_config *c, const char *path);
+/* Apply YAML text (source names it in errors). */
+fl_status fl_cfg_apply_yaml(fl_run_config *c, const char *text, size_t n, const char *source);
+/* Apply one dotted override, e.g. ("train.micro_batch_size", "8"). */
+fl_status fl_cfg_set(fl_run_config *c, const char *key, const char *value);
+/* Check cross-field constraints (sizes positive, warmup exclusivity, ...). */
+fl_status fl_cfg_validate(const fl_run_config *c);
+
+/* Write the effective configuration as YAML (hyperparameters.yaml). */
+void fl_cfg_write_yaml(const fl_run_config *c, FILE *f);
+/* Print every option with its default (for --help). */
+void fl_cfg_print_help(fl_cmd_kind cmd, FILE *f);
+
+/* The LR at optimizer step `step` (0-based; the LR used for that step):
+ * linear warmup from 0 over `warmup` steps, then cosine decay from lr to min_lr
+ * at max_steps. */
+double fl_lr_schedule(double lr, double min_lr, long step, long warmup, long max_steps);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

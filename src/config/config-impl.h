@@ -1,0 +1,22 @@
+/* Private to src/config: the key table entry. */
+#ifndef FL_CONFIG_IMPL_H
+#define FL_CONFIG_IMPL_H
+
+#include "fitllm/config.h"
+
+typedef enum {
+    FL_CK_PATH, FL_CK_STR32, FL_CK_STR64, FL_CK_INT, FL_CK_INT_OPT, FL_CK_INT_OPT0, FL_CK_LL_OPT, FL_CK_U64,
+    FL_CK_FLOAT, FL_CK_FLOAT_OPT, FL_CK_FLOAT_OPT0, FL_CK_BOOL, FL_CK_BOOL_OPT, FL_CK_BYTES, FL_CK_PRECISION,
+    FL_CK_RESUME, FL_CK_LOGGER, FL_CK_DATA, FL_CK_OPTIMIZER, FL_CK_BETAS, FL_CK_DOWNLOAD_DIR, FL_CK_FILE_NAME,
+    FL_CK_IGNORED
+} fl_cfg_key_type;
+
+/* INT_OPT: null -> -1; INT_OPT0 / FLOAT_OPT0: null -> 0 (meaning "off"). */
+typedef struct {
+    const char *name;
+    fl_cfg_key_type type;
+    size_t off;
+    const char *help;
+} fl_cfg_key;
+
+#endif

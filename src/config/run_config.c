@@ -1,0 +1,502 @@
+/* Run configuration: defaults, the table of known keys, dotted overrides,
+ * validation, and the YAML dump. LitGPT's names and defaults throughout. */
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "config-impl.h"
+#include "fitllm/mem.h"
+
+void fl_cfg_defaults(fl_run_config *c, fl_cmd_kind cmd) {
+    memset(c, 0, sizeof *c);
+    c->command = cmd;
+    snprintf(c->out_dir, sizeof c->out_dir, "%s", cmd == FL_CMD_PRETRAIN ? "out/pretrain" : "out/finetune/full");
+    snprintf(c->precision, sizeof c->precision, "32-true");
+    c->devices = 1;
+    c->num_nodes = 1;
+    snprintf(c->resume, sizeof c->resume, "false");
+    c->seed = cmd == FL_CMD_PRETRAIN ? 42 : 1337;
+    snprintf(c->logger_name, sizeof c->logger_name, "csv");
+    fl_data_config_default(&c->data, cmd == FL_CMD_PRETRAIN ? FL_DATA_TEXTFILES : FL_DATA_SYNTHETIC);
+    fl_train_args *t = &c->train;
+    if (cmd == FL_CMD_PRETRAIN) { /* litgpt/pretrain.py setup() */
+        t->save_interval = 1000; t->log_interval = 1; t->global_batch_size = 512; t->micro_batch_size = 4;
+        t->lr_warmup_steps = 2000; t->epochs = -1; t->max_tokens = -1; t->max_seq_length = -1;
+        t->min_lr = 4e-5f;
+    } else { /* litgpt/finetune/full.py setup() */
+        t->save_interval = 1000; t->log_interval = 1; t->global_batch_size = 16; t->micro_batch_size = 1;
+        t->lr_warmup_steps = 100; t->epochs = 5; t->max_tokens = -1; t->max_seq_length = -1;
+        t->min_lr = 6e-5f;
+    }
+    t->lr_warmup_fraction = -1;
+    t->max_steps = -1;
+    t->tie_embeddings = -1;
+    t->max_norm = 0;
+    c->eval.interval = cmd == FL_CMD_PRETRAIN ? 1000 : 600;
+    c->eval.max_new_tokens = 100;
+    c->eval.max_iters = 100;
+    c->eval.initial_validation = 0;
+    c->eval.final_validation = 1;
+    fl_optim_config_default(&c->optimizer, FL_OPT_ADAMW);
+    if (cmd == FL_CMD_PRETRAIN) { /* pretrain's default optimizer: AdamW lr 4e-4, wd 0.1, betas (0.9, 0.95) */
+        c->optimizer.lr = 4e-4f; c->optimizer.weight_decay = 0.1f; c->optimizer.beta2 = 0.95f;
+    }
+}
+
+/* ---- the key table ------------------------------------------------------- */
+
+#define OFF(f) offsetof(fl_run_config, f)
+static const fl_cfg_key k_keys[] = {
+    {"checkpoint_dir", FL_CK_PATH, OFF(checkpoint_dir), "base model folder (HF layout) or preset name"},
+    {"out_dir", FL_CK_PATH, OFF(out_dir), "folder for checkpoints and logs"},
+    {"precision", FL_CK_PRECISION, OFF(precision), "32-true | bf16-true | bf16-mixed | 16-true | 16-mixed"},
+    {"devices", FL_CK_INT, OFF(devices), "number of devices (1 on this build)"},
+    {"num_nodes", FL_CK_INT, OFF(num_nodes), "number of nodes (1 on this build)"},
+    {"resume", FL_CK_RESUME, OFF(resume), "false | true | auto | path to a checkpoint folder"},
+    {"seed", FL_CK_U64, OFF(seed), "random seed"},
+    {"logger_name", FL_CK_LOGGER, OFF(logger_name), "csv | jsonl (metrics in out_dir/logs/)"},
+    {"model_name", FL_CK_STR64, OFF(model_name), "pretrain: model preset name"},
+    {"model_config", FL_CK_PATH, OFF(model_config), "pretrain: config.json of the model to create"},
+    {"tokenizer_dir", FL_CK_PATH, OFF(tokenizer_dir), "pretrain: tokenizer folder (default: built-in bytes)"},
+    {"initial_checkpoint_dir", FL_CK_PATH, OFF(checkpoint_dir), "pretrain: start from these weights"},
+    {"data", FL_CK_DATA, 0, "Synthetic | Alpaca | JSON | TextFiles (or litgpt.data.* class_path)"},
+    {"data.class_path", FL_CK_DATA, 0, "same as data"},
+    {"data.json_path", FL_CK_PATH, OFF(data.json_path), "Alpaca/JSON: .json, .jsonl, or folder with train.json/val.json"},
+    {"data.download_dir", FL_CK_DOWNLOAD_DIR, 0, "Alpaca: folder holding file_name (no downloads: must exist)"},
+    {"data.file_name", FL_CK_FILE_NAME, 0, "Alpaca: file inside download_dir"},
+    {"data.train_data_path", FL_CK_PATH, OFF(data.train_data_path), "TextFiles: training text folder"},
+    {"data.val_data_path", FL_CK_PATH, OFF(data.val_data_path), "TextFiles: validation text folder"},
+    {"data.prompt_style", FL_CK_STR32, OFF(data.prompt_style), "prompt style (alpaca)"},
+    {"data.mask_prompt", FL_CK_BOOL, OFF(data.mask_prompt), "prompt tokens get ignore_index labels"},
+    {"data.ignore_index", FL_CK_INT, OFF(data.ignore_index), "label of masked tokens"},
+    {"data.val_split_fraction", FL_CK_FLOAT, OFF(data.val_split_fraction), "fraction held out for validation"},
+    {"data.seed", FL_CK_U64, OFF(data.seed), "seed of the train/val split"},
+    {"data.num_workers", FL_CK_IGNORED, 0, "accepted for LitGPT compatibility (data is tokenized once)"},
+    {"data.n_train", FL_CK_INT, OFF(data.synthetic_train), "Synthetic: training samples"},
+    {"data.n_val", FL_CK_INT, OFF(data.synthetic_val), "Synthetic: validation samples"},
+    {"data.cache_dir", FL_CK_PATH, OFF(data.cache_dir), "tokenized-dataset cache folder"},
+    {"train.save_interval", FL_CK_INT_OPT0, OFF(train.save_interval), "optimizer steps between checkpoints"},
+    {"train.log_interval", FL_CK_INT, OFF(train.log_interval), "iterations between log lines"},
+    {"train.global_batch_size", FL_CK_INT, OFF(train.global_batch_size), "samples per optimizer step"},
+    {"train.micro_batch_size", FL_CK_INT, OFF(train.micro_batch_size), "samples per forward/backward"},
+    {"train.lr_warmup_steps", FL_CK_INT_OPT, OFF(train.lr_warmup_steps), "optimizer steps of linear warmup"},
+    {"train.lr_warmup_fraction", FL_CK_FLOAT_OPT, OFF(train.lr_warmup_fraction), "warmup as a fraction of an epoch"},
+    {"train.epochs", FL_CK_INT_OPT, OFF(train.epochs), "epochs to train"},
+    {"train.max_tokens", FL_CK_LL_OPT, OFF(train.max_tokens), "stop after this many tokens"},
+    {"train.max_steps", FL_CK_INT_OPT, OFF(train.max_steps), "stop after this many optimizer steps"},
+    {"train.max_time", FL_CK_IGNORED, 0, "accepted for LitGPT compatibility"},
+    {"train.max_seq_length", FL_CK_INT_OPT, OFF(train.max_seq_length), "truncate samples to this length"},
+    {"train.tie_embeddings", FL_CK_BOOL_OPT, OFF(train.tie_embeddings), "tie embedding and head weights"},
+    {"train.max_norm", FL_CK_FLOAT_OPT0, OFF(train.max_norm), "gradient clipping norm"},
+    {"train.min_lr", FL_CK_FLOAT, OFF(train.min_lr), "final learning rate of the cosine decay"},
+    {"train.learning_rate", FL_CK_FLOAT, OFF(optimizer.lr), "(older LitGPT recipes) same as optimizer.lr"},
+    {"train.weight_decay", FL_CK_FLOAT, OFF(optimizer.weight_decay), "(older LitGPT recipes) optimizer.weight_decay"},
+    {"train.beta1", FL_CK_FLOAT, OFF(optimizer.beta1), "(older LitGPT recipes) AdamW beta1"},
+    {"train.beta2", FL_CK_FLOAT, OFF(optimizer.beta2), "(older LitGPT recipes) AdamW beta2"},
+    {"train.activation_checkpointing", FL_CK_BOOL, OFF(train.activation_checkpointing), "recompute blocks in backward"},
+    {"eval.interval", FL_CK_INT, OFF(eval.interval), "optimizer steps between evaluations"},
+    {"eval.max_new_tokens", FL_CK_INT_OPT0, OFF(eval.max_new_tokens), "tokens of the sample generation"},
+    {"eval.max_iters", FL_CK_INT, OFF(eval.max_iters), "validation batches per evaluation"},
+    {"eval.initial_validation", FL_CK_BOOL, OFF(eval.initial_validation), "evaluate before training"},
+    {"eval.final_validation", FL_CK_BOOL, OFF(eval.final_validation), "evaluate after training"},
+    {"eval.evaluate_example", FL_CK_IGNORED, 0, "accepted for LitGPT compatibility"},
+    {"optimizer", FL_CK_OPTIMIZER, 0, "AdamW | SGD (or torch.optim.* class_path)"},
+    {"optimizer.class_path", FL_CK_OPTIMIZER, 0, "same as optimizer"},
+    {"optimizer.lr", FL_CK_FLOAT, OFF(optimizer.lr), "learning rate"},
+    {"optimizer.weight_decay", FL_CK_FLOAT, OFF(optimizer.weight_decay), "weight decay"},
+    {"optimizer.betas", FL_CK_BETAS, 0, "AdamW betas [beta1, beta2]"},
+    {"optimizer.eps", FL_CK_FLOAT, OFF(optimizer.eps), "AdamW epsilon"},
+    {"optimizer.momentum", FL_CK_FLOAT, OFF(optimizer.momentum), "SGD momentum"},
+    {"optimizer.dampening", FL_CK_FLOAT, OFF(optimizer.dampening), "SGD dampening"},
+    {"optimizer.nesterov", FL_CK_BOOL, OFF(optimizer.nesterov), "SGD Nesterov momentum"},
+    {"max_memory", FL_CK_BYTES, OFF(max_memory), "allocator budget, e.g. 8GB (fitllm)"},
+    {"threads", FL_CK_INT, OFF(threads), "CPU threads, 0 = all cores (fitllm)"},
+    {"quiet", FL_CK_BOOL, OFF(quiet), "no progress bar (fitllm)"},
+    {"overwrite", FL_CK_BOOL, OFF(overwrite), "reuse an out_dir that holds another run (fitllm)"},
+};
+#undef OFF
+#define N_KEYS (sizeof k_keys / sizeof k_keys[0])
+
+static size_t levenshtein(const char *a, const char *b) {
+    size_t n = strlen(a), m = strlen(b), prev[128], cur[128];
+    if (m >= 127) m = 127;
+    for (size_t j = 0; j <= m; j++) prev[j] = j;
+    for (size_t i = 1; i <= n; i++) {
+        cur[0] = i;
+        for (size_t j = 1; j <= m; j++) {
+            size_t sub = prev[j - 1] + (tolower((unsigned char)a[i - 1]) != tolower((unsigned char)b[j - 1]));
+            size_t del = prev[j] + 1, ins = cur[j - 1] + 1;
+            cur[j] = sub < del ? (sub < ins ? sub : ins) : (del < ins ? del : ins);
+        }
+        memcpy(prev, cur, (m + 1) * sizeof *prev);
+    }
+    return prev[m];
+}
+
+static const char *nearest_key(const char *key) {
+    const char *best = NULL;
+    size_t bd = (size_t)-1;
+    for (size_t i = 0; i < N_KEYS; i++) {
+        size_t d = levenshtein(key, k_keys[i].name);
+        /* also compare the last component, for "micro_batch_size" -> "train.micro_batch_size" */
+        const char *dot = strrchr(k_keys[i].name, '.');
+        if (dot) { size_t d2 = levenshtein(key, dot + 1) + 1; if (d2 < d) d = d2; }
+        if (d < bd) { bd = d; best = k_keys[i].name; }
+    }
+    return best;
+}
+
+/* "data.init_args.x" -> "data.x", "optimizer.init_args.x" -> "optimizer.x". */
+static void normalize_key(const char *key, char *out, size_t n) {
+    const char *p = strstr(key, ".init_args.");
+    if (p && (!strncmp(key, "data", 4) || !strncmp(key, "optimizer", 9))) {
+        size_t pre = (size_t)(p - key);
+        snprintf(out, n, "%.*s.%s", (int)pre, key, p + strlen(".init_args."));
+    } else {
+        snprintf(out, n, "%s", key);
+    }
+}
+
+static int is_null(const char *v) { return !v || !*v || !strcmp(v, "null") || !strcmp(v, "~") || !strcasecmp(v, "none"); }
+
+static fl_status parse_int(const char *key, const char *v, long long lo, long long hi, long long *out) {
+    char *end;
+    errno = 0;
+    long long x = strtoll(v, &end, 10);
+    if (errno || end == v || *end || x < lo || x > hi)
+        return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is not an integer in [%lld, %lld]", key, v, lo, hi);
+    *out = x;
+    return FL_OK;
+}
+
+static fl_status parse_float(const char *key, const char *v, float *out) {
+    char *end;
+    double x = strtod(v, &end);
+    if (end == v || *end || !isfinite(x)) return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is not a number", key, v);
+    *out = (float)x;
+    return FL_OK;
+}
+
+static fl_status parse_bool(const char *key, const char *v, int *out) {
+    if (!strcasecmp(v, "true") || !strcmp(v, "1") || !strcasecmp(v, "yes")) *out = 1;
+    else if (!strcasecmp(v, "false") || !strcmp(v, "0") || !strcasecmp(v, "no")) *out = 0;
+    else return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is not a boolean (true/false)", key, v);
+    return FL_OK;
+}
+
+static fl_status set_data_kind(fl_run_config *c, const char *v) {
+    const char *name = v;
+    if (!strncmp(name, "litgpt.data.", 12)) name += 12;
+    fl_data_kind k;
+    /* Keep what the user set in data.* so the order of keys does not matter. */
+    if (!strcmp(name, "Synthetic")) k = FL_DATA_SYNTHETIC;
+    else if (!strcmp(name, "Alpaca") || !strcmp(name, "Alpaca2k") || !strcmp(name, "AlpacaGPT4") ||
+             !strcmp(name, "AlpacaClean"))
+        k = FL_DATA_ALPACA;
+    else if (!strcmp(name, "JSON")) k = FL_DATA_JSON;
+    else if (!strcmp(name, "TextFiles")) k = FL_DATA_TEXTFILES;
+    else
+        return fl_errorf(FL_ERR_UNSUPPORTED,
+                         "data '%s' is not supported (Synthetic, Alpaca, Alpaca2k, AlpacaGPT4, JSON, TextFiles)", v);
+    if (c->data.kind != k) {
+        /* a new data module starts from its own defaults; paths already given stay */
+        fl_data_config old = c->data;
+        fl_data_config_default(&c->data, k);
+        memcpy(c->data.json_path, old.json_path, sizeof old.json_path);
+        memcpy(c->data.train_data_path, old.train_data_path, sizeof old.train_data_path);
+        memcpy(c->data.val_data_path, old.val_data_path, sizeof old.val_data_path);
+        memcpy(c->data.cache_dir, old.cache_dir, sizeof old.cache_dir);
+    }
+    if (k == FL_DATA_ALPACA && !strcmp(name, "Alpaca2k")) c->data.val_split_fraction = 0.05f;
+    return FL_OK;
+}
+
+static fl_status set_optimizer(fl_run_config *c, const char *v) {
+    const char *name = v;
+    if (!strncmp(name, "torch.optim.", 12)) name += 12;
+    else if (!strncmp(name, "bnb.optim.", 10) || !strncmp(name, "bitsandbytes.optim.", 19))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "optimizer '%s' (8-bit) is not available yet in this build (AdamW, SGD)", v);
+    fl_optim_config keep = c->optimizer;
+    if (!strcasecmp(name, "AdamW") || !strcasecmp(name, "Adam")) {
+        if (c->optimizer.kind != FL_OPT_ADAMW) fl_optim_config_default(&c->optimizer, FL_OPT_ADAMW);
+    } else if (!strcasecmp(name, "SGD")) {
+        if (c->optimizer.kind != FL_OPT_SGD) {
+            fl_optim_config_default(&c->optimizer, FL_OPT_SGD);
+            c->optimizer.lr = keep.lr; /* an lr given before the class keeps applying */
+        }
+    } else {
+        return fl_errorf(FL_ERR_UNSUPPORTED, "optimizer '%s' is not supported (AdamW, SGD)", v);
+    }
+    if (!strcasecmp(name, "Adam")) c->optimizer.weight_decay = 0.0f; /* torch Adam: L2 default 0 */
+    return FL_OK;
+}
+
+static fl_status set_precision(char *dst, const char *v) {
+    static const char *ok[] = {"32-true", "bf16-true", "bf16-mixed", "16-true", "16-mixed", "32", "bf16", "16"};
+    for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++)
+        if (!strcmp(v, ok[i])) {
+            snprintf(dst, 16, "%s", !strcmp(v, "32") ? "32-true" : !strcmp(v, "bf16") ? "bf16-mixed"
+                                     : !strcmp(v, "16") ? "16-mixed" : v);
+            return FL_OK;
+        }
+    return fl_errorf(FL_ERR_INVALID, "precision '%s' is not one of 32-true, bf16-true, bf16-mixed, 16-true, 16-mixed", v);
+}
+
+fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
+    char key[256];
+    normalize_key(key_in, key, sizeof key);
+    const fl_cfg_key *k = NULL;
+    for (size_t i = 0; i < N_KEYS; i++)
+        if (!strcmp(k_keys[i].name, key)) { k = &k_keys[i]; break; }
+    if (!k) {
+        const char *near = nearest_key(key);
+        return fl_errorf(FL_ERR_INVALID, "unknown option '%s'%s%s%s", key_in, near ? " (did you mean '" : "",
+                         near ? near : "", near ? "'?)" : "");
+    }
+    char *base = (char *)c;
+    long long x = 0;
+    switch (k->type) {
+    case FL_CK_PATH:
+        if (is_null(v)) { ((char *)(base + k->off))[0] = '\0'; return FL_OK; }
+        if (strlen(v) >= FL_CFG_PATH) return fl_errorf(FL_ERR_INVALID, "option '%s': path too long", key);
+        snprintf(base + k->off, FL_CFG_PATH, "%s", v);
+        return FL_OK;
+    case FL_CK_STR32: snprintf(base + k->off, 32, "%s", v); return FL_OK;
+    case FL_CK_STR64: snprintf(base + k->off, 64, "%s", is_null(v) ? "" : v); return FL_OK;
+    case FL_CK_INT:
+        FL_TRY(parse_int(key, v, 0, 1 << 30, &x));
+        *(int *)(base + k->off) = (int)x;
+        return FL_OK;
+    case FL_CK_INT_OPT:
+    case FL_CK_INT_OPT0:
+        if (is_null(v)) { *(int *)(base + k->off) = k->type == FL_CK_INT_OPT ? -1 : 0; return FL_OK; }
+        FL_TRY(parse_int(key, v, 0, 1 << 30, &x));
+        *(int *)(base + k->off) = (int)x;
+        return FL_OK;
+    case FL_CK_LL_OPT:
+        if (is_null(v)) { *(long long *)(base + k->off) = -1; return FL_OK; }
+        FL_TRY(parse_int(key, v, 0, (long long)1 << 62, &x));
+        *(long long *)(base + k->off) = x;
+        return FL_OK;
+    case FL_CK_U64:
+        FL_TRY(parse_int(key, v, 0, (long long)1 << 62, &x));
+        *(uint64_t *)(base + k->off) = (uint64_t)x;
+        return FL_OK;
+    case FL_CK_FLOAT: return parse_float(key, v, (float *)(base + k->off));
+    case FL_CK_FLOAT_OPT:
+    case FL_CK_FLOAT_OPT0:
+        if (is_null(v)) { *(float *)(base + k->off) = k->type == FL_CK_FLOAT_OPT ? -1.0f : 0.0f; return FL_OK; }
+        return parse_float(key, v, (float *)(base + k->off));
+    case FL_CK_BOOL: return parse_bool(key, v, (int *)(base + k->off));
+    case FL_CK_BOOL_OPT:
+        if (is_null(v)) { *(int *)(base + k->off) = -1; return FL_OK; }
+        return parse_bool(key, v, (int *)(base + k->off));
+    case FL_CK_BYTES:
+        if (fl_parse_bytes(v, (size_t *)(base + k->off)) != 0)
+            return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is not a size like 8GB or 512MiB", key, v);
+        return FL_OK;
+    case FL_CK_PRECISION: return set_precision(base + k->off, v);
+    case FL_CK_RESUME:
+        if (is_null(v)) v = "false";
+        if (!strcasecmp(v, "true") || !strcasecmp(v, "false") || !strcmp(v, "auto")) {
+            char low[8];
+            snprintf(low, sizeof low, "%s", v);
+            for (char *p = low; *p; p++) *p = (char)tolower((unsigned char)*p);
+            snprintf(c->resume, sizeof c->resume, "%s", low);
+        } else {
+            snprintf(c->resume, sizeof c->resume, "%s", v);
+        }
+        return FL_OK;
+    case FL_CK_LOGGER:
+        if (strcmp(v, "csv") && strcmp(v, "jsonl"))
+            return fl_errorf(FL_ERR_UNSUPPORTED, "logger_name '%s' is not supported here (csv, jsonl)", v);
+        snprintf(c->logger_name, sizeof c->logger_name, "%s", v);
+        return FL_OK;
+    case FL_CK_DATA: return set_data_kind(c, v);
+    case FL_CK_OPTIMIZER: return set_optimizer(c, v);
+    case FL_CK_BETAS: {
+        /* "[0.9, 0.95]" or "0.9,0.95" */
+        char buf[128];
+        snprintf(buf, sizeof buf, "%s", v);
+        char *s = buf, *e;
+        while (*s == '[' || *s == '(' || isspace((unsigned char)*s)) s++;
+        double b1 = strtod(s, &e);
+        if (e == s) goto bad_betas;
+        s = e;
+        while (*s == ',' || isspace((unsigned char)*s)) s++;
+        double b2 = strtod(s, &e);
+        if (e == s) goto bad_betas;
+        s = e;
+        while (*s == ']' || *s == ')' || isspace((unsigned char)*s)) s++;
+        if (*s || !(b1 >= 0 && b1 < 1 && b2 >= 0 && b2 < 1)) goto bad_betas;
+        c->optimizer.beta1 = (float)b1;
+        c->optimizer.beta2 = (float)b2;
+        return FL_OK;
+    bad_betas:
+        return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is not a pair of betas in [0, 1) like [0.9, 0.95]", key, v);
+    }
+    case FL_CK_DOWNLOAD_DIR:
+    case FL_CK_FILE_NAME: {
+        /* LitGPT's Alpaca reads download_dir/file_name (downloading when absent;
+         * we never download, so the file must exist). Keep both parts in json_path. */
+        char dir[FL_CFG_PATH], file[FL_CFG_PATH];
+        const char *jp = c->data.json_path, *slash = strrchr(jp, '/');
+        snprintf(dir, sizeof dir, "%.*s", slash ? (int)(slash - jp) : 0, jp);
+        snprintf(file, sizeof file, "%s", slash ? slash + 1 : jp);
+        if (!dir[0]) snprintf(dir, sizeof dir, "data/alpaca");
+        if (!file[0]) snprintf(file, sizeof file, "alpaca_data_cleaned_archive.json");
+        if (k->type == FL_CK_DOWNLOAD_DIR) snprintf(dir, sizeof dir, "%s", v);
+        else snprintf(file, sizeof file, "%s", v);
+        if (strlen(dir) + strlen(file) + 2 > FL_CFG_PATH) return fl_errorf(FL_ERR_INVALID, "option '%s': path too long", key);
+        snprintf(c->data.json_path, sizeof c->data.json_path, "%s/%s", dir, file);
+        return FL_OK;
+    }
+    case FL_CK_IGNORED: return FL_OK;
+    }
+    return fl_errorf(FL_ERR_INTERNAL, "option '%s': unhandled type", key);
+}
+
+fl_status fl_cfg_validate(const fl_run_config *c) {
+    const fl_train_args *t = &c->train;
+    if (c->devices != 1 || c->num_nodes != 1)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "devices=%d num_nodes=%d: distributed training is not available yet (use 1)",
+                         c->devices, c->num_nodes);
+    if (t->micro_batch_size <= 0) return fl_errorf(FL_ERR_INVALID, "train.micro_batch_size must be positive");
+    if (t->global_batch_size <= 0) return fl_errorf(FL_ERR_INVALID, "train.global_batch_size must be positive");
+    int per_rank = t->global_batch_size / (c->devices * c->num_nodes);
+    if (t->global_batch_size % (c->devices * c->num_nodes) || per_rank % t->micro_batch_size)
+        return fl_errorf(FL_ERR_INVALID,
+                         "train.global_batch_size %d is not divisible by devices x micro_batch_size = %d x %d",
+                         t->global_batch_size, c->devices * c->num_nodes, t->micro_batch_size);
+    if (t->log_interval <= 0) return fl_errorf(FL_ERR_INVALID, "train.log_interval must be positive");
+    if (t->lr_warmup_fraction >= 0 && t->lr_warmup_steps > 0)
+        return fl_errorf(FL_ERR_INVALID, "can't provide both train.lr_warmup_fraction and train.lr_warmup_steps");
+    if (t->lr_warmup_fraction > 1) return fl_errorf(FL_ERR_INVALID, "train.lr_warmup_fraction must be in [0, 1]");
+    if (t->max_seq_length == 0) return fl_errorf(FL_ERR_INVALID, "train.max_seq_length must be positive or null");
+    if (t->epochs == 0) return fl_errorf(FL_ERR_INVALID, "train.epochs must be positive or null");
+    if (c->eval.interval <= 0) return fl_errorf(FL_ERR_INVALID, "eval.interval must be positive");
+    if (c->eval.max_iters <= 0) return fl_errorf(FL_ERR_INVALID, "eval.max_iters must be positive");
+    if (!(c->optimizer.lr > 0)) return fl_errorf(FL_ERR_INVALID, "optimizer.lr must be positive");
+    if (c->optimizer.weight_decay < 0) return fl_errorf(FL_ERR_INVALID, "optimizer.weight_decay must be >= 0");
+    if (c->data.val_split_fraction < 0 || c->data.val_split_fraction >= 1)
+        return fl_errorf(FL_ERR_INVALID, "data.val_split_fraction must be in [0, 1)");
+    if (!c->out_dir[0]) return fl_errorf(FL_ERR_INVALID, "out_dir must not be empty");
+    if (c->command == FL_CMD_FINETUNE_FULL && !c->checkpoint_dir[0])
+        return fl_errorf(FL_ERR_INVALID, "missing checkpoint_dir (the model to fine-tune)");
+    if (c->data.kind == FL_DATA_TEXTFILES && !c->data.train_data_path[0])
+        return fl_errorf(FL_ERR_INVALID, "data TextFiles needs data.train_data_path");
+    if ((c->data.kind == FL_DATA_JSON) && !c->data.json_path[0])
+        return fl_errorf(FL_ERR_INVALID, "data JSON needs data.json_path");
+    return FL_OK;
+}
+
+double fl_lr_schedule(double lr, double min_lr, long step, long warmup, long max_steps) {
+    if (warmup > 0 && step < warmup) return lr * (double)step / (double)warmup;
+    if (max_steps <= warmup) return lr;
+    double progress = (double)(step - warmup) / (double)(max_steps - warmup);
+    if (progress > 1) progress = 1;
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + cos(M_PI * progress));
+}
+
+/* ---- dump and help ------------------------------------------------------- */
+
+static void value_str(const fl_run_config *c, const fl_cfg_key *k, char *buf, size_t n) {
+    const char *base = (const char *)c;
+    switch (k->type) {
+    case FL_CK_PATH: case FL_CK_STR32: case FL_CK_STR64: case FL_CK_PRECISION: case FL_CK_RESUME: case FL_CK_LOGGER: {
+        const char *s = base + k->off;
+        if (*s) snprintf(buf, n, "%s", s);
+        else snprintf(buf, n, "null");
+        break;
+    }
+    case FL_CK_INT: snprintf(buf, n, "%d", *(const int *)(base + k->off)); break;
+    case FL_CK_INT_OPT: case FL_CK_BOOL_OPT: {
+        int v = *(const int *)(base + k->off);
+        if (v < 0) snprintf(buf, n, "null");
+        else if (k->type == FL_CK_BOOL_OPT) snprintf(buf, n, "%s", v ? "true" : "false");
+        else snprintf(buf, n, "%d", v);
+        break;
+    }
+    case FL_CK_INT_OPT0: {
+        int v = *(const int *)(base + k->off);
+        if (v <= 0) snprintf(buf, n, "null"); else snprintf(buf, n, "%d", v);
+        break;
+    }
+    case FL_CK_LL_OPT: {
+        long long v = *(const long long *)(base + k->off);
+        if (v < 0) snprintf(buf, n, "null"); else snprintf(buf, n, "%lld", v);
+        break;
+    }
+    case FL_CK_U64: snprintf(buf, n, "%llu", (unsigned long long)*(const uint64_t *)(base + k->off)); break;
+    case FL_CK_FLOAT: snprintf(buf, n, "%g", *(const float *)(base + k->off)); break;
+    case FL_CK_FLOAT_OPT: case FL_CK_FLOAT_OPT0: {
+        float v = *(const float *)(base + k->off);
+        if (v < 0 || (k->type == FL_CK_FLOAT_OPT0 && v == 0)) snprintf(buf, n, "null"); else snprintf(buf, n, "%g", v);
+        break;
+    }
+    case FL_CK_BOOL: snprintf(buf, n, "%s", *(const int *)(base + k->off) ? "true" : "false"); break;
+    case FL_CK_BYTES: {
+        size_t v = *(const size_t *)(base + k->off);
+        if (v) snprintf(buf, n, "%zu", v); else snprintf(buf, n, "null");
+        break;
+    }
+    case FL_CK_DATA: snprintf(buf, n, "%s", fl_data_kind_name(c->data.kind)); break;
+    case FL_CK_OPTIMIZER: snprintf(buf, n, "%s", fl_optim_name(c->optimizer.kind)); break;
+    case FL_CK_BETAS: snprintf(buf, n, "[%g, %g]", c->optimizer.beta1, c->optimizer.beta2); break;
+    default: snprintf(buf, n, "~"); break;
+    }
+}
+
+static int dumped(const fl_cfg_key *k) {
+    /* skip aliases and LitGPT-compat keys that hold no state of their own */
+    return k->type != FL_CK_IGNORED && k->type != FL_CK_DOWNLOAD_DIR && k->type != FL_CK_FILE_NAME &&
+           strcmp(k->name, "data.class_path") && strcmp(k->name, "optimizer.class_path") &&
+           strncmp(k->name, "train.learning_rate", 19) && strcmp(k->name, "train.weight_decay") &&
+           strcmp(k->name, "train.beta1") && strcmp(k->name, "train.beta2") &&
+           strcmp(k->name, "initial_checkpoint_dir");
+}
+
+void fl_cfg_write_yaml(const fl_run_config *c, FILE *f) {
+    char v[FL_CFG_PATH + 8];
+    const char *section = "";
+    fprintf(f, "# fitllm %s: effective configuration\n", c->command == FL_CMD_PRETRAIN ? "pretrain" : "finetune_full");
+    for (size_t i = 0; i < N_KEYS; i++) {
+        const fl_cfg_key *k = &k_keys[i];
+        if (!dumped(k)) continue;
+        value_str(c, k, v, sizeof v);
+        const char *dot = strchr(k->name, '.');
+        if (!dot) {
+            if (!strcmp(k->name, "data") || !strcmp(k->name, "optimizer")) {
+                fprintf(f, "%s:\n  class_path: %s\n  init_args:\n", k->name, v);
+                section = k->name;
+            } else {
+                fprintf(f, "%s: %s\n", k->name, v);
+                section = "";
+            }
+            continue;
+        }
+        size_t plen = (size_t)(dot - k->name);
+        int in_args = !strncmp(k->name, "data", plen) || !strncmp(k->name, "optimizer", plen);
+        if (strncmp(section, k->name, plen) || strlen(section) != plen) {
+            if (!in_args) fprintf(f, "%.*s:\n", (int)plen, k->name);
+            section = k->name; /* compare by prefix */
+        }
+        fprintf(f, "%s%s: %s\n", in_args ? "    " : "  ", dot + 1, v);
+    }
+}
+
+void fl_cfg_print_help(fl_cmd_kind cmd, FILE *f) {
+    fl_run_config c;
+    fl_cfg_defaults(&c, cmd);
+    char v[64];
+    for (size_t i = 0; i < N_KEYS; i++) {
+        const fl_cfg_key *k = &k_keys[i];
+        value_str(&c, k, v, sizeof v);
+        if (k->type == FL_CK_IGNORED) snprintf(v, sizeof v, "(ignored)");
+        fprintf(f, "  --%-30s %-14s %s\n", k->name, v, k->help);
+    }
+}

@@ -1,0 +1,236 @@
+/* Checkpoints: HF folder + training state, built in a temp folder, renamed,
+ * then committed with a marker. See include/fitllm/checkpoint.h. */
+#include <dirent.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "../io/io-internal.h"
+#include "fitllm/checkpoint.h"
+#include "fitllm/io.h"
+
+#define STATE_FILE "training_state.safetensors"
+#define MARKER "COMMITTED"
+#define TMP_PREFIX ".tmp-"
+
+static const char *k_tok_files[] = {"tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                                    "special_tokens_map.json", "generation_config.json", "tokenizer.bin",
+                                    "tok512.bin"};
+
+static fl_status copy_file(const char *src, const char *dst) {
+    FILE *f = fopen(src, "rb");
+    if (!f) return fl_errorf(FL_ERR_IO, "%s: cannot open: %s", src, strerror(errno));
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *buf = n > 0 ? malloc((size_t)n) : NULL;
+    if (n > 0 && (!buf || fread(buf, 1, (size_t)n, f) != (size_t)n)) {
+        fclose(f);
+        free(buf);
+        return fl_errorf(FL_ERR_IO, "%s: read failed", src);
+    }
+    fclose(f);
+    fl_status s = fl_io_write_file_atomic(dst, buf ? buf : "", n > 0 ? (size_t)n : 0);
+    free(buf);
+    return s;
+}
+
+static fl_status write_state(const char *dir, const fl_model *m, const fl_optimizer *o, const fl_train_state *st,
+                             const fl_run_config *cfg) {
+    char path[FL_CFG_PATH + 64];
+    FL_TRY(fl_io_join(path, sizeof path, dir, STATE_FILE));
+    fl_st_write_tensor t[2];
+    int nt = 0;
+    int64_t n = (int64_t)m->layout.numel;
+    if (o && o->m) {
+        t[nt++] = (fl_st_write_tensor){"optimizer.exp_avg", FL_F32, 1, {n}, o->m, FL_F32, 0};
+        t[nt++] = (fl_st_write_tensor){"optimizer.exp_avg_sq", FL_F32, 1, {n}, o->v, FL_F32, 0};
+    } else if (o && o->buf) {
+        t[nt++] = (fl_st_write_tensor){"optimizer.momentum_buffer", FL_F32, 1, {n}, o->buf, FL_F32, 0};
+    }
+    char v[16][64];
+    const char *keys[16], *vals[16];
+    int k = 0;
+#define META(key, ...) (keys[k] = key, snprintf(v[k], sizeof v[k], __VA_ARGS__), vals[k] = v[k], k++)
+    META("format", "fitllm-training-state");
+    META("version", "1");
+    META("optimizer", "%s", o ? fl_optim_name(o->cfg.kind) : "none");
+    META("optimizer_step", "%d", o ? o->step : 0);
+    META("step", "%ld", st->step);
+    META("iter", "%ld", st->iter);
+    META("loader_seed", "%llu", (unsigned long long)st->loader.seed);
+    META("loader_epoch", "%lld", (long long)st->loader.epoch);
+    META("loader_pos", "%lld", (long long)st->loader.pos);
+    META("tokens_real", "%lld", st->tokens_real);
+    META("tokens_prompt", "%lld", st->tokens_prompt);
+    META("tokens_padded", "%lld", st->tokens_padded);
+    META("train_seconds", "%.17g", st->train_seconds);
+    META("flops", "%.17g", st->flops);
+    META("world_size", "%d", cfg ? cfg->devices * cfg->num_nodes : 1);
+    META("numel", "%zu", m->layout.numel);
+#undef META
+    return fl_st_write(path, t, nt, keys, vals, k);
+}
+
+static void remove_tree_flat(const char *dir) { fl_io_remove_flat_dir(dir); }
+
+void fl_ckpt_clean_tmp(const char *out_dir) {
+    DIR *d = opendir(out_dir);
+    if (!d) return;
+    struct dirent *e;
+    char p[FL_CFG_PATH + 300];
+    while ((e = readdir(d)) != NULL)
+        if (!strncmp(e->d_name, TMP_PREFIX, strlen(TMP_PREFIX)) || strstr(e->d_name, ".trash-")) {
+            snprintf(p, sizeof p, "%s/%s", out_dir, e->d_name);
+            remove_tree_flat(p);
+        }
+    closedir(d);
+}
+
+fl_status fl_ckpt_save(const char *out_dir, const char *name, const fl_model *m, const fl_optimizer *o,
+                       const fl_train_state *st, const fl_run_config *cfg, const char *tokenizer_src) {
+    char tmp[FL_CFG_PATH + 300], dst[FL_CFG_PATH + 300], p[FL_CFG_PATH + 400], q[FL_CFG_PATH + 400];
+    if (mkdir(out_dir, 0755) != 0 && errno != EEXIST)
+        return fl_errorf(FL_ERR_IO, "%s: cannot create output folder: %s", out_dir, strerror(errno));
+    snprintf(tmp, sizeof tmp, "%s/" TMP_PREFIX "%s-%d", out_dir, name, (int)getpid());
+    snprintf(dst, sizeof dst, "%s/%s", out_dir, name);
+    remove_tree_flat(tmp);
+    fl_status s = fl_hf_save_model(m, tmp); /* config.json + model.safetensors, fsynced */
+    if (s == FL_OK && st) s = write_state(tmp, m, o, st, cfg);
+    if (s == FL_OK && cfg) {
+        snprintf(p, sizeof p, "%s/hyperparameters.yaml", tmp);
+        char *text = NULL;
+        size_t len = 0;
+        FILE *f = open_memstream(&text, &len);
+        if (!f) s = fl_errorf(FL_ERR_OOM, "%s: out of memory", p);
+        else {
+            fl_cfg_write_yaml(cfg, f);
+            fclose(f);
+            s = fl_io_write_file_atomic(p, text, len);
+            free(text);
+        }
+    }
+    for (size_t i = 0; s == FL_OK && tokenizer_src && i < sizeof k_tok_files / sizeof k_tok_files[0]; i++) {
+        snprintf(p, sizeof p, "%s/%s", tokenizer_src, k_tok_files[i]);
+        if (!fl_io_is_file(p)) continue;
+        snprintf(q, sizeof q, "%s/%s", tmp, k_tok_files[i]);
+        s = copy_file(p, q);
+    }
+    if (s == FL_OK) {
+        fl_io_sync_dir(tmp);
+        /* Replace an existing checkpoint of the same name: move it aside first so
+         * a crash between the renames leaves either the old or the new one. */
+        char trash[FL_CFG_PATH + 320];
+        snprintf(trash, sizeof trash, "%s/%s.trash-%d", out_dir, name, (int)getpid());
+        int had_old = fl_io_is_dir(dst);
+        if (had_old && rename(dst, trash) != 0)
+            s = fl_errorf(FL_ERR_IO, "%s: cannot move the previous checkpoint aside: %s", dst, strerror(errno));
+        if (s == FL_OK && rename(tmp, dst) != 0) {
+            s = fl_errorf(FL_ERR_IO, "%s: cannot rename %s into place: %s", dst, tmp, strerror(errno));
+            if (had_old) rename(trash, dst);
+        }
+        if (s == FL_OK) {
+            fl_io_sync_dir(out_dir);
+            snprintf(p, sizeof p, "%s/" MARKER, dst);
+            s = fl_io_write_file_atomic(p, "fitllm checkpoint v1\n", 21);
+            fl_io_sync_dir(dst);
+            if (had_old) remove_tree_flat(trash);
+        }
+    }
+    if (s != FL_OK) {
+        remove_tree_flat(tmp);
+        return fl_error_prefix(s, "saving checkpoint %s", dst);
+    }
+    return FL_OK;
+}
+
+int fl_ckpt_is_committed(const char *dir) {
+    char p[FL_CFG_PATH + 64];
+    snprintf(p, sizeof p, "%s/" MARKER, dir);
+    return fl_io_is_file(p);
+}
+
+fl_status fl_ckpt_find_latest(const char *out_dir, char *path, size_t n) {
+    DIR *d = opendir(out_dir);
+    if (!d) return fl_errorf(FL_ERR_NOT_FOUND, "%s: no such output folder", out_dir);
+    struct dirent *e;
+    long best = -1;
+    char p[FL_CFG_PATH + 300];
+    while ((e = readdir(d)) != NULL) {
+        long step;
+        char tail;
+        if (sscanf(e->d_name, "step-%ld%c", &step, &tail) != 1) continue;
+        snprintf(p, sizeof p, "%s/%s", out_dir, e->d_name);
+        if (step > best && fl_ckpt_is_committed(p)) {
+            best = step;
+            snprintf(path, n, "%s", p);
+        }
+    }
+    closedir(d);
+    if (best < 0) return fl_errorf(FL_ERR_NOT_FOUND, "%s: no committed checkpoint (step-*/" MARKER ")", out_dir);
+    return FL_OK;
+}
+
+static const char *meta(const fl_st_file *f, const char *key) {
+    for (int i = 0; i < f->n_meta; i++)
+        if (!strcmp(f->meta_keys[i], key)) return f->meta_vals[i];
+    return NULL;
+}
+
+fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_state *st) {
+    if (!fl_ckpt_is_committed(dir))
+        return fl_errorf(FL_ERR_FORMAT, "%s: not a committed checkpoint (no " MARKER " file)", dir);
+    FL_TRY(fl_hf_load_weights(m, dir));
+    char p[FL_CFG_PATH + 64];
+    FL_TRY(fl_io_join(p, sizeof p, dir, STATE_FILE));
+    fl_st_file f;
+    FL_TRY(fl_st_open(&f, p));
+    fl_status s = FL_OK;
+    const char *fmt = meta(&f, "format"), *numel = meta(&f, "numel");
+    if (!fmt || strcmp(fmt, "fitllm-training-state"))
+        s = fl_errorf(FL_ERR_FORMAT, "%s: not a fitllm training state", p);
+    else if (!numel || strtoull(numel, NULL, 10) != m->layout.numel)
+        s = fl_errorf(FL_ERR_FORMAT, "%s: state is for %s parameters, the model has %zu", p, numel ? numel : "?",
+                      m->layout.numel);
+    const char *opt = meta(&f, "optimizer");
+    if (s == FL_OK && o && opt && strcmp(opt, fl_optim_name(o->cfg.kind)))
+        s = fl_errorf(FL_ERR_FORMAT, "%s: saved with optimizer %s, this run uses %s", p, opt, fl_optim_name(o->cfg.kind));
+    struct { const char *name; float *dst; } want[3] = {{"optimizer.exp_avg", o ? o->m : NULL},
+                                                        {"optimizer.exp_avg_sq", o ? o->v : NULL},
+                                                        {"optimizer.momentum_buffer", o ? o->buf : NULL}};
+    for (int i = 0; s == FL_OK && i < 3; i++) {
+        if (!want[i].dst) continue;
+        const fl_st_tensor *t = fl_st_find(&f, want[i].name);
+        if (!t) { s = fl_errorf(FL_ERR_NOT_FOUND, "%s: missing tensor %s", p, want[i].name); break; }
+        if (t->dtype != FL_F32 || t->end - t->begin != m->layout.numel * sizeof(float)) {
+            s = fl_errorf(FL_ERR_FORMAT, "%s: tensor %s has the wrong size or dtype", p, want[i].name);
+            break;
+        }
+        memcpy(want[i].dst, t->data, m->layout.numel * sizeof(float));
+    }
+    if (s == FL_OK) {
+        const char *need[] = {"step", "iter", "loader_seed", "loader_epoch", "loader_pos", "optimizer_step"};
+        for (size_t i = 0; i < sizeof need / sizeof need[0]; i++)
+            if (!meta(&f, need[i])) { s = fl_errorf(FL_ERR_FORMAT, "%s: missing metadata '%s'", p, need[i]); break; }
+    }
+    if (s == FL_OK) {
+        memset(st, 0, sizeof *st);
+        st->step = strtol(meta(&f, "step"), NULL, 10);
+        st->iter = strtol(meta(&f, "iter"), NULL, 10);
+        st->loader.seed = strtoull(meta(&f, "loader_seed"), NULL, 10);
+        st->loader.epoch = strtoll(meta(&f, "loader_epoch"), NULL, 10);
+        st->loader.pos = strtoll(meta(&f, "loader_pos"), NULL, 10);
+        const char *x;
+        if ((x = meta(&f, "tokens_real"))) st->tokens_real = strtoll(x, NULL, 10);
+        if ((x = meta(&f, "tokens_prompt"))) st->tokens_prompt = strtoll(x, NULL, 10);
+        if ((x = meta(&f, "tokens_padded"))) st->tokens_padded = strtoll(x, NULL, 10);
+        if ((x = meta(&f, "train_seconds"))) st->train_seconds = strtod(x, NULL);
+        if ((x = meta(&f, "flops"))) st->flops = strtod(x, NULL);
+        if (o) o->step = (int)strtol(meta(&f, "optimizer_step"), NULL, 10);
+    }
+    fl_st_close(&f);
+    return s;
+}
