@@ -1,0 +1,42 @@
+/* fitllm: the training loop behind `fitllm finetune_full` and `fitllm pretrain`
+ * (LitGPT's fit()): data, accumulation, LR schedule, clipping, evaluation,
+ * logs, checkpoints, resume, and the final report.
+ *
+ * Progress goes to `out` (NULL = silent); errors come back as fl_status with a
+ * message, as everywhere in the library.
+ */
+#ifndef FITLLM_TRAINER_H
+#define FITLLM_TRAINER_H
+
+#include <stdio.h>
+
+#include "fitllm/config.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+    long steps;               /* optimizer steps done in total (incl. before a resume) */
+    long iters;
+    double last_loss;         /* train loss (running mean) at the end */
+    double val_loss;          /* final validation loss (NaN if none) */
+    double train_seconds;
+    long long tokens_real, tokens_prompt, tokens_padded;
+    size_t peak[8];           /* peak bytes per tag (FL_TAG_COUNT) */
+    size_t peak_total;
+    char final_dir[FL_CFG_PATH + 16];
+} fl_trainer_result;
+
+/* Hooks for tests: called after every optimizer step with the step's loss
+ * (mean over its valid targets). Returning non-zero stops training early
+ * (no final checkpoint), as a crash would. */
+typedef int (*fl_step_hook)(void *ud, long step, double loss, const float *params, size_t numel);
+
+fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, fl_step_hook hook, void *hook_ud,
+                         fl_trainer_result *res);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,66 @@
+/* Metrics logger: out_dir/logs/metrics.csv (or .jsonl), one row per log line
+ * or evaluation, flushed as written so a crash loses nothing already logged. */
+#include <errno.h>
+#include <math.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "metrics.h"
+
+static const char *k_cols[] = {"iter", "step", "epoch", "loss", "iter_time", "tokens", "total_tokens",
+                               "learning_rate", "val_loss", "val_ppl", "tok_s", "mem_params", "mem_grads",
+                               "mem_optim", "mem_acts", "mem_workspace", "mem_other", "mem_peak"};
+#define N_COLS (sizeof k_cols / sizeof k_cols[0])
+
+fl_status fl_metrics_open(fl_metrics *mt, const char *out_dir, const char *kind, int append) {
+    memset(mt, 0, sizeof *mt);
+    char dir[4200];
+    snprintf(dir, sizeof dir, "%s/logs", out_dir);
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST)
+        return fl_errorf(FL_ERR_IO, "%s: cannot create: %s", dir, strerror(errno));
+    mt->jsonl = !strcmp(kind, "jsonl");
+    snprintf(mt->path, sizeof mt->path, "%s/metrics.%s", dir, mt->jsonl ? "jsonl" : "csv");
+    struct stat st;
+    int exists = stat(mt->path, &st) == 0 && st.st_size > 0;
+    mt->f = fopen(mt->path, append ? "a" : "w");
+    if (!mt->f) return fl_errorf(FL_ERR_IO, "%s: cannot open: %s", mt->path, strerror(errno));
+    if (!mt->jsonl && !(append && exists)) {
+        for (size_t i = 0; i < N_COLS; i++) fprintf(mt->f, "%s%s", i ? "," : "", k_cols[i]);
+        fputc('\n', mt->f);
+        fflush(mt->f);
+    }
+    return FL_OK;
+}
+
+void fl_metrics_row(fl_metrics *mt, const fl_metrics_values *v) {
+    if (!mt->f) return;
+    double vals[N_COLS] = {(double)v->iter, (double)v->step, (double)v->epoch, v->loss, v->iter_time,
+                           (double)v->tokens, (double)v->total_tokens, v->learning_rate, v->val_loss,
+                           isnan(v->val_loss) ? NAN : exp(v->val_loss), v->tok_s};
+    for (int t = 0; t < 6; t++) vals[11 + t] = (double)v->mem[t];
+    vals[17] = (double)v->mem_peak;
+    int present[N_COLS];
+    for (size_t i = 0; i < N_COLS; i++) present[i] = !isnan(vals[i]);
+    if (mt->jsonl) {
+        fputc('{', mt->f);
+        int first = 1;
+        for (size_t i = 0; i < N_COLS; i++) {
+            if (!present[i]) continue;
+            fprintf(mt->f, "%s\"%s\": %.10g", first ? "" : ", ", k_cols[i], vals[i]);
+            first = 0;
+        }
+        fputs("}\n", mt->f);
+    } else {
+        for (size_t i = 0; i < N_COLS; i++) {
+            if (i) fputc(',', mt->f);
+            if (present[i]) fprintf(mt->f, "%.10g", vals[i]);
+        }
+        fputc('\n', mt->f);
+    }
+    fflush(mt->f);
+}
+
+void fl_metrics_close(fl_metrics *mt) {
+    if (mt->f) fclose(mt->f);
+    mt->f = NULL;
+}

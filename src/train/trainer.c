@@ -1,0 +1,487 @@
+/* The training loop (LitGPT's fit()): see include/fitllm/trainer.h.
+ *
+ * One iteration = one micro-batch forward+backward; every `accum` iterations
+ * the optimizer steps. The micro-batches of a step are fetched first so the
+ * loss can be normalized by the number of valid targets of the whole step
+ * (accumulation == one large batch). */
+#include <dirent.h>
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#include "fitllm/checkpoint.h"
+#include "fitllm/io.h"
+#include "fitllm/tokenizer.h"
+#include "fitllm/trainer.h"
+#include "metrics.h"
+
+typedef struct {
+    const fl_run_config *cfg;
+    FILE *out;
+    int bar;
+    fl_backend be;
+    int be_ok;
+    fl_mem_pool pool;
+    int pool_ok;
+    fl_model model;
+    int model_ok;
+    fl_optimizer opt;
+    fl_tokenizer *tok;
+    char tok_dir[FL_CFG_PATH];  /* where tokenizer files come from ("" = built-in) */
+    fl_dataset *data;
+    fl_loader *train, *val;
+    fl_metrics metrics;
+    int32_t *ids, *tgt;         /* (accum, B, T_max) step buffers, OTHER */
+    fl_micro_batch *mbs;        /* (accum) */
+    int accum, B, T;
+    long max_steps, warmup, steps_per_epoch;
+    fl_train_state st;
+} trainer;
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec / 1e9;
+}
+
+static int dir_has_run(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    struct dirent *e;
+    int found = 0;
+    while ((e = readdir(d)) != NULL)
+        if (!strncmp(e->d_name, "step-", 5) || !strcmp(e->d_name, "final") || !strcmp(e->d_name, "logs")) found = 1;
+    closedir(d);
+    return found;
+}
+
+static fl_status mkdir_p(const char *path) {
+    char buf[FL_CFG_PATH];
+    snprintf(buf, sizeof buf, "%s", path);
+    for (char *p = buf + 1; *p; p++)
+        if (*p == '/') {
+            *p = '\0';
+            if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+                return fl_errorf(FL_ERR_IO, "%s: cannot create folder: %s", buf, strerror(errno));
+            *p = '/';
+        }
+    if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+        return fl_errorf(FL_ERR_IO, "%s: cannot create folder: %s", buf, strerror(errno));
+    return FL_OK;
+}
+
+static int exists(const char *p) {
+    struct stat st;
+    return stat(p, &st) == 0;
+}
+
+/* ---- set-up ------------------------------------------------------------------ */
+
+static fl_status load_model_and_tokenizer(trainer *t) {
+    const fl_run_config *c = t->cfg;
+    fl_model_config mc;
+    const char *ck = c->checkpoint_dir;
+    int have_weights = 0;
+    if (c->command == FL_CMD_PRETRAIN && (c->model_name[0] || c->model_config[0])) {
+        if (c->model_name[0]) FL_TRY(fl_preset_find(c->model_name, &mc));
+        else FL_TRY(fl_hf_load_config(c->model_config, &mc));
+        FL_TRY(fl_model_init(&t->model, &mc, &t->be, &t->pool));
+        t->model_ok = 1;
+        fl_model_init_random(&t->model, c->seed);
+        if (ck[0]) { FL_TRY(fl_hf_load_weights(&t->model, ck)); have_weights = 1; }
+    } else if (ck[0] && !exists(ck)) {
+        /* A preset name: random init (for speed/memory experiments without weights). */
+        fl_status s = fl_preset_find(ck, &mc);
+        if (s != FL_OK)
+            return fl_errorf(FL_ERR_NOT_FOUND, "checkpoint_dir '%s' is neither a model folder nor a preset (%s)", ck,
+                             fl_error_message());
+        FL_TRY(fl_model_init(&t->model, &mc, &t->be, &t->pool));
+        t->model_ok = 1;
+        fl_model_init_random(&t->model, c->seed);
+    } else if (ck[0]) {
+        int loaded = 0;
+        FL_TRY(fl_model_load_auto(&t->model, ck, &t->be, &t->pool, &loaded));
+        t->model_ok = 1;
+        have_weights = loaded;
+        if (!loaded) fl_model_init_random(&t->model, c->seed);
+    } else {
+        return fl_errorf(FL_ERR_INVALID, "no model: give checkpoint_dir%s",
+                         c->command == FL_CMD_PRETRAIN ? ", model_name or model_config" : "");
+    }
+    (void)have_weights;
+    if (c->train.tie_embeddings >= 0 && c->train.tie_embeddings != t->model.cfg.tie_embeddings)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "train.tie_embeddings=%d differs from the model's tie_word_embeddings=%d",
+                         c->train.tie_embeddings, t->model.cfg.tie_embeddings);
+
+    /* Tokenizer: the model folder's, an explicit tokenizer_dir, or the built-in bytes. */
+    const char *td = c->tokenizer_dir[0] ? c->tokenizer_dir : NULL;
+    if (!td && ck[0] && exists(ck)) {
+        struct stat st;
+        if (stat(ck, &st) == 0 && S_ISDIR(st.st_mode)) td = ck;
+    }
+    if (td) {
+        FL_TRY(fl_tok_load(&t->tok, td));
+        snprintf(t->tok_dir, sizeof t->tok_dir, "%s", td);
+    } else {
+        FL_TRY(fl_tok_builtin_bytes(&t->tok));
+    }
+    if (fl_tok_vocab_size(t->tok) > t->model.cfg.vocab_size)
+        return fl_errorf(FL_ERR_INVALID, "tokenizer (%s, %d ids) does not fit the model's vocab_size %d",
+                         fl_tok_kind(t->tok), fl_tok_vocab_size(t->tok), t->model.cfg.vocab_size);
+    return FL_OK;
+}
+
+static fl_status load_data(trainer *t) {
+    const fl_run_config *c = t->cfg;
+    fl_data_config dc = c->data;
+    dc.max_seq_length = c->train.max_seq_length;
+    if (dc.kind == FL_DATA_ALPACA && !dc.json_path[0])
+        snprintf(dc.json_path, sizeof dc.json_path, "data/alpaca/alpaca_data_cleaned_archive.json");
+    FL_TRY(fl_data_load(&t->data, &dc, t->tok));
+    if (fl_data_count(t->data, FL_SPLIT_TRAIN) == 0) return fl_errorf(FL_ERR_INVALID, "the training split is empty");
+    /* Longest sample decides the activation arena (LitGPT sets model.max_seq_length the same way). */
+    int longest = 2;
+    for (int s = 0; s < FL_SPLIT_COUNT; s++)
+        for (size_t i = 0; i < fl_data_count(t->data, (fl_split)s); i++) {
+            int n = fl_data_get(t->data, (fl_split)s, i)->len;
+            if (n > longest) longest = n;
+        }
+    int T = longest - 1; /* inputs are the sample minus its last token */
+    if (c->train.max_seq_length > 0 && T > c->train.max_seq_length) T = c->train.max_seq_length;
+    if (T > t->model.cfg.max_seq) T = t->model.cfg.max_seq;
+    t->T = T;
+    t->B = c->train.micro_batch_size;
+    FL_TRY(fl_loader_init(&t->train, t->data, FL_SPLIT_TRAIN, t->B, T, c->seed, 1));
+    if (fl_data_count(t->data, FL_SPLIT_VAL) > 0) FL_TRY(fl_loader_init(&t->val, t->data, FL_SPLIT_VAL, t->B, T, c->seed, 0));
+    return FL_OK;
+}
+
+static void schedule(trainer *t) {
+    const fl_train_args *a = &t->cfg->train;
+    t->accum = a->global_batch_size / (t->cfg->devices * t->cfg->num_nodes) / a->micro_batch_size;
+    long bpe = (long)fl_loader_batches_per_epoch(t->train);
+    t->steps_per_epoch = bpe / t->accum > 0 ? bpe / t->accum : 1;
+    long ms = -1;
+    if (a->epochs > 0) ms = a->epochs * t->steps_per_epoch;
+    if (a->max_steps >= 0 && (ms < 0 || a->max_steps < ms)) ms = a->max_steps;
+    if (a->max_tokens > 0) {
+        long by_tokens = (long)((a->max_tokens + (long long)a->global_batch_size * t->T - 1) /
+                                ((long long)a->global_batch_size * t->T));
+        if (ms < 0 || by_tokens < ms) ms = by_tokens;
+    }
+    if (ms < 0) ms = t->steps_per_epoch;
+    t->max_steps = ms;
+    long w = 0;
+    if (a->lr_warmup_fraction >= 0) w = (long)ceil(a->lr_warmup_fraction * t->steps_per_epoch);
+    else if (a->lr_warmup_steps > 0) w = a->lr_warmup_steps;
+    t->warmup = w < ms ? w : ms;
+}
+
+/* ---- evaluation ---------------------------------------------------------------- */
+
+static fl_status validate(trainer *t, int max_iters, double *loss) {
+    *loss = NAN;
+    if (!t->val) return FL_OK;
+    fl_loader_state s0 = {t->cfg->seed, 0, 0};
+    FL_TRY(fl_loader_set_state(t->val, &s0));
+    long n = (long)fl_loader_batches_per_epoch(t->val);
+    if (max_iters < n) n = max_iters;
+    double sum = 0;
+    long cnt = 0;
+    fl_mem_set_phase(&t->pool, "validation");
+    for (long k = 0; k < n; k++) {
+        fl_batch b;
+        int ne;
+        FL_TRY(fl_loader_next(t->val, &b, &ne));
+        FL_TRY(fl_model_forward(&t->model, b.ids, b.targets, b.B, b.T, 0.0f, NULL));
+        sum += t->model.loss_sum;
+        cnt += t->model.n_valid;
+    }
+    /* token-weighted mean over the evaluated batches */
+    if (cnt > 0) *loss = sum / (double)cnt;
+    return FL_OK;
+}
+
+/* ---- output -------------------------------------------------------------------- */
+
+static void bar_clear(trainer *t) {
+    if (t->bar && t->out) fputs("\r\033[K", t->out);
+}
+
+static void bar_draw(trainer *t, long step) {
+    if (!t->bar || !t->out) return;
+    int w = 30, fill = (int)(w * (double)step / (double)(t->max_steps > 0 ? t->max_steps : 1));
+    if (fill > w) fill = w;
+    fprintf(t->out, "\r[%.*s%*s] step %ld/%ld", fill, "##############################", w - fill, "", step,
+            t->max_steps);
+    fflush(t->out);
+}
+
+static void print_box(trainer *t, const fl_trainer_result *r) {
+    if (!t->out) return;
+    char b[32];
+    double secs = r->train_seconds > 0 ? r->train_seconds : 1e-9;
+    fprintf(t->out, "\n+-------------------------------------------------------------+\n");
+    fprintf(t->out, "| %-28s %30lld |\n", "input tokens (non-prompt)", r->tokens_real - r->tokens_prompt);
+    fprintf(t->out, "| %-28s %30lld |\n", "tokens with prompt", r->tokens_real);
+    fprintf(t->out, "| %-28s %30lld |\n", "total tokens with padding", r->tokens_padded);
+    fprintf(t->out, "| %-28s %28.2f s |\n", "training time", r->train_seconds);
+    fprintf(t->out, "| %-28s %30.1f |\n", "tokens/s (with prompt)", r->tokens_real / secs);
+    fprintf(t->out, "| %-28s %30.4f |\n", "TFLOP/s (model FLOPs)", t->st.flops / secs / 1e12);
+    for (int k = 0; k < FL_TAG_COUNT; k++) {
+        char lbl[40];
+        snprintf(lbl, sizeof lbl, "peak %s", fl_mem_tag_name((fl_mem_tag)k));
+        fprintf(t->out, "| %-28s %30s |\n", lbl, fl_fmt_bytes(r->peak[k], b, sizeof b));
+    }
+    fprintf(t->out, "| %-28s %30s |\n", "peak total", fl_fmt_bytes(r->peak_total, b, sizeof b));
+    fprintf(t->out, "+-------------------------------------------------------------+\n");
+}
+
+static void mem_values(const fl_mem_pool *p, fl_metrics_values *v) {
+    for (int k = 0; k < 6; k++) v->mem[k] = (double)p->cur[k];
+    v->mem_peak = (double)p->peak_total;
+}
+
+/* ---- the run --------------------------------------------------------------------- */
+
+static void cleanup(trainer *t) {
+    fl_metrics_close(&t->metrics);
+    if (t->pool_ok) {
+        fl_mem_free(&t->pool, t->ids);
+        fl_mem_free(&t->pool, t->tgt);
+    }
+    free(t->mbs);
+    fl_loader_free(t->train);
+    fl_loader_free(t->val);
+    fl_data_free(t->data);
+    fl_tok_free(t->tok);
+    fl_optim_free(&t->opt);
+    if (t->model_ok) fl_model_free(&t->model);
+    if (t->pool_ok) fl_mem_pool_free(&t->pool);
+    if (t->be_ok) fl_cpu_backend_free(&t->be);
+}
+
+static fl_status resume_if_asked(trainer *t, int *resumed) {
+    const char *r = t->cfg->resume;
+    char path[FL_CFG_PATH + 300];
+    *resumed = 0;
+    if (!strcmp(r, "false")) return FL_OK;
+    if (!strcmp(r, "true") || !strcmp(r, "auto")) {
+        fl_status s = fl_ckpt_find_latest(t->cfg->out_dir, path, sizeof path);
+        if (s == FL_ERR_NOT_FOUND && !strcmp(r, "auto")) return FL_OK;
+        if (s != FL_OK) return fl_error_prefix(s, "--resume true");
+    } else {
+        snprintf(path, sizeof path, "%s", r);
+    }
+    FL_TRY(fl_ckpt_load(path, &t->model, &t->opt, &t->st));
+    FL_TRY(fl_loader_set_state(t->train, &t->st.loader));
+    if (t->out) fprintf(t->out, "Resuming training from %s (step %ld, iter %ld)\n", path, t->st.step, t->st.iter);
+    *resumed = 1;
+    return FL_OK;
+}
+
+fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, fl_step_hook hook, void *hook_ud,
+                         fl_trainer_result *res) {
+    trainer t;
+    double *window = NULL;
+    memset(&t, 0, sizeof t);
+    t.cfg = cfg;
+    t.out = out;
+    t.bar = progress_bar && out;
+    fl_trainer_result r;
+    memset(&r, 0, sizeof r);
+    r.val_loss = NAN;
+    fl_status s = fl_cfg_validate(cfg);
+    if (s != FL_OK) return s;
+    if (strcmp(cfg->precision, "32-true"))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "precision '%s' is not available yet in this build (32-true)", cfg->precision);
+    if (!strcmp(cfg->resume, "false") && !cfg->overwrite && dir_has_run(cfg->out_dir))
+        return fl_errorf(FL_ERR_INVALID,
+                         "out_dir '%s' holds another run (checkpoints or logs); use --resume auto to continue it "
+                         "or --overwrite to start over",
+                         cfg->out_dir);
+#define CHECK(x) do { if ((s = (x)) != FL_OK) goto done; } while (0)
+    CHECK(fl_cpu_backend_init(&t.be, cfg->threads));
+    t.be_ok = 1;
+    CHECK(fl_mem_pool_init(&t.pool, "cpu", cfg->max_memory));
+    t.pool_ok = 1;
+    fl_mem_set_phase(&t.pool, "model load");
+    CHECK(load_model_and_tokenizer(&t));
+    CHECK(load_data(&t));
+    schedule(&t);
+    fl_mem_set_phase(&t.pool, "setup");
+    CHECK(fl_model_alloc_grads(&t.model));
+    CHECK(fl_optim_init(&t.opt, &t.model, &cfg->optimizer));
+    CHECK(fl_model_alloc_acts(&t.model, t.B, t.T));
+    size_t per = (size_t)t.B * t.T;
+    CHECK(fl_mem_alloc(&t.pool, FL_TAG_OTHER, (size_t)t.accum * per * sizeof(int32_t), (void **)&t.ids));
+    CHECK(fl_mem_alloc(&t.pool, FL_TAG_OTHER, (size_t)t.accum * per * sizeof(int32_t), (void **)&t.tgt));
+    t.mbs = calloc((size_t)t.accum, sizeof *t.mbs);
+    if (!t.mbs) { s = fl_errorf(FL_ERR_OOM, "out of host memory"); goto done; }
+    CHECK(mkdir_p(cfg->out_dir));
+    fl_ckpt_clean_tmp(cfg->out_dir);
+    int resumed = 0;
+    CHECK(resume_if_asked(&t, &resumed));
+    CHECK(fl_metrics_open(&t.metrics, cfg->out_dir, cfg->logger_name, resumed));
+
+    const fl_data_stats *ds = fl_data_get_stats(t.data);
+    if (out) {
+        fprintf(out, "model: %s, %zu parameters (%s); tokenizer: %s\n", t.model.cfg.name[0] ? t.model.cfg.name : "?",
+                t.model.layout.numel, cfg->checkpoint_dir[0] ? cfg->checkpoint_dir : cfg->model_name,
+                fl_tok_kind(t.tok));
+        fprintf(out, "data: %s, %zu train / %zu val samples, %zu truncated to max_seq_length; longest input %d\n",
+                fl_data_kind_name(cfg->data.kind), ds->n_samples[FL_SPLIT_TRAIN], ds->n_samples[FL_SPLIT_VAL],
+                ds->n_truncated, t.T);
+        fprintf(out, "micro_batch %d x accumulation %d = global batch %d; %ld steps/epoch, %ld steps, warmup %ld; "
+                "%s lr %g, min_lr %g\n",
+                t.B, t.accum, cfg->train.global_batch_size, t.steps_per_epoch, t.max_steps, t.warmup,
+                fl_optim_name(cfg->optimizer.kind), cfg->optimizer.lr, cfg->train.min_lr);
+    }
+
+    double val_loss = NAN;
+    if (cfg->eval.initial_validation) {
+        CHECK(validate(&t, cfg->eval.max_iters, &val_loss));
+        if (out) fprintf(out, "initial validation | val loss: %.3f | val ppl: %.3f\n", val_loss, exp(val_loss));
+    }
+
+    /* running mean of per-iteration losses over the last `accum` iterations (LitGPT's RunningMean) */
+    window = calloc((size_t)t.accum, sizeof *window);
+    if (!window) { s = fl_errorf(FL_ERR_OOM, "out of host memory"); goto done; }
+    long wn = 0;
+    double t_start = now_s() - t.st.train_seconds;
+    int stopped = 0;
+    while (t.st.step < t.max_steps) {
+        fl_loader_state ls;
+        fl_loader_get_state(t.train, &ls);
+        if (cfg->train.epochs > 0 && ls.epoch >= cfg->train.epochs) break;
+        if (cfg->train.max_tokens > 0 && t.st.tokens_real >= cfg->train.max_tokens) break;
+        /* fetch the step's micro-batches */
+        long step_valid = 0;
+        for (int k = 0; k < t.accum; k++) {
+            fl_batch b;
+            int ne;
+            CHECK(fl_loader_next(t.train, &b, &ne));
+            int32_t *di = t.ids + (size_t)k * per, *dt = t.tgt + (size_t)k * per;
+            memcpy(di, b.ids, (size_t)b.B * b.T * sizeof *di);
+            memcpy(dt, b.targets, (size_t)b.B * b.T * sizeof *dt);
+            t.mbs[k] = (fl_micro_batch){di, dt, b.B, b.T};
+            step_valid += b.target_tokens;
+            t.st.tokens_real += b.real_tokens;
+            t.st.tokens_prompt += b.prompt_tokens;
+            t.st.tokens_padded += b.padded_tokens;
+        }
+        float lr = (float)fl_lr_schedule(cfg->optimizer.lr, cfg->train.min_lr, t.st.step, t.warmup, t.max_steps);
+        fl_model_zero_grads(&t.model);
+        double step_loss = 0;
+        fl_step_result sr;
+        memset(&sr, 0, sizeof sr);
+        for (int k = 0; k < t.accum; k++) {
+            double it0 = now_s(), ls_k;
+            long nv_k;
+            int last = k == t.accum - 1;
+            if (step_valid == 0) { /* every target of the step is masked: nothing to learn, skip the update */
+                ls_k = 0; nv_k = 0;
+            } else {
+                CHECK(fl_train_micro(&t.model, &t.opt, &t.mbs[k], k, last, step_valid, lr, cfg->train.max_norm, &ls_k,
+                                     &nv_k, &sr));
+            }
+            t.st.iter++;
+            t.st.flops += fl_model_train_flops(&t.model.cfg, t.mbs[k].B, t.mbs[k].T);
+            step_loss += ls_k;
+            double it_loss = nv_k > 0 ? ls_k / nv_k : NAN;
+            if (!isnan(it_loss)) window[wn++ % t.accum] = it_loss;
+            double run = 0;
+            long cnt = wn < t.accum ? wn : t.accum;
+            for (long q = 0; q < cnt; q++) run += window[q];
+            run = cnt ? run / cnt : NAN;
+            r.last_loss = run;
+            double it_time = now_s() - it0;
+            if (t.st.iter % cfg->train.log_interval == 0) {
+                fl_loader_get_state(t.train, &ls);
+                long step_now = t.st.step + (last ? 1 : 0);
+                char vbuf[32];
+                if (isnan(val_loss)) snprintf(vbuf, sizeof vbuf, "n/a");
+                else snprintf(vbuf, sizeof vbuf, "%.3f", val_loss);
+                bar_clear(&t);
+                if (out)
+                    fprintf(out, "Epoch %lld | iter %ld step %ld | loss train: %.3f, val: %s | iter time: %.2f ms%s\n",
+                            (long long)ls.epoch + 1, t.st.iter, step_now, run, vbuf, it_time * 1e3, last ? " (step)" : "");
+                fl_metrics_values mv = {t.st.iter, step_now, (long)ls.epoch, run, it_time, lr, NAN,
+                                        t.mbs[k].B * t.mbs[k].T / (it_time > 0 ? it_time : 1e-9),
+                                        t.st.tokens_padded, t.st.tokens_padded, {0}, 0};
+                mem_values(&t.pool, &mv);
+                fl_metrics_row(&t.metrics, &mv);
+            }
+        }
+        t.st.step++;
+        fl_loader_get_state(t.train, &t.st.loader);
+        t.st.train_seconds = now_s() - t_start;
+        if (t.st.step == 1 && out && !resumed) {
+            bar_clear(&t);
+            fprintf(out, "\n");
+            fl_mem_print_report(&t.pool, out);
+            fprintf(out, "\n");
+        }
+        if (hook && hook(hook_ud, t.st.step, step_valid ? step_loss / step_valid : NAN, t.model.params,
+                         t.model.layout.numel)) {
+            stopped = 1;
+            break;
+        }
+        if (t.st.step % cfg->eval.interval == 0 && t.val) {
+            double e0 = now_s();
+            CHECK(validate(&t, cfg->eval.max_iters, &val_loss));
+            bar_clear(&t);
+            if (out) fprintf(out, "iter %ld: val loss %.4f, val time: %.2f ms\n", t.st.iter, val_loss, (now_s() - e0) * 1e3);
+            fl_metrics_values mv = {t.st.iter, t.st.step, (long)t.st.loader.epoch, NAN, NAN, NAN, val_loss, NAN, -1, -1, {0}, 0};
+            mem_values(&t.pool, &mv);
+            mv.tokens = t.st.tokens_padded;
+            mv.total_tokens = t.st.tokens_padded;
+            fl_metrics_row(&t.metrics, &mv);
+            t_start += now_s() - e0; /* evaluation time is not training time */
+        }
+        if (cfg->train.save_interval > 0 && t.st.step % cfg->train.save_interval == 0) {
+            char name[32];
+            snprintf(name, sizeof name, "step-%06ld", t.st.step);
+            bar_clear(&t);
+            if (out) fprintf(out, "Saving checkpoint to '%s/%s'\n", cfg->out_dir, name);
+            fl_mem_set_phase(&t.pool, "checkpoint");
+            CHECK(fl_ckpt_save(cfg->out_dir, name, &t.model, &t.opt, &t.st, cfg, t.tok_dir[0] ? t.tok_dir : NULL));
+        }
+        bar_draw(&t, t.st.step);
+    }
+    bar_clear(&t);
+    r.steps = t.st.step;
+    r.iters = t.st.iter;
+    r.train_seconds = t.st.train_seconds;
+    r.tokens_real = t.st.tokens_real;
+    r.tokens_prompt = t.st.tokens_prompt;
+    r.tokens_padded = t.st.tokens_padded;
+    if (!stopped) {
+        if (cfg->eval.final_validation && t.val) {
+            CHECK(validate(&t, (int)fl_loader_batches_per_epoch(t.val), &val_loss));
+            r.val_loss = val_loss;
+            if (out) fprintf(out, "Final evaluation | val loss: %.3f | val ppl: %.3f\n", val_loss, exp(val_loss));
+            fl_metrics_values mv = {t.st.iter, t.st.step, (long)t.st.loader.epoch, NAN, NAN, NAN, val_loss, NAN, -1, -1, {0}, 0};
+            mem_values(&t.pool, &mv);
+            mv.tokens = t.st.tokens_padded;
+            mv.total_tokens = t.st.tokens_padded;
+            fl_metrics_row(&t.metrics, &mv);
+        }
+        fl_mem_set_phase(&t.pool, "checkpoint");
+        CHECK(fl_ckpt_save(cfg->out_dir, "final", &t.model, &t.opt, &t.st, cfg, t.tok_dir[0] ? t.tok_dir : NULL));
+        snprintf(r.final_dir, sizeof r.final_dir, "%s/final", cfg->out_dir);
+        if (out) fprintf(out, "Saved the final model to '%s'\n", r.final_dir);
+    }
+    for (int k = 0; k < FL_TAG_COUNT; k++) r.peak[k] = t.pool.peak[k];
+    r.peak_total = t.pool.peak_total;
+    print_box(&t, &r);
+done:
+#undef CHECK
+    free(window);
+    if (res) *res = r;
+    cleanup(&t);
+    return s;
+}
