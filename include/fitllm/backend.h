@@ -6,8 +6,8 @@
  * has a reference test (float64) and a finite-difference gradient check.
  *
  * Conventions for every op:
- *  - row-major, contiguous, float32 (reduced-precision storage arrives with the
- *    precision policy; gemm already carries dtypes for that);
+ *  - row-major, contiguous, float32, except gemm (F32 and BF16 combinations) and the
+ *    reduced-precision ops appended at the end of the table;
  *  - shapes in comments use B, T, C, NH, NKV, HD, V, F (ffn width), N (= B*T rows);
  *  - forward ops OVERWRITE their outputs;
  *  - backward ops ACCUMULATE (+=) into every gradient they produce, input
@@ -24,6 +24,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "fitllm/adam8bit.h"
 #include "fitllm/dtype.h"
 #include "fitllm/mem.h"
 #include "fitllm/status.h"
@@ -55,7 +56,12 @@ struct fl_backend {
     /* ---- matmul ---------------------------------------------------------
      * C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C, row-major, with
      * op(X) = X or X^T. lda/ldb/ldc are row strides of the stored matrices.
-     * Types: F32 everywhere for now; other combinations return UNSUPPORTED. */
+     * Types (ta, tb, tc): (F32, F32, F32), (BF16, BF16, F32), (F32, BF16, F32), (BF16, BF16, BF16);
+     * anything else returns UNSUPPORTED. With a BF16 operand, an F32 A is first rounded to bf16
+     * (RNE), products of bf16 values are accumulated in fp32, alpha and beta are applied in fp32
+     * (beta * C with C widened from bf16 when tc is BF16) and a BF16 C is rounded (RNE) once.
+     * The oneDNN build uses cached bf16 matmul primitives (avx512_bf16 when the CPU has it);
+     * other builds/CPUs a portable tiled kernel with the same semantics. */
     fl_status (*gemm)(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
                       const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
                       void *C, fl_dtype tc, int ldc);
@@ -157,6 +163,46 @@ struct fl_backend {
     void (*zero)(const fl_backend *be, void *x, size_t bytes);
 
     void *impl; /* backend-private state */
+
+    /* ==== reduced precision (appended; see docs/ARCHITECTURE.md "Precision kernels") ====
+     * All of these return FL_ERR_UNSUPPORTED (with a message) for dtype combinations they do
+     * not implement; F32/BF16/F16 mean IEEE binary32, bfloat16, binary16; conversions to
+     * 16-bit types round to nearest even (fl_f32_to_bf16 / fl_f32_to_f16). */
+
+    /* dst(n, dt) = src(n, st) for dt, st in {F32, BF16, F16} (any pair; same type = copy).
+     * BF16 <-> F16 goes through f32 (exact widening, one RNE rounding). Parallel. */
+    fl_status (*convert)(const fl_backend *be, void *dst, fl_dtype dt, const void *src, fl_dtype st, size_t n);
+
+    /* AdamW (exactly the formula of adamw_update, evaluated in fp32) with any storage dtype:
+     * p in {F32, BF16, F16}, g in {F32, BF16, F16}, m and v share ts in {F32, BF16}. Every value
+     * is widened to fp32 when loaded, the new p, m, v are rounded (RNE) once when stored.
+     * bf16-true = (BF16, BF16, BF16); bf16-mixed master weights = (F32, F32 or BF16, F32). */
+    fl_status (*adamw_update_ex)(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m,
+                                 void *v, fl_dtype ts, size_t n, float lr, float beta1, float beta2, float eps,
+                                 float weight_decay, int step, float grad_scale);
+    /* SGD (formula of sgd_update) likewise; buf (dtype ts in {F32, BF16}) NULL when momentum == 0. */
+    fl_status (*sgd_update_ex)(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf,
+                               fl_dtype ts, size_t n, float lr, float momentum, float dampening, float weight_decay,
+                               int nesterov, int first_step, float grad_scale);
+
+    /* Loss scaling: sets *found_inf = 1 if any x[i] * inv_scale (computed in fp32, x widened from
+     * t in {F32, BF16, F16}) is inf or NaN; otherwise leaves *found_inf unchanged, so calls over
+     * several ranges OR together (torch._amp_foreach_non_finite_check_and_unscale_ without the
+     * unscale: pass the loss scale's reciprocal as grad_scale to the optimizer instead). The
+     * result is a flag, so it is deterministic whatever the thread count. */
+    fl_status (*check_finite)(const fl_backend *be, const void *x, fl_dtype t, size_t n, float inv_scale,
+                              int *found_inf);
+
+    /* 8-bit AdamW with bitsandbytes semantics (bnb.optim.AdamW8bit / Adam8bit on a GPU: kernel
+     * kOptimizerStatic8bit2StateBlockwise, blocksize 256) over one flat tensor described by st
+     * (fitllm/adam8bit.h; st->n < FL_ADAM8BIT_MIN_SIZE uses bnb's fp32-state kernel instead).
+     * p in {F32, BF16}, g in {F32, BF16}. NOTE bnb's order: decoupled weight decay is applied
+     * AFTER the Adam step (p = (p + step) * (1 - lr*wd)), eps is added as eps*sqrt(1-b2^t) to
+     * sqrt(v), and an element whose raw gradient is inf/NaN keeps its parameter but has its m
+     * and v reset to 0 (8-bit path only). Parallel over blocks, deterministic. */
+    fl_status (*adam8bit_update)(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg,
+                                 const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,
+                                 float weight_decay, int step, float grad_scale);
 };
 
 /* Create the CPU backend. n_threads <= 0: use the OpenMP default / all cores.

@@ -28,6 +28,11 @@ static void fill_ops(fl_backend *be) {
     be->sumsq = fl_cpu_sumsq;
     be->scale = fl_cpu_scale;
     be->zero = fl_cpu_zero;
+    be->convert = fl_cpu_convert;
+    be->adamw_update_ex = fl_cpu_adamw_update_ex;
+    be->sgd_update_ex = fl_cpu_sgd_update_ex;
+    be->check_finite = fl_cpu_check_finite;
+    be->adam8bit_update = fl_cpu_adam8bit_update;
 }
 
 fl_status fl_cpu_backend_init(fl_backend *be, int n_threads) {

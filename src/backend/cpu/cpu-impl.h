@@ -33,6 +33,29 @@ fl_status fl_cpu_gemm_naive(const fl_backend *be, int trans_a, int trans_b, int 
                             void *C, fl_dtype tc, int ldc);
 /* "openblas", "onednn" or "naive". */
 const char *fl_cpu_gemm_library(void);
+/* The portable bf16 GEMM (B must be BF16; same semantics as fl_cpu_gemm's bf16 path). */
+fl_status fl_cpu_gemm_bf16_tiled(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                                 const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb,
+                                 float beta, void *C, fl_dtype tc, int ldc);
+/* Which bf16 path fl_cpu_gemm takes: "onednn-matmul-bf16" or "tiled" (env FITLLM_BF16_GEMM=tiled
+ * forces the portable kernel). */
+const char *fl_cpu_gemm_bf16_path(void);
+/* 1 if the CPU has AVX512_BF16 (vdpbf16ps). */
+int fl_cpu_has_avx512bf16(void);
+
+/* ---- precision.c / adam8bit.c (reduced precision; semantics in backend.h) ------------ */
+fl_status fl_cpu_convert(const fl_backend *be, void *dst, fl_dtype dt, const void *src, fl_dtype st, size_t n);
+fl_status fl_cpu_adamw_update_ex(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m,
+                                 void *v, fl_dtype ts, size_t n, float lr, float beta1, float beta2, float eps,
+                                 float weight_decay, int step, float grad_scale);
+fl_status fl_cpu_sgd_update_ex(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf,
+                               fl_dtype ts, size_t n, float lr, float momentum, float dampening, float weight_decay,
+                               int nesterov, int first_step, float grad_scale);
+fl_status fl_cpu_check_finite(const fl_backend *be, const void *x, fl_dtype t, size_t n, float inv_scale,
+                              int *found_inf);
+fl_status fl_cpu_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg,
+                                 const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,
+                                 float weight_decay, int step, float grad_scale);
 
 /* ---- embedding.c ---------------------------------------------------------- */
 void fl_cpu_embedding_forward(const fl_backend *be, float *out, const int32_t *ids, const float *wte,

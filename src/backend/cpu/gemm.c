@@ -31,6 +31,7 @@
  *     the measured effect and the mitigation.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <omp.h>
@@ -61,13 +62,22 @@ static int gemm_threads(const fl_backend *be) {
     return nt > 0 ? nt : 1;
 }
 
+static int gemm_types_ok(fl_dtype ta, fl_dtype tb, fl_dtype tc) {
+    if (ta == FL_F32 && tb == FL_F32 && tc == FL_F32) return 1;
+    if (ta == FL_BF16 && tb == FL_BF16 && (tc == FL_F32 || tc == FL_BF16)) return 1;
+    if (ta == FL_F32 && tb == FL_BF16 && tc == FL_F32) return 1;
+    return 0;
+}
+
 /* Argument checks shared by both entry points. */
 static fl_status gemm_check(const char *who, int trans_a, int trans_b, int M, int N, int K, const void *A,
                             fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, const void *C, fl_dtype tc,
                             int ldc) {
-    if (ta != FL_F32 || tb != FL_F32 || tc != FL_F32)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: dtypes A=%s B=%s C=%s not supported (F32 only)", who,
-                         fl_dtype_name(ta), fl_dtype_name(tb), fl_dtype_name(tc));
+    if (!gemm_types_ok(ta, tb, tc))
+        return fl_errorf(FL_ERR_UNSUPPORTED,
+                         "%s: dtypes A=%s B=%s C=%s not supported (F32xF32->F32, BF16xBF16->F32, F32xBF16->F32, "
+                         "BF16xBF16->BF16)",
+                         who, fl_dtype_name(ta), fl_dtype_name(tb), fl_dtype_name(tc));
     if (M < 0 || N < 0 || K < 0) return fl_errorf(FL_ERR_INVALID, "%s: negative size M=%d N=%d K=%d", who, M, N, K);
     if (M == 0 || N == 0) return FL_OK;
     if (!C || ldc < N) return fl_errorf(FL_ERR_INVALID, "%s: C=%p ldc=%d (N=%d)", who, C, ldc, N);
@@ -93,11 +103,338 @@ static void scale_c(float *C, int M, int N, int ldc, float beta, int nt) {
     }
 }
 
+
+/* ---- bf16 ------------------------------------------------------------------------------
+ * Semantics (all paths): an F32 A paired with a BF16 B is rounded to bf16 (RNE) first, so
+ * every product is of two bf16 values; products are summed in fp32 (naive: in double, the
+ * reference), then C = alpha*sum + beta*C in fp32 with a BF16 C widened for beta and rounded
+ * (RNE) once on store. beta == 0: C is not read. */
+
+/* op(A)[i][k] as the bf16 value (in a float). */
+static inline float a_bf16(const void *A, fl_dtype ta, int trans_a, int lda, int i, int k) {
+    size_t idx = trans_a ? (size_t)k * lda + i : (size_t)i * lda + k;
+    if (ta == FL_BF16) return fl_bf16_to_f32(((const uint16_t *)A)[idx]);
+    return fl_bf16_to_f32(fl_f32_to_bf16(((const float *)A)[idx]));
+}
+static inline float b_bf16(const void *B, int trans_b, int ldb, int k, int j) {
+    size_t idx = trans_b ? (size_t)j * ldb + k : (size_t)k * ldb + j;
+    return fl_bf16_to_f32(((const uint16_t *)B)[idx]);
+}
+static inline float c_load(const void *C, fl_dtype tc, size_t idx) {
+    return tc == FL_F32 ? ((const float *)C)[idx] : fl_bf16_to_f32(((const uint16_t *)C)[idx]);
+}
+static inline void c_store(void *C, fl_dtype tc, size_t idx, float v) {
+    if (tc == FL_F32)
+        ((float *)C)[idx] = v;
+    else
+        ((uint16_t *)C)[idx] = fl_f32_to_bf16(v);
+}
+
+/* C = beta * C for any C type (beta == 0: zeros, C not read). */
+static void scale_c_any(void *C, fl_dtype tc, int M, int N, int ldc, float beta, int nt) {
+    if (tc == FL_F32) {
+        scale_c(C, M, N, ldc, beta, nt);
+        return;
+    }
+    if (beta == 1.0f) return;
+#pragma omp parallel for num_threads(nt) schedule(static) if ((int64_t)M * N > 65536)
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            size_t idx = (size_t)i * ldc + j;
+            c_store(C, tc, idx, beta == 0.0f ? 0.0f : beta * c_load(C, tc, idx));
+        }
+}
+
+static fl_status gemm_bf16_naive(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                                 const void *A, fl_dtype ta, int lda, const void *B, int ldb, float beta, void *C,
+                                 fl_dtype tc, int ldc) {
+    int nt = gemm_threads(be);
+    if (K == 0 || alpha == 0.0f) {
+        scale_c_any(C, tc, M, N, ldc, beta, nt);
+        return FL_OK;
+    }
+#pragma omp parallel for num_threads(nt) schedule(static) if ((int64_t)M * N * K > 32768)
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            double s = 0;
+            for (int k = 0; k < K; k++)
+                s += (double)a_bf16(A, ta, trans_a, lda, i, k) * (double)b_bf16(B, trans_b, ldb, k, j);
+            size_t idx = (size_t)i * ldc + j;
+            double v = (double)alpha * s;
+            if (beta != 0.0f) v += (double)beta * c_load(C, tc, idx);
+            c_store(C, tc, idx, (float)v);
+        }
+    return FL_OK;
+}
+
+/* Portable bf16 GEMM: (MB x NB) output tiles, one per task, K in KB slices widened to fp32
+ * stack tiles; fp32 accumulators; a fixed k order per element (deterministic for any thread
+ * count). Used when oneDNN's bf16 matmul is unavailable (no oneDNN, or a CPU without
+ * avx512_bf16) and by the tests. */
+fl_status fl_cpu_gemm_bf16_tiled(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                                 const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb,
+                                 float beta, void *C, fl_dtype tc, int ldc) {
+    FL_TRY(gemm_check("gemm_bf16_tiled", trans_a, trans_b, M, N, K, A, ta, lda, B, tb, ldb, C, tc, ldc));
+    if (tb != FL_BF16)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "gemm_bf16_tiled: B must be BF16 (got %s)", fl_dtype_name(tb));
+    if (M == 0 || N == 0) return FL_OK;
+    int nt = gemm_threads(be);
+    if (K == 0 || alpha == 0.0f) {
+        scale_c_any(C, tc, M, N, ldc, beta, nt);
+        return FL_OK;
+    }
+    enum { MB = 32, NB = 128, KB = 128 };
+    int mt = (M + MB - 1) / MB, ntl = (N + NB - 1) / NB;
+    long tiles = (long)mt * ntl;
+#pragma omp parallel for num_threads(nt) schedule(static) if ((int64_t)M * N * K > 32768)
+    for (long t = 0; t < tiles; t++) {
+        int i0 = (int)(t / ntl) * MB, j0 = (int)(t % ntl) * NB;
+        int mb = M - i0 < MB ? M - i0 : MB, nb = N - j0 < NB ? N - j0 : NB;
+        float acc[MB][NB], at[MB][KB], bt[KB][NB];
+        for (int i = 0; i < mb; i++)
+            for (int j = 0; j < nb; j++) acc[i][j] = 0.0f;
+        for (int k0 = 0; k0 < K; k0 += KB) {
+            int kb = K - k0 < KB ? K - k0 : KB;
+            for (int i = 0; i < mb; i++)
+                for (int k = 0; k < kb; k++) at[i][k] = a_bf16(A, ta, trans_a, lda, i0 + i, k0 + k);
+            for (int k = 0; k < kb; k++)
+                for (int j = 0; j < nb; j++) bt[k][j] = b_bf16(B, trans_b, ldb, k0 + k, j0 + j);
+            for (int i = 0; i < mb; i++)
+                for (int k = 0; k < kb; k++) {
+                    float a = at[i][k];
+                    for (int j = 0; j < nb; j++) acc[i][j] += a * bt[k][j];
+                }
+        }
+        for (int i = 0; i < mb; i++)
+            for (int j = 0; j < nb; j++) {
+                size_t idx = (size_t)(i0 + i) * ldc + j0 + j;
+                float v = alpha * acc[i][j];
+                if (beta != 0.0f) v += beta * c_load(C, tc, idx);
+                c_store(C, tc, idx, v);
+            }
+    }
+    return FL_OK;
+}
+
+int fl_cpu_has_avx512bf16(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    return __builtin_cpu_supports("avx512bf16") ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+#if defined(FL_HAVE_ONEDNN)
+/* oneDNN bf16 matmul primitives, cached.
+ *
+ * Creating a primitive costs ~0.1-1 ms (JIT), so created primitives are kept in a small
+ * process-wide table (FL_BF16_CACHE entries, least recently used replaced) keyed by everything
+ * baked into them: transposes, M, N, K, lda, ldb, ldc, A/C dtypes, alpha (output scale) and
+ * beta (sum post-op). The table, the engine/stream and the primitive execution are guarded by
+ * one mutex, so fl_cpu_gemm with bf16 types is thread-safe but serialized across callers
+ * (the CPU backend calls it from serial code anyway, see the top of this file). The table
+ * lives until exit (oneDNN objects are never freed; they stay reachable, so leak checkers
+ * are quiet).
+ *
+ * F32 x BF16: oneDNN 2.6 has no f32-src/bf16-weights matmul, so op(A) is converted to bf16
+ * (RNE, parallel) in row blocks into a fixed scratch of FL_BF16_SCRATCH elements (allocated
+ * once, on first use, and kept with the cache), each block one matmul call with lda = K. */
+#include <pthread.h>
+
+#define FL_BF16_CACHE 48
+#define FL_BF16_SCRATCH ((size_t)4 << 20) /* bf16 elements: 8 MiB */
+
+typedef struct {
+    int used, failed;
+    int ta, tb, M, N, K, lda, ldb, ldc;
+    fl_dtype a, c;
+    float alpha, beta;
+    dnnl_primitive_t prim;
+    dnnl_memory_t ma, mb, mc;
+    unsigned long last;
+} mm_entry;
+
+static struct {
+    pthread_mutex_t mu;
+    int tried, ok;
+    dnnl_engine_t eng;
+    dnnl_stream_t strm;
+    mm_entry e[FL_BF16_CACHE];
+    unsigned long tick;
+    uint16_t *scratch;
+} g_mm = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+static int mm_init_locked(void) {
+    if (g_mm.tried) return g_mm.ok;
+    g_mm.tried = 1;
+    if (dnnl_engine_create(&g_mm.eng, dnnl_cpu, 0) != dnnl_success) return 0;
+    if (dnnl_stream_create(&g_mm.strm, g_mm.eng, dnnl_stream_default_flags) != dnnl_success) return 0;
+    g_mm.ok = 1;
+    return 1;
+}
+
+static void mm_entry_free(mm_entry *e) {
+    if (e->prim) dnnl_primitive_destroy(e->prim);
+    if (e->ma) dnnl_memory_destroy(e->ma);
+    if (e->mb) dnnl_memory_destroy(e->mb);
+    if (e->mc) dnnl_memory_destroy(e->mc);
+    memset(e, 0, sizeof *e);
+}
+
+/* Find or create the primitive (caller holds the mutex). NULL: oneDNN cannot do it. */
+static mm_entry *mm_get_locked(int ta, int tb, int M, int N, int K, int lda, int ldb, int ldc, fl_dtype a,
+                               fl_dtype c, float alpha, float beta) {
+    mm_entry *victim = &g_mm.e[0];
+    for (int i = 0; i < FL_BF16_CACHE; i++) {
+        mm_entry *e = &g_mm.e[i];
+        if (e->used && e->ta == ta && e->tb == tb && e->M == M && e->N == N && e->K == K && e->lda == lda &&
+            e->ldb == ldb && e->ldc == ldc && e->a == a && e->c == c && e->alpha == alpha && e->beta == beta) {
+            e->last = ++g_mm.tick;
+            return e->failed ? NULL : e;
+        }
+        if (!e->used || (victim->used && e->last < victim->last)) victim = e;
+    }
+    mm_entry_free(victim);
+    mm_entry *e = victim;
+    e->used = 1;
+    e->ta = ta, e->tb = tb, e->M = M, e->N = N, e->K = K, e->lda = lda, e->ldb = ldb, e->ldc = ldc;
+    e->a = a, e->c = c, e->alpha = alpha, e->beta = beta;
+    e->last = ++g_mm.tick;
+    e->failed = 1;
+    dnnl_memory_desc_t da, db, dc;
+    dnnl_dims_t sa = {M, K}, sb = {K, N}, sc = {M, N};
+    dnnl_dims_t st_a = {ta ? 1 : lda, ta ? lda : 1}, st_b = {tb ? 1 : ldb, tb ? ldb : 1}, st_c = {ldc, 1};
+    if (dnnl_memory_desc_init_by_strides(&da, 2, sa, dnnl_bf16, st_a) != dnnl_success) return NULL;
+    if (dnnl_memory_desc_init_by_strides(&db, 2, sb, dnnl_bf16, st_b) != dnnl_success) return NULL;
+    if (dnnl_memory_desc_init_by_strides(&dc, 2, sc, c == FL_BF16 ? dnnl_bf16 : dnnl_f32, st_c) != dnnl_success)
+        return NULL;
+    dnnl_matmul_desc_t md;
+    if (dnnl_matmul_desc_init(&md, &da, &db, NULL, &dc) != dnnl_success) return NULL;
+    dnnl_primitive_attr_t attr = NULL;
+    dnnl_post_ops_t po = NULL;
+    dnnl_primitive_desc_t pd = NULL;
+    int ok = dnnl_primitive_attr_create(&attr) == dnnl_success;
+    if (ok && alpha != 1.0f) ok = dnnl_primitive_attr_set_output_scales(attr, 1, 0, &alpha) == dnnl_success;
+    if (ok && beta != 0.0f) {
+        ok = dnnl_post_ops_create(&po) == dnnl_success && dnnl_post_ops_append_sum(po, beta) == dnnl_success &&
+             dnnl_primitive_attr_set_post_ops(attr, po) == dnnl_success;
+    }
+    if (ok) ok = dnnl_primitive_desc_create(&pd, &md, attr, g_mm.eng, NULL) == dnnl_success;
+    if (ok) ok = dnnl_primitive_create(&e->prim, pd) == dnnl_success;
+    if (pd) dnnl_primitive_desc_destroy(pd);
+    if (po) dnnl_post_ops_destroy(po);
+    if (attr) dnnl_primitive_attr_destroy(attr);
+    if (ok) ok = dnnl_memory_create(&e->ma, &da, g_mm.eng, DNNL_MEMORY_NONE) == dnnl_success;
+    if (ok) ok = dnnl_memory_create(&e->mb, &db, g_mm.eng, DNNL_MEMORY_NONE) == dnnl_success;
+    if (ok) ok = dnnl_memory_create(&e->mc, &dc, g_mm.eng, DNNL_MEMORY_NONE) == dnnl_success;
+    if (!ok) {
+        mm_entry_free(e);
+        e->used = 1, e->failed = 1;
+        e->ta = ta, e->tb = tb, e->M = M, e->N = N, e->K = K, e->lda = lda, e->ldb = ldb, e->ldc = ldc;
+        e->a = a, e->c = c, e->alpha = alpha, e->beta = beta, e->last = g_mm.tick;
+        return NULL;
+    }
+    e->failed = 0;
+    return e;
+}
+
+static int mm_exec_locked(mm_entry *e, const void *A, const void *B, void *C) {
+    if (dnnl_memory_set_data_handle(e->ma, (void *)A) != dnnl_success) return 0;
+    if (dnnl_memory_set_data_handle(e->mb, (void *)B) != dnnl_success) return 0;
+    if (dnnl_memory_set_data_handle(e->mc, C) != dnnl_success) return 0;
+    dnnl_exec_arg_t args[3] = {{DNNL_ARG_SRC, e->ma}, {DNNL_ARG_WEIGHTS, e->mb}, {DNNL_ARG_DST, e->mc}};
+    if (dnnl_primitive_execute(e->prim, g_mm.strm, 3, args) != dnnl_success) return 0;
+    return dnnl_stream_wait(g_mm.strm) == dnnl_success;
+}
+
+/* 1: done; 0: oneDNN cannot (caller falls back). */
+static int gemm_bf16_onednn(int nt, int trans_a, int trans_b, int M, int N, int K, float alpha, const void *A,
+                            fl_dtype ta, int lda, const void *B, int ldb, float beta, void *C, fl_dtype tc, int ldc) {
+    int done = 0;
+    pthread_mutex_lock(&g_mm.mu);
+    if (!mm_init_locked()) goto out;
+    if (omp_get_max_threads() != nt) omp_set_num_threads(nt);
+    if (ta == FL_BF16) {
+        mm_entry *e = mm_get_locked(trans_a, trans_b, M, N, K, lda, ldb, ldc, FL_BF16, tc, alpha, beta);
+        done = e && mm_exec_locked(e, A, B, C);
+        goto out;
+    }
+    /* F32 A: convert row blocks of op(A) to bf16 (row-major, lda = K) */
+    if (!g_mm.scratch) {
+        g_mm.scratch = malloc(FL_BF16_SCRATCH * sizeof(uint16_t));
+        if (!g_mm.scratch) goto out;
+    }
+    if ((size_t)K > FL_BF16_SCRATCH) goto out;
+    int rows = (int)(FL_BF16_SCRATCH / (size_t)K);
+    if (rows > M) rows = M;
+    const float *Af = A;
+    size_t csz = tc == FL_BF16 ? 2 : 4;
+    for (int r0 = 0; r0 < M; r0 += rows) {
+        int mb = M - r0 < rows ? M - r0 : rows;
+        uint16_t *S = g_mm.scratch;
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (int i = 0; i < mb; i++)
+            for (int k = 0; k < K; k++) {
+                size_t idx = trans_a ? (size_t)k * lda + (r0 + i) : (size_t)(r0 + i) * lda + k;
+                S[(size_t)i * K + k] = fl_f32_to_bf16(Af[idx]);
+            }
+        mm_entry *e = mm_get_locked(0, trans_b, mb, N, K, K, ldb, ldc, FL_BF16, tc, alpha, beta);
+        if (!e || !mm_exec_locked(e, S, B, (char *)C + (size_t)r0 * ldc * csz)) {
+            if (r0 == 0) goto out;
+            /* a later block failed after earlier ones were written: finish with the portable
+             * kernel (same semantics) so C is consistent */
+            pthread_mutex_unlock(&g_mm.mu);
+            fl_backend tmp = {0};
+            tmp.n_threads = nt;
+            fl_status s = fl_cpu_gemm_bf16_tiled(&tmp, trans_a, trans_b, M - r0, N, K, alpha,
+                                                 trans_a ? (const void *)(Af + r0) : (const void *)(Af + (size_t)r0 * lda),
+                                                 FL_F32, lda, B, FL_BF16, ldb, beta,
+                                                 (char *)C + (size_t)r0 * ldc * csz, tc, ldc);
+            return s == FL_OK;
+        }
+    }
+    done = 1;
+out:
+    pthread_mutex_unlock(&g_mm.mu);
+    return done;
+}
+#endif
+
+static fl_status gemm_bf16(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                           const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
+                           void *C, fl_dtype tc, int ldc) {
+    int nt = gemm_threads(be);
+    if (K == 0 || alpha == 0.0f) {
+        scale_c_any(C, tc, M, N, ldc, beta, nt);
+        return FL_OK;
+    }
+#if defined(FL_HAVE_ONEDNN)
+    static int use_dnnl = -1;
+    if (use_dnnl < 0) {
+        const char *env = getenv("FITLLM_BF16_GEMM");
+        use_dnnl = fl_cpu_has_avx512bf16() && !(env && strcmp(env, "tiled") == 0);
+    }
+    if (use_dnnl && gemm_bf16_onednn(nt, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, ldb, beta, C, tc, ldc))
+        return FL_OK;
+#endif
+    return fl_cpu_gemm_bf16_tiled(be, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc, ldc);
+}
+
+const char *fl_cpu_gemm_bf16_path(void) {
+#if defined(FL_HAVE_ONEDNN)
+    const char *env = getenv("FITLLM_BF16_GEMM");
+    if (fl_cpu_has_avx512bf16() && !(env && strcmp(env, "tiled") == 0)) return "onednn-matmul-bf16";
+#endif
+    return "tiled";
+}
+
 fl_status fl_cpu_gemm_naive(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
                             const void *A_, fl_dtype ta, int lda, const void *B_, fl_dtype tb, int ldb, float beta,
                             void *C_, fl_dtype tc, int ldc) {
     FL_TRY(gemm_check("gemm_naive", trans_a, trans_b, M, N, K, A_, ta, lda, B_, tb, ldb, C_, tc, ldc));
     if (M == 0 || N == 0) return FL_OK;
+    if (ta != FL_F32 || tb != FL_F32 || tc != FL_F32)
+        return gemm_bf16_naive(be, trans_a, trans_b, M, N, K, alpha, A_, ta, lda, B_, ldb, beta, C_, tc, ldc);
     const float *A = A_, *B = B_;
     float *C = C_;
     int nt = gemm_threads(be);
@@ -156,6 +493,8 @@ fl_status fl_cpu_gemm(const fl_backend *be, int trans_a, int trans_b, int M, int
 #if defined(FL_HAVE_ONEDNN) || defined(FL_HAVE_OPENBLAS)
     FL_TRY(gemm_check("gemm", trans_a, trans_b, M, N, K, A_, ta, lda, B_, tb, ldb, C_, tc, ldc));
     if (M == 0 || N == 0) return FL_OK;
+    if (ta != FL_F32 || tb != FL_F32 || tc != FL_F32)
+        return gemm_bf16(be, trans_a, trans_b, M, N, K, alpha, A_, ta, lda, B_, tb, ldb, beta, C_, tc, ldc);
     const float *A = A_, *B = B_;
     float *C = C_;
     int nt = gemm_threads(be);
@@ -182,6 +521,11 @@ fl_status fl_cpu_gemm(const fl_backend *be, int trans_a, int trans_b, int M, int
 #endif
     return FL_OK;
 #else
+    if (ta != FL_F32 || tb != FL_F32 || tc != FL_F32) {
+        FL_TRY(gemm_check("gemm", trans_a, trans_b, M, N, K, A_, ta, lda, B_, tb, ldb, C_, tc, ldc));
+        if (M == 0 || N == 0) return FL_OK;
+        return gemm_bf16(be, trans_a, trans_b, M, N, K, alpha, A_, ta, lda, B_, tb, ldb, beta, C_, tc, ldc);
+    }
     return fl_cpu_gemm_naive(be, trans_a, trans_b, M, N, K, alpha, A_, ta, lda, B_, tb, ldb, beta, C_, tc, ldc);
 #endif
 }

@@ -1,0 +1,299 @@
+/* 8-bit AdamW (bitsandbytes block-wise semantics) and its state layout.
+ *
+ * Reproduces bitsandbytes' CUDA kernels for Adam/AdamW (bnb.optim.Adam8bit/AdamW8bit on a GPU):
+ *   - n >= FL_ADAM8BIT_MIN_SIZE: kOptimizerStatic8bit2StateBlockwise<T, ADAM, 256, 1>
+ *     (csrc/cuda/optimizers.cu; csrc/kernels.cu in older trees);
+ *   - n <  FL_ADAM8BIT_MIN_SIZE: kOptimizer32bit2State<T, ADAM> (fp32 m, v).
+ * Every operation is float32 in the kernel's order; this file is compiled with
+ * -ffp-contract=off (CMakeLists.txt) so no multiply-add is fused, which is what the Python
+ * reference (tests/ref/adam8bit_ref.py, numpy float32) computes. Differences from the GPU that
+ * remain: the GPU's __powf/__fdividef/__fdividef approximations (we use powf and exact
+ * division), which can move a value across a quantization midpoint (rare code ties).
+ */
+#include <math.h>
+#include <omp.h>
+
+#include "backend/cpu/cpu-impl.h"
+
+const float fl_adam8bit_code_signed[256] = {
+    -0x1.fc66660000000p-1, -0x1.f533340000000p-1, -0x1.ee00000000000p-1, -0x1.e6cccc0000000p-1,
+    -0x1.df999a0000000p-1, -0x1.d866660000000p-1, -0x1.d133340000000p-1, -0x1.ca00000000000p-1,
+    -0x1.c2cccc0000000p-1, -0x1.bb999a0000000p-1, -0x1.b466660000000p-1, -0x1.ad33340000000p-1,
+    -0x1.a600000000000p-1, -0x1.9ecccc0000000p-1, -0x1.97999a0000000p-1, -0x1.9066660000000p-1,
+    -0x1.8933340000000p-1, -0x1.8200000000000p-1, -0x1.7acccc0000000p-1, -0x1.73999a0000000p-1,
+    -0x1.6c66680000000p-1, -0x1.6533340000000p-1, -0x1.5e00000000000p-1, -0x1.56cccc0000000p-1,
+    -0x1.4f999a0000000p-1, -0x1.4866680000000p-1, -0x1.4133340000000p-1, -0x1.3a00000000000p-1,
+    -0x1.32cccc0000000p-1, -0x1.2b999a0000000p-1, -0x1.2466680000000p-1, -0x1.1d33340000000p-1,
+    -0x1.1600000000000p-1, -0x1.0ecccc0000000p-1, -0x1.0799980000000p-1, -0x1.0066660000000p-1,
+    -0x1.f266640000000p-2, -0x1.e400000000000p-2, -0x1.d599980000000p-2, -0x1.c733340000000p-2,
+    -0x1.b8cccc0000000p-2, -0x1.aa66660000000p-2, -0x1.9c00000000000p-2, -0x1.8d99980000000p-2,
+    -0x1.7f33340000000p-2, -0x1.70cccc0000000p-2, -0x1.6266660000000p-2, -0x1.5400000000000p-2,
+    -0x1.4599980000000p-2, -0x1.3733340000000p-2, -0x1.28cccc0000000p-2, -0x1.1a66680000000p-2,
+    -0x1.0c00000000000p-2, -0x1.fb33320000000p-3, -0x1.de66660000000p-3, -0x1.c1999a0000000p-3,
+    -0x1.a4cccc0000000p-3, -0x1.8800000000000p-3, -0x1.6b33340000000p-3, -0x1.4e66660000000p-3,
+    -0x1.31999a0000000p-3, -0x1.14cccc0000000p-3, -0x1.f000000000000p-4, -0x1.b666680000000p-4,
+    -0x1.93d70a0000000p-4, -0x1.8851ee0000000p-4, -0x1.7cccce0000000p-4, -0x1.7147ae0000000p-4,
+    -0x1.65c2900000000p-4, -0x1.5a3d700000000p-4, -0x1.4eb8540000000p-4, -0x1.4333340000000p-4,
+    -0x1.37ae140000000p-4, -0x1.2c28f60000000p-4, -0x1.20a3d60000000p-4, -0x1.151eba0000000p-4,
+    -0x1.09999a0000000p-4, -0x1.fc28f60000000p-5, -0x1.e51eba0000000p-5, -0x1.ce147a0000000p-5,
+    -0x1.b70a3e0000000p-5, -0x1.a000000000000p-5, -0x1.88f5c20000000p-5, -0x1.71eb860000000p-5,
+    -0x1.5ae1460000000p-5, -0x1.43d70a0000000p-5, -0x1.2cccce0000000p-5, -0x1.15c2900000000p-5,
+    -0x1.fd70a40000000p-6, -0x1.cf5c2a0000000p-6, -0x1.a147ae0000000p-6, -0x1.7333340000000p-6,
+    -0x1.451eba0000000p-6, -0x1.170a3e0000000p-6, -0x1.d1eb860000000p-7, -0x1.75c2900000000p-7,
+    -0x1.3e76c80000000p-7, -0x1.2c08300000000p-7, -0x1.19999a0000000p-7, -0x1.072b020000000p-7,
+    -0x1.e978d40000000p-8, -0x1.c49ba60000000p-8, -0x1.9fbe760000000p-8, -0x1.7ae1480000000p-8,
+    -0x1.56041a0000000p-8, -0x1.3126e80000000p-8, -0x1.0c49ba0000000p-8, -0x1.ced9140000000p-9,
+    -0x1.851eb80000000p-9, -0x1.3b645a0000000p-9, -0x1.e353f80000000p-10, -0x1.4fdf3a0000000p-10,
+    -0x1.eecbfe0000000p-11, -0x1.b3d07c0000000p-11, -0x1.78d5000000000p-11, -0x1.3dd9820000000p-11,
+    -0x1.02de020000000p-11, -0x1.8fc5060000000p-12, -0x1.19ce0a0000000p-12, -0x1.47ae160000000p-13,
+    -0x1.743e960000000p-14, -0x1.15df660000000p-14, -0x1.6f00680000000p-15, -0x1.64840c0000000p-16,
+    -0x1.040bfe0000000p-17, -0x1.b435280000000p-19, -0x1.27476e0000000p-21, 0x0.0p+0,
+    0x1.27476e0000000p-21, 0x1.b435280000000p-19, 0x1.040bfe0000000p-17, 0x1.64840c0000000p-16,
+    0x1.6f00680000000p-15, 0x1.15df660000000p-14, 0x1.743e960000000p-14, 0x1.47ae160000000p-13,
+    0x1.19ce0a0000000p-12, 0x1.8fc5060000000p-12, 0x1.02de020000000p-11, 0x1.3dd9820000000p-11,
+    0x1.78d5000000000p-11, 0x1.b3d07c0000000p-11, 0x1.eecbfe0000000p-11, 0x1.4fdf3a0000000p-10,
+    0x1.e353f80000000p-10, 0x1.3b645a0000000p-9, 0x1.851eb80000000p-9, 0x1.ced9140000000p-9,
+    0x1.0c49ba0000000p-8, 0x1.3126e80000000p-8, 0x1.56041a0000000p-8, 0x1.7ae1480000000p-8,
+    0x1.9fbe760000000p-8, 0x1.c49ba60000000p-8, 0x1.e978d40000000p-8, 0x1.072b020000000p-7,
+    0x1.19999a0000000p-7, 0x1.2c08300000000p-7, 0x1.3e76c80000000p-7, 0x1.75c2900000000p-7,
+    0x1.d1eb860000000p-7, 0x1.170a3e0000000p-6, 0x1.451eba0000000p-6, 0x1.7333340000000p-6,
+    0x1.a147ae0000000p-6, 0x1.cf5c2a0000000p-6, 0x1.fd70a40000000p-6, 0x1.15c2900000000p-5,
+    0x1.2cccce0000000p-5, 0x1.43d70a0000000p-5, 0x1.5ae1460000000p-5, 0x1.71eb860000000p-5,
+    0x1.88f5c20000000p-5, 0x1.a000000000000p-5, 0x1.b70a3e0000000p-5, 0x1.ce147a0000000p-5,
+    0x1.e51eba0000000p-5, 0x1.fc28f60000000p-5, 0x1.09999a0000000p-4, 0x1.151eba0000000p-4,
+    0x1.20a3d60000000p-4, 0x1.2c28f60000000p-4, 0x1.37ae140000000p-4, 0x1.4333340000000p-4,
+    0x1.4eb8540000000p-4, 0x1.5a3d700000000p-4, 0x1.65c2900000000p-4, 0x1.7147ae0000000p-4,
+    0x1.7cccce0000000p-4, 0x1.8851ee0000000p-4, 0x1.93d70a0000000p-4, 0x1.b666680000000p-4,
+    0x1.f000000000000p-4, 0x1.14cccc0000000p-3, 0x1.31999a0000000p-3, 0x1.4e66660000000p-3,
+    0x1.6b33340000000p-3, 0x1.8800000000000p-3, 0x1.a4cccc0000000p-3, 0x1.c1999a0000000p-3,
+    0x1.de66660000000p-3, 0x1.fb33320000000p-3, 0x1.0c00000000000p-2, 0x1.1a66680000000p-2,
+    0x1.28cccc0000000p-2, 0x1.3733340000000p-2, 0x1.4599980000000p-2, 0x1.5400000000000p-2,
+    0x1.6266660000000p-2, 0x1.70cccc0000000p-2, 0x1.7f33340000000p-2, 0x1.8d99980000000p-2,
+    0x1.9c00000000000p-2, 0x1.aa66660000000p-2, 0x1.b8cccc0000000p-2, 0x1.c733340000000p-2,
+    0x1.d599980000000p-2, 0x1.e400000000000p-2, 0x1.f266640000000p-2, 0x1.0066660000000p-1,
+    0x1.0799980000000p-1, 0x1.0ecccc0000000p-1, 0x1.1600000000000p-1, 0x1.1d33340000000p-1,
+    0x1.2466680000000p-1, 0x1.2b999a0000000p-1, 0x1.32cccc0000000p-1, 0x1.3a00000000000p-1,
+    0x1.4133340000000p-1, 0x1.4866680000000p-1, 0x1.4f999a0000000p-1, 0x1.56cccc0000000p-1,
+    0x1.5e00000000000p-1, 0x1.6533340000000p-1, 0x1.6c66680000000p-1, 0x1.73999a0000000p-1,
+    0x1.7acccc0000000p-1, 0x1.8200000000000p-1, 0x1.8933340000000p-1, 0x1.9066660000000p-1,
+    0x1.97999a0000000p-1, 0x1.9ecccc0000000p-1, 0x1.a600000000000p-1, 0x1.ad33340000000p-1,
+    0x1.b466660000000p-1, 0x1.bb999a0000000p-1, 0x1.c2cccc0000000p-1, 0x1.ca00000000000p-1,
+    0x1.d133340000000p-1, 0x1.d866660000000p-1, 0x1.df999a0000000p-1, 0x1.e6cccc0000000p-1,
+    0x1.ee00000000000p-1, 0x1.f533340000000p-1, 0x1.fc66660000000p-1, 0x1.0000000000000p+0,
+};
+const float fl_adam8bit_code_unsigned[256] = {
+    0x0.0p+0, 0x1.5cf7540000000p-22, 0x1.a013300000000p-21, 0x1.1d36700000000p-19,
+    0x1.2599ec0000000p-18, 0x1.bc98a20000000p-18, 0x1.29cbaa0000000p-17, 0x1.0624dc0000000p-16,
+    0x1.c2e3400000000p-16, 0x1.3fd0d00000000p-15, 0x1.9e30000000000p-15, 0x1.fc8f340000000p-15,
+    0x1.2d77320000000p-14, 0x1.5ca6c80000000p-14, 0x1.8bd6620000000p-14, 0x1.0cb2960000000p-13,
+    0x1.82a9940000000p-13, 0x1.f8a0920000000p-13, 0x1.374bc80000000p-12, 0x1.7247440000000p-12,
+    0x1.ad42c60000000p-12, 0x1.e83e440000000p-12, 0x1.119ce20000000p-11, 0x1.2f1aa00000000p-11,
+    0x1.4c98600000000p-11, 0x1.6a16200000000p-11, 0x1.8793de0000000p-11, 0x1.a511a00000000p-11,
+    0x1.c28f5e0000000p-11, 0x1.e00d1c0000000p-11, 0x1.fd8adc0000000p-11, 0x1.2b020c0000000p-10,
+    0x1.74bc6a0000000p-10, 0x1.be76c80000000p-10, 0x1.0418940000000p-9, 0x1.28f5c20000000p-9,
+    0x1.4dd2f00000000p-9, 0x1.72b0200000000p-9, 0x1.978d4e0000000p-9, 0x1.bc6a800000000p-9,
+    0x1.e147ae0000000p-9, 0x1.03126e0000000p-8, 0x1.1581040000000p-8, 0x1.27ef9e0000000p-8,
+    0x1.3a5e340000000p-8, 0x1.4ccccc0000000p-8, 0x1.5f3b640000000p-8, 0x1.71a9fa0000000p-8,
+    0x1.8418940000000p-8, 0x1.96872a0000000p-8, 0x1.a8f5c20000000p-8, 0x1.bb645c0000000p-8,
+    0x1.cdd2f00000000p-8, 0x1.e0418a0000000p-8, 0x1.f2b01e0000000p-8, 0x1.028f5c0000000p-7,
+    0x1.0bc6a80000000p-7, 0x1.14fdf20000000p-7, 0x1.1e35400000000p-7, 0x1.276c8a0000000p-7,
+    0x1.30a3d60000000p-7, 0x1.39db240000000p-7, 0x1.43126e0000000p-7, 0x1.5eb8540000000p-7,
+    0x1.8cccce0000000p-7, 0x1.bae1460000000p-7, 0x1.e8f5c40000000p-7, 0x1.0b851e0000000p-6,
+    0x1.228f5e0000000p-6, 0x1.39999a0000000p-6, 0x1.50a3d60000000p-6, 0x1.67ae160000000p-6,
+    0x1.7eb8520000000p-6, 0x1.95c28e0000000p-6, 0x1.acccce0000000p-6, 0x1.c3d70e0000000p-6,
+    0x1.dae1460000000p-6, 0x1.f1eb860000000p-6, 0x1.047ae00000000p-5, 0x1.1000000000000p-5,
+    0x1.1b851e0000000p-5, 0x1.270a3e0000000p-5, 0x1.328f5e0000000p-5, 0x1.3e147a0000000p-5,
+    0x1.49999a0000000p-5, 0x1.551eb80000000p-5, 0x1.60a3d60000000p-5, 0x1.6c28f60000000p-5,
+    0x1.77ae140000000p-5, 0x1.8333340000000p-5, 0x1.8eb8500000000p-5, 0x1.9a3d700000000p-5,
+    0x1.a5c28e0000000p-5, 0x1.b147ae0000000p-5, 0x1.bcccce0000000p-5, 0x1.c851ee0000000p-5,
+    0x1.d3d70e0000000p-5, 0x1.df5c2a0000000p-5, 0x1.eae1460000000p-5, 0x1.f666660000000p-5,
+    0x1.00f5c40000000p-4, 0x1.06b8540000000p-4, 0x1.0c7ae20000000p-4, 0x1.123d700000000p-4,
+    0x1.1800000000000p-4, 0x1.1dc2900000000p-4, 0x1.2385200000000p-4, 0x1.2947ae0000000p-4,
+    0x1.2f0a3e0000000p-4, 0x1.34ccce0000000p-4, 0x1.3a8f5e0000000p-4, 0x1.4051ec0000000p-4,
+    0x1.46147c0000000p-4, 0x1.4bd70a0000000p-4, 0x1.51999a0000000p-4, 0x1.575c2a0000000p-4,
+    0x1.5d1eb80000000p-4, 0x1.62e1480000000p-4, 0x1.68a3d60000000p-4, 0x1.6e66660000000p-4,
+    0x1.7428f60000000p-4, 0x1.79eb860000000p-4, 0x1.7fae160000000p-4, 0x1.8570a40000000p-4,
+    0x1.8b33340000000p-4, 0x1.90f5c40000000p-4, 0x1.96b8520000000p-4, 0x1.a800000000000p-4,
+    0x1.c4cccc0000000p-4, 0x1.e1999a0000000p-4, 0x1.fe66660000000p-4, 0x1.0d99980000000p-3,
+    0x1.1c00000000000p-3, 0x1.2a66680000000p-3, 0x1.38cccc0000000p-3, 0x1.4733340000000p-3,
+    0x1.5599980000000p-3, 0x1.6400000000000p-3, 0x1.7266680000000p-3, 0x1.80cccc0000000p-3,
+    0x1.8f33340000000p-3, 0x1.9d99980000000p-3, 0x1.ac00000000000p-3, 0x1.ba66680000000p-3,
+    0x1.c8cccc0000000p-3, 0x1.d733340000000p-3, 0x1.e599980000000p-3, 0x1.f400000000000p-3,
+    0x1.0133320000000p-2, 0x1.0866660000000p-2, 0x1.0f999a0000000p-2, 0x1.16cccc0000000p-2,
+    0x1.1e00000000000p-2, 0x1.2533340000000p-2, 0x1.2c66660000000p-2, 0x1.3399980000000p-2,
+    0x1.3acccc0000000p-2, 0x1.4200000000000p-2, 0x1.4933340000000p-2, 0x1.5066660000000p-2,
+    0x1.5799980000000p-2, 0x1.5ecccc0000000p-2, 0x1.6600000000000p-2, 0x1.6d33340000000p-2,
+    0x1.7466660000000p-2, 0x1.7b99980000000p-2, 0x1.82cccc0000000p-2, 0x1.8a00000000000p-2,
+    0x1.9133340000000p-2, 0x1.9866660000000p-2, 0x1.9f99980000000p-2, 0x1.a6cccc0000000p-2,
+    0x1.ae00000000000p-2, 0x1.b533340000000p-2, 0x1.bc66660000000p-2, 0x1.c399980000000p-2,
+    0x1.cacccc0000000p-2, 0x1.d200000000000p-2, 0x1.d933340000000p-2, 0x1.e066660000000p-2,
+    0x1.e799980000000p-2, 0x1.eecccc0000000p-2, 0x1.f600000000000p-2, 0x1.fd33320000000p-2,
+    0x1.0233340000000p-1, 0x1.05cccc0000000p-1, 0x1.0966660000000p-1, 0x1.0d00000000000p-1,
+    0x1.1099980000000p-1, 0x1.1433340000000p-1, 0x1.17cccc0000000p-1, 0x1.1b66680000000p-1,
+    0x1.1f00000000000p-1, 0x1.22999a0000000p-1, 0x1.2633340000000p-1, 0x1.29cccc0000000p-1,
+    0x1.2d66680000000p-1, 0x1.3100000000000p-1, 0x1.34999a0000000p-1, 0x1.3833340000000p-1,
+    0x1.3bcccc0000000p-1, 0x1.3f66680000000p-1, 0x1.4300000000000p-1, 0x1.46999a0000000p-1,
+    0x1.4a33340000000p-1, 0x1.4dcccc0000000p-1, 0x1.5166680000000p-1, 0x1.5500000000000p-1,
+    0x1.58999a0000000p-1, 0x1.5c33340000000p-1, 0x1.5fcccc0000000p-1, 0x1.6366680000000p-1,
+    0x1.6700000000000p-1, 0x1.6a999a0000000p-1, 0x1.6e33340000000p-1, 0x1.71cccc0000000p-1,
+    0x1.7566680000000p-1, 0x1.7900000000000p-1, 0x1.7c999a0000000p-1, 0x1.8033340000000p-1,
+    0x1.83cccc0000000p-1, 0x1.8766680000000p-1, 0x1.8b00000000000p-1, 0x1.8e99980000000p-1,
+    0x1.9233340000000p-1, 0x1.95cccc0000000p-1, 0x1.9966680000000p-1, 0x1.9d00000000000p-1,
+    0x1.a099980000000p-1, 0x1.a433340000000p-1, 0x1.a7cccc0000000p-1, 0x1.ab66680000000p-1,
+    0x1.af00000000000p-1, 0x1.b299980000000p-1, 0x1.b633340000000p-1, 0x1.b9cccc0000000p-1,
+    0x1.bd66680000000p-1, 0x1.c100000000000p-1, 0x1.c499980000000p-1, 0x1.c833340000000p-1,
+    0x1.cbcccc0000000p-1, 0x1.cf66680000000p-1, 0x1.d300000000000p-1, 0x1.d699980000000p-1,
+    0x1.da33340000000p-1, 0x1.ddcccc0000000p-1, 0x1.e166680000000p-1, 0x1.e500000000000p-1,
+    0x1.e899980000000p-1, 0x1.ec33340000000p-1, 0x1.efcccc0000000p-1, 0x1.f366680000000p-1,
+    0x1.f700000000000p-1, 0x1.fa99980000000p-1, 0x1.fe33340000000p-1, 0x1.0000000000000p+0,
+};
+
+size_t fl_adam8bit_state_bytes(size_t n) {
+    if (!fl_adam8bit_is_8bit(n)) return 8 * n;
+    size_t nb = (n + FL_ADAM8BIT_BLOCK - 1) / FL_ADAM8BIT_BLOCK;
+    size_t q = (2 * n + 3) & ~(size_t)3;
+    return q + 8 * nb;
+}
+
+fl_status fl_adam8bit_state_bind(fl_adam8bit_state *st, size_t n, void *mem) {
+    if (!st || (!mem && n)) return fl_errorf(FL_ERR_INVALID, "adam8bit_state_bind: NULL state or memory (n=%zu)", n);
+    if ((uintptr_t)mem % 4)
+        return fl_errorf(FL_ERR_INVALID, "adam8bit_state_bind: memory %p not 4-byte aligned", mem);
+    memset(st, 0, sizeof *st);
+    st->n = n;
+    uint8_t *b = mem;
+    if (!fl_adam8bit_is_8bit(n)) {
+        st->m = (float *)b;
+        st->v = (float *)(b + 4 * n);
+        return FL_OK;
+    }
+    st->n_blocks = (n + FL_ADAM8BIT_BLOCK - 1) / FL_ADAM8BIT_BLOCK;
+    st->q_m = b;
+    st->q_v = b + n;
+    size_t q = (2 * n + 3) & ~(size_t)3;
+    st->absmax_m = (float *)(b + q);
+    st->absmax_v = (float *)(b + q + 4 * st->n_blocks);
+    return FL_OK;
+}
+
+/* quantize_2D<SIGNED> of the kernel: 7 halving steps from pivot 127, then the midpoint test.
+ * Ties: x > val and x == midpoint -> pivot (lower code); x <= val and x == midpoint -> pivot
+ * (higher code). NaN compares false everywhere and ends at code 0. */
+uint8_t fl_adam8bit_quantize(const float *code, int is_signed, float x) {
+    int pivot = 127, upper_pivot = 255, lower_pivot = 0;
+    float lower = is_signed ? -1.0f : 0.0f, upper = 1.0f;
+    float val = code[pivot];
+    for (int i = 64; i > 0; i >>= 1) {
+        if (x > val) {
+            lower_pivot = pivot;
+            lower = val;
+            pivot += i;
+        } else {
+            upper_pivot = pivot;
+            upper = val;
+            pivot -= i;
+        }
+        val = code[pivot];
+    }
+    if (x > val) {
+        float mid = (upper + val) * 0.5f;
+        return (uint8_t)(x > mid ? upper_pivot : pivot);
+    } else {
+        float mid = (lower + val) * 0.5f;
+        return (uint8_t)(x < mid ? lower_pivot : pivot);
+    }
+}
+
+static inline float load_f(const void *x, fl_dtype t, size_t i) {
+    return t == FL_F32 ? ((const float *)x)[i] : fl_bf16_to_f32(((const uint16_t *)x)[i]);
+}
+/* (T)(x): the kernel's store into the parameter type. */
+static inline float round_to(float x, fl_dtype t) { return t == FL_F32 ? x : fl_bf16_to_f32(fl_f32_to_bf16(x)); }
+static inline void store_f(void *x, fl_dtype t, size_t i, float v) {
+    if (t == FL_F32)
+        ((float *)x)[i] = v;
+    else
+        ((uint16_t *)x)[i] = fl_f32_to_bf16(v);
+}
+
+fl_status fl_cpu_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg,
+                                 const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,
+                                 float weight_decay, int step, float grad_scale) {
+    if ((tp != FL_F32 && tp != FL_BF16) || (tg != FL_F32 && tg != FL_BF16))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "adam8bit_update: p=%s g=%s (F32 or BF16 only)", fl_dtype_name(tp),
+                         fl_dtype_name(tg));
+    if (!st) return fl_errorf(FL_ERR_INVALID, "adam8bit_update: NULL state");
+    size_t n = st->n;
+    if (n == 0) return FL_OK;
+    if (!p || !g || step < 1) return fl_errorf(FL_ERR_INVALID, "adam8bit_update: p=%p g=%p step=%d", p, (void *)g, step);
+    int nt = be && be->n_threads > 0 ? be->n_threads : 1;
+    const float correction1 = 1.0f - powf(beta1, (float)step);
+    const float correction2 = sqrtf(1.0f - powf(beta2, (float)step));
+    const float step_size = (-lr * correction2) / correction1;
+    const float w1 = 1.0f - beta1, w2 = 1.0f - beta2, decay = 1.0f - lr * weight_decay;
+    const float eps2 = correction2 * eps;
+
+    if (!fl_adam8bit_is_8bit(n)) {
+        if (!st->m || !st->v) return fl_errorf(FL_ERR_INVALID, "adam8bit_update: fp32 path (n=%zu) without m/v", n);
+        float *m = st->m, *v = st->v;
+        /* kOptimizer32bit2State, ADAM: g_vals = (T)(gnorm_scale * g); no inf/NaN rule. */
+#pragma omp parallel for num_threads(nt) schedule(static)
+        for (size_t i = 0; i < n; i++) {
+            float gi = round_to(grad_scale * load_f(g, tg, i), tg);
+            float s1 = m[i] * beta1 + (w1 * gi);
+            float s2 = v[i] * beta2 + (w2 * (gi * gi));
+            float pi = round_to(load_f(p, tp, i) + (step_size * (s1 / (sqrtf(s2) + eps2))), tp);
+            if (weight_decay > 0.0f) pi = pi * decay;
+            store_f(p, tp, i, pi);
+            m[i] = s1;
+            v[i] = s2;
+        }
+        return FL_OK;
+    }
+    if (!st->q_m || !st->q_v || !st->absmax_m || !st->absmax_v || st->n_blocks != (n + 255) / 256)
+        return fl_errorf(FL_ERR_INVALID, "adam8bit_update: 8-bit state (n=%zu) incomplete", n);
+    const float *cs = fl_adam8bit_code_signed, *cu = fl_adam8bit_code_unsigned;
+    long nb = (long)st->n_blocks;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (long b = 0; b < nb; b++) {
+        size_t i0 = (size_t)b * FL_ADAM8BIT_BLOCK;
+        int cnt = (int)(n - i0 < FL_ADAM8BIT_BLOCK ? n - i0 : FL_ADAM8BIT_BLOCK);
+        float s1[FL_ADAM8BIT_BLOCK], s2[FL_ADAM8BIT_BLOCK];
+        unsigned char ok[FL_ADAM8BIT_BLOCK];
+        float am = st->absmax_m[b], av = st->absmax_v[b];
+        float nm1 = -3.40282347e+38f, nm2 = -3.40282347e+38f;
+        for (int j = 0; j < cnt; j++) {
+            float graw = load_f(g, tg, i0 + j);
+            ok[j] = isfinite(graw) ? 1 : 0;
+            if (ok[j]) {
+                float gv = graw * grad_scale;
+                float v2 = cu[st->q_v[i0 + j]] * av;
+                s2[j] = (v2 * beta2) + ((w2 * gv) * gv);
+                float v1 = cs[st->q_m[i0 + j]] * am;
+                s1[j] = (v1 * beta1) + (w1 * gv);
+            } else {
+                s1[j] = 0.0f;
+                s2[j] = 0.0f;
+            }
+            nm1 = fmaxf(nm1, fabsf(s1[j]));
+            nm2 = fmaxf(nm2, fabsf(s2[j]));
+        }
+        st->absmax_m[b] = nm1;
+        st->absmax_v[b] = nm2;
+        for (int j = 0; j < cnt; j++) {
+            if (!ok[j]) continue;
+            float pi = round_to(load_f(p, tp, i0 + j) + (step_size * (s1[j] / (sqrtf(s2[j]) + eps2))), tp);
+            if (weight_decay > 0.0f) pi = pi * decay;
+            store_f(p, tp, i0 + j, pi);
+        }
+        for (int j = 0; j < cnt; j++) {
+            uint8_t c1 = fl_adam8bit_quantize(cs, 1, s1[j] / nm1);
+            uint8_t c2 = fl_adam8bit_quantize(cu, 0, s2[j] / nm2);
+            /* keep the sign of m (the kernel's fix-up; wraps like unsigned char) */
+            if (!signbit(cs[c1]) != !signbit(s1[j])) c1 = (uint8_t)(s1[j] > 0.0f ? c1 + 1 : c1 - 1);
+            st->q_m[i0 + j] = c1;
+            st->q_v[i0 + j] = c2;
+        }
+    }
+    return FL_OK;
+}

@@ -1,0 +1,164 @@
+/* Reduced-precision helpers: bulk dtype conversion, optimizer updates over bf16/f16 storage,
+ * and the inf/NaN check of dynamic loss scaling. Semantics: include/fitllm/backend.h.
+ *
+ * The optimizer updates work in chunks of FL_PREC_CHUNK elements: widen p, g, m, v to fp32
+ * stack arrays, run exactly the fp32 formula of optim.c, round and store. Compiled with
+ * -ffp-contract=off (CMakeLists.txt) so the fp32 arithmetic is the written sequence of
+ * IEEE operations (what the double-then-round references in the tests model). */
+#include <math.h>
+#include <omp.h>
+
+#include "backend/cpu/cpu-impl.h"
+
+#define FL_PREC_CHUNK 1024
+
+static int is16(fl_dtype t) { return t == FL_BF16 || t == FL_F16; }
+static int isfloat(fl_dtype t) { return t == FL_F32 || is16(t); }
+
+static void widen(float *dst, const void *src, fl_dtype t, size_t off, size_t n) {
+    if (t == FL_F32) {
+        memcpy(dst, (const float *)src + off, n * sizeof(float));
+    } else if (t == FL_BF16) {
+        const uint16_t *s = (const uint16_t *)src + off;
+        for (size_t i = 0; i < n; i++) dst[i] = fl_bf16_to_f32(s[i]);
+    } else {
+        const uint16_t *s = (const uint16_t *)src + off;
+        for (size_t i = 0; i < n; i++) dst[i] = fl_f16_to_f32(s[i]);
+    }
+}
+
+static void narrow(void *dst, fl_dtype t, size_t off, const float *src, size_t n) {
+    if (t == FL_F32) {
+        memcpy((float *)dst + off, src, n * sizeof(float));
+    } else if (t == FL_BF16) {
+        uint16_t *d = (uint16_t *)dst + off;
+        for (size_t i = 0; i < n; i++) d[i] = fl_f32_to_bf16(src[i]);
+    } else {
+        uint16_t *d = (uint16_t *)dst + off;
+        for (size_t i = 0; i < n; i++) d[i] = fl_f32_to_f16(src[i]);
+    }
+}
+
+static int nthreads(const fl_backend *be) { return be && be->n_threads > 0 ? be->n_threads : 1; }
+
+fl_status fl_cpu_convert(const fl_backend *be, void *dst, fl_dtype dt, const void *src, fl_dtype st, size_t n) {
+    if (!isfloat(dt) || !isfloat(st))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "convert: %s -> %s not supported (F32/BF16/F16)", fl_dtype_name(st),
+                         fl_dtype_name(dt));
+    if (n == 0) return FL_OK;
+    if (!dst || !src) return fl_errorf(FL_ERR_INVALID, "convert: NULL buffer (n=%zu)", n);
+    size_t nc = (n + FL_PREC_CHUNK - 1) / FL_PREC_CHUNK;
+    int nt = nthreads(be);
+#pragma omp parallel for num_threads(nt) schedule(static) if (n > 32768)
+    for (size_t c = 0; c < nc; c++) {
+        size_t off = c * FL_PREC_CHUNK, k = n - off < FL_PREC_CHUNK ? n - off : FL_PREC_CHUNK;
+        if (st == dt) {
+            memcpy((char *)dst + off * fl_dtype_size(dt), (const char *)src + off * fl_dtype_size(st),
+                   k * fl_dtype_size(st));
+        } else if (st == FL_F32) {
+            narrow(dst, dt, off, (const float *)src + off, k);
+        } else if (dt == FL_F32) {
+            widen((float *)dst + off, src, st, off, k);
+        } else {
+            float tmp[FL_PREC_CHUNK];
+            widen(tmp, src, st, off, k);
+            narrow(dst, dt, off, tmp, k);
+        }
+    }
+    return FL_OK;
+}
+
+fl_status fl_cpu_adamw_update_ex(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m,
+                                 void *v, fl_dtype ts, size_t n, float lr, float beta1, float beta2, float eps,
+                                 float weight_decay, int step, float grad_scale) {
+    if (!isfloat(tp) || !isfloat(tg) || (ts != FL_F32 && ts != FL_BF16))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "adamw_update_ex: p=%s g=%s state=%s not supported", fl_dtype_name(tp),
+                         fl_dtype_name(tg), fl_dtype_name(ts));
+    if (n == 0) return FL_OK;
+    if (!p || !g || !m || !v || step < 1) return fl_errorf(FL_ERR_INVALID, "adamw_update_ex: NULL buffer or step %d", step);
+    /* The same constants and operation order as fl_cpu_adamw_update (optim.c). */
+    double bc1 = 1.0 - pow((double)beta1, step), bc2 = 1.0 - pow((double)beta2, step);
+    float step_size = (float)(lr / bc1), bc2_sqrt = (float)sqrt(bc2);
+    float decay = 1.0f - lr * weight_decay, w1 = 1.0f - beta1, w2 = 1.0f - beta2;
+    size_t nc = (n + FL_PREC_CHUNK - 1) / FL_PREC_CHUNK;
+#pragma omp parallel for num_threads(nthreads(be)) schedule(static)
+    for (size_t c = 0; c < nc; c++) {
+        size_t off = c * FL_PREC_CHUNK, k = n - off < FL_PREC_CHUNK ? n - off : FL_PREC_CHUNK;
+        float pf[FL_PREC_CHUNK], gf[FL_PREC_CHUNK], mf[FL_PREC_CHUNK], vf[FL_PREC_CHUNK];
+        widen(pf, p, tp, off, k);
+        widen(gf, g, tg, off, k);
+        widen(mf, m, ts, off, k);
+        widen(vf, v, ts, off, k);
+        for (size_t i = 0; i < k; i++) {
+            float gi = gf[i] * grad_scale;
+            float pi = pf[i] * decay;
+            float mi = mf[i] + w1 * (gi - mf[i]);
+            float vi = beta2 * vf[i] + w2 * gi * gi;
+            float denom = sqrtf(vi) / bc2_sqrt + eps;
+            pf[i] = pi - step_size * (mi / denom);
+            mf[i] = mi;
+            vf[i] = vi;
+        }
+        narrow(p, tp, off, pf, k);
+        narrow(m, ts, off, mf, k);
+        narrow(v, ts, off, vf, k);
+    }
+    return FL_OK;
+}
+
+fl_status fl_cpu_sgd_update_ex(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf,
+                               fl_dtype ts, size_t n, float lr, float momentum, float dampening, float weight_decay,
+                               int nesterov, int first_step, float grad_scale) {
+    if (!isfloat(tp) || !isfloat(tg) || (ts != FL_F32 && ts != FL_BF16))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "sgd_update_ex: p=%s g=%s buf=%s not supported", fl_dtype_name(tp),
+                         fl_dtype_name(tg), fl_dtype_name(ts));
+    if (n == 0) return FL_OK;
+    if (!p || !g) return fl_errorf(FL_ERR_INVALID, "sgd_update_ex: NULL buffer");
+    int use_mom = momentum != 0.0f && buf != NULL;
+    size_t nc = (n + FL_PREC_CHUNK - 1) / FL_PREC_CHUNK;
+#pragma omp parallel for num_threads(nthreads(be)) schedule(static)
+    for (size_t c = 0; c < nc; c++) {
+        size_t off = c * FL_PREC_CHUNK, k = n - off < FL_PREC_CHUNK ? n - off : FL_PREC_CHUNK;
+        float pf[FL_PREC_CHUNK], gf[FL_PREC_CHUNK], bf[FL_PREC_CHUNK];
+        widen(pf, p, tp, off, k);
+        widen(gf, g, tg, off, k);
+        if (use_mom) widen(bf, buf, ts, off, k);
+        for (size_t i = 0; i < k; i++) {
+            float d = gf[i] * grad_scale + weight_decay * pf[i];
+            if (use_mom) {
+                float b = first_step ? d : momentum * bf[i] + (1.0f - dampening) * d;
+                bf[i] = b;
+                d = nesterov ? d + momentum * b : b;
+            }
+            pf[i] -= lr * d;
+        }
+        narrow(p, tp, off, pf, k);
+        if (use_mom) narrow(buf, ts, off, bf, k);
+    }
+    return FL_OK;
+}
+
+fl_status fl_cpu_check_finite(const fl_backend *be, const void *x, fl_dtype t, size_t n, float inv_scale,
+                              int *found_inf) {
+    if (!isfloat(t)) return fl_errorf(FL_ERR_UNSUPPORTED, "check_finite: dtype %s not supported", fl_dtype_name(t));
+    if (!found_inf) return fl_errorf(FL_ERR_INVALID, "check_finite: NULL found_inf");
+    if (n == 0) return FL_OK;
+    if (!x) return fl_errorf(FL_ERR_INVALID, "check_finite: NULL x (n=%zu)", n);
+    size_t nc = (n + FL_PREC_CHUNK - 1) / FL_PREC_CHUNK;
+    int bad = 0;
+#pragma omp parallel for num_threads(nthreads(be)) schedule(static) reduction(| : bad) if (n > 32768)
+    for (size_t c = 0; c < nc; c++) {
+        size_t off = c * FL_PREC_CHUNK, k = n - off < FL_PREC_CHUNK ? n - off : FL_PREC_CHUNK;
+        float xf[FL_PREC_CHUNK];
+        widen(xf, x, t, off, k);
+        int b = 0;
+        /* x*s - x*s is 0 for finite values and NaN for inf/NaN: branch-free and vectorizable. */
+        for (size_t i = 0; i < k; i++) {
+            float y = xf[i] * inv_scale;
+            b |= (y - y) != 0.0f;
+        }
+        bad |= b;
+    }
+    if (bad) *found_inf = 1;
+    return FL_OK;
+}
