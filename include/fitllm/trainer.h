@@ -28,9 +28,10 @@ typedef struct {
     char final_dir[FL_CFG_PATH + 16];
 } fl_trainer_result;
 
-/* Hooks for tests: called after every optimizer step with the step's loss
- * (mean over its valid targets). Returning non-zero stops training early
- * (no final checkpoint), as a crash would. */
+/* Hook for tests: called after every optimizer step (after that step's
+ * evaluation and checkpoint) with the step's loss (mean over its valid
+ * targets) and the parameters. Returning non-zero stops training there, with
+ * no final checkpoint, as a crash right after the step would. */
 typedef int (*fl_step_hook)(void *ud, long step, double loss, const float *params, size_t numel);
 
 fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, fl_step_hook hook, void *hook_ud,

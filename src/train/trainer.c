@@ -425,11 +425,6 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
             fl_mem_print_report(&t.pool, out);
             fprintf(out, "\n");
         }
-        if (hook && hook(hook_ud, t.st.step, step_valid ? step_loss / step_valid : NAN, t.model.params,
-                         t.model.layout.numel)) {
-            stopped = 1;
-            break;
-        }
         if (t.st.step % cfg->eval.interval == 0 && t.val) {
             double e0 = now_s();
             CHECK(validate(&t, cfg->eval.max_iters, &val_loss));
@@ -449,6 +444,13 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
             if (out) fprintf(out, "Saving checkpoint to '%s/%s'\n", cfg->out_dir, name);
             fl_mem_set_phase(&t.pool, "checkpoint");
             CHECK(fl_ckpt_save(cfg->out_dir, name, &t.model, &t.opt, &t.st, cfg, t.tok_dir[0] ? t.tok_dir : NULL));
+        }
+        /* after evaluation and checkpointing, so a hook that stops the run acts
+         * like a crash right after this step's checkpoint */
+        if (hook && hook(hook_ud, t.st.step, step_valid ? step_loss / step_valid : NAN, t.model.params,
+                         t.model.layout.numel)) {
+            stopped = 1;
+            break;
         }
         bar_draw(&t, t.st.step);
     }
