@@ -42,6 +42,7 @@ build: setup $(BUILD)/Makefile
 # (fault-injection sweeps and bad-input files must not leak or crash).
 test: build
 	./$(BUILD)/fitllm_tests
+	tests/cli_test.sh ./$(BUILD)/fitllm
 	$(MAKE) --no-print-directory asan ASAN_FILTER=""
 
 test-fast: build
