@@ -12,7 +12,8 @@ mkdir -p "$OUT"
 CFLAGS="-g -O1 -std=gnu11 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -Iinclude -Isrc"
 # the library pieces a dataset reader needs: status, JSON, fs helpers, tokenizers, data
 LIB="src/core/status.c src/io/json.c src/io/fs.c $(ls src/data/*.c) $(ls src/tokenizer/*.c src/tok/*.c 2>/dev/null || true)"
-[ -f src/zz_tokstub_local.c ] && LIB="$LIB src/zz_tokstub_local.c"
-$CC $CFLAGS fuzz/fuzz_json_dataset.c $LIB -o "$OUT/fuzz_json_dataset_json" -lm
-$CC $CFLAGS -DFL_FUZZ_JSONL fuzz/fuzz_json_dataset.c $LIB -o "$OUT/fuzz_json_dataset_jsonl" -lm
+LIBS="-lm"
+ls src/tokenizer/*.c >/dev/null 2>&1 && LIBS="$LIBS -lpcre2-8"   # GPT-2 pre-tokenizer regex
+$CC $CFLAGS fuzz/fuzz_json_dataset.c $LIB -o "$OUT/fuzz_json_dataset_json" $LIBS
+$CC $CFLAGS -DFL_FUZZ_JSONL fuzz/fuzz_json_dataset.c $LIB -o "$OUT/fuzz_json_dataset_jsonl" $LIBS
 echo "built $OUT/fuzz_json_dataset_json $OUT/fuzz_json_dataset_jsonl"
