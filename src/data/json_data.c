@@ -107,7 +107,7 @@ static fl_status add_txt_files(const char *dir, fl_data_files *fs, size_t *count
         else n++;
     }
     closedir(d);
-    if (s == FL_OK) qsort(names, n, sizeof *names, cmp_str);
+    if (s == FL_OK && n > 1) qsort(names, n, sizeof *names, cmp_str);
     for (size_t i = 0; i < n && s == FL_OK; i++) {
         s = fl_io_join(path, sizeof path, dir, names[i]);
         if (s == FL_OK) s = fl_data_files_add(fs, path);

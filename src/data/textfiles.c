@@ -35,7 +35,7 @@ static fl_status tokenize_split(const fl_data_files *fs, size_t from, size_t to,
             if (!na) s = fl_errorf(FL_ERR_OOM, "%s: out of memory (%zu tokens)", f->path, n_all + n);
             else all = na, cap = c;
         }
-        if (s == FL_OK) {
+        if (s == FL_OK && n) {
             memcpy(all + n_all, ids, n * sizeof *ids);
             n_all += n;
         }
