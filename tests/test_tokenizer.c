@@ -148,3 +148,75 @@ FL_TEST(tok_gpt2_vectors_json) {
     FL_CHECK(check_vectors("gpt2-tokenizer/tokenizer.json", "gpt-2", 1) == 46);
     FL_CHECK(check_vectors("tiny-gpt2-hf/tokenizer.json", "gpt-2", 1) == 46);
 }
+
+static int ids_eq(const int32_t *a, size_t na, const fl_json *want) {
+    if (!want || want->type != FL_JSON_ARRAY || want->len != na) return 0;
+    size_t i = 0;
+    for (const fl_json *c = want->child; c; c = c->next, i++)
+        if (c->i != a[i]) return 0;
+    return 1;
+}
+
+/* Hard cases from HF tokenizers (tests/ref/tokenizer_ref.py). via_model: use
+ * llama2-tokenizer/tokenizer.model for the llama2-tokenizer cases. */
+static void run_hard_cases(int via_model) {
+    fl_json *root = NULL;
+    const char *fx = "tests/fixtures/tokenizer-hard-cases.json";
+    FL_REQUIRE_OK(fl_json_parse_file(fx, &root));
+    const fl_json *cases = fl_json_get(root, "cases");
+    FL_REQUIRE(cases && cases->type == FL_JSON_ARRAY && cases->len > 50);
+    char cur[64] = "";
+    fl_tokenizer *t = NULL;
+    int n_ok = 0, n_run = 0;
+    for (const fl_json *c = cases->child; c; c = c->next) {
+        const char *name = fl_json_get(c, "tokenizer")->str;
+        const fl_json *text = fl_json_get(c, "text");
+        if (via_model && strcmp(name, "llama2-tokenizer")) continue;
+        /* sentencepiece never matches control pieces in text */
+        if (via_model && (strstr(text->str, "<s>") || strstr(text->str, "</s>") || strstr(text->str, "<unk>"))) continue;
+        if (strcmp(cur, name)) {
+            fl_tok_free(t);
+            t = NULL;
+            char rel[128];
+            snprintf(rel, sizeof rel, "%s%s", name, via_model ? "/tokenizer.model" : "");
+            fl_status s = fl_tok_load(&t, fl_test_data_path(rel));
+            if (s != FL_OK) { fl_test_fail(__FILE__, __LINE__, "load %s: %s", rel, fl_error_message()); break; }
+            snprintf(cur, sizeof cur, "%s", name);
+        }
+        n_run++;
+        int32_t *ids = NULL, *ids2 = NULL;
+        size_t n = 0, n2 = 0;
+        char *d1 = NULL, *d2 = NULL;
+        size_t l1 = 0, l2 = 0;
+        int ok = fl_tok_encode(t, text->str, text->len, 0, 0, &ids, &n) == FL_OK && ids_eq(ids, n, fl_json_get(c, "ids"));
+        ok = ok && fl_tok_encode(t, text->str, text->len, -1, -1, &ids2, &n2) == FL_OK &&
+             ids_eq(ids2, n2, fl_json_get(c, "ids_special"));
+        const fl_json *w1 = fl_json_get(c, "decoded"), *w2 = fl_json_get(c, "decoded_skip");
+        ok = ok && fl_tok_decode(t, ids2, n2, 0, &d1, &l1) == FL_OK && l1 == w1->len && !memcmp(d1, w1->str, l1);
+        ok = ok && fl_tok_decode(t, ids2, n2, 1, &d2, &l2) == FL_OK && l2 == w2->len && !memcmp(d2, w2->str, l2);
+        if (!ok) {
+            fl_test_fail(__FILE__, __LINE__, "%s%s: \"%.40s\"", name, via_model ? " (.model)" : "", text->str);
+            print_ids("got ", ids, n);
+            print_ids("got+special", ids2, n2);
+            fprintf(stderr, "    decoded: \"%s\" / \"%s\"; want \"%s\" / \"%s\"\n", d1 ? d1 : "", d2 ? d2 : "", w1->str, w2->str);
+        }
+        n_ok += ok;
+        free(ids);
+        free(ids2);
+        free(d1);
+        free(d2);
+    }
+    fprintf(stderr, "    hard cases%s: %d/%d\n", via_model ? " via tokenizer.model" : "", n_ok, n_run);
+    fl_tok_free(t);
+    fl_json_free(root);
+}
+
+FL_TEST(tok_hard_cases_json) {
+    FL_SKIP_IF_NO_DATA();
+    run_hard_cases(0);
+}
+
+FL_TEST(tok_hard_cases_model) {
+    FL_SKIP_IF_NO_DATA();
+    run_hard_cases(1);
+}
