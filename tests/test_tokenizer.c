@@ -220,3 +220,256 @@ FL_TEST(tok_hard_cases_model) {
     FL_SKIP_IF_NO_DATA();
     run_hard_cases(1);
 }
+
+FL_TEST(tok_llama2c_bin_matches_json) {
+    FL_SKIP_IF_NO_DATA();
+    fl_tokenizer *a = NULL, *b = NULL;
+    FL_REQUIRE_OK(fl_tok_load(&a, fl_test_data_path("stories260K/tok512.bin")));
+    fl_status s = fl_tok_load(&b, fl_test_data_path("stories260K-hf/tokenizer.json"));
+    if (s != FL_OK) { fl_tok_free(a); FL_REQUIRE_OK(s); }
+    FL_CHECK(!strcmp(fl_tok_kind(a), "llama2c"));
+    FL_CHECK(fl_tok_vocab_size(a) == 512 && fl_tok_vocab_size(b) == 512);
+    FL_CHECK(fl_tok_bos_id(a) == 1 && fl_tok_eos_id(a) == 2);
+    size_t n;
+    char *text = slurp(fl_test_data_path("text/tinystories-val-prefix.txt"), &n);
+    FL_REQUIRE(text);
+    /* line by line over the first 200 lines, then one 20 KB chunk */
+    char *p = text;
+    int lines = 0, same = 0;
+    for (; lines < 200 && p < text + n; lines++) {
+        char *nl = memchr(p, '\n', (size_t)(text + n - p));
+        size_t len = nl ? (size_t)(nl - p) : (size_t)(text + n - p);
+        int32_t *x = NULL, *y = NULL;
+        size_t nx = 0, ny = 0;
+        if (fl_tok_encode(a, p, len, -1, 0, &x, &nx) == FL_OK && fl_tok_encode(b, p, len, -1, 0, &y, &ny) == FL_OK &&
+            nx == ny && !memcmp(x, y, nx * sizeof *x)) {
+            same++;
+            char *d = NULL;
+            size_t dl;
+            if (fl_tok_decode(a, x, nx, 1, &d, &dl) != FL_OK || dl != len || memcmp(d, p, len)) {
+                fl_test_fail(__FILE__, __LINE__, "llama2.c decode round trip, line %d", lines);
+                same--;
+            }
+            free(d);
+        } else
+            fl_test_fail(__FILE__, __LINE__, "tok512.bin vs tokenizer.json differ on line %d: \"%.60s\"", lines, p);
+        free(x);
+        free(y);
+        p = nl ? nl + 1 : text + n;
+    }
+    FL_CHECK(same == lines);
+    int32_t *x = NULL, *y = NULL;
+    size_t nx = 0, ny = 0;
+    size_t chunk = n < 20000 ? n : 20000;
+    FL_CHECK(fl_tok_encode(a, text, chunk, 1, 1, &x, &nx) == FL_OK);
+    FL_CHECK(fl_tok_encode(b, text, chunk, 1, 1, &y, &ny) == FL_OK);
+    FL_CHECK(nx == ny && nx > 1000 && !memcmp(x, y, nx * sizeof *x));
+    FL_CHECK(x && x[0] == 1 && x[nx - 1] == 2);
+    free(x);
+    free(y);
+    free(text);
+    fl_tok_free(a);
+    fl_tok_free(b);
+}
+
+static void expect_ids(fl_tokenizer *t, const char *s, size_t n, const int32_t *want, size_t nw, const char *what) {
+    int32_t *ids = NULL;
+    size_t ni = 0;
+    fl_status st = fl_tok_encode(t, s, n, 0, 0, &ids, &ni);
+    int ok = st == FL_OK && ni == nw && (nw == 0 || !memcmp(ids, want, nw * sizeof *ids));
+    if (!ok) {
+        fl_test_fail(__FILE__, __LINE__, "%s: ids differ (%s)", what, st == FL_OK ? "" : fl_error_message());
+        print_ids("got ", ids, ni);
+        print_ids("want", want, nw);
+    }
+    free(ids);
+}
+
+static void expect_decode(fl_tokenizer *t, const int32_t *ids, size_t n, const char *want, const char *what) {
+    char *d = NULL;
+    size_t l = 0;
+    fl_status st = fl_tok_decode(t, ids, n, 1, &d, &l);
+    FL_CHECKF(st == FL_OK && l == strlen(want) && !memcmp(d, want, l), "%s: decoded \"%s\", want \"%s\"", what, d ? d : "", want);
+    free(d);
+}
+
+/* Invalid UTF-8 cannot reach HF tokenizers (Python str). We encode the raw
+ * bytes losslessly: byte-level BPE maps each byte to its byte-level char;
+ * SentencePiece-style emits <0xNN>. Decoding follows HF: invalid sequences
+ * become U+FFFD (ByteLevel: from_utf8_lossy; ByteFallback: one per byte token). */
+FL_TEST(tok_invalid_utf8) {
+    FL_SKIP_IF_NO_DATA();
+    fl_tokenizer *ll = NULL, *g = NULL, *m = NULL;
+    FL_REQUIRE_OK(fl_tok_load(&ll, fl_test_data_path("llama2-tokenizer/tokenizer.json")));
+    FL_REQUIRE_OK(fl_tok_load(&m, fl_test_data_path("llama2-tokenizer/tokenizer.model")));
+    FL_REQUIRE_OK(fl_tok_load(&g, fl_test_data_path("gpt2-tokenizer/tokenizer.json")));
+    const int32_t w1[] = {29871, 258}; /* "▁", <0xFF> */
+    expect_ids(ll, "\xff", 1, w1, 2, "llama json \\xff");
+    expect_ids(m, "\xff", 1, w1, 2, "llama model \\xff");
+    const int32_t w2[] = {29871, 231, 192, 263}; /* truncated U+4F60, then "▁a" */
+    expect_ids(ll, "\xe4\xbd a", 4, w2, 4, "llama json truncated CJK");
+    expect_ids(m, "\xe4\xbd a", 4, w2, 4, "llama model truncated CJK");
+    expect_decode(ll, w1, 2, "\xef\xbf\xbd", "llama decode <0xFF>");
+    expect_decode(ll, w2, 4, "\xef\xbf\xbd\xef\xbf\xbd a", "llama decode truncated CJK");
+    /* GPT-2: 'a' \xff 'b' -> a, ÿ (byte 0xFF's byte-level char), b */
+    int32_t a = fl_tok_lookup(g, "a", 1), y = fl_tok_lookup(g, "\xc3\xbf", 2), b = fl_tok_lookup(g, "b", 1);
+    const int32_t w3[] = {a, y, b};
+    expect_ids(g, "a\xff" "b", 3, w3, 3, "gpt2 a\\xffb");
+    expect_decode(g, w3, 3, "a\xef\xbf\xbd" "b", "gpt2 decode a\\xffb");
+    /* a lone continuation byte, an overlong NUL, a surrogate */
+    const char *bad[] = {"\x80", "\xc0\x80", "\xed\xa0\x80", "ok\xf4\x90\x80\x80!"};
+    for (int i = 0; i < 4; i++) {
+        int32_t *ids = NULL;
+        size_t n = 0;
+        FL_CHECK(fl_tok_encode(g, bad[i], strlen(bad[i]), 0, 0, &ids, &n) == FL_OK && n >= 1);
+        free(ids);
+        FL_CHECK(fl_tok_encode(ll, bad[i], strlen(bad[i]), 0, 0, &ids, &n) == FL_OK && n >= 2);
+        free(ids);
+    }
+    fl_tok_free(ll);
+    fl_tok_free(m);
+    fl_tok_free(g);
+}
+
+FL_TEST(tok_builtin_bytes) {
+    fl_tokenizer *t = NULL;
+    FL_REQUIRE_OK(fl_tok_builtin_bytes(&t));
+    FL_CHECK(fl_tok_vocab_size(t) == 258 && fl_tok_bos_id(t) == 256 && fl_tok_eos_id(t) == 257);
+    FL_CHECK(fl_tok_is_eos(t, 257) && !fl_tok_is_eos(t, 256) && !strcmp(fl_tok_kind(t), "bytes"));
+    const char s[] = "h\xc3\xa9\xff\0z";
+    int32_t *ids = NULL;
+    size_t n = 0;
+    FL_REQUIRE_OK(fl_tok_encode(t, s, 6, 1, 1, &ids, &n));
+    FL_CHECK(n == 8 && ids[0] == 256 && ids[1] == 'h' && ids[2] == 0xc3 && ids[4] == 0xff && ids[5] == 0 && ids[7] == 257);
+    char *d = NULL;
+    size_t l = 0;
+    FL_REQUIRE_OK(fl_tok_decode(t, ids, n, 1, &d, &l));
+    FL_CHECK(l == 6 && !memcmp(d, s, 6));
+    free(d);
+    FL_REQUIRE_OK(fl_tok_decode(t, ids, n, 0, &d, &l));
+    FL_CHECK(l == 16 && !memcmp(d, "<bos>h", 6));
+    free(d);
+    free(ids);
+    FL_REQUIRE_OK(fl_tok_encode(t, NULL, 0, 0, 0, &ids, &n));
+    FL_CHECK(n == 0 && ids != NULL);
+    free(ids);
+    fl_tok_free(t);
+}
+
+FL_TEST(tok_bos_eos_config) {
+    FL_SKIP_IF_NO_DATA();
+    fl_tokenizer *t = NULL;
+    int32_t *ids = NULL;
+    size_t n = 0;
+    FL_REQUIRE_OK(fl_tok_load(&t, fl_test_data_path("llama2-tokenizer")));
+    FL_CHECK(!strcmp(fl_tok_kind(t), "bpe-sentencepiece") && fl_tok_bos_id(t) == 1 && fl_tok_eos_id(t) == 2);
+    FL_REQUIRE_OK(fl_tok_encode(t, "Hi", 2, -1, -1, &ids, &n));
+    FL_CHECK(n >= 2 && ids[0] == 1 && ids[n - 1] != 2);
+    free(ids);
+    FL_REQUIRE_OK(fl_tok_encode(t, "Hi", 2, 0, 1, &ids, &n));
+    FL_CHECK(n >= 1 && ids[0] != 1 && ids[n - 1] == 2);
+    free(ids);
+    fl_tok_free(t);
+    FL_REQUIRE_OK(fl_tok_load(&t, fl_test_data_path("llama2-tokenizer/tokenizer.model")));
+    FL_CHECK(!strcmp(fl_tok_kind(t), "spm-model") && fl_tok_bos_id(t) == 1 && fl_tok_eos_id(t) == 2 && fl_tok_vocab_size(t) == 32000);
+    fl_tok_free(t);
+    FL_REQUIRE_OK(fl_tok_load(&t, fl_test_data_path("tiny-gpt2-hf")));
+    FL_CHECK(!strcmp(fl_tok_kind(t), "bpe-bytelevel") && fl_tok_bos_id(t) == 50256 && fl_tok_eos_id(t) == 50256);
+    FL_REQUIRE_OK(fl_tok_encode(t, "Hi", 2, -1, -1, &ids, &n));
+    FL_CHECK(n == 1 && ids[0] != 50256); /* GPT-2 adds nothing by default */
+    free(ids);
+    fl_tok_free(t);
+
+    /* a folder with tokenizer_config.json ({"content"} form, add_eos) and config.json (eos list) */
+    const char *dir = fl_test_tmpdir();
+    char p[512], q[512];
+    size_t sn;
+    char *seed = slurp("fuzz/seeds-tok/sp.json", &sn);
+    FL_REQUIRE(seed);
+    snprintf(p, sizeof p, "%s/tokenizer.json", dir);
+    write_file(p, seed, sn);
+    free(seed);
+    snprintf(q, sizeof q, "%s/tokenizer_config.json", dir);
+    const char *tc = "{\"add_bos_token\": false, \"add_eos_token\": true, \"eos_token\": {\"content\": \"</s>\", \"lstrip\": false}}";
+    write_file(q, tc, strlen(tc));
+    snprintf(q, sizeof q, "%s/config.json", dir);
+    const char *cc = "{\"bos_token_id\": 1, \"eos_token_id\": [2, 0]}";
+    write_file(q, cc, strlen(cc));
+    FL_REQUIRE_OK(fl_tok_load(&t, dir));
+    FL_CHECK(fl_tok_eos_id(t) == 2 && fl_tok_is_eos(t, 0) && fl_tok_is_eos(t, 2) && !fl_tok_is_eos(t, 1));
+    FL_REQUIRE_OK(fl_tok_encode(t, "Hello world", 11, -1, -1, &ids, &n));
+    FL_CHECK(n >= 2 && ids[0] != 1 && ids[n - 1] == 2);
+    char *d = NULL;
+    size_t l;
+    FL_REQUIRE_OK(fl_tok_decode(t, ids, n, 1, &d, &l));
+    FL_CHECKF(!strcmp(d, "Hello world"), "decoded \"%s\"", d);
+    free(d);
+    free(ids);
+    fl_tok_free(t);
+}
+
+static void expect_load_error(const char *path, fl_status want, const char *needle) {
+    fl_tokenizer *t = NULL;
+    fl_status s = fl_tok_load(&t, path);
+    FL_CHECKF(s == want && t == NULL, "%s: got %s (%s), want %s", path, fl_status_name(s), fl_error_message(), fl_status_name(want));
+    FL_CHECKF(strstr(fl_error_message(), needle) != NULL, "%s: message \"%s\" lacks \"%s\"", path, fl_error_message(), needle);
+    fl_tok_free(t);
+}
+
+static const char *tmpfile_with(const char *name, const void *data, size_t n) {
+    static char p[512];
+    snprintf(p, sizeof p, "%s/%s", fl_test_tmpdir(), name);
+    write_file(p, data, n);
+    return p;
+}
+
+FL_TEST(tok_bad_inputs) {
+    expect_load_error("/nonexistent/tok", FL_ERR_NOT_FOUND, "/nonexistent/tok");
+    expect_load_error(fl_test_tmpdir(), FL_ERR_NOT_FOUND, "no tokenizer found");
+    const char *trunc = "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0";
+    expect_load_error(tmpfile_with("trunc.json", trunc, strlen(trunc)), FL_ERR_FORMAT, "trunc.json");
+    const char *wp = "{\"model\": {\"type\": \"WordPiece\", \"vocab\": {}}}";
+    expect_load_error(tmpfile_with("wp.json", wp, strlen(wp)), FL_ERR_UNSUPPORTED, "WordPiece");
+    const char *nf = "{\"normalizer\": {\"type\": \"NFKC\"}, \"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}}";
+    expect_load_error(tmpfile_with("nf.json", nf, strlen(nf)), FL_ERR_UNSUPPORTED, "NFKC");
+    const char *pt = "{\"pre_tokenizer\": {\"type\": \"Whitespace\"}, \"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}}";
+    expect_load_error(tmpfile_with("pt.json", pt, strlen(pt)), FL_ERR_UNSUPPORTED, "Whitespace");
+    const char *dc = "{\"decoder\": {\"type\": \"WordPiece\"}, \"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}}";
+    expect_load_error(tmpfile_with("dc.json", dc, strlen(dc)), FL_ERR_UNSUPPORTED, "WordPiece");
+    const char *mg = "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1}, \"merges\": [\"a b\"]}}";
+    expect_load_error(tmpfile_with("mg.json", mg, strlen(mg)), FL_ERR_FORMAT, "merged token not in the vocabulary");
+    const char *mg2 = "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": [\"a\"]}}";
+    expect_load_error(tmpfile_with("mg2.json", mg2, strlen(mg2)), FL_ERR_FORMAT, "mg2.json");
+    const char *neg = "{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": -3}, \"merges\": []}}";
+    expect_load_error(tmpfile_with("neg.json", neg, strlen(neg)), FL_ERR_FORMAT, "neg.json");
+    const char *cfg = "{}";
+    expect_load_error(tmpfile_with("tokenizer_config.json", cfg, 2), FL_ERR_INVALID, "not a tokenizer");
+    expect_load_error(tmpfile_with("x.txt", "hi", 2), FL_ERR_UNSUPPORTED, "x.txt");
+    /* SentencePiece: garbage, truncated real model, a UNIGRAM model */
+    expect_load_error(tmpfile_with("garbage.model", "\xff\xff\xff", 3), FL_ERR_FORMAT, "garbage.model");
+    static const uint8_t unigram[] = {0x0a, 0x08, 0x0a, 0x01, 'a', 0x15, 0, 0, 0, 0, /* piece "a" score 0 */
+                                      0x12, 0x02, 0x18, 0x01};                         /* trainer_spec model_type=1 */
+    expect_load_error(tmpfile_with("uni.model", unigram, sizeof unigram), FL_ERR_UNSUPPORTED, "UNIGRAM");
+    if (fl_test_data_dir()) {
+        size_t n;
+        char *m = slurp(fl_test_data_path("llama2-tokenizer/tokenizer.model"), &n);
+        FL_REQUIRE(m);
+        expect_load_error(tmpfile_with("trunc.model", m, 1001), FL_ERR_FORMAT, "trunc.model");
+        for (size_t cut = 7; cut < 20000; cut = cut * 3 + 1) { /* never a crash at any cut */
+            fl_tokenizer *t = NULL;
+            fl_status s = fl_tok_load(&t, tmpfile_with("cut.model", m, cut));
+            FL_CHECK(s != FL_OK && t == NULL);
+        }
+        free(m);
+        char *b = slurp(fl_test_data_path("stories260K/tok512.bin"), &n);
+        FL_REQUIRE(b);
+        expect_load_error(tmpfile_with("tok_trunc.bin", b, n - 3), FL_ERR_FORMAT, "tok_trunc.bin");
+        expect_load_error(tmpfile_with("tok_tiny.bin", b, 2), FL_ERR_FORMAT, "tok_tiny.bin");
+        free(b);
+    }
+    /* API misuse */
+    fl_tokenizer *t = NULL;
+    FL_CHECK(fl_tok_load(NULL, "x") == FL_ERR_INVALID);
+    FL_CHECK(fl_tok_load(&t, NULL) == FL_ERR_INVALID);
+    fl_tok_free(NULL);
+}
