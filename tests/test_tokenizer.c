@@ -473,3 +473,30 @@ FL_TEST(tok_bad_inputs) {
     FL_CHECK(fl_tok_load(&t, NULL) == FL_ERR_INVALID);
     fl_tok_free(NULL);
 }
+
+/* The whitespace-run cut (ws_split) is an exact speed-up: same ids as one long word. */
+FL_TEST(tok_ws_split_exact) {
+    FL_SKIP_IF_NO_DATA();
+    const char *paths[] = {"llama2-tokenizer/tokenizer.json", "llama2-tokenizer/tokenizer.model", "stories260K/tok512.bin"};
+    size_t n;
+    char *text = slurp(fl_test_data_path("text/tinyshakespeare.txt"), &n);
+    FL_REQUIRE(text);
+    size_t len = n < 60000 ? n : 60000;
+    for (int k = 0; k < 3; k++) {
+        fl_tokenizer *t = NULL;
+        FL_REQUIRE_OK(fl_tok_load(&t, fl_test_data_path(paths[k])));
+        FL_CHECKF(t->ws_split_n > 0, "%s: ws_split not enabled", paths[k]);
+        int32_t *a = NULL, *b = NULL;
+        size_t na = 0, nb = 0;
+        FL_CHECK(fl_tok_encode(t, text, len, 0, 0, &a, &na) == FL_OK);
+        size_t saved = t->ws_split_n;
+        t->ws_split_n = 0;
+        FL_CHECK(fl_tok_encode(t, text, len, 0, 0, &b, &nb) == FL_OK);
+        t->ws_split_n = saved;
+        FL_CHECKF(na == nb && na > 10000 && !memcmp(a, b, na * sizeof *a), "%s: cut vs whole differ", paths[k]);
+        free(a);
+        free(b);
+        fl_tok_free(t);
+    }
+    free(text);
+}
