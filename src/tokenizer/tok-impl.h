@@ -100,6 +100,11 @@ struct fl_tokenizer {
     fl_tok_pairmap merges;
     int32_t byte_id[256]; /* <0xNN> pieces (-1 if absent) */
     int byte_fallback, unk_id, fuse_unk, ignore_merges;
+    /* Exact speed-up for texts BPE'd as one long word (SentencePiece style):
+     * when no piece has ws_split inside it after a different char, no merge
+     * can cross the start of a ws_split run, so the text is cut there. */
+    char ws_split[4];
+    size_t ws_split_n; /* 0 = off */
     /* byte-level */
     int32_t bl_id[256];       /* id of the single byte-level char of byte b */
     uint16_t b2u[256];        /* byte -> code point */
@@ -153,6 +158,12 @@ void fl_tok_work_free(fl_tok_work *w);
  * (byte fallback / unk otherwise), merged by the pair map; appends ids. */
 fl_status fl_tok_bpe_word(const fl_tokenizer *t, fl_tok_work *w, const char *s, size_t n, int32_t **ids,
                           size_t *n_ids, size_t *cap);
+
+/* Same, cutting a long text before each whitespace marker run when exact (see ws_split). */
+fl_status fl_tok_bpe_text(const fl_tokenizer *t, fl_tok_work *w, const char *s, size_t n, int32_t **ids,
+                          size_t *n_ids, size_t *cap);
+/* Enable ws_split for marker ws ("\xe2\x96\x81" or " ") if the vocabulary allows it. */
+void fl_tok_detect_ws_split(fl_tokenizer *t, const char *ws);
 
 /* ---- front ends (tok_pretok.c) ---------------------------------------------------------- */
 void fl_tok_bytelevel_tables(fl_tokenizer *t);

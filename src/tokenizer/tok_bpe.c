@@ -189,3 +189,36 @@ fl_status fl_tok_bpe_word(const fl_tokenizer *t, fl_tok_work *w, const char *s, 
         if (fl_tok_ids_push(ids, n_ids, cap, w->sym[i])) return fl_errorf(FL_ERR_OOM, "tokenizer: out of memory");
     return FL_OK;
 }
+
+void fl_tok_detect_ws_split(fl_tokenizer *t, const char *ws) {
+    size_t wl = strlen(ws);
+    t->ws_split_n = 0;
+    if (t->ignore_merges || wl == 0 || wl > 3) return;
+    for (int32_t id = 0; id < t->n_vocab; id++) {
+        size_t n;
+        const char *p = fl_tok_piece(t, id, &n);
+        if (!p) continue;
+        for (size_t i = 1; i + wl <= n; i++)
+            if (!memcmp(p + i, ws, wl) && (i < wl || memcmp(p + i - wl, ws, wl))) return;
+    }
+    memcpy(t->ws_split, ws, wl);
+    t->ws_split_n = wl;
+}
+
+fl_status fl_tok_bpe_text(const fl_tokenizer *t, fl_tok_work *w, const char *s, size_t n, int32_t **ids,
+                          size_t *n_ids, size_t *cap) {
+    size_t wl = t->ws_split_n;
+    if (!wl || t->kind == FL_TOK_BPE_BL) return fl_tok_bpe_word(t, w, s, n, ids, n_ids, cap);
+    size_t start = 0;
+    const char *end = s + n;
+    for (const char *p = s + 1; p + wl <= end;) {
+        const char *q = memchr(p, t->ws_split[0], (size_t)(end - p));
+        if (!q || q + wl > end) break;
+        if (!memcmp(q, t->ws_split, wl) && ((size_t)(q - s) < wl || memcmp(q - wl, t->ws_split, wl))) {
+            FL_TRY(fl_tok_bpe_word(t, w, s + start, (size_t)(q - s) - start, ids, n_ids, cap));
+            start = (size_t)(q - s);
+        }
+        p = q + 1;
+    }
+    return fl_tok_bpe_word(t, w, s + start, n - start, ids, n_ids, cap);
+}

@@ -314,6 +314,7 @@ fl_status fl_tok_load_hf_json(fl_tokenizer **out, const fl_json *root, const cha
         if (!t->n_norm) t->added[i].normalized = 0; /* identical without a normalizer */
     }
     fl_tok_finish_added(t);
+    if (t->kind == FL_TOK_BPE_SP) fl_tok_detect_ws_split(t, "\xe2\x96\x81");
     /* defaults: LLaMA-style adds <s>; GPT-2 adds nothing; a TemplateProcessing post-processor decides */
     int32_t bos = fl_tok_lookup(t, "<s>", 3), eos = fl_tok_lookup(t, "</s>", 4);
     if (t->kind == FL_TOK_BPE_BL) bos = eos = fl_tok_lookup(t, "<|endoftext|>", 13);

@@ -89,7 +89,7 @@ static fl_status fl_tok_regex_split(fl_tok_ctx *c, int step, void *rev, const ch
 static fl_status fl_tok_pre_run(fl_tok_ctx *c, int step, const char *s, size_t n, int at0) {
     const fl_tokenizer *t = c->t;
     if (n == 0) return FL_OK;
-    if (step == t->n_pre) return fl_tok_bpe_word(t, c->w, s, n, c->ids, c->n_ids, c->cap);
+    if (step == t->n_pre) return fl_tok_bpe_text(t, c->w, s, n, c->ids, c->n_ids, c->cap);
     const fl_tok_pre *p = &t->pre[step];
     if (p->type == FL_PRE_SPLIT) return fl_tok_regex_split(c, step, p->re, s, n, at0);
     if (p->type == FL_PRE_BYTELEVEL) {
@@ -189,7 +189,7 @@ static fl_status fl_tok_encode_sp_model(const fl_tokenizer *t, fl_tok_work *w, c
         } else bad = fl_tok_buf_put(&b, s + i, 1);
     }
     if (bad) { free(b.p); return fl_tok_oom(); }
-    fl_status st = fl_tok_bpe_word(t, w, b.p, b.n, ids, n_ids, cap);
+    fl_status st = fl_tok_bpe_text(t, w, b.p, b.n, ids, n_ids, cap);
     free(b.p);
     return st;
 }
@@ -203,7 +203,7 @@ fl_status fl_tok_encode_segment(const fl_tokenizer *t, fl_tok_work *w, const cha
         if (!b) return fl_tok_oom();
         b[0] = ' '; /* llama2.c: dummy prefix */
         memcpy(b + 1, s, n);
-        fl_status st = fl_tok_bpe_word(t, w, b, n + 1, ids, n_ids, cap);
+        fl_status st = fl_tok_bpe_text(t, w, b, n + 1, ids, n_ids, cap);
         free(b);
         return st;
     }

@@ -235,6 +235,7 @@ fl_status fl_tok_load_spm_mem(fl_tokenizer **out, const uint8_t *data, size_t n,
     for (int32_t i = 0; i < np && t->unk_id < 0; i++)
         if (t->type[i] == FL_SP_UNKNOWN) t->unk_id = i;
     fl_tok_find_byte_pieces(t);
+    fl_tok_detect_ws_split(t, sp.escape_ws ? "\xe2\x96\x81" : " ");
     t->spm_dummy_prefix = sp.dummy_prefix;
     t->spm_remove_extra_ws = sp.remove_ws;
     t->spm_escape_ws = sp.escape_ws;
@@ -314,6 +315,7 @@ fl_status fl_tok_load_llama2c(fl_tokenizer **out, const char *path) {
     t->eos_ids[0] = 2;
     t->n_eos = 1;
     t->add_bos = 1;
+    fl_tok_detect_ws_split(t, " ");
     *out = t;
     return FL_OK;
 }
