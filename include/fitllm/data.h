@@ -53,6 +53,8 @@ typedef struct {
     size_t n_truncated;       /* samples cut to max_seq_length */
     size_t n_tokens;          /* all tokens of all samples (after truncation) */
     int cache_hit;            /* loaded from the cache without tokenizing */
+    size_t n_warnings;        /* things skipped where LitGPT would go on (blank .jsonl lines,
+                                 an empty split, text past the last full TextFiles block) */
 } fl_data_stats;
 
 typedef struct fl_dataset fl_dataset; /* opaque */
@@ -77,9 +79,12 @@ typedef struct {
     long prompt_tokens;  /* of which prompt */
     long padded_tokens;  /* B*T */
     long target_tokens;  /* targets != ignore_index */
+    int truncated;       /* samples of this batch cut to T_max+1 tokens */
 } fl_batch;
 
-/* Resumable position: epoch, index into the epoch's permutation. */
+/* Resumable position: epoch, index into the epoch's permutation (the next
+ * sample to serve). The permutation of epoch e is a Fisher-Yates shuffle driven
+ * by splitmix64(seed, e): a pure function of (seed, epoch, n). */
 typedef struct {
     uint64_t seed;
     int64_t epoch;
@@ -96,7 +101,9 @@ fl_status fl_loader_init(fl_loader **out, const fl_dataset *d, fl_split split, i
                          int shuffle);
 void fl_loader_free(fl_loader *l);
 /* Next micro-batch (valid until the next call). At the end of an epoch it
- * wraps to the next epoch (*new_epoch = 1 when this batch starts one). */
+ * wraps to the next epoch (*new_epoch = 1 when this batch is the first of an
+ * epoch, the very first batch of epoch 0 included). The last batch of an epoch
+ * holds the n % B leftover samples (no drop_last). */
 fl_status fl_loader_next(fl_loader *l, fl_batch *b, int *new_epoch);
 void fl_loader_get_state(const fl_loader *l, fl_loader_state *s);
 fl_status fl_loader_set_state(fl_loader *l, const fl_loader_state *s);
