@@ -28,6 +28,7 @@ static void fill_ops(fl_backend *be) {
     be->sumsq = fl_cpu_sumsq;
     be->scale = fl_cpu_scale;
     be->zero = fl_cpu_zero;
+    be->attention_decode = fl_cpu_attention_decode;
 }
 
 fl_status fl_cpu_backend_init(fl_backend *be, int n_threads) {
