@@ -33,5 +33,6 @@ double fl_cli_peak_rss_mb(void);
 int fl_cmd_loss(int argc, char **argv);
 int fl_cmd_bench_step(int argc, char **argv);
 int fl_cmd_demo(int argc, char **argv);
+int fl_cmd_generate(int argc, char **argv);
 
 #endif

@@ -39,18 +39,20 @@ void fl_cpu_attention_decode(const fl_backend *be, float *out /*(NH*HD)*/, const
         float m = -INFINITY, l = 0.0f;
         for (int t0 = 0; t0 < T; t0 += DBK) {
             const int kn = T - t0 < DBK ? T - t0 : DBK;
-            float smax = -INFINITY;
-            for (int j = 0; j < kn; j++) {
-                const float *k = K + (size_t)(t0 + j) * HD;
-                float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-                for (int d = 0; d < HD; d++) acc += qs[d] * k[d];
-                s[j] = acc;
-                smax = acc > smax ? acc : smax;
+            /* scores of the tile: s[j] = q . k_j, vectorized over keys (d outer) */
+            const float *Kt = K + (size_t)t0 * HD; // (kn,HD) contiguous
+            for (int j = 0; j < DBK; j++) s[j] = 0.0f;
+            for (int d = 0; d < HD; d++) {
+                const float a = qs[d];
+#pragma omp simd
+                for (int j = 0; j < kn; j++) s[j] += a * Kt[(size_t)j * HD + d];
             }
+            float smax = -INFINITY;
+            for (int j = 0; j < kn; j++) smax = s[j] > smax ? s[j] : smax;
             const float mnew = smax > m ? smax : m;
             const float corr = fl_cpu_expf(m - mnew); /* first tile: m = -inf -> ~0; o and l are 0 */
             float ps = 0.0f;
+#pragma omp simd reduction(+ : ps)
             for (int j = 0; j < kn; j++) {
                 float p = fl_cpu_expf(s[j] - mnew);
                 s[j] = p;
