@@ -5,7 +5,7 @@
 BUILD      ?= build
 ASAN_BUILD ?= build-asan
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
-DEB_PKGS   := cmake make gcc libc6-dev libopenblas-dev libdnnl-dev
+DEB_PKGS   := cmake make gcc libc6-dev libopenblas-dev libdnnl-dev libpcre2-dev
 FITLLM_DATA ?= ../shared/data
 export FITLLM_DATA
 
