@@ -10,6 +10,7 @@
 #include "fitllm/io.h"
 #include "fitllm/json.h"
 #include "fitllm/model.h"
+#include "fitllm/tokenizer.h"
 #include "test.h"
 
 /* ---- attention_decode vs float64 ------------------------------------------------ */
@@ -498,3 +499,82 @@ static void stories_reference(const char *model_rel) {
  * reference story (checked by tests/ref/generate_ref.py); same from the .bin. */
 FL_TEST(gen_stories260k_reference_story_hf) { stories_reference("stories260K-hf"); }
 FL_TEST(gen_stories260k_reference_story_bin) { stories_reference("stories260K/stories260K.bin"); }
+
+/* Text level: greedy from BOS decodes to llama2.c's reference story, and
+ * "Once upon a time" through the HF folder (tokenizer.json) and through the
+ * llama2.c .bin (+ tok512.bin) gives the same prompt ids and the same text
+ * (what `fitllm generate <model> --prompt "Once upon a time" --temperature 0`
+ * prints for either), equal to transformers' text. */
+static char *greedy_text(const char *model_rel, const char *tok_rel, const char *prompt, int n_new, int32_t *pids,
+                         int *np_out) {
+    fl_backend be;
+    fl_mem_pool pool;
+    fl_model m;
+    fl_tokenizer *tok = NULL;
+    fl_kv_cache kv;
+    char *text = NULL;
+    int loaded = 0;
+    if (fl_cpu_backend_init(&be, 2) != FL_OK || fl_mem_pool_init(&pool, "cpu", 0) != FL_OK) return NULL;
+    if (fl_model_load_auto(&m, fl_test_data_path(model_rel), &be, &pool, &loaded) != FL_OK) goto out0;
+    if (fl_tok_load(&tok, fl_test_data_path(tok_rel)) != FL_OK) goto out1;
+    int32_t *ids = NULL;
+    size_t n = 0;
+    if (prompt) {
+        if (fl_tok_encode(tok, prompt, strlen(prompt), -1, 0, &ids, &n) != FL_OK) goto out2;
+    } else {
+        ids = malloc(sizeof *ids);
+        ids[0] = fl_tok_bos_id(tok);
+        n = 1;
+    }
+    int32_t *all = malloc((n + n_new) * sizeof *all);
+    memcpy(all, ids, n * sizeof *ids);
+    for (size_t i = 0; i < n && i < 64; i++) pids[i] = ids[i];
+    *np_out = (int)n;
+    fl_gen_params gp;
+    fl_gen_params_default(&gp);
+    gp.temperature = 0;
+    gp.max_new_tokens = n_new;
+    int n_out = 0;
+    int32_t eos = fl_tok_eos_id(tok);
+    size_t len;
+    if (fl_kv_cache_init(&kv, &m, 0) == FL_OK) {
+        if (fl_generate(&m, &kv, ids, (int)n, &gp, &eos, eos >= 0, all + n, &n_out, NULL, NULL, NULL) == FL_OK)
+            fl_tok_decode(tok, all, n + n_out, 1, &text, &len);
+        fl_kv_cache_free(&kv);
+    }
+    free(all);
+    free(ids);
+out2:
+    fl_tok_free(tok);
+out1:
+    fl_model_free(&m);
+out0:
+    fl_mem_pool_free(&pool);
+    return text;
+}
+
+FL_TEST(gen_stories260k_text_hf_and_bin_agree) {
+    FL_SKIP_IF_NO_DATA();
+    fl_json *j;
+    FL_REQUIRE_OK(fl_json_parse_file("tests/fixtures/stories260K-generate.json", &j));
+    const fl_json *story = fl_json_get(j, "llama2c_expected_text"), *ptext = fl_json_get(j, "prompt_text");
+    FL_REQUIRE(story && ptext && story->type == FL_JSON_STRING);
+    int32_t pa[64], pb[64];
+    int na = 0, nb = 0;
+    /* greedy from BOS, 200 tokens: llama2.c's `run stories260K.bin -z tok512.bin -t 0.0 -n 200` */
+    char *s1 = greedy_text("stories260K-hf", "stories260K-hf", NULL, 200, pa, &na);
+    char *s2 = greedy_text("stories260K/stories260K.bin", "stories260K/tok512.bin", NULL, 200, pb, &nb);
+    FL_CHECKF(s1 && !strcmp(s1, story->str), "HF greedy story differs from llama2.c's:\n%s", s1 ? s1 : "(error)");
+    FL_CHECKF(s2 && !strcmp(s2, story->str), ".bin greedy story differs from llama2.c's:\n%s", s2 ? s2 : "(error)");
+    free(s1);
+    free(s2);
+    /* "Once upon a time", 50 tokens */
+    s1 = greedy_text("stories260K-hf", "stories260K-hf", "Once upon a time", 50, pa, &na);
+    s2 = greedy_text("stories260K/stories260K.bin", "stories260K/tok512.bin", "Once upon a time", 50, pb, &nb);
+    FL_CHECK(na == nb && na > 1 && memcmp(pa, pb, (size_t)na * sizeof *pa) == 0);
+    FL_CHECKF(s1 && s2 && !strcmp(s1, s2), "HF and .bin texts differ:\n%s\n%s", s1 ? s1 : "-", s2 ? s2 : "-");
+    FL_CHECKF(s1 && !strcmp(s1, ptext->str), "text differs from transformers':\n%s", s1 ? s1 : "-");
+    free(s1);
+    free(s2);
+    fl_json_free(j);
+}
