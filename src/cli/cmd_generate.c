@@ -195,6 +195,12 @@ int fl_cmd_generate(int argc, char **argv) {
                       m.cfg.vocab_size);
         goto fail;
     }
+    for (int i = 0; i < n_ids; i++)
+        if (ids[i] >= m.cfg.vocab_size) {
+            s = fl_errorf(FL_ERR_INVALID, "prompt token id %d is outside the model's vocabulary [0, %d)", (int)ids[i],
+                          m.cfg.vocab_size);
+            goto fail;
+        }
     /* The cache holds prompt + new tokens (LitGPT's max_returned_tokens), capped at the context. */
     long want = (long)n_ids + gp.max_new_tokens;
     int cap_T = want < m.cfg.max_seq ? (int)want : m.cfg.max_seq;
