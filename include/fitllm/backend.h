@@ -162,6 +162,17 @@ struct fl_backend {
     /* x = 0 (device memset) */
     void (*zero)(const fl_backend *be, void *x, size_t bytes);
 
+    /* ---- attention of one new query against a KV cache (generation) ------
+     * For each query head h (kv head g = h / (NH/NKV)): out[h] = softmax(q[h] .
+     * K_g[0..T-1] / sqrt(HD)) V_g[0..T-1]. Head g's keys are the T rows
+     * kcache + g*head_stride + t*HD (t < T), values likewise in vcache; the
+     * cache of one layer is (NKV, Tmax, HD), so head_stride = Tmax*HD. No mask:
+     * the caller passes T = position + 1. Online softmax over key tiles: no (T)
+     * score buffer, O(T*HD) work per head, deterministic. */
+    void (*attention_decode)(const fl_backend *be, float *out /*(NH*HD)*/, const float *q /*(NH*HD)*/,
+                             const float *kcache, const float *vcache, int T, int NH, int NKV, int HD,
+                             size_t head_stride);
+
     void *impl; /* backend-private state */
 
     /* ==== reduced precision (appended; see docs/ARCHITECTURE.md "Precision kernels") ====

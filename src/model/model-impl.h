@@ -81,4 +81,25 @@ fl_status fl_linear_forward(const fl_backend *be, float *y, const float *x, cons
 fl_status fl_linear_backward(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, const float *x,
                              const fl_linear *lin, int N);
 
+/* ---- parameter lookup (blocks.c), shared by transformer.c and generate.c ---- */
+
+/* Parameter and gradient pointers of one block. */
+typedef struct {
+    const float *ln1_w, *ln1_b, *ln2_w, *ln2_b;
+    float *d_ln1_w, *d_ln1_b, *d_ln2_w, *d_ln2_b;
+    fl_linear qkv, o, fc, proj;
+} fl_block_params;
+
+/* Embeddings, final norm and head (head == wte when tied). */
+typedef struct {
+    const float *wte, *wpe, *lnf_w, *lnf_b, *head;
+    float *dwte, *dwpe, *dlnf_w, *dlnf_b, *dhead;
+} fl_outer_params;
+
+void fl_get_block(const fl_model *m, int l, fl_block_params *bp);
+void fl_get_outer(const fl_model *m, fl_outer_params *o);
+/* Normalization dispatch: RMSNorm for LLaMA, LayerNorm for GPT-2 (mean unused for RMSNorm). */
+void fl_norm_forward(const fl_model *m, float *out, float *mean, float *rstd, const float *x, const float *w,
+                     const float *b, int N);
+
 #endif

@@ -6,109 +6,11 @@
 
 #include "model-impl.h"
 
-/* Parameter and gradient pointers of one block. */
-typedef struct {
-    const float *ln1_w, *ln1_b, *ln2_w, *ln2_b;
-    float *d_ln1_w, *d_ln1_b, *d_ln2_w, *d_ln2_b;
-    fl_linear qkv, o, fc, proj;
-} block_params;
-
-static size_t off_of(const fl_model *m, const char *name) {
-    int i = fl_layout_find(&m->layout, name);
-    return i < 0 ? (size_t)-1 : m->layout.params[i].offset;
-}
-
-static const float *P(const fl_model *m, size_t off) { return off == (size_t)-1 ? NULL : m->params + off; }
-static float *G(const fl_model *m, size_t off) {
-    return (off == (size_t)-1 || !m->grads) ? NULL : m->grads + off;
-}
-
-static void set_linear(const fl_model *m, fl_linear *lin, int in, int out, const char *w, const char *b) {
-    size_t ow = off_of(m, w), ob = b ? off_of(m, b) : (size_t)-1;
-    lin->in = in;
-    lin->out = out;
-    lin->w = P(m, ow);
-    lin->b = P(m, ob);
-    lin->dw = G(m, ow);
-    lin->db = G(m, ob);
-}
-
-static void get_block(const fl_model *m, int l, block_params *bp) {
-    fl_dims d = fl_model_dims(&m->cfg);
-    char a[FL_PARAM_NAME_MAX], b[FL_PARAM_NAME_MAX], c[FL_PARAM_NAME_MAX], e[FL_PARAM_NAME_MAX];
-    memset(bp, 0, sizeof *bp);
-    if (m->cfg.arch == FL_ARCH_LLAMA) {
-        int ab = m->cfg.attention_bias, mb = m->cfg.mlp_bias;
-        snprintf(a, sizeof a, "model.layers.%d.input_layernorm.weight", l);
-        snprintf(b, sizeof b, "model.layers.%d.post_attention_layernorm.weight", l);
-        bp->ln1_w = P(m, off_of(m, a)); bp->d_ln1_w = G(m, off_of(m, a));
-        bp->ln2_w = P(m, off_of(m, b)); bp->d_ln2_w = G(m, off_of(m, b));
-        /* q_proj starts the fused (QKV, C) matrix; q_proj.bias the fused bias. */
-        snprintf(a, sizeof a, "model.layers.%d.self_attn.q_proj.weight", l);
-        snprintf(b, sizeof b, "model.layers.%d.self_attn.q_proj.bias", l);
-        set_linear(m, &bp->qkv, d.C, d.QKV, a, ab ? b : NULL);
-        snprintf(a, sizeof a, "model.layers.%d.self_attn.o_proj.weight", l);
-        snprintf(b, sizeof b, "model.layers.%d.self_attn.o_proj.bias", l);
-        set_linear(m, &bp->o, d.QD, d.C, a, ab ? b : NULL);
-        /* gate_proj starts the fused (2F, C) [gate | up] matrix. */
-        snprintf(c, sizeof c, "model.layers.%d.mlp.gate_proj.weight", l);
-        snprintf(e, sizeof e, "model.layers.%d.mlp.gate_proj.bias", l);
-        set_linear(m, &bp->fc, d.C, d.FCW, c, mb ? e : NULL);
-        snprintf(c, sizeof c, "model.layers.%d.mlp.down_proj.weight", l);
-        snprintf(e, sizeof e, "model.layers.%d.mlp.down_proj.bias", l);
-        set_linear(m, &bp->proj, d.F, d.C, c, mb ? e : NULL);
-    } else {
-#define GP(field, dfield, fmt) \
-    snprintf(a, sizeof a, fmt, l); bp->field = P(m, off_of(m, a)); bp->dfield = G(m, off_of(m, a))
-        GP(ln1_w, d_ln1_w, "transformer.h.%d.ln_1.weight");
-        GP(ln1_b, d_ln1_b, "transformer.h.%d.ln_1.bias");
-        GP(ln2_w, d_ln2_w, "transformer.h.%d.ln_2.weight");
-        GP(ln2_b, d_ln2_b, "transformer.h.%d.ln_2.bias");
-#undef GP
-#define GL(lin, in, out, name)                                              \
-    snprintf(a, sizeof a, "transformer.h.%d." name ".weight", l);            \
-    snprintf(b, sizeof b, "transformer.h.%d." name ".bias", l);              \
-    set_linear(m, &bp->lin, in, out, a, b)
-        GL(qkv, d.C, d.QKV, "attn.c_attn");
-        GL(o, d.QD, d.C, "attn.c_proj");
-        GL(fc, d.C, d.FCW, "mlp.c_fc");
-        GL(proj, d.F, d.C, "mlp.c_proj");
-#undef GL
-    }
-}
-
-/* Normalization dispatch: RMSNorm for LLaMA, LayerNorm for GPT-2. */
-static void norm_forward(const fl_model *m, float *out, float *mean, float *rstd, const float *x, const float *w,
-                         const float *b, int N) {
-    const fl_backend *be = m->be;
-    if (m->cfg.arch == FL_ARCH_GPT2) be->layernorm_forward(be, out, mean, rstd, x, w, b, N, m->cfg.dim, m->cfg.norm_eps);
-    else be->rmsnorm_forward(be, out, rstd, x, w, N, m->cfg.dim, m->cfg.norm_eps);
-}
-
 static void norm_backward(const fl_model *m, float *dx, float *dw, float *db, const float *dout, const float *x,
                           const float *w, const float *mean, const float *rstd, int N) {
     const fl_backend *be = m->be;
     if (m->cfg.arch == FL_ARCH_GPT2) be->layernorm_backward(be, dx, dw, db, dout, x, w, mean, rstd, N, m->cfg.dim);
     else be->rmsnorm_backward(be, dx, dw, dout, x, w, rstd, N, m->cfg.dim);
-}
-
-typedef struct {
-    const float *wte, *wpe, *lnf_w, *lnf_b, *head;
-    float *dwte, *dwpe, *dlnf_w, *dlnf_b, *dhead;
-} outer_params;
-
-static void get_outer(const fl_model *m, outer_params *o) {
-    int gpt2 = m->cfg.arch == FL_ARCH_GPT2;
-    size_t wte = off_of(m, gpt2 ? "transformer.wte.weight" : "model.embed_tokens.weight");
-    size_t wpe = gpt2 ? off_of(m, "transformer.wpe.weight") : (size_t)-1;
-    size_t lw = off_of(m, gpt2 ? "transformer.ln_f.weight" : "model.norm.weight");
-    size_t lb = gpt2 ? off_of(m, "transformer.ln_f.bias") : (size_t)-1;
-    size_t hd = m->cfg.tie_embeddings ? wte : off_of(m, "lm_head.weight");
-    o->wte = P(m, wte); o->dwte = G(m, wte);
-    o->wpe = P(m, wpe); o->dwpe = G(m, wpe);
-    o->lnf_w = P(m, lw); o->dlnf_w = G(m, lw);
-    o->lnf_b = P(m, lb); o->dlnf_b = G(m, lb);
-    o->head = P(m, hd); o->dhead = G(m, hd);
 }
 
 fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targets, int B, int T, float grad_scale,
@@ -128,16 +30,16 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
     memcpy(a->ids, ids, (size_t)N * sizeof *ids);
     /* The arena may be sized for a larger T; views are laid out for (m->B, m->T)
      * rows but we use them as (B, T) contiguous rows, which fits since B*T <= m->B*m->T. */
-    outer_params op;
-    get_outer(m, &op);
+    fl_outer_params op;
+    fl_get_outer(m, &op);
     be->embedding_forward(be, a->res[0], ids, op.wte, op.wpe, B, T, d.C);
 
     for (int l = 0; l < d.L; l++) {
-        block_params bp;
-        get_block(m, l, &bp);
+        fl_block_params bp;
+        fl_get_block(m, l, &bp);
         fl_layer_acts *la = &a->layer[l];
         const float *x = a->res[l]; // (N, C)
-        norm_forward(m, la->ln1, la->ln1_mean, la->ln1_rstd, x, bp.ln1_w, bp.ln1_b, N);
+        fl_norm_forward(m, la->ln1, la->ln1_mean, la->ln1_rstd, x, bp.ln1_w, bp.ln1_b, N);
         FL_TRY(fl_linear_forward(be, la->qkv, la->ln1, &bp.qkv, N)); // (N, QKV)
         if (m->cfg.arch == FL_ARCH_LLAMA) {
             be->rope_forward(be, la->qkv, B, T, d.NH, d.HD, d.QKV, a->rope_cos, a->rope_sin, 0);
@@ -146,7 +48,7 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
         be->attention_forward(be, la->att, la->lse, la->qkv, B, T, d.NH, d.NKV, d.HD); // (N, QD)
         FL_TRY(fl_linear_forward(be, la->res_mid, la->att, &bp.o, N));               // (N, C)
         be->add(be, la->res_mid, la->res_mid, x, (size_t)N * d.C);
-        norm_forward(m, la->ln2, la->ln2_mean, la->ln2_rstd, la->res_mid, bp.ln2_w, bp.ln2_b, N);
+        fl_norm_forward(m, la->ln2, la->ln2_mean, la->ln2_rstd, la->res_mid, bp.ln2_w, bp.ln2_b, N);
         FL_TRY(fl_linear_forward(be, la->fc, la->ln2, &bp.fc, N)); // (N, FCW)
         if (m->cfg.arch == FL_ARCH_LLAMA) be->swiglu_forward(be, la->act, la->fc, N, d.F);
         else be->gelu_forward(be, la->act, la->fc, (size_t)N * d.F);
@@ -154,7 +56,7 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
         FL_TRY(fl_linear_forward(be, out, la->act, &bp.proj, N)); // (N, C)
         be->add(be, out, out, la->res_mid, (size_t)N * d.C);
     }
-    norm_forward(m, a->lnf, a->lnf_mean, a->lnf_rstd, a->res[d.L], op.lnf_w, op.lnf_b, N);
+    fl_norm_forward(m, a->lnf, a->lnf_mean, a->lnf_rstd, a->res[d.L], op.lnf_w, op.lnf_b, N);
 
     /* Head + cross-entropy, chunked over rows: at most (rows, V) logits exist.
      * In training the head's backward runs here too (dlogits overwrite the
@@ -199,8 +101,8 @@ fl_status fl_model_backward(fl_model *m) {
         return fl_errorf(FL_ERR_INVALID, "fl_model_backward: needs a preceding training forward (grad_scale > 0)");
     fl_dims d = fl_model_dims(&m->cfg);
     const int B = m->fwd_B, T = m->fwd_T, N = B * T;
-    outer_params op;
-    get_outer(m, &op);
+    fl_outer_params op;
+    fl_get_outer(m, &op);
     float *dres = a->dres;   // (N, C)
     float *buf1 = a->buf1;   // (N, max(C, QD, F))
     float *buf2 = a->buf2;   // (N, max(QKV, FCW))
@@ -208,8 +110,8 @@ fl_status fl_model_backward(fl_model *m) {
     norm_backward(m, dres, op.dlnf_w, op.dlnf_b, buf1, a->res[d.L], op.lnf_w, a->lnf_mean, a->lnf_rstd, N);
 
     for (int l = d.L - 1; l >= 0; l--) {
-        block_params bp;
-        get_block(m, l, &bp);
+        fl_block_params bp;
+        fl_get_block(m, l, &bp);
         fl_layer_acts *la = &a->layer[l];
         /* MLP branch: res[l+1] = res_mid + proj(act(fc(norm2(res_mid)))) */
         FL_TRY(fl_linear_backward(be, buf1, 0, dres, la->act, &bp.proj, N)); // d act (N, F)

@@ -33,6 +33,7 @@ static void fill_ops(fl_backend *be) {
     be->sgd_update_ex = fl_cpu_sgd_update_ex;
     be->check_finite = fl_cpu_check_finite;
     be->adam8bit_update = fl_cpu_adam8bit_update;
+    be->attention_decode = fl_cpu_attention_decode;
 }
 
 fl_status fl_cpu_backend_init(fl_backend *be, int n_threads) {

@@ -85,6 +85,10 @@ void fl_cpu_attention_forward(const fl_backend *be, float *out, float *lse, cons
 void fl_cpu_attention_backward(const fl_backend *be, float *dqkv, const float *dout, const float *qkv,
                                const float *out, const float *lse, int B, int T, int NH, int NKV, int HD);
 
+/* ---- attention_kv.c (generation: one query against a KV cache) ---------------- */
+void fl_cpu_attention_decode(const fl_backend *be, float *out, const float *q, const float *kcache,
+                             const float *vcache, int T, int NH, int NKV, int HD, size_t head_stride);
+
 /* ---- act.c -------------------------------------------------------------------- */
 void fl_cpu_swiglu_forward(const fl_backend *be, float *out, const float *gu, int N, int F);
 void fl_cpu_swiglu_backward(const fl_backend *be, float *dgu, const float *dout, const float *gu, int N, int F);

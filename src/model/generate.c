@@ -1,0 +1,351 @@
+/* Generation: KV cache, prefill / decode forward, sampling, the token loop.
+ * The block structure is the training forward's (transformer.c) with the
+ * attention split in two: the prompt uses the causal attention op on itself,
+ * a decode step attends one query to the cached keys (attention_decode). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fitllm/generate.h"
+#include "model-impl.h"
+
+/* ---- scratch for a forward over n rows ------------------------------------ */
+
+typedef struct {
+    float *x, *ln, *mean, *rstd, *qkv, *att, *lse, *mid, *fc, *act;
+} rows_scratch;
+
+static size_t al16(size_t n) { return (n + 15) / 16 * 16; } /* 64-byte aligned views */
+
+static size_t scratch_floats(const fl_dims *d, int n, rows_scratch *s, float *base) {
+    size_t N = (size_t)n, off = 0;
+#define TAKE(field, cnt)                        \
+    do {                                        \
+        if (s) s->field = base + off;           \
+        off += al16(cnt);                       \
+    } while (0)
+    TAKE(x, N * d->C);
+    TAKE(ln, N * d->C);
+    TAKE(mean, N);
+    TAKE(rstd, N);
+    TAKE(qkv, N * d->QKV);
+    TAKE(att, N * d->QD);
+    TAKE(lse, N * d->NH);
+    TAKE(mid, N * d->C);
+    TAKE(fc, N * d->FCW);
+    TAKE(act, N * d->F);
+#undef TAKE
+    return off;
+}
+
+/* ---- the cache ---------------------------------------------------------------- */
+
+size_t fl_kv_cache_bytes(const fl_model_config *cfg, int max_T) {
+    return 2 * (size_t)cfg->n_layers * cfg->n_kv_heads * (size_t)max_T * cfg->head_dim * sizeof(float);
+}
+
+fl_status fl_kv_cache_init(fl_kv_cache *kv, const fl_model *m, int max_T) {
+    memset(kv, 0, sizeof *kv);
+    const fl_model_config *c = &m->cfg;
+    if (max_T <= 0) max_T = c->max_seq;
+    if (max_T > c->max_seq)
+        return fl_errorf(FL_ERR_INVALID, "KV cache of %d positions exceeds the model's context of %d", max_T,
+                         c->max_seq);
+    fl_dims d = fl_model_dims(c);
+    kv->n_layers = d.L;
+    kv->n_kv_heads = d.NKV;
+    kv->head_dim = d.HD;
+    kv->max_T = max_T;
+    kv->pool = m->pool;
+    size_t half = fl_kv_cache_bytes(c, max_T) / 2;
+    fl_status s = fl_mem_alloc(m->pool, FL_TAG_ACTS, half, (void **)&kv->k);
+    if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_ACTS, half, (void **)&kv->v);
+    if (s == FL_OK && c->arch == FL_ARCH_LLAMA) {
+        size_t tb = (size_t)max_T * (d.HD / 2) * sizeof(float);
+        s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, tb, (void **)&kv->rope_cos);
+        if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, tb, (void **)&kv->rope_sin);
+        if (s == FL_OK) fl_rope_table_init(kv->rope_cos, kv->rope_sin, max_T, d.HD, c->rope_theta, &c->rope_scaling);
+    }
+    if (s == FL_OK)
+        s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, scratch_floats(&d, 1, NULL, NULL) * sizeof(float),
+                         (void **)&kv->step);
+    if (s != FL_OK) {
+        fl_kv_cache_free(kv);
+        return fl_error_prefix(s, "allocating the KV cache (%d positions)", max_T);
+    }
+    return FL_OK;
+}
+
+void fl_kv_cache_free(fl_kv_cache *kv) {
+    if (!kv || !kv->pool) return;
+    fl_mem_free(kv->pool, kv->k);
+    fl_mem_free(kv->pool, kv->v);
+    fl_mem_free(kv->pool, kv->rope_cos);
+    fl_mem_free(kv->pool, kv->rope_sin);
+    fl_mem_free(kv->pool, kv->step);
+    memset(kv, 0, sizeof *kv);
+}
+
+void fl_kv_cache_reset(fl_kv_cache *kv) { kv->pos = 0; }
+
+/* ---- the forward ------------------------------------------------------------------
+ * n rows at positions pos0 .. pos0+n-1, where either n == 1 (decode: attend
+ * to cached keys 0..pos0) or pos0 == 0 (prefill: causal attention within the
+ * n rows, which are then the whole context). */
+static fl_status forward_rows(fl_model *m, fl_kv_cache *kv, const rows_scratch *w, const int32_t *ids, int n,
+                              int pos0, float *logits) {
+    const fl_backend *be = m->be;
+    fl_dims d = fl_model_dims(&m->cfg);
+    const int llama = m->cfg.arch == FL_ARCH_LLAMA;
+    fl_outer_params op;
+    fl_get_outer(m, &op);
+    be->embedding_forward(be, w->x, ids, op.wte, op.wpe ? op.wpe + (size_t)pos0 * d.C : NULL, 1, n, d.C);
+    const size_t head_stride = (size_t)kv->max_T * d.HD;
+    for (int l = 0; l < d.L; l++) {
+        fl_block_params bp;
+        fl_get_block(m, l, &bp);
+        fl_norm_forward(m, w->ln, w->mean, w->rstd, w->x, bp.ln1_w, bp.ln1_b, n);
+        FL_TRY(fl_linear_forward(be, w->qkv, w->ln, &bp.qkv, n)); // (n, QKV)
+        if (llama) {
+            be->rope_forward(be, w->qkv, 1, n, d.NH, d.HD, d.QKV, kv->rope_cos, kv->rope_sin, pos0);
+            be->rope_forward(be, w->qkv + d.QD, 1, n, d.NKV, d.HD, d.QKV, kv->rope_cos, kv->rope_sin, pos0);
+        }
+        /* append K/V rows (after RoPE) to the cache: (NKV, max_T, HD) per layer */
+        float *kc = kv->k + fl_kv_cache_index(kv, l, 0, 0), *vc = kv->v + fl_kv_cache_index(kv, l, 0, 0);
+        for (int t = 0; t < n; t++) {
+            const float *row = w->qkv + (size_t)t * d.QKV;
+            for (int g = 0; g < d.NKV; g++) {
+                size_t dst = (size_t)g * head_stride + (size_t)(pos0 + t) * d.HD;
+                memcpy(kc + dst, row + d.QD + (size_t)g * d.HD, (size_t)d.HD * sizeof(float));
+                memcpy(vc + dst, row + d.QD + d.KVD + (size_t)g * d.HD, (size_t)d.HD * sizeof(float));
+            }
+        }
+        if (n == 1) be->attention_decode(be, w->att, w->qkv, kc, vc, pos0 + 1, d.NH, d.NKV, d.HD, head_stride);
+        else be->attention_forward(be, w->att, w->lse, w->qkv, 1, n, d.NH, d.NKV, d.HD);
+        FL_TRY(fl_linear_forward(be, w->mid, w->att, &bp.o, n)); // (n, C)
+        be->add(be, w->mid, w->mid, w->x, (size_t)n * d.C);
+        fl_norm_forward(m, w->ln, w->mean, w->rstd, w->mid, bp.ln2_w, bp.ln2_b, n);
+        FL_TRY(fl_linear_forward(be, w->fc, w->ln, &bp.fc, n)); // (n, FCW)
+        if (llama) be->swiglu_forward(be, w->act, w->fc, n, d.F);
+        else be->gelu_forward(be, w->act, w->fc, (size_t)n * d.F);
+        FL_TRY(fl_linear_forward(be, w->x, w->act, &bp.proj, n)); // (n, C)
+        be->add(be, w->x, w->x, w->mid, (size_t)n * d.C);
+    }
+    kv->pos = pos0 + n;
+    if (!logits) return FL_OK;
+    /* final norm and head on the last row only */
+    const float *last = w->x + (size_t)(n - 1) * d.C;
+    fl_norm_forward(m, w->ln, w->mean, w->rstd, last, op.lnf_w, op.lnf_b, 1);
+    fl_linear head = {d.C, d.V, op.head, NULL, NULL, NULL};
+    return fl_linear_forward(be, logits, w->ln, &head, 1); // (V)
+}
+
+static fl_status check_ids(const fl_model *m, const fl_kv_cache *kv, const int32_t *ids, int n) {
+    if (!kv->k) return fl_errorf(FL_ERR_INVALID, "KV cache not initialized");
+    if (kv->n_layers != m->cfg.n_layers || kv->n_kv_heads != m->cfg.n_kv_heads || kv->head_dim != m->cfg.head_dim)
+        return fl_errorf(FL_ERR_INVALID, "KV cache was made for another model shape");
+    if (n <= 0) return fl_errorf(FL_ERR_INVALID, "nothing to run: %d tokens", n);
+    if (kv->pos + n > kv->max_T)
+        return fl_errorf(FL_ERR_INVALID, "%d positions exceed the KV cache's (context) capacity of %d",
+                         kv->pos + n, kv->max_T);
+    for (int i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= m->cfg.vocab_size)
+            return fl_errorf(FL_ERR_INVALID, "token id %d at position %d is outside the vocabulary [0, %d)", ids[i],
+                             kv->pos + i, m->cfg.vocab_size);
+    return FL_OK;
+}
+
+fl_status fl_model_decode(fl_model *m, fl_kv_cache *kv, int32_t id, float *logits) {
+    FL_TRY(check_ids(m, kv, &id, 1));
+    fl_dims d = fl_model_dims(&m->cfg);
+    rows_scratch w;
+    scratch_floats(&d, 1, &w, kv->step);
+    return forward_rows(m, kv, &w, &id, 1, kv->pos, logits);
+}
+
+fl_status fl_model_prefill(fl_model *m, fl_kv_cache *kv, const int32_t *ids, int n, float *logits) {
+    FL_TRY(check_ids(m, kv, ids, n));
+    if (kv->pos > 0 || n == 1) {
+        for (int i = 0; i < n; i++) FL_TRY(fl_model_decode(m, kv, ids[i], i == n - 1 ? logits : NULL));
+        return FL_OK;
+    }
+    fl_dims d = fl_model_dims(&m->cfg);
+    float *base = NULL;
+    FL_TRY(fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, scratch_floats(&d, n, NULL, NULL) * sizeof(float),
+                        (void **)&base));
+    rows_scratch w;
+    scratch_floats(&d, n, &w, base);
+    fl_status s = forward_rows(m, kv, &w, ids, n, 0, logits);
+    fl_mem_free(m->pool, base);
+    return s;
+}
+
+/* ---- sampling ------------------------------------------------------------------------ */
+
+void fl_gen_params_default(fl_gen_params *p) {
+    p->max_new_tokens = 50;
+    p->temperature = 0.8f;
+    p->top_k = 50;
+    p->top_p = 1.0f;
+    p->seed = 1337;
+}
+
+fl_status fl_gen_params_validate(const fl_gen_params *p) {
+    if (p->max_new_tokens < 0) return fl_errorf(FL_ERR_INVALID, "max_new_tokens must be >= 0 (got %d)", p->max_new_tokens);
+    if (!(p->temperature >= 0) || isinf(p->temperature))
+        return fl_errorf(FL_ERR_INVALID, "temperature must be a finite number >= 0 (got %g)", p->temperature);
+    if (!(p->top_p > 0 && p->top_p <= 1)) return fl_errorf(FL_ERR_INVALID, "top_p must be in (0, 1] (got %g)", p->top_p);
+    return FL_OK;
+}
+
+fl_status fl_sampler_init(fl_sampler *s, fl_mem_pool *pool, int V, const fl_gen_params *p) {
+    memset(s, 0, sizeof *s);
+    FL_TRY(fl_gen_params_validate(p));
+    s->p = *p;
+    s->V = V;
+    s->rng = p->seed;
+    s->pool = pool;
+    fl_status st = fl_mem_alloc(pool, FL_TAG_WORKSPACE, (size_t)V * sizeof(float), (void **)&s->probs);
+    if (st == FL_OK) st = fl_mem_alloc(pool, FL_TAG_WORKSPACE, (size_t)V * sizeof(int32_t), (void **)&s->idx);
+    if (st != FL_OK) { fl_sampler_free(s); return fl_error_prefix(st, "allocating the sampler"); }
+    return FL_OK;
+}
+
+void fl_sampler_free(fl_sampler *s) {
+    if (!s || !s->pool) return;
+    fl_mem_free(s->pool, s->probs);
+    fl_mem_free(s->pool, s->idx);
+    memset(s, 0, sizeof *s);
+}
+
+/* splitmix64 -> uniform double in [0, 1) with 53 bits */
+static double rng_uniform(uint64_t *st) {
+    uint64_t z = (*st += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    z ^= z >> 31;
+    return (double)(z >> 11) * (1.0 / 9007199254740992.0);
+}
+
+static int32_t argmax(const float *x, int V) {
+    int32_t best = 0;
+    for (int i = 1; i < V; i++)
+        if (x[i] > x[best]) best = i;
+    return best;
+}
+
+/* k-th largest (1-based) of a[0..n-1] (a is reordered): quickselect, middle pivot. */
+static float kth_largest(float *a, int n, int k) {
+    int lo = 0, hi = n - 1, want = k - 1;
+    while (lo < hi) {
+        float piv = a[lo + (hi - lo) / 2];
+        int i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] > piv) i++;
+            while (a[j] < piv) j--;
+            if (i <= j) { float t = a[i]; a[i] = a[j]; a[j] = t; i++; j--; }
+        }
+        if (want <= j) hi = j;
+        else if (want >= i) lo = i;
+        else return a[want];
+    }
+    return a[want];
+}
+
+static const float *g_sort_probs; /* qsort has no context argument; sampling runs on one thread */
+static int cmp_prob_asc(const void *a, const void *b) {
+    int32_t i = *(const int32_t *)a, j = *(const int32_t *)b;
+    float pi = g_sort_probs[i], pj = g_sort_probs[j];
+    if (pi != pj) return pi < pj ? -1 : 1;
+    return i > j ? -1 : i < j; /* ties: higher index first, so the lower index ranks as more likely */
+}
+
+int32_t fl_sampler_sample(fl_sampler *s, float *logits) {
+    const int V = s->V;
+    const fl_gen_params *p = &s->p;
+    if (p->temperature == 0) return argmax(logits, V);
+    /* 1. top-k: drop logits below the k-th largest (ties at the threshold kept, as torch.where(l < v[-1])) */
+    if (p->top_k > 0 && p->top_k < V) {
+        memcpy(s->probs, logits, (size_t)V * sizeof(float));
+        float th = kth_largest(s->probs, V, p->top_k);
+        for (int i = 0; i < V; i++)
+            if (logits[i] < th) logits[i] = -INFINITY;
+    }
+    /* 2. temperature and softmax (sum in double) */
+    float mx = -INFINITY;
+    for (int i = 0; i < V; i++) mx = logits[i] > mx ? logits[i] : mx;
+    const float inv_t = 1.0f / p->temperature;
+    double sum = 0;
+    for (int i = 0; i < V; i++) {
+        float e = logits[i] == -INFINITY ? 0.0f : expf((logits[i] - mx) * inv_t);
+        s->probs[i] = e;
+        sum += e;
+    }
+    for (int i = 0; i < V; i++) s->probs[i] = (float)(s->probs[i] / sum);
+    /* 3. top-p (LitGPT's sample_top_p): ascending order, drop tokens whose cumulative
+     * probability is <= 1 - top_p, always keep the most likely one; renormalize. */
+    if (p->top_p < 1.0f) {
+        int n = 0;
+        for (int i = 0; i < V; i++)
+            if (s->probs[i] > 0) s->idx[n++] = i;
+        g_sort_probs = s->probs;
+        qsort(s->idx, (size_t)n, sizeof *s->idx, cmp_prob_asc);
+        double cum = 0, kept = 0;
+        for (int r = 0; r < n; r++) {
+            int32_t i = s->idx[r];
+            cum += s->probs[i];
+            if (cum <= 1.0 - p->top_p && r < n - 1) s->probs[i] = 0.0f;
+            else kept += s->probs[i];
+        }
+        for (int r = 0; r < n; r++) s->probs[s->idx[r]] = (float)(s->probs[s->idx[r]] / kept);
+    }
+    /* 4. inverse-CDF draw */
+    double u = rng_uniform(&s->rng), c = 0;
+    int32_t last = -1;
+    for (int i = 0; i < V; i++) {
+        if (s->probs[i] <= 0) continue;
+        c += s->probs[i];
+        last = i;
+        if (u < c) return i;
+    }
+    return last >= 0 ? last : argmax(logits, V);
+}
+
+/* ---- the loop --------------------------------------------------------------------------- */
+
+fl_status fl_generate(fl_model *m, fl_kv_cache *kv, const int32_t *prompt, int n_prompt, const fl_gen_params *p,
+                      const int32_t *eos_ids, int n_eos, int32_t *out, int *n_out, fl_gen_stop *why,
+                      fl_gen_callback cb, void *ud) {
+    *n_out = 0;
+    if (why) *why = FL_GEN_STOP_MAX_TOKENS;
+    FL_TRY(fl_gen_params_validate(p));
+    if (n_prompt < 1) return fl_errorf(FL_ERR_INVALID, "generation needs a prompt of at least one token (e.g. BOS)");
+    if (n_prompt > kv->max_T)
+        return fl_errorf(FL_ERR_INVALID, "prompt of %d tokens exceeds the context of %d", n_prompt, kv->max_T);
+    fl_sampler smp;
+    float *logits = NULL;
+    FL_TRY(fl_sampler_init(&smp, m->pool, m->cfg.vocab_size, p));
+    fl_status s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, (size_t)m->cfg.vocab_size * sizeof(float), (void **)&logits);
+    if (s == FL_OK) {
+        fl_kv_cache_reset(kv);
+        s = fl_model_prefill(m, kv, prompt, n_prompt, logits);
+    }
+    int n = 0;
+    while (s == FL_OK && n < p->max_new_tokens) {
+        if (kv->pos >= kv->max_T) { if (why) *why = FL_GEN_STOP_CONTEXT; break; }
+        int32_t tok = fl_sampler_sample(&smp, logits);
+        out[n++] = tok;
+        int is_eos = 0;
+        for (int i = 0; i < n_eos; i++) is_eos |= tok == eos_ids[i];
+        if (cb && cb(ud, tok)) { if (why) *why = FL_GEN_STOP_CALLBACK; break; }
+        if (is_eos) { if (why) *why = FL_GEN_STOP_EOS; break; }
+        if (n == p->max_new_tokens) break;
+        /* the sequence is now kv->pos + 1 long: at the context, stop without a wasted decode */
+        if (kv->pos + 1 >= kv->max_T) { if (why) *why = FL_GEN_STOP_CONTEXT; break; }
+        s = fl_model_decode(m, kv, tok, logits);
+    }
+    *n_out = n;
+    fl_mem_free(m->pool, logits);
+    fl_sampler_free(&smp);
+    return s;
+}
