@@ -35,5 +35,8 @@ int fl_cmd_bench_step(int argc, char **argv);
 int fl_cmd_demo(int argc, char **argv);
 int fl_cmd_tokenize(int argc, char **argv);
 int fl_cmd_generate(int argc, char **argv);
+int fl_cmd_finetune_full(int argc, char **argv);
+int fl_cmd_pretrain(int argc, char **argv);
+int fl_cmd_finetune_lora(int argc, char **argv);
 
 #endif

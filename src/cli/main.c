@@ -9,6 +9,10 @@ static const struct {
     int (*fn)(int, char **);
     const char *help;
 } k_cmds[] = {
+    {"finetune_full", fl_cmd_finetune_full, "full fine-tuning of a model (LitGPT options and YAML recipes)"},
+    {"pretrain", fl_cmd_pretrain, "train a model from scratch or continue pretraining"},
+    {"finetune_lora", fl_cmd_finetune_lora, "LoRA fine-tuning (not available yet)"},
+    {"finetune", fl_cmd_finetune_lora, "alias of finetune_lora (not available yet)"},
     {"demo", fl_cmd_demo, "short real training run on a built-in model with synthetic data + memory report"},
     {"loss", fl_cmd_loss, "mean next-token cross-entropy of a model on token ids (optionally dump logits)"},
     {"tokenize", fl_cmd_tokenize, "encode text to token ids or decode ids to text (tokenizer.json/.model/llama2.c .bin)"},

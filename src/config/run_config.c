@@ -72,7 +72,7 @@ static const fl_cfg_key k_keys[] = {
     {"data.val_data_path", FL_CK_PATH, OFF(data.val_data_path), "TextFiles: validation text folder"},
     {"data.prompt_style", FL_CK_STR32, OFF(data.prompt_style), "prompt style (alpaca)"},
     {"data.mask_prompt", FL_CK_BOOL, OFF(data.mask_prompt), "prompt tokens get ignore_index labels"},
-    {"data.ignore_index", FL_CK_INT, OFF(data.ignore_index), "label of masked tokens"},
+    {"data.ignore_index", FL_CK_SINT, OFF(data.ignore_index), "label of masked tokens"},
     {"data.val_split_fraction", FL_CK_FLOAT, OFF(data.val_split_fraction), "fraction held out for validation"},
     {"data.seed", FL_CK_U64, OFF(data.seed), "seed of the train/val split"},
     {"data.num_workers", FL_CK_IGNORED, 0, "accepted for LitGPT compatibility (data is tokenized once)"},
@@ -267,6 +267,10 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
         return FL_OK;
     case FL_CK_STR32: snprintf(base + k->off, 32, "%s", v); return FL_OK;
     case FL_CK_STR64: snprintf(base + k->off, 64, "%s", is_null(v) ? "" : v); return FL_OK;
+    case FL_CK_SINT:
+        FL_TRY(parse_int(key, v, -(1 << 30), 1 << 30, &x));
+        *(int *)(base + k->off) = (int)x;
+        return FL_OK;
     case FL_CK_INT:
         FL_TRY(parse_int(key, v, 0, 1 << 30, &x));
         *(int *)(base + k->off) = (int)x;
@@ -413,7 +417,7 @@ static void value_str(const fl_run_config *c, const fl_cfg_key *k, char *buf, si
         else snprintf(buf, n, "null");
         break;
     }
-    case FL_CK_INT: snprintf(buf, n, "%d", *(const int *)(base + k->off)); break;
+    case FL_CK_INT: case FL_CK_SINT: snprintf(buf, n, "%d", *(const int *)(base + k->off)); break;
     case FL_CK_INT_OPT: case FL_CK_BOOL_OPT: {
         int v = *(const int *)(base + k->off);
         if (v < 0) snprintf(buf, n, "null");

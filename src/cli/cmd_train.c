@@ -1,0 +1,94 @@
+/* fitllm finetune_full / pretrain: LitGPT-compatible command lines and YAML
+ * recipes driving the trainer. finetune_lora / finetune are reserved. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cli.h"
+#include "fitllm/config.h"
+#include "fitllm/trainer.h"
+
+static void help(const char *cmd, fl_cmd_kind kind) {
+    printf("usage: fitllm %s %s[--config recipe.yaml] [--<option> VALUE ...]\n\n", cmd,
+           kind == FL_CMD_PRETRAIN ? "[<initial_checkpoint_dir>] " : "<checkpoint_dir> ");
+    printf("Options use LitGPT's names; precedence: defaults < --config YAML < command line.\n"
+           "Values may also be written --option=VALUE. data.init_args.X and optimizer.init_args.X are\n"
+           "accepted for data.X and optimizer.X. Defaults:\n\n");
+    fl_cfg_print_help(kind, stdout);
+    printf("\nexit codes: 0 ok, 1 runtime error, 2 usage or config error, 3 out of memory\n");
+}
+
+static int run(const char *cmd, fl_cmd_kind kind, int argc, char **argv) {
+    fl_run_config cfg;
+    fl_cfg_defaults(&cfg, kind);
+    /* first pass: --help and --config (YAML applies before any other override) */
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { help(cmd, kind); return 0; }
+        if (!strcmp(argv[i], "--config") || !strncmp(argv[i], "--config=", 9)) {
+            const char *path = argv[i][8] == '=' ? argv[i] + 9 : (i + 1 < argc ? argv[++i] : NULL);
+            if (!path) return fl_cli_usage(cmd, "--config needs a file");
+            fl_status s = fl_cfg_apply_yaml_file(&cfg, path);
+            if (s != FL_OK) {
+                fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
+                return FL_EXIT_USAGE;
+            }
+        }
+    }
+    int positional = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--config")) { i++; continue; }
+        if (!strncmp(a, "--config=", 9)) continue;
+        if (!strncmp(a, "--", 2)) {
+            char key[256];
+            const char *val;
+            const char *eq = strchr(a, '=');
+            if (eq) {
+                snprintf(key, sizeof key, "%.*s", (int)(eq - a - 2), a + 2);
+                val = eq + 1;
+            } else {
+                snprintf(key, sizeof key, "%s", a + 2);
+                /* flags that are booleans may stand alone: --quiet, --overwrite */
+                if ((!strcmp(key, "quiet") || !strcmp(key, "overwrite")) && (i + 1 >= argc || !strncmp(argv[i + 1], "--", 2)))
+                    val = "true";
+                else if (i + 1 < argc) val = argv[++i];
+                else return fl_cli_usage(cmd, "option --%s needs a value", key);
+            }
+            /* fitllm spellings of a few options */
+            if (!strcmp(key, "max-memory")) snprintf(key, sizeof key, "max_memory");
+            fl_status s = fl_cfg_set(&cfg, key, val);
+            if (s != FL_OK) return fl_cli_usage(cmd, "%s", fl_error_message());
+            continue;
+        }
+        if (positional++ == 0) {
+            fl_status s = fl_cfg_set(&cfg, "checkpoint_dir", a);
+            if (s != FL_OK) return fl_cli_usage(cmd, "%s", fl_error_message());
+        } else {
+            return fl_cli_usage(cmd, "unexpected argument '%s'", a);
+        }
+    }
+    fl_status s = fl_cfg_validate(&cfg);
+    if (s != FL_OK) {
+        fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
+        return FL_EXIT_USAGE;
+    }
+    int bar = !cfg.quiet && isatty(STDOUT_FILENO);
+    fl_trainer_result res;
+    s = fl_trainer_run(&cfg, stdout, bar, NULL, NULL, &res);
+    if (s != FL_OK) {
+        int code = fl_cli_fail(cmd, s, NULL);
+        /* configuration problems found while setting up are usage errors */
+        return s == FL_ERR_INVALID ? FL_EXIT_USAGE : code;
+    }
+    return 0;
+}
+
+int fl_cmd_finetune_full(int argc, char **argv) { return run("finetune_full", FL_CMD_FINETUNE_FULL, argc, argv); }
+int fl_cmd_pretrain(int argc, char **argv) { return run("pretrain", FL_CMD_PRETRAIN, argc, argv); }
+
+int fl_cmd_finetune_lora(int argc, char **argv) {
+    (void)argc;
+    fprintf(stderr, "fitllm %s: error: LoRA fine-tuning is not available yet in this build; use finetune_full\n", argv[0]);
+    return FL_EXIT_USAGE;
+}

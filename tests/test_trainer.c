@@ -1,0 +1,303 @@
+/* Run configuration, LR schedule, and the training loop end to end:
+ * loss goes down, final/ reloads, accumulation equivalence, bit-exact resume,
+ * refusal of a used out_dir, and checkpoints that survive failing writes. */
+#include <math.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "fitllm/checkpoint.h"
+#include "fitllm/config.h"
+#include "fitllm/io.h"
+#include "fitllm/trainer.h"
+#include "test.h"
+
+/* ---- configuration ---------------------------------------------------------- */
+
+FL_TEST(cfg_defaults_match_litgpt) {
+    fl_run_config c;
+    fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
+    FL_CHECK(c.train.global_batch_size == 16 && c.train.micro_batch_size == 1 && c.train.lr_warmup_steps == 100);
+    FL_CHECK(c.train.epochs == 5 && c.train.save_interval == 1000 && c.eval.interval == 600 && c.seed == 1337);
+    FL_CHECK(!strcmp(c.out_dir, "out/finetune/full") && c.optimizer.kind == FL_OPT_ADAMW && c.optimizer.lr == 1e-3f);
+}
+
+static const char *write_tmp(const char *name, const char *text) {
+    static char path[512];
+    snprintf(path, sizeof path, "%s/%s", fl_test_tmpdir(), name);
+    FILE *f = fopen(path, "w");
+    fputs(text, f);
+    fclose(f);
+    return path;
+}
+
+FL_TEST(cfg_yaml_litgpt_recipe_and_overrides) {
+    /* The shape of LitGPT's config_hub recipes: comments, nulls, class_path/init_args. */
+    const char *y = write_tmp("r.yaml",
+                              "# a LitGPT-style recipe\n"
+                              "checkpoint_dir: checkpoints/TinyLlama/TinyLlama-1.1B\n"
+                              "out_dir: out/finetune/full-tiny-llama\n"
+                              "precision: bf16-true\n"
+                              "devices: 1\n"
+                              "data:\n  class_path: litgpt.data.Alpaca2k\n  init_args:\n    mask_prompt: false\n"
+                              "    val_split_fraction: 0.03847\n    prompt_style: alpaca\n    ignore_index: -100\n"
+                              "    seed: 42\n    num_workers: 4\n"
+                              "train:\n  save_interval: 800\n  log_interval: 1\n  global_batch_size: 32\n"
+                              "  micro_batch_size: 4\n  lr_warmup_steps: 1000\n  epochs: 1\n  max_tokens:\n"
+                              "  max_steps:\n  max_seq_length: 512\n  tie_embeddings:\n  max_norm:\n  min_lr: 6.0e-05\n"
+                              "eval:\n  interval: 25\n  max_new_tokens: 100\n  max_iters: 100\n"
+                              "optimizer:\n  class_path: torch.optim.AdamW\n  init_args:\n    lr: 0.0002\n"
+                              "    weight_decay: 0.0\n    betas:\n      - 0.9\n      - 0.95\n"
+                              "logger_name: csv\nseed: 1337\n");
+    fl_run_config c;
+    fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
+    FL_REQUIRE_OK(fl_cfg_apply_yaml_file(&c, y));
+    FL_CHECK(!strcmp(c.precision, "bf16-true") && c.data.kind == FL_DATA_ALPACA && c.train.global_batch_size == 32);
+    FL_CHECK(c.train.micro_batch_size == 4 && c.train.max_steps == -1 && c.train.max_seq_length == 512);
+    FL_CHECK(fabsf(c.optimizer.lr - 2e-4f) < 1e-10f && c.optimizer.beta2 == 0.95f && c.optimizer.weight_decay == 0.0f);
+    FL_CHECK(c.eval.interval == 25 && fabsf(c.data.val_split_fraction - 0.03847f) < 1e-7f);
+    /* command line beats YAML; both spellings of init_args work */
+    FL_REQUIRE_OK(fl_cfg_set(&c, "train.micro_batch_size", "8"));
+    FL_REQUIRE_OK(fl_cfg_set(&c, "optimizer.init_args.lr", "0.001"));
+    FL_REQUIRE_OK(fl_cfg_set(&c, "optimizer", "SGD"));
+    FL_CHECK(c.train.micro_batch_size == 8 && c.optimizer.kind == FL_OPT_SGD && c.optimizer.lr == 0.001f);
+}
+
+FL_TEST(cfg_bad_input_errors) {
+    fl_run_config c;
+    fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
+    FL_CHECK(fl_cfg_set(&c, "train.micro_bach_size", "8") == FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "train.micro_batch_size") != NULL, "no suggestion: %s", fl_error_message());
+    FL_CHECK(fl_cfg_set(&c, "micro_batch_size", "8") == FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "train.micro_batch_size") != NULL, "no suggestion: %s", fl_error_message());
+    FL_CHECK(fl_cfg_set(&c, "train.micro_batch_size", "eight") == FL_ERR_INVALID);
+    FL_CHECK(fl_cfg_set(&c, "train.micro_batch_size", "-2") == FL_ERR_INVALID);
+    FL_CHECK(fl_cfg_set(&c, "optimizer.betas", "[0.9]") == FL_ERR_INVALID);
+    FL_CHECK(fl_cfg_set(&c, "precision", "fp8") == FL_ERR_INVALID);
+    FL_CHECK(fl_cfg_set(&c, "optimizer", "Lion") == FL_ERR_UNSUPPORTED);
+    /* malformed YAML names file and line */
+    const char *y = write_tmp("bad.yaml", "train:\n  micro_batch_size: 4\n   global_batch_size: [\n");
+    FL_CHECK(fl_cfg_apply_yaml_file(&c, y) == FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "bad.yaml:") != NULL, "%s", fl_error_message());
+    /* unknown key in YAML names the line and suggests */
+    y = write_tmp("unk.yaml", "train:\n  global_batch_size: 8\n  epoch: 2\n");
+    FL_CHECK(fl_cfg_apply_yaml_file(&c, y) == FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "unk.yaml:3") && strstr(fl_error_message(), "train.epochs"), "%s",
+              fl_error_message());
+    /* cross-field checks */
+    fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
+    snprintf(c.checkpoint_dir, sizeof c.checkpoint_dir, "x");
+    c.train.global_batch_size = 10;
+    c.train.micro_batch_size = 4;
+    FL_CHECK(fl_cfg_validate(&c) == FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "divisible") != NULL, "%s", fl_error_message());
+    c.train.global_batch_size = 0;
+    FL_CHECK(fl_cfg_validate(&c) == FL_ERR_INVALID);
+    c.train.global_batch_size = 8;
+    c.train.lr_warmup_fraction = 0.1f;
+    FL_CHECK(fl_cfg_validate(&c) == FL_ERR_INVALID); /* both warmup forms */
+}
+
+FL_TEST(cfg_lr_schedule_values) {
+    /* warmup 10 steps to 1e-3, cosine to 1e-4 at step 110 */
+    FL_CHECK(fl_lr_schedule(1e-3, 1e-4, 0, 10, 110) == 0.0);
+    FL_CHECK(fabs(fl_lr_schedule(1e-3, 1e-4, 5, 10, 110) - 5e-4) < 1e-15);
+    FL_CHECK(fabs(fl_lr_schedule(1e-3, 1e-4, 10, 10, 110) - 1e-3) < 1e-15);
+    FL_CHECK(fabs(fl_lr_schedule(1e-3, 1e-4, 60, 10, 110) - 5.5e-4) < 1e-12); /* halfway: mean of lr and min */
+    FL_CHECK(fabs(fl_lr_schedule(1e-3, 1e-4, 110, 10, 110) - 1e-4) < 1e-15);
+    FL_CHECK(fabs(fl_lr_schedule(1e-3, 1e-4, 35, 10, 110) - (1e-4 + 0.45e-3 * (1 + cos(M_PI * 0.25)))) < 1e-12);
+}
+
+/* ---- training runs ----------------------------------------------------------- */
+
+static void small_run(fl_run_config *c, const char *out_dir) {
+    fl_cfg_defaults(c, FL_CMD_FINETUNE_FULL);
+    snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "micro"); /* preset + built-in byte tokenizer */
+    snprintf(c->out_dir, sizeof c->out_dir, "%s", out_dir);
+    c->data.kind = FL_DATA_SYNTHETIC;
+    c->data.synthetic_train = 64;
+    c->data.synthetic_val = 8;
+    c->train.global_batch_size = 4;
+    c->train.micro_batch_size = 2;
+    c->train.lr_warmup_steps = 2;
+    c->train.max_steps = 8;
+    c->train.save_interval = 4;
+    c->train.max_seq_length = 96;
+    c->eval.interval = 4;
+    c->eval.max_iters = 2;
+    c->optimizer.lr = 3e-3f;
+    c->threads = 2;
+    c->seed = 7;
+}
+
+typedef struct {
+    double loss[64];
+    float *params;
+    size_t numel;
+    long steps;
+    long stop_at;
+} rec;
+
+static int record(void *ud, long step, double loss, const float *params, size_t numel) {
+    rec *r = ud;
+    if (step <= 64) r->loss[step - 1] = loss;
+    r->steps = step;
+    free(r->params);
+    r->params = malloc(numel * sizeof(float));
+    memcpy(r->params, params, numel * sizeof(float));
+    r->numel = numel;
+    return r->stop_at > 0 && step == r->stop_at;
+}
+
+FL_TEST(trainer_e2e_loss_decreases_and_final_reloads) {
+    fl_run_config c;
+    char out[512];
+    snprintf(out, sizeof out, "%s/run", fl_test_tmpdir());
+    small_run(&c, out);
+    c.train.max_steps = 30;
+    c.train.save_interval = 0;
+    rec r = {0};
+    fl_trainer_result res;
+    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, record, &r, &res));
+    FL_CHECK(res.steps == 30 && r.steps == 30);
+    double first = (r.loss[0] + r.loss[1]) / 2, last = (r.loss[28] + r.loss[29]) / 2;
+    FL_CHECKF(last < first - 0.5, "loss did not go down: %.3f -> %.3f", first, last);
+    FL_CHECK(!isnan(res.val_loss));
+    FL_CHECK(fl_ckpt_is_committed(res.final_dir));
+    /* final/ is an HF folder that loads and holds the trained parameters */
+    fl_backend be;
+    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 1));
+    fl_mem_pool pool;
+    FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
+    fl_model m;
+    FL_REQUIRE_OK(fl_hf_load_model(&m, res.final_dir, &be, &pool));
+    FL_CHECK(m.layout.numel == r.numel && memcmp(m.params, r.params, r.numel * 4) == 0);
+    fl_model_free(&m);
+    fl_mem_pool_free(&pool);
+    fl_cpu_backend_free(&be);
+    /* metrics were logged */
+    char p[600];
+    snprintf(p, sizeof p, "%s/logs/metrics.csv", out);
+    FILE *f = fopen(p, "r");
+    FL_REQUIRE(f != NULL);
+    char line[1024];
+    FL_CHECK(fgets(line, sizeof line, f) && strstr(line, "iter,step,epoch,loss"));
+    int rows = 0;
+    while (fgets(line, sizeof line, f)) rows++;
+    fclose(f);
+    FL_CHECKF(rows >= 60, "metrics rows %d", rows);
+    free(r.params);
+}
+
+FL_TEST(trainer_accumulation_equals_large_batch) {
+    fl_run_config c;
+    rec a = {0}, b = {0};
+    char out[512];
+    snprintf(out, sizeof out, "%s/acc1", fl_test_tmpdir());
+    small_run(&c, out);
+    c.train.max_steps = 1;
+    c.train.global_batch_size = 8;
+    c.train.micro_batch_size = 2; /* 4 x 2 */
+    c.eval.final_validation = 0;
+    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, record, &a, NULL));
+    snprintf(out, sizeof out, "%s/acc2", fl_test_tmpdir());
+    snprintf(c.out_dir, sizeof c.out_dir, "%s", out);
+    c.train.micro_batch_size = 8; /* 1 x 8 */
+    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, record, &b, NULL));
+    FL_REQUIRE(a.numel == b.numel && a.params && b.params);
+    FL_CHECKF(fabs(a.loss[0] - b.loss[0]) <= 1e-6 * fabs(b.loss[0]), "loss %.9f vs %.9f", a.loss[0], b.loss[0]);
+    double md = 0, mx = 0;
+    for (size_t i = 0; i < a.numel; i++) {
+        double d = fabs((double)a.params[i] - b.params[i]);
+        if (d > md) md = d;
+        if (fabs(b.params[i]) > mx) mx = fabs(b.params[i]);
+    }
+    /* one AdamW step moves every parameter by ~lr; fp32 rounding differs only slightly */
+    FL_CHECKF(md <= 1e-6 * mx + 1e-7, "params after one step differ by %.3g (max |p| %.3g)", md, mx);
+    free(a.params);
+    free(b.params);
+}
+
+FL_TEST(trainer_resume_is_bit_exact) {
+    fl_run_config c;
+    char out[512];
+    rec full = {0}, part = {0}, rest = {0};
+    snprintf(out, sizeof out, "%s/full", fl_test_tmpdir());
+    small_run(&c, out);
+    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, record, &full, NULL)); /* 8 steps, checkpoints at 4 and 8 */
+    snprintf(out, sizeof out, "%s/part", fl_test_tmpdir());
+    snprintf(c.out_dir, sizeof c.out_dir, "%s", out);
+    part.stop_at = 4; /* "crash" right after step 4's checkpoint */
+    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, record, &part, NULL));
+    FL_REQUIRE(part.steps == 4);
+    /* a leftover of an interrupted later save must be ignored */
+    char junk[600];
+    snprintf(junk, sizeof junk, "%s/step-000006", out);
+    mkdir(junk, 0755);
+    snprintf(c.resume, sizeof c.resume, "auto");
+    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, record, &rest, NULL));
+    FL_REQUIRE(rest.steps == 8);
+    for (int k = 0; k < 4; k++)
+        FL_CHECKF(part.loss[k] == full.loss[k], "step %d loss %.9g vs %.9g", k + 1, part.loss[k], full.loss[k]);
+    for (int k = 4; k < 8; k++)
+        FL_CHECKF(rest.loss[k] == full.loss[k], "step %d loss after resume %.9g vs %.9g", k + 1, rest.loss[k],
+                  full.loss[k]);
+    FL_CHECK(rest.numel == full.numel && memcmp(rest.params, full.params, full.numel * sizeof(float)) == 0);
+    free(full.params);
+    free(part.params);
+    free(rest.params);
+}
+
+FL_TEST(trainer_refuses_used_out_dir) {
+    fl_run_config c;
+    char out[512];
+    snprintf(out, sizeof out, "%s/used", fl_test_tmpdir());
+    small_run(&c, out);
+    c.train.max_steps = 1;
+    c.train.save_interval = 0;
+    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, NULL, NULL, NULL));
+    FL_CHECK(fl_trainer_run(&c, NULL, 0, NULL, NULL, NULL) == FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "--resume") && strstr(fl_error_message(), "--overwrite"), "%s",
+              fl_error_message());
+    c.overwrite = 1;
+    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, NULL, NULL, NULL));
+}
+
+/* Disk full while saving: the previous checkpoint stays intact and loadable,
+ * and no half-written folder is ever resumable. */
+FL_TEST(trainer_failing_writes_keep_previous_checkpoint) {
+    fl_run_config c;
+    char out[512], p[600];
+    snprintf(out, sizeof out, "%s/disk", fl_test_tmpdir());
+    small_run(&c, out);
+    c.train.max_steps = 4;
+    rec r = {0};
+    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, record, &r, NULL)); /* step-000004 and final */
+    snprintf(p, sizeof p, "%s/step-000004", out);
+    FL_REQUIRE(fl_ckpt_is_committed(p));
+    int failures = 0;
+    for (long k = 0; k < 40; k++) {
+        snprintf(c.resume, sizeof c.resume, "%s", p);
+        c.train.max_steps = 8;
+        fl_io_fail_writes_after(k);
+        fl_status s = fl_trainer_run(&c, NULL, 0, NULL, NULL, NULL);
+        fl_io_fail_writes_after(-1);
+        if (s == FL_OK) break;
+        failures++;
+        FL_CHECKF(s == FL_ERR_IO, "k=%ld: %s", k, fl_error_message());
+        /* whatever happened, the newest committed checkpoint loads */
+        char latest[700];
+        FL_REQUIRE_OK(fl_ckpt_find_latest(out, latest, sizeof latest));
+        fl_backend be;
+        FL_REQUIRE_OK(fl_cpu_backend_init(&be, 1));
+        fl_mem_pool pool;
+        FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
+        fl_model m;
+        FL_REQUIRE_OK(fl_hf_load_model(&m, latest, &be, &pool));
+        fl_model_free(&m);
+        fl_mem_pool_free(&pool);
+        fl_cpu_backend_free(&be);
+    }
+    FL_CHECK(failures >= 3);
+    free(r.params);
+}
