@@ -13,6 +13,7 @@
 #include <time.h>
 
 #include "fitllm/checkpoint.h"
+#include "fitllm/generate.h"
 #include "fitllm/io.h"
 #include "fitllm/tokenizer.h"
 #include "fitllm/trainer.h"
@@ -203,6 +204,54 @@ static fl_status validate(trainer *t, int max_iters, double *loss) {
     /* token-weighted mean over the evaluated batches */
     if (cnt > 0) *loss = sum / (double)cnt;
     return FL_OK;
+}
+
+/* LitGPT's generate_example: the fixed instruction through the prompt style,
+ * sampled at temperature 0.8, printed to show what the model has learned. */
+static fl_status generate_example(trainer *t) {
+    const fl_run_config *c = t->cfg;
+    if (!t->out || c->eval.max_new_tokens <= 0) return FL_OK;
+    const char *instruction = "Recommend a movie for me to watch during the weekend and explain the reason.";
+    char *prompt = NULL, *text = NULL;
+    int32_t *ids = NULL, *gen = NULL;
+    size_t n = 0, len = 0;
+    fl_kv_cache kv;
+    memset(&kv, 0, sizeof kv);
+    int kv_ok = 0;
+    fl_status s = fl_data_format_prompt(c->data.prompt_style[0] ? c->data.prompt_style : "alpaca", instruction, "",
+                                        &prompt);
+    if (s == FL_OK) s = fl_tok_encode(t->tok, prompt, strlen(prompt), -1, 0, &ids, &n);
+    int cap = (int)n + c->eval.max_new_tokens;
+    if (s == FL_OK && cap > t->model.cfg.max_seq) {
+        fprintf(t->out, "(sample generation skipped: prompt of %zu tokens + eval.max_new_tokens %d exceeds the "
+                "context of %d)\n", n, c->eval.max_new_tokens, t->model.cfg.max_seq);
+        goto out;
+    }
+    if (s == FL_OK) s = fl_kv_cache_init(&kv, &t->model, cap);
+    kv_ok = s == FL_OK;
+    gen = malloc((size_t)c->eval.max_new_tokens * sizeof *gen);
+    if (s == FL_OK && !gen) s = fl_errorf(FL_ERR_OOM, "out of host memory");
+    if (s == FL_OK) {
+        fl_gen_params gp;
+        fl_gen_params_default(&gp);
+        gp.max_new_tokens = c->eval.max_new_tokens;
+        gp.temperature = 0.8f;
+        gp.seed = c->seed;
+        int32_t eos = fl_tok_eos_id(t->tok);
+        int n_out = 0;
+        fl_gen_stop why;
+        s = fl_generate(&t->model, &kv, ids, (int)n, &gp, eos >= 0 ? &eos : NULL, eos >= 0 ? 1 : 0, gen, &n_out, &why,
+                        NULL, NULL);
+        if (s == FL_OK) s = fl_tok_decode(t->tok, gen, (size_t)n_out, 1, &text, &len);
+        if (s == FL_OK) fprintf(t->out, "%s\n%s\n", instruction, text);
+    }
+out:
+    if (kv_ok) fl_kv_cache_free(&kv);
+    free(gen);
+    free(text);
+    free(ids);
+    free(prompt);
+    return s;
 }
 
 /* ---- output -------------------------------------------------------------------- */
@@ -429,6 +478,7 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
             double e0 = now_s();
             CHECK(validate(&t, cfg->eval.max_iters, &val_loss));
             bar_clear(&t);
+            CHECK(generate_example(&t));
             if (out) fprintf(out, "iter %ld: val loss %.4f, val time: %.2f ms\n", t.st.iter, val_loss, (now_s() - e0) * 1e3);
             fl_metrics_values mv = {t.st.iter, t.st.step, (long)t.st.loader.epoch, NAN, NAN, NAN, val_loss, NAN, -1, -1, {0}, 0};
             mem_values(&t.pool, &mv);
