@@ -295,3 +295,62 @@ static void real_vs_torch(const char *model_rel, const char *fixture) {
 
 FL_TEST(real_tiny_gpt2_loss_vs_torch) { real_vs_torch("tiny-gpt2-hf", "tests/fixtures/tiny-gpt2-ref.json"); }
 FL_TEST(real_stories260k_loss_vs_torch) { real_vs_torch("stories260K-hf", "tests/fixtures/stories260K-ref.json"); }
+
+/* Activation checkpointing: bit-identical gradients (fp32) and an arena of
+ * (L+1) residuals plus one block instead of L blocks. */
+static void ckpt_case(const char *preset) {
+    fl_backend be;
+    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    fl_mem_pool pool;
+    FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
+    fl_model_config c;
+    FL_REQUIRE_OK(fl_preset_find(preset, &c));
+    c.vocab_size = 300;
+    c.max_seq = 64;
+    fl_model m;
+    FL_REQUIRE_OK(fl_model_init(&m, &c, &be, &pool));
+    fl_model_init_random(&m, 11);
+    FL_REQUIRE_OK(fl_model_alloc_grads(&m));
+    int B = 2, T = 37, N = B * T;
+    int32_t ids[74], tg[74];
+    fl_test_rng r = {5};
+    for (int i = 0; i < N; i++) {
+        ids[i] = (int32_t)(fl_test_rng_u64(&r) % 300);
+        tg[i] = i % 7 == 3 ? FL_IGNORE_INDEX : (int32_t)(fl_test_rng_u64(&r) % 300);
+    }
+    float *g[2];
+    double loss[2];
+    size_t acts[2];
+    for (int k = 0; k < 2; k++) {
+        m.act_ckpt = k;
+        FL_REQUIRE_OK(fl_model_alloc_acts(&m, B, T));
+        acts[k] = pool.cur[FL_TAG_ACTS];
+        fl_model_zero_grads(&m);
+        FL_REQUIRE_OK(fl_model_forward(&m, ids, tg, B, T, 0.01f, NULL));
+        loss[k] = m.loss_sum;
+        FL_REQUIRE_OK(fl_model_backward(&m));
+        g[k] = malloc(m.layout.numel * sizeof(float));
+        memcpy(g[k], m.grads, m.layout.numel * sizeof(float));
+    }
+    FL_CHECK(loss[0] == loss[1]);
+    FL_CHECKF(memcmp(g[0], g[1], m.layout.numel * sizeof(float)) == 0, "%s: checkpointed gradients differ", preset);
+    fl_act_sizes full, ck;
+    fl_act_opts on = {1};
+    fl_sizing_acts(&c, B, T, &full);
+    fl_sizing_acts_ex(&c, B, T, &on, &ck);
+    FL_CHECK(acts[0] == full.acts_bytes && acts[1] == ck.acts_bytes);
+    /* the saved state is the residual stream of every block plus one block's activations */
+    size_t res = ((size_t)N * c.dim * 4 + 63) / 64 * 64;
+    size_t one_block = full.per_layer_acts_bytes - res;
+    FL_CHECKF(ck.acts_bytes == full.acts_bytes - (size_t)(c.n_layers - 1) * one_block,
+              "%s: ckpt ACTS %zu, full %zu, per block %zu", preset, ck.acts_bytes, full.acts_bytes, one_block);
+    printf("      %s: ACTS %zu -> %zu bytes with checkpointing\n", preset, full.acts_bytes, ck.acts_bytes);
+    free(g[0]);
+    free(g[1]);
+    fl_model_free(&m);
+    fl_mem_pool_free(&pool);
+    fl_cpu_backend_free(&be);
+}
+
+FL_TEST(model_act_ckpt_exact_llama) { ckpt_case("micro"); }
+FL_TEST(model_act_ckpt_exact_gpt2) { ckpt_case("gpt2"); }

@@ -103,6 +103,13 @@ typedef struct {
 } fl_act_sizes;
 void fl_sizing_acts(const fl_model_config *cfg, int B, int T, fl_act_sizes *out);
 
+/* Options that change the activation arena. */
+typedef struct {
+    int act_ckpt; /* activation checkpointing: keep only each block's input (L+1 residuals)
+                   * plus ONE block's activations, recomputed in backward */
+} fl_act_opts;
+void fl_sizing_acts_ex(const fl_model_config *cfg, int B, int T, const fl_act_opts *opts, fl_act_sizes *out);
+
 /* ---- the model ----------------------------------------------------------- */
 
 typedef struct fl_acts fl_acts; /* private: pointers into the ACTS arena */
@@ -126,6 +133,7 @@ typedef struct {
     long n_valid;           /* number of non-ignored targets */
     int fwd_B, fwd_T;       /* shape of the last forward */
     int fwd_train;          /* last forward prepared a backward */
+    int act_ckpt;           /* activation checkpointing (set before fl_model_alloc_acts) */
 } fl_model;
 
 /* Create an empty model for cfg (validates cfg, builds the layout, allocates

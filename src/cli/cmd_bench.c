@@ -21,6 +21,7 @@ static void help(void) {
            "  --lr X                learning rate (default 1e-4)\n"
            "  --threads N           CPU threads (default: all cores)\n"
            "  --max-memory SIZE     allocator budget, e.g. 2GB, 512MiB (default: unlimited)\n"
+           "  --act-ckpt            activation checkpointing (recompute blocks in backward)\n"
            "  --seed N              init/data seed (default 1337)\n\n"
            "Output ends with a machine-readable line:\n"
            "RESULT impl=fitllm shape=<model> median_ms=.. tok_s=.. gflops=.. peak_rss_mb=..\n");
@@ -33,7 +34,7 @@ static int cmp_double(const void *a, const void *b) {
 
 int fl_cmd_bench_step(int argc, char **argv) {
     const char *cmd = "bench-step", *model_path = NULL;
-    int B = 4, T = 256, steps = 10, warmup = 2, threads = 0, seed = 1337, random_init = 0;
+    int B = 4, T = 256, steps = 10, warmup = 2, threads = 0, seed = 1337, random_init = 0, act_ckpt = 0;
     float lr = 1e-4f;
     size_t budget = 0;
     fl_optim_kind okind = FL_OPT_ADAMW;
@@ -44,6 +45,8 @@ int fl_cmd_bench_step(int argc, char **argv) {
         else if (!strcmp(a, "--init")) {
             if (!v || strcmp(v, "random")) return fl_cli_usage(cmd, "--init accepts only 'random'");
             random_init = 1; i++;
+        } else if (!strcmp(a, "--act-ckpt")) {
+            act_ckpt = 1;
         } else if (!strcmp(a, "--preset")) {
             if (!v) return fl_cli_usage(cmd, "--preset needs a name");
             model_path = v; i++;
@@ -88,6 +91,7 @@ int fl_cmd_bench_step(int argc, char **argv) {
     oc.lr = lr;
     if (okind == FL_OPT_ADAMW) oc.weight_decay = 0.1f;
     if ((s = fl_optim_init(&opt, &m, &oc)) != FL_OK) goto fail;
+    m.act_ckpt = act_ckpt;
     if ((s = fl_model_alloc_acts(&m, B, T)) != FL_OK) goto fail;
     size_t N = (size_t)B * T;
     if ((s = fl_mem_alloc(&pool, FL_TAG_OTHER, N * sizeof *ids, (void **)&ids)) != FL_OK) goto fail;
@@ -101,9 +105,10 @@ int fl_cmd_bench_step(int argc, char **argv) {
     for (size_t i = 0; i < N; i++) tg[i] = (i + 1) % T ? ids[i + 1] : ids[i - T + 1];
 
     const fl_model_config *c = &m.cfg;
-    printf("bench-step: %s (%s, %zu params, L=%d C=%d NH=%d NKV=%d F=%d V=%d), B=%d T=%d, %s, %d threads, gemm=%s\n",
+    printf("bench-step: %s (%s, %zu params, L=%d C=%d NH=%d NKV=%d F=%d V=%d), B=%d T=%d, %s%s, %d threads, gemm=%s\n",
            model_path, c->arch == FL_ARCH_LLAMA ? "llama" : "gpt2", m.layout.numel, c->n_layers, c->dim, c->n_heads,
-           c->n_kv_heads, c->ffn_dim, c->vocab_size, B, T, fl_optim_name(okind), be.n_threads, be.gemm_name);
+           c->n_kv_heads, c->ffn_dim, c->vocab_size, B, T, fl_optim_name(okind), act_ckpt ? ", act-ckpt" : "",
+           be.n_threads, be.gemm_name);
     fl_step_result res;
     for (int k = 0; k < warmup + steps; k++) {
         if ((s = fl_train_step(&m, &opt, ids, tg, 1, B, T, lr, 1.0f, &res)) != FL_OK) goto fail;

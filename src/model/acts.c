@@ -31,7 +31,7 @@ static int logits_chunk_rows(const fl_model_config *c, int N) {
     return (int)rows;
 }
 
-static size_t carve_acts(const fl_model_config *c, int B, int T, char *base, fl_acts *a) {
+static size_t carve_acts(const fl_model_config *c, int B, int T, int ckpt, char *base, fl_acts *a) {
     fl_dims d = fl_model_dims(c);
     size_t N = (size_t)B * T;
     int ln = c->arch == FL_ARCH_GPT2; /* LayerNorm keeps the mean too */
@@ -40,7 +40,8 @@ static size_t carve_acts(const fl_model_config *c, int B, int T, char *base, fl_
         float *r = carve(&cv, N * d.C);
         if (a) a->res[l] = r;
     }
-    for (int l = 0; l < d.L; l++) {
+    /* checkpointing: one layer buffer shared by all blocks */
+    for (int l = 0; l < (ckpt ? (d.L > 0 ? 1 : 0) : d.L); l++) {
         fl_layer_acts la;
         la.ln1 = carve(&cv, N * d.C);
         la.ln1_mean = ln ? carve(&cv, N) : NULL;
@@ -54,7 +55,10 @@ static size_t carve_acts(const fl_model_config *c, int B, int T, char *base, fl_
         la.ln2_rstd = carve(&cv, N);
         la.fc = carve(&cv, N * d.FCW);
         la.act = carve(&cv, N * d.F);
-        if (a) a->layer[l] = la;
+        if (a) {
+            if (ckpt) for (int k = 0; k < d.L; k++) a->layer[k] = la;
+            else a->layer[l] = la;
+        }
     }
     float *lnf = carve(&cv, N * d.C);
     float *lnf_mean = ln ? carve(&cv, N) : NULL;
@@ -85,17 +89,22 @@ static size_t carve_work(const fl_model_config *c, int B, int T, char *base, fl_
 }
 
 void fl_sizing_acts(const fl_model_config *cfg_in, int B, int T, fl_act_sizes *out) {
+    fl_sizing_acts_ex(cfg_in, B, T, NULL, out);
+}
+
+void fl_sizing_acts_ex(const fl_model_config *cfg_in, int B, int T, const fl_act_opts *opts, fl_act_sizes *out) {
+    int ckpt = opts && opts->act_ckpt;
     /* Fill the config's derived defaults (head_dim, kv heads) the same way the
      * model does, so planner and runtime size the same arena. */
     fl_model_config c = *cfg_in;
     memset(out, 0, sizeof *out);
     if (fl_config_validate(&c) != FL_OK || B <= 0 || T <= 0) return;
-    out->acts_bytes = carve_acts(&c, B, T, NULL, NULL);
+    out->acts_bytes = carve_acts(&c, B, T, ckpt, NULL, NULL);
     out->workspace_bytes = carve_work(&c, B, T, NULL, NULL);
     /* per layer: the difference between L and L-1 layers */
     fl_model_config c1 = c;
     c1.n_layers = c.n_layers - 1;
-    out->per_layer_acts_bytes = out->acts_bytes - carve_acts(&c1, B, T, NULL, NULL);
+    out->per_layer_acts_bytes = out->acts_bytes - carve_acts(&c1, B, T, ckpt, NULL, NULL);
     out->logits_chunk_rows = logits_chunk_rows(&c, B * T);
 }
 
@@ -105,7 +114,8 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
         return fl_errorf(FL_ERR_INVALID, "sequence length %d exceeds the model's max_position_embeddings %d", T,
                          m->cfg.max_seq);
     fl_model_free_acts(m);
-    fl_sizing_acts(&m->cfg, B, T, &m->sizes);
+    fl_act_opts ao = {m->act_ckpt};
+    fl_sizing_acts_ex(&m->cfg, B, T, &ao, &m->sizes);
     fl_acts *a = calloc(1, sizeof *a);
     if (!a) return fl_errorf(FL_ERR_OOM, "activation views: out of host memory");
     a->L = m->cfg.n_layers;
@@ -116,7 +126,7 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     fl_status s = fl_mem_alloc(m->pool, FL_TAG_ACTS, m->sizes.acts_bytes, (void **)&m->acts_arena);
     if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, m->sizes.workspace_bytes, (void **)&m->work_arena);
     if (s != FL_OK) { fl_model_free_acts(m); return fl_error_prefix(s, "allocating activations for B=%d T=%d", B, T); }
-    carve_acts(&m->cfg, B, T, (char *)m->acts_arena, a);
+    carve_acts(&m->cfg, B, T, m->act_ckpt, (char *)m->acts_arena, a);
     carve_work(&m->cfg, B, T, (char *)m->work_arena, a);
     if (m->cfg.arch == FL_ARCH_LLAMA)
         fl_rope_table_init(a->rope_cos, a->rope_sin, T, m->cfg.head_dim, m->cfg.rope_theta, &m->cfg.rope_scaling);

@@ -13,6 +13,36 @@ static void norm_backward(const fl_model *m, float *dx, float *dw, float *db, co
     else be->rmsnorm_backward(be, dx, dw, dout, x, w, rstd, N, m->cfg.dim);
 }
 
+/* One block forward: res[l] (N, C) -> res[l+1] (N, C), saving the block's
+ * activations in la. Used by the forward pass and, with activation
+ * checkpointing, again in backward (same ops, same order: bit-identical). */
+static fl_status block_forward(fl_model *m, int l, int B, int T, fl_layer_acts *la) {
+    const fl_backend *be = m->be;
+    fl_acts *a = m->acts;
+    fl_dims d = fl_model_dims(&m->cfg);
+    const int N = B * T;
+    fl_block_params bp;
+    fl_get_block(m, l, &bp);
+    const float *x = a->res[l]; // (N, C)
+    fl_norm_forward(m, la->ln1, la->ln1_mean, la->ln1_rstd, x, bp.ln1_w, bp.ln1_b, N);
+    FL_TRY(fl_linear_forward(be, la->qkv, la->ln1, &bp.qkv, N)); // (N, QKV)
+    if (m->cfg.arch == FL_ARCH_LLAMA) {
+        be->rope_forward(be, la->qkv, B, T, d.NH, d.HD, d.QKV, a->rope_cos, a->rope_sin, 0);
+        be->rope_forward(be, la->qkv + d.QD, B, T, d.NKV, d.HD, d.QKV, a->rope_cos, a->rope_sin, 0);
+    }
+    be->attention_forward(be, la->att, la->lse, la->qkv, B, T, d.NH, d.NKV, d.HD); // (N, QD)
+    FL_TRY(fl_linear_forward(be, la->res_mid, la->att, &bp.o, N));               // (N, C)
+    be->add(be, la->res_mid, la->res_mid, x, (size_t)N * d.C);
+    fl_norm_forward(m, la->ln2, la->ln2_mean, la->ln2_rstd, la->res_mid, bp.ln2_w, bp.ln2_b, N);
+    FL_TRY(fl_linear_forward(be, la->fc, la->ln2, &bp.fc, N)); // (N, FCW)
+    if (m->cfg.arch == FL_ARCH_LLAMA) be->swiglu_forward(be, la->act, la->fc, N, d.F);
+    else be->gelu_forward(be, la->act, la->fc, (size_t)N * d.F);
+    float *out = a->res[l + 1];
+    FL_TRY(fl_linear_forward(be, out, la->act, &bp.proj, N)); // (N, C)
+    be->add(be, out, out, la->res_mid, (size_t)N * d.C);
+    return FL_OK;
+}
+
 fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targets, int B, int T, float grad_scale,
                            float *logits_out) {
     const fl_backend *be = m->be;
@@ -34,28 +64,9 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
     fl_get_outer(m, &op);
     be->embedding_forward(be, a->res[0], ids, op.wte, op.wpe, B, T, d.C);
 
-    for (int l = 0; l < d.L; l++) {
-        fl_block_params bp;
-        fl_get_block(m, l, &bp);
-        fl_layer_acts *la = &a->layer[l];
-        const float *x = a->res[l]; // (N, C)
-        fl_norm_forward(m, la->ln1, la->ln1_mean, la->ln1_rstd, x, bp.ln1_w, bp.ln1_b, N);
-        FL_TRY(fl_linear_forward(be, la->qkv, la->ln1, &bp.qkv, N)); // (N, QKV)
-        if (m->cfg.arch == FL_ARCH_LLAMA) {
-            be->rope_forward(be, la->qkv, B, T, d.NH, d.HD, d.QKV, a->rope_cos, a->rope_sin, 0);
-            be->rope_forward(be, la->qkv + d.QD, B, T, d.NKV, d.HD, d.QKV, a->rope_cos, a->rope_sin, 0);
-        }
-        be->attention_forward(be, la->att, la->lse, la->qkv, B, T, d.NH, d.NKV, d.HD); // (N, QD)
-        FL_TRY(fl_linear_forward(be, la->res_mid, la->att, &bp.o, N));               // (N, C)
-        be->add(be, la->res_mid, la->res_mid, x, (size_t)N * d.C);
-        fl_norm_forward(m, la->ln2, la->ln2_mean, la->ln2_rstd, la->res_mid, bp.ln2_w, bp.ln2_b, N);
-        FL_TRY(fl_linear_forward(be, la->fc, la->ln2, &bp.fc, N)); // (N, FCW)
-        if (m->cfg.arch == FL_ARCH_LLAMA) be->swiglu_forward(be, la->act, la->fc, N, d.F);
-        else be->gelu_forward(be, la->act, la->fc, (size_t)N * d.F);
-        float *out = a->res[l + 1];
-        FL_TRY(fl_linear_forward(be, out, la->act, &bp.proj, N)); // (N, C)
-        be->add(be, out, out, la->res_mid, (size_t)N * d.C);
-    }
+    /* With activation checkpointing every block writes into the same single
+     * layer buffer (layer[l] all alias it) and only res[l] survives. */
+    for (int l = 0; l < d.L; l++) FL_TRY(block_forward(m, l, B, T, &a->layer[l]));
     fl_norm_forward(m, a->lnf, a->lnf_mean, a->lnf_rstd, a->res[d.L], op.lnf_w, op.lnf_b, N);
 
     /* Head + cross-entropy, chunked over rows: at most (rows, V) logits exist.
@@ -113,6 +124,9 @@ fl_status fl_model_backward(fl_model *m) {
         fl_block_params bp;
         fl_get_block(m, l, &bp);
         fl_layer_acts *la = &a->layer[l];
+        /* checkpointing: rebuild this block's activations from its saved input
+         * (it also rewrites res[l+1] with identical values; backward no longer needs it) */
+        if (m->act_ckpt) FL_TRY(block_forward(m, l, B, T, la));
         /* MLP branch: res[l+1] = res_mid + proj(act(fc(norm2(res_mid)))) */
         FL_TRY(fl_linear_backward(be, buf1, 0, dres, la->act, &bp.proj, N)); // d act (N, F)
         be->zero(be, buf2, (size_t)N * d.FCW * sizeof(float));

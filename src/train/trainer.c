@@ -364,6 +364,7 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
     fl_mem_set_phase(&t.pool, "setup");
     CHECK(fl_model_alloc_grads(&t.model));
     CHECK(fl_optim_init(&t.opt, &t.model, &cfg->optimizer));
+    t.model.act_ckpt = cfg->train.activation_checkpointing;
     CHECK(fl_model_alloc_acts(&t.model, t.B, t.T));
     size_t per = (size_t)t.B * t.T;
     CHECK(fl_mem_alloc(&t.pool, FL_TAG_OTHER, (size_t)t.accum * per * sizeof(int32_t), (void **)&t.ids));
