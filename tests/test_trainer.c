@@ -218,12 +218,19 @@ FL_TEST(trainer_accumulation_equals_large_batch) {
     free(b.params);
 }
 
-FL_TEST(trainer_resume_is_bit_exact) {
+static void resume_case(const char *optimizer, const char *state_dtype) {
     fl_run_config c;
     char out[512];
     rec full = {0}, part = {0}, rest = {0};
     snprintf(out, sizeof out, "%s/full", fl_test_tmpdir());
     small_run(&c, out);
+    FL_REQUIRE_OK(fl_cfg_set(&c, "optimizer", optimizer));
+    if (state_dtype) FL_REQUIRE_OK(fl_cfg_set(&c, "optimizer.state_dtype", state_dtype));
+    c.optimizer.lr = 3e-3f;
+    if (!strcmp(optimizer, "SGD")) {
+        FL_REQUIRE_OK(fl_cfg_set(&c, "optimizer.momentum", "0.9"));
+        c.optimizer.lr = 0.1f;
+    }
     FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, record, &full, NULL)); /* 8 steps, checkpoints at 4 and 8 */
     snprintf(out, sizeof out, "%s/part", fl_test_tmpdir());
     snprintf(c.out_dir, sizeof c.out_dir, "%s", out);
@@ -242,10 +249,59 @@ FL_TEST(trainer_resume_is_bit_exact) {
     for (int k = 4; k < 8; k++)
         FL_CHECKF(rest.loss[k] == full.loss[k], "step %d loss after resume %.9g vs %.9g", k + 1, rest.loss[k],
                   full.loss[k]);
-    FL_CHECK(rest.numel == full.numel && memcmp(rest.params, full.params, full.numel * sizeof(float)) == 0);
+    FL_CHECKF(rest.numel == full.numel && memcmp(rest.params, full.params, full.numel * sizeof(float)) == 0,
+              "%s: parameters after resume differ", optimizer);
     free(full.params);
     free(part.params);
     free(rest.params);
+}
+
+FL_TEST(trainer_resume_is_bit_exact) { resume_case("AdamW", NULL); }
+FL_TEST(trainer_resume_is_bit_exact_sgd_momentum) { resume_case("SGD", NULL); }
+FL_TEST(trainer_resume_is_bit_exact_adamw8bit) { resume_case("bnb.optim.AdamW8bit", NULL); }
+FL_TEST(trainer_resume_is_bit_exact_bf16_state) { resume_case("AdamW", "bfloat16"); }
+
+/* Each optimizer trains (loss goes down) and its OPTIM bytes equal the analytic count. */
+static void optim_case(const char *name, const char *state_dtype, float lr) {
+    fl_run_config c;
+    char out[512];
+    snprintf(out, sizeof out, "%s/opt", fl_test_tmpdir());
+    small_run(&c, out);
+    FL_REQUIRE_OK(fl_cfg_set(&c, "optimizer", name));
+    if (state_dtype) FL_REQUIRE_OK(fl_cfg_set(&c, "optimizer.state_dtype", state_dtype));
+    c.optimizer.lr = lr;
+    c.train.max_steps = 25;
+    c.train.save_interval = 0;
+    c.eval.final_validation = 0;
+    rec r = {0};
+    fl_trainer_result res;
+    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, record, &r, &res));
+    double first = (r.loss[0] + r.loss[1]) / 2, last = (r.loss[23] + r.loss[24]) / 2;
+    FL_CHECKF(last < first - 0.3, "%s: loss %.3f -> %.3f", name, first, last);
+    /* analytic OPTIM bytes, written out independently */
+    fl_model_config mc;
+    FL_REQUIRE_OK(fl_preset_find("micro", &mc));
+    fl_param_layout lay;
+    FL_REQUIRE_OK(fl_layout_build(&lay, &mc));
+    size_t want = 0, es = state_dtype ? 2 : 4;
+    for (int i = 0; i < lay.n; i++) {
+        size_t n = lay.params[i].numel;
+        if (c.optimizer.kind == FL_OPT_ADAMW8BIT)
+            want += n < 4096 ? 8 * n : ((2 * n + 3) / 4 * 4) + 8 * ((n + 255) / 256); /* codes m,v + absmax m,v */
+        else if (c.optimizer.kind == FL_OPT_ADAMW) want += 2 * n * es;
+        else want += c.optimizer.momentum != 0 ? n * es : 0;
+    }
+    FL_CHECKF(res.peak[FL_TAG_OPTIM] == want, "%s: OPTIM %zu bytes, analytic %zu", name, res.peak[FL_TAG_OPTIM], want);
+    printf("      %-22s OPTIM %8zu bytes, loss %.3f -> %.3f\n", name, want, first, last);
+    fl_layout_free(&lay);
+    free(r.params);
+}
+
+FL_TEST(trainer_optimizers_train_and_count_state) {
+    optim_case("AdamW", NULL, 3e-3f);
+    optim_case("AdamW", "bfloat16", 3e-3f);
+    optim_case("bnb.optim.AdamW8bit", NULL, 3e-3f);
+    optim_case("SGD", NULL, 0.5f);
 }
 
 FL_TEST(trainer_refuses_used_out_dir) {

@@ -9,13 +9,16 @@
 #ifndef FITLLM_TRAIN_H
 #define FITLLM_TRAIN_H
 
+#include "fitllm/adam8bit.h"
 #include "fitllm/model.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-typedef enum { FL_OPT_ADAMW = 0, FL_OPT_SGD, FL_OPT_COUNT } fl_optim_kind;
+/* ADAMW8BIT: bitsandbytes' block-wise 8-bit AdamW (bnb.optim.AdamW8bit / Adam8bit),
+ * state per parameter tensor (see fitllm/adam8bit.h). */
+typedef enum { FL_OPT_ADAMW = 0, FL_OPT_SGD, FL_OPT_ADAMW8BIT, FL_OPT_COUNT } fl_optim_kind;
 
 typedef struct {
     fl_optim_kind kind;
@@ -24,20 +27,28 @@ typedef struct {
     float weight_decay;        /* AdamW: decoupled; SGD: L2 added to the gradient (torch semantics) */
     float momentum, dampening; /* SGD */
     int nesterov;              /* SGD */
+    fl_dtype state_dtype;      /* AdamW / SGD momentum state: FL_F32 (default) or FL_BF16 */
 } fl_optim_config;
 
 /* torch defaults: AdamW lr 1e-3, betas (0.9, 0.999), eps 1e-8, wd 0.01; SGD lr 1e-3, no momentum. */
 void fl_optim_config_default(fl_optim_config *c, fl_optim_kind kind);
 const char *fl_optim_name(fl_optim_kind kind);
 
-/* Optimizer state bytes for n parameters (shared with the planner). */
+/* Optimizer state bytes for n parameters in one tensor (shared with the planner). */
 size_t fl_optim_state_bytes(const fl_optim_config *c, size_t n_params);
+/* Exact optimizer state bytes for a model's parameter layout: 8-bit state is
+ * per tensor (blocks and the fp32 fallback for small tensors), the others are
+ * per element. This is what fl_optim_init allocates (tag OPTIM). */
+size_t fl_optim_state_bytes_layout(const fl_optim_config *c, const fl_param_layout *lay);
 
 typedef struct {
     fl_optim_config cfg;
     fl_model *model;
     float *m, *v;   /* AdamW moments (numel each), OPTIM tag */
     float *buf;     /* SGD momentum buffer or NULL */
+    void *state8;   /* 8-bit AdamW: one OPTIM block bound per tensor into st8 */
+    size_t state8_bytes;
+    fl_adam8bit_state *st8; /* (layout.n) host bookkeeping */
     int step;       /* updates done */
 } fl_optimizer;
 

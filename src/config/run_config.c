@@ -113,6 +113,9 @@ static const fl_cfg_key k_keys[] = {
     {"optimizer.momentum", FL_CK_FLOAT, OFF(optimizer.momentum), "SGD momentum"},
     {"optimizer.dampening", FL_CK_FLOAT, OFF(optimizer.dampening), "SGD dampening"},
     {"optimizer.nesterov", FL_CK_BOOL, OFF(optimizer.nesterov), "SGD Nesterov momentum"},
+    {"optimizer.state_dtype", FL_CK_STATE_DTYPE, OFF(optimizer.state_dtype), "optimizer state dtype: float32 | bfloat16 (fitllm)"},
+    {"optimizer.optim_bits", FL_CK_IGNORED, 0, "accepted for bitsandbytes compatibility"},
+    {"optimizer.min_8bit_size", FL_CK_IGNORED, 0, "accepted for bitsandbytes compatibility (4096)"},
     {"max_memory", FL_CK_BYTES, OFF(max_memory), "allocator budget, e.g. 8GB (fitllm)"},
     {"threads", FL_CK_INT, OFF(threads), "CPU threads, 0 = all cores (fitllm)"},
     {"quiet", FL_CK_BOOL, OFF(quiet), "no progress bar (fitllm)"},
@@ -218,20 +221,34 @@ static fl_status set_data_kind(fl_run_config *c, const char *v) {
 static fl_status set_optimizer(fl_run_config *c, const char *v) {
     const char *name = v;
     if (!strncmp(name, "torch.optim.", 12)) name += 12;
-    else if (!strncmp(name, "bnb.optim.", 10) || !strncmp(name, "bitsandbytes.optim.", 19))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "optimizer '%s' (8-bit) is not available yet in this build (AdamW, SGD)", v);
-    fl_optim_config keep = c->optimizer;
-    if (!strcasecmp(name, "AdamW") || !strcasecmp(name, "Adam")) {
-        if (c->optimizer.kind != FL_OPT_ADAMW) fl_optim_config_default(&c->optimizer, FL_OPT_ADAMW);
+    else if (!strncmp(name, "bnb.optim.", 10)) name += 10;
+    else if (!strncmp(name, "bitsandbytes.optim.", 19)) name += 19;
+    fl_optim_kind kind;
+    float wd = -1.0f; /* the class's default weight decay, when it differs from the kind's */
+    if (!strcasecmp(name, "AdamW") || !strcasecmp(name, "PagedAdamW") || !strcasecmp(name, "PagedAdamW32bit") ||
+        !strcasecmp(name, "AdamW32bit")) {
+        /* Paged optimizers page state through CUDA unified memory; on the CPU the state
+         * already lives in host memory, so they are plain AdamW here. */
+        kind = FL_OPT_ADAMW;
+    } else if (!strcasecmp(name, "Adam")) {
+        kind = FL_OPT_ADAMW, wd = 0.0f; /* torch Adam: weight decay 0 (and we apply it decoupled) */
     } else if (!strcasecmp(name, "SGD")) {
-        if (c->optimizer.kind != FL_OPT_SGD) {
-            fl_optim_config_default(&c->optimizer, FL_OPT_SGD);
-            c->optimizer.lr = keep.lr; /* an lr given before the class keeps applying */
-        }
+        kind = FL_OPT_SGD;
+    } else if (!strcasecmp(name, "AdamW8bit") || !strcasecmp(name, "PagedAdamW8bit")) {
+        kind = FL_OPT_ADAMW8BIT;
+    } else if (!strcasecmp(name, "Adam8bit")) {
+        kind = FL_OPT_ADAMW8BIT, wd = 0.0f; /* bnb Adam8bit: same kernel, weight decay 0 */
     } else {
-        return fl_errorf(FL_ERR_UNSUPPORTED, "optimizer '%s' is not supported (AdamW, SGD)", v);
+        return fl_errorf(FL_ERR_UNSUPPORTED,
+                         "optimizer '%s' is not supported (AdamW, Adam, SGD, bnb.optim.AdamW8bit, bnb.optim.Adam8bit, "
+                         "bnb.optim.PagedAdamW)", v);
     }
-    if (!strcasecmp(name, "Adam")) c->optimizer.weight_decay = 0.0f; /* torch Adam: L2 default 0 */
+    if (c->optimizer.kind != kind) {
+        fl_optim_config keep = c->optimizer;
+        fl_optim_config_default(&c->optimizer, kind);
+        c->optimizer.lr = keep.lr; /* an lr given before the class keeps applying */
+    }
+    if (wd >= 0) c->optimizer.weight_decay = wd;
     return FL_OK;
 }
 
@@ -359,6 +376,11 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
         snprintf(c->data.json_path, sizeof c->data.json_path, "%s/%s", dir, file);
         return FL_OK;
     }
+    case FL_CK_STATE_DTYPE:
+        if (!strcmp(v, "float32") || !strcmp(v, "fp32") || !strcmp(v, "f32")) c->optimizer.state_dtype = FL_F32;
+        else if (!strcmp(v, "bfloat16") || !strcmp(v, "bf16")) c->optimizer.state_dtype = FL_BF16;
+        else return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is not float32 or bfloat16", key, v);
+        return FL_OK;
     case FL_CK_IGNORED: return FL_OK;
     }
     return fl_errorf(FL_ERR_INTERNAL, "option '%s': unhandled type", key);
@@ -450,6 +472,7 @@ static void value_str(const fl_run_config *c, const fl_cfg_key *k, char *buf, si
     }
     case FL_CK_DATA: snprintf(buf, n, "%s", fl_data_kind_name(c->data.kind)); break;
     case FL_CK_OPTIMIZER: snprintf(buf, n, "%s", fl_optim_name(c->optimizer.kind)); break;
+    case FL_CK_STATE_DTYPE: snprintf(buf, n, "%s", c->optimizer.state_dtype == FL_BF16 ? "bfloat16" : "float32"); break;
     case FL_CK_BETAS: snprintf(buf, n, "[%g, %g]", c->optimizer.beta1, c->optimizer.beta2); break;
     default: snprintf(buf, n, "~"); break;
     }

@@ -45,11 +45,15 @@ static fl_status write_state(const char *dir, const fl_model *m, const fl_optimi
     fl_st_write_tensor t[2];
     int nt = 0;
     int64_t n = (int64_t)m->layout.numel;
+    fl_dtype sd = o ? o->cfg.state_dtype : FL_F32;
     if (o && o->m) {
-        t[nt++] = (fl_st_write_tensor){"optimizer.exp_avg", FL_F32, 1, {n}, o->m, FL_F32, 0};
-        t[nt++] = (fl_st_write_tensor){"optimizer.exp_avg_sq", FL_F32, 1, {n}, o->v, FL_F32, 0};
+        t[nt++] = (fl_st_write_tensor){"optimizer.exp_avg", sd, 1, {n}, o->m, sd, 0};
+        t[nt++] = (fl_st_write_tensor){"optimizer.exp_avg_sq", sd, 1, {n}, o->v, sd, 0};
     } else if (o && o->buf) {
-        t[nt++] = (fl_st_write_tensor){"optimizer.momentum_buffer", FL_F32, 1, {n}, o->buf, FL_F32, 0};
+        t[nt++] = (fl_st_write_tensor){"optimizer.momentum_buffer", sd, 1, {n}, o->buf, sd, 0};
+    } else if (o && o->state8) {
+        /* block-wise 8-bit state of every tensor, bound in layout order: one raw blob */
+        t[nt++] = (fl_st_write_tensor){"optimizer.state8", FL_U8, 1, {(int64_t)o->state8_bytes}, o->state8, FL_U8, 0};
     }
     char v[16][64];
     const char *keys[16], *vals[16];
@@ -198,18 +202,23 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
     const char *opt = meta(&f, "optimizer");
     if (s == FL_OK && o && opt && strcmp(opt, fl_optim_name(o->cfg.kind)))
         s = fl_errorf(FL_ERR_FORMAT, "%s: saved with optimizer %s, this run uses %s", p, opt, fl_optim_name(o->cfg.kind));
-    struct { const char *name; float *dst; } want[3] = {{"optimizer.exp_avg", o ? o->m : NULL},
-                                                        {"optimizer.exp_avg_sq", o ? o->v : NULL},
-                                                        {"optimizer.momentum_buffer", o ? o->buf : NULL}};
-    for (int i = 0; s == FL_OK && i < 3; i++) {
+    size_t es = o && o->cfg.state_dtype == FL_BF16 ? 2 : 4;
+    fl_dtype sd = es == 2 ? FL_BF16 : FL_F32;
+    struct { const char *name; void *dst; size_t bytes; fl_dtype dt; } want[4] = {
+        {"optimizer.exp_avg", o ? o->m : NULL, m->layout.numel * es, sd},
+        {"optimizer.exp_avg_sq", o ? o->v : NULL, m->layout.numel * es, sd},
+        {"optimizer.momentum_buffer", o ? o->buf : NULL, m->layout.numel * es, sd},
+        {"optimizer.state8", o ? o->state8 : NULL, o ? o->state8_bytes : 0, FL_U8}};
+    for (int i = 0; s == FL_OK && i < 4; i++) {
         if (!want[i].dst) continue;
         const fl_st_tensor *t = fl_st_find(&f, want[i].name);
         if (!t) { s = fl_errorf(FL_ERR_NOT_FOUND, "%s: missing tensor %s", p, want[i].name); break; }
-        if (t->dtype != FL_F32 || t->end - t->begin != m->layout.numel * sizeof(float)) {
-            s = fl_errorf(FL_ERR_FORMAT, "%s: tensor %s has the wrong size or dtype", p, want[i].name);
+        if (t->dtype != want[i].dt || t->end - t->begin != want[i].bytes) {
+            s = fl_errorf(FL_ERR_FORMAT, "%s: tensor %s has the wrong size or dtype (optimizer settings changed?)", p,
+                          want[i].name);
             break;
         }
-        memcpy(want[i].dst, t->data, m->layout.numel * sizeof(float));
+        memcpy(want[i].dst, t->data, want[i].bytes);
     }
     if (s == FL_OK) {
         const char *need[] = {"step", "iter", "loader_seed", "loader_epoch", "loader_pos", "optimizer_step"};

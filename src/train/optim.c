@@ -1,5 +1,8 @@
-/* Optimizer state and updates over the flat parameter buffer. */
+/* Optimizer state and updates over the flat parameter buffer. AdamW and SGD
+ * run over the whole buffer in one call (fp32 or bf16 state); 8-bit AdamW
+ * keeps block-wise state per parameter tensor, as bitsandbytes does. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "fitllm/train.h"
@@ -8,7 +11,8 @@ void fl_optim_config_default(fl_optim_config *c, fl_optim_kind kind) {
     memset(c, 0, sizeof *c);
     c->kind = kind;
     c->lr = 1e-3f;
-    if (kind == FL_OPT_ADAMW) {
+    c->state_dtype = FL_F32;
+    if (kind == FL_OPT_ADAMW || kind == FL_OPT_ADAMW8BIT) {
         c->beta1 = 0.9f;
         c->beta2 = 0.999f;
         c->eps = 1e-8f;
@@ -17,30 +21,53 @@ void fl_optim_config_default(fl_optim_config *c, fl_optim_kind kind) {
 }
 
 const char *fl_optim_name(fl_optim_kind kind) {
-    static const char *n[FL_OPT_COUNT] = {"AdamW", "SGD"};
+    static const char *n[FL_OPT_COUNT] = {"AdamW", "SGD", "AdamW8bit"};
     return (kind >= 0 && kind < FL_OPT_COUNT) ? n[kind] : "?";
 }
 
 size_t fl_optim_state_bytes(const fl_optim_config *c, size_t n) {
+    size_t es = c->state_dtype == FL_BF16 ? 2 : 4;
     switch (c->kind) {
-    case FL_OPT_ADAMW: return 2 * n * sizeof(float);
-    case FL_OPT_SGD: return c->momentum != 0.0f ? n * sizeof(float) : 0;
+    case FL_OPT_ADAMW: return 2 * n * es;
+    case FL_OPT_SGD: return c->momentum != 0.0f ? n * es : 0;
+    case FL_OPT_ADAMW8BIT: return fl_adam8bit_state_bytes(n);
     default: return 0;
     }
+}
+
+size_t fl_optim_state_bytes_layout(const fl_optim_config *c, const fl_param_layout *lay) {
+    if (c->kind != FL_OPT_ADAMW8BIT) return fl_optim_state_bytes(c, lay->numel);
+    size_t total = 0;
+    for (int i = 0; i < lay->n; i++) total += fl_adam8bit_state_bytes(lay->params[i].numel);
+    return total;
 }
 
 fl_status fl_optim_init(fl_optimizer *o, fl_model *model, const fl_optim_config *cfg) {
     memset(o, 0, sizeof *o);
     if (cfg->kind < 0 || cfg->kind >= FL_OPT_COUNT) return fl_errorf(FL_ERR_INVALID, "unknown optimizer %d", (int)cfg->kind);
+    if (cfg->state_dtype != FL_F32 && cfg->state_dtype != FL_BF16)
+        return fl_errorf(FL_ERR_INVALID, "optimizer state dtype must be F32 or BF16");
     o->cfg = *cfg;
     o->model = model;
-    size_t bytes = model->layout.numel * sizeof(float);
+    size_t bytes = model->layout.numel * (cfg->state_dtype == FL_BF16 ? 2 : 4);
     fl_status s = FL_OK;
     if (cfg->kind == FL_OPT_ADAMW) {
         s = fl_mem_calloc(model->pool, FL_TAG_OPTIM, bytes, (void **)&o->m);
         if (s == FL_OK) s = fl_mem_calloc(model->pool, FL_TAG_OPTIM, bytes, (void **)&o->v);
-    } else if (cfg->momentum != 0.0f) {
-        s = fl_mem_calloc(model->pool, FL_TAG_OPTIM, bytes, (void **)&o->buf);
+    } else if (cfg->kind == FL_OPT_SGD) {
+        if (cfg->momentum != 0.0f) s = fl_mem_calloc(model->pool, FL_TAG_OPTIM, bytes, (void **)&o->buf);
+    } else {
+        /* 8-bit: one OPTIM allocation, bound tensor by tensor (zeroed = fresh state) */
+        const fl_param_layout *lay = &model->layout;
+        o->state8_bytes = fl_optim_state_bytes_layout(cfg, lay);
+        o->st8 = calloc((size_t)lay->n, sizeof *o->st8);
+        if (!o->st8) s = fl_errorf(FL_ERR_OOM, "8-bit optimizer bookkeeping: out of host memory");
+        if (s == FL_OK) s = fl_mem_calloc(model->pool, FL_TAG_OPTIM, o->state8_bytes, &o->state8);
+        size_t off = 0;
+        for (int i = 0; s == FL_OK && i < lay->n; i++) {
+            s = fl_adam8bit_state_bind(&o->st8[i], lay->params[i].numel, (char *)o->state8 + off);
+            off += fl_adam8bit_state_bytes(lay->params[i].numel);
+        }
     }
     if (s != FL_OK) {
         fl_optim_free(o);
@@ -54,6 +81,8 @@ void fl_optim_free(fl_optimizer *o) {
     fl_mem_free(o->model->pool, o->m);
     fl_mem_free(o->model->pool, o->v);
     fl_mem_free(o->model->pool, o->buf);
+    fl_mem_free(o->model->pool, o->state8);
+    free(o->st8);
     memset(o, 0, sizeof *o);
 }
 
@@ -76,11 +105,26 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
     o->step++;
     const fl_optim_config *c = &o->cfg;
     size_t n = m->layout.numel;
-    if (c->kind == FL_OPT_ADAMW)
+    if (c->kind == FL_OPT_ADAMW && c->state_dtype == FL_F32) {
         be->adamw_update(be, m->params, m->grads, o->m, o->v, n, lr, c->beta1, c->beta2, c->eps, c->weight_decay,
                          o->step, scale);
-    else
+    } else if (c->kind == FL_OPT_ADAMW) {
+        FL_TRY(be->adamw_update_ex(be, m->params, FL_F32, m->grads, FL_F32, o->m, o->v, c->state_dtype, n, lr,
+                                   c->beta1, c->beta2, c->eps, c->weight_decay, o->step, scale));
+    } else if (c->kind == FL_OPT_SGD && c->state_dtype == FL_F32) {
         be->sgd_update(be, m->params, m->grads, o->buf, n, lr, c->momentum, c->dampening, c->weight_decay,
                        c->nesterov, o->step == 1, scale);
+    } else if (c->kind == FL_OPT_SGD) {
+        FL_TRY(be->sgd_update_ex(be, m->params, FL_F32, m->grads, FL_F32, o->buf, c->state_dtype, n, lr, c->momentum,
+                                 c->dampening, c->weight_decay, c->nesterov, o->step == 1, scale));
+    } else {
+        /* block-wise state is per tensor, as bitsandbytes keeps it per parameter */
+        const fl_param_layout *lay = &m->layout;
+        for (int i = 0; i < lay->n; i++) {
+            size_t off = lay->params[i].offset;
+            FL_TRY(be->adam8bit_update(be, m->params + off, FL_F32, m->grads + off, FL_F32, &o->st8[i], lr, c->beta1,
+                                       c->beta2, c->eps, c->weight_decay, o->step, scale));
+        }
+    }
     return FL_OK;
 }
