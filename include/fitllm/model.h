@@ -27,6 +27,7 @@
 
 #include "fitllm/backend.h"
 #include "fitllm/mem.h"
+#include "fitllm/precision.h"
 #include "fitllm/status.h"
 
 #ifdef __cplusplus
@@ -134,6 +135,8 @@ typedef struct {
     int fwd_B, fwd_T;       /* shape of the last forward */
     int fwd_train;          /* last forward prepared a backward */
     int act_ckpt;           /* activation checkpointing (set before fl_model_alloc_acts) */
+    fl_precision prec;      /* precision policy (fl_model_set_precision); zeroed = 32-true */
+    uint16_t *wcompute;     /* (numel) compute-dtype copy of params (mixed policies), PARAMS */
 } fl_model;
 
 /* Create an empty model for cfg (validates cfg, builds the layout, allocates
@@ -148,6 +151,12 @@ void fl_model_zero_grads(fl_model *m);
 /* Size and allocate the activation arena and workspace for micro-batches of
  * at most (B,T). Re-callable; frees the previous arena. */
 fl_status fl_model_alloc_acts(fl_model *m, int B, int T);
+
+/* Select the precision policy (after loading weights). Mixed policies allocate
+ * the compute copy (tag PARAMS) and fill it from the master weights. */
+fl_status fl_model_set_precision(fl_model *m, const fl_precision *p);
+/* Refresh the compute copy from the master weights (after every update). */
+void fl_model_sync_compute_copy(fl_model *m);
 
 /* Pointer to a parameter / gradient by HF name (NULL if absent). */
 float *fl_model_param(fl_model *m, const char *name);

@@ -22,6 +22,7 @@ static void help(void) {
            "  --threads N           CPU threads (default: all cores)\n"
            "  --max-memory SIZE     allocator budget, e.g. 2GB, 512MiB (default: unlimited)\n"
            "  --act-ckpt            activation checkpointing (recompute blocks in backward)\n"
+           "  --precision NAME      32-true (default) or bf16-mixed\n"
            "  --seed N              init/data seed (default 1337)\n\n"
            "Output ends with a machine-readable line:\n"
            "RESULT impl=fitllm shape=<model> median_ms=.. tok_s=.. gflops=.. peak_rss_mb=..\n");
@@ -38,6 +39,7 @@ int fl_cmd_bench_step(int argc, char **argv) {
     float lr = 1e-4f;
     size_t budget = 0;
     fl_optim_kind okind = FL_OPT_ADAMW;
+    fl_precision prec = *fl_precision_get(FL_PREC_32_TRUE);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -45,6 +47,9 @@ int fl_cmd_bench_step(int argc, char **argv) {
         else if (!strcmp(a, "--init")) {
             if (!v || strcmp(v, "random")) return fl_cli_usage(cmd, "--init accepts only 'random'");
             random_init = 1; i++;
+        } else if (!strcmp(a, "--precision")) {
+            if (!v || fl_precision_find(v, &prec) != FL_OK) return fl_cli_usage(cmd, "%s", fl_error_message());
+            i++;
         } else if (!strcmp(a, "--act-ckpt")) {
             act_ckpt = 1;
         } else if (!strcmp(a, "--preset")) {
@@ -85,6 +90,7 @@ int fl_cmd_bench_step(int argc, char **argv) {
     fl_mem_set_phase(&pool, "model load");
     if ((s = fl_cli_load_model(&m, model_path, random_init, (uint64_t)seed, &be, &pool, &loaded)) != FL_OK) goto fail;
     fl_mem_set_phase(&pool, "setup");
+    if ((s = fl_model_set_precision(&m, &prec)) != FL_OK) goto fail;
     if ((s = fl_model_alloc_grads(&m)) != FL_OK) goto fail;
     fl_optim_config oc;
     fl_optim_config_default(&oc, okind);
@@ -105,9 +111,9 @@ int fl_cmd_bench_step(int argc, char **argv) {
     for (size_t i = 0; i < N; i++) tg[i] = (i + 1) % T ? ids[i + 1] : ids[i - T + 1];
 
     const fl_model_config *c = &m.cfg;
-    printf("bench-step: %s (%s, %zu params, L=%d C=%d NH=%d NKV=%d F=%d V=%d), B=%d T=%d, %s%s, %d threads, gemm=%s\n",
+    printf("bench-step: %s (%s, %zu params, L=%d C=%d NH=%d NKV=%d F=%d V=%d), B=%d T=%d, %s, %s%s, %d threads, gemm=%s\n",
            model_path, c->arch == FL_ARCH_LLAMA ? "llama" : "gpt2", m.layout.numel, c->n_layers, c->dim, c->n_heads,
-           c->n_kv_heads, c->ffn_dim, c->vocab_size, B, T, fl_optim_name(okind), act_ckpt ? ", act-ckpt" : "",
+           c->n_kv_heads, c->ffn_dim, c->vocab_size, B, T, prec.name, fl_optim_name(okind), act_ckpt ? ", act-ckpt" : "",
            be.n_threads, be.gemm_name);
     fl_step_result res;
     for (int k = 0; k < warmup + steps; k++) {

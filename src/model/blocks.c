@@ -17,11 +17,17 @@ static float *G(const fl_model *m, size_t off) {
     return (off == (size_t)-1 || !m->grads) ? NULL : m->grads + off;
 }
 
+void fl_linear_set_compute(const fl_model *m, fl_linear *lin, size_t w_off) {
+    lin->wc = (m->wcompute && w_off != (size_t)-1) ? (const void *)(m->wcompute + w_off) : NULL;
+    lin->wct = m->prec.compute_dtype;
+}
+
 static void set_linear(const fl_model *m, fl_linear *lin, int in, int out, const char *w, const char *b) {
     size_t ow = off_of(m, w), ob = b ? off_of(m, b) : (size_t)-1;
     lin->in = in;
     lin->out = out;
     lin->w = P(m, ow);
+    fl_linear_set_compute(m, lin, ow);
     lin->b = P(m, ob);
     lin->dw = G(m, ow);
     lin->db = G(m, ob);
@@ -90,5 +96,6 @@ void fl_get_outer(const fl_model *m, fl_outer_params *o) {
     o->lnf_w = P(m, lw); o->dlnf_w = G(m, lw);
     o->lnf_b = P(m, lb); o->dlnf_b = G(m, lb);
     o->head = P(m, hd); o->dhead = G(m, hd);
+    o->head_off = hd;
 }
 

@@ -4,16 +4,21 @@
 
 fl_status fl_linear_forward(const fl_backend *be, float *y, const float *x, const fl_linear *lin, int N) {
     /* y (N,out) = x (N,in) @ W^T (in,out) */
-    FL_TRY(be->gemm(be, 0, 1, N, lin->out, lin->in, 1.0f, x, FL_F32, lin->in, lin->w, FL_F32, lin->in, 0.0f, y,
-                    FL_F32, lin->out));
+    /* mixed precision: the weight's compute copy (bf16), fp32 accumulation */
+    const void *w = lin->wc ? lin->wc : (const void *)lin->w;
+    fl_dtype wt = lin->wc ? lin->wct : FL_F32;
+    FL_TRY(be->gemm(be, 0, 1, N, lin->out, lin->in, 1.0f, x, FL_F32, lin->in, w, wt, lin->in, 0.0f, y, FL_F32,
+                    lin->out));
     if (lin->b) be->bias_forward(be, y, lin->b, N, lin->out);
     return FL_OK;
 }
 
 fl_status fl_linear_backward(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, const float *x,
                              const fl_linear *lin, int N) {
+    const void *w = lin->wc ? lin->wc : (const void *)lin->w;
+    fl_dtype wt = lin->wc ? lin->wct : FL_F32;
     if (dx) /* dx (N,in) = dy (N,out) @ W (out,in) */
-        FL_TRY(be->gemm(be, 0, 0, N, lin->in, lin->out, 1.0f, dy, FL_F32, lin->out, lin->w, FL_F32, lin->in,
+        FL_TRY(be->gemm(be, 0, 0, N, lin->in, lin->out, 1.0f, dy, FL_F32, lin->out, w, wt, lin->in,
                         dx_accumulate ? 1.0f : 0.0f, dx, FL_F32, lin->in));
     if (lin->dw) /* dW (out,in) += dy^T (out,N) @ x (N,in) */
         FL_TRY(be->gemm(be, 1, 0, lin->out, lin->in, N, 1.0f, dy, FL_F32, lin->out, x, FL_F32, lin->in, 1.0f,

@@ -69,6 +69,8 @@ void fl_model_free_acts(fl_model *m);
 typedef struct {
     int in, out;
     const float *w;   /* (out, in) */
+    const void *wc;   /* (out, in) compute-dtype copy of w (mixed precision) or NULL */
+    fl_dtype wct;     /* dtype of wc */
     const float *b;   /* (out) or NULL */
     float *dw;        /* (out, in) or NULL */
     float *db;        /* (out) or NULL */
@@ -94,9 +96,12 @@ typedef struct {
 typedef struct {
     const float *wte, *wpe, *lnf_w, *lnf_b, *head;
     float *dwte, *dwpe, *dlnf_w, *dlnf_b, *dhead;
+    size_t head_off;  /* element offset of the head weight (for its compute copy) */
 } fl_outer_params;
 
 void fl_get_block(const fl_model *m, int l, fl_block_params *bp);
+/* Point lin->wc at the compute copy of the weight at element offset w_off (or NULL). */
+void fl_linear_set_compute(const fl_model *m, fl_linear *lin, size_t w_off);
 void fl_get_outer(const fl_model *m, fl_outer_params *o);
 /* Normalization dispatch: RMSNorm for LLaMA, LayerNorm for GPT-2 (mean unused for RMSNorm). */
 void fl_norm_forward(const fl_model *m, float *out, float *mean, float *rstd, const float *x, const float *w,

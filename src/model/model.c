@@ -41,8 +41,29 @@ void fl_model_free_acts(fl_model *m) {
     m->B = m->T = 0;
 }
 
+fl_status fl_model_set_precision(fl_model *m, const fl_precision *p) {
+    if (!p->available)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "precision '%s' is not available yet in this build (32-true, bf16-mixed)",
+                         p->name);
+    fl_mem_free(m->pool, m->wcompute);
+    m->wcompute = NULL;
+    m->prec = *p;
+    if (p->compute_copy) {
+        fl_status s = fl_mem_alloc(m->pool, FL_TAG_PARAMS, fl_precision_copy_bytes(p, m->layout.numel),
+                                   (void **)&m->wcompute);
+        if (s != FL_OK) return fl_error_prefix(s, "allocating the %s weight copy", p->name);
+        fl_model_sync_compute_copy(m);
+    }
+    return FL_OK;
+}
+
+void fl_model_sync_compute_copy(fl_model *m) {
+    if (m->wcompute) m->be->convert(m->be, m->wcompute, m->prec.compute_dtype, m->params, FL_F32, m->layout.numel);
+}
+
 void fl_model_free(fl_model *m) {
     if (!m->pool) return;
+    fl_mem_free(m->pool, m->wcompute);
     fl_model_free_acts(m);
     fl_mem_free(m->pool, m->grads);
     fl_mem_free(m->pool, m->params);

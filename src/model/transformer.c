@@ -73,7 +73,8 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
      * In training the head's backward runs here too (dlogits overwrite the
      * logits chunk), leaving d(lnf) in buf1 for fl_model_backward. */
     const int R = m->sizes.logits_chunk_rows;
-    fl_linear head = {d.C, d.V, op.head, NULL, op.dhead, NULL};
+    fl_linear head = {d.C, d.V, op.head, NULL, 0, NULL, op.dhead, NULL};
+    fl_linear_set_compute(m, &head, op.head_off);
     float *dlnf = a->buf1; // (N, C)
     m->loss_sum = 0;
     m->n_valid = 0;

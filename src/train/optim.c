@@ -126,5 +126,6 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
                                        c->beta2, c->eps, c->weight_decay, o->step, scale));
         }
     }
+    fl_model_sync_compute_copy(m); /* mixed precision: matmuls read the refreshed copy */
     return FL_OK;
 }

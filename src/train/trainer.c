@@ -345,8 +345,11 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
     r.val_loss = NAN;
     fl_status s = fl_cfg_validate(cfg);
     if (s != FL_OK) return s;
-    if (strcmp(cfg->precision, "32-true"))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "precision '%s' is not available yet in this build (32-true)", cfg->precision);
+    fl_precision prec;
+    if ((s = fl_precision_find(cfg->precision, &prec)) != FL_OK) return s;
+    if (!prec.available)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "precision '%s' is not available yet in this build (32-true, bf16-mixed)",
+                         cfg->precision);
     if (!strcmp(cfg->resume, "false") && !cfg->overwrite && dir_has_run(cfg->out_dir))
         return fl_errorf(FL_ERR_INVALID,
                          "out_dir '%s' holds another run (checkpoints or logs); use --resume auto to continue it "
@@ -359,6 +362,7 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
     t.pool_ok = 1;
     fl_mem_set_phase(&t.pool, "model load");
     CHECK(load_model_and_tokenizer(&t));
+    CHECK(fl_model_set_precision(&t.model, &prec));
     CHECK(load_data(&t));
     schedule(&t);
     fl_mem_set_phase(&t.pool, "setup");
@@ -375,6 +379,7 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
     fl_ckpt_clean_tmp(cfg->out_dir);
     int resumed = 0;
     CHECK(resume_if_asked(&t, &resumed));
+    fl_model_sync_compute_copy(&t.model); /* resumed master weights -> compute copy */
     CHECK(fl_metrics_open(&t.metrics, cfg->out_dir, cfg->logger_name, resumed));
 
     const fl_data_stats *ds = fl_data_get_stats(t.data);
@@ -385,6 +390,7 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
         fprintf(out, "data: %s, %zu train / %zu val samples, %zu truncated to max_seq_length; longest input %d\n",
                 fl_data_kind_name(cfg->data.kind), ds->n_samples[FL_SPLIT_TRAIN], ds->n_samples[FL_SPLIT_VAL],
                 ds->n_truncated, t.T);
+        fprintf(out, "precision %s%s\n", prec.name, cfg->train.activation_checkpointing ? ", activation checkpointing" : "");
         fprintf(out, "micro_batch %d x accumulation %d = global batch %d; %ld steps/epoch, %ld steps, warmup %ld; "
                 "%s lr %g, min_lr %g\n",
                 t.B, t.accum, cfg->train.global_batch_size, t.steps_per_epoch, t.max_steps, t.warmup,

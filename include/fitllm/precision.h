@@ -1,0 +1,60 @@
+/* fitllm: precision policies (LitGPT/Lightning names), one object instead of
+ * scattered ifs. Each policy says what dtype every kind of buffer has:
+ *
+ *   policy       PARAMS                       GRADS  OPTIM   matmul operands
+ *   32-true      f32                          f32    f32     f32 x f32
+ *   bf16-mixed   f32 master + bf16 copy       f32    f32     f32 acts x bf16 weight copy (fp32 accumulate)
+ *   bf16-true    bf16                         bf16   bf16    (not available yet in this build)
+ *   16-mixed     f32 master + f16 copy        f32    f32     (not available yet: needs f16 GEMM)
+ *   16-true      f16                          f16    f16     (not available yet)
+ *
+ * On the CPU, activations and elementwise ops (norms, attention, activations,
+ * cross-entropy) compute in fp32 under every policy; the saving of the mixed
+ * policy is speed (bf16 GEMMs with avx512_bf16 / oneDNN), at the cost of the
+ * bf16 weight copy in PARAMS. bf16-true (bf16 storage everywhere) is the
+ * memory-saving policy and comes next.
+ */
+#ifndef FITLLM_PRECISION_H
+#define FITLLM_PRECISION_H
+
+#include <stddef.h>
+
+#include "fitllm/dtype.h"
+#include "fitllm/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+    FL_PREC_32_TRUE = 0,
+    FL_PREC_BF16_MIXED,
+    FL_PREC_BF16_TRUE,
+    FL_PREC_16_MIXED,
+    FL_PREC_16_TRUE,
+    FL_PREC_COUNT
+} fl_precision_kind;
+
+typedef struct {
+    fl_precision_kind kind;
+    const char *name;        /* "32-true", ... */
+    fl_dtype param_dtype;    /* storage of the trained (master) parameters */
+    fl_dtype compute_dtype;  /* weights as the matmuls read them */
+    int compute_copy;        /* a separate compute-dtype copy of the weights exists (mixed) */
+    fl_dtype grad_dtype;
+    int loss_scaling;        /* dynamic loss scaling (fp16 policies) */
+    int available;           /* implemented in this build */
+} fl_precision;
+
+/* Look up a policy by LitGPT name; FL_ERR_INVALID for unknown names. An
+ * existing but unavailable policy is returned with available = 0. */
+fl_status fl_precision_find(const char *name, fl_precision *out);
+const fl_precision *fl_precision_get(fl_precision_kind k);
+
+/* Bytes of the compute-dtype weight copy for n parameters (0 without a copy). */
+size_t fl_precision_copy_bytes(const fl_precision *p, size_t n_params);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
