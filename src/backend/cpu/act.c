@@ -11,7 +11,7 @@
 #define GELU_A 0.044715f
 
 void fl_cpu_swiglu_forward(const fl_backend *be, float *out /*(N,F)*/, const float *gu /*(N,2F)*/, int N, int F) {
-#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if ((size_t)N * F >= FL_CPU_PAR_MIN)
     for (int n = 0; n < N; n++) {
         const float *g = gu + (size_t)n * 2 * F, *u = g + F; // (F) gate, (F) up
         float *o = out + (size_t)n * F;
@@ -22,7 +22,7 @@ void fl_cpu_swiglu_forward(const fl_backend *be, float *out /*(N,F)*/, const flo
 
 void fl_cpu_swiglu_backward(const fl_backend *be, float *dgu /*(N,2F)*/, const float *dout /*(N,F)*/,
                             const float *gu /*(N,2F)*/, int N, int F) {
-#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if ((size_t)N * F >= FL_CPU_PAR_MIN)
     for (int n = 0; n < N; n++) {
         const float *g = gu + (size_t)n * 2 * F, *u = g + F;
         const float *d = dout + (size_t)n * F;
@@ -38,7 +38,7 @@ void fl_cpu_swiglu_backward(const fl_backend *be, float *dgu /*(N,2F)*/, const f
 }
 
 void fl_cpu_gelu_forward(const fl_backend *be, float *out /*(n)*/, const float *inp /*(n)*/, size_t n) {
-#pragma omp parallel for simd num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for simd num_threads(be->n_threads) schedule(static) if (n >= FL_CPU_PAR_MIN)
     for (size_t i = 0; i < n; i++) {
         float x = inp[i];
         float u = GELU_K * (x + GELU_A * x * x * x);
@@ -50,7 +50,7 @@ void fl_cpu_gelu_forward(const fl_backend *be, float *out /*(n)*/, const float *
 
 void fl_cpu_gelu_backward(const fl_backend *be, float *dinp /*(n)*/, const float *dout /*(n)*/,
                           const float *inp /*(n)*/, size_t n) {
-#pragma omp parallel for simd num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for simd num_threads(be->n_threads) schedule(static) if (n >= FL_CPU_PAR_MIN)
     for (size_t i = 0; i < n; i++) {
         float x = inp[i];
         float u = GELU_K * (x + GELU_A * x * x * x);

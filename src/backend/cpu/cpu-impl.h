@@ -14,6 +14,11 @@
 
 #include "fitllm/backend.h"
 
+/* Elementwise ops run serially below this many elements: a parallel region
+ * costs a barrier, and on a shared (oversubscribed) machine a spinning
+ * OpenMP barrier over tiny work (decode steps, small models) stalls badly. */
+#define FL_CPU_PAR_MIN 16384
+
 /* Largest head dimension attention supports: its tiles are fixed-size stack
  * buffers sized for this (ops never allocate). Covers LLaMA (64/128) and
  * Gemma-style 256. Larger HD fills the outputs with NaN so misuse is loud;

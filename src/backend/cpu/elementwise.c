@@ -17,18 +17,18 @@ void fl_cpu_zero(const fl_backend *be, void *x, size_t bytes) {
 }
 
 void fl_cpu_scale(const fl_backend *be, float *x /*(n)*/, size_t n, float s) {
-#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if (n >= FL_CPU_PAR_MIN)
     for (size_t i = 0; i < n; i++) x[i] *= s;
 }
 
 void fl_cpu_add(const fl_backend *be, float *out /*(n)*/, const float *a /*(n)*/, const float *b /*(n)*/, size_t n) {
     /* out may alias a or b: each element is read before it is written. */
-#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if (n >= FL_CPU_PAR_MIN)
     for (size_t i = 0; i < n; i++) out[i] = a[i] + b[i];
 }
 
 void fl_cpu_bias_forward(const fl_backend *be, float *y /*(N,OC)*/, const float *b /*(OC)*/, int N, int OC) {
-#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if ((size_t)N * OC >= FL_CPU_PAR_MIN)
     for (int n = 0; n < N; n++) {
         float *yr = y + (size_t)n * OC;
 #pragma omp simd
@@ -41,7 +41,7 @@ void fl_cpu_bias_backward(const fl_backend *be, float *db /*(OC)*/, const float 
     /* Parallel over column blocks; each column is summed over rows in order by
      * one thread, so the result does not even depend on the thread count. */
     int nblk = (OC + COL_BLOCK - 1) / COL_BLOCK;
-#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if ((size_t)N * OC >= FL_CPU_PAR_MIN)
     for (int blk = 0; blk < nblk; blk++) {
         int c0 = blk * COL_BLOCK, c1 = c0 + COL_BLOCK < OC ? c0 + COL_BLOCK : OC;
         float acc[COL_BLOCK]; // (COL_BLOCK) column partial sums

@@ -14,7 +14,7 @@ void fl_cpu_embedding_forward(const fl_backend *be, float *out /*(B,T,C)*/, cons
                               const float *wte /*(V,C)*/, const float *wpe /*(maxT,C) or NULL*/, int B, int T,
                               int C) {
     int N = B * T;
-#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if ((size_t)N * C >= FL_CPU_PAR_MIN)
     for (int n = 0; n < N; n++) {
         int t = n % T;
         float *o = out + (size_t)n * C;
@@ -34,7 +34,7 @@ void fl_cpu_embedding_backward(const fl_backend *be, float *dwte /*(V,C) or NULL
     int N = B * T;
     if (dwte) {
         int nblk = (C + COL_BLOCK - 1) / COL_BLOCK;
-#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if ((size_t)B * T * C >= FL_CPU_PAR_MIN)
         for (int blk = 0; blk < nblk; blk++) {
             int c0 = blk * COL_BLOCK, c1 = c0 + COL_BLOCK < C ? c0 + COL_BLOCK : C;
             for (int n = 0; n < N; n++) {
@@ -47,7 +47,7 @@ void fl_cpu_embedding_backward(const fl_backend *be, float *dwte /*(V,C) or NULL
     }
     if (dwpe) {
         /* Each position t is owned by one thread; batches are added in order. */
-#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if ((size_t)B * T * C >= FL_CPU_PAR_MIN)
         for (int t = 0; t < T; t++) {
             float *d = dwpe + (size_t)t * C;
             for (int b = 0; b < B; b++) {

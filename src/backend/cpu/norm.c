@@ -15,7 +15,7 @@
 
 void fl_cpu_rmsnorm_forward(const fl_backend *be, float *out /*(N,C)*/, float *rstd /*(N)*/,
                             const float *inp /*(N,C)*/, const float *w /*(C)*/, int N, int C, float eps) {
-#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if ((size_t)N * C >= FL_CPU_PAR_MIN)
     for (int n = 0; n < N; n++) {
         const float *x = inp + (size_t)n * C;
         float *o = out + (size_t)n * C;
@@ -35,7 +35,7 @@ void fl_cpu_rmsnorm_backward(const fl_backend *be, float *dinp /*(N,C)*/, float 
     /* y = xhat * w, xhat = x * r.  dxhat = dy * w;
      * dx = r * (dxhat - xhat * mean(dxhat * xhat)). */
     if (dinp) {
-#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if ((size_t)N * C >= FL_CPU_PAR_MIN)
         for (int n = 0; n < N; n++) {
             const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
             float *dx = dinp + (size_t)n * C;
@@ -50,7 +50,7 @@ void fl_cpu_rmsnorm_backward(const fl_backend *be, float *dinp /*(N,C)*/, float 
     }
     if (dw) {
         int nblk = (C + COL_BLOCK - 1) / COL_BLOCK;
-#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if ((size_t)N * C >= FL_CPU_PAR_MIN)
         for (int blk = 0; blk < nblk; blk++) {
             int c0 = blk * COL_BLOCK, c1 = c0 + COL_BLOCK < C ? c0 + COL_BLOCK : C;
             float acc[COL_BLOCK] = {0}; // (COL_BLOCK) partial dw of this column block
@@ -67,7 +67,7 @@ void fl_cpu_rmsnorm_backward(const fl_backend *be, float *dinp /*(N,C)*/, float 
 void fl_cpu_layernorm_forward(const fl_backend *be, float *out /*(N,C)*/, float *mean /*(N)*/, float *rstd /*(N)*/,
                               const float *inp /*(N,C)*/, const float *w /*(C)*/, const float *b /*(C) or NULL*/,
                               int N, int C, float eps) {
-#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if ((size_t)N * C >= FL_CPU_PAR_MIN)
     for (int n = 0; n < N; n++) {
         const float *x = inp + (size_t)n * C;
         float *o = out + (size_t)n * C;
@@ -101,7 +101,7 @@ void fl_cpu_layernorm_backward(const fl_backend *be, float *dinp /*(N,C)*/, floa
                                int C) {
     /* dxhat = dy * w;  dx = r * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)). */
     if (dinp) {
-#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if ((size_t)N * C >= FL_CPU_PAR_MIN)
         for (int n = 0; n < N; n++) {
             const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
             float *dx = dinp + (size_t)n * C;
@@ -120,7 +120,7 @@ void fl_cpu_layernorm_backward(const fl_backend *be, float *dinp /*(N,C)*/, floa
     }
     if (dw || db) {
         int nblk = (C + COL_BLOCK - 1) / COL_BLOCK;
-#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if ((size_t)N * C >= FL_CPU_PAR_MIN)
         for (int blk = 0; blk < nblk; blk++) {
             int c0 = blk * COL_BLOCK, c1 = c0 + COL_BLOCK < C ? c0 + COL_BLOCK : C;
             float aw[COL_BLOCK] = {0}, ab[COL_BLOCK] = {0}; // (COL_BLOCK) partial dw, db

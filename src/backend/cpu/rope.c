@@ -15,7 +15,7 @@ static void rope_apply(const fl_backend *be, float *x, int B, int T, int nh, int
                        const float *cos_t /*(maxT,HD/2)*/, const float *sin_t /*(maxT,HD/2)*/, int pos0,
                        float sign /* +1 forward, -1 backward (transpose) */) {
     int H = HD / 2, N = B * T;
-#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if ((size_t)N * nh * HD >= FL_CPU_PAR_MIN)
     for (int n = 0; n < N; n++) {
         int t = n % T;
         const float *c = cos_t + (size_t)(pos0 + t) * H;

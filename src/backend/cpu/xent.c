@@ -14,7 +14,7 @@
 void fl_cpu_cross_entropy(const fl_backend *be, float *loss /*(N)*/, float *dlogits /*(N,V) or NULL*/,
                           const float *logits /*(N,V)*/, const int32_t *targets /*(N)*/, int N, int V,
                           float grad_scale, int ignore_index) {
-#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if ((size_t)N * V >= FL_CPU_PAR_MIN)
     for (int n = 0; n < N; n++) {
         const float *x = logits + (size_t)n * V;
         float *dx = dlogits ? dlogits + (size_t)n * V : NULL;
