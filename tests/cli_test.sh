@@ -41,6 +41,19 @@ expect bench_bad_number 2 "not an integer" -- "$FITLLM" bench-step micro --micro
 expect bench_oom_exit_3 3 "out of memory" -- "$FITLLM" bench-step tiny --micro-batch 2 --seq 64 --steps 1 --max-memory 64MB
 expect bench_ok 0 "RESULT impl=fitllm" -- "$FITLLM" bench-step micro --micro-batch 2 --seq 32 --steps 2 --warmup 0
 
+# training commands: configuration errors are usage errors (2), OOM is 3
+printf 'train:\n  micro_batch_size: 4\n   global_batch_size: [\n' > "$T/bad.yaml"
+expect finetune_bad_yaml 2 "bad.yaml:" -- "$FITLLM" finetune_full micro --config "$T/bad.yaml"
+expect finetune_unknown_key 2 "did you mean 'train.micro_batch_size'" -- "$FITLLM" finetune_full micro --train.micro_bach_size 2
+expect finetune_not_divisible 2 "not divisible" -- "$FITLLM" finetune_full micro --train.global_batch_size 6 --train.micro_batch_size 4 --out_dir "$T/x3"
+expect finetune_zero_batch 2 "must be positive" -- "$FITLLM" finetune_full micro --train.micro_batch_size 0 --out_dir "$T/x4"
+expect finetune_lora_reserved 2 "not available yet" -- "$FITLLM" finetune_lora micro
+expect finetune_precision_unavailable 2 "16-true" -- "$FITLLM" finetune_full micro --precision 16-true --out_dir "$T/x5"
+expect finetune_oom 3 "out of memory" -- "$FITLLM" finetune_full tiny --max_memory 100MB --out_dir "$T/x6" --train.max_steps 1
+if [ -d "$T/x6/final" ] || ls "$T/x6"/step-* >/dev/null 2>&1; then echo "FAIL finetune_oom_no_output"; fail=$((fail+1)); else echo "ok   finetune_oom_no_output"; pass=$((pass+1)); fi
+expect finetune_tiny_ok 0 "Saved the final model" -- "$FITLLM" finetune_full micro --train.max_steps 3 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/x7" --quiet
+expect pretrain_ok 0 "Saved the final model" -- "$FITLLM" pretrain --model_name micro --data Synthetic --train.max_steps 2 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/x8" --quiet
+
 if [ -d "$DATA/stories260K-hf" ]; then
     printf '1 403 407 261 378 434 2 9 19 5\n' > "$T/ids.txt"
     expect loss_real_model 0 "loss [0-9.]+" -- "$FITLLM" loss "$DATA/stories260K-hf" --tokens-file "$T/ids.txt" --dump-logits "$T/logits.f32"
@@ -51,6 +64,17 @@ if [ -d "$DATA/stories260K-hf" ]; then
     mkdir -p "$T/trunc"; cp "$DATA/stories260K-hf/config.json" "$T/trunc/"
     head -c 5000 "$DATA/stories260K-hf/model.safetensors" > "$T/trunc/model.safetensors"
     expect loss_truncated_safetensors 1 "model.safetensors" -- "$FITLLM" loss "$T/trunc" --tokens-file "$T/ids.txt"
+    # training commands end to end on the real model (synthetic and Alpaca data)
+    expect finetune_synthetic 0 "Saved the final model" -- "$FITLLM" finetune_full --config recipes/cpu/stories260k-full-synthetic.yaml \
+        --out_dir "$T/ft-syn" --train.max_steps 10 --eval.interval 5 --train.save_interval 5 --quiet
+    expect generate_from_final 0 "" -- "$FITLLM" generate "$T/ft-syn/final" --prompt "Once upon a time" --max_new_tokens 8 --temperature 0
+    expect finetune_alpaca 0 "Final evaluation" -- "$FITLLM" finetune_full --config recipes/cpu/stories260k-full-alpaca.yaml \
+        --data.json_path "$DATA/instruct/alpaca-tiny.json" --out_dir "$T/ft-alp" --train.epochs 1 --quiet
+    expect finetune_used_out_dir 2 "holds another run" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" --out_dir "$T/ft-syn" --train.max_steps 1
+    expect finetune_resume_auto 0 "Resuming training from" -- "$FITLLM" finetune_full --config recipes/cpu/stories260k-full-synthetic.yaml \
+        --out_dir "$T/ft-syn" --train.max_steps 12 --train.save_interval 5 --resume auto --quiet
+    expect finetune_not_a_model 2 "neither a model folder nor a preset" -- "$FITLLM" finetune_full "$T/nope-model" --out_dir "$T/x1"
+    expect finetune_missing_data 2 "nope.json" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" --data JSON --data.json_path "$T/nope.json" --out_dir "$T/x2"
 else
     echo "skip real-model CLI checks: $DATA not found (set FITLLM_DATA)"; skip=$((skip+1))
 fi

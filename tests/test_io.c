@@ -947,3 +947,38 @@ FL_TEST(config_llama_rope_parameters_v5) {
     FL_REQUIRE_OK(fl_hf_load_config(p, &c));
     FL_CHECK(c.rope_theta == 20000.0f && c.rope_scaling.type == FL_ROPE_NONE);
 }
+
+/* Saving above the shard size writes model-0000i-of-0000N.safetensors and an
+ * index that loads back to the same parameters. */
+FL_TEST(weights_save_sharded_roundtrip) {
+    fl_backend be;
+    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 1));
+    fl_mem_pool pool;
+    FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
+    fl_model_config c;
+    FL_REQUIRE_OK(fl_preset_find("micro", &c));
+    fl_model a, b;
+    FL_REQUIRE_OK(fl_model_init(&a, &c, &be, &pool));
+    fl_model_init_random(&a, 3);
+    char dir[600];
+    snprintf(dir, sizeof dir, "%s/sharded", fl_test_tmpdir());
+    fl_hf_set_max_shard_bytes(300000); /* ~1 MB of weights -> 4 shards */
+    fl_status s = fl_hf_save_model(&a, dir);
+    fl_hf_set_max_shard_bytes(0);
+    FL_REQUIRE_OK(s);
+    char p[700];
+    snprintf(p, sizeof p, "%s/model.safetensors.index.json", dir);
+    FILE *f = fopen(p, "r");
+    FL_REQUIRE(f != NULL);
+    fclose(f);
+    snprintf(p, sizeof p, "%s/model-00004-of-00004.safetensors", dir);
+    f = fopen(p, "r");
+    FL_CHECK(f != NULL);
+    if (f) fclose(f);
+    FL_REQUIRE_OK(fl_hf_load_model(&b, dir, &be, &pool));
+    FL_CHECK(b.layout.numel == a.layout.numel && memcmp(a.params, b.params, a.layout.numel * 4) == 0);
+    fl_model_free(&a);
+    fl_model_free(&b);
+    fl_mem_pool_free(&pool);
+    fl_cpu_backend_free(&be);
+}

@@ -304,6 +304,21 @@ FL_TEST(trainer_optimizers_train_and_count_state) {
     optim_case("SGD", NULL, 0.5f);
 }
 
+FL_TEST(trainer_rotates_checkpoints) {
+    fl_run_config c;
+    char out[512], p[600];
+    snprintf(out, sizeof out, "%s/rot", fl_test_tmpdir());
+    small_run(&c, out);
+    c.train.save_interval = 2;
+    c.train.keep_checkpoints = 2;
+    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, NULL, NULL, NULL)); /* saves at 2, 4, 6, 8 */
+    int want[4] = {0, 0, 1, 1};
+    for (int k = 0; k < 4; k++) {
+        snprintf(p, sizeof p, "%s/step-%06d", out, 2 * (k + 1));
+        FL_CHECKF(fl_ckpt_is_committed(p) == want[k], "%s committed=%d", p, fl_ckpt_is_committed(p));
+    }
+}
+
 FL_TEST(trainer_refuses_used_out_dir) {
     fl_run_config c;
     char out[512];

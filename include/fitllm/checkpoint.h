@@ -47,6 +47,8 @@ fl_status fl_ckpt_find_latest(const char *out_dir, char *path, size_t n);
 /* Load parameters, optimizer state and train state from a committed
  * checkpoint into an initialized model/optimizer of the same shape. */
 fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_state *st);
+/* Delete all but the newest `keep` committed step-* checkpoints (keep > 0). */
+void fl_ckpt_rotate(const char *out_dir, int keep);
 /* Remove leftover temporary folders of interrupted saves in out_dir. */
 void fl_ckpt_clean_tmp(const char *out_dir);
 

@@ -40,6 +40,7 @@ typedef struct {
     float max_norm;           /* <= 0 = null (no clipping) */
     float min_lr;
     int activation_checkpointing; /* fitllm extension (lab's act_ckpt) */
+    int keep_checkpoints;     /* fitllm: keep only the newest N step-* checkpoints (0 = all) */
 } fl_train_args;
 
 typedef struct {

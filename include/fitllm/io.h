@@ -91,8 +91,12 @@ fl_status fl_hf_load_weights(fl_model *m, const char *dir);
 /* Convenience: config + model init + weights. */
 fl_status fl_hf_load_model(fl_model *m, const char *dir, const fl_backend *be, fl_mem_pool *pool);
 
-/* Save m as an HF folder (config.json + model.safetensors), atomically. */
+/* Save m as an HF folder (config.json + model.safetensors, or shards
+ * model-0000i-of-0000N.safetensors + model.safetensors.index.json above the
+ * shard size, 5 GB by default as save_pretrained), atomically. */
 fl_status fl_hf_save_model(const fl_model *m, const char *dir);
+/* Shard size for fl_hf_save_model (0 = the 5 GB default); tests use small values. */
+void fl_hf_set_max_shard_bytes(size_t bytes);
 
 /* ---- llama2.c checkpoints ------------------------------------------------ */
 

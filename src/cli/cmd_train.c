@@ -78,8 +78,9 @@ static int run(const char *cmd, fl_cmd_kind kind, int argc, char **argv) {
     s = fl_trainer_run(&cfg, stdout, bar, NULL, NULL, &res);
     if (s != FL_OK) {
         int code = fl_cli_fail(cmd, s, NULL);
-        /* configuration problems found while setting up are usage errors */
-        return s == FL_ERR_INVALID ? FL_EXIT_USAGE : code;
+        /* configuration problems found while setting up (bad values, a checkpoint_dir or
+         * data file that does not exist, a technique this build lacks) are usage errors */
+        return (s == FL_ERR_INVALID || s == FL_ERR_NOT_FOUND || s == FL_ERR_UNSUPPORTED) ? FL_EXIT_USAGE : code;
     }
     return 0;
 }

@@ -98,6 +98,7 @@ static const fl_cfg_key k_keys[] = {
     {"train.beta1", FL_CK_FLOAT, OFF(optimizer.beta1), "(older LitGPT recipes) AdamW beta1"},
     {"train.beta2", FL_CK_FLOAT, OFF(optimizer.beta2), "(older LitGPT recipes) AdamW beta2"},
     {"train.activation_checkpointing", FL_CK_BOOL, OFF(train.activation_checkpointing), "recompute blocks in backward"},
+    {"train.keep_checkpoints", FL_CK_INT, OFF(train.keep_checkpoints), "keep only the newest N step-* checkpoints, 0 = all (fitllm)"},
     {"eval.interval", FL_CK_INT, OFF(eval.interval), "optimizer steps between evaluations"},
     {"eval.max_new_tokens", FL_CK_INT_OPT0, OFF(eval.max_new_tokens), "tokens of the sample generation"},
     {"eval.max_iters", FL_CK_INT, OFF(eval.max_iters), "validation batches per evaluation"},

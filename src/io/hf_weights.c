@@ -197,13 +197,27 @@ fl_status fl_hf_load_model(fl_model *m, const char *dir, const fl_backend *be, f
 
 /* ---- saving ------------------------------------------------------------- */
 
+/* Hugging Face shards weights above 5 GB ("5GB" = 5e9 bytes in save_pretrained). */
+static size_t g_max_shard_bytes = 5000000000ull;
+
+void fl_hf_set_max_shard_bytes(size_t bytes) { g_max_shard_bytes = bytes ? bytes : 5000000000ull; }
+
 static fl_status fl_hf_write_files(const fl_model *m, const char *dir) {
     char path[FL_HF_PATH_MAX];
     const fl_param_layout *lay = &m->layout;
     fl_st_write_tensor *t = calloc((size_t)lay->n + 1, sizeof *t);
-    if (!t) return fl_errorf(FL_ERR_OOM, "%s: out of memory", dir);
+    int *shard = calloc((size_t)lay->n + 1, sizeof *shard);
+    if (!t || !shard) { free(t); free(shard); return fl_errorf(FL_ERR_OOM, "%s: out of memory", dir); }
+    /* pack tensors, in layout order, into shards of at most g_max_shard_bytes */
+    int n_shards = 1;
+    size_t cur = 0, total = 0;
     for (int k = 0; k < lay->n; k++) {
         const fl_param_info *p = &lay->params[k];
+        size_t b = p->numel * sizeof(float);
+        if (cur > 0 && cur + b > g_max_shard_bytes) { n_shards++; cur = 0; }
+        cur += b;
+        total += b;
+        shard[k] = n_shards - 1;
         t[k].name = p->name;
         t[k].dtype = FL_F32;
         t[k].src_dtype = FL_F32;
@@ -219,9 +233,38 @@ static fl_status fl_hf_write_files(const fl_model *m, const char *dir) {
         }
     }
     const char *mk[] = {"format"}, *mv[] = {"pt"};
-    fl_status s = fl_io_join(path, sizeof path, dir, "model.safetensors");
-    if (s == FL_OK) s = fl_st_write(path, t, lay->n, mk, mv, 1);
+    fl_status s = FL_OK;
+    if (n_shards == 1) {
+        s = fl_io_join(path, sizeof path, dir, "model.safetensors");
+        if (s == FL_OK) s = fl_st_write(path, t, lay->n, mk, mv, 1);
+    } else {
+        /* model-0000i-of-0000N.safetensors + model.safetensors.index.json */
+        char *index = NULL;
+        size_t ilen = 0;
+        FILE *f = open_memstream(&index, &ilen);
+        if (!f) s = fl_errorf(FL_ERR_OOM, "%s: out of memory", dir);
+        if (f) fprintf(f, "{\n  \"metadata\": {\"total_size\": %zu},\n  \"weight_map\": {\n", total);
+        for (int sh = 0, first = 0; s == FL_OK && sh < n_shards; sh++) {
+            int k0 = first, k1 = k0;
+            while (k1 < lay->n && shard[k1] == sh) k1++;
+            char name[64];
+            snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", sh + 1, n_shards);
+            s = fl_io_join(path, sizeof path, dir, name);
+            if (s == FL_OK) s = fl_st_write(path, t + k0, k1 - k0, mk, mv, 1);
+            for (int k = k0; k < k1; k++)
+                fprintf(f, "    \"%s\": \"%s\"%s\n", t[k].name, name, k + 1 < lay->n ? "," : "");
+            first = k1;
+        }
+        if (f) {
+            fprintf(f, "  }\n}\n");
+            fclose(f);
+        }
+        if (s == FL_OK) s = fl_io_join(path, sizeof path, dir, "model.safetensors.index.json");
+        if (s == FL_OK) s = fl_io_write_file_atomic(path, index, ilen);
+        free(index);
+    }
     free(t);
+    free(shard);
     if (s == FL_OK) s = fl_io_join(path, sizeof path, dir, "config.json");
     if (s == FL_OK) s = fl_hf_save_config(path, &m->cfg);
     return s;

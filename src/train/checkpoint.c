@@ -178,6 +178,37 @@ fl_status fl_ckpt_find_latest(const char *out_dir, char *path, size_t n) {
     return FL_OK;
 }
 
+static int cmp_long_desc(const void *a, const void *b) {
+    long x = *(const long *)a, y = *(const long *)b;
+    return (x < y) - (x > y);
+}
+
+void fl_ckpt_rotate(const char *out_dir, int keep) {
+    if (keep <= 0) return;
+    DIR *d = opendir(out_dir);
+    if (!d) return;
+    long steps[4096];
+    int n = 0;
+    struct dirent *e;
+    char p[FL_CFG_PATH + 300];
+    while ((e = readdir(d)) != NULL && n < 4096) {
+        long step;
+        char tail;
+        if (sscanf(e->d_name, "step-%ld%c", &step, &tail) != 1) continue;
+        snprintf(p, sizeof p, "%s/%s", out_dir, e->d_name);
+        if (fl_ckpt_is_committed(p)) steps[n++] = step;
+    }
+    closedir(d);
+    qsort(steps, (size_t)n, sizeof *steps, cmp_long_desc);
+    for (int i = keep; i < n; i++) {
+        /* un-commit first, so a crash mid-delete never leaves a resumable half */
+        snprintf(p, sizeof p, "%s/step-%06ld/" MARKER, out_dir, steps[i]);
+        unlink(p);
+        snprintf(p, sizeof p, "%s/step-%06ld", out_dir, steps[i]);
+        remove_tree_flat(p);
+    }
+}
+
 static const char *meta(const fl_st_file *f, const char *key) {
     for (int i = 0; i < f->n_meta; i++)
         if (!strcmp(f->meta_keys[i], key)) return f->meta_vals[i];

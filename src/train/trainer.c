@@ -501,6 +501,7 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
             if (out) fprintf(out, "Saving checkpoint to '%s/%s'\n", cfg->out_dir, name);
             fl_mem_set_phase(&t.pool, "checkpoint");
             CHECK(fl_ckpt_save(cfg->out_dir, name, &t.model, &t.opt, &t.st, cfg, t.tok_dir[0] ? t.tok_dir : NULL));
+            fl_ckpt_rotate(cfg->out_dir, cfg->train.keep_checkpoints);
         }
         /* after evaluation and checkpointing, so a hook that stops the run acts
          * like a crash right after this step's checkpoint */
