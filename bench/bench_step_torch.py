@@ -37,6 +37,10 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true",
+                    help="bf16-mixed = torch.autocast(cpu, bfloat16) around forward+loss")
+    ap.add_argument("--act-ckpt", action="store_true",
+                    help="activation checkpointing (model.gradient_checkpointing_enable, torch.utils.checkpoint)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -53,6 +57,8 @@ def main():
     cfg._attn_implementation = "sdpa"
     model = LlamaForCausalLM(cfg).float()
     model.train()
+    if args.act_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
 
     B, T, V = args.batch, args.seq, s["vocab_size"]
@@ -65,10 +71,15 @@ def main():
     ids = torch.randint(0, V, (B, T), generator=g)
     tgt = torch.randint(0, V, (B, T), generator=g)
 
+    import contextlib
+    amp = (torch.autocast(device_type="cpu", dtype=torch.bfloat16) if args.precision == "bf16-mixed"
+           else contextlib.nullcontext())
+
     def step():
         opt.zero_grad(set_to_none=True)
-        logits = model(input_ids=ids, use_cache=False).logits
-        loss = F.cross_entropy(logits.view(-1, V), tgt.view(-1))
+        with amp:
+            logits = model(input_ids=ids, use_cache=False).logits
+            loss = F.cross_entropy(logits.view(-1, V).float(), tgt.view(-1))
         loss.backward()
         opt.step()
         return loss.item()

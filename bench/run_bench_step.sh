@@ -7,6 +7,7 @@
 #
 # Env: FITLLM (default ./build/fitllm), FITLLM_PY (default /work/venv/bin/python),
 #      ROUNDS (3), SHAPES ("tiny small"), STEPS (10), THREADS (2), BATCH (4), SEQ (256),
+#      PRECISION (32-true or bf16-mixed), ACT_CKPT (0/1),
 #      OUT (raw RESULT lines are appended there; default bench/out/bench_step-<date>.txt)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +15,9 @@ cd "$(dirname "$0")/.."
 FITLLM=${FITLLM:-./build/fitllm}
 PY=${FITLLM_PY:-/work/venv/bin/python}
 ROUNDS=${ROUNDS:-3}
+PRECISION=${PRECISION:-32-true}      # or bf16-mixed (torch: autocast bf16)
+ACT_CKPT=${ACT_CKPT:-0}              # 1: activation checkpointing on both sides
+CKPT_ARG=""; [[ "$ACT_CKPT" == 1 ]] && CKPT_ARG="--act-ckpt"
 SHAPES=${SHAPES:-"tiny small"}
 STEPS=${STEPS:-10}
 THREADS=${THREADS:-2}
@@ -37,7 +41,7 @@ mkdir -p "$(dirname "$OUT")"
 : > "$OUT.tmp"
 {
     echo "# $(date -u +%FT%TZ) host=$(hostname) nproc=$(nproc) cpu=$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1)"
-    echo "# rounds=$ROUNDS steps=$STEPS threads=$THREADS batch=$BATCH seq=$SEQ loadavg=$(cut -d" " -f1-3 /proc/loadavg)"
+    echo "# rounds=$ROUNDS steps=$STEPS threads=$THREADS batch=$BATCH seq=$SEQ precision=$PRECISION act_ckpt=$ACT_CKPT loadavg=$(cut -d" " -f1-3 /proc/loadavg)"
     echo "# note: other processes on this machine skew the timings; check loadavg is ~0 first"
 } | tee -a "$OUT"
 
@@ -46,11 +50,11 @@ run_one() { # impl shape
     log=$(mktemp)
     if [[ $impl == fitllm ]]; then
         "$FITLLM" bench-step --preset "$shape" --init random --micro-batch "$BATCH" \
-            --seq "$SEQ" --steps "$STEPS" --threads "$THREADS" >"$log" 2>&1 || {
+            --seq "$SEQ" --steps "$STEPS" --threads "$THREADS" --precision "$PRECISION" $CKPT_ARG >"$log" 2>&1 || {
             echo "error: fitllm bench-step failed for $shape:" >&2; tail -20 "$log" >&2; rm -f "$log"; return 1; }
     else
         "$PY" bench/bench_step_torch.py --shape "$shape" --batch "$BATCH" --seq "$SEQ" \
-            --steps "$STEPS" --warmup 2 --threads "$THREADS" >"$log" 2>&1 || {
+            --steps "$STEPS" --warmup 2 --threads "$THREADS" --precision "$PRECISION" $CKPT_ARG >"$log" 2>&1 || {
             echo "error: torch bench failed for $shape:" >&2; tail -20 "$log" >&2; rm -f "$log"; return 1; }
     fi
     line=$(grep '^RESULT ' "$log" | tail -1 || true)
