@@ -40,47 +40,72 @@ NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.3949174880981
                 -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
                 0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
                 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0], F32)
-FP4_LUT = np.array([0.0, 0.005208333333, 0.66666667, 1.0, 0.33333333, 0.5, 0.16666667, 0.25], F32)
 NF4_TREE = [0.03979014977812767, 0.3893125355243683, 0.6427869200706482, 0.8614784181118011,
             0.5016634166240692, 0.2035212516784668, 0.2920137718319893, 0.1202552504837513,
             -0.33967943489551544, -0.13791173323988914, -0.045525018125772476, -0.23460740596055984,
             -0.6106329262256622, -0.4599952697753906, -0.8480964004993439]
 
 
+def f32_literal(text):
+    """A C/CUDA float literal "0.123f": the decimal rounded ONCE to the nearest float32 (ties to even).
+    np.float32(0.123) would round twice (decimal -> double -> float) and can be one ulp off: it is for
+    -0.8480964004993439f, which is therefore NOT the fp32 midpoint of the two lowest NF4 codes."""
+    from fractions import Fraction
+    q = Fraction(text)
+    c = F32(float(q))
+    best = None
+    for cand in (np.nextafter(c, F32(-np.inf)), c, np.nextafter(c, F32(np.inf))):
+        d = abs(Fraction(float(cand)) - q)
+        key = (d, int(np.array(cand).view(np.uint32)) & 1)
+        if best is None or key < best[0]:
+            best = (key, cand)
+    return F32(best[1])
+
+
+_LIT = {}
+
+
 def f(t):
-    return F32(t)
+    """The kernel's float literal t (its decimal text, exactly as in the source)."""
+    if t not in _LIT:
+        _LIT[t] = f32_literal(t)
+    return _LIT[t]
+
+
+FP4_LUT = np.array([f32_literal(v) for v in ["0.0", "0.005208333333", "0.66666667", "1.0", "0.33333333", "0.5",
+                                               "0.16666667", "0.25"]], F32)
 
 
 def q_nf4(x):
     """dQuantizeNF4, scalar (x: np.float32)."""
-    if x > f(0.03979014977812767):
-        if x > f(0.3893125355243683):
-            if x > f(0.6427869200706482):
-                return 15 if x > f(0.8614784181118011) else 14
-            return 13 if x > f(0.5016634166240692) else 12
-        if x > f(0.2035212516784668):
-            return 11 if x > f(0.2920137718319893) else 10
-        return 9 if x > f(0.1202552504837513) else 8
-    if x > f(-0.33967943489551544):
-        if x > f(-0.13791173323988914):
-            return 7 if x > f(-0.045525018125772476) else 6
-        return 5 if x > f(-0.23460740596055984) else 4
-    if x > f(-0.6106329262256622):
-        return 3 if x > f(-0.4599952697753906) else 2
-    return 1 if x > f(-0.8480964004993439) else 0
+    if x > f("0.03979014977812767"):
+        if x > f("0.3893125355243683"):
+            if x > f("0.6427869200706482"):
+                return 15 if x > f("0.8614784181118011") else 14
+            return 13 if x > f("0.5016634166240692") else 12
+        if x > f("0.2035212516784668"):
+            return 11 if x > f("0.2920137718319893") else 10
+        return 9 if x > f("0.1202552504837513") else 8
+    if x > f("-0.33967943489551544"):
+        if x > f("-0.13791173323988914"):
+            return 7 if x > f("-0.045525018125772476") else 6
+        return 5 if x > f("-0.23460740596055984") else 4
+    if x > f("-0.6106329262256622"):
+        return 3 if x > f("-0.4599952697753906") else 2
+    return 1 if x > f("-0.8480964004993439") else 0
 
 
 def q_fp4(x):
     """dQuantizeFP4, scalar."""
     sign = 8 if x < 0 else 0
     x = F32(abs(x))
-    if x > f(0.29166667):
-        if x > f(0.583333):
-            return (3 if x > f(0.8333333) else 2) + sign
-        return (5 if x > f(0.4166667) else 4) + sign
-    if x > f(0.0859375):
-        return (7 if x > f(0.20833333) else 6) + sign
-    return (1 if x > f(0.00260417) else 0) + sign
+    if x > f("0.29166667"):
+        if x > f("0.583333"):
+            return (3 if x > f("0.8333333") else 2) + sign
+        return (5 if x > f("0.4166667") else 4) + sign
+    if x > f("0.0859375"):
+        return (7 if x > f("0.20833333") else 6) + sign
+    return (1 if x > f("0.00260417") else 0) + sign
 
 
 def quantize4(a, qt, bs=64):
