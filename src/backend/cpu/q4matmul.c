@@ -9,15 +9,15 @@
 /* ---- fused dequantize-matmul --------------------------------------------------------------
  * Tiles of TR rows x TK columns of deq(W) (TR*TK*4 = 32 KB) are dequantized into a stack buffer
  * of the thread that owns them; the full dequantized layer never exists.
- * forward: threads split the OUTPUT columns (W rows) in TR-row panels; for each panel and each
- *          K tile, y[:, panel] += x[:, ktile] @ tile^T with 8-lane partial sums (fixed order).
+ * forward: threads split the OUTPUT columns (W rows) in TR-row panels; each (TR x TK) tile is
+ *          transposed once and y[n, panel] += sum_k x[n, k] * tile^T[k, :] runs as 4-row x 32-wide
+ *          register-blocked axpys (fixed order).
  * backward: threads split the INPUT columns (W columns) in TK-column panels; for each panel and
- *          each row tile, acc[:, panel] += dy[:, rtile] @ tile, then dx += acc (or =).
+ *          each row tile, dx[:, panel] += dy[:, rtile] @ tile in 4-row x 32-column register blocks.
  * Each output element is produced by one thread in a fixed order: results do not depend on the
  * thread count. */
 #define Q4_TR 32
 #define Q4_TK 256
-#define Q4_LANES 8
 
 static fl_status q4_check(const fl_q4_weight *w, const char *who) {
     if (!w || !w->packed || w->rows <= 0 || w->cols <= 0)
@@ -34,46 +34,50 @@ fl_status fl_cpu_q4_matmul_forward(const fl_backend *be, float *y, int ldy, cons
 #pragma omp parallel for num_threads(be->n_threads) schedule(static)
     for (int p = 0; p < n_panels; p++) {
         float tile[Q4_TR * Q4_TK] __attribute__((aligned(64)));
+        float tt[Q4_TK * Q4_TR] __attribute__((aligned(64))); /* tile transposed: (k, r), zero-padded rows */
         const int r0 = p * Q4_TR, nr = OUT - r0 < Q4_TR ? OUT - r0 : Q4_TR;
         if (beta == 0.0f)
             for (int n = 0; n < N; n++) memset(y + (size_t)n * ldy + r0, 0, nr * sizeof(float));
         for (int k0 = 0; k0 < IN; k0 += Q4_TK) {
             const int kk = IN - k0 < Q4_TK ? IN - k0 : Q4_TK;
             fl_q4_dequantize_tile(w, r0, nr, k0, k0 + kk, tile, Q4_TK);
-            const int kv = kk / Q4_LANES * Q4_LANES;
-            for (int n = 0; n < N; n++) {
-                const float *xr = x + (size_t)n * IN + k0;
-                float *yr = y + (size_t)n * ldy + r0;
-                int r = 0;
-                for (; r + 4 <= nr; r += 4) {
-                    float a0[Q4_LANES] = {0}, a1[Q4_LANES] = {0}, a2[Q4_LANES] = {0}, a3[Q4_LANES] = {0};
-                    const float *t0 = tile + (size_t)r * Q4_TK, *t1 = t0 + Q4_TK, *t2 = t1 + Q4_TK, *t3 = t2 + Q4_TK;
-                    for (int k = 0; k < kv; k += Q4_LANES)
-                        for (int l = 0; l < Q4_LANES; l++) {
-                            float xv = xr[k + l];
-                            a0[l] += xv * t0[k + l];
-                            a1[l] += xv * t1[k + l];
-                            a2[l] += xv * t2[k + l];
-                            a3[l] += xv * t3[k + l];
-                        }
-                    float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-                    for (int l = 0; l < Q4_LANES; l++) { s0 += a0[l]; s1 += a1[l]; s2 += a2[l]; s3 += a3[l]; }
-                    for (int k = kv; k < kk; k++) {
-                        float xv = xr[k];
-                        s0 += xv * t0[k]; s1 += xv * t1[k]; s2 += xv * t2[k]; s3 += xv * t3[k];
+            for (int k = 0; k < kk; k++) {
+                for (int r = 0; r < nr; r++) tt[k * Q4_TR + r] = tile[r * Q4_TK + k];
+                for (int r = nr; r < Q4_TR; r++) tt[k * Q4_TR + r] = 0.0f;
+            }
+            int n = 0;
+            /* y[n, r0:r0+32] += sum_k x[n, k] * tt[k, :], four rows of x at a time */
+            for (; n + 4 <= N; n += 4) {
+                float a0[Q4_TR] = {0}, a1[Q4_TR] = {0}, a2[Q4_TR] = {0}, a3[Q4_TR] = {0};
+                const float *x0 = x + (size_t)n * IN + k0, *x1 = x0 + IN, *x2 = x1 + IN, *x3 = x2 + IN;
+                for (int k = 0; k < kk; k++) {
+                    const float *t = tt + k * Q4_TR;
+                    const float c0 = x0[k], c1 = x1[k], c2 = x2[k], c3 = x3[k];
+                    for (int r = 0; r < Q4_TR; r++) {
+                        a0[r] += c0 * t[r];
+                        a1[r] += c1 * t[r];
+                        a2[r] += c2 * t[r];
+                        a3[r] += c3 * t[r];
                     }
-                    yr[r] += s0; yr[r + 1] += s1; yr[r + 2] += s2; yr[r + 3] += s3;
                 }
-                for (; r < nr; r++) {
-                    float a0[Q4_LANES] = {0};
-                    const float *t0 = tile + (size_t)r * Q4_TK;
-                    for (int k = 0; k < kv; k += Q4_LANES)
-                        for (int l = 0; l < Q4_LANES; l++) a0[l] += xr[k + l] * t0[k + l];
-                    float s0 = 0;
-                    for (int l = 0; l < Q4_LANES; l++) s0 += a0[l];
-                    for (int k = kv; k < kk; k++) s0 += xr[k] * t0[k];
-                    yr[r] += s0;
+                float *y0 = y + (size_t)n * ldy + r0;
+                for (int r = 0; r < nr; r++) {
+                    y0[r] += a0[r];
+                    y0[ldy + r] += a1[r];
+                    y0[2 * (size_t)ldy + r] += a2[r];
+                    y0[3 * (size_t)ldy + r] += a3[r];
                 }
+            }
+            for (; n < N; n++) {
+                float a0[Q4_TR] = {0};
+                const float *x0 = x + (size_t)n * IN + k0;
+                for (int k = 0; k < kk; k++) {
+                    const float *t = tt + k * Q4_TR;
+                    const float c0 = x0[k];
+                    for (int r = 0; r < Q4_TR; r++) a0[r] += c0 * t[r];
+                }
+                float *y0 = y + (size_t)n * ldy + r0;
+                for (int r = 0; r < nr; r++) y0[r] += a0[r];
             }
         }
     }
@@ -90,40 +94,48 @@ fl_status fl_cpu_q4_matmul_backward(const fl_backend *be, float *dx, const float
     for (int p = 0; p < n_panels; p++) {
         float tile[Q4_TR * Q4_TK] __attribute__((aligned(64)));
         const int k0 = p * Q4_TK, kk = IN - k0 < Q4_TK ? IN - k0 : Q4_TK;
+        memset(tile, 0, sizeof tile); /* columns kk..TK-1 stay 0: the 32-wide loop reads them */
         if (beta == 0.0f)
             for (int n = 0; n < N; n++) memset(dx + (size_t)n * IN + k0, 0, kk * sizeof(float));
         for (int r0 = 0; r0 < OUT; r0 += Q4_TR) {
             const int nr = OUT - r0 < Q4_TR ? OUT - r0 : Q4_TR;
             fl_q4_dequantize_tile(w, r0, nr, k0, k0 + kk, tile, Q4_TK);
-            int n = 0;
-            for (; n + 2 <= N; n += 2) {
-                float acc0[Q4_TK] __attribute__((aligned(64)));
-                float acc1[Q4_TK] __attribute__((aligned(64)));
-                memset(acc0, 0, kk * sizeof(float));
-                memset(acc1, 0, kk * sizeof(float));
-                const float *g0 = dy + (size_t)n * ldy + r0, *g1 = g0 + ldy;
-                for (int r = 0; r < nr; r++) {
-                    const float *t = tile + (size_t)r * Q4_TK;
-                    const float c0 = g0[r], c1 = g1[r];
-                    for (int k = 0; k < kk; k++) {
-                        acc0[k] += c0 * t[k];
-                        acc1[k] += c1 * t[k];
+            /* dx[n, k0+kc : +32] += sum_r dy[n, r0+r] * tile[r, kc : kc+32], 4 rows x 32 in registers */
+            for (int kc = 0; kc < kk; kc += 32) {
+                const int kw = kk - kc < 32 ? kk - kc : 32;
+                int n = 0;
+                for (; n + 4 <= N; n += 4) {
+                    float a0[32] = {0}, a1[32] = {0}, a2[32] = {0}, a3[32] = {0};
+                    const float *g0 = dy + (size_t)n * ldy + r0, *g1 = g0 + ldy, *g2 = g1 + ldy, *g3 = g2 + ldy;
+                    for (int r = 0; r < nr; r++) {
+                        const float *t = tile + (size_t)r * Q4_TK + kc;
+                        const float c0 = g0[r], c1 = g1[r], c2 = g2[r], c3 = g3[r];
+                        for (int k = 0; k < 32; k++) {
+                            a0[k] += c0 * t[k];
+                            a1[k] += c1 * t[k];
+                            a2[k] += c2 * t[k];
+                            a3[k] += c3 * t[k];
+                        }
+                    }
+                    float *d0 = dx + (size_t)n * IN + k0 + kc;
+                    for (int k = 0; k < kw; k++) {
+                        d0[k] += a0[k];
+                        d0[IN + k] += a1[k];
+                        d0[2 * (size_t)IN + k] += a2[k];
+                        d0[3 * (size_t)IN + k] += a3[k];
                     }
                 }
-                float *d0 = dx + (size_t)n * IN + k0, *d1 = d0 + IN;
-                for (int k = 0; k < kk; k++) { d0[k] += acc0[k]; d1[k] += acc1[k]; }
-            }
-            for (; n < N; n++) {
-                float acc0[Q4_TK] __attribute__((aligned(64)));
-                memset(acc0, 0, kk * sizeof(float));
-                const float *g0 = dy + (size_t)n * ldy + r0;
-                for (int r = 0; r < nr; r++) {
-                    const float *t = tile + (size_t)r * Q4_TK;
-                    const float c0 = g0[r];
-                    for (int k = 0; k < kk; k++) acc0[k] += c0 * t[k];
+                for (; n < N; n++) {
+                    float a0[32] = {0};
+                    const float *g0 = dy + (size_t)n * ldy + r0;
+                    for (int r = 0; r < nr; r++) {
+                        const float *t = tile + (size_t)r * Q4_TK + kc;
+                        const float c0 = g0[r];
+                        for (int k = 0; k < 32; k++) a0[k] += c0 * t[k];
+                    }
+                    float *d0 = dx + (size_t)n * IN + k0 + kc;
+                    for (int k = 0; k < kw; k++) d0[k] += a0[k];
                 }
-                float *d0 = dx + (size_t)n * IN + k0;
-                for (int k = 0; k < kk; k++) d0[k] += acc0[k];
             }
         }
     }
