@@ -27,6 +27,7 @@
 #include "fitllm/adam8bit.h"
 #include "fitllm/dtype.h"
 #include "fitllm/mem.h"
+#include "fitllm/quant4.h"
 #include "fitllm/status.h"
 
 #ifdef __cplusplus
@@ -214,6 +215,36 @@ struct fl_backend {
     fl_status (*adam8bit_update)(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg,
                                  const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,
                                  float weight_decay, int step, float grad_scale);
+
+    /* ==== LoRA and QLoRA (appended; see docs/ARCHITECTURE.md "LoRA and QLoRA building blocks") ==== */
+
+    /* Fused 4-bit matmul over a bitsandbytes NF4/FP4 weight w (rows = out, cols = in; fitllm/quant4.h):
+     *   forward:  y (N, out; row stride ldy) = x (N, in) @ deq(W)^T + beta * y,  beta in {0, 1};
+     *   backward: dx (N, in) = dy (N, out; row stride ldy) @ deq(W) + beta * dx, beta in {0, 1}
+     *             (the frozen base has no weight gradient; beta 1 = accumulate).
+     * W is dequantized tile by tile (32 x 256 values in a stack tile) inside the kernel: no full
+     * dequantized copy exists. fp32 accumulation, deterministic, independent of the thread count. */
+    fl_status (*q4_matmul_forward)(const fl_backend *be, float *y, int ldy, const float *x, const fl_q4_weight *w,
+                                   int N, float beta);
+    fl_status (*q4_matmul_backward)(const fl_backend *be, float *dx, const float *dy, int ldy,
+                                    const fl_q4_weight *w, int N, float beta);
+
+    /* LoRA branch on a linear (in -> out), A (r, in), B (out, r), fitllm/lora.h:
+     *   forward: xb = drop(x) (dropout > 0: written to xd (N, in), which must be non-NULL; else xb = x
+     *            and xd is unused), h (N, r) = xb @ A^T (saved for backward; OVERWRITTEN),
+     *            y (N, out; row stride ldy) += scaling * h @ B^T.
+     *   Pass y = base output + row offset of the module inside a fused output (q/k/v slices of the
+     *   fused QKV, gate/up of the fused (2F) projection) and ldy = the fused width.
+     *   backward (xb = what forward multiplied: xd when dropout > 0, else x):
+     *            g = dy @ B (N, r) into work;  dB += scaling * dy^T @ h;  dA += scaling * g^T @ xb;
+     *            dx += scaling * (g @ A) * mask / (1 - p)  (mask regenerated from seed; p = 0: no mask).
+     *   dA, dB, dx may be NULL (skipped). work: N*r floats, plus N*in when dropout > 0 and dx != NULL. */
+    fl_status (*lora_forward)(const fl_backend *be, float *y, int ldy, float *h, float *xd, const float *x,
+                              const float *A, const float *B, int N, int in, int out, int r, float scaling,
+                              float dropout, uint64_t seed);
+    fl_status (*lora_backward)(const fl_backend *be, float *dx, float *dA, float *dB, const float *dy, int ldy,
+                               const float *xb, const float *h, const float *A, const float *B, int N, int in,
+                               int out, int r, float scaling, float dropout, uint64_t seed, float *work);
 };
 
 /* Create the CPU backend. n_threads <= 0: use the OpenMP default / all cores.

@@ -34,6 +34,10 @@ static void fill_ops(fl_backend *be) {
     be->check_finite = fl_cpu_check_finite;
     be->adam8bit_update = fl_cpu_adam8bit_update;
     be->attention_decode = fl_cpu_attention_decode;
+    be->q4_matmul_forward = fl_cpu_q4_matmul_forward;
+    be->q4_matmul_backward = fl_cpu_q4_matmul_backward;
+    be->lora_forward = fl_cpu_lora_forward;
+    be->lora_backward = fl_cpu_lora_backward;
 }
 
 fl_status fl_cpu_backend_init(fl_backend *be, int n_threads) {

@@ -62,6 +62,18 @@ fl_status fl_cpu_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp, con
                                  const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,
                                  float weight_decay, int step, float grad_scale);
 
+/* ---- quant4.c / q4matmul.c / lora.c (LoRA and QLoRA; semantics in backend.h) ---------- */
+fl_status fl_cpu_q4_matmul_forward(const fl_backend *be, float *y, int ldy, const float *x, const fl_q4_weight *w,
+                                   int N, float beta);
+fl_status fl_cpu_q4_matmul_backward(const fl_backend *be, float *dx, const float *dy, int ldy, const fl_q4_weight *w,
+                                    int N, float beta);
+fl_status fl_cpu_lora_forward(const fl_backend *be, float *y, int ldy, float *h, float *xd, const float *x,
+                              const float *A, const float *B, int N, int in, int out, int r, float scaling,
+                              float dropout, uint64_t seed);
+fl_status fl_cpu_lora_backward(const fl_backend *be, float *dx, float *dA, float *dB, const float *dy, int ldy,
+                               const float *xb, const float *h, const float *A, const float *B, int N, int in,
+                               int out, int r, float scaling, float dropout, uint64_t seed, float *work);
+
 /* ---- embedding.c ---------------------------------------------------------- */
 void fl_cpu_embedding_forward(const fl_backend *be, float *out, const int32_t *ids, const float *wte,
                               const float *wpe, int B, int T, int C);

@@ -1,0 +1,67 @@
+/* fitllm: PEFT LoRA adapter folders (what peft's save_pretrained writes and
+ * PeftModel.from_pretrained reads):
+ *   adapter_config.json        peft_type "LORA", r, lora_alpha, lora_dropout, target_modules (list),
+ *                              bias "none", task_type "CAUSAL_LM", base_model_name_or_path,
+ *                              use_rslora, fan_in_fan_out (true for GPT-2's Conv1D), inference_mode
+ *   adapter_model.safetensors  "base_model.model.<module>.lora_A.weight" (r, in) and
+ *                              "base_model.model.<module>.lora_B.weight" (out, r), F32
+ *                              (GPT-2 Conv1D modules too: PEFT builds A/B as nn.Linear(in, r) /
+ *                              nn.Linear(r, out) and transposes only the merged delta).
+ * Errors name the file and the key at fault.
+ */
+#ifndef FITLLM_PEFT_H
+#define FITLLM_PEFT_H
+
+#include "fitllm/lora.h"
+#include "fitllm/model.h"
+#include "fitllm/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+    fl_lora_config lora;          /* r, alpha, dropout, use_rslora, target_modules */
+    char base_model[1024];        /* base_model_name_or_path ("" = null) */
+    int fan_in_fan_out;
+    int inference_mode;
+} fl_peft_config;
+
+/* One adapted module, by its HF module path ("model.layers.0.self_attn.q_proj"). */
+typedef struct {
+    char name[FL_PARAM_NAME_MAX];
+    int in, out;
+    float *A;   /* (r, in)   loaded: malloc'd; for fl_peft_save: the caller's data */
+    float *B;   /* (out, r) */
+} fl_peft_module;
+
+typedef struct {
+    fl_peft_config cfg;
+    int n;
+    fl_peft_module *mods;         /* in file order */
+} fl_peft_adapter;
+
+/* Write dir/adapter_config.json and dir/adapter_model.safetensors (dir is created if missing;
+ * both files atomic). Validates r > 0, alpha > 0 and module sizes. */
+fl_status fl_peft_save(const char *dir, const fl_peft_config *cfg, const fl_peft_module *mods, int n);
+
+/* Read an adapter folder. Checks: peft_type LORA, r > 0, lora_alpha > 0, bias "none", every
+ * tensor named base_model.model.<module>.lora_{A,B}.weight, 2-D F32/BF16/F16 (converted to f32),
+ * A (r, in) and B (out, r) with the config's r, each module with both A and B. */
+fl_status fl_peft_load(const char *dir, fl_peft_adapter *a);
+void fl_peft_free(fl_peft_adapter *a);
+
+/* Check an adapter against a model: every module must be a 2-D weight "<module>.weight" of the
+ * layout with shape (out, in); target_modules must be valid for the architecture. When
+ * expect_base is non-NULL and the config names a base model, the two must be equal.
+ * On success *param_index (malloc'd, a->n entries) gives each module's layout entry. */
+fl_status fl_peft_check_model(const fl_peft_adapter *a, const fl_model_config *mc, const fl_param_layout *lay,
+                              const char *expect_base, int **param_index);
+
+/* Merge every module into the model's flat parameters: W += scaling * B @ A. */
+fl_status fl_peft_merge_into(const fl_peft_adapter *a, const fl_param_layout *lay, float *params);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

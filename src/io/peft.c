@@ -1,0 +1,312 @@
+/* PEFT LoRA adapter folders: adapter_config.json + adapter_model.safetensors (fitllm/peft.h). */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "fitllm/io.h"
+#include "fitllm/json.h"
+#include "fitllm/peft.h"
+#include "io-internal.h"
+
+#define PEFT_PREFIX "base_model.model."
+
+/* Append a JSON string literal (escaped) to buf at *k. */
+static void json_str(char *buf, size_t n, size_t *k, const char *s) {
+    *k += snprintf(buf + *k, *k < n ? n - *k : 0, "\"");
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        if (c == '"' || c == '\\') *k += snprintf(buf + *k, *k < n ? n - *k : 0, "\\%c", c);
+        else if (c < 0x20) *k += snprintf(buf + *k, *k < n ? n - *k : 0, "\\u%04x", c);
+        else *k += snprintf(buf + *k, *k < n ? n - *k : 0, "%c", c);
+    }
+    *k += snprintf(buf + *k, *k < n ? n - *k : 0, "\"");
+}
+
+fl_status fl_peft_save(const char *dir, const fl_peft_config *cfg, const fl_peft_module *mods, int n) {
+    if (!dir || !cfg || (n > 0 && !mods)) return fl_errorf(FL_ERR_INVALID, "fl_peft_save: NULL argument");
+    const int r = cfg->lora.r;
+    if (r <= 0) return fl_errorf(FL_ERR_INVALID, "%s: lora r must be > 0 (got %d)", dir, r);
+    if (!(cfg->lora.alpha > 0.0f))
+        return fl_errorf(FL_ERR_INVALID, "%s: lora_alpha must be > 0 (got %g)", dir, (double)cfg->lora.alpha);
+    if (n <= 0) return fl_errorf(FL_ERR_INVALID, "%s: no adapted modules to save", dir);
+    if (!fl_io_is_dir(dir) && mkdir(dir, 0755) != 0)
+        return fl_errorf(FL_ERR_IO, "%s: cannot create folder: %s", dir, strerror(errno));
+    /* ---- adapter_model.safetensors ---- */
+    fl_st_write_tensor *t = calloc((size_t)2 * n, sizeof *t);
+    char (*names)[FL_PARAM_NAME_MAX + 64] = calloc((size_t)2 * n, sizeof *names);
+    if (!t || !names) {
+        free(t);
+        free(names);
+        return fl_errorf(FL_ERR_OOM, "%s: adapter tensor list", dir);
+    }
+    fl_status st = FL_OK;
+    for (int j = 0; j < n && st == FL_OK; j++) {
+        if (mods[j].in <= 0 || mods[j].out <= 0 || !mods[j].A || !mods[j].B) {
+            st = fl_errorf(FL_ERR_INVALID, "%s: module '%s' has bad sizes or no data", dir, mods[j].name);
+            break;
+        }
+        for (int ab = 0; ab < 2; ab++) {
+            fl_st_write_tensor *e = &t[2 * j + ab];
+            snprintf(names[2 * j + ab], sizeof names[0], PEFT_PREFIX "%s.lora_%c.weight", mods[j].name,
+                     ab ? 'B' : 'A');
+            e->name = names[2 * j + ab];
+            e->dtype = FL_F32;
+            e->src_dtype = FL_F32;
+            e->ndim = 2;
+            e->shape[0] = ab ? mods[j].out : r;
+            e->shape[1] = ab ? r : mods[j].in;
+            e->data = ab ? mods[j].B : mods[j].A;
+        }
+    }
+    char path[4096];
+    if (st == FL_OK) st = fl_io_join(path, sizeof path, dir, "adapter_model.safetensors");
+    const char *mk[] = {"format"}, *mv[] = {"pt"};
+    if (st == FL_OK) st = fl_st_write(path, t, 2 * n, mk, mv, 1);
+    free(t);
+    free(names);
+    FL_TRY(st);
+    /* ---- adapter_config.json ---- */
+    size_t cap = 8192 + strlen(cfg->base_model) * 6, k = 0;
+    char *js = malloc(cap);
+    if (!js) return fl_errorf(FL_ERR_OOM, "%s: adapter_config.json", dir);
+    k += snprintf(js + k, cap - k, "{\n  \"base_model_name_or_path\": ");
+    if (cfg->base_model[0]) json_str(js, cap, &k, cfg->base_model);
+    else k += snprintf(js + k, cap - k, "null");
+    k += snprintf(js + k, cap - k,
+                  ",\n  \"bias\": \"none\",\n  \"fan_in_fan_out\": %s,\n  \"inference_mode\": %s,\n"
+                  "  \"init_lora_weights\": true,\n  \"lora_alpha\": %.9g,\n  \"lora_dropout\": %.9g,\n"
+                  "  \"modules_to_save\": null,\n  \"peft_type\": \"LORA\",\n  \"r\": %d,\n  \"target_modules\": [",
+                  cfg->fan_in_fan_out ? "true" : "false", cfg->inference_mode ? "true" : "false",
+                  (double)cfg->lora.alpha, (double)cfg->lora.dropout, r);
+    for (int i = 0; i < cfg->lora.n_targets; i++) {
+        k += snprintf(js + k, cap - k, "%s", i ? ", " : "");
+        json_str(js, cap, &k, cfg->lora.targets[i]);
+    }
+    k += snprintf(js + k, cap - k, "],\n  \"task_type\": \"CAUSAL_LM\",\n  \"use_rslora\": %s\n}\n",
+                  cfg->lora.use_rslora ? "true" : "false");
+    st = k < cap ? fl_io_join(path, sizeof path, dir, "adapter_config.json")
+                 : fl_errorf(FL_ERR_INTERNAL, "%s: adapter_config.json too long", dir);
+    if (st == FL_OK) st = fl_io_write_file_atomic(path, js, k);
+    free(js);
+    return st;
+}
+
+void fl_peft_free(fl_peft_adapter *a) {
+    if (!a) return;
+    for (int i = 0; i < a->n; i++) {
+        free(a->mods[i].A);
+        free(a->mods[i].B);
+    }
+    free(a->mods);
+    memset(a, 0, sizeof *a);
+}
+
+static fl_status read_config(const char *path, fl_peft_config *c) {
+    fl_json *j = NULL;
+    FL_TRY(fl_json_parse_file(path, &j));
+    fl_status st = FL_OK;
+    const fl_json *v;
+    memset(c, 0, sizeof *c);
+#define BAD(...) do { st = fl_errorf(FL_ERR_FORMAT, __VA_ARGS__); goto done; } while (0)
+    if (j->type != FL_JSON_OBJECT) BAD("%s: not a JSON object", path);
+    v = fl_json_get(j, "peft_type");
+    if (!v || v->type != FL_JSON_STRING || strcmp(v->str, "LORA") != 0)
+        BAD("%s: key 'peft_type': expected \"LORA\"", path);
+    v = fl_json_get(j, "r");
+    if (!v || v->type != FL_JSON_NUMBER || !v->is_int) BAD("%s: key 'r': missing or not an integer", path);
+    if (v->i <= 0 || v->i > 1 << 20) {
+        st = fl_errorf(FL_ERR_INVALID, "%s: key 'r': must be > 0 (got %lld)", path, (long long)v->i);
+        goto done;
+    }
+    c->lora.r = (int)v->i;
+    v = fl_json_get(j, "lora_alpha");
+    if (!v || v->type != FL_JSON_NUMBER) BAD("%s: key 'lora_alpha': missing or not a number", path);
+    if (!(v->num > 0)) {
+        st = fl_errorf(FL_ERR_INVALID, "%s: key 'lora_alpha': must be > 0 (got %g)", path, v->num);
+        goto done;
+    }
+    c->lora.alpha = (float)v->num;
+    v = fl_json_get(j, "lora_dropout");
+    if (v && v->type == FL_JSON_NUMBER) c->lora.dropout = (float)v->num;
+    else if (v && v->type != FL_JSON_NULL) BAD("%s: key 'lora_dropout': not a number", path);
+    if (!(c->lora.dropout >= 0 && c->lora.dropout < 1)) {
+        st = fl_errorf(FL_ERR_INVALID, "%s: key 'lora_dropout': must be in [0, 1)", path);
+        goto done;
+    }
+    v = fl_json_get(j, "use_rslora");
+    if (v && v->type == FL_JSON_BOOL) c->lora.use_rslora = v->b;
+    v = fl_json_get(j, "fan_in_fan_out");
+    if (v && v->type == FL_JSON_BOOL) c->fan_in_fan_out = v->b;
+    v = fl_json_get(j, "inference_mode");
+    if (v && v->type == FL_JSON_BOOL) c->inference_mode = v->b;
+    v = fl_json_get(j, "bias");
+    if (v && v->type == FL_JSON_STRING && strcmp(v->str, "none") != 0) {
+        st = fl_errorf(FL_ERR_UNSUPPORTED, "%s: key 'bias': \"%s\" not supported (only \"none\")", path, v->str);
+        goto done;
+    }
+    v = fl_json_get(j, "base_model_name_or_path");
+    if (v && v->type == FL_JSON_STRING) snprintf(c->base_model, sizeof c->base_model, "%s", v->str);
+    v = fl_json_get(j, "target_modules");
+    if (v && v->type == FL_JSON_STRING) { /* PEFT allows a single string (a regex or "all-linear") */
+        snprintf(c->lora.targets[0], sizeof c->lora.targets[0], "%s", v->str);
+        c->lora.n_targets = 1;
+    } else if (v && v->type == FL_JSON_ARRAY) {
+        for (const fl_json *e = v->child; e; e = e->next) {
+            if (e->type != FL_JSON_STRING) BAD("%s: key 'target_modules': not a list of strings", path);
+            if (c->lora.n_targets >= FL_LORA_MAX_TARGETS || strlen(e->str) >= sizeof c->lora.targets[0])
+                BAD("%s: key 'target_modules': too many or too long names", path);
+            snprintf(c->lora.targets[c->lora.n_targets++], sizeof c->lora.targets[0], "%s", e->str);
+        }
+    } else {
+        BAD("%s: key 'target_modules': missing or not a list", path);
+    }
+#undef BAD
+done:
+    fl_json_free(j);
+    return st;
+}
+
+fl_status fl_peft_load(const char *dir, fl_peft_adapter *a) {
+    if (!dir || !a) return fl_errorf(FL_ERR_INVALID, "fl_peft_load: NULL argument");
+    memset(a, 0, sizeof *a);
+    char path[4096];
+    FL_TRY(fl_io_join(path, sizeof path, dir, "adapter_config.json"));
+    if (!fl_io_is_file(path)) return fl_errorf(FL_ERR_NOT_FOUND, "%s: no adapter_config.json (not a PEFT adapter folder)", dir);
+    FL_TRY(read_config(path, &a->cfg));
+    const int r = a->cfg.lora.r;
+    FL_TRY(fl_io_join(path, sizeof path, dir, "adapter_model.safetensors"));
+    if (!fl_io_is_file(path)) return fl_errorf(FL_ERR_NOT_FOUND, "%s: no adapter_model.safetensors", dir);
+    fl_st_file f;
+    FL_TRY(fl_st_open(&f, path));
+    fl_status st = FL_OK;
+    a->mods = calloc((size_t)f.n_tensors + 1, sizeof *a->mods);
+    if (!a->mods) {
+        fl_st_close(&f);
+        return fl_errorf(FL_ERR_OOM, "%s: adapter modules", path);
+    }
+    const size_t plen = strlen(PEFT_PREFIX);
+    for (int i = 0; i < f.n_tensors && st == FL_OK; i++) {
+        const fl_st_tensor *t = &f.tensors[i];
+        const char *nm = t->name;
+        size_t len = strlen(nm);
+        const char *sufA = ".lora_A.weight", *sufB = ".lora_B.weight";
+        const size_t sl = strlen(sufA);
+        int isB;
+        if (len > plen + sl && strncmp(nm, PEFT_PREFIX, plen) == 0 && strcmp(nm + len - sl, sufA) == 0) isB = 0;
+        else if (len > plen + sl && strncmp(nm, PEFT_PREFIX, plen) == 0 && strcmp(nm + len - sl, sufB) == 0) isB = 1;
+        else {
+            st = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s': not a LoRA weight (expected "
+                           PEFT_PREFIX "<module>.lora_A.weight / .lora_B.weight)", path, nm);
+            break;
+        }
+        size_t ml = len - plen - sl;
+        if (ml >= FL_PARAM_NAME_MAX) {
+            st = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s': module name too long", path, nm);
+            break;
+        }
+        if (t->ndim != 2 || (t->dtype != FL_F32 && t->dtype != FL_BF16 && t->dtype != FL_F16)) {
+            st = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s': expected a 2-D F32/BF16/F16 tensor", path, nm);
+            break;
+        }
+        char mod[FL_PARAM_NAME_MAX];
+        memcpy(mod, nm + plen, ml);
+        mod[ml] = 0;
+        int k;
+        for (k = 0; k < a->n; k++)
+            if (strcmp(a->mods[k].name, mod) == 0) break;
+        if (k == a->n) snprintf(a->mods[a->n++].name, FL_PARAM_NAME_MAX, "%s", mod);
+        fl_peft_module *m = &a->mods[k];
+        int64_t d0 = t->shape[0], d1 = t->shape[1];
+        if (!isB && d0 != r) {
+            st = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s': shape (%lld, %lld), expected (r=%d, in)", path, nm,
+                           (long long)d0, (long long)d1, r);
+            break;
+        }
+        if (isB && d1 != r) {
+            st = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s': shape (%lld, %lld), expected (out, r=%d)", path, nm,
+                           (long long)d0, (long long)d1, r);
+            break;
+        }
+        if ((isB ? m->B : m->A) != NULL) {
+            st = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s': duplicate", path, nm);
+            break;
+        }
+        float *buf = malloc((size_t)(d0 * d1) * sizeof(float));
+        if (!buf) { st = fl_errorf(FL_ERR_OOM, "%s: tensor '%s'", path, nm); break; }
+        if (fl_convert(buf, FL_F32, t->data, t->dtype, (size_t)(d0 * d1)) != 0) {
+            free(buf);
+            st = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s': cannot convert", path, nm);
+            break;
+        }
+        if (isB) { m->B = buf; m->out = (int)d0; }
+        else { m->A = buf; m->in = (int)d1; }
+    }
+    for (int k = 0; k < a->n && st == FL_OK; k++)
+        if (!a->mods[k].A || !a->mods[k].B)
+            st = fl_errorf(FL_ERR_FORMAT, "%s: module '%s' has lora_%c but no lora_%c", path, a->mods[k].name,
+                           a->mods[k].A ? 'A' : 'B', a->mods[k].A ? 'B' : 'A');
+    if (st == FL_OK && a->n == 0) st = fl_errorf(FL_ERR_FORMAT, "%s: no LoRA tensors", path);
+    fl_st_close(&f);
+    if (st != FL_OK) fl_peft_free(a);
+    return st;
+}
+
+fl_status fl_peft_check_model(const fl_peft_adapter *a, const fl_model_config *mc, const fl_param_layout *lay,
+                              const char *expect_base, int **param_index) {
+    if (param_index) *param_index = NULL;
+    if (expect_base && a->cfg.base_model[0] && strcmp(expect_base, a->cfg.base_model) != 0)
+        return fl_errorf(FL_ERR_INVALID, "adapter_config.json: base_model_name_or_path '%s' does not match the base model '%s'",
+                         a->cfg.base_model, expect_base);
+    /* target_modules must be names of this architecture (a single-string regex is not checked) */
+    const fl_lora_config *lc = &a->cfg.lora;
+    if (!(lc->n_targets == 1 && strpbrk(lc->targets[0], ".*[]()|\\^$") != NULL) &&
+        !(lc->n_targets == 1 && strcmp(lc->targets[0], "all-linear") == 0)) {
+        fl_status s = fl_lora_config_validate(lc, mc);
+        if (s != FL_OK) return fl_error_prefix(s, "adapter_config.json");
+    }
+    int *idx = malloc((size_t)(a->n > 0 ? a->n : 1) * sizeof(int));
+    if (!idx) return fl_errorf(FL_ERR_OOM, "adapter check");
+    for (int k = 0; k < a->n; k++) {
+        const fl_peft_module *m = &a->mods[k];
+        char w[FL_PARAM_NAME_MAX + 8];
+        snprintf(w, sizeof w, "%s.weight", m->name);
+        int i = fl_layout_find(lay, w);
+        if (i < 0 || lay->params[i].ndim != 2) {
+            free(idx);
+            return fl_errorf(FL_ERR_INVALID,
+                             "adapter_model.safetensors: key '" PEFT_PREFIX "%s.lora_A.weight': module '%s' "
+                             "is not a linear layer of the base model",
+                             m->name, m->name);
+        }
+        if (lay->params[i].shape[0] != m->out || lay->params[i].shape[1] != m->in) {
+            free(idx);
+            return fl_errorf(FL_ERR_INVALID,
+                             "adapter_model.safetensors: module '%s': adapter is (out %d, in %d) but the base "
+                             "weight '%s' is (%lld, %lld)",
+                             m->name, m->out, m->in, w, (long long)lay->params[i].shape[0],
+                             (long long)lay->params[i].shape[1]);
+        }
+        idx[k] = i;
+    }
+    if (param_index) *param_index = idx;
+    else free(idx);
+    return FL_OK;
+}
+
+fl_status fl_peft_merge_into(const fl_peft_adapter *a, const fl_param_layout *lay, float *params) {
+    const float s = fl_lora_scaling(&a->cfg.lora);
+    for (int k = 0; k < a->n; k++) {
+        const fl_peft_module *m = &a->mods[k];
+        char w[FL_PARAM_NAME_MAX + 8];
+        snprintf(w, sizeof w, "%s.weight", m->name);
+        int i = fl_layout_find(lay, w);
+        if (i < 0 || lay->params[i].shape[0] != m->out || lay->params[i].shape[1] != m->in)
+            return fl_errorf(FL_ERR_INVALID, "merge: module '%s' does not match the model (run fl_peft_check_model)",
+                             m->name);
+        fl_lora_merge(params + lay->params[i].offset, m->in, m->A, m->B, a->cfg.lora.r, m->in, m->out, s);
+    }
+    return FL_OK;
+}

@@ -1,0 +1,209 @@
+/* LoRA configuration, target modules, adapter layout, PEFT init and merge (fitllm/lora.h). */
+#include <ctype.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fitllm/lora.h"
+
+static const char *const llama_targets[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                            "up_proj", "down_proj", "lm_head", NULL};
+static const char *const gpt2_targets[] = {"c_attn", "c_proj", "c_fc", "lm_head", NULL};
+
+const char *const *fl_lora_valid_targets(fl_arch arch) { return arch == FL_ARCH_GPT2 ? gpt2_targets : llama_targets; }
+
+float fl_lora_scaling(const fl_lora_config *c) {
+    double s = c->use_rslora ? (double)c->alpha / sqrt((double)c->r) : (double)c->alpha / (double)c->r;
+    return (float)s;
+}
+
+static void list_valid(fl_arch arch, char *buf, size_t n) {
+    const char *const *v = fl_lora_valid_targets(arch);
+    size_t k = 0;
+    buf[0] = 0;
+    for (int i = 0; v[i]; i++) k += snprintf(buf + k, k < n ? n - k : 0, "%s%s", i ? ", " : "", v[i]);
+    if (k < n) snprintf(buf + k, n - k, ", all-linear");
+}
+
+static int is_valid(fl_arch arch, const char *t) {
+    const char *const *v = fl_lora_valid_targets(arch);
+    for (int i = 0; v[i]; i++)
+        if (strcmp(v[i], t) == 0) return 1;
+    return 0;
+}
+
+fl_status fl_lora_config_validate(const fl_lora_config *c, const fl_model_config *mc) {
+    char valid[256];
+    if (!c || !mc) return fl_errorf(FL_ERR_INVALID, "lora: NULL config");
+    if (c->r <= 0) return fl_errorf(FL_ERR_INVALID, "lora_r must be > 0 (got %d)", c->r);
+    if (!(c->alpha > 0.0f)) return fl_errorf(FL_ERR_INVALID, "lora_alpha must be > 0 (got %g)", (double)c->alpha);
+    if (!(c->dropout >= 0.0f && c->dropout < 1.0f))
+        return fl_errorf(FL_ERR_INVALID, "lora_dropout must be in [0, 1) (got %g)", (double)c->dropout);
+    list_valid(mc->arch, valid, sizeof valid);
+    if (c->n_targets <= 0) return fl_errorf(FL_ERR_INVALID, "lora target_modules: empty list (valid: %s)", valid);
+    for (int i = 0; i < c->n_targets; i++) {
+        if (!is_valid(mc->arch, c->targets[i]))
+            return fl_errorf(FL_ERR_INVALID, "lora target_modules: unknown module '%s' for %s (valid: %s)",
+                             c->targets[i], mc->arch == FL_ARCH_GPT2 ? "GPT-2" : "LLaMA", valid);
+        if (strcmp(c->targets[i], "lm_head") == 0 && mc->tie_embeddings)
+            return fl_errorf(FL_ERR_INVALID,
+                             "lora target_modules: lm_head is tied to the input embeddings in this model "
+                             "(tie_word_embeddings); an adapter on it is not supported");
+    }
+    return FL_OK;
+}
+
+static fl_status add_target(fl_lora_config *c, const char *t, size_t len, fl_arch arch) {
+    for (int i = 0; i < c->n_targets; i++)
+        if (strlen(c->targets[i]) == len && strncmp(c->targets[i], t, len) == 0) return FL_OK; /* duplicate */
+    if (c->n_targets >= FL_LORA_MAX_TARGETS || len >= sizeof c->targets[0]) {
+        char valid[256];
+        list_valid(arch, valid, sizeof valid);
+        return fl_errorf(FL_ERR_INVALID, "lora target_modules: unknown module '%.*s' (valid: %s)", (int)len, t, valid);
+    }
+    memcpy(c->targets[c->n_targets], t, len);
+    c->targets[c->n_targets][len] = 0;
+    c->n_targets++;
+    return FL_OK;
+}
+
+fl_status fl_lora_config_init(fl_lora_config *c, const fl_model_config *mc, int r, float alpha, float dropout,
+                              int use_rslora, const char *targets) {
+    if (!c || !mc) return fl_errorf(FL_ERR_INVALID, "lora: NULL config");
+    memset(c, 0, sizeof *c);
+    c->r = r;
+    c->alpha = alpha;
+    c->dropout = dropout;
+    c->use_rslora = use_rslora ? 1 : 0;
+    const char *s = targets ? targets : "";
+    while (*s) {
+        while (*s == ',' || isspace((unsigned char)*s)) s++;
+        const char *e = s;
+        while (*e && *e != ',' && !isspace((unsigned char)*e)) e++;
+        if (e > s) {
+            if ((size_t)(e - s) == 10 && strncmp(s, "all-linear", 10) == 0) {
+                const char *const *v = fl_lora_valid_targets(mc->arch);
+                for (int i = 0; v[i]; i++)
+                    if (strcmp(v[i], "lm_head") != 0) FL_TRY(add_target(c, v[i], strlen(v[i]), mc->arch));
+            } else {
+                FL_TRY(add_target(c, s, (size_t)(e - s), mc->arch));
+            }
+        }
+        s = e;
+    }
+    return fl_lora_config_validate(c, mc);
+}
+
+static int has_target(const fl_lora_config *c, const char *t) {
+    for (int i = 0; i < c->n_targets; i++)
+        if (strcmp(c->targets[i], t) == 0) return 1;
+    return 0;
+}
+
+fl_status fl_lora_modules(const fl_lora_config *c, const fl_param_layout *lay, const fl_model_config *mc,
+                          fl_lora_module **mods, int *n_mods) {
+    FL_TRY(fl_lora_config_validate(c, mc));
+    *mods = NULL;
+    *n_mods = 0;
+    const int C = mc->dim, QD = mc->n_heads * mc->head_dim, KVD = mc->n_kv_heads * mc->head_dim, F = mc->ffn_dim;
+    const int QKV = QD + 2 * KVD;
+    int cap = mc->n_layers * 7 + 1, n = 0;
+    fl_lora_module *m = calloc((size_t)cap, sizeof *m);
+    if (!m) return fl_errorf(FL_ERR_OOM, "lora: module list");
+    struct { const char *target, *fmt; int row0, rows; } tab_llama[] = {
+        {"q_proj", "model.layers.%d.self_attn.q_proj", 0, QKV},
+        {"k_proj", "model.layers.%d.self_attn.k_proj", QD, QKV},
+        {"v_proj", "model.layers.%d.self_attn.v_proj", QD + KVD, QKV},
+        {"o_proj", "model.layers.%d.self_attn.o_proj", 0, C},
+        {"gate_proj", "model.layers.%d.mlp.gate_proj", 0, 2 * F},
+        {"up_proj", "model.layers.%d.mlp.up_proj", F, 2 * F},
+        {"down_proj", "model.layers.%d.mlp.down_proj", 0, C},
+    }, tab_gpt2[] = {
+        {"c_attn", "transformer.h.%d.attn.c_attn", 0, 3 * C},
+        {"c_proj", "transformer.h.%d.attn.c_proj", 0, C},
+        {"c_fc", "transformer.h.%d.mlp.c_fc", 0, F},
+        {"c_proj", "transformer.h.%d.mlp.c_proj", 0, C},
+    };
+    const int gpt2 = mc->arch == FL_ARCH_GPT2;
+    const int nt = gpt2 ? 4 : 7;
+    for (int l = 0; l < mc->n_layers; l++)
+        for (int t = 0; t < nt; t++) {
+            const char *target = gpt2 ? tab_gpt2[t].target : tab_llama[t].target;
+            if (!has_target(c, target)) continue;
+            fl_lora_module *e = &m[n];
+            snprintf(e->name, sizeof e->name, gpt2 ? tab_gpt2[t].fmt : tab_llama[t].fmt, l);
+            e->layer = l;
+            e->fused_row0 = gpt2 ? tab_gpt2[t].row0 : tab_llama[t].row0;
+            e->fused_rows = gpt2 ? tab_gpt2[t].rows : tab_llama[t].rows;
+            n++;
+        }
+    if (has_target(c, "lm_head")) {
+        fl_lora_module *e = &m[n++];
+        snprintf(e->name, sizeof e->name, "lm_head");
+        e->layer = -1;
+        e->fused_row0 = 0;
+        e->fused_rows = mc->vocab_size;
+    }
+    for (int i = 0; i < n; i++) {
+        char w[FL_PARAM_NAME_MAX + 8];
+        snprintf(w, sizeof w, "%s.weight", m[i].name);
+        int idx = fl_layout_find(lay, w);
+        if (idx < 0 || lay->params[idx].ndim != 2) {
+            free(m);
+            return fl_errorf(FL_ERR_INTERNAL, "lora: module '%s' has no 2-D weight in the model layout", m[i].name);
+        }
+        m[i].param_index = idx;
+        m[i].out = (int)lay->params[idx].shape[0];
+        m[i].in = (int)lay->params[idx].shape[1];
+    }
+    *mods = m;
+    *n_mods = n;
+    return FL_OK;
+}
+
+void fl_lora_adapter_offsets(const fl_lora_module *mods, int n_mods, int r, size_t *off, size_t *total) {
+    size_t o = 0;
+    for (int j = 0; j < n_mods; j++) {
+        if (off) off[2 * j] = o;
+        o += (size_t)r * mods[j].in;
+        if (off) off[2 * j + 1] = o;
+        o += (size_t)mods[j].out * r;
+    }
+    if (total) *total = o;
+}
+
+static uint64_t splitmix(uint64_t *s) {
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ULL);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+}
+
+void fl_lora_init_adapter(float *A, float *B, int r, int in, int out, uint64_t seed) {
+    const double bound = 1.0 / sqrt((double)in);
+    uint64_t s = seed;
+    for (size_t i = 0; i < (size_t)r * in; i++) {
+        double u = (double)(splitmix(&s) >> 11) * (1.0 / 9007199254740992.0); /* [0, 1) */
+        A[i] = (float)((2.0 * u - 1.0) * bound);
+    }
+    if (B) memset(B, 0, (size_t)out * r * sizeof(float));
+}
+
+void fl_lora_merge(float *W, int ldw, const float *A, const float *B, int r, int in, int out, float scaling) {
+#pragma omp parallel for schedule(static)
+    for (int o = 0; o < out; o++)
+        for (int i = 0; i < in; i++) {
+            double s = 0;
+            for (int j = 0; j < r; j++) s += (double)B[(size_t)o * r + j] * (double)A[(size_t)j * in + i];
+            float d = (float)s * scaling;
+            W[(size_t)o * ldw + i] += d;
+        }
+}
+
+fl_status fl_lora_merge_q4(float *dst, const fl_q4_weight *W, const float *A, const float *B, int r,
+                           float scaling) {
+    FL_TRY(fl_q4_dequantize(W, dst, 0));
+    fl_lora_merge(dst, W->cols, A, B, r, W->cols, W->rows, scaling);
+    return FL_OK;
+}
