@@ -53,7 +53,7 @@ void fl_cfg_defaults(fl_run_config *c, fl_cmd_kind cmd) {
 static const fl_cfg_key k_keys[] = {
     {"checkpoint_dir", FL_CK_PATH, OFF(checkpoint_dir), "base model folder (HF layout) or preset name"},
     {"out_dir", FL_CK_PATH, OFF(out_dir), "folder for checkpoints and logs"},
-    {"precision", FL_CK_PRECISION, OFF(precision), "32-true | bf16-true | bf16-mixed | 16-true | 16-mixed"},
+    {"precision", FL_CK_PRECISION, OFF(precision), "32-true | bf16-mixed (bf16-true, 16-mixed, 16-true: not yet)"},
     {"devices", FL_CK_INT, OFF(devices), "number of devices (1 on this build)"},
     {"num_nodes", FL_CK_INT, OFF(num_nodes), "number of nodes (1 on this build)"},
     {"resume", FL_CK_RESUME, OFF(resume), "false | true | auto | path to a checkpoint folder"},
@@ -105,7 +105,7 @@ static const fl_cfg_key k_keys[] = {
     {"eval.initial_validation", FL_CK_BOOL, OFF(eval.initial_validation), "evaluate before training"},
     {"eval.final_validation", FL_CK_BOOL, OFF(eval.final_validation), "evaluate after training"},
     {"eval.evaluate_example", FL_CK_IGNORED, 0, "accepted for LitGPT compatibility"},
-    {"optimizer", FL_CK_OPTIMIZER, 0, "AdamW | SGD (or torch.optim.* class_path)"},
+    {"optimizer", FL_CK_OPTIMIZER, 0, "AdamW | Adam | SGD | bnb.optim.AdamW8bit | Adam8bit | PagedAdamW"},
     {"optimizer.class_path", FL_CK_OPTIMIZER, 0, "same as optimizer"},
     {"optimizer.lr", FL_CK_FLOAT, OFF(optimizer.lr), "learning rate"},
     {"optimizer.weight_decay", FL_CK_FLOAT, OFF(optimizer.weight_decay), "weight decay"},
