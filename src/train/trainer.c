@@ -533,6 +533,11 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
 done:
 #undef CHECK
     free(window);
+    if (t.pool_ok) { /* also on failure: what was reached, and the OOM record */
+        for (int k = 0; k < FL_TAG_COUNT; k++) r.peak[k] = t.pool.peak[k];
+        r.peak_total = t.pool.peak_total;
+        if (s == FL_ERR_OOM) r.oom = t.pool.oom;
+    }
     if (res) *res = r;
     cleanup(&t);
     return s;
