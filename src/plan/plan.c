@@ -416,10 +416,12 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
         x.T = opts.seq_len < ctx ? opts.seq_len : ctx;
         note(p, "T = %d from --seq-len%s", x.T, opts.seq_len > ctx ? " (capped by the model context)" : "");
     } else if (c->train.max_seq_length > 0) {
-        x.T = c->train.max_seq_length < ctx ? c->train.max_seq_length : ctx;
-        note(p, "T = %d = train.max_seq_length%s: the trainer sizes activations for the longest sample, capped "
-                "there, so a dataset of shorter samples needs less", x.T,
-             c->train.max_seq_length > ctx ? " capped by the model context" : "");
+        /* samples are cut to max_seq_length tokens; inputs are a sample minus its last token */
+        int msl = c->train.max_seq_length > 1 ? c->train.max_seq_length - 1 : 1;
+        x.T = msl < ctx ? msl : ctx;
+        note(p, "T = %d = train.max_seq_length - 1%s: the trainer sizes activations for the longest sample (cut to "
+                "max_seq_length tokens; inputs are a sample minus its last token), so a dataset of shorter samples "
+                "needs less", x.T, msl > ctx ? ", capped by the model context" : "");
     } else {
         x.T = ctx;
         note(p, "T = %d = the model context: train.max_seq_length is null, so the longest sample decides at run "
