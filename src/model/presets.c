@@ -37,7 +37,7 @@ static const preset k_presets[] = {
      * every width (C, F, heads x head_dim, vocabulary) / 16, depth and head structure kept,
      * so parameters scale by ~1/256 and one token's activations per parameter by 16. */
     LLAMA("lab-1b", 2000, 128, 352, 22, 8, 1, 16, 2048, 1e-5f, 10000.0f, 0),   /* tinyllama-1.1b / 16 */
-    LLAMA("lab-3b", 2000, 200, 540, 26, 8, 8, 25, 2048, 1e-6f, 10000.0f, 0),   /* open-llama-3b / 16 */
+    LLAMA("lab-3b", 2000, 200, 540, 26, 10, 10, 20, 2048, 1e-6f, 10000.0f, 0), /* open-llama-3b / 16 (HD even) */
     LLAMA("lab-7b", 2000, 256, 688, 32, 8, 8, 32, 2048, 1e-6f, 10000.0f, 0),   /* open-llama-7b / 16 */
     LLAMA("lab-13b", 2000, 320, 864, 40, 10, 10, 32, 2048, 1e-6f, 10000.0f, 0), /* open-llama-13b / 16 */
     LLAMA("tinyllama-1.1b", 32000, 2048, 5632, 22, 32, 4, 64, 2048, 1e-5f, 10000.0f, 0),

@@ -104,9 +104,12 @@ static fl_status resolve_model(const fl_run_config *c, fl_model_config *mc, char
         return fl_errorf(FL_ERR_INVALID, "no model: give checkpoint_dir (a model folder or a preset name)");
     } else if (!path_exists(ck)) {
         fl_status s = fl_preset_find(ck, mc);
-        if (s != FL_OK)
+        if (s != FL_OK) {
+            char why[1024]; /* fl_errorf must not read the message it is writing */
+            snprintf(why, sizeof why, "%s", fl_error_message());
             return fl_errorf(FL_ERR_NOT_FOUND, "checkpoint_dir '%s' is neither a model folder nor a preset (%s)", ck,
-                             fl_error_message());
+                             why);
+        }
         snprintf(src, n, "preset");
     } else {
         char path[FL_CFG_PATH + 16];
