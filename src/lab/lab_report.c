@@ -127,13 +127,14 @@ static fl_status write_csv(const fl_lab_report *rep, const char *dir) {
     char path[4200];
     FILE *f = open_out(dir, "results.csv", path, sizeof path);
     if (!f) return fl_errorf(FL_ERR_IO, "%s: cannot write: %s", path, strerror(errno));
-    fprintf(f, "experiment,lab_step,model,ref_model,micro_batch,accumulation,seq_len,precision,optimizer,act_ckpt,"
+    /* quoted free text (lab_step, note) last, so the other columns split on commas */
+    fprintf(f, "experiment,model,ref_model,micro_batch,accumulation,seq_len,precision,optimizer,act_ckpt,"
                "verdict,lab_verdict,matches_lab,peak_PARAMS,peak_GRADS,peak_OPTIM,peak_ACTS,peak_WORKSPACE,peak_OTHER,"
                "peak_total,planned_verdict,planned_peak,ref_planned_verdict,ref_planned_peak,step_ms,tok_s,final_loss,"
-               "wall_s,note\n");
+               "wall_s,lab_step,note\n");
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
-        fprintf(f, "%s,\"%s\",%s,%s,%d,%d,%d,%s,%s,%d,%s,%s,%s", r->name, r->lab_step, r->model, r->ref_model, r->B,
+        fprintf(f, "%s,%s,%s,%d,%d,%d,%s,%s,%d,%s,%s,%s", r->name, r->model, r->ref_model, r->B,
                 r->accum, r->T, r->precision, r->optimizer, r->act_ckpt, fl_lab_verdict_name(r->verdict),
                 fl_lab_verdict_name(r->expected), match(r));
         for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, ",%zu", r->peak[t]);
@@ -141,7 +142,7 @@ static fl_status write_csv(const fl_lab_report *rep, const char *dir) {
                 plan_name(r->ref_planned), r->ref_peak);
         if (r->verdict == FL_LAB_FITS) fprintf(f, ",%.3f,%.1f,%.5f", r->step_ms, r->tok_s, r->final_loss);
         else fprintf(f, ",,,");
-        fprintf(f, ",%.2f,\"", r->wall_s);
+        fprintf(f, ",%.2f,\"%s\",\"", r->wall_s, r->lab_step);
         for (const char *p = r->note; *p; p++) fputs(*p == '"' ? "\"\"" : (char[2]){*p, 0}, f);
         fprintf(f, "\"\n");
     }

@@ -360,8 +360,9 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
             simulate(&y, c, oc, p->B, p->accum, 0, NULL, &peak);
             s->fits = 1;
             s->peak = peak;
-            snprintf(s->change, sizeof s->change, "--train.max_seq_length %d", lo);
-            snprintf(s->note, sizeof s->note, "samples longer than %d tokens are truncated", lo);
+            /* the trainer's T is max_seq_length - 1 (inputs are a sample minus its last token) */
+            snprintf(s->change, sizeof s->change, "--train.max_seq_length %d", lo + 1);
+            snprintf(s->note, sizeof s->note, "samples longer than %d tokens are truncated", lo + 1);
         } else {
             s->fits = 0;
             snprintf(s->note, sizeof s->note, "no sequence length fits at micro_batch_size %d", p->B);
