@@ -247,7 +247,7 @@ static int write_charts(const fl_lab_report *rep, const char *dir, char *why, si
                "set boxwidth 0.75\nset xtics rotate by -35 scale 0\nset ylabel 'MiB'\nset key outside right top\n"
                "set grid ytics\nset yrange [0:*]\n"
                "set arrow 1 from graph 0, first %.3f to graph 1, first %.3f nohead lw 2 dt 2 lc rgb 'red'\n"
-               "set label 1 'budget' at graph 0.005, first %.3f offset 0,0.6 tc rgb 'red'\n"
+               "set label 1 'budget' at graph 0.99, first %.3f right offset 0,0.8 tc rgb 'red'\n"
                "plot '%s/memory.dat' using 2:xtic(1) title 'PARAMS', '' using 3 title 'GRADS', '' using 4 title "
                "'OPTIM', '' using 5 title 'ACTS', '' using 6 title 'WORKSPACE', '' using 7 title 'OTHER'\n",
             dir, MIB(rep->budget), MIB(rep->budget), MIB(rep->budget), MIB(rep->budget), dir);
