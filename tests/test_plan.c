@@ -156,6 +156,20 @@ FL_TEST(plan_max_micro_batch_and_suggestions) {
         if (!strcmp(s->technique, "lora")) saw_lora = !s->available && s->fits == -1;
     }
     FL_CHECK(saw_mb && saw_sgd && saw_lora);
+    /* every suggestion that "fits" does fit when applied, at the planned peak */
+    for (int i = 0; i < pl.n_sugg; i++) {
+        const fl_plan_suggestion *s = &pl.sugg[i];
+        if (s->fits != 1) continue;
+        fl_run_config c2 = c;
+        const char *v;
+        if ((v = strstr(s->change, "--optimizer SGD"))) fl_optim_config_default(&c2.optimizer, FL_OPT_SGD);
+        if ((v = strstr(s->change, "--train.micro_batch_size "))) c2.train.micro_batch_size = atoi(v + 25);
+        if ((v = strstr(s->change, "--train.max_seq_length "))) c2.train.max_seq_length = atoi(v + 23);
+        fl_plan q;
+        FL_REQUIRE_OK(fl_plan_run(&c2, &o, &q));
+        FL_CHECKF(q.verdict == FL_PLAN_FITS && q.peak_total == s->peak, "%s: '%s' -> %s, peak %zu vs %zu",
+                  s->technique, s->change, fl_plan_verdict_name(q.verdict), q.peak_total, s->peak);
+    }
     /* a technique the build lacks is a verdict, not an error */
     snprintf(c.precision, sizeof c.precision, "bf16-true");
     FL_REQUIRE_OK(fl_plan_run(&c, &o, &pl));
