@@ -16,7 +16,6 @@ typedef struct {
     const char *precision;
     fl_optim_kind optim;
     int act_ckpt;
-    int unused;
     const char *technique;    /* technique the row needs ("" none), a k_tech name */
     fl_lab_verdict expected;  /* the lab's verdict */
     int suites;               /* SUITE_* bits */
