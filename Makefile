@@ -6,6 +6,8 @@ BUILD      ?= build
 ASAN_BUILD ?= build-asan
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 DEB_PKGS   := cmake make gcc libc6-dev libopenblas-dev libdnnl-dev libyaml-dev libpcre2-dev
+# optional: the lab's PNG charts (without it `fitllm lab` writes the data and notes it in report.md)
+DEB_OPT_PKGS := gnuplot-nox
 FITLLM_DATA ?= ../shared/data
 export FITLLM_DATA
 
@@ -14,7 +16,7 @@ export FITLLM_DATA
 all: build
 
 help:
-	@echo "make demo   - build and run the demo (short real training run + memory report)"
+	@echo "make demo   - build and run the memory lab, quick suite (fitllm lab: table, lab/report.md, charts)"
 	@echo "make test   - build and run the whole test suite (release + AddressSanitizer pass)"
 	@echo "make build  - configure and build into $(BUILD)/"
 	@echo "make asan   - build with ASan/UBSan and run the whole suite under it"
@@ -29,6 +31,16 @@ setup:
 	  else \
 	    echo "missing Debian packages:$$missing"; \
 	    echo "run:  sudo apt-get update && sudo apt-get install -y$$missing"; exit 1; \
+	  fi; \
+	fi; \
+	opt=""; for p in $(DEB_OPT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || opt="$$opt $$p"; done; \
+	if [ -n "$$opt" ]; then \
+	  if [ "$$(id -u)" = "0" ]; then \
+	    echo "installing (optional):$$opt"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$opt >/dev/null) || \
+	      echo "note: could not install$$opt; the lab will skip its charts"; \
+	  else \
+	    echo "note: optional$$opt missing (lab charts): sudo apt-get install -y$$opt"; \
 	  fi; \
 	fi
 
@@ -54,8 +66,10 @@ asan: setup
 	cmake --build $(ASAN_BUILD) -j $(JOBS) --target fitllm_tests
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 ./$(ASAN_BUILD)/fitllm_tests $(ASAN_FILTER)
 
+# The main job on its built-in default: the lab's experiments on scaled presets,
+# no downloads, no ../shared/data needed (writes lab/).
 demo: build
-	./$(BUILD)/fitllm demo
+	./$(BUILD)/fitllm lab --suite quick
 
 bench: build
 	bench/run_bench_step.sh

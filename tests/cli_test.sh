@@ -54,6 +54,51 @@ if [ -d "$T/x6/final" ] || ls "$T/x6"/step-* >/dev/null 2>&1; then echo "FAIL fi
 expect finetune_tiny_ok 0 "Saved the final model" -- "$FITLLM" finetune_full micro --train.max_steps 3 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/x7" --quiet
 expect pretrain_ok 0 "Saved the final model" -- "$FITLLM" pretrain --model_name micro --data Synthetic --train.max_steps 2 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/x8" --quiet
 
+# ---- fitllm plan: exit 0 fits, 3 OOM, 2 usage / not available ----
+expect plan_fits 0 "verdict: FITS" -- "$FITLLM" plan tinyllama-1.1b --device-memory 80GB --train.micro_batch_size 4 --train.global_batch_size 32 --train.max_seq_length 1025
+expect plan_oom_exit_3 3 "verdict: OUT OF MEMORY during setup" -- "$FITLLM" plan tinyllama-1.1b --device-memory 80GB --train.micro_batch_size 32 --train.global_batch_size 32 --train.max_seq_length 1025
+expect plan_oom_suggests 3 "largest micro_batch_size that fits: 16" -- "$FITLLM" plan --model tinyllama-1.1b --device-memory 80GB --train.micro_batch_size 32 --train.global_batch_size 32 --train.max_seq_length 1025
+expect plan_json 3 '"verdict": "oom"' -- "$FITLLM" plan open-llama-7b --device-memory 80GB --json
+expect plan_not_available 2 "NOT AVAILABLE: bf16-true" -- "$FITLLM" plan tinyllama-1.1b --precision bf16-true --device-memory 80GB
+expect plan_devices_2 2 "more than one device" -- "$FITLLM" plan tinyllama-1.1b --devices 2
+expect plan_bad_size 2 "not a size" -- "$FITLLM" plan tinyllama-1.1b --device-memory lots
+expect plan_unknown_model 1 "neither a model folder nor a preset" -- "$FITLLM" plan no-such-model
+expect plan_help 0 "--device-memory" -- "$FITLLM" plan --help
+
+# ---- finetune_full out of memory: phase, tag, requested vs available, breakdown, what to try, exit 3,
+# nothing written when set-up fails; a failure at evaluation keeps logs/ but writes no final/ ----
+TR=(--data Synthetic --data.n_train 16 --data.n_val 2 --train.global_batch_size 4 --train.micro_batch_size 4 --train.max_seq_length 33 --train.max_steps 1 --eval.interval 1 --eval.max_iters 1 --eval.final_validation false --quiet)
+expect ft_oom_setup 3 "what to try" -- "$FITLLM" finetune_full micro "${TR[@]}" --eval.max_new_tokens 0 --out_dir "$T/oom1" --max-memory 5MB
+out=$("$FITLLM" finetune_full micro "${TR[@]}" --eval.max_new_tokens 0 --out_dir "$T/oom1" --max-memory 5MB 2>&1)
+if grep -q "out of memory during setup: ACTS requested" <<<"$out" && grep -q "available" <<<"$out" && grep -q "OPTIM" <<<"$out" \
+   && grep -q "micro_batch" <<<"$out" && [ ! -e "$T/oom1" ]; then echo "ok   ft_oom_setup_report_no_output"; pass=$((pass+1))
+else echo "FAIL ft_oom_setup_report_no_output"; echo "$out" | tail -12 | sed 's/^/     /'; fail=$((fail+1)); fi
+# budget = the planned training peak: training fits, the evaluation sample's KV cache does not
+need=$("$FITLLM" plan micro "${TR[@]}" --eval.max_new_tokens 8 --generation off --json | grep -o '"peak": {[^}]*}' | grep -o '"total": [0-9]*' | grep -o '[0-9]*$')
+expect ft_oom_at_eval 3 "out of memory during validation" -- "$FITLLM" finetune_full micro "${TR[@]}" --eval.max_new_tokens 8 --out_dir "$T/oom2" --max-memory "$need"
+if [ -d "$T/oom2/logs" ] && [ ! -e "$T/oom2/final" ]; then echo "ok   ft_oom_at_eval_no_final"; pass=$((pass+1))
+else echo "FAIL ft_oom_at_eval_no_final"; ls -R "$T/oom2" 2>&1 | head | sed 's/^/     /'; fail=$((fail+1)); fi
+expect plan_predicts_eval_oom 3 "OUT OF MEMORY during validation \(eval_generate\)" -- "$FITLLM" plan micro "${TR[@]}" --eval.max_new_tokens 8 --max-memory "$need"
+
+# ---- fitllm lab: the quick suite (make demo) with its verdicts, files and charts ----
+expect lab_bad_suite 2 "not quick, full or ci" -- "$FITLLM" lab --suite huge
+expect lab_bad_only 2 "unknown experiment" -- "$FITLLM" lab --only nope --out_dir "$T/lab0"
+t0=$(date +%s)
+expect lab_quick 0 "wrote" -- "$FITLLM" lab --suite quick --out_dir "$T/lab"
+echo "     (quick suite: $(( $(date +%s) - t0 )) s)"
+if [ -f "$T/lab/results.csv" ]; then
+    v() { awk -F, -v n="$1" '$1 == n { print $10 }' "$T/lab/results.csv"; }
+    ok=1
+    for pair in baseline:OOM reduced-batch:fits grad-accum:fits grad-accum-lr:fits larger-model:fits even-larger:OOM \
+                even-larger-b1:OOM sgd:fits bf16-true:n/a lora:n/a; do
+        got=$(v "${pair%%:*}"); [ "$got" = "${pair#*:}" ] || { echo "     ${pair%%:*}: $got, want ${pair#*:}"; ok=0; }
+    done
+    grep -q "NO" <(awk -F, 'NR > 1 { print $12 }' "$T/lab/results.csv") && { echo "     a verdict differs from the lab's"; ok=0; }
+    for f in report.md results.json; do [ -s "$T/lab/$f" ] || { echo "     missing $f"; ok=0; }; done
+    if command -v gnuplot >/dev/null; then [ -s "$T/lab/memory.png" ] && [ -s "$T/lab/step_time.png" ] || { echo "     no charts"; ok=0; }; fi
+    if [ $ok = 1 ]; then echo "ok   lab_quick_verdicts_and_files"; pass=$((pass+1)); else echo "FAIL lab_quick_verdicts_and_files"; fail=$((fail+1)); fi
+fi
+
 if [ -d "$DATA/stories260K-hf" ]; then
     printf '1 403 407 261 378 434 2 9 19 5\n' > "$T/ids.txt"
     expect loss_real_model 0 "loss [0-9.]+" -- "$FITLLM" loss "$DATA/stories260K-hf" --tokens-file "$T/ids.txt" --dump-logits "$T/logits.f32"

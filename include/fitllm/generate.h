@@ -43,6 +43,23 @@ typedef struct {
 
 /* Bytes of K+V for a config and capacity (what fl_kv_cache_init allocates as ACTS). */
 size_t fl_kv_cache_bytes(const fl_model_config *cfg, int max_T);
+
+/* Every buffer that generating from an n_prompt-token prompt with a cache of
+ * max_T positions allocates, in bytes (shared with the planner, src/plan/).
+ * Allocation order at run time: kv K, kv V (ACTS, kv_bytes/2 each), RoPE cos,
+ * sin (WORKSPACE, rope_bytes/2 each, LLaMA only), the decode step scratch
+ * (fl_kv_cache_init); then sampler probs and idx (sampler_bytes/2 each),
+ * logits, and prefill's n_prompt-row scratch, freed when prefill returns
+ * (fl_generate). */
+typedef struct {
+    size_t kv_bytes;       /* ACTS: K + V = fl_kv_cache_bytes */
+    size_t rope_bytes;     /* WORKSPACE: cos + sin tables (max_T, HD/2) each; 0 for GPT-2 */
+    size_t step_bytes;     /* WORKSPACE: one-row decode scratch */
+    size_t sampler_bytes;  /* WORKSPACE: probs (V floats) + idx (V int32) */
+    size_t logits_bytes;   /* WORKSPACE: (V) floats */
+    size_t prefill_bytes;  /* WORKSPACE, transient: n_prompt-row scratch; 0 when n_prompt <= 1 */
+} fl_gen_sizes;
+void fl_sizing_generate(const fl_model_config *cfg, int n_prompt, int max_T, fl_gen_sizes *out);
 /* Allocate the cache for m (max_T <= 0: the model's max_seq). Empty (pos 0). */
 fl_status fl_kv_cache_init(fl_kv_cache *kv, const fl_model *m, int max_T);
 void fl_kv_cache_free(fl_kv_cache *kv);

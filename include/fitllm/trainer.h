@@ -11,6 +11,7 @@
 #include <stdio.h>
 
 #include "fitllm/config.h"
+#include "fitllm/mem.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -26,7 +27,14 @@ typedef struct {
     size_t peak[8];           /* peak bytes per tag (FL_TAG_COUNT) */
     size_t peak_total;
     char final_dir[FL_CFG_PATH + 16];
+    fl_mem_oom oom;           /* on FL_ERR_OOM: the failed allocation and the breakdown (oom.valid) */
 } fl_trainer_result;
+
+/* res (may be NULL) is filled on success and on failure: peak and peak_total
+ * are the pool's all-time peaks so far, and an out-of-memory failure copies
+ * the pool's OOM record into res->oom (the pool itself is gone on return).
+ * Set-up (model, gradients, optimizer state, activations, step buffers) is
+ * allocated before out_dir is created, so an OOM there leaves no files. */
 
 /* Hook for tests: called after every optimizer step (after that step's
  * evaluation and checkpoint) with the step's loss (mean over its valid

@@ -3,7 +3,10 @@
 #ifndef FL_CLI_H
 #define FL_CLI_H
 
+#include <stdio.h>
+
 #include "fitllm/backend.h"
+#include "fitllm/config.h"
 #include "fitllm/io.h"
 #include "fitllm/mem.h"
 #include "fitllm/model.h"
@@ -30,6 +33,20 @@ double fl_cli_now_ms(void);
 /* Peak resident set size of this process in MiB. */
 double fl_cli_peak_rss_mb(void);
 
+/* Parse a training command line ([checkpoint_dir] --config Y --dotted.key V ...) into cfg
+ * (defaults < YAML < command line) and validate it. `extra` (may be NULL) sees each
+ * argument first: it returns 1 when it consumed argv[*i] (advancing *i past any value),
+ * 0 when not its own, -1 after printing a usage error. Returns 0 ok, -1 after --help
+ * (exit 0), or an exit code. */
+typedef int (*fl_cli_extra_fn)(void *ud, int argc, char **argv, int *i);
+int fl_cli_parse_run(const char *cmd, fl_cmd_kind kind, int argc, char **argv, fl_run_config *cfg,
+                     fl_cli_extra_fn extra, void *ud, void (*help_fn)(const char *, fl_cmd_kind));
+/* After a training run failed with FL_ERR_OOM: the breakdown at the failure and
+ * what to try, planned for the same config and budget (src/cli/cmd_plan.c). */
+void fl_cli_oom_advice(const fl_run_config *cfg, const fl_mem_oom *oom, FILE *f);
+
+int fl_cmd_plan(int argc, char **argv);
+int fl_cmd_lab(int argc, char **argv);
 int fl_cmd_loss(int argc, char **argv);
 int fl_cmd_bench_step(int argc, char **argv);
 int fl_cmd_demo(int argc, char **argv);

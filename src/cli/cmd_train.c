@@ -19,16 +19,16 @@ static void help(const char *cmd, fl_cmd_kind kind) {
     printf("\nexit codes: 0 ok, 1 runtime error, 2 usage or config error, 3 out of memory\n");
 }
 
-static int run(const char *cmd, fl_cmd_kind kind, int argc, char **argv) {
-    fl_run_config cfg;
-    fl_cfg_defaults(&cfg, kind);
+int fl_cli_parse_run(const char *cmd, fl_cmd_kind kind, int argc, char **argv, fl_run_config *cfg,
+                     fl_cli_extra_fn extra, void *ud, void (*help_fn)(const char *, fl_cmd_kind)) {
+    fl_cfg_defaults(cfg, kind);
     /* first pass: --help and --config (YAML applies before any other override) */
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { help(cmd, kind); return 0; }
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { help_fn(cmd, kind); return -1; }
         if (!strcmp(argv[i], "--config") || !strncmp(argv[i], "--config=", 9)) {
             const char *path = argv[i][8] == '=' ? argv[i] + 9 : (i + 1 < argc ? argv[++i] : NULL);
             if (!path) return fl_cli_usage(cmd, "--config needs a file");
-            fl_status s = fl_cfg_apply_yaml_file(&cfg, path);
+            fl_status s = fl_cfg_apply_yaml_file(cfg, path);
             if (s != FL_OK) {
                 fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
                 return FL_EXIT_USAGE;
@@ -40,6 +40,11 @@ static int run(const char *cmd, fl_cmd_kind kind, int argc, char **argv) {
         const char *a = argv[i];
         if (!strcmp(a, "--config")) { i++; continue; }
         if (!strncmp(a, "--config=", 9)) continue;
+        if (extra) {
+            int r = extra(ud, argc, argv, &i);
+            if (r < 0) return FL_EXIT_USAGE;
+            if (r > 0) continue;
+        }
         if (!strncmp(a, "--", 2)) {
             char key[256];
             const char *val;
@@ -57,26 +62,40 @@ static int run(const char *cmd, fl_cmd_kind kind, int argc, char **argv) {
             }
             /* fitllm spellings of a few options */
             if (!strcmp(key, "max-memory")) snprintf(key, sizeof key, "max_memory");
-            fl_status s = fl_cfg_set(&cfg, key, val);
+            fl_status s = fl_cfg_set(cfg, key, val);
             if (s != FL_OK) return fl_cli_usage(cmd, "%s", fl_error_message());
             continue;
         }
         if (positional++ == 0) {
-            fl_status s = fl_cfg_set(&cfg, "checkpoint_dir", a);
+            fl_status s = fl_cfg_set(cfg, "checkpoint_dir", a);
             if (s != FL_OK) return fl_cli_usage(cmd, "%s", fl_error_message());
         } else {
             return fl_cli_usage(cmd, "unexpected argument '%s'", a);
         }
     }
-    fl_status s = fl_cfg_validate(&cfg);
+    fl_status s = fl_cfg_validate(cfg);
     if (s != FL_OK) {
         fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
         return FL_EXIT_USAGE;
     }
+    return 0;
+}
+
+static int run(const char *cmd, fl_cmd_kind kind, int argc, char **argv) {
+    fl_run_config cfg;
+    int rc = fl_cli_parse_run(cmd, kind, argc, argv, &cfg, NULL, NULL, help);
+    if (rc) return rc < 0 ? 0 : rc;
     int bar = !cfg.quiet && isatty(STDOUT_FILENO);
     fl_trainer_result res;
-    s = fl_trainer_run(&cfg, stdout, bar, NULL, NULL, &res);
+    fl_status s = fl_trainer_run(&cfg, stdout, bar, NULL, NULL, &res);
     if (s != FL_OK) {
+        if (bar) fflush(stdout);
+        if (s == FL_ERR_OOM) {
+            /* the breakdown and what to try, from the planner (same sizing as the runtime) */
+            fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
+            fl_cli_oom_advice(&cfg, &res.oom, stderr);
+            return FL_EXIT_OOM;
+        }
         int code = fl_cli_fail(cmd, s, NULL);
         /* configuration problems found while setting up (bad values, a checkpoint_dir or
          * data file that does not exist, a technique this build lacks) are usage errors */

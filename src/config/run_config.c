@@ -52,6 +52,7 @@ void fl_cfg_defaults(fl_run_config *c, fl_cmd_kind cmd) {
 #define OFF(f) offsetof(fl_run_config, f)
 static const fl_cfg_key k_keys[] = {
     {"checkpoint_dir", FL_CK_PATH, OFF(checkpoint_dir), "base model folder (HF layout) or preset name"},
+    {"model", FL_CK_PATH, OFF(checkpoint_dir), "same as checkpoint_dir (a preset name: random init)"},
     {"out_dir", FL_CK_PATH, OFF(out_dir), "folder for checkpoints and logs"},
     {"precision", FL_CK_PRECISION, OFF(precision), "32-true | bf16-mixed (bf16-true, 16-mixed, 16-true: not yet)"},
     {"devices", FL_CK_INT, OFF(devices), "number of devices (1 on this build)"},
@@ -485,7 +486,7 @@ static int dumped(const fl_cfg_key *k) {
            strcmp(k->name, "data.class_path") && strcmp(k->name, "optimizer.class_path") &&
            strncmp(k->name, "train.learning_rate", 19) && strcmp(k->name, "train.weight_decay") &&
            strcmp(k->name, "train.beta1") && strcmp(k->name, "train.beta2") &&
-           strcmp(k->name, "initial_checkpoint_dir");
+           strcmp(k->name, "initial_checkpoint_dir") && strcmp(k->name, "model");
 }
 
 void fl_cfg_write_yaml(const fl_run_config *c, FILE *f) {

@@ -60,15 +60,16 @@ fl_status fl_kv_cache_init(fl_kv_cache *kv, const fl_model *m, int max_T) {
     size_t half = fl_kv_cache_bytes(c, max_T) / 2;
     fl_status s = fl_mem_alloc(m->pool, FL_TAG_ACTS, half, (void **)&kv->k);
     if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_ACTS, half, (void **)&kv->v);
+    fl_gen_sizes gs;
+    fl_sizing_generate(c, 1, max_T, &gs);
     if (s == FL_OK && c->arch == FL_ARCH_LLAMA) {
-        size_t tb = (size_t)max_T * (d.HD / 2) * sizeof(float);
+        size_t tb = gs.rope_bytes / 2;
         s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, tb, (void **)&kv->rope_cos);
         if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, tb, (void **)&kv->rope_sin);
         if (s == FL_OK) fl_rope_table_init(kv->rope_cos, kv->rope_sin, max_T, d.HD, c->rope_theta, &c->rope_scaling);
     }
     if (s == FL_OK)
-        s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, scratch_floats(&d, 1, NULL, NULL) * sizeof(float),
-                         (void **)&kv->step);
+        s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, gs.step_bytes, (void **)&kv->step);
     if (s != FL_OK) {
         fl_kv_cache_free(kv);
         return fl_error_prefix(s, "allocating the KV cache (%d positions)", max_T);
@@ -349,4 +350,19 @@ fl_status fl_generate(fl_model *m, fl_kv_cache *kv, const int32_t *prompt, int n
     fl_mem_free(m->pool, logits);
     fl_sampler_free(&smp);
     return s;
+}
+
+/* ---- sizing (shared with the planner) ------------------------------------------------ */
+
+void fl_sizing_generate(const fl_model_config *cfg_in, int n_prompt, int max_T, fl_gen_sizes *out) {
+    fl_model_config c = *cfg_in;
+    memset(out, 0, sizeof *out);
+    if (fl_config_validate(&c) != FL_OK || max_T <= 0) return;
+    fl_dims d = fl_model_dims(&c);
+    out->kv_bytes = fl_kv_cache_bytes(&c, max_T);
+    if (c.arch == FL_ARCH_LLAMA) out->rope_bytes = 2 * (size_t)max_T * (d.HD / 2) * sizeof(float);
+    out->step_bytes = scratch_floats(&d, 1, NULL, NULL) * sizeof(float);
+    out->sampler_bytes = (size_t)c.vocab_size * (sizeof(float) + sizeof(int32_t));
+    out->logits_bytes = (size_t)c.vocab_size * sizeof(float);
+    if (n_prompt > 1) out->prefill_bytes = scratch_floats(&d, n_prompt, NULL, NULL) * sizeof(float);
 }

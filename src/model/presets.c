@@ -29,6 +29,17 @@ static const preset k_presets[] = {
     LLAMA("micro", 512, 64, 172, 5, 8, 4, 8, 512, 1e-5f, 10000.0f, 1),
     LLAMA("tiny", 32000, 288, 768, 6, 6, 6, 48, 1024, 1e-5f, 10000.0f, 0),
     LLAMA("small", 32000, 768, 2048, 12, 12, 12, 64, 1024, 1e-5f, 10000.0f, 0),
+    /* A GPT-2 shape small enough for tests (planner vs runtime, byte tokenizer). */
+    {"gpt2-micro", {.arch = FL_ARCH_GPT2, .name = "gpt2-micro", .vocab_size = 512, .dim = 64, .ffn_dim = 256,
+                    .n_layers = 2, .n_heads = 4, .n_kv_heads = 4, .head_dim = 16, .max_seq = 512, .norm_eps = 1e-5f,
+                    .tie_embeddings = 1, .attention_bias = 1, .mlp_bias = 1}},
+    /* The lab's models scaled for a CPU (`fitllm lab`, docs/ARCHITECTURE.md "Planner and lab"):
+     * every width (C, F, heads x head_dim, vocabulary) / 16, depth and head structure kept,
+     * so parameters scale by ~1/256 and one token's activations per parameter by 16. */
+    LLAMA("lab-1b", 2000, 128, 352, 22, 8, 1, 16, 2048, 1e-5f, 10000.0f, 0),   /* tinyllama-1.1b / 16 */
+    LLAMA("lab-3b", 2000, 200, 540, 26, 10, 10, 20, 2048, 1e-6f, 10000.0f, 0), /* open-llama-3b / 16 (HD even) */
+    LLAMA("lab-7b", 2000, 256, 688, 32, 8, 8, 32, 2048, 1e-6f, 10000.0f, 0),   /* open-llama-7b / 16 */
+    LLAMA("lab-13b", 2000, 320, 864, 40, 10, 10, 32, 2048, 1e-6f, 10000.0f, 0), /* open-llama-13b / 16 */
     LLAMA("tinyllama-1.1b", 32000, 2048, 5632, 22, 32, 4, 64, 2048, 1e-5f, 10000.0f, 0),
     LLAMA("open-llama-3b", 32000, 3200, 8640, 26, 32, 32, 100, 2048, 1e-6f, 10000.0f, 0),
     LLAMA("open-llama-7b", 32000, 4096, 11008, 32, 32, 32, 128, 2048, 1e-6f, 10000.0f, 0),

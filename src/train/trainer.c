@@ -96,9 +96,12 @@ static fl_status load_model_and_tokenizer(trainer *t) {
     } else if (ck[0] && !exists(ck)) {
         /* A preset name: random init (for speed/memory experiments without weights). */
         fl_status s = fl_preset_find(ck, &mc);
-        if (s != FL_OK)
+        if (s != FL_OK) {
+            char why[1024]; /* fl_errorf must not read the message it is writing */
+            snprintf(why, sizeof why, "%s", fl_error_message());
             return fl_errorf(FL_ERR_NOT_FOUND, "checkpoint_dir '%s' is neither a model folder nor a preset (%s)", ck,
-                             fl_error_message());
+                             why);
+        }
         FL_TRY(fl_model_init(&t->model, &mc, &t->be, &t->pool));
         t->model_ok = 1;
         fl_model_init_random(&t->model, c->seed);
@@ -541,6 +544,11 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
 done:
 #undef CHECK
     free(window);
+    if (t.pool_ok) { /* also on failure: what was reached, and the OOM record */
+        for (int k = 0; k < FL_TAG_COUNT; k++) r.peak[k] = t.pool.peak[k];
+        r.peak_total = t.pool.peak_total;
+        if (s == FL_ERR_OOM) r.oom = t.pool.oom;
+    }
     if (res) *res = r;
     cleanup(&t);
     return s;

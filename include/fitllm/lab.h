@@ -1,0 +1,114 @@
+/* fitllm: the memory lab (`fitllm lab`, `make demo`).
+ *
+ * Reproduces the sequence of experiments of the course lab (BRIEF section 5):
+ * baseline, reduced batch, gradient accumulation (with and without the LR
+ * scaled), bf16-true, bf16-mixed, larger models, SGD, 8-bit Adam, activation
+ * checkpointing, CPU offload, LoRA, QLoRA, DDP, FSDP, on the lab's models
+ * scaled to a CPU (presets lab-1b, lab-3b, lab-7b: widths / 16) with a memory
+ * budget scaled the way an 80 GB GPU relates to TinyLlama-1.1B:
+ *
+ *   budget = 80 GB x params(lab-1b) / params(tinyllama-1.1b)
+ *   T      = the sequence length at which one sample's activations per
+ *            parameter of lab-1b equal those of a 1024-token sample of
+ *            TinyLlama (both from fl_sizing_acts)
+ *
+ * so every experiment's bytes relate to the budget as the real run's relate
+ * to the 80 GB GPU. Each runnable experiment is a fl_run_config run through
+ * fl_trainer_run (Synthetic data, built-in byte tokenizer, random init, a few
+ * steps, max_memory = the budget); an OOM is a verdict, not a failure; a
+ * technique this build lacks is "not available". Every row is also planned
+ * (fitllm plan) at lab scale and at the real scale (the real model, 80 GB).
+ *
+ * Library code: progress and the table go to the FILE* given; files are
+ * written by fl_lab_write. Charts need gnuplot (optional).
+ */
+#ifndef FITLLM_LAB_H
+#define FITLLM_LAB_H
+
+#include <stdio.h>
+
+#include "fitllm/mem.h"
+#include "fitllm/plan.h"
+#include "fitllm/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FL_LAB_JSON_VERSION 1
+
+typedef enum { FL_LAB_FITS = 0, FL_LAB_OOM, FL_LAB_NA, FL_LAB_ERROR, FL_LAB_VERDICT_COUNT } fl_lab_verdict;
+const char *fl_lab_verdict_name(fl_lab_verdict v); /* "fits", "OOM", "n/a", "error" */
+
+typedef struct {
+    const char *suite;     /* "quick" (default), "full" or "ci" (the unit tests' subset) */
+    const char *only;      /* comma-separated experiment names, NULL = all of the suite */
+    int threads;           /* 0 = all cores */
+    int steps;             /* optimizer steps per runnable experiment; 0 = the suite's */
+    const char *run_dir;   /* where the runs' out_dirs go (logs); NULL = a temporary folder, removed */
+} fl_lab_opts;
+
+void fl_lab_opts_default(fl_lab_opts *o);
+
+typedef struct {
+    char name[32];             /* "baseline" */
+    char lab_step[64];         /* the lab's change, e.g. "full fine-tune, fp32, batch 32" */
+    char expect[64];           /* what the lab observes */
+    char model[32], ref_model[32];
+    int B, accum, T;
+    char precision[16];
+    char optimizer[24];
+    int act_ckpt;
+    char technique[32];        /* technique the row needs ("" = none) */
+    fl_lab_verdict verdict;
+    fl_lab_verdict expected;   /* the lab's verdict (FL_LAB_FITS or FL_LAB_OOM) */
+    char note[256];
+    /* measured (fits: all-time peaks of the run; OOM: what was live at the failure) */
+    size_t peak[FL_TAG_COUNT];
+    size_t peak_total;
+    fl_mem_oom oom;
+    long steps;
+    double step_ms, tok_s, final_loss, wall_s;
+    /* planned at lab scale (needed bytes, no budget) and the planned verdict under the budget */
+    fl_plan_verdict planned;
+    size_t planned_peak;
+    size_t planned_tag[FL_TAG_COUNT];
+    /* planned at the real scale: the real model, T 1024, 80 GB */
+    fl_plan_verdict ref_planned;
+    size_t ref_peak;
+} fl_lab_row;
+
+typedef struct {
+    char suite[16];
+    fl_lab_row *rows;
+    int n;
+    size_t budget;             /* lab budget (bytes) */
+    size_t ref_device;         /* 80 GB */
+    int T, ref_T;
+    double param_ratio;        /* params(lab-1b) / params(tinyllama-1.1b) */
+    double act_ratio_ref, act_ratio_lab; /* activation bytes per sample per parameter */
+    double wall_s;
+    int threads;
+    int n_errors;
+} fl_lab_report;
+
+/* The scaling alone (budget, T, ratios), without running anything. */
+fl_status fl_lab_scale(fl_lab_report *rep);
+/* Run the suite; progress and the table go to out (may be NULL). Rows that
+ * error are recorded (verdict error, note) and counted in rep->n_errors; the
+ * call fails only on a bad suite / --only name or when the runs cannot start. */
+fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep);
+void fl_lab_report_free(fl_lab_report *rep);
+/* Print the results table. */
+void fl_lab_print_table(const fl_lab_report *rep, FILE *f);
+/* Write report.md, results.csv, results.json and (with gnuplot) memory.png and
+ * step_time.png into dir (created). *charts_out = 1 when the PNGs were drawn;
+ * a missing gnuplot is noted in report.md, not an error. */
+fl_status fl_lab_write(const fl_lab_report *rep, const char *dir, int *charts_out);
+/* Names of the experiments of a suite ("quick", "full", "ci"), NULL-terminated; NULL if no such suite. */
+const char *const *fl_lab_experiments(const char *suite);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,133 @@
+/* fitllm: the memory planner behind `fitllm plan` (and the lab's "planned" column).
+ *
+ * Given a run configuration and a device memory size, the planner predicts the
+ * bytes per tag (PARAMS, GRADS, OPTIM, ACTS, WORKSPACE, OTHER) at each phase of
+ * a training step (before_fwd, after_fwd, after_bwd, after_opt_step, and
+ * eval_generate when the run generates a sample at evaluation), the peak, and
+ * the verdict: fits, or out of memory at which phase, tag and allocation.
+ *
+ * One source of truth: the planner does not have a formula of its own. It
+ * replays the trainer's allocation sequence (src/train/trainer.c: model load
+ * PARAMS; set-up GRADS, OPTIM, ACTS + WORKSPACE, OTHER step buffers; the KV
+ * cache and sampler of the evaluation sample) with the sizes returned by the
+ * runtime's sizing functions (fl_sizing_param_count, fl_optim_state_bytes,
+ * fl_sizing_acts, fl_sizing_generate) on an fl_mem_pool whose raw allocator
+ * hands out no memory. So the budget check, the per-tag counters, the phase
+ * snapshots and the OOM record are the allocator's own code.
+ *
+ * Data dependence: the trainer sizes activations for T = the longest sample,
+ * capped by train.max_seq_length and the model context. The planner does not
+ * read the data; it takes T = train.max_seq_length (or the model context when
+ * that is null), an upper bound, unless opts.seq_len says otherwise, and says
+ * so in the notes.
+ *
+ * Nothing here prints except fl_plan_print / fl_plan_write_json, which write
+ * to the FILE* they are given.
+ */
+#ifndef FITLLM_PLAN_H
+#define FITLLM_PLAN_H
+
+#include <stdio.h>
+
+#include "fitllm/config.h"
+#include "fitllm/mem.h"
+#include "fitllm/model.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Version of the `fitllm plan --json` schema (docs/ARCHITECTURE.md "Planner and lab"). */
+#define FL_PLAN_JSON_VERSION 1
+
+typedef enum {
+    FL_PLAN_FITS = 0,        /* every allocation of the run fits the budget (or there is no budget) */
+    FL_PLAN_OOM,             /* an allocation fails: see fl_plan.oom / oom_what / oom_step */
+    FL_PLAN_UNAVAILABLE,     /* the config asks for a technique this build does not have */
+    FL_PLAN_VERDICT_COUNT
+} fl_plan_verdict;
+
+const char *fl_plan_verdict_name(fl_plan_verdict v); /* "fits", "oom", "not_available" */
+
+/* Memory-saving techniques the planner knows, and whether this build has them.
+ * The one table to update when a technique lands (src/plan/plan.c k_tech). */
+typedef struct {
+    const char *name;      /* "micro_batch", "sgd", "bf16-true", "lora", ... */
+    int available;         /* 1: the trainer implements it */
+    const char *how;       /* how a run asks for it */
+    const char *note;      /* why not (when unavailable) */
+} fl_plan_technique;
+
+const fl_plan_technique *fl_plan_techniques(int *n);
+/* 1 available, 0 not in this build, -1 unknown name. */
+int fl_plan_technique_available(const char *name);
+
+typedef struct {
+    size_t device_memory;  /* budget in bytes; 0: the config's max_memory; both 0: no budget */
+    int devices;           /* 1 (only one device for now); 0 means 1 */
+    int seq_len;           /* > 0: plan for this T instead of max_seq_length / the context */
+    int generation;        /* -1 auto (as the CLI run would), 0 off, 1 on */
+    int no_suggestions;    /* skip the suggestion search (used by the search itself) */
+} fl_plan_opts;
+
+void fl_plan_opts_default(fl_plan_opts *o);
+
+#define FL_PLAN_MAX_PHASES 8
+#define FL_PLAN_MAX_SUGG 16
+#define FL_PLAN_MAX_NOTES 6
+
+typedef struct {
+    char technique[32];    /* a name from fl_plan_techniques() */
+    int available;         /* this build has it */
+    int fits;              /* 1 fits, 0 still OOM, -1 unknown (not available) */
+    size_t peak;           /* planned peak with the change (0 when unknown) */
+    char change[160];      /* command-line options that make the change */
+    char note[200];
+} fl_plan_suggestion;
+
+typedef struct {
+    /* what was planned */
+    fl_model_config model;
+    char model_source[64];     /* "preset", "config.json" */
+    size_t n_params;
+    int B, accum, global_batch, T;
+    char precision[16];
+    char optimizer[24];        /* "AdamW", "SGD", "SGD+momentum" */
+    int act_ckpt;
+    int generation;            /* eval sample generation planned */
+    int gen_prompt_tokens, gen_capacity;
+    size_t budget;             /* 0 = none */
+    /* bytes: the whole run without a budget (what it needs) */
+    fl_mem_phase phases[FL_PLAN_MAX_PHASES];
+    int n_phases;
+    size_t peak[FL_TAG_COUNT];
+    size_t peak_total;
+    /* the verdict under the budget */
+    fl_plan_verdict verdict;
+    fl_mem_oom oom;            /* FL_PLAN_OOM: the first allocation that fails (the allocator's record) */
+    char oom_what[96];         /* which buffer, e.g. "AdamW state exp_avg_sq" */
+    char oom_step[32];         /* the planned phase it belongs to, e.g. "before_fwd" (set-up) or "eval_generate" */
+    char unavailable[256];     /* FL_PLAN_UNAVAILABLE: what is missing */
+    int max_micro_batch_size;  /* largest divisor of the global batch that fits; 0 none; -1 no budget */
+    fl_plan_suggestion sugg[FL_PLAN_MAX_SUGG];
+    int n_sugg;
+    char notes[FL_PLAN_MAX_NOTES][240];
+    int n_notes;
+} fl_plan;
+
+/* Plan the run `cfg` describes (the same config finetune_full / pretrain take).
+ * Returns FL_OK with a verdict (fits / OOM / not available are all results);
+ * an error only when the config is invalid or the model cannot be resolved
+ * (preset name, HF folder with config.json, or a config.json file). */
+fl_status fl_plan_run(const fl_run_config *cfg, const fl_plan_opts *opts, fl_plan *out);
+
+/* Human report: summary, the phase table (as the runtime's memory report),
+ * the verdict, the largest micro batch, suggestions. */
+void fl_plan_print(const fl_plan *p, FILE *f);
+/* The --json document (schema version FL_PLAN_JSON_VERSION). */
+void fl_plan_write_json(const fl_plan *p, FILE *f);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,87 @@
+/* fitllm lab: the course lab's experiments on scaled models, as one command
+ * (also `make demo`). Exit codes: 0 when every experiment ran (OOM and "not
+ * available" are results), 1 when one failed or the files could not be
+ * written, 2 usage error. */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli.h"
+#include "fitllm/lab.h"
+
+static void help(void) {
+    printf("usage: fitllm lab [--suite quick|full] [--only name,name] [--out_dir DIR] [--threads N] [--steps N]\n"
+           "                  [--keep-runs]\n\n"
+           "Runs the memory lab's sequence of experiments (baseline, reduced batch, gradient accumulation, LR\n"
+           "scaling, bf16-true, bf16-mixed, larger models, SGD, 8-bit Adam, activation checkpointing, CPU offload,\n"
+           "LoRA, QLoRA, DDP, FSDP) on the lab's models scaled to this machine (lab-* presets) with a memory budget\n"
+           "scaled as an 80 GB GPU relates to TinyLlama-1.1B; prints a table and writes report.md, results.csv,\n"
+           "results.json and PNG charts (gnuplot, optional). Rows for techniques this build lacks say n/a.\n\n"
+           "  --suite NAME      (default quick)  quick: every experiment, 4 steps each (under a minute on 2 idle cores);\n"
+           "                    full: 20 steps each; ci: the 5 rows the unit tests assert, 2 steps\n"
+           "  --only LIST       (default: the whole suite)  comma-separated experiment names:\n                   ");
+    const char *const *n = fl_lab_experiments("quick");
+    for (int i = 0; n[i]; i++) printf(" %s", n[i]);
+    printf("\n"
+           "  --out_dir DIR     (default lab)  where the report, CSV, JSON and charts go\n"
+           "  --threads N       (default 0 = all cores)  CPU threads\n"
+           "  --steps N         (default: the suite's)  optimizer steps per runnable experiment\n"
+           "  --keep-runs       (default off)  keep each run's out_dir (logs/metrics.csv) under DIR/runs\n\n"
+           "exit codes: 0 every experiment ran (OOM and n/a are results), 1 an experiment failed or the files\n"
+           "could not be written, 2 usage error\n");
+}
+
+int fl_cmd_lab(int argc, char **argv) {
+    const char *cmd = "lab", *out_dir = "lab";
+    fl_lab_opts o;
+    fl_lab_opts_default(&o);
+    int keep = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { help(); return 0; }
+        else if (!strcmp(a, "--suite")) {
+            if (!v || !fl_lab_experiments(v)) return fl_cli_usage(cmd, "--suite: '%s' is not quick, full or ci", v ? v : "");
+            o.suite = v;
+            i++;
+        } else if (!strcmp(a, "--only")) {
+            if (!v) return fl_cli_usage(cmd, "--only needs a list of experiment names");
+            o.only = v;
+            i++;
+        } else if (!strcmp(a, "--out_dir") || !strcmp(a, "--out-dir")) {
+            if (!v) return fl_cli_usage(cmd, "--out_dir needs a folder");
+            out_dir = v;
+            i++;
+        } else if (!strcmp(a, "--threads")) { if (fl_cli_int(cmd, a, v, 0, 1024, &o.threads)) return FL_EXIT_USAGE; i++; }
+        else if (!strcmp(a, "--steps")) { if (fl_cli_int(cmd, a, v, 1, 256, &o.steps)) return FL_EXIT_USAGE; i++; }
+        else if (!strcmp(a, "--keep-runs")) keep = 1;
+        else return fl_cli_usage(cmd, "unknown option '%s'", a);
+    }
+    char runs[4200];
+    if (keep) {
+        snprintf(runs, sizeof runs, "%s/runs", out_dir);
+        o.run_dir = runs;
+    }
+    fl_lab_report rep;
+    fl_status s = fl_lab_run(&o, stdout, &rep);
+    if (s != FL_OK) {
+        fl_lab_report_free(&rep);
+        fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
+        return s == FL_ERR_INVALID ? FL_EXIT_USAGE : FL_EXIT_RUNTIME;
+    }
+    fl_lab_print_table(&rep, stdout);
+    int charts = 0;
+    s = fl_lab_write(&rep, out_dir, &charts);
+    if (s != FL_OK) {
+        fl_lab_report_free(&rep);
+        fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
+        return FL_EXIT_RUNTIME;
+    }
+    printf("\nwrote %s/report.md, results.csv, results.json%s (%.1f s)\n", out_dir,
+           charts ? ", memory.png, step_time.png" : " (no charts: see report.md)", rep.wall_s);
+    int errors = rep.n_errors;
+    fl_lab_report_free(&rep);
+    if (errors) {
+        fprintf(stderr, "fitllm %s: %d experiment(s) failed (see the table)\n", cmd, errors);
+        return FL_EXIT_RUNTIME;
+    }
+    return 0;
+}

@@ -1,0 +1,153 @@
+/* fitllm plan: predict the memory of a training run before running it.
+ * Same arguments as finetune_full (positional checkpoint_dir or preset name,
+ * --config YAML, dotted overrides) plus --device-memory, --devices, --seq-len
+ * and --json. Exit codes: 0 fits, 3 out of memory, 2 usage / config / a
+ * technique this build does not have, 1 runtime error (e.g. unreadable model). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "fitllm/plan.h"
+
+typedef struct {
+    size_t device_memory;
+    int devices, seq_len, json, generation;
+} plan_args;
+
+static void help(const char *cmd, fl_cmd_kind kind) {
+    (void)kind;
+    printf("usage: fitllm %s <checkpoint_dir | preset> [--config recipe.yaml] [--<option> VALUE ...]\n"
+           "          [--device-memory SIZE] [--devices 1] [--seq-len T] [--generation auto|on|off] [--json]\n\n",
+           cmd);
+    printf("Predicts the bytes per tag (PARAMS, GRADS, OPTIM, ACTS, WORKSPACE, OTHER) at each phase of a\n"
+           "training step of `fitllm finetune_full` with the same arguments, the peak, whether it fits the\n"
+           "device, the largest micro_batch_size that fits, and what to try when it does not. Nothing is\n"
+           "allocated or run: the trainer's allocation sequence is replayed with the runtime's sizing code.\n\n"
+           "plan options:\n"
+           "  --device-memory SIZE           (default: --max_memory, else none)  device memory, e.g. 80GB, 24GiB\n"
+           "  --devices N                    (default 1)  devices; only 1 for now\n"
+           "  --seq-len T                    (default: train.max_seq_length - 1, else the model context)  T to plan\n"
+           "                                 for (the trainer uses the longest sample - 1, samples cut to\n"
+           "                                 max_seq_length)\n"
+           "  --generation auto|on|off       (default auto)  include the sample generated at each evaluation\n"
+           "                                 (auto: eval.max_new_tokens > 0, a validation split, and\n"
+           "                                 train.max_steps unset or >= eval.interval)\n"
+           "  --json                         (default off)  machine-readable output (schema version %d,\n"
+           "                                 docs/ARCHITECTURE.md \"Planner and lab\")\n\n"
+           "training options (as finetune_full; --model NAME is checkpoint_dir):\n\n",
+           FL_PLAN_JSON_VERSION);
+    fl_cfg_print_help(FL_CMD_FINETUNE_FULL, stdout);
+    printf("\nexit codes: 0 fits, 3 out of memory (the plan says OOM), 2 usage or config error or a technique\n"
+           "this build does not have, 1 runtime error\n");
+}
+
+static int extra(void *ud, int argc, char **argv, int *i) {
+    plan_args *a = ud;
+    const char *arg = argv[*i];
+    const char *v = *i + 1 < argc ? argv[*i + 1] : NULL;
+    if (!strcmp(arg, "--json")) { a->json = 1; return 1; }
+    if (!strcmp(arg, "--device-memory") || !strcmp(arg, "--device_memory")) {
+        if (!v || fl_parse_bytes(v, &a->device_memory) || a->device_memory == 0) {
+            fl_cli_usage("plan", "--device-memory: '%s' is not a size like 80GB", v ? v : "");
+            return -1;
+        }
+        (*i)++;
+        return 1;
+    }
+    if (!strcmp(arg, "--devices")) {
+        if (fl_cli_int("plan", arg, v, 1, 1 << 20, &a->devices)) return -1;
+        if (a->devices != 1) {
+            fl_cli_usage("plan", "--devices %d: planning for more than one device is not available yet (use 1)",
+                         a->devices);
+            return -1;
+        }
+        (*i)++;
+        return 1;
+    }
+    if (!strcmp(arg, "--seq-len")) {
+        if (fl_cli_int("plan", arg, v, 1, 1 << 24, &a->seq_len)) return -1;
+        (*i)++;
+        return 1;
+    }
+    if (!strcmp(arg, "--generation")) {
+        if (v && !strcmp(v, "auto")) a->generation = -1;
+        else if (v && !strcmp(v, "on")) a->generation = 1;
+        else if (v && !strcmp(v, "off")) a->generation = 0;
+        else { fl_cli_usage("plan", "--generation: '%s' is not auto, on or off", v ? v : ""); return -1; }
+        (*i)++;
+        return 1;
+    }
+    return 0;
+}
+
+int fl_cmd_plan(int argc, char **argv) {
+    const char *cmd = "plan";
+    plan_args a = {0, 1, 0, 0, -1};
+    fl_run_config cfg;
+    int rc = fl_cli_parse_run(cmd, FL_CMD_FINETUNE_FULL, argc, argv, &cfg, extra, &a, help);
+    if (rc) return rc < 0 ? 0 : rc;
+    fl_plan_opts o;
+    fl_plan_opts_default(&o);
+    o.device_memory = a.device_memory;
+    o.devices = a.devices;
+    o.seq_len = a.seq_len;
+    o.generation = a.generation;
+    fl_plan *p = malloc(sizeof *p);
+    if (!p) return fl_cli_fail(cmd, fl_errorf(FL_ERR_OOM, "out of host memory"), NULL);
+    fl_status s = fl_plan_run(&cfg, &o, p);
+    if (s != FL_OK) {
+        free(p);
+        fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
+        return s == FL_ERR_INVALID || s == FL_ERR_UNSUPPORTED ? FL_EXIT_USAGE : FL_EXIT_RUNTIME;
+    }
+    if (a.json) fl_plan_write_json(p, stdout);
+    else fl_plan_print(p, stdout);
+    rc = p->verdict == FL_PLAN_FITS ? FL_EXIT_OK : p->verdict == FL_PLAN_OOM ? FL_EXIT_OOM : FL_EXIT_USAGE;
+    free(p);
+    return rc;
+}
+
+/* ---- advice after a real out-of-memory failure ------------------------------------ */
+
+void fl_cli_oom_advice(const fl_run_config *cfg, const fl_mem_oom *oom, FILE *f) {
+    char a[32], b[32];
+    if (oom && oom->valid) {
+        size_t avail = oom->budget > oom->in_use ? oom->budget - oom->in_use : 0;
+        fprintf(f, "out of memory during %s: %s requested %s, %s available", oom->phase, fl_mem_tag_name(oom->tag),
+                fl_fmt_bytes(oom->requested, a, sizeof a), fl_fmt_bytes(avail, b, sizeof b));
+        if (oom->budget) fprintf(f, " (budget %s)", fl_fmt_bytes(oom->budget, a, sizeof a));
+        fprintf(f, "\nin use at that moment:\n");
+        for (int t = 0; t < FL_TAG_COUNT; t++)
+            fprintf(f, "  %-10s %s\n", fl_mem_tag_name((fl_mem_tag)t), fl_fmt_bytes(oom->cur[t], a, sizeof a));
+        fprintf(f, "  %-10s %s\n", "total", fl_fmt_bytes(oom->in_use, a, sizeof a));
+        if (!strcmp(oom->phase, "model load") || !strcmp(oom->phase, "setup"))
+            fprintf(f, "nothing was written: the run failed before creating '%s'\n", cfg->out_dir);
+        else
+            fprintf(f, "no final checkpoint was written; '%s' keeps its logs and any step checkpoint committed "
+                       "before the failure\n", cfg->out_dir);
+    }
+    fl_plan_opts o;
+    fl_plan_opts_default(&o);
+    fl_plan *p = malloc(sizeof *p);
+    if (!p || fl_plan_run(cfg, &o, p) != FL_OK || p->verdict != FL_PLAN_OOM) {
+        fprintf(f, "what to try: a smaller train.micro_batch_size (with accumulation), a shorter "
+                   "train.max_seq_length, SGD, or a larger --max-memory\n");
+        free(p);
+        return;
+    }
+    fprintf(f, "planned peak of this run: %s (fitllm plan with the same arguments shows the table)\n",
+            fl_fmt_bytes(p->peak_total, a, sizeof a));
+    if (p->max_micro_batch_size > 0)
+        fprintf(f, "largest micro_batch_size that fits: %d\n", p->max_micro_batch_size);
+    fprintf(f, "what to try:\n");
+    for (int i = 0; i < p->n_sugg; i++) {
+        const fl_plan_suggestion *s = &p->sugg[i];
+        if (!s->available) fprintf(f, "  - %-26s not available in this build\n", s->technique);
+        else if (s->fits == 1)
+            fprintf(f, "  - %-26s %s (planned peak %s; %s)\n", s->technique, s->change,
+                    fl_fmt_bytes(s->peak, a, sizeof a), s->note);
+        else fprintf(f, "  - %-26s does not fit: %s\n", s->technique, s->note);
+    }
+    free(p);
+}

@@ -1,0 +1,356 @@
+/* The memory lab: see include/fitllm/lab.h. This file holds the experiments,
+ * the scaling and the runs; lab_report.c writes the table and the files. */
+#define _XOPEN_SOURCE 700
+#include <ftw.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "fitllm/lab.h"
+#include "fitllm/trainer.h"
+#include "lab-impl.h"
+
+/* ---- the experiments ------------------------------------------------------------
+ * The lab's sequence (BRIEF section 5). This build trains in 32-true only, so
+ * the size ladder runs in 32-true: the 3B-like model fits with a small micro
+ * batch, the 7B-like one takes the role of the lab's 11-13B (out of memory even
+ * at batch 1 with AdamW) and fits with SGD. Rows that need a technique this
+ * build lacks are planned and shown as "not available". When a technique
+ * lands: flip its entry in k_tech (src/plan/plan.c) and, for techniques with
+ * no config key yet (LoRA, QLoRA, 8-bit Adam, offload, DDP, FSDP), set its key
+ * in apply_row() below. */
+
+#define SUITE_QUICK 1
+#define SUITE_FULL 2
+#define SUITE_CI 4
+
+static const lab_exp k_exps[] = {
+    {"baseline", "full fine-tune, fp32, batch 32", "OOM", "tinyllama-1.1b", "lab-1b", 32, 32, 1, "32-true",
+     FL_OPT_ADAMW, 0, "", FL_LAB_OOM, SUITE_QUICK | SUITE_FULL | SUITE_CI},
+    {"reduced-batch", "micro batch 8", "fits, slower per sample", "tinyllama-1.1b", "lab-1b", 8, 8, 1, "32-true",
+     FL_OPT_ADAMW, 0, "", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL | SUITE_CI},
+    {"grad-accum", "global 32 = micro 8 x accumulate 4", "about the memory of micro batch 8", "tinyllama-1.1b",
+     "lab-1b", 8, 32, 1, "32-true", FL_OPT_ADAMW, 0, "", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL | SUITE_CI},
+    {"grad-accum-lr", "accumulate 4, LR x4 (effective batch)", "same memory; LR follows the batch", "tinyllama-1.1b",
+     "lab-1b", 8, 32, 4, "32-true", FL_OPT_ADAMW, 0, "", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL},
+    {"bf16-true", "precision bf16-true", "much less memory, faster", "tinyllama-1.1b", "lab-1b", 8, 32, 1, "bf16-true",
+     FL_OPT_ADAMW, 0, "bf16-true", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL},
+    {"bf16-mixed", "precision bf16-mixed", "between bf16-true and fp32", "tinyllama-1.1b", "lab-1b", 8, 32, 1,
+     "bf16-mixed", FL_OPT_ADAMW, 0, "bf16-mixed", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL},
+    {"larger-model", "3B model (lab: bf16-true; here 32-true)", "memory grows with size", "open-llama-3b", "lab-3b",
+     2, 2, 1, "32-true", FL_OPT_ADAMW, 0, "", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL},
+    {"even-larger", "7B model, micro batch 8 (lab: 11-13B)", "OOM", "open-llama-7b", "lab-7b", 8, 8, 1, "32-true",
+     FL_OPT_ADAMW, 0, "", FL_LAB_OOM, SUITE_QUICK | SUITE_FULL},
+    {"even-larger-b1", "7B model, batch 1", "OOM even at batch 1", "open-llama-7b", "lab-7b", 1, 1, 1, "32-true",
+     FL_OPT_ADAMW, 0, "", FL_LAB_OOM, SUITE_QUICK | SUITE_FULL | SUITE_CI},
+    {"sgd", "7B, batch 1, SGD (stateless)", "fits: Adam's states cost 2x the weights", "open-llama-7b", "lab-7b", 1, 1,
+     10, "32-true", FL_OPT_SGD, 0, "", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL | SUITE_CI},
+    {"adam8bit", "7B, batch 1, 8-bit AdamW", "fits with a small batch", "open-llama-7b", "lab-7b", 1, 1, 1, "32-true",
+     FL_OPT_ADAMW, 0, "adam8bit", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL},
+    {"act-ckpt", "activation checkpointing, batch 32", "activations shrink, slower", "tinyllama-1.1b", "lab-1b", 32, 32,
+     1, "32-true", FL_OPT_ADAMW, 1, "activation_checkpointing", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL},
+    {"cpu-offload", "7B, ZeRO-2 offload, CPU Adam", "device optimizer memory ~0, slow", "open-llama-7b", "lab-7b", 1,
+     1, 1, "32-true", FL_OPT_ADAMW, 0, "cpu_offload", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL},
+    {"lora", "7B, LoRA r16 alpha32 dropout0.05", "small grads/optim state, fits easily", "open-llama-7b", "lab-7b", 1,
+     1, 1, "32-true", FL_OPT_ADAMW, 0, "lora", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL},
+    {"qlora", "7B, QLoRA (NF4 base)", "smaller still, slower than LoRA", "open-llama-7b", "lab-7b", 1, 1, 1, "32-true",
+     FL_OPT_ADAMW, 0, "qlora", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL},
+    {"ddp", "4x DDP", "same memory per device, faster", "tinyllama-1.1b", "lab-1b", 8, 32, 1, "32-true", FL_OPT_ADAMW,
+     0, "ddp", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL},
+    {"fsdp", "4x FSDP", "memory per device about halves", "open-llama-7b", "lab-7b", 1, 4, 1, "32-true", FL_OPT_ADAMW,
+     0, "fsdp", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL},
+};
+#define N_EXPS (int)(sizeof k_exps / sizeof k_exps[0])
+
+static const lab_exp *find_exp(const char *name) {
+    for (int i = 0; i < N_EXPS; i++)
+        if (!strcmp(k_exps[i].name, name)) return &k_exps[i];
+    return NULL;
+}
+
+static int suite_bit(const char *s) {
+    if (!s || !strcmp(s, "quick")) return SUITE_QUICK;
+    if (!strcmp(s, "full")) return SUITE_FULL;
+    if (!strcmp(s, "ci")) return SUITE_CI;
+    return 0;
+}
+
+const char *const *fl_lab_experiments(const char *suite) {
+    static const char *names[3][N_EXPS + 1];
+    int bit = suite_bit(suite), idx = bit == SUITE_QUICK ? 0 : bit == SUITE_FULL ? 1 : 2;
+    if (!bit) return NULL;
+    int n = 0;
+    for (int i = 0; i < N_EXPS; i++)
+        if (k_exps[i].suites & bit) names[idx][n++] = k_exps[i].name;
+    names[idx][n] = NULL;
+    return names[idx];
+}
+
+const char *fl_lab_verdict_name(fl_lab_verdict v) {
+    static const char *n[FL_LAB_VERDICT_COUNT] = {"fits", "OOM", "n/a", "error"};
+    return (v >= 0 && v < FL_LAB_VERDICT_COUNT) ? n[v] : "?";
+}
+
+void fl_lab_opts_default(fl_lab_opts *o) {
+    memset(o, 0, sizeof *o);
+    o->suite = "quick";
+}
+
+/* ---- scaling ------------------------------------------------------------------------ */
+
+#define REF_MODEL "tinyllama-1.1b"
+#define LAB_MODEL "lab-1b"
+#define REF_DEVICE ((size_t)80000000000ULL) /* 80 GB */
+#define REF_T 1024
+
+static double act_per_param(const fl_model_config *c, int T) {
+    fl_act_sizes a;
+    fl_sizing_acts(c, 1, T, &a);
+    return (double)(a.acts_bytes + a.workspace_bytes) / (double)fl_sizing_param_count(c);
+}
+
+fl_status fl_lab_scale(fl_lab_report *rep) {
+    fl_model_config ref, lab;
+    FL_TRY(fl_preset_find(REF_MODEL, &ref));
+    FL_TRY(fl_preset_find(LAB_MODEL, &lab));
+    rep->ref_device = REF_DEVICE;
+    rep->ref_T = REF_T;
+    rep->param_ratio = (double)fl_sizing_param_count(&lab) / (double)fl_sizing_param_count(&ref);
+    rep->budget = (size_t)llround((double)REF_DEVICE * rep->param_ratio);
+    rep->act_ratio_ref = act_per_param(&ref, REF_T);
+    int best = 1;
+    double bd = INFINITY;
+    for (int T = 1; T <= REF_T; T++) {
+        double d = fabs(act_per_param(&lab, T) - rep->act_ratio_ref);
+        if (d < bd) { bd = d; best = T; }
+    }
+    rep->T = best;
+    rep->act_ratio_lab = act_per_param(&lab, best);
+    return FL_OK;
+}
+
+/* ---- one experiment ------------------------------------------------------------------- */
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec / 1e9;
+}
+
+typedef struct {
+    long steps, want;
+    double t[256];
+    double last_loss;
+} step_log;
+
+static int on_step(void *ud, long step, double loss, const float *p, size_t n) {
+    (void)p; (void)n;
+    step_log *l = ud;
+    if (step - 1 < 256) l->t[step - 1] = now_s();
+    l->steps = step;
+    l->last_loss = loss;
+    return step >= l->want; /* stop after the last step: no final checkpoint to write */
+}
+
+/* The config of a row: at lab scale (model, T) or at the real one. */
+static void apply_row(fl_run_config *c, const lab_exp *e, const char *model, int T, long steps, size_t budget,
+                      const char *out_dir, int threads) {
+    fl_cfg_defaults(c, FL_CMD_FINETUNE_FULL);
+    snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "%s", model);
+    snprintf(c->out_dir, sizeof c->out_dir, "%s", out_dir);
+    snprintf(c->precision, sizeof c->precision, "%s", e->precision);
+    c->data.kind = FL_DATA_SYNTHETIC;
+    c->data.synthetic_train = (int)(e->global * steps + 8);
+    c->data.synthetic_val = 2;
+    c->train.global_batch_size = e->global;
+    c->train.micro_batch_size = e->B;
+    c->train.max_steps = (int)steps;
+    c->train.max_seq_length = T + 1; /* every synthetic sample is longer: the trainer's T is exactly T */
+    c->train.lr_warmup_steps = 0;
+    c->train.save_interval = 0;
+    c->train.activation_checkpointing = e->act_ckpt;
+    c->eval.interval = 1 << 30;
+    c->eval.max_new_tokens = 0;
+    c->eval.final_validation = 0;
+    fl_optim_config_default(&c->optimizer, e->optim);
+    c->optimizer.lr = 1e-3f * e->lr_mult;
+    c->max_memory = budget;
+    c->threads = threads;
+    c->overwrite = 1;
+    c->seed = 1337;
+}
+
+static void plan_row(const fl_run_config *c, fl_plan *p, fl_plan_verdict *verdict, size_t *peak) {
+    fl_plan_opts o;
+    fl_plan_opts_default(&o);
+    o.generation = 0;
+    o.no_suggestions = 1;
+    if (fl_plan_run(c, &o, p) != FL_OK) { *verdict = FL_PLAN_VERDICT_COUNT; *peak = 0; return; }
+    *verdict = p->verdict;
+    *peak = p->peak_total;
+}
+
+static void run_row(const lab_exp *e, const fl_lab_report *rep, long steps, const char *run_dir, int threads,
+                    fl_lab_row *r) {
+    memset(r, 0, sizeof *r);
+    snprintf(r->name, sizeof r->name, "%s", e->name);
+    snprintf(r->lab_step, sizeof r->lab_step, "%s", e->lab_step);
+    snprintf(r->expect, sizeof r->expect, "%s", e->expect);
+    snprintf(r->model, sizeof r->model, "%s", e->lab_model);
+    snprintf(r->ref_model, sizeof r->ref_model, "%s", e->ref_model);
+    snprintf(r->precision, sizeof r->precision, "%s", e->precision);
+    snprintf(r->optimizer, sizeof r->optimizer, "%s", fl_optim_name(e->optim));
+    snprintf(r->technique, sizeof r->technique, "%s", e->technique);
+    r->B = e->B;
+    r->accum = e->global / e->B;
+    r->T = rep->T;
+    r->act_ckpt = e->act_ckpt;
+    r->expected = e->expected;
+    r->final_loss = NAN;
+    double t0 = now_s();
+    char out[FL_CFG_PATH];
+    snprintf(out, sizeof out, "%s/%s", run_dir, e->name);
+    fl_run_config *c = malloc(sizeof *c);
+    fl_plan *p = malloc(sizeof *p);
+    if (!c || !p) {
+        r->verdict = FL_LAB_ERROR;
+        snprintf(r->note, sizeof r->note, "out of host memory");
+        goto done;
+    }
+    /* the real scale: the real model, T 1024, an 80 GB device */
+    apply_row(c, e, e->ref_model, rep->ref_T, steps, rep->ref_device, out, threads);
+    plan_row(c, p, &r->ref_planned, &r->ref_peak);
+    /* the lab scale */
+    apply_row(c, e, e->lab_model, rep->T, steps, rep->budget, out, threads);
+    plan_row(c, p, &r->planned, &r->planned_peak);
+    if (r->planned == FL_PLAN_OOM || r->planned == FL_PLAN_FITS) memcpy(r->planned_tag, p->peak, sizeof r->planned_tag);
+    int avail = e->technique[0] ? fl_plan_technique_available(e->technique) : 1;
+    if (avail != 1 || r->planned == FL_PLAN_UNAVAILABLE) {
+        r->verdict = FL_LAB_NA;
+        r->planned = r->ref_planned = FL_PLAN_UNAVAILABLE; /* the plan without the technique would mislead */
+        r->planned_peak = r->ref_peak = 0;
+        const fl_plan_technique *ts;
+        int n;
+        ts = fl_plan_techniques(&n);
+        for (int i = 0; i < n; i++)
+            if (!strcmp(ts[i].name, e->technique))
+                snprintf(r->note, sizeof r->note, "%s not available in this build: %s", e->technique, ts[i].note);
+        goto done;
+    }
+    step_log log;
+    memset(&log, 0, sizeof log);
+    log.want = steps;
+    fl_trainer_result res;
+    fl_status s = fl_trainer_run(c, NULL, 0, on_step, &log, &res);
+    memcpy(r->peak, res.peak, sizeof r->peak);
+    r->peak_total = res.peak_total;
+    if (s == FL_OK) {
+        r->verdict = FL_LAB_FITS;
+        r->steps = log.steps;
+        r->final_loss = log.last_loss;
+        if (log.steps >= 2) r->step_ms = 1e3 * (log.t[log.steps - 1] - log.t[0]) / (double)(log.steps - 1);
+        else r->step_ms = 1e3 * res.train_seconds;
+        double tokens_per_step = (double)e->global * rep->T;
+        r->tok_s = r->step_ms > 0 ? tokens_per_step / (r->step_ms / 1e3) : 0;
+    } else if (s == FL_ERR_OOM) {
+        r->verdict = FL_LAB_OOM;
+        r->oom = res.oom;
+        char a[32], b[32];
+        snprintf(r->note, sizeof r->note, "OOM during %s: %s %s requested, %s available", res.oom.phase,
+                 fl_mem_tag_name(res.oom.tag), fl_fmt_bytes(res.oom.requested, a, sizeof a),
+                 fl_fmt_bytes(res.oom.budget > res.oom.in_use ? res.oom.budget - res.oom.in_use : 0, b, sizeof b));
+    } else if (s == FL_ERR_UNSUPPORTED) {
+        r->verdict = FL_LAB_NA;
+        snprintf(r->note, sizeof r->note, "%s", fl_error_message());
+    } else {
+        r->verdict = FL_LAB_ERROR;
+        snprintf(r->note, sizeof r->note, "%s: %s", fl_status_name(s), fl_error_message());
+    }
+done:
+    free(c);
+    free(p);
+    r->wall_s = now_s() - t0;
+}
+
+/* ---- the suite ------------------------------------------------------------------------ */
+
+static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
+    (void)st; (void)flag; (void)ftw;
+    return remove(path);
+}
+
+static int in_list(const char *list, const char *name) {
+    size_t n = strlen(name);
+    for (const char *p = list; *p;) {
+        const char *q = strchr(p, ',');
+        size_t len = q ? (size_t)(q - p) : strlen(p);
+        if (len == n && !strncmp(p, name, n)) return 1;
+        if (!q) break;
+        p = q + 1;
+    }
+    return 0;
+}
+
+fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
+    memset(rep, 0, sizeof *rep);
+    int bit = suite_bit(o->suite);
+    if (!bit) return fl_errorf(FL_ERR_INVALID, "unknown suite '%s' (quick, full, ci)", o->suite);
+    if (o->only && *o->only) { /* every name must exist */
+        char buf[1024];
+        snprintf(buf, sizeof buf, "%s", o->only);
+        for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ","))
+            if (!find_exp(tok)) {
+                char names[1024];
+                size_t off = 0;
+                for (int i = 0; i < N_EXPS && off < sizeof names; i++)
+                    off += (size_t)snprintf(names + off, sizeof names - off, "%s%s", i ? ", " : "", k_exps[i].name);
+                return fl_errorf(FL_ERR_INVALID, "--only: unknown experiment '%s' (known: %s)", tok, names);
+            }
+    }
+    snprintf(rep->suite, sizeof rep->suite, "%s", o->suite ? o->suite : "quick");
+    FL_TRY(fl_lab_scale(rep));
+    long steps = o->steps > 0 ? o->steps : bit == SUITE_FULL ? 20 : bit == SUITE_CI ? 2 : 4;
+    rep->threads = o->threads;
+    char tmp[FL_CFG_PATH];
+    const char *run_dir = o->run_dir;
+    if (!run_dir) {
+        snprintf(tmp, sizeof tmp, "/tmp/fitllm-lab-XXXXXX");
+        if (!mkdtemp(tmp)) return fl_errorf(FL_ERR_IO, "cannot create a temporary folder for the runs");
+        run_dir = tmp;
+    }
+    rep->rows = calloc(N_EXPS, sizeof *rep->rows);
+    if (!rep->rows) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    char a[32];
+    if (out) {
+        fprintf(out, "fitllm lab, suite %s: budget %s (80 GB x params(%s)/params(%s) = 80 GB x %.5f), T = %d "
+                     "(activations per parameter of one sample as %s at T = %d), %ld steps per run\n",
+                rep->suite, fl_fmt_bytes(rep->budget, a, sizeof a), LAB_MODEL, REF_MODEL, rep->param_ratio, rep->T,
+                REF_MODEL, REF_T, steps);
+        fflush(out);
+    }
+    double t0 = now_s();
+    for (int i = 0; i < N_EXPS; i++) {
+        const lab_exp *e = &k_exps[i];
+        if (o->only && *o->only ? !in_list(o->only, e->name) : !(e->suites & bit)) continue;
+        fl_lab_row *r = &rep->rows[rep->n++];
+        run_row(e, rep, steps, run_dir, o->threads, r);
+        if (r->verdict == FL_LAB_ERROR) rep->n_errors++;
+        if (out) {
+            fprintf(out, "  %-16s %-6s %8.1f s  %s\n", r->name, fl_lab_verdict_name(r->verdict), r->wall_s,
+                    r->verdict == FL_LAB_FITS ? fl_fmt_bytes(r->peak_total, a, sizeof a) : r->note);
+            fflush(out);
+        }
+    }
+    rep->wall_s = now_s() - t0;
+    if (!o->run_dir) nftw(tmp, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    return FL_OK;
+}
+
+void fl_lab_report_free(fl_lab_report *rep) {
+    free(rep->rows);
+    rep->rows = NULL;
+    rep->n = 0;
+}

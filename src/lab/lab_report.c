@@ -1,0 +1,378 @@
+/* The lab's outputs: the table, report.md, results.csv, results.json and the
+ * gnuplot charts (memory by tag, step time). */
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/utsname.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "fitllm/lab.h"
+
+#define MIB(x) ((double)(x) / 1048576.0)
+
+static const char *match(const fl_lab_row *r) {
+    if (r->verdict == FL_LAB_NA) return "n/a";
+    if (r->verdict == FL_LAB_ERROR) return "error";
+    return r->verdict == r->expected ? "yes" : "NO";
+}
+
+static const char *plan_name(fl_plan_verdict v) {
+    return v == FL_PLAN_FITS ? "fits" : v == FL_PLAN_OOM ? "OOM" : v == FL_PLAN_UNAVAILABLE ? "n/a" : "?";
+}
+
+void fl_lab_print_table(const fl_lab_report *rep, FILE *f) {
+    char a[32];
+    fprintf(f, "\n%-15s %-7s %-6s %-10s %-6s %-4s %-7s %-3s | %8s %8s %8s %8s %8s %6s | %8s %8s %-5s | %9s %8s %7s\n",
+            "experiment", "model", "BxAcc", "precision", "optim", "ckpt", "verdict", "lab", "PARAMS", "GRADS", "OPTIM",
+            "ACTS", "WORKSP", "OTHER", "peak", "planned", "plan", "step ms", "tok/s", "loss");
+    for (int i = 0; i < rep->n; i++) {
+        const fl_lab_row *r = &rep->rows[i];
+        char bx[16];
+        snprintf(bx, sizeof bx, "%dx%d", r->B, r->accum);
+        fprintf(f, "%-15s %-7s %-6s %-10s %-6s %-4s %-7s %-3s |", r->name, r->model, bx, r->precision, r->optimizer,
+                r->act_ckpt ? "on" : "off", fl_lab_verdict_name(r->verdict), match(r));
+        if (r->verdict == FL_LAB_FITS || r->verdict == FL_LAB_OOM) {
+            for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, t == FL_TAG_OTHER ? " %6.2f" : " %8.1f", MIB(r->peak[t]));
+            fprintf(f, " | %8.1f", MIB(r->peak_total));
+        } else {
+            fprintf(f, " %8s %8s %8s %8s %8s %6s | %8s", "-", "-", "-", "-", "-", "-", "-");
+        }
+        if (r->planned == FL_PLAN_FITS || r->planned == FL_PLAN_OOM) fprintf(f, " %8.1f", MIB(r->planned_peak));
+        else fprintf(f, " %8s", "-");
+        fprintf(f, " %-5s |", plan_name(r->planned));
+        if (r->verdict == FL_LAB_FITS) fprintf(f, " %9.1f %8.0f %7.3f\n", r->step_ms, r->tok_s, r->final_loss);
+        else fprintf(f, " %9s %8s %7s\n", "-", "-", "-");
+    }
+    fprintf(f, "(MiB; fits: all-time peak per tag and total; OOM: what was live when the allocation failed; "
+               "planned: the planner's peak for the whole run; budget %s)\n",
+            fl_fmt_bytes(rep->budget, a, sizeof a));
+    for (int i = 0; i < rep->n; i++)
+        if (rep->rows[i].verdict != FL_LAB_FITS && rep->rows[i].note[0])
+            fprintf(f, "  %s: %s\n", rep->rows[i].name, rep->rows[i].note);
+}
+
+/* ---- files ------------------------------------------------------------------------------ */
+
+static fl_status mkdir_p(const char *path) {
+    char buf[4096];
+    snprintf(buf, sizeof buf, "%s", path);
+    for (char *p = buf + 1; *p; p++)
+        if (*p == '/') {
+            *p = '\0';
+            if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+                return fl_errorf(FL_ERR_IO, "%s: cannot create folder: %s", buf, strerror(errno));
+            *p = '/';
+        }
+    if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+        return fl_errorf(FL_ERR_IO, "%s: cannot create folder: %s", buf, strerror(errno));
+    return FL_OK;
+}
+
+static FILE *open_out(const char *dir, const char *name, char *path, size_t n) {
+    snprintf(path, n, "%s/%s", dir, name);
+    return fopen(path, "w");
+}
+
+static void machine(char *cpu, size_t n, long *cores, double *ram_gib, char *os, size_t on) {
+    snprintf(cpu, n, "unknown CPU");
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    char line[512];
+    if (f) {
+        while (fgets(line, sizeof line, f))
+            if (!strncmp(line, "model name", 10)) {
+                char *c = strchr(line, ':');
+                if (c) {
+                    c += 2;
+                    c[strcspn(c, "\n")] = '\0';
+                    snprintf(cpu, n, "%s", c);
+                }
+                break;
+            }
+        fclose(f);
+    }
+    *cores = sysconf(_SC_NPROCESSORS_ONLN);
+    *ram_gib = 0;
+    f = fopen("/proc/meminfo", "r");
+    if (f) {
+        long kb;
+        while (fgets(line, sizeof line, f))
+            if (sscanf(line, "MemTotal: %ld kB", &kb) == 1) { *ram_gib = kb / 1048576.0; break; }
+        fclose(f);
+    }
+    struct utsname u;
+    if (uname(&u) == 0) snprintf(os, on, "%s %s %s", u.sysname, u.release, u.machine);
+    else snprintf(os, on, "unknown");
+}
+
+static void jstr(FILE *f, const char *s) {
+    fputc('"', f);
+    for (; *s; s++) {
+        unsigned char ch = (unsigned char)*s;
+        if (ch == '"' || ch == '\\') fprintf(f, "\\%c", ch);
+        else if (ch < 0x20) fprintf(f, "\\u%04x", ch);
+        else fputc(ch, f);
+    }
+    fputc('"', f);
+}
+
+static void jnum(FILE *f, double x) {
+    if (isfinite(x)) fprintf(f, "%.6g", x);
+    else fprintf(f, "null");
+}
+
+static fl_status write_csv(const fl_lab_report *rep, const char *dir) {
+    char path[4200];
+    FILE *f = open_out(dir, "results.csv", path, sizeof path);
+    if (!f) return fl_errorf(FL_ERR_IO, "%s: cannot write: %s", path, strerror(errno));
+    /* quoted free text (lab_step, note) last, so the other columns split on commas */
+    fprintf(f, "experiment,model,ref_model,micro_batch,accumulation,seq_len,precision,optimizer,act_ckpt,"
+               "verdict,lab_verdict,matches_lab,peak_PARAMS,peak_GRADS,peak_OPTIM,peak_ACTS,peak_WORKSPACE,peak_OTHER,"
+               "peak_total,planned_verdict,planned_peak,ref_planned_verdict,ref_planned_peak,step_ms,tok_s,final_loss,"
+               "wall_s,lab_step,note\n");
+    for (int i = 0; i < rep->n; i++) {
+        const fl_lab_row *r = &rep->rows[i];
+        fprintf(f, "%s,%s,%s,%d,%d,%d,%s,%s,%d,%s,%s,%s", r->name, r->model, r->ref_model, r->B,
+                r->accum, r->T, r->precision, r->optimizer, r->act_ckpt, fl_lab_verdict_name(r->verdict),
+                fl_lab_verdict_name(r->expected), match(r));
+        for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, ",%zu", r->peak[t]);
+        fprintf(f, ",%zu,%s,%zu,%s,%zu", r->peak_total, plan_name(r->planned), r->planned_peak,
+                plan_name(r->ref_planned), r->ref_peak);
+        if (r->verdict == FL_LAB_FITS) fprintf(f, ",%.3f,%.1f,%.5f", r->step_ms, r->tok_s, r->final_loss);
+        else fprintf(f, ",,,");
+        fprintf(f, ",%.2f,\"%s\",\"", r->wall_s, r->lab_step);
+        for (const char *p = r->note; *p; p++) fputs(*p == '"' ? "\"\"" : (char[2]){*p, 0}, f);
+        fprintf(f, "\"\n");
+    }
+    if (fclose(f) != 0) return fl_errorf(FL_ERR_IO, "%s: write failed", path);
+    return FL_OK;
+}
+
+static fl_status write_json(const fl_lab_report *rep, const char *dir, const char *date, const char *cpu, long cores,
+                            double ram, const char *os) {
+    char path[4200];
+    FILE *f = open_out(dir, "results.json", path, sizeof path);
+    if (!f) return fl_errorf(FL_ERR_IO, "%s: cannot write: %s", path, strerror(errno));
+    fprintf(f, "{\n  \"version\": %d,\n  \"suite\": ", FL_LAB_JSON_VERSION);
+    jstr(f, rep->suite);
+    fprintf(f, ",\n  \"date\": ");
+    jstr(f, date);
+    fprintf(f, ",\n  \"machine\": {\"cpu\": ");
+    jstr(f, cpu);
+    fprintf(f, ", \"cores\": %ld, \"ram_gib\": %.1f, \"os\": ", cores, ram);
+    jstr(f, os);
+    fprintf(f, "},\n  \"scaling\": {\"budget\": %zu, \"ref_device\": %zu, \"ref_model\": \"tinyllama-1.1b\", "
+               "\"lab_model\": \"lab-1b\", \"param_ratio\": %.8g, \"seq_len\": %d, \"ref_seq_len\": %d, "
+               "\"act_per_param_ref\": %.8g, \"act_per_param_lab\": %.8g},\n",
+            rep->budget, rep->ref_device, rep->param_ratio, rep->T, rep->ref_T, rep->act_ratio_ref, rep->act_ratio_lab);
+    fprintf(f, "  \"wall_s\": %.2f,\n  \"experiments\": [", rep->wall_s);
+    for (int i = 0; i < rep->n; i++) {
+        const fl_lab_row *r = &rep->rows[i];
+        fprintf(f, "%s\n    {\"name\": ", i ? "," : "");
+        jstr(f, r->name);
+        fprintf(f, ", \"lab_step\": ");
+        jstr(f, r->lab_step);
+        fprintf(f, ", \"model\": \"%s\", \"ref_model\": \"%s\", \"micro_batch_size\": %d, \"accumulation\": %d, "
+                   "\"seq_len\": %d, \"precision\": \"%s\", \"optimizer\": \"%s\", \"act_ckpt\": %s, \"technique\": ",
+                r->model, r->ref_model, r->B, r->accum, r->T, r->precision, r->optimizer, r->act_ckpt ? "true" : "false");
+        jstr(f, r->technique);
+        fprintf(f, ", \"verdict\": \"%s\", \"lab_verdict\": \"%s\", \"matches_lab\": \"%s\", \"peak\": {",
+                fl_lab_verdict_name(r->verdict), fl_lab_verdict_name(r->expected), match(r));
+        for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, "\"%s\": %zu, ", fl_mem_tag_name((fl_mem_tag)t), r->peak[t]);
+        fprintf(f, "\"total\": %zu}, \"planned_verdict\": \"%s\", \"planned_peak\": %zu, \"ref_planned_verdict\": "
+                   "\"%s\", \"ref_planned_peak\": %zu, \"steps\": %ld, \"step_ms\": ",
+                r->peak_total, plan_name(r->planned), r->planned_peak, plan_name(r->ref_planned), r->ref_peak, r->steps);
+        jnum(f, r->verdict == FL_LAB_FITS ? r->step_ms : NAN);
+        fprintf(f, ", \"tok_s\": ");
+        jnum(f, r->verdict == FL_LAB_FITS ? r->tok_s : NAN);
+        fprintf(f, ", \"final_loss\": ");
+        jnum(f, r->final_loss);
+        fprintf(f, ", \"wall_s\": %.2f, \"note\": ", r->wall_s);
+        jstr(f, r->note);
+        fputc('}', f);
+    }
+    fprintf(f, "\n  ]\n}\n");
+    if (fclose(f) != 0) return fl_errorf(FL_ERR_IO, "%s: write failed", path);
+    return FL_OK;
+}
+
+static int find_gnuplot(void) {
+    const char *path = getenv("PATH");
+    if (!path) return 0;
+    char buf[4096];
+    snprintf(buf, sizeof buf, "%s", path);
+    for (char *d = strtok(buf, ":"); d; d = strtok(NULL, ":")) {
+        char p[4200];
+        snprintf(p, sizeof p, "%s/gnuplot", d);
+        if (access(p, X_OK) == 0) return 1;
+    }
+    return 0;
+}
+
+/* memory.dat / step_time.dat + charts.gp, then gnuplot. Returns 1 if drawn. */
+static int write_charts(const fl_lab_report *rep, const char *dir, char *why, size_t wn) {
+    char path[4200];
+    if (strchr(dir, '\'') || strchr(dir, '"')) { snprintf(why, wn, "the output folder name has quotes"); return 0; }
+    FILE *f = open_out(dir, "memory.dat", path, sizeof path);
+    if (!f) { snprintf(why, wn, "cannot write %s", path); return 0; }
+    fprintf(f, "# experiment PARAMS GRADS OPTIM ACTS WORKSPACE OTHER (MiB); OOM rows: the planned need\n");
+    for (int i = 0; i < rep->n; i++) {
+        const fl_lab_row *r = &rep->rows[i];
+        const size_t *b = r->verdict == FL_LAB_FITS ? r->peak : r->planned_tag;
+        int show = r->verdict == FL_LAB_FITS || (r->verdict == FL_LAB_OOM && r->planned_peak);
+        fprintf(f, "\"%s%s\"", r->name, r->verdict == FL_LAB_OOM ? " (OOM)" : r->verdict == FL_LAB_NA ? " (n/a)" : "");
+        for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, " %.3f", show ? MIB(b[t]) : 0.0);
+        fprintf(f, "\n");
+    }
+    fclose(f);
+    f = open_out(dir, "step_time.dat", path, sizeof path);
+    if (!f) { snprintf(why, wn, "cannot write %s", path); return 0; }
+    fprintf(f, "# experiment ms_per_optimizer_step (runs that fit)\n");
+    int nfit = 0;
+    for (int i = 0; i < rep->n; i++)
+        if (rep->rows[i].verdict == FL_LAB_FITS) {
+            fprintf(f, "\"%s\" %.3f\n", rep->rows[i].name, rep->rows[i].step_ms);
+            nfit++;
+        }
+    fclose(f);
+    f = open_out(dir, "charts.gp", path, sizeof path);
+    if (!f) { snprintf(why, wn, "cannot write %s", path); return 0; }
+    fprintf(f, "# gnuplot script written by fitllm lab (re-run: gnuplot charts.gp from this folder)\n"
+               "set terminal pngcairo size 1280,640 font 'sans,10'\n"
+               "set output '%s/memory.png'\n"
+               "set title 'Memory by tag per experiment (budget %.1f MiB; OOM rows: planned need)'\n"
+               "set style data histograms\nset style histogram rowstacked\nset style fill solid 0.85 border -1\n"
+               "set boxwidth 0.75\nset xtics rotate by -35 scale 0\nset ylabel 'MiB'\nset key outside right top\n"
+               "set grid ytics\nset yrange [0:*]\n"
+               "set arrow 1 from graph 0, first %.3f to graph 1, first %.3f nohead lw 2 dt 2 lc rgb 'red'\n"
+               "set label 1 'budget' at graph 0.99, first %.3f right offset 0,0.8 tc rgb 'red'\n"
+               "plot '%s/memory.dat' using 2:xtic(1) title 'PARAMS', '' using 3 title 'GRADS', '' using 4 title "
+               "'OPTIM', '' using 5 title 'ACTS', '' using 6 title 'WORKSPACE', '' using 7 title 'OTHER'\n",
+            dir, MIB(rep->budget), MIB(rep->budget), MIB(rep->budget), MIB(rep->budget), dir);
+    if (nfit)
+        fprintf(f, "unset arrow 1\nunset label 1\nset output '%s/step_time.png'\n"
+                   "set title 'Time per optimizer step (runs that fit; %s threads)'\n"
+                   "set style histogram clustered\nset ylabel 'ms per step'\nunset key\n"
+                   "plot '%s/step_time.dat' using 2:xtic(1) lc rgb '#4477aa'\n",
+                dir, rep->threads ? "fixed" : "all", dir);
+    fclose(f);
+    if (!find_gnuplot()) {
+        snprintf(why, wn, "gnuplot is not installed (apt-get install gnuplot-nox); the data and charts.gp are there");
+        return 0;
+    }
+    char cmd[9000];
+    snprintf(cmd, sizeof cmd, "gnuplot '%s/charts.gp' > '%s/charts.log' 2>&1", dir, dir);
+    int rc = system(cmd);
+    if (rc != 0) { snprintf(why, wn, "gnuplot failed (see %s/charts.log)", dir); return 0; }
+    snprintf(path, sizeof path, "%s/charts.log", dir);
+    remove(path);
+    return 1;
+}
+
+static const fl_lab_row *row_named(const fl_lab_report *rep, const char *name) {
+    for (int i = 0; i < rep->n; i++)
+        if (!strcmp(rep->rows[i].name, name)) return &rep->rows[i];
+    return NULL;
+}
+
+static fl_status write_md(const fl_lab_report *rep, const char *dir, const char *date, const char *cpu, long cores,
+                          double ram, const char *os, int charts, const char *why) {
+    char path[4200], a[32], b[32];
+    FILE *f = open_out(dir, "report.md", path, sizeof path);
+    if (!f) return fl_errorf(FL_ERR_IO, "%s: cannot write: %s", path, strerror(errno));
+    fprintf(f, "# fitllm lab report (suite %s)\n\n", rep->suite);
+    fprintf(f, "- date: %s\n- machine: %s, %ld cores, %.1f GiB RAM, %s\n- threads: %s\n- wall time: %.1f s\n\n", date,
+            cpu, cores, ram, os, rep->threads ? "fixed" : "all cores", rep->wall_s);
+    fprintf(f, "## How the lab is scaled to this machine\n\n"
+               "The course lab fine-tunes TinyLlama-1.1B on one 80 GB GPU. Here every model is its `lab-*` preset: "
+               "the real shape with every width (hidden size, MLP size, heads x head dim, vocabulary) divided by 16 and "
+               "the depth and head structure kept, so it has about 1/256 of the parameters "
+               "(`fitllm plan lab-1b` shows the shapes).\n\n"
+               "- **Budget** = 80 GB x params(lab-1b) / params(tinyllama-1.1b) = 80 GB x %.6f = **%s** "
+               "(%zu bytes): the budget relates to the scaled model as the GPU to TinyLlama (weights, gradients and "
+               "AdamW state are a fixed number of bytes per parameter).\n"
+               "- **Sequence length** T = **%d**: narrowing a model by 16 makes one token's activations 16x larger "
+               "relative to its parameters, so T is the length at which one sample's activations + workspace per "
+               "parameter of lab-1b (%.4g bytes) equal those of a %d-token sample of TinyLlama (%.4g bytes; LitGPT "
+               "pads Alpaca batches to the longest sample, about 1K tokens with the LLaMA tokenizer). Both come from "
+               "`fl_sizing_acts`, the runtime's own sizing.\n"
+               "- Micro batches, accumulation, optimizers and the order of the experiments are the lab's. Every "
+               "runnable row trains for real (`fl_trainer_run`, Synthetic data, built-in byte tokenizer, random init) "
+               "with the budget as `max_memory`; an out-of-memory is the allocator refusing an allocation, a verdict "
+               "not a failure.\n"
+               "- **Real-scale plan**: each row is also planned (`fitllm plan`) for the real model at T=%d on an 80 GB "
+               "device, so the scaled verdicts can be compared with what the real run would do with fitllm.\n\n",
+            rep->param_ratio, fl_fmt_bytes(rep->budget, a, sizeof a), rep->budget, rep->T, rep->act_ratio_lab,
+            rep->ref_T, rep->act_ratio_ref, rep->ref_T);
+    fprintf(f, "## Results\n\n| experiment | lab's change | model | micro x acc | precision | optimizer | act ckpt | "
+               "verdict | as in the lab | PARAMS | GRADS | OPTIM | ACTS | WORKSPACE | OTHER | peak | planned | "
+               "step ms | tok/s | final loss |\n|");
+    for (int k = 0; k < 20; k++) fprintf(f, "---|");
+    fprintf(f, "\n");
+    for (int i = 0; i < rep->n; i++) {
+        const fl_lab_row *r = &rep->rows[i];
+        fprintf(f, "| %s | %s | %s | %dx%d | %s | %s | %s | **%s** | %s |", r->name, r->lab_step, r->model, r->B,
+                r->accum, r->precision, r->optimizer, r->act_ckpt ? "on" : "off", fl_lab_verdict_name(r->verdict),
+                match(r));
+        if (r->verdict == FL_LAB_FITS || r->verdict == FL_LAB_OOM) {
+            for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, " %.2f |", MIB(r->peak[t]));
+            fprintf(f, " %.2f |", MIB(r->peak_total));
+        } else {
+            fprintf(f, " - | - | - | - | - | - | - |");
+        }
+        if (r->planned == FL_PLAN_FITS || r->planned == FL_PLAN_OOM)
+            fprintf(f, " %.2f (%s) |", MIB(r->planned_peak), plan_name(r->planned));
+        else fprintf(f, " %s |", plan_name(r->planned));
+        if (r->verdict == FL_LAB_FITS) fprintf(f, " %.1f | %.0f | %.3f |\n", r->step_ms, r->tok_s, r->final_loss);
+        else fprintf(f, " - | - | - |\n");
+    }
+    fprintf(f, "\nMemory in MiB. For runs that fit: the all-time peak per tag and in total. For OOM rows: what was live "
+               "when the allocation failed (the planned column is what the whole run would need). \"as in the lab\": "
+               "whether the verdict is the lab's (%s).\n\n", "OOM for baseline and the largest model, fits otherwise");
+    int notes = 0;
+    for (int i = 0; i < rep->n; i++)
+        if (rep->rows[i].verdict != FL_LAB_FITS && rep->rows[i].note[0]) {
+            if (!notes++) fprintf(f, "Notes:\n\n");
+            fprintf(f, "- **%s**: %s\n", rep->rows[i].name, rep->rows[i].note);
+        }
+    if (notes) fprintf(f, "\n");
+    const fl_lab_row *rb = row_named(rep, "reduced-batch"), *ga = row_named(rep, "grad-accum");
+    if (rb && ga && rb->verdict == FL_LAB_FITS && ga->verdict == FL_LAB_FITS)
+        fprintf(f, "Gradient accumulation (micro 8 x 4) peaks at %s vs %s for micro batch 8 alone (%.3f%% more: the "
+                   "step's token buffers); its optimizer step covers 4x the samples.\n\n",
+                fl_fmt_bytes(ga->peak_total, a, sizeof a), fl_fmt_bytes(rb->peak_total, b, sizeof b),
+                100.0 * ((double)ga->peak_total / (double)rb->peak_total - 1.0));
+    fprintf(f, "## Real scale (planned with fitllm's sizing, 80 GB device, T=%d)\n\n| experiment | model | plan | "
+               "planned peak |\n|---|---|---|---|\n", rep->ref_T);
+    for (int i = 0; i < rep->n; i++) {
+        const fl_lab_row *r = &rep->rows[i];
+        fprintf(f, "| %s | %s | %s | %s |\n", r->name, r->ref_model, plan_name(r->ref_planned),
+                r->ref_peak ? fl_fmt_bytes(r->ref_peak, a, sizeof a) : "-");
+    }
+    fprintf(f, "\n## Charts\n\n");
+    if (charts) fprintf(f, "![memory by tag](memory.png)\n\n![step time](step_time.png)\n");
+    else fprintf(f, "No charts: %s.\n", why);
+    fprintf(f, "\nFiles: `results.csv`, `results.json` (schema version %d), `memory.dat`, `step_time.dat`, "
+               "`charts.gp`.\n", FL_LAB_JSON_VERSION);
+    if (fclose(f) != 0) return fl_errorf(FL_ERR_IO, "%s: write failed", path);
+    return FL_OK;
+}
+
+fl_status fl_lab_write(const fl_lab_report *rep, const char *dir, int *charts_out) {
+    FL_TRY(mkdir_p(dir));
+    char cpu[256], os[256], date[64], why[300] = "";
+    long cores;
+    double ram;
+    machine(cpu, sizeof cpu, &cores, &ram, os, sizeof os);
+    time_t now = time(NULL);
+    struct tm tmv;
+    localtime_r(&now, &tmv);
+    strftime(date, sizeof date, "%Y-%m-%d %H:%M:%S %Z", &tmv);
+    FL_TRY(write_csv(rep, dir));
+    FL_TRY(write_json(rep, dir, date, cpu, cores, ram, os));
+    int charts = write_charts(rep, dir, why, sizeof why);
+    if (charts_out) *charts_out = charts;
+    return write_md(rep, dir, date, cpu, cores, ram, os, charts, why);
+}

@@ -1,0 +1,644 @@
+/* The memory planner: see include/fitllm/plan.h.
+ *
+ * The trainer's allocation sequence is replayed on an fl_mem_pool whose raw
+ * allocator returns fake addresses (no memory is touched), with the sizes the
+ * runtime's sizing functions return. When a technique lands in the runtime,
+ * two places here change: k_tech (availability) and run_program() (its
+ * allocations, through the sizing functions the runtime then uses). */
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "fitllm/data.h"
+#include "fitllm/generate.h"
+#include "fitllm/io.h"
+#include "fitllm/plan.h"
+#include "fitllm/tokenizer.h"
+#include "fitllm/train.h"
+
+/* ---- techniques ------------------------------------------------------------------ */
+
+static const fl_plan_technique k_tech[] = {
+    {"micro_batch", 1, "--train.micro_batch_size B (accumulation = global_batch_size / B)", ""},
+    {"max_seq_length", 1, "--train.max_seq_length T (longer samples are truncated)", ""},
+    {"sgd", 1, "--optimizer SGD (no state without momentum; one buffer with)", ""},
+    {"bf16-true", 0, "--precision bf16-true",
+     "bf16 GEMM kernels exist but the precision policy is not wired into the trainer yet"},
+    {"bf16-mixed", 0, "--precision bf16-mixed", "not wired into the trainer yet (needs bf16 weight copies)"},
+    {"16-mixed", 0, "--precision 16-mixed", "not wired into the trainer yet (loss scaler exists)"},
+    {"activation_checkpointing", 0, "--train.activation_checkpointing true", "not implemented by the trainer yet"},
+    {"adam8bit", 0, "--optimizer bnb.optim.AdamW8bit", "the 8-bit AdamW kernel exists but is not wired into the trainer yet"},
+    {"lora", 0, "fitllm finetune_lora", "LoRA fine-tuning is not available yet"},
+    {"qlora", 0, "fitllm finetune_lora --quantize bnb.nf4", "4-bit base weights are not available yet"},
+    {"cpu_offload", 0, "optimizer state and master weights on the host", "not available yet"},
+    {"ddp", 0, "--devices N", "distributed training is not available yet"},
+    {"fsdp", 0, "--devices N --strategy fsdp", "sharded training is not available yet"},
+};
+#define N_TECH (int)(sizeof k_tech / sizeof k_tech[0])
+
+const fl_plan_technique *fl_plan_techniques(int *n) {
+    *n = N_TECH;
+    return k_tech;
+}
+
+static const fl_plan_technique *tech(const char *name) {
+    for (int i = 0; i < N_TECH; i++)
+        if (!strcmp(k_tech[i].name, name)) return &k_tech[i];
+    return NULL;
+}
+
+int fl_plan_technique_available(const char *name) {
+    const fl_plan_technique *t = tech(name);
+    return t ? t->available : -1;
+}
+
+const char *fl_plan_verdict_name(fl_plan_verdict v) {
+    static const char *n[FL_PLAN_VERDICT_COUNT] = {"fits", "oom", "not_available"};
+    return (v >= 0 && v < FL_PLAN_VERDICT_COUNT) ? n[v] : "?";
+}
+
+void fl_plan_opts_default(fl_plan_opts *o) {
+    memset(o, 0, sizeof *o);
+    o->devices = 1;
+    o->generation = -1;
+}
+
+/* What the config asks for that this build lacks ("" if nothing). */
+static int config_unavailable(const fl_run_config *c, char *msg, size_t n) {
+    const char *need = NULL;
+    if (strcmp(c->precision, "32-true")) need = c->precision;
+    else if (c->train.activation_checkpointing) need = "activation_checkpointing";
+    if (!need) return 0;
+    const fl_plan_technique *t = tech(need);
+    if (t && t->available) return 0;
+    snprintf(msg, n, "%s is not available in this build%s%s", need, t ? ": " : "", t ? t->note : "");
+    return 1;
+}
+
+/* ---- resolving the model and the run's shapes --------------------------------------- */
+
+static int path_exists(const char *p) {
+    struct stat st;
+    return stat(p, &st) == 0;
+}
+
+static int is_dir(const char *p) {
+    struct stat st;
+    return stat(p, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+/* The model the trainer would build (load_model_and_tokenizer), without weights. */
+static fl_status resolve_model(const fl_run_config *c, fl_model_config *mc, char *src, size_t n) {
+    const char *ck = c->checkpoint_dir;
+    if (c->command == FL_CMD_PRETRAIN && (c->model_name[0] || c->model_config[0])) {
+        if (c->model_name[0]) {
+            FL_TRY(fl_preset_find(c->model_name, mc));
+            snprintf(src, n, "preset");
+        } else {
+            FL_TRY(fl_hf_load_config(c->model_config, mc));
+            snprintf(src, n, "config.json");
+        }
+    } else if (!ck[0]) {
+        return fl_errorf(FL_ERR_INVALID, "no model: give checkpoint_dir (a model folder or a preset name)");
+    } else if (!path_exists(ck)) {
+        fl_status s = fl_preset_find(ck, mc);
+        if (s != FL_OK) {
+            char why[1024]; /* fl_errorf must not read the message it is writing */
+            snprintf(why, sizeof why, "%s", fl_error_message());
+            return fl_errorf(FL_ERR_NOT_FOUND, "checkpoint_dir '%s' is neither a model folder nor a preset (%s)", ck,
+                             why);
+        }
+        snprintf(src, n, "preset");
+    } else {
+        char path[FL_CFG_PATH + 16];
+        size_t len = strlen(ck);
+        if (is_dir(ck)) snprintf(path, sizeof path, "%s/config.json", ck);
+        else if (len > 5 && !strcmp(ck + len - 5, ".json")) snprintf(path, sizeof path, "%s", ck);
+        else
+            return fl_errorf(FL_ERR_UNSUPPORTED,
+                             "plan: '%s': give a Hugging Face model folder, its config.json or a preset name "
+                             "(llama2.c .bin files are not planned)", ck);
+        FL_TRY(fl_hf_load_config(path, mc));
+        snprintf(src, n, "config.json");
+    }
+    return fl_config_validate(mc);
+}
+
+/* Must match generate_example() in src/train/trainer.c (a test compares the
+ * planned and measured peaks with generation on, so drift shows). */
+static const char *k_gen_instruction =
+    "Recommend a movie for me to watch during the weekend and explain the reason.";
+
+static fl_status gen_prompt_tokens(const fl_run_config *c, int *n_out) {
+    const char *td = c->tokenizer_dir[0] ? c->tokenizer_dir : NULL;
+    if (!td && c->checkpoint_dir[0] && is_dir(c->checkpoint_dir)) td = c->checkpoint_dir;
+    fl_tokenizer *tok = NULL;
+    char *prompt = NULL;
+    int32_t *ids = NULL;
+    size_t n = 0;
+    fl_status s = td ? fl_tok_load(&tok, td) : fl_tok_builtin_bytes(&tok);
+    if (s == FL_OK)
+        s = fl_data_format_prompt(c->data.prompt_style[0] ? c->data.prompt_style : "alpaca", k_gen_instruction, "",
+                                  &prompt);
+    if (s == FL_OK) s = fl_tok_encode(tok, prompt, strlen(prompt), -1, 0, &ids, &n);
+    *n_out = (int)n;
+    free(ids);
+    free(prompt);
+    fl_tok_free(tok);
+    return s;
+}
+
+static int has_val_split(const fl_run_config *c) {
+    switch (c->data.kind) {
+    case FL_DATA_SYNTHETIC: return c->data.synthetic_val > 0;
+    case FL_DATA_TEXTFILES: return 1; /* the first train file becomes val when no val folder is given */
+    default: return c->data.val_split_fraction > 0 || is_dir(c->data.json_path);
+    }
+}
+
+typedef struct {
+    fl_model_config mc;
+    int T;
+    int gen;             /* sample generation at evaluation */
+    int n_prompt, cap;   /* its prompt tokens and KV capacity */
+} plan_ctx;
+
+/* ---- the allocation program ---------------------------------------------------------- */
+
+static void *fake_alloc(size_t bytes, void *ud) {
+    uintptr_t *next = ud, p = *next;
+    *next += 64 + (bytes & 63); /* unique, never dereferenced */
+    return (void *)p;
+}
+
+static void fake_free(void *p, size_t bytes, void *ud) { (void)p; (void)bytes; (void)ud; }
+
+typedef struct {
+    fl_mem_pool pool;
+    uintptr_t next;
+    int failed;
+    char what[96];
+    char step[32];       /* the snapshot the current allocations precede */
+    char failed_step[32];
+} program;
+
+static void *palloc(program *g, fl_mem_tag tag, size_t bytes, const char *what) {
+    void *p = NULL;
+    if (g->failed) return NULL;
+    if (fl_mem_alloc(&g->pool, tag, bytes, &p) != FL_OK) {
+        g->failed = 1;
+        snprintf(g->what, sizeof g->what, "%s", what);
+        snprintf(g->failed_step, sizeof g->failed_step, "%s", g->step);
+        return NULL;
+    }
+    return p;
+}
+
+static void snap(program *g, const char *name) {
+    if (!g->failed) fl_mem_snapshot(&g->pool, name);
+}
+
+/* The trainer's allocations, in its order (fl_trainer_run). Stops at the
+ * first failure like the trainer does. The one place that knows which
+ * buffers a run holds: extend it together with the runtime. */
+static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, const fl_optim_config *oc, int B,
+                        int accum) {
+    const fl_model_config *mc = &x->mc;
+    const size_t n = fl_sizing_param_count(mc);
+    char what[96];
+    snprintf(g->step, sizeof g->step, "before_fwd");
+    /* model load: fl_model_init */
+    fl_mem_set_phase(&g->pool, "model load");
+    palloc(g, FL_TAG_PARAMS, n * sizeof(float), "parameters");
+    /* set-up: fl_model_alloc_grads, fl_optim_init, fl_model_alloc_acts, step buffers */
+    fl_mem_set_phase(&g->pool, "setup");
+    palloc(g, FL_TAG_GRADS, n * sizeof(float), "gradients");
+    size_t st = fl_optim_state_bytes(oc, n);
+    if (oc->kind == FL_OPT_ADAMW) { /* exp_avg and exp_avg_sq, one buffer each */
+        palloc(g, FL_TAG_OPTIM, st / 2, "AdamW state exp_avg");
+        palloc(g, FL_TAG_OPTIM, st - st / 2, "AdamW state exp_avg_sq");
+    } else if (st > 0) {
+        palloc(g, FL_TAG_OPTIM, st, "SGD momentum buffer");
+    }
+    fl_act_sizes as; /* the activation arena: fl_model_alloc_acts */
+    fl_sizing_acts(mc, B, x->T, &as);
+    snprintf(what, sizeof what, "activations (B=%d, T=%d)", B, x->T);
+    palloc(g, FL_TAG_ACTS, as.acts_bytes, what);
+    snprintf(what, sizeof what, "workspace (B=%d, T=%d)", B, x->T);
+    palloc(g, FL_TAG_WORKSPACE, as.workspace_bytes, what);
+    size_t ids = (size_t)accum * B * x->T * sizeof(int32_t);
+    palloc(g, FL_TAG_OTHER, ids, "step token ids (accumulation x B x T)");
+    palloc(g, FL_TAG_OTHER, ids, "step targets (accumulation x B x T)");
+    /* the step (fl_train_micro): no allocation between the snapshots today */
+    snap(g, "before_fwd");
+    snprintf(g->step, sizeof g->step, "after_fwd");
+    fl_mem_set_phase(&g->pool, "forward");
+    snap(g, "after_fwd");
+    snprintf(g->step, sizeof g->step, "after_bwd");
+    fl_mem_set_phase(&g->pool, "backward");
+    snap(g, "after_bwd");
+    snprintf(g->step, sizeof g->step, "after_opt_step");
+    fl_mem_set_phase(&g->pool, "optimizer step");
+    snap(g, "after_opt_step");
+    if (!x->gen || g->failed) return;
+    /* evaluation sample (generate_example: fl_kv_cache_init, then fl_generate) */
+    snprintf(g->step, sizeof g->step, "eval_generate");
+    fl_mem_set_phase(&g->pool, "validation");
+    fl_gen_sizes gs;
+    fl_sizing_generate(mc, x->n_prompt, x->cap, &gs);
+    void *p[8] = {0};
+    int k = 0;
+    snprintf(what, sizeof what, "KV cache K (%d positions)", x->cap);
+    p[k++] = palloc(g, FL_TAG_ACTS, gs.kv_bytes / 2, what);
+    snprintf(what, sizeof what, "KV cache V (%d positions)", x->cap);
+    p[k++] = palloc(g, FL_TAG_ACTS, gs.kv_bytes - gs.kv_bytes / 2, what);
+    if (gs.rope_bytes) {
+        p[k++] = palloc(g, FL_TAG_WORKSPACE, gs.rope_bytes / 2, "generation RoPE cos table");
+        p[k++] = palloc(g, FL_TAG_WORKSPACE, gs.rope_bytes / 2, "generation RoPE sin table");
+    }
+    p[k++] = palloc(g, FL_TAG_WORKSPACE, gs.step_bytes, "decode step scratch");
+    p[k++] = palloc(g, FL_TAG_WORKSPACE, gs.sampler_bytes / 2, "sampler probabilities");
+    p[k++] = palloc(g, FL_TAG_WORKSPACE, gs.sampler_bytes - gs.sampler_bytes / 2, "sampler indices");
+    p[k++] = palloc(g, FL_TAG_WORKSPACE, gs.logits_bytes, "generation logits");
+    void *pre = gs.prefill_bytes ? palloc(g, FL_TAG_WORKSPACE, gs.prefill_bytes, "prefill scratch") : NULL;
+    snap(g, "eval_generate"); /* the generation peak: everything above is live */
+    if (pre) fl_mem_free(&g->pool, pre);
+    for (int i = 0; i < k; i++) fl_mem_free(&g->pool, p[i]);
+}
+
+/* Run the program; returns 1 if it fits. out (may be NULL) gets the phases,
+ * peaks and the OOM record. */
+static int simulate(const plan_ctx *x, const fl_run_config *c, const fl_optim_config *oc, int B, int accum,
+                    size_t budget, fl_plan *out, size_t *peak_total) {
+    program g;
+    memset(&g, 0, sizeof g);
+    g.next = 4096;
+    if (fl_mem_pool_init_raw(&g.pool, "cpu", FL_DEV_CUDA, budget, fake_alloc, fake_free, &g.next) != FL_OK) return 0;
+    run_program(&g, x, c, oc, B, accum);
+    if (peak_total) *peak_total = g.pool.peak_total;
+    if (out) {
+        if (!budget) {
+            out->n_phases = g.pool.n_phases < FL_PLAN_MAX_PHASES ? g.pool.n_phases : FL_PLAN_MAX_PHASES;
+            memcpy(out->phases, g.pool.phases, (size_t)out->n_phases * sizeof *out->phases);
+            memcpy(out->peak, g.pool.peak, sizeof out->peak);
+            out->peak_total = g.pool.peak_total;
+        } else if (g.failed) {
+            out->oom = g.pool.oom;
+            snprintf(out->oom_what, sizeof out->oom_what, "%s", g.what);
+            snprintf(out->oom_step, sizeof out->oom_step, "%s", g.failed_step);
+        }
+    }
+    int fits = !g.failed;
+    fl_mem_pool_free(&g.pool);
+    return fits;
+}
+
+/* ---- the plan -------------------------------------------------------------------------- */
+
+static void note(fl_plan *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void note(fl_plan *p, const char *fmt, ...) {
+    if (p->n_notes >= FL_PLAN_MAX_NOTES) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(p->notes[p->n_notes++], sizeof p->notes[0], fmt, ap);
+    va_end(ap);
+}
+
+static fl_plan_suggestion *sugg(fl_plan *p, const char *technique) {
+    if (p->n_sugg >= FL_PLAN_MAX_SUGG) return NULL;
+    fl_plan_suggestion *s = &p->sugg[p->n_sugg++];
+    memset(s, 0, sizeof *s);
+    snprintf(s->technique, sizeof s->technique, "%s", technique);
+    const fl_plan_technique *t = tech(technique);
+    s->available = t ? t->available : 0;
+    s->fits = -1;
+    if (t && !t->available) snprintf(s->note, sizeof s->note, "not available in this build: %s", t->note);
+    return s;
+}
+
+/* Largest divisor of `global` that fits (0: none). */
+static int max_micro_batch(const plan_ctx *x, const fl_run_config *c, const fl_optim_config *oc, int global,
+                           size_t budget) {
+    for (int b = global; b >= 1; b--)
+        if (global % b == 0 && simulate(x, c, oc, b, global / b, budget, NULL, NULL)) return b;
+    return 0;
+}
+
+static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
+    const fl_optim_config *oc = &c->optimizer;
+    size_t budget = p->budget, peak = 0;
+    fl_plan_suggestion *s;
+    /* 1. a smaller micro batch with accumulation (same global batch) */
+    if ((s = sugg(p, "micro_batch"))) {
+        int mb = p->max_micro_batch_size;
+        if (mb > 0) {
+            simulate(x, c, oc, mb, p->global_batch / mb, 0, NULL, &peak);
+            s->fits = 1;
+            s->peak = peak;
+            snprintf(s->change, sizeof s->change, "--train.micro_batch_size %d", mb);
+            snprintf(s->note, sizeof s->note, "accumulation %d keeps the global batch of %d", p->global_batch / mb,
+                     p->global_batch);
+        } else {
+            s->fits = 0;
+            snprintf(s->note, sizeof s->note, "even micro_batch_size 1 does not fit");
+        }
+    }
+    /* 2. shorter sequences at this micro batch */
+    if ((s = sugg(p, "max_seq_length"))) {
+        plan_ctx y = *x;
+        int lo = 0, hi = x->T - 1; /* largest T' < T that fits */
+        while (lo < hi) {
+            int mid = (lo + hi + 1) / 2;
+            y.T = mid;
+            if (simulate(&y, c, oc, p->B, p->accum, budget, NULL, NULL)) lo = mid;
+            else hi = mid - 1;
+        }
+        if (lo >= 1) {
+            y.T = lo;
+            simulate(&y, c, oc, p->B, p->accum, 0, NULL, &peak);
+            s->fits = 1;
+            s->peak = peak;
+            /* the trainer's T is max_seq_length - 1 (inputs are a sample minus its last token) */
+            snprintf(s->change, sizeof s->change, "--train.max_seq_length %d", lo + 1);
+            snprintf(s->note, sizeof s->note, "samples longer than %d tokens are truncated", lo + 1);
+        } else {
+            s->fits = 0;
+            snprintf(s->note, sizeof s->note, "no sequence length fits at micro_batch_size %d", p->B);
+        }
+    }
+    /* 3. SGD without momentum: no optimizer state */
+    if ((oc->kind != FL_OPT_SGD || oc->momentum != 0.0f) && (s = sugg(p, "sgd"))) {
+        fl_optim_config sgd;
+        fl_optim_config_default(&sgd, FL_OPT_SGD);
+        sgd.lr = oc->lr;
+        if (simulate(x, c, &sgd, p->B, p->accum, budget, NULL, NULL)) {
+            simulate(x, c, &sgd, p->B, p->accum, 0, NULL, &peak);
+            s->fits = 1;
+            s->peak = peak;
+            snprintf(s->change, sizeof s->change, "--optimizer SGD");
+            snprintf(s->note, sizeof s->note, "no optimizer state (AdamW keeps two fp32 states per parameter)");
+        } else {
+            int mb = max_micro_batch(x, c, &sgd, p->global_batch, budget);
+            s->fits = mb > 0;
+            if (mb > 0) {
+                simulate(x, c, &sgd, mb, p->global_batch / mb, 0, NULL, &peak);
+                s->peak = peak;
+                snprintf(s->change, sizeof s->change, "--optimizer SGD --train.micro_batch_size %d", mb);
+            }
+            snprintf(s->note, sizeof s->note, "%s", mb > 0 ? "no optimizer state, with a smaller micro batch"
+                                                           : "still out of memory without optimizer state");
+        }
+    }
+    /* 4. what this build does not have yet */
+    static const char *later[] = {"bf16-true", "bf16-mixed", "activation_checkpointing", "adam8bit", "lora", "qlora",
+                                  "cpu_offload"};
+    for (size_t i = 0; i < sizeof later / sizeof later[0]; i++) {
+        const fl_plan_technique *t = tech(later[i]);
+        if (t && !t->available && (s = sugg(p, later[i]))) snprintf(s->change, sizeof s->change, "%s", t->how);
+    }
+}
+
+fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_plan *p) {
+    fl_plan_opts opts;
+    if (opts_in) opts = *opts_in;
+    else fl_plan_opts_default(&opts);
+    memset(p, 0, sizeof *p);
+    if (opts.devices > 1)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--devices %d: planning for more than one device is not available yet",
+                         opts.devices);
+    FL_TRY(fl_cfg_validate(c));
+    plan_ctx x;
+    memset(&x, 0, sizeof x);
+    FL_TRY(resolve_model(c, &x.mc, p->model_source, sizeof p->model_source));
+    p->model = x.mc;
+    p->n_params = fl_sizing_param_count(&x.mc);
+    const int ctx = x.mc.max_seq;
+    /* T: the trainer's min(longest sample - 1, max_seq_length, context) without the data */
+    if (opts.seq_len > 0) {
+        x.T = opts.seq_len < ctx ? opts.seq_len : ctx;
+        note(p, "T = %d from --seq-len%s", x.T, opts.seq_len > ctx ? " (capped by the model context)" : "");
+    } else if (c->train.max_seq_length > 0) {
+        /* samples are cut to max_seq_length tokens; inputs are a sample minus its last token */
+        int msl = c->train.max_seq_length > 1 ? c->train.max_seq_length - 1 : 1;
+        x.T = msl < ctx ? msl : ctx;
+        note(p, "T = %d = train.max_seq_length - 1%s: the trainer sizes activations for the longest sample (cut to "
+                "max_seq_length tokens; inputs are a sample minus its last token), so a dataset of shorter samples "
+                "needs less", x.T, msl > ctx ? ", capped by the model context" : "");
+    } else {
+        x.T = ctx;
+        note(p, "T = %d = the model context: train.max_seq_length is null, so the longest sample decides at run "
+                "time; this is the upper bound (set --train.max_seq_length to plan for less)", x.T);
+    }
+    p->T = x.T;
+    p->B = c->train.micro_batch_size;
+    p->global_batch = c->train.global_batch_size / (c->devices * c->num_nodes);
+    p->accum = p->global_batch / p->B;
+    snprintf(p->precision, sizeof p->precision, "%s", c->precision);
+    snprintf(p->optimizer, sizeof p->optimizer, "%s%s", fl_optim_name(c->optimizer.kind),
+             c->optimizer.kind == FL_OPT_SGD && c->optimizer.momentum != 0.0f ? "+momentum" : "");
+    p->act_ckpt = c->train.activation_checkpointing;
+    p->budget = opts.device_memory ? opts.device_memory : c->max_memory;
+    /* sample generation at evaluation, as the CLI run does it */
+    int gen = opts.generation;
+    if (gen < 0)
+        gen = c->eval.max_new_tokens > 0 && has_val_split(c) &&
+              (c->train.max_steps < 0 || c->train.max_steps >= c->eval.interval);
+    if (gen && c->eval.max_new_tokens > 0) {
+        FL_TRY(gen_prompt_tokens(c, &x.n_prompt));
+        x.cap = x.n_prompt + c->eval.max_new_tokens;
+        if (x.cap > ctx) {
+            note(p, "no eval sample generation: prompt (%d tokens) + eval.max_new_tokens exceeds the context", x.n_prompt);
+            gen = 0;
+        } else {
+            note(p, "eval_generate: the sample generated at each evaluation (prompt %d tokens + %d new, KV cache of "
+                    "%d positions); only when the run prints (the CLI), library callers with out=NULL skip it",
+                 x.n_prompt, c->eval.max_new_tokens, x.cap);
+        }
+    } else {
+        gen = 0;
+    }
+    x.gen = gen;
+    p->generation = gen;
+    p->gen_prompt_tokens = x.n_prompt;
+    p->gen_capacity = gen ? x.cap : 0;
+
+    if (config_unavailable(c, p->unavailable, sizeof p->unavailable)) {
+        p->verdict = FL_PLAN_UNAVAILABLE;
+        p->max_micro_batch_size = -1;
+        return FL_OK;
+    }
+    simulate(&x, c, &c->optimizer, p->B, p->accum, 0, p, NULL); /* what the run needs */
+    if (!p->budget) {
+        p->verdict = FL_PLAN_FITS;
+        p->max_micro_batch_size = -1;
+        note(p, "no budget given (--device-memory or --max-memory): the verdict is fits");
+        return FL_OK;
+    }
+    int fits = simulate(&x, c, &c->optimizer, p->B, p->accum, p->budget, p, NULL);
+    p->verdict = fits ? FL_PLAN_FITS : FL_PLAN_OOM;
+    p->max_micro_batch_size = max_micro_batch(&x, c, &c->optimizer, p->global_batch, p->budget);
+    if (!fits && !opts.no_suggestions) suggest(p, &x, c);
+    return FL_OK;
+}
+
+/* ---- output ------------------------------------------------------------------------------ */
+
+static void row(FILE *f, const char *name, const size_t *b, size_t total, size_t peak, int with_peak) {
+    char s[32];
+    fprintf(f, "%-16s", name);
+    for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, " %11s", fl_fmt_bytes(b[t], s, sizeof s));
+    fprintf(f, " %11s", fl_fmt_bytes(total, s, sizeof s));
+    if (with_peak) fprintf(f, " %11s", fl_fmt_bytes(peak, s, sizeof s));
+    fprintf(f, "\n");
+}
+
+void fl_plan_print(const fl_plan *p, FILE *f) {
+    char a[32], b[32], d[32];
+    fprintf(f, "model: %s (%s), %zu parameters; %s, L=%d C=%d F=%d heads %d/%d, vocab %d, context %d\n",
+            p->model.name[0] ? p->model.name : "?", p->model_source, p->n_params,
+            p->model.arch == FL_ARCH_GPT2 ? "GPT-2" : "LLaMA", p->model.n_layers, p->model.dim, p->model.ffn_dim,
+            p->model.n_heads, p->model.n_kv_heads, p->model.vocab_size, p->model.max_seq);
+    fprintf(f, "run: micro_batch %d x accumulation %d = global batch %d, T=%d, precision %s, %s, activation "
+               "checkpointing %s, eval sample generation %s\n",
+            p->B, p->accum, p->global_batch, p->T, p->precision, p->optimizer, p->act_ckpt ? "on" : "off",
+            p->generation ? "on" : "off");
+    for (int i = 0; i < p->n_notes; i++) fprintf(f, "note: %s\n", p->notes[i]);
+    if (p->verdict == FL_PLAN_UNAVAILABLE) {
+        fprintf(f, "\nverdict: NOT AVAILABLE: %s\n", p->unavailable);
+        return;
+    }
+    fprintf(f, "\nplanned memory (bytes live at each phase of a step, as the runtime's memory report)\n");
+    fprintf(f, "%-16s", "phase");
+    for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, " %11s", fl_mem_tag_name((fl_mem_tag)t));
+    fprintf(f, " %11s %11s\n", "total", "phase peak");
+    for (int i = 0; i < p->n_phases; i++)
+        row(f, p->phases[i].name, p->phases[i].cur, p->phases[i].cur_total, p->phases[i].peak_total, 1);
+    row(f, "peak", p->peak, p->peak_total, 0, 0);
+    if (p->budget)
+        fprintf(f, "budget %s (%zu bytes); planned peak %s = %.1f%% of it\n", fl_fmt_bytes(p->budget, a, sizeof a),
+                p->budget, fl_fmt_bytes(p->peak_total, b, sizeof b), 100.0 * (double)p->peak_total / (double)p->budget);
+    fprintf(f, "\n");
+    if (p->verdict == FL_PLAN_FITS) {
+        fprintf(f, "verdict: FITS%s\n", p->budget ? "" : " (no budget given)");
+    } else {
+        const fl_mem_oom *o = &p->oom;
+        size_t avail = o->budget > o->in_use ? o->budget - o->in_use : 0;
+        fprintf(f, "verdict: OUT OF MEMORY during %s (%s): %s for %s needs %s, %s available (budget %s, in use %s)\n",
+                o->phase, p->oom_step, fl_mem_tag_name(o->tag), p->oom_what, fl_fmt_bytes(o->requested, a, sizeof a),
+                fl_fmt_bytes(avail, b, sizeof b), fl_fmt_bytes(o->budget, d, sizeof d),
+                fl_fmt_bytes(o->in_use, (char[32]){0}, 32));
+        fprintf(f, "  in use at that moment:");
+        for (int t = 0; t < FL_TAG_COUNT; t++)
+            fprintf(f, " %s %s%s", fl_mem_tag_name((fl_mem_tag)t), fl_fmt_bytes(o->cur[t], a, sizeof a),
+                    t + 1 < FL_TAG_COUNT ? "," : "\n");
+    }
+    if (p->max_micro_batch_size > 0)
+        fprintf(f, "largest micro_batch_size that fits: %d (accumulation %d for global batch %d)\n",
+                p->max_micro_batch_size, p->global_batch / p->max_micro_batch_size, p->global_batch);
+    else if (p->max_micro_batch_size == 0)
+        fprintf(f, "largest micro_batch_size that fits: none (even 1 is out of memory)\n");
+    if (p->n_sugg) {
+        fprintf(f, "\nwhat to try:\n");
+        for (int i = 0; i < p->n_sugg; i++) {
+            const fl_plan_suggestion *s = &p->sugg[i];
+            if (!s->available) fprintf(f, "  - %-26s not available in this build (%s)\n", s->technique, s->change);
+            else if (s->fits == 1)
+                fprintf(f, "  - %-26s fits: %s (planned peak %s; %s)\n", s->technique, s->change,
+                        fl_fmt_bytes(s->peak, a, sizeof a), s->note);
+            else fprintf(f, "  - %-26s does not fit: %s\n", s->technique, s->note);
+        }
+    }
+}
+
+static void jstr(FILE *f, const char *s) {
+    fputc('"', f);
+    for (; *s; s++) {
+        unsigned char ch = (unsigned char)*s;
+        if (ch == '"' || ch == '\\') fprintf(f, "\\%c", ch);
+        else if (ch == '\n') fputs("\\n", f);
+        else if (ch < 0x20) fprintf(f, "\\u%04x", ch);
+        else fputc(ch, f);
+    }
+    fputc('"', f);
+}
+
+static void jtags(FILE *f, const size_t *b, size_t total) {
+    fputc('{', f);
+    for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, "\"%s\": %zu, ", fl_mem_tag_name((fl_mem_tag)t), b[t]);
+    fprintf(f, "\"total\": %zu}", total);
+}
+
+void fl_plan_write_json(const fl_plan *p, FILE *f) {
+    fprintf(f, "{\n  \"version\": %d,\n  \"model\": {\"name\": ", FL_PLAN_JSON_VERSION);
+    jstr(f, p->model.name);
+    fprintf(f, ", \"source\": ");
+    jstr(f, p->model_source);
+    fprintf(f, ", \"arch\": \"%s\", \"params\": %zu, \"vocab_size\": %d, \"dim\": %d, \"n_layers\": %d, "
+               "\"n_heads\": %d, \"n_kv_heads\": %d, \"ffn_dim\": %d, \"context\": %d},\n",
+            p->model.arch == FL_ARCH_GPT2 ? "gpt2" : "llama", p->n_params, p->model.vocab_size, p->model.dim,
+            p->model.n_layers, p->model.n_heads, p->model.n_kv_heads, p->model.ffn_dim, p->model.max_seq);
+    fprintf(f, "  \"config\": {\"micro_batch_size\": %d, \"accumulation\": %d, \"global_batch_size\": %d, "
+               "\"seq_len\": %d, \"precision\": ",
+            p->B, p->accum, p->global_batch, p->T);
+    jstr(f, p->precision);
+    fprintf(f, ", \"optimizer\": ");
+    jstr(f, p->optimizer);
+    fprintf(f, ", \"activation_checkpointing\": %s, \"eval_generation\": %s, \"devices\": 1},\n",
+            p->act_ckpt ? "true" : "false", p->generation ? "true" : "false");
+    if (p->budget) fprintf(f, "  \"budget\": %zu,\n", p->budget);
+    else fprintf(f, "  \"budget\": null,\n");
+    fprintf(f, "  \"tags\": [");
+    for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, "%s\"%s\"", t ? ", " : "", fl_mem_tag_name((fl_mem_tag)t));
+    fprintf(f, "],\n  \"phases\": [");
+    for (int i = 0; i < p->n_phases; i++) {
+        fprintf(f, "%s\n    {\"name\": ", i ? "," : "");
+        jstr(f, p->phases[i].name);
+        fprintf(f, ", \"bytes\": ");
+        jtags(f, p->phases[i].cur, p->phases[i].cur_total);
+        fprintf(f, ", \"phase_peak\": %zu}", p->phases[i].peak_total);
+    }
+    fprintf(f, "%s],\n  \"peak\": ", p->n_phases ? "\n  " : "");
+    jtags(f, p->peak, p->peak_total);
+    fprintf(f, ",\n  \"verdict\": \"%s\",\n", fl_plan_verdict_name(p->verdict));
+    if (p->verdict == FL_PLAN_OOM) {
+        const fl_mem_oom *o = &p->oom;
+        fprintf(f, "  \"oom\": {\"phase\": ");
+        jstr(f, o->phase);
+        fprintf(f, ", \"step\": ");
+        jstr(f, p->oom_step);
+        fprintf(f, ", \"tag\": \"%s\", \"what\": ", fl_mem_tag_name(o->tag));
+        jstr(f, p->oom_what);
+        fprintf(f, ", \"requested\": %zu, \"available\": %zu, \"in_use\": %zu, \"budget\": %zu},\n", o->requested,
+                o->budget > o->in_use ? o->budget - o->in_use : 0, o->in_use, o->budget);
+    } else {
+        fprintf(f, "  \"oom\": null,\n");
+    }
+    fprintf(f, "  \"unavailable\": ");
+    if (p->verdict == FL_PLAN_UNAVAILABLE) jstr(f, p->unavailable);
+    else fprintf(f, "null");
+    if (p->max_micro_batch_size >= 0) fprintf(f, ",\n  \"max_micro_batch_size\": %d", p->max_micro_batch_size);
+    else fprintf(f, ",\n  \"max_micro_batch_size\": null");
+    fprintf(f, ",\n  \"suggestions\": [");
+    for (int i = 0; i < p->n_sugg; i++) {
+        const fl_plan_suggestion *s = &p->sugg[i];
+        fprintf(f, "%s\n    {\"technique\": ", i ? "," : "");
+        jstr(f, s->technique);
+        fprintf(f, ", \"available\": %s, \"fits\": %s, \"peak\": ", s->available ? "true" : "false",
+                s->fits < 0 ? "null" : s->fits ? "true" : "false");
+        if (s->fits == 1) fprintf(f, "%zu", s->peak);
+        else fprintf(f, "null");
+        fprintf(f, ", \"change\": ");
+        jstr(f, s->change);
+        fprintf(f, ", \"note\": ");
+        jstr(f, s->note);
+        fputc('}', f);
+    }
+    fprintf(f, "%s],\n  \"notes\": [", p->n_sugg ? "\n  " : "");
+    for (int i = 0; i < p->n_notes; i++) {
+        fprintf(f, "%s\n    ", i ? "," : "");
+        jstr(f, p->notes[i]);
+    }
+    fprintf(f, "%s]\n}\n", p->n_notes ? "\n  " : "");
+}

@@ -1,0 +1,94 @@
+/* The lab: its scaling, the verdicts of the "ci" suite (the lab's observations
+ * reproduced: baseline OOM, reduced batch fits, accumulation at about the
+ * memory of the reduced batch, the largest model OOM even at batch 1, SGD
+ * fits), planned == measured on every row, and the files it writes.
+ * tests/cli_test.sh runs the whole quick suite through the CLI. */
+#include <sys/stat.h>
+
+#include "fitllm/json.h"
+#include "fitllm/lab.h"
+#include "test.h"
+
+FL_TEST(lab_scaling) {
+    fl_lab_report rep;
+    memset(&rep, 0, sizeof rep);
+    FL_REQUIRE_OK(fl_lab_scale(&rep));
+    /* lab-1b has ~1/256 of TinyLlama's parameters; the budget follows */
+    FL_CHECKF(rep.param_ratio > 1.0 / 300 && rep.param_ratio < 1.0 / 220, "ratio %g", rep.param_ratio);
+    FL_CHECK(rep.budget > 250000000 && rep.budget < 350000000);
+    /* widths / 16 make a token's activations per parameter ~16x: T ~ 1024 / 16 */
+    FL_CHECKF(rep.T >= 48 && rep.T <= 80, "T %d", rep.T);
+    FL_CHECKF(fabs(rep.act_ratio_lab / rep.act_ratio_ref - 1) < 0.05, "%g vs %g", rep.act_ratio_lab, rep.act_ratio_ref);
+    const char *const *q = fl_lab_experiments("quick");
+    int n = 0;
+    while (q[n]) n++;
+    FL_CHECK(n >= 17 && !strcmp(q[0], "baseline"));
+    FL_CHECK(fl_lab_experiments("nope") == NULL);
+}
+
+static const fl_lab_row *row(const fl_lab_report *r, const char *name) {
+    for (int i = 0; i < r->n; i++)
+        if (!strcmp(r->rows[i].name, name)) return &r->rows[i];
+    return NULL;
+}
+
+FL_TEST(lab_ci_suite_verdicts) {
+    fl_lab_opts o;
+    fl_lab_opts_default(&o);
+    o.suite = "ci";
+    o.threads = 2;
+    fl_lab_report rep;
+    FL_REQUIRE_OK(fl_lab_run(&o, NULL, &rep));
+    FL_CHECK(rep.n == 5 && rep.n_errors == 0);
+    const fl_lab_row *base = row(&rep, "baseline"), *rb = row(&rep, "reduced-batch"), *ga = row(&rep, "grad-accum"),
+                     *big = row(&rep, "even-larger-b1"), *sgd = row(&rep, "sgd");
+    FL_REQUIRE(base && rb && ga && big && sgd);
+    FL_CHECK(base->verdict == FL_LAB_OOM && base->oom.tag == FL_TAG_ACTS);
+    FL_CHECK(rb->verdict == FL_LAB_FITS && ga->verdict == FL_LAB_FITS && ga->accum == 4);
+    /* accumulation: about the memory of the smaller batch (only the step's token buffers grow) */
+    FL_CHECKF(fabs((double)ga->peak_total / (double)rb->peak_total - 1) < 0.01, "%zu vs %zu", ga->peak_total,
+              rb->peak_total);
+    FL_CHECK(big->verdict == FL_LAB_OOM && big->B == 1 && big->oom.tag == FL_TAG_OPTIM);
+    FL_CHECK(sgd->verdict == FL_LAB_FITS && sgd->peak[FL_TAG_OPTIM] == 0 && sgd->peak_total <= rep.budget);
+    for (int i = 0; i < rep.n; i++) {
+        const fl_lab_row *r = &rep.rows[i];
+        FL_CHECKF(r->verdict == r->expected, "%s: %s, the lab says %s", r->name, fl_lab_verdict_name(r->verdict),
+                  fl_lab_verdict_name(r->expected));
+        /* planner and runtime agree: verdict, and the peak of runs that fit */
+        FL_CHECKF((r->planned == FL_PLAN_OOM) == (r->verdict == FL_LAB_OOM), "%s: planned %d", r->name, r->planned);
+        if (r->verdict == FL_LAB_FITS) {
+            FL_CHECKF(r->planned_peak == r->peak_total, "%s: planned %zu measured %zu", r->name, r->planned_peak,
+                      r->peak_total);
+            FL_CHECK(r->steps == 2 && r->step_ms > 0 && r->tok_s > 0 && isfinite(r->final_loss));
+        }
+        /* the real scale gives the same verdicts */
+        FL_CHECKF(r->ref_planned == r->planned, "%s: real-scale plan %d vs lab %d", r->name, r->ref_planned, r->planned);
+    }
+    /* the files */
+    char dir[600], p[700];
+    snprintf(dir, sizeof dir, "%s/lab", fl_test_tmpdir());
+    int charts = -1;
+    FL_REQUIRE_OK(fl_lab_write(&rep, dir, &charts));
+    struct stat st;
+    static const char *files[] = {"report.md", "results.csv", "results.json", "charts.gp", "memory.dat"};
+    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+        snprintf(p, sizeof p, "%s/%s", dir, files[i]);
+        FL_CHECKF(stat(p, &st) == 0 && st.st_size > 0, "missing %s", files[i]);
+    }
+    if (charts) {
+        snprintf(p, sizeof p, "%s/memory.png", dir);
+        FL_CHECK(stat(p, &st) == 0 && st.st_size > 1000);
+    }
+    snprintf(p, sizeof p, "%s/results.json", dir);
+    fl_json *j = NULL;
+    FL_REQUIRE_OK(fl_json_parse_file(p, &j));
+    const fl_json *ex = fl_json_get(j, "experiments");
+    FL_CHECK(fl_json_get(j, "version")->i == FL_LAB_JSON_VERSION && fl_json_get(j, "scaling") && ex && ex->len == 5);
+    FL_CHECK(!strcmp(fl_json_get(fl_json_at(ex, 0), "verdict")->str, "OOM"));
+    fl_json_free(j);
+    fl_lab_report_free(&rep);
+    /* a bad --only name is a usage error naming the known ones */
+    o.only = "baseline,nope";
+    FL_CHECK(fl_lab_run(&o, NULL, &rep) == FL_ERR_INVALID && strstr(fl_error_message(), "reduced-batch"));
+    fl_lab_report_free(&rep);
+}

@@ -1,0 +1,234 @@
+/* The planner against the runtime: planned bytes per tag equal the bytes the
+ * trainer allocates (PARAMS, GRADS, OPTIM exactly, the peak within 3% — in
+ * practice exactly), the planned verdict and first failing allocation equal
+ * the trainer's under a budget, and the --json document's schema. */
+#include <stdlib.h>
+#include <sys/stat.h>
+
+#include "fitllm/json.h"
+#include "fitllm/plan.h"
+#include "fitllm/trainer.h"
+#include "test.h"
+
+/* 1-step run of `preset` with the built-in byte tokenizer on Synthetic data.
+ * Alpaca-formatted samples are all longer than 33 tokens, so the trainer's
+ * T (longest sample cut to max_seq_length, minus the last token) is exactly
+ * max_seq_length - 1 = 32, what the planner assumes. */
+static void tiny_cfg(fl_run_config *c, const char *preset, const char *out, int B, int global) {
+    fl_cfg_defaults(c, FL_CMD_FINETUNE_FULL);
+    snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "%s", preset);
+    snprintf(c->out_dir, sizeof c->out_dir, "%s", out);
+    c->data.kind = FL_DATA_SYNTHETIC;
+    c->data.synthetic_train = 16;
+    c->data.synthetic_val = 2;
+    c->train.global_batch_size = global;
+    c->train.micro_batch_size = B;
+    c->train.max_steps = 1;
+    c->train.max_seq_length = 33;
+    c->train.lr_warmup_steps = 0;
+    c->train.save_interval = 0;
+    c->eval.interval = 1;
+    c->eval.max_iters = 1;
+    c->eval.max_new_tokens = 0;
+    c->eval.final_validation = 0;
+    c->threads = 2;
+    c->overwrite = 1;
+}
+
+static int stop_now(void *ud, long step, double loss, const float *p, size_t n) {
+    (void)ud; (void)step; (void)loss; (void)p; (void)n;
+    return 1; /* after step 1 (and its evaluation): no final checkpoint */
+}
+
+FL_TEST(plan_equals_runtime_matrix) {
+    static const char *presets[] = {"micro", "gpt2-micro"};
+    int runs = 0;
+    double worst = 0;
+    FILE *devnull = fopen("/dev/null", "w");
+    FL_REQUIRE(devnull != NULL);
+    for (int pi = 0; pi < 2; pi++)
+        for (int opt = 0; opt < 3; opt++)      /* AdamW, SGD, SGD with momentum */
+            for (int bi = 0; bi < 3; bi++)     /* micro batch 1, 2, 4 of a global batch of 4 */
+                for (int gen = 0; gen < 2; gen++) {
+                    int B = 1 << bi;
+                    fl_run_config c;
+                    char out[600];
+                    snprintf(out, sizeof out, "%s/m%d%d%d%d", fl_test_tmpdir(), pi, opt, bi, gen);
+                    tiny_cfg(&c, presets[pi], out, B, 4);
+                    if (opt > 0) {
+                        fl_optim_config_default(&c.optimizer, FL_OPT_SGD);
+                        c.optimizer.momentum = opt == 2 ? 0.9f : 0.0f;
+                    }
+                    if (gen) c.eval.max_new_tokens = 6; /* sample generation at step 1 (needs out != NULL) */
+                    fl_plan pl;
+                    fl_plan_opts o;
+                    fl_plan_opts_default(&o);
+                    o.generation = gen;
+                    FL_REQUIRE_OK(fl_plan_run(&c, &o, &pl));
+                    FL_CHECK(pl.verdict == FL_PLAN_FITS && pl.T == 32 && pl.accum == 4 / B && pl.generation == gen);
+                    fl_trainer_result r;
+                    FL_REQUIRE_OK(fl_trainer_run(&c, gen ? devnull : NULL, 0, stop_now, NULL, &r));
+                    const char *what = presets[pi];
+                    for (int t = FL_TAG_PARAMS; t <= FL_TAG_OPTIM; t++)
+                        FL_CHECKF(pl.peak[t] == r.peak[t], "%s opt %d B %d gen %d: %s planned %zu, measured %zu", what,
+                                  opt, B, gen, fl_mem_tag_name((fl_mem_tag)t), pl.peak[t], r.peak[t]);
+                    double rel = fabs((double)pl.peak_total - (double)r.peak_total) / (double)r.peak_total;
+                    if (rel > worst) worst = rel;
+                    FL_CHECKF(rel <= 0.03, "%s opt %d B %d gen %d: peak planned %zu, measured %zu", what, opt, B, gen,
+                              pl.peak_total, r.peak_total);
+                    if (rel > 0) { fprintf(stderr, "  %s opt %d B %d gen %d:", what, opt, B, gen); for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(stderr, " %zu/%zu", pl.peak[t], r.peak[t]); fprintf(stderr, "\n"); }
+                    runs++;
+                }
+    fclose(devnull);
+    FL_CHECK(runs == 36);
+    /* Today the plan is exact for every tag; say so if that ever changes. */
+    if (worst > 0) fprintf(stderr, "  note: largest planned/measured peak difference %.4f%%\n", 100 * worst);
+}
+
+/* Under a budget, the plan's verdict and first failing allocation are the trainer's. */
+FL_TEST(plan_oom_verdict_matches_runtime) {
+    FILE *devnull = fopen("/dev/null", "w");
+    FL_REQUIRE(devnull != NULL);
+    for (int gen = 0; gen < 2; gen++) {
+        fl_run_config c;
+        char out[600];
+        snprintf(out, sizeof out, "%s/oom%d", fl_test_tmpdir(), gen);
+        tiny_cfg(&c, "micro", out, 4, 4);
+        if (gen) c.eval.max_new_tokens = 6;
+        fl_plan_opts o;
+        fl_plan_opts_default(&o);
+        o.generation = gen;
+        fl_plan need;
+        FL_REQUIRE_OK(fl_plan_run(&c, &o, &need));
+        /* the exact peak fits; one byte less is OOM at the same allocation in plan and run */
+        size_t budgets[2] = {need.peak_total, need.peak_total - 1};
+        for (int k = 0; k < 2; k++) {
+            fl_plan pl;
+            o.device_memory = budgets[k];
+            FL_REQUIRE_OK(fl_plan_run(&c, &o, &pl));
+            c.max_memory = budgets[k];
+            if (k == 1) snprintf(c.out_dir, sizeof c.out_dir, "%s-oom", out);
+            fl_trainer_result r;
+            fl_status s = fl_trainer_run(&c, gen ? devnull : NULL, 0, stop_now, NULL, &r);
+            if (k == 0) {
+                FL_CHECKF(pl.verdict == FL_PLAN_FITS && s == FL_OK, "gen %d: exact peak: plan %s, run %s", gen,
+                          fl_plan_verdict_name(pl.verdict), fl_status_name(s));
+                continue;
+            }
+            FL_REQUIRE(pl.verdict == FL_PLAN_OOM);
+            FL_REQUIRE(s == FL_ERR_OOM && r.oom.valid);
+            FL_CHECKF(pl.oom.tag == r.oom.tag && pl.oom.requested == r.oom.requested && pl.oom.in_use == r.oom.in_use &&
+                          !strcmp(pl.oom.phase, r.oom.phase),
+                      "gen %d: planned %s %zu in %s, measured %s %zu in %s", gen, fl_mem_tag_name(pl.oom.tag),
+                      pl.oom.requested, pl.oom.phase, fl_mem_tag_name(r.oom.tag), r.oom.requested, r.oom.phase);
+            if (gen) FL_CHECK(!strcmp(pl.oom_step, "eval_generate") && !strcmp(r.oom.phase, "validation"));
+            else FL_CHECK(!strcmp(r.oom.phase, "setup"));
+        }
+        /* an OOM during set-up created nothing */
+        if (!gen) {
+            struct stat st;
+            FL_CHECK(stat(c.out_dir, &st) != 0);
+        }
+    }
+    fclose(devnull);
+}
+
+FL_TEST(plan_max_micro_batch_and_suggestions) {
+    fl_run_config c;
+    tiny_cfg(&c, "lab-1b", "/tmp/unused", 32, 32);
+    c.train.max_seq_length = 65;
+    fl_plan_opts o;
+    fl_plan_opts_default(&o);
+    fl_plan need8, pl;
+    c.train.micro_batch_size = 8;
+    FL_REQUIRE_OK(fl_plan_run(&c, &o, &need8));
+    o.device_memory = need8.peak_total; /* micro batch 8 just fits */
+    c.train.micro_batch_size = 32;
+    FL_REQUIRE_OK(fl_plan_run(&c, &o, &pl));
+    FL_CHECK(pl.verdict == FL_PLAN_OOM && pl.max_micro_batch_size == 8);
+    FL_CHECK(pl.oom.tag == FL_TAG_ACTS && !strcmp(pl.oom.phase, "setup"));
+    int saw_mb = 0, saw_sgd = 0, saw_lora = 0;
+    for (int i = 0; i < pl.n_sugg; i++) {
+        const fl_plan_suggestion *s = &pl.sugg[i];
+        if (!strcmp(s->technique, "micro_batch"))
+            saw_mb = s->fits == 1 && strstr(s->change, "micro_batch_size 8") && s->peak == need8.peak_total;
+        if (!strcmp(s->technique, "sgd")) saw_sgd = s->available && s->fits == 1;
+        if (!strcmp(s->technique, "lora")) saw_lora = !s->available && s->fits == -1;
+    }
+    FL_CHECK(saw_mb && saw_sgd && saw_lora);
+    /* every suggestion that "fits" does fit when applied, at the planned peak */
+    for (int i = 0; i < pl.n_sugg; i++) {
+        const fl_plan_suggestion *s = &pl.sugg[i];
+        if (s->fits != 1) continue;
+        fl_run_config c2 = c;
+        const char *v;
+        if ((v = strstr(s->change, "--optimizer SGD"))) fl_optim_config_default(&c2.optimizer, FL_OPT_SGD);
+        if ((v = strstr(s->change, "--train.micro_batch_size "))) c2.train.micro_batch_size = atoi(v + 25);
+        if ((v = strstr(s->change, "--train.max_seq_length "))) c2.train.max_seq_length = atoi(v + 23);
+        fl_plan q;
+        FL_REQUIRE_OK(fl_plan_run(&c2, &o, &q));
+        FL_CHECKF(q.verdict == FL_PLAN_FITS && q.peak_total == s->peak, "%s: '%s' -> %s, peak %zu vs %zu",
+                  s->technique, s->change, fl_plan_verdict_name(q.verdict), q.peak_total, s->peak);
+    }
+    /* a technique the build lacks is a verdict, not an error */
+    snprintf(c.precision, sizeof c.precision, "bf16-true");
+    FL_REQUIRE_OK(fl_plan_run(&c, &o, &pl));
+    FL_CHECK(pl.verdict == FL_PLAN_UNAVAILABLE && strstr(pl.unavailable, "bf16-true"));
+    snprintf(c.precision, sizeof c.precision, "32-true");
+    c.train.activation_checkpointing = 1;
+    FL_REQUIRE_OK(fl_plan_run(&c, &o, &pl));
+    FL_CHECK(pl.verdict == (fl_plan_technique_available("activation_checkpointing") ? FL_PLAN_OOM : FL_PLAN_UNAVAILABLE));
+    FL_CHECK(fl_plan_technique_available("sgd") == 1 && fl_plan_technique_available("nope") == -1);
+}
+
+FL_TEST(plan_json_schema) {
+    fl_run_config c;
+    tiny_cfg(&c, "micro", "/tmp/unused", 4, 16);
+    c.eval.max_new_tokens = 6;
+    c.train.max_steps = -1;
+    fl_plan_opts o;
+    fl_plan_opts_default(&o);
+    o.device_memory = 1000; /* OOM at the parameters */
+    fl_plan pl;
+    FL_REQUIRE_OK(fl_plan_run(&c, &o, &pl));
+    FL_REQUIRE(pl.verdict == FL_PLAN_OOM && pl.oom.tag == FL_TAG_PARAMS && pl.max_micro_batch_size == 0);
+    char path[600];
+    snprintf(path, sizeof path, "%s/plan.json", fl_test_tmpdir());
+    FILE *f = fopen(path, "w");
+    FL_REQUIRE(f != NULL);
+    fl_plan_write_json(&pl, f);
+    fclose(f);
+    fl_json *j = NULL;
+    FL_REQUIRE_OK(fl_json_parse_file(path, &j));
+    static const char *keys[] = {"version", "model", "config", "budget", "tags", "phases", "peak", "verdict", "oom",
+                                 "unavailable", "max_micro_batch_size", "suggestions", "notes"};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+        FL_CHECKF(fl_json_get(j, keys[i]) != NULL, "missing key %s", keys[i]);
+    FL_CHECK(fl_json_get(j, "version")->i == FL_PLAN_JSON_VERSION);
+    FL_CHECK(!strcmp(fl_json_get(j, "verdict")->str, "oom"));
+    FL_CHECK(fl_json_get(fl_json_get(j, "model"), "params")->num == (double)pl.n_params);
+    const fl_json *cfg = fl_json_get(j, "config");
+    FL_CHECK(fl_json_get(cfg, "micro_batch_size")->i == 4 && fl_json_get(cfg, "accumulation")->i == 4 &&
+             fl_json_get(cfg, "seq_len")->i == 32 && fl_json_get(cfg, "eval_generation")->type == FL_JSON_BOOL);
+    const fl_json *ph = fl_json_get(j, "phases");
+    FL_REQUIRE(ph && ph->type == FL_JSON_ARRAY && ph->len == 5);
+    static const char *names[] = {"before_fwd", "after_fwd", "after_bwd", "after_opt_step", "eval_generate"};
+    for (size_t i = 0; i < 5; i++) {
+        const fl_json *p = fl_json_at(ph, i);
+        FL_CHECK(!strcmp(fl_json_get(p, "name")->str, names[i]));
+        const fl_json *b = fl_json_get(p, "bytes");
+        for (int t = 0; t < FL_TAG_COUNT; t++) FL_CHECK(fl_json_get(b, fl_mem_tag_name((fl_mem_tag)t)) != NULL);
+        FL_CHECK(fl_json_get(b, "total") && fl_json_get(p, "phase_peak"));
+    }
+    FL_CHECK(fl_json_get(fl_json_get(j, "peak"), "total")->num == (double)pl.peak_total);
+    const fl_json *oom = fl_json_get(j, "oom");
+    FL_CHECK(!strcmp(fl_json_get(oom, "tag")->str, "PARAMS") && !strcmp(fl_json_get(oom, "phase")->str, "model load"));
+    FL_CHECK(fl_json_get(oom, "requested")->num == (double)pl.oom.requested && fl_json_get(oom, "available"));
+    FL_CHECK(fl_json_get(j, "max_micro_batch_size")->i == 0);
+    const fl_json *sg = fl_json_get(j, "suggestions");
+    FL_REQUIRE(sg && sg->type == FL_JSON_ARRAY && sg->len == (size_t)pl.n_sugg && sg->len > 0);
+    const fl_json *s0 = fl_json_at(sg, 0);
+    FL_CHECK(fl_json_get(s0, "technique") && fl_json_get(s0, "available") && fl_json_get(s0, "fits") &&
+             fl_json_get(s0, "peak") && fl_json_get(s0, "change") && fl_json_get(s0, "note"));
+    fl_json_free(j);
+}
