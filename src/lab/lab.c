@@ -49,7 +49,7 @@ static const lab_exp k_exps[] = {
     {"sgd", "7B, batch 1, SGD (stateless)", "fits: Adam's states cost 2x the weights", "open-llama-7b", "lab-7b", 1, 1,
      10, "32-true", FL_OPT_SGD, 0, "", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL | SUITE_CI},
     {"adam8bit", "7B, batch 1, 8-bit AdamW", "fits with a small batch", "open-llama-7b", "lab-7b", 1, 1, 1, "32-true",
-     FL_OPT_ADAMW, 0, "adam8bit", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL},
+     FL_OPT_ADAMW8BIT, 0, "adam8bit", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL},
     {"act-ckpt", "activation checkpointing, batch 32", "activations shrink, slower", "tinyllama-1.1b", "lab-1b", 32, 32,
      1, "32-true", FL_OPT_ADAMW, 1, "activation_checkpointing", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL},
     {"cpu-offload", "7B, ZeRO-2 offload, CPU Adam", "device optimizer memory ~0, slow", "open-llama-7b", "lab-7b", 1,

@@ -26,10 +26,10 @@ static const fl_plan_technique k_tech[] = {
     {"sgd", 1, "--optimizer SGD (no state without momentum; one buffer with)", ""},
     {"bf16-true", 0, "--precision bf16-true",
      "bf16 GEMM kernels exist but the precision policy is not wired into the trainer yet"},
-    {"bf16-mixed", 0, "--precision bf16-mixed", "not wired into the trainer yet (needs bf16 weight copies)"},
+    {"bf16-mixed", 1, "--precision bf16-mixed", "fp32 master weights + a bf16 copy the matmuls read"},
     {"16-mixed", 0, "--precision 16-mixed", "not wired into the trainer yet (loss scaler exists)"},
-    {"activation_checkpointing", 0, "--train.activation_checkpointing true", "not implemented by the trainer yet"},
-    {"adam8bit", 0, "--optimizer bnb.optim.AdamW8bit", "the 8-bit AdamW kernel exists but is not wired into the trainer yet"},
+    {"activation_checkpointing", 1, "--train.activation_checkpointing true", "keep block inputs, recompute blocks in backward"},
+    {"adam8bit", 1, "--optimizer bnb.optim.AdamW8bit", "bitsandbytes' block-wise 8-bit AdamW state"},
     {"lora", 0, "fitllm finetune_lora", "LoRA fine-tuning is not available yet"},
     {"qlora", 0, "fitllm finetune_lora --quantize bnb.nf4", "4-bit base weights are not available yet"},
     {"cpu_offload", 0, "optimizer state and master weights on the host", "not available yet"},
@@ -68,8 +68,8 @@ void fl_plan_opts_default(fl_plan_opts *o) {
 /* What the config asks for that this build lacks ("" if nothing). */
 static int config_unavailable(const fl_run_config *c, char *msg, size_t n) {
     const char *need = NULL;
-    if (strcmp(c->precision, "32-true")) need = c->precision;
-    else if (c->train.activation_checkpointing) need = "activation_checkpointing";
+    fl_precision pr;
+    if (fl_precision_find(c->precision, &pr) == FL_OK && !pr.available) need = c->precision;
     if (!need) return 0;
     const fl_plan_technique *t = tech(need);
     if (t && t->available) return 0;
@@ -208,23 +208,39 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     const fl_model_config *mc = &x->mc;
     const size_t n = fl_sizing_param_count(mc);
     char what[96];
+    fl_precision pr;
+    if (fl_precision_find(c->precision, &pr) != FL_OK) pr = *fl_precision_get(FL_PREC_32_TRUE);
     snprintf(g->step, sizeof g->step, "before_fwd");
-    /* model load: fl_model_init */
+    /* model load: fl_model_init, then fl_model_set_precision (mixed: the compute copy) */
     fl_mem_set_phase(&g->pool, "model load");
     palloc(g, FL_TAG_PARAMS, n * sizeof(float), "parameters");
+    size_t copy = fl_precision_copy_bytes(&pr, n);
+    if (copy) {
+        snprintf(what, sizeof what, "%s weight copy", pr.name);
+        palloc(g, FL_TAG_PARAMS, copy, what);
+    }
     /* set-up: fl_model_alloc_grads, fl_optim_init, fl_model_alloc_acts, step buffers */
     fl_mem_set_phase(&g->pool, "setup");
     palloc(g, FL_TAG_GRADS, n * sizeof(float), "gradients");
-    size_t st = fl_optim_state_bytes(oc, n);
-    if (oc->kind == FL_OPT_ADAMW) { /* exp_avg and exp_avg_sq, one buffer each */
-        palloc(g, FL_TAG_OPTIM, st / 2, "AdamW state exp_avg");
-        palloc(g, FL_TAG_OPTIM, st - st / 2, "AdamW state exp_avg_sq");
-    } else if (st > 0) {
-        palloc(g, FL_TAG_OPTIM, st, "SGD momentum buffer");
+    if (oc->kind == FL_OPT_ADAMW8BIT) { /* one allocation, bound per tensor (fl_optim_init) */
+        fl_param_layout lay;
+        if (fl_layout_build(&lay, mc) == FL_OK) {
+            palloc(g, FL_TAG_OPTIM, fl_optim_state_bytes_layout(oc, &lay), "AdamW8bit block-wise state");
+            fl_layout_free(&lay);
+        }
+    } else {
+        size_t st = fl_optim_state_bytes(oc, n);
+        if (oc->kind == FL_OPT_ADAMW) { /* exp_avg and exp_avg_sq, one buffer each */
+            palloc(g, FL_TAG_OPTIM, st / 2, "AdamW state exp_avg");
+            palloc(g, FL_TAG_OPTIM, st - st / 2, "AdamW state exp_avg_sq");
+        } else if (st > 0) {
+            palloc(g, FL_TAG_OPTIM, st, "SGD momentum buffer");
+        }
     }
     fl_act_sizes as; /* the activation arena: fl_model_alloc_acts */
-    fl_sizing_acts(mc, B, x->T, &as);
-    snprintf(what, sizeof what, "activations (B=%d, T=%d)", B, x->T);
+    fl_act_opts ao = {c->train.activation_checkpointing};
+    fl_sizing_acts_ex(mc, B, x->T, &ao, &as);
+    snprintf(what, sizeof what, "activations (B=%d, T=%d%s)", B, x->T, ao.act_ckpt ? ", checkpointed" : "");
     palloc(g, FL_TAG_ACTS, as.acts_bytes, what);
     snprintf(what, sizeof what, "workspace (B=%d, T=%d)", B, x->T);
     palloc(g, FL_TAG_WORKSPACE, as.workspace_bytes, what);
@@ -391,7 +407,27 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
                                                            : "still out of memory without optimizer state");
         }
     }
-    /* 4. what this build does not have yet */
+    /* 4. activation checkpointing and 8-bit AdamW, planned like the rest */
+    if (!c->train.activation_checkpointing && (s = sugg(p, "activation_checkpointing"))) {
+        fl_run_config v = *c;
+        v.train.activation_checkpointing = 1;
+        s->fits = simulate(x, &v, oc, p->B, p->accum, budget, NULL, NULL);
+        simulate(x, &v, oc, p->B, p->accum, 0, NULL, &peak);
+        s->peak = peak;
+        snprintf(s->change, sizeof s->change, "--train.activation_checkpointing true");
+        snprintf(s->note, sizeof s->note, "keeps each block's input only; one block is recomputed in backward");
+    }
+    if (oc->kind == FL_OPT_ADAMW && (s = sugg(p, "adam8bit"))) {
+        fl_optim_config a8;
+        fl_optim_config_default(&a8, FL_OPT_ADAMW8BIT);
+        a8.lr = oc->lr;
+        s->fits = simulate(x, c, &a8, p->B, p->accum, budget, NULL, NULL);
+        simulate(x, c, &a8, p->B, p->accum, 0, NULL, &peak);
+        s->peak = peak;
+        snprintf(s->change, sizeof s->change, "--optimizer bnb.optim.AdamW8bit");
+        snprintf(s->note, sizeof s->note, "about 2 bytes of state per parameter instead of 8");
+    }
+    /* 5. what this build does not have yet */
     static const char *later[] = {"bf16-true", "bf16-mixed", "activation_checkpointing", "adam8bit", "lora", "qlora",
                                   "cpu_offload"};
     for (size_t i = 0; i < sizeof later / sizeof later[0]; i++) {
