@@ -118,6 +118,8 @@ if [ -d "$DATA/stories260K-hf" ]; then
     expect finetune_used_out_dir 2 "holds another run" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" --out_dir "$T/ft-syn" --train.max_steps 1
     expect finetune_resume_auto 0 "Resuming training from" -- "$FITLLM" finetune_full --config recipes/cpu/stories260k-full-synthetic.yaml \
         --out_dir "$T/ft-syn" --train.max_steps 12 --train.save_interval 5 --resume auto --quiet
+    expect finetune_init_random 0 "loss train: 6\.2" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" --init random \
+        --train.max_steps 1 --train.global_batch_size 1 --eval.final_validation false --out_dir "$T/x9" --quiet
     expect finetune_not_a_model 2 "neither a model folder nor a preset" -- "$FITLLM" finetune_full "$T/nope-model" --out_dir "$T/x1"
     expect finetune_missing_data 2 "nope.json" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" --data JSON --data.json_path "$T/nope.json" --out_dir "$T/x2"
 else

@@ -68,6 +68,7 @@ typedef struct {
     fl_eval_args eval;
     fl_optim_config optimizer;
     /* fitllm extensions */
+    int init_random;                  /* --init random: ignore stored weights (shape only) */
     size_t max_memory;                /* allocator budget in bytes, 0 = unlimited */
     int threads;                      /* 0 = all cores */
     int quiet;

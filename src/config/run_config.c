@@ -118,6 +118,7 @@ static const fl_cfg_key k_keys[] = {
     {"optimizer.state_dtype", FL_CK_STATE_DTYPE, OFF(optimizer.state_dtype), "optimizer state dtype: float32 | bfloat16 (fitllm)"},
     {"optimizer.optim_bits", FL_CK_IGNORED, 0, "accepted for bitsandbytes compatibility"},
     {"optimizer.min_8bit_size", FL_CK_IGNORED, 0, "accepted for bitsandbytes compatibility (4096)"},
+    {"init", FL_CK_INIT, OFF(init_random), "pretrained | random: random weights of the model's shape (fitllm)"},
     {"max_memory", FL_CK_BYTES, OFF(max_memory), "allocator budget, e.g. 8GB (fitllm)"},
     {"threads", FL_CK_INT, OFF(threads), "CPU threads, 0 = all cores (fitllm)"},
     {"quiet", FL_CK_BOOL, OFF(quiet), "no progress bar (fitllm)"},
@@ -378,6 +379,11 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
         snprintf(c->data.json_path, sizeof c->data.json_path, "%s/%s", dir, file);
         return FL_OK;
     }
+    case FL_CK_INIT:
+        if (!strcmp(v, "random")) c->init_random = 1;
+        else if (!strcmp(v, "pretrained") || !strcmp(v, "checkpoint")) c->init_random = 0;
+        else return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is not pretrained or random", key, v);
+        return FL_OK;
     case FL_CK_STATE_DTYPE:
         if (!strcmp(v, "float32") || !strcmp(v, "fp32") || !strcmp(v, "f32")) c->optimizer.state_dtype = FL_F32;
         else if (!strcmp(v, "bfloat16") || !strcmp(v, "bf16")) c->optimizer.state_dtype = FL_BF16;
@@ -475,6 +481,7 @@ static void value_str(const fl_run_config *c, const fl_cfg_key *k, char *buf, si
     case FL_CK_DATA: snprintf(buf, n, "%s", fl_data_kind_name(c->data.kind)); break;
     case FL_CK_OPTIMIZER: snprintf(buf, n, "%s", fl_optim_name(c->optimizer.kind)); break;
     case FL_CK_STATE_DTYPE: snprintf(buf, n, "%s", c->optimizer.state_dtype == FL_BF16 ? "bfloat16" : "float32"); break;
+    case FL_CK_INIT: snprintf(buf, n, "%s", c->init_random ? "random" : "pretrained"); break;
     case FL_CK_BETAS: snprintf(buf, n, "[%g, %g]", c->optimizer.beta1, c->optimizer.beta2); break;
     default: snprintf(buf, n, "~"); break;
     }

@@ -105,6 +105,16 @@ static fl_status load_model_and_tokenizer(trainer *t) {
         FL_TRY(fl_model_init(&t->model, &mc, &t->be, &t->pool));
         t->model_ok = 1;
         fl_model_init_random(&t->model, c->seed);
+    } else if (ck[0] && c->init_random) {
+        /* --init random: the folder's (or config.json's) shape, fresh weights */
+        char cp[FL_CFG_PATH + 16];
+        struct stat st;
+        if (stat(ck, &st) == 0 && S_ISDIR(st.st_mode)) snprintf(cp, sizeof cp, "%s/config.json", ck);
+        else snprintf(cp, sizeof cp, "%s", ck);
+        FL_TRY(fl_hf_load_config(cp, &mc));
+        FL_TRY(fl_model_init(&t->model, &mc, &t->be, &t->pool));
+        t->model_ok = 1;
+        fl_model_init_random(&t->model, c->seed);
     } else if (ck[0]) {
         int loaded = 0;
         FL_TRY(fl_model_load_auto(&t->model, ck, &t->be, &t->pool, &loaded));
