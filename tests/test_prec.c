@@ -603,3 +603,56 @@ FL_TEST(prec_ref_backend_wired) {
     FL_REQUIRE_OK(be.gemm(&be, 0, 0, 2, 2, 2, 1, a, FL_F32, 2, b, FL_BF16, 2, 0, c, FL_F32, 2));
     FL_CHECK(c[0] == 1 && c[1] == 2 && c[2] == 3 && c[3] == 4);
 }
+
+/* The branch-free quantizer equals bitsandbytes' search as written in the kernel
+ * (kept here verbatim as the reference) on random values, every code, every
+ * midpoint and their neighbouring floats. */
+static uint8_t bnb_search_ref(const float *code, int is_signed, float x) {
+    int pivot = 127, upper_pivot = 255, lower_pivot = 0;
+    float lower = is_signed ? -1.0f : 0.0f, upper = 1.0f;
+    float val = code[pivot];
+    for (int i = 64; i > 0; i >>= 1) {
+        if (x > val) { lower_pivot = pivot; lower = val; pivot += i; }
+        else { upper_pivot = pivot; upper = val; pivot -= i; }
+        val = code[pivot];
+    }
+    if (x > val) { float mid = (upper + val) * 0.5f; return (uint8_t)(x > mid ? upper_pivot : pivot); }
+    float mid = (lower + val) * 0.5f;
+    return (uint8_t)(x < mid ? lower_pivot : pivot);
+}
+
+FL_TEST(prec_adam8bit_quantize_equals_bnb_search) {
+    fl_test_rng r = {99};
+    long bad = 0, n = 0;
+    for (int sgn = 0; sgn < 2; sgn++) {
+        const float *code = sgn ? fl_adam8bit_code_signed : fl_adam8bit_code_unsigned;
+        float lo = sgn ? -1.0f : 0.0f;
+        float xs[1000];
+        uint8_t qs[1000];
+        for (int k = 0; k < 1000; k++) {
+            for (int j = 0; j < 1000; j++) xs[j] = fl_test_rng_uniform(&r, lo, 1.0f);
+            fl_adam8bit_quantize_n(code, sgn, xs, 1000, qs); /* the vector path */
+            for (int j = 0; j < 1000; j++, n++) {
+                uint8_t want = bnb_search_ref(code, sgn, xs[j]);
+                bad += qs[j] != want;
+                bad += fl_adam8bit_quantize(code, sgn, xs[j]) != want;
+            }
+        }
+        for (int c = 0; c < 256; c++) {
+            float pts[3] = {code[c], c < 255 ? (code[c] + code[c + 1]) * 0.5f : code[c], 0};
+            pts[2] = nextafterf(pts[1], 2.0f);
+            for (int q = 0; q < 3; q++)
+                for (int d = -2; d <= 2; d++, n++) {
+                    float x = pts[q];
+                    for (int s = 0; s < (d < 0 ? -d : d); s++) x = nextafterf(x, d < 0 ? -2.0f : 2.0f);
+                    uint8_t v16[16];
+                    float x16[16];
+                    for (int l = 0; l < 16; l++) x16[l] = x;
+                    fl_adam8bit_quantize_n(code, sgn, x16, 16, v16);
+                    bad += fl_adam8bit_quantize(code, sgn, x) != bnb_search_ref(code, sgn, x);
+                    bad += v16[7] != bnb_search_ref(code, sgn, x);
+                }
+        }
+    }
+    FL_CHECKF(bad == 0, "%ld of %ld values quantize differently", bad, n);
+}

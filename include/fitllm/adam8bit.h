@@ -57,6 +57,8 @@ extern const float fl_adam8bit_code_unsigned[256];
 /* The kernel's quantizer (quantize_2D): binary search over the sorted code with its
  * midpoint tie rules; x is the value divided by the block's absmax. */
 uint8_t fl_adam8bit_quantize(const float *code, int is_signed, float x);
+/* The same for n values (16 at a time with AVX-512 gathers where available). */
+void fl_adam8bit_quantize_n(const float *code, int is_signed, const float *x, int n, uint8_t *out);
 
 #ifdef __cplusplus
 }
