@@ -1,5 +1,7 @@
 /* Test runner: runs every FL_TEST (or those whose name contains an argv
  * filter) and prints a summary line "N passed, N failed, N skipped". */
+#define _XOPEN_SOURCE 700
+#include <ftw.h>
 #include <stdarg.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -57,10 +59,28 @@ const char *fl_test_data_path(const char *rel) {
     return buf[k];
 }
 
+/* Every test's scratch folder lives under one root per run, removed at exit
+ * (set FITLLM_KEEP_TMP=1 to keep it for debugging). */
+static char g_tmp_root[128];
+
+static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
+    (void)st; (void)flag; (void)ftw;
+    return remove(path);
+}
+
+static void remove_tmp_root(void) {
+    if (g_tmp_root[0] && !getenv("FITLLM_KEEP_TMP")) nftw(g_tmp_root, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
 const char *fl_test_tmpdir(void) {
     static char buf[256];
     static int k;
-    snprintf(buf, sizeof buf, "/tmp/fitllm-test-%d-%d", (int)getpid(), k++);
+    if (!g_tmp_root[0]) {
+        snprintf(g_tmp_root, sizeof g_tmp_root, "/tmp/fitllm-test-%d", (int)getpid());
+        mkdir(g_tmp_root, 0700);
+        atexit(remove_tmp_root);
+    }
+    snprintf(buf, sizeof buf, "%s/%d", g_tmp_root, k++);
     mkdir(buf, 0700);
     return buf;
 }
