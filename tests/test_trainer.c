@@ -218,12 +218,14 @@ FL_TEST(trainer_accumulation_equals_large_batch) {
     free(b.params);
 }
 
-static void resume_case(const char *optimizer, const char *state_dtype) {
+static void resume_case_ex(const char *optimizer, const char *state_dtype, const char *precision, int act_ckpt) {
     fl_run_config c;
     char out[512];
     rec full = {0}, part = {0}, rest = {0};
     snprintf(out, sizeof out, "%s/full", fl_test_tmpdir());
     small_run(&c, out);
+    FL_REQUIRE_OK(fl_cfg_set(&c, "precision", precision));
+    c.train.activation_checkpointing = act_ckpt;
     FL_REQUIRE_OK(fl_cfg_set(&c, "optimizer", optimizer));
     if (state_dtype) FL_REQUIRE_OK(fl_cfg_set(&c, "optimizer.state_dtype", state_dtype));
     c.optimizer.lr = 3e-3f;
@@ -256,7 +258,13 @@ static void resume_case(const char *optimizer, const char *state_dtype) {
     free(rest.params);
 }
 
+static void resume_case(const char *optimizer, const char *state_dtype) {
+    resume_case_ex(optimizer, state_dtype, "32-true", 0);
+}
+
 FL_TEST(trainer_resume_is_bit_exact) { resume_case("AdamW", NULL); }
+/* the bf16 weight copy is rebuilt from the resumed master weights */
+FL_TEST(trainer_resume_is_bit_exact_bf16_mixed_act_ckpt) { resume_case_ex("AdamW", NULL, "bf16-mixed", 1); }
 FL_TEST(trainer_resume_is_bit_exact_sgd_momentum) { resume_case("SGD", NULL); }
 FL_TEST(trainer_resume_is_bit_exact_adamw8bit) { resume_case("bnb.optim.AdamW8bit", NULL); }
 FL_TEST(trainer_resume_is_bit_exact_bf16_state) { resume_case("AdamW", "bfloat16"); }
