@@ -406,3 +406,25 @@ FL_TEST(trainer_bf16_mixed_and_act_ckpt_train) {
     FL_CHECK(fl_trainer_run(&c, NULL, 0, NULL, NULL, NULL) == FL_ERR_UNSUPPORTED);
     FL_CHECK(strstr(fl_error_message(), "16-true") != NULL);
 }
+
+/* Each available precision policy trains the real stories260K model (loss goes down). */
+FL_TEST(trainer_policies_train_stories260k) {
+    FL_SKIP_IF_NO_DATA();
+    static const char *pol[] = {"32-true", "bf16-mixed"};
+    for (int k = 0; k < 2; k++) {
+        fl_run_config c;
+        char out[512];
+        snprintf(out, sizeof out, "%s/st%d", fl_test_tmpdir(), k);
+        small_run(&c, out);
+        snprintf(c.checkpoint_dir, sizeof c.checkpoint_dir, "%s", fl_test_data_path("stories260K-hf"));
+        FL_REQUIRE_OK(fl_cfg_set(&c, "precision", pol[k]));
+        c.train.max_steps = 20;
+        c.train.save_interval = 0;
+        rec r = {0};
+        FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, record, &r, NULL));
+        double first = (r.loss[0] + r.loss[1]) / 2, last = (r.loss[18] + r.loss[19]) / 2;
+        FL_CHECKF(last < first - 0.3, "%s: loss %.3f -> %.3f", pol[k], first, last);
+        printf("      stories260K-hf %-10s loss %.3f -> %.3f\n", pol[k], first, last);
+        free(r.params);
+    }
+}
