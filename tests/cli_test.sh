@@ -99,6 +99,16 @@ if [ -f "$T/lab/results.csv" ]; then
     if [ $ok = 1 ]; then echo "ok   lab_quick_verdicts_and_files"; pass=$((pass+1)); else echo "FAIL lab_quick_verdicts_and_files"; fail=$((fail+1)); fi
 fi
 
+# PEFT LoRA adapters: merge_lora writes a merged HF folder; generate --adapter merges in memory
+expect merge_lora_ok 0 "merged" -- "$FITLLM" merge_lora tests/fixtures/peft-llama --base tests/fixtures/golden-llama --out_dir "$T/merged"
+a=$("$FITLLM" generate "$T/merged" --prompt-ids "1 2 3" --max_new_tokens 6 --temperature 0 2>/dev/null)
+b=$("$FITLLM" generate tests/fixtures/golden-llama --adapter tests/fixtures/peft-llama --prompt-ids "1 2 3" --max_new_tokens 6 --temperature 0 2>/dev/null)
+c=$("$FITLLM" generate tests/fixtures/golden-llama --prompt-ids "1 2 3" --max_new_tokens 6 --temperature 0 2>/dev/null)
+if [ -n "$a" ] && [ "$a" = "$b" ] && [ "$a" != "$c" ]; then echo "ok   generate_adapter_equals_merged"; pass=$((pass+1)); else echo "FAIL generate_adapter_equals_merged: '$a' '$b' '$c'"; fail=$((fail+1)); fi
+expect merge_lora_base_missing 2 "'golden-llama' is neither a file, a folder nor a model preset \(unknown model preset" -- "$FITLLM" merge_lora tests/fixtures/peft-llama --out_dir "$T/m2"
+expect merge_lora_wrong_base 2 "peft-llama" -- "$FITLLM" merge_lora tests/fixtures/peft-llama --base tests/fixtures/golden-gpt2 --out_dir "$T/m3"
+expect merge_lora_not_adapter 2 "adapter_config.json" -- "$FITLLM" merge_lora "$T" --base tests/fixtures/golden-llama
+
 if [ -d "$DATA/stories260K-hf" ]; then
     printf '1 403 407 261 378 434 2 9 19 5\n' > "$T/ids.txt"
     expect loss_real_model 0 "loss [0-9.]+" -- "$FITLLM" loss "$DATA/stories260K-hf" --tokens-file "$T/ids.txt" --dump-logits "$T/logits.f32"

@@ -55,5 +55,10 @@ int fl_cmd_generate(int argc, char **argv);
 int fl_cmd_finetune_full(int argc, char **argv);
 int fl_cmd_pretrain(int argc, char **argv);
 int fl_cmd_finetune_lora(int argc, char **argv);
+int fl_cmd_merge_lora(int argc, char **argv);
+/* Base model with a PEFT LoRA adapter merged in memory (adapter_dir NULL: base only;
+ * base NULL: the adapter's base_model_name_or_path). */
+fl_status fl_cli_load_with_adapter(fl_model *m, const char *base, const char *adapter_dir, const fl_backend *be,
+                                   fl_mem_pool *pool, int *loaded);
 
 #endif

@@ -27,6 +27,7 @@ static void help(void) {
            "  --top_k K              sample from the K most likely tokens; 0 = all (default %d)\n"
            "  --top_p P              nucleus sampling: the most likely tokens covering P (default %.1f)\n"
            "  --seed N               sampling seed (and preset init seed) (default %llu)\n"
+           "  --adapter DIR          PEFT LoRA adapter folder merged into the model in memory\n"
            "  --tokenizer PATH       tokenizer file or folder (default: the model folder; for a .bin model,\n"
            "                         tok512.bin next to it)\n"
            "  --threads N            CPU threads (default: all cores)\n\n"
@@ -134,7 +135,7 @@ static int opt(const char *a, const char *under) {
 }
 
 int fl_cmd_generate(int argc, char **argv) {
-    const char *cmd = "generate", *model_path = NULL, *prompt = NULL, *prompt_ids = NULL, *tok_path = NULL;
+    const char *cmd = "generate", *model_path = NULL, *prompt = NULL, *prompt_ids = NULL, *tok_path = NULL, *adapter = NULL;
     int threads = 0, seed = -1;
     fl_gen_params gp;
     fl_gen_params_default(&gp);
@@ -144,6 +145,7 @@ int fl_cmd_generate(int argc, char **argv) {
         else if (opt(a, "--prompt") && v) { prompt = v; i++; }
         else if (opt(a, "--prompt_ids") && v) { prompt_ids = v; i++; }
         else if (opt(a, "--tokenizer") && v) { tok_path = v; i++; }
+        else if (opt(a, "--adapter") && v) { adapter = v; i++; }
         else if (opt(a, "--max_new_tokens")) { if (fl_cli_int(cmd, a, v, 0, 1 << 30, &gp.max_new_tokens)) return 2; i++; }
         else if (opt(a, "--top_k")) { if (fl_cli_int(cmd, a, v, 0, 1 << 30, &gp.top_k)) return 2; i++; }
         else if (opt(a, "--temperature")) { if (fl_cli_float(cmd, a, v, &gp.temperature)) return 2; i++; }
@@ -189,7 +191,9 @@ int fl_cmd_generate(int argc, char **argv) {
             goto fail;
         }
     }
-    if ((s = fl_cli_load_model(&m, model_path, 0, gp.seed, &be, &pool, &loaded)) != FL_OK) goto fail;
+    if ((s = adapter ? fl_cli_load_with_adapter(&m, model_path, adapter, &be, &pool, &loaded)
+                     : fl_cli_load_model(&m, model_path, 0, gp.seed, &be, &pool, &loaded)) != FL_OK)
+        goto fail;
     if (tok && fl_tok_vocab_size(tok) > m.cfg.vocab_size) {
         s = fl_errorf(FL_ERR_INVALID, "tokenizer vocabulary (%d) is larger than the model's (%d)", fl_tok_vocab_size(tok),
                       m.cfg.vocab_size);

@@ -71,9 +71,11 @@ fl_status fl_cli_load_model(fl_model *m, const char *path, int random_init, uint
     *weights_loaded = 0;
     if (!exists(path)) {
         fl_status s = fl_preset_find(path, &cfg);
-        if (s != FL_OK)
-            return fl_errorf(FL_ERR_NOT_FOUND, "'%s' is neither a file, a folder nor a model preset (%s)", path,
-                             fl_error_message());
+        if (s != FL_OK) {
+            char why[1024]; /* copy first: fl_errorf rewrites the message buffer it would read */
+            snprintf(why, sizeof why, "%s", fl_error_message());
+            return fl_errorf(FL_ERR_NOT_FOUND, "'%s' is neither a file, a folder nor a model preset (%s)", path, why);
+        }
         FL_TRY(fl_model_init(m, &cfg, be, pool));
         fl_model_init_random(m, seed);
         return FL_OK;
