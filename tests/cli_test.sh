@@ -47,7 +47,10 @@ expect finetune_bad_yaml 2 "bad.yaml:" -- "$FITLLM" finetune_full micro --config
 expect finetune_unknown_key 2 "did you mean 'train.micro_batch_size'" -- "$FITLLM" finetune_full micro --train.micro_bach_size 2
 expect finetune_not_divisible 2 "not divisible" -- "$FITLLM" finetune_full micro --train.global_batch_size 6 --train.micro_batch_size 4 --out_dir "$T/x3"
 expect finetune_zero_batch 2 "must be positive" -- "$FITLLM" finetune_full micro --train.micro_batch_size 0 --out_dir "$T/x4"
-expect finetune_lora_reserved 2 "not available yet" -- "$FITLLM" finetune_lora micro
+expect finetune_lora_ok 0 "Saved the PEFT adapter" -- "$FITLLM" finetune_lora micro --train.max_steps 3 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/lora" --quiet
+expect finetune_lora_qlora_unavailable 2 "QLoRA is not available yet" -- "$FITLLM" finetune_lora micro --quantize bnb.nf4 --out_dir "$T/l2"
+expect finetune_lora_bad_r 2 "lora_r must be positive" -- "$FITLLM" finetune_lora micro --lora_r 0 --out_dir "$T/l3"
+expect finetune_lora_bad_target 2 "valid" -- "$FITLLM" finetune_lora micro --lora_target_modules qq_proj --out_dir "$T/l4"
 expect finetune_precision_unavailable 2 "16-true" -- "$FITLLM" finetune_full micro --precision 16-true --out_dir "$T/x5"
 expect finetune_oom 3 "out of memory" -- "$FITLLM" finetune_full tiny --max_memory 100MB --out_dir "$T/x6" --train.max_steps 1
 if [ -d "$T/x6/final" ] || ls "$T/x6"/step-* >/dev/null 2>&1; then echo "FAIL finetune_oom_no_output"; fail=$((fail+1)); else echo "ok   finetune_oom_no_output"; pass=$((pass+1)); fi

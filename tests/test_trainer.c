@@ -9,6 +9,7 @@
 #include "fitllm/checkpoint.h"
 #include "fitllm/config.h"
 #include "fitllm/io.h"
+#include "fitllm/peft.h"
 #include "fitllm/trainer.h"
 #include "test.h"
 
@@ -218,12 +219,23 @@ FL_TEST(trainer_accumulation_equals_large_batch) {
     free(b.params);
 }
 
+static void lora_run(fl_run_config *c) {
+    /* LitGPT finetune_lora defaults on top of the small run, with dropout on */
+    fl_run_config d;
+    fl_cfg_defaults(&d, FL_CMD_FINETUNE_LORA);
+    c->command = FL_CMD_FINETUNE_LORA;
+    c->lora = d.lora;
+    c->lora.dropout = 0.1f;
+    c->lora.mlp = 1;
+}
+
 static void resume_case_ex(const char *optimizer, const char *state_dtype, const char *precision, int act_ckpt) {
     fl_run_config c;
     char out[512];
     rec full = {0}, part = {0}, rest = {0};
     snprintf(out, sizeof out, "%s/full", fl_test_tmpdir());
     small_run(&c, out);
+    if (!strcmp(precision, "lora")) { lora_run(&c); precision = "32-true"; }
     FL_REQUIRE_OK(fl_cfg_set(&c, "precision", precision));
     c.train.activation_checkpointing = act_ckpt;
     FL_REQUIRE_OK(fl_cfg_set(&c, "optimizer", optimizer));
@@ -264,6 +276,7 @@ static void resume_case(const char *optimizer, const char *state_dtype) {
 
 FL_TEST(trainer_resume_is_bit_exact) { resume_case("AdamW", NULL); }
 /* the bf16 weight copy is rebuilt from the resumed master weights */
+FL_TEST(trainer_resume_is_bit_exact_lora_dropout) { resume_case_ex("AdamW", NULL, "lora", 0); }
 FL_TEST(trainer_resume_is_bit_exact_bf16_mixed_act_ckpt) { resume_case_ex("AdamW", NULL, "bf16-mixed", 1); }
 FL_TEST(trainer_resume_is_bit_exact_sgd_momentum) { resume_case("SGD", NULL); }
 FL_TEST(trainer_resume_is_bit_exact_adamw8bit) { resume_case("bnb.optim.AdamW8bit", NULL); }
@@ -427,4 +440,60 @@ FL_TEST(trainer_policies_train_stories260k) {
         printf("      stories260K-hf %-10s loss %.3f -> %.3f\n", pol[k], first, last);
         free(r.params);
     }
+}
+
+
+/* LoRA: loss goes down; GRADS and OPTIM hold the adapters only (analytic count);
+ * final/ is the merged model and final/adapter the PEFT adapter that merges to it. */
+FL_TEST(trainer_lora_trains_adapters_only) {
+    FL_SKIP_IF_NO_DATA();
+    fl_run_config c;
+    char out[512];
+    snprintf(out, sizeof out, "%s/lora", fl_test_tmpdir());
+    small_run(&c, out);
+    lora_run(&c);
+    snprintf(c.checkpoint_dir, sizeof c.checkpoint_dir, "%s", fl_test_data_path("stories260K-hf"));
+    c.optimizer.lr = 1e-2f;
+    c.train.max_steps = 25;
+    c.train.save_interval = 0;
+    rec r = {0};
+    fl_trainer_result res;
+    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, record, &r, &res));
+    double first = (r.loss[0] + r.loss[1]) / 2, last = (r.loss[23] + r.loss[24]) / 2;
+    FL_CHECKF(last < first - 0.3, "LoRA loss %.3f -> %.3f", first, last);
+    /* analytic adapter count: q, v and the MLP of every layer, r (in + out) each */
+    fl_model_config mc;
+    FL_REQUIRE_OK(fl_hf_load_config(fl_test_data_path("stories260K-hf/config.json"), &mc));
+    FL_REQUIRE_OK(fl_config_validate(&mc));
+    size_t C = mc.dim, KVD = (size_t)mc.n_kv_heads * mc.head_dim, F = mc.ffn_dim, rr = c.lora.r;
+    size_t per = rr * (C + C) + rr * (C + KVD) + 2 * rr * (C + F) + rr * (F + C);
+    size_t n = per * mc.n_layers;
+    FL_CHECKF(res.peak[FL_TAG_GRADS] == n * 4, "GRADS %zu, adapters %zu x 4", res.peak[FL_TAG_GRADS], n);
+    FL_CHECKF(res.peak[FL_TAG_OPTIM] == n * 8, "OPTIM %zu, adapters %zu x 8", res.peak[FL_TAG_OPTIM], n);
+    /* the PEFT adapter merged into the base equals final/ */
+    fl_backend be;
+    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 1));
+    fl_mem_pool pool;
+    FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
+    fl_model base, fin;
+    FL_REQUIRE_OK(fl_hf_load_model(&base, fl_test_data_path("stories260K-hf"), &be, &pool));
+    FL_REQUIRE_OK(fl_hf_load_model(&fin, res.final_dir, &be, &pool));
+    char ad[700];
+    snprintf(ad, sizeof ad, "%s/adapter", res.final_dir);
+    fl_peft_adapter a;
+    FL_REQUIRE_OK(fl_peft_load(ad, &a));
+    FL_CHECK(a.n == 5 * mc.n_layers && a.cfg.lora.r == c.lora.r); /* q, v, gate, up, down */
+    FL_REQUIRE_OK(fl_peft_merge_into(&a, &base.layout, base.params));
+    double md = 0;
+    for (size_t i = 0; i < base.layout.numel; i++) {
+        double d = fabs((double)base.params[i] - fin.params[i]);
+        if (d > md) md = d;
+    }
+    FL_CHECKF(md <= 1e-6, "merged adapter differs from final/ by %.3g", md);
+    fl_peft_free(&a);
+    fl_model_free(&base);
+    fl_model_free(&fin);
+    fl_mem_pool_free(&pool);
+    fl_cpu_backend_free(&be);
+    free(r.params);
 }

@@ -23,7 +23,7 @@ extern "C" {
 
 #define FL_CFG_PATH 4096
 
-typedef enum { FL_CMD_FINETUNE_FULL = 0, FL_CMD_PRETRAIN, FL_CMD_COUNT } fl_cmd_kind;
+typedef enum { FL_CMD_FINETUNE_FULL = 0, FL_CMD_PRETRAIN, FL_CMD_FINETUNE_LORA, FL_CMD_COUNT } fl_cmd_kind;
 
 typedef struct {
     int save_interval;        /* optimizer steps between checkpoints; 0 = never (null) */
@@ -51,6 +51,16 @@ typedef struct {
     int final_validation;
 } fl_eval_args;
 
+/* LitGPT finetune/lora.py options. */
+typedef struct {
+    int r;
+    float alpha, dropout;
+    int query, key, value, projection, mlp, head;
+    char target_modules[256]; /* PEFT-style list (overrides the booleans), e.g. "q_proj,v_proj" or "all-linear" */
+    int use_rslora;
+    char quantize[32];        /* "" or bnb.nf4 ... (not available yet) */
+} fl_lora_args;
+
 typedef struct {
     fl_cmd_kind command;
     char checkpoint_dir[FL_CFG_PATH]; /* finetune: required; pretrain: optional initial weights */
@@ -67,6 +77,7 @@ typedef struct {
     fl_train_args train;
     fl_eval_args eval;
     fl_optim_config optimizer;
+    fl_lora_args lora;                /* finetune_lora */
     /* fitllm extensions */
     int init_random;                  /* --init random: ignore stored weights (shape only) */
     size_t max_memory;                /* allocator budget in bytes, 0 = unlimited */

@@ -101,6 +101,25 @@ void fl_lora_merge(float *W, int ldw, const float *A, const float *B, int r, int
 fl_status fl_lora_merge_q4(float *dst, const fl_q4_weight *W, const float *A, const float *B, int r,
                            float scaling);
 
+/* ---- LoRA on a model ---------------------------------------------------------
+ * fl_model_lora_init attaches adapters for cfg's targets: adapter parameters
+ * (PARAMS) and gradients (GRADS) in one flat buffer each, PEFT init (A
+ * kaiming-uniform from seed, B = 0). The base model is frozen from then on: it
+ * needs no gradient buffer (fl_model_alloc_grads is not called), and dX still
+ * flows through every base linear. Activations for the adapters come with
+ * fl_model_alloc_acts. */
+fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t seed);
+/* Dropout seed of the next forward/backward (the trainer derives it from the
+ * iteration, so a resumed run draws the same masks). */
+void fl_model_lora_set_seed(fl_model *m, uint64_t seed);
+/* Training (dropout on) or evaluation (dropout off, as PEFT's eval mode). */
+void fl_model_lora_set_train(fl_model *m, int train);
+/* Merge every adapter into the base weights (W += scaling B A). */
+void fl_model_lora_merge(fl_model *m);
+/* Bytes of adapter activations for (B, T) (ACTS) and scratch (WORKSPACE). */
+void fl_lora_sizing_acts(const fl_lora_config *cfg, const fl_lora_module *mods, int n_mods, int B, int T,
+                         size_t *acts_bytes, size_t *work_bytes);
+
 #ifdef __cplusplus
 }
 #endif

@@ -137,6 +137,7 @@ typedef struct {
     int act_ckpt;           /* activation checkpointing (set before fl_model_alloc_acts) */
     fl_precision prec;      /* precision policy (fl_model_set_precision); zeroed = 32-true */
     uint16_t *wcompute;     /* (numel) compute-dtype copy of params (mixed policies), PARAMS */
+    struct fl_lora_state *lora; /* LoRA adapters (fl_model_lora_init) or NULL: base frozen when set */
 } fl_model;
 
 /* Create an empty model for cfg (validates cfg, builds the layout, allocates

@@ -48,10 +48,17 @@ typedef struct {
     float *buf;     /* SGD momentum buffer or NULL */
     void *state8;   /* 8-bit AdamW: one OPTIM block bound per tensor into st8 */
     size_t state8_bytes;
-    fl_adam8bit_state *st8; /* (layout.n) host bookkeeping */
+    fl_adam8bit_state *st8; /* (n_tensors) host bookkeeping */
     int step;       /* updates done */
+    /* what it trains: the model's flat parameters, or its LoRA adapters */
+    float *p, *g;
+    size_t n;
+    int n_tensors;          /* tensors of p, for per-tensor (8-bit) state */
+    size_t *t_off, *t_n;    /* (n_tensors) element offset and size of each */
 } fl_optimizer;
 
+/* Optimizer over the model's trainable parameters: all of them, or only the
+ * LoRA adapters when the model has LoRA (the base is frozen). */
 fl_status fl_optim_init(fl_optimizer *o, fl_model *model, const fl_optim_config *cfg);
 void fl_optim_free(fl_optimizer *o);
 /* Global L2 norm of the model's gradients (double accumulation). */

@@ -107,8 +107,4 @@ static int run(const char *cmd, fl_cmd_kind kind, int argc, char **argv) {
 int fl_cmd_finetune_full(int argc, char **argv) { return run("finetune_full", FL_CMD_FINETUNE_FULL, argc, argv); }
 int fl_cmd_pretrain(int argc, char **argv) { return run("pretrain", FL_CMD_PRETRAIN, argc, argv); }
 
-int fl_cmd_finetune_lora(int argc, char **argv) {
-    (void)argc;
-    fprintf(stderr, "fitllm %s: error: LoRA fine-tuning is not available yet in this build; use finetune_full\n", argv[0]);
-    return FL_EXIT_USAGE;
-}
+int fl_cmd_finetune_lora(int argc, char **argv) { return run(argv[0], FL_CMD_FINETUNE_LORA, argc, argv); }

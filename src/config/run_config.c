@@ -14,7 +14,14 @@
 void fl_cfg_defaults(fl_run_config *c, fl_cmd_kind cmd) {
     memset(c, 0, sizeof *c);
     c->command = cmd;
-    snprintf(c->out_dir, sizeof c->out_dir, "%s", cmd == FL_CMD_PRETRAIN ? "out/pretrain" : "out/finetune/full");
+    snprintf(c->out_dir, sizeof c->out_dir, "%s", cmd == FL_CMD_PRETRAIN ? "out/pretrain"
+                                                  : cmd == FL_CMD_FINETUNE_LORA ? "out/finetune/lora" : "out/finetune/full");
+    /* litgpt/finetune/lora.py defaults */
+    c->lora.r = 8;
+    c->lora.alpha = 16;
+    c->lora.dropout = 0.05f;
+    c->lora.query = 1;
+    c->lora.value = 1;
     snprintf(c->precision, sizeof c->precision, "32-true");
     c->devices = 1;
     c->num_nodes = 1;
@@ -36,7 +43,7 @@ void fl_cfg_defaults(fl_run_config *c, fl_cmd_kind cmd) {
     t->max_steps = -1;
     t->tie_embeddings = -1;
     t->max_norm = 0;
-    c->eval.interval = cmd == FL_CMD_PRETRAIN ? 1000 : 600;
+    c->eval.interval = cmd == FL_CMD_PRETRAIN ? 1000 : cmd == FL_CMD_FINETUNE_LORA ? 100 : 600;
     c->eval.max_new_tokens = 100;
     c->eval.max_iters = 100;
     c->eval.initial_validation = 0;
@@ -119,6 +126,18 @@ static const fl_cfg_key k_keys[] = {
     {"optimizer.optim_bits", FL_CK_IGNORED, 0, "accepted for bitsandbytes compatibility"},
     {"optimizer.min_8bit_size", FL_CK_IGNORED, 0, "accepted for bitsandbytes compatibility (4096)"},
     {"init", FL_CK_INIT, OFF(init_random), "pretrained | random: random weights of the model's shape (fitllm)"},
+    {"lora_r", FL_CK_INT, OFF(lora.r), "finetune_lora: LoRA rank"},
+    {"lora_alpha", FL_CK_FLOAT, OFF(lora.alpha), "finetune_lora: LoRA alpha (scaling alpha / r)"},
+    {"lora_dropout", FL_CK_FLOAT, OFF(lora.dropout), "finetune_lora: dropout on the LoRA branch input"},
+    {"lora_query", FL_CK_BOOL, OFF(lora.query), "finetune_lora: adapt the query projection"},
+    {"lora_key", FL_CK_BOOL, OFF(lora.key), "finetune_lora: adapt the key projection"},
+    {"lora_value", FL_CK_BOOL, OFF(lora.value), "finetune_lora: adapt the value projection"},
+    {"lora_projection", FL_CK_BOOL, OFF(lora.projection), "finetune_lora: adapt the attention output projection"},
+    {"lora_mlp", FL_CK_BOOL, OFF(lora.mlp), "finetune_lora: adapt the MLP projections"},
+    {"lora_head", FL_CK_BOOL, OFF(lora.head), "finetune_lora: adapt lm_head (not supported yet)"},
+    {"lora_target_modules", FL_CK_PATH256, OFF(lora.target_modules), "finetune_lora: PEFT target modules (overrides lora_*)"},
+    {"use_rslora", FL_CK_BOOL, OFF(lora.use_rslora), "finetune_lora: scaling alpha / sqrt(r)"},
+    {"quantize", FL_CK_STR32, OFF(lora.quantize), "finetune_lora: bnb.nf4 | bnb.nf4-dq | bnb.fp4 | bnb.fp4-dq (not yet)"},
     {"max_memory", FL_CK_BYTES, OFF(max_memory), "allocator budget, e.g. 8GB (fitllm)"},
     {"threads", FL_CK_INT, OFF(threads), "CPU threads, 0 = all cores (fitllm)"},
     {"quiet", FL_CK_BOOL, OFF(quiet), "no progress bar (fitllm)"},
@@ -285,7 +304,17 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
         if (strlen(v) >= FL_CFG_PATH) return fl_errorf(FL_ERR_INVALID, "option '%s': path too long", key);
         snprintf(base + k->off, FL_CFG_PATH, "%s", v);
         return FL_OK;
-    case FL_CK_STR32: snprintf(base + k->off, 32, "%s", v); return FL_OK;
+    case FL_CK_STR32: snprintf(base + k->off, 32, "%s", is_null(v) ? "" : v); return FL_OK;
+    case FL_CK_PATH256: {
+        /* a YAML list arrives as "[a, b]": keep the names, comma-separated */
+        char buf[256];
+        size_t o = 0;
+        for (const char *q = is_null(v) ? "" : v; *q && o < sizeof buf - 1; q++)
+            if (*q != '[' && *q != ']' && *q != ' ' && *q != '"' && *q != '\'') buf[o++] = *q;
+        buf[o] = 0;
+        snprintf(base + k->off, 256, "%s", buf);
+        return FL_OK;
+    }
     case FL_CK_STR64: snprintf(base + k->off, 64, "%s", is_null(v) ? "" : v); return FL_OK;
     case FL_CK_SINT:
         FL_TRY(parse_int(key, v, -(1 << 30), 1 << 30, &x));
@@ -419,7 +448,14 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
     if (c->data.val_split_fraction < 0 || c->data.val_split_fraction >= 1)
         return fl_errorf(FL_ERR_INVALID, "data.val_split_fraction must be in [0, 1)");
     if (!c->out_dir[0]) return fl_errorf(FL_ERR_INVALID, "out_dir must not be empty");
-    if (c->command == FL_CMD_FINETUNE_FULL && !c->checkpoint_dir[0])
+    if (c->command == FL_CMD_FINETUNE_LORA) {
+        if (c->lora.r <= 0) return fl_errorf(FL_ERR_INVALID, "lora_r must be positive");
+        if (!(c->lora.alpha > 0)) return fl_errorf(FL_ERR_INVALID, "lora_alpha must be positive");
+        if (c->lora.dropout < 0 || c->lora.dropout >= 1) return fl_errorf(FL_ERR_INVALID, "lora_dropout must be in [0, 1)");
+        if (c->lora.quantize[0])
+            return fl_errorf(FL_ERR_UNSUPPORTED, "quantize '%s': QLoRA is not available yet in this build", c->lora.quantize);
+    }
+    if (c->command != FL_CMD_PRETRAIN && !c->checkpoint_dir[0])
         return fl_errorf(FL_ERR_INVALID, "missing checkpoint_dir (the model to fine-tune)");
     if (c->data.kind == FL_DATA_TEXTFILES && !c->data.train_data_path[0])
         return fl_errorf(FL_ERR_INVALID, "data TextFiles needs data.train_data_path");
@@ -441,7 +477,7 @@ double fl_lr_schedule(double lr, double min_lr, long step, long warmup, long max
 static void value_str(const fl_run_config *c, const fl_cfg_key *k, char *buf, size_t n) {
     const char *base = (const char *)c;
     switch (k->type) {
-    case FL_CK_PATH: case FL_CK_STR32: case FL_CK_STR64: case FL_CK_PRECISION: case FL_CK_RESUME: case FL_CK_LOGGER: {
+    case FL_CK_PATH: case FL_CK_STR32: case FL_CK_STR64: case FL_CK_PATH256: case FL_CK_PRECISION: case FL_CK_RESUME: case FL_CK_LOGGER: {
         const char *s = base + k->off;
         if (*s) snprintf(buf, n, "%s", s);
         else snprintf(buf, n, "null");

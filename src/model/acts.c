@@ -132,6 +132,8 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
         fl_rope_table_init(a->rope_cos, a->rope_sin, T, m->cfg.head_dim, m->cfg.rope_theta, &m->cfg.rope_scaling);
     m->B = B;
     m->T = T;
+    s = fl_lora_alloc_acts(m, B, T);
+    if (s != FL_OK) { fl_model_free_acts(m); return fl_error_prefix(s, "allocating LoRA activations"); }
     return FL_OK;
 }
 

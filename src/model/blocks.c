@@ -75,6 +75,10 @@ void fl_get_block(const fl_model *m, int l, fl_block_params *bp) {
         GL(proj, d.F, d.C, "mlp.c_proj");
 #undef GL
     }
+    fl_lora_attach(m, l, 0, &bp->qkv);
+    fl_lora_attach(m, l, 1, &bp->o);
+    fl_lora_attach(m, l, 2, &bp->fc);
+    fl_lora_attach(m, l, 3, &bp->proj);
 }
 
 void fl_norm_forward(const fl_model *m, float *out, float *mean, float *rstd, const float *x, const float *w,

@@ -137,7 +137,7 @@ static fl_status forward_rows(fl_model *m, fl_kv_cache *kv, const rows_scratch *
     /* final norm and head on the last row only */
     const float *last = w->x + (size_t)(n - 1) * d.C;
     fl_norm_forward(m, w->ln, w->mean, w->rstd, last, op.lnf_w, op.lnf_b, 1);
-    fl_linear head = {d.C, d.V, op.head, NULL, 0, NULL, NULL, NULL};
+    fl_linear head = {.in = d.C, .out = d.V, .w = op.head};
     fl_linear_set_compute(m, &head, op.head_off);
     return fl_linear_forward(be, logits, w->ln, &head, 1); // (V)
 }

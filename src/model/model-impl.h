@@ -2,6 +2,7 @@
 #ifndef FL_MODEL_IMPL_H
 #define FL_MODEL_IMPL_H
 
+#include "fitllm/lora.h"
 #include "fitllm/model.h"
 
 /* Per-layer saved activations, all views into m->acts_arena. N = B*T rows. */
@@ -63,6 +64,18 @@ static inline fl_dims fl_model_dims(const fl_model_config *c) {
 /* Release the activation arena and its views (safe when none). */
 void fl_model_free_acts(fl_model *m);
 
+/* One LoRA adapter attached to a linear (possibly to a row slice of a fused
+ * output: q/k/v of the fused QKV, gate/up of the fused 2F projection). */
+typedef struct {
+    const float *A, *B;   /* (r, in), (out, r) adapter parameters */
+    float *dA, *dB;       /* their gradients */
+    float *h;             /* (N, r) saved LoRA intermediate (ACTS) */
+    float *xd;            /* (N, in) dropped input (ACTS) when dropout > 0, else NULL */
+    int row0, out, in, r; /* slice [row0, row0+out) of the linear's output */
+    float scaling, dropout;
+    int index;            /* module index: part of the dropout seed */
+} fl_lora_slot;
+
 /* A linear layer: weight (out, in) in HF orientation, optional bias, optional
  * gradients (NULL = frozen). LoRA and quantized bases become fields here so
  * the model code does not change. */
@@ -74,7 +87,34 @@ typedef struct {
     const float *b;   /* (out) or NULL */
     float *dw;        /* (out, in) or NULL */
     float *db;        /* (out) or NULL */
+    const fl_lora_slot *lora; /* adapters on this linear (n_lora), or NULL */
+    int n_lora;
+    float *lora_work; /* scratch for lora_backward */
+    uint64_t lora_seed;
 } fl_linear;
+
+/* LoRA state of a model (fl_model_lora_init). */
+struct fl_lora_state {
+    fl_lora_config cfg;
+    float scaling;
+    fl_lora_module *mods;
+    int n_mods;
+    size_t *off;          /* (2 n_mods) element offsets of A_j, B_j in params/grads */
+    size_t numel;
+    float *params, *grads;/* PARAMS, GRADS */
+    fl_lora_slot *slots;  /* n_mods, grouped by (layer, linear kind) */
+    int *first, *count;   /* (L * 4): slots of layer l, kind k (0 qkv, 1 o, 2 fc, 3 proj) */
+    float *acts;          /* h and xd of every slot for the arena's (B, T) (ACTS) */
+    float *work;          /* (N * (r + max in)) WORKSPACE */
+    uint64_t seed;        /* dropout seed of the current micro-batch */
+};
+
+/* Attach the LoRA slots of layer l, kind k to lin (no-op without LoRA). */
+void fl_lora_attach(const fl_model *m, int l, int k, fl_linear *lin);
+/* LoRA activations for (B, T) (called by fl_model_alloc_acts) and their release. */
+fl_status fl_lora_alloc_acts(fl_model *m, int B, int T);
+void fl_lora_free_acts(fl_model *m);
+void fl_model_lora_free(fl_model *m);
 
 /* y (N,out) = x (N,in) @ W^T + b */
 fl_status fl_linear_forward(const fl_backend *be, float *y, const float *x, const fl_linear *lin, int N);

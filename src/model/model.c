@@ -29,6 +29,7 @@ fl_status fl_model_init(fl_model *m, const fl_model_config *cfg, const fl_backen
 }
 
 void fl_model_free_acts(fl_model *m) {
+    fl_lora_free_acts(m);
     fl_mem_free(m->pool, m->acts_arena);
     fl_mem_free(m->pool, m->work_arena);
     m->acts_arena = m->work_arena = NULL;
@@ -65,6 +66,7 @@ void fl_model_free(fl_model *m) {
     if (!m->pool) return;
     fl_mem_free(m->pool, m->wcompute);
     fl_model_free_acts(m);
+    fl_model_lora_free(m);
     fl_mem_free(m->pool, m->grads);
     fl_mem_free(m->pool, m->params);
     fl_layout_free(&m->layout);
@@ -79,6 +81,7 @@ fl_status fl_model_alloc_grads(fl_model *m) {
 
 void fl_model_zero_grads(fl_model *m) {
     if (m->grads) m->be->zero(m->be, m->grads, m->layout.numel * sizeof(float));
+    if (m->lora) m->be->zero(m->be, m->lora->grads, m->lora->numel * sizeof(float));
 }
 
 float *fl_model_param(fl_model *m, const char *name) {

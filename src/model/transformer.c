@@ -50,7 +50,7 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
     if (!a) return fl_errorf(FL_ERR_INVALID, "fl_model_forward: activations not allocated (call fl_model_alloc_acts)");
     if (B * T > m->B * m->T || T > m->T)
         return fl_errorf(FL_ERR_INVALID, "fl_model_forward: batch (%d,%d) exceeds the arena's (%d,%d)", B, T, m->B, m->T);
-    if (grad_scale > 0 && (!targets || !m->grads))
+    if (grad_scale > 0 && (!targets || (!m->grads && !m->lora)))
         return fl_errorf(FL_ERR_INVALID, "fl_model_forward: training forward needs targets and gradient buffers");
     fl_dims d = fl_model_dims(&m->cfg);
     const int N = B * T;
@@ -73,7 +73,7 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
      * In training the head's backward runs here too (dlogits overwrite the
      * logits chunk), leaving d(lnf) in buf1 for fl_model_backward. */
     const int R = m->sizes.logits_chunk_rows;
-    fl_linear head = {d.C, d.V, op.head, NULL, 0, NULL, op.dhead, NULL};
+    fl_linear head = {.in = d.C, .out = d.V, .w = op.head, .dw = op.dhead};
     fl_linear_set_compute(m, &head, op.head_off);
     float *dlnf = a->buf1; // (N, C)
     m->loss_sum = 0;

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "../io/io-internal.h"
+#include "../model/model-impl.h"
 #include "fitllm/checkpoint.h"
 #include "fitllm/io.h"
 
@@ -42,9 +43,11 @@ static fl_status write_state(const char *dir, const fl_model *m, const fl_optimi
                              const fl_run_config *cfg) {
     char path[FL_CFG_PATH + 64];
     FL_TRY(fl_io_join(path, sizeof path, dir, STATE_FILE));
-    fl_st_write_tensor t[2];
+    fl_st_write_tensor t[3];
     int nt = 0;
-    int64_t n = (int64_t)m->layout.numel;
+    /* the trainable parameters: all of them, or the LoRA adapters (base frozen) */
+    int64_t n = (int64_t)(m->lora ? m->lora->numel : m->layout.numel);
+    if (m->lora) t[nt++] = (fl_st_write_tensor){"lora.params", FL_F32, 1, {n}, m->lora->params, FL_F32, 0};
     fl_dtype sd = o ? o->cfg.state_dtype : FL_F32;
     if (o && o->m) {
         t[nt++] = (fl_st_write_tensor){"optimizer.exp_avg", sd, 1, {n}, o->m, sd, 0};
@@ -74,7 +77,7 @@ static fl_status write_state(const char *dir, const fl_model *m, const fl_optimi
     META("train_seconds", "%.17g", st->train_seconds);
     META("flops", "%.17g", st->flops);
     META("world_size", "%d", cfg ? cfg->devices * cfg->num_nodes : 1);
-    META("numel", "%zu", m->layout.numel);
+    META("numel", "%lld", (long long)n);
 #undef META
     return fl_st_write(path, t, nt, keys, vals, k);
 }
@@ -227,18 +230,25 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
     const char *fmt = meta(&f, "format"), *numel = meta(&f, "numel");
     if (!fmt || strcmp(fmt, "fitllm-training-state"))
         s = fl_errorf(FL_ERR_FORMAT, "%s: not a fitllm training state", p);
-    else if (!numel || strtoull(numel, NULL, 10) != m->layout.numel)
-        s = fl_errorf(FL_ERR_FORMAT, "%s: state is for %s parameters, the model has %zu", p, numel ? numel : "?",
-                      m->layout.numel);
+    size_t tn = m->lora ? m->lora->numel : m->layout.numel;
+    if (s == FL_OK && (!numel || strtoull(numel, NULL, 10) != tn))
+        s = fl_errorf(FL_ERR_FORMAT, "%s: state is for %s trainable parameters, this run has %zu", p,
+                      numel ? numel : "?", tn);
+    if (s == FL_OK && m->lora) {
+        const fl_st_tensor *lt = fl_st_find(&f, "lora.params");
+        if (!lt || lt->dtype != FL_F32 || lt->end - lt->begin != tn * sizeof(float))
+            s = fl_errorf(FL_ERR_FORMAT, "%s: missing or mis-sized tensor lora.params (LoRA settings changed?)", p);
+        else memcpy(m->lora->params, lt->data, tn * sizeof(float));
+    }
     const char *opt = meta(&f, "optimizer");
     if (s == FL_OK && o && opt && strcmp(opt, fl_optim_name(o->cfg.kind)))
         s = fl_errorf(FL_ERR_FORMAT, "%s: saved with optimizer %s, this run uses %s", p, opt, fl_optim_name(o->cfg.kind));
     size_t es = o && o->cfg.state_dtype == FL_BF16 ? 2 : 4;
     fl_dtype sd = es == 2 ? FL_BF16 : FL_F32;
     struct { const char *name; void *dst; size_t bytes; fl_dtype dt; } want[4] = {
-        {"optimizer.exp_avg", o ? o->m : NULL, m->layout.numel * es, sd},
-        {"optimizer.exp_avg_sq", o ? o->v : NULL, m->layout.numel * es, sd},
-        {"optimizer.momentum_buffer", o ? o->buf : NULL, m->layout.numel * es, sd},
+        {"optimizer.exp_avg", o ? o->m : NULL, tn * es, sd},
+        {"optimizer.exp_avg_sq", o ? o->v : NULL, tn * es, sd},
+        {"optimizer.momentum_buffer", o ? o->buf : NULL, tn * es, sd},
         {"optimizer.state8", o ? o->state8 : NULL, o ? o->state8_bytes : 0, FL_U8}};
     for (int i = 0; s == FL_OK && i < 4; i++) {
         if (!want[i].dst) continue;

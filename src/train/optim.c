@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../model/model-impl.h"
 #include "fitllm/train.h"
 
 void fl_optim_config_default(fl_optim_config *c, fl_optim_kind kind) {
@@ -42,6 +43,36 @@ size_t fl_optim_state_bytes_layout(const fl_optim_config *c, const fl_param_layo
     return total;
 }
 
+/* The trainable tensors: the layout's, or each LoRA adapter's A and B. */
+static fl_status trainable(fl_optimizer *o, fl_model *model) {
+    const struct fl_lora_state *st = model->lora;
+    int n = st ? 2 * st->n_mods : model->layout.n;
+    o->t_off = calloc((size_t)n + 1, sizeof *o->t_off);
+    o->t_n = calloc((size_t)n + 1, sizeof *o->t_n);
+    if (!o->t_off || !o->t_n) return fl_errorf(FL_ERR_OOM, "optimizer bookkeeping: out of host memory");
+    o->n_tensors = n;
+    if (st) {
+        o->p = st->params;
+        o->g = st->grads;
+        o->n = st->numel;
+        for (int j = 0; j < st->n_mods; j++) {
+            o->t_off[2 * j] = st->off[2 * j];
+            o->t_n[2 * j] = (size_t)st->cfg.r * st->mods[j].in;
+            o->t_off[2 * j + 1] = st->off[2 * j + 1];
+            o->t_n[2 * j + 1] = (size_t)st->mods[j].out * st->cfg.r;
+        }
+    } else {
+        o->p = model->params;
+        o->g = model->grads;
+        o->n = model->layout.numel;
+        for (int i = 0; i < n; i++) {
+            o->t_off[i] = model->layout.params[i].offset;
+            o->t_n[i] = model->layout.params[i].numel;
+        }
+    }
+    return FL_OK;
+}
+
 fl_status fl_optim_init(fl_optimizer *o, fl_model *model, const fl_optim_config *cfg) {
     memset(o, 0, sizeof *o);
     if (cfg->kind < 0 || cfg->kind >= FL_OPT_COUNT) return fl_errorf(FL_ERR_INVALID, "unknown optimizer %d", (int)cfg->kind);
@@ -49,24 +80,24 @@ fl_status fl_optim_init(fl_optimizer *o, fl_model *model, const fl_optim_config 
         return fl_errorf(FL_ERR_INVALID, "optimizer state dtype must be F32 or BF16");
     o->cfg = *cfg;
     o->model = model;
-    size_t bytes = model->layout.numel * (cfg->state_dtype == FL_BF16 ? 2 : 4);
-    fl_status s = FL_OK;
-    if (cfg->kind == FL_OPT_ADAMW) {
+    fl_status s = trainable(o, model);
+    size_t bytes = o->n * (cfg->state_dtype == FL_BF16 ? 2 : 4);
+    if (s != FL_OK) {
+    } else if (cfg->kind == FL_OPT_ADAMW) {
         s = fl_mem_calloc(model->pool, FL_TAG_OPTIM, bytes, (void **)&o->m);
         if (s == FL_OK) s = fl_mem_calloc(model->pool, FL_TAG_OPTIM, bytes, (void **)&o->v);
     } else if (cfg->kind == FL_OPT_SGD) {
         if (cfg->momentum != 0.0f) s = fl_mem_calloc(model->pool, FL_TAG_OPTIM, bytes, (void **)&o->buf);
     } else {
         /* 8-bit: one OPTIM allocation, bound tensor by tensor (zeroed = fresh state) */
-        const fl_param_layout *lay = &model->layout;
-        o->state8_bytes = fl_optim_state_bytes_layout(cfg, lay);
-        o->st8 = calloc((size_t)lay->n, sizeof *o->st8);
+        for (int i = 0; i < o->n_tensors; i++) o->state8_bytes += fl_adam8bit_state_bytes(o->t_n[i]);
+        o->st8 = calloc((size_t)o->n_tensors + 1, sizeof *o->st8);
         if (!o->st8) s = fl_errorf(FL_ERR_OOM, "8-bit optimizer bookkeeping: out of host memory");
         if (s == FL_OK) s = fl_mem_calloc(model->pool, FL_TAG_OPTIM, o->state8_bytes, &o->state8);
         size_t off = 0;
-        for (int i = 0; s == FL_OK && i < lay->n; i++) {
-            s = fl_adam8bit_state_bind(&o->st8[i], lay->params[i].numel, (char *)o->state8 + off);
-            off += fl_adam8bit_state_bytes(lay->params[i].numel);
+        for (int i = 0; s == FL_OK && i < o->n_tensors; i++) {
+            s = fl_adam8bit_state_bind(&o->st8[i], o->t_n[i], (char *)o->state8 + off);
+            off += fl_adam8bit_state_bytes(o->t_n[i]);
         }
     }
     if (s != FL_OK) {
@@ -83,17 +114,20 @@ void fl_optim_free(fl_optimizer *o) {
     fl_mem_free(o->model->pool, o->buf);
     fl_mem_free(o->model->pool, o->state8);
     free(o->st8);
+    free(o->t_off);
+    free(o->t_n);
     memset(o, 0, sizeof *o);
 }
 
 double fl_grad_norm(const fl_model *m) {
+    if (m->lora) return sqrt(m->be->sumsq(m->be, m->lora->grads, m->lora->numel));
     return sqrt(m->be->sumsq(m->be, m->grads, m->layout.numel));
 }
 
 fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_out) {
     fl_model *m = o->model;
     const fl_backend *be = m->be;
-    if (!m->grads) return fl_errorf(FL_ERR_INVALID, "optimizer step without gradient buffers");
+    if (!o->g) return fl_errorf(FL_ERR_INVALID, "optimizer step without gradient buffers");
     double norm = -1.0;
     float scale = 1.0f;
     if (max_norm > 0 || norm_out) norm = fl_grad_norm(m);
@@ -104,28 +138,27 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
     if (norm_out) *norm_out = norm;
     o->step++;
     const fl_optim_config *c = &o->cfg;
-    size_t n = m->layout.numel;
+    size_t n = o->n;
     if (c->kind == FL_OPT_ADAMW && c->state_dtype == FL_F32) {
-        be->adamw_update(be, m->params, m->grads, o->m, o->v, n, lr, c->beta1, c->beta2, c->eps, c->weight_decay,
+        be->adamw_update(be, o->p, o->g, o->m, o->v, n, lr, c->beta1, c->beta2, c->eps, c->weight_decay,
                          o->step, scale);
     } else if (c->kind == FL_OPT_ADAMW) {
-        FL_TRY(be->adamw_update_ex(be, m->params, FL_F32, m->grads, FL_F32, o->m, o->v, c->state_dtype, n, lr,
+        FL_TRY(be->adamw_update_ex(be, o->p, FL_F32, o->g, FL_F32, o->m, o->v, c->state_dtype, n, lr,
                                    c->beta1, c->beta2, c->eps, c->weight_decay, o->step, scale));
     } else if (c->kind == FL_OPT_SGD && c->state_dtype == FL_F32) {
-        be->sgd_update(be, m->params, m->grads, o->buf, n, lr, c->momentum, c->dampening, c->weight_decay,
+        be->sgd_update(be, o->p, o->g, o->buf, n, lr, c->momentum, c->dampening, c->weight_decay,
                        c->nesterov, o->step == 1, scale);
     } else if (c->kind == FL_OPT_SGD) {
-        FL_TRY(be->sgd_update_ex(be, m->params, FL_F32, m->grads, FL_F32, o->buf, c->state_dtype, n, lr, c->momentum,
+        FL_TRY(be->sgd_update_ex(be, o->p, FL_F32, o->g, FL_F32, o->buf, c->state_dtype, n, lr, c->momentum,
                                  c->dampening, c->weight_decay, c->nesterov, o->step == 1, scale));
     } else {
         /* block-wise state is per tensor, as bitsandbytes keeps it per parameter */
-        const fl_param_layout *lay = &m->layout;
-        for (int i = 0; i < lay->n; i++) {
-            size_t off = lay->params[i].offset;
-            FL_TRY(be->adam8bit_update(be, m->params + off, FL_F32, m->grads + off, FL_F32, &o->st8[i], lr, c->beta1,
+        for (int i = 0; i < o->n_tensors; i++) {
+            size_t off = o->t_off[i];
+            FL_TRY(be->adam8bit_update(be, o->p + off, FL_F32, o->g + off, FL_F32, &o->st8[i], lr, c->beta1,
                                        c->beta2, c->eps, c->weight_decay, o->step, scale));
         }
     }
-    fl_model_sync_compute_copy(m); /* mixed precision: matmuls read the refreshed copy */
+    if (!m->lora) fl_model_sync_compute_copy(m); /* mixed precision: matmuls read the refreshed copy */
     return FL_OK;
 }

@@ -12,9 +12,12 @@
 #include <sys/stat.h>
 #include <time.h>
 
+#include "../model/model-impl.h"
 #include "fitllm/checkpoint.h"
 #include "fitllm/generate.h"
 #include "fitllm/io.h"
+#include "fitllm/lora.h"
+#include "fitllm/peft.h"
 #include "fitllm/tokenizer.h"
 #include "fitllm/trainer.h"
 #include "metrics.h"
@@ -80,6 +83,57 @@ static int exists(const char *p) {
 }
 
 /* ---- set-up ------------------------------------------------------------------ */
+
+/* LitGPT's lora_* switches (or a PEFT target list) -> an fl_lora_config. */
+static fl_status lora_config(const fl_run_config *c, const fl_model_config *mc, fl_lora_config *lc) {
+    char t[256] = "";
+    const fl_lora_args *a = &c->lora;
+    if (a->target_modules[0]) {
+        snprintf(t, sizeof t, "%s", a->target_modules);
+    } else {
+        int gpt2 = mc->arch == FL_ARCH_GPT2;
+        size_t o = 0;
+#define ADD(name) o += (size_t)snprintf(t + o, sizeof t - o, "%s%s", o ? "," : "", name)
+        if (gpt2) {
+            if (a->query || a->key || a->value) ADD("c_attn");
+            if (a->projection || a->mlp) ADD("c_proj"); /* PEFT suffix match: attn.c_proj and mlp.c_proj */
+            if (a->mlp) ADD("c_fc");
+        } else {
+            if (a->query) ADD("q_proj");
+            if (a->key) ADD("k_proj");
+            if (a->value) ADD("v_proj");
+            if (a->projection) ADD("o_proj");
+            if (a->mlp) { ADD("gate_proj"); ADD("up_proj"); ADD("down_proj"); }
+        }
+        if (a->head) ADD("lm_head");
+#undef ADD
+    }
+    if (!t[0]) return fl_errorf(FL_ERR_INVALID, "finetune_lora: no target modules (set lora_query/lora_value/... or lora_target_modules)");
+    return fl_lora_config_init(lc, mc, a->r, a->alpha, a->dropout, a->use_rslora, t);
+}
+
+/* PEFT adapter folder of the trained adapters (final/adapter). */
+static fl_status save_peft(const trainer *t, const char *dir) {
+    const struct fl_lora_state *st = t->model.lora;
+    fl_peft_module *mods = calloc((size_t)st->n_mods + 1, sizeof *mods);
+    if (!mods) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    for (int j = 0; j < st->n_mods; j++) {
+        snprintf(mods[j].name, sizeof mods[j].name, "%s", st->mods[j].name);
+        mods[j].in = st->mods[j].in;
+        mods[j].out = st->mods[j].out;
+        mods[j].A = st->params + st->off[2 * j];
+        mods[j].B = st->params + st->off[2 * j + 1];
+    }
+    fl_peft_config pc;
+    memset(&pc, 0, sizeof pc);
+    pc.lora = st->cfg;
+    snprintf(pc.base_model, sizeof pc.base_model, "%s", t->cfg->checkpoint_dir);
+    pc.fan_in_fan_out = t->model.cfg.arch == FL_ARCH_GPT2;
+    pc.inference_mode = 1;
+    fl_status s = fl_peft_save(dir, &pc, mods, st->n_mods);
+    free(mods);
+    return s;
+}
 
 static fl_status load_model_and_tokenizer(trainer *t) {
     const fl_run_config *c = t->cfg;
@@ -203,6 +257,7 @@ static fl_status validate(trainer *t, int max_iters, double *loss) {
     FL_TRY(fl_loader_set_state(t->val, &s0));
     long n = (long)fl_loader_batches_per_epoch(t->val);
     if (max_iters < n) n = max_iters;
+    fl_model_lora_set_train(&t->model, 0);
     double sum = 0;
     long cnt = 0;
     fl_mem_set_phase(&t->pool, "validation");
@@ -214,6 +269,7 @@ static fl_status validate(trainer *t, int max_iters, double *loss) {
         sum += t->model.loss_sum;
         cnt += t->model.n_valid;
     }
+    fl_model_lora_set_train(&t->model, 1);
     /* token-weighted mean over the evaluated batches */
     if (cnt > 0) *loss = sum / (double)cnt;
     return FL_OK;
@@ -240,6 +296,7 @@ static fl_status generate_example(trainer *t) {
                 "context of %d)\n", n, c->eval.max_new_tokens, t->model.cfg.max_seq);
         goto out;
     }
+    fl_model_lora_set_train(&t->model, 0);
     if (s == FL_OK) s = fl_kv_cache_init(&kv, &t->model, cap);
     kv_ok = s == FL_OK;
     gen = malloc((size_t)c->eval.max_new_tokens * sizeof *gen);
@@ -259,6 +316,7 @@ static fl_status generate_example(trainer *t) {
         if (s == FL_OK) fprintf(t->out, "%s\n%s\n", instruction, text);
     }
 out:
+    fl_model_lora_set_train(&t->model, 1);
     if (kv_ok) fl_kv_cache_free(&kv);
     free(gen);
     free(text);
@@ -379,7 +437,14 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
     CHECK(load_data(&t));
     schedule(&t);
     fl_mem_set_phase(&t.pool, "setup");
-    CHECK(fl_model_alloc_grads(&t.model));
+    if (cfg->command == FL_CMD_FINETUNE_LORA) {
+        /* adapters only: the base stays frozen and needs no gradient buffer */
+        fl_lora_config lc;
+        CHECK(lora_config(cfg, &t.model.cfg, &lc));
+        CHECK(fl_model_lora_init(&t.model, &lc, cfg->seed));
+    } else {
+        CHECK(fl_model_alloc_grads(&t.model));
+    }
     CHECK(fl_optim_init(&t.opt, &t.model, &cfg->optimizer));
     t.model.act_ckpt = cfg->train.activation_checkpointing;
     CHECK(fl_model_alloc_acts(&t.model, t.B, t.T));
@@ -454,6 +519,8 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
             if (step_valid == 0) { /* every target of the step is masked: nothing to learn, skip the update */
                 ls_k = 0; nv_k = 0;
             } else {
+                /* LoRA dropout masks depend on (seed, iteration) only: a resumed run draws the same */
+                fl_model_lora_set_seed(&t.model, cfg->seed * 0x9e3779b97f4a7c15ULL + (uint64_t)t.st.iter);
                 CHECK(fl_train_micro(&t.model, &t.opt, &t.mbs[k], k, last, step_valid, lr, cfg->train.max_norm, &ls_k,
                                      &nv_k, &sr));
             }
@@ -544,8 +611,17 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
             fl_metrics_row(&t.metrics, &mv);
         }
         fl_mem_set_phase(&t.pool, "checkpoint");
-        CHECK(fl_ckpt_save(cfg->out_dir, "final", &t.model, &t.opt, &t.st, cfg, t.tok_dir[0] ? t.tok_dir : NULL));
+        /* LoRA: final/ is the merged model (loads anywhere without PEFT), final/adapter the PEFT adapter */
+        if (t.model.lora) fl_model_lora_merge(&t.model);
+        CHECK(fl_ckpt_save(cfg->out_dir, "final", &t.model, t.model.lora ? NULL : &t.opt, t.model.lora ? NULL : &t.st,
+                           cfg, t.tok_dir[0] ? t.tok_dir : NULL));
         snprintf(r.final_dir, sizeof r.final_dir, "%s/final", cfg->out_dir);
+        if (t.model.lora) {
+            char ad[FL_CFG_PATH + 32];
+            snprintf(ad, sizeof ad, "%s/adapter", r.final_dir);
+            CHECK(save_peft(&t, ad));
+            if (out) fprintf(out, "Saved the PEFT adapter to '%s'\n", ad);
+        }
         if (out) fprintf(out, "Saved the final model to '%s'\n", r.final_dir);
     }
     for (int k = 0; k < FL_TAG_COUNT; k++) r.peak[k] = t.pool.peak[k];

@@ -1,0 +1,162 @@
+/* LoRA adapters on a model: storage, attachment to the linears, activations,
+ * merge. The math is the backend's lora_forward / lora_backward ops. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "model-impl.h"
+
+/* Which fl_linear of a block a module belongs to (0 qkv, 1 o, 2 fc, 3 proj). */
+static int linear_kind(const char *name) {
+    const char *dot = strrchr(name, '.');
+    const char *leaf = dot ? dot + 1 : name;
+    if (!strcmp(leaf, "q_proj") || !strcmp(leaf, "k_proj") || !strcmp(leaf, "v_proj") || !strcmp(leaf, "c_attn"))
+        return 0;
+    if (!strcmp(leaf, "o_proj") || strstr(name, "attn.c_proj")) return 1;
+    if (!strcmp(leaf, "gate_proj") || !strcmp(leaf, "up_proj") || !strcmp(leaf, "c_fc")) return 2;
+    if (!strcmp(leaf, "down_proj") || strstr(name, "mlp.c_proj")) return 3;
+    return -1;
+}
+
+static void free_state(struct fl_lora_state *st, fl_mem_pool *pool) {
+    if (!st) return;
+    fl_mem_free(pool, st->params);
+    fl_mem_free(pool, st->grads);
+    fl_mem_free(pool, st->acts);
+    fl_mem_free(pool, st->work);
+    free(st->mods);
+    free(st->off);
+    free(st->slots);
+    free(st->first);
+    free(st->count);
+    free(st);
+}
+
+void fl_model_lora_free(fl_model *m) {
+    free_state(m->lora, m->pool);
+    m->lora = NULL;
+}
+
+fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t seed) {
+    struct fl_lora_state *st = calloc(1, sizeof *st);
+    if (!st) return fl_errorf(FL_ERR_OOM, "LoRA: out of host memory");
+    st->cfg = *cfg;
+    st->scaling = fl_lora_scaling(cfg);
+    fl_status s = fl_lora_modules(cfg, &m->layout, &m->cfg, &st->mods, &st->n_mods);
+    for (int j = 0; s == FL_OK && j < st->n_mods; j++)
+        if (st->mods[j].layer < 0 || linear_kind(st->mods[j].name) < 0)
+            s = fl_errorf(FL_ERR_UNSUPPORTED, "LoRA on %s is not supported yet (lm_head)", st->mods[j].name);
+    int L = m->cfg.n_layers;
+    if (s == FL_OK) {
+        st->off = calloc((size_t)2 * st->n_mods + 1, sizeof *st->off);
+        st->slots = calloc((size_t)st->n_mods + 1, sizeof *st->slots);
+        st->first = calloc((size_t)L * 4, sizeof *st->first);
+        st->count = calloc((size_t)L * 4, sizeof *st->count);
+        if (!st->off || !st->slots || !st->first || !st->count) s = fl_errorf(FL_ERR_OOM, "LoRA: out of host memory");
+    }
+    if (s == FL_OK) {
+        fl_lora_adapter_offsets(st->mods, st->n_mods, cfg->r, st->off, &st->numel);
+        s = fl_mem_alloc(m->pool, FL_TAG_PARAMS, st->numel * sizeof(float), (void **)&st->params);
+        if (s == FL_OK) s = fl_mem_calloc(m->pool, FL_TAG_GRADS, st->numel * sizeof(float), (void **)&st->grads);
+        if (s != FL_OK) fl_error_prefix(s, "allocating LoRA adapters");
+    }
+    if (s != FL_OK) {
+        free_state(st, m->pool);
+        return s;
+    }
+    /* slots grouped by (layer, kind), in module order inside a group */
+    int n = 0;
+    for (int l = 0; l < L; l++)
+        for (int k = 0; k < 4; k++) {
+            st->first[l * 4 + k] = n;
+            for (int j = 0; j < st->n_mods; j++) {
+                const fl_lora_module *md = &st->mods[j];
+                if (md->layer != l || linear_kind(md->name) != k) continue;
+                fl_lora_slot *sl = &st->slots[n++];
+                float *A = st->params + st->off[2 * j], *Bm = st->params + st->off[2 * j + 1];
+                fl_lora_init_adapter(A, Bm, cfg->r, md->in, md->out, seed + (uint64_t)j * 0x9e3779b97f4a7c15ULL);
+                sl->A = A;
+                sl->B = Bm;
+                sl->dA = st->grads + st->off[2 * j];
+                sl->dB = st->grads + st->off[2 * j + 1];
+                sl->row0 = md->fused_row0;
+                sl->out = md->out;
+                sl->in = md->in;
+                sl->r = cfg->r;
+                sl->scaling = st->scaling;
+                sl->dropout = cfg->dropout;
+                sl->index = j;
+            }
+            st->count[l * 4 + k] = n - st->first[l * 4 + k];
+        }
+    m->lora = st;
+    return FL_OK;
+}
+
+void fl_model_lora_set_seed(fl_model *m, uint64_t seed) {
+    if (m->lora) m->lora->seed = seed;
+}
+
+void fl_model_lora_set_train(fl_model *m, int train) {
+    struct fl_lora_state *st = m->lora;
+    if (!st) return;
+    for (int i = 0; i < st->n_mods; i++) st->slots[i].dropout = train ? st->cfg.dropout : 0.0f;
+}
+
+void fl_lora_attach(const fl_model *m, int l, int k, fl_linear *lin) {
+    const struct fl_lora_state *st = m->lora;
+    if (!st) return;
+    lin->n_lora = st->count[l * 4 + k];
+    lin->lora = lin->n_lora ? &st->slots[st->first[l * 4 + k]] : NULL;
+    lin->lora_work = st->work;
+    lin->lora_seed = st->seed;
+}
+
+void fl_lora_sizing_acts(const fl_lora_config *cfg, const fl_lora_module *mods, int n_mods, int B, int T,
+                         size_t *acts_bytes, size_t *work_bytes) {
+    size_t N = (size_t)B * T, a = 0, in_max = 0;
+    for (int j = 0; j < n_mods; j++) {
+        a += N * cfg->r;                               /* h */
+        if (cfg->dropout > 0) a += N * mods[j].in;     /* dropped input */
+        if ((size_t)mods[j].in > in_max) in_max = mods[j].in;
+    }
+    *acts_bytes = a * sizeof(float);
+    *work_bytes = N * (cfg->r + (cfg->dropout > 0 ? in_max : 0)) * sizeof(float);
+}
+
+fl_status fl_lora_alloc_acts(fl_model *m, int B, int T) {
+    struct fl_lora_state *st = m->lora;
+    if (!st) return FL_OK;
+    fl_lora_free_acts(m);
+    size_t ab, wb;
+    fl_lora_sizing_acts(&st->cfg, st->mods, st->n_mods, B, T, &ab, &wb);
+    FL_TRY(fl_mem_alloc(m->pool, FL_TAG_ACTS, ab, (void **)&st->acts));
+    fl_status s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, wb, (void **)&st->work);
+    if (s != FL_OK) { fl_lora_free_acts(m); return s; }
+    size_t N = (size_t)B * T, o = 0;
+    for (int i = 0; i < st->n_mods; i++) {
+        fl_lora_slot *sl = &st->slots[i];
+        sl->h = st->acts + o;
+        o += N * sl->r;
+        sl->xd = NULL;
+        if (st->cfg.dropout > 0) { sl->xd = st->acts + o; o += N * sl->in; }
+    }
+    return FL_OK;
+}
+
+void fl_lora_free_acts(fl_model *m) {
+    if (!m->lora) return;
+    fl_mem_free(m->pool, m->lora->acts);
+    fl_mem_free(m->pool, m->lora->work);
+    m->lora->acts = m->lora->work = NULL;
+}
+
+void fl_model_lora_merge(fl_model *m) {
+    struct fl_lora_state *st = m->lora;
+    if (!st) return;
+    for (int j = 0; j < st->n_mods; j++) {
+        const fl_lora_module *md = &st->mods[j];
+        const fl_param_info *p = &m->layout.params[md->param_index];
+        fl_lora_merge(m->params + p->offset, md->in, st->params + st->off[2 * j], st->params + st->off[2 * j + 1],
+                      st->cfg.r, md->in, md->out, st->scaling);
+    }
+}
