@@ -181,6 +181,13 @@ static void apply_row(fl_run_config *c, const lab_exp *e, const char *model, int
     c->threads = threads;
     c->overwrite = 1;
     c->seed = 1337;
+    if (!strcmp(e->technique, "lora")) { /* the lab's LoRA: r 16, alpha 32, dropout 0.05 on query and value */
+        c->command = FL_CMD_FINETUNE_LORA;
+        c->lora.r = 16;
+        c->lora.alpha = 32;
+        c->lora.dropout = 0.05f;
+        c->lora.query = c->lora.value = 1;
+    }
 }
 
 static void plan_row(const fl_run_config *c, fl_plan *p, fl_plan_verdict *verdict, size_t *peak) {

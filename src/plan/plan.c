@@ -15,6 +15,8 @@
 #include "fitllm/generate.h"
 #include "fitllm/io.h"
 #include "fitllm/plan.h"
+#include "fitllm/trainer.h"
+#include "fitllm/lora.h"
 #include "fitllm/tokenizer.h"
 #include "fitllm/train.h"
 
@@ -30,7 +32,7 @@ static const fl_plan_technique k_tech[] = {
     {"16-mixed", 0, "--precision 16-mixed", "not wired into the trainer yet (loss scaler exists)"},
     {"activation_checkpointing", 1, "--train.activation_checkpointing true", "keep block inputs, recompute blocks in backward"},
     {"adam8bit", 1, "--optimizer bnb.optim.AdamW8bit", "bitsandbytes' block-wise 8-bit AdamW state"},
-    {"lora", 0, "fitllm finetune_lora", "LoRA fine-tuning is not available yet"},
+    {"lora", 1, "fitllm finetune_lora", "adapters only: the base needs no gradients or optimizer state"},
     {"qlora", 0, "fitllm finetune_lora --quantize bnb.nf4", "4-bit base weights are not available yet"},
     {"cpu_offload", 0, "optimizer state and master weights on the host", "not available yet"},
     {"ddp", 0, "--devices N", "distributed training is not available yet"},
@@ -219,17 +221,33 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
         snprintf(what, sizeof what, "%s weight copy", pr.name);
         palloc(g, FL_TAG_PARAMS, copy, what);
     }
-    /* set-up: fl_model_alloc_grads, fl_optim_init, fl_model_alloc_acts, step buffers */
+    /* set-up: fl_model_alloc_grads (or the LoRA adapters), fl_optim_init, fl_model_alloc_acts, step buffers */
     fl_mem_set_phase(&g->pool, "setup");
-    palloc(g, FL_TAG_GRADS, n * sizeof(float), "gradients");
-    if (oc->kind == FL_OPT_ADAMW8BIT) { /* one allocation, bound per tensor (fl_optim_init) */
-        fl_param_layout lay;
-        if (fl_layout_build(&lay, mc) == FL_OK) {
-            palloc(g, FL_TAG_OPTIM, fl_optim_state_bytes_layout(oc, &lay), "AdamW8bit block-wise state");
-            fl_layout_free(&lay);
-        }
+    fl_param_layout lay;
+    int have_lay = fl_layout_build(&lay, mc) == FL_OK;
+    fl_lora_config lc;
+    fl_lora_module *mods = NULL;
+    int n_mods = 0;
+    size_t n_train = n; /* trainable elements */
+    int lora = c->command == FL_CMD_FINETUNE_LORA && have_lay && fl_trainer_lora_config(c, mc, &lc) == FL_OK &&
+               fl_lora_modules(&lc, &lay, mc, &mods, &n_mods) == FL_OK;
+    if (lora) { /* fl_model_lora_init: adapter parameters and their gradients; the base is frozen */
+        fl_lora_adapter_offsets(mods, n_mods, lc.r, NULL, &n_train);
+        palloc(g, FL_TAG_PARAMS, n_train * sizeof(float), "LoRA adapters");
+        palloc(g, FL_TAG_GRADS, n_train * sizeof(float), "LoRA adapter gradients");
     } else {
-        size_t st = fl_optim_state_bytes(oc, n);
+        palloc(g, FL_TAG_GRADS, n * sizeof(float), "gradients");
+    }
+    if (oc->kind == FL_OPT_ADAMW8BIT) { /* one allocation, bound per tensor (fl_optim_init) */
+        size_t b8 = 0;
+        if (lora)
+            for (int j = 0; j < n_mods; j++)
+                b8 += fl_adam8bit_state_bytes((size_t)lc.r * mods[j].in) + fl_adam8bit_state_bytes((size_t)mods[j].out * lc.r);
+        else if (have_lay)
+            b8 = fl_optim_state_bytes_layout(oc, &lay);
+        palloc(g, FL_TAG_OPTIM, b8, "AdamW8bit block-wise state");
+    } else {
+        size_t st = fl_optim_state_bytes(oc, n_train);
         if (oc->kind == FL_OPT_ADAMW) { /* exp_avg and exp_avg_sq, one buffer each */
             palloc(g, FL_TAG_OPTIM, st / 2, "AdamW state exp_avg");
             palloc(g, FL_TAG_OPTIM, st - st / 2, "AdamW state exp_avg_sq");
@@ -244,6 +262,14 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     palloc(g, FL_TAG_ACTS, as.acts_bytes, what);
     snprintf(what, sizeof what, "workspace (B=%d, T=%d)", B, x->T);
     palloc(g, FL_TAG_WORKSPACE, as.workspace_bytes, what);
+    if (lora) { /* fl_lora_alloc_acts */
+        size_t la, lw;
+        fl_lora_sizing_acts(&lc, mods, n_mods, B, x->T, &la, &lw);
+        palloc(g, FL_TAG_ACTS, la, "LoRA activations");
+        palloc(g, FL_TAG_WORKSPACE, lw, "LoRA backward scratch");
+    }
+    free(mods);
+    if (have_lay) fl_layout_free(&lay);
     size_t ids = (size_t)accum * B * x->T * sizeof(int32_t);
     palloc(g, FL_TAG_OTHER, ids, "step token ids (accumulation x B x T)");
     palloc(g, FL_TAG_OTHER, ids, "step targets (accumulation x B x T)");
@@ -426,6 +452,18 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
         s->peak = peak;
         snprintf(s->change, sizeof s->change, "--optimizer bnb.optim.AdamW8bit");
         snprintf(s->note, sizeof s->note, "about 2 bytes of state per parameter instead of 8");
+    }
+    if (c->command != FL_CMD_FINETUNE_LORA && (s = sugg(p, "lora"))) {
+        fl_run_config v = *c;
+        fl_run_config d;
+        fl_cfg_defaults(&d, FL_CMD_FINETUNE_LORA);
+        v.command = FL_CMD_FINETUNE_LORA;
+        v.lora = d.lora;
+        s->fits = simulate(x, &v, oc, p->B, p->accum, budget, NULL, NULL);
+        simulate(x, &v, oc, p->B, p->accum, 0, NULL, &peak);
+        s->peak = peak;
+        snprintf(s->change, sizeof s->change, "fitllm finetune_lora (r %d, query+value)", v.lora.r);
+        snprintf(s->note, sizeof s->note, "gradients and optimizer state for the adapters only");
     }
     /* 5. what this build does not have yet */
     static const char *later[] = {"bf16-true", "bf16-mixed", "activation_checkpointing", "adam8bit", "lora", "qlora",

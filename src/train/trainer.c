@@ -85,7 +85,7 @@ static int exists(const char *p) {
 /* ---- set-up ------------------------------------------------------------------ */
 
 /* LitGPT's lora_* switches (or a PEFT target list) -> an fl_lora_config. */
-static fl_status lora_config(const fl_run_config *c, const fl_model_config *mc, fl_lora_config *lc) {
+fl_status fl_trainer_lora_config(const fl_run_config *c, const fl_model_config *mc, fl_lora_config *lc) {
     char t[256] = "";
     const fl_lora_args *a = &c->lora;
     if (a->target_modules[0]) {
@@ -440,7 +440,7 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
     if (cfg->command == FL_CMD_FINETUNE_LORA) {
         /* adapters only: the base stays frozen and needs no gradient buffer */
         fl_lora_config lc;
-        CHECK(lora_config(cfg, &t.model.cfg, &lc));
+        CHECK(fl_trainer_lora_config(cfg, &t.model.cfg, &lc));
         CHECK(fl_model_lora_init(&t.model, &lc, cfg->seed));
     } else {
         CHECK(fl_model_alloc_grads(&t.model));
