@@ -67,6 +67,8 @@ expect plan_devices_2 2 "more than one device" -- "$FITLLM" plan tinyllama-1.1b 
 expect plan_bad_size 2 "not a size" -- "$FITLLM" plan tinyllama-1.1b --device-memory lots
 expect plan_unknown_model 1 "neither a model folder nor a preset" -- "$FITLLM" plan no-such-model
 expect plan_help 0 "--device-memory" -- "$FITLLM" plan --help
+expect plan_7b_full_oom 3 "OUT OF MEMORY" -- "$FITLLM" plan open-llama-7b --device-memory 80GB --train.max_seq_length 513
+expect plan_7b_lora_fits 0 "verdict: FITS" -- "$FITLLM" plan open-llama-7b --lora --device-memory 80GB --train.max_seq_length 513
 
 # ---- finetune_full out of memory: phase, tag, requested vs available, breakdown, what to try, exit 3,
 # nothing written when set-up fails; a failure at evaluation keeps logs/ but writes no final/ ----

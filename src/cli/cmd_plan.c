@@ -13,6 +13,7 @@
 typedef struct {
     size_t device_memory;
     int devices, seq_len, json, generation;
+    int lora;
 } plan_args;
 
 static void help(const char *cmd, fl_cmd_kind kind) {
@@ -33,6 +34,7 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "  --generation auto|on|off       (default auto)  include the sample generated at each evaluation\n"
            "                                 (auto: eval.max_new_tokens > 0, a validation split, and\n"
            "                                 train.max_steps unset or >= eval.interval)\n"
+           "  --lora                         (default off)  plan `fitllm finetune_lora` (lora_* options apply)\n"
            "  --json                         (default off)  machine-readable output (schema version %d,\n"
            "                                 docs/ARCHITECTURE.md \"Planner and lab\")\n\n"
            "training options (as finetune_full; --model NAME is checkpoint_dir):\n\n",
@@ -47,6 +49,7 @@ static int extra(void *ud, int argc, char **argv, int *i) {
     const char *arg = argv[*i];
     const char *v = *i + 1 < argc ? argv[*i + 1] : NULL;
     if (!strcmp(arg, "--json")) { a->json = 1; return 1; }
+    if (!strcmp(arg, "--lora")) { a->lora = 1; return 1; }
     if (!strcmp(arg, "--device-memory") || !strcmp(arg, "--device_memory")) {
         if (!v || fl_parse_bytes(v, &a->device_memory) || a->device_memory == 0) {
             fl_cli_usage("plan", "--device-memory: '%s' is not a size like 80GB", v ? v : "");
@@ -83,10 +86,11 @@ static int extra(void *ud, int argc, char **argv, int *i) {
 
 int fl_cmd_plan(int argc, char **argv) {
     const char *cmd = "plan";
-    plan_args a = {0, 1, 0, 0, -1};
+    plan_args a = {0, 1, 0, 0, -1, 0};
     fl_run_config cfg;
     int rc = fl_cli_parse_run(cmd, FL_CMD_FINETUNE_FULL, argc, argv, &cfg, extra, &a, help);
     if (rc) return rc < 0 ? 0 : rc;
+    if (a.lora) cfg.command = FL_CMD_FINETUNE_LORA;
     fl_plan_opts o;
     fl_plan_opts_default(&o);
     o.device_memory = a.device_memory;
