@@ -39,6 +39,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true",
                     help="bf16-mixed = torch.autocast(cpu, bfloat16) around forward+loss")
+    ap.add_argument("--lora", type=int, default=0,
+                    help="LoRA rank (peft LoraConfig r, alpha 2r, q_proj+v_proj, dropout 0); base frozen")
     ap.add_argument("--act-ckpt", action="store_true",
                     help="activation checkpointing (model.gradient_checkpointing_enable, torch.utils.checkpoint)")
     args = ap.parse_args()
@@ -59,7 +61,12 @@ def main():
     model.train()
     if args.act_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0,
+                                                 target_modules=["q_proj", "v_proj"], bias="none",
+                                                 task_type="CAUSAL_LM"))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.1)
 
     B, T, V = args.batch, args.seq, s["vocab_size"]
     L, H = s["num_hidden_layers"], s["hidden_size"]

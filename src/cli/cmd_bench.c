@@ -7,6 +7,7 @@
 #include <strings.h>
 
 #include "cli.h"
+#include "fitllm/lora.h"
 
 static void help(void) {
     printf("usage: fitllm bench-step <model> [options]\n\n"
@@ -23,6 +24,7 @@ static void help(void) {
            "  --max-memory SIZE     allocator budget, e.g. 2GB, 512MiB (default: unlimited)\n"
            "  --act-ckpt            activation checkpointing (recompute blocks in backward)\n"
            "  --precision NAME      32-true (default) or bf16-mixed\n"
+           "  --lora R              LoRA fine-tuning: rank R, alpha 2R, on q_proj,v_proj (base frozen)\n"
            "  --seed N              init/data seed (default 1337)\n\n"
            "Output ends with a machine-readable line:\n"
            "RESULT impl=fitllm shape=<model> median_ms=.. tok_s=.. gflops=.. peak_rss_mb=..\n");
@@ -35,7 +37,7 @@ static int cmp_double(const void *a, const void *b) {
 
 int fl_cmd_bench_step(int argc, char **argv) {
     const char *cmd = "bench-step", *model_path = NULL;
-    int B = 4, T = 256, steps = 10, warmup = 2, threads = 0, seed = 1337, random_init = 0, act_ckpt = 0;
+    int B = 4, T = 256, steps = 10, warmup = 2, threads = 0, seed = 1337, random_init = 0, act_ckpt = 0, lora_r = 0;
     float lr = 1e-4f;
     size_t budget = 0;
     fl_optim_kind okind = FL_OPT_ADAMW;
@@ -49,6 +51,9 @@ int fl_cmd_bench_step(int argc, char **argv) {
             random_init = 1; i++;
         } else if (!strcmp(a, "--precision")) {
             if (!v || fl_precision_find(v, &prec) != FL_OK) return fl_cli_usage(cmd, "%s", fl_error_message());
+            i++;
+        } else if (!strcmp(a, "--lora")) {
+            if (fl_cli_int(cmd, a, v, 1, 4096, &lora_r)) return 2;
             i++;
         } else if (!strcmp(a, "--act-ckpt")) {
             act_ckpt = 1;
@@ -91,7 +96,15 @@ int fl_cmd_bench_step(int argc, char **argv) {
     if ((s = fl_cli_load_model(&m, model_path, random_init, (uint64_t)seed, &be, &pool, &loaded)) != FL_OK) goto fail;
     fl_mem_set_phase(&pool, "setup");
     if ((s = fl_model_set_precision(&m, &prec)) != FL_OK) goto fail;
-    if ((s = fl_model_alloc_grads(&m)) != FL_OK) goto fail;
+    if (lora_r) {
+        fl_lora_config lc;
+        if ((s = fl_lora_config_init(&lc, &m.cfg, lora_r, 2.0f * lora_r, 0.0f, 0,
+                                     m.cfg.arch == FL_ARCH_GPT2 ? "c_attn" : "q_proj,v_proj")) != FL_OK)
+            goto fail;
+        if ((s = fl_model_lora_init(&m, &lc, (uint64_t)seed)) != FL_OK) goto fail;
+    } else if ((s = fl_model_alloc_grads(&m)) != FL_OK) {
+        goto fail;
+    }
     fl_optim_config oc;
     fl_optim_config_default(&oc, okind);
     oc.lr = lr;
@@ -111,9 +124,9 @@ int fl_cmd_bench_step(int argc, char **argv) {
     for (size_t i = 0; i < N; i++) tg[i] = (i + 1) % T ? ids[i + 1] : ids[i - T + 1];
 
     const fl_model_config *c = &m.cfg;
-    printf("bench-step: %s (%s, %zu params, L=%d C=%d NH=%d NKV=%d F=%d V=%d), B=%d T=%d, %s, %s%s, %d threads, gemm=%s\n",
+    printf("bench-step: %s (%s, %zu params, L=%d C=%d NH=%d NKV=%d F=%d V=%d), B=%d T=%d, %s, %s%s%s, %d threads, gemm=%s\n",
            model_path, c->arch == FL_ARCH_LLAMA ? "llama" : "gpt2", m.layout.numel, c->n_layers, c->dim, c->n_heads,
-           c->n_kv_heads, c->ffn_dim, c->vocab_size, B, T, prec.name, fl_optim_name(okind), act_ckpt ? ", act-ckpt" : "",
+           c->n_kv_heads, c->ffn_dim, c->vocab_size, B, T, prec.name, fl_optim_name(okind), act_ckpt ? ", act-ckpt" : "", lora_r ? ", LoRA q,v" : "",
            be.n_threads, be.gemm_name);
     fl_step_result res;
     for (int k = 0; k < warmup + steps; k++) {
