@@ -11,6 +11,7 @@
 #include <stdio.h>
 
 #include "fitllm/config.h"
+#include "fitllm/lora.h"
 #include "fitllm/mem.h"
 
 #ifdef __cplusplus
@@ -41,6 +42,10 @@ typedef struct {
  * targets) and the parameters. Returning non-zero stops training there, with
  * no final checkpoint, as a crash right after the step would. */
 typedef int (*fl_step_hook)(void *ud, long step, double loss, const float *params, size_t numel);
+
+/* The LoRA configuration of a finetune_lora run (LitGPT's lora_* switches or a
+ * PEFT target list), shared with the planner. */
+fl_status fl_trainer_lora_config(const fl_run_config *c, const fl_model_config *mc, fl_lora_config *lc);
 
 fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, fl_step_hook hook, void *hook_ud,
                          fl_trainer_result *res);
