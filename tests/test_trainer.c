@@ -265,6 +265,11 @@ static void resume_case_ex(const char *optimizer, const char *state_dtype, const
                   full.loss[k]);
     FL_CHECKF(rest.numel == full.numel && memcmp(rest.params, full.params, full.numel * sizeof(float)) == 0,
               "%s: parameters after resume differ", optimizer);
+    if (c.command == FL_CMD_FINETUNE_LORA) { /* adapters-only step checkpoints: no copy of the frozen base */
+        char st[700];
+        snprintf(st, sizeof st, "%s/step-000004/model.safetensors", out);
+        FL_CHECKF(access(st, F_OK) != 0, "LoRA step checkpoint holds a copy of the base: %s", st);
+    }
     free(full.params);
     free(part.params);
     free(rest.params);

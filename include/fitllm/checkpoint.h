@@ -4,7 +4,8 @@
  * transformers loads unchanged (config.json, model.safetensors, tokenizer
  * files, hyperparameters.yaml) plus training_state.safetensors (optimizer
  * state tensors; step, iteration, data position and counters as metadata),
- * which transformers ignores. A checkpoint is built in a temporary folder,
+ * which transformers ignores. A LoRA run's step checkpoints hold only config.json and the
+ * training state (adapters included): the frozen base stays where it was loaded from. A checkpoint is built in a temporary folder,
  * fsynced, renamed into place, and only then marked committed by the file
  * COMMITTED (written atomically). Only committed checkpoints are resumed, so a
  * crash or kill -9 during a save never leaves a checkpoint --resume would pick

@@ -105,7 +105,18 @@ fl_status fl_ckpt_save(const char *out_dir, const char *name, const fl_model *m,
     snprintf(tmp, sizeof tmp, "%s/" TMP_PREFIX "%s-%d", out_dir, name, (int)getpid());
     snprintf(dst, sizeof dst, "%s/%s", out_dir, name);
     remove_tree_flat(tmp);
-    fl_status s = fl_hf_save_model(m, tmp); /* config.json + model.safetensors, fsynced */
+    fl_status s;
+    if (m->lora && o) {
+        /* a LoRA training checkpoint: the base is frozen and stays in checkpoint_dir, so only
+         * config.json (for reference) and the adapters (in the training state) are written */
+        if (mkdir(tmp, 0755) != 0) s = fl_errorf(FL_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
+        else {
+            snprintf(p, sizeof p, "%s/config.json", tmp);
+            s = fl_hf_save_config(p, &m->cfg);
+        }
+    } else {
+        s = fl_hf_save_model(m, tmp); /* config.json + model.safetensors, fsynced */
+    }
     if (s == FL_OK && st) s = write_state(tmp, m, o, st, cfg);
     if (s == FL_OK && cfg) {
         snprintf(p, sizeof p, "%s/hyperparameters.yaml", tmp);
@@ -221,7 +232,7 @@ static const char *meta(const fl_st_file *f, const char *key) {
 fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_state *st) {
     if (!fl_ckpt_is_committed(dir))
         return fl_errorf(FL_ERR_FORMAT, "%s: not a committed checkpoint (no " MARKER " file)", dir);
-    FL_TRY(fl_hf_load_weights(m, dir));
+    if (!m->lora) FL_TRY(fl_hf_load_weights(m, dir)); /* LoRA: the frozen base is the run's checkpoint_dir */
     char p[FL_CFG_PATH + 64];
     FL_TRY(fl_io_join(p, sizeof p, dir, STATE_FILE));
     fl_st_file f;

@@ -585,8 +585,7 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
         }
         /* after evaluation and checkpointing, so a hook that stops the run acts
          * like a crash right after this step's checkpoint */
-        if (hook && hook(hook_ud, t.st.step, step_valid ? step_loss / step_valid : NAN, t.model.params,
-                         t.model.layout.numel)) {
+        if (hook && hook(hook_ud, t.st.step, step_valid ? step_loss / step_valid : NAN, t.opt.p, t.opt.n)) {
             stopped = 1;
             break;
         }
