@@ -22,6 +22,36 @@ int fl_io_write_fault(void) {
     return 0;
 }
 
+int fl_io_write_all(int fd, const void *data, size_t n) {
+    const char *c = data;
+    while (n) {
+        ssize_t w = fl_io_write_fault() ? -1 : write(fd, c, n);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        c += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+fl_status fl_io_mkdir_p(const char *path) {
+    char buf[4096];
+    if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf)
+        return fl_errorf(FL_ERR_INVALID, "%s: path too long", path);
+    for (char *p = buf + 1; *p; p++)
+        if (*p == '/') {
+            *p = '\0';
+            if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+                return fl_errorf(FL_ERR_IO, "%s: cannot create folder: %s", buf, strerror(errno));
+            *p = '/';
+        }
+    if (mkdir(buf, 0755) != 0 && errno != EEXIST)
+        return fl_errorf(FL_ERR_IO, "%s: cannot create folder: %s", buf, strerror(errno));
+    return FL_OK;
+}
+
 fl_status fl_io_join(char *buf, size_t n, const char *dir, const char *name) {
     size_t dl = strlen(dir);
     int slash = dl > 0 && dir[dl - 1] != '/';
@@ -53,18 +83,7 @@ fl_status fl_io_write_file_atomic(const char *path, const void *data, size_t len
         free(tmp);
         return s;
     }
-    const char *p = data;
-    size_t left = len;
-    while (left && s == FL_OK) {
-        ssize_t w = fl_io_write_fault() ? -1 : write(fd, p, left);
-        if (w < 0) {
-            if (errno == EINTR) continue;
-            s = fl_errorf(FL_ERR_IO, "%s: write failed: %s", tmp, strerror(errno));
-            break;
-        }
-        p += w;
-        left -= (size_t)w;
-    }
+    if (fl_io_write_all(fd, data, len) != 0) s = fl_errorf(FL_ERR_IO, "%s: write failed: %s", tmp, strerror(errno));
     if (s == FL_OK && fsync(fd) != 0) s = fl_errorf(FL_ERR_IO, "%s: fsync failed: %s", tmp, strerror(errno));
     if (close(fd) != 0 && s == FL_OK) s = fl_errorf(FL_ERR_IO, "%s: close failed: %s", tmp, strerror(errno));
     if (s == FL_OK && rename(tmp, path) != 0) s = fl_errorf(FL_ERR_IO, "%s: rename to %s failed: %s", tmp, path, strerror(errno));

@@ -20,6 +20,10 @@ void fl_io_remove_flat_dir(const char *path);
 /* fsync a directory so a rename inside it is durable; best effort. */
 void fl_io_sync_dir(const char *path);
 
+/* write() all n bytes (retrying EINTR, honouring the injected fault); 0 or -1 (errno). */
+int fl_io_write_all(int fd, const void *data, size_t n);
+/* mkdir -p. */
+fl_status fl_io_mkdir_p(const char *path);
 /* 1 when the write fault injected by fl_io_fail_writes_after fires (errno = ENOSPC). */
 int fl_io_write_fault(void);
 

@@ -271,17 +271,6 @@ static void fl_st_sb_json_str(fl_st_sb *s, const char *p) {
     fl_st_sb_put(s, "\"", 1);
 }
 
-static int fl_st_write_all(int fd, const void *p, size_t n) {
-    const char *c = p;
-    while (n) {
-        ssize_t w = fl_io_write_fault() ? -1 : write(fd, c, n);
-        if (w < 0) { if (errno == EINTR) continue; return -1; }
-        c += w;
-        n -= (size_t)w;
-    }
-    return 0;
-}
-
 static size_t fl_st_numel(const fl_st_write_tensor *t) {
     size_t n = 1;
     for (int d = 0; d < t->ndim; d++) n *= (size_t)t->shape[d];
@@ -306,14 +295,14 @@ static fl_status fl_st_write_data(int fd, const char *tmp, const fl_st_write_ten
         for (size_t i = 0; i < rows && s == FL_OK; i++) {
             for (size_t j = 0; j < cols; j++) memcpy(gather + j * ss, src + (j * rows + i) * ss, ss);
             if (fl_st_conv(out, t->dtype, gather, t->src_dtype, cols)) s = fl_errorf(FL_ERR_UNSUPPORTED, "%s: tensor '%s': cannot convert %s to %s", tmp, t->name, fl_dtype_name(t->src_dtype), fl_dtype_name(t->dtype));
-            else if (fl_st_write_all(fd, out, cols * ds)) s = fl_errorf(FL_ERR_IO, "%s: write failed for tensor '%s': %s", tmp, t->name, strerror(errno));
+            else if (fl_io_write_all(fd, out, cols * ds)) s = fl_errorf(FL_ERR_IO, "%s: write failed for tensor '%s': %s", tmp, t->name, strerror(errno));
         }
         free(gather);
         free(out);
         return s;
     }
     if (t->dtype == t->src_dtype) {
-        if (fl_st_write_all(fd, t->data, numel * ds)) return fl_errorf(FL_ERR_IO, "%s: write failed for tensor '%s': %s", tmp, t->name, strerror(errno));
+        if (fl_io_write_all(fd, t->data, numel * ds)) return fl_errorf(FL_ERR_IO, "%s: write failed for tensor '%s': %s", tmp, t->name, strerror(errno));
         return FL_OK;
     }
     size_t chunk = 1u << 18;
@@ -324,7 +313,7 @@ static fl_status fl_st_write_data(int fd, const char *tmp, const fl_st_write_ten
         size_t m = numel - i < chunk ? numel - i : chunk;
         if (fl_convert(out, t->dtype, (const char *)t->data + i * ss, t->src_dtype, m))
             s = fl_errorf(FL_ERR_UNSUPPORTED, "%s: tensor '%s': cannot convert %s to %s", tmp, t->name, fl_dtype_name(t->src_dtype), fl_dtype_name(t->dtype));
-        else if (fl_st_write_all(fd, out, m * ds))
+        else if (fl_io_write_all(fd, out, m * ds))
             s = fl_errorf(FL_ERR_IO, "%s: write failed for tensor '%s': %s", tmp, t->name, strerror(errno));
     }
     free(out);
@@ -408,7 +397,7 @@ fl_status fl_st_write(const char *path, const fl_st_write_tensor *t, int n, cons
     }
     uint8_t len8[8];
     for (int i = 0; i < 8; i++) len8[i] = (uint8_t)((uint64_t)h.len >> (8 * i));
-    if (fl_st_write_all(fd, len8, 8) || fl_st_write_all(fd, h.b, h.len))
+    if (fl_io_write_all(fd, len8, 8) || fl_io_write_all(fd, h.b, h.len))
         s = fl_errorf(FL_ERR_IO, "%s: write failed: %s", tmp, strerror(errno));
     free(h.b);
     for (int i = 0; i < n && s == FL_OK; i++) s = fl_st_write_data(fd, tmp, &t[i]);

@@ -9,6 +9,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../io/io-internal.h"
 #include "fitllm/lab.h"
 
 #define MIB(x) ((double)(x) / 1048576.0)
@@ -55,21 +56,6 @@ void fl_lab_print_table(const fl_lab_report *rep, FILE *f) {
 }
 
 /* ---- files ------------------------------------------------------------------------------ */
-
-static fl_status mkdir_p(const char *path) {
-    char buf[4096];
-    snprintf(buf, sizeof buf, "%s", path);
-    for (char *p = buf + 1; *p; p++)
-        if (*p == '/') {
-            *p = '\0';
-            if (mkdir(buf, 0755) != 0 && errno != EEXIST)
-                return fl_errorf(FL_ERR_IO, "%s: cannot create folder: %s", buf, strerror(errno));
-            *p = '/';
-        }
-    if (mkdir(buf, 0755) != 0 && errno != EEXIST)
-        return fl_errorf(FL_ERR_IO, "%s: cannot create folder: %s", buf, strerror(errno));
-    return FL_OK;
-}
 
 static FILE *open_out(const char *dir, const char *name, char *path, size_t n) {
     snprintf(path, n, "%s/%s", dir, name);
@@ -361,7 +347,7 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
 }
 
 fl_status fl_lab_write(const fl_lab_report *rep, const char *dir, int *charts_out) {
-    FL_TRY(mkdir_p(dir));
+    FL_TRY(fl_io_mkdir_p(dir));
     char cpu[256], os[256], date[64], why[300] = "";
     long cores;
     double ram;

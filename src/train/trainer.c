@@ -12,6 +12,7 @@
 #include <sys/stat.h>
 #include <time.h>
 
+#include "../io/io-internal.h"
 #include "../model/model-impl.h"
 #include "fitllm/checkpoint.h"
 #include "fitllm/generate.h"
@@ -60,21 +61,6 @@ static int dir_has_run(const char *dir) {
         if (!strncmp(e->d_name, "step-", 5) || !strcmp(e->d_name, "final") || !strcmp(e->d_name, "logs")) found = 1;
     closedir(d);
     return found;
-}
-
-static fl_status mkdir_p(const char *path) {
-    char buf[FL_CFG_PATH];
-    snprintf(buf, sizeof buf, "%s", path);
-    for (char *p = buf + 1; *p; p++)
-        if (*p == '/') {
-            *p = '\0';
-            if (mkdir(buf, 0755) != 0 && errno != EEXIST)
-                return fl_errorf(FL_ERR_IO, "%s: cannot create folder: %s", buf, strerror(errno));
-            *p = '/';
-        }
-    if (mkdir(buf, 0755) != 0 && errno != EEXIST)
-        return fl_errorf(FL_ERR_IO, "%s: cannot create folder: %s", buf, strerror(errno));
-    return FL_OK;
 }
 
 static int exists(const char *p) {
@@ -453,7 +439,7 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
     CHECK(fl_mem_alloc(&t.pool, FL_TAG_OTHER, (size_t)t.accum * per * sizeof(int32_t), (void **)&t.tgt));
     t.mbs = calloc((size_t)t.accum, sizeof *t.mbs);
     if (!t.mbs) { s = fl_errorf(FL_ERR_OOM, "out of host memory"); goto done; }
-    CHECK(mkdir_p(cfg->out_dir));
+    CHECK(fl_io_mkdir_p(cfg->out_dir));
     fl_ckpt_clean_tmp(cfg->out_dir);
     int resumed = 0;
     CHECK(resume_if_asked(&t, &resumed));
