@@ -62,7 +62,7 @@ expect plan_fits 0 "verdict: FITS" -- "$FITLLM" plan tinyllama-1.1b --device-mem
 expect plan_oom_exit_3 3 "verdict: OUT OF MEMORY during setup" -- "$FITLLM" plan tinyllama-1.1b --device-memory 80GB --train.micro_batch_size 32 --train.global_batch_size 32 --train.max_seq_length 1025
 expect plan_oom_suggests 3 "largest micro_batch_size that fits: 16" -- "$FITLLM" plan --model tinyllama-1.1b --device-memory 80GB --train.micro_batch_size 32 --train.global_batch_size 32 --train.max_seq_length 1025
 expect plan_json 3 '"verdict": "oom"' -- "$FITLLM" plan open-llama-7b --device-memory 80GB --json
-expect plan_not_available 2 "NOT AVAILABLE: bf16-true" -- "$FITLLM" plan tinyllama-1.1b --precision bf16-true --device-memory 80GB
+expect plan_not_available 2 "NOT AVAILABLE: 16-true" -- "$FITLLM" plan tinyllama-1.1b --precision 16-true --device-memory 80GB
 expect plan_devices_2 2 "more than one device" -- "$FITLLM" plan tinyllama-1.1b --devices 2
 expect plan_bad_size 2 "not a size" -- "$FITLLM" plan tinyllama-1.1b --device-memory lots
 expect plan_unknown_model 1 "neither a model folder nor a preset" -- "$FITLLM" plan no-such-model
@@ -95,7 +95,7 @@ if [ -f "$T/lab/results.csv" ]; then
     v() { awk -F, -v n="$1" '$1 == n { print $10 }' "$T/lab/results.csv"; }
     ok=1
     for pair in baseline:OOM reduced-batch:fits grad-accum:fits grad-accum-lr:fits larger-model:fits even-larger:OOM \
-                even-larger-b1:OOM sgd:fits adam8bit:fits act-ckpt:fits bf16-mixed:fits lora:fits bf16-true:n/a qlora:n/a; do
+                even-larger-b1:OOM sgd:fits adam8bit:fits act-ckpt:fits bf16-mixed:fits lora:fits bf16-true:fits qlora:n/a; do
         got=$(v "${pair%%:*}"); [ "$got" = "${pair#*:}" ] || { echo "     ${pair%%:*}: $got, want ${pair#*:}"; ok=0; }
     done
     grep -q "NO" <(awk -F, 'NR > 1 { print $12 }' "$T/lab/results.csv") && { echo "     a verdict differs from the lab's"; ok=0; }

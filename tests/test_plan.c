@@ -88,10 +88,10 @@ FL_TEST(plan_equals_runtime_matrix) {
 /* The memory techniques: precision x optimizer (AdamW fp32/bf16 state, AdamW8bit,
  * SGD+momentum) x activation checkpointing x micro batch, planned == measured. */
 FL_TEST(plan_equals_runtime_techniques) {
-    static const char *precs[] = {"32-true", "bf16-mixed"};
+    static const char *precs[] = {"32-true", "bf16-mixed", "bf16-true"};
     static const char *opts[][2] = {{"AdamW", NULL}, {"AdamW", "bfloat16"}, {"bnb.optim.AdamW8bit", NULL}, {"SGD", NULL}};
     int runs = 0;
-    for (int pi = 0; pi < 2; pi++)
+    for (int pi = 0; pi < 3; pi++)
         for (int oi = 0; oi < 4; oi++)
             for (int ck = 0; ck < 2; ck++)
                 for (int bi = 0; bi < 2; bi++) {
@@ -120,7 +120,7 @@ FL_TEST(plan_equals_runtime_techniques) {
                     FL_CHECK(pl.peak_total == r.peak_total);
                     runs++;
                 }
-    FL_CHECK(runs == 32);
+    FL_CHECK(runs == 48);
 }
 
 /* finetune_lora: adapters' PARAMS/GRADS/OPTIM, LoRA activations, planned == measured. */
@@ -131,6 +131,7 @@ FL_TEST(plan_equals_runtime_lora) {
         for (int dr = 0; dr < 2; dr++)
             for (int bi = 0; bi < 2; bi++) {
                 int B = 1 << (bi * 2);
+                const char *prec = (oi + dr + bi) % 2 ? "bf16-true" : "32-true"; /* frozen base in bf16 */
                 fl_run_config c;
                 char out[600];
                 snprintf(out, sizeof out, "%s/l%d%d%d", fl_test_tmpdir(), oi, dr, bi);
@@ -142,6 +143,7 @@ FL_TEST(plan_equals_runtime_lora) {
                 c.lora.dropout = dr ? 0.1f : 0.0f;
                 c.lora.mlp = 1;
                 FL_REQUIRE_OK(fl_cfg_set(&c, "optimizer", opts[oi]));
+                FL_REQUIRE_OK(fl_cfg_set(&c, "precision", prec));
                 if (oi == 2) c.optimizer.momentum = 0.9f;
                 fl_plan pl;
                 fl_plan_opts o;
@@ -152,8 +154,8 @@ FL_TEST(plan_equals_runtime_lora) {
                 fl_trainer_result r;
                 FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, stop_now, NULL, &r));
                 for (int t = 0; t < FL_TAG_COUNT; t++)
-                    FL_CHECKF(pl.peak[t] == r.peak[t], "lora %s dropout %d B %d: %s planned %zu, measured %zu", opts[oi],
-                              dr, B, fl_mem_tag_name((fl_mem_tag)t), pl.peak[t], r.peak[t]);
+                    FL_CHECKF(pl.peak[t] == r.peak[t], "lora %s %s dropout %d B %d: %s planned %zu, measured %zu", prec,
+                              opts[oi], dr, B, fl_mem_tag_name((fl_mem_tag)t), pl.peak[t], r.peak[t]);
                 runs++;
             }
     FL_CHECK(runs == 12);
@@ -254,9 +256,9 @@ FL_TEST(plan_max_micro_batch_and_suggestions) {
                   s->technique, s->change, fl_plan_verdict_name(q.verdict), q.peak_total, s->peak);
     }
     /* a technique the build lacks is a verdict, not an error */
-    snprintf(c.precision, sizeof c.precision, "bf16-true");
+    snprintf(c.precision, sizeof c.precision, "16-true");
     FL_REQUIRE_OK(fl_plan_run(&c, &o, &pl));
-    FL_CHECK(pl.verdict == FL_PLAN_UNAVAILABLE && strstr(pl.unavailable, "bf16-true"));
+    FL_CHECK(pl.verdict == FL_PLAN_UNAVAILABLE && strstr(pl.unavailable, "16-true"));
     snprintf(c.precision, sizeof c.precision, "32-true");
     /* activation checkpointing lets micro batch 32 fit in the budget of micro batch 8 */
     c.train.activation_checkpointing = 1;

@@ -133,20 +133,20 @@ static void small_run(fl_run_config *c, const char *out_dir) {
 
 typedef struct {
     double loss[64];
-    float *params;
-    size_t numel;
+    float *params; /* raw bytes of the trained parameters (fp32 unless a 16-bit policy) */
+    size_t numel;  /* bytes / 4 */
     long steps;
     long stop_at;
 } rec;
 
-static int record(void *ud, long step, double loss, const float *params, size_t numel) {
+static int record(void *ud, long step, double loss, const void *params, size_t bytes) {
     rec *r = ud;
     if (step <= 64) r->loss[step - 1] = loss;
     r->steps = step;
     free(r->params);
-    r->params = malloc(numel * sizeof(float));
-    memcpy(r->params, params, numel * sizeof(float));
-    r->numel = numel;
+    r->params = malloc(bytes + 4);
+    memcpy(r->params, params, bytes);
+    r->numel = bytes / sizeof(float);
     return r->stop_at > 0 && step == r->stop_at;
 }
 
@@ -286,6 +286,9 @@ FL_TEST(trainer_resume_is_bit_exact_bf16_mixed_act_ckpt) { resume_case_ex("AdamW
 FL_TEST(trainer_resume_is_bit_exact_sgd_momentum) { resume_case("SGD", NULL); }
 FL_TEST(trainer_resume_is_bit_exact_adamw8bit) { resume_case("bnb.optim.AdamW8bit", NULL); }
 FL_TEST(trainer_resume_is_bit_exact_bf16_state) { resume_case("AdamW", "bfloat16"); }
+/* bf16 parameters, gradients and state: the checkpoint holds them exactly (bf16 safetensors) */
+FL_TEST(trainer_resume_is_bit_exact_bf16_true) { resume_case_ex("AdamW", NULL, "bf16-true", 0); }
+FL_TEST(trainer_resume_is_bit_exact_bf16_true_sgd_act_ckpt) { resume_case_ex("SGD", NULL, "bf16-true", 1); }
 
 /* Each optimizer trains (loss goes down) and its OPTIM bytes equal the analytic count. */
 static void optim_case(const char *name, const char *state_dtype, float lr) {
@@ -428,8 +431,8 @@ FL_TEST(trainer_bf16_mixed_and_act_ckpt_train) {
 /* Each available precision policy trains the real stories260K model (loss goes down). */
 FL_TEST(trainer_policies_train_stories260k) {
     FL_SKIP_IF_NO_DATA();
-    static const char *pol[] = {"32-true", "bf16-mixed"};
-    for (int k = 0; k < 2; k++) {
+    static const char *pol[] = {"32-true", "bf16-mixed", "bf16-true"};
+    for (int k = 0; k < 3; k++) {
         fl_run_config c;
         char out[512];
         snprintf(out, sizeof out, "%s/st%d", fl_test_tmpdir(), k);

@@ -245,6 +245,14 @@ struct fl_backend {
     fl_status (*lora_backward)(const fl_backend *be, float *dx, float *dA, float *dB, const float *dy, int ldy,
                                const float *xb, const float *h, const float *A, const float *B, int N, int in,
                                int out, int r, float scaling, float dropout, uint64_t seed, float *work);
+
+    /* ==== 16-bit parameter storage (bf16-true, 16-true; appended) ==== */
+
+    /* dst (n, BF16 or F16) = round(widen(dst) + src) (round to nearest even): how a
+     * group's fp32 staged gradients are added into 16-bit gradient storage. */
+    fl_status (*accumulate16)(const fl_backend *be, uint16_t *dst, fl_dtype t, const float *src, size_t n);
+    /* sum of squares of x (F32, BF16 or F16), accumulated in double. */
+    double (*sumsq_ex)(const fl_backend *be, const void *x, fl_dtype t, size_t n);
 };
 
 /* Create the CPU backend. n_threads <= 0: use the OpenMP default / all cores.

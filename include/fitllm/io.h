@@ -90,6 +90,10 @@ fl_status fl_hf_load_weights(fl_model *m, const char *dir);
 
 /* Convenience: config + model init + weights. */
 fl_status fl_hf_load_model(fl_model *m, const char *dir, const fl_backend *be, fl_mem_pool *pool);
+/* The same with a parameter storage (NULL = fp32; bf16: the weights are
+ * converted tensor by tensor, never held in fp32). */
+fl_status fl_hf_load_model_ex(fl_model *m, const char *dir, const fl_backend *be, fl_mem_pool *pool,
+                              const fl_model_storage *st);
 
 /* Save m as an HF folder (config.json + model.safetensors, or shards
  * model-0000i-of-0000N.safetensors + model.safetensors.index.json above the
@@ -104,12 +108,16 @@ void fl_hf_set_max_shard_bytes(size_t bytes);
  * n_kv_heads, vocab_size (negative = separate classifier), seq_len; then
  * weights in llama2.c order, freq_cis tables included). */
 fl_status fl_llama2c_load_model(fl_model *m, const char *path, const fl_backend *be, fl_mem_pool *pool);
+fl_status fl_llama2c_load_model_ex(fl_model *m, const char *path, const fl_backend *be, fl_mem_pool *pool,
+                                   const fl_model_storage *st);
 
 /* Any of the above by sniffing: a directory with config.json (HF), a .bin
  * file (llama2.c), or a config.json path (random-init shape only: weights not
  * loaded, *weights_loaded = 0). */
 fl_status fl_model_load_auto(fl_model *m, const char *path, const fl_backend *be, fl_mem_pool *pool,
                              int *weights_loaded);
+fl_status fl_model_load_auto_ex(fl_model *m, const char *path, const fl_backend *be, fl_mem_pool *pool,
+                                const fl_model_storage *st, int *weights_loaded);
 
 /* Fault injection for tests: the (n+1)-th file write from now fails as if the
  * disk were full (ENOSPC); -1 disables. Covers safetensors, config and

@@ -115,7 +115,7 @@ void fl_model_lora_set_seed(fl_model *m, uint64_t seed);
 /* Training (dropout on) or evaluation (dropout off, as PEFT's eval mode). */
 void fl_model_lora_set_train(fl_model *m, int train);
 /* Merge every adapter into the base weights (W += scaling B A). */
-void fl_model_lora_merge(fl_model *m);
+fl_status fl_model_lora_merge(fl_model *m);
 /* Bytes of adapter activations for (B, T) (ACTS) and scratch (WORKSPACE). */
 void fl_lora_sizing_acts(const fl_lora_config *cfg, const fl_lora_module *mods, int n_mods, int B, int T,
                          size_t *acts_bytes, size_t *work_bytes);

@@ -115,13 +115,30 @@ void fl_sizing_acts_ex(const fl_model_config *cfg, int B, int T, const fl_act_op
 
 typedef struct fl_acts fl_acts; /* private: pointers into the ACTS arena */
 
+/* How the parameters are stored, fixed when the model is created (so a bf16
+ * model never exists in fp32, not even while loading). */
+typedef struct {
+    fl_dtype param_dtype; /* FL_F32 (default), FL_BF16 (bf16-true) or FL_F16 (16-true) */
+} fl_model_storage;
+
 typedef struct {
     fl_model_config cfg;
     fl_param_layout layout;
     const fl_backend *be;
     fl_mem_pool *pool;
-    float *params;  /* (numel) PARAMS */
-    float *grads;   /* (numel) GRADS, NULL until fl_model_alloc_grads */
+    float *params;  /* (numel) PARAMS when the storage is fp32, else NULL */
+    float *grads;   /* (numel) GRADS (fp32 storage), NULL until fl_model_alloc_grads */
+    /* 16-bit storage (bf16-true, 16-true): the same flat layout in bf16/f16.
+     * Ops still read fp32: matmuls take the 16-bit weights directly; the 1-D
+     * parameters (norms, biases) of the group in use are widened into pstage;
+     * a group's gradients are computed in fp32 into gstage and then added into
+     * g16 (one rounding per group per micro-batch). Both stages: WORKSPACE. */
+    fl_dtype store_dtype;   /* FL_F32, FL_BF16 or FL_F16 */
+    uint16_t *p16;          /* (numel) PARAMS, 16-bit storage, else NULL */
+    uint16_t *g16;          /* (numel) GRADS, 16-bit storage, else NULL */
+    float *pstage;          /* (pstage_n) fp32 views of 1-D parameters */
+    float *gstage;          /* (gstage_n) fp32 gradients of one group */
+    size_t pstage_n, gstage_n;
     /* activation arena for (B,T), allocated by fl_model_alloc_acts */
     int B, T;
     fl_act_sizes sizes;
@@ -143,7 +160,22 @@ typedef struct {
 /* Create an empty model for cfg (validates cfg, builds the layout, allocates
  * PARAMS, uninitialized). */
 fl_status fl_model_init(fl_model *m, const fl_model_config *cfg, const fl_backend *be, fl_mem_pool *pool);
+/* The same with an explicit parameter storage (NULL = fp32). */
+fl_status fl_model_init_ex(fl_model *m, const fl_model_config *cfg, const fl_backend *be, fl_mem_pool *pool,
+                           const fl_model_storage *st);
 void fl_model_free(fl_model *m);
+/* Storage needed by a precision policy (bf16-true -> BF16, 16-true -> F16, else F32). */
+void fl_model_storage_for(const fl_precision *p, fl_model_storage *st);
+/* Bytes of the fp32 staging buffers of 16-bit storage (0 for fp32): pstage for
+ * 1-D parameter views, gstage for one group's gradients (when trainable). */
+size_t fl_sizing_pstage_elems(const fl_model_config *cfg);
+size_t fl_sizing_gstage_elems(const fl_model_config *cfg);
+/* Read / write parameter entry i (layout order) as fp32, converting from or to
+ * the storage dtype (round to nearest even). */
+void fl_model_read_param(const fl_model *m, int i, float *dst);
+void fl_model_write_param(fl_model *m, int i, const float *src);
+/* Pointer to entry i in the storage and its dtype. */
+void *fl_model_param_data(const fl_model *m, int i, fl_dtype *dt);
 /* Random init like HF's _init_weights (normal(0, 0.02) for linears and
  * embeddings, zeros for biases, ones for norm weights), deterministic in seed. */
 void fl_model_init_random(fl_model *m, uint64_t seed);
@@ -159,7 +191,7 @@ fl_status fl_model_set_precision(fl_model *m, const fl_precision *p);
 /* Refresh the compute copy from the master weights (after every update). */
 void fl_model_sync_compute_copy(fl_model *m);
 
-/* Pointer to a parameter / gradient by HF name (NULL if absent). */
+/* Pointer to a parameter / gradient by HF name (NULL if absent or not stored in fp32). */
 float *fl_model_param(fl_model *m, const char *name);
 float *fl_model_grad(fl_model *m, const char *name);
 

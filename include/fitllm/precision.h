@@ -4,15 +4,17 @@
  *   policy       PARAMS                       GRADS  OPTIM   matmul operands
  *   32-true      f32                          f32    f32     f32 x f32
  *   bf16-mixed   f32 master + bf16 copy       f32    f32     f32 acts x bf16 weight copy (fp32 accumulate)
- *   bf16-true    bf16                         bf16   bf16    (not available yet in this build)
+ *   bf16-true    bf16                         bf16   bf16    f32 acts x bf16 weights (fp32 accumulate)
  *   16-mixed     f32 master + f16 copy        f32    f32     (not available yet: needs f16 GEMM)
- *   16-true      f16                          f16    f16     (not available yet)
+ *   16-true      f16                          f16    f32     (not available yet)
  *
  * On the CPU, activations and elementwise ops (norms, attention, activations,
  * cross-entropy) compute in fp32 under every policy; the saving of the mixed
  * policy is speed (bf16 GEMMs with avx512_bf16 / oneDNN), at the cost of the
- * bf16 weight copy in PARAMS. bf16-true (bf16 storage everywhere) is the
- * memory-saving policy and comes next.
+ * bf16 weight copy in PARAMS. bf16-true halves PARAMS, GRADS and OPTIM: the
+ * flat buffers are bf16; a group's gradients are computed in fp32 into a
+ * one-group staging buffer (WORKSPACE) and added into the bf16 gradients once
+ * per micro-batch (see fl_model in model.h).
  */
 #ifndef FITLLM_PRECISION_H
 #define FITLLM_PRECISION_H
@@ -44,6 +46,8 @@ typedef struct {
     fl_dtype grad_dtype;
     int loss_scaling;        /* dynamic loss scaling (fp16 policies) */
     int available;           /* implemented in this build */
+    fl_dtype optim_dtype;    /* AdamW / SGD-momentum state (bf16-true: BF16; 16-true keeps F32 state:
+                              * fp16's range cannot hold Adam's second moment) */
 } fl_precision;
 
 /* Look up a policy by LitGPT name; FL_ERR_INVALID for unknown names. An

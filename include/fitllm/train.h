@@ -50,8 +50,10 @@ typedef struct {
     size_t state8_bytes;
     fl_adam8bit_state *st8; /* (n_tensors) host bookkeeping */
     int step;       /* updates done */
-    /* what it trains: the model's flat parameters, or its LoRA adapters */
-    float *p, *g;
+    /* what it trains: the model's flat parameters, or its LoRA adapters; pt/gt
+     * their dtypes (BF16/F16 with 16-bit parameter storage) */
+    void *p, *g;
+    fl_dtype pt, gt;
     size_t n;
     int n_tensors;          /* tensors of p, for per-tensor (8-bit) state */
     size_t *t_off, *t_n;    /* (n_tensors) element offset and size of each */

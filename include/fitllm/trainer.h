@@ -39,9 +39,10 @@ typedef struct {
 
 /* Hook for tests: called after every optimizer step (after that step's
  * evaluation and checkpoint) with the step's loss (mean over its valid
- * targets) and the trained parameters (all of them, or the LoRA adapters). Returning non-zero stops training there, with
+ * targets) and the raw bytes of the trained parameters (all of them in their storage dtype,
+ * or the LoRA adapters). Returning non-zero stops training there, with
  * no final checkpoint, as a crash right after the step would. */
-typedef int (*fl_step_hook)(void *ud, long step, double loss, const float *params, size_t numel);
+typedef int (*fl_step_hook)(void *ud, long step, double loss, const void *params, size_t bytes);
 
 /* The LoRA configuration of a finetune_lora run (LitGPT's lora_* switches or a
  * PEFT target list), shared with the planner. */

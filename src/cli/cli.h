@@ -28,6 +28,9 @@ int fl_cli_float(const char *cmd, const char *opt, const char *val, float *out);
  * random_init: ignore weights and initialize randomly with seed. */
 fl_status fl_cli_load_model(fl_model *m, const char *path, int random_init, uint64_t seed, const fl_backend *be,
                             fl_mem_pool *pool, int *weights_loaded);
+/* The same with a parameter storage (NULL = fp32; see fl_model_storage_for). */
+fl_status fl_cli_load_model_ex(fl_model *m, const char *path, int random_init, uint64_t seed, const fl_backend *be,
+                               fl_mem_pool *pool, const fl_model_storage *st, int *weights_loaded);
 
 double fl_cli_now_ms(void);
 /* Peak resident set size of this process in MiB. */

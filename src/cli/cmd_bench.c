@@ -93,7 +93,10 @@ int fl_cmd_bench_step(int argc, char **argv) {
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
     if ((s = fl_mem_pool_init(&pool, "cpu", budget)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
     fl_mem_set_phase(&pool, "model load");
-    if ((s = fl_cli_load_model(&m, model_path, random_init, (uint64_t)seed, &be, &pool, &loaded)) != FL_OK) goto fail;
+    fl_model_storage stg;
+    fl_model_storage_for(&prec, &stg);
+    if ((s = fl_cli_load_model_ex(&m, model_path, random_init, (uint64_t)seed, &be, &pool, &stg, &loaded)) != FL_OK)
+        goto fail;
     fl_mem_set_phase(&pool, "setup");
     if ((s = fl_model_set_precision(&m, &prec)) != FL_OK) goto fail;
     if (lora_r) {

@@ -67,6 +67,11 @@ static int exists(const char *p) {
 
 fl_status fl_cli_load_model(fl_model *m, const char *path, int random_init, uint64_t seed, const fl_backend *be,
                             fl_mem_pool *pool, int *weights_loaded) {
+    return fl_cli_load_model_ex(m, path, random_init, seed, be, pool, NULL, weights_loaded);
+}
+
+fl_status fl_cli_load_model_ex(fl_model *m, const char *path, int random_init, uint64_t seed, const fl_backend *be,
+                               fl_mem_pool *pool, const fl_model_storage *stg, int *weights_loaded) {
     fl_model_config cfg;
     *weights_loaded = 0;
     if (!exists(path)) {
@@ -76,7 +81,7 @@ fl_status fl_cli_load_model(fl_model *m, const char *path, int random_init, uint
             snprintf(why, sizeof why, "%s", fl_error_message());
             return fl_errorf(FL_ERR_NOT_FOUND, "'%s' is neither a file, a folder nor a model preset (%s)", path, why);
         }
-        FL_TRY(fl_model_init(m, &cfg, be, pool));
+        FL_TRY(fl_model_init_ex(m, &cfg, be, pool, stg));
         fl_model_init_random(m, seed);
         return FL_OK;
     }
@@ -87,15 +92,15 @@ fl_status fl_cli_load_model(fl_model *m, const char *path, int random_init, uint
         size_t n = strlen(cp);
         if (n > 4 && strcmp(cp + n - 4, ".bin") == 0) {
             /* llama2.c checkpoint: take its shape, then re-initialize. */
-            FL_TRY(fl_llama2c_load_model(m, path, be, pool));
+            FL_TRY(fl_llama2c_load_model_ex(m, path, be, pool, stg));
         } else {
             FL_TRY(fl_hf_load_config(cp, &cfg));
-            FL_TRY(fl_model_init(m, &cfg, be, pool));
+            FL_TRY(fl_model_init_ex(m, &cfg, be, pool, stg));
         }
         fl_model_init_random(m, seed);
         return FL_OK;
     }
-    return fl_model_load_auto(m, path, be, pool, weights_loaded);
+    return fl_model_load_auto_ex(m, path, be, pool, stg, weights_loaded);
 }
 
 double fl_cli_now_ms(void) {

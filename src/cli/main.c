@@ -11,8 +11,8 @@ static const struct {
 } k_cmds[] = {
     {"finetune_full", fl_cmd_finetune_full, "full fine-tuning of a model (LitGPT options and YAML recipes)"},
     {"pretrain", fl_cmd_pretrain, "train a model from scratch or continue pretraining"},
-    {"finetune_lora", fl_cmd_finetune_lora, "LoRA fine-tuning (not available yet)"},
-    {"finetune", fl_cmd_finetune_lora, "alias of finetune_lora (not available yet)"},
+    {"finetune_lora", fl_cmd_finetune_lora, "LoRA fine-tuning: PEFT adapters on a frozen base"},
+    {"finetune", fl_cmd_finetune_lora, "alias of finetune_lora"},
     {"merge_lora", fl_cmd_merge_lora, "merge a PEFT LoRA adapter into its base model (HF folder out)"},
     {"plan", fl_cmd_plan, "predict memory per tag and phase, the verdict on a device, what to try (no run)"},
     {"lab", fl_cmd_lab, "run the memory lab's experiments on scaled models; table, report, CSV/JSON, charts"},

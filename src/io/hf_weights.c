@@ -52,8 +52,10 @@ static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl
     if (t->dtype != FL_F32 && t->dtype != FL_BF16 && t->dtype != FL_F16 && t->dtype != FL_F64)
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s: tensor '%s': dtype %s cannot be loaded as a parameter (F32, BF16, F16)",
                          f->path, t->name, fl_dtype_name(t->dtype));
-    float *dst = m->params + p->offset;
-    size_t es = fl_dtype_size(t->dtype);
+    int pi = (int)(p - m->layout.params);
+    fl_dtype dt;
+    void *dst = fl_model_param_data(m, pi, &dt);
+    size_t es = fl_dtype_size(t->dtype), ds = fl_dtype_size(dt);
     const void *src = t->data;
     void *aligned = NULL;
     if ((uintptr_t)src % es) { /* the format does not promise alignment: copy out first */
@@ -64,7 +66,7 @@ static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl
     }
     fl_status s = FL_OK;
     if (!(p->ndim == 2 && p->transposed_on_disk)) {
-        if (fl_convert(dst, FL_F32, src, t->dtype, p->numel))
+        if (fl_convert(dst, dt, src, t->dtype, p->numel))
             s = fl_errorf(FL_ERR_INTERNAL, "%s: tensor '%s': conversion failed", f->path, t->name);
     } else {
         size_t out = (size_t)p->shape[0], in = (size_t)p->shape[1];
@@ -72,7 +74,7 @@ static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl
         if (!row) s = fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", f->path, t->name);
         for (size_t i = 0; row && i < in; i++) { /* disk row i: out elements */
             fl_convert(row, FL_F32, (const char *)src + i * out * es, t->dtype, out);
-            for (size_t o = 0; o < out; o++) dst[o * in + i] = row[o];
+            for (size_t o = 0; o < out; o++) fl_convert((char *)dst + (o * in + i) * ds, dt, &row[o], FL_F32, 1);
         }
         free(row);
     }
@@ -185,11 +187,16 @@ fl_status fl_hf_load_weights(fl_model *m, const char *dir) {
 }
 
 fl_status fl_hf_load_model(fl_model *m, const char *dir, const fl_backend *be, fl_mem_pool *pool) {
+    return fl_hf_load_model_ex(m, dir, be, pool, NULL);
+}
+
+fl_status fl_hf_load_model_ex(fl_model *m, const char *dir, const fl_backend *be, fl_mem_pool *pool,
+                              const fl_model_storage *st) {
     char path[FL_HF_PATH_MAX];
     FL_TRY(fl_io_join(path, sizeof path, dir, "config.json"));
     fl_model_config cfg;
     FL_TRY(fl_hf_load_config(path, &cfg));
-    FL_TRY(fl_model_init(m, &cfg, be, pool));
+    FL_TRY(fl_model_init_ex(m, &cfg, be, pool, st));
     fl_status s = fl_hf_load_weights(m, dir);
     if (s != FL_OK) fl_model_free(m);
     return s;
@@ -213,15 +220,17 @@ static fl_status fl_hf_write_files(const fl_model *m, const char *dir) {
     size_t cur = 0, total = 0;
     for (int k = 0; k < lay->n; k++) {
         const fl_param_info *p = &lay->params[k];
-        size_t b = p->numel * sizeof(float);
+        fl_dtype sdt;
+        const void *data = fl_model_param_data(m, k, &sdt);
+        size_t b = p->numel * fl_dtype_size(sdt);
         if (cur > 0 && cur + b > g_max_shard_bytes) { n_shards++; cur = 0; }
         cur += b;
         total += b;
         shard[k] = n_shards - 1;
         t[k].name = p->name;
-        t[k].dtype = FL_F32;
-        t[k].src_dtype = FL_F32;
-        t[k].data = m->params + p->offset;
+        t[k].dtype = sdt; /* saved in the storage dtype: a bf16-true run writes bf16 */
+        t[k].src_dtype = sdt;
+        t[k].data = data;
         t[k].ndim = p->ndim;
         if (p->ndim == 2 && p->transposed_on_disk) {
             t[k].shape[0] = p->shape[1];
@@ -271,7 +280,7 @@ static fl_status fl_hf_write_files(const fl_model *m, const char *dir) {
 }
 
 fl_status fl_hf_save_model(const fl_model *m, const char *dir) {
-    if (!m || !m->params || !dir || !dir[0]) return fl_errorf(FL_ERR_INVALID, "fl_hf_save_model: no model or folder");
+    if (!m || (!m->params && !m->p16) || !dir || !dir[0]) return fl_errorf(FL_ERR_INVALID, "fl_hf_save_model: no model or folder");
     if (fl_io_is_dir(dir)) {
         /* Existing folder (it may hold tokenizer files): replace our two files,
          * each atomically (weights first, then the config). */

@@ -33,9 +33,13 @@ static fl_status fl_llama2c_put(fl_model *m, const char *path, const char *name,
     const fl_param_info *p = &m->layout.params[k];
     if (p->numel != numel)
         return fl_errorf(FL_ERR_INTERNAL, "%s: tensor '%s': layout has %zu elements, checkpoint %zu", path, name, p->numel, numel);
-    float *dst = m->params + p->offset;
+    float *tmp = m->params ? NULL : malloc(numel * sizeof(float)); /* 16-bit storage: convert after */
+    if (!m->params && !tmp) return fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", path, name);
+    float *dst = tmp ? tmp : m->params + p->offset;
     if (permute_heads) fl_llama2c_permute_rows(dst, src, permute_heads, m->cfg.head_dim, (int)p->shape[1]);
     else memcpy(dst, src, numel * sizeof(float));
+    if (tmp) fl_model_write_param(m, k, tmp);
+    free(tmp);
     return FL_OK;
 }
 
@@ -79,6 +83,11 @@ static fl_status fl_llama2c_fill(fl_model *m, const char *path, const float *w, 
 }
 
 fl_status fl_llama2c_load_model(fl_model *m, const char *path, const fl_backend *be, fl_mem_pool *pool) {
+    return fl_llama2c_load_model_ex(m, path, be, pool, NULL);
+}
+
+fl_status fl_llama2c_load_model_ex(fl_model *m, const char *path, const fl_backend *be, fl_mem_pool *pool,
+                                   const fl_model_storage *stg) {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return fl_errorf(errno == ENOENT ? FL_ERR_NOT_FOUND : FL_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     struct stat st;
@@ -147,7 +156,7 @@ fl_status fl_llama2c_load_model(fl_model *m, const char *path, const fl_backend 
     int e = errno;
     close(fd);
     if (map == MAP_FAILED) return fl_errorf(FL_ERR_IO, "%s: mmap failed: %s", path, strerror(e));
-    fl_status s = fl_model_init(m, &c, be, pool);
+    fl_status s = fl_model_init_ex(m, &c, be, pool, stg);
     if (s == FL_OK) {
         s = fl_llama2c_fill(m, path, (const float *)((const char *)map + 28), shared);
         if (s != FL_OK) fl_model_free(m);

@@ -14,6 +14,11 @@ static int fl_auto_ends_with(const char *s, const char *suf) {
 
 fl_status fl_model_load_auto(fl_model *m, const char *path, const fl_backend *be, fl_mem_pool *pool,
                              int *weights_loaded) {
+    return fl_model_load_auto_ex(m, path, be, pool, NULL, weights_loaded);
+}
+
+fl_status fl_model_load_auto_ex(fl_model *m, const char *path, const fl_backend *be, fl_mem_pool *pool,
+                                const fl_model_storage *stg, int *weights_loaded) {
     if (weights_loaded) *weights_loaded = 0;
     if (!path || !path[0]) return fl_errorf(FL_ERR_INVALID, "no model path given");
     struct stat st;
@@ -24,17 +29,17 @@ fl_status fl_model_load_auto(fl_model *m, const char *path, const fl_backend *be
         FL_TRY(fl_io_join(cfg, sizeof cfg, path, "config.json"));
         if (!fl_io_is_file(cfg))
             return fl_errorf(FL_ERR_NOT_FOUND, "%s: folder has no config.json (not a Hugging Face model folder)", path);
-        FL_TRY(fl_hf_load_model(m, path, be, pool));
+        FL_TRY(fl_hf_load_model_ex(m, path, be, pool, stg));
         if (weights_loaded) *weights_loaded = 1;
         return FL_OK;
     }
     if (fl_auto_ends_with(path, ".json")) {
         fl_model_config c;
         FL_TRY(fl_hf_load_config(path, &c));
-        return fl_model_init(m, &c, be, pool);
+        return fl_model_init_ex(m, &c, be, pool, stg);
     }
     if (fl_auto_ends_with(path, ".bin")) {
-        FL_TRY(fl_llama2c_load_model(m, path, be, pool));
+        FL_TRY(fl_llama2c_load_model_ex(m, path, be, pool, stg));
         if (weights_loaded) *weights_loaded = 1;
         return FL_OK;
     }

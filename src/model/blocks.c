@@ -7,59 +7,106 @@
 
 #include "model-impl.h"
 
+static int idx_of(const fl_model *m, const char *name) { return fl_layout_find(&m->layout, name); }
 static size_t off_of(const fl_model *m, const char *name) {
-    int i = fl_layout_find(&m->layout, name);
+    int i = idx_of(m, name);
     return i < 0 ? (size_t)-1 : m->layout.params[i].offset;
 }
 
-static const float *P(const fl_model *m, size_t off) { return off == (size_t)-1 ? NULL : m->params + off; }
+/* fp32 view of a 1-D parameter: in place (fp32 storage) or widened into the
+ * next free slot of pstage (16-bit storage; *cur is the slot cursor). */
+static const float *P1(const fl_model *m, const char *name, float **cur) {
+    int i = idx_of(m, name);
+    if (i < 0) return NULL;
+    const fl_param_info *p = &m->layout.params[i];
+    if (m->params) return m->params + p->offset;
+    float *v = *cur;
+    m->be->convert(m->be, v, FL_F32, m->p16 + p->offset, m->store_dtype, p->numel);
+    *cur += p->numel;
+    return v;
+}
+
+/* Gradient of the entry at layout offset off: in place (fp32), or at the same
+ * position relative to its group in gstage (16-bit: see fl_grad_stage_*). */
 static float *G(const fl_model *m, size_t off) {
-    return (off == (size_t)-1 || !m->grads) ? NULL : m->grads + off;
+    if (off == (size_t)-1) return NULL;
+    if (m->grads) return m->grads + off;
+    if (!m->g16) return NULL;
+    const size_t *go = m->layout.group_offset;
+    int g = 0;
+    while (g + 1 < m->layout.n_groups && off >= go[g + 1]) g++;
+    return m->gstage + (off - go[g]);
 }
 
 void fl_linear_set_compute(const fl_model *m, fl_linear *lin, size_t w_off) {
-    lin->wc = (m->wcompute && w_off != (size_t)-1) ? (const void *)(m->wcompute + w_off) : NULL;
+    if (w_off == (size_t)-1) {
+        lin->wc = NULL;
+    } else if (m->p16) { /* 16-bit storage: the matmul reads the stored weights */
+        lin->wc = m->p16 + w_off;
+        lin->wct = m->store_dtype;
+        return;
+    } else {
+        lin->wc = m->wcompute ? (const void *)(m->wcompute + w_off) : NULL;
+    }
     lin->wct = m->prec.compute_dtype;
 }
 
-static void set_linear(const fl_model *m, fl_linear *lin, int in, int out, const char *w, const char *b) {
+static void set_linear(const fl_model *m, fl_linear *lin, int in, int out, const char *w, const char *b,
+                       float **cur) {
     size_t ow = off_of(m, w), ob = b ? off_of(m, b) : (size_t)-1;
     lin->in = in;
     lin->out = out;
-    lin->w = P(m, ow);
+    lin->w = (m->params && ow != (size_t)-1) ? m->params + ow : NULL;
     fl_linear_set_compute(m, lin, ow);
-    lin->b = P(m, ob);
+    lin->b = b ? P1(m, b, cur) : NULL;
     lin->dw = G(m, ow);
     lin->db = G(m, ob);
+}
+
+/* ---- 16-bit storage: gradient staging ------------------------------------------ */
+
+size_t fl_group_numel(const fl_model *m, int g) {
+    return m->layout.group_offset[g + 1] - m->layout.group_offset[g];
+}
+
+void fl_grad_stage_begin(fl_model *m, size_t n) {
+    if (m->g16) m->be->zero(m->be, m->gstage, n * sizeof(float));
+}
+
+fl_status fl_grad_stage_flush(fl_model *m, size_t off, size_t n) {
+    if (!m->g16) return FL_OK;
+    /* g16[off : off+n] += gstage[0 : n], widened to fp32, rounded once */
+    return m->be->accumulate16(m->be, m->g16 + off, m->store_dtype, m->gstage, n);
 }
 
 void fl_get_block(const fl_model *m, int l, fl_block_params *bp) {
     fl_dims d = fl_model_dims(&m->cfg);
     char a[FL_PARAM_NAME_MAX], b[FL_PARAM_NAME_MAX], c[FL_PARAM_NAME_MAX], e[FL_PARAM_NAME_MAX];
     memset(bp, 0, sizeof *bp);
+    float *cur0 = m->pstage ? m->pstage + fl_pstage_block_start(m) : NULL, **cur = &cur0;
     if (m->cfg.arch == FL_ARCH_LLAMA) {
         int ab = m->cfg.attention_bias, mb = m->cfg.mlp_bias;
         snprintf(a, sizeof a, "model.layers.%d.input_layernorm.weight", l);
         snprintf(b, sizeof b, "model.layers.%d.post_attention_layernorm.weight", l);
-        bp->ln1_w = P(m, off_of(m, a)); bp->d_ln1_w = G(m, off_of(m, a));
-        bp->ln2_w = P(m, off_of(m, b)); bp->d_ln2_w = G(m, off_of(m, b));
+        bp->ln1_w = P1(m, a, cur); bp->d_ln1_w = G(m, off_of(m, a));
+        bp->ln2_w = P1(m, b, cur); bp->d_ln2_w = G(m, off_of(m, b));
         /* q_proj starts the fused (QKV, C) matrix; q_proj.bias the fused bias. */
         snprintf(a, sizeof a, "model.layers.%d.self_attn.q_proj.weight", l);
         snprintf(b, sizeof b, "model.layers.%d.self_attn.q_proj.bias", l);
-        set_linear(m, &bp->qkv, d.C, d.QKV, a, ab ? b : NULL);
+        set_linear(m, &bp->qkv, d.C, d.QKV, a, ab ? b : NULL, cur);
         snprintf(a, sizeof a, "model.layers.%d.self_attn.o_proj.weight", l);
         snprintf(b, sizeof b, "model.layers.%d.self_attn.o_proj.bias", l);
-        set_linear(m, &bp->o, d.QD, d.C, a, ab ? b : NULL);
+        set_linear(m, &bp->o, d.QD, d.C, a, ab ? b : NULL, cur);
         /* gate_proj starts the fused (2F, C) [gate | up] matrix. */
         snprintf(c, sizeof c, "model.layers.%d.mlp.gate_proj.weight", l);
         snprintf(e, sizeof e, "model.layers.%d.mlp.gate_proj.bias", l);
-        set_linear(m, &bp->fc, d.C, d.FCW, c, mb ? e : NULL);
+        set_linear(m, &bp->fc, d.C, d.FCW, c, mb ? e : NULL, cur);
         snprintf(c, sizeof c, "model.layers.%d.mlp.down_proj.weight", l);
         snprintf(e, sizeof e, "model.layers.%d.mlp.down_proj.bias", l);
-        set_linear(m, &bp->proj, d.F, d.C, c, mb ? e : NULL);
+        set_linear(m, &bp->proj, d.F, d.C, c, mb ? e : NULL, cur);
     } else {
 #define GP(field, dfield, fmt) \
-    snprintf(a, sizeof a, fmt, l); bp->field = P(m, off_of(m, a)); bp->dfield = G(m, off_of(m, a))
+    snprintf(a, sizeof a, fmt, l); bp->field = P1(m, a, cur); bp->dfield = G(m, off_of(m, a))
         GP(ln1_w, d_ln1_w, "transformer.h.%d.ln_1.weight");
         GP(ln1_b, d_ln1_b, "transformer.h.%d.ln_1.bias");
         GP(ln2_w, d_ln2_w, "transformer.h.%d.ln_2.weight");
@@ -68,7 +115,7 @@ void fl_get_block(const fl_model *m, int l, fl_block_params *bp) {
 #define GL(lin, in, out, name)                                              \
     snprintf(a, sizeof a, "transformer.h.%d." name ".weight", l);            \
     snprintf(b, sizeof b, "transformer.h.%d." name ".bias", l);              \
-    set_linear(m, &bp->lin, in, out, a, b)
+    set_linear(m, &bp->lin, in, out, a, b, cur)
         GL(qkv, d.C, d.QKV, "attn.c_attn");
         GL(o, d.QD, d.C, "attn.c_proj");
         GL(fc, d.C, d.FCW, "mlp.c_fc");
@@ -88,18 +135,64 @@ void fl_norm_forward(const fl_model *m, float *out, float *mean, float *rstd, co
     else be->rmsnorm_forward(be, out, rstd, x, w, N, m->cfg.dim, m->cfg.norm_eps);
 }
 
-void fl_get_outer(const fl_model *m, fl_outer_params *o) {
-    int gpt2 = m->cfg.arch == FL_ARCH_GPT2;
-    size_t wte = off_of(m, gpt2 ? "transformer.wte.weight" : "model.embed_tokens.weight");
-    size_t wpe = gpt2 ? off_of(m, "transformer.wpe.weight") : (size_t)-1;
-    size_t lw = off_of(m, gpt2 ? "transformer.ln_f.weight" : "model.norm.weight");
-    size_t lb = gpt2 ? off_of(m, "transformer.ln_f.bias") : (size_t)-1;
-    size_t hd = m->cfg.tie_embeddings ? wte : off_of(m, "lm_head.weight");
-    o->wte = P(m, wte); o->dwte = G(m, wte);
-    o->wpe = P(m, wpe); o->dwpe = G(m, wpe);
-    o->lnf_w = P(m, lw); o->dlnf_w = G(m, lw);
-    o->lnf_b = P(m, lb); o->dlnf_b = G(m, lb);
-    o->head = P(m, hd); o->dhead = G(m, hd);
-    o->head_off = hd;
+size_t fl_pstage_block_start(const fl_model *m) {
+    return (size_t)(m->cfg.arch == FL_ARCH_GPT2 ? 3 : 2) * m->cfg.dim; /* outer 1-D, then one embedding row */
 }
 
+void fl_get_outer(const fl_model *m, fl_outer_params *o) {
+    int gpt2 = m->cfg.arch == FL_ARCH_GPT2;
+    float *cur0 = m->pstage, **cur = &cur0;
+    size_t wte = off_of(m, gpt2 ? "transformer.wte.weight" : "model.embed_tokens.weight");
+    size_t wpe = gpt2 ? off_of(m, "transformer.wpe.weight") : (size_t)-1;
+    const char *lw = gpt2 ? "transformer.ln_f.weight" : "model.norm.weight";
+    size_t hd = m->cfg.tie_embeddings ? wte : off_of(m, "lm_head.weight");
+    /* embeddings: fp32 pointers only with fp32 storage (else fl_embed_* read the 16-bit rows) */
+    o->wte = m->params ? m->params + wte : NULL;
+    o->dwte = G(m, wte);
+    o->wpe = (m->params && wpe != (size_t)-1) ? m->params + wpe : NULL;
+    o->dwpe = G(m, wpe);
+    o->lnf_w = P1(m, lw, cur); o->dlnf_w = G(m, off_of(m, lw));
+    o->lnf_b = gpt2 ? P1(m, "transformer.ln_f.bias", cur) : NULL;
+    o->dlnf_b = gpt2 ? G(m, off_of(m, "transformer.ln_f.bias")) : NULL;
+    o->head = m->params ? m->params + hd : NULL;
+    o->dhead = (m->grads || m->g16) ? (m->grads ? m->grads + hd : m->gstage) : NULL; /* 16-bit: the head is staged alone */
+    o->head_off = hd;
+    o->wte_off = wte;
+    o->wpe_off = wpe;
+}
+
+/* out (n, C) = wte[ids] (+ wpe[pos0 ..]) for one sequence of n rows at position pos0,
+ * or (B, T) rows (pos0 = 0) */
+void fl_embed_forward(const fl_model *m, const fl_outer_params *op, float *out, const int32_t *ids, int B, int T,
+                      int pos0) {
+    const fl_backend *be = m->be;
+    const int C = m->cfg.dim;
+    if (m->params) {
+        be->embedding_forward(be, out, ids, op->wte, op->wpe ? op->wpe + (size_t)pos0 * C : NULL, B, T, C);
+        return;
+    }
+    float *row = m->pstage + fl_pstage_block_start(m) - C; /* one fp32 row */
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            float *o = out + ((size_t)b * T + t) * C;
+            be->convert(be, o, FL_F32, m->p16 + op->wte_off + (size_t)ids[b * T + t] * C, m->store_dtype, C);
+            if (op->wpe_off != (size_t)-1) {
+                be->convert(be, row, FL_F32, m->p16 + op->wpe_off + (size_t)(pos0 + t) * C, m->store_dtype, C);
+                be->add(be, o, o, row, C);
+            }
+        }
+}
+
+/* Embedding backward into the gradients (fp32: in place; 16-bit: through gstage, group 0). */
+fl_status fl_embed_backward(fl_model *m, const fl_outer_params *op, const float *dout, const int32_t *ids, int B,
+                            int T) {
+    const fl_backend *be = m->be;
+    if (!m->g16) {
+        be->embedding_backward(be, op->dwte, op->dwpe, dout, ids, B, T, m->cfg.dim);
+        return FL_OK;
+    }
+    size_t n0 = fl_group_numel(m, 0);
+    fl_grad_stage_begin(m, n0);
+    be->embedding_backward(be, op->dwte, op->dwpe, dout, ids, B, T, m->cfg.dim);
+    return fl_grad_stage_flush(m, m->layout.group_offset[0], n0);
+}

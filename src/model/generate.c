@@ -100,7 +100,7 @@ static fl_status forward_rows(fl_model *m, fl_kv_cache *kv, const rows_scratch *
     const int llama = m->cfg.arch == FL_ARCH_LLAMA;
     fl_outer_params op;
     fl_get_outer(m, &op);
-    be->embedding_forward(be, w->x, ids, op.wte, op.wpe ? op.wpe + (size_t)pos0 * d.C : NULL, 1, n, d.C);
+    fl_embed_forward(m, &op, w->x, ids, 1, n, pos0);
     const size_t head_stride = (size_t)kv->max_T * d.HD;
     for (int l = 0; l < d.L; l++) {
         fl_block_params bp;

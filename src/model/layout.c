@@ -191,3 +191,31 @@ size_t fl_sizing_param_count(const fl_model_config *c) {
     if (!c->tie_embeddings) n += V * C;
     return n;
 }
+
+/* 16-bit storage staging (see fl_model in model.h). pstage: the 1-D parameters
+ * of the embeddings/head groups, one row of C for the embedding, and the 1-D
+ * parameters of one block. gstage: the largest group (a block, the embeddings
+ * or the head; a tied head's gradient is the embedding's). */
+static size_t block_1d(const fl_model_config *c) {
+    size_t C = c->dim, F = c->ffn_dim, QKV = (size_t)(c->n_heads + 2 * c->n_kv_heads) * c->head_dim;
+    if (c->arch == FL_ARCH_GPT2) return 4 * C + QKV + C + F + C;
+    size_t n = 2 * C;
+    if (c->attention_bias) n += QKV + C;
+    if (c->mlp_bias) n += 2 * (size_t)F + C;
+    return n;
+}
+
+size_t fl_sizing_pstage_elems(const fl_model_config *c) {
+    size_t C = c->dim;
+    return (c->arch == FL_ARCH_GPT2 ? 2 * C : C) + C + block_1d(c);
+}
+
+size_t fl_sizing_gstage_elems(const fl_model_config *c) {
+    size_t C = c->dim, V = c->vocab_size, L = c->n_layers;
+    size_t outer_1d = c->arch == FL_ARCH_GPT2 ? 2 * C : C;
+    size_t g0 = V * C + (c->arch == FL_ARCH_GPT2 ? (size_t)c->max_seq * C : 0);
+    size_t head = outer_1d + (c->tie_embeddings ? 0 : V * C);
+    size_t blk = L ? (fl_sizing_param_count(c) - g0 - head) / L : 0;
+    size_t n = blk > g0 ? blk : g0;
+    return head > n ? head : n;
+}

@@ -150,13 +150,21 @@ void fl_lora_free_acts(fl_model *m) {
     m->lora->acts = m->lora->work = NULL;
 }
 
-void fl_model_lora_merge(fl_model *m) {
+fl_status fl_model_lora_merge(fl_model *m) {
     struct fl_lora_state *st = m->lora;
-    if (!st) return;
+    if (!st) return FL_OK;
     for (int j = 0; j < st->n_mods; j++) {
         const fl_lora_module *md = &st->mods[j];
         const fl_param_info *p = &m->layout.params[md->param_index];
-        fl_lora_merge(m->params + p->offset, md->in, st->params + st->off[2 * j], st->params + st->off[2 * j + 1],
-                      st->cfg.r, md->in, md->out, st->scaling);
+        /* 16-bit storage: merge in fp32, round once */
+        float *tmp = m->params ? NULL : malloc(p->numel * sizeof(float));
+        if (!m->params && !tmp) return fl_errorf(FL_ERR_OOM, "merging LoRA into %s: out of host memory", p->name);
+        float *w = tmp ? tmp : m->params + p->offset;
+        if (tmp) fl_model_read_param(m, md->param_index, tmp);
+        fl_lora_merge(w, md->in, st->params + st->off[2 * j], st->params + st->off[2 * j + 1], st->cfg.r, md->in,
+                      md->out, st->scaling);
+        if (tmp) fl_model_write_param(m, md->param_index, tmp);
+        free(tmp);
     }
+    return FL_OK;
 }

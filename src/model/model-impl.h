@@ -137,12 +137,30 @@ typedef struct {
     const float *wte, *wpe, *lnf_w, *lnf_b, *head;
     float *dwte, *dwpe, *dlnf_w, *dlnf_b, *dhead;
     size_t head_off;  /* element offset of the head weight (for its compute copy) */
+    size_t wte_off, wpe_off; /* element offsets of the embeddings (wpe: -1 if none) */
 } fl_outer_params;
 
 void fl_get_block(const fl_model *m, int l, fl_block_params *bp);
 /* Point lin->wc at the compute copy of the weight at element offset w_off (or NULL). */
 void fl_linear_set_compute(const fl_model *m, fl_linear *lin, size_t w_off);
 void fl_get_outer(const fl_model *m, fl_outer_params *o);
+/* Embedding lookup / backward for either storage (16-bit: rows widened one at a time;
+ * gradients through gstage). out is (B, T, C); positions start at pos0. */
+void fl_embed_forward(const fl_model *m, const fl_outer_params *op, float *out, const int32_t *ids, int B, int T,
+                      int pos0);
+fl_status fl_embed_backward(fl_model *m, const fl_outer_params *op, const float *dout, const int32_t *ids, int B,
+                            int T);
+
+/* 16-bit storage: a group's gradients are computed in fp32 into m->gstage
+ * (zeroed by _begin over n elements; G() maps each entry to its offset within
+ * its group) and added into m->g16 at element offset off by _flush. Both are
+ * no-ops with fp32 storage. */
+size_t fl_group_numel(const fl_model *m, int g);
+void fl_grad_stage_begin(fl_model *m, size_t n);
+fl_status fl_grad_stage_flush(fl_model *m, size_t off, size_t n);
+/* Start of a block's 1-D parameter views in pstage (after the outer ones and one row). */
+size_t fl_pstage_block_start(const fl_model *m);
+
 /* Normalization dispatch: RMSNorm for LLaMA, LayerNorm for GPT-2 (mean unused for RMSNorm). */
 void fl_norm_forward(const fl_model *m, float *out, float *mean, float *rstd, const float *x, const float *w,
                      const float *b, int N);

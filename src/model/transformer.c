@@ -50,7 +50,7 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
     if (!a) return fl_errorf(FL_ERR_INVALID, "fl_model_forward: activations not allocated (call fl_model_alloc_acts)");
     if (B * T > m->B * m->T || T > m->T)
         return fl_errorf(FL_ERR_INVALID, "fl_model_forward: batch (%d,%d) exceeds the arena's (%d,%d)", B, T, m->B, m->T);
-    if (grad_scale > 0 && (!targets || (!m->grads && !m->lora)))
+    if (grad_scale > 0 && (!targets || (!m->grads && !m->g16 && !m->lora)))
         return fl_errorf(FL_ERR_INVALID, "fl_model_forward: training forward needs targets and gradient buffers");
     fl_dims d = fl_model_dims(&m->cfg);
     const int N = B * T;
@@ -62,7 +62,7 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
      * rows but we use them as (B, T) contiguous rows, which fits since B*T <= m->B*m->T. */
     fl_outer_params op;
     fl_get_outer(m, &op);
-    be->embedding_forward(be, a->res[0], ids, op.wte, op.wpe, B, T, d.C);
+    fl_embed_forward(m, &op, a->res[0], ids, B, T, 0);
 
     /* With activation checkpointing every block writes into the same single
      * layer buffer (layer[l] all alias it) and only res[l] survives. */
@@ -79,6 +79,9 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
     m->loss_sum = 0;
     m->n_valid = 0;
     m->have_targets = targets != NULL;
+    /* 16-bit storage: the head's gradient accumulates over the chunks in fp32, then is added once */
+    const int stage_head = grad_scale > 0 && targets && head.dw && m->g16;
+    if (stage_head) fl_grad_stage_begin(m, (size_t)d.V * d.C);
     for (int r0 = 0; r0 < N; r0 += R) {
         int rows = N - r0 < R ? N - r0 : R;
         const float *xr = a->lnf + (size_t)r0 * d.C;
@@ -90,6 +93,7 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
                           FL_IGNORE_INDEX);
         if (train) FL_TRY(fl_linear_backward(be, dlnf + (size_t)r0 * d.C, 0, a->logits, xr, &head, rows));
     }
+    if (stage_head) FL_TRY(fl_grad_stage_flush(m, op.head_off, (size_t)d.V * d.C));
     if (targets) {
         for (int i = 0; i < N; i++)
             if (targets[i] != FL_IGNORE_INDEX) {
@@ -119,12 +123,18 @@ fl_status fl_model_backward(fl_model *m) {
     float *buf1 = a->buf1;   // (N, max(C, QD, F))
     float *buf2 = a->buf2;   // (N, max(QKV, FCW))
     be->zero(be, dres, (size_t)N * d.C * sizeof(float));
+    /* the final norm's parameters open the head group (16-bit storage: staged) */
+    const size_t n_lnf = (size_t)(m->cfg.arch == FL_ARCH_GPT2 ? 2 : 1) * d.C, head_group = m->layout.group_offset[d.L + 1];
+    fl_grad_stage_begin(m, n_lnf);
     norm_backward(m, dres, op.dlnf_w, op.dlnf_b, buf1, a->res[d.L], op.lnf_w, a->lnf_mean, a->lnf_rstd, N);
+    FL_TRY(fl_grad_stage_flush(m, head_group, n_lnf));
 
     for (int l = d.L - 1; l >= 0; l--) {
         fl_block_params bp;
         fl_get_block(m, l, &bp);
         fl_layer_acts *la = &a->layer[l];
+        const size_t gn = fl_group_numel(m, l + 1);
+        fl_grad_stage_begin(m, gn);
         /* checkpointing: rebuild this block's activations from its saved input
          * (it also rewrites res[l+1] with identical values; backward no longer needs it) */
         if (m->act_ckpt) FL_TRY(block_forward(m, l, B, T, la));
@@ -145,8 +155,9 @@ fl_status fl_model_backward(fl_model *m) {
         }
         FL_TRY(fl_linear_backward(be, buf1, 0, buf2, la->ln1, &bp.qkv, N)); // d ln1 (N, C)
         norm_backward(m, dres, bp.d_ln1_w, bp.d_ln1_b, buf1, a->res[l], bp.ln1_w, la->ln1_mean, la->ln1_rstd, N);
+        FL_TRY(fl_grad_stage_flush(m, m->layout.group_offset[l + 1], gn));
     }
-    be->embedding_backward(be, op.dwte, op.dwpe, dres, a->ids, B, T, d.C);
+    FL_TRY(fl_embed_backward(m, &op, dres, a->ids, B, T));
     m->fwd_train = 0;
     return FL_OK;
 }

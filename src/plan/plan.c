@@ -26,8 +26,7 @@ static const fl_plan_technique k_tech[] = {
     {"micro_batch", 1, "--train.micro_batch_size B (accumulation = global_batch_size / B)", ""},
     {"max_seq_length", 1, "--train.max_seq_length T (longer samples are truncated)", ""},
     {"sgd", 1, "--optimizer SGD (no state without momentum; one buffer with)", ""},
-    {"bf16-true", 0, "--precision bf16-true",
-     "bf16 GEMM kernels exist but the precision policy is not wired into the trainer yet"},
+    {"bf16-true", 1, "--precision bf16-true", "bf16 parameters, gradients and AdamW state (2+2+4 bytes per parameter)"},
     {"bf16-mixed", 1, "--precision bf16-mixed", "fp32 master weights + a bf16 copy the matmuls read"},
     {"16-mixed", 0, "--precision 16-mixed", "not wired into the trainer yet (loss scaler exists)"},
     {"activation_checkpointing", 1, "--train.activation_checkpointing true", "keep block inputs, recompute blocks in backward"},
@@ -213,9 +212,14 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     fl_precision pr;
     if (fl_precision_find(c->precision, &pr) != FL_OK) pr = *fl_precision_get(FL_PREC_32_TRUE);
     snprintf(g->step, sizeof g->step, "before_fwd");
-    /* model load: fl_model_init, then fl_model_set_precision (mixed: the compute copy) */
+    /* model load: fl_model_init_ex (storage of the policy), then fl_model_set_precision (mixed: the compute copy) */
     fl_mem_set_phase(&g->pool, "model load");
-    palloc(g, FL_TAG_PARAMS, n * sizeof(float), "parameters");
+    fl_model_storage stg;
+    fl_model_storage_for(&pr, &stg);
+    const size_t es = fl_dtype_size(stg.param_dtype);
+    snprintf(what, sizeof what, "parameters (%s)", fl_dtype_name(stg.param_dtype));
+    palloc(g, FL_TAG_PARAMS, n * es, what);
+    if (es != 4) palloc(g, FL_TAG_WORKSPACE, fl_sizing_pstage_elems(mc) * sizeof(float), "fp32 views of 1-D parameters");
     size_t copy = fl_precision_copy_bytes(&pr, n);
     if (copy) {
         snprintf(what, sizeof what, "%s weight copy", pr.name);
@@ -236,8 +240,13 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
         palloc(g, FL_TAG_PARAMS, n_train * sizeof(float), "LoRA adapters");
         palloc(g, FL_TAG_GRADS, n_train * sizeof(float), "LoRA adapter gradients");
     } else {
-        palloc(g, FL_TAG_GRADS, n * sizeof(float), "gradients");
+        snprintf(what, sizeof what, "gradients (%s)", fl_dtype_name(stg.param_dtype));
+        palloc(g, FL_TAG_GRADS, n * es, what);
+        if (es != 4) palloc(g, FL_TAG_WORKSPACE, fl_sizing_gstage_elems(mc) * sizeof(float), "fp32 gradient staging (one group)");
     }
+    fl_optim_config ocp = *oc; /* the policy fixes the state dtype of full parameters (fl_optim_init) */
+    if (!lora && pr.optim_dtype == FL_BF16) ocp.state_dtype = FL_BF16;
+    oc = &ocp;
     if (oc->kind == FL_OPT_ADAMW8BIT) { /* one allocation, bound per tensor (fl_optim_init) */
         size_t b8 = 0;
         if (lora)

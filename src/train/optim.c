@@ -51,6 +51,7 @@ static fl_status trainable(fl_optimizer *o, fl_model *model) {
     o->t_n = calloc((size_t)n + 1, sizeof *o->t_n);
     if (!o->t_off || !o->t_n) return fl_errorf(FL_ERR_OOM, "optimizer bookkeeping: out of host memory");
     o->n_tensors = n;
+    o->pt = o->gt = FL_F32;
     if (st) {
         o->p = st->params;
         o->g = st->grads;
@@ -62,8 +63,9 @@ static fl_status trainable(fl_optimizer *o, fl_model *model) {
             o->t_n[2 * j + 1] = (size_t)st->mods[j].out * st->cfg.r;
         }
     } else {
-        o->p = model->params;
-        o->g = model->grads;
+        o->p = model->params ? (void *)model->params : (void *)model->p16;
+        o->g = model->grads ? (void *)model->grads : (void *)model->g16;
+        o->pt = o->gt = model->store_dtype;
         o->n = model->layout.numel;
         for (int i = 0; i < n; i++) {
             o->t_off[i] = model->layout.params[i].offset;
@@ -80,8 +82,11 @@ fl_status fl_optim_init(fl_optimizer *o, fl_model *model, const fl_optim_config 
         return fl_errorf(FL_ERR_INVALID, "optimizer state dtype must be F32 or BF16");
     o->cfg = *cfg;
     o->model = model;
+    /* the precision policy fixes the state dtype of the full parameters (bf16-true: bf16);
+     * LoRA adapters are fp32 under every policy */
+    if (!model->lora && model->prec.optim_dtype == FL_BF16) o->cfg.state_dtype = FL_BF16;
     fl_status s = trainable(o, model);
-    size_t bytes = o->n * (cfg->state_dtype == FL_BF16 ? 2 : 4);
+    size_t bytes = o->n * (o->cfg.state_dtype == FL_BF16 ? 2 : 4);
     if (s != FL_OK) {
     } else if (cfg->kind == FL_OPT_ADAMW) {
         s = fl_mem_calloc(model->pool, FL_TAG_OPTIM, bytes, (void **)&o->m);
@@ -121,6 +126,7 @@ void fl_optim_free(fl_optimizer *o) {
 
 double fl_grad_norm(const fl_model *m) {
     if (m->lora) return sqrt(m->be->sumsq(m->be, m->lora->grads, m->lora->numel));
+    if (m->g16) return sqrt(m->be->sumsq_ex(m->be, m->g16, m->store_dtype, m->layout.numel));
     return sqrt(m->be->sumsq(m->be, m->grads, m->layout.numel));
 }
 
@@ -139,23 +145,25 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
     o->step++;
     const fl_optim_config *c = &o->cfg;
     size_t n = o->n;
-    if (c->kind == FL_OPT_ADAMW && c->state_dtype == FL_F32) {
+    const int f32 = o->pt == FL_F32 && o->gt == FL_F32;
+    if (c->kind == FL_OPT_ADAMW && c->state_dtype == FL_F32 && f32) {
         be->adamw_update(be, o->p, o->g, o->m, o->v, n, lr, c->beta1, c->beta2, c->eps, c->weight_decay,
                          o->step, scale);
     } else if (c->kind == FL_OPT_ADAMW) {
-        FL_TRY(be->adamw_update_ex(be, o->p, FL_F32, o->g, FL_F32, o->m, o->v, c->state_dtype, n, lr,
+        FL_TRY(be->adamw_update_ex(be, o->p, o->pt, o->g, o->gt, o->m, o->v, c->state_dtype, n, lr,
                                    c->beta1, c->beta2, c->eps, c->weight_decay, o->step, scale));
-    } else if (c->kind == FL_OPT_SGD && c->state_dtype == FL_F32) {
+    } else if (c->kind == FL_OPT_SGD && c->state_dtype == FL_F32 && f32) {
         be->sgd_update(be, o->p, o->g, o->buf, n, lr, c->momentum, c->dampening, c->weight_decay,
                        c->nesterov, o->step == 1, scale);
     } else if (c->kind == FL_OPT_SGD) {
-        FL_TRY(be->sgd_update_ex(be, o->p, FL_F32, o->g, FL_F32, o->buf, c->state_dtype, n, lr, c->momentum,
+        FL_TRY(be->sgd_update_ex(be, o->p, o->pt, o->g, o->gt, o->buf, c->state_dtype, n, lr, c->momentum,
                                  c->dampening, c->weight_decay, c->nesterov, o->step == 1, scale));
     } else {
         /* block-wise state is per tensor, as bitsandbytes keeps it per parameter */
         for (int i = 0; i < o->n_tensors; i++) {
             size_t off = o->t_off[i];
-            FL_TRY(be->adam8bit_update(be, o->p + off, FL_F32, o->g + off, FL_F32, &o->st8[i], lr, c->beta1,
+            FL_TRY(be->adam8bit_update(be, (char *)o->p + off * fl_dtype_size(o->pt), o->pt,
+                                       (const char *)o->g + off * fl_dtype_size(o->gt), o->gt, &o->st8[i], lr, c->beta1,
                                        c->beta2, c->eps, c->weight_decay, o->step, scale));
         }
     }

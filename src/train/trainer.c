@@ -32,6 +32,7 @@ typedef struct {
     fl_mem_pool pool;
     int pool_ok;
     fl_model model;
+    fl_model_storage stg; /* parameter storage of the precision policy */
     int model_ok;
     fl_optimizer opt;
     fl_tokenizer *tok;
@@ -129,7 +130,7 @@ static fl_status load_model_and_tokenizer(trainer *t) {
     if (c->command == FL_CMD_PRETRAIN && (c->model_name[0] || c->model_config[0])) {
         if (c->model_name[0]) FL_TRY(fl_preset_find(c->model_name, &mc));
         else FL_TRY(fl_hf_load_config(c->model_config, &mc));
-        FL_TRY(fl_model_init(&t->model, &mc, &t->be, &t->pool));
+        FL_TRY(fl_model_init_ex(&t->model, &mc, &t->be, &t->pool, &t->stg));
         t->model_ok = 1;
         fl_model_init_random(&t->model, c->seed);
         if (ck[0]) { FL_TRY(fl_hf_load_weights(&t->model, ck)); have_weights = 1; }
@@ -142,7 +143,7 @@ static fl_status load_model_and_tokenizer(trainer *t) {
             return fl_errorf(FL_ERR_NOT_FOUND, "checkpoint_dir '%s' is neither a model folder nor a preset (%s)", ck,
                              why);
         }
-        FL_TRY(fl_model_init(&t->model, &mc, &t->be, &t->pool));
+        FL_TRY(fl_model_init_ex(&t->model, &mc, &t->be, &t->pool, &t->stg));
         t->model_ok = 1;
         fl_model_init_random(&t->model, c->seed);
     } else if (ck[0] && c->init_random) {
@@ -152,12 +153,12 @@ static fl_status load_model_and_tokenizer(trainer *t) {
         if (stat(ck, &st) == 0 && S_ISDIR(st.st_mode)) snprintf(cp, sizeof cp, "%s/config.json", ck);
         else snprintf(cp, sizeof cp, "%s", ck);
         FL_TRY(fl_hf_load_config(cp, &mc));
-        FL_TRY(fl_model_init(&t->model, &mc, &t->be, &t->pool));
+        FL_TRY(fl_model_init_ex(&t->model, &mc, &t->be, &t->pool, &t->stg));
         t->model_ok = 1;
         fl_model_init_random(&t->model, c->seed);
     } else if (ck[0]) {
         int loaded = 0;
-        FL_TRY(fl_model_load_auto(&t->model, ck, &t->be, &t->pool, &loaded));
+        FL_TRY(fl_model_load_auto_ex(&t->model, ck, &t->be, &t->pool, &t->stg, &loaded));
         t->model_ok = 1;
         have_weights = loaded;
         if (!loaded) fl_model_init_random(&t->model, c->seed);
@@ -405,8 +406,8 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
     fl_precision prec;
     if ((s = fl_precision_find(cfg->precision, &prec)) != FL_OK) return s;
     if (!prec.available)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "precision '%s' is not available yet in this build (32-true, bf16-mixed)",
-                         cfg->precision);
+        return fl_errorf(FL_ERR_UNSUPPORTED, "precision '%s' is not available yet in this build", cfg->precision);
+    fl_model_storage_for(&prec, &t.stg);
     if (!strcmp(cfg->resume, "false") && !cfg->overwrite && dir_has_run(cfg->out_dir))
         return fl_errorf(FL_ERR_INVALID,
                          "out_dir '%s' holds another run (checkpoints or logs); use --resume auto to continue it "
@@ -571,7 +572,7 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
         }
         /* after evaluation and checkpointing, so a hook that stops the run acts
          * like a crash right after this step's checkpoint */
-        if (hook && hook(hook_ud, t.st.step, step_valid ? step_loss / step_valid : NAN, t.opt.p, t.opt.n)) {
+        if (hook && hook(hook_ud, t.st.step, step_valid ? step_loss / step_valid : NAN, t.opt.p, t.opt.n * fl_dtype_size(t.opt.pt))) {
             stopped = 1;
             break;
         }
@@ -597,7 +598,7 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
         }
         fl_mem_set_phase(&t.pool, "checkpoint");
         /* LoRA: final/ is the merged model (loads anywhere without PEFT), final/adapter the PEFT adapter */
-        if (t.model.lora) fl_model_lora_merge(&t.model);
+        if (t.model.lora) CHECK(fl_model_lora_merge(&t.model));
         CHECK(fl_ckpt_save(cfg->out_dir, "final", &t.model, t.model.lora ? NULL : &t.opt, t.model.lora ? NULL : &t.st,
                            cfg, t.tok_dir[0] ? t.tok_dir : NULL));
         snprintf(r.final_dir, sizeof r.final_dir, "%s/final", cfg->out_dir);

@@ -38,6 +38,8 @@ static void fill_ops(fl_backend *be) {
     be->q4_matmul_backward = fl_cpu_q4_matmul_backward;
     be->lora_forward = fl_cpu_lora_forward;
     be->lora_backward = fl_cpu_lora_backward;
+    be->accumulate16 = fl_cpu_accumulate16;
+    be->sumsq_ex = fl_cpu_sumsq_ex;
 }
 
 fl_status fl_cpu_backend_init(fl_backend *be, int n_threads) {

@@ -49,6 +49,8 @@ const char *fl_cpu_gemm_bf16_path(void);
 int fl_cpu_has_avx512bf16(void);
 
 /* ---- precision.c / adam8bit.c (reduced precision; semantics in backend.h) ------------ */
+fl_status fl_cpu_accumulate16(const fl_backend *be, uint16_t *dst, fl_dtype t, const float *src, size_t n);
+double fl_cpu_sumsq_ex(const fl_backend *be, const void *x, fl_dtype t, size_t n);
 fl_status fl_cpu_convert(const fl_backend *be, void *dst, fl_dtype dt, const void *src, fl_dtype st, size_t n);
 fl_status fl_cpu_adamw_update_ex(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m,
                                  void *v, fl_dtype ts, size_t n, float lr, float beta1, float beta2, float eps,

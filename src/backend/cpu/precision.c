@@ -162,3 +162,45 @@ fl_status fl_cpu_check_finite(const fl_backend *be, const void *x, fl_dtype t, s
     if (bad) *found_inf = 1;
     return FL_OK;
 }
+
+fl_status fl_cpu_accumulate16(const fl_backend *be, uint16_t *dst, fl_dtype t, const float *src, size_t n) {
+    if (!is16(t)) return fl_errorf(FL_ERR_UNSUPPORTED, "accumulate16: dst dtype %s (BF16 or F16)", fl_dtype_name(t));
+    if (n == 0) return FL_OK;
+    if (!dst || !src) return fl_errorf(FL_ERR_INVALID, "accumulate16: NULL buffer (n=%zu)", n);
+    size_t nc = (n + FL_PREC_CHUNK - 1) / FL_PREC_CHUNK;
+#pragma omp parallel for num_threads(nthreads(be)) schedule(static) if (n > 32768)
+    for (size_t c = 0; c < nc; c++) {
+        size_t off = c * FL_PREC_CHUNK, k = n - off < FL_PREC_CHUNK ? n - off : FL_PREC_CHUNK;
+        float tmp[FL_PREC_CHUNK];
+        widen(tmp, dst, t, off, k);
+        for (size_t i = 0; i < k; i++) tmp[i] += src[off + i];
+        narrow(dst, t, off, tmp, k);
+    }
+    return FL_OK;
+}
+
+double fl_cpu_sumsq_ex(const fl_backend *be, const void *x, fl_dtype t, size_t n) {
+    if (t == FL_F32) return fl_cpu_sumsq(be, (const float *)x, n);
+    if (!is16(t) || n == 0) return 0.0;
+    /* deterministic: thread i sums the i-th contiguous range, partials added in order */
+    int nt = nthreads(be);
+    if (nt > FL_CPU_MAX_THREADS) nt = FL_CPU_MAX_THREADS;
+    if (n <= 32768) nt = 1;
+    double part[FL_CPU_MAX_THREADS] = {0};
+#pragma omp parallel num_threads(nt)
+    {
+        int id = omp_get_thread_num(), nth = omp_get_num_threads();
+        size_t per = (n + (size_t)nth - 1) / (size_t)nth, b = (size_t)id * per, e = b + per < n ? b + per : n;
+        double s = 0.0;
+        float tmp[FL_PREC_CHUNK];
+        for (size_t off = b; off < e; off += FL_PREC_CHUNK) {
+            size_t k = e - off < FL_PREC_CHUNK ? e - off : FL_PREC_CHUNK;
+            widen(tmp, x, t, off, k);
+            for (size_t i = 0; i < k; i++) s += (double)tmp[i] * tmp[i];
+        }
+        part[id] = s;
+    }
+    double total = 0.0;
+    for (int i = 0; i < nt; i++) total += part[i];
+    return total;
+}
