@@ -6,6 +6,21 @@
 
 One step = zero_grad(set_to_none=True), forward, F.cross_entropy on random targets,
 backward, AdamW step. fp32, LLaMA, untied head, no biases, sdpa attention.
+
+Precision (--precision): 32-true (default); bf16-mixed = torch.autocast(cpu, bfloat16) around
+forward + loss, fp32 weights and AdamW; bf16-true = model.to(torch.bfloat16), AdamW on the bf16
+parameters (bf16 optimizer state), LoRA adapters kept bf16 too. The loss is always computed on
+logits.float().
+
+QLoRA (--quantize nf4 | nf4-dq, also spelled bnb.nf4 / bnb.nf4-dq as fitllm does; needs --lora R):
+the random model is written to a temporary folder by a child process (so its fp32 copy does not
+count in peak_rss_mb), then loaded with transformers BitsAndBytesConfig(load_in_4bit=True,
+bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=<dq>, bnb_4bit_compute_dtype=float32, or
+bfloat16 with --precision bf16-true; --bnb-compute-dtype overrides): every nn.Linear of the
+decoder layers becomes a bitsandbytes Linear4bit (blocksize 64), lm_head, embeddings and norms
+stay unquantized; PEFT then puts LoRA on q_proj+v_proj (peft.tuners.lora.bnb.Linear4bit).
+prepare_model_for_kbit_training is not called. Runs on CPU with bitsandbytes >= 0.49 (its CPU
+backend; without the optional `kernels` package it dequantizes and calls torch matmul).
 Prints one line:
     RESULT impl=torch shape=tiny median_ms=... tok_s=... gflops=... peak_rss_mb=...
 FLOPs per step = 6*N*B*T + 6*L*B*T*T*hidden, N = all linear weights incl. lm_head,
@@ -28,6 +43,38 @@ SHAPES = {
 }
 
 
+def load_quantized(args, cfg, quant, bf16_true):
+    """Random model -> temp folder (child process) -> from_pretrained with a 4-bit bnb config."""
+    import os
+    import subprocess
+    import tempfile
+    try:
+        import bitsandbytes as bnb
+        from transformers import BitsAndBytesConfig, LlamaForCausalLM
+    except ImportError as e:
+        sys.exit(f"error: --quantize needs bitsandbytes (pip install bitsandbytes): {e}")
+    cd = args.bnb_compute_dtype
+    cd = torch.bfloat16 if (cd == "bfloat16" or (cd == "auto" and bf16_true)) else torch.float32
+    qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                            bnb_4bit_use_double_quant=(quant == "nf4-dq"), bnb_4bit_compute_dtype=cd)
+    with tempfile.TemporaryDirectory(prefix="bench_step_q4_") as d:
+        cmd = [sys.executable, os.path.abspath(__file__), "--shape", args.shape, "--seed", str(args.seed),
+               "--threads", str(args.threads), "--_save-random", d]
+        subprocess.run(cmd, check=True)
+        try:
+            model = LlamaForCausalLM.from_pretrained(
+                d, quantization_config=qc, dtype=torch.bfloat16 if bf16_true else torch.float32,
+                device_map="cpu", attn_implementation="sdpa")
+        except Exception as e:  # noqa: BLE001
+            sys.exit(f"error: bitsandbytes {bnb.__version__} could not load a 4-bit model on CPU: {e}")
+    n4 = sum(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+    print(f"# bitsandbytes {bnb.__version__}: {n4} Linear4bit layers ({quant}, compute {cd}), "
+          f"lm_head {type(model.lm_head).__name__}", file=sys.stderr)
+    if n4 == 0:
+        sys.exit("error: no layer was quantized")
+    return model
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
@@ -37,13 +84,24 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--precision", choices=["32-true", "bf16-mixed"], default="32-true",
-                    help="bf16-mixed = torch.autocast(cpu, bfloat16) around forward+loss")
+    ap.add_argument("--precision", choices=["32-true", "bf16-mixed", "bf16-true"], default="32-true",
+                    help="bf16-mixed = torch.autocast(cpu, bfloat16) around forward+loss; "
+                         "bf16-true = model.to(bfloat16), AdamW on bf16 params")
+    ap.add_argument("--quantize", default="", metavar="nf4|nf4-dq",
+                    help="QLoRA base: bitsandbytes 4-bit NF4 (nf4-dq: double-quantized absmax); needs --lora")
+    ap.add_argument("--bnb-compute-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="bnb_4bit_compute_dtype (auto: bfloat16 for bf16-true, else float32)")
+    ap.add_argument("--_save-random", dest="save_random", default="", help=argparse.SUPPRESS)
     ap.add_argument("--lora", type=int, default=0,
                     help="LoRA rank (peft LoraConfig r, alpha 2r, q_proj+v_proj, dropout 0); base frozen")
     ap.add_argument("--act-ckpt", action="store_true",
                     help="activation checkpointing (model.gradient_checkpointing_enable, torch.utils.checkpoint)")
     args = ap.parse_args()
+    quant = args.quantize[4:] if args.quantize.startswith("bnb.") else args.quantize
+    if quant not in ("", "nf4", "nf4-dq"):
+        ap.error(f"--quantize {args.quantize!r}: supported: nf4, nf4-dq (or bnb.nf4, bnb.nf4-dq)")
+    if quant and not args.lora and not args.save_random:
+        ap.error("--quantize needs --lora R (QLoRA: the 4-bit base is frozen)")
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -57,7 +115,16 @@ def main():
                       bos_token_id=1, eos_token_id=2, use_cache=False,
                       attn_implementation="sdpa")
     cfg._attn_implementation = "sdpa"
-    model = LlamaForCausalLM(cfg).float()
+    bf16_true = args.precision == "bf16-true"
+    if args.save_random:  # child process of the --quantize path: write the random fp32 model
+        LlamaForCausalLM(cfg).float().save_pretrained(args.save_random, safe_serialization=True)
+        return
+    if quant:
+        model = load_quantized(args, cfg, quant, bf16_true)
+    else:
+        model = LlamaForCausalLM(cfg).float()
+        if bf16_true:
+            model = model.to(torch.bfloat16)
     model.train()
     if args.act_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -65,13 +132,16 @@ def main():
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0,
                                                  target_modules=["q_proj", "v_proj"], bias="none",
-                                                 task_type="CAUSAL_LM"))
+                                                 task_type="CAUSAL_LM"),
+                               autocast_adapter_dtype=not bf16_true)  # bf16-true: bf16 adapters too
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.1)
 
     B, T, V = args.batch, args.seq, s["vocab_size"]
     L, H = s["num_hidden_layers"], s["hidden_size"]
-    n_lin = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    n_all = sum(p.numel() for p in model.parameters())
+    # logical sizes (a bnb Linear4bit is an nn.Linear whose weight holds packed bytes)
+    n_lin = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
+    n_all = sum(p.quant_state.shape.numel() if getattr(p, "quant_state", None) is not None else p.numel()
+                for p in model.parameters())
     flops = 6 * n_lin * B * T + 6 * L * B * T * T * H
 
     g = torch.Generator().manual_seed(args.seed + 1)
@@ -106,6 +176,8 @@ def main():
     gflops = flops / med / 1e9
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     print(f"# torch {torch.__version__} transformers {transformers.__version__} "
+          f"precision={args.precision} quantize={quant or 'none'} lora={args.lora} "
+          f"dtypes={sorted({str(p.dtype).replace('torch.', '') for p in model.parameters()})} "
           f"threads={args.threads} params={n_all} linear_params={n_lin} "
           f"flops_per_step={flops} B={B} T={T}", file=sys.stderr)
     print(f"RESULT impl=torch shape={args.shape} median_ms={med*1e3:.1f} tok_s={tok_s:.1f} "

@@ -7,7 +7,9 @@
 #
 # Env: FITLLM (default ./build/fitllm), FITLLM_PY (default /work/venv/bin/python),
 #      ROUNDS (3), SHAPES ("tiny small"), STEPS (10), THREADS (2), BATCH (4), SEQ (256),
-#      PRECISION (32-true or bf16-mixed), ACT_CKPT (0/1), LORA (rank, 0 = off),
+#      PRECISION (32-true, bf16-mixed or bf16-true), ACT_CKPT (0/1), LORA (rank, 0 = off),
+#      QUANTIZE (QLoRA base, needs LORA: nf4 or nf4-dq; fitllm gets --quantize bnb.<mode>,
+#      torch bitsandbytes 4-bit, see bench/bench_step_torch.py),
 #      OUT (raw RESULT lines are appended there; default bench/out/bench_step-<date>.txt)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,11 +17,16 @@ cd "$(dirname "$0")/.."
 FITLLM=${FITLLM:-./build/fitllm}
 PY=${FITLLM_PY:-/work/venv/bin/python}
 ROUNDS=${ROUNDS:-3}
-PRECISION=${PRECISION:-32-true}      # or bf16-mixed (torch: autocast bf16)
+PRECISION=${PRECISION:-32-true}      # or bf16-mixed (torch: autocast bf16), bf16-true (torch: model.to(bf16))
 ACT_CKPT=${ACT_CKPT:-0}              # 1: activation checkpointing on both sides
 CKPT_ARG=""; [[ "$ACT_CKPT" == 1 ]] && CKPT_ARG="--act-ckpt"
 LORA=${LORA:-0}                      # LoRA rank (both sides: q_proj+v_proj, alpha 2r); 0 = full fine-tune
 [[ "$LORA" != 0 ]] && CKPT_ARG="$CKPT_ARG --lora $LORA"
+QUANTIZE=${QUANTIZE:-}               # nf4 | nf4-dq (QLoRA, needs LORA); empty = no quantization
+if [[ -n "$QUANTIZE" ]]; then
+    [[ "$LORA" != 0 ]] || { echo "error: QUANTIZE=$QUANTIZE needs LORA=<rank> (QLoRA)" >&2; exit 2; }
+    CKPT_ARG="$CKPT_ARG --quantize bnb.${QUANTIZE#bnb.}"
+fi
 SHAPES=${SHAPES:-"tiny small"}
 STEPS=${STEPS:-10}
 THREADS=${THREADS:-2}
@@ -43,7 +50,7 @@ mkdir -p "$(dirname "$OUT")"
 : > "$OUT.tmp"
 {
     echo "# $(date -u +%FT%TZ) host=$(hostname) nproc=$(nproc) cpu=$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1)"
-    echo "# rounds=$ROUNDS steps=$STEPS threads=$THREADS batch=$BATCH seq=$SEQ precision=$PRECISION act_ckpt=$ACT_CKPT lora=$LORA loadavg=$(cut -d" " -f1-3 /proc/loadavg)"
+    echo "# rounds=$ROUNDS steps=$STEPS threads=$THREADS batch=$BATCH seq=$SEQ precision=$PRECISION act_ckpt=$ACT_CKPT lora=$LORA quantize=${QUANTIZE:-none} loadavg=$(cut -d" " -f1-3 /proc/loadavg)"
     echo "# note: other processes on this machine skew the timings; check loadavg is ~0 first"
 } | tee -a "$OUT"
 
