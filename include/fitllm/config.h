@@ -58,7 +58,7 @@ typedef struct {
     int query, key, value, projection, mlp, head;
     char target_modules[256]; /* PEFT-style list (overrides the booleans), e.g. "q_proj,v_proj" or "all-linear" */
     int use_rslora;
-    char quantize[32];        /* "" or bnb.nf4 ... (not available yet) */
+    char quantize[32];        /* "" or bnb.nf4 / bnb.nf4-dq / bnb.fp4 / bnb.fp4-dq (QLoRA) */
 } fl_lora_args;
 
 typedef struct {

@@ -66,6 +66,11 @@ typedef struct {
     const void *data;     /* source elements */
     fl_dtype src_dtype;   /* dtype of data (converted on write) */
     int transpose2d;      /* write the 2-D source (shape[1], shape[0]) transposed */
+    /* Optional producer instead of data: fills dst with the tensor's source (numel fp32
+     * values; src_dtype is then F32), called while writing, so only one such tensor is
+     * ever materialized (a dequantized 4-bit weight when saving a QLoRA model). */
+    fl_status (*fill)(void *ud, float *dst);
+    void *fill_ud;
 } fl_st_write_tensor;
 
 /* Write tensors (in the given order) with optional metadata pairs to `path`

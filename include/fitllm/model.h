@@ -28,6 +28,7 @@
 #include "fitllm/backend.h"
 #include "fitllm/mem.h"
 #include "fitllm/precision.h"
+#include "fitllm/quant4.h"
 #include "fitllm/status.h"
 
 #ifdef __cplusplus
@@ -119,6 +120,11 @@ typedef struct fl_acts fl_acts; /* private: pointers into the ACTS arena */
  * model never exists in fp32, not even while loading). */
 typedef struct {
     fl_dtype param_dtype; /* FL_F32 (default), FL_BF16 (bf16-true) or FL_F16 (16-true) */
+    int quant4;           /* QLoRA: every linear weight of the blocks stored in 4 bits (bitsandbytes
+                           * NF4/FP4 blocks of 64, fitllm/quant4.h); embeddings, norms, biases and
+                           * lm_head stay in param_dtype (as transformers' BitsAndBytesConfig) */
+    int q4_type;          /* fl_q4_type: FL_Q4_NF4 or FL_Q4_FP4 */
+    int q4_double_quant;  /* "-dq": double-quantized absmax */
 } fl_model_storage;
 
 typedef struct {
@@ -139,6 +145,16 @@ typedef struct {
     float *pstage;          /* (pstage_n) fp32 views of 1-D parameters */
     float *gstage;          /* (gstage_n) fp32 gradients of one group */
     size_t pstage_n, gstage_n;
+    /* 4-bit entries (QLoRA; fl_model_storage.quant4): the dense store (params or p16)
+     * then holds only the other entries, at soff[i]; q4[i].packed != NULL marks a
+     * quantized entry, bound into q4_mem (PARAMS). Without quantization soff is NULL
+     * and every entry is at its layout offset. */
+    fl_model_storage storage;
+    size_t *soff;           /* (layout.n) element offset in the dense store, or NULL */
+    size_t dense_numel;     /* elements of the dense store */
+    fl_q4_weight *q4;       /* (layout.n) or NULL */
+    void *q4_mem;
+    size_t q4_bytes;
     /* activation arena for (B,T), allocated by fl_model_alloc_acts */
     int B, T;
     fl_act_sizes sizes;
@@ -174,8 +190,19 @@ size_t fl_sizing_gstage_elems(const fl_model_config *cfg);
  * the storage dtype (round to nearest even). */
 void fl_model_read_param(const fl_model *m, int i, float *dst);
 void fl_model_write_param(fl_model *m, int i, const float *src);
-/* Pointer to entry i in the storage and its dtype. */
+/* Pointer to entry i in the dense storage and its dtype; NULL for a 4-bit entry
+ * (read it with fl_model_read_param: dequantized, LoRA-merged after fl_model_lora_merge). */
 void *fl_model_param_data(const fl_model *m, int i, fl_dtype *dt);
+/* Entry i is stored in 4 bits. */
+int fl_model_param_is_q4(const fl_model *m, int i);
+/* Element offset of entry i in the dense store. */
+size_t fl_model_store_off(const fl_model *m, int i);
+/* Layout entries that are quantized under fl_model_storage.quant4 (the blocks' 2-D weights). */
+int fl_layout_entry_quantizable(const fl_param_layout *lay, int i);
+/* Storage of a model stored as st: elements of the dense store (in st->param_dtype) and
+ * bytes of the 4-bit entries (exact; what fl_model_init_ex allocates as PARAMS). */
+void fl_sizing_param_split(const fl_model_config *cfg, const fl_model_storage *st, size_t *dense_numel,
+                           size_t *q4_bytes);
 /* Random init like HF's _init_weights (normal(0, 0.02) for linears and
  * embeddings, zeros for biases, ones for norm weights), deterministic in seed. */
 void fl_model_init_random(fl_model *m, uint64_t seed);

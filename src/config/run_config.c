@@ -137,7 +137,7 @@ static const fl_cfg_key k_keys[] = {
     {"lora_head", FL_CK_BOOL, OFF(lora.head), "finetune_lora: adapt lm_head (not supported yet)"},
     {"lora_target_modules", FL_CK_PATH256, OFF(lora.target_modules), "finetune_lora: PEFT target modules (overrides lora_*)"},
     {"use_rslora", FL_CK_BOOL, OFF(lora.use_rslora), "finetune_lora: scaling alpha / sqrt(r)"},
-    {"quantize", FL_CK_STR32, OFF(lora.quantize), "finetune_lora: bnb.nf4 | bnb.nf4-dq | bnb.fp4 | bnb.fp4-dq (not yet)"},
+    {"quantize", FL_CK_STR32, OFF(lora.quantize), "finetune_lora (QLoRA): bnb.nf4 | bnb.nf4-dq | bnb.fp4 | bnb.fp4-dq"},
     {"max_memory", FL_CK_BYTES, OFF(max_memory), "allocator budget, e.g. 8GB (fitllm)"},
     {"threads", FL_CK_INT, OFF(threads), "CPU threads, 0 = all cores (fitllm)"},
     {"quiet", FL_CK_BOOL, OFF(quiet), "no progress bar (fitllm)"},
@@ -452,8 +452,16 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
         if (c->lora.r <= 0) return fl_errorf(FL_ERR_INVALID, "lora_r must be positive");
         if (!(c->lora.alpha > 0)) return fl_errorf(FL_ERR_INVALID, "lora_alpha must be positive");
         if (c->lora.dropout < 0 || c->lora.dropout >= 1) return fl_errorf(FL_ERR_INVALID, "lora_dropout must be in [0, 1)");
-        if (c->lora.quantize[0])
-            return fl_errorf(FL_ERR_UNSUPPORTED, "quantize '%s': QLoRA is not available yet in this build", c->lora.quantize);
+        if (c->lora.quantize[0]) {
+            fl_q4_type qt;
+            int dq;
+            FL_TRY(fl_q4_parse_mode(c->lora.quantize, &qt, &dq));
+            if (strstr(c->precision, "mixed")) /* as LitGPT: the 4-bit base is dequantized to the precision's dtype */
+                return fl_errorf(FL_ERR_INVALID,
+                                 "quantize '%s' with precision '%s': quantization and mixed precision are not "
+                                 "supported together (use 32-true or bf16-true)",
+                                 c->lora.quantize, c->precision);
+        }
     }
     if (c->command != FL_CMD_PRETRAIN && !c->checkpoint_dir[0])
         return fl_errorf(FL_ERR_INVALID, "missing checkpoint_dir (the model to fine-tune)");

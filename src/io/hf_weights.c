@@ -55,12 +55,22 @@ static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl
     int pi = (int)(p - m->layout.params);
     fl_dtype dt;
     void *dst = fl_model_param_data(m, pi, &dt);
+    float *q4src = NULL; /* a 4-bit entry: read as fp32, then quantized (one tensor at a time) */
+    if (!dst) {
+        q4src = malloc(p->numel * sizeof(float));
+        if (!q4src) return fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", f->path, t->name);
+        dst = q4src;
+        dt = FL_F32;
+    }
     size_t es = fl_dtype_size(t->dtype), ds = fl_dtype_size(dt);
     const void *src = t->data;
     void *aligned = NULL;
     if ((uintptr_t)src % es) { /* the format does not promise alignment: copy out first */
         aligned = malloc(p->numel * es + 1);
-        if (!aligned) return fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", f->path, t->name);
+        if (!aligned) {
+            free(q4src);
+            return fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", f->path, t->name);
+        }
         memcpy(aligned, src, p->numel * es);
         src = aligned;
     }
@@ -79,6 +89,8 @@ static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl
         free(row);
     }
     free(aligned);
+    if (q4src && s == FL_OK) fl_model_write_param(m, pi, q4src);
+    free(q4src);
     return s;
 }
 
@@ -209,12 +221,26 @@ static size_t g_max_shard_bytes = 5000000000ull;
 
 void fl_hf_set_max_shard_bytes(size_t bytes) { g_max_shard_bytes = bytes ? bytes : 5000000000ull; }
 
+/* A 4-bit entry is written dequantized (and LoRA-merged after fl_model_lora_merge), one
+ * tensor at a time, in the dense dtype. */
+typedef struct {
+    const fl_model *m;
+    int i;
+} fl_hf_fill_ctx;
+
+static fl_status fl_hf_fill_q4(void *ud, float *dst) {
+    const fl_hf_fill_ctx *c = ud;
+    fl_model_read_param(c->m, c->i, dst);
+    return FL_OK;
+}
+
 static fl_status fl_hf_write_files(const fl_model *m, const char *dir) {
     char path[FL_HF_PATH_MAX];
     const fl_param_layout *lay = &m->layout;
     fl_st_write_tensor *t = calloc((size_t)lay->n + 1, sizeof *t);
     int *shard = calloc((size_t)lay->n + 1, sizeof *shard);
-    if (!t || !shard) { free(t); free(shard); return fl_errorf(FL_ERR_OOM, "%s: out of memory", dir); }
+    fl_hf_fill_ctx *fc = calloc((size_t)lay->n + 1, sizeof *fc);
+    if (!t || !shard || !fc) { free(t); free(shard); free(fc); return fl_errorf(FL_ERR_OOM, "%s: out of memory", dir); }
     /* pack tensors, in layout order, into shards of at most g_max_shard_bytes */
     int n_shards = 1;
     size_t cur = 0, total = 0;
@@ -231,6 +257,12 @@ static fl_status fl_hf_write_files(const fl_model *m, const char *dir) {
         t[k].dtype = sdt; /* saved in the storage dtype: a bf16-true run writes bf16 */
         t[k].src_dtype = sdt;
         t[k].data = data;
+        if (!data) {
+            fc[k] = (fl_hf_fill_ctx){m, k};
+            t[k].src_dtype = FL_F32;
+            t[k].fill = fl_hf_fill_q4;
+            t[k].fill_ud = &fc[k];
+        }
         t[k].ndim = p->ndim;
         if (p->ndim == 2 && p->transposed_on_disk) {
             t[k].shape[0] = p->shape[1];
@@ -274,6 +306,7 @@ static fl_status fl_hf_write_files(const fl_model *m, const char *dir) {
     }
     free(t);
     free(shard);
+    free(fc);
     if (s == FL_OK) s = fl_io_join(path, sizeof path, dir, "config.json");
     if (s == FL_OK) s = fl_hf_save_config(path, &m->cfg);
     return s;

@@ -33,9 +33,12 @@ static fl_status fl_llama2c_put(fl_model *m, const char *path, const char *name,
     const fl_param_info *p = &m->layout.params[k];
     if (p->numel != numel)
         return fl_errorf(FL_ERR_INTERNAL, "%s: tensor '%s': layout has %zu elements, checkpoint %zu", path, name, p->numel, numel);
-    float *tmp = m->params ? NULL : malloc(numel * sizeof(float)); /* 16-bit storage: convert after */
-    if (!m->params && !tmp) return fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", path, name);
-    float *dst = tmp ? tmp : m->params + p->offset;
+    fl_dtype dt;
+    void *data = fl_model_param_data(m, k, &dt);
+    int direct = data && dt == FL_F32;
+    float *tmp = direct ? NULL : malloc(numel * sizeof(float)); /* 16-bit or 4-bit storage: convert after */
+    if (!direct && !tmp) return fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", path, name);
+    float *dst = tmp ? tmp : (float *)data;
     if (permute_heads) fl_llama2c_permute_rows(dst, src, permute_heads, m->cfg.head_dim, (int)p->shape[1]);
     else memcpy(dst, src, numel * sizeof(float));
     if (tmp) fl_model_write_param(m, k, tmp);

@@ -286,6 +286,18 @@ static int fl_st_conv(void *dst, fl_dtype dt, const void *src, fl_dtype st, size
 static fl_status fl_st_write_data(int fd, const char *tmp, const fl_st_write_tensor *t) {
     size_t numel = fl_st_numel(t), ss = fl_dtype_size(t->src_dtype), ds = fl_dtype_size(t->dtype);
     if (numel == 0) return FL_OK;
+    if (t->fill) { /* produce the fp32 source now, write it like any other tensor */
+        float *buf = malloc(numel * sizeof(float));
+        if (!buf) return fl_errorf(FL_ERR_OOM, "%s: out of memory writing '%s'", tmp, t->name);
+        fl_st_write_tensor x = *t;
+        x.fill = NULL;
+        x.data = buf;
+        x.src_dtype = FL_F32;
+        fl_status s = t->fill(t->fill_ud, buf);
+        if (s == FL_OK) s = fl_st_write_data(fd, tmp, &x);
+        free(buf);
+        return s;
+    }
     if (t->transpose2d) {
         size_t rows = (size_t)t->shape[0], cols = (size_t)t->shape[1]; /* output shape; source is (cols, rows) */
         char *gather = malloc(cols * ss), *out = malloc(cols * ds);
@@ -334,8 +346,8 @@ fl_status fl_st_write(const char *path, const fl_st_write_tensor *t, int n, cons
         for (int d = 0; d < x->ndim; d++)
             if (x->shape[d] < 0) return fl_errorf(FL_ERR_INVALID, "%s: tensor '%s': negative dimension", path, x->name);
         if (x->transpose2d && x->ndim != 2) return fl_errorf(FL_ERR_INVALID, "%s: tensor '%s': transpose2d needs a 2-D tensor", path, x->name);
-        if (fl_st_numel(x) && !x->data) return fl_errorf(FL_ERR_INVALID, "%s: tensor '%s': NULL data", path, x->name);
-        if (x->dtype != x->src_dtype) {
+        if (fl_st_numel(x) && !x->data && !x->fill) return fl_errorf(FL_ERR_INVALID, "%s: tensor '%s': NULL data", path, x->name);
+        if (x->dtype != (x->fill ? FL_F32 : x->src_dtype)) {
             char o[8] = {0};
             if (fl_convert(o, x->dtype, o, x->src_dtype, 0))
                 return fl_errorf(FL_ERR_UNSUPPORTED, "%s: tensor '%s': cannot convert %s to %s", path, x->name,

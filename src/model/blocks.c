@@ -19,9 +19,10 @@ static const float *P1(const fl_model *m, const char *name, float **cur) {
     int i = idx_of(m, name);
     if (i < 0) return NULL;
     const fl_param_info *p = &m->layout.params[i];
-    if (m->params) return m->params + p->offset;
+    size_t so = fl_model_store_off(m, i);
+    if (m->params) return m->params + so;
     float *v = *cur;
-    m->be->convert(m->be, v, FL_F32, m->p16 + p->offset, m->store_dtype, p->numel);
+    m->be->convert(m->be, v, FL_F32, m->p16 + so, m->store_dtype, p->numel);
     *cur += p->numel;
     return v;
 }
@@ -38,17 +39,28 @@ static float *G(const fl_model *m, size_t off) {
     return m->gstage + (off - go[g]);
 }
 
-void fl_linear_set_compute(const fl_model *m, fl_linear *lin, size_t w_off) {
-    if (w_off == (size_t)-1) {
-        lin->wc = NULL;
-    } else if (m->p16) { /* 16-bit storage: the matmul reads the stored weights */
-        lin->wc = m->p16 + w_off;
+void fl_linear_set_weight(const fl_model *m, fl_linear *lin, int wi) {
+    lin->w = NULL;
+    lin->wc = NULL;
+    lin->wct = m->prec.compute_dtype;
+    lin->n_q4 = 0;
+    if (wi < 0) return;
+    if (fl_model_param_is_q4(m, wi)) {
+        /* 4-bit base: a fused output (q|k|v, gate|up) is consecutive 4-bit entries, in row order */
+        for (int r = 0, i = wi; r < lin->out && i < m->layout.n && lin->n_q4 < 3 && fl_model_param_is_q4(m, i); i++) {
+            lin->q4[lin->n_q4++] = &m->q4[i];
+            r += (int)m->layout.params[i].shape[0];
+        }
+        return;
+    }
+    size_t so = fl_model_store_off(m, wi);
+    if (m->p16) { /* 16-bit storage: the matmul reads the stored weights */
+        lin->wc = m->p16 + so;
         lin->wct = m->store_dtype;
         return;
-    } else {
-        lin->wc = m->wcompute ? (const void *)(m->wcompute + w_off) : NULL;
     }
-    lin->wct = m->prec.compute_dtype;
+    lin->w = m->params + so;
+    lin->wc = m->wcompute ? (const void *)(m->wcompute + so) : NULL;
 }
 
 static void set_linear(const fl_model *m, fl_linear *lin, int in, int out, const char *w, const char *b,
@@ -56,10 +68,9 @@ static void set_linear(const fl_model *m, fl_linear *lin, int in, int out, const
     size_t ow = off_of(m, w), ob = b ? off_of(m, b) : (size_t)-1;
     lin->in = in;
     lin->out = out;
-    lin->w = (m->params && ow != (size_t)-1) ? m->params + ow : NULL;
-    fl_linear_set_compute(m, lin, ow);
+    fl_linear_set_weight(m, lin, idx_of(m, w));
     lin->b = b ? P1(m, b, cur) : NULL;
-    lin->dw = G(m, ow);
+    lin->dw = lin->n_q4 ? NULL : G(m, ow);
     lin->db = G(m, ob);
 }
 
@@ -142,23 +153,27 @@ size_t fl_pstage_block_start(const fl_model *m) {
 void fl_get_outer(const fl_model *m, fl_outer_params *o) {
     int gpt2 = m->cfg.arch == FL_ARCH_GPT2;
     float *cur0 = m->pstage, **cur = &cur0;
+    int iwte = idx_of(m, gpt2 ? "transformer.wte.weight" : "model.embed_tokens.weight");
+    int iwpe = gpt2 ? idx_of(m, "transformer.wpe.weight") : -1;
     size_t wte = off_of(m, gpt2 ? "transformer.wte.weight" : "model.embed_tokens.weight");
     size_t wpe = gpt2 ? off_of(m, "transformer.wpe.weight") : (size_t)-1;
     const char *lw = gpt2 ? "transformer.ln_f.weight" : "model.norm.weight";
+    int ihd = m->cfg.tie_embeddings ? iwte : idx_of(m, "lm_head.weight");
     size_t hd = m->cfg.tie_embeddings ? wte : off_of(m, "lm_head.weight");
     /* embeddings: fp32 pointers only with fp32 storage (else fl_embed_* read the 16-bit rows) */
-    o->wte = m->params ? m->params + wte : NULL;
+    o->wte_off = fl_model_store_off(m, iwte);
+    o->wpe_off = iwpe >= 0 ? fl_model_store_off(m, iwpe) : (size_t)-1;
+    o->wte = m->params ? m->params + o->wte_off : NULL;
     o->dwte = G(m, wte);
-    o->wpe = (m->params && wpe != (size_t)-1) ? m->params + wpe : NULL;
+    o->wpe = (m->params && iwpe >= 0) ? m->params + o->wpe_off : NULL;
     o->dwpe = G(m, wpe);
     o->lnf_w = P1(m, lw, cur); o->dlnf_w = G(m, off_of(m, lw));
     o->lnf_b = gpt2 ? P1(m, "transformer.ln_f.bias", cur) : NULL;
     o->dlnf_b = gpt2 ? G(m, off_of(m, "transformer.ln_f.bias")) : NULL;
-    o->head = m->params ? m->params + hd : NULL;
+    o->head = m->params ? m->params + fl_model_store_off(m, ihd) : NULL;
     o->dhead = (m->grads || m->g16) ? (m->grads ? m->grads + hd : m->gstage) : NULL; /* 16-bit: the head is staged alone */
     o->head_off = hd;
-    o->wte_off = wte;
-    o->wpe_off = wpe;
+    o->head_idx = ihd;
 }
 
 /* out (n, C) = wte[ids] (+ wpe[pos0 ..]) for one sequence of n rows at position pos0,

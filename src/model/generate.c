@@ -138,7 +138,7 @@ static fl_status forward_rows(fl_model *m, fl_kv_cache *kv, const rows_scratch *
     const float *last = w->x + (size_t)(n - 1) * d.C;
     fl_norm_forward(m, w->ln, w->mean, w->rstd, last, op.lnf_w, op.lnf_b, 1);
     fl_linear head = {.in = d.C, .out = d.V, .w = op.head};
-    fl_linear_set_compute(m, &head, op.head_off);
+    fl_linear_set_weight(m, &head, op.head_idx);
     return fl_linear_forward(be, logits, w->ln, &head, 1); // (V)
 }
 

@@ -4,11 +4,16 @@
 
 fl_status fl_linear_forward(const fl_backend *be, float *y, const float *x, const fl_linear *lin, int N) {
     /* y (N,out) = x (N,in) @ W^T (in,out) */
-    /* mixed precision: the weight's compute copy (bf16), fp32 accumulation */
-    const void *w = lin->wc ? lin->wc : (const void *)lin->w;
-    fl_dtype wt = lin->wc ? lin->wct : FL_F32;
-    FL_TRY(be->gemm(be, 0, 1, N, lin->out, lin->in, 1.0f, x, FL_F32, lin->in, w, wt, lin->in, 0.0f, y, FL_F32,
-                    lin->out));
+    if (lin->n_q4) { /* 4-bit base: each part fills its rows of the (fused) output, dequantized tile by tile */
+        for (int k = 0, r0 = 0; k < lin->n_q4; r0 += lin->q4[k]->rows, k++)
+            FL_TRY(be->q4_matmul_forward(be, y + r0, lin->out, x, lin->q4[k], N, 0.0f));
+    } else {
+        /* mixed precision: the weight's compute copy (bf16), fp32 accumulation */
+        const void *w = lin->wc ? lin->wc : (const void *)lin->w;
+        fl_dtype wt = lin->wc ? lin->wct : FL_F32;
+        FL_TRY(be->gemm(be, 0, 1, N, lin->out, lin->in, 1.0f, x, FL_F32, lin->in, w, wt, lin->in, 0.0f, y, FL_F32,
+                        lin->out));
+    }
     if (lin->b) be->bias_forward(be, y, lin->b, N, lin->out);
     for (int k = 0; k < lin->n_lora; k++) { /* y[:, row0:row0+out] += scaling * drop(x) A^T B^T */
         const fl_lora_slot *a = &lin->lora[k];
@@ -22,7 +27,11 @@ fl_status fl_linear_backward(const fl_backend *be, float *dx, int dx_accumulate,
                              const fl_linear *lin, int N) {
     const void *w = lin->wc ? lin->wc : (const void *)lin->w;
     fl_dtype wt = lin->wc ? lin->wct : FL_F32;
-    if (dx) /* dx (N,in) = dy (N,out) @ W (out,in) */
+    if (dx && lin->n_q4) { /* dx (N,in) = sum over parts of dy[:, rows] @ deq(W_part) */
+        for (int k = 0, r0 = 0; k < lin->n_q4; r0 += lin->q4[k]->rows, k++)
+            FL_TRY(be->q4_matmul_backward(be, dx, dy + r0, lin->out, lin->q4[k], N,
+                                          (k > 0 || dx_accumulate) ? 1.0f : 0.0f));
+    } else if (dx) /* dx (N,in) = dy (N,out) @ W (out,in) */
         FL_TRY(be->gemm(be, 0, 0, N, lin->in, lin->out, 1.0f, dy, FL_F32, lin->out, w, wt, lin->in,
                         dx_accumulate ? 1.0f : 0.0f, dx, FL_F32, lin->in));
     if (lin->dw) /* dW (out,in) += dy^T (out,N) @ x (N,in) */

@@ -156,15 +156,28 @@ fl_status fl_model_lora_merge(fl_model *m) {
     for (int j = 0; j < st->n_mods; j++) {
         const fl_lora_module *md = &st->mods[j];
         const fl_param_info *p = &m->layout.params[md->param_index];
+        if (fl_model_param_is_q4(m, md->param_index)) continue; /* merged when read (fl_lora_add_merged) */
         /* 16-bit storage: merge in fp32, round once */
         float *tmp = m->params ? NULL : malloc(p->numel * sizeof(float));
         if (!m->params && !tmp) return fl_errorf(FL_ERR_OOM, "merging LoRA into %s: out of host memory", p->name);
-        float *w = tmp ? tmp : m->params + p->offset;
+        float *w = tmp ? tmp : m->params + fl_model_store_off(m, md->param_index);
         if (tmp) fl_model_read_param(m, md->param_index, tmp);
         fl_lora_merge(w, md->in, st->params + st->off[2 * j], st->params + st->off[2 * j + 1], st->cfg.r, md->in,
                       md->out, st->scaling);
         if (tmp) fl_model_write_param(m, md->param_index, tmp);
         free(tmp);
     }
+    st->merged = 1;
     return FL_OK;
+}
+
+void fl_lora_add_merged(const fl_model *m, int i, float *dst) {
+    const struct fl_lora_state *st = m->lora;
+    if (!st || !st->merged) return;
+    for (int j = 0; j < st->n_mods; j++) {
+        const fl_lora_module *md = &st->mods[j];
+        if (md->param_index != i) continue;
+        fl_lora_merge(dst, md->in, st->params + st->off[2 * j], st->params + st->off[2 * j + 1], st->cfg.r, md->in,
+                      md->out, st->scaling);
+    }
 }

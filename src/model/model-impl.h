@@ -81,6 +81,8 @@ typedef struct {
  * the model code does not change. */
 typedef struct {
     int in, out;
+    const fl_q4_weight *q4[3]; /* 4-bit base (QLoRA): parts of the fused output, in row order */
+    int n_q4;
     const float *w;   /* (out, in) */
     const void *wc;   /* (out, in) compute-dtype copy of w (mixed precision) or NULL */
     fl_dtype wct;     /* dtype of wc */
@@ -106,9 +108,14 @@ struct fl_lora_state {
     int *first, *count;   /* (L * 4): slots of layer l, kind k (0 qkv, 1 o, 2 fc, 3 proj) */
     float *acts;          /* h and xd of every slot for the arena's (B, T) (ACTS) */
     float *work;          /* (N * (r + max in)) WORKSPACE */
+    int merged;           /* fl_model_lora_merge ran: 4-bit entries read back merged */
     uint64_t seed;        /* dropout seed of the current micro-batch */
 };
 
+/* After fl_model_lora_merge, a 4-bit entry stays quantized and its adapters are added when
+ * it is read (dst = dequantized entry i, (out, in)): the merged weight without a second
+ * rounding to 4 bits. No-op otherwise. */
+void fl_lora_add_merged(const fl_model *m, int i, float *dst);
 /* Attach the LoRA slots of layer l, kind k to lin (no-op without LoRA). */
 void fl_lora_attach(const fl_model *m, int l, int k, fl_linear *lin);
 /* LoRA activations for (B, T) (called by fl_model_alloc_acts) and their release. */
@@ -136,13 +143,15 @@ typedef struct {
 typedef struct {
     const float *wte, *wpe, *lnf_w, *lnf_b, *head;
     float *dwte, *dwpe, *dlnf_w, *dlnf_b, *dhead;
-    size_t head_off;  /* element offset of the head weight (for its compute copy) */
-    size_t wte_off, wpe_off; /* element offsets of the embeddings (wpe: -1 if none) */
+    size_t head_off;  /* layout (gradient) offset of the head weight */
+    int head_idx;     /* its layout entry (fl_linear_set_weight) */
+    size_t wte_off, wpe_off; /* storage offsets of the embeddings (wpe: -1 if none) */
 } fl_outer_params;
 
 void fl_get_block(const fl_model *m, int l, fl_block_params *bp);
-/* Point lin->wc at the compute copy of the weight at element offset w_off (or NULL). */
-void fl_linear_set_compute(const fl_model *m, fl_linear *lin, size_t w_off);
+/* Point lin at the stored weight of layout entry wi (fp32 w and its compute copy wc,
+ * the 16-bit weight as wc, or the 4-bit parts q4); lin->out must be set. */
+void fl_linear_set_weight(const fl_model *m, fl_linear *lin, int wi);
 void fl_get_outer(const fl_model *m, fl_outer_params *o);
 /* Embedding lookup / backward for either storage (16-bit: rows widened one at a time;
  * gradients through gstage). out is (B, T, C); positions start at pos0. */

@@ -12,6 +12,38 @@ fl_status fl_model_init(fl_model *m, const fl_model_config *cfg, const fl_backen
     return fl_model_init_ex(m, cfg, be, pool, NULL);
 }
 
+int fl_layout_entry_quantizable(const fl_param_layout *lay, int i) {
+    const fl_param_info *p = &lay->params[i];
+    return p->ndim == 2 && p->group >= 1 && p->group <= lay->n_groups - 2;
+}
+
+/* Storage plan: dense offsets and 4-bit bytes per entry (soff may be NULL: count only). */
+static size_t storage_plan(const fl_param_layout *lay, const fl_model_storage *st, size_t *soff, size_t *q4_bytes) {
+    size_t dense = 0, qb = 0;
+    for (int i = 0; i < lay->n; i++) {
+        if (st && st->quant4 && fl_layout_entry_quantizable(lay, i)) {
+            if (soff) soff[i] = (size_t)-1;
+            qb += fl_q4_bytes(lay->params[i].numel, st->q4_double_quant);
+        } else {
+            if (soff) soff[i] = dense;
+            dense += lay->params[i].numel;
+        }
+    }
+    if (q4_bytes) *q4_bytes = qb;
+    return dense;
+}
+
+void fl_sizing_param_split(const fl_model_config *cfg, const fl_model_storage *st, size_t *dense_numel,
+                           size_t *q4_bytes) {
+    *dense_numel = fl_sizing_param_count(cfg);
+    *q4_bytes = 0;
+    if (!st || !st->quant4) return;
+    fl_param_layout lay;
+    if (fl_layout_build(&lay, cfg) != FL_OK) return;
+    *dense_numel = storage_plan(&lay, st, NULL, q4_bytes);
+    fl_layout_free(&lay);
+}
+
 void fl_model_storage_for(const fl_precision *p, fl_model_storage *st) {
     memset(st, 0, sizeof *st);
     st->param_dtype = p && !p->compute_copy ? p->param_dtype : FL_F32;
@@ -25,6 +57,8 @@ fl_status fl_model_init_ex(fl_model *m, const fl_model_config *cfg, const fl_bac
     m->be = be;
     m->pool = pool;
     m->store_dtype = st ? st->param_dtype : FL_F32;
+    if (st) m->storage = *st;
+    else m->storage.param_dtype = FL_F32;
     if (m->store_dtype != FL_F32 && m->store_dtype != FL_BF16 && m->store_dtype != FL_F16)
         return fl_errorf(FL_ERR_INVALID, "parameter storage must be F32, BF16 or F16 (got %s)",
                          fl_dtype_name(m->store_dtype));
@@ -34,18 +68,39 @@ fl_status fl_model_init_ex(fl_model *m, const fl_model_config *cfg, const fl_bac
         return fl_errorf(FL_ERR_INTERNAL, "layout has %zu elements but sizing counts %zu", m->layout.numel,
                          fl_sizing_param_count(&m->cfg));
     }
-    fl_status s;
-    if (m->store_dtype == FL_F32) {
-        s = fl_mem_alloc(pool, FL_TAG_PARAMS, m->layout.numel * sizeof(float), (void **)&m->params);
-    } else {
+    fl_status s = FL_OK;
+    m->dense_numel = m->layout.numel;
+    if (m->storage.quant4) {
+        m->soff = malloc((size_t)m->layout.n * sizeof *m->soff);
+        m->q4 = calloc((size_t)m->layout.n, sizeof *m->q4);
+        if (!m->soff || !m->q4) s = fl_errorf(FL_ERR_OOM, "4-bit storage bookkeeping: out of host memory");
+        else m->dense_numel = storage_plan(&m->layout, &m->storage, m->soff, &m->q4_bytes);
+    }
+    if (s == FL_OK && m->store_dtype == FL_F32) {
+        s = fl_mem_alloc(pool, FL_TAG_PARAMS, m->dense_numel * sizeof(float), (void **)&m->params);
+    } else if (s == FL_OK) {
         m->pstage_n = fl_sizing_pstage_elems(&m->cfg);
-        s = fl_mem_alloc(pool, FL_TAG_PARAMS, m->layout.numel * sizeof(uint16_t), (void **)&m->p16);
-        if (s == FL_OK) s = fl_mem_alloc(pool, FL_TAG_WORKSPACE, m->pstage_n * sizeof(float), (void **)&m->pstage);
+        s = fl_mem_alloc(pool, FL_TAG_PARAMS, m->dense_numel * sizeof(uint16_t), (void **)&m->p16);
+    }
+    if (s == FL_OK && m->q4_bytes) s = fl_mem_alloc(pool, FL_TAG_PARAMS, m->q4_bytes, &m->q4_mem);
+    if (s == FL_OK && m->pstage_n)
+        s = fl_mem_alloc(pool, FL_TAG_WORKSPACE, m->pstage_n * sizeof(float), (void **)&m->pstage);
+    for (int i = 0, off = 0; s == FL_OK && m->q4 && i < m->layout.n; i++) {
+        const fl_param_info *p = &m->layout.params[i];
+        if (m->soff[i] != (size_t)-1) continue;
+        s = fl_q4_bind(&m->q4[i], (int)p->shape[0], (int)p->shape[1], (fl_q4_type)m->storage.q4_type,
+                       m->storage.q4_double_quant, (char *)m->q4_mem + off);
+        off += (int)fl_q4_bytes(p->numel, m->storage.q4_double_quant);
     }
     if (s != FL_OK) {
+        fl_mem_free(pool, m->pstage);
+        fl_mem_free(pool, m->q4_mem);
         fl_mem_free(pool, m->p16);
+        fl_mem_free(pool, m->params);
+        free(m->soff);
+        free(m->q4);
         fl_layout_free(&m->layout);
-        m->p16 = NULL;
+        memset(m, 0, sizeof *m);
         return fl_error_prefix(s, "allocating parameters");
     }
     m->prec = *fl_precision_get(m->store_dtype == FL_BF16 ? FL_PREC_BF16_TRUE
@@ -54,19 +109,35 @@ fl_status fl_model_init_ex(fl_model *m, const fl_model_config *cfg, const fl_bac
     return FL_OK;
 }
 
+int fl_model_param_is_q4(const fl_model *m, int i) { return m->q4 && m->q4[i].packed != NULL; }
+
+size_t fl_model_store_off(const fl_model *m, int i) {
+    return m->soff ? m->soff[i] : m->layout.params[i].offset;
+}
+
 void *fl_model_param_data(const fl_model *m, int i, fl_dtype *dt) {
-    size_t off = m->layout.params[i].offset;
     if (dt) *dt = m->store_dtype;
+    if (fl_model_param_is_q4(m, i)) return NULL;
+    size_t off = fl_model_store_off(m, i);
     return m->params ? (void *)(m->params + off) : (void *)(m->p16 + off);
 }
 
 void fl_model_read_param(const fl_model *m, int i, float *dst) {
+    if (fl_model_param_is_q4(m, i)) {
+        fl_q4_dequantize(&m->q4[i], dst, m->be ? m->be->n_threads : 0);
+        fl_lora_add_merged(m, i, dst); /* after fl_model_lora_merge: the merged weight */
+        return;
+    }
     fl_dtype dt;
     const void *src = fl_model_param_data(m, i, &dt);
     fl_convert(dst, FL_F32, src, dt, m->layout.params[i].numel);
 }
 
 void fl_model_write_param(fl_model *m, int i, const float *src) {
+    if (fl_model_param_is_q4(m, i)) {
+        fl_q4_quantize(&m->q4[i], src, m->be ? m->be->n_threads : 0);
+        return;
+    }
     fl_dtype dt;
     void *dst = fl_model_param_data(m, i, &dt);
     fl_convert(dst, dt, src, FL_F32, m->layout.params[i].numel);
@@ -99,7 +170,7 @@ fl_status fl_model_set_precision(fl_model *m, const fl_precision *p) {
     m->wcompute = NULL;
     m->prec = *p;
     if (p->compute_copy) {
-        fl_status s = fl_mem_alloc(m->pool, FL_TAG_PARAMS, fl_precision_copy_bytes(p, m->layout.numel),
+        fl_status s = fl_mem_alloc(m->pool, FL_TAG_PARAMS, fl_precision_copy_bytes(p, m->dense_numel),
                                    (void **)&m->wcompute);
         if (s != FL_OK) return fl_error_prefix(s, "allocating the %s weight copy", p->name);
         fl_model_sync_compute_copy(m);
@@ -109,7 +180,7 @@ fl_status fl_model_set_precision(fl_model *m, const fl_precision *p) {
 
 void fl_model_sync_compute_copy(fl_model *m) {
     if (m->wcompute && m->params)
-        m->be->convert(m->be, m->wcompute, m->prec.compute_dtype, m->params, FL_F32, m->layout.numel);
+        m->be->convert(m->be, m->wcompute, m->prec.compute_dtype, m->params, FL_F32, m->dense_numel);
 }
 
 void fl_model_free(fl_model *m) {
@@ -123,12 +194,18 @@ void fl_model_free(fl_model *m) {
     fl_mem_free(m->pool, m->gstage);
     fl_mem_free(m->pool, m->pstage);
     fl_mem_free(m->pool, m->p16);
+    fl_mem_free(m->pool, m->q4_mem);
+    free(m->soff);
+    free(m->q4);
     fl_layout_free(&m->layout);
     memset(m, 0, sizeof *m);
 }
 
 fl_status fl_model_alloc_grads(fl_model *m) {
     if (m->grads || m->g16) return FL_OK;
+    if (m->q4)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "the 4-bit base weights are frozen: QLoRA trains LoRA adapters only "
+                         "(fitllm finetune_lora --quantize ...)");
     fl_status s;
     if (m->store_dtype == FL_F32) {
         s = fl_mem_calloc(m->pool, FL_TAG_GRADS, m->layout.numel * sizeof(float), (void **)&m->grads);
@@ -152,7 +229,7 @@ void fl_model_zero_grads(fl_model *m) {
 
 float *fl_model_param(fl_model *m, const char *name) {
     int i = fl_layout_find(&m->layout, name);
-    return (i < 0 || !m->params) ? NULL : m->params + m->layout.params[i].offset;
+    return (i < 0 || !m->params || fl_model_param_is_q4(m, i)) ? NULL : m->params + fl_model_store_off(m, i);
 }
 
 float *fl_model_grad(fl_model *m, const char *name) {
@@ -183,14 +260,16 @@ void fl_model_init_random(fl_model *m, uint64_t seed) {
     size_t maxn = 0;
     for (int i = 0; i < m->layout.n; i++)
         if (m->layout.params[i].numel > maxn) maxn = m->layout.params[i].numel;
-    float *tmp = m->params ? NULL : malloc(maxn * sizeof(float)); /* 16-bit storage: one tensor at a time */
-    if (!m->params && !tmp) {
+    /* 16-bit or 4-bit storage: one tensor at a time through tmp */
+    float *tmp = (m->params && !m->q4) ? NULL : malloc(maxn * sizeof(float));
+    if ((!m->params || m->q4) && !tmp) {
         fl_errorf(FL_ERR_OOM, "random init: out of host memory");
         return;
     }
     for (int i = 0; i < m->layout.n; i++) {
         const fl_param_info *p = &m->layout.params[i];
-        float *w = m->params ? m->params + p->offset : tmp;
+        int direct = m->params && !fl_model_param_is_q4(m, i);
+        float *w = direct ? m->params + fl_model_store_off(m, i) : tmp;
         int is_norm = strstr(p->name, "norm") || strstr(p->name, "ln_");
         if (ends_with(p->name, ".bias")) {
             memset(w, 0, p->numel * sizeof(float));
@@ -207,7 +286,7 @@ void fl_model_init_random(fl_model *m, uint64_t seed) {
                 if (k + 1 < p->numel) w[k + 1] = (float)(sd * r * sin(th));
             }
         }
-        if (tmp) fl_model_write_param(m, i, tmp);
+        if (!direct) fl_model_write_param(m, i, tmp);
     }
     free(tmp);
 }

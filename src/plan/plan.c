@@ -32,7 +32,7 @@ static const fl_plan_technique k_tech[] = {
     {"activation_checkpointing", 1, "--train.activation_checkpointing true", "keep block inputs, recompute blocks in backward"},
     {"adam8bit", 1, "--optimizer bnb.optim.AdamW8bit", "bitsandbytes' block-wise 8-bit AdamW state"},
     {"lora", 1, "fitllm finetune_lora", "adapters only: the base needs no gradients or optimizer state"},
-    {"qlora", 0, "fitllm finetune_lora --quantize bnb.nf4", "4-bit base weights are not available yet"},
+    {"qlora", 1, "fitllm finetune_lora --quantize bnb.nf4-dq", "LoRA on bitsandbytes NF4/FP4 4-bit base weights"},
     {"cpu_offload", 0, "optimizer state and master weights on the host", "not available yet"},
     {"ddp", 0, "--devices N", "distributed training is not available yet"},
     {"fsdp", 0, "--devices N --strategy fsdp", "sharded training is not available yet"},
@@ -216,9 +216,22 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     fl_mem_set_phase(&g->pool, "model load");
     fl_model_storage stg;
     fl_model_storage_for(&pr, &stg);
+    fl_q4_type qt;
+    int dq;
+    if (c->command == FL_CMD_FINETUNE_LORA && c->lora.quantize[0] && fl_q4_parse_mode(c->lora.quantize, &qt, &dq) == FL_OK) {
+        stg.quant4 = 1; /* QLoRA: the blocks' linear weights in 4 bits */
+        stg.q4_type = qt;
+        stg.q4_double_quant = dq;
+    }
     const size_t es = fl_dtype_size(stg.param_dtype);
-    snprintf(what, sizeof what, "parameters (%s)", fl_dtype_name(stg.param_dtype));
-    palloc(g, FL_TAG_PARAMS, n * es, what);
+    size_t dense, q4b;
+    fl_sizing_param_split(mc, &stg, &dense, &q4b);
+    snprintf(what, sizeof what, "parameters (%s%s)", fl_dtype_name(stg.param_dtype), q4b ? ", not quantized" : "");
+    palloc(g, FL_TAG_PARAMS, dense * es, what);
+    if (q4b) {
+        snprintf(what, sizeof what, "4-bit linear weights (%s)", fl_q4_mode_name(qt, dq));
+        palloc(g, FL_TAG_PARAMS, q4b, what);
+    }
     if (es != 4) palloc(g, FL_TAG_WORKSPACE, fl_sizing_pstage_elems(mc) * sizeof(float), "fp32 views of 1-D parameters");
     size_t copy = fl_precision_copy_bytes(&pr, n);
     if (copy) {
@@ -442,6 +455,16 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
                                                            : "still out of memory without optimizer state");
         }
     }
+    /* 3b. bf16-true: half the bytes of parameters, gradients and AdamW state */
+    if (!strcmp(c->precision, "32-true") && (s = sugg(p, "bf16-true"))) {
+        fl_run_config v = *c;
+        snprintf(v.precision, sizeof v.precision, "bf16-true");
+        s->fits = simulate(x, &v, oc, p->B, p->accum, budget, NULL, NULL);
+        simulate(x, &v, oc, p->B, p->accum, 0, NULL, &peak);
+        s->peak = peak;
+        snprintf(s->change, sizeof s->change, "--precision bf16-true");
+        snprintf(s->note, sizeof s->note, "bf16 parameters, gradients and optimizer state (activations stay fp32)");
+    }
     /* 4. activation checkpointing and 8-bit AdamW, planned like the rest */
     if (!c->train.activation_checkpointing && (s = sugg(p, "activation_checkpointing"))) {
         fl_run_config v = *c;
@@ -473,6 +496,23 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
         s->peak = peak;
         snprintf(s->change, sizeof s->change, "fitllm finetune_lora (r %d, query+value)", v.lora.r);
         snprintf(s->note, sizeof s->note, "gradients and optimizer state for the adapters only");
+    }
+    if (!c->lora.quantize[0] && (s = sugg(p, "qlora"))) { /* QLoRA: LoRA on a 4-bit NF4 base */
+        fl_run_config v = *c;
+        if (c->command != FL_CMD_FINETUNE_LORA) {
+            fl_run_config d;
+            fl_cfg_defaults(&d, FL_CMD_FINETUNE_LORA);
+            v.command = FL_CMD_FINETUNE_LORA;
+            v.lora = d.lora;
+        }
+        snprintf(v.lora.quantize, sizeof v.lora.quantize, "bnb.nf4-dq");
+        if (strstr(v.precision, "mixed")) snprintf(v.precision, sizeof v.precision, "bf16-true");
+        s->fits = simulate(x, &v, oc, p->B, p->accum, budget, NULL, NULL);
+        simulate(x, &v, oc, p->B, p->accum, 0, NULL, &peak);
+        s->peak = peak;
+        snprintf(s->change, sizeof s->change, "fitllm finetune_lora --quantize bnb.nf4-dq%s",
+                 strcmp(v.precision, c->precision) ? " --precision bf16-true" : "");
+        snprintf(s->note, sizeof s->note, "LoRA on a 4-bit base (4.127 bits per linear weight)");
     }
     /* 5. what this build does not have yet */
     static const char *later[] = {"bf16-true", "bf16-mixed", "activation_checkpointing", "adam8bit", "lora", "qlora",

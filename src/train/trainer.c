@@ -408,6 +408,14 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
     if (!prec.available)
         return fl_errorf(FL_ERR_UNSUPPORTED, "precision '%s' is not available yet in this build", cfg->precision);
     fl_model_storage_for(&prec, &t.stg);
+    if (cfg->command == FL_CMD_FINETUNE_LORA && cfg->lora.quantize[0]) { /* QLoRA: 4-bit base linears */
+        fl_q4_type qt;
+        int dq;
+        if ((s = fl_q4_parse_mode(cfg->lora.quantize, &qt, &dq)) != FL_OK) return s;
+        t.stg.quant4 = 1;
+        t.stg.q4_type = qt;
+        t.stg.q4_double_quant = dq;
+    }
     if (!strcmp(cfg->resume, "false") && !cfg->overwrite && dir_has_run(cfg->out_dir))
         return fl_errorf(FL_ERR_INVALID,
                          "out_dir '%s' holds another run (checkpoints or logs); use --resume auto to continue it "
