@@ -570,7 +570,8 @@ static struct {
 
 void fl_cpu_gemm_f16_set_scratch_cap(size_t n) {
     pthread_mutex_lock(&g_f16.mu);
-    g_f16.cap = n < FL_F16_SCRATCH ? n : 0;
+    /* >= 256: each half keeps room for a 64-wide panel of at least 2 k (kb, nb, mb > 0) */
+    g_f16.cap = n == 0 || n >= FL_F16_SCRATCH ? 0 : n < 256 ? 256 : n;
     pthread_mutex_unlock(&g_f16.mu);
 }
 
