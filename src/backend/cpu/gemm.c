@@ -624,6 +624,13 @@ static fl_status gemm_f16_blocked(const fl_backend *be, int nt, int trans_a, int
     int nb = (size_t)N * kb <= bcap ? N : (int)(bcap / (size_t)kb);
     int mb = ta == FL_F32 || (size_t)M * kb <= acap ? M : (int)(acap / (size_t)kb);
     float *SB = scratch, *SA = scratch + bcap;
+#if defined(FL_HAVE_OPENBLAS)
+    /* widen on the calling thread: an OpenMP region right before each OpenBLAS call makes the
+     * two spinning thread pools steal each other's cores (see the top of this file) */
+    int wnt = 1;
+#else
+    int wnt = nt;
+#endif
     for (int k0 = 0; k0 < K; k0 += kb) {
         int kc = K - k0 < kb ? K - k0 : kb;
         float bk = k0 == 0 ? beta : 1.0f;
@@ -631,9 +638,9 @@ static fl_status gemm_f16_blocked(const fl_backend *be, int nt, int trans_a, int
         for (int j0 = 0; j0 < N; j0 += nb) {
             int nc = N - j0 < nb ? N - j0 : nb;
             if (trans_b) /* stored (N,K): rows j0.., cols k0.. -> SB (nc, kc) */
-                widen_f16(SB, B + (size_t)j0 * ldb + k0, nc, kc, ldb, f16c, nt);
+                widen_f16(SB, B + (size_t)j0 * ldb + k0, nc, kc, ldb, f16c, wnt);
             else /* stored (K,N): rows k0.., cols j0.. -> SB (kc, nc) */
-                widen_f16(SB, B + (size_t)k0 * ldb + j0, kc, nc, ldb, f16c, nt);
+                widen_f16(SB, B + (size_t)k0 * ldb + j0, kc, nc, ldb, f16c, wnt);
             int ldsb = trans_b ? kc : nc;
             for (int i0 = 0; i0 < M; i0 += mb) {
                 int mc = M - i0 < mb ? M - i0 : mb;
@@ -647,9 +654,9 @@ static fl_status gemm_f16_blocked(const fl_backend *be, int nt, int trans_a, int
                     const uint16_t *Ah = A;
                     if (!a_ready) {
                         if (trans_a) /* stored (K,M): rows k0.., cols i0.. -> SA (kc, mc) */
-                            widen_f16(SA, Ah + (size_t)k0 * lda + i0, kc, mc, lda, f16c, nt);
+                            widen_f16(SA, Ah + (size_t)k0 * lda + i0, kc, mc, lda, f16c, wnt);
                         else /* stored (M,K): rows i0.., cols k0.. -> SA (mc, kc) */
-                            widen_f16(SA, Ah + (size_t)i0 * lda + k0, mc, kc, lda, f16c, nt);
+                            widen_f16(SA, Ah + (size_t)i0 * lda + k0, mc, kc, lda, f16c, wnt);
                         a_ready = mb == M;
                     }
                     Ap = SA;
