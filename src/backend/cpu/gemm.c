@@ -555,8 +555,8 @@ static fl_status sgemm_f32(const fl_backend *be, int nt, int trans_a, int trans_
  * use and kept until exit; an F16 A is widened the same way into the scratch's second half in
  * (mb x kb) blocks. Each block is one library sgemm on the matching C tile, beta for the first
  * K block and 1 after. With the default scratch the training shapes up to K = 2048 x N = 1024
- * (F32 A) are a single call: the widening (F16C, both threads) costs a few percent of the
- * sgemm. The scratch and the calls are guarded by one mutex (thread-safe, serialized across
+ * (F32 A) are a single call: the widening (F16C; OpenMP threads, or the calling thread in
+ * OpenBLAS builds) costs a few percent of the sgemm. The scratch and the calls are guarded by one mutex (thread-safe, serialized across
  * callers). If the scratch cannot be allocated, the double-accumulating reference kernel runs
  * (same semantics, slow). */
 #define FL_F16_SCRATCH ((size_t)2 << 20) /* fp32 elements: 8 MiB */
