@@ -108,7 +108,7 @@ FL_TEST(gemm_unsupported_and_invalid) {
     gemm_fn fns[2] = {fl_cpu_gemm, fl_cpu_gemm_naive};
     for (int f = 0; f < 2; f++) {
         FL_CHECK(fns[f](&be, 0, 0, 2, 2, 2, 1, a, FL_BF16, 2, b, FL_F32, 2, 0, c, FL_F32, 2) == FL_ERR_UNSUPPORTED);
-        FL_CHECK(fns[f](&be, 0, 0, 2, 2, 2, 1, a, FL_F32, 2, b, FL_F16, 2, 0, c, FL_F32, 2) == FL_ERR_UNSUPPORTED);
+        FL_CHECK(fns[f](&be, 0, 0, 2, 2, 2, 1, a, FL_F16, 2, b, FL_F32, 2, 0, c, FL_F32, 2) == FL_ERR_UNSUPPORTED);
         FL_CHECK(fns[f](&be, 0, 0, 2, 2, 2, 1, a, FL_F32, 2, b, FL_F32, 2, 0, c, FL_F64, 2) == FL_ERR_UNSUPPORTED);
         FL_CHECK(strlen(fl_error_message()) > 0);
         FL_CHECK(fns[f](&be, 0, 0, 2, 2, 2, 1, a, FL_F32, 1, b, FL_F32, 2, 0, c, FL_F32, 2) == FL_ERR_INVALID);

@@ -185,7 +185,7 @@ FL_TEST(ops_gemm_fast_vs_naive) {
     FL_CHECK(fl_test_allclose("fast vs naive", C1, C2, (size_t)M * N, 1e-4, 1e-5));
     /* unsupported dtypes are reported, not silently computed */
     FL_CHECK(fl_cpu_gemm(&be, 0, 0, M, N, K, 1.0f, A, FL_F64, K, B, FL_F32, N, 0.0f, C1, FL_F32, N) != FL_OK);
-    FL_CHECK(fl_cpu_gemm_naive(&be, 0, 0, M, N, K, 1.0f, A, FL_F32, K, B, FL_F16, N, 0.0f, C1, FL_F32, N) ==
+    FL_CHECK(fl_cpu_gemm_naive(&be, 0, 0, M, N, K, 1.0f, A, FL_F16, K, B, FL_F32, N, 0.0f, C1, FL_F32, N) ==
              FL_ERR_UNSUPPORTED);
     free(A); free(B); free(C1); free(C2);
 }

@@ -1,5 +1,6 @@
 /* Precision kernels: bf16 GEMM (library path, tiled fallback, naive reference) against float64
- * with bf16-rounded inputs; bulk convert; AdamW/SGD over bf16/f16 storage against double
+ * with bf16-rounded inputs; fp16 GEMM (F32xF16, F16xF16: library, blocked, naive) against
+ * float64 with the f16 operand values; bulk convert; AdamW/SGD over bf16/f16 storage against double
  * versions of the same formulas (then RNE); check_finite; the dynamic loss scaler's state
  * machine (torch GradScaler); 8-bit AdamW against the bitsandbytes-kernel reference fixture
  * (tests/ref/adam8bit_ref.py) and its inf/NaN rule. Run: fitllm_tests prec */
@@ -156,6 +157,187 @@ FL_TEST(prec_gemm_bf16_unsupported_and_deterministic) {
     /* library vs tiled on a training-like shape */
     FL_CHECK(fl_test_allclose("library vs tiled", C[0], C[2], (size_t)M * N, 1e-5, 1e-4));
     for (int r = 0; r < 4; r++) free(C[r]);
+    free(A), free(Bf), free(B);
+}
+
+/* ---- fp16 GEMM -------------------------------------------------------------------------- */
+
+static float hf(float x) { return fl_f16_to_f32(fl_f32_to_f16(x)); }
+static uint16_t *to_f16(const float *x, size_t n) {
+    uint16_t *y = malloc((n ? n : 1) * 2);
+    for (size_t i = 0; i < n; i++) y[i] = fl_f32_to_f16(x[i]);
+    return y;
+}
+
+/* One F32xF16->F32 or F16xF16->F32 case, same layout as bf16_case. B's values (and A's when A
+ * is F16) are f16 values, some f16 subnormals among them; the float64 reference uses exactly
+ * those values and an F32 A as is (not rounded to f16). Tolerance: fp32 accumulation error
+ * 1e-5 * (|alpha| sum_k |a||b| + |beta c|). Padding and the untouched part of C: exact. */
+static int f16_case(gemm_fn fn, const char *name, fl_dtype ta, int tra, int trb, int M, int N, int K, float alpha,
+                    float beta, int pad, int nan_c) {
+    fl_backend be = {0};
+    be.n_threads = 2;
+    fl_test_rng rng = {(unsigned long long)(M * 7907 + N * 104723 + K * 37 + tra * 2 + trb + pad * 11 + ta * 5)};
+    int a_rows = tra ? K : M, a_cols = tra ? M : K, b_rows = trb ? N : K, b_cols = trb ? K : N;
+    int lda = a_cols + pad, ldb = b_cols + pad, ldc = N + pad;
+    if (lda < 1) lda = 1;
+    if (ldb < 1) ldb = 1;
+    size_t na = (size_t)(a_rows > 0 ? a_rows : 1) * lda + 3, nb = (size_t)(b_rows > 0 ? b_rows : 1) * ldb + 3;
+    size_t nc = (size_t)M * ldc + 3;
+    float *Af = malloc(na * 4), *Bf = malloc(nb * 4), *Cf = malloc(nc * 4);
+    fl_test_fill(&rng, Af, na, -1, 1);
+    fl_test_fill(&rng, Bf, nb, -1, 1);
+    fl_test_fill(&rng, Cf, nc, -1, 1);
+    for (size_t i = 0; i < nb; i += 7) Bf[i] *= 1e-4f; /* f16 subnormals (< 2^-14) */
+    for (size_t i = 0; i < nb; i++) Bf[i] = hf(Bf[i]);
+    if (ta == FL_F16)
+        for (size_t i = 0; i < na; i++) Af[i] = hf(Af[i]);
+    if (nan_c)
+        for (int i = 0; i < M; i++)
+            for (int j = 0; j < N; j++) Cf[3 + (size_t)i * ldc + j] = (i + j) % 2 ? NAN : INFINITY;
+    uint16_t *Ah = to_f16(Af, na), *Bh = to_f16(Bf, nb);
+    double *R = malloc(nc * sizeof(double)), *T = malloc(nc * sizeof(double));
+    for (size_t i = 0; i < nc; i++) R[i] = Cf[i], T[i] = 0;
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < N; j++) {
+            double s = 0, sa = 0;
+            for (int k = 0; k < K; k++) {
+                double a = tra ? Af[3 + (size_t)k * lda + i] : Af[3 + (size_t)i * lda + k];
+                double b = trb ? Bf[3 + (size_t)j * ldb + k] : Bf[3 + (size_t)k * ldb + j];
+                s += a * b;
+                sa += fabs(a * b);
+            }
+            size_t idx = 3 + (size_t)i * ldc + j;
+            double v = alpha * s;
+            if (beta != 0) v += (double)beta * Cf[idx];
+            T[idx] = 1e-5 * (fabs(alpha) * sa + fabs(beta != 0 ? beta * Cf[idx] : 0)) + 1e-30;
+            R[idx] = v;
+        }
+    const void *A = ta == FL_F32 ? (const void *)(Af + 3) : (const void *)(Ah + 3);
+    fl_status st = fn(&be, tra, trb, M, N, K, alpha, A, ta, lda, Bh + 3, FL_F16, ldb, beta, Cf + 3, FL_F32, ldc);
+    int ok = st == FL_OK, bad = 0;
+    if (!ok) fprintf(stderr, "  %s: %s\n", name, fl_error_message());
+    for (size_t i = 0; ok && i < nc; i++) {
+        double got = Cf[i];
+        int in_c = 0;
+        if (i >= 3) {
+            size_t r = (i - 3) / ldc, c = (i - 3) % ldc;
+            in_c = r < (size_t)M && c < (size_t)N;
+        }
+        int good = in_c ? fabs(got - R[i]) <= T[i] : (got == R[i] || (isnan(got) && isnan(R[i])));
+        if (!good) {
+            if (!bad)
+                fprintf(stderr, "  %s %s x F16 -> F32 %c%c M=%d N=%d K=%d a=%g b=%g pad=%d: [%zu] got %.9g want %.9g tol %.3g\n",
+                        name, fl_dtype_name(ta), tra ? 'T' : 'N', trb ? 'T' : 'N', M, N, K, alpha, beta, pad, i, got,
+                        R[i], T[i]);
+            bad++;
+        }
+    }
+    free(Af), free(Bf), free(Cf), free(Ah), free(Bh), free(R), free(T);
+    return ok && !bad;
+}
+
+static void f16_check_all(gemm_fn fn, const char *name) {
+    static const int sizes[][3] = {{7, 13, 37}, {67, 129, 65}, {1, 1, 1}, {33, 1, 17}, {130, 70, 300}, {5, 300, 3}};
+    static const float ab[][2] = {{1, 0}, {1, 1}, {0.5f, -2}, {-1.5f, 0.25f}};
+    static const fl_dtype tas[2] = {FL_F32, FL_F16};
+    int fails = 0, n = 0;
+    for (int c = 0; c < 2; c++)
+        for (int tra = 0; tra < 2; tra++)
+            for (int trb = 0; trb < 2; trb++) {
+                fl_dtype ta = tas[c];
+                for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++)
+                    for (size_t k = 0; k < sizeof ab / sizeof ab[0]; k++)
+                        for (int pad = 0; pad <= 5; pad += 5, n++)
+                            fails += !f16_case(fn, name, ta, tra, trb, sizes[s][0], sizes[s][1], sizes[s][2], ab[k][0],
+                                               ab[k][1], pad, 0);
+                fails += !f16_case(fn, name, ta, tra, trb, 67, 129, 65, 0.75f, 0, 3, 1); /* beta 0: C not read */
+                fails += !f16_case(fn, name, ta, tra, trb, 7, 13, 37, 1, 0, 0, 1);
+                fails += !f16_case(fn, name, ta, tra, trb, 7, 13, 0, 1, 0.5f, 2, 0);    /* K == 0 */
+                fails += !f16_case(fn, name, ta, tra, trb, 7, 13, 0, 1, 0, 2, 1);       /* K == 0, beta 0 */
+                fails += !f16_case(fn, name, ta, tra, trb, 7, 13, 5, 0, 2, 0, 0);       /* alpha == 0 */
+                fails += !f16_case(fn, name, ta, tra, trb, 7, 13, 5, 0, 0, 1, 1);       /* alpha == 0, beta 0 */
+                fails += !f16_case(fn, name, ta, tra, trb, 0, 13, 5, 1, 0.5f, 1, 0);    /* M == 0 */
+                fails += !f16_case(fn, name, ta, tra, trb, 7, 0, 5, 1, 0.5f, 1, 0);     /* N == 0 */
+                n += 8;
+            }
+    FL_CHECKF(fails == 0, "%s: %d of %d f16 cases failed", name, fails, n);
+}
+
+FL_TEST(prec_gemm_f16_library_vs_f64) {
+    fprintf(stderr, "  f16 gemm path: %s (%s)\n", fl_cpu_gemm_f16_path(), fl_cpu_gemm_library());
+    f16_check_all(fl_cpu_gemm, "gemm");
+}
+FL_TEST(prec_gemm_f16_naive_vs_f64) { f16_check_all(fl_cpu_gemm_naive, "naive"); }
+
+/* The same cases with the scratch capped to 2560 floats: K, N and (F16 A) M are split into
+ * several blocks (F32 A: kb = 40, nb = 64; F16 A: kb = 20, nb = mb = 64), so the per-block beta
+ * (first K block only) and the C tile offsets are exercised. */
+FL_TEST(prec_gemm_f16_blocked_vs_f64) {
+    fl_cpu_gemm_f16_set_scratch_cap(2560);
+    f16_check_all(fl_cpu_gemm, "gemm-blocked");
+    fl_cpu_gemm_f16_set_scratch_cap(0);
+}
+
+/* Widening is exact: with A = 1 and K = 1, C = op(B) for every f16 bit pattern (subnormals,
+ * +-0, +-inf, the largest finite 65504; NaN stays NaN), both transposes, F32 and F16 A. C is
+ * compared with ==: the sgemm's 0 + 1 * (-0) may give +0. */
+FL_TEST(prec_gemm_f16_widen_exact) {
+    fl_backend be = {0};
+    be.n_threads = 2;
+    int N = 65536;
+    uint16_t *B = malloc((size_t)N * 2), one_h = 0x3c00;
+    float *C = malloc((size_t)N * 4), one = 1.0f;
+    for (int j = 0; j < N; j++) B[j] = (uint16_t)j;
+    for (int ah = 0; ah < 2; ah++)
+        for (int trb = 0; trb < 2; trb++) {
+            for (int j = 0; j < N; j++) C[j] = NAN;
+            const void *A = ah ? (const void *)&one_h : (const void *)&one;
+            FL_REQUIRE_OK(fl_cpu_gemm(&be, 0, trb, 1, N, 1, 1.0f, A, ah ? FL_F16 : FL_F32, 1, B, FL_F16, trb ? 1 : N,
+                                      0.0f, C, FL_F32, N));
+            int bad = 0;
+            for (int j = 0; j < N; j++) {
+                float want = fl_f16_to_f32((uint16_t)j);
+                bad += isnan(want) ? !isnan(C[j]) : C[j] != want; /* -0 may come back +0 (0 + 1*-0) */
+            }
+            FL_CHECKF(bad == 0, "A=%s trans_b=%d: %d f16 values not widened exactly", ah ? "F16" : "F32", trb, bad);
+        }
+    free(B), free(C);
+}
+
+FL_TEST(prec_gemm_f16_unsupported_and_deterministic) {
+    fl_backend be = {0};
+    be.n_threads = 2;
+    float a[4] = {1, 2, 3, 4}, c[4];
+    uint16_t h[4] = {0x3c00, 0, 0, 0x3c00};
+    gemm_fn fns[2] = {fl_cpu_gemm, fl_cpu_gemm_naive};
+    for (int f = 0; f < 2; f++) {
+        FL_CHECK(fns[f](&be, 0, 0, 2, 2, 2, 1, a, FL_F32, 2, h, FL_F16, 2, 0, h, FL_F16, 2) == FL_ERR_UNSUPPORTED);
+        FL_CHECK(fns[f](&be, 0, 0, 2, 2, 2, 1, h, FL_F16, 2, h, FL_F16, 2, 0, h, FL_F16, 2) == FL_ERR_UNSUPPORTED);
+        FL_CHECK(fns[f](&be, 0, 0, 2, 2, 2, 1, h, FL_F16, 2, a, FL_F32, 2, 0, c, FL_F32, 2) == FL_ERR_UNSUPPORTED);
+        FL_CHECK(fns[f](&be, 0, 0, 2, 2, 2, 1, h, FL_BF16, 2, h, FL_F16, 2, 0, c, FL_F32, 2) == FL_ERR_UNSUPPORTED);
+        FL_CHECK(fns[f](&be, 0, 0, 2, 2, 2, 1, h, FL_F16, 2, h, FL_BF16, 2, 0, c, FL_F32, 2) == FL_ERR_UNSUPPORTED);
+        FL_CHECK(strstr(fl_error_message(), "F32xF16->F32") != NULL);
+        FL_CHECK(fns[f](&be, 0, 1, 2, 2, 2, 1, a, FL_F32, 2, h, FL_F16, 1, 0, c, FL_F32, 2) == FL_ERR_INVALID);
+        FL_REQUIRE_OK(fns[f](&be, 0, 0, 2, 2, 2, 1, a, FL_F32, 2, h, FL_F16, 2, 0, c, FL_F32, 2));
+        FL_CHECK(c[0] == 1 && c[1] == 2 && c[2] == 3 && c[3] == 4);
+    }
+    FL_CHECK(fl_cpu_gemm_bf16_tiled(&be, 0, 0, 2, 2, 2, 1, a, FL_F32, 2, h, FL_F16, 2, 0, c, FL_F32, 2) ==
+             FL_ERR_UNSUPPORTED);
+    /* run-to-run identical at a fixed thread count; library vs naive on a training-like shape */
+    int M = 96, N = 200, K = 150;
+    fl_test_rng rng = {11};
+    float *A = malloc(4 * M * K), *Bf = malloc(4 * K * N), *C[3];
+    fl_test_fill(&rng, A, (size_t)M * K, -1, 1);
+    fl_test_fill(&rng, Bf, (size_t)K * N, -1, 1);
+    uint16_t *B = to_f16(Bf, (size_t)K * N);
+    for (int r = 0; r < 3; r++) C[r] = malloc(4 * M * N);
+    for (int r = 0; r < 2; r++)
+        FL_REQUIRE_OK(fl_cpu_gemm(&be, 0, 1, M, N, K, 1, A, FL_F32, K, B, FL_F16, K, 0, C[r], FL_F32, N));
+    FL_CHECK(memcmp(C[0], C[1], 4 * M * N) == 0);
+    FL_REQUIRE_OK(fl_cpu_gemm_naive(&be, 0, 1, M, N, K, 1, A, FL_F32, K, B, FL_F16, K, 0, C[2], FL_F32, N));
+    FL_CHECK(fl_test_allclose("f16 library vs naive", C[0], C[2], (size_t)M * N, 1e-5, 1e-4));
+    for (int r = 0; r < 3; r++) free(C[r]);
     free(A), free(Bf), free(B);
 }
 

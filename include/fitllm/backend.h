@@ -6,7 +6,7 @@
  * has a reference test (float64) and a finite-difference gradient check.
  *
  * Conventions for every op:
- *  - row-major, contiguous, float32, except gemm (F32 and BF16 combinations) and the
+ *  - row-major, contiguous, float32, except gemm (F32, BF16 and F16 combinations) and the
  *    reduced-precision ops appended at the end of the table;
  *  - shapes in comments use B, T, C, NH, NKV, HD, V, F (ffn width), N (= B*T rows);
  *  - forward ops OVERWRITE their outputs;
@@ -57,12 +57,14 @@ struct fl_backend {
     /* ---- matmul ---------------------------------------------------------
      * C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C, row-major, with
      * op(X) = X or X^T. lda/ldb/ldc are row strides of the stored matrices.
-     * Types (ta, tb, tc): (F32, F32, F32), (BF16, BF16, F32), (F32, BF16, F32), (BF16, BF16, BF16);
-     * anything else returns UNSUPPORTED. With a BF16 operand, an F32 A is first rounded to bf16
-     * (RNE), products of bf16 values are accumulated in fp32, alpha and beta are applied in fp32
-     * (beta * C with C widened from bf16 when tc is BF16) and a BF16 C is rounded (RNE) once.
-     * The oneDNN build uses cached bf16 matmul primitives (avx512_bf16 when the CPU has it);
-     * other builds/CPUs a portable tiled kernel with the same semantics. */
+     * Types (ta, tb, tc): (F32, F32, F32), (BF16, BF16, F32), (F32, BF16, F32), (BF16, BF16, BF16),
+     * (F32, F16, F32), (F16, F16, F32); anything else returns UNSUPPORTED. With a BF16 operand,
+     * an F32 A is first rounded to bf16 (RNE), products of bf16 values are accumulated in fp32,
+     * alpha and beta are applied in fp32 (beta * C with C widened from bf16 when tc is BF16) and
+     * a BF16 C is rounded (RNE) once. The oneDNN build uses cached bf16 matmul primitives
+     * (avx512_bf16 when the CPU has it); other builds/CPUs a portable tiled kernel with the same
+     * semantics. With an F16 B, F16 operands are widened exactly to fp32 (an F32 A is NOT
+     * rounded to f16) and the rest is an fp32 GEMM (the library sgemm over widened blocks). */
     fl_status (*gemm)(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
                       const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
                       void *C, fl_dtype tc, int ldc);

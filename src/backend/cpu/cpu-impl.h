@@ -45,6 +45,11 @@ fl_status fl_cpu_gemm_bf16_tiled(const fl_backend *be, int trans_a, int trans_b,
 /* Which bf16 path fl_cpu_gemm takes: "onednn-matmul-bf16" or "tiled" (env FITLLM_BF16_GEMM=tiled
  * forces the portable kernel). */
 const char *fl_cpu_gemm_bf16_path(void);
+/* How fl_cpu_gemm does F32xF16 / F16xF16: "f16c-widen+sgemm" (F16C widening) or "widen+sgemm". */
+const char *fl_cpu_gemm_f16_path(void);
+/* Tests: use only the first n floats (at least 256) of the fp16 GEMM's scratch (0 or >= its
+ * size: all of it), so that small shapes exercise the K / N / M blocking. Process-wide. */
+void fl_cpu_gemm_f16_set_scratch_cap(size_t n);
 /* 1 if the CPU has AVX512_BF16 (vdpbf16ps). */
 int fl_cpu_has_avx512bf16(void);
 

@@ -16,6 +16,18 @@
  *   - K == 0 or alpha == 0: C = beta * C, A and B are not read;
  *   - beta == 0: C is not read (NaN/Inf garbage in C is overwritten).
  *
+ * Dtypes (ta, tb, tc): F32xF32->F32; BF16xBF16->F32|BF16 and F32xBF16->F32 (see "bf16"
+ * below); F32xF16->F32 and F16xF16->F32 (the fp16 policies: 16-mixed multiplies f32
+ * activations by an f16 weight copy, 16-true has f16 weights). Anything else: UNSUPPORTED.
+ *
+ * fp16 semantics (all paths). This CPU has no fp16 arithmetic, so F16 operands are widened
+ * exactly to fp32 (every f16 value, subnormals included, is an fp32 value) and the product is
+ * an fp32 GEMM: an F32 A is NOT rounded to f16 (unlike F32xBF16, which rounds A to bf16), and
+ * C = alpha * op(A) op(B) + beta * C is computed in fp32, with the BLAS edge semantics above.
+ * Library builds widen op(B) (and an F16 A) block by block into one fixed fp32 scratch
+ * (FL_F16_SCRATCH, allocated once, process-wide, mutex-guarded) and call the library sgemm per
+ * block; see "fp16" below.
+ *
  * Threads. fl_cpu_gemm runs on be->n_threads threads (<= 0: the OpenMP
  * default). It must be called from serial code, not from inside one of our
  * OpenMP parallel regions.
@@ -35,8 +47,13 @@
 #include <string.h>
 
 #include <omp.h>
+#include <pthread.h>
 
 #include "backend/cpu/cpu-impl.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 
 #if defined(FL_HAVE_ONEDNN)
 #include <dnnl.h>
@@ -66,6 +83,7 @@ static int gemm_types_ok(fl_dtype ta, fl_dtype tb, fl_dtype tc) {
     if (ta == FL_F32 && tb == FL_F32 && tc == FL_F32) return 1;
     if (ta == FL_BF16 && tb == FL_BF16 && (tc == FL_F32 || tc == FL_BF16)) return 1;
     if (ta == FL_F32 && tb == FL_BF16 && tc == FL_F32) return 1;
+    if ((ta == FL_F32 || ta == FL_F16) && tb == FL_F16 && tc == FL_F32) return 1;
     return 0;
 }
 
@@ -76,7 +94,7 @@ static fl_status gemm_check(const char *who, int trans_a, int trans_b, int M, in
     if (!gemm_types_ok(ta, tb, tc))
         return fl_errorf(FL_ERR_UNSUPPORTED,
                          "%s: dtypes A=%s B=%s C=%s not supported (F32xF32->F32, BF16xBF16->F32, F32xBF16->F32, "
-                         "BF16xBF16->BF16)",
+                         "BF16xBF16->BF16, F32xF16->F32, F16xF16->F32)",
                          who, fl_dtype_name(ta), fl_dtype_name(tb), fl_dtype_name(tc));
     if (M < 0 || N < 0 || K < 0) return fl_errorf(FL_ERR_INVALID, "%s: negative size M=%d N=%d K=%d", who, M, N, K);
     if (M == 0 || N == 0) return FL_OK;
@@ -116,6 +134,19 @@ static inline float a_bf16(const void *A, fl_dtype ta, int trans_a, int lda, int
     if (ta == FL_BF16) return fl_bf16_to_f32(((const uint16_t *)A)[idx]);
     return fl_bf16_to_f32(fl_f32_to_bf16(((const float *)A)[idx]));
 }
+/* op(A)[i][k] paired with a B of type tb: bf16 rules above for a BF16 B; with an F16 B an F16 A
+ * is widened and an F32 A used as is. */
+static inline float a_lowp(const void *A, fl_dtype ta, fl_dtype tb, int trans_a, int lda, int i, int k) {
+    if (tb == FL_BF16) return a_bf16(A, ta, trans_a, lda, i, k);
+    size_t idx = trans_a ? (size_t)k * lda + i : (size_t)i * lda + k;
+    if (ta == FL_F16) return fl_f16_to_f32(((const uint16_t *)A)[idx]);
+    return ((const float *)A)[idx];
+}
+static inline float b_lowp(const void *B, fl_dtype tb, int trans_b, int ldb, int k, int j) {
+    size_t idx = trans_b ? (size_t)j * ldb + k : (size_t)k * ldb + j;
+    uint16_t h = ((const uint16_t *)B)[idx];
+    return tb == FL_F16 ? fl_f16_to_f32(h) : fl_bf16_to_f32(h);
+}
 static inline float b_bf16(const void *B, int trans_b, int ldb, int k, int j) {
     size_t idx = trans_b ? (size_t)j * ldb + k : (size_t)k * ldb + j;
     return fl_bf16_to_f32(((const uint16_t *)B)[idx]);
@@ -145,9 +176,11 @@ static void scale_c_any(void *C, fl_dtype tc, int M, int N, int ldc, float beta,
         }
 }
 
-static fl_status gemm_bf16_naive(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
-                                 const void *A, fl_dtype ta, int lda, const void *B, int ldb, float beta, void *C,
-                                 fl_dtype tc, int ldc) {
+/* Reference kernel for every non-F32 combination (bf16 and fp16 rules above): products of the
+ * widened operands summed in double, alpha/beta applied in double, one rounding on store. */
+static fl_status gemm_lowp_naive(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                                 const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
+                                 void *C, fl_dtype tc, int ldc) {
     int nt = gemm_threads(be);
     if (K == 0 || alpha == 0.0f) {
         scale_c_any(C, tc, M, N, ldc, beta, nt);
@@ -158,7 +191,7 @@ static fl_status gemm_bf16_naive(const fl_backend *be, int trans_a, int trans_b,
         for (int j = 0; j < N; j++) {
             double s = 0;
             for (int k = 0; k < K; k++)
-                s += (double)a_bf16(A, ta, trans_a, lda, i, k) * (double)b_bf16(B, trans_b, ldb, k, j);
+                s += (double)a_lowp(A, ta, tb, trans_a, lda, i, k) * (double)b_lowp(B, tb, trans_b, ldb, k, j);
             size_t idx = (size_t)i * ldc + j;
             double v = (double)alpha * s;
             if (beta != 0.0f) v += (double)beta * c_load(C, tc, idx);
@@ -239,8 +272,6 @@ int fl_cpu_has_avx512bf16(void) {
  * F32 x BF16: oneDNN 2.6 has no f32-src/bf16-weights matmul, so op(A) is converted to bf16
  * (RNE, parallel) in row blocks into a fixed scratch of FL_BF16_SCRATCH elements (allocated
  * once, on first use, and kept with the cache), each block one matmul call with lda = K. */
-#include <pthread.h>
-
 #define FL_BF16_CACHE 48
 #define FL_BF16_SCRATCH ((size_t)4 << 20) /* bf16 elements: 8 MiB */
 
@@ -434,7 +465,7 @@ fl_status fl_cpu_gemm_naive(const fl_backend *be, int trans_a, int trans_b, int 
     FL_TRY(gemm_check("gemm_naive", trans_a, trans_b, M, N, K, A_, ta, lda, B_, tb, ldb, C_, tc, ldc));
     if (M == 0 || N == 0) return FL_OK;
     if (ta != FL_F32 || tb != FL_F32 || tc != FL_F32)
-        return gemm_bf16_naive(be, trans_a, trans_b, M, N, K, alpha, A_, ta, lda, B_, ldb, beta, C_, tc, ldc);
+        return gemm_lowp_naive(be, trans_a, trans_b, M, N, K, alpha, A_, ta, lda, B_, tb, ldb, beta, C_, tc, ldc);
     const float *A = A_, *B = B_;
     float *C = C_;
     int nt = gemm_threads(be);
@@ -487,45 +518,201 @@ fl_status fl_cpu_gemm_naive(const fl_backend *be, int trans_a, int trans_b, int 
 static _Atomic int g_blas_threads;
 #endif
 
-fl_status fl_cpu_gemm(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
-                      const void *A_, fl_dtype ta, int lda, const void *B_, fl_dtype tb, int ldb, float beta, void *C_,
-                      fl_dtype tc, int ldc) {
-#if defined(FL_HAVE_ONEDNN) || defined(FL_HAVE_OPENBLAS)
-    FL_TRY(gemm_check("gemm", trans_a, trans_b, M, N, K, A_, ta, lda, B_, tb, ldb, C_, tc, ldc));
-    if (M == 0 || N == 0) return FL_OK;
-    if (ta != FL_F32 || tb != FL_F32 || tc != FL_F32)
-        return gemm_bf16(be, trans_a, trans_b, M, N, K, alpha, A_, ta, lda, B_, tb, ldb, beta, C_, tc, ldc);
-    const float *A = A_, *B = B_;
-    float *C = C_;
-    int nt = gemm_threads(be);
-    if (K == 0 || alpha == 0.0f) {
-        /* BLAS would do this too, but oneDNN rejects lda=0 etc. for K == 0, and
-         * this way every library behaves the same. */
-        scale_c(C, M, N, ldc, beta, nt);
-        return FL_OK;
-    }
+/* The build's fp32 GEMM on checked arguments with M, N, K > 0 and alpha != 0. */
+static fl_status sgemm_f32(const fl_backend *be, int nt, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                           const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc) {
 #if defined(FL_HAVE_ONEDNN)
+    (void)be;
     if (omp_get_max_threads() != nt) omp_set_num_threads(nt);
     dnnl_status_t st = dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb, beta, C,
                                   ldc);
     if (st != dnnl_success)
         return fl_errorf(FL_ERR_INTERNAL, "gemm: dnnl_sgemm(%c%c, M=%d N=%d K=%d, lda=%d ldb=%d ldc=%d) failed: %d",
                          trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, lda, ldb, ldc, (int)st);
-#else
+    return FL_OK;
+#elif defined(FL_HAVE_OPENBLAS)
+    (void)be;
     if (g_blas_threads != nt) {
         openblas_set_num_threads(nt);
         g_blas_threads = nt;
     }
     cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K,
                 alpha, A, lda, B, ldb, beta, C, ldc);
-#endif
     return FL_OK;
 #else
-    if (ta != FL_F32 || tb != FL_F32 || tc != FL_F32) {
-        FL_TRY(gemm_check("gemm", trans_a, trans_b, M, N, K, A_, ta, lda, B_, tb, ldb, C_, tc, ldc));
-        if (M == 0 || N == 0) return FL_OK;
-        return gemm_bf16(be, trans_a, trans_b, M, N, K, alpha, A_, ta, lda, B_, tb, ldb, beta, C_, tc, ldc);
+    (void)be;
+    fl_backend tmp = {0};
+    tmp.n_threads = nt;
+    return fl_cpu_gemm_naive(&tmp, trans_a, trans_b, M, N, K, alpha, A, FL_F32, lda, B, FL_F32, ldb, beta, C, FL_F32,
+                             ldc);
+#endif
+}
+
+/* ---- fp16 ------------------------------------------------------------------------------
+ * F32xF16->F32 and F16xF16->F32 (semantics at the top of this file). op(B) is widened to fp32
+ * in (kb x nb) blocks, kept in B's stored orientation (so the widening reads whole rows and the
+ * sgemm keeps trans_b), into a fixed scratch of FL_F16_SCRATCH floats, allocated once on first
+ * use and kept until exit; an F16 A is widened the same way into the scratch's second half in
+ * (mb x kb) blocks. Each block is one library sgemm on the matching C tile, beta for the first
+ * K block and 1 after. With the default scratch the training shapes up to K = 2048 x N = 1024
+ * (F32 A) are a single call: the widening (F16C; OpenMP threads, or the calling thread in
+ * OpenBLAS builds) costs a few percent of the sgemm. The scratch and the calls are guarded by one mutex (thread-safe, serialized across
+ * callers). If the scratch cannot be allocated, the double-accumulating reference kernel runs
+ * (same semantics, slow). */
+#define FL_F16_SCRATCH ((size_t)2 << 20) /* fp32 elements: 8 MiB */
+
+static struct {
+    pthread_mutex_t mu;
+    float *scratch;
+    int alloc_failed, f16c;
+    size_t cap; /* test hook: elements of the scratch to use (0: all) */
+} g_f16 = {.mu = PTHREAD_MUTEX_INITIALIZER, .f16c = -1};
+
+void fl_cpu_gemm_f16_set_scratch_cap(size_t n) {
+    pthread_mutex_lock(&g_f16.mu);
+    /* >= 256: each half keeps room for a 64-wide panel of at least 2 k (kb, nb, mb > 0) */
+    g_f16.cap = n == 0 || n >= FL_F16_SCRATCH ? 0 : n < 256 ? 256 : n;
+    pthread_mutex_unlock(&g_f16.mu);
+}
+
+static int has_f16c(void) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    return __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx") ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+const char *fl_cpu_gemm_f16_path(void) { return has_f16c() ? "f16c-widen+sgemm" : "widen+sgemm"; }
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx,f16c"))) static void widen_row_f16c(float *d, const uint16_t *s, int n) {
+    int j = 0;
+    for (; j + 16 <= n; j += 16) {
+        __m128i h0 = _mm_loadu_si128((const __m128i *)(s + j)), h1 = _mm_loadu_si128((const __m128i *)(s + j + 8));
+        _mm256_storeu_ps(d + j, _mm256_cvtph_ps(h0));
+        _mm256_storeu_ps(d + j + 8, _mm256_cvtph_ps(h1));
     }
+    for (; j < n; j++) d[j] = fl_f16_to_f32(s[j]);
+}
+#endif
+
+/* dst(rows, cols) dense (row stride cols) = widen(src(rows, cols), row stride lds). */
+static void widen_f16(float *dst, const uint16_t *src, int rows, int cols, int lds, int f16c, int nt) {
+#pragma omp parallel for num_threads(nt) schedule(static) if ((int64_t)rows * cols > 32768)
+    for (int r = 0; r < rows; r++) {
+        float *d = dst + (size_t)r * cols;
+        const uint16_t *s = src + (size_t)r * lds;
+#if defined(__x86_64__) && defined(__GNUC__)
+        if (f16c) {
+            widen_row_f16c(d, s, cols);
+            continue;
+        }
+#endif
+        (void)f16c;
+        for (int j = 0; j < cols; j++) d[j] = fl_f16_to_f32(s[j]);
+    }
+}
+
+static fl_status gemm_f16_blocked(const fl_backend *be, int nt, int trans_a, int trans_b, int M, int N, int K,
+                                  float alpha, const void *A, fl_dtype ta, int lda, const uint16_t *B, int ldb,
+                                  float beta, float *C, int ldc, float *scratch, size_t cap, int f16c) {
+    /* scratch: B blocks in [0, bcap), A blocks (F16 A) in [bcap, cap); at least 64 columns
+     * (rows) of N (M) per block */
+    size_t bcap = ta == FL_F16 ? cap / 2 : cap, acap = cap - bcap;
+    int kb = (size_t)K * 64 <= bcap ? K : (int)(bcap / 64);
+    int nb = (size_t)N * kb <= bcap ? N : (int)(bcap / (size_t)kb);
+    int mb = ta == FL_F32 || (size_t)M * kb <= acap ? M : (int)(acap / (size_t)kb);
+    float *SB = scratch, *SA = scratch + bcap;
+#if defined(FL_HAVE_OPENBLAS)
+    /* widen on the calling thread: an OpenMP region right before each OpenBLAS call makes the
+     * two spinning thread pools steal each other's cores (see the top of this file) */
+    int wnt = 1;
+#else
+    int wnt = nt;
+#endif
+    for (int k0 = 0; k0 < K; k0 += kb) {
+        int kc = K - k0 < kb ? K - k0 : kb;
+        float bk = k0 == 0 ? beta : 1.0f;
+        int a_ready = 0; /* mb == M: the widened A block of this k0 is reused for every j0 */
+        for (int j0 = 0; j0 < N; j0 += nb) {
+            int nc = N - j0 < nb ? N - j0 : nb;
+            if (trans_b) /* stored (N,K): rows j0.., cols k0.. -> SB (nc, kc) */
+                widen_f16(SB, B + (size_t)j0 * ldb + k0, nc, kc, ldb, f16c, wnt);
+            else /* stored (K,N): rows k0.., cols j0.. -> SB (kc, nc) */
+                widen_f16(SB, B + (size_t)k0 * ldb + j0, kc, nc, ldb, f16c, wnt);
+            int ldsb = trans_b ? kc : nc;
+            for (int i0 = 0; i0 < M; i0 += mb) {
+                int mc = M - i0 < mb ? M - i0 : mb;
+                const float *Ap;
+                int ldap;
+                if (ta == FL_F32) {
+                    const float *Af = A;
+                    Ap = trans_a ? Af + (size_t)k0 * lda + i0 : Af + (size_t)i0 * lda + k0;
+                    ldap = lda;
+                } else {
+                    const uint16_t *Ah = A;
+                    if (!a_ready) {
+                        if (trans_a) /* stored (K,M): rows k0.., cols i0.. -> SA (kc, mc) */
+                            widen_f16(SA, Ah + (size_t)k0 * lda + i0, kc, mc, lda, f16c, wnt);
+                        else /* stored (M,K): rows i0.., cols k0.. -> SA (mc, kc) */
+                            widen_f16(SA, Ah + (size_t)i0 * lda + k0, mc, kc, lda, f16c, wnt);
+                        a_ready = mb == M;
+                    }
+                    Ap = SA;
+                    ldap = trans_a ? mc : kc;
+                }
+                FL_TRY(sgemm_f32(be, nt, trans_a, trans_b, mc, nc, kc, alpha, Ap, ldap, SB, ldsb, bk,
+                                 C + (size_t)i0 * ldc + j0, ldc));
+            }
+        }
+    }
+    return FL_OK;
+}
+
+/* Checked arguments, M, N > 0, tb == F16, tc == F32. */
+static fl_status gemm_f16(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                          const void *A, fl_dtype ta, int lda, const void *B, int ldb, float beta, void *C, int ldc) {
+    int nt = gemm_threads(be);
+    if (K == 0 || alpha == 0.0f) {
+        scale_c(C, M, N, ldc, beta, nt);
+        return FL_OK;
+    }
+    pthread_mutex_lock(&g_f16.mu);
+    if (!g_f16.scratch && !g_f16.alloc_failed) {
+        g_f16.scratch = malloc(FL_F16_SCRATCH * sizeof(float));
+        g_f16.alloc_failed = !g_f16.scratch;
+    }
+    if (g_f16.f16c < 0) g_f16.f16c = has_f16c();
+    if (!g_f16.scratch) {
+        pthread_mutex_unlock(&g_f16.mu);
+        return gemm_lowp_naive(be, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, FL_F16, ldb, beta, C, FL_F32,
+                               ldc);
+    }
+    fl_status s = gemm_f16_blocked(be, nt, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, ldb, beta, C, ldc,
+                                   g_f16.scratch, g_f16.cap ? g_f16.cap : FL_F16_SCRATCH, g_f16.f16c);
+    pthread_mutex_unlock(&g_f16.mu);
+    return s;
+}
+
+fl_status fl_cpu_gemm(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                      const void *A_, fl_dtype ta, int lda, const void *B_, fl_dtype tb, int ldb, float beta, void *C_,
+                      fl_dtype tc, int ldc) {
+    FL_TRY(gemm_check("gemm", trans_a, trans_b, M, N, K, A_, ta, lda, B_, tb, ldb, C_, tc, ldc));
+    if (M == 0 || N == 0) return FL_OK;
+    if (tb == FL_F16) return gemm_f16(be, trans_a, trans_b, M, N, K, alpha, A_, ta, lda, B_, ldb, beta, C_, ldc);
+    if (ta != FL_F32 || tb != FL_F32 || tc != FL_F32)
+        return gemm_bf16(be, trans_a, trans_b, M, N, K, alpha, A_, ta, lda, B_, tb, ldb, beta, C_, tc, ldc);
+#if defined(FL_HAVE_ONEDNN) || defined(FL_HAVE_OPENBLAS)
+    int nt = gemm_threads(be);
+    if (K == 0 || alpha == 0.0f) {
+        /* BLAS would do this too, but oneDNN rejects lda=0 etc. for K == 0, and
+         * this way every library behaves the same. */
+        scale_c(C_, M, N, ldc, beta, nt);
+        return FL_OK;
+    }
+    return sgemm_f32(be, nt, trans_a, trans_b, M, N, K, alpha, A_, lda, B_, ldb, beta, C_, ldc);
+#else
     return fl_cpu_gemm_naive(be, trans_a, trans_b, M, N, K, alpha, A_, ta, lda, B_, tb, ldb, beta, C_, tc, ldc);
 #endif
 }
