@@ -48,10 +48,13 @@ expect finetune_unknown_key 2 "did you mean 'train.micro_batch_size'" -- "$FITLL
 expect finetune_not_divisible 2 "not divisible" -- "$FITLLM" finetune_full micro --train.global_batch_size 6 --train.micro_batch_size 4 --out_dir "$T/x3"
 expect finetune_zero_batch 2 "must be positive" -- "$FITLLM" finetune_full micro --train.micro_batch_size 0 --out_dir "$T/x4"
 expect finetune_lora_ok 0 "Saved the PEFT adapter" -- "$FITLLM" finetune_lora micro --train.max_steps 3 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/lora" --quiet
-expect finetune_lora_qlora_unavailable 2 "QLoRA is not available yet" -- "$FITLLM" finetune_lora micro --quantize bnb.nf4 --out_dir "$T/l2"
+expect finetune_qlora_ok 0 "Saved the PEFT adapter" -- "$FITLLM" finetune_lora micro --quantize bnb.nf4-dq --precision bf16-true --train.max_steps 3 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/l2" --quiet
+expect finetune_qlora_mixed 2 "quantization and mixed precision" -- "$FITLLM" finetune_lora micro --quantize bnb.nf4 --precision bf16-mixed --out_dir "$T/l2b"
+expect finetune_qlora_bad_mode 2 "nf4" -- "$FITLLM" finetune_lora micro --quantize bnb.int8 --out_dir "$T/l2c"
 expect finetune_lora_bad_r 2 "lora_r must be positive" -- "$FITLLM" finetune_lora micro --lora_r 0 --out_dir "$T/l3"
 expect finetune_lora_bad_target 2 "valid" -- "$FITLLM" finetune_lora micro --lora_target_modules qq_proj --out_dir "$T/l4"
-expect finetune_precision_unavailable 2 "16-true" -- "$FITLLM" finetune_full micro --precision 16-true --out_dir "$T/x5"
+expect finetune_precision_unknown 2 "16-mixed" -- "$FITLLM" finetune_full micro --precision 8-true --out_dir "$T/x5"
+expect finetune_16_true_ok 0 "Saved the final model" -- "$FITLLM" finetune_full micro --precision 16-true --train.max_steps 3 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/x5b" --quiet
 expect finetune_oom 3 "out of memory" -- "$FITLLM" finetune_full tiny --max_memory 100MB --out_dir "$T/x6" --train.max_steps 1
 if [ -d "$T/x6/final" ] || ls "$T/x6"/step-* >/dev/null 2>&1; then echo "FAIL finetune_oom_no_output"; fail=$((fail+1)); else echo "ok   finetune_oom_no_output"; pass=$((pass+1)); fi
 expect finetune_tiny_ok 0 "Saved the final model" -- "$FITLLM" finetune_full micro --train.max_steps 3 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/x7" --quiet
@@ -62,7 +65,7 @@ expect plan_fits 0 "verdict: FITS" -- "$FITLLM" plan tinyllama-1.1b --device-mem
 expect plan_oom_exit_3 3 "verdict: OUT OF MEMORY during setup" -- "$FITLLM" plan tinyllama-1.1b --device-memory 80GB --train.micro_batch_size 32 --train.global_batch_size 32 --train.max_seq_length 1025
 expect plan_oom_suggests 3 "largest micro_batch_size that fits: 16" -- "$FITLLM" plan --model tinyllama-1.1b --device-memory 80GB --train.micro_batch_size 32 --train.global_batch_size 32 --train.max_seq_length 1025
 expect plan_json 3 '"verdict": "oom"' -- "$FITLLM" plan open-llama-7b --device-memory 80GB --json
-expect plan_not_available 2 "NOT AVAILABLE: 16-true" -- "$FITLLM" plan tinyllama-1.1b --precision 16-true --device-memory 80GB
+expect plan_qlora_fits 0 "verdict: FITS" -- "$FITLLM" plan open-llama-7b --lora --quantize bnb.nf4-dq --precision bf16-true --device-memory 24GB --train.micro_batch_size 1 --train.max_seq_length 513
 expect plan_devices_2 2 "more than one device" -- "$FITLLM" plan tinyllama-1.1b --devices 2
 expect plan_bad_size 2 "not a size" -- "$FITLLM" plan tinyllama-1.1b --device-memory lots
 expect plan_unknown_model 1 "neither a model folder nor a preset" -- "$FITLLM" plan no-such-model
@@ -95,7 +98,7 @@ if [ -f "$T/lab/results.csv" ]; then
     v() { awk -F, -v n="$1" '$1 == n { print $10 }' "$T/lab/results.csv"; }
     ok=1
     for pair in baseline:OOM reduced-batch:fits grad-accum:fits grad-accum-lr:fits larger-model:fits even-larger:OOM \
-                even-larger-b1:OOM sgd:fits adam8bit:fits act-ckpt:fits bf16-mixed:fits lora:fits bf16-true:fits qlora:n/a; do
+                even-larger-b1:OOM sgd:fits adam8bit:fits act-ckpt:fits bf16-mixed:fits lora:fits bf16-true:fits qlora:fits; do
         got=$(v "${pair%%:*}"); [ "$got" = "${pair#*:}" ] || { echo "     ${pair%%:*}: $got, want ${pair#*:}"; ok=0; }
     done
     grep -q "NO" <(awk -F, 'NR > 1 { print $12 }' "$T/lab/results.csv") && { echo "     a verdict differs from the lab's"; ok=0; }

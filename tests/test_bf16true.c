@@ -27,9 +27,16 @@ static void fill_ids(int32_t *ids, int32_t *tg, int n, int V, uint64_t s) {
     }
 }
 
-static float bf(float x) { return fl_bf16_to_f32(fl_f32_to_bf16(x)); }
+/* round to the 16-bit dtype and back */
+static float r16(fl_dtype t, float x) {
+    return t == FL_BF16 ? fl_bf16_to_f32(fl_f32_to_bf16(x)) : fl_f16_to_f32(fl_f32_to_f16(x));
+}
+static uint16_t to16(fl_dtype t, float x) { return t == FL_BF16 ? fl_f32_to_bf16(x) : fl_f32_to_f16(x); }
+static float from16(fl_dtype t, uint16_t x) { return t == FL_BF16 ? fl_bf16_to_f32(x) : fl_f16_to_f32(x); }
 
-static void vs_mixed(const char *preset, int untie) {
+static void vs_mixed(const char *preset, int untie, fl_dtype dt) {
+    const fl_precision_kind mixed = dt == FL_BF16 ? FL_PREC_BF16_MIXED : FL_PREC_16_MIXED;
+    const fl_precision_kind truek = dt == FL_BF16 ? FL_PREC_BF16_TRUE : FL_PREC_16_TRUE;
     fl_model_config c;
     FL_REQUIRE_OK(fl_preset_find(preset, &c));
     if (untie) c.tie_embeddings = 0;
@@ -47,8 +54,8 @@ static void vs_mixed(const char *preset, int untie) {
     fl_model a;
     FL_REQUIRE_OK(fl_model_init(&a, &c, &be, &pool));
     fl_model_init_random(&a, 5);
-    for (size_t i = 0; i < a.layout.numel; i++) a.params[i] = bf(a.params[i]);
-    FL_REQUIRE_OK(fl_model_set_precision(&a, fl_precision_get(FL_PREC_BF16_MIXED)));
+    for (size_t i = 0; i < a.layout.numel; i++) a.params[i] = r16(dt, a.params[i]);
+    FL_REQUIRE_OK(fl_model_set_precision(&a, fl_precision_get(mixed)));
     FL_REQUIRE_OK(fl_model_alloc_grads(&a));
     FL_REQUIRE_OK(fl_model_alloc_acts(&a, B, T));
     float *la = malloc((size_t)N * c.vocab_size * sizeof(float)), *lb = malloc((size_t)N * c.vocab_size * sizeof(float));
@@ -58,16 +65,16 @@ static void vs_mixed(const char *preset, int untie) {
 
     /* B: bf16 storage with the same values */
     fl_model b;
-    fl_model_storage st = {FL_BF16};
+    fl_model_storage st = {dt};
     size_t p0 = pool.cur[FL_TAG_PARAMS], w0 = pool.cur[FL_TAG_WORKSPACE], g0 = pool.cur[FL_TAG_GRADS];
     FL_REQUIRE_OK(fl_model_init_ex(&b, &c, &be, &pool, &st));
     FL_CHECK(b.params == NULL && b.p16 != NULL);
     FL_CHECK(pool.cur[FL_TAG_PARAMS] - p0 == b.layout.numel * 2);
     FL_CHECK(pool.cur[FL_TAG_WORKSPACE] - w0 == fl_sizing_pstage_elems(&c) * 4);
     for (int i = 0; i < b.layout.n; i++) fl_model_write_param(&b, i, a.params + a.layout.params[i].offset);
-    FL_REQUIRE_OK(fl_model_set_precision(&b, fl_precision_get(FL_PREC_BF16_TRUE)));
+    FL_REQUIRE_OK(fl_model_set_precision(&b, fl_precision_get(truek)));
     FL_CHECK(fl_model_set_precision(&b, fl_precision_get(FL_PREC_32_TRUE)) == FL_ERR_INVALID); /* storage is fixed */
-    FL_REQUIRE_OK(fl_model_set_precision(&b, fl_precision_get(FL_PREC_BF16_TRUE)));
+    FL_REQUIRE_OK(fl_model_set_precision(&b, fl_precision_get(truek)));
     FL_REQUIRE_OK(fl_model_alloc_grads(&b));
     FL_CHECK(b.grads == NULL && b.g16 != NULL);
     FL_CHECK(pool.cur[FL_TAG_GRADS] - g0 == b.layout.numel * 2);
@@ -90,19 +97,21 @@ static void vs_mixed(const char *preset, int untie) {
         for (size_t k = 0; k < p->numel; k++) mx = fmax(mx, fabs(g32[k]));
         for (size_t k = 0; k < p->numel; k++) {
             if (i == tied_wte) {
-                double d = fabs((double)fl_bf16_to_f32(g16[k]) - g32[k]);
+                double d = fabs((double)from16(dt, g16[k]) - g32[k]);
                 if (mx > 0 && d / mx > worst_tied) worst_tied = d / mx;
-            } else if (g16[k] != fl_f32_to_bf16(g32[k])) {
+            } else if (g16[k] != to16(dt, g32[k])) {
                 if (mism++ < 5)
                     fl_test_fail(__FILE__, __LINE__, "%s %s[%zu]: bf16 grad %g, fp32 grad %g", preset, p->name, k,
-                                 fl_bf16_to_f32(g16[k]), g32[k]);
+                                 from16(dt, g16[k]), g32[k]);
             }
         }
     }
     FL_CHECKF(mism == 0, "%s: %zu gradients are not the once-rounded fp32 gradient", preset, mism);
-    FL_CHECKF(worst_tied <= 1.0 / 256, "%s: tied embedding gradient off by %.3g of its scale", preset, worst_tied);
-    printf("      %s%s: loss and logits identical to bf16-mixed; gradients = bf16(fp32)%s\n", preset,
-           untie ? " (untied)" : "", c.tie_embeddings ? ", tied embedding within one bf16 ulp" : "");
+    FL_CHECKF(worst_tied <= (dt == FL_BF16 ? 1.0 / 256 : 1.0 / 2048), "%s: tied embedding gradient off by %.3g of its scale",
+              preset, worst_tied);
+    printf("      %s %s%s: loss and logits identical to the mixed policy; gradients = %s(fp32)%s\n",
+           fl_dtype_name(dt), preset, untie ? " (untied)" : "", fl_dtype_name(dt),
+           c.tie_embeddings ? ", tied embedding within one ulp of its scale" : "");
 
     /* optimizer: AdamW state is bf16 under the policy (2 x 2 bytes per parameter) */
     fl_optim_config oc;
@@ -110,26 +119,27 @@ static void vs_mixed(const char *preset, int untie) {
     fl_optimizer o;
     size_t o0 = pool.cur[FL_TAG_OPTIM];
     FL_REQUIRE_OK(fl_optim_init(&o, &b, &oc));
-    FL_CHECK(o.cfg.state_dtype == FL_BF16 && pool.cur[FL_TAG_OPTIM] - o0 == b.layout.numel * 4);
+    if (dt == FL_BF16) FL_CHECK(o.cfg.state_dtype == FL_BF16 && pool.cur[FL_TAG_OPTIM] - o0 == b.layout.numel * 4);
+    else FL_CHECK(o.cfg.state_dtype == FL_F32 && pool.cur[FL_TAG_OPTIM] - o0 == b.layout.numel * 8); /* 16-true: fp32 state */
     FL_REQUIRE_OK(fl_optim_step(&o, 1e-3f, 1.0f, NULL));
     fl_optim_free(&o);
 
     /* save keeps the bf16 bits; reload into bf16 (bit-exact) and into fp32 (exact widening) */
     char dir[600];
-    snprintf(dir, sizeof dir, "%s/bf16-%s-%d", fl_test_tmpdir(), preset, untie);
+    snprintf(dir, sizeof dir, "%s/%s-%s-%d", fl_test_tmpdir(), fl_dtype_name(dt), preset, untie);
     FL_REQUIRE_OK(fl_hf_save_model(&b, dir));
     char f[700];
     snprintf(f, sizeof f, "%s/model.safetensors", dir);
     fl_st_file sf;
     FL_REQUIRE_OK(fl_st_open(&sf, f));
-    FL_CHECK(sf.n_tensors > 0 && sf.tensors[0].dtype == FL_BF16);
+    FL_CHECK(sf.n_tensors > 0 && sf.tensors[0].dtype == dt);
     fl_st_close(&sf);
     fl_model r16, r32;
     FL_REQUIRE_OK(fl_hf_load_model_ex(&r16, dir, &be, &pool, &st));
     FL_CHECK(memcmp(r16.p16, b.p16, b.layout.numel * 2) == 0);
     FL_REQUIRE_OK(fl_hf_load_model(&r32, dir, &be, &pool));
     size_t bad = 0;
-    for (size_t i = 0; i < b.layout.numel; i++) bad += r32.params[i] != fl_bf16_to_f32(b.p16[i]);
+    for (size_t i = 0; i < b.layout.numel; i++) bad += r32.params[i] != from16(dt, b.p16[i]);
     FL_CHECK(bad == 0);
     fl_model_free(&r16);
     fl_model_free(&r32);
@@ -143,9 +153,12 @@ static void vs_mixed(const char *preset, int untie) {
     fl_cpu_backend_free(&be);
 }
 
-FL_TEST(bf16_true_vs_mixed_llama_tied) { vs_mixed("micro", 0); }
-FL_TEST(bf16_true_vs_mixed_llama_untied) { vs_mixed("micro", 1); }
-FL_TEST(bf16_true_vs_mixed_gpt2) { vs_mixed("gpt2-micro", 0); }
+FL_TEST(bf16_true_vs_mixed_llama_tied) { vs_mixed("micro", 0, FL_BF16); }
+FL_TEST(bf16_true_vs_mixed_llama_untied) { vs_mixed("micro", 1, FL_BF16); }
+FL_TEST(bf16_true_vs_mixed_gpt2) { vs_mixed("gpt2-micro", 0, FL_BF16); }
+/* the same storage in fp16: 16-true against 16-mixed (fp16 weight copy) on fp16-exact weights */
+FL_TEST(f16_true_vs_mixed_llama_untied) { vs_mixed("micro", 1, FL_F16); }
+FL_TEST(f16_true_vs_mixed_gpt2) { vs_mixed("gpt2-micro", 0, FL_F16); }
 
 /* ---- (4) against PyTorch's bf16-true on the golden LLaMA ---- */
 

@@ -132,6 +132,7 @@ FL_TEST(plan_equals_runtime_lora) {
             for (int bi = 0; bi < 2; bi++) {
                 int B = 1 << (bi * 2);
                 const char *prec = (oi + dr + bi) % 2 ? "bf16-true" : "32-true"; /* frozen base in bf16 */
+                static const char *quant[] = {"", "bnb.nf4", "bnb.fp4-dq"}; /* QLoRA: 4-bit base linears */
                 fl_run_config c;
                 char out[600];
                 snprintf(out, sizeof out, "%s/l%d%d%d", fl_test_tmpdir(), oi, dr, bi);
@@ -144,6 +145,7 @@ FL_TEST(plan_equals_runtime_lora) {
                 c.lora.mlp = 1;
                 FL_REQUIRE_OK(fl_cfg_set(&c, "optimizer", opts[oi]));
                 FL_REQUIRE_OK(fl_cfg_set(&c, "precision", prec));
+                snprintf(c.lora.quantize, sizeof c.lora.quantize, "%s", quant[(oi + bi) % 3]);
                 if (oi == 2) c.optimizer.momentum = 0.9f;
                 fl_plan pl;
                 fl_plan_opts o;
@@ -154,8 +156,8 @@ FL_TEST(plan_equals_runtime_lora) {
                 fl_trainer_result r;
                 FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, stop_now, NULL, &r));
                 for (int t = 0; t < FL_TAG_COUNT; t++)
-                    FL_CHECKF(pl.peak[t] == r.peak[t], "lora %s %s dropout %d B %d: %s planned %zu, measured %zu", prec,
-                              opts[oi], dr, B, fl_mem_tag_name((fl_mem_tag)t), pl.peak[t], r.peak[t]);
+                    FL_CHECKF(pl.peak[t] == r.peak[t], "lora %s %s %s dropout %d B %d: %s planned %zu, measured %zu", prec,
+                              c.lora.quantize, opts[oi], dr, B, fl_mem_tag_name((fl_mem_tag)t), pl.peak[t], r.peak[t]);
                 runs++;
             }
     FL_CHECK(runs == 12);
@@ -255,10 +257,15 @@ FL_TEST(plan_max_micro_batch_and_suggestions) {
         FL_CHECKF(q.verdict == FL_PLAN_FITS && q.peak_total == s->peak, "%s: '%s' -> %s, peak %zu vs %zu",
                   s->technique, s->change, fl_plan_verdict_name(q.verdict), q.peak_total, s->peak);
     }
-    /* a technique the build lacks is a verdict, not an error */
-    snprintf(c.precision, sizeof c.precision, "16-true");
-    FL_REQUIRE_OK(fl_plan_run(&c, &o, &pl));
-    FL_CHECK(pl.verdict == FL_PLAN_UNAVAILABLE && strstr(pl.unavailable, "16-true"));
+    /* every precision policy is planned (fp16 halves PARAMS like bf16) */
+    size_t pk[2];
+    for (int k = 0; k < 2; k++) {
+        snprintf(c.precision, sizeof c.precision, "%s", k ? "16-true" : "bf16-true");
+        FL_REQUIRE_OK(fl_plan_run(&c, &o, &pl));
+        FL_CHECK(pl.verdict != FL_PLAN_UNAVAILABLE);
+        pk[k] = pl.peak[FL_TAG_PARAMS];
+    }
+    FL_CHECK(pk[0] == pk[1]);
     snprintf(c.precision, sizeof c.precision, "32-true");
     /* activation checkpointing lets micro batch 32 fit in the budget of micro batch 8 */
     c.train.activation_checkpointing = 1;

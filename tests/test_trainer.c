@@ -236,6 +236,11 @@ static void resume_case_ex(const char *optimizer, const char *state_dtype, const
     snprintf(out, sizeof out, "%s/full", fl_test_tmpdir());
     small_run(&c, out);
     if (!strcmp(precision, "lora")) { lora_run(&c); precision = "32-true"; }
+    if (!strcmp(precision, "qlora-bf16")) { /* QLoRA on a bf16-true model: 4-bit linears, bf16 rest */
+        lora_run(&c);
+        FL_REQUIRE_OK(fl_cfg_set(&c, "quantize", "bnb.fp4"));
+        precision = "bf16-true";
+    }
     FL_REQUIRE_OK(fl_cfg_set(&c, "precision", precision));
     c.train.activation_checkpointing = act_ckpt;
     FL_REQUIRE_OK(fl_cfg_set(&c, "optimizer", optimizer));
@@ -289,6 +294,9 @@ FL_TEST(trainer_resume_is_bit_exact_bf16_state) { resume_case("AdamW", "bfloat16
 /* bf16 parameters, gradients and state: the checkpoint holds them exactly (bf16 safetensors) */
 FL_TEST(trainer_resume_is_bit_exact_bf16_true) { resume_case_ex("AdamW", NULL, "bf16-true", 0); }
 FL_TEST(trainer_resume_is_bit_exact_bf16_true_sgd_act_ckpt) { resume_case_ex("SGD", NULL, "bf16-true", 1); }
+/* fp16 weights and gradients with the loss scaler: its scale and growth count are resumed */
+FL_TEST(trainer_resume_is_bit_exact_16_true) { resume_case_ex("AdamW", NULL, "16-true", 0); }
+FL_TEST(trainer_resume_is_bit_exact_qlora_bf16_true) { resume_case_ex("AdamW", NULL, "qlora-bf16", 0); }
 
 /* Each optimizer trains (loss goes down) and its OPTIM bytes equal the analytic count. */
 static void optim_case(const char *name, const char *state_dtype, float lr) {
@@ -420,19 +428,17 @@ FL_TEST(trainer_bf16_mixed_and_act_ckpt_train) {
         FL_CHECKF(last < first - 0.3, "%s act_ckpt=%s: loss %.3f -> %.3f", variants[v][0], variants[v][1], first, last);
         free(r.params);
     }
-    /* unavailable policies fail cleanly with a message naming them */
+    /* unknown policies fail cleanly with a message naming the valid ones */
     snprintf(out, sizeof out, "%s/prec-x", fl_test_tmpdir());
     small_run(&c, out);
-    FL_REQUIRE_OK(fl_cfg_set(&c, "precision", "16-true"));
-    FL_CHECK(fl_trainer_run(&c, NULL, 0, NULL, NULL, NULL) == FL_ERR_UNSUPPORTED);
-    FL_CHECK(strstr(fl_error_message(), "16-true") != NULL);
+    FL_CHECK(fl_cfg_set(&c, "precision", "8-true") != FL_OK && strstr(fl_error_message(), "16-mixed") != NULL);
 }
 
 /* Each available precision policy trains the real stories260K model (loss goes down). */
 FL_TEST(trainer_policies_train_stories260k) {
     FL_SKIP_IF_NO_DATA();
-    static const char *pol[] = {"32-true", "bf16-mixed", "bf16-true"};
-    for (int k = 0; k < 3; k++) {
+    static const char *pol[] = {"32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"};
+    for (int k = 0; k < 5; k++) {
         fl_run_config c;
         char out[512];
         snprintf(out, sizeof out, "%s/st%d", fl_test_tmpdir(), k);
@@ -504,4 +510,84 @@ FL_TEST(trainer_lora_trains_adapters_only) {
     fl_mem_pool_free(&pool);
     fl_cpu_backend_free(&be);
     free(r.params);
+}
+
+/* QLoRA (--quantize bnb.nf4-dq): loss goes down on stories260K with a 4-bit base; PARAMS is
+ * exactly the fp32 entries + the 4-bit entries (4.127 bits per quantized weight) + the
+ * adapters; GRADS/OPTIM are the adapters'; final/ is the dequantized base with the adapters
+ * merged, which equals (dequantized base + PEFT adapter merged) from the saved adapter. */
+FL_TEST(trainer_qlora_trains_adapters_on_4bit_base) {
+    FL_SKIP_IF_NO_DATA();
+    fl_run_config c;
+    char out[512];
+    snprintf(out, sizeof out, "%s/qlora", fl_test_tmpdir());
+    small_run(&c, out);
+    lora_run(&c);
+    snprintf(c.checkpoint_dir, sizeof c.checkpoint_dir, "%s", fl_test_data_path("stories260K-hf"));
+    FL_REQUIRE_OK(fl_cfg_set(&c, "quantize", "bnb.nf4-dq"));
+    c.optimizer.lr = 1e-2f;
+    c.train.max_steps = 25;
+    c.train.save_interval = 0;
+    rec r = {0};
+    fl_trainer_result res;
+    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, record, &r, &res));
+    double first = (r.loss[0] + r.loss[1]) / 2, last = (r.loss[23] + r.loss[24]) / 2;
+    FL_CHECKF(last < first - 0.3, "QLoRA loss %.3f -> %.3f", first, last);
+    printf("      QLoRA nf4-dq stories260K-hf: loss %.3f -> %.3f\n", first, last);
+    fl_model_config mc;
+    FL_REQUIRE_OK(fl_hf_load_config(fl_test_data_path("stories260K-hf/config.json"), &mc));
+    FL_REQUIRE_OK(fl_config_validate(&mc));
+    size_t C = mc.dim, KVD = (size_t)mc.n_kv_heads * mc.head_dim, QD = (size_t)mc.n_heads * mc.head_dim;
+    size_t F = mc.ffn_dim, rr = c.lora.r, L = mc.n_layers;
+    size_t per = rr * (C + QD) + rr * (C + KVD) + 2 * rr * (C + F) + rr * (F + C);
+    size_t n = per * L;
+    FL_CHECKF(res.peak[FL_TAG_GRADS] == n * 4, "GRADS %zu, adapters %zu x 4", res.peak[FL_TAG_GRADS], n);
+    FL_CHECKF(res.peak[FL_TAG_OPTIM] == n * 8, "OPTIM %zu, adapters %zu x 8", res.peak[FL_TAG_OPTIM], n);
+    /* PARAMS: every block linear in 4 bits (written out from the bitsandbytes layout), the rest fp32 */
+    size_t lin[7] = {QD * C, KVD * C, KVD * C, C * QD, F * C, F * C, C * F}, q4 = 0, nq = 0;
+    for (int k = 0; k < 7; k++) {
+        size_t nb = (lin[k] + 63) / 64, packed = (lin[k] + 1) / 2;
+        q4 += (packed + 3) / 4 * 4 + (nb + 3) / 4 * 4 + (nb + 255) / 256 * 4 + 4; /* codes | q_absmax | scales | offset */
+        nq += lin[k];
+    }
+    q4 *= L;
+    nq *= L;
+    size_t dense = fl_sizing_param_count(&mc) - nq;
+    FL_CHECKF(res.peak[FL_TAG_PARAMS] == dense * 4 + q4 + n * 4, "PARAMS %zu, expected %zu fp32 + %zu 4-bit + %zu adapters",
+              res.peak[FL_TAG_PARAMS], dense * 4, q4, n * 4);
+    double bits = 8.0 * q4 / nq;
+    FL_CHECKF(bits > 4.12 && bits < 4.20, "nf4-dq: %.4f bits per quantized weight", bits);
+    printf("      nf4-dq: %.4f bits per quantized weight (incl. per-tensor padding and offset)\n", bits);
+    /* final/ = dequantized 4-bit base + merged adapters */
+    fl_backend be;
+    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 1));
+    fl_mem_pool pool;
+    FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
+    fl_model q, fin, deq;
+    fl_model_storage st = {.param_dtype = FL_F32, .quant4 = 1, .q4_type = FL_Q4_NF4, .q4_double_quant = 1};
+    FL_REQUIRE_OK(fl_hf_load_model_ex(&q, fl_test_data_path("stories260K-hf"), &be, &pool, &st));
+    FL_REQUIRE_OK(fl_hf_load_model(&fin, res.final_dir, &be, &pool));
+    FL_REQUIRE_OK(fl_model_init(&deq, &q.cfg, &be, &pool));
+    for (int i = 0; i < q.layout.n; i++) fl_model_read_param(&q, i, deq.params + deq.layout.params[i].offset);
+    char ad[700];
+    snprintf(ad, sizeof ad, "%s/adapter", res.final_dir);
+    fl_peft_adapter a;
+    FL_REQUIRE_OK(fl_peft_load(ad, &a));
+    FL_REQUIRE_OK(fl_peft_merge_into(&a, &deq.layout, deq.params));
+    double md = 0;
+    for (size_t i = 0; i < deq.layout.numel; i++) md = fmax(md, fabs((double)deq.params[i] - fin.params[i]));
+    FL_CHECKF(md <= 1e-6, "QLoRA final/ differs from dequantized base + adapter by %.3g", md);
+    fl_peft_free(&a);
+    fl_model_free(&q);
+    fl_model_free(&fin);
+    fl_model_free(&deq);
+    fl_mem_pool_free(&pool);
+    fl_cpu_backend_free(&be);
+    free(r.params);
+    /* quantization with a mixed policy is refused as LitGPT does; unknown modes list the valid ones */
+    FL_REQUIRE_OK(fl_cfg_set(&c, "precision", "bf16-mixed"));
+    FL_CHECK(fl_cfg_validate(&c) == FL_ERR_INVALID && strstr(fl_error_message(), "mixed precision"));
+    FL_REQUIRE_OK(fl_cfg_set(&c, "precision", "32-true"));
+    FL_REQUIRE_OK(fl_cfg_set(&c, "quantize", "bnb.int8"));
+    FL_CHECK(fl_cfg_validate(&c) == FL_ERR_INVALID && strstr(fl_error_message(), "nf4"));
 }

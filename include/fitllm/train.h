@@ -10,6 +10,7 @@
 #define FITLLM_TRAIN_H
 
 #include "fitllm/adam8bit.h"
+#include "fitllm/loss_scale.h"
 #include "fitllm/model.h"
 
 #ifdef __cplusplus
@@ -57,6 +58,12 @@ typedef struct {
     size_t n;
     int n_tensors;          /* tensors of p, for per-tensor (8-bit) state */
     size_t *t_off, *t_n;    /* (n_tensors) element offset and size of each */
+    /* dynamic loss scaling (fp16 policies: 16-mixed, 16-true): the step multiplies d(loss)
+     * by ls.scale; fl_optim_step checks the scaled gradients for inf/NaN, skips the update
+     * on overflow and otherwise unscales inside the update (torch.amp.GradScaler) */
+    int use_loss_scale;
+    fl_loss_scale ls;
+    int last_skipped;       /* the last fl_optim_step skipped the update (overflow) */
 } fl_optimizer;
 
 /* Optimizer over the model's trainable parameters: all of them, or only the
@@ -68,13 +75,17 @@ double fl_grad_norm(const fl_model *model);
 /* One update with learning rate lr. If max_norm > 0 the gradients are clipped
  * to that global norm (torch.nn.utils.clip_grad_norm_: coef = max_norm /
  * (norm + 1e-6), applied when < 1). *norm_out (may be NULL) gets the norm
- * before clipping. */
+ * before clipping. With loss scaling, an inf/NaN among the scaled gradients
+ * skips the update (o->last_skipped = 1, *norm_out = NAN) and backs the scale
+ * off; otherwise the gradients are unscaled inside the update. */
 fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_out);
 
 typedef struct {
     double loss;        /* mean over valid targets of the step */
     long n_valid;       /* valid targets */
-    double grad_norm;   /* before clipping */
+    double grad_norm;   /* before clipping (unscaled) */
+    int skipped;        /* loss scaling: inf/NaN gradients, update skipped */
+    float loss_scale;   /* loss scale after the step (0 without loss scaling) */
     double ms_fwd, ms_bwd, ms_opt, ms_total;
 } fl_step_result;
 

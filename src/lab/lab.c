@@ -57,7 +57,7 @@ static const lab_exp k_exps[] = {
      1, 1, "32-true", FL_OPT_ADAMW, 0, "cpu_offload", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL},
     {"lora", "7B, LoRA r16 alpha32 dropout0.05", "small grads/optim state, fits easily", "open-llama-7b", "lab-7b", 1,
      1, 1, "32-true", FL_OPT_ADAMW, 0, "lora", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL},
-    {"qlora", "7B, QLoRA (NF4 base)", "smaller still, slower than LoRA", "open-llama-7b", "lab-7b", 1, 1, 1, "32-true",
+    {"qlora", "7B, QLoRA (NF4 base, r16)", "smaller still, slower than LoRA", "open-llama-7b", "lab-7b", 1, 1, 1, "32-true",
      FL_OPT_ADAMW, 0, "qlora", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL},
     {"ddp", "4x DDP", "same memory per device, faster", "tinyllama-1.1b", "lab-1b", 8, 32, 1, "32-true", FL_OPT_ADAMW,
      0, "ddp", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL},
@@ -182,12 +182,14 @@ static void apply_row(fl_run_config *c, const lab_exp *e, const char *model, int
     c->threads = threads;
     c->overwrite = 1;
     c->seed = 1337;
-    if (!strcmp(e->technique, "lora")) { /* the lab's LoRA: r 16, alpha 32, dropout 0.05 on query and value */
+    if (!strcmp(e->technique, "lora") || !strcmp(e->technique, "qlora")) {
+        /* the lab's LoRA: r 16, alpha 32, dropout 0.05 on query and value; QLoRA: the same on an NF4 base */
         c->command = FL_CMD_FINETUNE_LORA;
         c->lora.r = 16;
         c->lora.alpha = 32;
         c->lora.dropout = 0.05f;
         c->lora.query = c->lora.value = 1;
+        if (!strcmp(e->technique, "qlora")) snprintf(c->lora.quantize, sizeof c->lora.quantize, "bnb.nf4");
     }
 }
 

@@ -58,8 +58,8 @@ static fl_status write_state(const char *dir, const fl_model *m, const fl_optimi
         /* block-wise 8-bit state of every tensor, bound in layout order: one raw blob */
         t[nt++] = (fl_st_write_tensor){"optimizer.state8", FL_U8, 1, {(int64_t)o->state8_bytes}, o->state8, FL_U8, 0};
     }
-    char v[16][64];
-    const char *keys[16], *vals[16];
+    char v[24][64];
+    const char *keys[24], *vals[24];
     int k = 0;
 #define META(key, ...) (keys[k] = key, snprintf(v[k], sizeof v[k], __VA_ARGS__), vals[k] = v[k], k++)
     META("format", "fitllm-training-state");
@@ -78,6 +78,10 @@ static fl_status write_state(const char *dir, const fl_model *m, const fl_optimi
     META("flops", "%.17g", st->flops);
     META("world_size", "%d", cfg ? cfg->devices * cfg->num_nodes : 1);
     META("numel", "%lld", (long long)n);
+    if (o && o->use_loss_scale) { /* fp16 loss scaler: resumed exactly */
+        META("loss_scale", "%.9g", (double)o->ls.scale);
+        META("loss_scale_growth_tracker", "%d", o->ls.growth_tracker);
+    }
 #undef META
     return fl_st_write(path, t, nt, keys, vals, k);
 }
@@ -291,6 +295,10 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
         if ((x = meta(&f, "train_seconds"))) st->train_seconds = strtod(x, NULL);
         if ((x = meta(&f, "flops"))) st->flops = strtod(x, NULL);
         if (o) o->step = (int)strtol(meta(&f, "optimizer_step"), NULL, 10);
+        if (o && o->use_loss_scale && (x = meta(&f, "loss_scale"))) {
+            o->ls.scale = strtof(x, NULL);
+            if ((x = meta(&f, "loss_scale_growth_tracker"))) o->ls.growth_tracker = (int)strtol(x, NULL, 10);
+        }
     }
     fl_st_close(&f);
     return s;

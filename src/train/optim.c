@@ -85,6 +85,8 @@ fl_status fl_optim_init(fl_optimizer *o, fl_model *model, const fl_optim_config 
     /* the precision policy fixes the state dtype of the full parameters (bf16-true: bf16);
      * LoRA adapters are fp32 under every policy */
     if (!model->lora && model->prec.optim_dtype == FL_BF16) o->cfg.state_dtype = FL_BF16;
+    o->use_loss_scale = model->prec.loss_scaling;
+    fl_loss_scale_init(&o->ls);
     fl_status s = trainable(o, model);
     size_t bytes = o->n * (o->cfg.state_dtype == FL_BF16 ? 2 : 4);
     if (s != FL_OK) {
@@ -124,6 +126,12 @@ void fl_optim_free(fl_optimizer *o) {
     memset(o, 0, sizeof *o);
 }
 
+/* Loss scaling: any inf/NaN among the scaled gradients (times inv_scale). */
+static fl_status found_inf(const fl_optimizer *o, float inv_scale, int *found) {
+    *found = 0;
+    return o->model->be->check_finite(o->model->be, o->g, o->gt, o->n, inv_scale, found);
+}
+
 double fl_grad_norm(const fl_model *m) {
     if (m->lora) return sqrt(m->be->sumsq(m->be, m->lora->grads, m->lora->numel));
     if (m->g16) return sqrt(m->be->sumsq_ex(m->be, m->g16, m->store_dtype, m->layout.numel));
@@ -136,10 +144,22 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
     if (!o->g) return fl_errorf(FL_ERR_INVALID, "optimizer step without gradient buffers");
     double norm = -1.0;
     float scale = 1.0f;
-    if (max_norm > 0 || norm_out) norm = fl_grad_norm(m);
+    o->last_skipped = 0;
+    if (o->use_loss_scale) {
+        float inv = fl_loss_scale_inv(&o->ls);
+        int found;
+        FL_TRY(found_inf(o, inv, &found));
+        if (fl_loss_scale_update(&o->ls, found)) { /* overflow: no update, scale backed off */
+            o->last_skipped = 1;
+            if (norm_out) *norm_out = NAN;
+            return FL_OK;
+        }
+        scale = inv; /* unscale inside the update */
+    }
+    if (max_norm > 0 || norm_out) norm = fl_grad_norm(m) * scale;
     if (max_norm > 0) {
         double coef = max_norm / (norm + 1e-6);
-        if (coef < 1.0) scale = (float)coef;
+        if (coef < 1.0) scale = (float)(coef * scale);
     }
     if (norm_out) *norm_out = norm;
     o->step++;

@@ -15,6 +15,7 @@ fl_status fl_train_micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb,
     fl_mem_pool *pool = m->pool;
     if (step_valid <= 0) return fl_errorf(FL_ERR_INVALID, "training step has no target tokens (all are ignore_index)");
     float grad_scale = (float)(1.0 / (double)step_valid);
+    if (o && o->use_loss_scale) grad_scale *= fl_loss_scale_value(&o->ls); /* fp16: scaled loss */
     double a = now_ms();
     if (k == 0) fl_mem_snapshot(pool, "before_fwd");
     fl_mem_set_phase(pool, "forward");
@@ -38,6 +39,8 @@ fl_status fl_train_micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb,
         fl_mem_snapshot(pool, "after_opt_step");
         if (res) {
             res->grad_norm = norm;
+            res->skipped = o->last_skipped;
+            res->loss_scale = o->use_loss_scale ? fl_loss_scale_value(&o->ls) : 0.0f;
             res->ms_opt += now_ms() - c;
         }
     }

@@ -547,6 +547,11 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
                 fl_metrics_row(&t.metrics, &mv);
             }
         }
+        if (sr.skipped && out) { /* loss scaling: overflow, the update was skipped and the scale halved */
+            bar_clear(&t);
+            fprintf(out, "step %ld: inf/NaN in the fp16 gradients: update skipped, loss scale -> %g\n", t.st.step + 1,
+                    (double)sr.loss_scale);
+        }
         t.st.step++;
         fl_loader_get_state(t.train, &t.st.loader);
         t.st.train_seconds = now_s() - t_start;
