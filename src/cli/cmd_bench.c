@@ -23,8 +23,10 @@ static void help(void) {
            "  --threads N           CPU threads (default: all cores)\n"
            "  --max-memory SIZE     allocator budget, e.g. 2GB, 512MiB (default: unlimited)\n"
            "  --act-ckpt            activation checkpointing (recompute blocks in backward)\n"
-           "  --precision NAME      32-true (default) or bf16-mixed\n"
+           "  --precision NAME      32-true (default), bf16-true, bf16-mixed, 16-true, 16-mixed\n"
            "  --lora R              LoRA fine-tuning: rank R, alpha 2R, on q_proj,v_proj (base frozen)\n"
+           "  --quantize MODE       with --lora: QLoRA, block linears in 4 bits (bnb.nf4, bnb.nf4-dq, bnb.fp4,\n"
+           "                        bnb.fp4-dq)\n"
            "  --seed N              init/data seed (default 1337)\n\n"
            "Output ends with a machine-readable line:\n"
            "RESULT impl=fitllm shape=<model> median_ms=.. tok_s=.. gflops=.. peak_rss_mb=..\n");
@@ -42,6 +44,8 @@ int fl_cmd_bench_step(int argc, char **argv) {
     size_t budget = 0;
     fl_optim_kind okind = FL_OPT_ADAMW;
     fl_precision prec = *fl_precision_get(FL_PREC_32_TRUE);
+    fl_q4_type q4t = FL_Q4_NF4;
+    int q4dq = 0, quant = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -51,6 +55,11 @@ int fl_cmd_bench_step(int argc, char **argv) {
             random_init = 1; i++;
         } else if (!strcmp(a, "--precision")) {
             if (!v || fl_precision_find(v, &prec) != FL_OK) return fl_cli_usage(cmd, "%s", fl_error_message());
+            i++;
+        } else if (!strcmp(a, "--quantize")) {
+            if (!v || fl_q4_parse_mode(v, &q4t, &q4dq) != FL_OK)
+                return fl_cli_usage(cmd, "%s", v ? fl_error_message() : "--quantize needs a mode");
+            quant = 1;
             i++;
         } else if (!strcmp(a, "--lora")) {
             if (fl_cli_int(cmd, a, v, 1, 4096, &lora_r)) return 2;
@@ -81,6 +90,10 @@ int fl_cmd_bench_step(int argc, char **argv) {
         else return fl_cli_usage(cmd, "unexpected argument '%s'", a);
     }
     if (!model_path) return fl_cli_usage(cmd, "missing <model>");
+    if (quant && !lora_r) return fl_cli_usage(cmd, "--quantize needs --lora R (the 4-bit base is frozen)");
+    if (quant && prec.compute_copy)
+        return fl_cli_usage(cmd, "--quantize with --precision %s: quantization and mixed precision are not supported together",
+                            prec.name);
 
     fl_backend be;
     fl_mem_pool pool;
@@ -95,6 +108,9 @@ int fl_cmd_bench_step(int argc, char **argv) {
     fl_mem_set_phase(&pool, "model load");
     fl_model_storage stg;
     fl_model_storage_for(&prec, &stg);
+    stg.quant4 = quant;
+    stg.q4_type = q4t;
+    stg.q4_double_quant = q4dq;
     if ((s = fl_cli_load_model_ex(&m, model_path, random_init, (uint64_t)seed, &be, &pool, &stg, &loaded)) != FL_OK)
         goto fail;
     fl_mem_set_phase(&pool, "setup");
