@@ -61,7 +61,7 @@ static const fl_cfg_key k_keys[] = {
     {"checkpoint_dir", FL_CK_PATH, OFF(checkpoint_dir), "base model folder (HF layout) or preset name"},
     {"model", FL_CK_PATH, OFF(checkpoint_dir), "same as checkpoint_dir (a preset name: random init)"},
     {"out_dir", FL_CK_PATH, OFF(out_dir), "folder for checkpoints and logs"},
-    {"precision", FL_CK_PRECISION, OFF(precision), "32-true | bf16-mixed (bf16-true, 16-mixed, 16-true: not yet)"},
+    {"precision", FL_CK_PRECISION, OFF(precision), "32-true | bf16-true | bf16-mixed | 16-true | 16-mixed"},
     {"devices", FL_CK_INT, OFF(devices), "number of devices (1 on this build)"},
     {"num_nodes", FL_CK_INT, OFF(num_nodes), "number of nodes (1 on this build)"},
     {"resume", FL_CK_RESUME, OFF(resume), "false | true | auto | path to a checkpoint folder"},

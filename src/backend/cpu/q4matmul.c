@@ -1,12 +1,68 @@
 /* Fused 4-bit dequantize-matmul (backend q4_matmul_forward / q4_matmul_backward, see
  * fitllm/backend.h and fitllm/quant4.h). Normal FP flags (FMA allowed): the result is checked
  * against dequantize-then-GEMM in float64 within fp32 rounding, not bit for bit. */
+#include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "backend/cpu/cpu-impl.h"
 #include "fitllm/quant4.h"
 
-/* ---- fused dequantize-matmul --------------------------------------------------------------
+/* ---- panel path (the default): dequantize-then-GEMM in panels --------------------------------
+ * A panel of whole rows of deq(W) (at most FL_Q4_SCRATCH floats, 8 MiB) is dequantized into one
+ * fixed scratch (allocated on first use, process-wide, mutex-guarded, kept until exit) and
+ * multiplied with the backend's fp32 GEMM (oneDNN / OpenBLAS): the full dequantized layer never
+ * exists, and the multiply runs at sgemm speed (the register-blocked fused kernel below reaches
+ * about a fifth of it; it remains the fallback when the scratch cannot be allocated). Panel
+ * sizes depend only on the shape, so results are deterministic for a fixed thread count.
+ *   forward:  y[:, r0:r0+R] = x @ deq(W[r0:r0+R, :])^T (+ y when beta 1)
+ *   backward: dx = sum over panels dy[:, r0:r0+R] @ deq(W[r0:r0+R, :]) (+ dx when beta 1) */
+#define FL_Q4_SCRATCH ((size_t)2 << 20)
+
+static struct {
+    pthread_mutex_t mu;
+    float *buf;
+    int failed;
+} g_q4 = {PTHREAD_MUTEX_INITIALIZER, NULL, 0};
+
+static void q4_dequant_panel(const fl_backend *be, const fl_q4_weight *w, int r0, int R, float *dst) {
+    const int IN = w->cols;
+#pragma omp parallel for num_threads(be->n_threads) schedule(static)
+    for (int r = 0; r < R; r += 8) {
+        int nr = R - r < 8 ? R - r : 8;
+        fl_q4_dequantize_tile(w, r0 + r, nr, 0, IN, dst + (size_t)r * IN, IN);
+    }
+}
+
+/* 1: done via panels; 0: no scratch (caller runs the fused kernel). */
+static int q4_panels(const fl_backend *be, int fwd, float *out, int ldo, const float *in, int ldi,
+                     const fl_q4_weight *w, int N, float beta, fl_status *st) {
+    const int OUT = w->rows, IN = w->cols;
+    pthread_mutex_lock(&g_q4.mu);
+    if (!g_q4.buf && !g_q4.failed) {
+        g_q4.buf = malloc(FL_Q4_SCRATCH * sizeof(float));
+        g_q4.failed = g_q4.buf == NULL;
+    }
+    if (!g_q4.buf || (size_t)IN > FL_Q4_SCRATCH) {
+        pthread_mutex_unlock(&g_q4.mu);
+        return 0;
+    }
+    const int R = (int)((size_t)FL_Q4_SCRATCH / (size_t)IN < (size_t)OUT ? FL_Q4_SCRATCH / (size_t)IN : (size_t)OUT);
+    *st = FL_OK;
+    for (int r0 = 0; r0 < OUT && *st == FL_OK; r0 += R) {
+        const int nr = OUT - r0 < R ? OUT - r0 : R;
+        q4_dequant_panel(be, w, r0, nr, g_q4.buf);
+        if (fwd) /* out = y (N, OUT; ldy), in = x (N, IN) */
+            *st = be->gemm(be, 0, 1, N, nr, IN, 1.0f, in, FL_F32, IN, g_q4.buf, FL_F32, IN, beta, out + r0, FL_F32, ldo);
+        else /* out = dx (N, IN), in = dy (N, OUT; ldy) */
+            *st = be->gemm(be, 0, 0, N, IN, nr, 1.0f, in + r0, FL_F32, ldi, g_q4.buf, FL_F32, IN,
+                           r0 == 0 ? beta : 1.0f, out, FL_F32, IN);
+    }
+    pthread_mutex_unlock(&g_q4.mu);
+    return 1;
+}
+
+/* ---- fused dequantize-matmul (fallback) -----------------------------------------------------
  * Tiles of TR rows x TK columns of deq(W) (TR*TK*4 = 32 KB) are dequantized into a stack buffer
  * of the thread that owns them; the full dequantized layer never exists.
  * forward: threads split the OUTPUT columns (W rows) in TR-row panels; each (TR x TK) tile is
@@ -29,6 +85,8 @@ fl_status fl_cpu_q4_matmul_forward(const fl_backend *be, float *y, int ldy, cons
                                    int N, float beta) {
     FL_TRY(q4_check(w, "q4_matmul_forward"));
     if (beta != 0.0f && beta != 1.0f) return fl_errorf(FL_ERR_INVALID, "q4_matmul_forward: beta must be 0 or 1");
+    fl_status st;
+    if (N > 0 && q4_panels(be, 1, y, ldy, x, w->cols, w, N, beta, &st)) return st;
     const int OUT = w->rows, IN = w->cols;
     const int n_panels = (OUT + Q4_TR - 1) / Q4_TR;
 #pragma omp parallel for num_threads(be->n_threads) schedule(static)
@@ -88,6 +146,8 @@ fl_status fl_cpu_q4_matmul_backward(const fl_backend *be, float *dx, const float
                                     int N, float beta) {
     FL_TRY(q4_check(w, "q4_matmul_backward"));
     if (beta != 0.0f && beta != 1.0f) return fl_errorf(FL_ERR_INVALID, "q4_matmul_backward: beta must be 0 or 1");
+    fl_status st;
+    if (N > 0 && q4_panels(be, 0, dx, w->cols, dy, ldy, w, N, beta, &st)) return st;
     const int OUT = w->rows, IN = w->cols;
     const int n_panels = (IN + Q4_TK - 1) / Q4_TK;
 #pragma omp parallel for num_threads(be->n_threads) schedule(static)
