@@ -53,6 +53,7 @@ expect finetune_qlora_mixed 2 "quantization and mixed precision" -- "$FITLLM" fi
 expect finetune_qlora_bad_mode 2 "nf4" -- "$FITLLM" finetune_lora micro --quantize bnb.int8 --out_dir "$T/l2c"
 expect finetune_lora_bad_r 2 "lora_r must be positive" -- "$FITLLM" finetune_lora micro --lora_r 0 --out_dir "$T/l3"
 expect finetune_lora_bad_target 2 "valid" -- "$FITLLM" finetune_lora micro --lora_target_modules qq_proj --out_dir "$T/l4"
+expect finetune_lora_head_tied 2 "lm_head is tied to the input embeddings" -- "$FITLLM" finetune_lora micro --lora_head true --out_dir "$T/l5"
 expect finetune_precision_unknown 2 "16-mixed" -- "$FITLLM" finetune_full micro --precision 8-true --out_dir "$T/x5"
 expect finetune_16_true_ok 0 "Saved the final model" -- "$FITLLM" finetune_full micro --precision 16-true --train.max_steps 3 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/x5b" --quiet
 expect finetune_oom 3 "out of memory" -- "$FITLLM" finetune_full tiny --max_memory 100MB --out_dir "$T/x6" --train.max_steps 1
@@ -113,6 +114,11 @@ a=$("$FITLLM" generate "$T/merged" --prompt-ids "1 2 3" --max_new_tokens 6 --tem
 b=$("$FITLLM" generate tests/fixtures/golden-llama --adapter tests/fixtures/peft-llama --prompt-ids "1 2 3" --max_new_tokens 6 --temperature 0 2>/dev/null)
 c=$("$FITLLM" generate tests/fixtures/golden-llama --prompt-ids "1 2 3" --max_new_tokens 6 --temperature 0 2>/dev/null)
 if [ -n "$a" ] && [ "$a" = "$b" ] && [ "$a" != "$c" ]; then echo "ok   generate_adapter_equals_merged"; pass=$((pass+1)); else echo "FAIL generate_adapter_equals_merged: '$a' '$b' '$c'"; fail=$((fail+1)); fi
+# lm_head adapter (PEFT-written, with lm_head.base_layer.weight): merge_lora == generate --adapter
+expect merge_lora_head_ok 0 "merged" -- "$FITLLM" merge_lora tests/fixtures/peft-llama-head --base tests/fixtures/golden-llama --out_dir "$T/merged-head"
+a=$("$FITLLM" generate "$T/merged-head" --prompt-ids "1 2 3" --max_new_tokens 6 --temperature 0 2>/dev/null)
+b=$("$FITLLM" generate tests/fixtures/golden-llama --adapter tests/fixtures/peft-llama-head --prompt-ids "1 2 3" --max_new_tokens 6 --temperature 0 2>/dev/null)
+if [ -n "$a" ] && [ "$a" = "$b" ] && [ "$a" != "$c" ]; then echo "ok   generate_head_adapter_equals_merged"; pass=$((pass+1)); else echo "FAIL generate_head_adapter_equals_merged: '$a' '$b' '$c'"; fail=$((fail+1)); fi
 expect merge_lora_base_missing 2 "'golden-llama' is neither a file, a folder nor a model preset \(unknown model preset" -- "$FITLLM" merge_lora tests/fixtures/peft-llama --out_dir "$T/m2"
 expect merge_lora_wrong_base 2 "peft-llama" -- "$FITLLM" merge_lora tests/fixtures/peft-llama --base tests/fixtures/golden-gpt2 --out_dir "$T/m3"
 expect merge_lora_not_adapter 2 "adapter_config.json" -- "$FITLLM" merge_lora "$T" --base tests/fixtures/golden-llama

@@ -9,11 +9,13 @@
 #include <string.h>
 
 #include "backend/cpu/cpu-impl.h"
+#include "fitllm/generate.h"
 #include "fitllm/io.h"
 #include "fitllm/lora.h"
 #include "fitllm/model.h"
 #include "fitllm/peft.h"
 #include "fitllm/quant4.h"
+#include "model/model-impl.h"
 #include "test.h"
 
 #define CHECK_MSG(s) FL_CHECKF(strstr(fl_error_message(), (s)) != NULL, "message '%s' lacks '%s'", fl_error_message(), (s))
@@ -483,8 +485,8 @@ FL_TEST(peft_round_trip) {
     fl_test_fill(&rg, B0, 24, -1, 1);
     fl_test_fill(&rg, A1, 30, -1, 1);
     fl_test_fill(&rg, B1, 12, -1, 1);
-    fl_peft_module mods[2] = {{"model.layers.0.self_attn.q_proj", 10, 8, A0, B0},
-                              {"model.layers.0.self_attn.v_proj", 10, 4, A1, B1}};
+    fl_peft_module mods[2] = {{"model.layers.0.self_attn.q_proj", 10, 8, A0, B0, NULL, 0, 0},
+                              {"model.layers.0.self_attn.v_proj", 10, 4, A1, B1, NULL, 0, 0}};
     FL_REQUIRE_OK(fl_peft_save(dir, &pc, mods, 2));
     fl_peft_adapter a;
     FL_REQUIRE_OK(fl_peft_load(dir, &a));
@@ -583,7 +585,7 @@ FL_TEST(peft_bad_adapters) {
     fl_peft_adapter a;
     int *idx;
     /* shapes not matching the base model: v_proj is (KVD, C), adapter says out = C */
-    fl_peft_module m1 = {"model.layers.1.self_attn.v_proj", C, C, A, B};
+    fl_peft_module m1 = {"model.layers.1.self_attn.v_proj", C, C, A, B, NULL, 0, 0};
     FL_REQUIRE_OK(fl_peft_save(dir, &pc, &m1, 1));
     FL_REQUIRE_OK(fl_peft_load(dir, &a));
     FL_CHECK(fl_peft_check_model(&a, &mc, &lay, NULL, &idx) == FL_ERR_INVALID);
@@ -594,7 +596,7 @@ FL_TEST(peft_bad_adapters) {
     CHECK_MSG("other-model");
     fl_peft_free(&a);
     /* a module the model does not have */
-    fl_peft_module m2 = {"model.layers.7.self_attn.v_proj", C, KVD, A, B};
+    fl_peft_module m2 = {"model.layers.7.self_attn.v_proj", C, KVD, A, B, NULL, 0, 0};
     FL_REQUIRE_OK(fl_peft_save(dir, &pc, &m2, 1));
     FL_REQUIRE_OK(fl_peft_load(dir, &a));
     FL_CHECK(fl_peft_check_model(&a, &mc, &lay, NULL, &idx) == FL_ERR_INVALID);
@@ -602,7 +604,7 @@ FL_TEST(peft_bad_adapters) {
     fl_peft_free(&a);
     /* unknown target module name in the config */
     strcpy(pc.lora.targets[0], "v_prj");
-    fl_peft_module m3 = {"model.layers.0.self_attn.v_proj", C, KVD, A, B};
+    fl_peft_module m3 = {"model.layers.0.self_attn.v_proj", C, KVD, A, B, NULL, 0, 0};
     FL_REQUIRE_OK(fl_peft_save(dir, &pc, &m3, 1));
     FL_REQUIRE_OK(fl_peft_load(dir, &a));
     FL_CHECK(fl_peft_check_model(&a, &mc, &lay, NULL, &idx) == FL_ERR_INVALID);
@@ -675,4 +677,231 @@ FL_TEST(lora_merge_q4_base) {
         }
     FL_CHECK(bits_equal(m1, m2, out * in * 4));
     free(w); free(A); free(B); free(mem); free(m1); free(m2);
+}
+
+/* ---- LoRA on lm_head (untied head) ------------------------------------------------------------ */
+
+#define HEADREF "tests/fixtures/peft-llama-head"
+
+/* The PEFT adapter folder attached unmerged: fl_model_lora_init with its config, A/B copied in. */
+static void attach_adapter(fl_model *m, const char *dir, float dropout) {
+    fl_peft_adapter a;
+    FL_REQUIRE_OK(fl_peft_load(dir, &a));
+    int *idx = NULL;
+    FL_REQUIRE_OK(fl_peft_check_model(&a, &m->cfg, &m->layout, NULL, &idx));
+    fl_lora_config lc = a.cfg.lora;
+    lc.dropout = dropout;
+    FL_REQUIRE_OK(fl_model_lora_init(m, &lc, 1));
+    struct fl_lora_state *st = m->lora;
+    int found = 0;
+    for (int k = 0; k < a.n; k++)
+        for (int j = 0; j < st->n_mods; j++) {
+            if (st->mods[j].param_index != idx[k]) continue;
+            memcpy(st->params + st->off[2 * j], a.mods[k].A, (size_t)lc.r * a.mods[k].in * sizeof(float));
+            memcpy(st->params + st->off[2 * j + 1], a.mods[k].B, (size_t)a.mods[k].out * lc.r * sizeof(float));
+            found++;
+        }
+    FL_REQUIRE(found == a.n && found == st->n_mods);
+    free(idx);
+    fl_peft_free(&a);
+}
+
+/* max |a - b| and max |b| over n */
+static void diff_stats(const float *a, const float *b, size_t n, double *md, double *mb) {
+    *md = 0;
+    *mb = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - b[i]);
+        *md = isnan(d) ? INFINITY : fmax(*md, d);
+        *mb = fmax(*mb, fabs((double)b[i]));
+    }
+}
+
+/* Gradients of q_proj, v_proj and lm_head adapters of the untied golden-llama model for a
+ * cross-entropy batch against PyTorch + PEFT autograd (tests/ref/lora_head_ref.py); the head
+ * adapter's dx feeds the blocks' adapters, so those check it too. Then fl_model_lora_merge
+ * against PEFT's merge_and_unload (the merged lm_head.weight). */
+FL_TEST(lora_head_grads_vs_peft) {
+    fl_backend be;
+    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    fl_mem_pool pool;
+    FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
+    fl_model m;
+    FL_REQUIRE_OK(fl_hf_load_model(&m, "tests/fixtures/golden-llama", &be, &pool));
+    FL_REQUIRE(!m.cfg.tie_embeddings);
+    attach_adapter(&m, HEADREF, 0.0f);
+    FL_REQUIRE(m.lora->n_mods == 2 * m.cfg.n_layers + 1 && m.lora->mods[m.lora->n_mods - 1].layer == -1);
+    fl_st_file g;
+    FL_REQUIRE_OK(fl_st_open(&g, HEADREF "/grads-ref.safetensors"));
+    const fl_st_tensor *ids = need(&g, "ids"), *tg = need(&g, "targets"), *lo = need(&g, "loss"),
+                       *lg = need(&g, "logits");
+    FL_REQUIRE(ids && tg && lo && lg);
+    const int B = (int)ids->shape[0], T = (int)ids->shape[1], V = m.cfg.vocab_size;
+    int nv = 0;
+    for (int i = 0; i < B * T; i++) nv += ((const int32_t *)tg->data)[i] != FL_IGNORE_INDEX;
+    FL_REQUIRE_OK(fl_model_alloc_acts(&m, B, T));
+    float *logits = malloc((size_t)B * T * V * sizeof(float));
+    FL_REQUIRE_OK(fl_model_forward(&m, ids->data, tg->data, B, T, (float)(1.0 / nv), logits));
+    FL_REQUIRE_OK(fl_model_backward(&m));
+    double loss = m.loss_sum / m.n_valid, md, mb, worst_head = 0, worst = 0;
+    FL_CHECKF(fabs(loss - ((const float *)lo->data)[0]) <= 1e-5, "loss %.9g vs PEFT %.9g", loss,
+              ((const float *)lo->data)[0]);
+    diff_stats(logits, lg->data, (size_t)B * T * V, &md, &mb);
+    const double md_logits = md;
+    FL_CHECKF(md <= 1e-4, "logits with the head adapter differ from PEFT by %.3g", md);
+    const struct fl_lora_state *st = m.lora;
+    for (int j = 0; j < st->n_mods; j++)
+        for (int ab = 0; ab < 2; ab++) {
+            char key[FL_PARAM_NAME_MAX + 32];
+            snprintf(key, sizeof key, "grad.%s.lora_%c", st->mods[j].name, ab ? 'B' : 'A');
+            const fl_st_tensor *t = need(&g, key);
+            FL_REQUIRE(t);
+            size_t n = ab ? (size_t)st->mods[j].out * st->cfg.r : (size_t)st->cfg.r * st->mods[j].in;
+            FL_REQUIRE((size_t)(t->shape[0] * t->shape[1]) == n);
+            diff_stats(st->grads + st->off[2 * j + ab], t->data, n, &md, &mb);
+            FL_CHECKF(md <= 1e-5, "%s: max |diff| %.3g (max |ref| %.3g)", key, md, mb);
+            FL_CHECKF(mb > 1e-5, "%s: reference gradient is ~0 (%.3g)", key, mb);
+            if (st->mods[j].layer < 0) worst_head = fmax(worst_head, md);
+            else worst = fmax(worst, md);
+        }
+    fprintf(stderr, "  lm_head LoRA vs PEFT: loss %.3g, logits %.3g; gradients max |diff| lm_head %.3g, q/v %.3g\n",
+            fabs(loss - ((const float *)lo->data)[0]), md_logits, worst_head, worst);
+    fl_st_close(&g);
+    /* merge into the base: lm_head.weight = W + scaling B A, as merge_and_unload */
+    FL_REQUIRE_OK(fl_model_lora_merge(&m));
+    FL_REQUIRE_OK(fl_st_open(&g, HEADREF "/merged-ref.safetensors"));
+    const fl_st_tensor *hw = need(&g, "lm_head.weight");
+    FL_REQUIRE(hw);
+    diff_stats(fl_model_param(&m, "lm_head.weight"), hw->data, (size_t)V * m.cfg.dim, &md, &mb);
+    FL_CHECKF(md <= 1e-6, "fl_model_lora_merge lm_head differs from PEFT merge_and_unload by %.3g", md);
+    fl_st_close(&g);
+    free(logits);
+    fl_model_free(&m);
+    fl_mem_pool_free(&pool);
+    fl_cpu_backend_free(&be);
+}
+
+/* The head runs over chunks of rows: with dropout on, gradients and loss do not depend on the
+ * chunk size (the mask is the batch's: element row*in + i), and dropout on the head does act.
+ * Then generation (KV-cache decode, the head on one row) with the unmerged head adapter equals
+ * PEFT's merged logits, and the PEFT-written adapter (with lm_head.base_layer.weight) merges. */
+FL_TEST(lora_head_chunks_dropout_generation) {
+    fl_backend be;
+    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    fl_mem_pool pool;
+    FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
+    fl_model m;
+    FL_REQUIRE_OK(fl_hf_load_model(&m, "tests/fixtures/golden-llama", &be, &pool));
+    attach_adapter(&m, HEADREF, 0.25f);
+    const int B = 2, T = 12, N = B * T, V = m.cfg.vocab_size;
+    int32_t ids[24], tg[24];
+    for (int i = 0; i < N; i++) { ids[i] = (i * 37 + 5) % V; tg[i] = (i * 53 + 11) % V; }
+    tg[7] = FL_IGNORE_INDEX;
+    FL_REQUIRE_OK(fl_model_alloc_acts(&m, B, T));
+    FL_REQUIRE(m.sizes.logits_chunk_rows == N);
+    struct fl_lora_state *st = m.lora;
+    float *g[3];
+    double loss[3];
+    const int chunk[3] = {N, 5, N};
+    for (int k = 0; k < 3; k++) {
+        m.sizes.logits_chunk_rows = chunk[k]; /* white box: smaller chunks fit the chunk buffers */
+        fl_model_lora_set_train(&m, k < 2);
+        fl_model_lora_set_seed(&m, 77);
+        memset(st->grads, 0, st->numel * sizeof(float));
+        FL_REQUIRE_OK(fl_model_forward(&m, ids, tg, B, T, 1.0f / 23, NULL));
+        FL_REQUIRE_OK(fl_model_backward(&m));
+        loss[k] = m.loss_sum;
+        g[k] = malloc(st->numel * sizeof(float));
+        memcpy(g[k], st->grads, st->numel * sizeof(float));
+    }
+    m.sizes.logits_chunk_rows = N;
+    double md, mb;
+    diff_stats(g[1], g[0], st->numel, &md, &mb);
+    FL_CHECKF(md <= 1e-6 * mb, "chunked head (5 rows) vs one chunk: gradients differ by %.3g (max %.3g)", md, mb);
+    FL_CHECKF(fabs(loss[1] - loss[0]) <= 1e-5 * fabs(loss[0]), "loss %.9g vs %.9g", loss[1], loss[0]);
+    const int jh = st->n_mods - 1;
+    size_t hn = (size_t)st->cfg.r * (st->mods[jh].in + st->mods[jh].out);
+    diff_stats(g[2] + st->off[2 * jh], g[0] + st->off[2 * jh], hn, &md, &mb);
+    FL_CHECKF(md > 1e-3 * mb, "dropout 0.25 on the head input changed nothing (%.3g)", md);
+    for (int k = 0; k < 3; k++) free(g[k]);
+    /* generation: decode row by row, dropout off, adapters unmerged */
+    fl_model_lora_set_train(&m, 0);
+    fl_st_file r;
+    FL_REQUIRE_OK(fl_st_open(&r, HEADREF "/merged-ref.safetensors"));
+    const fl_st_tensor *rid = need(&r, "ids"), *rl = need(&r, "logits");
+    FL_REQUIRE(rid && rl);
+    const int n = (int)rid->shape[0];
+    fl_kv_cache kv;
+    FL_REQUIRE_OK(fl_kv_cache_init(&kv, &m, n));
+    float *lg = malloc((size_t)V * sizeof(float));
+    double worst = 0;
+    for (int t = 0; t < n; t++) {
+        FL_REQUIRE_OK(fl_model_decode(&m, &kv, ((const int32_t *)rid->data)[t], lg));
+        diff_stats(lg, (const float *)rl->data + (size_t)t * V, V, &md, &mb);
+        worst = fmax(worst, md);
+    }
+    FL_CHECKF(worst <= 1e-4, "decode with the unmerged head adapter vs PEFT merged logits: %.3g", worst);
+    fprintf(stderr, "  lm_head LoRA generation (decode) vs PEFT merged logits: max |diff| %.3g\n", worst);
+    free(lg);
+    fl_kv_cache_free(&kv);
+    fl_st_close(&r);
+    fl_model_free(&m);
+    fl_mem_pool_free(&pool);
+    fl_cpu_backend_free(&be);
+    /* the PEFT-written folder (lora_A/B + lm_head.base_layer.weight) merged = merge_and_unload */
+    merged_vs_peft(HEADREF, "tests/fixtures/golden-llama", "golden-llama");
+    fl_peft_adapter a;
+    FL_REQUIRE_OK(fl_peft_load(HEADREF, &a));
+    int hb = 0;
+    for (int k = 0; k < a.n; k++)
+        if (!strcmp(a.mods[k].name, "lm_head")) hb = a.mods[k].W != NULL && a.mods[k].out == V;
+    FL_CHECK(hb);
+    fl_peft_free(&a);
+}
+
+/* lm_head as a target: accepted on an untied model (module listed last, in C / out V), refused
+ * on a tied one with a message that says why; the base_layer weight round-trips. */
+FL_TEST(lora_head_config_and_peft_io) {
+    fl_model_config mc;
+    FL_REQUIRE_OK(fl_hf_load_config("tests/fixtures/golden-llama/config.json", &mc));
+    FL_REQUIRE_OK(fl_config_validate(&mc));
+    fl_lora_config lc;
+    FL_REQUIRE_OK(fl_lora_config_init(&lc, &mc, 4, 8, 0, 0, "v_proj,lm_head"));
+    fl_param_layout lay;
+    FL_REQUIRE_OK(fl_layout_build(&lay, &mc));
+    fl_lora_module *mods;
+    int nm;
+    FL_REQUIRE_OK(fl_lora_modules(&lc, &lay, &mc, &mods, &nm));
+    FL_CHECK(nm == mc.n_layers + 1 && !strcmp(mods[nm - 1].name, "lm_head") && mods[nm - 1].layer == -1 &&
+             mods[nm - 1].in == mc.dim && mods[nm - 1].out == mc.vocab_size);
+    /* sizing: block modules (N rows), lm_head one logits chunk (here N) */
+    size_t ab, wb;
+    fl_lora_sizing_acts(&lc, mods, nm, 2, 8, &ab, &wb);
+    FL_CHECK(ab == (size_t)16 * 4 * nm * sizeof(float));
+    free(mods);
+    fl_layout_free(&lay);
+    mc.tie_embeddings = 1;
+    FL_CHECK(fl_lora_config_init(&lc, &mc, 4, 8, 0, 0, "lm_head") == FL_ERR_INVALID);
+    CHECK_MSG("tied");
+    CHECK_MSG("tie_word_embeddings");
+    /* base_layer.weight: written when given, read back, shape-checked */
+    char dir[512];
+    snprintf(dir, sizeof dir, "%s/head-adapter", fl_test_tmpdir());
+    fl_peft_config pc = {0};
+    pc.lora.r = 2;
+    pc.lora.alpha = 4;
+    pc.lora.n_targets = 1;
+    strcpy(pc.lora.targets[0], "lm_head");
+    float A[2 * 6], Bm[9 * 2], W[9 * 6];
+    fl_test_rng rg = {9};
+    fl_test_fill(&rg, A, 12, -1, 1);
+    fl_test_fill(&rg, Bm, 18, -1, 1);
+    fl_test_fill(&rg, W, 54, -1, 1);
+    fl_peft_module pm = {"lm_head", 6, 9, A, Bm, W, 0, 0};
+    FL_REQUIRE_OK(fl_peft_save(dir, &pc, &pm, 1));
+    fl_peft_adapter a;
+    FL_REQUIRE_OK(fl_peft_load(dir, &a));
+    FL_REQUIRE(a.n == 1 && a.mods[0].W);
+    FL_CHECK(bits_equal(a.mods[0].W, W, sizeof W) && bits_equal(a.mods[0].B, Bm, sizeof Bm));
+    fl_peft_free(&a);
 }

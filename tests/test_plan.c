@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <sys/stat.h>
 
+#include "fitllm/io.h"
 #include "fitllm/json.h"
 #include "fitllm/plan.h"
 #include "fitllm/trainer.h"
@@ -161,6 +162,62 @@ FL_TEST(plan_equals_runtime_lora) {
                 runs++;
             }
     FL_CHECK(runs == 12);
+}
+
+/* finetune_lora with lora_head on an untied model whose vocabulary makes the head run in
+ * chunks (V 32000: 262 rows a chunk; B 16 x T 32 = 512 rows): the head adapter's activations
+ * hold one chunk; planned == measured for every tag, with and without dropout, fp32 / bf16 base,
+ * with sample generation (the head adapter on one row) in one run. */
+FL_TEST(plan_equals_runtime_lora_head) {
+    fl_model_config mc;
+    FL_REQUIRE_OK(fl_preset_find("micro", &mc));
+    mc.vocab_size = 32000;
+    mc.n_layers = 2;
+    mc.tie_embeddings = 0;
+    char cfgp[600];
+    snprintf(cfgp, sizeof cfgp, "%s/untied-32k.json", fl_test_tmpdir());
+    FL_REQUIRE_OK(fl_hf_save_config(cfgp, &mc));
+    FILE *devnull = fopen("/dev/null", "w");
+    FL_REQUIRE(devnull != NULL);
+    int runs = 0;
+    for (int dr = 0; dr < 2; dr++)
+        for (int bi = 0; bi < 2; bi++) {
+            int B = bi ? 16 : 1, gen = dr && !bi;
+            const char *prec = (dr + bi) % 2 ? "bf16-true" : "32-true";
+            fl_run_config c;
+            char out[600];
+            snprintf(out, sizeof out, "%s/h%d%d", fl_test_tmpdir(), dr, bi);
+            tiny_cfg(&c, "micro", out, B, 16);
+            snprintf(c.checkpoint_dir, sizeof c.checkpoint_dir, "%s", cfgp);
+            c.init_random = 1;
+            fl_run_config d;
+            fl_cfg_defaults(&d, FL_CMD_FINETUNE_LORA);
+            c.command = FL_CMD_FINETUNE_LORA;
+            c.lora = d.lora;
+            c.lora.dropout = dr ? 0.1f : 0.0f;
+            c.lora.head = 1;
+            FL_REQUIRE_OK(fl_cfg_set(&c, "precision", prec));
+            if (gen) c.eval.max_new_tokens = 6;
+            fl_plan pl;
+            fl_plan_opts o;
+            fl_plan_opts_default(&o);
+            o.generation = gen;
+            FL_REQUIRE_OK(fl_plan_run(&c, &o, &pl));
+            FL_CHECK(pl.verdict == FL_PLAN_FITS && pl.T == 32);
+            fl_trainer_result r;
+            FL_REQUIRE_OK(fl_trainer_run(&c, gen ? devnull : NULL, 0, stop_now, NULL, &r));
+            for (int t = 0; t < FL_TAG_COUNT; t++)
+                FL_CHECKF(pl.peak[t] == r.peak[t], "lora_head %s dropout %d B %d gen %d: %s planned %zu, measured %zu",
+                          prec, dr, B, gen, fl_mem_tag_name((fl_mem_tag)t), pl.peak[t], r.peak[t]);
+            FL_CHECK(pl.peak_total == r.peak_total);
+            /* the adapters: q, v of each layer and lm_head (r (C + V)) */
+            size_t rr = c.lora.r, C = mc.dim, KVD = (size_t)mc.n_kv_heads * (mc.dim / mc.n_heads);
+            size_t n = (size_t)mc.n_layers * (rr * 2 * C + rr * (C + KVD)) + rr * (C + 32000);
+            FL_CHECKF(r.peak[FL_TAG_GRADS] == n * 4, "GRADS %zu, adapters %zu x 4", r.peak[FL_TAG_GRADS], n);
+            runs++;
+        }
+    fclose(devnull);
+    FL_CHECK(runs == 4);
 }
 
 /* Under a budget, the plan's verdict and first failing allocation are the trainer's. */

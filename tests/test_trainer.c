@@ -512,6 +512,113 @@ FL_TEST(trainer_lora_trains_adapters_only) {
     free(r.params);
 }
 
+/* An untied copy of stories260K-hf (whose head is tied): lm_head.weight = the embeddings,
+ * tie_word_embeddings false, written to dir. */
+static void untied_stories(const char *dir) {
+    fl_backend be;
+    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 1));
+    fl_mem_pool pool;
+    FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
+    fl_model tied, un;
+    FL_REQUIRE_OK(fl_hf_load_model(&tied, fl_test_data_path("stories260K-hf"), &be, &pool));
+    FL_REQUIRE(tied.cfg.tie_embeddings);
+    fl_model_config mc = tied.cfg;
+    mc.tie_embeddings = 0;
+    FL_REQUIRE_OK(fl_model_init(&un, &mc, &be, &pool));
+    for (int i = 0; i < un.layout.n; i++) {
+        const fl_param_info *p = &un.layout.params[i];
+        const char *src = strcmp(p->name, "lm_head.weight") ? p->name : "model.embed_tokens.weight";
+        memcpy(un.params + p->offset, fl_model_param(&tied, src), p->numel * sizeof(float));
+    }
+    FL_REQUIRE_OK(fl_hf_save_model(&un, dir));
+    fl_model_free(&tied);
+    fl_model_free(&un);
+    fl_mem_pool_free(&pool);
+    fl_cpu_backend_free(&be);
+}
+
+/* LoRA with lora_head on an untied model: loss goes down; GRADS / OPTIM are the adapters'
+ * including the head's r (C + V); the head base stays frozen (only final/ changes it, by the
+ * merge); the PEFT adapter holds lm_head and merges into the base to final/. */
+FL_TEST(trainer_lora_head_trains_adapters_only) {
+    FL_SKIP_IF_NO_DATA();
+    char base[512], out[512];
+    snprintf(base, sizeof base, "%s/stories-untied", fl_test_tmpdir());
+    untied_stories(base);
+    fl_run_config c;
+    snprintf(out, sizeof out, "%s/lora-head", fl_test_tmpdir());
+    small_run(&c, out);
+    lora_run(&c);
+    c.lora.head = 1;
+    snprintf(c.checkpoint_dir, sizeof c.checkpoint_dir, "%s", base);
+    snprintf(c.tokenizer_dir, sizeof c.tokenizer_dir, "%s", fl_test_data_path("stories260K-hf"));
+    c.optimizer.lr = 1e-2f;
+    c.train.max_steps = 25;
+    c.train.save_interval = 0;
+    rec r = {0};
+    fl_trainer_result res;
+    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, record, &r, &res));
+    double first = (r.loss[0] + r.loss[1]) / 2, last = (r.loss[23] + r.loss[24]) / 2;
+    FL_CHECKF(last < first - 0.3, "LoRA (lora_head) loss %.3f -> %.3f", first, last);
+    printf("      LoRA q,v,mlp,head on untied stories260K: loss %.3f -> %.3f\n", first, last);
+    fl_model_config mc;
+    char cp[600];
+    snprintf(cp, sizeof cp, "%s/config.json", base);
+    FL_REQUIRE_OK(fl_hf_load_config(cp, &mc));
+    FL_REQUIRE_OK(fl_config_validate(&mc));
+    FL_REQUIRE(!mc.tie_embeddings);
+    size_t C = mc.dim, KVD = (size_t)mc.n_kv_heads * mc.head_dim, F = mc.ffn_dim, V = mc.vocab_size, rr = c.lora.r;
+    size_t per = rr * (C + C) + rr * (C + KVD) + 2 * rr * (C + F) + rr * (F + C);
+    size_t n = per * mc.n_layers + rr * (C + V); /* + lm_head's A (r, C) and B (V, r) */
+    FL_CHECKF(res.peak[FL_TAG_GRADS] == n * 4, "GRADS %zu, adapters %zu x 4", res.peak[FL_TAG_GRADS], n);
+    FL_CHECKF(res.peak[FL_TAG_OPTIM] == n * 8, "OPTIM %zu, adapters %zu x 8", res.peak[FL_TAG_OPTIM], n);
+    fl_backend be;
+    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 1));
+    fl_mem_pool pool;
+    FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
+    fl_model bm, fin;
+    FL_REQUIRE_OK(fl_hf_load_model(&bm, base, &be, &pool));
+    FL_REQUIRE_OK(fl_hf_load_model(&fin, res.final_dir, &be, &pool));
+    FL_CHECK(!fin.cfg.tie_embeddings);
+    char ad[700];
+    snprintf(ad, sizeof ad, "%s/adapter", res.final_dir);
+    fl_peft_adapter a;
+    FL_REQUIRE_OK(fl_peft_load(ad, &a));
+    FL_CHECK(a.n == 5 * mc.n_layers + 1 && a.cfg.lora.r == c.lora.r); /* q, v, gate, up, down; lm_head */
+    int head = -1;
+    for (int k = 0; k < a.n; k++)
+        if (!strcmp(a.mods[k].name, "lm_head")) head = k;
+    FL_REQUIRE(head >= 0);
+    FL_CHECK(a.mods[head].in == (int)C && a.mods[head].out == (int)V);
+    double bmax = 0;
+    for (size_t i = 0; i < V * rr; i++) bmax = fmax(bmax, fabs(a.mods[head].B[i]));
+    FL_CHECKF(bmax > 0, "lm_head lora_B stayed zero");
+    int tgt = 0;
+    for (int i = 0; i < a.cfg.lora.n_targets; i++) tgt |= !strcmp(a.cfg.lora.targets[i], "lm_head");
+    FL_CHECK(tgt);
+    /* final/'s head moved (merged adapter), and equals base + the PEFT adapter */
+    const float *h0 = fl_model_param(&bm, "lm_head.weight"), *h1 = fl_model_param(&fin, "lm_head.weight");
+    double hm = 0;
+    for (size_t i = 0; i < V * C; i++) hm = fmax(hm, fabs((double)h0[i] - h1[i]));
+    FL_CHECKF(hm > 1e-4, "final/ lm_head equals the base (%.3g)", hm);
+    FL_REQUIRE_OK(fl_peft_merge_into(&a, &bm.layout, bm.params));
+    double md = 0;
+    for (size_t i = 0; i < bm.layout.numel; i++) md = fmax(md, fabs((double)bm.params[i] - fin.params[i]));
+    FL_CHECKF(md <= 1e-6, "merged adapter differs from final/ by %.3g", md);
+    fl_peft_free(&a);
+    fl_model_free(&bm);
+    fl_model_free(&fin);
+    fl_mem_pool_free(&pool);
+    fl_cpu_backend_free(&be);
+    free(r.params);
+    /* a tied head is refused before anything runs, and says why */
+    snprintf(c.checkpoint_dir, sizeof c.checkpoint_dir, "%s", fl_test_data_path("stories260K-hf"));
+    c.tokenizer_dir[0] = 0;
+    snprintf(c.out_dir, sizeof c.out_dir, "%s/lora-head-tied", fl_test_tmpdir());
+    FL_CHECK(fl_trainer_run(&c, NULL, 0, NULL, NULL, NULL) == FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "tied") != NULL, "message: %s", fl_error_message());
+}
+
 /* QLoRA (--quantize bnb.nf4-dq): loss goes down on stories260K with a 4-bit base; PARAMS is
  * exactly the fp32 entries + the 4-bit entries (4.127 bits per quantized weight) + the
  * adapters; GRADS/OPTIM are the adapters'; final/ is the dequantized base with the adapters

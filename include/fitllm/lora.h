@@ -60,7 +60,8 @@ const char *const *fl_lora_valid_targets(fl_arch arch);
 /* Fill c from options: targets is a comma-separated list (spaces ignored) or "all-linear" (every
  * linear of the blocks, not lm_head, as PEFT). Errors (FL_ERR_INVALID): r <= 0, alpha <= 0,
  * dropout outside [0, 1), an unknown target (the message lists the valid names), an empty list,
- * lm_head on a model with tied embeddings. */
+ * lm_head on a model with tied embeddings (PEFT would adapt the head alone and a merge would
+ * rewrite the shared embedding matrix; untie the model to adapt its head). */
 fl_status fl_lora_config_init(fl_lora_config *c, const fl_model_config *mc, int r, float alpha, float dropout,
                               int use_rslora, const char *targets);
 /* Validate an existing config against a model (same rules). */
@@ -107,7 +108,9 @@ fl_status fl_lora_merge_q4(float *dst, const fl_q4_weight *W, const float *A, co
  * kaiming-uniform from seed, B = 0). The base model is frozen from then on: it
  * needs no gradient buffer (fl_model_alloc_grads is not called), and dX still
  * flows through every base linear. Activations for the adapters come with
- * fl_model_alloc_acts. */
+ * fl_model_alloc_acts. An lm_head adapter (untied head) runs with the head,
+ * chunk by chunk inside fl_model_forward (its activations hold one logits
+ * chunk of rows), and in generation. */
 fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t seed);
 /* Dropout seed of the next forward/backward (the trainer derives it from the
  * iteration, so a resumed run draws the same masks). */
@@ -116,7 +119,8 @@ void fl_model_lora_set_seed(fl_model *m, uint64_t seed);
 void fl_model_lora_set_train(fl_model *m, int train);
 /* Merge every adapter into the base weights (W += scaling B A). */
 fl_status fl_model_lora_merge(fl_model *m);
-/* Bytes of adapter activations for (B, T) (ACTS) and scratch (WORKSPACE). */
+/* Bytes of adapter activations for (B, T) (ACTS) and scratch (WORKSPACE). Block modules keep
+ * h (B*T, r) [and xd (B*T, in) with dropout]; lm_head keeps them for one logits chunk of rows. */
 void fl_lora_sizing_acts(const fl_lora_config *cfg, const fl_lora_module *mods, int n_mods, int B, int T,
                          size_t *acts_bytes, size_t *work_bytes);
 

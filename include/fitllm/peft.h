@@ -7,6 +7,12 @@
  *                              "base_model.model.<module>.lora_B.weight" (out, r), F32
  *                              (GPT-2 Conv1D modules too: PEFT builds A/B as nn.Linear(in, r) /
  *                              nn.Linear(r, out) and transposes only the merged delta).
+ *                              With lm_head among the targets PEFT's save_pretrained also writes
+ *                              "base_model.model.lm_head.base_layer.weight" (out, in), the base head
+ *                              (save_embedding_layers="auto"); PEFT loads it into the base model.
+ *                              Read here: it becomes the base of that module when merging. Written
+ *                              only when the caller gives it (fitllm's trainer does not: its head is
+ *                              frozen, so the base model's lm_head.weight is that weight).
  * Errors name the file and the key at fault.
  */
 #ifndef FITLLM_PEFT_H
@@ -33,6 +39,8 @@ typedef struct {
     int in, out;
     float *A;   /* (r, in)   loaded: malloc'd; for fl_peft_save: the caller's data */
     float *B;   /* (out, r) */
+    float *W;   /* (out, in) "<module>.base_layer.weight" (PEFT saves it for lm_head), or NULL */
+    int w_out, w_in; /* loaded: W's shape (checked to be (out, in)) */
 } fl_peft_module;
 
 typedef struct {
@@ -46,8 +54,9 @@ typedef struct {
 fl_status fl_peft_save(const char *dir, const fl_peft_config *cfg, const fl_peft_module *mods, int n);
 
 /* Read an adapter folder. Checks: peft_type LORA, r > 0, lora_alpha > 0, bias "none", every
- * tensor named base_model.model.<module>.lora_{A,B}.weight, 2-D F32/BF16/F16 (converted to f32),
- * A (r, in) and B (out, r) with the config's r, each module with both A and B. */
+ * tensor named base_model.model.<module>.lora_{A,B}.weight (or <module>.base_layer.weight),
+ * 2-D F32/BF16/F16 (converted to f32), A (r, in) and B (out, r) with the config's r, each module
+ * with both A and B, a base_layer weight (out, in). */
 fl_status fl_peft_load(const char *dir, fl_peft_adapter *a);
 void fl_peft_free(fl_peft_adapter *a);
 
@@ -58,7 +67,8 @@ void fl_peft_free(fl_peft_adapter *a);
 fl_status fl_peft_check_model(const fl_peft_adapter *a, const fl_model_config *mc, const fl_param_layout *lay,
                               const char *expect_base, int **param_index);
 
-/* Merge every module into the model's flat parameters: W += scaling * B @ A. */
+/* Merge every module into the model's flat parameters: W += scaling * B @ A (W = the module's
+ * base_layer weight first when the adapter holds one, as PEFT loads it). */
 fl_status fl_peft_merge_into(const fl_peft_adapter *a, const fl_param_layout *lay, float *params);
 
 #ifdef __cplusplus

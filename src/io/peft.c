@@ -35,8 +35,9 @@ fl_status fl_peft_save(const char *dir, const fl_peft_config *cfg, const fl_peft
     if (!fl_io_is_dir(dir) && mkdir(dir, 0755) != 0)
         return fl_errorf(FL_ERR_IO, "%s: cannot create folder: %s", dir, strerror(errno));
     /* ---- adapter_model.safetensors ---- */
-    fl_st_write_tensor *t = calloc((size_t)2 * n, sizeof *t);
-    char (*names)[FL_PARAM_NAME_MAX + 64] = calloc((size_t)2 * n, sizeof *names);
+    fl_st_write_tensor *t = calloc((size_t)3 * n, sizeof *t);
+    char (*names)[FL_PARAM_NAME_MAX + 64] = calloc((size_t)3 * n, sizeof *names);
+    int nt = 0;
     if (!t || !names) {
         free(t);
         free(names);
@@ -48,23 +49,25 @@ fl_status fl_peft_save(const char *dir, const fl_peft_config *cfg, const fl_peft
             st = fl_errorf(FL_ERR_INVALID, "%s: module '%s' has bad sizes or no data", dir, mods[j].name);
             break;
         }
-        for (int ab = 0; ab < 2; ab++) {
-            fl_st_write_tensor *e = &t[2 * j + ab];
-            snprintf(names[2 * j + ab], sizeof names[0], PEFT_PREFIX "%s.lora_%c.weight", mods[j].name,
-                     ab ? 'B' : 'A');
-            e->name = names[2 * j + ab];
+        for (int ab = 0; ab < 3; ab++) { /* lora_A, lora_B, base_layer (if given) */
+            if (ab == 2 && !mods[j].W) continue;
+            fl_st_write_tensor *e = &t[nt];
+            if (ab == 2) snprintf(names[nt], sizeof names[0], PEFT_PREFIX "%s.base_layer.weight", mods[j].name);
+            else snprintf(names[nt], sizeof names[0], PEFT_PREFIX "%s.lora_%c.weight", mods[j].name, ab ? 'B' : 'A');
+            e->name = names[nt];
             e->dtype = FL_F32;
             e->src_dtype = FL_F32;
             e->ndim = 2;
             e->shape[0] = ab ? mods[j].out : r;
-            e->shape[1] = ab ? r : mods[j].in;
-            e->data = ab ? mods[j].B : mods[j].A;
+            e->shape[1] = ab == 1 ? r : mods[j].in;
+            e->data = ab == 2 ? mods[j].W : ab ? mods[j].B : mods[j].A;
+            nt++;
         }
     }
     char path[4096];
     if (st == FL_OK) st = fl_io_join(path, sizeof path, dir, "adapter_model.safetensors");
     const char *mk[] = {"format"}, *mv[] = {"pt"};
-    if (st == FL_OK) st = fl_st_write(path, t, 2 * n, mk, mv, 1);
+    if (st == FL_OK) st = fl_st_write(path, t, nt, mk, mv, 1);
     free(t);
     free(names);
     FL_TRY(st);
@@ -99,6 +102,7 @@ void fl_peft_free(fl_peft_adapter *a) {
     for (int i = 0; i < a->n; i++) {
         free(a->mods[i].A);
         free(a->mods[i].B);
+        free(a->mods[i].W);
     }
     free(a->mods);
     memset(a, 0, sizeof *a);
@@ -192,14 +196,20 @@ fl_status fl_peft_load(const char *dir, fl_peft_adapter *a) {
         const fl_st_tensor *t = &f.tensors[i];
         const char *nm = t->name;
         size_t len = strlen(nm);
-        const char *sufA = ".lora_A.weight", *sufB = ".lora_B.weight";
-        const size_t sl = strlen(sufA);
-        int isB;
-        if (len > plen + sl && strncmp(nm, PEFT_PREFIX, plen) == 0 && strcmp(nm + len - sl, sufA) == 0) isB = 0;
-        else if (len > plen + sl && strncmp(nm, PEFT_PREFIX, plen) == 0 && strcmp(nm + len - sl, sufB) == 0) isB = 1;
-        else {
+        /* kind 0: lora_A, 1: lora_B, 2: base_layer (PEFT's saved embedding layers: lm_head) */
+        static const char *const suf[3] = {".lora_A.weight", ".lora_B.weight", ".base_layer.weight"};
+        int isB = -1;
+        size_t sl = 0;
+        for (int k = 0; k < 3 && isB < 0; k++) {
+            size_t kl = strlen(suf[k]);
+            if (len > plen + kl && strncmp(nm, PEFT_PREFIX, plen) == 0 && strcmp(nm + len - kl, suf[k]) == 0) {
+                isB = k;
+                sl = kl;
+            }
+        }
+        if (isB < 0) {
             st = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s': not a LoRA weight (expected "
-                           PEFT_PREFIX "<module>.lora_A.weight / .lora_B.weight)", path, nm);
+                           PEFT_PREFIX "<module>.lora_A.weight / .lora_B.weight / .base_layer.weight)", path, nm);
             break;
         }
         size_t ml = len - plen - sl;
@@ -220,6 +230,28 @@ fl_status fl_peft_load(const char *dir, fl_peft_adapter *a) {
         if (k == a->n) snprintf(a->mods[a->n++].name, FL_PARAM_NAME_MAX, "%s", mod);
         fl_peft_module *m = &a->mods[k];
         int64_t d0 = t->shape[0], d1 = t->shape[1];
+        if (isB == 2) {
+            if (m->W) {
+                st = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s': duplicate", path, nm);
+                break;
+            }
+            if (d0 <= 0 || d1 <= 0 || d0 > INT32_MAX || d1 > INT32_MAX) {
+                st = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s': bad shape (%lld, %lld)", path, nm, (long long)d0,
+                               (long long)d1);
+                break;
+            }
+            float *buf = malloc((size_t)(d0 * d1) * sizeof(float));
+            if (!buf) { st = fl_errorf(FL_ERR_OOM, "%s: tensor '%s'", path, nm); break; }
+            if (fl_convert(buf, FL_F32, t->data, t->dtype, (size_t)(d0 * d1)) != 0) {
+                free(buf);
+                st = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s': cannot convert", path, nm);
+                break;
+            }
+            m->W = buf;
+            m->w_out = (int)d0;
+            m->w_in = (int)d1;
+            continue;
+        }
         if (!isB && d0 != r) {
             st = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s': shape (%lld, %lld), expected (r=%d, in)", path, nm,
                            (long long)d0, (long long)d1, r);
@@ -244,10 +276,18 @@ fl_status fl_peft_load(const char *dir, fl_peft_adapter *a) {
         if (isB) { m->B = buf; m->out = (int)d0; }
         else { m->A = buf; m->in = (int)d1; }
     }
-    for (int k = 0; k < a->n && st == FL_OK; k++)
-        if (!a->mods[k].A || !a->mods[k].B)
-            st = fl_errorf(FL_ERR_FORMAT, "%s: module '%s' has lora_%c but no lora_%c", path, a->mods[k].name,
-                           a->mods[k].A ? 'A' : 'B', a->mods[k].A ? 'B' : 'A');
+    for (int k = 0; k < a->n && st == FL_OK; k++) {
+        const fl_peft_module *m = &a->mods[k];
+        if (!m->A && !m->B)
+            st = fl_errorf(FL_ERR_FORMAT, "%s: module '%s' has a base_layer weight but no lora_A / lora_B", path,
+                           m->name);
+        else if (!m->A || !m->B)
+            st = fl_errorf(FL_ERR_FORMAT, "%s: module '%s' has lora_%c but no lora_%c", path, m->name,
+                           m->A ? 'A' : 'B', m->A ? 'B' : 'A');
+        else if (m->W && (m->w_out != m->out || m->w_in != m->in))
+            st = fl_errorf(FL_ERR_FORMAT, "%s: module '%s': base_layer.weight is (%d, %d) but lora_B/lora_A make "
+                           "(out %d, in %d)", path, m->name, m->w_out, m->w_in, m->out, m->in);
+    }
     if (st == FL_OK && a->n == 0) st = fl_errorf(FL_ERR_FORMAT, "%s: no LoRA tensors", path);
     fl_st_close(&f);
     if (st != FL_OK) fl_peft_free(a);
@@ -306,6 +346,8 @@ fl_status fl_peft_merge_into(const fl_peft_adapter *a, const fl_param_layout *la
         if (i < 0 || lay->params[i].shape[0] != m->out || lay->params[i].shape[1] != m->in)
             return fl_errorf(FL_ERR_INVALID, "merge: module '%s' does not match the model (run fl_peft_check_model)",
                              m->name);
+        if (m->W) /* PEFT loads the saved base layer into the model, then merges */
+            memcpy(params + lay->params[i].offset, m->W, (size_t)m->out * m->in * sizeof(float));
         fl_lora_merge(params + lay->params[i].offset, m->in, m->A, m->B, a->cfg.lora.r, m->in, m->out, s);
     }
     return FL_OK;

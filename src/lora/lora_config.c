@@ -49,7 +49,10 @@ fl_status fl_lora_config_validate(const fl_lora_config *c, const fl_model_config
         if (strcmp(c->targets[i], "lm_head") == 0 && mc->tie_embeddings)
             return fl_errorf(FL_ERR_INVALID,
                              "lora target_modules: lm_head is tied to the input embeddings in this model "
-                             "(tie_word_embeddings); an adapter on it is not supported");
+                             "(tie_word_embeddings: true); an adapter on a tied head is not supported (PEFT adapts "
+                             "the head alone and merging it rewrites the shared embeddings too, peft issue #2777). "
+                             "Untie the model first (a copy with tie_word_embeddings: false and lm_head.weight = "
+                             "the embeddings) or drop lm_head / lora_head");
     }
     return FL_OK;
 }

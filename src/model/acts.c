@@ -22,14 +22,16 @@ static float *carve(carver *cv, size_t nfloats) {
     return p;
 }
 
-static int logits_chunk_rows(const fl_model_config *c, int N) {
+int fl_logits_chunk_rows(int vocab_size, int N) {
     /* About 32 MiB of logits per chunk: large enough for an efficient lm_head
      * GEMM, small enough that (N, V) never exists at once. */
-    long rows = (32L << 20) / ((long)c->vocab_size * 4);
+    long rows = (32L << 20) / ((long)vocab_size * 4);
     if (rows < 32) rows = 32;
     if (rows > N) rows = N;
     return (int)rows;
 }
+
+static int logits_chunk_rows(const fl_model_config *c, int N) { return fl_logits_chunk_rows(c->vocab_size, N); }
 
 static size_t carve_acts(const fl_model_config *c, int B, int T, int ckpt, char *base, fl_acts *a) {
     fl_dims d = fl_model_dims(c);

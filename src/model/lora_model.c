@@ -43,14 +43,14 @@ fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t se
     st->scaling = fl_lora_scaling(cfg);
     fl_status s = fl_lora_modules(cfg, &m->layout, &m->cfg, &st->mods, &st->n_mods);
     for (int j = 0; s == FL_OK && j < st->n_mods; j++)
-        if (st->mods[j].layer < 0 || linear_kind(st->mods[j].name) < 0)
-            s = fl_errorf(FL_ERR_UNSUPPORTED, "LoRA on %s is not supported yet (lm_head)", st->mods[j].name);
+        if (st->mods[j].layer >= 0 && linear_kind(st->mods[j].name) < 0)
+            s = fl_errorf(FL_ERR_INTERNAL, "LoRA: module %s belongs to no linear of its block", st->mods[j].name);
     int L = m->cfg.n_layers;
     if (s == FL_OK) {
         st->off = calloc((size_t)2 * st->n_mods + 1, sizeof *st->off);
         st->slots = calloc((size_t)st->n_mods + 1, sizeof *st->slots);
-        st->first = calloc((size_t)L * 4, sizeof *st->first);
-        st->count = calloc((size_t)L * 4, sizeof *st->count);
+        st->first = calloc((size_t)L * 4 + 1, sizeof *st->first);
+        st->count = calloc((size_t)L * 4 + 1, sizeof *st->count);
         if (!st->off || !st->slots || !st->first || !st->count) s = fl_errorf(FL_ERR_OOM, "LoRA: out of host memory");
     }
     if (s == FL_OK) {
@@ -63,14 +63,14 @@ fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t se
         free_state(st, m->pool);
         return s;
     }
-    /* slots grouped by (layer, kind), in module order inside a group */
+    /* slots grouped by (layer, kind), in module order inside a group; group L * 4 is lm_head (layer -1) */
     int n = 0;
-    for (int l = 0; l < L; l++)
-        for (int k = 0; k < 4; k++) {
+    for (int l = 0; l <= L; l++)
+        for (int k = 0; k < (l < L ? 4 : 1); k++) {
             st->first[l * 4 + k] = n;
             for (int j = 0; j < st->n_mods; j++) {
                 const fl_lora_module *md = &st->mods[j];
-                if (md->layer != l || linear_kind(md->name) != k) continue;
+                if (l < L ? (md->layer != l || linear_kind(md->name) != k) : md->layer >= 0) continue;
                 fl_lora_slot *sl = &st->slots[n++];
                 float *A = st->params + st->off[2 * j], *Bm = st->params + st->off[2 * j + 1];
                 fl_lora_init_adapter(A, Bm, cfg->r, md->in, md->out, seed + (uint64_t)j * 0x9e3779b97f4a7c15ULL);
@@ -111,12 +111,31 @@ void fl_lora_attach(const fl_model *m, int l, int k, fl_linear *lin) {
     lin->lora_seed = st->seed;
 }
 
+void fl_lora_attach_head(const fl_model *m, fl_linear *lin, int row0) {
+    const struct fl_lora_state *st = m->lora;
+    if (!st) return;
+    const int h = m->cfg.n_layers * 4;
+    lin->n_lora = st->count[h];
+    lin->lora = lin->n_lora ? &st->slots[st->first[h]] : NULL;
+    lin->lora_work = st->work;
+    /* fl_lora_dropout_keep(seed, i): z = seed + (i + 1) * G, so a seed advanced by row0 * in * G
+     * gives the chunk the mask of rows row0.. of the whole batch (independent of the chunking) */
+    lin->lora_seed = st->seed + (uint64_t)row0 * (uint64_t)lin->in * 0x9E3779B97F4A7C15ULL;
+}
+
+/* Rows of a module's h / xd for an arena of N rows: N for block linears, one logits chunk for
+ * lm_head (it runs forward and backward chunk by chunk inside fl_model_forward). */
+static size_t lora_rows(const fl_lora_module *md, size_t N) {
+    return md->layer < 0 ? (size_t)fl_logits_chunk_rows(md->out, (int)N) : N;
+}
+
 void fl_lora_sizing_acts(const fl_lora_config *cfg, const fl_lora_module *mods, int n_mods, int B, int T,
                          size_t *acts_bytes, size_t *work_bytes) {
     size_t N = (size_t)B * T, a = 0, in_max = 0;
     for (int j = 0; j < n_mods; j++) {
-        a += N * cfg->r;                               /* h */
-        if (cfg->dropout > 0) a += N * mods[j].in;     /* dropped input */
+        size_t rows = lora_rows(&mods[j], N);
+        a += rows * cfg->r;                               /* h */
+        if (cfg->dropout > 0) a += rows * mods[j].in;     /* dropped input */
         if ((size_t)mods[j].in > in_max) in_max = mods[j].in;
     }
     *acts_bytes = a * sizeof(float);
@@ -135,10 +154,11 @@ fl_status fl_lora_alloc_acts(fl_model *m, int B, int T) {
     size_t N = (size_t)B * T, o = 0;
     for (int i = 0; i < st->n_mods; i++) {
         fl_lora_slot *sl = &st->slots[i];
+        size_t rows = lora_rows(&st->mods[sl->index], N);
         sl->h = st->acts + o;
-        o += N * sl->r;
+        o += rows * sl->r;
         sl->xd = NULL;
-        if (st->cfg.dropout > 0) { sl->xd = st->acts + o; o += N * sl->in; }
+        if (st->cfg.dropout > 0) { sl->xd = st->acts + o; o += rows * sl->in; }
     }
     return FL_OK;
 }

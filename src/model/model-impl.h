@@ -61,6 +61,10 @@ static inline fl_dims fl_model_dims(const fl_model_config *c) {
     return d;
 }
 
+/* Rows of the (rows, V) logits chunk the head processes at once for N = B*T rows
+ * (fl_act_sizes.logits_chunk_rows; LoRA on lm_head sizes its chunk buffers with it). */
+int fl_logits_chunk_rows(int vocab_size, int N);
+
 /* Release the activation arena and its views (safe when none). */
 void fl_model_free_acts(fl_model *m);
 
@@ -69,8 +73,8 @@ void fl_model_free_acts(fl_model *m);
 typedef struct {
     const float *A, *B;   /* (r, in), (out, r) adapter parameters */
     float *dA, *dB;       /* their gradients */
-    float *h;             /* (N, r) saved LoRA intermediate (ACTS) */
-    float *xd;            /* (N, in) dropped input (ACTS) when dropout > 0, else NULL */
+    float *h;             /* (N, r) saved LoRA intermediate (ACTS); lm_head: (chunk rows, r) */
+    float *xd;            /* (N, in) dropped input (ACTS) when dropout > 0, else NULL; lm_head: (chunk rows, in) */
     int row0, out, in, r; /* slice [row0, row0+out) of the linear's output */
     float scaling, dropout;
     int index;            /* module index: part of the dropout seed */
@@ -104,8 +108,8 @@ struct fl_lora_state {
     size_t *off;          /* (2 n_mods) element offsets of A_j, B_j in params/grads */
     size_t numel;
     float *params, *grads;/* PARAMS, GRADS */
-    fl_lora_slot *slots;  /* n_mods, grouped by (layer, linear kind) */
-    int *first, *count;   /* (L * 4): slots of layer l, kind k (0 qkv, 1 o, 2 fc, 3 proj) */
+    fl_lora_slot *slots;  /* n_mods, grouped by (layer, linear kind), then lm_head's */
+    int *first, *count;   /* (L * 4 + 1): slots of layer l, kind k (0 qkv, 1 o, 2 fc, 3 proj); [L * 4]: lm_head */
     float *acts;          /* h and xd of every slot for the arena's (B, T) (ACTS) */
     float *work;          /* (N * (r + max in)) WORKSPACE */
     int merged;           /* fl_model_lora_merge ran: 4-bit entries read back merged */
@@ -118,6 +122,10 @@ struct fl_lora_state {
 void fl_lora_add_merged(const fl_model *m, int i, float *dst);
 /* Attach the LoRA slots of layer l, kind k to lin (no-op without LoRA). */
 void fl_lora_attach(const fl_model *m, int l, int k, fl_linear *lin);
+/* Attach the lm_head adapter (if any) to the head linear. The head runs over chunks of rows:
+ * its h/xd hold one chunk (fl_logits_chunk_rows rows). row0 = first row of the chunk in the
+ * (B*T) batch: the dropout mask is the one of the whole batch (element index row0*in + i). */
+void fl_lora_attach_head(const fl_model *m, fl_linear *lin, int row0);
 /* LoRA activations for (B, T) (called by fl_model_alloc_acts) and their release. */
 fl_status fl_lora_alloc_acts(fl_model *m, int B, int T);
 void fl_lora_free_acts(fl_model *m);

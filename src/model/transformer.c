@@ -71,7 +71,8 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
 
     /* Head + cross-entropy, chunked over rows: at most (rows, V) logits exist.
      * In training the head's backward runs here too (dlogits overwrite the
-     * logits chunk), leaving d(lnf) in buf1 for fl_model_backward. */
+     * logits chunk), leaving d(lnf) in buf1 for fl_model_backward; an lm_head
+     * adapter gets its gradients here, chunk by chunk (the base head is frozen). */
     const int R = m->sizes.logits_chunk_rows;
     fl_linear head = {.in = d.C, .out = d.V, .w = op.head, .dw = op.dhead};
     fl_linear_set_weight(m, &head, op.head_idx);
@@ -85,6 +86,7 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
     for (int r0 = 0; r0 < N; r0 += R) {
         int rows = N - r0 < R ? N - r0 : R;
         const float *xr = a->lnf + (size_t)r0 * d.C;
+        fl_lora_attach_head(m, &head, r0); /* LoRA on lm_head: h / xd of this chunk, the batch's mask */
         FL_TRY(fl_linear_forward(be, a->logits, xr, &head, rows)); // (rows, V)
         if (logits_out) memcpy(logits_out + (size_t)r0 * d.V, a->logits, (size_t)rows * d.V * sizeof(float));
         if (!targets) continue;
