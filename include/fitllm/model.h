@@ -109,6 +109,14 @@ void fl_sizing_acts(const fl_model_config *cfg, int B, int T, fl_act_sizes *out)
 typedef struct {
     int act_ckpt; /* activation checkpointing: keep only each block's input (L+1 residuals)
                    * plus ONE block's activations, recomputed in backward */
+    fl_dtype act_dtype; /* storage of the saved activations (fl_precision.act_dtype; FL_F32 = 0 default).
+                   * BF16 / F16 without act_ckpt: every block computes in ONE shared fp32 layer
+                   * buffer; after its forward, its (N, width) activations (ln1, qkv, att,
+                   * res_mid, ln2, fc, act) are rounded (RNE) into a per-layer 16-bit region and
+                   * widened back into the shared buffer before its backward. The residual
+                   * stream res[0..L], the final norm's output and the small per-row
+                   * statistics (norm mean/rstd, attention lse) stay fp32. Ignored with act_ckpt
+                   * (only the fp32 residuals are saved there). */
 } fl_act_opts;
 void fl_sizing_acts_ex(const fl_model_config *cfg, int B, int T, const fl_act_opts *opts, fl_act_sizes *out);
 
@@ -168,6 +176,8 @@ typedef struct {
     int fwd_B, fwd_T;       /* shape of the last forward */
     int fwd_train;          /* last forward prepared a backward */
     int act_ckpt;           /* activation checkpointing (set before fl_model_alloc_acts) */
+    fl_dtype act_dtype;     /* storage of the saved activations of the current arena: prec.act_dtype when
+                             * fl_model_alloc_acts ran (fl_model_set_precision re-sizes the arena) */
     fl_precision prec;      /* precision policy (fl_model_set_precision); zeroed = 32-true */
     uint16_t *wcompute;     /* (numel) compute-dtype copy of params (mixed policies), PARAMS */
     struct fl_lora_state *lora; /* LoRA adapters (fl_model_lora_init) or NULL: base frozen when set */

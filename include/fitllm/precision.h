@@ -9,8 +9,10 @@
  *   16-true      f16                          f16    f32     (not available yet)
  *
  * On the CPU, activations and elementwise ops (norms, attention, activations,
- * cross-entropy) compute in fp32 under every policy; the saving of the mixed
- * policy is speed (bf16 GEMMs with avx512_bf16 / oneDNN), at the cost of the
+ * cross-entropy) compute in fp32 under every policy, but the 16-bit policies
+ * STORE the activations saved for backward in act_dtype (bf16 / fp16: half
+ * of ACTS; widened back to fp32 block by block in backward). The saving of the mixed
+ * policy is otherwise speed (bf16 GEMMs with avx512_bf16 / oneDNN), at the cost of the
  * bf16 weight copy in PARAMS. bf16-true halves PARAMS, GRADS and OPTIM: the
  * flat buffers are bf16; a group's gradients are computed in fp32 into a
  * one-group staging buffer (WORKSPACE) and added into the bf16 gradients once
@@ -48,6 +50,9 @@ typedef struct {
     int available;           /* implemented in this build */
     fl_dtype optim_dtype;    /* AdamW / SGD-momentum state (bf16-true: BF16; 16-true keeps F32 state:
                               * fp16's range cannot hold Adam's second moment) */
+    fl_dtype act_dtype;      /* storage of the activations saved for backward (16-bit policies: BF16 /
+                              * F16, as PyTorch's autocast and *-true keep them); ops still compute in
+                              * fp32 (see fl_act_opts in model.h) */
 } fl_precision;
 
 /* Look up a policy by LitGPT name; FL_ERR_INVALID for unknown names. An

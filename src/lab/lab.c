@@ -15,8 +15,9 @@
 
 /* ---- the experiments ------------------------------------------------------------
  * The lab's sequence (BRIEF section 5). The 3B-like model runs in bf16-true as
- * in the lab; activations are fp32 under every policy on the CPU (bf16 only in
- * the matmuls), so the rest of the size ladder stays in 32-true: the 7B-like
+ * in the lab; the CPU computes in fp32 under every policy (bf16 in the matmuls'
+ * weights, and in the storage of the activations saved for backward), and the
+ * rest of the size ladder stays in 32-true: the 7B-like
  * model takes the role of the lab's 11-13B (out of memory even at batch 1 with
  * AdamW) and fits with SGD. Rows that need a technique this
  * build lacks are planned and shown as "not available". When a technique

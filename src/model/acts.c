@@ -15,11 +15,24 @@ typedef struct {
     size_t off;
 } carver;
 
-static float *carve(carver *cv, size_t nfloats) {
-    size_t bytes = (nfloats * sizeof(float) + 63) / 64 * 64; /* keep every view 64-byte aligned */
-    float *p = cv->base ? (float *)(cv->base + cv->off) : NULL;
+static void *carve_bytes(carver *cv, size_t nbytes) {
+    size_t bytes = (nbytes + 63) / 64 * 64; /* keep every view 64-byte aligned */
+    void *p = cv->base ? (void *)(cv->base + cv->off) : NULL;
     cv->off += bytes;
     return p;
+}
+
+static float *carve(carver *cv, size_t nfloats) { return carve_bytes(cv, nfloats * sizeof(float)); }
+
+/* Widths of the saved (N, width) activations, FL_SAVED_* order. */
+static void saved_widths(const fl_dims *d, size_t w[FL_N_SAVED]) {
+    w[FL_SAVED_LN1] = (size_t)d->C;
+    w[FL_SAVED_QKV] = (size_t)d->QKV;
+    w[FL_SAVED_ATT] = (size_t)d->QD;
+    w[FL_SAVED_RES_MID] = (size_t)d->C;
+    w[FL_SAVED_LN2] = (size_t)d->C;
+    w[FL_SAVED_FC] = (size_t)d->FCW;
+    w[FL_SAVED_ACT] = (size_t)d->F;
 }
 
 int fl_logits_chunk_rows(int vocab_size, int N) {
@@ -33,41 +46,96 @@ int fl_logits_chunk_rows(int vocab_size, int N) {
 
 static int logits_chunk_rows(const fl_model_config *c, int N) { return fl_logits_chunk_rows(c->vocab_size, N); }
 
-static size_t carve_acts(const fl_model_config *c, int B, int T, int ckpt, char *base, fl_acts *a) {
+/* Layouts (N = B*T rows):
+ *   fp32 (default):  res[0..L] | L x {layer's activations, all fp32} | lnf
+ *   act_ckpt:        res[0..L] | ONE shared fp32 layer buffer           | lnf
+ *   16-bit saved:    res[0..L] | ONE shared fp32 buffer of the (N, width) activations |
+ *                    L x {fp32 per-row stats (norm mean/rstd, lse), 16-bit (N, width) copies} | lnf */
+static size_t carve_acts(const fl_model_config *c, int B, int T, int ckpt, fl_dtype adt, char *base, fl_acts *a) {
     fl_dims d = fl_model_dims(c);
     size_t N = (size_t)B * T;
     int ln = c->arch == FL_ARCH_GPT2; /* LayerNorm keeps the mean too */
+    int a16 = !ckpt && adt != FL_F32;
+    size_t w[FL_N_SAVED];
+    saved_widths(&d, w);
     carver cv = {base, 0};
     for (int l = 0; l <= d.L; l++) {
         float *r = carve(&cv, N * d.C);
         if (a) a->res[l] = r;
     }
-    /* checkpointing: one layer buffer shared by all blocks */
-    for (int l = 0; l < (ckpt ? (d.L > 0 ? 1 : 0) : d.L); l++) {
-        fl_layer_acts la;
-        la.ln1 = carve(&cv, N * d.C);
-        la.ln1_mean = ln ? carve(&cv, N) : NULL;
-        la.ln1_rstd = carve(&cv, N);
-        la.qkv = carve(&cv, N * d.QKV);
-        la.att = carve(&cv, N * d.QD);
-        la.lse = carve(&cv, N * d.NH);
-        la.res_mid = carve(&cv, N * d.C);
-        la.ln2 = carve(&cv, N * d.C);
-        la.ln2_mean = ln ? carve(&cv, N) : NULL;
-        la.ln2_rstd = carve(&cv, N);
-        la.fc = carve(&cv, N * d.FCW);
-        la.act = carve(&cv, N * d.F);
-        if (a) {
-            if (ckpt) for (int k = 0; k < d.L; k++) a->layer[k] = la;
-            else a->layer[l] = la;
+    if (a16) {
+        /* the shared fp32 buffer of the wide activations; the per-layer part follows */
+        fl_layer_acts sh;
+        memset(&sh, 0, sizeof sh);
+        if (d.L > 0) {
+            sh.ln1 = carve(&cv, N * w[FL_SAVED_LN1]);
+            sh.qkv = carve(&cv, N * w[FL_SAVED_QKV]);
+            sh.att = carve(&cv, N * w[FL_SAVED_ATT]);
+            sh.res_mid = carve(&cv, N * w[FL_SAVED_RES_MID]);
+            sh.ln2 = carve(&cv, N * w[FL_SAVED_LN2]);
+            sh.fc = carve(&cv, N * w[FL_SAVED_FC]);
+            sh.act = carve(&cv, N * w[FL_SAVED_ACT]);
+        }
+        size_t es = fl_dtype_size(adt);
+        for (int l = 0; l < d.L; l++) {
+            fl_layer_acts la = sh;
+            la.ln1_mean = ln ? carve(&cv, N) : NULL;
+            la.ln1_rstd = carve(&cv, N);
+            la.lse = carve(&cv, N * d.NH);
+            la.ln2_mean = ln ? carve(&cv, N) : NULL;
+            la.ln2_rstd = carve(&cv, N);
+            for (int k = 0; k < FL_N_SAVED; k++) la.s16[k] = carve_bytes(&cv, N * w[k] * es);
+            if (a) a->layer[l] = la;
+        }
+    } else {
+        /* checkpointing: one layer buffer shared by all blocks */
+        for (int l = 0; l < (ckpt ? (d.L > 0 ? 1 : 0) : d.L); l++) {
+            fl_layer_acts la;
+            memset(&la, 0, sizeof la);
+            la.ln1 = carve(&cv, N * d.C);
+            la.ln1_mean = ln ? carve(&cv, N) : NULL;
+            la.ln1_rstd = carve(&cv, N);
+            la.qkv = carve(&cv, N * d.QKV);
+            la.att = carve(&cv, N * d.QD);
+            la.lse = carve(&cv, N * d.NH);
+            la.res_mid = carve(&cv, N * d.C);
+            la.ln2 = carve(&cv, N * d.C);
+            la.ln2_mean = ln ? carve(&cv, N) : NULL;
+            la.ln2_rstd = carve(&cv, N);
+            la.fc = carve(&cv, N * d.FCW);
+            la.act = carve(&cv, N * d.F);
+            if (a) {
+                if (ckpt) for (int k = 0; k < d.L; k++) a->layer[k] = la;
+                else a->layer[l] = la;
+            }
         }
     }
     float *lnf = carve(&cv, N * d.C);
     float *lnf_mean = ln ? carve(&cv, N) : NULL;
     float *lnf_rstd = carve(&cv, N);
-    if (a) { a->lnf = lnf; a->lnf_mean = lnf_mean; a->lnf_rstd = lnf_rstd; }
+    if (a) { a->lnf = lnf; a->lnf_mean = lnf_mean; a->lnf_rstd = lnf_rstd; a->act_dtype = a16 ? adt : FL_F32; }
     return cv.off;
 }
+
+static fl_status convert_saved(fl_model *m, int l, int N, int narrow) {
+    fl_acts *a = m->acts;
+    if (!a || a->act_dtype == FL_F32) return FL_OK;
+    fl_dims d = fl_model_dims(&m->cfg);
+    size_t w[FL_N_SAVED];
+    saved_widths(&d, w);
+    fl_layer_acts *la = &a->layer[l];
+    float *f[FL_N_SAVED] = {la->ln1, la->qkv, la->att, la->res_mid, la->ln2, la->fc, la->act};
+    const fl_backend *be = m->be;
+    for (int k = 0; k < FL_N_SAVED; k++) {
+        size_t n = (size_t)N * w[k];
+        if (narrow) FL_TRY(be->convert(be, la->s16[k], a->act_dtype, f[k], FL_F32, n));
+        else FL_TRY(be->convert(be, f[k], FL_F32, la->s16[k], a->act_dtype, n));
+    }
+    return FL_OK;
+}
+
+fl_status fl_acts_narrow(fl_model *m, int l, int N) { return convert_saved(m, l, N, 1); }
+fl_status fl_acts_widen(fl_model *m, int l, int N) { return convert_saved(m, l, N, 0); }
 
 static size_t imax(size_t a, size_t b) { return a > b ? a : b; }
 
@@ -96,17 +164,18 @@ void fl_sizing_acts(const fl_model_config *cfg_in, int B, int T, fl_act_sizes *o
 
 void fl_sizing_acts_ex(const fl_model_config *cfg_in, int B, int T, const fl_act_opts *opts, fl_act_sizes *out) {
     int ckpt = opts && opts->act_ckpt;
+    fl_dtype adt = opts ? opts->act_dtype : FL_F32;
     /* Fill the config's derived defaults (head_dim, kv heads) the same way the
      * model does, so planner and runtime size the same arena. */
     fl_model_config c = *cfg_in;
     memset(out, 0, sizeof *out);
     if (fl_config_validate(&c) != FL_OK || B <= 0 || T <= 0) return;
-    out->acts_bytes = carve_acts(&c, B, T, ckpt, NULL, NULL);
+    out->acts_bytes = carve_acts(&c, B, T, ckpt, adt, NULL, NULL);
     out->workspace_bytes = carve_work(&c, B, T, NULL, NULL);
     /* per layer: the difference between L and L-1 layers */
     fl_model_config c1 = c;
     c1.n_layers = c.n_layers - 1;
-    out->per_layer_acts_bytes = out->acts_bytes - carve_acts(&c1, B, T, ckpt, NULL, NULL);
+    out->per_layer_acts_bytes = out->acts_bytes - carve_acts(&c1, B, T, ckpt, adt, NULL, NULL);
     out->logits_chunk_rows = logits_chunk_rows(&c, B * T);
 }
 
@@ -116,7 +185,8 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
         return fl_errorf(FL_ERR_INVALID, "sequence length %d exceeds the model's max_position_embeddings %d", T,
                          m->cfg.max_seq);
     fl_model_free_acts(m);
-    fl_act_opts ao = {m->act_ckpt};
+    m->act_dtype = m->prec.name ? m->prec.act_dtype : FL_F32; /* zeroed policy = 32-true */
+    fl_act_opts ao = {m->act_ckpt, m->act_dtype};
     fl_sizing_acts_ex(&m->cfg, B, T, &ao, &m->sizes);
     fl_acts *a = calloc(1, sizeof *a);
     if (!a) return fl_errorf(FL_ERR_OOM, "activation views: out of host memory");
@@ -128,7 +198,7 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     fl_status s = fl_mem_alloc(m->pool, FL_TAG_ACTS, m->sizes.acts_bytes, (void **)&m->acts_arena);
     if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, m->sizes.workspace_bytes, (void **)&m->work_arena);
     if (s != FL_OK) { fl_model_free_acts(m); return fl_error_prefix(s, "allocating activations for B=%d T=%d", B, T); }
-    carve_acts(&m->cfg, B, T, m->act_ckpt, (char *)m->acts_arena, a);
+    carve_acts(&m->cfg, B, T, m->act_ckpt, m->act_dtype, (char *)m->acts_arena, a);
     carve_work(&m->cfg, B, T, (char *)m->work_arena, a);
     if (m->cfg.arch == FL_ARCH_LLAMA)
         fl_rope_table_init(a->rope_cos, a->rope_sin, T, m->cfg.head_dim, m->cfg.rope_theta, &m->cfg.rope_scaling);

@@ -19,10 +19,18 @@ typedef struct {
     float *ln2_rstd;   /* (N) */
     float *fc;         /* (N, FCW) pre-activation (SwiGLU: [gate | up]) */
     float *act;        /* (N, F) post-activation */
+    /* 16-bit activations (fl_act_opts.act_dtype != F32, no checkpointing): the wide views
+     * above then alias ONE shared fp32 layer buffer, and s16[k] holds this layer's copy of
+     * saved activation k (FL_SAVED_* order, fl_acts_saved) in act_dtype; else all NULL. */
+    uint16_t *s16[7];
 } fl_layer_acts;
+
+/* The (N, width) activations a block saves for backward, in s16 order. */
+enum { FL_SAVED_LN1, FL_SAVED_QKV, FL_SAVED_ATT, FL_SAVED_RES_MID, FL_SAVED_LN2, FL_SAVED_FC, FL_SAVED_ACT, FL_N_SAVED };
 
 struct fl_acts {
     int L;
+    fl_dtype act_dtype;     /* storage of the saved activations (F32: in place, no conversion) */
     float **res;            /* L+1 views (N, C): res[l] = input of block l; res[L] = final residual */
     fl_layer_acts *layer;   /* L */
     float *lnf;             /* (N, C) */
@@ -67,6 +75,11 @@ int fl_logits_chunk_rows(int vocab_size, int N);
 
 /* Release the activation arena and its views (safe when none). */
 void fl_model_free_acts(fl_model *m);
+/* 16-bit saved activations (no-ops when a->act_dtype is F32 or under checkpointing):
+ * round block l's saved activations (N rows) from the shared fp32 layer buffer into its
+ * 16-bit region after its forward / widen them back before its backward. */
+fl_status fl_acts_narrow(fl_model *m, int l, int N);
+fl_status fl_acts_widen(fl_model *m, int l, int N);
 
 /* One LoRA adapter attached to a linear (possibly to a row slice of a fused
  * output: q/k/v of the fused QKV, gate/up of the fused 2F projection). */

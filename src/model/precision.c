@@ -4,11 +4,11 @@
 #include "fitllm/precision.h"
 
 static const fl_precision k_policies[FL_PREC_COUNT] = {
-    {FL_PREC_32_TRUE, "32-true", FL_F32, FL_F32, 0, FL_F32, 0, 1, FL_F32},
-    {FL_PREC_BF16_MIXED, "bf16-mixed", FL_F32, FL_BF16, 1, FL_F32, 0, 1, FL_F32},
-    {FL_PREC_BF16_TRUE, "bf16-true", FL_BF16, FL_BF16, 0, FL_BF16, 0, 1, FL_BF16},
-    {FL_PREC_16_MIXED, "16-mixed", FL_F32, FL_F16, 1, FL_F32, 1, 1, FL_F32},
-    {FL_PREC_16_TRUE, "16-true", FL_F16, FL_F16, 0, FL_F16, 1, 1, FL_F32},
+    {FL_PREC_32_TRUE, "32-true", FL_F32, FL_F32, 0, FL_F32, 0, 1, FL_F32, FL_F32},
+    {FL_PREC_BF16_MIXED, "bf16-mixed", FL_F32, FL_BF16, 1, FL_F32, 0, 1, FL_F32, FL_BF16},
+    {FL_PREC_BF16_TRUE, "bf16-true", FL_BF16, FL_BF16, 0, FL_BF16, 0, 1, FL_BF16, FL_BF16},
+    {FL_PREC_16_MIXED, "16-mixed", FL_F32, FL_F16, 1, FL_F32, 1, 1, FL_F32, FL_F16},
+    {FL_PREC_16_TRUE, "16-true", FL_F16, FL_F16, 0, FL_F16, 1, 1, FL_F32, FL_F16},
 };
 
 const fl_precision *fl_precision_get(fl_precision_kind k) {

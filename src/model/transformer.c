@@ -1,7 +1,8 @@
 /* The decoder: explicit forward and backward of every block (llm.c style).
  * One implementation for LLaMA (RMSNorm, RoPE, SwiGLU, GQA) and GPT-2
  * (LayerNorm, learned positions, tanh-GELU, biases). Every op is a backend
- * call; activations live in the arena sized by fl_sizing_acts. */
+ * call; activations live in the arena sized by fl_sizing_acts (fp32, or the
+ * wide ones stored in 16 bits between forward and backward: fl_act_opts). */
 #include <string.h>
 
 #include "model-impl.h"
@@ -65,8 +66,14 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
     fl_embed_forward(m, &op, a->res[0], ids, B, T, 0);
 
     /* With activation checkpointing every block writes into the same single
-     * layer buffer (layer[l] all alias it) and only res[l] survives. */
-    for (int l = 0; l < d.L; l++) FL_TRY(block_forward(m, l, B, T, &a->layer[l]));
+     * layer buffer (layer[l] all alias it) and only res[l] survives. With 16-bit
+     * saved activations the blocks also share one fp32 buffer of the wide
+     * activations, and a training forward rounds each block's into its 16-bit
+     * region (the forward itself computes in fp32 either way: same loss). */
+    for (int l = 0; l < d.L; l++) {
+        FL_TRY(block_forward(m, l, B, T, &a->layer[l]));
+        if (grad_scale > 0) FL_TRY(fl_acts_narrow(m, l, N));
+    }
     fl_norm_forward(m, a->lnf, a->lnf_mean, a->lnf_rstd, a->res[d.L], op.lnf_w, op.lnf_b, N);
 
     /* Head + cross-entropy, chunked over rows: at most (rows, V) logits exist.
@@ -140,6 +147,8 @@ fl_status fl_model_backward(fl_model *m) {
         /* checkpointing: rebuild this block's activations from its saved input
          * (it also rewrites res[l+1] with identical values; backward no longer needs it) */
         if (m->act_ckpt) FL_TRY(block_forward(m, l, B, T, la));
+        /* 16-bit saved activations: widen this block's back into the shared fp32 buffer */
+        FL_TRY(fl_acts_widen(m, l, N));
         /* MLP branch: res[l+1] = res_mid + proj(act(fc(norm2(res_mid)))) */
         FL_TRY(fl_linear_backward(be, buf1, 0, dres, la->act, &bp.proj, N)); // d act (N, F)
         be->zero(be, buf2, (size_t)N * d.FCW * sizeof(float));

@@ -278,9 +278,11 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
         }
     }
     fl_act_sizes as; /* the activation arena: fl_model_alloc_acts */
-    fl_act_opts ao = {c->train.activation_checkpointing};
+    fl_act_opts ao = {c->train.activation_checkpointing, pr.act_dtype}; /* m->prec.act_dtype */
     fl_sizing_acts_ex(mc, B, x->T, &ao, &as);
-    snprintf(what, sizeof what, "activations (B=%d, T=%d%s)", B, x->T, ao.act_ckpt ? ", checkpointed" : "");
+    snprintf(what, sizeof what, "activations (B=%d, T=%d%s%s%s)", B, x->T, ao.act_ckpt ? ", checkpointed" : "",
+             !ao.act_ckpt && ao.act_dtype != FL_F32 ? ", saved in " : "",
+             !ao.act_ckpt && ao.act_dtype != FL_F32 ? fl_dtype_name(ao.act_dtype) : "");
     palloc(g, FL_TAG_ACTS, as.acts_bytes, what);
     snprintf(what, sizeof what, "workspace (B=%d, T=%d)", B, x->T);
     palloc(g, FL_TAG_WORKSPACE, as.workspace_bytes, what);
@@ -455,7 +457,7 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
                                                            : "still out of memory without optimizer state");
         }
     }
-    /* 3b. bf16-true: half the bytes of parameters, gradients and AdamW state */
+    /* 3b. bf16-true: half the bytes of parameters, gradients, AdamW state and saved activations */
     if (!strcmp(c->precision, "32-true") && (s = sugg(p, "bf16-true"))) {
         fl_run_config v = *c;
         snprintf(v.precision, sizeof v.precision, "bf16-true");
@@ -463,7 +465,7 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
         simulate(x, &v, oc, p->B, p->accum, 0, NULL, &peak);
         s->peak = peak;
         snprintf(s->change, sizeof s->change, "--precision bf16-true");
-        snprintf(s->note, sizeof s->note, "bf16 parameters, gradients and optimizer state (activations stay fp32)");
+        snprintf(s->note, sizeof s->note, "bf16 parameters, gradients, optimizer state and saved activations");
     }
     /* 4. activation checkpointing and 8-bit AdamW, planned like the rest */
     if (!c->train.activation_checkpointing && (s = sugg(p, "activation_checkpointing"))) {
