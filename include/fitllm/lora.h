@@ -117,7 +117,9 @@ fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t se
 void fl_model_lora_set_seed(fl_model *m, uint64_t seed);
 /* Training (dropout on) or evaluation (dropout off, as PEFT's eval mode). */
 void fl_model_lora_set_train(fl_model *m, int train);
-/* Merge every adapter into the base weights (W += scaling B A). */
+/* Merge every adapter into the base weights (W += scaling B A); 4-bit entries stay quantized
+ * and are read back merged (fl_model_read_param, saving). The model is then for saving only:
+ * fl_model_forward refuses (the attached adapters would be applied twice). */
 fl_status fl_model_lora_merge(fl_model *m);
 /* Bytes of adapter activations for (B, T) (ACTS) and scratch (WORKSPACE). Block modules keep
  * h (B*T, r) [and xd (B*T, in) with dropout]; lm_head keeps them for one logits chunk of rows. */

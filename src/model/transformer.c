@@ -49,6 +49,9 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
     const fl_backend *be = m->be;
     fl_acts *a = m->acts;
     if (!a) return fl_errorf(FL_ERR_INVALID, "fl_model_forward: activations not allocated (call fl_model_alloc_acts)");
+    if (m->lora && m->lora->merged) /* the adapters are in the weights now: running them again would double them */
+        return fl_errorf(FL_ERR_INVALID, "fl_model_forward: the LoRA adapters were merged into the weights "
+                                         "(fl_model_lora_merge); save the model and reload it to run it");
     if (B * T > m->B * m->T || T > m->T)
         return fl_errorf(FL_ERR_INVALID, "fl_model_forward: batch (%d,%d) exceeds the arena's (%d,%d)", B, T, m->B, m->T);
     if (grad_scale > 0 && (!targets || (!m->grads && !m->g16 && !m->lora)))
