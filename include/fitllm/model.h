@@ -117,6 +117,10 @@ typedef struct {
                    * stream res[0..L], the final norm's output and the small per-row
                    * statistics (norm mean/rstd, attention lse) stay fp32. Ignored with act_ckpt
                    * (only the fp32 residuals are saved there). */
+    int dw_bf16;  /* bf16 weight-gradient GEMMs (bf16 compute policies with trainable weights): a
+                   * WORKSPACE scratch of N x max(C, QD, F) bf16 holds the layer input rounded to
+                   * bf16, and dW = dy^T x runs bf16 x bf16 with fp32 accumulation into the fp32
+                   * gradient (as autocast / bf16-true do in PyTorch) */
 } fl_act_opts;
 void fl_sizing_acts_ex(const fl_model_config *cfg, int B, int T, const fl_act_opts *opts, fl_act_sizes *out);
 

@@ -63,12 +63,19 @@ void fl_linear_set_weight(const fl_model *m, fl_linear *lin, int wi) {
     lin->wc = m->wcompute ? (const void *)(m->wcompute + so) : NULL;
 }
 
+void fl_linear_set_dw_scratch(const fl_model *m, fl_linear *lin) {
+    int on = m->acts && m->acts->xb16 && lin->wc && lin->wct == FL_BF16;
+    lin->xb16 = on ? m->acts->xb16 : NULL;
+    lin->dyb16 = on ? m->acts->dyb16 : NULL;
+}
+
 static void set_linear(const fl_model *m, fl_linear *lin, int in, int out, const char *w, const char *b,
                        float **cur) {
     size_t ow = off_of(m, w), ob = b ? off_of(m, b) : (size_t)-1;
     lin->in = in;
     lin->out = out;
     fl_linear_set_weight(m, lin, idx_of(m, w));
+    fl_linear_set_dw_scratch(m, lin);
     lin->b = b ? P1(m, b, cur) : NULL;
     lin->dw = lin->n_q4 ? NULL : G(m, ow);
     lin->db = G(m, ob);

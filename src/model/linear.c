@@ -34,7 +34,12 @@ fl_status fl_linear_backward(const fl_backend *be, float *dx, int dx_accumulate,
     } else if (dx) /* dx (N,in) = dy (N,out) @ W (out,in) */
         FL_TRY(be->gemm(be, 0, 0, N, lin->in, lin->out, 1.0f, dy, FL_F32, lin->out, w, wt, lin->in,
                         dx_accumulate ? 1.0f : 0.0f, dx, FL_F32, lin->in));
-    if (lin->dw) /* dW (out,in) += dy^T (out,N) @ x (N,in) */
+    if (lin->dw && lin->xb16) { /* bf16 compute: dW += bf16(dy)^T @ bf16(x), fp32 accumulation */
+        FL_TRY(be->convert(be, lin->xb16, FL_BF16, x, FL_F32, (size_t)N * lin->in));
+        FL_TRY(be->convert(be, lin->dyb16, FL_BF16, dy, FL_F32, (size_t)N * lin->out));
+        FL_TRY(be->gemm(be, 1, 0, lin->out, lin->in, N, 1.0f, lin->dyb16, FL_BF16, lin->out, lin->xb16, FL_BF16,
+                        lin->in, 1.0f, lin->dw, FL_F32, lin->in));
+    } else if (lin->dw) /* dW (out,in) += dy^T (out,N) @ x (N,in) */
         FL_TRY(be->gemm(be, 1, 0, lin->out, lin->in, N, 1.0f, dy, FL_F32, lin->out, x, FL_F32, lin->in, 1.0f,
                         lin->dw, FL_F32, lin->in));
     if (lin->db) be->bias_backward(be, lin->db, dy, N, lin->out);

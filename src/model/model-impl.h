@@ -46,6 +46,8 @@ struct fl_acts {
     float *rope_cos;        /* (T, HD/2) */
     float *rope_sin;        /* (T, HD/2) */
     int rope_T;
+    void *xb16;             /* (N, max(C, QD, F)) bf16 layer input for bf16 dW GEMMs, or NULL */
+    void *dyb16;            /* (N, max(C, QKV, FCW)) or (chunk, V) bf16 output gradient for them */
 };
 
 /* Widths derived from the config. */
@@ -109,6 +111,7 @@ typedef struct {
     const fl_lora_slot *lora; /* adapters on this linear (n_lora), or NULL */
     int n_lora;
     float *lora_work; /* scratch for lora_backward */
+    void *xb16, *dyb16; /* bf16 scratch (N, in), (N, out): dW += bf16(dy)^T bf16(x), or NULL (fp32 dW) */
     uint64_t lora_seed;
 } fl_linear;
 
@@ -173,6 +176,8 @@ void fl_get_block(const fl_model *m, int l, fl_block_params *bp);
 /* Point lin at the stored weight of layout entry wi (fp32 w and its compute copy wc,
  * the 16-bit weight as wc, or the 4-bit parts q4); lin->out must be set. */
 void fl_linear_set_weight(const fl_model *m, fl_linear *lin, int wi);
+/* bf16 dW scratch for a linear whose weights the matmuls read in bf16 (fl_act_opts.dw_bf16). */
+void fl_linear_set_dw_scratch(const fl_model *m, fl_linear *lin);
 void fl_get_outer(const fl_model *m, fl_outer_params *o);
 /* Embedding lookup / backward for either storage (16-bit: rows widened one at a time;
  * gradients through gstage). out is (B, T, C); positions start at pos0. */

@@ -86,6 +86,7 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
     const int R = m->sizes.logits_chunk_rows;
     fl_linear head = {.in = d.C, .out = d.V, .w = op.head, .dw = op.dhead};
     fl_linear_set_weight(m, &head, op.head_idx);
+    fl_linear_set_dw_scratch(m, &head);
     float *dlnf = a->buf1; // (N, C)
     m->loss_sum = 0;
     m->n_valid = 0;

@@ -278,7 +278,8 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
         }
     }
     fl_act_sizes as; /* the activation arena: fl_model_alloc_acts */
-    fl_act_opts ao = {c->train.activation_checkpointing, pr.act_dtype}; /* m->prec.act_dtype */
+    /* m->prec.act_dtype; bf16 dW scratch when bf16 matmuls meet trainable weights */
+    fl_act_opts ao = {c->train.activation_checkpointing, pr.act_dtype, pr.compute_dtype == FL_BF16 && !lora};
     fl_sizing_acts_ex(mc, B, x->T, &ao, &as);
     snprintf(what, sizeof what, "activations (B=%d, T=%d%s%s%s)", B, x->T, ao.act_ckpt ? ", checkpointed" : "",
              !ao.act_ckpt && ao.act_dtype != FL_F32 ? ", saved in " : "",

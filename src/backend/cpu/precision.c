@@ -89,6 +89,7 @@ fl_status fl_cpu_adamw_update_ex(const fl_backend *be, void *p, fl_dtype tp, con
         widen(gf, g, tg, off, k);
         widen(mf, m, ts, off, k);
         widen(vf, v, ts, off, k);
+#pragma omp simd
         for (size_t i = 0; i < k; i++) {
             float gi = gf[i] * grad_scale;
             float pi = pf[i] * decay;
@@ -123,6 +124,7 @@ fl_status fl_cpu_sgd_update_ex(const fl_backend *be, void *p, fl_dtype tp, const
         widen(pf, p, tp, off, k);
         widen(gf, g, tg, off, k);
         if (use_mom) widen(bf, buf, ts, off, k);
+#pragma omp simd
         for (size_t i = 0; i < k; i++) {
             float d = gf[i] * grad_scale + weight_decay * pf[i];
             if (use_mom) {
@@ -153,6 +155,7 @@ fl_status fl_cpu_check_finite(const fl_backend *be, const void *x, fl_dtype t, s
         widen(xf, x, t, off, k);
         int b = 0;
         /* x*s - x*s is 0 for finite values and NaN for inf/NaN: branch-free and vectorizable. */
+#pragma omp simd reduction(| : b)
         for (size_t i = 0; i < k; i++) {
             float y = xf[i] * inv_scale;
             b |= (y - y) != 0.0f;
