@@ -1,6 +1,7 @@
 /* Test runner: runs every FL_TEST (or those whose name contains an argv
  * filter) and prints a summary line "N passed, N failed, N skipped". */
 #define _XOPEN_SOURCE 700
+#include <math.h>
 #include <ftw.h>
 #include <stdarg.h>
 #include <sys/stat.h>
@@ -134,4 +135,16 @@ int main(int argc, char **argv) {
     }
     printf("\n%d passed, %d failed, %d skipped\n", passed, failed, skipped);
     return failed ? 1 : 0;
+}
+
+double fl_test_scaled_err(const float *a, const float *ref, size_t n, size_t *worst) {
+    double md = 0, mr = 0;
+    size_t w = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - ref[i]);
+        if (d > md || isnan(d)) { md = isnan(d) ? INFINITY : d; w = i; }
+        if (fabs(ref[i]) > mr) mr = fabs(ref[i]);
+    }
+    if (worst) *worst = w;
+    return mr > 0 ? md / mr : md;
 }

@@ -20,6 +20,10 @@ int fl_test_failed(void);
 const char *fl_test_data_dir(void);
 /* Join data dir and a relative path into a static buffer (NULL if no data dir). */
 const char *fl_test_data_path(const char *rel);
+/* Tensor-scale relative error max|a - ref| / max|ref| (a NaN difference counts as infinite;
+ * the entry-wise relative error is meaningless for entries that are ~0 by cancellation).
+ * *worst (may be NULL) gets the index of the largest difference. */
+double fl_test_scaled_err(const float *a, const float *ref, size_t n, size_t *worst);
 /* A fresh temporary directory for this test (created). */
 const char *fl_test_tmpdir(void);
 

@@ -162,18 +162,7 @@ FL_TEST(f16_true_vs_mixed_gpt2) { vs_mixed("gpt2-micro", 0, FL_F16); }
 
 /* ---- (4) against PyTorch's bf16-true on the golden LLaMA ---- */
 
-/* Tensor-scale relative error max|a-b| / max|ref| (as in test_model.c). */
-static double scaled_err(const float *a, const float *ref, size_t n, size_t *worst) {
-    double md = 0, mr = 0;
-    size_t w = 0;
-    for (size_t i = 0; i < n; i++) {
-        double d = fabs((double)a[i] - ref[i]);
-        if (d > md || isnan(d)) { md = isnan(d) ? INFINITY : d; w = i; }
-        if (fabs(ref[i]) > mr) mr = fabs(ref[i]);
-    }
-    if (worst) *worst = w;
-    return mr > 0 ? md / mr : md;
-}
+#define scaled_err fl_test_scaled_err
 
 static const fl_st_tensor *find_ref(const fl_st_file *g, const char *prefix, const char *name) {
     char key[256];

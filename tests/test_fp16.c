@@ -16,12 +16,7 @@
 #include "fitllm/train.h"
 #include "test.h"
 
-static double scaled_err(const float *a, const float *ref, size_t n) {
-    double mx = 0, e = 0;
-    for (size_t i = 0; i < n; i++) mx = fmax(mx, fabs(ref[i]));
-    for (size_t i = 0; i < n; i++) e = fmax(e, fabs((double)a[i] - ref[i]));
-    return mx > 0 ? e / mx : e;
-}
+static double scaled_err(const float *a, const float *ref, size_t n) { return fl_test_scaled_err(a, ref, n, NULL); }
 
 FL_TEST(f16_mixed_vs_pytorch_autocast_golden_llama) {
     fl_backend be;

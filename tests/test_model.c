@@ -13,17 +13,7 @@
 /* Tensor-scale relative error: max|a-b| / max|ref|. Element-wise relative error
  * is meaningless for entries that are ~0 by cancellation; the scale of the
  * tensor is the meaningful denominator. */
-static double scaled_err(const float *a, const float *ref, size_t n, size_t *worst) {
-    double md = 0, mr = 0;
-    size_t w = 0;
-    for (size_t i = 0; i < n; i++) {
-        double d = fabs((double)a[i] - ref[i]);
-        if (d > md || isnan(d)) { md = isnan(d) ? INFINITY : d; w = i; }
-        if (fabs(ref[i]) > mr) mr = fabs(ref[i]);
-    }
-    if (worst) *worst = w;
-    return mr > 0 ? md / mr : md;
-}
+#define scaled_err fl_test_scaled_err
 
 /* Copy a reference tensor into our orientation (transposing GPT-2 Conv1D). */
 static void to_ours(float *dst, const fl_st_tensor *t, const fl_param_info *p) {

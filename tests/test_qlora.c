@@ -22,15 +22,7 @@
 #define QADAPTER "tests/fixtures/qlora-adapter"
 
 /* max |a - b| / max |b| (the logits compared at the scale of the tensor). */
-static double scaled_err(const float *a, const float *b, size_t n) {
-    double md = 0, mb = 0;
-    for (size_t i = 0; i < n; i++) {
-        double d = fabs((double)a[i] - b[i]);
-        md = (isnan(d) || d > md) ? (isnan(d) ? INFINITY : d) : md;
-        mb = fmax(mb, fabs((double)b[i]));
-    }
-    return md / (mb > 0 ? mb : 1);
-}
+static double scaled_err(const float *a, const float *b, size_t n) { return fl_test_scaled_err(a, b, n, NULL); }
 
 /* Attach the PEFT adapter folder to m unmerged: fl_model_lora_init with the adapter's config,
  * then its A/B copied into the model's adapter slots (matched by layout entry). */
