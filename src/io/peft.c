@@ -173,6 +173,18 @@ done:
     return st;
 }
 
+/* A copy of tensor t as n fp32 values (malloc'd into *out). */
+static fl_status read_f32(const char *path, const char *nm, const fl_st_tensor *t, size_t n, float **out) {
+    float *buf = malloc(n * sizeof(float));
+    if (!buf) return fl_errorf(FL_ERR_OOM, "%s: tensor '%s'", path, nm);
+    if (fl_convert(buf, FL_F32, t->data, t->dtype, n) != 0) {
+        free(buf);
+        return fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s': cannot convert", path, nm);
+    }
+    *out = buf;
+    return FL_OK;
+}
+
 fl_status fl_peft_load(const char *dir, fl_peft_adapter *a) {
     if (!dir || !a) return fl_errorf(FL_ERR_INVALID, "fl_peft_load: NULL argument");
     memset(a, 0, sizeof *a);
@@ -240,13 +252,8 @@ fl_status fl_peft_load(const char *dir, fl_peft_adapter *a) {
                                (long long)d1);
                 break;
             }
-            float *buf = malloc((size_t)(d0 * d1) * sizeof(float));
-            if (!buf) { st = fl_errorf(FL_ERR_OOM, "%s: tensor '%s'", path, nm); break; }
-            if (fl_convert(buf, FL_F32, t->data, t->dtype, (size_t)(d0 * d1)) != 0) {
-                free(buf);
-                st = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s': cannot convert", path, nm);
-                break;
-            }
+            float *buf;
+            if ((st = read_f32(path, nm, t, (size_t)(d0 * d1), &buf)) != FL_OK) break;
             m->W = buf;
             m->w_out = (int)d0;
             m->w_in = (int)d1;
@@ -266,13 +273,8 @@ fl_status fl_peft_load(const char *dir, fl_peft_adapter *a) {
             st = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s': duplicate", path, nm);
             break;
         }
-        float *buf = malloc((size_t)(d0 * d1) * sizeof(float));
-        if (!buf) { st = fl_errorf(FL_ERR_OOM, "%s: tensor '%s'", path, nm); break; }
-        if (fl_convert(buf, FL_F32, t->data, t->dtype, (size_t)(d0 * d1)) != 0) {
-            free(buf);
-            st = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s': cannot convert", path, nm);
-            break;
-        }
+        float *buf;
+        if ((st = read_f32(path, nm, t, (size_t)(d0 * d1), &buf)) != FL_OK) break;
         if (isB) { m->B = buf; m->out = (int)d0; }
         else { m->A = buf; m->in = (int)d1; }
     }
