@@ -65,7 +65,7 @@ static void vs_mixed(const char *preset, int untie, fl_dtype dt) {
 
     /* B: bf16 storage with the same values */
     fl_model b;
-    fl_model_storage st = {dt};
+    fl_model_storage st = {.param_dtype = dt};
     size_t p0 = pool.cur[FL_TAG_PARAMS], w0 = pool.cur[FL_TAG_WORKSPACE], g0 = pool.cur[FL_TAG_GRADS];
     FL_REQUIRE_OK(fl_model_init_ex(&b, &c, &be, &pool, &st));
     FL_CHECK(b.params == NULL && b.p16 != NULL);
@@ -236,7 +236,7 @@ FL_TEST(bf16_true_vs_pytorch_golden_llama) {
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;
-    fl_model_storage st = {FL_BF16};
+    fl_model_storage st = {.param_dtype = FL_BF16};
     FL_REQUIRE_OK(fl_hf_load_model_ex(&m, "tests/fixtures/golden-llama", &be, &pool, &st));
     FL_REQUIRE(m.p16 != NULL && m.params == NULL);
     FL_REQUIRE_OK(fl_model_set_precision(&m, fl_precision_get(FL_PREC_BF16_TRUE)));

@@ -78,7 +78,7 @@ FL_TEST(f16_true_loss_scaling_skips_and_backs_off) {
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;
-    fl_model_storage st = {FL_F16};
+    fl_model_storage st = {.param_dtype = FL_F16};
     FL_REQUIRE_OK(fl_model_init_ex(&m, &c, &be, &pool, &st));
     fl_model_init_random(&m, 3);
     FL_REQUIRE_OK(fl_model_set_precision(&m, fl_precision_get(FL_PREC_16_TRUE)));
