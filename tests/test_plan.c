@@ -36,7 +36,7 @@ static void tiny_cfg(fl_run_config *c, const char *preset, const char *out, int 
     c->overwrite = 1;
 }
 
-static int stop_now(void *ud, long step, double loss, const float *p, size_t n) {
+static int stop_now(void *ud, long step, double loss, const void *p, size_t n) {
     (void)ud; (void)step; (void)loss; (void)p; (void)n;
     return 1; /* after step 1 (and its evaluation): no final checkpoint */
 }

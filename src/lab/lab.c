@@ -148,7 +148,7 @@ typedef struct {
     double last_loss;
 } step_log;
 
-static int on_step(void *ud, long step, double loss, const float *p, size_t n) {
+static int on_step(void *ud, long step, double loss, const void *p, size_t n) {
     (void)p; (void)n;
     step_log *l = ud;
     if (step - 1 < 256) l->t[step - 1] = now_s();
