@@ -252,7 +252,7 @@ fl_status fl_peft_load(const char *dir, fl_peft_adapter *a) {
                                (long long)d1);
                 break;
             }
-            float *buf;
+            float *buf = NULL;
             if ((st = read_f32(path, nm, t, (size_t)(d0 * d1), &buf)) != FL_OK) break;
             m->W = buf;
             m->w_out = (int)d0;
@@ -273,7 +273,7 @@ fl_status fl_peft_load(const char *dir, fl_peft_adapter *a) {
             st = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s': duplicate", path, nm);
             break;
         }
-        float *buf;
+        float *buf = NULL;
         if ((st = read_f32(path, nm, t, (size_t)(d0 * d1), &buf)) != FL_OK) break;
         if (isB) { m->B = buf; m->out = (int)d0; }
         else { m->A = buf; m->in = (int)d1; }
