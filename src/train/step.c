@@ -57,7 +57,7 @@ fl_status fl_train_step(fl_model *m, fl_optimizer *o, const int32_t *ids, const 
     fl_model_zero_grads(m);
     for (int k = 0; k < n_micro; k++) {
         fl_micro_batch b = {ids + k * mb, targets + k * mb, B, T};
-        double ls;
+        double ls = 0;
         long nv;
         FL_TRY(fl_train_micro(m, o, &b, k, k == n_micro - 1, total, lr, max_norm, &ls, &nv, &r));
         loss_sum += ls;
