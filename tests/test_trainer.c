@@ -229,6 +229,29 @@ static void lora_run(fl_run_config *c) {
     c->lora.mlp = 1;
 }
 
+/* A 25-step LoRA run at lr 1e-2 (no checkpoints): the loss must drop by 0.3. */
+static void lora_train(fl_run_config *c, const char *what, rec *r, fl_trainer_result *res) {
+    c->optimizer.lr = 1e-2f;
+    c->train.max_steps = 25;
+    c->train.save_interval = 0;
+    FL_REQUIRE_OK(fl_trainer_run(c, NULL, 0, record, r, res));
+    double first = (r->loss[0] + r->loss[1]) / 2, last = (r->loss[23] + r->loss[24]) / 2;
+    FL_CHECKF(last < first - 0.3, "%s loss %.3f -> %.3f", what, first, last);
+    printf("      %s: loss %.3f -> %.3f\n", what, first, last);
+}
+
+/* Analytic adapter elements of lora_run's targets (q, v and the MLP of every layer, r (in + out)
+ * each), plus the head's r (C + V) when it is adapted; GRADS and OPTIM must hold exactly these. */
+static size_t check_adapter_bytes(const fl_model_config *mc, const fl_run_config *c, const fl_trainer_result *res) {
+    size_t C = mc->dim, KVD = (size_t)mc->n_kv_heads * mc->head_dim, QD = (size_t)mc->n_heads * mc->head_dim;
+    size_t F = mc->ffn_dim, rr = c->lora.r;
+    size_t per = rr * (C + QD) + rr * (C + KVD) + 2 * rr * (C + F) + rr * (F + C);
+    size_t n = per * mc->n_layers + (c->lora.head ? rr * (C + (size_t)mc->vocab_size) : 0);
+    FL_CHECKF(res->peak[FL_TAG_GRADS] == n * 4, "GRADS %zu, adapters %zu x 4", res->peak[FL_TAG_GRADS], n);
+    FL_CHECKF(res->peak[FL_TAG_OPTIM] == n * 8, "OPTIM %zu, adapters %zu x 8", res->peak[FL_TAG_OPTIM], n);
+    return n;
+}
+
 static void resume_case_ex(const char *optimizer, const char *state_dtype, const char *precision, int act_ckpt) {
     fl_run_config c;
     char out[512];
@@ -467,23 +490,13 @@ FL_TEST(trainer_lora_trains_adapters_only) {
     small_run(&c, out);
     lora_run(&c);
     snprintf(c.checkpoint_dir, sizeof c.checkpoint_dir, "%s", fl_test_data_path("stories260K-hf"));
-    c.optimizer.lr = 1e-2f;
-    c.train.max_steps = 25;
-    c.train.save_interval = 0;
     rec r = {0};
     fl_trainer_result res;
-    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, record, &r, &res));
-    double first = (r.loss[0] + r.loss[1]) / 2, last = (r.loss[23] + r.loss[24]) / 2;
-    FL_CHECKF(last < first - 0.3, "LoRA loss %.3f -> %.3f", first, last);
-    /* analytic adapter count: q, v and the MLP of every layer, r (in + out) each */
+    lora_train(&c, "LoRA q,v,mlp stories260K-hf", &r, &res);
     fl_model_config mc;
     FL_REQUIRE_OK(fl_hf_load_config(fl_test_data_path("stories260K-hf/config.json"), &mc));
     FL_REQUIRE_OK(fl_config_validate(&mc));
-    size_t C = mc.dim, KVD = (size_t)mc.n_kv_heads * mc.head_dim, F = mc.ffn_dim, rr = c.lora.r;
-    size_t per = rr * (C + C) + rr * (C + KVD) + 2 * rr * (C + F) + rr * (F + C);
-    size_t n = per * mc.n_layers;
-    FL_CHECKF(res.peak[FL_TAG_GRADS] == n * 4, "GRADS %zu, adapters %zu x 4", res.peak[FL_TAG_GRADS], n);
-    FL_CHECKF(res.peak[FL_TAG_OPTIM] == n * 8, "OPTIM %zu, adapters %zu x 8", res.peak[FL_TAG_OPTIM], n);
+    check_adapter_bytes(&mc, &c, &res);
     /* the PEFT adapter merged into the base equals final/ */
     fl_backend be;
     FL_REQUIRE_OK(fl_cpu_backend_init(&be, 1));
@@ -552,26 +565,17 @@ FL_TEST(trainer_lora_head_trains_adapters_only) {
     c.lora.head = 1;
     snprintf(c.checkpoint_dir, sizeof c.checkpoint_dir, "%s", base);
     snprintf(c.tokenizer_dir, sizeof c.tokenizer_dir, "%s", fl_test_data_path("stories260K-hf"));
-    c.optimizer.lr = 1e-2f;
-    c.train.max_steps = 25;
-    c.train.save_interval = 0;
     rec r = {0};
     fl_trainer_result res;
-    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, record, &r, &res));
-    double first = (r.loss[0] + r.loss[1]) / 2, last = (r.loss[23] + r.loss[24]) / 2;
-    FL_CHECKF(last < first - 0.3, "LoRA (lora_head) loss %.3f -> %.3f", first, last);
-    printf("      LoRA q,v,mlp,head on untied stories260K: loss %.3f -> %.3f\n", first, last);
+    lora_train(&c, "LoRA q,v,mlp,head on untied stories260K", &r, &res);
     fl_model_config mc;
     char cp[600];
     snprintf(cp, sizeof cp, "%s/config.json", base);
     FL_REQUIRE_OK(fl_hf_load_config(cp, &mc));
     FL_REQUIRE_OK(fl_config_validate(&mc));
     FL_REQUIRE(!mc.tie_embeddings);
-    size_t C = mc.dim, KVD = (size_t)mc.n_kv_heads * mc.head_dim, F = mc.ffn_dim, V = mc.vocab_size, rr = c.lora.r;
-    size_t per = rr * (C + C) + rr * (C + KVD) + 2 * rr * (C + F) + rr * (F + C);
-    size_t n = per * mc.n_layers + rr * (C + V); /* + lm_head's A (r, C) and B (V, r) */
-    FL_CHECKF(res.peak[FL_TAG_GRADS] == n * 4, "GRADS %zu, adapters %zu x 4", res.peak[FL_TAG_GRADS], n);
-    FL_CHECKF(res.peak[FL_TAG_OPTIM] == n * 8, "OPTIM %zu, adapters %zu x 8", res.peak[FL_TAG_OPTIM], n);
+    check_adapter_bytes(&mc, &c, &res); /* includes lm_head's A (r, C) and B (V, r) */
+    const size_t C = mc.dim, V = mc.vocab_size, rr = c.lora.r;
     fl_backend be;
     FL_REQUIRE_OK(fl_cpu_backend_init(&be, 1));
     fl_mem_pool pool;
@@ -632,24 +636,15 @@ FL_TEST(trainer_qlora_trains_adapters_on_4bit_base) {
     lora_run(&c);
     snprintf(c.checkpoint_dir, sizeof c.checkpoint_dir, "%s", fl_test_data_path("stories260K-hf"));
     FL_REQUIRE_OK(fl_cfg_set(&c, "quantize", "bnb.nf4-dq"));
-    c.optimizer.lr = 1e-2f;
-    c.train.max_steps = 25;
-    c.train.save_interval = 0;
     rec r = {0};
     fl_trainer_result res;
-    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, record, &r, &res));
-    double first = (r.loss[0] + r.loss[1]) / 2, last = (r.loss[23] + r.loss[24]) / 2;
-    FL_CHECKF(last < first - 0.3, "QLoRA loss %.3f -> %.3f", first, last);
-    printf("      QLoRA nf4-dq stories260K-hf: loss %.3f -> %.3f\n", first, last);
+    lora_train(&c, "QLoRA nf4-dq stories260K-hf", &r, &res);
     fl_model_config mc;
     FL_REQUIRE_OK(fl_hf_load_config(fl_test_data_path("stories260K-hf/config.json"), &mc));
     FL_REQUIRE_OK(fl_config_validate(&mc));
     size_t C = mc.dim, KVD = (size_t)mc.n_kv_heads * mc.head_dim, QD = (size_t)mc.n_heads * mc.head_dim;
-    size_t F = mc.ffn_dim, rr = c.lora.r, L = mc.n_layers;
-    size_t per = rr * (C + QD) + rr * (C + KVD) + 2 * rr * (C + F) + rr * (F + C);
-    size_t n = per * L;
-    FL_CHECKF(res.peak[FL_TAG_GRADS] == n * 4, "GRADS %zu, adapters %zu x 4", res.peak[FL_TAG_GRADS], n);
-    FL_CHECKF(res.peak[FL_TAG_OPTIM] == n * 8, "OPTIM %zu, adapters %zu x 8", res.peak[FL_TAG_OPTIM], n);
+    size_t F = mc.ffn_dim, L = mc.n_layers;
+    size_t n = check_adapter_bytes(&mc, &c, &res);
     /* PARAMS: every block linear in 4 bits (written out from the bitsandbytes layout), the rest fp32 */
     size_t lin[7] = {QD * C, KVD * C, KVD * C, C * QD, F * C, F * C, C * F}, q4 = 0, nq = 0;
     for (int k = 0; k < 7; k++) {

@@ -47,6 +47,9 @@ typedef int (*fl_step_hook)(void *ud, long step, double loss, const void *params
 /* The LoRA configuration of a finetune_lora run (LitGPT's lora_* switches or a
  * PEFT target list), shared with the planner. */
 fl_status fl_trainer_lora_config(const fl_run_config *c, const fl_model_config *mc, fl_lora_config *lc);
+/* The parameter storage of a run (shared with the planner): the precision policy's dtype,
+ * plus the 4-bit base of QLoRA (finetune_lora with quantize set). */
+fl_status fl_trainer_storage(const fl_run_config *c, const fl_precision *p, fl_model_storage *st);
 
 fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, fl_step_hook hook, void *hook_ud,
                          fl_trainer_result *res);

@@ -8,10 +8,9 @@
 #include "model-impl.h"
 
 static int idx_of(const fl_model *m, const char *name) { return fl_layout_find(&m->layout, name); }
-static size_t off_of(const fl_model *m, const char *name) {
-    int i = idx_of(m, name);
-    return i < 0 ? (size_t)-1 : m->layout.params[i].offset;
-}
+/* Layout (gradient) offset of entry i, or -1. */
+static size_t loff(const fl_model *m, int i) { return i < 0 ? (size_t)-1 : m->layout.params[i].offset; }
+static size_t off_of(const fl_model *m, const char *name) { return loff(m, idx_of(m, name)); }
 
 /* fp32 view of a 1-D parameter: in place (fp32 storage) or widened into the
  * next free slot of pstage (16-bit storage; *cur is the slot cursor). */
@@ -162,11 +161,9 @@ void fl_get_outer(const fl_model *m, fl_outer_params *o) {
     float *cur0 = m->pstage, **cur = &cur0;
     int iwte = idx_of(m, gpt2 ? "transformer.wte.weight" : "model.embed_tokens.weight");
     int iwpe = gpt2 ? idx_of(m, "transformer.wpe.weight") : -1;
-    size_t wte = off_of(m, gpt2 ? "transformer.wte.weight" : "model.embed_tokens.weight");
-    size_t wpe = gpt2 ? off_of(m, "transformer.wpe.weight") : (size_t)-1;
-    const char *lw = gpt2 ? "transformer.ln_f.weight" : "model.norm.weight";
     int ihd = m->cfg.tie_embeddings ? iwte : idx_of(m, "lm_head.weight");
-    size_t hd = m->cfg.tie_embeddings ? wte : off_of(m, "lm_head.weight");
+    size_t wte = loff(m, iwte), wpe = loff(m, iwpe), hd = loff(m, ihd);
+    const char *lw = gpt2 ? "transformer.ln_f.weight" : "model.norm.weight";
     /* embeddings: fp32 pointers only with fp32 storage (else fl_embed_* read the 16-bit rows) */
     o->wte_off = fl_model_store_off(m, iwte);
     o->wpe_off = iwpe >= 0 ? fl_model_store_off(m, iwpe) : (size_t)-1;

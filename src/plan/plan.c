@@ -215,21 +215,14 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     /* model load: fl_model_init_ex (storage of the policy), then fl_model_set_precision (mixed: the compute copy) */
     fl_mem_set_phase(&g->pool, "model load");
     fl_model_storage stg;
-    fl_model_storage_for(&pr, &stg);
-    fl_q4_type qt;
-    int dq;
-    if (c->command == FL_CMD_FINETUNE_LORA && c->lora.quantize[0] && fl_q4_parse_mode(c->lora.quantize, &qt, &dq) == FL_OK) {
-        stg.quant4 = 1; /* QLoRA: the blocks' linear weights in 4 bits */
-        stg.q4_type = qt;
-        stg.q4_double_quant = dq;
-    }
+    if (fl_trainer_storage(c, &pr, &stg) != FL_OK) fl_model_storage_for(&pr, &stg); /* validated earlier */
     const size_t es = fl_dtype_size(stg.param_dtype);
     size_t dense, q4b;
     fl_sizing_param_split(mc, &stg, &dense, &q4b);
     snprintf(what, sizeof what, "parameters (%s%s)", fl_dtype_name(stg.param_dtype), q4b ? ", not quantized" : "");
     palloc(g, FL_TAG_PARAMS, dense * es, what);
     if (q4b) {
-        snprintf(what, sizeof what, "4-bit linear weights (%s)", fl_q4_mode_name(qt, dq));
+        snprintf(what, sizeof what, "4-bit linear weights (%s)", fl_q4_mode_name((fl_q4_type)stg.q4_type, stg.q4_double_quant));
         palloc(g, FL_TAG_PARAMS, q4b, what);
     }
     if (es != 4) palloc(g, FL_TAG_WORKSPACE, fl_sizing_pstage_elems(mc) * sizeof(float), "fp32 views of 1-D parameters");

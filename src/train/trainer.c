@@ -390,6 +390,16 @@ static fl_status resume_if_asked(trainer *t, int *resumed) {
     return FL_OK;
 }
 
+fl_status fl_trainer_storage(const fl_run_config *c, const fl_precision *p, fl_model_storage *st) {
+    fl_model_storage_for(p, st);
+    if (c->command != FL_CMD_FINETUNE_LORA || !c->lora.quantize[0]) return FL_OK;
+    fl_q4_type qt;
+    FL_TRY(fl_q4_parse_mode(c->lora.quantize, &qt, &st->q4_double_quant));
+    st->quant4 = 1; /* QLoRA: the blocks' linear weights in 4 bits */
+    st->q4_type = qt;
+    return FL_OK;
+}
+
 fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, fl_step_hook hook, void *hook_ud,
                          fl_trainer_result *res) {
     trainer t;
@@ -407,15 +417,7 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
     if ((s = fl_precision_find(cfg->precision, &prec)) != FL_OK) return s;
     if (!prec.available)
         return fl_errorf(FL_ERR_UNSUPPORTED, "precision '%s' is not available yet in this build", cfg->precision);
-    fl_model_storage_for(&prec, &t.stg);
-    if (cfg->command == FL_CMD_FINETUNE_LORA && cfg->lora.quantize[0]) { /* QLoRA: 4-bit base linears */
-        fl_q4_type qt;
-        int dq;
-        if ((s = fl_q4_parse_mode(cfg->lora.quantize, &qt, &dq)) != FL_OK) return s;
-        t.stg.quant4 = 1;
-        t.stg.q4_type = qt;
-        t.stg.q4_double_quant = dq;
-    }
+    if ((s = fl_trainer_storage(cfg, &prec, &t.stg)) != FL_OK) return s;
     if (!strcmp(cfg->resume, "false") && !cfg->overwrite && dir_has_run(cfg->out_dir))
         return fl_errorf(FL_ERR_INVALID,
                          "out_dir '%s' holds another run (checkpoints or logs); use --resume auto to continue it "
