@@ -27,6 +27,18 @@ static void to_ours(float *dst, const fl_st_tensor *t, const fl_param_info *p) {
     }
 }
 
+/* The same for a float64 reference tensor. */
+static void to_ours64(double *dst, const fl_st_tensor *t, const fl_param_info *p) {
+    const char *src = t->data; /* 8-byte alignment not guaranteed in the file: copy bytes */
+    if (p->transposed_on_disk) {
+        int64_t R = p->shape[0], Cc = p->shape[1];
+        for (int64_t i = 0; i < R; i++)
+            for (int64_t j = 0; j < Cc; j++) memcpy(&dst[i * Cc + j], src + (size_t)(j * R + i) * 8, 8);
+    } else {
+        memcpy(dst, src, p->numel * sizeof(double));
+    }
+}
+
 static const fl_st_tensor *find_ref(const fl_st_file *g, const char *prefix, const char *name) {
     char key[256];
     snprintf(key, sizeof key, "%s%s", prefix, name);
@@ -109,53 +121,81 @@ static void golden(const char *dir) {
         double rl = ((const float *)l5->data)[k];
         FL_CHECKF(fabs(r.loss - rl) <= 1e-5 * fabs(rl), "%s: step %d loss %.8f vs %.8f", dir, k + 1, r.loss, rl);
     }
-    /* Adam divides each element's update by its own gradient scale, so an element
-     * whose gradient is at float-noise level (e.g. GPT-2's k bias, whose exact
-     * gradient is 0) moves by +-lr on noise in BOTH implementations, and elements
-     * whose gradient is tiny relative to the tensor amplify rounding differences
-     * (torch's own float32 run differs from its float64 run there: see
-     * tests/ref/README.md). Elements with 0 < |grad| < 1e-4 x the tensor's max are
-     * excluded from the 1e-5 check (counted, must be under 2%) and only held to
-     * Adam's bound |delta| <= steps * lr; exact zeros (unused embedding rows) are
-     * checked like the rest. */
-    double worst_p = 0, tau = 1e-4;
+    /* Anchor: the same 5 steps run in float64 by the fixture script (after5_f64.*). Two
+     * float32 implementations round differently; which one lands nearer the exact result is
+     * chance, so neither is the truth: each is measured against float64, and ours must stay
+     * within 2x PyTorch fp32's own worst distance over the model (E_torch, the noise floor of
+     * float32 AdamW in this regime; tests/ref/README.md has the figures). Scaled per tensor
+     * by max|p_f64|, as elsewhere.
+     * Adam divides each element's update by its own gradient scale, so an element whose
+     * gradient is at float-noise level (e.g. GPT-2's k bias, whose exact gradient is 0) moves
+     * by +-lr on noise in every precision, float64 included. Elements with
+     * 0 < |grad| < 1e-4 x the tensor's max are excluded from the bound (counted, must be
+     * under 2%) and only held to Adam's bound |delta| <= steps * lr; exact zeros (unused
+     * embedding rows) are checked like the rest. */
+    double tau = 1e-4, e_torch = 0, worst_p = 0;
     size_t excluded = 0, total = 0;
+    double *pe_ours = calloc((size_t)m.layout.n, sizeof(double));
+    double *ref64 = malloc(m.layout.numel * sizeof(double));
+    FL_REQUIRE(pe_ours && ref64);
+    size_t *wk_at = calloc((size_t)m.layout.n, sizeof(size_t));
+    FL_REQUIRE(wk_at);
     for (int i = 0; i < m.layout.n; i++) {
         const fl_param_info *p = &m.layout.params[i];
         const fl_st_tensor *t = find_ref(&g, "after5.", p->name), *tg1 = find_ref(&g, "grad.", p->name);
-        FL_CHECKF(t != NULL && tg1 != NULL, "%s: reference has no after5/grad for %s", dir, p->name);
-        if (!t || !tg1) continue;
+        const fl_st_tensor *t64 = find_ref(&g, "after5_f64.", p->name);
+        FL_CHECKF(t && tg1 && t64 && t64->dtype == FL_F64 && (size_t)(t64->end - t64->begin) == p->numel * 8,
+                  "%s: reference has no after5/after5_f64 (F64)/grad for %s (rerun tests/ref/make_golden.py)", dir,
+                  p->name);
+        if (!t || !tg1 || !t64 || t64->dtype != FL_F64) continue;
         float *g1 = malloc(p->numel * sizeof(float));
-        to_ours(tmp, tg1, p);
-        memcpy(g1, tmp, p->numel * sizeof(float));
-        to_ours(tmp, t, p);
-        double gmax = 0, pmax = 0, dmax = 0;
+        float *p32 = malloc(p->numel * sizeof(float));
+        FL_REQUIRE(g1 && p32);
+        to_ours(g1, tg1, p);
+        to_ours(p32, t, p);
+        to_ours64(ref64, t64, p);
+        double gmax = 0, pmax = 0, d_ours = 0, d_torch = 0;
         for (size_t k = 0; k < p->numel; k++) {
             if (fabs(g1[k]) > gmax) gmax = fabs(g1[k]);
-            if (fabs(tmp[k]) > pmax) pmax = fabs(tmp[k]);
+            if (fabs(ref64[k]) > pmax) pmax = fabs(ref64[k]);
         }
-        size_t wk = 0;
         /* GPT-2's key bias (c_attn.bias[C:2C]) has an exact gradient of 0: pure noise. */
         int kbias = m.cfg.arch == FL_ARCH_GPT2 && strstr(p->name, "c_attn.bias") != NULL;
         for (size_t k = 0; k < p->numel; k++) {
-            double d = fabs((double)m.params[p->offset + k] - tmp[k]);
+            double d = fabs((double)m.params[p->offset + k] - ref64[k]);
             total++;
             int noise = kbias && k >= (size_t)m.cfg.dim && k < 2 * (size_t)m.cfg.dim;
             if (noise || (g1[k] != 0.0f && fabs(g1[k]) < tau * gmax)) {
                 excluded++;
                 FL_CHECKF(d <= 5 * oc.lr * 1.01, "%s: %s[%zu] moved beyond Adam's bound", dir, p->name, k);
-            } else if (d > dmax) { dmax = d; wk = k; }
+                continue;
+            }
+            if (d > d_ours) { d_ours = d; wk_at[i] = k; }
+            double dt = fabs((double)p32[k] - ref64[k]);
+            if (dt > d_torch) d_torch = dt;
         }
-        double pe = pmax > 0 ? dmax / pmax : dmax;
-        if (pe > worst_p) worst_p = pe;
-        FL_CHECKF(pe <= 1e-5, "%s: %s after 5 AdamW steps: error %.3g at %zu (ours %.9g, ref %.9g, grad %.3g of max)",
-                  dir, p->name, pe, wk, m.params[p->offset + wk], tmp[wk], gmax > 0 ? fabs(g1[wk]) / gmax : 0);
+        double sc = pmax > 0 ? pmax : 1;
+        pe_ours[i] = d_ours / sc;
+        if (d_torch / sc > e_torch) e_torch = d_torch / sc;
+        if (pe_ours[i] > worst_p) worst_p = pe_ours[i];
         free(g1);
+        free(p32);
+    }
+    FL_CHECKF(e_torch > 0, "%s: PyTorch fp32 is bit-identical to float64 after 5 steps (fixture broken?)", dir);
+    for (int i = 0; i < m.layout.n; i++) {
+        const fl_param_info *p = &m.layout.params[i];
+        FL_CHECKF(pe_ours[i] <= 2 * e_torch,
+                  "%s: %s after 5 AdamW steps: distance to float64 %.3g at %zu, over 2x PyTorch fp32's own %.3g", dir,
+                  p->name, pe_ours[i], wk_at[i], e_torch);
     }
     FL_CHECKF(excluded * 50 <= total, "%s: %zu of %zu elements have near-zero gradients (over 2%%)", dir, excluded, total);
     printf("      %s: %zu of %zu elements (%.2f%%) with |grad| < %.0e x tensor max held to Adam's bound only\n", dir,
            excluded, total, 100.0 * excluded / total, tau);
-    printf("      %s: worst parameter error after 5 AdamW steps %.2g\n", dir, worst_p);
+    printf("      %s: after 5 AdamW steps, distance to float64: ours %.3g, PyTorch fp32 %.3g (bar 2x = %.3g)\n", dir,
+           worst_p, e_torch, 2 * e_torch);
+    free(pe_ours);
+    free(wk_at);
+    free(ref64);
     fl_optim_free(&o);
     free(tmp);
     free(logits);
