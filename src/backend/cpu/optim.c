@@ -34,7 +34,10 @@ void fl_cpu_sgd_update(const fl_backend *be, float *p /*(n)*/, const float *g /*
     /* torch.optim.SGD: d = g + wd p; buf = first ? d : mom buf + (1-damp) d;
      * d = nesterov ? d + mom buf : buf; p -= lr d. */
     int use_mom = momentum != 0.0f && buf != NULL;
-#pragma omp parallel for simd num_threads(be->n_threads) schedule(static) if (n >= FL_CPU_PAR_MIN)
+    /* No `simd` here: gcc unswitches the loop on the loop-invariant flags, and
+     * the copies of an `omp simd` loop stay scalar; plain auto-vectorization
+     * vectorizes every copy. */
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if (n >= FL_CPU_PAR_MIN)
     for (size_t i = 0; i < n; i++) {
         float d = g[i] * grad_scale + weight_decay * p[i];
         if (use_mom) {
