@@ -837,6 +837,9 @@ FL_TEST(ops_expf_accuracy) {
     /* NaN in, NaN out (the old float->int conversion was UB here: UBSan aborted) */
     FL_CHECK(isnan(fl_cpu_expf(NAN)) && isnan(fl_cpu_expf(-NAN)));
     FL_CHECK(isnan(fl_cpu_sigmoidf(NAN)));
+    /* the branch-free mask: +0 when dropped (whatever v is), v's exact bits when kept */
+    FL_CHECK(fl_cpu_keepf(NAN, 0) == 0.0f && !signbit(fl_cpu_keepf(-INFINITY, 0)) && fl_cpu_keepf(-2.5f, 7) == -2.5f);
+    FL_CHECK(isnan(fl_cpu_keepf(NAN, 1)) && signbit(fl_cpu_keepf(-0.0f, 1)));
     FL_CHECK(fl_cpu_sigmoidf(INFINITY) == 1.0f && fl_cpu_sigmoidf(-INFINITY) >= 0.0f &&
              fl_cpu_sigmoidf(-INFINITY) < 1e-37f);
 }

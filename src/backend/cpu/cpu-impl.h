@@ -202,6 +202,15 @@ static inline float fl_cpu_expf(float x) {
     return p * s;
 }
 
+/* keep ? v : +0.0f, as an integer mask on the bits. In a loop, write masking
+ * this way (e.g. fl_cpu_keepf(fl_cpu_expf(s - m), j < jmax)), not with `?:`:
+ * gcc's PRE turns a float `?:` into a branch and copies the float arithmetic
+ * that follows into it, and under -ftrapping-math the if-converter will not
+ * speculate that arithmetic back, so the loop stays scalar. */
+static inline float fl_cpu_keepf(float v, int keep) {
+    return fl_cpu_f32_from_bits(fl_cpu_f32_bits(v) & -(uint32_t)(keep != 0));
+}
+
 /* 1 / (1 + e^-x) */
 static inline float fl_cpu_sigmoidf(float x) { return 1.0f / (1.0f + fl_cpu_expf(-x)); }
 
