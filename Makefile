@@ -54,6 +54,7 @@ build: setup $(BUILD)/Makefile
 # (fault-injection sweeps and bad-input files must not leak or crash).
 test: build
 	./$(BUILD)/fitllm_tests
+	tests/check_vectorized.sh $(BUILD)
 	tests/cli_test.sh ./$(BUILD)/fitllm
 	$(MAKE) --no-print-directory asan ASAN_FILTER=""
 

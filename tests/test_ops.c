@@ -8,6 +8,7 @@
  * Also: determinism (two 2-thread runs bit-identical), RoPE tables incl. the
  * Llama-3 scaling, AdamW/SGD against double versions of the torch formulas,
  * and the GEMM (all transposes, strides, alpha/beta). */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -782,4 +783,93 @@ FL_TEST(ops_attention_hd_too_large_is_loud) {
     be.attention_backward(&be, dq, out, qkv, out, lse, B, T, NH, NKV, HD);
     FL_CHECK(isnan(out[0]) && isnan(lse[T - 1]) && isnan(dq[nq - 1]));
     free(qkv); free(out); free(lse); free(dq);
+}
+
+/* ---- fl_cpu_expf (the vectorizable exp behind softmax, sigmoid, GELU) --------------------------- */
+
+/* |got - exp(x)| in units of the float spacing at (float)exp(x). */
+static double expf_ulps(float x) {
+    double e = exp((double)x);
+    float ef = (float)e;
+    double ulp = (double)nextafterf(ef, INFINITY) - (double)ef;
+    return fabs((double)fl_cpu_expf(x) - e) / ulp;
+}
+
+FL_TEST(ops_expf_accuracy) {
+    /* Bound: 2 ulp, the accuracy documented in cpu-impl.h (degree-7 polynomial,
+     * truncation < 1e-8 relative, plus rounding in the float evaluation). Sweep:
+     * 2^22 evenly spaced points over [-87, 88], and every 101st float of either
+     * sign (dense near 0, where |x| << 1 and rounding of r dominates). */
+    double worst = 0;
+    float worst_x = 0;
+    const int npts = 1 << 22;
+    for (int i = 0; i <= npts; i++) {
+        float x = -87.0f + 175.0f * (float)((double)i / npts);
+        if (x > 88.0f) x = 88.0f;
+        double u = expf_ulps(x);
+        if (!(u <= worst)) { worst = u; worst_x = x; }
+    }
+    for (uint32_t b = 0; b <= 0x42B00000u; b += 101) { /* 0x42B00000 = 88.0f */
+        float x;
+        memcpy(&x, &b, 4);
+        double u = expf_ulps(x);
+        if (!(u <= worst)) { worst = u; worst_x = x; }
+        if (x <= 87.0f) {
+            u = expf_ulps(-x);
+            if (!(u <= worst)) { worst = u; worst_x = -x; }
+        }
+    }
+    printf("  fl_cpu_expf: max error %.3f ulp at x = %.9g\n", worst, worst_x);
+    FL_CHECKF(worst <= 2.0, "fl_cpu_expf error %.3f ulp at x = %.9g (bound 2 ulp)", worst, worst_x);
+    FL_CHECK(fl_cpu_expf(0.0f) == 1.0f && fl_cpu_expf(-0.0f) == 1.0f);
+    /* clamps: below -87 stands in for 0 (tiny, normal, never NaN), above 88 for overflow */
+    const float tiny = (float)exp(-87.0) * (1.0f + 4 * FLT_EPSILON);
+    float lo_vals[] = {-INFINITY, -1e30f, -1000.0f, -87.5f};
+    for (int i = 0; i < 4; i++) {
+        float y = fl_cpu_expf(lo_vals[i]);
+        FL_CHECKF(y == fl_cpu_expf(-87.0f) && y > 0.0f && y <= tiny && isnormal(y), "expf(%g) = %g", lo_vals[i], y);
+    }
+    float hi_vals[] = {INFINITY, 1e30f, 1000.0f, 88.5f};
+    for (int i = 0; i < 4; i++) {
+        float y = fl_cpu_expf(hi_vals[i]);
+        FL_CHECKF(y == fl_cpu_expf(88.0f) && isfinite(y) && expf_ulps(88.0f) <= 2.0, "expf(%g) = %g", hi_vals[i], y);
+    }
+    /* NaN in, NaN out (the old float->int conversion was UB here: UBSan aborted) */
+    FL_CHECK(isnan(fl_cpu_expf(NAN)) && isnan(fl_cpu_expf(-NAN)));
+    FL_CHECK(isnan(fl_cpu_sigmoidf(NAN)));
+    /* the branch-free mask: +0 when dropped (whatever v is), v's exact bits when kept */
+    FL_CHECK(fl_cpu_keepf(NAN, 0) == 0.0f && !signbit(fl_cpu_keepf(-INFINITY, 0)) && fl_cpu_keepf(-2.5f, 7) == -2.5f);
+    FL_CHECK(isnan(fl_cpu_keepf(NAN, 1)) && signbit(fl_cpu_keepf(-0.0f, 1)));
+    FL_CHECK(fl_cpu_sigmoidf(INFINITY) == 1.0f && fl_cpu_sigmoidf(-INFINITY) >= 0.0f &&
+             fl_cpu_sigmoidf(-INFINITY) < 1e-37f);
+}
+
+FL_TEST(ops_expf_vectorized_loop_matches_scalar) {
+    /* The cross-entropy gradient is a vectorized loop over fl_cpu_expf; it must
+     * compute the same function (within the 2-ulp bound of each) on NaN, +-inf
+     * and out-of-range logits as well: NaN logits give a NaN loss, not a crash. */
+    fl_backend be = cpu2();
+    const int V = 37;
+    float x[37], dl[37], loss;
+    for (int v = 0; v < V; v++) x[v] = -90.0f + 5.0f * v;
+    int32_t tg = 3;
+    be.cross_entropy(&be, &loss, dl, x, &tg, 1, V, 1.0f, FL_IGNORE_INDEX);
+    double mx = x[V - 1], s = 0;
+    for (int v = 0; v < V; v++) s += exp((double)x[v] - mx);
+    double lse = mx + log(s);
+    FL_CHECKF(fabs(loss - (lse - x[tg])) <= 1e-5 * fabs(lse - x[tg]), "loss %g want %g", loss, lse - x[tg]);
+    int ok = 1;
+    for (int v = 0; v < V; v++) {
+        double want = exp((double)x[v] - lse) - (v == tg);
+        /* relative: 2 ulp of the exp, 1 for the - 1 at the target, and the
+         * argument's rounding (lse to float, then x - lse: half an ulp of each)
+         * times d exp / exp = 1; absolute: exp(-87) stands in for smaller values */
+        double p = exp((double)x[v] - lse);
+        double tol = (3 + 0.5 * (fabs(lse) + fabs((double)x[v] - lse))) * FLT_EPSILON * p + 2e-38;
+        if (!(fabs(dl[v] - want) <= tol)) ok = 0;
+    }
+    FL_CHECK(ok);
+    x[5] = NAN;
+    be.cross_entropy(&be, &loss, dl, x, &tg, 1, V, 1.0f, FL_IGNORE_INDEX);
+    FL_CHECK(isnan(loss));
 }

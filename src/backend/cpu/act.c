@@ -15,6 +15,7 @@ void fl_cpu_swiglu_forward(const fl_backend *be, float *out /*(N,F)*/, const flo
     for (int n = 0; n < N; n++) {
         const float *g = gu + (size_t)n * 2 * F, *u = g + F; // (F) gate, (F) up
         float *o = out + (size_t)n * F;
+        /* FL_VECTORIZE: swiglu_fwd */
 #pragma omp simd
         for (int i = 0; i < F; i++) o[i] = g[i] * fl_cpu_sigmoidf(g[i]) * u[i];
     }
@@ -27,6 +28,7 @@ void fl_cpu_swiglu_backward(const fl_backend *be, float *dgu /*(N,2F)*/, const f
         const float *g = gu + (size_t)n * 2 * F, *u = g + F;
         const float *d = dout + (size_t)n * F;
         float *dg = dgu + (size_t)n * 2 * F, *du = dg + F;
+        /* FL_VECTORIZE: swiglu_bwd */
 #pragma omp simd
         for (int i = 0; i < F; i++) {
             float sg = fl_cpu_sigmoidf(g[i]);
@@ -38,6 +40,7 @@ void fl_cpu_swiglu_backward(const fl_backend *be, float *dgu /*(N,2F)*/, const f
 }
 
 void fl_cpu_gelu_forward(const fl_backend *be, float *out /*(n)*/, const float *inp /*(n)*/, size_t n) {
+    /* FL_VECTORIZE: gelu_fwd */
 #pragma omp parallel for simd num_threads(be->n_threads) schedule(static) if (n >= FL_CPU_PAR_MIN)
     for (size_t i = 0; i < n; i++) {
         float x = inp[i];
@@ -50,6 +53,7 @@ void fl_cpu_gelu_forward(const fl_backend *be, float *out /*(n)*/, const float *
 
 void fl_cpu_gelu_backward(const fl_backend *be, float *dinp /*(n)*/, const float *dout /*(n)*/,
                           const float *inp /*(n)*/, size_t n) {
+    /* FL_VECTORIZE: gelu_bwd */
 #pragma omp parallel for simd num_threads(be->n_threads) schedule(static) if (n >= FL_CPU_PAR_MIN)
     for (size_t i = 0; i < n; i++) {
         float x = inp[i];

@@ -17,12 +17,14 @@ void fl_cpu_zero(const fl_backend *be, void *x, size_t bytes) {
 }
 
 void fl_cpu_scale(const fl_backend *be, float *x /*(n)*/, size_t n, float s) {
+    /* FL_VECTORIZE: scale */
 #pragma omp parallel for num_threads(be->n_threads) schedule(static) if (n >= FL_CPU_PAR_MIN)
     for (size_t i = 0; i < n; i++) x[i] *= s;
 }
 
 void fl_cpu_add(const fl_backend *be, float *out /*(n)*/, const float *a /*(n)*/, const float *b /*(n)*/, size_t n) {
     /* out may alias a or b: each element is read before it is written. */
+    /* FL_VECTORIZE: add */
 #pragma omp parallel for num_threads(be->n_threads) schedule(static) if (n >= FL_CPU_PAR_MIN)
     for (size_t i = 0; i < n; i++) out[i] = a[i] + b[i];
 }
@@ -31,6 +33,7 @@ void fl_cpu_bias_forward(const fl_backend *be, float *y /*(N,OC)*/, const float 
 #pragma omp parallel for num_threads(be->n_threads) schedule(static) if ((size_t)N * OC >= FL_CPU_PAR_MIN)
     for (int n = 0; n < N; n++) {
         float *yr = y + (size_t)n * OC;
+        /* FL_VECTORIZE: bias_fwd */
 #pragma omp simd
         for (int o = 0; o < OC; o++) yr[o] += b[o];
     }
@@ -48,6 +51,7 @@ void fl_cpu_bias_backward(const fl_backend *be, float *db /*(OC)*/, const float 
         for (int c = 0; c < COL_BLOCK; c++) acc[c] = 0.0f;
         for (int n = 0; n < N; n++) {
             const float *r = dy + (size_t)n * OC;
+            /* FL_VECTORIZE: bias_bwd */
             for (int c = c0; c < c1; c++) acc[c - c0] += r[c];
         }
         for (int c = c0; c < c1; c++) db[c] += acc[c - c0];
@@ -64,6 +68,7 @@ double fl_cpu_sumsq(const fl_backend *be, const float *x /*(n)*/, size_t n) {
     for (int c = 0; c < nt; c++) {
         size_t i0 = n * (size_t)c / (size_t)nt, i1 = n * (size_t)(c + 1) / (size_t)nt;
         double s = 0.0;
+        /* FL_VECTORIZE: sumsq */
 #pragma omp simd reduction(+ : s)
         for (size_t i = i0; i < i1; i++) s += (double)x[i] * (double)x[i];
         part[c] = s;

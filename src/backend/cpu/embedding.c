@@ -21,6 +21,7 @@ void fl_cpu_embedding_forward(const fl_backend *be, float *out /*(B,T,C)*/, cons
         const float *e = wte + (size_t)ids[n] * C;
         if (wpe) {
             const float *p = wpe + (size_t)t * C;
+            /* FL_VECTORIZE: embedding_fwd */
 #pragma omp simd
             for (int c = 0; c < C; c++) o[c] = e[c] + p[c];
         } else {
@@ -40,6 +41,7 @@ void fl_cpu_embedding_backward(const fl_backend *be, float *dwte /*(V,C) or NULL
             for (int n = 0; n < N; n++) {
                 float *d = dwte + (size_t)ids[n] * C;
                 const float *g = dout + (size_t)n * C;
+                /* FL_VECTORIZE: embedding_bwd_wte */
 #pragma omp simd
                 for (int c = c0; c < c1; c++) d[c] += g[c];
             }
@@ -52,6 +54,7 @@ void fl_cpu_embedding_backward(const fl_backend *be, float *dwte /*(V,C) or NULL
             float *d = dwpe + (size_t)t * C;
             for (int b = 0; b < B; b++) {
                 const float *g = dout + ((size_t)b * T + t) * C;
+                /* FL_VECTORIZE: embedding_bwd_wpe */
 #pragma omp simd
                 for (int c = 0; c < C; c++) d[c] += g[c];
             }

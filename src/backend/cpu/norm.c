@@ -20,9 +20,11 @@ void fl_cpu_rmsnorm_forward(const fl_backend *be, float *out /*(N,C)*/, float *r
         const float *x = inp + (size_t)n * C;
         float *o = out + (size_t)n * C;
         double ss = 0.0;
+        /* FL_VECTORIZE: rmsnorm_sumsq */
 #pragma omp simd reduction(+ : ss)
         for (int c = 0; c < C; c++) ss += (double)x[c] * x[c];
         float r = (float)(1.0 / sqrt(ss / C + (double)eps));
+        /* FL_VECTORIZE: rmsnorm_out */
 #pragma omp simd
         for (int c = 0; c < C; c++) o[c] = x[c] * r * w[c];
         if (rstd) rstd[n] = r;
@@ -41,9 +43,11 @@ void fl_cpu_rmsnorm_backward(const fl_backend *be, float *dinp /*(N,C)*/, float 
             float *dx = dinp + (size_t)n * C;
             float r = rstd[n];
             double dot = 0.0;
+            /* FL_VECTORIZE: rmsnorm_bwd_dot */
 #pragma omp simd reduction(+ : dot)
             for (int c = 0; c < C; c++) dot += (double)(dy[c] * w[c]) * (x[c] * r);
             float mdot = (float)(dot / C);
+            /* FL_VECTORIZE: rmsnorm_bwd_dx */
 #pragma omp simd
             for (int c = 0; c < C; c++) dx[c] += r * (dy[c] * w[c] - x[c] * r * mdot);
         }
@@ -57,6 +61,7 @@ void fl_cpu_rmsnorm_backward(const fl_backend *be, float *dinp /*(N,C)*/, float 
             for (int n = 0; n < N; n++) {
                 const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
                 float r = rstd[n];
+                /* FL_VECTORIZE: rmsnorm_dw */
                 for (int c = c0; c < c1; c++) acc[c - c0] += dy[c] * (x[c] * r);
             }
             for (int c = c0; c < c1; c++) dw[c] += acc[c - c0];
@@ -72,11 +77,13 @@ void fl_cpu_layernorm_forward(const fl_backend *be, float *out /*(N,C)*/, float 
         const float *x = inp + (size_t)n * C;
         float *o = out + (size_t)n * C;
         double s = 0.0;
+        /* FL_VECTORIZE: layernorm_sum */
 #pragma omp simd reduction(+ : s)
         for (int c = 0; c < C; c++) s += x[c];
         double mu = s / C;
         /* Two-pass (biased) variance: no cancellation for large-mean rows. */
         double v = 0.0;
+        /* FL_VECTORIZE: layernorm_var */
 #pragma omp simd reduction(+ : v)
         for (int c = 0; c < C; c++) {
             double d = x[c] - mu;
@@ -84,9 +91,11 @@ void fl_cpu_layernorm_forward(const fl_backend *be, float *out /*(N,C)*/, float 
         }
         float m = (float)mu, r = (float)(1.0 / sqrt(v / C + (double)eps));
         if (b) {
+            /* FL_VECTORIZE: layernorm_out_bias */
 #pragma omp simd
             for (int c = 0; c < C; c++) o[c] = (x[c] - m) * r * w[c] + b[c];
         } else {
+            /* FL_VECTORIZE: layernorm_out */
 #pragma omp simd
             for (int c = 0; c < C; c++) o[c] = (x[c] - m) * r * w[c];
         }
@@ -107,6 +116,7 @@ void fl_cpu_layernorm_backward(const fl_backend *be, float *dinp /*(N,C)*/, floa
             float *dx = dinp + (size_t)n * C;
             float m = mean[n], r = rstd[n];
             double s1 = 0.0, s2 = 0.0;
+            /* FL_VECTORIZE: layernorm_bwd_dots */
 #pragma omp simd reduction(+ : s1, s2)
             for (int c = 0; c < C; c++) {
                 float g = dy[c] * w[c];
@@ -114,6 +124,7 @@ void fl_cpu_layernorm_backward(const fl_backend *be, float *dinp /*(N,C)*/, floa
                 s2 += (double)g * ((x[c] - m) * r);
             }
             float m1 = (float)(s1 / C), m2 = (float)(s2 / C);
+            /* FL_VECTORIZE: layernorm_bwd_dx */
 #pragma omp simd
             for (int c = 0; c < C; c++) dx[c] += r * (dy[c] * w[c] - m1 - (x[c] - m) * r * m2);
         }
@@ -127,6 +138,7 @@ void fl_cpu_layernorm_backward(const fl_backend *be, float *dinp /*(N,C)*/, floa
             for (int n = 0; n < N; n++) {
                 const float *x = inp + (size_t)n * C, *dy = dout + (size_t)n * C;
                 float m = mean[n], r = rstd[n];
+                /* FL_VECTORIZE: layernorm_dw_db */
                 for (int c = c0; c < c1; c++) {
                     aw[c - c0] += dy[c] * ((x[c] - m) * r);
                     ab[c - c0] += dy[c];

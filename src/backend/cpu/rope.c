@@ -23,6 +23,7 @@ static void rope_apply(const fl_backend *be, float *x, int B, int T, int nh, int
         float *row = x + (size_t)n * row_stride; // (nh, HD) heads of row (b,t)
         for (int h = 0; h < nh; h++) {
             float *a = row + (size_t)h * HD, *b = a + H;
+            /* FL_VECTORIZE: rope */
 #pragma omp simd
             for (int j = 0; j < H; j++) {
                 float x0 = a[j], x1 = b[j], sn = sign * s[j];

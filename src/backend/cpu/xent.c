@@ -29,6 +29,7 @@ void fl_cpu_cross_entropy(const fl_backend *be, float *loss /*(N)*/, float *dlog
         for (int v0 = 0; v0 < V; v0 += CHUNK) {
             int v1 = v0 + CHUNK < V ? v0 + CHUNK : V;
             float cm = -INFINITY;
+            /* FL_VECTORIZE: xent_max */
 #pragma omp simd reduction(max : cm)
             for (int v = v0; v < v1; v++) cm = x[v] > cm ? x[v] : cm;
             if (cm > m) {
@@ -36,6 +37,7 @@ void fl_cpu_cross_entropy(const fl_backend *be, float *loss /*(N)*/, float *dlog
                 m = cm;
             }
             float cs = 0.0f;
+            /* FL_VECTORIZE: xent_exp_sum */
 #pragma omp simd reduction(+ : cs)
             for (int v = v0; v < v1; v++) cs += fl_cpu_expf(x[v] - m);
             s += cs;
@@ -44,6 +46,7 @@ void fl_cpu_cross_entropy(const fl_backend *be, float *loss /*(N)*/, float *dlog
         float xt = x[tgt]; /* read before dlogits (which may alias) overwrites it */
         loss[n] = lse - xt;
         if (dx) {
+            /* FL_VECTORIZE: xent_softmax_grad */
 #pragma omp simd
             for (int v = 0; v < V; v++) dx[v] = grad_scale * fl_cpu_expf(x[v] - lse);
             dx[tgt] -= grad_scale;
