@@ -274,9 +274,9 @@ FL_TEST(prec_gemm_f16_naive_vs_f64) { f16_check_all(fl_cpu_gemm_naive, "naive");
  * several blocks (F32 A: kb = 40, nb = 64; F16 A: kb = 20, nb = mb = 64), so the per-block beta
  * (first K block only) and the C tile offsets are exercised. */
 FL_TEST(prec_gemm_f16_blocked_vs_f64) {
-    fl_cpu_gemm_f16_set_scratch_cap(2560);
+    fl_cpu_gemm_widen_set_scratch_cap(2560);
     f16_check_all(fl_cpu_gemm, "gemm-blocked");
-    fl_cpu_gemm_f16_set_scratch_cap(0);
+    fl_cpu_gemm_widen_set_scratch_cap(0);
 }
 
 /* Widening is exact: with A = 1 and K = 1, C = op(B) for every f16 bit pattern (subnormals,
