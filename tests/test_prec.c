@@ -110,7 +110,8 @@ static int bf16_case(gemm_fn fn, const char *name, fl_dtype ta, fl_dtype tc, int
 }
 
 static void bf16_check_all(gemm_fn fn, const char *name) {
-    static const int sizes[][3] = {{7, 13, 37}, {67, 129, 65}, {1, 1, 1}, {33, 1, 17}, {130, 70, 300}, {5, 300, 3}};
+    static const int sizes[][3] = {{7, 13, 37}, {67, 129, 65}, {1, 1, 1}, {33, 1, 17}, {130, 70, 300}, {5, 300, 3},
+                                   {301, 7, 9}};
     static const float ab[][2] = {{1, 0}, {1, 1}, {0.5f, -2}, {-1.5f, 0.25f}};
     static const fl_dtype combos[][2] = {{FL_BF16, FL_F32}, {FL_F32, FL_F32}, {FL_BF16, FL_BF16}};
     int fails = 0, n = 0;
@@ -141,9 +142,11 @@ FL_TEST(prec_gemm_bf16_tiled_vs_f64) { bf16_check_all(fl_cpu_gemm_bf16_tiled, "t
 
 /* The widening path (fl_cpu_gemm's bf16 path on CPUs without avx512_bf16) at every SIMD level
  * the CPU has (fl_cpu_set_level; the levels it lacks are reported and skipped), with the whole
- * scratch and with the scratch capped to 2560 floats: a BF16 C then gets 640-float tiles and
- * A/B 960-float halves (kb = 15, nb = mb = 64), so the K blocks (beta on the first only), the C
- * tiles (widened for beta, rounded once after the last K block) and the tile offsets all run. */
+ * scratch and with the scratch capped to 2560 floats: a BF16 C then gets 640-float tiles (all
+ * four tile shapes: whole C, full rows, full columns (301x7), square-ish) and, for the larger
+ * shapes, K / N / M blocks (e.g. 130x70x300 BF16 A: kb = 20, nb = 35, mb = 65), so the K
+ * blocks (beta on the first only), the C tiles (widened for beta, rounded once after the last
+ * K block), the pre-widened A of a BF16 C and the tile offsets all run. */
 FL_TEST(prec_gemm_bf16_widen_vs_f64) {
     for (int l = FL_CPU_GENERIC; l <= FL_CPU_AVX512; l++) {
         if (l > (int)fl_cpu_level_detected()) {
@@ -309,9 +312,9 @@ FL_TEST(prec_gemm_f16_library_vs_f64) {
 }
 FL_TEST(prec_gemm_f16_naive_vs_f64) { f16_check_all(fl_cpu_gemm_naive, "naive"); }
 
-/* The same cases with the scratch capped to 2560 floats: K, N and (F16 A) M are split into
- * several blocks (F32 A: kb = 40, nb = 64; F16 A: kb = 20, nb = mb = 64), so the per-block beta
- * (first K block only) and the C tile offsets are exercised. */
+/* The same cases with the scratch capped to 2560 floats: for the larger shapes K, N and (F16 A)
+ * M are split into several blocks (e.g. 130x70x300 with an F16 A: kb = 20, nb = 35, mb = 65),
+ * so the per-block beta (first K block only) and the C tile offsets are exercised. */
 FL_TEST(prec_gemm_f16_blocked_vs_f64) {
     fl_cpu_gemm_widen_set_scratch_cap(2560);
     f16_check_all(fl_cpu_gemm, "gemm-blocked");

@@ -279,7 +279,7 @@ static void ws_unlock(void) { pthread_mutex_unlock(&g_ws.mu); }
 
 void fl_cpu_gemm_widen_set_scratch_cap(size_t n) {
     pthread_mutex_lock(&g_ws.mu);
-    /* >= 512: a BF16 C keeps a quarter, and each remaining half room for a 64-wide panel */
+    /* >= 512: a BF16 C keeps a quarter (and a pre-widened A another), the rest room for blocks */
     g_ws.cap = n == 0 || n >= FL_WIDEN_SCRATCH ? 0 : n < 512 ? 512 : n;
     pthread_mutex_unlock(&g_ws.mu);
 }
@@ -575,11 +575,11 @@ static fl_status sgemm_f32(const fl_backend *be, int nt, int trans_a, int trans_
 /* Row converters to fp32: 16-bit storage widened exactly, or F32 rounded to bf16. */
 typedef enum { W_NONE, W_BF16, W_F16, W_F32_ROUND_BF16 } widen_kind;
 
-/* dst(rows, cols) dense (row stride cols) = widen(src(rows, cols), row stride lds elements). */
-static void widen_rows(float *dst, const void *src, widen_kind w, int rows, int cols, int lds, int nt) {
+/* dst(rows, cols), row stride ldd = widen(src(rows, cols), row stride lds elements). */
+static void widen_rows(float *dst, int ldd, const void *src, widen_kind w, int rows, int cols, int lds, int nt) {
 #pragma omp parallel for num_threads(nt) schedule(static) if ((int64_t)rows * cols > 32768)
     for (int r = 0; r < rows; r++) {
-        float *d = dst + (size_t)r * cols;
+        float *d = dst + (size_t)r * ldd;
         if (w == W_F32_ROUND_BF16)
             fl_cvt_f32_round_bf16(d, (const float *)src + (size_t)r * lds, (size_t)cols);
         else if (w == W_BF16)
@@ -589,25 +589,50 @@ static void widen_rows(float *dst, const void *src, widen_kind w, int rows, int 
     }
 }
 
-/* dst(rows, cols), row stride ldd = bf16 RNE of src(rows, cols) dense. */
-static void narrow_rows_bf16(uint16_t *dst, int ldd, const float *src, int rows, int cols, int nt) {
+/* dst(rows, cols), row stride ldd = bf16 RNE of src(rows, cols), row stride lds. */
+static void narrow_rows_bf16(uint16_t *dst, int ldd, const float *src, int lds, int rows, int cols, int nt) {
 #pragma omp parallel for num_threads(nt) schedule(static) if ((int64_t)rows * cols > 32768)
-    for (int r = 0; r < rows; r++) fl_cvt_f32_to_bf16(dst + (size_t)r * ldd, src + (size_t)r * cols, (size_t)cols);
+    for (int r = 0; r < rows; r++) fl_cvt_f32_to_bf16(dst + (size_t)r * ldd, src + (size_t)r * lds, (size_t)cols);
 }
 
 static const char *elem_at(const void *p, fl_dtype t, size_t idx) { return (const char *)p + idx * fl_dtype_size(t); }
 
+/* Block size for splitting n into ceil(n / most) equal blocks (most >= 1). */
+static int balanced(int n, size_t most) {
+    if (most < 1) most = 1;
+    if ((size_t)n <= most) return n;
+    int nblk = (int)(((size_t)n + most - 1) / most);
+    return (n + nblk - 1) / nblk;
+}
+
+/* Row stride of a (rows x cols) scratch block: cols, or cols + 16 when cols is a multiple of
+ * 256 floats (1 KiB) and the block still fits in cap: power-of-two strides map the rows of a
+ * panel onto the same cache sets (4K aliasing), which cost 1.5-2.4x on the K = 1024 dW shapes. */
+static int scratch_ld(int rows, int cols, size_t cap) {
+    return cols % 256 == 0 && (size_t)rows * (cols + 16) <= cap ? cols + 16 : cols;
+}
+
 /* fp32 C (M,N) ldc = alpha op(A) op(B) + beta C with A, B widened block by block into
- * scratch[0, cap). wa: how A is widened (W_NONE: an F32 A used in place). */
+ * scratch[0, cap). wa: how A is widened (W_NONE: an F32 A used in place). Blocks: all of K
+ * when op(B) fits, else K slices at least 256 deep (so N blocks stay wide: the sgemm needs
+ * M, N and K of a few hundred to run at full speed) and as much of N as fits; M blocks as
+ * the A half allows; every split balanced. 1/16 of each half is left for stride padding. */
 static fl_status widen_sgemm_f32c(const fl_backend *be, int nt, int trans_a, int trans_b, int M, int N, int K,
                                   float alpha, const void *A, fl_dtype ta, widen_kind wa, int lda, const void *B,
                                   widen_kind wb, int ldb, float beta, float *C, int ldc, float *scratch, size_t cap) {
-    /* scratch: B blocks in [0, bcap), A blocks in [bcap, cap); at least 64 columns (rows) of
-     * N (M) per block */
+    /* scratch: B blocks in [0, bcap), A blocks in [bcap, cap) */
     size_t bcap = wa != W_NONE ? cap / 2 : cap, acap = cap - bcap;
-    int kb = (size_t)K * 64 <= bcap ? K : (int)(bcap / 64);
-    int nb = (size_t)N * kb <= bcap ? N : (int)(bcap / (size_t)kb);
-    int mb = wa == W_NONE || (size_t)M * kb <= acap ? M : (int)(acap / (size_t)kb);
+    size_t bfit = bcap - bcap / 16, afit = acap - acap / 16;
+    int kb;
+    if ((size_t)K * N <= bfit) {
+        kb = K;
+    } else {
+        size_t deep = bfit / 64 < 256 ? bfit / 64 : 256, k_all_n = bfit / (size_t)N;
+        size_t k = k_all_n > deep ? k_all_n : deep;
+        kb = balanced(K, k < 1 ? 1 : k);
+    }
+    int nb = balanced(N, bfit / (size_t)kb);
+    int mb = wa == W_NONE ? M : balanced(M, afit / (size_t)kb);
     float *SB = scratch, *SA = scratch + bcap;
 #if defined(FL_HAVE_OPENBLAS)
     /* widen on the calling thread: an OpenMP region right before each OpenBLAS call makes the
@@ -620,13 +645,17 @@ static fl_status widen_sgemm_f32c(const fl_backend *be, int nt, int trans_a, int
         int kc = K - k0 < kb ? K - k0 : kb;
         float bk = k0 == 0 ? beta : 1.0f;
         int a_ready = 0; /* mb == M: the widened A block of this k0 is reused for every j0 */
+        int ldsa = 0;
         for (int j0 = 0; j0 < N; j0 += nb) {
             int nc = N - j0 < nb ? N - j0 : nb;
-            if (trans_b) /* stored (N,K): rows j0.., cols k0.. -> SB (nc, kc) */
-                widen_rows(SB, (const uint16_t *)B + (size_t)j0 * ldb + k0, wb, nc, kc, ldb, wnt);
-            else /* stored (K,N): rows k0.., cols j0.. -> SB (kc, nc) */
-                widen_rows(SB, (const uint16_t *)B + (size_t)k0 * ldb + j0, wb, kc, nc, ldb, wnt);
-            int ldsb = trans_b ? kc : nc;
+            int ldsb;
+            if (trans_b) { /* stored (N,K): rows j0.., cols k0.. -> SB (nc, kc) */
+                ldsb = scratch_ld(nc, kc, bcap);
+                widen_rows(SB, ldsb, (const uint16_t *)B + (size_t)j0 * ldb + k0, wb, nc, kc, ldb, wnt);
+            } else { /* stored (K,N): rows k0.., cols j0.. -> SB (kc, nc) */
+                ldsb = scratch_ld(kc, nc, bcap);
+                widen_rows(SB, ldsb, (const uint16_t *)B + (size_t)k0 * ldb + j0, wb, kc, nc, ldb, wnt);
+            }
             for (int i0 = 0; i0 < M; i0 += mb) {
                 int mc = M - i0 < mb ? M - i0 : mb;
                 const float *Ap;
@@ -637,14 +666,17 @@ static fl_status widen_sgemm_f32c(const fl_backend *be, int nt, int trans_a, int
                     ldap = lda;
                 } else {
                     if (!a_ready) {
-                        if (trans_a) /* stored (K,M): rows k0.., cols i0.. -> SA (kc, mc) */
-                            widen_rows(SA, elem_at(A, ta, (size_t)k0 * lda + i0), wa, kc, mc, lda, wnt);
-                        else /* stored (M,K): rows i0.., cols k0.. -> SA (mc, kc) */
-                            widen_rows(SA, elem_at(A, ta, (size_t)i0 * lda + k0), wa, mc, kc, lda, wnt);
+                        if (trans_a) { /* stored (K,M): rows k0.., cols i0.. -> SA (kc, mc) */
+                            ldsa = scratch_ld(kc, mc, acap);
+                            widen_rows(SA, ldsa, elem_at(A, ta, (size_t)k0 * lda + i0), wa, kc, mc, lda, wnt);
+                        } else { /* stored (M,K): rows i0.., cols k0.. -> SA (mc, kc) */
+                            ldsa = scratch_ld(mc, kc, acap);
+                            widen_rows(SA, ldsa, elem_at(A, ta, (size_t)i0 * lda + k0), wa, mc, kc, lda, wnt);
+                        }
                         a_ready = mb == M;
                     }
                     Ap = SA;
-                    ldap = trans_a ? mc : kc;
+                    ldap = ldsa;
                 }
                 FL_TRY(sgemm_f32(be, nt, trans_a, trans_b, mc, nc, kc, alpha, Ap, ldap, SB, ldsb, bk,
                                  C + (size_t)i0 * ldc + j0, ldc));
@@ -666,34 +698,57 @@ static fl_status gemm_widen(const fl_backend *be, int nt, int trans_a, int trans
         return gemm_lowp_naive(be, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc, ldc);
     }
     size_t cap = g_ws.cap ? g_ws.cap : FL_WIDEN_SCRATCH;
+    float *S = g_ws.scratch;
     fl_status s = FL_OK;
     if (tc == FL_F32) {
-        s = widen_sgemm_f32c(be, nt, trans_a, trans_b, M, N, K, alpha, A, ta, wa, lda, B, wb, ldb, beta, C, ldc,
-                             g_ws.scratch, cap);
-    } else {
-        /* BF16 C: (mr x nr) tiles of C in fp32 in the scratch's last quarter */
-        size_t ccap = cap / 4;
-        int nr = (size_t)N <= ccap ? N : (int)ccap;
-        int mr = (size_t)M * nr <= ccap ? M : (int)(ccap / (size_t)nr);
-        float *SC = g_ws.scratch + (cap - ccap);
+        s = widen_sgemm_f32c(be, nt, trans_a, trans_b, M, N, K, alpha, A, ta, wa, lda, B, wb, ldb, beta, C, ldc, S,
+                             cap);
+        ws_unlock();
+        return s;
+    }
 #if defined(FL_HAVE_OPENBLAS)
-        int wnt = 1;
+    int wnt = 1;
 #else
-        int wnt = nt;
+    int wnt = nt;
 #endif
-        uint16_t *Cb = C;
-        for (int i0 = 0; i0 < M && s == FL_OK; i0 += mr) {
-            int mc = M - i0 < mr ? M - i0 : mr;
-            const void *Ai = elem_at(A, ta, trans_a ? (size_t)i0 : (size_t)i0 * lda);
-            for (int j0 = 0; j0 < N && s == FL_OK; j0 += nr) {
-                int nc = N - j0 < nr ? N - j0 : nr;
-                const void *Bj = elem_at(B, tb, trans_b ? (size_t)j0 * ldb : (size_t)j0);
-                uint16_t *Ct = Cb + (size_t)i0 * ldc + j0;
-                if (beta != 0.0f) widen_rows(SC, Ct, W_BF16, mc, nc, ldc, wnt);
-                s = widen_sgemm_f32c(be, nt, trans_a, trans_b, mc, nc, K, alpha, Ai, ta, wa, lda, Bj, wb, ldb,
-                                     beta, SC, nc, g_ws.scratch, cap - ccap);
-                if (s == FL_OK) narrow_rows_bf16(Ct, ldc, SC, mc, nc, wnt);
-            }
+    /* BF16 C: (mr x nr) tiles of C accumulate in fp32 in the scratch's last quarter. When
+     * op(A) fits in a quarter too it is widened once up front, and the tiles span all M rows
+     * where they can, so that neither operand is widened more than once. */
+    size_t ccap = cap / 4, rest = cap - ccap;
+    float *SC = S + rest;
+    int a_rows = trans_a ? K : M, a_cols = trans_a ? M : K;
+    int lda_w = scratch_ld(a_rows, a_cols, cap / 4);
+    if ((size_t)a_rows * lda_w <= cap / 4) {
+        rest -= cap / 4;
+        float *SA = S + rest;
+        widen_rows(SA, lda_w, A, wa, a_rows, a_cols, lda, wnt);
+        A = SA, ta = FL_F32, wa = W_NONE, lda = lda_w;
+    }
+    int mr, nr;
+    if ((size_t)M * N <= ccap) {
+        mr = M, nr = N;
+    } else if (ccap / (size_t)M >= 64) {
+        mr = M, nr = balanced(N, ccap / (size_t)M);
+    } else if (ccap / (size_t)N >= 64) {
+        nr = N, mr = balanced(M, ccap / (size_t)N);
+    } else {
+        size_t side = 64;
+        while ((side * 2) * (side * 2) <= ccap) side *= 2;
+        mr = balanced(M, side), nr = balanced(N, ccap / (size_t)mr);
+    }
+    uint16_t *Cb = C;
+    for (int i0 = 0; i0 < M && s == FL_OK; i0 += mr) {
+        int mc = M - i0 < mr ? M - i0 : mr;
+        const void *Ai = elem_at(A, ta, trans_a ? (size_t)i0 : (size_t)i0 * lda);
+        for (int j0 = 0; j0 < N && s == FL_OK; j0 += nr) {
+            int nc = N - j0 < nr ? N - j0 : nr;
+            const void *Bj = elem_at(B, tb, trans_b ? (size_t)j0 * ldb : (size_t)j0);
+            uint16_t *Ct = Cb + (size_t)i0 * ldc + j0;
+            int ldsc = scratch_ld(mc, nc, ccap);
+            if (beta != 0.0f) widen_rows(SC, ldsc, Ct, W_BF16, mc, nc, ldc, wnt);
+            s = widen_sgemm_f32c(be, nt, trans_a, trans_b, mc, nc, K, alpha, Ai, ta, wa, lda, Bj, wb, ldb, beta, SC,
+                                 ldsc, S, rest);
+            if (s == FL_OK) narrow_rows_bf16(Ct, ldc, SC, ldsc, mc, nc, wnt);
         }
     }
     ws_unlock();
