@@ -568,30 +568,68 @@ static fl_status sgemm_f32(const fl_backend *be, int nt, int trans_a, int trans_
  * first K block and 1 after. A BF16 C is computed tile by tile in an fp32 part of the scratch
  * (beta != 0: the tile widened first), then rounded (RNE) once on store. With the default
  * scratch the training shapes up to K = 2048 x N = 1024 are a single call per operand block;
- * the widening (core/cvt.c's SIMD rows, run-time dispatch; OpenMP threads, or the calling
- * thread in OpenBLAS builds) costs a few percent of the sgemm. The scratch and the calls are
+ * the widening (core/cvt.c's SIMD rows, run-time dispatch; one OpenMP thread per 512 Ki
+ * elements, see widen_threads; the calling thread in OpenBLAS builds) costs a few percent of
+ * the sgemm. The scratch and the calls are
  * guarded by one mutex (thread-safe, serialized across callers). If the scratch cannot be
  * allocated, the double-accumulating reference kernel runs (same semantics, slow). */
 /* Row converters to fp32: 16-bit storage widened exactly, or F32 rounded to bf16. */
 typedef enum { W_NONE, W_BF16, W_F16, W_F32_ROUND_BF16 } widen_kind;
 
-/* dst(rows, cols), row stride ldd = widen(src(rows, cols), row stride lds elements). */
-static void widen_rows(float *dst, int ldd, const void *src, widen_kind w, int rows, int cols, int lds, int nt) {
-#pragma omp parallel for num_threads(nt) schedule(static) if ((int64_t)rows * cols > 32768)
-    for (int r = 0; r < rows; r++) {
-        float *d = dst + (size_t)r * ldd;
-        if (w == W_F32_ROUND_BF16)
-            fl_cvt_f32_round_bf16(d, (const float *)src + (size_t)r * lds, (size_t)cols);
-        else if (w == W_BF16)
-            fl_cvt_bf16_to_f32(d, (const uint16_t *)src + (size_t)r * lds, (size_t)cols);
+/* One widening: dst(rows, cols), row stride ldd = widen(src(rows, cols), row stride lds). */
+typedef struct {
+    float *dst;
+    int ldd;
+    const void *src;
+    widen_kind w;
+    int rows, cols, lds;
+} widen_job;
+
+static void widen_row(const widen_job *j, int r) {
+    float *d = j->dst + (size_t)r * j->ldd;
+    if (j->w == W_F32_ROUND_BF16)
+        fl_cvt_f32_round_bf16(d, (const float *)j->src + (size_t)r * j->lds, (size_t)j->cols);
+    else if (j->w == W_BF16)
+        fl_cvt_bf16_to_f32(d, (const uint16_t *)j->src + (size_t)r * j->lds, (size_t)j->cols);
+    else
+        fl_cvt_f16_to_f32(d, (const uint16_t *)j->src + (size_t)r * j->lds, (size_t)j->cols);
+}
+
+/* Threads for widening `work` elements: one per FL_WIDEN_PER_THREAD (at most nt). A parallel
+ * region ends in a barrier, and on an oversubscribed machine (2 vCPUs shared with other
+ * processes) a preempted thread holds it for a time slice: measured on Zen 3 under load, the
+ * training shapes ran at ~2-3x the sgemm time with 2 widening threads and ~1.0x with one. One
+ * thread widens 512 Ki elements in ~0.3 ms, a few percent of the GEMMs that come with them;
+ * larger blocks (bigger models, many cores) get more threads. */
+#define FL_WIDEN_PER_THREAD ((int64_t)1 << 19)
+static int widen_threads(int64_t work, int nt) {
+    int64_t t = work / FL_WIDEN_PER_THREAD;
+    return t < 1 ? 1 : t > nt ? nt : (int)t;
+}
+
+/* Run 1 or 2 widenings in one parallel region (one barrier, see widen_threads). */
+static void widen_jobs(const widen_job *j, int nj, int nt) {
+    int rows0 = j[0].rows, total = rows0 + (nj > 1 ? j[1].rows : 0);
+    int64_t work = (int64_t)j[0].rows * j[0].cols + (nj > 1 ? (int64_t)j[1].rows * j[1].cols : 0);
+    int t = widen_threads(work, nt);
+#pragma omp parallel for num_threads(t) schedule(static) if (t > 1)
+    for (int r = 0; r < total; r++) {
+        if (r < rows0)
+            widen_row(&j[0], r);
         else
-            fl_cvt_f16_to_f32(d, (const uint16_t *)src + (size_t)r * lds, (size_t)cols);
+            widen_row(&j[1], r - rows0);
     }
+}
+
+static void widen_rows(float *dst, int ldd, const void *src, widen_kind w, int rows, int cols, int lds, int nt) {
+    widen_job j = {dst, ldd, src, w, rows, cols, lds};
+    widen_jobs(&j, 1, nt);
 }
 
 /* dst(rows, cols), row stride ldd = bf16 RNE of src(rows, cols), row stride lds. */
 static void narrow_rows_bf16(uint16_t *dst, int ldd, const float *src, int lds, int rows, int cols, int nt) {
-#pragma omp parallel for num_threads(nt) schedule(static) if ((int64_t)rows * cols > 32768)
+    int t = widen_threads((int64_t)rows * cols, nt);
+#pragma omp parallel for num_threads(t) schedule(static) if (t > 1)
     for (int r = 0; r < rows; r++) fl_cvt_f32_to_bf16(dst + (size_t)r * ldd, src + (size_t)r * lds, (size_t)cols);
 }
 
@@ -648,16 +686,18 @@ static fl_status widen_sgemm_f32c(const fl_backend *be, int nt, int trans_a, int
         int ldsa = 0;
         for (int j0 = 0; j0 < N; j0 += nb) {
             int nc = N - j0 < nb ? N - j0 : nb;
-            int ldsb;
+            widen_job jobs[2]; /* [0]: B's block until the first sgemm; then A's blocks */
             if (trans_b) { /* stored (N,K): rows j0.., cols k0.. -> SB (nc, kc) */
-                ldsb = scratch_ld(nc, kc, bcap);
-                widen_rows(SB, ldsb, (const uint16_t *)B + (size_t)j0 * ldb + k0, wb, nc, kc, ldb, wnt);
+                widen_job jb = {SB, scratch_ld(nc, kc, bcap), (const uint16_t *)B + (size_t)j0 * ldb + k0, wb, nc, kc, ldb};
+                jobs[0] = jb;
             } else { /* stored (K,N): rows k0.., cols j0.. -> SB (kc, nc) */
-                ldsb = scratch_ld(kc, nc, bcap);
-                widen_rows(SB, ldsb, (const uint16_t *)B + (size_t)k0 * ldb + j0, wb, kc, nc, ldb, wnt);
+                widen_job jb = {SB, scratch_ld(kc, nc, bcap), (const uint16_t *)B + (size_t)k0 * ldb + j0, wb, kc, nc, ldb};
+                jobs[0] = jb;
             }
+            int ldsb = jobs[0].ldd;
             for (int i0 = 0; i0 < M; i0 += mb) {
                 int mc = M - i0 < mb ? M - i0 : mb;
+                int nj = i0 == 0 ? 1 : 0;
                 const float *Ap;
                 int ldap;
                 if (wa == W_NONE) {
@@ -667,17 +707,21 @@ static fl_status widen_sgemm_f32c(const fl_backend *be, int nt, int trans_a, int
                 } else {
                     if (!a_ready) {
                         if (trans_a) { /* stored (K,M): rows k0.., cols i0.. -> SA (kc, mc) */
-                            ldsa = scratch_ld(kc, mc, acap);
-                            widen_rows(SA, ldsa, elem_at(A, ta, (size_t)k0 * lda + i0), wa, kc, mc, lda, wnt);
+                            widen_job ja = {SA, scratch_ld(kc, mc, acap), elem_at(A, ta, (size_t)k0 * lda + i0), wa,
+                                            kc, mc, lda};
+                            jobs[nj++] = ja;
                         } else { /* stored (M,K): rows i0.., cols k0.. -> SA (mc, kc) */
-                            ldsa = scratch_ld(mc, kc, acap);
-                            widen_rows(SA, ldsa, elem_at(A, ta, (size_t)i0 * lda + k0), wa, mc, kc, lda, wnt);
+                            widen_job ja = {SA, scratch_ld(mc, kc, acap), elem_at(A, ta, (size_t)i0 * lda + k0), wa,
+                                            mc, kc, lda};
+                            jobs[nj++] = ja;
                         }
+                        ldsa = jobs[nj - 1].ldd;
                         a_ready = mb == M;
                     }
                     Ap = SA;
                     ldap = ldsa;
                 }
+                if (nj > 0) widen_jobs(jobs, nj, wnt); /* B's block (first i0) and A's: one region */
                 FL_TRY(sgemm_f32(be, nt, trans_a, trans_b, mc, nc, kc, alpha, Ap, ldap, SB, ldsb, bk,
                                  C + (size_t)i0 * ldc + j0, ldc));
             }
