@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "backend/cpu/cpu-impl.h"
+#include "fitllm/cpu.h"
 #include "fitllm/io.h"
 #include "fitllm/loss_scale.h"
 #include "test.h"
@@ -26,10 +27,22 @@ static uint16_t *to_bf16(const float *x, size_t n) {
 
 /* ---- bf16 GEMM -------------------------------------------------------------------------- */
 
+/* Bound on the error of an fp32 evaluation of alpha * sum_k a_k b_k + beta * c: a term passes
+ * through at most K + 3 roundings of relative size <= u = 2^-24 (its product when not exact in
+ * fp32 (F32 x F16; bf16 x bf16 and f16 x f16 are exact), the kb - 1 adds of its K block in any
+ * order, alpha's multiply, and one add into C per K block: kb - 1 + ceil(K / kb) <= K), and
+ * beta * c two; so |err| <= gamma(n) * (|alpha| sum_k |a_k b_k| + |beta c|) with
+ * gamma(n) = n u / (1 - n u) (Higham, Accuracy and Stability, 3.1), n = K + 3; we take the
+ * rounder n = 2K + 2 >= K + 3. */
+static double fp32_dot_bound(int K, double mag) {
+    double nu = (2.0 * K + 2) * ldexp(1, -24);
+    return nu / (1 - nu) * mag;
+}
+
 /* One case; A/B/C are submatrices (row stride cols+pad, offset 3) of larger buffers. The
- * float64 reference uses the bf16-rounded operands; tolerance = fp32 accumulation error,
- * 1e-5 * (|alpha| sum_k |a||b| + |beta c|), plus half a bf16 ulp of the result for a BF16 C.
- * Padding and the untouched part of C are compared exactly. */
+ * float64 reference uses the bf16-rounded operands; tolerance = fp32_dot_bound plus, for a
+ * BF16 C, the final rounding to bf16 (half an ulp: <= 2^-8 of the value). Padding and the
+ * untouched part of C are compared exactly. */
 static int bf16_case(gemm_fn fn, const char *name, fl_dtype ta, fl_dtype tc, int tra, int trb, int M, int N, int K,
                      float alpha, float beta, int pad, int nan_c) {
     fl_backend be = {0};
@@ -66,8 +79,8 @@ static int bf16_case(gemm_fn fn, const char *name, fl_dtype ta, fl_dtype tc, int
             size_t idx = 3 + (size_t)i * ldc + j;
             double v = alpha * s;
             if (beta != 0) v += (double)beta * Cf[idx];
-            T[idx] = 1e-5 * (fabs(alpha) * sa + fabs(beta != 0 ? beta * Cf[idx] : 0)) + 1e-30;
-            if (tc == FL_BF16) T[idx] += fabs(v) * (1.0 / 256);
+            T[idx] = fp32_dot_bound(K, fabs(alpha) * sa + fabs(beta != 0 ? beta * Cf[idx] : 0)) + 1e-30;
+            if (tc == FL_BF16) T[idx] += (fabs(v) + T[idx]) * (1.0 / 256);
             R[idx] = v;
         }
     void *C = tc == FL_F32 ? (void *)Cf : (void *)Cb;
@@ -97,7 +110,8 @@ static int bf16_case(gemm_fn fn, const char *name, fl_dtype ta, fl_dtype tc, int
 }
 
 static void bf16_check_all(gemm_fn fn, const char *name) {
-    static const int sizes[][3] = {{7, 13, 37}, {67, 129, 65}, {1, 1, 1}, {33, 1, 17}, {130, 70, 300}, {5, 300, 3}};
+    static const int sizes[][3] = {{7, 13, 37}, {67, 129, 65}, {1, 1, 1}, {33, 1, 17}, {130, 70, 300}, {5, 300, 3},
+                                   {301, 7, 9}};
     static const float ab[][2] = {{1, 0}, {1, 1}, {0.5f, -2}, {-1.5f, 0.25f}};
     static const fl_dtype combos[][2] = {{FL_BF16, FL_F32}, {FL_F32, FL_F32}, {FL_BF16, FL_BF16}};
     int fails = 0, n = 0;
@@ -125,6 +139,33 @@ FL_TEST(prec_gemm_bf16_library_vs_f64) {
     bf16_check_all(fl_cpu_gemm, "gemm");
 }
 FL_TEST(prec_gemm_bf16_tiled_vs_f64) { bf16_check_all(fl_cpu_gemm_bf16_tiled, "tiled"); }
+
+/* The widening path (fl_cpu_gemm's bf16 path on CPUs without avx512_bf16) at every SIMD level
+ * the CPU has (fl_cpu_set_level; the levels it lacks are reported and skipped), with the whole
+ * scratch and with the scratch capped to 2560 floats: a BF16 C then gets 640-float tiles (all
+ * four tile shapes: whole C, full rows, full columns (301x7), square-ish) and, for the larger
+ * shapes, K / N / M blocks (e.g. 130x70x300 BF16 A: kb = 20, nb = 35, mb = 65), so the K
+ * blocks (beta on the first only), the C tiles (widened for beta, rounded once after the last
+ * K block), the pre-widened A of a BF16 C and the tile offsets all run. */
+FL_TEST(prec_gemm_bf16_widen_vs_f64) {
+    for (int l = FL_CPU_GENERIC; l <= FL_CPU_AVX512; l++) {
+        if (l > (int)fl_cpu_level_detected()) {
+            fprintf(stderr, "  level %s: not on this CPU, skipped\n", fl_cpu_level_name((fl_cpu_level_t)l));
+            continue;
+        }
+        fl_cpu_set_level(l);
+        char name[64];
+        if (l == (int)fl_cpu_level_detected()) { /* the widening kernels' tails run at every level below */
+            snprintf(name, sizeof name, "widen-%s", fl_cpu_level_name((fl_cpu_level_t)l));
+            bf16_check_all(fl_cpu_gemm_bf16_widen, name);
+        }
+        fl_cpu_gemm_widen_set_scratch_cap(2560);
+        snprintf(name, sizeof name, "widen-%s-blocked", fl_cpu_level_name((fl_cpu_level_t)l));
+        bf16_check_all(fl_cpu_gemm_bf16_widen, name);
+        fl_cpu_gemm_widen_set_scratch_cap(0);
+    }
+    fl_cpu_set_level(-1);
+}
 FL_TEST(prec_gemm_bf16_naive_vs_f64) { bf16_check_all(fl_cpu_gemm_naive, "naive"); }
 
 FL_TEST(prec_gemm_bf16_unsupported_and_deterministic) {
@@ -132,8 +173,8 @@ FL_TEST(prec_gemm_bf16_unsupported_and_deterministic) {
     be.n_threads = 2;
     float a[4] = {1, 2, 3, 4}, c[4];
     uint16_t b[4];
-    gemm_fn fns[3] = {fl_cpu_gemm, fl_cpu_gemm_naive, fl_cpu_gemm_bf16_tiled};
-    for (int f = 0; f < 3; f++) {
+    gemm_fn fns[4] = {fl_cpu_gemm, fl_cpu_gemm_naive, fl_cpu_gemm_bf16_tiled, fl_cpu_gemm_bf16_widen};
+    for (int f = 0; f < 4; f++) {
         FL_CHECK(fns[f](&be, 0, 0, 2, 2, 2, 1, b, FL_BF16, 2, a, FL_F32, 2, 0, c, FL_F32, 2) == FL_ERR_UNSUPPORTED);
         FL_CHECK(fns[f](&be, 0, 0, 2, 2, 2, 1, a, FL_F32, 2, b, FL_BF16, 2, 0, c, FL_BF16, 2) == FL_ERR_UNSUPPORTED);
         FL_CHECK(fns[f](&be, 0, 0, 2, 2, 2, 1, b, FL_F16, 2, b, FL_BF16, 2, 0, c, FL_F32, 2) == FL_ERR_UNSUPPORTED);
@@ -171,8 +212,9 @@ static uint16_t *to_f16(const float *x, size_t n) {
 
 /* One F32xF16->F32 or F16xF16->F32 case, same layout as bf16_case. B's values (and A's when A
  * is F16) are f16 values, some f16 subnormals among them; the float64 reference uses exactly
- * those values and an F32 A as is (not rounded to f16). Tolerance: fp32 accumulation error
- * 1e-5 * (|alpha| sum_k |a||b| + |beta c|). Padding and the untouched part of C: exact. */
+ * those values and an F32 A as is (not rounded to f16). Tolerance: fp32_dot_bound (an f16 x
+ * F32 product is not exact in fp32: one more rounding each, covered by the bound's 2K + 2).
+ * Padding and the untouched part of C: exact. */
 static int f16_case(gemm_fn fn, const char *name, fl_dtype ta, int tra, int trb, int M, int N, int K, float alpha,
                     float beta, int pad, int nan_c) {
     fl_backend be = {0};
@@ -210,7 +252,7 @@ static int f16_case(gemm_fn fn, const char *name, fl_dtype ta, int tra, int trb,
             size_t idx = 3 + (size_t)i * ldc + j;
             double v = alpha * s;
             if (beta != 0) v += (double)beta * Cf[idx];
-            T[idx] = 1e-5 * (fabs(alpha) * sa + fabs(beta != 0 ? beta * Cf[idx] : 0)) + 1e-30;
+            T[idx] = fp32_dot_bound(K, fabs(alpha) * sa + fabs(beta != 0 ? beta * Cf[idx] : 0)) + 1e-30;
             R[idx] = v;
         }
     const void *A = ta == FL_F32 ? (const void *)(Af + 3) : (const void *)(Ah + 3);
@@ -270,13 +312,13 @@ FL_TEST(prec_gemm_f16_library_vs_f64) {
 }
 FL_TEST(prec_gemm_f16_naive_vs_f64) { f16_check_all(fl_cpu_gemm_naive, "naive"); }
 
-/* The same cases with the scratch capped to 2560 floats: K, N and (F16 A) M are split into
- * several blocks (F32 A: kb = 40, nb = 64; F16 A: kb = 20, nb = mb = 64), so the per-block beta
- * (first K block only) and the C tile offsets are exercised. */
+/* The same cases with the scratch capped to 2560 floats: for the larger shapes K, N and (F16 A)
+ * M are split into several blocks (e.g. 130x70x300 with an F16 A: kb = 20, nb = 35, mb = 65),
+ * so the per-block beta (first K block only) and the C tile offsets are exercised. */
 FL_TEST(prec_gemm_f16_blocked_vs_f64) {
-    fl_cpu_gemm_f16_set_scratch_cap(2560);
+    fl_cpu_gemm_widen_set_scratch_cap(2560);
     f16_check_all(fl_cpu_gemm, "gemm-blocked");
-    fl_cpu_gemm_f16_set_scratch_cap(0);
+    fl_cpu_gemm_widen_set_scratch_cap(0);
 }
 
 /* Widening is exact: with A = 1 and K = 1, C = op(B) for every f16 bit pattern (subnormals,

@@ -1,8 +1,27 @@
-/* fitllm command-line entry point: dispatches to the subcommands. */
+/* fitllm command-line entry point: dispatches to the subcommands; --version. */
 #include <stdio.h>
 #include <string.h>
 
+#include "backend/cpu/cpu-impl.h"
 #include "cli.h"
+#include "fitllm/cpu.h"
+
+/* Build facts come from CMake (CMakeLists.txt, "CLI"); defaults for other build systems. */
+#ifndef FL_VERSION
+#define FL_VERSION "0.9.0-dev"
+#endif
+#ifndef FL_GIT_DESCRIBE
+#define FL_GIT_DESCRIBE ""
+#endif
+#ifndef FL_BUILD_TYPE
+#define FL_BUILD_TYPE "?"
+#endif
+#ifndef FL_BUILD_NATIVE
+#define FL_BUILD_NATIVE "?"
+#endif
+#ifndef FL_BUILD_SANITIZE
+#define FL_BUILD_SANITIZE "?"
+#endif
 
 static const struct {
     const char *name;
@@ -23,15 +42,65 @@ static const struct {
     {"bench-step", fl_cmd_bench_step, "time full training steps (median ms/step, tok/s, GFLOP/s, memory report)"},
 };
 
+/* "model name" of /proc/cpuinfo into buf ("unknown" if absent). */
+static const char *cpu_model(char *buf, size_t n) {
+    snprintf(buf, n, "unknown");
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    if (!f) return buf;
+    char line[512];
+    while (fgets(line, sizeof line, f)) {
+        if (strncmp(line, "model name", 10)) continue;
+        const char *v = strchr(line, ':');
+        if (!v) break;
+        v++;
+        while (*v == ' ' || *v == '\t') v++;
+        snprintf(buf, n, "%s", v);
+        buf[strcspn(buf, "\n")] = 0;
+        break;
+    }
+    fclose(f);
+    return buf;
+}
+
+/* fitllm --version: version, build options, the CPU and the kernels run-time dispatch chose. */
+static int version(void) {
+    char model[256];
+    fl_cpu_kernel_info k;
+    fl_cpu_kernels(&k);
+    int env_ok;
+    const char *env = fl_cpu_env(&env_ok);
+    printf("fitllm %s%s%s%s\n", FL_VERSION, *FL_GIT_DESCRIBE ? " (git " : "", FL_GIT_DESCRIBE, *FL_GIT_DESCRIBE ? ")" : "");
+#if defined(__clang__)
+    const char *cc = "clang";
+#elif defined(__GNUC__)
+    const char *cc = "gcc";
+#else
+    const char *cc = "cc";
+#endif
+    printf("build:    %s %s, %s, FL_NATIVE=%s, GEMM library %s, sanitize %s\n", cc, __VERSION__, FL_BUILD_TYPE,
+           FL_BUILD_NATIVE, fl_cpu_gemm_library(), FL_BUILD_SANITIZE);
+    printf("cpu:      %s\n", cpu_model(model, sizeof model));
+    const char *feat = fl_cpu_features_string();
+    printf("features: %s (level %s", *feat ? feat : "none of avx2/fma/f16c/avx512", fl_cpu_level_name(fl_cpu_level_detected()));
+    if (*env) printf("; FITLLM_CPU=%s%s", env, env_ok ? "" : " not understood (generic|avx2|avx512), ignored");
+    printf("; in use: %s)\n", k.cpu_level);
+    printf("kernels:  gemm %s, bf16 gemm %s, f16 gemm %s, adam8bit quantizer %s, 16-bit conversions %s\n",
+           k.gemm_library, k.bf16_gemm, k.f16_gemm, k.adam8bit, k.convert);
+    printf("threads:  %d (default; OMP_NUM_THREADS or --threads where a command has it)\n", k.threads);
+    return 0;
+}
+
 static void usage(FILE *f) {
     fprintf(f, "usage: fitllm <command> [options]   (fitllm <command> --help for its options)\n\ncommands:\n");
     for (size_t i = 0; i < sizeof k_cmds / sizeof k_cmds[0]; i++) fprintf(f, "  %-12s %s\n", k_cmds[i].name, k_cmds[i].help);
+    fprintf(f, "\n  --version    version, build options, CPU features and the kernels chosen for this CPU\n");
     fprintf(f, "\nexit codes: 0 ok, 1 runtime error, 2 usage error, 3 out of memory\n");
 }
 
 int main(int argc, char **argv) {
     if (argc < 2) { usage(stderr); return FL_EXIT_USAGE; }
     if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) { usage(stdout); return 0; }
+    if (!strcmp(argv[1], "--version") || !strcmp(argv[1], "version")) return version();
     for (size_t i = 0; i < sizeof k_cmds / sizeof k_cmds[0]; i++)
         if (!strcmp(argv[1], k_cmds[i].name)) return k_cmds[i].fn(argc - 1, argv + 1);
     fprintf(stderr, "fitllm: unknown command '%s'\n", argv[1]);

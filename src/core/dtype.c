@@ -1,6 +1,8 @@
 /* Element types and round-to-nearest-even conversions. */
 #include "fitllm/dtype.h"
 
+#include "core/cvt.h"
+
 #include <string.h>
 
 static const size_t k_size[FL_DTYPE_COUNT] = {4, 2, 2, 8, 4, 8, 1};
@@ -68,24 +70,30 @@ int fl_convert(void *dst, fl_dtype dt, const void *src, fl_dtype st, size_t n) {
     int ok_d = dt == FL_F32 || dt == FL_BF16 || dt == FL_F16 || dt == FL_F64;
     if (!ok_s || !ok_d) return -1;
     if (st == dt) { memcpy(dst, src, n * fl_dtype_size(st)); return 0; }
-    /* Fast common paths. */
-    if (dt == FL_F32 && st == FL_BF16) {
-        const uint16_t *s = src; float *d = dst;
-        for (size_t i = 0; i < n; i++) d[i] = fl_bf16_to_f32(s[i]);
+    /* F32 <-> BF16/F16 and BF16 <-> F16: the SIMD row kernels of core/cvt.c (bit-identical to
+     * the scalar functions); 16 -> 16 goes through fp32, which is exact. */
+    if (dt == FL_F32 && st == FL_BF16) { fl_cvt_bf16_to_f32(dst, src, n); return 0; }
+    if (dt == FL_F32 && st == FL_F16) { fl_cvt_f16_to_f32(dst, src, n); return 0; }
+    if (dt == FL_BF16 && st == FL_F32) { fl_cvt_f32_to_bf16(dst, src, n); return 0; }
+    if (dt == FL_F16 && st == FL_F32) { fl_cvt_f32_to_f16(dst, src, n); return 0; }
+    if ((dt == FL_BF16 || dt == FL_F16) && (st == FL_BF16 || st == FL_F16)) {
+        float tmp[1024];
+        for (size_t off = 0; off < n; off += 1024) {
+            size_t k = n - off < 1024 ? n - off : 1024;
+            const uint16_t *s = (const uint16_t *)src + off;
+            uint16_t *d = (uint16_t *)dst + off;
+            if (st == FL_BF16) fl_cvt_bf16_to_f32(tmp, s, k); else fl_cvt_f16_to_f32(tmp, s, k);
+            if (dt == FL_BF16) fl_cvt_f32_to_bf16(d, tmp, k); else fl_cvt_f32_to_f16(d, tmp, k);
+        }
         return 0;
     }
-    if (dt == FL_BF16 && st == FL_F32) {
-        const float *s = src; uint16_t *d = dst;
-        for (size_t i = 0; i < n; i++) d[i] = fl_f32_to_bf16(s[i]);
-        return 0;
-    }
+    /* F64 in or out (test-only) */
     for (size_t i = 0; i < n; i++) {
         double x = load_elem(src, st, i);
         switch (dt) {
         case FL_F32: ((float *)dst)[i] = (float)x; break;
-        /* double -> float -> half: exact for every source type here because
-         * sources are at most f32-precise, except F64 which rounds twice
-         * (documented: F64 inputs are test-only). */
+        /* double -> float -> half: rounds twice for F64 inputs (documented: F64 inputs are
+         * test-only). */
         case FL_BF16: ((uint16_t *)dst)[i] = fl_f32_to_bf16((float)x); break;
         case FL_F16: ((uint16_t *)dst)[i] = fl_f32_to_f16((float)x); break;
         case FL_F64: ((double *)dst)[i] = x; break;

@@ -42,16 +42,36 @@ const char *fl_cpu_gemm_library(void);
 fl_status fl_cpu_gemm_bf16_tiled(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
                                  const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb,
                                  float beta, void *C, fl_dtype tc, int ldc);
-/* Which bf16 path fl_cpu_gemm takes: "onednn-matmul-bf16" or "tiled" (env FITLLM_BF16_GEMM=tiled
- * forces the portable kernel). */
+/* The bf16 GEMM that widens bf16 blocks to fp32 and calls the build's sgemm (B must be BF16;
+ * same semantics as fl_cpu_gemm's bf16 path), whatever the CPU. */
+fl_status fl_cpu_gemm_bf16_widen(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                                 const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb,
+                                 float beta, void *C, fl_dtype tc, int ldc);
+/* Which bf16 path fl_cpu_gemm takes: "onednn-matmul-bf16" (oneDNN build, avx512_bf16 usable),
+ * "avx512-widen+sgemm" / "avx2-widen+sgemm" / "widen+sgemm" (library builds otherwise; the
+ * prefix is the widening's SIMD level) or "tiled" (naive builds). FITLLM_BF16_GEMM=tiled|widen
+ * forces the tiled kernel / the widening path. */
 const char *fl_cpu_gemm_bf16_path(void);
 /* How fl_cpu_gemm does F32xF16 / F16xF16: "f16c-widen+sgemm" (F16C widening) or "widen+sgemm". */
 const char *fl_cpu_gemm_f16_path(void);
-/* Tests: use only the first n floats (at least 256) of the fp16 GEMM's scratch (0 or >= its
- * size: all of it), so that small shapes exercise the K / N / M blocking. Process-wide. */
-void fl_cpu_gemm_f16_set_scratch_cap(size_t n);
-/* 1 if the CPU has AVX512_BF16 (vdpbf16ps). */
+/* Tests: use only the first n floats (at least 512) of the bf16/fp16 widening GEMM's scratch (0
+ * or >= its size: all of it), so that small shapes exercise the K / N / M / C-tile blocking.
+ * Process-wide. */
+void fl_cpu_gemm_widen_set_scratch_cap(size_t n);
+/* 1 if AVX512_BF16 (vdpbf16ps) is usable: the CPU has it and FITLLM_CPU allows avx512. */
 int fl_cpu_has_avx512bf16(void);
+
+/* ---- dispatch.c: the kernels run-time dispatch chose (fitllm --version, benchmarks) -------- */
+typedef struct {
+    const char *cpu_level;     /* fl_cpu_level_name(fl_cpu_level()) */
+    const char *gemm_library;  /* fl_cpu_gemm_library() */
+    const char *bf16_gemm;     /* fl_cpu_gemm_bf16_path() */
+    const char *f16_gemm;      /* fl_cpu_gemm_f16_path() */
+    const char *adam8bit;      /* fl_cpu_adam8bit_quantizer_path() */
+    const char *convert;       /* 16-bit conversions: core/cvt.c's fl_cvt_path() */
+    int threads;               /* default thread count (fl_cpu_backend_init with 0) */
+} fl_cpu_kernel_info;
+void fl_cpu_kernels(fl_cpu_kernel_info *k);
 
 /* ---- precision.c / adam8bit.c (reduced precision; semantics in backend.h) ------------ */
 fl_status fl_cpu_accumulate16(const fl_backend *be, uint16_t *dst, fl_dtype t, const float *src, size_t n);
@@ -68,6 +88,9 @@ fl_status fl_cpu_check_finite(const fl_backend *be, const void *x, fl_dtype t, s
 fl_status fl_cpu_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg,
                                  const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,
                                  float weight_decay, int step, float grad_scale);
+/* The 8-bit quantizer variant fl_adam8bit_quantize_n runs: "avx512-gather", "avx2-gather" or
+ * "scalar" (run-time dispatch, fitllm/cpu.h). */
+const char *fl_cpu_adam8bit_quantizer_path(void);
 
 /* ---- quant4.c / q4matmul.c / lora.c (LoRA and QLoRA; semantics in backend.h) ---------- */
 fl_status fl_cpu_q4_matmul_forward(const fl_backend *be, float *y, int ldy, const float *x, const fl_q4_weight *w,

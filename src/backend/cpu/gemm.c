@@ -25,8 +25,13 @@
  * an fp32 GEMM: an F32 A is NOT rounded to f16 (unlike F32xBF16, which rounds A to bf16), and
  * C = alpha * op(A) op(B) + beta * C is computed in fp32, with the BLAS edge semantics above.
  * Library builds widen op(B) (and an F16 A) block by block into one fixed fp32 scratch
- * (FL_F16_SCRATCH, allocated once, process-wide, mutex-guarded) and call the library sgemm per
- * block; see "fp16" below.
+ * (FL_WIDEN_SCRATCH, allocated once, process-wide, mutex-guarded) and call the library sgemm per
+ * block; see "widen + sgemm" below.
+ *
+ * bf16 paths (fl_cpu_gemm_bf16_path; FITLLM_BF16_GEMM=tiled|widen forces one): oneDNN's bf16
+ * matmul on CPUs with avx512_bf16 (usable at FITLLM_CPU's level, include/fitllm/cpu.h); else
+ * the fp16 scheme above with bf16 widening ("widen + sgemm"), which runs at sgemm speed; naive
+ * builds use the tiled kernel.
  *
  * Threads. fl_cpu_gemm runs on be->n_threads threads (<= 0: the OpenMP
  * default). It must be called from serial code, not from inside one of our
@@ -50,10 +55,8 @@
 #include <pthread.h>
 
 #include "backend/cpu/cpu-impl.h"
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#endif
+#include "core/cvt.h"
+#include "fitllm/cpu.h"
 
 #if defined(FL_HAVE_ONEDNN)
 #include <dnnl.h>
@@ -202,8 +205,8 @@ static fl_status gemm_lowp_naive(const fl_backend *be, int trans_a, int trans_b,
 
 /* Portable bf16 GEMM: (MB x NB) output tiles, one per task, K in KB slices widened to fp32
  * stack tiles; fp32 accumulators; a fixed k order per element (deterministic for any thread
- * count). Used when oneDNN's bf16 matmul is unavailable (no oneDNN, or a CPU without
- * avx512_bf16) and by the tests. */
+ * count). Used by naive builds (no library sgemm to widen into), FITLLM_BF16_GEMM=tiled and
+ * the tests; 6-13 GFLOP/s on Zen 3, where widening to the library sgemm reaches its speed. */
 fl_status fl_cpu_gemm_bf16_tiled(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
                                  const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb,
                                  float beta, void *C, fl_dtype tc, int ldc) {
@@ -249,13 +252,43 @@ fl_status fl_cpu_gemm_bf16_tiled(const fl_backend *be, int trans_a, int trans_b,
     return FL_OK;
 }
 
-int fl_cpu_has_avx512bf16(void) {
-#if defined(__x86_64__) && defined(__GNUC__)
-    return __builtin_cpu_supports("avx512bf16") ? 1 : 0;
-#else
-    return 0;
-#endif
+/* ---- the widening scratch ----------------------------------------------------------------
+ * One fp32 scratch of FL_WIDEN_SCRATCH floats, allocated on first use and kept until exit
+ * (process-wide; the only memory the GEMM allocates): the widened operand blocks of
+ * "widen + sgemm" below and oneDNN's bf16 copy of an F32 A. One mutex guards it. */
+#define FL_WIDEN_SCRATCH ((size_t)2 << 20) /* fp32 elements: 8 MiB */
+
+static struct {
+    pthread_mutex_t mu;
+    float *scratch;
+    int alloc_failed;
+    size_t cap; /* test hook: elements of the scratch to use (0: all) */
+} g_ws = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+/* Lock the scratch and return it (allocated on first use); NULL if it cannot be allocated
+ * (still locked). ws_unlock() in both cases. */
+static float *ws_lock(void) {
+    pthread_mutex_lock(&g_ws.mu);
+    if (!g_ws.scratch && !g_ws.alloc_failed) {
+        g_ws.scratch = malloc(FL_WIDEN_SCRATCH * sizeof(float));
+        g_ws.alloc_failed = !g_ws.scratch;
+    }
+    return g_ws.scratch;
 }
+static void ws_unlock(void) { pthread_mutex_unlock(&g_ws.mu); }
+
+void fl_cpu_gemm_widen_set_scratch_cap(size_t n) {
+    pthread_mutex_lock(&g_ws.mu);
+    /* >= 512: a BF16 C keeps a quarter (and a pre-widened A another), the rest room for blocks */
+    g_ws.cap = n == 0 || n >= FL_WIDEN_SCRATCH ? 0 : n < 512 ? 512 : n;
+    pthread_mutex_unlock(&g_ws.mu);
+}
+
+static fl_status gemm_widen(const fl_backend *be, int nt, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                            const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
+                            void *C, fl_dtype tc, int ldc);
+
+int fl_cpu_has_avx512bf16(void) { return (fl_cpu_features() & FL_CPU_F_AVX512BF16) ? 1 : 0; }
 
 #if defined(FL_HAVE_ONEDNN)
 /* oneDNN bf16 matmul primitives, cached.
@@ -270,10 +303,10 @@ int fl_cpu_has_avx512bf16(void) {
  * are quiet).
  *
  * F32 x BF16: oneDNN 2.6 has no f32-src/bf16-weights matmul, so op(A) is converted to bf16
- * (RNE, parallel) in row blocks into a fixed scratch of FL_BF16_SCRATCH elements (allocated
- * once, on first use, and kept with the cache), each block one matmul call with lda = K. */
+ * (RNE, parallel) in row blocks into the widening scratch (FL_BF16_SCRATCH bf16 elements),
+ * each block one matmul call with lda = K. */
 #define FL_BF16_CACHE 48
-#define FL_BF16_SCRATCH ((size_t)4 << 20) /* bf16 elements: 8 MiB */
+#define FL_BF16_SCRATCH (FL_WIDEN_SCRATCH * 2) /* bf16 elements in the fp32 scratch */
 
 typedef struct {
     int used, failed;
@@ -292,7 +325,6 @@ static struct {
     dnnl_stream_t strm;
     mm_entry e[FL_BF16_CACHE];
     unsigned long tick;
-    uint16_t *scratch;
 } g_mm = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 static int mm_init_locked(void) {
@@ -391,73 +423,46 @@ static int gemm_bf16_onednn(int nt, int trans_a, int trans_b, int M, int N, int 
         goto out;
     }
     /* F32 A: convert row blocks of op(A) to bf16 (row-major, lda = K) */
-    if (!g_mm.scratch) {
-        g_mm.scratch = malloc(FL_BF16_SCRATCH * sizeof(uint16_t));
-        if (!g_mm.scratch) goto out;
-    }
     if ((size_t)K > FL_BF16_SCRATCH) goto out;
+    uint16_t *S = (uint16_t *)ws_lock();
+    if (!S) {
+        ws_unlock();
+        goto out;
+    }
     int rows = (int)(FL_BF16_SCRATCH / (size_t)K);
     if (rows > M) rows = M;
     const float *Af = A;
     size_t csz = tc == FL_BF16 ? 2 : 4;
     for (int r0 = 0; r0 < M; r0 += rows) {
         int mb = M - r0 < rows ? M - r0 : rows;
-        uint16_t *S = g_mm.scratch;
 #pragma omp parallel for num_threads(nt) schedule(static)
-        for (int i = 0; i < mb; i++)
-            for (int k = 0; k < K; k++) {
-                size_t idx = trans_a ? (size_t)k * lda + (r0 + i) : (size_t)(r0 + i) * lda + k;
-                S[(size_t)i * K + k] = fl_f32_to_bf16(Af[idx]);
+        for (int i = 0; i < mb; i++) {
+            if (!trans_a) {
+                fl_cvt_f32_to_bf16(S + (size_t)i * K, Af + (size_t)(r0 + i) * lda, (size_t)K);
+                continue;
             }
+            for (int k = 0; k < K; k++) S[(size_t)i * K + k] = fl_f32_to_bf16(Af[(size_t)k * lda + (r0 + i)]);
+        }
         mm_entry *e = mm_get_locked(0, trans_b, mb, N, K, K, ldb, ldc, FL_BF16, tc, alpha, beta);
         if (!e || !mm_exec_locked(e, S, B, (char *)C + (size_t)r0 * ldc * csz)) {
+            ws_unlock();
             if (r0 == 0) goto out;
-            /* a later block failed after earlier ones were written: finish with the portable
-             * kernel (same semantics) so C is consistent */
+            /* a later block failed after earlier ones were written: finish with the widening
+             * path (same semantics) so C is consistent */
             pthread_mutex_unlock(&g_mm.mu);
-            fl_backend tmp = {0};
-            tmp.n_threads = nt;
-            fl_status s = fl_cpu_gemm_bf16_tiled(&tmp, trans_a, trans_b, M - r0, N, K, alpha,
-                                                 trans_a ? (const void *)(Af + r0) : (const void *)(Af + (size_t)r0 * lda),
-                                                 FL_F32, lda, B, FL_BF16, ldb, beta,
-                                                 (char *)C + (size_t)r0 * ldc * csz, tc, ldc);
+            fl_status s = gemm_widen(NULL, nt, trans_a, trans_b, M - r0, N, K, alpha,
+                                   trans_a ? (const void *)(Af + r0) : (const void *)(Af + (size_t)r0 * lda),
+                                   FL_F32, lda, B, FL_BF16, ldb, beta, (char *)C + (size_t)r0 * ldc * csz, tc, ldc);
             return s == FL_OK;
         }
     }
+    ws_unlock();
     done = 1;
 out:
     pthread_mutex_unlock(&g_mm.mu);
     return done;
 }
 #endif
-
-static fl_status gemm_bf16(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
-                           const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
-                           void *C, fl_dtype tc, int ldc) {
-    int nt = gemm_threads(be);
-    if (K == 0 || alpha == 0.0f) {
-        scale_c_any(C, tc, M, N, ldc, beta, nt);
-        return FL_OK;
-    }
-#if defined(FL_HAVE_ONEDNN)
-    static int use_dnnl = -1;
-    if (use_dnnl < 0) {
-        const char *env = getenv("FITLLM_BF16_GEMM");
-        use_dnnl = fl_cpu_has_avx512bf16() && !(env && strcmp(env, "tiled") == 0);
-    }
-    if (use_dnnl && gemm_bf16_onednn(nt, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, ldb, beta, C, tc, ldc))
-        return FL_OK;
-#endif
-    return fl_cpu_gemm_bf16_tiled(be, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc, ldc);
-}
-
-const char *fl_cpu_gemm_bf16_path(void) {
-#if defined(FL_HAVE_ONEDNN)
-    const char *env = getenv("FITLLM_BF16_GEMM");
-    if (fl_cpu_has_avx512bf16() && !(env && strcmp(env, "tiled") == 0)) return "onednn-matmul-bf16";
-#endif
-    return "tiled";
-}
 
 fl_status fl_cpu_gemm_naive(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
                             const void *A_, fl_dtype ta, int lda, const void *B_, fl_dtype tb, int ldb, float beta,
@@ -548,81 +553,124 @@ static fl_status sgemm_f32(const fl_backend *be, int nt, int trans_a, int trans_
 #endif
 }
 
-/* ---- fp16 ------------------------------------------------------------------------------
- * F32xF16->F32 and F16xF16->F32 (semantics at the top of this file). op(B) is widened to fp32
- * in (kb x nb) blocks, kept in B's stored orientation (so the widening reads whole rows and the
- * sgemm keeps trans_b), into a fixed scratch of FL_F16_SCRATCH floats, allocated once on first
- * use and kept until exit; an F16 A is widened the same way into the scratch's second half in
- * (mb x kb) blocks. Each block is one library sgemm on the matching C tile, beta for the first
- * K block and 1 after. With the default scratch the training shapes up to K = 2048 x N = 1024
- * (F32 A) are a single call: the widening (F16C; OpenMP threads, or the calling thread in
- * OpenBLAS builds) costs a few percent of the sgemm. The scratch and the calls are guarded by one mutex (thread-safe, serialized across
- * callers). If the scratch cannot be allocated, the double-accumulating reference kernel runs
- * (same semantics, slow). */
-#define FL_F16_SCRATCH ((size_t)2 << 20) /* fp32 elements: 8 MiB */
+/* ---- widen + sgemm (bf16 and fp16) -------------------------------------------------------
+ * F32xF16, F16xF16, BF16xBF16 and F32xBF16 (semantics at the top of this file and under
+ * "bf16"), on CPUs where a library sgemm beats a 16-bit kernel (every CPU for fp16; CPUs
+ * without avx512_bf16 for bf16: a bf16 x bf16 product is exact in fp32, so the widened
+ * problem is the bf16 problem and only the summation order differs from the reference).
+ *
+ * op(B) is widened to fp32 in (kb x nb) blocks, kept in B's stored orientation (so the
+ * widening reads whole rows and the sgemm keeps trans_b), into one fixed scratch of
+ * FL_WIDEN_SCRATCH floats, allocated once on first use and kept until exit (process-wide,
+ * shared by bf16 and fp16); A goes into the scratch's second half in (mb x kb) blocks when it
+ * is 16-bit, or F32 paired with a BF16 B (rounded to bf16, RNE, then widened: the documented
+ * F32xBF16 semantics). Each block is one library sgemm on the matching C tile, beta for the
+ * first K block and 1 after. A BF16 C is computed tile by tile in an fp32 part of the scratch
+ * (beta != 0: the tile widened first), then rounded (RNE) once on store. With the default
+ * scratch the training shapes up to K = 2048 x N = 1024 are a single call per operand block;
+ * the widening (core/cvt.c's SIMD rows, run-time dispatch; one OpenMP thread per 512 Ki
+ * elements, see widen_threads; the calling thread in OpenBLAS builds) costs a few percent of
+ * the sgemm. The scratch and the calls are
+ * guarded by one mutex (thread-safe, serialized across callers). If the scratch cannot be
+ * allocated, the double-accumulating reference kernel runs (same semantics, slow). */
+/* Row converters to fp32: 16-bit storage widened exactly, or F32 rounded to bf16. */
+typedef enum { W_NONE, W_BF16, W_F16, W_F32_ROUND_BF16 } widen_kind;
 
-static struct {
-    pthread_mutex_t mu;
-    float *scratch;
-    int alloc_failed, f16c;
-    size_t cap; /* test hook: elements of the scratch to use (0: all) */
-} g_f16 = {.mu = PTHREAD_MUTEX_INITIALIZER, .f16c = -1};
+/* One widening: dst(rows, cols), row stride ldd = widen(src(rows, cols), row stride lds). */
+typedef struct {
+    float *dst;
+    int ldd;
+    const void *src;
+    widen_kind w;
+    int rows, cols, lds;
+} widen_job;
 
-void fl_cpu_gemm_f16_set_scratch_cap(size_t n) {
-    pthread_mutex_lock(&g_f16.mu);
-    /* >= 256: each half keeps room for a 64-wide panel of at least 2 k (kb, nb, mb > 0) */
-    g_f16.cap = n == 0 || n >= FL_F16_SCRATCH ? 0 : n < 256 ? 256 : n;
-    pthread_mutex_unlock(&g_f16.mu);
+static void widen_row(const widen_job *j, int r) {
+    float *d = j->dst + (size_t)r * j->ldd;
+    if (j->w == W_F32_ROUND_BF16)
+        fl_cvt_f32_round_bf16(d, (const float *)j->src + (size_t)r * j->lds, (size_t)j->cols);
+    else if (j->w == W_BF16)
+        fl_cvt_bf16_to_f32(d, (const uint16_t *)j->src + (size_t)r * j->lds, (size_t)j->cols);
+    else
+        fl_cvt_f16_to_f32(d, (const uint16_t *)j->src + (size_t)r * j->lds, (size_t)j->cols);
 }
 
-static int has_f16c(void) {
-#if defined(__x86_64__) && defined(__GNUC__)
-    return __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx") ? 1 : 0;
-#else
-    return 0;
-#endif
+/* Threads for widening `work` elements: one per FL_WIDEN_PER_THREAD (at most nt). A parallel
+ * region ends in a barrier, and on an oversubscribed machine (2 vCPUs shared with other
+ * processes) a preempted thread holds it for a time slice: measured on Zen 3 under load, the
+ * training shapes ran at ~2-3x the sgemm time with 2 widening threads and ~1.0x with one. One
+ * thread widens 512 Ki elements in ~0.3 ms, a few percent of the GEMMs that come with them;
+ * larger blocks (bigger models, many cores) get more threads. */
+#define FL_WIDEN_PER_THREAD ((int64_t)1 << 19)
+static int widen_threads(int64_t work, int nt) {
+    int64_t t = work / FL_WIDEN_PER_THREAD;
+    return t < 1 ? 1 : t > nt ? nt : (int)t;
 }
 
-const char *fl_cpu_gemm_f16_path(void) { return has_f16c() ? "f16c-widen+sgemm" : "widen+sgemm"; }
-
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx,f16c"))) static void widen_row_f16c(float *d, const uint16_t *s, int n) {
-    int j = 0;
-    for (; j + 16 <= n; j += 16) {
-        __m128i h0 = _mm_loadu_si128((const __m128i *)(s + j)), h1 = _mm_loadu_si128((const __m128i *)(s + j + 8));
-        _mm256_storeu_ps(d + j, _mm256_cvtph_ps(h0));
-        _mm256_storeu_ps(d + j + 8, _mm256_cvtph_ps(h1));
+/* Run 1 or 2 widenings in one parallel region (one barrier, see widen_threads). */
+static void widen_jobs(const widen_job *j, int nj, int nt) {
+    int rows0 = j[0].rows, total = rows0 + (nj > 1 ? j[1].rows : 0);
+    int64_t work = (int64_t)j[0].rows * j[0].cols + (nj > 1 ? (int64_t)j[1].rows * j[1].cols : 0);
+    int t = widen_threads(work, nt);
+#pragma omp parallel for num_threads(t) schedule(static) if (t > 1)
+    for (int r = 0; r < total; r++) {
+        if (r < rows0)
+            widen_row(&j[0], r);
+        else
+            widen_row(&j[1], r - rows0);
     }
-    for (; j < n; j++) d[j] = fl_f16_to_f32(s[j]);
 }
-#endif
 
-/* dst(rows, cols) dense (row stride cols) = widen(src(rows, cols), row stride lds). */
-static void widen_f16(float *dst, const uint16_t *src, int rows, int cols, int lds, int f16c, int nt) {
-#pragma omp parallel for num_threads(nt) schedule(static) if ((int64_t)rows * cols > 32768)
-    for (int r = 0; r < rows; r++) {
-        float *d = dst + (size_t)r * cols;
-        const uint16_t *s = src + (size_t)r * lds;
-#if defined(__x86_64__) && defined(__GNUC__)
-        if (f16c) {
-            widen_row_f16c(d, s, cols);
-            continue;
-        }
-#endif
-        (void)f16c;
-        for (int j = 0; j < cols; j++) d[j] = fl_f16_to_f32(s[j]);
+static void widen_rows(float *dst, int ldd, const void *src, widen_kind w, int rows, int cols, int lds, int nt) {
+    widen_job j = {dst, ldd, src, w, rows, cols, lds};
+    widen_jobs(&j, 1, nt);
+}
+
+/* dst(rows, cols), row stride ldd = bf16 RNE of src(rows, cols), row stride lds. */
+static void narrow_rows_bf16(uint16_t *dst, int ldd, const float *src, int lds, int rows, int cols, int nt) {
+    int t = widen_threads((int64_t)rows * cols, nt);
+#pragma omp parallel for num_threads(t) schedule(static) if (t > 1)
+    for (int r = 0; r < rows; r++) fl_cvt_f32_to_bf16(dst + (size_t)r * ldd, src + (size_t)r * lds, (size_t)cols);
+}
+
+static const char *elem_at(const void *p, fl_dtype t, size_t idx) { return (const char *)p + idx * fl_dtype_size(t); }
+
+/* Block size for splitting n into ceil(n / most) equal blocks (most >= 1). */
+static int balanced(int n, size_t most) {
+    if (most < 1) most = 1;
+    if ((size_t)n <= most) return n;
+    int nblk = (int)(((size_t)n + most - 1) / most);
+    return (n + nblk - 1) / nblk;
+}
+
+/* Row stride of a (rows x cols) scratch block: cols, or cols + 16 when cols is a multiple of
+ * 256 floats (1 KiB) and the block still fits in cap: power-of-two strides map the rows of a
+ * panel onto the same cache sets (4K aliasing), which cost 1.5-2.4x on the K = 1024 dW shapes. */
+static int scratch_ld(int rows, int cols, size_t cap) {
+    return cols % 256 == 0 && (size_t)rows * (cols + 16) <= cap ? cols + 16 : cols;
+}
+
+/* fp32 C (M,N) ldc = alpha op(A) op(B) + beta C with A, B widened block by block into
+ * scratch[0, cap). wa: how A is widened (W_NONE: an F32 A used in place). Blocks: all of K
+ * when op(B) fits, else K slices at least 256 deep (so N blocks stay wide: the sgemm needs
+ * M, N and K of a few hundred to run at full speed) and as much of N as fits; M blocks as
+ * the A half allows; every split balanced. 1/16 of each half is left for stride padding. */
+static fl_status widen_sgemm_f32c(const fl_backend *be, int nt, int trans_a, int trans_b, int M, int N, int K,
+                                  float alpha, const void *A, fl_dtype ta, widen_kind wa, int lda, const void *B,
+                                  widen_kind wb, int ldb, float beta, float *C, int ldc, float *scratch, size_t cap) {
+    /* scratch: B blocks in [0, bcap), A blocks in [bcap, cap) */
+    size_t bcap = wa != W_NONE ? cap / 2 : cap, acap = cap - bcap;
+    size_t bfit = bcap - bcap / 16, afit = acap - acap / 16;
+    int kb;
+    if ((size_t)K * N <= bfit) {
+        kb = K;
+    } else {
+        size_t deep = bfit / 64 < 256 ? bfit / 64 : 256, k_all_n = bfit / (size_t)N;
+        size_t k = k_all_n > deep ? k_all_n : deep;
+        kb = balanced(K, k < 1 ? 1 : k);
     }
-}
-
-static fl_status gemm_f16_blocked(const fl_backend *be, int nt, int trans_a, int trans_b, int M, int N, int K,
-                                  float alpha, const void *A, fl_dtype ta, int lda, const uint16_t *B, int ldb,
-                                  float beta, float *C, int ldc, float *scratch, size_t cap, int f16c) {
-    /* scratch: B blocks in [0, bcap), A blocks (F16 A) in [bcap, cap); at least 64 columns
-     * (rows) of N (M) per block */
-    size_t bcap = ta == FL_F16 ? cap / 2 : cap, acap = cap - bcap;
-    int kb = (size_t)K * 64 <= bcap ? K : (int)(bcap / 64);
-    int nb = (size_t)N * kb <= bcap ? N : (int)(bcap / (size_t)kb);
-    int mb = ta == FL_F32 || (size_t)M * kb <= acap ? M : (int)(acap / (size_t)kb);
+    int nb = balanced(N, bfit / (size_t)kb);
+    int mb = wa == W_NONE ? M : balanced(M, afit / (size_t)kb);
     float *SB = scratch, *SA = scratch + bcap;
 #if defined(FL_HAVE_OPENBLAS)
     /* widen on the calling thread: an OpenMP region right before each OpenBLAS call makes the
@@ -635,39 +683,194 @@ static fl_status gemm_f16_blocked(const fl_backend *be, int nt, int trans_a, int
         int kc = K - k0 < kb ? K - k0 : kb;
         float bk = k0 == 0 ? beta : 1.0f;
         int a_ready = 0; /* mb == M: the widened A block of this k0 is reused for every j0 */
+        int ldsa = 0;
         for (int j0 = 0; j0 < N; j0 += nb) {
             int nc = N - j0 < nb ? N - j0 : nb;
-            if (trans_b) /* stored (N,K): rows j0.., cols k0.. -> SB (nc, kc) */
-                widen_f16(SB, B + (size_t)j0 * ldb + k0, nc, kc, ldb, f16c, wnt);
-            else /* stored (K,N): rows k0.., cols j0.. -> SB (kc, nc) */
-                widen_f16(SB, B + (size_t)k0 * ldb + j0, kc, nc, ldb, f16c, wnt);
-            int ldsb = trans_b ? kc : nc;
+            widen_job jobs[2]; /* [0]: B's block until the first sgemm; then A's blocks */
+            if (trans_b) { /* stored (N,K): rows j0.., cols k0.. -> SB (nc, kc) */
+                widen_job jb = {SB, scratch_ld(nc, kc, bcap), (const uint16_t *)B + (size_t)j0 * ldb + k0, wb, nc, kc, ldb};
+                jobs[0] = jb;
+            } else { /* stored (K,N): rows k0.., cols j0.. -> SB (kc, nc) */
+                widen_job jb = {SB, scratch_ld(kc, nc, bcap), (const uint16_t *)B + (size_t)k0 * ldb + j0, wb, kc, nc, ldb};
+                jobs[0] = jb;
+            }
+            int ldsb = jobs[0].ldd;
             for (int i0 = 0; i0 < M; i0 += mb) {
                 int mc = M - i0 < mb ? M - i0 : mb;
+                int nj = i0 == 0 ? 1 : 0;
                 const float *Ap;
                 int ldap;
-                if (ta == FL_F32) {
+                if (wa == W_NONE) {
                     const float *Af = A;
                     Ap = trans_a ? Af + (size_t)k0 * lda + i0 : Af + (size_t)i0 * lda + k0;
                     ldap = lda;
                 } else {
-                    const uint16_t *Ah = A;
                     if (!a_ready) {
-                        if (trans_a) /* stored (K,M): rows k0.., cols i0.. -> SA (kc, mc) */
-                            widen_f16(SA, Ah + (size_t)k0 * lda + i0, kc, mc, lda, f16c, wnt);
-                        else /* stored (M,K): rows i0.., cols k0.. -> SA (mc, kc) */
-                            widen_f16(SA, Ah + (size_t)i0 * lda + k0, mc, kc, lda, f16c, wnt);
+                        if (trans_a) { /* stored (K,M): rows k0.., cols i0.. -> SA (kc, mc) */
+                            widen_job ja = {SA, scratch_ld(kc, mc, acap), elem_at(A, ta, (size_t)k0 * lda + i0), wa,
+                                            kc, mc, lda};
+                            jobs[nj++] = ja;
+                        } else { /* stored (M,K): rows i0.., cols k0.. -> SA (mc, kc) */
+                            widen_job ja = {SA, scratch_ld(mc, kc, acap), elem_at(A, ta, (size_t)i0 * lda + k0), wa,
+                                            mc, kc, lda};
+                            jobs[nj++] = ja;
+                        }
+                        ldsa = jobs[nj - 1].ldd;
                         a_ready = mb == M;
                     }
                     Ap = SA;
-                    ldap = trans_a ? mc : kc;
+                    ldap = ldsa;
                 }
+                if (nj > 0) widen_jobs(jobs, nj, wnt); /* B's block (first i0) and A's: one region */
                 FL_TRY(sgemm_f32(be, nt, trans_a, trans_b, mc, nc, kc, alpha, Ap, ldap, SB, ldsb, bk,
                                  C + (size_t)i0 * ldc + j0, ldc));
             }
         }
     }
     return FL_OK;
+}
+
+/* Checked arguments, M, N, K > 0, alpha != 0; tb is BF16 or F16 (with the types of
+ * gemm_types_ok). */
+static fl_status gemm_widen(const fl_backend *be, int nt, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                            const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
+                            void *C, fl_dtype tc, int ldc) {
+    widen_kind wb = tb == FL_BF16 ? W_BF16 : W_F16;
+    widen_kind wa = ta == FL_BF16 ? W_BF16 : ta == FL_F16 ? W_F16 : tb == FL_BF16 ? W_F32_ROUND_BF16 : W_NONE;
+    if (!ws_lock()) {
+        ws_unlock();
+        return gemm_lowp_naive(be, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc, ldc);
+    }
+    size_t cap = g_ws.cap ? g_ws.cap : FL_WIDEN_SCRATCH;
+    float *S = g_ws.scratch;
+    fl_status s = FL_OK;
+    if (tc == FL_F32) {
+        s = widen_sgemm_f32c(be, nt, trans_a, trans_b, M, N, K, alpha, A, ta, wa, lda, B, wb, ldb, beta, C, ldc, S,
+                             cap);
+        ws_unlock();
+        return s;
+    }
+#if defined(FL_HAVE_OPENBLAS)
+    int wnt = 1;
+#else
+    int wnt = nt;
+#endif
+    /* BF16 C: (mr x nr) tiles of C accumulate in fp32 in the scratch's last quarter. When
+     * op(A) fits in a quarter too it is widened once up front, and the tiles span all M rows
+     * where they can, so that neither operand is widened more than once. */
+    size_t ccap = cap / 4, rest = cap - ccap;
+    float *SC = S + rest;
+    int a_rows = trans_a ? K : M, a_cols = trans_a ? M : K;
+    int lda_w = scratch_ld(a_rows, a_cols, cap / 4);
+    if ((size_t)a_rows * lda_w <= cap / 4) {
+        rest -= cap / 4;
+        float *SA = S + rest;
+        widen_rows(SA, lda_w, A, wa, a_rows, a_cols, lda, wnt);
+        A = SA, ta = FL_F32, wa = W_NONE, lda = lda_w;
+    }
+    int mr, nr;
+    if ((size_t)M * N <= ccap) {
+        mr = M, nr = N;
+    } else if (ccap / (size_t)M >= 64) {
+        mr = M, nr = balanced(N, ccap / (size_t)M);
+    } else if (ccap / (size_t)N >= 64) {
+        nr = N, mr = balanced(M, ccap / (size_t)N);
+    } else {
+        size_t side = 64;
+        while ((side * 2) * (side * 2) <= ccap) side *= 2;
+        mr = balanced(M, side), nr = balanced(N, ccap / (size_t)mr);
+    }
+    uint16_t *Cb = C;
+    for (int i0 = 0; i0 < M && s == FL_OK; i0 += mr) {
+        int mc = M - i0 < mr ? M - i0 : mr;
+        const void *Ai = elem_at(A, ta, trans_a ? (size_t)i0 : (size_t)i0 * lda);
+        for (int j0 = 0; j0 < N && s == FL_OK; j0 += nr) {
+            int nc = N - j0 < nr ? N - j0 : nr;
+            const void *Bj = elem_at(B, tb, trans_b ? (size_t)j0 * ldb : (size_t)j0);
+            uint16_t *Ct = Cb + (size_t)i0 * ldc + j0;
+            int ldsc = scratch_ld(mc, nc, ccap);
+            if (beta != 0.0f) widen_rows(SC, ldsc, Ct, W_BF16, mc, nc, ldc, wnt);
+            s = widen_sgemm_f32c(be, nt, trans_a, trans_b, mc, nc, K, alpha, Ai, ta, wa, lda, Bj, wb, ldb, beta, SC,
+                                 ldsc, S, rest);
+            if (s == FL_OK) narrow_rows_bf16(Ct, ldc, SC, ldsc, mc, nc, wnt);
+        }
+    }
+    ws_unlock();
+    return s;
+}
+
+/* The bf16 path for fl_cpu_gemm: FITLLM_BF16_GEMM=tiled|widen forces one (read once); else
+ * oneDNN's bf16 matmul where the CPU has avx512_bf16 (faster there than widening), widening to
+ * the library sgemm in library builds, the tiled kernel in naive builds (faster than the
+ * naive sgemm). */
+typedef enum { BF16_ONEDNN, BF16_WIDEN, BF16_TILED } bf16_path_t;
+static pthread_once_t g_bf16_env_once = PTHREAD_ONCE_INIT;
+static int g_bf16_env = -1;
+static void bf16_env_read(void) {
+    const char *env = getenv("FITLLM_BF16_GEMM");
+    if (env && !strcmp(env, "tiled")) g_bf16_env = BF16_TILED;
+    if (env && !strcmp(env, "widen")) g_bf16_env = BF16_WIDEN;
+}
+
+static bf16_path_t bf16_path(void) {
+    pthread_once(&g_bf16_env_once, bf16_env_read);
+    if (g_bf16_env >= 0) return (bf16_path_t)g_bf16_env;
+#if defined(FL_HAVE_ONEDNN)
+    if (fl_cpu_has_avx512bf16()) return BF16_ONEDNN;
+#endif
+#if defined(FL_HAVE_ONEDNN) || defined(FL_HAVE_OPENBLAS)
+    return BF16_WIDEN;
+#else
+    return BF16_TILED;
+#endif
+}
+
+fl_status fl_cpu_gemm_bf16_widen(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                                 const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb,
+                                 float beta, void *C, fl_dtype tc, int ldc) {
+    FL_TRY(gemm_check("gemm_bf16_widen", trans_a, trans_b, M, N, K, A, ta, lda, B, tb, ldb, C, tc, ldc));
+    if (tb != FL_BF16)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "gemm_bf16_widen: B must be BF16 (got %s)", fl_dtype_name(tb));
+    if (M == 0 || N == 0) return FL_OK;
+    int nt = gemm_threads(be);
+    if (K == 0 || alpha == 0.0f) {
+        scale_c_any(C, tc, M, N, ldc, beta, nt);
+        return FL_OK;
+    }
+    return gemm_widen(be, nt, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc, ldc);
+}
+
+/* Checked arguments, M, N > 0, bf16 types. */
+static fl_status gemm_bf16(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                           const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
+                           void *C, fl_dtype tc, int ldc) {
+    int nt = gemm_threads(be);
+    if (K == 0 || alpha == 0.0f) {
+        scale_c_any(C, tc, M, N, ldc, beta, nt);
+        return FL_OK;
+    }
+    bf16_path_t p = bf16_path();
+    if (p == BF16_TILED)
+        return fl_cpu_gemm_bf16_tiled(be, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc, ldc);
+#if defined(FL_HAVE_ONEDNN)
+    if (p == BF16_ONEDNN &&
+        gemm_bf16_onednn(nt, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, ldb, beta, C, tc, ldc))
+        return FL_OK;
+    /* a shape oneDNN rejects: widen (same semantics) */
+#endif
+    return gemm_widen(be, nt, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc, ldc);
+}
+
+const char *fl_cpu_gemm_bf16_path(void) {
+    bf16_path_t p = bf16_path();
+    if (p == BF16_ONEDNN) return "onednn-matmul-bf16";
+    if (p == BF16_TILED) return "tiled";
+    fl_cpu_level_t l = fl_cpu_level();
+    return l >= FL_CPU_AVX512 ? "avx512-widen+sgemm" : l >= FL_CPU_AVX2 ? "avx2-widen+sgemm" : "widen+sgemm";
+}
+
+const char *fl_cpu_gemm_f16_path(void) {
+    return fl_cpu_level() >= FL_CPU_AVX2 ? "f16c-widen+sgemm" : "widen+sgemm";
 }
 
 /* Checked arguments, M, N > 0, tb == F16, tc == F32. */
@@ -678,21 +881,7 @@ static fl_status gemm_f16(const fl_backend *be, int trans_a, int trans_b, int M,
         scale_c(C, M, N, ldc, beta, nt);
         return FL_OK;
     }
-    pthread_mutex_lock(&g_f16.mu);
-    if (!g_f16.scratch && !g_f16.alloc_failed) {
-        g_f16.scratch = malloc(FL_F16_SCRATCH * sizeof(float));
-        g_f16.alloc_failed = !g_f16.scratch;
-    }
-    if (g_f16.f16c < 0) g_f16.f16c = has_f16c();
-    if (!g_f16.scratch) {
-        pthread_mutex_unlock(&g_f16.mu);
-        return gemm_lowp_naive(be, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, FL_F16, ldb, beta, C, FL_F32,
-                               ldc);
-    }
-    fl_status s = gemm_f16_blocked(be, nt, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, ldb, beta, C, ldc,
-                                   g_f16.scratch, g_f16.cap ? g_f16.cap : FL_F16_SCRATCH, g_f16.f16c);
-    pthread_mutex_unlock(&g_f16.mu);
-    return s;
+    return gemm_widen(be, nt, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, FL_F16, ldb, beta, C, FL_F32, ldc);
 }
 
 fl_status fl_cpu_gemm(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,

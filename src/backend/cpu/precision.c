@@ -9,34 +9,31 @@
 #include <omp.h>
 
 #include "backend/cpu/cpu-impl.h"
+#include "core/cvt.h"
 
 #define FL_PREC_CHUNK 1024
 
 static int is16(fl_dtype t) { return t == FL_BF16 || t == FL_F16; }
 static int isfloat(fl_dtype t) { return t == FL_F32 || is16(t); }
 
+/* The 16-bit loops are core/cvt.c's SIMD row kernels (run-time dispatch, bit-identical to the
+ * scalar fl_bf16_to_f32 / fl_f32_to_bf16 / fl_f16_to_f32 / fl_f32_to_f16). */
 static void widen(float *dst, const void *src, fl_dtype t, size_t off, size_t n) {
-    if (t == FL_F32) {
+    if (t == FL_F32)
         memcpy(dst, (const float *)src + off, n * sizeof(float));
-    } else if (t == FL_BF16) {
-        const uint16_t *s = (const uint16_t *)src + off;
-        for (size_t i = 0; i < n; i++) dst[i] = fl_bf16_to_f32(s[i]);
-    } else {
-        const uint16_t *s = (const uint16_t *)src + off;
-        for (size_t i = 0; i < n; i++) dst[i] = fl_f16_to_f32(s[i]);
-    }
+    else if (t == FL_BF16)
+        fl_cvt_bf16_to_f32(dst, (const uint16_t *)src + off, n);
+    else
+        fl_cvt_f16_to_f32(dst, (const uint16_t *)src + off, n);
 }
 
 static void narrow(void *dst, fl_dtype t, size_t off, const float *src, size_t n) {
-    if (t == FL_F32) {
+    if (t == FL_F32)
         memcpy((float *)dst + off, src, n * sizeof(float));
-    } else if (t == FL_BF16) {
-        uint16_t *d = (uint16_t *)dst + off;
-        for (size_t i = 0; i < n; i++) d[i] = fl_f32_to_bf16(src[i]);
-    } else {
-        uint16_t *d = (uint16_t *)dst + off;
-        for (size_t i = 0; i < n; i++) d[i] = fl_f32_to_f16(src[i]);
-    }
+    else if (t == FL_BF16)
+        fl_cvt_f32_to_bf16((uint16_t *)dst + off, src, n);
+    else
+        fl_cvt_f32_to_f16((uint16_t *)dst + off, src, n);
 }
 
 static int nthreads(const fl_backend *be) { return be && be->n_threads > 0 ? be->n_threads : 1; }
@@ -176,7 +173,9 @@ fl_status fl_cpu_accumulate16(const fl_backend *be, uint16_t *dst, fl_dtype t, c
         size_t off = c * FL_PREC_CHUNK, k = n - off < FL_PREC_CHUNK ? n - off : FL_PREC_CHUNK;
         float tmp[FL_PREC_CHUNK];
         widen(tmp, dst, t, off, k);
-        for (size_t i = 0; i < k; i++) tmp[i] += src[off + i];
+        const float *s = src + off;
+#pragma omp simd
+        for (size_t i = 0; i < k; i++) tmp[i] += s[i];
         narrow(dst, t, off, tmp, k);
     }
     return FL_OK;

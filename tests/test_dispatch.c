@@ -1,0 +1,263 @@
+/* Run-time CPU dispatch: the level API (include/fitllm/cpu.h), and every SIMD variant the CPU
+ * has against the scalar code it replaces, bit for bit: 16-bit conversions (core/cvt.c, through
+ * fl_convert, the backend's convert and accumulate16) and the 8-bit optimizer's quantizer and
+ * update. Variants the CPU lacks are reported and skipped. Run: fitllm_tests dispatch */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/cpu/cpu-impl.h"
+#include "core/cvt.h"
+#include "fitllm/cpu.h"
+#include "test.h"
+
+/* Levels to test: those the CPU has; prints the others. Returns how many. */
+static int test_levels(int *lv) {
+    int n = 0;
+    for (int l = FL_CPU_GENERIC; l <= FL_CPU_AVX512; l++) {
+        if (l > (int)fl_cpu_level_detected())
+            fprintf(stderr, "  level %s: not on this CPU, skipped\n", fl_cpu_level_name((fl_cpu_level_t)l));
+        else
+            lv[n++] = l;
+    }
+    return n;
+}
+
+static float f_of(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+FL_TEST(dispatch_cpu_levels) {
+    unsigned f = fl_cpu_features_detected();
+    fl_cpu_level_t hw = fl_cpu_level_detected();
+    fprintf(stderr, "  cpu: %s; level %s (in use: %s)\n", fl_cpu_features_string(), fl_cpu_level_name(hw),
+            fl_cpu_level_name(fl_cpu_level()));
+    FL_CHECK(fl_cpu_level() <= hw);
+    FL_CHECK((hw >= FL_CPU_AVX2) == ((f & (FL_CPU_F_AVX2 | FL_CPU_F_FMA | FL_CPU_F_F16C)) ==
+                                     (FL_CPU_F_AVX2 | FL_CPU_F_FMA | FL_CPU_F_F16C)));
+    FL_CHECK(((f & FL_CPU_F_AVX2) != 0) == (strstr(fl_cpu_features_string(), "avx2") != NULL));
+    /* the cap clamps to the hardware and lowers the usable features */
+    FL_CHECK(fl_cpu_set_level(FL_CPU_AVX512 + 5) == hw);
+    FL_CHECK(fl_cpu_set_level(FL_CPU_GENERIC) == FL_CPU_GENERIC);
+    FL_CHECK(fl_cpu_features() == (f & ~(unsigned)(FL_CPU_F_AVX2 | FL_CPU_F_FMA | FL_CPU_F_F16C | FL_CPU_F_AVX512F |
+                                                   FL_CPU_F_AVX512BW | FL_CPU_F_AVX512VL | FL_CPU_F_AVX512BF16)));
+    FL_CHECK(!fl_cpu_has_avx512bf16());
+    FL_CHECK(!strcmp(fl_cvt_path(), "scalar") && !strcmp(fl_cpu_adam8bit_quantizer_path(), "scalar"));
+    fl_cpu_kernel_info k;
+    fl_cpu_kernels(&k);
+    FL_CHECK(!strcmp(k.cpu_level, "generic") && !strcmp(k.gemm_library, fl_cpu_gemm_library()) && k.threads >= 1);
+    const char *env = getenv("FITLLM_BF16_GEMM");
+    if (!env && strcmp(fl_cpu_gemm_library(), "naive")) /* library build, no override: widening, scalar */
+        FL_CHECKF(!strcmp(k.bf16_gemm, "widen+sgemm"), "bf16 path at generic: %s", k.bf16_gemm);
+    fl_cpu_set_level(-1);
+    fl_cpu_kernels(&k);
+    fprintf(stderr, "  kernels: level %s, gemm %s, bf16 %s, f16 %s, adam8bit %s, convert %s, threads %d\n", k.cpu_level,
+            k.gemm_library, k.bf16_gemm, k.f16_gemm, k.adam8bit, k.convert, k.threads);
+    if (hw >= FL_CPU_AVX2 && fl_cpu_level() >= FL_CPU_AVX2)
+        FL_CHECK(strcmp(k.convert, "scalar") != 0 && strcmp(k.adam8bit, "scalar") != 0);
+}
+
+/* fp32 inputs that exercise every rounding case of both 16-bit formats: for every bf16 and
+ * every f16 value h, the midpoint to the next value (a tie: exact in fp32) and the floats
+ * either side of it, the value itself; every NaN class (quiet, signalling, payloads, both
+ * signs), +-inf, +-0, fp32 subnormals; then random bit patterns. */
+static float *conversion_inputs(size_t *n_out) {
+    size_t n = 65536 * 4 + 65536 * 4 + 64 + 500000, k = 0;
+    float *x = malloc(n * sizeof(float));
+    for (uint32_t h = 0; h < 65536; h++) {
+        uint32_t b = h << 16;
+        x[k++] = f_of(b), x[k++] = f_of(b | 0x8000), x[k++] = f_of(b | 0x7fff), x[k++] = f_of(b | 0x8001);
+    }
+    for (uint32_t h = 0; h < 65536; h++) {
+        float v = fl_f16_to_f32((uint16_t)h);
+        x[k++] = v;
+        if ((h & 0x7c00) == 0x7c00 || (h & 0x7fff) == 0x7bff) { /* inf/NaN, largest finite: neighbours */
+            x[k++] = nextafterf(v, 0), x[k++] = nextafterf(v, INFINITY), x[k++] = -v;
+            continue;
+        }
+        double next = fl_f16_to_f32((uint16_t)(h + 1)), mid = ((double)v + next) / 2; /* exact in fp32 */
+        float m = (float)mid;
+        x[k++] = m, x[k++] = nextafterf(m, -INFINITY), x[k++] = nextafterf(m, INFINITY);
+    }
+    const uint32_t sp[] = {0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc00000u, 0x7f800001u, 0xff800001u, 0x7fbfffffu,
+                           0x7fffffffu, 0xffffffffu, 0x7f80ffffu, 0x7f810000u, 0x7fa00000u, 0x00000001u, 0x80000001u,
+                           0x007fffffu, 0x807fffffu, 0x00800000u, 0x7f7fffffu, 0xff7fffffu, 0x7f7f8000u, 0x477ff000u,
+                           0x477fefffu, 0xc77ff000u, 0x33000000u, 0x33000001u, 0x32ffffffu, 0x38800000u, 0x387fffffu,
+                           0x387ff000u, 0x00000000u, 0x80000000u, 0x3f808000u, 0x3f818000u, 0x3f800001u};
+    for (size_t i = 0; i < sizeof sp / sizeof sp[0]; i++) x[k++] = f_of(sp[i]);
+    fl_test_rng rng = {2024};
+    while (k < n) x[k++] = f_of((uint32_t)fl_test_rng_u64(&rng));
+    *n_out = n;
+    return x;
+}
+
+static size_t count_diff(const void *a, const void *b, size_t n, size_t elem, size_t *first) {
+    size_t d = 0;
+    for (size_t i = 0; i < n; i++)
+        if (memcmp((const char *)a + i * elem, (const char *)b + i * elem, elem)) {
+            if (!d) *first = i;
+            d++;
+        }
+    return d;
+}
+
+FL_TEST(dispatch_convert_variants_bit_exact) {
+    size_t n;
+    float *x = conversion_inputs(&n);
+    uint16_t *all16 = malloc(65536 * 2);
+    for (uint32_t h = 0; h < 65536; h++) all16[h] = (uint16_t)h;
+    /* scalar references */
+    uint16_t *rb = malloc(n * 2), *rh = malloc(n * 2), *got16 = malloc(n * 2);
+    float *rr = malloc(n * 4), *wb = calloc(65536, 4), *wh = calloc(65536, 4), *gotf = malloc(n * 4);
+    for (size_t i = 0; i < n; i++) {
+        rb[i] = fl_f32_to_bf16(x[i]);
+        rh[i] = fl_f32_to_f16(x[i]);
+        rr[i] = fl_bf16_to_f32(rb[i]);
+    }
+    for (uint32_t h = 0; h < 65536; h++) wb[h] = fl_bf16_to_f32((uint16_t)h), wh[h] = fl_f16_to_f32((uint16_t)h);
+    fl_backend be;
+    fl_cpu_backend_init(&be, 2);
+    int lv[3], nl = test_levels(lv);
+    for (int li = 0; li < nl; li++) {
+        fl_cpu_set_level(lv[li]);
+        const char *L = fl_cpu_level_name((fl_cpu_level_t)lv[li]);
+        size_t first = 0, d;
+        /* odd start and length: the SIMD bodies and the scalar tails */
+        for (int off = 0; off < 2; off++) {
+            size_t m = n - off - 3;
+            fl_cvt_f32_to_bf16(got16 + off, x + off, m);
+            d = count_diff(got16 + off, rb + off, m, 2, &first);
+            FL_CHECKF(d == 0, "%s f32->bf16: %zu differ, first x=%08x got %04x want %04x", L, d,
+                      ((uint32_t *)x)[off + first], got16[off + first], rb[off + first]);
+            fl_cvt_f32_to_f16(got16 + off, x + off, m);
+            d = count_diff(got16 + off, rh + off, m, 2, &first);
+            FL_CHECKF(d == 0, "%s f32->f16: %zu differ, first x=%08x got %04x want %04x", L, d,
+                      ((uint32_t *)x)[off + first], got16[off + first], rh[off + first]);
+            fl_cvt_f32_round_bf16(gotf + off, x + off, m);
+            d = count_diff(gotf + off, rr + off, m, 4, &first);
+            FL_CHECKF(d == 0, "%s f32 round bf16: %zu differ", L, d);
+            fl_cvt_bf16_to_f32(gotf + off, all16 + off, 65536 - off - 3);
+            d = count_diff(gotf + off, wb + off, 65536 - off - 3, 4, &first);
+            FL_CHECKF(d == 0, "%s bf16->f32: %zu differ", L, d);
+            fl_cvt_f16_to_f32(gotf + off, all16 + off, 65536 - off - 3);
+            d = count_diff(gotf + off, wh + off, 65536 - off - 3, 4, &first);
+            FL_CHECKF(d == 0, "%s f16->f32: %zu differ, first h=%04zx got %08x want %08x", L, d, first + off,
+                      ((uint32_t *)gotf)[off + first], ((uint32_t *)wh)[off + first]);
+        }
+        /* in place rounding */
+        memcpy(gotf, x, n * 4);
+        fl_cvt_f32_round_bf16(gotf, gotf, n);
+        FL_CHECKF(count_diff(gotf, rr, n, 4, &first) == 0, "%s f32 round bf16 in place", L);
+        /* the public and backend bulk conversions on top */
+        for (int t = 0; t < 2; t++) {
+            fl_dtype d16 = t ? FL_F16 : FL_BF16;
+            const uint16_t *want16 = t ? rh : rb;
+            const float *wantw = t ? wh : wb;
+            FL_REQUIRE(fl_convert(got16, d16, x, FL_F32, n) == 0);
+            FL_CHECKF(count_diff(got16, want16, n, 2, &first) == 0, "%s fl_convert F32->%s", L, fl_dtype_name(d16));
+            FL_REQUIRE_OK(be.convert(&be, got16, d16, x, FL_F32, n));
+            FL_CHECKF(count_diff(got16, want16, n, 2, &first) == 0, "%s convert F32->%s", L, fl_dtype_name(d16));
+            FL_REQUIRE(fl_convert(gotf, FL_F32, all16, d16, 65536) == 0);
+            FL_CHECKF(count_diff(gotf, wantw, 65536, 4, &first) == 0, "%s fl_convert %s->F32", L, fl_dtype_name(d16));
+            FL_REQUIRE_OK(be.convert(&be, gotf, FL_F32, all16, d16, 65536));
+            FL_CHECKF(count_diff(gotf, wantw, 65536, 4, &first) == 0, "%s convert %s->F32", L, fl_dtype_name(d16));
+            /* 16 -> other 16 through fp32 */
+            fl_dtype o = t ? FL_BF16 : FL_F16;
+            uint16_t *w2 = malloc(65536 * 2);
+            for (uint32_t h = 0; h < 65536; h++) w2[h] = o == FL_BF16 ? fl_f32_to_bf16(wantw[h]) : fl_f32_to_f16(wantw[h]);
+            FL_REQUIRE(fl_convert(got16, o, all16, d16, 65536) == 0);
+            FL_CHECKF(count_diff(got16, w2, 65536, 2, &first) == 0, "%s fl_convert %s->%s", L, fl_dtype_name(d16),
+                      fl_dtype_name(o));
+            FL_REQUIRE_OK(be.convert(&be, got16, o, all16, d16, 65536));
+            FL_CHECKF(count_diff(got16, w2, 65536, 2, &first) == 0, "%s convert %s->%s", L, fl_dtype_name(d16),
+                      fl_dtype_name(o));
+            free(w2);
+            /* accumulate16: dst = round(widen(dst) + src) */
+            size_t na = 200003;
+            uint16_t *acc = malloc(na * 2), *want = malloc(na * 2);
+            fl_test_rng rng = {(unsigned long long)(77 + t)};
+            for (size_t i = 0; i < na; i++) {
+                acc[i] = (uint16_t)fl_test_rng_u64(&rng);
+                float a = t ? fl_f16_to_f32(acc[i]) : fl_bf16_to_f32(acc[i]);
+                /* NaN + NaN: which payload x86 keeps depends on the operand order, which the
+                 * compiler may swap (the add is commutative): not the conversions' business */
+                if (isnan(a) && isnan(x[i])) acc[i] = 0, a = 0;
+                volatile float s = a + x[i]; /* one IEEE add, as the kernel */
+                want[i] = t ? fl_f32_to_f16(s) : fl_f32_to_bf16(s);
+            }
+            FL_REQUIRE_OK(be.accumulate16(&be, acc, d16, x, na));
+            d = count_diff(acc, want, na, 2, &first);
+            FL_CHECKF(d == 0, "%s accumulate16 %s: %zu differ, first x=%08x got %04x want %04x", L, fl_dtype_name(d16), d,
+                      ((uint32_t *)x)[first], acc[first], want[first]);
+            free(acc), free(want);
+        }
+    }
+    fl_cpu_set_level(-1);
+    free(x), free(all16), free(rb), free(rh), free(got16), free(rr), free(wb), free(wh), free(gotf);
+}
+
+FL_TEST(dispatch_adam8bit_variants_bit_exact) {
+    int lv[3], nl = test_levels(lv);
+    /* the quantizer on random values, every code, every midpoint and its neighbours, NaN, inf */
+    size_t n = 0, cap = 300000;
+    float *x = malloc(cap * 4);
+    uint8_t *want = malloc(cap), *got = malloc(cap);
+    fl_test_rng rng = {5};
+    for (int sgn = 0; sgn < 2; sgn++) {
+        const float *code = sgn ? fl_adam8bit_code_signed : fl_adam8bit_code_unsigned;
+        n = 0;
+        for (int i = 0; i < 100000; i++) {
+            float v = fl_test_rng_uniform(&rng, sgn ? -1.0f : 0.0f, 1.0f);
+            x[n++] = i % 3 ? v : v * v * v * v; /* small magnitudes too */
+        }
+        for (int c = 0; c < 256; c++) {
+            float mid = c < 255 ? (code[c] + code[c + 1]) * 0.5f : code[c];
+            x[n++] = code[c], x[n++] = mid, x[n++] = nextafterf(mid, -2), x[n++] = nextafterf(mid, 2);
+        }
+        const float sp[] = {NAN, -NAN, INFINITY, -INFINITY, 0.0f, -0.0f, 1.5f, -1.5f, 1e-30f, -1e-30f};
+        for (size_t i = 0; i < sizeof sp / sizeof sp[0]; i++) x[n++] = sp[i];
+        n -= 5; /* odd length: the scalar tail too */
+        for (size_t i = 0; i < n; i++) want[i] = fl_adam8bit_quantize(code, sgn, x[i]);
+        for (int li = 0; li < nl; li++) {
+            fl_cpu_set_level(lv[li]);
+            fl_adam8bit_quantize_n(code, sgn, x, (int)n, got);
+            size_t first = 0, d = count_diff(got, want, n, 1, &first);
+            FL_CHECKF(d == 0, "%s quantizer (%s): %zu of %zu differ, first x=%a got %d want %d",
+                      fl_cpu_level_name((fl_cpu_level_t)lv[li]), sgn ? "signed" : "unsigned", d, n, x[first],
+                      got[first], want[first]);
+        }
+    }
+    /* whole 8-bit updates (F32 and BF16 params) at each level: identical params and state */
+    size_t np = 9000;
+    size_t bytes = fl_adam8bit_state_bytes(np);
+    float *g = malloc(np * 4), *p0 = malloc(np * 4);
+    fl_test_fill(&rng, g, np, -0.1f, 0.1f);
+    fl_test_fill(&rng, p0, np, -1, 1);
+    g[17] = NAN;
+    void *ref_mem = NULL;
+    float *ref_p = NULL;
+    for (int li = 0; li < nl; li++) {
+        fl_cpu_set_level(lv[li]);
+        fl_backend be;
+        fl_cpu_backend_init(&be, 2);
+        void *mem = calloc(1, bytes);
+        float *p = malloc(np * 4);
+        memcpy(p, p0, np * 4);
+        fl_adam8bit_state st;
+        FL_REQUIRE_OK(fl_adam8bit_state_bind(&st, np, mem));
+        for (int s = 1; s <= 3; s++)
+            FL_REQUIRE_OK(be.adam8bit_update(&be, p, FL_F32, g, FL_F32, &st, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.01f, s, 1.0f));
+        if (!ref_mem) {
+            ref_mem = mem, ref_p = p;
+            continue;
+        }
+        FL_CHECKF(memcmp(p, ref_p, np * 4) == 0 && memcmp(mem, ref_mem, bytes) == 0,
+                  "adam8bit update at %s differs from generic", fl_cpu_level_name((fl_cpu_level_t)lv[li]));
+        free(mem), free(p);
+    }
+    fl_cpu_set_level(-1);
+    free(ref_mem), free(ref_p), free(g), free(p0), free(x), free(want), free(got);
+}
