@@ -123,17 +123,34 @@ static void golden(const char *dir) {
     }
     /* Anchor: the same 5 steps run in float64 by the fixture script (after5_f64.*). Two
      * float32 implementations round differently; which one lands nearer the exact result is
-     * chance, so neither is the truth: each is measured against float64, and ours must stay
-     * within 2x PyTorch fp32's own worst distance over the model (E_torch, the noise floor of
-     * float32 AdamW in this regime; tests/ref/README.md has the figures). Scaled per tensor
-     * by max|p_f64|, as elsewhere.
+     * chance, so neither is the truth: each is measured against float64. The distance is the
+     * worst element of the worst tensor, scaled by the tensor's max|p_f64|: an extreme value
+     * over ~1e5 elements whose Adam update amplifies gradient rounding by lr/|g|, so it moves
+     * by integer factors between equally good fp32 runs (three PyTorch runs: 1.3x; fitllm's
+     * own with and without FMA contraction in AdamW: 1.35x; tests/ref/README.md). Ours must
+     * stay within 4x PyTorch fp32's own distance (E_torch). That bar still separates real
+     * optimizer errors by orders of magnitude: the same 5 steps with the learning rate off
+     * by 1% (a wrong bias correction or schedule does at least that) must land over 10x the
+     * bar, checked below, so the check can fail.
      * Adam divides each element's update by its own gradient scale, so an element whose
      * gradient is at float-noise level (e.g. GPT-2's k bias, whose exact gradient is 0) moves
      * by +-lr on noise in every precision, float64 included. Elements with
      * 0 < |grad| < 1e-4 x the tensor's max are excluded from the bound (counted, must be
      * under 2%) and only held to Adam's bound |delta| <= steps * lr; exact zeros (unused
      * embedding rows) are checked like the rest. */
-    double tau = 1e-4, e_torch = 0, worst_p = 0;
+    fl_model mm; /* the mutant: same steps, lr x 1.01 */
+    FL_REQUIRE_OK(fl_hf_load_model(&mm, dir, &be, &pool));
+    FL_REQUIRE_OK(fl_model_alloc_grads(&mm));
+    FL_REQUIRE_OK(fl_model_alloc_acts(&mm, B, T));
+    fl_optimizer om;
+    fl_optim_config ocm = oc;
+    ocm.lr = oc.lr * 1.01f;
+    FL_REQUIRE_OK(fl_optim_init(&om, &mm, &ocm));
+    for (int k = 0; k < 5; k++) {
+        fl_step_result r;
+        FL_REQUIRE_OK(fl_train_step(&mm, &om, ids->data, tg->data, 1, B, T, ocm.lr, 0.0f, &r));
+    }
+    double tau = 1e-4, e_torch = 0, worst_p = 0, worst_mut = 0;
     size_t excluded = 0, total = 0;
     double *pe_ours = calloc((size_t)m.layout.n, sizeof(double));
     double *ref64 = malloc(m.layout.numel * sizeof(double));
@@ -154,7 +171,7 @@ static void golden(const char *dir) {
         to_ours(g1, tg1, p);
         to_ours(p32, t, p);
         to_ours64(ref64, t64, p);
-        double gmax = 0, pmax = 0, d_ours = 0, d_torch = 0;
+        double gmax = 0, pmax = 0, d_ours = 0, d_torch = 0, d_mut = 0;
         for (size_t k = 0; k < p->numel; k++) {
             if (fabs(g1[k]) > gmax) gmax = fabs(g1[k]);
             if (fabs(ref64[k]) > pmax) pmax = fabs(ref64[k]);
@@ -173,26 +190,33 @@ static void golden(const char *dir) {
             if (d > d_ours) { d_ours = d; wk_at[i] = k; }
             double dt = fabs((double)p32[k] - ref64[k]);
             if (dt > d_torch) d_torch = dt;
+            double dm = fabs((double)mm.params[p->offset + k] - ref64[k]);
+            if (dm > d_mut) d_mut = dm;
         }
         double sc = pmax > 0 ? pmax : 1;
         pe_ours[i] = d_ours / sc;
         if (d_torch / sc > e_torch) e_torch = d_torch / sc;
         if (pe_ours[i] > worst_p) worst_p = pe_ours[i];
+        if (d_mut / sc > worst_mut) worst_mut = d_mut / sc;
         free(g1);
         free(p32);
     }
     FL_CHECKF(e_torch > 0, "%s: PyTorch fp32 is bit-identical to float64 after 5 steps (fixture broken?)", dir);
     for (int i = 0; i < m.layout.n; i++) {
         const fl_param_info *p = &m.layout.params[i];
-        FL_CHECKF(pe_ours[i] <= 2 * e_torch,
-                  "%s: %s after 5 AdamW steps: distance to float64 %.3g at %zu, over 2x PyTorch fp32's own %.3g", dir,
+        FL_CHECKF(pe_ours[i] <= 4 * e_torch,
+                  "%s: %s after 5 AdamW steps: distance to float64 %.3g at %zu, over 4x PyTorch fp32's own %.3g", dir,
                   p->name, pe_ours[i], wk_at[i], e_torch);
     }
     FL_CHECKF(excluded * 50 <= total, "%s: %zu of %zu elements have near-zero gradients (over 2%%)", dir, excluded, total);
     printf("      %s: %zu of %zu elements (%.2f%%) with |grad| < %.0e x tensor max held to Adam's bound only\n", dir,
            excluded, total, 100.0 * excluded / total, tau);
-    printf("      %s: after 5 AdamW steps, distance to float64: ours %.3g, PyTorch fp32 %.3g (bar 2x = %.3g)\n", dir,
-           worst_p, e_torch, 2 * e_torch);
+    FL_CHECKF(worst_mut > 10 * 4 * e_torch, "%s: lr off by 1%% lands at %.3g from float64, within 10x the bar %.3g", dir,
+              worst_mut, 4 * e_torch);
+    printf("      %s: after 5 AdamW steps, distance to float64: ours %.3g, PyTorch fp32 %.3g (bar 4x = %.3g); "
+           "lr off by 1%%: %.3g\n", dir, worst_p, e_torch, 4 * e_torch, worst_mut);
+    fl_optim_free(&om);
+    fl_model_free(&mm);
     free(pe_ours);
     free(wk_at);
     free(ref64);
