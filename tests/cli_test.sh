@@ -144,6 +144,22 @@ if [ -d "$DATA/stories260K-hf" ]; then
         --out_dir "$T/ft-syn" --train.max_steps 12 --train.save_interval 5 --resume auto --quiet
     expect finetune_init_random 0 "loss train: 6\.2" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" --init random \
         --train.max_steps 1 --train.global_batch_size 1 --eval.final_validation false --out_dir "$T/x9" --quiet
+    # a diverged run stops: the step, the value and a hint, exit 1, no final/, the good checkpoints kept
+    expect finetune_diverged 1 "diverged at step 3 \(iter 9\): the loss is NaN.*lower the learning rate" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" \
+        --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --train.max_seq_length 128 --train.micro_batch_size 4 \
+        --train.max_steps 4 --train.save_interval 1 --optimizer.lr 1e30 --eval.max_new_tokens 0 --out_dir "$T/div"
+    if [ ! -e "$T/div/final" ] && [ -d "$T/div/step-000001" ]; then echo "ok   finetune_diverged_no_final"; pass=$((pass+1)); else echo "FAIL finetune_diverged_no_final"; fail=$((fail+1)); fi
+    # a checkpoint holding a NaN weight is refused, naming the tensor (model folder and --resume)
+    poke_nan() { # first 4 data bytes of a safetensors file := f32 NaN
+        local hl; hl=$(od -An -t u8 -N8 "$1" | tr -d ' ')
+        printf '\x00\x00\xc0\x7f' | dd of="$1" bs=1 seek=$((8 + hl)) conv=notrunc status=none
+    }
+    mkdir -p "$T/nanmodel"; cp "$DATA/stories260K-hf"/* "$T/nanmodel/"; poke_nan "$T/nanmodel/model.safetensors"
+    expect load_nan_weights 1 "tensor '[a-z_.0-9]+' holds a non-finite value" -- "$FITLLM" generate "$T/nanmodel" --prompt "Once" --max_new_tokens 2
+    poke_nan "$T/div/step-000001/model.safetensors"
+    expect resume_nan_weights 1 "step-000001/model.safetensors: tensor '[a-z_.0-9]+' holds a non-finite value" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" \
+        --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --train.max_seq_length 128 --train.micro_batch_size 4 \
+        --train.max_steps 4 --out_dir "$T/div" --resume "$T/div/step-000001"
     expect finetune_not_a_model 2 "neither a model folder nor a preset" -- "$FITLLM" finetune_full "$T/nope-model" --out_dir "$T/x1"
     expect finetune_missing_data 2 "nope.json" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" --data JSON --data.json_path "$T/nope.json" --out_dir "$T/x2"
 else

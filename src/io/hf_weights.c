@@ -75,6 +75,15 @@ static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl
         src = aligned;
     }
     fl_status s = FL_OK;
+    /* a NaN weight poisons every output: refuse it here, naming the tensor,
+     * instead of training or generating NaN silently */
+    long long bad = fl_io_first_nonfinite(src, t->dtype, p->numel);
+    if (bad >= 0) {
+        free(aligned);
+        free(q4src);
+        return fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s' holds a non-finite value (inf/NaN) at element %lld: the "
+                         "file is corrupt or was saved from a diverged run", f->path, t->name, bad);
+    }
     if (!(p->ndim == 2 && p->transposed_on_disk)) {
         if (fl_convert(dst, dt, src, t->dtype, p->numel))
             s = fl_errorf(FL_ERR_INTERNAL, "%s: tensor '%s': conversion failed", f->path, t->name);
@@ -92,6 +101,30 @@ static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl
     if (q4src && s == FL_OK) fl_model_write_param(m, pi, q4src);
     free(q4src);
     return s;
+}
+
+long long fl_io_first_nonfinite(const void *x, fl_dtype t, size_t n) {
+    const unsigned char *b = x;
+    /* by bits: an all-ones exponent is inf or NaN (memcpy: no alignment needed) */
+    for (size_t i = 0; i < n; i++) {
+        if (t == FL_F32) {
+            uint32_t v;
+            memcpy(&v, b + 4 * i, 4);
+            if ((v & 0x7f800000u) == 0x7f800000u) return (long long)i;
+        } else if (t == FL_F64) {
+            uint64_t v;
+            memcpy(&v, b + 8 * i, 8);
+            if ((v & 0x7ff0000000000000ull) == 0x7ff0000000000000ull) return (long long)i;
+        } else if (t == FL_BF16 || t == FL_F16) {
+            uint16_t v;
+            memcpy(&v, b + 2 * i, 2);
+            uint16_t e = t == FL_BF16 ? 0x7f80u : 0x7c00u;
+            if ((v & e) == e) return (long long)i;
+        } else {
+            return -1;
+        }
+    }
+    return -1;
 }
 
 typedef struct {
