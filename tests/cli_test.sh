@@ -55,6 +55,21 @@ expect finetune_lora_bad_r 2 "lora_r must be positive" -- "$FITLLM" finetune_lor
 expect finetune_lora_bad_target 2 "valid" -- "$FITLLM" finetune_lora micro --lora_target_modules qq_proj --out_dir "$T/l4"
 expect finetune_lora_head_tied 2 "lm_head is tied to the input embeddings" -- "$FITLLM" finetune_lora micro --lora_head true --out_dir "$T/l5"
 expect finetune_precision_unknown 2 "16-mixed" -- "$FITLLM" finetune_full micro --precision 8-true --out_dir "$T/x5"
+# options of another command are errors naming the command that takes them (never silently ignored)
+expect finetune_full_quantize 2 "'quantize' applies to finetune_lora only" -- "$FITLLM" finetune_full micro --quantize bnb.nf4 --out_dir "$T/o1"
+expect finetune_full_lora_r 2 "'lora_r' applies to finetune_lora only" -- "$FITLLM" finetune_full micro --lora_r 4 --out_dir "$T/o1"
+expect pretrain_lora_r 2 "pretrain trains without LoRA" -- "$FITLLM" pretrain --model_name micro --lora_alpha 4 --out_dir "$T/o1"
+printf 'quantize: bnb.nf4\n' > "$T/q.yaml"
+expect finetune_full_yaml_quantize 2 "q.yaml:1: option 'quantize' applies to finetune_lora only" -- "$FITLLM" finetune_full micro --config "$T/q.yaml" --out_dir "$T/o1"
+expect plan_quantize_without_lora 2 "plan ... --lora" -- "$FITLLM" plan tinyllama-1.1b --quantize bnb.nf4
+if "$FITLLM" finetune_full --help | grep -qE "lora|quantize" || "$FITLLM" pretrain --help | grep -qE "lora|quantize"; then
+    echo "FAIL help_no_lora_options"; fail=$((fail+1)); else echo "ok   help_no_lora_options"; pass=$((pass+1)); fi
+expect finetune_lora_help_lists_lora 0 "--lora_r" -- "$FITLLM" finetune_lora --help
+# train.max_time ends the run like max_steps: final validation and final/
+expect finetune_max_time 0 "train.max_time \(0.5 s\) reached after step [0-9]+ of [0-9]+" -- "$FITLLM" finetune_full micro --train.max_time 0.5 \
+    --train.max_steps 100000 --train.global_batch_size 2 --train.micro_batch_size 2 --eval.max_new_tokens 0 --out_dir "$T/mt" --quiet
+if [ -d "$T/mt/final" ]; then echo "ok   finetune_max_time_final"; pass=$((pass+1)); else echo "FAIL finetune_max_time_final"; fail=$((fail+1)); fi
+expect finetune_max_time_bad 2 "train.max_time must be a positive number" -- "$FITLLM" finetune_full micro --train.max_time 0 --out_dir "$T/mt0"
 expect finetune_16_true_ok 0 "Saved the final model" -- "$FITLLM" finetune_full micro --precision 16-true --train.max_steps 3 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/x5b" --quiet
 expect finetune_oom 3 "out of memory" -- "$FITLLM" finetune_full tiny --max_memory 100MB --out_dir "$T/x6" --train.max_steps 1
 if [ -d "$T/x6/final" ] || ls "$T/x6"/step-* >/dev/null 2>&1; then echo "FAIL finetune_oom_no_output"; fail=$((fail+1)); else echo "ok   finetune_oom_no_output"; pass=$((pass+1)); fi

@@ -76,6 +76,29 @@ FL_TEST(cfg_bad_input_errors) {
     FL_CHECK(fl_cfg_set(&c, "optimizer.betas", "[0.9]") == FL_ERR_INVALID);
     FL_CHECK(fl_cfg_set(&c, "precision", "fp8") == FL_ERR_INVALID);
     FL_CHECK(fl_cfg_set(&c, "optimizer", "Lion") == FL_ERR_UNSUPPORTED);
+    /* options of finetune_lora are refused by finetune_full/pretrain (they would be ignored), naming the
+     * command that takes them; the effective-config dump of a full run does not write them either */
+    FL_CHECK(fl_cfg_set(&c, "quantize", "bnb.nf4") == FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "finetune_lora") != NULL, "%s", fl_error_message());
+    FL_CHECK(fl_cfg_set(&c, "lora_r", "4") == FL_ERR_INVALID);
+    FL_CHECK(fl_cfg_set(&c, "use_rslora", "true") == FL_ERR_INVALID);
+    char *dump = NULL;
+    size_t dn = 0;
+    FILE *mf = open_memstream(&dump, &dn);
+    FL_REQUIRE(mf != NULL);
+    fl_cfg_write_yaml(&c, mf);
+    fclose(mf);
+    FL_CHECKF(!strstr(dump, "lora_") && !strstr(dump, "quantize"), "%s", dump);
+    free(dump);
+    fl_run_config lc;
+    fl_cfg_defaults(&lc, FL_CMD_FINETUNE_LORA);
+    FL_CHECK(fl_cfg_set(&lc, "lora_r", "4") == FL_OK && lc.lora.r == 4);
+    /* train.max_time: seconds, positive or null */
+    FL_CHECK(c.train.max_time < 0);
+    FL_REQUIRE_OK(fl_cfg_set(&c, "train.max_time", "2.5"));
+    FL_CHECK(c.train.max_time == 2.5f);
+    FL_REQUIRE_OK(fl_cfg_set(&c, "train.max_time", "null"));
+    FL_CHECK(c.train.max_time < 0);
     /* malformed YAML names file and line */
     const char *y = write_tmp("bad.yaml", "train:\n  micro_batch_size: 4\n   global_batch_size: [\n");
     FL_CHECK(fl_cfg_apply_yaml_file(&c, y) == FL_ERR_INVALID);

@@ -41,6 +41,7 @@ void fl_cfg_defaults(fl_run_config *c, fl_cmd_kind cmd) {
     }
     t->lr_warmup_fraction = -1;
     t->max_steps = -1;
+    t->max_time = -1;
     t->tie_embeddings = -1;
     t->max_norm = 0;
     c->eval.interval = cmd == FL_CMD_PRETRAIN ? 1000 : cmd == FL_CMD_FINETUNE_LORA ? 100 : 600;
@@ -96,7 +97,7 @@ static const fl_cfg_key k_keys[] = {
     {"train.epochs", FL_CK_INT_OPT, OFF(train.epochs), "epochs to train"},
     {"train.max_tokens", FL_CK_LL_OPT, OFF(train.max_tokens), "stop after this many tokens"},
     {"train.max_steps", FL_CK_INT_OPT, OFF(train.max_steps), "stop after this many optimizer steps"},
-    {"train.max_time", FL_CK_IGNORED, 0, "accepted for LitGPT compatibility"},
+    {"train.max_time", FL_CK_FLOAT_OPT, OFF(train.max_time), "stop after this many seconds of training, then finish as at max_steps"},
     {"train.max_seq_length", FL_CK_INT_OPT, OFF(train.max_seq_length), "truncate samples to this length"},
     {"train.tie_embeddings", FL_CK_BOOL_OPT, OFF(train.tie_embeddings), "tie embedding and head weights"},
     {"train.max_norm", FL_CK_FLOAT_OPT0, OFF(train.max_norm), "gradient clipping norm"},
@@ -145,6 +146,19 @@ static const fl_cfg_key k_keys[] = {
 };
 #undef OFF
 #define N_KEYS (sizeof k_keys / sizeof k_keys[0])
+
+/* The command an option belongs to when only one takes it (NULL: all do).
+ * LitGPT's full and pretrain scripts have no LoRA or quantization arguments and
+ * reject them; silently training full fp32 instead would waste the user's run. */
+static const char *key_owner(const fl_cfg_key *k) {
+    if (!strncmp(k->name, "lora_", 5) || !strcmp(k->name, "use_rslora") || !strcmp(k->name, "quantize"))
+        return "finetune_lora";
+    return NULL;
+}
+
+static int key_applies(const fl_cfg_key *k, fl_cmd_kind cmd) {
+    return !key_owner(k) || cmd == FL_CMD_FINETUNE_LORA;
+}
 
 static size_t levenshtein(const char *a, const char *b) {
     size_t n = strlen(a), m = strlen(b), prev[128], cur[128];
@@ -202,6 +216,7 @@ static fl_status parse_float(const char *key, const char *v, float *out) {
     char *end;
     double x = strtod(v, &end);
     if (end == v || *end || !isfinite(x)) return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is not a number", key, v);
+    if (fabs(x) > 3.4e38) return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is beyond the float range", key, v);
     *out = (float)x;
     return FL_OK;
 }
@@ -296,6 +311,11 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
         return fl_errorf(FL_ERR_INVALID, "unknown option '%s'%s%s%s", key_in, near ? " (did you mean '" : "",
                          near ? near : "", near ? "'?)" : "");
     }
+    if (!key_applies(k, c->command))
+        return fl_errorf(FL_ERR_INVALID,
+                         "option '%s' applies to %s only (fitllm %s ..., or fitllm plan ... --lora): %s trains "
+                         "without LoRA and would ignore it", key_in, key_owner(k), key_owner(k),
+                         c->command == FL_CMD_PRETRAIN ? "pretrain" : "finetune_full");
     char *base = (char *)c;
     long long x = 0;
     switch (k->type) {
@@ -441,6 +461,8 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
     if (t->lr_warmup_fraction > 1) return fl_errorf(FL_ERR_INVALID, "train.lr_warmup_fraction must be in [0, 1]");
     if (t->max_seq_length == 0) return fl_errorf(FL_ERR_INVALID, "train.max_seq_length must be positive or null");
     if (t->epochs == 0) return fl_errorf(FL_ERR_INVALID, "train.epochs must be positive or null");
+    if (t->max_time != -1 && !(t->max_time > 0))
+        return fl_errorf(FL_ERR_INVALID, "train.max_time must be a positive number of seconds or null");
     if (c->eval.interval <= 0) return fl_errorf(FL_ERR_INVALID, "eval.interval must be positive");
     if (c->eval.max_iters <= 0) return fl_errorf(FL_ERR_INVALID, "eval.max_iters must be positive");
     if (!(c->optimizer.lr > 0)) return fl_errorf(FL_ERR_INVALID, "optimizer.lr must be positive");
@@ -546,7 +568,7 @@ void fl_cfg_write_yaml(const fl_run_config *c, FILE *f) {
     fprintf(f, "# fitllm %s: effective configuration\n", c->command == FL_CMD_PRETRAIN ? "pretrain" : "finetune_full");
     for (size_t i = 0; i < N_KEYS; i++) {
         const fl_cfg_key *k = &k_keys[i];
-        if (!dumped(k)) continue;
+        if (!dumped(k) || !key_applies(k, c->command)) continue;
         value_str(c, k, v, sizeof v);
         const char *dot = strchr(k->name, '.');
         if (!dot) {
@@ -575,6 +597,7 @@ void fl_cfg_print_help(fl_cmd_kind cmd, FILE *f) {
     char v[64];
     for (size_t i = 0; i < N_KEYS; i++) {
         const fl_cfg_key *k = &k_keys[i];
+        if (!key_applies(k, cmd)) continue;
         value_str(&c, k, v, sizeof v);
         if (k->type == FL_CK_IGNORED) snprintf(v, sizeof v, "(ignored)");
         fprintf(f, "  --%-30s %-14s %s\n", k->name, v, k->help);

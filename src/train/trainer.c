@@ -630,6 +630,14 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
             stopped = 1;
             break;
         }
+        if (cfg->train.max_time > 0 && t.st.train_seconds >= cfg->train.max_time) {
+            /* the time budget ends the run like max_steps would: final validation and final/ */
+            bar_clear(&t);
+            if (out)
+                fprintf(out, "train.max_time (%g s) reached after step %ld of %ld (%.1f s of training): finishing\n",
+                        (double)cfg->train.max_time, t.st.step, t.max_steps, t.st.train_seconds);
+            break;
+        }
         bar_draw(&t, t.st.step);
     }
     bar_clear(&t);
