@@ -70,6 +70,7 @@ expect finetune_max_time 0 "train.max_time \(0.5 s\) reached after step [0-9]+ o
     --train.max_steps 100000 --train.global_batch_size 2 --train.micro_batch_size 2 --eval.max_new_tokens 0 --out_dir "$T/mt" --quiet
 if [ -d "$T/mt/final" ]; then echo "ok   finetune_max_time_final"; pass=$((pass+1)); else echo "FAIL finetune_max_time_final"; fail=$((fail+1)); fi
 expect finetune_max_time_bad 2 "train.max_time must be a positive number" -- "$FITLLM" finetune_full micro --train.max_time 0 --out_dir "$T/mt0"
+expect finetune_max_seq_length_1 2 "max_seq_length 1: a sample needs at least 2 tokens" -- "$FITLLM" finetune_full micro --train.max_seq_length 1 --out_dir "$T/s1"
 expect finetune_16_true_ok 0 "Saved the final model" -- "$FITLLM" finetune_full micro --precision 16-true --train.max_steps 3 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/x5b" --quiet
 expect finetune_oom 3 "out of memory" -- "$FITLLM" finetune_full tiny --max_memory 100MB --out_dir "$T/x6" --train.max_steps 1
 if [ -d "$T/x6/final" ] || ls "$T/x6"/step-* >/dev/null 2>&1; then echo "FAIL finetune_oom_no_output"; fail=$((fail+1)); else echo "ok   finetune_oom_no_output"; pass=$((pass+1)); fi
@@ -175,6 +176,9 @@ if [ -d "$DATA/stories260K-hf" ]; then
     expect resume_nan_weights 1 "step-000001/model.safetensors: tensor '[a-z_.0-9]+' holds a non-finite value" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" \
         --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --train.max_seq_length 128 --train.micro_batch_size 4 \
         --train.max_steps 4 --out_dir "$T/div" --resume "$T/div/step-000001"
+    # nothing to learn from: every target masked (prompts masked, responses cut by max_seq_length)
+    expect finetune_all_masked 2 "nothing to learn from: every target token of the 95 training samples is masked" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" \
+        --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --data.mask_prompt true --train.max_seq_length 8 --train.max_steps 2 --out_dir "$T/masked"
     expect finetune_not_a_model 2 "neither a model folder nor a preset" -- "$FITLLM" finetune_full "$T/nope-model" --out_dir "$T/x1"
     expect finetune_missing_data 2 "nope.json" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" --data JSON --data.json_path "$T/nope.json" --out_dir "$T/x2"
 else

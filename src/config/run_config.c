@@ -459,7 +459,9 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
     if (t->lr_warmup_fraction >= 0 && t->lr_warmup_steps > 0)
         return fl_errorf(FL_ERR_INVALID, "can't provide both train.lr_warmup_fraction and train.lr_warmup_steps");
     if (t->lr_warmup_fraction > 1) return fl_errorf(FL_ERR_INVALID, "train.lr_warmup_fraction must be in [0, 1]");
-    if (t->max_seq_length == 0) return fl_errorf(FL_ERR_INVALID, "train.max_seq_length must be positive or null");
+    if (t->max_seq_length == 0 || t->max_seq_length == 1)
+        return fl_errorf(FL_ERR_INVALID, "train.max_seq_length %d: a sample needs at least 2 tokens (an input and "
+                         "the next token as its target); use 2 or more, or null", t->max_seq_length);
     if (t->epochs == 0) return fl_errorf(FL_ERR_INVALID, "train.epochs must be positive or null");
     if (t->max_time != -1 && !(t->max_time > 0))
         return fl_errorf(FL_ERR_INVALID, "train.max_time must be a positive number of seconds or null");

@@ -189,6 +189,8 @@ static fl_status load_model_and_tokenizer(trainer *t) {
     return FL_OK;
 }
 
+static int ds_truncated(const fl_dataset *d) { return fl_data_get_stats(d)->n_truncated > 0; }
+
 static fl_status load_data(trainer *t) {
     const fl_run_config *c = t->cfg;
     fl_data_config dc = c->data;
@@ -209,6 +211,19 @@ static fl_status load_data(trainer *t) {
     if (T > t->model.cfg.max_seq) T = t->model.cfg.max_seq;
     t->T = T;
     t->B = c->train.micro_batch_size;
+    /* every target masked (an empty response with mask_prompt, responses cut away by
+     * max_seq_length): the loss is 0/0 and nothing would be learnt; say so before training */
+    size_t n_train = fl_data_count(t->data, FL_SPLIT_TRAIN), n_targets = 0;
+    for (size_t i = 0; i < n_train && !n_targets; i++) {
+        const fl_sample *sm = fl_data_get(t->data, FL_SPLIT_TRAIN, i);
+        for (int j = 1; j < sm->len && j <= T; j++) n_targets += sm->labels[j] != dc.ignore_index;
+    }
+    if (!n_targets)
+        return fl_errorf(FL_ERR_INVALID,
+                         "nothing to learn from: every target token of the %zu training samples is masked "
+                         "(ignore_index %d)%s; check data.mask_prompt, the responses of the dataset and "
+                         "train.max_seq_length", n_train, dc.ignore_index,
+                         ds_truncated(t->data) ? ", some after truncation to max_seq_length" : "");
     FL_TRY(fl_loader_init(&t->train, t->data, FL_SPLIT_TRAIN, t->B, T, c->seed, 1));
     if (fl_data_count(t->data, FL_SPLIT_VAL) > 0) FL_TRY(fl_loader_init(&t->val, t->data, FL_SPLIT_VAL, t->B, T, c->seed, 0));
     return FL_OK;
