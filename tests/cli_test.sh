@@ -176,6 +176,12 @@ if [ -d "$DATA/stories260K-hf" ]; then
     expect resume_nan_weights 1 "step-000001/model.safetensors: tensor '[a-z_.0-9]+' holds a non-finite value" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" \
         --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --train.max_seq_length 128 --train.micro_batch_size 4 \
         --train.max_steps 4 --out_dir "$T/div" --resume "$T/div/step-000001"
+    # a config.json that does not belong to the weights fails at once (no minutes of allocation)
+    mkdir -p "$T/absurd"; cp "$DATA/stories260K-hf"/* "$T/absurd/"
+    sed -i 's/"num_hidden_layers": *[0-9]*/"num_hidden_layers": 1000000000/' "$T/absurd/config.json"
+    expect generate_absurd_layers 1 "num_hidden_layers' = 1000000000 is beyond any real model" -- timeout 20 "$FITLLM" generate "$T/absurd" --prompt "Once" --max_new_tokens 2
+    sed -i 's/"num_hidden_layers": *[0-9]*/"num_hidden_layers": 7/' "$T/absurd/config.json"
+    expect generate_config_layers_mismatch 1 "says 7 layers \(num_hidden_layers\) but the weights in .* hold 5" -- "$FITLLM" generate "$T/absurd" --prompt "Once" --max_new_tokens 2
     # nothing to learn from: every target masked (prompts masked, responses cut by max_seq_length)
     expect finetune_all_masked 2 "nothing to learn from: every target token of the 95 training samples is masked" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" \
         --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --data.mask_prompt true --train.max_seq_length 8 --train.max_steps 2 --out_dir "$T/masked"
