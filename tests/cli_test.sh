@@ -83,6 +83,10 @@ expect plan_oom_exit_3 3 "verdict: OUT OF MEMORY during setup" -- "$FITLLM" plan
 expect plan_oom_suggests 3 "largest micro_batch_size that fits: 16" -- "$FITLLM" plan --model tinyllama-1.1b --device-memory 80GB --train.micro_batch_size 32 --train.global_batch_size 32 --train.max_seq_length 1025
 expect plan_json 3 '"verdict": "oom"' -- "$FITLLM" plan open-llama-7b --device-memory 80GB --json
 expect plan_qlora_fits 0 "verdict: FITS" -- "$FITLLM" plan open-llama-7b --lora --quantize bnb.nf4-dq --precision bf16-true --device-memory 24GB --train.micro_batch_size 1 --train.max_seq_length 513
+expect plan_no_budget_unknown 0 "verdict: UNKNOWN: no --device-memory / --max-memory given" -- "$FITLLM" plan tinyllama-1.1b
+if "$FITLLM" plan tinyllama-1.1b | grep -q "FITS"; then echo "FAIL plan_no_budget_not_fits"; fail=$((fail+1)); else echo "ok   plan_no_budget_not_fits"; pass=$((pass+1)); fi
+expect plan_no_budget_json 0 '"verdict": "unknown"' -- "$FITLLM" plan tinyllama-1.1b --json
+expect plan_absurd_peak 0 "more than any single machine has" -- "$FITLLM" plan llama-3-8b --train.micro_batch_size 4096 --train.global_batch_size 4096
 expect plan_devices_2 2 "more than one device" -- "$FITLLM" plan tinyllama-1.1b --devices 2
 expect plan_bad_size 2 "not a size" -- "$FITLLM" plan tinyllama-1.1b --device-memory lots
 expect plan_unknown_model 1 "neither a model folder nor a preset" -- "$FITLLM" plan no-such-model
