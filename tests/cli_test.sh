@@ -46,6 +46,10 @@ printf 'train:\n  micro_batch_size: 4\n   global_batch_size: [\n' > "$T/bad.yaml
 expect finetune_bad_yaml 2 "bad.yaml:" -- "$FITLLM" finetune_full micro --config "$T/bad.yaml"
 expect finetune_unknown_key 2 "did you mean 'train.micro_batch_size'" -- "$FITLLM" finetune_full micro --train.micro_bach_size 2
 expect finetune_not_divisible 2 "not divisible" -- "$FITLLM" finetune_full micro --train.global_batch_size 6 --train.micro_batch_size 4 --out_dir "$T/x3"
+expect finetune_negative_batch 2 "'-1' must be positive: an integer in \[1, " -- "$FITLLM" finetune_full micro --train.micro_batch_size -1 --out_dir "$T/x4"
+expect finetune_unknown_option_last 2 "unknown option 'bogus'" -- "$FITLLM" finetune_full micro --bogus
+expect finetune_missing_value 2 "option --train.max_steps needs a value" -- "$FITLLM" finetune_full micro --train.max_steps
+expect tokenize_decode_out_of_range 1 "token id 99999 \(position 2\) is outside the vocabulary of [0-9]+ ids" -- "$FITLLM" tokenize bytes --decode "65 99999"
 expect finetune_zero_batch 2 "must be positive" -- "$FITLLM" finetune_full micro --train.micro_batch_size 0 --out_dir "$T/x4"
 expect finetune_lora_ok 0 "Saved the PEFT adapter" -- "$FITLLM" finetune_lora micro --train.max_steps 3 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/lora" --quiet
 expect finetune_qlora_ok 0 "Saved the PEFT adapter" -- "$FITLLM" finetune_lora micro --quantize bnb.nf4-dq --precision bf16-true --train.max_steps 3 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/l2" --quiet

@@ -58,7 +58,14 @@ int fl_cli_parse_run(const char *cmd, fl_cmd_kind kind, int argc, char **argv, f
                 if ((!strcmp(key, "quiet") || !strcmp(key, "overwrite")) && (i + 1 >= argc || !strncmp(argv[i + 1], "--", 2)))
                     val = "true";
                 else if (i + 1 < argc) val = argv[++i];
-                else return fl_cli_usage(cmd, "option --%s needs a value", key);
+                else {
+                    /* an unknown (or another command's) option is that, not a missing value */
+                    fl_run_config probe = *cfg;
+                    if (fl_cfg_set(&probe, key, "null") == FL_ERR_INVALID &&
+                        (!strncmp(fl_error_message(), "unknown option", 14) || strstr(fl_error_message(), "applies to")))
+                        return fl_cli_usage(cmd, "%s", fl_error_message());
+                    return fl_cli_usage(cmd, "option --%s needs a value", key);
+                }
             }
             /* fitllm spellings of a few options */
             if (!strcmp(key, "max-memory")) snprintf(key, sizeof key, "max_memory");

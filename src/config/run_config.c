@@ -89,9 +89,9 @@ static const fl_cfg_key k_keys[] = {
     {"data.n_val", FL_CK_INT, OFF(data.synthetic_val), "Synthetic: validation samples"},
     {"data.cache_dir", FL_CK_PATH, OFF(data.cache_dir), "tokenized-dataset cache folder"},
     {"train.save_interval", FL_CK_INT_OPT0, OFF(train.save_interval), "optimizer steps between checkpoints"},
-    {"train.log_interval", FL_CK_INT, OFF(train.log_interval), "iterations between log lines"},
-    {"train.global_batch_size", FL_CK_INT, OFF(train.global_batch_size), "samples per optimizer step"},
-    {"train.micro_batch_size", FL_CK_INT, OFF(train.micro_batch_size), "samples per forward/backward"},
+    {"train.log_interval", FL_CK_POS, OFF(train.log_interval), "iterations between log lines"},
+    {"train.global_batch_size", FL_CK_POS, OFF(train.global_batch_size), "samples per optimizer step"},
+    {"train.micro_batch_size", FL_CK_POS, OFF(train.micro_batch_size), "samples per forward/backward"},
     {"train.lr_warmup_steps", FL_CK_INT_OPT, OFF(train.lr_warmup_steps), "optimizer steps of linear warmup"},
     {"train.lr_warmup_fraction", FL_CK_FLOAT_OPT, OFF(train.lr_warmup_fraction), "warmup as a fraction of an epoch"},
     {"train.epochs", FL_CK_INT_OPT, OFF(train.epochs), "epochs to train"},
@@ -108,9 +108,9 @@ static const fl_cfg_key k_keys[] = {
     {"train.beta2", FL_CK_FLOAT, OFF(optimizer.beta2), "(older LitGPT recipes) AdamW beta2"},
     {"train.activation_checkpointing", FL_CK_BOOL, OFF(train.activation_checkpointing), "recompute blocks in backward"},
     {"train.keep_checkpoints", FL_CK_INT, OFF(train.keep_checkpoints), "keep only the newest N step-* checkpoints, 0 = all (fitllm)"},
-    {"eval.interval", FL_CK_INT, OFF(eval.interval), "optimizer steps between evaluations"},
+    {"eval.interval", FL_CK_POS, OFF(eval.interval), "optimizer steps between evaluations"},
     {"eval.max_new_tokens", FL_CK_INT_OPT0, OFF(eval.max_new_tokens), "tokens of the sample generation"},
-    {"eval.max_iters", FL_CK_INT, OFF(eval.max_iters), "validation batches per evaluation"},
+    {"eval.max_iters", FL_CK_POS, OFF(eval.max_iters), "validation batches per evaluation"},
     {"eval.initial_validation", FL_CK_BOOL, OFF(eval.initial_validation), "evaluate before training"},
     {"eval.final_validation", FL_CK_BOOL, OFF(eval.final_validation), "evaluate after training"},
     {"eval.evaluate_example", FL_CK_IGNORED, 0, "accepted for LitGPT compatibility"},
@@ -186,7 +186,8 @@ static const char *nearest_key(const char *key) {
         if (dot) { size_t d2 = levenshtein(key, dot + 1) + 1; if (d2 < d) d = d2; }
         if (d < bd) { bd = d; best = k_keys[i].name; }
     }
-    return best;
+    /* a far-fetched suggestion ('bogus' -> 'model') misleads more than none */
+    return bd <= 2 + strlen(key) / 4 ? best : NULL;
 }
 
 /* "data.init_args.x" -> "data.x", "optimizer.init_args.x" -> "optimizer.x". */
@@ -340,6 +341,15 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
         FL_TRY(parse_int(key, v, -(1 << 30), 1 << 30, &x));
         *(int *)(base + k->off) = (int)x;
         return FL_OK;
+    case FL_CK_POS: { /* the range named is the range accepted */
+        char *end;
+        errno = 0;
+        long long y = strtoll(v, &end, 10);
+        if (errno || end == v || *end || y < 1 || y > (1 << 30))
+            return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' must be positive: an integer in [1, %d]", key, v, 1 << 30);
+        *(int *)(base + k->off) = (int)y;
+        return FL_OK;
+    }
     case FL_CK_INT:
         FL_TRY(parse_int(key, v, 0, 1 << 30, &x));
         *(int *)(base + k->off) = (int)x;
@@ -515,7 +525,7 @@ static void value_str(const fl_run_config *c, const fl_cfg_key *k, char *buf, si
         else snprintf(buf, n, "null");
         break;
     }
-    case FL_CK_INT: case FL_CK_SINT: snprintf(buf, n, "%d", *(const int *)(base + k->off)); break;
+    case FL_CK_INT: case FL_CK_POS: case FL_CK_SINT: snprintf(buf, n, "%d", *(const int *)(base + k->off)); break;
     case FL_CK_INT_OPT: case FL_CK_BOOL_OPT: {
         int v = *(const int *)(base + k->off);
         if (v < 0) snprintf(buf, n, "null");
