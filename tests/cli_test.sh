@@ -184,6 +184,17 @@ if [ -d "$DATA/stories260K-hf" ]; then
     expect resume_nan_weights 1 "step-000001/model.safetensors: tensor '[a-z_.0-9]+' holds a non-finite value" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" \
         --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --train.max_seq_length 128 --train.micro_batch_size 4 \
         --train.max_steps 4 --out_dir "$T/div" --resume "$T/div/step-000001"
+    # stdout and stderr to one file: the generated text ends its line before the statistics; an error
+    # comes after the training lines printed before it
+    "$FITLLM" generate "$DATA/stories260K-hf" --prompt "Once" --max_new_tokens 4 --temperature 0 > "$T/gen.txt" 2>&1
+    if sed -n 2p "$T/gen.txt" | grep -qE "^[0-9]+ prompt \+ [0-9]+ new tokens"; then echo "ok   generate_stats_own_line"; pass=$((pass+1));
+    else echo "FAIL generate_stats_own_line"; sed 's/^/     /' "$T/gen.txt"; fail=$((fail+1)); fi
+    "$FITLLM" finetune_full "$DATA/stories260K-hf" --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --train.max_seq_length 128 \
+        --train.micro_batch_size 4 --train.max_steps 3 --optimizer.lr 1e30 --eval.max_new_tokens 0 --out_dir "$T/div2" > "$T/div2.txt" 2>&1
+    if tail -n 1 "$T/div2.txt" | grep -q "error: training diverged" && grep -q "^Epoch" "$T/div2.txt"; then echo "ok   error_after_training_lines"; pass=$((pass+1));
+    else echo "FAIL error_after_training_lines"; tail -3 "$T/div2.txt" | sed 's/^/     /'; fail=$((fail+1)); fi
+    mkdir -p "$T/emptycfg"; cp "$DATA/stories260K-hf"/* "$T/emptycfg/"; : > "$T/emptycfg/config.json"
+    expect generate_empty_config 1 "error: [^ ]*emptycfg/config.json:1:1: expected a value" -- "$FITLLM" generate "$T/emptycfg" --prompt "Once" --max_new_tokens 2
     # a config.json that does not belong to the weights fails at once (no minutes of allocation)
     mkdir -p "$T/absurd"; cp "$DATA/stories260K-hf"/* "$T/absurd/"
     sed -i 's/"num_hidden_layers": *[0-9]*/"num_hidden_layers": 1000000000/' "$T/absurd/config.json"

@@ -319,6 +319,14 @@ FL_TEST(safetensors_bad_shape_bytes) {
     expect_st_error(p, FL_ERR_FORMAT, "w.weight", "shape[0]", NULL);
     FL_REQUIRE(write_st_raw(p, "{\"w.weight\": {\"dtype\": \"F32\", \"data_offsets\": [0, 12]}}", d, 12) == 0);
     expect_st_error(p, FL_ERR_FORMAT, "w.weight", "shape", NULL);
+    /* a shape whose element or byte count overflows 64 bits is reported as that, not as "needs 0 bytes" */
+    FL_REQUIRE(write_st_raw(p, "{\"w.weight\": {\"dtype\": \"F32\", \"shape\": [4294967296, 4294967296], "
+                               "\"data_offsets\": [0, 12]}}", d, 12) == 0);
+    expect_st_error(p, FL_ERR_FORMAT, "[4294967296, 4294967296]", "overflows", "more than 2^64 bytes");
+    FL_CHECK(!strstr(fl_error_message(), "needs 0 bytes"));
+    FL_REQUIRE(write_st_raw(p, "{\"w.weight\": {\"dtype\": \"F32\", \"shape\": [4611686018427387905], "
+                               "\"data_offsets\": [0, 12]}}", d, 12) == 0); /* numel fits, bytes do not */
+    expect_st_error(p, FL_ERR_FORMAT, "w.weight", "overflows", NULL);
 }
 
 FL_TEST(safetensors_bad_offsets_past_end) {
