@@ -417,6 +417,37 @@ FL_TEST(trainer_refuses_used_out_dir) {
     FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, NULL, NULL, NULL));
 }
 
+/* A diverged run stops with FL_ERR_NONFINITE naming the step and a hint, writes no final/, and keeps
+ * the checkpoints saved before; the same run under fp16 loss scaling skips updates instead. */
+FL_TEST(trainer_divergence_stops_the_run) {
+    fl_run_config c;
+    char out[512], p[600];
+    snprintf(out, sizeof out, "%s/div", fl_test_tmpdir());
+    small_run(&c, out);
+    c.train.max_steps = 6;
+    c.train.save_interval = 1;
+    c.train.lr_warmup_steps = 0;
+    c.eval.interval = 100;
+    c.optimizer.lr = 1e30f; /* the first update sends the weights to ~1e30: the next forward overflows */
+    fl_trainer_result res;
+    fl_status s = fl_trainer_run(&c, NULL, 0, NULL, NULL, &res);
+    FL_CHECKF(s == FL_ERR_NONFINITE, "got %s: %s", fl_status_name(s), fl_error_message());
+    FL_CHECKF(strstr(fl_error_message(), "training diverged at step ") && strstr(fl_error_message(), "learning rate"),
+              "%s", fl_error_message());
+    snprintf(p, sizeof p, "%s/final", out);
+    FL_CHECK(access(p, F_OK) != 0);
+    snprintf(p, sizeof p, "%s/step-000001", out);
+    FL_CHECK(fl_ckpt_is_committed(p));
+    /* fp16 with loss scaling: an overflow skips the update (no error), as before */
+    snprintf(out, sizeof out, "%s/div16", fl_test_tmpdir());
+    small_run(&c, out);
+    c.train.max_steps = 2;
+    c.train.save_interval = 0;
+    FL_REQUIRE_OK(fl_cfg_set(&c, "precision", "16-mixed"));
+    c.optimizer.lr = 3e-3f;
+    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, NULL, NULL, NULL));
+}
+
 /* Disk full while saving: the previous checkpoint stays intact and loadable,
  * and no half-written folder is ever resumable. */
 FL_TEST(trainer_failing_writes_keep_previous_checkpoint) {
