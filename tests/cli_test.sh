@@ -51,6 +51,10 @@ printf 'train:\n  micro_batch_size: 4\n   global_batch_size: [\n' > "$T/bad.yaml
 expect finetune_bad_yaml 2 "bad.yaml:" -- "$FITLLM" finetune_full micro --config "$T/bad.yaml"
 expect finetune_unknown_key 2 "did you mean 'train.micro_batch_size'" -- "$FITLLM" finetune_full micro --train.micro_bach_size 2
 expect finetune_not_divisible 2 "not divisible" -- "$FITLLM" finetune_full micro --train.global_batch_size 6 --train.micro_batch_size 4 --out_dir "$T/x3"
+expect finetune_negative_batch 2 "'-1' must be positive: an integer in \[1, " -- "$FITLLM" finetune_full micro --train.micro_batch_size -1 --out_dir "$T/x4"
+expect finetune_unknown_option_last 2 "unknown option 'bogus'" -- "$FITLLM" finetune_full micro --bogus
+expect finetune_missing_value 2 "option --train.max_steps needs a value" -- "$FITLLM" finetune_full micro --train.max_steps
+expect tokenize_decode_out_of_range 1 "token id 99999 \(position 2\) is outside the vocabulary of [0-9]+ ids" -- "$FITLLM" tokenize bytes --decode "65 99999"
 expect finetune_zero_batch 2 "must be positive" -- "$FITLLM" finetune_full micro --train.micro_batch_size 0 --out_dir "$T/x4"
 expect finetune_lora_ok 0 "Saved the PEFT adapter" -- "$FITLLM" finetune_lora micro --train.max_steps 3 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/lora" --quiet
 expect finetune_qlora_ok 0 "Saved the PEFT adapter" -- "$FITLLM" finetune_lora micro --quantize bnb.nf4-dq --precision bf16-true --train.max_steps 3 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/l2" --quiet
@@ -60,6 +64,26 @@ expect finetune_lora_bad_r 2 "lora_r must be positive" -- "$FITLLM" finetune_lor
 expect finetune_lora_bad_target 2 "valid" -- "$FITLLM" finetune_lora micro --lora_target_modules qq_proj --out_dir "$T/l4"
 expect finetune_lora_head_tied 2 "lm_head is tied to the input embeddings" -- "$FITLLM" finetune_lora micro --lora_head true --out_dir "$T/l5"
 expect finetune_precision_unknown 2 "16-mixed" -- "$FITLLM" finetune_full micro --precision 8-true --out_dir "$T/x5"
+# options of another command are errors naming the command that takes them (never silently ignored)
+expect finetune_full_quantize 2 "'quantize' applies to finetune_lora only" -- "$FITLLM" finetune_full micro --quantize bnb.nf4 --out_dir "$T/o1"
+expect finetune_full_lora_r 2 "'lora_r' applies to finetune_lora only" -- "$FITLLM" finetune_full micro --lora_r 4 --out_dir "$T/o1"
+expect pretrain_lora_r 2 "pretrain trains without LoRA" -- "$FITLLM" pretrain --model_name micro --lora_alpha 4 --out_dir "$T/o1"
+printf 'quantize: bnb.nf4\n' > "$T/q.yaml"
+expect finetune_full_yaml_quantize 2 "q.yaml:1: option 'quantize' applies to finetune_lora only" -- "$FITLLM" finetune_full micro --config "$T/q.yaml" --out_dir "$T/o1"
+expect plan_quantize_without_lora 2 "plan ... --lora" -- "$FITLLM" plan tinyllama-1.1b --quantize bnb.nf4
+if "$FITLLM" finetune_full --help | grep -qE "lora|quantize" || "$FITLLM" pretrain --help | grep -qE "lora|quantize"; then
+    echo "FAIL help_no_lora_options"; fail=$((fail+1)); else echo "ok   help_no_lora_options"; pass=$((pass+1)); fi
+expect finetune_lora_help_lists_lora 0 "--lora_r" -- "$FITLLM" finetune_lora --help
+# train.max_time ends the run like max_steps: final validation and final/
+expect finetune_max_time 0 "train.max_time \(0.5 s\) reached after step [0-9]+ of [0-9]+" -- "$FITLLM" finetune_full micro --train.max_time 0.5 \
+    --train.max_steps 100000 --train.global_batch_size 2 --train.micro_batch_size 2 --eval.max_new_tokens 0 --out_dir "$T/mt" --quiet
+if [ -d "$T/mt/final" ]; then echo "ok   finetune_max_time_final"; pass=$((pass+1)); else echo "FAIL finetune_max_time_final"; fail=$((fail+1)); fi
+expect finetune_max_time_bad 2 "train.max_time must be a positive number" -- "$FITLLM" finetune_full micro --train.max_time 0 --out_dir "$T/mt0"
+expect finetune_max_seq_length_1 2 "max_seq_length 1: a sample needs at least 2 tokens" -- "$FITLLM" finetune_full micro --train.max_seq_length 1 --out_dir "$T/s1"
+# Ctrl-C: stops after the step, exit 130, says how to resume
+expect finetune_ctrl_c 130 "interrupted after step [0-9]+; the last checkpoint is '.*step-[0-9]+': to continue, run the same command with --resume auto" -- \
+    timeout --preserve-status -s INT 6 "$FITLLM" finetune_full micro --train.max_steps 100000 --train.global_batch_size 2 --train.micro_batch_size 2 \
+    --train.save_interval 1 --eval.max_new_tokens 0 --out_dir "$T/ctrlc" --quiet
 expect finetune_16_true_ok 0 "Saved the final model" -- "$FITLLM" finetune_full micro --precision 16-true --train.max_steps 3 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/x5b" --quiet
 expect finetune_oom 3 "out of memory" -- "$FITLLM" finetune_full tiny --max_memory 100MB --out_dir "$T/x6" --train.max_steps 1
 if [ -d "$T/x6/final" ] || ls "$T/x6"/step-* >/dev/null 2>&1; then echo "FAIL finetune_oom_no_output"; fail=$((fail+1)); else echo "ok   finetune_oom_no_output"; pass=$((pass+1)); fi
@@ -72,6 +96,10 @@ expect plan_oom_exit_3 3 "verdict: OUT OF MEMORY during setup" -- "$FITLLM" plan
 expect plan_oom_suggests 3 "largest micro_batch_size that fits: 16" -- "$FITLLM" plan --model tinyllama-1.1b --device-memory 80GB --train.micro_batch_size 32 --train.global_batch_size 32 --train.max_seq_length 1025
 expect plan_json 3 '"verdict": "oom"' -- "$FITLLM" plan open-llama-7b --device-memory 80GB --json
 expect plan_qlora_fits 0 "verdict: FITS" -- "$FITLLM" plan open-llama-7b --lora --quantize bnb.nf4-dq --precision bf16-true --device-memory 24GB --train.micro_batch_size 1 --train.max_seq_length 513
+expect plan_no_budget_unknown 0 "verdict: UNKNOWN: no --device-memory / --max-memory given" -- "$FITLLM" plan tinyllama-1.1b
+if "$FITLLM" plan tinyllama-1.1b | grep -q "FITS"; then echo "FAIL plan_no_budget_not_fits"; fail=$((fail+1)); else echo "ok   plan_no_budget_not_fits"; pass=$((pass+1)); fi
+expect plan_no_budget_json 0 '"verdict": "unknown"' -- "$FITLLM" plan tinyllama-1.1b --json
+expect plan_absurd_peak 0 "more than any single machine has" -- "$FITLLM" plan llama-3-8b --train.micro_batch_size 4096 --train.global_batch_size 4096
 expect plan_devices_2 2 "more than one device" -- "$FITLLM" plan tinyllama-1.1b --devices 2
 expect plan_bad_size 2 "not a size" -- "$FITLLM" plan tinyllama-1.1b --device-memory lots
 expect plan_unknown_model 1 "neither a model folder nor a preset" -- "$FITLLM" plan no-such-model
@@ -149,6 +177,42 @@ if [ -d "$DATA/stories260K-hf" ]; then
         --out_dir "$T/ft-syn" --train.max_steps 12 --train.save_interval 5 --resume auto --quiet
     expect finetune_init_random 0 "loss train: 6\.2" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" --init random \
         --train.max_steps 1 --train.global_batch_size 1 --eval.final_validation false --out_dir "$T/x9" --quiet
+    # a diverged run stops: the step, the value and a hint, exit 1, no final/, the good checkpoints kept
+    expect finetune_diverged 1 "diverged at step 3 \(iter 9\): the loss is NaN.*lower the learning rate" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" \
+        --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --train.max_seq_length 128 --train.micro_batch_size 4 \
+        --train.max_steps 4 --train.save_interval 1 --optimizer.lr 1e30 --eval.max_new_tokens 0 --out_dir "$T/div"
+    if [ ! -e "$T/div/final" ] && [ -d "$T/div/step-000001" ]; then echo "ok   finetune_diverged_no_final"; pass=$((pass+1)); else echo "FAIL finetune_diverged_no_final"; fail=$((fail+1)); fi
+    # a checkpoint holding a NaN weight is refused, naming the tensor (model folder and --resume)
+    poke_nan() { # first 4 data bytes of a safetensors file := f32 NaN
+        local hl; hl=$(od -An -t u8 -N8 "$1" | tr -d ' ')
+        printf '\x00\x00\xc0\x7f' | dd of="$1" bs=1 seek=$((8 + hl)) conv=notrunc status=none
+    }
+    mkdir -p "$T/nanmodel"; cp "$DATA/stories260K-hf"/* "$T/nanmodel/"; poke_nan "$T/nanmodel/model.safetensors"
+    expect load_nan_weights 1 "tensor '[a-z_.0-9]+' holds a non-finite value" -- "$FITLLM" generate "$T/nanmodel" --prompt "Once" --max_new_tokens 2
+    poke_nan "$T/div/step-000001/model.safetensors"
+    expect resume_nan_weights 1 "step-000001/model.safetensors: tensor '[a-z_.0-9]+' holds a non-finite value" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" \
+        --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --train.max_seq_length 128 --train.micro_batch_size 4 \
+        --train.max_steps 4 --out_dir "$T/div" --resume "$T/div/step-000001"
+    # stdout and stderr to one file: the generated text ends its line before the statistics; an error
+    # comes after the training lines printed before it
+    "$FITLLM" generate "$DATA/stories260K-hf" --prompt "Once" --max_new_tokens 4 --temperature 0 > "$T/gen.txt" 2>&1
+    if sed -n 2p "$T/gen.txt" | grep -qE "^[0-9]+ prompt \+ [0-9]+ new tokens"; then echo "ok   generate_stats_own_line"; pass=$((pass+1));
+    else echo "FAIL generate_stats_own_line"; sed 's/^/     /' "$T/gen.txt"; fail=$((fail+1)); fi
+    "$FITLLM" finetune_full "$DATA/stories260K-hf" --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --train.max_seq_length 128 \
+        --train.micro_batch_size 4 --train.max_steps 3 --optimizer.lr 1e30 --eval.max_new_tokens 0 --out_dir "$T/div2" > "$T/div2.txt" 2>&1
+    if tail -n 1 "$T/div2.txt" | grep -q "error: training diverged" && grep -q "^Epoch" "$T/div2.txt"; then echo "ok   error_after_training_lines"; pass=$((pass+1));
+    else echo "FAIL error_after_training_lines"; tail -3 "$T/div2.txt" | sed 's/^/     /'; fail=$((fail+1)); fi
+    mkdir -p "$T/emptycfg"; cp "$DATA/stories260K-hf"/* "$T/emptycfg/"; : > "$T/emptycfg/config.json"
+    expect generate_empty_config 1 "error: [^ ]*emptycfg/config.json:1:1: expected a value" -- "$FITLLM" generate "$T/emptycfg" --prompt "Once" --max_new_tokens 2
+    # a config.json that does not belong to the weights fails at once (no minutes of allocation)
+    mkdir -p "$T/absurd"; cp "$DATA/stories260K-hf"/* "$T/absurd/"
+    sed -i 's/"num_hidden_layers": *[0-9]*/"num_hidden_layers": 1000000000/' "$T/absurd/config.json"
+    expect generate_absurd_layers 1 "num_hidden_layers' = 1000000000 is beyond any real model" -- timeout 20 "$FITLLM" generate "$T/absurd" --prompt "Once" --max_new_tokens 2
+    sed -i 's/"num_hidden_layers": *[0-9]*/"num_hidden_layers": 7/' "$T/absurd/config.json"
+    expect generate_config_layers_mismatch 1 "says 7 layers \(num_hidden_layers\) but the weights in .* hold 5" -- "$FITLLM" generate "$T/absurd" --prompt "Once" --max_new_tokens 2
+    # nothing to learn from: every target masked (prompts masked, responses cut by max_seq_length)
+    expect finetune_all_masked 2 "nothing to learn from: every target token of the 95 training samples is masked" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" \
+        --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --data.mask_prompt true --train.max_seq_length 8 --train.max_steps 2 --out_dir "$T/masked"
     expect finetune_not_a_model 2 "neither a model folder nor a preset" -- "$FITLLM" finetune_full "$T/nope-model" --out_dir "$T/x1"
     expect finetune_missing_data 2 "nope.json" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" --data JSON --data.json_path "$T/nope.json" --out_dir "$T/x2"
 else

@@ -319,6 +319,14 @@ FL_TEST(safetensors_bad_shape_bytes) {
     expect_st_error(p, FL_ERR_FORMAT, "w.weight", "shape[0]", NULL);
     FL_REQUIRE(write_st_raw(p, "{\"w.weight\": {\"dtype\": \"F32\", \"data_offsets\": [0, 12]}}", d, 12) == 0);
     expect_st_error(p, FL_ERR_FORMAT, "w.weight", "shape", NULL);
+    /* a shape whose element or byte count overflows 64 bits is reported as that, not as "needs 0 bytes" */
+    FL_REQUIRE(write_st_raw(p, "{\"w.weight\": {\"dtype\": \"F32\", \"shape\": [4294967296, 4294967296], "
+                               "\"data_offsets\": [0, 12]}}", d, 12) == 0);
+    expect_st_error(p, FL_ERR_FORMAT, "[4294967296, 4294967296]", "overflows", "more than 2^64 bytes");
+    FL_CHECK(!strstr(fl_error_message(), "needs 0 bytes"));
+    FL_REQUIRE(write_st_raw(p, "{\"w.weight\": {\"dtype\": \"F32\", \"shape\": [4611686018427387905], "
+                               "\"data_offsets\": [0, 12]}}", d, 12) == 0); /* numel fits, bytes do not */
+    expect_st_error(p, FL_ERR_FORMAT, "w.weight", "overflows", NULL);
 }
 
 FL_TEST(safetensors_bad_offsets_past_end) {
@@ -644,6 +652,23 @@ FL_TEST(weights_errors) {
     for (size_t i = 0; i < m.layout.numel; i++) ok &= fabsf(m2.params[i] - m.params[i]) <= 1e-3f;
     FL_CHECK(ok);
     fl_model_free(&m2);
+    /* a NaN or inf weight (a diverged run's save) is refused, naming the tensor and the element,
+     * in every dtype the loader reads */
+    int k = fl_layout_find(&m.layout, "model.layers.1.self_attn.v_proj.weight");
+    FL_REQUIRE(k >= 0);
+    float *w = m.params + m.layout.params[k].offset;
+    const fl_dtype dts[3] = {FL_F32, FL_BF16, FL_F16};
+    for (int i = 0; i < 3; i++) {
+        float keep = w[5];
+        w[5] = i == 1 ? INFINITY : NAN;
+        FL_REQUIRE_OK(write_subset(&m, st, 0, m.layout.n, NULL, NULL, dts[i], NULL, 0));
+        w[5] = keep;
+        memset(&m2, 0xab, sizeof m2);
+        FL_CHECK(fl_hf_load_model(&m2, d, NULL, &pool) == FL_ERR_FORMAT);
+        CHECK_MSG("model.layers.1.self_attn.v_proj.weight");
+        CHECK_MSG("non-finite");
+        CHECK_MSG("element 5");
+    }
     fl_model_free(&m);
     FL_CHECK(fl_mem_live_count(&pool) == 0);
     fl_mem_pool_free(&pool);

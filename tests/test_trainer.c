@@ -76,6 +76,29 @@ FL_TEST(cfg_bad_input_errors) {
     FL_CHECK(fl_cfg_set(&c, "optimizer.betas", "[0.9]") == FL_ERR_INVALID);
     FL_CHECK(fl_cfg_set(&c, "precision", "fp8") == FL_ERR_INVALID);
     FL_CHECK(fl_cfg_set(&c, "optimizer", "Lion") == FL_ERR_UNSUPPORTED);
+    /* options of finetune_lora are refused by finetune_full/pretrain (they would be ignored), naming the
+     * command that takes them; the effective-config dump of a full run does not write them either */
+    FL_CHECK(fl_cfg_set(&c, "quantize", "bnb.nf4") == FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "finetune_lora") != NULL, "%s", fl_error_message());
+    FL_CHECK(fl_cfg_set(&c, "lora_r", "4") == FL_ERR_INVALID);
+    FL_CHECK(fl_cfg_set(&c, "use_rslora", "true") == FL_ERR_INVALID);
+    char *dump = NULL;
+    size_t dn = 0;
+    FILE *mf = open_memstream(&dump, &dn);
+    FL_REQUIRE(mf != NULL);
+    fl_cfg_write_yaml(&c, mf);
+    fclose(mf);
+    FL_CHECKF(!strstr(dump, "lora_") && !strstr(dump, "quantize"), "%s", dump);
+    free(dump);
+    fl_run_config lc;
+    fl_cfg_defaults(&lc, FL_CMD_FINETUNE_LORA);
+    FL_CHECK(fl_cfg_set(&lc, "lora_r", "4") == FL_OK && lc.lora.r == 4);
+    /* train.max_time: seconds, positive or null */
+    FL_CHECK(c.train.max_time < 0);
+    FL_REQUIRE_OK(fl_cfg_set(&c, "train.max_time", "2.5"));
+    FL_CHECK(c.train.max_time == 2.5f);
+    FL_REQUIRE_OK(fl_cfg_set(&c, "train.max_time", "null"));
+    FL_CHECK(c.train.max_time < 0);
     /* malformed YAML names file and line */
     const char *y = write_tmp("bad.yaml", "train:\n  micro_batch_size: 4\n   global_batch_size: [\n");
     FL_CHECK(fl_cfg_apply_yaml_file(&c, y) == FL_ERR_INVALID);
@@ -391,6 +414,37 @@ FL_TEST(trainer_refuses_used_out_dir) {
     FL_CHECKF(strstr(fl_error_message(), "--resume") && strstr(fl_error_message(), "--overwrite"), "%s",
               fl_error_message());
     c.overwrite = 1;
+    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, NULL, NULL, NULL));
+}
+
+/* A diverged run stops with FL_ERR_NONFINITE naming the step and a hint, writes no final/, and keeps
+ * the checkpoints saved before; the same run under fp16 loss scaling skips updates instead. */
+FL_TEST(trainer_divergence_stops_the_run) {
+    fl_run_config c;
+    char out[512], p[600];
+    snprintf(out, sizeof out, "%s/div", fl_test_tmpdir());
+    small_run(&c, out);
+    c.train.max_steps = 6;
+    c.train.save_interval = 1;
+    c.train.lr_warmup_steps = 0;
+    c.eval.interval = 100;
+    c.optimizer.lr = 1e30f; /* the first update sends the weights to ~1e30: the next forward overflows */
+    fl_trainer_result res;
+    fl_status s = fl_trainer_run(&c, NULL, 0, NULL, NULL, &res);
+    FL_CHECKF(s == FL_ERR_NONFINITE, "got %s: %s", fl_status_name(s), fl_error_message());
+    FL_CHECKF(strstr(fl_error_message(), "training diverged at step ") && strstr(fl_error_message(), "learning rate"),
+              "%s", fl_error_message());
+    snprintf(p, sizeof p, "%s/final", out);
+    FL_CHECK(access(p, F_OK) != 0);
+    snprintf(p, sizeof p, "%s/step-000001", out);
+    FL_CHECK(fl_ckpt_is_committed(p));
+    /* fp16 with loss scaling: an overflow skips the update (no error), as before */
+    snprintf(out, sizeof out, "%s/div16", fl_test_tmpdir());
+    small_run(&c, out);
+    c.train.max_steps = 2;
+    c.train.save_interval = 0;
+    FL_REQUIRE_OK(fl_cfg_set(&c, "precision", "16-mixed"));
+    c.optimizer.lr = 3e-3f;
     FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, NULL, NULL, NULL));
 }
 

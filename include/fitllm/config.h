@@ -41,6 +41,8 @@ typedef struct {
     float min_lr;
     int activation_checkpointing; /* fitllm extension (lab's act_ckpt) */
     int keep_checkpoints;     /* fitllm: keep only the newest N step-* checkpoints (0 = all) */
+    float max_time;           /* seconds of training (evaluation excluded) after which the run ends as
+                                 at max_steps: final validation and final/; < 0 = null */
 } fl_train_args;
 
 typedef struct {

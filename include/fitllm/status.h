@@ -22,6 +22,7 @@ typedef enum {
     FL_ERR_UNSUPPORTED, /* valid request this build or backend cannot do (yet) */
     FL_ERR_NOT_FOUND,   /* missing file, tensor or key */
     FL_ERR_INTERNAL,    /* a bug: an invariant did not hold */
+    FL_ERR_NONFINITE,   /* training diverged: a loss or gradient is inf/NaN */
     FL_STATUS_COUNT
 } fl_status;
 

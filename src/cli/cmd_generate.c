@@ -173,6 +173,11 @@ int fl_cmd_generate(int argc, char **argv) {
     fl_status s = fl_cpu_backend_init(&be, threads);
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
     if ((s = fl_mem_pool_init(&pool, "cpu", 0)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
+    /* the model first: a broken config.json is reported as the model's, not as a tokenizer
+     * problem (the tokenizer also reads config.json for its special ids) */
+    if ((s = adapter ? fl_cli_load_with_adapter(&m, model_path, adapter, &be, &pool, &loaded)
+                     : fl_cli_load_model(&m, model_path, 0, gp.seed, &be, &pool, &loaded)) != FL_OK)
+        goto fail;
     if (prompt_ids) {
         if ((s = parse_ids(prompt_ids, &ids, &n_ids)) != FL_OK) goto fail;
     } else {
@@ -191,9 +196,6 @@ int fl_cmd_generate(int argc, char **argv) {
             goto fail;
         }
     }
-    if ((s = adapter ? fl_cli_load_with_adapter(&m, model_path, adapter, &be, &pool, &loaded)
-                     : fl_cli_load_model(&m, model_path, 0, gp.seed, &be, &pool, &loaded)) != FL_OK)
-        goto fail;
     if (tok && fl_tok_vocab_size(tok) > m.cfg.vocab_size) {
         s = fl_errorf(FL_ERR_INVALID, "tokenizer vocabulary (%d) is larger than the model's (%d)", fl_tok_vocab_size(tok),
                       m.cfg.vocab_size);
@@ -242,6 +244,7 @@ int fl_cmd_generate(int argc, char **argv) {
     double t1 = fl_cli_now_ms();
     if (tok) stream_flush(&st, 1);
     printf("\n");
+    fflush(stdout); /* the text and its newline before the statistics on stderr, also when both go to one file */
     if (s != FL_OK) goto fail;
     static const char *const k_why[] = {"max_new_tokens", "EOS", "context limit", "callback"};
     double prefill_ms = st.count ? st.t_first - t0 : t1 - t0;

@@ -37,9 +37,10 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "  --lora                         (default off)  plan `fitllm finetune_lora` (lora_* options apply)\n"
            "  --json                         (default off)  machine-readable output (schema version %d,\n"
            "                                 docs/ARCHITECTURE.md \"Planner and lab\")\n\n"
-           "training options (as finetune_full; --model NAME is checkpoint_dir):\n\n",
+           "training options (as finetune_full, or finetune_lora with --lora: lora_*, use_rslora and quantize\n"
+           "need --lora; --model NAME is checkpoint_dir):\n\n",
            FL_PLAN_JSON_VERSION);
-    fl_cfg_print_help(FL_CMD_FINETUNE_FULL, stdout);
+    fl_cfg_print_help(FL_CMD_FINETUNE_LORA, stdout);
     printf("\nexit codes: 0 fits, 3 out of memory (the plan says OOM), 2 usage or config error or a technique\n"
            "this build does not have, 1 runtime error\n");
 }
@@ -88,9 +89,12 @@ int fl_cmd_plan(int argc, char **argv) {
     const char *cmd = "plan";
     plan_args a = {0, 1, 0, 0, -1, 0};
     fl_run_config cfg;
-    int rc = fl_cli_parse_run(cmd, FL_CMD_FINETUNE_FULL, argc, argv, &cfg, extra, &a, help);
+    /* --lora first: the LoRA options (and a YAML recipe's) are only accepted for a finetune_lora plan */
+    fl_cmd_kind kind = FL_CMD_FINETUNE_FULL;
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--lora")) kind = FL_CMD_FINETUNE_LORA;
+    int rc = fl_cli_parse_run(cmd, kind, argc, argv, &cfg, extra, &a, help);
     if (rc) return rc < 0 ? 0 : rc;
-    if (a.lora) cfg.command = FL_CMD_FINETUNE_LORA;
     fl_plan_opts o;
     fl_plan_opts_default(&o);
     o.device_memory = a.device_memory;

@@ -99,7 +99,14 @@ int fl_cmd_tokenize(int argc, char **argv) {
         }
         char *out = NULL;
         size_t len = 0;
-        s = ids ? fl_tok_decode(t, ids, n, skip, &out, &len) : fl_errorf(FL_ERR_OOM, "out of memory");
+        /* the library skips ids it has no piece for (HF does, for a model vocab padded past the
+         * tokenizer's); asked to decode, an id outside the vocabulary is the user's mistake */
+        s = ids ? FL_OK : fl_errorf(FL_ERR_OOM, "out of memory");
+        for (size_t i = 0; s == FL_OK && i < n; i++)
+            if (ids[i] >= fl_tok_vocab_size(t))
+                s = fl_errorf(FL_ERR_INVALID, "--decode: token id %d (position %zu) is outside the vocabulary of %d ids "
+                              "(0 .. %d) of %s", (int)ids[i], i + 1, fl_tok_vocab_size(t), fl_tok_vocab_size(t) - 1, path);
+        if (s == FL_OK) s = fl_tok_decode(t, ids, n, skip, &out, &len);
         if (s == FL_OK) {
             fwrite(out, 1, len, stdout);
             putchar('\n');

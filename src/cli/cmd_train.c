@@ -1,11 +1,13 @@
 /* fitllm finetune_full / pretrain: LitGPT-compatible command lines and YAML
  * recipes driving the trainer. finetune_lora / finetune are reserved. */
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "cli.h"
+#include "fitllm/checkpoint.h"
 #include "fitllm/config.h"
 #include "fitllm/trainer.h"
 
@@ -58,7 +60,14 @@ int fl_cli_parse_run(const char *cmd, fl_cmd_kind kind, int argc, char **argv, f
                 if ((!strcmp(key, "quiet") || !strcmp(key, "overwrite")) && (i + 1 >= argc || !strncmp(argv[i + 1], "--", 2)))
                     val = "true";
                 else if (i + 1 < argc) val = argv[++i];
-                else return fl_cli_usage(cmd, "option --%s needs a value", key);
+                else {
+                    /* an unknown (or another command's) option is that, not a missing value */
+                    fl_run_config probe = *cfg;
+                    if (fl_cfg_set(&probe, key, "null") == FL_ERR_INVALID &&
+                        (!strncmp(fl_error_message(), "unknown option", 14) || strstr(fl_error_message(), "applies to")))
+                        return fl_cli_usage(cmd, "%s", fl_error_message());
+                    return fl_cli_usage(cmd, "option --%s needs a value", key);
+                }
             }
             /* fitllm spellings of a few options */
             if (!strcmp(key, "max-memory")) snprintf(key, sizeof key, "max_memory");
@@ -81,13 +90,52 @@ int fl_cli_parse_run(const char *cmd, fl_cmd_kind kind, int argc, char **argv, f
     return 0;
 }
 
+/* Ctrl-C: the first stops the run after the current step (its checkpoint, if one is due, is
+ * written) and says how to resume; a second stops at once, saying the same. */
+static volatile sig_atomic_t g_interrupted;
+static char g_resume_msg[FL_CFG_PATH + 256];
+
+static void on_sigint(int sig) {
+    if (g_interrupted) {
+        if (write(STDERR_FILENO, g_resume_msg, strlen(g_resume_msg)) < 0) { /* nothing to do */ }
+        signal(sig, SIG_DFL);
+        raise(sig);
+        return;
+    }
+    g_interrupted = 1;
+    static const char m[] = "\nfitllm: interrupted: stopping after this step (Ctrl-C again to stop now)\n";
+    if (write(STDERR_FILENO, m, sizeof m - 1) < 0) { /* nothing to do */ }
+}
+
+static int stop_if_interrupted(void *ud, long step, double loss, const void *params, size_t bytes) {
+    (void)ud, (void)step, (void)loss, (void)params, (void)bytes;
+    return g_interrupted;
+}
+
 static int run(const char *cmd, fl_cmd_kind kind, int argc, char **argv) {
     fl_run_config cfg;
     int rc = fl_cli_parse_run(cmd, kind, argc, argv, &cfg, NULL, NULL, help);
     if (rc) return rc < 0 ? 0 : rc;
     int bar = !cfg.quiet && isatty(STDOUT_FILENO);
     fl_trainer_result res;
-    fl_status s = fl_trainer_run(&cfg, stdout, bar, NULL, NULL, &res);
+    snprintf(g_resume_msg, sizeof g_resume_msg,
+             "fitllm %s: interrupted; to continue from the last step-* checkpoint in '%s', run the same command "
+             "with --resume auto\n", cmd, cfg.out_dir);
+    signal(SIGINT, on_sigint);
+    fl_status s = fl_trainer_run(&cfg, stdout, bar, stop_if_interrupted, NULL, &res);
+    signal(SIGINT, SIG_DFL);
+    if (s == FL_OK && g_interrupted) {
+        char last[FL_CFG_PATH + 300];
+        fflush(stdout);
+        if (fl_ckpt_find_latest(cfg.out_dir, last, sizeof last) == FL_OK)
+            fprintf(stderr, "fitllm %s: interrupted after step %ld; the last checkpoint is '%s': to continue, run the "
+                            "same command with --resume auto (out_dir '%s')\n", cmd, res.steps, last, cfg.out_dir);
+        else
+            fprintf(stderr, "fitllm %s: interrupted after step %ld, before any checkpoint was saved (train.save_interval "
+                            "%d): nothing to resume from, a new run starts over (--overwrite)\n", cmd, res.steps,
+                    cfg.train.save_interval);
+        return 130; /* 128 + SIGINT, as the shell reports a process killed by Ctrl-C */
+    }
     if (s != FL_OK) {
         if (bar) fflush(stdout);
         if (s == FL_ERR_OOM) {

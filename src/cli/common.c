@@ -12,12 +12,21 @@
 #include "cli.h"
 
 int fl_cli_fail(const char *cmd, fl_status s, const fl_mem_pool *pool) {
+    fflush(stdout); /* what was printed before the failure comes first, also when both go to one file */
     fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
     if (s == FL_ERR_OOM) {
         if (pool && pool->oom.valid) fl_mem_print_oom(pool, stderr);
-        fprintf(stderr,
-                "hint: try a smaller --micro-batch or --seq, a larger --max-memory, or (when available) bf16, "
-                "activation checkpointing, SGD / 8-bit Adam, LoRA or QLoRA\n");
+        /* only options the failing command has */
+        if (!strcmp(cmd, "bench-step") || !strcmp(cmd, "demo"))
+            fprintf(stderr,
+                    "hint: try a smaller --micro-batch or --seq, a larger --max-memory, or (when available) bf16, "
+                    "activation checkpointing, SGD / 8-bit Adam, LoRA or QLoRA\n");
+        else if (!strcmp(cmd, "generate"))
+            fprintf(stderr, "hint: the weights and the KV cache (prompt + --max_new_tokens tokens) must fit in "
+                            "memory: try a smaller --max_new_tokens or prompt, or a smaller model\n");
+        else
+            fprintf(stderr, "hint: the model does not fit in the memory available: free memory or use a smaller "
+                            "model\n");
         return FL_EXIT_OOM;
     }
     return FL_EXIT_RUNTIME;
@@ -25,6 +34,7 @@ int fl_cli_fail(const char *cmd, fl_status s, const fl_mem_pool *pool) {
 
 int fl_cli_usage(const char *cmd, const char *fmt, ...) {
     va_list ap;
+    fflush(stdout);
     fprintf(stderr, "fitllm %s: ", cmd);
     va_start(ap, fmt);
     vfprintf(stderr, fmt, ap);

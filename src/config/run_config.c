@@ -41,6 +41,7 @@ void fl_cfg_defaults(fl_run_config *c, fl_cmd_kind cmd) {
     }
     t->lr_warmup_fraction = -1;
     t->max_steps = -1;
+    t->max_time = -1;
     t->tie_embeddings = -1;
     t->max_norm = 0;
     c->eval.interval = cmd == FL_CMD_PRETRAIN ? 1000 : cmd == FL_CMD_FINETUNE_LORA ? 100 : 600;
@@ -88,15 +89,15 @@ static const fl_cfg_key k_keys[] = {
     {"data.n_val", FL_CK_INT, OFF(data.synthetic_val), "Synthetic: validation samples"},
     {"data.cache_dir", FL_CK_PATH, OFF(data.cache_dir), "tokenized-dataset cache folder"},
     {"train.save_interval", FL_CK_INT_OPT0, OFF(train.save_interval), "optimizer steps between checkpoints"},
-    {"train.log_interval", FL_CK_INT, OFF(train.log_interval), "iterations between log lines"},
-    {"train.global_batch_size", FL_CK_INT, OFF(train.global_batch_size), "samples per optimizer step"},
-    {"train.micro_batch_size", FL_CK_INT, OFF(train.micro_batch_size), "samples per forward/backward"},
+    {"train.log_interval", FL_CK_POS, OFF(train.log_interval), "iterations between log lines"},
+    {"train.global_batch_size", FL_CK_POS, OFF(train.global_batch_size), "samples per optimizer step"},
+    {"train.micro_batch_size", FL_CK_POS, OFF(train.micro_batch_size), "samples per forward/backward"},
     {"train.lr_warmup_steps", FL_CK_INT_OPT, OFF(train.lr_warmup_steps), "optimizer steps of linear warmup"},
     {"train.lr_warmup_fraction", FL_CK_FLOAT_OPT, OFF(train.lr_warmup_fraction), "warmup as a fraction of an epoch"},
     {"train.epochs", FL_CK_INT_OPT, OFF(train.epochs), "epochs to train"},
     {"train.max_tokens", FL_CK_LL_OPT, OFF(train.max_tokens), "stop after this many tokens"},
     {"train.max_steps", FL_CK_INT_OPT, OFF(train.max_steps), "stop after this many optimizer steps"},
-    {"train.max_time", FL_CK_IGNORED, 0, "accepted for LitGPT compatibility"},
+    {"train.max_time", FL_CK_FLOAT_OPT, OFF(train.max_time), "stop after this many seconds of training, then finish as at max_steps"},
     {"train.max_seq_length", FL_CK_INT_OPT, OFF(train.max_seq_length), "truncate samples to this length"},
     {"train.tie_embeddings", FL_CK_BOOL_OPT, OFF(train.tie_embeddings), "tie embedding and head weights"},
     {"train.max_norm", FL_CK_FLOAT_OPT0, OFF(train.max_norm), "gradient clipping norm"},
@@ -107,9 +108,9 @@ static const fl_cfg_key k_keys[] = {
     {"train.beta2", FL_CK_FLOAT, OFF(optimizer.beta2), "(older LitGPT recipes) AdamW beta2"},
     {"train.activation_checkpointing", FL_CK_BOOL, OFF(train.activation_checkpointing), "recompute blocks in backward"},
     {"train.keep_checkpoints", FL_CK_INT, OFF(train.keep_checkpoints), "keep only the newest N step-* checkpoints, 0 = all (fitllm)"},
-    {"eval.interval", FL_CK_INT, OFF(eval.interval), "optimizer steps between evaluations"},
+    {"eval.interval", FL_CK_POS, OFF(eval.interval), "optimizer steps between evaluations"},
     {"eval.max_new_tokens", FL_CK_INT_OPT0, OFF(eval.max_new_tokens), "tokens of the sample generation"},
-    {"eval.max_iters", FL_CK_INT, OFF(eval.max_iters), "validation batches per evaluation"},
+    {"eval.max_iters", FL_CK_POS, OFF(eval.max_iters), "validation batches per evaluation"},
     {"eval.initial_validation", FL_CK_BOOL, OFF(eval.initial_validation), "evaluate before training"},
     {"eval.final_validation", FL_CK_BOOL, OFF(eval.final_validation), "evaluate after training"},
     {"eval.evaluate_example", FL_CK_IGNORED, 0, "accepted for LitGPT compatibility"},
@@ -146,6 +147,19 @@ static const fl_cfg_key k_keys[] = {
 #undef OFF
 #define N_KEYS (sizeof k_keys / sizeof k_keys[0])
 
+/* The command an option belongs to when only one takes it (NULL: all do).
+ * LitGPT's full and pretrain scripts have no LoRA or quantization arguments and
+ * reject them; silently training full fp32 instead would waste the user's run. */
+static const char *key_owner(const fl_cfg_key *k) {
+    if (!strncmp(k->name, "lora_", 5) || !strcmp(k->name, "use_rslora") || !strcmp(k->name, "quantize"))
+        return "finetune_lora";
+    return NULL;
+}
+
+static int key_applies(const fl_cfg_key *k, fl_cmd_kind cmd) {
+    return !key_owner(k) || cmd == FL_CMD_FINETUNE_LORA;
+}
+
 static size_t levenshtein(const char *a, const char *b) {
     size_t n = strlen(a), m = strlen(b), prev[128], cur[128];
     if (m >= 127) m = 127;
@@ -172,7 +186,8 @@ static const char *nearest_key(const char *key) {
         if (dot) { size_t d2 = levenshtein(key, dot + 1) + 1; if (d2 < d) d = d2; }
         if (d < bd) { bd = d; best = k_keys[i].name; }
     }
-    return best;
+    /* a far-fetched suggestion ('bogus' -> 'model') misleads more than none */
+    return bd <= 2 + strlen(key) / 4 ? best : NULL;
 }
 
 /* "data.init_args.x" -> "data.x", "optimizer.init_args.x" -> "optimizer.x". */
@@ -202,6 +217,7 @@ static fl_status parse_float(const char *key, const char *v, float *out) {
     char *end;
     double x = strtod(v, &end);
     if (end == v || *end || !isfinite(x)) return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is not a number", key, v);
+    if (fabs(x) > 3.4e38) return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is beyond the float range", key, v);
     *out = (float)x;
     return FL_OK;
 }
@@ -296,6 +312,11 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
         return fl_errorf(FL_ERR_INVALID, "unknown option '%s'%s%s%s", key_in, near ? " (did you mean '" : "",
                          near ? near : "", near ? "'?)" : "");
     }
+    if (!key_applies(k, c->command))
+        return fl_errorf(FL_ERR_INVALID,
+                         "option '%s' applies to %s only (fitllm %s ..., or fitllm plan ... --lora): %s trains "
+                         "without LoRA and would ignore it", key_in, key_owner(k), key_owner(k),
+                         c->command == FL_CMD_PRETRAIN ? "pretrain" : "finetune_full");
     char *base = (char *)c;
     long long x = 0;
     switch (k->type) {
@@ -320,6 +341,15 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
         FL_TRY(parse_int(key, v, -(1 << 30), 1 << 30, &x));
         *(int *)(base + k->off) = (int)x;
         return FL_OK;
+    case FL_CK_POS: { /* the range named is the range accepted */
+        char *end;
+        errno = 0;
+        long long y = strtoll(v, &end, 10);
+        if (errno || end == v || *end || y < 1 || y > (1 << 30))
+            return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' must be positive: an integer in [1, %d]", key, v, 1 << 30);
+        *(int *)(base + k->off) = (int)y;
+        return FL_OK;
+    }
     case FL_CK_INT:
         FL_TRY(parse_int(key, v, 0, 1 << 30, &x));
         *(int *)(base + k->off) = (int)x;
@@ -439,8 +469,12 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
     if (t->lr_warmup_fraction >= 0 && t->lr_warmup_steps > 0)
         return fl_errorf(FL_ERR_INVALID, "can't provide both train.lr_warmup_fraction and train.lr_warmup_steps");
     if (t->lr_warmup_fraction > 1) return fl_errorf(FL_ERR_INVALID, "train.lr_warmup_fraction must be in [0, 1]");
-    if (t->max_seq_length == 0) return fl_errorf(FL_ERR_INVALID, "train.max_seq_length must be positive or null");
+    if (t->max_seq_length == 0 || t->max_seq_length == 1)
+        return fl_errorf(FL_ERR_INVALID, "train.max_seq_length %d: a sample needs at least 2 tokens (an input and "
+                         "the next token as its target); use 2 or more, or null", t->max_seq_length);
     if (t->epochs == 0) return fl_errorf(FL_ERR_INVALID, "train.epochs must be positive or null");
+    if (t->max_time != -1 && !(t->max_time > 0))
+        return fl_errorf(FL_ERR_INVALID, "train.max_time must be a positive number of seconds or null");
     if (c->eval.interval <= 0) return fl_errorf(FL_ERR_INVALID, "eval.interval must be positive");
     if (c->eval.max_iters <= 0) return fl_errorf(FL_ERR_INVALID, "eval.max_iters must be positive");
     if (!(c->optimizer.lr > 0)) return fl_errorf(FL_ERR_INVALID, "optimizer.lr must be positive");
@@ -491,7 +525,7 @@ static void value_str(const fl_run_config *c, const fl_cfg_key *k, char *buf, si
         else snprintf(buf, n, "null");
         break;
     }
-    case FL_CK_INT: case FL_CK_SINT: snprintf(buf, n, "%d", *(const int *)(base + k->off)); break;
+    case FL_CK_INT: case FL_CK_POS: case FL_CK_SINT: snprintf(buf, n, "%d", *(const int *)(base + k->off)); break;
     case FL_CK_INT_OPT: case FL_CK_BOOL_OPT: {
         int v = *(const int *)(base + k->off);
         if (v < 0) snprintf(buf, n, "null");
@@ -546,7 +580,7 @@ void fl_cfg_write_yaml(const fl_run_config *c, FILE *f) {
     fprintf(f, "# fitllm %s: effective configuration\n", c->command == FL_CMD_PRETRAIN ? "pretrain" : "finetune_full");
     for (size_t i = 0; i < N_KEYS; i++) {
         const fl_cfg_key *k = &k_keys[i];
-        if (!dumped(k)) continue;
+        if (!dumped(k) || !key_applies(k, c->command)) continue;
         value_str(c, k, v, sizeof v);
         const char *dot = strchr(k->name, '.');
         if (!dot) {
@@ -575,6 +609,7 @@ void fl_cfg_print_help(fl_cmd_kind cmd, FILE *f) {
     char v[64];
     for (size_t i = 0; i < N_KEYS; i++) {
         const fl_cfg_key *k = &k_keys[i];
+        if (!key_applies(k, cmd)) continue;
         value_str(&c, k, v, sizeof v);
         if (k->type == FL_CK_IGNORED) snprintf(v, sizeof v, "(ignored)");
         fprintf(f, "  --%-30s %-14s %s\n", k->name, v, k->help);

@@ -33,6 +33,6 @@ void fl_error_clear(void) { g_msg[0] = '\0'; }
 
 const char *fl_status_name(fl_status s) {
     static const char *names[FL_STATUS_COUNT] = {
-        "OK", "INVALID", "IO", "FORMAT", "OOM", "UNSUPPORTED", "NOT_FOUND", "INTERNAL"};
+        "OK", "INVALID", "IO", "FORMAT", "OOM", "UNSUPPORTED", "NOT_FOUND", "INTERNAL", "NONFINITE"};
     return (s >= 0 && s < FL_STATUS_COUNT) ? names[s] : "UNKNOWN";
 }

@@ -75,6 +75,15 @@ static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl
         src = aligned;
     }
     fl_status s = FL_OK;
+    /* a NaN weight poisons every output: refuse it here, naming the tensor,
+     * instead of training or generating NaN silently */
+    long long bad = fl_io_first_nonfinite(src, t->dtype, p->numel);
+    if (bad >= 0) {
+        free(aligned);
+        free(q4src);
+        return fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s' holds a non-finite value (inf/NaN) at element %lld: the "
+                         "file is corrupt or was saved from a diverged run", f->path, t->name, bad);
+    }
     if (!(p->ndim == 2 && p->transposed_on_disk)) {
         if (fl_convert(dst, dt, src, t->dtype, p->numel))
             s = fl_errorf(FL_ERR_INTERNAL, "%s: tensor '%s': conversion failed", f->path, t->name);
@@ -92,6 +101,30 @@ static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl
     if (q4src && s == FL_OK) fl_model_write_param(m, pi, q4src);
     free(q4src);
     return s;
+}
+
+long long fl_io_first_nonfinite(const void *x, fl_dtype t, size_t n) {
+    const unsigned char *b = x;
+    /* by bits: an all-ones exponent is inf or NaN (memcpy: no alignment needed) */
+    for (size_t i = 0; i < n; i++) {
+        if (t == FL_F32) {
+            uint32_t v;
+            memcpy(&v, b + 4 * i, 4);
+            if ((v & 0x7f800000u) == 0x7f800000u) return (long long)i;
+        } else if (t == FL_F64) {
+            uint64_t v;
+            memcpy(&v, b + 8 * i, 8);
+            if ((v & 0x7ff0000000000000ull) == 0x7ff0000000000000ull) return (long long)i;
+        } else if (t == FL_BF16 || t == FL_F16) {
+            uint16_t v;
+            memcpy(&v, b + 2 * i, 2);
+            uint16_t e = t == FL_BF16 ? 0x7f80u : 0x7c00u;
+            if ((v & e) == e) return (long long)i;
+        } else {
+            return -1;
+        }
+    }
+    return -1;
 }
 
 typedef struct {
@@ -198,6 +231,41 @@ fl_status fl_hf_load_weights(fl_model *m, const char *dir) {
     return s;
 }
 
+/* config.json against the tensors, before anything of the config's size is
+ * built: a config claiming 10^9 layers must fail in milliseconds, not after
+ * minutes of allocation. The layer count and the embedding shape are enough
+ * to catch a config that does not belong to the weights; every other shape is
+ * checked tensor by tensor while loading. */
+static fl_status fl_hf_check_config_vs_files(const char *dir, const char *cfg_path, const fl_model_config *c) {
+    fl_hf_shards sh;
+    fl_status s = fl_hf_open_shards(dir, &sh);
+    if (s != FL_OK) { fl_hf_shards_free(&sh); return s; }
+    const int gpt2 = c->arch == FL_ARCH_GPT2;
+    const char *pre = gpt2 ? "h." : "model.layers.", *emb = gpt2 ? "wte.weight" : "model.embed_tokens.weight";
+    long max_layer = -1;
+    const fl_st_tensor *e = NULL;
+    for (int fi = 0; fi < sh.n_files; fi++)
+        for (int ti = 0; ti < sh.files[fi].n_tensors; ti++) {
+            const fl_st_tensor *t = &sh.files[fi].tensors[ti];
+            const char *nm = t->name;
+            if (gpt2 && !strncmp(nm, "transformer.", 12)) nm += 12; /* both GPT-2 spellings */
+            if (!strcmp(nm, emb)) e = t;
+            if (strncmp(nm, pre, strlen(pre))) continue;
+            char *end;
+            long k = strtol(nm + strlen(pre), &end, 10);
+            if (end != nm + strlen(pre) && *end == '.' && k > max_layer) max_layer = k;
+        }
+    if (max_layer >= 0 && max_layer + 1 != c->n_layers)
+        s = fl_errorf(FL_ERR_FORMAT, "%s: says %d layers (%s) but the weights in %s hold %ld (%s0 .. %s%ld)", cfg_path,
+                      c->n_layers, gpt2 ? "n_layer" : "num_hidden_layers", dir, max_layer + 1, pre, pre, max_layer);
+    else if (e && (e->ndim != 2 || e->shape[0] != c->vocab_size || e->shape[1] != c->dim))
+        s = fl_errorf(FL_ERR_FORMAT, "%s: vocab_size %d x hidden size %d does not match the embedding '%s' of shape "
+                      "[%lld, %lld] in %s", cfg_path, c->vocab_size, c->dim, e->name, (long long)e->shape[0],
+                      (long long)(e->ndim > 1 ? e->shape[1] : 0), dir);
+    fl_hf_shards_free(&sh);
+    return s;
+}
+
 fl_status fl_hf_load_model(fl_model *m, const char *dir, const fl_backend *be, fl_mem_pool *pool) {
     return fl_hf_load_model_ex(m, dir, be, pool, NULL);
 }
@@ -208,6 +276,7 @@ fl_status fl_hf_load_model_ex(fl_model *m, const char *dir, const fl_backend *be
     FL_TRY(fl_io_join(path, sizeof path, dir, "config.json"));
     fl_model_config cfg;
     FL_TRY(fl_hf_load_config(path, &cfg));
+    FL_TRY(fl_hf_check_config_vs_files(dir, path, &cfg));
     FL_TRY(fl_model_init_ex(m, &cfg, be, pool, st));
     fl_status s = fl_hf_load_weights(m, dir);
     if (s != FL_OK) fl_model_free(m);

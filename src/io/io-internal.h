@@ -5,6 +5,7 @@
 
 #include <stddef.h>
 
+#include "fitllm/dtype.h"
 #include "fitllm/status.h"
 
 /* Join dir and name with '/' into buf; FL_ERR_INVALID naming both if too long. */
@@ -26,5 +27,9 @@ int fl_io_write_all(int fd, const void *data, size_t n);
 fl_status fl_io_mkdir_p(const char *path);
 /* 1 when the write fault injected by fl_io_fail_writes_after fires (errno = ENOSPC). */
 int fl_io_write_fault(void);
+
+/* Index of the first inf/NaN among n floating-point values of dtype t (F32, F64,
+ * BF16, F16; any alignment), or -1 when all are finite or t is not a float. */
+long long fl_io_first_nonfinite(const void *x, fl_dtype t, size_t n);
 
 #endif

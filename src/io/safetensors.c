@@ -92,10 +92,19 @@ static fl_status fl_st_parse_tensor(fl_st_file *f, const fl_json *e, fl_st_tenso
                          "file truncated?)",
                          path, name, (unsigned long long)en, f->data_size);
     size_t es = fl_dtype_size(t->dtype);
-    if (overflow || (es && numel > UINT64_MAX / es) || numel * es != en - b)
+    if (overflow || (es && numel > UINT64_MAX / es)) { /* the byte count itself does not fit 64 bits */
+        char shp[200];
+        size_t o = 0;
+        for (int k = 0; k < t->ndim && o < sizeof shp; k++)
+            o += (size_t)snprintf(shp + o, sizeof shp - o, "%s%lld", k ? ", " : "", (long long)t->shape[k]);
+        return fl_errorf(FL_ERR_FORMAT,
+                         "%s: tensor '%s': shape [%s] of %s overflows: it would need more than 2^64 bytes (data_offsets "
+                         "span %llu bytes)", path, name, shp, fl_dtype_name(t->dtype), (unsigned long long)(en - b));
+    }
+    if (numel * es != en - b)
         return fl_errorf(FL_ERR_FORMAT,
                          "%s: tensor '%s': shape needs %llu bytes (%llu elements of %s) but data_offsets span %llu bytes",
-                         path, name, overflow ? 0ull : (unsigned long long)(numel * es), (unsigned long long)numel,
+                         path, name, (unsigned long long)(numel * es), (unsigned long long)numel,
                          fl_dtype_name(t->dtype), (unsigned long long)(en - b));
     t->begin = (size_t)b;
     t->end = (size_t)en;

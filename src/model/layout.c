@@ -42,6 +42,20 @@ fl_status fl_config_validate(fl_model_config *c) {
     }
     if (c->rope_scaling.type != FL_ROPE_NONE && !(c->rope_scaling.factor > 0))
         return fl_errorf(FL_ERR_FORMAT, "model config: rope_scaling.factor must be positive");
+    /* sanity limits, far above any real model (405B: 126 layers, 16384 wide, 53248 MLP, 128256
+     * tokens): past them a config is corrupt, and building its layout would run for minutes */
+#define LIMIT(field, key, max)                                                                               \
+    if (c->field > (max))                                                                                     \
+        return fl_errorf(FL_ERR_FORMAT, "model config: '%s' = %d is beyond any real model (at most %d here)", key, \
+                         c->field, (max))
+    LIMIT(n_layers, "num_hidden_layers", 1 << 14);
+    LIMIT(dim, "hidden_size", 1 << 18);
+    LIMIT(ffn_dim, "intermediate_size", 1 << 20);
+    LIMIT(n_heads, "num_attention_heads", 1 << 14);
+    LIMIT(head_dim, "head_dim", 1 << 14);
+    LIMIT(vocab_size, "vocab_size", 1 << 24);
+    LIMIT(max_seq, "max_position_embeddings", 1 << 26);
+#undef LIMIT
     return FL_OK;
 #undef NEED_POS
 }

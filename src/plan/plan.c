@@ -592,7 +592,8 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     if (!p->budget) {
         p->verdict = FL_PLAN_FITS;
         p->max_micro_batch_size = -1;
-        note(p, "no budget given (--device-memory or --max-memory): the verdict is fits");
+        /* the library keeps FL_PLAN_FITS (nothing failed); the printed verdict says no budget was given */
+        note(p, "no budget given (--device-memory or --max-memory): the plan cannot say whether it fits");
         return FL_OK;
     }
     int fits = simulate(&x, c, &c->optimizer, p->B, p->accum, p->budget, p, NULL);
@@ -639,8 +640,15 @@ void fl_plan_print(const fl_plan *p, FILE *f) {
         fprintf(f, "budget %s (%zu bytes); planned peak %s = %.1f%% of it\n", fl_fmt_bytes(p->budget, a, sizeof a),
                 p->budget, fl_fmt_bytes(p->peak_total, b, sizeof b), 100.0 * (double)p->peak_total / (double)p->budget);
     fprintf(f, "\n");
-    if (p->verdict == FL_PLAN_FITS) {
-        fprintf(f, "verdict: FITS%s\n", p->budget ? "" : " (no budget given)");
+    /* more than any single machine has: a config to fix (batch, sequence, model), not a device to buy */
+    if (p->peak_total > ((size_t)64 << 40))
+        fprintf(f, "note: the planned peak of %s is more than any single machine has: check train.micro_batch_size, "
+                   "train.max_seq_length (or --seq-len) and the model\n", fl_fmt_bytes(p->peak_total, a, sizeof a));
+    if (p->verdict == FL_PLAN_FITS && !p->budget) {
+        fprintf(f, "verdict: UNKNOWN: no --device-memory / --max-memory given, cannot say whether a peak of %s fits "
+                   "(give the device's memory, e.g. --device-memory 80GB)\n", fl_fmt_bytes(p->peak_total, a, sizeof a));
+    } else if (p->verdict == FL_PLAN_FITS) {
+        fprintf(f, "verdict: FITS\n");
     } else {
         const fl_mem_oom *o = &p->oom;
         size_t avail = o->budget > o->in_use ? o->budget - o->in_use : 0;
@@ -720,7 +728,8 @@ void fl_plan_write_json(const fl_plan *p, FILE *f) {
     }
     fprintf(f, "%s],\n  \"peak\": ", p->n_phases ? "\n  " : "");
     jtags(f, p->peak, p->peak_total);
-    fprintf(f, ",\n  \"verdict\": \"%s\",\n", fl_plan_verdict_name(p->verdict));
+    fprintf(f, ",\n  \"verdict\": \"%s\",\n",
+            p->verdict == FL_PLAN_FITS && !p->budget ? "unknown" : fl_plan_verdict_name(p->verdict));
     if (p->verdict == FL_PLAN_OOM) {
         const fl_mem_oom *o = &p->oom;
         fprintf(f, "  \"oom\": {\"phase\": ");

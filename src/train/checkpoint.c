@@ -253,6 +253,9 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
         const fl_st_tensor *lt = fl_st_find(&f, "lora.params");
         if (!lt || lt->dtype != FL_F32 || lt->end - lt->begin != tn * sizeof(float))
             s = fl_errorf(FL_ERR_FORMAT, "%s: missing or mis-sized tensor lora.params (LoRA settings changed?)", p);
+        else if (fl_io_first_nonfinite(lt->data, FL_F32, tn) >= 0)
+            s = fl_errorf(FL_ERR_FORMAT, "%s: tensor 'lora.params' holds a non-finite value (inf/NaN) at element %lld: "
+                          "the checkpoint was saved from a diverged run", p, fl_io_first_nonfinite(lt->data, FL_F32, tn));
         else memcpy(m->lora->params, lt->data, tn * sizeof(float));
     }
     const char *opt = meta(&f, "optimizer");

@@ -157,6 +157,8 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
         scale = inv; /* unscale inside the update */
     }
     if (max_norm > 0 || norm_out) norm = fl_grad_norm(m) * scale;
+    /* inf/NaN gradients (no loss scaling to absorb them): refuse the update, the weights stay as they were */
+    if ((max_norm > 0 || norm_out) && !isfinite(norm)) return fl_errorf(FL_ERR_NONFINITE, "the gradient norm is %s", isnan(norm) ? "NaN" : "inf");
     if (max_norm > 0) {
         double coef = max_norm / (norm + 1e-6);
         if (coef < 1.0) scale = (float)(coef * scale);

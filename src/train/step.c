@@ -1,5 +1,6 @@
 /* One training step: accumulation over micro-batches, backward, update, with
  * phase memory snapshots and phase timings. */
+#include <math.h>
 #include <time.h>
 
 #include "fitllm/train.h"
@@ -22,6 +23,10 @@ fl_status fl_train_micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb,
     FL_TRY(fl_model_forward(m, mb->ids, mb->targets, mb->B, mb->T, grad_scale, NULL));
     *loss_sum = m->loss_sum;
     *n_valid = m->n_valid;
+    /* a diverged run: stop before its NaN reaches the weights. Under fp16 loss
+     * scaling an overflow is expected now and then: the optimizer skips that update. */
+    if (!isfinite(m->loss_sum) && !(o && o->use_loss_scale))
+        return fl_errorf(FL_ERR_NONFINITE, "the loss is %s", isnan(m->loss_sum) ? "NaN" : m->loss_sum > 0 ? "+inf" : "-inf");
     if (k == 0) fl_mem_snapshot(pool, "after_fwd");
     double b = now_ms();
     fl_mem_set_phase(pool, "backward");

@@ -189,6 +189,8 @@ static fl_status load_model_and_tokenizer(trainer *t) {
     return FL_OK;
 }
 
+static int ds_truncated(const fl_dataset *d) { return fl_data_get_stats(d)->n_truncated > 0; }
+
 static fl_status load_data(trainer *t) {
     const fl_run_config *c = t->cfg;
     fl_data_config dc = c->data;
@@ -209,6 +211,19 @@ static fl_status load_data(trainer *t) {
     if (T > t->model.cfg.max_seq) T = t->model.cfg.max_seq;
     t->T = T;
     t->B = c->train.micro_batch_size;
+    /* every target masked (an empty response with mask_prompt, responses cut away by
+     * max_seq_length): the loss is 0/0 and nothing would be learnt; say so before training */
+    size_t n_train = fl_data_count(t->data, FL_SPLIT_TRAIN), n_targets = 0;
+    for (size_t i = 0; i < n_train && !n_targets; i++) {
+        const fl_sample *sm = fl_data_get(t->data, FL_SPLIT_TRAIN, i);
+        for (int j = 1; j < sm->len && j <= T; j++) n_targets += sm->labels[j] != dc.ignore_index;
+    }
+    if (!n_targets)
+        return fl_errorf(FL_ERR_INVALID,
+                         "nothing to learn from: every target token of the %zu training samples is masked "
+                         "(ignore_index %d)%s; check data.mask_prompt, the responses of the dataset and "
+                         "train.max_seq_length", n_train, dc.ignore_index,
+                         ds_truncated(t->data) ? ", some after truncation to max_seq_length" : "");
     FL_TRY(fl_loader_init(&t->train, t->data, FL_SPLIT_TRAIN, t->B, T, c->seed, 1));
     if (fl_data_count(t->data, FL_SPLIT_VAL) > 0) FL_TRY(fl_loader_init(&t->val, t->data, FL_SPLIT_VAL, t->B, T, c->seed, 0));
     return FL_OK;
@@ -259,6 +274,7 @@ static fl_status validate(trainer *t, int max_iters, double *loss) {
     fl_model_lora_set_train(&t->model, 1);
     /* token-weighted mean over the evaluated batches */
     if (cnt > 0) *loss = sum / (double)cnt;
+    if (cnt > 0 && !isfinite(*loss)) return fl_errorf(FL_ERR_NONFINITE, "the validation loss is %s", isnan(*loss) ? "NaN" : "inf");
     return FL_OK;
 }
 
@@ -350,6 +366,39 @@ static void print_box(trainer *t, const fl_trainer_result *r) {
 static void mem_values(const fl_mem_pool *p, fl_metrics_values *v) {
     for (int k = 0; k < 6; k++) v->mem[k] = (double)p->cur[k];
     v->mem_peak = (double)p->peak_total;
+}
+
+/* A diverged run (FL_ERR_NONFINITE from the step, the update or evaluation):
+ * say where, what to try, and which checkpoint is the last good one. */
+static fl_status diverged(const trainer *t, fl_status s, long step, long iter) {
+    if (s != FL_ERR_NONFINITE) return s;
+    char what[1024], last[FL_CFG_PATH + 300], kept[FL_CFG_PATH + 400];
+    snprintf(what, sizeof what, "%s", fl_error_message());
+    if (fl_ckpt_find_latest(t->cfg->out_dir, last, sizeof last) == FL_OK) {
+        const char *base = strrchr(last, '/') ? strrchr(last, '/') + 1 : last;
+        long saved = -1;
+        if (sscanf(base, "step-%ld", &saved) == 1 && saved == step - 1 && iter > t->st.iter)
+            /* this step's forward read the weights of that checkpoint: they are the ones that diverged */
+            snprintf(kept, sizeof kept, "'%s' holds the weights this loss came from: resume from an earlier "
+                     "checkpoint with --resume <dir>", last);
+        else
+            snprintf(kept, sizeof kept, "the last good checkpoint, '%s', is kept", last);
+    } else
+        snprintf(kept, sizeof kept, "no checkpoint had been saved yet");
+    return fl_errorf(FL_ERR_NONFINITE,
+                     "training diverged at step %ld (iter %ld): %s; stopped without saving final/ (%s). "
+                     "hint: lower the learning rate (--optimizer.lr, now %g), clip gradients (--train.max_norm 1.0) "
+                     "or warm up longer (--train.lr_warmup_steps)",
+                     step, iter, what, kept, t->cfg->optimizer.lr);
+}
+
+/* Refuse to save weights an update has pushed to inf/NaN (a finite loss can
+ * still give a huge step): the last good checkpoint must not be rotated away. */
+static fl_status check_weights(const trainer *t) {
+    int found = 0;
+    FL_TRY(t->be.check_finite(&t->be, t->opt.p, t->opt.pt, t->opt.n, 1.0f, &found));
+    if (found) return fl_errorf(FL_ERR_NONFINITE, "the weights hold inf/NaN after the update");
+    return FL_OK;
 }
 
 /* ---- the run --------------------------------------------------------------------- */
@@ -518,14 +567,14 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
             } else {
                 /* LoRA dropout masks depend on (seed, iteration) only: a resumed run draws the same */
                 fl_model_lora_set_seed(&t.model, cfg->seed * 0x9e3779b97f4a7c15ULL + (uint64_t)t.st.iter);
-                CHECK(fl_train_micro(&t.model, &t.opt, &t.mbs[k], k, last, step_valid, lr, cfg->train.max_norm, &ls_k,
-                                     &nv_k, &sr));
+                CHECK(diverged(&t, fl_train_micro(&t.model, &t.opt, &t.mbs[k], k, last, step_valid, lr,
+                                                  cfg->train.max_norm, &ls_k, &nv_k, &sr), t.st.step + 1, t.st.iter + 1));
             }
             t.st.iter++;
             t.st.flops += fl_model_train_flops(&t.model.cfg, t.mbs[k].B, t.mbs[k].T);
             step_loss += ls_k;
             double it_loss = nv_k > 0 ? ls_k / nv_k : NAN;
-            if (!isnan(it_loss)) window[wn++ % t.accum] = it_loss;
+            if (nv_k > 0) window[wn++ % t.accum] = it_loss; /* a fully masked micro-batch has no loss */
             double run = 0;
             long cnt = wn < t.accum ? wn : t.accum;
             for (long q = 0; q < cnt; q++) run += window[q];
@@ -549,6 +598,10 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
                 fl_metrics_row(&t.metrics, &mv);
             }
         }
+        if (!isfinite(step_loss) && !sr.skipped) { /* fp16 loss scaling let a non-finite loss through */
+            s = fl_errorf(FL_ERR_NONFINITE, "the loss is %s", isnan(step_loss) ? "NaN" : "inf");
+            CHECK(diverged(&t, s, t.st.step + 1, t.st.iter));
+        }
         if (sr.skipped && out) { /* loss scaling: overflow, the update was skipped and the scale halved */
             bar_clear(&t);
             fprintf(out, "step %ld: inf/NaN in the fp16 gradients: update skipped, loss scale -> %g\n", t.st.step + 1,
@@ -565,7 +618,7 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
         }
         if (t.st.step % cfg->eval.interval == 0 && t.val) {
             double e0 = now_s();
-            CHECK(validate(&t, cfg->eval.max_iters, &val_loss));
+            CHECK(diverged(&t, validate(&t, cfg->eval.max_iters, &val_loss), t.st.step, t.st.iter));
             bar_clear(&t);
             CHECK(generate_example(&t));
             if (out) fprintf(out, "iter %ld: val loss %.4f, val time: %.2f ms\n", t.st.iter, val_loss, (now_s() - e0) * 1e3);
@@ -582,6 +635,7 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
             bar_clear(&t);
             if (out) fprintf(out, "Saving checkpoint to '%s/%s'\n", cfg->out_dir, name);
             fl_mem_set_phase(&t.pool, "checkpoint");
+            CHECK(diverged(&t, check_weights(&t), t.st.step, t.st.iter));
             CHECK(fl_ckpt_save(cfg->out_dir, name, &t.model, &t.opt, &t.st, cfg, t.tok_dir[0] ? t.tok_dir : NULL));
             fl_ckpt_rotate(cfg->out_dir, cfg->train.keep_checkpoints);
         }
@@ -589,6 +643,14 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
          * like a crash right after this step's checkpoint */
         if (hook && hook(hook_ud, t.st.step, step_valid ? step_loss / step_valid : NAN, t.opt.p, t.opt.n * fl_dtype_size(t.opt.pt))) {
             stopped = 1;
+            break;
+        }
+        if (cfg->train.max_time > 0 && t.st.train_seconds >= cfg->train.max_time) {
+            /* the time budget ends the run like max_steps would: final validation and final/ */
+            bar_clear(&t);
+            if (out)
+                fprintf(out, "train.max_time (%g s) reached after step %ld of %ld (%.1f s of training): finishing\n",
+                        (double)cfg->train.max_time, t.st.step, t.max_steps, t.st.train_seconds);
             break;
         }
         bar_draw(&t, t.st.step);
@@ -602,7 +664,7 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
     r.tokens_padded = t.st.tokens_padded;
     if (!stopped) {
         if (cfg->eval.final_validation && t.val) {
-            CHECK(validate(&t, (int)fl_loader_batches_per_epoch(t.val), &val_loss));
+            CHECK(diverged(&t, validate(&t, (int)fl_loader_batches_per_epoch(t.val), &val_loss), t.st.step, t.st.iter));
             r.val_loss = val_loss;
             if (out) fprintf(out, "Final evaluation | val loss: %.3f | val ppl: %.3f\n", val_loss, exp(val_loss));
             fl_metrics_values mv = {t.st.iter, t.st.step, (long)t.st.loader.epoch, NAN, NAN, NAN, val_loss, NAN, -1, -1, {0}, 0};
@@ -612,6 +674,7 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
             fl_metrics_row(&t.metrics, &mv);
         }
         fl_mem_set_phase(&t.pool, "checkpoint");
+        CHECK(diverged(&t, check_weights(&t), t.st.step, t.st.iter));
         /* LoRA: final/ is the merged model (loads anywhere without PEFT), final/adapter the PEFT adapter */
         if (t.model.lora) CHECK(fl_model_lora_merge(&t.model));
         CHECK(fl_ckpt_save(cfg->out_dir, "final", &t.model, t.model.lora ? NULL : &t.opt, t.model.lora ? NULL : &t.st,
