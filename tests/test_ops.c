@@ -488,14 +488,27 @@ static void attn_case(int B, int T, int NH, int NKV, int HD, size_t nsample) {
     FD_CHECK(what, dqkv, pre, c.qkv, nq, attn_loss, &c, nsample);
     free(lse_keep);
 
-    /* determinism: bit-identical across runs and, by construction, thread counts */
-    fl_backend ref;
+    /* determinism: bit-identical across runs, thread counts (1 = the reference backend, 2, 3) and
+     * both backward schedules (fused per kv head / split into kv and query tiles) */
+    fl_backend ref, be3;
     fl_ref_backend_init(&ref);
+    fl_cpu_backend_init(&be3, 3);
     float *d2 = fdup(pre, nq), *d3 = fdup(pre, nq);
     be.attention_backward(&be, d2, R, qkv, out, lse, B, T, NH, NKV, HD);
     ref.attention_backward(&ref, d3, R, qkv, out, lse, B, T, NH, NKV, HD);
     FL_CHECKF(memcmp(d2, dqkv, nq * 4) == 0, "%s: backward not deterministic", what);
-    FL_CHECKF(memcmp(d3, dqkv, nq * 4) == 0, "%s: backward depends on thread count", what);
+    FL_CHECKF(memcmp(d3, dqkv, nq * 4) == 0, "%s: backward depends on thread count (1 vs 2)", what);
+    const fl_backend *bes[3] = {&ref, &be, &be3};
+    for (int k = 0; k < 3; k++)
+        for (int split = 0; split < 2; split++) {
+            memcpy(d3, pre, nq * 4);
+            fl_cpu_attention_backward_sched(bes[k], d3, R, qkv, out, lse, B, T, NH, NKV, HD, split);
+            FL_CHECKF(memcmp(d3, dqkv, nq * 4) == 0, "%s: backward differs with %d threads, %s schedule", what,
+                      bes[k]->n_threads, split ? "split" : "fused");
+        }
+    memcpy(d3, pre, nq * 4);
+    be3.attention_backward(&be3, d3, R, qkv, out, lse, B, T, NH, NKV, HD);
+    FL_CHECKF(memcmp(d3, dqkv, nq * 4) == 0, "%s: backward depends on thread count (3)", what);
     float *o2 = malloc(no * 4), *l2 = malloc(nl * 4);
     be.attention_forward(&be, o2, l2, qkv, B, T, NH, NKV, HD);
     FL_CHECKF(memcmp(o2, out, no * 4) == 0 && memcmp(l2, lse, nl * 4) == 0, "%s: forward not deterministic", what);
@@ -510,6 +523,8 @@ FL_TEST(ops_attention_hd48) { attn_case(1, 33, 4, 2, 48, 300); }
 FL_TEST(ops_attention_hd64) { attn_case(2, 65, 2, 2, 64, 300); }
 FL_TEST(ops_attention_hd128) { attn_case(1, 20, 3, 1, 128, 300); }
 FL_TEST(ops_attention_t1) { attn_case(3, 1, 2, 1, 16, 0); }
+/* one kv head at batch 1 (the lab's 1B-like model at micro batch 1): the split schedule's case */
+FL_TEST(ops_attention_nkv1_b1) { attn_case(1, 75, 4, 1, 16, 400); }
 
 /* ---- activations -------------------------------------------------------------------- */
 

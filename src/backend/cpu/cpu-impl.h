@@ -108,6 +108,11 @@ void fl_cpu_attention_forward(const fl_backend *be, float *out, float *lse, cons
                               int NKV, int HD);
 void fl_cpu_attention_backward(const fl_backend *be, float *dqkv, const float *dout, const float *qkv,
                                const float *out, const float *lse, int B, int T, int NH, int NKV, int HD);
+/* The same with the schedule chosen: split 0 = fused (item (b, kv head)), 1 = split (items (b, kv head,
+ * key tile) and (b, head, query tile)), -1 = by thread count. Same bits for every choice (tests). */
+void fl_cpu_attention_backward_sched(const fl_backend *be, float *dqkv, const float *dout, const float *qkv,
+                                     const float *out, const float *lse, int B, int T, int NH, int NKV, int HD,
+                                     int split);
 
 /* ---- attention_kv.c (generation: one query against a KV cache) ---------------- */
 void fl_cpu_attention_decode(const fl_backend *be, float *out, const float *q, const float *kcache,
