@@ -257,6 +257,19 @@ struct fl_backend {
     double (*sumsq_ex)(const fl_backend *be, const void *x, fl_dtype t, size_t n);
 };
 
+/* First thing in main() of a program that runs the CPU backend (the CLI and the test runner
+ * call it): make idle OpenMP workers sleep instead of spin. libgomp's default (neither
+ * OMP_WAIT_POLICY nor GOMP_SPINCOUNT set) busy-waits 300,000 pause loops after every parallel
+ * region, 17 ms on a Zen 3 VM: with one other busy process on 2 cores the spinning workers take
+ * the cores from the thread with work, and a 1-step fine-tune ran 30-100x slower (measurements:
+ * docs/ARCHITECTURE.md "Threads on a shared machine"). libgomp reads its environment once, in a
+ * library constructor that runs before main(), so setting it here would be too late: unless the
+ * user set OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME (their choice is kept), this sets
+ * OMP_WAIT_POLICY=passive and re-executes the program once (/proc/self/exe, the same argv and
+ * environment otherwise). Returns when nothing had to be done, or when the exec failed (the run
+ * goes on with the runtime's default). Single-threaded callers only (it changes the environment). */
+void fl_cpu_process_init(char **argv);
+
 /* Create the CPU backend. n_threads <= 0: use the OpenMP default / all cores.
  * The GEMM library is chosen at build time (see docs/BENCHMARKS.md). */
 fl_status fl_cpu_backend_init(fl_backend *be, int n_threads);

@@ -1,6 +1,8 @@
 /* The CPU backend vtable: the fast CPU ops (OpenMP) and the reference backend
  * (the same ops on one thread with the naive GEMM). */
 #include <omp.h>
+#include <stdlib.h>
+#include <unistd.h>
 
 #include "backend/cpu/cpu-impl.h"
 
@@ -69,4 +71,17 @@ fl_status fl_ref_backend_init(fl_backend *be) {
     be->gemm = fl_cpu_gemm_naive;
     fill_ops(be);
     return FL_OK;
+}
+
+void fl_cpu_process_init(char **argv) {
+    /* any explicit choice of the user (or of our own earlier exec) stands */
+    if (getenv("OMP_WAIT_POLICY") || getenv("GOMP_SPINCOUNT") || getenv("KMP_BLOCKTIME")) return;
+    /* Passive rather than a short spin (GOMP_SPINCOUNT 1000 or 10000): measured on 2 shared vCPUs,
+     * every spin count we tried stayed several times slower than passive under contention, and
+     * passive costs one futex wake per region, which idle runs did not show (ARCHITECTURE.md). */
+    if (!argv || !argv[0] || setenv("OMP_WAIT_POLICY", "passive", 1) != 0) return;
+    execv("/proc/self/exe", argv);
+    /* exec failed (no /proc?): keep going with the default policy, and do not leave a setting in
+     * the environment that the runtime never read */
+    unsetenv("OMP_WAIT_POLICY");
 }
