@@ -614,6 +614,48 @@ FL_TEST(ops_elementwise) {
     free(a); free(b); free(o); free(a2);
 }
 
+/* The gradient norm's sums of squares and the gradient clear: the same result for 1, 2, 3 and 5
+ * threads (ranges fixed by n), sizes on both sides of the parallel thresholds; the sum against a
+ * double loop. */
+FL_TEST(ops_sumsq_zero_thread_independent) {
+    fl_backend be[4];
+    const int nts[4] = {1, 2, 3, 5};
+    for (int k = 0; k < 4; k++) fl_cpu_backend_init(&be[k], nts[k]);
+    fl_test_rng r = {77};
+    const size_t sizes[] = {1, 4095, 20000, 1000003, (size_t)3 << 20};
+    float *x = frand(&r, sizes[4], -3, 3);
+    uint16_t *x16 = malloc(sizes[4] * 2), *xh = malloc(sizes[4] * 2);
+    for (size_t i = 0; i < sizes[4]; i++) {
+        x16[i] = fl_f32_to_bf16(x[i]);
+        xh[i] = fl_f32_to_f16(x[i]);
+    }
+    for (int si = 0; si < 5; si++) {
+        size_t n = sizes[si];
+        double want = 0;
+        for (size_t i = 0; i < n; i++) want += (double)x[i] * x[i];
+        double g0 = be[0].sumsq(&be[0], x, n), b0 = be[0].sumsq_ex(&be[0], x16, FL_BF16, n);
+        double h0 = be[0].sumsq_ex(&be[0], xh, FL_F16, n);
+        /* double accumulation of n <= 3.2M positive terms: relative error <= n * 2^-53 */
+        FL_CHECKF(fabs(g0 - want) <= 1e-9 * want, "n=%zu: sumsq %.17g want %.17g", n, g0, want);
+        for (int k = 1; k < 4; k++) {
+            FL_CHECKF(be[k].sumsq(&be[k], x, n) == g0, "n=%zu: f32 sumsq differs with %d threads", n, nts[k]);
+            FL_CHECKF(be[k].sumsq_ex(&be[k], x16, FL_BF16, n) == b0, "n=%zu: bf16 sumsq differs, %d threads", n, nts[k]);
+            FL_CHECKF(be[k].sumsq_ex(&be[k], xh, FL_F16, n) == h0, "n=%zu: f16 sumsq differs, %d threads", n, nts[k]);
+        }
+    }
+    /* zero: an odd byte count above the parallel threshold (12 MiB + 3), the bytes around untouched */
+    size_t nb = ((size_t)12 << 20) + 3;
+    unsigned char *buf = malloc(nb + 2);
+    for (int k = 0; k < 4; k++) {
+        memset(buf, 0xab, nb + 2);
+        be[k].zero(&be[k], buf + 1, nb);
+        int bad = buf[0] != 0xab || buf[nb + 1] != 0xab;
+        for (size_t i = 1; i <= nb; i++) bad |= buf[i] != 0;
+        FL_CHECKF(!bad, "zero with %d threads", nts[k]);
+    }
+    free(x); free(x16); free(xh); free(buf);
+}
+
 typedef struct { double *b; const float *y0, *R; int N, OC; } bias_ctx;
 static double bias_loss(void *p) {
     bias_ctx *c = p;

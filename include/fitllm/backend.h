@@ -158,7 +158,7 @@ struct fl_backend {
                        float grad_scale);
 
     /* ---- reductions / misc ---------------------------------------------- */
-    /* sum of x[i]^2 in double, deterministic for a fixed thread count. */
+    /* sum of x[i]^2 in double; the same bits for any thread count. */
     double (*sumsq)(const fl_backend *be, const float *x, size_t n);
     /* x *= s */
     void (*scale)(const fl_backend *be, float *x, size_t n, float s);
@@ -253,7 +253,7 @@ struct fl_backend {
     /* dst (n, BF16 or F16) = round(widen(dst) + src) (round to nearest even): how a
      * group's fp32 staged gradients are added into 16-bit gradient storage. */
     fl_status (*accumulate16)(const fl_backend *be, uint16_t *dst, fl_dtype t, const float *src, size_t n);
-    /* sum of squares of x (F32, BF16 or F16), accumulated in double. */
+    /* sum of squares of x (F32, BF16 or F16), accumulated in double; the same bits for any thread count. */
     double (*sumsq_ex)(const fl_backend *be, const void *x, fl_dtype t, size_t n);
 };
 

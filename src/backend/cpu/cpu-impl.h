@@ -28,6 +28,16 @@
 /* Upper bound on threads for ops that keep per-thread partial sums on the stack. */
 #define FL_CPU_MAX_THREADS 256
 
+/* Deterministic sums over a long vector (the gradient norm): the n elements are cut into
+ * fl_cpu_sum_parts(n) contiguous ranges fixed by n alone (range c = [n*c/P, n*(c+1)/P)), each summed
+ * in order by one thread, and the partial sums added in range order: the same bits for any thread
+ * count, and up to 256 ranges keep many threads busy. */
+#define FL_CPU_SUM_PARTS 256
+static inline int fl_cpu_sum_parts(size_t n) {
+    size_t p = (n + 4095) / 4096; /* ranges of at least 4096 elements */
+    return p < 1 ? 1 : p > FL_CPU_SUM_PARTS ? FL_CPU_SUM_PARTS : (int)p;
+}
+
 /* ---- gemm (gemm.c) ------------------------------------------------------ */
 fl_status fl_cpu_gemm(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
                       const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta, void *C,
