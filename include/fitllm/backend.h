@@ -265,8 +265,8 @@ struct fl_backend {
  * docs/ARCHITECTURE.md "Threads on a shared machine"). libgomp reads its environment once, in a
  * library constructor that runs before main(), so setting it here would be too late: unless the
  * user set OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME (their choice is kept), this sets
- * OMP_WAIT_POLICY=passive and re-executes the program once (/proc/self/exe, the same argv and
- * environment otherwise). Returns when nothing had to be done, or when the exec failed (the run
+ * OMP_WAIT_POLICY=passive (OpenBLAS builds: also OPENBLAS_THREAD_TIMEOUT=4 unless set) and
+ * re-executes the program once (/proc/self/exe, the same argv and environment otherwise). Returns when nothing had to be done, or when the exec failed (the run
  * goes on with the runtime's default). Single-threaded callers only (it changes the environment). */
 void fl_cpu_process_init(char **argv);
 

@@ -75,13 +75,20 @@ fl_status fl_ref_backend_init(fl_backend *be) {
 
 void fl_cpu_process_init(char **argv) {
     /* any explicit choice of the user (or of our own earlier exec) stands */
-    if (getenv("OMP_WAIT_POLICY") || getenv("GOMP_SPINCOUNT") || getenv("KMP_BLOCKTIME")) return;
+    int omp = !getenv("OMP_WAIT_POLICY") && !getenv("GOMP_SPINCOUNT") && !getenv("KMP_BLOCKTIME");
+    /* OpenBLAS builds: its pthread workers yield-spin up to 2^28 cycles (~0.1 s) after each call;
+     * 2^4 cycles lets them sleep at once (with passive OpenMP: a GEMM/kernel loop took its parts'
+     * sum instead of 1.15x it, gemm_bench --interop-only) */
+    int blas = !strcmp(fl_cpu_gemm_library(), "openblas") && !getenv("OPENBLAS_THREAD_TIMEOUT");
+    if (!(omp || blas) || !argv || !argv[0]) return;
     /* Passive rather than a short spin (GOMP_SPINCOUNT 1000 or 10000): measured on 2 shared vCPUs,
      * every spin count we tried stayed several times slower than passive under contention, and
      * passive costs one futex wake per region, which idle runs did not show (ARCHITECTURE.md). */
-    if (!argv || !argv[0] || setenv("OMP_WAIT_POLICY", "passive", 1) != 0) return;
+    if (omp && setenv("OMP_WAIT_POLICY", "passive", 1) != 0) return;
+    if (blas && setenv("OPENBLAS_THREAD_TIMEOUT", "4", 1) != 0) return;
     execv("/proc/self/exe", argv);
-    /* exec failed (no /proc?): keep going with the default policy, and do not leave a setting in
-     * the environment that the runtime never read */
-    unsetenv("OMP_WAIT_POLICY");
+    /* exec failed (no /proc?): keep going with the defaults, and do not leave settings in the
+     * environment that the runtimes never read */
+    if (omp) unsetenv("OMP_WAIT_POLICY");
+    if (blas) unsetenv("OPENBLAS_THREAD_TIMEOUT");
 }
