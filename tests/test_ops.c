@@ -168,10 +168,11 @@ FL_TEST(ops_gemm_all_transposes) {
         for (int tb = 0; tb < 2; tb++) {
             gemm_case(&be, fl_cpu_gemm, ta, tb, 0.5f, "gemm");
             gemm_case(&be, fl_cpu_gemm, ta, tb, 0.0f, "gemm beta0");
+            gemm_case(&be, fl_cpu_gemm_sized, ta, tb, 0.5f, "gemm_sized");
             gemm_case(&be, fl_cpu_gemm_naive, ta, tb, 0.5f, "gemm_naive");
             gemm_case(&be, fl_cpu_gemm_naive, ta, tb, 0.0f, "gemm_naive beta0");
         }
-    FL_CHECK(be.gemm == fl_cpu_gemm && be.gemm_name && strlen(be.gemm_name) > 0);
+    FL_CHECK(be.gemm == fl_cpu_gemm_sized && be.gemm_name && strlen(be.gemm_name) > 0);
 }
 
 FL_TEST(ops_gemm_fast_vs_naive) {

@@ -55,9 +55,10 @@ void fl_cpu_attention_forward(const fl_backend *be, float *out /*(B,T,NH*HD)*/, 
     const int rep = NH / NKV, nqt = (T + BQ - 1) / BQ;
     const float scale = 1.0f / sqrtf((float)HD);
     const int nitems = B * NH * nqt;
+    const int par = (int64_t)B * NH * T * T * HD >= FL_CPU_ATTN_PAR_MIN;
     /* dynamic: late query tiles do more work; each item's result does not
      * depend on which thread runs it, so this stays deterministic. */
-#pragma omp parallel for num_threads(be->n_threads) schedule(dynamic, 1)
+#pragma omp parallel for num_threads(be->n_threads) schedule(dynamic, 1) if (par)
     for (int it = 0; it < nitems; it++) {
         int qt = nqt - 1 - it % nqt; /* heaviest tiles first */
         int h = (it / nqt) % NH, b = it / (nqt * NH);
@@ -365,7 +366,8 @@ void fl_cpu_attention_backward_sched(const fl_backend *be, float *dqkv, const fl
     }
     const attn_bw a = {qkv, dout, out, lse, dqkv, T, NH, NKV, HD, NH / NKV, (size_t)(NH + 2 * NKV) * HD,
                        (size_t)NH * HD, 1.0f / sqrtf((float)HD)};
-    const int nt = be->n_threads > 0 ? be->n_threads : 1;
+    /* small work on the calling thread (FL_CPU_ATTN_PAR_MIN), where the fused schedule does least */
+    const int nt = be->n_threads > 0 && (int64_t)B * NH * T * T * HD >= FL_CPU_ATTN_PAR_MIN ? be->n_threads : 1;
     if (split < 0) split = use_split(B * NKV, nt);
     if (!split) {
         const int nitems = B * NKV;

@@ -6,6 +6,19 @@
 
 #include "backend/cpu/cpu-impl.h"
 
+/* fl_cpu_gemm, on one thread when the product is small (FL_CPU_GEMM_PAR_MIN): the libraries
+ * open a parallel region for any size, and a tiny model's step is thousands of tiny GEMMs. */
+fl_status fl_cpu_gemm_sized(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                            const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
+                            void *C, fl_dtype tc, int ldc) {
+    if (be->n_threads > 1 && (int64_t)M * N * K < FL_CPU_GEMM_PAR_MIN) {
+        fl_backend one = *be;
+        one.n_threads = 1;
+        return fl_cpu_gemm(&one, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc, ldc);
+    }
+    return fl_cpu_gemm(be, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc, ldc);
+}
+
 static void fill_ops(fl_backend *be) {
     be->embedding_forward = fl_cpu_embedding_forward;
     be->embedding_backward = fl_cpu_embedding_backward;
@@ -52,7 +65,7 @@ fl_status fl_cpu_backend_init(fl_backend *be, int n_threads) {
     be->n_threads = n_threads > 0 ? n_threads : omp_get_max_threads();
     if (be->n_threads > FL_CPU_MAX_THREADS) be->n_threads = FL_CPU_MAX_THREADS;
     be->gemm_name = fl_cpu_gemm_library();
-    be->gemm = fl_cpu_gemm;
+    be->gemm = fl_cpu_gemm_sized;
     fill_ops(be);
     return FL_OK;
 }

@@ -14,10 +14,18 @@
 
 #include "fitllm/backend.h"
 
-/* Elementwise ops run serially below this many elements: a parallel region
- * costs a barrier, and on a shared (oversubscribed) machine a spinning
- * OpenMP barrier over tiny work (decode steps, small models) stalls badly. */
-#define FL_CPU_PAR_MIN 16384
+/* Small work runs on the calling thread. Idle workers sleep (fl_cpu_process_init), so a
+ * parallel region pays a futex wake-up: 5 us per region with spinning workers vs 35-65 us with
+ * sleeping ones on our 2 loaded vCPUs (an empty region in a loop), and on a busy machine the
+ * region's end waits for a worker the scheduler has not run yet. Below ~50-100 us of serial
+ * work a second thread does not pay for that. Elementwise ops: elements (64K floats: 15-80 us
+ * for add .. swiglu). */
+#define FL_CPU_PAR_MIN 65536
+/* Attention forward/backward: B*NH*T*T*HD (about the multiply-adds of the forward). */
+#define FL_CPU_ATTN_PAR_MIN ((int64_t)1 << 21)
+/* GEMM: M*N*K multiply-adds (4M: ~100 us on one core; a 118x192x64 sgemm took 31 us on 1
+ * thread and 45 us on 2). Smaller GEMMs run on one thread (backend_cpu.c). */
+#define FL_CPU_GEMM_PAR_MIN ((int64_t)1 << 22)
 
 /* Largest head dimension attention supports: its tiles are fixed-size stack
  * buffers sized for this (ops never allocate). Covers LLaMA (64/128) and
@@ -42,6 +50,10 @@ static inline int fl_cpu_sum_parts(size_t n) {
 fl_status fl_cpu_gemm(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
                       const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta, void *C,
                       fl_dtype tc, int ldc);
+/* The backend's gemm: fl_cpu_gemm, on one thread below FL_CPU_GEMM_PAR_MIN multiply-adds. */
+fl_status fl_cpu_gemm_sized(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                            const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
+                            void *C, fl_dtype tc, int ldc);
 /* Plain triple loop, single-threaded: the reference the fast GEMM is tested against. */
 fl_status fl_cpu_gemm_naive(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
                             const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
