@@ -162,7 +162,8 @@ void fl_cpu_attention_forward(const fl_backend *be, float *out /*(B,T,NH*HD)*/, 
  *  - split: items (b, g, key tile) own that tile's dK/dV (all of g's heads, all
  *    rows t >= k0), items (b, h, query tile) own dQ of those rows (key tiles
  *    ascending up to the diagonal). P and dP are computed by both, so it does
- *    7 HD-long FMA rows per (query, key) pair instead of 5, but spreads over
+ *    7 HD-long FMA rows per (query, key) pair instead of 5 (1.55-1.8x the time
+ *    on one thread, with the second exp), but spreads over
  *    B*NKV*T/BK + B*NH*T/BK items; both kinds write disjoint parts of dqkv, so
  *    they share one parallel loop.
  * Per element the summation order is the same in both: dK/dV of key j sum over
@@ -342,12 +343,15 @@ static void q_tile(const attn_bw *a, attn_rows *r, int b, int h, int q0) {
     }
 }
 
-/* 1 if the split schedule is expected to finish first: the fused one takes
- * ceil(n/nt) rounds of 5 units per item, the split one about 7 n / nt. */
+/* 1 if the split schedule is expected to finish clearly first: the fused one takes
+ * ceil(n/nt) rounds of 5 units per item; the split one about 8 n / nt (measured on one
+ * thread: 1.55-1.8x the fused time at HD 16-64). Split only for a 1.5x gain: when the
+ * machine is shared the extra threads may not run, and then the split is that much slower
+ * (so 2 threads and one item stay fused; 3 or more threads split). */
 static int use_split(int n_fused, int nt) {
     if (nt <= 1) return 0;
     long rounds = (n_fused + nt - 1) / nt;
-    return 5L * rounds * nt > 7L * n_fused;
+    return 2L * 5 * rounds * nt >= 3L * 8 * n_fused;
 }
 
 void fl_cpu_attention_backward(const fl_backend *be, float *dqkv /*(B,T,(NH+2*NKV)*HD)*/,
