@@ -21,8 +21,15 @@ decoder layers becomes a bitsandbytes Linear4bit (blocksize 64), lm_head, embedd
 stay unquantized; PEFT then puts LoRA on q_proj+v_proj (peft.tuners.lora.bnb.Linear4bit).
 prepare_model_for_kbit_training is not called. Runs on CPU with bitsandbytes >= 0.49 (its CPU
 backend; without the optional `kernels` package it dequantizes and calls torch matmul).
-Prints one line:
-    RESULT impl=torch shape=tiny median_ms=... tok_s=... gflops=... peak_rss_mb=...
+Phases (as `fitllm bench-step` reports them): the step runs the decoder body (embedding + blocks +
+final norm) and the head separately: hidden = model.model(ids); h = hidden.detach().requires_grad_();
+loss = cross_entropy(lm_head(h)); loss.backward() (head+loss: lm_head and CE forward and their
+backward, which gives h.grad); hidden.backward(h.grad) (the body's backward); then the AdamW step.
+Same math as one loss.backward() (the chain rule cut at the hidden states); --no-phases times the
+plain single-backward step instead (phase fields then absent) to check the cut costs nothing.
+Prints one line (phase fields: medians over the timed steps):
+    RESULT impl=torch shape=tiny median_ms=... tok_s=... gflops=... peak_rss_mb=... fwd_ms=...
+        head_ms=... bwd_ms=... opt_ms=...
 FLOPs per step = 6*N*B*T + 6*L*B*T*T*hidden, N = all linear weights incl. lm_head,
 excluding embeddings.
 """
@@ -96,6 +103,8 @@ def main():
                     help="LoRA rank (peft LoraConfig r, alpha 2r, q_proj+v_proj, dropout 0); base frozen")
     ap.add_argument("--act-ckpt", action="store_true",
                     help="activation checkpointing (model.gradient_checkpointing_enable, torch.utils.checkpoint)")
+    ap.add_argument("--no-phases", dest="phases", action="store_false",
+                    help="one loss.backward() per step, no per-phase times")
     args = ap.parse_args()
     quant = args.quantize[4:] if args.quantize.startswith("bnb.") else args.quantize
     if quant not in ("", "nf4", "nf4-dq"):
@@ -159,19 +168,45 @@ def main():
             loss = F.cross_entropy(logits.view(-1, V).float(), tgt.view(-1))
         loss.backward()
         opt.step()
-        return loss.item()
+        return loss.item(), None
 
-    times = []
+    base = model.get_base_model() if args.lora else model  # LlamaForCausalLM (PEFT layers inside)
+    body, head = base.model, base.lm_head
+
+    def step_phases():
+        opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        with amp:
+            hidden = body(input_ids=ids, use_cache=False).last_hidden_state  # (B, T, C) after the final norm
+        t1 = time.perf_counter()
+        h = hidden.detach().requires_grad_(True)
+        with amp:
+            loss = F.cross_entropy(head(h).view(-1, V).float(), tgt.view(-1))
+        loss.backward()  # head + loss, forward and backward: h.grad
+        t2 = time.perf_counter()
+        hidden.backward(h.grad)
+        t3 = time.perf_counter()
+        opt.step()
+        t4 = time.perf_counter()
+        return loss.item(), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)
+
+    times, phases = [], []
     for i in range(args.warmup + args.steps):
         t0 = time.perf_counter()
-        loss = step()
+        loss, ph = step_phases() if args.phases else step()
         dt = time.perf_counter() - t0
         if i >= args.warmup:
             times.append(dt)
-        print(f"step {i}{' (warmup)' if i < args.warmup else ''}: {dt*1e3:.1f} ms loss {loss:.4f}",
+            phases.append(ph)
+        pt = f" (fwd {ph[0]*1e3:.1f}, head+loss {ph[1]*1e3:.1f}, bwd {ph[2]*1e3:.1f}, opt {ph[3]*1e3:.1f})" if ph else ""
+        print(f"step {i}{' (warmup)' if i < args.warmup else ''}: {dt*1e3:.1f} ms{pt} loss {loss:.4f}",
               file=sys.stderr, flush=True)
 
     med = statistics.median(times)
+    phase_kv = ""
+    if args.phases:
+        phase_kv = "".join(f" {k}_ms={statistics.median(p[j] for p in phases)*1e3:.2f}"
+                           for j, k in enumerate(("fwd", "head", "bwd", "opt")))
     tok_s = B * T / med
     gflops = flops / med / 1e9
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
@@ -181,7 +216,7 @@ def main():
           f"threads={args.threads} params={n_all} linear_params={n_lin} "
           f"flops_per_step={flops} B={B} T={T}", file=sys.stderr)
     print(f"RESULT impl=torch shape={args.shape} median_ms={med*1e3:.1f} tok_s={tok_s:.1f} "
-          f"gflops={gflops:.2f} peak_rss_mb={rss_mb:.1f}", flush=True)
+          f"gflops={gflops:.2f} peak_rss_mb={rss_mb:.1f}{phase_kv}", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@
 #      QUANTIZE (QLoRA base, needs LORA: nf4 or nf4-dq; fitllm gets --quantize bnb.<mode>,
 #      torch bitsandbytes 4-bit, see bench/bench_step_torch.py),
 #      OUT (raw RESULT lines are appended there; default bench/out/bench_step-<date>.txt)
+# Prints the median step table and a per-phase table (forward, head+loss, backward, optimizer).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -103,6 +104,17 @@ for s in shapes:
     if (s, "fitllm") in rows and (s, "torch") in rows:
         r = med(rows[(s, "fitllm")], "median_ms") / med(rows[(s, "torch")], "median_ms")
         print(f"{s:<7} ratio fitllm/torch median_ms = {r:.3f}  ({'fitllm faster' if r < 1 else 'torch faster'})")
+# Phases (ms, median over rounds of each run's per-phase median): fwd = embedding + blocks + final
+# norm, head = lm_head + cross-entropy forward and backward, bwd = the rest of the backward,
+# opt = gradient norm + update. Both sides cut the step the same way (bench_step_torch.py).
+ph = ("fwd_ms", "head_ms", "bwd_ms", "opt_ms")
+if any(all(k in x for k in ph) for l in rows.values() for x in l):
+    print(f"\n{'shape':<7} {'impl':<7} {'fwd_ms':>10} {'head_ms':>10} {'bwd_ms':>10} {'opt_ms':>10}")
+    for s in shapes:
+        for i in ("fitllm", "torch"):
+            l = [x for x in rows.get((s, i), []) if all(k in x for k in ph)]
+            if l:
+                print(f"{s:<7} {i:<7} " + " ".join(f"{med(l, k):>10.1f}" for k in ph))
 PYEOF
 rm -f "$OUT.tmp"
 echo "raw results: $OUT" >&2

@@ -44,7 +44,20 @@ expect loss_unknown_architecture 1 "bert" -- "$FITLLM" loss "$T/notmodel" --toke
 expect bench_bad_option 2 "unknown option" -- "$FITLLM" bench-step micro --frobnicate 3
 expect bench_bad_number 2 "not an integer" -- "$FITLLM" bench-step micro --micro-batch x
 expect bench_oom_exit_3 3 "out of memory" -- "$FITLLM" bench-step tiny --micro-batch 2 --seq 64 --steps 1 --max-memory 64MB
-expect bench_ok 0 "RESULT impl=fitllm" -- "$FITLLM" bench-step micro --micro-batch 2 --seq 32 --steps 2 --warmup 0
+expect bench_ok 0 "RESULT impl=fitllm .* fwd_ms=[0-9.]+ head_ms=[0-9.]+ bwd_ms=[0-9.]+ opt_ms=[0-9.]+" -- \
+    "$FITLLM" bench-step micro --micro-batch 2 --seq 32 --steps 2 --warmup 0
+# Idle OpenMP workers sleep by default (fl_cpu_process_init re-executes with OMP_WAIT_POLICY=passive);
+# an explicit choice of the user stands. libgomp prints its settings with OMP_DISPLAY_ENV (the last
+# block is the one of the process that runs).
+if env OMP_DISPLAY_ENV=verbose "$FITLLM" --help 2>&1 | grep -q "GOMP_SPINCOUNT"; then
+    gomp_env() { env -u OMP_WAIT_POLICY -u GOMP_SPINCOUNT -u KMP_BLOCKTIME OMP_DISPLAY_ENV=verbose "$@" "$FITLLM" --help 2>&1 |
+        grep -E "OMP_WAIT_POLICY|GOMP_SPINCOUNT" | tail -2 | tr -d "\n "; }
+    expect omp_passive_by_default 0 "OMP_WAIT_POLICY='PASSIVE'GOMP_SPINCOUNT='0'" -- gomp_env
+    expect omp_user_policy_kept 0 "OMP_WAIT_POLICY='ACTIVE'" -- gomp_env OMP_WAIT_POLICY=active
+    expect omp_user_spincount_kept 0 "GOMP_SPINCOUNT='5000'" -- gomp_env GOMP_SPINCOUNT=5000
+else
+    echo "skip omp_passive_by_default: not libgomp"; skip=$((skip+1))
+fi
 
 # training commands: configuration errors are usage errors (2), OOM is 3
 printf 'train:\n  micro_batch_size: 4\n   global_batch_size: [\n' > "$T/bad.yaml"

@@ -8,6 +8,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "fitllm/backend.h"
 #include "fitllm/status.h"
 #include "test.h"
 
@@ -112,6 +113,7 @@ int fl_test_allclose(const char *what, const float *a, const float *b, size_t n,
 }
 
 int main(int argc, char **argv) {
+    fl_cpu_process_init(argv); /* idle OpenMP workers sleep (may re-execute the program once) */
     int passed = 0, failed = 0, skipped = 0;
     for (int i = 0; i < g_n; i++) {
         int run = argc < 2;

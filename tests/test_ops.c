@@ -169,10 +169,11 @@ FL_TEST(ops_gemm_all_transposes) {
         for (int tb = 0; tb < 2; tb++) {
             gemm_case(&be, fl_cpu_gemm, ta, tb, 0.5f, "gemm");
             gemm_case(&be, fl_cpu_gemm, ta, tb, 0.0f, "gemm beta0");
+            gemm_case(&be, fl_cpu_gemm_sized, ta, tb, 0.5f, "gemm_sized");
             gemm_case(&be, fl_cpu_gemm_naive, ta, tb, 0.5f, "gemm_naive");
             gemm_case(&be, fl_cpu_gemm_naive, ta, tb, 0.0f, "gemm_naive beta0");
         }
-    FL_CHECK(be.gemm == fl_cpu_gemm && be.gemm_name && strlen(be.gemm_name) > 0);
+    FL_CHECK(be.gemm == fl_cpu_gemm_sized && be.gemm_name && strlen(be.gemm_name) > 0);
 }
 
 FL_TEST(ops_gemm_fast_vs_naive) {
@@ -489,14 +490,27 @@ static void attn_case(int B, int T, int NH, int NKV, int HD, size_t nsample) {
     FD_CHECK(what, dqkv, pre, c.qkv, nq, attn_loss, &c, nsample);
     free(lse_keep);
 
-    /* determinism: bit-identical across runs and, by construction, thread counts */
-    fl_backend ref;
+    /* determinism: bit-identical across runs, thread counts (1 = the reference backend, 2, 3) and
+     * both backward schedules (fused per kv head / split into kv and query tiles) */
+    fl_backend ref, be3;
     fl_ref_backend_init(&ref);
+    fl_cpu_backend_init(&be3, 3);
     float *d2 = fdup(pre, nq), *d3 = fdup(pre, nq);
     be.attention_backward(&be, d2, R, qkv, out, lse, B, T, NH, NKV, HD);
     ref.attention_backward(&ref, d3, R, qkv, out, lse, B, T, NH, NKV, HD);
     FL_CHECKF(memcmp(d2, dqkv, nq * 4) == 0, "%s: backward not deterministic", what);
-    FL_CHECKF(memcmp(d3, dqkv, nq * 4) == 0, "%s: backward depends on thread count", what);
+    FL_CHECKF(memcmp(d3, dqkv, nq * 4) == 0, "%s: backward depends on thread count (1 vs 2)", what);
+    const fl_backend *bes[3] = {&ref, &be, &be3};
+    for (int k = 0; k < 3; k++)
+        for (int split = 0; split < 2; split++) {
+            memcpy(d3, pre, nq * 4);
+            fl_cpu_attention_backward_sched(bes[k], d3, R, qkv, out, lse, B, T, NH, NKV, HD, split);
+            FL_CHECKF(memcmp(d3, dqkv, nq * 4) == 0, "%s: backward differs with %d threads, %s schedule", what,
+                      bes[k]->n_threads, split ? "split" : "fused");
+        }
+    memcpy(d3, pre, nq * 4);
+    be3.attention_backward(&be3, d3, R, qkv, out, lse, B, T, NH, NKV, HD);
+    FL_CHECKF(memcmp(d3, dqkv, nq * 4) == 0, "%s: backward depends on thread count (3)", what);
     float *o2 = malloc(no * 4), *l2 = malloc(nl * 4);
     be.attention_forward(&be, o2, l2, qkv, B, T, NH, NKV, HD);
     FL_CHECKF(memcmp(o2, out, no * 4) == 0 && memcmp(l2, lse, nl * 4) == 0, "%s: forward not deterministic", what);
@@ -511,6 +525,8 @@ FL_TEST(ops_attention_hd48) { attn_case(1, 33, 4, 2, 48, 300); }
 FL_TEST(ops_attention_hd64) { attn_case(2, 65, 2, 2, 64, 300); }
 FL_TEST(ops_attention_hd128) { attn_case(1, 20, 3, 1, 128, 300); }
 FL_TEST(ops_attention_t1) { attn_case(3, 1, 2, 1, 16, 0); }
+/* one kv head at batch 1 (the lab's 1B-like model at micro batch 1): the split schedule's case */
+FL_TEST(ops_attention_nkv1_b1) { attn_case(1, 75, 4, 1, 16, 400); }
 
 /* ---- activations -------------------------------------------------------------------- */
 
@@ -598,6 +614,48 @@ FL_TEST(ops_elementwise) {
     for (size_t i = 0; i < n; i++) ok &= a2[i] == 0.0f;
     FL_CHECK(ok);
     free(a); free(b); free(o); free(a2);
+}
+
+/* The gradient norm's sums of squares and the gradient clear: the same result for 1, 2, 3 and 5
+ * threads (ranges fixed by n), sizes on both sides of the parallel thresholds; the sum against a
+ * double loop. */
+FL_TEST(ops_sumsq_zero_thread_independent) {
+    fl_backend be[4];
+    const int nts[4] = {1, 2, 3, 5};
+    for (int k = 0; k < 4; k++) fl_cpu_backend_init(&be[k], nts[k]);
+    fl_test_rng r = {77};
+    const size_t sizes[] = {1, 4095, 20000, 1000003, (size_t)3 << 20};
+    float *x = frand(&r, sizes[4], -3, 3);
+    uint16_t *x16 = malloc(sizes[4] * 2), *xh = malloc(sizes[4] * 2);
+    for (size_t i = 0; i < sizes[4]; i++) {
+        x16[i] = fl_f32_to_bf16(x[i]);
+        xh[i] = fl_f32_to_f16(x[i]);
+    }
+    for (int si = 0; si < 5; si++) {
+        size_t n = sizes[si];
+        double want = 0;
+        for (size_t i = 0; i < n; i++) want += (double)x[i] * x[i];
+        double g0 = be[0].sumsq(&be[0], x, n), b0 = be[0].sumsq_ex(&be[0], x16, FL_BF16, n);
+        double h0 = be[0].sumsq_ex(&be[0], xh, FL_F16, n);
+        /* double accumulation of n <= 3.2M positive terms: relative error <= n * 2^-53 */
+        FL_CHECKF(fabs(g0 - want) <= 1e-9 * want, "n=%zu: sumsq %.17g want %.17g", n, g0, want);
+        for (int k = 1; k < 4; k++) {
+            FL_CHECKF(be[k].sumsq(&be[k], x, n) == g0, "n=%zu: f32 sumsq differs with %d threads", n, nts[k]);
+            FL_CHECKF(be[k].sumsq_ex(&be[k], x16, FL_BF16, n) == b0, "n=%zu: bf16 sumsq differs, %d threads", n, nts[k]);
+            FL_CHECKF(be[k].sumsq_ex(&be[k], xh, FL_F16, n) == h0, "n=%zu: f16 sumsq differs, %d threads", n, nts[k]);
+        }
+    }
+    /* zero: an odd byte count above the parallel threshold (12 MiB + 3), the bytes around untouched */
+    size_t nb = ((size_t)12 << 20) + 3;
+    unsigned char *buf = malloc(nb + 2);
+    for (int k = 0; k < 4; k++) {
+        memset(buf, 0xab, nb + 2);
+        be[k].zero(&be[k], buf + 1, nb);
+        int bad = buf[0] != 0xab || buf[nb + 1] != 0xab;
+        for (size_t i = 1; i <= nb; i++) bad |= buf[i] != 0;
+        FL_CHECKF(!bad, "zero with %d threads", nts[k]);
+    }
+    free(x); free(x16); free(xh); free(buf);
 }
 
 typedef struct { double *b; const float *y0, *R; int N, OC; } bias_ctx;

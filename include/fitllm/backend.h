@@ -158,7 +158,7 @@ struct fl_backend {
                        float grad_scale);
 
     /* ---- reductions / misc ---------------------------------------------- */
-    /* sum of x[i]^2 in double, deterministic for a fixed thread count. */
+    /* sum of x[i]^2 in double; the same bits for any thread count. */
     double (*sumsq)(const fl_backend *be, const float *x, size_t n);
     /* x *= s */
     void (*scale)(const fl_backend *be, float *x, size_t n, float s);
@@ -253,9 +253,22 @@ struct fl_backend {
     /* dst (n, BF16 or F16) = round(widen(dst) + src) (round to nearest even): how a
      * group's fp32 staged gradients are added into 16-bit gradient storage. */
     fl_status (*accumulate16)(const fl_backend *be, uint16_t *dst, fl_dtype t, const float *src, size_t n);
-    /* sum of squares of x (F32, BF16 or F16), accumulated in double. */
+    /* sum of squares of x (F32, BF16 or F16), accumulated in double; the same bits for any thread count. */
     double (*sumsq_ex)(const fl_backend *be, const void *x, fl_dtype t, size_t n);
 };
+
+/* First thing in main() of a program that runs the CPU backend (the CLI and the test runner
+ * call it): make idle OpenMP workers sleep instead of spin. libgomp's default (neither
+ * OMP_WAIT_POLICY nor GOMP_SPINCOUNT set) busy-waits 300,000 pause loops after every parallel
+ * region, 17 ms on a Zen 3 VM: with one other busy process on 2 cores the spinning workers take
+ * the cores from the thread with work, and a 1-step fine-tune ran 30-100x slower (measurements:
+ * docs/ARCHITECTURE.md "Threads on a shared machine"). libgomp reads its environment once, in a
+ * library constructor that runs before main(), so setting it here would be too late: unless the
+ * user set OMP_WAIT_POLICY, GOMP_SPINCOUNT or KMP_BLOCKTIME (their choice is kept), this sets
+ * OMP_WAIT_POLICY=passive (OpenBLAS builds: also OPENBLAS_THREAD_TIMEOUT=4 unless set) and
+ * re-executes the program once (/proc/self/exe, the same argv and environment otherwise). Returns when nothing had to be done, or when the exec failed (the run
+ * goes on with the runtime's default). Single-threaded callers only (it changes the environment). */
+void fl_cpu_process_init(char **argv);
 
 /* Create the CPU backend. n_threads <= 0: use the OpenMP default / all cores.
  * The GEMM library is chosen at build time (see docs/BENCHMARKS.md). */

@@ -179,6 +179,8 @@ typedef struct {
     long n_valid;           /* number of non-ignored targets */
     int fwd_B, fwd_T;       /* shape of the last forward */
     int fwd_train;          /* last forward prepared a backward */
+    double ms_head;         /* last forward: wall ms of the head + loss (lm_head chunks, cross-entropy and,
+                             * in training, the head's backward), included in the forward's time */
     int act_ckpt;           /* activation checkpointing (set before fl_model_alloc_acts) */
     fl_dtype act_dtype;     /* storage of the saved activations of the current arena: prec.act_dtype when
                              * fl_model_alloc_acts ran (fl_model_set_precision re-sizes the arena) */

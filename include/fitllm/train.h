@@ -86,7 +86,12 @@ typedef struct {
     double grad_norm;   /* before clipping (unscaled) */
     int skipped;        /* loss scaling: inf/NaN gradients, update skipped */
     float loss_scale;   /* loss scale after the step (0 without loss scaling) */
+    /* wall ms per phase, summed over the micro-batches: ms_fwd embedding + blocks + final norm,
+     * ms_head lm_head + cross-entropy + the head's backward (they run chunk by chunk inside the
+     * forward), ms_bwd the backward of the final norm, blocks and embedding, ms_opt the optimizer
+     * (gradient norm, clipping, update); ms_total the whole step (also the gradient clear) */
     double ms_fwd, ms_bwd, ms_opt, ms_total;
+    double ms_head;
 } fl_step_result;
 
 /* One micro-batch of a step; micro-batches of a step may differ in shape. */

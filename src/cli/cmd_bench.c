@@ -1,6 +1,7 @@
 /* fitllm bench-step: times full training steps (forward + backward + AdamW)
- * on random tokens and prints median ms/step, tok/s, GFLOP/s and the memory
- * phase report. */
+ * on random tokens and prints median ms/step, tok/s, GFLOP/s, the median time
+ * of each phase (forward, head+loss, backward, optimizer) and the memory phase
+ * report. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,14 +29,26 @@ static void help(void) {
            "  --quantize MODE       with --lora: QLoRA, block linears in 4 bits (bnb.nf4, bnb.nf4-dq, bnb.fp4,\n"
            "                        bnb.fp4-dq)\n"
            "  --seed N              init/data seed (default 1337)\n\n"
-           "Output ends with a machine-readable line:\n"
-           "RESULT impl=fitllm shape=<model> median_ms=.. tok_s=.. gflops=.. peak_rss_mb=..\n");
+           "Phases per step: fwd = embedding + blocks + final norm; head = lm_head + cross-entropy + the\n"
+           "head's backward (computed chunk by chunk inside the forward); bwd = backward of the blocks and\n"
+           "embedding; opt = gradient norm + optimizer update. Output ends with a machine-readable line\n"
+           "(phase fields: medians over the timed steps):\n"
+           "RESULT impl=fitllm shape=<model> median_ms=.. tok_s=.. gflops=.. peak_rss_mb=.. fwd_ms=.. head_ms=..\n"
+           "       bwd_ms=.. opt_ms=..\n");
 }
 
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
 }
+
+/* Median of x[0..n-1] (sorts x). */
+static double median(double *x, int n) {
+    qsort(x, (size_t)n, sizeof *x, cmp_double);
+    return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
+}
+
+enum { PH_TOTAL, PH_FWD, PH_HEAD, PH_BWD, PH_OPT, PH_COUNT };
 
 int fl_cmd_bench_step(int argc, char **argv) {
     const char *cmd = "bench-step", *model_path = NULL;
@@ -134,7 +147,11 @@ int fl_cmd_bench_step(int argc, char **argv) {
     size_t N = (size_t)B * T;
     if ((s = fl_mem_alloc(&pool, FL_TAG_OTHER, N * sizeof *ids, (void **)&ids)) != FL_OK) goto fail;
     if ((s = fl_mem_alloc(&pool, FL_TAG_OTHER, N * sizeof *tg, (void **)&tg)) != FL_OK) goto fail;
-    times = calloc((size_t)steps, sizeof *times);
+    times = calloc((size_t)steps * PH_COUNT, sizeof *times); /* (PH_COUNT, steps) */
+    if (!times) {
+        s = fl_errorf(FL_ERR_OOM, "bench-step: no memory for %d step timings", steps);
+        goto fail;
+    }
     uint64_t r = (uint64_t)seed * 0x9e3779b97f4a7c15ULL + 1;
     for (size_t i = 0; i < N; i++) {
         r ^= r << 13; r ^= r >> 7; r ^= r << 17;
@@ -150,19 +167,26 @@ int fl_cmd_bench_step(int argc, char **argv) {
     fl_step_result res;
     for (int k = 0; k < warmup + steps; k++) {
         if ((s = fl_train_step(&m, &opt, ids, tg, 1, B, T, lr, 1.0f, &res)) != FL_OK) goto fail;
-        if (k >= warmup) times[k - warmup] = res.ms_total;
-        printf("  step %3d  loss %.4f  %8.1f ms (fwd %.1f, bwd %.1f, opt %.1f)%s\n", k + 1, res.loss, res.ms_total,
-               res.ms_fwd, res.ms_bwd, res.ms_opt, k < warmup ? "  [warmup]" : "");
+        if (k >= warmup) {
+            const double ph[PH_COUNT] = {res.ms_total, res.ms_fwd, res.ms_head, res.ms_bwd, res.ms_opt};
+            for (int p = 0; p < PH_COUNT; p++) times[(size_t)p * steps + (k - warmup)] = ph[p];
+        }
+        printf("  step %3d  loss %.4f  %8.1f ms (fwd %.1f, head+loss %.1f, bwd %.1f, opt %.1f)%s\n", k + 1, res.loss,
+               res.ms_total, res.ms_fwd, res.ms_head, res.ms_bwd, res.ms_opt, k < warmup ? "  [warmup]" : "");
     }
-    qsort(times, (size_t)steps, sizeof *times, cmp_double);
-    double med = steps % 2 ? times[steps / 2] : 0.5 * (times[steps / 2 - 1] + times[steps / 2]);
+    double mph[PH_COUNT];
+    for (int p = 0; p < PH_COUNT; p++) mph[p] = median(times + (size_t)p * steps, steps);
+    double med = mph[PH_TOTAL];
     double flops = fl_model_train_flops(c, B, T);
     double toks = (double)N / (med / 1e3), gflops = flops / (med / 1e3) / 1e9;
-    printf("\nmedian %.1f ms/step over %d steps, %.0f tok/s, %.1f GFLOP/s (%.2f GFLOP/step)\n\n", med, steps, toks,
+    printf("\nmedian %.1f ms/step over %d steps, %.0f tok/s, %.1f GFLOP/s (%.2f GFLOP/step)\n", med, steps, toks,
            gflops, flops / 1e9);
+    printf("median per phase: forward %.1f ms, head+loss %.1f ms, backward %.1f ms, optimizer %.1f ms\n\n",
+           mph[PH_FWD], mph[PH_HEAD], mph[PH_BWD], mph[PH_OPT]);
     fl_mem_print_report(&pool, stdout);
-    printf("\nRESULT impl=fitllm shape=%s median_ms=%.2f tok_s=%.1f gflops=%.2f peak_rss_mb=%.1f\n", model_path, med,
-           toks, gflops, fl_cli_peak_rss_mb());
+    printf("\nRESULT impl=fitllm shape=%s median_ms=%.2f tok_s=%.1f gflops=%.2f peak_rss_mb=%.1f fwd_ms=%.2f head_ms=%.2f "
+           "bwd_ms=%.2f opt_ms=%.2f\n",
+           model_path, med, toks, gflops, fl_cli_peak_rss_mb(), mph[PH_FWD], mph[PH_HEAD], mph[PH_BWD], mph[PH_OPT]);
     goto done;
 fail:
     rc = fl_cli_fail(cmd, s, &pool);

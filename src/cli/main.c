@@ -98,6 +98,7 @@ static void usage(FILE *f) {
 }
 
 int main(int argc, char **argv) {
+    fl_cpu_process_init(argv); /* idle OpenMP workers sleep (may re-execute the program once) */
     if (argc < 2) { usage(stderr); return FL_EXIT_USAGE; }
     if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) { usage(stdout); return 0; }
     if (!strcmp(argv[1], "--version") || !strcmp(argv[1], "version")) return version();

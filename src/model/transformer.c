@@ -4,8 +4,15 @@
  * call; activations live in the arena sized by fl_sizing_acts (fp32, or the
  * wide ones stored in 16 bits between forward and backward: fl_act_opts). */
 #include <string.h>
+#include <time.h>
 
 #include "model-impl.h"
+
+static double now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+}
 
 static void norm_backward(const fl_model *m, float *dx, float *dw, float *db, const float *dout, const float *x,
                           const float *w, const float *mean, const float *rstd, int N) {
@@ -83,6 +90,7 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
      * In training the head's backward runs here too (dlogits overwrite the
      * logits chunk), leaving d(lnf) in buf1 for fl_model_backward; an lm_head
      * adapter gets its gradients here, chunk by chunk (the base head is frozen). */
+    const double t_head = now_ms(); /* the step's "head" phase (fl_step_result.ms_head) */
     const int R = m->sizes.logits_chunk_rows;
     fl_linear head = {.in = d.C, .out = d.V, .w = op.head, .dw = op.dhead};
     fl_linear_set_weight(m, &head, op.head_idx);
@@ -107,6 +115,7 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
         if (train) FL_TRY(fl_linear_backward(be, dlnf + (size_t)r0 * d.C, 0, a->logits, xr, &head, rows));
     }
     if (stage_head) FL_TRY(fl_grad_stage_flush(m, op.head_off, (size_t)d.V * d.C));
+    m->ms_head = now_ms() - t_head;
     if (targets) {
         for (int i = 0; i < N; i++)
             if (targets[i] != FL_IGNORE_INDEX) {

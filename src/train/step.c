@@ -34,7 +34,8 @@ fl_status fl_train_micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb,
     if (k == 0) fl_mem_snapshot(pool, "after_bwd");
     double c = now_ms();
     if (res) {
-        res->ms_fwd += b - a;
+        res->ms_fwd += b - a - m->ms_head;
+        res->ms_head += m->ms_head;
         res->ms_bwd += c - b;
     }
     if (last) {

@@ -9,15 +9,13 @@
  * An online softmax (running max m, running sum l, rescaled accumulator O)
  * means the (T,T) score matrix never exists. We store lse = m + log(l).
  *
- * Backward: work item = (b, kv head g). The item owns dK/dV of head g and the
- * dQ of the query heads in g's group, so no two threads ever write the same
- * element: no atomics, no races, and each element's summation order is fixed
- * (key tiles ascending, heads ascending, rows ascending), so the result is
- * bit-identical for any thread count. Per key tile, P = exp(S - lse) is
- * recomputed row by row and
+ * Backward: per key tile, P = exp(S - lse) is recomputed row by row and
  *   D_t = dO_t . O_t,  dV_j += P^T dO,  dP = dO V^T,  dS = P o (dP - D),
  *   dQ += scale dS K,  dK_j += scale dS^T Q.
- * dK/dV of the tile accumulate in stack buffers and are added once at the end.
+ * Every output element is owned by exactly one work item (no atomics, no
+ * races) and summed in a fixed order, so the result is bit-identical for any
+ * thread count; the two schedules (fused / split, see "backward" below) give
+ * the same bits too.
  *
  * All buffers are fixed-size stack tiles (ops never allocate), sized for
  * HD <= FL_CPU_ATTN_MAX_HD. */
@@ -57,9 +55,10 @@ void fl_cpu_attention_forward(const fl_backend *be, float *out /*(B,T,NH*HD)*/, 
     const int rep = NH / NKV, nqt = (T + BQ - 1) / BQ;
     const float scale = 1.0f / sqrtf((float)HD);
     const int nitems = B * NH * nqt;
+    const int par = (int64_t)B * NH * T * T * HD >= FL_CPU_ATTN_PAR_MIN;
     /* dynamic: late query tiles do more work; each item's result does not
      * depend on which thread runs it, so this stays deterministic. */
-#pragma omp parallel for num_threads(be->n_threads) schedule(dynamic, 1)
+#pragma omp parallel for num_threads(be->n_threads) schedule(dynamic, 1) if (par)
     for (int it = 0; it < nitems; it++) {
         int qt = nqt - 1 - it % nqt; /* heaviest tiles first */
         int h = (it / nqt) % NH, b = it / (nqt * NH);
@@ -154,123 +153,249 @@ void fl_cpu_attention_forward(const fl_backend *be, float *out /*(B,T,NH*HD)*/, 
     }
 }
 
+/* ---- backward ----------------------------------------------------------------------
+ * Two schedules with bit-identical results (both run the same three row-block
+ * functions below in the same per-element order):
+ *  - fused: item = (b, kv head g); owns dK/dV of g and dQ of g's query heads.
+ *    Least work, but only B*NKV items: the 1B-like lab model (NKV 1) at micro
+ *    batch 1 would run on one thread.
+ *  - split: items (b, g, key tile) own that tile's dK/dV (all of g's heads, all
+ *    rows t >= k0), items (b, h, query tile) own dQ of those rows (key tiles
+ *    ascending up to the diagonal). P and dP are computed by both, so it does
+ *    7 HD-long FMA rows per (query, key) pair instead of 5 (1.55-1.8x the time
+ *    on one thread, with the second exp), but spreads over
+ *    B*NKV*T/BK + B*NH*T/BK items; both kinds write disjoint parts of dqkv, so
+ *    they share one parallel loop.
+ * Per element the summation order is the same in both: dK/dV of key j sum over
+ * heads ascending, then row blocks ascending, into a zeroed tile added once;
+ * dQ of row t adds scale * (its key tile's sum) for key tiles ascending. */
+
+typedef struct {
+    const float *qkv;  // (B,T,W)
+    const float *dout; // (B,T,OW)
+    const float *out;  // (B,T,OW)
+    const float *lse;  // (B,NH,T)
+    float *dqkv;       // (B,T,W)
+    int T, NH, NKV, HD, rep;
+    size_t W, OW;
+    float scale;
+} attn_bw;
+
+/* Per-thread state of RB query rows against one key tile. */
+typedef struct {
+    float qs[RB][MAXHD], go[RB][MAXHD], dq[RB][MAXHD]; // (RB,HD) scaled q, dO, dQ of the row block
+    float s[RB][BK], dp[RB][BK];                        // (RB,BK) scores -> P, dP -> dS (unscaled)
+    float D[RB], lt[RB];                                // (RB) dO.O and lse per row
+    int jm[RB];                                         // (RB) visible keys per row
+} attn_rows;
+
+/* Rows t0..t0+RB-1 of head h of batch b against the key tile at k0 (kn keys,
+ * transposed in Kt/Vt): P = exp(S - lse) into r->s, dS = P o (dP - D) into
+ * r->dp. Padding rows (t >= T) get zero q/dO and P = dS = 0. Returns the
+ * largest visible key count of the block. noinline: the fused and the split
+ * schedule must run the very same code (bit-identical results). */
+__attribute__((noinline)) static int rows_probs(const attn_bw *a, attn_rows *r, const float *Kt /*(HD,BK)*/,
+                                                const float *Vt /*(HD,BK)*/, int b, int h, int k0, int kn, int t0) {
+    const int T = a->T, HD = a->HD;
+    const float *base = a->qkv + (size_t)b * T * a->W;
+    const float *L = a->lse + ((size_t)b * a->NH + h) * T; // (T)
+    for (int i = 0; i < RB; i++) {
+        int t = t0 + i;
+        if (t < T) {
+            const float *q = base + (size_t)t * a->W + (size_t)h * HD;
+            const float *dO = a->dout + ((size_t)b * T + t) * a->OW + (size_t)h * HD;
+            const float *o = a->out + ((size_t)b * T + t) * a->OW + (size_t)h * HD;
+            float Dr = 0.0f;
+#pragma omp simd reduction(+ : Dr)
+            for (int d = 0; d < HD; d++) Dr += dO[d] * o[d];
+            for (int d = 0; d < HD; d++) {
+                r->qs[i][d] = q[d] * a->scale;
+                r->go[i][d] = dO[d];
+            }
+            r->D[i] = Dr;
+            r->lt[i] = L[t];
+            r->jm[i] = t - k0 + 1 < kn ? t - k0 + 1 : kn;
+        } else {
+            for (int d = 0; d < HD; d++) r->qs[i][d] = r->go[i][d] = 0.0f;
+            r->D[i] = r->lt[i] = 0.0f;
+            r->jm[i] = 0;
+        }
+        for (int j = 0; j < BK; j++) r->s[i][j] = r->dp[i][j] = 0.0f;
+    }
+    for (int d = 0; d < HD; d++) {
+        const float *kt = Kt + d * BK, *vt = Vt + d * BK;
+        for (int i = 0; i < RB; i++) {
+            float q = r->qs[i][d], gd = r->go[i][d];
+#pragma omp simd
+            for (int j = 0; j < BK; j++) {
+                r->s[i][j] += q * kt[j];
+                r->dp[i][j] += gd * vt[j];
+            }
+        }
+    }
+    int jmx = 0;
+    for (int i = 0; i < RB; i++) {
+        int jmax = r->jm[i];
+        float Lr = r->lt[i], Dr = r->D[i];
+        jmx = jmax > jmx ? jmax : jmx;
+#pragma omp simd
+        for (int j = 0; j < BK; j++) {
+            float p = j < jmax ? fl_cpu_expf(r->s[i][j] - Lr) : 0.0f;
+            r->s[i][j] = p;
+            r->dp[i][j] = p * (r->dp[i][j] - Dr);
+        }
+    }
+    return jmx;
+}
+
+/* dV_j += P^T dO and dK_j += dS^T (scale q) for the first jmx keys of the tile. */
+__attribute__((noinline)) static void rows_dkdv(const attn_rows *r, float *dK /*(BK,HD)*/, float *dV /*(BK,HD)*/,
+                                                int jmx, int HD) {
+    for (int j = 0; j < jmx; j++) {
+        float *dv = dV + j * HD, *dk = dK + j * HD;
+        float p0 = r->s[0][j], p1 = r->s[1][j], p2 = r->s[2][j], p3 = r->s[3][j];
+        float e0 = r->dp[0][j], e1 = r->dp[1][j], e2 = r->dp[2][j], e3 = r->dp[3][j];
+#pragma omp simd
+        for (int d = 0; d < HD; d++) {
+            dv[d] += p0 * r->go[0][d] + p1 * r->go[1][d] + p2 * r->go[2][d] + p3 * r->go[3][d];
+            /* scale folded into qs */
+            dk[d] += e0 * r->qs[0][d] + e1 * r->qs[1][d] + e2 * r->qs[2][d] + e3 * r->qs[3][d];
+        }
+    }
+}
+
+/* dQ_t += scale * sum_j dS_tj K_j over the first jmx keys of the tile at k0. */
+__attribute__((noinline)) static void rows_dq(const attn_bw *a, attn_rows *r, int b, int h, int g, int k0, int jmx,
+                                              int t0) {
+    const int T = a->T, HD = a->HD;
+    const float *K = a->qkv + (size_t)b * T * a->W + (size_t)(a->NH + g) * HD; // (T,HD) stride W
+    for (int i = 0; i < RB; i++)
+        for (int d = 0; d < HD; d++) r->dq[i][d] = 0.0f;
+    for (int j = 0; j < jmx; j++) {
+        const float *kr = K + (size_t)(k0 + j) * a->W;
+        float e0 = r->dp[0][j], e1 = r->dp[1][j], e2 = r->dp[2][j], e3 = r->dp[3][j];
+#pragma omp simd
+        for (int d = 0; d < HD; d++) {
+            float kd = kr[d];
+            r->dq[0][d] += e0 * kd;
+            r->dq[1][d] += e1 * kd;
+            r->dq[2][d] += e2 * kd;
+            r->dq[3][d] += e3 * kd;
+        }
+    }
+    for (int i = 0; i < RB && t0 + i < T; i++) {
+        float *dqr = a->dqkv + ((size_t)b * T + t0 + i) * a->W + (size_t)h * HD;
+#pragma omp simd
+        for (int d = 0; d < HD; d++) dqr[d] += a->scale * r->dq[i][d];
+    }
+}
+
+/* Key tile k0 of kv head g: dK/dV over every head of g's group and every row
+ * t >= k0, added into dqkv; with_dq: also the dQ contributions of this tile
+ * (only when the caller owns all of the group's dQ rows: the fused schedule). */
+static void kv_tile(const attn_bw *a, attn_rows *r, int b, int g, int k0, int with_dq) {
+    const int T = a->T, HD = a->HD;
+    const float *K = a->qkv + (size_t)b * T * a->W + (size_t)(a->NH + g) * HD;          // (T,HD) stride W
+    const float *V = a->qkv + (size_t)b * T * a->W + (size_t)(a->NH + a->NKV + g) * HD; // (T,HD) stride W
+    float Kt[MAXHD * BK], Vt[MAXHD * BK]; // (HD,BK) transposed key / value tiles
+    float dK[BK * MAXHD], dV[BK * MAXHD]; // (BK,HD) tile gradient accumulators
+    int kn = T - k0 < BK ? T - k0 : BK;
+    load_transposed(Kt, K + (size_t)k0 * a->W, a->W, kn, HD);
+    load_transposed(Vt, V + (size_t)k0 * a->W, a->W, kn, HD);
+    memset(dK, 0, sizeof(float) * (size_t)kn * HD);
+    memset(dV, 0, sizeof(float) * (size_t)kn * HD);
+    for (int h = g * a->rep; h < (g + 1) * a->rep; h++)
+        /* causal: only rows t >= k0 see this tile; RB rows at a time so each
+         * Kt/Vt load and each dK/dV row update serves RB rows */
+        for (int t0 = k0; t0 < T; t0 += RB) {
+            int jmx = rows_probs(a, r, Kt, Vt, b, h, k0, kn, t0);
+            rows_dkdv(r, dK, dV, jmx, HD);
+            if (with_dq) rows_dq(a, r, b, h, g, k0, jmx, t0);
+        }
+    float *dbase = a->dqkv + (size_t)b * T * a->W;
+    for (int j = 0; j < kn; j++) {
+        float *dkr = dbase + (size_t)(k0 + j) * a->W + (size_t)(a->NH + g) * HD;
+        float *dvr = dbase + (size_t)(k0 + j) * a->W + (size_t)(a->NH + a->NKV + g) * HD;
+#pragma omp simd
+        for (int d = 0; d < HD; d++) {
+            dkr[d] += dK[j * HD + d];
+            dvr[d] += dV[j * HD + d];
+        }
+    }
+}
+
+/* dQ of query rows q0..q0+BK-1 of head h: key tiles 0..q0 ascending (the query
+ * tile is aligned with the key tiles, so the last one is the diagonal). */
+static void q_tile(const attn_bw *a, attn_rows *r, int b, int h, int q0) {
+    const int T = a->T, HD = a->HD, g = h / a->rep;
+    const float *K = a->qkv + (size_t)b * T * a->W + (size_t)(a->NH + g) * HD;          // (T,HD) stride W
+    const float *V = a->qkv + (size_t)b * T * a->W + (size_t)(a->NH + a->NKV + g) * HD; // (T,HD) stride W
+    float Kt[MAXHD * BK], Vt[MAXHD * BK]; // (HD,BK) transposed key / value tiles
+    int qend = q0 + BK < T ? q0 + BK : T;
+    for (int k0 = 0; k0 <= q0; k0 += BK) {
+        int kn = T - k0 < BK ? T - k0 : BK;
+        load_transposed(Kt, K + (size_t)k0 * a->W, a->W, kn, HD);
+        load_transposed(Vt, V + (size_t)k0 * a->W, a->W, kn, HD);
+        for (int t0 = q0; t0 < qend; t0 += RB) {
+            int jmx = rows_probs(a, r, Kt, Vt, b, h, k0, kn, t0);
+            rows_dq(a, r, b, h, g, k0, jmx, t0);
+        }
+    }
+}
+
+/* 1 if the split schedule is expected to finish clearly first: the fused one takes
+ * ceil(n/nt) rounds of 5 units per item; the split one about 8 n / nt (measured on one
+ * thread: 1.55-1.8x the fused time at HD 16-64). Split only for a 1.5x gain: when the
+ * machine is shared the extra threads may not run, and then the split is that much slower
+ * (so 2 threads and one item stay fused; 3 or more threads split). */
+static int use_split(int n_fused, int nt) {
+    if (nt <= 1) return 0;
+    long rounds = (n_fused + nt - 1) / nt;
+    return 2L * 5 * rounds * nt >= 3L * 8 * n_fused;
+}
+
 void fl_cpu_attention_backward(const fl_backend *be, float *dqkv /*(B,T,(NH+2*NKV)*HD)*/,
                                const float *dout /*(B,T,NH*HD)*/, const float *qkv /*(B,T,(NH+2*NKV)*HD)*/,
                                const float *out /*(B,T,NH*HD)*/, const float *lse /*(B,NH,T)*/, int B, int T,
                                int NH, int NKV, int HD) {
+    fl_cpu_attention_backward_sched(be, dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD, -1);
+}
+
+void fl_cpu_attention_backward_sched(const fl_backend *be, float *dqkv, const float *dout, const float *qkv,
+                                     const float *out, const float *lse, int B, int T, int NH, int NKV, int HD,
+                                     int split) {
     if (HD > MAXHD || HD <= 0 || NKV <= 0 || NH % NKV) {
         fill_nan(dqkv, (size_t)B * T * (NH + 2 * NKV) * HD);
         return;
     }
-    const size_t W = (size_t)(NH + 2 * NKV) * HD, OW = (size_t)NH * HD;
-    const int rep = NH / NKV;
-    const float scale = 1.0f / sqrtf((float)HD);
-    const int nitems = B * NKV;
-#pragma omp parallel for num_threads(be->n_threads) schedule(dynamic, 1)
-    for (int it = 0; it < nitems; it++) {
-        int b = it / NKV, g = it % NKV;
-        const float *base = qkv + (size_t)b * T * W;
-        float *dbase = dqkv + (size_t)b * T * W;
-        const float *K = base + (size_t)(NH + g) * HD;       // (T,HD) stride W
-        const float *V = base + (size_t)(NH + NKV + g) * HD; // (T,HD) stride W
-        float Kt[MAXHD * BK], Vt[MAXHD * BK]; // (HD,BK) transposed key / value tiles
-        float dK[BK * MAXHD], dV[BK * MAXHD]; // (BK,HD) tile gradient accumulators
-        float qs[RB][MAXHD], go[RB][MAXHD], dq[RB][MAXHD]; // (RB,HD) scaled q, dO, dQ of a row block
-        float s[RB][BK], dp[RB][BK];                        // (RB,BK) scores -> P, dP -> dS
-        float D[RB], lt[RB];                                // (RB) dO.O and lse per row
-        int jm[RB];                                         // (RB) visible keys per row
-        for (int k0 = 0; k0 < T; k0 += BK) {
-            int kn = T - k0 < BK ? T - k0 : BK;
-            load_transposed(Kt, K + (size_t)k0 * W, W, kn, HD);
-            load_transposed(Vt, V + (size_t)k0 * W, W, kn, HD);
-            memset(dK, 0, sizeof(float) * (size_t)kn * HD);
-            memset(dV, 0, sizeof(float) * (size_t)kn * HD);
-            for (int h = g * rep; h < (g + 1) * rep; h++) {
-                const float *L = lse + ((size_t)b * NH + h) * T; // (T)
-                /* causal: only rows t >= k0 see this tile; RB rows at a time so
-                 * each Kt/Vt load and each dK/dV row update serves RB rows.
-                 * Padding rows (t >= T) have zero q/dO and P = dS = 0. */
-                for (int t0 = k0; t0 < T; t0 += RB) {
-                    for (int r = 0; r < RB; r++) {
-                        int t = t0 + r;
-                        if (t < T) {
-                            const float *q = base + (size_t)t * W + (size_t)h * HD;
-                            const float *dO = dout + ((size_t)b * T + t) * OW + (size_t)h * HD;
-                            const float *o = out + ((size_t)b * T + t) * OW + (size_t)h * HD;
-                            float Dr = 0.0f;
-#pragma omp simd reduction(+ : Dr)
-                            for (int d = 0; d < HD; d++) Dr += dO[d] * o[d];
-                            for (int d = 0; d < HD; d++) {
-                                qs[r][d] = q[d] * scale;
-                                go[r][d] = dO[d];
-                            }
-                            D[r] = Dr;
-                            lt[r] = L[t];
-                            jm[r] = t - k0 + 1 < kn ? t - k0 + 1 : kn;
-                        } else {
-                            for (int d = 0; d < HD; d++) qs[r][d] = go[r][d] = 0.0f;
-                            D[r] = lt[r] = 0.0f;
-                            jm[r] = 0;
-                        }
-                        for (int j = 0; j < BK; j++) s[r][j] = dp[r][j] = 0.0f;
-                    }
-                    for (int d = 0; d < HD; d++) {
-                        const float *kt = Kt + d * BK, *vt = Vt + d * BK;
-                        for (int r = 0; r < RB; r++) {
-                            float a = qs[r][d], gd = go[r][d];
-#pragma omp simd
-                            for (int j = 0; j < BK; j++) {
-                                s[r][j] += a * kt[j];
-                                dp[r][j] += gd * vt[j];
-                            }
-                        }
-                    }
-                    int jmx = 0;
-                    for (int r = 0; r < RB; r++) {
-                        int jmax = jm[r];
-                        float Lr = lt[r], Dr = D[r];
-                        jmx = jmax > jmx ? jmax : jmx;
-#pragma omp simd
-                        for (int j = 0; j < BK; j++) {
-                            float p = j < jmax ? fl_cpu_expf(s[r][j] - Lr) : 0.0f;
-                            s[r][j] = p;
-                            dp[r][j] = p * (dp[r][j] - Dr); /* dS (without the scale) */
-                        }
-                        for (int d = 0; d < HD; d++) dq[r][d] = 0.0f;
-                    }
-                    for (int j = 0; j < jmx; j++) {
-                        float *dv = dV + j * HD, *dk = dK + j * HD;
-                        const float *kr = K + (size_t)(k0 + j) * W;
-                        float p0 = s[0][j], p1 = s[1][j], p2 = s[2][j], p3 = s[3][j];
-                        float e0 = dp[0][j], e1 = dp[1][j], e2 = dp[2][j], e3 = dp[3][j];
-#pragma omp simd
-                        for (int d = 0; d < HD; d++) {
-                            dv[d] += p0 * go[0][d] + p1 * go[1][d] + p2 * go[2][d] + p3 * go[3][d];
-                            /* scale folded into qs */
-                            dk[d] += e0 * qs[0][d] + e1 * qs[1][d] + e2 * qs[2][d] + e3 * qs[3][d];
-                            float kd = kr[d];
-                            dq[0][d] += e0 * kd;
-                            dq[1][d] += e1 * kd;
-                            dq[2][d] += e2 * kd;
-                            dq[3][d] += e3 * kd;
-                        }
-                    }
-                    for (int r = 0; r < RB && t0 + r < T; r++) {
-                        float *dqr = dbase + (size_t)(t0 + r) * W + (size_t)h * HD;
-#pragma omp simd
-                        for (int d = 0; d < HD; d++) dqr[d] += scale * dq[r][d];
-                    }
-                }
-            }
-            for (int j = 0; j < kn; j++) {
-                float *dkr = dbase + (size_t)(k0 + j) * W + (size_t)(NH + g) * HD;
-                float *dvr = dbase + (size_t)(k0 + j) * W + (size_t)(NH + NKV + g) * HD;
-#pragma omp simd
-                for (int d = 0; d < HD; d++) {
-                    dkr[d] += dK[j * HD + d];
-                    dvr[d] += dV[j * HD + d];
-                }
-            }
+    const attn_bw a = {qkv, dout, out, lse, dqkv, T, NH, NKV, HD, NH / NKV, (size_t)(NH + 2 * NKV) * HD,
+                       (size_t)NH * HD, 1.0f / sqrtf((float)HD)};
+    /* small work on the calling thread (FL_CPU_ATTN_PAR_MIN), where the fused schedule does least */
+    const int nt = be->n_threads > 0 && (int64_t)B * NH * T * T * HD >= FL_CPU_ATTN_PAR_MIN ? be->n_threads : 1;
+    if (split < 0) split = use_split(B * NKV, nt);
+    if (!split) {
+        const int nitems = B * NKV;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+        for (int it = 0; it < nitems; it++) {
+            attn_rows r;
+            int b = it / NKV, g = it % NKV;
+            for (int k0 = 0; k0 < T; k0 += BK) kv_tile(&a, &r, b, g, k0, 1);
+        }
+        return;
+    }
+    /* split: kv items first, key tiles ascending (the first ones see the most
+     * rows), then dQ items, query tiles descending (the last ones see the most
+     * keys): heaviest first for the dynamic schedule. */
+    const int nkt = (T + BK - 1) / BK, n_kv = B * NKV * nkt, n_q = B * NH * nkt;
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+    for (int it = 0; it < n_kv + n_q; it++) {
+        attn_rows r;
+        if (it < n_kv) {
+            int kt = it / (B * NKV), bg = it % (B * NKV);
+            kv_tile(&a, &r, bg / NKV, bg % NKV, kt * BK, 0);
+        } else {
+            int i = it - n_kv, qt = nkt - 1 - i / (B * NH), bh = i % (B * NH);
+            q_tile(&a, &r, bh / NH, bh % NH, qt * BK);
         }
     }
 }

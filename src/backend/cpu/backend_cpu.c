@@ -1,8 +1,23 @@
 /* The CPU backend vtable: the fast CPU ops (OpenMP) and the reference backend
  * (the same ops on one thread with the naive GEMM). */
 #include <omp.h>
+#include <stdlib.h>
+#include <unistd.h>
 
 #include "backend/cpu/cpu-impl.h"
+
+/* fl_cpu_gemm, on one thread when the product is small (FL_CPU_GEMM_PAR_MIN): the libraries
+ * open a parallel region for any size, and a tiny model's step is thousands of tiny GEMMs. */
+fl_status fl_cpu_gemm_sized(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                            const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
+                            void *C, fl_dtype tc, int ldc) {
+    if (be->n_threads > 1 && (int64_t)M * N * K < FL_CPU_GEMM_PAR_MIN) {
+        fl_backend one = *be;
+        one.n_threads = 1;
+        return fl_cpu_gemm(&one, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc, ldc);
+    }
+    return fl_cpu_gemm(be, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc, ldc);
+}
 
 static void fill_ops(fl_backend *be) {
     be->embedding_forward = fl_cpu_embedding_forward;
@@ -50,7 +65,7 @@ fl_status fl_cpu_backend_init(fl_backend *be, int n_threads) {
     be->n_threads = n_threads > 0 ? n_threads : omp_get_max_threads();
     if (be->n_threads > FL_CPU_MAX_THREADS) be->n_threads = FL_CPU_MAX_THREADS;
     be->gemm_name = fl_cpu_gemm_library();
-    be->gemm = fl_cpu_gemm;
+    be->gemm = fl_cpu_gemm_sized;
     fill_ops(be);
     return FL_OK;
 }
@@ -69,4 +84,24 @@ fl_status fl_ref_backend_init(fl_backend *be) {
     be->gemm = fl_cpu_gemm_naive;
     fill_ops(be);
     return FL_OK;
+}
+
+void fl_cpu_process_init(char **argv) {
+    /* any explicit choice of the user (or of our own earlier exec) stands */
+    int omp = !getenv("OMP_WAIT_POLICY") && !getenv("GOMP_SPINCOUNT") && !getenv("KMP_BLOCKTIME");
+    /* OpenBLAS builds: its pthread workers yield-spin up to 2^28 cycles (~0.1 s) after each call;
+     * 2^4 cycles lets them sleep at once (with passive OpenMP: a GEMM/kernel loop took its parts'
+     * sum instead of 1.15x it, gemm_bench --interop-only) */
+    int blas = !strcmp(fl_cpu_gemm_library(), "openblas") && !getenv("OPENBLAS_THREAD_TIMEOUT");
+    if (!(omp || blas) || !argv || !argv[0]) return;
+    /* Passive rather than a short spin (GOMP_SPINCOUNT 1000 or 10000): measured on 2 shared vCPUs,
+     * every spin count we tried stayed several times slower than passive under contention, and
+     * passive costs one futex wake per region, which idle runs did not show (ARCHITECTURE.md). */
+    if (omp && setenv("OMP_WAIT_POLICY", "passive", 1) != 0) return;
+    if (blas && setenv("OPENBLAS_THREAD_TIMEOUT", "4", 1) != 0) return;
+    execv("/proc/self/exe", argv);
+    /* exec failed (no /proc?): keep going with the defaults, and do not leave settings in the
+     * environment that the runtimes never read */
+    if (omp) unsetenv("OMP_WAIT_POLICY");
+    if (blas) unsetenv("OPENBLAS_THREAD_TIMEOUT");
 }

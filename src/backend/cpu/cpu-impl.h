@@ -14,10 +14,18 @@
 
 #include "fitllm/backend.h"
 
-/* Elementwise ops run serially below this many elements: a parallel region
- * costs a barrier, and on a shared (oversubscribed) machine a spinning
- * OpenMP barrier over tiny work (decode steps, small models) stalls badly. */
-#define FL_CPU_PAR_MIN 16384
+/* Small work runs on the calling thread. Idle workers sleep (fl_cpu_process_init), so a
+ * parallel region pays a futex wake-up: 5 us per region with spinning workers vs 35-65 us with
+ * sleeping ones on our 2 loaded vCPUs (an empty region in a loop), and on a busy machine the
+ * region's end waits for a worker the scheduler has not run yet. Below ~50-100 us of serial
+ * work a second thread does not pay for that. Elementwise ops: elements (64K floats: 15-80 us
+ * for add .. swiglu). */
+#define FL_CPU_PAR_MIN 65536
+/* Attention forward/backward: B*NH*T*T*HD (about the multiply-adds of the forward). */
+#define FL_CPU_ATTN_PAR_MIN ((int64_t)1 << 21)
+/* GEMM: M*N*K multiply-adds (4M: ~100 us on one core; a 118x192x64 sgemm took 31 us on 1
+ * thread and 45 us on 2). Smaller GEMMs run on one thread (backend_cpu.c). */
+#define FL_CPU_GEMM_PAR_MIN ((int64_t)1 << 22)
 
 /* Largest head dimension attention supports: its tiles are fixed-size stack
  * buffers sized for this (ops never allocate). Covers LLaMA (64/128) and
@@ -28,10 +36,24 @@
 /* Upper bound on threads for ops that keep per-thread partial sums on the stack. */
 #define FL_CPU_MAX_THREADS 256
 
+/* Deterministic sums over a long vector (the gradient norm): the n elements are cut into
+ * fl_cpu_sum_parts(n) contiguous ranges fixed by n alone (range c = [n*c/P, n*(c+1)/P)), each summed
+ * in order by one thread, and the partial sums added in range order: the same bits for any thread
+ * count, and up to 256 ranges keep many threads busy. */
+#define FL_CPU_SUM_PARTS 256
+static inline int fl_cpu_sum_parts(size_t n) {
+    size_t p = (n + 4095) / 4096; /* ranges of at least 4096 elements */
+    return p < 1 ? 1 : p > FL_CPU_SUM_PARTS ? FL_CPU_SUM_PARTS : (int)p;
+}
+
 /* ---- gemm (gemm.c) ------------------------------------------------------ */
 fl_status fl_cpu_gemm(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
                       const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta, void *C,
                       fl_dtype tc, int ldc);
+/* The backend's gemm: fl_cpu_gemm, on one thread below FL_CPU_GEMM_PAR_MIN multiply-adds. */
+fl_status fl_cpu_gemm_sized(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                            const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
+                            void *C, fl_dtype tc, int ldc);
 /* Plain triple loop, single-threaded: the reference the fast GEMM is tested against. */
 fl_status fl_cpu_gemm_naive(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
                             const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
@@ -131,6 +153,11 @@ void fl_cpu_attention_forward(const fl_backend *be, float *out, float *lse, cons
                               int NKV, int HD);
 void fl_cpu_attention_backward(const fl_backend *be, float *dqkv, const float *dout, const float *qkv,
                                const float *out, const float *lse, int B, int T, int NH, int NKV, int HD);
+/* The same with the schedule chosen: split 0 = fused (item (b, kv head)), 1 = split (items (b, kv head,
+ * key tile) and (b, head, query tile)), -1 = by thread count. Same bits for every choice (tests). */
+void fl_cpu_attention_backward_sched(const fl_backend *be, float *dqkv, const float *dout, const float *qkv,
+                                     const float *out, const float *lse, int B, int T, int NH, int NKV, int HD,
+                                     int split);
 
 /* ---- attention_kv.c (generation: one query against a KV cache) ---------------- */
 void fl_cpu_attention_decode(const fl_backend *be, float *out, const float *q, const float *kcache,

@@ -1,8 +1,9 @@
 /* Elementwise ops, bias, and the deterministic sum of squares (grad-norm clipping).
  *
  * Everything here is either purely elementwise (any partition gives the same
- * bits) or a reduction whose partition is fixed by n_threads alone, so the
- * result is reproducible for a fixed thread count. */
+ * bits) or a reduction whose partition does not depend on the thread count
+ * (bias columns, the fixed ranges of fl_cpu_sum_parts), so results are
+ * reproducible for any thread count. */
 #include <omp.h>
 
 #include "backend/cpu/cpu-impl.h"
@@ -12,8 +13,21 @@
 #define COL_BLOCK 32
 
 void fl_cpu_zero(const fl_backend *be, void *x, size_t bytes) {
-    (void)be;
-    if (bytes) memset(x, 0, bytes);
+    /* Gradients and backward scratch: large clears run on all threads, each a contiguous
+     * 4 KiB-aligned piece; small ones are not worth a parallel region. */
+    const size_t par_min = (size_t)8 << 20;
+    int nt = be->n_threads;
+    if (nt <= 1 || bytes < par_min) {
+        if (bytes) memset(x, 0, bytes);
+        return;
+    }
+    size_t npg = (bytes + 4095) / 4096;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int c = 0; c < nt; c++) {
+        size_t b = npg * c / nt * 4096, e = npg * (c + 1) / nt * 4096;
+        if (e > bytes) e = bytes;
+        if (e > b) memset((char *)x + b, 0, e - b);
+    }
 }
 
 void fl_cpu_scale(const fl_backend *be, float *x /*(n)*/, size_t n, float s) {
@@ -59,14 +73,13 @@ void fl_cpu_bias_backward(const fl_backend *be, float *db /*(OC)*/, const float 
 }
 
 double fl_cpu_sumsq(const fl_backend *be, const float *x /*(n)*/, size_t n) {
-    /* Fixed static partition into nt chunks (nt = the backend's thread count,
-     * independent of how many threads OpenMP actually gives us); partial sums
-     * are combined in chunk order. */
-    int nt = be->n_threads < 1 ? 1 : be->n_threads > FL_CPU_MAX_THREADS ? FL_CPU_MAX_THREADS : be->n_threads;
-    double part[FL_CPU_MAX_THREADS]; // (nt) per-chunk partial sums
-#pragma omp parallel for num_threads(nt) schedule(static)
-    for (int c = 0; c < nt; c++) {
-        size_t i0 = n * (size_t)c / (size_t)nt, i1 = n * (size_t)(c + 1) / (size_t)nt;
+    /* Fixed ranges (fl_cpu_sum_parts: set by n, not by the thread count), each summed in order,
+     * partials added in range order: the same bits for any thread count. */
+    const int P = fl_cpu_sum_parts(n);
+    double part[FL_CPU_SUM_PARTS]; // (P) per-range partial sums
+#pragma omp parallel for num_threads(be->n_threads > 0 ? be->n_threads : 1) schedule(static) if (n >= FL_CPU_PAR_MIN)
+    for (int c = 0; c < P; c++) {
+        size_t i0 = n * (size_t)c / (size_t)P, i1 = n * (size_t)(c + 1) / (size_t)P;
         double s = 0.0;
         /* FL_VECTORIZE: sumsq */
 #pragma omp simd reduction(+ : s)
@@ -74,6 +87,6 @@ double fl_cpu_sumsq(const fl_backend *be, const float *x /*(n)*/, size_t n) {
         part[c] = s;
     }
     double s = 0.0;
-    for (int c = 0; c < nt; c++) s += part[c];
+    for (int c = 0; c < P; c++) s += part[c];
     return s;
 }

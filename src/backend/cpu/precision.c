@@ -184,15 +184,13 @@ fl_status fl_cpu_accumulate16(const fl_backend *be, uint16_t *dst, fl_dtype t, c
 double fl_cpu_sumsq_ex(const fl_backend *be, const void *x, fl_dtype t, size_t n) {
     if (t == FL_F32) return fl_cpu_sumsq(be, (const float *)x, n);
     if (!is16(t) || n == 0) return 0.0;
-    /* deterministic: thread i sums the i-th contiguous range, partials added in order */
-    int nt = nthreads(be);
-    if (nt > FL_CPU_MAX_THREADS) nt = FL_CPU_MAX_THREADS;
-    if (n <= 32768) nt = 1;
-    double part[FL_CPU_MAX_THREADS] = {0};
-#pragma omp parallel num_threads(nt)
-    {
-        int id = omp_get_thread_num(), nth = omp_get_num_threads();
-        size_t per = (n + (size_t)nth - 1) / (size_t)nth, b = (size_t)id * per, e = b + per < n ? b + per : n;
+    /* the ranges of fl_cpu_sum_parts (fixed by n), partials added in order: the same bits for any
+     * thread count */
+    const int P = fl_cpu_sum_parts(n);
+    double part[FL_CPU_SUM_PARTS]; // (P) per-range partial sums
+#pragma omp parallel for num_threads(nthreads(be)) schedule(static) if (n > 32768)
+    for (int c = 0; c < P; c++) {
+        size_t b = n * (size_t)c / (size_t)P, e = n * (size_t)(c + 1) / (size_t)P;
         double s = 0.0;
         float tmp[FL_PREC_CHUNK];
         for (size_t off = b; off < e; off += FL_PREC_CHUNK) {
@@ -200,9 +198,9 @@ double fl_cpu_sumsq_ex(const fl_backend *be, const void *x, fl_dtype t, size_t n
             widen(tmp, x, t, off, k);
             for (size_t i = 0; i < k; i++) s += (double)tmp[i] * tmp[i];
         }
-        part[id] = s;
+        part[c] = s;
     }
     double total = 0.0;
-    for (int i = 0; i < nt; i++) total += part[i];
+    for (int c = 0; c < P; c++) total += part[c];
     return total;
 }
