@@ -114,9 +114,11 @@ void fl_cpu_attention_forward(const fl_backend *be, float *out /*(B,T,NH*HD)*/, 
                     float mnew = smax > m[rr] ? smax : m[rr];
                     float corr = fl_cpu_expf(m[rr] - mnew); /* first tile: m=-inf -> ~0, O and l are 0 */
                     float ps = 0.0f;
+                    /* FL_VECTORIZE: attn_fwd_exp */
 #pragma omp simd reduction(+ : ps)
                     for (int j = 0; j < BK; j++) {
-                        float p = j < jmax ? fl_cpu_expf(s[r][j] - mnew) : 0.0f;
+                        /* keepf, not ?: (a ?: keeps this loop scalar: cpu-impl.h) */
+                        float p = fl_cpu_keepf(fl_cpu_expf(s[r][j] - mnew), j < jmax);
                         s[r][j] = p;
                         ps += p;
                     }
@@ -238,9 +240,10 @@ __attribute__((noinline)) static int rows_probs(const attn_bw *a, attn_rows *r, 
         int jmax = r->jm[i];
         float Lr = r->lt[i], Dr = r->D[i];
         jmx = jmax > jmx ? jmax : jmx;
+        /* FL_VECTORIZE: attn_bwd_exp */
 #pragma omp simd
         for (int j = 0; j < BK; j++) {
-            float p = j < jmax ? fl_cpu_expf(r->s[i][j] - Lr) : 0.0f;
+            float p = fl_cpu_keepf(fl_cpu_expf(r->s[i][j] - Lr), j < jmax);
             r->s[i][j] = p;
             r->dp[i][j] = p * (r->dp[i][j] - Dr);
         }
