@@ -203,6 +203,23 @@ static fl_status gemm_lowp_naive(const fl_backend *be, int trans_a, int trans_b,
     return FL_OK;
 }
 
+/* The checks and edge cases shared by the public bf16 entry points: arguments, B must be BF16,
+ * empty C, and K == 0 or alpha == 0 (C = beta * C). *done = 1: nothing left to compute. */
+static fl_status bf16_entry(const char *who, const fl_backend *be, int trans_a, int trans_b, int M, int N, int K,
+                            float alpha, const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb,
+                            float beta, void *C, fl_dtype tc, int ldc, int *done) {
+    *done = 1;
+    FL_TRY(gemm_check(who, trans_a, trans_b, M, N, K, A, ta, lda, B, tb, ldb, C, tc, ldc));
+    if (tb != FL_BF16) return fl_errorf(FL_ERR_UNSUPPORTED, "%s: B must be BF16 (got %s)", who, fl_dtype_name(tb));
+    if (M == 0 || N == 0) return FL_OK;
+    if (K == 0 || alpha == 0.0f) {
+        scale_c_any(C, tc, M, N, ldc, beta, gemm_threads(be));
+        return FL_OK;
+    }
+    *done = 0;
+    return FL_OK;
+}
+
 /* Portable bf16 GEMM: (MB x NB) output tiles, one per task, K in KB slices widened to fp32
  * stack tiles; fp32 accumulators; a fixed k order per element (deterministic for any thread
  * count). Used by naive builds (no library sgemm to widen into), FITLLM_BF16_GEMM=tiled and
@@ -210,15 +227,11 @@ static fl_status gemm_lowp_naive(const fl_backend *be, int trans_a, int trans_b,
 fl_status fl_cpu_gemm_bf16_tiled(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
                                  const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb,
                                  float beta, void *C, fl_dtype tc, int ldc) {
-    FL_TRY(gemm_check("gemm_bf16_tiled", trans_a, trans_b, M, N, K, A, ta, lda, B, tb, ldb, C, tc, ldc));
-    if (tb != FL_BF16)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "gemm_bf16_tiled: B must be BF16 (got %s)", fl_dtype_name(tb));
-    if (M == 0 || N == 0) return FL_OK;
+    int done = 0;
+    FL_TRY(bf16_entry("gemm_bf16_tiled", be, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc,
+                      ldc, &done));
+    if (done) return FL_OK;
     int nt = gemm_threads(be);
-    if (K == 0 || alpha == 0.0f) {
-        scale_c_any(C, tc, M, N, ldc, beta, nt);
-        return FL_OK;
-    }
     enum { MB = 32, NB = 128, KB = 128 };
     int mt = (M + MB - 1) / MB, ntl = (N + NB - 1) / NB;
     long tiles = (long)mt * ntl;
@@ -828,16 +841,11 @@ static bf16_path_t bf16_path(void) {
 fl_status fl_cpu_gemm_bf16_widen(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
                                  const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb,
                                  float beta, void *C, fl_dtype tc, int ldc) {
-    FL_TRY(gemm_check("gemm_bf16_widen", trans_a, trans_b, M, N, K, A, ta, lda, B, tb, ldb, C, tc, ldc));
-    if (tb != FL_BF16)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "gemm_bf16_widen: B must be BF16 (got %s)", fl_dtype_name(tb));
-    if (M == 0 || N == 0) return FL_OK;
-    int nt = gemm_threads(be);
-    if (K == 0 || alpha == 0.0f) {
-        scale_c_any(C, tc, M, N, ldc, beta, nt);
-        return FL_OK;
-    }
-    return gemm_widen(be, nt, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc, ldc);
+    int done = 0;
+    FL_TRY(bf16_entry("gemm_bf16_widen", be, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc,
+                      ldc, &done));
+    if (done) return FL_OK;
+    return gemm_widen(be, gemm_threads(be), trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc, ldc);
 }
 
 /* Checked arguments, M, N > 0, bf16 types. */
