@@ -48,6 +48,22 @@ typedef struct {
     int original_max_position;    /* llama3: original_max_position_embeddings */
 } fl_rope_scaling;
 
+/* Shape of one general attention call (the attention_forward_ex / attention_backward_ex ops).
+ * Layout: q (B, Tq, NH, HD), k and v (B, Tk, NKV, HD), out (B, Tq, NH, HD) are row-major views
+ * with explicit row strides: row (b, t) of q starts at q + (b*Tq + t)*ldq, and head h of it at
+ * + h*HD (k, v, out likewise with ldk, ldv, ldo); the gradients dq, dk, dv, dout have the same
+ * layout and strides as q, k, v, out. So the fused QKV buffer (B, T, (NH+2*NKV)*HD) is passed
+ * without copies as q = qkv, k = qkv + NH*HD, v = qkv + (NH+NKV)*HD, ldq = ldk = ldv =
+ * (NH+2*NKV)*HD, and a cross-attention's fused KV projection likewise. */
+typedef struct {
+    int B, Tq, Tk;             /* batch; query rows and key/value rows per batch element (>= 0) */
+    int NH, NKV, HD;           /* query heads, key/value heads (NH % NKV == 0), head dimension */
+    size_t ldq, ldk, ldv, ldo; /* row strides in floats: ldq, ldo >= NH*HD; ldk, ldv >= NKV*HD */
+    float scale;               /* scores = scale * q.k + bias (1/sqrt(HD) usually; T5: 1) */
+    int causal;                /* 1: query t sees keys j <= t + Tk - Tq (bottom-right aligned, as
+                                * flash-attention 2.1+; the usual j <= t when Tq == Tk); 0: all keys */
+} fl_attn_desc;
+
 struct fl_backend {
     const char *name;       /* "cpu" */
     fl_device device;
@@ -255,6 +271,35 @@ struct fl_backend {
     fl_status (*accumulate16)(const fl_backend *be, uint16_t *dst, fl_dtype t, const float *src, size_t n);
     /* sum of squares of x (F32, BF16 or F16), accumulated in double; the same bits for any thread count. */
     double (*sumsq_ex)(const fl_backend *be, const void *x, fl_dtype t, size_t n);
+
+    /* ==== general attention (appended; see docs/ARCHITECTURE.md "General attention") ====
+     * Encoder (bidirectional), decoder (causal) and cross-attention (q from one tensor, k/v
+     * from another, Tq != Tk) with grouped-query heads (query head h uses kv head h/(NH/NKV)).
+     * For query row t of head h in batch b, key j is VISIBLE when kmask is NULL or
+     * kmask[b*Tk + j] != 0, and (causal) j <= t + Tk - Tq. Then
+     *   s_j = scale * q.k_j + bias[(h*Tq + t)*Tk + j]   (bias term only when bias != NULL),
+     *   out = sum over visible j of softmax(s)_j v_j,   lse = log sum over visible j of exp(s_j).
+     * bias (NH, Tq, Tk) is added to every batch element (T5's relative position bias; entries
+     * must be finite: padding goes in kmask); kmask (B, Tk) is a key padding mask, nonzero =
+     * attend. A query row with no visible key gets out = 0 and lse = -inf, and contributes
+     * nothing to any gradient. Like the fused op, the (Tq, Tk) scores of all heads never exist:
+     * key tiles with an online softmax, per-row lse saved for the backward.
+     * backward ACCUMULATES dq, dk, dv (all required) and, when dbias != NULL (requires bias),
+     * dbias (NH, Tq, Tk) += the gradient summed over the batch (T5's bias is learned). dq, dk, dv
+     * may be disjoint column ranges of one buffer (the fused dQKV). Results are the same bits for
+     * any thread count. Errors: FL_ERR_INVALID (bad shape, stride or NULL), FL_ERR_UNSUPPORTED
+     * (HD beyond what the backend's tiles hold: FL_CPU_ATTN_MAX_HD = 256 on the CPU); on error
+     * nothing is written. */
+    fl_status (*attention_forward_ex)(const fl_backend *be, const fl_attn_desc *a, float *out /*(B,Tq,NH,HD) ldo*/,
+                                      float *lse /*(B,NH,Tq)*/, const float *q /*(B,Tq,NH,HD) ldq*/,
+                                      const float *k /*(B,Tk,NKV,HD) ldk*/, const float *v /*(B,Tk,NKV,HD) ldv*/,
+                                      const float *bias /*(NH,Tq,Tk) or NULL*/,
+                                      const uint8_t *kmask /*(B,Tk) or NULL*/);
+    fl_status (*attention_backward_ex)(const fl_backend *be, const fl_attn_desc *a, float *dq /*like q*/,
+                                       float *dk /*like k*/, float *dv /*like v*/,
+                                       float *dbias /*(NH,Tq,Tk) or NULL*/, const float *dout /*like out*/,
+                                       const float *q, const float *k, const float *v, const float *bias,
+                                       const uint8_t *kmask, const float *out, const float *lse /*(B,NH,Tq)*/);
 };
 
 /* First thing in main() of a program that runs the CPU backend (the CLI and the test runner

@@ -55,6 +55,8 @@ static void fill_ops(fl_backend *be) {
     be->lora_backward = fl_cpu_lora_backward;
     be->accumulate16 = fl_cpu_accumulate16;
     be->sumsq_ex = fl_cpu_sumsq_ex;
+    be->attention_forward_ex = fl_cpu_attention_forward_ex;
+    be->attention_backward_ex = fl_cpu_attention_backward_ex;
 }
 
 fl_status fl_cpu_backend_init(fl_backend *be, int n_threads) {

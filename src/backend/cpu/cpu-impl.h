@@ -159,6 +159,15 @@ void fl_cpu_attention_backward_sched(const fl_backend *be, float *dqkv, const fl
                                      const float *out, const float *lse, int B, int T, int NH, int NKV, int HD,
                                      int split);
 
+/* ---- attention_ex.c (general attention: mask, bias, cross, bidirectional; backend.h) ---- */
+fl_status fl_cpu_attention_forward_ex(const fl_backend *be, const fl_attn_desc *a, float *out, float *lse,
+                                      const float *q, const float *k, const float *v, const float *bias,
+                                      const uint8_t *kmask);
+fl_status fl_cpu_attention_backward_ex(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk, float *dv,
+                                       float *dbias, const float *dout, const float *q, const float *k,
+                                       const float *v, const float *bias, const uint8_t *kmask, const float *out,
+                                       const float *lse);
+
 /* ---- attention_kv.c (generation: one query against a KV cache) ---------------- */
 void fl_cpu_attention_decode(const fl_backend *be, float *out, const float *q, const float *kcache,
                              const float *vcache, int T, int NH, int NKV, int HD, size_t head_stride);

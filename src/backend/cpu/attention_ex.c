@@ -1,0 +1,452 @@
+/* General attention on the CPU: causal or bidirectional, self or cross (Tq != Tk),
+ * grouped-query heads, an optional additive bias (NH, Tq, Tk) broadcast over the
+ * batch (T5's relative positions) and an optional key padding mask (B, Tk).
+ * Semantics and layout: include/fitllm/backend.h (fl_attn_desc, attention_forward_ex).
+ *
+ * Same flash-attention-2 scheme as attention.c (the fused-QKV causal op the decoder
+ * uses), generalized:
+ *  - forward: work item = (b, h, tile of BQ query rows); key tiles of BK are
+ *    transposed into Kt (HD, BK) so a score row is HD broadcast-FMAs over a BK-wide
+ *    vector; online softmax (running max m, sum l, rescaled accumulator O); lse =
+ *    m + log(l) saved per (b, h, t). Visibility (mask, causal limit, tile end) is
+ *    one keep flag per (row, key): the max skips hidden keys, their probability is
+ *    forced to +0 with fl_cpu_keepf (a bit mask, so the loop vectorizes).
+ *  - backward: P = exp(S - lse) and dS = P o (dP - D), D = dO.O, recomputed per
+ *    (row block, key tile) by ONE function (rows_probs) for both kinds of item:
+ *      kv items (b, kv head g, key tile) own dK/dV of that tile: every head of g's
+ *        group, every query row that can see the tile, rows ascending;
+ *      q items own dQ (and dbias) of a tile of BQ query rows of head h, key tiles
+ *        ascending; with dbias, an item is (h, query tile) and walks b ascending, so
+ *        dbias[h, t, j] (a sum over the batch) has one owner too; without, (b, h,
+ *        query tile).
+ *    This is attention.c's "split" schedule (P and dS computed twice, 7 HD-long FMA
+ *    rows per visible (query, key) pair instead of 5), the one whose items stay
+ *    numerous whatever B and NKV are, and the only one that can own dbias without a
+ *    batch-sized scratch (ops never allocate). Every output element has one owner
+ *    and a fixed summation order, so the bits do not depend on the thread count.
+ *
+ * Stack tiles only, sized for HD <= FL_CPU_ATTN_MAX_HD (larger: FL_ERR_UNSUPPORTED). */
+#include <math.h>
+#include <omp.h>
+
+#include "backend/cpu/cpu-impl.h"
+
+#define BQ 32 /* query rows per work item */
+#define BK 32 /* keys per tile */
+#define RB 4  /* query rows processed together (register blocking); code below is unrolled for 4 */
+#define MAXHD FL_CPU_ATTN_MAX_HD
+
+/* One past the last key row t may see (causal: t + Tk - Tq, bottom-right aligned),
+ * clamped to [0, Tk]. */
+static inline int key_limit(const fl_attn_desc *a, int t) {
+    if (!a->causal) return a->Tk;
+    long lim = (long)t + a->Tk - a->Tq + 1;
+    return lim < 0 ? 0 : lim > a->Tk ? a->Tk : (int)lim;
+}
+
+/* First query row that sees key k0 (causal), clamped to [0, Tq]. */
+static inline int first_row(const fl_attn_desc *a, int k0) {
+    if (!a->causal) return 0;
+    long t = (long)k0 - (a->Tk - a->Tq);
+    return t < 0 ? 0 : t > a->Tq ? a->Tq : (int)t;
+}
+
+/* Rows k0..k0+kn-1 (row stride ld) transposed into Kt (HD, BK); columns kn..BK-1 zero. */
+static inline void load_transposed(float *restrict Kt /*(HD,BK)*/, const float *src, size_t ld, int kn, int HD) {
+    for (int d = 0; d < HD; d++)
+        for (int j = kn; j < BK; j++) Kt[d * BK + j] = 0.0f;
+    for (int j = 0; j < kn; j++) {
+        const float *r = src + (size_t)j * ld; // (HD) row of key j
+        for (int d = 0; d < HD; d++) Kt[d * BK + j] = r[d];
+    }
+}
+
+/* km[j] = 1 if key k0+j exists (j < kn) and is not padding. */
+static inline void load_key_mask(int *km /*(BK)*/, const uint8_t *kmask /*(Tk) of this b, or NULL*/, int k0, int kn) {
+    for (int j = 0; j < BK; j++) km[j] = j < kn && (!kmask || kmask[k0 + j]);
+}
+
+static fl_status check_args(const char *op, const fl_attn_desc *a, const void *out, const void *lse, const float *q,
+                            const float *k, const float *v, const float *bias, const float *dbias) {
+    if (!a) return fl_errorf(FL_ERR_INVALID, "%s: NULL descriptor", op);
+    if (a->B < 0 || a->Tq < 0 || a->Tk < 0 || a->NH <= 0 || a->NKV <= 0 || a->HD <= 0 || a->NH % a->NKV)
+        return fl_errorf(FL_ERR_INVALID, "%s: bad shape B %d Tq %d Tk %d NH %d NKV %d HD %d (NH must be a multiple of NKV)",
+                         op, a->B, a->Tq, a->Tk, a->NH, a->NKV, a->HD);
+    if (a->HD > MAXHD)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: head dimension %d > %d (the CPU backend's tile size)", op, a->HD,
+                         MAXHD);
+    size_t wq = (size_t)a->NH * a->HD, wk = (size_t)a->NKV * a->HD;
+    if (a->ldq < wq || a->ldo < wq || a->ldk < wk || a->ldv < wk)
+        return fl_errorf(FL_ERR_INVALID, "%s: row strides ldq %zu ldo %zu (need >= %zu), ldk %zu ldv %zu (need >= %zu)",
+                         op, a->ldq, a->ldo, wq, a->ldk, a->ldv, wk);
+    if (!out || !lse || !q || !k || !v) return fl_errorf(FL_ERR_INVALID, "%s: NULL tensor", op);
+    if (dbias && !bias) return fl_errorf(FL_ERR_INVALID, "%s: dbias given without bias", op);
+    if (!isfinite(a->scale)) return fl_errorf(FL_ERR_INVALID, "%s: scale %g is not finite", op, (double)a->scale);
+    return FL_OK;
+}
+
+/* work ~ multiply-adds of the forward; below FL_CPU_ATTN_PAR_MIN: one thread */
+static int n_threads_for(const fl_backend *be, const fl_attn_desc *a) {
+    int64_t work = (int64_t)a->B * a->NH * a->Tq * a->Tk * a->HD;
+    return be->n_threads > 1 && work >= FL_CPU_ATTN_PAR_MIN ? be->n_threads : 1;
+}
+
+/* ---- forward ----------------------------------------------------------------------- */
+
+static void fwd_item(const fl_attn_desc *a, float *out, float *lse, const float *q, const float *k, const float *v,
+                     const float *bias, const uint8_t *kmask, int b, int h, int q0) {
+    const int HD = a->HD, Tq = a->Tq, Tk = a->Tk, g = h / (a->NH / a->NKV);
+    const int qn = Tq - q0 < BQ ? Tq - q0 : BQ;
+    const float *Q = q + (size_t)b * Tq * a->ldq + (size_t)h * HD; // (Tq,HD) stride ldq
+    const float *K = k + (size_t)b * Tk * a->ldk + (size_t)g * HD; // (Tk,HD) stride ldk
+    const float *V = v + (size_t)b * Tk * a->ldv + (size_t)g * HD; // (Tk,HD) stride ldv
+    const uint8_t *M = kmask ? kmask + (size_t)b * Tk : NULL;     // (Tk) or NULL
+    float Kt[MAXHD * BK]; // (HD,BK) transposed key tile
+    float Qs[BQ * MAXHD]; // (BQ,HD) query tile times scale; rows >= qn zero
+    float O[BQ * MAXHD];  // (BQ,HD) unnormalized output accumulator
+    float m[BQ], l[BQ];   // (BQ) running max / running sum
+    int lim[BQ];          // (BQ) one past each row's last causally visible key
+    int km[BK];           // (BK) key exists and is not padding
+    for (int r = 0; r < BQ; r++) {
+        for (int d = 0; d < HD; d++) Qs[r * HD + d] = O[r * HD + d] = 0.0f;
+        if (r < qn) {
+            const float *qr = Q + (size_t)(q0 + r) * a->ldq;
+            for (int d = 0; d < HD; d++) Qs[r * HD + d] = qr[d] * a->scale;
+        }
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        lim[r] = r < qn ? key_limit(a, q0 + r) : 0;
+    }
+    const int kend = qn > 0 ? key_limit(a, q0 + qn - 1) : 0; /* no row of the tile sees keys >= kend */
+    for (int k0 = 0; k0 < kend; k0 += BK) {
+        const int kn = kend - k0 < BK ? kend - k0 : BK;
+        load_transposed(Kt, K + (size_t)k0 * a->ldk, a->ldk, kn, HD);
+        load_key_mask(km, M, k0, kn);
+        for (int r0 = 0; r0 < qn; r0 += RB) {
+            float s[RB][BK]; // (RB,BK) scores, then probabilities
+            int jm[RB];      // (RB) keys of the tile up to the row's causal limit (0: padding row)
+            for (int r = 0; r < RB; r++) {
+                int j = lim[r0 + r] - k0; /* lim is 0 for padding rows r0+r >= qn (BQ % RB == 0) */
+                jm[r] = j < 0 ? 0 : j < kn ? j : kn;
+                for (int j2 = 0; j2 < BK; j2++) s[r][j2] = 0.0f;
+            }
+            for (int d = 0; d < HD; d++) {
+                const float *kt = Kt + d * BK;
+                for (int r = 0; r < RB; r++) {
+                    float qd = Qs[(r0 + r) * HD + d];
+                    /* FL_VECTORIZE: attn_ex_fwd_qk */
+#pragma omp simd
+                    for (int j = 0; j < BK; j++) s[r][j] += qd * kt[j];
+                }
+            }
+            int jmx = 0;
+            for (int r = 0; r < RB; r++) {
+                const int rr = r0 + r, jmax = jm[r];
+                if (bias && jmax > 0) {
+                    const float *br = bias + ((size_t)h * Tq + q0 + rr) * Tk + k0; // (kn) of row q0+rr
+                    for (int j = 0; j < jmax; j++) s[r][j] += br[j];
+                }
+                float smax = -INFINITY;
+                for (int j = 0; j < jmax; j++)
+                    if (km[j] && s[r][j] > smax) smax = s[r][j];
+                if (smax == -INFINITY) { /* no visible key in this tile: the row's state is unchanged */
+                    for (int j = 0; j < BK; j++) s[r][j] = 0.0f;
+                    continue;
+                }
+                jmx = jmax > jmx ? jmax : jmx;
+                float mnew = smax > m[rr] ? smax : m[rr];
+                float corr = fl_cpu_expf(m[rr] - mnew); /* m = -inf (nothing seen yet): ~0, and O, l are 0 */
+                float ps = 0.0f;
+                /* FL_VECTORIZE: attn_ex_fwd_exp */
+#pragma omp simd reduction(+ : ps)
+                for (int j = 0; j < BK; j++) {
+                    float p = fl_cpu_keepf(fl_cpu_expf(s[r][j] - mnew), km[j] & (j < jmax));
+                    s[r][j] = p;
+                    ps += p;
+                }
+                l[rr] = l[rr] * corr + ps;
+                m[rr] = mnew;
+                float *o = O + rr * HD;
+#pragma omp simd
+                for (int d = 0; d < HD; d++) o[d] *= corr;
+            }
+            /* O[r] += P[r,j] V[j]; hidden entries of P are exactly 0 */
+            float *o0 = O + r0 * HD, *o1 = o0 + HD, *o2 = o1 + HD, *o3 = o2 + HD;
+            for (int j = 0; j < jmx; j++) {
+                const float *vr = V + (size_t)(k0 + j) * a->ldv;
+                float p0 = s[0][j], p1 = s[1][j], p2 = s[2][j], p3 = s[3][j];
+                /* FL_VECTORIZE: attn_ex_fwd_pv */
+#pragma omp simd
+                for (int d = 0; d < HD; d++) {
+                    float vd = vr[d];
+                    o0[d] += p0 * vd;
+                    o1[d] += p1 * vd;
+                    o2[d] += p2 * vd;
+                    o3[d] += p3 * vd;
+                }
+            }
+        }
+    }
+    for (int r = 0; r < qn; r++) {
+        const int t = q0 + r;
+        float *dst = out + ((size_t)b * Tq + t) * a->ldo + (size_t)h * HD;
+        if (l[r] > 0.0f) {
+            float inv = 1.0f / l[r];
+#pragma omp simd
+            for (int d = 0; d < HD; d++) dst[d] = O[r * HD + d] * inv;
+            lse[((size_t)b * a->NH + h) * Tq + t] = m[r] + logf(l[r]);
+        } else { /* no visible key: documented as out 0, lse -inf */
+            for (int d = 0; d < HD; d++) dst[d] = 0.0f;
+            lse[((size_t)b * a->NH + h) * Tq + t] = -INFINITY;
+        }
+    }
+}
+
+fl_status fl_cpu_attention_forward_ex(const fl_backend *be, const fl_attn_desc *a, float *out /*(B,Tq,NH,HD) ldo*/,
+                                      float *lse /*(B,NH,Tq)*/, const float *q /*(B,Tq,NH,HD) ldq*/,
+                                      const float *k /*(B,Tk,NKV,HD) ldk*/, const float *v /*(B,Tk,NKV,HD) ldv*/,
+                                      const float *bias /*(NH,Tq,Tk) or NULL*/,
+                                      const uint8_t *kmask /*(B,Tk) or NULL*/) {
+    fl_status st = check_args("attention_forward_ex", a, out, lse, q, k, v, bias, NULL);
+    if (st != FL_OK) return st;
+    const int nqt = (a->Tq + BQ - 1) / BQ, nitems = a->B * a->NH * nqt, nt = n_threads_for(be, a);
+    /* dynamic: causal late query tiles do more work; an item's result does not depend on
+     * the thread that runs it */
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
+    for (int it = 0; it < nitems; it++) {
+        int qt = nqt - 1 - it % nqt; /* heaviest (causal) first */
+        int h = (it / nqt) % a->NH, b = it / (nqt * a->NH);
+        fwd_item(a, out, lse, q, k, v, bias, kmask, b, h, qt * BQ);
+    }
+    return FL_OK;
+}
+
+/* ---- backward ---------------------------------------------------------------------- */
+
+typedef struct {
+    const fl_attn_desc *a;
+    const float *q, *k, *v, *bias, *dout, *out, *lse;
+    const uint8_t *kmask;
+    float *dq, *dk, *dv, *dbias;
+    int rep; /* NH / NKV */
+} bw_ctx;
+
+/* Per-thread state of RB query rows against one key tile. */
+typedef struct {
+    float qs[RB][MAXHD], go[RB][MAXHD], dq[RB][MAXHD]; // (RB,HD) scale*q, dO, dQ of the row block
+    float s[RB][BK], dp[RB][BK];                        // (RB,BK) scores -> P, dP -> dS (w.r.t. s)
+    float D[RB], lt[RB];                                // (RB) dO.O and lse per row
+    int jm[RB];                                         // (RB) keys of the tile before the causal limit
+} bw_rows;
+
+/* Rows t0..t0+RB-1 of head h, batch b against the key tile at k0 (kn keys, transposed
+ * in Kt/Vt, key mask km): P = exp(S - lse) into r->s, dS = P o (dP - D) into r->dp,
+ * both exactly 0 for hidden keys and for padding rows (t >= Tq). Returns the largest
+ * jm of the block. noinline: kv items and q items must run the very same code, so
+ * that P and dS have the same bits in both. */
+__attribute__((noinline)) static int rows_probs(const bw_ctx *c, bw_rows *r, const float *Kt /*(HD,BK)*/,
+                                                const float *Vt /*(HD,BK)*/, const int *km /*(BK)*/, int b, int h,
+                                                int k0, int kn, int t0) {
+    const fl_attn_desc *a = c->a;
+    const int Tq = a->Tq, HD = a->HD;
+    for (int i = 0; i < RB; i++) {
+        const int t = t0 + i;
+        if (t < Tq) {
+            const float *qr = c->q + ((size_t)b * Tq + t) * a->ldq + (size_t)h * HD;
+            const float *dO = c->dout + ((size_t)b * Tq + t) * a->ldo + (size_t)h * HD;
+            const float *o = c->out + ((size_t)b * Tq + t) * a->ldo + (size_t)h * HD;
+            float Dr = 0.0f;
+#pragma omp simd reduction(+ : Dr)
+            for (int d = 0; d < HD; d++) Dr += dO[d] * o[d];
+            for (int d = 0; d < HD; d++) {
+                r->qs[i][d] = qr[d] * a->scale;
+                r->go[i][d] = dO[d];
+            }
+            r->D[i] = Dr;
+            r->lt[i] = c->lse[((size_t)b * a->NH + h) * Tq + t];
+            int j = key_limit(a, t) - k0;
+            r->jm[i] = j < 0 ? 0 : j < kn ? j : kn;
+        } else {
+            for (int d = 0; d < HD; d++) r->qs[i][d] = r->go[i][d] = 0.0f;
+            r->D[i] = r->lt[i] = 0.0f;
+            r->jm[i] = 0;
+        }
+        for (int j = 0; j < BK; j++) r->s[i][j] = r->dp[i][j] = 0.0f;
+    }
+    for (int d = 0; d < HD; d++) {
+        const float *kt = Kt + d * BK, *vt = Vt + d * BK;
+        for (int i = 0; i < RB; i++) {
+            float qd = r->qs[i][d], gd = r->go[i][d];
+            /* FL_VECTORIZE: attn_ex_bwd_qk */
+#pragma omp simd
+            for (int j = 0; j < BK; j++) {
+                r->s[i][j] += qd * kt[j];
+                r->dp[i][j] += gd * vt[j];
+            }
+        }
+    }
+    int jmx = 0;
+    for (int i = 0; i < RB; i++) {
+        const int jmax = r->jm[i];
+        if (jmax <= 0) { /* nothing visible (or padding row): P = dS = 0 already */
+            continue;
+        }
+        jmx = jmax > jmx ? jmax : jmx;
+        if (c->bias) {
+            const float *br = c->bias + ((size_t)h * Tq + t0 + i) * a->Tk + k0; // (kn) of row t0+i
+            for (int j = 0; j < jmax; j++) r->s[i][j] += br[j];
+        }
+        /* a row with no visible key at all has lse -inf: s - lse is +inf, expf clamps it,
+         * and keep (0 for every key of such a row) clears it bitwise: no NaN */
+        const float Lr = r->lt[i], Dr = r->D[i];
+        /* FL_VECTORIZE: attn_ex_bwd_exp */
+#pragma omp simd
+        for (int j = 0; j < BK; j++) {
+            float p = fl_cpu_keepf(fl_cpu_expf(r->s[i][j] - Lr), km[j] & (j < jmax));
+            r->s[i][j] = p;
+            r->dp[i][j] = p * (r->dp[i][j] - Dr);
+        }
+    }
+    return jmx;
+}
+
+/* dV_j += P^T dO and dK_j += dS^T (scale q) for the first jmx keys of the tile. */
+__attribute__((noinline)) static void rows_dkdv(const bw_rows *r, float *dK /*(BK,HD)*/, float *dV /*(BK,HD)*/,
+                                                int jmx, int HD) {
+    for (int j = 0; j < jmx; j++) {
+        float *dvr = dV + j * HD, *dkr = dK + j * HD;
+        float p0 = r->s[0][j], p1 = r->s[1][j], p2 = r->s[2][j], p3 = r->s[3][j];
+        float e0 = r->dp[0][j], e1 = r->dp[1][j], e2 = r->dp[2][j], e3 = r->dp[3][j];
+        /* FL_VECTORIZE: attn_ex_bwd_dkdv */
+#pragma omp simd
+        for (int d = 0; d < HD; d++) {
+            dvr[d] += p0 * r->go[0][d] + p1 * r->go[1][d] + p2 * r->go[2][d] + p3 * r->go[3][d];
+            /* scale folded into qs */
+            dkr[d] += e0 * r->qs[0][d] + e1 * r->qs[1][d] + e2 * r->qs[2][d] + e3 * r->qs[3][d];
+        }
+    }
+}
+
+/* dQ_t += scale * sum_j dS_tj K_j over the first jmx keys of the tile at k0; dbias of the
+ * block's rows += dS (when wanted). */
+__attribute__((noinline)) static void rows_dq(const bw_ctx *c, bw_rows *r, int b, int h, int k0, int kn, int jmx,
+                                              int t0) {
+    const fl_attn_desc *a = c->a;
+    const int Tq = a->Tq, HD = a->HD, g = h / c->rep;
+    const float *K = c->k + (size_t)b * a->Tk * a->ldk + (size_t)g * HD; // (Tk,HD) stride ldk
+    for (int i = 0; i < RB; i++)
+        for (int d = 0; d < HD; d++) r->dq[i][d] = 0.0f;
+    for (int j = 0; j < jmx; j++) {
+        const float *kr = K + (size_t)(k0 + j) * a->ldk;
+        float e0 = r->dp[0][j], e1 = r->dp[1][j], e2 = r->dp[2][j], e3 = r->dp[3][j];
+        /* FL_VECTORIZE: attn_ex_bwd_dq */
+#pragma omp simd
+        for (int d = 0; d < HD; d++) {
+            float kd = kr[d];
+            r->dq[0][d] += e0 * kd;
+            r->dq[1][d] += e1 * kd;
+            r->dq[2][d] += e2 * kd;
+            r->dq[3][d] += e3 * kd;
+        }
+    }
+    for (int i = 0; i < RB && t0 + i < Tq; i++) {
+        if (r->jm[i] <= 0) continue; /* nothing visible in this tile: no contribution */
+        float *dqr = c->dq + ((size_t)b * Tq + t0 + i) * a->ldq + (size_t)h * HD;
+#pragma omp simd
+        for (int d = 0; d < HD; d++) dqr[d] += a->scale * r->dq[i][d];
+        if (c->dbias) {
+            float *dbr = c->dbias + ((size_t)h * Tq + t0 + i) * a->Tk + k0; // (kn) of row t0+i
+            for (int j = 0; j < kn; j++) dbr[j] += r->dp[i][j];
+        }
+    }
+}
+
+/* kv item: key tile k0 of kv head g of batch b: dK/dV over every head of g's group and
+ * every row that can see the tile (rows ascending, RB at a time), added once into dk/dv. */
+static void kv_item(const bw_ctx *c, int b, int g, int k0) {
+    const fl_attn_desc *a = c->a;
+    const int Tk = a->Tk, HD = a->HD;
+    const float *K = c->k + (size_t)b * Tk * a->ldk + (size_t)g * HD; // (Tk,HD) stride ldk
+    const float *V = c->v + (size_t)b * Tk * a->ldv + (size_t)g * HD; // (Tk,HD) stride ldv
+    bw_rows r;
+    float Kt[MAXHD * BK], Vt[MAXHD * BK]; // (HD,BK) transposed key / value tiles
+    float dK[BK * MAXHD], dV[BK * MAXHD]; // (BK,HD) tile gradient accumulators
+    int km[BK];
+    const int kn = Tk - k0 < BK ? Tk - k0 : BK;
+    load_transposed(Kt, K + (size_t)k0 * a->ldk, a->ldk, kn, HD);
+    load_transposed(Vt, V + (size_t)k0 * a->ldv, a->ldv, kn, HD);
+    load_key_mask(km, c->kmask ? c->kmask + (size_t)b * Tk : NULL, k0, kn);
+    memset(dK, 0, sizeof(float) * (size_t)kn * HD);
+    memset(dV, 0, sizeof(float) * (size_t)kn * HD);
+    const int tstart = first_row(a, k0);
+    for (int h = g * c->rep; h < (g + 1) * c->rep; h++)
+        for (int t0 = tstart; t0 < a->Tq; t0 += RB) {
+            int jmx = rows_probs(c, &r, Kt, Vt, km, b, h, k0, kn, t0);
+            rows_dkdv(&r, dK, dV, jmx, HD);
+        }
+    for (int j = 0; j < kn; j++) {
+        float *dkr = c->dk + ((size_t)b * Tk + k0 + j) * a->ldk + (size_t)g * HD;
+        float *dvr = c->dv + ((size_t)b * Tk + k0 + j) * a->ldv + (size_t)g * HD;
+#pragma omp simd
+        for (int d = 0; d < HD; d++) {
+            dkr[d] += dK[j * HD + d];
+            dvr[d] += dV[j * HD + d];
+        }
+    }
+}
+
+/* q item: dQ (and dbias) of query rows q0..q0+BQ-1 of head h for batch elements b0..b1-1
+ * (ascending), key tiles ascending up to the tile's causal limit. */
+static void q_item(const bw_ctx *c, int b0, int b1, int h, int q0) {
+    const fl_attn_desc *a = c->a;
+    const int Tq = a->Tq, Tk = a->Tk, HD = a->HD, g = h / c->rep;
+    bw_rows r;
+    float Kt[MAXHD * BK], Vt[MAXHD * BK]; // (HD,BK) transposed key / value tiles
+    int km[BK];
+    const int qend = q0 + BQ < Tq ? q0 + BQ : Tq, kend = key_limit(a, qend - 1);
+    for (int b = b0; b < b1; b++) {
+        const float *K = c->k + (size_t)b * Tk * a->ldk + (size_t)g * HD; // (Tk,HD) stride ldk
+        const float *V = c->v + (size_t)b * Tk * a->ldv + (size_t)g * HD; // (Tk,HD) stride ldv
+        for (int k0 = 0; k0 < kend; k0 += BK) {
+            /* the tile as kv items see it (kn up to Tk, not kend): identical inputs to rows_probs */
+            const int kn = Tk - k0 < BK ? Tk - k0 : BK;
+            load_transposed(Kt, K + (size_t)k0 * a->ldk, a->ldk, kn, HD);
+            load_transposed(Vt, V + (size_t)k0 * a->ldv, a->ldv, kn, HD);
+            load_key_mask(km, c->kmask ? c->kmask + (size_t)b * Tk : NULL, k0, kn);
+            for (int t0 = q0; t0 < qend; t0 += RB) {
+                int jmx = rows_probs(c, &r, Kt, Vt, km, b, h, k0, kn, t0);
+                rows_dq(c, &r, b, h, k0, kn, jmx, t0);
+            }
+        }
+    }
+}
+
+fl_status fl_cpu_attention_backward_ex(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk, float *dv,
+                                       float *dbias /*(NH,Tq,Tk) or NULL*/, const float *dout, const float *q,
+                                       const float *k, const float *v, const float *bias, const uint8_t *kmask,
+                                       const float *out, const float *lse /*(B,NH,Tq)*/) {
+    fl_status st = check_args("attention_backward_ex", a, out, lse, q, k, v, bias, dbias);
+    if (st != FL_OK) return st;
+    if (!dq || !dk || !dv || !dout) return fl_errorf(FL_ERR_INVALID, "attention_backward_ex: NULL gradient tensor");
+    const bw_ctx c = {a, q, k, v, bias, dout, out, lse, kmask, dq, dk, dv, dbias, a->NH / a->NKV};
+    const int B = a->B, NH = a->NH, NKV = a->NKV, nt = n_threads_for(be, a);
+    const int nkt = (a->Tk + BK - 1) / BK, nqt = (a->Tq + BQ - 1) / BQ;
+    const int n_kv = B * NKV * nkt;
+    /* with dbias a q item covers the whole batch (one owner per dbias element) */
+    const int qb = dbias ? 1 : B, n_q = qb * NH * nqt;
+    /* kv items first, key tiles ascending (causal: the first see the most rows), then q
+     * items, query tiles descending (the last see the most keys): heaviest first */
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
+    for (int it = 0; it < n_kv + n_q; it++) {
+        if (it < n_kv) {
+            int kt = it / (B * NKV), bg = it % (B * NKV);
+            kv_item(&c, bg / NKV, bg % NKV, kt * BK);
+        } else {
+            int i = it - n_kv, qt = nqt - 1 - i / (qb * NH), bh = i % (qb * NH);
+            int h = bh % NH, b = bh / NH;
+            if (dbias) q_item(&c, 0, B, h, qt * BQ);
+            else q_item(&c, b, b + 1, h, qt * BQ);
+        }
+    }
+    return FL_OK;
+}
