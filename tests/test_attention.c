@@ -234,8 +234,16 @@ static void ares_free(ares *r) {
 
 /* Runs forward and backward of be's op on c. Gradients are pre-filled with pre_* (copied)
  * so the += contract is exercised; out's row gaps are filled with a sentinel. */
+static fl_status run_op_sched(const fl_backend *be, const acase *c, ares *res, const float *pre_q,
+                              const float *pre_k, const float *pre_b, int split);
 static fl_status run_op(const fl_backend *be, const acase *c, ares *res, const float *pre_q, const float *pre_k,
                         const float *pre_b) {
+    return run_op_sched(be, c, res, pre_q, pre_k, pre_b, -1);
+}
+
+/* split -1: the backend's own backward; 0 / 1: the CPU backward with the fused / split schedule */
+static fl_status run_op_sched(const fl_backend *be, const acase *c, ares *res, const float *pre_q,
+                              const float *pre_k, const float *pre_b, int split) {
     const fl_attn_desc *a = &c->a;
     size_t no = (size_t)a->B * a->Tq * a->ldo, nl = (size_t)a->B * a->NH * a->Tq, nb = (size_t)a->NH * a->Tq * a->Tk;
     memset(res, 0, sizeof *res);
@@ -261,8 +269,14 @@ static fl_status run_op(const fl_backend *be, const acase *c, ares *res, const f
     for (size_t row = 0; row < (size_t)a->B * a->Tq; row++)
         for (size_t i = 0; i < a->ldo; i++)
             dO[row * a->ldo + i] = i < (size_t)a->NH * a->HD ? c->dout[row * a->NH * a->HD + i] : NAN;
-    st = be->attention_backward_ex(be, a, res->dqb + c->qoff, dkb + c->koff, dkb + c->voff, res->dbias, dO,
-                                   c->qb + c->qoff, kb + c->koff, kb + c->voff, c->bias, c->mask, res->out, res->lse);
+    if (split < 0)
+        st = be->attention_backward_ex(be, a, res->dqb + c->qoff, dkb + c->koff, dkb + c->voff, res->dbias, dO,
+                                       c->qb + c->qoff, kb + c->koff, kb + c->voff, c->bias, c->mask, res->out,
+                                       res->lse);
+    else
+        st = fl_cpu_attention_backward_ex_sched(be, a, res->dqb + c->qoff, dkb + c->koff, dkb + c->voff, res->dbias,
+                                                dO, c->qb + c->qoff, kb + c->koff, kb + c->voff, c->bias, c->mask,
+                                                res->out, res->lse, split);
     free(dO);
     return st;
 }
@@ -426,6 +440,17 @@ static void check_case(const acase *c, unsigned long long seed) {
                   (!c->cross || !memcmp(res[0].dkb, res[1].dkb, c->nkb * 4)) &&
                   (!c->has_bias || !memcmp(res[0].dbias, res[1].dbias, (size_t)a->NH * a->Tq * a->Tk * 4)),
               "%s: 1 and 2 threads give different bits", what);
+    /* both backward schedules, at 1 and 2 threads: the same bits */
+    for (int k = 0; k < 2; k++)
+        for (int split = 0; split < 2; split++) {
+            ares rs;
+            FL_REQUIRE_OK(run_op_sched(bes[k], c, &rs, pre.q, pre.k, pre.b, split));
+            FL_CHECKF(!memcmp(res[0].dqb, rs.dqb, c->nqb * 4) && (!c->cross || !memcmp(res[0].dkb, rs.dkb, c->nkb * 4)) &&
+                          (!c->has_bias || !memcmp(res[0].dbias, rs.dbias, (size_t)a->NH * a->Tq * a->Tk * 4)),
+                      "%s: the %s schedule at %d threads gives different bits", what, split ? "split" : "fused",
+                      bes[k]->n_threads);
+            ares_free(&rs);
+        }
     ares_free(&res[0]);
     ares_free(&res[1]);
     apre_free(&pre);
@@ -656,6 +681,22 @@ FL_TEST(attn_ex_bits_independent_of_threads) {
                           (!with_bias || !memcmp(res[0].dbias, res[k].dbias, nb * 4)),
                       "bias %d: 1 and %d threads give different bits", with_bias, k + 1);
         for (int k = 0; k < 3; k++) ares_free(&res[k]);
+        for (int nt = 1; nt <= 3; nt++)
+            for (int split = 0; split < 2; split++) {
+                fl_backend be;
+                fl_cpu_backend_init(&be, nt);
+                FL_REQUIRE_OK(run_op_sched(&be, &c, &res[1], pre.q, pre.k, pre.b, split));
+                if (nt == 1 && split == 0) {
+                    res[0] = res[1];
+                    continue;
+                }
+                FL_CHECKF(!memcmp(res[0].dqb, res[1].dqb, c.nqb * 4) && !memcmp(res[0].dkb, res[1].dkb, c.nkb * 4) &&
+                              (!with_bias || !memcmp(res[0].dbias, res[1].dbias, nb * 4)),
+                          "bias %d: %s schedule at %d threads differs from fused at 1", with_bias,
+                          split ? "split" : "fused", nt);
+                ares_free(&res[1]);
+            }
+        ares_free(&res[0]);
         apre_free(&pre);
         acase_free(&c);
     }

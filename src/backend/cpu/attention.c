@@ -351,7 +351,7 @@ static void q_tile(const attn_bw *a, attn_rows *r, int b, int h, int q0) {
  * thread: 1.55-1.8x the fused time at HD 16-64). Split only for a 1.5x gain: when the
  * machine is shared the extra threads may not run, and then the split is that much slower
  * (so 2 threads and one item stay fused; 3 or more threads split). */
-static int use_split(int n_fused, int nt) {
+int fl_cpu_attn_use_split(int n_fused, int nt) {
     if (nt <= 1) return 0;
     long rounds = (n_fused + nt - 1) / nt;
     return 2L * 5 * rounds * nt >= 3L * 8 * n_fused;
@@ -375,7 +375,7 @@ void fl_cpu_attention_backward_sched(const fl_backend *be, float *dqkv, const fl
                        (size_t)NH * HD, 1.0f / sqrtf((float)HD)};
     /* small work on the calling thread (FL_CPU_ATTN_PAR_MIN), where the fused schedule does least */
     const int nt = be->n_threads > 0 && (int64_t)B * NH * T * T * HD >= FL_CPU_ATTN_PAR_MIN ? be->n_threads : 1;
-    if (split < 0) split = use_split(B * NKV, nt);
+    if (split < 0) split = fl_cpu_attn_use_split(B * NKV, nt);
     if (!split) {
         const int nitems = B * NKV;
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)

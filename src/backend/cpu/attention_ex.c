@@ -19,11 +19,17 @@
  *        ascending; with dbias, an item is (h, query tile) and walks b ascending, so
  *        dbias[h, t, j] (a sum over the batch) has one owner too; without, (b, h,
  *        query tile).
- *    This is attention.c's "split" schedule (P and dS computed twice, 7 HD-long FMA
- *    rows per visible (query, key) pair instead of 5), the one whose items stay
- *    numerous whatever B and NKV are, and the only one that can own dbias without a
- *    batch-sized scratch (ops never allocate). Every output element has one owner
- *    and a fixed summation order, so the bits do not depend on the thread count.
+ *    This is attention.c's "split" schedule (P and dS computed twice: 7 HD-long FMA
+ *    rows per visible (query, key) pair instead of 5), whose items stay numerous
+ *    whatever B and NKV are. The "fused" schedule does least work: item (b, g), or (g)
+ *    walking b ascending when dbias is wanted, runs the kv items of g with the dQ /
+ *    dbias contributions of each tile added on the spot. As in attention.c, the split
+ *    is taken only when the fused items would leave threads idle (fl_cpu_attn_use_split).
+ *    Both give the same bits: P and dS of a (row, key) come from the same code, and
+ *    every output element has one owner that adds its parts in the same order (dK/dV:
+ *    heads, then rows ascending into a zeroed tile; dQ: key tiles ascending; dbias:
+ *    batch ascending), so the bits depend neither on the schedule nor on the thread
+ *    count. dbias needs no batch-sized scratch (ops never allocate).
  *
  * Stack tiles only, sized for HD <= FL_CPU_ATTN_MAX_HD (larger: FL_ERR_UNSUPPORTED). */
 #include <math.h>
@@ -361,9 +367,11 @@ __attribute__((noinline)) static void rows_dq(const bw_ctx *c, bw_rows *r, int b
     }
 }
 
-/* kv item: key tile k0 of kv head g of batch b: dK/dV over every head of g's group and
- * every row that can see the tile (rows ascending, RB at a time), added once into dk/dv. */
-static void kv_item(const bw_ctx *c, int b, int g, int k0) {
+/* Key tile k0 of kv head g of batch b: dK/dV over every head of g's group and every row
+ * that can see the tile (rows ascending, RB at a time), added once into dk/dv; with_dq: also
+ * the tile's dQ (and dbias) contributions to those rows (the fused schedule, whose item owns
+ * all of them). */
+static void kv_item(const bw_ctx *c, int b, int g, int k0, int with_dq) {
     const fl_attn_desc *a = c->a;
     const int Tk = a->Tk, HD = a->HD;
     const float *K = c->k + (size_t)b * Tk * a->ldk + (size_t)g * HD; // (Tk,HD) stride ldk
@@ -383,6 +391,7 @@ static void kv_item(const bw_ctx *c, int b, int g, int k0) {
         for (int t0 = tstart; t0 < a->Tq; t0 += RB) {
             int jmx = rows_probs(c, &r, Kt, Vt, km, b, h, k0, kn, t0);
             rows_dkdv(&r, dK, dV, jmx, HD);
+            if (with_dq) rows_dq(c, &r, b, h, k0, kn, jmx, t0);
         }
     for (int j = 0; j < kn; j++) {
         float *dkr = c->dk + ((size_t)b * Tk + k0 + j) * a->ldk + (size_t)g * HD;
@@ -425,22 +434,41 @@ fl_status fl_cpu_attention_backward_ex(const fl_backend *be, const fl_attn_desc 
                                        float *dbias /*(NH,Tq,Tk) or NULL*/, const float *dout, const float *q,
                                        const float *k, const float *v, const float *bias, const uint8_t *kmask,
                                        const float *out, const float *lse /*(B,NH,Tq)*/) {
+    return fl_cpu_attention_backward_ex_sched(be, a, dq, dk, dv, dbias, dout, q, k, v, bias, kmask, out, lse, -1);
+}
+
+fl_status fl_cpu_attention_backward_ex_sched(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk,
+                                             float *dv, float *dbias, const float *dout, const float *q,
+                                             const float *k, const float *v, const float *bias,
+                                             const uint8_t *kmask, const float *out, const float *lse, int split) {
     fl_status st = check_args("attention_backward_ex", a, out, lse, q, k, v, bias, dbias);
     if (st != FL_OK) return st;
     if (!dq || !dk || !dv || !dout) return fl_errorf(FL_ERR_INVALID, "attention_backward_ex: NULL gradient tensor");
     const bw_ctx c = {a, q, k, v, bias, dout, out, lse, kmask, dq, dk, dv, dbias, a->NH / a->NKV};
     const int B = a->B, NH = a->NH, NKV = a->NKV, nt = n_threads_for(be, a);
     const int nkt = (a->Tk + BK - 1) / BK, nqt = (a->Tq + BQ - 1) / BQ;
-    const int n_kv = B * NKV * nkt;
-    /* with dbias a q item covers the whole batch (one owner per dbias element) */
-    const int qb = dbias ? 1 : B, n_q = qb * NH * nqt;
+    /* with dbias an item that owns dQ covers the whole batch (one owner per dbias element) */
+    const int qb = dbias ? 1 : B;
+    if (split < 0) split = fl_cpu_attn_use_split(qb * NKV, nt);
+    if (!split) {
+        /* fused: item (b, g), or (g) over b ascending with dbias: dK/dV of g and dQ (dbias) of
+         * g's query heads, key tiles ascending: per element the order of the split schedule */
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
+        for (int it = 0; it < qb * NKV; it++) {
+            int g = it % NKV, b0 = dbias ? 0 : it / NKV, b1 = dbias ? B : b0 + 1;
+            for (int b = b0; b < b1; b++)
+                for (int kt = 0; kt < nkt; kt++) kv_item(&c, b, g, kt * BK, 1);
+        }
+        return FL_OK;
+    }
+    const int n_kv = B * NKV * nkt, n_q = qb * NH * nqt;
     /* kv items first, key tiles ascending (causal: the first see the most rows), then q
      * items, query tiles descending (the last see the most keys): heaviest first */
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1)
     for (int it = 0; it < n_kv + n_q; it++) {
         if (it < n_kv) {
             int kt = it / (B * NKV), bg = it % (B * NKV);
-            kv_item(&c, bg / NKV, bg % NKV, kt * BK);
+            kv_item(&c, bg / NKV, bg % NKV, kt * BK, 0);
         } else {
             int i = it - n_kv, qt = nqt - 1 - i / (qb * NH), bh = i % (qb * NH);
             int h = bh % NH, b = bh / NH;

@@ -159,6 +159,10 @@ void fl_cpu_attention_backward_sched(const fl_backend *be, float *dqkv, const fl
                                      const float *out, const float *lse, int B, int T, int NH, int NKV, int HD,
                                      int split);
 
+/* 1 if the split backward schedule (more, smaller items; 1.55-1.8x the work) should beat the
+ * fused one (n_fused items) on nt threads by at least 1.5x (attention.c, attention_ex.c). */
+int fl_cpu_attn_use_split(int n_fused, int nt);
+
 /* ---- attention_ex.c (general attention: mask, bias, cross, bidirectional; backend.h) ---- */
 fl_status fl_cpu_attention_forward_ex(const fl_backend *be, const fl_attn_desc *a, float *out, float *lse,
                                       const float *q, const float *k, const float *v, const float *bias,
@@ -167,6 +171,13 @@ fl_status fl_cpu_attention_backward_ex(const fl_backend *be, const fl_attn_desc 
                                        float *dbias, const float *dout, const float *q, const float *k,
                                        const float *v, const float *bias, const uint8_t *kmask, const float *out,
                                        const float *lse);
+/* The same with the schedule chosen: split 0 = fused (items (b, kv head), or (kv head) with
+ * dbias), 1 = split (kv-tile and query-tile items), -1 = by thread count. Same bits for every
+ * choice (tests). */
+fl_status fl_cpu_attention_backward_ex_sched(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk,
+                                             float *dv, float *dbias, const float *dout, const float *q,
+                                             const float *k, const float *v, const float *bias,
+                                             const uint8_t *kmask, const float *out, const float *lse, int split);
 
 /* ---- attention_kv.c (generation: one query against a KV cache) ---------------- */
 void fl_cpu_attention_decode(const fl_backend *be, float *out, const float *q, const float *kcache,

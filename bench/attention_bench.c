@@ -1,0 +1,78 @@
+/* Fused causal attention (attention_forward/backward, the decoder's fused-QKV path) vs the
+ * general op (attention_forward_ex/backward_ex) on the same fused QKV buffer, passed as
+ * q/k/v views: causal self-attention, no bias, no mask. Median of reps, milliseconds.
+ * Usage: attention_bench [threads=1] [reps=5] */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "fitllm/backend.h"
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double median(double *v, int n) {
+    qsort(v, n, sizeof *v, cmp_d);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+int main(int argc, char **argv) {
+    fl_cpu_process_init(argv);
+    int threads = argc > 1 ? atoi(argv[1]) : 1, reps = argc > 2 ? atoi(argv[2]) : 5;
+    if (reps < 1 || reps > 100) reps = 5;
+    fl_backend be;
+    if (fl_cpu_backend_init(&be, threads) != FL_OK) return 1;
+    struct { const char *name; int B, T, NH, NKV, HD; } sh[] = {
+        {"stories15M B4 T256", 4, 256, 6, 6, 48},
+        {"stories260K B8 T256", 8, 256, 8, 4, 8},
+        {"1B-like GQA B1 T512", 1, 512, 32, 8, 64},
+    };
+    printf("threads %d, median of %d; ms per call (fused = attention_forward/backward, general = *_ex)\n", threads,
+           reps);
+    printf("%-22s %9s %9s %9s %9s %8s %8s\n", "shape", "fwd fused", "fwd gen", "bwd fused", "bwd gen", "fwd g/f",
+           "bwd g/f");
+    for (size_t s = 0; s < sizeof sh / sizeof sh[0]; s++) {
+        int B = sh[s].B, T = sh[s].T, NH = sh[s].NH, NKV = sh[s].NKV, HD = sh[s].HD;
+        size_t W = (size_t)(NH + 2 * NKV) * HD, nq = (size_t)B * T * W, no = (size_t)B * T * NH * HD;
+        float *qkv = malloc(nq * 4), *dqkv = calloc(nq, 4), *out = malloc(no * 4), *dout = malloc(no * 4);
+        float *lse = malloc((size_t)B * NH * T * 4);
+        for (size_t i = 0; i < nq; i++) qkv[i] = (float)((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
+        for (size_t i = 0; i < no; i++) dout[i] = (float)((i * 40503u) % 1000) / 1000.0f - 0.5f;
+        fl_attn_desc a = {B, T, T, NH, NKV, HD, W, W, W, (size_t)NH * HD, 1.0f / sqrtf((float)HD), 1};
+        double t[4][100];
+        for (int r = 0; r < reps + 1; r++) { /* first round: warm-up, not counted */
+            double t0 = now();
+            be.attention_forward(&be, out, lse, qkv, B, T, NH, NKV, HD);
+            double t1 = now();
+            be.attention_backward(&be, dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD);
+            double t2 = now();
+            if (be.attention_forward_ex(&be, &a, out, lse, qkv, qkv + (size_t)NH * HD, qkv + (size_t)(NH + NKV) * HD,
+                                        NULL, NULL) != FL_OK)
+                return 1;
+            double t3 = now();
+            if (be.attention_backward_ex(&be, &a, dqkv, dqkv + (size_t)NH * HD, dqkv + (size_t)(NH + NKV) * HD, NULL,
+                                         dout, qkv, qkv + (size_t)NH * HD, qkv + (size_t)(NH + NKV) * HD, NULL, NULL,
+                                         out, lse) != FL_OK)
+                return 1;
+            double t4 = now();
+            if (r == 0) continue;
+            t[0][r - 1] = t1 - t0, t[1][r - 1] = t3 - t2, t[2][r - 1] = t2 - t1, t[3][r - 1] = t4 - t3;
+        }
+        double m[4];
+        for (int k = 0; k < 4; k++) m[k] = 1e3 * median(t[k], reps);
+        printf("%-22s %9.2f %9.2f %9.2f %9.2f %8.2f %8.2f\n", sh[s].name, m[0], m[1], m[2], m[3], m[1] / m[0],
+               m[3] / m[2]);
+        free(qkv); free(dqkv); free(out); free(dout); free(lse);
+    }
+    return 0;
+}
