@@ -284,7 +284,8 @@ struct fl_backend {
      * attend. A query row with no visible key gets out = 0 and lse = -inf, and contributes
      * nothing to any gradient. Like the fused op, the (Tq, Tk) scores of all heads never exist:
      * key tiles with an online softmax, per-row lse saved for the backward.
-     * backward ACCUMULATES dq, dk, dv (all required) and, when dbias != NULL (requires bias),
+     * backward takes out and lse of attention_forward_ex on the same inputs, ACCUMULATES dq, dk,
+     * dv (all required) and, when dbias != NULL (requires bias),
      * dbias (NH, Tq, Tk) += the gradient summed over the batch (T5's bias is learned). dq, dk, dv
      * may be disjoint column ranges of one buffer (the fused dQKV). Results are the same bits for
      * any thread count. Errors: FL_ERR_INVALID (bad shape, stride or NULL), FL_ERR_UNSUPPORTED
