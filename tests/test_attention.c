@@ -780,6 +780,22 @@ FL_TEST(attn_ex_bad_arguments) {
     FL_CHECK(be.attention_backward_ex(&be, &a, NULL, x, x, NULL, x, x, x, x, NULL, NULL, out, lse) == FL_ERR_INVALID);
 }
 
+/* No keys at all (Tk 0): every row is fully masked: out 0, lse -inf, gradients untouched. */
+FL_TEST(attn_ex_no_keys) {
+    fl_backend be;
+    fl_cpu_backend_init(&be, 2);
+    fl_attn_desc a = {2, 3, 0, 2, 1, 4, 8, 4, 4, 8, 0.5f, 0};
+    float q[48], out[48], lse[12], dq[48], d0[4] = {0}, dO[48];
+    for (int i = 0; i < 48; i++) q[i] = 0.1f * i, out[i] = 7.0f, dq[i] = 3.0f, dO[i] = 1.0f;
+    FL_REQUIRE_OK(be.attention_forward_ex(&be, &a, out, lse, q, d0, d0, NULL, NULL));
+    int ok = 1;
+    for (int i = 0; i < 48; i++) ok &= out[i] == 0.0f && dq[i] == 3.0f;
+    for (int i = 0; i < 12; i++) ok &= isinf(lse[i]) && lse[i] < 0;
+    FL_REQUIRE_OK(be.attention_backward_ex(&be, &a, dq, d0, d0, NULL, dO, q, d0, d0, NULL, NULL, out, lse));
+    for (int i = 0; i < 48; i++) ok &= dq[i] == 3.0f;
+    FL_CHECKF(ok, "Tk 0: out must be 0, lse -inf, dq unchanged");
+}
+
 FL_TEST(attn_ex_in_every_backend_vtable) {
     fl_backend be, ref;
     FL_REQUIRE_OK(fl_cpu_backend_init(&be, 0));
