@@ -18,6 +18,8 @@
 extern "C" {
 #endif
 
+#define FL_TRAINER_MAX_PHASES 8
+
 typedef struct {
     long steps;               /* optimizer steps done in total (incl. before a resume) */
     long iters;
@@ -29,6 +31,10 @@ typedef struct {
     size_t peak_total;
     char final_dir[FL_CFG_PATH + 16];
     fl_mem_oom oom;           /* on FL_ERR_OOM: the failed allocation and the breakdown (oom.valid) */
+    /* the memory snapshots (after_load, then before_fwd, after_fwd, after_bwd, after_opt_step of
+     * the last step): reserved and live bytes per tag, as the memory report prints them */
+    fl_mem_phase phases[FL_TRAINER_MAX_PHASES];
+    int n_phases;
 } fl_trainer_result;
 
 /* res (may be NULL) is filled on success and on failure: peak and peak_total

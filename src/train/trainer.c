@@ -480,6 +480,7 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
     fl_mem_set_phase(&t.pool, "model load");
     CHECK(load_model_and_tokenizer(&t));
     CHECK(fl_model_set_precision(&t.model, &prec));
+    fl_mem_snapshot(&t.pool, "after_load"); /* the weights alone (plan.c takes the same snapshot) */
     CHECK(load_data(&t));
     schedule(&t);
     fl_mem_set_phase(&t.pool, "setup");
@@ -697,6 +698,8 @@ done:
     if (t.pool_ok) { /* also on failure: what was reached, and the OOM record */
         for (int k = 0; k < FL_TAG_COUNT; k++) r.peak[k] = t.pool.peak[k];
         r.peak_total = t.pool.peak_total;
+        r.n_phases = t.pool.n_phases < FL_TRAINER_MAX_PHASES ? t.pool.n_phases : FL_TRAINER_MAX_PHASES;
+        memcpy(r.phases, t.pool.phases, (size_t)r.n_phases * sizeof r.phases[0]);
         if (s == FL_ERR_OOM) r.oom = t.pool.oom;
     }
     if (res) *res = r;
