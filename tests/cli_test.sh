@@ -119,6 +119,16 @@ expect plan_unknown_model 1 "neither a model folder nor a preset" -- "$FITLLM" p
 expect plan_help 0 "--device-memory" -- "$FITLLM" plan --help
 expect plan_7b_full_oom 3 "OUT OF MEMORY" -- "$FITLLM" plan open-llama-7b --device-memory 80GB --train.max_seq_length 513
 expect plan_7b_lora_fits 0 "verdict: FITS" -- "$FITLLM" plan open-llama-7b --lora --device-memory 80GB --train.max_seq_length 513
+# reserved vs live per phase: the plan and the run's memory report show activations live after forward only
+expect plan_live_rows 0 "^after_fwd +reserved" -- "$FITLLM" plan micro --device-memory 1GB --train.max_seq_length 33
+expect plan_json_live 0 '"live": \{"PARAMS"' -- "$FITLLM" plan micro --device-memory 1GB --json
+out=$("$FITLLM" finetune_full micro --data Synthetic --train.max_seq_length 33 --train.max_steps 1 --train.global_batch_size 2 \
+      --train.micro_batch_size 2 --eval.final_validation false --out_dir "$T/live1" 2>&1)
+# ACTS is column 6 of a "live" row (after the phase row, "live", PARAMS, GRADS, OPTIM; sizes print as "N unit")
+acts_fwd=$(awk '/^after_fwd/ { f = 1; next } f && $1 == "live" { print $8 $9; exit }' <<<"$out")
+acts_bwd=$(awk '/^after_bwd/ { f = 1; next } f && $1 == "live" { print $8 $9; exit }' <<<"$out")
+if [ -n "$acts_fwd" ] && [ "$acts_fwd" != "0B" ] && [ "$acts_bwd" = "0B" ]; then echo "ok   run_report_live_acts"; pass=$((pass+1))
+else echo "FAIL run_report_live_acts: after_fwd ACTS live '$acts_fwd', after_bwd '$acts_bwd'"; echo "$out" | grep -A1 -E "^(after|before)" | sed 's/^/     /'; fail=$((fail+1)); fi
 
 # ---- finetune_full out of memory: phase, tag, requested vs available, breakdown, what to try, exit 3,
 # nothing written when set-up fails; a failure at evaluation keeps logs/ but writes no final/ ----
@@ -152,6 +162,13 @@ if [ -f "$T/lab/results.csv" ]; then
     for f in report.md results.json; do [ -s "$T/lab/$f" ] || { echo "     missing $f"; ok=0; }; done
     if command -v gnuplot >/dev/null; then [ -s "$T/lab/memory.png" ] && [ -s "$T/lab/step_time.png" ] || { echo "     no charts"; ok=0; }; fi
     if [ $ok = 1 ]; then echo "ok   lab_quick_verdicts_and_files"; pass=$((pass+1)); else echo "FAIL lab_quick_verdicts_and_files"; fail=$((fail+1)); fi
+    # charts.gp redraws from its own folder, as its first line says (paths relative to it)
+    if command -v gnuplot >/dev/null; then
+        rm -f "$T/lab/"*.png
+        expect lab_charts_from_folder 0 "" -- bash -c "cd '$T/lab' && gnuplot charts.gp && test -s memory.png && test -s phases.png && test -s step_time.png"
+    fi
+    # the report shows reserved vs live per phase and time per sample with the reason a row costs more
+    expect lab_report_live_and_per_sample 0 "" -- bash -c "grep -q 'Reserved and live memory per phase' '$T/lab/report.md' && grep -q 'ms/sample' '$T/lab/report.md' && grep -q 'recomputes every block' '$T/lab/report.md' && grep -q 'after_fwd,live' '$T/lab/phases.csv'"
 fi
 
 # PEFT LoRA adapters: merge_lora writes a merged HF folder; generate --adapter merges in memory
