@@ -133,6 +133,10 @@ static const char *k_gen_instruction =
     "Recommend a movie for me to watch during the weekend and explain the reason.";
 
 static fl_status gen_prompt_tokens(const fl_run_config *c, int *n_out) {
+    if (c->command == FL_CMD_PRETRAIN) { /* a validation text's prefix: at most this many (the plan reads no data) */
+        *n_out = FL_PRETRAIN_PROMPT_TOKENS;
+        return FL_OK;
+    }
     const char *td = c->tokenizer_dir[0] ? c->tokenizer_dir : NULL;
     if (!td && c->checkpoint_dir[0] && is_dir(c->checkpoint_dir)) td = c->checkpoint_dir;
     fl_tokenizer *tok = NULL;
