@@ -207,6 +207,15 @@ if [ -d "$DATA/stories260K-hf" ]; then
         --out_dir "$T/ft-syn" --train.max_steps 12 --train.save_interval 5 --resume auto --quiet
     expect finetune_init_random 0 "loss train: 6\.2" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" --init random \
         --train.max_steps 1 --train.global_batch_size 1 --eval.final_validation false --out_dir "$T/x9" --quiet
+    # pretrain's evaluation sample continues a validation text (the first .txt file), not the Alpaca instruction
+    mkdir -p "$T/ptxt"
+    for i in $(seq 40); do echo "Lily and Ben went to the park to play with a big red ball. They ran and laughed all day."; done > "$T/ptxt/a.txt"
+    head -c 20000 "$DATA/text/tinystories-val-prefix.txt" > "$T/ptxt/b.txt"
+    out=$("$FITLLM" pretrain --model_config "$DATA/stories260K-hf/config.json" --tokenizer_dir "$DATA/stories260K-hf" \
+          --data TextFiles --data.train_data_path "$T/ptxt" --train.max_seq_length 64 --train.max_steps 1 \
+          --train.global_batch_size 2 --train.micro_batch_size 2 --eval.interval 1 --eval.max_new_tokens 8 --out_dir "$T/pt-gen" 2>&1)
+    if grep -q "^Lily and Ben went to the park" <<<"$out" && ! grep -q "Recommend a movie" <<<"$out"; then echo "ok   pretrain_sample_continues_val_text"; pass=$((pass+1))
+    else echo "FAIL pretrain_sample_continues_val_text"; echo "$out" | grep -vE "reserved|live" | tail -8 | sed 's/^/     /'; fail=$((fail+1)); fi
     # a diverged run stops: the step, the value and a hint, exit 1, no final/, the good checkpoints kept
     expect finetune_diverged 1 "diverged at step 3 \(iter 9\): the loss is NaN.*lower the learning rate" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" \
         --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --train.max_seq_length 128 --train.micro_batch_size 4 \
