@@ -119,6 +119,16 @@ expect plan_unknown_model 1 "neither a model folder nor a preset" -- "$FITLLM" p
 expect plan_help 0 "--device-memory" -- "$FITLLM" plan --help
 expect plan_7b_full_oom 3 "OUT OF MEMORY" -- "$FITLLM" plan open-llama-7b --device-memory 80GB --train.max_seq_length 513
 expect plan_7b_lora_fits 0 "verdict: FITS" -- "$FITLLM" plan open-llama-7b --lora --device-memory 80GB --train.max_seq_length 513
+# reserved vs live per phase: the plan and the run's memory report show activations live after forward only
+expect plan_live_rows 0 "^after_fwd +reserved" -- "$FITLLM" plan micro --device-memory 1GB --train.max_seq_length 33
+expect plan_json_live 0 '"live": \{"PARAMS"' -- "$FITLLM" plan micro --device-memory 1GB --json
+out=$("$FITLLM" finetune_full micro --data Synthetic --train.max_seq_length 33 --train.max_steps 1 --train.global_batch_size 2 \
+      --train.micro_batch_size 2 --eval.final_validation false --out_dir "$T/live1" 2>&1)
+# ACTS is column 6 of a "live" row (after the phase row, "live", PARAMS, GRADS, OPTIM; sizes print as "N unit")
+acts_fwd=$(awk '/^after_fwd/ { f = 1; next } f && $1 == "live" { print $8 $9; exit }' <<<"$out")
+acts_bwd=$(awk '/^after_bwd/ { f = 1; next } f && $1 == "live" { print $8 $9; exit }' <<<"$out")
+if [ -n "$acts_fwd" ] && [ "$acts_fwd" != "0B" ] && [ "$acts_bwd" = "0B" ]; then echo "ok   run_report_live_acts"; pass=$((pass+1))
+else echo "FAIL run_report_live_acts: after_fwd ACTS live '$acts_fwd', after_bwd '$acts_bwd'"; echo "$out" | grep -A1 -E "^(after|before)" | sed 's/^/     /'; fail=$((fail+1)); fi
 
 # ---- finetune_full out of memory: phase, tag, requested vs available, breakdown, what to try, exit 3,
 # nothing written when set-up fails; a failure at evaluation keeps logs/ but writes no final/ ----
@@ -152,6 +162,13 @@ if [ -f "$T/lab/results.csv" ]; then
     for f in report.md results.json; do [ -s "$T/lab/$f" ] || { echo "     missing $f"; ok=0; }; done
     if command -v gnuplot >/dev/null; then [ -s "$T/lab/memory.png" ] && [ -s "$T/lab/step_time.png" ] || { echo "     no charts"; ok=0; }; fi
     if [ $ok = 1 ]; then echo "ok   lab_quick_verdicts_and_files"; pass=$((pass+1)); else echo "FAIL lab_quick_verdicts_and_files"; fail=$((fail+1)); fi
+    # charts.gp redraws from its own folder, as its first line says (paths relative to it)
+    if command -v gnuplot >/dev/null; then
+        rm -f "$T/lab/"*.png
+        expect lab_charts_from_folder 0 "" -- bash -c "cd '$T/lab' && gnuplot charts.gp && test -s memory.png && test -s phases.png && test -s step_time.png"
+    fi
+    # the report shows reserved vs live per phase and time per sample with the reason a row costs more
+    expect lab_report_live_and_per_sample 0 "" -- bash -c "grep -q 'Reserved and live memory per phase' '$T/lab/report.md' && grep -q 'ms/sample' '$T/lab/report.md' && grep -q 'recomputes every block' '$T/lab/report.md' && grep -q 'after_fwd,live' '$T/lab/phases.csv'"
 fi
 
 # PEFT LoRA adapters: merge_lora writes a merged HF folder; generate --adapter merges in memory
@@ -190,6 +207,15 @@ if [ -d "$DATA/stories260K-hf" ]; then
         --out_dir "$T/ft-syn" --train.max_steps 12 --train.save_interval 5 --resume auto --quiet
     expect finetune_init_random 0 "loss train: 6\.2" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" --init random \
         --train.max_steps 1 --train.global_batch_size 1 --eval.final_validation false --out_dir "$T/x9" --quiet
+    # pretrain's evaluation sample continues a validation text (the first .txt file), not the Alpaca instruction
+    mkdir -p "$T/ptxt"
+    for i in $(seq 40); do echo "Lily and Ben went to the park to play with a big red ball. They ran and laughed all day."; done > "$T/ptxt/a.txt"
+    head -c 20000 "$DATA/text/tinystories-val-prefix.txt" > "$T/ptxt/b.txt"
+    out=$("$FITLLM" pretrain --model_config "$DATA/stories260K-hf/config.json" --tokenizer_dir "$DATA/stories260K-hf" \
+          --data TextFiles --data.train_data_path "$T/ptxt" --train.max_seq_length 64 --train.max_steps 1 \
+          --train.global_batch_size 2 --train.micro_batch_size 2 --eval.interval 1 --eval.max_new_tokens 8 --out_dir "$T/pt-gen" 2>&1)
+    if grep -q "^Lily and Ben went to the park" <<<"$out" && ! grep -q "Recommend a movie" <<<"$out"; then echo "ok   pretrain_sample_continues_val_text"; pass=$((pass+1))
+    else echo "FAIL pretrain_sample_continues_val_text"; echo "$out" | grep -vE "reserved|live" | tail -8 | sed 's/^/     /'; fail=$((fail+1)); fi
     # a diverged run stops: the step, the value and a hint, exit 1, no final/, the good checkpoints kept
     expect finetune_diverged 1 "diverged at step 3 \(iter 9\): the loss is NaN.*lower the learning rate" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" \
         --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --train.max_seq_length 128 --train.micro_batch_size 4 \

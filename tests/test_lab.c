@@ -50,6 +50,9 @@ FL_TEST(lab_ci_suite_verdicts) {
               rb->peak_total);
     FL_CHECK(big->verdict == FL_LAB_OOM && big->B == 1 && big->oom.tag == FL_TAG_OPTIM);
     FL_CHECK(sgd->verdict == FL_LAB_FITS && sgd->peak[FL_TAG_OPTIM] == 0 && sgd->peak_total <= rep.budget);
+    /* why a row costs more per sample: sgd runs the 7B-like model at batch 1; plain fp32 batch 8 has no note */
+    FL_CHECKF(strstr(sgd->time_note, "larger model") && strstr(sgd->time_note, "micro batch 1"), "%s", sgd->time_note);
+    FL_CHECK(rb->time_note[0] == '\0');
     for (int i = 0; i < rep.n; i++) {
         const fl_lab_row *r = &rep.rows[i];
         FL_CHECKF(r->verdict == r->expected, "%s: %s, the lab says %s", r->name, fl_lab_verdict_name(r->verdict),
@@ -61,6 +64,16 @@ FL_TEST(lab_ci_suite_verdicts) {
                       r->peak_total);
             FL_CHECK(r->steps == 2 && r->step_ms > 0 && r->tok_s > 0 && isfinite(r->final_loss));
         }
+        /* reserved and live per phase: measured when the run fits, planned when it does not; the
+         * activations are live after the forward only, the gradients after the backward only */
+        FL_CHECKF(r->n_phases == 5 && r->phases_planned == (r->verdict != FL_LAB_FITS), "%s: %d phases, planned %d",
+                  r->name, r->n_phases, r->phases_planned);
+        if (r->n_phases == 5) {
+            const fl_mem_phase *af = &r->phases[2], *ab = &r->phases[3];
+            FL_CHECK(!strcmp(af->name, "after_fwd") && !strcmp(ab->name, "after_bwd"));
+            FL_CHECK(af->live[FL_TAG_ACTS] > 0 && ab->live[FL_TAG_ACTS] == 0 && af->cur_total == ab->cur_total);
+            FL_CHECK(ab->live[FL_TAG_GRADS] == ab->cur[FL_TAG_GRADS] && r->phases[4].live[FL_TAG_GRADS] == 0);
+        }
         /* the real scale gives the same verdicts */
         FL_CHECKF(r->ref_planned == r->planned, "%s: real-scale plan %d vs lab %d", r->name, r->ref_planned, r->planned);
     }
@@ -70,7 +83,8 @@ FL_TEST(lab_ci_suite_verdicts) {
     int charts = -1;
     FL_REQUIRE_OK(fl_lab_write(&rep, dir, &charts));
     struct stat st;
-    static const char *files[] = {"report.md", "results.csv", "results.json", "charts.gp", "memory.dat"};
+    static const char *files[] = {"report.md", "results.csv", "results.json", "charts.gp", "memory.dat", "phases.csv",
+                                  "phases.dat", "step_time.dat"};
     for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
         snprintf(p, sizeof p, "%s/%s", dir, files[i]);
         FL_CHECKF(stat(p, &st) == 0 && st.st_size > 0, "missing %s", files[i]);
@@ -78,13 +92,47 @@ FL_TEST(lab_ci_suite_verdicts) {
     if (charts) {
         snprintf(p, sizeof p, "%s/memory.png", dir);
         FL_CHECK(stat(p, &st) == 0 && st.st_size > 1000);
+        snprintf(p, sizeof p, "%s/phases.png", dir);
+        FL_CHECK(stat(p, &st) == 0 && st.st_size > 1000);
     }
+    /* charts.gp names its files relative to its folder (cd there, gnuplot charts.gp) */
+    snprintf(p, sizeof p, "%s/charts.gp", dir);
+    FILE *g = fopen(p, "r");
+    FL_REQUIRE(g != NULL);
+    char line[1024];
+    int abs_path = 0, outputs = 0;
+    while (fgets(line, sizeof line, g)) {
+        if (strstr(line, dir) || strstr(line, "'/")) abs_path = 1;
+        if (!strncmp(line, "set output '", 12)) outputs++;
+    }
+    fclose(g);
+    FL_CHECK(!abs_path && outputs == 3);
+    /* the step-time data is per sample: ms per step / (micro batch x accumulation) */
+    snprintf(p, sizeof p, "%s/step_time.dat", dir);
+    g = fopen(p, "r");
+    FL_REQUIRE(g != NULL);
+    int seen = 0;
+    while (fgets(line, sizeof line, g)) {
+        double ms, tok;
+        char *q = strrchr(line, '"');
+        if (line[0] != '"' || !q || sscanf(q + 1, "%lf %lf", &ms, &tok) != 2) continue;
+        if (!strncmp(line, "\"grad-accum", 11)) {
+            FL_CHECKF(fabs(ms - ga->step_ms / 32) <= 1e-3 * ga->step_ms / 32 + 1e-4, "%g vs %g / 32", ms, ga->step_ms);
+            seen++;
+        }
+    }
+    fclose(g);
+    FL_CHECK(seen == 1);
     snprintf(p, sizeof p, "%s/results.json", dir);
     fl_json *j = NULL;
     FL_REQUIRE_OK(fl_json_parse_file(p, &j));
     const fl_json *ex = fl_json_get(j, "experiments");
     FL_CHECK(fl_json_get(j, "version")->i == FL_LAB_JSON_VERSION && fl_json_get(j, "scaling") && ex && ex->len == 5);
     FL_CHECK(!strcmp(fl_json_get(fl_json_at(ex, 0), "verdict")->str, "OOM"));
+    const fl_json *phs = fl_json_get(fl_json_at(ex, 1), "phases");
+    FL_CHECK(phs && phs->len == 5 && fl_json_get(fl_json_at(phs, 2), "live") &&
+             fl_json_get(fl_json_get(fl_json_at(phs, 2), "live"), "ACTS")->num > 0 &&
+             !strcmp(fl_json_get(fl_json_at(ex, 1), "phases_source")->str, "measured"));
     fl_json_free(j);
     fl_lab_report_free(&rep);
     /* a bad --only name is a usage error naming the known ones */

@@ -59,6 +59,45 @@ FL_TEST(mem_phase_snapshots) {
     fl_mem_pool_free(&p);
 }
 
+/* Live bytes: PARAMS/OPTIM/OTHER live in full from the allocation, GRADS/ACTS/WORKSPACE
+ * only as their owner says; snapshots record them beside the reserved bytes; a free
+ * takes its live bytes with it. */
+FL_TEST(mem_live_bytes) {
+    fl_mem_pool p;
+    FL_REQUIRE_OK(fl_mem_pool_init(&p, "t", 0));
+    void *w, *g, *a, *o, *x;
+    FL_REQUIRE_OK(fl_mem_alloc(&p, FL_TAG_PARAMS, 100, &w));
+    FL_REQUIRE_OK(fl_mem_alloc(&p, FL_TAG_GRADS, 100, &g));
+    FL_REQUIRE_OK(fl_mem_alloc(&p, FL_TAG_ACTS, 1000, &a));
+    FL_REQUIRE_OK(fl_mem_alloc(&p, FL_TAG_OPTIM, 200, &o));
+    FL_REQUIRE_OK(fl_mem_alloc(&p, FL_TAG_OTHER, 8, &x));
+    FL_CHECK(p.live[FL_TAG_PARAMS] == 100 && p.live[FL_TAG_GRADS] == 0 && p.live[FL_TAG_ACTS] == 0 &&
+             p.live[FL_TAG_OPTIM] == 200 && p.live[FL_TAG_OTHER] == 8 && p.live_total == 308);
+    fl_mem_snapshot(&p, "before_fwd");
+    fl_mem_set_live(&p, a, 600);
+    fl_mem_snapshot(&p, "after_fwd");
+    fl_mem_set_live(&p, a, 0);
+    fl_mem_set_live(&p, g, 5000); /* clamped to the allocation */
+    fl_mem_snapshot(&p, "after_bwd");
+    const fl_mem_phase *b = fl_mem_find_phase(&p, "before_fwd"), *f = fl_mem_find_phase(&p, "after_fwd"),
+                       *k = fl_mem_find_phase(&p, "after_bwd");
+    FL_REQUIRE(b && f && k);
+    /* reserved never moves; live does */
+    FL_CHECK(b->cur_total == 1408 && f->cur_total == 1408 && k->cur_total == 1408);
+    FL_CHECK(b->live[FL_TAG_ACTS] == 0 && f->live[FL_TAG_ACTS] == 600 && k->live[FL_TAG_ACTS] == 0);
+    FL_CHECK(f->live[FL_TAG_GRADS] == 0 && k->live[FL_TAG_GRADS] == 100 && fl_mem_live_of(&p, g) == 100);
+    FL_CHECK(f->live_total == 908 && k->live_total == 408);
+    fl_mem_set_live(&p, (void *)&p, 10); /* not ours: ignored */
+    fl_mem_free(&p, g);
+    FL_CHECK(p.live[FL_TAG_GRADS] == 0 && p.live_total == 308);
+    fl_mem_free(&p, w);
+    fl_mem_free(&p, a);
+    fl_mem_free(&p, o);
+    fl_mem_free(&p, x);
+    FL_CHECK(p.live_total == 0 && p.cur_total == 0);
+    fl_mem_pool_free(&p);
+}
+
 FL_TEST(mem_budget_oom_reports_breakdown) {
     fl_mem_pool p;
     FL_REQUIRE_OK(fl_mem_pool_init(&p, "gpu0", 1000));

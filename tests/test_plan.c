@@ -41,6 +41,45 @@ static int stop_now(void *ud, long step, double loss, const void *p, size_t n) {
     return 1; /* after step 1 (and its evaluation): no final checkpoint */
 }
 
+/* Every phase the trainer snapshotted (after_load, before_fwd, after_fwd, after_bwd,
+ * after_opt_step) is in the plan with the same reserved AND live bytes per tag; and live
+ * follows the step as the allocator's rules say, whatever the planner thinks: nothing of
+ * the activations or gradients is live before the forward, activations are live after it and
+ * gone after the backward, every gradient is live after the backward and none after the step. */
+static void check_phases(const fl_plan *pl, const fl_trainer_result *r, const char *what) {
+    static const char *names[] = {"after_load", "before_fwd", "after_fwd", "after_bwd", "after_opt_step"};
+    FL_CHECKF(r->n_phases == 5, "%s: %d runtime phases", what, r->n_phases);
+    const fl_mem_phase *rp[5] = {0};
+    for (int i = 0; i < r->n_phases && i < 5; i++) {
+        FL_CHECKF(!strcmp(r->phases[i].name, names[i]), "%s: runtime phase %d is %s", what, i, r->phases[i].name);
+        rp[i] = &r->phases[i];
+        const fl_mem_phase *pp = NULL;
+        for (int j = 0; j < pl->n_phases; j++)
+            if (!strcmp(pl->phases[j].name, r->phases[i].name)) pp = &pl->phases[j];
+        FL_CHECKF(pp != NULL, "%s: phase %s not planned", what, r->phases[i].name);
+        if (!pp) continue;
+        for (int t = 0; t < FL_TAG_COUNT; t++) {
+            FL_CHECKF(pp->cur[t] == r->phases[i].cur[t], "%s %s: %s reserved planned %zu, measured %zu", what,
+                      names[i], fl_mem_tag_name((fl_mem_tag)t), pp->cur[t], r->phases[i].cur[t]);
+            FL_CHECKF(pp->live[t] == r->phases[i].live[t], "%s %s: %s live planned %zu, measured %zu", what, names[i],
+                      fl_mem_tag_name((fl_mem_tag)t), pp->live[t], r->phases[i].live[t]);
+        }
+        FL_CHECK(pp->live_total == r->phases[i].live_total);
+    }
+    if (r->n_phases != 5) return;
+    const fl_mem_phase *ld = rp[0], *bf = rp[1], *af = rp[2], *ab = rp[3], *ao = rp[4];
+    for (int i = 0; i < 5; i++)
+        for (int t = 0; t < FL_TAG_COUNT; t++) FL_CHECK(rp[i]->live[t] <= rp[i]->cur[t]);
+    FL_CHECK(ld->live[FL_TAG_PARAMS] == ld->cur[FL_TAG_PARAMS] && ld->cur[FL_TAG_GRADS] == 0 && ld->cur[FL_TAG_ACTS] == 0);
+    FL_CHECKF(bf->live[FL_TAG_ACTS] == 0 && bf->live[FL_TAG_GRADS] == 0, "%s before_fwd", what);
+    FL_CHECKF(af->live[FL_TAG_ACTS] > 0 && af->live[FL_TAG_ACTS] <= af->cur[FL_TAG_ACTS], "%s after_fwd ACTS", what);
+    FL_CHECKF(ab->live[FL_TAG_ACTS] == 0 && ab->live[FL_TAG_GRADS] == ab->cur[FL_TAG_GRADS], "%s after_bwd", what);
+    FL_CHECKF(ao->live[FL_TAG_GRADS] == 0 && ao->live[FL_TAG_ACTS] == 0, "%s after_opt_step", what);
+    /* the workspace hands d(lnf) and the token ids from forward to backward */
+    FL_CHECK(af->live[FL_TAG_WORKSPACE] > ab->live[FL_TAG_WORKSPACE]);
+    for (int t = 0; t < FL_TAG_COUNT; t++) FL_CHECK(bf->cur[t] == ao->cur[t]); /* reserved up front */
+}
+
 FL_TEST(plan_equals_runtime_matrix) {
     static const char *presets[] = {"micro", "gpt2-micro"};
     int runs = 0;
@@ -77,6 +116,9 @@ FL_TEST(plan_equals_runtime_matrix) {
                     if (rel > worst) worst = rel;
                     FL_CHECKF(rel <= 0.03, "%s opt %d B %d gen %d: peak planned %zu, measured %zu", what, opt, B, gen,
                               pl.peak_total, r.peak_total);
+                    char w[96];
+                    snprintf(w, sizeof w, "%s opt %d B %d gen %d", what, opt, B, gen);
+                    check_phases(&pl, &r, w);
                     if (rel > 0) { fprintf(stderr, "  %s opt %d B %d gen %d:", what, opt, B, gen); for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(stderr, " %zu/%zu", pl.peak[t], r.peak[t]); fprintf(stderr, "\n"); }
                     runs++;
                 }
@@ -119,6 +161,9 @@ FL_TEST(plan_equals_runtime_techniques) {
                                   precs[pi], opts[oi][0], opts[oi][1] ? "(bf16 state)" : "", ck, B,
                                   fl_mem_tag_name((fl_mem_tag)t), pl.peak[t], r.peak[t]);
                     FL_CHECK(pl.peak_total == r.peak_total);
+                    char w[96];
+                    snprintf(w, sizeof w, "%s %s%s ckpt %d B %d", precs[pi], opts[oi][0], opts[oi][1] ? "(bf16)" : "", ck, B);
+                    check_phases(&pl, &r, w);
                     runs++;
                 }
     FL_CHECK(runs == 48);
@@ -159,6 +204,9 @@ FL_TEST(plan_equals_runtime_lora) {
                 for (int t = 0; t < FL_TAG_COUNT; t++)
                     FL_CHECKF(pl.peak[t] == r.peak[t], "lora %s %s %s dropout %d B %d: %s planned %zu, measured %zu", prec,
                               c.lora.quantize, opts[oi], dr, B, fl_mem_tag_name((fl_mem_tag)t), pl.peak[t], r.peak[t]);
+                char w[96];
+                snprintf(w, sizeof w, "lora %s %s %s dropout %d B %d", prec, c.lora.quantize, opts[oi], dr, B);
+                check_phases(&pl, &r, w);
                 runs++;
             }
     FL_CHECK(runs == 12);
@@ -214,6 +262,15 @@ FL_TEST(plan_equals_runtime_lora_head) {
             size_t rr = c.lora.r, C = mc.dim, KVD = (size_t)mc.n_kv_heads * (mc.dim / mc.n_heads);
             size_t n = (size_t)mc.n_layers * (rr * 2 * C + rr * (C + KVD)) + rr * (C + 32000);
             FL_CHECKF(r.peak[FL_TAG_GRADS] == n * 4, "GRADS %zu, adapters %zu x 4", r.peak[FL_TAG_GRADS], n);
+            char w[96];
+            snprintf(w, sizeof w, "lora_head %s dropout %d B %d", prec, dr, B);
+            check_phases(&pl, &r, w);
+            /* the head's backward runs inside the forward: after it, exactly the lm_head adapter's
+             * gradients (r x C for A, V x r for B) are live */
+            const fl_mem_phase *af = NULL;
+            for (int i = 0; i < r.n_phases; i++)
+                if (!strcmp(r.phases[i].name, "after_fwd")) af = &r.phases[i];
+            FL_CHECK(af && af->live[FL_TAG_GRADS] == rr * (C + 32000) * 4);
             runs++;
         }
     fclose(devnull);
@@ -361,14 +418,16 @@ FL_TEST(plan_json_schema) {
     FL_CHECK(fl_json_get(cfg, "micro_batch_size")->i == 4 && fl_json_get(cfg, "accumulation")->i == 4 &&
              fl_json_get(cfg, "seq_len")->i == 32 && fl_json_get(cfg, "eval_generation")->type == FL_JSON_BOOL);
     const fl_json *ph = fl_json_get(j, "phases");
-    FL_REQUIRE(ph && ph->type == FL_JSON_ARRAY && ph->len == 5);
-    static const char *names[] = {"before_fwd", "after_fwd", "after_bwd", "after_opt_step", "eval_generate"};
-    for (size_t i = 0; i < 5; i++) {
+    FL_REQUIRE(ph && ph->type == FL_JSON_ARRAY && ph->len == 6);
+    static const char *names[] = {"after_load", "before_fwd", "after_fwd", "after_bwd", "after_opt_step", "eval_generate"};
+    for (size_t i = 0; i < 6; i++) {
         const fl_json *p = fl_json_at(ph, i);
         FL_CHECK(!strcmp(fl_json_get(p, "name")->str, names[i]));
-        const fl_json *b = fl_json_get(p, "bytes");
-        for (int t = 0; t < FL_TAG_COUNT; t++) FL_CHECK(fl_json_get(b, fl_mem_tag_name((fl_mem_tag)t)) != NULL);
-        FL_CHECK(fl_json_get(b, "total") && fl_json_get(p, "phase_peak"));
+        const fl_json *b = fl_json_get(p, "bytes"), *lv = fl_json_get(p, "live");
+        for (int t = 0; t < FL_TAG_COUNT; t++)
+            FL_CHECK(fl_json_get(b, fl_mem_tag_name((fl_mem_tag)t)) != NULL &&
+                     fl_json_get(lv, fl_mem_tag_name((fl_mem_tag)t))->num == (double)pl.phases[i].live[t]);
+        FL_CHECK(fl_json_get(b, "total") && fl_json_get(p, "phase_peak") && fl_json_get(lv, "total"));
     }
     FL_CHECK(fl_json_get(fl_json_get(j, "peak"), "total")->num == (double)pl.peak_total);
     const fl_json *oom = fl_json_get(j, "oom");
@@ -381,4 +440,45 @@ FL_TEST(plan_json_schema) {
     FL_CHECK(fl_json_get(s0, "technique") && fl_json_get(s0, "available") && fl_json_get(s0, "fits") &&
              fl_json_get(s0, "peak") && fl_json_get(s0, "change") && fl_json_get(s0, "note"));
     fl_json_free(j);
+}
+
+/* Live bytes against a count written from the model's shapes (not from the arena code):
+ * after a training forward, fp32 without checkpointing, the backward reads every block's
+ * ln1, qkv, att, res_mid, ln2, fc, act, their norm statistics (mean only for LayerNorm),
+ * the attention lse per head, the residual stream res[0..L] and the final norm's
+ * statistics; with checkpointing only res[0..L] and the final norm's statistics. The
+ * workspace hands over d(lnf) (N x C) and the ids (N); RoPE tables (LLaMA) are always live.
+ * The head's gradient (V x C, the tied embedding) is written inside the forward. */
+FL_TEST(live_bytes_match_shape_count) {
+    static const char *presets[] = {"micro", "gpt2-micro"};
+    for (int pi = 0; pi < 2; pi++)
+        for (int ck = 0; ck < 2; ck++) {
+            fl_model_config mc;
+            FL_REQUIRE_OK(fl_preset_find(presets[pi], &mc));
+            FL_REQUIRE_OK(fl_config_validate(&mc));
+            fl_run_config c;
+            char out[600];
+            snprintf(out, sizeof out, "%s/lv%d%d", fl_test_tmpdir(), pi, ck);
+            tiny_cfg(&c, presets[pi], out, 2, 2);
+            c.train.activation_checkpointing = ck;
+            fl_trainer_result r;
+            FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, stop_now, NULL, &r));
+            const fl_mem_phase *af = NULL, *ab = NULL;
+            for (int i = 0; i < r.n_phases; i++) {
+                if (!strcmp(r.phases[i].name, "after_fwd")) af = &r.phases[i];
+                if (!strcmp(r.phases[i].name, "after_bwd")) ab = &r.phases[i];
+            }
+            FL_REQUIRE(af && ab);
+            int gpt2 = mc.arch == FL_ARCH_GPT2;
+            size_t N = 2 * 32, L = mc.n_layers, C = mc.dim, H = mc.n_heads, HD = mc.head_dim, KV = mc.n_kv_heads;
+            size_t F = mc.ffn_dim, qkv = (H + 2 * KV) * HD, fcw = gpt2 ? F : 2 * F, stats = gpt2 ? 2 : 1;
+            size_t layer = C + stats + qkv + H * HD + H + C + C + stats + fcw + F;
+            size_t acts = (L + 1) * C + stats + (ck ? 0 : L * layer);
+            FL_CHECKF(af->live[FL_TAG_ACTS] == N * acts * 4, "%s ckpt %d: ACTS live %zu, shapes give %zu", presets[pi],
+                      ck, af->live[FL_TAG_ACTS], N * acts * 4);
+            size_t rope = gpt2 ? 0 : 2 * 32 * (HD / 2) * 4;
+            FL_CHECK(af->live[FL_TAG_WORKSPACE] == N * C * 4 + N * 4 + rope && ab->live[FL_TAG_WORKSPACE] == rope);
+            FL_CHECK(af->live[FL_TAG_GRADS] == (size_t)mc.vocab_size * C * 4);
+            FL_CHECK(ab->live[FL_TAG_GRADS] == fl_sizing_param_count(&mc) * 4);
+        }
 }

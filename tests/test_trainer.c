@@ -747,3 +747,142 @@ FL_TEST(trainer_qlora_trains_adapters_on_4bit_base) {
     FL_REQUIRE_OK(fl_cfg_set(&c, "quantize", "bnb.int8"));
     FL_CHECK(fl_cfg_validate(&c) == FL_ERR_INVALID && strstr(fl_error_message(), "nf4"));
 }
+
+/* ---- the metrics log, epochs and the progress bar ------------------------------ */
+
+typedef struct {
+    long iter, step, epoch;
+    long long tokens;
+    int val; /* an evaluation row (val_loss set, no train loss) */
+} mrow;
+
+static int read_metrics(const char *out_dir, mrow *rows, int cap) {
+    char p[600], line[2048];
+    snprintf(p, sizeof p, "%s/logs/metrics.csv", out_dir);
+    FILE *f = fopen(p, "r");
+    if (!f) return -1;
+    int n = 0;
+    if (!fgets(line, sizeof line, f)) { fclose(f); return -1; } /* header */
+    while (fgets(line, sizeof line, f) && n < cap) {
+        char *fld[20] = {0};
+        int k = 0;
+        for (char *s = line; k < 20;) {
+            fld[k++] = s;
+            char *c = strchr(s, ',');
+            if (!c) break;
+            *c = '\0';
+            s = c + 1;
+        }
+        if (k < 9) continue;
+        rows[n].iter = atol(fld[0]);
+        rows[n].step = atol(fld[1]);
+        rows[n].epoch = atol(fld[2]);
+        rows[n].tokens = atoll(fld[5]);
+        rows[n].val = fld[3][0] == '\0' && fld[8][0] != '\0';
+        n++;
+    }
+    fclose(f);
+    return n;
+}
+
+/* A run that stops after step 3 (its last checkpoint is step 2) and is resumed: the log holds
+ * every iteration once (the resumed run drops what came after its checkpoint), tokens are
+ * counted per iteration (iter x B x T: every sample fills T = 32), evaluation rows at steps 3
+ * and 6 once each (the final validation is the last step's evaluation when that covered the
+ * whole split). */
+FL_TEST(trainer_metrics_resume_tokens_and_final_row) {
+    fl_run_config c;
+    char out[512];
+    snprintf(out, sizeof out, "%s/metrics", fl_test_tmpdir());
+    small_run(&c, out);
+    c.train.max_steps = 6;
+    c.train.save_interval = 2;
+    c.train.max_seq_length = 33;
+    c.eval.interval = 3;
+    c.eval.max_iters = 100; /* more than the 4 validation batches */
+    rec part = {0}, rest = {0};
+    part.stop_at = 3;
+    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, record, &part, NULL));
+    snprintf(c.resume, sizeof c.resume, "auto");
+    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, record, &rest, NULL));
+    FL_REQUIRE(rest.steps == 6);
+    mrow rows[64];
+    int n = read_metrics(out, rows, 64);
+    FL_REQUIRE(n > 0);
+    int seen[13] = {0}, vals = 0;
+    for (int i = 0; i < n; i++) {
+        if (rows[i].val) {
+            FL_CHECKF((rows[i].step == 3 && rows[i].iter == 6) || (rows[i].step == 6 && rows[i].iter == 12),
+                      "evaluation row at step %ld iter %ld", rows[i].step, rows[i].iter);
+            vals++;
+            continue;
+        }
+        FL_REQUIRE(rows[i].iter >= 1 && rows[i].iter <= 12);
+        seen[rows[i].iter]++;
+        FL_CHECKF(i == 0 || rows[i].iter > rows[i - 1].iter, "row %d: iter %ld after %ld", i, rows[i].iter, rows[i - 1].iter);
+        FL_CHECKF(rows[i].tokens == rows[i].iter * 2 * 32, "iter %ld: tokens %lld", rows[i].iter, rows[i].tokens);
+    }
+    for (int k = 1; k <= 12; k++) FL_CHECKF(seen[k] == 1, "iteration %d logged %d times", k, seen[k]);
+    FL_CHECKF(vals == 2, "%d evaluation rows", vals);
+    free(part.params);
+    free(rest.params);
+}
+
+/* One training sample, accumulation 16: each micro-batch is a whole epoch, so iteration k is
+ * in epoch k (not all 16 at iteration 1), in the log as in the console. */
+FL_TEST(trainer_epoch_per_micro_batch) {
+    fl_run_config c;
+    char out[512];
+    snprintf(out, sizeof out, "%s/epoch1", fl_test_tmpdir());
+    small_run(&c, out);
+    c.data.synthetic_train = 1;
+    c.data.synthetic_val = 1;
+    c.train.micro_batch_size = 1;
+    c.train.global_batch_size = 16;
+    c.train.max_steps = 1;
+    c.train.save_interval = 0;
+    c.eval.final_validation = 0;
+    char log[600];
+    snprintf(log, sizeof log, "%s/epoch1.txt", fl_test_tmpdir());
+    FILE *f = fopen(log, "w");
+    FL_REQUIRE(f != NULL);
+    FL_REQUIRE_OK(fl_trainer_run(&c, f, 0, NULL, NULL, NULL));
+    fclose(f);
+    mrow rows[32];
+    int n = read_metrics(out, rows, 32);
+    FL_REQUIRE(n == 16);
+    for (int i = 0; i < n; i++) FL_CHECKF(rows[i].epoch == rows[i].iter - 1, "iter %ld epoch %ld", rows[i].iter, rows[i].epoch);
+    char text[8192];
+    f = fopen(log, "r");
+    FL_REQUIRE(f != NULL);
+    size_t len = fread(text, 1, sizeof text - 1, f);
+    fclose(f);
+    text[len] = '\0';
+    FL_CHECK(strstr(text, "Epoch 1 | iter 1 ") && strstr(text, "Epoch 16 | iter 16 ") && !strstr(text, "Epoch 16 | iter 1 "));
+    FL_CHECK(strstr(text, "every step goes over it 16 times") != NULL);
+}
+
+/* ETA = mean measured step time x steps left, capped by what max_time leaves; and the bar shows it. */
+FL_TEST(trainer_progress_bar_eta) {
+    FL_CHECK(fl_trainer_eta(0, 0, 10, 0, 0) < 0);
+    FL_CHECK(fabs(fl_trainer_eta(10.0, 5, 10, 0, 10.0) - 20.0) < 1e-12);
+    FL_CHECK(fabs(fl_trainer_eta(10.0, 5, 10, 15.0, 10.0) - 5.0) < 1e-12); /* max_time leaves 5 s */
+    FL_CHECK(fl_trainer_eta(10.0, 5, 10, 8.0, 10.0) == 0.0);
+    FL_CHECK(fl_trainer_eta(10.0, 5, 0, 0, 10.0) == 0.0);
+    fl_run_config c;
+    char out[512], log[600];
+    snprintf(out, sizeof out, "%s/eta", fl_test_tmpdir());
+    small_run(&c, out);
+    c.train.max_steps = 3;
+    c.train.save_interval = 0;
+    snprintf(log, sizeof log, "%s/eta.txt", fl_test_tmpdir());
+    FILE *f = fopen(log, "w+");
+    FL_REQUIRE(f != NULL);
+    FL_REQUIRE_OK(fl_trainer_run(&c, f, 1, NULL, NULL, NULL));
+    rewind(f);
+    char text[16384];
+    size_t len = fread(text, 1, sizeof text - 1, f);
+    fclose(f);
+    text[len] = '\0';
+    FL_CHECKF(strstr(text, "step 1/3, ETA ") && strstr(text, "step 2/3, ETA "), "no ETA in the progress bar");
+}

@@ -76,6 +76,12 @@ typedef struct {
     /* planned at the real scale: the real model, T 1024, 80 GB */
     fl_plan_verdict ref_planned;
     size_t ref_peak;
+    /* reserved and live bytes per tag at each phase (after_load, before_fwd, after_fwd,
+     * after_bwd, after_opt_step): measured for runs that fit, planned (no budget) otherwise */
+    fl_mem_phase phases[FL_PLAN_MAX_PHASES];
+    int n_phases;
+    int phases_planned;        /* 1: phases come from the plan (the run did not fit) */
+    char time_note[96];        /* why a step costs more than the baseline's per sample ("" none) */
 } fl_lab_row;
 
 typedef struct {
@@ -101,8 +107,9 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep);
 void fl_lab_report_free(fl_lab_report *rep);
 /* Print the results table. */
 void fl_lab_print_table(const fl_lab_report *rep, FILE *f);
-/* Write report.md, results.csv, results.json and (with gnuplot) memory.png and
- * step_time.png into dir (created). *charts_out = 1 when the PNGs were drawn;
+/* Write report.md, results.csv, phases.csv, results.json and (with gnuplot)
+ * memory.png, phases.png and step_time.png into dir (created); charts.gp names
+ * its files relative to dir (re-run it with `cd dir && gnuplot charts.gp`). *charts_out = 1 when the PNGs were drawn;
  * a missing gnuplot is noted in report.md, not an error. */
 fl_status fl_lab_write(const fl_lab_report *rep, const char *dir, int *charts_out);
 /* Names of the experiments of a suite ("quick", "full", "ci"), NULL-terminated; NULL if no such suite. */

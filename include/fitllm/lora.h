@@ -125,6 +125,12 @@ fl_status fl_model_lora_merge(fl_model *m);
  * h (B*T, r) [and xd (B*T, in) with dropout]; lm_head keeps them for one logits chunk of rows. */
 void fl_lora_sizing_acts(const fl_lora_config *cfg, const fl_lora_module *mods, int n_mods, int B, int T,
                          size_t *acts_bytes, size_t *work_bytes);
+/* Of those ACTS bytes, what a training forward over (B, T) leaves for the backward: the block
+ * modules' h [and xd] (lm_head's are consumed inside the forward; with activation checkpointing
+ * the backward recomputes them all, so the caller counts 0 then). */
+size_t fl_lora_sizing_live_acts(const fl_lora_config *cfg, const fl_lora_module *mods, int n_mods, int B, int T);
+/* Gradient bytes a training forward writes: the lm_head adapter's A and B (0 without one). */
+size_t fl_lora_sizing_head_grads(const fl_lora_config *cfg, const fl_lora_module *mods, int n_mods);
 
 #ifdef __cplusplus
 }

@@ -7,6 +7,18 @@
  * FL_ERR_OOM and the pool keeps the request and the breakdown at that moment
  * (fl_mem_last_oom) so the CLI can print an exact report.
  *
+ * Reserved and live. An allocation's bytes are *reserved* from fl_mem_alloc to
+ * fl_mem_free (the counters above, the budget, the OOM record). Its *live*
+ * bytes are the part that holds data a later phase still reads: PARAMS, OPTIM
+ * and OTHER allocations are live in full (weights, optimizer state carried
+ * from step to step, the step's token buffers); GRADS, ACTS and WORKSPACE
+ * allocations start with nothing live and their owner says what is with
+ * fl_mem_set_live (the activation arena after a training forward, the
+ * gradients between the step's first gradient write and the optimizer step:
+ * see docs/ARCHITECTURE.md "Reserved and live memory"). Snapshots record both,
+ * so a report shows activations appear after forward and go after backward
+ * even though their arena is reserved once for the whole run.
+ *
  * Bytes are counted exactly as requested (alignment padding is not counted),
  * so PARAMS/GRADS/OPTIM equal their analytic counts. The raw allocator is
  * pluggable (host aligned memory by default; CUDA device and pinned-host pools
@@ -54,6 +66,8 @@ typedef struct {
     size_t cur_total;
     size_t peak[FL_TAG_COUNT];
     size_t peak_total;
+    size_t live[FL_TAG_COUNT];  /* bytes holding data still needed (fl_mem_set_live), <= cur */
+    size_t live_total;
 } fl_mem_phase;
 
 /* Details of the last failed allocation. */
@@ -80,6 +94,7 @@ typedef struct {
     size_t peak[FL_TAG_COUNT];     /* all-time */
     size_t cur_total, peak_total;  /* all-time peak */
     size_t phase_peak[FL_TAG_COUNT], phase_peak_total; /* since last snapshot */
+    size_t live[FL_TAG_COUNT], live_total;             /* now: live bytes (see above) */
     fl_mem_phase phases[FL_MEM_MAX_PHASES];
     int n_phases;
     char phase[FL_MEM_PHASE_NAME]; /* label used in OOM reports */
@@ -109,6 +124,11 @@ fl_status fl_mem_alloc(fl_mem_pool *p, fl_mem_tag tag, size_t bytes, void **out)
 fl_status fl_mem_calloc(fl_mem_pool *p, fl_mem_tag tag, size_t bytes, void **out);
 /* Free a pointer from this pool; NULL is a no-op. */
 void fl_mem_free(fl_mem_pool *p, void *ptr);
+/* Say that `bytes` of the allocation at ptr hold data still needed (clamped
+ * to its size; 0 = nothing). Unknown pointers are ignored. */
+void fl_mem_set_live(fl_mem_pool *p, const void *ptr, size_t bytes);
+/* Live bytes recorded for ptr (0 if unknown). */
+size_t fl_mem_live_of(const fl_mem_pool *p, const void *ptr);
 /* Bytes recorded for a live pointer (0 if unknown). */
 size_t fl_mem_size_of(const fl_mem_pool *p, const void *ptr);
 
@@ -125,8 +145,9 @@ void fl_mem_snapshot(fl_mem_pool *p, const char *name);
 void fl_mem_reset_phases(fl_mem_pool *p);
 const fl_mem_phase *fl_mem_find_phase(const fl_mem_pool *p, const char *name);
 
-/* Print the phase report table (one row per snapshot, columns per tag, total,
- * phase peak) followed by the all-time peak per tag. */
+/* Print the phase report table (two rows per snapshot: reserved and live
+ * bytes per tag and in total, and the phase peak of the reserved bytes)
+ * followed by the all-time peak per tag. */
 void fl_mem_print_report(const fl_mem_pool *p, FILE *f);
 /* Print the OOM breakdown of the last failure (nothing if none). */
 void fl_mem_print_oom(const fl_mem_pool *p, FILE *f);

@@ -102,6 +102,13 @@ typedef struct {
     size_t workspace_bytes;
     size_t per_layer_acts_bytes;
     int logits_chunk_rows;  /* rows of (rows, V) logits processed at once */
+    /* live bytes (fl_mem_set_live): of acts_bytes, what a training forward leaves for the
+     * backward (residual stream, saved block activations or their 16-bit copies, norm and
+     * attention statistics; not a checkpointed or shared compute buffer, not lnf's output);
+     * of workspace_bytes, what a training forward hands to the backward (d(lnf), token ids)
+     * and what is live from allocation on (the RoPE tables). Data bytes, no padding. */
+    size_t acts_saved_bytes;
+    size_t work_handoff_bytes, work_const_bytes;
 } fl_act_sizes;
 void fl_sizing_acts(const fl_model_config *cfg, int B, int T, fl_act_sizes *out);
 

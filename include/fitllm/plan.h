@@ -1,9 +1,10 @@
 /* fitllm: the memory planner behind `fitllm plan` (and the lab's "planned" column).
  *
  * Given a run configuration and a device memory size, the planner predicts the
- * bytes per tag (PARAMS, GRADS, OPTIM, ACTS, WORKSPACE, OTHER) at each phase of
- * a training step (before_fwd, after_fwd, after_bwd, after_opt_step, and
- * eval_generate when the run generates a sample at evaluation), the peak, and
+ * bytes per tag (PARAMS, GRADS, OPTIM, ACTS, WORKSPACE, OTHER), reserved and
+ * live (fitllm/mem.h), at each phase (after_load, then a training step's
+ * before_fwd, after_fwd, after_bwd, after_opt_step, and eval_generate when the
+ * run generates a sample at evaluation), the peak, and
  * the verdict: fits, or out of memory at which phase, tag and allocation.
  *
  * One source of truth: the planner does not have a formula of its own. It
@@ -38,7 +39,7 @@ extern "C" {
 #endif
 
 /* Version of the `fitllm plan --json` schema (docs/ARCHITECTURE.md "Planner and lab"). */
-#define FL_PLAN_JSON_VERSION 1
+#define FL_PLAN_JSON_VERSION 2 /* 2: phases start with after_load; each has "live" beside "bytes" */
 
 typedef enum {
     FL_PLAN_FITS = 0,        /* every allocation of the run fits the budget (or there is no budget) */

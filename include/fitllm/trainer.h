@@ -18,6 +18,11 @@
 extern "C" {
 #endif
 
+#define FL_TRAINER_MAX_PHASES 8
+/* pretrain's evaluation sample: the model continues the first this-many tokens of the first
+ * validation text (fewer when it is shorter); finetuning uses the instruction prompt */
+#define FL_PRETRAIN_PROMPT_TOKENS 16
+
 typedef struct {
     long steps;               /* optimizer steps done in total (incl. before a resume) */
     long iters;
@@ -29,6 +34,10 @@ typedef struct {
     size_t peak_total;
     char final_dir[FL_CFG_PATH + 16];
     fl_mem_oom oom;           /* on FL_ERR_OOM: the failed allocation and the breakdown (oom.valid) */
+    /* the memory snapshots (after_load, then before_fwd, after_fwd, after_bwd, after_opt_step of
+     * the last step): reserved and live bytes per tag, as the memory report prints them */
+    fl_mem_phase phases[FL_TRAINER_MAX_PHASES];
+    int n_phases;
 } fl_trainer_result;
 
 /* res (may be NULL) is filled on success and on failure: peak and peak_total
@@ -50,6 +59,12 @@ fl_status fl_trainer_lora_config(const fl_run_config *c, const fl_model_config *
 /* The parameter storage of a run (shared with the planner): the precision policy's dtype,
  * plus the 4-bit base of QLoRA (finetune_lora with quantize set). */
 fl_status fl_trainer_storage(const fl_run_config *c, const fl_precision *p, fl_model_storage *st);
+
+/* The progress bar's ETA in seconds: mean step time of this session (session_seconds /
+ * session_steps) x steps_left, capped by max_time - train_seconds when max_time > 0;
+ * -1 when nothing was measured yet. */
+double fl_trainer_eta(double session_seconds, long session_steps, long steps_left, double max_time,
+                      double train_seconds);
 
 fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, fl_step_hook hook, void *hook_ud,
                          fl_trainer_result *res);

@@ -22,7 +22,8 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "          [--device-memory SIZE] [--devices 1] [--seq-len T] [--generation auto|on|off] [--json]\n\n",
            cmd);
     printf("Predicts the bytes per tag (PARAMS, GRADS, OPTIM, ACTS, WORKSPACE, OTHER) at each phase of a\n"
-           "training step of `fitllm finetune_full` with the same arguments, the peak, whether it fits the\n"
+           "training step of `fitllm finetune_full` with the same arguments, reserved (allocated) and live\n"
+           "(holding data a later phase still reads), the peak, whether it fits the\n"
            "device, the largest micro_batch_size that fits, and what to try when it does not. Nothing is\n"
            "allocated or run: the trainer's allocation sequence is replayed with the runtime's sizing code.\n\n"
            "plan options:\n"

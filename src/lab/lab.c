@@ -204,6 +204,23 @@ static void plan_row(const fl_run_config *c, fl_plan *p, fl_plan_verdict *verdic
     *peak = p->peak_total;
 }
 
+/* Why a row's step costs more per sample than plain fp32 AdamW at a large micro batch:
+ * the extra work its technique does on this CPU (the step-time chart compares ms per sample). */
+static void time_note(const lab_exp *e, char *buf, size_t n) {
+    const char *t = e->technique, *why = "";
+    char small[48] = "";
+    if (e->act_ckpt) why = "recomputes every block's forward in backward";
+    else if (!strcmp(t, "qlora")) why = "dequantizes 4-bit weights at every matmul";
+    else if (!strcmp(t, "lora")) why = "adapter matmuls on top of the frozen base";
+    else if (!strcmp(t, "adam8bit")) why = "(de)quantizes the 8-bit optimizer state block by block";
+    else if (!strcmp(e->precision, "bf16-true") || !strcmp(e->precision, "bf16-mixed"))
+        why = "bf16 <-> fp32 conversions (the CPU computes in fp32)";
+    if (e->B < 8) snprintf(small, sizeof small, "micro batch %d (small matmuls)", e->B);
+    int big = strcmp(e->lab_model, "lab-1b") != 0;
+    snprintf(buf, n, "%s%s%s%s%s%s%s", big ? "larger model (" : "", big ? e->lab_model : "", big ? ")" : "",
+             big && (why[0] || small[0]) ? "; " : "", why, why[0] && small[0] ? "; " : "", small);
+}
+
 static void run_row(const lab_exp *e, const fl_lab_report *rep, long steps, const char *run_dir, int threads,
                     fl_lab_row *r) {
     memset(r, 0, sizeof *r);
@@ -221,6 +238,7 @@ static void run_row(const lab_exp *e, const fl_lab_report *rep, long steps, cons
     r->act_ckpt = e->act_ckpt;
     r->expected = e->expected;
     r->final_loss = NAN;
+    time_note(e, r->time_note, sizeof r->time_note);
     double t0 = now_s();
     char out[FL_CFG_PATH];
     snprintf(out, sizeof out, "%s/%s", run_dir, e->name);
@@ -237,7 +255,12 @@ static void run_row(const lab_exp *e, const fl_lab_report *rep, long steps, cons
     /* the lab scale */
     apply_row(c, e, e->lab_model, rep->T, steps, rep->budget, out, threads);
     plan_row(c, p, &r->planned, &r->planned_peak);
-    if (r->planned == FL_PLAN_OOM || r->planned == FL_PLAN_FITS) memcpy(r->planned_tag, p->peak, sizeof r->planned_tag);
+    if (r->planned == FL_PLAN_OOM || r->planned == FL_PLAN_FITS) {
+        memcpy(r->planned_tag, p->peak, sizeof r->planned_tag);
+        r->n_phases = p->n_phases; /* replaced by the measured ones when the run fits */
+        memcpy(r->phases, p->phases, sizeof r->phases);
+        r->phases_planned = 1;
+    }
     int avail = e->technique[0] ? fl_plan_technique_available(e->technique) : 1;
     if (avail != 1 || r->planned == FL_PLAN_UNAVAILABLE) {
         r->verdict = FL_LAB_NA;
@@ -260,6 +283,9 @@ static void run_row(const lab_exp *e, const fl_lab_report *rep, long steps, cons
     r->peak_total = res.peak_total;
     if (s == FL_OK) {
         r->verdict = FL_LAB_FITS;
+        r->n_phases = res.n_phases < FL_PLAN_MAX_PHASES ? res.n_phases : FL_PLAN_MAX_PHASES;
+        memcpy(r->phases, res.phases, (size_t)r->n_phases * sizeof r->phases[0]);
+        r->phases_planned = 0;
         r->steps = log.steps;
         r->final_loss = log.last_loss;
         if (log.steps >= 2) r->step_ms = 1e3 * (log.t[log.steps - 1] - log.t[0]) / (double)(log.steps - 1);

@@ -20,6 +20,10 @@ static const char *match(const fl_lab_row *r) {
     return r->verdict == r->expected ? "yes" : "NO";
 }
 
+/* Time per sample: rows differ in samples per optimizer step (micro batch x accumulation),
+ * so ms per step does not compare them; ms per sample does (tokens per sample are equal). */
+static double ms_per_sample(const fl_lab_row *r) { return r->step_ms / (double)(r->B * r->accum); }
+
 static const char *plan_name(fl_plan_verdict v) {
     return v == FL_PLAN_FITS ? "fits" : v == FL_PLAN_OOM ? "OOM" : v == FL_PLAN_UNAVAILABLE ? "n/a" : "?";
 }
@@ -28,7 +32,7 @@ void fl_lab_print_table(const fl_lab_report *rep, FILE *f) {
     char a[32];
     fprintf(f, "\n%-15s %-7s %-6s %-10s %-6s %-4s %-7s %-3s | %8s %8s %8s %8s %8s %6s | %8s %8s %-5s | %9s %8s %7s\n",
             "experiment", "model", "BxAcc", "precision", "optim", "ckpt", "verdict", "lab", "PARAMS", "GRADS", "OPTIM",
-            "ACTS", "WORKSP", "OTHER", "peak", "planned", "plan", "step ms", "tok/s", "loss");
+            "ACTS", "WORKSP", "OTHER", "peak", "planned", "plan", "ms/sample", "tok/s", "loss");
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
         char bx[16];
@@ -44,12 +48,16 @@ void fl_lab_print_table(const fl_lab_report *rep, FILE *f) {
         if (r->planned == FL_PLAN_FITS || r->planned == FL_PLAN_OOM) fprintf(f, " %8.1f", MIB(r->planned_peak));
         else fprintf(f, " %8s", "-");
         fprintf(f, " %-5s |", plan_name(r->planned));
-        if (r->verdict == FL_LAB_FITS) fprintf(f, " %9.1f %8.0f %7.3f\n", r->step_ms, r->tok_s, r->final_loss);
+        if (r->verdict == FL_LAB_FITS) fprintf(f, " %9.2f %8.0f %7.3f\n", ms_per_sample(r), r->tok_s, r->final_loss);
         else fprintf(f, " %9s %8s %7s\n", "-", "-", "-");
     }
     fprintf(f, "(MiB; fits: all-time peak per tag and total; OOM: what was live when the allocation failed; "
-               "planned: the planner's peak for the whole run; budget %s)\n",
+               "planned: the planner's peak for the whole run; budget %s; ms/sample = ms per optimizer step / "
+               "(micro batch x accumulation))\n",
             fl_fmt_bytes(rep->budget, a, sizeof a));
+    for (int i = 0; i < rep->n; i++)
+        if (rep->rows[i].verdict == FL_LAB_FITS && rep->rows[i].time_note[0])
+            fprintf(f, "  %s: extra time per sample: %s\n", rep->rows[i].name, rep->rows[i].time_note);
     for (int i = 0; i < rep->n; i++)
         if (rep->rows[i].verdict != FL_LAB_FITS && rep->rows[i].note[0])
             fprintf(f, "  %s: %s\n", rep->rows[i].name, rep->rows[i].note);
@@ -117,7 +125,7 @@ static fl_status write_csv(const fl_lab_report *rep, const char *dir) {
     fprintf(f, "experiment,model,ref_model,micro_batch,accumulation,seq_len,precision,optimizer,act_ckpt,"
                "verdict,lab_verdict,matches_lab,peak_PARAMS,peak_GRADS,peak_OPTIM,peak_ACTS,peak_WORKSPACE,peak_OTHER,"
                "peak_total,planned_verdict,planned_peak,ref_planned_verdict,ref_planned_peak,step_ms,tok_s,final_loss,"
-               "wall_s,lab_step,note\n");
+               "wall_s,ms_per_sample,lab_step,note,time_note\n");
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
         fprintf(f, "%s,%s,%s,%d,%d,%d,%s,%s,%d,%s,%s,%s", r->name, r->model, r->ref_model, r->B,
@@ -128,12 +136,36 @@ static fl_status write_csv(const fl_lab_report *rep, const char *dir) {
                 plan_name(r->ref_planned), r->ref_peak);
         if (r->verdict == FL_LAB_FITS) fprintf(f, ",%.3f,%.1f,%.5f", r->step_ms, r->tok_s, r->final_loss);
         else fprintf(f, ",,,");
-        fprintf(f, ",%.2f,\"%s\",\"", r->wall_s, r->lab_step);
+        fprintf(f, ",%.2f,", r->wall_s);
+        if (r->verdict == FL_LAB_FITS) fprintf(f, "%.4f", ms_per_sample(r));
+        fprintf(f, ",\"%s\",\"", r->lab_step);
         for (const char *p = r->note; *p; p++) fputs(*p == '"' ? "\"\"" : (char[2]){*p, 0}, f);
-        fprintf(f, "\"\n");
+        fprintf(f, "\",\"%s\"\n", r->time_note);
+    }
+    if (fclose(f) != 0) return fl_errorf(FL_ERR_IO, "%s: write failed", path);
+    /* reserved and live bytes per phase: one line per (experiment, phase, kind) */
+    f = open_out(dir, "phases.csv", path, sizeof path);
+    if (!f) return fl_errorf(FL_ERR_IO, "%s: cannot write: %s", path, strerror(errno));
+    fprintf(f, "experiment,source,phase,kind,PARAMS,GRADS,OPTIM,ACTS,WORKSPACE,OTHER,total\n");
+    for (int i = 0; i < rep->n; i++) {
+        const fl_lab_row *r = &rep->rows[i];
+        for (int k = 0; k < r->n_phases; k++)
+            for (int live = 0; live < 2; live++) {
+                const fl_mem_phase *ph = &r->phases[k];
+                fprintf(f, "%s,%s,%s,%s", r->name, r->phases_planned ? "planned" : "measured", ph->name,
+                        live ? "live" : "reserved");
+                for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, ",%zu", live ? ph->live[t] : ph->cur[t]);
+                fprintf(f, ",%zu\n", live ? ph->live_total : ph->cur_total);
+            }
     }
     if (fclose(f) != 0) return fl_errorf(FL_ERR_IO, "%s: write failed", path);
     return FL_OK;
+}
+
+static void jtags(FILE *f, const size_t *b, size_t total) {
+    fputc('{', f);
+    for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, "\"%s\": %zu, ", fl_mem_tag_name((fl_mem_tag)t), b[t]);
+    fprintf(f, "\"total\": %zu}", total);
 }
 
 static fl_status write_json(const fl_lab_report *rep, const char *dir, const char *date, const char *cpu, long cores,
@@ -171,13 +203,27 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
                    "\"%s\", \"ref_planned_peak\": %zu, \"steps\": %ld, \"step_ms\": ",
                 r->peak_total, plan_name(r->planned), r->planned_peak, plan_name(r->ref_planned), r->ref_peak, r->steps);
         jnum(f, r->verdict == FL_LAB_FITS ? r->step_ms : NAN);
+        fprintf(f, ", \"ms_per_sample\": ");
+        jnum(f, r->verdict == FL_LAB_FITS ? ms_per_sample(r) : NAN);
+        fprintf(f, ", \"time_note\": ");
+        jstr(f, r->time_note);
         fprintf(f, ", \"tok_s\": ");
         jnum(f, r->verdict == FL_LAB_FITS ? r->tok_s : NAN);
         fprintf(f, ", \"final_loss\": ");
         jnum(f, r->final_loss);
         fprintf(f, ", \"wall_s\": %.2f, \"note\": ", r->wall_s);
         jstr(f, r->note);
-        fputc('}', f);
+        fprintf(f, ", \"phases_source\": \"%s\", \"phases\": [", r->n_phases ? (r->phases_planned ? "planned" : "measured") : "none");
+        for (int k = 0; k < r->n_phases; k++) {
+            fprintf(f, "%s{\"name\": ", k ? ", " : "");
+            jstr(f, r->phases[k].name);
+            fprintf(f, ", \"reserved\": ");
+            jtags(f, r->phases[k].cur, r->phases[k].cur_total);
+            fprintf(f, ", \"live\": ");
+            jtags(f, r->phases[k].live, r->phases[k].live_total);
+            fputc('}', f);
+        }
+        fprintf(f, "]}");
     }
     fprintf(f, "\n  ]\n}\n");
     if (fclose(f) != 0) return fl_errorf(FL_ERR_IO, "%s: write failed", path);
@@ -197,7 +243,18 @@ static int find_gnuplot(void) {
     return 0;
 }
 
-/* memory.dat / step_time.dat + charts.gp, then gnuplot. Returns 1 if drawn. */
+/* memory.dat / phases.dat / step_time.dat + charts.gp, then gnuplot (run in dir: the script
+ * names its files relative to its own folder). Returns 1 if drawn. */
+static const char *k_tag_colour[FL_TAG_COUNT] = {"#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377"};
+
+static const char *short_phase(const char *name) {
+    static const char *map[][2] = {{"after_load", "load"}, {"before_fwd", "pre-fwd"}, {"after_fwd", "fwd"},
+                                   {"after_bwd", "bwd"}, {"after_opt_step", "opt"}, {"eval_generate", "gen"}};
+    for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
+        if (!strcmp(name, map[i][0])) return map[i][1];
+    return name;
+}
+
 static int write_charts(const fl_lab_report *rep, const char *dir, char *why, size_t wn) {
     char path[4200];
     if (strchr(dir, '\'') || strchr(dir, '"')) { snprintf(why, wn, "the output folder name has quotes"); return 0; }
@@ -213,43 +270,96 @@ static int write_charts(const fl_lab_report *rep, const char *dir, char *why, si
         fprintf(f, "\n");
     }
     fclose(f);
+    /* one block per experiment with phases (measured when it fits, planned when OOM) */
+    f = open_out(dir, "phases.dat", path, sizeof path);
+    if (!f) { snprintf(why, wn, "cannot write %s", path); return 0; }
+    fprintf(f, "# per experiment (blocks; OOM rows: planned): phase, live PARAMS GRADS OPTIM ACTS WORKSPACE OTHER, "
+               "reserved but not live (MiB)\n");
+    int nblk = 0;
+    const fl_lab_row *blk[64];
+    for (int i = 0; i < rep->n && nblk < 64; i++) {
+        const fl_lab_row *r = &rep->rows[i];
+        if (!r->n_phases || (r->verdict != FL_LAB_FITS && r->verdict != FL_LAB_OOM)) continue;
+        if (nblk) fprintf(f, "\n\n");
+        for (int k = 0; k < r->n_phases; k++) {
+            const fl_mem_phase *ph = &r->phases[k];
+            fprintf(f, "\"%s\"", short_phase(ph->name));
+            for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, " %.3f", MIB(ph->live[t]));
+            fprintf(f, " %.3f\n", MIB(ph->cur_total - ph->live_total));
+        }
+        blk[nblk++] = r;
+    }
+    fclose(f);
     f = open_out(dir, "step_time.dat", path, sizeof path);
     if (!f) { snprintf(why, wn, "cannot write %s", path); return 0; }
-    fprintf(f, "# experiment ms_per_optimizer_step (runs that fit)\n");
+    fprintf(f, "# experiment ms_per_sample tokens_per_s (runs that fit; ms per optimizer step / (micro batch x "
+               "accumulation))\n");
     int nfit = 0;
     for (int i = 0; i < rep->n; i++)
         if (rep->rows[i].verdict == FL_LAB_FITS) {
-            fprintf(f, "\"%s\" %.3f\n", rep->rows[i].name, rep->rows[i].step_ms);
+            const fl_lab_row *r = &rep->rows[i];
+            fprintf(f, "\"%s%s%s\" %.4f %.1f\n", r->name, r->time_note[0] ? ": " : "", r->time_note, ms_per_sample(r),
+                    r->tok_s);
             nfit++;
         }
     fclose(f);
     f = open_out(dir, "charts.gp", path, sizeof path);
     if (!f) { snprintf(why, wn, "cannot write %s", path); return 0; }
-    fprintf(f, "# gnuplot script written by fitllm lab (re-run: gnuplot charts.gp from this folder)\n"
+    fprintf(f, "# gnuplot script written by fitllm lab; its files are named relative to this folder:\n"
+               "#   cd <this folder> && gnuplot charts.gp\n"
                "set terminal pngcairo size 1280,640 font 'sans,10'\n"
-               "set output '%s/memory.png'\n"
-               "set title 'Memory by tag per experiment (budget %.1f MiB; OOM rows: planned need)'\n"
+               "set output 'memory.png'\n"
+               "set title 'Memory by tag per experiment (all-time peak; budget %.1f MiB; OOM rows: planned need)'\n"
                "set style data histograms\nset style histogram rowstacked\nset style fill solid 0.85 border -1\n"
                "set boxwidth 0.75\nset xtics rotate by -35 scale 0\nset ylabel 'MiB'\nset key outside right top\n"
                "set grid ytics\nset yrange [0:*]\n"
                "set arrow 1 from graph 0, first %.3f to graph 1, first %.3f nohead lw 2 dt 2 lc rgb 'red'\n"
                "set label 1 'budget' at graph 0.99, first %.3f right offset 0,0.8 tc rgb 'red'\n"
-               "plot '%s/memory.dat' using 2:xtic(1) title 'PARAMS', '' using 3 title 'GRADS', '' using 4 title "
-               "'OPTIM', '' using 5 title 'ACTS', '' using 6 title 'WORKSPACE', '' using 7 title 'OTHER'\n",
-            dir, MIB(rep->budget), MIB(rep->budget), MIB(rep->budget), MIB(rep->budget), dir);
+               "plot 'memory.dat' using 2:xtic(1) title 'PARAMS' lc rgb '%s', '' using 3 title 'GRADS' lc rgb '%s', "
+               "'' using 4 title 'OPTIM' lc rgb '%s', '' using 5 title 'ACTS' lc rgb '%s', '' using 6 title "
+               "'WORKSPACE' lc rgb '%s', '' using 7 title 'OTHER' lc rgb '%s'\n",
+            MIB(rep->budget), MIB(rep->budget), MIB(rep->budget), MIB(rep->budget), k_tag_colour[0], k_tag_colour[1],
+            k_tag_colour[2], k_tag_colour[3], k_tag_colour[4], k_tag_colour[5]);
+    if (nblk) {
+        fprintf(f, "set output 'phases.png'\nset terminal pngcairo size 1600,700 font 'sans,9'\n"
+                   "set title 'Live memory per phase of a step (colours: live by tag; grey: reserved but holding "
+                   "nothing still needed; OOM rows: planned)'\n"
+                   "set style histogram rowstacked title textcolor lt -1 offset 0,-1.5\n"
+                   "set xtics rotate by -90 scale 0 font ',7'\nset bmargin 7\n");
+        fprintf(f, "plot");
+        for (int bI = 0; bI < nblk; bI++) {
+            const fl_lab_row *r = blk[bI];
+            fprintf(f, "%s newhistogram \"%s%s\"", bI ? ", \\\n    " : "", r->name, r->verdict == FL_LAB_OOM ? " (OOM, planned)" : "");
+            static const char *tags[FL_TAG_COUNT] = {"PARAMS", "GRADS", "OPTIM", "ACTS", "WORKSPACE", "OTHER"};
+            for (int t = 0; t < FL_TAG_COUNT; t++) {
+                fprintf(f, ", 'phases.dat' index %d using %d%s", bI, t + 2, t == 0 ? ":xtic(1)" : "");
+                if (bI == 0) fprintf(f, " title '%s'", tags[t]);
+                else fprintf(f, " notitle");
+                fprintf(f, " lc rgb '%s'", k_tag_colour[t]);
+            }
+            fprintf(f, ", 'phases.dat' index %d using 8 %s lc rgb '#dddddd'", bI,
+                    bI == 0 ? "title 'reserved, not live'" : "notitle");
+        }
+        fprintf(f, "\nset bmargin\n");
+    }
     if (nfit)
-        fprintf(f, "unset arrow 1\nunset label 1\nset output '%s/step_time.png'\n"
-                   "set title 'Time per optimizer step (runs that fit; %s threads)'\n"
-                   "set style histogram clustered\nset ylabel 'ms per step'\nunset key\n"
-                   "plot '%s/step_time.dat' using 2:xtic(1) lc rgb '#4477aa'\n",
-                dir, rep->threads ? "fixed" : "all", dir);
+        fprintf(f, "unset arrow 1\nunset label 1\nset terminal pngcairo size 1600,640 font 'sans,9'\n"
+                   "set output 'step_time.png'\n"
+                   "set title 'Time per training sample (ms per optimizer step / samples per step; runs that fit; "
+                   "%s threads)'\n"
+                   "set xtics norotate font ',10'\nset grid noytics xtics\nset xlabel 'ms per sample'\n"
+                   "unset ylabel\nset yrange [-0.6:*] reverse\nset xrange [0:*]\nset lmargin 92\nunset key\n"
+                   "set style fill solid 0.85 border -1\n"
+                   "plot 'step_time.dat' using (0.5*$2):0:(0.5*$2):(0.38):yticlabels(1) with boxxyerror lc rgb "
+                   "'#4477aa'\n",
+                rep->threads ? "fixed" : "all");
     fclose(f);
     if (!find_gnuplot()) {
         snprintf(why, wn, "gnuplot is not installed (apt-get install gnuplot-nox); the data and charts.gp are there");
         return 0;
     }
     char cmd[9000];
-    snprintf(cmd, sizeof cmd, "gnuplot '%s/charts.gp' > '%s/charts.log' 2>&1", dir, dir);
+    snprintf(cmd, sizeof cmd, "cd '%s' && gnuplot charts.gp > charts.log 2>&1", dir);
     int rc = system(cmd);
     if (rc != 0) { snprintf(why, wn, "gnuplot failed (see %s/charts.log)", dir); return 0; }
     snprintf(path, sizeof path, "%s/charts.log", dir);
@@ -294,8 +404,8 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
             rep->ref_T, rep->act_ratio_ref, rep->ref_T);
     fprintf(f, "## Results\n\n| experiment | lab's change | model | micro x acc | precision | optimizer | act ckpt | "
                "verdict | as in the lab | PARAMS | GRADS | OPTIM | ACTS | WORKSPACE | OTHER | peak | planned | "
-               "step ms | tok/s | final loss |\n|");
-    for (int k = 0; k < 20; k++) fprintf(f, "---|");
+               "ms/sample | tok/s | final loss | extra time per sample |\n|");
+    for (int k = 0; k < 21; k++) fprintf(f, "---|");
     fprintf(f, "\n");
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
@@ -311,12 +421,15 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
         if (r->planned == FL_PLAN_FITS || r->planned == FL_PLAN_OOM)
             fprintf(f, " %.2f (%s) |", MIB(r->planned_peak), plan_name(r->planned));
         else fprintf(f, " %s |", plan_name(r->planned));
-        if (r->verdict == FL_LAB_FITS) fprintf(f, " %.1f | %.0f | %.3f |\n", r->step_ms, r->tok_s, r->final_loss);
-        else fprintf(f, " - | - | - |\n");
+        if (r->verdict == FL_LAB_FITS)
+            fprintf(f, " %.2f | %.0f | %.3f | %s |\n", ms_per_sample(r), r->tok_s, r->final_loss, r->time_note);
+        else fprintf(f, " - | - | - | |\n");
     }
     fprintf(f, "\nMemory in MiB. For runs that fit: the all-time peak per tag and in total. For OOM rows: what was live "
                "when the allocation failed (the planned column is what the whole run would need). \"as in the lab\": "
-               "whether the verdict is the lab's (%s).\n\n", "OOM for baseline and the largest model, fits otherwise");
+               "whether the verdict is the lab's (%s). ms/sample = ms per optimizer step / (micro batch x accumulation): "
+               "rows with different samples per step compare per sample; \"extra time per sample\" names the work "
+               "the row does beyond fp32 AdamW on lab-1b (its technique on this CPU, a larger model).\n\n", "OOM for baseline and the largest model, fits otherwise");
     int notes = 0;
     for (int i = 0; i < rep->n; i++)
         if (rep->rows[i].verdict != FL_LAB_FITS && rep->rows[i].note[0]) {
@@ -330,6 +443,36 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
                    "step's token buffers); its optimizer step covers 4x the samples.\n\n",
                 fl_fmt_bytes(ga->peak_total, a, sizeof a), fl_fmt_bytes(rb->peak_total, b, sizeof b),
                 100.0 * ((double)ga->peak_total / (double)rb->peak_total - 1.0));
+    /* reserved vs live per phase */
+    fprintf(f, "## Reserved and live memory per phase of a step\n\n"
+               "Everything a step needs is allocated (**reserved**) before the first step, so the reserved "
+               "bytes are the same at every phase. **Live** bytes hold data a later phase still reads: "
+               "activations saved for the backward are live after the forward and gone after the backward; "
+               "gradients are live from the backward (the lm_head's from inside the forward, where its "
+               "backward runs) until the optimizer step consumes them; weights, optimizer state and the token "
+               "buffers are always live. MiB, reserved / live in total, then live ACTS and GRADS; rows that do "
+               "not fit show the plan.\n\n| experiment | source |");
+    static const char *phn[] = {"after_load", "before_fwd", "after_fwd", "after_bwd", "after_opt_step"};
+    for (int k = 0; k < 5; k++) fprintf(f, " %s reserved / live | live ACTS, GRADS |", phn[k]);
+    fprintf(f, "\n|---|---|");
+    for (int k = 0; k < 10; k++) fprintf(f, "---|");
+    fprintf(f, "\n");
+    for (int i = 0; i < rep->n; i++) {
+        const fl_lab_row *r = &rep->rows[i];
+        if (!r->n_phases || (r->verdict != FL_LAB_FITS && r->verdict != FL_LAB_OOM)) continue;
+        fprintf(f, "| %s | %s |", r->name, r->phases_planned ? "planned" : "measured");
+        for (int k = 0; k < 5; k++) {
+            const fl_mem_phase *ph = NULL;
+            for (int j = 0; j < r->n_phases; j++)
+                if (!strcmp(r->phases[j].name, phn[k])) ph = &r->phases[j];
+            if (ph)
+                fprintf(f, " %.2f / %.2f | %.2f, %.2f |", MIB(ph->cur_total), MIB(ph->live_total), MIB(ph->live[FL_TAG_ACTS]),
+                        MIB(ph->live[FL_TAG_GRADS]));
+            else fprintf(f, " - | - |");
+        }
+        fprintf(f, "\n");
+    }
+    fprintf(f, "\nAll tags, reserved and live, per phase: `phases.csv`%s.\n\n", charts ? "; chart `phases.png`" : "");
     fprintf(f, "## Real scale (planned with fitllm's sizing, 80 GB device, T=%d)\n\n| experiment | model | plan | "
                "planned peak |\n|---|---|---|---|\n", rep->ref_T);
     for (int i = 0; i < rep->n; i++) {
@@ -338,10 +481,13 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
                 r->ref_peak ? fl_fmt_bytes(r->ref_peak, a, sizeof a) : "-");
     }
     fprintf(f, "\n## Charts\n\n");
-    if (charts) fprintf(f, "![memory by tag](memory.png)\n\n![step time](step_time.png)\n");
+    if (charts)
+        fprintf(f, "![memory by tag](memory.png)\n\n![live and reserved per phase](phases.png)\n\n"
+                   "![time per sample](step_time.png)\n");
     else fprintf(f, "No charts: %s.\n", why);
-    fprintf(f, "\nFiles: `results.csv`, `results.json` (schema version %d), `memory.dat`, `step_time.dat`, "
-               "`charts.gp`.\n", FL_LAB_JSON_VERSION);
+    fprintf(f, "\nFiles: `results.csv`, `phases.csv`, `results.json` (schema version %d), `memory.dat`, "
+               "`phases.dat`, `step_time.dat`, `charts.gp` (redraw: `cd` into this folder, `gnuplot charts.gp`).\n",
+            FL_LAB_JSON_VERSION);
     if (fclose(f) != 0) return fl_errorf(FL_ERR_IO, "%s: write failed", path);
     return FL_OK;
 }

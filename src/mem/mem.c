@@ -9,6 +9,7 @@
 struct fl_mem_entry {
     void *ptr;      /* NULL = empty slot, (void*)1 = tombstone */
     size_t bytes;
+    size_t live;    /* bytes holding data still needed (fl_mem_set_live) */
     fl_mem_tag tag;
 };
 
@@ -68,7 +69,7 @@ static fl_mem_entry *find_slot(const fl_mem_pool *p, const void *ptr) {
     return NULL;
 }
 
-static int insert_entry(fl_mem_pool *p, void *ptr, size_t bytes, fl_mem_tag tag);
+static int insert_entry(fl_mem_pool *p, void *ptr, size_t bytes, size_t live, fl_mem_tag tag);
 
 static int grow(fl_mem_pool *p) {
     fl_mem_entry *old = p->tab;
@@ -79,17 +80,18 @@ static int grow(fl_mem_pool *p) {
     p->tab_cap = oldcap * 2;
     p->tab_len = 0;
     for (size_t i = 0; i < oldcap; i++)
-        if (old[i].ptr && old[i].ptr != TOMB) insert_entry(p, old[i].ptr, old[i].bytes, old[i].tag);
+        if (old[i].ptr && old[i].ptr != TOMB) insert_entry(p, old[i].ptr, old[i].bytes, old[i].live, old[i].tag);
     free(old);
     return 0;
 }
 
-static int insert_entry(fl_mem_pool *p, void *ptr, size_t bytes, fl_mem_tag tag) {
+static int insert_entry(fl_mem_pool *p, void *ptr, size_t bytes, size_t live, fl_mem_tag tag) {
     if ((p->tab_len + 1) * 2 > p->tab_cap && grow(p) != 0) return -1;
     size_t i = hash_ptr(ptr, p->tab_cap);
     while (p->tab[i].ptr && p->tab[i].ptr != TOMB) i = (i + 1) & (p->tab_cap - 1);
     p->tab[i].ptr = ptr;
     p->tab[i].bytes = bytes;
+    p->tab[i].live = live;
     p->tab[i].tag = tag;
     p->tab_len++;
     return 0;
@@ -142,13 +144,18 @@ fl_status fl_mem_alloc(fl_mem_pool *p, fl_mem_tag tag, size_t bytes, void **out)
     if (p->budget && (bytes > p->budget || p->cur_total > p->budget - bytes)) return fail_oom(p, tag, bytes, 0);
     void *ptr = p->raw_alloc(bytes, p->raw_ud);
     if (!ptr) return fail_oom(p, tag, bytes, 1);
-    if (insert_entry(p, ptr, bytes, tag) != 0) {
+    /* weights, optimizer state and token buffers hold their data from the start; gradients,
+     * activations and scratch hold nothing needed until their owner says so (fl_mem_set_live) */
+    size_t live = (tag == FL_TAG_PARAMS || tag == FL_TAG_OPTIM || tag == FL_TAG_OTHER) ? bytes : 0;
+    if (insert_entry(p, ptr, bytes, live, tag) != 0) {
         p->raw_free(ptr, bytes, p->raw_ud);
         return fail_oom(p, tag, bytes, 1);
     }
     p->n_allocs++;
     p->cur[tag] += bytes;
     p->cur_total += bytes;
+    p->live[tag] += live;
+    p->live_total += live;
     if (p->cur[tag] > p->peak[tag]) p->peak[tag] = p->cur[tag];
     if (p->cur_total > p->peak_total) p->peak_total = p->cur_total;
     if (p->cur[tag] > p->phase_peak[tag]) p->phase_peak[tag] = p->cur[tag];
@@ -169,9 +176,25 @@ void fl_mem_free(fl_mem_pool *p, void *ptr) {
     if (!e) return; /* not ours: ignore rather than corrupt the counts */
     p->cur[e->tag] -= e->bytes;
     p->cur_total -= e->bytes;
+    p->live[e->tag] -= e->live;
+    p->live_total -= e->live;
     p->raw_free(ptr, e->bytes, p->raw_ud);
     e->ptr = TOMB;
     p->tab_len--;
+}
+
+void fl_mem_set_live(fl_mem_pool *p, const void *ptr, size_t bytes) {
+    fl_mem_entry *e = ptr ? find_slot(p, ptr) : NULL;
+    if (!e) return;
+    if (bytes > e->bytes) bytes = e->bytes;
+    p->live[e->tag] = p->live[e->tag] - e->live + bytes;
+    p->live_total = p->live_total - e->live + bytes;
+    e->live = bytes;
+}
+
+size_t fl_mem_live_of(const fl_mem_pool *p, const void *ptr) {
+    const fl_mem_entry *e = ptr ? find_slot(p, ptr) : NULL;
+    return e ? e->live : 0;
 }
 
 size_t fl_mem_size_of(const fl_mem_pool *p, const void *ptr) {
@@ -206,6 +229,8 @@ void fl_mem_snapshot(fl_mem_pool *p, const char *name) {
     ph->cur_total = p->cur_total;
     memcpy(ph->peak, p->phase_peak, sizeof ph->peak);
     ph->peak_total = p->phase_peak_total;
+    memcpy(ph->live, p->live, sizeof ph->live);
+    ph->live_total = p->live_total;
     memcpy(p->phase_peak, p->cur, sizeof p->phase_peak);
     p->phase_peak_total = p->cur_total;
 }
@@ -262,18 +287,21 @@ int fl_parse_bytes(const char *s, size_t *out) {
 
 void fl_mem_print_report(const fl_mem_pool *p, FILE *f) {
     char b[32];
-    fprintf(f, "memory report (%s)%s\n", p->name, p->budget ? "" : "");
-    fprintf(f, "%-16s", "phase");
+    fprintf(f, "memory report (%s): reserved = allocated, live = holding data a later phase still reads\n", p->name);
+    fprintf(f, "%-16s %-8s", "phase", "");
     for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, " %11s", k_tag[t]);
     fprintf(f, " %11s %11s\n", "total", "phase peak");
     for (int i = 0; i < p->n_phases; i++) {
         const fl_mem_phase *ph = &p->phases[i];
-        fprintf(f, "%-16s", ph->name);
+        fprintf(f, "%-16s %-8s", ph->name, "reserved");
         for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, " %11s", fl_fmt_bytes(ph->cur[t], b, sizeof b));
         fprintf(f, " %11s", fl_fmt_bytes(ph->cur_total, b, sizeof b));
         fprintf(f, " %11s\n", fl_fmt_bytes(ph->peak_total, b, sizeof b));
+        fprintf(f, "%-16s %-8s", "", "live");
+        for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, " %11s", fl_fmt_bytes(ph->live[t], b, sizeof b));
+        fprintf(f, " %11s\n", fl_fmt_bytes(ph->live_total, b, sizeof b));
     }
-    fprintf(f, "%-16s", "peak");
+    fprintf(f, "%-16s %-8s", "peak", "reserved");
     for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, " %11s", fl_fmt_bytes(p->peak[t], b, sizeof b));
     fprintf(f, " %11s\n", fl_fmt_bytes(p->peak_total, b, sizeof b));
     if (p->budget) fprintf(f, "budget %s\n", fl_fmt_bytes(p->budget, b, sizeof b));

@@ -13,12 +13,17 @@
 typedef struct {
     char *base;
     size_t off;
+    /* Live bytes: regions carved while `keep` is set hold data a training forward leaves for
+     * the backward (fl_act_sizes.acts_saved_bytes); counted without the alignment padding. */
+    int keep;
+    size_t saved;
 } carver;
 
 static void *carve_bytes(carver *cv, size_t nbytes) {
     size_t bytes = (nbytes + 63) / 64 * 64; /* keep every view 64-byte aligned */
     void *p = cv->base ? (void *)(cv->base + cv->off) : NULL;
     cv->off += bytes;
+    if (cv->keep) cv->saved += nbytes;
     return p;
 }
 
@@ -51,14 +56,16 @@ static int logits_chunk_rows(const fl_model_config *c, int N) { return fl_logits
  *   act_ckpt:        res[0..L] | ONE shared fp32 layer buffer           | lnf
  *   16-bit saved:    res[0..L] | ONE shared fp32 buffer of the (N, width) activations |
  *                    L x {fp32 per-row stats (norm mean/rstd, lse), 16-bit (N, width) copies} | lnf */
-static size_t carve_acts(const fl_model_config *c, int B, int T, int ckpt, fl_dtype adt, char *base, fl_acts *a) {
+static size_t carve_acts(const fl_model_config *c, int B, int T, int ckpt, fl_dtype adt, char *base, fl_acts *a,
+                         size_t *saved) {
     fl_dims d = fl_model_dims(c);
     size_t N = (size_t)B * T;
     int ln = c->arch == FL_ARCH_GPT2; /* LayerNorm keeps the mean too */
     int a16 = !ckpt && adt != FL_F32;
     size_t w[FL_N_SAVED];
     saved_widths(&d, w);
-    carver cv = {base, 0};
+    carver cv = {base, 0, 1, 0};
+    /* what backward reads: the residual stream (block inputs, res[L] for the final norm) ... */
     for (int l = 0; l <= d.L; l++) {
         float *r = carve(&cv, N * d.C);
         if (a) a->res[l] = r;
@@ -67,6 +74,7 @@ static size_t carve_acts(const fl_model_config *c, int B, int T, int ckpt, fl_dt
         /* the shared fp32 buffer of the wide activations; the per-layer part follows */
         fl_layer_acts sh;
         memset(&sh, 0, sizeof sh);
+        cv.keep = 0; /* the shared fp32 buffer: the block being computed; backward widens into it */
         if (d.L > 0) {
             sh.ln1 = carve(&cv, N * w[FL_SAVED_LN1]);
             sh.qkv = carve(&cv, N * w[FL_SAVED_QKV]);
@@ -77,6 +85,7 @@ static size_t carve_acts(const fl_model_config *c, int B, int T, int ckpt, fl_dt
             sh.act = carve(&cv, N * w[FL_SAVED_ACT]);
         }
         size_t es = fl_dtype_size(adt);
+        cv.keep = 1; /* ... every block's statistics and 16-bit copies ... */
         for (int l = 0; l < d.L; l++) {
             fl_layer_acts la = sh;
             la.ln1_mean = ln ? carve(&cv, N) : NULL;
@@ -88,7 +97,8 @@ static size_t carve_acts(const fl_model_config *c, int B, int T, int ckpt, fl_dt
             if (a) a->layer[l] = la;
         }
     } else {
-        /* checkpointing: one layer buffer shared by all blocks */
+        /* checkpointing: one layer buffer shared by all blocks (backward recomputes it: not kept) */
+        cv.keep = !ckpt; /* ... every block's activations ... */
         for (int l = 0; l < (ckpt ? (d.L > 0 ? 1 : 0) : d.L); l++) {
             fl_layer_acts la;
             memset(&la, 0, sizeof la);
@@ -110,9 +120,14 @@ static size_t carve_acts(const fl_model_config *c, int B, int T, int ckpt, fl_dt
             }
         }
     }
+    /* ... and the final norm's statistics; its output only feeds the head, whose backward
+     * runs inside the forward */
+    cv.keep = 0;
     float *lnf = carve(&cv, N * d.C);
+    cv.keep = 1;
     float *lnf_mean = ln ? carve(&cv, N) : NULL;
     float *lnf_rstd = carve(&cv, N);
+    if (saved) *saved = cv.saved;
     if (a) { a->lnf = lnf; a->lnf_mean = lnf_mean; a->lnf_rstd = lnf_rstd; a->act_dtype = a16 ? adt : FL_F32; }
     return cv.off;
 }
@@ -139,10 +154,14 @@ fl_status fl_acts_widen(fl_model *m, int l, int N) { return convert_saved(m, l, 
 
 static size_t imax(size_t a, size_t b) { return a > b ? a : b; }
 
-static size_t carve_work(const fl_model_config *c, int B, int T, int dw_bf16, char *base, fl_acts *a) {
+/* Workspace live bytes: *handoff = what a training forward leaves for the backward (d(lnf),
+ * the first N x C floats of buf1, and the token ids), *constant = the RoPE tables (written
+ * once, read by every pass). Everything else is scratch within one pass. */
+static size_t carve_work(const fl_model_config *c, int B, int T, int dw_bf16, char *base, fl_acts *a,
+                         size_t *handoff, size_t *constant) {
     fl_dims d = fl_model_dims(c);
     size_t N = (size_t)B * T;
-    carver cv = {base, 0};
+    carver cv = {base, 0, 0, 0};
     float *dres = carve(&cv, N * d.C);
     float *buf1 = carve(&cv, N * imax(imax(d.C, d.QD), d.F));
     float *buf2 = carve(&cv, N * imax(d.QKV, d.FCW));
@@ -154,6 +173,8 @@ static size_t carve_work(const fl_model_config *c, int B, int T, int dw_bf16, ch
     void *xb16 = dw_bf16 ? carve_bytes(&cv, N * imax(imax(d.C, d.QD), d.F) * sizeof(uint16_t)) : NULL;
     size_t dyn = imax(N * imax(imax(d.C, d.QKV), d.FCW), (size_t)logits_chunk_rows(c, (int)N) * d.V);
     void *dyb16 = dw_bf16 ? carve_bytes(&cv, dyn * sizeof(uint16_t)) : NULL;
+    if (handoff) *handoff = N * d.C * sizeof(float) + N * sizeof(int32_t);
+    if (constant) *constant = 2 * half * sizeof(float);
     if (a) {
         a->xb16 = xb16;
         a->dyb16 = dyb16;
@@ -175,13 +196,30 @@ void fl_sizing_acts_ex(const fl_model_config *cfg_in, int B, int T, const fl_act
     fl_model_config c = *cfg_in;
     memset(out, 0, sizeof *out);
     if (fl_config_validate(&c) != FL_OK || B <= 0 || T <= 0) return;
-    out->acts_bytes = carve_acts(&c, B, T, ckpt, adt, NULL, NULL);
-    out->workspace_bytes = carve_work(&c, B, T, opts && opts->dw_bf16, NULL, NULL);
+    out->acts_bytes = carve_acts(&c, B, T, ckpt, adt, NULL, NULL, &out->acts_saved_bytes);
+    out->workspace_bytes = carve_work(&c, B, T, opts && opts->dw_bf16, NULL, NULL, &out->work_handoff_bytes,
+                                      &out->work_const_bytes);
     /* per layer: the difference between L and L-1 layers */
     fl_model_config c1 = c;
     c1.n_layers = c.n_layers - 1;
-    out->per_layer_acts_bytes = out->acts_bytes - carve_acts(&c1, B, T, ckpt, adt, NULL, NULL);
+    out->per_layer_acts_bytes = out->acts_bytes - carve_acts(&c1, B, T, ckpt, adt, NULL, NULL, NULL);
     out->logits_chunk_rows = logits_chunk_rows(&c, B * T);
+}
+
+/* Live bytes of the arenas for a pass over (B, T) rows (B*T <= the arena's): after a training
+ * forward, what the backward reads; otherwise (train = 0: an inference forward, a finished
+ * backward) only the constant tables. Same carving as the arena: the planner's figures
+ * (fl_sizing_acts_ex at its T) are these for a batch of the arena's shape. */
+void fl_acts_mark_live(fl_model *m, int B, int T, int train) {
+    if (!m->acts) return;
+    size_t saved = 0, handoff = 0, constant = 0;
+    if (train) {
+        carve_acts(&m->cfg, B, T, m->act_ckpt, m->act_dtype, NULL, NULL, &saved);
+        carve_work(&m->cfg, B, T, 0, NULL, NULL, &handoff, &constant);
+    }
+    fl_mem_set_live(m->pool, m->acts_arena, saved);
+    fl_mem_set_live(m->pool, m->work_arena, handoff + m->sizes.work_const_bytes);
+    fl_lora_mark_live(m, B, T, train && !m->act_ckpt);
 }
 
 fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
@@ -205,10 +243,11 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     fl_status s = fl_mem_alloc(m->pool, FL_TAG_ACTS, m->sizes.acts_bytes, (void **)&m->acts_arena);
     if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, m->sizes.workspace_bytes, (void **)&m->work_arena);
     if (s != FL_OK) { fl_model_free_acts(m); return fl_error_prefix(s, "allocating activations for B=%d T=%d", B, T); }
-    carve_acts(&m->cfg, B, T, m->act_ckpt, m->act_dtype, (char *)m->acts_arena, a);
-    carve_work(&m->cfg, B, T, dw_bf16, (char *)m->work_arena, a);
+    carve_acts(&m->cfg, B, T, m->act_ckpt, m->act_dtype, (char *)m->acts_arena, a, NULL);
+    carve_work(&m->cfg, B, T, dw_bf16, (char *)m->work_arena, a, NULL, NULL);
     if (m->cfg.arch == FL_ARCH_LLAMA)
         fl_rope_table_init(a->rope_cos, a->rope_sin, T, m->cfg.head_dim, m->cfg.rope_theta, &m->cfg.rope_scaling);
+    fl_mem_set_live(m->pool, m->work_arena, m->sizes.work_const_bytes); /* the RoPE tables */
     m->B = B;
     m->T = T;
     s = fl_lora_alloc_acts(m, B, T);

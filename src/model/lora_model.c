@@ -142,6 +142,26 @@ void fl_lora_sizing_acts(const fl_lora_config *cfg, const fl_lora_module *mods, 
     *work_bytes = N * (cfg->r + (cfg->dropout > 0 ? in_max : 0)) * sizeof(float);
 }
 
+size_t fl_lora_sizing_live_acts(const fl_lora_config *cfg, const fl_lora_module *mods, int n_mods, int B, int T) {
+    size_t N = (size_t)B * T, a = 0;
+    for (int j = 0; j < n_mods; j++)
+        if (mods[j].layer >= 0) a += N * (cfg->r + (cfg->dropout > 0 ? (size_t)mods[j].in : 0));
+    return a * sizeof(float);
+}
+
+size_t fl_lora_sizing_head_grads(const fl_lora_config *cfg, const fl_lora_module *mods, int n_mods) {
+    size_t g = 0;
+    for (int j = 0; j < n_mods; j++)
+        if (mods[j].layer < 0) g += (size_t)cfg->r * mods[j].in + (size_t)mods[j].out * cfg->r;
+    return g * sizeof(float);
+}
+
+void fl_lora_mark_live(fl_model *m, int B, int T, int saved) {
+    struct fl_lora_state *st = m->lora;
+    if (!st || !st->acts) return;
+    fl_mem_set_live(m->pool, st->acts, saved ? fl_lora_sizing_live_acts(&st->cfg, st->mods, st->n_mods, B, T) : 0);
+}
+
 fl_status fl_lora_alloc_acts(fl_model *m, int B, int T) {
     struct fl_lora_state *st = m->lora;
     if (!st) return FL_OK;

@@ -81,6 +81,15 @@ void fl_model_free_acts(fl_model *m);
  * round block l's saved activations (N rows) from the shared fp32 layer buffer into its
  * 16-bit region after its forward / widen them back before its backward. */
 fl_status fl_acts_narrow(fl_model *m, int l, int N);
+/* Live bytes (fl_mem_set_live) of the ACTS/WORKSPACE arenas and the LoRA activations after a
+ * pass over (B, T): train = a training forward (what the backward reads), else none but the
+ * constant tables. Gradients: fl_model_grads_live. */
+void fl_acts_mark_live(fl_model *m, int B, int T, int train);
+/* Live bytes of the gradient buffer (the trained parameters' or the LoRA adapters'): from the
+ * step's first gradient write (lm_head's, inside a training forward) to the optimizer step.
+ * SIZE_MAX = the whole buffer. */
+void fl_model_grads_live(fl_model *m, size_t bytes);
+size_t fl_model_grads_live_bytes(const fl_model *m);
 fl_status fl_acts_widen(fl_model *m, int l, int N);
 
 /* One LoRA adapter attached to a linear (possibly to a row slice of a fused
@@ -145,6 +154,8 @@ void fl_lora_attach_head(const fl_model *m, fl_linear *lin, int row0);
 /* LoRA activations for (B, T) (called by fl_model_alloc_acts) and their release. */
 fl_status fl_lora_alloc_acts(fl_model *m, int B, int T);
 void fl_lora_free_acts(fl_model *m);
+/* LoRA activations' live bytes for (B, T): saved = a training forward whose backward reads them. */
+void fl_lora_mark_live(fl_model *m, int B, int T, int saved);
 void fl_model_lora_free(fl_model *m);
 
 /* y (N,out) = x (N,in) @ W^T + b */

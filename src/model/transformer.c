@@ -3,6 +3,7 @@
  * (LayerNorm, learned positions, tanh-GELU, biases). Every op is a backend
  * call; activations live in the arena sized by fl_sizing_acts (fp32, or the
  * wide ones stored in 16 bits between forward and backward: fl_act_opts). */
+#include <stdint.h>
 #include <string.h>
 #include <time.h>
 
@@ -129,6 +130,14 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
     m->fwd_B = B;
     m->fwd_T = T;
     m->fwd_train = grad_scale > 0;
+    /* live memory: what this forward leaves for the backward; the head's gradient is written
+     * already (its backward ran chunk by chunk above) */
+    fl_acts_mark_live(m, B, T, m->fwd_train);
+    if (m->fwd_train) {
+        size_t hg = m->lora ? fl_lora_sizing_head_grads(&m->lora->cfg, m->lora->mods, m->lora->n_mods)
+                  : head.dw ? (size_t)d.V * d.C * (m->g16 ? sizeof(uint16_t) : sizeof(float)) : 0;
+        if (hg > fl_model_grads_live_bytes(m)) fl_model_grads_live(m, hg); /* accumulation: may be all already */
+    }
     return FL_OK;
 }
 
@@ -183,5 +192,8 @@ fl_status fl_model_backward(fl_model *m) {
     }
     FL_TRY(fl_embed_backward(m, &op, dres, a->ids, B, T));
     m->fwd_train = 0;
+    /* live memory: the saved activations are consumed; every gradient holds the step's sum */
+    fl_acts_mark_live(m, B, T, 0);
+    fl_model_grads_live(m, SIZE_MAX);
     return FL_OK;
 }

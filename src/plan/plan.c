@@ -133,6 +133,10 @@ static const char *k_gen_instruction =
     "Recommend a movie for me to watch during the weekend and explain the reason.";
 
 static fl_status gen_prompt_tokens(const fl_run_config *c, int *n_out) {
+    if (c->command == FL_CMD_PRETRAIN) { /* a validation text's prefix: at most this many (the plan reads no data) */
+        *n_out = FL_PRETRAIN_PROMPT_TOKENS;
+        return FL_OK;
+    }
     const char *td = c->tokenizer_dir[0] ? c->tokenizer_dir : NULL;
     if (!td && c->checkpoint_dir[0] && is_dir(c->checkpoint_dir)) td = c->checkpoint_dir;
     fl_tokenizer *tok = NULL;
@@ -211,7 +215,7 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     char what[96];
     fl_precision pr;
     if (fl_precision_find(c->precision, &pr) != FL_OK) pr = *fl_precision_get(FL_PREC_32_TRUE);
-    snprintf(g->step, sizeof g->step, "before_fwd");
+    snprintf(g->step, sizeof g->step, "after_load");
     /* model load: fl_model_init_ex (storage of the policy), then fl_model_set_precision (mixed: the compute copy) */
     fl_mem_set_phase(&g->pool, "model load");
     fl_model_storage stg;
@@ -231,6 +235,8 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
         snprintf(what, sizeof what, "%s weight copy", pr.name);
         palloc(g, FL_TAG_PARAMS, copy, what);
     }
+    snap(g, "after_load");
+    snprintf(g->step, sizeof g->step, "before_fwd");
     /* set-up: fl_model_alloc_grads (or the LoRA adapters), fl_optim_init, fl_model_alloc_acts, step buffers */
     fl_mem_set_phase(&g->pool, "setup");
     fl_param_layout lay;
@@ -239,15 +245,16 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     fl_lora_module *mods = NULL;
     int n_mods = 0;
     size_t n_train = n; /* trainable elements */
+    void *grads = NULL;
     int lora = c->command == FL_CMD_FINETUNE_LORA && have_lay && fl_trainer_lora_config(c, mc, &lc) == FL_OK &&
                fl_lora_modules(&lc, &lay, mc, &mods, &n_mods) == FL_OK;
     if (lora) { /* fl_model_lora_init: adapter parameters and their gradients; the base is frozen */
         fl_lora_adapter_offsets(mods, n_mods, lc.r, NULL, &n_train);
         palloc(g, FL_TAG_PARAMS, n_train * sizeof(float), "LoRA adapters");
-        palloc(g, FL_TAG_GRADS, n_train * sizeof(float), "LoRA adapter gradients");
+        grads = palloc(g, FL_TAG_GRADS, n_train * sizeof(float), "LoRA adapter gradients");
     } else {
         snprintf(what, sizeof what, "gradients (%s)", fl_dtype_name(stg.param_dtype));
-        palloc(g, FL_TAG_GRADS, n * es, what);
+        grads = palloc(g, FL_TAG_GRADS, n * es, what);
         if (es != 4) palloc(g, FL_TAG_WORKSPACE, fl_sizing_gstage_elems(mc) * sizeof(float), "fp32 gradient staging (one group)");
     }
     fl_optim_config ocp = *oc; /* the policy fixes the state dtype of full parameters (fl_optim_init) */
@@ -277,30 +284,46 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     snprintf(what, sizeof what, "activations (B=%d, T=%d%s%s%s)", B, x->T, ao.act_ckpt ? ", checkpointed" : "",
              !ao.act_ckpt && ao.act_dtype != FL_F32 ? ", saved in " : "",
              !ao.act_ckpt && ao.act_dtype != FL_F32 ? fl_dtype_name(ao.act_dtype) : "");
-    palloc(g, FL_TAG_ACTS, as.acts_bytes, what);
+    void *acts = palloc(g, FL_TAG_ACTS, as.acts_bytes, what);
     snprintf(what, sizeof what, "workspace (B=%d, T=%d)", B, x->T);
-    palloc(g, FL_TAG_WORKSPACE, as.workspace_bytes, what);
+    void *work = palloc(g, FL_TAG_WORKSPACE, as.workspace_bytes, what);
+    if (work) fl_mem_set_live(&g->pool, work, as.work_const_bytes); /* the RoPE tables */
+    void *lacts = NULL;
+    /* what a training forward leaves live (fl_acts_mark_live, the head's gradient in fl_model_forward) */
+    size_t lora_saved = 0, head_grads = (size_t)mc->vocab_size * mc->dim * es;
     if (lora) { /* fl_lora_alloc_acts */
         size_t la, lw;
         fl_lora_sizing_acts(&lc, mods, n_mods, B, x->T, &la, &lw);
-        palloc(g, FL_TAG_ACTS, la, "LoRA activations");
+        lacts = palloc(g, FL_TAG_ACTS, la, "LoRA activations");
         palloc(g, FL_TAG_WORKSPACE, lw, "LoRA backward scratch");
+        lora_saved = ao.act_ckpt ? 0 : fl_lora_sizing_live_acts(&lc, mods, n_mods, B, x->T);
+        head_grads = fl_lora_sizing_head_grads(&lc, mods, n_mods);
     }
     free(mods);
     if (have_lay) fl_layout_free(&lay);
     size_t ids = (size_t)accum * B * x->T * sizeof(int32_t);
     palloc(g, FL_TAG_OTHER, ids, "step token ids (accumulation x B x T)");
     palloc(g, FL_TAG_OTHER, ids, "step targets (accumulation x B x T)");
-    /* the step (fl_train_micro): no allocation between the snapshots today */
+    /* the step (fl_train_micro): no allocation between the snapshots today; what is live changes */
+    fl_mem_pool *pl = &g->pool;
     snap(g, "before_fwd");
     snprintf(g->step, sizeof g->step, "after_fwd");
-    fl_mem_set_phase(&g->pool, "forward");
+    fl_mem_set_phase(pl, "forward");
+    fl_mem_set_live(pl, acts, as.acts_saved_bytes);
+    fl_mem_set_live(pl, work, as.work_const_bytes + as.work_handoff_bytes);
+    fl_mem_set_live(pl, lacts, lora_saved);
+    fl_mem_set_live(pl, grads, head_grads);
     snap(g, "after_fwd");
     snprintf(g->step, sizeof g->step, "after_bwd");
-    fl_mem_set_phase(&g->pool, "backward");
+    fl_mem_set_phase(pl, "backward");
+    fl_mem_set_live(pl, acts, 0);
+    fl_mem_set_live(pl, work, as.work_const_bytes);
+    fl_mem_set_live(pl, lacts, 0);
+    fl_mem_set_live(pl, grads, SIZE_MAX);
     snap(g, "after_bwd");
     snprintf(g->step, sizeof g->step, "after_opt_step");
-    fl_mem_set_phase(&g->pool, "optimizer step");
+    fl_mem_set_phase(pl, "optimizer step");
+    fl_mem_set_live(pl, grads, 0);
     snap(g, "after_opt_step");
     if (!x->gen || g->failed) return;
     /* evaluation sample (generate_example: fl_kv_cache_init, then fl_generate) */
@@ -318,6 +341,9 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
         p[k++] = palloc(g, FL_TAG_WORKSPACE, gs.rope_bytes / 2, "generation RoPE cos table");
         p[k++] = palloc(g, FL_TAG_WORKSPACE, gs.rope_bytes / 2, "generation RoPE sin table");
     }
+    /* live at the end of the sample: the whole KV cache (every position written, read by the
+     * next token) and the RoPE tables; the rest is one decode step's scratch */
+    for (int i = 0; i < k; i++) fl_mem_set_live(&g->pool, p[i], SIZE_MAX);
     p[k++] = palloc(g, FL_TAG_WORKSPACE, gs.step_bytes, "decode step scratch");
     p[k++] = palloc(g, FL_TAG_WORKSPACE, gs.sampler_bytes / 2, "sampler probabilities");
     p[k++] = palloc(g, FL_TAG_WORKSPACE, gs.sampler_bytes - gs.sampler_bytes / 2, "sampler indices");
@@ -605,9 +631,9 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
 
 /* ---- output ------------------------------------------------------------------------------ */
 
-static void row(FILE *f, const char *name, const size_t *b, size_t total, size_t peak, int with_peak) {
+static void row(FILE *f, const char *name, const char *kind, const size_t *b, size_t total, size_t peak, int with_peak) {
     char s[32];
-    fprintf(f, "%-16s", name);
+    fprintf(f, "%-16s %-8s", name, kind);
     for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, " %11s", fl_fmt_bytes(b[t], s, sizeof s));
     fprintf(f, " %11s", fl_fmt_bytes(total, s, sizeof s));
     if (with_peak) fprintf(f, " %11s", fl_fmt_bytes(peak, s, sizeof s));
@@ -629,13 +655,16 @@ void fl_plan_print(const fl_plan *p, FILE *f) {
         fprintf(f, "\nverdict: NOT AVAILABLE: %s\n", p->unavailable);
         return;
     }
-    fprintf(f, "\nplanned memory (bytes live at each phase of a step, as the runtime's memory report)\n");
-    fprintf(f, "%-16s", "phase");
+    fprintf(f, "\nplanned memory at each phase of a step, as the runtime's memory report: reserved = allocated, "
+               "live = holding data a later phase still reads\n");
+    fprintf(f, "%-16s %-8s", "phase", "");
     for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, " %11s", fl_mem_tag_name((fl_mem_tag)t));
     fprintf(f, " %11s %11s\n", "total", "phase peak");
-    for (int i = 0; i < p->n_phases; i++)
-        row(f, p->phases[i].name, p->phases[i].cur, p->phases[i].cur_total, p->phases[i].peak_total, 1);
-    row(f, "peak", p->peak, p->peak_total, 0, 0);
+    for (int i = 0; i < p->n_phases; i++) {
+        row(f, p->phases[i].name, "reserved", p->phases[i].cur, p->phases[i].cur_total, p->phases[i].peak_total, 1);
+        row(f, "", "live", p->phases[i].live, p->phases[i].live_total, 0, 0);
+    }
+    row(f, "peak", "reserved", p->peak, p->peak_total, 0, 0);
     if (p->budget)
         fprintf(f, "budget %s (%zu bytes); planned peak %s = %.1f%% of it\n", fl_fmt_bytes(p->budget, a, sizeof a),
                 p->budget, fl_fmt_bytes(p->peak_total, b, sizeof b), 100.0 * (double)p->peak_total / (double)p->budget);
@@ -724,6 +753,8 @@ void fl_plan_write_json(const fl_plan *p, FILE *f) {
         jstr(f, p->phases[i].name);
         fprintf(f, ", \"bytes\": ");
         jtags(f, p->phases[i].cur, p->phases[i].cur_total);
+        fprintf(f, ", \"live\": ");
+        jtags(f, p->phases[i].live, p->phases[i].live_total);
         fprintf(f, ", \"phase_peak\": %zu}", p->phases[i].peak_total);
     }
     fprintf(f, "%s],\n  \"peak\": ", p->n_phases ? "\n  " : "");

@@ -1,7 +1,9 @@
+#define _POSIX_C_SOURCE 200809L /* getline */
 /* Metrics logger: out_dir/logs/metrics.csv (or .jsonl), one row per log line
  * or evaluation, flushed as written so a crash loses nothing already logged. */
 #include <errno.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 
@@ -12,7 +14,48 @@ static const char *k_cols[] = {"iter", "step", "epoch", "loss", "iter_time", "to
                                "mem_optim", "mem_acts", "mem_workspace", "mem_other", "mem_peak"};
 #define N_COLS (sizeof k_cols / sizeof k_cols[0])
 
-fl_status fl_metrics_open(fl_metrics *mt, const char *out_dir, const char *kind, int append) {
+/* The iteration a logged line belongs to: the first CSV field, or JSONL's "iter". -1 if none. */
+static long line_iter(const char *line, int jsonl) {
+    const char *p = line;
+    if (jsonl) {
+        p = strstr(line, "\"iter\":");
+        if (!p) return -1;
+        p += 7;
+    }
+    char *end;
+    long v = strtol(p, &end, 10);
+    return end == p ? -1 : v;
+}
+
+/* A resumed run continues from the checkpoint's iteration: rows logged after it (by the
+ * run that went on past its last checkpoint) are dropped, so no iteration appears twice. */
+static fl_status keep_upto(const char *path, int jsonl, long keep_iter) {
+    FILE *in = fopen(path, "r");
+    if (!in) return FL_OK; /* nothing logged yet */
+    char tmp[4400];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *out = fopen(tmp, "w");
+    if (!out) { fclose(in); return fl_errorf(FL_ERR_IO, "%s: cannot write: %s", tmp, strerror(errno)); }
+    char *line = NULL;
+    size_t cap = 0;
+    long n = 0;
+    ssize_t len;
+    int bad = 0;
+    while ((len = getline(&line, &cap, in)) > 0) {
+        long it = line_iter(line, jsonl);
+        int header = !jsonl && n == 0 && it < 0;
+        n++;
+        if (!header && (it < 0 || it > keep_iter)) continue;
+        if (fwrite(line, 1, (size_t)len, out) != (size_t)len) bad = 1;
+    }
+    free(line);
+    fclose(in);
+    if (fclose(out) != 0 || bad) { remove(tmp); return fl_errorf(FL_ERR_IO, "%s: write failed", tmp); }
+    if (rename(tmp, path) != 0) return fl_errorf(FL_ERR_IO, "%s: cannot replace: %s", path, strerror(errno));
+    return FL_OK;
+}
+
+fl_status fl_metrics_open(fl_metrics *mt, const char *out_dir, const char *kind, int append, long keep_iter) {
     memset(mt, 0, sizeof *mt);
     char dir[4200];
     snprintf(dir, sizeof dir, "%s/logs", out_dir);
@@ -20,6 +63,7 @@ fl_status fl_metrics_open(fl_metrics *mt, const char *out_dir, const char *kind,
         return fl_errorf(FL_ERR_IO, "%s: cannot create: %s", dir, strerror(errno));
     mt->jsonl = !strcmp(kind, "jsonl");
     snprintf(mt->path, sizeof mt->path, "%s/metrics.%s", dir, mt->jsonl ? "jsonl" : "csv");
+    if (append && keep_iter >= 0) FL_TRY(keep_upto(mt->path, mt->jsonl, keep_iter));
     struct stat st;
     int exists = stat(mt->path, &st) == 0 && st.st_size > 0;
     mt->f = fopen(mt->path, append ? "a" : "w");

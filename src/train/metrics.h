@@ -21,7 +21,9 @@ typedef struct {
     double mem_peak;
 } fl_metrics_values;
 
-fl_status fl_metrics_open(fl_metrics *mt, const char *out_dir, const char *kind, int append);
+/* append: continue the file of a resumed run, keeping only its rows of iterations <= keep_iter
+ * (the checkpoint's; -1 keeps all); else start a new file. */
+fl_status fl_metrics_open(fl_metrics *mt, const char *out_dir, const char *kind, int append, long keep_iter);
 void fl_metrics_row(fl_metrics *mt, const fl_metrics_values *v);
 void fl_metrics_close(fl_metrics *mt);
 

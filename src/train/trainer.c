@@ -42,6 +42,8 @@ typedef struct {
     fl_metrics metrics;
     int32_t *ids, *tgt;         /* (accum, B, T_max) step buffers, OTHER */
     fl_micro_batch *mbs;        /* (accum) */
+    long *mb_epoch;             /* (accum) epoch each micro-batch of the step was drawn from */
+    long long *mb_tokens;       /* (accum) padded tokens of each micro-batch */
     int accum, B, T;
     long max_steps, warmup, steps_per_epoch;
     fl_train_state st;
@@ -279,7 +281,9 @@ static fl_status validate(trainer *t, int max_iters, double *loss) {
 }
 
 /* LitGPT's generate_example: the fixed instruction through the prompt style,
- * sampled at temperature 0.8, printed to show what the model has learned. */
+ * sampled at temperature 0.8, printed to show what the model has learned.
+ * Pretraining has no instructions: the prompt is the first FL_PRETRAIN_PROMPT_TOKENS
+ * tokens of the first validation text, and the model continues it. */
 static fl_status generate_example(trainer *t) {
     const fl_run_config *c = t->cfg;
     if (!t->out || c->eval.max_new_tokens <= 0) return FL_OK;
@@ -290,9 +294,21 @@ static fl_status generate_example(trainer *t) {
     fl_kv_cache kv;
     memset(&kv, 0, sizeof kv);
     int kv_ok = 0;
-    fl_status s = fl_data_format_prompt(c->data.prompt_style[0] ? c->data.prompt_style : "alpaca", instruction, "",
-                                        &prompt);
-    if (s == FL_OK) s = fl_tok_encode(t->tok, prompt, strlen(prompt), -1, 0, &ids, &n);
+    fl_status s = FL_OK;
+    if (c->command == FL_CMD_PRETRAIN && t->data && fl_data_count(t->data, FL_SPLIT_VAL) > 0) {
+        const fl_sample *sm = fl_data_get(t->data, FL_SPLIT_VAL, 0);
+        n = (size_t)(sm->len - 1 < FL_PRETRAIN_PROMPT_TOKENS ? sm->len - 1 : FL_PRETRAIN_PROMPT_TOKENS);
+        if (n < 1) n = 1;
+        ids = malloc(n * sizeof *ids);
+        if (!ids) s = fl_errorf(FL_ERR_OOM, "out of host memory");
+        else memcpy(ids, sm->ids, n * sizeof *ids);
+        size_t pl = 0;
+        if (s == FL_OK) s = fl_tok_decode(t->tok, ids, n, 1, &prompt, &pl);
+        instruction = prompt; /* printed before the continuation */
+    } else {
+        s = fl_data_format_prompt(c->data.prompt_style[0] ? c->data.prompt_style : "alpaca", instruction, "", &prompt);
+        if (s == FL_OK) s = fl_tok_encode(t->tok, prompt, strlen(prompt), -1, 0, &ids, &n);
+    }
     int cap = (int)n + c->eval.max_new_tokens;
     if (s == FL_OK && cap > t->model.cfg.max_seq) {
         fprintf(t->out, "(sample generation skipped: prompt of %zu tokens + eval.max_new_tokens %d exceeds the "
@@ -316,7 +332,8 @@ static fl_status generate_example(trainer *t) {
         s = fl_generate(&t->model, &kv, ids, (int)n, &gp, eos >= 0 ? &eos : NULL, eos >= 0 ? 1 : 0, gen, &n_out, &why,
                         NULL, NULL);
         if (s == FL_OK) s = fl_tok_decode(t->tok, gen, (size_t)n_out, 1, &text, &len);
-        if (s == FL_OK) fprintf(t->out, "%s\n%s\n", instruction, text);
+        /* pretrain: the text prefix and its continuation read as one text */
+        if (s == FL_OK) fprintf(t->out, "%s%s%s\n", instruction, c->command == FL_CMD_PRETRAIN ? "" : "\n", text);
     }
 out:
     fl_model_lora_set_train(&t->model, 1);
@@ -334,12 +351,36 @@ static void bar_clear(trainer *t) {
     if (t->bar && t->out) fputs("\r\033[K", t->out);
 }
 
-static void bar_draw(trainer *t, long step) {
+/* "1h02m", "3m05s", "42s" */
+static void fmt_duration(double s, char *buf, size_t n) {
+    long v = s > 0 ? (long)(s + 0.5) : 0;
+    if (v >= 3600) snprintf(buf, n, "%ldh%02ldm", v / 3600, v / 60 % 60);
+    else if (v >= 60) snprintf(buf, n, "%ldm%02lds", v / 60, v % 60);
+    else snprintf(buf, n, "%lds", v);
+}
+
+/* Remaining training time: the mean step time measured in this session times the steps
+ * left, capped by what train.max_time leaves. Evaluation and checkpoint time are not in
+ * it (they are not training time either). Returns -1 before anything was measured. */
+double fl_trainer_eta(double session_seconds, long session_steps, long steps_left, double max_time,
+                      double train_seconds) {
+    if (session_steps <= 0 || session_seconds <= 0) return -1;
+    double eta = session_seconds / (double)session_steps * (double)(steps_left > 0 ? steps_left : 0);
+    if (max_time > 0) {
+        double left = max_time - train_seconds;
+        if (left < eta) eta = left > 0 ? left : 0;
+    }
+    return eta;
+}
+
+static void bar_draw(trainer *t, long step, double eta) {
     if (!t->bar || !t->out) return;
     int w = 30, fill = (int)(w * (double)step / (double)(t->max_steps > 0 ? t->max_steps : 1));
     if (fill > w) fill = w;
-    fprintf(t->out, "\r[%.*s%*s] step %ld/%ld", fill, "##############################", w - fill, "", step,
-            t->max_steps);
+    char e[32] = "--";
+    if (eta >= 0) fmt_duration(eta, e, sizeof e);
+    fprintf(t->out, "\r[%.*s%*s] step %ld/%ld, ETA %s", fill, "##############################", w - fill, "", step,
+            t->max_steps, e);
     fflush(t->out);
 }
 
@@ -410,6 +451,8 @@ static void cleanup(trainer *t) {
         fl_mem_free(&t->pool, t->tgt);
     }
     free(t->mbs);
+    free(t->mb_epoch);
+    free(t->mb_tokens);
     fl_loader_free(t->train);
     fl_loader_free(t->val);
     fl_data_free(t->data);
@@ -480,6 +523,7 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
     fl_mem_set_phase(&t.pool, "model load");
     CHECK(load_model_and_tokenizer(&t));
     CHECK(fl_model_set_precision(&t.model, &prec));
+    fl_mem_snapshot(&t.pool, "after_load"); /* the weights alone (plan.c takes the same snapshot) */
     CHECK(load_data(&t));
     schedule(&t);
     fl_mem_set_phase(&t.pool, "setup");
@@ -498,13 +542,15 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
     CHECK(fl_mem_alloc(&t.pool, FL_TAG_OTHER, (size_t)t.accum * per * sizeof(int32_t), (void **)&t.ids));
     CHECK(fl_mem_alloc(&t.pool, FL_TAG_OTHER, (size_t)t.accum * per * sizeof(int32_t), (void **)&t.tgt));
     t.mbs = calloc((size_t)t.accum, sizeof *t.mbs);
-    if (!t.mbs) { s = fl_errorf(FL_ERR_OOM, "out of host memory"); goto done; }
+    t.mb_epoch = calloc((size_t)t.accum, sizeof *t.mb_epoch);
+    t.mb_tokens = calloc((size_t)t.accum, sizeof *t.mb_tokens);
+    if (!t.mbs || !t.mb_epoch || !t.mb_tokens) { s = fl_errorf(FL_ERR_OOM, "out of host memory"); goto done; }
     CHECK(fl_io_mkdir_p(cfg->out_dir));
     fl_ckpt_clean_tmp(cfg->out_dir);
     int resumed = 0;
     CHECK(resume_if_asked(&t, &resumed));
     fl_model_sync_compute_copy(&t.model); /* resumed master weights -> compute copy */
-    CHECK(fl_metrics_open(&t.metrics, cfg->out_dir, cfg->logger_name, resumed));
+    CHECK(fl_metrics_open(&t.metrics, cfg->out_dir, cfg->logger_name, resumed, resumed ? t.st.iter : -1));
 
     const fl_data_stats *ds = fl_data_get_stats(t.data);
     if (out) {
@@ -519,9 +565,15 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
                 "%s lr %g, min_lr %g\n",
                 t.B, t.accum, cfg->train.global_batch_size, t.steps_per_epoch, t.max_steps, t.warmup,
                 fl_optim_name(cfg->optimizer.kind), cfg->optimizer.lr, cfg->train.min_lr);
+        long bpe = (long)fl_loader_batches_per_epoch(t.train);
+        if (bpe < t.accum) /* the epoch counter then moves every few iterations, inside one step */
+            fprintf(out, "note: the training split is %ld micro-batch%s of %d, fewer than the %d of one optimizer "
+                    "step: every step goes over it %.3g times (epochs are counted per micro-batch)\n",
+                    bpe, bpe == 1 ? "" : "es", t.B, t.accum, (double)t.accum / (double)bpe);
     }
 
     double val_loss = NAN;
+    long val_step = -1; /* the step of the last evaluation in the loop */
     if (cfg->eval.initial_validation) {
         CHECK(validate(&t, cfg->eval.max_iters, &val_loss));
         if (out) fprintf(out, "initial validation | val loss: %.3f | val ppl: %.3f\n", val_loss, exp(val_loss));
@@ -532,6 +584,8 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
     if (!window) { s = fl_errorf(FL_ERR_OOM, "out of host memory"); goto done; }
     long wn = 0;
     double t_start = now_s() - t.st.train_seconds;
+    const double train0 = t.st.train_seconds; /* a resumed run measures its own steps for the ETA */
+    const long step0 = t.st.step;
     int stopped = 0;
     while (t.st.step < t.max_steps) {
         fl_loader_state ls;
@@ -540,10 +594,15 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
         if (cfg->train.max_tokens > 0 && t.st.tokens_real >= cfg->train.max_tokens) break;
         /* fetch the step's micro-batches */
         long step_valid = 0;
+        long long tokens0 = t.st.tokens_padded; /* before this step: the log counts iteration by iteration */
         for (int k = 0; k < t.accum; k++) {
             fl_batch b;
             int ne;
             CHECK(fl_loader_next(t.train, &b, &ne));
+            fl_loader_state lk;
+            fl_loader_get_state(t.train, &lk);
+            t.mb_epoch[k] = (long)lk.epoch; /* the loader moves to the next epoch when it wraps */
+            t.mb_tokens[k] = b.padded_tokens;
             int32_t *di = t.ids + (size_t)k * per, *dt = t.tgt + (size_t)k * per;
             memcpy(di, b.ids, (size_t)b.B * b.T * sizeof *di);
             memcpy(dt, b.targets, (size_t)b.B * b.T * sizeof *dt);
@@ -571,6 +630,7 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
                                                   cfg->train.max_norm, &ls_k, &nv_k, &sr), t.st.step + 1, t.st.iter + 1));
             }
             t.st.iter++;
+            tokens0 += t.mb_tokens[k]; /* tokens through this iteration */
             t.st.flops += fl_model_train_flops(&t.model.cfg, t.mbs[k].B, t.mbs[k].T);
             step_loss += ls_k;
             double it_loss = nv_k > 0 ? ls_k / nv_k : NAN;
@@ -582,7 +642,6 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
             r.last_loss = run;
             double it_time = now_s() - it0;
             if (t.st.iter % cfg->train.log_interval == 0) {
-                fl_loader_get_state(t.train, &ls);
                 long step_now = t.st.step + (last ? 1 : 0);
                 char vbuf[32];
                 if (isnan(val_loss)) snprintf(vbuf, sizeof vbuf, "n/a");
@@ -590,10 +649,12 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
                 bar_clear(&t);
                 if (out)
                     fprintf(out, "Epoch %lld | iter %ld step %ld | loss train: %.3f, val: %s | iter time: %.2f ms%s\n",
-                            (long long)ls.epoch + 1, t.st.iter, step_now, run, vbuf, it_time * 1e3, last ? " (step)" : "");
-                fl_metrics_values mv = {t.st.iter, step_now, (long)ls.epoch, run, it_time, lr, NAN,
+                            (long long)t.mb_epoch[k] + 1, t.st.iter, step_now, run, vbuf, it_time * 1e3,
+                            last ? " (step)" : "");
+                /* tokens: cumulative through this iteration (LitGPT's iter_num x micro batch x T) */
+                fl_metrics_values mv = {t.st.iter, step_now, t.mb_epoch[k], run, it_time, lr, NAN,
                                         t.mbs[k].B * t.mbs[k].T / (it_time > 0 ? it_time : 1e-9),
-                                        t.st.tokens_padded, t.st.tokens_padded, {0}, 0};
+                                        tokens0, tokens0, {0}, 0};
                 mem_values(&t.pool, &mv);
                 fl_metrics_row(&t.metrics, &mv);
             }
@@ -627,6 +688,7 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
             mv.tokens = t.st.tokens_padded;
             mv.total_tokens = t.st.tokens_padded;
             fl_metrics_row(&t.metrics, &mv);
+            val_step = t.st.step;
             t_start += now_s() - e0; /* evaluation time is not training time */
         }
         if (cfg->train.save_interval > 0 && t.st.step % cfg->train.save_interval == 0) {
@@ -653,7 +715,9 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
                         (double)cfg->train.max_time, t.st.step, t.max_steps, t.st.train_seconds);
             break;
         }
-        bar_draw(&t, t.st.step);
+        bar_draw(&t, t.st.step,
+                 fl_trainer_eta(t.st.train_seconds - train0, t.st.step - step0, t.max_steps - t.st.step,
+                                cfg->train.max_time, t.st.train_seconds));
     }
     bar_clear(&t);
     r.steps = t.st.step;
@@ -663,10 +727,17 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
     r.tokens_prompt = t.st.tokens_prompt;
     r.tokens_padded = t.st.tokens_padded;
     if (!stopped) {
+        /* the evaluation of the last step already covered every validation batch with these
+         * weights: that is the final evaluation (no second, identical row in the log) */
+        long n_val = t.val ? (long)fl_loader_batches_per_epoch(t.val) : 0;
+        int have_final = val_step == t.st.step && cfg->eval.max_iters >= n_val;
         if (cfg->eval.final_validation && t.val) {
-            CHECK(diverged(&t, validate(&t, (int)fl_loader_batches_per_epoch(t.val), &val_loss), t.st.step, t.st.iter));
+            if (!have_final)
+                CHECK(diverged(&t, validate(&t, (int)n_val, &val_loss), t.st.step, t.st.iter));
             r.val_loss = val_loss;
             if (out) fprintf(out, "Final evaluation | val loss: %.3f | val ppl: %.3f\n", val_loss, exp(val_loss));
+        }
+        if (cfg->eval.final_validation && t.val && !have_final) {
             fl_metrics_values mv = {t.st.iter, t.st.step, (long)t.st.loader.epoch, NAN, NAN, NAN, val_loss, NAN, -1, -1, {0}, 0};
             mem_values(&t.pool, &mv);
             mv.tokens = t.st.tokens_padded;
@@ -697,6 +768,8 @@ done:
     if (t.pool_ok) { /* also on failure: what was reached, and the OOM record */
         for (int k = 0; k < FL_TAG_COUNT; k++) r.peak[k] = t.pool.peak[k];
         r.peak_total = t.pool.peak_total;
+        r.n_phases = t.pool.n_phases < FL_TRAINER_MAX_PHASES ? t.pool.n_phases : FL_TRAINER_MAX_PHASES;
+        memcpy(r.phases, t.pool.phases, (size_t)r.n_phases * sizeof r.phases[0]);
         if (s == FL_ERR_OOM) r.oom = t.pool.oom;
     }
     if (res) *res = r;
