@@ -4,7 +4,8 @@
 #     a second run and the threads implementation's bits (tests/mpi/comm_mpi_test.c);
 #   - faults: one rank calls fl_comm_abort, or exits non-zero without a word, while the others wait:
 #     every rank must end, the job non-zero, within seconds, the output naming the rank;
-#   - torchrun-style variables without mpirun: refused, naming the mpirun command to use.
+#   - torchrun-style variables without mpirun, srun without an MPI plugin, another MPI's launcher:
+#     refused, naming what to run instead.
 # Skips (exit 0, with the reason) when the build has no MPI or mpirun is missing.
 # Usage: tests/mpi_test.sh [build-dir]
 set -u
@@ -60,6 +61,15 @@ fault mpi_dead_rank_ends_all_ranks die "Exit code: +7"
 # torchrun-style variables without an MPI launcher: refused with the command to run
 env -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE RANK=1 WORLD_SIZE=2 "$BIN" >"$T/out" 2>&1; rc=$?
 if [ $rc -ne 0 ] && grep -q "mpirun -np 2 fitllm" "$T/out"; then ok "mpi_torchrun_without_mpirun"; else bad "mpi_torchrun_without_mpirun" "exit $rc"; fi
+
+# a launcher whose rank count MPI does not see (each process a singleton): refused, naming the fix
+env -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE SLURM_PROCID=0 SLURM_STEP_NUM_TASKS=2 SLURM_LOCALID=0 \
+    timeout 60 "$BIN" >"$T/out" 2>&1; rc=$?
+if [ $rc -ne 0 ] && grep -q "Slurm (srun) says rank 0 of 2 but MPI .* sees rank 0 of 1: srun needs .*--mpi=pmix" "$T/out"; then
+    ok "mpi_srun_without_pmix"; else bad "mpi_srun_without_pmix" "exit $rc"; fi
+env -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE PMI_RANK=1 PMI_SIZE=2 timeout 60 "$BIN" >"$T/out" 2>&1; rc=$?
+if [ $rc -ne 0 ] && grep -q "says rank 1 of 2 but MPI .* sees rank 0 of 1: .*use the mpirun of the MPI fitllm was built with" "$T/out"; then
+    ok "mpi_foreign_launcher"; else bad "mpi_foreign_launcher" "exit $rc"; fi
 
 echo
 echo "MPI tests: $pass passed, $fail failed"

@@ -124,11 +124,11 @@ FL_TEST(comm_threads_collectives) {
     for (int n = 1; n <= 5; n++) {
         int m, f = run_all_cases(n, 0, &m);
         total += m;
-        FL_CHECKF(f == 0, "%d of %d cases failed at %d ranks", f, m, n);
+        FL_CHECKF(f == 0, "%d wrong rank results in %d cases at %d ranks", f, m, n);
     }
     /* 7 ranks: a count of 3 leaves four ranks with empty chunks */
     int m, f = run_all_cases(7, 0, &m);
-    FL_CHECKF(f == 0, "%d of %d cases failed at 7 ranks", f, m);
+    FL_CHECKF(f == 0, "%d wrong rank results in %d cases at 7 ranks", f, m);
     FL_CHECK(total > 500);
 }
 
