@@ -172,7 +172,8 @@ typedef fl_status (*fl_comm_rank_fn)(fl_comm *c, int rank, void *ctx);
 fl_status fl_comm_threads_run(int n, fl_comm_rank_fn fn, void *ctx);
 
 /* Scratch (receive buffers of the MPI reduce-scatter: (N-1) x chunk elements per outstanding
- * reduction) from pool under tag instead of malloc, so the memory report counts it. */
+ * reduction) from pool under FL_TAG_WORKSPACE instead of malloc, so the memory report counts it.
+ * The pool is not thread-safe: it must be the one the driving thread allocates from. NULL: malloc. */
 void fl_comm_set_pool(fl_comm *c, fl_mem_pool *pool);
 /* Bytes of scratch the collective takes on this rank while it is pending (what the planner
  * adds): MPI reductions (N-1) x len(rank) elements, otherwise 0. */
