@@ -5,7 +5,8 @@
 BUILD      ?= build
 ASAN_BUILD ?= build-asan
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
-DEB_PKGS   := cmake make gcc libc6-dev libopenblas-dev libdnnl-dev libyaml-dev libpcre2-dev
+# openmpi-*: multi-process collectives (src/comm/comm_mpi.c); the build also works without them
+DEB_PKGS   := cmake make gcc libc6-dev libopenblas-dev libdnnl-dev libyaml-dev libpcre2-dev openmpi-bin libopenmpi-dev
 # optional: the lab's PNG charts (without it `fitllm lab` writes the data and notes it in report.md)
 DEB_OPT_PKGS := gnuplot-nox
 FITLLM_DATA ?= ../shared/data
@@ -50,12 +51,13 @@ $(BUILD)/Makefile: CMakeLists.txt
 build: setup $(BUILD)/Makefile
 	cmake --build $(BUILD) -j $(JOBS)
 
-# Release suite, then the memory/I-O/error-path tests again under ASan+UBSan
+# Release suite, the CLI and MPI (mpirun -np 2 and 4) tests, then the memory/I-O/error-path tests again under ASan+UBSan
 # (fault-injection sweeps and bad-input files must not leak or crash).
 test: build
 	./$(BUILD)/fitllm_tests
 	tests/check_vectorized.sh $(BUILD)
 	tests/cli_test.sh ./$(BUILD)/fitllm
+	tests/mpi_test.sh $(BUILD)
 	$(MAKE) --no-print-directory asan ASAN_FILTER=""
 
 test-fast: build

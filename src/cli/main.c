@@ -4,6 +4,7 @@
 
 #include "backend/cpu/cpu-impl.h"
 #include "cli.h"
+#include "fitllm/comm.h"
 #include "fitllm/cpu.h"
 
 /* Build facts come from CMake (CMakeLists.txt, "CLI"); defaults for other build systems. */
@@ -87,6 +88,13 @@ static int version(void) {
     printf("kernels:  gemm %s, bf16 gemm %s, f16 gemm %s, adam8bit quantizer %s, 16-bit conversions %s\n",
            k.gemm_library, k.bf16_gemm, k.f16_gemm, k.adam8bit, k.convert);
     printf("threads:  %d (default; OMP_NUM_THREADS or --threads where a command has it)\n", k.threads);
+    /* how this process was launched (environment only: --version never initializes MPI) */
+    fl_launch_info li;
+    char how[384];
+    if (fl_launch_detect(&li) == FL_OK) fl_launch_describe(&li, how, sizeof how);
+    else snprintf(how, sizeof how, "%s", fl_error_message());
+    if (fl_comm_mpi_built()) printf("comm:     MPI (%s); launched by %s\n", fl_comm_mpi_library(), how);
+    else printf("comm:     single process only (built without MPI); launched by %s\n", how);
     return 0;
 }
 

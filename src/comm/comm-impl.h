@@ -1,0 +1,35 @@
+/* Internal to src/comm/: what the implementations share (the one reduction kernel that makes
+ * them bit-identical, scratch, messages). */
+#ifndef FITLLM_COMM_IMPL_H
+#define FITLLM_COMM_IMPL_H
+
+#include <stdarg.h>
+
+#include "fitllm/comm.h"
+
+/* dst[i] = op over r = 0..n-1 (in that order) of src[r][i], i < len, for dtype dt (F32 or BF16).
+ * Accumulates in fp32 (BF16 widened exactly), AVG divides the sum by n in fp32, and the result
+ * is rounded to dt once. dst may alias any src[r] at the same index (blocks are staged in a
+ * stack accumulator). The same function runs in every implementation: that, with the fixed rank
+ * order, is what makes their results bit-identical. */
+void fl_comm_reduce_kernel(void *dst, const void *const *src, int n, size_t len, fl_dtype dt, fl_comm_op op);
+
+/* "all_reduce(count 1000, BF16, sum)" / "broadcast(count 7, F32, root 2)" into buf. */
+const char *fl_comm_what(char *buf, size_t n, fl_coll_kind kind, size_t count, fl_dtype dt, fl_comm_op op, int root);
+
+/* Record "comm <impl>: rank R of N: <what>: <fmt...>" and return s. */
+fl_status fl_comm_fail(const fl_comm *c, fl_status s, const char *what, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+/* Scratch for pending collectives: from c->pool (WORKSPACE) when set, else malloc. */
+fl_status fl_comm_scratch_alloc(fl_comm *c, size_t bytes, void **out);
+void fl_comm_scratch_free(fl_comm *c, void *p);
+
+/* Allocate and fill the common fields of a handle (impl-specific fields are the caller's). */
+fl_status fl_comm_alloc_handle(const fl_comm_vtable *vt, int rank, int size, fl_comm **out);
+
+#ifdef FL_HAVE_MPI
+fl_status fl_comm_mpi_init(fl_comm **out, const fl_launch_info *li, int *argc, char ***argv);
+#endif
+
+#endif

@@ -1,0 +1,471 @@
+/* The threads implementation of fl_comm: N ranks as N threads of one process sharing memory.
+ *
+ * For tests: collective semantics in the normal suite where MPI is absent, and the bit-exact
+ * twin of the MPI implementation (the same chunk layout, rank order and reduction kernel).
+ *
+ * Each collective a rank posts takes the next sequence number; the group keeps a ring of SLOTS
+ * shared op records indexed by it. A rank posts its buffer pointers into the record, then its
+ * request goes through two phases, each followed by a rendezvous of all ranks:
+ *   phase A  all_reduce / reduce_scatter: reduce this rank's chunk from every rank's send buffer;
+ *            all_gather: copy every rank's chunk in; broadcast: copy the root's buffer;
+ *   phase B  all_reduce: copy the other ranks' reduced chunks in (from their recv buffers);
+ * and is complete when every rank has finished phase B (nobody reads its buffers any more). Work
+ * runs outside the lock; the counters under it. Waiting progresses all of the rank's outstanding
+ * requests, so requests may be completed in any order without deadlock. A failure (a rank's
+ * abort, mismatched calls, a timeout) breaks the whole group: every rank's pending and later
+ * calls fail naming the cause. */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "comm/comm-impl.h"
+
+#define SLOTS 64
+
+typedef struct {
+    int busy;
+    uint64_t seq;
+    int posted, doneA, doneB, released;
+    fl_coll_kind kind;
+    size_t count;
+    fl_dtype dt;
+    fl_comm_op op;
+    int root, first_rank;
+    const void **send; /* [n] */
+    void **recv;       /* [n] */
+} slot;
+
+typedef struct {
+    int n;
+    double timeout_s;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    slot slots[SLOTS];
+    int broken;
+    char why[1024]; /* the cause, reported by every rank */
+    int refs;
+} group;
+
+typedef struct treq {
+    fl_comm_req base;
+    uint64_t seq;
+    int stage; /* 0 posted, 1 phase A done, 2 phase B done, 3 complete */
+    struct treq *next;
+} treq;
+
+typedef struct {
+    group *g;
+    uint64_t next_seq;
+    treq *head; /* outstanding, in posting order */
+} tcomm;
+
+static void break_group(group *g, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void break_group(group *g, const char *fmt, ...) {
+    if (g->broken) return; /* the first cause is the one reported */
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g->why, sizeof g->why, fmt, ap);
+    va_end(ap);
+    g->broken = 1;
+    pthread_cond_broadcast(&g->cv);
+}
+
+static struct timespec deadline_after(double s) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    long long ns = t.tv_nsec + (long long)((s - (long long)s) * 1e9);
+    t.tv_sec += (time_t)s + ns / 1000000000LL;
+    t.tv_nsec = ns % 1000000000LL;
+    return t;
+}
+
+static const char *req_what(const treq *r, char *buf, size_t n) {
+    return fl_comm_what(buf, n, r->base.kind, r->base.count, r->base.dtype, r->base.op, 0);
+}
+
+/* The work of phase A (ph 0) or B (ph 1) for rank me. Runs without the lock; the slot cannot be
+ * reused before every rank has released it. */
+static void do_phase(slot *s, int n, int me, int ph) {
+    size_t es = fl_dtype_size(s->dt), off, len;
+    fl_comm_chunk(s->count, n, me, &off, &len);
+    const void *src[256];
+    const void **srcp = n <= 256 ? src : malloc((size_t)n * sizeof *srcp);
+    switch (s->kind) {
+    case FL_COLL_ALL_REDUCE:
+        if (ph == 0) {
+            for (int k = 0; k < n; k++) srcp[k] = (const char *)s->send[k] + off * es;
+            fl_comm_reduce_kernel((char *)s->recv[me] + off * es, srcp, n, len, s->dt, s->op);
+        } else {
+            for (int k = 0; k < n; k++) {
+                if (k == me) continue;
+                size_t ko, kl;
+                fl_comm_chunk(s->count, n, k, &ko, &kl);
+                if (kl) memcpy((char *)s->recv[me] + ko * es, (const char *)s->recv[k] + ko * es, kl * es);
+            }
+        }
+        break;
+    case FL_COLL_REDUCE_SCATTER:
+        if (ph == 0) {
+            for (int k = 0; k < n; k++) srcp[k] = (const char *)s->send[k] + off * es;
+            fl_comm_reduce_kernel(s->recv[me], srcp, n, len, s->dt, s->op);
+        }
+        break;
+    case FL_COLL_ALL_GATHER:
+        if (ph == 0)
+            for (int k = 0; k < n; k++) {
+                size_t ko, kl;
+                fl_comm_chunk(s->count, n, k, &ko, &kl);
+                char *dst = (char *)s->recv[me] + ko * es;
+                if (kl && dst != (const char *)s->send[k]) memcpy(dst, s->send[k], kl * es);
+            }
+        break;
+    case FL_COLL_BROADCAST:
+        if (ph == 0 && me != s->root && s->count) memcpy(s->recv[me], s->send[s->root], s->count * es);
+        break;
+    default: break;
+    }
+    if (srcp != src) free((void *)srcp);
+}
+
+/* Advance r as far as it goes without waiting. Called and returns with the lock held. */
+static void progress_one(fl_comm *c, treq *r) {
+    tcomm *t = c->impl;
+    group *g = t->g;
+    slot *s = &g->slots[r->seq % SLOTS];
+    for (;;) {
+        if (g->broken) return;
+        if (r->stage == 0 && s->posted == g->n) {
+            pthread_mutex_unlock(&g->mu);
+            do_phase(s, g->n, c->rank, 0);
+            pthread_mutex_lock(&g->mu);
+            s->doneA++;
+            r->stage = 1;
+            pthread_cond_broadcast(&g->cv);
+        } else if (r->stage == 1 && s->doneA == g->n) {
+            pthread_mutex_unlock(&g->mu);
+            do_phase(s, g->n, c->rank, 1);
+            pthread_mutex_lock(&g->mu);
+            s->doneB++;
+            r->stage = 2;
+            pthread_cond_broadcast(&g->cv);
+        } else if (r->stage == 2 && s->doneB == g->n) {
+            if (++s->released == g->n) s->busy = 0;
+            r->stage = 3;
+            pthread_cond_broadcast(&g->cv);
+            return;
+        } else {
+            return;
+        }
+    }
+}
+
+static void progress_all(fl_comm *c) {
+    tcomm *t = c->impl;
+    for (treq *r = t->head; r; r = r->next)
+        if (r->stage < 3) progress_one(c, r);
+}
+
+static void unlink_req(tcomm *t, treq *r) {
+    for (treq **p = &t->head; *p; p = &(*p)->next)
+        if (*p == r) {
+            *p = r->next;
+            return;
+        }
+}
+
+/* The ranks that have not reached what r waits for (for the timeout message). */
+static void missing_ranks(group *g, const treq *r, char *buf, size_t n) {
+    const slot *s = &g->slots[r->seq % SLOTS];
+    int have = r->stage == 0 ? s->posted : r->stage == 1 ? s->doneA : s->doneB;
+    snprintf(buf, n, "%d of %d ranks %s", g->n - have, g->n,
+             r->stage == 0 ? "did not call it" : "did not finish their part");
+}
+
+/* Block (progressing everything) until cond(c) holds. Lock held. Breaks the group on timeout. */
+static fl_status wait_until(fl_comm *c, int (*cond)(fl_comm *, void *), void *arg, const char *what, treq *r) {
+    tcomm *t = c->impl;
+    group *g = t->g;
+    struct timespec dl = deadline_after(g->timeout_s);
+    for (;;) {
+        progress_all(c);
+        if (g->broken) return fl_comm_fail(c, FL_ERR_IO, what, "%s", g->why);
+        if (cond(c, arg)) return FL_OK;
+        if (pthread_cond_timedwait(&g->cv, &g->mu, &dl) != 0) {
+            progress_all(c);
+            if (cond(c, arg)) return FL_OK;
+            char miss[128] = "the other ranks did not join";
+            if (r) missing_ranks(g, r, miss, sizeof miss);
+            break_group(g, "rank %d gave up on %s (collective #%llu) after %.0f s: %s", c->rank, what,
+                        (unsigned long long)(r ? r->seq : t->next_seq), g->timeout_s, miss);
+            return fl_comm_fail(c, FL_ERR_IO, what, "%s", g->why);
+        }
+    }
+}
+
+static int cond_req_done(fl_comm *c, void *arg) { (void)c; return ((treq *)arg)->stage == 3; }
+static int cond_slot_free(fl_comm *c, void *arg) {
+    tcomm *t = c->impl;
+    const slot *s = &t->g->slots[*(uint64_t *)arg % SLOTS];
+    return !s->busy || s->seq == *(uint64_t *)arg;
+}
+
+static fl_status post(fl_comm *c, fl_coll_kind kind, const void *send, void *recv, size_t count, fl_dtype dt,
+                      fl_comm_op op, int root, fl_comm_req **out) {
+    tcomm *t = c->impl;
+    group *g = t->g;
+    char what[128];
+    fl_comm_what(what, sizeof what, kind, count, dt, op, root);
+    treq *r = calloc(1, sizeof *r);
+    if (!r) return fl_comm_fail(c, FL_ERR_OOM, what, "cannot allocate a request");
+    r->base = (fl_comm_req){c, kind, count, dt, op};
+    pthread_mutex_lock(&g->mu);
+    r->seq = t->next_seq++;
+    /* the slot's previous occupant (SLOTS collectives earlier) must be released by every rank */
+    fl_status st = wait_until(c, cond_slot_free, &r->seq, what, NULL);
+    if (st != FL_OK) goto fail;
+    slot *s = &g->slots[r->seq % SLOTS];
+    if (!s->busy) {
+        s->busy = 1;
+        s->seq = r->seq;
+        s->posted = s->doneA = s->doneB = s->released = 0;
+        s->kind = kind;
+        s->count = count;
+        s->dt = dt;
+        s->op = op;
+        s->root = root;
+        s->first_rank = c->rank;
+    } else if (s->kind != kind || s->count != count || s->dt != dt ||
+               ((kind == FL_COLL_ALL_REDUCE || kind == FL_COLL_REDUCE_SCATTER) && s->op != op) ||
+               (kind == FL_COLL_BROADCAST && s->root != root)) {
+        char theirs[128];
+        fl_comm_what(theirs, sizeof theirs, s->kind, s->count, s->dt, s->op, s->root);
+        break_group(g, "mismatched collective #%llu: rank %d called %s where rank %d called %s",
+                    (unsigned long long)r->seq, c->rank, what, s->first_rank, theirs);
+        st = fl_comm_fail(c, FL_ERR_INVALID, what, "%s", g->why);
+        goto fail;
+    }
+    s->send[c->rank] = kind == FL_COLL_BROADCAST ? recv : send;
+    s->recv[c->rank] = recv;
+    s->posted++;
+    r->next = NULL;
+    treq **p = &t->head;
+    while (*p) p = &(*p)->next;
+    *p = r;
+    pthread_cond_broadcast(&g->cv);
+    pthread_mutex_unlock(&g->mu);
+    *out = &r->base;
+    return FL_OK;
+fail:
+    pthread_mutex_unlock(&g->mu);
+    free(r);
+    return st;
+}
+
+static fl_status t_all_reduce(fl_comm *c, const void *send, void *recv, size_t count, fl_dtype dt, fl_comm_op op,
+                              fl_comm_req **req) {
+    return post(c, FL_COLL_ALL_REDUCE, send, recv, count, dt, op, 0, req);
+}
+static fl_status t_reduce_scatter(fl_comm *c, const void *send, void *recv, size_t count, fl_dtype dt,
+                                  fl_comm_op op, fl_comm_req **req) {
+    return post(c, FL_COLL_REDUCE_SCATTER, send, recv, count, dt, op, 0, req);
+}
+static fl_status t_all_gather(fl_comm *c, const void *send, void *recv, size_t count, fl_dtype dt,
+                              fl_comm_req **req) {
+    return post(c, FL_COLL_ALL_GATHER, send, recv, count, dt, FL_COMM_SUM, 0, req);
+}
+static fl_status t_broadcast(fl_comm *c, void *buf, size_t count, fl_dtype dt, int root, fl_comm_req **req) {
+    return post(c, FL_COLL_BROADCAST, NULL, buf, count, dt, FL_COMM_SUM, root, req);
+}
+
+static fl_status t_wait(fl_comm *c, fl_comm_req *base) {
+    tcomm *t = c->impl;
+    treq *r = (treq *)base;
+    char what[128];
+    req_what(r, what, sizeof what);
+    pthread_mutex_lock(&t->g->mu);
+    fl_status st = wait_until(c, cond_req_done, r, what, r);
+    unlink_req(t, r);
+    pthread_mutex_unlock(&t->g->mu);
+    free(r);
+    return st;
+}
+
+static fl_status t_test(fl_comm *c, fl_comm_req *base, int *done) {
+    tcomm *t = c->impl;
+    treq *r = (treq *)base;
+    fl_status st = FL_OK;
+    pthread_mutex_lock(&t->g->mu);
+    progress_all(c);
+    *done = r->stage == 3;
+    if (t->g->broken) {
+        char what[128];
+        st = fl_comm_fail(c, FL_ERR_IO, req_what(r, what, sizeof what), "%s", t->g->why);
+        *done = 1;
+    }
+    if (*done) unlink_req(t, r);
+    pthread_mutex_unlock(&t->g->mu);
+    if (*done) free(r);
+    return st;
+}
+
+static fl_status t_barrier(fl_comm *c) {
+    fl_comm_req *r;
+    FL_TRY(post(c, FL_COLL_BARRIER, NULL, NULL, 0, FL_F32, FL_COMM_SUM, 0, &r));
+    return t_wait(c, r);
+}
+
+static void t_abort(fl_comm *c, int code, const char *msg) {
+    tcomm *t = c->impl;
+    pthread_mutex_lock(&t->g->mu);
+    break_group(t->g, "rank %d aborted (code %d): %s", c->rank, code, msg);
+    pthread_mutex_unlock(&t->g->mu);
+}
+
+static void t_destroy(fl_comm *c) {
+    tcomm *t = c->impl;
+    group *g = t->g;
+    pthread_mutex_lock(&g->mu);
+    /* requests never waited for are released here (their collectives may be incomplete) */
+    while (t->head) {
+        treq *r = t->head;
+        t->head = r->next;
+        free(r);
+    }
+    int last = --g->refs == 0;
+    pthread_mutex_unlock(&g->mu);
+    if (last) {
+        for (int i = 0; i < SLOTS; i++) {
+            free(g->slots[i].send);
+            free(g->slots[i].recv);
+        }
+        pthread_mutex_destroy(&g->mu);
+        pthread_cond_destroy(&g->cv);
+        free(g);
+    }
+    free(t);
+    free(c);
+}
+
+static const fl_comm_vtable k_threads = {
+    .name = "threads",
+    .iall_reduce = t_all_reduce,
+    .ireduce_scatter = t_reduce_scatter,
+    .iall_gather = t_all_gather,
+    .ibroadcast = t_broadcast,
+    .barrier = t_barrier,
+    .test = t_test,
+    .wait = t_wait,
+    .abort = t_abort,
+    .destroy = t_destroy,
+};
+
+fl_status fl_comm_threads_create(int n, double timeout_s, fl_comm **comms) {
+    if (n < 1 || n > 4096) return fl_errorf(FL_ERR_INVALID, "comm threads: group size %d outside [1, 4096]", n);
+    group *g = calloc(1, sizeof *g);
+    if (!g) return fl_errorf(FL_ERR_OOM, "comm threads: cannot allocate a group of %d", n);
+    g->n = n;
+    g->timeout_s = timeout_s > 0 ? timeout_s : 120;
+    pthread_mutex_init(&g->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&g->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    int ok = 1;
+    for (int i = 0; i < SLOTS; i++) {
+        g->slots[i].send = calloc((size_t)n, sizeof(void *));
+        g->slots[i].recv = calloc((size_t)n, sizeof(void *));
+        ok = ok && g->slots[i].send && g->slots[i].recv;
+    }
+    for (int r = 0; r < n; r++) comms[r] = NULL;
+    for (int r = 0; ok && r < n; r++) {
+        tcomm *t = calloc(1, sizeof *t);
+        if (!t || fl_comm_alloc_handle(&k_threads, r, n, &comms[r]) != FL_OK) {
+            free(t);
+            ok = 0;
+            break;
+        }
+        t->g = g;
+        comms[r]->impl = t;
+        g->refs++;
+    }
+    if (!ok) {
+        int any = 0;
+        for (int r = 0; r < n; r++)
+            if (comms[r]) {
+                any = 1;
+                t_destroy(comms[r]); /* the last one frees the group */
+                comms[r] = NULL;
+            }
+        if (!any) {
+            for (int i = 0; i < SLOTS; i++) {
+                free(g->slots[i].send);
+                free(g->slots[i].recv);
+            }
+            pthread_mutex_destroy(&g->mu);
+            pthread_cond_destroy(&g->cv);
+            free(g);
+        }
+        return fl_errorf(FL_ERR_OOM, "comm threads: cannot allocate a group of %d", n);
+    }
+    return FL_OK;
+}
+
+/* ---- fl_comm_threads_run ------------------------------------------------------------------- */
+
+typedef struct {
+    fl_comm *c;
+    int rank;
+    fl_comm_rank_fn fn;
+    void *ctx;
+    fl_status st;
+    char msg[2048];
+} run_arg;
+
+static void *run_thread(void *p) {
+    run_arg *a = p;
+    fl_error_clear();
+    a->st = a->fn(a->c, a->rank, a->ctx);
+    if (a->st != FL_OK) {
+        snprintf(a->msg, sizeof a->msg, "%s", fl_error_message());
+        /* the others are told at once instead of waiting for the timeout */
+        tcomm *t = a->c->impl;
+        pthread_mutex_lock(&t->g->mu);
+        break_group(t->g, "rank %d failed: %s", a->rank, a->msg);
+        pthread_mutex_unlock(&t->g->mu);
+    }
+    return NULL;
+}
+
+fl_status fl_comm_threads_run(int n, fl_comm_rank_fn fn, void *ctx) {
+    fl_comm **comms = calloc((size_t)(n > 0 ? n : 1), sizeof *comms);
+    run_arg *args = calloc((size_t)(n > 0 ? n : 1), sizeof *args);
+    pthread_t *th = calloc((size_t)(n > 0 ? n : 1), sizeof *th);
+    fl_status st = (!comms || !args || !th) ? fl_errorf(FL_ERR_OOM, "comm threads: out of memory") : FL_OK;
+    if (st == FL_OK) st = fl_comm_threads_create(n, 0, comms);
+    if (st == FL_OK) {
+        int started = 0;
+        for (int r = 0; r < n; r++) {
+            args[r] = (run_arg){.c = comms[r], .rank = r, .fn = fn, .ctx = ctx, .st = FL_OK};
+            if (pthread_create(&th[r], NULL, run_thread, &args[r]) != 0) {
+                args[r].st = fl_errorf(FL_ERR_INTERNAL, "comm threads: cannot start thread %d", r);
+                snprintf(args[r].msg, sizeof args[r].msg, "%s", fl_error_message());
+                t_abort(comms[r], 1, "its thread could not be started");
+                break;
+            }
+            started++;
+        }
+        for (int r = 0; r < started; r++) pthread_join(th[r], NULL);
+        for (int r = 0; r < n; r++) fl_comm_destroy(comms[r]);
+        for (int r = 0; r < n && st == FL_OK; r++)
+            if (args[r].st != FL_OK) st = fl_errorf(args[r].st, "%s", args[r].msg);
+    }
+    free(comms);
+    free(args);
+    free(th);
+    return st;
+}

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The MPI implementation of fl_comm under mpirun (run by `make test` and ctest):
+#   - every collective/dtype/op/count at 2 and 4 ranks, checked against the specification, float64,
+#     a second run and the threads implementation's bits (tests/mpi/comm_mpi_test.c);
+#   - faults: one rank calls fl_comm_abort, or exits non-zero without a word, while the others wait:
+#     every rank must end, the job non-zero, within seconds, the output naming the rank;
+#   - torchrun-style variables without mpirun, srun without an MPI plugin, another MPI's launcher:
+#     refused, naming what to run instead.
+# Skips (exit 0, with the reason) when the build has no MPI or mpirun is missing.
+# Usage: tests/mpi_test.sh [build-dir]
+set -u
+BUILD=${1:-build}
+BIN=$BUILD/fitllm_comm_mpi_test
+if [ ! -x "$BIN" ]; then
+    echo "skip MPI tests: $BUILD has no MPI (fitllm_comm_mpi_test not built; apt-get install openmpi-bin libopenmpi-dev, then configure again)"
+    exit 0
+fi
+if ! command -v mpirun >/dev/null 2>&1; then
+    echo "skip MPI tests: mpirun not found (apt-get install openmpi-bin)"
+    exit 0
+fi
+# Open MPI refuses root without these; more ranks than cores needs oversubscription.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+# one OpenMP thread per rank: the ranks share the machine's cores
+export OMP_NUM_THREADS=1
+pass=0; fail=0
+T=$(mktemp -d /tmp/fitllm-mpi-XXXXXX)
+trap 'rm -rf "$T"' EXIT
+
+ok()  { echo "ok   $1"; pass=$((pass+1)); }
+bad() { echo "FAIL $1: $2"; sed 's/^/     /' "$T/out" | tail -15; fail=$((fail+1)); }
+now() { date +%s.%N; }
+
+for np in 2 4; do
+    timeout 600 mpirun -np $np "$BIN" >"$T/out" 2>&1; rc=$?
+    if [ $rc -eq 0 ] && grep -q "comm mpi test: $np ranks .* 0 failures" "$T/out"; then
+        ok "mpi_collectives_np$np ($(grep -o '[0-9]* checks' "$T/out"))"
+    else
+        bad "mpi_collectives_np$np" "exit $rc"
+    fi
+done
+
+# faults: every rank ends promptly, non-zero, and the output names the rank at fault
+fault() {
+    local name=$1 mode=$2 pat=$3
+    local t0 t1 rc
+    t0=$(now)
+    timeout 60 mpirun -np 4 "$BIN" "$mode" >"$T/out" 2>&1; rc=$?
+    t1=$(now)
+    local secs
+    secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+    if [ $rc -eq 0 ] || [ $rc -eq 124 ]; then bad "$name" "exit $rc after ${secs} s (want non-zero, before the 60 s timeout)"; return; fi
+    if awk -v s="$secs" 'BEGIN { exit !(s > 20) }'; then bad "$name" "took ${secs} s"; return; fi
+    if ! grep -qE -- "$pat" "$T/out"; then bad "$name" "output lacks /$pat/"; return; fi
+    if grep -q "barrier returned" "$T/out"; then bad "$name" "a rank went on past the failure"; return; fi
+    ok "$name (exit $rc in ${secs} s)"
+}
+fault mpi_abort_ends_all_ranks abort "rank 3 of 4 aborting: abort test"
+fault mpi_dead_rank_ends_all_ranks die "Exit code: +7"
+
+# torchrun-style variables without an MPI launcher: refused with the command to run
+env -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE RANK=1 WORLD_SIZE=2 "$BIN" >"$T/out" 2>&1; rc=$?
+if [ $rc -ne 0 ] && grep -q "mpirun -np 2 fitllm" "$T/out"; then ok "mpi_torchrun_without_mpirun"; else bad "mpi_torchrun_without_mpirun" "exit $rc"; fi
+
+# a launcher whose rank count MPI does not see (each process a singleton): refused, naming the fix
+env -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE SLURM_PROCID=0 SLURM_STEP_NUM_TASKS=2 SLURM_LOCALID=0 \
+    timeout 60 "$BIN" >"$T/out" 2>&1; rc=$?
+if [ $rc -ne 0 ] && grep -q "Slurm (srun) says rank 0 of 2 but MPI .* sees rank 0 of 1: srun needs .*--mpi=pmix" "$T/out"; then
+    ok "mpi_srun_without_pmix"; else bad "mpi_srun_without_pmix" "exit $rc"; fi
+env -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE PMI_RANK=1 PMI_SIZE=2 timeout 60 "$BIN" >"$T/out" 2>&1; rc=$?
+if [ $rc -ne 0 ] && grep -q "says rank 1 of 2 but MPI .* sees rank 0 of 1: .*use the mpirun of the MPI fitllm was built with" "$T/out"; then
+    ok "mpi_foreign_launcher"; else bad "mpi_foreign_launcher" "exit $rc"; fi
+
+echo
+echo "MPI tests: $pass passed, $fail failed"
+[ $fail -eq 0 ]
