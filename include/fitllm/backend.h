@@ -53,6 +53,10 @@ struct fl_backend {
     fl_device device;
     int n_threads;
     const char *gemm_name;  /* which GEMM library: "openblas", "onednn", "naive" */
+    unsigned gemm_widens16; /* bit (1u << FL_BF16) / (1u << FL_F16): gemm with a B of that 16-bit type
+                             * widens B to fp32 in every call and runs an fp32 GEMM (no native 16-bit
+                             * matmul), so a caller that reuses one such operand across calls may
+                             * widen it once itself (the chunked lm_head: fl_act_opts.head_widen) */
 
     /* ---- matmul ---------------------------------------------------------
      * C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C, row-major, with
@@ -273,6 +277,8 @@ void fl_cpu_process_init(char **argv);
 /* Create the CPU backend. n_threads <= 0: use the OpenMP default / all cores.
  * The GEMM library is chosen at build time (see docs/BENCHMARKS.md). */
 fl_status fl_cpu_backend_init(fl_backend *be, int n_threads);
+/* The CPU backend's gemm_widens16 in this build on this CPU (the planner's answer too). */
+unsigned fl_cpu_gemm_widens16(void);
 void fl_cpu_backend_free(fl_backend *be);
 
 /* The portable scalar reference backend: same ops, simple loops, no BLAS. The

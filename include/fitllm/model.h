@@ -121,7 +121,18 @@ typedef struct {
                    * WORKSPACE scratch of N x max(C, QD, F) bf16 holds the layer input rounded to
                    * bf16, and dW = dy^T x runs bf16 x bf16 with fp32 accumulation into the fp32
                    * gradient (as autocast / bf16-true do in PyTorch) */
+    fl_dtype head_widen; /* FL_BF16 / FL_F16: the lm_head's 16-bit weight is widened ONCE per forward
+                   * into a WORKSPACE fp32 copy (V x C floats) and the chunked head runs fp32
+                   * GEMMs on it, with a BF16 head's inputs (the chunk's rows, the logits'
+                   * gradient) rounded to bf16 first: the same products as the 16-bit GEMM, whose
+                   * widening path would otherwise widen the whole weight again in every chunk's
+                   * forward and backward. Set when the backend's 16-bit GEMM widens
+                   * (fl_backend.gemm_widens16 / fl_cpu_gemm_widens16): fl_head_widen_dtype.
+                   * FL_F32 (0): off. */
 } fl_act_opts;
+/* The head_widen of a model whose matmuls read `compute_dtype` weights, on a backend whose
+ * 16-bit GEMMs widen the dtypes in `widens16` (bit 1 << dtype): FL_F32 when off. */
+fl_dtype fl_head_widen_dtype(fl_dtype compute_dtype, unsigned widens16);
 void fl_sizing_acts_ex(const fl_model_config *cfg, int B, int T, const fl_act_opts *opts, fl_act_sizes *out);
 
 /* ---- the model ----------------------------------------------------------- */

@@ -176,7 +176,8 @@ fl_status fl_model_set_precision(fl_model *m, const fl_precision *p) {
         fl_model_sync_compute_copy(m);
     }
     /* the saved activations' storage follows the policy: re-size an arena already allocated */
-    if (m->acts && m->act_dtype != p->act_dtype) {
+    if (m->acts && (m->act_dtype != p->act_dtype ||
+                    m->acts->head_dt != fl_head_widen_dtype(p->compute_dtype, m->be->gemm_widens16))) {
         fl_status s = fl_model_alloc_acts(m, m->B, m->T);
         if (s != FL_OK) return fl_error_prefix(s, "re-sizing the activations for %s", p->name);
     }

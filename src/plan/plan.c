@@ -272,13 +272,15 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     }
     fl_act_sizes as; /* the activation arena: fl_model_alloc_acts */
     /* m->prec.act_dtype; bf16 dW scratch when bf16 matmuls meet trainable weights */
-    fl_act_opts ao = {c->train.activation_checkpointing, pr.act_dtype, pr.compute_dtype == FL_BF16 && !lora};
+    fl_act_opts ao = {c->train.activation_checkpointing, pr.act_dtype, pr.compute_dtype == FL_BF16 && !lora,
+                      fl_head_widen_dtype(pr.compute_dtype, fl_cpu_gemm_widens16())};
     fl_sizing_acts_ex(mc, B, x->T, &ao, &as);
     snprintf(what, sizeof what, "activations (B=%d, T=%d%s%s%s)", B, x->T, ao.act_ckpt ? ", checkpointed" : "",
              !ao.act_ckpt && ao.act_dtype != FL_F32 ? ", saved in " : "",
              !ao.act_ckpt && ao.act_dtype != FL_F32 ? fl_dtype_name(ao.act_dtype) : "");
     palloc(g, FL_TAG_ACTS, as.acts_bytes, what);
-    snprintf(what, sizeof what, "workspace (B=%d, T=%d)", B, x->T);
+    snprintf(what, sizeof what, "workspace (B=%d, T=%d%s)", B, x->T,
+             ao.head_widen != FL_F32 ? ", with the lm_head widened to fp32" : "");
     palloc(g, FL_TAG_WORKSPACE, as.workspace_bytes, what);
     if (lora) { /* fl_lora_alloc_acts */
         size_t la, lw;

@@ -65,6 +65,7 @@ fl_status fl_cpu_backend_init(fl_backend *be, int n_threads) {
     be->n_threads = n_threads > 0 ? n_threads : omp_get_max_threads();
     if (be->n_threads > FL_CPU_MAX_THREADS) be->n_threads = FL_CPU_MAX_THREADS;
     be->gemm_name = fl_cpu_gemm_library();
+    be->gemm_widens16 = fl_cpu_gemm_widens16();
     be->gemm = fl_cpu_gemm_sized;
     fill_ops(be);
     return FL_OK;

@@ -877,6 +877,15 @@ const char *fl_cpu_gemm_bf16_path(void) {
     return l >= FL_CPU_AVX512 ? "avx512-widen+sgemm" : l >= FL_CPU_AVX2 ? "avx2-widen+sgemm" : "widen+sgemm";
 }
 
+unsigned fl_cpu_gemm_widens16(void) {
+#if defined(FL_HAVE_ONEDNN) || defined(FL_HAVE_OPENBLAS)
+    /* gemm_f16 always widens; bf16 unless oneDNN's native bf16 matmul (or the forced tiled kernel) runs */
+    return (1u << FL_F16) | (bf16_path() == BF16_WIDEN ? 1u << FL_BF16 : 0u);
+#else
+    return 0; /* naive builds: no library sgemm to run the widened problem faster */
+#endif
+}
+
 const char *fl_cpu_gemm_f16_path(void) {
     return fl_cpu_level() >= FL_CPU_AVX2 ? "f16c-widen+sgemm" : "widen+sgemm";
 }
