@@ -180,8 +180,6 @@ struct fl_backend {
                              const float *kcache, const float *vcache, int T, int NH, int NKV, int HD,
                              size_t head_stride);
 
-    void *impl; /* backend-private state */
-
     /* ==== reduced precision (appended; see docs/ARCHITECTURE.md "Precision kernels") ====
      * All of these return FL_ERR_UNSUPPORTED (with a message) for dtype combinations they do
      * not implement; F32/BF16/F16 mean IEEE binary32, bfloat16, binary16; conversions to
@@ -259,6 +257,18 @@ struct fl_backend {
     fl_status (*accumulate16)(const fl_backend *be, uint16_t *dst, fl_dtype t, const float *src, size_t n);
     /* sum of squares of x (F32, BF16 or F16), accumulated in double; the same bits for any thread count. */
     double (*sumsq_ex)(const fl_backend *be, const void *x, fl_dtype t, size_t n);
+
+    /* ---- scratch -------------------------------------------------------------------------
+     * Ops never allocate: the few that need a large scratch (the CPU's 16-bit GEMM widening
+     * and 4-bit dequantization panels) use one lent by the caller from its accounting pool:
+     * scratch_bytes (below) bytes, lent with set_scratch(be, p, scratch_bytes) by the calling
+     * thread before its ops run (the model lends its WORKSPACE region in each forward and
+     * backward), taken back with set_scratch(be, NULL, 0). Without a lent scratch the CPU
+     * backend falls back to a process-wide buffer allocated on first use (op tests, tools). */
+    void (*set_scratch)(const fl_backend *be, void *p, size_t bytes);
+
+    size_t scratch_bytes; /* the scratch the ops that need one use (0: none) */
+    void *impl;           /* backend-private state (last: the op slots above are all of the table) */
 };
 
 /* First thing in main() of a program that runs the CPU backend (the CLI and the test runner
@@ -279,6 +289,8 @@ void fl_cpu_process_init(char **argv);
 fl_status fl_cpu_backend_init(fl_backend *be, int n_threads);
 /* The CPU backend's gemm_widens16 in this build on this CPU (the planner's answer too). */
 unsigned fl_cpu_gemm_widens16(void);
+/* The CPU backend's scratch_bytes (the planner's answer too). */
+size_t fl_cpu_scratch_bytes(void);
 void fl_cpu_backend_free(fl_backend *be);
 
 /* The portable scalar reference backend: same ops, simple loops, no BLAS. The

@@ -139,8 +139,8 @@ fl_status fl_acts_widen(fl_model *m, int l, int N) { return convert_saved(m, l, 
 
 static size_t imax(size_t a, size_t b) { return a > b ? a : b; }
 
-static size_t carve_work(const fl_model_config *c, int B, int T, int dw_bf16, fl_dtype head_widen, char *base,
-                         fl_acts *a) {
+static size_t carve_work(const fl_model_config *c, int B, int T, int dw_bf16, fl_dtype head_widen, size_t be_scratch,
+                         char *base, fl_acts *a) {
     fl_dims d = fl_model_dims(c);
     size_t N = (size_t)B * T;
     carver cv = {base, 0};
@@ -162,7 +162,9 @@ static size_t carve_work(const fl_model_config *c, int B, int T, int dw_bf16, fl
     float *head_w = hw ? carve(&cv, (size_t)d.V * d.C) : NULL;
     float *head_x = hb ? carve(&cv, R * d.C) : NULL;
     void *head_t16 = !hb ? NULL : dyb16 ? dyb16 : carve_bytes(&cv, R * imax(d.V, d.C) * sizeof(uint16_t));
+    void *bes = be_scratch ? carve_bytes(&cv, be_scratch) : NULL;
     if (a) {
+        a->be_scratch = bes;
         a->head_dt = hw ? head_widen : FL_F32;
         a->head_w = head_w; a->head_x = head_x; a->head_t16 = head_t16;
         a->xb16 = xb16;
@@ -171,6 +173,10 @@ static size_t carve_work(const fl_model_config *c, int B, int T, int dw_bf16, fl
         a->rope_cos = rc; a->rope_sin = rs; a->rope_T = T;
     }
     return cv.off;
+}
+
+size_t fl_model_backend_scratch(fl_dtype compute_dtype, int quant4, size_t scratch_bytes) {
+    return compute_dtype != FL_F32 || quant4 ? scratch_bytes : 0;
 }
 
 fl_dtype fl_head_widen_dtype(fl_dtype compute_dtype, unsigned widens16) {
@@ -191,7 +197,8 @@ void fl_sizing_acts_ex(const fl_model_config *cfg_in, int B, int T, const fl_act
     memset(out, 0, sizeof *out);
     if (fl_config_validate(&c) != FL_OK || B <= 0 || T <= 0) return;
     out->acts_bytes = carve_acts(&c, B, T, ckpt, adt, NULL, NULL);
-    out->workspace_bytes = carve_work(&c, B, T, opts && opts->dw_bf16, opts ? opts->head_widen : FL_F32, NULL, NULL);
+    out->workspace_bytes = carve_work(&c, B, T, opts && opts->dw_bf16, opts ? opts->head_widen : FL_F32,
+                                      opts ? opts->backend_scratch : 0, NULL, NULL);
     /* per layer: the difference between L and L-1 layers */
     fl_model_config c1 = c;
     c1.n_layers = c.n_layers - 1;
@@ -209,7 +216,9 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     /* bf16 weight-gradient GEMMs when the matmuls compute in bf16 and the weights train */
     int dw_bf16 = m->prec.name && m->prec.compute_dtype == FL_BF16 && (m->grads || m->g16);
     fl_dtype head_widen = fl_head_widen_dtype(m->prec.name ? m->prec.compute_dtype : FL_F32, m->be->gemm_widens16);
-    fl_act_opts ao = {m->act_ckpt, m->act_dtype, dw_bf16, head_widen};
+    size_t bes = fl_model_backend_scratch(m->prec.name ? m->prec.compute_dtype : FL_F32, m->q4 != NULL,
+                                          m->be->scratch_bytes);
+    fl_act_opts ao = {m->act_ckpt, m->act_dtype, dw_bf16, head_widen, bes};
     fl_sizing_acts_ex(&m->cfg, B, T, &ao, &m->sizes);
     fl_acts *a = calloc(1, sizeof *a);
     if (!a) return fl_errorf(FL_ERR_OOM, "activation views: out of host memory");
@@ -222,7 +231,7 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, m->sizes.workspace_bytes, (void **)&m->work_arena);
     if (s != FL_OK) { fl_model_free_acts(m); return fl_error_prefix(s, "allocating activations for B=%d T=%d", B, T); }
     carve_acts(&m->cfg, B, T, m->act_ckpt, m->act_dtype, (char *)m->acts_arena, a);
-    carve_work(&m->cfg, B, T, dw_bf16, head_widen, (char *)m->work_arena, a);
+    carve_work(&m->cfg, B, T, dw_bf16, head_widen, bes, (char *)m->work_arena, a);
     if (m->cfg.arch == FL_ARCH_LLAMA)
         fl_rope_table_init(a->rope_cos, a->rope_sin, T, m->cfg.head_dim, m->cfg.rope_theta, &m->cfg.rope_scaling);
     m->B = B;

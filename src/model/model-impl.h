@@ -53,6 +53,8 @@ struct fl_acts {
     float *head_w;          /* (V, C) fp32 copy of the 16-bit head weight */
     float *head_x;          /* (chunk, C) BF16: the chunk's input rounded to bf16, held in fp32 */
     void *head_t16;         /* (chunk, max(V, C)) BF16: rounding scratch (aliases dyb16 when that exists) */
+    void *be_scratch;       /* the backend's scratch (fl_backend.scratch_bytes), lent to its ops in each
+                             * forward and backward (fl_act_opts.backend_scratch), or NULL */
 };
 
 /* Widths derived from the config. */

@@ -51,7 +51,7 @@ static fl_status block_forward(fl_model *m, int l, int B, int T, fl_layer_acts *
     return FL_OK;
 }
 
-fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targets, int B, int T, float grad_scale,
+static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *targets, int B, int T, float grad_scale,
                            float *logits_out) {
     const fl_backend *be = m->be;
     fl_acts *a = m->acts;
@@ -157,7 +157,7 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
     return FL_OK;
 }
 
-fl_status fl_model_backward(fl_model *m) {
+static fl_status model_backward(fl_model *m) {
     const fl_backend *be = m->be;
     fl_acts *a = m->acts;
     if (!a || !m->fwd_train)
@@ -209,4 +209,27 @@ fl_status fl_model_backward(fl_model *m) {
     FL_TRY(fl_embed_backward(m, &op, dres, a->ids, B, T));
     m->fwd_train = 0;
     return FL_OK;
+}
+
+/* The backend's scratch (fl_backend.set_scratch) is the model's WORKSPACE region, lent for the
+ * duration of each call and taken back before returning, so no op allocates and no pointer
+ * into a freed arena outlives the call. */
+static void lend_scratch(const fl_model *m, int on) {
+    if (m->acts && m->acts->be_scratch)
+        m->be->set_scratch(m->be, on ? m->acts->be_scratch : NULL, on ? m->be->scratch_bytes : 0);
+}
+
+fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targets, int B, int T, float grad_scale,
+                           float *logits_out) {
+    lend_scratch(m, 1);
+    fl_status s = model_forward(m, ids, targets, B, T, grad_scale, logits_out);
+    lend_scratch(m, 0);
+    return s;
+}
+
+fl_status fl_model_backward(fl_model *m) {
+    lend_scratch(m, 1);
+    fl_status s = model_backward(m);
+    lend_scratch(m, 0);
+    return s;
 }

@@ -54,7 +54,28 @@ static void fill_ops(fl_backend *be) {
     be->lora_forward = fl_cpu_lora_forward;
     be->lora_backward = fl_cpu_lora_backward;
     be->accumulate16 = fl_cpu_accumulate16;
+    be->set_scratch = fl_cpu_set_scratch;
     be->sumsq_ex = fl_cpu_sumsq_ex;
+}
+
+/* The scratch lent by the calling thread (ops run on the caller's thread; their OpenMP workers
+ * receive pointers into it). Per thread, so backends used by different threads do not mix. */
+static _Thread_local struct {
+    char *p;
+    size_t bytes;
+} tl_scratch;
+
+void fl_cpu_set_scratch(const fl_backend *be, void *p, size_t bytes) {
+    (void)be;
+    tl_scratch.p = bytes >= FL_CPU_SCRATCH_BYTES ? p : NULL;
+    tl_scratch.bytes = tl_scratch.p ? bytes : 0;
+}
+
+size_t fl_cpu_scratch_bytes(void) { return FL_CPU_SCRATCH_BYTES; }
+
+float *fl_cpu_scratch_part(int part) {
+    if (!tl_scratch.p) return NULL;
+    return (float *)tl_scratch.p + (part ? FL_CPU_WIDEN_SCRATCH : 0);
 }
 
 fl_status fl_cpu_backend_init(fl_backend *be, int n_threads) {
@@ -68,6 +89,7 @@ fl_status fl_cpu_backend_init(fl_backend *be, int n_threads) {
     be->gemm_widens16 = fl_cpu_gemm_widens16();
     be->gemm = fl_cpu_gemm_sized;
     fill_ops(be);
+    be->scratch_bytes = FL_CPU_SCRATCH_BYTES;
     return FL_OK;
 }
 
