@@ -55,6 +55,7 @@ build: setup $(BUILD)/Makefile
 # (fault-injection sweeps and bad-input files must not leak or crash).
 test: build
 	./$(BUILD)/fitllm_tests
+	./$(BUILD)/fitllm_alloc_check
 	tests/check_vectorized.sh $(BUILD)
 	tests/cli_test.sh ./$(BUILD)/fitllm
 	tests/mpi_test.sh $(BUILD)

@@ -16,6 +16,7 @@
 #include "fitllm/io.h"
 #include "fitllm/model.h"
 #include "fitllm/train.h"
+#include "model/model-impl.h"
 #include "test.h"
 
 static void fill_ids(int32_t *ids, int32_t *tg, int n, int V, uint64_t s) {
@@ -152,6 +153,119 @@ static void vs_mixed(const char *preset, int untie, fl_dtype dt) {
     fl_mem_pool_free(&pool);
     fl_cpu_backend_free(&be);
 }
+
+/* The widened lm_head (fl_act_opts.head_widen): the 16-bit head weight is widened once per
+ * forward and the chunks run fp32 GEMMs on bf16-rounded operands, where the 16-bit GEMM path
+ * widens it inside every call. Same products, other summation order, so the two agree within
+ * the fp32 summation bound (Higham: |fl(sum) - sum| <= g_K sum|terms|, g_K = K u / (1 - K u),
+ * u = 2^-24) of each path. Model A forces the widened head (the backend's gemm_widens16 set, on
+ * any CPU), model B the GEMM path (gemm_widens16 = 0); one logits chunk (N <= chunk rows), so
+ * the arena holds every row's rounded input and the logits' gradient after the forward.
+ * Checks: A took the widened path; its head input and logits gradient are exactly the
+ * 16-bit-rounded values (BF16; F16 rounds nothing); logits, d(final norm output) and the
+ * head's weight gradient agree with B within the bound computed from both paths' operands. */
+static double gam(int K) { return K * 0x1p-24 / (1 - K * 0x1p-24); }
+
+static void head_widened(const char *preset, fl_dtype dt) {
+    fl_model_config c;
+    FL_REQUIRE_OK(fl_preset_find(preset, &c));
+    c.tie_embeddings = 0; /* the head's own gradient, not mixed with the embedding's */
+    fl_backend bw, bg;
+    FL_REQUIRE_OK(fl_cpu_backend_init(&bw, 2));
+    FL_REQUIRE_OK(fl_cpu_backend_init(&bg, 2));
+    bw.gemm_widens16 = (1u << FL_BF16) | (1u << FL_F16);
+    bg.gemm_widens16 = 0;
+    fl_mem_pool pool;
+    FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
+    const int B = 2, T = 24, N = B * T, V = c.vocab_size, C = c.dim;
+    FL_REQUIRE(fl_logits_chunk_rows(V, N) >= N);
+    int32_t ids[48], tg[48];
+    fill_ids(ids, tg, N, V, 7);
+    long nv = 0;
+    for (int i = 0; i < N; i++) nv += tg[i] != FL_IGNORE_INDEX;
+    const fl_precision *pr = fl_precision_get(dt == FL_BF16 ? FL_PREC_BF16_MIXED : FL_PREC_16_MIXED);
+    fl_model m[2];
+    float *lg[2], *dy[2], *dx[2], *dw[2];
+    for (int k = 0; k < 2; k++) {
+        FL_REQUIRE_OK(fl_model_init(&m[k], &c, k ? &bg : &bw, &pool));
+        fl_model_init_random(&m[k], 11);
+        FL_REQUIRE_OK(fl_model_set_precision(&m[k], pr));
+        FL_REQUIRE_OK(fl_model_alloc_grads(&m[k]));
+        FL_REQUIRE_OK(fl_model_alloc_acts(&m[k], B, T));
+        FL_CHECK((m[k].acts->head_w != NULL) == (k == 0) && m[k].acts->head_dt == (k ? FL_F32 : dt));
+        lg[k] = malloc((size_t)N * V * sizeof(float));
+        dy[k] = malloc((size_t)N * V * sizeof(float));
+        dx[k] = malloc((size_t)N * C * sizeof(float));
+        dw[k] = malloc((size_t)V * C * sizeof(float));
+        FL_REQUIRE_OK(fl_model_forward(&m[k], ids, NULL, B, T, 0.0f, lg[k]));
+        FL_REQUIRE_OK(fl_model_forward(&m[k], ids, tg, B, T, 1.0f / nv, NULL));
+        for (size_t i = 0; i < (size_t)N * V; i++) /* B keeps fp32 dlogits: its GEMMs round them */
+            dy[k][i] = dt == FL_BF16 && k ? r16(dt, m[k].acts->logits[i]) : m[k].acts->logits[i];
+        memcpy(dx[k], m[k].acts->buf1, (size_t)N * C * sizeof(float));
+        memcpy(dw[k], m[k].grads + m[k].layout.params[fl_layout_find(&m[k].layout, "lm_head.weight")].offset, (size_t)V * C * sizeof(float));
+    }
+    FL_CHECK(m[0].loss_sum == m[0].loss_sum && fabs(m[0].loss_sum - m[1].loss_sum) <= 1e-4 * fabs(m[1].loss_sum));
+    /* the operands: head weight W (V, C) as the GEMMs read it, x = the 16-bit-rounded final norm output */
+    const float *W = m[1].params + m[1].layout.params[fl_layout_find(&m[1].layout, "lm_head.weight")].offset;
+    float *x = malloc((size_t)N * C * sizeof(float));
+    size_t notround = 0;
+    for (size_t i = 0; i < (size_t)N * C; i++) {
+        x[i] = dt == FL_BF16 ? r16(dt, m[1].acts->lnf[i]) : m[1].acts->lnf[i];
+        if (dt == FL_BF16) notround += m[0].acts->head_x[i] != x[i];
+    }
+    for (size_t i = 0; dt == FL_BF16 && i < (size_t)N * V; i++) notround += dy[0][i] != r16(dt, dy[0][i]);
+    FL_CHECKF(notround == 0, "%s %s: %zu head operands not rounded to the 16-bit grid", preset, fl_dtype_name(dt), notround);
+    size_t bad = 0;
+    double worst = 0;
+    for (int n = 0; n < N; n++) /* logits: |a - b| <= 2 g_C sum_c |x W| */
+        for (int v = 0; v < V; v++) {
+            double s = 0;
+            for (int j = 0; j < C; j++) s += fabs((double)x[(size_t)n * C + j] * r16(dt, W[(size_t)v * C + j]));
+            double d = fabs((double)lg[0][(size_t)n * V + v] - lg[1][(size_t)n * V + v]), bnd = 2 * gam(C) * s;
+            bad += d > bnd;
+            if (bnd > 0 && d / bnd > worst) worst = d / bnd;
+        }
+    for (int n = 0; n < N; n++) /* dx = dy W: |a - b| <= sum_v |dyA - dyB| |W| + g_V sum_v (|dyA| + |dyB|) |W| */
+        for (int j = 0; j < C; j++) {
+            double s = 0, e = 0;
+            for (int v = 0; v < V; v++) {
+                double w = fabs(r16(dt, W[(size_t)v * C + j])), a = dy[0][(size_t)n * V + v], b = dy[1][(size_t)n * V + v];
+                e += fabs(a - b) * w;
+                s += (fabs(a) + fabs(b)) * w;
+            }
+            double d = fabs((double)dx[0][(size_t)n * C + j] - dx[1][(size_t)n * C + j]), bnd = e + gam(V) * s;
+            bad += d > bnd;
+            if (bnd > 0 && d / bnd > worst) worst = d / bnd;
+        }
+    for (int v = 0; v < V; v++) /* dW = dy^T x (BF16: x rounded; F16 dW is an fp32 GEMM on the same x) */
+        for (int j = 0; j < C; j++) {
+            double s = 0, e = 0;
+            for (int n = 0; n < N; n++) {
+                double xv = fabs(x[(size_t)n * C + j]), a = dy[0][(size_t)n * V + v], b = dy[1][(size_t)n * V + v];
+                e += fabs(a - b) * xv;
+                s += (fabs(a) + fabs(b)) * xv;
+            }
+            double d = fabs((double)dw[0][(size_t)v * C + j] - dw[1][(size_t)v * C + j]), bnd = e + gam(N) * s;
+            bad += d > bnd;
+            if (bnd > 0 && d / bnd > worst) worst = d / bnd;
+        }
+    FL_CHECKF(bad == 0, "%s %s: %zu head values outside the fp32 summation bound", preset, fl_dtype_name(dt), bad);
+    printf("      %s %s: widened head at %.3g of the fp32 summation bound (logits, dx, dW)\n", preset,
+           fl_dtype_name(dt), worst);
+    for (int k = 0; k < 2; k++) {
+        free(lg[k]); free(dy[k]); free(dx[k]); free(dw[k]);
+        fl_model_free(&m[k]);
+    }
+    free(x);
+    FL_CHECK(pool.cur_total == 0);
+    fl_mem_pool_free(&pool);
+    fl_cpu_backend_free(&bw);
+    fl_cpu_backend_free(&bg);
+}
+
+FL_TEST(head_widened_once_bf16_llama) { head_widened("micro", FL_BF16); }
+FL_TEST(head_widened_once_bf16_gpt2) { head_widened("gpt2-micro", FL_BF16); }
+FL_TEST(head_widened_once_f16_llama) { head_widened("micro", FL_F16); }
 
 FL_TEST(bf16_true_vs_mixed_llama_tied) { vs_mixed("micro", 0, FL_BF16); }
 FL_TEST(bf16_true_vs_mixed_llama_untied) { vs_mixed("micro", 1, FL_BF16); }

@@ -69,6 +69,11 @@ struct fl_backend {
     fl_device device;
     int n_threads;
     const char *gemm_name;  /* which GEMM library: "openblas", "onednn", "naive" */
+    unsigned gemm_widens16; /* bit (1u << FL_BF16) / (1u << FL_F16): gemm with a B of that 16-bit type
+                             * widens B to fp32 in every call and runs an fp32 GEMM (no native 16-bit
+                             * matmul), so a caller that reuses one such operand across calls may
+                             * widen it once itself (the chunked lm_head: fl_act_opts.head_widen) */
+    size_t scratch_bytes;   /* bytes of the op scratch the caller lends (set_scratch below; 0: none) */
 
     /* ---- matmul ---------------------------------------------------------
      * C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C, row-major, with
@@ -192,8 +197,6 @@ struct fl_backend {
                              const float *kcache, const float *vcache, int T, int NH, int NKV, int HD,
                              size_t head_stride);
 
-    void *impl; /* backend-private state */
-
     /* ==== reduced precision (appended; see docs/ARCHITECTURE.md "Precision kernels") ====
      * All of these return FL_ERR_UNSUPPORTED (with a message) for dtype combinations they do
      * not implement; F32/BF16/F16 mean IEEE binary32, bfloat16, binary16; conversions to
@@ -301,6 +304,17 @@ struct fl_backend {
                                        float *dbias /*(NH,Tq,Tk) or NULL*/, const float *dout /*like out*/,
                                        const float *q, const float *k, const float *v, const float *bias,
                                        const uint8_t *kmask, const float *out, const float *lse /*(B,NH,Tq)*/);
+
+    /* ---- scratch -------------------------------------------------------------------------
+     * Ops never allocate: the few that need a large scratch (the CPU's 16-bit GEMM widening
+     * and 4-bit dequantization panels) use one lent by the caller from its accounting pool:
+     * scratch_bytes (above) bytes, lent with set_scratch(be, p, scratch_bytes) by the calling
+     * thread before its ops run (the model lends its WORKSPACE region in each forward and
+     * backward), taken back with set_scratch(be, NULL, 0). Without a lent scratch the CPU
+     * backend falls back to a process-wide buffer allocated on first use (op tests, tools). */
+    void (*set_scratch)(const fl_backend *be, void *p, size_t bytes);
+
+    void *impl; /* backend-private state (last: the op slots from gemm to here are the whole table) */
 };
 
 /* First thing in main() of a program that runs the CPU backend (the CLI and the test runner
@@ -319,6 +333,10 @@ void fl_cpu_process_init(char **argv);
 /* Create the CPU backend. n_threads <= 0: use the OpenMP default / all cores.
  * The GEMM library is chosen at build time (see docs/BENCHMARKS.md). */
 fl_status fl_cpu_backend_init(fl_backend *be, int n_threads);
+/* The CPU backend's gemm_widens16 in this build on this CPU (the planner's answer too). */
+unsigned fl_cpu_gemm_widens16(void);
+/* The CPU backend's scratch_bytes (the planner's answer too). */
+size_t fl_cpu_scratch_bytes(void);
 void fl_cpu_backend_free(fl_backend *be);
 
 /* The portable scalar reference backend: same ops, simple loops, no BLAS. The

@@ -38,6 +38,9 @@ typedef struct {
     /* private */
     float *rope_cos, *rope_sin;         /* (max_T, HD/2) LLaMA, WORKSPACE */
     float *step;                        /* one-row scratch of the decode step, WORKSPACE */
+    void *be_scratch;                   /* the backend's op scratch (fl_backend.set_scratch), WORKSPACE,
+                                         * when the model's ops need one and it has no activation arena
+                                         * holding one (fl_model_backend_scratch); else NULL */
     fl_mem_pool *pool;
 } fl_kv_cache;
 

@@ -128,7 +128,24 @@ typedef struct {
                    * WORKSPACE scratch of N x max(C, QD, F) bf16 holds the layer input rounded to
                    * bf16, and dW = dy^T x runs bf16 x bf16 with fp32 accumulation into the fp32
                    * gradient (as autocast / bf16-true do in PyTorch) */
+    fl_dtype head_widen; /* FL_BF16 / FL_F16: the lm_head's 16-bit weight is widened ONCE per forward
+                   * into a WORKSPACE fp32 copy (V x C floats) and the chunked head runs fp32
+                   * GEMMs on it, with a BF16 head's inputs (the chunk's rows, the logits'
+                   * gradient) rounded to bf16 first: the same products as the 16-bit GEMM, whose
+                   * widening path would otherwise widen the whole weight again in every chunk's
+                   * forward and backward. Set when the backend's 16-bit GEMM widens
+                   * (fl_backend.gemm_widens16 / fl_cpu_gemm_widens16): fl_head_widen_dtype.
+                   * FL_F32 (0): off. */
+    size_t backend_scratch; /* bytes of the backend's op scratch (fl_backend.scratch_bytes) carved
+                   * from WORKSPACE and lent to its ops (fl_backend.set_scratch), for models whose
+                   * ops need one: 16-bit matmuls or 4-bit weights (fl_model_backend_scratch) */
 } fl_act_opts;
+/* The backend_scratch of a model whose matmuls read `compute_dtype` weights, `quant4` if it has
+ * 4-bit weights, on a backend with `scratch_bytes` (the CPU's: fl_cpu_scratch_bytes). */
+size_t fl_model_backend_scratch(fl_dtype compute_dtype, int quant4, size_t scratch_bytes);
+/* The head_widen of a model whose matmuls read `compute_dtype` weights, on a backend whose
+ * 16-bit GEMMs widen the dtypes in `widens16` (bit 1 << dtype): FL_F32 when off. */
+fl_dtype fl_head_widen_dtype(fl_dtype compute_dtype, unsigned widens16);
 void fl_sizing_acts_ex(const fl_model_config *cfg, int B, int T, const fl_act_opts *opts, fl_act_sizes *out);
 
 /* ---- the model ----------------------------------------------------------- */
@@ -229,6 +246,13 @@ void fl_sizing_param_split(const fl_model_config *cfg, const fl_model_storage *s
 /* Random init like HF's _init_weights (normal(0, 0.02) for linears and
  * embeddings, zeros for biases, ones for norm weights), deterministic in seed. */
 void fl_model_init_random(fl_model *m, uint64_t seed);
+/* The same, returning the status (a 4-bit model's staging may not fit the budget). */
+fl_status fl_model_init_random_ex(fl_model *m, uint64_t seed);
+/* The fp32 staging through which a 4-bit entry is written whole (random init, the loader):
+ * the largest quantized entry's elements, from the pool (WORKSPACE); *out = NULL when the
+ * model has no 4-bit entry. fl_mem_free it. fl_sizing_q4_staging_elems: its size, planned. */
+fl_status fl_model_q4_staging(fl_model *m, float **out);
+size_t fl_sizing_q4_staging_elems(const fl_model_config *cfg, const fl_model_storage *st);
 fl_status fl_model_alloc_grads(fl_model *m);
 void fl_model_zero_grads(fl_model *m);
 /* Size and allocate the activation arena and workspace for micro-batches of

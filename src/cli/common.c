@@ -92,7 +92,7 @@ fl_status fl_cli_load_model_ex(fl_model *m, const char *path, int random_init, u
             return fl_errorf(FL_ERR_NOT_FOUND, "'%s' is neither a file, a folder nor a model preset (%s)", path, why);
         }
         FL_TRY(fl_model_init_ex(m, &cfg, be, pool, stg));
-        fl_model_init_random(m, seed);
+        FL_TRY(fl_model_init_random_ex(m, seed));
         return FL_OK;
     }
     if (random_init) {
@@ -107,7 +107,7 @@ fl_status fl_cli_load_model_ex(fl_model *m, const char *path, int random_init, u
             FL_TRY(fl_hf_load_config(cp, &cfg));
             FL_TRY(fl_model_init_ex(m, &cfg, be, pool, stg));
         }
-        fl_model_init_random(m, seed);
+        FL_TRY(fl_model_init_random_ex(m, seed));
         return FL_OK;
     }
     return fl_model_load_auto_ex(m, path, be, pool, stg, weights_loaded);

@@ -11,6 +11,9 @@
 #ifndef FL_VERSION
 #define FL_VERSION "0.9.0-dev"
 #endif
+#ifdef FL_GIT_HEADER
+#include "fl_git.h" /* generated at build time (cmake/git_describe.cmake) */
+#endif
 #ifndef FL_GIT_DESCRIBE
 #define FL_GIT_DESCRIBE ""
 #endif

@@ -35,7 +35,8 @@ static void fl_hf_fmt_shape(char *buf, size_t n, int ndim, const int64_t *shape)
 
 /* Copy one file tensor into the parameter entry, converting dtype and
  * transposing Conv1D weights ([in,out] on disk -> (out,in)). */
-static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl_st_file *f, const fl_st_tensor *t) {
+static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl_st_file *f, const fl_st_tensor *t,
+                                   float *q4stage) {
     int64_t want[2];
     int want_nd = p->ndim;
     if (p->ndim == 2 && p->transposed_on_disk) { want[0] = p->shape[1]; want[1] = p->shape[0]; }
@@ -55,51 +56,52 @@ static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl
     int pi = (int)(p - m->layout.params);
     fl_dtype dt;
     void *dst = fl_model_param_data(m, pi, &dt);
-    float *q4src = NULL; /* a 4-bit entry: read as fp32, then quantized (one tensor at a time) */
+    /* a 4-bit entry: read as fp32 into the pool's staging (fl_model_q4_staging), then quantized */
+    float *q4src = NULL;
     if (!dst) {
-        q4src = malloc(p->numel * sizeof(float));
-        if (!q4src) return fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", f->path, t->name);
-        dst = q4src;
+        if (!q4stage) return fl_errorf(FL_ERR_INTERNAL, "%s: '%s': no 4-bit staging", f->path, t->name);
+        dst = q4src = q4stage;
         dt = FL_F32;
     }
     size_t es = fl_dtype_size(t->dtype), ds = fl_dtype_size(dt);
     const void *src = t->data;
-    void *aligned = NULL;
-    if ((uintptr_t)src % es) { /* the format does not promise alignment: copy out first */
-        aligned = malloc(p->numel * es + 1);
-        if (!aligned) {
-            free(q4src);
-            return fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", f->path, t->name);
-        }
-        memcpy(aligned, src, p->numel * es);
-        src = aligned;
-    }
     fl_status s = FL_OK;
     /* a NaN weight poisons every output: refuse it here, naming the tensor,
      * instead of training or generating NaN silently */
     long long bad = fl_io_first_nonfinite(src, t->dtype, p->numel);
-    if (bad >= 0) {
-        free(aligned);
-        free(q4src);
+    if (bad >= 0)
         return fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s' holds a non-finite value (inf/NaN) at element %lld: the "
                          "file is corrupt or was saved from a diverged run", f->path, t->name, bad);
-    }
-    if (!(p->ndim == 2 && p->transposed_on_disk)) {
+    if (!(p->ndim == 2 && p->transposed_on_disk) && (uintptr_t)src % es == 0) {
         if (fl_convert(dst, dt, src, t->dtype, p->numel))
             s = fl_errorf(FL_ERR_INTERNAL, "%s: tensor '%s': conversion failed", f->path, t->name);
+    } else if (!(p->ndim == 2 && p->transposed_on_disk)) {
+        /* the format does not promise alignment: copy out in fixed slices (never a whole-tensor copy) */
+        enum { SLICE = 1 << 16 };
+        double *buf = malloc(SLICE * sizeof(double)); /* SLICE elements of up to 8 bytes */
+        if (!buf) return fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", f->path, t->name);
+        for (size_t k0 = 0; k0 < p->numel && s == FL_OK; k0 += SLICE) {
+            size_t n = p->numel - k0 < SLICE ? p->numel - k0 : SLICE;
+            memcpy(buf, (const char *)src + k0 * es, n * es);
+            if (fl_convert((char *)dst + k0 * ds, dt, buf, t->dtype, n))
+                s = fl_errorf(FL_ERR_INTERNAL, "%s: tensor '%s': conversion failed", f->path, t->name);
+        }
+        free(buf);
     } else {
         size_t out = (size_t)p->shape[0], in = (size_t)p->shape[1];
+        /* one disk row at a time (out elements, copied out first: the file may be unaligned) */
         float *row = malloc(out * sizeof(float));
-        if (!row) s = fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", f->path, t->name);
-        for (size_t i = 0; row && i < in; i++) { /* disk row i: out elements */
-            fl_convert(row, FL_F32, (const char *)src + i * out * es, t->dtype, out);
+        double *raw = malloc(out * sizeof(double));
+        if (!row || !raw) s = fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", f->path, t->name);
+        for (size_t i = 0; s == FL_OK && i < in; i++) { /* disk row i: out elements */
+            memcpy(raw, (const char *)src + i * out * es, out * es);
+            fl_convert(row, FL_F32, raw, t->dtype, out);
             for (size_t o = 0; o < out; o++) fl_convert((char *)dst + (o * in + i) * ds, dt, &row[o], FL_F32, 1);
         }
         free(row);
+        free(raw);
     }
-    free(aligned);
     if (q4src && s == FL_OK) fl_model_write_param(m, pi, q4src);
-    free(q4src);
     return s;
 }
 
@@ -197,6 +199,8 @@ fl_status fl_hf_load_weights(fl_model *m, const char *dir) {
     const fl_param_layout *lay = &m->layout;
     char *seen = calloc((size_t)lay->n + 1, 1);
     if (!seen) { fl_hf_shards_free(&sh); return fl_errorf(FL_ERR_OOM, "%s: out of memory", dir); }
+    float *q4stage = NULL;
+    s = fl_model_q4_staging(m, &q4stage);
     int wte = fl_layout_find(lay, m->cfg.arch == FL_ARCH_GPT2 ? "transformer.wte.weight" : "model.embed_tokens.weight");
     for (int fi = 0; fi < sh.n_files && s == FL_OK; fi++) {
         const fl_st_file *f = &sh.files[fi];
@@ -221,12 +225,13 @@ fl_status fl_hf_load_weights(fl_model *m, const char *dir) {
                 break;
             }
             seen[k] = 1;
-            s = fl_hf_copy_tensor(m, &lay->params[k], f, t);
+            s = fl_hf_copy_tensor(m, &lay->params[k], f, t, q4stage);
         }
     }
     for (int k = 0; k < lay->n && s == FL_OK; k++)
         if (!seen[k]) s = fl_errorf(FL_ERR_NOT_FOUND, "%s: tensor '%s' not found in the model files", dir, lay->params[k].name);
     free(seen);
+    fl_mem_free(m->pool, q4stage);
     fl_hf_shards_free(&sh);
     return s;
 }

@@ -17,13 +17,20 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-static void fl_llama2c_permute_rows(float *dst, const float *src, int n_heads, int hd, int cols) {
+/* dst (dtype dt) = src rows permuted from llama2.c's interleaved RoPE halves to HF's (n_heads
+ * blocks of hd rows of cols floats; n_heads = 0: no permutation), converted row by row. */
+static void fl_llama2c_put_rows(void *dst, fl_dtype dt, const float *src, int n_heads, int hd, int cols, size_t numel) {
+    size_t ds = fl_dtype_size(dt);
+    if (!n_heads) {
+        fl_convert(dst, dt, src, FL_F32, numel);
+        return;
+    }
     int half = hd / 2;
     for (int h = 0; h < n_heads; h++)
         for (int t = 0; t < 2; t++)
             for (int i = 0; i < half; i++)
-                memcpy(dst + ((size_t)h * hd + (size_t)t * half + i) * cols, src + ((size_t)h * hd + 2 * (size_t)i + t) * cols,
-                       (size_t)cols * sizeof(float));
+                fl_convert((char *)dst + ((size_t)h * hd + (size_t)t * half + i) * cols * ds, dt,
+                           src + ((size_t)h * hd + 2 * (size_t)i + t) * cols, FL_F32, (size_t)cols);
 }
 
 static fl_status fl_llama2c_put(fl_model *m, const char *path, const char *name, const float *src, size_t numel,
@@ -35,14 +42,17 @@ static fl_status fl_llama2c_put(fl_model *m, const char *path, const char *name,
         return fl_errorf(FL_ERR_INTERNAL, "%s: tensor '%s': layout has %zu elements, checkpoint %zu", path, name, p->numel, numel);
     fl_dtype dt;
     void *data = fl_model_param_data(m, k, &dt);
-    int direct = data && dt == FL_F32;
-    float *tmp = direct ? NULL : malloc(numel * sizeof(float)); /* 16-bit or 4-bit storage: convert after */
-    if (!direct && !tmp) return fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", path, name);
-    float *dst = tmp ? tmp : (float *)data;
-    if (permute_heads) fl_llama2c_permute_rows(dst, src, permute_heads, m->cfg.head_dim, (int)p->shape[1]);
-    else memcpy(dst, src, numel * sizeof(float));
-    if (tmp) fl_model_write_param(m, k, tmp);
-    free(tmp);
+    if (data) { /* dense storage (fp32 or 16-bit): converted straight into it */
+        fl_llama2c_put_rows(data, dt, src, permute_heads, m->cfg.head_dim, (int)p->shape[1], numel);
+        return FL_OK;
+    }
+    /* a 4-bit entry: through the pool's fp32 staging, then quantized whole */
+    float *tmp = NULL;
+    FL_TRY(fl_model_q4_staging(m, &tmp));
+    if (!tmp) return fl_errorf(FL_ERR_INTERNAL, "%s: '%s': no 4-bit staging", path, name);
+    fl_llama2c_put_rows(tmp, FL_F32, src, permute_heads, m->cfg.head_dim, (int)p->shape[1], numel);
+    fl_model_write_param(m, k, tmp);
+    fl_mem_free(m->pool, tmp);
     return FL_OK;
 }
 

@@ -156,9 +156,10 @@ static size_t imax(size_t a, size_t b) { return a > b ? a : b; }
 
 /* Workspace live bytes: *handoff = what a training forward leaves for the backward (d(lnf),
  * the first N x C floats of buf1, and the token ids), *constant = the RoPE tables (written
- * once, read by every pass). Everything else is scratch within one pass. */
-static size_t carve_work(const fl_model_config *c, int B, int T, int dw_bf16, char *base, fl_acts *a,
-                         size_t *handoff, size_t *constant) {
+ * once, read by every pass). Everything else is scratch within one pass (the widened head and
+ * the backend's scratch too). */
+static size_t carve_work(const fl_model_config *c, int B, int T, int dw_bf16, fl_dtype head_widen, size_t be_scratch,
+                         char *base, fl_acts *a, size_t *handoff, size_t *constant) {
     fl_dims d = fl_model_dims(c);
     size_t N = (size_t)B * T;
     carver cv = {base, 0, 0, 0};
@@ -175,13 +176,33 @@ static size_t carve_work(const fl_model_config *c, int B, int T, int dw_bf16, ch
     void *dyb16 = dw_bf16 ? carve_bytes(&cv, dyn * sizeof(uint16_t)) : NULL;
     if (handoff) *handoff = N * d.C * sizeof(float) + N * sizeof(int32_t);
     if (constant) *constant = 2 * half * sizeof(float);
+    /* the widened lm_head (fl_act_opts.head_widen); a BF16 head also rounds its chunk's input
+     * (head_x) and the logits' gradient through a 16-bit scratch (dyb16 when carved: >= (chunk, V)) */
+    size_t R = (size_t)logits_chunk_rows(c, (int)N);
+    int hw = head_widen == FL_BF16 || head_widen == FL_F16, hb = head_widen == FL_BF16;
+    float *head_w = hw ? carve(&cv, (size_t)d.V * d.C) : NULL;
+    float *head_x = hb ? carve(&cv, R * d.C) : NULL;
+    void *head_t16 = !hb ? NULL : dyb16 ? dyb16 : carve_bytes(&cv, R * imax(d.V, d.C) * sizeof(uint16_t));
+    void *bes = be_scratch ? carve_bytes(&cv, be_scratch) : NULL;
     if (a) {
+        a->be_scratch = bes;
+        a->head_dt = hw ? head_widen : FL_F32;
+        a->head_w = head_w; a->head_x = head_x; a->head_t16 = head_t16;
         a->xb16 = xb16;
         a->dyb16 = dyb16;
         a->dres = dres; a->buf1 = buf1; a->buf2 = buf2; a->logits = logits; a->losses = losses; a->ids = (int32_t *)ids;
         a->rope_cos = rc; a->rope_sin = rs; a->rope_T = T;
     }
     return cv.off;
+}
+
+size_t fl_model_backend_scratch(fl_dtype compute_dtype, int quant4, size_t scratch_bytes) {
+    return compute_dtype != FL_F32 || quant4 ? scratch_bytes : 0;
+}
+
+fl_dtype fl_head_widen_dtype(fl_dtype compute_dtype, unsigned widens16) {
+    return (compute_dtype == FL_BF16 || compute_dtype == FL_F16) && (widens16 & (1u << compute_dtype)) ? compute_dtype
+                                                                                                       : FL_F32;
 }
 
 void fl_sizing_acts(const fl_model_config *cfg_in, int B, int T, fl_act_sizes *out) {
@@ -197,7 +218,8 @@ void fl_sizing_acts_ex(const fl_model_config *cfg_in, int B, int T, const fl_act
     memset(out, 0, sizeof *out);
     if (fl_config_validate(&c) != FL_OK || B <= 0 || T <= 0) return;
     out->acts_bytes = carve_acts(&c, B, T, ckpt, adt, NULL, NULL, &out->acts_saved_bytes);
-    out->workspace_bytes = carve_work(&c, B, T, opts && opts->dw_bf16, NULL, NULL, &out->work_handoff_bytes,
+    out->workspace_bytes = carve_work(&c, B, T, opts && opts->dw_bf16, opts ? opts->head_widen : FL_F32,
+                                      opts ? opts->backend_scratch : 0, NULL, NULL, &out->work_handoff_bytes,
                                       &out->work_const_bytes);
     /* per layer: the difference between L and L-1 layers */
     fl_model_config c1 = c;
@@ -215,7 +237,7 @@ void fl_acts_mark_live(fl_model *m, int B, int T, int train) {
     size_t saved = 0, handoff = 0, constant = 0;
     if (train) {
         carve_acts(&m->cfg, B, T, m->act_ckpt, m->act_dtype, NULL, NULL, &saved);
-        carve_work(&m->cfg, B, T, 0, NULL, NULL, &handoff, &constant);
+        carve_work(&m->cfg, B, T, 0, FL_F32, 0, NULL, NULL, &handoff, &constant);
     }
     fl_mem_set_live(m->pool, m->acts_arena, saved);
     fl_mem_set_live(m->pool, m->work_arena, handoff + m->sizes.work_const_bytes);
@@ -231,7 +253,10 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     m->act_dtype = m->prec.name ? m->prec.act_dtype : FL_F32; /* zeroed policy = 32-true */
     /* bf16 weight-gradient GEMMs when the matmuls compute in bf16 and the weights train */
     int dw_bf16 = m->prec.name && m->prec.compute_dtype == FL_BF16 && (m->grads || m->g16);
-    fl_act_opts ao = {m->act_ckpt, m->act_dtype, dw_bf16};
+    fl_dtype head_widen = fl_head_widen_dtype(m->prec.name ? m->prec.compute_dtype : FL_F32, m->be->gemm_widens16);
+    size_t bes = fl_model_backend_scratch(m->prec.name ? m->prec.compute_dtype : FL_F32, m->q4 != NULL,
+                                          m->be->scratch_bytes);
+    fl_act_opts ao = {m->act_ckpt, m->act_dtype, dw_bf16, head_widen, bes};
     fl_sizing_acts_ex(&m->cfg, B, T, &ao, &m->sizes);
     fl_acts *a = calloc(1, sizeof *a);
     if (!a) return fl_errorf(FL_ERR_OOM, "activation views: out of host memory");
@@ -244,7 +269,7 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, m->sizes.workspace_bytes, (void **)&m->work_arena);
     if (s != FL_OK) { fl_model_free_acts(m); return fl_error_prefix(s, "allocating activations for B=%d T=%d", B, T); }
     carve_acts(&m->cfg, B, T, m->act_ckpt, m->act_dtype, (char *)m->acts_arena, a, NULL);
-    carve_work(&m->cfg, B, T, dw_bf16, (char *)m->work_arena, a, NULL, NULL);
+    carve_work(&m->cfg, B, T, dw_bf16, head_widen, bes, (char *)m->work_arena, a, NULL, NULL);
     if (m->cfg.arch == FL_ARCH_LLAMA)
         fl_rope_table_init(a->rope_cos, a->rope_sin, T, m->cfg.head_dim, m->cfg.rope_theta, &m->cfg.rope_scaling);
     fl_mem_set_live(m->pool, m->work_arena, m->sizes.work_const_bytes); /* the RoPE tables */

@@ -70,6 +70,10 @@ fl_status fl_kv_cache_init(fl_kv_cache *kv, const fl_model *m, int max_T) {
     }
     if (s == FL_OK)
         s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, gs.step_bytes, (void **)&kv->step);
+    size_t bes = fl_model_backend_scratch(m->prec.name ? m->prec.compute_dtype : FL_F32, m->q4 != NULL,
+                                          m->be->scratch_bytes);
+    if (s == FL_OK && bes && !(m->acts && m->acts->be_scratch))
+        s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, bes, &kv->be_scratch);
     if (s != FL_OK) {
         fl_kv_cache_free(kv);
         return fl_error_prefix(s, "allocating the KV cache (%d positions)", max_T);
@@ -84,6 +88,7 @@ void fl_kv_cache_free(fl_kv_cache *kv) {
     fl_mem_free(kv->pool, kv->rope_cos);
     fl_mem_free(kv->pool, kv->rope_sin);
     fl_mem_free(kv->pool, kv->step);
+    fl_mem_free(kv->pool, kv->be_scratch);
     memset(kv, 0, sizeof *kv);
 }
 
@@ -93,8 +98,22 @@ void fl_kv_cache_reset(fl_kv_cache *kv) { kv->pos = 0; }
  * n rows at positions pos0 .. pos0+n-1, where either n == 1 (decode: attend
  * to cached keys 0..pos0) or pos0 == 0 (prefill: causal attention within the
  * n rows, which are then the whole context). */
+static fl_status forward_rows_impl(fl_model *m, fl_kv_cache *kv, const rows_scratch *w, const int32_t *ids, int n,
+                                   int pos0, float *logits);
+
+/* The backend's scratch lent for the call (see transformer.c's lend_scratch): the activation
+ * arena's when the model has one (a training run's evaluation sample), else the cache's. */
 static fl_status forward_rows(fl_model *m, fl_kv_cache *kv, const rows_scratch *w, const int32_t *ids, int n,
                               int pos0, float *logits) {
+    void *sc = m->acts && m->acts->be_scratch ? m->acts->be_scratch : kv->be_scratch;
+    if (sc) m->be->set_scratch(m->be, sc, m->be->scratch_bytes);
+    fl_status s = forward_rows_impl(m, kv, w, ids, n, pos0, logits);
+    if (sc) m->be->set_scratch(m->be, NULL, 0);
+    return s;
+}
+
+static fl_status forward_rows_impl(fl_model *m, fl_kv_cache *kv, const rows_scratch *w, const int32_t *ids, int n,
+                                   int pos0, float *logits) {
     const fl_backend *be = m->be;
     fl_dims d = fl_model_dims(&m->cfg);
     const int llama = m->cfg.arch == FL_ARCH_LLAMA;

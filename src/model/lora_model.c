@@ -111,6 +111,10 @@ void fl_lora_attach(const fl_model *m, int l, int k, fl_linear *lin) {
     lin->lora_seed = st->seed;
 }
 
+int fl_lora_on_head(const fl_model *m) {
+    return m->lora && m->lora->count[m->cfg.n_layers * 4] > 0;
+}
+
 void fl_lora_attach_head(const fl_model *m, fl_linear *lin, int row0) {
     const struct fl_lora_state *st = m->lora;
     if (!st) return;

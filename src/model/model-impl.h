@@ -48,6 +48,13 @@ struct fl_acts {
     int rope_T;
     void *xb16;             /* (N, max(C, QD, F)) bf16 layer input for bf16 dW GEMMs, or NULL */
     void *dyb16;            /* (N, max(C, QKV, FCW)) or (chunk, V) bf16 output gradient for them */
+    /* the lm_head widened once per forward (fl_act_opts.head_widen; NULL when off) */
+    fl_dtype head_dt;       /* the head weight's 16-bit dtype (FL_F32: off) */
+    float *head_w;          /* (V, C) fp32 copy of the 16-bit head weight */
+    float *head_x;          /* (chunk, C) BF16: the chunk's input rounded to bf16, held in fp32 */
+    void *head_t16;         /* (chunk, max(V, C)) BF16: rounding scratch (aliases dyb16 when that exists) */
+    void *be_scratch;       /* the backend's scratch (fl_backend.scratch_bytes), lent to its ops in each
+                             * forward and backward (fl_act_opts.backend_scratch), or NULL */
 };
 
 /* Widths derived from the config. */
@@ -151,6 +158,7 @@ void fl_lora_attach(const fl_model *m, int l, int k, fl_linear *lin);
  * its h/xd hold one chunk (fl_logits_chunk_rows rows). row0 = first row of the chunk in the
  * (B*T) batch: the dropout mask is the one of the whole batch (element index row0*in + i). */
 void fl_lora_attach_head(const fl_model *m, fl_linear *lin, int row0);
+int fl_lora_on_head(const fl_model *m); /* an adapter sits on lm_head */
 /* LoRA activations for (B, T) (called by fl_model_alloc_acts) and their release. */
 fl_status fl_lora_alloc_acts(fl_model *m, int B, int T);
 void fl_lora_free_acts(fl_model *m);

@@ -44,6 +44,27 @@ void fl_sizing_param_split(const fl_model_config *cfg, const fl_model_storage *s
     fl_layout_free(&lay);
 }
 
+size_t fl_sizing_q4_staging_elems(const fl_model_config *cfg, const fl_model_storage *st) {
+    if (!st || !st->quant4) return 0;
+    fl_param_layout lay;
+    if (fl_layout_build(&lay, cfg) != FL_OK) return 0;
+    size_t mx = 0;
+    for (int i = 0; i < lay.n; i++)
+        if (fl_layout_entry_quantizable(&lay, i) && lay.params[i].numel > mx) mx = lay.params[i].numel;
+    fl_layout_free(&lay);
+    return mx;
+}
+
+fl_status fl_model_q4_staging(fl_model *m, float **out) {
+    *out = NULL;
+    size_t mx = 0;
+    for (int i = 0; m->q4 && i < m->layout.n; i++)
+        if (fl_model_param_is_q4(m, i) && m->layout.params[i].numel > mx) mx = m->layout.params[i].numel;
+    if (!mx) return FL_OK;
+    fl_status s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, mx * sizeof(float), (void **)out);
+    return s == FL_OK ? FL_OK : fl_error_prefix(s, "the fp32 staging of a 4-bit weight (%zu elements)", mx);
+}
+
 void fl_model_storage_for(const fl_precision *p, fl_model_storage *st) {
     memset(st, 0, sizeof *st);
     st->param_dtype = p && !p->compute_copy ? p->param_dtype : FL_F32;
@@ -168,6 +189,7 @@ fl_status fl_model_set_precision(fl_model *m, const fl_precision *p) {
                          p->name, fl_dtype_name(want.param_dtype), fl_dtype_name(m->store_dtype));
     fl_mem_free(m->pool, m->wcompute);
     m->wcompute = NULL;
+    const fl_dtype old_compute = m->prec.name ? m->prec.compute_dtype : FL_F32;
     m->prec = *p;
     if (p->compute_copy) {
         fl_status s = fl_mem_alloc(m->pool, FL_TAG_PARAMS, fl_precision_copy_bytes(p, m->dense_numel),
@@ -176,7 +198,8 @@ fl_status fl_model_set_precision(fl_model *m, const fl_precision *p) {
         fl_model_sync_compute_copy(m);
     }
     /* the saved activations' storage follows the policy: re-size an arena already allocated */
-    if (m->acts && m->act_dtype != p->act_dtype) {
+    /* ... and the workspace's compute-dtype parts (the widened head, the backend's scratch) */
+    if (m->acts && (m->act_dtype != p->act_dtype || old_compute != p->compute_dtype)) {
         fl_status s = fl_model_alloc_acts(m, m->B, m->T);
         if (s != FL_OK) return fl_error_prefix(s, "re-sizing the activations for %s", p->name);
     }
@@ -273,43 +296,63 @@ static int ends_with(const char *s, const char *suf) {
     return a >= b && strcmp(s + a - b, suf) == 0;
 }
 
-void fl_model_init_random(fl_model *m, uint64_t seed) {
+/* Fills elements [k0, k1) of a tensor's init stream into w[0 .. k1-k0) (k0 even). The stream
+ * is one Box-Muller pair per two elements, so any even split gives the same values. */
+static void init_fill(float *w, size_t k0, size_t k1, size_t numel, int kind, double sd, uint64_t *s) {
+    for (size_t k = k0; k < k1; k += 2) {
+        float *o = w + (k - k0);
+        if (kind == 0) { o[0] = 0.0f; if (k + 1 < k1) o[1] = 0.0f; continue; }
+        if (kind == 1) { o[0] = 1.0f; if (k + 1 < k1) o[1] = 1.0f; continue; }
+        double u1 = uniform01(s), u2 = uniform01(s);
+        double r = sqrt(-2.0 * log(u1)), th = 6.283185307179586 * u2;
+        o[0] = (float)(sd * r * cos(th));
+        if (k + 1 < numel && k + 1 < k1) o[1] = (float)(sd * r * sin(th));
+    }
+}
+
+fl_status fl_model_init_random_ex(fl_model *m, uint64_t seed) {
     const double std = 0.02;
     /* GPT-2 scales residual projections by 1/sqrt(2L) (HF GPT2PreTrainedModel). */
     const double proj_std = std / sqrt(2.0 * m->cfg.n_layers);
-    size_t maxn = 0;
-    for (int i = 0; i < m->layout.n; i++)
-        if (m->layout.params[i].numel > maxn) maxn = m->layout.params[i].numel;
-    /* 16-bit or 4-bit storage: one tensor at a time through tmp */
-    float *tmp = (m->params && !m->q4) ? NULL : malloc(maxn * sizeof(float));
-    if ((!m->params || m->q4) && !tmp) {
-        fl_errorf(FL_ERR_OOM, "random init: out of host memory");
-        return;
+    /* 16-bit storage: written in fixed slices through a small buffer (no whole-tensor fp32
+     * temporary: up to V x C floats); a 4-bit entry is quantized whole, from the pool's
+     * staging (WORKSPACE, freed at the end; the planner counts it in "model load") */
+    float *q4tmp = NULL;
+    FL_TRY(fl_model_q4_staging(m, &q4tmp));
+    enum { SLICE = 16384 };
+    float *slice = m->params ? NULL : malloc(SLICE * sizeof(float));
+    if (!m->params && !slice) {
+        fl_mem_free(m->pool, q4tmp);
+        return fl_errorf(FL_ERR_OOM, "random init: out of host memory");
     }
     for (int i = 0; i < m->layout.n; i++) {
         const fl_param_info *p = &m->layout.params[i];
-        int direct = m->params && !fl_model_param_is_q4(m, i);
-        float *w = direct ? m->params + fl_model_store_off(m, i) : tmp;
         int is_norm = strstr(p->name, "norm") || strstr(p->name, "ln_");
-        if (ends_with(p->name, ".bias")) {
-            memset(w, 0, p->numel * sizeof(float));
-        } else if (is_norm) {
-            for (size_t k = 0; k < p->numel; k++) w[k] = 1.0f;
+        int kind = ends_with(p->name, ".bias") ? 0 : is_norm ? 1 : 2;
+        double sd = (m->cfg.arch == FL_ARCH_GPT2 && ends_with(p->name, "c_proj.weight")) ? proj_std : std;
+        /* per-tensor stream so the init does not depend on layout order */
+        uint64_t s = seed * 0x100000001b3ULL + (uint64_t)i * 0x9e3779b97f4a7c15ULL;
+        if (fl_model_param_is_q4(m, i)) {
+            init_fill(q4tmp, 0, p->numel, p->numel, kind, sd, &s);
+            fl_model_write_param(m, i, q4tmp);
+        } else if (m->params) {
+            init_fill(m->params + fl_model_store_off(m, i), 0, p->numel, p->numel, kind, sd, &s);
         } else {
-            double sd = (m->cfg.arch == FL_ARCH_GPT2 && ends_with(p->name, "c_proj.weight")) ? proj_std : std;
-            /* per-tensor stream so the init does not depend on layout order */
-            uint64_t s = seed * 0x100000001b3ULL + (uint64_t)i * 0x9e3779b97f4a7c15ULL;
-            for (size_t k = 0; k < p->numel; k += 2) {
-                double u1 = uniform01(&s), u2 = uniform01(&s);
-                double r = sqrt(-2.0 * log(u1)), th = 6.283185307179586 * u2;
-                w[k] = (float)(sd * r * cos(th));
-                if (k + 1 < p->numel) w[k + 1] = (float)(sd * r * sin(th));
+            fl_dtype dt;
+            char *dst = fl_model_param_data(m, i, &dt);
+            for (size_t k0 = 0; k0 < p->numel; k0 += SLICE) {
+                size_t k1 = p->numel - k0 < SLICE ? p->numel : k0 + SLICE;
+                init_fill(slice, k0, k1, p->numel, kind, sd, &s);
+                fl_convert(dst + k0 * fl_dtype_size(dt), dt, slice, FL_F32, k1 - k0);
             }
         }
-        if (!direct) fl_model_write_param(m, i, tmp);
     }
-    free(tmp);
+    free(slice);
+    fl_mem_free(m->pool, q4tmp);
+    return FL_OK;
 }
+
+void fl_model_init_random(fl_model *m, uint64_t seed) { (void)fl_model_init_random_ex(m, seed); }
 
 double fl_model_train_flops(const fl_model_config *c, int B, int T) {
     fl_dims d = fl_model_dims(c);

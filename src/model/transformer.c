@@ -52,7 +52,7 @@ static fl_status block_forward(fl_model *m, int l, int B, int T, fl_layer_acts *
     return FL_OK;
 }
 
-fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targets, int B, int T, float grad_scale,
+static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *targets, int B, int T, float grad_scale,
                            float *logits_out) {
     const fl_backend *be = m->be;
     fl_acts *a = m->acts;
@@ -103,17 +103,42 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
     /* 16-bit storage: the head's gradient accumulates over the chunks in fp32, then is added once */
     const int stage_head = grad_scale > 0 && targets && head.dw && m->g16;
     if (stage_head) fl_grad_stage_begin(m, (size_t)d.V * d.C);
+    /* A 16-bit head on a backend whose 16-bit GEMM widens (fl_act_opts.head_widen): widen the
+     * weight once here instead of in every chunk's GEMMs, then run fp32 GEMMs on the same
+     * values: a BF16 head's GEMM operands are rounded to bf16 first (its chunk's rows into
+     * head_x; the logits' gradient in place, which only this head's dx and dW read), as the
+     * bf16 GEMM rounds an F32 A. An F16 GEMM does not round its F32 A, so nothing else changes.
+     * Not with a LoRA adapter on lm_head (its branch reads the unrounded x and dy). */
+    fl_linear hw = head;
+    const int wide = a->head_w && head.wc && head.wct == a->head_dt && head.n_q4 == 0 && !fl_lora_on_head(m);
+    const int round_bf16 = wide && a->head_dt == FL_BF16;
+    if (wide) {
+        FL_TRY(be->convert(be, a->head_w, FL_F32, head.wc, head.wct, (size_t)d.V * d.C)); // (V, C)
+        hw.wc = a->head_w;
+        hw.wct = FL_F32;
+        hw.xb16 = hw.dyb16 = NULL; /* dW += dy^T x in fp32 on the rounded operands */
+    }
     for (int r0 = 0; r0 < N; r0 += R) {
         int rows = N - r0 < R ? N - r0 : R;
         const float *xr = a->lnf + (size_t)r0 * d.C;
+        if (round_bf16) { /* x (rows, C) -> bf16 -> fp32 */
+            FL_TRY(be->convert(be, a->head_t16, FL_BF16, xr, FL_F32, (size_t)rows * d.C));
+            FL_TRY(be->convert(be, a->head_x, FL_F32, a->head_t16, FL_BF16, (size_t)rows * d.C));
+            xr = a->head_x;
+        }
         fl_lora_attach_head(m, &head, r0); /* LoRA on lm_head: h / xd of this chunk, the batch's mask */
-        FL_TRY(fl_linear_forward(be, a->logits, xr, &head, rows)); // (rows, V)
+        FL_TRY(fl_linear_forward(be, a->logits, xr, wide ? &hw : &head, rows)); // (rows, V)
         if (logits_out) memcpy(logits_out + (size_t)r0 * d.V, a->logits, (size_t)rows * d.V * sizeof(float));
         if (!targets) continue;
         int train = grad_scale > 0;
         be->cross_entropy(be, a->losses + r0, train ? a->logits : NULL, a->logits, targets + r0, rows, d.V, grad_scale,
                           FL_IGNORE_INDEX);
-        if (train) FL_TRY(fl_linear_backward(be, dlnf + (size_t)r0 * d.C, 0, a->logits, xr, &head, rows));
+        if (!train) continue;
+        if (round_bf16) { /* dlogits (rows, V) -> bf16 -> fp32, in place */
+            FL_TRY(be->convert(be, a->head_t16, FL_BF16, a->logits, FL_F32, (size_t)rows * d.V));
+            FL_TRY(be->convert(be, a->logits, FL_F32, a->head_t16, FL_BF16, (size_t)rows * d.V));
+        }
+        FL_TRY(fl_linear_backward(be, dlnf + (size_t)r0 * d.C, 0, a->logits, xr, wide ? &hw : &head, rows));
     }
     if (stage_head) FL_TRY(fl_grad_stage_flush(m, op.head_off, (size_t)d.V * d.C));
     m->ms_head = now_ms() - t_head;
@@ -141,7 +166,7 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
     return FL_OK;
 }
 
-fl_status fl_model_backward(fl_model *m) {
+static fl_status model_backward(fl_model *m) {
     const fl_backend *be = m->be;
     fl_acts *a = m->acts;
     if (!a || !m->fwd_train)
@@ -196,4 +221,27 @@ fl_status fl_model_backward(fl_model *m) {
     fl_acts_mark_live(m, B, T, 0);
     fl_model_grads_live(m, SIZE_MAX);
     return FL_OK;
+}
+
+/* The backend's scratch (fl_backend.set_scratch) is the model's WORKSPACE region, lent for the
+ * duration of each call and taken back before returning, so no op allocates and no pointer
+ * into a freed arena outlives the call. */
+static void lend_scratch(const fl_model *m, int on) {
+    if (m->acts && m->acts->be_scratch)
+        m->be->set_scratch(m->be, on ? m->acts->be_scratch : NULL, on ? m->be->scratch_bytes : 0);
+}
+
+fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targets, int B, int T, float grad_scale,
+                           float *logits_out) {
+    lend_scratch(m, 1);
+    fl_status s = model_forward(m, ids, targets, B, T, grad_scale, logits_out);
+    lend_scratch(m, 0);
+    return s;
+}
+
+fl_status fl_model_backward(fl_model *m) {
+    lend_scratch(m, 1);
+    fl_status s = model_backward(m);
+    lend_scratch(m, 0);
+    return s;
 }

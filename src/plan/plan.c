@@ -230,6 +230,8 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
         palloc(g, FL_TAG_PARAMS, q4b, what);
     }
     if (es != 4) palloc(g, FL_TAG_WORKSPACE, fl_sizing_pstage_elems(mc) * sizeof(float), "fp32 views of 1-D parameters");
+    size_t q4s = fl_sizing_q4_staging_elems(mc, &stg); /* load or random init: fl_model_q4_staging, freed after */
+    if (q4s) fl_mem_free(&g->pool, palloc(g, FL_TAG_WORKSPACE, q4s * sizeof(float), "fp32 staging of a 4-bit weight"));
     size_t copy = fl_precision_copy_bytes(&pr, n);
     if (copy) {
         snprintf(what, sizeof what, "%s weight copy", pr.name);
@@ -279,13 +281,16 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     }
     fl_act_sizes as; /* the activation arena: fl_model_alloc_acts */
     /* m->prec.act_dtype; bf16 dW scratch when bf16 matmuls meet trainable weights */
-    fl_act_opts ao = {c->train.activation_checkpointing, pr.act_dtype, pr.compute_dtype == FL_BF16 && !lora};
+    fl_act_opts ao = {c->train.activation_checkpointing, pr.act_dtype, pr.compute_dtype == FL_BF16 && !lora,
+                      fl_head_widen_dtype(pr.compute_dtype, fl_cpu_gemm_widens16()),
+                      fl_model_backend_scratch(pr.compute_dtype, stg.quant4, fl_cpu_scratch_bytes())};
     fl_sizing_acts_ex(mc, B, x->T, &ao, &as);
     snprintf(what, sizeof what, "activations (B=%d, T=%d%s%s%s)", B, x->T, ao.act_ckpt ? ", checkpointed" : "",
              !ao.act_ckpt && ao.act_dtype != FL_F32 ? ", saved in " : "",
              !ao.act_ckpt && ao.act_dtype != FL_F32 ? fl_dtype_name(ao.act_dtype) : "");
     void *acts = palloc(g, FL_TAG_ACTS, as.acts_bytes, what);
-    snprintf(what, sizeof what, "workspace (B=%d, T=%d)", B, x->T);
+    snprintf(what, sizeof what, "workspace (B=%d, T=%d%s)", B, x->T,
+             ao.head_widen != FL_F32 ? ", with the lm_head widened to fp32" : "");
     void *work = palloc(g, FL_TAG_WORKSPACE, as.workspace_bytes, what);
     if (work) fl_mem_set_live(&g->pool, work, as.work_const_bytes); /* the RoPE tables */
     void *lacts = NULL;

@@ -134,7 +134,7 @@ static fl_status load_model_and_tokenizer(trainer *t) {
         else FL_TRY(fl_hf_load_config(c->model_config, &mc));
         FL_TRY(fl_model_init_ex(&t->model, &mc, &t->be, &t->pool, &t->stg));
         t->model_ok = 1;
-        fl_model_init_random(&t->model, c->seed);
+        FL_TRY(fl_model_init_random_ex(&t->model, c->seed));
         if (ck[0]) { FL_TRY(fl_hf_load_weights(&t->model, ck)); have_weights = 1; }
     } else if (ck[0] && !exists(ck)) {
         /* A preset name: random init (for speed/memory experiments without weights). */
@@ -147,7 +147,7 @@ static fl_status load_model_and_tokenizer(trainer *t) {
         }
         FL_TRY(fl_model_init_ex(&t->model, &mc, &t->be, &t->pool, &t->stg));
         t->model_ok = 1;
-        fl_model_init_random(&t->model, c->seed);
+        FL_TRY(fl_model_init_random_ex(&t->model, c->seed));
     } else if (ck[0] && c->init_random) {
         /* --init random: the folder's (or config.json's) shape, fresh weights */
         char cp[FL_CFG_PATH + 16];
@@ -157,13 +157,13 @@ static fl_status load_model_and_tokenizer(trainer *t) {
         FL_TRY(fl_hf_load_config(cp, &mc));
         FL_TRY(fl_model_init_ex(&t->model, &mc, &t->be, &t->pool, &t->stg));
         t->model_ok = 1;
-        fl_model_init_random(&t->model, c->seed);
+        FL_TRY(fl_model_init_random_ex(&t->model, c->seed));
     } else if (ck[0]) {
         int loaded = 0;
         FL_TRY(fl_model_load_auto_ex(&t->model, ck, &t->be, &t->pool, &t->stg, &loaded));
         t->model_ok = 1;
         have_weights = loaded;
-        if (!loaded) fl_model_init_random(&t->model, c->seed);
+        if (!loaded) FL_TRY(fl_model_init_random_ex(&t->model, c->seed));
     } else {
         return fl_errorf(FL_ERR_INVALID, "no model: give checkpoint_dir%s",
                          c->command == FL_CMD_PRETRAIN ? ", model_name or model_config" : "");

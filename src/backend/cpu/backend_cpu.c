@@ -54,9 +54,30 @@ static void fill_ops(fl_backend *be) {
     be->lora_forward = fl_cpu_lora_forward;
     be->lora_backward = fl_cpu_lora_backward;
     be->accumulate16 = fl_cpu_accumulate16;
+    be->set_scratch = fl_cpu_set_scratch;
     be->sumsq_ex = fl_cpu_sumsq_ex;
     be->attention_forward_ex = fl_cpu_attention_forward_ex;
     be->attention_backward_ex = fl_cpu_attention_backward_ex;
+}
+
+/* The scratch lent by the calling thread (ops run on the caller's thread; their OpenMP workers
+ * receive pointers into it). Per thread, so backends used by different threads do not mix. */
+static _Thread_local struct {
+    char *p;
+    size_t bytes;
+} tl_scratch;
+
+void fl_cpu_set_scratch(const fl_backend *be, void *p, size_t bytes) {
+    (void)be;
+    tl_scratch.p = bytes >= FL_CPU_SCRATCH_BYTES ? p : NULL;
+    tl_scratch.bytes = tl_scratch.p ? bytes : 0;
+}
+
+size_t fl_cpu_scratch_bytes(void) { return FL_CPU_SCRATCH_BYTES; }
+
+float *fl_cpu_scratch_part(int part) {
+    if (!tl_scratch.p) return NULL;
+    return (float *)tl_scratch.p + (part ? FL_CPU_WIDEN_SCRATCH : 0);
 }
 
 fl_status fl_cpu_backend_init(fl_backend *be, int n_threads) {
@@ -67,8 +88,10 @@ fl_status fl_cpu_backend_init(fl_backend *be, int n_threads) {
     be->n_threads = n_threads > 0 ? n_threads : omp_get_max_threads();
     if (be->n_threads > FL_CPU_MAX_THREADS) be->n_threads = FL_CPU_MAX_THREADS;
     be->gemm_name = fl_cpu_gemm_library();
+    be->gemm_widens16 = fl_cpu_gemm_widens16();
     be->gemm = fl_cpu_gemm_sized;
     fill_ops(be);
+    be->scratch_bytes = FL_CPU_SCRATCH_BYTES;
     return FL_OK;
 }
 

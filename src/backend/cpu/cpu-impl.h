@@ -74,6 +74,15 @@ fl_status fl_cpu_gemm_bf16_widen(const fl_backend *be, int trans_a, int trans_b,
  * prefix is the widening's SIMD level) or "tiled" (naive builds). FITLLM_BF16_GEMM=tiled|widen
  * forces the tiled kernel / the widening path. */
 const char *fl_cpu_gemm_bf16_path(void);
+
+/* The lent scratch (fl_backend.set_scratch): part 0, FL_CPU_WIDEN_SCRATCH floats for the 16-bit
+ * GEMM widening; part 1, FL_CPU_Q4_SCRATCH floats for the 4-bit dequantization panels. NULL when
+ * the calling thread lent none (the callers then use their process-wide fallback). */
+#define FL_CPU_WIDEN_SCRATCH ((size_t)2 << 20) /* fp32 elements: 8 MiB */
+#define FL_CPU_Q4_SCRATCH ((size_t)2 << 20)    /* fp32 elements: 8 MiB */
+#define FL_CPU_SCRATCH_BYTES ((FL_CPU_WIDEN_SCRATCH + FL_CPU_Q4_SCRATCH) * sizeof(float))
+void fl_cpu_set_scratch(const fl_backend *be, void *p, size_t bytes);
+float *fl_cpu_scratch_part(int part);
 /* How fl_cpu_gemm does F32xF16 / F16xF16: "f16c-widen+sgemm" (F16C widening) or "widen+sgemm". */
 const char *fl_cpu_gemm_f16_path(void);
 /* Tests: use only the first n floats (at least 512) of the bf16/fp16 widening GEMM's scratch (0

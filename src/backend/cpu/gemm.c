@@ -266,10 +266,11 @@ fl_status fl_cpu_gemm_bf16_tiled(const fl_backend *be, int trans_a, int trans_b,
 }
 
 /* ---- the widening scratch ----------------------------------------------------------------
- * One fp32 scratch of FL_WIDEN_SCRATCH floats, allocated on first use and kept until exit
- * (process-wide; the only memory the GEMM allocates): the widened operand blocks of
- * "widen + sgemm" below and oneDNN's bf16 copy of an F32 A. One mutex guards it. */
-#define FL_WIDEN_SCRATCH ((size_t)2 << 20) /* fp32 elements: 8 MiB */
+ * The widened operand blocks of "widen + sgemm" below and oneDNN's bf16 copy of an F32 A live
+ * in one fp32 scratch of FL_WIDEN_SCRATCH floats: the part the caller lent (fl_backend
+ * .set_scratch, from its pool: the model lends its WORKSPACE region), else a process-wide
+ * fallback allocated on first use and kept until exit (op tests, tools; one mutex guards it). */
+#define FL_WIDEN_SCRATCH FL_CPU_WIDEN_SCRATCH
 
 static struct {
     pthread_mutex_t mu;
@@ -278,17 +279,27 @@ static struct {
     size_t cap; /* test hook: elements of the scratch to use (0: all) */
 } g_ws = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
-/* Lock the scratch and return it (allocated on first use); NULL if it cannot be allocated
- * (still locked). ws_unlock() in both cases. */
-static float *ws_lock(void) {
+/* The scratch for this call (lent, or the fallback locked and allocated on first use; NULL if
+ * it cannot be allocated) and its usable elements. ws_release(locked) in every case. */
+static float *ws_get(size_t *cap, int *locked) {
     pthread_mutex_lock(&g_ws.mu);
+    *cap = g_ws.cap ? g_ws.cap : FL_WIDEN_SCRATCH;
+    float *lent = fl_cpu_scratch_part(0);
+    if (lent) {
+        pthread_mutex_unlock(&g_ws.mu);
+        *locked = 0;
+        return lent;
+    }
+    *locked = 1;
     if (!g_ws.scratch && !g_ws.alloc_failed) {
         g_ws.scratch = malloc(FL_WIDEN_SCRATCH * sizeof(float));
         g_ws.alloc_failed = !g_ws.scratch;
     }
     return g_ws.scratch;
 }
-static void ws_unlock(void) { pthread_mutex_unlock(&g_ws.mu); }
+static void ws_release(int locked) {
+    if (locked) pthread_mutex_unlock(&g_ws.mu);
+}
 
 void fl_cpu_gemm_widen_set_scratch_cap(size_t n) {
     pthread_mutex_lock(&g_ws.mu);
@@ -437,9 +448,11 @@ static int gemm_bf16_onednn(int nt, int trans_a, int trans_b, int M, int N, int 
     }
     /* F32 A: convert row blocks of op(A) to bf16 (row-major, lda = K) */
     if ((size_t)K > FL_BF16_SCRATCH) goto out;
-    uint16_t *S = (uint16_t *)ws_lock();
+    size_t wcap;
+    int wlocked;
+    uint16_t *S = (uint16_t *)ws_get(&wcap, &wlocked); /* all FL_BF16_SCRATCH bf16 elements (not capped) */
     if (!S) {
-        ws_unlock();
+        ws_release(wlocked);
         goto out;
     }
     int rows = (int)(FL_BF16_SCRATCH / (size_t)K);
@@ -458,7 +471,7 @@ static int gemm_bf16_onednn(int nt, int trans_a, int trans_b, int M, int N, int 
         }
         mm_entry *e = mm_get_locked(0, trans_b, mb, N, K, K, ldb, ldc, FL_BF16, tc, alpha, beta);
         if (!e || !mm_exec_locked(e, S, B, (char *)C + (size_t)r0 * ldc * csz)) {
-            ws_unlock();
+            ws_release(wlocked);
             if (r0 == 0) goto out;
             /* a later block failed after earlier ones were written: finish with the widening
              * path (same semantics) so C is consistent */
@@ -469,7 +482,7 @@ static int gemm_bf16_onednn(int nt, int trans_a, int trans_b, int M, int N, int 
             return s == FL_OK;
         }
     }
-    ws_unlock();
+    ws_release(wlocked);
     done = 1;
 out:
     pthread_mutex_unlock(&g_mm.mu);
@@ -750,17 +763,18 @@ static fl_status gemm_widen(const fl_backend *be, int nt, int trans_a, int trans
                             void *C, fl_dtype tc, int ldc) {
     widen_kind wb = tb == FL_BF16 ? W_BF16 : W_F16;
     widen_kind wa = ta == FL_BF16 ? W_BF16 : ta == FL_F16 ? W_F16 : tb == FL_BF16 ? W_F32_ROUND_BF16 : W_NONE;
-    if (!ws_lock()) {
-        ws_unlock();
+    size_t cap;
+    int locked;
+    float *S = ws_get(&cap, &locked);
+    if (!S) {
+        ws_release(locked);
         return gemm_lowp_naive(be, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc, ldc);
     }
-    size_t cap = g_ws.cap ? g_ws.cap : FL_WIDEN_SCRATCH;
-    float *S = g_ws.scratch;
     fl_status s = FL_OK;
     if (tc == FL_F32) {
         s = widen_sgemm_f32c(be, nt, trans_a, trans_b, M, N, K, alpha, A, ta, wa, lda, B, wb, ldb, beta, C, ldc, S,
                              cap);
-        ws_unlock();
+        ws_release(locked);
         return s;
     }
 #if defined(FL_HAVE_OPENBLAS)
@@ -808,7 +822,7 @@ static fl_status gemm_widen(const fl_backend *be, int nt, int trans_a, int trans
             if (s == FL_OK) narrow_rows_bf16(Ct, ldc, SC, ldsc, mc, nc, wnt);
         }
     }
-    ws_unlock();
+    ws_release(locked);
     return s;
 }
 
@@ -875,6 +889,15 @@ const char *fl_cpu_gemm_bf16_path(void) {
     if (p == BF16_TILED) return "tiled";
     fl_cpu_level_t l = fl_cpu_level();
     return l >= FL_CPU_AVX512 ? "avx512-widen+sgemm" : l >= FL_CPU_AVX2 ? "avx2-widen+sgemm" : "widen+sgemm";
+}
+
+unsigned fl_cpu_gemm_widens16(void) {
+#if defined(FL_HAVE_ONEDNN) || defined(FL_HAVE_OPENBLAS)
+    /* gemm_f16 always widens; bf16 unless oneDNN's native bf16 matmul (or the forced tiled kernel) runs */
+    return (1u << FL_F16) | (bf16_path() == BF16_WIDEN ? 1u << FL_BF16 : 0u);
+#else
+    return 0; /* naive builds: no library sgemm to run the widened problem faster */
+#endif
 }
 
 const char *fl_cpu_gemm_f16_path(void) {

@@ -17,7 +17,7 @@
  * sizes depend only on the shape, so results are deterministic for a fixed thread count.
  *   forward:  y[:, r0:r0+R] = x @ deq(W[r0:r0+R, :])^T (+ y when beta 1)
  *   backward: dx = sum over panels dy[:, r0:r0+R] @ deq(W[r0:r0+R, :]) (+ dx when beta 1) */
-#define FL_Q4_SCRATCH ((size_t)2 << 20)
+#define FL_Q4_SCRATCH FL_CPU_Q4_SCRATCH
 
 static struct {
     pthread_mutex_t mu;
@@ -38,27 +38,34 @@ static void q4_dequant_panel(const fl_backend *be, const fl_q4_weight *w, int r0
 static int q4_panels(const fl_backend *be, int fwd, float *out, int ldo, const float *in, int ldi,
                      const fl_q4_weight *w, int N, float beta, fl_status *st) {
     const int OUT = w->rows, IN = w->cols;
-    pthread_mutex_lock(&g_q4.mu);
-    if (!g_q4.buf && !g_q4.failed) {
-        g_q4.buf = malloc(FL_Q4_SCRATCH * sizeof(float));
-        g_q4.failed = g_q4.buf == NULL;
+    /* the lent scratch (fl_backend.set_scratch: the model's WORKSPACE), else the process-wide
+     * fallback allocated on first use (op tests, tools) */
+    float *buf = fl_cpu_scratch_part(1);
+    int locked = !buf;
+    if (locked) {
+        pthread_mutex_lock(&g_q4.mu);
+        if (!g_q4.buf && !g_q4.failed) {
+            g_q4.buf = malloc(FL_Q4_SCRATCH * sizeof(float));
+            g_q4.failed = g_q4.buf == NULL;
+        }
+        buf = g_q4.buf;
     }
-    if (!g_q4.buf || (size_t)IN > FL_Q4_SCRATCH) {
-        pthread_mutex_unlock(&g_q4.mu);
+    if (!buf || (size_t)IN > FL_Q4_SCRATCH) {
+        if (locked) pthread_mutex_unlock(&g_q4.mu);
         return 0;
     }
     const int R = (int)((size_t)FL_Q4_SCRATCH / (size_t)IN < (size_t)OUT ? FL_Q4_SCRATCH / (size_t)IN : (size_t)OUT);
     *st = FL_OK;
     for (int r0 = 0; r0 < OUT && *st == FL_OK; r0 += R) {
         const int nr = OUT - r0 < R ? OUT - r0 : R;
-        q4_dequant_panel(be, w, r0, nr, g_q4.buf);
+        q4_dequant_panel(be, w, r0, nr, buf);
         if (fwd) /* out = y (N, OUT; ldy), in = x (N, IN) */
-            *st = be->gemm(be, 0, 1, N, nr, IN, 1.0f, in, FL_F32, IN, g_q4.buf, FL_F32, IN, beta, out + r0, FL_F32, ldo);
+            *st = be->gemm(be, 0, 1, N, nr, IN, 1.0f, in, FL_F32, IN, buf, FL_F32, IN, beta, out + r0, FL_F32, ldo);
         else /* out = dx (N, IN), in = dy (N, OUT; ldy) */
-            *st = be->gemm(be, 0, 0, N, IN, nr, 1.0f, in + r0, FL_F32, ldi, g_q4.buf, FL_F32, IN,
+            *st = be->gemm(be, 0, 0, N, IN, nr, 1.0f, in + r0, FL_F32, ldi, buf, FL_F32, IN,
                            r0 == 0 ? beta : 1.0f, out, FL_F32, IN);
     }
-    pthread_mutex_unlock(&g_q4.mu);
+    if (locked) pthread_mutex_unlock(&g_q4.mu);
     return 1;
 }
 
