@@ -4,11 +4,11 @@
  * transformers loads unchanged (config.json, model.safetensors, tokenizer
  * files, hyperparameters.yaml) plus training_state.safetensors (optimizer
  * state tensors; step, iteration, data position and counters as metadata),
- * which transformers ignores. A LoRA run's step checkpoints hold config.json, the training
- * state (adapters included) and the PEFT adapter (adapter_config.json +
- * adapter_model.safetensors, as a PEFT checkpoint-N/ folder): no copy of the frozen base,
- * which stays where it was loaded from and which adapter_config.json names by its absolute
- * path. A LoRA run's final/ is the merged model with the PEFT adapter in final/adapter.
+ * which transformers ignores. A LoRA run's step checkpoints are PEFT adapter folders like
+ * PEFT's checkpoint-N/ (adapter_config.json + adapter_model.safetensors, tokenizer files,
+ * hyperparameters.yaml, the training state with the adapters; no config.json, so
+ * transformers loads the base the adapter names): no copy of the frozen base, which stays
+ * where it was loaded from and which adapter_config.json names by its absolute path. A LoRA run's final/ is the merged model with the PEFT adapter in final/adapter.
  * A checkpoint is built in a temporary folder,
  * fsynced, renamed into place, and only then marked committed by the file
  * COMMITTED (written atomically). Only committed checkpoints are resumed, so a

@@ -128,7 +128,8 @@ fl_status fl_model_load_auto_ex(fl_model *m, const char *path, const fl_backend 
 
 /* Copy the tokenizer and generation files of a model folder that exist in src_dir
  * (tokenizer.json, tokenizer.model, tokenizer_config.json, special_tokens_map.json,
- * generation_config.json, tokenizer.bin, tok512.bin) into dst_dir, each written atomically.
+ * added_tokens.json, vocab.json, merges.txt, chat_template.jinja, generation_config.json,
+ * tokenizer.bin, tok512.bin) into dst_dir, each written atomically.
  * *n_copied (may be NULL) gets how many were copied. */
 fl_status fl_io_copy_tokenizer_files(const char *src_dir, const char *dst_dir, int *n_copied);
 /* 1 if dir holds a tokenizer fitllm reads (tokenizer.json, tokenizer.model, tokenizer.bin,

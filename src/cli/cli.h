@@ -75,8 +75,9 @@ fl_status fl_cli_find_adapter(const char *path, fl_cli_adapter_info *info);
  * that is not found the error names it and says `hint`, how to give the base). */
 fl_status fl_cli_load_with_adapter(fl_model *m, const char *base, const char *adapter_path, const char *hint,
                                    const fl_backend *be, fl_mem_pool *pool, int *loaded, fl_cli_adapter_info *info);
-/* The folder whose tokenizer goes with the adapter: the adapter folder (fitllm's step checkpoints
- * carry one), the checkpoint holding an adapter/ (final/), else the base; NULL if none has one. */
+/* The folder whose tokenizer goes with the adapter: the base's (with its config.json's special
+ * ids, as training used it), else the adapter folder's (fitllm's step checkpoints carry a copy of
+ * the run's), else the checkpoint holding an adapter/ (final/); NULL if none has one. */
 const char *fl_cli_adapter_tokenizer(const fl_cli_adapter_info *info, char *buf, size_t n);
 
 #endif

@@ -143,6 +143,9 @@ fl_status fl_cli_load_with_adapter(fl_model *m, const char *base, const char *ad
 }
 
 const char *fl_cli_adapter_tokenizer(const fl_cli_adapter_info *info, char *buf, size_t n) {
+    /* the base's first: with its config.json (bos/eos ids) it is the tokenizer a run uses
+     * unless given another tokenizer_dir */
+    if (is_dir(info->base) && fl_io_has_tokenizer(info->base)) return info->base;
     /* fitllm's step checkpoints carry the run's tokenizer next to the adapter */
     if (fl_io_has_tokenizer(info->adapter)) return info->adapter;
     /* final/adapter: the tokenizer is in final/ */
@@ -154,7 +157,6 @@ const char *fl_cli_adapter_tokenizer(const fl_cli_adapter_info *info, char *buf,
         *slash = 0;
         if (has_file(buf, "COMMITTED") && fl_io_has_tokenizer(buf)) return buf;
     }
-    if (is_dir(info->base) && fl_io_has_tokenizer(info->base)) return info->base;
     return NULL;
 }
 

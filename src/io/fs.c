@@ -116,9 +116,12 @@ static void remove_dir_depth(const char *path, int depth) {
 
 void fl_io_remove_dir(const char *path) { remove_dir_depth(path, 4); }
 
+/* what save_pretrained writes beside the weights (tokenizer and generation settings), plus
+ * llama2.c's tokenizer files */
 static const char *const k_tok_files[] = {"tokenizer.json", "tokenizer.model", "tokenizer_config.json",
-                                          "special_tokens_map.json", "generation_config.json", "tokenizer.bin",
-                                          "tok512.bin"};
+                                          "special_tokens_map.json", "added_tokens.json", "vocab.json",
+                                          "merges.txt", "chat_template.jinja", "generation_config.json",
+                                          "tokenizer.bin", "tok512.bin"};
 
 static fl_status copy_file(const char *src, const char *dst) {
     FILE *f = fopen(src, "rb");

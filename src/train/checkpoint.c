@@ -125,14 +125,12 @@ fl_status fl_ckpt_save(const char *out_dir, const char *name, const fl_model *m,
     const char *base = cfg ? cfg->checkpoint_dir : NULL;
     if (m->lora && o) {
         /* a LoRA training checkpoint: the base is frozen and stays in checkpoint_dir, so only
-         * config.json (for reference), the training state (adapters included) and the PEFT
-         * adapter (so merge_lora / generate can use this step without waiting for final/) */
+         * the training state (adapters included) and the PEFT adapter, so that merge_lora,
+         * generate and PEFT use this step without waiting for final/. No config.json: as in
+         * PEFT's checkpoint-N/ folders; transformers takes a folder holding one for a full
+         * model and would not load the base that adapter_config.json names. */
         if (mkdir(tmp, 0755) != 0) s = fl_errorf(FL_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
-        else {
-            snprintf(p, sizeof p, "%s/config.json", tmp);
-            s = fl_hf_save_config(p, &m->cfg);
-        }
-        if (s == FL_OK) s = fl_ckpt_save_adapter(m, tmp, base);
+        else s = fl_ckpt_save_adapter(m, tmp, base);
     } else {
         s = fl_hf_save_model(m, tmp); /* config.json + model.safetensors, fsynced */
         if (s == FL_OK && m->lora) { /* LoRA final/: the merged model + adapter/, committed together */
@@ -184,7 +182,7 @@ fl_status fl_ckpt_save(const char *out_dir, const char *name, const fl_model *m,
 }
 
 int fl_ckpt_is_committed(const char *dir) {
-    char p[FL_CFG_PATH + 64];
+    char p[FL_CFG_PATH + 512]; /* dir: up to out_dir + "/" + a folder name */
     snprintf(p, sizeof p, "%s/" MARKER, dir);
     return fl_io_is_file(p);
 }
