@@ -269,6 +269,7 @@ if [ -d "$DATA/stories260K-hf" ]; then
     sed -i 's|"base_model_name_or_path": "[^"]*"|"base_model_name_or_path": "nowhere/base-model"|' "$T/lo-bad/adapter_config.json"
     expect merge_lora_bad_base 2 "lo-bad/adapter_config.json: base model 'nowhere/base-model' \(base_model_name_or_path\) not found .*--base <dir>" -- "$FITLLM" merge_lora "$T/lo-bad"
     expect merge_lora_bad_base_rescued 0 "base: $DATA/stories260K-hf" -- "$FITLLM" merge_lora "$T/lo-bad" --base "$DATA/stories260K-hf"
+    expect loss_on_adapter_folder 1 "a PEFT LoRA adapter folder .*fitllm merge_lora .*step-000002" -- "$FITLLM" loss "$T/lo/step-000002" --tokens-file "$T/lo-ids.txt"
     expect merge_lora_not_lora 2 "a model folder, not a LoRA adapter" -- "$FITLLM" merge_lora "$DATA/stories260K-hf" --out_dir "$T/lo-x"
     # resume from a step folder (holding a merge_lora output); rotation removes old steps whole
     expect lora_resume_from_step 0 "Resuming training from .*step-000004" -- "$FITLLM" finetune_lora "${LR[@]}" --train.max_steps 6 \
