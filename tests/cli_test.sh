@@ -186,7 +186,8 @@ expect merge_lora_head_ok 0 "merged" -- "$FITLLM" merge_lora tests/fixtures/peft
 a=$("$FITLLM" generate "$T/merged-head" --prompt-ids "1 2 3" --max_new_tokens 6 --temperature 0 2>/dev/null)
 b=$("$FITLLM" generate tests/fixtures/golden-llama --adapter tests/fixtures/peft-llama-head --prompt-ids "1 2 3" --max_new_tokens 6 --temperature 0 2>/dev/null)
 if [ -n "$a" ] && [ "$a" = "$b" ] && [ "$a" != "$c" ]; then echo "ok   generate_head_adapter_equals_merged"; pass=$((pass+1)); else echo "FAIL generate_head_adapter_equals_merged: '$a' '$b' '$c'"; fail=$((fail+1)); fi
-expect merge_lora_base_missing 2 "'golden-llama' is neither a file, a folder nor a model preset \(unknown model preset" -- "$FITLLM" merge_lora tests/fixtures/peft-llama --out_dir "$T/m2"
+expect merge_lora_base_missing 2 "peft-llama/adapter_config.json: base model 'golden-llama' \(base_model_name_or_path\) not found.*give the base model folder with --base <dir>" -- "$FITLLM" merge_lora tests/fixtures/peft-llama --out_dir "$T/m2"
+expect generate_adapter_base_missing 1 "base model 'golden-llama' .*not found.*fitllm generate <base_dir> --adapter tests/fixtures/peft-llama" -- "$FITLLM" generate tests/fixtures/peft-llama --prompt-ids "1 2"
 expect merge_lora_wrong_base 2 "peft-llama" -- "$FITLLM" merge_lora tests/fixtures/peft-llama --base tests/fixtures/golden-gpt2 --out_dir "$T/m3"
 expect merge_lora_not_adapter 2 "adapter_config.json" -- "$FITLLM" merge_lora "$T" --base tests/fixtures/golden-llama
 
@@ -256,6 +257,56 @@ if [ -d "$DATA/stories260K-hf" ]; then
     # nothing to learn from: every target masked (prompts masked, responses cut by max_seq_length)
     expect finetune_all_masked 2 "nothing to learn from: every target token of the 95 training samples is masked" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" \
         --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --data.mask_prompt true --train.max_seq_length 8 --train.max_steps 2 --out_dir "$T/masked"
+    # ---- LoRA outputs: every step-N/ is a PEFT adapter that merge_lora and generate take as it is;
+    # final/ and the run folder lead to final/adapter; merge_lora writes a complete HF folder ----
+    FL_ABS=$(cd "$(dirname "$FITLLM")" && pwd)/$(basename "$FITLLM")
+    LR=("$DATA/stories260K-hf" --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --train.max_seq_length 64
+        --train.micro_batch_size 2 --train.global_batch_size 2 --train.save_interval 2 --optimizer.lr 0.05 --eval.max_new_tokens 0 --quiet)
+    expect lora_run_steps 0 "Saved the PEFT adapter" -- "$FITLLM" finetune_lora "${LR[@]}" --train.max_steps 4 --out_dir "$T/lo"
+    ok=1
+    for s in step-000002 step-000004; do for f in adapter_config.json adapter_model.safetensors training_state.safetensors tokenizer.json; do
+        [ -f "$T/lo/$s/$f" ] || { echo "     missing $s/$f"; ok=0; }; done
+        # no config.json: transformers would take the folder for a full model instead of loading the adapter's base
+        [ ! -e "$T/lo/$s/config.json" ] || { echo "     $s/config.json"; ok=0; }; done
+    # the base by its absolute path, so the adapter works from any directory
+    want_base=$(cd "$DATA/stories260K-hf" && pwd -P)
+    grep -q "\"base_model_name_or_path\": \"$want_base\"" "$T/lo/step-000002/adapter_config.json" || { echo "     base not absolute:"; grep base_model "$T/lo/step-000002/adapter_config.json"; ok=0; }
+    if [ $ok = 1 ]; then echo "ok   lora_step_holds_adapter"; pass=$((pass+1)); else echo "FAIL lora_step_holds_adapter"; fail=$((fail+1)); fi
+    expect merge_lora_step 0 "adapter: .*/lo/step-000004$" -- "$FITLLM" merge_lora "$T/lo/step-000004"
+    ok=1
+    for f in config.json model.safetensors tokenizer.json tokenizer_config.json; do [ -f "$T/lo/step-000004/merged/$f" ] || { echo "     merged/ lacks $f"; ok=0; }; done
+    if [ $ok = 1 ]; then echo "ok   merge_lora_output_is_complete"; pass=$((pass+1)); else echo "FAIL merge_lora_output_is_complete"; fail=$((fail+1)); fi
+    # generate: the merged step, the step folder itself (adapter merged in memory) and base --adapter step agree, and differ from the base
+    gen() { "$FITLLM" generate "$@" --prompt "Once upon a time" --max_new_tokens 12 --temperature 0 2>/dev/null; }
+    a=$(gen "$T/lo/step-000004/merged"); b=$(gen "$T/lo/step-000004"); c=$(gen "$DATA/stories260K-hf" --adapter "$T/lo/step-000004"); d=$(gen "$DATA/stories260K-hf")
+    if [ -n "$a" ] && [ "$a" = "$b" ] && [ "$a" = "$c" ] && [ "$a" != "$d" ]; then echo "ok   generate_lora_step_and_merged"; pass=$((pass+1))
+    else echo "FAIL generate_lora_step_and_merged: '$a' '$b' '$c' '$d'"; fail=$((fail+1)); fi
+    expect generate_lora_step_says_base 0 "is a LoRA adapter: base model $want_base" -- "$FITLLM" generate "$T/lo/step-000002" --prompt "Once" --max_new_tokens 2
+    # final/ -> final/adapter; the run folder -> final/adapter; merging final/adapter gives final/ (same arithmetic: identical logits)
+    expect merge_lora_final 0 "adapter: .*/lo/final/adapter \(the PEFT adapter of the checkpoint\)" -- "$FITLLM" merge_lora "$T/lo/final" --out_dir "$T/lo-m-final"
+    expect merge_lora_run_folder 0 "adapter: .*/lo/final/adapter \(the final adapter of the run\)" -- "$FITLLM" merge_lora "$T/lo" --out_dir "$T/lo-m-run"
+    printf '1 403 407 261 378 434 2 9 19 5\n' > "$T/lo-ids.txt"
+    "$FITLLM" loss "$T/lo/final" --tokens-file "$T/lo-ids.txt" --dump-logits "$T/lo-l1.f32" >/dev/null 2>&1
+    "$FITLLM" loss "$T/lo-m-final" --tokens-file "$T/lo-ids.txt" --dump-logits "$T/lo-l2.f32" >/dev/null 2>&1
+    "$FITLLM" loss "$DATA/stories260K-hf" --tokens-file "$T/lo-ids.txt" --dump-logits "$T/lo-l0.f32" >/dev/null 2>&1
+    if [ -s "$T/lo-l1.f32" ] && cmp -s "$T/lo-l1.f32" "$T/lo-l2.f32" && ! cmp -s "$T/lo-l1.f32" "$T/lo-l0.f32"; then echo "ok   merge_lora_final_equals_final"; pass=$((pass+1))
+    else echo "FAIL merge_lora_final_equals_final"; fail=$((fail+1)); fi
+    # from another working directory (the run used a relative checkpoint_dir)
+    expect merge_lora_other_cwd 0 "merged -> m-cwd" -- bash -c "cd '$T' && '$FL_ABS' merge_lora lo/step-000002 --out_dir m-cwd"
+    expect generate_merged_other_cwd 0 "" -- bash -c "cd / && '$FL_ABS' generate '$T/m-cwd' --prompt Once --max_new_tokens 4"
+    # a base that is not there: the path tried and --base; --base rescues it
+    mkdir -p "$T/lo-bad"; cp "$T/lo/step-000002"/adapter_* "$T/lo-bad/"
+    sed -i 's|"base_model_name_or_path": "[^"]*"|"base_model_name_or_path": "nowhere/base-model"|' "$T/lo-bad/adapter_config.json"
+    expect merge_lora_bad_base 2 "lo-bad/adapter_config.json: base model 'nowhere/base-model' \(base_model_name_or_path\) not found .*--base <dir>" -- "$FITLLM" merge_lora "$T/lo-bad"
+    expect merge_lora_bad_base_rescued 0 "base: $DATA/stories260K-hf" -- "$FITLLM" merge_lora "$T/lo-bad" --base "$DATA/stories260K-hf"
+    expect loss_on_adapter_folder 1 "a PEFT LoRA adapter folder .*fitllm merge_lora .*step-000002" -- "$FITLLM" loss "$T/lo/step-000002" --tokens-file "$T/lo-ids.txt"
+    expect merge_lora_not_lora 2 "a model folder, not a LoRA adapter" -- "$FITLLM" merge_lora "$DATA/stories260K-hf" --out_dir "$T/lo-x"
+    # resume from a step folder (holding a merge_lora output); rotation removes old steps whole
+    expect lora_resume_from_step 0 "Resuming training from .*step-000004" -- "$FITLLM" finetune_lora "${LR[@]}" --train.max_steps 6 \
+        --train.keep_checkpoints 1 --out_dir "$T/lo" --resume "$T/lo/step-000004"
+    if [ ! -e "$T/lo/step-000002" ] && [ ! -e "$T/lo/step-000004" ] && [ -f "$T/lo/step-000006/adapter_config.json" ] && \
+       [ -z "$(ls -A "$T/lo" | grep -E 'trash|^\.tmp')" ]; then echo "ok   lora_rotation_removes_whole_steps"; pass=$((pass+1))
+    else echo "FAIL lora_rotation_removes_whole_steps"; ls -A "$T/lo" | sed 's/^/     /'; fail=$((fail+1)); fi
     expect finetune_not_a_model 2 "neither a model folder nor a preset" -- "$FITLLM" finetune_full "$T/nope-model" --out_dir "$T/x1"
     expect finetune_missing_data 2 "nope.json" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" --data JSON --data.json_path "$T/nope.json" --out_dir "$T/x2"
 else

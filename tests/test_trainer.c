@@ -1,8 +1,10 @@
 /* Run configuration, LR schedule, and the training loop end to end:
  * loss goes down, final/ reloads, accumulation equivalence, bit-exact resume,
  * refusal of a used out_dir, and checkpoints that survive failing writes. */
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -320,6 +322,11 @@ static void resume_case_ex(const char *optimizer, const char *state_dtype, const
         char st[700];
         snprintf(st, sizeof st, "%s/step-000004/model.safetensors", out);
         FL_CHECKF(access(st, F_OK) != 0, "LoRA step checkpoint holds a copy of the base: %s", st);
+        /* ... but the PEFT adapter, in the step checkpoint the resume continued from and in the next */
+        snprintf(st, sizeof st, "%s/step-000004/adapter_config.json", out);
+        FL_CHECKF(access(st, F_OK) == 0, "LoRA step checkpoint without its PEFT adapter: %s", st);
+        snprintf(st, sizeof st, "%s/step-000008/adapter_model.safetensors", out);
+        FL_CHECKF(access(st, F_OK) == 0, "LoRA step checkpoint without its PEFT adapter: %s", st);
     }
     free(full.params);
     free(part.params);
@@ -577,6 +584,81 @@ FL_TEST(trainer_lora_trains_adapters_only) {
     fl_mem_pool_free(&pool);
     fl_cpu_backend_free(&be);
     free(r.params);
+}
+
+/* The hook of trainer_lora_step_checkpoints_are_peft_adapters: after step 2's checkpoint, put a
+ * merge_lora output (a subfolder with a file) into it, as `fitllm merge_lora out/step-000002` does. */
+static int put_merged_into_step2(void *ud, long step, double loss, const void *params, size_t bytes) {
+    const char *out = ud;
+    char p[700];
+    if (step != 2) return 0;
+    snprintf(p, sizeof p, "%s/step-000002/merged", out);
+    FL_CHECK(mkdir(p, 0755) == 0);
+    snprintf(p, sizeof p, "%s/step-000002/merged/config.json", out);
+    FILE *f = fopen(p, "w");
+    FL_CHECK(f != NULL);
+    if (f) fclose(f);
+    return 0;
+}
+
+/* Every step checkpoint of a LoRA run is a PEFT adapter folder (as PEFT's checkpoint-N/): the
+ * adapter of that step, naming the base by its absolute path (usable from any directory), that
+ * merged into the base gives the run's model; rotation removes an old one whole, also with a
+ * merge_lora output inside. */
+FL_TEST(trainer_lora_step_checkpoints_are_peft_adapters) {
+    FL_SKIP_IF_NO_DATA();
+    fl_run_config c;
+    char out[512], p[4400], base_abs[PATH_MAX];
+    snprintf(out, sizeof out, "%s/lora-steps", fl_test_tmpdir());
+    small_run(&c, out);
+    lora_run(&c);
+    snprintf(c.checkpoint_dir, sizeof c.checkpoint_dir, "%s", fl_test_data_path("stories260K-hf"));
+    FL_REQUIRE(realpath(c.checkpoint_dir, base_abs) != NULL);
+    c.train.max_steps = 4;
+    c.train.save_interval = 2;
+    c.train.keep_checkpoints = 1;
+    c.optimizer.lr = 1e-2f;
+    fl_trainer_result res;
+    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, put_merged_into_step2, out, &res));
+    snprintf(p, sizeof p, "%s/step-000002", out);
+    FL_CHECKF(access(p, F_OK) != 0, "rotation left %s (with a merged/ subfolder) behind", p);
+    snprintf(p, sizeof p, "%s/step-000004", out);
+    FL_REQUIRE(fl_ckpt_is_committed(p));
+    fl_peft_adapter a, fa;
+    FL_REQUIRE_OK(fl_peft_load(p, &a));
+    FL_CHECKF(!strcmp(a.cfg.base_model, base_abs), "base_model_name_or_path '%s', want the absolute '%s'",
+              a.cfg.base_model, base_abs);
+    fl_model_config mc;
+    FL_REQUIRE_OK(fl_hf_load_config(fl_test_data_path("stories260K-hf/config.json"), &mc));
+    FL_CHECK(a.n == 5 * mc.n_layers && a.cfg.lora.r == c.lora.r); /* q, v, gate, up, down */
+    /* step 4 is the last step: its adapter is final/adapter's, and merged into the base it is final/ */
+    snprintf(p, sizeof p, "%s/adapter", res.final_dir);
+    FL_REQUIRE_OK(fl_peft_load(p, &fa));
+    FL_REQUIRE(fa.n == a.n);
+    for (int k = 0; k < a.n; k++) {
+        size_t na = (size_t)a.cfg.lora.r * a.mods[k].in, nb = (size_t)a.mods[k].out * a.cfg.lora.r;
+        FL_CHECKF(!strcmp(a.mods[k].name, fa.mods[k].name) && !memcmp(a.mods[k].A, fa.mods[k].A, na * 4) &&
+                  !memcmp(a.mods[k].B, fa.mods[k].B, nb * 4), "module %s differs from final/adapter", a.mods[k].name);
+    }
+    fl_backend be;
+    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 1));
+    fl_mem_pool pool;
+    FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
+    fl_model base, fin;
+    FL_REQUIRE_OK(fl_hf_load_model(&base, base_abs, &be, &pool));
+    FL_REQUIRE_OK(fl_hf_load_model(&fin, res.final_dir, &be, &pool));
+    double mx = 0, md = 0;
+    for (size_t i = 0; i < base.layout.numel; i++) mx = fmax(mx, fabs((double)base.params[i] - fin.params[i]));
+    FL_CHECKF(mx > 1e-4, "the adapters did not move the weights (max change %.3g)", mx);
+    FL_REQUIRE_OK(fl_peft_merge_into(&a, &base.layout, base.params));
+    for (size_t i = 0; i < base.layout.numel; i++) md = fmax(md, fabs((double)base.params[i] - fin.params[i]));
+    FL_CHECKF(md <= 1e-6, "step-000004's adapter merged into the base differs from final/ by %.3g", md);
+    fl_peft_free(&a);
+    fl_peft_free(&fa);
+    fl_model_free(&base);
+    fl_model_free(&fin);
+    fl_mem_pool_free(&pool);
+    fl_cpu_backend_free(&be);
 }
 
 /* An untied copy of stories260K-hf (whose head is tied): lm_head.weight = the embeddings,

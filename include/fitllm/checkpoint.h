@@ -4,8 +4,12 @@
  * transformers loads unchanged (config.json, model.safetensors, tokenizer
  * files, hyperparameters.yaml) plus training_state.safetensors (optimizer
  * state tensors; step, iteration, data position and counters as metadata),
- * which transformers ignores. A LoRA run's step checkpoints hold only config.json and the
- * training state (adapters included): the frozen base stays where it was loaded from. A checkpoint is built in a temporary folder,
+ * which transformers ignores. A LoRA run's step checkpoints are PEFT adapter folders like
+ * PEFT's checkpoint-N/ (adapter_config.json + adapter_model.safetensors, tokenizer files,
+ * hyperparameters.yaml, the training state with the adapters; no config.json, so
+ * transformers loads the base the adapter names): no copy of the frozen base, which stays
+ * where it was loaded from and which adapter_config.json names by its absolute path. A LoRA run's final/ is the merged model with the PEFT adapter in final/adapter.
+ * A checkpoint is built in a temporary folder,
  * fsynced, renamed into place, and only then marked committed by the file
  * COMMITTED (written atomically). Only committed checkpoints are resumed, so a
  * crash or kill -9 during a save never leaves a checkpoint --resume would pick
@@ -40,6 +44,11 @@ typedef struct {
  * tokenizer_src: folder whose tokenizer files are copied (NULL = none). */
 fl_status fl_ckpt_save(const char *out_dir, const char *name, const fl_model *m, const fl_optimizer *o,
                        const fl_train_state *st, const fl_run_config *cfg, const char *tokenizer_src);
+/* Write the PEFT adapter of a LoRA model (m->lora) to dir (adapter_config.json +
+ * adapter_model.safetensors). base_model is stored as base_model_name_or_path: an existing
+ * path as its absolute path (found from any working directory), anything else (a preset
+ * name) as given; NULL or "" = null. */
+fl_status fl_ckpt_save_adapter(const fl_model *m, const char *dir, const char *base_model);
 /* 1 if dir holds a committed checkpoint. */
 int fl_ckpt_is_committed(const char *dir);
 /* Newest committed step-* checkpoint in out_dir (by step number) into path.

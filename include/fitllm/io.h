@@ -124,6 +124,18 @@ fl_status fl_model_load_auto(fl_model *m, const char *path, const fl_backend *be
 fl_status fl_model_load_auto_ex(fl_model *m, const char *path, const fl_backend *be, fl_mem_pool *pool,
                                 const fl_model_storage *st, int *weights_loaded);
 
+/* ---- files that travel with a model folder ------------------------------- */
+
+/* Copy the tokenizer and generation files of a model folder that exist in src_dir
+ * (tokenizer.json, tokenizer.model, tokenizer_config.json, special_tokens_map.json,
+ * added_tokens.json, vocab.json, merges.txt, chat_template.jinja, generation_config.json,
+ * tokenizer.bin, tok512.bin) into dst_dir, each written atomically.
+ * *n_copied (may be NULL) gets how many were copied. */
+fl_status fl_io_copy_tokenizer_files(const char *src_dir, const char *dst_dir, int *n_copied);
+/* 1 if dir holds a tokenizer fitllm reads (tokenizer.json, tokenizer.model, tokenizer.bin,
+ * tok512.bin). */
+int fl_io_has_tokenizer(const char *dir);
+
 /* Fault injection for tests: the (n+1)-th file write from now fails as if the
  * disk were full (ENOSPC); -1 disables. Covers safetensors, config and
  * checkpoint writes. */

@@ -59,9 +59,25 @@ int fl_cmd_finetune_full(int argc, char **argv);
 int fl_cmd_pretrain(int argc, char **argv);
 int fl_cmd_finetune_lora(int argc, char **argv);
 int fl_cmd_merge_lora(int argc, char **argv);
-/* Base model with a PEFT LoRA adapter merged in memory (adapter_dir NULL: base only;
- * base NULL: the adapter's base_model_name_or_path). */
-fl_status fl_cli_load_with_adapter(fl_model *m, const char *base, const char *adapter_dir, const fl_backend *be,
-                                   fl_mem_pool *pool, int *loaded);
+#define FL_CLI_PATH 4096
+/* What fl_cli_load_with_adapter used. */
+typedef struct {
+    char adapter[FL_CLI_PATH]; /* the PEFT adapter folder */
+    char base[FL_CLI_PATH];    /* the base model */
+    const char *how;           /* how the adapter was found from the path given ("": it is that folder) */
+} fl_cli_adapter_info;
+/* The PEFT adapter folder a path means: the folder itself (adapter_config.json), a LoRA
+ * checkpoint's adapter/ (final/ -> final/adapter), or a finetune_lora run folder (final/adapter,
+ * else the newest committed step-* holding an adapter). FL_ERR_NOT_FOUND with what the folder is. */
+fl_status fl_cli_find_adapter(const char *path, fl_cli_adapter_info *info);
+/* Base model with a PEFT LoRA adapter merged in memory (adapter_path NULL: base only; else
+ * resolved by fl_cli_find_adapter; base NULL: the adapter's base_model_name_or_path, and when
+ * that is not found the error names it and says `hint`, how to give the base). */
+fl_status fl_cli_load_with_adapter(fl_model *m, const char *base, const char *adapter_path, const char *hint,
+                                   const fl_backend *be, fl_mem_pool *pool, int *loaded, fl_cli_adapter_info *info);
+/* The folder whose tokenizer goes with the adapter: the base's (with its config.json's special
+ * ids, as training used it), else the adapter folder's (fitllm's step checkpoints carry a copy of
+ * the run's), else the checkpoint holding an adapter/ (final/); NULL if none has one. */
+const char *fl_cli_adapter_tokenizer(const fl_cli_adapter_info *info, char *buf, size_t n);
 
 #endif

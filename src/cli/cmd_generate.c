@@ -17,7 +17,9 @@ static void help(void) {
     fl_gen_params_default(&d);
     printf("usage: fitllm generate <model> [--prompt TEXT | --prompt-ids \"1 2 3\"] [options]\n\n"
            "  <model>                HF folder (config.json + safetensors), llama2.c .bin, or preset name\n"
-           "                         (presets are randomly initialized with --seed)\n"
+           "                         (presets are randomly initialized with --seed); or a PEFT adapter\n"
+           "                         folder, e.g. a finetune_lora step-N/ checkpoint: its base model\n"
+           "                         (base_model_name_or_path) with the adapter merged in memory\n"
            "  --prompt TEXT          prompt text, encoded with the tokenizer (BOS added as the tokenizer\n"
            "                         does by default) (default \"%s\")\n"
            "  --prompt-ids \"IDS\"     prompt as whitespace-separated token ids instead of text; the\n"
@@ -27,7 +29,8 @@ static void help(void) {
            "  --top_k K              sample from the K most likely tokens; 0 = all (default %d)\n"
            "  --top_p P              nucleus sampling: the most likely tokens covering P (default %.1f)\n"
            "  --seed N               sampling seed (and preset init seed) (default %llu)\n"
-           "  --adapter DIR          PEFT LoRA adapter folder merged into the model in memory\n"
+           "  --adapter DIR          PEFT LoRA adapter merged into <model> in memory (an adapter folder,\n"
+           "                         a finetune_lora checkpoint or run folder, as merge_lora takes)\n"
            "  --tokenizer PATH       tokenizer file or folder (default: the model folder; for a .bin model,\n"
            "                         tok512.bin next to it)\n"
            "  --threads N            CPU threads (default: all cores)\n\n"
@@ -68,6 +71,13 @@ static fl_status parse_ids(const char *s, int32_t **out, int *n) {
 static int is_dir(const char *p) {
     struct stat st;
     return stat(p, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+static int is_adapter_dir(const char *p) {
+    char q[4096 + 32];
+    struct stat st;
+    snprintf(q, sizeof q, "%s/adapter_config.json", p);
+    return stat(q, &st) == 0 && S_ISREG(st.st_mode);
 }
 
 /* Default tokenizer: the model folder itself; for a .bin model, tok512.bin next to it. */
@@ -173,17 +183,31 @@ int fl_cmd_generate(int argc, char **argv) {
     fl_status s = fl_cpu_backend_init(&be, threads);
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
     if ((s = fl_mem_pool_init(&pool, "cpu", 0)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
+    /* a PEFT adapter folder as <model> (a finetune_lora step-N/): its base with it merged */
+    const char *base = model_path;
+    if (!adapter && is_adapter_dir(model_path)) {
+        adapter = model_path;
+        base = NULL;
+    }
+    fl_cli_adapter_info info;
+    char hint[FL_CLI_PATH + 64];
+    snprintf(hint, sizeof hint, "`fitllm generate <base_dir> --adapter %s`", model_path);
     /* the model first: a broken config.json is reported as the model's, not as a tokenizer
      * problem (the tokenizer also reads config.json for its special ids) */
-    if ((s = adapter ? fl_cli_load_with_adapter(&m, model_path, adapter, &be, &pool, &loaded)
+    if ((s = adapter ? fl_cli_load_with_adapter(&m, base, adapter, hint, &be, &pool, &loaded, &info)
                      : fl_cli_load_model(&m, model_path, 0, gp.seed, &be, &pool, &loaded)) != FL_OK)
         goto fail;
+    if (adapter && !base)
+        fprintf(stderr, "fitllm generate: %s is a LoRA adapter: base model %s with it merged in memory\n", info.adapter,
+                info.base);
     if (prompt_ids) {
         if ((s = parse_ids(prompt_ids, &ids, &n_ids)) != FL_OK) goto fail;
     } else {
         char tp[4096];
-        if (!tok_path) default_tokenizer(model_path, tp, sizeof tp);
-        else snprintf(tp, sizeof tp, "%s", tok_path);
+        const char *ts;
+        if (tok_path) snprintf(tp, sizeof tp, "%s", tok_path);
+        else if (adapter && (ts = fl_cli_adapter_tokenizer(&info, tp, sizeof tp)) != NULL) snprintf(tp, sizeof tp, "%s", ts);
+        else default_tokenizer(base ? base : info.base, tp, sizeof tp);
         if ((s = fl_tok_load(&tok, tp)) != FL_OK) {
             s = fl_error_prefix(s, "loading the tokenizer (--tokenizer PATH, or --prompt-ids)");
             goto fail;

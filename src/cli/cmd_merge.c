@@ -1,49 +1,164 @@
-/* fitllm merge_lora: merge a PEFT LoRA adapter folder into its base model and
- * write the merged Hugging Face folder (W += scaling * B @ A). The base comes
- * from --base or the adapter's base_model_name_or_path. */
+/* fitllm merge_lora: merge a PEFT LoRA adapter into its base model and write a
+ * complete Hugging Face folder (W += scaling * B @ A; config.json,
+ * model.safetensors and the tokenizer files). The adapter may be given as the
+ * adapter folder, a LoRA checkpoint (step-N/, final/ -> final/adapter) or a
+ * finetune_lora run folder; the base comes from --base or the adapter's
+ * base_model_name_or_path. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "cli.h"
+#include "fitllm/checkpoint.h"
 #include "fitllm/peft.h"
 
 static void help(void) {
-    printf("usage: fitllm merge_lora <adapter_dir> [--base MODEL_DIR] [--out_dir DIR] [--threads N]\n\n"
-           "  <adapter_dir>     PEFT adapter folder (adapter_config.json + adapter_model.safetensors)\n"
+    printf("usage: fitllm merge_lora <adapter> [--base MODEL_DIR] [--out_dir DIR] [--threads N]\n\n"
+           "  <adapter>         a PEFT adapter folder (adapter_config.json + adapter_model.safetensors),\n"
+           "                    a finetune_lora checkpoint (out/step-000100, or out/final: its adapter/)\n"
+           "                    or a finetune_lora run folder (out: final/adapter, else the newest step)\n"
            "  --base DIR        base model folder (default: the adapter's base_model_name_or_path)\n"
-           "  --out_dir DIR     where the merged HF model goes (default: <adapter_dir>/merged)\n"
+           "  --out_dir DIR     where the merged HF model goes (default: <adapter>/merged; inside a\n"
+           "                    step checkpoint it goes with it when train.keep_checkpoints rotates it out)\n"
            "  --threads N       CPU threads (default: all cores)\n\n"
            "Every adapted weight becomes W + scaling * B @ A (scaling = lora_alpha / r, or / sqrt(r) with\n"
-           "use_rslora); the result loads in transformers and in fitllm without the adapter.\n");
+           "use_rslora). The output holds config.json, model.safetensors and the tokenizer files (from the\n"
+           "checkpoint, else the base), so `fitllm generate DIR` and transformers load it as it is.\n");
 }
 
-/* Load base (+ optional PEFT adapter merged in memory) for generate and merge_lora. */
-fl_status fl_cli_load_with_adapter(fl_model *m, const char *base, const char *adapter_dir, const fl_backend *be,
-                                   fl_mem_pool *pool, int *loaded) {
+static int is_dir(const char *p) {
+    struct stat st;
+    return stat(p, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+/* dst = dir "/" name (name NULL: dir); -1 when it does not fit in n bytes */
+static int join(char *dst, size_t n, const char *dir, const char *name) {
+    size_t a = strlen(dir), b = name ? strlen(name) + 1 : 0;
+    if (a + b + 1 > n) return -1;
+    memmove(dst, dir, a);
+    if (name) {
+        dst[a] = '/';
+        memcpy(dst + a + 1, name, b - 1);
+    }
+    dst[a + b] = 0;
+    return 0;
+}
+
+static int has_file(const char *dir, const char *name) {
+    char p[FL_CLI_PATH + 64];
+    struct stat st;
+    return join(p, sizeof p, dir, name) == 0 && stat(p, &st) == 0 && S_ISREG(st.st_mode);
+}
+
+fl_status fl_cli_find_adapter(const char *path, fl_cli_adapter_info *info) {
+    char p[FL_CLI_PATH + 64];
+    info->how = "";
+    if (strlen(path) >= FL_CLI_PATH - 32) return fl_errorf(FL_ERR_INVALID, "%s: path too long", path);
+    if (!is_dir(path)) return fl_errorf(FL_ERR_NOT_FOUND, "%s: no such folder (expected a PEFT adapter folder)", path);
+    if (has_file(path, "adapter_config.json")) {
+        join(info->adapter, sizeof info->adapter, path, NULL);
+        return FL_OK;
+    }
+    join(p, sizeof p, path, "adapter"); /* a LoRA run's final/ (the merged model + adapter/) */
+    if (has_file(p, "adapter_config.json")) {
+        join(info->adapter, sizeof info->adapter, p, NULL);
+        info->how = "the PEFT adapter of the checkpoint";
+        return FL_OK;
+    }
+    join(p, sizeof p, path, "final/adapter"); /* a finetune_lora run folder */
+    if (has_file(p, "adapter_config.json")) {
+        join(info->adapter, sizeof info->adapter, p, NULL);
+        info->how = "the final adapter of the run";
+        return FL_OK;
+    }
+    if (fl_ckpt_find_latest(path, p, sizeof p) == FL_OK && has_file(p, "adapter_config.json")) {
+        join(info->adapter, sizeof info->adapter, p, NULL);
+        info->how = "the newest step checkpoint of the run (no final/ yet)";
+        return FL_OK;
+    }
+    if (has_file(path, "training_state.safetensors") && !has_file(path, "model.safetensors"))
+        return fl_errorf(FL_ERR_NOT_FOUND,
+                         "%s: a LoRA checkpoint without adapter_config.json (written by an older fitllm: it holds "
+                         "only the training state); resume from it (--resume %s) and let the run save again", path,
+                         path);
+    if (has_file(path, "model.safetensors") || has_file(path, "model.safetensors.index.json"))
+        return fl_errorf(FL_ERR_NOT_FOUND,
+                         "%s: a model folder, not a LoRA adapter (no adapter_config.json, no adapter/): use it as it "
+                         "is (fitllm generate %s)", path, path);
+    return fl_errorf(FL_ERR_NOT_FOUND,
+                     "%s: no adapter_config.json: not a PEFT adapter folder, a finetune_lora checkpoint (step-N/, "
+                     "final/) or a finetune_lora run folder", path);
+}
+
+/* The base named by the adapter (or given), checked to exist before anything is loaded, so
+ * that a missing one is reported with the path tried and how to give another. */
+static fl_status resolve_base(const fl_peft_adapter *a, const fl_cli_adapter_info *info, const char *base,
+                              const char *hint, char *out, size_t n) {
+    if (base) {
+        snprintf(out, n, "%s", base);
+        return FL_OK;
+    }
+    const char *b = a->cfg.base_model;
+    if (!b[0])
+        return fl_errorf(FL_ERR_INVALID, "%s/adapter_config.json names no base model (base_model_name_or_path is "
+                         "null): give it with %s", info->adapter, hint);
+    struct stat st;
+    fl_model_config mc;
+    if (stat(b, &st) != 0 && fl_preset_find(b, &mc) != FL_OK) {
+        int relative = b[0] != '/';
+        return fl_errorf(FL_ERR_NOT_FOUND,
+                         "%s/adapter_config.json: base model '%s' (base_model_name_or_path) not found%s; give the "
+                         "base model folder with %s", info->adapter, b,
+                         relative ? " (a relative path is looked up from the current directory)" : "", hint);
+    }
+    snprintf(out, n, "%s", b);
+    return FL_OK;
+}
+
+fl_status fl_cli_load_with_adapter(fl_model *m, const char *base, const char *adapter_path, const char *hint,
+                                   const fl_backend *be, fl_mem_pool *pool, int *loaded, fl_cli_adapter_info *info) {
     fl_peft_adapter a;
     memset(&a, 0, sizeof a);
-    if (adapter_dir) FL_TRY(fl_peft_load(adapter_dir, &a));
-    char base_buf[1100];
-    if (!base) {
-        if (!adapter_dir || !a.cfg.base_model[0]) {
-            fl_peft_free(&a);
-            return fl_errorf(FL_ERR_INVALID, "no base model: give --base (the adapter names none)");
-        }
-        snprintf(base_buf, sizeof base_buf, "%s", a.cfg.base_model);
-        base = base_buf;
+    memset(info, 0, sizeof *info);
+    info->how = "";
+    if (adapter_path) {
+        FL_TRY(fl_cli_find_adapter(adapter_path, info));
+        FL_TRY(fl_peft_load(info->adapter, &a));
     }
-    fl_status s = fl_cli_load_model(m, base, 0, 1337, be, pool, loaded);
-    if (s == FL_OK && adapter_dir) {
+    fl_status s = FL_OK;
+    if (!adapter_path) snprintf(info->base, sizeof info->base, "%s", base ? base : "");
+    else s = resolve_base(&a, info, base, hint ? hint : "--base <dir>", info->base, sizeof info->base);
+    if (s == FL_OK && !info->base[0]) s = fl_errorf(FL_ERR_INVALID, "no base model given");
+    if (s == FL_OK) s = fl_cli_load_model(m, info->base, 0, 1337, be, pool, loaded);
+    if (s == FL_OK && adapter_path) {
         int *idx = NULL;
         s = fl_peft_check_model(&a, &m->cfg, &m->layout, NULL, &idx);
         free(idx);
         if (s == FL_OK) s = fl_peft_merge_into(&a, &m->layout, m->params);
-        if (s != FL_OK) fl_error_prefix(s, "%s", adapter_dir);
+        if (s != FL_OK) fl_error_prefix(s, "%s", info->adapter);
         if (s != FL_OK) fl_model_free(m);
     }
     fl_peft_free(&a);
     return s;
+}
+
+const char *fl_cli_adapter_tokenizer(const fl_cli_adapter_info *info, char *buf, size_t n) {
+    /* the base's first: with its config.json (bos/eos ids) it is the tokenizer a run uses
+     * unless given another tokenizer_dir */
+    if (is_dir(info->base) && fl_io_has_tokenizer(info->base)) return info->base;
+    /* fitllm's step checkpoints carry the run's tokenizer next to the adapter */
+    if (fl_io_has_tokenizer(info->adapter)) return info->adapter;
+    /* final/adapter: the tokenizer is in final/ */
+    snprintf(buf, n, "%s", info->adapter);
+    size_t len = strlen(buf);
+    while (len > 1 && buf[len - 1] == '/') buf[--len] = 0;
+    char *slash = strrchr(buf, '/');
+    if (slash && !strcmp(slash + 1, "adapter")) {
+        *slash = 0;
+        if (has_file(buf, "COMMITTED") && fl_io_has_tokenizer(buf)) return buf;
+    }
+    return NULL;
 }
 
 int fl_cmd_merge_lora(int argc, char **argv) {
@@ -59,8 +174,8 @@ int fl_cmd_merge_lora(int argc, char **argv) {
         else if (!adapter) adapter = a;
         else return fl_cli_usage(cmd, "unexpected argument '%s'", a);
     }
-    if (!adapter) return fl_cli_usage(cmd, "missing <adapter_dir>");
-    char out_buf[4200];
+    if (!adapter) return fl_cli_usage(cmd, "missing <adapter>");
+    char out_buf[FL_CLI_PATH + 16];
     if (!out) {
         snprintf(out_buf, sizeof out_buf, "%s/merged", adapter);
         out = out_buf;
@@ -69,15 +184,32 @@ int fl_cmd_merge_lora(int argc, char **argv) {
     fl_mem_pool pool;
     fl_model m;
     memset(&m, 0, sizeof m);
-    int loaded = 0, rc = 0;
+    fl_cli_adapter_info info;
+    int loaded = 0, rc = 0, n_tok = 0;
+    char tok_buf[FL_CLI_PATH];
+    const char *tok_src = NULL;
     fl_status s = fl_cpu_backend_init(&be, threads);
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
     if ((s = fl_mem_pool_init(&pool, "cpu", 0)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
-    s = fl_cli_load_with_adapter(&m, base, adapter, &be, &pool, &loaded);
-    if (s == FL_OK && !loaded) s = fl_errorf(FL_ERR_INVALID, "the base model has no weights to merge into");
+    s = fl_cli_load_with_adapter(&m, base, adapter, "--base <dir>", &be, &pool, &loaded, &info);
+    if (s == FL_OK && !loaded)
+        s = fl_errorf(FL_ERR_INVALID, "the base model '%s' has no weights to merge into (a preset is randomly "
+                      "initialized): give the base model folder with --base <dir>", info.base);
     if (s == FL_OK) s = fl_hf_save_model(&m, out);
-    if (s != FL_OK) rc = fl_cli_fail(cmd, s, &pool);
-    else printf("merged %s into %s -> %s\n", adapter, base ? base : "(adapter's base)", out);
+    if (s == FL_OK && (tok_src = fl_cli_adapter_tokenizer(&info, tok_buf, sizeof tok_buf)) != NULL)
+        s = fl_io_copy_tokenizer_files(tok_src, out, &n_tok);
+    if (s != FL_OK) {
+        rc = fl_cli_fail(cmd, s, &pool);
+    } else {
+        if (info.how[0]) printf("adapter: %s (%s)\n", info.adapter, info.how);
+        else printf("adapter: %s\n", info.adapter);
+        printf("base: %s\n", info.base);
+        printf("merged -> %s (config.json, model.safetensors", out);
+        if (tok_src) printf(", %d tokenizer file%s from %s)\n", n_tok, n_tok == 1 ? "" : "s", tok_src);
+        else printf("; no tokenizer found next to the adapter or in the base: give generate --tokenizer)\n");
+        if (strcmp(info.adapter, adapter) && has_file(adapter, "model.safetensors") && has_file(adapter, "COMMITTED"))
+            printf("note: %s itself is already this merged model (a finetune_lora final/)\n", adapter);
+    }
     if (m.pool) fl_model_free(&m);
     fl_mem_pool_free(&pool);
     fl_cpu_backend_free(&be);

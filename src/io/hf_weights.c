@@ -401,13 +401,13 @@ fl_status fl_hf_save_model(const fl_model *m, const char *dir) {
     while (dl > 1 && dir[dl - 1] == '/') dl--;
     int w = snprintf(tmp, sizeof tmp, "%.*s.tmp-%ld", (int)dl, dir, (long)getpid());
     if (w < 0 || (size_t)w >= sizeof tmp) return fl_errorf(FL_ERR_INVALID, "%s: path too long", dir);
-    fl_io_remove_flat_dir(tmp); /* stale leftover of a crashed save by this pid */
+    fl_io_remove_dir(tmp); /* stale leftover of a crashed save by this pid */
     if (mkdir(tmp, 0755) != 0) return fl_errorf(FL_ERR_IO, "%s: cannot create folder %s: %s", dir, tmp, strerror(errno));
     fl_status s = fl_hf_write_files(m, tmp);
     if (s == FL_OK) {
         fl_io_sync_dir(tmp);
         if (rename(tmp, dir) != 0) s = fl_errorf(FL_ERR_IO, "%s: cannot rename %s into place: %s", dir, tmp, strerror(errno));
     }
-    if (s != FL_OK) fl_io_remove_flat_dir(tmp);
+    if (s != FL_OK) fl_io_remove_dir(tmp);
     return s;
 }

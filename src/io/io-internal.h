@@ -16,8 +16,9 @@ int fl_io_is_file(const char *path);
 /* Write len bytes to path atomically: path.tmp, fsync, rename; the temp file
  * is removed on failure. */
 fl_status fl_io_write_file_atomic(const char *path, const void *data, size_t len);
-/* Remove a flat directory (its regular files, then itself); best effort. */
-void fl_io_remove_flat_dir(const char *path);
+/* Remove a directory with its files and subfolders (a few levels deep; symlinks are
+ * removed, not followed), then itself; best effort. */
+void fl_io_remove_dir(const char *path);
 /* fsync a directory so a rename inside it is durable; best effort. */
 void fl_io_sync_dir(const char *path);
 

@@ -27,8 +27,14 @@ fl_status fl_model_load_auto_ex(fl_model *m, const char *path, const fl_backend 
     if (S_ISDIR(st.st_mode)) {
         char cfg[4096];
         FL_TRY(fl_io_join(cfg, sizeof cfg, path, "config.json"));
-        if (!fl_io_is_file(cfg))
+        if (!fl_io_is_file(cfg)) {
+            FL_TRY(fl_io_join(cfg, sizeof cfg, path, "adapter_config.json"));
+            if (fl_io_is_file(cfg)) /* e.g. a finetune_lora step checkpoint */
+                return fl_errorf(FL_ERR_NOT_FOUND, "%s: a PEFT LoRA adapter folder (adapter_config.json), not a model: "
+                                 "`fitllm merge_lora %s` makes a model of it (`fitllm generate` takes it as it is)",
+                                 path, path);
             return fl_errorf(FL_ERR_NOT_FOUND, "%s: folder has no config.json (not a Hugging Face model folder)", path);
+        }
         FL_TRY(fl_hf_load_model_ex(m, path, be, pool, stg));
         if (weights_loaded) *weights_loaded = 1;
         return FL_OK;

@@ -153,8 +153,9 @@ fl_status fl_lora_modules(const fl_lora_config *c, const fl_param_layout *lay, c
         snprintf(w, sizeof w, "%s.weight", m[i].name);
         int idx = fl_layout_find(lay, w);
         if (idx < 0 || lay->params[idx].ndim != 2) {
-            free(m);
-            return fl_errorf(FL_ERR_INTERNAL, "lora: module '%s' has no 2-D weight in the model layout", m[i].name);
+            fl_status s = fl_errorf(FL_ERR_INTERNAL, "lora: module '%s' has no 2-D weight in the model layout", m[i].name);
+            free(m); /* after the message, which reads the name */
+            return s;
         }
         m[i].param_index = idx;
         m[i].out = (int)lay->params[idx].shape[0];

@@ -1,6 +1,7 @@
 /* Checkpoints: HF folder + training state, built in a temp folder, renamed,
  * then committed with a marker. See include/fitllm/checkpoint.h. */
 #include <dirent.h>
+#include <limits.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,30 +13,41 @@
 #include "../model/model-impl.h"
 #include "fitllm/checkpoint.h"
 #include "fitllm/io.h"
+#include "fitllm/peft.h"
 
 #define STATE_FILE "training_state.safetensors"
 #define MARKER "COMMITTED"
 #define TMP_PREFIX ".tmp-"
 
-static const char *k_tok_files[] = {"tokenizer.json", "tokenizer.model", "tokenizer_config.json",
-                                    "special_tokens_map.json", "generation_config.json", "tokenizer.bin",
-                                    "tok512.bin"};
-
-static fl_status copy_file(const char *src, const char *dst) {
-    FILE *f = fopen(src, "rb");
-    if (!f) return fl_errorf(FL_ERR_IO, "%s: cannot open: %s", src, strerror(errno));
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *buf = n > 0 ? malloc((size_t)n) : NULL;
-    if (n > 0 && (!buf || fread(buf, 1, (size_t)n, f) != (size_t)n)) {
-        fclose(f);
-        free(buf);
-        return fl_errorf(FL_ERR_IO, "%s: read failed", src);
+/* The PEFT adapter of a LoRA model (its adapters as they are now) into dir. base_model: what
+ * adapter_config.json names as base_model_name_or_path; an existing local folder is stored as
+ * its absolute path, so merge_lora / generate / PEFT find it from any working directory. */
+fl_status fl_ckpt_save_adapter(const fl_model *m, const char *dir, const char *base_model) {
+    const struct fl_lora_state *st = m->lora;
+    if (!st) return fl_errorf(FL_ERR_INVALID, "%s: the model has no LoRA adapters to save", dir);
+    fl_peft_module *mods = calloc((size_t)st->n_mods + 1, sizeof *mods);
+    if (!mods) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    for (int j = 0; j < st->n_mods; j++) {
+        snprintf(mods[j].name, sizeof mods[j].name, "%s", st->mods[j].name);
+        mods[j].in = st->mods[j].in;
+        mods[j].out = st->mods[j].out;
+        mods[j].A = st->params + st->off[2 * j];
+        mods[j].B = st->params + st->off[2 * j + 1];
     }
-    fclose(f);
-    fl_status s = fl_io_write_file_atomic(dst, buf ? buf : "", n > 0 ? (size_t)n : 0);
-    free(buf);
+    fl_peft_config pc;
+    memset(&pc, 0, sizeof pc);
+    pc.lora = st->cfg;
+    char abs[PATH_MAX];
+    const char *b = base_model && base_model[0] && realpath(base_model, abs) ? abs : base_model; /* else a preset */
+    if (b && strlen(b) >= sizeof pc.base_model) {
+        free(mods);
+        return fl_errorf(FL_ERR_INVALID, "%s: base model path too long for adapter_config.json: %s", dir, b);
+    }
+    if (b) memcpy(pc.base_model, b, strlen(b) + 1);
+    pc.fan_in_fan_out = m->cfg.arch == FL_ARCH_GPT2; /* PEFT's flag for GPT-2's Conv1D */
+    pc.inference_mode = 1;
+    fl_status s = fl_peft_save(dir, &pc, mods, st->n_mods);
+    free(mods);
     return s;
 }
 
@@ -86,7 +98,7 @@ static fl_status write_state(const char *dir, const fl_model *m, const fl_optimi
     return fl_st_write(path, t, nt, keys, vals, k);
 }
 
-static void remove_tree_flat(const char *dir) { fl_io_remove_flat_dir(dir); }
+static void remove_tree(const char *dir) { fl_io_remove_dir(dir); }
 
 void fl_ckpt_clean_tmp(const char *out_dir) {
     DIR *d = opendir(out_dir);
@@ -96,30 +108,35 @@ void fl_ckpt_clean_tmp(const char *out_dir) {
     while ((e = readdir(d)) != NULL)
         if (!strncmp(e->d_name, TMP_PREFIX, strlen(TMP_PREFIX)) || strstr(e->d_name, ".trash-")) {
             snprintf(p, sizeof p, "%s/%s", out_dir, e->d_name);
-            remove_tree_flat(p);
+            remove_tree(p);
         }
     closedir(d);
 }
 
 fl_status fl_ckpt_save(const char *out_dir, const char *name, const fl_model *m, const fl_optimizer *o,
                        const fl_train_state *st, const fl_run_config *cfg, const char *tokenizer_src) {
-    char tmp[FL_CFG_PATH + 300], dst[FL_CFG_PATH + 300], p[FL_CFG_PATH + 400], q[FL_CFG_PATH + 400];
+    char tmp[FL_CFG_PATH + 300], dst[FL_CFG_PATH + 300], p[FL_CFG_PATH + 400];
     if (mkdir(out_dir, 0755) != 0 && errno != EEXIST)
         return fl_errorf(FL_ERR_IO, "%s: cannot create output folder: %s", out_dir, strerror(errno));
     snprintf(tmp, sizeof tmp, "%s/" TMP_PREFIX "%s-%d", out_dir, name, (int)getpid());
     snprintf(dst, sizeof dst, "%s/%s", out_dir, name);
-    remove_tree_flat(tmp);
+    remove_tree(tmp);
     fl_status s;
+    const char *base = cfg ? cfg->checkpoint_dir : NULL;
     if (m->lora && o) {
         /* a LoRA training checkpoint: the base is frozen and stays in checkpoint_dir, so only
-         * config.json (for reference) and the adapters (in the training state) are written */
+         * the training state (adapters included) and the PEFT adapter, so that merge_lora,
+         * generate and PEFT use this step without waiting for final/. No config.json: as in
+         * PEFT's checkpoint-N/ folders; transformers takes a folder holding one for a full
+         * model and would not load the base that adapter_config.json names. */
         if (mkdir(tmp, 0755) != 0) s = fl_errorf(FL_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
-        else {
-            snprintf(p, sizeof p, "%s/config.json", tmp);
-            s = fl_hf_save_config(p, &m->cfg);
-        }
+        else s = fl_ckpt_save_adapter(m, tmp, base);
     } else {
         s = fl_hf_save_model(m, tmp); /* config.json + model.safetensors, fsynced */
+        if (s == FL_OK && m->lora) { /* LoRA final/: the merged model + adapter/, committed together */
+            snprintf(p, sizeof p, "%s/adapter", tmp);
+            s = fl_ckpt_save_adapter(m, p, base);
+        }
     }
     if (s == FL_OK && st) s = write_state(tmp, m, o, st, cfg);
     if (s == FL_OK && cfg) {
@@ -135,12 +152,7 @@ fl_status fl_ckpt_save(const char *out_dir, const char *name, const fl_model *m,
             free(text);
         }
     }
-    for (size_t i = 0; s == FL_OK && tokenizer_src && i < sizeof k_tok_files / sizeof k_tok_files[0]; i++) {
-        snprintf(p, sizeof p, "%s/%s", tokenizer_src, k_tok_files[i]);
-        if (!fl_io_is_file(p)) continue;
-        snprintf(q, sizeof q, "%s/%s", tmp, k_tok_files[i]);
-        s = copy_file(p, q);
-    }
+    if (s == FL_OK && tokenizer_src) s = fl_io_copy_tokenizer_files(tokenizer_src, tmp, NULL);
     if (s == FL_OK) {
         fl_io_sync_dir(tmp);
         /* Replace an existing checkpoint of the same name: move it aside first so
@@ -159,18 +171,18 @@ fl_status fl_ckpt_save(const char *out_dir, const char *name, const fl_model *m,
             snprintf(p, sizeof p, "%s/" MARKER, dst);
             s = fl_io_write_file_atomic(p, "fitllm checkpoint v1\n", 21);
             fl_io_sync_dir(dst);
-            if (had_old) remove_tree_flat(trash);
+            if (had_old) remove_tree(trash);
         }
     }
     if (s != FL_OK) {
-        remove_tree_flat(tmp);
+        remove_tree(tmp);
         return fl_error_prefix(s, "saving checkpoint %s", dst);
     }
     return FL_OK;
 }
 
 int fl_ckpt_is_committed(const char *dir) {
-    char p[FL_CFG_PATH + 64];
+    char p[FL_CFG_PATH + 512]; /* dir: up to out_dir + "/" + a folder name */
     snprintf(p, sizeof p, "%s/" MARKER, dir);
     return fl_io_is_file(p);
 }
@@ -223,7 +235,7 @@ void fl_ckpt_rotate(const char *out_dir, int keep) {
         snprintf(p, sizeof p, "%s/step-%06ld/" MARKER, out_dir, steps[i]);
         unlink(p);
         snprintf(p, sizeof p, "%s/step-%06ld", out_dir, steps[i]);
-        remove_tree_flat(p);
+        remove_tree(p);
     }
 }
 

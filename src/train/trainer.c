@@ -101,29 +101,6 @@ fl_status fl_trainer_lora_config(const fl_run_config *c, const fl_model_config *
     return fl_lora_config_init(lc, mc, a->r, a->alpha, a->dropout, a->use_rslora, t);
 }
 
-/* PEFT adapter folder of the trained adapters (final/adapter). */
-static fl_status save_peft(const trainer *t, const char *dir) {
-    const struct fl_lora_state *st = t->model.lora;
-    fl_peft_module *mods = calloc((size_t)st->n_mods + 1, sizeof *mods);
-    if (!mods) return fl_errorf(FL_ERR_OOM, "out of host memory");
-    for (int j = 0; j < st->n_mods; j++) {
-        snprintf(mods[j].name, sizeof mods[j].name, "%s", st->mods[j].name);
-        mods[j].in = st->mods[j].in;
-        mods[j].out = st->mods[j].out;
-        mods[j].A = st->params + st->off[2 * j];
-        mods[j].B = st->params + st->off[2 * j + 1];
-    }
-    fl_peft_config pc;
-    memset(&pc, 0, sizeof pc);
-    pc.lora = st->cfg;
-    snprintf(pc.base_model, sizeof pc.base_model, "%s", t->cfg->checkpoint_dir);
-    pc.fan_in_fan_out = t->model.cfg.arch == FL_ARCH_GPT2;
-    pc.inference_mode = 1;
-    fl_status s = fl_peft_save(dir, &pc, mods, st->n_mods);
-    free(mods);
-    return s;
-}
-
 static fl_status load_model_and_tokenizer(trainer *t) {
     const fl_run_config *c = t->cfg;
     fl_model_config mc;
@@ -751,12 +728,8 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
         CHECK(fl_ckpt_save(cfg->out_dir, "final", &t.model, t.model.lora ? NULL : &t.opt, t.model.lora ? NULL : &t.st,
                            cfg, t.tok_dir[0] ? t.tok_dir : NULL));
         snprintf(r.final_dir, sizeof r.final_dir, "%s/final", cfg->out_dir);
-        if (t.model.lora) {
-            char ad[FL_CFG_PATH + 32];
-            snprintf(ad, sizeof ad, "%s/adapter", r.final_dir);
-            CHECK(save_peft(&t, ad));
-            if (out) fprintf(out, "Saved the PEFT adapter to '%s'\n", ad);
-        }
+        /* fl_ckpt_save wrote final/adapter (the PEFT adapter) with final/ */
+        if (t.model.lora && out) fprintf(out, "Saved the PEFT adapter to '%s/adapter'\n", r.final_dir);
         if (out) fprintf(out, "Saved the final model to '%s'\n", r.final_dir);
     }
     for (int k = 0; k < FL_TAG_COUNT; k++) r.peak[k] = t.pool.peak[k];
