@@ -186,6 +186,8 @@ fl_status fl_preset_find(const char *name, fl_model_config *cfg) {
     size_t off = 0;
     for (size_t i = 0; i < n && off < sizeof list; i++)
         off += (size_t)snprintf(list + off, sizeof list - off, "%s%s", i ? ", " : "", k_presets[i].name);
-    return fl_errorf(FL_ERR_NOT_FOUND, "unknown model preset '%s'%s (nearest: %s, %s, %s; presets: %s; LitGPT and "
-                     "Hugging Face names of these are accepted too)", name, why, best[0], best[1], best[2], list);
+    if (why[0]) /* a near name would be a different model, not a typo */
+        return fl_errorf(FL_ERR_NOT_FOUND, "unknown model preset '%s'%s; presets: %s", name, why, list);
+    return fl_errorf(FL_ERR_NOT_FOUND, "unknown model preset '%s' (nearest: %s, %s, %s; presets: %s; LitGPT and "
+                     "Hugging Face names of these are accepted too)", name, best[0], best[1], best[2], list);
 }
