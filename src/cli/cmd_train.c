@@ -14,9 +14,15 @@
 static void help(const char *cmd, fl_cmd_kind kind) {
     printf("usage: fitllm %s %s[--config recipe.yaml] [--<option> VALUE ...]\n\n", cmd,
            kind == FL_CMD_PRETRAIN ? "[<initial_checkpoint_dir>] " : "<checkpoint_dir> ");
-    printf("Options use LitGPT's names; precedence: defaults < --config YAML < command line.\n"
-           "Values may also be written --option=VALUE. data.init_args.X and optimizer.init_args.X are\n"
-           "accepted for data.X and optimizer.X. Defaults:\n\n");
+    printf("Options use LitGPT's names; precedence: defaults < --config YAML < command line, merged before\n"
+           "values are checked (--data TextFiles replaces a recipe's data: and its init_args). Values may also be\n"
+           "written --option=VALUE; integers may group digits (10_000). data.init_args.X and optimizer.init_args.X\n"
+           "are accepted for data.X and optimizer.X.%s\n"
+           "Each checkpoint folder holds hyperparameters.yaml: --config it to run the same configuration again.\n"
+           "Defaults:\n\n",
+           kind == FL_CMD_PRETRAIN ? "\nThe model: model_config (a config.json, or LitGPT's mapping of litgpt.Config "
+                                     "fields: model_config.n_layer ...),\nelse model_name (a preset, or its LitGPT / "
+                                     "Hugging Face name)." : "");
     fl_cfg_print_help(kind, stdout);
     printf("\nexit codes: 0 ok, 1 runtime error, 2 usage or config error, 3 out of memory\n");
 }
