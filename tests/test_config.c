@@ -238,6 +238,9 @@ FL_TEST(cfg_values_litgpt_spells) {
     FL_REQUIRE_OK(fl_cfg_set(&c, "max_memory", "8GB"));
     FL_REQUIRE_OK(fl_cfg_set(&c, "max_memory", "null"));
     FL_CHECK(c.max_memory == 0);
+    /* LitGPT's access_token and log: (wandb / litlogger settings) are accepted */
+    const char *y = "access_token: hf_x\nlog:\n  project: p\n  metadata:\n    a: 1\n  log_model: false\n";
+    FL_REQUIRE_OK(fl_cfg_apply_yaml(&c, y, strlen(y), "log.yaml"));
     /* model_config.* is pretrain's */
     FL_CHECK(fl_cfg_set(&c, "model_config.n_layer", "2") == FL_ERR_INVALID && strstr(fl_error_message(), "pretrain"));
 }

@@ -27,5 +27,7 @@ size_t fl_cfg_levenshtein(const char *a, const char *b);
 /* model_config.<field>: a litgpt.Config field name and a value of its type. */
 fl_status fl_cfg_model_field_check(const char *field, const char *value);
 int fl_cfg_is_null(const char *v);
+/* Whether a model_config field holds a string (written quoted where YAML needs it). */
+int fl_cfg_model_field_is_str(const char *field);
 
 #endif

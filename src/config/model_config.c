@@ -110,6 +110,11 @@ static int parse_num(const char *v, int integer, double *out) {
     return 0;
 }
 
+int fl_cfg_model_field_is_str(const char *field) {
+    const mfield *f = find_field(field);
+    return !f || f->type == MF_STR;
+}
+
 fl_status fl_cfg_model_field_check(const char *field, const char *v) {
     const mfield *f = find_field(field);
     if (!f) {

@@ -126,6 +126,16 @@ static const fl_cfg_key k_keys[] = {
     {"optimizer.state_dtype", FL_CK_STATE_DTYPE, OFF(optimizer.state_dtype), "optimizer state dtype: float32 | bfloat16 (fitllm)"},
     {"optimizer.optim_bits", FL_CK_IGNORED, 0, "accepted for bitsandbytes compatibility"},
     {"optimizer.min_8bit_size", FL_CK_IGNORED, 0, "accepted for bitsandbytes compatibility (4096)"},
+    {"access_token", FL_CK_IGNORED, 0, "accepted for LitGPT compatibility (nothing is downloaded)"},
+    {"log", FL_CK_IGNORED, 0, "LitGPT's logger settings (wandb / litlogger): accepted; fitllm writes CSV"},
+    {"log.project", FL_CK_IGNORED, 0, "(LitGPT wandb) accepted"},
+    {"log.run", FL_CK_IGNORED, 0, "(LitGPT wandb) accepted"},
+    {"log.group", FL_CK_IGNORED, 0, "(LitGPT wandb) accepted"},
+    {"log.teamspace", FL_CK_IGNORED, 0, "(LitGPT litlogger) accepted"},
+    {"log.metadata", FL_CK_IGNORED, 0, "(LitGPT litlogger) accepted"},
+    {"log.log_model", FL_CK_IGNORED, 0, "(LitGPT litlogger) accepted"},
+    {"log.save_logs", FL_CK_IGNORED, 0, "(LitGPT litlogger) accepted"},
+    {"log.checkpoint_name", FL_CK_IGNORED, 0, "(LitGPT litlogger) accepted"},
     {"init", FL_CK_INIT, OFF(init_random), "pretrained | random: random weights of the model's shape (fitllm)"},
     {"lora_r", FL_CK_INT, OFF(lora.r), "finetune_lora: LoRA rank"},
     {"lora_alpha", FL_CK_FLOAT, OFF(lora.alpha), "finetune_lora: LoRA alpha (scaling alpha / r)"},
@@ -360,6 +370,7 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
     char key[256];
     normalize_key(key_in, key, sizeof key);
     if (!strncmp(key, "model_config.", 13)) return set_model_field(c, key_in, key + 13, v);
+    if (!strncmp(key, "log.metadata.", 13)) return FL_OK; /* LitGPT's free-form logger tags */
     const fl_cfg_key *k = find_key(key);
     if (!k) {
         const char *near = nearest_key(key);
@@ -730,7 +741,10 @@ static void write_model_fields(const fl_run_config *c, FILE *f) {
     for (int i = 0; i < c->n_model_fields; i++) {
         const char *key = c->model_fields[i].key, *dot = strchr(key, '.');
         if (!dot) {
-            fprintf(f, "  %s: %s\n", key, c->model_fields[i].value);
+            const char *val = c->model_fields[i].value;
+            if (fl_cfg_model_field_is_str(key) && !fl_cfg_is_null(val)) yaml_str(val, v, sizeof v);
+            else snprintf(v, sizeof v, "%s", fl_cfg_is_null(val) ? "null" : val);
+            fprintf(f, "  %s: %s\n", key, v);
             continue;
         }
         size_t pl = (size_t)(dot - key);
@@ -742,9 +756,10 @@ static void write_model_fields(const fl_run_config *c, FILE *f) {
         int n = 0;
         for (int j = i; j < c->n_model_fields; j++)
             if (!strncmp(c->model_fields[j].key, key, pl + 1)) {
-                yaml_str(c->model_fields[j].value, v, sizeof v);
-                fprintf(f, "%s%s: %s", n++ ? ", " : "", c->model_fields[j].key + pl + 1,
-                        c->model_fields[j].value[0] == '[' ? c->model_fields[j].value : v);
+                const char *val = c->model_fields[j].value;
+                if (fl_cfg_model_field_is_str(c->model_fields[j].key) && !fl_cfg_is_null(val)) yaml_str(val, v, sizeof v);
+                else snprintf(v, sizeof v, "%s", fl_cfg_is_null(val) ? "null" : val);
+                fprintf(f, "%s%s: %s", n++ ? ", " : "", c->model_fields[j].key + pl + 1, v);
             }
         fprintf(f, "}\n");
     }
@@ -797,7 +812,7 @@ void fl_cfg_print_help(fl_cmd_kind cmd, FILE *f) {
     char v[64];
     for (size_t i = 0; i < N_KEYS; i++) {
         const fl_cfg_key *k = &k_keys[i];
-        if (!key_applies(k, cmd)) continue;
+        if (!key_applies(k, cmd) || !strncmp(k->name, "log.", 4)) continue; /* log: one line is enough */
         value_str(&c, k, v, sizeof v);
         if (k->type == FL_CK_IGNORED) snprintf(v, sizeof v, "(ignored)");
         fprintf(f, "  --%-30s %-14s %s\n", k->name, v, k->help);
