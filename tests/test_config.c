@@ -241,6 +241,18 @@ FL_TEST(cfg_values_litgpt_spells) {
     /* LitGPT's access_token and log: (wandb / litlogger settings) are accepted */
     const char *y = "access_token: hf_x\nlog:\n  project: p\n  metadata:\n    a: 1\n  log_model: false\n";
     FL_REQUIRE_OK(fl_cfg_apply_yaml(&c, y, strlen(y), "log.yaml"));
+    /* thousands of leaves are not a recipe (bounded work for any input) */
+    size_t cap = 5000 * 16 + 16, o = 0;
+    char *big = malloc(cap);
+    FL_REQUIRE(big != NULL);
+    o += (size_t)snprintf(big + o, cap - o, "train:\n");
+    for (int i = 0; i < 5000; i++) o += (size_t)snprintf(big + o, cap - o, "  k%d: 1\n", i);
+    fl_cfg_entries l;
+    fl_cfg_entries_init(&l);
+    FL_CHECK(fl_cfg_entries_load_yaml(&l, big, o, "big.yaml") == FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "not a recipe"), "%s", fl_error_message());
+    fl_cfg_entries_free(&l);
+    free(big);
     /* model_config.* is pretrain's */
     FL_CHECK(fl_cfg_set(&c, "model_config.n_layer", "2") == FL_ERR_INVALID && strstr(fl_error_message(), "pretrain"));
 }

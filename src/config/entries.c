@@ -8,6 +8,8 @@
 
 #include "config-impl.h"
 
+#define FL_CFG_MAX_ENTRIES 4096
+
 void fl_cfg_entries_init(fl_cfg_entries *l) { memset(l, 0, sizeof *l); }
 
 static void entry_free(fl_cfg_entry *e) {
@@ -60,6 +62,10 @@ fl_status fl_cfg_entries_add(fl_cfg_entries *l, const char *name, const char *va
     }
     for (int i = 0; i < l->n; i++)
         if (!strcmp(l->e[i].key, key)) drop(l, i--);
+    /* LitGPT's recipes have ~50 leaves; a document with thousands is not a recipe (and
+     * the replace-by-key scan above is quadratic) */
+    if (l->n >= FL_CFG_MAX_ENTRIES)
+        return fl_errorf(FL_ERR_INVALID, "%s: more than %d options; not a recipe", source, FL_CFG_MAX_ENTRIES);
     if (l->n == l->cap) {
         int cap = l->cap ? 2 * l->cap : 32;
         fl_cfg_entry *e = realloc(l->e, (size_t)cap * sizeof *e);
