@@ -55,6 +55,7 @@ static void check_roundtrip(const fl_run_config *c, const char *what) {
     char dupkey[64] = "";
     FL_CHECKF(top_level_unique(t1, dupkey, sizeof dupkey), "%s: key '%s' repeated at the top level:\n%s", what, dupkey,
               t1);
+    FL_CHECKF(!strstr(t1, "\noverwrite:"), "%s: overwrite is this invocation's, not the run's", what);
     char head[64];
     snprintf(head, sizeof head, "# fitllm %s:", fl_cfg_command_name(c->command));
     FL_CHECKF(!strncmp(t1, head, strlen(head)), "%s: header names another command: %.60s", what, t1);
@@ -120,6 +121,7 @@ FL_TEST(cfg_hyperparameters_roundtrip_hard_values) {
         {"optimizer.lr", "0.00030000001"},
         {"optimizer.betas", "[0.9, 0.94999999]"},
         {"optimizer.eps", "1e-8"},
+        {"overwrite", "true"},
     };
     for (int kind = 0; kind < FL_CMD_COUNT; kind++) {
         fl_run_config c;

@@ -730,7 +730,10 @@ static int dumped(const fl_cfg_key *k) {
            strcmp(k->name, "data.class_path") && strcmp(k->name, "optimizer.class_path") &&
            strncmp(k->name, "train.learning_rate", 19) && strcmp(k->name, "train.weight_decay") &&
            strcmp(k->name, "train.beta1") && strcmp(k->name, "train.beta2") &&
-           strcmp(k->name, "initial_checkpoint_dir") && strcmp(k->name, "model");
+           strcmp(k->name, "initial_checkpoint_dir") && strcmp(k->name, "model") &&
+           /* permission for this invocation, not a setting of the run: rerunning the file
+            * must not silently replace the run it came from */
+           strcmp(k->name, "overwrite");
 }
 
 /* model_config as LitGPT writes it: one mapping, nested fields (hf_config.name)
