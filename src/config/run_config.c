@@ -190,6 +190,7 @@ static const char *nearest_key(const char *key) {
     const char *best = NULL;
     size_t bd = (size_t)-1;
     for (size_t i = 0; i < N_KEYS; i++) {
+        if (k_keys[i].type == FL_CK_IGNORED) continue; /* a typo is never meant for an option that does nothing */
         size_t d = fl_cfg_levenshtein(key, k_keys[i].name);
         /* also compare the last component, for "micro_batch_size" -> "train.micro_batch_size" */
         const char *dot = strrchr(k_keys[i].name, '.');
