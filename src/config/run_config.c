@@ -288,7 +288,9 @@ static fl_status set_data_kind(fl_run_config *c, const char *v) {
     else if (!strcmp(name, "TextFiles")) k = FL_DATA_TEXTFILES;
     else
         return fl_errorf(FL_ERR_UNSUPPORTED,
-                         "data '%s' is not supported (Synthetic, Alpaca, Alpaca2k, AlpacaGPT4, JSON, TextFiles)", v);
+                         "data '%s' is not supported (Synthetic, Alpaca, Alpaca2k, AlpacaGPT4, JSON, TextFiles); a "
+                         "recipe's can be replaced on the command line, e.g. --data TextFiles --data.train_data_path DIR",
+                         v);
     if (c->data.kind != k) {
         /* a new data module starts from its own defaults; paths already given stay */
         fl_data_config old = c->data;
