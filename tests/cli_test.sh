@@ -81,6 +81,15 @@ expect finetune_lora_bad_r 2 "lora_r must be positive" -- "$FITLLM" finetune_lor
 expect finetune_lora_bad_target 2 "valid" -- "$FITLLM" finetune_lora micro --lora_target_modules qq_proj --out_dir "$T/l4"
 expect finetune_lora_head_tied 2 "lm_head is tied to the input embeddings" -- "$FITLLM" finetune_lora micro --lora_head true --out_dir "$T/l5"
 expect finetune_precision_unknown 2 "16-mixed" -- "$FITLLM" finetune_full micro --precision 8-true --out_dir "$T/x5"
+# LitGPT recipes: a command-line value overrides the recipe's however it is spelled; names of models
+R=tests/fixtures/litgpt-recipes
+expect plan_recipe_devices_space 0 "FITS" -- "$FITLLM" plan llama-2-7b --config "$R/finetune/llama-2-7b/full.yaml" --devices 1 --device-memory 80GB
+expect plan_recipe_devices_eq 0 "FITS" -- "$FITLLM" plan llama-2-7b --config "$R/finetune/llama-2-7b/full.yaml" --devices=auto --device-memory 80GB
+expect plan_recipe_devices_4 2 "devices=4 .*multi-device training is not built yet" -- "$FITLLM" plan llama-2-7b --config "$R/finetune/llama-2-7b/full.yaml" --device-memory 80GB
+expect plan_litgpt_model_name 0 "FITS" -- "$FITLLM" plan TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T --device-memory 80GB
+expect pretrain_unknown_model_near 2 "nearest: tinyllama-1.1b" -- "$FITLLM" pretrain --model_name tinyllama-1b --data Synthetic --out_dir "$T/o2"
+expect finetune_underscore_int 0 "Saved the final model" -- "$FITLLM" finetune_full micro --train.max_tokens 10_000 --train.max_steps 1 \
+    --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/us" --quiet
 # options of another command are errors naming the command that takes them (never silently ignored)
 expect finetune_full_quantize 2 "'quantize' applies to finetune_lora only" -- "$FITLLM" finetune_full micro --quantize bnb.nf4 --out_dir "$T/o1"
 expect finetune_full_lora_r 2 "'lora_r' applies to finetune_lora only" -- "$FITLLM" finetune_full micro --lora_r 4 --out_dir "$T/o1"
@@ -117,7 +126,7 @@ expect plan_no_budget_unknown 0 "verdict: UNKNOWN: no --device-memory / --max-me
 if "$FITLLM" plan tinyllama-1.1b | grep -q "FITS"; then echo "FAIL plan_no_budget_not_fits"; fail=$((fail+1)); else echo "ok   plan_no_budget_not_fits"; pass=$((pass+1)); fi
 expect plan_no_budget_json 0 '"verdict": "unknown"' -- "$FITLLM" plan tinyllama-1.1b --json
 expect plan_absurd_peak 0 "more than any single machine has" -- "$FITLLM" plan llama-3-8b --train.micro_batch_size 4096 --train.global_batch_size 4096
-expect plan_devices_2 2 "more than one device" -- "$FITLLM" plan tinyllama-1.1b --devices 2
+expect plan_devices_2 2 "devices=2 .*multi-device training is not built yet" -- "$FITLLM" plan tinyllama-1.1b --devices 2
 expect plan_bad_size 2 "not a size" -- "$FITLLM" plan tinyllama-1.1b --device-memory lots
 expect plan_unknown_model 1 "neither a model folder nor a preset" -- "$FITLLM" plan no-such-model
 expect plan_help 0 "--device-memory" -- "$FITLLM" plan --help
@@ -309,6 +318,53 @@ if [ -d "$DATA/stories260K-hf" ]; then
     else echo "FAIL lora_rotation_removes_whole_steps"; ls -A "$T/lo" | sed 's/^/     /'; fail=$((fail+1)); fi
     expect finetune_not_a_model 2 "neither a model folder nor a preset" -- "$FITLLM" finetune_full "$T/nope-model" --out_dir "$T/x1"
     expect finetune_missing_data 2 "nope.json" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" --data JSON --data.json_path "$T/nope.json" --out_dir "$T/x2"
+    # ---- LitGPT's config_hub recipes, unedited (tests/fixtures/litgpt-recipes): only the data and
+    # checkpoint paths (and sizes, to keep this fast) are given on the command line
+    R=tests/fixtures/litgpt-recipes
+    expect litgpt_recipe_finetune_full 0 "Saved the final model" -- "$FITLLM" finetune_full --config "$R/finetune/tiny-llama/full.yaml" \
+        --checkpoint_dir "$DATA/stories260K-hf" --data.download_dir "$DATA/instruct" --data.file_name alpaca-tiny.json \
+        --train.max_steps 2 --train.global_batch_size 4 --train.max_seq_length 128 --eval.max_new_tokens 0 --out_dir "$T/lg-ft" --quiet
+    # hyperparameters.yaml: one mapping per group for any YAML reader, and --config of it reproduces the run
+    H="$T/lg-ft/final/hyperparameters.yaml"
+    if command -v python3 >/dev/null && python3 -c "import yaml" 2>/dev/null; then
+        expect hyperparameters_pyyaml 0 "^ok$" -- python3 -c "
+import yaml, sys
+d = yaml.safe_load(open(sys.argv[1]))
+t, o = d['train'], d['optimizer']
+assert t['global_batch_size'] == 4 and t['micro_batch_size'] == 4 and t['max_steps'] == 2 and t['max_seq_length'] == 128, t
+assert t['lr_warmup_steps'] == 1000 and t['max_tokens'] is None and t['min_lr'] == 6e-05, t
+assert d['eval']['interval'] == 25 and d['eval']['max_new_tokens'] is None and d['precision'] == 'bf16-true', d
+assert o['init_args']['lr'] == 0.0002 and o['init_args']['betas'] == [0.9, 0.95] and d['max_memory'] is None, o
+assert d['data']['init_args']['val_split_fraction'] == 0.03847 and d['devices'] == 1 and d['resume'] is False, d
+print('ok')" "$H"
+    else
+        echo "skip hyperparameters_pyyaml: no python3 with PyYAML"; skip=$((skip+1))
+    fi
+    expect hyperparameters_rerun 0 "Saved the final model" -- "$FITLLM" finetune_full --config "$H" --out_dir "$T/lg-ft2"
+    if [ -s "$T/lg-ft/logs/metrics.csv" ] && cmp -s <(cut -d, -f1-4 "$T/lg-ft/logs/metrics.csv") <(cut -d, -f1-4 "$T/lg-ft2/logs/metrics.csv"); then
+        echo "ok   hyperparameters_rerun_same_losses"; pass=$((pass+1))
+    else echo "FAIL hyperparameters_rerun_same_losses"; fail=$((fail+1)); fi
+    sed "s|^out_dir: .*|out_dir: $T/lg-ft2|" "$H" > "$T/h1.yaml"
+    if cmp -s "$T/h1.yaml" "$T/lg-ft2/final/hyperparameters.yaml"; then echo "ok   hyperparameters_rerun_same_config"; pass=$((pass+1))
+    else echo "FAIL hyperparameters_rerun_same_config"; diff "$T/h1.yaml" "$T/lg-ft2/final/hyperparameters.yaml" | head -5; fail=$((fail+1)); fi
+    HL=$(find "$T/lora" -name hyperparameters.yaml | head -1)
+    if [ -n "$HL" ] && head -1 "$HL" | grep -q "^# fitllm finetune_lora:"; then echo "ok   hyperparameters_lora_header"; pass=$((pass+1))
+    else echo "FAIL hyperparameters_lora_header: ${HL:-no hyperparameters.yaml}"; fail=$((fail+1)); fi
+    # pretrain: the recipe's data TinyStories is replaced by --data TextFiles (merged before checking);
+    # model_config mapping, devices: auto
+    expect litgpt_recipe_pretrain 0 "Saved the final model" -- "$FITLLM" pretrain --config "$R/pretrain/tinystories.yaml" \
+        --data TextFiles --data.train_data_path "$DATA/text" --tokenizer_dir "$DATA/stories260K-hf" \
+        --train.max_steps 2 --train.global_batch_size 2 --train.micro_batch_size 1 --train.max_seq_length 32 --out_dir "$T/lg-pt" --quiet
+    # debug.yaml: pythia-14m (GPT-NeoX) is refused by name; another model, logger_name tensorboard noted,
+    # max_seq_length from the model's context (LitGPT: block_size)
+    expect litgpt_recipe_pythia 2 "pythia-14m.*GPT-NeoX" -- "$FITLLM" pretrain --config "$R/pretrain/debug.yaml" \
+        --data TextFiles --data.train_data_path "$DATA/text" --tokenizer_dir "$DATA/stories260K-hf" --out_dir "$T/lg-pd"
+    expect litgpt_recipe_tensorboard 0 "logger_name tensorboard: fitllm writes CSV metrics" -- "$FITLLM" pretrain --config "$R/pretrain/debug.yaml" \
+        --model_name micro --data TextFiles --data.train_data_path "$DATA/text" --tokenizer_dir "$DATA/stories260K-hf" \
+        --train.max_steps 1 --train.global_batch_size 5 --out_dir "$T/lg-pd" --quiet
+    expect pretrain_textfiles_context 0 "longest input 512" -- "$FITLLM" pretrain --model_name micro --data TextFiles \
+        --data.train_data_path "$DATA/text" --tokenizer_dir "$DATA/stories260K-hf" --train.max_steps 1 --train.global_batch_size 1 \
+        --train.micro_batch_size 1 --devices auto --train.max_tokens 100_000 --out_dir "$T/lg-ctx" --quiet
 else
     echo "skip real-model CLI checks: $DATA not found (set FITLLM_DATA)"; skip=$((skip+1))
 fi

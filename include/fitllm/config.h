@@ -3,8 +3,13 @@
  * Precedence: built-in defaults < --config YAML < dotted command-line
  * overrides (--train.micro_batch_size 8). YAML is parsed with libyaml; LitGPT's
  * config_hub files load unchanged (class_path: litgpt.data.Alpaca2k,
- * torch.optim.AdamW, init_args). An unknown key is an error that suggests the
- * nearest valid key.
+ * torch.optim.AdamW, init_args, model_config: {...}, devices: auto). An unknown
+ * key is an error that suggests the nearest valid key.
+ *
+ * The recipe and the command line are MERGED before any value is checked (as
+ * jsonargparse does): `--data TextFiles` replaces a recipe's `data: TinyStories`
+ * (and the recipe's data.* fields, which belonged to the class it replaces), so
+ * a value fitllm does not support can be overridden instead of failing first.
  */
 #ifndef FITLLM_CONFIG_H
 #define FITLLM_CONFIG_H
@@ -14,6 +19,7 @@
 #include <stdio.h>
 
 #include "fitllm/data.h"
+#include "fitllm/model.h"
 #include "fitllm/status.h"
 #include "fitllm/train.h"
 
@@ -22,6 +28,7 @@ extern "C" {
 #endif
 
 #define FL_CFG_PATH 4096
+#define FL_CFG_MODEL_FIELDS 48
 
 typedef enum { FL_CMD_FINETUNE_FULL = 0, FL_CMD_PRETRAIN, FL_CMD_FINETUNE_LORA, FL_CMD_COUNT } fl_cmd_kind;
 
@@ -71,9 +78,14 @@ typedef struct {
     int devices, num_nodes;
     char resume[FL_CFG_PATH];         /* "false", "true", "auto" or a checkpoint folder */
     uint64_t seed;
-    char logger_name[16];             /* "csv" or "jsonl" */
-    char model_name[64];              /* pretrain: preset name */
-    char model_config[FL_CFG_PATH];   /* pretrain: config.json path */
+    char logger_name[16];             /* "csv" or "jsonl"; LitGPT's tensorboard / wandb / mlflow / litlogger
+                                         are accepted and write CSV (the trainer says so) */
+    char model_name[64];              /* pretrain: preset name or a LitGPT / HF name of one */
+    char model_config[FL_CFG_PATH];   /* pretrain: config.json path (fitllm) */
+    /* pretrain: LitGPT's `model_config:` mapping (litgpt.Config fields, e.g. n_layer: 6),
+     * kept as given; fl_cfg_model_config turns it into a model shape */
+    struct { char key[32]; char value[64]; } model_fields[FL_CFG_MODEL_FIELDS];
+    int n_model_fields;
     char tokenizer_dir[FL_CFG_PATH];  /* pretrain: tokenizer folder ("" = built-in bytes) */
     fl_data_config data;
     fl_train_args train;
@@ -97,6 +109,45 @@ fl_status fl_cfg_apply_yaml_file(fl_run_config *c, const char *path);
 fl_status fl_cfg_apply_yaml(fl_run_config *c, const char *text, size_t n, const char *source);
 /* Apply one dotted override, e.g. ("train.micro_batch_size", "8"). */
 fl_status fl_cfg_set(fl_run_config *c, const char *key, const char *value);
+/* ---- merging a recipe with the command line ------------------------------
+ * Options are collected first (later ones replace earlier ones with the same key,
+ * aliases included: model = checkpoint_dir, data.class_path = data, X.init_args.Y
+ * = X.Y), then applied, then validated. */
+typedef struct {
+    char *key;    /* canonical dotted key */
+    char *name;   /* as written (for messages) */
+    char *value;
+    char *source; /* "recipe.yaml:12" or "command line" */
+    int from_cli;
+} fl_cfg_entry;
+
+typedef struct {
+    fl_cfg_entry *e;
+    int n, cap;
+} fl_cfg_entries;
+
+void fl_cfg_entries_init(fl_cfg_entries *l);
+void fl_cfg_entries_free(fl_cfg_entries *l);
+/* Add (or replace) one option. A command-line value for a whole group (data with
+ * another class, model_config) drops the recipe's fields of that group. */
+fl_status fl_cfg_entries_add(fl_cfg_entries *l, const char *key, const char *value, const char *source, int from_cli);
+/* Collect the leaves of a YAML recipe (errors name the file and line). */
+fl_status fl_cfg_entries_load_yaml(fl_cfg_entries *l, const char *text, size_t n, const char *source);
+fl_status fl_cfg_entries_load_yaml_file(fl_cfg_entries *l, const char *path);
+/* Apply the merged options (class keys first). On error *failed (may be NULL) is the
+ * entry's index; the message is prefixed with its source when that is a file. */
+fl_status fl_cfg_apply_entries(fl_run_config *c, const fl_cfg_entries *l, int *failed);
+
+/* The model a pretrain run creates: model_config fields (LitGPT Config semantics:
+ * unset fields take litgpt.Config's defaults), else a model_config config.json, else
+ * model_name (a preset or a LitGPT / HF name of one). *have = 0 when none is set.
+ * Shapes fitllm cannot build (GPT-NeoX parallel residual, partial rotary, ...) are
+ * FL_ERR_UNSUPPORTED naming the field. */
+fl_status fl_cfg_model_config(const fl_run_config *c, fl_model_config *mc, int *have);
+
+/* The command's name as typed ("pretrain", "finetune_full", "finetune_lora"). */
+const char *fl_cfg_command_name(fl_cmd_kind cmd);
+
 /* Check cross-field constraints (sizes positive, warmup exclusivity, ...). */
 fl_status fl_cfg_validate(const fl_run_config *c);
 

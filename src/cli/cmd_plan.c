@@ -28,7 +28,8 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "allocated or run: the trainer's allocation sequence is replayed with the runtime's sizing code.\n\n"
            "plan options:\n"
            "  --device-memory SIZE           (default: --max_memory, else none)  device memory, e.g. 80GB, 24GiB\n"
-           "  --devices N                    (default 1)  devices; only 1 for now\n"
+           "  --devices N|auto               (default 1)  devices (auto: all this build can use, 1 CPU device);\n"
+           "                                 overrides a recipe's devices: as every option does\n"
            "  --seq-len T                    (default: train.max_seq_length - 1, else the model context)  T to plan\n"
            "                                 for (the trainer uses the longest sample - 1, samples cut to\n"
            "                                 max_seq_length)\n"
@@ -55,16 +56,6 @@ static int extra(void *ud, int argc, char **argv, int *i) {
     if (!strcmp(arg, "--device-memory") || !strcmp(arg, "--device_memory")) {
         if (!v || fl_parse_bytes(v, &a->device_memory) || a->device_memory == 0) {
             fl_cli_usage("plan", "--device-memory: '%s' is not a size like 80GB", v ? v : "");
-            return -1;
-        }
-        (*i)++;
-        return 1;
-    }
-    if (!strcmp(arg, "--devices")) {
-        if (fl_cli_int("plan", arg, v, 1, 1 << 20, &a->devices)) return -1;
-        if (a->devices != 1) {
-            fl_cli_usage("plan", "--devices %d: planning for more than one device is not available yet (use 1)",
-                         a->devices);
             return -1;
         }
         (*i)++;
@@ -99,7 +90,7 @@ int fl_cmd_plan(int argc, char **argv) {
     fl_plan_opts o;
     fl_plan_opts_default(&o);
     o.device_memory = a.device_memory;
-    o.devices = a.devices;
+    o.devices = cfg.devices; /* --devices is the training option (merged with a recipe's devices:) */
     o.seq_len = a.seq_len;
     o.generation = a.generation;
     fl_plan *p = malloc(sizeof *p);

@@ -14,26 +14,38 @@
 static void help(const char *cmd, fl_cmd_kind kind) {
     printf("usage: fitllm %s %s[--config recipe.yaml] [--<option> VALUE ...]\n\n", cmd,
            kind == FL_CMD_PRETRAIN ? "[<initial_checkpoint_dir>] " : "<checkpoint_dir> ");
-    printf("Options use LitGPT's names; precedence: defaults < --config YAML < command line.\n"
-           "Values may also be written --option=VALUE. data.init_args.X and optimizer.init_args.X are\n"
-           "accepted for data.X and optimizer.X. Defaults:\n\n");
+    printf("Options use LitGPT's names; precedence: defaults < --config YAML < command line, merged before\n"
+           "values are checked (--data TextFiles replaces a recipe's data: and its init_args). Values may also be\n"
+           "written --option=VALUE; integers may group digits (10_000). data.init_args.X and optimizer.init_args.X\n"
+           "are accepted for data.X and optimizer.X.%s\n"
+           "Each checkpoint folder holds hyperparameters.yaml: --config it to run the same configuration again.\n"
+           "Defaults:\n\n",
+           kind == FL_CMD_PRETRAIN ? "\nThe model: model_config (a config.json, or LitGPT's mapping of litgpt.Config "
+                                     "fields: model_config.n_layer ...),\nelse model_name (a preset, or its LitGPT / "
+                                     "Hugging Face name)." : "");
     fl_cfg_print_help(kind, stdout);
     printf("\nexit codes: 0 ok, 1 runtime error, 2 usage or config error, 3 out of memory\n");
 }
 
+/* defaults < every --config (in order) < the command line, merged BEFORE any value
+ * is checked: a recipe's unsupported value (data: TinyStories) can be overridden. */
 int fl_cli_parse_run(const char *cmd, fl_cmd_kind kind, int argc, char **argv, fl_run_config *cfg,
                      fl_cli_extra_fn extra, void *ud, void (*help_fn)(const char *, fl_cmd_kind)) {
     fl_cfg_defaults(cfg, kind);
-    /* first pass: --help and --config (YAML applies before any other override) */
+    fl_cfg_entries opts;
+    fl_cfg_entries_init(&opts);
+    int rc = 0;
+#define USAGE(...) do { rc = fl_cli_usage(cmd, __VA_ARGS__); goto done; } while (0)
+    /* first pass: --help and the recipes */
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { help_fn(cmd, kind); return -1; }
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { help_fn(cmd, kind); rc = -1; goto done; }
         if (!strcmp(argv[i], "--config") || !strncmp(argv[i], "--config=", 9)) {
             const char *path = argv[i][8] == '=' ? argv[i] + 9 : (i + 1 < argc ? argv[++i] : NULL);
-            if (!path) return fl_cli_usage(cmd, "--config needs a file");
-            fl_status s = fl_cfg_apply_yaml_file(cfg, path);
-            if (s != FL_OK) {
+            if (!path) USAGE("--config needs a file");
+            if (fl_cfg_entries_load_yaml_file(&opts, path) != FL_OK) {
                 fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
-                return FL_EXIT_USAGE;
+                rc = FL_EXIT_USAGE;
+                goto done;
             }
         }
     }
@@ -44,12 +56,12 @@ int fl_cli_parse_run(const char *cmd, fl_cmd_kind kind, int argc, char **argv, f
         if (!strncmp(a, "--config=", 9)) continue;
         if (extra) {
             int r = extra(ud, argc, argv, &i);
-            if (r < 0) return FL_EXIT_USAGE;
+            if (r < 0) { rc = FL_EXIT_USAGE; goto done; }
             if (r > 0) continue;
         }
+        const char *key_s = NULL, *val = NULL;
+        char key[256];
         if (!strncmp(a, "--", 2)) {
-            char key[256];
-            const char *val;
             const char *eq = strchr(a, '=');
             if (eq) {
                 snprintf(key, sizeof key, "%.*s", (int)(eq - a - 2), a + 2);
@@ -65,29 +77,35 @@ int fl_cli_parse_run(const char *cmd, fl_cmd_kind kind, int argc, char **argv, f
                     fl_run_config probe = *cfg;
                     if (fl_cfg_set(&probe, key, "null") == FL_ERR_INVALID &&
                         (!strncmp(fl_error_message(), "unknown option", 14) || strstr(fl_error_message(), "applies to")))
-                        return fl_cli_usage(cmd, "%s", fl_error_message());
-                    return fl_cli_usage(cmd, "option --%s needs a value", key);
+                        USAGE("%s", fl_error_message());
+                    USAGE("option --%s needs a value", key);
                 }
             }
             /* fitllm spellings of a few options */
             if (!strcmp(key, "max-memory")) snprintf(key, sizeof key, "max_memory");
-            fl_status s = fl_cfg_set(cfg, key, val);
-            if (s != FL_OK) return fl_cli_usage(cmd, "%s", fl_error_message());
-            continue;
-        }
-        if (positional++ == 0) {
-            fl_status s = fl_cfg_set(cfg, "checkpoint_dir", a);
-            if (s != FL_OK) return fl_cli_usage(cmd, "%s", fl_error_message());
+            key_s = key;
+        } else if (positional++ == 0) {
+            key_s = "checkpoint_dir", val = a;
         } else {
-            return fl_cli_usage(cmd, "unexpected argument '%s'", a);
+            USAGE("unexpected argument '%s'", a);
         }
+        if (fl_cfg_entries_add(&opts, key_s, val, "command line", 1) != FL_OK) USAGE("%s", fl_error_message());
     }
-    fl_status s = fl_cfg_validate(cfg);
-    if (s != FL_OK) {
+    int failed;
+    if (fl_cfg_apply_entries(cfg, &opts, &failed) != FL_OK) {
+        if (failed >= 0 && opts.e[failed].from_cli) USAGE("%s", fl_error_message());
         fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
-        return FL_EXIT_USAGE;
+        rc = FL_EXIT_USAGE;
+        goto done;
     }
-    return 0;
+    if (fl_cfg_validate(cfg) != FL_OK) {
+        fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
+        rc = FL_EXIT_USAGE;
+    }
+#undef USAGE
+done:
+    fl_cfg_entries_free(&opts);
+    return rc;
 }
 
 /* Ctrl-C: the first stops the run after the current step (its checkpoint, if one is due, is

@@ -7,7 +7,7 @@
 typedef enum {
     FL_CK_PATH, FL_CK_STR32, FL_CK_STR64, FL_CK_INT, FL_CK_POS, FL_CK_SINT, FL_CK_INT_OPT, FL_CK_INT_OPT0, FL_CK_LL_OPT, FL_CK_U64,
     FL_CK_FLOAT, FL_CK_FLOAT_OPT, FL_CK_FLOAT_OPT0, FL_CK_BOOL, FL_CK_BOOL_OPT, FL_CK_BYTES, FL_CK_PRECISION,
-    FL_CK_RESUME, FL_CK_LOGGER, FL_CK_DATA, FL_CK_OPTIMIZER, FL_CK_BETAS, FL_CK_DOWNLOAD_DIR, FL_CK_FILE_NAME, FL_CK_STATE_DTYPE, FL_CK_INIT, FL_CK_PATH256,
+    FL_CK_RESUME, FL_CK_LOGGER, FL_CK_DEVICES, FL_CK_MODEL_CONFIG, FL_CK_DATA, FL_CK_OPTIMIZER, FL_CK_BETAS, FL_CK_DOWNLOAD_DIR, FL_CK_FILE_NAME, FL_CK_STATE_DTYPE, FL_CK_INIT, FL_CK_PATH256,
     FL_CK_IGNORED
 } fl_cfg_key_type;
 
@@ -18,5 +18,16 @@ typedef struct {
     size_t off;
     const char *help;
 } fl_cfg_key;
+
+/* The key an option is stored under: aliases (model, initial_checkpoint_dir ->
+ * checkpoint_dir; data.class_path -> data; X.init_args.Y -> X.Y) map to one name so
+ * that a later value replaces an earlier one whatever spelling either used. */
+void fl_cfg_canonical_key(const char *key, char *out, size_t n);
+size_t fl_cfg_levenshtein(const char *a, const char *b);
+/* model_config.<field>: a litgpt.Config field name and a value of its type. */
+fl_status fl_cfg_model_field_check(const char *field, const char *value);
+int fl_cfg_is_null(const char *v);
+/* Whether a model_config field holds a string (written quoted where YAML needs it). */
+int fl_cfg_model_field_is_str(const char *field);
 
 #endif

@@ -63,13 +63,13 @@ static const fl_cfg_key k_keys[] = {
     {"model", FL_CK_PATH, OFF(checkpoint_dir), "same as checkpoint_dir (a preset name: random init)"},
     {"out_dir", FL_CK_PATH, OFF(out_dir), "folder for checkpoints and logs"},
     {"precision", FL_CK_PRECISION, OFF(precision), "32-true | bf16-true | bf16-mixed | 16-true | 16-mixed"},
-    {"devices", FL_CK_INT, OFF(devices), "number of devices (1 on this build)"},
+    {"devices", FL_CK_DEVICES, OFF(devices), "number of devices, or auto (all this build can use: 1 CPU device)"},
     {"num_nodes", FL_CK_INT, OFF(num_nodes), "number of nodes (1 on this build)"},
     {"resume", FL_CK_RESUME, OFF(resume), "false | true | auto | path to a checkpoint folder"},
     {"seed", FL_CK_U64, OFF(seed), "random seed"},
-    {"logger_name", FL_CK_LOGGER, OFF(logger_name), "csv | jsonl (metrics in out_dir/logs/)"},
-    {"model_name", FL_CK_STR64, OFF(model_name), "pretrain: model preset name"},
-    {"model_config", FL_CK_PATH, OFF(model_config), "pretrain: config.json of the model to create"},
+    {"logger_name", FL_CK_LOGGER, OFF(logger_name), "csv | jsonl (metrics in out_dir/logs/); tensorboard, wandb, mlflow: csv"},
+    {"model_name", FL_CK_STR64, OFF(model_name), "pretrain: model preset (or its LitGPT / HF name)"},
+    {"model_config", FL_CK_MODEL_CONFIG, OFF(model_config), "pretrain: config.json, or LitGPT's mapping (model_config.n_layer ...)"},
     {"tokenizer_dir", FL_CK_PATH, OFF(tokenizer_dir), "pretrain: tokenizer folder (default: built-in bytes)"},
     {"initial_checkpoint_dir", FL_CK_PATH, OFF(checkpoint_dir), "pretrain: start from these weights"},
     {"data", FL_CK_DATA, 0, "Synthetic | Alpaca | JSON | TextFiles (or litgpt.data.* class_path)"},
@@ -126,6 +126,16 @@ static const fl_cfg_key k_keys[] = {
     {"optimizer.state_dtype", FL_CK_STATE_DTYPE, OFF(optimizer.state_dtype), "optimizer state dtype: float32 | bfloat16 (fitllm)"},
     {"optimizer.optim_bits", FL_CK_IGNORED, 0, "accepted for bitsandbytes compatibility"},
     {"optimizer.min_8bit_size", FL_CK_IGNORED, 0, "accepted for bitsandbytes compatibility (4096)"},
+    {"access_token", FL_CK_IGNORED, 0, "accepted for LitGPT compatibility (nothing is downloaded)"},
+    {"log", FL_CK_IGNORED, 0, "LitGPT's logger settings (wandb / litlogger): accepted; fitllm writes CSV"},
+    {"log.project", FL_CK_IGNORED, 0, "(LitGPT wandb) accepted"},
+    {"log.run", FL_CK_IGNORED, 0, "(LitGPT wandb) accepted"},
+    {"log.group", FL_CK_IGNORED, 0, "(LitGPT wandb) accepted"},
+    {"log.teamspace", FL_CK_IGNORED, 0, "(LitGPT litlogger) accepted"},
+    {"log.metadata", FL_CK_IGNORED, 0, "(LitGPT litlogger) accepted"},
+    {"log.log_model", FL_CK_IGNORED, 0, "(LitGPT litlogger) accepted"},
+    {"log.save_logs", FL_CK_IGNORED, 0, "(LitGPT litlogger) accepted"},
+    {"log.checkpoint_name", FL_CK_IGNORED, 0, "(LitGPT litlogger) accepted"},
     {"init", FL_CK_INIT, OFF(init_random), "pretrained | random: random weights of the model's shape (fitllm)"},
     {"lora_r", FL_CK_INT, OFF(lora.r), "finetune_lora: LoRA rank"},
     {"lora_alpha", FL_CK_FLOAT, OFF(lora.alpha), "finetune_lora: LoRA alpha (scaling alpha / r)"},
@@ -160,7 +170,7 @@ static int key_applies(const fl_cfg_key *k, fl_cmd_kind cmd) {
     return !key_owner(k) || cmd == FL_CMD_FINETUNE_LORA;
 }
 
-static size_t levenshtein(const char *a, const char *b) {
+size_t fl_cfg_levenshtein(const char *a, const char *b) {
     size_t n = strlen(a), m = strlen(b), prev[128], cur[128];
     if (m >= 127) m = 127;
     for (size_t j = 0; j <= m; j++) prev[j] = j;
@@ -180,10 +190,11 @@ static const char *nearest_key(const char *key) {
     const char *best = NULL;
     size_t bd = (size_t)-1;
     for (size_t i = 0; i < N_KEYS; i++) {
-        size_t d = levenshtein(key, k_keys[i].name);
+        if (k_keys[i].type == FL_CK_IGNORED) continue; /* a typo is never meant for an option that does nothing */
+        size_t d = fl_cfg_levenshtein(key, k_keys[i].name);
         /* also compare the last component, for "micro_batch_size" -> "train.micro_batch_size" */
         const char *dot = strrchr(k_keys[i].name, '.');
-        if (dot) { size_t d2 = levenshtein(key, dot + 1) + 1; if (d2 < d) d = d2; }
+        if (dot) { size_t d2 = fl_cfg_levenshtein(key, dot + 1) + 1; if (d2 < d) d = d2; }
         if (d < bd) { bd = d; best = k_keys[i].name; }
     }
     /* a far-fetched suggestion ('bogus' -> 'model') misleads more than none */
@@ -202,22 +213,57 @@ static void normalize_key(const char *key, char *out, size_t n) {
 }
 
 static int is_null(const char *v) { return !v || !*v || !strcmp(v, "null") || !strcmp(v, "~") || !strcasecmp(v, "none"); }
+int fl_cfg_is_null(const char *v) { return is_null(v); }
 
-static fl_status parse_int(const char *key, const char *v, long long lo, long long hi, long long *out) {
+static const fl_cfg_key *find_key(const char *key) {
+    for (size_t i = 0; i < N_KEYS; i++)
+        if (!strcmp(k_keys[i].name, key)) return &k_keys[i];
+    return NULL;
+}
+
+void fl_cfg_canonical_key(const char *key_in, char *out, size_t n) {
+    char key[256];
+    normalize_key(key_in, key, sizeof key);
+    const fl_cfg_key *k = find_key(key);
+    /* two table entries that store the same field the same way are one option */
+    if (k && k->type != FL_CK_IGNORED)
+        for (size_t i = 0; i < N_KEYS; i++)
+            if (k_keys[i].type == k->type && k_keys[i].off == k->off) { k = &k_keys[i]; break; }
+    snprintf(out, n, "%s", k ? k->name : key);
+}
+
+/* Python / YAML 1.1 integers may group digits: 10_000. An underscore is dropped
+ * only between two digits, so "_1" or "1__0" stay malformed. */
+static const char *strip_digit_underscores(const char *v, char *buf, size_t n) {
+    size_t o = 0, len = strlen(v);
+    if (len >= n || !strchr(v, '_')) return v;
+    for (size_t i = 0; i < len; i++) {
+        if (v[i] == '_' && i > 0 && isdigit((unsigned char)v[i - 1]) && isdigit((unsigned char)v[i + 1])) continue;
+        buf[o++] = v[i];
+    }
+    buf[o] = 0;
+    return buf;
+}
+
+static fl_status parse_int(const char *key, const char *v_in, long long lo, long long hi, long long *out) {
+    char ub[64];
+    const char *v = strip_digit_underscores(v_in, ub, sizeof ub);
     char *end;
     errno = 0;
     long long x = strtoll(v, &end, 10);
     if (errno || end == v || *end || x < lo || x > hi)
-        return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is not an integer in [%lld, %lld]", key, v, lo, hi);
+        return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is not an integer in [%lld, %lld]", key, v_in, lo, hi);
     *out = x;
     return FL_OK;
 }
 
-static fl_status parse_float(const char *key, const char *v, float *out) {
+static fl_status parse_float(const char *key, const char *v_in, float *out) {
+    char ub[64];
+    const char *v = strip_digit_underscores(v_in, ub, sizeof ub);
     char *end;
     double x = strtod(v, &end);
-    if (end == v || *end || !isfinite(x)) return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is not a number", key, v);
-    if (fabs(x) > 3.4e38) return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is beyond the float range", key, v);
+    if (end == v || *end || !isfinite(x)) return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is not a number", key, v_in);
+    if (fabs(x) > 3.4e38) return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is beyond the float range", key, v_in);
     *out = (float)x;
     return FL_OK;
 }
@@ -242,7 +288,9 @@ static fl_status set_data_kind(fl_run_config *c, const char *v) {
     else if (!strcmp(name, "TextFiles")) k = FL_DATA_TEXTFILES;
     else
         return fl_errorf(FL_ERR_UNSUPPORTED,
-                         "data '%s' is not supported (Synthetic, Alpaca, Alpaca2k, AlpacaGPT4, JSON, TextFiles)", v);
+                         "data '%s' is not supported (Synthetic, Alpaca, Alpaca2k, AlpacaGPT4, JSON, TextFiles); a "
+                         "recipe's can be replaced on the command line, e.g. --data TextFiles --data.train_data_path DIR",
+                         v);
     if (c->data.kind != k) {
         /* a new data module starts from its own defaults; paths already given stay */
         fl_data_config old = c->data;
@@ -301,12 +349,32 @@ static fl_status set_precision(char *dst, const char *v) {
     return fl_errorf(FL_ERR_INVALID, "precision '%s' is not one of 32-true, bf16-true, bf16-mixed, 16-true, 16-mixed", v);
 }
 
+/* model_config.<field> = value: checked here, kept as text (fl_cfg_model_config reads it). */
+static fl_status set_model_field(fl_run_config *c, const char *key, const char *field, const char *v) {
+    if (c->command != FL_CMD_PRETRAIN)
+        return fl_errorf(FL_ERR_INVALID, "option '%s' applies to pretrain only (the model to create); %s takes its "
+                         "model from checkpoint_dir", key, fl_cfg_command_name(c->command));
+    FL_TRY(fl_cfg_model_field_check(field, v));
+    size_t fl = strlen(field), vl = strlen(v);
+    if (fl >= sizeof c->model_fields[0].key || vl >= sizeof c->model_fields[0].value)
+        return fl_errorf(FL_ERR_INVALID, "option '%s': value too long", key);
+    int i = 0;
+    while (i < c->n_model_fields && strcmp(c->model_fields[i].key, field)) i++;
+    if (i == c->n_model_fields) {
+        if (i == FL_CFG_MODEL_FIELDS) return fl_errorf(FL_ERR_INVALID, "option '%s': too many model_config fields", key);
+        c->n_model_fields++;
+    }
+    memcpy(c->model_fields[i].key, field, fl + 1);
+    memcpy(c->model_fields[i].value, v, vl + 1);
+    return FL_OK;
+}
+
 fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
     char key[256];
     normalize_key(key_in, key, sizeof key);
-    const fl_cfg_key *k = NULL;
-    for (size_t i = 0; i < N_KEYS; i++)
-        if (!strcmp(k_keys[i].name, key)) { k = &k_keys[i]; break; }
+    if (!strncmp(key, "model_config.", 13)) return set_model_field(c, key_in, key + 13, v);
+    if (!strncmp(key, "log.metadata.", 13)) return FL_OK; /* LitGPT's free-form logger tags */
+    const fl_cfg_key *k = find_key(key);
     if (!k) {
         const char *near = nearest_key(key);
         return fl_errorf(FL_ERR_INVALID, "unknown option '%s'%s%s%s", key_in, near ? " (did you mean '" : "",
@@ -342,10 +410,11 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
         *(int *)(base + k->off) = (int)x;
         return FL_OK;
     case FL_CK_POS: { /* the range named is the range accepted */
-        char *end;
+        char *end, ub[64];
+        const char *vs = strip_digit_underscores(v, ub, sizeof ub);
         errno = 0;
-        long long y = strtoll(v, &end, 10);
-        if (errno || end == v || *end || y < 1 || y > (1 << 30))
+        long long y = strtoll(vs, &end, 10);
+        if (errno || end == vs || *end || y < 1 || y > (1 << 30))
             return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' must be positive: an integer in [1, %d]", key, v, 1 << 30);
         *(int *)(base + k->off) = (int)y;
         return FL_OK;
@@ -379,6 +448,7 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
         if (is_null(v)) { *(int *)(base + k->off) = -1; return FL_OK; }
         return parse_bool(key, v, (int *)(base + k->off));
     case FL_CK_BYTES:
+        if (is_null(v)) { *(size_t *)(base + k->off) = 0; return FL_OK; }
         if (fl_parse_bytes(v, (size_t *)(base + k->off)) != 0)
             return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is not a size like 8GB or 512MiB", key, v);
         return FL_OK;
@@ -395,9 +465,26 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
         }
         return FL_OK;
     case FL_CK_LOGGER:
-        if (strcmp(v, "csv") && strcmp(v, "jsonl"))
-            return fl_errorf(FL_ERR_UNSUPPORTED, "logger_name '%s' is not supported here (csv, jsonl)", v);
+        /* LitGPT's other loggers are accepted: the run writes CSV metrics and says so
+         * (fl_trainer_run), rather than a recipe failing over where its charts go */
+        if (strcmp(v, "csv") && strcmp(v, "jsonl") && strcmp(v, "tensorboard") && strcmp(v, "wandb") &&
+            strcmp(v, "mlflow") && strcmp(v, "litlogger"))
+            return fl_errorf(FL_ERR_UNSUPPORTED, "logger_name '%s' is not one of csv, jsonl (fitllm) or LitGPT's "
+                             "tensorboard, wandb, mlflow, litlogger (written as csv here)", v);
         snprintf(c->logger_name, sizeof c->logger_name, "%s", v);
+        return FL_OK;
+    case FL_CK_DEVICES:
+        /* LitGPT: "auto" (or -1) = every device there is; this build trains on one CPU device */
+        if (!strcasecmp(v, "auto") || !strcmp(v, "-1")) { c->devices = 1; return FL_OK; }
+        FL_TRY(parse_int(key, v, 1, 1 << 20, &x));
+        c->devices = (int)x;
+        return FL_OK;
+    case FL_CK_MODEL_CONFIG:
+        /* a config.json path, or null; either replaces a model_config mapping */
+        c->n_model_fields = 0;
+        if (is_null(v)) { c->model_config[0] = '\0'; return FL_OK; }
+        if (strlen(v) >= FL_CFG_PATH) return fl_errorf(FL_ERR_INVALID, "option '%s': path too long", key);
+        snprintf(c->model_config, sizeof c->model_config, "%s", v);
         return FL_OK;
     case FL_CK_DATA: return set_data_kind(c, v);
     case FL_CK_OPTIMIZER: return set_optimizer(c, v);
@@ -456,8 +543,9 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
 fl_status fl_cfg_validate(const fl_run_config *c) {
     const fl_train_args *t = &c->train;
     if (c->devices != 1 || c->num_nodes != 1)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "devices=%d num_nodes=%d: distributed training is not available yet (use 1)",
-                         c->devices, c->num_nodes);
+        return fl_errorf(FL_ERR_UNSUPPORTED,
+                         "devices=%d num_nodes=%d: multi-device training is not built yet; this build trains on one "
+                         "CPU device (use --devices 1 or devices: auto, and num_nodes 1)", c->devices, c->num_nodes);
     if (t->micro_batch_size <= 0) return fl_errorf(FL_ERR_INVALID, "train.micro_batch_size must be positive");
     if (t->global_batch_size <= 0) return fl_errorf(FL_ERR_INVALID, "train.global_batch_size must be positive");
     int per_rank = t->global_batch_size / (c->devices * c->num_nodes);
@@ -503,6 +591,11 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
         return fl_errorf(FL_ERR_INVALID, "data TextFiles needs data.train_data_path");
     if ((c->data.kind == FL_DATA_JSON) && !c->data.json_path[0])
         return fl_errorf(FL_ERR_INVALID, "data JSON needs data.json_path");
+    if (c->command == FL_CMD_PRETRAIN) { /* an unknown model_name or unbuildable model_config: say so now */
+        fl_model_config mc;
+        int have;
+        FL_TRY(fl_cfg_model_config(c, &mc, &have));
+    }
     return FL_OK;
 }
 
@@ -516,16 +609,79 @@ double fl_lr_schedule(double lr, double min_lr, long step, long warmup, long max
 
 /* ---- dump and help ------------------------------------------------------- */
 
+const char *fl_cfg_command_name(fl_cmd_kind cmd) {
+    return cmd == FL_CMD_PRETRAIN ? "pretrain" : cmd == FL_CMD_FINETUNE_LORA ? "finetune_lora" : "finetune_full";
+}
+
+/* A string as a YAML scalar that every reader (libyaml here, PyYAML's YAML 1.1
+ * resolver) takes back as the same string: plain when it cannot be mistaken for a
+ * number, boolean or null and holds no indicator, double-quoted otherwise. */
+static void yaml_str(const char *s, char *buf, size_t n) {
+    static const char *special[] = {"null", "~", "true", "false", "yes", "no", "on", "off", "y", "n", "none"};
+    int plain = isalpha((unsigned char)s[0]) || s[0] == '_' || s[0] == '/' || !strncmp(s, "./", 2) ||
+                !strncmp(s, "../", 3);
+    for (const char *p = s; plain && *p; p++) plain = isalnum((unsigned char)*p) || strchr("_./+-", *p) != NULL;
+    for (size_t i = 0; plain && i < sizeof special / sizeof special[0]; i++)
+        if (!strcasecmp(s, special[i])) plain = 0;
+    if (plain) { snprintf(buf, n, "%s", s); return; }
+    size_t o = 0;
+    if (n < 8) { if (n) buf[0] = 0; return; }
+    buf[o++] = '"';
+    for (const unsigned char *p = (const unsigned char *)s; *p && o + 6 < n; p++) {
+        if (*p == '"' || *p == '\\') { buf[o++] = '\\'; buf[o++] = (char)*p; }
+        else if (*p < 0x20 || *p == 0x7f) o += (size_t)snprintf(buf + o, n - o, "\\x%02x", *p);
+        else buf[o++] = (char)*p;
+    }
+    buf[o++] = '"';
+    buf[o] = 0;
+}
+
+/* The shortest decimal that reads back as the same float (%g's 6 digits would
+ * change some values), written so that a YAML 1.1 reader sees a float: with a '.'
+ * and, before an exponent, a '.' too (PyYAML reads "1e-05" as a string). */
+static void float_str(float v, char *buf, size_t n) {
+    char t[48];
+    for (int prec = 6; prec <= 9; prec++) {
+        snprintf(t, sizeof t, "%.*g", prec, (double)v);
+        if (strtof(t, NULL) == v) break;
+    }
+    char *e = strchr(t, 'e');
+    if (!strchr(t, '.') && e) snprintf(buf, n, "%.*s.0%s", (int)(e - t), t, e);
+    else if (!strchr(t, '.')) snprintf(buf, n, "%s.0", t);
+    else snprintf(buf, n, "%s", t);
+}
+
 static void value_str(const fl_run_config *c, const fl_cfg_key *k, char *buf, size_t n) {
     const char *base = (const char *)c;
     switch (k->type) {
-    case FL_CK_PATH: case FL_CK_STR32: case FL_CK_STR64: case FL_CK_PATH256: case FL_CK_PRECISION: case FL_CK_RESUME: case FL_CK_LOGGER: {
+    case FL_CK_PATH: case FL_CK_STR32: case FL_CK_STR64: case FL_CK_PRECISION: case FL_CK_RESUME: case FL_CK_LOGGER:
+    case FL_CK_MODEL_CONFIG: {
         const char *s = base + k->off;
-        if (*s) snprintf(buf, n, "%s", s);
+        if (k->type == FL_CK_RESUME && (!strcmp(s, "true") || !strcmp(s, "false"))) snprintf(buf, n, "%s", s); /* bool */
+        else if (*s) yaml_str(s, buf, n);
         else snprintf(buf, n, "null");
         break;
     }
-    case FL_CK_INT: case FL_CK_POS: case FL_CK_SINT: snprintf(buf, n, "%d", *(const int *)(base + k->off)); break;
+    case FL_CK_PATH256: { /* a module list: "q_proj,v_proj" -> [q_proj, v_proj] */
+        const char *s = base + k->off;
+        if (!*s) { snprintf(buf, n, "null"); break; }
+        if (!strchr(s, ',')) { yaml_str(s, buf, n); break; }
+        size_t o = (size_t)snprintf(buf, n, "[");
+        char item[256];
+        for (const char *p = s; *p && o < n;) {
+            size_t l = strcspn(p, ",");
+            char one[256];
+            snprintf(one, sizeof one, "%.*s", (int)l, p);
+            yaml_str(one, item, sizeof item);
+            o += (size_t)snprintf(buf + o, n - o, "%s%s", p == s ? "" : ", ", item);
+            p += l + (p[l] == ',');
+        }
+        if (o < n) snprintf(buf + o, n - o, "]");
+        break;
+    }
+    case FL_CK_INT: case FL_CK_POS: case FL_CK_SINT: case FL_CK_DEVICES:
+        snprintf(buf, n, "%d", *(const int *)(base + k->off));
+        break;
     case FL_CK_INT_OPT: case FL_CK_BOOL_OPT: {
         int v = *(const int *)(base + k->off);
         if (v < 0) snprintf(buf, n, "null");
@@ -544,14 +700,14 @@ static void value_str(const fl_run_config *c, const fl_cfg_key *k, char *buf, si
         break;
     }
     case FL_CK_U64: snprintf(buf, n, "%llu", (unsigned long long)*(const uint64_t *)(base + k->off)); break;
-    case FL_CK_FLOAT: snprintf(buf, n, "%g", *(const float *)(base + k->off)); break;
+    case FL_CK_FLOAT: float_str(*(const float *)(base + k->off), buf, n); break;
     case FL_CK_FLOAT_OPT: case FL_CK_FLOAT_OPT0: {
         float v = *(const float *)(base + k->off);
-        if (v < 0 || (k->type == FL_CK_FLOAT_OPT0 && v == 0)) snprintf(buf, n, "null"); else snprintf(buf, n, "%g", v);
+        if (v < 0 || (k->type == FL_CK_FLOAT_OPT0 && v == 0)) snprintf(buf, n, "null"); else float_str(v, buf, n);
         break;
     }
     case FL_CK_BOOL: snprintf(buf, n, "%s", *(const int *)(base + k->off) ? "true" : "false"); break;
-    case FL_CK_BYTES: {
+    case FL_CK_BYTES: { /* bytes, exactly (fl_parse_bytes reads a plain count) */
         size_t v = *(const size_t *)(base + k->off);
         if (v) snprintf(buf, n, "%zu", v); else snprintf(buf, n, "null");
         break;
@@ -560,8 +716,14 @@ static void value_str(const fl_run_config *c, const fl_cfg_key *k, char *buf, si
     case FL_CK_OPTIMIZER: snprintf(buf, n, "%s", fl_optim_name(c->optimizer.kind)); break;
     case FL_CK_STATE_DTYPE: snprintf(buf, n, "%s", c->optimizer.state_dtype == FL_BF16 ? "bfloat16" : "float32"); break;
     case FL_CK_INIT: snprintf(buf, n, "%s", c->init_random ? "random" : "pretrained"); break;
-    case FL_CK_BETAS: snprintf(buf, n, "[%g, %g]", c->optimizer.beta1, c->optimizer.beta2); break;
-    default: snprintf(buf, n, "~"); break;
+    case FL_CK_BETAS: {
+        char b1[48], b2[48];
+        float_str(c->optimizer.beta1, b1, sizeof b1);
+        float_str(c->optimizer.beta2, b2, sizeof b2);
+        snprintf(buf, n, "[%s, %s]", b1, b2);
+        break;
+    }
+    default: snprintf(buf, n, "null"); break;
     }
 }
 
@@ -571,35 +733,82 @@ static int dumped(const fl_cfg_key *k) {
            strcmp(k->name, "data.class_path") && strcmp(k->name, "optimizer.class_path") &&
            strncmp(k->name, "train.learning_rate", 19) && strcmp(k->name, "train.weight_decay") &&
            strcmp(k->name, "train.beta1") && strcmp(k->name, "train.beta2") &&
-           strcmp(k->name, "initial_checkpoint_dir") && strcmp(k->name, "model");
+           strcmp(k->name, "initial_checkpoint_dir") && strcmp(k->name, "model") &&
+           /* permission for this invocation, not a setting of the run: rerunning the file
+            * must not silently replace the run it came from */
+           strcmp(k->name, "overwrite");
 }
 
+/* model_config as LitGPT writes it: one mapping, nested fields (hf_config.name)
+ * as flow mappings so that each key appears once. */
+static void write_model_fields(const fl_run_config *c, FILE *f) {
+    char v[160];
+    fprintf(f, "model_config:\n");
+    for (int i = 0; i < c->n_model_fields; i++) {
+        const char *key = c->model_fields[i].key, *dot = strchr(key, '.');
+        if (!dot) {
+            const char *val = c->model_fields[i].value;
+            if (fl_cfg_model_field_is_str(key) && !fl_cfg_is_null(val)) yaml_str(val, v, sizeof v);
+            else snprintf(v, sizeof v, "%s", fl_cfg_is_null(val) ? "null" : val);
+            fprintf(f, "  %s: %s\n", key, v);
+            continue;
+        }
+        size_t pl = (size_t)(dot - key);
+        int first = 1;
+        for (int j = 0; j < i; j++) /* this group was written with its first field */
+            if (!strncmp(c->model_fields[j].key, key, pl + 1)) first = 0;
+        if (!first) continue;
+        fprintf(f, "  %.*s: {", (int)pl, key);
+        int n = 0;
+        for (int j = i; j < c->n_model_fields; j++)
+            if (!strncmp(c->model_fields[j].key, key, pl + 1)) {
+                const char *val = c->model_fields[j].value;
+                if (fl_cfg_model_field_is_str(c->model_fields[j].key) && !fl_cfg_is_null(val)) yaml_str(val, v, sizeof v);
+                else snprintf(v, sizeof v, "%s", fl_cfg_is_null(val) ? "null" : val);
+                fprintf(f, "%s%s: %s", n++ ? ", " : "", c->model_fields[j].key + pl + 1, v);
+            }
+        fprintf(f, "}\n");
+    }
+}
+
+/* Each top-level group (train, eval, data, optimizer) is ONE mapping holding all
+ * its keys, as LitGPT writes hyperparameters.yaml; data and optimizer in
+ * jsonargparse's class_path / init_args form. */
 void fl_cfg_write_yaml(const fl_run_config *c, FILE *f) {
-    char v[FL_CFG_PATH + 8];
-    const char *section = "";
-    fprintf(f, "# fitllm %s: effective configuration\n", c->command == FL_CMD_PRETRAIN ? "pretrain" : "finetune_full");
+    char v[FL_CFG_PATH * 2 + 16];
+    fprintf(f, "# fitllm %s: effective configuration (fitllm %s --config this-file reproduces the run)\n",
+            fl_cfg_command_name(c->command), fl_cfg_command_name(c->command));
     for (size_t i = 0; i < N_KEYS; i++) {
         const fl_cfg_key *k = &k_keys[i];
         if (!dumped(k) || !key_applies(k, c->command)) continue;
-        value_str(c, k, v, sizeof v);
-        const char *dot = strchr(k->name, '.');
-        if (!dot) {
-            if (!strcmp(k->name, "data") || !strcmp(k->name, "optimizer")) {
-                fprintf(f, "%s:\n  class_path: %s\n  init_args:\n", k->name, v);
-                section = k->name;
-            } else {
-                fprintf(f, "%s: %s\n", k->name, v);
-                section = "";
-            }
+        if (strchr(k->name, '.')) continue; /* written with its group */
+        if (k->type == FL_CK_MODEL_CONFIG && c->n_model_fields) {
+            write_model_fields(c, f);
             continue;
         }
-        size_t plen = (size_t)(dot - k->name);
-        int in_args = !strncmp(k->name, "data", plen) || !strncmp(k->name, "optimizer", plen);
-        if (strncmp(section, k->name, plen) || strlen(section) != plen) {
-            if (!in_args) fprintf(f, "%.*s:\n", (int)plen, k->name);
-            section = k->name; /* compare by prefix */
+        value_str(c, k, v, sizeof v);
+        int args = !strcmp(k->name, "data") || !strcmp(k->name, "optimizer");
+        if (args) fprintf(f, "%s:\n  class_path: %s\n  init_args:\n", k->name, v);
+        else fprintf(f, "%s: %s\n", k->name, v);
+        if (args) {
+            size_t pl = strlen(k->name);
+            for (size_t j = 0; j < N_KEYS; j++)
+                if (dumped(&k_keys[j]) && !strncmp(k_keys[j].name, k->name, pl) && k_keys[j].name[pl] == '.') {
+                    value_str(c, &k_keys[j], v, sizeof v);
+                    fprintf(f, "    %s: %s\n", k_keys[j].name + pl + 1, v);
+                }
         }
-        fprintf(f, "%s%s: %s\n", in_args ? "    " : "  ", dot + 1, v);
+    }
+    /* groups without a head key */
+    static const char *groups[] = {"train", "eval"};
+    for (size_t g = 0; g < sizeof groups / sizeof groups[0]; g++) {
+        size_t pl = strlen(groups[g]);
+        fprintf(f, "%s:\n", groups[g]);
+        for (size_t j = 0; j < N_KEYS; j++)
+            if (dumped(&k_keys[j]) && !strncmp(k_keys[j].name, groups[g], pl) && k_keys[j].name[pl] == '.') {
+                value_str(c, &k_keys[j], v, sizeof v);
+                fprintf(f, "  %s: %s\n", k_keys[j].name + pl + 1, v);
+            }
     }
 }
 
@@ -609,7 +818,7 @@ void fl_cfg_print_help(fl_cmd_kind cmd, FILE *f) {
     char v[64];
     for (size_t i = 0; i < N_KEYS; i++) {
         const fl_cfg_key *k = &k_keys[i];
-        if (!key_applies(k, cmd)) continue;
+        if (!key_applies(k, cmd) || !strncmp(k->name, "log.", 4)) continue; /* log: one line is enough */
         value_str(&c, k, v, sizeof v);
         if (k->type == FL_CK_IGNORED) snprintf(v, sizeof v, "(ignored)");
         fprintf(f, "  --%-30s %-14s %s\n", k->name, v, k->help);

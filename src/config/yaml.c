@@ -1,6 +1,7 @@
 /* YAML recipes through libyaml: the document is walked and every leaf becomes a
- * dotted override ("train.micro_batch_size" = "8"), so YAML and the command
- * line share one parser and one set of error messages. */
+ * dotted option ("train.micro_batch_size" = "8") in an fl_cfg_entries list, so
+ * YAML and the command line share one parser and one set of error messages, and
+ * are merged before any value is applied (entries.c). */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,14 +12,14 @@
 
 #define MAX_YAML_BYTES (16u << 20)
 
-static fl_status walk(fl_run_config *c, yaml_document_t *doc, yaml_node_t *node, const char *prefix,
+static fl_status walk(fl_cfg_entries *c, yaml_document_t *doc, yaml_node_t *node, const char *prefix,
                       const char *source);
 
-static fl_status set_leaf(fl_run_config *c, const char *key, const char *val, const yaml_node_t *node,
+static fl_status set_leaf(fl_cfg_entries *c, const char *key, const char *val, const yaml_node_t *node,
                           const char *source) {
-    fl_status s = fl_cfg_set(c, key, val);
-    if (s != FL_OK) return fl_error_prefix(s, "%s:%lu", source, (unsigned long)node->start_mark.line + 1);
-    return FL_OK;
+    char where[FL_CFG_PATH + 32];
+    snprintf(where, sizeof where, "%s:%lu", source, (unsigned long)node->start_mark.line + 1);
+    return fl_cfg_entries_add(c, key, val, where, 0);
 }
 
 static const char *scalar_value(const yaml_node_t *n) {
@@ -28,7 +29,7 @@ static const char *scalar_value(const yaml_node_t *n) {
     return v;
 }
 
-static fl_status walk(fl_run_config *c, yaml_document_t *doc, yaml_node_t *node, const char *prefix,
+static fl_status walk(fl_cfg_entries *c, yaml_document_t *doc, yaml_node_t *node, const char *prefix,
                       const char *source) {
     if (node->type != YAML_MAPPING_NODE)
         return fl_errorf(FL_ERR_INVALID, "%s:%lu: expected a mapping of options%s%s", source,
@@ -65,7 +66,7 @@ static fl_status walk(fl_run_config *c, yaml_document_t *doc, yaml_node_t *node,
     return FL_OK;
 }
 
-fl_status fl_cfg_apply_yaml(fl_run_config *c, const char *text, size_t n, const char *source) {
+fl_status fl_cfg_entries_load_yaml(fl_cfg_entries *c, const char *text, size_t n, const char *source) {
     yaml_parser_t parser;
     yaml_document_t doc;
     if (!yaml_parser_initialize(&parser)) return fl_errorf(FL_ERR_OOM, "%s: cannot initialize the YAML parser", source);
@@ -87,7 +88,7 @@ fl_status fl_cfg_apply_yaml(fl_run_config *c, const char *text, size_t n, const 
     return s;
 }
 
-fl_status fl_cfg_apply_yaml_file(fl_run_config *c, const char *path) {
+fl_status fl_cfg_entries_load_yaml_file(fl_cfg_entries *c, const char *path) {
     FILE *f = fopen(path, "rb");
     if (!f) return fl_errorf(FL_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     char *buf = malloc(MAX_YAML_BYTES + 1);
@@ -98,7 +99,26 @@ fl_status fl_cfg_apply_yaml_file(fl_run_config *c, const char *path) {
     fl_status s;
     if (err) s = fl_errorf(FL_ERR_IO, "%s: read error", path);
     else if (n > MAX_YAML_BYTES) s = fl_errorf(FL_ERR_INVALID, "%s: larger than 16 MiB; not a recipe", path);
-    else s = fl_cfg_apply_yaml(c, buf, n, path);
+    else s = fl_cfg_entries_load_yaml(c, buf, n, path);
     free(buf);
+    return s;
+}
+
+/* Apply a recipe on its own (the command line merges first: fl_cfg_apply_entries). */
+fl_status fl_cfg_apply_yaml(fl_run_config *c, const char *text, size_t n, const char *source) {
+    fl_cfg_entries l;
+    fl_cfg_entries_init(&l);
+    fl_status s = fl_cfg_entries_load_yaml(&l, text, n, source);
+    if (s == FL_OK) s = fl_cfg_apply_entries(c, &l, NULL);
+    fl_cfg_entries_free(&l);
+    return s;
+}
+
+fl_status fl_cfg_apply_yaml_file(fl_run_config *c, const char *path) {
+    fl_cfg_entries l;
+    fl_cfg_entries_init(&l);
+    fl_status s = fl_cfg_entries_load_yaml_file(&l, path);
+    if (s == FL_OK) s = fl_cfg_apply_entries(c, &l, NULL);
+    fl_cfg_entries_free(&l);
     return s;
 }

@@ -1,7 +1,9 @@
 /* Model presets: real shapes of the models our users fine-tune, and small
  * shapes for CPU experiments. Values are those of the models' HF config.json. */
 #include <stdio.h>
+#include <ctype.h>
 #include <string.h>
+#include <strings.h>
 
 #include "fitllm/model.h"
 
@@ -49,10 +51,59 @@ static const preset k_presets[] = {
     LLAMA3("llama-3.2-1b", 128256, 2048, 8192, 16, 32, 8, 64, 131072, 1),
     LLAMA3("llama-3.2-3b", 128256, 3072, 8192, 28, 24, 8, 128, 131072, 1),
     LLAMA("llama-3-8b", 128256, 4096, 14336, 32, 32, 8, 128, 8192, 1e-5f, 500000.0f, 0),
+    /* LitGPT's micro-llama-300M (keeeeenw/MicroLlama; the microllama pretrain recipe) */
+    LLAMA("micro-llama-300M", 32000, 1024, 5632, 12, 16, 4, 64, 2048, 1e-5f, 10000.0f, 0),
     GPT2("gpt2", 768, 12, 12),
     GPT2("gpt2-medium", 1024, 24, 16),
     GPT2("gpt2-large", 1280, 36, 20),
     GPT2("gpt2-xl", 1600, 48, 25),
+};
+
+/* LitGPT's names (litgpt/config.py) and Hugging Face repo ids of the presets, so
+ * that recipes and command lines written for LitGPT name the same model here.
+ * Matching ignores case; "org/name" and "name" both match. */
+static const struct { const char *alias, *preset; } k_aliases[] = {
+    {"tiny-llama-1.1b", "tinyllama-1.1b"},
+    {"TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T", "tinyllama-1.1b"},
+    {"tiny-llama-1.1b-chat", "tinyllama-1.1b"},
+    {"TinyLlama/TinyLlama-1.1B-Chat-v1.0", "tinyllama-1.1b"},
+    {"open_llama_3b", "open-llama-3b"},
+    {"openlm-research/open_llama_3b", "open-llama-3b"},
+    {"open_llama_7b", "open-llama-7b"},
+    {"openlm-research/open_llama_7b", "open-llama-7b"},
+    {"open_llama_13b", "open-llama-13b"},
+    {"openlm-research/open_llama_13b", "open-llama-13b"},
+    {"meta-llama/Llama-2-7b-hf", "llama-2-7b"},
+    {"meta-llama/Llama-2-7b-chat-hf", "llama-2-7b"},
+    {"meta-llama/Llama-2-13b-hf", "llama-2-13b"},
+    {"meta-llama/Llama-2-13b-chat-hf", "llama-2-13b"},
+    {"meta-llama/Meta-Llama-3-8B", "llama-3-8b"},
+    {"meta-llama/Meta-Llama-3-8B-Instruct", "llama-3-8b"},
+    {"Llama-3-8B", "llama-3-8b"},
+    {"Llama-3-8B-Instruct", "llama-3-8b"},
+    {"meta-llama/Llama-3.2-1B", "llama-3.2-1b"},
+    {"meta-llama/Llama-3.2-1B-Instruct", "llama-3.2-1b"},
+    {"meta-llama/Llama-3.2-3B", "llama-3.2-3b"},
+    {"meta-llama/Llama-3.2-3B-Instruct", "llama-3.2-3b"},
+    {"keeeeenw/MicroLlama", "micro-llama-300M"},
+    {"openai-community/gpt2", "gpt2"},
+    {"openai-community/gpt2-medium", "gpt2-medium"},
+    {"openai-community/gpt2-large", "gpt2-large"},
+    {"openai-community/gpt2-xl", "gpt2-xl"},
+};
+
+/* LitGPT families this build cannot construct, and why (for the error). */
+static const struct { const char *prefix, *why; } k_unbuilt[] = {
+    {"pythia", "GPT-NeoX: parallel residual and partial rotary embeddings"},
+    {"EleutherAI/pythia", "GPT-NeoX: parallel residual and partial rotary embeddings"},
+    {"stablelm", "GPT-NeoX: parallel residual and partial rotary embeddings"},
+    {"falcon", "Falcon: parallel attention and multi-query layout"},
+    {"gemma", "Gemma: scaled embeddings, GeGLU and soft-capping"},
+    {"google/gemma", "Gemma: scaled embeddings, GeGLU and soft-capping"},
+    {"phi", "Phi: parallel residual and partial rotary embeddings"},
+    {"microsoft/phi", "Phi: parallel residual and partial rotary embeddings"},
+    {"mistral", "Mistral: sliding-window attention"},
+    {"mistralai/", "Mistral: sliding-window attention"},
 };
 
 static const char *k_names[sizeof k_presets / sizeof k_presets[0] + 1];
@@ -64,16 +115,79 @@ const char *const *fl_preset_names(void) {
     return k_names;
 }
 
+/* "org/name" matches "name" too (LitGPT's Config.from_name does the same). */
+static int name_is(const char *name, const char *known) {
+    if (!strcasecmp(name, known)) return 1;
+    const char *slash = strchr(known, '/');
+    if (slash && !strchr(name, '/') && !strcasecmp(name, slash + 1)) return 1;
+    slash = strchr(name, '/');
+    return slash && !strchr(known, '/') && !strcasecmp(slash + 1, known);
+}
+
+static size_t edit_distance(const char *a, const char *b) {
+    size_t n = strlen(a), m = strlen(b), prev[128], cur[128];
+    if (n > 127) n = 127;
+    if (m > 127) m = 127;
+    for (size_t j = 0; j <= m; j++) prev[j] = j;
+    for (size_t i = 1; i <= n; i++) {
+        cur[0] = i;
+        for (size_t j = 1; j <= m; j++) {
+            size_t sub = prev[j - 1] + (tolower((unsigned char)a[i - 1]) != tolower((unsigned char)b[j - 1]));
+            size_t del = prev[j] + 1, ins = cur[j - 1] + 1;
+            cur[j] = sub < del ? (sub < ins ? sub : ins) : (del < ins ? del : ins);
+        }
+        memcpy(prev, cur, (m + 1) * sizeof *prev);
+    }
+    return prev[m];
+}
+
+static int contains_nocase(const char *hay, const char *needle) {
+    size_t n = strlen(needle);
+    for (; *hay; hay++)
+        if (!strncasecmp(hay, needle, n)) return 1;
+    return n == 0;
+}
+
 fl_status fl_preset_find(const char *name, fl_model_config *cfg) {
-    size_t n = sizeof k_presets / sizeof k_presets[0];
+    size_t n = sizeof k_presets / sizeof k_presets[0], na = sizeof k_aliases / sizeof k_aliases[0];
+    const char *target = name;
+    for (size_t i = 0; i < na; i++)
+        if (name_is(name, k_aliases[i].alias)) { target = k_aliases[i].preset; break; }
     for (size_t i = 0; i < n; i++)
-        if (strcmp(k_presets[i].name, name) == 0) {
+        if (name_is(target, k_presets[i].name)) {
             *cfg = k_presets[i].c;
             return fl_config_validate(cfg);
+        }
+    /* near matches: the three closest names (presets and aliases), by edit distance
+     * on the part after any "org/" */
+    const char *best[3] = {NULL, NULL, NULL};
+    size_t bd[3] = {(size_t)-1, (size_t)-1, (size_t)-1};
+    const char *q = strrchr(name, '/') ? strrchr(name, '/') + 1 : name;
+    for (size_t i = 0; i < n + na; i++) {
+        const char *cand = i < n ? k_presets[i].name : k_aliases[i - n].alias;
+        const char *cs = strrchr(cand, '/') ? strrchr(cand, '/') + 1 : cand;
+        size_t d = edit_distance(q, cs);
+        if (contains_nocase(cs, q) || contains_nocase(q, cs)) d = d / 2; /* "llama-2" ~ "llama-2-7b" */
+        for (int k = 0; k < 3; k++)
+            if (d < bd[k]) {
+                for (int m = 2; m > k; m--) best[m] = best[m - 1], bd[m] = bd[m - 1];
+                best[k] = cand, bd[k] = d;
+                break;
+            }
+    }
+    char why[160] = "";
+    for (size_t i = 0; i < sizeof k_unbuilt / sizeof k_unbuilt[0]; i++)
+        if (!strncasecmp(name, k_unbuilt[i].prefix, strlen(k_unbuilt[i].prefix))) {
+            snprintf(why, sizeof why, "; it is a LitGPT model of an architecture fitllm does not build (%s)",
+                     k_unbuilt[i].why);
+            break;
         }
     char list[1024];
     size_t off = 0;
     for (size_t i = 0; i < n && off < sizeof list; i++)
         off += (size_t)snprintf(list + off, sizeof list - off, "%s%s", i ? ", " : "", k_presets[i].name);
-    return fl_errorf(FL_ERR_NOT_FOUND, "unknown model preset '%s' (known: %s)", name, list);
+    if (why[0]) /* a near name would be a different model, not a typo */
+        return fl_errorf(FL_ERR_NOT_FOUND, "unknown model preset '%s'%s; presets: %s", name, why, list);
+    return fl_errorf(FL_ERR_NOT_FOUND, "unknown model preset '%s' (nearest: %s, %s, %s; presets: %s; LitGPT and "
+                     "Hugging Face names of these are accepted too)", name, best[0], best[1], best[2], list);
 }

@@ -93,14 +93,10 @@ static int is_dir(const char *p) {
 /* The model the trainer would build (load_model_and_tokenizer), without weights. */
 static fl_status resolve_model(const fl_run_config *c, fl_model_config *mc, char *src, size_t n) {
     const char *ck = c->checkpoint_dir;
-    if (c->command == FL_CMD_PRETRAIN && (c->model_name[0] || c->model_config[0])) {
-        if (c->model_name[0]) {
-            FL_TRY(fl_preset_find(c->model_name, mc));
-            snprintf(src, n, "preset");
-        } else {
-            FL_TRY(fl_hf_load_config(c->model_config, mc));
-            snprintf(src, n, "config.json");
-        }
+    int have = 0;
+    if (c->command == FL_CMD_PRETRAIN) FL_TRY(fl_cfg_model_config(c, mc, &have));
+    if (have) {
+        snprintf(src, n, "%s", c->n_model_fields ? "model_config" : c->model_config[0] ? "config.json" : "preset");
     } else if (!ck[0]) {
         return fl_errorf(FL_ERR_INVALID, "no model: give checkpoint_dir (a model folder or a preset name)");
     } else if (!path_exists(ck)) {

@@ -106,9 +106,9 @@ static fl_status load_model_and_tokenizer(trainer *t) {
     fl_model_config mc;
     const char *ck = c->checkpoint_dir;
     int have_weights = 0;
-    if (c->command == FL_CMD_PRETRAIN && (c->model_name[0] || c->model_config[0])) {
-        if (c->model_name[0]) FL_TRY(fl_preset_find(c->model_name, &mc));
-        else FL_TRY(fl_hf_load_config(c->model_config, &mc));
+    int have_cfg = 0; /* pretrain: model_config fields, a config.json, or model_name */
+    if (c->command == FL_CMD_PRETRAIN) FL_TRY(fl_cfg_model_config(c, &mc, &have_cfg));
+    if (have_cfg) {
         FL_TRY(fl_model_init_ex(&t->model, &mc, &t->be, &t->pool, &t->stg));
         t->model_ok = 1;
         FL_TRY(fl_model_init_random_ex(&t->model, c->seed));
@@ -174,6 +174,9 @@ static fl_status load_data(trainer *t) {
     const fl_run_config *c = t->cfg;
     fl_data_config dc = c->data;
     dc.max_seq_length = c->train.max_seq_length;
+    /* LitGPT's pretrain cuts the token stream into blocks of the model's context
+     * (model.max_seq_length = block_size) unless train.max_seq_length says less */
+    if (dc.kind == FL_DATA_TEXTFILES && dc.max_seq_length <= 0) dc.max_seq_length = t->model.cfg.max_seq;
     if (dc.kind == FL_DATA_ALPACA && !dc.json_path[0])
         snprintf(dc.json_path, sizeof dc.json_path, "data/alpaca/alpaca_data_cleaned_archive.json");
     FL_TRY(fl_data_load(&t->data, &dc, t->tok));
@@ -537,6 +540,9 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
         fprintf(out, "data: %s, %zu train / %zu val samples, %zu truncated to max_seq_length; longest input %d\n",
                 fl_data_kind_name(cfg->data.kind), ds->n_samples[FL_SPLIT_TRAIN], ds->n_samples[FL_SPLIT_VAL],
                 ds->n_truncated, t.T);
+        if (strcmp(cfg->logger_name, "csv") && strcmp(cfg->logger_name, "jsonl"))
+            fprintf(out, "logger_name %s: fitllm writes CSV metrics (%s/logs/metrics.csv); the %s logger is not "
+                    "available in this build\n", cfg->logger_name, cfg->out_dir, cfg->logger_name);
         fprintf(out, "precision %s%s\n", prec.name, cfg->train.activation_checkpointing ? ", activation checkpointing" : "");
         fprintf(out, "micro_batch %d x accumulation %d = global batch %d; %ld steps/epoch, %ld steps, warmup %ld; "
                 "%s lr %g, min_lr %g\n",

@@ -1,0 +1,413 @@
+/* Run configuration against LitGPT: its config_hub recipes (vendored unmodified in
+ * tests/fixtures/litgpt-recipes) load with the real configuration code; a recipe
+ * and the command line are merged before values are checked; hyperparameters.yaml
+ * is one nested mapping per group and reads back into the same configuration.
+ * Expected shapes come from LitGPT's recipes and litgpt/config.py, not from our
+ * output. */
+#include <dirent.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "fitllm/config.h"
+#include "fitllm/model.h"
+#include "test.h"
+
+#define RECIPES "tests/fixtures/litgpt-recipes"
+
+static char *dump(const fl_run_config *c) {
+    char *text = NULL;
+    size_t n = 0;
+    FILE *f = open_memstream(&text, &n);
+    if (!f) return NULL;
+    fl_cfg_write_yaml(c, f);
+    fclose(f);
+    return text;
+}
+
+/* Top-level keys (lines at column 0) must be unique: a reader such as PyYAML keeps
+ * only the last of repeated keys, which is how `train:` once lost all but one key. */
+static int top_level_unique(const char *text, char *dup_out, size_t n) {
+    char seen[128][64];
+    int ns = 0;
+    for (const char *p = text; *p;) {
+        const char *e = strchr(p, '\n');
+        size_t len = e ? (size_t)(e - p) : strlen(p);
+        if (len && p[0] != ' ' && p[0] != '#') {
+            const char *colon = memchr(p, ':', len);
+            char key[64];
+            snprintf(key, sizeof key, "%.*s", colon ? (int)(colon - p) : (int)len, p);
+            for (int i = 0; i < ns; i++)
+                if (!strcmp(seen[i], key)) { snprintf(dup_out, n, "%s", key); return 0; }
+            if (ns < 128) snprintf(seen[ns++], 64, "%s", key);
+        }
+        p += len + (e != NULL);
+    }
+    return 1;
+}
+
+/* Write c, read the text back into the command's defaults, and require the same
+ * configuration: the fields compared one by one, and the same text written again. */
+static void check_roundtrip(const fl_run_config *c, const char *what) {
+    char *t1 = dump(c);
+    FL_REQUIRE(t1 != NULL);
+    char dupkey[64] = "";
+    FL_CHECKF(top_level_unique(t1, dupkey, sizeof dupkey), "%s: key '%s' repeated at the top level:\n%s", what, dupkey,
+              t1);
+    FL_CHECKF(!strstr(t1, "\noverwrite:"), "%s: overwrite is this invocation's, not the run's", what);
+    char head[64];
+    snprintf(head, sizeof head, "# fitllm %s:", fl_cfg_command_name(c->command));
+    FL_CHECKF(!strncmp(t1, head, strlen(head)), "%s: header names another command: %.60s", what, t1);
+    fl_run_config r;
+    fl_cfg_defaults(&r, c->command);
+    fl_status s = fl_cfg_apply_yaml(&r, t1, strlen(t1), "hyperparameters.yaml");
+    FL_CHECKF(s == FL_OK, "%s: written YAML does not read back: %s\n%s", what, fl_error_message(), t1);
+    if (s != FL_OK) { free(t1); return; }
+    char *t2 = dump(&r);
+    FL_CHECKF(t2 && !strcmp(t1, t2), "%s: re-read configuration differs:\n--- written\n%s\n--- re-read\n%s", what, t1,
+              t2 ? t2 : "");
+    /* fields, compared exactly (floats bit for bit) */
+    FL_CHECK(!strcmp(r.checkpoint_dir, c->checkpoint_dir) && !strcmp(r.out_dir, c->out_dir));
+    FL_CHECK(!strcmp(r.tokenizer_dir, c->tokenizer_dir) && !strcmp(r.resume, c->resume));
+    FL_CHECK(!strcmp(r.precision, c->precision) && !strcmp(r.logger_name, c->logger_name));
+    FL_CHECK(r.seed == c->seed && r.devices == c->devices && r.max_memory == c->max_memory);
+    FL_CHECK(r.data.kind == c->data.kind && !strcmp(r.data.json_path, c->data.json_path) &&
+             !strcmp(r.data.train_data_path, c->data.train_data_path));
+    FL_CHECK(r.data.val_split_fraction == c->data.val_split_fraction && r.data.mask_prompt == c->data.mask_prompt);
+    FL_CHECK(memcmp(&r.train, &c->train, sizeof r.train) == 0);
+    FL_CHECK(memcmp(&r.eval, &c->eval, sizeof r.eval) == 0);
+    FL_CHECK(r.optimizer.kind == c->optimizer.kind && r.optimizer.lr == c->optimizer.lr &&
+             r.optimizer.weight_decay == c->optimizer.weight_decay && r.optimizer.beta1 == c->optimizer.beta1 &&
+             r.optimizer.beta2 == c->optimizer.beta2 && r.optimizer.eps == c->optimizer.eps);
+    if (c->command == FL_CMD_FINETUNE_LORA)
+        FL_CHECK(r.lora.r == c->lora.r && r.lora.alpha == c->lora.alpha && r.lora.dropout == c->lora.dropout &&
+                 !strcmp(r.lora.target_modules, c->lora.target_modules) && !strcmp(r.lora.quantize, c->lora.quantize) &&
+                 r.lora.use_rslora == c->lora.use_rslora);
+    FL_CHECK(r.n_model_fields == c->n_model_fields);
+    for (int i = 0; i < r.n_model_fields && i < c->n_model_fields; i++)
+        FL_CHECKF(!strcmp(r.model_fields[i].key, c->model_fields[i].key) &&
+                  !strcmp(r.model_fields[i].value, c->model_fields[i].value),
+                  "%s: model_config.%s = %s read back as %s = %s", what, c->model_fields[i].key,
+                  c->model_fields[i].value, r.model_fields[i].key, r.model_fields[i].value);
+    free(t1);
+    free(t2);
+}
+
+FL_TEST(cfg_hyperparameters_roundtrip_hard_values) {
+    /* values that a naive writer gets wrong: YAML indicators in paths, strings that
+     * look like numbers / booleans / null, sizes that are not round, floats that
+     * need 9 digits, nulls of every kind, lists */
+    static const char *set[][2] = {
+        {"out_dir", "out/my run: #1 \"q\" \\ 'x' [a]"},
+        {"checkpoint_dir", "123"},
+        {"tokenizer_dir", "yes"},
+        {"resume", "auto"},
+        {"max_memory", "3000000123"},
+        {"seed", "1099511627776"},
+        {"devices", "auto"},
+        {"logger_name", "tensorboard"},
+        {"data", "JSON"},
+        {"data.json_path", "data/a b,c.json"},
+        {"data.val_split_fraction", "0.123456789"},
+        {"train.max_tokens", "10_000"},
+        {"train.lr_warmup_steps", "null"},
+        {"train.lr_warmup_fraction", "0.1"},
+        {"train.epochs", "null"},
+        {"train.max_time", "2.5"},
+        {"train.max_norm", "1.0"},
+        {"train.tie_embeddings", "true"},
+        {"train.min_lr", "1e-7"},
+        {"optimizer.lr", "0.00030000001"},
+        {"optimizer.betas", "[0.9, 0.94999999]"},
+        {"optimizer.eps", "1e-8"},
+        {"overwrite", "true"},
+    };
+    for (int kind = 0; kind < FL_CMD_COUNT; kind++) {
+        fl_run_config c;
+        fl_cfg_defaults(&c, (fl_cmd_kind)kind);
+        for (size_t i = 0; i < sizeof set / sizeof set[0]; i++) FL_REQUIRE_OK(fl_cfg_set(&c, set[i][0], set[i][1]));
+        FL_CHECK(c.train.max_tokens == 10000 && c.devices == 1 && c.max_memory == 3000000123u);
+        if (kind == FL_CMD_FINETUNE_LORA) {
+            FL_REQUIRE_OK(fl_cfg_set(&c, "lora_target_modules", "[q_proj, v_proj, down_proj]"));
+            FL_REQUIRE_OK(fl_cfg_set(&c, "quantize", "bnb.nf4-dq"));
+            FL_REQUIRE_OK(fl_cfg_set(&c, "use_rslora", "true"));
+            FL_REQUIRE_OK(fl_cfg_set(&c, "lora_dropout", "0.1"));
+        }
+        if (kind == FL_CMD_PRETRAIN) {
+            static const char *mf[][2] = {
+                {"model_config.name", "on"}, {"model_config.hf_config.name", "x: y"}, {"model_config.hf_config.org", "o"},
+                {"model_config.n_layer", "2"}, {"model_config.n_embd", "64"}, {"model_config.n_head", "4"},
+                {"model_config.n_query_groups", "2"}, {"model_config.intermediate_size", "172"},
+                {"model_config.norm_class_name", "RMSNorm"}, {"model_config.mlp_class_name", "LLaMAMLP"},
+                {"model_config.rotary_percentage", "1.0"}, {"model_config.parallel_residual", "false"},
+                {"model_config.bias", "false"}, {"model_config.padded_vocab_size", "512"},
+                {"model_config.block_size", "128"}, {"model_config.head_size", "null"},
+            };
+            for (size_t i = 0; i < sizeof mf / sizeof mf[0]; i++) FL_REQUIRE_OK(fl_cfg_set(&c, mf[i][0], mf[i][1]));
+        }
+        check_roundtrip(&c, fl_cfg_command_name((fl_cmd_kind)kind));
+    }
+}
+
+FL_TEST(cfg_merge_command_line_over_recipe) {
+    const char *y = "model_name: tiny\n"
+                    "devices: 4\n"
+                    "logger_name: tensorboard\n"
+                    "data:\n  init_args:\n    val_split_fraction: 0.3\n  class_path: litgpt.data.TinyStories\n"
+                    "train:\n  max_tokens: 1_000_000\n";
+    fl_run_config c;
+    fl_cfg_entries l;
+    /* alone, the recipe's data class is an error naming the file and line */
+    fl_cfg_defaults(&c, FL_CMD_PRETRAIN);
+    FL_CHECK(fl_cfg_apply_yaml(&c, y, strlen(y), "r.yaml") == FL_ERR_UNSUPPORTED);
+    FL_CHECKF(strstr(fl_error_message(), "r.yaml:") && strstr(fl_error_message(), "TinyStories"), "%s",
+              fl_error_message());
+    /* merged with --data TextFiles --devices 1, the same recipe is fine */
+    fl_cfg_defaults(&c, FL_CMD_PRETRAIN);
+    fl_cfg_entries_init(&l);
+    FL_REQUIRE_OK(fl_cfg_entries_load_yaml(&l, y, strlen(y), "r.yaml"));
+    FL_REQUIRE_OK(fl_cfg_entries_add(&l, "data", "TextFiles", "command line", 1));
+    FL_REQUIRE_OK(fl_cfg_entries_add(&l, "data.train_data_path", "t", "command line", 1));
+    FL_REQUIRE_OK(fl_cfg_entries_add(&l, "devices", "1", "command line", 1));
+    FL_REQUIRE_OK(fl_cfg_apply_entries(&c, &l, NULL));
+    FL_REQUIRE_OK(fl_cfg_validate(&c));
+    FL_CHECK(c.data.kind == FL_DATA_TEXTFILES && c.devices == 1 && c.train.max_tokens == 1000000);
+    /* the recipe's init_args belonged to the class the command line replaced */
+    fl_data_config dd;
+    fl_data_config_default(&dd, FL_DATA_TEXTFILES);
+    FL_CHECK(c.data.val_split_fraction == dd.val_split_fraction);
+    FL_CHECK(!strcmp(c.logger_name, "tensorboard"));
+    fl_cfg_entries_free(&l);
+
+    /* the same class on the command line keeps the recipe's init_args, whichever
+     * order class_path and init_args were written in */
+    const char *y2 = "data:\n  init_args:\n    val_split_fraction: 0.3\n  class_path: litgpt.data.Alpaca2k\n"
+                     "checkpoint_dir: a\ndevices: auto\n";
+    fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
+    fl_cfg_entries_init(&l);
+    FL_REQUIRE_OK(fl_cfg_entries_load_yaml(&l, y2, strlen(y2), "r2.yaml"));
+    FL_REQUIRE_OK(fl_cfg_entries_add(&l, "data", "Alpaca2k", "command line", 1));
+    FL_REQUIRE_OK(fl_cfg_entries_add(&l, "model", "b", "command line", 1)); /* alias of checkpoint_dir */
+    FL_REQUIRE_OK(fl_cfg_apply_entries(&c, &l, NULL));
+    FL_CHECK(c.data.kind == FL_DATA_ALPACA && c.data.val_split_fraction == 0.3f);
+    FL_CHECK(!strcmp(c.checkpoint_dir, "b") && c.devices == 1);
+    fl_cfg_entries_free(&l);
+
+    /* a command-line model_config (a config.json or null) replaces the recipe's mapping */
+    const char *y3 = "model_name: micro\nmodel_config:\n  name: x\n  n_layer: 3\n";
+    fl_cfg_defaults(&c, FL_CMD_PRETRAIN);
+    fl_cfg_entries_init(&l);
+    FL_REQUIRE_OK(fl_cfg_entries_load_yaml(&l, y3, strlen(y3), "r3.yaml"));
+    FL_REQUIRE_OK(fl_cfg_entries_add(&l, "model_config", "null", "command line", 1));
+    FL_REQUIRE_OK(fl_cfg_apply_entries(&c, &l, NULL));
+    FL_CHECK(c.n_model_fields == 0 && !strcmp(c.model_name, "micro"));
+    fl_cfg_entries_free(&l);
+
+    /* a bad command-line value is reported as the command line's, by index */
+    fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
+    fl_cfg_entries_init(&l);
+    FL_REQUIRE_OK(fl_cfg_entries_load_yaml(&l, y2, strlen(y2), "r2.yaml"));
+    FL_REQUIRE_OK(fl_cfg_entries_add(&l, "train.micro_batch_size", "x", "command line", 1));
+    int failed = -2;
+    FL_CHECK(fl_cfg_apply_entries(&c, &l, &failed) == FL_ERR_INVALID);
+    FL_CHECK(failed >= 0 && failed < l.n && l.e[failed].from_cli);
+    fl_cfg_entries_free(&l);
+}
+
+FL_TEST(cfg_values_litgpt_spells) {
+    fl_run_config c;
+    fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
+    /* digit grouping as in Python and YAML 1.1; only between digits */
+    FL_REQUIRE_OK(fl_cfg_set(&c, "train.max_tokens", "10_000"));
+    FL_CHECK(c.train.max_tokens == 10000);
+    FL_REQUIRE_OK(fl_cfg_set(&c, "train.micro_batch_size", "1_6"));
+    FL_CHECK(c.train.micro_batch_size == 16);
+    FL_CHECK(fl_cfg_set(&c, "train.max_steps", "1__0") == FL_ERR_INVALID);
+    FL_CHECK(fl_cfg_set(&c, "train.max_steps", "_10") == FL_ERR_INVALID);
+    FL_CHECK(fl_cfg_set(&c, "train.max_steps", "10_") == FL_ERR_INVALID);
+    /* devices: auto / -1 = all devices of this build (one CPU device) */
+    FL_REQUIRE_OK(fl_cfg_set(&c, "devices", "4"));
+    FL_CHECK(c.devices == 4);
+    FL_CHECK(fl_cfg_validate(&c) == FL_ERR_UNSUPPORTED && strstr(fl_error_message(), "multi-device"));
+    FL_REQUIRE_OK(fl_cfg_set(&c, "devices", "auto"));
+    FL_CHECK(c.devices == 1);
+    FL_CHECK(fl_cfg_set(&c, "devices", "0") == FL_ERR_INVALID);
+    /* LitGPT's loggers are accepted (CSV is written); others are not */
+    FL_REQUIRE_OK(fl_cfg_set(&c, "logger_name", "tensorboard"));
+    FL_CHECK(fl_cfg_set(&c, "logger_name", "neptune") == FL_ERR_UNSUPPORTED);
+    /* sizes: null is "no budget" (hyperparameters.yaml writes it so) */
+    FL_REQUIRE_OK(fl_cfg_set(&c, "max_memory", "8GB"));
+    FL_REQUIRE_OK(fl_cfg_set(&c, "max_memory", "null"));
+    FL_CHECK(c.max_memory == 0);
+    /* LitGPT's access_token and log: (wandb / litlogger settings) are accepted */
+    const char *y = "access_token: hf_x\nlog:\n  project: p\n  metadata:\n    a: 1\n  log_model: false\n";
+    FL_REQUIRE_OK(fl_cfg_apply_yaml(&c, y, strlen(y), "log.yaml"));
+    /* thousands of leaves are not a recipe (bounded work for any input) */
+    size_t cap = 5000 * 16 + 16, o = 0;
+    char *big = malloc(cap);
+    FL_REQUIRE(big != NULL);
+    o += (size_t)snprintf(big + o, cap - o, "train:\n");
+    for (int i = 0; i < 5000; i++) o += (size_t)snprintf(big + o, cap - o, "  k%d: 1\n", i);
+    fl_cfg_entries l;
+    fl_cfg_entries_init(&l);
+    FL_CHECK(fl_cfg_entries_load_yaml(&l, big, o, "big.yaml") == FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "not a recipe"), "%s", fl_error_message());
+    fl_cfg_entries_free(&l);
+    free(big);
+    /* model_config.* is pretrain's */
+    FL_CHECK(fl_cfg_set(&c, "model_config.n_layer", "2") == FL_ERR_INVALID && strstr(fl_error_message(), "pretrain"));
+}
+
+static void expect_shape(const fl_model_config *m, int V, int C, int F, int L, int NH, int NKV, int HD, int maxT,
+                         const char *what) {
+    FL_CHECKF(m->arch == FL_ARCH_LLAMA && m->vocab_size == V && m->dim == C && m->ffn_dim == F && m->n_layers == L &&
+                  m->n_heads == NH && m->n_kv_heads == NKV && m->head_dim == HD && m->max_seq == maxT,
+              "%s: V %d C %d F %d L %d NH %d NKV %d HD %d T %d", what, m->vocab_size, m->dim, m->ffn_dim, m->n_layers,
+              m->n_heads, m->n_kv_heads, m->head_dim, m->max_seq);
+}
+
+FL_TEST(cfg_model_names_and_model_config) {
+    fl_model_config a, b;
+    /* LitGPT's names and HF repo ids of a preset (litgpt/config.py), any case */
+    FL_REQUIRE_OK(fl_preset_find("llama-2-7b", &a));
+    static const char *llama2[] = {"Llama-2-7b-hf", "meta-llama/Llama-2-7b-hf", "LLAMA-2-7B", "Llama-2-7b-chat-hf"};
+    for (size_t i = 0; i < 4; i++) {
+        FL_REQUIRE_OK(fl_preset_find(llama2[i], &b));
+        expect_shape(&b, a.vocab_size, a.dim, a.ffn_dim, a.n_layers, a.n_heads, a.n_kv_heads, a.head_dim, a.max_seq,
+                     llama2[i]);
+    }
+    /* litgpt/config.py: tiny-llama-1.1b = n_embd 2048, n_layer 22, n_head 32, n_query_groups 4,
+     * intermediate_size 5632, block_size 2048, vocab 32000 */
+    FL_REQUIRE_OK(fl_preset_find("tiny-llama-1.1b", &b));
+    expect_shape(&b, 32000, 2048, 5632, 22, 32, 4, 64, 2048, "tiny-llama-1.1b");
+    FL_REQUIRE_OK(fl_preset_find("TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T", &b));
+    FL_CHECK(b.dim == 2048);
+    /* micro-llama-300M: n_embd 1024, n_layer 12, n_head 16, n_query_groups 4, intermediate 5632 */
+    FL_REQUIRE_OK(fl_preset_find("micro-llama-300M", &b));
+    expect_shape(&b, 32000, 1024, 5632, 12, 16, 4, 64, 2048, "micro-llama-300M");
+    /* unknown: near matches; an architecture we do not build: says which */
+    FL_CHECK(fl_preset_find("llama2-7b", &b) == FL_ERR_NOT_FOUND);
+    FL_CHECKF(strstr(fl_error_message(), "nearest: llama-2-7b"), "%s", fl_error_message());
+    FL_CHECK(fl_preset_find("pythia-14m", &b) == FL_ERR_NOT_FOUND);
+    FL_CHECKF(strstr(fl_error_message(), "GPT-NeoX"), "%s", fl_error_message());
+
+    /* model_config: unset fields take litgpt.Config's defaults (a GPT-NeoX shape) */
+    fl_run_config c;
+    int have = 0;
+    fl_cfg_defaults(&c, FL_CMD_PRETRAIN);
+    FL_REQUIRE_OK(fl_cfg_set(&c, "model_config.name", "x"));
+    FL_CHECK(fl_cfg_model_config(&c, &b, &have) == FL_ERR_UNSUPPORTED);
+    FL_CHECKF(strstr(fl_error_message(), "model_config.norm_class_name = LayerNorm"), "%s", fl_error_message());
+    FL_CHECK(fl_cfg_set(&c, "model_config.n_layers", "2") == FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "model_config.n_layer'"), "%s", fl_error_message());
+    FL_CHECK(fl_cfg_set(&c, "model_config.n_layer", "two") == FL_ERR_INVALID);
+}
+
+/* ---- every vendored LitGPT recipe ------------------------------------------ */
+
+typedef struct {
+    int n, n_pretrain, n_lora, n_multi;
+} recipe_stats;
+
+static void check_recipe(const char *path, const char *rel, recipe_stats *st) {
+    int pretrain = !strncmp(rel, "pretrain/", 9);
+    int lora = strstr(rel, "lora") != NULL; /* lora.yaml, qlora.yaml */
+    fl_cmd_kind kind = pretrain ? FL_CMD_PRETRAIN : lora ? FL_CMD_FINETUNE_LORA : FL_CMD_FINETUNE_FULL;
+    fl_run_config c;
+    fl_cfg_entries l;
+    fl_cfg_defaults(&c, kind);
+    fl_cfg_entries_init(&l);
+    /* unedited, apart from the data and checkpoint paths given on the command line */
+    fl_status s = fl_cfg_entries_load_yaml_file(&l, path);
+    FL_CHECKF(s == FL_OK, "%s: %s", rel, fl_error_message());
+    if (pretrain) {
+        fl_cfg_entries_add(&l, "data", "TextFiles", "command line", 1);
+        fl_cfg_entries_add(&l, "data.train_data_path", "text", "command line", 1);
+        fl_cfg_entries_add(&l, "tokenizer_dir", "tok", "command line", 1);
+    } else {
+        fl_cfg_entries_add(&l, "checkpoint_dir", "micro", "command line", 1);
+    }
+    if (s == FL_OK) {
+        s = fl_cfg_apply_entries(&c, &l, NULL);
+        FL_CHECKF(s == FL_OK, "%s: %s", rel, fl_error_message());
+    }
+    if (s == FL_OK) {
+        st->n++, st->n_pretrain += pretrain, st->n_lora += lora;
+        s = fl_cfg_validate(&c);
+        if (c.devices > 1) {
+            /* the recipe asks for several GPUs: a clear error, and --devices 1 runs it */
+            st->n_multi++;
+            FL_CHECKF(s == FL_ERR_UNSUPPORTED && strstr(fl_error_message(), "multi-device"), "%s: %s", rel,
+                      fl_error_message());
+            fl_cfg_entries_add(&l, "devices", "1", "command line", 1);
+            fl_cfg_defaults(&c, kind);
+            FL_REQUIRE_OK(fl_cfg_apply_entries(&c, &l, NULL));
+            s = fl_cfg_validate(&c);
+        }
+        if (!strcmp(rel, "pretrain/debug.yaml")) {
+            /* pythia-14m is GPT-NeoX, which fitllm does not build: said so, by name */
+            FL_CHECKF(s == FL_ERR_NOT_FOUND && strstr(fl_error_message(), "pythia-14m") &&
+                          strstr(fl_error_message(), "GPT-NeoX"), "%s: %s", rel, fl_error_message());
+            fl_cfg_entries_add(&l, "model_name", "micro", "command line", 1);
+            fl_cfg_defaults(&c, kind);
+            FL_REQUIRE_OK(fl_cfg_apply_entries(&c, &l, NULL));
+            s = fl_cfg_validate(&c);
+        }
+        FL_CHECKF(s == FL_OK, "%s: %s", rel, fl_error_message());
+        if (s == FL_OK) check_roundtrip(&c, rel);
+    }
+    /* shapes and values stated in the recipes themselves and litgpt/config.py */
+    fl_model_config m;
+    int have = 0;
+    if (!strcmp(rel, "pretrain/tinystories.yaml")) {
+        FL_REQUIRE_OK(fl_cfg_model_config(&c, &m, &have));
+        expect_shape(&m, 32000, 288, 768, 6, 6, 6, 48, 256, rel);
+        FL_CHECK(have && m.tie_embeddings == 1 && c.train.max_seq_length == 256);
+        FL_CHECK(c.train.max_tokens == 9700000000LL && c.devices == 1);
+    } else if (!strcmp(rel, "pretrain/tinyllama.yaml")) {
+        FL_REQUIRE_OK(fl_cfg_model_config(&c, &m, &have));
+        expect_shape(&m, 32000, 2048, 5632, 22, 32, 4, 64, 2048, rel);
+        FL_CHECK(!strcmp(c.logger_name, "tensorboard") && c.train.max_tokens == 3000000000000LL);
+    } else if (!strcmp(rel, "pretrain/microllama.yaml")) {
+        FL_REQUIRE_OK(fl_cfg_model_config(&c, &m, &have));
+        expect_shape(&m, 32000, 1024, 5632, 12, 16, 4, 64, 2048, rel);
+    } else if (!strcmp(rel, "finetune/tiny-llama/lora.yaml")) {
+        FL_CHECK(c.lora.r == 32 && c.lora.alpha == 16 && c.lora.key && c.lora.mlp && c.lora.head);
+        FL_CHECK(c.data.kind == FL_DATA_ALPACA && c.data.val_split_fraction == 0.03847f);
+        FL_CHECK(c.train.max_seq_length == 512 && c.train.global_batch_size == 8 && c.optimizer.beta2 == 0.95f);
+    } else if (!strcmp(rel, "finetune/tiny-llama/qlora.yaml")) {
+        FL_CHECK(!strcmp(c.lora.quantize, "bnb.nf4") && !strcmp(c.precision, "bf16-true"));
+    }
+    fl_cfg_entries_free(&l);
+}
+
+static void walk_recipes(const char *dir, const char *rel, recipe_stats *st) {
+    DIR *d = opendir(dir);
+    if (!d) return;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        if (e->d_name[0] == '.') continue;
+        char p[1024], r[1024];
+        snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
+        snprintf(r, sizeof r, "%s%s%s", rel, *rel ? "/" : "", e->d_name);
+        struct stat sb;
+        if (stat(p, &sb) != 0) continue;
+        if (S_ISDIR(sb.st_mode)) walk_recipes(p, r, st);
+        else if (strlen(r) > 5 && !strcmp(r + strlen(r) - 5, ".yaml")) check_recipe(p, r, st);
+    }
+    closedir(d);
+}
+
+FL_TEST(cfg_litgpt_recipes_parse_all) {
+    struct stat sb;
+    if (stat(RECIPES, &sb) != 0) {
+        fl_test_skip(RECIPES " not found (run from the repository root)");
+        return;
+    }
+    recipe_stats st = {0, 0, 0, 0};
+    walk_recipes(RECIPES, "", &st);
+    /* the vendored set: 4 pretrain, 12 finetune (7 LoRA/QLoRA), 3 asking for 2 or 4 GPUs */
+    FL_CHECKF(st.n == 16 && st.n_pretrain == 4 && st.n_lora == 7 && st.n_multi == 3,
+              "recipes %d, pretrain %d, lora %d, multi-device %d", st.n, st.n_pretrain, st.n_lora, st.n_multi);
+}
