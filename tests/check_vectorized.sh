@@ -4,7 +4,7 @@
 # Loops are named by a marker comment on the line just above the loop (or
 # above its #pragma lines):   /* FL_VECTORIZE: xent_softmax_grad */
 # Each file holding markers is compiled the way the build compiles it (flags
-# from <build>/compile_commands.json, so per-file options such as optim.c's
+# from <build>/compile_commands.json, so per-file options such as optim_kernels.c's
 # -fno-math-errno count), at -O3, twice: -march=native and generic (no -march:
 # SSE2 on x86-64). A marked loop passes when gcc's -fopt-info-vec report has
 # "optimized: loop vectorized" on a line of that loop (its pragmas included)

@@ -1,7 +1,7 @@
 /* fitllm CPU backend: private declarations shared by the op files.
  *
  * Each op family lives in its own file (embedding.c, norm.c, rope.c,
- * attention.c, act.c, elementwise.c, xent.c, optim.c); backend_cpu.c wires
+ * attention.c, act.c, elementwise.c, xent.c, optim_kernels.c); backend_cpu.c wires
  * them into the vtable. The GEMM lives in gemm.c (OpenBLAS / oneDNN / naive).
  * Semantics of every op: see include/fitllm/backend.h.
  */
@@ -104,7 +104,7 @@ typedef struct {
 } fl_cpu_kernel_info;
 void fl_cpu_kernels(fl_cpu_kernel_info *k);
 
-/* ---- precision.c / adam8bit.c (reduced precision; semantics in backend.h) ------------ */
+/* ---- lowp.c / adam8bit.c (reduced precision; semantics in backend.h) ------------ */
 fl_status fl_cpu_accumulate16(const fl_backend *be, uint16_t *dst, fl_dtype t, const float *src, size_t n);
 double fl_cpu_sumsq_ex(const fl_backend *be, const void *x, fl_dtype t, size_t n);
 fl_status fl_cpu_convert(const fl_backend *be, void *dst, fl_dtype dt, const void *src, fl_dtype st, size_t n);
@@ -210,7 +210,7 @@ void fl_cpu_zero(const fl_backend *be, void *x, size_t bytes);
 void fl_cpu_cross_entropy(const fl_backend *be, float *loss, float *dlogits, const float *logits,
                           const int32_t *targets, int N, int V, float grad_scale, int ignore_index);
 
-/* ---- optim.c ---------------------------------------------------------------------- */
+/* ---- optim_kernels.c ---------------------------------------------------------------------- */
 void fl_cpu_adamw_update(const fl_backend *be, float *p, const float *g, float *m, float *v, size_t n, float lr,
                          float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale);
 void fl_cpu_sgd_update(const fl_backend *be, float *p, const float *g, float *buf, size_t n, float lr,

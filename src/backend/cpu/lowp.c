@@ -2,7 +2,7 @@
  * and the inf/NaN check of dynamic loss scaling. Semantics: include/fitllm/backend.h.
  *
  * The optimizer updates work in chunks of FL_PREC_CHUNK elements: widen p, g, m, v to fp32
- * stack arrays, run exactly the fp32 formula of optim.c, round and store. Compiled with
+ * stack arrays, run exactly the fp32 formula of optim_kernels.c, round and store. Compiled with
  * -ffp-contract=off (CMakeLists.txt) so the fp32 arithmetic is the written sequence of
  * IEEE operations (what the double-then-round references in the tests model). */
 #include <math.h>
@@ -73,7 +73,7 @@ fl_status fl_cpu_adamw_update_ex(const fl_backend *be, void *p, fl_dtype tp, con
                          fl_dtype_name(tg), fl_dtype_name(ts));
     if (n == 0) return FL_OK;
     if (!p || !g || !m || !v || step < 1) return fl_errorf(FL_ERR_INVALID, "adamw_update_ex: NULL buffer or step %d", step);
-    /* The same constants and operation order as fl_cpu_adamw_update (optim.c). */
+    /* The same constants and operation order as fl_cpu_adamw_update (optim_kernels.c). */
     double bc1 = 1.0 - pow((double)beta1, step), bc2 = 1.0 - pow((double)beta2, step);
     float step_size = (float)(lr / bc1), bc2_sqrt = (float)sqrt(bc2);
     float decay = 1.0f - lr * weight_decay, w1 = 1.0f - beta1, w2 = 1.0f - beta2;
