@@ -9,7 +9,7 @@
 #include "fitllm/io.h"
 #include "fitllm/json.h"
 #include "fitllm/peft.h"
-#include "io-internal.h"
+#include "io/io-internal.h"
 
 #define PEFT_PREFIX "base_model.model."
 

@@ -3,7 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "model-impl.h"
+#include "model/model-impl.h"
 
 /* Which fl_linear of a block a module belongs to (0 qkv, 1 o, 2 fc, 3 proj). */
 static int linear_kind(const char *name) {
