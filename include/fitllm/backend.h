@@ -38,6 +38,21 @@ extern "C" {
 
 typedef struct fl_backend fl_backend;
 
+/* Ops whose support depends on dtypes (fl_backend.supports_op: a, b, c as listed; every other
+ * op is F32 and always implemented). */
+typedef enum {
+    FL_OP_GEMM = 0,     /* a = A's, b = B's, c = C's dtype */
+    FL_OP_CONVERT,      /* a = destination, b = source */
+    FL_OP_ADAMW_EX,     /* a = parameters, b = gradients, c = the two state buffers */
+    FL_OP_SGD_EX,       /* a = parameters, b = gradients, c = the momentum buffer */
+    FL_OP_ADAM8BIT,     /* a = parameters, b = gradients */
+    FL_OP_ACCUMULATE16, /* a = the 16-bit destination */
+    FL_OP_SUMSQ,        /* a = the input */
+    FL_OP_Q4_MATMUL,    /* 4-bit weights (no dtype) */
+    FL_OP_COUNT
+} fl_op;
+const char *fl_op_name(fl_op op);
+
 /* RoPE frequency scaling (HF config.json "rope_scaling"). */
 typedef enum { FL_ROPE_NONE = 0, FL_ROPE_LINEAR, FL_ROPE_LLAMA3, FL_ROPE_SCALING_COUNT } fl_rope_scaling_type;
 typedef struct {
@@ -313,6 +328,25 @@ struct fl_backend {
      * backward), taken back with set_scratch(be, NULL, 0). Without a lent scratch the CPU
      * backend falls back to a process-wide buffer allocated on first use (op tests, tools). */
     void (*set_scratch)(const fl_backend *be, void *p, size_t bytes);
+
+    /* ---- memory: host <-> device -----------------------------------------------------------
+     * Device buffers come from the device's accounting pool (fl_mem_alloc on the pool created
+     * for the backend's device). Code above the backend (model/, train/, io/, generation)
+     * reaches their bytes only through these copies, never by dereferencing them: a device
+     * whose memory the host cannot touch implements them as transfers; the CPU's are memcpy.
+     * Copies are ordered with the ops; to_host returns when the bytes are in host memory. */
+    fl_status (*to_device)(const fl_backend *be, void *dst /*device*/, const void *src /*host*/, size_t bytes);
+    fl_status (*to_host)(const fl_backend *be, void *dst /*host*/, const void *src /*device*/, size_t bytes);
+    fl_status (*copy)(const fl_backend *be, void *dst /*device*/, const void *src /*device*/, size_t bytes);
+    /* wait until every op and copy issued so far has completed */
+    fl_status (*sync)(const fl_backend *be);
+    /* 1 when the backend implements `op` with these dtypes (see fl_op: which slot means what;
+     * FL_F32 in unused slots), else 0. Checked when a model is set up (fl_model_set_precision,
+     * fl_optim_init), so a missing kernel is an error naming the op before any step runs. */
+    int (*supports_op)(const fl_backend *be, fl_op op, fl_dtype a, fl_dtype b, fl_dtype c);
+    /* RoPE tables written on the device: cos_t/sin_t (maxT, HD/2), as fl_rope_table_init. */
+    fl_status (*rope_tables)(const fl_backend *be, float *cos_t, float *sin_t, int maxT, int HD, float theta,
+                             const fl_rope_scaling *scaling);
 
     void *impl; /* backend-private state (last: the op slots from gemm to here are the whole table) */
 };

@@ -55,6 +55,12 @@ static void fill_ops(fl_backend *be) {
     be->lora_backward = fl_cpu_lora_backward;
     be->accumulate16 = fl_cpu_accumulate16;
     be->set_scratch = fl_cpu_set_scratch;
+    be->to_device = fl_cpu_to_device;
+    be->to_host = fl_cpu_to_host;
+    be->copy = fl_cpu_copy;
+    be->sync = fl_cpu_sync;
+    be->supports_op = fl_cpu_supports_op;
+    be->rope_tables = fl_cpu_rope_tables;
     be->sumsq_ex = fl_cpu_sumsq_ex;
     be->attention_forward_ex = fl_cpu_attention_forward_ex;
     be->attention_backward_ex = fl_cpu_attention_backward_ex;

@@ -82,6 +82,15 @@ const char *fl_cpu_gemm_bf16_path(void);
 #define FL_CPU_Q4_SCRATCH ((size_t)2 << 20)    /* fp32 elements: 8 MiB */
 #define FL_CPU_SCRATCH_BYTES ((FL_CPU_WIDEN_SCRATCH + FL_CPU_Q4_SCRATCH) * sizeof(float))
 void fl_cpu_set_scratch(const fl_backend *be, void *p, size_t bytes);
+
+/* ---- memory.c: copies, sync, supports_op, RoPE tables ------------------------------------ */
+fl_status fl_cpu_to_device(const fl_backend *be, void *dst, const void *src, size_t bytes);
+fl_status fl_cpu_to_host(const fl_backend *be, void *dst, const void *src, size_t bytes);
+fl_status fl_cpu_copy(const fl_backend *be, void *dst, const void *src, size_t bytes);
+fl_status fl_cpu_sync(const fl_backend *be);
+int fl_cpu_supports_op(const fl_backend *be, fl_op op, fl_dtype a, fl_dtype b, fl_dtype c);
+fl_status fl_cpu_rope_tables(const fl_backend *be, float *cos_t, float *sin_t, int maxT, int HD, float theta,
+                             const fl_rope_scaling *scaling);
 float *fl_cpu_scratch_part(int part);
 /* How fl_cpu_gemm does F32xF16 / F16xF16: "f16c-widen+sgemm" (F16C widening) or "widen+sgemm". */
 const char *fl_cpu_gemm_f16_path(void);
