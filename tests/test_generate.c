@@ -97,7 +97,7 @@ FL_TEST(gen_op_attention_decode_matches_causal_last_row) {
                 vc[((size_t)g * T + t) * HD + d] = qkv[(size_t)t * W + (NH + NKV + g) * HD + d];
             }
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     be.attention_forward(&be, out, lse, qkv, 1, T, NH, NKV, HD);
     be.attention_decode(&be, dec, qkv + (size_t)(T - 1) * W, kc, vc, T, NH, NKV, HD, (size_t)T * HD);
     FL_CHECK(fl_test_allclose("decode vs causal last row", dec, out + (size_t)(T - 1) * NH * HD, NH * HD, 1e-5, 1e-6));
@@ -231,7 +231,7 @@ static void kv_vs_nocache(fl_model *m, const int32_t *prompt, int n_prompt, int 
 
 static void kv_vs_nocache_random(fl_model_config c) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;
@@ -250,7 +250,7 @@ FL_TEST(gen_kv_equals_nocache_gqa_llama) { kv_vs_nocache_random(small_gqa_llama(
 FL_TEST(gen_kv_equals_nocache_stories260k) {
     FL_SKIP_IF_NO_DATA();
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;
@@ -266,7 +266,7 @@ FL_TEST(gen_kv_equals_nocache_stories260k) {
  * token) == decode of every token; and a decode step allocates nothing. */
 FL_TEST(gen_prefill_split_and_no_alloc_in_decode) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;
@@ -310,7 +310,7 @@ static int count_cb(void *ud, int32_t id) {
 
 FL_TEST(gen_stops_at_context_eos_and_max_tokens) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;
@@ -354,7 +354,7 @@ FL_TEST(gen_stops_at_context_eos_and_max_tokens) {
 
 FL_TEST(gen_sampling_determinism) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;
@@ -377,7 +377,7 @@ FL_TEST(gen_sampling_determinism) {
     FL_CHECK(nd == 40 && memcmp(a, d, sizeof a) != 0);
     /* thread count does not change the tokens */
     fl_backend b1;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&b1, 1));
+    FL_REQUIRE_OK(fl_test_backend(&b1, 1));
     m.be = &b1;
     gp.seed = 1337;
     FL_REQUIRE_OK(fl_generate(&m, &kv, prompt, 2, &gp, NULL, 0, d, &nd, NULL, NULL, NULL));
@@ -481,7 +481,7 @@ static void stories_reference(const char *model_rel) {
     const fl_json *pp = fl_json_get(j, "prompt_ids"), *pn = fl_json_get(j, "prompt_new_tokens");
     FL_REQUIRE(bp && bn && pp && pn);
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;
@@ -514,7 +514,7 @@ static char *greedy_text(const char *model_rel, const char *tok_rel, const char 
     fl_kv_cache kv;
     char *text = NULL;
     int loaded = 0;
-    if (fl_cpu_backend_init(&be, 2) != FL_OK || fl_mem_pool_init(&pool, "cpu", 0) != FL_OK) return NULL;
+    if (fl_test_backend(&be, 2) != FL_OK || fl_mem_pool_init(&pool, "cpu", 0) != FL_OK) return NULL;
     if (fl_model_load_auto(&m, fl_test_data_path(model_rel), &be, &pool, &loaded) != FL_OK) goto out0;
     if (fl_tok_load(&tok, fl_test_data_path(tok_rel)) != FL_OK) goto out1;
     int32_t *ids = NULL;

@@ -509,7 +509,7 @@ FL_TEST(peft_round_trip) {
 static void merged_vs_peft(const char *fixture, const char *base_dir, const char *base_name) {
     char p[512];
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;
@@ -723,7 +723,7 @@ static void diff_stats(const float *a, const float *b, size_t n, double *md, dou
  * against PEFT's merge_and_unload (the merged lm_head.weight). */
 FL_TEST(lora_head_grads_vs_peft) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;
@@ -787,7 +787,7 @@ FL_TEST(lora_head_grads_vs_peft) {
  * PEFT's merged logits, and the PEFT-written adapter (with lm_head.base_layer.weight) merges. */
 FL_TEST(lora_head_chunks_dropout_generation) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;
