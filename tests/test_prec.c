@@ -600,7 +600,9 @@ static void prec_check_finite_on(fl_backend be) {
     size_t where[3] = {0, n / 2, n - 1};
     for (int d = 0; d < 3; d++) {
         const void *src = x;
-        if (d) { be.convert(&be, h, ts[d], x, FL_F32, n); src = h; }
+        /* the inputs in 16 bits by the host conversion (same RNE as the convert op): the op under
+         * test here is check_finite, whatever convert the backend has */
+        if (d) { fl_convert(h, ts[d], x, FL_F32, n); src = h; }
         int found = 0;
         FL_REQUIRE_OP(&be, be.check_finite(&be, src, ts[d], n, 1.0f / 65536, &found));
         FL_CHECK(found == 0);
@@ -608,7 +610,7 @@ static void prec_check_finite_on(fl_backend be) {
             for (int w = 0; w < 3; w++) {
                 float keep = x[where[w]];
                 x[where[w]] = bads[b];
-                if (d) { be.convert(&be, h, ts[d], x, FL_F32, n); src = h; }
+                if (d) { fl_convert(h, ts[d], x, FL_F32, n); src = h; }
                 found = 0;
                 FL_REQUIRE_OP(&be, be.check_finite(&be, src, ts[d], n, 0.5f, &found));
                 FL_CHECKF(found == 1, "%s: %g at %zu not found", fl_dtype_name(ts[d]), bads[b], where[w]);
@@ -933,4 +935,140 @@ FL_TEST(prec_adam8bit_quantize_equals_bnb_search) {
         }
     }
     FL_CHECKF(bad == 0, "%ld of %ld values quantize differently", bad, n);
+}
+
+/* ---- which dtype combinations each registered backend supports ------------------------------ */
+
+/* Probes every dtype-parameterized op of each registered backend on tiny inputs and prints what
+ * it supports, one line per op (ggml's test-backend-ops "supported" column). The combinations
+ * backend.h documents are required of cpu and ref (an UNSUPPORTED there fails, through
+ * fl_test_unsupported); other backends' gaps are reported as skips. Undocumented combinations
+ * must be refused with UNSUPPORTED by every backend, never computed silently. */
+static void support_line(const char *be_name, const char *op, int ok, int n, const char *list) {
+    printf("      %-6s %-16s %2d/%-2d %s\n", be_name, op, ok, n, list);
+}
+
+static void support_on(fl_backend be) {
+    float f[8] = {1, 2, 3, 4, 5, 6, 7, 8}, g[8] = {0.5f, 0.25f, 0.125f, 1, 1, 1, 1, 1}, m[8] = {0}, v[8] = {0};
+    float c32[8];
+    uint16_t h[8], hb[8], hc[8];
+    for (int i = 0; i < 8; i++) hb[i] = fl_f32_to_bf16(f[i]), h[i] = fl_f32_to_f16(f[i]);
+    char list[512];
+    int ok, n;
+    const char *dn[3] = {"f32", "bf16", "f16"};
+    const fl_dtype dt[3] = {FL_F32, FL_BF16, FL_F16};
+    /* gemm: the six documented (ta, tb, tc) combinations, then three it must refuse */
+    static const fl_dtype gm[6][3] = {{FL_F32, FL_F32, FL_F32},  {FL_BF16, FL_BF16, FL_F32}, {FL_F32, FL_BF16, FL_F32},
+                                      {FL_BF16, FL_BF16, FL_BF16}, {FL_F32, FL_F16, FL_F32},  {FL_F16, FL_F16, FL_F32}};
+    list[0] = 0, ok = 0, n = 6;
+    for (int k = 0; k < 6; k++) {
+        const void *A = gm[k][0] == FL_F32 ? (const void *)f : gm[k][0] == FL_BF16 ? (const void *)hb : (const void *)h;
+        const void *B = gm[k][1] == FL_F32 ? (const void *)f : gm[k][1] == FL_BF16 ? (const void *)hb : (const void *)h;
+        void *C = gm[k][2] == FL_F32 ? (void *)c32 : (void *)hc;
+        fl_status st = be.gemm(&be, 0, 0, 2, 2, 2, 1.0f, A, gm[k][0], 2, B, gm[k][1], 2, 0.0f, C, gm[k][2], 2);
+        char what[64];
+        snprintf(what, sizeof what, "gemm %s x %s -> %s", fl_dtype_name(gm[k][0]), fl_dtype_name(gm[k][1]),
+                 fl_dtype_name(gm[k][2]));
+        if (fl_test_unsupported(&be, st, what)) continue;
+        FL_CHECKF(st == FL_OK, "%s: %s", what, fl_error_message());
+        ok += st == FL_OK;
+        snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", *list ? " " : "", what + 5);
+    }
+    support_line(be.name, "gemm", ok, n, list);
+    FL_CHECK(be.gemm(&be, 0, 0, 2, 2, 2, 1.0f, h, FL_F16, 2, f, FL_F32, 2, 0.0f, c32, FL_F32, 2) == FL_ERR_UNSUPPORTED);
+    FL_CHECK(be.gemm(&be, 0, 0, 2, 2, 2, 1.0f, f, FL_F32, 2, h, FL_F16, 2, 0.0f, hc, FL_F16, 2) == FL_ERR_UNSUPPORTED);
+    FL_CHECK(be.gemm(&be, 0, 0, 2, 2, 2, 1.0f, f, FL_F64, 2, f, FL_F32, 2, 0.0f, c32, FL_F32, 2) != FL_OK);
+    /* convert: every pair of {F32, BF16, F16} */
+    list[0] = 0, ok = 0, n = 9;
+    for (int d = 0; d < 3; d++)
+        for (int s = 0; s < 3; s++) {
+            const void *src = s == 0 ? (const void *)f : s == 1 ? (const void *)hb : (const void *)h;
+            void *dst = d == 0 ? (void *)c32 : (void *)hc;
+            fl_status st = be.convert(&be, dst, dt[d], src, dt[s], 8);
+            char what[48];
+            snprintf(what, sizeof what, "convert %s->%s", dn[s], dn[d]);
+            if (fl_test_unsupported(&be, st, what)) continue;
+            FL_CHECKF(st == FL_OK, "%s: %s", what, fl_error_message());
+            ok += st == FL_OK;
+            snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", *list ? " " : "", what + 8);
+        }
+    support_line(be.name, "convert", ok, n, list);
+    FL_CHECK(be.convert(&be, hc, FL_I32, f, FL_F32, 4) == FL_ERR_UNSUPPORTED);
+    /* AdamW / SGD with p, g in {F32, BF16, F16} and state in {F32, BF16} */
+    for (int opt = 0; opt < 2; opt++) {
+        list[0] = 0, ok = 0, n = 18;
+        for (int tp = 0; tp < 3; tp++)
+            for (int tg = 0; tg < 3; tg++)
+                for (int ts = 0; ts < 2; ts++) {
+                    float p[8], gg[8];
+                    memcpy(p, f, sizeof p), memcpy(gg, g, sizeof gg), memset(m, 0, sizeof m), memset(v, 0, sizeof v);
+                    fl_status st = opt == 0 ? be.adamw_update_ex(&be, p, dt[tp], gg, dt[tg], m, v, dt[ts], 4, 1e-3f, 0.9f,
+                                                                 0.999f, 1e-8f, 0.01f, 1, 1.0f)
+                                            : be.sgd_update_ex(&be, p, dt[tp], gg, dt[tg], m, dt[ts], 4, 1e-3f, 0.9f, 0.0f,
+                                                               0.01f, 0, 1, 1.0f);
+                    char what[64];
+                    snprintf(what, sizeof what, "%s p %s g %s state %s", opt ? "sgd_update_ex" : "adamw_update_ex",
+                             dn[tp], dn[tg], dn[ts]);
+                    if (fl_test_unsupported(&be, st, what)) continue;
+                    FL_CHECKF(st == FL_OK, "%s: %s", what, fl_error_message());
+                    ok += st == FL_OK;
+                    snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s/%s/%s", *list ? " " : "", dn[tp],
+                             dn[tg], dn[ts]);
+                }
+        support_line(be.name, opt ? "sgd_update_ex" : "adamw_update_ex", ok, n, list);
+    }
+    /* check_finite, accumulate16 */
+    list[0] = 0, ok = 0, n = 3;
+    for (int d = 0; d < 3; d++) {
+        int found = 0;
+        fl_status st = be.check_finite(&be, d == 0 ? (const void *)f : d == 1 ? (const void *)hb : (const void *)h, dt[d],
+                                       8, 1.0f, &found);
+        char what[48];
+        snprintf(what, sizeof what, "check_finite %s", dn[d]);
+        if (fl_test_unsupported(&be, st, what)) continue;
+        FL_CHECKF(st == FL_OK && found == 0, "%s: %s", what, fl_error_message());
+        ok += st == FL_OK;
+        snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", *list ? " " : "", dn[d]);
+    }
+    support_line(be.name, "check_finite", ok, n, list);
+    list[0] = 0, ok = 0, n = 2;
+    for (int d = 1; d < 3; d++) {
+        memcpy(hc, d == 1 ? hb : h, sizeof hc);
+        fl_status st = be.accumulate16(&be, hc, dt[d], g, 8);
+        char what[48];
+        snprintf(what, sizeof what, "accumulate16 %s", dn[d]);
+        if (fl_test_unsupported(&be, st, what)) continue;
+        FL_CHECKF(st == FL_OK, "%s: %s", what, fl_error_message());
+        ok += st == FL_OK;
+        snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", *list ? " " : "", dn[d]);
+    }
+    support_line(be.name, "accumulate16", ok, n, list);
+    /* 8-bit AdamW (n below the 8-bit minimum: bnb's fp32-state kernel), p and g in {F32, BF16} */
+    size_t sb = fl_adam8bit_state_bytes(4);
+    void *mem = calloc(1, sb);
+    fl_adam8bit_state st8;
+    FL_REQUIRE_OK(fl_adam8bit_state_bind(&st8, 4, mem));
+    list[0] = 0, ok = 0, n = 4;
+    for (int tp = 0; tp < 2; tp++)
+        for (int tg = 0; tg < 2; tg++) {
+            float p32[4];
+            uint16_t p16[4], g16[4];
+            memcpy(p32, f, sizeof p32);
+            memcpy(p16, hb, sizeof p16), memcpy(g16, hb, sizeof g16);
+            fl_status st = be.adam8bit_update(&be, tp ? (void *)p16 : (void *)p32, dt[tp], tg ? (const void *)g16 : (const void *)g,
+                                              dt[tg], &st8, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, 1, 1.0f);
+            char what[64];
+            snprintf(what, sizeof what, "adam8bit_update p %s g %s", dn[tp], dn[tg]);
+            if (fl_test_unsupported(&be, st, what)) continue;
+            FL_CHECKF(st == FL_OK, "%s: %s", what, fl_error_message());
+            ok += st == FL_OK;
+            snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s/%s", *list ? " " : "", dn[tp], dn[tg]);
+        }
+    support_line(be.name, "adam8bit_update", ok, n, list);
+    free(mem);
+}
+
+FL_TEST(prec_backend_support_report) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) support_on(be);
 }
