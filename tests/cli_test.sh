@@ -26,6 +26,7 @@ expect() {
 expect help 0 "commands:" -- "$FITLLM" --help
 expect help_lists_version 0 "--version" -- "$FITLLM" --help
 expect version_gemm_library 0 "GEMM library (onednn|openblas|naive)" -- "$FITLLM" --version
+expect version_backends 0 "backends: cpu, ref" -- "$FITLLM" --version
 expect version_bf16_path 0 "bf16 gemm (onednn-matmul-bf16|(avx512-|avx2-)?widen\+sgemm|tiled)" -- "$FITLLM" --version
 expect version_cpu_cap 0 "in use: generic\)" -- env FITLLM_CPU=generic "$FITLLM" --version
 expect version_cpu_cap_kernels 0 "adam8bit quantizer scalar, 16-bit conversions scalar" -- env FITLLM_CPU=generic "$FITLLM" --version

@@ -23,10 +23,17 @@ void fl_test_register(const char *name, const char *file, fl_test_fn fn) {
     if (g_n < MAX_TESTS) { g_tests[g_n].name = name; g_tests[g_n].file = file; g_tests[g_n].fn = fn; g_n++; }
 }
 
+/* The backend an FL_FOR_EACH_BACKEND loop is running ("" outside one): failures name it. */
+static const char *g_be_cur = "";
+/* Per registered backend: the tests that ran it, and the cases it skipped as unsupported. */
+#define MAX_BACKENDS 16
+static int g_be_tests[MAX_BACKENDS], g_be_unsup[MAX_BACKENDS], g_be_counted[MAX_BACKENDS];
+
 void fl_test_fail(const char *file, int line, const char *fmt, ...) {
     va_list ap;
     const char *base = strrchr(file, '/');
-    fprintf(stderr, "  FAIL %s (%s:%d): ", g_cur, base ? base + 1 : file, line);
+    if (*g_be_cur) fprintf(stderr, "  FAIL %s [backend %s] (%s:%d): ", g_cur, g_be_cur, base ? base + 1 : file, line);
+    else fprintf(stderr, "  FAIL %s (%s:%d): ", g_cur, base ? base + 1 : file, line);
     va_start(ap, fmt);
     vfprintf(stderr, fmt, ap);
     va_end(ap);
@@ -40,6 +47,49 @@ void fl_test_skip(const char *why) {
 }
 
 int fl_test_failed(void) { return g_failed; }
+
+static const char *test_backend_env(void) {
+    const char *e = getenv("FITLLM_TEST_BACKEND");
+    return e && *e ? e : "cpu";
+}
+
+const char *fl_test_backend_name(void) { return test_backend_env(); }
+
+fl_status fl_test_backend(fl_backend *be, int n_threads) {
+    return fl_backend_init_by_name(test_backend_env(), be, n_threads);
+}
+
+int fl_test_backend_next(int *i, fl_backend *be, int n_threads) {
+    if (*i > 0) fl_backend_free(be);
+    for (; *i < fl_backend_count(); ++*i) {
+        const char *name = fl_backend_name(*i);
+        fl_status st = fl_backend_init_by_name(name, be, n_threads);
+        g_be_cur = name;
+        if (st == FL_OK) {
+            if (*i < MAX_BACKENDS && !g_be_counted[*i]) g_be_counted[*i] = 1, g_be_tests[*i]++;
+            return 1;
+        }
+        fl_test_fail(__FILE__, __LINE__, "backend %s: init failed: %s", name, fl_error_message());
+    }
+    g_be_cur = "";
+    return 0;
+}
+
+int fl_test_unsupported(const fl_backend *be, fl_status st, const char *what) {
+    if (st != FL_ERR_UNSUPPORTED) return 0;
+    if (!strcmp(be->name, "cpu") || !strcmp(be->name, "ref")) {
+        fprintf(stderr, "  FAIL %s [backend %s]: %s: unsupported (%s), but this backend implements the whole "
+                        "contract\n", g_cur, be->name, what, fl_error_message());
+        g_failed = 1;
+        return 1;
+    }
+    fprintf(stderr, "  SKIP %s [backend %s]: %s: not supported by this backend (%s)\n", g_cur, be->name, what,
+            fl_error_message());
+    for (int i = 0; i < fl_backend_count() && i < MAX_BACKENDS; i++)
+        if (!strcmp(fl_backend_name(i), be->name)) g_be_unsup[i]++;
+    g_skipped = 1;
+    return 1;
+}
 
 const char *fl_test_data_dir(void) {
     static char buf[4096];
@@ -114,6 +164,12 @@ int fl_test_allclose(const char *what, const float *a, const float *b, size_t n,
 
 int main(int argc, char **argv) {
     fl_cpu_process_init(argv); /* idle OpenMP workers sleep (may re-execute the program once) */
+    fl_backend probe;
+    if (fl_test_backend(&probe, 1) != FL_OK) { /* a typo must not quietly test the CPU */
+        fprintf(stderr, "FITLLM_TEST_BACKEND: %s\n", fl_error_message());
+        return 2;
+    }
+    fl_backend_free(&probe);
     int passed = 0, failed = 0, skipped = 0;
     for (int i = 0; i < g_n; i++) {
         int run = argc < 2;
@@ -122,6 +178,8 @@ int main(int argc, char **argv) {
         if (!run) continue;
         g_cur = g_tests[i].name;
         g_failed = g_skipped = 0;
+        g_be_cur = "";
+        memset(g_be_counted, 0, sizeof g_be_counted);
         fl_error_clear();
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -134,6 +192,16 @@ int main(int argc, char **argv) {
         if (g_failed) failed++;
         else if (g_skipped) skipped++;
         else passed++;
+    }
+    /* which backends the op tests ran, and what each one skipped as unsupported */
+    int any = 0;
+    for (int i = 0; i < fl_backend_count() && i < MAX_BACKENDS; i++) any |= g_be_tests[i] > 0;
+    if (any) {
+        printf("\nbackends (op tests run against every one; others use FITLLM_TEST_BACKEND=%s):\n",
+               fl_test_backend_name());
+        for (int i = 0; i < fl_backend_count() && i < MAX_BACKENDS; i++)
+            printf("  %-8s %d tests, %d cases unsupported (skipped)\n", fl_backend_name(i), g_be_tests[i],
+                   g_be_unsup[i]);
     }
     printf("\n%d passed, %d failed, %d skipped\n", passed, failed, skipped);
     return failed ? 1 : 0;

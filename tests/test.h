@@ -10,6 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fitllm/backend.h"
+
 typedef void (*fl_test_fn)(void);
 void fl_test_register(const char *name, const char *file, fl_test_fn fn);
 void fl_test_fail(const char *file, int line, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -26,6 +28,40 @@ const char *fl_test_data_path(const char *rel);
 double fl_test_scaled_err(const float *a, const float *ref, size_t n, size_t *worst);
 /* A fresh temporary directory for this test (created). */
 const char *fl_test_tmpdir(void);
+
+/* ---- backends ---------------------------------------------------------------------------
+ * "The test backend" of tests that are not about one backend's ops (models, trainer, LoRA,
+ * generation): the registered backend named by the environment variable FITLLM_TEST_BACKEND
+ * (default "cpu"; the runner refuses an unknown name before running anything), made with
+ * n_threads, so the whole suite can run against another backend. */
+fl_status fl_test_backend(fl_backend *be, int n_threads);
+const char *fl_test_backend_name(void);
+/* Op tests run against EVERY registered backend (ggml's test-backend-ops):
+ *     fl_backend be;
+ *     FL_FOR_EACH_BACKEND(be, 2) some_case(&be);
+ * runs the statement once per backend with `be` made by fl_backend_init_by_name(name, &be, 2);
+ * failures inside name the backend, and the runner's summary counts the tests each one ran. */
+int fl_test_backend_next(int *i, fl_backend *be, int n_threads);
+#define FL_FOR_EACH_BACKEND(be, n_threads) \
+    for (int be##_i_ = 0; fl_test_backend_next(&be##_i_, &(be), (n_threads)); be##_i_++)
+/* An op returned st. FL_ERR_UNSUPPORTED from a backend that does not implement an op or dtype
+ * combination: the case is skipped with a message naming backend and case (returns 1: skip it).
+ * The reference backends "cpu" and "ref" implement the whole contract of backend.h, so from
+ * them it is a failure (returns 1 too). Any other status: returns 0 (the caller checks it). */
+int fl_test_unsupported(const fl_backend *be, fl_status st, const char *what);
+
+/* In a per-backend case function: run a backend op; UNSUPPORTED goes to fl_test_unsupported
+ * (skip with a message, or a failure on cpu/ref) and ends the case, another error fails it. */
+#define FL_REQUIRE_OP(be, expr)                                                      \
+    do {                                                                             \
+        fl_status s_ = (expr);                                                       \
+        if (fl_test_unsupported((be), s_, #expr)) return;                            \
+        if (s_ != FL_OK) {                                                           \
+            fl_test_fail(__FILE__, __LINE__, "%s -> %s: %s", #expr, fl_status_name(s_), \
+                         fl_error_message());                                        \
+            return;                                                                  \
+        }                                                                            \
+    } while (0)
 
 #define FL_TEST(name)                                                                \
     static void fl_test_##name(void);                                                \

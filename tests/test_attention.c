@@ -11,7 +11,8 @@
  *  - the existing fused causal op (attention_forward/backward) on causal
  *    self-attention: the two must agree within the sum of their bounds;
  *  - bits: the same results at 1, 2 and 3 threads (the reference backend is 1).
- * Every case runs on the cpu backend (2 threads) and the ref backend. */
+ * Every case runs on every registered backend (FL_FOR_EACH_BACKEND: cpu at 2 threads, ref,
+ * later others); the bit-identity checks are of the CPU kernels (cpu and ref). */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -418,21 +419,30 @@ static void check_case(const acase *c, unsigned long long seed) {
     aref_run(c, &R);
     apre pre;
     apre_init(&pre, c, seed);
-    fl_backend be2, ref;
+    /* every registered backend against the float64 reference; the results of cpu (2 threads)
+     * and ref (1 thread) are kept for the bit-identity checks of the CPU kernels below */
+    fl_backend be2, ref, bk;
     fl_cpu_backend_init(&be2, 2);
     fl_ref_backend_init(&ref);
     const fl_backend *bes[2] = {&be2, &ref};
     ares res[2];
-    for (int k = 0; k < 2; k++) {
-        fl_status st = run_op(bes[k], c, &res[k], pre.q, pre.k, pre.b);
-        FL_CHECKF(st == FL_OK, "%s (%s): %s", what, bes[k]->name, fl_error_message());
-        if (st != FL_OK) continue;
+    int have[2] = {0, 0};
+    FL_FOR_EACH_BACKEND(bk, 2) {
+        ares rk;
+        fl_status st = run_op(&bk, c, &rk, pre.q, pre.k, pre.b);
+        if (fl_test_unsupported(&bk, st, what)) { ares_free(&rk); continue; }
+        FL_CHECKF(st == FL_OK, "%s (%s): %s", what, bk.name, fl_error_message());
+        if (st != FL_OK) { ares_free(&rk); continue; }
         cmp_t m = {what, 0, 0, 0};
-        compare(&m, c, &res[k], &R, pre.q, pre.k, pre.b, 1.0, 0);
-        FL_CHECKF(m.bad == 0, "%s (%s): %d values outside the fp32 bound (worst err/bound %.3g)", what, bes[k]->name,
+        compare(&m, c, &rk, &R, pre.q, pre.k, pre.b, 1.0, 0);
+        FL_CHECKF(m.bad == 0, "%s (%s): %d values outside the fp32 bound (worst err/bound %.3g)", what, bk.name,
                   m.bad, m.worst);
         if (m.worst > g_worst_ratio) g_worst_ratio = m.worst;
+        int k = !strcmp(bk.name, "cpu") ? 0 : !strcmp(bk.name, "ref") ? 1 : -1;
+        if (k >= 0) res[k] = rk, have[k] = 1;
+        else ares_free(&rk);
     }
+    FL_REQUIRE(have[0] && have[1]);
     /* the 1-thread reference backend and 2 threads: the same bits */
     const fl_attn_desc *a = &c->a;
     size_t no = (size_t)a->B * a->Tq * a->ldo, nl = (size_t)a->B * a->NH * a->Tq;
@@ -501,7 +511,7 @@ FL_TEST(attn_ex_bound_detects_errors) {
     apre pre;
     apre_init(&pre, &c, 12);
     fl_backend be = {0};
-    fl_cpu_backend_init(&be, 1);
+    FL_REQUIRE_OK(fl_test_backend(&be, 1));
     ares res;
     /* a scale 1e-4 off: forward outside the bound */
     c.a.scale *= 1.0001f;
@@ -562,7 +572,7 @@ static double fd_loss(fd_t *f) {
 /* FD step h = 1e-5 in double: truncation h^2/6 |L'''| ~ 2e-11 and cancellation
  * 2 * 1e-16 * |L| / h ~ 1e-10 for these O(1)-sized tiny cases; so the reference's analytic
  * gradient must match to 1e-7 * (1 + max|g|), and the op's to its fp32 bound plus that. */
-static void fd_case(int causal, int bias, int mask, int cross, unsigned long long seed) {
+static void fd_case_on(fl_backend be, int causal, int bias, int mask, int cross, unsigned long long seed) {
     acase c;
     /* B 3 so every mask pattern occurs; Tq 3 vs Tk 5 (cross) */
     acase_init(&c, 3, cross ? 3 : 4, 5, 2, 1, 3, causal, bias, mask, cross, 0.8f, seed);
@@ -573,10 +583,8 @@ static void fd_case(int causal, int bias, int mask, int cross, unsigned long lon
     aref_run(&c, &R);
     apre pre;
     apre_init(&pre, &c, seed + 1);
-    fl_backend be;
-    fl_cpu_backend_init(&be, 2);
     ares res;
-    FL_REQUIRE_OK(run_op(&be, &c, &res, pre.q, pre.k, pre.b));
+    FL_REQUIRE_OP(&be, run_op(&be, &c, &res, pre.q, pre.k, pre.b));
     size_t nb = (size_t)a->NH * a->Tq * a->Tk, no = (size_t)a->B * a->Tq * a->NH * a->HD;
     size_t nk = (size_t)a->B * a->Tk * a->NKV * a->HD;
     fd_t f = {&c, dup_d(c.qb, c.nqb), NULL, bias ? dup_d(c.bias, nb) : NULL, calloc(no, 8),
@@ -651,6 +659,10 @@ static void fd_case(int causal, int bias, int mask, int cross, unsigned long lon
     aref_free(&R);
     acase_free(&c);
 }
+static void fd_case(int causal, int bias, int mask, int cross, unsigned long long seed) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) fd_case_on(be, causal, bias, mask, cross, seed);
+}
 
 FL_TEST(attn_ex_finite_differences) {
     for (int combo = 0; combo < 16; combo++) fd_case(combo & 1, combo >> 1 & 1, combo >> 2 & 1, combo >> 3 & 1, 300 + combo);
@@ -703,7 +715,7 @@ FL_TEST(attn_ex_bits_independent_of_threads) {
 
 /* ---- agreement with the fused causal op on causal self-attention ------------------------------ */
 
-FL_TEST(attn_ex_matches_fused_causal_op) {
+static void attn_ex_matches_fused_causal_op_on(fl_backend be) {
     const int B = 2, T = 45, NH = 6, NKV = 2, HD = 16;
     acase c;
     acase_init(&c, B, T, T, NH, NKV, HD, 1, 0, 0, 0, 1.0f / sqrtf((float)HD), 31);
@@ -713,10 +725,8 @@ FL_TEST(attn_ex_matches_fused_causal_op) {
     aref_run(&c, &R);
     apre pre;
     apre_init(&pre, &c, 32);
-    fl_backend be;
-    fl_cpu_backend_init(&be, 2);
     ares gen;
-    FL_REQUIRE_OK(run_op(&be, &c, &gen, pre.q, pre.k, pre.b));
+    FL_REQUIRE_OP(&be, run_op(&be, &c, &gen, pre.q, pre.k, pre.b));
     /* the fused op on the same qkv buffer */
     size_t no = (size_t)B * T * NH * HD, nl = (size_t)B * NH * T;
     ares fused = {malloc(no * 4), malloc(nl * 4), malloc(c.nqb * 4), NULL, NULL};
@@ -753,12 +763,14 @@ FL_TEST(attn_ex_matches_fused_causal_op) {
     aref_free(&R);
     acase_free(&c);
 }
+FL_TEST(attn_ex_matches_fused_causal_op) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) attn_ex_matches_fused_causal_op_on(be);
+}
 
 /* ---- errors and the vtable --------------------------------------------------------------- */
 
-FL_TEST(attn_ex_bad_arguments) {
-    fl_backend be;
-    fl_cpu_backend_init(&be, 1);
+static void attn_ex_bad_arguments_on(fl_backend be) {
     float x[64] = {0}, out[64], lse[8];
     for (int i = 0; i < 64; i++) out[i] = 7.0f;
     fl_attn_desc a = {1, 2, 2, 2, 1, 4, 16, 16, 16, 8, 0.5f, 0};
@@ -779,21 +791,27 @@ FL_TEST(attn_ex_bad_arguments) {
              FL_ERR_INVALID);
     FL_CHECK(be.attention_backward_ex(&be, &a, NULL, x, x, NULL, x, x, x, x, NULL, NULL, out, lse) == FL_ERR_INVALID);
 }
+FL_TEST(attn_ex_bad_arguments) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 1) attn_ex_bad_arguments_on(be);
+}
 
 /* No keys at all (Tk 0): every row is fully masked: out 0, lse -inf, gradients untouched. */
-FL_TEST(attn_ex_no_keys) {
-    fl_backend be;
-    fl_cpu_backend_init(&be, 2);
+static void attn_ex_no_keys_on(fl_backend be) {
     fl_attn_desc a = {2, 3, 0, 2, 1, 4, 8, 4, 4, 8, 0.5f, 0};
     float q[48], out[48], lse[12], dq[48], d0[4] = {0}, dO[48];
     for (int i = 0; i < 48; i++) q[i] = 0.1f * i, out[i] = 7.0f, dq[i] = 3.0f, dO[i] = 1.0f;
-    FL_REQUIRE_OK(be.attention_forward_ex(&be, &a, out, lse, q, d0, d0, NULL, NULL));
+    FL_REQUIRE_OP(&be, be.attention_forward_ex(&be, &a, out, lse, q, d0, d0, NULL, NULL));
     int ok = 1;
     for (int i = 0; i < 48; i++) ok &= out[i] == 0.0f && dq[i] == 3.0f;
     for (int i = 0; i < 12; i++) ok &= isinf(lse[i]) && lse[i] < 0;
-    FL_REQUIRE_OK(be.attention_backward_ex(&be, &a, dq, d0, d0, NULL, dO, q, d0, d0, NULL, NULL, out, lse));
+    FL_REQUIRE_OP(&be, be.attention_backward_ex(&be, &a, dq, d0, d0, NULL, dO, q, d0, d0, NULL, NULL, out, lse));
     for (int i = 0; i < 48; i++) ok &= dq[i] == 3.0f;
     FL_CHECKF(ok, "Tk 0: out must be 0, lse -inf, dq unchanged");
+}
+FL_TEST(attn_ex_no_keys) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) attn_ex_no_keys_on(be);
 }
 
 FL_TEST(attn_ex_in_every_backend_vtable) {
@@ -802,4 +820,6 @@ FL_TEST(attn_ex_in_every_backend_vtable) {
     FL_REQUIRE_OK(fl_ref_backend_init(&ref));
     FL_CHECK(be.attention_forward_ex && be.attention_backward_ex);
     FL_CHECK(ref.attention_forward_ex && ref.attention_backward_ex);
+    fl_backend bk;
+    FL_FOR_EACH_BACKEND(bk, 0) FL_CHECK(bk.attention_forward_ex && bk.attention_backward_ex);
 }

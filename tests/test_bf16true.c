@@ -42,7 +42,7 @@ static void vs_mixed(const char *preset, int untie, fl_dtype dt) {
     FL_REQUIRE_OK(fl_preset_find(preset, &c));
     if (untie) c.tie_embeddings = 0;
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     const int B = 2, T = 24, N = B * T;
@@ -171,8 +171,8 @@ static void head_widened(const char *preset, fl_dtype dt) {
     FL_REQUIRE_OK(fl_preset_find(preset, &c));
     c.tie_embeddings = 0; /* the head's own gradient, not mixed with the embedding's */
     fl_backend bw, bg;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&bw, 2));
-    FL_REQUIRE_OK(fl_cpu_backend_init(&bg, 2));
+    FL_REQUIRE_OK(fl_test_backend(&bw, 2));
+    FL_REQUIRE_OK(fl_test_backend(&bg, 2));
     bw.gemm_widens16 = (1u << FL_BF16) | (1u << FL_F16);
     bg.gemm_widens16 = 0;
     fl_mem_pool pool;
@@ -346,7 +346,7 @@ static after1_stats cmp_after1(const fl_model *m, const fl_st_file *gt, const ui
 
 FL_TEST(bf16_true_vs_pytorch_golden_llama) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;

@@ -20,7 +20,7 @@ static double scaled_err(const float *a, const float *ref, size_t n) { return fl
 
 FL_TEST(f16_mixed_vs_pytorch_autocast_golden_llama) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;
@@ -74,7 +74,7 @@ FL_TEST(f16_true_loss_scaling_skips_and_backs_off) {
     fl_model_config c;
     FL_REQUIRE_OK(fl_preset_find("micro", &c));
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;

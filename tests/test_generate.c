@@ -44,12 +44,12 @@ static void decode_case(int T, int Tmax, int NH, int NKV, int HD, unsigned long 
             out_ref[h * HD + d] = (float)o;
         }
     }
-    fl_backend be, rb;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
-    FL_REQUIRE_OK(fl_ref_backend_init(&rb));
-    FL_REQUIRE(be.attention_decode && rb.attention_decode);
-    const fl_backend *bes[2] = {&be, &rb};
-    for (int k = 0; k < 2; k++) {
+    fl_backend bk; /* every registered backend against the float64 reference */
+    FL_FOR_EACH_BACKEND(bk, 2) {
+        FL_CHECK(bk.attention_decode != NULL);
+        if (!bk.attention_decode) continue;
+        const fl_backend *bes[1] = {&bk};
+        const int k = 0;
         for (int i = 0; i < NH * HD; i++) out[i] = NAN;
         bes[k]->attention_decode(bes[k], out, q, kc, vc, T, NH, NKV, HD, hs);
         double md = 0;
@@ -60,9 +60,10 @@ static void decode_case(int T, int Tmax, int NH, int NKV, int HD, unsigned long 
         FL_CHECKF(md <= 2e-6, "%s attention_decode T=%d NH=%d NKV=%d HD=%d: max abs err %.3g", bes[k]->name, T, NH,
                   NKV, HD, md);
     }
-    /* Same result with 1 thread (deterministic). */
+    /* The CPU kernels: the same result with 1 thread (deterministic). */
     float *out1 = malloc((size_t)NH * HD * 4);
-    fl_backend b1;
+    fl_backend be, b1;
+    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
     FL_REQUIRE_OK(fl_cpu_backend_init(&b1, 1));
     be.attention_decode(&be, out, q, kc, vc, T, NH, NKV, HD, hs);
     b1.attention_decode(&b1, out1, q, kc, vc, T, NH, NKV, HD, hs);
@@ -97,10 +98,11 @@ FL_TEST(gen_op_attention_decode_matches_causal_last_row) {
                 vc[((size_t)g * T + t) * HD + d] = qkv[(size_t)t * W + (NH + NKV + g) * HD + d];
             }
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
-    be.attention_forward(&be, out, lse, qkv, 1, T, NH, NKV, HD);
-    be.attention_decode(&be, dec, qkv + (size_t)(T - 1) * W, kc, vc, T, NH, NKV, HD, (size_t)T * HD);
-    FL_CHECK(fl_test_allclose("decode vs causal last row", dec, out + (size_t)(T - 1) * NH * HD, NH * HD, 1e-5, 1e-6));
+    FL_FOR_EACH_BACKEND(be, 2) {
+        be.attention_forward(&be, out, lse, qkv, 1, T, NH, NKV, HD);
+        be.attention_decode(&be, dec, qkv + (size_t)(T - 1) * W, kc, vc, T, NH, NKV, HD, (size_t)T * HD);
+        FL_CHECK(fl_test_allclose("decode vs causal last row", dec, out + (size_t)(T - 1) * NH * HD, NH * HD, 1e-5, 1e-6));
+    }
     free(qkv);
     free(out);
     free(lse);
@@ -231,7 +233,7 @@ static void kv_vs_nocache(fl_model *m, const int32_t *prompt, int n_prompt, int 
 
 static void kv_vs_nocache_random(fl_model_config c) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;
@@ -250,7 +252,7 @@ FL_TEST(gen_kv_equals_nocache_gqa_llama) { kv_vs_nocache_random(small_gqa_llama(
 FL_TEST(gen_kv_equals_nocache_stories260k) {
     FL_SKIP_IF_NO_DATA();
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;
@@ -266,7 +268,7 @@ FL_TEST(gen_kv_equals_nocache_stories260k) {
  * token) == decode of every token; and a decode step allocates nothing. */
 FL_TEST(gen_prefill_split_and_no_alloc_in_decode) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;
@@ -310,7 +312,7 @@ static int count_cb(void *ud, int32_t id) {
 
 FL_TEST(gen_stops_at_context_eos_and_max_tokens) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;
@@ -354,7 +356,7 @@ FL_TEST(gen_stops_at_context_eos_and_max_tokens) {
 
 FL_TEST(gen_sampling_determinism) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;
@@ -377,7 +379,7 @@ FL_TEST(gen_sampling_determinism) {
     FL_CHECK(nd == 40 && memcmp(a, d, sizeof a) != 0);
     /* thread count does not change the tokens */
     fl_backend b1;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&b1, 1));
+    FL_REQUIRE_OK(fl_test_backend(&b1, 1));
     m.be = &b1;
     gp.seed = 1337;
     FL_REQUIRE_OK(fl_generate(&m, &kv, prompt, 2, &gp, NULL, 0, d, &nd, NULL, NULL, NULL));
@@ -481,7 +483,7 @@ static void stories_reference(const char *model_rel) {
     const fl_json *pp = fl_json_get(j, "prompt_ids"), *pn = fl_json_get(j, "prompt_new_tokens");
     FL_REQUIRE(bp && bn && pp && pn);
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;
@@ -514,7 +516,7 @@ static char *greedy_text(const char *model_rel, const char *tok_rel, const char 
     fl_kv_cache kv;
     char *text = NULL;
     int loaded = 0;
-    if (fl_cpu_backend_init(&be, 2) != FL_OK || fl_mem_pool_init(&pool, "cpu", 0) != FL_OK) return NULL;
+    if (fl_test_backend(&be, 2) != FL_OK || fl_mem_pool_init(&pool, "cpu", 0) != FL_OK) return NULL;
     if (fl_model_load_auto(&m, fl_test_data_path(model_rel), &be, &pool, &loaded) != FL_OK) goto out0;
     if (fl_tok_load(&tok, fl_test_data_path(tok_rel)) != FL_OK) goto out1;
     int32_t *ids = NULL;

@@ -977,7 +977,7 @@ FL_TEST(config_llama_rope_parameters_v5) {
  * index that loads back to the same parameters. */
 FL_TEST(weights_save_sharded_roundtrip) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 1));
+    FL_REQUIRE_OK(fl_test_backend(&be, 1));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model_config c;

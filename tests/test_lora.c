@@ -139,7 +139,7 @@ FL_TEST(quant4_sizing_and_modes) {
 
 /* ---- fused 4-bit matmul ------------------------------------------------------------------ */
 
-static void q4_matmul_case(int OUT, int IN, int N, fl_q4_type type, int dq) {
+static void q4_matmul_case_on(const char *be_name, int OUT, int IN, int N, fl_q4_type type, int dq) {
     fl_test_rng r = {(unsigned long long)(OUT * 131 + IN * 7 + N + type * 3 + dq)};
     size_t n = (size_t)OUT * IN;
     float *w = malloc(n * sizeof(float));
@@ -164,12 +164,12 @@ static void q4_matmul_case(int OUT, int IN, int N, fl_q4_type type, int dq) {
     fl_test_fill(&r, dx0, (size_t)N * IN, -1, 1);
     for (int threads = 1; threads <= 3; threads++) {
         fl_backend be;
-        fl_cpu_backend_init(&be, threads);
+        FL_REQUIRE_OK(fl_backend_init_by_name(be_name, &be, threads));
         for (int beta = 0; beta <= 1; beta++) {
             memcpy(y, y0, (size_t)N * ldy * sizeof(float));
             memcpy(dx, dx0, (size_t)N * IN * sizeof(float));
-            FL_REQUIRE_OK(be.q4_matmul_forward(&be, y + off, ldy, x, &q, N, (float)beta));
-            FL_REQUIRE_OK(be.q4_matmul_backward(&be, dx, dy + off, ldy, &q, N, (float)beta));
+            FL_REQUIRE_OP(&be, be.q4_matmul_forward(&be, y + off, ldy, x, &q, N, (float)beta));
+            FL_REQUIRE_OP(&be, be.q4_matmul_backward(&be, dx, dy + off, ldy, &q, N, (float)beta));
             int bad = 0;
             for (int i = 0; i < N && bad < 3; i++) {
                 for (int o = 0; o < ldy; o++) {
@@ -221,6 +221,12 @@ static void q4_matmul_case(int OUT, int IN, int N, fl_q4_type type, int dq) {
     free(w); free(mem); free(deq); free(x); free(dy); free(y); free(dx); free(y0); free(dx0);
 }
 
+/* every registered backend, at 1, 2 and 3 threads (a fixed-thread backend: the same one thrice) */
+static void q4_matmul_case(int OUT, int IN, int N, fl_q4_type type, int dq) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 1) q4_matmul_case_on(be.name, OUT, IN, N, type, dq);
+}
+
 FL_TEST(q4_matmul_vs_dequant_gemm) {
     q4_matmul_case(37, 29, 5, FL_Q4_NF4, 0);    /* blocks straddle rows, odd n */
     q4_matmul_case(70, 300, 3, FL_Q4_NF4, 1);   /* K tail (300 = 256 + 44), row tail (70 = 2*32 + 6) */
@@ -246,18 +252,16 @@ FL_TEST(lora_vs_peft) {
         fl_lora_config lc = {.r = r, .alpha = c == 0 ? 10.0f : 6.0f, .use_rslora = c == 1};
         FL_CHECK(fl_lora_scaling(&lc) == ((const float *)sc->data)[0]);
         float s = fl_lora_scaling(&lc);
-        for (int be_kind = 0; be_kind < 2; be_kind++) {
-            fl_backend be;
-            if (be_kind) fl_ref_backend_init(&be);
-            else fl_cpu_backend_init(&be, 2);
+        fl_backend be;
+        FL_FOR_EACH_BACKEND(be, 2) {
             float *yy = calloc((size_t)N * out, 4), *h = calloc((size_t)N * r, 4), *work = calloc((size_t)N * r, 4);
             float *gx = calloc((size_t)N * in, 4), *gA = calloc((size_t)r * in, 4), *gB = calloc((size_t)out * r, 4);
             FL_REQUIRE_OK(be.gemm(&be, 0, 1, N, out, in, 1.0f, x->data, FL_F32, in, W->data, FL_F32, in, 0.0f, yy, FL_F32, out));
             be.bias_forward(&be, yy, bias->data, N, out);
-            FL_REQUIRE_OK(be.lora_forward(&be, yy, out, h, NULL, x->data, A->data, B->data, N, in, out, r, s, 0.0f, 0));
+            FL_REQUIRE_OP(&be, be.lora_forward(&be, yy, out, h, NULL, x->data, A->data, B->data, N, in, out, r, s, 0.0f, 0));
             FL_CHECK(scaled_close("lora y vs peft", yy, y->data, (size_t)N * out, 1e-6));
             FL_REQUIRE_OK(be.gemm(&be, 0, 0, N, in, out, 1.0f, dy->data, FL_F32, out, W->data, FL_F32, in, 0.0f, gx, FL_F32, in));
-            FL_REQUIRE_OK(be.lora_backward(&be, gx, gA, gB, dy->data, out, x->data, h, A->data, B->data, N, in, out, r, s,
+            FL_REQUIRE_OP(&be, be.lora_backward(&be, gx, gA, gB, dy->data, out, x->data, h, A->data, B->data, N, in, out, r, s,
                                            0.0f, 0, work));
             FL_CHECK(scaled_close("lora dx vs peft", gx, dx->data, (size_t)N * in, 1e-6));
             FL_CHECK(scaled_close("lora dA vs peft", gA, dA->data, (size_t)r * in, 1e-6));
@@ -316,7 +320,7 @@ static void fd_check(const char *what, const float *got, const float *pre, doubl
     }
 }
 
-FL_TEST(lora_finite_differences_dropout_slice) {
+static void lora_finite_differences_dropout_slice_on(fl_backend be) {
     for (int pi = 0; pi < 2; pi++) {
         const int N = 6, in = 13, out = 9, r = 3, ldy = 20, off = 7;
         const float p = pi ? 0.3f : 0.0f, s = 1.75f;
@@ -335,10 +339,8 @@ FL_TEST(lora_finite_differences_dropout_slice) {
         fl_test_fill(&rg, pdx, N * in, -1, 1);
         fl_test_fill(&rg, pdA, r * in, -1, 1);
         fl_test_fill(&rg, pdB, out * r, -1, 1);
-        fl_backend be;
-        fl_cpu_backend_init(&be, 2);
         memcpy(y, y0, N * ldy * 4);
-        FL_REQUIRE_OK(be.lora_forward(&be, y + off, ldy, h, xd, x, A, B, N, in, out, r, s, p, seed));
+        FL_REQUIRE_OP(&be, be.lora_forward(&be, y + off, ldy, h, xd, x, A, B, N, in, out, r, s, p, seed));
         /* forward vs float64, untouched outside the slice */
         lora_fd_ctx c = {N, in, out, r, ldy, off, s, p, seed, NULL, NULL, NULL, R};
         double *xdd = malloc(N * in * 8), *Ad = malloc(r * in * 8), *Bd = malloc(out * r * 8);
@@ -367,18 +369,23 @@ FL_TEST(lora_finite_differences_dropout_slice) {
         memcpy(dx, pdx, N * in * 4);
         memcpy(dA, pdA, r * in * 4);
         memcpy(dB, pdB, out * r * 4);
-        FL_REQUIRE_OK(be.lora_backward(&be, dx, dA, dB, R + off, ldy, p > 0 ? xd : x, h, A, B, N, in, out, r, s, p, seed, work));
+        FL_REQUIRE_OP(&be, be.lora_backward(&be, dx, dA, dB, R + off, ldy, p > 0 ? xd : x, h, A, B, N, in, out, r, s, p, seed, work));
         fd_check("dx", dx, pdx, xdd, N * in, &c);
         fd_check("dA", dA, pdA, Ad, r * in, &c);
         fd_check("dB", dB, pdB, Bd, out * r, &c);
         /* NULL gradients are skipped */
-        FL_REQUIRE_OK(be.lora_backward(&be, NULL, NULL, NULL, R + off, ldy, x, h, A, B, N, in, out, r, s, p, seed, work));
+        FL_REQUIRE_OP(&be, be.lora_backward(&be, NULL, NULL, NULL, R + off, ldy, x, h, A, B, N, in, out, r, s, p, seed, work));
         /* bad dropout / missing xd */
         FL_CHECK(be.lora_forward(&be, y, ldy, h, NULL, x, A, B, N, in, out, r, s, 0.5f, seed) == FL_ERR_INVALID);
         FL_CHECK(be.lora_forward(&be, y, ldy, h, xd, x, A, B, N, in, out, r, s, 1.0f, seed) == FL_ERR_INVALID);
         free(x); free(A); free(B); free(R); free(y); free(y0); free(h); free(xd); free(work);
         free(dx); free(dA); free(dB); free(pdx); free(pdA); free(pdB); free(xdd); free(Ad); free(Bd);
     }
+}
+
+FL_TEST(lora_finite_differences_dropout_slice) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) lora_finite_differences_dropout_slice_on(be);
 }
 
 FL_TEST(lora_init_scaling_config) {
@@ -509,7 +516,7 @@ FL_TEST(peft_round_trip) {
 static void merged_vs_peft(const char *fixture, const char *base_dir, const char *base_name) {
     char p[512];
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;
@@ -723,7 +730,7 @@ static void diff_stats(const float *a, const float *b, size_t n, double *md, dou
  * against PEFT's merge_and_unload (the merged lm_head.weight). */
 FL_TEST(lora_head_grads_vs_peft) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;
@@ -787,7 +794,7 @@ FL_TEST(lora_head_grads_vs_peft) {
  * PEFT's merged logits, and the PEFT-written adapter (with lm_head.base_layer.weight) merges. */
 FL_TEST(lora_head_chunks_dropout_generation) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;

@@ -153,7 +153,7 @@ static size_t analytic_llama_params(const fl_model_config *c) {
 
 FL_TEST(mem_model_buffers_equal_analytic_counts) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool p;
     FL_REQUIRE_OK(fl_mem_pool_init(&p, "cpu", 0));
     fl_model_config c = small_llama();
@@ -194,7 +194,7 @@ FL_TEST(mem_model_buffers_equal_analytic_counts) {
  * leaves nothing allocated once the caller frees what it owns. */
 FL_TEST(mem_fault_injection_sweep_setup) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 1));
+    FL_REQUIRE_OK(fl_test_backend(&be, 1));
     fl_model_config c = small_llama();
     int failures = 0;
     for (long k = 0; k < 64; k++) {
@@ -226,7 +226,7 @@ FL_TEST(mem_fault_injection_sweep_setup) {
 
 FL_TEST(mem_budget_oom_during_setup_names_phase) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 1));
+    FL_REQUIRE_OK(fl_test_backend(&be, 1));
     fl_model_config c = small_llama();
     fl_mem_pool p;
     /* enough for params + grads + AdamW, not for the activations */

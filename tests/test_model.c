@@ -53,7 +53,7 @@ static const fl_st_tensor *find_ref(const fl_st_file *g, const char *prefix, con
 static void golden(const char *dir) {
     char path[512];
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;
@@ -237,7 +237,7 @@ FL_TEST(golden_gpt2_vs_pytorch) { golden("tests/fixtures/golden-gpt2"); }
  * (the step normalizes by the total count of valid targets). */
 FL_TEST(model_grad_accumulation_equals_large_batch) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model_config c;
@@ -282,7 +282,7 @@ FL_TEST(model_grad_accumulation_equals_large_batch) {
 FL_TEST(real_stories260k_bin_and_hf_same_logits) {
     FL_SKIP_IF_NO_DATA();
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model a, b;
@@ -323,7 +323,7 @@ static void real_vs_torch(const char *model_rel, const char *fixture) {
     FL_REQUIRE(n >= 2 && n <= 256);
     for (int i = 0; i < n; i++) ids[i] = (int32_t)fl_json_at(toks, (size_t)i)->num;
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;
@@ -354,7 +354,7 @@ FL_TEST(real_stories260k_loss_vs_torch) { real_vs_torch("stories260K-hf", "tests
  * (L+1) residuals plus one block instead of L blocks. */
 static void ckpt_case(const char *preset) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model_config c;
@@ -414,7 +414,7 @@ FL_TEST(model_act_ckpt_exact_gpt2) { ckpt_case("gpt2"); }
  * bf16 accuracy (tensor-scaled error < 2e-2; bf16 has 8 mantissa bits). */
 FL_TEST(model_bf16_mixed_memory_and_accuracy) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;
@@ -527,7 +527,7 @@ static void acts16_sizing_case(const char *preset) {
     /* the runtime: bf16-true storage allocates exactly the 16-bit arena; switching the policy of an
      * fp32 model re-sizes an arena already allocated */
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;
@@ -607,7 +607,7 @@ static void acts16_grad_case(fl_model *m, const int32_t *ids, const int32_t *tg,
 
 FL_TEST(model_acts16_gradients_vs_fp32_acts) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;

@@ -1,4 +1,7 @@
-/* CPU backend op tests.
+/* Backend op tests, run against every registered backend (fl_backend_count(): cpu, ref,
+ * later the opaque test backend and cuda) in the style of ggml's test-backend-ops: each op
+ * test loops FL_FOR_EACH_BACKEND, and tests of the CPU backend's internals (its GEMM
+ * libraries, schedules, thread counts, fl_cpu_expf) stay CPU-only.
  *
  * For every op: forward against an independent float64 reference written here
  * (simple loops, no tiling), and backward against central finite differences of
@@ -174,6 +177,16 @@ FL_TEST(ops_gemm_all_transposes) {
             gemm_case(&be, fl_cpu_gemm_naive, ta, tb, 0.0f, "gemm_naive beta0");
         }
     FL_CHECK(be.gemm == fl_cpu_gemm_sized && be.gemm_name && strlen(be.gemm_name) > 0);
+    /* every registered backend's gemm slot, the same cases */
+    fl_backend bk;
+    FL_FOR_EACH_BACKEND(bk, 2) {
+        for (int ta = 0; ta < 2; ta++)
+            for (int tb = 0; tb < 2; tb++) {
+                gemm_case(&bk, bk.gemm, ta, tb, 0.5f, "be->gemm");
+                gemm_case(&bk, bk.gemm, ta, tb, 0.0f, "be->gemm beta0");
+            }
+        FL_CHECK(bk.gemm_name && strlen(bk.gemm_name) > 0);
+    }
 }
 
 FL_TEST(ops_gemm_fast_vs_naive) {
@@ -189,6 +202,19 @@ FL_TEST(ops_gemm_fast_vs_naive) {
     FL_CHECK(fl_cpu_gemm(&be, 0, 0, M, N, K, 1.0f, A, FL_F64, K, B, FL_F32, N, 0.0f, C1, FL_F32, N) != FL_OK);
     FL_CHECK(fl_cpu_gemm_naive(&be, 0, 0, M, N, K, 1.0f, A, FL_F16, K, B, FL_F32, N, 0.0f, C1, FL_F32, N) ==
              FL_ERR_UNSUPPORTED);
+    /* every registered backend's gemm slot against the naive loop, and its dtype refusals */
+    fl_backend bk;
+    FL_FOR_EACH_BACKEND(bk, 2) {
+        memcpy(C1, C2, (size_t)M * N * 4);
+        float *C3 = fdup(C2, (size_t)M * N);
+        FL_CHECK(bk.gemm(&bk, 0, 0, M, N, K, 1.0f, A, FL_F32, K, B, FL_F32, N, 1.0f, C1, FL_F32, N) == FL_OK);
+        FL_CHECK(fl_cpu_gemm_naive(&be, 0, 0, M, N, K, 1.0f, A, FL_F32, K, B, FL_F32, N, 1.0f, C3, FL_F32, N) == FL_OK);
+        FL_CHECK(fl_test_allclose("be->gemm vs naive", C1, C3, (size_t)M * N, 1e-4, 1e-5));
+        FL_CHECK(bk.gemm(&bk, 0, 0, M, N, K, 1.0f, A, FL_F64, K, B, FL_F32, N, 0.0f, C1, FL_F32, N) != FL_OK);
+        FL_CHECK(bk.gemm(&bk, 0, 0, M, N, K, 1.0f, A, FL_F16, K, B, FL_F32, N, 0.0f, C1, FL_F32, N) ==
+                 FL_ERR_UNSUPPORTED);
+        free(C3);
+    }
     free(A); free(B); free(C1); free(C2);
 }
 
@@ -206,8 +232,7 @@ static double emb_loss(void *p) {
     return dot_d(c->out, c->R, (size_t)c->B * c->T * c->C);
 }
 
-FL_TEST(ops_embedding) {
-    fl_backend be = cpu2();
+static void ops_embedding_on(fl_backend be) {
     fl_test_rng r = {1};
     const int B = 2, T = 5, C = 13, V = 11, maxT = 7;
     int32_t ids[10] = {3, 7, 3, 0, 10, 7, 7, 2, 3, 9}; /* repeats within and across batches */
@@ -235,9 +260,12 @@ FL_TEST(ops_embedding) {
     }
     free(wte); free(wpe); free(out); free(R); free(c.wte); free(c.out);
 }
+FL_TEST(ops_embedding) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) ops_embedding_on(be);
+}
 
-FL_TEST(ops_embedding_backward_deterministic) {
-    fl_backend be = cpu2();
+static void ops_embedding_backward_deterministic_on(fl_backend be) {
     fl_test_rng r = {2};
     const int B = 4, T = 33, C = 200, V = 7; /* few ids: heavy repetition */
     int32_t ids[4 * 33];
@@ -248,6 +276,10 @@ FL_TEST(ops_embedding_backward_deterministic) {
     be.embedding_backward(&be, b, pb, dout, ids, B, T, C);
     FL_CHECK(memcmp(a, b, V * C * 4) == 0 && memcmp(pa, pb, T * C * 4) == 0);
     free(dout); free(a); free(b); free(pa); free(pb);
+}
+FL_TEST(ops_embedding_backward_deterministic) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) ops_embedding_backward_deterministic_on(be);
 }
 
 /* ---- norms ------------------------------------------------------------------------ */
@@ -275,8 +307,7 @@ static double norm_loss(void *p) {
     return dot_d(c->out, c->R, (size_t)c->N * c->C);
 }
 
-static void norm_test(int ln) {
-    fl_backend be = cpu2();
+static void norm_test_on(fl_backend be, int ln) {
     fl_test_rng r = {3 + ln};
     const int N = 7, C = 13;
     const float eps = 1e-5f;
@@ -328,6 +359,10 @@ static void norm_test(int ln) {
     free(dx2); free(x2); free(dy2); free(w2); free(m2); free(r2); free(o2); free(ga); free(gb); free(wa); free(wb);
     free(ba); free(bb);
 }
+static void norm_test(int ln) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) norm_test_on(be, ln);
+}
 
 FL_TEST(ops_rmsnorm) { norm_test(0); }
 FL_TEST(ops_layernorm) { norm_test(1); }
@@ -356,8 +391,7 @@ static double rope_loss(void *p) {
     return dot_d(c->out, c->R, (size_t)c->B * c->T * c->stride);
 }
 
-FL_TEST(ops_rope) {
-    fl_backend be = cpu2();
+static void ops_rope_on(fl_backend be) {
     fl_test_rng r = {5};
     const int B = 2, T = 9, nh = 3, HD = 12, stride = 5 * 12 + 1, pos0 = 4, maxT = 16;
     float cs[16 * 6], sn[16 * 6];
@@ -377,6 +411,10 @@ FL_TEST(ops_rope) {
     be.rope_backward(&be, y, B, T, nh, HD, stride, cs, sn, pos0);
     FL_CHECK(fl_test_allclose("rope roundtrip", y, x, n, 1e-5, 1e-6));
     free(x); free(R); free(c.x); free(c.out); free(want); free(y); free(dx);
+}
+FL_TEST(ops_rope) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) ops_rope_on(be);
 }
 
 /* Independent double version of HF _compute_llama3_parameters. */
@@ -468,8 +506,7 @@ static double attn_loss(void *p) {
     return dot_d(c->out, c->R, (size_t)c->B * c->T * c->NH * c->HD);
 }
 
-static void attn_case(int B, int T, int NH, int NKV, int HD, size_t nsample) {
-    fl_backend be = cpu2();
+static void attn_case_on(fl_backend be, int B, int T, int NH, int NKV, int HD, size_t nsample) {
     fl_test_rng r = {(unsigned long long)(T * 1000 + HD * 10 + NH + NKV)};
     size_t W = (size_t)(NH + 2 * NKV) * HD, nq = (size_t)B * T * W, no = (size_t)B * T * NH * HD, nl = (size_t)B * NH * T;
     float *qkv = frand(&r, nq, -1.5f, 1.5f), *R = frand(&r, no, -1, 1);
@@ -490,32 +527,41 @@ static void attn_case(int B, int T, int NH, int NKV, int HD, size_t nsample) {
     FD_CHECK(what, dqkv, pre, c.qkv, nq, attn_loss, &c, nsample);
     free(lse_keep);
 
-    /* determinism: bit-identical across runs, thread counts (1 = the reference backend, 2, 3) and
-     * both backward schedules (fused per kv head / split into kv and query tiles) */
-    fl_backend ref, be3;
-    fl_ref_backend_init(&ref);
-    fl_cpu_backend_init(&be3, 3);
+    /* determinism: bit-identical across runs */
     float *d2 = fdup(pre, nq), *d3 = fdup(pre, nq);
     be.attention_backward(&be, d2, R, qkv, out, lse, B, T, NH, NKV, HD);
-    ref.attention_backward(&ref, d3, R, qkv, out, lse, B, T, NH, NKV, HD);
     FL_CHECKF(memcmp(d2, dqkv, nq * 4) == 0, "%s: backward not deterministic", what);
-    FL_CHECKF(memcmp(d3, dqkv, nq * 4) == 0, "%s: backward depends on thread count (1 vs 2)", what);
-    const fl_backend *bes[3] = {&ref, &be, &be3};
-    for (int k = 0; k < 3; k++)
-        for (int split = 0; split < 2; split++) {
-            memcpy(d3, pre, nq * 4);
-            fl_cpu_attention_backward_sched(bes[k], d3, R, qkv, out, lse, B, T, NH, NKV, HD, split);
-            FL_CHECKF(memcmp(d3, dqkv, nq * 4) == 0, "%s: backward differs with %d threads, %s schedule", what,
-                      bes[k]->n_threads, split ? "split" : "fused");
-        }
-    memcpy(d3, pre, nq * 4);
-    be3.attention_backward(&be3, d3, R, qkv, out, lse, B, T, NH, NKV, HD);
-    FL_CHECKF(memcmp(d3, dqkv, nq * 4) == 0, "%s: backward depends on thread count (3)", what);
+    /* backends computing with the CPU kernels (cpu, ref): the same bits for every thread count
+     * (1 = the reference backend, 2, 3) and both backward schedules (fused per kv head / split
+     * into kv and query tiles) */
+    if (be.device == FL_DEV_CPU) {
+        fl_backend ref, be3;
+        fl_ref_backend_init(&ref);
+        fl_cpu_backend_init(&be3, 3);
+        memcpy(d3, pre, nq * 4);
+        ref.attention_backward(&ref, d3, R, qkv, out, lse, B, T, NH, NKV, HD);
+        FL_CHECKF(memcmp(d3, dqkv, nq * 4) == 0, "%s: backward depends on thread count (1 vs 2)", what);
+        const fl_backend *bes[3] = {&ref, &be, &be3};
+        for (int k = 0; k < 3; k++)
+            for (int split = 0; split < 2; split++) {
+                memcpy(d3, pre, nq * 4);
+                fl_cpu_attention_backward_sched(bes[k], d3, R, qkv, out, lse, B, T, NH, NKV, HD, split);
+                FL_CHECKF(memcmp(d3, dqkv, nq * 4) == 0, "%s: backward differs with %d threads, %s schedule", what,
+                          bes[k]->n_threads, split ? "split" : "fused");
+            }
+        memcpy(d3, pre, nq * 4);
+        be3.attention_backward(&be3, d3, R, qkv, out, lse, B, T, NH, NKV, HD);
+        FL_CHECKF(memcmp(d3, dqkv, nq * 4) == 0, "%s: backward depends on thread count (3)", what);
+    }
     float *o2 = malloc(no * 4), *l2 = malloc(nl * 4);
     be.attention_forward(&be, o2, l2, qkv, B, T, NH, NKV, HD);
     FL_CHECKF(memcmp(o2, out, no * 4) == 0 && memcmp(l2, lse, nl * 4) == 0, "%s: forward not deterministic", what);
     free(qkv); free(R); free(out); free(lse); free(c.qkv); free(c.out); free(c.p); free(want); free(wl); free(dqkv);
     free(pre); free(d2); free(d3); free(o2); free(l2);
+}
+static void attn_case(int B, int T, int NH, int NKV, int HD, size_t nsample) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) attn_case_on(be, B, T, NH, NKV, HD, nsample);
 }
 
 FL_TEST(ops_attention_gqa) { attn_case(2, 37, 6, 2, 12, 500); }   /* ratio 3 */
@@ -551,8 +597,7 @@ static double act_loss(void *p) {
     return dot_d(c->out, c->R, c->gelu ? (size_t)c->N : (size_t)c->N * c->F);
 }
 
-FL_TEST(ops_swiglu) {
-    fl_backend be = cpu2();
+static void ops_swiglu_on(fl_backend be) {
     fl_test_rng r = {8};
     const int N = 7, F = 13;
     float *gu = frand(&r, N * 2 * F, -4, 4), *R = frand(&r, N * F, -1, 1), *out = malloc(N * F * 4);
@@ -567,9 +612,12 @@ FL_TEST(ops_swiglu) {
     FD_CHECK("swiglu dgu", dgu, pre, c.x, N * 2 * F, act_loss, &c, 0);
     free(gu); free(R); free(out); free(c.x); free(c.out); free(want); free(dgu); free(pre);
 }
+FL_TEST(ops_swiglu) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) ops_swiglu_on(be);
+}
 
-FL_TEST(ops_gelu) {
-    fl_backend be = cpu2();
+static void ops_gelu_on(fl_backend be) {
     fl_test_rng r = {9};
     const int n = 101;
     float *x = frand(&r, n, -5, 5), *R = frand(&r, n, -1, 1), *out = malloc(n * 4);
@@ -584,11 +632,14 @@ FL_TEST(ops_gelu) {
     FD_CHECK("gelu dinp", dx, pre, c.x, n, act_loss, &c, 0);
     free(x); free(R); free(out); free(c.x); free(c.out); free(want); free(dx); free(pre);
 }
+FL_TEST(ops_gelu) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) ops_gelu_on(be);
+}
 
 /* ---- elementwise / bias / reductions --------------------------------------------------- */
 
-FL_TEST(ops_elementwise) {
-    fl_backend be = cpu2();
+static void ops_elementwise_on(fl_backend be) {
     fl_test_rng r = {10};
     const size_t n = 1001;
     float *a = frand(&r, n, -2, 2), *b = frand(&r, n, -2, 2), *o = malloc(n * 4);
@@ -615,14 +666,18 @@ FL_TEST(ops_elementwise) {
     FL_CHECK(ok);
     free(a); free(b); free(o); free(a2);
 }
+FL_TEST(ops_elementwise) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) ops_elementwise_on(be);
+}
 
 /* The gradient norm's sums of squares and the gradient clear: the same result for 1, 2, 3 and 5
  * threads (ranges fixed by n), sizes on both sides of the parallel thresholds; the sum against a
  * double loop. */
-FL_TEST(ops_sumsq_zero_thread_independent) {
+static void ops_sumsq_zero_thread_independent_on(const char *name) {
     fl_backend be[4];
     const int nts[4] = {1, 2, 3, 5};
-    for (int k = 0; k < 4; k++) fl_cpu_backend_init(&be[k], nts[k]);
+    for (int k = 0; k < 4; k++) FL_REQUIRE_OK(fl_backend_init_by_name(name, &be[k], nts[k]));
     fl_test_rng r = {77};
     const size_t sizes[] = {1, 4095, 20000, 1000003, (size_t)3 << 20};
     float *x = frand(&r, sizes[4], -3, 3);
@@ -657,6 +712,10 @@ FL_TEST(ops_sumsq_zero_thread_independent) {
     }
     free(x); free(x16); free(xh); free(buf);
 }
+FL_TEST(ops_sumsq_zero_thread_independent) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 1) ops_sumsq_zero_thread_independent_on(be.name);
+}
 
 typedef struct { double *b; const float *y0, *R; int N, OC; } bias_ctx;
 static double bias_loss(void *p) {
@@ -667,8 +726,7 @@ static double bias_loss(void *p) {
     return s;
 }
 
-FL_TEST(ops_bias) {
-    fl_backend be = cpu2();
+static void ops_bias_on(fl_backend be) {
     fl_test_rng r = {11};
     const int N = 7, OC = 77; /* spans several column blocks, ragged */
     float *y = frand(&r, N * OC, -1, 1), *b = frand(&r, OC, -1, 1), *R = frand(&r, N * OC, -1, 1);
@@ -684,6 +742,10 @@ FL_TEST(ops_bias) {
     FD_CHECK("bias db", db, pre, c.b, OC, bias_loss, &c, 0);
     be.bias_backward(&be, NULL, R, N, OC); /* NULL: no-op, must not crash */
     free(y); free(b); free(R); free(y0); free(c.b); free(db); free(pre);
+}
+FL_TEST(ops_bias) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) ops_bias_on(be);
 }
 
 /* ---- cross-entropy ------------------------------------------------------------------------ */
@@ -704,8 +766,7 @@ static double xent_ref(void *p) { /* returns grad_scale * sum of losses; fills l
     return c->gs * tot;
 }
 
-static void xent_case(int N, int V, float spread, int ramp, size_t nsample) {
-    fl_backend be = cpu2();
+static void xent_case_on(fl_backend be, int N, int V, float spread, int ramp, size_t nsample) {
     fl_test_rng r = {(unsigned long long)V};
     float *x = frand(&r, (size_t)N * V, -spread, spread);
     /* ramp: the max keeps growing chunk after chunk (exercises the online rescale) */
@@ -737,14 +798,17 @@ static void xent_case(int N, int V, float spread, int ramp, size_t nsample) {
     FL_CHECK(memcmp(loss2, loss, N * 4) == 0 && memcmp(xa, dl, (size_t)N * V * 4) == 0);
     free(x); free(tg); free(c.x); free(c.loss); free(want); free(loss); free(dl); free(loss2); free(xa);
 }
+static void xent_case(int N, int V, float spread, int ramp, size_t nsample) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) xent_case_on(be, N, V, spread, ramp, nsample);
+}
 
 FL_TEST(ops_cross_entropy) { xent_case(9, 101, 3.0f, 0, 0); }
 FL_TEST(ops_cross_entropy_chunks) { xent_case(5, 1301, 2.0f, 1, 800); }
 
 /* ---- optimizers -------------------------------------------------------------------------- */
 
-FL_TEST(ops_adamw) {
-    fl_backend be = cpu2();
+static void ops_adamw_on(fl_backend be) {
     fl_test_rng r = {12};
     const size_t n = 103;
     float *p = frand(&r, n, -1, 1), *m = calloc(n, 4), *v = calloc(n, 4);
@@ -772,9 +836,12 @@ FL_TEST(ops_adamw) {
     FL_CHECK(fl_test_allclose("adamw v", v, wv, n, 1e-5, 1e-9));
     free(p); free(m); free(v); free(dp); free(dm); free(dv); free(wp); free(wm); free(wv);
 }
+FL_TEST(ops_adamw) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) ops_adamw_on(be);
+}
 
-static void sgd_case(float mom, float damp, float wd, int nesterov) {
-    fl_backend be = cpu2();
+static void sgd_case_on(fl_backend be, float mom, float damp, float wd, int nesterov) {
     fl_test_rng r = {13};
     const size_t n = 57;
     float *p = frand(&r, n, -1, 1), *buf = mom != 0.0f ? calloc(n, 4) : NULL;
@@ -803,6 +870,10 @@ static void sgd_case(float mom, float damp, float wd, int nesterov) {
         free(wb);
     }
     free(p); free(buf); free(dp); free(db); free(wp);
+}
+static void sgd_case(float mom, float damp, float wd, int nesterov) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) sgd_case_on(be, mom, damp, wd, nesterov);
 }
 
 FL_TEST(ops_sgd) {
@@ -833,13 +904,28 @@ FL_TEST(ops_backend_vtables) {
     }
     printf("      %zu op slots, all filled in cpu and ref\n", nslots);
     fl_cpu_backend_free(&be);
+    /* the registry: cpu and ref first, every registered backend's table complete, named as listed */
+    FL_CHECK(fl_backend_count() >= 2 && !strcmp(fl_backend_name(0), "cpu") && !strcmp(fl_backend_name(1), "ref"));
+    FL_CHECK(fl_backend_name(-1) == NULL && fl_backend_name(fl_backend_count()) == NULL);
+    fl_backend bk;
+    FL_FOR_EACH_BACKEND(bk, 2) {
+        void (*const *slots)(void) = (void (*const *)(void))&bk.gemm;
+        int missing = 0;
+        for (size_t i = 0; i < nslots; i++) missing += slots[i] == NULL;
+        FL_CHECKF(missing == 0, "%s: %d of %zu vtable slots are NULL", bk.name, missing, nslots);
+        FL_CHECK(bk.name && !strcmp(bk.name, fl_backend_name(bk_i_)) && fl_backend_description(bk_i_) != NULL);
+        FL_CHECK(bk.n_threads >= 1);
+    }
+    fl_backend none;
+    FL_CHECK(fl_backend_init_by_name("no-such-backend", &none, 1) == FL_ERR_INVALID);
+    FL_CHECK(strstr(fl_error_message(), "no-such-backend") && strstr(fl_error_message(), "cpu, ref"));
+    FL_CHECK(fl_backend_init_by_name(NULL, &none, 1) == FL_ERR_INVALID);
 }
 
 /* ---- timing (informational) ------------------------------------------------------------------ */
 
-FL_TEST(ops_attention_hd_too_large_is_loud) {
+static void ops_attention_hd_too_large_is_loud_on(fl_backend be) {
     /* HD beyond the fixed stack tiles must not silently compute garbage */
-    fl_backend be = cpu2();
     const int B = 1, T = 3, NH = 1, NKV = 1, HD = FL_CPU_ATTN_MAX_HD + 2;
     size_t nq = (size_t)B * T * 3 * HD, no = (size_t)B * T * HD;
     float *qkv = calloc(nq, 4), *out = calloc(no, 4), *lse = calloc(T, 4), *dq = calloc(nq, 4);
@@ -847,6 +933,10 @@ FL_TEST(ops_attention_hd_too_large_is_loud) {
     be.attention_backward(&be, dq, out, qkv, out, lse, B, T, NH, NKV, HD);
     FL_CHECK(isnan(out[0]) && isnan(lse[T - 1]) && isnan(dq[nq - 1]));
     free(qkv); free(out); free(lse); free(dq);
+}
+FL_TEST(ops_attention_hd_too_large_is_loud) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) ops_attention_hd_too_large_is_loud_on(be);
 }
 
 /* ---- fl_cpu_expf (the vectorizable exp behind softmax, sigmoid, GELU) --------------------------- */
@@ -908,11 +998,10 @@ FL_TEST(ops_expf_accuracy) {
              fl_cpu_sigmoidf(-INFINITY) < 1e-37f);
 }
 
-FL_TEST(ops_expf_vectorized_loop_matches_scalar) {
+static void ops_expf_vectorized_loop_matches_scalar_on(fl_backend be) {
     /* The cross-entropy gradient is a vectorized loop over fl_cpu_expf; it must
      * compute the same function (within the 2-ulp bound of each) on NaN, +-inf
      * and out-of-range logits as well: NaN logits give a NaN loss, not a crash. */
-    fl_backend be = cpu2();
     const int V = 37;
     float x[37], dl[37], loss;
     for (int v = 0; v < V; v++) x[v] = -90.0f + 5.0f * v;
@@ -936,4 +1025,8 @@ FL_TEST(ops_expf_vectorized_loop_matches_scalar) {
     x[5] = NAN;
     be.cross_entropy(&be, &loss, dl, x, &tg, 1, V, 1.0f, FL_IGNORE_INDEX);
     FL_CHECK(isnan(loss));
+}
+FL_TEST(ops_expf_vectorized_loop_matches_scalar) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) ops_expf_vectorized_loop_matches_scalar_on(be);
 }

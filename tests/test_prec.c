@@ -43,10 +43,9 @@ static double fp32_dot_bound(int K, double mag) {
  * float64 reference uses the bf16-rounded operands; tolerance = fp32_dot_bound plus, for a
  * BF16 C, the final rounding to bf16 (half an ulp: <= 2^-8 of the value). Padding and the
  * untouched part of C are compared exactly. */
-static int bf16_case(gemm_fn fn, const char *name, fl_dtype ta, fl_dtype tc, int tra, int trb, int M, int N, int K,
-                     float alpha, float beta, int pad, int nan_c) {
-    fl_backend be = {0};
-    be.n_threads = 2;
+static int bf16_case(const fl_backend *bep, gemm_fn fn, const char *name, fl_dtype ta, fl_dtype tc, int tra, int trb,
+                     int M, int N, int K, float alpha, float beta, int pad, int nan_c) {
+    fl_backend be = *bep;
     fl_test_rng rng = {(unsigned long long)(M * 7919 + N * 104729 + K * 31 + tra * 2 + trb + pad * 5 + ta * 3 + tc)};
     int a_rows = tra ? K : M, a_cols = tra ? M : K, b_rows = trb ? N : K, b_cols = trb ? K : N;
     int lda = a_cols + pad, ldb = b_cols + pad, ldc = N + pad;
@@ -109,7 +108,28 @@ static int bf16_case(gemm_fn fn, const char *name, fl_dtype ta, fl_dtype tc, int
     return ok && !bad;
 }
 
-static void bf16_check_all(gemm_fn fn, const char *name) {
+/* The kernels of the CPU backend called directly run with a bare table of 2 threads. */
+static fl_backend bare2(void) {
+    fl_backend be = {0};
+    be.name = "cpu";
+    be.n_threads = 2;
+    return be;
+}
+
+/* Every case of one dtype combination (or the whole set) through fn on be. A combination the
+ * backend refuses (FL_ERR_UNSUPPORTED on a 1x1x1 probe) is reported by fl_test_unsupported:
+ * a failure on cpu and ref, a skip with a message elsewhere. */
+static int gemm_combo_unsupported(const fl_backend *be, gemm_fn fn, fl_dtype ta, fl_dtype tb, fl_dtype tc) {
+    float af = 1, cf = 0;
+    uint16_t a16 = 0x3f80, b16 = tb == FL_F16 ? 0x3c00 : 0x3f80, c16 = 0;
+    fl_status st = fn(be, 0, 0, 1, 1, 1, 1.0f, ta == FL_F32 ? (const void *)&af : (const void *)&a16, ta, 1, &b16, tb, 1,
+                      0.0f, tc == FL_F32 ? (void *)&cf : (void *)&c16, tc, 1);
+    char what[96];
+    snprintf(what, sizeof what, "gemm %s x %s -> %s", fl_dtype_name(ta), fl_dtype_name(tb), fl_dtype_name(tc));
+    return fl_test_unsupported(be, st, what);
+}
+
+static void bf16_check_all_on(const fl_backend *be, gemm_fn fn, const char *name) {
     static const int sizes[][3] = {{7, 13, 37}, {67, 129, 65}, {1, 1, 1}, {33, 1, 17}, {130, 70, 300}, {5, 300, 3},
                                    {301, 7, 9}};
     static const float ab[][2] = {{1, 0}, {1, 1}, {0.5f, -2}, {-1.5f, 0.25f}};
@@ -119,24 +139,37 @@ static void bf16_check_all(gemm_fn fn, const char *name) {
         for (int tra = 0; tra < 2; tra++)
             for (int trb = 0; trb < 2; trb++) {
                 fl_dtype ta = combos[c][0], tc = combos[c][1];
+                if (tra == 0 && trb == 0 && gemm_combo_unsupported(be, fn, ta, FL_BF16, tc)) {
+                    trb = tra = 2; /* the whole combination */
+                    break;
+                }
                 for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++)
                     for (size_t k = 0; k < sizeof ab / sizeof ab[0]; k++)
                         for (int pad = 0; pad <= 5; pad += 5, n++)
-                            fails += !bf16_case(fn, name, ta, tc, tra, trb, sizes[s][0], sizes[s][1], sizes[s][2],
+                            fails += !bf16_case(be, fn, name, ta, tc, tra, trb, sizes[s][0], sizes[s][1], sizes[s][2],
                                                 ab[k][0], ab[k][1], pad, 0);
-                fails += !bf16_case(fn, name, ta, tc, tra, trb, 67, 129, 65, 0.75f, 0, 3, 1); /* beta 0: C not read */
-                fails += !bf16_case(fn, name, ta, tc, tra, trb, 7, 13, 0, 1, 0.5f, 2, 0);   /* K == 0 */
-                fails += !bf16_case(fn, name, ta, tc, tra, trb, 7, 13, 0, 1, 0, 2, 1);
-                fails += !bf16_case(fn, name, ta, tc, tra, trb, 7, 13, 5, 0, 2, 0, 0);      /* alpha == 0 */
-                fails += !bf16_case(fn, name, ta, tc, tra, trb, 0, 13, 5, 1, 0.5f, 1, 0);   /* M == 0 */
+                fails += !bf16_case(be, fn, name, ta, tc, tra, trb, 67, 129, 65, 0.75f, 0, 3, 1); /* beta 0: C not read */
+                fails += !bf16_case(be, fn, name, ta, tc, tra, trb, 7, 13, 0, 1, 0.5f, 2, 0);   /* K == 0 */
+                fails += !bf16_case(be, fn, name, ta, tc, tra, trb, 7, 13, 0, 1, 0, 2, 1);
+                fails += !bf16_case(be, fn, name, ta, tc, tra, trb, 7, 13, 5, 0, 2, 0, 0);      /* alpha == 0 */
+                fails += !bf16_case(be, fn, name, ta, tc, tra, trb, 0, 13, 5, 1, 0.5f, 1, 0);   /* M == 0 */
                 n += 5;
             }
     FL_CHECKF(fails == 0, "%s: %d of %d bf16 cases failed", name, fails, n);
+}
+static void bf16_check_all(gemm_fn fn, const char *name) {
+    fl_backend be = bare2();
+    bf16_check_all_on(&be, fn, name);
 }
 
 FL_TEST(prec_gemm_bf16_library_vs_f64) {
     fprintf(stderr, "  bf16 gemm path: %s (avx512_bf16: %d)\n", fl_cpu_gemm_bf16_path(), fl_cpu_has_avx512bf16());
     bf16_check_all(fl_cpu_gemm, "gemm");
+}
+/* Every registered backend's gemm slot, the same cases and bounds. */
+FL_TEST(prec_gemm_bf16_backends_vs_f64) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) bf16_check_all_on(&be, be.gemm, be.name);
 }
 FL_TEST(prec_gemm_bf16_tiled_vs_f64) { bf16_check_all(fl_cpu_gemm_bf16_tiled, "tiled"); }
 
@@ -215,10 +248,9 @@ static uint16_t *to_f16(const float *x, size_t n) {
  * those values and an F32 A as is (not rounded to f16). Tolerance: fp32_dot_bound (an f16 x
  * F32 product is not exact in fp32: one more rounding each, covered by the bound's 2K + 2).
  * Padding and the untouched part of C: exact. */
-static int f16_case(gemm_fn fn, const char *name, fl_dtype ta, int tra, int trb, int M, int N, int K, float alpha,
-                    float beta, int pad, int nan_c) {
-    fl_backend be = {0};
-    be.n_threads = 2;
+static int f16_case(const fl_backend *bep, gemm_fn fn, const char *name, fl_dtype ta, int tra, int trb, int M, int N,
+                    int K, float alpha, float beta, int pad, int nan_c) {
+    fl_backend be = *bep;
     fl_test_rng rng = {(unsigned long long)(M * 7907 + N * 104723 + K * 37 + tra * 2 + trb + pad * 11 + ta * 5)};
     int a_rows = tra ? K : M, a_cols = tra ? M : K, b_rows = trb ? N : K, b_cols = trb ? K : N;
     int lda = a_cols + pad, ldb = b_cols + pad, ldc = N + pad;
@@ -279,7 +311,7 @@ static int f16_case(gemm_fn fn, const char *name, fl_dtype ta, int tra, int trb,
     return ok && !bad;
 }
 
-static void f16_check_all(gemm_fn fn, const char *name) {
+static void f16_check_all_on(const fl_backend *be, gemm_fn fn, const char *name) {
     static const int sizes[][3] = {{7, 13, 37}, {67, 129, 65}, {1, 1, 1}, {33, 1, 17}, {130, 70, 300}, {5, 300, 3}};
     static const float ab[][2] = {{1, 0}, {1, 1}, {0.5f, -2}, {-1.5f, 0.25f}};
     static const fl_dtype tas[2] = {FL_F32, FL_F16};
@@ -288,27 +320,39 @@ static void f16_check_all(gemm_fn fn, const char *name) {
         for (int tra = 0; tra < 2; tra++)
             for (int trb = 0; trb < 2; trb++) {
                 fl_dtype ta = tas[c];
+                if (tra == 0 && trb == 0 && gemm_combo_unsupported(be, fn, ta, FL_F16, FL_F32)) {
+                    trb = tra = 2; /* the whole combination */
+                    break;
+                }
                 for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++)
                     for (size_t k = 0; k < sizeof ab / sizeof ab[0]; k++)
                         for (int pad = 0; pad <= 5; pad += 5, n++)
-                            fails += !f16_case(fn, name, ta, tra, trb, sizes[s][0], sizes[s][1], sizes[s][2], ab[k][0],
+                            fails += !f16_case(be, fn, name, ta, tra, trb, sizes[s][0], sizes[s][1], sizes[s][2], ab[k][0],
                                                ab[k][1], pad, 0);
-                fails += !f16_case(fn, name, ta, tra, trb, 67, 129, 65, 0.75f, 0, 3, 1); /* beta 0: C not read */
-                fails += !f16_case(fn, name, ta, tra, trb, 7, 13, 37, 1, 0, 0, 1);
-                fails += !f16_case(fn, name, ta, tra, trb, 7, 13, 0, 1, 0.5f, 2, 0);    /* K == 0 */
-                fails += !f16_case(fn, name, ta, tra, trb, 7, 13, 0, 1, 0, 2, 1);       /* K == 0, beta 0 */
-                fails += !f16_case(fn, name, ta, tra, trb, 7, 13, 5, 0, 2, 0, 0);       /* alpha == 0 */
-                fails += !f16_case(fn, name, ta, tra, trb, 7, 13, 5, 0, 0, 1, 1);       /* alpha == 0, beta 0 */
-                fails += !f16_case(fn, name, ta, tra, trb, 0, 13, 5, 1, 0.5f, 1, 0);    /* M == 0 */
-                fails += !f16_case(fn, name, ta, tra, trb, 7, 0, 5, 1, 0.5f, 1, 0);     /* N == 0 */
+                fails += !f16_case(be, fn, name, ta, tra, trb, 67, 129, 65, 0.75f, 0, 3, 1); /* beta 0: C not read */
+                fails += !f16_case(be, fn, name, ta, tra, trb, 7, 13, 37, 1, 0, 0, 1);
+                fails += !f16_case(be, fn, name, ta, tra, trb, 7, 13, 0, 1, 0.5f, 2, 0);    /* K == 0 */
+                fails += !f16_case(be, fn, name, ta, tra, trb, 7, 13, 0, 1, 0, 2, 1);       /* K == 0, beta 0 */
+                fails += !f16_case(be, fn, name, ta, tra, trb, 7, 13, 5, 0, 2, 0, 0);       /* alpha == 0 */
+                fails += !f16_case(be, fn, name, ta, tra, trb, 7, 13, 5, 0, 0, 1, 1);       /* alpha == 0, beta 0 */
+                fails += !f16_case(be, fn, name, ta, tra, trb, 0, 13, 5, 1, 0.5f, 1, 0);    /* M == 0 */
+                fails += !f16_case(be, fn, name, ta, tra, trb, 7, 0, 5, 1, 0.5f, 1, 0);     /* N == 0 */
                 n += 8;
             }
     FL_CHECKF(fails == 0, "%s: %d of %d f16 cases failed", name, fails, n);
+}
+static void f16_check_all(gemm_fn fn, const char *name) {
+    fl_backend be = bare2();
+    f16_check_all_on(&be, fn, name);
 }
 
 FL_TEST(prec_gemm_f16_library_vs_f64) {
     fprintf(stderr, "  f16 gemm path: %s (%s)\n", fl_cpu_gemm_f16_path(), fl_cpu_gemm_library());
     f16_check_all(fl_cpu_gemm, "gemm");
+}
+FL_TEST(prec_gemm_f16_backends_vs_f64) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) f16_check_all_on(&be, be.gemm, be.name);
 }
 FL_TEST(prec_gemm_f16_naive_vs_f64) { f16_check_all(fl_cpu_gemm_naive, "naive"); }
 
@@ -385,9 +429,7 @@ FL_TEST(prec_gemm_f16_unsupported_and_deterministic) {
 
 /* ---- convert ---------------------------------------------------------------------------- */
 
-FL_TEST(prec_convert) {
-    fl_backend be;
-    fl_cpu_backend_init(&be, 2);
+static void prec_convert_on(fl_backend be) {
     size_t n = 100003;
     float *x = malloc(n * 4), *y = malloc(n * 4);
     uint16_t *h = malloc(n * 2), *h2 = malloc(n * 2);
@@ -400,14 +442,14 @@ FL_TEST(prec_convert) {
     memcpy(x, specials, sizeof specials);
     const fl_dtype ts[3] = {FL_F32, FL_BF16, FL_F16};
     for (int d = 1; d < 3; d++) {
-        FL_REQUIRE_OK(be.convert(&be, h, ts[d], x, FL_F32, n));
+        FL_REQUIRE_OP(&be, be.convert(&be, h, ts[d], x, FL_F32, n));
         int bad = 0;
         for (size_t i = 0; i < n; i++) {
             uint16_t want = ts[d] == FL_BF16 ? fl_f32_to_bf16(x[i]) : fl_f32_to_f16(x[i]);
             bad += h[i] != want;
         }
         FL_CHECKF(bad == 0, "F32 -> %s: %d mismatches", fl_dtype_name(ts[d]), bad);
-        FL_REQUIRE_OK(be.convert(&be, y, FL_F32, h, ts[d], n));
+        FL_REQUIRE_OP(&be, be.convert(&be, y, FL_F32, h, ts[d], n));
         bad = 0;
         for (size_t i = 0; i < n; i++) {
             float want = ts[d] == FL_BF16 ? fl_bf16_to_f32(h[i]) : fl_f16_to_f32(h[i]);
@@ -416,7 +458,7 @@ FL_TEST(prec_convert) {
         FL_CHECKF(bad == 0, "%s -> F32: %d mismatches", fl_dtype_name(ts[d]), bad);
         /* 16 -> other 16 through f32 */
         fl_dtype o = ts[3 - d];
-        FL_REQUIRE_OK(be.convert(&be, h2, o, h, ts[d], n));
+        FL_REQUIRE_OP(&be, be.convert(&be, h2, o, h, ts[d], n));
         bad = 0;
         for (size_t i = 0; i < n; i++) {
             float f = ts[d] == FL_BF16 ? fl_bf16_to_f32(h[i]) : fl_f16_to_f32(h[i]);
@@ -430,6 +472,10 @@ FL_TEST(prec_convert) {
     FL_CHECK(fl_f32_to_bf16(1.01171875f) == 0x3f82);
     FL_CHECK(be.convert(&be, h, FL_I32, x, FL_F32, 4) == FL_ERR_UNSUPPORTED);
     free(x), free(y), free(h), free(h2);
+}
+FL_TEST(prec_convert) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) prec_convert_on(be);
 }
 
 /* ---- optimizer updates over reduced-precision storage ---------------------------------- */
@@ -459,9 +505,7 @@ static double err_units(float got, double want, fl_dtype t, double mag) {
     return fabs((double)got - want) / (half_ulp * 1.0001 + 16 * ldexp(1, -24) * mag + 1e-300);
 }
 
-FL_TEST(prec_adamw_sgd_mixed_vs_double) {
-    fl_backend be;
-    fl_cpu_backend_init(&be, 2);
+static void prec_adamw_sgd_mixed_vs_double_on(fl_backend be) {
     const fl_dtype combos[][3] = {{FL_BF16, FL_BF16, FL_BF16}, {FL_F32, FL_F32, FL_BF16}, {FL_F32, FL_BF16, FL_F32},
                                   {FL_BF16, FL_F32, FL_F32},   {FL_F16, FL_F16, FL_F32},  {FL_F32, FL_F32, FL_F32}};
     size_t n = 5003;
@@ -493,7 +537,7 @@ FL_TEST(prec_adamw_sgd_mixed_vs_double) {
                 mg[3 * i + 1] = fabs(m0) + fabs(gi);
                 mg[3 * i + 2] = v0 + gi * gi;
             }
-            FL_REQUIRE_OK(be.adamw_update_ex(&be, p, tp, g, tg, m, v, ts, n, lr, b1, b2, eps, wd, step, gs));
+            FL_REQUIRE_OP(&be, be.adamw_update_ex(&be, p, tp, g, tg, m, v, ts, n, lr, b1, b2, eps, wd, step, gs));
             for (size_t i = 0; i < n; i++) {
                 worst_p = fmax(worst_p, err_units(ld(p, tp, i), rp[i], tp, mg[3 * i]));
                 worst_s = fmax(worst_s, fmax(err_units(ld(m, ts, i), rm[i], ts, mg[3 * i + 1]),
@@ -521,7 +565,7 @@ FL_TEST(prec_adamw_sgd_mixed_vs_double) {
                     rp[i] = p0 - (double)lr * d;
                     mp[i] = fabs(p0) + 2 * lr * dm;
                 }
-                FL_REQUIRE_OK(be.sgd_update_ex(&be, p, tp, g, tg, mom != 0 ? m : NULL, ts, n, lr, mom, damp, wd, 1, first, gs));
+                FL_REQUIRE_OP(&be, be.sgd_update_ex(&be, p, tp, g, tg, mom != 0 ? m : NULL, ts, n, lr, mom, damp, wd, 1, first, gs));
                 double wp = 0, wb = 0;
                 for (size_t i = 0; i < n; i++) {
                     wp = fmax(wp, err_units(ld(p, tp, i), rp[i], tp, mp[i]));
@@ -538,12 +582,14 @@ FL_TEST(prec_adamw_sgd_mixed_vs_double) {
              FL_ERR_UNSUPPORTED);
     FL_CHECK(be.sgd_update_ex(&be, NULL, FL_F32, NULL, FL_F32, NULL, FL_F16, 1, 1, 0, 0, 0, 0, 1, 1) == FL_ERR_UNSUPPORTED);
 }
+FL_TEST(prec_adamw_sgd_mixed_vs_double) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) prec_adamw_sgd_mixed_vs_double_on(be);
+}
 
 /* ---- loss scaling ----------------------------------------------------------------------- */
 
-FL_TEST(prec_check_finite) {
-    fl_backend be;
-    fl_cpu_backend_init(&be, 2);
+static void prec_check_finite_on(fl_backend be) {
     size_t n = 70001;
     float *x = malloc(n * 4);
     uint16_t *h = malloc(n * 2);
@@ -554,17 +600,19 @@ FL_TEST(prec_check_finite) {
     size_t where[3] = {0, n / 2, n - 1};
     for (int d = 0; d < 3; d++) {
         const void *src = x;
-        if (d) { be.convert(&be, h, ts[d], x, FL_F32, n); src = h; }
+        /* the inputs in 16 bits by the host conversion (same RNE as the convert op): the op under
+         * test here is check_finite, whatever convert the backend has */
+        if (d) { fl_convert(h, ts[d], x, FL_F32, n); src = h; }
         int found = 0;
-        FL_REQUIRE_OK(be.check_finite(&be, src, ts[d], n, 1.0f / 65536, &found));
+        FL_REQUIRE_OP(&be, be.check_finite(&be, src, ts[d], n, 1.0f / 65536, &found));
         FL_CHECK(found == 0);
         for (int b = 0; b < 3; b++)
             for (int w = 0; w < 3; w++) {
                 float keep = x[where[w]];
                 x[where[w]] = bads[b];
-                if (d) { be.convert(&be, h, ts[d], x, FL_F32, n); src = h; }
+                if (d) { fl_convert(h, ts[d], x, FL_F32, n); src = h; }
                 found = 0;
-                FL_REQUIRE_OK(be.check_finite(&be, src, ts[d], n, 0.5f, &found));
+                FL_REQUIRE_OP(&be, be.check_finite(&be, src, ts[d], n, 0.5f, &found));
                 FL_CHECKF(found == 1, "%s: %g at %zu not found", fl_dtype_name(ts[d]), bads[b], where[w]);
                 x[where[w]] = keep;
             }
@@ -572,14 +620,18 @@ FL_TEST(prec_check_finite) {
     /* the check is on x * inv_scale (torch unscales then checks): overflow counts */
     float big[3] = {1e38f, 2.0f, -3e38f};
     int found = 0;
-    FL_REQUIRE_OK(be.check_finite(&be, big, FL_F32, 3, 1.0f, &found));
+    FL_REQUIRE_OP(&be, be.check_finite(&be, big, FL_F32, 3, 1.0f, &found));
     FL_CHECK(found == 0);
-    FL_REQUIRE_OK(be.check_finite(&be, big, FL_F32, 3, 4.0f, &found));
+    FL_REQUIRE_OP(&be, be.check_finite(&be, big, FL_F32, 3, 4.0f, &found));
     FL_CHECK(found == 1);
     /* found_inf is only ever set, so calls over several ranges OR together */
-    FL_REQUIRE_OK(be.check_finite(&be, big, FL_F32, 2, 1.0f, &found));
+    FL_REQUIRE_OP(&be, be.check_finite(&be, big, FL_F32, 2, 1.0f, &found));
     FL_CHECK(found == 1);
     free(x), free(h);
+}
+FL_TEST(prec_check_finite) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) prec_check_finite_on(be);
 }
 
 FL_TEST(prec_loss_scale_state_machine) {
@@ -680,7 +732,7 @@ static const void *fx(const fl_st_file *f, const char *name, fl_dtype t, size_t 
     return x->data;
 }
 
-FL_TEST(prec_adam8bit_vs_bnb_reference) {
+static void prec_adam8bit_vs_bnb_reference_on(fl_backend be) {
     fl_st_file f;
     FL_REQUIRE_OK(fl_st_open(&f, "tests/fixtures/adam8bit-ref.safetensors"));
     const float *cs = fx(&f, "code_signed", FL_F32, 256), *cu = fx(&f, "code_unsigned", FL_F32, 256);
@@ -690,8 +742,6 @@ FL_TEST(prec_adam8bit_vs_bnb_reference) {
     FL_CHECK(memcmp(cu, fl_adam8bit_code_unsigned, 1024) == 0);
     float lr = hp[0], b1 = hp[1], b2 = hp[2], eps = hp[3], wd = hp[4], gs = hp[5];
     int steps = (int)hp[6], K = (int)hp[7];
-    fl_backend be;
-    fl_cpu_backend_init(&be, 2);
     const char *names[2] = {"a", "b"};
     size_t ns[2] = {5000, 3000};
     for (int t = 0; t < 2; t++) {
@@ -710,7 +760,7 @@ FL_TEST(prec_adam8bit_vs_bnb_reference) {
         double worst = 0;
         size_t ndiff = 0;
         for (int s = 1; s <= steps; s++) {
-            FL_REQUIRE_OK(be.adam8bit_update(&be, p, FL_F32, grads + (size_t)((s - 1) % K) * n, FL_F32, &st, lr, b1, b2,
+            FL_REQUIRE_OP(&be, be.adam8bit_update(&be, p, FL_F32, grads + (size_t)((s - 1) % K) * n, FL_F32, &st, lr, b1, b2,
                                              eps, wd, s, gs));
             const float *want = hist + (size_t)(s - 1) * n;
             for (size_t i = 0; i < n; i++) {
@@ -758,10 +808,12 @@ FL_TEST(prec_adam8bit_vs_bnb_reference) {
     }
     fl_st_close(&f);
 }
-
-FL_TEST(prec_adam8bit_nonfinite_rule) {
+FL_TEST(prec_adam8bit_vs_bnb_reference) {
     fl_backend be;
-    fl_cpu_backend_init(&be, 2);
+    FL_FOR_EACH_BACKEND(be, 2) prec_adam8bit_vs_bnb_reference_on(be);
+}
+
+static void prec_adam8bit_nonfinite_rule_on(fl_backend be) {
     size_t n = 5000;
     float *p = malloc(n * 4), *p2 = malloc(n * 4), *g = malloc(n * 4), *g2 = malloc(n * 4);
     fl_test_rng rng = {11};
@@ -778,8 +830,8 @@ FL_TEST(prec_adam8bit_nonfinite_rule) {
         if (step == 3) { g2[5] = NAN; g2[700] = INFINITY; g2[701] = -INFINITY; }
         float *keep = malloc(n * 4);
         memcpy(keep, p2, n * 4);
-        FL_REQUIRE_OK(be.adam8bit_update(&be, p, FL_F32, g, FL_F32, &s1, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.01f, step, 1.0f));
-        FL_REQUIRE_OK(be.adam8bit_update(&be, p2, FL_F32, g2, FL_F32, &s2, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.01f, step, 1.0f));
+        FL_REQUIRE_OP(&be, be.adam8bit_update(&be, p, FL_F32, g, FL_F32, &s1, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.01f, step, 1.0f));
+        FL_REQUIRE_OP(&be, be.adam8bit_update(&be, p2, FL_F32, g2, FL_F32, &s2, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.01f, step, 1.0f));
         if (step == 3) {
             size_t idx[3] = {5, 700, 701};
             for (int k = 0; k < 3; k++) {
@@ -803,7 +855,7 @@ FL_TEST(prec_adam8bit_nonfinite_rule) {
     }
     /* bf16 parameters and gradients are accepted; other dtypes are not */
     uint16_t *pb = to_bf16(p, n), *gb = to_bf16(g, n);
-    FL_REQUIRE_OK(be.adam8bit_update(&be, pb, FL_BF16, gb, FL_BF16, &s1, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.01f, 4, 1.0f));
+    FL_REQUIRE_OP(&be, be.adam8bit_update(&be, pb, FL_BF16, gb, FL_BF16, &s1, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.01f, 4, 1.0f));
     FL_CHECK(be.adam8bit_update(&be, pb, FL_F16, gb, FL_BF16, &s1, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.01f, 4, 1.0f) ==
              FL_ERR_UNSUPPORTED);
     /* determinism: 1 vs 2 threads */
@@ -811,11 +863,15 @@ FL_TEST(prec_adam8bit_nonfinite_rule) {
     memset(m1, 0, bytes);
     memset(m2, 0, bytes);
     memcpy(p2, p, n * 4);
-    FL_REQUIRE_OK(be.adam8bit_update(&be, p, FL_F32, g, FL_F32, &s1, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.01f, 1, 1.0f));
+    FL_REQUIRE_OP(&be, be.adam8bit_update(&be, p, FL_F32, g, FL_F32, &s1, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.01f, 1, 1.0f));
     be.n_threads = 2;
-    FL_REQUIRE_OK(be.adam8bit_update(&be, p2, FL_F32, g, FL_F32, &s2, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.01f, 1, 1.0f));
+    FL_REQUIRE_OP(&be, be.adam8bit_update(&be, p2, FL_F32, g, FL_F32, &s2, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.01f, 1, 1.0f));
     FL_CHECK(memcmp(p, p2, n * 4) == 0 && memcmp(m1, m2, bytes) == 0);
     free(p), free(p2), free(g), free(g2), free(m1), free(m2), free(pb), free(gb);
+}
+FL_TEST(prec_adam8bit_nonfinite_rule) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) prec_adam8bit_nonfinite_rule_on(be);
 }
 
 FL_TEST(prec_ref_backend_wired) {
@@ -879,4 +935,140 @@ FL_TEST(prec_adam8bit_quantize_equals_bnb_search) {
         }
     }
     FL_CHECKF(bad == 0, "%ld of %ld values quantize differently", bad, n);
+}
+
+/* ---- which dtype combinations each registered backend supports ------------------------------ */
+
+/* Probes every dtype-parameterized op of each registered backend on tiny inputs and prints what
+ * it supports, one line per op (ggml's test-backend-ops "supported" column). The combinations
+ * backend.h documents are required of cpu and ref (an UNSUPPORTED there fails, through
+ * fl_test_unsupported); other backends' gaps are reported as skips. Undocumented combinations
+ * must be refused with UNSUPPORTED by every backend, never computed silently. */
+static void support_line(const char *be_name, const char *op, int ok, int n, const char *list) {
+    printf("      %-6s %-16s %2d/%-2d %s\n", be_name, op, ok, n, list);
+}
+
+static void support_on(fl_backend be) {
+    float f[8] = {1, 2, 3, 4, 5, 6, 7, 8}, g[8] = {0.5f, 0.25f, 0.125f, 1, 1, 1, 1, 1}, m[8] = {0}, v[8] = {0};
+    float c32[8];
+    uint16_t h[8], hb[8], hc[8];
+    for (int i = 0; i < 8; i++) hb[i] = fl_f32_to_bf16(f[i]), h[i] = fl_f32_to_f16(f[i]);
+    char list[512];
+    int ok, n;
+    const char *dn[3] = {"f32", "bf16", "f16"};
+    const fl_dtype dt[3] = {FL_F32, FL_BF16, FL_F16};
+    /* gemm: the six documented (ta, tb, tc) combinations, then three it must refuse */
+    static const fl_dtype gm[6][3] = {{FL_F32, FL_F32, FL_F32},  {FL_BF16, FL_BF16, FL_F32}, {FL_F32, FL_BF16, FL_F32},
+                                      {FL_BF16, FL_BF16, FL_BF16}, {FL_F32, FL_F16, FL_F32},  {FL_F16, FL_F16, FL_F32}};
+    list[0] = 0, ok = 0, n = 6;
+    for (int k = 0; k < 6; k++) {
+        const void *A = gm[k][0] == FL_F32 ? (const void *)f : gm[k][0] == FL_BF16 ? (const void *)hb : (const void *)h;
+        const void *B = gm[k][1] == FL_F32 ? (const void *)f : gm[k][1] == FL_BF16 ? (const void *)hb : (const void *)h;
+        void *C = gm[k][2] == FL_F32 ? (void *)c32 : (void *)hc;
+        fl_status st = be.gemm(&be, 0, 0, 2, 2, 2, 1.0f, A, gm[k][0], 2, B, gm[k][1], 2, 0.0f, C, gm[k][2], 2);
+        char what[64];
+        snprintf(what, sizeof what, "gemm %s x %s -> %s", fl_dtype_name(gm[k][0]), fl_dtype_name(gm[k][1]),
+                 fl_dtype_name(gm[k][2]));
+        if (fl_test_unsupported(&be, st, what)) continue;
+        FL_CHECKF(st == FL_OK, "%s: %s", what, fl_error_message());
+        ok += st == FL_OK;
+        snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", *list ? " " : "", what + 5);
+    }
+    support_line(be.name, "gemm", ok, n, list);
+    FL_CHECK(be.gemm(&be, 0, 0, 2, 2, 2, 1.0f, h, FL_F16, 2, f, FL_F32, 2, 0.0f, c32, FL_F32, 2) == FL_ERR_UNSUPPORTED);
+    FL_CHECK(be.gemm(&be, 0, 0, 2, 2, 2, 1.0f, f, FL_F32, 2, h, FL_F16, 2, 0.0f, hc, FL_F16, 2) == FL_ERR_UNSUPPORTED);
+    FL_CHECK(be.gemm(&be, 0, 0, 2, 2, 2, 1.0f, f, FL_F64, 2, f, FL_F32, 2, 0.0f, c32, FL_F32, 2) != FL_OK);
+    /* convert: every pair of {F32, BF16, F16} */
+    list[0] = 0, ok = 0, n = 9;
+    for (int d = 0; d < 3; d++)
+        for (int s = 0; s < 3; s++) {
+            const void *src = s == 0 ? (const void *)f : s == 1 ? (const void *)hb : (const void *)h;
+            void *dst = d == 0 ? (void *)c32 : (void *)hc;
+            fl_status st = be.convert(&be, dst, dt[d], src, dt[s], 8);
+            char what[48];
+            snprintf(what, sizeof what, "convert %s->%s", dn[s], dn[d]);
+            if (fl_test_unsupported(&be, st, what)) continue;
+            FL_CHECKF(st == FL_OK, "%s: %s", what, fl_error_message());
+            ok += st == FL_OK;
+            snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", *list ? " " : "", what + 8);
+        }
+    support_line(be.name, "convert", ok, n, list);
+    FL_CHECK(be.convert(&be, hc, FL_I32, f, FL_F32, 4) == FL_ERR_UNSUPPORTED);
+    /* AdamW / SGD with p, g in {F32, BF16, F16} and state in {F32, BF16} */
+    for (int opt = 0; opt < 2; opt++) {
+        list[0] = 0, ok = 0, n = 18;
+        for (int tp = 0; tp < 3; tp++)
+            for (int tg = 0; tg < 3; tg++)
+                for (int ts = 0; ts < 2; ts++) {
+                    float p[8], gg[8];
+                    memcpy(p, f, sizeof p), memcpy(gg, g, sizeof gg), memset(m, 0, sizeof m), memset(v, 0, sizeof v);
+                    fl_status st = opt == 0 ? be.adamw_update_ex(&be, p, dt[tp], gg, dt[tg], m, v, dt[ts], 4, 1e-3f, 0.9f,
+                                                                 0.999f, 1e-8f, 0.01f, 1, 1.0f)
+                                            : be.sgd_update_ex(&be, p, dt[tp], gg, dt[tg], m, dt[ts], 4, 1e-3f, 0.9f, 0.0f,
+                                                               0.01f, 0, 1, 1.0f);
+                    char what[64];
+                    snprintf(what, sizeof what, "%s p %s g %s state %s", opt ? "sgd_update_ex" : "adamw_update_ex",
+                             dn[tp], dn[tg], dn[ts]);
+                    if (fl_test_unsupported(&be, st, what)) continue;
+                    FL_CHECKF(st == FL_OK, "%s: %s", what, fl_error_message());
+                    ok += st == FL_OK;
+                    snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s/%s/%s", *list ? " " : "", dn[tp],
+                             dn[tg], dn[ts]);
+                }
+        support_line(be.name, opt ? "sgd_update_ex" : "adamw_update_ex", ok, n, list);
+    }
+    /* check_finite, accumulate16 */
+    list[0] = 0, ok = 0, n = 3;
+    for (int d = 0; d < 3; d++) {
+        int found = 0;
+        fl_status st = be.check_finite(&be, d == 0 ? (const void *)f : d == 1 ? (const void *)hb : (const void *)h, dt[d],
+                                       8, 1.0f, &found);
+        char what[48];
+        snprintf(what, sizeof what, "check_finite %s", dn[d]);
+        if (fl_test_unsupported(&be, st, what)) continue;
+        FL_CHECKF(st == FL_OK && found == 0, "%s: %s", what, fl_error_message());
+        ok += st == FL_OK;
+        snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", *list ? " " : "", dn[d]);
+    }
+    support_line(be.name, "check_finite", ok, n, list);
+    list[0] = 0, ok = 0, n = 2;
+    for (int d = 1; d < 3; d++) {
+        memcpy(hc, d == 1 ? hb : h, sizeof hc);
+        fl_status st = be.accumulate16(&be, hc, dt[d], g, 8);
+        char what[48];
+        snprintf(what, sizeof what, "accumulate16 %s", dn[d]);
+        if (fl_test_unsupported(&be, st, what)) continue;
+        FL_CHECKF(st == FL_OK, "%s: %s", what, fl_error_message());
+        ok += st == FL_OK;
+        snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", *list ? " " : "", dn[d]);
+    }
+    support_line(be.name, "accumulate16", ok, n, list);
+    /* 8-bit AdamW (n below the 8-bit minimum: bnb's fp32-state kernel), p and g in {F32, BF16} */
+    size_t sb = fl_adam8bit_state_bytes(4);
+    void *mem = calloc(1, sb);
+    fl_adam8bit_state st8;
+    FL_REQUIRE_OK(fl_adam8bit_state_bind(&st8, 4, mem));
+    list[0] = 0, ok = 0, n = 4;
+    for (int tp = 0; tp < 2; tp++)
+        for (int tg = 0; tg < 2; tg++) {
+            float p32[4];
+            uint16_t p16[4], g16[4];
+            memcpy(p32, f, sizeof p32);
+            memcpy(p16, hb, sizeof p16), memcpy(g16, hb, sizeof g16);
+            fl_status st = be.adam8bit_update(&be, tp ? (void *)p16 : (void *)p32, dt[tp], tg ? (const void *)g16 : (const void *)g,
+                                              dt[tg], &st8, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, 1, 1.0f);
+            char what[64];
+            snprintf(what, sizeof what, "adam8bit_update p %s g %s", dn[tp], dn[tg]);
+            if (fl_test_unsupported(&be, st, what)) continue;
+            FL_CHECKF(st == FL_OK, "%s: %s", what, fl_error_message());
+            ok += st == FL_OK;
+            snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s/%s", *list ? " " : "", dn[tp], dn[tg]);
+        }
+    support_line(be.name, "adam8bit_update", ok, n, list);
+    free(mem);
+}
+
+FL_TEST(prec_backend_support_report) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) support_on(be);
 }

@@ -66,7 +66,7 @@ FL_TEST(qlora_vs_bitsandbytes_peft) {
     const int B = (int)ids->shape[0], T = (int)ids->shape[1];
 
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;

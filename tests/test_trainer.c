@@ -192,7 +192,7 @@ FL_TEST(trainer_e2e_loss_decreases_and_final_reloads) {
     FL_CHECK(fl_ckpt_is_committed(res.final_dir));
     /* final/ is an HF folder that loads and holds the trained parameters */
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 1));
+    FL_REQUIRE_OK(fl_test_backend(&be, 1));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;
@@ -481,7 +481,7 @@ FL_TEST(trainer_failing_writes_keep_previous_checkpoint) {
         char latest[700];
         FL_REQUIRE_OK(fl_ckpt_find_latest(out, latest, sizeof latest));
         fl_backend be;
-        FL_REQUIRE_OK(fl_cpu_backend_init(&be, 1));
+        FL_REQUIRE_OK(fl_test_backend(&be, 1));
         fl_mem_pool pool;
         FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
         fl_model m;
@@ -560,7 +560,7 @@ FL_TEST(trainer_lora_trains_adapters_only) {
     check_adapter_bytes(&mc, &c, &res);
     /* the PEFT adapter merged into the base equals final/ */
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 1));
+    FL_REQUIRE_OK(fl_test_backend(&be, 1));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model base, fin;
@@ -665,7 +665,7 @@ FL_TEST(trainer_lora_step_checkpoints_are_peft_adapters) {
  * tie_word_embeddings false, written to dir. */
 static void untied_stories(const char *dir) {
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 1));
+    FL_REQUIRE_OK(fl_test_backend(&be, 1));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model tied, un;
@@ -713,7 +713,7 @@ FL_TEST(trainer_lora_head_trains_adapters_only) {
     check_adapter_bytes(&mc, &c, &res); /* includes lm_head's A (r, C) and B (V, r) */
     const size_t C = mc.dim, V = mc.vocab_size, rr = c.lora.r;
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 1));
+    FL_REQUIRE_OK(fl_test_backend(&be, 1));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model bm, fin;
@@ -798,7 +798,7 @@ FL_TEST(trainer_qlora_trains_adapters_on_4bit_base) {
     printf("      nf4-dq: %.4f bits per quantized weight (incl. per-tensor padding and offset)\n", bits);
     /* final/ = dequantized 4-bit base + merged adapters */
     fl_backend be;
-    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 1));
+    FL_REQUIRE_OK(fl_test_backend(&be, 1));
     fl_mem_pool pool;
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model q, fin, deq;

@@ -377,6 +377,22 @@ void fl_cpu_backend_free(fl_backend *be);
  * fast CPU ops are tested against it and against float64. */
 fl_status fl_ref_backend_init(fl_backend *be);
 
+/* ---- the registry: the backends this build has (src/backend/registry.c) ----------------------
+ * In a fixed order: "cpu" (the fast CPU ops), "ref" (the portable scalar reference); a build
+ * with more backends lists them after these ("opaque", the host-cannot-read test backend;
+ * "cuda"). The op tests run every registered backend against the same float64 references, the
+ * test suite's FITLLM_TEST_BACKEND picks one by name, and `fitllm --version` lists them. */
+int fl_backend_count(void);
+/* Name and one-line description of backend i (0 <= i < fl_backend_count()); NULL outside. */
+const char *fl_backend_name(int i);
+const char *fl_backend_description(int i);
+/* Create the backend called `name` with n_threads (<= 0: the default; backends with a fixed
+ * thread count ignore it). An unknown name is FL_ERR_INVALID with a message listing the names
+ * this build has. Release it with fl_backend_free. */
+fl_status fl_backend_init_by_name(const char *name, fl_backend *be, int n_threads);
+/* Release a backend made by any registered init (by its name); NULL or a zeroed one: no-op. */
+void fl_backend_free(fl_backend *be);
+
 /* RoPE tables: cos_t/sin_t (maxT, HD/2). inv_freq_j = theta^(-2j/HD), adjusted
  * by `scaling` (NULL or FL_ROPE_NONE: none); angle = pos * inv_freq_j. */
 void fl_rope_table_init(float *cos_t, float *sin_t, int maxT, int HD, float theta, const fl_rope_scaling *scaling);

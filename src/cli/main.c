@@ -91,6 +91,9 @@ static int version(void) {
     printf("kernels:  gemm %s, bf16 gemm %s, f16 gemm %s, adam8bit quantizer %s, 16-bit conversions %s\n",
            k.gemm_library, k.bf16_gemm, k.f16_gemm, k.adam8bit, k.convert);
     printf("threads:  %d (default; OMP_NUM_THREADS or --threads where a command has it)\n", k.threads);
+    printf("backends:");
+    for (int i = 0; i < fl_backend_count(); i++) printf("%s %s", i ? "," : "", fl_backend_name(i));
+    printf(" (the CLI runs cpu; the op tests run every one)\n");
     /* how this process was launched (environment only: --version never initializes MPI) */
     fl_launch_info li;
     char how[384];
