@@ -13,6 +13,7 @@
 #include "fitllm/cpu.h"
 #include "fitllm/io.h"
 #include "fitllm/loss_scale.h"
+#include "fitllm/train.h"
 #include "test.h"
 
 typedef fl_status (*gemm_fn)(const fl_backend *, int, int, int, int, int, float, const void *, fl_dtype, int,
@@ -1071,4 +1072,86 @@ static void support_on(fl_backend be) {
 FL_TEST(prec_backend_support_report) {
     fl_backend be;
     FL_FOR_EACH_BACKEND(be, 2) support_on(be);
+}
+
+/* supports_op answers what the kernels do: for every (a, b, c) over {F32, BF16, F16, F64} the op
+ * returns FL_ERR_UNSUPPORTED exactly when supports_op says 0 (model set-up trusts the answer). */
+static void supports_matches_on(fl_backend be) {
+    const fl_dtype dt[4] = {FL_F32, FL_BF16, FL_F16, FL_F64};
+    double buf[6][8]; /* room for 8 elements of any dtype, per operand */
+    size_t mism = 0, yes = 0;
+    for (int a = 0; a < 4; a++)
+        for (int b = 0; b < 4; b++)
+            for (int c = 0; c < 4; c++) {
+                memset(buf, 0, sizeof buf);
+                fl_status st[4];
+                st[0] = be.gemm(&be, 0, 0, 2, 2, 2, 1.0f, buf[0], dt[a], 2, buf[1], dt[b], 2, 0.0f, buf[2], dt[c], 2);
+                st[1] = c == 0 ? be.convert(&be, buf[0], dt[a], buf[1], dt[b], 4) : FL_OK;
+                st[2] = be.adamw_update_ex(&be, buf[0], dt[a], buf[1], dt[b], buf[2], buf[3], dt[c], 4, 1e-3f, 0.9f,
+                                           0.999f, 1e-8f, 0.0f, 1, 1.0f);
+                st[3] = be.sgd_update_ex(&be, buf[0], dt[a], buf[1], dt[b], buf[2], dt[c], 4, 1e-3f, 0.9f, 0.0f, 0.0f,
+                                         0, 1, 1.0f);
+                const fl_op ops[4] = {FL_OP_GEMM, FL_OP_CONVERT, FL_OP_ADAMW_EX, FL_OP_SGD_EX};
+                for (int k = 0; k < 4; k++) {
+                    if (k == 1 && c != 0) continue;
+                    int says = be.supports_op(&be, ops[k], dt[a], dt[b], k == 1 ? FL_F32 : dt[c]);
+                    int does = st[k] != FL_ERR_UNSUPPORTED;
+                    yes += says;
+                    if (says != does && mism++ < 5)
+                        fl_test_fail(__FILE__, __LINE__, "%s: %s(%s, %s, %s): supports_op %d, the op %s", be.name,
+                                     fl_op_name(ops[k]), fl_dtype_name(dt[a]), fl_dtype_name(dt[b]), fl_dtype_name(dt[c]),
+                                     says, does ? "runs" : "refuses");
+                }
+            }
+    FL_CHECKF(mism == 0, "%s: supports_op disagrees with the kernels %zu times", be.name, mism);
+    FL_CHECK(yes > 0);
+    printf("      %s: supports_op agrees with gemm, convert, adamw_update_ex, sgd_update_ex (%zu combinations supported)\n",
+           be.name, yes);
+}
+
+FL_TEST(prec_supports_op_matches_kernels) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 1) supports_matches_on(be);
+}
+
+/* A backend without bf16 matmuls or bf16 optimizer state: set-up refuses the policies that need
+ * them, naming the op and dtypes, before anything runs (fl_model_set_precision, fl_optim_init). */
+static int no_bf16_gemm(const fl_backend *be, fl_op op, fl_dtype a, fl_dtype b, fl_dtype c) {
+    if (op == FL_OP_GEMM && (a == FL_BF16 || b == FL_BF16)) return 0;
+    if ((op == FL_OP_ADAMW_EX || op == FL_OP_SGD_EX) && c == FL_BF16) return 0;
+    return fl_cpu_supports_op(be, op, a, b, c);
+}
+
+FL_TEST(prec_setup_refuses_unsupported_ops) {
+    fl_backend be;
+    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 1));
+    be.supports_op = no_bf16_gemm;
+    fl_mem_pool pool;
+    FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
+    fl_model_config c;
+    FL_REQUIRE_OK(fl_preset_find("micro", &c));
+    fl_model m;
+    FL_REQUIRE_OK(fl_model_init(&m, &c, &be, &pool));
+    FL_CHECK(fl_model_set_precision(&m, fl_precision_get(FL_PREC_BF16_MIXED)) == FL_ERR_UNSUPPORTED);
+    FL_CHECKF(strstr(fl_error_message(), "gemm(F32, BF16, F32)") && strstr(fl_error_message(), "bf16-mixed"), "%s",
+              fl_error_message());
+    FL_REQUIRE_OK(fl_model_set_precision(&m, fl_precision_get(FL_PREC_16_MIXED))); /* fp16 matmuls are there */
+    fl_model_free(&m);
+    fl_model_storage st = {.param_dtype = FL_BF16};
+    FL_REQUIRE_OK(fl_model_init_ex(&m, &c, &be, &pool, &st));
+    FL_CHECK(fl_model_set_precision(&m, fl_precision_get(FL_PREC_BF16_TRUE)) == FL_ERR_UNSUPPORTED);
+    fl_model_free(&m);
+    /* the optimizer: bf16 state refused at fl_optim_init */
+    FL_REQUIRE_OK(fl_model_init(&m, &c, &be, &pool));
+    FL_REQUIRE_OK(fl_model_alloc_grads(&m));
+    fl_optim_config oc;
+    fl_optim_config_default(&oc, FL_OPT_ADAMW);
+    oc.state_dtype = FL_BF16;
+    fl_optimizer o;
+    FL_CHECK(fl_optim_init(&o, &m, &oc) == FL_ERR_UNSUPPORTED);
+    FL_CHECKF(strstr(fl_error_message(), "adamw_update_ex") != NULL, "%s", fl_error_message());
+    fl_optim_free(&o);
+    fl_model_free(&m);
+    FL_CHECK(pool.cur_total == 0);
+    fl_mem_pool_free(&pool);
 }

@@ -178,6 +178,34 @@ void fl_model_free_acts(fl_model *m) {
     m->B = m->T = 0;
 }
 
+/* The ops a precision policy's steps run with its dtypes, checked against the backend when the
+ * policy is set (fl_backend.supports_op), so a missing kernel is an error naming it now, not
+ * FL_ERR_UNSUPPORTED in the middle of the first step. */
+static fl_status check_backend_ops(const fl_model *m, const fl_precision *p) {
+    const fl_backend *be = m->be;
+    const fl_dtype cd = p->compute_dtype, sd = m->store_dtype;
+    struct {
+        fl_op op;
+        fl_dtype a, b, c;
+        int needed;
+    } need[] = {
+        {FL_OP_GEMM, FL_F32, cd, FL_F32, 1},                      /* y = x W^T, dx = dy W */
+        {FL_OP_GEMM, FL_BF16, FL_BF16, FL_F32, cd == FL_BF16},    /* bf16 dW = dy^T x */
+        {FL_OP_CONVERT, cd, FL_F32, FL_F32, p->compute_copy},     /* the compute copy */
+        {FL_OP_CONVERT, sd, FL_F32, FL_F32, sd != FL_F32},        /* 16-bit storage in and out */
+        {FL_OP_CONVERT, FL_F32, sd, FL_F32, sd != FL_F32},
+        {FL_OP_ACCUMULATE16, sd, FL_F32, FL_F32, sd != FL_F32},   /* gradients added into 16-bit */
+        {FL_OP_SUMSQ, sd, FL_F32, FL_F32, 1},                     /* the gradient norm */
+        {FL_OP_Q4_MATMUL, FL_F32, FL_F32, FL_F32, m->q4 != NULL}, /* QLoRA's 4-bit linears */
+    };
+    for (size_t k = 0; k < sizeof need / sizeof need[0]; k++)
+        if (need[k].needed && !be->supports_op(be, need[k].op, need[k].a, need[k].b, need[k].c))
+            return fl_errorf(FL_ERR_UNSUPPORTED, "backend '%s' does not implement %s(%s, %s, %s), which precision '%s' "
+                             "needs", be->name, fl_op_name(need[k].op), fl_dtype_name(need[k].a),
+                             fl_dtype_name(need[k].b), fl_dtype_name(need[k].c), p->name);
+    return FL_OK;
+}
+
 fl_status fl_model_set_precision(fl_model *m, const fl_precision *p) {
     if (!p->available)
         return fl_errorf(FL_ERR_UNSUPPORTED, "precision '%s' is not available yet in this build", p->name);
@@ -187,6 +215,7 @@ fl_status fl_model_set_precision(fl_model *m, const fl_precision *p) {
         return fl_errorf(FL_ERR_INVALID, "precision '%s' stores parameters in %s but this model was created with %s "
                          "storage (create it with fl_model_init_ex and fl_model_storage_for)",
                          p->name, fl_dtype_name(want.param_dtype), fl_dtype_name(m->store_dtype));
+    FL_TRY(check_backend_ops(m, p));
     fl_mem_free(m->pool, m->wcompute);
     m->wcompute = NULL;
     const fl_dtype old_compute = m->prec.name ? m->prec.compute_dtype : FL_F32;

@@ -88,6 +88,15 @@ fl_status fl_optim_init(fl_optimizer *o, fl_model *model, const fl_optim_config 
     o->use_loss_scale = model->prec.loss_scaling;
     fl_loss_scale_init(&o->ls);
     fl_status s = trainable(o, model);
+    /* the backend must implement the update for these dtypes: found here, not at the first step */
+    if (s == FL_OK) {
+        const fl_backend *be = model->be;
+        fl_op op = cfg->kind == FL_OPT_ADAMW ? FL_OP_ADAMW_EX : cfg->kind == FL_OPT_SGD ? FL_OP_SGD_EX : FL_OP_ADAM8BIT;
+        if (!be->supports_op(be, op, o->pt, o->gt, o->cfg.state_dtype))
+            s = fl_errorf(FL_ERR_UNSUPPORTED, "backend '%s' does not implement %s for parameters %s, gradients %s, state "
+                          "%s (optimizer set-up)", be->name, fl_op_name(op), fl_dtype_name(o->pt), fl_dtype_name(o->gt),
+                          fl_dtype_name(o->cfg.state_dtype));
+    }
     size_t bytes = o->n * (o->cfg.state_dtype == FL_BF16 ? 2 : 4);
     if (s != FL_OK) {
     } else if (cfg->kind == FL_OPT_ADAMW) {
