@@ -271,7 +271,9 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     carve_acts(&m->cfg, B, T, m->act_ckpt, m->act_dtype, (char *)m->acts_arena, a, NULL);
     carve_work(&m->cfg, B, T, dw_bf16, head_widen, bes, (char *)m->work_arena, a, NULL, NULL);
     if (m->cfg.arch == FL_ARCH_LLAMA)
-        fl_rope_table_init(a->rope_cos, a->rope_sin, T, m->cfg.head_dim, m->cfg.rope_theta, &m->cfg.rope_scaling);
+        s = m->be->rope_tables(m->be, a->rope_cos, a->rope_sin, T, m->cfg.head_dim, m->cfg.rope_theta,
+                               &m->cfg.rope_scaling);
+    if (s != FL_OK) { fl_model_free_acts(m); return fl_error_prefix(s, "the RoPE tables"); }
     fl_mem_set_live(m->pool, m->work_arena, m->sizes.work_const_bytes); /* the RoPE tables */
     m->B = B;
     m->T = T;

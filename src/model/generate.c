@@ -66,7 +66,8 @@ fl_status fl_kv_cache_init(fl_kv_cache *kv, const fl_model *m, int max_T) {
         size_t tb = gs.rope_bytes / 2;
         s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, tb, (void **)&kv->rope_cos);
         if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, tb, (void **)&kv->rope_sin);
-        if (s == FL_OK) fl_rope_table_init(kv->rope_cos, kv->rope_sin, max_T, d.HD, c->rope_theta, &c->rope_scaling);
+        if (s == FL_OK)
+            s = m->be->rope_tables(m->be, kv->rope_cos, kv->rope_sin, max_T, d.HD, c->rope_theta, &c->rope_scaling);
     }
     if (s == FL_OK)
         s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, gs.step_bytes, (void **)&kv->step);
@@ -136,8 +137,8 @@ static fl_status forward_rows_impl(fl_model *m, fl_kv_cache *kv, const rows_scra
             const float *row = w->qkv + (size_t)t * d.QKV;
             for (int g = 0; g < d.NKV; g++) {
                 size_t dst = (size_t)g * head_stride + (size_t)(pos0 + t) * d.HD;
-                memcpy(kc + dst, row + d.QD + (size_t)g * d.HD, (size_t)d.HD * sizeof(float));
-                memcpy(vc + dst, row + d.QD + d.KVD + (size_t)g * d.HD, (size_t)d.HD * sizeof(float));
+                FL_TRY(be->copy(be, kc + dst, row + d.QD + (size_t)g * d.HD, (size_t)d.HD * sizeof(float)));
+                FL_TRY(be->copy(be, vc + dst, row + d.QD + d.KVD + (size_t)g * d.HD, (size_t)d.HD * sizeof(float)));
             }
         }
         if (n == 1) be->attention_decode(be, w->att, w->qkv, kc, vc, pos0 + 1, d.NH, d.NKV, d.HD, head_stride);

@@ -69,7 +69,7 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
     for (int i = 0; i < N; i++)
         if (ids[i] < 0 || ids[i] >= d.V)
             return fl_errorf(FL_ERR_INVALID, "token id %d at position %d is outside the vocabulary [0, %d)", ids[i], i, d.V);
-    memcpy(a->ids, ids, (size_t)N * sizeof *ids);
+    FL_TRY(be->to_device(be, a->ids, ids, (size_t)N * sizeof *ids)); /* host ids -> the arena */
     /* The arena may be sized for a larger T; views are laid out for (m->B, m->T)
      * rows but we use them as (B, T) contiguous rows, which fits since B*T <= m->B*m->T. */
     fl_outer_params op;
@@ -128,7 +128,7 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
         }
         fl_lora_attach_head(m, &head, r0); /* LoRA on lm_head: h / xd of this chunk, the batch's mask */
         FL_TRY(fl_linear_forward(be, a->logits, xr, wide ? &hw : &head, rows)); // (rows, V)
-        if (logits_out) memcpy(logits_out + (size_t)r0 * d.V, a->logits, (size_t)rows * d.V * sizeof(float));
+        if (logits_out) FL_TRY(be->to_host(be, logits_out + (size_t)r0 * d.V, a->logits, (size_t)rows * d.V * sizeof(float)));
         if (!targets) continue;
         int train = grad_scale > 0;
         be->cross_entropy(be, a->losses + r0, train ? a->logits : NULL, a->logits, targets + r0, rows, d.V, grad_scale,
@@ -142,15 +142,20 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
     }
     if (stage_head) FL_TRY(fl_grad_stage_flush(m, op.head_off, (size_t)d.V * d.C));
     m->ms_head = now_ms() - t_head;
-    if (targets) {
-        for (int i = 0; i < N; i++)
-            if (targets[i] != FL_IGNORE_INDEX) {
-                if (targets[i] < 0 || targets[i] >= d.V)
-                    return fl_errorf(FL_ERR_INVALID, "target id %d at position %d is outside the vocabulary [0, %d)",
-                                     targets[i], i, d.V);
-                m->loss_sum += a->losses[i];
-                m->n_valid++;
-            }
+    if (targets) { /* the per-token losses come to the host in slices (a device's arena is not host memory) */
+        float lbuf[1024];
+        for (int i0 = 0; i0 < N; i0 += 1024) {
+            int n = N - i0 < 1024 ? N - i0 : 1024;
+            FL_TRY(be->to_host(be, lbuf, a->losses + i0, (size_t)n * sizeof(float)));
+            for (int i = i0; i < i0 + n; i++)
+                if (targets[i] != FL_IGNORE_INDEX) {
+                    if (targets[i] < 0 || targets[i] >= d.V)
+                        return fl_errorf(FL_ERR_INVALID, "target id %d at position %d is outside the vocabulary [0, %d)",
+                                         targets[i], i, d.V);
+                    m->loss_sum += lbuf[i - i0];
+                    m->n_valid++;
+                }
+        }
     }
     m->fwd_B = B;
     m->fwd_T = T;
