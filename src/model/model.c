@@ -150,8 +150,19 @@ void fl_model_read_param(const fl_model *m, int i, float *dst) {
         return;
     }
     fl_dtype dt;
-    const void *src = fl_model_param_data(m, i, &dt);
-    fl_convert(dst, FL_F32, src, dt, m->layout.params[i].numel);
+    const char *src = fl_model_param_data(m, i, &dt);
+    const size_t n = m->layout.params[i].numel, es = fl_dtype_size(dt);
+    if (dt == FL_F32 || !m->be) { /* storage is device memory: it comes to the host through the backend */
+        if (m->be) (void)m->be->to_host(m->be, dst, src, n * sizeof(float));
+        else fl_convert(dst, FL_F32, src, dt, n);
+        return;
+    }
+    uint16_t slice[8192]; /* 16-bit storage: copied out in slices, widened on the host */
+    for (size_t k0 = 0; k0 < n; k0 += 8192) {
+        size_t k = n - k0 < 8192 ? n - k0 : 8192;
+        (void)m->be->to_host(m->be, slice, src + k0 * es, k * es);
+        fl_convert(dst + k0, FL_F32, slice, dt, k);
+    }
 }
 
 void fl_model_write_param(fl_model *m, int i, const float *src) {
@@ -160,8 +171,19 @@ void fl_model_write_param(fl_model *m, int i, const float *src) {
         return;
     }
     fl_dtype dt;
-    void *dst = fl_model_param_data(m, i, &dt);
-    fl_convert(dst, dt, src, FL_F32, m->layout.params[i].numel);
+    char *dst = fl_model_param_data(m, i, &dt);
+    const size_t n = m->layout.params[i].numel, es = fl_dtype_size(dt);
+    if (dt == FL_F32 || !m->be) {
+        if (m->be) (void)m->be->to_device(m->be, dst, src, n * sizeof(float));
+        else fl_convert(dst, dt, src, FL_F32, n);
+        return;
+    }
+    uint16_t slice[8192]; /* 16-bit storage: rounded on the host in slices, copied in */
+    for (size_t k0 = 0; k0 < n; k0 += 8192) {
+        size_t k = n - k0 < 8192 ? n - k0 : 8192;
+        fl_convert(slice, dt, src + k0, FL_F32, k);
+        (void)m->be->to_device(m->be, dst + k0 * es, slice, k * es);
+    }
 }
 
 void fl_model_free_acts(fl_model *m) {
@@ -349,8 +371,8 @@ fl_status fl_model_init_random_ex(fl_model *m, uint64_t seed) {
     float *q4tmp = NULL;
     FL_TRY(fl_model_q4_staging(m, &q4tmp));
     enum { SLICE = 16384 };
-    float *slice = m->params ? NULL : malloc(SLICE * sizeof(float));
-    if (!m->params && !slice) {
+    float *slice = malloc(SLICE * sizeof(float) + SLICE * sizeof(uint16_t));
+    if (!slice) {
         fl_mem_free(m->pool, q4tmp);
         return fl_errorf(FL_ERR_OOM, "random init: out of host memory");
     }
@@ -364,15 +386,21 @@ fl_status fl_model_init_random_ex(fl_model *m, uint64_t seed) {
         if (fl_model_param_is_q4(m, i)) {
             init_fill(q4tmp, 0, p->numel, p->numel, kind, sd, &s);
             fl_model_write_param(m, i, q4tmp);
-        } else if (m->params) {
-            init_fill(m->params + fl_model_store_off(m, i), 0, p->numel, p->numel, kind, sd, &s);
-        } else {
+        } else { /* generated on the host in slices, copied into the (device) storage */
             fl_dtype dt;
             char *dst = fl_model_param_data(m, i, &dt);
+            uint16_t *s16 = (uint16_t *)(slice + SLICE);
             for (size_t k0 = 0; k0 < p->numel; k0 += SLICE) {
                 size_t k1 = p->numel - k0 < SLICE ? p->numel : k0 + SLICE;
                 init_fill(slice, k0, k1, p->numel, kind, sd, &s);
-                fl_convert(dst + k0 * fl_dtype_size(dt), dt, slice, FL_F32, k1 - k0);
+                const void *h = slice;
+                if (dt != FL_F32) fl_convert(s16, dt, slice, FL_F32, k1 - k0), h = s16;
+                fl_status st = m->be->to_device(m->be, dst + k0 * fl_dtype_size(dt), h, (k1 - k0) * fl_dtype_size(dt));
+                if (st != FL_OK) {
+                    free(slice);
+                    fl_mem_free(m->pool, q4tmp);
+                    return st;
+                }
             }
         }
     }

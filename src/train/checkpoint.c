@@ -268,7 +268,7 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
         else if (fl_io_first_nonfinite(lt->data, FL_F32, tn) >= 0)
             s = fl_errorf(FL_ERR_FORMAT, "%s: tensor 'lora.params' holds a non-finite value (inf/NaN) at element %lld: "
                           "the checkpoint was saved from a diverged run", p, fl_io_first_nonfinite(lt->data, FL_F32, tn));
-        else memcpy(m->lora->params, lt->data, tn * sizeof(float));
+        else s = m->be->to_device(m->be, m->lora->params, lt->data, tn * sizeof(float));
     }
     const char *opt = meta(&f, "optimizer");
     if (s == FL_OK && o && opt && strcmp(opt, fl_optim_name(o->cfg.kind)))
@@ -289,7 +289,7 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
                           want[i].name);
             break;
         }
-        memcpy(want[i].dst, t->data, want[i].bytes);
+        s = m->be->to_device(m->be, want[i].dst, t->data, want[i].bytes); /* optimizer state: device memory */
     }
     if (s == FL_OK) {
         const char *need[] = {"step", "iter", "loader_seed", "loader_epoch", "loader_pos", "optimizer_step"};
