@@ -72,19 +72,26 @@ static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl
     if (bad >= 0)
         return fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s' holds a non-finite value (inf/NaN) at element %lld: the "
                          "file is corrupt or was saved from a diverged run", f->path, t->name, bad);
-    if (!(p->ndim == 2 && p->transposed_on_disk) && (uintptr_t)src % es == 0) {
+    if (q4src && !(p->ndim == 2 && p->transposed_on_disk) && (uintptr_t)src % es == 0) {
+        /* into the host staging of a 4-bit entry */
         if (fl_convert(dst, dt, src, t->dtype, p->numel))
             s = fl_errorf(FL_ERR_INTERNAL, "%s: tensor '%s': conversion failed", f->path, t->name);
     } else if (!(p->ndim == 2 && p->transposed_on_disk)) {
-        /* the format does not promise alignment: copy out in fixed slices (never a whole-tensor copy) */
+        /* dense storage is device memory: fixed slices copied out of the file (it does not promise
+         * alignment), converted on the host, copied in through the backend (never a whole-tensor copy) */
         enum { SLICE = 1 << 16 };
-        double *buf = malloc(SLICE * sizeof(double)); /* SLICE elements of up to 8 bytes */
+        double *buf = malloc(SLICE * sizeof(double) + SLICE * sizeof(float)); /* file slice | converted slice */
         if (!buf) return fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", f->path, t->name);
+        char *cv = (char *)(buf + SLICE);
         for (size_t k0 = 0; k0 < p->numel && s == FL_OK; k0 += SLICE) {
             size_t n = p->numel - k0 < SLICE ? p->numel - k0 : SLICE;
             memcpy(buf, (const char *)src + k0 * es, n * es);
-            if (fl_convert((char *)dst + k0 * ds, dt, buf, t->dtype, n))
+            if (fl_convert(cv, dt, buf, t->dtype, n))
                 s = fl_errorf(FL_ERR_INTERNAL, "%s: tensor '%s': conversion failed", f->path, t->name);
+            else if (q4src)
+                memcpy((char *)dst + k0 * ds, cv, n * ds);
+            else
+                s = m->be->to_device(m->be, (char *)dst + k0 * ds, cv, n * ds);
         }
         free(buf);
     } else {
