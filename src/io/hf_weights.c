@@ -90,8 +90,10 @@ static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl
                 s = fl_errorf(FL_ERR_INTERNAL, "%s: tensor '%s': conversion failed", f->path, t->name);
             else if (q4src)
                 memcpy((char *)dst + k0 * ds, cv, n * ds);
-            else
+            else if (m->be)
                 s = m->be->to_device(m->be, (char *)dst + k0 * ds, cv, n * ds);
+            else /* a model without a backend (the I/O tools): host memory */
+                memcpy((char *)dst + k0 * ds, cv, n * ds);
         }
         free(buf);
     } else {

@@ -205,6 +205,7 @@ void fl_model_free_acts(fl_model *m) {
  * FL_ERR_UNSUPPORTED in the middle of the first step. */
 static fl_status check_backend_ops(const fl_model *m, const fl_precision *p) {
     const fl_backend *be = m->be;
+    if (!be) return FL_OK; /* a model without a backend (the I/O tools) runs no op */
     const fl_dtype cd = p->compute_dtype, sd = m->store_dtype;
     struct {
         fl_op op;
@@ -395,7 +396,10 @@ fl_status fl_model_init_random_ex(fl_model *m, uint64_t seed) {
                 init_fill(slice, k0, k1, p->numel, kind, sd, &s);
                 const void *h = slice;
                 if (dt != FL_F32) fl_convert(s16, dt, slice, FL_F32, k1 - k0), h = s16;
-                fl_status st = m->be->to_device(m->be, dst + k0 * fl_dtype_size(dt), h, (k1 - k0) * fl_dtype_size(dt));
+                size_t nb = (k1 - k0) * fl_dtype_size(dt);
+                fl_status st = FL_OK;
+                if (m->be) st = m->be->to_device(m->be, dst + k0 * fl_dtype_size(dt), h, nb);
+                else memcpy(dst + k0 * fl_dtype_size(dt), h, nb); /* no backend: host memory */
                 if (st != FL_OK) {
                     free(slice);
                     fl_mem_free(m->pool, q4tmp);
