@@ -1,0 +1,89 @@
+/* The data-parallel context of a training run: see dp.h. */
+#include "dp.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "../model/model-impl.h"
+
+void fl_dp_init(fl_dp *dp, fl_comm *comm, fl_mem_pool *pool) {
+    dp->comm = comm && fl_comm_size(comm) > 1 ? comm : NULL;
+    dp->rank = dp->comm ? fl_comm_rank(comm) : 0;
+    dp->world = dp->comm ? fl_comm_size(comm) : 1;
+    /* the MPI reduce-scatter's receive scratch ((N-1) x chunk) comes from the run's pool under
+     * WORKSPACE, so the memory report and the budget see it */
+    if (dp->comm) fl_comm_set_pool(dp->comm, pool);
+}
+
+void fl_dp_done(fl_dp *dp) {
+    if (dp->comm) fl_comm_set_pool(dp->comm, NULL);
+}
+
+/* Doubles travel as pairs of F32 words: all-gather copies bits, it never adds. */
+fl_status fl_dp_gather(fl_dp *dp, const double *v, int n, double *all) {
+    if (!dp->comm) {
+        memcpy(all, v, (size_t)n * sizeof *v);
+        return FL_OK;
+    }
+    size_t words = (size_t)n * 2; /* per rank; the chunk layout gives every rank exactly `words` */
+    return fl_comm_all_gather(dp->comm, v, all, words * (size_t)dp->world, FL_F32);
+}
+
+fl_status fl_dp_sum(fl_dp *dp, double *v, int n) {
+    if (!dp->comm || n <= 0) return FL_OK;
+    double stack[64], *all = (size_t)n * dp->world <= 64 ? stack : malloc((size_t)n * dp->world * sizeof *all);
+    if (!all) return fl_errorf(FL_ERR_OOM, "data parallel: out of host memory");
+    fl_status s = fl_dp_gather(dp, v, n, all);
+    if (s == FL_OK)
+        for (int i = 0; i < n; i++) {
+            double acc = 0;
+            for (int r = 0; r < dp->world; r++) acc += all[(size_t)r * n + i]; /* rank order */
+            v[i] = acc;
+        }
+    if (all != stack) free(all);
+    return s;
+}
+
+fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o) {
+    if (!dp->comm) return FL_OK;
+    if (o->gt != FL_F32 && o->gt != FL_BF16)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "data parallel: %s gradients cannot be reduced yet (F32 and BF16 only; "
+                         "use another precision than 16-true with several devices)", fl_dtype_name(o->gt));
+    return fl_error_prefix(fl_comm_all_reduce(dp->comm, o->g, o->g, o->n, o->gt, FL_COMM_SUM),
+                           "data parallel: reducing the gradients");
+}
+
+fl_status fl_dp_broadcast_params(fl_dp *dp, fl_optimizer *o) {
+    if (!dp->comm) return FL_OK;
+    /* a copy, no arithmetic: 16-bit storage (BF16 or F16) travels as BF16 words */
+    fl_dtype t = fl_dtype_size(o->pt) == 4 ? FL_F32 : FL_BF16;
+    FL_TRY(fl_error_prefix(fl_comm_broadcast(dp->comm, o->p, o->n, t, 0), "data parallel: broadcasting the parameters"));
+    if (!o->model->lora) fl_model_sync_compute_copy(o->model);
+    return FL_OK;
+}
+
+#define AGREE_WORDS 256 /* per rank: the status, then the message (1020 bytes) */
+
+fl_status fl_dp_agree(fl_dp *dp, fl_status mine) {
+    if (!dp->comm) return mine;
+    float *all = calloc((size_t)dp->world + 1, AGREE_WORDS * sizeof(float));
+    if (!all) return fl_errorf(FL_ERR_OOM, "data parallel: out of host memory");
+    float *me = all + (size_t)dp->world * AGREE_WORDS; /* the send block */
+    int32_t st = (int32_t)mine;
+    memcpy(me, &st, sizeof st);
+    if (mine != FL_OK) snprintf((char *)(me + 1), (AGREE_WORDS - 1) * sizeof(float), "%s", fl_error_message());
+    fl_status s = fl_comm_all_gather(dp->comm, me, all, (size_t)dp->world * AGREE_WORDS, FL_F32);
+    if (s == FL_OK)
+        for (int r = 0; r < dp->world; r++) {
+            int32_t v;
+            memcpy(&v, all + (size_t)r * AGREE_WORDS, sizeof v);
+            if (v == FL_OK) continue;
+            char msg[AGREE_WORDS * sizeof(float)];
+            memcpy(msg, all + (size_t)r * AGREE_WORDS + 1, (AGREE_WORDS - 1) * sizeof(float));
+            msg[sizeof msg - 1] = 0;
+            s = fl_errorf((fl_status)v, "rank %d of %d: %s", r, dp->world, msg);
+            break;
+        }
+    free(all);
+    return s;
+}
