@@ -44,11 +44,16 @@ fl_status fl_dp_sum(fl_dp *dp, double *v, int n) {
     return s;
 }
 
-fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o) {
-    if (!dp->comm) return FL_OK;
-    if (o->gt != FL_F32 && o->gt != FL_BF16)
+fl_status fl_dp_check(const fl_dp *dp, const fl_optimizer *o) {
+    if (dp->comm && o->gt != FL_F32 && o->gt != FL_BF16)
         return fl_errorf(FL_ERR_UNSUPPORTED, "data parallel: %s gradients cannot be reduced yet (F32 and BF16 only; "
                          "use another precision than 16-true with several devices)", fl_dtype_name(o->gt));
+    return FL_OK;
+}
+
+fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o) {
+    if (!dp->comm) return FL_OK;
+    FL_TRY(fl_dp_check(dp, o));
     return fl_error_prefix(fl_comm_all_reduce(dp->comm, o->g, o->g, o->n, o->gt, FL_COMM_SUM),
                            "data parallel: reducing the gradients");
 }

@@ -36,6 +36,8 @@ static inline int fl_dp_mine(const fl_dp *dp, long j) { return j % dp->world == 
 fl_status fl_dp_sum(fl_dp *dp, double *v, int n);
 /* Every rank's value of v[0..n) (rank-major into all[world * n]). */
 fl_status fl_dp_gather(fl_dp *dp, const double *v, int n, double *all);
+/* What this build cannot reduce yet (F16 gradients), checked at set-up. */
+fl_status fl_dp_check(const fl_dp *dp, const fl_optimizer *o);
 /* Sum the trainable gradients (o->g, F32 or BF16) over ranks in place: one all-reduce of the
  * flat buffer (not yet bucketed per block as backward ends). */
 fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o);

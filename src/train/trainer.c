@@ -570,6 +570,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
         CHECK(fl_model_alloc_grads(&t.model));
     }
     CHECK(fl_optim_init(&t.opt, &t.model, &cfg->optimizer));
+    CHECK(fl_dp_check(&t.dp, &t.opt));
     t.model.act_ckpt = cfg->train.activation_checkpointing;
     CHECK(fl_model_alloc_acts(&t.model, t.B, t.T));
     size_t per = (size_t)t.B * t.T;
@@ -756,6 +757,9 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
         if (t.st.step == 1 && out && !resumed) {
             bar_clear(&t);
             fprintf(out, "\n");
+            if (t.dp.world > 1)
+                fprintf(out, "memory of rank 0 (DDP: every rank holds the same; WORKSPACE includes the all-reduce's "
+                        "scratch)\n");
             fl_mem_print_report(&t.pool, out);
             fprintf(out, "\n");
         }
