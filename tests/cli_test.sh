@@ -124,7 +124,8 @@ expect plan_no_budget_unknown 0 "verdict: UNKNOWN: no --device-memory / --max-me
 if "$FITLLM" plan tinyllama-1.1b | grep -q "FITS"; then echo "FAIL plan_no_budget_not_fits"; fail=$((fail+1)); else echo "ok   plan_no_budget_not_fits"; pass=$((pass+1)); fi
 expect plan_no_budget_json 0 '"verdict": "unknown"' -- "$FITLLM" plan tinyllama-1.1b --json
 expect plan_absurd_peak 0 "more than any single machine has" -- "$FITLLM" plan llama-3-8b --train.micro_batch_size 4096 --train.global_batch_size 4096
-expect plan_devices_2 2 "more than one device" -- "$FITLLM" plan tinyllama-1.1b --devices 2
+expect plan_devices_2 0 "data parallel \(DDP\) over 2 ranks: the memory of ONE rank" -- "$FITLLM" plan tinyllama-1.1b --devices 2
+expect plan_strategy_fsdp 2 "strategy .fsdp. is not implemented yet \(issue #14" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy fsdp
 expect plan_bad_size 2 "not a size" -- "$FITLLM" plan tinyllama-1.1b --device-memory lots
 expect plan_unknown_model 1 "neither a model folder nor a preset" -- "$FITLLM" plan no-such-model
 expect plan_help 0 "--device-memory" -- "$FITLLM" plan --help

@@ -28,7 +28,7 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "allocated or run: the trainer's allocation sequence is replayed with the runtime's sizing code.\n\n"
            "plan options:\n"
            "  --device-memory SIZE           (default: --max_memory, else none)  device memory, e.g. 80GB, 24GiB\n"
-           "  --devices N                    (default 1)  devices; only 1 for now\n"
+           "  --devices N                    (default 1)  ranks of a DDP run (--strategy ddp): one rank's memory\n"
            "  --seq-len T                    (default: train.max_seq_length - 1, else the model context)  T to plan\n"
            "                                 for (the trainer uses the longest sample - 1, samples cut to\n"
            "                                 max_seq_length)\n"
@@ -62,11 +62,6 @@ static int extra(void *ud, int argc, char **argv, int *i) {
     }
     if (!strcmp(arg, "--devices")) {
         if (fl_cli_int("plan", arg, v, 1, 1 << 20, &a->devices)) return -1;
-        if (a->devices != 1) {
-            fl_cli_usage("plan", "--devices %d: planning for more than one device is not available yet (use 1)",
-                         a->devices);
-            return -1;
-        }
         (*i)++;
         return 1;
     }

@@ -13,6 +13,7 @@
 
 #include "../ddp_ref.h"
 #include "fitllm/comm.h"
+#include "fitllm/plan.h"
 
 static int g_rank, g_checks, g_fails;
 
@@ -44,7 +45,8 @@ static void scenario(fl_comm *c, const char *tmp, int sc) {
     snprintf(out, sizeof out, "%s/%s-mpi", tmp, dr_names[sc]);
     dr_config(&cfg, sc, n, n, 1, 1, out);
     dr_rec mpi = {0};
-    fl_status s = fl_trainer_run_comm(&cfg, c, NULL, 0, dr_record, &mpi, NULL);
+    fl_trainer_result res;
+    fl_status s = fl_trainer_run_comm(&cfg, c, NULL, 0, dr_record, &mpi, &res);
     CHECK(s == FL_OK, "%s: DDP over MPI: %s", dr_names[sc], fl_error_message());
     if (s != FL_OK) return;
     /* every rank ends with rank 0's parameters: compare a checksum of the bits */
@@ -77,6 +79,27 @@ static void scenario(fl_comm *c, const char *tmp, int sc) {
             CHECK(fl_trainer_run(&rc, NULL, 0, dr_record, &ref0, NULL) == FL_OK, "ref0: %s", fl_error_message());
             pair = &ref0;
         }
+        /* rank 0's memory (with the MPI all-reduce's scratch from the pool) is what the planner
+         * says for one rank of this run, byte for byte, at every phase */
+        fl_plan *pl = calloc(1, sizeof *pl);
+        fl_plan_opts po;
+        fl_plan_opts_default(&po);
+        po.no_suggestions = 1;
+        CHECK(pl && fl_plan_run(&cfg, &po, pl) == FL_OK, "plan: %s", fl_error_message());
+        if (pl) {
+            CHECK(pl->devices == n && pl->peak_total == res.peak_total, "%s: planned peak %zu, rank 0 measured %zu",
+                  dr_names[sc], pl->peak_total, res.peak_total);
+            for (int k = 0; k < FL_TAG_COUNT; k++)
+                CHECK(pl->peak[k] == res.peak[k], "%s: tag %d planned peak %zu, measured %zu", dr_names[sc], k,
+                      pl->peak[k], res.peak[k]);
+            CHECK(pl->n_phases == res.n_phases, "%s: %d planned phases, %d measured", dr_names[sc], pl->n_phases,
+                  res.n_phases);
+            for (int i = 0; i < pl->n_phases && i < res.n_phases; i++)
+                CHECK(!memcmp(pl->phases[i].cur, res.phases[i].cur, sizeof pl->phases[i].cur) &&
+                          pl->phases[i].peak_total == res.phases[i].peak_total,
+                      "%s: phase %s differs from the plan", dr_names[sc], res.phases[i].name);
+        }
+        free(pl);
         char why[1024];
         int bad = dr_compare(&mpi, &ref, dr_max_diff(pair, &ctl), dr_floor(&cfg), cfg.train.max_steps, why, sizeof why);
         CHECK(bad == 0, "%s at %d ranks vs one process: %s", dr_names[sc], n, why);
