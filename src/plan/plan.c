@@ -35,7 +35,7 @@ static const fl_plan_technique k_tech[] = {
     {"lora", 1, "fitllm finetune_lora", "adapters only: the base needs no gradients or optimizer state"},
     {"qlora", 1, "fitllm finetune_lora --quantize bnb.nf4-dq", "LoRA on bitsandbytes NF4/FP4 4-bit base weights"},
     {"cpu_offload", 0, "optimizer state and master weights on the host", "not available yet"},
-    {"ddp", 0, "--devices N", "distributed training is not available yet"},
+    {"ddp", 0, "mpirun -np N fitllm ... --devices N", "DDP runs under mpirun; the lab trains in one process, so its ddp rows are not run yet"},
     {"fsdp", 0, "--devices N --strategy fsdp", "sharded training is not available yet"},
 };
 #define N_TECH (int)(sizeof k_tech / sizeof k_tech[0])
