@@ -119,6 +119,19 @@ static double dr_max_diff(const dr_rec *a, const dr_rec *b) {
     return d;
 }
 
+/* Step losses of a and b within 1e-6 relative at every step (N ranks x micro b against one process
+ * x micro N*b: issue #14's equivalence). Returns the worst relative difference, or 1 when a step
+ * is missing. */
+static double dr_loss_rel(const dr_rec *a, const dr_rec *b, long steps) {
+    if (a->steps != steps || b->steps != steps) return 1;
+    double w = 0;
+    for (long s = 0; s < steps; s++) {
+        double r = fabs(a->loss[s] - b->loss[s]) / fabs(b->loss[s]);
+        if (!(r <= w)) w = r;
+    }
+    return w;
+}
+
 /* The floor of the parameter bound (above): 1e-3 x lr x steps for AdamW, 0 for SGD. */
 static double dr_floor(const fl_run_config *c) {
     return c->optimizer.kind == FL_OPT_SGD ? 0.0 : 1e-3 * c->optimizer.lr * (double)c->train.max_steps;

@@ -58,6 +58,10 @@ static void scenario(int sc, int world) {
         pair = &ref0;
     }
     if (s == FL_OK) {
+        if (sc != DR_LORA) { /* N ranks x micro b = one process x micro N*b (the control) */
+            double lr = dr_loss_rel(&j->rec[0], &ctl, steps);
+            FL_CHECKF(lr <= 1e-6, "%s at %d ranks vs one process with micro %d: step losses differ by %.3g relative", dr_names[sc], world, 2 * world, lr);
+        }
         char why[1024];
         int bad = dr_compare(&j->rec[0], &ref, dr_max_diff(pair, &ctl), dr_floor(&j->cfg), steps, why, sizeof why);
         FL_CHECKF(bad == 0, "%s at %d ranks: %s", dr_names[sc], world, why);

@@ -100,6 +100,10 @@ static void scenario(fl_comm *c, const char *tmp, int sc) {
                       "%s: phase %s differs from the plan", dr_names[sc], res.phases[i].name);
         }
         free(pl);
+        if (sc != DR_LORA) { /* N ranks x micro b = one process x micro N*b (the control) */
+            double lr = dr_loss_rel(&mpi, &ctl, cfg.train.max_steps);
+            CHECK(lr <= 1e-6, "%s at %d ranks vs one process with micro %d: step losses differ by %.3g relative", dr_names[sc], n, 2 * n, lr);
+        }
         char why[1024];
         int bad = dr_compare(&mpi, &ref, dr_max_diff(pair, &ctl), dr_floor(&cfg), cfg.train.max_steps, why, sizeof why);
         CHECK(bad == 0, "%s at %d ranks vs one process: %s", dr_names[sc], n, why);
