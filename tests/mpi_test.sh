@@ -79,6 +79,15 @@ else
     bad "ddp_devices_mismatch" "exit $rc"
 fi
 
+# ranks started with different command lines refuse at start-up, naming the difference (once)
+timeout 120 mpirun -np 2 sh -c 'if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then S=3; else S=4; fi; exec "$0" finetune_full "$@" --train.max_steps $S' \
+    "$FL" "${ARGS[@]}" --devices 2 --out_dir "$T/cli4" >"$T/out" 2>&1; rc=$?
+if [ $rc -ne 0 ] && [ "$(grep -c "rank 1 of 2: the ranks were started with different configurations: rank 1 has '  max_steps: 3' where rank 0 has '  max_steps: 4'" "$T/out")" = 1 ]; then
+    ok "ddp_config_mismatch (exit $rc)"
+else
+    bad "ddp_config_mismatch" "exit $rc"
+fi
+
 # faults: every rank ends promptly, non-zero, and the output names the rank at fault
 fault() {
     local name=$1 mode=$2 pat=$3

@@ -137,8 +137,11 @@ FL_TEST(ddp_threads_devices_must_match_ranks) {
     free(j);
 }
 
-/* A rank that fails during set-up (here: rank 1's data file is missing) makes every rank return
- * that error instead of leaving rank 0 waiting in a collective. */
+/* Ranks started with different configurations refuse at start-up, naming the difference, and a
+ * failure during set-up comes back on every rank instead of leaving one waiting in a collective.
+ * (With threads, a rank that returns its error first makes the test harness fail the others'
+ * pending calls with "rank R failed: <that error>": the status may differ, the message says the
+ * same. Under MPI every rank returns the agreed error itself.) */
 typedef struct {
     fl_run_config cfg[2];
     fl_status st[2];
@@ -153,16 +156,27 @@ static fl_status fail_rank(fl_comm *c, int rank, void *ud) {
     return s;
 }
 
-FL_TEST(ddp_threads_setup_failure_on_one_rank_fails_all) {
+FL_TEST(ddp_threads_setup_failures_reach_every_rank) {
     fail_job *j = calloc(1, sizeof *j);
     FL_REQUIRE(j != NULL);
     char out[700];
     snprintf(out, sizeof out, "%s/sf", fl_test_tmpdir());
     for (int r = 0; r < 2; r++) dr_config(&j->cfg[r], DR_ADAMW, 2, 2, 1, 1, out);
-    snprintf(j->cfg[1].checkpoint_dir, sizeof j->cfg[1].checkpoint_dir, "%s/no-such-model", out);
+    j->cfg[1].train.max_steps = 7; /* rank 1 was started with another command line */
     FL_CHECK(fl_comm_threads_run(2, fail_rank, j) != FL_OK);
     for (int r = 0; r < 2; r++)
-        FL_CHECKF(j->st[r] != FL_OK && strstr(j->msg[r], "rank 1 of 2") && strstr(j->msg[r], "no-such-model"),
+        FL_CHECKF(j->st[r] != FL_OK && strstr(j->msg[r], "rank 1 of 2") &&
+                      strstr(j->msg[r], "different configurations") && strstr(j->msg[r], "max_steps: 7") &&
+                      strstr(j->msg[r], "max_steps: 8"),
+                  "rank %d: %s", r, j->msg[r]);
+    /* the same model folder missing on every rank: every rank returns rank 0's error */
+    for (int r = 0; r < 2; r++) {
+        dr_config(&j->cfg[r], DR_ADAMW, 2, 2, 1, 1, out);
+        snprintf(j->cfg[r].checkpoint_dir, sizeof j->cfg[r].checkpoint_dir, "%s/no-such-model", out);
+    }
+    FL_CHECK(fl_comm_threads_run(2, fail_rank, j) != FL_OK);
+    for (int r = 0; r < 2; r++)
+        FL_CHECKF(j->st[r] != FL_OK && strstr(j->msg[r], "rank 0 of 2") && strstr(j->msg[r], "no-such-model"),
                   "rank %d: %s", r, j->msg[r]);
     free(j);
 }

@@ -1,6 +1,7 @@
 /* The data-parallel context of a training run: see dp.h. */
 #include "dp.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -90,5 +91,45 @@ fl_status fl_dp_agree(fl_dp *dp, fl_status mine) {
             break;
         }
     free(all);
+    return s;
+}
+
+/* The first line where a and b differ, cut at the newline. */
+static void first_diff(const char *a, const char *b, char *la, char *lb, size_t n) {
+    while (*a && *b) {
+        const char *ea = strchr(a, '\n'), *eb = strchr(b, '\n');
+        size_t na = ea ? (size_t)(ea - a) : strlen(a), nb = eb ? (size_t)(eb - b) : strlen(b);
+        if (na != nb || memcmp(a, b, na)) break;
+        a += na + (ea != NULL);
+        b += nb + (eb != NULL);
+    }
+    snprintf(la, n, "%.*s", (int)(strchr(a, '\n') ? strchr(a, '\n') - a : (long)strlen(a)), a);
+    snprintf(lb, n, "%.*s", (int)(strchr(b, '\n') ? strchr(b, '\n') - b : (long)strlen(b)), b);
+}
+
+fl_status fl_dp_check_config(fl_dp *dp, const fl_run_config *cfg) {
+    if (!dp->comm) return FL_OK;
+    char *mine = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&mine, &len);
+    if (!f) return fl_errorf(FL_ERR_OOM, "data parallel: out of host memory");
+    fl_cfg_write_yaml(cfg, f);
+    fclose(f);
+    /* rank 0's length, then its text (as 2-byte words: a broadcast copies bits) */
+    float lw = (float)len; /* exact below 2^24 */
+    fl_status s = fl_comm_broadcast(dp->comm, &lw, 1, FL_F32, 0);
+    size_t n0 = (size_t)lw, words = (n0 + 2) / 2;
+    char *root = s == FL_OK ? calloc(words, 2) : NULL;
+    if (s == FL_OK && !root) s = fl_errorf(FL_ERR_OOM, "data parallel: out of host memory");
+    if (s == FL_OK && dp->rank == 0) memcpy(root, mine, len);
+    if (s == FL_OK) s = fl_comm_broadcast(dp->comm, root, words, FL_BF16, 0);
+    if (s == FL_OK && (n0 != len || memcmp(root, mine, len))) {
+        char here[200], there[200];
+        first_diff(mine, root, here, there, sizeof here);
+        s = fl_errorf(FL_ERR_INVALID, "the ranks were started with different configurations: rank %d has '%s' where "
+                      "rank 0 has '%s' (every rank must run the same command line and recipe)", dp->rank, here, there);
+    }
+    free(root);
+    free(mine);
     return s;
 }

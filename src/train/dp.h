@@ -17,6 +17,7 @@
 #define FL_TRAIN_DP_H
 
 #include "fitllm/comm.h"
+#include "fitllm/config.h"
 #include "fitllm/train.h"
 
 typedef struct {
@@ -36,6 +37,9 @@ static inline int fl_dp_mine(const fl_dp *dp, long j) { return j % dp->world == 
 fl_status fl_dp_sum(fl_dp *dp, double *v, int n);
 /* Every rank's value of v[0..n) (rank-major into all[world * n]). */
 fl_status fl_dp_gather(fl_dp *dp, const double *v, int n, double *all);
+/* Every rank's run configuration must be rank 0's (the YAML dump compared line by line):
+ * FL_ERR_INVALID on the ranks that differ, naming the first differing line. Collective. */
+fl_status fl_dp_check_config(fl_dp *dp, const fl_run_config *cfg);
 /* What this build cannot reduce yet (F16 gradients), checked at set-up. */
 fl_status fl_dp_check(const fl_dp *dp, const fl_optimizer *o);
 /* Sum the trainable gradients (o->g, F32 or BF16) over ranks in place: one all-reduce of the

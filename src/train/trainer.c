@@ -549,6 +549,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
      * lowest failing rank's error. A failing rank enters `done` and agrees there. */
     int in_setup = 1, agreed = 0;
 #define AGREE() do { agreed = 1; if ((s = fl_dp_agree(&t.dp, s)) != FL_OK) goto done; agreed = 0; } while (0)
+    CHECK(fl_dp_check_config(&t.dp, cfg)); /* the same command line and recipe on every rank */
     CHECK(fl_cpu_backend_init(&t.be, cfg->threads));
     t.be_ok = 1;
     CHECK(fl_mem_pool_init(&t.pool, "cpu", cfg->max_memory));
