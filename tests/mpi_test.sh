@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The MPI implementation of fl_comm under mpirun (run by `make test` and ctest):
+# The MPI implementation of fl_comm and DDP training under mpirun (run by `make test` and ctest):
+#   - DDP training at 2 and 4 ranks against one process (tests/mpi/ddp_mpi_test.c), the CLI under
+#     mpirun (rank 0 reports and writes; its checkpoint resumes in one process; --devices mismatch);
 #   - every collective/dtype/op/count at 2 and 4 ranks, checked against the specification, float64,
 #     a second run and the threads implementation's bits (tests/mpi/comm_mpi_test.c);
 #   - faults: one rank calls fl_comm_abort, or exits non-zero without a word, while the others wait:
@@ -39,6 +41,52 @@ for np in 2 4; do
         bad "mpi_collectives_np$np" "exit $rc"
     fi
 done
+
+# DDP training (tests/mpi/ddp_mpi_test.c): each scenario vs one process and vs the threads twin
+DDP=$BUILD/fitllm_ddp_mpi_test
+for np in 2 4; do
+    mkdir -p "$T/ddp$np"
+    timeout 600 mpirun -np $np "$DDP" "$T/ddp$np" >"$T/out" 2>&1; rc=$?
+    if [ $rc -eq 0 ] && grep -q "ddp mpi test: $np ranks, .* 0 failures" "$T/out"; then
+        ok "ddp_training_np$np ($(grep -o '[0-9]* checks' "$T/out"))"
+        grep "vs one process" "$T/out" | sed 's/^ */     /'
+    else
+        bad "ddp_training_np$np" "exit $rc"
+    fi
+done
+
+# the CLI under mpirun: rank 0 alone reports and writes; its checkpoint resumes in one process
+FL=$BUILD/fitllm
+ARGS=(micro --data.n_train 51 --data.n_val 7 --train.micro_batch_size 2 --train.global_batch_size 8
+      --train.max_steps 4 --train.save_interval 2 --train.max_seq_length 48 --eval.max_new_tokens 0 --threads 1)
+timeout 300 mpirun -np 2 "$FL" finetune_full "${ARGS[@]}" --devices 2 --out_dir "$T/cli" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 0 ] && [ "$(grep -c "Saved the final model" "$T/out")" = 1 ] && grep -q "x 2 ranks = global batch 8" "$T/out" \
+    && grep -q "data parallel (DDP" "$T/out" && [ -f "$T/cli/final/model.safetensors" ] && [ -f "$T/cli/logs/metrics.csv" ]; then
+    ok "ddp_cli_np2 (one report, final/ and logs from rank 0)"
+else
+    bad "ddp_cli_np2" "exit $rc"
+fi
+timeout 300 "$FL" finetune_full "${ARGS[@]}" --resume "$T/cli/step-000002" --out_dir "$T/cli1" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000002 (step 2, iter 8)" "$T/out"; then
+    ok "ddp_checkpoint_resumes_in_one_process"
+else
+    bad "ddp_checkpoint_resumes_in_one_process" "exit $rc"
+fi
+timeout 120 mpirun -np 2 "$FL" finetune_full "${ARGS[@]}" --devices 3 --train.global_batch_size 12 --out_dir "$T/cli3" >"$T/out" 2>&1; rc=$?
+if [ $rc -ne 0 ] && [ "$(grep -c "devices 3 x --num_nodes 1 = 3 ranks, but Open MPI (mpirun) started 2" "$T/out")" = 1 ]; then
+    ok "ddp_devices_mismatch (exit $rc, one message)"
+else
+    bad "ddp_devices_mismatch" "exit $rc"
+fi
+
+# ranks started with different command lines refuse at start-up, naming the difference (once)
+timeout 120 mpirun -np 2 sh -c 'if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then S=3; else S=4; fi; exec "$0" finetune_full "$@" --train.max_steps $S' \
+    "$FL" "${ARGS[@]}" --devices 2 --out_dir "$T/cli4" >"$T/out" 2>&1; rc=$?
+if [ $rc -ne 0 ] && [ "$(grep -c "rank 1 of 2: the ranks were started with different configurations: rank 1 has '  max_steps: 3' where rank 0 has '  max_steps: 4'" "$T/out")" = 1 ]; then
+    ok "ddp_config_mismatch (exit $rc)"
+else
+    bad "ddp_config_mismatch" "exit $rc"
+fi
 
 # faults: every rank ends promptly, non-zero, and the output names the rank at fault
 fault() {

@@ -75,7 +75,8 @@ typedef struct {
     char checkpoint_dir[FL_CFG_PATH]; /* finetune: required; pretrain: optional initial weights */
     char out_dir[FL_CFG_PATH];
     char precision[16];               /* "32-true", "bf16-true", "bf16-mixed", "16-mixed", ... */
-    int devices, num_nodes;
+    int devices, num_nodes;           /* ranks = devices x num_nodes (data parallel over MPI) */
+    char strategy[32];                /* "auto" or "ddp" (Lightning's names; the sharded ones: not yet) */
     char resume[FL_CFG_PATH];         /* "false", "true", "auto" or a checkpoint folder */
     uint64_t seed;
     char logger_name[16];             /* "csv" or "jsonl"; LitGPT's tensorboard / wandb / mlflow / litlogger
@@ -150,6 +151,9 @@ const char *fl_cfg_command_name(fl_cmd_kind cmd);
 
 /* Check cross-field constraints (sizes positive, warmup exclusivity, ...). */
 fl_status fl_cfg_validate(const fl_run_config *c);
+/* "auto"/"ddp" (or "") are accepted; Lightning's sharded strategies (fsdp, deepspeed_stage_*) are
+ * FL_ERR_UNSUPPORTED naming issue #14; anything else FL_ERR_INVALID. */
+fl_status fl_cfg_check_strategy(const char *strategy);
 
 /* Write the effective configuration as YAML (hyperparameters.yaml). */
 void fl_cfg_write_yaml(const fl_run_config *c, FILE *f);

@@ -65,7 +65,7 @@ int fl_plan_technique_available(const char *name);
 
 typedef struct {
     size_t device_memory;  /* budget in bytes; 0: the config's max_memory; both 0: no budget */
-    int devices;           /* 1 (only one device for now); 0 means 1 */
+    int devices;           /* > 1: plan one rank of a DDP run over this many ranks (0, 1: the config's) */
     int seq_len;           /* > 0: plan for this T instead of max_seq_length / the context */
     int generation;        /* -1 auto (as the CLI run would), 0 off, 1 on */
     int no_suggestions;    /* skip the suggestion search (used by the search itself) */
@@ -91,7 +91,8 @@ typedef struct {
     fl_model_config model;
     char model_source[64];     /* "preset", "config.json" */
     size_t n_params;
-    int B, accum, global_batch, T;
+    int B, accum, global_batch, T; /* per rank: global_batch = the run's / devices */
+    int devices;               /* ranks (DDP: the plan is one rank's memory) */
     char precision[16];
     char optimizer[24];        /* "AdamW", "SGD", "SGD+momentum" */
     int act_ckpt;

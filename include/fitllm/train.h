@@ -110,6 +110,11 @@ typedef struct {
 fl_status fl_train_micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb, int k, int last, long step_valid,
                          float lr, float max_norm, double *loss_sum, long *n_valid, fl_step_result *res);
 
+/* The optimizer update that ends a step (what fl_train_micro does when `last`): phase
+ * "optimizer step", fl_optim_step, the after_opt_step snapshot, res's grad_norm / skipped /
+ * loss_scale / ms_opt. Data-parallel training calls it after the gradients were reduced. */
+fl_status fl_train_update(fl_model *m, fl_optimizer *o, float lr, float max_norm, fl_step_result *res);
+
 /* One training step over n_micro micro-batches of (B,T) ids/targets laid out
  * consecutively ((n_micro, B, T) each). Zeroes gradients first. Records the
  * memory snapshots before_fwd, after_fwd, after_bwd, after_opt_step (first

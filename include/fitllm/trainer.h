@@ -10,6 +10,7 @@
 
 #include <stdio.h>
 
+#include "fitllm/comm.h"
 #include "fitllm/config.h"
 #include "fitllm/lora.h"
 #include "fitllm/mem.h"
@@ -38,6 +39,10 @@ typedef struct {
      * the last step): reserved and live bytes per tag, as the memory report prints them */
     fl_mem_phase phases[FL_TRAINER_MAX_PHASES];
     int n_phases;
+    /* data parallel: on failure, 1 when every rank returned this same error (configuration checks
+     * and set-up, agreed between the ranks: let rank 0 report it), 0 when it is this rank's own
+     * (the others may be waiting in a collective: the CLI aborts the job) */
+    int error_all_ranks;
 } fl_trainer_result;
 
 /* res (may be NULL) is filled on success and on failure: peak and peak_total
@@ -68,6 +73,16 @@ double fl_trainer_eta(double session_seconds, long session_steps, long steps_lef
 
 fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, fl_step_hook hook, void *hook_ud,
                          fl_trainer_result *res);
+
+/* Data-parallel training (DDP / NO_SHARD) over comm: every rank of comm calls this with the same
+ * configuration, whose devices x num_nodes must equal the communicator's size. Each rank trains
+ * its share of every step's global batch (global micro-batch j of a step is rank j % size's) and
+ * the gradients are summed over the ranks once per step; rank 0 alone prints to `out` (others
+ * are silent), writes the metrics and the checkpoints (the single-process format: a single
+ * process can resume them). The hook runs on every rank; stopping is decided together. comm NULL
+ * (or of size 1) is fl_trainer_run. See docs/ARCHITECTURE.md "Data-parallel training". */
+fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out, int progress_bar, fl_step_hook hook,
+                              void *hook_ud, fl_trainer_result *res);
 
 #ifdef __cplusplus
 }

@@ -8,6 +8,7 @@
 
 #include "cli.h"
 #include "fitllm/checkpoint.h"
+#include "fitllm/comm.h"
 #include "fitllm/config.h"
 #include "fitllm/trainer.h"
 
@@ -130,18 +131,108 @@ static int stop_if_interrupted(void *ud, long step, double loss, const void *par
     return g_interrupted;
 }
 
+/* The command that starts `ranks` copies of this command line under Open MPI's mpirun (with its
+ * root and oversubscription flags where this machine needs them). */
+static void mpirun_command(int ranks, int argc, char **argv, char *buf, size_t n) {
+    char exe[4096];
+    ssize_t len = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (len > 0) exe[len] = 0;
+    else snprintf(exe, sizeof exe, "fitllm");
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    size_t o = (size_t)snprintf(buf, n, "mpirun -np %d%s%s %s", ranks, geteuid() == 0 ? " --allow-run-as-root" : "",
+                                cores > 0 && ranks > cores ? " --oversubscribe" : "", exe);
+    for (int i = 0; i < argc && o < n; i++) { /* argv[0] is the subcommand */
+        const char *a = argv[i];
+        int plain = *a != 0;
+        for (const char *c = a; *c; c++)
+            if (!strchr("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_=./:,+@%", *c)) plain = 0;
+        if (plain) o += (size_t)snprintf(buf + o, n - o, " %s", a);
+        else { /* single quotes, ' as '\'' */
+            o += (size_t)snprintf(buf + o, n - o, " '");
+            for (const char *c = a; *c && o < n; c++)
+                o += (size_t)(*c == '\'' ? snprintf(buf + o, n - o, "'\\''") : snprintf(buf + o, n - o, "%c", *c));
+            if (o < n) o += (size_t)snprintf(buf + o, n - o, "'");
+        }
+    }
+}
+
+/* --devices / --num_nodes against the launcher; the communicator for more than one rank.
+ * Returns 0 (comm set, NULL for one process) or an exit code (the error printed). */
+static int join_ranks(const char *cmd, const fl_run_config *cfg, int argc, char **argv, fl_comm **comm) {
+    *comm = NULL;
+    fl_launch_info li;
+    if (fl_launch_detect(&li) != FL_OK) {
+        fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
+        return FL_EXIT_USAGE;
+    }
+    int want = cfg->devices * cfg->num_nodes, have = li.kind == FL_LAUNCH_NONE ? 1 : li.size;
+    if (want > 1 && li.kind == FL_LAUNCH_NONE) {
+        char line[8192];
+        mpirun_command(want, argc, argv, line, sizeof line);
+        fprintf(stderr, "fitllm %s: error: --devices %d%s asks for %d ranks (data-parallel DDP), but this process was "
+                "not started by a launcher; start the ranks with\n  %s\n%s", cmd, cfg->devices,
+                cfg->num_nodes > 1 ? " x --num_nodes" : "", want, line,
+                fl_comm_mpi_built() ? "" : "(and note: this build has no MPI, which multi-process training needs: "
+                "apt-get install openmpi-bin libopenmpi-dev, then rebuild)\n");
+        return FL_EXIT_USAGE;
+    }
+    if (want != have) {
+        if (li.rank == 0) /* every rank sees the same mismatch: one message */
+            fprintf(stderr, "fitllm %s: error: --devices %d x --num_nodes %d = %d ranks, but %s started %d: give "
+                    "--devices %d (ranks per node x nodes = the launcher's rank count) or start %d ranks\n", cmd,
+                    cfg->devices, cfg->num_nodes, want, fl_launch_kind_name(li.kind), have, have / cfg->num_nodes > 0 ?
+                    have / cfg->num_nodes : have, want);
+        return FL_EXIT_USAGE;
+    }
+    if (want == 1) return 0;
+    if (fl_comm_init(comm, NULL, NULL) != FL_OK) {
+        if (li.rank == 0) fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
+        return FL_EXIT_USAGE;
+    }
+    return 0;
+}
+
+static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_comm *comm);
+
 static int run(const char *cmd, fl_cmd_kind kind, int argc, char **argv) {
     fl_run_config cfg;
     int rc = fl_cli_parse_run(cmd, kind, argc, argv, &cfg, NULL, NULL, help);
     if (rc) return rc < 0 ? 0 : rc;
-    int bar = !cfg.quiet && isatty(STDOUT_FILENO);
+    fl_comm *comm = NULL;
+    if ((rc = join_ranks(cmd, &cfg, argc, argv, &comm)) != 0) return rc;
+    rc = train(cmd, kind, &cfg, comm);
+    fl_comm_destroy(comm);
+    return rc;
+}
+
+static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_comm *comm) {
+    (void)kind;
+    fl_run_config cfg = *cfg_in;
+    const int rank = comm ? fl_comm_rank(comm) : 0, world = comm ? fl_comm_size(comm) : 1;
+    int bar = !cfg.quiet && isatty(STDOUT_FILENO) && rank == 0;
     fl_trainer_result res;
     snprintf(g_resume_msg, sizeof g_resume_msg,
              "fitllm %s: interrupted; to continue from the last step-* checkpoint in '%s', run the same command "
              "with --resume auto\n", cmd, cfg.out_dir);
     signal(SIGINT, on_sigint);
-    fl_status s = fl_trainer_run(&cfg, stdout, bar, stop_if_interrupted, NULL, &res);
+    fl_status s = fl_trainer_run_comm(&cfg, comm, stdout, bar, stop_if_interrupted, NULL, &res);
     signal(SIGINT, SIG_DFL);
+    /* configuration problems found while setting up (bad values, a checkpoint_dir or data file
+     * that does not exist, a technique this build lacks) are usage errors */
+    int code = s == FL_ERR_OOM ? FL_EXIT_OOM
+               : (s == FL_ERR_INVALID || s == FL_ERR_NOT_FOUND || s == FL_ERR_UNSUPPORTED) ? FL_EXIT_USAGE : FL_EXIT_RUNTIME;
+    if (s != FL_OK && world > 1) {
+        /* an error every rank returned (set-up, agreed): rank 0 says it; one rank's own error:
+         * it ends the job, naming the rank (the others may be waiting for it in a collective) */
+        if (res.error_all_ranks && rank != 0) return code;
+        if (!res.error_all_ranks) {
+            char msg[1200];
+            fflush(stdout);
+            snprintf(msg, sizeof msg, "fitllm %s: error: %s", cmd, fl_error_message());
+            fl_comm_abort(comm, code, msg); /* MPI: does not return */
+        }
+    }
+    if (s == FL_OK && g_interrupted && rank != 0) return 130;
     if (s == FL_OK && g_interrupted) {
         char last[FL_CFG_PATH + 300];
         fflush(stdout);
@@ -162,10 +253,8 @@ static int run(const char *cmd, fl_cmd_kind kind, int argc, char **argv) {
             fl_cli_oom_advice(&cfg, &res.oom, stderr);
             return FL_EXIT_OOM;
         }
-        int code = fl_cli_fail(cmd, s, NULL);
-        /* configuration problems found while setting up (bad values, a checkpoint_dir or
-         * data file that does not exist, a technique this build lacks) are usage errors */
-        return (s == FL_ERR_INVALID || s == FL_ERR_NOT_FOUND || s == FL_ERR_UNSUPPORTED) ? FL_EXIT_USAGE : code;
+        fl_cli_fail(cmd, s, NULL);
+        return code;
     }
     return 0;
 }

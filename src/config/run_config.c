@@ -25,6 +25,7 @@ void fl_cfg_defaults(fl_run_config *c, fl_cmd_kind cmd) {
     snprintf(c->precision, sizeof c->precision, "32-true");
     c->devices = 1;
     c->num_nodes = 1;
+    snprintf(c->strategy, sizeof c->strategy, "auto");
     snprintf(c->resume, sizeof c->resume, "false");
     c->seed = cmd == FL_CMD_PRETRAIN ? 42 : 1337;
     snprintf(c->logger_name, sizeof c->logger_name, "csv");
@@ -63,8 +64,9 @@ static const fl_cfg_key k_keys[] = {
     {"model", FL_CK_PATH, OFF(checkpoint_dir), "same as checkpoint_dir (a preset name: random init)"},
     {"out_dir", FL_CK_PATH, OFF(out_dir), "folder for checkpoints and logs"},
     {"precision", FL_CK_PRECISION, OFF(precision), "32-true | bf16-true | bf16-mixed | 16-true | 16-mixed"},
-    {"devices", FL_CK_DEVICES, OFF(devices), "number of devices, or auto (all this build can use: 1 CPU device)"},
-    {"num_nodes", FL_CK_INT, OFF(num_nodes), "number of nodes (1 on this build)"},
+    {"devices", FL_CK_DEVICES, OFF(devices), "devices (ranks) per node, or auto (1 CPU device); > 1: launch with mpirun -np devices x num_nodes"},
+    {"num_nodes", FL_CK_POS, OFF(num_nodes), "number of nodes"},
+    {"strategy", FL_CK_STR32, OFF(strategy), "auto | ddp (auto = ddp for now; fsdp, deepspeed_stage_* not yet: #14)"},
     {"resume", FL_CK_RESUME, OFF(resume), "false | true | auto | path to a checkpoint folder"},
     {"seed", FL_CK_U64, OFF(seed), "random seed"},
     {"logger_name", FL_CK_LOGGER, OFF(logger_name), "csv | jsonl (metrics in out_dir/logs/); tensorboard, wandb, mlflow: csv"},
@@ -540,12 +542,22 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
     return fl_errorf(FL_ERR_INTERNAL, "option '%s': unhandled type", key);
 }
 
+fl_status fl_cfg_check_strategy(const char *s) {
+    static const char *later[] = {"fsdp", "deepspeed", "deepspeed_stage_1", "deepspeed_stage_2",
+                                  "deepspeed_stage_2_offload", "deepspeed_stage_3", "deepspeed_stage_3_offload"};
+    if (!s[0] || !strcmp(s, "auto") || !strcmp(s, "ddp")) return FL_OK;
+    for (size_t i = 0; i < sizeof later / sizeof later[0]; i++)
+        if (!strcmp(s, later[i]))
+            return fl_errorf(FL_ERR_UNSUPPORTED, "strategy '%s' is not implemented yet (issue #14: data-parallel DDP "
+                             "only so far; use --strategy ddp)", s);
+    return fl_errorf(FL_ERR_INVALID, "strategy '%s': unknown (auto, ddp; fsdp and deepspeed_stage_* later)", s);
+}
+
 fl_status fl_cfg_validate(const fl_run_config *c) {
     const fl_train_args *t = &c->train;
-    if (c->devices != 1 || c->num_nodes != 1)
-        return fl_errorf(FL_ERR_UNSUPPORTED,
-                         "devices=%d num_nodes=%d: multi-device training is not built yet; this build trains on one "
-                         "CPU device (use --devices 1 or devices: auto, and num_nodes 1)", c->devices, c->num_nodes);
+    if (c->devices < 1 || c->num_nodes < 1)
+        return fl_errorf(FL_ERR_INVALID, "devices=%d num_nodes=%d must be >= 1", c->devices, c->num_nodes);
+    FL_TRY(fl_cfg_check_strategy(c->strategy));
     if (t->micro_batch_size <= 0) return fl_errorf(FL_ERR_INVALID, "train.micro_batch_size must be positive");
     if (t->global_batch_size <= 0) return fl_errorf(FL_ERR_INVALID, "train.global_batch_size must be positive");
     int per_rank = t->global_batch_size / (c->devices * c->num_nodes);

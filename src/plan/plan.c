@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "fitllm/comm.h"
 #include "fitllm/data.h"
 #include "fitllm/generate.h"
 #include "fitllm/io.h"
@@ -34,7 +35,7 @@ static const fl_plan_technique k_tech[] = {
     {"lora", 1, "fitllm finetune_lora", "adapters only: the base needs no gradients or optimizer state"},
     {"qlora", 1, "fitllm finetune_lora --quantize bnb.nf4-dq", "LoRA on bitsandbytes NF4/FP4 4-bit base weights"},
     {"cpu_offload", 0, "optimizer state and master weights on the host", "not available yet"},
-    {"ddp", 0, "--devices N", "distributed training is not available yet"},
+    {"ddp", 0, "mpirun -np N fitllm ... --devices N", "DDP runs under mpirun; the lab trains in one process, so its ddp rows are not run yet"},
     {"fsdp", 0, "--devices N --strategy fsdp", "sharded training is not available yet"},
 };
 #define N_TECH (int)(sizeof k_tech / sizeof k_tech[0])
@@ -322,6 +323,15 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     fl_mem_set_live(pl, lacts, 0);
     fl_mem_set_live(pl, grads, SIZE_MAX);
     snap(g, "after_bwd");
+    const int world = c->devices * c->num_nodes;
+    if (world > 1) { /* DDP (fl_dp_reduce_grads): the MPI all-reduce's receive scratch, (N-1) x rank 0's
+                      * chunk of the gradients, from the pool while the reduction runs */
+        size_t off, len;
+        fl_comm_chunk(n_train, world, 0, &off, &len);
+        void *sc = palloc(g, FL_TAG_WORKSPACE, (size_t)(world - 1) * len * (lora ? sizeof(float) : es),
+                          "DDP all-reduce scratch ((N-1) x chunk)");
+        if (sc) fl_mem_free(pl, sc);
+    }
     snprintf(g->step, sizeof g->step, "after_opt_step");
     fl_mem_set_phase(pl, "optimizer step");
     fl_mem_set_live(pl, grads, 0);
@@ -551,10 +561,17 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     if (opts_in) opts = *opts_in;
     else fl_plan_opts_default(&opts);
     memset(p, 0, sizeof *p);
-    if (opts.devices > 1)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--devices %d: planning for more than one device is not available yet",
-                         opts.devices);
+    fl_run_config cd;
+    if (opts.devices > 1) { /* plan --devices N: the run's devices */
+        cd = *c;
+        cd.devices = opts.devices;
+        c = &cd;
+    }
     FL_TRY(fl_cfg_validate(c));
+    p->devices = c->devices * c->num_nodes;
+    if (p->devices > 1)
+        note(p, "data parallel (DDP) over %d ranks: the memory of ONE rank (every rank holds the whole model, its "
+                "gradients and optimizer state), with the gradient all-reduce's scratch in WORKSPACE", p->devices);
     plan_ctx x;
     memset(&x, 0, sizeof x);
     FL_TRY(resolve_model(c, &x.mc, p->model_source, sizeof p->model_source));
@@ -742,8 +759,8 @@ void fl_plan_write_json(const fl_plan *p, FILE *f) {
     jstr(f, p->precision);
     fprintf(f, ", \"optimizer\": ");
     jstr(f, p->optimizer);
-    fprintf(f, ", \"activation_checkpointing\": %s, \"eval_generation\": %s, \"devices\": 1},\n",
-            p->act_ckpt ? "true" : "false", p->generation ? "true" : "false");
+    fprintf(f, ", \"activation_checkpointing\": %s, \"eval_generation\": %s, \"devices\": %d},\n",
+            p->act_ckpt ? "true" : "false", p->generation ? "true" : "false", p->devices > 0 ? p->devices : 1);
     if (p->budget) fprintf(f, "  \"budget\": %zu,\n", p->budget);
     else fprintf(f, "  \"budget\": null,\n");
     fprintf(f, "  \"tags\": [");

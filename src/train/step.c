@@ -38,17 +38,22 @@ fl_status fl_train_micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb,
         res->ms_head += m->ms_head;
         res->ms_bwd += c - b;
     }
-    if (last) {
-        fl_mem_set_phase(pool, "optimizer step");
-        double norm = 0;
-        FL_TRY(fl_optim_step(o, lr, max_norm, &norm));
-        fl_mem_snapshot(pool, "after_opt_step");
-        if (res) {
-            res->grad_norm = norm;
-            res->skipped = o->last_skipped;
-            res->loss_scale = o->use_loss_scale ? fl_loss_scale_value(&o->ls) : 0.0f;
-            res->ms_opt += now_ms() - c;
-        }
+    if (last) FL_TRY(fl_train_update(m, o, lr, max_norm, res));
+    return FL_OK;
+}
+
+fl_status fl_train_update(fl_model *m, fl_optimizer *o, float lr, float max_norm, fl_step_result *res) {
+    fl_mem_pool *pool = m->pool;
+    double c = now_ms();
+    fl_mem_set_phase(pool, "optimizer step");
+    double norm = 0;
+    FL_TRY(fl_optim_step(o, lr, max_norm, &norm));
+    fl_mem_snapshot(pool, "after_opt_step");
+    if (res) {
+        res->grad_norm = norm;
+        res->skipped = o->last_skipped;
+        res->loss_scale = o->use_loss_scale ? fl_loss_scale_value(&o->ls) : 0.0f;
+        res->ms_opt += now_ms() - c;
     }
     return FL_OK;
 }

@@ -21,6 +21,7 @@
 #include "fitllm/peft.h"
 #include "fitllm/tokenizer.h"
 #include "fitllm/trainer.h"
+#include "dp.h"
 #include "metrics.h"
 
 typedef struct {
@@ -40,11 +41,14 @@ typedef struct {
     fl_dataset *data;
     fl_loader *train, *val;
     fl_metrics metrics;
-    int32_t *ids, *tgt;         /* (accum, B, T_max) step buffers, OTHER */
-    fl_micro_batch *mbs;        /* (accum) */
-    long *mb_epoch;             /* (accum) epoch each micro-batch of the step was drawn from */
-    long long *mb_tokens;       /* (accum) padded tokens of each micro-batch */
-    int accum, B, T;
+    int32_t *ids, *tgt;         /* (accum, B, T_max) step buffers of this rank, OTHER */
+    fl_micro_batch *mbs;        /* (accum) this rank's micro-batches of the step */
+    long *mb_epoch;             /* (G) epoch each global micro-batch of the step was drawn from */
+    long long *mb_tokens;       /* (G) padded tokens of each global micro-batch */
+    double *mb_stats;           /* (2 G) loss sum and valid targets of each global micro-batch, rank-major */
+    double *mb_ms;              /* (accum) wall ms of this rank's micro-batches */
+    fl_dp dp;                   /* data parallel: rank, world, communicator (see dp.h) */
+    int accum, G, B, T;         /* G = accum x world: micro-batches of one optimizer step, all ranks */
     long max_steps, warmup, steps_per_epoch;
     fl_train_state st;
 } trainer;
@@ -214,8 +218,9 @@ static fl_status load_data(trainer *t) {
 static void schedule(trainer *t) {
     const fl_train_args *a = &t->cfg->train;
     t->accum = a->global_batch_size / (t->cfg->devices * t->cfg->num_nodes) / a->micro_batch_size;
+    t->G = t->accum * t->dp.world;
     long bpe = (long)fl_loader_batches_per_epoch(t->train);
-    t->steps_per_epoch = bpe / t->accum > 0 ? bpe / t->accum : 1;
+    t->steps_per_epoch = bpe / t->G > 0 ? bpe / t->G : 1;
     long ms = -1;
     if (a->epochs > 0) ms = a->epochs * t->steps_per_epoch;
     if (a->max_steps >= 0 && (ms < 0 || a->max_steps < ms)) ms = a->max_steps;
@@ -249,11 +254,16 @@ static fl_status validate(trainer *t, int max_iters, double *loss) {
         fl_batch b;
         int ne;
         FL_TRY(fl_loader_next(t->val, &b, &ne));
+        if (!fl_dp_mine(&t->dp, k)) continue; /* data parallel: each rank evaluates its share */
         FL_TRY(fl_model_forward(&t->model, b.ids, b.targets, b.B, b.T, 0.0f, NULL));
         sum += t->model.loss_sum;
         cnt += t->model.n_valid;
     }
     fl_model_lora_set_train(&t->model, 1);
+    double v[2] = {sum, (double)cnt};
+    FL_TRY(fl_dp_sum(&t->dp, v, 2));
+    sum = v[0];
+    cnt = (long)v[1];
     /* token-weighted mean over the evaluated batches */
     if (cnt > 0) *loss = sum / (double)cnt;
     if (cnt > 0 && !isfinite(*loss)) return fl_errorf(FL_ERR_NONFINITE, "the validation loss is %s", isnan(*loss) ? "NaN" : "inf");
@@ -433,6 +443,9 @@ static void cleanup(trainer *t) {
     free(t->mbs);
     free(t->mb_epoch);
     free(t->mb_tokens);
+    free(t->mb_stats);
+    free(t->mb_ms);
+    fl_dp_done(&t->dp);
     fl_loader_free(t->train);
     fl_loader_free(t->val);
     fl_data_free(t->data);
@@ -474,17 +487,32 @@ fl_status fl_trainer_storage(const fl_run_config *c, const fl_precision *p, fl_m
 
 fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, fl_step_hook hook, void *hook_ud,
                          fl_trainer_result *res) {
+    return fl_trainer_run_comm(cfg, NULL, out, progress_bar, hook, hook_ud, res);
+}
+
+fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out, int progress_bar, fl_step_hook hook,
+                              void *hook_ud, fl_trainer_result *res) {
     trainer t;
     double *window = NULL;
     memset(&t, 0, sizeof t);
     t.cfg = cfg;
+    fl_dp_init(&t.dp, comm, NULL);
+    const int lead = t.dp.rank == 0; /* only rank 0 prints, logs and writes checkpoints */
+    if (!lead) out = NULL;
     t.out = out;
     t.bar = progress_bar && out;
     fl_trainer_result r;
     memset(&r, 0, sizeof r);
     r.val_loss = NAN;
+    r.error_all_ranks = 1; /* the checks before set-up fail alike on every rank */
+    if (res) *res = r;
     fl_status s = fl_cfg_validate(cfg);
     if (s != FL_OK) return s;
+    if (cfg->devices * cfg->num_nodes != t.dp.world)
+        return fl_errorf(FL_ERR_INVALID, "devices x num_nodes = %d x %d = %d ranks, but this run has %d (%s): give "
+                         "--devices %d, or launch %d ranks (mpirun -np %d)", cfg->devices, cfg->num_nodes,
+                         cfg->devices * cfg->num_nodes, t.dp.world, comm ? fl_comm_impl_name(comm) : "no communicator",
+                         t.dp.world, cfg->devices * cfg->num_nodes, cfg->devices * cfg->num_nodes);
     fl_precision prec;
     if ((s = fl_precision_find(cfg->precision, &prec)) != FL_OK) return s;
     if (!prec.available)
@@ -496,10 +524,17 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
                          "or --overwrite to start over",
                          cfg->out_dir);
 #define CHECK(x) do { if ((s = (x)) != FL_OK) goto done; } while (0)
+    /* Set-up runs on every rank; its failures are agreed on (fl_dp_agree) at fixed points, so a
+     * rank that fails does not leave the others waiting in a collective: every rank returns the
+     * lowest failing rank's error. A failing rank enters `done` and agrees there. */
+    int in_setup = 1, agreed = 0;
+#define AGREE() do { agreed = 1; if ((s = fl_dp_agree(&t.dp, s)) != FL_OK) goto done; agreed = 0; } while (0)
+    CHECK(fl_dp_check_config(&t.dp, cfg)); /* the same command line and recipe on every rank */
     CHECK(fl_cpu_backend_init(&t.be, cfg->threads));
     t.be_ok = 1;
     CHECK(fl_mem_pool_init(&t.pool, "cpu", cfg->max_memory));
     t.pool_ok = 1;
+    fl_dp_init(&t.dp, comm, &t.pool);
     fl_mem_set_phase(&t.pool, "model load");
     CHECK(load_model_and_tokenizer(&t));
     CHECK(fl_model_set_precision(&t.model, &prec));
@@ -516,21 +551,35 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
         CHECK(fl_model_alloc_grads(&t.model));
     }
     CHECK(fl_optim_init(&t.opt, &t.model, &cfg->optimizer));
+    CHECK(fl_dp_check(&t.dp, &t.opt));
     t.model.act_ckpt = cfg->train.activation_checkpointing;
     CHECK(fl_model_alloc_acts(&t.model, t.B, t.T));
     size_t per = (size_t)t.B * t.T;
     CHECK(fl_mem_alloc(&t.pool, FL_TAG_OTHER, (size_t)t.accum * per * sizeof(int32_t), (void **)&t.ids));
     CHECK(fl_mem_alloc(&t.pool, FL_TAG_OTHER, (size_t)t.accum * per * sizeof(int32_t), (void **)&t.tgt));
     t.mbs = calloc((size_t)t.accum, sizeof *t.mbs);
-    t.mb_epoch = calloc((size_t)t.accum, sizeof *t.mb_epoch);
-    t.mb_tokens = calloc((size_t)t.accum, sizeof *t.mb_tokens);
-    if (!t.mbs || !t.mb_epoch || !t.mb_tokens) { s = fl_errorf(FL_ERR_OOM, "out of host memory"); goto done; }
-    CHECK(fl_io_mkdir_p(cfg->out_dir));
-    fl_ckpt_clean_tmp(cfg->out_dir);
+    t.mb_epoch = calloc((size_t)t.G, sizeof *t.mb_epoch);
+    t.mb_tokens = calloc((size_t)t.G, sizeof *t.mb_tokens);
+    t.mb_stats = calloc((size_t)t.G * 2, sizeof *t.mb_stats);
+    t.mb_ms = calloc((size_t)t.accum, sizeof *t.mb_ms);
+    if (!t.mbs || !t.mb_epoch || !t.mb_tokens || !t.mb_stats || !t.mb_ms) {
+        s = fl_errorf(FL_ERR_OOM, "out of host memory");
+        goto done;
+    }
+    AGREE(); /* every rank holds its model, data and buffers; nothing was written yet */
+    if (lead) {
+        CHECK(fl_io_mkdir_p(cfg->out_dir));
+        fl_ckpt_clean_tmp(cfg->out_dir);
+    }
+    AGREE(); /* out_dir is ready before any rank looks for checkpoints in it */
     int resumed = 0;
-    CHECK(resume_if_asked(&t, &resumed));
+    CHECK(resume_if_asked(&t, &resumed)); /* every rank reads the same checkpoint (a shared file system) */
     fl_model_sync_compute_copy(&t.model); /* resumed master weights -> compute copy */
-    CHECK(fl_metrics_open(&t.metrics, cfg->out_dir, cfg->logger_name, resumed, resumed ? t.st.iter : -1));
+    AGREE();
+    CHECK(fl_dp_broadcast_params(&t.dp, &t.opt)); /* rank 0's weights everywhere, as DDP starts */
+    if (lead) CHECK(fl_metrics_open(&t.metrics, cfg->out_dir, cfg->logger_name, resumed, resumed ? t.st.iter : -1));
+    AGREE();
+    in_setup = 0;
 
     const fl_data_stats *ds = fl_data_get_stats(t.data);
     if (out) {
@@ -544,15 +593,24 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
             fprintf(out, "logger_name %s: fitllm writes CSV metrics (%s/logs/metrics.csv); the %s logger is not "
                     "available in this build\n", cfg->logger_name, cfg->out_dir, cfg->logger_name);
         fprintf(out, "precision %s%s\n", prec.name, cfg->train.activation_checkpointing ? ", activation checkpointing" : "");
-        fprintf(out, "micro_batch %d x accumulation %d = global batch %d; %ld steps/epoch, %ld steps, warmup %ld; "
+        char ranks[48] = "";
+        if (t.dp.world > 1) snprintf(ranks, sizeof ranks, " x %d ranks", t.dp.world);
+        fprintf(out, "micro_batch %d x accumulation %d%s = global batch %d; %ld steps/epoch, %ld steps, warmup %ld; "
                 "%s lr %g, min_lr %g\n",
-                t.B, t.accum, cfg->train.global_batch_size, t.steps_per_epoch, t.max_steps, t.warmup,
+                t.B, t.accum, ranks, cfg->train.global_batch_size, t.steps_per_epoch, t.max_steps, t.warmup,
                 fl_optim_name(cfg->optimizer.kind), cfg->optimizer.lr, cfg->train.min_lr);
+        if (t.dp.world > 1) {
+            char lb[300];
+            fprintf(out, "data parallel (DDP, strategy %s): %d ranks over %s (%s); rank 0 reports; gradients summed "
+                    "over the ranks once per step (one all-reduce of the flat buffer, deterministic rank order)\n",
+                    cfg->strategy[0] ? cfg->strategy : "auto", t.dp.world, fl_comm_impl_name(comm),
+                    fl_launch_describe(&comm->launch, lb, sizeof lb));
+        }
         long bpe = (long)fl_loader_batches_per_epoch(t.train);
-        if (bpe < t.accum) /* the epoch counter then moves every few iterations, inside one step */
+        if (bpe < t.G) /* the epoch counter then moves every few iterations, inside one step */
             fprintf(out, "note: the training split is %ld micro-batch%s of %d, fewer than the %d of one optimizer "
                     "step: every step goes over it %.3g times (epochs are counted per micro-batch)\n",
-                    bpe, bpe == 1 ? "" : "es", t.B, t.accum, (double)t.accum / (double)bpe);
+                    bpe, bpe == 1 ? "" : "es", t.B, t.G, (double)t.G / (double)bpe);
     }
 
     double val_loss = NAN;
@@ -563,7 +621,7 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
     }
 
     /* running mean of per-iteration losses over the last `accum` iterations (LitGPT's RunningMean) */
-    window = calloc((size_t)t.accum, sizeof *window);
+    window = calloc((size_t)t.G, sizeof *window);
     if (!window) { s = fl_errorf(FL_ERR_OOM, "out of host memory"); goto done; }
     long wn = 0;
     double t_start = now_s() - t.st.train_seconds;
@@ -575,55 +633,81 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
         fl_loader_get_state(t.train, &ls);
         if (cfg->train.epochs > 0 && ls.epoch >= cfg->train.epochs) break;
         if (cfg->train.max_tokens > 0 && t.st.tokens_real >= cfg->train.max_tokens) break;
-        /* fetch the step's micro-batches */
+        /* fetch the step's G global micro-batches: every rank walks the whole stream (so the
+         * loader position, token counters and the valid-target count are global everywhere)
+         * and keeps j % world == rank in its slot j / world */
         long step_valid = 0;
         long long tokens0 = t.st.tokens_padded; /* before this step: the log counts iteration by iteration */
-        for (int k = 0; k < t.accum; k++) {
+        const long iter0 = t.st.iter;           /* global micro-batches before this step */
+        for (int j = 0; j < t.G; j++) {
             fl_batch b;
             int ne;
             CHECK(fl_loader_next(t.train, &b, &ne));
             fl_loader_state lk;
             fl_loader_get_state(t.train, &lk);
-            t.mb_epoch[k] = (long)lk.epoch; /* the loader moves to the next epoch when it wraps */
-            t.mb_tokens[k] = b.padded_tokens;
-            int32_t *di = t.ids + (size_t)k * per, *dt = t.tgt + (size_t)k * per;
-            memcpy(di, b.ids, (size_t)b.B * b.T * sizeof *di);
-            memcpy(dt, b.targets, (size_t)b.B * b.T * sizeof *dt);
-            t.mbs[k] = (fl_micro_batch){di, dt, b.B, b.T};
+            t.mb_epoch[j] = (long)lk.epoch; /* the loader moves to the next epoch when it wraps */
+            t.mb_tokens[j] = b.padded_tokens;
             step_valid += b.target_tokens;
             t.st.tokens_real += b.real_tokens;
             t.st.tokens_prompt += b.prompt_tokens;
             t.st.tokens_padded += b.padded_tokens;
+            t.st.flops += fl_model_train_flops(&t.model.cfg, b.B, b.T);
+            if (!fl_dp_mine(&t.dp, j)) continue;
+            int k = j / t.dp.world;
+            int32_t *di = t.ids + (size_t)k * per, *dt = t.tgt + (size_t)k * per;
+            memcpy(di, b.ids, (size_t)b.B * b.T * sizeof *di);
+            memcpy(dt, b.targets, (size_t)b.B * b.T * sizeof *dt);
+            t.mbs[k] = (fl_micro_batch){di, dt, b.B, b.T};
         }
         float lr = (float)fl_lr_schedule(cfg->optimizer.lr, cfg->train.min_lr, t.st.step, t.warmup, t.max_steps);
         fl_model_zero_grads(&t.model);
         double step_loss = 0;
         fl_step_result sr;
         memset(&sr, 0, sizeof sr);
+        /* this rank's micro-batches: forward + backward, gradients accumulate locally */
+        double *mine = t.mb_stats + (size_t)t.dp.rank * 2 * t.accum; /* (loss sum, valid) per k */
         for (int k = 0; k < t.accum; k++) {
-            double it0 = now_s(), ls_k;
-            long nv_k;
-            int last = k == t.accum - 1;
-            if (step_valid == 0) { /* every target of the step is masked: nothing to learn, skip the update */
-                ls_k = 0; nv_k = 0;
-            } else {
-                /* LoRA dropout masks depend on (seed, iteration) only: a resumed run draws the same */
-                fl_model_lora_set_seed(&t.model, cfg->seed * 0x9e3779b97f4a7c15ULL + (uint64_t)t.st.iter);
-                CHECK(diverged(&t, fl_train_micro(&t.model, &t.opt, &t.mbs[k], k, last, step_valid, lr,
-                                                  cfg->train.max_norm, &ls_k, &nv_k, &sr), t.st.step + 1, t.st.iter + 1));
+            double it0 = now_s(), ls_k = 0;
+            long nv_k = 0, j = (long)k * t.dp.world + t.dp.rank;
+            if (step_valid > 0) { /* every target of the step masked: nothing to learn, skip the update */
+                /* LoRA dropout masks depend on (seed, global iteration) only: a resumed run, and
+                 * any world size, draws the same */
+                fl_model_lora_set_seed(&t.model, cfg->seed * 0x9e3779b97f4a7c15ULL + (uint64_t)(iter0 + j));
+                CHECK(diverged(&t, fl_train_micro(&t.model, &t.opt, &t.mbs[k], k, 0, step_valid, lr,
+                                                  cfg->train.max_norm, &ls_k, &nv_k, &sr), t.st.step + 1, iter0 + j + 1));
             }
+            mine[2 * k] = ls_k;
+            mine[2 * k + 1] = (double)nv_k;
+            t.mb_ms[k] = (now_s() - it0) * 1e3;
+        }
+        if (step_valid > 0) {
+            double u0 = now_s();
+            /* the sum over ranks, then one update: clipping and fp16 overflow skips see the same
+             * reduced gradients on every rank, so they decide alike */
+            CHECK(fl_dp_reduce_grads(&t.dp, &t.opt));
+            CHECK(diverged(&t, fl_train_update(&t.model, &t.opt, lr, cfg->train.max_norm, &sr), t.st.step + 1,
+                           iter0 + t.G));
+            t.mb_ms[t.accum - 1] += (now_s() - u0) * 1e3; /* the step's last iteration carries the update */
+        }
+        /* every rank's (loss sum, valid) per micro-batch, for the log and the step loss */
+        CHECK(fl_dp_gather(&t.dp, mine, 2 * t.accum, t.mb_stats));
+        for (int j = 0; j < t.G; j++) {
+            int k = j / t.dp.world;
+            const double *st = t.mb_stats + ((size_t)(j % t.dp.world) * t.accum + k) * 2;
+            double ls_k = st[0];
+            long nv_k = (long)st[1];
+            int last = j == t.G - 1;
             t.st.iter++;
-            tokens0 += t.mb_tokens[k]; /* tokens through this iteration */
-            t.st.flops += fl_model_train_flops(&t.model.cfg, t.mbs[k].B, t.mbs[k].T);
+            tokens0 += t.mb_tokens[j]; /* tokens through this iteration */
             step_loss += ls_k;
             double it_loss = nv_k > 0 ? ls_k / nv_k : NAN;
-            if (nv_k > 0) window[wn++ % t.accum] = it_loss; /* a fully masked micro-batch has no loss */
+            if (nv_k > 0) window[wn++ % t.G] = it_loss; /* a fully masked micro-batch has no loss */
             double run = 0;
-            long cnt = wn < t.accum ? wn : t.accum;
+            long cnt = wn < t.G ? wn : t.G;
             for (long q = 0; q < cnt; q++) run += window[q];
             run = cnt ? run / cnt : NAN;
             r.last_loss = run;
-            double it_time = now_s() - it0;
+            double it_time = t.mb_ms[k] / 1e3; /* rank 0's micro-batch of the same round */
             if (t.st.iter % cfg->train.log_interval == 0) {
                 long step_now = t.st.step + (last ? 1 : 0);
                 char vbuf[32];
@@ -632,11 +716,11 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
                 bar_clear(&t);
                 if (out)
                     fprintf(out, "Epoch %lld | iter %ld step %ld | loss train: %.3f, val: %s | iter time: %.2f ms%s\n",
-                            (long long)t.mb_epoch[k] + 1, t.st.iter, step_now, run, vbuf, it_time * 1e3,
+                            (long long)t.mb_epoch[j] + 1, t.st.iter, step_now, run, vbuf, it_time * 1e3,
                             last ? " (step)" : "");
                 /* tokens: cumulative through this iteration (LitGPT's iter_num x micro batch x T) */
-                fl_metrics_values mv = {t.st.iter, step_now, t.mb_epoch[k], run, it_time, lr, NAN,
-                                        t.mbs[k].B * t.mbs[k].T / (it_time > 0 ? it_time : 1e-9),
+                fl_metrics_values mv = {t.st.iter, step_now, t.mb_epoch[j], run, it_time, lr, NAN,
+                                        t.mb_tokens[j] / (it_time > 0 ? it_time : 1e-9),
                                         tokens0, tokens0, {0}, 0};
                 mem_values(&t.pool, &mv);
                 fl_metrics_row(&t.metrics, &mv);
@@ -657,6 +741,9 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
         if (t.st.step == 1 && out && !resumed) {
             bar_clear(&t);
             fprintf(out, "\n");
+            if (t.dp.world > 1)
+                fprintf(out, "memory of rank 0 (DDP: every rank holds the same; WORKSPACE includes the all-reduce's "
+                        "scratch)\n");
             fl_mem_print_report(&t.pool, out);
             fprintf(out, "\n");
         }
@@ -681,16 +768,23 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
             if (out) fprintf(out, "Saving checkpoint to '%s/%s'\n", cfg->out_dir, name);
             fl_mem_set_phase(&t.pool, "checkpoint");
             CHECK(diverged(&t, check_weights(&t), t.st.step, t.st.iter));
-            CHECK(fl_ckpt_save(cfg->out_dir, name, &t.model, &t.opt, &t.st, cfg, t.tok_dir[0] ? t.tok_dir : NULL));
-            fl_ckpt_rotate(cfg->out_dir, cfg->train.keep_checkpoints);
+            if (lead) { /* the ranks hold the same weights and state: one writer, the single-process format */
+                CHECK(fl_ckpt_save(cfg->out_dir, name, &t.model, &t.opt, &t.st, cfg, t.tok_dir[0] ? t.tok_dir : NULL));
+                fl_ckpt_rotate(cfg->out_dir, cfg->train.keep_checkpoints);
+            }
         }
         /* after evaluation and checkpointing, so a hook that stops the run acts
          * like a crash right after this step's checkpoint */
-        if (hook && hook(hook_ud, t.st.step, step_valid ? step_loss / step_valid : NAN, t.opt.p, t.opt.n * fl_dtype_size(t.opt.pt))) {
+        /* stopping is decided together: a hook (Ctrl-C) or the time budget on any rank stops all */
+        double stop[2] = {hook && hook(hook_ud, t.st.step, step_valid ? step_loss / step_valid : NAN, t.opt.p,
+                                       t.opt.n * fl_dtype_size(t.opt.pt)),
+                          cfg->train.max_time > 0 && t.st.train_seconds >= cfg->train.max_time};
+        CHECK(fl_dp_sum(&t.dp, stop, 2));
+        if (stop[0] > 0) {
             stopped = 1;
             break;
         }
-        if (cfg->train.max_time > 0 && t.st.train_seconds >= cfg->train.max_time) {
+        if (stop[1] > 0) {
             /* the time budget ends the run like max_steps would: final validation and final/ */
             bar_clear(&t);
             if (out)
@@ -730,18 +824,22 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
         fl_mem_set_phase(&t.pool, "checkpoint");
         CHECK(diverged(&t, check_weights(&t), t.st.step, t.st.iter));
         /* LoRA: final/ is the merged model (loads anywhere without PEFT), final/adapter the PEFT adapter */
-        if (t.model.lora) CHECK(fl_model_lora_merge(&t.model));
-        CHECK(fl_ckpt_save(cfg->out_dir, "final", &t.model, t.model.lora ? NULL : &t.opt, t.model.lora ? NULL : &t.st,
-                           cfg, t.tok_dir[0] ? t.tok_dir : NULL));
+        if (t.model.lora && lead) CHECK(fl_model_lora_merge(&t.model));
+        if (lead)
+            CHECK(fl_ckpt_save(cfg->out_dir, "final", &t.model, t.model.lora ? NULL : &t.opt,
+                               t.model.lora ? NULL : &t.st, cfg, t.tok_dir[0] ? t.tok_dir : NULL));
         snprintf(r.final_dir, sizeof r.final_dir, "%s/final", cfg->out_dir);
         /* fl_ckpt_save wrote final/adapter (the PEFT adapter) with final/ */
-        if (t.model.lora && out) fprintf(out, "Saved the PEFT adapter to '%s/adapter'\n", r.final_dir);
+        if (t.model.lora && lead && out) fprintf(out, "Saved the PEFT adapter to '%s/adapter'\n", r.final_dir);
         if (out) fprintf(out, "Saved the final model to '%s'\n", r.final_dir);
     }
     for (int k = 0; k < FL_TAG_COUNT; k++) r.peak[k] = t.pool.peak[k];
     r.peak_total = t.pool.peak_total;
     print_box(&t, &r);
 done:
+    if (s != FL_OK && in_setup && !agreed) s = fl_dp_agree(&t.dp, s); /* meet the others' next AGREE */
+    r.error_all_ranks = in_setup;
+#undef AGREE
 #undef CHECK
     free(window);
     if (t.pool_ok) { /* also on failure: what was reached, and the OOM record */

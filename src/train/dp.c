@@ -1,0 +1,135 @@
+/* The data-parallel context of a training run: see dp.h. */
+#include "dp.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../model/model-impl.h"
+
+void fl_dp_init(fl_dp *dp, fl_comm *comm, fl_mem_pool *pool) {
+    dp->comm = comm && fl_comm_size(comm) > 1 ? comm : NULL;
+    dp->rank = dp->comm ? fl_comm_rank(comm) : 0;
+    dp->world = dp->comm ? fl_comm_size(comm) : 1;
+    /* the MPI reduce-scatter's receive scratch ((N-1) x chunk) comes from the run's pool under
+     * WORKSPACE, so the memory report and the budget see it */
+    if (dp->comm) fl_comm_set_pool(dp->comm, pool);
+}
+
+void fl_dp_done(fl_dp *dp) {
+    if (dp->comm) fl_comm_set_pool(dp->comm, NULL);
+}
+
+/* Doubles travel as pairs of F32 words: all-gather copies bits, it never adds. */
+fl_status fl_dp_gather(fl_dp *dp, const double *v, int n, double *all) {
+    if (!dp->comm) {
+        memcpy(all, v, (size_t)n * sizeof *v);
+        return FL_OK;
+    }
+    size_t words = (size_t)n * 2; /* per rank; the chunk layout gives every rank exactly `words` */
+    return fl_comm_all_gather(dp->comm, v, all, words * (size_t)dp->world, FL_F32);
+}
+
+fl_status fl_dp_sum(fl_dp *dp, double *v, int n) {
+    if (!dp->comm || n <= 0) return FL_OK;
+    double stack[64], *all = (size_t)n * dp->world <= 64 ? stack : malloc((size_t)n * dp->world * sizeof *all);
+    if (!all) return fl_errorf(FL_ERR_OOM, "data parallel: out of host memory");
+    fl_status s = fl_dp_gather(dp, v, n, all);
+    if (s == FL_OK)
+        for (int i = 0; i < n; i++) {
+            double acc = 0;
+            for (int r = 0; r < dp->world; r++) acc += all[(size_t)r * n + i]; /* rank order */
+            v[i] = acc;
+        }
+    if (all != stack) free(all);
+    return s;
+}
+
+fl_status fl_dp_check(const fl_dp *dp, const fl_optimizer *o) {
+    if (dp->comm && o->gt != FL_F32 && o->gt != FL_BF16)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "data parallel: %s gradients cannot be reduced yet (F32 and BF16 only; "
+                         "use another precision than 16-true with several devices)", fl_dtype_name(o->gt));
+    return FL_OK;
+}
+
+fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o) {
+    if (!dp->comm) return FL_OK;
+    FL_TRY(fl_dp_check(dp, o));
+    return fl_error_prefix(fl_comm_all_reduce(dp->comm, o->g, o->g, o->n, o->gt, FL_COMM_SUM),
+                           "data parallel: reducing the gradients");
+}
+
+fl_status fl_dp_broadcast_params(fl_dp *dp, fl_optimizer *o) {
+    if (!dp->comm) return FL_OK;
+    /* a copy, no arithmetic: 16-bit storage (BF16 or F16) travels as BF16 words */
+    fl_dtype t = fl_dtype_size(o->pt) == 4 ? FL_F32 : FL_BF16;
+    FL_TRY(fl_error_prefix(fl_comm_broadcast(dp->comm, o->p, o->n, t, 0), "data parallel: broadcasting the parameters"));
+    if (!o->model->lora) fl_model_sync_compute_copy(o->model);
+    return FL_OK;
+}
+
+#define AGREE_WORDS 256 /* per rank: the status, then the message (1020 bytes) */
+
+fl_status fl_dp_agree(fl_dp *dp, fl_status mine) {
+    if (!dp->comm) return mine;
+    float *all = calloc((size_t)dp->world + 1, AGREE_WORDS * sizeof(float));
+    if (!all) return fl_errorf(FL_ERR_OOM, "data parallel: out of host memory");
+    float *me = all + (size_t)dp->world * AGREE_WORDS; /* the send block */
+    int32_t st = (int32_t)mine;
+    memcpy(me, &st, sizeof st);
+    if (mine != FL_OK) snprintf((char *)(me + 1), (AGREE_WORDS - 1) * sizeof(float), "%s", fl_error_message());
+    fl_status s = fl_comm_all_gather(dp->comm, me, all, (size_t)dp->world * AGREE_WORDS, FL_F32);
+    if (s == FL_OK)
+        for (int r = 0; r < dp->world; r++) {
+            int32_t v;
+            memcpy(&v, all + (size_t)r * AGREE_WORDS, sizeof v);
+            if (v == FL_OK) continue;
+            char msg[AGREE_WORDS * sizeof(float)];
+            memcpy(msg, all + (size_t)r * AGREE_WORDS + 1, (AGREE_WORDS - 1) * sizeof(float));
+            msg[sizeof msg - 1] = 0;
+            s = fl_errorf((fl_status)v, "rank %d of %d: %s", r, dp->world, msg);
+            break;
+        }
+    free(all);
+    return s;
+}
+
+/* The first line where a and b differ, cut at the newline. */
+static void first_diff(const char *a, const char *b, char *la, char *lb, size_t n) {
+    while (*a && *b) {
+        const char *ea = strchr(a, '\n'), *eb = strchr(b, '\n');
+        size_t na = ea ? (size_t)(ea - a) : strlen(a), nb = eb ? (size_t)(eb - b) : strlen(b);
+        if (na != nb || memcmp(a, b, na)) break;
+        a += na + (ea != NULL);
+        b += nb + (eb != NULL);
+    }
+    snprintf(la, n, "%.*s", (int)(strchr(a, '\n') ? strchr(a, '\n') - a : (long)strlen(a)), a);
+    snprintf(lb, n, "%.*s", (int)(strchr(b, '\n') ? strchr(b, '\n') - b : (long)strlen(b)), b);
+}
+
+fl_status fl_dp_check_config(fl_dp *dp, const fl_run_config *cfg) {
+    if (!dp->comm) return FL_OK;
+    char *mine = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&mine, &len);
+    if (!f) return fl_errorf(FL_ERR_OOM, "data parallel: out of host memory");
+    fl_cfg_write_yaml(cfg, f);
+    fclose(f);
+    /* rank 0's length, then its text (as 2-byte words: a broadcast copies bits) */
+    float lw = (float)len; /* exact below 2^24 */
+    fl_status s = fl_comm_broadcast(dp->comm, &lw, 1, FL_F32, 0);
+    size_t n0 = (size_t)lw, words = (n0 + 2) / 2;
+    char *root = s == FL_OK ? calloc(words, 2) : NULL;
+    if (s == FL_OK && !root) s = fl_errorf(FL_ERR_OOM, "data parallel: out of host memory");
+    if (s == FL_OK && dp->rank == 0) memcpy(root, mine, len);
+    if (s == FL_OK) s = fl_comm_broadcast(dp->comm, root, words, FL_BF16, 0);
+    if (s == FL_OK && (n0 != len || memcmp(root, mine, len))) {
+        char here[200], there[200];
+        first_diff(mine, root, here, there, sizeof here);
+        s = fl_errorf(FL_ERR_INVALID, "the ranks were started with different configurations: rank %d has '%s' where "
+                      "rank 0 has '%s' (every rank must run the same command line and recipe)", dp->rank, here, there);
+    }
+    free(root);
+    free(mine);
+    return s;
+}

@@ -1,0 +1,55 @@
+/* Private to src/train: the data-parallel (DDP, NO_SHARD) context of one training run.
+ *
+ * The trainer keeps one fl_dp per run and calls the same functions at every world size; with
+ * one rank (no communicator, or a size-1 one) each is a no-op or a copy, so the loop has no
+ * "if distributed" branches beyond asking which global micro-batches are this rank's.
+ *
+ * Semantics (issue #14, LitGPT's): a step's global batch is world x accum micro-batches taken in
+ * order from ONE stream (the loader's global permutation, walked by every rank); global
+ * micro-batch j of a step belongs to rank j % world, so rank r trains j = k*world + r for
+ * k = 0..accum-1. Every rank walks the whole stream (index copies only) so the loader position,
+ * the token counters and the step's valid-target count are the global ones on every rank with
+ * no collective, and a checkpoint's data position does not depend on the world size. Gradients
+ * are summed (deterministic, rank order) once per step after the last micro-batch; the loss is
+ * normalized by the global count, so the sum is the gradient of the global mean loss.
+ */
+#ifndef FL_TRAIN_DP_H
+#define FL_TRAIN_DP_H
+
+#include "fitllm/comm.h"
+#include "fitllm/config.h"
+#include "fitllm/train.h"
+
+typedef struct {
+    fl_comm *comm; /* NULL: one process */
+    int rank, world;
+} fl_dp;
+
+/* comm may be NULL (rank 0 of 1). */
+void fl_dp_init(fl_dp *dp, fl_comm *comm, fl_mem_pool *pool);
+/* Detach the scratch pool before it is freed. */
+void fl_dp_done(fl_dp *dp);
+/* Whether global micro-batch j (0-based within its step or evaluation) is this rank's. */
+static inline int fl_dp_mine(const fl_dp *dp, long j) { return j % dp->world == dp->rank; }
+/* v[0..n) := the sum over ranks of v, in rank order in double. The doubles travel bit for bit
+ * (an all-gather, no arithmetic on the wire), so the result is the same on every rank and the
+ * same every run. */
+fl_status fl_dp_sum(fl_dp *dp, double *v, int n);
+/* Every rank's value of v[0..n) (rank-major into all[world * n]). */
+fl_status fl_dp_gather(fl_dp *dp, const double *v, int n, double *all);
+/* Every rank's run configuration must be rank 0's (the YAML dump compared line by line):
+ * FL_ERR_INVALID on the ranks that differ, naming the first differing line. Collective. */
+fl_status fl_dp_check_config(fl_dp *dp, const fl_run_config *cfg);
+/* What this build cannot reduce yet (F16 gradients), checked at set-up. */
+fl_status fl_dp_check(const fl_dp *dp, const fl_optimizer *o);
+/* Sum the trainable gradients (o->g, F32 or BF16) over ranks in place: one all-reduce of the
+ * flat buffer (not yet bucketed per block as backward ends). */
+fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o);
+/* Rank 0's trainable parameters (and so the compute copy) to every rank. */
+fl_status fl_dp_broadcast_params(fl_dp *dp, fl_optimizer *o);
+/* A collective verdict on a phase every rank runs (set-up): each rank's status in, FL_OK on
+ * every rank when all succeeded, else the lowest failing rank's status on every rank, the
+ * message "rank R of N: <its message>". Must be called by every rank at the same point. */
+fl_status fl_dp_agree(fl_dp *dp, fl_status mine);
+
+#endif

@@ -1,0 +1,156 @@
+/* Data-parallel training (DDP) with the ranks as MPI processes (run by tests/mpi_test.sh under
+ * mpirun -np 2 and 4):
+ *   fitllm_ddp_mpi_test TMPDIR
+ * every scenario of tests/ddp_ref.h trains over MPI; rank 0 then trains the single-process
+ * reference and control runs and checks the step losses and parameters (ddp_ref.h explains the
+ * bounds), and trains the same DDP run with the ranks as threads in its own process: the MPI run
+ * must give the same bits (the threads implementation of fl_comm is MPI's bit-exact twin, and the
+ * trainer is deterministic). Every rank must end with the same parameters.
+ * Prints "ddp mpi test: N ranks, C checks, F failures" on rank 0; exit status 1 on failure. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../ddp_ref.h"
+#include "fitllm/comm.h"
+#include "fitllm/plan.h"
+
+static int g_rank, g_checks, g_fails;
+
+#define CHECK(cond, ...)                                                           \
+    do {                                                                           \
+        g_checks++;                                                                \
+        if (!(cond)) {                                                             \
+            g_fails++;                                                             \
+            fprintf(stderr, "rank %d: FAIL %s:%d: ", g_rank, __FILE__, __LINE__); \
+            fprintf(stderr, __VA_ARGS__);                                          \
+            fputc('\n', stderr);                                                   \
+        }                                                                          \
+    } while (0)
+
+typedef struct {
+    fl_run_config cfg;
+    dr_rec rec[8];
+} tjob;
+
+static fl_status trank(fl_comm *c, int rank, void *ud) {
+    tjob *j = ud;
+    return fl_trainer_run_comm(&j->cfg, c, NULL, 0, dr_record, &j->rec[rank], NULL);
+}
+
+static void scenario(fl_comm *c, const char *tmp, int sc) {
+    int n = fl_comm_size(c);
+    char out[600];
+    fl_run_config cfg;
+    snprintf(out, sizeof out, "%s/%s-mpi", tmp, dr_names[sc]);
+    dr_config(&cfg, sc, n, n, 1, 1, out);
+    dr_rec mpi = {0};
+    fl_trainer_result res;
+    fl_status s = fl_trainer_run_comm(&cfg, c, NULL, 0, dr_record, &mpi, &res);
+    CHECK(s == FL_OK, "%s: DDP over MPI: %s", dr_names[sc], fl_error_message());
+    if (s != FL_OK) return;
+    /* every rank ends with rank 0's parameters: compare a checksum of the bits */
+    double h[2] = {0, 0};
+    for (size_t i = 0; i < mpi.numel; i++) {
+        uint32_t b;
+        memcpy(&b, &mpi.params[i], 4);
+        h[0] += (double)(b % 65521) * (double)(i % 7919 + 1);
+        h[1] += mpi.params[i];
+    }
+    float mine[4] = {(float)h[0], (float)(h[0] - (float)h[0]), (float)h[1], (float)(h[1] - (float)h[1])};
+    float *all = calloc((size_t)n * 4, sizeof *all);
+    CHECK(all && fl_comm_all_gather(c, mine, all, (size_t)n * 4, FL_F32) == FL_OK, "gathering checksums");
+    for (int r = 1; all && r < n; r++)
+        CHECK(!memcmp(all, all + 4 * r, 4 * sizeof *all), "%s: rank %d's parameters differ from rank 0's", dr_names[sc], r);
+    free(all);
+    if (g_rank == 0) {
+        fl_run_config rc;
+        dr_rec ref = {0}, ref0 = {0}, ctl = {0};
+        snprintf(out, sizeof out, "%s/%s-ref", tmp, dr_names[sc]);
+        dr_config(&rc, sc, n, 1, 1, 1, out);
+        CHECK(fl_trainer_run(&rc, NULL, 0, dr_record, &ref, NULL) == FL_OK, "ref: %s", fl_error_message());
+        snprintf(out, sizeof out, "%s/%s-ctl", tmp, dr_names[sc]);
+        dr_config(&rc, sc, n, 1, n, 0, out);
+        CHECK(fl_trainer_run(&rc, NULL, 0, dr_record, &ctl, NULL) == FL_OK, "control: %s", fl_error_message());
+        const dr_rec *pair = &ref;
+        if (sc == DR_LORA) {
+            snprintf(out, sizeof out, "%s/%s-ref0", tmp, dr_names[sc]);
+            dr_config(&rc, sc, n, 1, 1, 0, out);
+            CHECK(fl_trainer_run(&rc, NULL, 0, dr_record, &ref0, NULL) == FL_OK, "ref0: %s", fl_error_message());
+            pair = &ref0;
+        }
+        /* rank 0's memory (with the MPI all-reduce's scratch from the pool) is what the planner
+         * says for one rank of this run, byte for byte, at every phase */
+        fl_plan *pl = calloc(1, sizeof *pl);
+        fl_plan_opts po;
+        fl_plan_opts_default(&po);
+        po.no_suggestions = 1;
+        CHECK(pl && fl_plan_run(&cfg, &po, pl) == FL_OK, "plan: %s", fl_error_message());
+        if (pl) {
+            CHECK(pl->devices == n && pl->peak_total == res.peak_total, "%s: planned peak %zu, rank 0 measured %zu",
+                  dr_names[sc], pl->peak_total, res.peak_total);
+            for (int k = 0; k < FL_TAG_COUNT; k++)
+                CHECK(pl->peak[k] == res.peak[k], "%s: tag %d planned peak %zu, measured %zu", dr_names[sc], k,
+                      pl->peak[k], res.peak[k]);
+            CHECK(pl->n_phases == res.n_phases, "%s: %d planned phases, %d measured", dr_names[sc], pl->n_phases,
+                  res.n_phases);
+            for (int i = 0; i < pl->n_phases && i < res.n_phases; i++)
+                CHECK(!memcmp(pl->phases[i].cur, res.phases[i].cur, sizeof pl->phases[i].cur) &&
+                          pl->phases[i].peak_total == res.phases[i].peak_total,
+                      "%s: phase %s differs from the plan", dr_names[sc], res.phases[i].name);
+        }
+        free(pl);
+        if (sc != DR_LORA) { /* N ranks x micro b = one process x micro N*b (the control) */
+            double lr = dr_loss_rel(&mpi, &ctl, cfg.train.max_steps);
+            CHECK(lr <= 1e-6, "%s at %d ranks vs one process with micro %d: step losses differ by %.3g relative", dr_names[sc], n, 2 * n, lr);
+        }
+        char why[1024];
+        int bad = dr_compare(&mpi, &ref, dr_max_diff(pair, &ctl), dr_floor(&cfg), cfg.train.max_steps, why, sizeof why);
+        CHECK(bad == 0, "%s at %d ranks vs one process: %s", dr_names[sc], n, why);
+        if (!bad) printf("  %s at %d ranks vs one process: %s\n", dr_names[sc], n, why);
+        /* the same run with the ranks as threads: the same bits */
+        tjob *j = calloc(1, sizeof *j);
+        if (j && n <= 8) {
+            snprintf(out, sizeof out, "%s/%s-threads", tmp, dr_names[sc]);
+            dr_config(&j->cfg, sc, n, n, 1, 1, out);
+            fl_status ts = fl_comm_threads_run(n, trank, j);
+            CHECK(ts == FL_OK, "threads: %s", fl_error_message());
+            if (ts == FL_OK)
+                CHECK(j->rec[0].numel == mpi.numel && !memcmp(j->rec[0].params, mpi.params, mpi.numel * 4) &&
+                          !memcmp(j->rec[0].loss, mpi.loss, sizeof mpi.loss),
+                      "%s: DDP over MPI and over threads differ in bits", dr_names[sc]);
+            for (int r = 0; r < n; r++) dr_free(&j->rec[r]);
+        }
+        free(j);
+        dr_free(&ref);
+        dr_free(&ref0);
+        dr_free(&ctl);
+    }
+    dr_free(&mpi);
+    CHECK(fl_comm_barrier(c) == FL_OK, "barrier");
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        fprintf(stderr, "usage: fitllm_ddp_mpi_test TMPDIR (under mpirun)\n");
+        return 2;
+    }
+    const char *tmp = argv[1];
+    fl_comm *c;
+    if (fl_comm_init(&c, &argc, &argv) != FL_OK) {
+        fprintf(stderr, "ddp_mpi_test: %s\n", fl_error_message());
+        return 1;
+    }
+    g_rank = fl_comm_rank(c);
+    int n = fl_comm_size(c);
+    for (int sc = 0; sc < DR_COUNT; sc++) scenario(c, tmp, sc);
+    float f = (float)g_fails, fmax = 0, chk = (float)g_checks, csum = 0;
+    if (fl_comm_all_reduce(c, &f, &fmax, 1, FL_F32, FL_COMM_MAX) != FL_OK ||
+        fl_comm_all_reduce(c, &chk, &csum, 1, FL_F32, FL_COMM_SUM) != FL_OK) {
+        fprintf(stderr, "rank %d: final reduction: %s\n", g_rank, fl_error_message());
+        return 1;
+    }
+    if (g_rank == 0) printf("ddp mpi test: %d ranks, %.0f checks, %.0f failures (most on one rank)\n", n, csum, fmax);
+    fl_comm_destroy(c);
+    return fmax > 0;
+}

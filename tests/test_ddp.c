@@ -1,0 +1,182 @@
+/* Data-parallel training (DDP) with the ranks as threads of this process (the threads
+ * implementation of fl_comm, bit-identical to MPI's): against one process training the same
+ * global batch (tests/ddp_ref.h explains the scenarios and the bounds), a checkpoint of rank 0
+ * resumed by one process, and the refusals. tests/mpi/ddp_mpi_test.c runs the same scenarios
+ * under mpirun. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ddp_ref.h"
+#include "fitllm/checkpoint.h"
+#include "fitllm/comm.h"
+#include "test.h"
+
+typedef struct {
+    fl_run_config cfg;
+    dr_rec rec[4];
+    fl_status st[4];
+    char msg[4][600];
+} ddp_job;
+
+static fl_status ddp_rank(fl_comm *c, int rank, void *ud) {
+    ddp_job *j = ud;
+    fl_status s = fl_trainer_run_comm(&j->cfg, c, NULL, 0, dr_record, &j->rec[rank], NULL);
+    j->st[rank] = s;
+    if (s != FL_OK) snprintf(j->msg[rank], sizeof j->msg[rank], "%s", fl_error_message());
+    return s;
+}
+
+static void scenario(int sc, int world) {
+    char out[700];
+    ddp_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    snprintf(out, sizeof out, "%s/%s-ddp%d", fl_test_tmpdir(), dr_names[sc], world);
+    dr_config(&j->cfg, sc, world, world, 1, 1, out);
+    long steps = j->cfg.train.max_steps;
+    fl_status s = fl_comm_threads_run(world, ddp_rank, j);
+    FL_CHECKF(s == FL_OK, "%s at %d ranks: %s", dr_names[sc], world, fl_error_message());
+    /* the ranks end with the same bits */
+    for (int r = 1; r < world && s == FL_OK; r++)
+        FL_CHECKF(j->rec[r].numel == j->rec[0].numel &&
+                      !memcmp(j->rec[r].params, j->rec[0].params, j->rec[0].numel * sizeof(float)) &&
+                      !memcmp(j->rec[r].loss, j->rec[0].loss, sizeof j->rec[0].loss),
+                  "%s: rank %d's parameters or losses differ from rank 0's", dr_names[sc], r);
+    fl_run_config c;
+    dr_rec ref = {0}, ref0 = {0}, ctl = {0};
+    snprintf(out, sizeof out, "%s/%s-ref%d", fl_test_tmpdir(), dr_names[sc], world);
+    dr_config(&c, sc, world, 1, 1, 1, out);
+    if (s == FL_OK) FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, dr_record, &ref, NULL));
+    snprintf(out, sizeof out, "%s/%s-ctl%d", fl_test_tmpdir(), dr_names[sc], world);
+    dr_config(&c, sc, world, 1, world, 0, out);
+    if (s == FL_OK) FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, dr_record, &ctl, NULL));
+    const dr_rec *pair = &ref;
+    if (sc == DR_LORA && s == FL_OK) { /* the control pair without dropout (see ddp_ref.h) */
+        snprintf(out, sizeof out, "%s/%s-ref0-%d", fl_test_tmpdir(), dr_names[sc], world);
+        dr_config(&c, sc, world, 1, 1, 0, out);
+        FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, dr_record, &ref0, NULL));
+        pair = &ref0;
+    }
+    if (s == FL_OK) {
+        if (sc != DR_LORA) { /* N ranks x micro b = one process x micro N*b (the control) */
+            double lr = dr_loss_rel(&j->rec[0], &ctl, steps);
+            FL_CHECKF(lr <= 1e-6, "%s at %d ranks vs one process with micro %d: step losses differ by %.3g relative", dr_names[sc], world, 2 * world, lr);
+        }
+        char why[1024];
+        int bad = dr_compare(&j->rec[0], &ref, dr_max_diff(pair, &ctl), dr_floor(&j->cfg), steps, why, sizeof why);
+        FL_CHECKF(bad == 0, "%s at %d ranks: %s", dr_names[sc], world, why);
+        if (getenv("FL_TEST_VERBOSE")) printf("    %s at %d ranks: %s\n", dr_names[sc], world, why);
+    }
+    for (int r = 0; r < 4; r++) dr_free(&j->rec[r]);
+    dr_free(&ref);
+    dr_free(&ref0);
+    dr_free(&ctl);
+    free(j);
+}
+
+FL_TEST(ddp_threads_adamw_clip_matches_one_process_2_and_4_ranks) {
+    scenario(DR_ADAMW, 2);
+    scenario(DR_ADAMW, 4);
+}
+
+FL_TEST(ddp_threads_sgd_matches_one_process) { scenario(DR_SGD, 2); }
+
+FL_TEST(ddp_threads_lora_dropout_matches_one_process) { scenario(DR_LORA, 2); }
+
+/* Rank 0's checkpoint is the single-process format: one process resumes it, and its next steps
+ * match the DDP run's (same weights, optimizer state and data position at the checkpoint). */
+FL_TEST(ddp_threads_checkpoint_resumes_in_one_process) {
+    ddp_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    char out[700];
+    snprintf(out, sizeof out, "%s/ck", fl_test_tmpdir());
+    dr_config(&j->cfg, DR_ADAMW, 2, 2, 1, 1, out);
+    j->cfg.train.max_steps = 6;
+    j->cfg.train.save_interval = 3;
+    FL_REQUIRE_OK(fl_comm_threads_run(2, ddp_rank, j));
+    fl_run_config c;
+    dr_config(&c, DR_ADAMW, 2, 1, 1, 1, out);
+    c.train.max_steps = 6;
+    c.train.save_interval = 0;
+    snprintf(c.resume, sizeof c.resume, "%s/step-000003", out);
+    snprintf(c.out_dir, sizeof c.out_dir, "%s/resumed", fl_test_tmpdir());
+    dr_rec r = {0};
+    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, dr_record, &r, NULL));
+    FL_CHECK(r.steps == 6);
+    for (int s = 3; s < 6; s++)
+        FL_CHECKF(fabs(r.loss[s] - j->rec[0].loss[s]) <= 1e-6 * fabs(j->rec[0].loss[s]),
+                  "step %d: resumed %.9f vs DDP %.9f", s + 1, r.loss[s], j->rec[0].loss[s]);
+    dr_free(&r);
+    for (int k = 0; k < 2; k++) dr_free(&j->rec[k]);
+    free(j);
+}
+
+/* devices x num_nodes must be the communicator's size; --devices 2 without one is refused. */
+FL_TEST(ddp_threads_devices_must_match_ranks) {
+    ddp_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    char out[700];
+    snprintf(out, sizeof out, "%s/mm", fl_test_tmpdir());
+    dr_config(&j->cfg, DR_ADAMW, 2, 3, 1, 1, out); /* --devices 3, 2 ranks */
+    j->cfg.train.global_batch_size = 12;
+    FL_CHECK(fl_comm_threads_run(2, ddp_rank, j) == FL_ERR_INVALID);
+    for (int r = 0; r < 2; r++)
+        FL_CHECKF(j->st[r] == FL_ERR_INVALID && strstr(j->msg[r], "= 3 ranks, but this run has 2"),
+                  "rank %d: %s", r, j->msg[r]);
+    fl_run_config c;
+    dr_config(&c, DR_ADAMW, 2, 2, 1, 1, out);
+    FL_CHECK(fl_trainer_run(&c, NULL, 0, NULL, NULL, NULL) == FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "mpirun -np 2") != NULL, "%s", fl_error_message());
+    /* strategies of later steps name the issue */
+    FL_CHECK(fl_cfg_set(&c, "strategy", "fsdp") == FL_OK);
+    FL_CHECK(fl_cfg_validate(&c) == FL_ERR_UNSUPPORTED);
+    FL_CHECKF(strstr(fl_error_message(), "#14") != NULL, "%s", fl_error_message());
+    FL_CHECK(fl_cfg_set(&c, "strategy", "deepspeed_stage_2") == FL_OK && fl_cfg_validate(&c) == FL_ERR_UNSUPPORTED);
+    FL_CHECK(fl_cfg_set(&c, "strategy", "ddp") == FL_OK && fl_cfg_validate(&c) == FL_OK);
+    FL_CHECK(fl_cfg_set(&c, "strategy", "horovod") == FL_OK && fl_cfg_validate(&c) == FL_ERR_INVALID);
+    free(j);
+}
+
+/* Ranks started with different configurations refuse at start-up, naming the difference, and a
+ * failure during set-up comes back on every rank instead of leaving one waiting in a collective.
+ * (With threads, a rank that returns its error first makes the test harness fail the others'
+ * pending calls with "rank R failed: <that error>": the status may differ, the message says the
+ * same. Under MPI every rank returns the agreed error itself.) */
+typedef struct {
+    fl_run_config cfg[2];
+    fl_status st[2];
+    char msg[2][600];
+} fail_job;
+
+static fl_status fail_rank(fl_comm *c, int rank, void *ud) {
+    fail_job *j = ud;
+    fl_status s = fl_trainer_run_comm(&j->cfg[rank], c, NULL, 0, NULL, NULL, NULL);
+    j->st[rank] = s;
+    snprintf(j->msg[rank], sizeof j->msg[rank], "%s", s != FL_OK ? fl_error_message() : "");
+    return s;
+}
+
+FL_TEST(ddp_threads_setup_failures_reach_every_rank) {
+    fail_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    char out[700];
+    snprintf(out, sizeof out, "%s/sf", fl_test_tmpdir());
+    for (int r = 0; r < 2; r++) dr_config(&j->cfg[r], DR_ADAMW, 2, 2, 1, 1, out);
+    j->cfg[1].train.max_steps = 7; /* rank 1 was started with another command line */
+    FL_CHECK(fl_comm_threads_run(2, fail_rank, j) != FL_OK);
+    for (int r = 0; r < 2; r++)
+        FL_CHECKF(j->st[r] != FL_OK && strstr(j->msg[r], "rank 1 of 2") &&
+                      strstr(j->msg[r], "different configurations") && strstr(j->msg[r], "max_steps: 7") &&
+                      strstr(j->msg[r], "max_steps: 8"),
+                  "rank %d: %s", r, j->msg[r]);
+    /* the same model folder missing on every rank: every rank returns rank 0's error */
+    for (int r = 0; r < 2; r++) {
+        dr_config(&j->cfg[r], DR_ADAMW, 2, 2, 1, 1, out);
+        snprintf(j->cfg[r].checkpoint_dir, sizeof j->cfg[r].checkpoint_dir, "%s/no-such-model", out);
+    }
+    FL_CHECK(fl_comm_threads_run(2, fail_rank, j) != FL_OK);
+    for (int r = 0; r < 2; r++)
+        FL_CHECKF(j->st[r] != FL_OK && strstr(j->msg[r], "rank 0 of 2") && strstr(j->msg[r], "no-such-model"),
+                  "rank %d: %s", r, j->msg[r]);
+    free(j);
+}
