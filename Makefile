@@ -6,7 +6,7 @@ BUILD      ?= build
 ASAN_BUILD ?= build-asan
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 # openmpi-*: multi-process collectives (src/comm/comm_mpi.c); the build also works without them
-DEB_PKGS   := cmake make gcc libc6-dev libopenblas-dev libdnnl-dev libyaml-dev libpcre2-dev openmpi-bin libopenmpi-dev
+DEB_PKGS   := cmake make gcc g++ libc6-dev libopenblas-dev libdnnl-dev libyaml-dev libpcre2-dev openmpi-bin libopenmpi-dev
 # optional: the lab's PNG charts (without it `fitllm lab` writes the data and notes it in report.md)
 DEB_OPT_PKGS := gnuplot-nox
 FITLLM_DATA ?= ../shared/data
