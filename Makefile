@@ -56,6 +56,8 @@ build: setup $(BUILD)/Makefile
 test: build
 	./$(BUILD)/fitllm_tests
 	./$(BUILD)/fitllm_alloc_check
+	@# CUDA builds: the real kernels against the emulated ones on a visible GPU (says so and passes without one)
+	if [ -x ./$(BUILD)/fitllm_cuda_check ]; then ./$(BUILD)/fitllm_cuda_check; fi
 	tests/check_vectorized.sh $(BUILD)
 	tests/cli_test.sh ./$(BUILD)/fitllm
 	tests/mpi_test.sh $(BUILD)

@@ -5,7 +5,8 @@
  * for the CPU under our emulator (src/backend/cuda/emu/: one fiber per CUDA thread), which is how
  * `make test` checks the kernels on machines without a GPU. Kernels use only what this header
  * provides in both worlds:
- *   __global__ / __device__ / __shared__ (static arrays) / FL_CU_DYN_SMEM (dynamic shared memory),
+ *   static __global__ (kernels have internal linkage: the two object sets link into one program) /
+ *   __device__ / __shared__ (static arrays) / FL_CU_DYN_SMEM (dynamic shared memory),
  *   threadIdx, blockIdx, blockDim, gridDim, __syncthreads, __syncwarp,
  *   __shfl_xor_sync / __shfl_down_sync / __shfl_sync (float, int, unsigned, double),
  *   float math from <math.h> plus rsqrtf, the 16-bit conversions below, FL_CU_LAUNCH.

@@ -14,7 +14,7 @@ static unsigned row_threads(int C) {
     return t > 256u ? 256u : (t ? t : 32u);
 }
 
-__global__ void fl_cu_rmsnorm_fwd_k(float *out, float *rstd, const float *inp, const float *w, int C, float eps) {
+static __global__ void fl_cu_rmsnorm_fwd_k(float *out, float *rstd, const float *inp, const float *w, int C, float eps) {
     __shared__ float buf[32];
     size_t row = blockIdx.x;
     const float *x = inp + row * C;
@@ -28,7 +28,7 @@ __global__ void fl_cu_rmsnorm_fwd_k(float *out, float *rstd, const float *inp, c
 }
 
 /* dx += r * (dy*w - x*r * mean(dy*w * x*r)) */
-__global__ void fl_cu_rmsnorm_bwd_dx_k(float *dinp, const float *dout, const float *inp, const float *w,
+static __global__ void fl_cu_rmsnorm_bwd_dx_k(float *dinp, const float *dout, const float *inp, const float *w,
                                        const float *rstd, int C) {
     __shared__ float buf[32];
     size_t row = blockIdx.x;
@@ -41,7 +41,7 @@ __global__ void fl_cu_rmsnorm_bwd_dx_k(float *dinp, const float *dout, const flo
 }
 
 /* dw[c] += sum over rows n of dy[n,c] * x[n,c] * r[n] */
-__global__ void fl_cu_rmsnorm_bwd_dw_k(float *dw, const float *dout, const float *inp, const float *rstd, int N,
+static __global__ void fl_cu_rmsnorm_bwd_dw_k(float *dw, const float *dout, const float *inp, const float *rstd, int N,
                                        int C) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
