@@ -322,4 +322,96 @@ FL_TEST(cuda_emu_convert) {
     FL_CHECK(fl_cuemu_convert(src, FL_F64, src, FL_F32, 1, NULL) == -1);
     free(src);
 }
+
+/* ---- LayerNorm (two block sums in a row: the reduction's trailing barrier matters) ----------------- */
+
+static void layernorm_case(int N, int C, int with_bias) {
+    fl_backend be = cpu2();
+    fl_test_rng r = {(unsigned long long)(N * 977 + C + with_bias)};
+    const float eps = 1e-5f;
+    size_t nc = (size_t)N * C;
+    float *x = frand(&r, nc, -2, 2), *w = frand(&r, C, 0.5f, 1.5f), *b = frand(&r, C, -1, 1), *dy = frand(&r, nc, -1, 1);
+    for (int k = 0; k < C; k++) x[(size_t)(N / 2) * C + k] += 3.0f; /* a row with a large mean */
+    float *want = malloc(nc * 4), *wm = malloc((size_t)N * 4), *wr = malloc((size_t)N * 4);
+    for (int n = 0; n < N; n++) { /* float64 reference, two-pass variance */
+        const float *xr = x + (size_t)n * C;
+        double mu = 0, v = 0;
+        for (int k = 0; k < C; k++) mu += xr[k];
+        mu /= C;
+        for (int k = 0; k < C; k++) v += (xr[k] - mu) * (xr[k] - mu);
+        double rs = 1.0 / sqrt(v / C + eps);
+        wm[n] = (float)mu;
+        wr[n] = (float)rs;
+        for (int k = 0; k < C; k++) want[(size_t)n * C + k] = (float)((xr[k] - mu) * rs * w[k] + (with_bias ? b[k] : 0.0));
+    }
+    const float *bb = with_bias ? b : NULL;
+    float *dx0 = frand(&r, nc, -1, 1), *dw0 = frand(&r, C, -1, 1), *db0 = frand(&r, C, -1, 1);
+    float *cdx = fdup(dx0, nc), *cdw = fdup(dw0, C), *cdb = fdup(db0, C), *cm = malloc((size_t)N * 4);
+    float *cr = malloc((size_t)N * 4), *co = malloc(nc * 4);
+    be.layernorm_forward(&be, co, cm, cr, x, w, bb, N, C, eps);
+    be.layernorm_backward(&be, cdx, cdw, cdb, dy, x, w, cm, cr, N, C);
+    for (size_t k = 0; k < sizeof k_seeds / sizeof k_seeds[0]; k++) {
+        fl_cu_emu_set_seed(k_seeds[k]);
+        float *out = malloc(nc * 4), *mean = malloc((size_t)N * 4), *rstd = malloc((size_t)N * 4);
+        float *dx = fdup(dx0, nc), *dw = fdup(dw0, C), *db = fdup(db0, C);
+        EMU_OK(fl_cuemu_layernorm_forward(out, mean, rstd, x, w, bb, N, C, eps, NULL));
+        FL_CHECK(fl_test_allclose("emu layernorm out", out, want, nc, 1e-5, 1e-6));
+        FL_CHECK(fl_test_allclose("emu layernorm rstd", rstd, wr, N, 1e-5, 0));
+        FL_CHECK(fl_test_allclose("emu layernorm mean", mean, wm, N, 1e-5, 1e-6));
+        EMU_OK(fl_cuemu_layernorm_backward(dx, dw, db, dy, x, w, mean, rstd, N, C, NULL));
+        FL_CHECKF(grad_close("emu layernorm dinp", dx, cdx, nc), "N%d C%d dinp", N, C);
+        FL_CHECKF(grad_close("emu layernorm dw", dw, cdw, C), "N%d C%d dw", N, C);
+        FL_CHECKF(grad_close("emu layernorm db", db, cdb, C), "N%d C%d db", N, C);
+        free(out); free(mean); free(rstd); free(dx); free(dw); free(db);
+    }
+    free(x); free(w); free(b); free(dy); free(want); free(wm); free(wr); free(dx0); free(dw0); free(db0);
+    free(cdx); free(cdw); free(cdb); free(cm); free(cr); free(co);
+}
+
+FL_TEST(cuda_emu_layernorm) {
+    layernorm_case(7, 13, 1);
+    layernorm_case(5, 300, 0);
+    layernorm_case(4, 97, 1);
+}
+
+/* ---- activations ------------------------------------------------------------------------------ */
+
+FL_TEST(cuda_emu_swiglu_gelu) {
+    fl_backend be = cpu2();
+    fl_test_rng r = {8};
+    const int N = 7, F = 13, n = 301;
+    float *gu = frand(&r, (size_t)N * 2 * F, -4, 4), *dy = frand(&r, (size_t)N * F, -1, 1);
+    gu[0] = -30.0f; gu[1] = 30.0f; /* saturated sigmoid */
+    float *x = frand(&r, n, -5, 5), *dyg = frand(&r, n, -1, 1);
+    x[0] = 0.0f; x[1] = 1e-3f; x[2] = -12.0f; x[3] = 12.0f;
+    float *ws = malloc((size_t)N * F * 4), *wg = malloc((size_t)n * 4);
+    for (int k = 0; k < N; k++)
+        for (int i = 0; i < F; i++) { /* float64 references (test_ops.c) */
+            double g = gu[(size_t)k * 2 * F + i], u = gu[(size_t)k * 2 * F + F + i];
+            ws[(size_t)k * F + i] = (float)(g / (1 + exp(-g)) * u);
+        }
+    for (int i = 0; i < n; i++) {
+        double v = x[i];
+        wg[i] = (float)(0.5 * v * (1 + tanh(sqrt(2 / M_PI) * (v + 0.044715 * v * v * v))));
+    }
+    float *dgu0 = frand(&r, (size_t)N * 2 * F, -1, 1), *dx0 = frand(&r, n, -1, 1);
+    float *cdgu = fdup(dgu0, (size_t)N * 2 * F), *cdx = fdup(dx0, n);
+    be.swiglu_backward(&be, cdgu, dy, gu, N, F);
+    be.gelu_backward(&be, cdx, dyg, x, n);
+    for (size_t k = 0; k < sizeof k_seeds / sizeof k_seeds[0]; k++) {
+        fl_cu_emu_set_seed(k_seeds[k]);
+        float *o = malloc((size_t)N * F * 4), *og = malloc((size_t)n * 4);
+        float *dgu = fdup(dgu0, (size_t)N * 2 * F), *dx = fdup(dx0, n);
+        EMU_OK(fl_cuemu_swiglu_forward(o, gu, N, F, NULL));
+        FL_CHECK(fl_test_allclose("emu swiglu fwd", o, ws, (size_t)N * F, 1e-5, 1e-7));
+        EMU_OK(fl_cuemu_swiglu_backward(dgu, dy, gu, N, F, NULL));
+        FL_CHECK(grad_close("emu swiglu dgu", dgu, cdgu, (size_t)N * 2 * F));
+        EMU_OK(fl_cuemu_gelu_forward(og, x, n, NULL));
+        FL_CHECK(fl_test_allclose("emu gelu fwd", og, wg, n, 1e-5, 1e-7));
+        EMU_OK(fl_cuemu_gelu_backward(dx, dyg, x, n, NULL));
+        FL_CHECK(grad_close("emu gelu dinp", dx, cdx, n));
+        free(o); free(og); free(dgu); free(dx);
+    }
+    free(gu); free(dy); free(x); free(dyg); free(ws); free(wg); free(dgu0); free(dx0); free(cdgu); free(cdx);
+}
 #endif

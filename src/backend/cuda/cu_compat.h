@@ -146,15 +146,16 @@ FL_CU_DEV float fl_cu_warp_max(float v) {
     return v;
 }
 
-/* Sum over a 1-D block of a multiple of 32 threads (<= 1024); every thread gets it. `buf` is
- * 32 floats of shared memory, free again when this returns (the trailing barrier). */
-FL_CU_DEV float fl_cu_block_sum(float v, float *buf) {
+/* Sum over a 1-D block of a multiple of 32 threads (<= 1024); every thread gets it. `buf` is 32
+ * values of shared memory, free again when this returns (the trailing barrier: two sums in a row
+ * reuse it). The order is fixed (lanes by xor butterfly, then warps): deterministic. */
+template <class T> FL_CU_DEV T fl_cu_block_sum(T v, T *buf) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
-    v = fl_cu_warp_sum(v);
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FL_CU_FULL_MASK, v, o);
     if (lane == 0) buf[warp] = v;
     __syncthreads();
-    v = lane < nwarp ? buf[lane] : 0.0f;
-    v = fl_cu_warp_sum(v);
+    v = lane < nwarp ? buf[lane] : (T)0;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FL_CU_FULL_MASK, v, o);
     __syncthreads();
     return v;
 }

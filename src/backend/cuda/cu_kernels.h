@@ -32,6 +32,14 @@ extern "C" {
                            float grad_scale, void *stream);                                                    \
     /* F32/BF16/F16, any pair; -1 for other dtypes */                                                          \
     int P##convert(void *dst, fl_dtype dt, const void *src, fl_dtype st, size_t n, void *stream);               \
+    int P##layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *w,            \
+                             const float *b, int N, int C, float eps, void *stream);                           \
+    int P##layernorm_backward(float *dinp, float *dw, float *db, const float *dout, const float *inp,            \
+                              const float *w, const float *mean, const float *rstd, int N, int C, void *stream); \
+    int P##swiglu_forward(float *out, const float *gu, int N, int F, void *stream);                             \
+    int P##swiglu_backward(float *dgu, const float *dout, const float *gu, int N, int F, void *stream);          \
+    int P##gelu_forward(float *out, const float *inp, size_t n, void *stream);                                  \
+    int P##gelu_backward(float *dinp, const float *dout, const float *inp, size_t n, void *stream);             \
     /* emulator self-test kernels (tests/test_cuda_emu.c): out[i] = in[i-1] of a block-wide shift through     \
      * shared memory (in[n-1] for i = 0), with or without the __syncthreads between the write and the read;    \
      * and every shuffle of cu_compat.h on lane ids (see kernels/selftest.cu) */                                \

@@ -38,7 +38,7 @@ static fl_cu_adamw_k adamw_consts(float lr, float beta1, float beta2, float eps,
     return k;
 }
 
-static __global__ void fl_cu_adamw_k_(void *p, int tp, const void *g, int tg, void *m, void *v, int ts, size_t n,
+__global__ static void fl_cu_adamw_k_(void *p, int tp, const void *g, int tg, void *m, void *v, int ts, size_t n,
                                fl_cu_adamw_k k) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         float gi = fl_cu_load(g, tg, i) * k.grad_scale;
@@ -53,7 +53,7 @@ static __global__ void fl_cu_adamw_k_(void *p, int tp, const void *g, int tg, vo
     }
 }
 
-static __global__ void fl_cu_convert_k(void *dst, int dt, const void *src, int st, size_t n) {
+__global__ static void fl_cu_convert_k(void *dst, int dt, const void *src, int st, size_t n) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         fl_cu_store(dst, dt, i, fl_cu_load(src, st, i));
 }

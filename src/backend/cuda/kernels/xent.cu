@@ -16,7 +16,7 @@ FL_CU_DEV void fl_cu_lse_merge(float *m, float *s, float m2, float s2) {
     *m = M;
 }
 
-static __global__ void fl_cu_xent_k(float *loss, float *dlogits, const float *logits, const int32_t *targets, int V,
+__global__ static void fl_cu_xent_k(float *loss, float *dlogits, const float *logits, const int32_t *targets, int V,
                              float grad_scale, int ignore_index) {
     __shared__ float wm[32], ws[32], xt;
     size_t row = blockIdx.x;
