@@ -1,11 +1,12 @@
 /* fitllm CUDA emulator: the fiber scheduler behind cu_compat.h (see cu_emu.h).
  *
  * A block is a set of ucontext fibers, one per CUDA thread, each on its own mmap'd stack. The
- * scheduler (the launching OS thread's own stack) runs every runnable fiber until it blocks at a
- * barrier or returns; then releases a warp whose live lanes all wait at a warp barrier, else the
- * block when all live threads wait at __syncthreads, and runs the released fibers again in a
- * freshly shuffled order. Nothing left to release while fibers still wait is a deadlock (a
- * barrier in divergent code): recorded as an error, the block is abandoned. Exited threads count
+ * scheduler (the launching OS thread's own stack) picks a warp, runs its runnable fibers in a
+ * freshly shuffled order until each blocks at a barrier or returns, and releases the warp when
+ * its live lanes all wait at a warp barrier; warps so advance independently (one may run far
+ * ahead) until every live thread waits at __syncthreads, which releases the block. Nothing to
+ * run while fibers still wait is a deadlock (a barrier in divergent code): recorded as an error,
+ * the block is abandoned. Exited threads count
  * as arrived (as on Volta and later GPUs). AddressSanitizer is told about each stack switch. */
 #define _GNU_SOURCE
 #include "backend/cuda/emu/cu_emu.h"
@@ -159,10 +160,11 @@ static void run_fiber(emu *e, fiber *f) {
 #endif
 }
 
-/* One phase: run the RUNNABLE fibers (shuffled unless the seed is 0). */
-static void run_phase(emu *e) {
-    int n = 0;
-    for (int i = 0; i < e->nthreads; i++)
+/* Run the RUNNABLE fibers of warp w (shuffled unless the seed is 0) until each blocks or
+ * returns; then release the warp if all its live lanes wait at a warp barrier. */
+static void run_warp(emu *e, int w) {
+    int end = w + 32 < e->nthreads ? w + 32 : e->nthreads, n = 0, waiting = 0, other = 0;
+    for (int i = w; i < end; i++)
         if (e->f[i].state == RUNNABLE) e->order[n++] = i;
     if (g_seed != 0)
         for (int i = n - 1; i > 0; i--) {
@@ -171,36 +173,54 @@ static void run_phase(emu *e) {
             e->order[j] = t;
         }
     for (int i = 0; i < n; i++) run_fiber(e, &e->f[e->order[i]]);
+    for (int i = w; i < end; i++) {
+        if (e->f[i].state == AT_WARP) waiting++;
+        else if (e->f[i].state != DONE) other++;
+    }
+    if (waiting && !other)
+        for (int i = w; i < end; i++)
+            if (e->f[i].state == AT_WARP) e->f[i].state = RUNNABLE;
 }
 
-/* After a phase: release what may go on. Returns 1 when fibers were released, 0 when all are
- * done, -1 on a deadlock. */
-static int release(emu *e) {
-    int released = 0, live = 0, at_block = 0;
-    for (int w = 0; w < e->nthreads; w += 32) {
-        int end = w + 32 < e->nthreads ? w + 32 : e->nthreads, waiting = 0, other = 0;
-        for (int i = w; i < end; i++) {
-            if (e->f[i].state == AT_WARP) waiting++;
-            else if (e->f[i].state != DONE) other++;
+static int warp_runnable(const emu *e, int w) {
+    int end = w + 32 < e->nthreads ? w + 32 : e->nthreads;
+    for (int i = w; i < end; i++)
+        if (e->f[i].state == RUNNABLE) return 1;
+    return 0;
+}
+
+/* One block. Warps progress independently between block barriers, as on a GPU: the scheduler
+ * picks one warp with runnable fibers at a time, and (shuffled runs) keeps running the same
+ * warp with probability 3/4, so a warp often gets far ahead of the others (a missing barrier
+ * between two uses of the same shared memory shows); seed 0 takes the lowest warp every time.
+ * Returns 0 when all fibers returned, -1 on a deadlock. */
+static int run_block(emu *e) {
+    int last = -1;
+    for (;;) {
+        int cand[FL_EMU_MAX_THREADS / 32], nw = 0;
+        for (int w = 0; w < e->nthreads; w += 32)
+            if (warp_runnable(e, w)) cand[nw++] = w;
+        if (nw) {
+            int w = cand[0];
+            if (g_seed != 0) {
+                uint64_t r = rng_next();
+                w = (last >= 0 && warp_runnable(e, last) && (r & 3) != 0) ? last : cand[(r >> 2) % (uint64_t)nw];
+            }
+            run_warp(e, w);
+            last = w;
+            continue;
         }
-        if (waiting && !other) {
-            for (int i = w; i < end; i++)
-                if (e->f[i].state == AT_WARP) e->f[i].state = RUNNABLE;
-            released = 1;
+        int live = 0, at_block = 0;
+        for (int i = 0; i < e->nthreads; i++) {
+            if (e->f[i].state != DONE) live++;
+            if (e->f[i].state == AT_BLOCK) at_block++;
         }
-    }
-    if (released) return 1;
-    for (int i = 0; i < e->nthreads; i++) {
-        if (e->f[i].state != DONE) live++;
-        if (e->f[i].state == AT_BLOCK) at_block++;
-    }
-    if (live == 0) return 0;
-    if (at_block == live) {
+        if (live == 0) return 0;
+        if (at_block != live) return -1; /* some wait at a warp barrier their warp cannot complete */
         for (int i = 0; i < e->nthreads; i++)
             if (e->f[i].state == AT_BLOCK) e->f[i].state = RUNNABLE;
-        return 1;
+        last = -1;
     }
-    return -1;
 }
 
 void fl_cu_emu_launch(fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem, void (*fn)(void *), void *ctx) {
@@ -254,16 +274,10 @@ void fl_cu_emu_launch(fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem, 
                     fb->ctx.uc_link = NULL; /* fiber_main never returns: it setcontext()s back */
                     makecontext(&fb->ctx, fiber_main, 0);
                 }
-                for (;;) {
-                    run_phase(e);
-                    int r = release(e);
-                    if (r == 0) break;
-                    if (r < 0) {
-                        set_err("block (%u,%u,%u): barrier deadlock (a __syncthreads or shuffle not reached by "
-                                "every live thread of its block or warp)", bx, by, bz);
-                        failed = 1;
-                        break;
-                    }
+                if (run_block(e) < 0) {
+                    set_err("block (%u,%u,%u): barrier deadlock (a __syncthreads or shuffle not reached by "
+                            "every live thread of its block or warp)", bx, by, bz);
+                    failed = 1;
                 }
             }
     g_emu = NULL;
