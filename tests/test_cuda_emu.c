@@ -414,4 +414,155 @@ FL_TEST(cuda_emu_swiglu_gelu) {
     }
     free(gu); free(dy); free(x); free(dyg); free(ws); free(wg); free(dgu0); free(dx0); free(cdgu); free(cdx);
 }
+
+/* ---- RoPE ------------------------------------------------------------------------------------- */
+
+FL_TEST(cuda_emu_rope) {
+    fl_backend be = cpu2();
+    fl_test_rng r = {21};
+    const int B = 2, T = 5, nh = 3, HD = 12, maxT = 16, pos0 = 3, H = HD / 2;
+    const size_t rs = (size_t)nh * HD + 7; /* strided rows (heads of a fused QKV row); the tail is untouched */
+    float *cs = malloc((size_t)maxT * H * 4), *sn = malloc((size_t)maxT * H * 4);
+    fl_rope_table_init(cs, sn, maxT, HD, 10000.0f, NULL);
+    size_t nx = (size_t)B * T * rs;
+    float *x = frand(&r, nx, -2, 2), *want = fdup(x, nx), *cx = fdup(x, nx);
+    for (int n = 0; n < B * T; n++) /* float64 reference */
+        for (int h = 0; h < nh; h++)
+            for (int j = 0; j < H; j++) {
+                size_t o = (size_t)n * rs + (size_t)h * HD + j;
+                double a = pos0 + n % T, c = cs[(size_t)(pos0 + n % T) * H + j], s_ = sn[(size_t)(pos0 + n % T) * H + j];
+                (void)a;
+                want[o] = (float)(x[o] * c - x[o + H] * s_);
+                want[o + H] = (float)(x[o + H] * c + x[o] * s_);
+            }
+    be.rope_forward(&be, cx, B, T, nh, HD, rs, cs, sn, pos0);
+    fl_cu_emu_set_seed(k_seeds[0]);
+    float *y = fdup(x, nx);
+    EMU_OK(fl_cuemu_rope(y, B, T, nh, HD, rs, cs, sn, pos0, 0, NULL));
+    FL_CHECK(fl_test_allclose("emu rope fwd", y, want, nx, 1e-6, 1e-7));
+    FL_CHECK(fl_test_allclose("emu rope fwd vs cpu", y, cx, nx, 1e-6, 1e-7));
+    EMU_OK(fl_cuemu_rope(y, B, T, nh, HD, rs, cs, sn, pos0, 1, NULL)); /* backward = the inverse rotation */
+    FL_CHECK(fl_test_allclose("emu rope bwd(fwd(x))", y, x, nx, 1e-6, 1e-6));
+    be.rope_backward(&be, cx, B, T, nh, HD, rs, cs, sn, pos0);
+    FL_CHECK(fl_test_allclose("emu rope bwd vs cpu", y, cx, nx, 1e-6, 1e-7));
+    free(cs); free(sn); free(x); free(want); free(cx); free(y);
+}
+
+/* ---- SGD, check_finite, accumulate16, sumsq, add/scale/bias --------------------------------------- */
+
+FL_TEST(cuda_emu_sgd) {
+    fl_backend be = cpu2();
+    const struct { fl_dtype tp, tg, ts; float mom; int nesterov; } cs[] = {
+        {FL_F32, FL_F32, FL_F32, 0.9f, 1}, {FL_BF16, FL_BF16, FL_BF16, 0.9f, 0}, {FL_F32, FL_F16, FL_F32, 0.0f, 0}};
+    const size_t n = 777;
+    for (int c = 0; c < 3; c++) {
+        fl_test_rng r = {60 + (unsigned long long)c};
+        size_t sp = fl_dtype_size(cs[c].tp), sg = fl_dtype_size(cs[c].tg), ss = fl_dtype_size(cs[c].ts);
+        float *pf = frand(&r, n, -1, 1);
+        void *p = malloc(n * sp), *cp = malloc(n * sp), *g = malloc(n * sg);
+        void *buf = cs[c].mom != 0.0f ? calloc(n, ss) : NULL, *cbuf = cs[c].mom != 0.0f ? calloc(n, ss) : NULL;
+        FL_REQUIRE_OK(be.convert(&be, p, cs[c].tp, pf, FL_F32, n));
+        memcpy(cp, p, n * sp);
+        for (int step = 1; step <= 3; step++) {
+            float *gf = frand(&r, n, -2, 2);
+            FL_REQUIRE_OK(be.convert(&be, g, cs[c].tg, gf, FL_F32, n));
+            fl_cu_emu_set_seed(k_seeds[step & 1]);
+            EMU_OK(fl_cuemu_sgd_update_ex(p, cs[c].tp, g, cs[c].tg, buf, cs[c].ts, n, 0.05f, cs[c].mom, 0.1f, 0.01f,
+                                          cs[c].nesterov, step == 1, 0.5f, NULL));
+            FL_REQUIRE_OK(be.sgd_update_ex(&be, cp, cs[c].tp, g, cs[c].tg, cbuf, cs[c].ts, n, 0.05f, cs[c].mom, 0.1f,
+                                           0.01f, cs[c].nesterov, step == 1, 0.5f));
+            free(gf);
+        }
+        FL_CHECKF(memcmp(p, cp, n * sp) == 0 && (!buf || memcmp(buf, cbuf, n * ss) == 0),
+                  "sgd %s/%s/%s differs from the CPU backend", fl_dtype_name(cs[c].tp), fl_dtype_name(cs[c].tg),
+                  fl_dtype_name(cs[c].ts));
+        free(pf); free(p); free(cp); free(g); free(buf); free(cbuf);
+    }
+}
+
+FL_TEST(cuda_emu_check_finite_accumulate16) {
+    fl_backend be = cpu2();
+    const size_t n = 600;
+    fl_test_rng r = {70};
+    float *x = frand(&r, n, -100, 100);
+    const fl_dtype ts[3] = {FL_F32, FL_BF16, FL_F16};
+    for (int k = 0; k < 3; k++) {
+        void *v = malloc(n * 4);
+        for (int variant = 0; variant < 4; variant++) {
+            float *y = fdup(x, n);
+            if (variant == 1) y[517] = INFINITY;
+            if (variant == 2) y[3] = NAN;
+            float inv = variant == 3 ? 1e37f : 0.5f; /* 3: finite values overflow once scaled */
+            FL_REQUIRE_OK(be.convert(&be, v, ts[k], y, FL_F32, n));
+            int fe = 0, fc = 0;
+            EMU_OK(fl_cuemu_check_finite(v, ts[k], n, inv, &fe, NULL));
+            FL_REQUIRE_OK(be.check_finite(&be, v, ts[k], n, inv, &fc));
+            FL_CHECKF(fe == fc && fe == (variant != 0), "check_finite %s variant %d: emu %d cpu %d",
+                      fl_dtype_name(ts[k]), variant, fe, fc);
+            free(y);
+        }
+        if (k > 0) { /* accumulate16 into 16-bit storage: bit for bit */
+            uint16_t *a = malloc(n * 2), *ca = malloc(n * 2);
+            float *src = frand(&r, n, -3, 3);
+            FL_REQUIRE_OK(be.convert(&be, a, ts[k], x, FL_F32, n));
+            memcpy(ca, a, n * 2);
+            EMU_OK(fl_cuemu_accumulate16(a, ts[k], src, n, NULL));
+            FL_REQUIRE_OK(be.accumulate16(&be, ca, ts[k], src, n));
+            FL_CHECKF(memcmp(a, ca, n * 2) == 0, "accumulate16 %s differs", fl_dtype_name(ts[k]));
+            free(a); free(ca); free(src);
+        }
+        free(v);
+    }
+    free(x);
+}
+
+FL_TEST(cuda_emu_sumsq) {
+    fl_backend be = cpu2();
+    const size_t n = 20011; /* ranges of 312-313 elements: partial strides in every block */
+    fl_test_rng r = {80};
+    float *x = frand(&r, n, -3, 3);
+    const fl_dtype ts[3] = {FL_F32, FL_BF16, FL_F16};
+    double work[FL_CU_SUMSQ_PARTS];
+    for (int k = 0; k < 3; k++) {
+        void *v = malloc(n * 4);
+        FL_REQUIRE_OK(be.convert(&be, v, ts[k], x, FL_F32, n));
+        float *w = malloc(n * 4);
+        FL_REQUIRE_OK(be.convert(&be, w, FL_F32, v, ts[k], n));
+        double want = 0; /* float64 of the stored values: exact squares, error ~ n * 2^-53 relative */
+        for (size_t i = 0; i < n; i++) want += (double)w[i] * w[i];
+        double got[2];
+        for (int s = 0; s < 2; s++) {
+            fl_cu_emu_set_seed(k_seeds[s]);
+            EMU_OK(fl_cuemu_sumsq_ex(&got[s], work, v, ts[k], n, NULL));
+        }
+        FL_CHECKF(fabs(got[0] - want) <= 1e-12 * want, "sumsq %s: %.17g want %.17g", fl_dtype_name(ts[k]), got[0], want);
+        FL_CHECKF(memcmp(&got[0], &got[1], sizeof(double)) == 0, "sumsq %s: depends on the fiber order", fl_dtype_name(ts[k]));
+        FL_CHECK(fabs(be.sumsq_ex(&be, v, ts[k], n) - want) <= 1e-12 * want);
+        free(v); free(w);
+    }
+    free(x);
+}
+
+FL_TEST(cuda_emu_add_scale_bias) {
+    fl_backend be = cpu2();
+    fl_test_rng r = {90};
+    const int N = 9, OC = 37;
+    const size_t n = (size_t)N * OC;
+    float *a = frand(&r, n, -1, 1), *b = frand(&r, n, -1, 1), *o = malloc(n * 4), *co = malloc(n * 4);
+    EMU_OK(fl_cuemu_add(o, a, b, n, NULL));
+    be.add(&be, co, a, b, n);
+    FL_CHECK(memcmp(o, co, n * 4) == 0);
+    EMU_OK(fl_cuemu_scale(o, n, -0.3f, NULL));
+    be.scale(&be, co, n, -0.3f);
+    FL_CHECK(memcmp(o, co, n * 4) == 0);
+    float *bias = frand(&r, OC, -1, 1);
+    EMU_OK(fl_cuemu_bias_forward(o, bias, N, OC, NULL));
+    be.bias_forward(&be, co, bias, N, OC);
+    FL_CHECK(memcmp(o, co, n * 4) == 0);
+    float *db = frand(&r, OC, -1, 1), *cdb = fdup(db, OC);
+    EMU_OK(fl_cuemu_bias_backward(db, a, N, OC, NULL));
+    be.bias_backward(&be, cdb, a, N, OC);
+    FL_CHECK(grad_close("emu bias db", db, cdb, OC));
+    free(a); free(b); free(o); free(co); free(bias); free(db); free(cdb);
+}
 #endif

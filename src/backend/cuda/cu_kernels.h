@@ -17,6 +17,9 @@
 extern "C" {
 #endif
 
+/* Partial sums of sumsq_ex: fixed, so its result does not depend on the device. */
+#define FL_CU_SUMSQ_PARTS 64
+
 #define FL_CU_DECLARE_KERNELS(P)                                                                              \
     int P##rmsnorm_forward(float *out, float *rstd, const float *inp, const float *w, int N, int C, float eps,  \
                            void *stream);                                                                      \
@@ -40,6 +43,21 @@ extern "C" {
     int P##swiglu_backward(float *dgu, const float *dout, const float *gu, int N, int F, void *stream);          \
     int P##gelu_forward(float *out, const float *inp, size_t n, void *stream);                                  \
     int P##gelu_backward(float *dinp, const float *dout, const float *inp, size_t n, void *stream);             \
+    /* rope_forward (backward = 0) or rope_backward (1), in place */                                       \
+    int P##rope(float *x, int B, int T, int nh, int HD, size_t row_stride, const float *cos_t,                  \
+                const float *sin_t, int pos0, int backward, void *stream);                                     \
+    int P##sgd_update_ex(void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf, fl_dtype ts, size_t n,   \
+                         float lr, float momentum, float dampening, float weight_decay, int nesterov,          \
+                         int first_step, float grad_scale, void *stream);                                      \
+    /* found_inf: a device int, set to 1 (never cleared) */                                                   \
+    int P##check_finite(const void *x, fl_dtype t, size_t n, float inv_scale, int *found_inf, void *stream);    \
+    int P##accumulate16(uint16_t *dst, fl_dtype t, const float *src, size_t n, void *stream);                   \
+    /* *out (device double) = sum of squares; work: FL_CU_SUMSQ_PARTS doubles of device scratch */             \
+    int P##sumsq_ex(double *out, double *work, const void *x, fl_dtype t, size_t n, void *stream);              \
+    int P##add(float *out, const float *a, const float *b, size_t n, void *stream);                             \
+    int P##scale(float *x, size_t n, float s, void *stream);                                                    \
+    int P##bias_forward(float *y, const float *b, int N, int OC, void *stream);                                 \
+    int P##bias_backward(float *db, const float *dy, int N, int OC, void *stream);                              \
     /* emulator self-test kernels (tests/test_cuda_emu.c): out[i] = in[i-1] of a block-wide shift through     \
      * shared memory (in[n-1] for i = 0), with or without the __syncthreads between the write and the read;    \
      * and every shuffle of cu_compat.h on lane ids (see kernels/selftest.cu) */                                \
