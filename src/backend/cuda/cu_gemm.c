@@ -2,6 +2,8 @@
  * (contract: cu_gemm.h). */
 #include "backend/cuda/cu_gemm.h"
 
+#include "fitllm/cuda.h"
+
 #include <math.h>
 #include <string.h>
 
@@ -101,6 +103,9 @@ static uint32_t align_of(const void *p) {
 
 fl_status fl_cu_blas_init(fl_cu_blas *b, void *workspace, size_t workspace_bytes, void *stream) {
     memset(b, 0, sizeof *b);
+    char why[256];
+    if (fl_cuda_device_count(why, sizeof why) == 0) /* cublasLtCreate would fail (and leak) */
+        return fl_errorf(FL_ERR_UNSUPPORTED, "cuBLASLt: no CUDA device visible (%s)", why);
     cublasLtHandle_t h;
     cublasStatus_t st = cublasLtCreate(&h);
     if (st != CUBLAS_STATUS_SUCCESS)
