@@ -151,6 +151,55 @@ static void check_gemm(void) {
     free(A); free(B); free(C); free(G);
 }
 
+static void check_layernorm(int N, int C) {
+    unsigned s = 6;
+    size_t nc = (size_t)N * C;
+    float *x = frand(&s, nc, -2, 2), *w = frand(&s, C, 0.5f, 1.5f), *b = frand(&s, C, -1, 1), *dy = frand(&s, nc, -1, 1);
+    float *out = malloc(nc * 4), *mean = malloc(N * 4), *rstd = malloc(N * 4), *dx = calloc(nc, 4), *dw = calloc(C, 4);
+    float *db = calloc(C, 4);
+    fl_cuemu_layernorm_forward(out, mean, rstd, x, w, b, N, C, 1e-5f, NULL);
+    fl_cuemu_layernorm_backward(dx, dw, db, dy, x, w, mean, rstd, N, C, NULL);
+    float *dX = dev_copy(x, nc * 4), *dW = dev_copy(w, C * 4), *dB = dev_copy(b, C * 4), *dDY = dev_copy(dy, nc * 4);
+    float *dO = dev_copy(NULL, nc * 4), *dM = dev_copy(NULL, N * 4), *dR = dev_copy(NULL, N * 4);
+    float *dDX = dev_copy(NULL, nc * 4), *dDW = dev_copy(NULL, C * 4), *dDB = dev_copy(NULL, C * 4);
+    cudaMemset(dDX, 0, nc * 4);
+    cudaMemset(dDW, 0, C * 4);
+    cudaMemset(dDB, 0, C * 4);
+    int rc = fl_cuk_layernorm_forward(dO, dM, dR, dX, dW, dB, N, C, 1e-5f, NULL);
+    rc |= fl_cuk_layernorm_backward(dDX, dDW, dDB, dDY, dX, dW, dM, dR, N, C, NULL);
+    if (rc || cudaDeviceSynchronize() != cudaSuccess) { printf("layernorm: launch failed\n"); g_fail++; return; }
+    float *g = malloc(nc * 4);
+    to_host(g, dO, nc * 4); report("layernorm_forward out", g, out, nc, 1e-5, 1e-6);
+    to_host(g, dDX, nc * 4); report("layernorm_backward dinp", g, dx, nc, 2e-4, 2e-5);
+    to_host(g, dDW, C * 4); report("layernorm_backward dw", g, dw, C, 2e-4, 2e-5);
+    to_host(g, dDB, C * 4); report("layernorm_backward db", g, db, C, 2e-4, 2e-5);
+    cudaFree(dX); cudaFree(dW); cudaFree(dB); cudaFree(dDY); cudaFree(dO); cudaFree(dM); cudaFree(dR);
+    cudaFree(dDX); cudaFree(dDW); cudaFree(dDB);
+    free(x); free(w); free(b); free(dy); free(out); free(mean); free(rstd); free(dx); free(dw); free(db); free(g);
+}
+
+static void check_sumsq(size_t n) {
+    unsigned s = 7;
+    float *x = frand(&s, n, -3, 3);
+    double want = 0, work[FL_CU_SUMSQ_PARTS], emu = 0, got = 0;
+    for (size_t i = 0; i < n; i++) want += (double)x[i] * x[i];
+    fl_cuemu_sumsq_ex(&emu, work, x, FL_F32, n, NULL);
+    float *dX = dev_copy(x, n * 4);
+    double *dOut = dev_copy(NULL, sizeof(double)), *dWork = dev_copy(NULL, FL_CU_SUMSQ_PARTS * sizeof(double));
+    if (fl_cuk_sumsq_ex(dOut, dWork, dX, FL_F32, n, NULL) || cudaDeviceSynchronize() != cudaSuccess) {
+        printf("sumsq_ex: launch failed\n"); g_fail++; return;
+    }
+    to_host(&got, dOut, sizeof got);
+    /* the same partition and order as the emulator, but nvcc may fuse s += v*v into an FMA: close, not
+     * necessarily the same bits (printed) */
+    int ok = fabs(got - want) <= 1e-12 * want;
+    printf("%-28s %s  (gpu %.17g, emulated %.17g%s)\n", "sumsq_ex f32", ok ? "ok  " : "FAIL", got, emu,
+           got == emu ? ", identical" : "");
+    g_fail += !ok;
+    cudaFree(dX); cudaFree(dOut); cudaFree(dWork);
+    free(x);
+}
+
 int main(void) {
     char why[256], desc[1024];
     fl_cuda_describe(desc, sizeof desc);
@@ -165,6 +214,8 @@ int main(void) {
     check_xent(8, 32000);
     check_adamw(1 << 20);
     check_convert(100003);
+    check_layernorm(33, 769);
+    check_sumsq(3000017);
     check_gemm();
     printf("%s\n", g_fail ? "FAILED" : "all ok");
     return g_fail ? 1 : 0;
