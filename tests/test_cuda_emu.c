@@ -118,6 +118,21 @@ FL_TEST(cuda_emu_shuffles) {
     free(out);
 }
 
+FL_TEST(cuda_emu_errors_are_reported) {
+    int out[32] = {0};
+    fl_cu_emu_clear_error();
+    FL_CHECK(fl_cuemu_selftest_divergent(out, NULL) != 0);
+    FL_CHECKF(fl_cu_emu_error() && strstr(fl_cu_emu_error(), "deadlock"), "got: %s",
+              fl_cu_emu_error() ? fl_cu_emu_error() : "no error");
+    fl_cu_emu_clear_error();
+    FL_CHECK(fl_cu_emu_error() == NULL);
+    float in[2000] = {0}, o[2000];
+    FL_CHECK(fl_cuemu_selftest_shift(o, in, 2000, 1, NULL) != 0); /* 2000 threads per block: over 1024 */
+    FL_CHECKF(fl_cu_emu_error() && strstr(fl_cu_emu_error(), "threads per block"), "got: %s",
+              fl_cu_emu_error() ? fl_cu_emu_error() : "no error");
+    fl_cu_emu_clear_error();
+}
+
 /* ---- RMSNorm -------------------------------------------------------------------------------- */
 
 static void rmsnorm_case(int N, int C) {

@@ -62,7 +62,9 @@ extern "C" {
      * shared memory (in[n-1] for i = 0), with or without the __syncthreads between the write and the read;    \
      * and every shuffle of cu_compat.h on lane ids (see kernels/selftest.cu) */                                \
     int P##selftest_shift(float *out, const float *in, int n, int with_barrier, void *stream);                  \
-    int P##selftest_shuffles(int *out /*(block, 4)*/, int block, void *stream);
+    int P##selftest_shuffles(int *out /*(block, 4)*/, int block, void *stream);                                \
+    /* a barrier in divergent code (emulator only: reported as a deadlock; never run it on a GPU) */           \
+    int P##selftest_divergent(int *out /*(32)*/, void *stream);
 
 FL_CU_DECLARE_KERNELS(fl_cuk_)
 FL_CU_DECLARE_KERNELS(fl_cuemu_)

@@ -24,6 +24,19 @@ __global__ static void fl_cu_selftest_shuffles_k(int *out) {
     out[t * 4 + 3] = (int)fl_cu_warp_sum((float)l);
 }
 
+/* Undefined behaviour on purpose, for the emulator only (never launch it on a GPU: it may hang):
+ * lanes 0-15 of the warp wait at __syncthreads while lanes 16-31 wait at __syncwarp. */
+__global__ static void fl_cu_selftest_divergent_k(int *out) {
+    if (threadIdx.x < 16) __syncthreads();
+    else __syncwarp();
+    out[threadIdx.x] = 1;
+}
+
+extern "C" int FL_CUK(selftest_divergent)(int *out, void *stream) {
+    FL_CU_LAUNCH(fl_cu_selftest_divergent_k, dim3(1), dim3(32), 0, (fl_cu_stream)stream, out);
+    return fl_cu_launch_error();
+}
+
 extern "C" int FL_CUK(selftest_shift)(float *out, const float *in, int n, int with_barrier, void *stream) {
     FL_CU_LAUNCH(fl_cu_selftest_shift_k, dim3(1), dim3((unsigned)n), (size_t)n * sizeof(float),
                  (fl_cu_stream)stream, out, in, n, with_barrier);
