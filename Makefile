@@ -6,7 +6,7 @@ BUILD      ?= build
 ASAN_BUILD ?= build-asan
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 # openmpi-*: multi-process collectives (src/comm/comm_mpi.c); the build also works without them
-DEB_PKGS   := cmake make gcc libc6-dev libopenblas-dev libdnnl-dev libyaml-dev libpcre2-dev openmpi-bin libopenmpi-dev
+DEB_PKGS   := cmake make gcc g++ libc6-dev libopenblas-dev libdnnl-dev libyaml-dev libpcre2-dev openmpi-bin libopenmpi-dev
 # optional: the lab's PNG charts (without it `fitllm lab` writes the data and notes it in report.md)
 DEB_OPT_PKGS := gnuplot-nox
 FITLLM_DATA ?= ../shared/data
@@ -56,6 +56,8 @@ build: setup $(BUILD)/Makefile
 test: build
 	./$(BUILD)/fitllm_tests
 	./$(BUILD)/fitllm_alloc_check
+	@# CUDA builds: the real kernels against the emulated ones on a visible GPU (says so and passes without one)
+	if [ -x ./$(BUILD)/fitllm_cuda_check ]; then ./$(BUILD)/fitllm_cuda_check; fi
 	tests/check_vectorized.sh $(BUILD)
 	tests/cli_test.sh ./$(BUILD)/fitllm
 	tests/mpi_test.sh $(BUILD)

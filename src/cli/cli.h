@@ -23,6 +23,10 @@ int fl_cli_usage(const char *cmd, const char *fmt, ...) __attribute__((format(pr
 /* Parse helpers: return 0 on success, -1 with a usage message printed. */
 int fl_cli_int(const char *cmd, const char *opt, const char *val, long lo, long hi, int *out);
 int fl_cli_float(const char *cmd, const char *opt, const char *val, float *out);
+/* --accelerator VALUE (auto|cpu|cuda, fitllm/cuda.h): 0 when the command runs on the CPU (auto,
+ * cpu); else prints why not (bad value: usage error 2; cuda without a CUDA build, a visible device
+ * or a complete CUDA backend: runtime error 1) and returns the exit code. */
+int fl_cli_accelerator(const char *cmd, const char *val);
 
 /* Load a model from a preset name, HF folder, llama2.c .bin or config.json.
  * random_init: ignore weights and initialize randomly with seed. */

@@ -22,6 +22,8 @@ static void help(void) {
            "  --optimizer NAME      AdamW (default) or SGD\n"
            "  --lr X                learning rate (default 1e-4)\n"
            "  --threads N           CPU threads (default: all cores)\n"
+           "  --accelerator A       auto|cpu|cuda (default auto: the CPU today). cuda is EXPERIMENTAL, not yet\n"
+           "                        verified on a GPU, and runs no model yet\n"
            "  --max-memory SIZE     allocator budget, e.g. 2GB, 512MiB (default: unlimited)\n"
            "  --act-ckpt            activation checkpointing (recompute blocks in backward)\n"
            "  --precision NAME      32-true (default), bf16-true, bf16-mixed, 16-true, 16-mixed\n"
@@ -87,6 +89,7 @@ int fl_cmd_bench_step(int argc, char **argv) {
         else if (!strcmp(a, "--steps")) { if (fl_cli_int(cmd, a, v, 1, 1 << 20, &steps)) return 2; i++; }
         else if (!strcmp(a, "--warmup")) { if (fl_cli_int(cmd, a, v, 0, 1 << 20, &warmup)) return 2; i++; }
         else if (!strcmp(a, "--threads")) { if (fl_cli_int(cmd, a, v, 0, 1024, &threads)) return 2; i++; }
+        else if (!strcmp(a, "--accelerator")) { int rc = fl_cli_accelerator(cmd, v); if (rc) return rc; i++; }
         else if (!strcmp(a, "--seed")) { if (fl_cli_int(cmd, a, v, 0, 1 << 30, &seed)) return 2; i++; }
         else if (!strcmp(a, "--lr")) { if (fl_cli_float(cmd, a, v, &lr)) return 2; i++; }
         else if (!strcmp(a, "--optimizer")) {

@@ -18,6 +18,8 @@ static void help(void) {
            "  --seq T             tokens per sequence (default 64)\n"
            "  --lr X              AdamW learning rate (default 3e-3)\n"
            "  --threads N         CPU threads (default: all cores)\n"
+           "  --accelerator A     auto|cpu|cuda (default auto: the CPU today). cuda is EXPERIMENTAL, not yet\n"
+           "                      verified on a GPU, and runs no model yet\n"
            "  --max-memory SIZE   allocator budget (default: unlimited)\n");
 }
 
@@ -51,6 +53,7 @@ int fl_cmd_demo(int argc, char **argv) {
         else if (!strcmp(a, "--accum")) { if (fl_cli_int(cmd, a, v, 1, 1 << 20, &accum)) return 2; i++; }
         else if (!strcmp(a, "--seq")) { if (fl_cli_int(cmd, a, v, 2, 1 << 24, &T)) return 2; i++; }
         else if (!strcmp(a, "--threads")) { if (fl_cli_int(cmd, a, v, 0, 1024, &threads)) return 2; i++; }
+        else if (!strcmp(a, "--accelerator")) { int rc = fl_cli_accelerator(cmd, v); if (rc) return rc; i++; }
         else if (!strcmp(a, "--lr")) { if (fl_cli_float(cmd, a, v, &lr)) return 2; i++; }
         else if (!strcmp(a, "--max-memory")) {
             if (!v || fl_parse_bytes(v, &budget)) return fl_cli_usage(cmd, "--max-memory: '%s' is not a size like 2GB", v ? v : "");

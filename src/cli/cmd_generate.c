@@ -33,7 +33,9 @@ static void help(void) {
            "                         a finetune_lora checkpoint or run folder, as merge_lora takes)\n"
            "  --tokenizer PATH       tokenizer file or folder (default: the model folder; for a .bin model,\n"
            "                         tok512.bin next to it)\n"
-           "  --threads N            CPU threads (default: all cores)\n\n"
+           "  --threads N            CPU threads (default: all cores)\n"
+           "  --accelerator A        auto|cpu|cuda (default auto: the CPU today). cuda is EXPERIMENTAL, not yet\n"
+           "                         verified on a GPU, and runs no model yet\n\n"
            "Stops at max_new_tokens, at an EOS token or at the model's context. The text streams to\n"
            "stdout as it is generated; timing (ms/token) goes to stderr. Dashes work too (--max-new-tokens).\n",
            DEFAULT_PROMPT, d.max_new_tokens, d.temperature, d.top_k, d.top_p, (unsigned long long)d.seed);
@@ -162,6 +164,7 @@ int fl_cmd_generate(int argc, char **argv) {
         else if (opt(a, "--top_p")) { if (fl_cli_float(cmd, a, v, &gp.top_p)) return 2; i++; }
         else if (opt(a, "--seed")) { if (fl_cli_int(cmd, a, v, 0, 1 << 30, &seed)) return 2; i++; }
         else if (opt(a, "--threads")) { if (fl_cli_int(cmd, a, v, 0, 1024, &threads)) return 2; i++; }
+        else if (opt(a, "--accelerator")) { int rc = fl_cli_accelerator(cmd, v); if (rc) return rc; i++; }
         else if (a[0] == '-') return fl_cli_usage(cmd, "unknown or incomplete option '%s'", a);
         else if (!model_path) model_path = a;
         else return fl_cli_usage(cmd, "unexpected argument '%s'", a);

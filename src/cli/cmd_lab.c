@@ -24,6 +24,8 @@ static void help(void) {
     printf("\n"
            "  --out_dir DIR     (default lab)  where the report, CSV, JSON and charts go\n"
            "  --threads N       (default 0 = all cores)  CPU threads\n"
+           "  --accelerator A   (default auto)  auto|cpu|cuda; auto is the CPU today, cuda is EXPERIMENTAL\n"
+           "                    (not yet verified on a GPU; runs no model yet)\n"
            "  --steps N         (default: the suite's)  optimizer steps per runnable experiment\n"
            "  --keep-runs       (default off)  keep each run's out_dir (logs/metrics.csv) under DIR/runs\n\n"
            "exit codes: 0 every experiment ran (OOM and n/a are results), 1 an experiment failed or the files\n"
@@ -51,6 +53,7 @@ int fl_cmd_lab(int argc, char **argv) {
             out_dir = v;
             i++;
         } else if (!strcmp(a, "--threads")) { if (fl_cli_int(cmd, a, v, 0, 1024, &o.threads)) return FL_EXIT_USAGE; i++; }
+        else if (!strcmp(a, "--accelerator")) { int rc = fl_cli_accelerator(cmd, v); if (rc) return rc; i++; }
         else if (!strcmp(a, "--steps")) { if (fl_cli_int(cmd, a, v, 1, 256, &o.steps)) return FL_EXIT_USAGE; i++; }
         else if (!strcmp(a, "--keep-runs")) keep = 1;
         else return fl_cli_usage(cmd, "unknown option '%s'", a);

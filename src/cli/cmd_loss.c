@@ -15,6 +15,8 @@ static void help(void) {
            "  --tokens-file FILE   whitespace-separated token ids (at least 2)\n"
            "  --dump-logits FILE   write the logits of positions 0..n-2 as little-endian float32, (n-1) x V\n"
            "  --threads N          CPU threads (default: all cores)\n"
+           "  --accelerator A      auto|cpu|cuda (default auto: the CPU today). cuda is EXPERIMENTAL, not yet\n"
+           "                       verified on a GPU, and runs no model yet\n"
            "  --seed N             seed for presets (default 1337)\n\n"
            "Prints the mean cross-entropy of tokens[1:] given tokens[:-1], and perplexity.\n");
 }
@@ -59,6 +61,7 @@ int fl_cmd_loss(int argc, char **argv) {
         else if (!strcmp(a, "--tokens-file") && i + 1 < argc) tokens = argv[++i];
         else if (!strcmp(a, "--dump-logits") && i + 1 < argc) dump = argv[++i];
         else if (!strcmp(a, "--threads")) { if (fl_cli_int(cmd, a, i + 1 < argc ? argv[++i] : NULL, 0, 1024, &threads)) return 2; }
+        else if (!strcmp(a, "--accelerator")) { int rc = fl_cli_accelerator(cmd, i + 1 < argc ? argv[++i] : NULL); if (rc) return rc; }
         else if (!strcmp(a, "--seed")) { if (fl_cli_int(cmd, a, i + 1 < argc ? argv[++i] : NULL, 0, 1 << 30, &seed)) return 2; }
         else if (a[0] == '-') return fl_cli_usage(cmd, "unknown or incomplete option '%s'", a);
         else if (!model_path) model_path = a;

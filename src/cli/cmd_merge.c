@@ -21,7 +21,9 @@ static void help(void) {
            "  --base DIR        base model folder (default: the adapter's base_model_name_or_path)\n"
            "  --out_dir DIR     where the merged HF model goes (default: <adapter>/merged; inside a\n"
            "                    step checkpoint it goes with it when train.keep_checkpoints rotates it out)\n"
-           "  --threads N       CPU threads (default: all cores)\n\n"
+           "  --threads N       CPU threads (default: all cores)\n"
+           "  --accelerator A   auto|cpu|cuda (default auto: the CPU today). cuda is EXPERIMENTAL, not yet\n"
+           "                    verified on a GPU, and runs no model yet\n\n"
            "Every adapted weight becomes W + scaling * B @ A (scaling = lora_alpha / r, or / sqrt(r) with\n"
            "use_rslora). The output holds config.json, model.safetensors and the tokenizer files (from the\n"
            "checkpoint, else the base), so `fitllm generate DIR` and transformers load it as it is.\n");
@@ -170,6 +172,7 @@ int fl_cmd_merge_lora(int argc, char **argv) {
         else if (!strcmp(a, "--base") || !strcmp(a, "--checkpoint_dir")) { if (!v) return fl_cli_usage(cmd, "%s needs a folder", a); base = v; i++; }
         else if (!strcmp(a, "--out_dir")) { if (!v) return fl_cli_usage(cmd, "--out_dir needs a folder"); out = v; i++; }
         else if (!strcmp(a, "--threads")) { if (fl_cli_int(cmd, a, v, 0, 1024, &threads)) return 2; i++; }
+        else if (!strcmp(a, "--accelerator")) { int rc = fl_cli_accelerator(cmd, v); if (rc) return rc; i++; }
         else if (a[0] == '-') return fl_cli_usage(cmd, "unknown option '%s'", a);
         else if (!adapter) adapter = a;
         else return fl_cli_usage(cmd, "unexpected argument '%s'", a);

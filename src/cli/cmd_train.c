@@ -25,6 +25,8 @@ static void help(const char *cmd, fl_cmd_kind kind) {
                                      "fields: model_config.n_layer ...),\nelse model_name (a preset, or its LitGPT / "
                                      "Hugging Face name)." : "");
     fl_cfg_print_help(kind, stdout);
+    printf("\n  --accelerator auto|cpu|cuda   (default auto: the CPU today) cuda is EXPERIMENTAL: not yet verified on\n"
+           "                                a GPU, and no model runs on it yet\n");
     printf("\nexit codes: 0 ok, 1 runtime error, 2 usage or config error, 3 out of memory\n");
 }
 
@@ -55,6 +57,12 @@ int fl_cli_parse_run(const char *cmd, fl_cmd_kind kind, int argc, char **argv, f
         const char *a = argv[i];
         if (!strcmp(a, "--config")) { i++; continue; }
         if (!strncmp(a, "--config=", 9)) continue;
+        if (!strcmp(a, "--accelerator") || !strncmp(a, "--accelerator=", 14)) {
+            const char *v = a[13] == '=' ? a + 14 : (i + 1 < argc ? argv[++i] : NULL);
+            int r = fl_cli_accelerator(cmd, v);
+            if (r) { rc = r; goto done; }
+            continue;
+        }
         if (extra) {
             int r = extra(ud, argc, argv, &i);
             if (r < 0) { rc = FL_EXIT_USAGE; goto done; }

@@ -10,6 +10,7 @@
 #include <time.h>
 
 #include "cli.h"
+#include "fitllm/cuda.h"
 
 int fl_cli_fail(const char *cmd, fl_status s, const fl_mem_pool *pool) {
     fflush(stdout); /* what was printed before the failure comes first, also when both go to one file */
@@ -30,6 +31,16 @@ int fl_cli_fail(const char *cmd, fl_status s, const fl_mem_pool *pool) {
         return FL_EXIT_OOM;
     }
     return FL_EXIT_RUNTIME;
+}
+
+int fl_cli_accelerator(const char *cmd, const char *val) {
+    fl_accel want, use;
+    if (fl_accel_parse(val, &want)) return fl_cli_usage(cmd, "--accelerator must be auto, cpu or cuda (got '%s')", val ? val : "");
+    if (fl_accel_resolve(want, &use) != FL_OK) {
+        fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
+        return FL_EXIT_RUNTIME;
+    }
+    return 0;
 }
 
 int fl_cli_usage(const char *cmd, const char *fmt, ...) {

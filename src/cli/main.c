@@ -6,6 +6,7 @@
 #include "cli.h"
 #include "fitllm/comm.h"
 #include "fitllm/cpu.h"
+#include "fitllm/cuda.h"
 
 /* Build facts come from CMake (CMakeLists.txt, "CLI"); defaults for other build systems. */
 #ifndef FL_VERSION
@@ -99,6 +100,9 @@ static int version(void) {
     char how[384];
     if (fl_launch_detect(&li) == FL_OK) fl_launch_describe(&li, how, sizeof how);
     else snprintf(how, sizeof how, "%s", fl_error_message());
+    char cu[1024];
+    fl_cuda_describe(cu, sizeof cu);
+    printf("cuda:     %s\n", cu);
     if (fl_comm_mpi_built()) printf("comm:     MPI (%s); launched by %s\n", fl_comm_mpi_library(), how);
     else printf("comm:     single process only (built without MPI); launched by %s\n", how);
     return 0;
@@ -108,6 +112,8 @@ static void usage(FILE *f) {
     fprintf(f, "usage: fitllm <command> [options]   (fitllm <command> --help for its options)\n\ncommands:\n");
     for (size_t i = 0; i < sizeof k_cmds / sizeof k_cmds[0]; i++) fprintf(f, "  %-12s %s\n", k_cmds[i].name, k_cmds[i].help);
     fprintf(f, "\n  --version    version, build options, CPU features and the kernels chosen for this CPU\n");
+    fprintf(f, "\n  --accelerator auto|cpu|cuda (on the commands that run a model; default auto = the CPU today):\n"
+               "               the CUDA backend is EXPERIMENTAL, not yet verified on a GPU, and runs no model yet\n");
     fprintf(f, "\nexit codes: 0 ok, 1 runtime error, 2 usage error, 3 out of memory\n");
 }
 

@@ -1,0 +1,38 @@
+/* fitllm: CUDA build and device queries, and the --accelerator choice (EXPERIMENTAL).
+ *
+ * The CUDA backend is under construction (docs/ARCHITECTURE.md "CUDA backend"): its first
+ * kernels are built for sm_80..sm_90 and tested under the CPU emulator, but no model runs on a
+ * GPU yet and nothing has been verified on one. */
+#ifndef FITLLM_CUDA_H
+#define FITLLM_CUDA_H
+
+#include <stddef.h>
+
+#include "fitllm/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* 1 when this build has the CUDA backend compiled in (CMake FL_CUDA). */
+int fl_cuda_built(void);
+/* Devices visible to the CUDA runtime (0 without a CUDA build, without a driver or without a
+ * GPU; never fails). why (may be NULL) gets the reason when 0. */
+int fl_cuda_device_count(char *why, size_t n);
+/* One line for --version: "not compiled in", or the architectures built and the devices
+ * visible ("no CUDA device visible (<runtime's reason>)" when none). */
+void fl_cuda_describe(char *buf, size_t n);
+
+/* --accelerator auto|cpu|cuda */
+typedef enum { FL_ACCEL_AUTO = 0, FL_ACCEL_CPU, FL_ACCEL_CUDA } fl_accel;
+/* Parse "auto", "cpu" or "cuda"; -1 for anything else. */
+int fl_accel_parse(const char *s, fl_accel *out);
+/* The backend a command runs on: FL_ACCEL_CPU, or an error (FL_ERR_UNSUPPORTED) with a message
+ * saying why CUDA cannot be used (not compiled in; no device visible; the backend's ops are not
+ * complete yet). auto picks CUDA only when all of those hold, so today it always picks the CPU. */
+fl_status fl_accel_resolve(fl_accel want, fl_accel *use);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

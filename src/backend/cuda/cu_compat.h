@@ -1,0 +1,162 @@
+/* fitllm CUDA kernels: one source, two compilers.
+ *
+ * Every kernel file in src/backend/cuda/kernels/ (*.cu) includes this header and is compiled
+ * twice: by nvcc for the GPU (FL_CUDA builds: real <<<>>> launches), and by the host C++ compiler
+ * for the CPU under our emulator (src/backend/cuda/emu/: one fiber per CUDA thread), which is how
+ * `make test` checks the kernels on machines without a GPU. Kernels use only what this header
+ * provides in both worlds:
+ *   static __global__ (kernels have internal linkage: the two object sets link into one program) /
+ *   __device__ / __shared__ (static arrays) / FL_CU_DYN_SMEM (dynamic shared memory),
+ *   threadIdx, blockIdx, blockDim, gridDim, __syncthreads, __syncwarp,
+ *   __shfl_xor_sync / __shfl_down_sync / __shfl_sync (float, int, unsigned, double),
+ *   float math from <math.h> plus rsqrtf, the 16-bit conversions below, FL_CU_LAUNCH.
+ * Host launchers are named FL_CUK(name) (fl_cuk_* on the GPU, fl_cuemu_* emulated) so both
+ * object sets link into one test program. */
+#ifndef FL_CU_COMPAT_H
+#define FL_CU_COMPAT_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __CUDACC__ /* ================================ nvcc ================================ */
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "fitllm/dtype.h"
+
+#define FL_CUK(name) fl_cuk_##name
+#define FL_CU_EMULATED 0
+/* One launch macro: <<<grid, block, dynamic shared bytes, stream>>>. */
+#define FL_CU_LAUNCH(kernel, grid, block, smem, stream, ...) kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
+/* Dynamic shared memory as a T* named `name` (one untyped extern array per translation unit). */
+#define FL_CU_DYN_SMEM(T, name)                                                                   \
+    extern __shared__ __align__(16) unsigned char fl_cu_dyn_smem_raw[];                            \
+    T *name = reinterpret_cast<T *>(fl_cu_dyn_smem_raw)
+typedef cudaStream_t fl_cu_stream;
+#define FL_CU_DEV static __device__ __forceinline__
+static inline int fl_cu_launch_error(void) { return (int)cudaGetLastError(); }
+
+FL_CU_DEV float fl_cu_f16_to_f32(uint16_t h) { return __half2float(__ushort_as_half(h)); }
+FL_CU_DEV uint16_t fl_cu_f32_to_f16(float f) { return __half_as_ushort(__float2half_rn(f)); }
+FL_CU_DEV uint32_t fl_cu_float_bits(float f) { return __float_as_uint(f); }
+FL_CU_DEV float fl_cu_bits_float(uint32_t u) { return __uint_as_float(u); }
+
+#else /* ======================= host C++ compiler: the emulator ======================= */
+#include <math.h>
+
+#include "backend/cuda/emu/cu_emu.h"
+#include "fitllm/dtype.h"
+
+#ifndef __cplusplus
+#error "cu_compat.h: kernel sources compile as C++ (nvcc, or g++ for the emulator)"
+#endif
+
+#define FL_CUK(name) fl_cuemu_##name
+#define FL_CU_EMULATED 1
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+/* One copy per block: the blocks of a launch run one after another on one OS thread, so a
+ * function-local static is exactly "shared by the threads of the running block" (thread_local:
+ * launches from different OS threads do not collide). NOT re-initialized per block: a kernel
+ * must write shared memory before reading it, as on the GPU. */
+#define __shared__ static thread_local
+
+struct dim3 {
+    unsigned x, y, z;
+    dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+typedef fl_cu_emu_dim uint3;
+#define threadIdx (*fl_cu_emu_thread_idx())
+#define blockIdx (*fl_cu_emu_block_idx())
+#define blockDim (*fl_cu_emu_block_dim())
+#define gridDim (*fl_cu_emu_grid_dim())
+#define __syncthreads() fl_cu_emu_syncthreads()
+#define __syncwarp(...) fl_cu_emu_syncwarp()
+typedef void *fl_cu_stream;
+#define FL_CU_DEV static inline
+static inline int fl_cu_launch_error(void) { return fl_cu_emu_error() ? 1 : 0; }
+
+template <class F> static void fl_cu_emu_tramp(void *f) { (*(F *)f)(); }
+template <class F> static void fl_cu_emu_launch_fn(dim3 g, dim3 b, size_t smem, F f) {
+    fl_cu_emu_launch(fl_cu_emu_dim{g.x, g.y, g.z}, fl_cu_emu_dim{b.x, b.y, b.z}, smem, fl_cu_emu_tramp<F>, &f);
+}
+/* The arguments are captured by reference: they live in the launcher's frame for the whole
+ * (synchronous) launch, and each CUDA thread gets its own copy as the kernel's parameters. */
+#define FL_CU_LAUNCH(kernel, grid, block, smem, stream, ...)                                      \
+    fl_cu_emu_launch_fn((grid), (block), (smem), [&]() { kernel(__VA_ARGS__); })
+#define FL_CU_DYN_SMEM(T, name) T *name = (T *)fl_cu_emu_dyn_smem()
+
+/* Warp shuffles: the value travels as 64 bits through the warp's exchange slots. `mask` is not
+ * checked: every live lane of the warp must call (the emulator deadlocks, an error, otherwise). */
+template <class T> static inline uint64_t fl_cu_emu_tobits(T v) {
+    uint64_t u = 0;
+    memcpy(&u, &v, sizeof v);
+    return u;
+}
+template <class T> static inline T fl_cu_emu_frombits(uint64_t u) {
+    T v;
+    memcpy(&v, &u, sizeof v);
+    return v;
+}
+template <class T> static inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+    int lane = fl_cu_emu_lane(), src = lane ^ lane_mask;
+    if ((src & ~(width - 1)) != (lane & ~(width - 1))) src = -1; /* outside the segment: own value */
+    return fl_cu_emu_frombits<T>(fl_cu_emu_exchange(fl_cu_emu_tobits(v), src));
+}
+template <class T> static inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+    int lane = fl_cu_emu_lane(), src = lane + (int)delta;
+    if ((src & ~(width - 1)) != (lane & ~(width - 1))) src = -1;
+    return fl_cu_emu_frombits<T>(fl_cu_emu_exchange(fl_cu_emu_tobits(v), src));
+}
+template <class T> static inline T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
+    int lane = fl_cu_emu_lane(), src = (lane & ~(width - 1)) + (src_lane & (width - 1));
+    return fl_cu_emu_frombits<T>(fl_cu_emu_exchange(fl_cu_emu_tobits(v), src));
+}
+
+static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+FL_CU_DEV float fl_cu_f16_to_f32(uint16_t h) { return fl_f16_to_f32(h); }
+FL_CU_DEV uint16_t fl_cu_f32_to_f16(float f) { return fl_f32_to_f16(f); }
+FL_CU_DEV uint32_t fl_cu_float_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+FL_CU_DEV float fl_cu_bits_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+#endif
+
+/* ---- shared by both worlds ---------------------------------------------------------------- */
+#define FL_CU_FULL_MASK 0xffffffffu
+
+/* bf16 <-> fp32 exactly as include/fitllm/dtype.h (round to nearest even, NaN kept quiet). */
+FL_CU_DEV float fl_cu_bf16_to_f32(uint16_t h) { return fl_cu_bits_float((uint32_t)h << 16); }
+FL_CU_DEV uint16_t fl_cu_f32_to_bf16(float f) {
+    uint32_t u = fl_cu_float_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Sum over a warp (every lane gets it). */
+FL_CU_DEV float fl_cu_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FL_CU_FULL_MASK, v, o);
+    return v;
+}
+FL_CU_DEV float fl_cu_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FL_CU_FULL_MASK, v, o));
+    return v;
+}
+
+/* Sum over a 1-D block of a multiple of 32 threads (<= 1024); every thread gets it. `buf` is 32
+ * values of shared memory, free again when this returns (the trailing barrier: two sums in a row
+ * reuse it). The order is fixed (lanes by xor butterfly, then warps): deterministic. */
+template <class T> FL_CU_DEV T fl_cu_block_sum(T v, T *buf) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarp = blockDim.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FL_CU_FULL_MASK, v, o);
+    if (lane == 0) buf[warp] = v;
+    __syncthreads();
+    v = lane < nwarp ? buf[lane] : (T)0;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FL_CU_FULL_MASK, v, o);
+    __syncthreads();
+    return v;
+}
+#endif

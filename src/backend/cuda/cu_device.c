@@ -1,0 +1,85 @@
+/* CUDA build and device queries, and the --accelerator choice (include/fitllm/cuda.h).
+ *
+ * Only the CUDA runtime's device queries are used here; a machine without a driver or a GPU
+ * answers them with an error code, which becomes "no CUDA device visible" (never a failure:
+ * --version and accelerator auto must work everywhere). */
+#include <stdio.h>
+#include <string.h>
+
+#include "fitllm/cuda.h"
+
+#ifdef FL_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+int fl_cuda_built(void) {
+#ifdef FL_HAVE_CUDA
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int fl_cuda_device_count(char *why, size_t n) {
+#ifdef FL_HAVE_CUDA
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess) {
+        if (why) snprintf(why, n, "cudaGetDeviceCount: %s", cudaGetErrorString(e));
+        (void)cudaGetLastError(); /* clear the sticky-less error state */
+        return 0;
+    }
+    if (count == 0 && why) snprintf(why, n, "the CUDA runtime reports 0 devices");
+    return count;
+#else
+    if (why) snprintf(why, n, "this build has no CUDA (configure with -DFL_CUDA=ON on a machine with the CUDA toolkit)");
+    return 0;
+#endif
+}
+
+void fl_cuda_describe(char *buf, size_t n) {
+#ifdef FL_HAVE_CUDA
+    char why[256];
+    int rt = 0;
+    cudaRuntimeGetVersion(&rt);
+    int count = fl_cuda_device_count(why, sizeof why);
+    size_t o = (size_t)snprintf(buf, n, "compiled in (experimental; runtime %d.%d, sm %s); ", rt / 1000,
+                                rt % 1000 / 10, FL_CUDA_ARCHS);
+    if (count == 0) {
+        snprintf(buf + (o < n ? o : n), o < n ? n - o : 0, "no CUDA device visible (%s)", why);
+        return;
+    }
+    o += (size_t)snprintf(buf + (o < n ? o : n), o < n ? n - o : 0, "%d device%s:", count, count == 1 ? "" : "s");
+    for (int d = 0; d < count; d++) {
+        struct cudaDeviceProp p;
+        if (cudaGetDeviceProperties(&p, d) != cudaSuccess) continue;
+        o += (size_t)snprintf(buf + (o < n ? o : n), o < n ? n - o : 0, "%s %d %s (sm_%d%d, %.1f GiB)",
+                              d ? ";" : "", d, p.name, p.major, p.minor, (double)p.totalGlobalMem / (1 << 30));
+    }
+#else
+    snprintf(buf, n, "not compiled in");
+#endif
+}
+
+int fl_accel_parse(const char *s, fl_accel *out) {
+    if (!s) return -1;
+    if (!strcmp(s, "auto")) *out = FL_ACCEL_AUTO;
+    else if (!strcmp(s, "cpu")) *out = FL_ACCEL_CPU;
+    else if (!strcmp(s, "cuda")) *out = FL_ACCEL_CUDA;
+    else return -1;
+    return 0;
+}
+
+fl_status fl_accel_resolve(fl_accel want, fl_accel *use) {
+    *use = FL_ACCEL_CPU;
+    if (want == FL_ACCEL_CPU || want == FL_ACCEL_AUTO) return FL_OK; /* auto: see below */
+    if (!fl_cuda_built())
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--accelerator cuda: this fitllm was built without CUDA "
+                                             "(rebuild with the CUDA toolkit installed, or use --accelerator cpu)");
+    char why[256];
+    if (fl_cuda_device_count(why, sizeof why) == 0)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--accelerator cuda: no CUDA device visible (%s)", why);
+    /* Built and a GPU present: auto would still pick the CPU until the backend is complete. */
+    return fl_errorf(FL_ERR_UNSUPPORTED, "--accelerator cuda: the CUDA backend is experimental and not complete yet "
+                                         "(its first kernels exist, no model runs on the GPU); use --accelerator cpu");
+}

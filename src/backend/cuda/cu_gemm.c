@@ -1,0 +1,193 @@
+/* fitllm CUDA backend: the cuBLASLt wrapper, its host stand-in and the row-major mapping
+ * (contract: cu_gemm.h). */
+#include "backend/cuda/cu_gemm.h"
+
+#include "fitllm/cuda.h"
+
+#include <math.h>
+#include <string.h>
+
+#ifdef FL_HAVE_CUDA
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+#endif
+
+static int type_ok(fl_dtype ta, fl_dtype tb, fl_dtype tc) {
+    if (ta == FL_F32) return tb == FL_F32 && tc == FL_F32;
+    if (ta == FL_BF16) return tb == FL_BF16 && (tc == FL_F32 || tc == FL_BF16);
+    if (ta == FL_F16) return tb == FL_F16 && (tc == FL_F32 || tc == FL_F16);
+    return 0;
+}
+
+fl_status fl_cu_gemm_check(const fl_cu_gemm_desc *d) {
+    if (d->m < 0 || d->n < 0 || d->k < 0 || d->batch < 1)
+        return fl_errorf(FL_ERR_INVALID, "cu_gemm: bad shape m=%d n=%d k=%d batch=%d", d->m, d->n, d->k, d->batch);
+    if (!type_ok(d->ta, d->tb, d->tc))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "cu_gemm: types A=%s B=%s C=%s not supported", fl_dtype_name(d->ta),
+                         fl_dtype_name(d->tb), fl_dtype_name(d->tc));
+    int64_t ra = d->trans_a ? d->k : d->m, rb = d->trans_b ? d->n : d->k;
+    if (d->lda < (ra > 1 ? ra : 1) || d->ldb < (rb > 1 ? rb : 1) || d->ldc < (d->m > 1 ? d->m : 1))
+        return fl_errorf(FL_ERR_INVALID,
+                         "cu_gemm: leading dimension too small (column-major: lda=%lld needs >= %lld, ldb=%lld "
+                         ">= %lld, ldc=%lld >= %d)",
+                         (long long)d->lda, (long long)ra, (long long)d->ldb, (long long)rb, (long long)d->ldc, d->m);
+    if (d->m && d->n && (!d->C || (d->k && (!d->A || !d->B))))
+        return fl_errorf(FL_ERR_INVALID, "cu_gemm: NULL matrix");
+    return FL_OK;
+}
+
+static double ld_elem(const void *p, fl_dtype t, int64_t i) {
+    if (t == FL_F32) return ((const float *)p)[i];
+    if (t == FL_BF16) return fl_bf16_to_f32(((const uint16_t *)p)[i]);
+    return fl_f16_to_f32(((const uint16_t *)p)[i]);
+}
+
+fl_status fl_cu_gemm_standin(void *ctx, const fl_cu_gemm_desc *d) {
+    (void)ctx;
+    fl_status s = fl_cu_gemm_check(d);
+    if (s != FL_OK) return s;
+    for (int b = 0; b < d->batch; b++) {
+        const char *A = (const char *)d->A + (size_t)(b * d->stride_a) * fl_dtype_size(d->ta);
+        const char *B = (const char *)d->B + (size_t)(b * d->stride_b) * fl_dtype_size(d->tb);
+        char *C = (char *)d->C + (size_t)(b * d->stride_c) * fl_dtype_size(d->tc);
+        for (int j = 0; j < d->n; j++)
+            for (int i = 0; i < d->m; i++) {
+                double acc = 0;
+                for (int p = 0; p < d->k; p++) {
+                    /* op(A)[i,p]: A[i + p*lda] (N) or A[p + i*lda] (T); op(B)[p,j] likewise */
+                    double a = ld_elem(A, d->ta, d->trans_a ? p + (int64_t)i * d->lda : i + (int64_t)p * d->lda);
+                    double bb = ld_elem(B, d->tb, d->trans_b ? j + (int64_t)p * d->ldb : p + (int64_t)j * d->ldb);
+                    acc += a * bb;
+                }
+                int64_t ci = i + (int64_t)j * d->ldc;
+                double v = (double)d->alpha * acc;
+                if (d->beta != 0.0f) v += (double)d->beta * ld_elem(C, d->tc, ci); /* beta 0: C not read */
+                if (d->tc == FL_F32) ((float *)C)[ci] = (float)v;
+                else if (d->tc == FL_BF16) ((uint16_t *)C)[ci] = fl_f32_to_bf16((float)v);
+                else ((uint16_t *)C)[ci] = fl_f32_to_f16((float)v);
+            }
+    }
+    return FL_OK;
+}
+
+fl_status fl_cu_gemm_rowmajor(fl_cu_gemm_fn fn, void *ctx, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                              const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
+                              void *C, fl_dtype tc, int ldc, int batch, int64_t stride_a, int64_t stride_b,
+                              int64_t stride_c) {
+    /* Row-major X (r x c, row stride ld) is column-major X^T (c x r, leading dimension ld). So
+     * C^T (N x M) = op(B)^T (N x K) @ op(A)^T (K x M): cuBLASLt's A is our B with our trans_b
+     * (the stored row-major K x N, not transposed, reads as column-major N x K = op(B)^T), its
+     * B is our A with our trans_a. */
+    fl_cu_gemm_desc d = {
+        .trans_a = trans_b, .trans_b = trans_a, .m = N, .n = M, .k = K, .alpha = alpha, .beta = beta,
+        .A = B, .ta = tb, .lda = ldb, .stride_a = stride_b,
+        .B = A, .tb = ta, .ldb = lda, .stride_b = stride_a,
+        .C = C, .tc = tc, .ldc = ldc, .stride_c = stride_c, .batch = batch,
+    };
+    return fn(ctx, &d);
+}
+
+#ifdef FL_HAVE_CUDA
+static cudaDataType_t cu_type(fl_dtype t) {
+    return t == FL_F32 ? CUDA_R_32F : t == FL_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+}
+
+/* Largest power of two (<= 256) dividing the address: the heuristics assume 256-byte aligned
+ * operands unless told otherwise, and our operands are often sub-views (a head, a row offset). */
+static uint32_t align_of(const void *p) {
+    uintptr_t a = (uintptr_t)p;
+    uint32_t al = 256;
+    while (al > 1 && (a & (al - 1))) al >>= 1;
+    return al;
+}
+
+fl_status fl_cu_blas_init(fl_cu_blas *b, void *workspace, size_t workspace_bytes, void *stream) {
+    memset(b, 0, sizeof *b);
+    char why[256];
+    if (fl_cuda_device_count(why, sizeof why) == 0) /* cublasLtCreate would fail (and leak) */
+        return fl_errorf(FL_ERR_UNSUPPORTED, "cuBLASLt: no CUDA device visible (%s)", why);
+    cublasLtHandle_t h;
+    cublasStatus_t st = cublasLtCreate(&h);
+    if (st != CUBLAS_STATUS_SUCCESS)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "cuBLASLt: cublasLtCreate failed (%s)", cublasLtGetStatusString(st));
+    b->lt = h;
+    b->workspace = workspace;
+    b->workspace_bytes = workspace_bytes;
+    b->stream = stream;
+    return FL_OK;
+}
+
+void fl_cu_blas_free(fl_cu_blas *b) {
+    if (b->lt) cublasLtDestroy((cublasLtHandle_t)b->lt);
+    memset(b, 0, sizeof *b);
+}
+
+static cublasStatus_t layout(cublasLtMatrixLayout_t *l, fl_dtype t, int64_t rows, int64_t cols, int64_t ld, int batch,
+                             int64_t stride) {
+    cublasStatus_t st = cublasLtMatrixLayoutCreate(l, cu_type(t), (uint64_t)rows, (uint64_t)cols, ld);
+    if (st != CUBLAS_STATUS_SUCCESS || batch == 1) return st;
+    int32_t bc = batch;
+    st = cublasLtMatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &bc, sizeof bc);
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof stride);
+    return st;
+}
+
+fl_status fl_cu_gemm_cublaslt(void *ctx, const fl_cu_gemm_desc *d) {
+    fl_cu_blas *b = ctx;
+    fl_status s = fl_cu_gemm_check(d);
+    if (s != FL_OK) return s;
+    if (d->m == 0 || d->n == 0) return FL_OK;
+    cublasLtMatmulDesc_t op = NULL;
+    cublasLtMatrixLayout_t la = NULL, lb = NULL, lc = NULL;
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasStatus_t st = cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F); /* fp32: no TF32 */
+    cublasOperation_t opa = d->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, opb = d->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa);
+    if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb);
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = layout(&la, d->ta, d->trans_a ? d->k : d->m, d->trans_a ? d->m : d->k, d->lda, d->batch, d->stride_a);
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = layout(&lb, d->tb, d->trans_b ? d->n : d->k, d->trans_b ? d->k : d->n, d->ldb, d->batch, d->stride_b);
+    if (st == CUBLAS_STATUS_SUCCESS) st = layout(&lc, d->tc, d->m, d->n, d->ldc, d->batch, d->stride_c);
+    if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulPreferenceCreate(&pref);
+    uint64_t ws = b->workspace_bytes;
+    uint32_t al_a = align_of(d->A), al_b = align_of(d->B), al_c = align_of(d->C);
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof al_a);
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof al_b);
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof al_c);
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof al_c);
+    cublasLtMatmulHeuristicResult_t heur;
+    int found = 0;
+    if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulAlgoGetHeuristic(b->lt, op, la, lb, lc, lc, pref, 1, &heur, &found);
+    if (st == CUBLAS_STATUS_SUCCESS && found == 0) st = CUBLAS_STATUS_NOT_SUPPORTED;
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatmul(b->lt, op, &d->alpha, d->A, la, d->B, lb, &d->beta, d->C, lc, d->C, lc, &heur.algo,
+                            b->workspace, b->workspace_bytes, (cudaStream_t)b->stream);
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (lc) cublasLtMatrixLayoutDestroy(lc);
+    if (lb) cublasLtMatrixLayoutDestroy(lb);
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (op) cublasLtMatmulDescDestroy(op);
+    if (st != CUBLAS_STATUS_SUCCESS)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "cuBLASLt matmul m=%d n=%d k=%d (%s,%s,%s) batch %d: %s", d->m, d->n,
+                         d->k, fl_dtype_name(d->ta), fl_dtype_name(d->tb), fl_dtype_name(d->tc), d->batch,
+                         cublasLtGetStatusString(st));
+    return FL_OK;
+}
+#else
+fl_status fl_cu_blas_init(fl_cu_blas *b, void *workspace, size_t workspace_bytes, void *stream) {
+    memset(b, 0, sizeof *b);
+    return fl_errorf(FL_ERR_UNSUPPORTED, "cuBLASLt: this build has no CUDA");
+}
+void fl_cu_blas_free(fl_cu_blas *b) { memset(b, 0, sizeof *b); }
+fl_status fl_cu_gemm_cublaslt(void *ctx, const fl_cu_gemm_desc *d) {
+    return fl_errorf(FL_ERR_UNSUPPORTED, "cuBLASLt: this build has no CUDA");
+}
+#endif

@@ -1,0 +1,80 @@
+/* fitllm CUDA backend: GEMMs through cuBLASLt, behind one thin wrapper.
+ *
+ * fl_cu_gemm_desc is one cublasLtMatmul in cuBLASLt's own terms: COLUMN-MAJOR matrices,
+ *   D (m x n) = alpha * op(A) (m x k) @ op(B) (k x n) + beta * C,   D == C (in place),
+ * A stored as rows x cols = (trans_a ? k x m : m x k) with leading dimension lda >= rows (column
+ * j starts at A + j*lda), B likewise ((trans_b ? n x k : k x n), ldb), C m x n with ldc >= m;
+ * `batch` matrices, the i-th at A + i*stride_a elements (B, C likewise; strided batch); beta == 0
+ * means C is not read (cuBLAS: C need not hold valid numbers). Compute type fp32
+ * (CUBLAS_COMPUTE_32F: no TF32 for fp32 operands; bf16/fp16 tensor cores accumulate in fp32).
+ * Types (ta, tb, tc): (F32, F32, F32), (BF16, BF16, F32), (BF16, BF16, BF16), (F16, F16, F32),
+ * (F16, F16, F16).
+ *
+ * Two implementations of that contract: fl_cu_gemm_cublaslt (FL_CUDA builds; device pointers) and
+ * fl_cu_gemm_standin (always built: host loops implementing the documented semantics, float64
+ * accumulation), which is what the tests run on machines without a GPU. fl_cu_gemm_rowmajor maps
+ * the backend's row-major gemm (fitllm/backend.h) onto either: a row-major X is the column-major
+ * X^T, so C = op(A) op(B) is computed as C^T = op(B)^T op(A)^T with A and B swapped. */
+#ifndef FL_CU_GEMM_H
+#define FL_CU_GEMM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fitllm/dtype.h"
+#include "fitllm/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+    int trans_a, trans_b; /* 0: CUBLAS_OP_N, 1: CUBLAS_OP_T */
+    int m, n, k;
+    float alpha, beta;
+    const void *A;
+    fl_dtype ta;
+    int64_t lda, stride_a;
+    const void *B;
+    fl_dtype tb;
+    int64_t ldb, stride_b;
+    void *C;
+    fl_dtype tc;
+    int64_t ldc, stride_c;
+    int batch; /* >= 1 */
+} fl_cu_gemm_desc;
+
+typedef fl_status (*fl_cu_gemm_fn)(void *ctx, const fl_cu_gemm_desc *d);
+
+/* The checks cuBLASLt applies, with messages: m, n, k >= 0, batch >= 1, leading dimensions at least
+ * the stored row counts (and >= 1), a supported type triple, non-NULL pointers when there is work. */
+fl_status fl_cu_gemm_check(const fl_cu_gemm_desc *d);
+/* Host stand-in (ctx unused): the contract above on host memory. */
+fl_status fl_cu_gemm_standin(void *ctx, const fl_cu_gemm_desc *d);
+
+/* The backend's gemm (row-major, fitllm/backend.h: C(M,N) = alpha op(A) op(B) + beta C with row
+ * strides lda, ldb, ldc) as one column-major call through fn; batch >= 1 matrices with element
+ * strides stride_a, stride_b, stride_c (ignored when batch == 1). */
+fl_status fl_cu_gemm_rowmajor(fl_cu_gemm_fn fn, void *ctx, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                              const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
+                              void *C, fl_dtype tc, int ldc, int batch, int64_t stride_a, int64_t stride_b,
+                              int64_t stride_c);
+
+/* The real thing (FL_CUDA builds only; elsewhere fl_cu_blas_init returns FL_ERR_UNSUPPORTED).
+ * ctx of fl_cu_gemm_cublaslt is an fl_cu_blas: a cuBLASLt handle, a device workspace lent by
+ * the caller (from the accounting pool; 32 MiB lets the heuristics pick split-K algorithms on
+ * H100) and the stream the matmuls are queued on. */
+typedef struct {
+    void *lt;               /* cublasLtHandle_t */
+    void *workspace;        /* device memory, may be NULL with workspace_bytes 0 */
+    size_t workspace_bytes;
+    void *stream;           /* cudaStream_t, NULL: default stream */
+} fl_cu_blas;
+fl_status fl_cu_blas_init(fl_cu_blas *b, void *workspace, size_t workspace_bytes, void *stream);
+void fl_cu_blas_free(fl_cu_blas *b);
+fl_status fl_cu_gemm_cublaslt(void *ctx, const fl_cu_gemm_desc *d);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,75 @@
+/* fitllm CUDA kernels: the host launchers of src/backend/cuda/kernels/ (*.cu).
+ *
+ * Each launcher exists twice: fl_cuk_NAME (nvcc build, device pointers, asynchronous on
+ * `stream`) and fl_cuemu_NAME (the same source under the CPU emulator, host pointers,
+ * synchronous). Semantics are those of the backend op of the same name in fitllm/backend.h
+ * unless a comment says otherwise. Returns 0, or the CUDA error of the launch (emulator: 1 with
+ * fl_cu_emu_error() set). `stream` is a cudaStream_t (NULL: the default stream). */
+#ifndef FL_CU_KERNELS_H
+#define FL_CU_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fitllm/dtype.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Partial sums of sumsq_ex: fixed, so its result does not depend on the device. */
+#define FL_CU_SUMSQ_PARTS 64
+
+#define FL_CU_DECLARE_KERNELS(P)                                                                              \
+    int P##rmsnorm_forward(float *out, float *rstd, const float *inp, const float *w, int N, int C, float eps,  \
+                           void *stream);                                                                      \
+    int P##rmsnorm_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w,        \
+                            const float *rstd, int N, int C, void *stream);                                    \
+    int P##cross_entropy(float *loss, float *dlogits, const float *logits, const int32_t *targets, int N, int V, \
+                         float grad_scale, int ignore_index, void *stream);                                    \
+    int P##adamw_update(float *p, const float *g, float *m, float *v, size_t n, float lr, float beta1,          \
+                        float beta2, float eps, float weight_decay, int step, float grad_scale, void *stream);  \
+    /* dtypes as the backend's adamw_update_ex; unsupported ones return -1 (checked on the host) */             \
+    int P##adamw_update_ex(void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m, void *v, fl_dtype ts,     \
+                           size_t n, float lr, float beta1, float beta2, float eps, float weight_decay, int step, \
+                           float grad_scale, void *stream);                                                    \
+    /* F32/BF16/F16, any pair; -1 for other dtypes */                                                          \
+    int P##convert(void *dst, fl_dtype dt, const void *src, fl_dtype st, size_t n, void *stream);               \
+    int P##layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *w,            \
+                             const float *b, int N, int C, float eps, void *stream);                           \
+    int P##layernorm_backward(float *dinp, float *dw, float *db, const float *dout, const float *inp,            \
+                              const float *w, const float *mean, const float *rstd, int N, int C, void *stream); \
+    int P##swiglu_forward(float *out, const float *gu, int N, int F, void *stream);                             \
+    int P##swiglu_backward(float *dgu, const float *dout, const float *gu, int N, int F, void *stream);          \
+    int P##gelu_forward(float *out, const float *inp, size_t n, void *stream);                                  \
+    int P##gelu_backward(float *dinp, const float *dout, const float *inp, size_t n, void *stream);             \
+    /* rope_forward (backward = 0) or rope_backward (1), in place */                                       \
+    int P##rope(float *x, int B, int T, int nh, int HD, size_t row_stride, const float *cos_t,                  \
+                const float *sin_t, int pos0, int backward, void *stream);                                     \
+    int P##sgd_update_ex(void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf, fl_dtype ts, size_t n,   \
+                         float lr, float momentum, float dampening, float weight_decay, int nesterov,          \
+                         int first_step, float grad_scale, void *stream);                                      \
+    /* found_inf: a device int, set to 1 (never cleared) */                                                   \
+    int P##check_finite(const void *x, fl_dtype t, size_t n, float inv_scale, int *found_inf, void *stream);    \
+    int P##accumulate16(uint16_t *dst, fl_dtype t, const float *src, size_t n, void *stream);                   \
+    /* *out (device double) = sum of squares; work: FL_CU_SUMSQ_PARTS doubles of device scratch */             \
+    int P##sumsq_ex(double *out, double *work, const void *x, fl_dtype t, size_t n, void *stream);              \
+    int P##add(float *out, const float *a, const float *b, size_t n, void *stream);                             \
+    int P##scale(float *x, size_t n, float s, void *stream);                                                    \
+    int P##bias_forward(float *y, const float *b, int N, int OC, void *stream);                                 \
+    int P##bias_backward(float *db, const float *dy, int N, int OC, void *stream);                              \
+    /* emulator self-test kernels (tests/test_cuda_emu.c): out[i] = in[i-1] of a block-wide shift through     \
+     * shared memory (in[n-1] for i = 0), with or without the __syncthreads between the write and the read;    \
+     * and every shuffle of cu_compat.h on lane ids (see kernels/selftest.cu) */                                \
+    int P##selftest_shift(float *out, const float *in, int n, int with_barrier, void *stream);                  \
+    int P##selftest_shuffles(int *out /*(block, 4)*/, int block, void *stream);                                \
+    /* a barrier in divergent code (emulator only: reported as a deadlock; never run it on a GPU) */           \
+    int P##selftest_divergent(int *out /*(32)*/, void *stream);
+
+FL_CU_DECLARE_KERNELS(fl_cuk_)
+FL_CU_DECLARE_KERNELS(fl_cuemu_)
+
+#ifdef __cplusplus
+}
+#endif
+#endif

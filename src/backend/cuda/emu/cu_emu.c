@@ -1,0 +1,290 @@
+/* fitllm CUDA emulator: the fiber scheduler behind cu_compat.h (see cu_emu.h).
+ *
+ * A block is a set of ucontext fibers, one per CUDA thread, each on its own mmap'd stack. The
+ * scheduler (the launching OS thread's own stack) picks a warp, runs its runnable fibers in a
+ * freshly shuffled order until each blocks at a barrier or returns, and releases the warp when
+ * its live lanes all wait at a warp barrier; warps so advance independently (one may run far
+ * ahead) until every live thread waits at __syncthreads, which releases the block. Nothing to
+ * run while fibers still wait is a deadlock (a barrier in divergent code): recorded as an error,
+ * the block is abandoned. Exited threads count
+ * as arrived (as on Volta and later GPUs). AddressSanitizer is told about each stack switch. */
+#define _GNU_SOURCE
+#include "backend/cuda/emu/cu_emu.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define FL_EMU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define FL_EMU_ASAN 1
+#endif
+#endif
+#ifdef FL_EMU_ASAN
+#include <sanitizer/common_interface_defs.h>
+/* ASan's redzones need more; and its swapcontext interceptor clears the shadow of the whole
+ * target stack at every switch, so a larger stack makes every switch slower */
+#define FL_EMU_STACK (128u << 10)
+#else
+#define FL_EMU_STACK (64u << 10)
+#endif
+#define FL_EMU_MAX_THREADS 1024
+
+enum { RUNNABLE, AT_BLOCK, AT_WARP, DONE };
+
+typedef struct {
+    ucontext_t ctx;
+    fl_cu_emu_dim tid;
+    int linear, state;
+#ifdef FL_EMU_ASAN
+    void *fake; /* ASan's fake stack of this fiber while it is switched out */
+#endif
+} fiber;
+
+typedef struct {
+    fiber *f;
+    int nthreads;
+    char *stacks;
+    size_t stacks_bytes;
+    ucontext_t sched;
+    fiber *cur;
+    fl_cu_emu_dim grid, block, bid;
+    void (*fn)(void *);
+    void *ctx;
+    unsigned char *smem;
+    uint64_t xchg[FL_EMU_MAX_THREADS];
+    int order[FL_EMU_MAX_THREADS];
+#ifdef FL_EMU_ASAN
+    const void *sched_bottom;
+    size_t sched_size;
+#endif
+} emu;
+
+static __thread emu *g_emu;
+static __thread uint64_t g_seed = 0x9e3779b97f4a7c15ull, g_rng, g_switches;
+static __thread char g_err[256];
+static __thread int g_has_err;
+
+static void set_err(const char *fmt, ...) {
+    if (g_has_err) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g_err, sizeof g_err, fmt, ap);
+    va_end(ap);
+    g_has_err = 1;
+}
+
+void fl_cu_emu_set_seed(uint64_t seed) { g_seed = seed; g_rng = seed; }
+uint64_t fl_cu_emu_get_seed(void) { return g_seed; }
+const char *fl_cu_emu_error(void) { return g_has_err ? g_err : NULL; }
+void fl_cu_emu_clear_error(void) { g_has_err = 0; g_err[0] = 0; }
+uint64_t fl_cu_emu_switches(void) { return g_switches; }
+
+static uint64_t rng_next(void) { /* splitmix64 */
+    uint64_t z = (g_rng += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+const fl_cu_emu_dim *fl_cu_emu_thread_idx(void) { return &g_emu->cur->tid; }
+const fl_cu_emu_dim *fl_cu_emu_block_idx(void) { return &g_emu->bid; }
+const fl_cu_emu_dim *fl_cu_emu_block_dim(void) { return &g_emu->block; }
+const fl_cu_emu_dim *fl_cu_emu_grid_dim(void) { return &g_emu->grid; }
+void *fl_cu_emu_dyn_smem(void) { return g_emu->smem; }
+int fl_cu_emu_lane(void) { return g_emu->cur->linear & 31; }
+
+/* Fiber side: give control back to the scheduler (state already set). */
+static void yield_to_sched(void) {
+    emu *e = g_emu;
+    fiber *f = e->cur;
+    g_switches++;
+#ifdef FL_EMU_ASAN
+    __sanitizer_start_switch_fiber(&f->fake, e->sched_bottom, e->sched_size);
+    swapcontext(&f->ctx, &e->sched);
+    __sanitizer_finish_switch_fiber(f->fake, NULL, NULL);
+#else
+    swapcontext(&f->ctx, &e->sched);
+#endif
+}
+
+static void fiber_main(void) {
+    emu *e = g_emu;
+#ifdef FL_EMU_ASAN
+    __sanitizer_finish_switch_fiber(NULL, &e->sched_bottom, &e->sched_size);
+#endif
+    e->fn(e->ctx);
+    e->cur->state = DONE;
+    g_switches++;
+#ifdef FL_EMU_ASAN
+    __sanitizer_start_switch_fiber(NULL, e->sched_bottom, e->sched_size); /* NULL: this fiber is gone */
+#endif
+    setcontext(&e->sched);
+}
+
+void fl_cu_emu_syncthreads(void) {
+    g_emu->cur->state = AT_BLOCK;
+    yield_to_sched();
+}
+
+void fl_cu_emu_syncwarp(void) {
+    g_emu->cur->state = AT_WARP;
+    yield_to_sched();
+}
+
+uint64_t fl_cu_emu_exchange(uint64_t mine, int src_lane) {
+    emu *e = g_emu;
+    int me = e->cur->linear, base = me & ~31;
+    e->xchg[me] = mine;
+    fl_cu_emu_syncwarp();
+    uint64_t r = mine;
+    int src = base + src_lane;
+    if (src_lane >= 0 && src_lane < 32 && src < e->nthreads && e->f[src].state != DONE) r = e->xchg[src];
+    fl_cu_emu_syncwarp();
+    return r;
+}
+
+static void run_fiber(emu *e, fiber *f) {
+    e->cur = f;
+    g_switches++;
+#ifdef FL_EMU_ASAN
+    void *fake = NULL;
+    __sanitizer_start_switch_fiber(&fake, (char *)e->stacks + (size_t)f->linear * FL_EMU_STACK, FL_EMU_STACK);
+    swapcontext(&e->sched, &f->ctx);
+    __sanitizer_finish_switch_fiber(fake, NULL, NULL);
+#else
+    swapcontext(&e->sched, &f->ctx);
+#endif
+}
+
+/* Run the RUNNABLE fibers of warp w (shuffled unless the seed is 0) until each blocks or
+ * returns; then release the warp if all its live lanes wait at a warp barrier. */
+static void run_warp(emu *e, int w) {
+    int end = w + 32 < e->nthreads ? w + 32 : e->nthreads, n = 0, waiting = 0, other = 0;
+    for (int i = w; i < end; i++)
+        if (e->f[i].state == RUNNABLE) e->order[n++] = i;
+    if (g_seed != 0)
+        for (int i = n - 1; i > 0; i--) {
+            int j = (int)(rng_next() % (uint64_t)(i + 1)), t = e->order[i];
+            e->order[i] = e->order[j];
+            e->order[j] = t;
+        }
+    for (int i = 0; i < n; i++) run_fiber(e, &e->f[e->order[i]]);
+    for (int i = w; i < end; i++) {
+        if (e->f[i].state == AT_WARP) waiting++;
+        else if (e->f[i].state != DONE) other++;
+    }
+    if (waiting && !other)
+        for (int i = w; i < end; i++)
+            if (e->f[i].state == AT_WARP) e->f[i].state = RUNNABLE;
+}
+
+static int warp_runnable(const emu *e, int w) {
+    int end = w + 32 < e->nthreads ? w + 32 : e->nthreads;
+    for (int i = w; i < end; i++)
+        if (e->f[i].state == RUNNABLE) return 1;
+    return 0;
+}
+
+/* One block. Warps progress independently between block barriers, as on a GPU: the scheduler
+ * picks one warp with runnable fibers at a time, and (shuffled runs) keeps running the same
+ * warp with probability 3/4, so a warp often gets far ahead of the others (a missing barrier
+ * between two uses of the same shared memory shows); seed 0 takes the lowest warp every time.
+ * Returns 0 when all fibers returned, -1 on a deadlock. */
+static int run_block(emu *e) {
+    int last = -1;
+    for (;;) {
+        int cand[FL_EMU_MAX_THREADS / 32], nw = 0;
+        for (int w = 0; w < e->nthreads; w += 32)
+            if (warp_runnable(e, w)) cand[nw++] = w;
+        if (nw) {
+            int w = cand[0];
+            if (g_seed != 0) {
+                uint64_t r = rng_next();
+                w = (last >= 0 && warp_runnable(e, last) && (r & 3) != 0) ? last : cand[(r >> 2) % (uint64_t)nw];
+            }
+            run_warp(e, w);
+            last = w;
+            continue;
+        }
+        int live = 0, at_block = 0;
+        for (int i = 0; i < e->nthreads; i++) {
+            if (e->f[i].state != DONE) live++;
+            if (e->f[i].state == AT_BLOCK) at_block++;
+        }
+        if (live == 0) return 0;
+        if (at_block != live) return -1; /* some wait at a warp barrier their warp cannot complete */
+        for (int i = 0; i < e->nthreads; i++)
+            if (e->f[i].state == AT_BLOCK) e->f[i].state = RUNNABLE;
+        last = -1;
+    }
+}
+
+void fl_cu_emu_launch(fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem, void (*fn)(void *), void *ctx) {
+    size_t nt = (size_t)block.x * block.y * block.z;
+    if (nt == 0 || (size_t)grid.x * grid.y * grid.z == 0) return; /* CUDA: invalid configuration; nothing runs */
+    if (nt > FL_EMU_MAX_THREADS) {
+        set_err("launch: %zu threads per block (at most %d)", nt, FL_EMU_MAX_THREADS);
+        return;
+    }
+    if (g_emu) {
+        set_err("launch: a kernel launched another kernel (dynamic parallelism is not emulated)");
+        return;
+    }
+    emu *e = calloc(1, sizeof *e);
+    fiber *f = calloc(nt, sizeof *f);
+    size_t sbytes = nt * FL_EMU_STACK;
+    char *stacks = mmap(NULL, sbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    unsigned char *smem = malloc(dyn_smem ? dyn_smem : 1);
+    if (!e || !f || stacks == MAP_FAILED || !smem) {
+        set_err("launch: out of host memory for %zu fibers", nt);
+        free(e); free(f); free(smem);
+        if (stacks != MAP_FAILED) munmap(stacks, sbytes);
+        return;
+    }
+    e->f = f;
+    e->nthreads = (int)nt;
+    e->stacks = stacks;
+    e->stacks_bytes = sbytes;
+    e->grid = grid;
+    e->block = block;
+    e->fn = fn;
+    e->ctx = ctx;
+    e->smem = smem;
+    g_emu = e;
+    if (g_rng == 0) g_rng = g_seed;
+    int failed = 0;
+    for (unsigned bz = 0; bz < grid.z && !failed; bz++)
+        for (unsigned by = 0; by < grid.y && !failed; by++)
+            for (unsigned bx = 0; bx < grid.x && !failed; bx++) {
+                e->bid = (fl_cu_emu_dim){bx, by, bz};
+                memset(smem, 0xff, dyn_smem);
+                for (size_t i = 0; i < nt; i++) {
+                    fiber *fb = &f[i];
+                    fb->linear = (int)i;
+                    fb->tid = (fl_cu_emu_dim){(unsigned)(i % block.x), (unsigned)(i / block.x % block.y),
+                                              (unsigned)(i / ((size_t)block.x * block.y))};
+                    fb->state = RUNNABLE;
+                    getcontext(&fb->ctx);
+                    fb->ctx.uc_stack.ss_sp = stacks + i * FL_EMU_STACK;
+                    fb->ctx.uc_stack.ss_size = FL_EMU_STACK;
+                    fb->ctx.uc_link = NULL; /* fiber_main never returns: it setcontext()s back */
+                    makecontext(&fb->ctx, fiber_main, 0);
+                }
+                if (run_block(e) < 0) {
+                    set_err("block (%u,%u,%u): barrier deadlock (a __syncthreads or shuffle not reached by "
+                            "every live thread of its block or warp)", bx, by, bz);
+                    failed = 1;
+                }
+            }
+    g_emu = NULL;
+    munmap(stacks, sbytes);
+    free(smem);
+    free(f);
+    free(e);
+}

@@ -1,0 +1,60 @@
+/* fitllm CUDA emulator: runs CUDA kernels written against cu_compat.h on the CPU.
+ *
+ * One fiber (ucontext) per CUDA thread; the blocks of a grid run one after another on the
+ * calling OS thread. A fiber runs without interruption until it reaches a barrier
+ * (__syncthreads: the block; a warp shuffle or __syncwarp: its warp) or returns. When every
+ * live fiber of the block (of the warp) has arrived, they are released and run again, in an
+ * order shuffled by a seeded generator: code that relies on an order CUDA does not promise
+ * (a missing __syncthreads) then reads stale or NaN-filled data and fails its test.
+ * Semantics and limits: docs/ARCHITECTURE.md "CUDA backend". C API: the C++ side of
+ * cu_compat.h calls it; tests call the seed / error functions. */
+#ifndef FL_CU_EMU_H
+#define FL_CU_EMU_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct { unsigned x, y, z; } fl_cu_emu_dim;
+
+/* Run fn(ctx) once per CUDA thread of grid x block, with dyn_smem bytes of dynamic shared
+ * memory per block (filled with 0xff bytes, a float NaN, at each block's start). Blocks run in
+ * turn; a launch is synchronous. Errors (too many threads, a barrier not reached by all live
+ * threads of its block or warp) are recorded for fl_cu_emu_error() and end the launch. */
+void fl_cu_emu_launch(fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem, void (*fn)(void *), void *ctx);
+
+/* The running CUDA thread's coordinates (valid inside a launch). */
+const fl_cu_emu_dim *fl_cu_emu_thread_idx(void);
+const fl_cu_emu_dim *fl_cu_emu_block_idx(void);
+const fl_cu_emu_dim *fl_cu_emu_block_dim(void);
+const fl_cu_emu_dim *fl_cu_emu_grid_dim(void);
+void *fl_cu_emu_dyn_smem(void);
+
+/* __syncthreads(): wait for every live thread of the block. */
+void fl_cu_emu_syncthreads(void);
+/* __syncwarp(): wait for every live lane of the calling thread's warp (32 consecutive linear ids). */
+void fl_cu_emu_syncwarp(void);
+/* The warp exchange under every shuffle: publishes `mine`, waits for the warp, returns the value
+ * lane src_lane published (src_lane < 0, outside the block or an exited lane: `mine`), then waits
+ * again so no lane overwrites its slot before all have read. */
+uint64_t fl_cu_emu_exchange(uint64_t mine, int src_lane);
+/* Lane of the calling thread (0..31). */
+int fl_cu_emu_lane(void);
+
+/* Fiber order between barrier phases: seed 0 runs the fibers in thread order every phase (what
+ * a naive emulator does: hides missing barriers); any other seed shuffles them (the default). */
+void fl_cu_emu_set_seed(uint64_t seed);
+uint64_t fl_cu_emu_get_seed(void);
+/* The first error recorded on this OS thread since the last fl_cu_emu_clear_error (NULL: none). */
+const char *fl_cu_emu_error(void);
+void fl_cu_emu_clear_error(void);
+/* Fiber context switches on this OS thread so far (a test asserts a barrier switches). */
+uint64_t fl_cu_emu_switches(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

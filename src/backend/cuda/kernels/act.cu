@@ -1,0 +1,71 @@
+/* SwiGLU (LLaMA, fused gate/up rows) and the tanh GELU (GPT-2 "gelu_new"), forward and backward,
+ * the CPU backend's formulas (act.c: GELU through sigmoid(2u), no 1 + tanh cancellation).
+ * Elementwise, grid-stride. */
+#include "backend/cuda/cu_compat.h"
+#include "backend/cuda/cu_kernels.h"
+
+#define FL_CU_GELU_K 0.7978845608028654f /* sqrt(2/pi) */
+#define FL_CU_GELU_A 0.044715f
+
+FL_CU_DEV float fl_cu_sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+__global__ static void fl_cu_swiglu_fwd_k(float *out, const float *gu, int N, int F) {
+    size_t total = (size_t)N * F;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        size_t n = i / F, f = i % F;
+        float g = gu[n * 2 * F + f], u = gu[n * 2 * F + F + f];
+        out[i] = g * fl_cu_sigmoidf(g) * u;
+    }
+}
+
+__global__ static void fl_cu_swiglu_bwd_k(float *dgu, const float *dout, const float *gu, int N, int F) {
+    size_t total = (size_t)N * F;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        size_t n = i / F, f = i % F;
+        float g = gu[n * 2 * F + f], u = gu[n * 2 * F + F + f], d = dout[i], sg = fl_cu_sigmoidf(g);
+        dgu[n * 2 * F + f] += d * u * sg * (1.0f + g * (1.0f - sg));
+        dgu[n * 2 * F + F + f] += d * g * sg;
+    }
+}
+
+__global__ static void fl_cu_gelu_fwd_k(float *out, const float *inp, size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float x = inp[i], u = FL_CU_GELU_K * (x + FL_CU_GELU_A * x * x * x);
+        out[i] = x * fl_cu_sigmoidf(2.0f * u);
+    }
+}
+
+__global__ static void fl_cu_gelu_bwd_k(float *dinp, const float *dout, const float *inp, size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float x = inp[i], u = FL_CU_GELU_K * (x + FL_CU_GELU_A * x * x * x), sg = fl_cu_sigmoidf(2.0f * u);
+        float g = sg + 2.0f * x * sg * (1.0f - sg) * FL_CU_GELU_K * (1.0f + 3.0f * FL_CU_GELU_A * x * x);
+        dinp[i] += g * dout[i];
+    }
+}
+
+static unsigned act_blocks(size_t n) {
+    size_t b = (n + 255) / 256;
+    return (unsigned)(b > 1024 ? 1024 : b ? b : 1);
+}
+
+extern "C" int FL_CUK(swiglu_forward)(float *out, const float *gu, int N, int F, void *stream) {
+    if (N <= 0 || F <= 0) return 0;
+    FL_CU_LAUNCH(fl_cu_swiglu_fwd_k, dim3(act_blocks((size_t)N * F)), dim3(256), 0, (fl_cu_stream)stream, out, gu, N, F);
+    return fl_cu_launch_error();
+}
+extern "C" int FL_CUK(swiglu_backward)(float *dgu, const float *dout, const float *gu, int N, int F, void *stream) {
+    if (N <= 0 || F <= 0) return 0;
+    FL_CU_LAUNCH(fl_cu_swiglu_bwd_k, dim3(act_blocks((size_t)N * F)), dim3(256), 0, (fl_cu_stream)stream, dgu, dout, gu,
+                 N, F);
+    return fl_cu_launch_error();
+}
+extern "C" int FL_CUK(gelu_forward)(float *out, const float *inp, size_t n, void *stream) {
+    if (n == 0) return 0;
+    FL_CU_LAUNCH(fl_cu_gelu_fwd_k, dim3(act_blocks(n)), dim3(256), 0, (fl_cu_stream)stream, out, inp, n);
+    return fl_cu_launch_error();
+}
+extern "C" int FL_CUK(gelu_backward)(float *dinp, const float *dout, const float *inp, size_t n, void *stream) {
+    if (n == 0) return 0;
+    FL_CU_LAUNCH(fl_cu_gelu_bwd_k, dim3(act_blocks(n)), dim3(256), 0, (fl_cu_stream)stream, dinp, dout, inp, n);
+    return fl_cu_launch_error();
+}

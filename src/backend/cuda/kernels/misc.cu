@@ -1,0 +1,176 @@
+/* RoPE, SGD, the loss-scaling inf/NaN check, 16-bit gradient accumulation, the deterministic sum
+ * of squares (gradient norm), add / scale / bias: semantics of the backend ops of the same names
+ * (fitllm/backend.h), the CPU backend's formulas and operation order. */
+#include "backend/cuda/cu_compat.h"
+#include "backend/cuda/cu_kernels.h"
+
+FL_CU_DEV float fl_cu_ld(const void *p, int t, size_t i) {
+    if (t == FL_F32) return ((const float *)p)[i];
+    if (t == FL_BF16) return fl_cu_bf16_to_f32(((const uint16_t *)p)[i]);
+    return fl_cu_f16_to_f32(((const uint16_t *)p)[i]);
+}
+FL_CU_DEV void fl_cu_st(void *p, int t, size_t i, float v) {
+    if (t == FL_F32) ((float *)p)[i] = v;
+    else if (t == FL_BF16) ((uint16_t *)p)[i] = fl_cu_f32_to_bf16(v);
+    else ((uint16_t *)p)[i] = fl_cu_f32_to_f16(v);
+}
+static unsigned ew_grid(size_t n) {
+    size_t b = (n + 255) / 256;
+    return (unsigned)(b > 1024 ? 1024 : b ? b : 1);
+}
+static int is_float(fl_dtype t) { return t == FL_F32 || t == FL_BF16 || t == FL_F16; }
+#define FL_CU_GRID_STRIDE(i, n)                                                                   \
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (size_t)gridDim.x * blockDim.x)
+
+/* ---- RoPE: one thread per (row, head, pair j); sign +1 forward, -1 backward (the transpose) -------- */
+__global__ static void fl_cu_rope_k(float *x, int B, int T, int nh, int HD, size_t row_stride, const float *cos_t,
+                                    const float *sin_t, int pos0, float sign) {
+    int H = HD / 2;
+    size_t total = (size_t)B * T * nh * H;
+    FL_CU_GRID_STRIDE(i, total) {
+        int j = (int)(i % H);
+        size_t rest = i / H;
+        int h = (int)(rest % nh);
+        size_t n = rest / nh;
+        int t = (int)(n % T);
+        float c = cos_t[(size_t)(pos0 + t) * H + j], sn = sign * sin_t[(size_t)(pos0 + t) * H + j];
+        float *a = x + n * row_stride + (size_t)h * HD;
+        float x0 = a[j], x1 = a[j + H];
+        a[j] = x0 * c - x1 * sn;
+        a[j + H] = x1 * c + x0 * sn;
+    }
+}
+
+extern "C" int FL_CUK(rope)(float *x, int B, int T, int nh, int HD, size_t row_stride, const float *cos_t,
+                            const float *sin_t, int pos0, int backward, void *stream) {
+    size_t total = (size_t)B * T * nh * (HD / 2);
+    if (total == 0) return 0;
+    FL_CU_LAUNCH(fl_cu_rope_k, dim3(ew_grid(total)), dim3(256), 0, (fl_cu_stream)stream, x, B, T, nh, HD, row_stride,
+                 cos_t, sin_t, pos0, backward ? -1.0f : 1.0f);
+    return fl_cu_launch_error();
+}
+
+/* ---- SGD (torch.optim.SGD), any storage dtype as sgd_update_ex ----------------------------------- */
+__global__ static void fl_cu_sgd_k(void *p, int tp, const void *g, int tg, void *buf, int ts, size_t n, float lr,
+                                   float momentum, float dampening, float weight_decay, int nesterov, int first_step,
+                                   float grad_scale, int use_mom) {
+    FL_CU_GRID_STRIDE(i, n) {
+        float pi = fl_cu_ld(p, tp, i);
+        float d = fl_cu_ld(g, tg, i) * grad_scale + weight_decay * pi;
+        if (use_mom) {
+            float b = first_step ? d : momentum * fl_cu_ld(buf, ts, i) + (1.0f - dampening) * d;
+            fl_cu_st(buf, ts, i, b);
+            d = nesterov ? d + momentum * b : b;
+        }
+        fl_cu_st(p, tp, i, pi - lr * d);
+    }
+}
+
+extern "C" int FL_CUK(sgd_update_ex)(void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf, fl_dtype ts, size_t n,
+                                     float lr, float momentum, float dampening, float weight_decay, int nesterov,
+                                     int first_step, float grad_scale, void *stream) {
+    if (!is_float(tp) || !is_float(tg) || (ts != FL_F32 && ts != FL_BF16)) return -1;
+    if (n == 0) return 0;
+    int use_mom = momentum != 0.0f && buf != NULL;
+    FL_CU_LAUNCH(fl_cu_sgd_k, dim3(ew_grid(n)), dim3(256), 0, (fl_cu_stream)stream, p, (int)tp, g, (int)tg, buf,
+                 (int)ts, n, lr, momentum, dampening, weight_decay, nesterov, first_step, grad_scale, use_mom);
+    return fl_cu_launch_error();
+}
+
+/* ---- check_finite: *found_inf = 1 when some x*inv_scale is inf/NaN (every writer writes 1) ---------- */
+__global__ static void fl_cu_check_finite_k(const void *x, int t, size_t n, float inv_scale, int *found_inf) {
+    FL_CU_GRID_STRIDE(i, n) {
+        float y = fl_cu_ld(x, t, i) * inv_scale;
+        if (y - y != 0.0f) *found_inf = 1;
+    }
+}
+
+extern "C" int FL_CUK(check_finite)(const void *x, fl_dtype t, size_t n, float inv_scale, int *found_inf,
+                                    void *stream) {
+    if (!is_float(t)) return -1;
+    if (n == 0) return 0;
+    FL_CU_LAUNCH(fl_cu_check_finite_k, dim3(ew_grid(n)), dim3(256), 0, (fl_cu_stream)stream, x, (int)t, n, inv_scale,
+                 found_inf);
+    return fl_cu_launch_error();
+}
+
+/* ---- accumulate16: dst = round(widen(dst) + src) ------------------------------------------------- */
+__global__ static void fl_cu_accumulate16_k(uint16_t *dst, int t, const float *src, size_t n) {
+    FL_CU_GRID_STRIDE(i, n) fl_cu_st(dst, t, i, fl_cu_ld(dst, t, i) + src[i]);
+}
+
+extern "C" int FL_CUK(accumulate16)(uint16_t *dst, fl_dtype t, const float *src, size_t n, void *stream) {
+    if (t != FL_BF16 && t != FL_F16) return -1;
+    if (n == 0) return 0;
+    FL_CU_LAUNCH(fl_cu_accumulate16_k, dim3(ew_grid(n)), dim3(256), 0, (fl_cu_stream)stream, dst, (int)t, src, n);
+    return fl_cu_launch_error();
+}
+
+/* ---- sum of squares in double, deterministic: FL_CU_SUMSQ_PARTS contiguous ranges fixed by n (range
+ * p = [n*p/P, n*(p+1)/P)), one block each (strided in the block, a fixed-order block sum), then one
+ * block adds the partials in a fixed order. The same bits for any device; not the CPU's bits. ------ */
+__global__ static void fl_cu_sumsq_part_k(double *part, const void *x, int t, size_t n) {
+    __shared__ double buf[32];
+    size_t P = gridDim.x, b = n * blockIdx.x / P, e = n * (blockIdx.x + 1) / P;
+    double s = 0.0;
+    for (size_t i = b + threadIdx.x; i < e; i += blockDim.x) {
+        double v = fl_cu_ld(x, t, i);
+        s += v * v;
+    }
+    s = fl_cu_block_sum(s, buf);
+    if (threadIdx.x == 0) part[blockIdx.x] = s;
+}
+
+__global__ static void fl_cu_sumsq_total_k(double *out, const double *part, int P) {
+    __shared__ double buf[32];
+    double s = 0.0;
+    for (int i = threadIdx.x; i < P; i += blockDim.x) s += part[i];
+    s = fl_cu_block_sum(s, buf);
+    if (threadIdx.x == 0) *out = s;
+}
+
+extern "C" int FL_CUK(sumsq_ex)(double *out, double *work, const void *x, fl_dtype t, size_t n, void *stream) {
+    if (!is_float(t)) return -1;
+    FL_CU_LAUNCH(fl_cu_sumsq_part_k, dim3(FL_CU_SUMSQ_PARTS), dim3(256), 0, (fl_cu_stream)stream, work, x, (int)t, n);
+    FL_CU_LAUNCH(fl_cu_sumsq_total_k, dim3(1), dim3(256), 0, (fl_cu_stream)stream, out, work, FL_CU_SUMSQ_PARTS);
+    return fl_cu_launch_error();
+}
+
+/* ---- add, scale, bias ---------------------------------------------------------------------------- */
+__global__ static void fl_cu_add_k(float *out, const float *a, const float *b, size_t n) {
+    FL_CU_GRID_STRIDE(i, n) out[i] = a[i] + b[i];
+}
+__global__ static void fl_cu_scale_k(float *x, size_t n, float s) {
+    FL_CU_GRID_STRIDE(i, n) x[i] *= s;
+}
+__global__ static void fl_cu_bias_fwd_k(float *y, const float *b, int N, int OC) {
+    FL_CU_GRID_STRIDE(i, (size_t)N * OC) y[i] += b[i % OC];
+}
+/* db[c] += sum over rows in order (one thread per column: deterministic, coalesced across the warp) */
+__global__ static void fl_cu_bias_bwd_k(float *db, const float *dy, int N, int OC) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= OC) return;
+    float s = 0.0f;
+    for (int n = 0; n < N; n++) s += dy[(size_t)n * OC + c];
+    db[c] += s;
+}
+
+extern "C" int FL_CUK(add)(float *out, const float *a, const float *b, size_t n, void *stream) {
+    if (n) FL_CU_LAUNCH(fl_cu_add_k, dim3(ew_grid(n)), dim3(256), 0, (fl_cu_stream)stream, out, a, b, n);
+    return fl_cu_launch_error();
+}
+extern "C" int FL_CUK(scale)(float *x, size_t n, float s, void *stream) {
+    if (n) FL_CU_LAUNCH(fl_cu_scale_k, dim3(ew_grid(n)), dim3(256), 0, (fl_cu_stream)stream, x, n, s);
+    return fl_cu_launch_error();
+}
+extern "C" int FL_CUK(bias_forward)(float *y, const float *b, int N, int OC, void *stream) {
+    if (N > 0 && OC > 0)
+        FL_CU_LAUNCH(fl_cu_bias_fwd_k, dim3(ew_grid((size_t)N * OC)), dim3(256), 0, (fl_cu_stream)stream, y, b, N, OC);
+    return fl_cu_launch_error();
+}
+extern "C" int FL_CUK(bias_backward)(float *db, const float *dy, int N, int OC, void *stream) {
+    if (db && N > 0 && OC > 0)
+        FL_CU_LAUNCH(fl_cu_bias_bwd_k, dim3((unsigned)(OC + 127) / 128), dim3(128), 0, (fl_cu_stream)stream, db, dy, N,
+                     OC);
+    return fl_cu_launch_error();
+}

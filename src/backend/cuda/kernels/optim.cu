@@ -1,0 +1,91 @@
+/* AdamW (fp32 and 16-bit storage) and dtype conversion, semantics of backend.h's adamw_update,
+ * adamw_update_ex and convert: elementwise, grid-stride loops, the constants computed on the
+ * host exactly as the CPU backend computes them (bias corrections in double), the same fp32
+ * operation order per element. The GPU may contract a*b+c into an FMA (nvcc's default), so its
+ * bits can differ from the CPU's by an ulp; the op tests compare against float64 references. */
+#include <math.h>
+
+#include "backend/cuda/cu_compat.h"
+#include "backend/cuda/cu_kernels.h"
+
+FL_CU_DEV float fl_cu_load(const void *p, int t, size_t i) {
+    if (t == FL_F32) return ((const float *)p)[i];
+    if (t == FL_BF16) return fl_cu_bf16_to_f32(((const uint16_t *)p)[i]);
+    return fl_cu_f16_to_f32(((const uint16_t *)p)[i]);
+}
+FL_CU_DEV void fl_cu_store(void *p, int t, size_t i, float v) {
+    if (t == FL_F32) ((float *)p)[i] = v;
+    else if (t == FL_BF16) ((uint16_t *)p)[i] = fl_cu_f32_to_bf16(v);
+    else ((uint16_t *)p)[i] = fl_cu_f32_to_f16(v);
+}
+
+typedef struct {
+    float step_size, bc2_sqrt, decay, w1, w2, beta2, eps, grad_scale;
+} fl_cu_adamw_k;
+
+static fl_cu_adamw_k adamw_consts(float lr, float beta1, float beta2, float eps, float weight_decay, int step,
+                                  float grad_scale) {
+    double bc1 = 1.0 - pow((double)beta1, step), bc2 = 1.0 - pow((double)beta2, step);
+    fl_cu_adamw_k k;
+    k.step_size = (float)(lr / bc1);
+    k.bc2_sqrt = (float)sqrt(bc2);
+    k.decay = 1.0f - lr * weight_decay;
+    k.w1 = 1.0f - beta1;
+    k.w2 = 1.0f - beta2;
+    k.beta2 = beta2;
+    k.eps = eps;
+    k.grad_scale = grad_scale;
+    return k;
+}
+
+__global__ static void fl_cu_adamw_k_(void *p, int tp, const void *g, int tg, void *m, void *v, int ts, size_t n,
+                               fl_cu_adamw_k k) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float gi = fl_cu_load(g, tg, i) * k.grad_scale;
+        float pi = fl_cu_load(p, tp, i) * k.decay;
+        float mo = fl_cu_load(m, ts, i);
+        float mi = mo + k.w1 * (gi - mo);
+        float vi = k.beta2 * fl_cu_load(v, ts, i) + k.w2 * gi * gi;
+        float denom = sqrtf(vi) / k.bc2_sqrt + k.eps;
+        fl_cu_store(p, tp, i, pi - k.step_size * (mi / denom));
+        fl_cu_store(m, ts, i, mi);
+        fl_cu_store(v, ts, i, vi);
+    }
+}
+
+__global__ static void fl_cu_convert_k(void *dst, int dt, const void *src, int st, size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        fl_cu_store(dst, dt, i, fl_cu_load(src, st, i));
+}
+
+/* Grid for an elementwise op: 256 threads per block, at most 1024 blocks (grid-stride beyond). */
+static unsigned ew_blocks(size_t n) {
+    size_t b = (n + 255) / 256;
+    return (unsigned)(b > 1024 ? 1024 : b);
+}
+static int float_type(fl_dtype t) { return t == FL_F32 || t == FL_BF16 || t == FL_F16; }
+
+extern "C" int FL_CUK(adamw_update_ex)(void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m, void *v, fl_dtype ts,
+                                       size_t n, float lr, float beta1, float beta2, float eps, float weight_decay,
+                                       int step, float grad_scale, void *stream) {
+    if (!float_type(tp) || !float_type(tg) || (ts != FL_F32 && ts != FL_BF16) || step < 1) return -1;
+    if (n == 0) return 0;
+    fl_cu_adamw_k k = adamw_consts(lr, beta1, beta2, eps, weight_decay, step, grad_scale);
+    FL_CU_LAUNCH(fl_cu_adamw_k_, dim3(ew_blocks(n)), dim3(256), 0, (fl_cu_stream)stream, p, (int)tp, g, (int)tg, m, v,
+                 (int)ts, n, k);
+    return fl_cu_launch_error();
+}
+
+extern "C" int FL_CUK(adamw_update)(float *p, const float *g, float *m, float *v, size_t n, float lr, float beta1,
+                                    float beta2, float eps, float weight_decay, int step, float grad_scale,
+                                    void *stream) {
+    return FL_CUK(adamw_update_ex)(p, FL_F32, g, FL_F32, m, v, FL_F32, n, lr, beta1, beta2, eps, weight_decay, step,
+                                   grad_scale, stream);
+}
+
+extern "C" int FL_CUK(convert)(void *dst, fl_dtype dt, const void *src, fl_dtype st, size_t n, void *stream) {
+    if (!float_type(dt) || !float_type(st)) return -1;
+    if (n == 0) return 0;
+    FL_CU_LAUNCH(fl_cu_convert_k, dim3(ew_blocks(n)), dim3(256), 0, (fl_cu_stream)stream, dst, (int)dt, src, (int)st, n);
+    return fl_cu_launch_error();
+}

@@ -1,0 +1,49 @@
+/* Emulator self-test kernels (tests/test_cuda_emu.c): they exist to fail when the emulator's
+ * barrier or shuffle semantics are wrong, or when a kernel forgets a barrier. */
+#include "backend/cuda/cu_compat.h"
+#include "backend/cuda/cu_kernels.h"
+
+/* out[i] = in[(i + n - 1) % n]: each thread stores its element in shared memory and reads its
+ * left neighbour's. Without the barrier the read races the neighbour's write: run in thread
+ * order the neighbour has always written already (the bug hides); shuffled, it often has not. */
+__global__ static void fl_cu_selftest_shift_k(float *out, const float *in, int n, int with_barrier) {
+    FL_CU_DYN_SMEM(float, s);
+    int i = threadIdx.x;
+    if (i < n) s[i] = in[i];
+    if (with_barrier) __syncthreads();
+    if (i < n) out[i] = s[(i + n - 1) % n];
+}
+
+/* Per thread t (lane l): [xor 5 of l, down 3 of l (l itself past the warp's end), lane 7's id,
+ * warp sum of the lane ids]. */
+__global__ static void fl_cu_selftest_shuffles_k(int *out) {
+    int t = threadIdx.x, l = t & 31;
+    out[t * 4 + 0] = __shfl_xor_sync(FL_CU_FULL_MASK, l, 5);
+    out[t * 4 + 1] = __shfl_down_sync(FL_CU_FULL_MASK, l, 3);
+    out[t * 4 + 2] = __shfl_sync(FL_CU_FULL_MASK, l, 7);
+    out[t * 4 + 3] = (int)fl_cu_warp_sum((float)l);
+}
+
+/* Undefined behaviour on purpose, for the emulator only (never launch it on a GPU: it may hang):
+ * lanes 0-15 of the warp wait at __syncthreads while lanes 16-31 wait at __syncwarp. */
+__global__ static void fl_cu_selftest_divergent_k(int *out) {
+    if (threadIdx.x < 16) __syncthreads();
+    else __syncwarp();
+    out[threadIdx.x] = 1;
+}
+
+extern "C" int FL_CUK(selftest_divergent)(int *out, void *stream) {
+    FL_CU_LAUNCH(fl_cu_selftest_divergent_k, dim3(1), dim3(32), 0, (fl_cu_stream)stream, out);
+    return fl_cu_launch_error();
+}
+
+extern "C" int FL_CUK(selftest_shift)(float *out, const float *in, int n, int with_barrier, void *stream) {
+    FL_CU_LAUNCH(fl_cu_selftest_shift_k, dim3(1), dim3((unsigned)n), (size_t)n * sizeof(float),
+                 (fl_cu_stream)stream, out, in, n, with_barrier);
+    return fl_cu_launch_error();
+}
+
+extern "C" int FL_CUK(selftest_shuffles)(int *out, int block, void *stream) {
+    FL_CU_LAUNCH(fl_cu_selftest_shuffles_k, dim3(1), dim3((unsigned)block), 0, (fl_cu_stream)stream, out);
+    return fl_cu_launch_error();
+}
