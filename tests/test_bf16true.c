@@ -167,6 +167,7 @@ static void vs_mixed(const char *preset, int untie, fl_dtype dt) {
 static double gam(int K) { return K * 0x1p-24 / (1 - K * 0x1p-24); }
 
 static void head_widened(const char *preset, fl_dtype dt) {
+    setenv("FITLLM_HEAD_WIDEN", "1", 1); /* the opt-in (fl_head_widen_dtype) */
     fl_model_config c;
     FL_REQUIRE_OK(fl_preset_find(preset, &c));
     c.tie_embeddings = 0; /* the head's own gradient, not mixed with the embedding's */
@@ -261,6 +262,7 @@ static void head_widened(const char *preset, fl_dtype dt) {
     fl_mem_pool_free(&pool);
     fl_cpu_backend_free(&bw);
     fl_cpu_backend_free(&bg);
+    unsetenv("FITLLM_HEAD_WIDEN");
 }
 
 FL_TEST(head_widened_once_bf16_llama) { head_widened("micro", FL_BF16); }

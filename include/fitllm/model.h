@@ -134,8 +134,9 @@ typedef struct {
                    * gradient) rounded to bf16 first: the same products as the 16-bit GEMM, whose
                    * widening path would otherwise widen the whole weight again in every chunk's
                    * forward and backward. Set when the backend's 16-bit GEMM widens
-                   * (fl_backend.gemm_widens16 / fl_cpu_gemm_widens16): fl_head_widen_dtype.
-                   * FL_F32 (0): off. */
+                   * (fl_backend.gemm_widens16 / fl_cpu_gemm_widens16) and the user opted in with
+                   * FITLLM_HEAD_WIDEN=1 (off by default: no measurable step gain on Zen 3, see
+                   * docs/BENCHMARKS.md): fl_head_widen_dtype. FL_F32 (0): off. */
     size_t backend_scratch; /* bytes of the backend's op scratch (fl_backend.scratch_bytes) carved
                    * from WORKSPACE and lent to its ops (fl_backend.set_scratch), for models whose
                    * ops need one: 16-bit matmuls or 4-bit weights (fl_model_backend_scratch) */
