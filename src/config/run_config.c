@@ -379,6 +379,8 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
         if (is_null(v)) { *(int *)(base + k->off) = -1; return FL_OK; }
         return parse_bool(key, v, (int *)(base + k->off));
     case FL_CK_BYTES:
+        /* null = no budget: what fl_cfg_write_yaml writes for 0 */
+        if (is_null(v)) { *(size_t *)(base + k->off) = 0; return FL_OK; }
         if (fl_parse_bytes(v, (size_t *)(base + k->off)) != 0)
             return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is not a size like 8GB or 512MiB", key, v);
         return FL_OK;
@@ -577,6 +579,7 @@ static int dumped(const fl_cfg_key *k) {
 void fl_cfg_write_yaml(const fl_run_config *c, FILE *f) {
     char v[FL_CFG_PATH + 8];
     const char *section = "";
+    size_t section_len = 0; /* the open "section:" block is section[0..section_len) */
     fprintf(f, "# fitllm %s: effective configuration\n", c->command == FL_CMD_PRETRAIN ? "pretrain" : "finetune_full");
     for (size_t i = 0; i < N_KEYS; i++) {
         const fl_cfg_key *k = &k_keys[i];
@@ -587,17 +590,22 @@ void fl_cfg_write_yaml(const fl_run_config *c, FILE *f) {
             if (!strcmp(k->name, "data") || !strcmp(k->name, "optimizer")) {
                 fprintf(f, "%s:\n  class_path: %s\n  init_args:\n", k->name, v);
                 section = k->name;
+                section_len = strlen(k->name);
             } else {
                 fprintf(f, "%s: %s\n", k->name, v);
                 section = "";
+                section_len = 0;
             }
             continue;
         }
         size_t plen = (size_t)(dot - k->name);
         int in_args = !strncmp(k->name, "data", plen) || !strncmp(k->name, "optimizer", plen);
-        if (strncmp(section, k->name, plen) || strlen(section) != plen) {
+        /* one "train:" block for all train.* keys (a repeated mapping key would make PyYAML keep only
+         * the last train.* value of hyperparameters.yaml) */
+        if (section_len != plen || strncmp(section, k->name, plen)) {
             if (!in_args) fprintf(f, "%.*s:\n", (int)plen, k->name);
-            section = k->name; /* compare by prefix */
+            section = k->name;
+            section_len = plen;
         }
         fprintf(f, "%s%s: %s\n", in_args ? "    " : "  ", dot + 1, v);
     }
