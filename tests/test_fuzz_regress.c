@@ -8,6 +8,7 @@
 #include "fitllm/config.h"
 #include "fitllm/io.h"
 #include "fitllm/mem.h"
+#include "fitllm/tokenizer.h"
 #include "test.h"
 
 /* fuzz_recipe_yaml: hyperparameters.yaml (fl_cfg_write_yaml) repeated "train:" / "eval:" before every
@@ -93,4 +94,32 @@ FL_TEST(fuzz_regress_hf_config_larger_than_its_weights) {
     FL_CHECK(pool.peak_total == 0);
     if (s == FL_OK) fl_model_free(&m);
     fl_mem_pool_free(&pool);
+}
+
+/* Found by hand while fuzzing tokenizer.json (each allocation stayed under the fuzzer's 2 GB
+ * malloc limit): a 60-byte tokenizer.json with the ids 0 and 2^26-1 made the loader build
+ * per-token tables for 67M ids (1.8 GB and 35 s under ASan). Ids must be dense enough. */
+FL_TEST(fuzz_regress_tokenizer_json_sparse_ids) {
+    const char *dir = fl_test_tmpdir();
+    char path[4200];
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    const char *bad = "{\"model\":{\"type\":\"BPE\",\"vocab\":{\"a\":67108863,\"b\":0},\"merges\":[]}}";
+    const char *bad_added = "{\"added_tokens\":[{\"id\":50000000,\"content\":\"<x>\"}],"
+                            "\"model\":{\"type\":\"BPE\",\"vocab\":{\"a\":1,\"b\":0},\"merges\":[]}}";
+    const char *ok = "{\"model\":{\"type\":\"BPE\",\"vocab\":{\"a\":0,\"b\":1,\"c\":1000},\"merges\":[]}}";
+    const char *cases[3] = {bad, bad_added, ok};
+    for (int k = 0; k < 3; k++) {
+        put_file(dir, "tokenizer.json", cases[k], strlen(cases[k]));
+        fl_tokenizer *t = NULL;
+        fl_status s = fl_tok_load(&t, path);
+        if (k < 2) {
+            FL_CHECKF(s == FL_ERR_FORMAT, "case %d: %s", k, fl_status_name(s));
+            FL_CHECKF(strstr(fl_error_message(), k ? "added_tokens" : "model.vocab") &&
+                          strstr(fl_error_message(), "tokenizer.json"), "case %d: %s", k, fl_error_message());
+        } else {
+            FL_CHECKF(s == FL_OK, "a vocabulary with a small gap loads: %s", fl_error_message());
+            FL_CHECK(s != FL_OK || fl_tok_vocab_size(t) == 1001);
+        }
+        fl_tok_free(t);
+    }
 }
