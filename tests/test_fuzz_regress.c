@@ -123,3 +123,21 @@ FL_TEST(fuzz_regress_tokenizer_json_sparse_ids) {
         fl_tok_free(t);
     }
 }
+
+/* Found reviewing the YAML walk while fuzzing recipes: a 1.1 KB recipe whose mappings alias the
+ * previous one twice ("billion laughs" of empty mappings, never reaching an option, so no error
+ * stopped it) kept `fitllm finetune_full --config` busy for 2^39 mapping visits. */
+FL_TEST(fuzz_regress_yaml_alias_bomb) {
+    char y[4096];
+    size_t o = (size_t)snprintf(y, sizeof y, "m0: &m0 {}\n");
+    for (int k = 1; k < 40; k++) o += (size_t)snprintf(y + o, sizeof y - o, "m%d: &m%d {a: *m%d, b: *m%d}\n", k, k, k - 1, k - 1);
+    fl_run_config c;
+    fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
+    fl_status s = fl_cfg_apply_yaml(&c, y, o, "bomb.yaml");
+    FL_CHECKF(s == FL_ERR_INVALID && strstr(fl_error_message(), "bomb.yaml"), "%s: %s", fl_status_name(s),
+              fl_error_message());
+    /* aliases as such still work: one mapping used twice */
+    const char *ok = "train: &t {micro_batch_size: 2}\neval: {interval: 3}\n";
+    FL_CHECKF(fl_cfg_apply_yaml(&c, ok, strlen(ok), "ok.yaml") == FL_OK, "%s", fl_error_message());
+    FL_CHECK(c.train.micro_batch_size == 2 && c.eval.interval == 3);
+}

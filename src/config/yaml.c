@@ -10,6 +10,10 @@
 #include "config-impl.h"
 
 #define MAX_YAML_BYTES (16u << 20)
+/* Mapping entries walked per document. Aliases let a document repeat a mapping inside itself:
+ * 40 lines of "mK: &mK {a: *mK-1, b: *mK-1}" would be walked 2^40 times (a "billion laughs"). */
+#define MAX_YAML_WALK 100000
+static _Thread_local unsigned long g_walked;
 
 static fl_status walk(fl_run_config *c, yaml_document_t *doc, yaml_node_t *node, const char *prefix,
                       const char *source);
@@ -34,6 +38,9 @@ static fl_status walk(fl_run_config *c, yaml_document_t *doc, yaml_node_t *node,
         return fl_errorf(FL_ERR_INVALID, "%s:%lu: expected a mapping of options%s%s", source,
                          (unsigned long)node->start_mark.line + 1, *prefix ? " under " : "", prefix);
     for (yaml_node_pair_t *p = node->data.mapping.pairs.start; p < node->data.mapping.pairs.top; p++) {
+        if (++g_walked > MAX_YAML_WALK)
+            return fl_errorf(FL_ERR_INVALID, "%s:%lu: more than %d options to walk (aliases repeating a mapping?)", source,
+                             (unsigned long)node->start_mark.line + 1, MAX_YAML_WALK);
         yaml_node_t *k = yaml_document_get_node(doc, p->key), *v = yaml_document_get_node(doc, p->value);
         if (!k || !v || k->type != YAML_SCALAR_NODE)
             return fl_errorf(FL_ERR_INVALID, "%s: malformed mapping key near line %lu", source,
@@ -80,6 +87,7 @@ fl_status fl_cfg_apply_yaml(fl_run_config *c, const char *text, size_t n, const 
     }
     fl_status s = FL_OK;
     yaml_node_t *root = yaml_document_get_root_node(&doc);
+    g_walked = 0;
     if (root && !(root->type == YAML_SCALAR_NODE && root->data.scalar.length == 0))
         s = walk(c, &doc, root, "", source);
     yaml_document_delete(&doc);
