@@ -165,6 +165,8 @@ seed: 1337
 """)
 put("fuzz/seeds-recipe/flow.yaml", b"{train: {micro_batch_size: 4, epochs: 2}, data: {class_path: TextFiles, "
     b"init_args: {train_data_path: 'a', val_data_path: \"b\\u00e9\"}}, lora_target_modules: 'q_proj,v_proj'}\n")
+put("fuzz/seeds-recipe/alias.yaml", b"m0: &m0 {}\nm1: &m1 {a: *m0, b: *m0}\nm2: &m2 {a: *m1, b: *m1}\n"
+    b"train: &t\n  micro_batch_size: 2\neval: {interval: 3}\n")
 put("fuzz/seeds-overrides/a", b"train.micro_batch_size=4\ntrain.global_batch_size=16\noptimizer.lr=1e-3\n"
     b"data.class_path=litgpt.data.Alpaca\ndata.init_args.json_path=x.json\nprecision=bf16-mixed\nseed=7\n"
     b"train.max_steps=null\nlora_r=4\nquiet\n")
