@@ -9,9 +9,10 @@
  * -DFL_FUZZ_OVERRIDES (fuzz_recipe_overrides): the bytes are dotted
  * command-line overrides, one per line, "key=value" (or "key" alone, given as
  * "true"), applied in order with fl_cfg_set until one is refused, then
- * validated and written as above. Build: fuzz/build.sh */
+ * validated and written as above (when the input is valid UTF-8: YAML cannot hold other bytes). Build: fuzz/build.sh */
 #include "fuzz_util.h"
 
+#include "data/data-internal.h"
 #include "fitllm/config.h"
 
 static fl_run_config g_c, g_c2; /* large (paths): static, not on the stack */
@@ -37,6 +38,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     }
     free(text);
     if (fz_dbg(s) != FL_OK) return 0;
+    size_t bad;
+    if (!fl_data_utf8_valid((const char *)data, size, &bad)) return 0; /* YAML holds UTF-8 text only: a path
+                                                                           of other bytes cannot be written back */
 #endif
     if (fz_dbg(fl_cfg_validate(&g_c)) != FL_OK) return 0;
     char *out = NULL;

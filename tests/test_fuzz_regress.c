@@ -141,3 +141,32 @@ FL_TEST(fuzz_regress_yaml_alias_bomb) {
     FL_CHECKF(fl_cfg_apply_yaml(&c, ok, strlen(ok), "ok.yaml") == FL_OK, "%s", fl_error_message());
     FL_CHECK(c.train.micro_batch_size == 2 && c.eval.interval == 3);
 }
+
+/* fuzz_recipe_yaml (10-minute campaign, at 600 s): string options were written to
+ * hyperparameters.yaml unquoted, so an out_dir holding a newline (a YAML block or quoted scalar can
+ * give one) broke the document; ": ", " #" or a leading '-' would change its structure or cut the
+ * value. Strings YAML cannot read back plainly are now double-quoted with escapes. */
+FL_TEST(fuzz_regress_cfg_written_yaml_quotes_strings) {
+    static const char *vals[] = {"o/run\n textmodel_config", "a: b", "x #comment", "-dash", "say \"hi\"\\",
+                                 "tab\there", " lead", "trail ", "[x]", "caf\xc3\xa9/ok", "plain/path_1.2"};
+    for (size_t i = 0; i < sizeof vals / sizeof vals[0]; i++) {
+        static fl_run_config c, c2;
+        fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
+        FL_REQUIRE_OK(fl_cfg_set(&c, "checkpoint_dir", "ckpt"));
+        FL_REQUIRE_OK(fl_cfg_set(&c, "out_dir", vals[i]));
+        FL_REQUIRE_OK(fl_cfg_set(&c, "data.json_path", vals[i]));
+        char *y = NULL;
+        size_t n = 0;
+        FILE *f = open_memstream(&y, &n);
+        FL_REQUIRE(f != NULL);
+        fl_cfg_write_yaml(&c, f);
+        fclose(f);
+        fl_cfg_defaults(&c2, FL_CMD_FINETUNE_FULL);
+        FL_CHECKF(fl_cfg_apply_yaml(&c2, y, n, "written.yaml") == FL_OK, "value '%s': %s\n%s", vals[i],
+                  fl_error_message(), y);
+        FL_CHECKF(!strcmp(c2.out_dir, vals[i]) && !strcmp(c2.data.json_path, vals[i]), "value '%s' came back as '%s' / '%s'",
+                  vals[i], c2.out_dir, c2.data.json_path);
+        FL_CHECK(!strstr(y, "\"plain/path_1.2\"")); /* plain strings stay plain */
+        free(y);
+    }
+}

@@ -576,8 +576,31 @@ static int dumped(const fl_cfg_key *k) {
            strcmp(k->name, "initial_checkpoint_dir") && strcmp(k->name, "model");
 }
 
+/* A string option as a YAML scalar: plain when YAML reads it back unchanged, else double-quoted
+ * with escapes (a path holding a newline, ": ", " #" or a leading '-' would otherwise end the value,
+ * start a comment or change the document's structure). */
+static void yaml_scalar(const char *v, char *out, size_t n) {
+    int plain = v[0] != ' ' && !strchr("-?:,[]{}#&*!|>'\"%@`", v[0]) && v[strlen(v) - 1] != ' ' &&
+                v[strlen(v) - 1] != ':' && !strstr(v, ": ") && !strstr(v, " #");
+    for (const unsigned char *p = (const unsigned char *)v; plain && *p; p++)
+        if (*p < 0x20 || *p == 0x7f) plain = 0;
+    if (plain) {
+        snprintf(out, n, "%s", v);
+        return;
+    }
+    size_t k = 0;
+    out[k++] = '"';
+    for (const unsigned char *p = (const unsigned char *)v; *p && k + 6 < n; p++) {
+        if (*p == '"' || *p == '\\') k += (size_t)snprintf(out + k, n - k, "\\%c", *p);
+        else if (*p < 0x20 || *p == 0x7f) k += (size_t)snprintf(out + k, n - k, "\\x%02x", *p);
+        else out[k++] = (char)*p;
+    }
+    out[k++] = '"';
+    out[k] = 0;
+}
+
 void fl_cfg_write_yaml(const fl_run_config *c, FILE *f) {
-    char v[FL_CFG_PATH + 8];
+    char v[FL_CFG_PATH + 8], q[4 * FL_CFG_PATH + 16];
     const char *section = "";
     size_t section_len = 0; /* the open "section:" block is section[0..section_len) */
     fprintf(f, "# fitllm %s: effective configuration\n", c->command == FL_CMD_PRETRAIN ? "pretrain" : "finetune_full");
@@ -585,14 +608,20 @@ void fl_cfg_write_yaml(const fl_run_config *c, FILE *f) {
         const fl_cfg_key *k = &k_keys[i];
         if (!dumped(k) || !key_applies(k, c->command)) continue;
         value_str(c, k, v, sizeof v);
+        const char *val = v;
+        if (v[0] && (k->type == FL_CK_PATH || k->type == FL_CK_PATH256 || k->type == FL_CK_STR32 || k->type == FL_CK_STR64 ||
+                     k->type == FL_CK_RESUME)) {
+            yaml_scalar(v, q, sizeof q);
+            val = q;
+        }
         const char *dot = strchr(k->name, '.');
         if (!dot) {
             if (!strcmp(k->name, "data") || !strcmp(k->name, "optimizer")) {
-                fprintf(f, "%s:\n  class_path: %s\n  init_args:\n", k->name, v);
+                fprintf(f, "%s:\n  class_path: %s\n  init_args:\n", k->name, val);
                 section = k->name;
                 section_len = strlen(k->name);
             } else {
-                fprintf(f, "%s: %s\n", k->name, v);
+                fprintf(f, "%s: %s\n", k->name, val);
                 section = "";
                 section_len = 0;
             }
@@ -607,7 +636,7 @@ void fl_cfg_write_yaml(const fl_run_config *c, FILE *f) {
             section = k->name;
             section_len = plen;
         }
-        fprintf(f, "%s%s: %s\n", in_args ? "    " : "  ", dot + 1, v);
+        fprintf(f, "%s%s: %s\n", in_args ? "    " : "  ", dot + 1, val);
     }
 }
 
