@@ -136,6 +136,14 @@ FL_TEST(fuzz_regress_yaml_alias_bomb) {
     fl_status s = fl_cfg_apply_yaml(&c, y, o, "bomb.yaml");
     FL_CHECKF(s == FL_ERR_INVALID && strstr(fl_error_message(), "bomb.yaml"), "%s: %s", fl_status_name(s),
               fl_error_message());
+    /* fuzz_recipe_yaml (rerun after the fix above, ~420 s): a mapping holding itself under an empty key
+     * ("&m1 {&a : *m1}", minimized from the crash input) recursed until the stack overflowed. */
+    const char *self = "&m1 {&m1umetraiepochsb: *m1}\nm:";
+    s = fl_cfg_apply_yaml(&c, self, strlen(self), "self.yaml");
+    FL_CHECKF(s == FL_ERR_INVALID && strstr(fl_error_message(), "self.yaml"), "%s: %s", fl_status_name(s),
+              fl_error_message());
+    const char *self2 = "a: &x {b: *x}\n"; /* non-empty keys: the dotted key outgrows its 256 bytes */
+    FL_CHECK(fl_cfg_apply_yaml(&c, self2, strlen(self2), "self2.yaml") == FL_ERR_INVALID);
     /* aliases as such still work: one mapping used twice */
     const char *ok = "train: &t {micro_batch_size: 2}\neval: {interval: 3}\n";
     FL_CHECKF(fl_cfg_apply_yaml(&c, ok, strlen(ok), "ok.yaml") == FL_OK, "%s", fl_error_message());

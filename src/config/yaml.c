@@ -45,6 +45,10 @@ static fl_status walk(fl_run_config *c, yaml_document_t *doc, yaml_node_t *node,
         if (!k || !v || k->type != YAML_SCALAR_NODE)
             return fl_errorf(FL_ERR_INVALID, "%s: malformed mapping key near line %lu", source,
                              (unsigned long)(k ? k->start_mark.line + 1 : 0));
+        /* an empty name is no option, and it would not lengthen the dotted key: a mapping that holds
+         * itself through an alias under an empty key recursed until the stack overflowed */
+        if (k->data.scalar.length == 0)
+            return fl_errorf(FL_ERR_INVALID, "%s:%lu: empty option name", source, (unsigned long)k->start_mark.line + 1);
         char key[256];
         int n = snprintf(key, sizeof key, "%s%s%s", prefix, *prefix ? "." : "", (const char *)k->data.scalar.value);
         if (n < 0 || (size_t)n >= sizeof key) return fl_errorf(FL_ERR_INVALID, "%s: key too long", source);
