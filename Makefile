@@ -12,7 +12,7 @@ DEB_OPT_PKGS := gnuplot-nox
 FITLLM_DATA ?= ../shared/data
 export FITLLM_DATA
 
-.PHONY: all setup build test test-fast asan demo bench clean help
+.PHONY: all setup build test test-fast asan demo bench clean help fuzz fuzz-build fuzz-smoke
 
 all: build
 
@@ -22,6 +22,8 @@ help:
 	@echo "make build  - configure and build into $(BUILD)/"
 	@echo "make asan   - build with ASan/UBSan and run the whole suite under it"
 	@echo "make bench  - fitllm vs PyTorch training-step benchmark (needs a torch virtualenv)"
+	@echo "make fuzz   - libFuzzer (clang) on every input parser, FUZZ_TIME s each (default 600), FUZZ_JOBS at a time"
+	@echo "make fuzz-smoke - the same, 30 s each"
 
 setup:
 	@missing=""; for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -79,6 +81,21 @@ demo: build
 
 bench: build
 	bench/run_bench_step.sh
+
+# Coverage-guided fuzzing (clang + libFuzzer, ASan/UBSan; not part of `make test`): every parser of
+# untrusted input, FUZZ_TIME seconds per harness, FUZZ_JOBS at a time (nice 19). Corpora, logs and
+# crash inputs in build-fuzz/; docs/FUZZING.md. One harness: fuzz/run.sh NAME SECONDS.
+FUZZ_TIME ?= 600
+FUZZ_JOBS ?= 2
+FUZZ_NAMES ?=
+fuzz-build:
+	fuzz/build.sh
+
+fuzz: fuzz-build
+	fuzz/run_all.sh $(FUZZ_TIME) $(FUZZ_JOBS) $(FUZZ_NAMES)
+
+fuzz-smoke: fuzz-build
+	fuzz/run_all.sh 30 $(FUZZ_JOBS) $(FUZZ_NAMES)
 
 clean:
 	rm -rf $(BUILD) $(ASAN_BUILD)

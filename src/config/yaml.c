@@ -11,6 +11,10 @@
 #include "config-impl.h"
 
 #define MAX_YAML_BYTES (16u << 20)
+/* Mapping entries walked per document. Aliases let a document repeat a mapping inside itself:
+ * 40 lines of "mK: &mK {a: *mK-1, b: *mK-1}" would be walked 2^40 times (a "billion laughs"). */
+#define MAX_YAML_WALK 100000
+static _Thread_local unsigned long g_walked;
 
 static fl_status walk(fl_cfg_entries *c, yaml_document_t *doc, yaml_node_t *node, const char *prefix,
                       const char *source);
@@ -35,10 +39,17 @@ static fl_status walk(fl_cfg_entries *c, yaml_document_t *doc, yaml_node_t *node
         return fl_errorf(FL_ERR_INVALID, "%s:%lu: expected a mapping of options%s%s", source,
                          (unsigned long)node->start_mark.line + 1, *prefix ? " under " : "", prefix);
     for (yaml_node_pair_t *p = node->data.mapping.pairs.start; p < node->data.mapping.pairs.top; p++) {
+        if (++g_walked > MAX_YAML_WALK)
+            return fl_errorf(FL_ERR_INVALID, "%s:%lu: more than %d options to walk (aliases repeating a mapping?)", source,
+                             (unsigned long)node->start_mark.line + 1, MAX_YAML_WALK);
         yaml_node_t *k = yaml_document_get_node(doc, p->key), *v = yaml_document_get_node(doc, p->value);
         if (!k || !v || k->type != YAML_SCALAR_NODE)
             return fl_errorf(FL_ERR_INVALID, "%s: malformed mapping key near line %lu", source,
                              (unsigned long)(k ? k->start_mark.line + 1 : 0));
+        /* an empty name is no option, and it would not lengthen the dotted key: a mapping that holds
+         * itself through an alias under an empty key recursed until the stack overflowed */
+        if (k->data.scalar.length == 0)
+            return fl_errorf(FL_ERR_INVALID, "%s:%lu: empty option name", source, (unsigned long)k->start_mark.line + 1);
         char key[256];
         int n = snprintf(key, sizeof key, "%s%s%s", prefix, *prefix ? "." : "", (const char *)k->data.scalar.value);
         if (n < 0 || (size_t)n >= sizeof key) return fl_errorf(FL_ERR_INVALID, "%s: key too long", source);
@@ -81,6 +92,7 @@ fl_status fl_cfg_entries_load_yaml(fl_cfg_entries *c, const char *text, size_t n
     }
     fl_status s = FL_OK;
     yaml_node_t *root = yaml_document_get_root_node(&doc);
+    g_walked = 0;
     if (root && !(root->type == YAML_SCALAR_NODE && root->data.scalar.length == 0))
         s = walk(c, &doc, root, "", source);
     yaml_document_delete(&doc);

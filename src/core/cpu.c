@@ -3,6 +3,9 @@
 
 #include <pthread.h>
 #include <stdlib.h>
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__clang__) && __clang_major__ < 15
+#include <cpuid.h>
+#endif
 #include <string.h>
 
 static struct {
@@ -21,7 +24,14 @@ static void detect(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2")) f |= FL_CPU_F_AVX2;
     if (__builtin_cpu_supports("fma")) f |= FL_CPU_F_FMA;
-    if (__builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx")) f |= FL_CPU_F_F16C;
+#if defined(__clang__) && __clang_major__ < 15
+    /* clang < 15 does not know "f16c" here (the fuzz build uses clang 14): CPUID.1:ECX bit 29 */
+    unsigned ca, cb, cc, cd;
+    int f16c = __get_cpuid(1, &ca, &cb, &cc, &cd) && ((cc >> 29) & 1u);
+#else
+    int f16c = __builtin_cpu_supports("f16c");
+#endif
+    if (f16c && __builtin_cpu_supports("avx")) f |= FL_CPU_F_F16C;
     if (__builtin_cpu_supports("avx512f")) f |= FL_CPU_F_AVX512F;
     if (__builtin_cpu_supports("avx512bw")) f |= FL_CPU_F_AVX512BW;
     if (__builtin_cpu_supports("avx512vl")) f |= FL_CPU_F_AVX512VL;

@@ -276,6 +276,19 @@ static fl_status fl_hf_check_config_vs_files(const char *dir, const char *cfg_pa
         s = fl_errorf(FL_ERR_FORMAT, "%s: vocab_size %d x hidden size %d does not match the embedding '%s' of shape "
                       "[%lld, %lld] in %s", cfg_path, c->vocab_size, c->dim, e->name, (long long)e->shape[0],
                       (long long)(e->ndim > 1 ? e->shape[1] : 0), dir);
+    if (s == FL_OK) {
+        /* Every parameter comes from the files at 2 bytes or more (F16/BF16): a config the files
+         * cannot fill (no layer or embedding tensors to compare with) must not get its model
+         * allocated. */
+        uint64_t have = 0;
+        for (int fi = 0; fi < sh.n_files; fi++)
+            for (int ti = 0; ti < sh.files[fi].n_tensors; ti++)
+                have += sh.files[fi].tensors[ti].end - sh.files[fi].tensors[ti].begin;
+        size_t np = fl_sizing_param_count(c);
+        if ((double)have < 2.0 * (double)np)
+            s = fl_errorf(FL_ERR_FORMAT, "%s: describes %zu parameters (at least %.4g MB as 16-bit) but the weights in %s "
+                          "hold %llu bytes", cfg_path, np, 2e-6 * (double)np, dir, (unsigned long long)have);
+    }
     fl_hf_shards_free(&sh);
     return s;
 }

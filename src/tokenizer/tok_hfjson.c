@@ -275,6 +275,24 @@ fl_status fl_tok_load_hf_json(fl_tokenizer **out, const fl_json *root, const cha
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s: model type \"%s\" is not supported (only BPE)", src, mt);
     const fl_json *vocab = fl_json_get(model, "vocab");
     if (!vocab || vocab->type != FL_JSON_OBJECT) return fl_errorf(FL_ERR_FORMAT, "%s: model.vocab must be an object", src);
+    {
+        /* Ids index dense per-token tables: two tokens with ids near 2^26 would make a 60-byte file cost
+         * gigabytes and seconds. Real vocabularies are dense (added tokens continue the model's ids), so
+         * the largest id must stay below 2 x the tokens defined + 1024. */
+        const fl_json *added = fl_json_get(root, "added_tokens");
+        size_t n_def = vocab->len + (added && added->type == FL_JSON_ARRAY ? added->len : 0);
+        int64_t max_id = -1;
+        const char *where = "model.vocab";
+        for (const fl_json *c = vocab->child; c; c = c->next)
+            if (c->type == FL_JSON_NUMBER && c->is_int && c->i > max_id) max_id = c->i;
+        for (const fl_json *c = added && added->type == FL_JSON_ARRAY ? added->child : NULL; c; c = c->next) {
+            const fl_json *v = fl_json_get(c, "id");
+            if (v && v->type == FL_JSON_NUMBER && v->is_int && v->i > max_id) max_id = v->i, where = "added_tokens";
+        }
+        if (max_id >= 0 && (uint64_t)max_id >= 2 * (uint64_t)n_def + 1024)
+            return fl_errorf(FL_ERR_FORMAT, "%s: %s: token id %lld but only %zu tokens are defined (ids must be dense: "
+                             "below 2 x tokens + 1024)", src, where, (long long)max_id, n_def);
+    }
     const fl_json *drop = fl_json_get(model, "dropout");
     if (drop && drop->type == FL_JSON_NUMBER && drop->num != 0.0)
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s: BPE dropout is not supported", src);
