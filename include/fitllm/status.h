@@ -9,6 +9,8 @@
 #ifndef FITLLM_STATUS_H
 #define FITLLM_STATUS_H
 
+#include <stddef.h>
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -41,6 +43,9 @@ void fl_error_clear(void);
 
 /* Short name of a status ("OOM", "FORMAT", ...). */
 const char *fl_status_name(fl_status s);
+/* Case-insensitive Levenshtein distance (the first 127 characters of b), for the nearest valid
+ * names an error message suggests (options, presets, model_config fields). */
+size_t fl_edit_distance(const char *a, const char *b);
 
 #define FL_TRY(expr)                                                           \
     do {                                                                       \

@@ -23,7 +23,6 @@ typedef struct {
  * checkpoint_dir; data.class_path -> data; X.init_args.Y -> X.Y) map to one name so
  * that a later value replaces an earlier one whatever spelling either used. */
 void fl_cfg_canonical_key(const char *key, char *out, size_t n);
-size_t fl_cfg_levenshtein(const char *a, const char *b);
 /* model_config.<field>: a litgpt.Config field name and a value of its type. */
 fl_status fl_cfg_model_field_check(const char *field, const char *value);
 int fl_cfg_is_null(const char *v);

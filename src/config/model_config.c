@@ -121,7 +121,7 @@ fl_status fl_cfg_model_field_check(const char *field, const char *v) {
         const char *best = NULL;
         size_t bd = (size_t)-1;
         for (size_t i = 0; i < N_FIELDS; i++) {
-            size_t d = fl_cfg_levenshtein(field, k_fields[i].name);
+            size_t d = fl_edit_distance(field, k_fields[i].name);
             if (d < bd) bd = d, best = k_fields[i].name;
         }
         return fl_errorf(FL_ERR_INVALID, "unknown option 'model_config.%s': not a litgpt.Config field%s%s%s", field,

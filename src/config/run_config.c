@@ -172,31 +172,16 @@ static int key_applies(const fl_cfg_key *k, fl_cmd_kind cmd) {
     return !key_owner(k) || cmd == FL_CMD_FINETUNE_LORA;
 }
 
-size_t fl_cfg_levenshtein(const char *a, const char *b) {
-    size_t n = strlen(a), m = strlen(b), prev[128], cur[128];
-    if (m >= 127) m = 127;
-    for (size_t j = 0; j <= m; j++) prev[j] = j;
-    for (size_t i = 1; i <= n; i++) {
-        cur[0] = i;
-        for (size_t j = 1; j <= m; j++) {
-            size_t sub = prev[j - 1] + (tolower((unsigned char)a[i - 1]) != tolower((unsigned char)b[j - 1]));
-            size_t del = prev[j] + 1, ins = cur[j - 1] + 1;
-            cur[j] = sub < del ? (sub < ins ? sub : ins) : (del < ins ? del : ins);
-        }
-        memcpy(prev, cur, (m + 1) * sizeof *prev);
-    }
-    return prev[m];
-}
 
 static const char *nearest_key(const char *key) {
     const char *best = NULL;
     size_t bd = (size_t)-1;
     for (size_t i = 0; i < N_KEYS; i++) {
         if (k_keys[i].type == FL_CK_IGNORED) continue; /* a typo is never meant for an option that does nothing */
-        size_t d = fl_cfg_levenshtein(key, k_keys[i].name);
+        size_t d = fl_edit_distance(key, k_keys[i].name);
         /* also compare the last component, for "micro_batch_size" -> "train.micro_batch_size" */
         const char *dot = strrchr(k_keys[i].name, '.');
-        if (dot) { size_t d2 = fl_cfg_levenshtein(key, dot + 1) + 1; if (d2 < d) d = d2; }
+        if (dot) { size_t d2 = fl_edit_distance(key, dot + 1) + 1; if (d2 < d) d = d2; }
         if (d < bd) { bd = d; best = k_keys[i].name; }
     }
     /* a far-fetched suggestion ('bogus' -> 'model') misleads more than none */

@@ -1,3 +1,4 @@
+#include <ctype.h>
 /* Thread-local error message storage; see include/fitllm/status.h. */
 #include "fitllm/status.h"
 
@@ -35,4 +36,20 @@ const char *fl_status_name(fl_status s) {
     static const char *names[FL_STATUS_COUNT] = {
         "OK", "INVALID", "IO", "FORMAT", "OOM", "UNSUPPORTED", "NOT_FOUND", "INTERNAL", "NONFINITE"};
     return (s >= 0 && s < FL_STATUS_COUNT) ? names[s] : "UNKNOWN";
+}
+
+size_t fl_edit_distance(const char *a, const char *b) {
+    size_t n = strlen(a), m = strlen(b), prev[128], cur[128];
+    if (m >= 127) m = 127;
+    for (size_t j = 0; j <= m; j++) prev[j] = j;
+    for (size_t i = 1; i <= n; i++) {
+        cur[0] = i;
+        for (size_t j = 1; j <= m; j++) {
+            size_t sub = prev[j - 1] + (tolower((unsigned char)a[i - 1]) != tolower((unsigned char)b[j - 1]));
+            size_t del = prev[j] + 1, ins = cur[j - 1] + 1;
+            cur[j] = sub < del ? (sub < ins ? sub : ins) : (del < ins ? del : ins);
+        }
+        memcpy(prev, cur, (m + 1) * sizeof *prev);
+    }
+    return prev[m];
 }

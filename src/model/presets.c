@@ -124,22 +124,6 @@ static int name_is(const char *name, const char *known) {
     return slash && !strchr(known, '/') && !strcasecmp(slash + 1, known);
 }
 
-static size_t edit_distance(const char *a, const char *b) {
-    size_t n = strlen(a), m = strlen(b), prev[128], cur[128];
-    if (n > 127) n = 127;
-    if (m > 127) m = 127;
-    for (size_t j = 0; j <= m; j++) prev[j] = j;
-    for (size_t i = 1; i <= n; i++) {
-        cur[0] = i;
-        for (size_t j = 1; j <= m; j++) {
-            size_t sub = prev[j - 1] + (tolower((unsigned char)a[i - 1]) != tolower((unsigned char)b[j - 1]));
-            size_t del = prev[j] + 1, ins = cur[j - 1] + 1;
-            cur[j] = sub < del ? (sub < ins ? sub : ins) : (del < ins ? del : ins);
-        }
-        memcpy(prev, cur, (m + 1) * sizeof *prev);
-    }
-    return prev[m];
-}
 
 static int contains_nocase(const char *hay, const char *needle) {
     size_t n = strlen(needle);
@@ -166,7 +150,7 @@ fl_status fl_preset_find(const char *name, fl_model_config *cfg) {
     for (size_t i = 0; i < n + na; i++) {
         const char *cand = i < n ? k_presets[i].name : k_aliases[i - n].alias;
         const char *cs = strrchr(cand, '/') ? strrchr(cand, '/') + 1 : cand;
-        size_t d = edit_distance(q, cs);
+        size_t d = fl_edit_distance(q, cs);
         if (contains_nocase(cs, q) || contains_nocase(q, cs)) d = d / 2; /* "llama-2" ~ "llama-2-7b" */
         for (int k = 0; k < 3; k++)
             if (d < bd[k]) {
