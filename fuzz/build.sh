@@ -30,9 +30,10 @@ BASE="-std=gnu11 -O1 -g -fopenmp -Iinclude -Isrc $SAN"
 LIBS="-lpcre2-8 -lyaml -lm"
 
 # ---- the library (rebuilt when a source or any header is newer than its object) ----
-newest_h=$(ls -t include/fitllm/*.h src/*/*.h src/backend/cpu/*.h 2>/dev/null | head -1)
+newest_h=$(ls -t include/fitllm/*.h src/*/*.h src/backend/cpu/*.h src/backend/cuda/*.h 2>/dev/null | head -1)
 export CC BASE OUT newest_h
-ls src/*/*.c src/backend/cpu/*.c | grep -v '^src/cli/' | xargs -P "$JOBS" -I{} sh -c '
+# (not the CLI; not the MPI communicator, which needs mpicc's flags; the CUDA host code without CUDA)
+ls src/*/*.c src/backend/cpu/*.c src/backend/cuda/*.c | grep -v -e '^src/cli/' -e '^src/comm/comm_mpi\.c$' | xargs -P "$JOBS" -I{} sh -c '
   o="$OUT/obj/$(echo {} | tr / _ ).o"
   if [ ! -f "$o" ] || [ {} -nt "$o" ] || [ "$newest_h" -nt "$o" ]; then
     $CC $BASE -fsanitize=fuzzer-no-link -c {} -o "$o" || exit 255

@@ -52,6 +52,10 @@ float fl_f16_to_f32(uint16_t h);
  * Supported pairs: any of F32/BF16/F16/F64 to any of them. Returns 0 or -1. */
 int fl_convert(void *dst, fl_dtype dt, const void *src, fl_dtype st, size_t n);
 
+/* Index of the first inf/NaN among n floating-point values of dtype t (F32, F64,
+ * BF16, F16; any alignment), or -1 when all are finite or t is not a float. */
+long long fl_dtype_first_nonfinite(const void *x, fl_dtype t, size_t n);
+
 #ifdef __cplusplus
 }
 #endif

@@ -102,3 +102,27 @@ int fl_convert(void *dst, fl_dtype dt, const void *src, fl_dtype st, size_t n) {
     }
     return 0;
 }
+
+long long fl_dtype_first_nonfinite(const void *x, fl_dtype t, size_t n) {
+    const unsigned char *b = x;
+    /* by bits: an all-ones exponent is inf or NaN (memcpy: no alignment needed) */
+    for (size_t i = 0; i < n; i++) {
+        if (t == FL_F32) {
+            uint32_t v;
+            memcpy(&v, b + 4 * i, 4);
+            if ((v & 0x7f800000u) == 0x7f800000u) return (long long)i;
+        } else if (t == FL_F64) {
+            uint64_t v;
+            memcpy(&v, b + 8 * i, 8);
+            if ((v & 0x7ff0000000000000ull) == 0x7ff0000000000000ull) return (long long)i;
+        } else if (t == FL_BF16 || t == FL_F16) {
+            uint16_t v;
+            memcpy(&v, b + 2 * i, 2);
+            uint16_t e = t == FL_BF16 ? 0x7f80u : 0x7c00u;
+            if ((v & e) == e) return (long long)i;
+        } else {
+            return -1;
+        }
+    }
+    return -1;
+}

@@ -16,7 +16,7 @@
 #include <sys/stat.h>
 
 #include "data-internal.h"
-#include "io/io-internal.h"
+#include "core/fs.h"
 
 #define CACHE_MAGIC 0x3143415441444c46ULL /* "FLDATAC1" in little-endian bytes */
 #define HDR_WORDS 10
@@ -170,7 +170,7 @@ fl_status fl_data_cache_path(const fl_data_config *cfg, const uint64_t key[2], c
     static const char *const kinds[] = {"synthetic", "alpaca", "json", "textfiles"};
     snprintf(name, sizeof name, "%s-%016llx%016llx.bin", kinds[cfg->kind], (unsigned long long)key[0],
              (unsigned long long)key[1]);
-    return fl_io_join(buf, n, cfg->cache_dir, name);
+    return fl_fs_join(buf, n, cfg->cache_dir, name);
 }
 
 /* ---- read / write ---------------------------------------------------------------------------- */
@@ -185,7 +185,7 @@ static uint64_t checksum(const void *p, size_t n) {
 }
 
 fl_status fl_data_cache_read(const char *path, const uint64_t key[2], fl_dataset *d) {
-    if (!fl_io_is_file(path)) return fl_errorf(FL_ERR_NOT_FOUND, "%s: not cached", path);
+    if (!fl_fs_is_file(path)) return fl_errorf(FL_ERR_NOT_FOUND, "%s: not cached", path);
     fl_data_file f;
     FL_TRY(fl_data_file_read(path, &f));
     fl_status s = FL_OK;
@@ -290,7 +290,7 @@ fl_status fl_data_cache_write(const char *path, const uint64_t key[2], const fl_
     }
     uint64_t sum = checksum(buf, off);
     memcpy(buf + off, &sum, 8);
-    fl_status s = fl_io_write_file_atomic(path, buf, size);
+    fl_status s = fl_fs_write_file_atomic(path, buf, size);
     free(buf);
     return s;
 }

@@ -10,7 +10,7 @@
 #include <sys/stat.h>
 
 #include "data-internal.h"
-#include "io/io-internal.h"
+#include "core/fs.h"
 
 fl_status fl_data_file_read(const char *path, fl_data_file *out) {
     memset(out, 0, sizeof *out);
@@ -72,8 +72,8 @@ static fl_status find_split_file(const char *dir, const char *name, char *buf, s
     char fname[64];
     for (int i = 0; i < 2; i++) {
         snprintf(fname, sizeof fname, "%s%s", name, suffixes[i]);
-        FL_TRY(fl_io_join(buf, n, dir, fname));
-        if (fl_io_is_file(buf)) return FL_OK;
+        FL_TRY(fl_fs_join(buf, n, dir, fname));
+        if (fl_fs_is_file(buf)) return FL_OK;
     }
     return fl_errorf(FL_ERR_NOT_FOUND, "%s: folder has no %s.json or %s.jsonl (a JSON dataset folder needs train.json and val.json)",
                      dir, name, name);
@@ -84,7 +84,7 @@ static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *
 /* Sorted *.txt regular files of dir (like sorted(glob(dir/"*.txt"))). */
 static fl_status add_txt_files(const char *dir, fl_data_files *fs, size_t *count) {
     *count = 0;
-    if (!fl_io_is_dir(dir)) return fl_errorf(FL_ERR_NOT_FOUND, "%s: TextFiles data folder does not exist", dir);
+    if (!fl_fs_is_dir(dir)) return fl_errorf(FL_ERR_NOT_FOUND, "%s: TextFiles data folder does not exist", dir);
     DIR *d = opendir(dir);
     if (!d) return fl_errorf(FL_ERR_IO, "%s: cannot open folder: %s", dir, strerror(errno));
     char **names = NULL;
@@ -95,7 +95,7 @@ static fl_status add_txt_files(const char *dir, fl_data_files *fs, size_t *count
     while ((e = readdir(d)) != NULL && s == FL_OK) {
         size_t l = strlen(e->d_name);
         if (e->d_name[0] == '.' || l < 4 || strcmp(e->d_name + l - 4, ".txt") != 0) continue;
-        if (fl_io_join(path, sizeof path, dir, e->d_name) != FL_OK || !fl_io_is_file(path)) continue;
+        if (fl_fs_join(path, sizeof path, dir, e->d_name) != FL_OK || !fl_fs_is_file(path)) continue;
         if (n == cap) {
             cap = cap ? cap * 2 : 16;
             char **nn = realloc(names, cap * sizeof *nn);
@@ -109,7 +109,7 @@ static fl_status add_txt_files(const char *dir, fl_data_files *fs, size_t *count
     closedir(d);
     if (s == FL_OK && n > 1) qsort(names, n, sizeof *names, cmp_str);
     for (size_t i = 0; i < n && s == FL_OK; i++) {
-        s = fl_io_join(path, sizeof path, dir, names[i]);
+        s = fl_fs_join(path, sizeof path, dir, names[i]);
         if (s == FL_OK) s = fl_data_files_add(fs, path);
     }
     for (size_t i = 0; i < n; i++) free(names[i]);
@@ -127,7 +127,7 @@ fl_status fl_data_sources(const fl_data_config *cfg, fl_data_files *fs, size_t *
         if (!p[0])
             return fl_errorf(FL_ERR_INVALID, "data %s: json_path is not set (a .json/.jsonl file or a folder with "
                                              "train.json and val.json; fitllm does not download datasets)", kind);
-        if (fl_io_is_dir(p)) {
+        if (fl_fs_is_dir(p)) {
             char tr[4200], va[4200];
             FL_TRY(find_split_file(p, "train", tr, sizeof tr));
             FL_TRY(find_split_file(p, "val", va, sizeof va));
@@ -136,7 +136,7 @@ fl_status fl_data_sources(const fl_data_config *cfg, fl_data_files *fs, size_t *
             *n_train_files = 1;
             return FL_OK;
         }
-        if (!fl_io_is_file(p))
+        if (!fl_fs_is_file(p))
             return fl_errorf(FL_ERR_NOT_FOUND, "%s: does not exist (data %s json_path must be a .json/.jsonl file or a "
                                                "folder with train.json and val.json)", p, kind);
         FL_TRY(fl_data_files_add(fs, p));

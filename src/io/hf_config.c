@@ -2,7 +2,7 @@
 #include "fitllm/io.h"
 #include "fitllm/json.h"
 
-#include "io-internal.h"
+#include "core/fs.h"
 
 #include <limits.h>
 #include <stdio.h>
@@ -291,5 +291,5 @@ fl_status fl_hf_save_config(const char *path, const fl_model_config *c) {
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s: cannot write a config for architecture %d", path, (int)c->arch);
     }
     if (w < 0 || (size_t)w >= sizeof buf) return fl_errorf(FL_ERR_INTERNAL, "%s: config text too long", path);
-    return fl_io_write_file_atomic(path, buf, (size_t)w);
+    return fl_fs_write_file_atomic(path, buf, (size_t)w);
 }

@@ -3,7 +3,7 @@
 #include "fitllm/io.h"
 #include "fitllm/json.h"
 
-#include "io-internal.h"
+#include "core/fs.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -68,7 +68,7 @@ static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl
     fl_status s = FL_OK;
     /* a NaN weight poisons every output: refuse it here, naming the tensor,
      * instead of training or generating NaN silently */
-    long long bad = fl_io_first_nonfinite(src, t->dtype, p->numel);
+    long long bad = fl_dtype_first_nonfinite(src, t->dtype, p->numel);
     if (bad >= 0)
         return fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s' holds a non-finite value (inf/NaN) at element %lld: the "
                          "file is corrupt or was saved from a diverged run", f->path, t->name, bad);
@@ -114,29 +114,6 @@ static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl
     return s;
 }
 
-long long fl_io_first_nonfinite(const void *x, fl_dtype t, size_t n) {
-    const unsigned char *b = x;
-    /* by bits: an all-ones exponent is inf or NaN (memcpy: no alignment needed) */
-    for (size_t i = 0; i < n; i++) {
-        if (t == FL_F32) {
-            uint32_t v;
-            memcpy(&v, b + 4 * i, 4);
-            if ((v & 0x7f800000u) == 0x7f800000u) return (long long)i;
-        } else if (t == FL_F64) {
-            uint64_t v;
-            memcpy(&v, b + 8 * i, 8);
-            if ((v & 0x7ff0000000000000ull) == 0x7ff0000000000000ull) return (long long)i;
-        } else if (t == FL_BF16 || t == FL_F16) {
-            uint16_t v;
-            memcpy(&v, b + 2 * i, 2);
-            uint16_t e = t == FL_BF16 ? 0x7f80u : 0x7c00u;
-            if ((v & e) == e) return (long long)i;
-        } else {
-            return -1;
-        }
-    }
-    return -1;
-}
 
 typedef struct {
     fl_st_file *files;
@@ -155,8 +132,8 @@ static void fl_hf_shards_free(fl_hf_shards *s) {
 static fl_status fl_hf_open_shards(const char *dir, fl_hf_shards *sh) {
     char path[FL_HF_PATH_MAX];
     memset(sh, 0, sizeof *sh);
-    FL_TRY(fl_io_join(path, sizeof path, dir, "model.safetensors"));
-    if (fl_io_is_file(path)) {
+    FL_TRY(fl_fs_join(path, sizeof path, dir, "model.safetensors"));
+    if (fl_fs_is_file(path)) {
         sh->files = calloc(1, sizeof *sh->files);
         if (!sh->files) return fl_errorf(FL_ERR_OOM, "%s: out of memory", path);
         FL_TRY(fl_st_open(&sh->files[0], path));
@@ -164,8 +141,8 @@ static fl_status fl_hf_open_shards(const char *dir, fl_hf_shards *sh) {
         return FL_OK;
     }
     char ipath[FL_HF_PATH_MAX];
-    FL_TRY(fl_io_join(ipath, sizeof ipath, dir, "model.safetensors.index.json"));
-    if (!fl_io_is_file(ipath))
+    FL_TRY(fl_fs_join(ipath, sizeof ipath, dir, "model.safetensors.index.json"));
+    if (!fl_fs_is_file(ipath))
         return fl_errorf(FL_ERR_NOT_FOUND, "%s: no model.safetensors or model.safetensors.index.json", dir);
     fl_json *idx = NULL;
     FL_TRY(fl_json_parse_file(ipath, &idx));
@@ -188,7 +165,7 @@ static fl_status fl_hf_open_shards(const char *dir, fl_hf_shards *sh) {
         while (k < sh->n_files && strcmp(sh->names[k], e->str) != 0) k++;
         if (k == sh->n_files) {
             snprintf(sh->names[k], sizeof sh->names[k], "%s", e->str);
-            s = fl_io_join(path, sizeof path, dir, e->str);
+            s = fl_fs_join(path, sizeof path, dir, e->str);
             if (s == FL_OK) s = fl_st_open(&sh->files[k], path);
             if (s != FL_OK) break;
             sh->n_files++;
@@ -300,7 +277,7 @@ fl_status fl_hf_load_model(fl_model *m, const char *dir, const fl_backend *be, f
 fl_status fl_hf_load_model_ex(fl_model *m, const char *dir, const fl_backend *be, fl_mem_pool *pool,
                               const fl_model_storage *st) {
     char path[FL_HF_PATH_MAX];
-    FL_TRY(fl_io_join(path, sizeof path, dir, "config.json"));
+    FL_TRY(fl_fs_join(path, sizeof path, dir, "config.json"));
     fl_model_config cfg;
     FL_TRY(fl_hf_load_config(path, &cfg));
     FL_TRY(fl_hf_check_config_vs_files(dir, path, &cfg));
@@ -372,7 +349,7 @@ static fl_status fl_hf_write_files(const fl_model *m, const char *dir) {
     const char *mk[] = {"format"}, *mv[] = {"pt"};
     fl_status s = FL_OK;
     if (n_shards == 1) {
-        s = fl_io_join(path, sizeof path, dir, "model.safetensors");
+        s = fl_fs_join(path, sizeof path, dir, "model.safetensors");
         if (s == FL_OK) s = fl_st_write(path, t, lay->n, mk, mv, 1);
     } else {
         /* model-0000i-of-0000N.safetensors + model.safetensors.index.json */
@@ -386,7 +363,7 @@ static fl_status fl_hf_write_files(const fl_model *m, const char *dir) {
             while (k1 < lay->n && shard[k1] == sh) k1++;
             char name[64];
             snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", sh + 1, n_shards);
-            s = fl_io_join(path, sizeof path, dir, name);
+            s = fl_fs_join(path, sizeof path, dir, name);
             if (s == FL_OK) s = fl_st_write(path, t + k0, k1 - k0, mk, mv, 1);
             for (int k = k0; k < k1; k++)
                 fprintf(f, "    \"%s\": \"%s\"%s\n", t[k].name, name, k + 1 < lay->n ? "," : "");
@@ -396,25 +373,25 @@ static fl_status fl_hf_write_files(const fl_model *m, const char *dir) {
             fprintf(f, "  }\n}\n");
             fclose(f);
         }
-        if (s == FL_OK) s = fl_io_join(path, sizeof path, dir, "model.safetensors.index.json");
-        if (s == FL_OK) s = fl_io_write_file_atomic(path, index, ilen);
+        if (s == FL_OK) s = fl_fs_join(path, sizeof path, dir, "model.safetensors.index.json");
+        if (s == FL_OK) s = fl_fs_write_file_atomic(path, index, ilen);
         free(index);
     }
     free(t);
     free(shard);
     free(fc);
-    if (s == FL_OK) s = fl_io_join(path, sizeof path, dir, "config.json");
+    if (s == FL_OK) s = fl_fs_join(path, sizeof path, dir, "config.json");
     if (s == FL_OK) s = fl_hf_save_config(path, &m->cfg);
     return s;
 }
 
 fl_status fl_hf_save_model(const fl_model *m, const char *dir) {
     if (!m || (!m->params && !m->p16) || !dir || !dir[0]) return fl_errorf(FL_ERR_INVALID, "fl_hf_save_model: no model or folder");
-    if (fl_io_is_dir(dir)) {
+    if (fl_fs_is_dir(dir)) {
         /* Existing folder (it may hold tokenizer files): replace our two files,
          * each atomically (weights first, then the config). */
         fl_status s = fl_hf_write_files(m, dir);
-        if (s == FL_OK) fl_io_sync_dir(dir);
+        if (s == FL_OK) fl_fs_sync_dir(dir);
         return s;
     }
     /* New folder: build it beside the target, then rename it into place. */
@@ -423,13 +400,13 @@ fl_status fl_hf_save_model(const fl_model *m, const char *dir) {
     while (dl > 1 && dir[dl - 1] == '/') dl--;
     int w = snprintf(tmp, sizeof tmp, "%.*s.tmp-%ld", (int)dl, dir, (long)getpid());
     if (w < 0 || (size_t)w >= sizeof tmp) return fl_errorf(FL_ERR_INVALID, "%s: path too long", dir);
-    fl_io_remove_dir(tmp); /* stale leftover of a crashed save by this pid */
+    fl_fs_remove_dir(tmp); /* stale leftover of a crashed save by this pid */
     if (mkdir(tmp, 0755) != 0) return fl_errorf(FL_ERR_IO, "%s: cannot create folder %s: %s", dir, tmp, strerror(errno));
     fl_status s = fl_hf_write_files(m, tmp);
     if (s == FL_OK) {
-        fl_io_sync_dir(tmp);
+        fl_fs_sync_dir(tmp);
         if (rename(tmp, dir) != 0) s = fl_errorf(FL_ERR_IO, "%s: cannot rename %s into place: %s", dir, tmp, strerror(errno));
     }
-    if (s != FL_OK) fl_io_remove_dir(tmp);
+    if (s != FL_OK) fl_fs_remove_dir(tmp);
     return s;
 }

@@ -1,7 +1,7 @@
 /* fl_model_load_auto: pick the loader by looking at the path. */
 #include "fitllm/io.h"
 
-#include "io-internal.h"
+#include "core/fs.h"
 
 #include <errno.h>
 #include <string.h>
@@ -26,10 +26,10 @@ fl_status fl_model_load_auto_ex(fl_model *m, const char *path, const fl_backend 
         return fl_errorf(errno == ENOENT ? FL_ERR_NOT_FOUND : FL_ERR_IO, "%s: %s", path, strerror(errno));
     if (S_ISDIR(st.st_mode)) {
         char cfg[4096];
-        FL_TRY(fl_io_join(cfg, sizeof cfg, path, "config.json"));
-        if (!fl_io_is_file(cfg)) {
-            FL_TRY(fl_io_join(cfg, sizeof cfg, path, "adapter_config.json"));
-            if (fl_io_is_file(cfg)) /* e.g. a finetune_lora step checkpoint */
+        FL_TRY(fl_fs_join(cfg, sizeof cfg, path, "config.json"));
+        if (!fl_fs_is_file(cfg)) {
+            FL_TRY(fl_fs_join(cfg, sizeof cfg, path, "adapter_config.json"));
+            if (fl_fs_is_file(cfg)) /* e.g. a finetune_lora step checkpoint */
                 return fl_errorf(FL_ERR_NOT_FOUND, "%s: a PEFT LoRA adapter folder (adapter_config.json), not a model: "
                                  "`fitllm merge_lora %s` makes a model of it (`fitllm generate` takes it as it is)",
                                  path, path);

@@ -5,7 +5,7 @@
  * contiguous and covering the data section exactly.
  */
 #include "fitllm/io.h"
-#include "io-internal.h"
+#include "core/fs.h"
 #include "fitllm/json.h"
 
 #include <errno.h>
@@ -316,14 +316,14 @@ static fl_status fl_st_write_data(int fd, const char *tmp, const fl_st_write_ten
         for (size_t i = 0; i < rows && s == FL_OK; i++) {
             for (size_t j = 0; j < cols; j++) memcpy(gather + j * ss, src + (j * rows + i) * ss, ss);
             if (fl_st_conv(out, t->dtype, gather, t->src_dtype, cols)) s = fl_errorf(FL_ERR_UNSUPPORTED, "%s: tensor '%s': cannot convert %s to %s", tmp, t->name, fl_dtype_name(t->src_dtype), fl_dtype_name(t->dtype));
-            else if (fl_io_write_all(fd, out, cols * ds)) s = fl_errorf(FL_ERR_IO, "%s: write failed for tensor '%s': %s", tmp, t->name, strerror(errno));
+            else if (fl_fs_write_all(fd, out, cols * ds)) s = fl_errorf(FL_ERR_IO, "%s: write failed for tensor '%s': %s", tmp, t->name, strerror(errno));
         }
         free(gather);
         free(out);
         return s;
     }
     if (t->dtype == t->src_dtype) {
-        if (fl_io_write_all(fd, t->data, numel * ds)) return fl_errorf(FL_ERR_IO, "%s: write failed for tensor '%s': %s", tmp, t->name, strerror(errno));
+        if (fl_fs_write_all(fd, t->data, numel * ds)) return fl_errorf(FL_ERR_IO, "%s: write failed for tensor '%s': %s", tmp, t->name, strerror(errno));
         return FL_OK;
     }
     size_t chunk = 1u << 18;
@@ -334,7 +334,7 @@ static fl_status fl_st_write_data(int fd, const char *tmp, const fl_st_write_ten
         size_t m = numel - i < chunk ? numel - i : chunk;
         if (fl_convert(out, t->dtype, (const char *)t->data + i * ss, t->src_dtype, m))
             s = fl_errorf(FL_ERR_UNSUPPORTED, "%s: tensor '%s': cannot convert %s to %s", tmp, t->name, fl_dtype_name(t->src_dtype), fl_dtype_name(t->dtype));
-        else if (fl_io_write_all(fd, out, m * ds))
+        else if (fl_fs_write_all(fd, out, m * ds))
             s = fl_errorf(FL_ERR_IO, "%s: write failed for tensor '%s': %s", tmp, t->name, strerror(errno));
     }
     free(out);
@@ -418,7 +418,7 @@ fl_status fl_st_write(const char *path, const fl_st_write_tensor *t, int n, cons
     }
     uint8_t len8[8];
     for (int i = 0; i < 8; i++) len8[i] = (uint8_t)((uint64_t)h.len >> (8 * i));
-    if (fl_io_write_all(fd, len8, 8) || fl_io_write_all(fd, h.b, h.len))
+    if (fl_fs_write_all(fd, len8, 8) || fl_fs_write_all(fd, h.b, h.len))
         s = fl_errorf(FL_ERR_IO, "%s: write failed: %s", tmp, strerror(errno));
     free(h.b);
     for (int i = 0; i < n && s == FL_OK; i++) s = fl_st_write_data(fd, tmp, &t[i]);

@@ -9,7 +9,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../io/io-internal.h"
+#include "core/fs.h"
 #include "fitllm/lab.h"
 
 #define MIB(x) ((double)(x) / 1048576.0)
@@ -493,7 +493,7 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
 }
 
 fl_status fl_lab_write(const fl_lab_report *rep, const char *dir, int *charts_out) {
-    FL_TRY(fl_io_mkdir_p(dir));
+    FL_TRY(fl_fs_mkdir_p(dir));
     char cpu[256], os[256], date[64], why[300] = "";
     long cores;
     double ram;

@@ -9,7 +9,7 @@
 #include "fitllm/io.h"
 #include "fitllm/json.h"
 #include "fitllm/peft.h"
-#include "io/io-internal.h"
+#include "core/fs.h"
 
 #define PEFT_PREFIX "base_model.model."
 
@@ -32,7 +32,7 @@ fl_status fl_peft_save(const char *dir, const fl_peft_config *cfg, const fl_peft
     if (!(cfg->lora.alpha > 0.0f))
         return fl_errorf(FL_ERR_INVALID, "%s: lora_alpha must be > 0 (got %g)", dir, (double)cfg->lora.alpha);
     if (n <= 0) return fl_errorf(FL_ERR_INVALID, "%s: no adapted modules to save", dir);
-    if (!fl_io_is_dir(dir) && mkdir(dir, 0755) != 0)
+    if (!fl_fs_is_dir(dir) && mkdir(dir, 0755) != 0)
         return fl_errorf(FL_ERR_IO, "%s: cannot create folder: %s", dir, strerror(errno));
     /* ---- adapter_model.safetensors ---- */
     fl_st_write_tensor *t = calloc((size_t)3 * n, sizeof *t);
@@ -65,7 +65,7 @@ fl_status fl_peft_save(const char *dir, const fl_peft_config *cfg, const fl_peft
         }
     }
     char path[4096];
-    if (st == FL_OK) st = fl_io_join(path, sizeof path, dir, "adapter_model.safetensors");
+    if (st == FL_OK) st = fl_fs_join(path, sizeof path, dir, "adapter_model.safetensors");
     const char *mk[] = {"format"}, *mv[] = {"pt"};
     if (st == FL_OK) st = fl_st_write(path, t, nt, mk, mv, 1);
     free(t);
@@ -90,9 +90,9 @@ fl_status fl_peft_save(const char *dir, const fl_peft_config *cfg, const fl_peft
     }
     k += snprintf(js + k, cap - k, "],\n  \"task_type\": \"CAUSAL_LM\",\n  \"use_rslora\": %s\n}\n",
                   cfg->lora.use_rslora ? "true" : "false");
-    st = k < cap ? fl_io_join(path, sizeof path, dir, "adapter_config.json")
+    st = k < cap ? fl_fs_join(path, sizeof path, dir, "adapter_config.json")
                  : fl_errorf(FL_ERR_INTERNAL, "%s: adapter_config.json too long", dir);
-    if (st == FL_OK) st = fl_io_write_file_atomic(path, js, k);
+    if (st == FL_OK) st = fl_fs_write_file_atomic(path, js, k);
     free(js);
     return st;
 }
@@ -189,12 +189,12 @@ fl_status fl_peft_load(const char *dir, fl_peft_adapter *a) {
     if (!dir || !a) return fl_errorf(FL_ERR_INVALID, "fl_peft_load: NULL argument");
     memset(a, 0, sizeof *a);
     char path[4096];
-    FL_TRY(fl_io_join(path, sizeof path, dir, "adapter_config.json"));
-    if (!fl_io_is_file(path)) return fl_errorf(FL_ERR_NOT_FOUND, "%s: no adapter_config.json (not a PEFT adapter folder)", dir);
+    FL_TRY(fl_fs_join(path, sizeof path, dir, "adapter_config.json"));
+    if (!fl_fs_is_file(path)) return fl_errorf(FL_ERR_NOT_FOUND, "%s: no adapter_config.json (not a PEFT adapter folder)", dir);
     FL_TRY(read_config(path, &a->cfg));
     const int r = a->cfg.lora.r;
-    FL_TRY(fl_io_join(path, sizeof path, dir, "adapter_model.safetensors"));
-    if (!fl_io_is_file(path)) return fl_errorf(FL_ERR_NOT_FOUND, "%s: no adapter_model.safetensors", dir);
+    FL_TRY(fl_fs_join(path, sizeof path, dir, "adapter_model.safetensors"));
+    if (!fl_fs_is_file(path)) return fl_errorf(FL_ERR_NOT_FOUND, "%s: no adapter_model.safetensors", dir);
     fl_st_file f;
     FL_TRY(fl_st_open(&f, path));
     fl_status st = FL_OK;

@@ -9,7 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "../io/io-internal.h"
+#include "core/fs.h"
 #include "../model/model-impl.h"
 #include "fitllm/checkpoint.h"
 #include "fitllm/io.h"
@@ -54,7 +54,7 @@ fl_status fl_ckpt_save_adapter(const fl_model *m, const char *dir, const char *b
 static fl_status write_state(const char *dir, const fl_model *m, const fl_optimizer *o, const fl_train_state *st,
                              const fl_run_config *cfg) {
     char path[FL_CFG_PATH + 64];
-    FL_TRY(fl_io_join(path, sizeof path, dir, STATE_FILE));
+    FL_TRY(fl_fs_join(path, sizeof path, dir, STATE_FILE));
     fl_st_write_tensor t[3];
     int nt = 0;
     /* the trainable parameters: all of them, or the LoRA adapters (base frozen) */
@@ -98,7 +98,7 @@ static fl_status write_state(const char *dir, const fl_model *m, const fl_optimi
     return fl_st_write(path, t, nt, keys, vals, k);
 }
 
-static void remove_tree(const char *dir) { fl_io_remove_dir(dir); }
+static void remove_tree(const char *dir) { fl_fs_remove_dir(dir); }
 
 void fl_ckpt_clean_tmp(const char *out_dir) {
     DIR *d = opendir(out_dir);
@@ -148,18 +148,18 @@ fl_status fl_ckpt_save(const char *out_dir, const char *name, const fl_model *m,
         else {
             fl_cfg_write_yaml(cfg, f);
             fclose(f);
-            s = fl_io_write_file_atomic(p, text, len);
+            s = fl_fs_write_file_atomic(p, text, len);
             free(text);
         }
     }
     if (s == FL_OK && tokenizer_src) s = fl_io_copy_tokenizer_files(tokenizer_src, tmp, NULL);
     if (s == FL_OK) {
-        fl_io_sync_dir(tmp);
+        fl_fs_sync_dir(tmp);
         /* Replace an existing checkpoint of the same name: move it aside first so
          * a crash between the renames leaves either the old or the new one. */
         char trash[FL_CFG_PATH + 320];
         snprintf(trash, sizeof trash, "%s/%s.trash-%d", out_dir, name, (int)getpid());
-        int had_old = fl_io_is_dir(dst);
+        int had_old = fl_fs_is_dir(dst);
         if (had_old && rename(dst, trash) != 0)
             s = fl_errorf(FL_ERR_IO, "%s: cannot move the previous checkpoint aside: %s", dst, strerror(errno));
         if (s == FL_OK && rename(tmp, dst) != 0) {
@@ -167,10 +167,10 @@ fl_status fl_ckpt_save(const char *out_dir, const char *name, const fl_model *m,
             if (had_old) rename(trash, dst);
         }
         if (s == FL_OK) {
-            fl_io_sync_dir(out_dir);
+            fl_fs_sync_dir(out_dir);
             snprintf(p, sizeof p, "%s/" MARKER, dst);
-            s = fl_io_write_file_atomic(p, "fitllm checkpoint v1\n", 21);
-            fl_io_sync_dir(dst);
+            s = fl_fs_write_file_atomic(p, "fitllm checkpoint v1\n", 21);
+            fl_fs_sync_dir(dst);
             if (had_old) remove_tree(trash);
         }
     }
@@ -184,7 +184,7 @@ fl_status fl_ckpt_save(const char *out_dir, const char *name, const fl_model *m,
 int fl_ckpt_is_committed(const char *dir) {
     char p[FL_CFG_PATH + 512]; /* dir: up to out_dir + "/" + a folder name */
     snprintf(p, sizeof p, "%s/" MARKER, dir);
-    return fl_io_is_file(p);
+    return fl_fs_is_file(p);
 }
 
 fl_status fl_ckpt_find_latest(const char *out_dir, char *path, size_t n) {
@@ -250,7 +250,7 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
         return fl_errorf(FL_ERR_FORMAT, "%s: not a committed checkpoint (no " MARKER " file)", dir);
     if (!m->lora) FL_TRY(fl_hf_load_weights(m, dir)); /* LoRA: the frozen base is the run's checkpoint_dir */
     char p[FL_CFG_PATH + 64];
-    FL_TRY(fl_io_join(p, sizeof p, dir, STATE_FILE));
+    FL_TRY(fl_fs_join(p, sizeof p, dir, STATE_FILE));
     fl_st_file f;
     FL_TRY(fl_st_open(&f, p));
     fl_status s = FL_OK;
@@ -265,9 +265,9 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
         const fl_st_tensor *lt = fl_st_find(&f, "lora.params");
         if (!lt || lt->dtype != FL_F32 || lt->end - lt->begin != tn * sizeof(float))
             s = fl_errorf(FL_ERR_FORMAT, "%s: missing or mis-sized tensor lora.params (LoRA settings changed?)", p);
-        else if (fl_io_first_nonfinite(lt->data, FL_F32, tn) >= 0)
+        else if (fl_dtype_first_nonfinite(lt->data, FL_F32, tn) >= 0)
             s = fl_errorf(FL_ERR_FORMAT, "%s: tensor 'lora.params' holds a non-finite value (inf/NaN) at element %lld: "
-                          "the checkpoint was saved from a diverged run", p, fl_io_first_nonfinite(lt->data, FL_F32, tn));
+                          "the checkpoint was saved from a diverged run", p, fl_dtype_first_nonfinite(lt->data, FL_F32, tn));
         else s = m->be->to_device(m->be, m->lora->params, lt->data, tn * sizeof(float));
     }
     const char *opt = meta(&f, "optimizer");

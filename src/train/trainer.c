@@ -12,7 +12,7 @@
 #include <sys/stat.h>
 #include <time.h>
 
-#include "../io/io-internal.h"
+#include "core/fs.h"
 #include "../model/model-impl.h"
 #include "fitllm/checkpoint.h"
 #include "fitllm/generate.h"
@@ -568,7 +568,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
     }
     AGREE(); /* every rank holds its model, data and buffers; nothing was written yet */
     if (lead) {
-        CHECK(fl_io_mkdir_p(cfg->out_dir));
+        CHECK(fl_fs_mkdir_p(cfg->out_dir));
         fl_ckpt_clean_tmp(cfg->out_dir);
     }
     AGREE(); /* out_dir is ready before any rank looks for checkpoints in it */

@@ -1,0 +1,35 @@
+/* fitllm core: small filesystem helpers shared by io/, data/, train/, lab/ (library-internal,
+ * not public API). fl_fs_*. */
+#ifndef FITLLM_CORE_FS_H
+#define FITLLM_CORE_FS_H
+
+#include <stddef.h>
+
+#include "fitllm/dtype.h"
+#include "fitllm/status.h"
+
+/* Join dir and name with '/' into buf; FL_ERR_INVALID naming both if too long. */
+fl_status fl_fs_join(char *buf, size_t n, const char *dir, const char *name);
+/* 1 if path exists and is a directory / regular file. */
+int fl_fs_is_dir(const char *path);
+int fl_fs_is_file(const char *path);
+/* Write len bytes to path atomically: path.tmp, fsync, rename; the temp file
+ * is removed on failure. */
+fl_status fl_fs_write_file_atomic(const char *path, const void *data, size_t len);
+/* Remove a directory with its files and subfolders (a few levels deep; symlinks are
+ * removed, not followed), then itself; best effort. */
+void fl_fs_remove_dir(const char *path);
+/* fsync a directory so a rename inside it is durable; best effort. */
+void fl_fs_sync_dir(const char *path);
+
+/* write() all n bytes (retrying EINTR, honouring the injected fault); 0 or -1 (errno). */
+int fl_fs_write_all(int fd, const void *data, size_t n);
+/* mkdir -p. */
+fl_status fl_fs_mkdir_p(const char *path);
+/* Fault injection (tests, through fl_io_fail_writes_after): the (n+1)-th write from now fails
+ * with ENOSPC; -1 disables. fl_fs_write_fault: 1 when it fires (errno = ENOSPC). */
+void fl_fs_fail_writes_after(long n);
+int fl_fs_write_fault(void);
+
+
+#endif
