@@ -25,8 +25,8 @@
 #include "backend/cpu/cpu-impl.h"
 
 #define BQ 32 /* query rows per forward work item */
-#define BK 32 /* keys per tile: two AVX-512 vectors of scores */
-#define RB 4  /* query rows processed together (register blocking); the code below is unrolled for 4 */
+#define BK FL_CPU_ATTN_BK /* keys per tile: two AVX-512 vectors of scores */
+#define RB FL_CPU_ATTN_RB /* query rows processed together (register blocking); the code below is unrolled for 4 */
 #define MAXHD FL_CPU_ATTN_MAX_HD
 
 /* Transpose rows k0..k0+kn-1 of one head (row stride W) into Kt (HD, BK);
@@ -183,13 +183,8 @@ typedef struct {
     float scale;
 } attn_bw;
 
-/* Per-thread state of RB query rows against one key tile. */
-typedef struct {
-    float qs[RB][MAXHD], go[RB][MAXHD], dq[RB][MAXHD]; // (RB,HD) scaled q, dO, dQ of the row block
-    float s[RB][BK], dp[RB][BK];                        // (RB,BK) scores -> P, dP -> dS (unscaled)
-    float D[RB], lt[RB];                                // (RB) dO.O and lse per row
-    int jm[RB];                                         // (RB) visible keys per row
-} attn_rows;
+/* Per-thread state of RB query rows against one key tile (cpu-impl.h). */
+typedef fl_cpu_attn_rows attn_rows;
 
 /* Rows t0..t0+RB-1 of head h of batch b against the key tile at k0 (kn keys,
  * transposed in Kt/Vt): P = exp(S - lse) into r->s, dS = P o (dP - D) into
@@ -252,12 +247,14 @@ __attribute__((noinline)) static int rows_probs(const attn_bw *a, attn_rows *r, 
 }
 
 /* dV_j += P^T dO and dK_j += dS^T (scale q) for the first jmx keys of the tile. */
-__attribute__((noinline)) static void rows_dkdv(const attn_rows *r, float *dK /*(BK,HD)*/, float *dV /*(BK,HD)*/,
-                                                int jmx, int HD) {
+/* noinline and shared with attention_ex.c: every schedule of both kernels runs this very code. */
+__attribute__((noinline)) void fl_cpu_attn_rows_dkdv(const attn_rows *r, float *dK /*(BK,HD)*/, float *dV /*(BK,HD)*/,
+                                                     int jmx, int HD) {
     for (int j = 0; j < jmx; j++) {
         float *dv = dV + j * HD, *dk = dK + j * HD;
         float p0 = r->s[0][j], p1 = r->s[1][j], p2 = r->s[2][j], p3 = r->s[3][j];
         float e0 = r->dp[0][j], e1 = r->dp[1][j], e2 = r->dp[2][j], e3 = r->dp[3][j];
+        /* FL_VECTORIZE: attn_bwd_dkdv */
 #pragma omp simd
         for (int d = 0; d < HD; d++) {
             dv[d] += p0 * r->go[0][d] + p1 * r->go[1][d] + p2 * r->go[2][d] + p3 * r->go[3][d];
@@ -312,7 +309,7 @@ static void kv_tile(const attn_bw *a, attn_rows *r, int b, int g, int k0, int wi
          * Kt/Vt load and each dK/dV row update serves RB rows */
         for (int t0 = k0; t0 < T; t0 += RB) {
             int jmx = rows_probs(a, r, Kt, Vt, b, h, k0, kn, t0);
-            rows_dkdv(r, dK, dV, jmx, HD);
+            fl_cpu_attn_rows_dkdv(r, dK, dV, jmx, HD);
             if (with_dq) rows_dq(a, r, b, h, g, k0, jmx, t0);
         }
     float *dbase = a->dqkv + (size_t)b * T * a->W;

@@ -32,6 +32,20 @@
  * Gemma-style 256. Larger HD fills the outputs with NaN so misuse is loud;
  * model setup should reject such configs up front. */
 #define FL_CPU_ATTN_MAX_HD 256
+#define FL_CPU_ATTN_BK 32 /* keys per tile of the attention kernels (attention.c, attention_ex.c) */
+#define FL_CPU_ATTN_RB 4  /* query rows per register block */
+
+/* Attention backward: per-thread state of RB query rows against one key tile, shared by the fused
+ * (attention.c) and the general (attention_ex.c) kernels. */
+typedef struct {
+    float qs[FL_CPU_ATTN_RB][FL_CPU_ATTN_MAX_HD], go[FL_CPU_ATTN_RB][FL_CPU_ATTN_MAX_HD],
+        dq[FL_CPU_ATTN_RB][FL_CPU_ATTN_MAX_HD];                      // (RB,HD) scale*q, dO, dQ of the row block
+    float s[FL_CPU_ATTN_RB][FL_CPU_ATTN_BK], dp[FL_CPU_ATTN_RB][FL_CPU_ATTN_BK]; // (RB,BK) scores -> P, dP -> dS
+    float D[FL_CPU_ATTN_RB], lt[FL_CPU_ATTN_RB];                     // (RB) dO.O and lse per row
+    int jm[FL_CPU_ATTN_RB];                                          // (RB) visible keys per row
+} fl_cpu_attn_rows;
+/* dV_j += P^T dO and dK_j += dS^T (scale q) for the first jmx keys of the tile (attention.c). */
+void fl_cpu_attn_rows_dkdv(const fl_cpu_attn_rows *r, float *dK /*(BK,HD)*/, float *dV /*(BK,HD)*/, int jmx, int HD);
 
 /* Upper bound on threads for ops that keep per-thread partial sums on the stack. */
 #define FL_CPU_MAX_THREADS 256
