@@ -124,9 +124,11 @@ expect finetune_max_time 0 "train.max_time \(0.5 s\) reached after step [0-9]+ o
 if [ -d "$T/mt/final" ]; then echo "ok   finetune_max_time_final"; pass=$((pass+1)); else echo "FAIL finetune_max_time_final"; fail=$((fail+1)); fi
 expect finetune_max_time_bad 2 "train.max_time must be a positive number" -- "$FITLLM" finetune_full micro --train.max_time 0 --out_dir "$T/mt0"
 expect finetune_max_seq_length_1 2 "max_seq_length 1: a sample needs at least 2 tokens" -- "$FITLLM" finetune_full micro --train.max_seq_length 1 --out_dir "$T/s1"
-# Ctrl-C: stops after the step, exit 130, says how to resume
+# Ctrl-C: stops after the step, exit 130, says how to resume. --foreground: timeout then signals only
+# the command; otherwise it also signals its process group, and the second SIGINT means "stop now"
+# (a race seen under load: the run then stops mid-checkpoint with the generic resume message)
 expect finetune_ctrl_c 130 "interrupted after step [0-9]+; the last checkpoint is '.*step-[0-9]+': to continue, run the same command with --resume auto" -- \
-    timeout --preserve-status -s INT 6 "$FITLLM" finetune_full micro --train.max_steps 100000 --train.global_batch_size 2 --train.micro_batch_size 2 \
+    timeout --foreground --preserve-status -s INT 6 "$FITLLM" finetune_full micro --train.max_steps 100000 --train.global_batch_size 2 --train.micro_batch_size 2 \
     --train.save_interval 1 --eval.max_new_tokens 0 --out_dir "$T/ctrlc" --quiet
 expect finetune_16_true_ok 0 "Saved the final model" -- "$FITLLM" finetune_full micro --precision 16-true --train.max_steps 3 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/x5b" --quiet
 expect finetune_oom 3 "out of memory" -- "$FITLLM" finetune_full tiny --max_memory 100MB --out_dir "$T/x6" --train.max_steps 1
