@@ -49,6 +49,9 @@ int fl_test_backend_next(int *i, fl_backend *be, int n_threads);
  * The reference backends "cpu" and "ref" implement the whole contract of backend.h, so from
  * them it is a failure (returns 1 too). Any other status: returns 0 (the caller checks it). */
 int fl_test_unsupported(const fl_backend *be, fl_status st, const char *what);
+/* 1 for a backend whose kernels run under the CUDA emulator ("cuda-emu": a fiber per GPU thread,
+ * ~1000x slower than the CPU ops), where a case may use smaller shapes for its repetitions */
+int fl_test_backend_emulated(const fl_backend *be);
 
 /* In a per-backend case function: run a backend op; UNSUPPORTED goes to fl_test_unsupported
  * (skip with a message, or a failure on cpu/ref) and ends the case, another error fails it. */

@@ -89,6 +89,7 @@ struct fl_backend {
                              * matmul), so a caller that reuses one such operand across calls may
                              * widen it once itself (the chunked lm_head: fl_act_opts.head_widen) */
     size_t scratch_bytes;   /* bytes of the op scratch the caller lends (set_scratch below; 0: none) */
+    int host_memory; /* 1: the device's buffers are host memory (cpu, ref): code may share one pool for tensors and host staging */
 
     /* ---- matmul ---------------------------------------------------------
      * C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C, row-major, with
@@ -347,6 +348,8 @@ struct fl_backend {
     /* RoPE tables written on the device: cos_t/sin_t (maxT, HD/2), as fl_rope_table_init. */
     fl_status (*rope_tables)(const fl_backend *be, float *cos_t, float *sin_t, int maxT, int HD, float theta,
                              const fl_rope_scaling *scaling);
+    /* Initialize p as this backend's pool for tensor memory (parameters, gradients, optimizer state, activations, KV cache): CPU and ref: fl_mem_pool_init(p, name, budget). */
+    fl_status (*pool_init)(const fl_backend *be, fl_mem_pool *p, const char *name, size_t budget);
 
     void *impl; /* backend-private state (last: the op slots from gemm to here are the whole table) */
 };
@@ -390,6 +393,11 @@ const char *fl_backend_description(int i);
  * thread count ignore it). An unknown name is FL_ERR_INVALID with a message listing the names
  * this build has. Release it with fl_backend_free. */
 fl_status fl_backend_init_by_name(const char *name, fl_backend *be, int n_threads);
+/* Add a backend defined outside the library (the test programs register "cuda-emu", the CUDA
+ * backend over the CPU emulator) after the built-in ones; a name already there: no-op. Call it
+ * before any other thread uses the registry. */
+fl_status fl_backend_register(const char *name, const char *what, fl_status (*init)(fl_backend *be, int n_threads),
+                              void (*free_fn)(fl_backend *be));
 /* Release a backend made by any registered init (by its name); NULL or a zeroed one: no-op. */
 void fl_backend_free(fl_backend *be);
 

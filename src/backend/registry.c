@@ -3,6 +3,7 @@
  * `fitllm --version` lists. A new backend (the opaque test backend, CUDA) adds one row here. */
 #include <string.h>
 
+#include "backend/cuda/backend_cuda.h"
 #include "fitllm/backend.h"
 
 typedef struct {
@@ -17,11 +18,32 @@ static fl_status ref_init(fl_backend *be, int n_threads) {
     return fl_ref_backend_init(be);
 }
 
-static const fl_backend_entry g_backends[] = {
+#define MAX_BACKENDS 8
+static fl_backend_entry g_backends[MAX_BACKENDS] = {
     {"cpu", "the CPU ops (OpenMP, SIMD dispatch, library GEMM)", fl_cpu_backend_init, fl_cpu_backend_free},
     {"ref", "the portable reference: the same ops on one thread, naive GEMM", ref_init, fl_cpu_backend_free},
+#ifdef FL_HAVE_CUDA
+    {"cuda", "NVIDIA GPUs (EXPERIMENTAL): CUDA kernels, cuBLASLt, device memory", fl_cuda_backend_init,
+     fl_cuda_backend_free},
+#endif
 };
-#define N_BACKENDS ((int)(sizeof g_backends / sizeof g_backends[0]))
+#ifdef FL_HAVE_CUDA
+static int g_n_backends = 3;
+#else
+static int g_n_backends = 2;
+#endif
+#define N_BACKENDS g_n_backends
+
+fl_status fl_backend_register(const char *name, const char *what, fl_status (*init)(fl_backend *, int),
+                              void (*free_fn)(fl_backend *)) {
+    if (!name || !init || !free_fn) return fl_errorf(FL_ERR_INVALID, "fl_backend_register: NULL argument");
+    for (int i = 0; i < g_n_backends; i++)
+        if (!strcmp(g_backends[i].name, name)) return FL_OK; /* already there */
+    if (g_n_backends == MAX_BACKENDS)
+        return fl_errorf(FL_ERR_INVALID, "fl_backend_register: more than %d backends", MAX_BACKENDS);
+    g_backends[g_n_backends++] = (fl_backend_entry){name, what ? what : "", init, free_fn};
+    return FL_OK;
+}
 
 int fl_backend_count(void) { return N_BACKENDS; }
 

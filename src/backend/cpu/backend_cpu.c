@@ -64,6 +64,8 @@ static void fill_ops(fl_backend *be) {
     be->sumsq_ex = fl_cpu_sumsq_ex;
     be->attention_forward_ex = fl_cpu_attention_forward_ex;
     be->attention_backward_ex = fl_cpu_attention_backward_ex;
+    be->pool_init = fl_cpu_pool_init;
+    be->host_memory = 1;
 }
 
 /* The scratch lent by the calling thread (ops run on the caller's thread; their OpenMP workers

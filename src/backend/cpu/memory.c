@@ -68,3 +68,8 @@ fl_status fl_cpu_rope_tables(const fl_backend *be, float *cos_t, float *sin_t, i
     fl_rope_table_init(cos_t, sin_t, maxT, HD, theta, scaling);
     return FL_OK;
 }
+
+fl_status fl_cpu_pool_init(const fl_backend *be, fl_mem_pool *p, const char *name, size_t budget) {
+    (void)be;
+    return fl_mem_pool_init(p, name, budget);
+}

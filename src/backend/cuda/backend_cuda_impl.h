@@ -1,0 +1,545 @@
+/* fitllm CUDA backend object: the fl_backend table (fitllm/backend.h) over the CUDA kernels.
+ *
+ * Written once, compiled twice (like the kernels): backend_cuda.c defines the FLB_* macros for
+ * the real thing (fl_cuk_* launchers, cudaMemcpyAsync on one stream, cuBLASLt, cudaMalloc'd
+ * pools) and emu/backend_cuemu.c for the CPU emulator (fl_cuemu_* launchers, memcpy, the
+ * cuBLASLt stand-in, host memory), so `make test` runs this very file op by op against the CPU
+ * backend (the "cuda-emu" backend the test suite registers) on machines without a GPU.
+ *
+ * The including file defines:
+ *   FLB_NAME, FLB_DESC          backend name ("cuda" / "cuda-emu") and one line for --version
+ *   FLB_K(name)                 the kernel launcher (fl_cuk_##name / fl_cuemu_##name)
+ *   FLB_PREFIX(name)            the public functions' prefix (fl_cuda_##name / fl_cuemu_##name)
+ *   flb_dev_alloc/free, flb_h2d/d2h/d2d/memset, flb_stream_new/sync/free, flb_last_error
+ *   flb_gemm_fn                 fl_cu_gemm_cublaslt / fl_cu_gemm_standin
+ *   FLB_PANEL_BYTES, FLB_LT_WS_BYTES   scratch layout (see scratch below)
+ *
+ * Errors: CUDA reports kernel failures asynchronously, and many ops of the table return void.
+ * A failed launch (or a missing kernel) is recorded as the backend's sticky error: every later
+ * op that returns fl_status returns it, and sync / to_host return it, naming the first op that
+ * failed. So a run stops at its next status check (at the latest the step's loss read-back).
+ *
+ * Scratch: the caller lends be->scratch_bytes of device memory from its pool (set_scratch, the
+ * model's WORKSPACE region). Layout: [0, FLB_LT_WS_BYTES) cuBLASLt's workspace, then
+ * FLB_PANEL_BYTES for the mixed-type GEMM panels (an F32 A rounded to bf16, an F16 B widened to
+ * fp32, a panel of rows at a time so the scratch is bounded whatever the shape). Ops run in
+ * stream order, so one op's scratch is free again for the next. Without a lent scratch (op
+ * tests, tools), a buffer of the same size is allocated once on first use.
+ *
+ * Memory: pool_init makes a pool whose arenas are device allocations; the tiny per-backend
+ * "scalars" buffer (a found-inf flag and the sum-of-squares partials, < 1 KiB) is allocated at
+ * init outside any pool. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/cuda/cu_gemm.h"
+#include "backend/cuda/cu_kernels.h"
+#include "backend/cuda/cu_kernels_be.h"
+#include "fitllm/backend.h"
+#include "fitllm/lora.h"
+
+#define FLB_SCRATCH_BYTES ((size_t)FLB_LT_WS_BYTES + (size_t)FLB_PANEL_BYTES)
+
+typedef struct {
+    void *stream;
+    fl_cu_blas blas;       /* real build: the cuBLASLt handle (stand-in: unused) */
+    void *scratch;         /* lent by the caller (set_scratch), or own_scratch */
+    void *own_scratch;     /* allocated on first use when nothing is lent */
+    double *scalars;       /* device: [0] sumsq result, [1..PARTS] partials; int flag after */
+    fl_status err;         /* sticky: the first failure */
+    char errmsg[384];
+} flb_impl;
+
+#define FLB_IMPL(be) ((flb_impl *)(be)->impl)
+
+static int flb_float3(fl_dtype t) { return t == FL_F32 || t == FL_BF16 || t == FL_F16; }
+
+static void flb_set_error(const fl_backend *be, fl_status s, const char *op, const char *why) {
+    flb_impl *im = FLB_IMPL(be);
+    if (im->err != FL_OK) return;
+    im->err = s;
+    snprintf(im->errmsg, sizeof im->errmsg, "%s backend: %s: %s", FLB_NAME, op, why);
+}
+static fl_status flb_sticky(const fl_backend *be) {
+    flb_impl *im = FLB_IMPL(be);
+    if (im->err == FL_OK) return FL_OK;
+    return fl_errorf(im->err, "%s", im->errmsg);
+}
+/* A launcher's return: 0 ok, -1 bad arguments (types), else the CUDA / emulator error. */
+static int flb_launch(const fl_backend *be, int rc, const char *op) {
+    if (rc == 0) return 0;
+    char why[256];
+    if (rc == -1) snprintf(why, sizeof why, "unsupported arguments (dtype or shape)");
+    else snprintf(why, sizeof why, "kernel launch failed: %s", flb_last_error(rc));
+    flb_set_error(be, rc == -1 ? FL_ERR_UNSUPPORTED : FL_ERR_IO, op, why);
+    return rc;
+}
+#define FLB_RUN(be, call, op) flb_launch((be), (call), (op))
+#define FLB_RUN_S(be, call, op)                                                                                      \
+    do {                                                                                                             \
+        if (flb_launch((be), (call), (op))) return flb_sticky(be);                                                  \
+    } while (0)
+
+static void *flb_scratch(const fl_backend *be) {
+    flb_impl *im = FLB_IMPL(be);
+    if (im->scratch) return im->scratch;
+    if (!im->own_scratch) im->own_scratch = flb_dev_alloc(FLB_SCRATCH_BYTES);
+    if (!im->own_scratch) flb_set_error(be, FL_ERR_OOM, "scratch", "cannot allocate the op scratch");
+    return im->own_scratch;
+}
+
+/* ============================== GEMM ============================== */
+
+static int flb_gemm_types_ok(fl_dtype ta, fl_dtype tb, fl_dtype tc) {
+    return (ta == FL_F32 && tb == FL_F32 && tc == FL_F32) || (ta == FL_BF16 && tb == FL_BF16 && tc == FL_F32) ||
+           (ta == FL_F32 && tb == FL_BF16 && tc == FL_F32) || (ta == FL_BF16 && tb == FL_BF16 && tc == FL_BF16) ||
+           (ta == FL_F32 && tb == FL_F16 && tc == FL_F32) || (ta == FL_F16 && tb == FL_F16 && tc == FL_F32);
+}
+
+static fl_status flb_gemm_direct(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                                 const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
+                                 void *C, fl_dtype tc, int ldc) {
+    flb_impl *im = FLB_IMPL(be);
+    fl_cu_blas *ctx = &im->blas;
+    void *s = flb_scratch(be);
+    if (!s) return flb_sticky(be);
+    ctx->workspace = FLB_LT_WS_BYTES ? s : NULL;
+    ctx->workspace_bytes = FLB_LT_WS_BYTES;
+    ctx->stream = im->stream;
+    fl_status st = fl_cu_gemm_rowmajor(flb_gemm_fn, ctx, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb,
+                                       beta, C, tc, ldc, 1, 0, 0, 0);
+    if (st != FL_OK) flb_set_error(be, st, "gemm", fl_error_message());
+    return st;
+}
+
+static fl_status flb_gemm(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                          const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta, void *C,
+                          fl_dtype tc, int ldc) {
+    FL_TRY(flb_sticky(be));
+    if (!flb_gemm_types_ok(ta, tb, tc))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s gemm: types A=%s B=%s C=%s not supported", FLB_NAME,
+                         fl_dtype_name(ta), fl_dtype_name(tb), fl_dtype_name(tc));
+    if (M < 0 || N < 0 || K < 0) return fl_errorf(FL_ERR_INVALID, "%s gemm: bad shape %d x %d x %d", FLB_NAME, M, N, K);
+    if (M == 0 || N == 0) return FL_OK;
+    void *s = flb_scratch(be);
+    if (!s) return flb_sticky(be);
+    char *panel = (char *)s + FLB_LT_WS_BYTES;
+    const size_t pb = FLB_PANEL_BYTES;
+    if (K == 0) { /* C = beta * C (nothing to multiply; the libraries disagree on k = 0) */
+        if (tc == FL_F32) {
+            FLB_RUN_S(be, FLB_K(scale2d)((float *)C, (size_t)ldc, M, N, beta, FLB_IMPL(be)->stream), "gemm (K = 0)");
+            return FL_OK;
+        }
+        /* bf16 C: widened, scaled in fp32, rounded once (the CPU's order), a panel of rows at a time */
+        int rows = (int)(pb / ((size_t)N * 4));
+        if (rows < 1) return fl_errorf(FL_ERR_UNSUPPORTED, "%s gemm: N = %d too large for the panel", FLB_NAME, N);
+        for (int i0 = 0; i0 < M; i0 += rows) {
+            int mr = M - i0 < rows ? M - i0 : rows;
+            uint16_t *Ci = (uint16_t *)C + (size_t)i0 * ldc;
+            FLB_RUN_S(be, FLB_K(convert2d)(panel, FL_F32, (size_t)N, Ci, tc, (size_t)ldc, mr, N, FLB_IMPL(be)->stream),
+                      "gemm (K = 0)");
+            FLB_RUN_S(be, FLB_K(scale2d)((float *)panel, (size_t)N, mr, N, beta, FLB_IMPL(be)->stream), "gemm (K = 0)");
+            FLB_RUN_S(be, FLB_K(convert2d)(Ci, tc, (size_t)ldc, panel, FL_F32, (size_t)N, mr, N, FLB_IMPL(be)->stream),
+                      "gemm (K = 0)");
+        }
+        return FL_OK;
+    }
+    if (ta == tb) /* the library's own types: (F32, F32), (BF16, BF16), (F16, F16) */
+        return flb_gemm_direct(be, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc, ldc);
+    if (ta == FL_F32 && tb == FL_BF16) {
+        /* A rounded to bf16 (RNE) a panel at a time, then a bf16 x bf16 -> fp32 GEMM: the CPU's
+         * semantics (an F32 A is rounded to bf16 first; products exact, fp32 accumulation). */
+        if (!trans_a) { /* A (M, K): panels of rows of A = rows of C */
+            int rows = (int)(pb / ((size_t)K * 2));
+            if (rows < 1) return fl_errorf(FL_ERR_UNSUPPORTED, "%s gemm: K = %d too large for the panel", FLB_NAME, K);
+            for (int i0 = 0; i0 < M; i0 += rows) {
+                int mr = M - i0 < rows ? M - i0 : rows;
+                FLB_RUN_S(be, FLB_K(convert2d)(panel, FL_BF16, (size_t)K, (const float *)A + (size_t)i0 * lda, FL_F32,
+                                               (size_t)lda, mr, K, FLB_IMPL(be)->stream), "gemm (bf16 panel)");
+                FL_TRY(flb_gemm_direct(be, 0, trans_b, mr, N, K, alpha, panel, FL_BF16, K, B, tb, ldb, beta,
+                                       (float *)C + (size_t)i0 * ldc, tc, ldc));
+            }
+        } else { /* A stored (K, M): panels over K, accumulated into C */
+            int kr_max = (int)(pb / ((size_t)M * 2));
+            if (kr_max < 1) return fl_errorf(FL_ERR_UNSUPPORTED, "%s gemm: M = %d too large for the panel", FLB_NAME, M);
+            for (int k0 = 0; k0 < K; k0 += kr_max) {
+                int kr = K - k0 < kr_max ? K - k0 : kr_max;
+                FLB_RUN_S(be, FLB_K(convert2d)(panel, FL_BF16, (size_t)M, (const float *)A + (size_t)k0 * lda, FL_F32,
+                                               (size_t)lda, kr, M, FLB_IMPL(be)->stream), "gemm (bf16 panel)");
+                const uint16_t *Bk = (const uint16_t *)B + (trans_b ? (size_t)k0 : (size_t)k0 * ldb);
+                FL_TRY(flb_gemm_direct(be, 1, trans_b, M, N, kr, alpha, panel, FL_BF16, M, Bk, tb, ldb,
+                                       k0 ? 1.0f : beta, C, tc, ldc));
+            }
+        }
+        return FL_OK;
+    }
+    /* (F32, F16, F32): B widened exactly to fp32 a panel at a time, then an fp32 GEMM */
+    if (trans_b) { /* B stored (N, K): panels of rows of B = columns of C */
+        int rows = (int)(pb / ((size_t)K * 4));
+        if (rows < 1) return fl_errorf(FL_ERR_UNSUPPORTED, "%s gemm: K = %d too large for the panel", FLB_NAME, K);
+        for (int j0 = 0; j0 < N; j0 += rows) {
+            int nr = N - j0 < rows ? N - j0 : rows;
+            FLB_RUN_S(be, FLB_K(convert2d)(panel, FL_F32, (size_t)K, (const uint16_t *)B + (size_t)j0 * ldb, FL_F16,
+                                           (size_t)ldb, nr, K, FLB_IMPL(be)->stream), "gemm (f16 panel)");
+            FL_TRY(flb_gemm_direct(be, trans_a, 1, M, nr, K, alpha, A, FL_F32, lda, panel, FL_F32, K, beta,
+                                   (float *)C + j0, tc, ldc));
+        }
+    } else { /* B stored (K, N): panels over K, accumulated */
+        int kr_max = (int)(pb / ((size_t)N * 4));
+        if (kr_max < 1) return fl_errorf(FL_ERR_UNSUPPORTED, "%s gemm: N = %d too large for the panel", FLB_NAME, N);
+        for (int k0 = 0; k0 < K; k0 += kr_max) {
+            int kr = K - k0 < kr_max ? K - k0 : kr_max;
+            FLB_RUN_S(be, FLB_K(convert2d)(panel, FL_F32, (size_t)N, (const uint16_t *)B + (size_t)k0 * ldb, FL_F16,
+                                           (size_t)ldb, kr, N, FLB_IMPL(be)->stream), "gemm (f16 panel)");
+            const float *Ak = (const float *)A + (trans_a ? (size_t)k0 * lda : (size_t)k0);
+            FL_TRY(flb_gemm_direct(be, trans_a, 0, M, N, kr, alpha, Ak, FL_F32, lda, panel, FL_F32, N,
+                                   k0 ? 1.0f : beta, C, tc, ldc));
+        }
+    }
+    return FL_OK;
+}
+
+/* ============================== ops over the kernels ============================== */
+#define STREAM (FLB_IMPL(be)->stream)
+
+static void flb_rmsnorm_forward(const fl_backend *be, float *out, float *rstd, const float *inp, const float *w, int N,
+                                int C, float eps) {
+    FLB_RUN(be, FLB_K(rmsnorm_forward)(out, rstd, inp, w, N, C, eps, STREAM), "rmsnorm_forward");
+}
+static void flb_rmsnorm_backward(const fl_backend *be, float *dinp, float *dw, const float *dout, const float *inp,
+                                 const float *w, const float *rstd, int N, int C) {
+    FLB_RUN(be, FLB_K(rmsnorm_backward)(dinp, dw, dout, inp, w, rstd, N, C, STREAM), "rmsnorm_backward");
+}
+static void flb_layernorm_forward(const fl_backend *be, float *out, float *mean, float *rstd, const float *inp,
+                                  const float *w, const float *b, int N, int C, float eps) {
+    FLB_RUN(be, FLB_K(layernorm_forward)(out, mean, rstd, inp, w, b, N, C, eps, STREAM), "layernorm_forward");
+}
+static void flb_layernorm_backward(const fl_backend *be, float *dinp, float *dw, float *db, const float *dout,
+                                   const float *inp, const float *w, const float *mean, const float *rstd, int N,
+                                   int C) {
+    FLB_RUN(be, FLB_K(layernorm_backward)(dinp, dw, db, dout, inp, w, mean, rstd, N, C, STREAM), "layernorm_backward");
+}
+static void flb_rope_forward(const fl_backend *be, float *x, int B, int T, int nh, int HD, size_t row_stride,
+                             const float *cos_t, const float *sin_t, int pos0) {
+    FLB_RUN(be, FLB_K(rope)(x, B, T, nh, HD, row_stride, cos_t, sin_t, pos0, 0, STREAM), "rope_forward");
+}
+static void flb_rope_backward(const fl_backend *be, float *dx, int B, int T, int nh, int HD, size_t row_stride,
+                              const float *cos_t, const float *sin_t, int pos0) {
+    FLB_RUN(be, FLB_K(rope)(dx, B, T, nh, HD, row_stride, cos_t, sin_t, pos0, 1, STREAM), "rope_backward");
+}
+static void flb_swiglu_forward(const fl_backend *be, float *out, const float *gu, int N, int F) {
+    FLB_RUN(be, FLB_K(swiglu_forward)(out, gu, N, F, STREAM), "swiglu_forward");
+}
+static void flb_swiglu_backward(const fl_backend *be, float *dgu, const float *dout, const float *gu, int N, int F) {
+    FLB_RUN(be, FLB_K(swiglu_backward)(dgu, dout, gu, N, F, STREAM), "swiglu_backward");
+}
+static void flb_gelu_forward(const fl_backend *be, float *out, const float *inp, size_t n) {
+    FLB_RUN(be, FLB_K(gelu_forward)(out, inp, n, STREAM), "gelu_forward");
+}
+static void flb_gelu_backward(const fl_backend *be, float *dinp, const float *dout, const float *inp, size_t n) {
+    FLB_RUN(be, FLB_K(gelu_backward)(dinp, dout, inp, n, STREAM), "gelu_backward");
+}
+static void flb_add(const fl_backend *be, float *out, const float *a, const float *b, size_t n) {
+    FLB_RUN(be, FLB_K(add)(out, a, b, n, STREAM), "add");
+}
+static void flb_bias_forward(const fl_backend *be, float *y, const float *b, int N, int OC) {
+    FLB_RUN(be, FLB_K(bias_forward)(y, b, N, OC, STREAM), "bias_forward");
+}
+static void flb_bias_backward(const fl_backend *be, float *db, const float *dy, int N, int OC) {
+    FLB_RUN(be, FLB_K(bias_backward)(db, dy, N, OC, STREAM), "bias_backward");
+}
+static void flb_cross_entropy(const fl_backend *be, float *loss, float *dlogits, const float *logits,
+                              const int32_t *targets, int N, int V, float grad_scale, int ignore_index) {
+    FLB_RUN(be, FLB_K(cross_entropy)(loss, dlogits, logits, targets, N, V, grad_scale, ignore_index, STREAM),
+            "cross_entropy");
+}
+static void flb_adamw_update(const fl_backend *be, float *p, const float *g, float *m, float *v, size_t n, float lr,
+                             float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale) {
+    FLB_RUN(be, FLB_K(adamw_update)(p, g, m, v, n, lr, beta1, beta2, eps, weight_decay, step, grad_scale, STREAM),
+            "adamw_update");
+}
+static void flb_sgd_update(const fl_backend *be, float *p, const float *g, float *buf, size_t n, float lr,
+                           float momentum, float dampening, float weight_decay, int nesterov, int first_step,
+                           float grad_scale) {
+    FLB_RUN(be, FLB_K(sgd_update_ex)(p, FL_F32, g, FL_F32, buf, FL_F32, n, lr, momentum, dampening, weight_decay,
+                                     nesterov, first_step, grad_scale, STREAM), "sgd_update");
+}
+static double flb_sumsq_ex_d(const fl_backend *be, const void *x, fl_dtype t, size_t n, const char *op) {
+    flb_impl *im = FLB_IMPL(be);
+    double r = 0;
+    if (FLB_RUN(be, FLB_K(sumsq_ex)(im->scalars, im->scalars + 1, x, t, n, STREAM), op)) return NAN;
+    if (flb_d2h(&r, im->scalars, sizeof r, im->stream)) {
+        flb_set_error(be, FL_ERR_IO, op, "copying the result to the host failed");
+        return NAN;
+    }
+    return r;
+}
+static double flb_sumsq(const fl_backend *be, const float *x, size_t n) { return flb_sumsq_ex_d(be, x, FL_F32, n, "sumsq"); }
+static double flb_sumsq_ex(const fl_backend *be, const void *x, fl_dtype t, size_t n) {
+    return flb_sumsq_ex_d(be, x, t, n, "sumsq_ex");
+}
+static void flb_scale(const fl_backend *be, float *x, size_t n, float s) {
+    FLB_RUN(be, FLB_K(scale)(x, n, s, STREAM), "scale");
+}
+static void flb_zero(const fl_backend *be, void *x, size_t bytes) {
+    if (bytes && flb_memset(x, 0, bytes, STREAM)) flb_set_error(be, FL_ERR_IO, "zero", "memset failed");
+}
+static fl_status flb_convert(const fl_backend *be, void *dst, fl_dtype dt, const void *src, fl_dtype st, size_t n) {
+    FL_TRY(flb_sticky(be));
+    if (!flb_float3(dt) || !flb_float3(st))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s convert: %s -> %s not supported", FLB_NAME, fl_dtype_name(st),
+                         fl_dtype_name(dt));
+    FLB_RUN_S(be, FLB_K(convert)(dst, dt, src, st, n, STREAM), "convert");
+    return FL_OK;
+}
+static fl_status flb_adamw_update_ex(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m,
+                                     void *v, fl_dtype ts, size_t n, float lr, float beta1, float beta2, float eps,
+                                     float weight_decay, int step, float grad_scale) {
+    FL_TRY(flb_sticky(be));
+    if (!flb_float3(tp) || !flb_float3(tg) || (ts != FL_F32 && ts != FL_BF16))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s adamw_update_ex: p %s, g %s, state %s not supported", FLB_NAME,
+                         fl_dtype_name(tp), fl_dtype_name(tg), fl_dtype_name(ts));
+    FLB_RUN_S(be, FLB_K(adamw_update_ex)(p, tp, g, tg, m, v, ts, n, lr, beta1, beta2, eps, weight_decay, step,
+                                         grad_scale, STREAM), "adamw_update_ex");
+    return FL_OK;
+}
+static fl_status flb_sgd_update_ex(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf,
+                                   fl_dtype ts, size_t n, float lr, float momentum, float dampening,
+                                   float weight_decay, int nesterov, int first_step, float grad_scale) {
+    FL_TRY(flb_sticky(be));
+    if (!flb_float3(tp) || !flb_float3(tg) || (ts != FL_F32 && ts != FL_BF16))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s sgd_update_ex: p %s, g %s, state %s not supported", FLB_NAME,
+                         fl_dtype_name(tp), fl_dtype_name(tg), fl_dtype_name(ts));
+    FLB_RUN_S(be, FLB_K(sgd_update_ex)(p, tp, g, tg, buf, ts, n, lr, momentum, dampening, weight_decay, nesterov,
+                                       first_step, grad_scale, STREAM), "sgd_update_ex");
+    return FL_OK;
+}
+static fl_status flb_check_finite(const fl_backend *be, const void *x, fl_dtype t, size_t n, float inv_scale,
+                                  int *found_inf) {
+    FL_TRY(flb_sticky(be));
+    if (!flb_float3(t))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s check_finite: %s not supported", FLB_NAME, fl_dtype_name(t));
+    flb_impl *im = FLB_IMPL(be);
+    int *dflag = (int *)(im->scalars + 1 + FL_CU_SUMSQ_PARTS), h = *found_inf ? 1 : 0;
+    if (flb_h2d(dflag, &h, sizeof h, im->stream)) return fl_errorf(FL_ERR_IO, "%s check_finite: copy failed", FLB_NAME);
+    FLB_RUN_S(be, FLB_K(check_finite)(x, t, n, inv_scale, dflag, STREAM), "check_finite");
+    if (flb_d2h(&h, dflag, sizeof h, im->stream)) return fl_errorf(FL_ERR_IO, "%s check_finite: copy failed", FLB_NAME);
+    if (h) *found_inf = 1;
+    return FL_OK;
+}
+static fl_status flb_accumulate16(const fl_backend *be, uint16_t *dst, fl_dtype t, const float *src, size_t n) {
+    FL_TRY(flb_sticky(be));
+    if (t != FL_BF16 && t != FL_F16)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s accumulate16: %s not supported", FLB_NAME, fl_dtype_name(t));
+    FLB_RUN_S(be, FLB_K(accumulate16)(dst, t, src, n, STREAM), "accumulate16");
+    return FL_OK;
+}
+
+/* The ops whose kernels live in cu_kernels_attn.h and cu_kernels_more.h. */
+#include "backend/cuda/backend_cuda_ops2.h"
+
+/* LoRA: the CPU backend's composition (four GEMMs through this backend's gemm) with the dropout
+ * mask as kernels (the same pure function of (seed, index) as fitllm/lora.h). */
+static fl_status flb_lora_check(const char *who, int N, int in, int out, int r, int ldy, float dropout) {
+    if (N < 0 || in <= 0 || out <= 0 || r <= 0 || ldy < out)
+        return fl_errorf(FL_ERR_INVALID, "%s: bad sizes N=%d in=%d out=%d r=%d ldy=%d", who, N, in, out, r, ldy);
+    if (!(dropout >= 0.0f && dropout < 1.0f))
+        return fl_errorf(FL_ERR_INVALID, "%s: dropout %g outside [0, 1)", who, (double)dropout);
+    return FL_OK;
+}
+static fl_status flb_lora_forward(const fl_backend *be, float *y, int ldy, float *h, float *xd, const float *x,
+                                  const float *A, const float *B, int N, int in, int out, int r, float scaling,
+                                  float dropout, uint64_t seed) {
+    FL_TRY(flb_sticky(be));
+    FL_TRY(flb_lora_check("lora_forward", N, in, out, r, ldy, dropout));
+    if (N == 0) return FL_OK;
+    const float *xb = x;
+    if (dropout > 0.0f) {
+        if (!xd) return fl_errorf(FL_ERR_INVALID, "lora_forward: dropout %g needs the xd buffer", (double)dropout);
+        FLB_RUN_S(be, FLB_K(lora_dropout)(xd, x, (size_t)N * in, dropout, seed, STREAM), "lora_forward (dropout)");
+        xb = xd;
+    }
+    FL_TRY(flb_gemm(be, 0, 1, N, r, in, 1.0f, xb, FL_F32, in, A, FL_F32, in, 0.0f, h, FL_F32, r));
+    return flb_gemm(be, 0, 1, N, out, r, scaling, h, FL_F32, r, B, FL_F32, r, 1.0f, y, FL_F32, ldy);
+}
+static fl_status flb_lora_backward(const fl_backend *be, float *dx, float *dA, float *dB, const float *dy, int ldy,
+                                   const float *xb, const float *h, const float *A, const float *B, int N, int in,
+                                   int out, int r, float scaling, float dropout, uint64_t seed, float *work) {
+    FL_TRY(flb_sticky(be));
+    FL_TRY(flb_lora_check("lora_backward", N, in, out, r, ldy, dropout));
+    if (N == 0) return FL_OK;
+    if (!work) return fl_errorf(FL_ERR_INVALID, "lora_backward: NULL work buffer");
+    if (dB) FL_TRY(flb_gemm(be, 1, 0, out, r, N, scaling, dy, FL_F32, ldy, h, FL_F32, r, 1.0f, dB, FL_F32, r));
+    if (!dA && !dx) return FL_OK;
+    float *g = work;
+    FL_TRY(flb_gemm(be, 0, 0, N, r, out, 1.0f, dy, FL_F32, ldy, B, FL_F32, r, 0.0f, g, FL_F32, r));
+    if (dA) FL_TRY(flb_gemm(be, 1, 0, r, in, N, scaling, g, FL_F32, r, xb, FL_F32, in, 1.0f, dA, FL_F32, in));
+    if (!dx) return FL_OK;
+    if (dropout == 0.0f) return flb_gemm(be, 0, 0, N, in, r, scaling, g, FL_F32, r, A, FL_F32, in, 1.0f, dx, FL_F32, in);
+    float *t = work + (size_t)N * r;
+    FL_TRY(flb_gemm(be, 0, 0, N, in, r, scaling, g, FL_F32, r, A, FL_F32, in, 0.0f, t, FL_F32, in));
+    FLB_RUN_S(be, FLB_K(lora_dropout_add)(dx, t, (size_t)N * in, dropout, seed, STREAM), "lora_backward (dropout)");
+    return FL_OK;
+}
+
+/* ============================== memory and the rest ============================== */
+
+static void flb_set_scratch(const fl_backend *be, void *p, size_t bytes) {
+    flb_impl *im = FLB_IMPL(be);
+    im->scratch = (p && bytes >= FLB_SCRATCH_BYTES) ? p : NULL;
+}
+static fl_status flb_to_device(const fl_backend *be, void *dst, const void *src, size_t bytes) {
+    FL_TRY(flb_sticky(be));
+    if (bytes && flb_h2d(dst, src, bytes, STREAM))
+        return fl_errorf(FL_ERR_IO, "%s to_device: copy of %zu bytes failed", FLB_NAME, bytes);
+    return FL_OK;
+}
+static fl_status flb_to_host(const fl_backend *be, void *dst, const void *src, size_t bytes) {
+    FL_TRY(flb_sticky(be));
+    if (bytes && flb_d2h(dst, src, bytes, STREAM))
+        return fl_errorf(FL_ERR_IO, "%s to_host: copy of %zu bytes failed", FLB_NAME, bytes);
+    return flb_sticky(be);
+}
+static fl_status flb_copy(const fl_backend *be, void *dst, const void *src, size_t bytes) {
+    FL_TRY(flb_sticky(be));
+    if (bytes && flb_d2d(dst, src, bytes, STREAM))
+        return fl_errorf(FL_ERR_IO, "%s copy: device copy of %zu bytes failed", FLB_NAME, bytes);
+    return FL_OK;
+}
+static fl_status flb_sync(const fl_backend *be) {
+    int rc = flb_stream_sync(STREAM);
+    if (rc) flb_set_error(be, FL_ERR_IO, "sync", flb_last_error(rc));
+    return flb_sticky(be);
+}
+static int flb_supports_op(const fl_backend *be, fl_op op, fl_dtype a, fl_dtype b, fl_dtype c) {
+    (void)be;
+    switch (op) {
+    case FL_OP_GEMM: return flb_gemm_types_ok(a, b, c);
+    case FL_OP_CONVERT: return flb_float3(a) && flb_float3(b);
+    case FL_OP_ADAMW_EX:
+    case FL_OP_SGD_EX: return flb_float3(a) && flb_float3(b) && (c == FL_F32 || c == FL_BF16);
+    case FL_OP_ADAM8BIT: return (a == FL_F32 || a == FL_BF16) && (b == FL_F32 || b == FL_BF16);
+    case FL_OP_ACCUMULATE16: return a == FL_BF16 || a == FL_F16;
+    case FL_OP_SUMSQ: return flb_float3(a);
+    case FL_OP_Q4_MATMUL: return 1;
+    default: return 0;
+    }
+}
+static fl_status flb_rope_tables(const fl_backend *be, float *cos_t, float *sin_t, int maxT, int HD, float theta,
+                                 const fl_rope_scaling *scaling) {
+    FL_TRY(flb_sticky(be));
+    size_t n = (size_t)maxT * (size_t)(HD / 2);
+    float *h = (float *)malloc(2 * n * sizeof(float) + 1); /* set-up only: 8 * maxT * HD/2 bytes */
+    if (!h) return fl_errorf(FL_ERR_OOM, "%s rope_tables: no host memory for %zu values", FLB_NAME, 2 * n);
+    fl_rope_table_init(h, h + n, maxT, HD, theta, scaling);
+    fl_status s = flb_to_device(be, cos_t, h, n * sizeof(float));
+    if (s == FL_OK) s = flb_to_device(be, sin_t, h + n, n * sizeof(float));
+    if (s == FL_OK) s = flb_sync(be); /* the host buffer is freed next */
+    free(h);
+    return s;
+}
+
+static void *flb_pool_raw_alloc(size_t bytes, void *ud) {
+    (void)ud;
+    return flb_dev_alloc(bytes ? bytes : 1);
+}
+static void flb_pool_raw_free(void *ptr, size_t bytes, void *ud) {
+    (void)bytes; (void)ud;
+    flb_dev_free(ptr);
+}
+static fl_status flb_pool_init(const fl_backend *be, fl_mem_pool *p, const char *name, size_t budget) {
+    (void)be;
+    return fl_mem_pool_init_raw(p, name, FL_DEV_CUDA, budget, flb_pool_raw_alloc, flb_pool_raw_free, NULL);
+}
+
+fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
+    (void)n_threads;
+    memset(be, 0, sizeof *be);
+    flb_impl *im = (flb_impl *)calloc(1, sizeof *im);
+    if (!im) return fl_errorf(FL_ERR_OOM, "%s backend: out of host memory", FLB_NAME);
+    be->impl = im;
+    fl_status s = flb_device_init(&im->stream, &im->blas);
+    if (s != FL_OK) {
+        free(im);
+        be->impl = NULL;
+        return s;
+    }
+    im->scalars = (double *)flb_dev_alloc((2 + FL_CU_SUMSQ_PARTS) * sizeof(double));
+    if (!im->scalars) {
+        flb_device_free(im->stream, &im->blas);
+        free(im);
+        be->impl = NULL;
+        return fl_errorf(FL_ERR_OOM, "%s backend: cannot allocate %zu bytes of device memory", FLB_NAME,
+                         (2 + FL_CU_SUMSQ_PARTS) * sizeof(double));
+    }
+    be->name = FLB_NAME;
+    be->device = FL_DEV_CUDA;
+    be->n_threads = 1;
+    be->gemm_name = FLB_GEMM_NAME;
+    be->gemm_widens16 = 1u << FL_F16; /* an F16 B is widened per call (the panels above) */
+    be->scratch_bytes = FLB_SCRATCH_BYTES;
+    be->host_memory = FLB_HOST_MEMORY;
+    be->gemm = flb_gemm;
+    be->embedding_forward = flb_embedding_forward;
+    be->embedding_backward = flb_embedding_backward;
+    be->rmsnorm_forward = flb_rmsnorm_forward;
+    be->rmsnorm_backward = flb_rmsnorm_backward;
+    be->layernorm_forward = flb_layernorm_forward;
+    be->layernorm_backward = flb_layernorm_backward;
+    be->rope_forward = flb_rope_forward;
+    be->rope_backward = flb_rope_backward;
+    be->attention_forward = flb_attention_forward;
+    be->attention_backward = flb_attention_backward;
+    be->swiglu_forward = flb_swiglu_forward;
+    be->swiglu_backward = flb_swiglu_backward;
+    be->gelu_forward = flb_gelu_forward;
+    be->gelu_backward = flb_gelu_backward;
+    be->add = flb_add;
+    be->bias_forward = flb_bias_forward;
+    be->bias_backward = flb_bias_backward;
+    be->cross_entropy = flb_cross_entropy;
+    be->adamw_update = flb_adamw_update;
+    be->sgd_update = flb_sgd_update;
+    be->sumsq = flb_sumsq;
+    be->scale = flb_scale;
+    be->zero = flb_zero;
+    be->attention_decode = flb_attention_decode;
+    be->convert = flb_convert;
+    be->adamw_update_ex = flb_adamw_update_ex;
+    be->sgd_update_ex = flb_sgd_update_ex;
+    be->check_finite = flb_check_finite;
+    be->adam8bit_update = flb_adam8bit_update;
+    be->q4_matmul_forward = flb_q4_matmul_forward;
+    be->q4_matmul_backward = flb_q4_matmul_backward;
+    be->lora_forward = flb_lora_forward;
+    be->lora_backward = flb_lora_backward;
+    be->accumulate16 = flb_accumulate16;
+    be->sumsq_ex = flb_sumsq_ex;
+    be->attention_forward_ex = flb_attention_forward_ex;
+    be->attention_backward_ex = flb_attention_backward_ex;
+    be->set_scratch = flb_set_scratch;
+    be->to_device = flb_to_device;
+    be->to_host = flb_to_host;
+    be->copy = flb_copy;
+    be->sync = flb_sync;
+    be->supports_op = flb_supports_op;
+    be->rope_tables = flb_rope_tables;
+    be->pool_init = flb_pool_init;
+    return FL_OK;
+}
+
+void FLB_PREFIX(backend_free)(fl_backend *be) {
+    if (!be || !be->impl) return;
+    flb_impl *im = FLB_IMPL(be);
+    flb_stream_sync(im->stream);
+    if (im->own_scratch) flb_dev_free(im->own_scratch);
+    if (im->scalars) flb_dev_free(im->scalars);
+    flb_device_free(im->stream, &im->blas);
+    free(im);
+    memset(be, 0, sizeof *be);
+}
+
+/* The backend's own error state (tests; fl_backend has no slot for it): FL_OK, or the sticky error. */
+fl_status FLB_PREFIX(backend_error)(const fl_backend *be) { return flb_sticky(be); }

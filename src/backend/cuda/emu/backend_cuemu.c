@@ -1,0 +1,53 @@
+/* The "cuda-emu" backend: backend_cuda_impl.h over the CPU emulator's kernels (fl_cuemu_*), the
+ * cuBLASLt stand-in and host memory. Linked into the test programs only (fitllm_cuemu), where
+ * tests/main.c registers it, so the op suite runs the CUDA backend's own code on any machine.
+ * The scratch panels are small on purpose (64 KiB): the test shapes then cross panel edges. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/cuda/backend_cuda.h"
+#include "backend/cuda/cu_gemm.h"
+#include "backend/cuda/emu/cu_emu.h"
+
+#define FLB_NAME "cuda-emu"
+#define FLB_GEMM_NAME "cublaslt-standin"
+#define FLB_HOST_MEMORY 1
+#define FLB_K(name) fl_cuemu_##name
+#define FLB_PREFIX(name) fl_cuemu_##name
+#define FLB_LT_WS_BYTES 0u
+#define FLB_PANEL_BYTES (64u << 10)
+#define flb_gemm_fn fl_cu_gemm_standin
+
+static void *flb_dev_alloc(size_t bytes) { return aligned_alloc(256, (bytes + 255) / 256 * 256); }
+static void flb_dev_free(void *p) { free(p); }
+static int flb_h2d(void *d, const void *h, size_t n, void *s) {
+    (void)s;
+    memmove(d, h, n);
+    return 0;
+}
+static int flb_d2h(void *h, const void *d, size_t n, void *s) { return flb_h2d(h, d, n, s); }
+static int flb_d2d(void *d, const void *src, size_t n, void *s) { return flb_h2d(d, src, n, s); }
+static int flb_memset(void *d, int v, size_t n, void *s) {
+    (void)s;
+    memset(d, v, n);
+    return 0;
+}
+static int flb_stream_sync(void *s) {
+    (void)s;
+    return 0;
+}
+static const char *flb_last_error(int rc) {
+    (void)rc;
+    const char *e = fl_cu_emu_error();
+    return e ? e : "emulator error";
+}
+static fl_status flb_device_init(void **stream, fl_cu_blas *blas) {
+    *stream = NULL;
+    memset(blas, 0, sizeof *blas);
+    return FL_OK;
+}
+static void flb_device_free(void *stream, fl_cu_blas *blas) {
+    (void)stream; (void)blas;
+}
+
+#include "backend/cuda/backend_cuda_impl.h"
