@@ -56,6 +56,7 @@ int fl_cmd_plan(int argc, char **argv);
 int fl_cmd_lab(int argc, char **argv);
 int fl_cmd_loss(int argc, char **argv);
 int fl_cmd_bench_step(int argc, char **argv);
+int fl_cmd_selftest(int argc, char **argv);
 int fl_cmd_demo(int argc, char **argv);
 int fl_cmd_tokenize(int argc, char **argv);
 int fl_cmd_generate(int argc, char **argv);

@@ -44,6 +44,7 @@ static const struct {
     {"loss", fl_cmd_loss, "mean next-token cross-entropy of a model on token ids (optionally dump logits)"},
     {"tokenize", fl_cmd_tokenize, "encode text to token ids or decode ids to text (tokenizer.json/.model/llama2.c .bin)"},
     {"generate", fl_cmd_generate, "generate text from a prompt with a KV cache (greedy, temperature, top-k, top-p)"},
+    {"selftest", fl_cmd_selftest, "check a backend's ops against the CPU backend (--accelerator cuda: the GPU; EXPERIMENTAL)"},
     {"bench-step", fl_cmd_bench_step, "time full training steps (median ms/step, tok/s, GFLOP/s, memory report)"},
 };
 
