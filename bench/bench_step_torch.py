@@ -47,6 +47,9 @@ SHAPES = {
                  num_key_value_heads=6, intermediate_size=768, vocab_size=32000),
     "small": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                   num_key_value_heads=12, intermediate_size=2048, vocab_size=32000),
+    # TinyLlama-1.1B's shapes (the preset tinyllama-1.1b of fitllm)
+    "tinyllama-1.1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32,
+                           num_key_value_heads=4, intermediate_size=5632, vocab_size=32000),
 }
 
 
@@ -105,6 +108,9 @@ def main():
                     help="activation checkpointing (model.gradient_checkpointing_enable, torch.utils.checkpoint)")
     ap.add_argument("--no-phases", dest="phases", action="store_false",
                     help="one loss.backward() per step, no per-phase times")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: the model, data and optimizer on the GPU (timings synchronized; peak memory "
+                         "= torch.cuda.max_memory_allocated); bf16-mixed autocasts on cuda")
     args = ap.parse_args()
     quant = args.quantize[4:] if args.quantize.startswith("bnb.") else args.quantize
     if quant not in ("", "nf4", "nf4-dq"):
@@ -114,11 +120,13 @@ def main():
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    dev = torch.device(args.device)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     from transformers import LlamaConfig, LlamaForCausalLM
     import transformers
 
     s = SHAPES[args.shape]
-    cfg = LlamaConfig(**s, max_position_embeddings=1024, rms_norm_eps=1e-5,
+    cfg = LlamaConfig(**s, max_position_embeddings=max(1024, args.seq), rms_norm_eps=1e-5,
                       rope_theta=10000.0, tie_word_embeddings=False,
                       attention_bias=False, mlp_bias=False, hidden_act="silu",
                       bos_token_id=1, eos_token_id=2, use_cache=False,
@@ -134,6 +142,7 @@ def main():
         model = LlamaForCausalLM(cfg).float()
         if bf16_true:
             model = model.to(torch.bfloat16)
+        model = model.to(dev)
     model.train()
     if args.act_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -154,11 +163,11 @@ def main():
     flops = 6 * n_lin * B * T + 6 * L * B * T * T * H
 
     g = torch.Generator().manual_seed(args.seed + 1)
-    ids = torch.randint(0, V, (B, T), generator=g)
-    tgt = torch.randint(0, V, (B, T), generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g).to(dev)
+    tgt = torch.randint(0, V, (B, T), generator=g).to(dev)
 
     import contextlib
-    amp = (torch.autocast(device_type="cpu", dtype=torch.bfloat16) if args.precision == "bf16-mixed"
+    amp = (torch.autocast(device_type=args.device, dtype=torch.bfloat16) if args.precision == "bf16-mixed"
            else contextlib.nullcontext())
 
     def step():
@@ -175,25 +184,32 @@ def main():
 
     def step_phases():
         opt.zero_grad(set_to_none=True)
+        sync()
         t0 = time.perf_counter()
         with amp:
             hidden = body(input_ids=ids, use_cache=False).last_hidden_state  # (B, T, C) after the final norm
+        sync()
         t1 = time.perf_counter()
         h = hidden.detach().requires_grad_(True)
         with amp:
             loss = F.cross_entropy(head(h).view(-1, V).float(), tgt.view(-1))
         loss.backward()  # head + loss, forward and backward: h.grad
+        sync()
         t2 = time.perf_counter()
         hidden.backward(h.grad)
+        sync()
         t3 = time.perf_counter()
         opt.step()
+        sync()
         t4 = time.perf_counter()
         return loss.item(), (t1 - t0, t2 - t1, t3 - t2, t4 - t3)
 
     times, phases = [], []
     for i in range(args.warmup + args.steps):
+        sync()
         t0 = time.perf_counter()
         loss, ph = step_phases() if args.phases else step()
+        sync()
         dt = time.perf_counter() - t0
         if i >= args.warmup:
             times.append(dt)
@@ -210,6 +226,8 @@ def main():
     tok_s = B * T / med
     gflops = flops / med / 1e9
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    if args.device == "cuda":  # the GPU's peak, as fitllm's report counts its device pool
+        rss_mb = torch.cuda.max_memory_allocated() / 2**20
     print(f"# torch {torch.__version__} transformers {transformers.__version__} "
           f"precision={args.precision} quantize={quant or 'none'} lora={args.lora} "
           f"dtypes={sorted({str(p.dtype).replace('torch.', '') for p in model.parameters()})} "
