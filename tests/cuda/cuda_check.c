@@ -16,6 +16,8 @@
 #include "backend/cuda/cu_kernels.h"
 #include "fitllm/cuda.h"
 
+int fl_cuda_check_attn(void); /* check_attn.c: the attention kernels */
+
 static int g_fail;
 
 static void *dev_copy(const void *h, size_t bytes) {
@@ -218,6 +220,7 @@ int main(void) {
     check_layernorm(33, 769);
     check_sumsq(3000017);
     check_gemm();
+    g_fail += fl_cuda_check_attn();
     printf("%s\n", g_fail ? "FAILED" : "all ok");
     return g_fail ? 1 : 0;
 }

@@ -1,0 +1,58 @@
+/* fitllm CUDA kernels: the host launchers of the attention kernels (kernels/attention.cu,
+ * kernels/attention_bwd.cu), in the two-prefix pattern of cu_kernels.h: fl_cuk_NAME (nvcc build,
+ * device pointers, asynchronous on `stream`) and fl_cuemu_NAME (the same source under the CPU
+ * emulator, host pointers, synchronous). Semantics are those of the backend op of the same name
+ * in fitllm/backend.h (fused causal self-attention over qkv rows, the KV-cache decode step, and
+ * the general fl_attn_desc attention); backward launchers ACCUMULATE into their gradients.
+ *
+ * Returns 0, the CUDA error of a launch (emulator: 1 with fl_cu_emu_error() set), or
+ * FL_CU_ATTN_UNSUPPORTED (HD > FL_CU_ATTN_MAX_HD) / FL_CU_ATTN_INVALID (bad shape, stride or
+ * NULL; a grid dimension over 65535) checked on the host before anything runs: on an error
+ * nothing is written. fp32 only; deterministic (no atomics; the same bits every run). */
+#ifndef FL_CU_KERNELS_ATTN_H
+#define FL_CU_KERNELS_ATTN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fitllm/backend.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FL_CU_ATTN_MAX_HD 256 /* as the CPU's FL_CPU_ATTN_MAX_HD */
+#define FL_CU_ATTN_UNSUPPORTED (-1)
+#define FL_CU_ATTN_INVALID (-2)
+
+/* Bytes of device scratch the backward launchers take as `work` (the per-row D = dout . out of
+ * B*NH*Tq query rows). Tq = T for the fused op. */
+static inline size_t fl_cu_attention_work_bytes(int B, int NH, int Tq) {
+    return (B > 0 && NH > 0 && Tq > 0) ? (size_t)B * (size_t)NH * (size_t)Tq * sizeof(float) : 0;
+}
+
+#define FL_CU_DECLARE_ATTN_KERNELS(P)                                                                          \
+    /* causal self-attention, qkv rows [q (NH*HD) | k (NKV*HD) | v (NKV*HD)], scale 1/sqrt(HD) */              \
+    int P##attention_forward(float *out /*(B,T,NH*HD)*/, float *lse /*(B,NH,T)*/, const float *qkv, int B,     \
+                             int T, int NH, int NKV, int HD, void *stream);                                   \
+    int P##attention_backward(float *dqkv, const float *dout, const float *qkv, const float *out,               \
+                              const float *lse, int B, int T, int NH, int NKV, int HD, void *work,             \
+                              void *stream);                                                                   \
+    /* one query row against the KV cache (head g's rows at kcache + g*head_stride + t*HD); T >= 1 */          \
+    int P##attention_decode(float *out /*(NH*HD)*/, const float *q /*(NH*HD)*/, const float *kcache,           \
+                            const float *vcache, int T, int NH, int NKV, int HD, size_t head_stride,            \
+                            void *stream);                                                                     \
+    int P##attention_forward_ex(const fl_attn_desc *a, float *out, float *lse, const float *q, const float *k,  \
+                                const float *v, const float *bias, const uint8_t *kmask, void *stream);         \
+    int P##attention_backward_ex(const fl_attn_desc *a, float *dq, float *dk, float *dv, float *dbias,          \
+                                 const float *dout, const float *q, const float *k, const float *v,            \
+                                 const float *bias, const uint8_t *kmask, const float *out, const float *lse,  \
+                                 void *work, void *stream);
+
+FL_CU_DECLARE_ATTN_KERNELS(fl_cuk_)
+FL_CU_DECLARE_ATTN_KERNELS(fl_cuemu_)
+
+#ifdef __cplusplus
+}
+#endif
+#endif

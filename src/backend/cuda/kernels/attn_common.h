@@ -1,0 +1,141 @@
+/* Private to kernels/attention.cu and kernels/attention_bwd.cu: the parameter block, tile
+ * configurations and device helpers the attention kernels share (see attention.cu's header). */
+#ifndef FL_CU_ATTN_COMMON_H
+#define FL_CU_ATTN_COMMON_H
+
+#include "backend/cuda/cu_compat.h"
+#include "backend/cuda/cu_kernels_attn.h"
+
+/* Everything a kernel needs, passed by value. Views as fl_attn_desc: row (b, t) of q at
+ * q + (b*Tq + t)*ldq, head h at + h*HD (k, v, out, and the gradients likewise). */
+struct fl_cu_attn_p {
+    const float *q, *k, *v, *bias, *dout, *out, *lse;
+    const uint8_t *kmask;
+    float *o, *l, *dq, *dk, *dv, *dbias, *Dsum; /* forward outputs; gradients; D scratch (B,NH,Tq) */
+    size_t ldq, ldk, ldv, ldo;
+    int B, Tq, Tk, NH, NKV, HD, rep, causal;
+    float scale;
+};
+
+/* Tile shapes per head-dimension bucket D (HD <= D; dims HD..D-1 are zero in shared memory).
+ * All kernels run 128 threads; a row (forward, dQ) or key (dK/dV) is owned by 8 consecutive
+ * lanes, each holding every 8th key / dimension, so row reductions are 3 xor shuffles.
+ *   forward / dQ: BQ query rows per block, RPT rows per thread (BQ/RPT*8 = 128), key tiles of BK;
+ *   dK/dV: KBK keys per block, KRK keys per thread (KBK/KRK*8 = 128), query tiles of KBQ.
+ * Shared memory (floats, rows padded to D+1: the row-major tiles serve both the q.k dot
+ * products and the row updates without bank conflicts): at most ~75 KB (D = 128), under the
+ * 99 KB an sm_86/89 block may opt in to. Measured on an H100 (B 2, NH 32, HD 64, T 1024/2048): a
+ * 64-key forward tile, 128-row forward / dQ tiles, or 32- and 16-key dK/dV tiles (more blocks
+ * for GQA) were all 1-50% slower than these. */
+template <int D_> struct fl_cu_attn_cfg;
+template <> struct fl_cu_attn_cfg<32> {
+    enum { D = 32, BQ = 64, BK = 32, RPT = 4, QBQ = 64, QBK = 32, QRPT = 4, KBK = 64, KBQ = 32, KRK = 4 };
+};
+template <> struct fl_cu_attn_cfg<64> {
+    enum { D = 64, BQ = 64, BK = 32, RPT = 4, QBQ = 64, QBK = 32, QRPT = 4, KBK = 64, KBQ = 32, KRK = 4 };
+};
+template <> struct fl_cu_attn_cfg<128> {
+    enum { D = 128, BQ = 64, BK = 32, RPT = 4, QBQ = 32, QBK = 32, QRPT = 2, KBK = 32, KBQ = 32, KRK = 2 };
+};
+template <> struct fl_cu_attn_cfg<256> {
+    enum { D = 256, BQ = 32, BK = 16, RPT = 2, QBQ = 16, QBK = 16, QRPT = 1, KBK = 16, KBQ = 16, KRK = 1 };
+};
+#define FL_CU_ATTN_THREADS 128
+
+/* Raise a kernel's dynamic shared memory limit above the default 48 KB (host side; no-op
+ * under the emulator, whose shared memory is a malloc). */
+#if FL_CU_EMULATED
+#define FL_CU_ATTN_SMEM_OPTIN(kernel, bytes) 0
+#else
+#define FL_CU_ATTN_SMEM_OPTIN(kernel, bytes)                                                       \
+    (int)cudaFuncSetAttribute((const void *)(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize, (int)(bytes))
+#endif
+
+/* One past the last key query row t may see (causal: bottom-right aligned), in [0, Tk]. */
+FL_CU_DEV int fl_cu_attn_key_limit(const fl_cu_attn_p &p, int t) {
+    if (!p.causal) return p.Tk;
+    long lim = (long)t + p.Tk - p.Tq + 1;
+    return lim < 0 ? 0 : lim > p.Tk ? p.Tk : (int)lim;
+}
+/* First query row that sees key k (causal), in [0, Tq]. */
+FL_CU_DEV int fl_cu_attn_first_row(const fl_cu_attn_p &p, int k) {
+    if (!p.causal) return 0;
+    long t = (long)k - (p.Tk - p.Tq);
+    return t < 0 ? 0 : t > p.Tq ? p.Tq : (int)t;
+}
+
+/* dst (R, D+1) <- rows r0..r0+n-1 of a (rows, HD) view (row stride ld) times mul; rows >= n and
+ * dims >= HD zero. Consecutive threads read consecutive dims (coalesced). */
+template <int D, int R>
+FL_CU_DEV void fl_cu_attn_load_tile(float *dst, const float *src, size_t ld, int n, int HD, float mul) {
+    for (int i = threadIdx.x; i < R * D; i += FL_CU_ATTN_THREADS) {
+        int r = i / D, d = i % D;
+        float x = 0.0f;
+        if (r < n && d < HD) x = src[(size_t)r * ld + d] * mul;
+        dst[r * (D + 1) + d] = x;
+    }
+}
+
+/* Max / sum over the 8 lanes that own a row (all 8 get the same bits: xor butterfly). */
+FL_CU_DEV float fl_cu_attn_max8(float v) {
+    for (int o = 1; o < 8; o <<= 1) v = fmaxf(v, __shfl_xor_sync(FL_CU_FULL_MASK, v, o));
+    return v;
+}
+FL_CU_DEV float fl_cu_attn_sum8(float v) {
+    for (int o = 1; o < 8; o <<= 1) v += __shfl_xor_sync(FL_CU_FULL_MASK, v, o);
+    return v;
+}
+
+/* Host-side argument checks shared by the launchers (0, or an FL_CU_ATTN_* code). */
+static inline int fl_cu_attn_check(const fl_attn_desc *a, const void *out, const void *lse, const float *q,
+                                   const float *k, const float *v, const float *bias, const float *dbias) {
+    if (!a || !out || !lse || !q || !k || !v) return FL_CU_ATTN_INVALID;
+    if (a->B < 0 || a->Tq < 0 || a->Tk < 0 || a->NH <= 0 || a->NKV <= 0 || a->HD <= 0 || a->NH % a->NKV)
+        return FL_CU_ATTN_INVALID;
+    if (a->HD > FL_CU_ATTN_MAX_HD) return FL_CU_ATTN_UNSUPPORTED;
+    size_t wq = (size_t)a->NH * a->HD, wk = (size_t)a->NKV * a->HD;
+    if (a->ldq < wq || a->ldo < wq || a->ldk < wk || a->ldv < wk) return FL_CU_ATTN_INVALID;
+    if (dbias && !bias) return FL_CU_ATTN_INVALID;
+    if (!(a->scale == a->scale) || a->scale - a->scale != 0.0f) return FL_CU_ATTN_INVALID; /* NaN or inf */
+    if (a->B > 65535 || a->NH > 65535) return FL_CU_ATTN_INVALID;                          /* grid y / z */
+    return 0;
+}
+
+static inline fl_cu_attn_p fl_cu_attn_params(const fl_attn_desc *a) {
+    fl_cu_attn_p p;
+    memset(&p, 0, sizeof p);
+    p.ldq = a->ldq;
+    p.ldk = a->ldk;
+    p.ldv = a->ldv;
+    p.ldo = a->ldo;
+    p.B = a->B;
+    p.Tq = a->Tq;
+    p.Tk = a->Tk;
+    p.NH = a->NH;
+    p.NKV = a->NKV;
+    p.HD = a->HD;
+    p.rep = a->NH / a->NKV;
+    p.causal = a->causal != 0;
+    p.scale = a->scale;
+    return p;
+}
+
+/* The fused op's views of qkv (B, T, (NH+2*NKV)*HD) as a causal self-attention descriptor. */
+static inline fl_attn_desc fl_cu_attn_fused_desc(int B, int T, int NH, int NKV, int HD) {
+    fl_attn_desc a;
+    memset(&a, 0, sizeof a);
+    a.B = B;
+    a.Tq = a.Tk = T;
+    a.NH = NH;
+    a.NKV = NKV;
+    a.HD = HD;
+    a.ldq = a.ldk = a.ldv = (size_t)(NH + 2 * (NKV > 0 ? NKV : 0)) * (HD > 0 ? HD : 0);
+    a.ldo = (size_t)NH * (HD > 0 ? HD : 0);
+    a.scale = HD > 0 ? 1.0f / sqrtf((float)HD) : 1.0f;
+    a.causal = 1;
+    return a;
+}
+
+/* Head-dimension bucket: the smallest of 32, 64, 128, 256 that holds HD. */
+static inline int fl_cu_attn_bucket(int HD) { return HD <= 32 ? 32 : HD <= 64 ? 64 : HD <= 128 ? 128 : 256; }
+#endif

@@ -1,0 +1,496 @@
+/* CUDA attention kernels (src/backend/cuda/kernels/attention*.cu) under the CPU emulator.
+ *
+ * Anchors, independent of the kernels' code:
+ *  - a float64 reference written here, straight from backend.h's contract (naive softmax over
+ *    the visible keys of one query row at a time, no tiling, D = sum_j p_j dP_j);
+ *  - the CPU backend's ops on the same inputs (themselves checked against finite differences
+ *    in tests/test_attention.c and tests/test_ops.c);
+ *  - an error bound from fp32 rounding, per element, computed from the data (below), never
+ *    from the kernels' output. Both the kernel and the CPU op must be within it of the float64
+ *    value, so the two must agree within twice it.
+ * And bits: every launch runs twice under two fiber-order seeds (the emulator permutes the
+ * fibers between barrier phases, so a missing __syncthreads shows) and must give the same bits.
+ *
+ * The bound. u = 2^-24. A dot product or sum of n fp32 terms errs by at most about n u times
+ * the sum of |terms| (the worst-case linear bound of recursive summation, no random-walk
+ * discount), and an error e in a score changes its probability by the factor exp(e); with
+ * sabs = scale * sum_d |q_d k_d| + |bias| the largest magnitude behind a visible score, every
+ * probability's relative error is within rho = u (HD + Tk + 8)(1 + sabs). Per element, with
+ * the sums of |terms| of the float64 reference (P1 = sum_d |dO_d v_jd|, P2 = sum_d |dO_d o_d|):
+ *   out:   M = sum_j p_j |v_jd|                     lse: 1 + |lse|
+ *   dq:    M = scale sum_j p_tj (P1 + P2) |k_jd|     dk: M = scale sum_t p_tj (P1 + P2) |q_td|
+ *   dv:    M = sum_t p_tj |dO_td|                    dbias: M = sum_b p (P1 + P2)
+ * and |err| <= 4 u (HD + Tq*NH/NKV + Tk + B + 16)(1 + sabs) M + 4 u |x| (the += into a
+ * pre-filled gradient and the last rounding), 4 for the stages chained (score, exp, sum,
+ * division / D, dS, the gradient sum). A row with no visible key has M = 0: its out and its
+ * gradients must be exact. At these shapes the bound is ~1e-5 relative: a hidden key let in, a
+ * lost tile or a wrong scale is off by 1e-2 or more. */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fitllm/backend.h"
+#include "test.h"
+
+#ifdef FL_HAVE_CUDA_EMU
+#include "backend/cuda/cu_kernels_attn.h"
+#include "backend/cuda/emu/cu_emu.h"
+
+#define U32 (1.0 / 16777216.0)
+
+static const uint64_t k_seed_a = 0x51ed2701ull, k_seed_b = 0xa77e4711ull;
+
+static float *frand(fl_test_rng *r, size_t n, float lo, float hi) {
+    float *x = malloc((n ? n : 1) * sizeof(float));
+    fl_test_fill(r, x, n, lo, hi);
+    return x;
+}
+static float *fdup(const float *x, size_t n) {
+    float *y = malloc((n ? n : 1) * sizeof(float));
+    memcpy(y, x, n * sizeof(float));
+    return y;
+}
+static double *dzeros(size_t n) { return calloc(n ? n : 1, sizeof(double)); }
+
+/* emulated launch: returns the launcher's code, a recorded emulator error fails the test */
+static int emu_call(int rc, const char *what) {
+    const char *e = fl_cu_emu_error();
+    FL_CHECKF(!e, "%s: emulator error: %s", what, e ? e : "");
+    fl_cu_emu_clear_error();
+    return rc;
+}
+
+/* ---- float64 reference -------------------------------------------------------------------- */
+
+typedef struct {
+    fl_attn_desc a;
+    const float *q, *k, *v, *bias, *dout; /* op layouts (dout like out: ldo) */
+    const uint8_t *kmask;
+    /* contiguous outputs: out (B,Tq,NH,HD), lse (B,NH,Tq), dq (B,Tq,NH,HD), dk/dv (B,Tk,NKV,HD),
+     * dbias (NH,Tq,Tk); M* the |term| sums of the bound; sabs the largest score magnitude */
+    double *out, *lse, *dq, *dk, *dv, *dbias, *Mo, *Mq, *Mk, *Mv, *Mb;
+    double sabs;
+} ref_t;
+
+static int visible(const fl_attn_desc *a, const uint8_t *kmask, int b, int t, int j) {
+    if (kmask && !kmask[(size_t)b * a->Tk + j]) return 0;
+    return !a->causal || (long)j <= (long)t + a->Tk - a->Tq;
+}
+
+static void ref_run(ref_t *R) {
+    const fl_attn_desc *a = &R->a;
+    const int HD = a->HD, rep = a->NH / a->NKV, Tk = a->Tk, Tq = a->Tq;
+    double *s = malloc(sizeof(double) * (Tk ? Tk : 1)), *p = malloc(sizeof(double) * (Tk ? Tk : 1));
+    double *dp = malloc(sizeof(double) * (Tk ? Tk : 1)), *P1 = malloc(sizeof(double) * (Tk ? Tk : 1));
+    R->sabs = 0;
+    for (int b = 0; b < a->B; b++)
+        for (int h = 0; h < a->NH; h++)
+            for (int t = 0; t < Tq; t++) {
+                const int g = h / rep;
+                const float *q = R->q + ((size_t)b * Tq + t) * a->ldq + (size_t)h * HD;
+                double m = -INFINITY;
+                for (int j = 0; j < Tk; j++) {
+                    if (!visible(a, R->kmask, b, t, j)) continue;
+                    const float *k = R->k + ((size_t)b * Tk + j) * a->ldk + (size_t)g * HD;
+                    double dot = 0, mag = 0;
+                    for (int d = 0; d < HD; d++) {
+                        dot += (double)q[d] * k[d];
+                        mag += fabs((double)q[d] * k[d]);
+                    }
+                    double bj = R->bias ? R->bias[((size_t)h * Tq + t) * Tk + j] : 0.0;
+                    s[j] = a->scale * dot + bj;
+                    mag = a->scale * mag + fabs(bj);
+                    if (mag > R->sabs) R->sabs = mag;
+                    if (s[j] > m) m = s[j];
+                }
+                double l = 0;
+                for (int j = 0; j < Tk; j++) {
+                    p[j] = visible(a, R->kmask, b, t, j) ? exp(s[j] - m) : 0.0;
+                    l += p[j];
+                }
+                const size_t orow = (((size_t)b * Tq + t) * a->NH + h) * HD, lrow = ((size_t)b * a->NH + h) * Tq + t;
+                double *o = R->out + orow;
+                if (l == 0) { /* no visible key */
+                    R->lse[lrow] = -INFINITY;
+                    continue; /* out, gradients, M stay 0 */
+                }
+                for (int j = 0; j < Tk; j++) p[j] /= l;
+                R->lse[lrow] = m + log(l);
+                for (int j = 0; j < Tk; j++) {
+                    if (p[j] == 0) continue;
+                    const float *v = R->v + ((size_t)b * Tk + j) * a->ldv + (size_t)g * HD;
+                    for (int d = 0; d < HD; d++) {
+                        o[d] += p[j] * v[d];
+                        R->Mo[orow + d] += p[j] * fabs((double)v[d]);
+                    }
+                }
+                if (!R->dout) continue;
+                const float *dO = R->dout + ((size_t)b * Tq + t) * a->ldo + (size_t)h * HD;
+                double D = 0, P2 = 0;
+                for (int d = 0; d < HD; d++) P2 += fabs(dO[d] * o[d]);
+                for (int j = 0; j < Tk; j++) {
+                    dp[j] = P1[j] = 0;
+                    if (p[j] == 0) continue;
+                    const float *v = R->v + ((size_t)b * Tk + j) * a->ldv + (size_t)g * HD;
+                    for (int d = 0; d < HD; d++) {
+                        dp[j] += (double)dO[d] * v[d];
+                        P1[j] += fabs((double)dO[d] * v[d]);
+                    }
+                    D += p[j] * dp[j];
+                }
+                for (int j = 0; j < Tk; j++) {
+                    if (p[j] == 0) continue;
+                    const double ds = p[j] * (dp[j] - D), w = p[j] * (P1[j] + P2);
+                    const float *k = R->k + ((size_t)b * Tk + j) * a->ldk + (size_t)g * HD;
+                    const size_t krow = (((size_t)b * Tk + j) * a->NKV + g) * HD;
+                    for (int d = 0; d < HD; d++) {
+                        R->dq[orow + d] += a->scale * ds * k[d];
+                        R->Mq[orow + d] += a->scale * w * fabs((double)k[d]);
+                        R->dk[krow + d] += a->scale * ds * q[d];
+                        R->Mk[krow + d] += a->scale * w * fabs((double)q[d]);
+                        R->dv[krow + d] += p[j] * dO[d];
+                        R->Mv[krow + d] += p[j] * fabs((double)dO[d]);
+                    }
+                    if (R->dbias) {
+                        R->dbias[((size_t)h * Tq + t) * Tk + j] += ds;
+                        R->Mb[((size_t)h * Tq + t) * Tk + j] += w;
+                    }
+                }
+            }
+    free(s);
+    free(p);
+    free(dp);
+    free(P1);
+}
+
+/* got (a strided view: rows of `row` floats at stride ld, minus pre when given) against the
+ * contiguous reference; 0 if any element is outside its bound (the first is printed). */
+static int check_bound(const char *what, const float *got, const float *pre, size_t rows, size_t row, size_t ld,
+                       const double *want, const double *M, double nfac, double sabs) {
+    double worst = 0;
+    for (size_t r = 0; r < rows; r++)
+        for (size_t c = 0; c < row; c++) {
+            size_t gi = r * ld + c, wi = r * row + c;
+            double x = got[gi], p0 = pre ? pre[gi] : 0.0;
+            double err = fabs(x - p0 - want[wi]);
+            double tol = 4 * U32 * nfac * (1 + sabs) * M[wi] + 4 * U32 * (fabs(x) + fabs(p0));
+            if (!(err <= tol)) {
+                fprintf(stderr, "  %s: [%zu,%zu] got %.9g want %.9g (err %.3g > bound %.3g)\n", what, r, c, x - p0,
+                        want[wi], err, tol);
+                return 0;
+            }
+            if (tol > 0 && err / tol > worst) worst = err / tol;
+        }
+    return 1;
+}
+static int check_lse(const char *what, const float *got, const double *want, size_t n, double rho) {
+    for (size_t i = 0; i < n; i++) {
+        if (isinf(want[i])) {
+            if (!(isinf(got[i]) && got[i] < 0)) {
+                fprintf(stderr, "  %s: [%zu] got %g want -inf\n", what, i, got[i]);
+                return 0;
+            }
+            continue;
+        }
+        double tol = rho * (1 + fabs(want[i])) * 4;
+        if (!(fabs(got[i] - want[i]) <= tol)) {
+            fprintf(stderr, "  %s: [%zu] got %.9g want %.9g (bound %.3g)\n", what, i, got[i], want[i], tol);
+            return 0;
+        }
+    }
+    return 1;
+}
+/* |a - b| within twice the bound (both are within it of the float64 value) */
+static int check_pair(const char *what, const float *x, const float *y, size_t rows, size_t row, size_t ld,
+                      const double *M, double nfac, double sabs) {
+    for (size_t r = 0; r < rows; r++)
+        for (size_t c = 0; c < row; c++) {
+            size_t i = r * ld + c;
+            double tol = 8 * U32 * nfac * (1 + sabs) * M[r * row + c] + 8 * U32 * (fabs(x[i]) + fabs(y[i]));
+            if (!(fabs((double)x[i] - y[i]) <= tol)) {
+                fprintf(stderr, "  %s: [%zu,%zu] %.9g vs %.9g (bound %.3g)\n", what, r, c, x[i], y[i], tol);
+                return 0;
+            }
+        }
+    return 1;
+}
+
+/* ---- one general case ---------------------------------------------------------------------- */
+
+typedef struct {
+    int B, Tq, Tk, NH, NKV, HD, causal, bias, mask, dbias, strided;
+    int mask_all_b1; /* batch element 1: every key padding (all its rows see nothing) */
+} attn_case;
+
+static void run_case(const attn_case *cs) {
+    char name[160];
+    snprintf(name, sizeof name, "B%d Tq%d Tk%d NH%d/%d HD%d%s%s%s%s%s", cs->B, cs->Tq, cs->Tk, cs->NH, cs->NKV, cs->HD,
+             cs->causal ? " causal" : "", cs->bias ? " bias" : "", cs->mask ? " kmask" : "",
+             cs->dbias ? " dbias" : "", cs->strided ? " strided" : "");
+    fl_test_rng rng = {(unsigned long long)(cs->Tq * 131 + cs->Tk * 7 + cs->HD + cs->NKV * 1000 + cs->bias * 3)};
+    fl_attn_desc a = {0};
+    a.B = cs->B, a.Tq = cs->Tq, a.Tk = cs->Tk, a.NH = cs->NH, a.NKV = cs->NKV, a.HD = cs->HD;
+    a.scale = 1.0f / sqrtf((float)cs->HD);
+    a.causal = cs->causal;
+    const size_t wq = (size_t)a.NH * a.HD, wk = (size_t)a.NKV * a.HD;
+    a.ldq = wq + (cs->strided ? 3 : 0);
+    a.ldk = wk + (cs->strided ? 5 : 0);
+    a.ldv = wk + (cs->strided ? 1 : 0);
+    a.ldo = wq + (cs->strided ? 2 : 0);
+    const size_t nq = (size_t)a.B * a.Tq * a.ldq, nk = (size_t)a.B * a.Tk * a.ldk, nv = (size_t)a.B * a.Tk * a.ldv;
+    const size_t no = (size_t)a.B * a.Tq * a.ldo, nl = (size_t)a.B * a.NH * a.Tq, nb = (size_t)a.NH * a.Tq * a.Tk;
+    float *q = frand(&rng, nq, -1.5f, 1.5f), *k = frand(&rng, nk, -1.5f, 1.5f), *v = frand(&rng, nv, -1, 1);
+    float *bias = cs->bias ? frand(&rng, nb, -1, 1) : NULL, *dout = frand(&rng, no, -1, 1);
+    uint8_t *kmask = NULL;
+    if (cs->mask) {
+        kmask = malloc((size_t)a.B * a.Tk);
+        for (size_t i = 0; i < (size_t)a.B * a.Tk; i++) kmask[i] = (fl_test_rng_u64(&rng) % 5) != 0;
+        if (a.B > 1) {
+            kmask[(size_t)a.Tk] = 0; /* causal self-attention: row 0 of b=1 sees nothing */
+            if (cs->mask_all_b1) memset(kmask + a.Tk, 0, a.Tk);
+        }
+    }
+    /* reference */
+    ref_t R = {a, q, k, v, bias, dout, kmask, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0};
+    const size_t cq = (size_t)a.B * a.Tq * wq, ck = (size_t)a.B * a.Tk * wk;
+    R.out = dzeros(cq), R.lse = dzeros(nl), R.dq = dzeros(cq), R.dk = dzeros(ck), R.dv = dzeros(ck);
+    R.Mo = dzeros(cq), R.Mq = dzeros(cq), R.Mk = dzeros(ck), R.Mv = dzeros(ck);
+    R.dbias = cs->dbias ? dzeros(nb) : NULL, R.Mb = cs->dbias ? dzeros(nb) : NULL;
+    ref_run(&R);
+    const double nfac = a.HD + (double)a.Tq * (a.NH / a.NKV) + a.Tk + a.B + 16;
+    const double rho = U32 * (a.HD + a.Tk + 8) * (1 + R.sabs);
+
+    /* forward: emulated twice (two fiber orders), CPU backend once; sentinels in the stride padding */
+    float *out1 = frand(&rng, no, 7, 8), *out2 = fdup(out1, no), *outc = fdup(out1, no), *out0 = fdup(out1, no);
+    float *lse1 = malloc(nl * 4), *lse2 = malloc(nl * 4), *lsec = malloc(nl * 4);
+    fl_cu_emu_set_seed(k_seed_a);
+    int rc = emu_call(fl_cuemu_attention_forward_ex(&a, out1, lse1, q, k, v, bias, kmask, NULL), name);
+    fl_cu_emu_set_seed(k_seed_b);
+    rc |= emu_call(fl_cuemu_attention_forward_ex(&a, out2, lse2, q, k, v, bias, kmask, NULL), name);
+    FL_CHECKF(rc == 0, "%s: forward launcher -> %d", name, rc);
+    FL_CHECKF(!memcmp(out1, out2, no * 4) && !memcmp(lse1, lse2, nl * 4), "%s: forward bits differ between runs", name);
+    fl_backend be;
+    fl_cpu_backend_init(&be, 2);
+    FL_CHECK(be.attention_forward_ex(&be, &a, outc, lsec, q, k, v, bias, kmask) == FL_OK);
+    const size_t rows = (size_t)a.B * a.Tq;
+    FL_CHECKF(check_bound("out vs float64", out1, NULL, rows, wq, a.ldo, R.out, R.Mo, nfac, R.sabs), "%s: out", name);
+    FL_CHECKF(check_lse("lse vs float64", lse1, R.lse, nl, rho), "%s: lse", name);
+    FL_CHECKF(check_pair("out vs cpu", out1, outc, rows, wq, a.ldo, R.Mo, nfac, R.sabs), "%s: out vs cpu", name);
+    int pad_ok = 1;
+    for (size_t r = 0; r < rows; r++)
+        for (size_t c = wq; c < a.ldo; c++) pad_ok &= out1[r * a.ldo + c] == out0[r * a.ldo + c];
+    FL_CHECKF(pad_ok, "%s: forward wrote into the stride padding", name);
+
+    /* backward: gradients pre-filled (the op accumulates), out/lse from the emulated forward */
+    float *dq0 = frand(&rng, nq, -0.5f, 0.5f), *dk0 = frand(&rng, nk, -0.5f, 0.5f), *dv0 = frand(&rng, nv, -0.5f, 0.5f);
+    float *db0 = cs->dbias ? frand(&rng, nb, -0.5f, 0.5f) : NULL;
+    float *dq1 = fdup(dq0, nq), *dk1 = fdup(dk0, nk), *dv1 = fdup(dv0, nv), *db1 = db0 ? fdup(db0, nb) : NULL;
+    float *dq2 = fdup(dq0, nq), *dk2 = fdup(dk0, nk), *dv2 = fdup(dv0, nv), *db2 = db0 ? fdup(db0, nb) : NULL;
+    float *dqc = fdup(dq0, nq), *dkc = fdup(dk0, nk), *dvc = fdup(dv0, nv), *dbc = db0 ? fdup(db0, nb) : NULL;
+    size_t wb = fl_cu_attention_work_bytes(a.B, a.NH, a.Tq);
+    FL_CHECK(wb == nl * sizeof(float));
+    float *work = malloc(wb ? wb : 1);
+    fl_cu_emu_set_seed(k_seed_a);
+    rc = emu_call(fl_cuemu_attention_backward_ex(&a, dq1, dk1, dv1, db1, dout, q, k, v, bias, kmask, out1, lse1, work,
+                                                 NULL), name);
+    fl_cu_emu_set_seed(k_seed_b);
+    rc |= emu_call(fl_cuemu_attention_backward_ex(&a, dq2, dk2, dv2, db2, dout, q, k, v, bias, kmask, out1, lse1, work,
+                                                  NULL), name);
+    FL_CHECKF(rc == 0, "%s: backward launcher -> %d", name, rc);
+    FL_CHECKF(!memcmp(dq1, dq2, nq * 4) && !memcmp(dk1, dk2, nk * 4) && !memcmp(dv1, dv2, nv * 4) &&
+                  (!db1 || !memcmp(db1, db2, nb * 4)),
+              "%s: backward bits differ between runs", name);
+    FL_CHECK(be.attention_backward_ex(&be, &a, dqc, dkc, dvc, dbc, dout, q, k, v, bias, kmask, outc, lsec) == FL_OK);
+    const size_t krows = (size_t)a.B * a.Tk;
+    FL_CHECKF(check_bound("dq vs float64", dq1, dq0, rows, wq, a.ldq, R.dq, R.Mq, nfac, R.sabs), "%s: dq", name);
+    FL_CHECKF(check_bound("dk vs float64", dk1, dk0, krows, wk, a.ldk, R.dk, R.Mk, nfac, R.sabs), "%s: dk", name);
+    FL_CHECKF(check_bound("dv vs float64", dv1, dv0, krows, wk, a.ldv, R.dv, R.Mv, nfac, R.sabs), "%s: dv", name);
+    if (db1)
+        FL_CHECKF(check_bound("dbias vs float64", db1, db0, (size_t)a.NH * a.Tq, a.Tk, a.Tk, R.dbias, R.Mb, nfac,
+                              R.sabs),
+                  "%s: dbias", name);
+    FL_CHECKF(check_pair("dq vs cpu", dq1, dqc, rows, wq, a.ldq, R.Mq, nfac, R.sabs), "%s: dq vs cpu", name);
+    FL_CHECKF(check_pair("dk vs cpu", dk1, dkc, krows, wk, a.ldk, R.Mk, nfac, R.sabs), "%s: dk vs cpu", name);
+    FL_CHECKF(check_pair("dv vs cpu", dv1, dvc, krows, wk, a.ldv, R.Mv, nfac, R.sabs), "%s: dv vs cpu", name);
+    if (db1)
+        FL_CHECKF(check_pair("dbias vs cpu", db1, dbc, (size_t)a.NH * a.Tq, a.Tk, a.Tk, R.Mb, nfac, R.sabs),
+                  "%s: dbias vs cpu", name);
+    /* the stride padding of the gradients is not touched */
+    pad_ok = 1;
+    for (size_t r = 0; r < rows; r++)
+        for (size_t c = wq; c < a.ldq; c++) pad_ok &= dq1[r * a.ldq + c] == dq0[r * a.ldq + c];
+    for (size_t r = 0; r < krows; r++) {
+        for (size_t c = wk; c < a.ldk; c++) pad_ok &= dk1[r * a.ldk + c] == dk0[r * a.ldk + c];
+        for (size_t c = wk; c < a.ldv; c++) pad_ok &= dv1[r * a.ldv + c] == dv0[r * a.ldv + c];
+    }
+    FL_CHECKF(pad_ok, "%s: backward wrote into the stride padding", name);
+    fl_backend_free(&be);
+
+    free(q), free(k), free(v), free(bias), free(dout), free(kmask);
+    free(R.out), free(R.lse), free(R.dq), free(R.dk), free(R.dv), free(R.Mo), free(R.Mq), free(R.Mk), free(R.Mv);
+    free(R.dbias), free(R.Mb);
+    free(out1), free(out2), free(outc), free(out0), free(lse1), free(lse2), free(lsec);
+    free(dq0), free(dk0), free(dv0), free(db0), free(dq1), free(dk1), free(dv1), free(db1);
+    free(dq2), free(dk2), free(dv2), free(db2), free(dqc), free(dkc), free(dvc), free(dbc), free(work);
+}
+
+FL_TEST(cuda_attn_ex_self) {
+    /* T = 1, 7, 33 (crosses the 32-key and 16-key tiles), HD 8 / 24 (bucket 32) and 64 */
+    const attn_case cases[] = {
+        {2, 1, 1, 6, 2, 24, 1, 0, 0, 0, 0, 0},
+        {2, 7, 7, 4, 4, 8, 1, 0, 0, 0, 1, 0},
+        {2, 33, 33, 6, 2, 24, 1, 1, 1, 1, 1, 0}, /* row 0 of b=1 sees no key */
+        {2, 33, 33, 4, 4, 64, 0, 0, 1, 0, 0, 1}, /* b=1 fully padded */
+        {2, 33, 33, 6, 2, 64, 1, 0, 0, 0, 1, 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i]);
+}
+
+FL_TEST(cuda_attn_ex_cross) {
+    const attn_case cases[] = {
+        {2, 33, 7, 4, 4, 64, 1, 0, 0, 0, 0, 0},  /* causal, Tq > Tk: rows t < 26 see nothing */
+        {2, 7, 33, 6, 2, 64, 0, 1, 1, 1, 1, 0},  /* bidirectional cross with bias, mask, dbias */
+        {2, 7, 33, 6, 2, 24, 1, 1, 0, 1, 0, 0},  /* causal, Tq < Tk (bottom-right) */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i]);
+}
+
+FL_TEST(cuda_attn_ex_wide_heads) {
+    /* the 128 and 256 buckets (their own tile shapes); HD 80 and 200 leave zero dimensions */
+    const attn_case cases[] = {
+        {2, 7, 7, 4, 4, 128, 1, 0, 1, 0, 1, 0},
+        {2, 7, 19, 4, 2, 80, 0, 1, 0, 1, 0, 0},
+        {2, 7, 7, 2, 2, 256, 1, 0, 0, 0, 0, 0},
+        {2, 7, 19, 2, 1, 200, 1, 1, 1, 1, 1, 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) run_case(&cases[i]);
+}
+
+FL_TEST(cuda_attn_errors) {
+    float x[64] = {0}, work[16];
+    fl_attn_desc a = {2, 3, 3, 4, 4, 300, 1200, 1200, 1200, 1200, 0.1f, 1};
+    FL_CHECK(fl_cuemu_attention_forward_ex(&a, x, x, x, x, x, NULL, NULL, NULL) == FL_CU_ATTN_UNSUPPORTED);
+    FL_CHECK(fl_cuemu_attention_forward(x, x, x, 1, 2, 2, 2, 300, NULL) == FL_CU_ATTN_UNSUPPORTED);
+    FL_CHECK(fl_cuemu_attention_decode(x, x, x, x, 2, 2, 2, 300, 600, NULL) == FL_CU_ATTN_UNSUPPORTED);
+    a.HD = 8, a.NKV = 3; /* NH % NKV */
+    FL_CHECK(fl_cuemu_attention_forward_ex(&a, x, x, x, x, x, NULL, NULL, NULL) == FL_CU_ATTN_INVALID);
+    a.NKV = 4, a.ldk = 8; /* stride < NKV*HD */
+    FL_CHECK(fl_cuemu_attention_forward_ex(&a, x, x, x, x, x, NULL, NULL, NULL) == FL_CU_ATTN_INVALID);
+    a.ldk = 32;
+    FL_CHECK(fl_cuemu_attention_backward_ex(&a, x, x, x, x /*dbias without bias*/, x, x, x, x, NULL, NULL, x, x, work,
+                                            NULL) == FL_CU_ATTN_INVALID);
+    FL_CHECK(fl_cuemu_attention_decode(x, x, x, x, 0, 2, 2, 8, 16, NULL) == FL_CU_ATTN_INVALID);
+    for (int i = 0; i < 64; i++) FL_CHECKF(x[i] == 0.0f, "an error path wrote x[%d]", i);
+}
+
+/* ---- the fused causal op on qkv rows ----------------------------------------------------------- */
+
+FL_TEST(cuda_attn_fused) {
+    const int B = 2, T = 33, NH = 6, NKV = 2, HD = 24, W = (NH + 2 * NKV) * HD, OW = NH * HD;
+    fl_test_rng rng = {77};
+    const size_t nx = (size_t)B * T * W, no = (size_t)B * T * OW, nl = (size_t)B * NH * T;
+    float *qkv = frand(&rng, nx, -1.5f, 1.5f), *dout = frand(&rng, no, -1, 1);
+    fl_attn_desc a = {B, T, T, NH, NKV, HD, W, W, W, OW, 1.0f / sqrtf((float)HD), 1};
+    ref_t R = {a, qkv, qkv + NH * HD, qkv + (NH + NKV) * HD, NULL, dout, NULL, NULL, NULL, NULL, NULL, NULL,
+               NULL, NULL, NULL, NULL, NULL, NULL, 0};
+    R.out = dzeros(no), R.lse = dzeros(nl), R.dq = dzeros(no), R.Mo = dzeros(no), R.Mq = dzeros(no);
+    const size_t ck = (size_t)B * T * NKV * HD;
+    R.dk = dzeros(ck), R.dv = dzeros(ck), R.Mk = dzeros(ck), R.Mv = dzeros(ck);
+    ref_run(&R);
+    const double nfac = HD + (double)T * (NH / NKV) + T + B + 16;
+    float *out1 = malloc(no * 4), *out2 = malloc(no * 4), *outc = malloc(no * 4);
+    float *lse1 = malloc(nl * 4), *lse2 = malloc(nl * 4), *lsec = malloc(nl * 4);
+    fl_cu_emu_set_seed(k_seed_a);
+    int rc = emu_call(fl_cuemu_attention_forward(out1, lse1, qkv, B, T, NH, NKV, HD, NULL), "fused fwd");
+    fl_cu_emu_set_seed(k_seed_b);
+    rc |= emu_call(fl_cuemu_attention_forward(out2, lse2, qkv, B, T, NH, NKV, HD, NULL), "fused fwd");
+    FL_CHECK(rc == 0);
+    FL_CHECK(!memcmp(out1, out2, no * 4) && !memcmp(lse1, lse2, nl * 4));
+    fl_backend be;
+    fl_cpu_backend_init(&be, 2);
+    be.attention_forward(&be, outc, lsec, qkv, B, T, NH, NKV, HD);
+    FL_CHECK(check_bound("fused out vs float64", out1, NULL, (size_t)B * T, OW, OW, R.out, R.Mo, nfac, R.sabs));
+    FL_CHECK(check_lse("fused lse vs float64", lse1, R.lse, nl, U32 * (HD + T + 8) * (1 + R.sabs)));
+    FL_CHECK(check_pair("fused out vs cpu", out1, outc, (size_t)B * T, OW, OW, R.Mo, nfac, R.sabs));
+    float *g0 = frand(&rng, nx, -0.5f, 0.5f), *g1 = fdup(g0, nx), *g2 = fdup(g0, nx), *gc = fdup(g0, nx);
+    float *work = malloc(fl_cu_attention_work_bytes(B, NH, T));
+    fl_cu_emu_set_seed(k_seed_a);
+    rc = emu_call(fl_cuemu_attention_backward(g1, dout, qkv, out1, lse1, B, T, NH, NKV, HD, work, NULL), "fused bwd");
+    fl_cu_emu_set_seed(k_seed_b);
+    rc |= emu_call(fl_cuemu_attention_backward(g2, dout, qkv, out1, lse1, B, T, NH, NKV, HD, work, NULL), "fused bwd");
+    FL_CHECK(rc == 0);
+    FL_CHECKF(!memcmp(g1, g2, nx * 4), "fused backward bits differ between runs");
+    be.attention_backward(&be, gc, dout, qkv, outc, lsec, B, T, NH, NKV, HD);
+    const size_t rows = (size_t)B * T, wk = (size_t)NKV * HD;
+    FL_CHECK(check_bound("fused dq", g1, g0, rows, OW, W, R.dq, R.Mq, nfac, R.sabs));
+    FL_CHECK(check_bound("fused dk", g1 + OW, g0 + OW, rows, wk, W, R.dk, R.Mk, nfac, R.sabs));
+    FL_CHECK(check_bound("fused dv", g1 + OW + wk, g0 + OW + wk, rows, wk, W, R.dv, R.Mv, nfac, R.sabs));
+    FL_CHECK(check_pair("fused dq vs cpu", g1, gc, rows, OW, W, R.Mq, nfac, R.sabs));
+    FL_CHECK(check_pair("fused dk vs cpu", g1 + OW, gc + OW, rows, wk, W, R.Mk, nfac, R.sabs));
+    FL_CHECK(check_pair("fused dv vs cpu", g1 + OW + wk, gc + OW + wk, rows, wk, W, R.Mv, nfac, R.sabs));
+    fl_backend_free(&be);
+    free(qkv), free(dout), free(out1), free(out2), free(outc), free(lse1), free(lse2), free(lsec);
+    free(g0), free(g1), free(g2), free(gc), free(work);
+    free(R.out), free(R.lse), free(R.dq), free(R.dk), free(R.dv), free(R.Mo), free(R.Mq), free(R.Mk), free(R.Mv);
+}
+
+/* ---- decode: one query against the (NKV, Tmax, HD) cache ----------------------------------------- */
+
+static void decode_case(int T, int NH, int NKV, int HD) {
+    const int Tmax = 40;
+    fl_test_rng rng = {(unsigned long long)(T * 17 + HD)};
+    const size_t nc = (size_t)NKV * Tmax * HD, hs = (size_t)Tmax * HD;
+    float *q = frand(&rng, (size_t)NH * HD, -1.5f, 1.5f), *kc = frand(&rng, nc, -1.5f, 1.5f), *vc = frand(&rng, nc, -1, 1);
+    float *o1 = malloc((size_t)NH * HD * 4), *o2 = malloc((size_t)NH * HD * 4), *oc = malloc((size_t)NH * HD * 4);
+    fl_cu_emu_set_seed(k_seed_a);
+    int rc = emu_call(fl_cuemu_attention_decode(o1, q, kc, vc, T, NH, NKV, HD, hs, NULL), "decode");
+    fl_cu_emu_set_seed(k_seed_b);
+    rc |= emu_call(fl_cuemu_attention_decode(o2, q, kc, vc, T, NH, NKV, HD, hs, NULL), "decode");
+    FL_CHECKF(rc == 0, "decode T%d HD%d -> %d", T, HD, rc);
+    FL_CHECKF(!memcmp(o1, o2, (size_t)NH * HD * 4), "decode T%d HD%d: bits differ between runs", T, HD);
+    fl_backend be;
+    fl_cpu_backend_init(&be, 2);
+    be.attention_decode(&be, oc, q, kc, vc, T, NH, NKV, HD, hs);
+    fl_backend_free(&be);
+    /* float64 reference and the bound of the forward (Tq = 1, no mask) */
+    const double scale = 1.0 / sqrt((double)HD);
+    double *ref = dzeros((size_t)NH * HD), *M = dzeros((size_t)NH * HD), *s = dzeros(T), sabs = 0;
+    for (int h = 0; h < NH; h++) {
+        const int g = h / (NH / NKV);
+        double m = -INFINITY, l = 0;
+        for (int t = 0; t < T; t++) {
+            double dot = 0, mag = 0;
+            for (int d = 0; d < HD; d++) {
+                dot += (double)q[h * HD + d] * kc[g * hs + (size_t)t * HD + d];
+                mag += fabs((double)q[h * HD + d] * kc[g * hs + (size_t)t * HD + d]);
+            }
+            s[t] = dot * scale;
+            sabs = fmax(sabs, mag * scale);
+            m = fmax(m, s[t]);
+        }
+        for (int t = 0; t < T; t++) l += exp(s[t] - m);
+        for (int t = 0; t < T; t++)
+            for (int d = 0; d < HD; d++) {
+                double p = exp(s[t] - m) / l;
+                ref[h * HD + d] += p * vc[g * hs + (size_t)t * HD + d];
+                M[h * HD + d] += p * fabs((double)vc[g * hs + (size_t)t * HD + d]);
+            }
+    }
+    const double nfac = HD + 1.0 + T + 1 + 16;
+    FL_CHECKF(check_bound("decode vs float64", o1, NULL, NH, HD, HD, ref, M, nfac, sabs), "decode T%d HD%d", T, HD);
+    FL_CHECKF(check_pair("decode vs cpu", o1, oc, NH, HD, HD, M, nfac, sabs), "decode T%d HD%d vs cpu", T, HD);
+    free(q), free(kc), free(vc), free(o1), free(o2), free(oc), free(ref), free(M), free(s);
+}
+
+FL_TEST(cuda_attn_decode) {
+    decode_case(1, 6, 2, 24);
+    decode_case(7, 4, 4, 8);
+    decode_case(33, 6, 2, 64);
+    decode_case(33, 4, 1, 200);
+}
+
+#else
+FL_TEST(cuda_attn_skipped) { fl_test_skip("built without the CUDA emulator (no C++ compiler)"); }
+#endif
