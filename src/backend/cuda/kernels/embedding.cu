@@ -13,11 +13,12 @@
  *      Then perm[less + before] = n is the stable order of the tokens by id (a permutation, so
  *      the scatter is race-free), and each id's first token n (before == 0) owns its group:
  *      start(n) = less(n), count(n).
- *   2. sum: one block per (token, 256-column slice); blocks of tokens that do not own a group
- *      exit at once. The owner's threads walk the group in token order, dwte[v, c] += dout[m, c]
+ *   2. sum: one block per (4 tokens, 128-column slice) skips the tokens that do not own a
+ *      group; for an owner its threads walk the group in token order, dwte[v, c] += dout[m, c]
  *      for m = perm[start], perm[start+1], ...: exactly the CPU's fp32 additions in its order
- *      (dwte + g_first + g_second + ...), so the same bits. Four group members at a time are
- *      loaded before they are added (memory parallelism on long groups of frequent tokens).
+ *      (dwte + g_first + g_second + ...), so the same bits. Sixteen group members at a time are
+ *      loaded before they are added (memory parallelism on the long groups of frequent tokens:
+ *      a group is one block's sequential chain per column slice, the kernel's critical path).
  * Backward into dwpe: one thread per (t, c) adds the batch rows in order (the CPU's order). */
 #include "backend/cuda/cu_compat.h"
 #include "backend/cuda/cu_kernels_more.h"
@@ -74,51 +75,46 @@ __global__ static void fl_cu_emb_rank_k(int32_t *work, const int32_t *ids, int N
     }
 }
 
-#define EMB_COLS 256 /* columns per sum block: 64 threads x 4 */
+#define EMB_COLS 128 /* columns per sum block: 64 threads x 2 */
+#define EMB_TOKENS 4 /* tokens per sum block (most are not group owners: fewer empty blocks) */
+#define EMB_UNROLL 16
 
 __global__ static void fl_cu_emb_bwd_wte_k(float *dwte, const float *dout, const int32_t *ids, const int32_t *work,
                                            int N, int C) {
-    const int n = blockIdx.x;
-    const int cnt = work[2 * (size_t)N + n];
-    if (cnt == 0) return; /* the whole block: not the owner of its id's group */
-    const int32_t *perm = work + work[(size_t)N + n];
-    const int c0 = blockIdx.y * EMB_COLS + threadIdx.x;
-    float *d = dwte + (size_t)ids[n] * C;
-    float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
-    const int ok0 = c0 < C, ok1 = c0 + 64 < C, ok2 = c0 + 128 < C, ok3 = c0 + 192 < C;
-    if (ok0) a0 = d[c0];
-    if (ok1) a1 = d[c0 + 64];
-    if (ok2) a2 = d[c0 + 128];
-    if (ok3) a3 = d[c0 + 192];
-    int k = 0;
-    for (; k + 4 <= cnt; k += 4) {
-        const float *g[4];
-        for (int u = 0; u < 4; u++) g[u] = dout + (size_t)perm[k + u] * C + c0;
-        float x[4][4];
-        for (int u = 0; u < 4; u++) {
-            x[u][0] = ok0 ? g[u][0] : 0.0f;
-            x[u][1] = ok1 ? g[u][64] : 0.0f;
-            x[u][2] = ok2 ? g[u][128] : 0.0f;
-            x[u][3] = ok3 ? g[u][192] : 0.0f;
+    const int c0 = blockIdx.y * EMB_COLS + threadIdx.x, c1 = c0 + 64;
+    const int ok0 = c0 < C, ok1 = c1 < C;
+    /* out-of-range columns read column 0 (valid) and are never stored: the loads stay
+     * unconditional, so they can all be issued before the first add */
+    const int r0 = ok0 ? c0 : 0, r1 = ok1 ? c1 : 0;
+    for (int n = blockIdx.x * EMB_TOKENS; n < N && n < (int)(blockIdx.x + 1) * EMB_TOKENS; n++) {
+        const int cnt = work[2 * (size_t)N + n];
+        if (cnt == 0) continue; /* the whole block: n does not own its id's group */
+        const int32_t *perm = work + work[(size_t)N + n];
+        float *d = dwte + (size_t)ids[n] * C;
+        float a0 = d[r0], a1 = d[r1];
+        int k = 0;
+        /* EMB_UNROLL group members loaded before they are added (in token order): 32 loads in
+         * flight per thread on the long groups of frequent tokens */
+        for (; k + EMB_UNROLL <= cnt; k += EMB_UNROLL) {
+            float x0[EMB_UNROLL], x1[EMB_UNROLL];
+            for (int u = 0; u < EMB_UNROLL; u++) {
+                const float *g = dout + (size_t)perm[k + u] * C;
+                x0[u] = g[r0];
+                x1[u] = g[r1];
+            }
+            for (int u = 0; u < EMB_UNROLL; u++) {
+                a0 += x0[u];
+                a1 += x1[u];
+            }
         }
-        for (int u = 0; u < 4; u++) { /* in token order */
-            a0 += x[u][0];
-            a1 += x[u][1];
-            a2 += x[u][2];
-            a3 += x[u][3];
+        for (; k < cnt; k++) {
+            const float *g = dout + (size_t)perm[k] * C;
+            a0 += g[r0];
+            a1 += g[r1];
         }
+        if (ok0) d[c0] = a0;
+        if (ok1) d[c1] = a1;
     }
-    for (; k < cnt; k++) {
-        const float *g = dout + (size_t)perm[k] * C + c0;
-        if (ok0) a0 += g[0];
-        if (ok1) a1 += g[64];
-        if (ok2) a2 += g[128];
-        if (ok3) a3 += g[192];
-    }
-    if (ok0) d[c0] = a0;
-    if (ok1) d[c0 + 64] = a1;
-    if (ok2) d[c0 + 128] = a2;
-    if (ok3) d[c0 + 192] = a3;
 }
 
 __global__ static void fl_cu_emb_bwd_wpe_k(float *dwpe, const float *dout, int B, int T, int C) {
@@ -147,7 +143,8 @@ extern "C" int FL_CUK(embedding_backward)(float *dwte, float *dwpe, const float 
         if (!work || (C + EMB_COLS - 1) / EMB_COLS > 65535) return -1;
         FL_CU_LAUNCH(fl_cu_emb_rank_k, dim3((unsigned)(N + 31) / 32), dim3(32 * EMB_RANK_WARPS), 0,
                      (fl_cu_stream)stream, work, ids, N);
-        FL_CU_LAUNCH(fl_cu_emb_bwd_wte_k, dim3((unsigned)N, (unsigned)(C + EMB_COLS - 1) / EMB_COLS), dim3(64), 0,
+        FL_CU_LAUNCH(fl_cu_emb_bwd_wte_k, dim3((unsigned)(N + EMB_TOKENS - 1) / EMB_TOKENS,
+                                               (unsigned)(C + EMB_COLS - 1) / EMB_COLS), dim3(64), 0,
                      (fl_cu_stream)stream, dwte, dout, ids, work, N, C);
     }
     if (dwpe) {
