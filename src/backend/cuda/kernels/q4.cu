@@ -9,8 +9,7 @@
  * The matmuls are one tiled SGEMM kernel (two variants) that dequantizes each 16 x 128 tile of W
  * into shared memory as it goes: no dequantized copy of W exists. Block tile 128 (rows of x / dy)
  * x 128 (output columns) x 16 (reduction), 256 threads, each accumulating an 8 x 8 register block
- * (rows ty + 16i, columns tx + 16j: the shared reads are broadcasts or 16 consecutive words, the
- * stores 64-byte runs). fp32 accumulation with FMA along the reduction in a fixed order: the
+ * from 128-bit shared reads. fp32 accumulation with FMA along the reduction in a fixed order: the
  * result does not depend on the device or the launch, but it is not the CPU's bits (its GEMM
  * library sums in another order); tests compare against float64 within fp32 rounding.
  *   forward:  y (N, out)  = x (N, in) @ deq(W)^T: A = x, B[k][o] = W[o][k] (the W tile is read
@@ -61,12 +60,31 @@ FL_CU_DEV void q4_load_lut(float *lut, int type) {
 #define Q4_BM 128
 #define Q4_BN 128
 #define Q4_BK 16
+#define Q4_PAD 4 /* row padding of the shared tiles: rows stay 16-byte aligned for the 4-float reads */
+
+/* 4 consecutive floats of shared memory, p 16-byte aligned: one 128-bit load on the GPU */
+FL_CU_DEV void q4_ld4(const float *p, float *out) {
+#ifdef __CUDACC__
+    const float4 v = *reinterpret_cast<const float4 *>(p);
+    out[0] = v.x;
+    out[1] = v.y;
+    out[2] = v.z;
+    out[3] = v.w;
+#else
+    memcpy(out, p, 4 * sizeof(float));
+#endif
+}
 
 /* C (M, Ncol; ldc) = A (M, K; lda) @ B + beta * C with B (K, Ncol) = deq(W)^T (BWD = 0: K = cols,
- * Ncol = rows) or deq(W) (BWD = 1: K = rows, Ncol = cols). */
+ * Ncol = rows) or deq(W) (BWD = 1: K = rows, Ncol = cols). Thread (ty, tx) owns rows ty*8 .. +7
+ * and columns tx*8 .. +7 of the block tile: per reduction step two 128-bit shared reads of A (a
+ * broadcast: a warp has two ty) and two of B (16 lanes x 32 consecutive bytes: conflict-free) feed
+ * 64 FMAs. */
 template <int BWD>
 __global__ static void fl_cu_q4_gemm_k(float *Cm, int ldc, const float *A, int lda, fl_cu_q4w w, int M, float beta) {
-    __shared__ float As[Q4_BK][Q4_BM + 1], Bs[Q4_BK][Q4_BN + 1], lut[16];
+    alignas(16) __shared__ float As[Q4_BK][Q4_BM + Q4_PAD];
+    alignas(16) __shared__ float Bs[Q4_BK][Q4_BN + Q4_PAD];
+    __shared__ float lut[16];
     const int K = BWD ? w.rows : w.cols, Ncol = BWD ? w.cols : w.rows;
     const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
     const int m0 = blockIdx.y * Q4_BM, n0 = blockIdx.x * Q4_BN;
@@ -97,19 +115,21 @@ __global__ static void fl_cu_q4_gemm_k(float *Cm, int ldc, const float *A, int l
         __syncthreads();
         for (int kk = 0; kk < Q4_BK; kk++) {
             float a[8], b[8];
-            for (int i = 0; i < 8; i++) a[i] = As[kk][ty + 16 * i];
-            for (int j = 0; j < 8; j++) b[j] = Bs[kk][tx + 16 * j];
+            q4_ld4(&As[kk][ty * 8], a);
+            q4_ld4(&As[kk][ty * 8 + 4], a + 4);
+            q4_ld4(&Bs[kk][tx * 8], b);
+            q4_ld4(&Bs[kk][tx * 8 + 4], b + 4);
             for (int i = 0; i < 8; i++)
                 for (int j = 0; j < 8; j++) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
         }
         __syncthreads();
     }
     for (int i = 0; i < 8; i++) {
-        const int gm = m0 + ty + 16 * i;
+        const int gm = m0 + ty * 8 + i;
         if (gm >= M) break;
         float *c = Cm + (size_t)gm * ldc;
         for (int j = 0; j < 8; j++) {
-            const int gn = n0 + tx + 16 * j;
+            const int gn = n0 + tx * 8 + j;
             if (gn < Ncol) c[gn] = beta != 0.0f ? c[gn] + acc[i][j] : acc[i][j];
         }
     }
