@@ -10,6 +10,9 @@
  * parameter and re-quantizes with bnb's binary search over the code in shared memory. Every fp32
  * operation is the CPU's, in its order, with no contraction (fl_cu_mul_rn / fl_cu_add_rn), and the
  * host computes the step constants with the CPU's expressions: the same bits as the CPU backend.
+ * One exception, after an overflow only: a NaN made by arithmetic (0 * an inf absmax) has its sign
+ * bit set on x86 and clear on a GPU, and the sign fix-up of m's code reads that bit, so a block
+ * whose state already holds inf can get other codes than on the CPU (both runs have diverged).
  * fp32 path (small tensors): elementwise, grid-stride, likewise. */
 #include <float.h>
 #include <math.h>
