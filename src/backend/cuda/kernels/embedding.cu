@@ -9,7 +9,8 @@
  *      ids[n]} and count(n) = #{j : ids[j] == ids[n]} (integer counts: exact in any order). A block
  *      takes 32 tokens (one per lane) and its 8 warps scan 8 slices of ids, 32 at a time through a
  *      warp shuffle; the slices' counts are added in shared memory. O(N^2) compares, spread over
- *      N/32 blocks of 8 warps: ~2M warp steps at N = 8192 (tens of microseconds on an H100).
+ *      N/32 blocks of 8 warps: ~2M warp steps at N = 8192 (an estimated tens of microseconds on an H100;
+ *      it grows as N^2).
  *      Then perm[less + before] = n is the stable order of the tokens by id (a permutation, so
  *      the scatter is race-free), and each id's first token n (before == 0) owns its group:
  *      start(n) = less(n), count(n).
