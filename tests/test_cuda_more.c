@@ -80,10 +80,10 @@ static void embedding_case(int B, int T, int C, int V, int with_wpe) {
         dwpe[k] = dup_bytes(dwpe0, (size_t)T * C * 4);
         EMU_OK(fl_cuemu_embedding_backward(dwte[k], with_wpe ? dwpe[k] : NULL, dout, ids, B, T, C, work, NULL));
     }
-    FL_CHECKF(memcmp(dwte[0], cdwte, (size_t)V * C * 4) == 0, "embedding_backward dwte (B=%d T=%d C=%d V=%d): not the CPU's bits",
-              B, T, C, V);
-    FL_CHECKF(memcmp(dwpe[0], cdwpe, (size_t)T * C * 4) == 0, "embedding_backward dwpe (B=%d T=%d C=%d): not the CPU's bits", B,
-              T, C);
+    FL_CHECKF(memcmp(dwte[0], cdwte, (size_t)V * C * 4) == 0,
+              "embedding_backward dwte (B=%d T=%d C=%d V=%d): not the CPU's bits", B, T, C, V);
+    FL_CHECKF(memcmp(dwpe[0], cdwpe, (size_t)T * C * 4) == 0,
+              "embedding_backward dwpe (B=%d T=%d C=%d): not the CPU's bits", B, T, C);
     FL_CHECK(memcmp(dwte[0], dwte[1], (size_t)V * C * 4) == 0 && memcmp(dwpe[0], dwpe[1], (size_t)T * C * 4) == 0);
     /* dwte NULL: only dwpe moves (and no work needed) */
     float *only = dup_bytes(dwpe0, (size_t)T * C * 4);

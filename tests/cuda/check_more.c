@@ -178,7 +178,8 @@ static void adam8bit_check(size_t n, fl_dtype tp, int timed) {
         cudaEventCreate(&e0);
         cudaEventCreate(&e1);
         cudaEventRecord(e0, 0);
-        for (int i = 0; i < 10; i++) fl_cuk_adam8bit_update(dP, tp, dG, FL_F32, &dst, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, 4 + i, 0.5f, NULL);
+        for (int i = 0; i < 10; i++)
+            fl_cuk_adam8bit_update(dP, tp, dG, FL_F32, &dst, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, 4 + i, 0.5f, NULL);
         cudaEventRecord(e1, 0);
         float ms = elapsed(e0, e1) / 10;
         printf("%-28s time %.3f ms  (%.0f GB/s of p, g, states)\n", "  adam8bit_update", ms,
