@@ -20,6 +20,8 @@ int fl_cuda_check_attn(void); /* check_attn.c: the attention kernels */
 
 static int g_fail;
 
+int fl_cuda_check_more(void); /* tests/cuda/check_more.c: the cu_kernels_more.h kernels */
+
 static void *dev_copy(const void *h, size_t bytes) {
     void *d = NULL;
     if (cudaMalloc(&d, bytes ? bytes : 1) != cudaSuccess) { fprintf(stderr, "cudaMalloc failed\n"); exit(1); }
@@ -221,6 +223,7 @@ int main(void) {
     check_sumsq(3000017);
     check_gemm();
     g_fail += fl_cuda_check_attn();
+    g_fail += fl_cuda_check_more();
     printf("%s\n", g_fail ? "FAILED" : "all ok");
     return g_fail ? 1 : 0;
 }

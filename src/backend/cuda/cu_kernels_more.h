@@ -1,0 +1,65 @@
+/* fitllm CUDA kernels, part two: embeddings, 8-bit AdamW, the 4-bit (NF4/FP4) matmuls and
+ * dequantization, and the LoRA dropout pieces (src/backend/cuda/kernels/{embedding,adam8bit,q4,
+ * lora}.cu). Same conventions as cu_kernels.h: each launcher exists as fl_cuk_NAME (nvcc,
+ * device pointers, asynchronous on `stream`) and fl_cuemu_NAME (the emulator, host pointers,
+ * synchronous); semantics are the backend op's of fitllm/backend.h unless a comment says
+ * otherwise. Returns 0, the CUDA error of the launch (emulator: 1 with fl_cu_emu_error() set), or
+ * -1 for arguments the kernel does not take (checked on the host before any launch).
+ *
+ * Structs passed by pointer (fl_adam8bit_state, fl_q4_weight) are HOST structs whose pointer
+ * fields point to device memory; the launcher reads them on the host. */
+#ifndef FL_CU_KERNELS_MORE_H
+#define FL_CU_KERNELS_MORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fitllm/adam8bit.h"
+#include "fitllm/dtype.h"
+#include "fitllm/quant4.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* int32 scratch of embedding_backward for N = B*T tokens (device memory, no initialization). */
+#define FL_CU_EMB_WORK_INTS(N) (3 * (size_t)(N))
+
+#define FL_CU_DECLARE_KERNELS_MORE(P)                                                                          \
+    int P##embedding_forward(float *out, const int32_t *ids, const float *wte, const float *wpe, int B, int T,  \
+                             int C, void *stream);                                                              \
+    /* dwte and/or dwpe may be NULL; work: FL_CU_EMB_WORK_INTS(B*T) ints (needed when dwte != NULL). Each    \
+     * element is the CPU's fp32 sum in token order: the same bits as the CPU backend. */                    \
+    int P##embedding_backward(float *dwte, float *dwpe, const float *dout, const int32_t *ids, int B, int T,     \
+                              int C, int32_t *work, void *stream);                                              \
+    /* p, g in {F32, BF16}; the state's arrays are device memory (a fresh state is zeroed memory). The same   \
+     * fp32 operation sequence as the CPU backend (no contraction): the same bits. */                         \
+    int P##adam8bit_update(void *p, fl_dtype tp, const void *g, fl_dtype tg, const fl_adam8bit_state *st,       \
+                           float lr, float beta1, float beta2, float eps, float weight_decay, int step,          \
+                           float grad_scale, void *stream);                                                     \
+    /* y (N, w->rows; row stride ldy) = x (N, w->cols) @ deq(W)^T + beta * y, beta in {0, 1} */              \
+    int P##q4_matmul_forward(float *y, int ldy, const float *x, const fl_q4_weight *w, int N, float beta,       \
+                             void *stream);                                                                     \
+    /* dx (N, w->cols) = dy (N, w->rows; row stride ldy) @ deq(W) + beta * dx, beta in {0, 1} */              \
+    int P##q4_matmul_backward(float *dx, const float *dy, int ldy, const fl_q4_weight *w, int N, float beta,    \
+                              void *stream);                                                                    \
+    /* dst (nr, w->cols; row stride ldd, F32 or BF16) = deq(W)[r0 : r0+nr, :]: fl_q4_dequantize_tile's       \
+     * values (F32: the same bits; BF16: those rounded to nearest even). A panel for dequantize + GEMM. */    \
+    int P##q4_dequantize(void *dst, fl_dtype dt, int ldd, const fl_q4_weight *w, int r0, int nr, void *stream);  \
+    /* LoRA dropout (fitllm/lora.h's mask of (seed, i), bit-identical): xd[i] = keep(i) ? x[i] / (1-p) : 0     \
+     * for i < n (0 < p < 1). */                                                                            \
+    int P##lora_dropout(float *xd, const float *x, size_t n, float p, uint64_t seed, void *stream);             \
+    /* LoRA backward's masked input gradient: dx[i] += t[i] / (1-p) where keep(i), t = scaling * (g @ A)      \
+     * (the GEMM's alpha applies the scaling, as the CPU backend's lora_backward). */                        \
+    int P##lora_dropout_dx(float *dx, const float *t, size_t n, float p, uint64_t seed, void *stream);          \
+    /* test hook: the 256-entry dynamic code tables the kernels use (signed then unsigned, 512 floats), to     \
+     * compare with fl_adam8bit_code_signed / _unsigned */                                                    \
+    int P##adam8bit_codes(float *out /*(512)*/, void *stream);
+
+FL_CU_DECLARE_KERNELS_MORE(fl_cuk_)
+FL_CU_DECLARE_KERNELS_MORE(fl_cuemu_)
+
+#ifdef __cplusplus
+}
+#endif
+#endif

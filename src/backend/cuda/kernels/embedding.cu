@@ -1,0 +1,157 @@
+/* Token (+ position) embedding forward and backward, semantics of backend.h's embedding_forward /
+ * embedding_backward (reference: src/backend/cpu/embedding.c).
+ *
+ * Forward: one block per token row, columns across the threads (coalesced copy-add).
+ *
+ * Backward into dwte: ids repeat, so a row-parallel scatter would race, and float atomics would
+ * make the sums depend on timing. Instead, without atomics and without a sort:
+ *   1. rank: for every token n, less(n) = #{j : ids[j] < ids[n]}, before(n) = #{j < n : ids[j] ==
+ *      ids[n]} and count(n) = #{j : ids[j] == ids[n]} (integer counts: exact in any order). A block
+ *      takes 32 tokens (one per lane) and its 8 warps scan 8 slices of ids, 32 at a time through a
+ *      warp shuffle; the slices' counts are added in shared memory. O(N^2) compares, spread over
+ *      N/32 blocks of 8 warps: ~2M warp steps at N = 8192 (an estimated tens of microseconds on an H100;
+ *      it grows as N^2).
+ *      Then perm[less + before] = n is the stable order of the tokens by id (a permutation, so
+ *      the scatter is race-free), and each id's first token n (before == 0) owns its group:
+ *      start(n) = less(n), count(n).
+ *   2. sum: one block per (4 tokens, 128-column slice) skips the tokens that do not own a
+ *      group; for an owner its threads walk the group in token order, dwte[v, c] += dout[m, c]
+ *      for m = perm[start], perm[start+1], ...: exactly the CPU's fp32 additions in its order
+ *      (dwte + g_first + g_second + ...), so the same bits. Sixteen group members at a time are
+ *      loaded before they are added (memory parallelism on the long groups of frequent tokens:
+ *      a group is one block's sequential chain per column slice, the kernel's critical path).
+ * Backward into dwpe: one thread per (t, c) adds the batch rows in order (the CPU's order). */
+#include "backend/cuda/cu_compat.h"
+#include "backend/cuda/cu_kernels_more.h"
+
+__global__ static void fl_cu_emb_fwd_k(float *out, const int32_t *ids, const float *wte, const float *wpe, int T,
+                                       int C) {
+    size_t n = blockIdx.x;
+    const float *e = wte + (size_t)ids[n] * C;
+    float *o = out + n * C;
+    if (wpe) {
+        const float *p = wpe + (n % (size_t)T) * C;
+        for (int c = threadIdx.x; c < C; c += blockDim.x) o[c] = e[c] + p[c];
+    } else {
+        for (int c = threadIdx.x; c < C; c += blockDim.x) o[c] = e[c];
+    }
+}
+
+#define EMB_RANK_WARPS 8
+
+/* work = perm[N] | start[N] | count[N] (count 0: not a group owner) */
+__global__ static void fl_cu_emb_rank_k(int32_t *work, const int32_t *ids, int N) {
+    __shared__ int sl[EMB_RANK_WARPS][32], sb[EMB_RANK_WARPS][32], sc[EMB_RANK_WARPS][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int n = blockIdx.x * 32 + lane;
+    const int me = n < N ? ids[n] : 0;
+    /* this warp's slice of j: [j0, j1), whole tiles of 32 */
+    const int tiles = (N + 31) / 32, per = (tiles + EMB_RANK_WARPS - 1) / EMB_RANK_WARPS;
+    const int j0 = warp * per * 32, j1 = (warp + 1) * per * 32 < N ? (warp + 1) * per * 32 : N;
+    int less = 0, before = 0, count = 0;
+    for (int jt = j0; jt < j1; jt += 32) {
+        const int mine = jt + lane < N ? ids[jt + lane] : 0;
+        const int w = j1 - jt < 32 ? j1 - jt : 32; /* the same for every lane: the shuffles stay convergent */
+        for (int s = 0; s < w; s++) {
+            const int id = __shfl_sync(FL_CU_FULL_MASK, mine, s);
+            less += id < me;
+            const int eq = id == me;
+            count += eq;
+            before += eq & (jt + s < n);
+        }
+    }
+    sl[warp][lane] = less;
+    sb[warp][lane] = before;
+    sc[warp][lane] = count;
+    __syncthreads();
+    if (warp == 0 && n < N) {
+        for (int w = 1; w < EMB_RANK_WARPS; w++) {
+            less += sl[w][lane];
+            before += sb[w][lane];
+            count += sc[w][lane];
+        }
+        work[less + before] = n;          /* perm */
+        work[(size_t)N + n] = less;       /* start */
+        work[2 * (size_t)N + n] = before == 0 ? count : 0;
+    }
+}
+
+#define EMB_COLS 128 /* columns per sum block: 64 threads x 2 */
+#define EMB_TOKENS 4 /* tokens per sum block (most are not group owners: fewer empty blocks) */
+#define EMB_UNROLL 16
+
+__global__ static void fl_cu_emb_bwd_wte_k(float *dwte, const float *dout, const int32_t *ids, const int32_t *work,
+                                           int N, int C) {
+    const int c0 = blockIdx.y * EMB_COLS + threadIdx.x, c1 = c0 + 64;
+    const int ok0 = c0 < C, ok1 = c1 < C;
+    /* out-of-range columns read column 0 (valid) and are never stored: the loads stay
+     * unconditional, so they can all be issued before the first add */
+    const int r0 = ok0 ? c0 : 0, r1 = ok1 ? c1 : 0;
+    for (int n = blockIdx.x * EMB_TOKENS; n < N && n < (int)(blockIdx.x + 1) * EMB_TOKENS; n++) {
+        const int cnt = work[2 * (size_t)N + n];
+        if (cnt == 0) continue; /* the whole block: n does not own its id's group */
+        const int32_t *perm = work + work[(size_t)N + n];
+        float *d = dwte + (size_t)ids[n] * C;
+        float a0 = d[r0], a1 = d[r1];
+        int k = 0;
+        /* EMB_UNROLL group members loaded before they are added (in token order): 32 loads in
+         * flight per thread on the long groups of frequent tokens */
+        for (; k + EMB_UNROLL <= cnt; k += EMB_UNROLL) {
+            float x0[EMB_UNROLL], x1[EMB_UNROLL];
+            for (int u = 0; u < EMB_UNROLL; u++) {
+                const float *g = dout + (size_t)perm[k + u] * C;
+                x0[u] = g[r0];
+                x1[u] = g[r1];
+            }
+            for (int u = 0; u < EMB_UNROLL; u++) {
+                a0 += x0[u];
+                a1 += x1[u];
+            }
+        }
+        for (; k < cnt; k++) {
+            const float *g = dout + (size_t)perm[k] * C;
+            a0 += g[r0];
+            a1 += g[r1];
+        }
+        if (ok0) d[c0] = a0;
+        if (ok1) d[c1] = a1;
+    }
+}
+
+__global__ static void fl_cu_emb_bwd_wpe_k(float *dwpe, const float *dout, int B, int T, int C) {
+    const size_t TC = (size_t)T * C;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < TC; i += (size_t)gridDim.x * blockDim.x) {
+        float s = dwpe[i];
+        for (int b = 0; b < B; b++) s += dout[(size_t)b * TC + i];
+        dwpe[i] = s;
+    }
+}
+
+extern "C" int FL_CUK(embedding_forward)(float *out, const int32_t *ids, const float *wte, const float *wpe, int B,
+                                         int T, int C, void *stream) {
+    if (B <= 0 || T <= 0 || C <= 0) return 0;
+    unsigned th = ((unsigned)C + 31u) & ~31u;
+    FL_CU_LAUNCH(fl_cu_emb_fwd_k, dim3((unsigned)(B * T)), dim3(th > 256u ? 256u : th), 0, (fl_cu_stream)stream, out,
+                 ids, wte, wpe, T, C);
+    return fl_cu_launch_error();
+}
+
+extern "C" int FL_CUK(embedding_backward)(float *dwte, float *dwpe, const float *dout, const int32_t *ids, int B, int T,
+                                          int C, int32_t *work, void *stream) {
+    if (B <= 0 || T <= 0 || C <= 0) return 0;
+    const int N = B * T;
+    if (dwte) {
+        if (!work || (C + EMB_COLS - 1) / EMB_COLS > 65535) return -1;
+        FL_CU_LAUNCH(fl_cu_emb_rank_k, dim3((unsigned)(N + 31) / 32), dim3(32 * EMB_RANK_WARPS), 0,
+                     (fl_cu_stream)stream, work, ids, N);
+        FL_CU_LAUNCH(fl_cu_emb_bwd_wte_k, dim3((unsigned)(N + EMB_TOKENS - 1) / EMB_TOKENS,
+                                               (unsigned)(C + EMB_COLS - 1) / EMB_COLS), dim3(64), 0,
+                     (fl_cu_stream)stream, dwte, dout, ids, work, N, C);
+    }
+    if (dwpe) {
+        size_t blocks = ((size_t)T * C + 255) / 256;
+        FL_CU_LAUNCH(fl_cu_emb_bwd_wpe_k, dim3((unsigned)(blocks > 4096 ? 4096 : blocks)), dim3(256), 0,
+                     (fl_cu_stream)stream, dwpe, dout, B, T, C);
+    }
+    return fl_cu_launch_error();
+}

@@ -1,0 +1,52 @@
+/* The elementwise pieces of the LoRA ops (backend.h's lora_forward / lora_backward; the CUDA
+ * backend composes them with GEMMs as src/backend/cpu/lora.c does): the inverted-dropout input
+ * xd = x * mask / (1 - p) and the masked input-gradient update dx += t * mask / (1 - p). The mask
+ * is fitllm/lora.h's fl_lora_dropout_keep(seed, i): splitmix64 of seed + (i + 1) * golden, whose
+ * top 24 bits as a float in [0, 1) are compared with p. Integer arithmetic and exact float
+ * conversions, so the same mask bit for bit as the CPU; the scale 1 / (1 - p) is computed on the
+ * host with fl_lora_dropout_scale's expression. The dx update rounds the product and the sum
+ * separately (no FMA: the GPU and the emulator agree bit for bit; the CPU build may fuse them,
+ * a difference of at most one rounding). Grid-stride, coalesced. */
+#include "backend/cuda/cu_compat.h"
+#include "backend/cuda/cu_kernels_more.h"
+#include "backend/cuda/cu_more_dev.h"
+
+FL_CU_DEV int lora_keep(uint64_t seed, size_t i, float p) {
+    uint64_t z = seed + (uint64_t)(i + 1) * 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    z ^= z >> 31;
+    return (float)(z >> 40) * (1.0f / 16777216.0f) >= p;
+}
+
+__global__ static void fl_cu_lora_dropout_k(float *xd, const float *x, size_t n, float p, float sc, uint64_t seed) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        xd[i] = lora_keep(seed, i, p) ? x[i] * sc : 0.0f;
+}
+
+__global__ static void fl_cu_lora_dropout_dx_k(float *dx, const float *t, size_t n, float p, float sc, uint64_t seed) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        if (lora_keep(seed, i, p)) dx[i] = fl_cu_add_rn(dx[i], fl_cu_mul_rn(t[i], sc));
+}
+
+static unsigned lora_grid(size_t n) {
+    size_t b = (n + 255) / 256;
+    return (unsigned)(b > 4096 ? 4096 : b);
+}
+
+extern "C" int FL_CUK(lora_dropout)(float *xd, const float *x, size_t n, float p, uint64_t seed, void *stream) {
+    if (!(p > 0.0f && p < 1.0f)) return -1;
+    if (n == 0) return 0;
+    const float sc = 1.0f / (1.0f - p);
+    FL_CU_LAUNCH(fl_cu_lora_dropout_k, dim3(lora_grid(n)), dim3(256), 0, (fl_cu_stream)stream, xd, x, n, p, sc, seed);
+    return fl_cu_launch_error();
+}
+
+extern "C" int FL_CUK(lora_dropout_dx)(float *dx, const float *t, size_t n, float p, uint64_t seed, void *stream) {
+    if (!(p > 0.0f && p < 1.0f)) return -1;
+    if (n == 0) return 0;
+    const float sc = 1.0f / (1.0f - p);
+    FL_CU_LAUNCH(fl_cu_lora_dropout_dx_k, dim3(lora_grid(n)), dim3(256), 0, (fl_cu_stream)stream, dx, t, n, p, sc,
+                 seed);
+    return fl_cu_launch_error();
+}

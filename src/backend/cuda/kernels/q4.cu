@@ -1,0 +1,197 @@
+/* 4-bit (bitsandbytes NF4/FP4) weights: the fused dequantize-matmuls of backend.h's
+ * q4_matmul_forward / q4_matmul_backward, and a dequantize kernel (references:
+ * src/backend/cpu/quant4.c, q4matmul.c; the format: fitllm/quant4.h).
+ *
+ * Dequantization is the CPU's fl_q4_dequantize_tile value for value: code[q] * absmax(block),
+ * where a double-quantized absmax is code8[q_absmax] * scale + offset with two roundings (no FMA:
+ * fl_cu_mul_rn / fl_cu_add_rn). The dequantize kernel therefore writes the CPU's bits (F32).
+ *
+ * The matmuls are one tiled SGEMM kernel (two variants) that dequantizes each 16 x 128 tile of W
+ * into shared memory as it goes: no dequantized copy of W exists. Block tile 128 (rows of x / dy)
+ * x 128 (output columns) x 16 (reduction), 256 threads, each accumulating an 8 x 8 register block
+ * from 128-bit shared reads. fp32 accumulation with FMA along the reduction in a fixed order: the
+ * result does not depend on the device or the launch, but it is not the CPU's bits (its GEMM
+ * library sums in another order); tests compare against float64 within fp32 rounding.
+ *   forward:  y (N, out)  = x (N, in) @ deq(W)^T: A = x, B[k][o] = W[o][k] (the W tile is read
+ *             along k, its 64-element quantization blocks, and stored transposed);
+ *   backward: dx (N, in) = dy (N, out) @ deq(W):  A = dy, B[o][k] = W[o][k] (read along k).
+ * For a GEMM-library path instead (cuBLASLt at its fp32 / tf32 speed), q4_dequantize writes a
+ * panel of rows of deq(W) (F32 or BF16) into a caller scratch, as the CPU backend's panels. */
+#define FL_CU_NEED_CODE_SIGNED 1
+#include "backend/cuda/cu_compat.h"
+#include "backend/cuda/cu_kernels_more.h"
+#include "backend/cuda/cu_more_dev.h"
+
+static __device__ const float fl_cu_nf4_code[16] = {
+    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
+    -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
+    0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
+    0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f,
+};
+static __device__ const float fl_cu_fp4_code[16] = {
+    0.0f, 0.005208333333f, 0.66666667f, 1.0f, 0.33333333f, 0.5f, 0.16666667f, 0.25f,
+    -0.0f, -0.005208333333f, -0.66666667f, -1.0f, -0.33333333f, -0.5f, -0.16666667f, -0.25f,
+};
+
+/* The weight as the kernels see it (device pointers; offset read once per block). */
+typedef struct {
+    const uint8_t *packed;
+    const float *absmax;       /* !dq */
+    const uint8_t *q_absmax;   /* dq */
+    const float *absmax_scale; /* dq */
+    const float *offset;       /* dq */
+    int rows, cols, type, dq;
+} fl_cu_q4w;
+
+FL_CU_DEV float q4_absmax(const fl_cu_q4w &w, float off, size_t b) {
+    if (!w.dq) return w.absmax[b];
+    return fl_cu_add_rn(fl_cu_mul_rn(fl_cu_code_signed[w.q_absmax[b]], w.absmax_scale[b / FL_Q4_DQ_BLOCK]), off);
+}
+/* element i of the flattened (rows, cols) weight; lut: the 16 code values */
+FL_CU_DEV float q4_value(const fl_cu_q4w &w, const float *lut, float off, size_t i) {
+    const unsigned byte = w.packed[i >> 1];
+    const unsigned q = (i & 1) ? (byte & 15u) : (byte >> 4);
+    return lut[q] * q4_absmax(w, off, i / FL_Q4_BLOCK);
+}
+FL_CU_DEV void q4_load_lut(float *lut, int type) {
+    if (threadIdx.x < 16) lut[threadIdx.x] = type == FL_Q4_NF4 ? fl_cu_nf4_code[threadIdx.x] : fl_cu_fp4_code[threadIdx.x];
+}
+
+#define Q4_BM 128
+#define Q4_BN 128
+#define Q4_BK 16
+#define Q4_PAD 4 /* row padding of the shared tiles: rows stay 16-byte aligned for the 4-float reads */
+
+/* 4 consecutive floats of shared memory, p 16-byte aligned: one 128-bit load on the GPU */
+FL_CU_DEV void q4_ld4(const float *p, float *out) {
+#ifdef __CUDACC__
+    const float4 v = *reinterpret_cast<const float4 *>(p);
+    out[0] = v.x;
+    out[1] = v.y;
+    out[2] = v.z;
+    out[3] = v.w;
+#else
+    memcpy(out, p, 4 * sizeof(float));
+#endif
+}
+
+/* C (M, Ncol; ldc) = A (M, K; lda) @ B + beta * C with B (K, Ncol) = deq(W)^T (BWD = 0: K = cols,
+ * Ncol = rows) or deq(W) (BWD = 1: K = rows, Ncol = cols). Thread (ty, tx) owns rows ty*8 .. +7
+ * and columns tx*8 .. +7 of the block tile: per reduction step two 128-bit shared reads of A (a
+ * broadcast: a warp has two ty) and two of B (16 lanes x 32 consecutive bytes: conflict-free) feed
+ * 64 FMAs. */
+template <int BWD>
+__global__ static void fl_cu_q4_gemm_k(float *Cm, int ldc, const float *A, int lda, fl_cu_q4w w, int M, float beta) {
+    alignas(16) __shared__ float As[Q4_BK][Q4_BM + Q4_PAD];
+    alignas(16) __shared__ float Bs[Q4_BK][Q4_BN + Q4_PAD];
+    __shared__ float lut[16];
+    const int K = BWD ? w.rows : w.cols, Ncol = BWD ? w.cols : w.rows;
+    const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
+    const int m0 = blockIdx.y * Q4_BM, n0 = blockIdx.x * Q4_BN;
+    const float off = w.dq ? *w.offset : 0.0f;
+    q4_load_lut(lut, w.type);
+    __syncthreads();
+    float acc[8][8];
+    for (int i = 0; i < 8; i++)
+        for (int j = 0; j < 8; j++) acc[i][j] = 0.0f;
+    for (int k0 = 0; k0 < K; k0 += Q4_BK) {
+        /* A tile, read along k (16 consecutive floats per row), stored transposed */
+        for (int r = 0; r < 8; r++) {
+            const int e = tid + 256 * r, m = e >> 4, kk = e & 15;
+            const int gm = m0 + m, gk = k0 + kk;
+            As[kk][m] = gm < M && gk < K ? A[(size_t)gm * lda + gk] : 0.0f;
+        }
+        /* W tile, dequantized, read along W's columns (consecutive nibbles) */
+        for (int r = 0; r < 8; r++) {
+            const int e = tid + 256 * r;
+            if (!BWD) { /* Bs[kk][o] = W[n0 + o][k0 + kk] */
+                const int o = e >> 4, kk = e & 15, go = n0 + o, gk = k0 + kk;
+                Bs[kk][o] = go < Ncol && gk < K ? q4_value(w, lut, off, (size_t)go * w.cols + gk) : 0.0f;
+            } else { /* Bs[kk][c] = W[k0 + kk][n0 + c] */
+                const int c = e & 127, kk = e >> 7, gc = n0 + c, gk = k0 + kk;
+                Bs[kk][c] = gc < Ncol && gk < K ? q4_value(w, lut, off, (size_t)gk * w.cols + gc) : 0.0f;
+            }
+        }
+        __syncthreads();
+        for (int kk = 0; kk < Q4_BK; kk++) {
+            float a[8], b[8];
+            q4_ld4(&As[kk][ty * 8], a);
+            q4_ld4(&As[kk][ty * 8 + 4], a + 4);
+            q4_ld4(&Bs[kk][tx * 8], b);
+            q4_ld4(&Bs[kk][tx * 8 + 4], b + 4);
+            for (int i = 0; i < 8; i++)
+                for (int j = 0; j < 8; j++) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+    for (int i = 0; i < 8; i++) {
+        const int gm = m0 + ty * 8 + i;
+        if (gm >= M) break;
+        float *c = Cm + (size_t)gm * ldc;
+        for (int j = 0; j < 8; j++) {
+            const int gn = n0 + tx * 8 + j;
+            if (gn < Ncol) c[gn] = beta != 0.0f ? c[gn] + acc[i][j] : acc[i][j];
+        }
+    }
+}
+
+__global__ static void fl_cu_q4_dequant_k(void *dst, int dt, int ldd, fl_cu_q4w w, int r0, int nr) {
+    __shared__ float lut[16];
+    const float off = w.dq ? *w.offset : 0.0f;
+    q4_load_lut(lut, w.type);
+    __syncthreads();
+    const size_t total = (size_t)nr * w.cols;
+    for (size_t e = (size_t)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = e / (size_t)w.cols, c = e % (size_t)w.cols;
+        const float v = q4_value(w, lut, off, ((size_t)r0 + r) * w.cols + c);
+        if (dt == FL_F32) ((float *)dst)[r * ldd + c] = v;
+        else ((uint16_t *)dst)[r * ldd + c] = fl_cu_f32_to_bf16(v);
+    }
+}
+
+static int q4_view(const fl_q4_weight *w, fl_cu_q4w *v) {
+    if (!w || !w->packed || w->rows <= 0 || w->cols <= 0 || (w->type != FL_Q4_NF4 && w->type != FL_Q4_FP4)) return -1;
+    if (w->double_quant ? !w->q_absmax || !w->absmax_scale || !w->offset : !w->absmax) return -1;
+    v->packed = w->packed;
+    v->absmax = w->absmax;
+    v->q_absmax = w->q_absmax;
+    v->absmax_scale = w->absmax_scale;
+    v->offset = w->offset;
+    v->rows = w->rows;
+    v->cols = w->cols;
+    v->type = (int)w->type;
+    v->dq = w->double_quant ? 1 : 0;
+    return 0;
+}
+
+extern "C" int FL_CUK(q4_matmul_forward)(float *y, int ldy, const float *x, const fl_q4_weight *w, int N, float beta,
+                                         void *stream) {
+    fl_cu_q4w v;
+    if (q4_view(w, &v) || (beta != 0.0f && beta != 1.0f) || ldy < w->rows || N < 0) return -1;
+    if (N == 0) return 0;
+    dim3 grid((unsigned)(w->rows + Q4_BN - 1) / Q4_BN, (unsigned)(N + Q4_BM - 1) / Q4_BM);
+    FL_CU_LAUNCH(fl_cu_q4_gemm_k<0>, grid, dim3(256), 0, (fl_cu_stream)stream, y, ldy, x, w->cols, v, N, beta);
+    return fl_cu_launch_error();
+}
+
+extern "C" int FL_CUK(q4_matmul_backward)(float *dx, const float *dy, int ldy, const fl_q4_weight *w, int N, float beta,
+                                          void *stream) {
+    fl_cu_q4w v;
+    if (q4_view(w, &v) || (beta != 0.0f && beta != 1.0f) || ldy < w->rows || N < 0) return -1;
+    if (N == 0) return 0;
+    dim3 grid((unsigned)(w->cols + Q4_BN - 1) / Q4_BN, (unsigned)(N + Q4_BM - 1) / Q4_BM);
+    FL_CU_LAUNCH(fl_cu_q4_gemm_k<1>, grid, dim3(256), 0, (fl_cu_stream)stream, dx, w->cols, dy, ldy, v, N, beta);
+    return fl_cu_launch_error();
+}
+
+extern "C" int FL_CUK(q4_dequantize)(void *dst, fl_dtype dt, int ldd, const fl_q4_weight *w, int r0, int nr,
+                                     void *stream) {
+    fl_cu_q4w v;
+    if (q4_view(w, &v) || (dt != FL_F32 && dt != FL_BF16) || ldd < w->cols || r0 < 0 || nr < 0 || r0 + nr > w->rows)
+        return -1;
+    if (nr == 0) return 0;
+    const size_t total = (size_t)nr * w->cols, blocks = (total + 255) / 256;
+    FL_CU_LAUNCH(fl_cu_q4_dequant_k, dim3((unsigned)(blocks > 4096 ? 4096 : blocks)), dim3(256), 0,
+                 (fl_cu_stream)stream, dst, (int)dt, ldd, v, r0, nr);
+    return fl_cu_launch_error();
+}

@@ -1,0 +1,358 @@
+/* CUDA kernels of cu_kernels_more.h under the CPU emulator (embeddings, 8-bit AdamW, 4-bit
+ * matmuls and dequantization, LoRA dropout), against the CPU backend at small odd shapes (partial
+ * warps and tiles, rows whose 64-element quantization blocks straddle two rows, repeated ids).
+ * Anchors:
+ *   - embeddings, 8-bit AdamW (states AND parameters), dequantization (F32), the dropout mask:
+ *     bit for bit against the CPU backend, which evaluates the same fp32 operations in the same
+ *     order (the CPU ops are checked against float64 / bitsandbytes references in test_ops.c,
+ *     test_adam8bit.c, test_quant4.c); the BF16 dequantization against RNE of the CPU's values;
+ *   - the 4-bit matmuls: float64 dot products of the CPU's dequantized weights, within the fp32
+ *     dot-product bound |err| <= gamma(K+1) * sum |a||b| (+ |beta y|), gamma(k) = k u / (1 - k u),
+ *     u = 2^-24 (a derived bound, no tuned tolerance);
+ *   - the masked dx update: float64 dx + t / (1 - p) within two roundings (the CPU build may fuse
+ *     the multiply-add, the kernel rounds twice), and masked-out entries untouched bit for bit.
+ * Every kernel runs twice under two emulator shuffle seeds: the same bits (determinism). */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fitllm/backend.h"
+#include "fitllm/lora.h"
+#include "test.h"
+
+#ifdef FL_HAVE_CUDA_EMU
+#include "backend/cuda/cu_kernels_more.h"
+#include "backend/cuda/emu/cu_emu.h"
+
+static const uint64_t k_seeds[] = {0x51ed5eedull, 0xc0ffee11ull};
+
+static float *frand(fl_test_rng *r, size_t n, float lo, float hi) {
+    float *x = malloc((n ? n : 1) * sizeof(float));
+    fl_test_fill(r, x, n, lo, hi);
+    return x;
+}
+static void *dup_bytes(const void *x, size_t bytes) {
+    void *y = malloc(bytes ? bytes : 1);
+    memcpy(y, x, bytes);
+    return y;
+}
+static fl_backend cpu2(void) {
+    fl_backend be;
+    fl_cpu_backend_init(&be, 2);
+    return be;
+}
+#define EMU_OK(call)                                                                                   \
+    do {                                                                                               \
+        fl_cu_emu_clear_error();                                                                       \
+        int rc_ = (call);                                                                              \
+        FL_CHECKF(rc_ == 0 && !fl_cu_emu_error(), "%s -> %d (%s)", #call, rc_,                          \
+                  fl_cu_emu_error() ? fl_cu_emu_error() : "no emulator error");                        \
+    } while (0)
+
+/* ---- embeddings ------------------------------------------------------------------------------ */
+
+static void embedding_case(int B, int T, int C, int V, int with_wpe) {
+    fl_backend be = cpu2();
+    fl_test_rng r = {(unsigned long long)(B * 1000003 + T * 1009 + C * 7 + V)};
+    const int N = B * T;
+    const size_t nc = (size_t)N * C;
+    int32_t *ids = malloc(N * sizeof(int32_t));
+    for (int n = 0; n < N; n++) ids[n] = (int32_t)(fl_test_rng_u64(&r) % (uint64_t)V);
+    ids[N - 1] = ids[0]; /* at least one repeat, the last token in the first's group */
+    float *wte = frand(&r, (size_t)V * C, -1, 1), *wpe = with_wpe ? frand(&r, (size_t)T * C, -1, 1) : NULL;
+    float *out = malloc(nc * 4), *cout = malloc(nc * 4);
+    be.embedding_forward(&be, cout, ids, wte, wpe, B, T, C);
+    float *dout = frand(&r, nc, -1, 1);
+    float *dwte0 = frand(&r, (size_t)V * C, -0.5f, 0.5f), *dwpe0 = frand(&r, (size_t)T * C, -0.5f, 0.5f);
+    float *cdwte = dup_bytes(dwte0, (size_t)V * C * 4), *cdwpe = dup_bytes(dwpe0, (size_t)T * C * 4);
+    be.embedding_backward(&be, cdwte, with_wpe ? cdwpe : NULL, dout, ids, B, T, C);
+    int32_t *work = malloc(FL_CU_EMB_WORK_INTS(N) * sizeof(int32_t));
+    float *dwte[2], *dwpe[2];
+    for (int k = 0; k < 2; k++) {
+        fl_cu_emu_set_seed(k_seeds[k]);
+        memset(out, 0xff, nc * 4);
+        EMU_OK(fl_cuemu_embedding_forward(out, ids, wte, wpe, B, T, C, NULL));
+        FL_CHECKF(memcmp(out, cout, nc * 4) == 0, "embedding_forward (B=%d T=%d C=%d wpe=%d): not the CPU's bits", B, T,
+                  C, with_wpe);
+        dwte[k] = dup_bytes(dwte0, (size_t)V * C * 4);
+        dwpe[k] = dup_bytes(dwpe0, (size_t)T * C * 4);
+        EMU_OK(fl_cuemu_embedding_backward(dwte[k], with_wpe ? dwpe[k] : NULL, dout, ids, B, T, C, work, NULL));
+    }
+    FL_CHECKF(memcmp(dwte[0], cdwte, (size_t)V * C * 4) == 0,
+              "embedding_backward dwte (B=%d T=%d C=%d V=%d): not the CPU's bits", B, T, C, V);
+    FL_CHECKF(memcmp(dwpe[0], cdwpe, (size_t)T * C * 4) == 0,
+              "embedding_backward dwpe (B=%d T=%d C=%d): not the CPU's bits", B, T, C);
+    FL_CHECK(memcmp(dwte[0], dwte[1], (size_t)V * C * 4) == 0 && memcmp(dwpe[0], dwpe[1], (size_t)T * C * 4) == 0);
+    /* dwte NULL: only dwpe moves (and no work needed) */
+    float *only = dup_bytes(dwpe0, (size_t)T * C * 4);
+    EMU_OK(fl_cuemu_embedding_backward(NULL, only, dout, ids, B, T, C, NULL, NULL));
+    FL_CHECK(memcmp(only, cdwpe, (size_t)T * C * 4) == 0 || !with_wpe);
+    for (int k = 0; k < 2; k++) { free(dwte[k]); free(dwpe[k]); }
+    free(only); free(ids); free(wte); free(wpe); free(out); free(cout); free(dout); free(dwte0); free(dwpe0);
+    free(cdwte); free(cdwpe); free(work);
+}
+
+FL_TEST(cuda_more_embedding) {
+    embedding_case(3, 7, 37, 11, 1);   /* partial warp of columns, many repeats */
+    embedding_case(2, 5, 13, 1, 0);    /* every token the same id: one group of all */
+    embedding_case(4, 75, 300, 17, 1); /* 300 tokens: all 8 rank slices busy; two 256-column slices */
+}
+
+/* ---- 8-bit AdamW ----------------------------------------------------------------------------- */
+
+static void *to_type(const float *x, size_t n, fl_dtype t) {
+    if (t == FL_F32) return dup_bytes(x, n * 4);
+    uint16_t *h = malloc(n * 2);
+    for (size_t i = 0; i < n; i++) h[i] = fl_f32_to_bf16(x[i]);
+    return h;
+}
+
+static void adam8bit_case(size_t n, fl_dtype tp, fl_dtype tg) {
+    fl_backend be = cpu2();
+    fl_test_rng r = {(unsigned long long)n * 31 + tp * 7 + tg};
+    const size_t sb = fl_adam8bit_state_bytes(n), ps = tp == FL_F32 ? 4 : 2, gs = tg == FL_F32 ? 4 : 2;
+    float *p0 = frand(&r, n, -1, 1);
+    void *pc = to_type(p0, n, tp), *pe[2] = {to_type(p0, n, tp), to_type(p0, n, tp)};
+    void *mc = calloc(1, sb + 8), *me[2] = {calloc(1, sb + 8), calloc(1, sb + 8)};
+    fl_adam8bit_state stc, ste[2];
+    FL_REQUIRE_OK(fl_adam8bit_state_bind(&stc, n, mc));
+    FL_REQUIRE_OK(fl_adam8bit_state_bind(&ste[0], n, me[0]));
+    FL_REQUIRE_OK(fl_adam8bit_state_bind(&ste[1], n, me[1]));
+    for (int step = 1; step <= 3; step++) {
+        float *g32 = frand(&r, n, -2, 2);
+        /* a few elements at several magnitudes (codes near 0 and both map ends), and inf/NaN gradients */
+        for (size_t i = 0; i < n; i += 97) g32[i] *= 1e-4f;
+        if (n > 600) {
+            g32[5] = INFINITY;
+            g32[300] = NAN;
+            g32[n - 1] = -INFINITY;
+        }
+        void *g = to_type(g32, n, tg);
+        const float wd = step == 2 ? 0.0f : 0.1f;
+        FL_REQUIRE_OK(be.adam8bit_update(&be, pc, tp, g, tg, &stc, 1e-2f, 0.9f, 0.995f, 1e-6f, wd, step, 0.7f));
+        for (int k = 0; k < 2; k++) {
+            fl_cu_emu_set_seed(k_seeds[k]);
+            EMU_OK(fl_cuemu_adam8bit_update(pe[k], tp, g, tg, &ste[k], 1e-2f, 0.9f, 0.995f, 1e-6f, wd, step, 0.7f, NULL));
+        }
+        free(g32); free(g);
+    }
+    FL_CHECKF(memcmp(pe[0], pc, n * ps) == 0, "adam8bit n=%zu p=%s g=%s: parameters differ from the CPU's", n,
+              fl_dtype_name(tp), fl_dtype_name(tg));
+    if (fl_adam8bit_is_8bit(n)) {
+        size_t dq = 0, dv = 0;
+        for (size_t i = 0; i < n; i++) {
+            dq += stc.q_m[i] != ste[0].q_m[i];
+            dv += stc.q_v[i] != ste[0].q_v[i];
+        }
+        FL_CHECKF(dq == 0 && dv == 0, "adam8bit n=%zu: %zu m codes and %zu v codes differ from the CPU's", n, dq, dv);
+        FL_CHECK(memcmp(stc.absmax_m, ste[0].absmax_m, stc.n_blocks * 4) == 0);
+        FL_CHECK(memcmp(stc.absmax_v, ste[0].absmax_v, stc.n_blocks * 4) == 0);
+    } else {
+        FL_CHECK(memcmp(stc.m, ste[0].m, n * 4) == 0 && memcmp(stc.v, ste[0].v, n * 4) == 0);
+    }
+    FL_CHECK(memcmp(pe[0], pe[1], n * ps) == 0 && memcmp(me[0], me[1], sb) == 0);
+    (void)gs;
+    free(p0); free(pc); free(pe[0]); free(pe[1]); free(mc); free(me[0]); free(me[1]);
+}
+
+FL_TEST(cuda_more_adam8bit) {
+    float codes[512];
+    EMU_OK(fl_cuemu_adam8bit_codes(codes, NULL));
+    FL_CHECK(memcmp(codes, fl_adam8bit_code_signed, 1024) == 0 && memcmp(codes + 256, fl_adam8bit_code_unsigned, 1024) == 0);
+    adam8bit_case(2 * FL_ADAM8BIT_MIN_SIZE + 77, FL_F32, FL_F32); /* 8-bit path, a partial last block */
+    adam8bit_case(FL_ADAM8BIT_MIN_SIZE + 3, FL_BF16, FL_BF16);
+    adam8bit_case(FL_ADAM8BIT_MIN_SIZE, FL_F32, FL_BF16);
+    adam8bit_case(1000, FL_F32, FL_F32); /* fp32-state path */
+    adam8bit_case(333, FL_BF16, FL_F32);
+    fl_adam8bit_state st = {0};
+    st.n = 10;
+    float d = 0;
+    FL_CHECK(fl_cuemu_adam8bit_update(&d, FL_F16, &d, FL_F32, &st, 1e-3f, 0.9f, 0.999f, 1e-8f, 0, 1, 1, NULL) == -1);
+}
+
+/* ---- 4-bit matmuls and dequantization -------------------------------------------------------- */
+
+typedef struct {
+    fl_q4_weight w;
+    void *mem;
+    float *deq; /* the CPU's fl_q4_dequantize */
+} q4_fixture;
+
+static int q4_make(q4_fixture *f, int rows, int cols, fl_q4_type t, int dq, fl_test_rng *r) {
+    float *src = frand(r, (size_t)rows * cols, -1, 1);
+    for (int i = 0; i < cols && i < 64; i++) src[i] = 0.0f; /* a zero block (absmax 0) when cols >= 64 */
+    f->mem = calloc(1, fl_q4_bytes((size_t)rows * cols, dq));
+    f->deq = malloc((size_t)rows * cols * 4);
+    int ok = fl_q4_bind(&f->w, rows, cols, t, dq, f->mem) == FL_OK && fl_q4_quantize(&f->w, src, 2) == FL_OK &&
+             fl_q4_dequantize(&f->w, f->deq, 2) == FL_OK;
+    free(src);
+    return ok;
+}
+static void q4_free(q4_fixture *f) { free(f->mem); free(f->deq); }
+
+/* |got - sum| <= gamma(K+1) * (sum |a||b| + |y0|): the fp32 evaluation bound of a length-K dot
+ * product plus one more addition (beta = 1) */
+static int dot_close(const char *what, const float *got, const double *want, const double *absum, size_t n, int K) {
+    const double u = 1.0 / 16777216.0, gamma = (K + 1) * u / (1 - (K + 1) * u);
+    for (size_t i = 0; i < n; i++)
+        if (!(fabs(got[i] - want[i]) <= gamma * absum[i] + 1e-30)) {
+            fprintf(stderr, "  %s: element %zu got %.9g want %.9g (bound %.3g)\n", what, i, got[i], want[i],
+                    gamma * absum[i]);
+            return 0;
+        }
+    return 1;
+}
+
+static void q4_case(int N, int OUT, int IN, fl_q4_type t, int dq) {
+    fl_test_rng r = {(unsigned long long)(N * 7919 + OUT * 131 + IN + t * 3 + dq)};
+    q4_fixture f;
+    FL_REQUIRE(q4_make(&f, OUT, IN, t, dq, &r));
+    const char *mode = fl_q4_mode_name(t, dq);
+    /* dequantize: a panel of rows into a strided F32 / BF16 destination */
+    const int r0 = OUT > 3 ? 2 : 0, nr = OUT - r0 - (OUT > 5 ? 1 : 0), ldd = IN + 3;
+    float *d32 = malloc((size_t)nr * ldd * 4);
+    uint16_t *d16 = malloc((size_t)nr * ldd * 2);
+    EMU_OK(fl_cuemu_q4_dequantize(d32, FL_F32, ldd, &f.w, r0, nr, NULL));
+    EMU_OK(fl_cuemu_q4_dequantize(d16, FL_BF16, ldd, &f.w, r0, nr, NULL));
+    int bad32 = 0, bad16 = 0;
+    for (int i = 0; i < nr; i++)
+        for (int c = 0; c < IN; c++) {
+            float want = f.deq[(size_t)(r0 + i) * IN + c];
+            bad32 += memcmp(&d32[(size_t)i * ldd + c], &want, 4) != 0;
+            bad16 += d16[(size_t)i * ldd + c] != fl_f32_to_bf16(want);
+        }
+    FL_CHECKF(bad32 == 0 && bad16 == 0, "q4_dequantize %s (%d x %d): %d f32 / %d bf16 values differ", mode, OUT, IN, bad32,
+              bad16);
+
+    /* forward: y (N, OUT; ldy) = x @ deq^T + beta y */
+    const int ldy = OUT + 5;
+    float *x = frand(&r, (size_t)N * IN, -1, 1), *y0 = frand(&r, (size_t)N * ldy, -1, 1);
+    const size_t nmax = (size_t)N * (ldy > IN ? ldy : IN);
+    double *want = malloc(nmax * 8), *absum = malloc(nmax * 8);
+    float *got = malloc((size_t)N * ldy * 4);
+    for (int beta = 0; beta <= 1; beta++) {
+        float *y[2];
+        for (int k = 0; k < 2; k++) {
+            fl_cu_emu_set_seed(k_seeds[k]);
+            y[k] = dup_bytes(y0, (size_t)N * ldy * 4);
+            EMU_OK(fl_cuemu_q4_matmul_forward(y[k], ldy, x, &f.w, N, (float)beta, NULL));
+        }
+        FL_CHECK(memcmp(y[0], y[1], (size_t)N * ldy * 4) == 0);
+        size_t m = 0;
+        int pad_ok = 1;
+        for (int n = 0; n < N; n++) {
+            for (int o = 0; o < OUT; o++, m++) {
+                double s = beta ? y0[(size_t)n * ldy + o] : 0.0, a = fabs(s);
+                for (int k = 0; k < IN; k++) {
+                    double p = (double)x[(size_t)n * IN + k] * f.deq[(size_t)o * IN + k];
+                    s += p;
+                    a += fabs(p);
+                }
+                want[m] = s;
+                absum[m] = a;
+                got[m] = y[0][(size_t)n * ldy + o];
+            }
+            for (int o = OUT; o < ldy; o++) pad_ok &= y[0][(size_t)n * ldy + o] == y0[(size_t)n * ldy + o];
+        }
+        FL_CHECKF(dot_close("q4_matmul_forward", got, want, absum, m, IN), "forward %s N=%d %dx%d beta=%d", mode, N, OUT,
+                  IN, beta);
+        FL_CHECKF(pad_ok, "forward %s: columns past OUT in the row stride were written", mode);
+        free(y[0]); free(y[1]);
+    }
+
+    /* backward: dx (N, IN) = dy (N, OUT; ldy) @ deq + beta dx */
+    float *dy = frand(&r, (size_t)N * ldy, -1, 1), *dx0 = frand(&r, (size_t)N * IN, -1, 1);
+    for (int beta = 0; beta <= 1; beta++) {
+        float *dx[2];
+        for (int k = 0; k < 2; k++) {
+            fl_cu_emu_set_seed(k_seeds[k]);
+            dx[k] = dup_bytes(dx0, (size_t)N * IN * 4);
+            EMU_OK(fl_cuemu_q4_matmul_backward(dx[k], dy, ldy, &f.w, N, (float)beta, NULL));
+        }
+        FL_CHECK(memcmp(dx[0], dx[1], (size_t)N * IN * 4) == 0);
+        size_t m = 0;
+        for (int n = 0; n < N; n++)
+            for (int k = 0; k < IN; k++, m++) {
+                double s = beta ? dx0[m] : 0.0, a = fabs(s);
+                for (int o = 0; o < OUT; o++) {
+                    double p = (double)dy[(size_t)n * ldy + o] * f.deq[(size_t)o * IN + k];
+                    s += p;
+                    a += fabs(p);
+                }
+                want[m] = s;
+                absum[m] = a;
+            }
+        FL_CHECKF(dot_close("q4_matmul_backward", dx[0], want, absum, m, OUT), "backward %s N=%d %dx%d beta=%d", mode, N,
+                  OUT, IN, beta);
+        free(dx[0]); free(dx[1]);
+    }
+    FL_CHECK(fl_cuemu_q4_matmul_forward(got, ldy, x, &f.w, N, 0.5f, NULL) == -1); /* beta must be 0 or 1 */
+    free(d32); free(d16); free(x); free(y0); free(want); free(absum); free(got); free(dy); free(dx0);
+    q4_free(&f);
+}
+
+FL_TEST(cuda_more_q4) {
+    q4_case(19, 37, 131, FL_Q4_NF4, 0);  /* odd everything: quantization blocks straddle rows, odd n */
+    q4_case(19, 37, 131, FL_Q4_FP4, 1);
+    q4_case(133, 150, 70, FL_Q4_NF4, 1); /* more than one 128 x 128 tile both ways, K tail of 6 */
+    q4_case(5, 129, 64, FL_Q4_FP4, 0);
+}
+
+/* ---- LoRA dropout ---------------------------------------------------------------------------- */
+
+FL_TEST(cuda_more_lora_dropout) {
+    fl_backend be = cpu2();
+    fl_test_rng r = {77};
+    const int N = 13, in = 53, out = 29, rk = 4;
+    const size_t n = (size_t)N * in;
+    const float p = 0.3f, scaling = 2.0f;
+    const uint64_t seed = 0x0123456789abcdefull;
+    float *x = frand(&r, n, -1, 1), *A = frand(&r, (size_t)rk * in, -1, 1), *Bm = frand(&r, (size_t)out * rk, -1, 1);
+    float *h = malloc((size_t)N * rk * 4), *y = calloc((size_t)N * out, 4), *cxd = malloc(n * 4), *xd[2];
+    FL_REQUIRE_OK(be.lora_forward(&be, y, out, h, cxd, x, A, Bm, N, in, out, rk, scaling, p, seed));
+    for (int k = 0; k < 2; k++) {
+        fl_cu_emu_set_seed(k_seeds[k]);
+        xd[k] = malloc(n * 4);
+        EMU_OK(fl_cuemu_lora_dropout(xd[k], x, n, p, seed, NULL));
+    }
+    FL_CHECKF(memcmp(xd[0], cxd, n * 4) == 0, "lora_dropout: not the CPU's xd");
+    FL_CHECK(memcmp(xd[0], xd[1], n * 4) == 0);
+    size_t kept = 0;
+    for (size_t i = 0; i < n; i++) kept += fl_lora_dropout_keep(seed, i, p);
+    FL_CHECK(kept > n / 2 && kept < n); /* the mask is not trivial at this p */
+
+    /* backward's dx: the CPU's lora_backward against the composition the CUDA backend runs
+     * (g = dy @ B, t = scaling * g @ A by GEMMs, then the kernel) */
+    float *dy = frand(&r, (size_t)N * out, -1, 1), *dx0 = frand(&r, n, -1, 1), *cdx = dup_bytes(dx0, n * 4);
+    float *work = malloc(((size_t)N * rk + n) * 4), *g = malloc((size_t)N * rk * 4), *t = malloc(n * 4);
+    FL_REQUIRE_OK(be.lora_backward(&be, cdx, NULL, NULL, dy, out, cxd, h, A, Bm, N, in, out, rk, scaling, p, seed, work));
+    FL_REQUIRE_OK(be.gemm(&be, 0, 0, N, rk, out, 1.0f, dy, FL_F32, out, Bm, FL_F32, rk, 0.0f, g, FL_F32, rk));
+    FL_REQUIRE_OK(be.gemm(&be, 0, 0, N, in, rk, scaling, g, FL_F32, rk, A, FL_F32, in, 0.0f, t, FL_F32, in));
+    float *dx[2];
+    for (int k = 0; k < 2; k++) {
+        fl_cu_emu_set_seed(k_seeds[k]);
+        dx[k] = dup_bytes(dx0, n * 4);
+        EMU_OK(fl_cuemu_lora_dropout_dx(dx[k], t, n, p, seed, NULL));
+    }
+    FL_CHECK(memcmp(dx[0], dx[1], n * 4) == 0);
+    const double u = 1.0 / 16777216.0, sc = fl_lora_dropout_scale(p);
+    int bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!fl_lora_dropout_keep(seed, i, p)) {
+            bad += memcmp(&dx[0][i], &dx0[i], 4) != 0 || memcmp(&cdx[i], &dx0[i], 4) != 0;
+            continue;
+        }
+        double ts = (double)t[i] * sc, want = dx0[i] + ts;
+        /* kernel: two roundings of the exact dx0 + t*sc (sc itself is the fp32 scale both use) */
+        bad += !(fabs(dx[0][i] - want) <= 2 * u * (fabs(dx0[i]) + fabs(ts)) * (1 + u));
+        /* the CPU's result is within the same bound (one fused rounding, or the same two) */
+        bad += !(fabs(cdx[i] - want) <= 2 * u * (fabs(dx0[i]) + fabs(ts)) * (1 + u));
+    }
+    FL_CHECKF(bad == 0, "lora_dropout_dx: %d elements off", bad);
+    FL_CHECK(fl_cuemu_lora_dropout(xd[0], x, n, 0.0f, seed, NULL) == -1); /* p = 0: no dropout kernel */
+    free(x); free(A); free(Bm); free(h); free(y); free(cxd); free(xd[0]); free(xd[1]); free(dy); free(dx0); free(cdx);
+    free(work); free(g); free(t); free(dx[0]); free(dx[1]);
+}
+#endif
