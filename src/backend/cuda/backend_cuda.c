@@ -18,6 +18,7 @@
 #define FLB_PREFIX(name) fl_cuda_##name
 #define FLB_LT_WS_BYTES (32u << 20)   /* cuBLASLt workspace: lets the heuristics pick split-K on H100 */
 #define FLB_PANEL_BYTES (32u << 20)   /* mixed-type GEMM panels */
+#define FLB_WORK_BYTES (16u << 20)   /* kernel work: attention D (B*NH*T floats), embedding ranks (12 B per token) */
 #define flb_gemm_fn fl_cu_gemm_cublaslt
 
 static void *flb_dev_alloc(size_t bytes) {

@@ -22,7 +22,9 @@
  * Scratch: the caller lends be->scratch_bytes of device memory from its pool (set_scratch, the
  * model's WORKSPACE region). Layout: [0, FLB_LT_WS_BYTES) cuBLASLt's workspace, then
  * FLB_PANEL_BYTES for the mixed-type GEMM panels (an F32 A rounded to bf16, an F16 B widened to
- * fp32, a panel of rows at a time so the scratch is bounded whatever the shape). Ops run in
+ * fp32, a panel of rows at a time so the scratch is bounded whatever the shape), then
+ * FLB_WORK_BYTES of kernel work space (attention's D = rowsum(dout * out), the embedding
+ * backward's token ranks; an op whose work does not fit fails naming the sizes). Ops run in
  * stream order, so one op's scratch is free again for the next. Without a lent scratch (op
  * tests, tools), a buffer of the same size is allocated once on first use.
  *
@@ -40,7 +42,7 @@
 #include "fitllm/backend.h"
 #include "fitllm/lora.h"
 
-#define FLB_SCRATCH_BYTES ((size_t)FLB_LT_WS_BYTES + (size_t)FLB_PANEL_BYTES)
+#define FLB_SCRATCH_BYTES ((size_t)FLB_LT_WS_BYTES + (size_t)FLB_PANEL_BYTES + (size_t)FLB_WORK_BYTES)
 
 typedef struct {
     void *stream;
@@ -380,7 +382,7 @@ static fl_status flb_lora_backward(const fl_backend *be, float *dx, float *dA, f
     if (dropout == 0.0f) return flb_gemm(be, 0, 0, N, in, r, scaling, g, FL_F32, r, A, FL_F32, in, 1.0f, dx, FL_F32, in);
     float *t = work + (size_t)N * r;
     FL_TRY(flb_gemm(be, 0, 0, N, in, r, scaling, g, FL_F32, r, A, FL_F32, in, 0.0f, t, FL_F32, in));
-    FLB_RUN_S(be, FLB_K(lora_dropout_add)(dx, t, (size_t)N * in, dropout, seed, STREAM), "lora_backward (dropout)");
+    FLB_RUN_S(be, FLB_K(lora_dropout_dx)(dx, t, (size_t)N * in, dropout, seed, STREAM), "lora_backward (dropout)");
     return FL_OK;
 }
 

@@ -1,78 +1,115 @@
 /* fitllm CUDA backend object, part 2 (included by backend_cuda_impl.h): the ops over the
- * attention kernels (cu_kernels_attn.h) and the embedding / 8-bit Adam / 4-bit kernels
- * (cu_kernels_more.h). */
+ * attention kernels (cu_kernels_attn.h) and the embedding / 8-bit Adam / 4-bit / LoRA-dropout
+ * kernels (cu_kernels_more.h). Their device work buffers come from the op scratch's work area. */
+#include "backend/cuda/cu_kernels_attn.h"
+#include "backend/cuda/cu_kernels_more.h"
 
-static void flb_missing(const fl_backend *be, const char *op) {
-    flb_set_error(be, FL_ERR_UNSUPPORTED, op, "no CUDA kernel for this op in this build yet");
+/* the work area of the scratch (after the GEMM's workspace and panels), or NULL with the sticky
+ * error set when `bytes` does not fit */
+static void *flb_work(const fl_backend *be, size_t bytes, const char *op) {
+    char *s = (char *)flb_scratch(be);
+    if (!s) return NULL;
+    if (bytes > FLB_WORK_BYTES) {
+        char why[160];
+        snprintf(why, sizeof why, "needs %zu bytes of work space, the backend's scratch has %zu", bytes,
+                 (size_t)FLB_WORK_BYTES);
+        flb_set_error(be, FL_ERR_UNSUPPORTED, op, why);
+        return NULL;
+    }
+    return s + FLB_LT_WS_BYTES + FLB_PANEL_BYTES;
+}
+
+/* the fused attention ops return nothing: on an unsupported head size their outputs become NaN
+ * (all-ones bytes) as the CPU backend's do, besides the sticky error */
+static void flb_nan_fill(const fl_backend *be, float *p, size_t n) {
+    if (p && n) flb_memset(p, 0xff, n * sizeof(float), STREAM);
 }
 
 static void flb_embedding_forward(const fl_backend *be, float *out, const int32_t *ids, const float *wte,
                                   const float *wpe, int B, int T, int C) {
-    (void)out; (void)ids; (void)wte; (void)wpe; (void)B; (void)T; (void)C;
-    flb_missing(be, "embedding_forward");
+    FLB_RUN(be, FLB_K(embedding_forward)(out, ids, wte, wpe, B, T, C, STREAM), "embedding_forward");
 }
 static void flb_embedding_backward(const fl_backend *be, float *dwte, float *dwpe, const float *dout,
                                    const int32_t *ids, int B, int T, int C) {
-    (void)dwte; (void)dwpe; (void)dout; (void)ids; (void)B; (void)T; (void)C;
-    flb_missing(be, "embedding_backward");
+    int32_t *work = NULL;
+    if (dwte) {
+        work = (int32_t *)flb_work(be, FL_CU_EMB_WORK_INTS((size_t)B * T) * sizeof(int32_t), "embedding_backward");
+        if (!work) return;
+    }
+    FLB_RUN(be, FLB_K(embedding_backward)(dwte, dwpe, dout, ids, B, T, C, work, STREAM), "embedding_backward");
 }
 static void flb_attention_forward(const fl_backend *be, float *out, float *lse, const float *qkv, int B, int T, int NH,
                                   int NKV, int HD) {
-    (void)out; (void)lse; (void)qkv; (void)B; (void)T; (void)NH; (void)NKV; (void)HD;
-    flb_missing(be, "attention_forward");
+    int rc = FLB_K(attention_forward)(out, lse, qkv, B, T, NH, NKV, HD, STREAM);
+    if (rc == FL_CU_ATTN_UNSUPPORTED) { /* as the CPU: outputs NaN (all-ones bytes), never silent garbage */
+        flb_nan_fill(be, out, (size_t)B * T * NH * HD);
+        flb_nan_fill(be, lse, (size_t)B * NH * T);
+    }
+    FLB_RUN(be, rc, "attention_forward");
 }
 static void flb_attention_backward(const fl_backend *be, float *dqkv, const float *dout, const float *qkv,
                                    const float *out, const float *lse, int B, int T, int NH, int NKV, int HD) {
-    (void)dqkv; (void)dout; (void)qkv; (void)out; (void)lse; (void)B; (void)T; (void)NH; (void)NKV; (void)HD;
-    flb_missing(be, "attention_backward");
+    void *work = flb_work(be, fl_cu_attention_work_bytes(B, NH, T), "attention_backward");
+    if (!work) return;
+    int rc = FLB_K(attention_backward)(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD, work, STREAM);
+    if (rc == FL_CU_ATTN_UNSUPPORTED) flb_nan_fill(be, dqkv, (size_t)B * T * (NH + 2 * NKV) * HD);
+    FLB_RUN(be, rc, "attention_backward");
 }
 static void flb_attention_decode(const fl_backend *be, float *out, const float *q, const float *kcache,
                                  const float *vcache, int T, int NH, int NKV, int HD, size_t head_stride) {
-    (void)out; (void)q; (void)kcache; (void)vcache; (void)T; (void)NH; (void)NKV; (void)HD; (void)head_stride;
-    flb_missing(be, "attention_decode");
+    int rc = FLB_K(attention_decode)(out, q, kcache, vcache, T, NH, NKV, HD, head_stride, STREAM);
+    if (rc == FL_CU_ATTN_UNSUPPORTED) flb_nan_fill(be, out, (size_t)NH * HD);
+    FLB_RUN(be, rc, "attention_decode");
+}
+/* the attention launchers' own codes: -1 unsupported (HD), -2 invalid arguments */
+static fl_status flb_attn_status(const fl_backend *be, int rc, const char *op) {
+    if (rc == 0) return FL_OK;
+    if (rc == FL_CU_ATTN_UNSUPPORTED)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s %s: head dimension beyond %d", FLB_NAME, op, FL_CU_ATTN_MAX_HD);
+    if (rc == FL_CU_ATTN_INVALID) return fl_errorf(FL_ERR_INVALID, "%s %s: bad shape, stride or NULL", FLB_NAME, op);
+    flb_launch(be, rc, op);
+    return flb_sticky(be);
 }
 static fl_status flb_attention_forward_ex(const fl_backend *be, const fl_attn_desc *a, float *out, float *lse,
                                           const float *q, const float *k, const float *v, const float *bias,
                                           const uint8_t *kmask) {
-    (void)a; (void)out; (void)lse; (void)q; (void)k; (void)v; (void)bias; (void)kmask;
-    flb_missing(be, "attention_forward_ex");
-    return flb_sticky(be);
+    FL_TRY(flb_sticky(be));
+    return flb_attn_status(be, FLB_K(attention_forward_ex)(a, out, lse, q, k, v, bias, kmask, STREAM),
+                           "attention_forward_ex");
 }
 static fl_status flb_attention_backward_ex(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk,
                                            float *dv, float *dbias, const float *dout, const float *q, const float *k,
                                            const float *v, const float *bias, const uint8_t *kmask, const float *out,
                                            const float *lse) {
-    (void)a; (void)dq; (void)dk; (void)dv; (void)dbias; (void)dout; (void)q; (void)k; (void)v; (void)bias;
-    (void)kmask; (void)out; (void)lse;
-    flb_missing(be, "attention_backward_ex");
-    return flb_sticky(be);
+    FL_TRY(flb_sticky(be));
+    void *work = flb_work(be, a ? fl_cu_attention_work_bytes(a->B, a->NH, a->Tq) : 0, "attention_backward_ex");
+    if (!work) return flb_sticky(be);
+    return flb_attn_status(be,
+                           FLB_K(attention_backward_ex)(a, dq, dk, dv, dbias, dout, q, k, v, bias, kmask, out, lse,
+                                                        work, STREAM),
+                           "attention_backward_ex");
 }
 static fl_status flb_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg,
                                      const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,
                                      float weight_decay, int step, float grad_scale) {
-    (void)p; (void)tp; (void)g; (void)tg; (void)st; (void)lr; (void)beta1; (void)beta2; (void)eps;
-    (void)weight_decay; (void)step; (void)grad_scale;
-    flb_missing(be, "adam8bit_update");
-    return flb_sticky(be);
+    FL_TRY(flb_sticky(be));
+    if ((tp != FL_F32 && tp != FL_BF16) || (tg != FL_F32 && tg != FL_BF16))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s adam8bit_update: p %s, g %s not supported", FLB_NAME,
+                         fl_dtype_name(tp), fl_dtype_name(tg));
+    FLB_RUN_S(be, FLB_K(adam8bit_update)(p, tp, g, tg, st, lr, beta1, beta2, eps, weight_decay, step, grad_scale,
+                                         STREAM), "adam8bit_update");
+    return FL_OK;
 }
 static fl_status flb_q4_matmul_forward(const fl_backend *be, float *y, int ldy, const float *x, const fl_q4_weight *w,
                                        int N, float beta) {
-    (void)y; (void)ldy; (void)x; (void)w; (void)N; (void)beta;
-    flb_missing(be, "q4_matmul_forward");
-    return flb_sticky(be);
+    FL_TRY(flb_sticky(be));
+    FLB_RUN_S(be, FLB_K(q4_matmul_forward)(y, ldy, x, w, N, beta, STREAM), "q4_matmul_forward");
+    return FL_OK;
 }
 static fl_status flb_q4_matmul_backward(const fl_backend *be, float *dx, const float *dy, int ldy,
                                         const fl_q4_weight *w, int N, float beta) {
-    (void)dx; (void)dy; (void)ldy; (void)w; (void)N; (void)beta;
-    flb_missing(be, "q4_matmul_backward");
-    return flb_sticky(be);
+    FL_TRY(flb_sticky(be));
+    FLB_RUN_S(be, FLB_K(q4_matmul_backward)(dx, dy, ldy, w, N, beta, STREAM), "q4_matmul_backward");
+    return FL_OK;
 }
-/* until the LoRA dropout kernels land */
-static int FLB_K(lora_dropout)(float *xd, const float *x, size_t n, float p, uint64_t seed, void *stream) {
-    (void)xd; (void)x; (void)n; (void)p; (void)seed; (void)stream;
-    return -1;
-}
-static int FLB_K(lora_dropout_add)(float *dx, const float *t, size_t n, float p, uint64_t seed, void *stream) {
-    (void)dx; (void)t; (void)n; (void)p; (void)seed; (void)stream;
-    return -1;
-}
+

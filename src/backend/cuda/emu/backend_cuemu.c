@@ -16,6 +16,7 @@
 #define FLB_PREFIX(name) fl_cuemu_##name
 #define FLB_LT_WS_BYTES 0u
 #define FLB_PANEL_BYTES (64u << 10)
+#define FLB_WORK_BYTES (1u << 20)
 #define flb_gemm_fn fl_cu_gemm_standin
 
 static void *flb_dev_alloc(size_t bytes) { return aligned_alloc(256, (bytes + 255) / 256 * 256); }
