@@ -89,6 +89,7 @@ struct fl_backend {
                              * matmul), so a caller that reuses one such operand across calls may
                              * widen it once itself (the chunked lm_head: fl_act_opts.head_widen) */
     size_t scratch_bytes;   /* bytes of the op scratch the caller lends (set_scratch below; 0: none) */
+    int host_memory; /* 1: the device's buffers are host memory (cpu, ref): code may share one pool for tensors and host staging */
 
     /* ---- matmul ---------------------------------------------------------
      * C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C, row-major, with
@@ -348,6 +349,9 @@ struct fl_backend {
     fl_status (*rope_tables)(const fl_backend *be, float *cos_t, float *sin_t, int maxT, int HD, float theta,
                              const fl_rope_scaling *scaling);
 
+    /* Initialize p as this backend's pool for tensor memory (parameters, gradients, optimizer state, activations, KV cache): CPU and ref: fl_mem_pool_init(p, name, budget). */
+    fl_status (*pool_init)(const fl_backend *be, fl_mem_pool *p, const char *name, size_t budget);
+
     void *impl; /* backend-private state (last: the op slots from gemm to here are the whole table) */
 };
 
@@ -377,6 +381,13 @@ void fl_cpu_backend_free(fl_backend *be);
  * fast CPU ops are tested against it and against float64. */
 fl_status fl_ref_backend_init(fl_backend *be);
 
+/* The opaque test backend (src/backend/opaque/): the CPU kernels, but its pool's memory is
+ * kept PROT_NONE except while one of its ops or copies runs, so a host dereference of tensor
+ * memory anywhere above the backend faults (docs/ARCHITECTURE.md "The opaque test backend").
+ * A testing aid: FITLLM_TEST_BACKEND=opaque (tests), FITLLM_BACKEND=opaque (CLI). */
+fl_status fl_opaque_backend_init(fl_backend *be, int n_threads);
+void fl_opaque_backend_free(fl_backend *be);
+
 /* ---- the registry: the backends this build has (src/backend/registry.c) ----------------------
  * In a fixed order: "cpu" (the fast CPU ops), "ref" (the portable scalar reference); a build
  * with more backends lists them after these ("opaque", the host-cannot-read test backend;
@@ -392,6 +403,19 @@ const char *fl_backend_description(int i);
 fl_status fl_backend_init_by_name(const char *name, fl_backend *be, int n_threads);
 /* Release a backend made by any registered init (by its name); NULL or a zeroed one: no-op. */
 void fl_backend_free(fl_backend *be);
+/* The pools of a run on `be`: tensors (parameters, gradients, optimizer state, activations, KV
+ * cache) come from *dev, made by be->pool_init with the budget. A backend whose memory is host
+ * memory (be->host_memory: cpu, ref) gets ONE pool, as before (*host unused, dev->host NULL);
+ * another gets a separate host pool *host (no budget) for host staging, linked as dev->host
+ * (fl_mem_host_pool). Free with fl_backend_pools_free (dev first: the host pool outlives it). */
+fl_status fl_backend_pools_init(const fl_backend *be, fl_mem_pool *dev, fl_mem_pool *host, const char *name,
+                                size_t budget);
+void fl_backend_pools_free(fl_mem_pool *dev, fl_mem_pool *host);
+/* fl_mem_calloc for device memory: allocate from p (be's pool) and zero with be->zero. */
+fl_status fl_backend_calloc(const fl_backend *be, fl_mem_pool *p, fl_mem_tag tag, size_t bytes, void **out);
+/* The backend the CLI and the trainer create: $FITLLM_BACKEND when set (a testing aid, e.g.
+ * "opaque"; checked by fl_backend_init_by_name), else "cpu". */
+const char *fl_backend_default_name(void);
 
 /* RoPE tables: cos_t/sin_t (maxT, HD/2). inv_freq_j = theta^(-2j/HD), adjusted
  * by `scaling` (NULL or FL_ROPE_NONE: none); angle = pos * inv_freq_j. */

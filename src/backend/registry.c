@@ -1,6 +1,8 @@
 /* The backends this build has, by name: what the op tests loop over (every registered backend
  * runs the whole op suite), what FITLLM_TEST_BACKEND picks for the rest of the suite, and what
  * `fitllm --version` lists. A new backend (the opaque test backend, CUDA) adds one row here. */
+#include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "fitllm/backend.h"
@@ -20,6 +22,8 @@ static fl_status ref_init(fl_backend *be, int n_threads) {
 static const fl_backend_entry g_backends[] = {
     {"cpu", "the CPU ops (OpenMP, SIMD dispatch, library GEMM)", fl_cpu_backend_init, fl_cpu_backend_free},
     {"ref", "the portable reference: the same ops on one thread, naive GEMM", ref_init, fl_cpu_backend_free},
+    {"opaque", "a testing aid: the CPU ops over memory the host cannot read outside them", fl_opaque_backend_init,
+     fl_opaque_backend_free},
 };
 #define N_BACKENDS ((int)(sizeof g_backends / sizeof g_backends[0]))
 
@@ -53,4 +57,37 @@ void fl_backend_free(fl_backend *be) {
     if (!be) return;
     const fl_backend_entry *e = find(be->name);
     if (e) e->free(be);
+}
+
+const char *fl_backend_default_name(void) {
+    const char *e = getenv("FITLLM_BACKEND");
+    return e && *e ? e : "cpu";
+}
+
+fl_status fl_backend_pools_init(const fl_backend *be, fl_mem_pool *dev, fl_mem_pool *host, const char *name,
+                                size_t budget) {
+    if (host) memset(host, 0, sizeof *host);
+    FL_TRY(be->pool_init(be, dev, name, budget));
+    if (be->host_memory || !host) return FL_OK;
+    char hn[32];
+    snprintf(hn, sizeof hn, "%s host", name ? name : "pool");
+    fl_status s = fl_mem_pool_init(host, hn, 0);
+    if (s != FL_OK) {
+        fl_mem_pool_free(dev);
+        return s;
+    }
+    dev->host = host;
+    return FL_OK;
+}
+
+void fl_backend_pools_free(fl_mem_pool *dev, fl_mem_pool *host) {
+    int split = dev && dev->host == host && host;
+    if (dev) fl_mem_pool_free(dev);
+    if (split) fl_mem_pool_free(host);
+}
+
+fl_status fl_backend_calloc(const fl_backend *be, fl_mem_pool *p, fl_mem_tag tag, size_t bytes, void **out) {
+    FL_TRY(fl_mem_alloc(p, tag, bytes, out));
+    if (bytes) be->zero(be, *out, bytes);
+    return FL_OK;
 }

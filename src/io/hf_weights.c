@@ -330,6 +330,7 @@ static fl_status fl_hf_write_files(const fl_model *m, const char *dir) {
         t[k].dtype = sdt; /* saved in the storage dtype: a bf16-true run writes bf16 */
         t[k].src_dtype = sdt;
         t[k].data = data;
+        t[k].be = m->be; /* the storage is device memory (NULL: a model without a backend, host) */
         if (!data) {
             fc[k] = (fl_hf_fill_ctx){m, k};
             t[k].src_dtype = FL_F32;

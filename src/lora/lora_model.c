@@ -56,7 +56,7 @@ fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t se
     if (s == FL_OK) {
         fl_lora_adapter_offsets(st->mods, st->n_mods, cfg->r, st->off, &st->numel);
         s = fl_mem_alloc(m->pool, FL_TAG_PARAMS, st->numel * sizeof(float), (void **)&st->params);
-        if (s == FL_OK) s = fl_mem_calloc(m->pool, FL_TAG_GRADS, st->numel * sizeof(float), (void **)&st->grads);
+        if (s == FL_OK) s = fl_backend_calloc(m->be, m->pool, FL_TAG_GRADS, st->numel * sizeof(float), (void **)&st->grads);
         if (s != FL_OK) fl_error_prefix(s, "allocating LoRA adapters");
     }
     if (s != FL_OK) {

@@ -288,10 +288,10 @@ fl_status fl_model_alloc_grads(fl_model *m) {
                          "(fitllm finetune_lora --quantize ...)");
     fl_status s;
     if (m->store_dtype == FL_F32) {
-        s = fl_mem_calloc(m->pool, FL_TAG_GRADS, m->layout.numel * sizeof(float), (void **)&m->grads);
+        s = fl_backend_calloc(m->be, m->pool, FL_TAG_GRADS, m->layout.numel * sizeof(float), (void **)&m->grads);
     } else {
         m->gstage_n = fl_sizing_gstage_elems(&m->cfg);
-        s = fl_mem_calloc(m->pool, FL_TAG_GRADS, m->layout.numel * sizeof(uint16_t), (void **)&m->g16);
+        s = fl_backend_calloc(m->be, m->pool, FL_TAG_GRADS, m->layout.numel * sizeof(uint16_t), (void **)&m->g16);
         if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, m->gstage_n * sizeof(float), (void **)&m->gstage);
         if (s != FL_OK) {
             fl_mem_free(m->pool, m->g16);

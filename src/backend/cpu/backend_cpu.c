@@ -61,6 +61,7 @@ static void fill_ops(fl_backend *be) {
     be->sync = fl_cpu_sync;
     be->supports_op = fl_cpu_supports_op;
     be->rope_tables = fl_cpu_rope_tables;
+    be->pool_init = fl_cpu_pool_init;
     be->sumsq_ex = fl_cpu_sumsq_ex;
     be->attention_forward_ex = fl_cpu_attention_forward_ex;
     be->attention_backward_ex = fl_cpu_attention_backward_ex;
@@ -91,6 +92,7 @@ fl_status fl_cpu_backend_init(fl_backend *be, int n_threads) {
     memset(be, 0, sizeof *be);
     be->name = "cpu";
     be->device = FL_DEV_CPU;
+    be->host_memory = 1;
     be->n_threads = n_threads > 0 ? n_threads : omp_get_max_threads();
     if (be->n_threads > FL_CPU_MAX_THREADS) be->n_threads = FL_CPU_MAX_THREADS;
     be->gemm_name = fl_cpu_gemm_library();
@@ -110,6 +112,7 @@ fl_status fl_ref_backend_init(fl_backend *be) {
     memset(be, 0, sizeof *be);
     be->name = "ref";
     be->device = FL_DEV_CPU;
+    be->host_memory = 1;
     be->n_threads = 1;
     be->gemm_name = "naive";
     be->gemm = fl_cpu_gemm_naive;
