@@ -228,6 +228,7 @@ void fl_model_free_acts(fl_model *m) {
     fl_mem_free(m->pool, m->work_arena);
     m->acts_arena = m->work_arena = NULL;
     if (m->acts) {
+        fl_mem_free(m->pool, m->acts->targets);
         free(m->acts->res);
         free(m->acts->layer);
         free(m->acts);
