@@ -536,6 +536,9 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
     CHECK(fl_backend_pools_init(&t.be, &t.pool, &t.hpool, "cpu", cfg->max_memory));
     t.pool_ok = 1;
     fl_dp_init(&t.dp, comm, &t.pool);
+    if (t.dp.world > 1 && !t.be.host_memory) /* fl_comm's collectives read and write host memory today */
+        CHECK(fl_errorf(FL_ERR_UNSUPPORTED, "data-parallel training on backend '%s' (whose memory the host cannot "
+                        "read) needs a device-memory communicator, which this build does not have yet", t.be.name));
     fl_mem_set_phase(&t.pool, "model load");
     CHECK(load_model_and_tokenizer(&t));
     CHECK(fl_model_set_precision(&t.model, &prec));
