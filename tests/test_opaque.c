@@ -314,3 +314,60 @@ FL_TEST(opaque_generate_kv_cache_bit_identical) {
     st.q4_double_quant = 1;
     gen_compare("nf4-dq", &st);
 }
+
+/* ---- loaders and the HF writer: GPT-2's transposed Conv1D, llama2.c's permuted rows -------------- */
+
+/* Load `path` (fl_model_load_auto_ex) on `backend`, run one forward with logits, save it as an HF
+ * folder into out_dir. *logits (malloc'd) gets (T, V). */
+static void load_fwd_save(const char *backend, const char *path, const fl_model_storage *stg, const char *out_dir,
+                          float **logits, size_t *n) {
+    fl_backend be;
+    FL_REQUIRE_OK(fl_backend_init_by_name(backend, &be, 2));
+    fl_mem_pool pool, host;
+    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, backend, 0));
+    fl_model m;
+    int loaded = 0;
+    FL_REQUIRE_OK(fl_model_load_auto_ex(&m, path, &be, &pool, stg, &loaded));
+    FL_REQUIRE(loaded);
+    const int T = 7;
+    int32_t ids[7] = {1, 403, 407, 261, 378, 434, 2};
+    FL_REQUIRE_OK(fl_model_alloc_acts(&m, 1, T));
+    *n = (size_t)T * m.cfg.vocab_size;
+    *logits = malloc(*n * sizeof(float));
+    FL_REQUIRE_OK(fl_model_forward(&m, ids, NULL, 1, T, 0.0f, *logits));
+    FL_REQUIRE_OK(fl_hf_save_model(&m, out_dir));
+    fl_model_free(&m);
+    fl_backend_pools_free(&pool, &host);
+    fl_backend_free(&be);
+}
+
+static void loader_compare(const char *what, const char *rel, const fl_model_storage *stg) {
+    char da[600], db[600], fa[700], fb[700];
+    snprintf(da, sizeof da, "%s/%s-cpu", fl_test_tmpdir(), what);
+    snprintf(db, sizeof db, "%s/%s-opaque", fl_test_tmpdir(), what);
+    float *la = NULL, *lb = NULL;
+    size_t na = 0, nb = 0;
+    load_fwd_save("cpu", fl_test_data_path(rel), stg, da, &la, &na);
+    load_fwd_save("opaque", fl_test_data_path(rel), stg, db, &lb, &nb);
+    FL_REQUIRE(la && lb);
+    FL_CHECKF(na == nb && memcmp(la, lb, na * sizeof(float)) == 0, "%s: logits differ", what);
+    snprintf(fa, sizeof fa, "%s/model.safetensors", da);
+    snprintf(fb, sizeof fb, "%s/model.safetensors", db);
+    FL_CHECKF(same_file(fa, fb), "%s: the saved model.safetensors differ", what);
+    printf("      %s: logits (%zu values) and the saved HF weights: same bits\n", what, na);
+    free(la);
+    free(lb);
+}
+
+FL_TEST(opaque_loaders_and_hf_writer_bit_identical) {
+    FL_SKIP_IF_NO_DATA();
+    loader_compare("gpt2-conv1d", "tiny-gpt2-hf", NULL);
+    loader_compare("llama2c-bin", "stories260K/stories260K.bin", NULL);
+    fl_model_storage st = {0};
+    st.param_dtype = FL_BF16;
+    loader_compare("gpt2-bf16", "tiny-gpt2-hf", &st);
+    st.param_dtype = FL_F32;
+    st.quant4 = 1;
+    st.q4_type = FL_Q4_FP4;
+    loader_compare("gpt2-fp4", "tiny-gpt2-hf", &st);
+}
