@@ -67,7 +67,8 @@ const char *fl_backend_default_name(void) {
 fl_status fl_backend_pools_init(const fl_backend *be, fl_mem_pool *dev, fl_mem_pool *host, const char *name,
                                 size_t budget) {
     if (host) memset(host, 0, sizeof *host);
-    FL_TRY(be->pool_init(be, dev, name, budget));
+    /* a backend without pool_init is host memory (the default of the contract) */
+    FL_TRY(be->pool_init ? be->pool_init(be, dev, name, budget) : fl_mem_pool_init(dev, name, budget));
     if (be->host_memory || !host) return FL_OK;
     char hn[32];
     snprintf(hn, sizeof hn, "%s host", name ? name : "pool");

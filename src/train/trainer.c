@@ -786,9 +786,11 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
             size_t pb = t.opt.n * fl_dtype_size(t.opt.pt);
             void *hp = t.be.host_memory ? NULL : malloc(pb + 1);
             if (!t.be.host_memory && !hp) CHECK(fl_errorf(FL_ERR_OOM, "out of host memory"));
-            if (hp) CHECK(t.be.to_host(&t.be, hp, t.opt.p, pb));
-            stop[0] = hook(hook_ud, t.st.step, step_valid ? step_loss / step_valid : NAN, hp ? hp : t.opt.p, pb);
+            s = hp ? t.be.to_host(&t.be, hp, t.opt.p, pb) : FL_OK;
+            if (s == FL_OK)
+                stop[0] = hook(hook_ud, t.st.step, step_valid ? step_loss / step_valid : NAN, hp ? hp : t.opt.p, pb);
             free(hp);
+            CHECK(s);
         }
         CHECK(fl_dp_sum(&t.dp, stop, 2));
         if (stop[0] > 0) {
