@@ -321,6 +321,20 @@ if [ -d "$DATA/stories260K-hf" ]; then
     "$FITLLM" loss "$DATA/stories260K-hf" --tokens-file "$T/lo-ids.txt" --dump-logits "$T/lo-l0.f32" >/dev/null 2>&1
     if [ -s "$T/lo-l1.f32" ] && cmp -s "$T/lo-l1.f32" "$T/lo-l2.f32" && ! cmp -s "$T/lo-l1.f32" "$T/lo-l0.f32"; then echo "ok   merge_lora_final_equals_final"; pass=$((pass+1))
     else echo "FAIL merge_lora_final_equals_final"; fail=$((fail+1)); fi
+    # FITLLM_BACKEND=opaque (a testing aid): the same run, merge, loss and generation on the backend whose
+    # tensor memory the host cannot read outside its ops give the same bytes as the CPU backend
+    expect opaque_lora_run 0 "Saved the PEFT adapter" -- env FITLLM_BACKEND=opaque "$FITLLM" finetune_lora "${LR[@]}" --train.max_steps 4 --out_dir "$T/lo-opq"
+    ok=1
+    for f in final/adapter/adapter_model.safetensors final/model.safetensors step-000002/adapter_model.safetensors; do
+        cmp -s "$T/lo/$f" "$T/lo-opq/$f" || { echo "     $f differs"; ok=0; }; done
+    FITLLM_BACKEND=opaque "$FITLLM" merge_lora "$T/lo/final" --out_dir "$T/lo-m-opq" >/dev/null 2>&1 || ok=0
+    cmp -s "$T/lo-m-final/model.safetensors" "$T/lo-m-opq/model.safetensors" || { echo "     merge_lora differs"; ok=0; }
+    FITLLM_BACKEND=opaque "$FITLLM" loss "$T/lo/final" --tokens-file "$T/lo-ids.txt" --dump-logits "$T/lo-l3.f32" >/dev/null 2>&1
+    cmp -s "$T/lo-l1.f32" "$T/lo-l3.f32" || { echo "     loss --dump-logits differs"; ok=0; }
+    e=$(FITLLM_BACKEND=opaque gen "$T/lo/step-000004")
+    [ -n "$e" ] && [ "$e" = "$b" ] || { echo "     generate differs: '$e' vs '$b'"; ok=0; }
+    if [ $ok = 1 ]; then echo "ok   opaque_backend_same_bytes_as_cpu"; pass=$((pass+1)); else echo "FAIL opaque_backend_same_bytes_as_cpu"; fail=$((fail+1)); fi
+    expect backend_env_unknown 1 "unknown backend 'nope' \(this build has: cpu, ref, opaque" -- env FITLLM_BACKEND=nope "$FITLLM" loss "$T/lo/final" --tokens-file "$T/lo-ids.txt"
     # from another working directory (the run used a relative checkpoint_dir)
     expect merge_lora_other_cwd 0 "merged -> m-cwd" -- bash -c "cd '$T' && '$FL_ABS' merge_lora lo/step-000002 --out_dir m-cwd"
     expect generate_merged_other_cwd 0 "" -- bash -c "cd / && '$FL_ABS' generate '$T/m-cwd' --prompt Once --max_new_tokens 4"

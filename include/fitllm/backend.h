@@ -348,6 +348,7 @@ struct fl_backend {
     /* RoPE tables written on the device: cos_t/sin_t (maxT, HD/2), as fl_rope_table_init. */
     fl_status (*rope_tables)(const fl_backend *be, float *cos_t, float *sin_t, int maxT, int HD, float theta,
                              const fl_rope_scaling *scaling);
+
     /* Initialize p as this backend's pool for tensor memory (parameters, gradients, optimizer state, activations, KV cache): CPU and ref: fl_mem_pool_init(p, name, budget). */
     fl_status (*pool_init)(const fl_backend *be, fl_mem_pool *p, const char *name, size_t budget);
 
@@ -380,6 +381,13 @@ void fl_cpu_backend_free(fl_backend *be);
  * fast CPU ops are tested against it and against float64. */
 fl_status fl_ref_backend_init(fl_backend *be);
 
+/* The opaque test backend (src/backend/opaque/): the CPU kernels, but its pool's memory is
+ * kept PROT_NONE except while one of its ops or copies runs, so a host dereference of tensor
+ * memory anywhere above the backend faults (docs/ARCHITECTURE.md "The opaque test backend").
+ * A testing aid: FITLLM_TEST_BACKEND=opaque (tests), FITLLM_BACKEND=opaque (CLI). */
+fl_status fl_opaque_backend_init(fl_backend *be, int n_threads);
+void fl_opaque_backend_free(fl_backend *be);
+
 /* ---- the registry: the backends this build has (src/backend/registry.c) ----------------------
  * In a fixed order: "cpu" (the fast CPU ops), "ref" (the portable scalar reference); a build
  * with more backends lists them after these ("opaque", the host-cannot-read test backend;
@@ -400,6 +408,29 @@ fl_status fl_backend_register(const char *name, const char *what, fl_status (*in
                               void (*free_fn)(fl_backend *be));
 /* Release a backend made by any registered init (by its name); NULL or a zeroed one: no-op. */
 void fl_backend_free(fl_backend *be);
+/* The pools of a run on `be`: tensors (parameters, gradients, optimizer state, activations, KV
+ * cache) come from *dev, made by be->pool_init with the budget. A backend whose memory is host
+ * memory (be->host_memory: cpu, ref) gets ONE pool, as before (*host unused, dev->host NULL);
+ * another gets a separate host pool *host (no budget) for host staging, linked as dev->host
+ * (fl_mem_host_pool). Free with fl_backend_pools_free (dev first: the host pool outlives it). */
+fl_status fl_backend_pools_init(const fl_backend *be, fl_mem_pool *dev, fl_mem_pool *host, const char *name,
+                                size_t budget);
+void fl_backend_pools_free(fl_mem_pool *dev, fl_mem_pool *host);
+/* fl_mem_calloc for device memory: allocate from p (be's pool) and zero with be->zero. */
+fl_status fl_backend_calloc(const fl_backend *be, fl_mem_pool *p, fl_mem_tag tag, size_t bytes, void **out);
+/* The backend the CLI and the trainer create: $FITLLM_BACKEND when set (a testing aid, e.g.
+ * "opaque"; checked by fl_backend_init_by_name), else the one chosen with
+ * fl_backend_set_default_name (the CLI's --accelerator cpu|cuda), else "cpu". */
+const char *fl_backend_default_name(void);
+/* Choose the default backend by name (NULL: back to "cpu"); the name must stay valid. */
+void fl_backend_set_default_name(const char *name);
+
+/* The checks of attention_forward_ex / attention_backward_ex's arguments (shape, NH % NKV, row
+ * strides, NULL tensors, dbias without bias, scale): FL_ERR_INVALID naming the field, or
+ * FL_ERR_UNSUPPORTED for HD > max_hd (why_max says whose limit). Every backend calls it first. */
+fl_status fl_attn_check_args(const char *op, const fl_attn_desc *a, int max_hd, const char *why_max, const void *out,
+                             const void *lse, const float *q, const float *k, const float *v, const float *bias,
+                             const float *dbias);
 
 /* RoPE tables: cos_t/sin_t (maxT, HD/2). inv_freq_j = theta^(-2j/HD), adjusted
  * by `scaling` (NULL or FL_ROPE_NONE: none); angle = pos * inv_freq_j. */

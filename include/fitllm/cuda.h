@@ -1,8 +1,7 @@
 /* fitllm: CUDA build and device queries, and the --accelerator choice (EXPERIMENTAL).
  *
- * The CUDA backend is under construction (docs/ARCHITECTURE.md "CUDA backend"): its first
- * kernels are built for sm_80..sm_90 and tested under the CPU emulator, but no model runs on a
- * GPU yet and nothing has been verified on one. */
+ * The CUDA backend (docs/ARCHITECTURE.md "CUDA backend") is experimental: its ops pass
+ * `fitllm selftest --accelerator cuda` on an H100; see README for what has run on a GPU. */
 #ifndef FITLLM_CUDA_H
 #define FITLLM_CUDA_H
 
@@ -27,9 +26,9 @@ void fl_cuda_describe(char *buf, size_t n);
 typedef enum { FL_ACCEL_AUTO = 0, FL_ACCEL_CPU, FL_ACCEL_CUDA } fl_accel;
 /* Parse "auto", "cpu" or "cuda"; -1 for anything else. */
 int fl_accel_parse(const char *s, fl_accel *out);
-/* The backend a command runs on: FL_ACCEL_CPU, or an error (FL_ERR_UNSUPPORTED) with a message
- * saying why CUDA cannot be used (not compiled in; no device visible; the backend's ops are not
- * complete yet). auto picks CUDA only when all of those hold, so today it always picks the CPU. */
+/* The backend a command runs on: FL_ACCEL_CUDA when asked (cuda) or, for auto, when this build has
+ * CUDA and a device is visible; FL_ACCEL_CPU for cpu and for auto otherwise. cuda without a CUDA
+ * build or without a visible device is an error (FL_ERR_UNSUPPORTED) saying which. */
 fl_status fl_accel_resolve(fl_accel want, fl_accel *use);
 
 #ifdef __cplusplus

@@ -42,6 +42,10 @@ typedef struct {
                                          * when the model's ops need one and it has no activation arena
                                          * holding one (fl_model_backend_scratch); else NULL */
     fl_mem_pool *pool;
+    /* a backend whose memory is not host memory only (else NULL): the step's token ids and the
+     * last row's logits in device memory, copied from / to the caller's host buffers */
+    int32_t *dids;                      /* (max_T) OTHER */
+    float *dlogits;                     /* (V) WORKSPACE */
 } fl_kv_cache;
 
 /* Bytes of K+V for a config and capacity (what fl_kv_cache_init allocates as ACTS). */
@@ -74,7 +78,7 @@ static inline size_t fl_kv_cache_index(const fl_kv_cache *kv, int l, int g, int 
 }
 
 /* Run n tokens at positions kv->pos .. kv->pos+n-1, appending their K/V to the
- * cache, and write the logits (V) of the last one into `logits` (NULL: skip
+ * cache, and write the logits (V) of the last one into `logits` (host memory) (NULL: skip
  * the head). On an empty cache the n tokens go through one batched forward
  * (scratch of n rows, WORKSPACE, freed before returning); on a non-empty one
  * they are decoded one by one. Fails if the cache would overflow. */

@@ -71,6 +71,9 @@ typedef struct {
      * ever materialized (a dequantized 4-bit weight when saving a QLoRA model). */
     fl_status (*fill)(void *ud, float *dst);
     void *fill_ud;
+    /* Non-NULL: data is device memory of this backend, read through be->to_host in bounded
+     * host slices (a transposed tensor: staged whole on the host, one tensor at a time). */
+    const struct fl_backend *be;
 } fl_st_write_tensor;
 
 /* Write tensors (in the given order) with optional metadata pairs to `path`

@@ -86,7 +86,7 @@ typedef void (*fl_raw_free_fn)(void *ptr, size_t bytes, void *ud);
 
 typedef struct fl_mem_entry fl_mem_entry; /* private */
 
-typedef struct {
+typedef struct fl_mem_pool {
     char name[32];
     fl_device device;
     size_t budget;                 /* 0 = unlimited */
@@ -107,7 +107,14 @@ typedef struct {
     fl_raw_alloc_fn raw_alloc;
     fl_raw_free_fn raw_free;
     void *raw_ud;
+    /* The host pool paired with this device pool (fl_backend_pools_init): where code that works
+     * on this pool's tensors takes its host staging (file reads, conversions, checkpoint
+     * writes). NULL: this pool's memory is host memory, staging comes from it too. */
+    struct fl_mem_pool *host;
 } fl_mem_pool;
+
+/* The pool host staging for p's tensors comes from: p->host, or p itself (host memory). */
+static inline fl_mem_pool *fl_mem_host_pool(fl_mem_pool *p) { return p && p->host ? p->host : p; }
 
 /* Initialize a host pool (64-byte aligned memory). budget 0 = unlimited. */
 fl_status fl_mem_pool_init(fl_mem_pool *p, const char *name, size_t budget);

@@ -1,6 +1,8 @@
 /* The backends this build has, by name: what the op tests loop over (every registered backend
  * runs the whole op suite), what FITLLM_TEST_BACKEND picks for the rest of the suite, and what
  * `fitllm --version` lists. A new backend (the opaque test backend, CUDA) adds one row here. */
+#include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "backend/cuda/backend_cuda.h"
@@ -22,15 +24,17 @@ static fl_status ref_init(fl_backend *be, int n_threads) {
 static fl_backend_entry g_backends[MAX_BACKENDS] = {
     {"cpu", "the CPU ops (OpenMP, SIMD dispatch, library GEMM)", fl_cpu_backend_init, fl_cpu_backend_free},
     {"ref", "the portable reference: the same ops on one thread, naive GEMM", ref_init, fl_cpu_backend_free},
+    {"opaque", "a testing aid: the CPU ops over memory the host cannot read outside them", fl_opaque_backend_init,
+     fl_opaque_backend_free},
 #ifdef FL_HAVE_CUDA
     {"cuda", "NVIDIA GPUs (EXPERIMENTAL): CUDA kernels, cuBLASLt, device memory", fl_cuda_backend_init,
      fl_cuda_backend_free},
 #endif
 };
 #ifdef FL_HAVE_CUDA
-static int g_n_backends = 3;
+static int g_n_backends = 4;
 #else
-static int g_n_backends = 2;
+static int g_n_backends = 3;
 #endif
 #define N_BACKENDS g_n_backends
 
@@ -75,4 +79,43 @@ void fl_backend_free(fl_backend *be) {
     if (!be) return;
     const fl_backend_entry *e = find(be->name);
     if (e) e->free(be);
+}
+
+static const char *g_default_name;
+
+void fl_backend_set_default_name(const char *name) { g_default_name = name; }
+
+const char *fl_backend_default_name(void) {
+    const char *e = getenv("FITLLM_BACKEND");
+    if (e && *e) return e;
+    return g_default_name ? g_default_name : "cpu";
+}
+
+fl_status fl_backend_pools_init(const fl_backend *be, fl_mem_pool *dev, fl_mem_pool *host, const char *name,
+                                size_t budget) {
+    if (host) memset(host, 0, sizeof *host);
+    /* a backend without pool_init is host memory (the default of the contract) */
+    FL_TRY(be->pool_init ? be->pool_init(be, dev, name, budget) : fl_mem_pool_init(dev, name, budget));
+    if (be->host_memory || !host) return FL_OK;
+    char hn[32];
+    snprintf(hn, sizeof hn, "%s host", name ? name : "pool");
+    fl_status s = fl_mem_pool_init(host, hn, 0);
+    if (s != FL_OK) {
+        fl_mem_pool_free(dev);
+        return s;
+    }
+    dev->host = host;
+    return FL_OK;
+}
+
+void fl_backend_pools_free(fl_mem_pool *dev, fl_mem_pool *host) {
+    int split = dev && dev->host == host && host;
+    if (dev) fl_mem_pool_free(dev);
+    if (split) fl_mem_pool_free(host);
+}
+
+fl_status fl_backend_calloc(const fl_backend *be, fl_mem_pool *p, fl_mem_tag tag, size_t bytes, void **out) {
+    FL_TRY(fl_mem_alloc(p, tag, bytes, out));
+    if (bytes) be->zero(be, *out, bytes);
+    return FL_OK;
 }

@@ -112,15 +112,15 @@ int fl_cmd_bench_step(int argc, char **argv) {
                             prec.name);
 
     fl_backend be;
-    fl_mem_pool pool;
+    fl_mem_pool pool, hpool; /* tensors; host staging when the backend's memory is not host memory */
     fl_model m = {0};
     fl_optimizer opt = {0};
     int32_t *ids = NULL, *tg = NULL;
     double *times = NULL;
     int loaded = 0, rc = 0;
-    fl_status s = fl_cpu_backend_init(&be, threads);
+    fl_status s = fl_backend_init_by_name(fl_backend_default_name(), &be, threads);
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
-    if ((s = fl_mem_pool_init(&pool, "cpu", budget)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
+    if ((s = fl_backend_pools_init(&be, &pool, &hpool, "cpu", budget)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
     fl_mem_set_phase(&pool, "model load");
     fl_model_storage stg;
     fl_model_storage_for(&prec, &stg);
@@ -148,8 +148,8 @@ int fl_cmd_bench_step(int argc, char **argv) {
     m.act_ckpt = act_ckpt;
     if ((s = fl_model_alloc_acts(&m, B, T)) != FL_OK) goto fail;
     size_t N = (size_t)B * T;
-    if ((s = fl_mem_alloc(&pool, FL_TAG_OTHER, N * sizeof *ids, (void **)&ids)) != FL_OK) goto fail;
-    if ((s = fl_mem_alloc(&pool, FL_TAG_OTHER, N * sizeof *tg, (void **)&tg)) != FL_OK) goto fail;
+    if ((s = fl_mem_alloc(fl_mem_host_pool(&pool), FL_TAG_OTHER, N * sizeof *ids, (void **)&ids)) != FL_OK) goto fail;
+    if ((s = fl_mem_alloc(fl_mem_host_pool(&pool), FL_TAG_OTHER, N * sizeof *tg, (void **)&tg)) != FL_OK) goto fail;
     times = calloc((size_t)steps * PH_COUNT, sizeof *times); /* (PH_COUNT, steps) */
     if (!times) {
         s = fl_errorf(FL_ERR_OOM, "bench-step: no memory for %d step timings", steps);
@@ -195,11 +195,11 @@ fail:
     rc = fl_cli_fail(cmd, s, &pool);
 done:
     free(times);
-    fl_mem_free(&pool, ids);
-    fl_mem_free(&pool, tg);
+    fl_mem_free(fl_mem_host_pool(&pool), ids);
+    fl_mem_free(fl_mem_host_pool(&pool), tg);
     fl_optim_free(&opt);
     fl_model_free(&m);
-    fl_mem_pool_free(&pool);
-    fl_cpu_backend_free(&be);
+    fl_backend_pools_free(&pool, &hpool);
+    fl_backend_free(&be);
     return rc;
 }

@@ -61,15 +61,15 @@ int fl_cmd_demo(int argc, char **argv) {
         } else return fl_cli_usage(cmd, "unknown option '%s'", a);
     }
     fl_backend be;
-    fl_mem_pool pool;
+    fl_mem_pool pool, hpool; /* tensors; host staging when the backend's memory is not host memory */
     fl_model m = {0};
     fl_optimizer opt = {0};
     fl_model_config cfg;
     int32_t *ids = NULL, *tg = NULL;
     int rc = 0;
-    fl_status s = fl_cpu_backend_init(&be, threads);
+    fl_status s = fl_backend_init_by_name(fl_backend_default_name(), &be, threads);
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
-    if ((s = fl_mem_pool_init(&pool, "cpu", budget)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
+    if ((s = fl_backend_pools_init(&be, &pool, &hpool, "cpu", budget)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
     if ((s = fl_preset_find(preset, &cfg)) != FL_OK) goto fail;
     fl_mem_set_phase(&pool, "setup");
     if ((s = fl_model_init(&m, &cfg, &be, &pool)) != FL_OK) goto fail;
@@ -83,8 +83,8 @@ int fl_cmd_demo(int argc, char **argv) {
     if ((s = fl_optim_init(&opt, &m, &oc)) != FL_OK) goto fail;
     if ((s = fl_model_alloc_acts(&m, B, T)) != FL_OK) goto fail;
     size_t n = (size_t)accum * B * T;
-    if ((s = fl_mem_alloc(&pool, FL_TAG_OTHER, n * sizeof *ids, (void **)&ids)) != FL_OK) goto fail;
-    if ((s = fl_mem_alloc(&pool, FL_TAG_OTHER, n * sizeof *tg, (void **)&tg)) != FL_OK) goto fail;
+    if ((s = fl_mem_alloc(fl_mem_host_pool(&pool), FL_TAG_OTHER, n * sizeof *ids, (void **)&ids)) != FL_OK) goto fail;
+    if ((s = fl_mem_alloc(fl_mem_host_pool(&pool), FL_TAG_OTHER, n * sizeof *tg, (void **)&tg)) != FL_OK) goto fail;
 
     printf("fitllm demo: training preset '%s' (%zu params) from random init on synthetic arithmetic sequences\n",
            preset, m.layout.numel);
@@ -116,11 +116,11 @@ int fl_cmd_demo(int argc, char **argv) {
 fail:
     rc = fl_cli_fail(cmd, s, &pool);
 done:
-    fl_mem_free(&pool, ids);
-    fl_mem_free(&pool, tg);
+    fl_mem_free(fl_mem_host_pool(&pool), ids);
+    fl_mem_free(fl_mem_host_pool(&pool), tg);
     fl_optim_free(&opt);
     fl_model_free(&m);
-    fl_mem_pool_free(&pool);
-    fl_cpu_backend_free(&be);
+    fl_backend_pools_free(&pool, &hpool);
+    fl_backend_free(&be);
     return rc;
 }

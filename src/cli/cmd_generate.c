@@ -176,16 +176,16 @@ int fl_cmd_generate(int argc, char **argv) {
     if (!prompt_ids && !prompt) prompt = DEFAULT_PROMPT;
 
     fl_backend be;
-    fl_mem_pool pool;
+    fl_mem_pool pool, hpool; /* tensors; host staging when the backend's memory is not host memory */
     fl_model m = {0};
     fl_kv_cache kv = {0};
     fl_tokenizer *tok = NULL;
     int32_t *ids = NULL, *out = NULL, *eos = NULL;
     stream_state st = {0};
     int n_ids = 0, loaded = 0, rc = 0;
-    fl_status s = fl_cpu_backend_init(&be, threads);
+    fl_status s = fl_backend_init_by_name(fl_backend_default_name(), &be, threads);
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
-    if ((s = fl_mem_pool_init(&pool, "cpu", 0)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
+    if ((s = fl_backend_pools_init(&be, &pool, &hpool, "cpu", 0)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
     /* a PEFT adapter folder as <model> (a finetune_lora step-N/): its base with it merged */
     const char *base = model_path;
     if (!adapter && is_adapter_dir(model_path)) {
@@ -290,7 +290,7 @@ done:
     fl_tok_free(tok);
     fl_kv_cache_free(&kv);
     fl_model_free(&m);
-    fl_mem_pool_free(&pool);
-    fl_cpu_backend_free(&be);
+    fl_backend_pools_free(&pool, &hpool);
+    fl_backend_free(&be);
     return rc;
 }

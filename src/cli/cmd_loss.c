@@ -71,14 +71,14 @@ int fl_cmd_loss(int argc, char **argv) {
     if (!tokens) return fl_cli_usage(cmd, "missing --tokens-file");
 
     fl_backend be;
-    fl_mem_pool pool;
+    fl_mem_pool pool, hpool; /* tensors; host staging when the backend's memory is not host memory */
     fl_model m = {0};
     int32_t *ids = NULL;
     float *logits = NULL;
     int n = 0, loaded = 0, rc = 0;
-    fl_status s = fl_cpu_backend_init(&be, threads);
+    fl_status s = fl_backend_init_by_name(fl_backend_default_name(), &be, threads);
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
-    if ((s = fl_mem_pool_init(&pool, "cpu", 0)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
+    if ((s = fl_backend_pools_init(&be, &pool, &hpool, "cpu", 0)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
     if ((s = read_tokens(tokens, &ids, &n)) != FL_OK) goto fail;
     if ((s = fl_cli_load_model(&m, model_path, 0, (uint64_t)seed, &be, &pool, &loaded)) != FL_OK) goto fail;
     int T = n - 1;
@@ -87,7 +87,7 @@ int fl_cmd_loss(int argc, char **argv) {
         goto fail;
     }
     if ((s = fl_model_alloc_acts(&m, 1, T)) != FL_OK) goto fail;
-    if (dump && (s = fl_mem_alloc(&pool, FL_TAG_OTHER, (size_t)T * m.cfg.vocab_size * sizeof(float), (void **)&logits)) != FL_OK)
+    if (dump && (s = fl_mem_alloc(fl_mem_host_pool(&pool), FL_TAG_OTHER, (size_t)T * m.cfg.vocab_size * sizeof(float), (void **)&logits)) != FL_OK)
         goto fail;
     if ((s = fl_model_forward(&m, ids, ids + 1, 1, T, 0.0f, logits)) != FL_OK) goto fail;
     double loss = m.loss_sum / (double)m.n_valid;
@@ -114,10 +114,10 @@ int fl_cmd_loss(int argc, char **argv) {
 fail:
     rc = fl_cli_fail(cmd, s, &pool);
 done:
-    fl_mem_free(&pool, logits);
+    fl_mem_free(fl_mem_host_pool(&pool), logits);
     free(ids);
     fl_model_free(&m);
-    fl_mem_pool_free(&pool);
-    fl_cpu_backend_free(&be);
+    fl_backend_pools_free(&pool, &hpool);
+    fl_backend_free(&be);
     return rc;
 }

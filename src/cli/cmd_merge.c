@@ -11,6 +11,7 @@
 
 #include "cli.h"
 #include "fitllm/checkpoint.h"
+#include "fitllm/lora.h"
 #include "fitllm/peft.h"
 
 static void help(void) {
@@ -118,6 +119,29 @@ static fl_status resolve_base(const fl_peft_adapter *a, const fl_cli_adapter_inf
     return FL_OK;
 }
 
+/* fl_peft_merge_into for a model whose weights are device memory: each adapted weight comes to
+ * the host (fl_model_read_param), is merged there and written back (one weight at a time). */
+static fl_status merge_on_device(const fl_peft_adapter *a, fl_model *m) {
+    const float sc = fl_lora_scaling(&a->cfg.lora);
+    for (int k = 0; k < a->n; k++) {
+        const fl_peft_module *md = &a->mods[k];
+        char w[FL_PARAM_NAME_MAX + 8];
+        snprintf(w, sizeof w, "%s.weight", md->name);
+        int i = fl_layout_find(&m->layout, w);
+        if (i < 0 || m->layout.params[i].shape[0] != md->out || m->layout.params[i].shape[1] != md->in)
+            return fl_errorf(FL_ERR_INVALID, "merge: module '%s' does not match the model", md->name);
+        size_t n = (size_t)md->out * md->in;
+        float *tmp = malloc(n * sizeof(float));
+        if (!tmp) return fl_errorf(FL_ERR_OOM, "merge: out of host memory");
+        if (md->W) memcpy(tmp, md->W, n * sizeof(float)); /* PEFT's saved base layer replaces the weight */
+        else fl_model_read_param(m, i, tmp);
+        fl_lora_merge(tmp, md->in, md->A, md->B, a->cfg.lora.r, md->in, md->out, sc);
+        fl_model_write_param(m, i, tmp);
+        free(tmp);
+    }
+    return FL_OK;
+}
+
 fl_status fl_cli_load_with_adapter(fl_model *m, const char *base, const char *adapter_path, const char *hint,
                                    const fl_backend *be, fl_mem_pool *pool, int *loaded, fl_cli_adapter_info *info) {
     fl_peft_adapter a;
@@ -137,7 +161,8 @@ fl_status fl_cli_load_with_adapter(fl_model *m, const char *base, const char *ad
         int *idx = NULL;
         s = fl_peft_check_model(&a, &m->cfg, &m->layout, NULL, &idx);
         free(idx);
-        if (s == FL_OK) s = fl_peft_merge_into(&a, &m->layout, m->params);
+        if (s == FL_OK && be->host_memory) s = fl_peft_merge_into(&a, &m->layout, m->params);
+        else if (s == FL_OK) s = merge_on_device(&a, m);
         if (s != FL_OK) fl_error_prefix(s, "%s", info->adapter);
         if (s != FL_OK) fl_model_free(m);
     }
@@ -184,16 +209,16 @@ int fl_cmd_merge_lora(int argc, char **argv) {
         out = out_buf;
     }
     fl_backend be;
-    fl_mem_pool pool;
+    fl_mem_pool pool, hpool; /* tensors; host staging when the backend's memory is not host memory */
     fl_model m;
     memset(&m, 0, sizeof m);
     fl_cli_adapter_info info;
     int loaded = 0, rc = 0, n_tok = 0;
     char tok_buf[FL_CLI_PATH];
     const char *tok_src = NULL;
-    fl_status s = fl_cpu_backend_init(&be, threads);
+    fl_status s = fl_backend_init_by_name(fl_backend_default_name(), &be, threads);
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
-    if ((s = fl_mem_pool_init(&pool, "cpu", 0)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
+    if ((s = fl_backend_pools_init(&be, &pool, &hpool, "cpu", 0)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
     s = fl_cli_load_with_adapter(&m, base, adapter, "--base <dir>", &be, &pool, &loaded, &info);
     if (s == FL_OK && !loaded)
         s = fl_errorf(FL_ERR_INVALID, "the base model '%s' has no weights to merge into (a preset is randomly "
@@ -214,7 +239,7 @@ int fl_cmd_merge_lora(int argc, char **argv) {
             printf("note: %s itself is already this merged model (a finetune_lora final/)\n", adapter);
     }
     if (m.pool) fl_model_free(&m);
-    fl_mem_pool_free(&pool);
-    fl_cpu_backend_free(&be);
+    fl_backend_pools_free(&pool, &hpool);
+    fl_backend_free(&be);
     return rc == 0 ? 0 : (s == FL_ERR_INVALID || s == FL_ERR_NOT_FOUND ? FL_EXIT_USAGE : rc);
 }

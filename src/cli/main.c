@@ -115,6 +115,8 @@ static void usage(FILE *f) {
     fprintf(f, "\n  --version    version, build options, CPU features and the kernels chosen for this CPU\n");
     fprintf(f, "\n  --accelerator auto|cpu|cuda (on the commands that run a model; default auto = the CPU today):\n"
                "               the CUDA backend is EXPERIMENTAL, not yet verified on a GPU, and runs no model yet\n");
+    fprintf(f, "\n  FITLLM_BACKEND=opaque (environment; a testing aid): run on the test backend whose tensor memory the\n"
+               "               host cannot read outside its ops (same results as the CPU; default: cpu)\n");
     fprintf(f, "\nexit codes: 0 ok, 1 runtime error, 2 usage error, 3 out of memory\n");
 }
 
@@ -123,6 +125,10 @@ int main(int argc, char **argv) {
     if (argc < 2) { usage(stderr); return FL_EXIT_USAGE; }
     if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) { usage(stdout); return 0; }
     if (!strcmp(argv[1], "--version") || !strcmp(argv[1], "version")) return version();
+    /* --accelerator auto (every command's default): the GPU when this build has CUDA and one is
+     * visible; a command's --accelerator cpu|cuda overrides it */
+    fl_accel use;
+    if (fl_accel_resolve(FL_ACCEL_AUTO, &use) == FL_OK && use == FL_ACCEL_CUDA) fl_backend_set_default_name("cuda");
     for (size_t i = 0; i < sizeof k_cmds / sizeof k_cmds[0]; i++)
         if (!strcmp(argv[1], k_cmds[i].name)) return k_cmds[i].fn(argc - 1, argv + 1);
     fprintf(stderr, "fitllm: unknown command '%s'\n", argv[1]);

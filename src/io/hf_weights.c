@@ -96,6 +96,28 @@ static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl
                 memcpy((char *)dst + k0 * ds, cv, n * ds);
         }
         free(buf);
+    } else if (!q4src && m->be && !m->be->host_memory) {
+        /* transposed into device memory: bands of output rows gathered on the host (each element
+         * widened to fp32 and rounded to the storage dtype once, as below), copied in */
+        size_t out = (size_t)p->shape[0], in = (size_t)p->shape[1];
+        size_t band = ((size_t)1 << 16) / in ? ((size_t)1 << 16) / in : 1;
+        float *row = malloc(in * sizeof(float));
+        char *cv = malloc(band * in * ds);
+        if (!row || !cv) s = fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", f->path, t->name);
+        for (size_t o0 = 0; s == FL_OK && o0 < out; o0 += band) {
+            size_t nb = out - o0 < band ? out - o0 : band;
+            for (size_t o = o0; o < o0 + nb; o++) {
+                for (size_t i = 0; i < in; i++) { /* disk (i, o): copied out first (the file may be unaligned) */
+                    double raw;
+                    memcpy(&raw, (const char *)src + (i * out + o) * es, es);
+                    fl_convert(&row[i], FL_F32, &raw, t->dtype, 1);
+                }
+                fl_convert(cv + (o - o0) * in * ds, dt, row, FL_F32, in);
+            }
+            s = m->be->to_device(m->be, (char *)dst + o0 * in * ds, cv, nb * in * ds);
+        }
+        free(row);
+        free(cv);
     } else {
         size_t out = (size_t)p->shape[0], in = (size_t)p->shape[1];
         /* one disk row at a time (out elements, copied out first: the file may be unaligned) */
@@ -217,7 +239,7 @@ fl_status fl_hf_load_weights(fl_model *m, const char *dir) {
     for (int k = 0; k < lay->n && s == FL_OK; k++)
         if (!seen[k]) s = fl_errorf(FL_ERR_NOT_FOUND, "%s: tensor '%s' not found in the model files", dir, lay->params[k].name);
     free(seen);
-    fl_mem_free(m->pool, q4stage);
+    fl_mem_free(fl_mem_host_pool(m->pool), q4stage);
     fl_hf_shards_free(&sh);
     return s;
 }
@@ -330,6 +352,7 @@ static fl_status fl_hf_write_files(const fl_model *m, const char *dir) {
         t[k].dtype = sdt; /* saved in the storage dtype: a bf16-true run writes bf16 */
         t[k].src_dtype = sdt;
         t[k].data = data;
+        t[k].be = m->be; /* the storage is device memory (NULL: a model without a backend, host) */
         if (!data) {
             fc[k] = (fl_hf_fill_ctx){m, k};
             t[k].src_dtype = FL_F32;

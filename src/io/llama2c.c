@@ -42,6 +42,14 @@ static fl_status fl_llama2c_put(fl_model *m, const char *path, const char *name,
         return fl_errorf(FL_ERR_INTERNAL, "%s: tensor '%s': layout has %zu elements, checkpoint %zu", path, name, p->numel, numel);
     fl_dtype dt;
     void *data = fl_model_param_data(m, k, &dt);
+    if (data && m->be && !m->be->host_memory) { /* device storage: permuted on the host (one tensor), written in */
+        float *tmp = malloc(numel * sizeof(float) + 1);
+        if (!tmp) return fl_errorf(FL_ERR_OOM, "%s: out of host memory loading '%s'", path, name);
+        fl_llama2c_put_rows(tmp, FL_F32, src, permute_heads, m->cfg.head_dim, (int)p->shape[1], numel);
+        fl_model_write_param(m, k, tmp);
+        free(tmp);
+        return FL_OK;
+    }
     if (data) { /* dense storage (fp32 or 16-bit): converted straight into it */
         fl_llama2c_put_rows(data, dt, src, permute_heads, m->cfg.head_dim, (int)p->shape[1], numel);
         return FL_OK;
@@ -52,7 +60,7 @@ static fl_status fl_llama2c_put(fl_model *m, const char *path, const char *name,
     if (!tmp) return fl_errorf(FL_ERR_INTERNAL, "%s: '%s': no 4-bit staging", path, name);
     fl_llama2c_put_rows(tmp, FL_F32, src, permute_heads, m->cfg.head_dim, (int)p->shape[1], numel);
     fl_model_write_param(m, k, tmp);
-    fl_mem_free(m->pool, tmp);
+    fl_mem_free(fl_mem_host_pool(m->pool), tmp);
     return FL_OK;
 }
 

@@ -307,6 +307,25 @@ static fl_status fl_st_write_data(int fd, const char *tmp, const fl_st_write_ten
         free(buf);
         return s;
     }
+    if (t->be) { /* device memory: to the host in slices (a transposed tensor: whole, it is gathered) */
+        size_t chunk = t->transpose2d ? numel : (size_t)1 << 18;
+        if (chunk > numel) chunk = numel;
+        void *h = malloc(chunk * ss);
+        if (!h) return fl_errorf(FL_ERR_OOM, "%s: out of memory writing '%s'", tmp, t->name);
+        fl_st_write_tensor x = *t;
+        x.be = NULL;
+        x.data = h;
+        fl_status s = FL_OK;
+        for (size_t i = 0; i < numel && s == FL_OK; i += chunk) {
+            size_t m = numel - i < chunk ? numel - i : chunk;
+            s = t->be->to_host(t->be, h, (const char *)t->data + i * ss, m * ss);
+            x.ndim = t->transpose2d ? t->ndim : 1;
+            if (!t->transpose2d) x.shape[0] = (int64_t)m;
+            if (s == FL_OK) s = fl_st_write_data(fd, tmp, &x);
+        }
+        free(h);
+        return s;
+    }
     if (t->transpose2d) {
         size_t rows = (size_t)t->shape[0], cols = (size_t)t->shape[1]; /* output shape; source is (cols, rows) */
         char *gather = malloc(cols * ss), *out = malloc(cols * ds);

@@ -56,12 +56,19 @@ fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t se
     if (s == FL_OK) {
         fl_lora_adapter_offsets(st->mods, st->n_mods, cfg->r, st->off, &st->numel);
         s = fl_mem_alloc(m->pool, FL_TAG_PARAMS, st->numel * sizeof(float), (void **)&st->params);
-        if (s == FL_OK) s = fl_mem_calloc(m->pool, FL_TAG_GRADS, st->numel * sizeof(float), (void **)&st->grads);
+        if (s == FL_OK) s = fl_backend_calloc(m->be, m->pool, FL_TAG_GRADS, st->numel * sizeof(float), (void **)&st->grads);
         if (s != FL_OK) fl_error_prefix(s, "allocating LoRA adapters");
     }
     if (s != FL_OK) {
         free_state(st, m->pool);
         return s;
+    }
+    /* the adapters' initial values are made on the host and copied into the (device) buffer once:
+     * r x (in + out) floats per module, small */
+    float *host = malloc(st->numel * sizeof(float) + 1);
+    if (!host) {
+        free_state(st, m->pool);
+        return fl_errorf(FL_ERR_OOM, "LoRA: out of host memory");
     }
     /* slots grouped by (layer, kind), in module order inside a group; group L * 4 is lm_head (layer -1) */
     int n = 0;
@@ -73,7 +80,8 @@ fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t se
                 if (l < L ? (md->layer != l || linear_kind(md->name) != k) : md->layer >= 0) continue;
                 fl_lora_slot *sl = &st->slots[n++];
                 float *A = st->params + st->off[2 * j], *Bm = st->params + st->off[2 * j + 1];
-                fl_lora_init_adapter(A, Bm, cfg->r, md->in, md->out, seed + (uint64_t)j * 0x9e3779b97f4a7c15ULL);
+                fl_lora_init_adapter(host + st->off[2 * j], host + st->off[2 * j + 1], cfg->r, md->in, md->out,
+                                     seed + (uint64_t)j * 0x9e3779b97f4a7c15ULL);
                 sl->A = A;
                 sl->B = Bm;
                 sl->dA = st->grads + st->off[2 * j];
@@ -88,6 +96,12 @@ fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t se
             }
             st->count[l * 4 + k] = n - st->first[l * 4 + k];
         }
+    s = m->be->to_device(m->be, st->params, host, st->numel * sizeof(float));
+    free(host);
+    if (s != FL_OK) {
+        free_state(st, m->pool);
+        return s;
+    }
     m->lora = st;
     return FL_OK;
 }
@@ -197,22 +211,32 @@ void fl_lora_free_acts(fl_model *m) {
 fl_status fl_model_lora_merge(fl_model *m) {
     struct fl_lora_state *st = m->lora;
     if (!st) return FL_OK;
-    for (int j = 0; j < st->n_mods; j++) {
+    /* device memory (the backend's is not host memory): the adapters come to the host once and each
+     * weight is merged in a host copy (fl_model_read_param / write_param); host memory: in place */
+    const int dev = m->be && !m->be->host_memory;
+    float *ad = dev ? malloc(st->numel * sizeof(float) + 1) : st->params;
+    if (!ad) return fl_errorf(FL_ERR_OOM, "merging LoRA: out of host memory");
+    fl_status s = dev ? m->be->to_host(m->be, ad, st->params, st->numel * sizeof(float)) : FL_OK;
+    for (int j = 0; j < st->n_mods && s == FL_OK; j++) {
         const fl_lora_module *md = &st->mods[j];
         const fl_param_info *p = &m->layout.params[md->param_index];
         if (fl_model_param_is_q4(m, md->param_index)) continue; /* merged when read (fl_lora_add_merged) */
         /* 16-bit storage: merge in fp32, round once */
-        float *tmp = m->params ? NULL : malloc(p->numel * sizeof(float));
-        if (!m->params && !tmp) return fl_errorf(FL_ERR_OOM, "merging LoRA into %s: out of host memory", p->name);
+        float *tmp = m->params && !dev ? NULL : malloc(p->numel * sizeof(float));
+        if (!tmp && (dev || !m->params)) {
+            s = fl_errorf(FL_ERR_OOM, "merging LoRA into %s: out of host memory", p->name);
+            break;
+        }
         float *w = tmp ? tmp : m->params + fl_model_store_off(m, md->param_index);
         if (tmp) fl_model_read_param(m, md->param_index, tmp);
-        fl_lora_merge(w, md->in, st->params + st->off[2 * j], st->params + st->off[2 * j + 1], st->cfg.r, md->in,
-                      md->out, st->scaling);
+        fl_lora_merge(w, md->in, ad + st->off[2 * j], ad + st->off[2 * j + 1], st->cfg.r, md->in, md->out,
+                      st->scaling);
         if (tmp) fl_model_write_param(m, md->param_index, tmp);
         free(tmp);
     }
-    st->merged = 1;
-    return FL_OK;
+    if (dev) free(ad);
+    if (s == FL_OK) st->merged = 1;
+    return s;
 }
 
 void fl_lora_add_merged(const fl_model *m, int i, float *dst) {
@@ -221,7 +245,20 @@ void fl_lora_add_merged(const fl_model *m, int i, float *dst) {
     for (int j = 0; j < st->n_mods; j++) {
         const fl_lora_module *md = &st->mods[j];
         if (md->param_index != i) continue;
-        fl_lora_merge(dst, md->in, st->params + st->off[2 * j], st->params + st->off[2 * j + 1], st->cfg.r, md->in,
-                      md->out, st->scaling);
+        const float *A = st->params + st->off[2 * j], *B = st->params + st->off[2 * j + 1];
+        float *ab = NULL;
+        if (m->be && !m->be->host_memory) { /* device memory: this module's A and B to the host */
+            size_t na = (size_t)st->cfg.r * md->in, nb = (size_t)md->out * st->cfg.r;
+            ab = malloc((na + nb) * sizeof(float));
+            if (!ab || m->be->to_host(m->be, ab, A, na * sizeof(float)) != FL_OK ||
+                m->be->to_host(m->be, ab + na, B, nb * sizeof(float)) != FL_OK) {
+                free(ab);
+                continue; /* out of host memory: the weight reads back unmerged */
+            }
+            A = ab;
+            B = ab + na;
+        }
+        fl_lora_merge(dst, md->in, A, B, st->cfg.r, md->in, md->out, st->scaling);
+        free(ab);
     }
 }

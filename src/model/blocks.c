@@ -182,12 +182,12 @@ void fl_get_outer(const fl_model *m, fl_outer_params *o) {
 
 /* out (n, C) = wte[ids] (+ wpe[pos0 ..]) for one sequence of n rows at position pos0,
  * or (B, T) rows (pos0 = 0) */
-void fl_embed_forward(const fl_model *m, const fl_outer_params *op, float *out, const int32_t *ids, int B, int T,
-                      int pos0) {
+void fl_embed_forward(const fl_model *m, const fl_outer_params *op, float *out, const int32_t *dids,
+                      const int32_t *ids, int B, int T, int pos0) {
     const fl_backend *be = m->be;
     const int C = m->cfg.dim;
     if (m->params) {
-        be->embedding_forward(be, out, ids, op->wte, op->wpe ? op->wpe + (size_t)pos0 * C : NULL, B, T, C);
+        be->embedding_forward(be, out, dids, op->wte, op->wpe ? op->wpe + (size_t)pos0 * C : NULL, B, T, C);
         return;
     }
     float *row = m->pstage + fl_pstage_block_start(m) - C; /* one fp32 row */

@@ -75,6 +75,10 @@ fl_status fl_kv_cache_init(fl_kv_cache *kv, const fl_model *m, int max_T) {
                                           m->be->scratch_bytes);
     if (s == FL_OK && bes && !(m->acts && m->acts->be_scratch))
         s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, bes, &kv->be_scratch);
+    if (s == FL_OK && !m->be->host_memory) {
+        s = fl_mem_alloc(m->pool, FL_TAG_OTHER, (size_t)max_T * sizeof(int32_t), (void **)&kv->dids);
+        if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, (size_t)d.V * sizeof(float), (void **)&kv->dlogits);
+    }
     if (s != FL_OK) {
         fl_kv_cache_free(kv);
         return fl_error_prefix(s, "allocating the KV cache (%d positions)", max_T);
@@ -90,6 +94,8 @@ void fl_kv_cache_free(fl_kv_cache *kv) {
     fl_mem_free(kv->pool, kv->rope_sin);
     fl_mem_free(kv->pool, kv->step);
     fl_mem_free(kv->pool, kv->be_scratch);
+    fl_mem_free(kv->pool, kv->dids);
+    fl_mem_free(kv->pool, kv->dlogits);
     memset(kv, 0, sizeof *kv);
 }
 
@@ -120,7 +126,12 @@ static fl_status forward_rows_impl(fl_model *m, fl_kv_cache *kv, const rows_scra
     const int llama = m->cfg.arch == FL_ARCH_LLAMA;
     fl_outer_params op;
     fl_get_outer(m, &op);
-    fl_embed_forward(m, &op, w->x, ids, 1, n, pos0);
+    const int32_t *dids = ids; /* host memory: the op reads the caller's ids */
+    if (kv->dids) {
+        FL_TRY(be->to_device(be, kv->dids, ids, (size_t)n * sizeof *ids));
+        dids = kv->dids;
+    }
+    fl_embed_forward(m, &op, w->x, dids, ids, 1, n, pos0);
     const size_t head_stride = (size_t)kv->max_T * d.HD;
     for (int l = 0; l < d.L; l++) {
         fl_block_params bp;
@@ -160,7 +171,9 @@ static fl_status forward_rows_impl(fl_model *m, fl_kv_cache *kv, const rows_scra
     fl_linear head = {.in = d.C, .out = d.V, .w = op.head};
     fl_linear_set_weight(m, &head, op.head_idx);
     fl_lora_attach_head(m, &head, 0); /* an lm_head adapter (one row; dropout is off outside training) */
-    return fl_linear_forward(be, logits, w->ln, &head, 1); // (V)
+    if (!kv->dlogits) return fl_linear_forward(be, logits, w->ln, &head, 1); // (V)
+    FL_TRY(fl_linear_forward(be, kv->dlogits, w->ln, &head, 1)); /* device logits, to the caller's host buffer */
+    return be->to_host(be, logits, kv->dlogits, (size_t)d.V * sizeof(float));
 }
 
 static fl_status check_ids(const fl_model *m, const fl_kv_cache *kv, const int32_t *ids, int n) {
@@ -347,8 +360,10 @@ fl_status fl_generate(fl_model *m, fl_kv_cache *kv, const int32_t *prompt, int n
         return fl_errorf(FL_ERR_INVALID, "prompt of %d tokens exceeds the context of %d", n_prompt, kv->max_T);
     fl_sampler smp;
     float *logits = NULL;
-    FL_TRY(fl_sampler_init(&smp, m->pool, m->cfg.vocab_size, p));
-    fl_status s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, (size_t)m->cfg.vocab_size * sizeof(float), (void **)&logits);
+    /* the sampler and the logits it reads are host memory */
+    FL_TRY(fl_sampler_init(&smp, fl_mem_host_pool(m->pool), m->cfg.vocab_size, p));
+    fl_status s = fl_mem_alloc(fl_mem_host_pool(m->pool), FL_TAG_WORKSPACE, (size_t)m->cfg.vocab_size * sizeof(float),
+                               (void **)&logits);
     if (s == FL_OK) {
         fl_kv_cache_reset(kv);
         s = fl_model_prefill(m, kv, prompt, n_prompt, logits);
@@ -368,7 +383,7 @@ fl_status fl_generate(fl_model *m, fl_kv_cache *kv, const int32_t *prompt, int n
         s = fl_model_decode(m, kv, tok, logits);
     }
     *n_out = n;
-    fl_mem_free(m->pool, logits);
+    fl_mem_free(fl_mem_host_pool(m->pool), logits);
     fl_sampler_free(&smp);
     return s;
 }

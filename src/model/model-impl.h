@@ -43,6 +43,9 @@ struct fl_acts {
     float *logits;          /* (chunk, V) */
     float *losses;          /* (N) per-token loss */
     int32_t *ids;           /* (N) copy of the forward's token ids, for the embedding backward */
+    int32_t *targets;       /* (N) the forward's targets in device memory (WORKSPACE, outside the sized
+                             * arena), only when the backend's memory is not host memory; else NULL and
+                             * cross_entropy reads the caller's host targets (as before the split) */
     float *rope_cos;        /* (T, HD/2) */
     float *rope_sin;        /* (T, HD/2) */
     int rope_T;
@@ -200,8 +203,10 @@ void fl_linear_set_dw_scratch(const fl_model *m, fl_linear *lin);
 void fl_get_outer(const fl_model *m, fl_outer_params *o);
 /* Embedding lookup / backward for either storage (16-bit: rows widened one at a time;
  * gradients through gstage). out is (B, T, C); positions start at pos0. */
-void fl_embed_forward(const fl_model *m, const fl_outer_params *op, float *out, const int32_t *ids, int B, int T,
-                      int pos0);
+/* dids: the ids in device memory (what the embedding op reads), ids: the same on the host (the
+ * 16-bit path indexes rows with them). */
+void fl_embed_forward(const fl_model *m, const fl_outer_params *op, float *out, const int32_t *dids,
+                      const int32_t *ids, int B, int T, int pos0);
 fl_status fl_embed_backward(fl_model *m, const fl_outer_params *op, const float *dout, const int32_t *ids, int B,
                             int T);
 

@@ -61,7 +61,7 @@ fl_status fl_model_q4_staging(fl_model *m, float **out) {
     for (int i = 0; m->q4 && i < m->layout.n; i++)
         if (fl_model_param_is_q4(m, i) && m->layout.params[i].numel > mx) mx = m->layout.params[i].numel;
     if (!mx) return FL_OK;
-    fl_status s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, mx * sizeof(float), (void **)out);
+    fl_status s = fl_mem_alloc(fl_mem_host_pool(m->pool), FL_TAG_WORKSPACE, mx * sizeof(float), (void **)out);
     return s == FL_OK ? FL_OK : fl_error_prefix(s, "the fp32 staging of a 4-bit weight (%zu elements)", mx);
 }
 
@@ -143,7 +143,35 @@ void *fl_model_param_data(const fl_model *m, int i, fl_dtype *dt) {
     return m->params ? (void *)(m->params + off) : (void *)(m->p16 + off);
 }
 
+/* A 4-bit entry's buffer on a device whose memory is not host memory: a host copy (from the host
+ * pool, one entry at a time) bound as *hw. NULL when out of host memory. */
+static void *q4_host_copy(const fl_model *m, int i, fl_q4_weight *hw) {
+    const fl_q4_weight *w = &m->q4[i];
+    size_t bytes = fl_q4_bytes(w->n, w->double_quant);
+    void *blob = NULL;
+    if (fl_mem_alloc(fl_mem_host_pool(m->pool), FL_TAG_WORKSPACE, bytes, &blob) != FL_OK) return NULL;
+    if (fl_q4_bind(hw, w->rows, w->cols, w->type, w->double_quant, blob) != FL_OK) {
+        fl_mem_free(fl_mem_host_pool(m->pool), blob);
+        return NULL;
+    }
+    return blob;
+}
+
+static int on_device(const fl_model *m) { return m->be && !m->be->host_memory; }
+
 void fl_model_read_param(const fl_model *m, int i, float *dst) {
+    if (fl_model_param_is_q4(m, i) && on_device(m)) { /* the 4-bit buffer to the host, dequantized there */
+        fl_q4_weight hw;
+        void *blob = q4_host_copy(m, i, &hw);
+        if (!blob || m->be->to_host(m->be, blob, m->q4[i].packed, fl_q4_bytes(hw.n, hw.double_quant)) != FL_OK) {
+            memset(dst, 0, m->layout.params[i].numel * sizeof(float));
+        } else {
+            fl_q4_dequantize(&hw, dst, m->be->n_threads);
+            fl_lora_add_merged(m, i, dst);
+        }
+        fl_mem_free(fl_mem_host_pool(m->pool), blob);
+        return;
+    }
     if (fl_model_param_is_q4(m, i)) {
         fl_q4_dequantize(&m->q4[i], dst, m->be ? m->be->n_threads : 0);
         fl_lora_add_merged(m, i, dst); /* after fl_model_lora_merge: the merged weight */
@@ -166,6 +194,14 @@ void fl_model_read_param(const fl_model *m, int i, float *dst) {
 }
 
 void fl_model_write_param(fl_model *m, int i, const float *src) {
+    if (fl_model_param_is_q4(m, i) && on_device(m)) { /* quantized on the host, copied in */
+        fl_q4_weight hw;
+        void *blob = q4_host_copy(m, i, &hw);
+        if (blob && fl_q4_quantize(&hw, src, m->be->n_threads) == FL_OK)
+            (void)m->be->to_device(m->be, m->q4[i].packed, blob, fl_q4_bytes(hw.n, hw.double_quant));
+        fl_mem_free(fl_mem_host_pool(m->pool), blob);
+        return;
+    }
     if (fl_model_param_is_q4(m, i)) {
         fl_q4_quantize(&m->q4[i], src, m->be ? m->be->n_threads : 0);
         return;
@@ -192,6 +228,7 @@ void fl_model_free_acts(fl_model *m) {
     fl_mem_free(m->pool, m->work_arena);
     m->acts_arena = m->work_arena = NULL;
     if (m->acts) {
+        fl_mem_free(m->pool, m->acts->targets);
         free(m->acts->res);
         free(m->acts->layer);
         free(m->acts);
@@ -288,10 +325,10 @@ fl_status fl_model_alloc_grads(fl_model *m) {
                          "(fitllm finetune_lora --quantize ...)");
     fl_status s;
     if (m->store_dtype == FL_F32) {
-        s = fl_mem_calloc(m->pool, FL_TAG_GRADS, m->layout.numel * sizeof(float), (void **)&m->grads);
+        s = fl_backend_calloc(m->be, m->pool, FL_TAG_GRADS, m->layout.numel * sizeof(float), (void **)&m->grads);
     } else {
         m->gstage_n = fl_sizing_gstage_elems(&m->cfg);
-        s = fl_mem_calloc(m->pool, FL_TAG_GRADS, m->layout.numel * sizeof(uint16_t), (void **)&m->g16);
+        s = fl_backend_calloc(m->be, m->pool, FL_TAG_GRADS, m->layout.numel * sizeof(uint16_t), (void **)&m->g16);
         if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, m->gstage_n * sizeof(float), (void **)&m->gstage);
         if (s != FL_OK) {
             fl_mem_free(m->pool, m->g16);
@@ -374,7 +411,7 @@ fl_status fl_model_init_random_ex(fl_model *m, uint64_t seed) {
     enum { SLICE = 16384 };
     float *slice = malloc(SLICE * sizeof(float) + SLICE * sizeof(uint16_t));
     if (!slice) {
-        fl_mem_free(m->pool, q4tmp);
+        fl_mem_free(fl_mem_host_pool(m->pool), q4tmp);
         return fl_errorf(FL_ERR_OOM, "random init: out of host memory");
     }
     for (int i = 0; i < m->layout.n; i++) {
@@ -402,14 +439,14 @@ fl_status fl_model_init_random_ex(fl_model *m, uint64_t seed) {
                 else memcpy(dst + k0 * fl_dtype_size(dt), h, nb); /* no backend: host memory */
                 if (st != FL_OK) {
                     free(slice);
-                    fl_mem_free(m->pool, q4tmp);
+                    fl_mem_free(fl_mem_host_pool(m->pool), q4tmp);
                     return st;
                 }
             }
         }
     }
     free(slice);
-    fl_mem_free(m->pool, q4tmp);
+    fl_mem_free(fl_mem_host_pool(m->pool), q4tmp);
     return FL_OK;
 }
 

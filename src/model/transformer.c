@@ -74,7 +74,12 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
      * rows but we use them as (B, T) contiguous rows, which fits since B*T <= m->B*m->T. */
     fl_outer_params op;
     fl_get_outer(m, &op);
-    fl_embed_forward(m, &op, a->res[0], ids, B, T, 0);
+    fl_embed_forward(m, &op, a->res[0], a->ids, ids, B, T, 0);
+    const int32_t *tg = targets; /* what cross_entropy reads: device memory on a device backend */
+    if (targets && a->targets) {
+        FL_TRY(be->to_device(be, a->targets, targets, (size_t)N * sizeof *targets));
+        tg = a->targets;
+    }
 
     /* With activation checkpointing every block writes into the same single
      * layer buffer (layer[l] all alias it) and only res[l] survives. With 16-bit
@@ -131,7 +136,7 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
         if (logits_out) FL_TRY(be->to_host(be, logits_out + (size_t)r0 * d.V, a->logits, (size_t)rows * d.V * sizeof(float)));
         if (!targets) continue;
         int train = grad_scale > 0;
-        be->cross_entropy(be, a->losses + r0, train ? a->logits : NULL, a->logits, targets + r0, rows, d.V, grad_scale,
+        be->cross_entropy(be, a->losses + r0, train ? a->logits : NULL, a->logits, tg + r0, rows, d.V, grad_scale,
                           FL_IGNORE_INDEX);
         if (!train) continue;
         if (round_bf16) { /* dlogits (rows, V) -> bf16 -> fp32, in place */

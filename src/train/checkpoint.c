@@ -26,13 +26,20 @@ fl_status fl_ckpt_save_adapter(const fl_model *m, const char *dir, const char *b
     const struct fl_lora_state *st = m->lora;
     if (!st) return fl_errorf(FL_ERR_INVALID, "%s: the model has no LoRA adapters to save", dir);
     fl_peft_module *mods = calloc((size_t)st->n_mods + 1, sizeof *mods);
-    if (!mods) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    /* the adapters are device memory: one host copy of them (small: r x (in + out) per module) */
+    float *host = malloc(st->numel * sizeof(float) + 1);
+    fl_status cs = mods && host ? m->be->to_host(m->be, host, st->params, st->numel * sizeof(float)) : FL_ERR_OOM;
+    if (cs != FL_OK) {
+        free(mods);
+        free(host);
+        return cs == FL_ERR_OOM ? fl_errorf(FL_ERR_OOM, "out of host memory") : cs;
+    }
     for (int j = 0; j < st->n_mods; j++) {
         snprintf(mods[j].name, sizeof mods[j].name, "%s", st->mods[j].name);
         mods[j].in = st->mods[j].in;
         mods[j].out = st->mods[j].out;
-        mods[j].A = st->params + st->off[2 * j];
-        mods[j].B = st->params + st->off[2 * j + 1];
+        mods[j].A = host + st->off[2 * j];
+        mods[j].B = host + st->off[2 * j + 1];
     }
     fl_peft_config pc;
     memset(&pc, 0, sizeof pc);
@@ -41,6 +48,7 @@ fl_status fl_ckpt_save_adapter(const fl_model *m, const char *dir, const char *b
     const char *b = base_model && base_model[0] && realpath(base_model, abs) ? abs : base_model; /* else a preset */
     if (b && strlen(b) >= sizeof pc.base_model) {
         free(mods);
+        free(host);
         return fl_errorf(FL_ERR_INVALID, "%s: base model path too long for adapter_config.json: %s", dir, b);
     }
     if (b) memcpy(pc.base_model, b, strlen(b) + 1);
@@ -48,6 +56,7 @@ fl_status fl_ckpt_save_adapter(const fl_model *m, const char *dir, const char *b
     pc.inference_mode = 1;
     fl_status s = fl_peft_save(dir, &pc, mods, st->n_mods);
     free(mods);
+    free(host);
     return s;
 }
 
@@ -59,16 +68,16 @@ static fl_status write_state(const char *dir, const fl_model *m, const fl_optimi
     int nt = 0;
     /* the trainable parameters: all of them, or the LoRA adapters (base frozen) */
     int64_t n = (int64_t)(m->lora ? m->lora->numel : m->layout.numel);
-    if (m->lora) t[nt++] = (fl_st_write_tensor){"lora.params", FL_F32, 1, {n}, m->lora->params, FL_F32, 0, NULL, NULL};
+    if (m->lora) t[nt++] = (fl_st_write_tensor){"lora.params", FL_F32, 1, {n}, m->lora->params, FL_F32, 0, NULL, NULL, m->be};
     fl_dtype sd = o ? o->cfg.state_dtype : FL_F32;
     if (o && o->m) {
-        t[nt++] = (fl_st_write_tensor){"optimizer.exp_avg", sd, 1, {n}, o->m, sd, 0, NULL, NULL};
-        t[nt++] = (fl_st_write_tensor){"optimizer.exp_avg_sq", sd, 1, {n}, o->v, sd, 0, NULL, NULL};
+        t[nt++] = (fl_st_write_tensor){"optimizer.exp_avg", sd, 1, {n}, o->m, sd, 0, NULL, NULL, m->be};
+        t[nt++] = (fl_st_write_tensor){"optimizer.exp_avg_sq", sd, 1, {n}, o->v, sd, 0, NULL, NULL, m->be};
     } else if (o && o->buf) {
-        t[nt++] = (fl_st_write_tensor){"optimizer.momentum_buffer", sd, 1, {n}, o->buf, sd, 0, NULL, NULL};
+        t[nt++] = (fl_st_write_tensor){"optimizer.momentum_buffer", sd, 1, {n}, o->buf, sd, 0, NULL, NULL, m->be};
     } else if (o && o->state8) {
         /* block-wise 8-bit state of every tensor, bound in layout order: one raw blob */
-        t[nt++] = (fl_st_write_tensor){"optimizer.state8", FL_U8, 1, {(int64_t)o->state8_bytes}, o->state8, FL_U8, 0, NULL, NULL};
+        t[nt++] = (fl_st_write_tensor){"optimizer.state8", FL_U8, 1, {(int64_t)o->state8_bytes}, o->state8, FL_U8, 0, NULL, NULL, m->be};
     }
     char v[24][64];
     const char *keys[24], *vals[24];

@@ -100,16 +100,16 @@ fl_status fl_optim_init(fl_optimizer *o, fl_model *model, const fl_optim_config 
     size_t bytes = o->n * (o->cfg.state_dtype == FL_BF16 ? 2 : 4);
     if (s != FL_OK) {
     } else if (cfg->kind == FL_OPT_ADAMW) {
-        s = fl_mem_calloc(model->pool, FL_TAG_OPTIM, bytes, (void **)&o->m);
-        if (s == FL_OK) s = fl_mem_calloc(model->pool, FL_TAG_OPTIM, bytes, (void **)&o->v);
+        s = fl_backend_calloc(model->be, model->pool, FL_TAG_OPTIM, bytes, (void **)&o->m);
+        if (s == FL_OK) s = fl_backend_calloc(model->be, model->pool, FL_TAG_OPTIM, bytes, (void **)&o->v);
     } else if (cfg->kind == FL_OPT_SGD) {
-        if (cfg->momentum != 0.0f) s = fl_mem_calloc(model->pool, FL_TAG_OPTIM, bytes, (void **)&o->buf);
+        if (cfg->momentum != 0.0f) s = fl_backend_calloc(model->be, model->pool, FL_TAG_OPTIM, bytes, (void **)&o->buf);
     } else {
         /* 8-bit: one OPTIM allocation, bound tensor by tensor (zeroed = fresh state) */
         for (int i = 0; i < o->n_tensors; i++) o->state8_bytes += fl_adam8bit_state_bytes(o->t_n[i]);
         o->st8 = calloc((size_t)o->n_tensors + 1, sizeof *o->st8);
         if (!o->st8) s = fl_errorf(FL_ERR_OOM, "8-bit optimizer bookkeeping: out of host memory");
-        if (s == FL_OK) s = fl_mem_calloc(model->pool, FL_TAG_OPTIM, o->state8_bytes, &o->state8);
+        if (s == FL_OK) s = fl_backend_calloc(model->be, model->pool, FL_TAG_OPTIM, o->state8_bytes, &o->state8);
         size_t off = 0;
         for (int i = 0; s == FL_OK && i < o->n_tensors; i++) {
             s = fl_adam8bit_state_bind(&o->st8[i], o->t_n[i], (char *)o->state8 + off);

@@ -31,6 +31,7 @@ typedef struct {
     fl_backend be;
     int be_ok;
     fl_mem_pool pool;
+    fl_mem_pool hpool;          /* host staging when the backend's memory is not host memory (pool.host) */
     int pool_ok;
     fl_model model;
     fl_model_storage stg; /* parameter storage of the precision policy */
@@ -437,8 +438,8 @@ static fl_status check_weights(const trainer *t) {
 static void cleanup(trainer *t) {
     fl_metrics_close(&t->metrics);
     if (t->pool_ok) {
-        fl_mem_free(&t->pool, t->ids);
-        fl_mem_free(&t->pool, t->tgt);
+        fl_mem_free(fl_mem_host_pool(&t->pool), t->ids);
+        fl_mem_free(fl_mem_host_pool(&t->pool), t->tgt);
     }
     free(t->mbs);
     free(t->mb_epoch);
@@ -452,8 +453,8 @@ static void cleanup(trainer *t) {
     fl_tok_free(t->tok);
     fl_optim_free(&t->opt);
     if (t->model_ok) fl_model_free(&t->model);
-    if (t->pool_ok) fl_mem_pool_free(&t->pool);
-    if (t->be_ok) fl_cpu_backend_free(&t->be);
+    if (t->pool_ok) fl_backend_pools_free(&t->pool, &t->hpool);
+    if (t->be_ok) fl_backend_free(&t->be);
 }
 
 static fl_status resume_if_asked(trainer *t, int *resumed) {
@@ -530,11 +531,18 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
     int in_setup = 1, agreed = 0;
 #define AGREE() do { agreed = 1; if ((s = fl_dp_agree(&t.dp, s)) != FL_OK) goto done; agreed = 0; } while (0)
     CHECK(fl_dp_check_config(&t.dp, cfg)); /* the same command line and recipe on every rank */
-    CHECK(fl_cpu_backend_init(&t.be, cfg->threads));
+    CHECK(fl_backend_init_by_name(fl_backend_default_name(), &t.be, cfg->threads));
     t.be_ok = 1;
-    CHECK(fl_mem_pool_init(&t.pool, "cpu", cfg->max_memory));
+    if (!t.be.host_memory && comm && fl_comm_size(comm) > 1) /* MPI collectives read host buffers */
+        CHECK(fl_errorf(FL_ERR_UNSUPPORTED, "several ranks on the %s backend: its buffers are device memory and "
+                        "the MPI communicator reduces host buffers (NCCL is not implemented yet); run one rank, "
+                        "or --accelerator cpu", t.be.name));
+    CHECK(fl_backend_pools_init(&t.be, &t.pool, &t.hpool, "cpu", cfg->max_memory));
     t.pool_ok = 1;
     fl_dp_init(&t.dp, comm, &t.pool);
+    if (t.dp.world > 1 && !t.be.host_memory) /* fl_comm's collectives read and write host memory today */
+        CHECK(fl_errorf(FL_ERR_UNSUPPORTED, "data-parallel training on backend '%s' (whose memory the host cannot "
+                        "read) needs a device-memory communicator, which this build does not have yet", t.be.name));
     fl_mem_set_phase(&t.pool, "model load");
     CHECK(load_model_and_tokenizer(&t));
     CHECK(fl_model_set_precision(&t.model, &prec));
@@ -555,8 +563,9 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
     t.model.act_ckpt = cfg->train.activation_checkpointing;
     CHECK(fl_model_alloc_acts(&t.model, t.B, t.T));
     size_t per = (size_t)t.B * t.T;
-    CHECK(fl_mem_alloc(&t.pool, FL_TAG_OTHER, (size_t)t.accum * per * sizeof(int32_t), (void **)&t.ids));
-    CHECK(fl_mem_alloc(&t.pool, FL_TAG_OTHER, (size_t)t.accum * per * sizeof(int32_t), (void **)&t.tgt));
+    /* the step's token ids and targets: host memory (the loader writes them; the forward uploads) */
+    CHECK(fl_mem_alloc(fl_mem_host_pool(&t.pool), FL_TAG_OTHER, (size_t)t.accum * per * sizeof(int32_t), (void **)&t.ids));
+    CHECK(fl_mem_alloc(fl_mem_host_pool(&t.pool), FL_TAG_OTHER, (size_t)t.accum * per * sizeof(int32_t), (void **)&t.tgt));
     t.mbs = calloc((size_t)t.accum, sizeof *t.mbs);
     t.mb_epoch = calloc((size_t)t.G, sizeof *t.mb_epoch);
     t.mb_tokens = calloc((size_t)t.G, sizeof *t.mb_tokens);
@@ -776,9 +785,17 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
         /* after evaluation and checkpointing, so a hook that stops the run acts
          * like a crash right after this step's checkpoint */
         /* stopping is decided together: a hook (Ctrl-C) or the time budget on any rank stops all */
-        double stop[2] = {hook && hook(hook_ud, t.st.step, step_valid ? step_loss / step_valid : NAN, t.opt.p,
-                                       t.opt.n * fl_dtype_size(t.opt.pt)),
-                          cfg->train.max_time > 0 && t.st.train_seconds >= cfg->train.max_time};
+        double stop[2] = {0, cfg->train.max_time > 0 && t.st.train_seconds >= cfg->train.max_time};
+        if (hook) { /* the hook reads the trained parameters on the host: a copy when they are device memory */
+            size_t pb = t.opt.n * fl_dtype_size(t.opt.pt);
+            void *hp = t.be.host_memory ? NULL : malloc(pb + 1);
+            if (!t.be.host_memory && !hp) CHECK(fl_errorf(FL_ERR_OOM, "out of host memory"));
+            s = hp ? t.be.to_host(&t.be, hp, t.opt.p, pb) : FL_OK;
+            if (s == FL_OK)
+                stop[0] = hook(hook_ud, t.st.step, step_valid ? step_loss / step_valid : NAN, hp ? hp : t.opt.p, pb);
+            free(hp);
+            CHECK(s);
+        }
         CHECK(fl_dp_sum(&t.dp, stop, 2));
         if (stop[0] > 0) {
             stopped = 1;

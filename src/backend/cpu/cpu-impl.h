@@ -102,8 +102,8 @@ fl_status fl_cpu_to_device(const fl_backend *be, void *dst, const void *src, siz
 fl_status fl_cpu_to_host(const fl_backend *be, void *dst, const void *src, size_t bytes);
 fl_status fl_cpu_copy(const fl_backend *be, void *dst, const void *src, size_t bytes);
 fl_status fl_cpu_sync(const fl_backend *be);
-int fl_cpu_supports_op(const fl_backend *be, fl_op op, fl_dtype a, fl_dtype b, fl_dtype c);
 fl_status fl_cpu_pool_init(const fl_backend *be, fl_mem_pool *p, const char *name, size_t budget);
+int fl_cpu_supports_op(const fl_backend *be, fl_op op, fl_dtype a, fl_dtype b, fl_dtype c);
 fl_status fl_cpu_rope_tables(const fl_backend *be, float *cos_t, float *sin_t, int maxT, int HD, float theta,
                              const fl_rope_scaling *scaling);
 float *fl_cpu_scratch_part(int part);

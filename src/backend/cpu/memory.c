@@ -39,6 +39,12 @@ fl_status fl_cpu_sync(const fl_backend *be) {
     return FL_OK;
 }
 
+/* Device memory is host memory: the pool is the ordinary host pool. */
+fl_status fl_cpu_pool_init(const fl_backend *be, fl_mem_pool *p, const char *name, size_t budget) {
+    (void)be;
+    return fl_mem_pool_init(p, name, budget);
+}
+
 static int isfloat(fl_dtype t) { return t == FL_F32 || t == FL_BF16 || t == FL_F16; }
 
 int fl_cpu_supports_op(const fl_backend *be, fl_op op, fl_dtype a, fl_dtype b, fl_dtype c) {
@@ -67,9 +73,4 @@ fl_status fl_cpu_rope_tables(const fl_backend *be, float *cos_t, float *sin_t, i
         return fl_errorf(FL_ERR_INVALID, "rope_tables: bad arguments (maxT %d, HD %d)", maxT, HD);
     fl_rope_table_init(cos_t, sin_t, maxT, HD, theta, scaling);
     return FL_OK;
-}
-
-fl_status fl_cpu_pool_init(const fl_backend *be, fl_mem_pool *p, const char *name, size_t budget) {
-    (void)be;
-    return fl_mem_pool_init(p, name, budget);
 }

@@ -74,6 +74,8 @@ static fl_status flb_attention_forward_ex(const fl_backend *be, const fl_attn_de
                                           const float *q, const float *k, const float *v, const float *bias,
                                           const uint8_t *kmask) {
     FL_TRY(flb_sticky(be));
+    FL_TRY(fl_attn_check_args("attention_forward_ex", a, FL_CU_ATTN_MAX_HD, "the CUDA kernels' tiles", out, lse, q, k,
+                              v, bias, NULL));
     return flb_attn_status(be, FLB_K(attention_forward_ex)(a, out, lse, q, k, v, bias, kmask, STREAM),
                            "attention_forward_ex");
 }
@@ -82,7 +84,10 @@ static fl_status flb_attention_backward_ex(const fl_backend *be, const fl_attn_d
                                            const float *v, const float *bias, const uint8_t *kmask, const float *out,
                                            const float *lse) {
     FL_TRY(flb_sticky(be));
-    void *work = flb_work(be, a ? fl_cu_attention_work_bytes(a->B, a->NH, a->Tq) : 0, "attention_backward_ex");
+    FL_TRY(fl_attn_check_args("attention_backward_ex", a, FL_CU_ATTN_MAX_HD, "the CUDA kernels' tiles", out, lse, q,
+                              k, v, bias, dbias));
+    if (!dq || !dk || !dv || !dout) return fl_errorf(FL_ERR_INVALID, "attention_backward_ex: NULL gradient tensor");
+    void *work = flb_work(be, fl_cu_attention_work_bytes(a->B, a->NH, a->Tq), "attention_backward_ex");
     if (!work) return flb_sticky(be);
     return flb_attn_status(be,
                            FLB_K(attention_backward_ex)(a, dq, dk, dv, dbias, dout, q, k, v, bias, kmask, out, lse,

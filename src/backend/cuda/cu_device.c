@@ -72,14 +72,17 @@ int fl_accel_parse(const char *s, fl_accel *out) {
 
 fl_status fl_accel_resolve(fl_accel want, fl_accel *use) {
     *use = FL_ACCEL_CPU;
-    if (want == FL_ACCEL_CPU || want == FL_ACCEL_AUTO) return FL_OK; /* auto: see below */
+    if (want == FL_ACCEL_CPU) return FL_OK;
+    char why[256];
+    int have = fl_cuda_built() && fl_cuda_device_count(why, sizeof why) > 0;
+    if (want == FL_ACCEL_AUTO) { /* the GPU when this build has CUDA and one is visible */
+        if (have) *use = FL_ACCEL_CUDA;
+        return FL_OK;
+    }
     if (!fl_cuda_built())
         return fl_errorf(FL_ERR_UNSUPPORTED, "--accelerator cuda: this fitllm was built without CUDA "
                                              "(rebuild with the CUDA toolkit installed, or use --accelerator cpu)");
-    char why[256];
-    if (fl_cuda_device_count(why, sizeof why) == 0)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--accelerator cuda: no CUDA device visible (%s)", why);
-    /* Built and a GPU present: auto would still pick the CPU until the backend is complete. */
-    return fl_errorf(FL_ERR_UNSUPPORTED, "--accelerator cuda: the CUDA backend is experimental and not complete yet "
-                                         "(its first kernels exist, no model runs on the GPU); use --accelerator cpu");
+    if (!have) return fl_errorf(FL_ERR_UNSUPPORTED, "--accelerator cuda: no CUDA device visible (%s)", why);
+    *use = FL_ACCEL_CUDA;
+    return FL_OK;
 }

@@ -1,0 +1,411 @@
+/* The opaque test backend ("opaque"): the CPU kernels over memory the host cannot read.
+ *
+ * Its pool (pool_init) hands out addresses in ONE reserved range of the address space
+ * (mmap PROT_NONE, MAP_NORESERVE), kept PROT_NONE except while one of its ops or copies runs:
+ * each op makes the range read-write, calls the CPU op, and closes it again. So any host
+ * dereference of tensor memory outside the backend (model/, train/, io/, generation, lab)
+ * faults at the line that did it, as a device pointer would on a GPU, and the results are
+ * bit-identical to "cpu" (the same kernels with the same thread count). docs/ARCHITECTURE.md
+ * "The opaque test backend" has the design and what it does not catch.
+ *
+ * Concurrency: ops may run on several threads at once (the thread-rank fl_comm), so the range
+ * is opened by the first op to enter and closed by the last to leave (a count under a mutex).
+ * Allocation is page-granular first fit over the range; a freed block's pages go back to the
+ * system (MADV_DONTNEED: they read as zeros when reused). Pointers outside the range (host
+ * buffers of the op tests, the host-pointer arguments of the contract: check_finite's flag)
+ * pass through unchanged. */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "backend/cpu/cpu-impl.h"
+
+#define OPQ_RESERVE ((size_t)1 << 38) /* 256 GiB of address space (no memory until used) */
+
+typedef struct {
+    size_t off, size; /* bytes from base, page multiples */
+    int used;
+} opq_block;
+
+typedef struct {
+    fl_backend cpu;         /* the CPU backend whose kernels run */
+    pthread_mutex_t mu;
+    char *base;             /* the reserved range */
+    size_t top;             /* [base, base + top) is the part blocks have ever covered */
+    opq_block *blk;         /* sorted by off, covering [0, top) */
+    int nblk, capblk;
+    int open;               /* ops and copies in flight: the range is read-write while > 0 */
+    int n_used;             /* live blocks */
+    int dead;               /* the backend was freed: release the range with the last block */
+} opq;
+
+static size_t page_size(void) {
+    static size_t ps;
+    if (!ps) ps = (size_t)sysconf(_SC_PAGESIZE);
+    return ps;
+}
+
+static void opq_release(opq *o) {
+    munmap(o->base, OPQ_RESERVE);
+    free(o->blk);
+    pthread_mutex_destroy(&o->mu);
+    fl_cpu_backend_free(&o->cpu);
+    free(o);
+}
+
+static void opq_enter(const fl_backend *be) {
+    opq *o = be->impl;
+    pthread_mutex_lock(&o->mu);
+    if (o->open++ == 0 && o->top) mprotect(o->base, o->top, PROT_READ | PROT_WRITE);
+    pthread_mutex_unlock(&o->mu);
+}
+
+static void opq_leave(const fl_backend *be) {
+    opq *o = be->impl;
+    pthread_mutex_lock(&o->mu);
+    if (--o->open == 0 && o->top) mprotect(o->base, o->top, PROT_NONE);
+    pthread_mutex_unlock(&o->mu);
+}
+
+/* ---- the pool's raw allocator ------------------------------------------------------------ */
+
+static int blk_insert(opq *o, int at, opq_block b) {
+    if (o->nblk == o->capblk) {
+        int cap = o->capblk ? 2 * o->capblk : 64;
+        opq_block *n = realloc(o->blk, (size_t)cap * sizeof *n);
+        if (!n) return -1;
+        o->blk = n;
+        o->capblk = cap;
+    }
+    memmove(o->blk + at + 1, o->blk + at, (size_t)(o->nblk - at) * sizeof *o->blk);
+    o->blk[at] = b;
+    o->nblk++;
+    return 0;
+}
+
+static void blk_remove(opq *o, int at) {
+    memmove(o->blk + at, o->blk + at + 1, (size_t)(o->nblk - at - 1) * sizeof *o->blk);
+    o->nblk--;
+}
+
+static void *opq_alloc(size_t bytes, void *ud) {
+    opq *o = ud;
+    const size_t ps = page_size();
+    size_t n = bytes ? (bytes + ps - 1) / ps * ps : ps;
+    void *r = NULL;
+    pthread_mutex_lock(&o->mu);
+    for (int i = 0; i < o->nblk && !r; i++) { /* first fit among freed blocks */
+        opq_block *b = &o->blk[i];
+        if (b->used || b->size < n) continue;
+        if (b->size > n && blk_insert(o, i + 1, (opq_block){b->off + n, o->blk[i].size - n, 0}) != 0) break;
+        b = &o->blk[i];
+        b->size = n;
+        b->used = 1;
+        r = o->base + b->off;
+    }
+    if (!r && o->top + n <= OPQ_RESERVE && blk_insert(o, o->nblk, (opq_block){o->top, n, 1}) == 0) {
+        r = o->base + o->top;
+        if (o->open) mprotect(r, n, PROT_READ | PROT_WRITE); /* an op is running: the range is open */
+        o->top += n;
+    }
+    if (r) o->n_used++;
+    pthread_mutex_unlock(&o->mu);
+    return r;
+}
+
+static void opq_free(void *ptr, size_t bytes, void *ud) {
+    (void)bytes;
+    opq *o = ud;
+    int release = 0;
+    pthread_mutex_lock(&o->mu);
+    size_t off = (size_t)((char *)ptr - o->base);
+    for (int i = 0; i < o->nblk; i++) {
+        if (o->blk[i].off != off || !o->blk[i].used) continue;
+        madvise(ptr, o->blk[i].size, MADV_DONTNEED); /* the pages go back; reused ones read as 0 */
+        o->blk[i].used = 0;
+        if (i + 1 < o->nblk && !o->blk[i + 1].used) {
+            o->blk[i].size += o->blk[i + 1].size;
+            blk_remove(o, i + 1);
+        }
+        if (i > 0 && !o->blk[i - 1].used) {
+            o->blk[i - 1].size += o->blk[i].size;
+            blk_remove(o, i);
+        }
+        o->n_used--;
+        break;
+    }
+    release = o->dead && o->n_used == 0;
+    pthread_mutex_unlock(&o->mu);
+    if (release) opq_release(o);
+}
+
+static fl_status opq_pool_init(const fl_backend *be, fl_mem_pool *p, const char *name, size_t budget) {
+    return fl_mem_pool_init_raw(p, name, FL_DEV_CPU, budget, opq_alloc, opq_free, be->impl);
+}
+
+/* ---- the ops: open the range, run the CPU op, close it ----------------------------------- */
+
+#define IN (&((opq *)be->impl)->cpu)
+#define OPV(call)          \
+    do {                   \
+        opq_enter(be);     \
+        call;              \
+        opq_leave(be);     \
+    } while (0)
+#define OPR(type, call)    \
+    do {                   \
+        opq_enter(be);     \
+        type r_ = call;    \
+        opq_leave(be);     \
+        return r_;         \
+    } while (0)
+
+static fl_status op_gemm(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                         const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
+                         void *C, fl_dtype tc, int ldc) {
+    OPR(fl_status, IN->gemm(IN, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc, ldc));
+}
+static void op_embedding_forward(const fl_backend *be, float *out, const int32_t *ids, const float *wte,
+                                 const float *wpe, int B, int T, int C) {
+    OPV(IN->embedding_forward(IN, out, ids, wte, wpe, B, T, C));
+}
+static void op_embedding_backward(const fl_backend *be, float *dwte, float *dwpe, const float *dout,
+                                  const int32_t *ids, int B, int T, int C) {
+    OPV(IN->embedding_backward(IN, dwte, dwpe, dout, ids, B, T, C));
+}
+static void op_rmsnorm_forward(const fl_backend *be, float *out, float *rstd, const float *inp, const float *w, int N,
+                               int C, float eps) {
+    OPV(IN->rmsnorm_forward(IN, out, rstd, inp, w, N, C, eps));
+}
+static void op_rmsnorm_backward(const fl_backend *be, float *dinp, float *dw, const float *dout, const float *inp,
+                                const float *w, const float *rstd, int N, int C) {
+    OPV(IN->rmsnorm_backward(IN, dinp, dw, dout, inp, w, rstd, N, C));
+}
+static void op_layernorm_forward(const fl_backend *be, float *out, float *mean, float *rstd, const float *inp,
+                                 const float *w, const float *b, int N, int C, float eps) {
+    OPV(IN->layernorm_forward(IN, out, mean, rstd, inp, w, b, N, C, eps));
+}
+static void op_layernorm_backward(const fl_backend *be, float *dinp, float *dw, float *db, const float *dout,
+                                  const float *inp, const float *w, const float *mean, const float *rstd, int N,
+                                  int C) {
+    OPV(IN->layernorm_backward(IN, dinp, dw, db, dout, inp, w, mean, rstd, N, C));
+}
+static void op_rope_forward(const fl_backend *be, float *x, int B, int T, int nh, int HD, size_t row_stride,
+                            const float *cos_t, const float *sin_t, int pos0) {
+    OPV(IN->rope_forward(IN, x, B, T, nh, HD, row_stride, cos_t, sin_t, pos0));
+}
+static void op_rope_backward(const fl_backend *be, float *dx, int B, int T, int nh, int HD, size_t row_stride,
+                             const float *cos_t, const float *sin_t, int pos0) {
+    OPV(IN->rope_backward(IN, dx, B, T, nh, HD, row_stride, cos_t, sin_t, pos0));
+}
+static void op_attention_forward(const fl_backend *be, float *out, float *lse, const float *qkv, int B, int T, int NH,
+                                 int NKV, int HD) {
+    OPV(IN->attention_forward(IN, out, lse, qkv, B, T, NH, NKV, HD));
+}
+static void op_attention_backward(const fl_backend *be, float *dqkv, const float *dout, const float *qkv,
+                                  const float *out, const float *lse, int B, int T, int NH, int NKV, int HD) {
+    OPV(IN->attention_backward(IN, dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD));
+}
+static void op_swiglu_forward(const fl_backend *be, float *out, const float *gu, int N, int F) {
+    OPV(IN->swiglu_forward(IN, out, gu, N, F));
+}
+static void op_swiglu_backward(const fl_backend *be, float *dgu, const float *dout, const float *gu, int N, int F) {
+    OPV(IN->swiglu_backward(IN, dgu, dout, gu, N, F));
+}
+static void op_gelu_forward(const fl_backend *be, float *out, const float *inp, size_t n) {
+    OPV(IN->gelu_forward(IN, out, inp, n));
+}
+static void op_gelu_backward(const fl_backend *be, float *dinp, const float *dout, const float *inp, size_t n) {
+    OPV(IN->gelu_backward(IN, dinp, dout, inp, n));
+}
+static void op_add(const fl_backend *be, float *out, const float *a, const float *b, size_t n) {
+    OPV(IN->add(IN, out, a, b, n));
+}
+static void op_bias_forward(const fl_backend *be, float *y, const float *b, int N, int OC) {
+    OPV(IN->bias_forward(IN, y, b, N, OC));
+}
+static void op_bias_backward(const fl_backend *be, float *db, const float *dy, int N, int OC) {
+    OPV(IN->bias_backward(IN, db, dy, N, OC));
+}
+static void op_cross_entropy(const fl_backend *be, float *loss, float *dlogits, const float *logits,
+                             const int32_t *targets, int N, int V, float grad_scale, int ignore_index) {
+    OPV(IN->cross_entropy(IN, loss, dlogits, logits, targets, N, V, grad_scale, ignore_index));
+}
+static void op_adamw_update(const fl_backend *be, float *p, const float *g, float *m, float *v, size_t n, float lr,
+                            float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale) {
+    OPV(IN->adamw_update(IN, p, g, m, v, n, lr, beta1, beta2, eps, weight_decay, step, grad_scale));
+}
+static void op_sgd_update(const fl_backend *be, float *p, const float *g, float *buf, size_t n, float lr,
+                          float momentum, float dampening, float weight_decay, int nesterov, int first_step,
+                          float grad_scale) {
+    OPV(IN->sgd_update(IN, p, g, buf, n, lr, momentum, dampening, weight_decay, nesterov, first_step, grad_scale));
+}
+static double op_sumsq(const fl_backend *be, const float *x, size_t n) { OPR(double, IN->sumsq(IN, x, n)); }
+static void op_scale(const fl_backend *be, float *x, size_t n, float s) { OPV(IN->scale(IN, x, n, s)); }
+static void op_zero(const fl_backend *be, void *x, size_t bytes) { OPV(IN->zero(IN, x, bytes)); }
+static void op_attention_decode(const fl_backend *be, float *out, const float *q, const float *kcache,
+                                const float *vcache, int T, int NH, int NKV, int HD, size_t head_stride) {
+    OPV(IN->attention_decode(IN, out, q, kcache, vcache, T, NH, NKV, HD, head_stride));
+}
+static fl_status op_convert(const fl_backend *be, void *dst, fl_dtype dt, const void *src, fl_dtype st, size_t n) {
+    OPR(fl_status, IN->convert(IN, dst, dt, src, st, n));
+}
+static fl_status op_adamw_update_ex(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m,
+                                    void *v, fl_dtype ts, size_t n, float lr, float beta1, float beta2, float eps,
+                                    float weight_decay, int step, float grad_scale) {
+    OPR(fl_status,
+        IN->adamw_update_ex(IN, p, tp, g, tg, m, v, ts, n, lr, beta1, beta2, eps, weight_decay, step, grad_scale));
+}
+static fl_status op_sgd_update_ex(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf,
+                                  fl_dtype ts, size_t n, float lr, float momentum, float dampening,
+                                  float weight_decay, int nesterov, int first_step, float grad_scale) {
+    OPR(fl_status, IN->sgd_update_ex(IN, p, tp, g, tg, buf, ts, n, lr, momentum, dampening, weight_decay, nesterov,
+                                     first_step, grad_scale));
+}
+static fl_status op_check_finite(const fl_backend *be, const void *x, fl_dtype t, size_t n, float inv_scale,
+                                 int *found_inf) {
+    OPR(fl_status, IN->check_finite(IN, x, t, n, inv_scale, found_inf));
+}
+static fl_status op_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg,
+                                    const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,
+                                    float weight_decay, int step, float grad_scale) {
+    OPR(fl_status, IN->adam8bit_update(IN, p, tp, g, tg, st, lr, beta1, beta2, eps, weight_decay, step, grad_scale));
+}
+static fl_status op_q4_matmul_forward(const fl_backend *be, float *y, int ldy, const float *x, const fl_q4_weight *w,
+                                      int N, float beta) {
+    OPR(fl_status, IN->q4_matmul_forward(IN, y, ldy, x, w, N, beta));
+}
+static fl_status op_q4_matmul_backward(const fl_backend *be, float *dx, const float *dy, int ldy,
+                                       const fl_q4_weight *w, int N, float beta) {
+    OPR(fl_status, IN->q4_matmul_backward(IN, dx, dy, ldy, w, N, beta));
+}
+static fl_status op_lora_forward(const fl_backend *be, float *y, int ldy, float *h, float *xd, const float *x,
+                                 const float *A, const float *B, int N, int in, int out, int r, float scaling,
+                                 float dropout, uint64_t seed) {
+    OPR(fl_status, IN->lora_forward(IN, y, ldy, h, xd, x, A, B, N, in, out, r, scaling, dropout, seed));
+}
+static fl_status op_lora_backward(const fl_backend *be, float *dx, float *dA, float *dB, const float *dy, int ldy,
+                                  const float *xb, const float *h, const float *A, const float *B, int N, int in,
+                                  int out, int r, float scaling, float dropout, uint64_t seed, float *work) {
+    OPR(fl_status,
+        IN->lora_backward(IN, dx, dA, dB, dy, ldy, xb, h, A, B, N, in, out, r, scaling, dropout, seed, work));
+}
+static fl_status op_accumulate16(const fl_backend *be, uint16_t *dst, fl_dtype t, const float *src, size_t n) {
+    OPR(fl_status, IN->accumulate16(IN, dst, t, src, n));
+}
+static double op_sumsq_ex(const fl_backend *be, const void *x, fl_dtype t, size_t n) {
+    OPR(double, IN->sumsq_ex(IN, x, t, n));
+}
+static fl_status op_attention_forward_ex(const fl_backend *be, const fl_attn_desc *a, float *out, float *lse,
+                                         const float *q, const float *k, const float *v, const float *bias,
+                                         const uint8_t *kmask) {
+    OPR(fl_status, IN->attention_forward_ex(IN, a, out, lse, q, k, v, bias, kmask));
+}
+static fl_status op_attention_backward_ex(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk, float *dv,
+                                          float *dbias, const float *dout, const float *q, const float *k,
+                                          const float *v, const float *bias, const uint8_t *kmask, const float *out,
+                                          const float *lse) {
+    OPR(fl_status, IN->attention_backward_ex(IN, a, dq, dk, dv, dbias, dout, q, k, v, bias, kmask, out, lse));
+}
+/* the scratch is lent per thread to the CPU ops: nothing to open */
+static void op_set_scratch(const fl_backend *be, void *p, size_t bytes) { IN->set_scratch(IN, p, bytes); }
+static fl_status op_to_device(const fl_backend *be, void *dst, const void *src, size_t bytes) {
+    OPR(fl_status, IN->to_device(IN, dst, src, bytes));
+}
+static fl_status op_to_host(const fl_backend *be, void *dst, const void *src, size_t bytes) {
+    OPR(fl_status, IN->to_host(IN, dst, src, bytes));
+}
+static fl_status op_copy(const fl_backend *be, void *dst, const void *src, size_t bytes) {
+    OPR(fl_status, IN->copy(IN, dst, src, bytes));
+}
+static fl_status op_sync(const fl_backend *be) { return IN->sync(IN); }
+static int op_supports_op(const fl_backend *be, fl_op op, fl_dtype a, fl_dtype b, fl_dtype c) {
+    return IN->supports_op(IN, op, a, b, c);
+}
+static fl_status op_rope_tables(const fl_backend *be, float *cos_t, float *sin_t, int maxT, int HD, float theta,
+                                const fl_rope_scaling *scaling) {
+    OPR(fl_status, IN->rope_tables(IN, cos_t, sin_t, maxT, HD, theta, scaling));
+}
+
+fl_status fl_opaque_backend_init(fl_backend *be, int n_threads) {
+    if (!be) return fl_errorf(FL_ERR_INVALID, "fl_opaque_backend_init: NULL backend");
+    memset(be, 0, sizeof *be);
+    opq *o = calloc(1, sizeof *o);
+    if (!o) return fl_errorf(FL_ERR_OOM, "opaque backend: out of host memory");
+    fl_status s = fl_cpu_backend_init(&o->cpu, n_threads);
+    if (s != FL_OK) {
+        free(o);
+        return s;
+    }
+    o->base = mmap(NULL, OPQ_RESERVE, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (o->base == MAP_FAILED) {
+        free(o);
+        return fl_errorf(FL_ERR_OOM, "opaque backend: cannot reserve %zu GiB of address space", OPQ_RESERVE >> 30);
+    }
+    pthread_mutex_init(&o->mu, NULL);
+    *be = o->cpu; /* names, thread count, GEMM facts: the CPU's */
+    be->name = "opaque";
+    be->host_memory = 0;
+    be->impl = o;
+    be->gemm = op_gemm;
+    be->embedding_forward = op_embedding_forward;
+    be->embedding_backward = op_embedding_backward;
+    be->rmsnorm_forward = op_rmsnorm_forward;
+    be->rmsnorm_backward = op_rmsnorm_backward;
+    be->layernorm_forward = op_layernorm_forward;
+    be->layernorm_backward = op_layernorm_backward;
+    be->rope_forward = op_rope_forward;
+    be->rope_backward = op_rope_backward;
+    be->attention_forward = op_attention_forward;
+    be->attention_backward = op_attention_backward;
+    be->swiglu_forward = op_swiglu_forward;
+    be->swiglu_backward = op_swiglu_backward;
+    be->gelu_forward = op_gelu_forward;
+    be->gelu_backward = op_gelu_backward;
+    be->add = op_add;
+    be->bias_forward = op_bias_forward;
+    be->bias_backward = op_bias_backward;
+    be->cross_entropy = op_cross_entropy;
+    be->adamw_update = op_adamw_update;
+    be->sgd_update = op_sgd_update;
+    be->sumsq = op_sumsq;
+    be->scale = op_scale;
+    be->zero = op_zero;
+    be->attention_decode = op_attention_decode;
+    be->convert = op_convert;
+    be->adamw_update_ex = op_adamw_update_ex;
+    be->sgd_update_ex = op_sgd_update_ex;
+    be->check_finite = op_check_finite;
+    be->adam8bit_update = op_adam8bit_update;
+    be->q4_matmul_forward = op_q4_matmul_forward;
+    be->q4_matmul_backward = op_q4_matmul_backward;
+    be->lora_forward = op_lora_forward;
+    be->lora_backward = op_lora_backward;
+    be->accumulate16 = op_accumulate16;
+    be->sumsq_ex = op_sumsq_ex;
+    be->attention_forward_ex = op_attention_forward_ex;
+    be->attention_backward_ex = op_attention_backward_ex;
+    be->set_scratch = op_set_scratch;
+    be->to_device = op_to_device;
+    be->to_host = op_to_host;
+    be->copy = op_copy;
+    be->sync = op_sync;
+    be->supports_op = op_supports_op;
+    be->rope_tables = op_rope_tables;
+    be->pool_init = opq_pool_init;
+    return FL_OK;
+}
+
+void fl_opaque_backend_free(fl_backend *be) {
+    if (!be || !be->impl) return;
+    opq *o = be->impl;
+    pthread_mutex_lock(&o->mu);
+    int release = o->n_used == 0;
+    o->dead = 1; /* pools still holding blocks release the range with their last free */
+    pthread_mutex_unlock(&o->mu);
+    if (release) opq_release(o);
+    memset(be, 0, sizeof *be);
+}
