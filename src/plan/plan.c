@@ -65,6 +65,7 @@ void fl_plan_opts_default(fl_plan_opts *o) {
     memset(o, 0, sizeof *o);
     o->devices = 1;
     o->generation = -1;
+    o->rank = 0;
 }
 
 /* What the config asks for that this build lacks ("" if nothing). */
@@ -165,6 +166,7 @@ typedef struct {
     int T;
     int gen;             /* sample generation at evaluation */
     int n_prompt, cap;   /* its prompt tokens and KV capacity */
+    int rank;            /* the rank planned (ZeRO: ranks differ by their chunk) */
 } plan_ctx;
 
 /* ---- the allocation program ---------------------------------------------------------- */
@@ -256,6 +258,12 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
         grads = palloc(g, FL_TAG_GRADS, n * es, what);
         if (es != 4) palloc(g, FL_TAG_WORKSPACE, fl_sizing_gstage_elems(mc) * sizeof(float), "fp32 gradient staging (one group)");
     }
+    const int world = c->devices * c->num_nodes;
+    int stage = 0; /* ZeRO stage (fl_dp_optim_init): validated by fl_plan_run */
+    if (world > 1 && fl_cfg_zero_stage(c->strategy, c->sharding_strategy, &stage) != FL_OK) stage = 0;
+    size_t c_off = 0, c_len = n_train; /* this rank's chunk of the trainable elements (fl_comm_chunk) */
+    fl_comm_chunk(n_train, world, x->rank < world ? x->rank : 0, &c_off, &c_len);
+    const size_t n_state = stage ? c_len : n_train; /* ZeRO: optimizer state for the chunk only */
     fl_optim_config ocp = *oc; /* the policy fixes the state dtype of full parameters (fl_optim_init) */
     if (!lora && pr.optim_dtype == FL_BF16) ocp.state_dtype = FL_BF16;
     oc = &ocp;
@@ -268,7 +276,7 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
             b8 = fl_optim_state_bytes_layout(oc, &lay);
         palloc(g, FL_TAG_OPTIM, b8, "AdamW8bit block-wise state");
     } else {
-        size_t st = fl_optim_state_bytes(oc, n_train);
+        size_t st = fl_optim_state_bytes(oc, n_state);
         if (oc->kind == FL_OPT_ADAMW) { /* exp_avg and exp_avg_sq, one buffer each */
             palloc(g, FL_TAG_OPTIM, st / 2, "AdamW state exp_avg");
             palloc(g, FL_TAG_OPTIM, st - st / 2, "AdamW state exp_avg_sq");
@@ -323,14 +331,17 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     fl_mem_set_live(pl, lacts, 0);
     fl_mem_set_live(pl, grads, SIZE_MAX);
     snap(g, "after_bwd");
-    const int world = c->devices * c->num_nodes;
-    if (world > 1) { /* DDP (fl_dp_reduce_grads): the MPI all-reduce's receive scratch, (N-1) x rank 0's
-                      * chunk of the gradients, from the pool while the reduction runs */
-        size_t off, len;
-        fl_comm_chunk(n_train, world, 0, &off, &len);
-        void *sc = palloc(g, FL_TAG_WORKSPACE, (size_t)(world - 1) * len * (lora ? sizeof(float) : es),
-                          "DDP all-reduce scratch ((N-1) x chunk)");
+    if (world > 1) { /* fl_dp_reduce_grads: the MPI reduction's receive scratch, (N-1) x this rank's chunk of
+                      * the gradients, from the pool while it runs (DDP and ZeRO-1 all-reduce, ZeRO-2
+                      * reduce-scatter: the same scratch) */
+        size_t ges = lora ? sizeof(float) : es;
+        snprintf(g->step, sizeof g->step, "after_reduce");
+        void *sc = palloc(g, FL_TAG_WORKSPACE, (size_t)(world - 1) * c_len * ges,
+                          stage == 2 ? "ZeRO-2 reduce-scatter scratch ((N-1) x chunk)"
+                                     : "gradient all-reduce scratch ((N-1) x chunk)");
         if (sc) fl_mem_free(pl, sc);
+        if (stage == 2) fl_mem_set_live(pl, grads, c_len * ges); /* the reduced chunk this rank keeps */
+        snap(g, "after_reduce");
     }
     snprintf(g->step, sizeof g->step, "after_opt_step");
     fl_mem_set_phase(pl, "optimizer step");
@@ -569,11 +580,26 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     }
     FL_TRY(fl_cfg_validate(c));
     p->devices = c->devices * c->num_nodes;
-    if (p->devices > 1)
+    int stage = 0;
+    FL_TRY(fl_cfg_zero_stage(c->strategy, c->sharding_strategy, &stage));
+    if (p->devices > 1 && (opts.rank < 0 || opts.rank >= p->devices))
+        return fl_errorf(FL_ERR_INVALID, "plan --rank %d: the run has ranks 0..%d", opts.rank, p->devices - 1);
+    p->rank = p->devices > 1 ? opts.rank : 0;
+    p->zero_stage = p->devices > 1 ? stage : 0;
+    if (p->zero_stage && c->optimizer.kind == FL_OPT_ADAMW8BIT)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "ZeRO (strategy %s) with AdamW8bit is not implemented yet: its "
+                         "block-wise state is kept per tensor; use --strategy ddp, or AdamW / SGD", c->strategy);
+    if (p->devices > 1 && !p->zero_stage)
         note(p, "data parallel (DDP) over %d ranks: the memory of ONE rank (every rank holds the whole model, its "
                 "gradients and optimizer state), with the gradient all-reduce's scratch in WORKSPACE", p->devices);
+    else if (p->devices > 1)
+        note(p, "ZeRO-%d over %d ranks: rank %d's memory: OPTIM for its chunk of the parameters; %s; parameters "
+                "whole", p->zero_stage, p->devices, p->rank,
+             p->zero_stage == 2 ? "GRADS reserved in full (backward fills the flat buffer), live after the "
+                                  "reduce-scatter: the chunk" : "gradients whole (all-reduced)");
     plan_ctx x;
     memset(&x, 0, sizeof x);
+    x.rank = p->rank;
     FL_TRY(resolve_model(c, &x.mc, p->model_source, sizeof p->model_source));
     p->model = x.mc;
     p->n_params = fl_sizing_param_count(&x.mc);
@@ -759,8 +785,10 @@ void fl_plan_write_json(const fl_plan *p, FILE *f) {
     jstr(f, p->precision);
     fprintf(f, ", \"optimizer\": ");
     jstr(f, p->optimizer);
-    fprintf(f, ", \"activation_checkpointing\": %s, \"eval_generation\": %s, \"devices\": %d},\n",
-            p->act_ckpt ? "true" : "false", p->generation ? "true" : "false", p->devices > 0 ? p->devices : 1);
+    fprintf(f, ", \"activation_checkpointing\": %s, \"eval_generation\": %s, \"devices\": %d, \"rank\": %d, "
+               "\"zero_stage\": %d},\n",
+            p->act_ckpt ? "true" : "false", p->generation ? "true" : "false", p->devices > 0 ? p->devices : 1, p->rank,
+            p->zero_stage);
     if (p->budget) fprintf(f, "  \"budget\": %zu,\n", p->budget);
     else fprintf(f, "  \"budget\": null,\n");
     fprintf(f, "  \"tags\": [");

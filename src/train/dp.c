@@ -55,8 +55,20 @@ fl_status fl_dp_check(const fl_dp *dp, const fl_optimizer *o) {
 fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o) {
     if (!dp->comm) return FL_OK;
     FL_TRY(fl_dp_check(dp, o));
-    return fl_error_prefix(fl_comm_all_reduce(dp->comm, o->g, o->g, o->n, o->gt, FL_COMM_SUM),
-                           "data parallel: reducing the gradients");
+    if (dp->stage == 2) {
+        /* ZeRO-2: rank r receives the sum of its chunk only, in place at its offset; element i is
+         * still x_0[i] + ... + x_{N-1}[i] in rank order, the all-reduce's bits */
+        size_t es = fl_dtype_size(o->gt);
+        FL_TRY(fl_error_prefix(fl_comm_reduce_scatter(dp->comm, o->g, (char *)o->g + o->s_off * es, o->n, o->gt,
+                                                      FL_COMM_SUM),
+                               "ZeRO-2: reduce-scattering the gradients"));
+        fl_model_grads_live(o->model, o->s_len * es); /* what this rank still needs: its chunk */
+    } else {
+        FL_TRY(fl_error_prefix(fl_comm_all_reduce(dp->comm, o->g, o->g, o->n, o->gt, FL_COMM_SUM),
+                               "data parallel: reducing the gradients"));
+    }
+    fl_mem_snapshot(o->model->pool, "after_reduce");
+    return FL_OK;
 }
 
 fl_status fl_dp_broadcast_params(fl_dp *dp, fl_optimizer *o) {

@@ -16,6 +16,7 @@
 #ifndef FL_TRAIN_DP_H
 #define FL_TRAIN_DP_H
 
+#include "fitllm/checkpoint.h"
 #include "fitllm/comm.h"
 #include "fitllm/config.h"
 #include "fitllm/train.h"
@@ -23,6 +24,8 @@
 typedef struct {
     fl_comm *comm; /* NULL: one process */
     int rank, world;
+    int stage;     /* ZeRO stage of the run's strategy: 0 DDP (NO_SHARD), 1, 2 (see zero.c); 0 in one process */
+    fl_optim_dist dist; /* the optimizer's hooks (fl_dp_optim_init) */
 } fl_dp;
 
 /* comm may be NULL (rank 0 of 1). */
@@ -42,9 +45,32 @@ fl_status fl_dp_gather(fl_dp *dp, const double *v, int n, double *all);
 fl_status fl_dp_check_config(fl_dp *dp, const fl_run_config *cfg);
 /* What this build cannot reduce yet (F16 gradients), checked at set-up. */
 fl_status fl_dp_check(const fl_dp *dp, const fl_optimizer *o);
-/* Sum the trainable gradients (o->g, F32 or BF16) over ranks in place: one all-reduce of the
- * flat buffer (not yet bucketed per block as backward ends). */
+/* Sum the trainable gradients (o->g, F32 or BF16) over ranks in place (not yet bucketed per block
+ * as backward ends): DDP and ZeRO-1 one all-reduce of the flat buffer (every rank holds the whole
+ * sum), ZeRO-2 one reduce-scatter (each rank holds the sum of its chunk, in place at its offset;
+ * the rest of the buffer is dead: GRADS live = the chunk's bytes). With several ranks the memory
+ * snapshot "after_reduce" follows. */
 fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o);
+
+/* ---- ZeRO (src/train/zero.c) ---------------------------------------------------------------- */
+
+/* The optimizer of the run: the strategy's ZeRO stage (cfg->strategy, fsdp.sharding_strategy) is
+ * read into dp->stage; stages 1 and 2 hold state for this rank's chunk only (fl_optim_init_shard),
+ * and every stage gets the hooks (o->dist: the rank-ordered sum the clipping norm uses, the
+ * all-gather of the updated parameters). */
+fl_status fl_dp_optim_init(fl_dp *dp, const fl_run_config *cfg, fl_optimizer *o, fl_model *m);
+/* Checkpoints in the single-process format at every stage. Save: under ZeRO the ranks' optimizer
+ * state chunks travel to rank 0 (one broadcast per rank, into a full-size host staging buffer on
+ * rank 0 and a chunk-sized one elsewhere, outside the pool: checkpoint I/O staging), then rank 0
+ * (`write`) saves. Collective under ZeRO. o may be NULL (no optimizer state saved). */
+fl_status fl_dp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const char *name, const fl_model *m,
+                          const fl_optimizer *o, const fl_train_state *st, const fl_run_config *cfg,
+                          const char *tok_dir);
+/* Load: every rank reads the checkpoint; under ZeRO the full state goes through host staging and
+ * each rank keeps its chunk. Not collective. */
+fl_status fl_dp_ckpt_load(fl_dp *dp, const char *dir, fl_model *m, fl_optimizer *o, fl_train_state *st);
+/* "DDP", "ZeRO-1", "ZeRO-2". */
+const char *fl_dp_stage_name(const fl_dp *dp);
 /* Rank 0's trainable parameters (and so the compute copy) to every rank. */
 fl_status fl_dp_broadcast_params(fl_dp *dp, fl_optimizer *o);
 /* A collective verdict on a phase every rank runs (set-up): each rank's status in, FL_OK on
