@@ -42,9 +42,11 @@ for np in 2 4; do
     fi
 done
 
-# DDP training (tests/mpi/ddp_mpi_test.c): each scenario vs one process and vs the threads twin
+# DDP and ZeRO-1/2 training (tests/mpi/ddp_mpi_test.c): each scenario vs one process and vs the
+# threads twin; ZeRO also vs DDP (same bits) and each rank's memory vs the plan; 3 ranks: ZeRO only
+# (an odd split of the parameters)
 DDP=$BUILD/fitllm_ddp_mpi_test
-for np in 2 4; do
+for np in 2 3 4; do
     mkdir -p "$T/ddp$np"
     timeout 600 mpirun -np $np "$DDP" "$T/ddp$np" >"$T/out" 2>&1; rc=$?
     if [ $rc -eq 0 ] && grep -q "ddp mpi test: $np ranks, .* 0 failures" "$T/out"; then

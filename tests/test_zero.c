@@ -31,7 +31,7 @@ static fl_status zrank(fl_comm *c, int rank, void *ud) {
 
 static zjob *run_ranks(int sc, int world, const char *strategy, const char *sharding, const char *tag) {
     zjob *j = calloc(1, sizeof *j);
-    FL_REQUIRE(j != NULL);
+    if (!j) abort(); /* the test harness' FL_REQUIRE returns no value */
     char out[700];
     snprintf(out, sizeof out, "%s/%s-%s%d", fl_test_tmpdir(), zr_names[sc], tag, world);
     zr_config(&j->cfg, sc, world, world, 1, strategy, sharding, out);
