@@ -156,7 +156,7 @@ expect plan_devices_2 0 "data parallel \(DDP\) over 2 ranks: the memory of ONE r
 expect plan_strategy_fsdp 2 "fsdp.sharding_strategy 'FULL_SHARD' is not implemented yet \(issue #14" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy fsdp
 expect plan_zero1_rank 0 "ZeRO-1 over 4 ranks: rank 3's memory: OPTIM for its chunk" -- "$FITLLM" plan tinyllama-1.1b --devices 4 --strategy deepspeed_stage_1 --rank 3
 expect plan_zero_rank_range 2 "plan --rank 4: the run has ranks 0..3" -- "$FITLLM" plan tinyllama-1.1b --devices 4 --strategy deepspeed_stage_2 --rank 4
-expect plan_zero_8bit 2 "with AdamW8bit is not implemented yet" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy deepspeed_stage_1 --optimizer bnb.optim.AdamW8bit
+expect plan_zero_8bit 0 "ZeRO-2 over 2 ranks" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy deepspeed_stage_2 --optimizer bnb.optim.AdamW8bit
 printf 'strategy: fsdp\ndevices: 2\nfsdp:\n  sharding_strategy: SHARD_GRAD_OP\n' > "$T/zero2.yaml"
 expect plan_zero2_yaml 0 "ZeRO-2 over 2 ranks" -- "$FITLLM" plan micro --config "$T/zero2.yaml"
 expect plan_zero_json 0 '"rank": 1, "zero_stage": 2' -- "$FITLLM" plan micro --config "$T/zero2.yaml" --rank 1 --json

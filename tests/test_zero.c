@@ -4,6 +4,8 @@
  * strategies refused. tests/zero_ref.h explains the scenarios and bounds; tests/mpi/ddp_mpi_test.c
  * runs them under mpirun. */
 #include <math.h>
+#include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -11,7 +13,7 @@
 #include "test.h"
 #include "zero_ref.h"
 
-#define ZT_MAX_RANKS 4
+#define ZT_MAX_RANKS 8
 
 typedef struct {
     fl_run_config cfg;
@@ -199,17 +201,107 @@ FL_TEST(zero_strategies_refused_clearly) {
              fl_cfg_set(&c, "fsdp.sharding_strategy", "") == FL_OK && fl_cfg_validate(&c) == FL_OK);
 }
 
-/* 8-bit AdamW under ZeRO: refused at set-up on every rank (its block-wise state is per tensor). */
-FL_TEST(zero_threads_adamw8bit_refused) {
-    zjob *j = calloc(1, sizeof *j);
-    FL_REQUIRE(j != NULL);
+/* LoRA adapters under ZeRO-2: DDP's bits (the adapters are the trainable buffer). ZeRO-2 with
+ * 8-bit AdamW needs 255 trainable elements per rank (its blocks reach one neighbour only): the
+ * adapters of r=1 on q and v (1120 elements) over 8 ranks have fewer, refused at set-up on every rank. */
+FL_TEST(zero_threads_lora_and_tiny_8bit_zero2_refused) {
+    zjob *j[2];
+    for (int k = 0; k < 2; k++) {
+        j[k] = calloc(1, sizeof *j[k]);
+        FL_REQUIRE(j[k] != NULL);
+        char out[700];
+        snprintf(out, sizeof out, "%s/zl%d", fl_test_tmpdir(), k);
+        dr_config(&j[k]->cfg, DR_LORA, 2, 2, 1, 1, out);
+        snprintf(j[k]->cfg.strategy, sizeof j[k]->cfg.strategy, "%s", k ? "deepspeed_stage_2" : "ddp");
+        FL_CHECKF(fl_comm_threads_run(2, zrank, j[k]) == FL_OK, "LoRA %s: %s", j[k]->cfg.strategy, fl_error_message());
+    }
+    FL_CHECKF(j[0]->rec[0].bytes && zr_same(&j[0]->rec[0], &j[1]->rec[0]), "LoRA: ZeRO-2 differs from DDP in bits");
+    FL_CHECK(j[1]->res[0].peak[FL_TAG_OPTIM] * 2 == j[0]->res[0].peak[FL_TAG_OPTIM]);
+    free_job(j[0]);
+    free_job(j[1]);
+    zjob *t = calloc(1, sizeof *t);
+    FL_REQUIRE(t != NULL);
     char out[700];
-    snprintf(out, sizeof out, "%s/z8", fl_test_tmpdir());
-    zr_config(&j->cfg, ZR_ADAMW, 2, 2, 1, "deepspeed_stage_1", NULL, out);
-    j->cfg.optimizer.kind = FL_OPT_ADAMW8BIT;
-    FL_CHECK(fl_comm_threads_run(2, zrank, j) != FL_OK);
-    for (int r = 0; r < 2; r++)
-        FL_CHECKF(j->st[r] != FL_OK && strstr(j->msg[r], "AdamW8bit is not implemented yet"), "rank %d: %s", r,
-                  j->msg[r]);
-    free_job(j);
+    snprintf(out, sizeof out, "%s/z8tiny", fl_test_tmpdir());
+    dr_config(&t->cfg, DR_LORA, 8, 8, 1, 0, out);
+    t->cfg.lora.r = 1;
+    t->cfg.lora.mlp = 0;
+    snprintf(t->cfg.strategy, sizeof t->cfg.strategy, "deepspeed_stage_2");
+    fl_optim_config_default(&t->cfg.optimizer, FL_OPT_ADAMW8BIT);
+    FL_CHECK(fl_comm_threads_run(8, zrank, t) != FL_OK);
+    for (int r = 0; r < 8; r++)
+        FL_CHECKF(t->st[r] != FL_OK && strstr(t->msg[r], "needs at least 255 trainable elements per rank"), "rank %d: %s",
+                  r, t->msg[r]);
+    free_job(t);
+}
+
+FL_TEST(zero_threads_adamw8bit_2_and_3_ranks) {
+    scenario(ZR_ADAMW8, 2);
+    scenario(ZR_ADAMW8, 3);
+}
+
+/* The tensor data of a safetensors file (after the 8-byte length and the JSON header), malloc'd. */
+static unsigned char *st_data(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    unsigned char h[8];
+    unsigned char *d = NULL;
+    if (fread(h, 1, 8, f) == 8) {
+        uint64_t hl = 0;
+        for (int i = 7; i >= 0; i--) hl = hl << 8 | h[i];
+        fseek(f, 0, SEEK_END);
+        long size = ftell(f);
+        if (size > (long)(8 + hl)) {
+            *len = (size_t)size - 8 - hl;
+            d = malloc(*len);
+            fseek(f, (long)(8 + hl), SEEK_SET);
+            if (d && fread(d, 1, *len, f) != *len) { free(d); d = NULL; }
+        }
+    }
+    fclose(f);
+    return d;
+}
+
+/* 8-bit AdamW's consolidated checkpoints: rank 0 reassembles the pieces into the single-process
+ * layout, so ZeRO-1's and ZeRO-2's step-3 checkpoints at 3 ranks hold DDP's bytes (weights and
+ * the whole 8-bit state), and a ZeRO-2 run resumed from its own checkpoint at 3 ranks ends with
+ * the uninterrupted run's bits (each rank takes its pieces back out of the layout). */
+FL_TEST(zero_threads_adamw8bit_checkpoints_equal_ddp) {
+    static const char *strat[3] = {"ddp", "deepspeed_stage_1", "deepspeed_stage_2"};
+    zjob *j[3];
+    char dir[3][700];
+    for (int k = 0; k < 3; k++) {
+        j[k] = calloc(1, sizeof *j[k]);
+        FL_REQUIRE(j[k] != NULL);
+        snprintf(dir[k], sizeof dir[k], "%s/z8ck-%s", fl_test_tmpdir(), strat[k]);
+        zr_config(&j[k]->cfg, ZR_ADAMW8, 3, 3, 1, strat[k], NULL, dir[k]);
+        j[k]->cfg.train.max_steps = 5;
+        j[k]->cfg.train.save_interval = 3;
+        FL_REQUIRE_OK(fl_comm_threads_run(3, zrank, j[k]));
+    }
+    for (int k = 1; k < 3; k++)
+        for (int f = 0; f < 2; f++) {
+            char a[800], b[800];
+            const char *file = f ? "training_state.safetensors" : "model.safetensors";
+            snprintf(a, sizeof a, "%s/step-000003/%s", dir[0], file);
+            snprintf(b, sizeof b, "%s/step-000003/%s", dir[k], file);
+            size_t la = 0, lb = 0;
+            unsigned char *da = st_data(a, &la), *db = st_data(b, &lb);
+            FL_CHECKF(da && db && la == lb && !memcmp(da, db, la), "%s: %s differs from DDP's (%zu vs %zu bytes)",
+                      strat[k], file, la, lb);
+            free(da);
+            free(db);
+        }
+    zjob *r = calloc(1, sizeof *r);
+    FL_REQUIRE(r != NULL);
+    r->cfg = j[2]->cfg;
+    r->cfg.train.save_interval = 0;
+    snprintf(r->cfg.resume, sizeof r->cfg.resume, "%s/step-000003", dir[2]);
+    snprintf(r->cfg.out_dir, sizeof r->cfg.out_dir, "%s/z8ck-resumed", fl_test_tmpdir());
+    FL_REQUIRE_OK(fl_comm_threads_run(3, zrank, r));
+    FL_CHECKF(r->rec[0].bytes && r->rec[0].nbytes == j[2]->rec[0].nbytes &&
+                  !memcmp(r->rec[0].bytes, j[2]->rec[0].bytes, r->rec[0].nbytes),
+              "8-bit ZeRO-2 resumed at 3 ranks differs in bits from the uninterrupted run");
+    for (int k = 0; k < 3; k++) free_job(j[k]);
+    free_job(r);
 }

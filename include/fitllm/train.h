@@ -82,15 +82,26 @@ typedef struct fl_optimizer {
      * fl_optim_step updates: [0, n) except under ZeRO (fl_optim_init_shard) */
     size_t s_off, s_len;
     const fl_optim_dist *dist; /* data-parallel hooks, NULL in one process */
+    size_t *p8_a, *p8_n;       /* 8-bit: (n_tensors) the piece of each tensor whose state st8[i] holds
+                                * (fl_optim_8bit_piece; the whole tensor but under ZeRO) */
 } fl_optimizer;
 
 /* Optimizer over the model's trainable parameters: all of them, or only the
  * LoRA adapters when the model has LoRA (the base is frozen). */
 fl_status fl_optim_init(fl_optimizer *o, fl_model *model, const fl_optim_config *cfg);
 /* The same holding state only for rank `rank`'s chunk of the trainable elements among `world`
- * (fl_comm_chunk's layout: ZeRO). world 1 = fl_optim_init. 8-bit AdamW keeps its block-wise state
- * per tensor and is refused for world > 1 (FL_ERR_UNSUPPORTED). */
+ * (fl_comm_chunk's layout: ZeRO). world 1 = fl_optim_init. 8-bit AdamW keeps its block-wise
+ * state per tensor: see fl_optim_8bit_piece. */
 fl_status fl_optim_init_shard(fl_optimizer *o, fl_model *model, const fl_optim_config *cfg, int world, int rank);
+/* 8-bit AdamW under ZeRO: the piece [*a, *a + *len) of a tensor (t_n elements at flat offset t_off
+ * of n) whose state rank `rank` of `world` keeps and updates: the tensor's elements inside the
+ * rank's chunk, widened to whole blocks of 256 on 8-bit tensors (fl_adam8bit_is_8bit(t_n)), so
+ * every block is quantized over the same elements as in one process; a block cut by a chunk edge
+ * is kept, and updated alike, by both neighbours. *len 0: none. world 1: the whole tensor. */
+void fl_optim_8bit_piece(size_t n, size_t t_off, size_t t_n, int world, int rank, size_t *a, size_t *len);
+/* The widest reach of a rank's 8-bit pieces beyond its chunk, in elements (< 256): ZeRO-2 fetches
+ * that many reduced gradients from each neighbour. */
+#define FL_OPTIM_8BIT_HALO (FL_ADAM8BIT_BLOCK - 1)
 void fl_optim_free(fl_optimizer *o);
 /* Global L2 norm of the model's gradients (double accumulation). fl_optim_step computes the norm
  * it clips with as the sum, in rank order, of the squared norms of the world's gradient chunks

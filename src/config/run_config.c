@@ -67,7 +67,7 @@ static const fl_cfg_key k_keys[] = {
     {"devices", FL_CK_DEVICES, OFF(devices), "devices (ranks) per node, or auto (1 CPU device); > 1: launch with mpirun -np devices x num_nodes"},
     {"num_nodes", FL_CK_POS, OFF(num_nodes), "number of nodes"},
     {"strategy", FL_CK_STR32, OFF(strategy), "auto | ddp | deepspeed_stage_1 | deepspeed_stage_2 | fsdp (auto = ddp; ZeRO-1/2 shard the optimizer state / gradients)"},
-    {"fsdp.sharding_strategy", FL_CK_STR32, OFF(sharding_strategy), "--strategy fsdp: NO_SHARD (= ddp) | SHARD_GRAD_OP (= ZeRO-2); FULL_SHARD, HYBRID_SHARD: not yet"},
+    {"fsdp.sharding_strategy", FL_CK_STR32, OFF(sharding_strategy), "--strategy fsdp: NO_SHARD (= ddp) | SHARD_GRAD_OP (= ZeRO-2); FULL_SHARD (fsdp's default), HYBRID_SHARD: not yet"},
     {"resume", FL_CK_RESUME, OFF(resume), "false | true | auto | path to a checkpoint folder"},
     {"seed", FL_CK_U64, OFF(seed), "random seed"},
     {"logger_name", FL_CK_LOGGER, OFF(logger_name), "csv | jsonl (metrics in out_dir/logs/); tensorboard, wandb, mlflow: csv"},

@@ -269,11 +269,27 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     oc = &ocp;
     if (oc->kind == FL_OPT_ADAMW8BIT) { /* one allocation, bound per tensor (fl_optim_init) */
         size_t b8 = 0;
-        if (lora)
-            for (int j = 0; j < n_mods; j++)
-                b8 += fl_adam8bit_state_bytes((size_t)lc.r * mods[j].in) + fl_adam8bit_state_bytes((size_t)mods[j].out * lc.r);
-        else if (have_lay)
-            b8 = fl_optim_state_bytes_layout(oc, &lay);
+        const int zw = stage ? world : 1, zr = stage ? (x->rank < world ? x->rank : 0) : 0;
+        /* tensor t_n at flat offset t_off: its piece's state (ZeRO: the blocks meeting this rank's
+         * chunk, fl_optim_8bit_piece; else the whole tensor) */
+#define PIECE(t_off, t_n)                                                                 \
+    do {                                                                                  \
+        size_t pa_, pn_;                                                                  \
+        fl_optim_8bit_piece(n_train, (t_off), (t_n), zw, zr, &pa_, &pn_);                 \
+        b8 += fl_adam8bit_state_bytes_ex(pn_, fl_adam8bit_is_8bit(t_n));                  \
+    } while (0)
+        if (lora) {
+            size_t *lo = calloc(2 * (size_t)n_mods + 1, sizeof *lo), tot = 0;
+            if (lo) fl_lora_adapter_offsets(mods, n_mods, lc.r, lo, &tot);
+            for (int j = 0; lo && j < n_mods; j++) {
+                PIECE(lo[2 * j], (size_t)lc.r * mods[j].in);
+                PIECE(lo[2 * j + 1], (size_t)mods[j].out * lc.r);
+            }
+            free(lo);
+        } else if (have_lay) {
+            for (int i = 0; i < lay.n; i++) PIECE(lay.params[i].offset, lay.params[i].numel);
+        }
+#undef PIECE
         palloc(g, FL_TAG_OPTIM, b8, "AdamW8bit block-wise state");
     } else {
         size_t st = fl_optim_state_bytes(oc, n_state);
@@ -340,7 +356,14 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
                           stage == 2 ? "ZeRO-2 reduce-scatter scratch ((N-1) x chunk)"
                                      : "gradient all-reduce scratch ((N-1) x chunk)");
         if (sc) fl_mem_free(pl, sc);
-        if (stage == 2) fl_mem_set_live(pl, grads, c_len * ges); /* the reduced chunk this rank keeps */
+        if (stage == 2 && oc->kind == FL_OPT_ADAMW8BIT) /* 8-bit: the neighbours' edge gradients (halo_8bit) */
+            fl_mem_free(pl, palloc(g, FL_TAG_WORKSPACE, ((size_t)world + 1) * 2 * FL_OPTIM_8BIT_HALO * ges,
+                                   "ZeRO-2 8-bit halo exchange"));
+        if (stage == 2) { /* the reduced chunk this rank keeps (+ the 8-bit halo, fl_dp_zero2_halo) */
+            int r = x->rank < world ? x->rank : 0;
+            size_t halo = oc->kind == FL_OPT_ADAMW8BIT ? (size_t)FL_OPTIM_8BIT_HALO * ((r > 0) + (r < world - 1)) : 0;
+            fl_mem_set_live(pl, grads, (c_len + halo) * ges);
+        }
         snap(g, "after_reduce");
     }
     snprintf(g->step, sizeof g->step, "after_opt_step");
@@ -586,9 +609,6 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
         return fl_errorf(FL_ERR_INVALID, "plan --rank %d: the run has ranks 0..%d", opts.rank, p->devices - 1);
     p->rank = p->devices > 1 ? opts.rank : 0;
     p->zero_stage = p->devices > 1 ? stage : 0;
-    if (p->zero_stage && c->optimizer.kind == FL_OPT_ADAMW8BIT)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "ZeRO (strategy %s) with AdamW8bit is not implemented yet: its "
-                         "block-wise state is kept per tensor; use --strategy ddp, or AdamW / SGD", c->strategy);
     if (p->devices > 1 && !p->zero_stage)
         note(p, "data parallel (DDP) over %d ranks: the memory of ONE rank (every rank holds the whole model, its "
                 "gradients and optimizer state), with the gradient all-reduce's scratch in WORKSPACE", p->devices);

@@ -52,6 +52,31 @@ fl_status fl_dp_check(const fl_dp *dp, const fl_optimizer *o) {
     return FL_OK;
 }
 
+/* ZeRO-2 with 8-bit AdamW: a rank's pieces reach up to FL_OPTIM_8BIT_HALO elements into each
+ * neighbour's chunk (whole blocks), so after the reduce-scatter every rank sends its chunk's first
+ * and last H reduced gradients to all (one all-gather of 2H per rank, WORKSPACE while it runs) and
+ * takes its neighbours' into place. Every chunk holds >= H elements (fl_dp_optim_init). */
+static fl_status halo_8bit(fl_dp *dp, fl_optimizer *o) {
+    const size_t H = FL_OPTIM_8BIT_HALO, es = fl_dtype_size(o->gt), per = 2 * H;
+    char *g = o->g, *buf;
+    FL_TRY(fl_mem_alloc(o->model->pool, FL_TAG_WORKSPACE, ((size_t)dp->world + 1) * per * es, (void **)&buf));
+    char *mine = buf + (size_t)dp->world * per * es;
+    memcpy(mine, g + o->s_off * es, H * es);
+    memcpy(mine + H * es, g + (o->s_off + o->s_len - H) * es, H * es);
+    fl_status s = fl_comm_all_gather(dp->comm, mine, buf, (size_t)dp->world * per, es == 4 ? FL_F32 : FL_BF16);
+    if (s == FL_OK && dp->rank > 0) /* the tail of rank - 1's chunk ends where ours starts */
+        memcpy(g + (o->s_off - H) * es, buf + ((size_t)(dp->rank - 1) * per + H) * es, H * es);
+    if (s == FL_OK && dp->rank < dp->world - 1) /* the head of rank + 1's */
+        memcpy(g + (o->s_off + o->s_len) * es, buf + (size_t)(dp->rank + 1) * per * es, H * es);
+    fl_mem_free(o->model->pool, buf);
+    return fl_error_prefix(s, "ZeRO-2: the 8-bit optimizer's neighbouring gradients");
+}
+
+size_t fl_dp_zero2_halo(int world, int rank, const fl_optim_config *c) {
+    if (c->kind != FL_OPT_ADAMW8BIT || world < 2) return 0;
+    return (size_t)FL_OPTIM_8BIT_HALO * ((rank > 0) + (rank < world - 1));
+}
+
 fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o) {
     if (!dp->comm) return FL_OK;
     FL_TRY(fl_dp_check(dp, o));
@@ -62,7 +87,9 @@ fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o) {
         FL_TRY(fl_error_prefix(fl_comm_reduce_scatter(dp->comm, o->g, (char *)o->g + o->s_off * es, o->n, o->gt,
                                                       FL_COMM_SUM),
                                "ZeRO-2: reduce-scattering the gradients"));
-        fl_model_grads_live(o->model, o->s_len * es); /* what this rank still needs: its chunk */
+        if (o->cfg.kind == FL_OPT_ADAMW8BIT) FL_TRY(halo_8bit(dp, o));
+        /* what this rank still needs: its chunk (and the 8-bit halo) */
+        fl_model_grads_live(o->model, (o->s_len + fl_dp_zero2_halo(dp->world, dp->rank, &o->cfg)) * es);
     } else {
         FL_TRY(fl_error_prefix(fl_comm_all_reduce(dp->comm, o->g, o->g, o->n, o->gt, FL_COMM_SUM),
                                "data parallel: reducing the gradients"));

@@ -51,6 +51,9 @@ fl_status fl_dp_check(const fl_dp *dp, const fl_optimizer *o);
  * the rest of the buffer is dead: GRADS live = the chunk's bytes). With several ranks the memory
  * snapshot "after_reduce" follows. */
 fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o);
+/* ZeRO-2 with 8-bit AdamW: the reduced gradients a rank fetches from its neighbours beyond its
+ * chunk (FL_OPTIM_8BIT_HALO from each), 0 otherwise. */
+size_t fl_dp_zero2_halo(int world, int rank, const fl_optim_config *c);
 
 /* ---- ZeRO (src/train/zero.c) ---------------------------------------------------------------- */
 

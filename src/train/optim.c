@@ -80,14 +80,29 @@ fl_status fl_optim_init(fl_optimizer *o, fl_model *model, const fl_optim_config 
     return fl_optim_init_shard(o, model, cfg, 1, 0);
 }
 
+void fl_optim_8bit_piece(size_t n, size_t t_off, size_t t_n, int world, int rank, size_t *a, size_t *len) {
+    size_t off, cl;
+    fl_comm_chunk(n, world, rank, &off, &cl);
+    size_t lo = off > t_off ? off : t_off, hi = off + cl < t_off + t_n ? off + cl : t_off + t_n;
+    *a = 0;
+    *len = 0;
+    if (lo >= hi) return;
+    size_t x = lo - t_off, y = hi - t_off; /* tensor-relative */
+    if (fl_adam8bit_is_8bit(t_n)) {
+        const size_t B = FL_ADAM8BIT_BLOCK;
+        x = x / B * B;
+        y = (y + B - 1) / B * B;
+        if (y > t_n) y = t_n;
+    }
+    *a = x;
+    *len = y - x;
+}
+
 fl_status fl_optim_init_shard(fl_optimizer *o, fl_model *model, const fl_optim_config *cfg, int world, int rank) {
     memset(o, 0, sizeof *o);
     if (world < 1 || rank < 0 || rank >= world)
         return fl_errorf(FL_ERR_INVALID, "optimizer set-up: rank %d of %d", rank, world);
-    if (world > 1 && cfg->kind == FL_OPT_ADAMW8BIT)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "ZeRO (deepspeed_stage_1/2, fsdp SHARD_GRAD_OP) with AdamW8bit is not "
-                         "implemented yet: its block-wise state is kept per tensor and would be cut at the shard "
-                         "edges; use --strategy ddp with 8-bit AdamW, or AdamW / SGD with ZeRO");
+
     if (cfg->kind < 0 || cfg->kind >= FL_OPT_COUNT) return fl_errorf(FL_ERR_INVALID, "unknown optimizer %d", (int)cfg->kind);
     if (cfg->state_dtype != FL_F32 && cfg->state_dtype != FL_BF16)
         return fl_errorf(FL_ERR_INVALID, "optimizer state dtype must be F32 or BF16");
@@ -117,15 +132,22 @@ fl_status fl_optim_init_shard(fl_optimizer *o, fl_model *model, const fl_optim_c
     } else if (cfg->kind == FL_OPT_SGD) {
         if (cfg->momentum != 0.0f) s = fl_mem_calloc(model->pool, FL_TAG_OPTIM, bytes, (void **)&o->buf);
     } else {
-        /* 8-bit: one OPTIM allocation, bound tensor by tensor (zeroed = fresh state) */
-        for (int i = 0; i < o->n_tensors; i++) o->state8_bytes += fl_adam8bit_state_bytes(o->t_n[i]);
+        /* 8-bit: one OPTIM allocation, bound tensor by tensor (zeroed = fresh state); under ZeRO
+         * each tensor's piece (whole blocks) that meets this rank's chunk */
         o->st8 = calloc((size_t)o->n_tensors + 1, sizeof *o->st8);
-        if (!o->st8) s = fl_errorf(FL_ERR_OOM, "8-bit optimizer bookkeeping: out of host memory");
+        o->p8_a = calloc((size_t)o->n_tensors + 1, sizeof *o->p8_a);
+        o->p8_n = calloc((size_t)o->n_tensors + 1, sizeof *o->p8_n);
+        if (!o->st8 || !o->p8_a || !o->p8_n) s = fl_errorf(FL_ERR_OOM, "8-bit optimizer bookkeeping: out of host memory");
+        for (int i = 0; s == FL_OK && i < o->n_tensors; i++) {
+            fl_optim_8bit_piece(o->n, o->t_off[i], o->t_n[i], world, rank, &o->p8_a[i], &o->p8_n[i]);
+            o->state8_bytes += fl_adam8bit_state_bytes_ex(o->p8_n[i], fl_adam8bit_is_8bit(o->t_n[i]));
+        }
         if (s == FL_OK) s = fl_mem_calloc(model->pool, FL_TAG_OPTIM, o->state8_bytes, &o->state8);
         size_t off = 0;
         for (int i = 0; s == FL_OK && i < o->n_tensors; i++) {
-            s = fl_adam8bit_state_bind(&o->st8[i], o->t_n[i], (char *)o->state8 + off);
-            off += fl_adam8bit_state_bytes(o->t_n[i]);
+            int e8 = fl_adam8bit_is_8bit(o->t_n[i]);
+            s = fl_adam8bit_state_bind_ex(&o->st8[i], o->p8_n[i], e8, (char *)o->state8 + off);
+            off += fl_adam8bit_state_bytes_ex(o->p8_n[i], e8);
         }
     }
     if (s != FL_OK) {
@@ -142,6 +164,8 @@ void fl_optim_free(fl_optimizer *o) {
     fl_mem_free(o->model->pool, o->buf);
     fl_mem_free(o->model->pool, o->state8);
     free(o->st8);
+    free(o->p8_a);
+    free(o->p8_n);
     free(o->t_off);
     free(o->t_n);
     memset(o, 0, sizeof *o);
@@ -252,7 +276,8 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
     } else {
         /* block-wise state is per tensor, as bitsandbytes keeps it per parameter */
         for (int i = 0; i < o->n_tensors; i++) {
-            size_t off = o->t_off[i];
+            if (!o->p8_n[i]) continue; /* ZeRO: not in this rank's chunk */
+            size_t off = o->t_off[i] + o->p8_a[i];
             FL_TRY(be->adam8bit_update(be, (char *)o->p + off * fl_dtype_size(o->pt), o->pt,
                                        (const char *)o->g + off * fl_dtype_size(o->gt), o->gt, &o->st8[i], lr, c->beta1,
                                        c->beta2, c->eps, c->weight_decay, o->step, scale));
