@@ -36,7 +36,7 @@ static const fl_plan_technique k_tech[] = {
     {"qlora", 1, "fitllm finetune_lora --quantize bnb.nf4-dq", "LoRA on bitsandbytes NF4/FP4 4-bit base weights"},
     {"cpu_offload", 0, "optimizer state and master weights on the host", "not available yet"},
     {"ddp", 0, "mpirun -np N fitllm ... --devices N", "DDP runs under mpirun; the lab trains in one process, so its ddp rows are not run yet"},
-    {"fsdp", 0, "--devices N --strategy fsdp", "sharded training is not available yet"},
+    {"fsdp", 0, "--devices N --strategy fsdp", "parameter sharding (FULL_SHARD / ZeRO-3) is not available yet; ZeRO-1/2 are (--strategy deepspeed_stage_1|2)"},
 };
 #define N_TECH (int)(sizeof k_tech / sizeof k_tech[0])
 
