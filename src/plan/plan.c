@@ -161,6 +161,8 @@ static int has_val_split(const fl_run_config *c) {
     }
 }
 
+#define FL_PLAN_MAX_GROUPS 1024 /* layout groups (layers + 2) the bucket replay handles */
+
 typedef struct {
     fl_model_config mc;
     int T;
@@ -326,6 +328,15 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
         head_grads = fl_lora_sizing_head_grads(&lc, mods, n_mods);
     }
     free(mods);
+    /* bucketed reduction (fl_dp_buckets_arm): the layout groups' sizes, in backward's order */
+    const int bucketed = fl_trainer_dp_bucketed(world, stage, lora) && have_lay;
+    int n_bk = bucketed ? lay.n_groups : 0;
+    size_t bk[FL_PLAN_MAX_GROUPS];
+    if (n_bk > FL_PLAN_MAX_GROUPS) n_bk = 0;
+    for (int i = 0; i < n_bk; i++) { /* head group (L+1), blocks L-1 .. 0 (groups L .. 1), embeddings (0) */
+        int gi = lay.n_groups - 1 - i;
+        bk[i] = lay.group_offset[gi + 1] - lay.group_offset[gi];
+    }
     if (have_lay) fl_layout_free(&lay);
     size_t ids = (size_t)accum * B * x->T * sizeof(int32_t);
     palloc(g, FL_TAG_OTHER, ids, "step token ids (accumulation x B x T)");
@@ -346,26 +357,49 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     fl_mem_set_live(pl, work, as.work_const_bytes);
     fl_mem_set_live(pl, lacts, 0);
     fl_mem_set_live(pl, grads, SIZE_MAX);
+    /* the last micro-batch's backward posts one bucket per group, the previous one waited for first:
+     * the MPI scratch of one bucket, (N-1) x this rank's chunk of it, at a time; the last (the
+     * embeddings) is still in flight when backward returns. With accumulation 1 that backward is
+     * the first micro-batch's, before after_bwd. */
+    const size_t ges = lora ? sizeof(float) : es;
+    const int rnk = x->rank < world ? x->rank : 0;
+    void *bk_last = NULL;
+#define BUCKETS()                                                                                  \
+    do {                                                                                           \
+        for (int i = 0; i < n_bk; i++) {                                                           \
+            size_t bo_, bl_;                                                                       \
+            fl_comm_chunk(bk[i], world, rnk, &bo_, &bl_);                                          \
+            if (bk_last) fl_mem_free(pl, bk_last);                                                 \
+            bk_last = bl_ && world > 1 ? palloc(g, FL_TAG_WORKSPACE, (size_t)(world - 1) * bl_ * ges, \
+                                                       "gradient bucket all-reduce scratch") : NULL; \
+        }                                                                                          \
+    } while (0)
+    if (n_bk && accum == 1) BUCKETS();
     snap(g, "after_bwd");
     if (world > 1) { /* fl_dp_reduce_grads: the MPI reduction's receive scratch, (N-1) x this rank's chunk of
                       * the gradients, from the pool while it runs (DDP and ZeRO-1 all-reduce, ZeRO-2
                       * reduce-scatter: the same scratch) */
-        size_t ges = lora ? sizeof(float) : es;
         snprintf(g->step, sizeof g->step, "after_reduce");
-        void *sc = palloc(g, FL_TAG_WORKSPACE, (size_t)(world - 1) * c_len * ges,
-                          stage == 2 ? "ZeRO-2 reduce-scatter scratch ((N-1) x chunk)"
-                                     : "gradient all-reduce scratch ((N-1) x chunk)");
-        if (sc) fl_mem_free(pl, sc);
+        if (n_bk) { /* bucketed: the last micro-batch's buckets (accumulation > 1), then the last completes */
+            if (accum > 1) BUCKETS();
+            if (bk_last) fl_mem_free(pl, bk_last);
+        } else {
+            void *sc = palloc(g, FL_TAG_WORKSPACE, (size_t)(world - 1) * c_len * ges,
+                              stage == 2 ? "ZeRO-2 reduce-scatter scratch ((N-1) x chunk)"
+                                         : "gradient all-reduce scratch ((N-1) x chunk)");
+            if (sc) fl_mem_free(pl, sc);
+        }
         if (stage == 2 && oc->kind == FL_OPT_ADAMW8BIT) /* 8-bit: the neighbours' edge gradients (halo_8bit) */
             fl_mem_free(pl, palloc(g, FL_TAG_WORKSPACE, ((size_t)world + 1) * 2 * FL_OPTIM_8BIT_HALO * ges,
                                    "ZeRO-2 8-bit halo exchange"));
         if (stage == 2) { /* the reduced chunk this rank keeps (+ the 8-bit halo, fl_dp_zero2_halo) */
-            int r = x->rank < world ? x->rank : 0;
+            int r = rnk;
             size_t halo = oc->kind == FL_OPT_ADAMW8BIT ? (size_t)FL_OPTIM_8BIT_HALO * ((r > 0) + (r < world - 1)) : 0;
             fl_mem_set_live(pl, grads, (c_len + halo) * ges);
         }
         snap(g, "after_reduce");
     }
+#undef BUCKETS
     snprintf(g->step, sizeof g->step, "after_opt_step");
     fl_mem_set_phase(pl, "optimizer step");
     fl_mem_set_live(pl, grads, 0);

@@ -77,10 +77,40 @@ size_t fl_dp_zero2_halo(int world, int rank, const fl_optim_config *c) {
     return (size_t)FL_OPTIM_8BIT_HALO * ((rank > 0) + (rank < world - 1));
 }
 
+int fl_trainer_dp_bucketed(int world, int stage, int lora) { return world > 1 && stage < 2 && !lora; }
+
+static fl_status bucket_ready(void *ud, size_t off, size_t n) {
+    fl_dp *dp = ud;
+    fl_optimizer *o = dp->bk_o;
+    /* one bucket in flight: the previous one completes (and frees its scratch) first */
+    FL_TRY(fl_error_prefix(fl_comm_wait(&dp->bk_req), "data parallel: reducing a gradient bucket"));
+    char *g = (char *)o->g + off * fl_dtype_size(o->gt);
+    FL_TRY(fl_error_prefix(fl_comm_iall_reduce(dp->comm, g, g, n, o->gt, FL_COMM_SUM, &dp->bk_req),
+                           "data parallel: posting a gradient bucket (elements %zu..%zu)", off, off + n));
+    dp->bk_done += n;
+    return FL_OK;
+}
+
+void fl_dp_buckets_arm(fl_dp *dp, fl_optimizer *o, int last) {
+    fl_model *m = o->model;
+    int on = last && dp->comm && fl_trainer_dp_bucketed(dp->world, dp->stage, m->lora != NULL) && fl_dp_check(dp, o) == FL_OK;
+    dp->bk_o = on ? o : NULL;
+    dp->bk_done = 0;
+    m->grad_ready = on ? bucket_ready : NULL;
+    m->grad_ready_ud = on ? dp : NULL;
+}
+
 fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o) {
     if (!dp->comm) return FL_OK;
     FL_TRY(fl_dp_check(dp, o));
-    if (dp->stage == 2) {
+    if (dp->bk_o) { /* bucketed: the last bucket (the embeddings) is still in flight */
+        o->model->grad_ready = NULL;
+        dp->bk_o = NULL;
+        FL_TRY(fl_error_prefix(fl_comm_wait(&dp->bk_req), "data parallel: reducing a gradient bucket"));
+        if (dp->bk_done != o->n)
+            return fl_errorf(FL_ERR_INTERNAL, "data parallel: the gradient buckets covered %zu of %zu elements",
+                             dp->bk_done, o->n);
+    } else if (dp->stage == 2) {
         /* ZeRO-2: rank r receives the sum of its chunk only, in place at its offset; element i is
          * still x_0[i] + ... + x_{N-1}[i] in rank order, the all-reduce's bits */
         size_t es = fl_dtype_size(o->gt);
@@ -90,7 +120,7 @@ fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o) {
         if (o->cfg.kind == FL_OPT_ADAMW8BIT) FL_TRY(halo_8bit(dp, o));
         /* what this rank still needs: its chunk (and the 8-bit halo) */
         fl_model_grads_live(o->model, (o->s_len + fl_dp_zero2_halo(dp->world, dp->rank, &o->cfg)) * es);
-    } else {
+    } else { /* one all-reduce of the flat buffer (LoRA's adapters) */
         FL_TRY(fl_error_prefix(fl_comm_all_reduce(dp->comm, o->g, o->g, o->n, o->gt, FL_COMM_SUM),
                                "data parallel: reducing the gradients"));
     }

@@ -605,7 +605,9 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
                     "over the ranks once per step (%s, deterministic rank order)%s\n",
                     fl_dp_stage_name(&t.dp), cfg->strategy[0] ? cfg->strategy : "auto", t.dp.world,
                     fl_comm_impl_name(comm), fl_launch_describe(&comm->launch, lb, sizeof lb),
-                    t.dp.stage == 2 ? "one reduce-scatter: each rank keeps its chunk" : "one all-reduce of the flat buffer",
+                    t.dp.stage == 2 ? "one reduce-scatter: each rank keeps its chunk"
+                    : t.model.lora ? "one all-reduce of the adapters"
+                                   : "all-reduced block by block as the last micro-batch's backward ends each",
                     t.dp.stage ? "; each rank holds the optimizer state of its chunk of the parameters, updates it, "
                     "and the updated parameters are all-gathered" : "");
         }
@@ -676,6 +678,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
                 /* LoRA dropout masks depend on (seed, global iteration) only: a resumed run, and
                  * any world size, draws the same */
                 fl_model_lora_set_seed(&t.model, cfg->seed * 0x9e3779b97f4a7c15ULL + (uint64_t)(iter0 + j));
+                fl_dp_buckets_arm(&t.dp, &t.opt, k == t.accum - 1); /* the last backward reduces block by block */
                 CHECK(diverged(&t, fl_train_micro(&t.model, &t.opt, &t.mbs[k], k, 0, step_valid, lr,
                                                   cfg->train.max_norm, &ls_k, &nv_k, &sr), t.st.step + 1, iter0 + j + 1));
             }

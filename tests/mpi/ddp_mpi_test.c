@@ -211,6 +211,48 @@ out:
     CHECK(fl_comm_barrier(c) == FL_OK, "barrier");
 }
 
+/* Accumulation 1: the last micro-batch is the first, so the bucketed reduction's scratch (the
+ * embeddings' bucket still in flight) is inside the after_bwd snapshot; every rank's memory must
+ * still be the plan's for that rank, byte for byte at every phase (DDP and ZeRO-1 bucketed,
+ * ZeRO-2 not). */
+static void accum1_memory(fl_comm *c, const char *tmp) {
+    int n = fl_comm_size(c);
+    static const char *strat[3] = {"ddp", "deepspeed_stage_1", "deepspeed_stage_2"};
+    for (int k = 0; k < 3; k++) {
+        char out[600];
+        fl_run_config cfg;
+        snprintf(out, sizeof out, "%s/a1-%s", tmp, strat[k]);
+        zr_config(&cfg, ZR_ADAMW, n, n, 1, strat[k], NULL, out);
+        cfg.train.global_batch_size = 2 * n; /* micro 2 x accumulation 1 per rank */
+        cfg.train.max_steps = 2;
+        fl_trainer_result res;
+        fl_status s = fl_trainer_run_comm(&cfg, c, NULL, 0, NULL, NULL, &res);
+        CHECK(s == FL_OK, "accumulation 1, %s: %s", strat[k], fl_error_message());
+        if (s != FL_OK) continue;
+        fl_plan *pl = calloc(1, sizeof *pl);
+        fl_plan_opts po;
+        fl_plan_opts_default(&po);
+        po.no_suggestions = 1;
+        po.generation = 0;
+        po.rank = g_rank;
+        CHECK(pl && fl_plan_run(&cfg, &po, pl) == FL_OK, "plan: %s", fl_error_message());
+        if (pl) {
+            CHECK(pl->peak_total == res.peak_total && !memcmp(pl->peak, res.peak, sizeof pl->peak),
+                  "accumulation 1, %s: rank %d planned peak %zu, measured %zu", strat[k], g_rank, pl->peak_total,
+                  res.peak_total);
+            CHECK(pl->n_phases == res.n_phases, "accumulation 1, %s: phases %d vs %d", strat[k], pl->n_phases,
+                  res.n_phases);
+            for (int i = 0; i < pl->n_phases && i < res.n_phases; i++)
+                CHECK(!memcmp(pl->phases[i].cur, res.phases[i].cur, sizeof pl->phases[i].cur) &&
+                          pl->phases[i].peak_total == res.phases[i].peak_total,
+                      "accumulation 1, %s: rank %d phase %s differs from the plan", strat[k], g_rank,
+                      res.phases[i].name);
+        }
+        free(pl);
+    }
+    CHECK(fl_comm_barrier(c) == FL_OK, "barrier");
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr, "usage: fitllm_ddp_mpi_test TMPDIR (under mpirun)\n");
@@ -228,6 +270,7 @@ int main(int argc, char **argv) {
     if (n != 3)
         for (int sc = 0; sc < DR_COUNT; sc++) scenario(c, tmp, sc);
     for (int sc = 0; sc < ZR_COUNT; sc++) zero_scenario(c, tmp, sc);
+    accum1_memory(c, tmp);
     float f = (float)g_fails, fmax = 0, chk = (float)g_checks, csum = 0;
     if (fl_comm_all_reduce(c, &f, &fmax, 1, FL_F32, FL_COMM_MAX) != FL_OK ||
         fl_comm_all_reduce(c, &chk, &csum, 1, FL_F32, FL_COMM_SUM) != FL_OK) {
