@@ -101,13 +101,19 @@ expect finetune_underscore_int 0 "Saved the final model" -- "$FITLLM" finetune_f
     --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/us" --quiet
 # options of another command are errors naming the command that takes them (never silently ignored)
 # data parallel: --devices N needs N ranks from a launcher (the exact mpirun command is given);
-# the sharded strategies are not implemented yet and say so
+# what is not implemented yet (ZeRO-3 / FULL_SHARD, fsdp's default) says so, never mapped onto something else
 for pat in "--devices 2 asks for 2 ranks .*not started by a launcher" "^  mpirun -np 2 .*fitllm finetune_full micro --devices 2 --out_dir '?$T/d1"; do
     expect ddp_devices_without_launcher 2 "$pat" -- \
         env -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u PMI_RANK -u PMI_SIZE -u SLURM_PROCID -u RANK -u WORLD_SIZE \
         "$FITLLM" finetune_full micro --devices 2 --out_dir "$T/d1"
 done
-expect ddp_strategy_fsdp_not_yet 2 "strategy 'fsdp' is not implemented yet \(issue #14" -- "$FITLLM" finetune_full micro --strategy fsdp --out_dir "$T/d2"
+expect ddp_strategy_fsdp_not_yet 2 "strategy fsdp with the default fsdp.sharding_strategy 'FULL_SHARD' is not implemented yet \(issue #14" -- "$FITLLM" finetune_full micro --strategy fsdp --out_dir "$T/d2"
+expect zero_stage3_not_yet 2 "strategy 'deepspeed_stage_3' is not implemented yet \(issue #14" -- "$FITLLM" finetune_full micro --strategy deepspeed_stage_3 --out_dir "$T/d2"
+expect zero_hybrid_not_yet 2 "fsdp.sharding_strategy 'HYBRID_SHARD' is not implemented yet" -- "$FITLLM" finetune_full micro --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD --out_dir "$T/d2"
+expect zero_sharding_unknown 2 "fsdp.sharding_strategy 'ZERO9': unknown" -- "$FITLLM" finetune_full micro --strategy fsdp --fsdp.sharding_strategy ZERO9 --out_dir "$T/d2"
+# one process: every strategy trains as one process does
+expect zero_stage2_one_process 0 "Saved the final model" -- "$FITLLM" finetune_full micro --strategy deepspeed_stage_2 --train.max_steps 1 \
+    --train.global_batch_size 2 --train.micro_batch_size 2 --train.max_seq_length 32 --out_dir "$T/z1" --quiet
 expect ddp_strategy_unknown 2 "strategy 'horovod': unknown" -- "$FITLLM" pretrain --model_name micro --strategy horovod --out_dir "$T/d3"
 expect finetune_full_quantize 2 "'quantize' applies to finetune_lora only" -- "$FITLLM" finetune_full micro --quantize bnb.nf4 --out_dir "$T/o1"
 expect finetune_full_lora_r 2 "'lora_r' applies to finetune_lora only" -- "$FITLLM" finetune_full micro --lora_r 4 --out_dir "$T/o1"
@@ -147,7 +153,22 @@ if "$FITLLM" plan tinyllama-1.1b | grep -q "FITS"; then echo "FAIL plan_no_budge
 expect plan_no_budget_json 0 '"verdict": "unknown"' -- "$FITLLM" plan tinyllama-1.1b --json
 expect plan_absurd_peak 0 "more than any single machine has" -- "$FITLLM" plan llama-3-8b --train.micro_batch_size 4096 --train.global_batch_size 4096
 expect plan_devices_2 0 "data parallel \(DDP\) over 2 ranks: the memory of ONE rank" -- "$FITLLM" plan tinyllama-1.1b --devices 2
-expect plan_strategy_fsdp 2 "strategy .fsdp. is not implemented yet \(issue #14" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy fsdp
+expect plan_strategy_fsdp 2 "fsdp.sharding_strategy 'FULL_SHARD' is not implemented yet \(issue #14" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy fsdp
+expect plan_zero1_rank 0 "ZeRO-1 over 4 ranks: rank 3's memory: OPTIM for its chunk" -- "$FITLLM" plan tinyllama-1.1b --devices 4 --strategy deepspeed_stage_1 --rank 3
+expect plan_zero_rank_range 2 "plan --rank 4: the run has ranks 0..3" -- "$FITLLM" plan tinyllama-1.1b --devices 4 --strategy deepspeed_stage_2 --rank 4
+expect plan_zero_8bit 0 "ZeRO-2 over 2 ranks" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy deepspeed_stage_2 --optimizer bnb.optim.AdamW8bit
+printf 'strategy: fsdp\ndevices: 2\nfsdp:\n  sharding_strategy: SHARD_GRAD_OP\n' > "$T/zero2.yaml"
+expect plan_zero2_yaml 0 "ZeRO-2 over 2 ranks" -- "$FITLLM" plan micro --config "$T/zero2.yaml"
+expect plan_zero_json 0 '"rank": 1, "zero_stage": 2' -- "$FITLLM" plan micro --config "$T/zero2.yaml" --rank 1 --json
+# OPTIM per rank, by hand: tinyllama has n = 1100048384 parameters, AdamW fp32 keeps 8 bytes each;
+# 4 ranks: n/4 each = 2200096768 bytes; 3 ranks: n = 3 x 366682794 + 2, so ranks 0 and 1 hold
+# 366682795 elements (2933462360 bytes) and rank 2 366682794 (2933462352)
+expect plan_zero1_optim_quarter 0 '"peak": \{"PARAMS": 4400193536, "GRADS": 4400193536, "OPTIM": 2200096768,' -- \
+    "$FITLLM" plan tinyllama-1.1b --devices 4 --strategy deepspeed_stage_1 --json
+expect plan_zero2_optim_rank1_of_3 0 '"OPTIM": 2933462360, "ACTS"' -- \
+    "$FITLLM" plan tinyllama-1.1b --devices 3 --train.global_batch_size 3 --strategy deepspeed_stage_2 --rank 1 --json
+expect plan_zero2_optim_rank2_of_3 0 '"OPTIM": 2933462352, "ACTS"' -- \
+    "$FITLLM" plan tinyllama-1.1b --devices 3 --train.global_batch_size 3 --strategy deepspeed_stage_2 --rank 2 --json
 expect plan_bad_size 2 "not a size" -- "$FITLLM" plan tinyllama-1.1b --device-memory lots
 expect plan_unknown_model 1 "neither a model folder nor a preset" -- "$FITLLM" plan no-such-model
 expect plan_help 0 "--device-memory" -- "$FITLLM" plan --help

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The MPI implementation of fl_comm and DDP training under mpirun (run by `make test` and ctest):
-#   - DDP training at 2 and 4 ranks against one process (tests/mpi/ddp_mpi_test.c), the CLI under
-#     mpirun (rank 0 reports and writes; its checkpoint resumes in one process; --devices mismatch);
+# The MPI implementation of fl_comm and DDP / ZeRO training under mpirun (run by `make test` and ctest):
+#   - DDP training at 2 and 4 ranks and ZeRO-1/2 at 2, 3 and 4 against one process
+#     (tests/mpi/ddp_mpi_test.c), the CLI under mpirun (rank 0 reports and writes; its checkpoint
+#     resumes in one process; ZeRO's checkpoints equal DDP's; --devices mismatch);
 #   - every collective/dtype/op/count at 2 and 4 ranks, checked against the specification, float64,
 #     a second run and the threads implementation's bits (tests/mpi/comm_mpi_test.c);
 #   - faults: one rank calls fl_comm_abort, or exits non-zero without a word, while the others wait:
@@ -42,9 +43,11 @@ for np in 2 4; do
     fi
 done
 
-# DDP training (tests/mpi/ddp_mpi_test.c): each scenario vs one process and vs the threads twin
+# DDP and ZeRO-1/2 training (tests/mpi/ddp_mpi_test.c): each scenario vs one process and vs the
+# threads twin; ZeRO also vs DDP (same bits) and each rank's memory vs the plan; 3 ranks: ZeRO only
+# (an odd split of the parameters)
 DDP=$BUILD/fitllm_ddp_mpi_test
-for np in 2 4; do
+for np in 2 3 4; do
     mkdir -p "$T/ddp$np"
     timeout 600 mpirun -np $np "$DDP" "$T/ddp$np" >"$T/out" 2>&1; rc=$?
     if [ $rc -eq 0 ] && grep -q "ddp mpi test: $np ranks, .* 0 failures" "$T/out"; then
@@ -77,6 +80,40 @@ if [ $rc -ne 0 ] && [ "$(grep -c "devices 3 x --num_nodes 1 = 3 ranks, but Open 
     ok "ddp_devices_mismatch (exit $rc, one message)"
 else
     bad "ddp_devices_mismatch" "exit $rc"
+fi
+
+# ZeRO through the CLI at 3 ranks (SGD with momentum, so there is a sharded state to save): rank 0
+# gathers the state chunks, so ZeRO-1's and ZeRO-2's checkpoints hold the bits of DDP's (weights and
+# the momentum buffer: 260032 fp32 values, the data section at the end of training_state.safetensors);
+# one process resumes them
+ZARGS=(micro --data.n_train 51 --data.n_val 7 --train.micro_batch_size 2 --train.global_batch_size 6 --train.max_steps 4
+       --train.save_interval 2 --train.max_seq_length 48 --eval.max_new_tokens 0 --threads 1 --devices 3
+       --optimizer.class_path SGD --optimizer.momentum 0.9 --optimizer.lr 0.05)
+zok=1
+for st in ddp deepspeed_stage_1 deepspeed_stage_2; do
+    timeout 300 mpirun -np 3 "$FL" finetune_full "${ZARGS[@]}" --strategy $st --out_dir "$T/z-$st" >"$T/out" 2>&1 || { zok=0; bad "zero_cli_np3_$st" "exit $?"; }
+done
+if [ $zok = 1 ]; then
+    zsame=1
+    for st in deepspeed_stage_1 deepspeed_stage_2; do
+        for ck in step-000002 final; do
+            cmp -s "$T/z-ddp/$ck/model.safetensors" "$T/z-$st/$ck/model.safetensors" || zsame=0
+            cmp -s <(tail -c 1040128 "$T/z-ddp/$ck/training_state.safetensors") \
+                   <(tail -c 1040128 "$T/z-$st/$ck/training_state.safetensors") || zsame=0
+        done
+    done
+    if [ $zsame = 1 ] && grep -q "data parallel (ZeRO-2, strategy deepspeed_stage_2): 3 ranks" "$T/out" \
+        && grep -q "memory of rank 0 (ZeRO-2: OPTIM holds its chunk's state, 86678 of 260032 elements" "$T/out"; then
+        ok "zero_cli_np3 (ZeRO-1/2 checkpoints = DDP's, bit for bit)"
+    else
+        bad "zero_cli_np3" "checkpoints differ from DDP's ($zsame) or the report lacks ZeRO-2's lines"
+    fi
+    timeout 300 "$FL" finetune_full "${ZARGS[@]}" --devices 1 --resume "$T/z-deepspeed_stage_2/step-000002" --out_dir "$T/z1" >"$T/out" 2>&1; rc=$?
+    if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000002 (step 2, iter 6)" "$T/out"; then
+        ok "zero_checkpoint_resumes_in_one_process"
+    else
+        bad "zero_checkpoint_resumes_in_one_process" "exit $rc"
+    fi
 fi
 
 # ranks started with different command lines refuse at start-up, naming the difference (once)

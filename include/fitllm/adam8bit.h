@@ -48,6 +48,12 @@ size_t fl_adam8bit_state_bytes(size_t n);
 /* Point st into mem (fl_adam8bit_state_bytes(n) bytes, 4-byte aligned). Does not clear it:
  * zero the memory once for a fresh state. */
 fl_status fl_adam8bit_state_bind(fl_adam8bit_state *st, size_t n, void *mem);
+/* The same for a block-aligned piece of n elements of a tensor whose size chose the path
+ * (eight_bit = fl_adam8bit_is_8bit(tensor's numel)): ZeRO keeps state for the blocks of the
+ * tensor that meet its chunk (src/train/optim.c). The update takes the path the state has
+ * (q_m set: 8-bit). */
+size_t fl_adam8bit_state_bytes_ex(size_t n, int eight_bit);
+fl_status fl_adam8bit_state_bind_ex(fl_adam8bit_state *st, size_t n, int eight_bit, void *mem);
 
 /* bitsandbytes' code tables (create_dynamic_map(signed=True/False), sorted ascending;
  * signed[127] == 0, signed[255] == unsigned[255] == 1, unsigned[0] == 0). */

@@ -212,6 +212,11 @@ typedef struct {
     fl_precision prec;      /* precision policy (fl_model_set_precision); zeroed = 32-true */
     uint16_t *wcompute;     /* (numel) compute-dtype copy of params (mixed policies), PARAMS */
     struct fl_lora_state *lora; /* LoRA adapters (fl_model_lora_init) or NULL: base frozen when set */
+    /* Data parallel (src/train/dp.c, bucketed reduction): when set, fl_model_backward calls it as
+     * each layout group's gradients [off, off + n) become final for this backward: the head group
+     * (final norm, lm_head), block L-1 ... 0, then the embeddings (group 0). NULL: not called. */
+    fl_status (*grad_ready)(void *ud, size_t off, size_t n);
+    void *grad_ready_ud;
 } fl_model;
 
 /* Create an empty model for cfg (validates cfg, builds the layout, allocates

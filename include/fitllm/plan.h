@@ -69,6 +69,7 @@ typedef struct {
     int seq_len;           /* > 0: plan for this T instead of max_seq_length / the context */
     int generation;        /* -1 auto (as the CLI run would), 0 off, 1 on */
     int no_suggestions;    /* skip the suggestion search (used by the search itself) */
+    int rank;              /* ZeRO: plan this rank (their chunks differ by one element at most); default 0 */
 } fl_plan_opts;
 
 void fl_plan_opts_default(fl_plan_opts *o);
@@ -93,6 +94,7 @@ typedef struct {
     size_t n_params;
     int B, accum, global_batch, T; /* per rank: global_batch = the run's / devices */
     int devices;               /* ranks (DDP: the plan is one rank's memory) */
+    int rank, zero_stage;      /* the rank planned; ZeRO stage of the strategy (0: DDP or one process) */
     char precision[16];
     char optimizer[24];        /* "AdamW", "SGD", "SGD+momentum" */
     int act_ckpt;

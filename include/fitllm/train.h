@@ -42,7 +42,21 @@ size_t fl_optim_state_bytes(const fl_optim_config *c, size_t n_params);
  * per element. This is what fl_optim_init allocates (tag OPTIM). */
 size_t fl_optim_state_bytes_layout(const fl_optim_config *c, const fl_param_layout *lay);
 
-typedef struct {
+struct fl_optimizer;
+/* Data-parallel hooks of an optimizer (src/train/dp.c sets them; NULL in one process). Under ZeRO
+ * (stage 1: optimizer state sharded, stage 2: also the reduced gradients) a rank holds state for,
+ * and updates, only its range [s_off, s_off + s_len) of the flat trainable buffer: fl_comm's chunk
+ * layout of n over `world` ranks. */
+typedef struct fl_optim_dist {
+    int world, rank, stage; /* stage 0: DDP (NO_SHARD), 1: ZeRO-1, 2: ZeRO-2 */
+    void *ud;
+    /* v[0..n) := its sum over ranks, in rank order (the same bits on every rank) */
+    fl_status (*sum)(void *ud, double *v, int n);
+    /* after this rank updated its range: every rank's range of o->p to every rank (stage > 0) */
+    fl_status (*gather)(void *ud, struct fl_optimizer *o);
+} fl_optim_dist;
+
+typedef struct fl_optimizer {
     fl_optim_config cfg;
     fl_model *model;
     float *m, *v;   /* AdamW moments (numel each), OPTIM tag */
@@ -64,13 +78,34 @@ typedef struct {
     int use_loss_scale;
     fl_loss_scale ls;
     int last_skipped;       /* the last fl_optim_step skipped the update (overflow) */
+    /* the range of p / g whose state this optimizer holds (m, v, buf: s_len elements) and which
+     * fl_optim_step updates: [0, n) except under ZeRO (fl_optim_init_shard) */
+    size_t s_off, s_len;
+    const fl_optim_dist *dist; /* data-parallel hooks, NULL in one process */
+    size_t *p8_a, *p8_n;       /* 8-bit: (n_tensors) the piece of each tensor whose state st8[i] holds
+                                * (fl_optim_8bit_piece; the whole tensor but under ZeRO) */
 } fl_optimizer;
 
 /* Optimizer over the model's trainable parameters: all of them, or only the
  * LoRA adapters when the model has LoRA (the base is frozen). */
 fl_status fl_optim_init(fl_optimizer *o, fl_model *model, const fl_optim_config *cfg);
+/* The same holding state only for rank `rank`'s chunk of the trainable elements among `world`
+ * (fl_comm_chunk's layout: ZeRO). world 1 = fl_optim_init. 8-bit AdamW keeps its block-wise
+ * state per tensor: see fl_optim_8bit_piece. */
+fl_status fl_optim_init_shard(fl_optimizer *o, fl_model *model, const fl_optim_config *cfg, int world, int rank);
+/* 8-bit AdamW under ZeRO: the piece [*a, *a + *len) of a tensor (t_n elements at flat offset t_off
+ * of n) whose state rank `rank` of `world` keeps and updates: the tensor's elements inside the
+ * rank's chunk, widened to whole blocks of 256 on 8-bit tensors (fl_adam8bit_is_8bit(t_n)), so
+ * every block is quantized over the same elements as in one process; a block cut by a chunk edge
+ * is kept, and updated alike, by both neighbours. *len 0: none. world 1: the whole tensor. */
+void fl_optim_8bit_piece(size_t n, size_t t_off, size_t t_n, int world, int rank, size_t *a, size_t *len);
+/* The widest reach of a rank's 8-bit pieces beyond its chunk, in elements (< 256): ZeRO-2 fetches
+ * that many reduced gradients from each neighbour. */
+#define FL_OPTIM_8BIT_HALO (FL_ADAM8BIT_BLOCK - 1)
 void fl_optim_free(fl_optimizer *o);
-/* Global L2 norm of the model's gradients (double accumulation). */
+/* Global L2 norm of the model's gradients (double accumulation). fl_optim_step computes the norm
+ * it clips with as the sum, in rank order, of the squared norms of the world's gradient chunks
+ * (one chunk in one process: the same value), so DDP, ZeRO-1 and ZeRO-2 clip with the same bits. */
 double fl_grad_norm(const fl_model *model);
 /* One update with learning rate lr. If max_norm > 0 the gradients are clipped
  * to that global norm (torch.nn.utils.clip_grad_norm_: coef = max_norm /

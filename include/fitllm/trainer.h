@@ -51,6 +51,11 @@ typedef struct {
  * Set-up (model, gradients, optimizer state, activations, step buffers) is
  * allocated before out_dir is created, so an OOM there leaves no files. */
 
+/* Whether a data-parallel run reduces its gradients in buckets, block by block as the last
+ * micro-batch's backward ends each (DDP and ZeRO-1 of the full model; not ZeRO-2, LoRA or one
+ * process). The planner replays it. */
+int fl_trainer_dp_bucketed(int world, int zero_stage, int lora);
+
 /* Hook for tests: called after every optimizer step (after that step's
  * evaluation and checkpoint) with the step's loss (mean over its valid
  * targets) and the raw bytes of the trained parameters (all of them in their storage dtype,

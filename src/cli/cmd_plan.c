@@ -14,12 +14,13 @@ typedef struct {
     size_t device_memory;
     int devices, seq_len, json, generation;
     int lora;
+    int rank;
 } plan_args;
 
 static void help(const char *cmd, fl_cmd_kind kind) {
     (void)kind;
     printf("usage: fitllm %s <checkpoint_dir | preset> [--config recipe.yaml] [--<option> VALUE ...]\n"
-           "          [--device-memory SIZE] [--devices 1] [--seq-len T] [--generation auto|on|off] [--json]\n\n",
+           "          [--device-memory SIZE] [--devices 1] [--rank 0] [--seq-len T] [--generation auto|on|off] [--json]\n\n",
            cmd);
     printf("Predicts the bytes per tag (PARAMS, GRADS, OPTIM, ACTS, WORKSPACE, OTHER) at each phase of a\n"
            "training step of `fitllm finetune_full` with the same arguments, reserved (allocated) and live\n"
@@ -28,8 +29,12 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "allocated or run: the trainer's allocation sequence is replayed with the runtime's sizing code.\n\n"
            "plan options:\n"
            "  --device-memory SIZE           (default: --max_memory, else none)  device memory, e.g. 80GB, 24GiB\n"
-           "  --devices N|auto               (default 1)  ranks of a DDP run (--strategy ddp): plans one rank's\n"
-           "                                 memory; auto: 1 (one CPU device); overrides a recipe's devices:\n"
+           "  --devices N|auto               (default 1)  ranks of a data-parallel run: plans one rank's memory\n"
+           "                                 (--strategy ddp: every rank the same; deepspeed_stage_1 / _2 and fsdp\n"
+           "                                 with --fsdp.sharding_strategy SHARD_GRAD_OP: the rank's chunk of the\n"
+           "                                 optimizer state); auto: 1 (one CPU device); overrides a recipe's devices:\n"
+           "  --rank R                       (default 0)  which rank to plan (ZeRO: the first n %% N ranks hold one\n"
+           "                                 element more)\n"
            "  --seq-len T                    (default: train.max_seq_length - 1, else the model context)  T to plan\n"
            "                                 for (the trainer uses the longest sample - 1, samples cut to\n"
            "                                 max_seq_length)\n"
@@ -61,6 +66,11 @@ static int extra(void *ud, int argc, char **argv, int *i) {
         (*i)++;
         return 1;
     }
+    if (!strcmp(arg, "--rank")) {
+        if (fl_cli_int("plan", arg, v, 0, 1 << 20, &a->rank)) return -1;
+        (*i)++;
+        return 1;
+    }
     if (!strcmp(arg, "--seq-len")) {
         if (fl_cli_int("plan", arg, v, 1, 1 << 24, &a->seq_len)) return -1;
         (*i)++;
@@ -79,7 +89,7 @@ static int extra(void *ud, int argc, char **argv, int *i) {
 
 int fl_cmd_plan(int argc, char **argv) {
     const char *cmd = "plan";
-    plan_args a = {0, 1, 0, 0, -1, 0};
+    plan_args a = {0, 1, 0, 0, -1, 0, 0};
     fl_run_config cfg;
     /* --lora first: the LoRA options (and a YAML recipe's) are only accepted for a finetune_lora plan */
     fl_cmd_kind kind = FL_CMD_FINETUNE_FULL;
@@ -92,6 +102,7 @@ int fl_cmd_plan(int argc, char **argv) {
     o.device_memory = a.device_memory;
     o.devices = cfg.devices; /* --devices is the training option (merged with a recipe's devices:) */
     o.seq_len = a.seq_len;
+    o.rank = a.rank;
     o.generation = a.generation;
     fl_plan *p = malloc(sizeof *p);
     if (!p) return fl_cli_fail(cmd, fl_errorf(FL_ERR_OOM, "out of host memory"), NULL);

@@ -66,7 +66,8 @@ static const fl_cfg_key k_keys[] = {
     {"precision", FL_CK_PRECISION, OFF(precision), "32-true | bf16-true | bf16-mixed | 16-true | 16-mixed"},
     {"devices", FL_CK_DEVICES, OFF(devices), "devices (ranks) per node, or auto (1 CPU device); > 1: launch with mpirun -np devices x num_nodes"},
     {"num_nodes", FL_CK_POS, OFF(num_nodes), "number of nodes"},
-    {"strategy", FL_CK_STR32, OFF(strategy), "auto | ddp (auto = ddp for now; fsdp, deepspeed_stage_* not yet: #14)"},
+    {"strategy", FL_CK_STR32, OFF(strategy), "auto | ddp | deepspeed_stage_1 | deepspeed_stage_2 | fsdp (auto = ddp; ZeRO-1/2 shard the optimizer state / gradients)"},
+    {"fsdp.sharding_strategy", FL_CK_STR32, OFF(sharding_strategy), "--strategy fsdp: NO_SHARD (= ddp) | SHARD_GRAD_OP (= ZeRO-2); FULL_SHARD (fsdp's default), HYBRID_SHARD: not yet"},
     {"resume", FL_CK_RESUME, OFF(resume), "false | true | auto | path to a checkpoint folder"},
     {"seed", FL_CK_U64, OFF(seed), "random seed"},
     {"logger_name", FL_CK_LOGGER, OFF(logger_name), "csv | jsonl (metrics in out_dir/logs/); tensorboard, wandb, mlflow: csv"},
@@ -527,22 +528,54 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
     return fl_errorf(FL_ERR_INTERNAL, "option '%s': unhandled type", key);
 }
 
-fl_status fl_cfg_check_strategy(const char *s) {
-    static const char *later[] = {"fsdp", "deepspeed", "deepspeed_stage_1", "deepspeed_stage_2",
-                                  "deepspeed_stage_2_offload", "deepspeed_stage_3", "deepspeed_stage_3_offload"};
+/* Lightning's and DeepSpeed's names for what is not built yet (issue #14): refused, never mapped
+ * onto something else. */
+static fl_status not_yet(const char *what, const char *name) {
+    return fl_errorf(FL_ERR_UNSUPPORTED, "%s '%s' is not implemented yet (issue #14: parameter sharding, ZeRO-3 / "
+                     "FULL_SHARD, and offload come later); use --strategy ddp, deepspeed_stage_1, deepspeed_stage_2, "
+                     "or fsdp with --fsdp.sharding_strategy NO_SHARD or SHARD_GRAD_OP", what, name);
+}
+
+fl_status fl_cfg_zero_stage(const char *s, const char *sharding, int *stage) {
+    static const char *later[] = {"deepspeed", "deepspeed_stage_3", "deepspeed_stage_2_offload",
+                                  "deepspeed_stage_3_offload", "deepspeed_stage_1_offload", "fsdp_cpu_offload"};
+    *stage = 0;
     if (!s[0] || !strcmp(s, "auto") || !strcmp(s, "ddp")) return FL_OK;
+    if (!strcmp(s, "deepspeed_stage_1")) { *stage = 1; return FL_OK; }
+    if (!strcmp(s, "deepspeed_stage_2")) { *stage = 2; return FL_OK; }
+    if (!strcmp(s, "fsdp")) {
+        /* Lightning's FSDPStrategy default is FULL_SHARD (ZeRO-3): refused until it exists */
+        const char *ss = sharding && sharding[0] ? sharding : "FULL_SHARD";
+        if (!strcmp(ss, "NO_SHARD")) return FL_OK;
+        if (!strcmp(ss, "SHARD_GRAD_OP")) { *stage = 2; return FL_OK; }
+        if (!strcmp(ss, "FULL_SHARD") || !strcmp(ss, "HYBRID_SHARD") || !strcmp(ss, "_HYBRID_SHARD_ZERO2"))
+            return not_yet(sharding && sharding[0] ? "fsdp.sharding_strategy" : "strategy fsdp with the default "
+                           "fsdp.sharding_strategy", ss);
+        return fl_errorf(FL_ERR_INVALID, "fsdp.sharding_strategy '%s': unknown (NO_SHARD, SHARD_GRAD_OP; FULL_SHARD "
+                         "and HYBRID_SHARD later)", ss);
+    }
     for (size_t i = 0; i < sizeof later / sizeof later[0]; i++)
-        if (!strcmp(s, later[i]))
-            return fl_errorf(FL_ERR_UNSUPPORTED, "strategy '%s' is not implemented yet (issue #14: data-parallel DDP "
-                             "only so far; use --strategy ddp)", s);
-    return fl_errorf(FL_ERR_INVALID, "strategy '%s': unknown (auto, ddp; fsdp and deepspeed_stage_* later)", s);
+        if (!strcmp(s, later[i])) return not_yet("strategy", s);
+    return fl_errorf(FL_ERR_INVALID, "strategy '%s': unknown (auto, ddp, deepspeed_stage_1, deepspeed_stage_2, fsdp)",
+                     s);
+}
+
+fl_status fl_cfg_check_strategy(const char *s) {
+    int stage;
+    return fl_cfg_zero_stage(s, "SHARD_GRAD_OP", &stage);
 }
 
 fl_status fl_cfg_validate(const fl_run_config *c) {
     const fl_train_args *t = &c->train;
     if (c->devices < 1 || c->num_nodes < 1)
         return fl_errorf(FL_ERR_INVALID, "devices=%d num_nodes=%d must be >= 1", c->devices, c->num_nodes);
-    FL_TRY(fl_cfg_check_strategy(c->strategy));
+    int stage;
+    FL_TRY(fl_cfg_zero_stage(c->strategy, c->sharding_strategy, &stage));
+    if (c->sharding_strategy[0] && strcmp(c->sharding_strategy, "NO_SHARD") &&
+        strcmp(c->sharding_strategy, "SHARD_GRAD_OP") && strcmp(c->sharding_strategy, "FULL_SHARD") &&
+        strcmp(c->sharding_strategy, "HYBRID_SHARD") && strcmp(c->sharding_strategy, "_HYBRID_SHARD_ZERO2"))
+        return fl_errorf(FL_ERR_INVALID, "fsdp.sharding_strategy '%s': unknown (NO_SHARD, SHARD_GRAD_OP; FULL_SHARD "
+                         "and HYBRID_SHARD later)", c->sharding_strategy);
     if (t->micro_batch_size <= 0) return fl_errorf(FL_ERR_INVALID, "train.micro_batch_size must be positive");
     if (t->global_batch_size <= 0) return fl_errorf(FL_ERR_INVALID, "train.global_batch_size must be positive");
     int per_rank = t->global_batch_size / (c->devices * c->num_nodes);
@@ -797,9 +830,10 @@ void fl_cfg_write_yaml(const fl_run_config *c, FILE *f) {
         }
     }
     /* groups without a head key */
-    static const char *groups[] = {"train", "eval"};
+    static const char *groups[] = {"train", "eval", "fsdp"};
     for (size_t g = 0; g < sizeof groups / sizeof groups[0]; g++) {
         size_t pl = strlen(groups[g]);
+        if (!strcmp(groups[g], "fsdp") && !c->sharding_strategy[0]) continue; /* only when given */
         fprintf(f, "%s:\n", groups[g]);
         for (size_t j = 0; j < N_KEYS; j++)
             if (dumped(&k_keys[j]) && !strncmp(k_keys[j].name, groups[g], pl) && k_keys[j].name[pl] == '.') {

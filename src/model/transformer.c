@@ -194,6 +194,10 @@ static fl_status model_backward(fl_model *m) {
     fl_grad_stage_begin(m, n_lnf);
     norm_backward(m, dres, op.dlnf_w, op.dlnf_b, buf1, a->res[d.L], op.lnf_w, a->lnf_mean, a->lnf_rstd, N);
     FL_TRY(fl_grad_stage_flush(m, head_group, n_lnf));
+    /* data parallel: a group is final once flushed (the head's gradient was completed in forward) */
+#define GRAD_READY(g) \
+    do { if (m->grad_ready) FL_TRY(m->grad_ready(m->grad_ready_ud, m->layout.group_offset[g], fl_group_numel(m, g))); } while (0)
+    GRAD_READY(d.L + 1);
 
     for (int l = d.L - 1; l >= 0; l--) {
         fl_block_params bp;
@@ -224,8 +228,11 @@ static fl_status model_backward(fl_model *m) {
         FL_TRY(fl_linear_backward(be, buf1, 0, buf2, la->ln1, &bp.qkv, N)); // d ln1 (N, C)
         norm_backward(m, dres, bp.d_ln1_w, bp.d_ln1_b, buf1, a->res[l], bp.ln1_w, la->ln1_mean, la->ln1_rstd, N);
         FL_TRY(fl_grad_stage_flush(m, m->layout.group_offset[l + 1], gn));
+        GRAD_READY(l + 1);
     }
     FL_TRY(fl_embed_backward(m, &op, dres, a->ids, B, T));
+    GRAD_READY(0);
+#undef GRAD_READY
     m->fwd_train = 0;
     /* live memory: the saved activations are consumed; every gradient holds the step's sum */
     fl_acts_mark_live(m, B, T, 0);

@@ -36,7 +36,7 @@ static const fl_plan_technique k_tech[] = {
     {"qlora", 1, "fitllm finetune_lora --quantize bnb.nf4-dq", "LoRA on bitsandbytes NF4/FP4 4-bit base weights"},
     {"cpu_offload", 0, "optimizer state and master weights on the host", "not available yet"},
     {"ddp", 0, "mpirun -np N fitllm ... --devices N", "DDP runs under mpirun; the lab trains in one process, so its ddp rows are not run yet"},
-    {"fsdp", 0, "--devices N --strategy fsdp", "sharded training is not available yet"},
+    {"fsdp", 0, "--devices N --strategy fsdp", "parameter sharding (FULL_SHARD / ZeRO-3) is not available yet; ZeRO-1/2 are (--strategy deepspeed_stage_1|2)"},
 };
 #define N_TECH (int)(sizeof k_tech / sizeof k_tech[0])
 
@@ -65,6 +65,7 @@ void fl_plan_opts_default(fl_plan_opts *o) {
     memset(o, 0, sizeof *o);
     o->devices = 1;
     o->generation = -1;
+    o->rank = 0;
 }
 
 /* What the config asks for that this build lacks ("" if nothing). */
@@ -160,11 +161,14 @@ static int has_val_split(const fl_run_config *c) {
     }
 }
 
+#define FL_PLAN_MAX_GROUPS 1024 /* layout groups (layers + 2) the bucket replay handles */
+
 typedef struct {
     fl_model_config mc;
     int T;
     int gen;             /* sample generation at evaluation */
     int n_prompt, cap;   /* its prompt tokens and KV capacity */
+    int rank;            /* the rank planned (ZeRO: ranks differ by their chunk) */
 } plan_ctx;
 
 /* ---- the allocation program ---------------------------------------------------------- */
@@ -256,19 +260,41 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
         grads = palloc(g, FL_TAG_GRADS, n * es, what);
         if (es != 4) palloc(g, FL_TAG_WORKSPACE, fl_sizing_gstage_elems(mc) * sizeof(float), "fp32 gradient staging (one group)");
     }
+    const int world = c->devices * c->num_nodes;
+    int stage = 0; /* ZeRO stage (fl_dp_optim_init): validated by fl_plan_run */
+    if (world > 1 && fl_cfg_zero_stage(c->strategy, c->sharding_strategy, &stage) != FL_OK) stage = 0;
+    size_t c_off = 0, c_len = n_train; /* this rank's chunk of the trainable elements (fl_comm_chunk) */
+    fl_comm_chunk(n_train, world, x->rank < world ? x->rank : 0, &c_off, &c_len);
+    const size_t n_state = stage ? c_len : n_train; /* ZeRO: optimizer state for the chunk only */
     fl_optim_config ocp = *oc; /* the policy fixes the state dtype of full parameters (fl_optim_init) */
     if (!lora && pr.optim_dtype == FL_BF16) ocp.state_dtype = FL_BF16;
     oc = &ocp;
     if (oc->kind == FL_OPT_ADAMW8BIT) { /* one allocation, bound per tensor (fl_optim_init) */
         size_t b8 = 0;
-        if (lora)
-            for (int j = 0; j < n_mods; j++)
-                b8 += fl_adam8bit_state_bytes((size_t)lc.r * mods[j].in) + fl_adam8bit_state_bytes((size_t)mods[j].out * lc.r);
-        else if (have_lay)
-            b8 = fl_optim_state_bytes_layout(oc, &lay);
+        const int zw = stage ? world : 1, zr = stage ? (x->rank < world ? x->rank : 0) : 0;
+        /* tensor t_n at flat offset t_off: its piece's state (ZeRO: the blocks meeting this rank's
+         * chunk, fl_optim_8bit_piece; else the whole tensor) */
+#define PIECE(t_off, t_n)                                                                 \
+    do {                                                                                  \
+        size_t pa_, pn_;                                                                  \
+        fl_optim_8bit_piece(n_train, (t_off), (t_n), zw, zr, &pa_, &pn_);                 \
+        b8 += fl_adam8bit_state_bytes_ex(pn_, fl_adam8bit_is_8bit(t_n));                  \
+    } while (0)
+        if (lora) {
+            size_t *lo = calloc(2 * (size_t)n_mods + 1, sizeof *lo), tot = 0;
+            if (lo) fl_lora_adapter_offsets(mods, n_mods, lc.r, lo, &tot);
+            for (int j = 0; lo && j < n_mods; j++) {
+                PIECE(lo[2 * j], (size_t)lc.r * mods[j].in);
+                PIECE(lo[2 * j + 1], (size_t)mods[j].out * lc.r);
+            }
+            free(lo);
+        } else if (have_lay) {
+            for (int i = 0; i < lay.n; i++) PIECE(lay.params[i].offset, lay.params[i].numel);
+        }
+#undef PIECE
         palloc(g, FL_TAG_OPTIM, b8, "AdamW8bit block-wise state");
     } else {
-        size_t st = fl_optim_state_bytes(oc, n_train);
+        size_t st = fl_optim_state_bytes(oc, n_state);
         if (oc->kind == FL_OPT_ADAMW) { /* exp_avg and exp_avg_sq, one buffer each */
             palloc(g, FL_TAG_OPTIM, st / 2, "AdamW state exp_avg");
             palloc(g, FL_TAG_OPTIM, st - st / 2, "AdamW state exp_avg_sq");
@@ -302,6 +328,15 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
         head_grads = fl_lora_sizing_head_grads(&lc, mods, n_mods);
     }
     free(mods);
+    /* bucketed reduction (fl_dp_buckets_arm): the layout groups' sizes, in backward's order */
+    const int bucketed = fl_trainer_dp_bucketed(world, stage, lora) && have_lay;
+    int n_bk = bucketed ? lay.n_groups : 0;
+    size_t bk[FL_PLAN_MAX_GROUPS];
+    if (n_bk > FL_PLAN_MAX_GROUPS) n_bk = 0;
+    for (int i = 0; i < n_bk; i++) { /* head group (L+1), blocks L-1 .. 0 (groups L .. 1), embeddings (0) */
+        int gi = lay.n_groups - 1 - i;
+        bk[i] = lay.group_offset[gi + 1] - lay.group_offset[gi];
+    }
     if (have_lay) fl_layout_free(&lay);
     size_t ids = (size_t)accum * B * x->T * sizeof(int32_t);
     palloc(g, FL_TAG_OTHER, ids, "step token ids (accumulation x B x T)");
@@ -322,16 +357,49 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     fl_mem_set_live(pl, work, as.work_const_bytes);
     fl_mem_set_live(pl, lacts, 0);
     fl_mem_set_live(pl, grads, SIZE_MAX);
+    /* the last micro-batch's backward posts one bucket per group, the previous one waited for first:
+     * the MPI scratch of one bucket, (N-1) x this rank's chunk of it, at a time; the last (the
+     * embeddings) is still in flight when backward returns. With accumulation 1 that backward is
+     * the first micro-batch's, before after_bwd. */
+    const size_t ges = lora ? sizeof(float) : es;
+    const int rnk = x->rank < world ? x->rank : 0;
+    void *bk_last = NULL;
+#define BUCKETS()                                                                                  \
+    do {                                                                                           \
+        for (int i = 0; i < n_bk; i++) {                                                           \
+            size_t bo_, bl_;                                                                       \
+            fl_comm_chunk(bk[i], world, rnk, &bo_, &bl_);                                          \
+            if (bk_last) fl_mem_free(pl, bk_last);                                                 \
+            bk_last = bl_ && world > 1 ? palloc(g, FL_TAG_WORKSPACE, (size_t)(world - 1) * bl_ * ges, \
+                                                       "gradient bucket all-reduce scratch") : NULL; \
+        }                                                                                          \
+    } while (0)
+    if (n_bk && accum == 1) BUCKETS();
     snap(g, "after_bwd");
-    const int world = c->devices * c->num_nodes;
-    if (world > 1) { /* DDP (fl_dp_reduce_grads): the MPI all-reduce's receive scratch, (N-1) x rank 0's
-                      * chunk of the gradients, from the pool while the reduction runs */
-        size_t off, len;
-        fl_comm_chunk(n_train, world, 0, &off, &len);
-        void *sc = palloc(g, FL_TAG_WORKSPACE, (size_t)(world - 1) * len * (lora ? sizeof(float) : es),
-                          "DDP all-reduce scratch ((N-1) x chunk)");
-        if (sc) fl_mem_free(pl, sc);
+    if (world > 1) { /* fl_dp_reduce_grads: the MPI reduction's receive scratch, (N-1) x this rank's chunk of
+                      * the gradients, from the pool while it runs (DDP and ZeRO-1 all-reduce, ZeRO-2
+                      * reduce-scatter: the same scratch) */
+        snprintf(g->step, sizeof g->step, "after_reduce");
+        if (n_bk) { /* bucketed: the last micro-batch's buckets (accumulation > 1), then the last completes */
+            if (accum > 1) BUCKETS();
+            if (bk_last) fl_mem_free(pl, bk_last);
+        } else {
+            void *sc = palloc(g, FL_TAG_WORKSPACE, (size_t)(world - 1) * c_len * ges,
+                              stage == 2 ? "ZeRO-2 reduce-scatter scratch ((N-1) x chunk)"
+                                         : "gradient all-reduce scratch ((N-1) x chunk)");
+            if (sc) fl_mem_free(pl, sc);
+        }
+        if (stage == 2 && oc->kind == FL_OPT_ADAMW8BIT) /* 8-bit: the neighbours' edge gradients (halo_8bit) */
+            fl_mem_free(pl, palloc(g, FL_TAG_WORKSPACE, ((size_t)world + 1) * 2 * FL_OPTIM_8BIT_HALO * ges,
+                                   "ZeRO-2 8-bit halo exchange"));
+        if (stage == 2) { /* the reduced chunk this rank keeps (+ the 8-bit halo, fl_dp_zero2_halo) */
+            int r = rnk;
+            size_t halo = oc->kind == FL_OPT_ADAMW8BIT ? (size_t)FL_OPTIM_8BIT_HALO * ((r > 0) + (r < world - 1)) : 0;
+            fl_mem_set_live(pl, grads, (c_len + halo) * ges);
+        }
+        snap(g, "after_reduce");
     }
+#undef BUCKETS
     snprintf(g->step, sizeof g->step, "after_opt_step");
     fl_mem_set_phase(pl, "optimizer step");
     fl_mem_set_live(pl, grads, 0);
@@ -569,11 +637,23 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     }
     FL_TRY(fl_cfg_validate(c));
     p->devices = c->devices * c->num_nodes;
-    if (p->devices > 1)
+    int stage = 0;
+    FL_TRY(fl_cfg_zero_stage(c->strategy, c->sharding_strategy, &stage));
+    if (p->devices > 1 && (opts.rank < 0 || opts.rank >= p->devices))
+        return fl_errorf(FL_ERR_INVALID, "plan --rank %d: the run has ranks 0..%d", opts.rank, p->devices - 1);
+    p->rank = p->devices > 1 ? opts.rank : 0;
+    p->zero_stage = p->devices > 1 ? stage : 0;
+    if (p->devices > 1 && !p->zero_stage)
         note(p, "data parallel (DDP) over %d ranks: the memory of ONE rank (every rank holds the whole model, its "
                 "gradients and optimizer state), with the gradient all-reduce's scratch in WORKSPACE", p->devices);
+    else if (p->devices > 1)
+        note(p, "ZeRO-%d over %d ranks: rank %d's memory: OPTIM for its chunk of the parameters; %s; parameters "
+                "whole", p->zero_stage, p->devices, p->rank,
+             p->zero_stage == 2 ? "GRADS reserved in full (backward fills the flat buffer), live after the "
+                                  "reduce-scatter: the chunk" : "gradients whole (all-reduced)");
     plan_ctx x;
     memset(&x, 0, sizeof x);
+    x.rank = p->rank;
     FL_TRY(resolve_model(c, &x.mc, p->model_source, sizeof p->model_source));
     p->model = x.mc;
     p->n_params = fl_sizing_param_count(&x.mc);
@@ -759,8 +839,10 @@ void fl_plan_write_json(const fl_plan *p, FILE *f) {
     jstr(f, p->precision);
     fprintf(f, ", \"optimizer\": ");
     jstr(f, p->optimizer);
-    fprintf(f, ", \"activation_checkpointing\": %s, \"eval_generation\": %s, \"devices\": %d},\n",
-            p->act_ckpt ? "true" : "false", p->generation ? "true" : "false", p->devices > 0 ? p->devices : 1);
+    fprintf(f, ", \"activation_checkpointing\": %s, \"eval_generation\": %s, \"devices\": %d, \"rank\": %d, "
+               "\"zero_stage\": %d},\n",
+            p->act_ckpt ? "true" : "false", p->generation ? "true" : "false", p->devices > 0 ? p->devices : 1, p->rank,
+            p->zero_stage);
     if (p->budget) fprintf(f, "  \"budget\": %zu,\n", p->budget);
     else fprintf(f, "  \"budget\": null,\n");
     fprintf(f, "  \"tags\": [");

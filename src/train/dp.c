@@ -52,11 +52,80 @@ fl_status fl_dp_check(const fl_dp *dp, const fl_optimizer *o) {
     return FL_OK;
 }
 
+/* ZeRO-2 with 8-bit AdamW: a rank's pieces reach up to FL_OPTIM_8BIT_HALO elements into each
+ * neighbour's chunk (whole blocks), so after the reduce-scatter every rank sends its chunk's first
+ * and last H reduced gradients to all (one all-gather of 2H per rank, WORKSPACE while it runs) and
+ * takes its neighbours' into place. Every chunk holds >= H elements (fl_dp_optim_init). */
+static fl_status halo_8bit(fl_dp *dp, fl_optimizer *o) {
+    const size_t H = FL_OPTIM_8BIT_HALO, es = fl_dtype_size(o->gt), per = 2 * H;
+    char *g = o->g, *buf;
+    FL_TRY(fl_mem_alloc(o->model->pool, FL_TAG_WORKSPACE, ((size_t)dp->world + 1) * per * es, (void **)&buf));
+    char *mine = buf + (size_t)dp->world * per * es;
+    memcpy(mine, g + o->s_off * es, H * es);
+    memcpy(mine + H * es, g + (o->s_off + o->s_len - H) * es, H * es);
+    fl_status s = fl_comm_all_gather(dp->comm, mine, buf, (size_t)dp->world * per, es == 4 ? FL_F32 : FL_BF16);
+    if (s == FL_OK && dp->rank > 0) /* the tail of rank - 1's chunk ends where ours starts */
+        memcpy(g + (o->s_off - H) * es, buf + ((size_t)(dp->rank - 1) * per + H) * es, H * es);
+    if (s == FL_OK && dp->rank < dp->world - 1) /* the head of rank + 1's */
+        memcpy(g + (o->s_off + o->s_len) * es, buf + (size_t)(dp->rank + 1) * per * es, H * es);
+    fl_mem_free(o->model->pool, buf);
+    return fl_error_prefix(s, "ZeRO-2: the 8-bit optimizer's neighbouring gradients");
+}
+
+size_t fl_dp_zero2_halo(int world, int rank, const fl_optim_config *c) {
+    if (c->kind != FL_OPT_ADAMW8BIT || world < 2) return 0;
+    return (size_t)FL_OPTIM_8BIT_HALO * ((rank > 0) + (rank < world - 1));
+}
+
+int fl_trainer_dp_bucketed(int world, int stage, int lora) { return world > 1 && stage < 2 && !lora; }
+
+static fl_status bucket_ready(void *ud, size_t off, size_t n) {
+    fl_dp *dp = ud;
+    fl_optimizer *o = dp->bk_o;
+    /* one bucket in flight: the previous one completes (and frees its scratch) first */
+    FL_TRY(fl_error_prefix(fl_comm_wait(&dp->bk_req), "data parallel: reducing a gradient bucket"));
+    char *g = (char *)o->g + off * fl_dtype_size(o->gt);
+    FL_TRY(fl_error_prefix(fl_comm_iall_reduce(dp->comm, g, g, n, o->gt, FL_COMM_SUM, &dp->bk_req),
+                           "data parallel: posting a gradient bucket (elements %zu..%zu)", off, off + n));
+    dp->bk_done += n;
+    return FL_OK;
+}
+
+void fl_dp_buckets_arm(fl_dp *dp, fl_optimizer *o, int last) {
+    fl_model *m = o->model;
+    int on = last && dp->comm && fl_trainer_dp_bucketed(dp->world, dp->stage, m->lora != NULL) && fl_dp_check(dp, o) == FL_OK;
+    dp->bk_o = on ? o : NULL;
+    dp->bk_done = 0;
+    m->grad_ready = on ? bucket_ready : NULL;
+    m->grad_ready_ud = on ? dp : NULL;
+}
+
 fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o) {
     if (!dp->comm) return FL_OK;
     FL_TRY(fl_dp_check(dp, o));
-    return fl_error_prefix(fl_comm_all_reduce(dp->comm, o->g, o->g, o->n, o->gt, FL_COMM_SUM),
-                           "data parallel: reducing the gradients");
+    if (dp->bk_o) { /* bucketed: the last bucket (the embeddings) is still in flight */
+        o->model->grad_ready = NULL;
+        dp->bk_o = NULL;
+        FL_TRY(fl_error_prefix(fl_comm_wait(&dp->bk_req), "data parallel: reducing a gradient bucket"));
+        if (dp->bk_done != o->n)
+            return fl_errorf(FL_ERR_INTERNAL, "data parallel: the gradient buckets covered %zu of %zu elements",
+                             dp->bk_done, o->n);
+    } else if (dp->stage == 2) {
+        /* ZeRO-2: rank r receives the sum of its chunk only, in place at its offset; element i is
+         * still x_0[i] + ... + x_{N-1}[i] in rank order, the all-reduce's bits */
+        size_t es = fl_dtype_size(o->gt);
+        FL_TRY(fl_error_prefix(fl_comm_reduce_scatter(dp->comm, o->g, (char *)o->g + o->s_off * es, o->n, o->gt,
+                                                      FL_COMM_SUM),
+                               "ZeRO-2: reduce-scattering the gradients"));
+        if (o->cfg.kind == FL_OPT_ADAMW8BIT) FL_TRY(halo_8bit(dp, o));
+        /* what this rank still needs: its chunk (and the 8-bit halo) */
+        fl_model_grads_live(o->model, (o->s_len + fl_dp_zero2_halo(dp->world, dp->rank, &o->cfg)) * es);
+    } else { /* one all-reduce of the flat buffer (LoRA's adapters) */
+        FL_TRY(fl_error_prefix(fl_comm_all_reduce(dp->comm, o->g, o->g, o->n, o->gt, FL_COMM_SUM),
+                               "data parallel: reducing the gradients"));
+    }
+    fl_mem_snapshot(o->model->pool, "after_reduce");
+    return FL_OK;
 }
 
 fl_status fl_dp_broadcast_params(fl_dp *dp, fl_optimizer *o) {

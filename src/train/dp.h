@@ -16,13 +16,22 @@
 #ifndef FL_TRAIN_DP_H
 #define FL_TRAIN_DP_H
 
+#include "fitllm/checkpoint.h"
 #include "fitllm/comm.h"
 #include "fitllm/config.h"
 #include "fitllm/train.h"
+#include "fitllm/trainer.h"
 
 typedef struct {
     fl_comm *comm; /* NULL: one process */
     int rank, world;
+    int stage;     /* ZeRO stage of the run's strategy: 0 DDP (NO_SHARD), 1, 2 (see zero.c); 0 in one process */
+    fl_optim_dist dist; /* the optimizer's hooks (fl_dp_optim_init) */
+    /* bucketed reduction (fl_dp_buckets_arm): the optimizer whose gradients the buckets reduce, the
+     * bucket in flight, the elements posted this step */
+    fl_optimizer *bk_o;
+    fl_comm_req *bk_req;
+    size_t bk_done;
 } fl_dp;
 
 /* comm may be NULL (rank 0 of 1). */
@@ -42,9 +51,45 @@ fl_status fl_dp_gather(fl_dp *dp, const double *v, int n, double *all);
 fl_status fl_dp_check_config(fl_dp *dp, const fl_run_config *cfg);
 /* What this build cannot reduce yet (F16 gradients), checked at set-up. */
 fl_status fl_dp_check(const fl_dp *dp, const fl_optimizer *o);
-/* Sum the trainable gradients (o->g, F32 or BF16) over ranks in place: one all-reduce of the
- * flat buffer (not yet bucketed per block as backward ends). */
+/* Sum the trainable gradients (o->g, F32 or BF16) over ranks in place: DDP and ZeRO-1 of the full
+ * model wait for the last bucket (fl_dp_buckets_arm), with LoRA one all-reduce of the adapters
+ * (every rank holds the whole sum), ZeRO-2 one reduce-scatter (each rank holds the sum of its chunk, in place at its offset;
+ * the rest of the buffer is dead: GRADS live = the chunk's bytes). With several ranks the memory
+ * snapshot "after_reduce" follows. */
 fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o);
+/* Bucketed reduction (DDP and ZeRO-1, full-model training): before the LAST micro-batch of a step
+ * (last = 1) the model's backward posts an all-reduce of each layout group's gradients as the group
+ * becomes final (the head group, block L-1 ... 0, the embeddings), so the reduction of one block
+ * overlaps the backward of the next; fl_dp_reduce_grads then waits for the last. One bucket is in
+ * flight at a time (the previous one is waited for before the next is posted), so the MPI scratch
+ * held during backward is one bucket's, at fixed points (the planner replays it). The sums are the
+ * whole-buffer all-reduce's bits (each element: the same rank-order sum). last = 0, one process,
+ * ZeRO-2 (one reduce-scatter after backward) and LoRA (one all-reduce of the adapters): not armed. */
+void fl_dp_buckets_arm(fl_dp *dp, fl_optimizer *o, int last);
+
+/* ZeRO-2 with 8-bit AdamW: the reduced gradients a rank fetches from its neighbours beyond its
+ * chunk (FL_OPTIM_8BIT_HALO from each), 0 otherwise. */
+size_t fl_dp_zero2_halo(int world, int rank, const fl_optim_config *c);
+
+/* ---- ZeRO (src/train/zero.c) ---------------------------------------------------------------- */
+
+/* The optimizer of the run: the strategy's ZeRO stage (cfg->strategy, fsdp.sharding_strategy) is
+ * read into dp->stage; stages 1 and 2 hold state for this rank's chunk only (fl_optim_init_shard),
+ * and every stage gets the hooks (o->dist: the rank-ordered sum the clipping norm uses, the
+ * all-gather of the updated parameters). */
+fl_status fl_dp_optim_init(fl_dp *dp, const fl_run_config *cfg, fl_optimizer *o, fl_model *m);
+/* Checkpoints in the single-process format at every stage. Save: under ZeRO the ranks' optimizer
+ * state chunks travel to rank 0 (one broadcast per rank, into a full-size host staging buffer on
+ * rank 0 and a chunk-sized one elsewhere, outside the pool: checkpoint I/O staging), then rank 0
+ * (`write`) saves. Collective under ZeRO. o may be NULL (no optimizer state saved). */
+fl_status fl_dp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const char *name, const fl_model *m,
+                          const fl_optimizer *o, const fl_train_state *st, const fl_run_config *cfg,
+                          const char *tok_dir);
+/* Load: every rank reads the checkpoint; under ZeRO the full state goes through host staging and
+ * each rank keeps its chunk. Not collective. */
+fl_status fl_dp_ckpt_load(fl_dp *dp, const char *dir, fl_model *m, fl_optimizer *o, fl_train_state *st);
+/* "DDP", "ZeRO-1", "ZeRO-2". */
+const char *fl_dp_stage_name(const fl_dp *dp);
 /* Rank 0's trainable parameters (and so the compute copy) to every rank. */
 fl_status fl_dp_broadcast_params(fl_dp *dp, fl_optimizer *o);
 /* A collective verdict on a phase every rank runs (set-up): each rank's status in, FL_OK on

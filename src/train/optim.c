@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "../model/model-impl.h"
+#include "fitllm/comm.h"
 #include "fitllm/train.h"
 
 void fl_optim_config_default(fl_optim_config *c, fl_optim_kind kind) {
@@ -76,7 +77,32 @@ static fl_status trainable(fl_optimizer *o, fl_model *model) {
 }
 
 fl_status fl_optim_init(fl_optimizer *o, fl_model *model, const fl_optim_config *cfg) {
+    return fl_optim_init_shard(o, model, cfg, 1, 0);
+}
+
+void fl_optim_8bit_piece(size_t n, size_t t_off, size_t t_n, int world, int rank, size_t *a, size_t *len) {
+    size_t off, cl;
+    fl_comm_chunk(n, world, rank, &off, &cl);
+    size_t lo = off > t_off ? off : t_off, hi = off + cl < t_off + t_n ? off + cl : t_off + t_n;
+    *a = 0;
+    *len = 0;
+    if (lo >= hi) return;
+    size_t x = lo - t_off, y = hi - t_off; /* tensor-relative */
+    if (fl_adam8bit_is_8bit(t_n)) {
+        const size_t B = FL_ADAM8BIT_BLOCK;
+        x = x / B * B;
+        y = (y + B - 1) / B * B;
+        if (y > t_n) y = t_n;
+    }
+    *a = x;
+    *len = y - x;
+}
+
+fl_status fl_optim_init_shard(fl_optimizer *o, fl_model *model, const fl_optim_config *cfg, int world, int rank) {
     memset(o, 0, sizeof *o);
+    if (world < 1 || rank < 0 || rank >= world)
+        return fl_errorf(FL_ERR_INVALID, "optimizer set-up: rank %d of %d", rank, world);
+
     if (cfg->kind < 0 || cfg->kind >= FL_OPT_COUNT) return fl_errorf(FL_ERR_INVALID, "unknown optimizer %d", (int)cfg->kind);
     if (cfg->state_dtype != FL_F32 && cfg->state_dtype != FL_BF16)
         return fl_errorf(FL_ERR_INVALID, "optimizer state dtype must be F32 or BF16");
@@ -88,6 +114,7 @@ fl_status fl_optim_init(fl_optimizer *o, fl_model *model, const fl_optim_config 
     o->use_loss_scale = model->prec.loss_scaling;
     fl_loss_scale_init(&o->ls);
     fl_status s = trainable(o, model);
+    if (s == FL_OK) fl_comm_chunk(o->n, world, rank, &o->s_off, &o->s_len);
     /* the backend must implement the update for these dtypes: found here, not at the first step */
     if (s == FL_OK) {
         const fl_backend *be = model->be;
@@ -97,7 +124,7 @@ fl_status fl_optim_init(fl_optimizer *o, fl_model *model, const fl_optim_config 
                           "%s (optimizer set-up)", be->name, fl_op_name(op), fl_dtype_name(o->pt), fl_dtype_name(o->gt),
                           fl_dtype_name(o->cfg.state_dtype));
     }
-    size_t bytes = o->n * (o->cfg.state_dtype == FL_BF16 ? 2 : 4);
+    size_t bytes = o->s_len * (o->cfg.state_dtype == FL_BF16 ? 2 : 4); /* this rank's range */
     if (s != FL_OK) {
     } else if (cfg->kind == FL_OPT_ADAMW) {
         s = fl_backend_calloc(model->be, model->pool, FL_TAG_OPTIM, bytes, (void **)&o->m);
@@ -105,15 +132,22 @@ fl_status fl_optim_init(fl_optimizer *o, fl_model *model, const fl_optim_config 
     } else if (cfg->kind == FL_OPT_SGD) {
         if (cfg->momentum != 0.0f) s = fl_backend_calloc(model->be, model->pool, FL_TAG_OPTIM, bytes, (void **)&o->buf);
     } else {
-        /* 8-bit: one OPTIM allocation, bound tensor by tensor (zeroed = fresh state) */
-        for (int i = 0; i < o->n_tensors; i++) o->state8_bytes += fl_adam8bit_state_bytes(o->t_n[i]);
+        /* 8-bit: one OPTIM allocation, bound tensor by tensor (zeroed = fresh state); under ZeRO
+         * each tensor's piece (whole blocks) that meets this rank's chunk */
         o->st8 = calloc((size_t)o->n_tensors + 1, sizeof *o->st8);
-        if (!o->st8) s = fl_errorf(FL_ERR_OOM, "8-bit optimizer bookkeeping: out of host memory");
+        o->p8_a = calloc((size_t)o->n_tensors + 1, sizeof *o->p8_a);
+        o->p8_n = calloc((size_t)o->n_tensors + 1, sizeof *o->p8_n);
+        if (!o->st8 || !o->p8_a || !o->p8_n) s = fl_errorf(FL_ERR_OOM, "8-bit optimizer bookkeeping: out of host memory");
+        for (int i = 0; s == FL_OK && i < o->n_tensors; i++) {
+            fl_optim_8bit_piece(o->n, o->t_off[i], o->t_n[i], world, rank, &o->p8_a[i], &o->p8_n[i]);
+            o->state8_bytes += fl_adam8bit_state_bytes_ex(o->p8_n[i], fl_adam8bit_is_8bit(o->t_n[i]));
+        }
         if (s == FL_OK) s = fl_backend_calloc(model->be, model->pool, FL_TAG_OPTIM, o->state8_bytes, &o->state8);
         size_t off = 0;
         for (int i = 0; s == FL_OK && i < o->n_tensors; i++) {
-            s = fl_adam8bit_state_bind(&o->st8[i], o->t_n[i], (char *)o->state8 + off);
-            off += fl_adam8bit_state_bytes(o->t_n[i]);
+            int e8 = fl_adam8bit_is_8bit(o->t_n[i]);
+            s = fl_adam8bit_state_bind_ex(&o->st8[i], o->p8_n[i], e8, (char *)o->state8 + off);
+            off += fl_adam8bit_state_bytes_ex(o->p8_n[i], e8);
         }
     }
     if (s != FL_OK) {
@@ -130,15 +164,57 @@ void fl_optim_free(fl_optimizer *o) {
     fl_mem_free(o->model->pool, o->buf);
     fl_mem_free(o->model->pool, o->state8);
     free(o->st8);
+    free(o->p8_a);
+    free(o->p8_n);
     free(o->t_off);
     free(o->t_n);
     memset(o, 0, sizeof *o);
 }
 
-/* Loss scaling: any inf/NaN among the scaled gradients (times inv_scale). */
+/* Whether this rank holds only its range of the reduced gradients (ZeRO-2). */
+static int grads_sharded(const fl_optimizer *o) { return o->dist && o->dist->stage == 2; }
+
+static const void *g_at(const fl_optimizer *o, size_t off) { return (const char *)o->g + off * fl_dtype_size(o->gt); }
+
+/* Loss scaling: any inf/NaN among the scaled gradients (times inv_scale); under ZeRO-2 each rank
+ * checks its range and the verdicts are summed, so every rank decides alike. */
 static fl_status found_inf(const fl_optimizer *o, float inv_scale, int *found) {
     *found = 0;
-    return o->model->be->check_finite(o->model->be, o->g, o->gt, o->n, inv_scale, found);
+    const fl_backend *be = o->model->be;
+    if (!grads_sharded(o)) return be->check_finite(be, o->g, o->gt, o->n, inv_scale, found);
+    FL_TRY(be->check_finite(be, g_at(o, o->s_off), o->gt, o->s_len, inv_scale, found));
+    double v = *found != 0;
+    FL_TRY(o->dist->sum(o->dist->ud, &v, 1));
+    *found = v > 0;
+    return FL_OK;
+}
+
+static double chunk_sumsq(const fl_optimizer *o, size_t off, size_t len) {
+    const fl_backend *be = o->model->be;
+    if (!len) return 0.0;
+    if (o->gt == FL_F32) return be->sumsq(be, (const float *)g_at(o, off), len);
+    return be->sumsq_ex(be, g_at(o, off), o->gt, len);
+}
+
+/* The squared global gradient norm: the squared norms of the world's chunks summed in rank order
+ * in double. DDP and ZeRO-1 hold every chunk and add them here; ZeRO-2 ranks hold one each and add
+ * them with dist->sum (the same order): all three clip with the same bits. */
+static fl_status grad_sumsq(const fl_optimizer *o, double *out) {
+    if (grads_sharded(o)) {
+        double v = chunk_sumsq(o, o->s_off, o->s_len);
+        FL_TRY(o->dist->sum(o->dist->ud, &v, 1));
+        *out = v;
+        return FL_OK;
+    }
+    int world = o->dist ? o->dist->world : 1;
+    double acc = 0;
+    for (int r = 0; r < world; r++) {
+        size_t off, len;
+        fl_comm_chunk(o->n, world, r, &off, &len);
+        acc += chunk_sumsq(o, off, len);
+    }
+    *out = acc;
+    return FL_OK;
 }
 
 double fl_grad_norm(const fl_model *m) {
@@ -166,7 +242,11 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
         }
         scale = inv; /* unscale inside the update */
     }
-    if (max_norm > 0 || norm_out) norm = fl_grad_norm(m) * scale;
+    if (max_norm > 0 || norm_out) {
+        double sq;
+        FL_TRY(grad_sumsq(o, &sq));
+        norm = sqrt(sq) * scale;
+    }
     /* inf/NaN gradients (no loss scaling to absorb them): refuse the update, the weights stay as they were */
     if ((max_norm > 0 || norm_out) && !isfinite(norm)) return fl_errorf(FL_ERR_NONFINITE, "the gradient norm is %s", isnan(norm) ? "NaN" : "inf");
     if (max_norm > 0) {
@@ -176,29 +256,35 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
     if (norm_out) *norm_out = norm;
     o->step++;
     const fl_optim_config *c = &o->cfg;
-    size_t n = o->n;
+    /* this rank's range (everything but under ZeRO): elementwise updates, so a range updates
+     * with the same arithmetic as the whole buffer does */
+    size_t n = o->s_len;
+    void *p = (char *)o->p + o->s_off * fl_dtype_size(o->pt), *g = (void *)g_at(o, o->s_off);
     const int f32 = o->pt == FL_F32 && o->gt == FL_F32;
     if (c->kind == FL_OPT_ADAMW && c->state_dtype == FL_F32 && f32) {
-        be->adamw_update(be, o->p, o->g, o->m, o->v, n, lr, c->beta1, c->beta2, c->eps, c->weight_decay,
+        be->adamw_update(be, p, g, o->m, o->v, n, lr, c->beta1, c->beta2, c->eps, c->weight_decay,
                          o->step, scale);
     } else if (c->kind == FL_OPT_ADAMW) {
-        FL_TRY(be->adamw_update_ex(be, o->p, o->pt, o->g, o->gt, o->m, o->v, c->state_dtype, n, lr,
+        FL_TRY(be->adamw_update_ex(be, p, o->pt, g, o->gt, o->m, o->v, c->state_dtype, n, lr,
                                    c->beta1, c->beta2, c->eps, c->weight_decay, o->step, scale));
     } else if (c->kind == FL_OPT_SGD && c->state_dtype == FL_F32 && f32) {
-        be->sgd_update(be, o->p, o->g, o->buf, n, lr, c->momentum, c->dampening, c->weight_decay,
+        be->sgd_update(be, p, g, o->buf, n, lr, c->momentum, c->dampening, c->weight_decay,
                        c->nesterov, o->step == 1, scale);
     } else if (c->kind == FL_OPT_SGD) {
-        FL_TRY(be->sgd_update_ex(be, o->p, o->pt, o->g, o->gt, o->buf, c->state_dtype, n, lr, c->momentum,
+        FL_TRY(be->sgd_update_ex(be, p, o->pt, g, o->gt, o->buf, c->state_dtype, n, lr, c->momentum,
                                  c->dampening, c->weight_decay, c->nesterov, o->step == 1, scale));
     } else {
         /* block-wise state is per tensor, as bitsandbytes keeps it per parameter */
         for (int i = 0; i < o->n_tensors; i++) {
-            size_t off = o->t_off[i];
+            if (!o->p8_n[i]) continue; /* ZeRO: not in this rank's chunk */
+            size_t off = o->t_off[i] + o->p8_a[i];
             FL_TRY(be->adam8bit_update(be, (char *)o->p + off * fl_dtype_size(o->pt), o->pt,
                                        (const char *)o->g + off * fl_dtype_size(o->gt), o->gt, &o->st8[i], lr, c->beta1,
                                        c->beta2, c->eps, c->weight_decay, o->step, scale));
         }
     }
+    /* ZeRO: every rank's updated range to every rank before anything reads the weights */
+    if (o->dist && o->dist->stage > 0 && o->dist->gather) FL_TRY(o->dist->gather(o->dist->ud, o));
     if (!m->lora) fl_model_sync_compute_copy(m); /* mixed precision: matmuls read the refreshed copy */
     fl_model_grads_live(m, 0); /* consumed: the next step starts from zero */
     return FL_OK;

@@ -469,7 +469,7 @@ static fl_status resume_if_asked(trainer *t, int *resumed) {
     } else {
         snprintf(path, sizeof path, "%s", r);
     }
-    FL_TRY(fl_ckpt_load(path, &t->model, &t->opt, &t->st));
+    FL_TRY(fl_dp_ckpt_load(&t->dp, path, &t->model, &t->opt, &t->st)); /* ZeRO: each rank keeps its chunk */
     FL_TRY(fl_loader_set_state(t->train, &t->st.loader));
     if (t->out) fprintf(t->out, "Resuming training from %s (step %ld, iter %ld)\n", path, t->st.step, t->st.iter);
     *resumed = 1;
@@ -558,7 +558,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
     } else {
         CHECK(fl_model_alloc_grads(&t.model));
     }
-    CHECK(fl_optim_init(&t.opt, &t.model, &cfg->optimizer));
+    CHECK(fl_dp_optim_init(&t.dp, cfg, &t.opt, &t.model)); /* ZeRO: state for this rank's chunk only */
     CHECK(fl_dp_check(&t.dp, &t.opt));
     t.model.act_ckpt = cfg->train.activation_checkpointing;
     CHECK(fl_model_alloc_acts(&t.model, t.B, t.T));
@@ -610,10 +610,15 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
                 fl_optim_name(cfg->optimizer.kind), cfg->optimizer.lr, cfg->train.min_lr);
         if (t.dp.world > 1) {
             char lb[300];
-            fprintf(out, "data parallel (DDP, strategy %s): %d ranks over %s (%s); rank 0 reports; gradients summed "
-                    "over the ranks once per step (one all-reduce of the flat buffer, deterministic rank order)\n",
-                    cfg->strategy[0] ? cfg->strategy : "auto", t.dp.world, fl_comm_impl_name(comm),
-                    fl_launch_describe(&comm->launch, lb, sizeof lb));
+            fprintf(out, "data parallel (%s, strategy %s): %d ranks over %s (%s); rank 0 reports; gradients summed "
+                    "over the ranks once per step (%s, deterministic rank order)%s\n",
+                    fl_dp_stage_name(&t.dp), cfg->strategy[0] ? cfg->strategy : "auto", t.dp.world,
+                    fl_comm_impl_name(comm), fl_launch_describe(&comm->launch, lb, sizeof lb),
+                    t.dp.stage == 2 ? "one reduce-scatter: each rank keeps its chunk"
+                    : t.model.lora ? "one all-reduce of the adapters"
+                                   : "all-reduced block by block as the last micro-batch's backward ends each",
+                    t.dp.stage ? "; each rank holds the optimizer state of its chunk of the parameters, updates it, "
+                    "and the updated parameters are all-gathered" : "");
         }
         long bpe = (long)fl_loader_batches_per_epoch(t.train);
         if (bpe < t.G) /* the epoch counter then moves every few iterations, inside one step */
@@ -682,6 +687,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
                 /* LoRA dropout masks depend on (seed, global iteration) only: a resumed run, and
                  * any world size, draws the same */
                 fl_model_lora_set_seed(&t.model, cfg->seed * 0x9e3779b97f4a7c15ULL + (uint64_t)(iter0 + j));
+                fl_dp_buckets_arm(&t.dp, &t.opt, k == t.accum - 1); /* the last backward reduces block by block */
                 CHECK(diverged(&t, fl_train_micro(&t.model, &t.opt, &t.mbs[k], k, 0, step_valid, lr,
                                                   cfg->train.max_norm, &ls_k, &nv_k, &sr), t.st.step + 1, iter0 + j + 1));
             }
@@ -750,9 +756,13 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
         if (t.st.step == 1 && out && !resumed) {
             bar_clear(&t);
             fprintf(out, "\n");
-            if (t.dp.world > 1)
+            if (t.dp.world > 1 && !t.dp.stage)
                 fprintf(out, "memory of rank 0 (DDP: every rank holds the same; WORKSPACE includes the all-reduce's "
                         "scratch)\n");
+            else if (t.dp.world > 1)
+                fprintf(out, "memory of rank 0 (%s: OPTIM holds its chunk's state, %zu of %zu elements%s; WORKSPACE "
+                        "includes the reduction's scratch)\n", fl_dp_stage_name(&t.dp), t.opt.s_len, t.opt.n,
+                        t.dp.stage == 2 ? "; GRADS live after the reduction: its chunk" : "");
             fl_mem_print_report(&t.pool, out);
             fprintf(out, "\n");
         }
@@ -777,10 +787,11 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
             if (out) fprintf(out, "Saving checkpoint to '%s/%s'\n", cfg->out_dir, name);
             fl_mem_set_phase(&t.pool, "checkpoint");
             CHECK(diverged(&t, check_weights(&t), t.st.step, t.st.iter));
-            if (lead) { /* the ranks hold the same weights and state: one writer, the single-process format */
-                CHECK(fl_ckpt_save(cfg->out_dir, name, &t.model, &t.opt, &t.st, cfg, t.tok_dir[0] ? t.tok_dir : NULL));
-                fl_ckpt_rotate(cfg->out_dir, cfg->train.keep_checkpoints);
-            }
+            /* the ranks hold the same weights (and, but under ZeRO, state): one writer, the single-process
+             * format; ZeRO's state chunks travel to rank 0 first (collective) */
+            CHECK(fl_dp_ckpt_save(&t.dp, lead, cfg->out_dir, name, &t.model, &t.opt, &t.st, cfg,
+                                  t.tok_dir[0] ? t.tok_dir : NULL));
+            if (lead) fl_ckpt_rotate(cfg->out_dir, cfg->train.keep_checkpoints);
         }
         /* after evaluation and checkpointing, so a hook that stops the run acts
          * like a crash right after this step's checkpoint */
@@ -842,9 +853,8 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
         CHECK(diverged(&t, check_weights(&t), t.st.step, t.st.iter));
         /* LoRA: final/ is the merged model (loads anywhere without PEFT), final/adapter the PEFT adapter */
         if (t.model.lora && lead) CHECK(fl_model_lora_merge(&t.model));
-        if (lead)
-            CHECK(fl_ckpt_save(cfg->out_dir, "final", &t.model, t.model.lora ? NULL : &t.opt,
-                               t.model.lora ? NULL : &t.st, cfg, t.tok_dir[0] ? t.tok_dir : NULL));
+        CHECK(fl_dp_ckpt_save(&t.dp, lead, cfg->out_dir, "final", &t.model, t.model.lora ? NULL : &t.opt,
+                              t.model.lora ? NULL : &t.st, cfg, t.tok_dir[0] ? t.tok_dir : NULL));
         snprintf(r.final_dir, sizeof r.final_dir, "%s/final", cfg->out_dir);
         /* fl_ckpt_save wrote final/adapter (the PEFT adapter) with final/ */
         if (t.model.lora && lead && out) fprintf(out, "Saved the PEFT adapter to '%s/adapter'\n", r.final_dir);

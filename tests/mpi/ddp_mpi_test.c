@@ -1,5 +1,5 @@
-/* Data-parallel training (DDP) with the ranks as MPI processes (run by tests/mpi_test.sh under
- * mpirun -np 2 and 4):
+/* Data-parallel training (DDP, ZeRO-1, ZeRO-2) with the ranks as MPI processes (run by
+ * tests/mpi_test.sh under mpirun -np 2, 3 and 4):
  *   fitllm_ddp_mpi_test TMPDIR
  * every scenario of tests/ddp_ref.h trains over MPI; rank 0 then trains the single-process
  * reference and control runs and checks the step losses and parameters (ddp_ref.h explains the
@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../ddp_ref.h"
+#include "../zero_ref.h"
 #include "fitllm/comm.h"
 #include "fitllm/plan.h"
 
@@ -130,6 +130,129 @@ static void scenario(fl_comm *c, const char *tmp, int sc) {
     CHECK(fl_comm_barrier(c) == FL_OK, "barrier");
 }
 
+/* ZeRO (tests/zero_ref.h) over MPI: DDP's bits at this world size, the threads twin's bits, one
+ * process within the derived bounds, and each rank's memory equal to the plan for that rank with
+ * every peak (the MPI reduction's scratch included). */
+typedef struct {
+    fl_run_config cfg;
+    zr_rec rec[8];
+} ztjob;
+
+static fl_status ztrank(fl_comm *c, int rank, void *ud) {
+    ztjob *j = ud;
+    return fl_trainer_run_comm(&j->cfg, c, NULL, 0, zr_record, &j->rec[rank], NULL);
+}
+
+static void zero_scenario(fl_comm *c, const char *tmp, int sc) {
+    int n = fl_comm_size(c);
+    char out[600];
+    static const char *strat[3] = {"ddp", "deepspeed_stage_1", "deepspeed_stage_2"};
+    zr_rec rec[3];
+    memset(rec, 0, sizeof rec);
+    fl_trainer_result res[3];
+    fl_run_config cfg[3];
+    for (int k = 0; k < 3; k++) {
+        snprintf(out, sizeof out, "%s/z-%s-%s", tmp, zr_names[sc], strat[k]);
+        zr_config(&cfg[k], sc, n, n, 1, strat[k], NULL, out);
+        fl_status s = fl_trainer_run_comm(&cfg[k], c, NULL, 0, zr_record, &rec[k], &res[k]);
+        CHECK(s == FL_OK, "%s %s over MPI: %s", zr_names[sc], strat[k], fl_error_message());
+        if (s != FL_OK) goto out;
+    }
+    for (int k = 1; k < 3; k++) {
+        CHECK(zr_same(&rec[k], &rec[0]), "%s: ZeRO-%d over MPI differs in bits from DDP over MPI", zr_names[sc], k);
+        char why[2048];
+        size_t nel = rec[0].nbytes / (sc == ZR_BF16 ? 2 : 4);
+        int bad = zr_check_memory(&cfg[k], g_rank, n, &res[k], res[0].peak[FL_TAG_OPTIM], nel, 1, why, sizeof why);
+        CHECK(bad == 0, "%s ZeRO-%d: %s", zr_names[sc], k, why);
+    }
+    /* every rank ends with the same bits: a checksum of rank 0's against each rank's */
+    {
+        double h = 0;
+        for (size_t i = 0; i < rec[2].nbytes; i++) h += (double)rec[2].bytes[i] * (double)(i % 7919 + 1);
+        float mine[2] = {(float)h, (float)(h - (float)h)}, *all = calloc((size_t)n * 2, sizeof *all);
+        CHECK(all && fl_comm_all_gather(c, mine, all, (size_t)n * 2, FL_F32) == FL_OK, "gathering checksums");
+        for (int r = 1; all && r < n; r++)
+            CHECK(!memcmp(all, all + 2 * r, 2 * sizeof *all), "%s ZeRO-2: rank %d's parameters differ from rank 0's",
+                  zr_names[sc], r);
+        free(all);
+    }
+    if (g_rank == 0) {
+        fl_run_config rc;
+        zr_rec ref = {0}, ctl = {0};
+        snprintf(out, sizeof out, "%s/z-%s-ref", tmp, zr_names[sc]);
+        zr_config(&rc, sc, n, 1, 1, "auto", NULL, out);
+        CHECK(fl_trainer_run(&rc, NULL, 0, zr_record, &ref, NULL) == FL_OK, "ref: %s", fl_error_message());
+        snprintf(out, sizeof out, "%s/z-%s-ctl", tmp, zr_names[sc]);
+        zr_config(&rc, sc, n, 1, n, "auto", NULL, out);
+        CHECK(fl_trainer_run(&rc, NULL, 0, zr_record, &ctl, NULL) == FL_OK, "control: %s", fl_error_message());
+        for (int k = 1; k < 3; k++) {
+            char why[1024];
+            int bad = zr_compare_one_process(&rec[k], &ref, &ctl, &cfg[k], why, sizeof why);
+            CHECK(bad == 0, "%s ZeRO-%d at %d ranks vs one process: %s", zr_names[sc], k, n, why);
+            if (!bad) printf("  %s ZeRO-%d at %d ranks vs one process: %s\n", zr_names[sc], k, n, why);
+        }
+        /* the same ZeRO-2 run with the ranks as threads: the same bits */
+        ztjob *j = calloc(1, sizeof *j);
+        if (j && n <= 8) {
+            snprintf(out, sizeof out, "%s/z-%s-threads", tmp, zr_names[sc]);
+            zr_config(&j->cfg, sc, n, n, 1, "deepspeed_stage_2", NULL, out);
+            fl_status ts = fl_comm_threads_run(n, ztrank, j);
+            CHECK(ts == FL_OK, "threads: %s", fl_error_message());
+            if (ts == FL_OK) CHECK(zr_same(&j->rec[0], &rec[2]), "%s: ZeRO-2 over MPI and over threads differ in bits",
+                                   zr_names[sc]);
+            for (int r = 0; r < n; r++) zr_free(&j->rec[r]);
+        }
+        free(j);
+        zr_free(&ref);
+        zr_free(&ctl);
+    }
+out:
+    for (int k = 0; k < 3; k++) zr_free(&rec[k]);
+    CHECK(fl_comm_barrier(c) == FL_OK, "barrier");
+}
+
+/* Accumulation 1: the last micro-batch is the first, so the bucketed reduction's scratch (the
+ * embeddings' bucket still in flight) is inside the after_bwd snapshot; every rank's memory must
+ * still be the plan's for that rank, byte for byte at every phase (DDP and ZeRO-1 bucketed,
+ * ZeRO-2 not). */
+static void accum1_memory(fl_comm *c, const char *tmp) {
+    int n = fl_comm_size(c);
+    static const char *strat[3] = {"ddp", "deepspeed_stage_1", "deepspeed_stage_2"};
+    for (int k = 0; k < 3; k++) {
+        char out[600];
+        fl_run_config cfg;
+        snprintf(out, sizeof out, "%s/a1-%s", tmp, strat[k]);
+        zr_config(&cfg, ZR_ADAMW, n, n, 1, strat[k], NULL, out);
+        cfg.train.global_batch_size = 2 * n; /* micro 2 x accumulation 1 per rank */
+        cfg.train.max_steps = 2;
+        fl_trainer_result res;
+        fl_status s = fl_trainer_run_comm(&cfg, c, NULL, 0, NULL, NULL, &res);
+        CHECK(s == FL_OK, "accumulation 1, %s: %s", strat[k], fl_error_message());
+        if (s != FL_OK) continue;
+        fl_plan *pl = calloc(1, sizeof *pl);
+        fl_plan_opts po;
+        fl_plan_opts_default(&po);
+        po.no_suggestions = 1;
+        po.generation = 0;
+        po.rank = g_rank;
+        CHECK(pl && fl_plan_run(&cfg, &po, pl) == FL_OK, "plan: %s", fl_error_message());
+        if (pl) {
+            CHECK(pl->peak_total == res.peak_total && !memcmp(pl->peak, res.peak, sizeof pl->peak),
+                  "accumulation 1, %s: rank %d planned peak %zu, measured %zu", strat[k], g_rank, pl->peak_total,
+                  res.peak_total);
+            CHECK(pl->n_phases == res.n_phases, "accumulation 1, %s: phases %d vs %d", strat[k], pl->n_phases,
+                  res.n_phases);
+            for (int i = 0; i < pl->n_phases && i < res.n_phases; i++)
+                CHECK(!memcmp(pl->phases[i].cur, res.phases[i].cur, sizeof pl->phases[i].cur) &&
+                          pl->phases[i].peak_total == res.phases[i].peak_total,
+                      "accumulation 1, %s: rank %d phase %s differs from the plan", strat[k], g_rank,
+                      res.phases[i].name);
+        }
+        free(pl);
+    }
+    CHECK(fl_comm_barrier(c) == FL_OK, "barrier");
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr, "usage: fitllm_ddp_mpi_test TMPDIR (under mpirun)\n");
@@ -143,7 +266,11 @@ int main(int argc, char **argv) {
     }
     g_rank = fl_comm_rank(c);
     int n = fl_comm_size(c);
-    for (int sc = 0; sc < DR_COUNT; sc++) scenario(c, tmp, sc);
+    /* DDP's scenarios at 2 and 4 ranks; ZeRO's at every size (tests/mpi_test.sh: 2, 3 and 4) */
+    if (n != 3)
+        for (int sc = 0; sc < DR_COUNT; sc++) scenario(c, tmp, sc);
+    for (int sc = 0; sc < ZR_COUNT; sc++) zero_scenario(c, tmp, sc);
+    accum1_memory(c, tmp);
     float f = (float)g_fails, fmax = 0, chk = (float)g_checks, csum = 0;
     if (fl_comm_all_reduce(c, &f, &fmax, 1, FL_F32, FL_COMM_MAX) != FL_OK ||
         fl_comm_all_reduce(c, &chk, &csum, 1, FL_F32, FL_COMM_SUM) != FL_OK) {

@@ -20,21 +20,27 @@
 const float fl_adam8bit_code_signed[256] = {FL_ADAM8BIT_CODE_SIGNED_VALUES};
 const float fl_adam8bit_code_unsigned[256] = {FL_ADAM8BIT_CODE_UNSIGNED_VALUES};
 
-size_t fl_adam8bit_state_bytes(size_t n) {
-    if (!fl_adam8bit_is_8bit(n)) return 8 * n;
+size_t fl_adam8bit_state_bytes(size_t n) { return fl_adam8bit_state_bytes_ex(n, fl_adam8bit_is_8bit(n)); }
+
+size_t fl_adam8bit_state_bytes_ex(size_t n, int eight_bit) {
+    if (!eight_bit) return 8 * n;
     size_t nb = (n + FL_ADAM8BIT_BLOCK - 1) / FL_ADAM8BIT_BLOCK;
     size_t q = (2 * n + 3) & ~(size_t)3;
     return q + 8 * nb;
 }
 
 fl_status fl_adam8bit_state_bind(fl_adam8bit_state *st, size_t n, void *mem) {
+    return fl_adam8bit_state_bind_ex(st, n, fl_adam8bit_is_8bit(n), mem);
+}
+
+fl_status fl_adam8bit_state_bind_ex(fl_adam8bit_state *st, size_t n, int eight_bit, void *mem) {
     if (!st || (!mem && n)) return fl_errorf(FL_ERR_INVALID, "adam8bit_state_bind: NULL state or memory (n=%zu)", n);
     if ((uintptr_t)mem % 4)
         return fl_errorf(FL_ERR_INVALID, "adam8bit_state_bind: memory %p not 4-byte aligned", mem);
     memset(st, 0, sizeof *st);
     st->n = n;
     uint8_t *b = mem;
-    if (!fl_adam8bit_is_8bit(n)) {
+    if (!eight_bit) {
         st->m = (float *)b;
         st->v = (float *)(b + 4 * n);
         return FL_OK;
@@ -194,7 +200,7 @@ fl_status fl_cpu_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp, con
     const float w1 = 1.0f - beta1, w2 = 1.0f - beta2, decay = 1.0f - lr * weight_decay;
     const float eps2 = correction2 * eps;
 
-    if (!fl_adam8bit_is_8bit(n)) {
+    if (!st->q_m) { /* the fp32 path: a small tensor (or a piece of one) */
         if (!st->m || !st->v) return fl_errorf(FL_ERR_INVALID, "adam8bit_update: fp32 path (n=%zu) without m/v", n);
         float *m = st->m, *v = st->v;
         /* kOptimizer32bit2State, ADAM: g_vals = (T)(gnorm_scale * g); no inf/NaN rule. */

@@ -1,0 +1,219 @@
+/* ZeRO-1 and ZeRO-2 (DeepSpeed's stages 1 and 2; Lightning's deepspeed_stage_1/2 and FSDP's
+ * SHARD_GRAD_OP) on fl_comm: see dp.h and docs/ARCHITECTURE.md "Data-parallel training".
+ *
+ * What is divided. The trainable elements [0, n) of the flat buffer are split by fl_comm's chunk
+ * layout (rank r owns len(r) = n/N + (r < n%N) elements at off(r)); rank r keeps optimizer state
+ * (AdamW m and v, SGD momentum) for its chunk only and updates only those parameters, then one
+ * all-gather gives every rank the whole updated buffer:
+ *   stage 1: gradients all-reduced (every rank holds the whole sum, as DDP), state divided by N;
+ *   stage 2: gradients reduce-scattered (each rank receives the sum of its chunk only, the rest of
+ *            its gradient buffer is dead after the reduction), state divided by N. fitllm's backward
+ *            accumulates every micro-batch into the whole flat gradient buffer, so that buffer stays
+ *            reserved in full (GRADS); what shrinks to the chunk is the reduced gradient a rank keeps
+ *            (GRADS live after the reduction) and the traffic (reduce-scatter + all-gather of the
+ *            parameters = 2 psi, as DDP's all-reduce; stage 1 moves 3 psi).
+ * Parameters (and fp32 master weights of the mixed policies, which are the model's own parameters
+ * here: norms, embeddings and checkpoints read them) are not divided: that is ZeRO-3 / FULL_SHARD.
+ *
+ * Same bits as DDP. The reduced gradient of element i is the same rank-order sum under every stage
+ * (reduce-scatter is the first half of fl_comm's all-reduce); the clipping norm is the rank-order
+ * sum of the chunks' squared norms at every stage (optim.c); the updates are elementwise with
+ * rounding as written (-ffp-contract=off), so a chunk updates with the arithmetic of the whole
+ * buffer; the all-gather copies bits. DDP, ZeRO-1 and ZeRO-2 at one world size therefore give the
+ * same parameters bit for bit (tests/test_zero.c checks it). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "dp.h"
+#include "fitllm/checkpoint.h"
+#include "../model/model-impl.h"
+
+const char *fl_dp_stage_name(const fl_dp *dp) {
+    return dp->stage == 1 ? "ZeRO-1" : dp->stage == 2 ? "ZeRO-2" : "DDP";
+}
+
+static fl_status dist_sum(void *ud, double *v, int n) { return fl_dp_sum(ud, v, n); }
+
+/* 16-bit storage travels as BF16 words: an all-gather copies, it never adds */
+static fl_dtype word_type(fl_dtype t) { return fl_dtype_size(t) == 4 ? FL_F32 : FL_BF16; }
+
+static fl_status dist_gather(void *ud, fl_optimizer *o) {
+    fl_dp *dp = ud;
+    if (!dp->comm) return FL_OK;
+    size_t es = fl_dtype_size(o->pt);
+    return fl_error_prefix(fl_comm_all_gather(dp->comm, (char *)o->p + o->s_off * es, o->p, o->n, word_type(o->pt)),
+                           "%s: gathering the updated parameters", fl_dp_stage_name(dp));
+}
+
+fl_status fl_dp_optim_init(fl_dp *dp, const fl_run_config *cfg, fl_optimizer *o, fl_model *m) {
+    int stage = 0;
+    FL_TRY(fl_cfg_zero_stage(cfg->strategy, cfg->sharding_strategy, &stage));
+    dp->stage = dp->comm ? stage : 0; /* one process: every stage is the plain optimizer */
+    dp->dist = (fl_optim_dist){dp->world, dp->rank, dp->stage, dp, dist_sum, dist_gather};
+    if (dp->stage > 0) FL_TRY(fl_optim_init_shard(o, m, &cfg->optimizer, dp->world, dp->rank));
+    else FL_TRY(fl_optim_init(o, m, &cfg->optimizer));
+    if (dp->stage == 2 && o->cfg.kind == FL_OPT_ADAMW8BIT && o->n / (size_t)dp->world < FL_OPTIM_8BIT_HALO) {
+        size_t n = o->n;
+        fl_optim_free(o);
+        return fl_errorf(FL_ERR_UNSUPPORTED, "ZeRO-2 with AdamW8bit needs at least %d trainable elements per rank "
+                         "(a block of 256 reaches one neighbour only); %zu over %d ranks: use deepspeed_stage_1",
+                         FL_OPTIM_8BIT_HALO, n, dp->world);
+    }
+    if (dp->comm) o->dist = &dp->dist;
+    return FL_OK;
+}
+
+/* ---- checkpoints: the single-process format ------------------------------------------------- */
+
+static int sharded(const fl_dp *dp, const fl_optimizer *o) { return dp->comm && dp->stage > 0 && o; }
+
+static size_t state_es(const fl_optimizer *o) { return o->cfg.state_dtype == FL_BF16 ? 2 : 4; }
+
+/* 8-bit AdamW: the bytes of rank r's state (its pieces, tensor by tensor: what it allocated) */
+static size_t packed_bytes(const fl_optimizer *o, int world, int r) {
+    size_t total = 0;
+    for (int i = 0; i < o->n_tensors; i++) {
+        size_t a, len;
+        fl_optim_8bit_piece(o->n, o->t_off[i], o->t_n[i], world, r, &a, &len);
+        total += fl_adam8bit_state_bytes_ex(len, fl_adam8bit_is_8bit(o->t_n[i]));
+    }
+    return total;
+}
+
+/* Copy rank r's packed 8-bit state to (to_full) or from the single-process layout `full`. A block
+ * that two ranks keep is written twice with the same bytes. */
+static fl_status unpack8(const fl_optimizer *o, int world, int r, void *packed, void *full, int to_full) {
+    size_t po = 0, fo = 0;
+    for (int i = 0; i < o->n_tensors; i++) {
+        size_t a, len, tn = o->t_n[i];
+        int e8 = fl_adam8bit_is_8bit(tn);
+        fl_optim_8bit_piece(o->n, o->t_off[i], tn, world, r, &a, &len);
+        fl_adam8bit_state ps, fs;
+        FL_TRY(fl_adam8bit_state_bind_ex(&ps, len, e8, (char *)packed + po));
+        FL_TRY(fl_adam8bit_state_bind(&fs, tn, (char *)full + fo));
+        po += fl_adam8bit_state_bytes_ex(len, e8);
+        fo += fl_adam8bit_state_bytes(tn);
+        if (!len) continue;
+#define CP(dst, src, bytes) memcpy(to_full ? (void *)(dst) : (void *)(src), to_full ? (const void *)(src) : (const void *)(dst), bytes)
+        if (e8) {
+            size_t b0 = a / FL_ADAM8BIT_BLOCK;
+            CP(fs.q_m + a, ps.q_m, len);
+            CP(fs.q_v + a, ps.q_v, len);
+            CP(fs.absmax_m + b0, ps.absmax_m, ps.n_blocks * sizeof(float));
+            CP(fs.absmax_v + b0, ps.absmax_v, ps.n_blocks * sizeof(float));
+        } else {
+            CP(fs.m + a, ps.m, len * sizeof(float));
+            CP(fs.v + a, ps.v, len * sizeof(float));
+        }
+#undef CP
+    }
+    return FL_OK;
+}
+
+/* *full = o with full-size host state buffers (zeroed), range [0, n): the single-process layout */
+static fl_status full_view(const fl_optimizer *o, fl_optimizer *full) {
+    *full = *o;
+    full->m = full->v = full->buf = NULL;
+    full->state8 = NULL;
+    full->s_off = 0;
+    full->s_len = o->n;
+    size_t bytes = o->n * state_es(o);
+    int ok = 1;
+    if (o->m) ok &= (full->m = calloc(1, bytes + 1)) != NULL && (full->v = calloc(1, bytes + 1)) != NULL;
+    if (o->buf) ok &= (full->buf = calloc(1, bytes + 1)) != NULL;
+    if (o->state8) { /* fl_optim_init's layout in one process */
+        full->state8_bytes = packed_bytes(o, 1, 0);
+        ok &= (full->state8 = calloc(1, full->state8_bytes + 8)) != NULL;
+        bytes = full->state8_bytes;
+    }
+    if (!ok) {
+        free(full->m), free(full->v), free(full->buf), free(full->state8);
+        return fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory staging the %s optimizer state (%zu bytes)",
+                         fl_optim_name(o->cfg.kind), bytes);
+    }
+    return FL_OK;
+}
+
+static void full_free(fl_optimizer *full) {
+    free(full->m);
+    free(full->v);
+    free(full->buf);
+    free(full->state8);
+}
+
+/* 8-bit: every rank's packed state to rank 0's full layout, one broadcast per rank */
+static fl_status gather8(fl_dp *dp, const fl_optimizer *o, fl_optimizer *full) {
+    size_t cap = 0;
+    for (int r = 0; r < dp->world; r++) {
+        size_t b = packed_bytes(o, dp->world, r);
+        if (b > cap) cap = b;
+    }
+    char *tmp = malloc(cap + 8);
+    fl_status s = fl_dp_agree(dp, tmp ? FL_OK : fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory"));
+    for (int r = 0; s == FL_OK && r < dp->world; r++) {
+        size_t b = packed_bytes(o, dp->world, r); /* a multiple of 4: travels as 16-bit words */
+        void *buf = r == dp->rank ? o->state8 : tmp;
+        s = fl_error_prefix(fl_comm_broadcast(dp->comm, buf, b / 2, FL_BF16, r),
+                            "%s: gathering the 8-bit optimizer state for the checkpoint", fl_dp_stage_name(dp));
+        if (s == FL_OK && dp->rank == 0) s = unpack8(o, dp->world, r, buf, full->state8, 1);
+    }
+    free(tmp);
+    return s;
+}
+
+fl_status fl_dp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const char *name, const fl_model *m,
+                          const fl_optimizer *o, const fl_train_state *st, const fl_run_config *cfg,
+                          const char *tok_dir) {
+    if (!sharded(dp, o)) return write ? fl_ckpt_save(out_dir, name, m, o, st, cfg, tok_dir) : FL_OK;
+    fl_optimizer full;
+    memset(&full, 0, sizeof full);
+    fl_status s = FL_OK;
+    if (dp->rank == 0) s = full_view(o, &full);
+    if (o->state8) {
+        s = fl_dp_agree(dp, s);
+        if (s == FL_OK) s = gather8(dp, o, &full);
+        if (s == FL_OK && write) s = fl_ckpt_save(out_dir, name, m, &full, st, cfg, tok_dir);
+        if (dp->rank == 0) full_free(&full);
+        return s;
+    }
+    size_t es = state_es(o), cap = o->n / dp->world + 1;
+    char *tmp = dp->rank ? malloc(cap * es + 1) : NULL; /* another rank's chunk passes through here */
+    if (dp->rank && !tmp) s = fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory");
+    s = fl_dp_agree(dp, s); /* every rank staged, or none goes on */
+    fl_dtype wt = es == 4 ? FL_F32 : FL_BF16;
+    float *mine[3] = {o->m, o->v, o->buf};
+    void *dst[3] = {full.m, full.v, full.buf};
+    /* rank r broadcasts its chunk; rank 0 receives it in place in the full buffer */
+    for (int r = 0; s == FL_OK && r < dp->world; r++) {
+        size_t off, len;
+        fl_comm_chunk(o->n, dp->world, r, &off, &len);
+        for (int k = 0; s == FL_OK && k < 3; k++) {
+            if (!mine[k]) continue;
+            void *b = r == dp->rank ? (void *)mine[k] : dp->rank == 0 ? (char *)dst[k] + off * es : tmp;
+            if (dp->rank == 0 && r == 0) memcpy((char *)dst[k], mine[k], len * es);
+            s = fl_error_prefix(fl_comm_broadcast(dp->comm, b, len, wt, r), "%s: gathering the optimizer state for "
+                                "the checkpoint", fl_dp_stage_name(dp));
+        }
+    }
+    free(tmp);
+    if (s == FL_OK && write) s = fl_ckpt_save(out_dir, name, m, &full, st, cfg, tok_dir);
+    if (dp->rank == 0) full_free(&full);
+    return s;
+}
+
+fl_status fl_dp_ckpt_load(fl_dp *dp, const char *dir, fl_model *m, fl_optimizer *o, fl_train_state *st) {
+    if (!sharded(dp, o)) return fl_ckpt_load(dir, m, o, st);
+    fl_optimizer full;
+    FL_TRY(full_view(o, &full));
+    fl_status s = fl_ckpt_load(dir, m, &full, st);
+    if (s == FL_OK) { /* keep this rank's chunk, and the scalars */
+        size_t es = state_es(o), off = o->s_off * es, len = o->s_len * es;
+        if (o->m) memcpy(o->m, (char *)full.m + off, len), memcpy(o->v, (char *)full.v + off, len);
+        if (o->buf) memcpy(o->buf, (char *)full.buf + off, len);
+        if (o->state8) s = unpack8(o, dp->world, dp->rank, o->state8, full.state8, 0);
+        o->step = full.step;
+        o->ls = full.ls;
+    }
+    full_free(&full);
+    return s;
+}
