@@ -533,16 +533,13 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
     CHECK(fl_dp_check_config(&t.dp, cfg)); /* the same command line and recipe on every rank */
     CHECK(fl_backend_init_by_name(fl_backend_default_name(), &t.be, cfg->threads));
     t.be_ok = 1;
-    if (!t.be.host_memory && comm && fl_comm_size(comm) > 1) /* MPI collectives read host buffers */
-        CHECK(fl_errorf(FL_ERR_UNSUPPORTED, "several ranks on the %s backend: its buffers are device memory and "
-                        "the MPI communicator reduces host buffers (NCCL is not implemented yet); run one rank, "
-                        "or --accelerator cpu", t.be.name));
-    CHECK(fl_backend_pools_init(&t.be, &t.pool, &t.hpool, "cpu", cfg->max_memory));
+    CHECK(fl_backend_pools_init(&t.be, &t.pool, &t.hpool, t.be.host_memory ? "cpu" : t.be.name, cfg->max_memory));
     t.pool_ok = 1;
     fl_dp_init(&t.dp, comm, &t.pool);
     if (t.dp.world > 1 && !t.be.host_memory) /* fl_comm's collectives read and write host memory today */
         CHECK(fl_errorf(FL_ERR_UNSUPPORTED, "data-parallel training on backend '%s' (whose memory the host cannot "
-                        "read) needs a device-memory communicator, which this build does not have yet", t.be.name));
+                        "read) needs a device-memory communicator (NCCL: not implemented yet); run one rank, or "
+                        "--accelerator cpu", t.be.name));
     fl_mem_set_phase(&t.pool, "model load");
     CHECK(load_model_and_tokenizer(&t));
     CHECK(fl_model_set_precision(&t.model, &prec));

@@ -42,7 +42,8 @@
 #include "fitllm/backend.h"
 #include "fitllm/lora.h"
 
-#define FLB_SCRATCH_BYTES ((size_t)FLB_LT_WS_BYTES + (size_t)FLB_PANEL_BYTES + (size_t)FLB_WORK_BYTES)
+/* + 256: the lent region is re-aligned to 256 bytes (cuBLASLt's workspace, the panels) */
+#define FLB_SCRATCH_BYTES ((size_t)FLB_LT_WS_BYTES + (size_t)FLB_PANEL_BYTES + (size_t)FLB_WORK_BYTES + 256)
 
 typedef struct {
     void *stream;
@@ -84,12 +85,18 @@ static int flb_launch(const fl_backend *be, int rc, const char *op) {
         if (flb_launch((be), (call), (op))) return flb_sticky(be);                                                  \
     } while (0)
 
+/* The op scratch, 256-byte aligned (cuBLASLt rejects a workspace of lesser alignment with
+ * INVALID_VALUE; the model lends a region of its arena aligned to 64). */
 static void *flb_scratch(const fl_backend *be) {
     flb_impl *im = FLB_IMPL(be);
-    if (im->scratch) return im->scratch;
-    if (!im->own_scratch) im->own_scratch = flb_dev_alloc(FLB_SCRATCH_BYTES);
-    if (!im->own_scratch) flb_set_error(be, FL_ERR_OOM, "scratch", "cannot allocate the op scratch");
-    return im->own_scratch;
+    char *s = (char *)im->scratch;
+    if (!s) {
+        if (!im->own_scratch) im->own_scratch = flb_dev_alloc(FLB_SCRATCH_BYTES);
+        if (!im->own_scratch) flb_set_error(be, FL_ERR_OOM, "scratch", "cannot allocate the op scratch");
+        s = (char *)im->own_scratch;
+    }
+    if (!s) return NULL;
+    return (void *)(((uintptr_t)s + 255) & ~(uintptr_t)255);
 }
 
 /* ============================== GEMM ============================== */
