@@ -302,6 +302,7 @@ static fl_status fl_st_write_data(int fd, const char *tmp, const fl_st_write_ten
         x.fill = NULL;
         x.data = buf;
         x.src_dtype = FL_F32;
+        x.be = NULL; /* the filled buffer is host memory, whatever holds the tensor's storage */
         fl_status s = t->fill(t->fill_ud, buf);
         if (s == FL_OK) s = fl_st_write_data(fd, tmp, &x);
         free(buf);

@@ -32,6 +32,7 @@ fl_status fl_train_micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb,
     fl_mem_set_phase(pool, "backward");
     FL_TRY(fl_model_backward(m));
     if (k == 0) fl_mem_snapshot(pool, "after_bwd");
+    if (res && !m->be->host_memory) FL_TRY(m->be->sync(m->be)); /* an asynchronous device: its own time */
     double c = now_ms();
     if (res) {
         res->ms_fwd += b - a - m->ms_head;
@@ -48,6 +49,7 @@ fl_status fl_train_update(fl_model *m, fl_optimizer *o, float lr, float max_norm
     fl_mem_set_phase(pool, "optimizer step");
     double norm = 0;
     FL_TRY(fl_optim_step(o, lr, max_norm, &norm));
+    if (res && !m->be->host_memory) FL_TRY(m->be->sync(m->be));
     fl_mem_snapshot(pool, "after_opt_step");
     if (res) {
         res->grad_norm = norm;

@@ -312,13 +312,35 @@ static fl_status op_attention_backward_ex(const fl_backend *be, const fl_attn_de
 }
 /* the scratch is lent per thread to the CPU ops: nothing to open */
 static void op_set_scratch(const fl_backend *be, void *p, size_t bytes) { IN->set_scratch(IN, p, bytes); }
+/* The copies check which side is device memory, as a GPU's would fail (cudaMemcpy of a host
+ * pointer named as device memory is an error there, a plain memcpy here): so a host buffer
+ * passed where the contract wants a device one is caught on the CPU too. */
+static int opq_is_dev(const fl_backend *be, const void *p, size_t bytes) {
+    const opq *o = be->impl;
+    const char *c = p;
+    return c >= o->base && c + bytes <= o->base + o->top;
+}
+static fl_status opq_copy_check(const fl_backend *be, const char *op, const void *dst, int dst_dev, const void *src,
+                                int src_dev, size_t bytes) {
+    if (!bytes) return FL_OK;
+    if (opq_is_dev(be, dst, bytes) != dst_dev)
+        return fl_errorf(FL_ERR_INVALID, "opaque backend: %s: destination %p (%zu bytes) is %s memory, the contract "
+                         "wants %s memory", op, dst, bytes, dst_dev ? "host" : "device", dst_dev ? "device" : "host");
+    if (opq_is_dev(be, src, bytes) != src_dev)
+        return fl_errorf(FL_ERR_INVALID, "opaque backend: %s: source %p (%zu bytes) is %s memory, the contract "
+                         "wants %s memory", op, src, bytes, src_dev ? "host" : "device", src_dev ? "device" : "host");
+    return FL_OK;
+}
 static fl_status op_to_device(const fl_backend *be, void *dst, const void *src, size_t bytes) {
+    FL_TRY(opq_copy_check(be, "to_device", dst, 1, src, 0, bytes));
     OPR(fl_status, IN->to_device(IN, dst, src, bytes));
 }
 static fl_status op_to_host(const fl_backend *be, void *dst, const void *src, size_t bytes) {
+    FL_TRY(opq_copy_check(be, "to_host", dst, 0, src, 1, bytes));
     OPR(fl_status, IN->to_host(IN, dst, src, bytes));
 }
 static fl_status op_copy(const fl_backend *be, void *dst, const void *src, size_t bytes) {
+    FL_TRY(opq_copy_check(be, "copy", dst, 1, src, 1, bytes));
     OPR(fl_status, IN->copy(IN, dst, src, bytes));
 }
 static fl_status op_sync(const fl_backend *be) { return IN->sync(IN); }
