@@ -70,6 +70,8 @@ typedef struct {
     int generation;        /* -1 auto (as the CLI run would), 0 off, 1 on */
     int no_suggestions;    /* skip the suggestion search (used by the search itself) */
     int rank;              /* ZeRO: plan this rank (their chunks differ by one element at most); default 0 */
+    int cuda;              /* 1: plan a run on the CUDA backend (its op scratch and GEMM widening; the device
+                            * pool only: host staging is not device memory); 0: the CPU backend */
 } fl_plan_opts;
 
 void fl_plan_opts_default(fl_plan_opts *o);

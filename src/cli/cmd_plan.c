@@ -15,6 +15,7 @@ typedef struct {
     int devices, seq_len, json, generation;
     int lora;
     int rank;
+    int cuda;
 } plan_args;
 
 static void help(const char *cmd, fl_cmd_kind kind) {
@@ -33,6 +34,9 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "                                 (--strategy ddp: every rank the same; deepspeed_stage_1 / _2 and fsdp\n"
            "                                 with --fsdp.sharding_strategy SHARD_GRAD_OP: the rank's chunk of the\n"
            "                                 optimizer state); auto: 1 (one CPU device); overrides a recipe's devices:\n"
+           "  --accelerator cpu|cuda         (default cpu)  the backend planned: cuda uses the CUDA backend's op\n"
+           "                                 scratch (80 MiB: cuBLASLt workspace, GEMM panels, kernel work) and\n"
+           "                                 plans its device pool (no GPU needed to plan; EXPERIMENTAL)\n"
            "  --rank R                       (default 0)  which rank to plan (ZeRO: the first n %% N ranks hold one\n"
            "                                 element more)\n"
            "  --seq-len T                    (default: train.max_seq_length - 1, else the model context)  T to plan\n"
@@ -66,6 +70,15 @@ static int extra(void *ud, int argc, char **argv, int *i) {
         (*i)++;
         return 1;
     }
+    if (!strcmp(arg, "--accelerator")) { /* plan for a device, present here or not */
+        if (!v || (strcmp(v, "cpu") && strcmp(v, "cuda") && strcmp(v, "auto"))) {
+            fl_cli_usage("plan", "--accelerator must be auto, cpu or cuda (got '%s')", v ? v : "");
+            return -1;
+        }
+        a->cuda = !strcmp(v, "cuda");
+        (*i)++;
+        return 1;
+    }
     if (!strcmp(arg, "--rank")) {
         if (fl_cli_int("plan", arg, v, 0, 1 << 20, &a->rank)) return -1;
         (*i)++;
@@ -89,7 +102,7 @@ static int extra(void *ud, int argc, char **argv, int *i) {
 
 int fl_cmd_plan(int argc, char **argv) {
     const char *cmd = "plan";
-    plan_args a = {0, 1, 0, 0, -1, 0, 0};
+    plan_args a = {0, 1, 0, 0, -1, 0, 0, 0};
     fl_run_config cfg;
     /* --lora first: the LoRA options (and a YAML recipe's) are only accepted for a finetune_lora plan */
     fl_cmd_kind kind = FL_CMD_FINETUNE_FULL;
@@ -103,6 +116,7 @@ int fl_cmd_plan(int argc, char **argv) {
     o.devices = cfg.devices; /* --devices is the training option (merged with a recipe's devices:) */
     o.seq_len = a.seq_len;
     o.rank = a.rank;
+    o.cuda = a.cuda;
     o.generation = a.generation;
     fl_plan *p = malloc(sizeof *p);
     if (!p) return fl_cli_fail(cmd, fl_errorf(FL_ERR_OOM, "out of host memory"), NULL);

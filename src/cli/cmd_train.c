@@ -57,16 +57,16 @@ int fl_cli_parse_run(const char *cmd, fl_cmd_kind kind, int argc, char **argv, f
         const char *a = argv[i];
         if (!strcmp(a, "--config")) { i++; continue; }
         if (!strncmp(a, "--config=", 9)) continue;
+        if (extra) { /* first: a command may take --accelerator itself (plan: for a device not here) */
+            int r = extra(ud, argc, argv, &i);
+            if (r < 0) { rc = FL_EXIT_USAGE; goto done; }
+            if (r > 0) continue;
+        }
         if (!strcmp(a, "--accelerator") || !strncmp(a, "--accelerator=", 14)) {
             const char *v = a[13] == '=' ? a + 14 : (i + 1 < argc ? argv[++i] : NULL);
             int r = fl_cli_accelerator(cmd, v);
             if (r) { rc = r; goto done; }
             continue;
-        }
-        if (extra) {
-            int r = extra(ud, argc, argv, &i);
-            if (r < 0) { rc = FL_EXIT_USAGE; goto done; }
-            if (r > 0) continue;
         }
         const char *key_s = NULL, *val = NULL;
         char key[256];

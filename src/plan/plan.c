@@ -16,6 +16,7 @@
 #include "fitllm/generate.h"
 #include "fitllm/io.h"
 #include "fitllm/plan.h"
+#include "backend/cuda/backend_cuda.h"
 #include "fitllm/trainer.h"
 #include "fitllm/lora.h"
 #include "fitllm/tokenizer.h"
@@ -169,6 +170,7 @@ typedef struct {
     int gen;             /* sample generation at evaluation */
     int n_prompt, cap;   /* its prompt tokens and KV capacity */
     int rank;            /* the rank planned (ZeRO: ranks differ by their chunk) */
+    int cuda;            /* plan for the CUDA backend's scratch and widening */
 } plan_ctx;
 
 /* ---- the allocation program ---------------------------------------------------------- */
@@ -305,8 +307,9 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     fl_act_sizes as; /* the activation arena: fl_model_alloc_acts */
     /* m->prec.act_dtype; bf16 dW scratch when bf16 matmuls meet trainable weights */
     fl_act_opts ao = {c->train.activation_checkpointing, pr.act_dtype, pr.compute_dtype == FL_BF16 && !lora,
-                      fl_head_widen_dtype(pr.compute_dtype, fl_cpu_gemm_widens16()),
-                      fl_model_backend_scratch(pr.compute_dtype, stg.quant4, fl_cpu_scratch_bytes())};
+                      fl_head_widen_dtype(pr.compute_dtype, x->cuda ? fl_cuda_gemm_widens16() : fl_cpu_gemm_widens16()),
+                      fl_model_backend_scratch(pr.compute_dtype, stg.quant4,
+                                               x->cuda ? fl_cuda_scratch_bytes() : fl_cpu_scratch_bytes())};
     fl_sizing_acts_ex(mc, B, x->T, &ao, &as);
     snprintf(what, sizeof what, "activations (B=%d, T=%d%s%s%s)", B, x->T, ao.act_ckpt ? ", checkpointed" : "",
              !ao.act_ckpt && ao.act_dtype != FL_F32 ? ", saved in " : "",
@@ -654,6 +657,7 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     plan_ctx x;
     memset(&x, 0, sizeof x);
     x.rank = p->rank;
+    x.cuda = opts.cuda;
     FL_TRY(resolve_model(c, &x.mc, p->model_source, sizeof p->model_source));
     p->model = x.mc;
     p->n_params = fl_sizing_param_count(&x.mc);

@@ -16,9 +16,9 @@
 #define FLB_HOST_MEMORY 0
 #define FLB_K(name) fl_cuk_##name
 #define FLB_PREFIX(name) fl_cuda_##name
-#define FLB_LT_WS_BYTES (32u << 20)   /* cuBLASLt workspace: lets the heuristics pick split-K on H100 */
-#define FLB_PANEL_BYTES (32u << 20)   /* mixed-type GEMM panels */
-#define FLB_WORK_BYTES (16u << 20)   /* kernel work: attention D (B*NH*T floats), embedding ranks (12 B per token) */
+#define FLB_LT_WS_BYTES FL_CUDA_LT_WS_BYTES /* cuBLASLt workspace: lets the heuristics pick split-K on H100 */
+#define FLB_PANEL_BYTES FL_CUDA_PANEL_BYTES /* mixed-type GEMM panels */
+#define FLB_WORK_BYTES FL_CUDA_WORK_BYTES /* kernel work: attention D (B*NH*T floats), embedding ranks */
 #define flb_gemm_fn fl_cu_gemm_cublaslt
 
 static void *flb_dev_alloc(size_t bytes) {
@@ -84,3 +84,9 @@ fl_status fl_cuda_backend_error(const fl_backend *be) {
     return FL_OK;
 }
 #endif
+
+/* sizes of the real backend, for the planner (any build: a GPU run is planned anywhere) */
+size_t fl_cuda_scratch_bytes(void) {
+    return (size_t)FL_CUDA_LT_WS_BYTES + (size_t)FL_CUDA_PANEL_BYTES + (size_t)FL_CUDA_WORK_BYTES + 256;
+}
+unsigned fl_cuda_gemm_widens16(void) { return 1u << FL_F16; }

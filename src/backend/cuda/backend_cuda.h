@@ -10,6 +10,15 @@
 extern "C" {
 #endif
 
+/* The real backend's op scratch (backend_cuda_impl.h): cuBLASLt workspace, mixed-type GEMM panels,
+ * kernel work, + 256 bytes of re-alignment. The planner uses these sizes for a GPU plan. */
+#define FL_CUDA_LT_WS_BYTES (32u << 20)
+#define FL_CUDA_PANEL_BYTES (32u << 20)
+#define FL_CUDA_WORK_BYTES (16u << 20)
+size_t fl_cuda_scratch_bytes(void);
+/* gemm_widens16 of the real backend: an F16 B is widened per call (bf16 is native) */
+unsigned fl_cuda_gemm_widens16(void);
+
 fl_status fl_cuda_backend_init(fl_backend *be, int n_threads);
 void fl_cuda_backend_free(fl_backend *be);
 /* FL_OK, or the backend's sticky error (the first failed op) */

@@ -487,7 +487,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->device = FL_DEV_CUDA;
     be->n_threads = 1;
     be->gemm_name = FLB_GEMM_NAME;
-    be->gemm_widens16 = 1u << FL_F16; /* an F16 B is widened per call (the panels above) */
+    be->gemm_widens16 = 1u << FL_F16; /* an F16 B is widened per call (the panels above); fl_cuda_gemm_widens16 */
     be->scratch_bytes = FLB_SCRATCH_BYTES;
     be->host_memory = FLB_HOST_MEMORY;
     be->gemm = flb_gemm;
