@@ -51,14 +51,23 @@ expect bench_bad_number 2 "not an integer" -- "$FITLLM" bench-step micro --micro
 expect bench_oom_exit_3 3 "out of memory" -- "$FITLLM" bench-step tiny --micro-batch 2 --seq 64 --steps 1 --max-memory 64MB
 expect bench_ok 0 "RESULT impl=fitllm .* fwd_ms=[0-9.]+ head_ms=[0-9.]+ bwd_ms=[0-9.]+ opt_ms=[0-9.]+" -- \
     "$FITLLM" bench-step micro --micro-batch 2 --seq 32 --steps 2 --warmup 0
-# --accelerator (EXPERIMENTAL CUDA backend): auto and cpu run on the CPU; cuda is refused with the
-# reason (no CUDA build, no visible device, or the backend not complete: every case today)
+# --accelerator (EXPERIMENTAL CUDA backend): auto runs on the GPU when the build has CUDA and one is
+# visible (here: none, so the CPU); cpu runs on the CPU; cuda without a build or device is refused
+# with the reason
 expect version_cuda 0 "cuda: +(not compiled in|compiled in \(experimental; .*\); (no CUDA device visible \(.+\)|[0-9]+ devices?:))" -- "$FITLLM" --version
 expect accelerator_auto_ok 0 "RESULT impl=fitllm" -- "$FITLLM" bench-step micro --micro-batch 1 --seq 16 --steps 1 --warmup 0 --accelerator auto
 expect accelerator_bad 2 "--accelerator must be auto, cpu or cuda \(got 'gpu'\)" -- "$FITLLM" bench-step micro --accelerator gpu
 expect accelerator_cuda_refused 1 "--accelerator cuda: (this fitllm was built without CUDA|no CUDA device visible|the CUDA backend is experimental)" -- \
     "$FITLLM" finetune_full micro --accelerator cuda --out_dir "$T/xcuda"
 expect accelerator_help 0 "EXPERIMENTAL" -- "$FITLLM" generate --help
+# fitllm selftest: the CPU backend against the reference (the CUDA one needs a GPU)
+expect selftest_cpu_small 0 "selftest: [0-9]+ of [0-9]+ cases ok$" -- "$FITLLM" selftest --accelerator cpu --small
+expect selftest_only_none 2 "no case matches --only 'no-such-op'" -- "$FITLLM" selftest --accelerator cpu --small --only no-such-op
+expect selftest_cuda_refused 1 "--accelerator cuda: (this fitllm was built without CUDA|no CUDA device visible)" -- \
+    "$FITLLM" selftest --accelerator cuda
+expect selftest_bad_backend 1 "unknown backend 'nope'" -- "$FITLLM" selftest --backend nope
+# plan for a GPU without one: the CUDA backend's op scratch (80 MiB) in WORKSPACE
+expect plan_cuda 0 "peak +reserved" -- "$FITLLM" plan micro --accelerator cuda --precision bf16-true --train.micro_batch_size 1
 # Idle OpenMP workers sleep by default (fl_cpu_process_init re-executes with OMP_WAIT_POLICY=passive);
 # an explicit choice of the user stands. libgomp prints its settings with OMP_DISPLAY_ENV (the last
 # block is the one of the process that runs).

@@ -18,8 +18,8 @@ static void help(void) {
            "  --seq T             tokens per sequence (default 64)\n"
            "  --lr X              AdamW learning rate (default 3e-3)\n"
            "  --threads N         CPU threads (default: all cores)\n"
-           "  --accelerator A     auto|cpu|cuda (default auto: the CPU today). cuda is EXPERIMENTAL, not yet\n"
-           "                      verified on a GPU, and runs no model yet\n"
+           "  --accelerator A     auto|cpu|cuda (default auto: the GPU when this build has CUDA and one is\n"
+           "                      visible, else the CPU). cuda is EXPERIMENTAL (single GPU; README)\n"
            "  --max-memory SIZE   allocator budget (default: unlimited)\n");
 }
 

@@ -34,8 +34,8 @@ static void help(void) {
            "  --tokenizer PATH       tokenizer file or folder (default: the model folder; for a .bin model,\n"
            "                         tok512.bin next to it)\n"
            "  --threads N            CPU threads (default: all cores)\n"
-           "  --accelerator A        auto|cpu|cuda (default auto: the CPU today). cuda is EXPERIMENTAL, not yet\n"
-           "                         verified on a GPU, and runs no model yet\n\n"
+           "  --accelerator A        auto|cpu|cuda (default auto: the GPU when this build has CUDA and one is\n"
+           "                         visible, else the CPU). cuda is EXPERIMENTAL (single GPU; README)\n\n"
            "Stops at max_new_tokens, at an EOS token or at the model's context. The text streams to\n"
            "stdout as it is generated; timing (ms/token) goes to stderr. Dashes work too (--max-new-tokens).\n",
            DEFAULT_PROMPT, d.max_new_tokens, d.temperature, d.top_k, d.top_p, (unsigned long long)d.seed);

@@ -15,8 +15,8 @@ static void help(void) {
            "  --tokens-file FILE   whitespace-separated token ids (at least 2)\n"
            "  --dump-logits FILE   write the logits of positions 0..n-2 as little-endian float32, (n-1) x V\n"
            "  --threads N          CPU threads (default: all cores)\n"
-           "  --accelerator A      auto|cpu|cuda (default auto: the CPU today). cuda is EXPERIMENTAL, not yet\n"
-           "                       verified on a GPU, and runs no model yet\n"
+           "  --accelerator A      auto|cpu|cuda (default auto: the GPU when this build has CUDA and one is\n"
+           "                       visible, else the CPU). cuda is EXPERIMENTAL (single GPU; README)\n"
            "  --seed N             seed for presets (default 1337)\n\n"
            "Prints the mean cross-entropy of tokens[1:] given tokens[:-1], and perplexity.\n");
 }

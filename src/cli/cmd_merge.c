@@ -23,8 +23,8 @@ static void help(void) {
            "  --out_dir DIR     where the merged HF model goes (default: <adapter>/merged; inside a\n"
            "                    step checkpoint it goes with it when train.keep_checkpoints rotates it out)\n"
            "  --threads N       CPU threads (default: all cores)\n"
-           "  --accelerator A   auto|cpu|cuda (default auto: the CPU today). cuda is EXPERIMENTAL, not yet\n"
-           "                    verified on a GPU, and runs no model yet\n\n"
+           "  --accelerator A   auto|cpu|cuda (default auto: the GPU when this build has CUDA and one is\n"
+           "                    visible, else the CPU). cuda is EXPERIMENTAL (single GPU; README)\n\n"
            "Every adapted weight becomes W + scaling * B @ A (scaling = lora_alpha / r, or / sqrt(r) with\n"
            "use_rslora). The output holds config.json, model.safetensors and the tokenizer files (from the\n"
            "checkpoint, else the base), so `fitllm generate DIR` and transformers load it as it is.\n");

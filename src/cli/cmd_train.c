@@ -25,8 +25,9 @@ static void help(const char *cmd, fl_cmd_kind kind) {
                                      "fields: model_config.n_layer ...),\nelse model_name (a preset, or its LitGPT / "
                                      "Hugging Face name)." : "");
     fl_cfg_print_help(kind, stdout);
-    printf("\n  --accelerator auto|cpu|cuda   (default auto: the CPU today) cuda is EXPERIMENTAL: not yet verified on\n"
-           "                                a GPU, and no model runs on it yet\n");
+    printf("\n  --accelerator auto|cpu|cuda   (default auto: the GPU when this build has CUDA and one is visible,\n"
+           "                                else the CPU) cuda is EXPERIMENTAL: one GPU (several ranks need NCCL,\n"
+           "                                not implemented); passed `fitllm selftest` and trained on an H100\n");
     printf("\nexit codes: 0 ok, 1 runtime error, 2 usage or config error, 3 out of memory\n");
 }
 

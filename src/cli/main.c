@@ -113,8 +113,9 @@ static void usage(FILE *f) {
     fprintf(f, "usage: fitllm <command> [options]   (fitllm <command> --help for its options)\n\ncommands:\n");
     for (size_t i = 0; i < sizeof k_cmds / sizeof k_cmds[0]; i++) fprintf(f, "  %-12s %s\n", k_cmds[i].name, k_cmds[i].help);
     fprintf(f, "\n  --version    version, build options, CPU features and the kernels chosen for this CPU\n");
-    fprintf(f, "\n  --accelerator auto|cpu|cuda (on the commands that run a model; default auto = the CPU today):\n"
-               "               the CUDA backend is EXPERIMENTAL, not yet verified on a GPU, and runs no model yet\n");
+    fprintf(f, "\n  --accelerator auto|cpu|cuda (on the commands that run a model; default auto = the GPU when this\n"
+               "               build has CUDA and one is visible, else the CPU): the CUDA backend is EXPERIMENTAL\n"
+               "               (one GPU; `fitllm selftest --accelerator cuda` checks it against the CPU)\n");
     fprintf(f, "\n  FITLLM_BACKEND=opaque (environment; a testing aid): run on the test backend whose tensor memory the\n"
                "               host cannot read outside its ops (same results as the CPU; default: cpu)\n");
     fprintf(f, "\nexit codes: 0 ok, 1 runtime error, 2 usage error, 3 out of memory\n");
