@@ -119,6 +119,18 @@ static inline unsigned long long fl_test_rng_u64(fl_test_rng *r) {
 static inline float fl_test_rng_uniform(fl_test_rng *r, float lo, float hi) {
     return lo + (hi - lo) * (float)((fl_test_rng_u64(r) >> 40) * (1.0 / 16777216.0));
 }
+static inline void fl_test_fill(fl_test_rng *r, float *x, size_t n, float lo, float hi);
+/* n floats uniform in [lo, hi) (malloc'd, at least one element), and a malloc'd copy of x */
+static inline float *fl_test_frand(fl_test_rng *r, size_t n, float lo, float hi) {
+    float *x = (float *)malloc((n ? n : 1) * sizeof(float));
+    if (x) fl_test_fill(r, x, n, lo, hi);
+    return x;
+}
+static inline float *fl_test_fdup(const float *x, size_t n) {
+    float *y = (float *)malloc((n ? n : 1) * sizeof(float));
+    if (y) memcpy(y, x, n * sizeof(float));
+    return y;
+}
 static inline void fl_test_fill(fl_test_rng *r, float *x, size_t n, float lo, float hi) {
     for (size_t i = 0; i < n; i++) x[i] = fl_test_rng_uniform(r, lo, hi);
 }

@@ -42,16 +42,6 @@
 
 static const uint64_t k_seed_a = 0x51ed2701ull, k_seed_b = 0xa77e4711ull;
 
-static float *frand(fl_test_rng *r, size_t n, float lo, float hi) {
-    float *x = malloc((n ? n : 1) * sizeof(float));
-    fl_test_fill(r, x, n, lo, hi);
-    return x;
-}
-static float *fdup(const float *x, size_t n) {
-    float *y = malloc((n ? n : 1) * sizeof(float));
-    memcpy(y, x, n * sizeof(float));
-    return y;
-}
 static double *dzeros(size_t n) { return calloc(n ? n : 1, sizeof(double)); }
 
 /* emulated launch: returns the launcher's code, a recorded emulator error fails the test */
@@ -241,8 +231,8 @@ static void run_case(const attn_case *cs) {
     a.ldo = wq + (cs->strided ? 2 : 0);
     const size_t nq = (size_t)a.B * a.Tq * a.ldq, nk = (size_t)a.B * a.Tk * a.ldk, nv = (size_t)a.B * a.Tk * a.ldv;
     const size_t no = (size_t)a.B * a.Tq * a.ldo, nl = (size_t)a.B * a.NH * a.Tq, nb = (size_t)a.NH * a.Tq * a.Tk;
-    float *q = frand(&rng, nq, -1.5f, 1.5f), *k = frand(&rng, nk, -1.5f, 1.5f), *v = frand(&rng, nv, -1, 1);
-    float *bias = cs->bias ? frand(&rng, nb, -1, 1) : NULL, *dout = frand(&rng, no, -1, 1);
+    float *q = fl_test_frand(&rng, nq, -1.5f, 1.5f), *k = fl_test_frand(&rng, nk, -1.5f, 1.5f), *v = fl_test_frand(&rng, nv, -1, 1);
+    float *bias = cs->bias ? fl_test_frand(&rng, nb, -1, 1) : NULL, *dout = fl_test_frand(&rng, no, -1, 1);
     uint8_t *kmask = NULL;
     if (cs->mask) {
         kmask = malloc((size_t)a.B * a.Tk);
@@ -263,7 +253,7 @@ static void run_case(const attn_case *cs) {
     const double rho = U32 * (a.HD + a.Tk + 8) * (1 + R.sabs);
 
     /* forward: emulated twice (two fiber orders), CPU backend once; sentinels in the stride padding */
-    float *out1 = frand(&rng, no, 7, 8), *out2 = fdup(out1, no), *outc = fdup(out1, no), *out0 = fdup(out1, no);
+    float *out1 = fl_test_frand(&rng, no, 7, 8), *out2 = fl_test_fdup(out1, no), *outc = fl_test_fdup(out1, no), *out0 = fl_test_fdup(out1, no);
     float *lse1 = malloc(nl * 4), *lse2 = malloc(nl * 4), *lsec = malloc(nl * 4);
     fl_cu_emu_set_seed(k_seed_a);
     int rc = emu_call(fl_cuemu_attention_forward_ex(&a, out1, lse1, q, k, v, bias, kmask, NULL), name);
@@ -284,11 +274,11 @@ static void run_case(const attn_case *cs) {
     FL_CHECKF(pad_ok, "%s: forward wrote into the stride padding", name);
 
     /* backward: gradients pre-filled (the op accumulates), out/lse from the emulated forward */
-    float *dq0 = frand(&rng, nq, -0.5f, 0.5f), *dk0 = frand(&rng, nk, -0.5f, 0.5f), *dv0 = frand(&rng, nv, -0.5f, 0.5f);
-    float *db0 = cs->dbias ? frand(&rng, nb, -0.5f, 0.5f) : NULL;
-    float *dq1 = fdup(dq0, nq), *dk1 = fdup(dk0, nk), *dv1 = fdup(dv0, nv), *db1 = db0 ? fdup(db0, nb) : NULL;
-    float *dq2 = fdup(dq0, nq), *dk2 = fdup(dk0, nk), *dv2 = fdup(dv0, nv), *db2 = db0 ? fdup(db0, nb) : NULL;
-    float *dqc = fdup(dq0, nq), *dkc = fdup(dk0, nk), *dvc = fdup(dv0, nv), *dbc = db0 ? fdup(db0, nb) : NULL;
+    float *dq0 = fl_test_frand(&rng, nq, -0.5f, 0.5f), *dk0 = fl_test_frand(&rng, nk, -0.5f, 0.5f), *dv0 = fl_test_frand(&rng, nv, -0.5f, 0.5f);
+    float *db0 = cs->dbias ? fl_test_frand(&rng, nb, -0.5f, 0.5f) : NULL;
+    float *dq1 = fl_test_fdup(dq0, nq), *dk1 = fl_test_fdup(dk0, nk), *dv1 = fl_test_fdup(dv0, nv), *db1 = db0 ? fl_test_fdup(db0, nb) : NULL;
+    float *dq2 = fl_test_fdup(dq0, nq), *dk2 = fl_test_fdup(dk0, nk), *dv2 = fl_test_fdup(dv0, nv), *db2 = db0 ? fl_test_fdup(db0, nb) : NULL;
+    float *dqc = fl_test_fdup(dq0, nq), *dkc = fl_test_fdup(dk0, nk), *dvc = fl_test_fdup(dv0, nv), *dbc = db0 ? fl_test_fdup(db0, nb) : NULL;
     size_t wb = fl_cu_attention_work_bytes(a.B, a.NH, a.Tq);
     FL_CHECK(wb == nl * sizeof(float));
     float *work = malloc(wb ? wb : 1);
@@ -391,7 +381,7 @@ FL_TEST(cuda_attn_fused) {
     const int B = 2, T = 33, NH = 6, NKV = 2, HD = 24, W = (NH + 2 * NKV) * HD, OW = NH * HD;
     fl_test_rng rng = {77};
     const size_t nx = (size_t)B * T * W, no = (size_t)B * T * OW, nl = (size_t)B * NH * T;
-    float *qkv = frand(&rng, nx, -1.5f, 1.5f), *dout = frand(&rng, no, -1, 1);
+    float *qkv = fl_test_frand(&rng, nx, -1.5f, 1.5f), *dout = fl_test_frand(&rng, no, -1, 1);
     fl_attn_desc a = {B, T, T, NH, NKV, HD, W, W, W, OW, 1.0f / sqrtf((float)HD), 1};
     ref_t R = {a, qkv, qkv + NH * HD, qkv + (NH + NKV) * HD, NULL, dout, NULL, NULL, NULL, NULL, NULL, NULL,
                NULL, NULL, NULL, NULL, NULL, NULL, 0};
@@ -414,7 +404,7 @@ FL_TEST(cuda_attn_fused) {
     FL_CHECK(check_bound("fused out vs float64", out1, NULL, (size_t)B * T, OW, OW, R.out, R.Mo, nfac, R.sabs));
     FL_CHECK(check_lse("fused lse vs float64", lse1, R.lse, nl, U32 * (HD + T + 8) * (1 + R.sabs)));
     FL_CHECK(check_pair("fused out vs cpu", out1, outc, (size_t)B * T, OW, OW, R.Mo, nfac, R.sabs));
-    float *g0 = frand(&rng, nx, -0.5f, 0.5f), *g1 = fdup(g0, nx), *g2 = fdup(g0, nx), *gc = fdup(g0, nx);
+    float *g0 = fl_test_frand(&rng, nx, -0.5f, 0.5f), *g1 = fl_test_fdup(g0, nx), *g2 = fl_test_fdup(g0, nx), *gc = fl_test_fdup(g0, nx);
     float *work = malloc(fl_cu_attention_work_bytes(B, NH, T));
     fl_cu_emu_set_seed(k_seed_a);
     rc = emu_call(fl_cuemu_attention_backward(g1, dout, qkv, out1, lse1, B, T, NH, NKV, HD, work, NULL), "fused bwd");
@@ -442,7 +432,7 @@ static void decode_case(int T, int NH, int NKV, int HD) {
     const int Tmax = 40;
     fl_test_rng rng = {(unsigned long long)(T * 17 + HD)};
     const size_t nc = (size_t)NKV * Tmax * HD, hs = (size_t)Tmax * HD;
-    float *q = frand(&rng, (size_t)NH * HD, -1.5f, 1.5f), *kc = frand(&rng, nc, -1.5f, 1.5f), *vc = frand(&rng, nc, -1, 1);
+    float *q = fl_test_frand(&rng, (size_t)NH * HD, -1.5f, 1.5f), *kc = fl_test_frand(&rng, nc, -1.5f, 1.5f), *vc = fl_test_frand(&rng, nc, -1, 1);
     float *o1 = malloc((size_t)NH * HD * 4), *o2 = malloc((size_t)NH * HD * 4), *oc = malloc((size_t)NH * HD * 4);
     fl_cu_emu_set_seed(k_seed_a);
     int rc = emu_call(fl_cuemu_attention_decode(o1, q, kc, vc, T, NH, NKV, HD, hs, NULL), "decode");

@@ -25,16 +25,6 @@
 
 static const uint64_t k_seeds[] = {0x1234567ull, 0xfeedbeefull};
 
-static float *frand(fl_test_rng *r, size_t n, float lo, float hi) {
-    float *x = malloc((n ? n : 1) * sizeof(float));
-    fl_test_fill(r, x, n, lo, hi);
-    return x;
-}
-static float *fdup(const float *x, size_t n) {
-    float *y = malloc((n ? n : 1) * sizeof(float));
-    memcpy(y, x, n * sizeof(float));
-    return y;
-}
 static fl_backend cpu2(void) {
     fl_backend be;
     fl_cpu_backend_init(&be, 2);
@@ -67,7 +57,7 @@ static int grad_close(const char *what, const float *got, const float *want, siz
 FL_TEST(cuda_emu_missing_barrier_fails_when_permuted) {
     const int n = 97; /* three full warps and a partial one */
     fl_test_rng r = {5};
-    float *in = frand(&r, n, 1, 2), *out = malloc(n * sizeof(float));
+    float *in = fl_test_frand(&r, n, 1, 2), *out = malloc(n * sizeof(float));
     uint64_t saved = fl_cu_emu_get_seed();
     /* in thread order, without the barrier: thread i-1 always wrote before thread i reads, so
      * every element but the first (whose neighbour n-1 runs last: it reads the NaN fill) is right */
@@ -139,7 +129,7 @@ static void rmsnorm_case(int N, int C) {
     fl_backend be = cpu2();
     fl_test_rng r = {(unsigned long long)(N * 1000 + C)};
     const float eps = 1e-5f;
-    float *x = frand(&r, (size_t)N * C, -2, 2), *w = frand(&r, C, 0.5f, 1.5f), *dy = frand(&r, (size_t)N * C, -1, 1);
+    float *x = fl_test_frand(&r, (size_t)N * C, -2, 2), *w = fl_test_frand(&r, C, 0.5f, 1.5f), *dy = fl_test_frand(&r, (size_t)N * C, -1, 1);
     for (int k = 0; k < C; k++) x[(size_t)(N / 2) * C + k] += 3.0f; /* a row with a large mean */
     float *want = malloc((size_t)N * C * 4), *wr = malloc((size_t)N * 4);
     for (int n = 0; n < N; n++) { /* float64 reference */
@@ -149,15 +139,15 @@ static void rmsnorm_case(int N, int C) {
         wr[n] = (float)rs;
         for (int k = 0; k < C; k++) want[(size_t)n * C + k] = (float)(x[(size_t)n * C + k] * rs * w[k]);
     }
-    float *dx0 = frand(&r, (size_t)N * C, -1, 1), *dw0 = frand(&r, C, -1, 1); /* += contract */
-    float *cdx = fdup(dx0, (size_t)N * C), *cdw = fdup(dw0, C), *crstd = malloc((size_t)N * 4);
+    float *dx0 = fl_test_frand(&r, (size_t)N * C, -1, 1), *dw0 = fl_test_frand(&r, C, -1, 1); /* += contract */
+    float *cdx = fl_test_fdup(dx0, (size_t)N * C), *cdw = fl_test_fdup(dw0, C), *crstd = malloc((size_t)N * 4);
     float *cout = malloc((size_t)N * C * 4);
     be.rmsnorm_forward(&be, cout, crstd, x, w, N, C, eps);
     be.rmsnorm_backward(&be, cdx, cdw, dy, x, w, crstd, N, C);
     for (size_t k = 0; k < sizeof k_seeds / sizeof k_seeds[0]; k++) {
         fl_cu_emu_set_seed(k_seeds[k]);
         float *out = malloc((size_t)N * C * 4), *rstd = malloc((size_t)N * 4);
-        float *dx = fdup(dx0, (size_t)N * C), *dw = fdup(dw0, C), *dx2 = fdup(dx0, (size_t)N * C);
+        float *dx = fl_test_fdup(dx0, (size_t)N * C), *dw = fl_test_fdup(dw0, C), *dx2 = fl_test_fdup(dx0, (size_t)N * C);
         EMU_OK(fl_cuemu_rmsnorm_forward(out, rstd, x, w, N, C, eps, NULL));
         FL_CHECK(fl_test_allclose("emu rmsnorm out", out, want, (size_t)N * C, 1e-5, 1e-6));
         FL_CHECK(fl_test_allclose("emu rmsnorm rstd", rstd, wr, N, 1e-5, 0));
@@ -182,7 +172,7 @@ FL_TEST(cuda_emu_rmsnorm) {
 static void xent_case(int N, int V, float spread, int ramp) {
     fl_backend be = cpu2();
     fl_test_rng r = {(unsigned long long)V};
-    float *x = frand(&r, (size_t)N * V, -spread, spread);
+    float *x = fl_test_frand(&r, (size_t)N * V, -spread, spread);
     if (ramp) /* the max keeps growing along the row (exercises the online rescale) */
         for (int n = 0; n < N; n++)
             for (int v = 0; v < V; v++) x[(size_t)n * V + v] += 20.0f * v / V;
@@ -218,7 +208,7 @@ static void xent_case(int N, int V, float spread, int ramp) {
         /* loss only, and in place (dlogits aliases logits): the same bits */
         EMU_OK(fl_cuemu_cross_entropy(loss2, NULL, x, tg, N, V, gs, FL_IGNORE_INDEX, NULL));
         FL_CHECK(memcmp(loss2, loss, (size_t)N * 4) == 0);
-        float *xa = fdup(x, (size_t)N * V);
+        float *xa = fl_test_fdup(x, (size_t)N * V);
         EMU_OK(fl_cuemu_cross_entropy(loss2, xa, xa, tg, N, V, gs, FL_IGNORE_INDEX, NULL));
         FL_CHECKF(memcmp(loss2, loss, (size_t)N * 4) == 0 && memcmp(xa, dl, (size_t)N * V * 4) == 0,
                   "%s: in place differs", what);
@@ -241,14 +231,14 @@ FL_TEST(cuda_emu_adamw) {
     for (int si = 0; si < 2; si++) {
         size_t n = sizes[si];
         fl_test_rng r = {12 + (unsigned long long)n};
-        float *p = frand(&r, n, -1, 1), *m = calloc(n, 4), *v = calloc(n, 4);
-        float *cp = fdup(p, n), *cm = calloc(n, 4), *cv = calloc(n, 4);
+        float *p = fl_test_frand(&r, n, -1, 1), *m = calloc(n, 4), *v = calloc(n, 4);
+        float *cp = fl_test_fdup(p, n), *cm = calloc(n, 4), *cv = calloc(n, 4);
         double *dp = malloc(n * 8), *dm = calloc(n, 8), *dv = calloc(n, 8);
         for (size_t i = 0; i < n; i++) dp[i] = p[i];
         const float lr = 1e-2f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, wd = 0.1f, gs = 0.5f;
         for (int step = 1; step <= 4; step++) {
             fl_cu_emu_set_seed(k_seeds[step & 1]);
-            float *g = frand(&r, n, -2, 2);
+            float *g = fl_test_frand(&r, n, -2, 2);
             g[0] = 0.0f;
             g[1] = 1e-6f;
             EMU_OK(fl_cuemu_adamw_update(p, g, m, v, n, lr, b1, b2, eps, wd, step, gs, NULL));
@@ -283,13 +273,13 @@ FL_TEST(cuda_emu_adamw_ex) {
     for (int c = 0; c < 3; c++) {
         fl_test_rng r = {40 + (unsigned long long)c};
         size_t sp = fl_dtype_size(combos[c].tp), sg = fl_dtype_size(combos[c].tg), ss = fl_dtype_size(combos[c].ts);
-        float *pf = frand(&r, n, -1, 1);
+        float *pf = fl_test_frand(&r, n, -1, 1);
         void *p = malloc(n * sp), *cp = malloc(n * sp), *g = malloc(n * sg), *m = calloc(n, ss), *v = calloc(n, ss);
         void *cm = calloc(n, ss), *cv = calloc(n, ss);
         FL_REQUIRE_OK(be.convert(&be, p, combos[c].tp, pf, FL_F32, n));
         memcpy(cp, p, n * sp);
         for (int step = 1; step <= 3; step++) {
-            float *gf = frand(&r, n, -2, 2);
+            float *gf = fl_test_frand(&r, n, -2, 2);
             FL_REQUIRE_OK(be.convert(&be, g, combos[c].tg, gf, FL_F32, n));
             EMU_OK(fl_cuemu_adamw_update_ex(p, combos[c].tp, g, combos[c].tg, m, v, combos[c].ts, n, 1e-2f, 0.9f, 0.95f,
                                             1e-8f, 0.1f, step, 0.5f, NULL));
@@ -313,7 +303,7 @@ FL_TEST(cuda_emu_convert) {
     fl_backend be = cpu2();
     const size_t n = 1000 + 37;
     fl_test_rng r = {9};
-    float *src = frand(&r, n, -70000, 70000); /* beyond f16's range: inf */
+    float *src = fl_test_frand(&r, n, -70000, 70000); /* beyond f16's range: inf */
     const float special[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, 1e-40f, -3e-8f, 6.1e-5f, 65504.0f, 65520.0f,
                              1.0f + 1.0f / 256, 1.0f + 3.0f / 512, 1.0f + 1.0f / 2048, FLT_MIN, FLT_MAX};
     memcpy(src, special, sizeof special);
@@ -345,7 +335,7 @@ static void layernorm_case(int N, int C, int with_bias) {
     fl_test_rng r = {(unsigned long long)(N * 977 + C + with_bias)};
     const float eps = 1e-5f;
     size_t nc = (size_t)N * C;
-    float *x = frand(&r, nc, -2, 2), *w = frand(&r, C, 0.5f, 1.5f), *b = frand(&r, C, -1, 1), *dy = frand(&r, nc, -1, 1);
+    float *x = fl_test_frand(&r, nc, -2, 2), *w = fl_test_frand(&r, C, 0.5f, 1.5f), *b = fl_test_frand(&r, C, -1, 1), *dy = fl_test_frand(&r, nc, -1, 1);
     for (int k = 0; k < C; k++) x[(size_t)(N / 2) * C + k] += 3.0f; /* a row with a large mean */
     float *want = malloc(nc * 4), *wm = malloc((size_t)N * 4), *wr = malloc((size_t)N * 4);
     for (int n = 0; n < N; n++) { /* float64 reference, two-pass variance */
@@ -360,15 +350,15 @@ static void layernorm_case(int N, int C, int with_bias) {
         for (int k = 0; k < C; k++) want[(size_t)n * C + k] = (float)((xr[k] - mu) * rs * w[k] + (with_bias ? b[k] : 0.0));
     }
     const float *bb = with_bias ? b : NULL;
-    float *dx0 = frand(&r, nc, -1, 1), *dw0 = frand(&r, C, -1, 1), *db0 = frand(&r, C, -1, 1);
-    float *cdx = fdup(dx0, nc), *cdw = fdup(dw0, C), *cdb = fdup(db0, C), *cm = malloc((size_t)N * 4);
+    float *dx0 = fl_test_frand(&r, nc, -1, 1), *dw0 = fl_test_frand(&r, C, -1, 1), *db0 = fl_test_frand(&r, C, -1, 1);
+    float *cdx = fl_test_fdup(dx0, nc), *cdw = fl_test_fdup(dw0, C), *cdb = fl_test_fdup(db0, C), *cm = malloc((size_t)N * 4);
     float *cr = malloc((size_t)N * 4), *co = malloc(nc * 4);
     be.layernorm_forward(&be, co, cm, cr, x, w, bb, N, C, eps);
     be.layernorm_backward(&be, cdx, cdw, cdb, dy, x, w, cm, cr, N, C);
     for (size_t k = 0; k < sizeof k_seeds / sizeof k_seeds[0]; k++) {
         fl_cu_emu_set_seed(k_seeds[k]);
         float *out = malloc(nc * 4), *mean = malloc((size_t)N * 4), *rstd = malloc((size_t)N * 4);
-        float *dx = fdup(dx0, nc), *dw = fdup(dw0, C), *db = fdup(db0, C);
+        float *dx = fl_test_fdup(dx0, nc), *dw = fl_test_fdup(dw0, C), *db = fl_test_fdup(db0, C);
         EMU_OK(fl_cuemu_layernorm_forward(out, mean, rstd, x, w, bb, N, C, eps, NULL));
         FL_CHECK(fl_test_allclose("emu layernorm out", out, want, nc, 1e-5, 1e-6));
         FL_CHECK(fl_test_allclose("emu layernorm rstd", rstd, wr, N, 1e-5, 0));
@@ -395,9 +385,9 @@ FL_TEST(cuda_emu_swiglu_gelu) {
     fl_backend be = cpu2();
     fl_test_rng r = {8};
     const int N = 7, F = 13, n = 301;
-    float *gu = frand(&r, (size_t)N * 2 * F, -4, 4), *dy = frand(&r, (size_t)N * F, -1, 1);
+    float *gu = fl_test_frand(&r, (size_t)N * 2 * F, -4, 4), *dy = fl_test_frand(&r, (size_t)N * F, -1, 1);
     gu[0] = -30.0f; gu[1] = 30.0f; /* saturated sigmoid */
-    float *x = frand(&r, n, -5, 5), *dyg = frand(&r, n, -1, 1);
+    float *x = fl_test_frand(&r, n, -5, 5), *dyg = fl_test_frand(&r, n, -1, 1);
     x[0] = 0.0f; x[1] = 1e-3f; x[2] = -12.0f; x[3] = 12.0f;
     float *ws = malloc((size_t)N * F * 4), *wg = malloc((size_t)n * 4);
     for (int k = 0; k < N; k++)
@@ -409,14 +399,14 @@ FL_TEST(cuda_emu_swiglu_gelu) {
         double v = x[i];
         wg[i] = (float)(0.5 * v * (1 + tanh(sqrt(2 / M_PI) * (v + 0.044715 * v * v * v))));
     }
-    float *dgu0 = frand(&r, (size_t)N * 2 * F, -1, 1), *dx0 = frand(&r, n, -1, 1);
-    float *cdgu = fdup(dgu0, (size_t)N * 2 * F), *cdx = fdup(dx0, n);
+    float *dgu0 = fl_test_frand(&r, (size_t)N * 2 * F, -1, 1), *dx0 = fl_test_frand(&r, n, -1, 1);
+    float *cdgu = fl_test_fdup(dgu0, (size_t)N * 2 * F), *cdx = fl_test_fdup(dx0, n);
     be.swiglu_backward(&be, cdgu, dy, gu, N, F);
     be.gelu_backward(&be, cdx, dyg, x, n);
     for (size_t k = 0; k < sizeof k_seeds / sizeof k_seeds[0]; k++) {
         fl_cu_emu_set_seed(k_seeds[k]);
         float *o = malloc((size_t)N * F * 4), *og = malloc((size_t)n * 4);
-        float *dgu = fdup(dgu0, (size_t)N * 2 * F), *dx = fdup(dx0, n);
+        float *dgu = fl_test_fdup(dgu0, (size_t)N * 2 * F), *dx = fl_test_fdup(dx0, n);
         EMU_OK(fl_cuemu_swiglu_forward(o, gu, N, F, NULL));
         FL_CHECK(fl_test_allclose("emu swiglu fwd", o, ws, (size_t)N * F, 1e-5, 1e-7));
         EMU_OK(fl_cuemu_swiglu_backward(dgu, dy, gu, N, F, NULL));
@@ -440,7 +430,7 @@ FL_TEST(cuda_emu_rope) {
     float *cs = malloc((size_t)maxT * H * 4), *sn = malloc((size_t)maxT * H * 4);
     fl_rope_table_init(cs, sn, maxT, HD, 10000.0f, NULL);
     size_t nx = (size_t)B * T * rs;
-    float *x = frand(&r, nx, -2, 2), *want = fdup(x, nx), *cx = fdup(x, nx);
+    float *x = fl_test_frand(&r, nx, -2, 2), *want = fl_test_fdup(x, nx), *cx = fl_test_fdup(x, nx);
     for (int n = 0; n < B * T; n++) /* float64 reference */
         for (int h = 0; h < nh; h++)
             for (int j = 0; j < H; j++) {
@@ -452,7 +442,7 @@ FL_TEST(cuda_emu_rope) {
             }
     be.rope_forward(&be, cx, B, T, nh, HD, rs, cs, sn, pos0);
     fl_cu_emu_set_seed(k_seeds[0]);
-    float *y = fdup(x, nx);
+    float *y = fl_test_fdup(x, nx);
     EMU_OK(fl_cuemu_rope(y, B, T, nh, HD, rs, cs, sn, pos0, 0, NULL));
     FL_CHECK(fl_test_allclose("emu rope fwd", y, want, nx, 1e-6, 1e-7));
     FL_CHECK(fl_test_allclose("emu rope fwd vs cpu", y, cx, nx, 1e-6, 1e-7));
@@ -473,13 +463,13 @@ FL_TEST(cuda_emu_sgd) {
     for (int c = 0; c < 3; c++) {
         fl_test_rng r = {60 + (unsigned long long)c};
         size_t sp = fl_dtype_size(cs[c].tp), sg = fl_dtype_size(cs[c].tg), ss = fl_dtype_size(cs[c].ts);
-        float *pf = frand(&r, n, -1, 1);
+        float *pf = fl_test_frand(&r, n, -1, 1);
         void *p = malloc(n * sp), *cp = malloc(n * sp), *g = malloc(n * sg);
         void *buf = cs[c].mom != 0.0f ? calloc(n, ss) : NULL, *cbuf = cs[c].mom != 0.0f ? calloc(n, ss) : NULL;
         FL_REQUIRE_OK(be.convert(&be, p, cs[c].tp, pf, FL_F32, n));
         memcpy(cp, p, n * sp);
         for (int step = 1; step <= 3; step++) {
-            float *gf = frand(&r, n, -2, 2);
+            float *gf = fl_test_frand(&r, n, -2, 2);
             FL_REQUIRE_OK(be.convert(&be, g, cs[c].tg, gf, FL_F32, n));
             fl_cu_emu_set_seed(k_seeds[step & 1]);
             EMU_OK(fl_cuemu_sgd_update_ex(p, cs[c].tp, g, cs[c].tg, buf, cs[c].ts, n, 0.05f, cs[c].mom, 0.1f, 0.01f,
@@ -499,12 +489,12 @@ FL_TEST(cuda_emu_check_finite_accumulate16) {
     fl_backend be = cpu2();
     const size_t n = 600;
     fl_test_rng r = {70};
-    float *x = frand(&r, n, -100, 100);
+    float *x = fl_test_frand(&r, n, -100, 100);
     const fl_dtype ts[3] = {FL_F32, FL_BF16, FL_F16};
     for (int k = 0; k < 3; k++) {
         void *v = malloc(n * 4);
         for (int variant = 0; variant < 4; variant++) {
-            float *y = fdup(x, n);
+            float *y = fl_test_fdup(x, n);
             if (variant == 1) y[517] = INFINITY;
             if (variant == 2) y[3] = NAN;
             float inv = variant == 3 ? 1e37f : 0.5f; /* 3: finite values overflow once scaled */
@@ -518,7 +508,7 @@ FL_TEST(cuda_emu_check_finite_accumulate16) {
         }
         if (k > 0) { /* accumulate16 into 16-bit storage: bit for bit */
             uint16_t *a = malloc(n * 2), *ca = malloc(n * 2);
-            float *src = frand(&r, n, -3, 3);
+            float *src = fl_test_frand(&r, n, -3, 3);
             FL_REQUIRE_OK(be.convert(&be, a, ts[k], x, FL_F32, n));
             memcpy(ca, a, n * 2);
             EMU_OK(fl_cuemu_accumulate16(a, ts[k], src, n, NULL));
@@ -535,7 +525,7 @@ FL_TEST(cuda_emu_sumsq) {
     fl_backend be = cpu2();
     const size_t n = 20011; /* ranges of 312-313 elements: partial strides in every block */
     fl_test_rng r = {80};
-    float *x = frand(&r, n, -3, 3);
+    float *x = fl_test_frand(&r, n, -3, 3);
     const fl_dtype ts[3] = {FL_F32, FL_BF16, FL_F16};
     double work[FL_CU_SUMSQ_PARTS];
     for (int k = 0; k < 3; k++) {
@@ -563,18 +553,18 @@ FL_TEST(cuda_emu_add_scale_bias) {
     fl_test_rng r = {90};
     const int N = 9, OC = 37;
     const size_t n = (size_t)N * OC;
-    float *a = frand(&r, n, -1, 1), *b = frand(&r, n, -1, 1), *o = malloc(n * 4), *co = malloc(n * 4);
+    float *a = fl_test_frand(&r, n, -1, 1), *b = fl_test_frand(&r, n, -1, 1), *o = malloc(n * 4), *co = malloc(n * 4);
     EMU_OK(fl_cuemu_add(o, a, b, n, NULL));
     be.add(&be, co, a, b, n);
     FL_CHECK(memcmp(o, co, n * 4) == 0);
     EMU_OK(fl_cuemu_scale(o, n, -0.3f, NULL));
     be.scale(&be, co, n, -0.3f);
     FL_CHECK(memcmp(o, co, n * 4) == 0);
-    float *bias = frand(&r, OC, -1, 1);
+    float *bias = fl_test_frand(&r, OC, -1, 1);
     EMU_OK(fl_cuemu_bias_forward(o, bias, N, OC, NULL));
     be.bias_forward(&be, co, bias, N, OC);
     FL_CHECK(memcmp(o, co, n * 4) == 0);
-    float *db = frand(&r, OC, -1, 1), *cdb = fdup(db, OC);
+    float *db = fl_test_frand(&r, OC, -1, 1), *cdb = fl_test_fdup(db, OC);
     EMU_OK(fl_cuemu_bias_backward(db, a, N, OC, NULL));
     be.bias_backward(&be, cdb, a, N, OC);
     FL_CHECK(grad_close("emu bias db", db, cdb, OC));

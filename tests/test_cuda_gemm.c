@@ -15,11 +15,6 @@
 #include "fitllm/cuda.h"
 #include "test.h"
 
-static float *frand(fl_test_rng *r, size_t n, float lo, float hi) {
-    float *x = malloc((n ? n : 1) * sizeof(float));
-    fl_test_fill(r, x, n, lo, hi);
-    return x;
-}
 
 FL_TEST(cuda_gemm_standin_column_major) {
     const int m = 5, n = 7, k = 9, batch = 3;
@@ -30,8 +25,8 @@ FL_TEST(cuda_gemm_standin_column_major) {
                 int64_t ra = ta ? k : m, ca = ta ? m : k, rb = tb ? n : k, cb = tb ? k : n;
                 int64_t lda = ra + 2, ldb = rb + 3, ldc = m + 1;
                 int64_t sa = lda * ca + 5, sb = ldb * cb + 1, sc = ldc * n + 4; /* gaps between batches */
-                float *A = frand(&r, (size_t)(sa * batch), -1, 1), *B = frand(&r, (size_t)(sb * batch), -1, 1);
-                float *C = frand(&r, (size_t)(sc * batch), -1, 1);
+                float *A = fl_test_frand(&r, (size_t)(sa * batch), -1, 1), *B = fl_test_frand(&r, (size_t)(sb * batch), -1, 1);
+                float *C = fl_test_frand(&r, (size_t)(sc * batch), -1, 1);
                 const float alpha = 0.7f, beta = bz ? 0.0f : -0.4f;
                 if (bz)
                     for (int64_t i = 0; i < sc * batch; i++) C[i] = NAN; /* beta 0: C must not be read */
@@ -74,7 +69,7 @@ static void rowmajor_case(fl_backend *be, int ta, int tb, float beta, fl_dtype t
     int ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
     int lda = ac + 3, ldb = bc + 2, ldc = N + 5;
     size_t na = (size_t)ar * lda, nb = (size_t)br * ldb, nc = (size_t)M * ldc;
-    float *Af = frand(&r, na, -1, 1), *Bf = frand(&r, nb, -1, 1), *Cf = frand(&r, nc, -1, 1);
+    float *Af = fl_test_frand(&r, na, -1, 1), *Bf = fl_test_frand(&r, nb, -1, 1), *Cf = fl_test_frand(&r, nc, -1, 1);
     size_t es = fl_dtype_size(t16), ec = fl_dtype_size(tc);
     void *A = malloc(na * es), *B = malloc(nb * es), *C1 = malloc(nc * ec), *C2 = malloc(nc * ec);
     FL_REQUIRE_OK(be->convert(be, A, t16, Af, FL_F32, na));
@@ -123,8 +118,8 @@ FL_TEST(cuda_gemm_rowmajor_batched) {
     const int M = 6, N = 5, K = 7, batch = 4, lda = K + 1, ldb = K, ldc = N + 2; /* A (M,K), B^T stored (N,K) */
     const int64_t sa = (int64_t)M * lda + 3, sb = (int64_t)N * ldb, sc = (int64_t)M * ldc + 1;
     fl_test_rng r = {77};
-    float *A = frand(&r, (size_t)(sa * batch), -1, 1), *B = frand(&r, (size_t)(sb * batch), -1, 1);
-    float *C1 = frand(&r, (size_t)(sc * batch), -1, 1), *C2 = malloc((size_t)(sc * batch) * 4);
+    float *A = fl_test_frand(&r, (size_t)(sa * batch), -1, 1), *B = fl_test_frand(&r, (size_t)(sb * batch), -1, 1);
+    float *C1 = fl_test_frand(&r, (size_t)(sc * batch), -1, 1), *C2 = malloc((size_t)(sc * batch) * 4);
     memcpy(C2, C1, (size_t)(sc * batch) * 4);
     FL_REQUIRE_OK(fl_cu_gemm_rowmajor(fl_cu_gemm_standin, NULL, 0, 1, M, N, K, 1.0f, A, FL_F32, lda, B, FL_F32, ldb,
                                       1.0f, C1, FL_F32, ldc, batch, sa, sb, sc));

@@ -28,11 +28,6 @@
 
 static const uint64_t k_seeds[] = {0x51ed5eedull, 0xc0ffee11ull};
 
-static float *frand(fl_test_rng *r, size_t n, float lo, float hi) {
-    float *x = malloc((n ? n : 1) * sizeof(float));
-    fl_test_fill(r, x, n, lo, hi);
-    return x;
-}
 static void *dup_bytes(const void *x, size_t bytes) {
     void *y = malloc(bytes ? bytes : 1);
     memcpy(y, x, bytes);
@@ -61,11 +56,11 @@ static void embedding_case(int B, int T, int C, int V, int with_wpe) {
     int32_t *ids = malloc(N * sizeof(int32_t));
     for (int n = 0; n < N; n++) ids[n] = (int32_t)(fl_test_rng_u64(&r) % (uint64_t)V);
     ids[N - 1] = ids[0]; /* at least one repeat, the last token in the first's group */
-    float *wte = frand(&r, (size_t)V * C, -1, 1), *wpe = with_wpe ? frand(&r, (size_t)T * C, -1, 1) : NULL;
+    float *wte = fl_test_frand(&r, (size_t)V * C, -1, 1), *wpe = with_wpe ? fl_test_frand(&r, (size_t)T * C, -1, 1) : NULL;
     float *out = malloc(nc * 4), *cout = malloc(nc * 4);
     be.embedding_forward(&be, cout, ids, wte, wpe, B, T, C);
-    float *dout = frand(&r, nc, -1, 1);
-    float *dwte0 = frand(&r, (size_t)V * C, -0.5f, 0.5f), *dwpe0 = frand(&r, (size_t)T * C, -0.5f, 0.5f);
+    float *dout = fl_test_frand(&r, nc, -1, 1);
+    float *dwte0 = fl_test_frand(&r, (size_t)V * C, -0.5f, 0.5f), *dwpe0 = fl_test_frand(&r, (size_t)T * C, -0.5f, 0.5f);
     float *cdwte = dup_bytes(dwte0, (size_t)V * C * 4), *cdwpe = dup_bytes(dwpe0, (size_t)T * C * 4);
     be.embedding_backward(&be, cdwte, with_wpe ? cdwpe : NULL, dout, ids, B, T, C);
     int32_t *work = malloc(FL_CU_EMB_WORK_INTS(N) * sizeof(int32_t));
@@ -113,7 +108,7 @@ static void adam8bit_case(size_t n, fl_dtype tp, fl_dtype tg) {
     fl_backend be = cpu2();
     fl_test_rng r = {(unsigned long long)n * 31 + tp * 7 + tg};
     const size_t sb = fl_adam8bit_state_bytes(n), ps = tp == FL_F32 ? 4 : 2, gs = tg == FL_F32 ? 4 : 2;
-    float *p0 = frand(&r, n, -1, 1);
+    float *p0 = fl_test_frand(&r, n, -1, 1);
     void *pc = to_type(p0, n, tp), *pe[2] = {to_type(p0, n, tp), to_type(p0, n, tp)};
     void *mc = calloc(1, sb + 8), *me[2] = {calloc(1, sb + 8), calloc(1, sb + 8)};
     fl_adam8bit_state stc, ste[2];
@@ -121,7 +116,7 @@ static void adam8bit_case(size_t n, fl_dtype tp, fl_dtype tg) {
     FL_REQUIRE_OK(fl_adam8bit_state_bind(&ste[0], n, me[0]));
     FL_REQUIRE_OK(fl_adam8bit_state_bind(&ste[1], n, me[1]));
     for (int step = 1; step <= 3; step++) {
-        float *g32 = frand(&r, n, -2, 2);
+        float *g32 = fl_test_frand(&r, n, -2, 2);
         /* a few elements at several magnitudes (codes near 0 and both map ends), and inf/NaN gradients */
         for (size_t i = 0; i < n; i += 97) g32[i] *= 1e-4f;
         if (n > 600) {
@@ -181,7 +176,7 @@ typedef struct {
 } q4_fixture;
 
 static int q4_make(q4_fixture *f, int rows, int cols, fl_q4_type t, int dq, fl_test_rng *r) {
-    float *src = frand(r, (size_t)rows * cols, -1, 1);
+    float *src = fl_test_frand(r, (size_t)rows * cols, -1, 1);
     for (int i = 0; i < cols && i < 64; i++) src[i] = 0.0f; /* a zero block (absmax 0) when cols >= 64 */
     f->mem = calloc(1, fl_q4_bytes((size_t)rows * cols, dq));
     f->deq = malloc((size_t)rows * cols * 4);
@@ -228,7 +223,7 @@ static void q4_case(int N, int OUT, int IN, fl_q4_type t, int dq) {
 
     /* forward: y (N, OUT; ldy) = x @ deq^T + beta y */
     const int ldy = OUT + 5;
-    float *x = frand(&r, (size_t)N * IN, -1, 1), *y0 = frand(&r, (size_t)N * ldy, -1, 1);
+    float *x = fl_test_frand(&r, (size_t)N * IN, -1, 1), *y0 = fl_test_frand(&r, (size_t)N * ldy, -1, 1);
     const size_t nmax = (size_t)N * (ldy > IN ? ldy : IN);
     double *want = malloc(nmax * 8), *absum = malloc(nmax * 8);
     float *got = malloc((size_t)N * ldy * 4);
@@ -263,7 +258,7 @@ static void q4_case(int N, int OUT, int IN, fl_q4_type t, int dq) {
     }
 
     /* backward: dx (N, IN) = dy (N, OUT; ldy) @ deq + beta dx */
-    float *dy = frand(&r, (size_t)N * ldy, -1, 1), *dx0 = frand(&r, (size_t)N * IN, -1, 1);
+    float *dy = fl_test_frand(&r, (size_t)N * ldy, -1, 1), *dx0 = fl_test_frand(&r, (size_t)N * IN, -1, 1);
     for (int beta = 0; beta <= 1; beta++) {
         float *dx[2];
         for (int k = 0; k < 2; k++) {
@@ -309,7 +304,7 @@ FL_TEST(cuda_more_lora_dropout) {
     const size_t n = (size_t)N * in;
     const float p = 0.3f, scaling = 2.0f;
     const uint64_t seed = 0x0123456789abcdefull;
-    float *x = frand(&r, n, -1, 1), *A = frand(&r, (size_t)rk * in, -1, 1), *Bm = frand(&r, (size_t)out * rk, -1, 1);
+    float *x = fl_test_frand(&r, n, -1, 1), *A = fl_test_frand(&r, (size_t)rk * in, -1, 1), *Bm = fl_test_frand(&r, (size_t)out * rk, -1, 1);
     float *h = malloc((size_t)N * rk * 4), *y = calloc((size_t)N * out, 4), *cxd = malloc(n * 4), *xd[2];
     FL_REQUIRE_OK(be.lora_forward(&be, y, out, h, cxd, x, A, Bm, N, in, out, rk, scaling, p, seed));
     for (int k = 0; k < 2; k++) {
@@ -325,7 +320,7 @@ FL_TEST(cuda_more_lora_dropout) {
 
     /* backward's dx: the CPU's lora_backward against the composition the CUDA backend runs
      * (g = dy @ B, t = scaling * g @ A by GEMMs, then the kernel) */
-    float *dy = frand(&r, (size_t)N * out, -1, 1), *dx0 = frand(&r, n, -1, 1), *cdx = dup_bytes(dx0, n * 4);
+    float *dy = fl_test_frand(&r, (size_t)N * out, -1, 1), *dx0 = fl_test_frand(&r, n, -1, 1), *cdx = dup_bytes(dx0, n * 4);
     float *work = malloc(((size_t)N * rk + n) * 4), *g = malloc((size_t)N * rk * 4), *t = malloc(n * 4);
     FL_REQUIRE_OK(be.lora_backward(&be, cdx, NULL, NULL, dy, out, cxd, h, A, Bm, N, in, out, rk, scaling, p, seed, work));
     FL_REQUIRE_OK(be.gemm(&be, 0, 0, N, rk, out, 1.0f, dy, FL_F32, out, Bm, FL_F32, rk, 0.0f, g, FL_F32, rk));

@@ -25,16 +25,6 @@
 
 /* ---- helpers ------------------------------------------------------------------ */
 
-static float *frand(fl_test_rng *r, size_t n, float lo, float hi) {
-    float *x = malloc((n ? n : 1) * sizeof(float));
-    fl_test_fill(r, x, n, lo, hi);
-    return x;
-}
-static float *fdup(const float *x, size_t n) {
-    float *y = malloc((n ? n : 1) * sizeof(float));
-    memcpy(y, x, n * sizeof(float));
-    return y;
-}
 static double *d_of(const float *x, size_t n) {
     double *y = malloc((n ? n : 1) * sizeof(double));
     for (size_t i = 0; i < n; i++) y[i] = x[i];
@@ -140,15 +130,15 @@ static void gemm_case(fl_backend *be, fl_status (*fn)(const fl_backend *, int, i
     /* stored shapes with padded leading dimensions to exercise lda/ldb/ldc */
     int ar = ta ? K : M, ac = ta ? M : K, br = tb ? N : K, bc = tb ? K : N;
     int lda = ac + 3, ldb = bc + 2, ldc = N + 5;
-    float *A = frand(&r, (size_t)ar * lda, -1, 1), *B = frand(&r, (size_t)br * ldb, -1, 1);
-    float *C = frand(&r, (size_t)M * ldc, -1, 1);
+    float *A = fl_test_frand(&r, (size_t)ar * lda, -1, 1), *B = fl_test_frand(&r, (size_t)br * ldb, -1, 1);
+    float *C = fl_test_frand(&r, (size_t)M * ldc, -1, 1);
     if (beta == 0.0f)
         for (int i = 0; i < M * ldc; i++) C[i] = NAN; /* beta = 0 must not read C */
-    float *C0 = fdup(C, (size_t)M * ldc);
+    float *C0 = fl_test_fdup(C, (size_t)M * ldc);
     const float alpha = 0.7f;
     fl_status st = fn(be, ta, tb, M, N, K, alpha, A, FL_F32, lda, B, FL_F32, ldb, beta, C, FL_F32, ldc);
     FL_CHECKF(st == FL_OK, "%s: status %d", what, st);
-    float *want = fdup(C0, (size_t)M * ldc);
+    float *want = fl_test_fdup(C0, (size_t)M * ldc);
     for (int i = 0; i < M; i++)
         for (int j = 0; j < N; j++) {
             double s = 0;
@@ -193,8 +183,8 @@ FL_TEST(ops_gemm_fast_vs_naive) {
     fl_backend be = cpu2();
     fl_test_rng r = {77};
     const int M = 67, N = 45, K = 129;
-    float *A = frand(&r, (size_t)M * K, -1, 1), *B = frand(&r, (size_t)K * N, -1, 1);
-    float *C1 = frand(&r, (size_t)M * N, -1, 1), *C2 = fdup(C1, (size_t)M * N);
+    float *A = fl_test_frand(&r, (size_t)M * K, -1, 1), *B = fl_test_frand(&r, (size_t)K * N, -1, 1);
+    float *C1 = fl_test_frand(&r, (size_t)M * N, -1, 1), *C2 = fl_test_fdup(C1, (size_t)M * N);
     FL_REQUIRE_OK(fl_cpu_gemm(&be, 0, 0, M, N, K, 1.0f, A, FL_F32, K, B, FL_F32, N, 1.0f, C1, FL_F32, N));
     FL_REQUIRE_OK(fl_cpu_gemm_naive(&be, 0, 0, M, N, K, 1.0f, A, FL_F32, K, B, FL_F32, N, 1.0f, C2, FL_F32, N));
     FL_CHECK(fl_test_allclose("fast vs naive", C1, C2, (size_t)M * N, 1e-4, 1e-5));
@@ -206,7 +196,7 @@ FL_TEST(ops_gemm_fast_vs_naive) {
     fl_backend bk;
     FL_FOR_EACH_BACKEND(bk, 2) {
         memcpy(C1, C2, (size_t)M * N * 4);
-        float *C3 = fdup(C2, (size_t)M * N);
+        float *C3 = fl_test_fdup(C2, (size_t)M * N);
         FL_CHECK(bk.gemm(&bk, 0, 0, M, N, K, 1.0f, A, FL_F32, K, B, FL_F32, N, 1.0f, C1, FL_F32, N) == FL_OK);
         FL_CHECK(fl_cpu_gemm_naive(&be, 0, 0, M, N, K, 1.0f, A, FL_F32, K, B, FL_F32, N, 1.0f, C3, FL_F32, N) == FL_OK);
         FL_CHECK(fl_test_allclose("be->gemm vs naive", C1, C3, (size_t)M * N, 1e-4, 1e-5));
@@ -236,8 +226,8 @@ static void ops_embedding_on(fl_backend be) {
     fl_test_rng r = {1};
     const int B = 2, T = 5, C = 13, V = 11, maxT = 7;
     int32_t ids[10] = {3, 7, 3, 0, 10, 7, 7, 2, 3, 9}; /* repeats within and across batches */
-    float *wte = frand(&r, V * C, -1, 1), *wpe = frand(&r, maxT * C, -1, 1);
-    float *out = frand(&r, B * T * C, -9, 9), *R = frand(&r, B * T * C, -1, 1);
+    float *wte = fl_test_frand(&r, V * C, -1, 1), *wpe = fl_test_frand(&r, maxT * C, -1, 1);
+    float *out = fl_test_frand(&r, B * T * C, -9, 9), *R = fl_test_frand(&r, B * T * C, -1, 1);
     emb_ctx c = {d_of(wte, V * C), NULL, ids, R, B, T, C, malloc(sizeof(double) * B * T * C)};
     for (int with_pe = 0; with_pe < 2; with_pe++) {
         c.wpe = with_pe ? d_of(wpe, maxT * C) : NULL;
@@ -246,14 +236,14 @@ static void ops_embedding_on(fl_backend be) {
         float *want = f_of(c.out, B * T * C);
         FL_CHECK(fl_test_allclose("embedding fwd", out, want, B * T * C, 1e-6, 1e-7));
         free(want);
-        float *dwte = frand(&r, V * C, -1, 1), *pre_te = fdup(dwte, V * C);
-        float *dwpe = frand(&r, maxT * C, -1, 1), *pre_pe = fdup(dwpe, maxT * C);
+        float *dwte = fl_test_frand(&r, V * C, -1, 1), *pre_te = fl_test_fdup(dwte, V * C);
+        float *dwpe = fl_test_frand(&r, maxT * C, -1, 1), *pre_pe = fl_test_fdup(dwpe, maxT * C);
         be.embedding_backward(&be, dwte, with_pe ? dwpe : NULL, R, ids, B, T, C);
         FD_CHECK("dwte", dwte, pre_te, c.wte, V * C, emb_loss, &c, 0);
         if (with_pe) FD_CHECK("dwpe", dwpe, pre_pe, c.wpe, maxT * C, emb_loss, &c, 0);
         else FL_CHECK(memcmp(dwpe, pre_pe, maxT * C * sizeof(float)) == 0);
         /* NULL dwte: skipped, dwpe still computed */
-        float *dwpe2 = fdup(pre_pe, maxT * C);
+        float *dwpe2 = fl_test_fdup(pre_pe, maxT * C);
         be.embedding_backward(&be, NULL, dwpe2, R, ids, B, T, C);
         if (with_pe) FL_CHECK(memcmp(dwpe2, dwpe, maxT * C * sizeof(float)) == 0);
         free(dwte); free(pre_te); free(dwpe); free(pre_pe); free(dwpe2); free(c.wpe);
@@ -270,7 +260,7 @@ static void ops_embedding_backward_deterministic_on(fl_backend be) {
     const int B = 4, T = 33, C = 200, V = 7; /* few ids: heavy repetition */
     int32_t ids[4 * 33];
     for (int i = 0; i < B * T; i++) ids[i] = (int32_t)(fl_test_rng_u64(&r) % V);
-    float *dout = frand(&r, B * T * C, -1, 1);
+    float *dout = fl_test_frand(&r, B * T * C, -1, 1);
     float *a = calloc(V * C, 4), *b = calloc(V * C, 4), *pa = calloc(T * C, 4), *pb = calloc(T * C, 4);
     be.embedding_backward(&be, a, pa, dout, ids, B, T, C);
     be.embedding_backward(&be, b, pb, dout, ids, B, T, C);
@@ -311,9 +301,9 @@ static void norm_test_on(fl_backend be, int ln) {
     fl_test_rng r = {3 + ln};
     const int N = 7, C = 13;
     const float eps = 1e-5f;
-    float *x = frand(&r, N * C, -2, 2), *w = frand(&r, C, 0.5f, 1.5f), *b = frand(&r, C, -1, 1);
+    float *x = fl_test_frand(&r, N * C, -2, 2), *w = fl_test_frand(&r, C, 0.5f, 1.5f), *b = fl_test_frand(&r, C, -1, 1);
     for (int k = 0; k < C; k++) x[2 * C + k] += 3.0f; /* a row with a large mean */
-    float *R = frand(&r, N * C, -1, 1), *out = malloc(N * C * 4), *mean = malloc(N * 4), *rstd = malloc(N * 4);
+    float *R = fl_test_frand(&r, N * C, -1, 1), *out = malloc(N * C * 4), *mean = malloc(N * 4), *rstd = malloc(N * 4);
     norm_ctx c = {d_of(x, N * C), d_of(w, C), ln ? d_of(b, C) : NULL, R, N, C, ln, eps, malloc(8 * N * C)};
     double dmean[7], drstd[7];
     norm_ref(&c, dmean, drstd);
@@ -325,8 +315,8 @@ static void norm_test_on(fl_backend be, int ln) {
     FL_CHECK(fl_test_allclose("rstd", rstd, wr, N, 1e-5, 0));
     if (ln) FL_CHECK(fl_test_allclose("mean", mean, wm, N, 1e-5, 1e-6));
 
-    float *dx = frand(&r, N * C, -1, 1), *dw = frand(&r, C, -1, 1), *db = frand(&r, C, -1, 1);
-    float *pdx = fdup(dx, N * C), *pdw = fdup(dw, C), *pdb = fdup(db, C);
+    float *dx = fl_test_frand(&r, N * C, -1, 1), *dw = fl_test_frand(&r, C, -1, 1), *db = fl_test_frand(&r, C, -1, 1);
+    float *pdx = fl_test_fdup(dx, N * C), *pdw = fl_test_fdup(dw, C), *pdb = fl_test_fdup(db, C);
     if (ln) be.layernorm_backward(&be, dx, dw, db, R, x, w, mean, rstd, N, C);
     else be.rmsnorm_backward(&be, dx, dw, R, x, w, rstd, N, C);
     FD_CHECK("norm dinp", dx, pdx, c.x, N * C, norm_loss, &c, 0);
@@ -334,7 +324,7 @@ static void norm_test_on(fl_backend be, int ln) {
     if (ln) FD_CHECK("norm db", db, pdb, c.b, C, norm_loss, &c, 0);
 
     /* NULL parameter grads: skipped, dinp identical */
-    float *dx2 = fdup(pdx, N * C);
+    float *dx2 = fl_test_fdup(pdx, N * C);
     if (ln) be.layernorm_backward(&be, dx2, NULL, NULL, R, x, w, mean, rstd, N, C);
     else be.rmsnorm_backward(&be, dx2, NULL, R, x, w, rstd, N, C);
     FL_CHECK(memcmp(dx2, dx, N * C * 4) == 0);
@@ -342,7 +332,7 @@ static void norm_test_on(fl_backend be, int ln) {
     /* determinism on a larger case, 2 threads, two runs (fewer rows under the CUDA emulator,
      * where every row is a block of fibers: 257 columns still cross a 256-thread block) */
     const int N2 = fl_test_backend_emulated(&be) ? 19 : 301, C2 = 257;
-    float *x2 = frand(&r, N2 * C2, -2, 2), *dy2 = frand(&r, N2 * C2, -1, 1), *w2 = frand(&r, C2, 0.5f, 1.5f);
+    float *x2 = fl_test_frand(&r, N2 * C2, -2, 2), *dy2 = fl_test_frand(&r, N2 * C2, -1, 1), *w2 = fl_test_frand(&r, C2, 0.5f, 1.5f);
     float *m2 = malloc(N2 * 4), *r2 = malloc(N2 * 4), *o2 = malloc(N2 * C2 * 4);
     if (ln) be.layernorm_forward(&be, o2, m2, r2, x2, w2, w2, N2, C2, eps);
     else be.rmsnorm_forward(&be, o2, r2, x2, w2, N2, C2, eps);
@@ -398,14 +388,14 @@ static void ops_rope_on(fl_backend be) {
     float cs[16 * 6], sn[16 * 6];
     fl_rope_table_init(cs, sn, maxT, HD, 10000.0f, NULL);
     size_t n = (size_t)B * T * stride;
-    float *x = frand(&r, n, -1, 1), *R = frand(&r, n, -1, 1);
+    float *x = fl_test_frand(&r, n, -1, 1), *R = fl_test_frand(&r, n, -1, 1);
     rope_ctx c = {d_of(x, n), cs, sn, R, B, T, nh, HD, stride, pos0, malloc(8 * n)};
     rope_ref(&c);
-    float *want = f_of(c.out, n), *y = fdup(x, n);
+    float *want = f_of(c.out, n), *y = fl_test_fdup(x, n);
     be.rope_forward(&be, y, B, T, nh, HD, stride, cs, sn, pos0);
     FL_CHECK(fl_test_allclose("rope fwd", y, want, n, 1e-6, 1e-7)); /* heads beyond nh untouched too */
     /* backward overwrites: dx = R^T applied to the incoming gradient */
-    float *dx = fdup(R, n);
+    float *dx = fl_test_fdup(R, n);
     be.rope_backward(&be, dx, B, T, nh, HD, stride, cs, sn, pos0);
     FD_CHECK("rope dx", dx, NULL, c.x, n, rope_loss, &c, 0);
     /* backward undoes forward (orthogonal) */
@@ -510,7 +500,7 @@ static double attn_loss(void *p) {
 static void attn_case_on(fl_backend be, int B, int T, int NH, int NKV, int HD, size_t nsample) {
     fl_test_rng r = {(unsigned long long)(T * 1000 + HD * 10 + NH + NKV)};
     size_t W = (size_t)(NH + 2 * NKV) * HD, nq = (size_t)B * T * W, no = (size_t)B * T * NH * HD, nl = (size_t)B * NH * T;
-    float *qkv = frand(&r, nq, -1.5f, 1.5f), *R = frand(&r, no, -1, 1);
+    float *qkv = fl_test_frand(&r, nq, -1.5f, 1.5f), *R = fl_test_frand(&r, no, -1, 1);
     float *out = malloc(no * 4), *lse = malloc(nl * 4);
     attn_ctx c = {d_of(qkv, nq), R, B, T, NH, NKV, HD, malloc(8 * no), malloc(8 * nl), malloc(8 * T)};
     attn_ref(&c);
@@ -521,7 +511,7 @@ static void attn_case_on(fl_backend be, int B, int T, int NH, int NKV, int HD, s
     FL_CHECKF(fl_test_allclose(what, out, want, no, 1e-5, 2e-6), "%s: forward out", what);
     FL_CHECKF(fl_test_allclose(what, lse, wl, nl, 1e-5, 1e-6), "%s: forward lse", what);
 
-    float *dqkv = frand(&r, nq, -1, 1), *pre = fdup(dqkv, nq);
+    float *dqkv = fl_test_frand(&r, nq, -1, 1), *pre = fl_test_fdup(dqkv, nq);
     be.attention_backward(&be, dqkv, R, qkv, out, lse, B, T, NH, NKV, HD);
     double *lse_keep = c.lse;
     c.lse = NULL; /* the FD loss does not need lse */
@@ -529,7 +519,7 @@ static void attn_case_on(fl_backend be, int B, int T, int NH, int NKV, int HD, s
     free(lse_keep);
 
     /* determinism: bit-identical across runs */
-    float *d2 = fdup(pre, nq), *d3 = fdup(pre, nq);
+    float *d2 = fl_test_fdup(pre, nq), *d3 = fl_test_fdup(pre, nq);
     be.attention_backward(&be, d2, R, qkv, out, lse, B, T, NH, NKV, HD);
     FL_CHECKF(memcmp(d2, dqkv, nq * 4) == 0, "%s: backward not deterministic", what);
     /* backends computing with the CPU kernels (cpu, ref): the same bits for every thread count
@@ -601,14 +591,14 @@ static double act_loss(void *p) {
 static void ops_swiglu_on(fl_backend be) {
     fl_test_rng r = {8};
     const int N = 7, F = 13;
-    float *gu = frand(&r, N * 2 * F, -4, 4), *R = frand(&r, N * F, -1, 1), *out = malloc(N * F * 4);
+    float *gu = fl_test_frand(&r, N * 2 * F, -4, 4), *R = fl_test_frand(&r, N * F, -1, 1), *out = malloc(N * F * 4);
     gu[0] = -30.0f; gu[1] = 30.0f; /* saturated sigmoid */
     act_ctx c = {d_of(gu, N * 2 * F), R, N, F, malloc(8 * N * F), 0};
     act_ref(&c);
     float *want = f_of(c.out, N * F);
     be.swiglu_forward(&be, out, gu, N, F);
     FL_CHECK(fl_test_allclose("swiglu fwd", out, want, N * F, 1e-5, 1e-7));
-    float *dgu = frand(&r, N * 2 * F, -1, 1), *pre = fdup(dgu, N * 2 * F);
+    float *dgu = fl_test_frand(&r, N * 2 * F, -1, 1), *pre = fl_test_fdup(dgu, N * 2 * F);
     be.swiglu_backward(&be, dgu, R, gu, N, F);
     FD_CHECK("swiglu dgu", dgu, pre, c.x, N * 2 * F, act_loss, &c, 0);
     free(gu); free(R); free(out); free(c.x); free(c.out); free(want); free(dgu); free(pre);
@@ -621,14 +611,14 @@ FL_TEST(ops_swiglu) {
 static void ops_gelu_on(fl_backend be) {
     fl_test_rng r = {9};
     const int n = 101;
-    float *x = frand(&r, n, -5, 5), *R = frand(&r, n, -1, 1), *out = malloc(n * 4);
+    float *x = fl_test_frand(&r, n, -5, 5), *R = fl_test_frand(&r, n, -1, 1), *out = malloc(n * 4);
     x[0] = 0.0f; x[1] = 1e-3f; x[2] = -12.0f; x[3] = 12.0f;
     act_ctx c = {d_of(x, n), R, n, 0, malloc(8 * n), 1};
     act_ref(&c);
     float *want = f_of(c.out, n);
     be.gelu_forward(&be, out, x, n);
     FL_CHECK(fl_test_allclose("gelu fwd", out, want, n, 1e-5, 1e-7));
-    float *dx = frand(&r, n, -1, 1), *pre = fdup(dx, n);
+    float *dx = fl_test_frand(&r, n, -1, 1), *pre = fl_test_fdup(dx, n);
     be.gelu_backward(&be, dx, R, x, n);
     FD_CHECK("gelu dinp", dx, pre, c.x, n, act_loss, &c, 0);
     free(x); free(R); free(out); free(c.x); free(c.out); free(want); free(dx); free(pre);
@@ -643,12 +633,12 @@ FL_TEST(ops_gelu) {
 static void ops_elementwise_on(fl_backend be) {
     fl_test_rng r = {10};
     const size_t n = 1001;
-    float *a = frand(&r, n, -2, 2), *b = frand(&r, n, -2, 2), *o = malloc(n * 4);
+    float *a = fl_test_frand(&r, n, -2, 2), *b = fl_test_frand(&r, n, -2, 2), *o = malloc(n * 4);
     be.add(&be, o, a, b, n);
     int ok = 1;
     for (size_t i = 0; i < n; i++) ok &= o[i] == a[i] + b[i];
     FL_CHECK(ok);
-    float *a2 = fdup(a, n);
+    float *a2 = fl_test_fdup(a, n);
     be.add(&be, a2, a2, b, n); /* aliasing */
     FL_CHECK(memcmp(a2, o, n * 4) == 0);
     be.scale(&be, a2, n, -0.5f);
@@ -684,7 +674,7 @@ static void ops_sumsq_zero_thread_independent_on(const char *name) {
     /* the CUDA emulator runs a fiber per GPU thread: its partition does not depend on the thread
      * count, so the three smaller sizes (below, at and across its partial-sum boundaries) suffice */
     const int nsizes = fl_test_backend_emulated(&be[0]) ? 3 : 5;
-    float *x = frand(&r, sizes[4], -3, 3);
+    float *x = fl_test_frand(&r, sizes[4], -3, 3);
     uint16_t *x16 = malloc(sizes[4] * 2), *xh = malloc(sizes[4] * 2);
     for (size_t i = 0; i < sizes[4]; i++) {
         x16[i] = fl_f32_to_bf16(x[i]);
@@ -733,15 +723,15 @@ static double bias_loss(void *p) {
 static void ops_bias_on(fl_backend be) {
     fl_test_rng r = {11};
     const int N = 7, OC = 77; /* spans several column blocks, ragged */
-    float *y = frand(&r, N * OC, -1, 1), *b = frand(&r, OC, -1, 1), *R = frand(&r, N * OC, -1, 1);
-    float *y0 = fdup(y, N * OC);
+    float *y = fl_test_frand(&r, N * OC, -1, 1), *b = fl_test_frand(&r, OC, -1, 1), *R = fl_test_frand(&r, N * OC, -1, 1);
+    float *y0 = fl_test_fdup(y, N * OC);
     be.bias_forward(&be, y, b, N, OC);
     int ok = 1;
     for (int n = 0; n < N; n++)
         for (int o = 0; o < OC; o++) ok &= y[n * OC + o] == y0[n * OC + o] + b[o];
     FL_CHECK(ok);
     bias_ctx c = {d_of(b, OC), y0, R, N, OC};
-    float *db = frand(&r, OC, -1, 1), *pre = fdup(db, OC);
+    float *db = fl_test_frand(&r, OC, -1, 1), *pre = fl_test_fdup(db, OC);
     be.bias_backward(&be, db, R, N, OC);
     FD_CHECK("bias db", db, pre, c.b, OC, bias_loss, &c, 0);
     be.bias_backward(&be, NULL, R, N, OC); /* NULL: no-op, must not crash */
@@ -772,7 +762,7 @@ static double xent_ref(void *p) { /* returns grad_scale * sum of losses; fills l
 
 static void xent_case_on(fl_backend be, int N, int V, float spread, int ramp, size_t nsample) {
     fl_test_rng r = {(unsigned long long)V};
-    float *x = frand(&r, (size_t)N * V, -spread, spread);
+    float *x = fl_test_frand(&r, (size_t)N * V, -spread, spread);
     /* ramp: the max keeps growing chunk after chunk (exercises the online rescale) */
     if (ramp)
         for (int n = 0; n < N; n++)
@@ -795,7 +785,7 @@ static void xent_case_on(fl_backend be, int N, int V, float spread, int ramp, si
     for (int v = 0; v < V; v++) zero_ok &= dl[(size_t)V + v] == 0.0f && dl[(size_t)(N - 1) * V + v] == 0.0f;
     FL_CHECKF(zero_ok, "%s: ignored rows must have zero gradient", what);
     /* loss only (dlogits NULL) and in-place (dlogits aliases logits) agree */
-    float *loss2 = malloc(N * 4), *xa = fdup(x, (size_t)N * V);
+    float *loss2 = malloc(N * 4), *xa = fl_test_fdup(x, (size_t)N * V);
     be.cross_entropy(&be, loss2, NULL, x, tg, N, V, gs, FL_IGNORE_INDEX);
     FL_CHECK(memcmp(loss2, loss, N * 4) == 0);
     be.cross_entropy(&be, loss2, xa, xa, tg, N, V, gs, FL_IGNORE_INDEX);
@@ -815,11 +805,11 @@ FL_TEST(ops_cross_entropy_chunks) { xent_case(5, 1301, 2.0f, 1, 800); }
 static void ops_adamw_on(fl_backend be) {
     fl_test_rng r = {12};
     const size_t n = 103;
-    float *p = frand(&r, n, -1, 1), *m = calloc(n, 4), *v = calloc(n, 4);
+    float *p = fl_test_frand(&r, n, -1, 1), *m = calloc(n, 4), *v = calloc(n, 4);
     double *dp = d_of(p, n), *dm = calloc(n, 8), *dv = calloc(n, 8);
     const float lr = 1e-2f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, wd = 0.1f, gs = 0.5f;
     for (int step = 1; step <= 4; step++) {
-        float *g = frand(&r, n, -2, 2);
+        float *g = fl_test_frand(&r, n, -2, 2);
         g[0] = 0.0f;
         g[1] = 1e-6f;
         be.adamw_update(&be, p, g, m, v, n, lr, b1, b2, eps, wd, step, gs);
@@ -848,11 +838,11 @@ FL_TEST(ops_adamw) {
 static void sgd_case_on(fl_backend be, float mom, float damp, float wd, int nesterov) {
     fl_test_rng r = {13};
     const size_t n = 57;
-    float *p = frand(&r, n, -1, 1), *buf = mom != 0.0f ? calloc(n, 4) : NULL;
+    float *p = fl_test_frand(&r, n, -1, 1), *buf = mom != 0.0f ? calloc(n, 4) : NULL;
     double *dp = d_of(p, n), *db = calloc(n, 8);
     const float lr = 0.05f, gs = 0.8f;
     for (int step = 1; step <= 4; step++) {
-        float *g = frand(&r, n, -2, 2);
+        float *g = fl_test_frand(&r, n, -2, 2);
         be.sgd_update(&be, p, g, buf, n, lr, mom, damp, wd, nesterov, step == 1, gs);
         for (size_t i = 0; i < n; i++) {
             double d = (double)g[i] * gs + (double)wd * dp[i];
