@@ -223,6 +223,7 @@ int main(int argc, char **argv) {
                    g_be_unsup[i]);
     }
     printf("\n%d passed, %d failed, %d skipped\n", passed, failed, skipped);
+    fflush(stdout); /* before LeakSanitizer's report, which ends the process without flushing stdio */
     return failed ? 1 : 0;
 }
 

@@ -217,6 +217,7 @@ static void q4_matmul_case_on(const char *be_name, int OUT, int IN, int N, fl_q4
             FL_CHECKF(bits_equal(first_y, y, (size_t)N * ldy * 4) && bits_equal(first_dx, dx, (size_t)N * IN * 4),
                       "q4 matmul %dx%d: results depend on the thread count", OUT, IN);
         }
+        fl_backend_free(&be);
     }
     free(w); free(mem); free(deq); free(x); free(dy); free(y); free(dx); free(y0); free(dx0);
 }

@@ -705,6 +705,7 @@ static void ops_sumsq_zero_thread_independent_on(const char *name) {
         FL_CHECKF(!bad, "zero with %d threads", nts[k]);
     }
     free(x); free(x16); free(xh); free(buf);
+    for (int k = 0; k < 4; k++) fl_backend_free(&be[k]);
 }
 FL_TEST(ops_sumsq_zero_thread_independent) {
     fl_backend be;
