@@ -9,6 +9,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "fitllm/backend.h"
 #include "fitllm/lab.h"
 #include "fitllm/trainer.h"
 #include "lab-impl.h"
@@ -199,6 +200,8 @@ static void plan_row(const fl_run_config *c, fl_plan *p, fl_plan_verdict *verdic
     fl_plan_opts_default(&o);
     o.generation = 0;
     o.no_suggestions = 1;
+    /* the rows run on the default backend: plan for the same one (its op scratch differs) */
+    o.cuda = !strcmp(fl_backend_default_name(), "cuda");
     if (fl_plan_run(c, &o, p) != FL_OK) { *verdict = FL_PLAN_VERDICT_COUNT; *peak = 0; return; }
     *verdict = p->verdict;
     *peak = p->peak_total;
