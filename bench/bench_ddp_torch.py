@@ -2,7 +2,7 @@
 """PyTorch side of the data-parallel step benchmark (compare with `mpirun -np 2 fitllm ... --devices 2`).
 
     /work/venv/bin/python bench/bench_ddp_torch.py --shape tiny --batch 4 --seq 256 \
-        --steps 10 --warmup 2 --world 2 --threads 1 [--mode ddp|fsdp2]
+        --steps 10 --warmup 2 --world 2 --threads 1 [--mode ddp|fsdp2|fsdp2_grad_op]
 
 --world processes (torch.multiprocessing.spawn), each torch.set_num_threads(--threads), one
 gloo process group initialised from a file store (no ports). Same model and step as
@@ -19,6 +19,8 @@ buckets during backward), AdamW step, loss.item().
 --mode fsdp2: torch.distributed.fsdp.fully_shard on every decoder layer and then the root
               (FULL_SHARD, reshard after forward). Bytes by ZeRO-3's formula (3 psi: all-gather
               in forward and backward, reduce-scatter), not counted.
+--mode fsdp2_grad_op: the same with reshard_after_forward=False (SHARD_GRAD_OP, ZeRO-2-like:
+              one all-gather per step, kept through backward, reduce-scatter): 2 psi by formula.
 
 Timing: rank 0's wall time per step (the collectives keep the ranks in step); median over the
 timed steps after --warmup. Prints (rank 0):
@@ -79,9 +81,10 @@ def worker(rank, args, store_path):
             from torch.distributed.fsdp import fully_shard
         except ImportError as e:
             sys.exit(f"error: fully_shard not available in torch {torch.__version__}: {e}")
+        raf = args.mode == "fsdp2"  # fsdp2_grad_op: keep the gathered parameters through backward
         for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, reshard_after_forward=raf)
+        fully_shard(model, reshard_after_forward=raf)
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     B, T, V = args.batch, args.seq, s["vocab_size"]
@@ -120,8 +123,10 @@ def worker(rank, args, store_path):
         if args.mode == "ddp":
             comm = (f"allreduce_bytes={bytes_per_step} (counted by a comm hook; psi*4={psi_bytes}) "
                     f"ring_sent_per_rank={2*(N-1)/N*bytes_per_step:.0f} (formula 2(N-1)/N)")
-        else:
+        elif args.mode == "fsdp2":
             comm = f"zero3_bytes_formula={3*psi_bytes} (3 psi, not counted)"
+        else:
+            comm = f"zero2_bytes_formula={2*psi_bytes} (2 psi, not counted)"
         print(f"# torch {torch.__version__} transformers {transformers.__version__} mode={args.mode} "
               f"backend=gloo world={N} threads/rank={args.threads} params={n_params} B/rank={B} T={T} "
               f"global_batch={N*B} losses(global mean)={[round(x, 6) for x in lt.tolist()]}", file=sys.stderr)
@@ -140,7 +145,7 @@ def main():
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--mode", choices=["ddp", "fsdp2"], default="ddp")
+    ap.add_argument("--mode", choices=["ddp", "fsdp2", "fsdp2_grad_op"], default="ddp")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench_ddp_") as d:
         mp.spawn(worker, args=(args, os.path.join(d, "store")), nprocs=args.world, join=True)
