@@ -146,9 +146,12 @@ static void bf16_check_all_on(const fl_backend *be, gemm_fn fn, const char *name
                 }
                 for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++)
                     for (size_t k = 0; k < sizeof ab / sizeof ab[0]; k++)
-                        for (int pad = 0; pad <= 5; pad += 5, n++)
+                        for (int pad = 0; pad <= 5; pad += 5, n++) {
+                            /* the CUDA emulator's stand-in GEMM (float64 loops): one padding per case */
+                            if (fl_test_backend_emulated(be) && pad != (int)(k % 2) * 5) continue;
                             fails += !bf16_case(be, fn, name, ta, tc, tra, trb, sizes[s][0], sizes[s][1], sizes[s][2],
                                                 ab[k][0], ab[k][1], pad, 0);
+                        }
                 fails += !bf16_case(be, fn, name, ta, tc, tra, trb, 67, 129, 65, 0.75f, 0, 3, 1); /* beta 0: C not read */
                 fails += !bf16_case(be, fn, name, ta, tc, tra, trb, 7, 13, 0, 1, 0.5f, 2, 0);   /* K == 0 */
                 fails += !bf16_case(be, fn, name, ta, tc, tra, trb, 7, 13, 0, 1, 0, 2, 1);
@@ -327,9 +330,11 @@ static void f16_check_all_on(const fl_backend *be, gemm_fn fn, const char *name)
                 }
                 for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++)
                     for (size_t k = 0; k < sizeof ab / sizeof ab[0]; k++)
-                        for (int pad = 0; pad <= 5; pad += 5, n++)
+                        for (int pad = 0; pad <= 5; pad += 5, n++) {
+                            if (fl_test_backend_emulated(be) && pad != (int)(k % 2) * 5) continue; /* as above */
                             fails += !f16_case(be, fn, name, ta, tra, trb, sizes[s][0], sizes[s][1], sizes[s][2], ab[k][0],
                                                ab[k][1], pad, 0);
+                        }
                 fails += !f16_case(be, fn, name, ta, tra, trb, 67, 129, 65, 0.75f, 0, 3, 1); /* beta 0: C not read */
                 fails += !f16_case(be, fn, name, ta, tra, trb, 7, 13, 37, 1, 0, 0, 1);
                 fails += !f16_case(be, fn, name, ta, tra, trb, 7, 13, 0, 1, 0.5f, 2, 0);    /* K == 0 */
