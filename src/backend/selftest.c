@@ -108,9 +108,8 @@ static void st_report(st_ctx *c, const char *name, const st_cmp *r, int launch_f
     if (!ok) c->n_fail++;
     char t[32] = "";
     if (time_s >= 0) snprintf(t, sizeof t, "%10.1f us", time_s * 1e6);
-    fprintf(c->out, "  %-40s %s  worst %.2e of bound  %s%s%s\n", name, ok ? "ok  " : "FAIL", r->worst, t,
-            launch_failed ? "  (" : "", launch_failed ? fl_error_message() : "");
-    if (launch_failed) fprintf(c->out, ")\n");
+    fprintf(c->out, "  %-40s %s  worst %.2e of bound  %s%s%s%s\n", name, ok ? "ok  " : "FAIL", r->worst, t,
+            launch_failed ? "  (" : "", launch_failed ? fl_error_message() : "", launch_failed ? ")" : "");
     fflush(c->out);
 }
 
