@@ -449,3 +449,49 @@ FL_TEST(comm_launch_detect) {
     }
     restore_env(saved);
 }
+
+/* Traffic counters (fl_comm_traffic): summed over the ranks, what is sent is what is received, and
+ * the totals are the ring algorithms' textbook volumes for N ranks and `count` elements: an
+ * all-reduce moves 2 (N-1) count elements (reduce-scatter (N-1) count, all-gather (N-1) count), a
+ * broadcast (N-1) count. Odd count (does not divide by 3). */
+typedef struct { fl_comm_traffic t[3]; } traffic_ctx;
+static fl_status traffic_rank(fl_comm *c, int rank, void *ud) {
+    traffic_ctx *x = ud;
+    float a[101] = {0}, b[101];
+    uint16_t h[101] = {0};
+    size_t off, len;
+    fl_comm_chunk(101, c->size, rank, &off, &len);
+    FL_TRY(fl_comm_all_reduce(c, a, b, 101, FL_F32, FL_COMM_SUM));
+    FL_TRY(fl_comm_reduce_scatter(c, a, b + off, 101, FL_F32, FL_COMM_SUM));
+    FL_TRY(fl_comm_all_gather(c, h + off, h, 101, FL_BF16));
+    FL_TRY(fl_comm_broadcast(c, a, 101, FL_F32, 2));
+    FL_TRY(fl_comm_barrier(c));
+    fl_comm_get_traffic(c, &x->t[rank]);
+    return FL_OK;
+}
+
+FL_TEST(comm_traffic_counts) {
+    traffic_ctx x;
+    memset(&x, 0, sizeof x);
+    FL_REQUIRE_OK(fl_comm_threads_run(3, traffic_rank, &x));
+    unsigned long long sent = 0, recv = 0;
+    for (int r = 0; r < 3; r++) {
+        sent += x.t[r].sent;
+        recv += x.t[r].received;
+        FL_CHECK(x.t[r].calls[FL_COLL_ALL_REDUCE] == 1 && x.t[r].calls[FL_COLL_BARRIER] == 1);
+        FL_CHECK(x.t[r].buffer_bytes[FL_COLL_ALL_GATHER] == 101 * 2);
+    }
+    const unsigned long long N = 3, n = 101;
+    /* all-reduce 2(N-1)n fp32 + reduce-scatter (N-1)n fp32 + all-gather (N-1)n bf16 + broadcast (N-1)n fp32 */
+    FL_CHECKF(sent == recv, "sent %llu, received %llu over the ranks", sent, recv);
+    FL_CHECKF(sent == 4 * 2 * (N - 1) * n + 4 * (N - 1) * n + 2 * (N - 1) * n + 4 * (N - 1) * n, "sent %llu", sent);
+    /* one process moves nothing */
+    fl_comm *s1;
+    FL_REQUIRE_OK(fl_comm_init_single(&s1));
+    float v[5] = {0};
+    FL_REQUIRE_OK(fl_comm_all_reduce(s1, v, v, 5, FL_F32, FL_COMM_SUM));
+    fl_comm_traffic t1;
+    fl_comm_get_traffic(s1, &t1);
+    FL_CHECK(t1.sent == 0 && t1.received == 0 && t1.calls[FL_COLL_ALL_REDUCE] == 1);
+    fl_comm_destroy(s1);
+}

@@ -134,6 +134,19 @@ typedef struct fl_comm_vtable {
     void (*destroy)(fl_comm *c);
 } fl_comm_vtable;
 
+/* Traffic of one rank since its communicator was created, counted by the dispatch layer on every
+ * collective posted (whatever the implementation): payload bytes this rank sends and receives under
+ * fl_comm's algorithms (reduce-scatter: count - len(r) elements out, (N-1) len(r) in; all-gather: the
+ * reverse; all-reduce: both halves; broadcast: count in on every non-root rank, (N-1) count out from
+ * the root as if it sent to each: a tree or a ring moves the same total), plus the calls and buffer
+ * bytes (count x dtype size) per kind. Size 1 moves nothing. ZeRO's "2 psi" of DDP is the
+ * all-reduce's bytes sent per rank: 2 (N-1)/N psi. */
+typedef struct {
+    unsigned long long sent, received;
+    unsigned long long calls[FL_COLL_COUNT];
+    unsigned long long buffer_bytes[FL_COLL_COUNT];
+} fl_comm_traffic;
+
 struct fl_comm {
     const fl_comm_vtable *vt;
     int rank, size;
@@ -141,6 +154,7 @@ struct fl_comm {
     fl_launch_info launch;      /* how this process was started (FL_LAUNCH_NONE for threads) */
     fl_mem_pool *pool;          /* scratch pool (NULL = malloc), see fl_comm_set_pool */
     void *impl;
+    fl_comm_traffic traffic;    /* see fl_comm_traffic (the dispatch layer counts) */
 };
 
 /* Join the ranks this process was launched with: the single-process implementation when the
@@ -150,6 +164,8 @@ struct fl_comm {
  * variables without an MPI launcher (run mpirun/srun instead), a launcher whose rank count MPI
  * does not see (srun without --mpi=pmix, MPICH's mpiexec with an Open MPI build). */
 fl_status fl_comm_init(fl_comm **out, int *argc, char ***argv);
+/* This rank's traffic so far (zeros for NULL). */
+void fl_comm_get_traffic(const fl_comm *c, fl_comm_traffic *t);
 /* The single-process implementation (rank 0 of 1). */
 fl_status fl_comm_init_single(fl_comm **out);
 /* Leave the group (MPI: MPI_Finalize when fl_comm_init initialized MPI) and free c. Outstanding

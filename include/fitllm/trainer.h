@@ -43,6 +43,9 @@ typedef struct {
      * and set-up, agreed between the ranks: let rank 0 report it), 0 when it is this rank's own
      * (the others may be waiting in a collective: the CLI aborts the job) */
     int error_all_ranks;
+    /* data parallel: the bytes this rank sent in the last step (fl_comm_traffic: gradient reduction,
+     * parameter gathers, the step's loss statistics); 0 in one process */
+    unsigned long long comm_sent_last_step;
 } fl_trainer_result;
 
 /* res (may be NULL) is filled on success and on failure: peak and peak_total

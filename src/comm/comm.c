@@ -168,6 +168,31 @@ static fl_status check_common(fl_comm *c, fl_coll_kind kind, size_t count, fl_dt
     return FL_OK;
 }
 
+/* Count a posted collective (after its checks passed): see fl_comm_traffic. */
+static void account(fl_comm *c, fl_coll_kind kind, size_t count, fl_dtype dt, int root) {
+    const unsigned long long es = fl_dtype_size(dt);
+    size_t off, len;
+    fl_comm_chunk(count, c->size, c->rank, &off, &len);
+    unsigned long long out = 0, in = 0;
+    const unsigned long long others = (unsigned long long)(count - len), gathered = (unsigned long long)(c->size - 1) * len;
+    if (c->size > 1) switch (kind) {
+        case FL_COLL_REDUCE_SCATTER: out = others; in = gathered; break;
+        case FL_COLL_ALL_GATHER: out = gathered; in = others; break;
+        case FL_COLL_ALL_REDUCE: out = in = others + gathered; break;
+        case FL_COLL_BROADCAST: if (c->rank == root) out = (unsigned long long)(c->size - 1) * count; else in = count; break;
+        default: break;
+        }
+    c->traffic.sent += out * es;
+    c->traffic.received += in * es;
+    c->traffic.calls[kind]++;
+    c->traffic.buffer_bytes[kind] += (unsigned long long)count * es;
+}
+
+void fl_comm_get_traffic(const fl_comm *c, fl_comm_traffic *t) {
+    if (c) *t = c->traffic;
+    else memset(t, 0, sizeof *t);
+}
+
 fl_status fl_comm_iall_reduce(fl_comm *c, const void *send, void *recv, size_t count, fl_dtype dt, fl_comm_op op,
                               fl_comm_req **req) {
     char what[128];
@@ -176,6 +201,7 @@ fl_status fl_comm_iall_reduce(fl_comm *c, const void *send, void *recv, size_t c
     size_t es = fl_dtype_size(dt);
     if (send != recv && ranges_overlap(send, count * es, recv, count * es))
         return fl_comm_fail(c, FL_ERR_INVALID, what, "send and recv overlap without being equal");
+    account(c, FL_COLL_ALL_REDUCE, count, dt, 0);
     return c->vt->iall_reduce(c, send, recv, count, dt, op, req);
 }
 
@@ -189,6 +215,7 @@ fl_status fl_comm_ireduce_scatter(fl_comm *c, const void *send, void *recv, size
     if (len && recv != (const char *)send + off * es && ranges_overlap(send, count * es, recv, len * es))
         return fl_comm_fail(c, FL_ERR_INVALID, what,
                             "recv overlaps send without being this rank's chunk (send + %zu elements)", off);
+    account(c, FL_COLL_REDUCE_SCATTER, count, dt, 0);
     return c->vt->ireduce_scatter(c, send, recv, count, dt, op, req);
 }
 
@@ -202,6 +229,7 @@ fl_status fl_comm_iall_gather(fl_comm *c, const void *send, void *recv, size_t c
     if (len && send != (const char *)recv + off * es && ranges_overlap(send, len * es, recv, count * es))
         return fl_comm_fail(c, FL_ERR_INVALID, what,
                             "send overlaps recv without being this rank's chunk (recv + %zu elements)", off);
+    account(c, FL_COLL_ALL_GATHER, count, dt, 0);
     return c->vt->iall_gather(c, send, recv, count, dt, req);
 }
 
@@ -209,6 +237,7 @@ fl_status fl_comm_ibroadcast(fl_comm *c, void *buf, size_t count, fl_dtype dt, i
     char what[128];
     FL_TRY(check_common(c, FL_COLL_BROADCAST, count, dt, FL_COMM_SUM, root, req, what, sizeof what));
     if (count && !buf) return fl_comm_fail(c, FL_ERR_INVALID, what, "NULL buffer");
+    account(c, FL_COLL_BROADCAST, count, dt, root);
     return c->vt->ibroadcast(c, buf, count, dt, root, req);
 }
 
@@ -273,6 +302,7 @@ fl_status fl_comm_broadcast(fl_comm *c, void *buf, size_t count, fl_dtype dt, in
 
 fl_status fl_comm_barrier(fl_comm *c) {
     if (!c) return fl_errorf(FL_ERR_INVALID, "comm: barrier on a NULL communicator");
+    c->traffic.calls[FL_COLL_BARRIER]++;
     return c->vt->barrier(c);
 }
 

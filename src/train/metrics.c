@@ -11,7 +11,7 @@
 
 static const char *k_cols[] = {"iter", "step", "epoch", "loss", "iter_time", "tokens", "total_tokens",
                                "learning_rate", "val_loss", "val_ppl", "tok_s", "mem_params", "mem_grads",
-                               "mem_optim", "mem_acts", "mem_workspace", "mem_other", "mem_peak"};
+                               "mem_optim", "mem_acts", "mem_workspace", "mem_other", "mem_peak", "comm_sent"};
 #define N_COLS (sizeof k_cols / sizeof k_cols[0])
 
 /* The iteration a logged line belongs to: the first CSV field, or JSONL's "iter". -1 if none. */
@@ -83,6 +83,7 @@ void fl_metrics_row(fl_metrics *mt, const fl_metrics_values *v) {
                            isnan(v->val_loss) ? NAN : exp(v->val_loss), v->tok_s};
     for (int t = 0; t < 6; t++) vals[11 + t] = (double)v->mem[t];
     vals[17] = (double)v->mem_peak;
+    vals[18] = v->comm_sent;
     int present[N_COLS];
     for (size_t i = 0; i < N_COLS; i++) present[i] = !isnan(vals[i]);
     if (mt->jsonl) {

@@ -19,6 +19,8 @@ typedef struct {
     long long tokens, total_tokens;
     double mem[6];
     double mem_peak;
+    double comm_sent;   /* bytes this rank sent in the step (fl_comm_traffic), on the step's last row of a
+                         * multi-rank run; NaN otherwise (mem_values sets it) */
 } fl_metrics_values;
 
 /* append: continue the file of a resumed run, keeping only its rows of iterations <= keep_iter

@@ -392,12 +392,20 @@ static void print_box(trainer *t, const fl_trainer_result *r) {
         fprintf(t->out, "| %-28s %30s |\n", lbl, fl_fmt_bytes(r->peak[k], b, sizeof b));
     }
     fprintf(t->out, "| %-28s %30s |\n", "peak total", fl_fmt_bytes(r->peak_total, b, sizeof b));
+    if (t->dp.world > 1) { /* ZeRO's unit: psi = the trainable gradients' bytes */
+        double psi = (double)t->opt.n * fl_dtype_size(t->opt.gt);
+        char v[48];
+        snprintf(v, sizeof v, "%s = %.2f psi", fl_fmt_bytes((size_t)r->comm_sent_last_step, b, sizeof b),
+                 psi > 0 ? (double)r->comm_sent_last_step / psi : 0.0);
+        fprintf(t->out, "| %-28s %30s |\n", "sent per step (this rank)", v);
+    }
     fprintf(t->out, "+-------------------------------------------------------------+\n");
 }
 
 static void mem_values(const fl_mem_pool *p, fl_metrics_values *v) {
     for (int k = 0; k < 6; k++) v->mem[k] = (double)p->cur[k];
     v->mem_peak = (double)p->peak_total;
+    v->comm_sent = NAN;
 }
 
 /* A diverged run (FL_ERR_NONFINITE from the step, the update or evaluation):
@@ -671,6 +679,8 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
             t.mbs[k] = (fl_micro_batch){di, dt, b.B, b.T};
         }
         float lr = (float)fl_lr_schedule(cfg->optimizer.lr, cfg->train.min_lr, t.st.step, t.warmup, t.max_steps);
+        fl_comm_traffic tr0; /* this rank's traffic before the step: the step's bytes go to the log */
+        fl_comm_get_traffic(t.dp.comm, &tr0);
         fl_model_zero_grads(&t.model);
         double step_loss = 0;
         fl_step_result sr;
@@ -703,6 +713,10 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
         }
         /* every rank's (loss sum, valid) per micro-batch, for the log and the step loss */
         CHECK(fl_dp_gather(&t.dp, mine, 2 * t.accum, t.mb_stats));
+        fl_comm_traffic tr1;
+        fl_comm_get_traffic(t.dp.comm, &tr1);
+        const double step_sent = (double)(tr1.sent - tr0.sent);
+        if (t.dp.world > 1) r.comm_sent_last_step = (unsigned long long)step_sent;
         for (int j = 0; j < t.G; j++) {
             int k = j / t.dp.world;
             const double *st = t.mb_stats + ((size_t)(j % t.dp.world) * t.accum + k) * 2;
@@ -733,8 +747,9 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
                 /* tokens: cumulative through this iteration (LitGPT's iter_num x micro batch x T) */
                 fl_metrics_values mv = {t.st.iter, step_now, t.mb_epoch[j], run, it_time, lr, NAN,
                                         t.mb_tokens[j] / (it_time > 0 ? it_time : 1e-9),
-                                        tokens0, tokens0, {0}, 0};
+                                        tokens0, tokens0, {0}, 0, NAN};
                 mem_values(&t.pool, &mv);
+                if (last && t.dp.world > 1) mv.comm_sent = step_sent;
                 fl_metrics_row(&t.metrics, &mv);
             }
         }
@@ -769,7 +784,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
             bar_clear(&t);
             CHECK(generate_example(&t));
             if (out) fprintf(out, "iter %ld: val loss %.4f, val time: %.2f ms\n", t.st.iter, val_loss, (now_s() - e0) * 1e3);
-            fl_metrics_values mv = {t.st.iter, t.st.step, (long)t.st.loader.epoch, NAN, NAN, NAN, val_loss, NAN, -1, -1, {0}, 0};
+            fl_metrics_values mv = {t.st.iter, t.st.step, (long)t.st.loader.epoch, NAN, NAN, NAN, val_loss, NAN, -1, -1, {0}, 0, NAN};
             mem_values(&t.pool, &mv);
             mv.tokens = t.st.tokens_padded;
             mv.total_tokens = t.st.tokens_padded;
@@ -840,7 +855,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
             if (out) fprintf(out, "Final evaluation | val loss: %.3f | val ppl: %.3f\n", val_loss, exp(val_loss));
         }
         if (cfg->eval.final_validation && t.val && !have_final) {
-            fl_metrics_values mv = {t.st.iter, t.st.step, (long)t.st.loader.epoch, NAN, NAN, NAN, val_loss, NAN, -1, -1, {0}, 0};
+            fl_metrics_values mv = {t.st.iter, t.st.step, (long)t.st.loader.epoch, NAN, NAN, NAN, val_loss, NAN, -1, -1, {0}, 0, NAN};
             mem_values(&t.pool, &mv);
             mv.tokens = t.st.tokens_padded;
             mv.total_tokens = t.st.tokens_padded;
