@@ -82,6 +82,9 @@ typedef struct {
     int n_phases;
     int phases_planned;        /* 1: phases come from the plan (the run did not fit) */
     char time_note[96];        /* why a step costs more than the baseline's per sample ("" none) */
+    int ranks;                 /* data-parallel rows (ddp, fsdp): ranks run as threads of this process, each with
+                                * its own pool and budget; memory and phases are rank 0's, tok/s the global
+                                * batch's; 1 otherwise */
 } fl_lab_row;
 
 typedef struct {

@@ -72,6 +72,9 @@ typedef struct {
     int rank;              /* ZeRO: plan this rank (their chunks differ by one element at most); default 0 */
     int cuda;              /* 1: plan a run on the CUDA backend (its op scratch and GEMM widening; the device
                             * pool only: host staging is not device memory); 0: the CPU backend */
+    int comm_threads;      /* several ranks: 1 = they run as threads of one process (the threads communicator
+                            * reads its peers' buffers, so reductions take no receive scratch; the lab's ddp and
+                            * fsdp rows); 0 = processes under MPI (the default) */
 } fl_plan_opts;
 
 void fl_plan_opts_default(fl_plan_opts *o);

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "fitllm/backend.h"
+#include "fitllm/comm.h"
 #include "fitllm/lab.h"
 #include "fitllm/trainer.h"
 #include "lab-impl.h"
@@ -62,7 +63,7 @@ static const lab_exp k_exps[] = {
     {"qlora", "7B, QLoRA (NF4 base, r16)", "smaller still, slower than LoRA", "open-llama-7b", "lab-7b", 1, 1, 1, "32-true",
      FL_OPT_ADAMW, 0, "qlora", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL},
     {"ddp", "4x DDP", "same memory per device, faster", "tinyllama-1.1b", "lab-1b", 8, 32, 1, "32-true", FL_OPT_ADAMW,
-     0, "ddp", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL},
+     0, "ddp", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL | SUITE_CI},
     {"fsdp", "4x FSDP", "memory per device about halves", "open-llama-7b", "lab-7b", 1, 4, 1, "32-true", FL_OPT_ADAMW,
      0, "fsdp", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL},
 };
@@ -158,6 +159,9 @@ static int on_step(void *ud, long step, double loss, const void *p, size_t n) {
     return step >= l->want; /* stop after the last step: no final checkpoint to write */
 }
 
+/* The lab's multi-device rows ("4x DDP", "4x FSDP"): their ranks. */
+static int exp_ranks(const lab_exp *e) { return !strcmp(e->technique, "ddp") || !strcmp(e->technique, "fsdp") ? 4 : 1; }
+
 /* The config of a row: at lab scale (model, T) or at the real one. */
 static void apply_row(fl_run_config *c, const lab_exp *e, const char *model, int T, long steps, size_t budget,
                       const char *out_dir, int threads) {
@@ -180,8 +184,16 @@ static void apply_row(fl_run_config *c, const lab_exp *e, const char *model, int
     c->eval.final_validation = 0;
     fl_optim_config_default(&c->optimizer, e->optim);
     c->optimizer.lr = 1e-3f * e->lr_mult;
-    c->max_memory = budget;
+    c->max_memory = budget; /* per rank: each rank's pool is one device */
     c->threads = threads;
+    int ranks = exp_ranks(e);
+    if (ranks > 1) { /* data parallel: the global batch is micro batch x accumulation x ranks */
+        c->devices = ranks;
+        snprintf(c->strategy, sizeof c->strategy, "%s", e->technique);
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        int all = threads > 0 ? threads : (int)(cores > 0 ? cores : 1);
+        c->threads = all / ranks > 0 ? all / ranks : 1; /* the ranks share the cores */
+    }
     c->overwrite = 1;
     c->seed = 1337;
     if (!strcmp(e->technique, "lora") || !strcmp(e->technique, "qlora")) {
@@ -202,6 +214,7 @@ static void plan_row(const fl_run_config *c, fl_plan *p, fl_plan_verdict *verdic
     o.no_suggestions = 1;
     /* the rows run on the default backend: plan for the same one (its op scratch differs) */
     o.cuda = !strcmp(fl_backend_default_name(), "cuda");
+    o.comm_threads = 1; /* several ranks run as threads (train_row) */
     if (fl_plan_run(c, &o, p) != FL_OK) { *verdict = FL_PLAN_VERDICT_COUNT; *peak = 0; return; }
     *verdict = p->verdict;
     *peak = p->peak_total;
@@ -218,10 +231,44 @@ static void time_note(const lab_exp *e, char *buf, size_t n) {
     else if (!strcmp(t, "adam8bit")) why = "(de)quantizes the 8-bit optimizer state block by block";
     else if (!strcmp(e->precision, "bf16-true") || !strcmp(e->precision, "bf16-mixed"))
         why = "bf16 <-> fp32 conversions (the CPU computes in fp32)";
+    if (exp_ranks(e) > 1) why = "its ranks share this machine's cores (the speed-up needs a device each)";
     if (e->B < 8) snprintf(small, sizeof small, "micro batch %d (small matmuls)", e->B);
     int big = strcmp(e->lab_model, "lab-1b") != 0;
     snprintf(buf, n, "%s%s%s%s%s%s%s", big ? "larger model (" : "", big ? e->lab_model : "", big ? ")" : "",
              big && (why[0] || small[0]) ? "; " : "", why, why[0] && small[0] ? "; " : "", small);
+}
+
+/* A data-parallel row's ranks, as threads of this process over the threads communicator (the
+ * trainer is the one mpirun runs; each rank has its own pool with the row's budget). */
+typedef struct {
+    const fl_run_config *cfg;
+    step_log log[4];
+    fl_trainer_result res[4];
+    fl_status st[4];
+} ranks_run;
+
+static fl_status rank_main(fl_comm *comm, int rank, void *ud) {
+    ranks_run *x = ud;
+    x->st[rank] = fl_trainer_run_comm(x->cfg, comm, NULL, 0, on_step, &x->log[rank], &x->res[rank]);
+    return x->st[rank];
+}
+
+/* Train the row (one process, or its ranks as threads): rank 0's log and result, or those of the
+ * rank whose own error ended the run (an OOM names that rank's allocation). */
+static fl_status train_row(const fl_run_config *c, int ranks, step_log *log, fl_trainer_result *res) {
+    if (ranks <= 1) return fl_trainer_run(c, NULL, 0, on_step, log, res);
+    ranks_run *x = calloc(1, sizeof *x);
+    if (!x) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    x->cfg = c;
+    for (int r = 0; r < ranks; r++) x->log[r] = *log;
+    fl_status s = fl_comm_threads_run(ranks, rank_main, x);
+    int pick = 0;
+    for (int r = 0; r < ranks && s != FL_OK; r++)
+        if (x->st[r] == s) { pick = r; break; }
+    *log = x->log[pick];
+    *res = x->res[pick];
+    free(x);
+    return s;
 }
 
 static void run_row(const lab_exp *e, const fl_lab_report *rep, long steps, const char *run_dir, int threads,
@@ -236,7 +283,8 @@ static void run_row(const lab_exp *e, const fl_lab_report *rep, long steps, cons
     snprintf(r->optimizer, sizeof r->optimizer, "%s", fl_optim_name(e->optim));
     snprintf(r->technique, sizeof r->technique, "%s", e->technique);
     r->B = e->B;
-    r->accum = e->global / e->B;
+    r->ranks = exp_ranks(e);
+    r->accum = e->global / (e->B * r->ranks);
     r->T = rep->T;
     r->act_ckpt = e->act_ckpt;
     r->expected = e->expected;
@@ -281,7 +329,8 @@ static void run_row(const lab_exp *e, const fl_lab_report *rep, long steps, cons
     memset(&log, 0, sizeof log);
     log.want = steps;
     fl_trainer_result res;
-    fl_status s = fl_trainer_run(c, NULL, 0, on_step, &log, &res);
+    memset(&res, 0, sizeof res);
+    fl_status s = train_row(c, r->ranks, &log, &res);
     memcpy(r->peak, res.peak, sizeof r->peak);
     r->peak_total = res.peak_total;
     if (s == FL_OK) {
@@ -293,7 +342,7 @@ static void run_row(const lab_exp *e, const fl_lab_report *rep, long steps, cons
         r->final_loss = log.last_loss;
         if (log.steps >= 2) r->step_ms = 1e3 * (log.t[log.steps - 1] - log.t[0]) / (double)(log.steps - 1);
         else r->step_ms = 1e3 * res.train_seconds;
-        double tokens_per_step = (double)e->global * rep->T;
+        double tokens_per_step = (double)e->global * rep->T; /* several ranks: the global batch */
         r->tok_s = r->step_ms > 0 ? tokens_per_step / (r->step_ms / 1e3) : 0;
     } else if (s == FL_ERR_OOM) {
         r->verdict = FL_LAB_OOM;

@@ -22,7 +22,9 @@ static const char *match(const fl_lab_row *r) {
 
 /* Time per sample: rows differ in samples per optimizer step (micro batch x accumulation),
  * so ms per step does not compare them; ms per sample does (tokens per sample are equal). */
-static double ms_per_sample(const fl_lab_row *r) { return r->step_ms / (double)(r->B * r->accum); }
+static double ms_per_sample(const fl_lab_row *r) {
+    return r->step_ms / ((double)r->B * r->accum * (r->ranks > 1 ? r->ranks : 1));
+}
 
 static const char *plan_name(fl_plan_verdict v) {
     return v == FL_PLAN_FITS ? "fits" : v == FL_PLAN_OOM ? "OOM" : v == FL_PLAN_UNAVAILABLE ? "n/a" : "?";
@@ -36,7 +38,8 @@ void fl_lab_print_table(const fl_lab_report *rep, FILE *f) {
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
         char bx[16];
-        snprintf(bx, sizeof bx, "%dx%d", r->B, r->accum);
+        if (r->ranks > 1) snprintf(bx, sizeof bx, "%dx%dx%d", r->B, r->accum, r->ranks);
+        else snprintf(bx, sizeof bx, "%dx%d", r->B, r->accum);
         fprintf(f, "%-15s %-7s %-6s %-10s %-6s %-4s %-7s %-3s |", r->name, r->model, bx, r->precision, r->optimizer,
                 r->act_ckpt ? "on" : "off", fl_lab_verdict_name(r->verdict), match(r));
         if (r->verdict == FL_LAB_FITS || r->verdict == FL_LAB_OOM) {
@@ -53,7 +56,7 @@ void fl_lab_print_table(const fl_lab_report *rep, FILE *f) {
     }
     fprintf(f, "(MiB; fits: all-time peak per tag and total; OOM: what was live when the allocation failed; "
                "planned: the planner's peak for the whole run; budget %s; ms/sample = ms per optimizer step / "
-               "(micro batch x accumulation))\n",
+               "(micro batch x accumulation [x ranks]); several ranks: memory per rank (rank 0))\n",
             fl_fmt_bytes(rep->budget, a, sizeof a));
     for (int i = 0; i < rep->n; i++)
         if (rep->rows[i].verdict == FL_LAB_FITS && rep->rows[i].time_note[0])
@@ -193,8 +196,9 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
         fprintf(f, ", \"lab_step\": ");
         jstr(f, r->lab_step);
         fprintf(f, ", \"model\": \"%s\", \"ref_model\": \"%s\", \"micro_batch_size\": %d, \"accumulation\": %d, "
-                   "\"seq_len\": %d, \"precision\": \"%s\", \"optimizer\": \"%s\", \"act_ckpt\": %s, \"technique\": ",
-                r->model, r->ref_model, r->B, r->accum, r->T, r->precision, r->optimizer, r->act_ckpt ? "true" : "false");
+                   "\"ranks\": %d, \"seq_len\": %d, \"precision\": \"%s\", \"optimizer\": \"%s\", \"act_ckpt\": %s, "
+                   "\"technique\": ",
+                r->model, r->ref_model, r->B, r->accum, r->ranks > 1 ? r->ranks : 1, r->T, r->precision, r->optimizer, r->act_ckpt ? "true" : "false");
         jstr(f, r->technique);
         fprintf(f, ", \"verdict\": \"%s\", \"lab_verdict\": \"%s\", \"matches_lab\": \"%s\", \"peak\": {",
                 fl_lab_verdict_name(r->verdict), fl_lab_verdict_name(r->expected), match(r));
@@ -409,8 +413,10 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
     fprintf(f, "\n");
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
-        fprintf(f, "| %s | %s | %s | %dx%d | %s | %s | %s | **%s** | %s |", r->name, r->lab_step, r->model, r->B,
-                r->accum, r->precision, r->optimizer, r->act_ckpt ? "on" : "off", fl_lab_verdict_name(r->verdict),
+        char ranks[24] = "";
+        if (r->ranks > 1) snprintf(ranks, sizeof ranks, " x %d ranks", r->ranks);
+        fprintf(f, "| %s | %s | %s | %dx%d%s | %s | %s | %s | **%s** | %s |", r->name, r->lab_step, r->model, r->B,
+                r->accum, ranks, r->precision, r->optimizer, r->act_ckpt ? "on" : "off", fl_lab_verdict_name(r->verdict),
                 match(r));
         if (r->verdict == FL_LAB_FITS || r->verdict == FL_LAB_OOM) {
             for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, " %.2f |", MIB(r->peak[t]));

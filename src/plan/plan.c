@@ -36,7 +36,7 @@ static const fl_plan_technique k_tech[] = {
     {"lora", 1, "fitllm finetune_lora", "adapters only: the base needs no gradients or optimizer state"},
     {"qlora", 1, "fitllm finetune_lora --quantize bnb.nf4-dq", "LoRA on bitsandbytes NF4/FP4 4-bit base weights"},
     {"cpu_offload", 0, "optimizer state and master weights on the host", "not available yet"},
-    {"ddp", 0, "mpirun -np N fitllm ... --devices N", "DDP runs under mpirun; the lab trains in one process, so its ddp rows are not run yet"},
+    {"ddp", 1, "mpirun -np N fitllm ... --devices N (--strategy ddp)", "each rank holds everything; the lab runs its ranks as threads of one process"},
     {"fsdp", 0, "--devices N --strategy fsdp", "parameter sharding (FULL_SHARD / ZeRO-3) is not available yet; ZeRO-1/2 are (--strategy deepspeed_stage_1|2)"},
 };
 #define N_TECH (int)(sizeof k_tech / sizeof k_tech[0])
@@ -171,6 +171,7 @@ typedef struct {
     int n_prompt, cap;   /* its prompt tokens and KV capacity */
     int rank;            /* the rank planned (ZeRO: ranks differ by their chunk) */
     int cuda;            /* plan for the CUDA backend's scratch and widening */
+    int comm_threads;    /* the ranks are threads (fl_plan_opts.comm_threads): no reduction scratch */
 } plan_ctx;
 
 /* ---- the allocation program ---------------------------------------------------------- */
@@ -373,7 +374,7 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
             size_t bo_, bl_;                                                                       \
             fl_comm_chunk(bk[i], world, rnk, &bo_, &bl_);                                          \
             if (bk_last) fl_mem_free(pl, bk_last);                                                 \
-            bk_last = bl_ && world > 1 ? palloc(g, FL_TAG_WORKSPACE, (size_t)(world - 1) * bl_ * ges, \
+            bk_last = bl_ && world > 1 && !x->comm_threads ? palloc(g, FL_TAG_WORKSPACE, (size_t)(world - 1) * bl_ * ges, \
                                                        "gradient bucket all-reduce scratch") : NULL; \
         }                                                                                          \
     } while (0)
@@ -386,7 +387,7 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
         if (n_bk) { /* bucketed: the last micro-batch's buckets (accumulation > 1), then the last completes */
             if (accum > 1) BUCKETS();
             if (bk_last) fl_mem_free(pl, bk_last);
-        } else {
+        } else if (!x->comm_threads) {
             void *sc = palloc(g, FL_TAG_WORKSPACE, (size_t)(world - 1) * c_len * ges,
                               stage == 2 ? "ZeRO-2 reduce-scatter scratch ((N-1) x chunk)"
                                          : "gradient all-reduce scratch ((N-1) x chunk)");
@@ -648,7 +649,9 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     p->zero_stage = p->devices > 1 ? stage : 0;
     if (p->devices > 1 && !p->zero_stage)
         note(p, "data parallel (DDP) over %d ranks: the memory of ONE rank (every rank holds the whole model, its "
-                "gradients and optimizer state), with the gradient all-reduce's scratch in WORKSPACE", p->devices);
+                "gradients and optimizer state)%s", p->devices,
+             opts.comm_threads ? "; the ranks are threads of one process: no all-reduce scratch"
+                               : ", with the gradient all-reduce's scratch in WORKSPACE");
     else if (p->devices > 1)
         note(p, "ZeRO-%d over %d ranks: rank %d's memory: OPTIM for its chunk of the parameters; %s; parameters "
                 "whole", p->zero_stage, p->devices, p->rank,
@@ -658,6 +661,7 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     memset(&x, 0, sizeof x);
     x.rank = p->rank;
     x.cuda = opts.cuda;
+    x.comm_threads = opts.comm_threads;
     FL_TRY(resolve_model(c, &x.mc, p->model_source, sizeof p->model_source));
     p->model = x.mc;
     p->n_params = fl_sizing_param_count(&x.mc);
