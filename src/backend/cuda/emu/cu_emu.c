@@ -27,6 +27,7 @@
 #endif
 #endif
 #ifdef FL_EMU_ASAN
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 /* ASan's redzones need more; and its swapcontext interceptor clears the shadow of the whole
  * target stack at every switch, so a larger stack makes every switch slower */
@@ -38,12 +39,13 @@
 
 /* The fiber switch. glibc's swapcontext saves and restores the signal mask with a system call at
  * every switch (rt_sigprocmask): three quarters of an emulated training step went to it. On
- * x86-64 (without ASan, whose swapcontext interceptor the annotations above rely on) a switch is
- * the System V ABI's callee-saved state only: rbx, rbp, r12-r15, the MXCSR control word and the
+ * x86-64 a switch is the System V ABI's callee-saved state only: rbx, rbp, r12-r15, the MXCSR control word and the
  * x87 control word, pushed on the old stack; the stack pointer is stored and the other's loaded.
  * A fiber is entered the first time through a prepared stack whose "return address" is
- * fiber_entry. Elsewhere: ucontext. */
-#if defined(__x86_64__) && !defined(FL_EMU_ASAN) && defined(__GNUC__)
+ * fiber_main. Elsewhere: ucontext. Under ASan the switches keep their fiber annotations (the
+ * interface is made for hand-written switches), and a stack is unpoisoned before it is prepared
+ * again for the next block, as the swapcontext interceptor would do. */
+#if defined(__x86_64__) && defined(__GNUC__)
 #define FL_EMU_FAST_SWITCH 1
 void fl_emu_switch(void **save_sp, void *load_sp) __attribute__((visibility("hidden")));
 __asm__(".text\n"
@@ -141,12 +143,14 @@ static void yield_to_sched(void) {
     g_switches++;
 #ifdef FL_EMU_ASAN
     __sanitizer_start_switch_fiber(&f->fake, e->sched_bottom, e->sched_size);
-    swapcontext(&f->ctx, &e->sched);
-    __sanitizer_finish_switch_fiber(f->fake, NULL, NULL);
-#elif defined(FL_EMU_FAST_SWITCH)
+#endif
+#ifdef FL_EMU_FAST_SWITCH
     fl_emu_switch(&f->sp, e->sched_sp);
 #else
     swapcontext(&f->ctx, &e->sched);
+#endif
+#ifdef FL_EMU_ASAN
+    __sanitizer_finish_switch_fiber(f->fake, NULL, NULL);
 #endif
 }
 
@@ -198,12 +202,14 @@ static void run_fiber(emu *e, fiber *f) {
 #ifdef FL_EMU_ASAN
     void *fake = NULL;
     __sanitizer_start_switch_fiber(&fake, (char *)e->stacks + (size_t)f->linear * FL_EMU_STACK, FL_EMU_STACK);
-    swapcontext(&e->sched, &f->ctx);
-    __sanitizer_finish_switch_fiber(fake, NULL, NULL);
-#elif defined(FL_EMU_FAST_SWITCH)
+#endif
+#ifdef FL_EMU_FAST_SWITCH
     fl_emu_switch(&e->sched_sp, f->sp);
 #else
     swapcontext(&e->sched, &f->ctx);
+#endif
+#ifdef FL_EMU_ASAN
+    __sanitizer_finish_switch_fiber(fake, NULL, NULL);
 #endif
 }
 
@@ -320,6 +326,9 @@ void fl_cu_emu_launch(fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem, 
                      * callee-saved registers (zero), then fiber_main as the return address; the
                      * zero above it stands for fiber_main's own return address, so that at its
                      * entry rsp + 8 is 16-byte aligned as the ABI requires */
+#ifdef FL_EMU_ASAN
+                    __asan_unpoison_memory_region(stacks + i * FL_EMU_STACK, FL_EMU_STACK);
+#endif
                     uint64_t *top = (uint64_t *)(stacks + (i + 1) * FL_EMU_STACK);
                     uint32_t cw[2];
                     __asm__ volatile("stmxcsr %0\n\tfnstcw %1" : "=m"(cw[0]), "=m"(cw[1]));
