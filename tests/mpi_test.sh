@@ -2,7 +2,8 @@
 # The MPI implementation of fl_comm and DDP / ZeRO training under mpirun (run by `make test` and ctest):
 #   - DDP training at 2 and 4 ranks and ZeRO-1/2 at 2, 3 and 4 against one process
 #     (tests/mpi/ddp_mpi_test.c), the CLI under mpirun (rank 0 reports and writes; its checkpoint
-#     resumes in one process; ZeRO's checkpoints equal DDP's; --devices mismatch);
+#     resumes in one process; ZeRO's checkpoints equal DDP's; --devices mismatch), and started
+#     without a launcher (it runs mpirun itself: the same bits, root and oversubscription handled);
 #   - every collective/dtype/op/count at 2 and 4 ranks, checked against the specification, float64,
 #     a second run and the threads implementation's bits (tests/mpi/comm_mpi_test.c);
 #   - faults: one rank calls fl_comm_abort, or exits non-zero without a word, while the others wait:
@@ -75,6 +76,33 @@ if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000002 (step 2, iter 
 else
     bad "ddp_checkpoint_resumes_in_one_process" "exit $rc"
 fi
+# no launcher: the same command line starts its 2 ranks itself through mpirun (as root without Open
+# MPI's root variables, which this script exports for its own mpirun calls) and trains what the explicit
+# mpirun run trained: the same checkpoints, bit for bit (weights; AdamW's m and v, 2 x 260032 fp32 at
+# the end of training_state.safetensors, whose header holds the wall time), and the same logged losses
+SELF_ENV=(env -u OMPI_ALLOW_RUN_AS_ROOT -u OMPI_ALLOW_RUN_AS_ROOT_CONFIRM -u OMPI_MCA_rmaps_base_oversubscribe
+          -u OMP_NUM_THREADS -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u FITLLM_LAUNCHED)
+timeout 300 "${SELF_ENV[@]}" "$FL" finetune_full "${ARGS[@]}" --devices 2 --out_dir "$T/self" >"$T/out" 2>&1; rc=$?
+want_root=""; [ "$(id -u)" = 0 ] && want_root=" --allow-run-as-root"
+if [ $rc -eq 0 ] && [ "$(grep -c "^fitllm: starting 2 ranks: [^ ]*mpirun -np 2$want_root .*--bind-to none .*fitllm finetune_full micro " "$T/out")" = 1 ] \
+    && [ "$(grep -c "Saved the final model" "$T/out")" = 1 ] \
+    && cmp -s "$T/cli/final/model.safetensors" "$T/self/final/model.safetensors" \
+    && cmp -s "$T/cli/step-000002/model.safetensors" "$T/self/step-000002/model.safetensors" \
+    && cmp -s <(tail -c 2080256 "$T/cli/step-000002/training_state.safetensors") \
+              <(tail -c 2080256 "$T/self/step-000002/training_state.safetensors") \
+    && [ -s "$T/self/logs/metrics.csv" ] \
+    && cmp -s <(cut -d, -f1-4,8,9 "$T/cli/logs/metrics.csv") <(cut -d, -f1-4,8,9 "$T/self/logs/metrics.csv"); then
+    ok "ddp_cli_self_launch_np2 (= the explicit mpirun run: checkpoints and losses)"
+else
+    bad "ddp_cli_self_launch_np2" "exit $rc"
+fi
+# its exit status is the ranks' (a missing model: a usage error, 2, on every rank)
+timeout 120 "${SELF_ENV[@]}" "$FL" finetune_full "$T/no-such-model" --devices 2 --out_dir "$T/self-bad" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 2 ] && grep -q "starting 2 ranks" "$T/out" && grep -q "checkpoint_dir '$T/no-such-model' is neither" "$T/out"; then
+    ok "ddp_cli_self_launch_exit_status (exit $rc)"
+else
+    bad "ddp_cli_self_launch_exit_status" "exit $rc, want 2"
+fi
 timeout 120 mpirun -np 2 "$FL" finetune_full "${ARGS[@]}" --devices 3 --train.global_batch_size 12 --out_dir "$T/cli3" >"$T/out" 2>&1; rc=$?
 if [ $rc -ne 0 ] && [ "$(grep -c "devices 3 x --num_nodes 1 = 3 ranks, but Open MPI (mpirun) started 2" "$T/out")" = 1 ]; then
     ok "ddp_devices_mismatch (exit $rc, one message)"
@@ -90,7 +118,11 @@ ZARGS=(micro --data.n_train 51 --data.n_val 7 --train.micro_batch_size 2 --train
        --train.save_interval 2 --train.max_seq_length 48 --eval.max_new_tokens 0 --threads 1 --devices 3
        --optimizer.class_path SGD --optimizer.momentum 0.9 --optimizer.lr 0.05)
 zok=1
-for st in ddp deepspeed_stage_1 deepspeed_stage_2; do
+# (DDP's 3 ranks start themselves: more ranks than cores here, so also Open MPI's oversubscription)
+timeout 300 "${SELF_ENV[@]}" "$FL" finetune_full "${ZARGS[@]}" --strategy ddp --out_dir "$T/z-ddp" >"$T/out" 2>&1 || { zok=0; bad "zero_cli_np3_ddp" "exit $?"; }
+want_over=""; [ "$(nproc)" -lt 3 ] && want_over=" .*--oversubscribe"
+grep -q -- "^fitllm: starting 3 ranks: [^ ]*mpirun -np 3$want_over" "$T/out" || { zok=0; bad "zero_cli_np3_ddp" "no self-launch line"; }
+for st in deepspeed_stage_1 deepspeed_stage_2; do
     timeout 300 mpirun -np 3 "$FL" finetune_full "${ZARGS[@]}" --strategy $st --out_dir "$T/z-$st" >"$T/out" 2>&1 || { zok=0; bad "zero_cli_np3_$st" "exit $?"; }
 done
 if [ $zok = 1 ]; then

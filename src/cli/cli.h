@@ -48,6 +48,12 @@ double fl_cli_peak_rss_mb(void);
 typedef int (*fl_cli_extra_fn)(void *ud, int argc, char **argv, int *i);
 int fl_cli_parse_run(const char *cmd, fl_cmd_kind kind, int argc, char **argv, fl_run_config *cfg,
                      fl_cli_extra_fn extra, void *ud, void (*help_fn)(const char *, fl_cmd_kind));
+/* --devices N (x --num_nodes) > 1 and no launcher (src/cli/launch.c): on one node, re-execute this
+ * command line (argv[0] = the subcommand) as N ranks through Open MPI's mpirun, printing
+ * "fitllm: starting N ranks: mpirun ..." (does not return; mpirun's exit status is the run's);
+ * otherwise (several nodes, a build without MPI, no mpirun, FITLLM_MPIRUN=none) print the exact
+ * command to run and return the exit code. */
+int fl_cli_start_ranks(const char *cmd, const fl_run_config *cfg, int argc, char **argv);
 /* After a training run failed with FL_ERR_OOM: the breakdown at the failure and
  * what to try, planned for the same config and budget (src/cli/cmd_plan.c). */
 void fl_cli_oom_advice(const fl_run_config *cfg, const fl_mem_oom *oom, FILE *f);

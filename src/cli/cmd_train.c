@@ -140,31 +140,6 @@ static int stop_if_interrupted(void *ud, long step, double loss, const void *par
     return g_interrupted;
 }
 
-/* The command that starts `ranks` copies of this command line under Open MPI's mpirun (with its
- * root and oversubscription flags where this machine needs them). */
-static void mpirun_command(int ranks, int argc, char **argv, char *buf, size_t n) {
-    char exe[4096];
-    ssize_t len = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    if (len > 0) exe[len] = 0;
-    else snprintf(exe, sizeof exe, "fitllm");
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    size_t o = (size_t)snprintf(buf, n, "mpirun -np %d%s%s %s", ranks, geteuid() == 0 ? " --allow-run-as-root" : "",
-                                cores > 0 && ranks > cores ? " --oversubscribe" : "", exe);
-    for (int i = 0; i < argc && o < n; i++) { /* argv[0] is the subcommand */
-        const char *a = argv[i];
-        int plain = *a != 0;
-        for (const char *c = a; *c; c++)
-            if (!strchr("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_=./:,+@%", *c)) plain = 0;
-        if (plain) o += (size_t)snprintf(buf + o, n - o, " %s", a);
-        else { /* single quotes, ' as '\'' */
-            o += (size_t)snprintf(buf + o, n - o, " '");
-            for (const char *c = a; *c && o < n; c++)
-                o += (size_t)(*c == '\'' ? snprintf(buf + o, n - o, "'\\''") : snprintf(buf + o, n - o, "%c", *c));
-            if (o < n) o += (size_t)snprintf(buf + o, n - o, "'");
-        }
-    }
-}
-
 /* --devices / --num_nodes against the launcher; the communicator for more than one rank.
  * Returns 0 (comm set, NULL for one process) or an exit code (the error printed). */
 static int join_ranks(const char *cmd, const fl_run_config *cfg, int argc, char **argv, fl_comm **comm) {
@@ -175,16 +150,8 @@ static int join_ranks(const char *cmd, const fl_run_config *cfg, int argc, char 
         return FL_EXIT_USAGE;
     }
     int want = cfg->devices * cfg->num_nodes, have = li.kind == FL_LAUNCH_NONE ? 1 : li.size;
-    if (want > 1 && li.kind == FL_LAUNCH_NONE) {
-        char line[8192];
-        mpirun_command(want, argc, argv, line, sizeof line);
-        fprintf(stderr, "fitllm %s: error: --devices %d%s asks for %d ranks (data-parallel DDP), but this process was "
-                "not started by a launcher; start the ranks with\n  %s\n%s", cmd, cfg->devices,
-                cfg->num_nodes > 1 ? " x --num_nodes" : "", want, line,
-                fl_comm_mpi_built() ? "" : "(and note: this build has no MPI, which multi-process training needs: "
-                "apt-get install openmpi-bin libopenmpi-dev, then rebuild)\n");
-        return FL_EXIT_USAGE;
-    }
+    /* no launcher: start the ranks through mpirun (does not return), or say what to run */
+    if (want > 1 && li.kind == FL_LAUNCH_NONE) return fl_cli_start_ranks(cmd, cfg, argc, argv);
     if (want != have) {
         if (li.rank == 0) /* every rank sees the same mismatch: one message */
             fprintf(stderr, "fitllm %s: error: --devices %d x --num_nodes %d = %d ranks, but %s started %d: give "
