@@ -9,7 +9,8 @@
 #   - faults: one rank calls fl_comm_abort, or exits non-zero without a word, while the others wait:
 #     every rank must end, the job non-zero, within seconds, the output naming the rank;
 #   - torchrun-style variables without mpirun, srun without an MPI plugin, another MPI's launcher:
-#     refused, naming what to run instead.
+#     refused, naming what to run instead;
+#   - two nodes: one rank in each of two network namespaces over TCP (tests/netns_test.sh).
 # Skips (exit 0, with the reason) when the build has no MPI or mpirun is missing.
 # Usage: tests/mpi_test.sh [build-dir]
 set -u
@@ -187,6 +188,12 @@ if [ $rc -ne 0 ] && grep -q "Slurm (srun) says rank 0 of 2 but MPI .* sees rank 
 env -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE PMI_RANK=1 PMI_SIZE=2 timeout 60 "$BIN" >"$T/out" 2>&1; rc=$?
 if [ $rc -ne 0 ] && grep -q "says rank 1 of 2 but MPI .* sees rank 0 of 1: .*use the mpirun of the MPI fitllm was built with" "$T/out"; then
     ok "mpi_foreign_launcher"; else bad "mpi_foreign_launcher" "exit $rc"; fi
+
+# two nodes for real: one rank in each of two network namespaces, Open MPI over TCP (tests/netns_test.sh;
+# prints SKIP where it may not create namespaces)
+"$(dirname "$0")/netns_test.sh" "$BUILD" >"$T/out" 2>&1; rc=$?
+grep -E "^(ok|FAIL|SKIP)" "$T/out"
+if [ $rc -eq 0 ]; then pass=$((pass+1)); else bad "netns_two_nodes" "exit $rc"; fi
 
 echo
 echo "MPI tests: $pass passed, $fail failed"
