@@ -28,6 +28,11 @@ static void help(const char *cmd, fl_cmd_kind kind) {
     printf("\n  --accelerator auto|cpu|cuda   (default auto: the GPU when this build has CUDA and one is visible,\n"
            "                                else the CPU) cuda is EXPERIMENTAL: one GPU (several ranks need NCCL,\n"
            "                                not implemented); passed `fitllm selftest` and trained on an H100\n");
+    printf("\n  Data parallel (--devices N, --num_nodes M, --strategy): started without a launcher on one machine,\n"
+           "  fitllm runs itself as N ranks through Open MPI's mpirun (printed first; FITLLM_MPIRUN=PATH picks the\n"
+           "  mpirun, FITLLM_MPIRUN=none only prints the command); under mpirun or srun --mpi=pmix, devices x\n"
+           "  num_nodes must equal the rank count. Several machines: mpirun -np N*M --hostfile HOSTS (the error\n"
+           "  without a launcher prints the whole command). Needs a build with MPI (fitllm --version).\n");
     printf("\nexit codes: 0 ok, 1 runtime error, 2 usage or config error, 3 out of memory\n");
 }
 
