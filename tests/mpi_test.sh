@@ -7,7 +7,9 @@
 #   - every collective/dtype/op/count at 2 and 4 ranks, checked against the specification, float64,
 #     a second run and the threads implementation's bits (tests/mpi/comm_mpi_test.c);
 #   - faults: one rank calls fl_comm_abort, or exits non-zero without a word, while the others wait:
-#     every rank must end, the job non-zero, within seconds, the output naming the rank;
+#     every rank must end, the job non-zero, within seconds, the output naming the rank; a training
+#     rank killed: the same, and rank 0 names the last committed checkpoint; ranks with different
+#     configurations, model files or fitllm builds refuse at start-up naming the difference;
 #   - torchrun-style variables without mpirun, srun without an MPI plugin, another MPI's launcher:
 #     refused, naming what to run instead;
 #   - two nodes: one rank in each of two network namespaces over TCP (tests/netns_test.sh).
@@ -156,6 +158,59 @@ if [ $rc -ne 0 ] && [ "$(grep -c "rank 1 of 2: the ranks were started with diffe
     ok "ddp_config_mismatch (exit $rc)"
 else
     bad "ddp_config_mismatch" "exit $rc"
+fi
+
+# ... or different model files (rank 1's model.safetensors is another checkpoint's), or different fitllm
+# builds (a copy of the binary whose version text differs in one byte): refused before anything is loaded
+cp -r "$T/cli/step-000002" "$T/m0" && cp -r "$T/m0" "$T/m1" && cp "$T/cli/final/model.safetensors" "$T/m1/"
+MARGS=("${ARGS[@]:1}") # without the preset: the model folder comes first
+timeout 120 mpirun -np 2 sh -c 'if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then M=$1/m1; else M=$1/m0; fi; shift; exec "$0" finetune_full "$M" "$@"' \
+    "$FL" "$T" "${MARGS[@]}" --devices 2 --out_dir "$T/cli5" >"$T/out" 2>&1; rc=$?
+if [ $rc -ne 0 ] && [ "$(grep -c "rank 1 of 2: the ranks were started with different model files: rank 1 has 'checkpoint_dir model.safetensors: [0-9]* bytes, fingerprint [0-9a-f]*' where rank 0 has 'checkpoint_dir model.safetensors: " "$T/out")" = 1 ] \
+    && [ ! -e "$T/cli5" ]; then
+    ok "ddp_model_files_mismatch (exit $rc)"
+else
+    bad "ddp_model_files_mismatch" "exit $rc"
+fi
+V=$("$FL" --version | head -1 | sed -n 's/^fitllm \([^ ]*\)\( (git \(.*\))\)\{0,1\}$/\1 \3/p')
+cp "$FL" "$T/fitllm-other" && V="$V" perl -0777 -pi -e 's/\Q$ENV{V}\E\x00/"X" . substr($ENV{V}, 1) . "\x00"/e' "$T/fitllm-other"
+if cmp -s "$FL" "$T/fitllm-other"; then
+    bad "ddp_version_mismatch" "could not find the version text '$V' in $FL to make a different build"
+else
+    timeout 120 mpirun -np 2 sh -c 'if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then B=$1; else B=$0; fi; shift; exec "$B" finetune_full "$@"' \
+        "$FL" "$T/fitllm-other" "${ARGS[@]}" --devices 2 --out_dir "$T/cli6" >"$T/out" 2>&1; rc=$?
+    if [ $rc -ne 0 ] && [ "$(grep -cF "rank 1 of 2: the ranks were started with different fitllm versions: rank 1 has 'fitllm X${V:1}' where rank 0 has 'fitllm $V'" "$T/out")" = 1 ]; then
+        ok "ddp_version_mismatch (exit $rc)"
+    else
+        bad "ddp_version_mismatch" "exit $rc"
+    fi
+fi
+
+# a rank that dies during training (SIGKILL, after a checkpoint was committed): the job ends within
+# seconds, non-zero; the launcher names the rank, rank 0 the last committed checkpoint (the newest
+# step-* with its COMMITTED marker; training goes on between the kill and the end)
+"${SELF_ENV[@]}" "$FL" finetune_full "${ARGS[@]}" --train.max_steps 100000 --devices 2 --out_dir "$T/die" >"$T/out" 2>&1 &
+job=$! # fitllm, then (exec) mpirun
+for _ in $(seq 600); do [ -f "$T/die/step-000002/COMMITTED" ] && break; sleep 0.1; done
+r1=""
+for st in /proc/[0-9]*/status; do
+    p=${st#/proc/}; p=${p%/status}
+    [ "$(awk '/^PPid:/ { print $2 }' "$st" 2>/dev/null)" = "$job" ] || continue
+    tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=1 && r1=$p
+done
+if [ -z "$r1" ]; then
+    kill "$job" 2>/dev/null; wait "$job"
+    bad "ddp_dead_rank_names_checkpoint" "rank 1 not found (step-000002 committed: $([ -f "$T/die/step-000002/COMMITTED" ] && echo yes || echo no))"
+else
+    t0=$(now); kill -9 "$r1"; wait "$job"; rc=$?; t1=$(now)
+    secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+    last=$(sed -n "s/.*rank 0 of 2: ended by the launcher .*the last committed checkpoint is '\([^']*\)' (to continue from it, run the same command with --resume auto).*/\1/p" "$T/out")
+    if [ $rc -ne 0 ] && awk -v s="$secs" 'BEGIN { exit !(s <= 20) }' && grep -q "rank 1 .* exited on signal 9" "$T/out" \
+        && [ -n "$last" ] && [ -f "$last/COMMITTED" ] && case "$last" in "$T/die/step-"*) true ;; *) false ;; esac; then
+        ok "ddp_dead_rank_names_checkpoint (exit $rc in $secs s; ${last#$T/die/})"
+    else
+        bad "ddp_dead_rank_names_checkpoint" "exit $rc in $secs s, checkpoint named: '$last'"
+    fi
 fi
 
 # faults: every rank ends promptly, non-zero, and the output names the rank at fault

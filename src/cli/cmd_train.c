@@ -141,7 +141,8 @@ static void on_sigint(int sig) {
 }
 
 static int stop_if_interrupted(void *ud, long step, double loss, const void *params, size_t bytes) {
-    (void)ud, (void)step, (void)loss, (void)params, (void)bytes;
+    (void)loss, (void)params, (void)bytes;
+    fl_cli_faults_step(ud, step); /* ud: the run's configuration */
     return g_interrupted;
 }
 
@@ -181,6 +182,10 @@ static int run(const char *cmd, fl_cmd_kind kind, int argc, char **argv) {
     if (rc) return rc < 0 ? 0 : rc;
     fl_comm *comm = NULL;
     if ((rc = join_ranks(cmd, &cfg, argc, argv, &comm)) != 0) return rc;
+    if (comm && (rc = fl_cli_check_ranks(cmd, &cfg, comm)) != 0) {
+        fl_comm_destroy(comm);
+        return rc;
+    }
     rc = train(cmd, kind, &cfg, comm);
     fl_comm_destroy(comm);
     return rc;
@@ -196,7 +201,9 @@ static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_co
              "fitllm %s: interrupted; to continue from the last step-* checkpoint in '%s', run the same command "
              "with --resume auto\n", cmd, cfg.out_dir);
     signal(SIGINT, on_sigint);
-    fl_status s = fl_trainer_run_comm(&cfg, comm, stdout, bar, stop_if_interrupted, NULL, &res);
+    fl_cli_faults_begin(cmd, &cfg, rank, world);
+    fl_status s = fl_trainer_run_comm(&cfg, comm, stdout, bar, stop_if_interrupted, &cfg, &res);
+    fl_cli_faults_end();
     signal(SIGINT, SIG_DFL);
     /* configuration problems found while setting up (bad values, a checkpoint_dir or data file
      * that does not exist, a technique this build lacks) are usage errors */
@@ -207,9 +214,10 @@ static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_co
          * it ends the job, naming the rank (the others may be waiting for it in a collective) */
         if (res.error_all_ranks && rank != 0) return code;
         if (!res.error_all_ranks) {
-            char msg[1200];
+            char msg[1200 + FL_CFG_PATH * 3], where[FL_CFG_PATH * 2];
             fflush(stdout);
-            snprintf(msg, sizeof msg, "fitllm %s: error: %s", cmd, fl_error_message());
+            fl_cli_last_checkpoint(cfg.out_dir, where, sizeof where);
+            snprintf(msg, sizeof msg, "fitllm %s: error: %s; %s", cmd, fl_error_message(), where);
             fl_comm_abort(comm, code, msg); /* MPI: does not return */
         }
     }
