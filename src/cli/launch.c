@@ -139,14 +139,14 @@ int fl_cli_start_ranks(const char *cmd, const fl_run_config *cfg, int argc, char
     const char *oversub = want > phys ? " --oversubscribe" : "";
     char why[3 * FL_CLI_PATH] = "", mpirun[FL_CLI_PATH] = "", looked[FL_CLI_PATH + 64] = "";
     int is_ompi = fl_comm_mpi_built() && !strncmp(fl_comm_mpi_library(), "Open MPI", 8);
-    if (getenv(MARKER))
-        snprintf(why, sizeof why, "this process was started by fitllm's own mpirun (%s is set) but sees no Open MPI rank "
-                 "variables: that mpirun is not the one of the MPI fitllm was built with (set FITLLM_MPIRUN to it)",
-                 MARKER);
-    else if (!fl_comm_mpi_built())
+    if (!fl_comm_mpi_built())
         snprintf(why, sizeof why, "this fitllm was built without MPI, which multi-process training needs: apt-get "
                  "install openmpi-bin libopenmpi-dev (or `make setup` as root), then configure and build again "
                  "(cmake -S . -B build && cmake --build build; `fitllm --version` shows the MPI built in)");
+    else if (getenv(MARKER))
+        snprintf(why, sizeof why, "this process was started by fitllm's own mpirun (%s is set) but sees no Open MPI rank "
+                 "variables: that mpirun is not the one of the MPI fitllm was built with (set FITLLM_MPIRUN to it)",
+                 MARKER);
     else if (!is_ompi)
         snprintf(why, sizeof why, "this build's MPI (%s) is not Open MPI, whose mpirun fitllm knows how to drive",
                  fl_comm_mpi_library());
