@@ -10,9 +10,11 @@
 # really crossed the veth (bytes sent by the second namespace >= the all-reduces' volume).
 # Skips (exit 0, "SKIP: ...") when not root, without iproute2, MPI or mpirun, or where namespaces or
 # veth pairs cannot be created (containers without CAP_NET_ADMIN / CAP_SYS_ADMIN).
-# Usage: tests/netns_test.sh [build-dir]
+# Usage: tests/netns_test.sh [build-dir [one-node-run]]  (one-node-run: the out_dir of `mpirun -np 2 fitllm
+#        finetune_full ARGS --devices 2` with this script's ARGS, tests/mpi_test.sh's; else it is run here)
 set -u
 BUILD=${1:-build}
+REF=${2:-}
 FL=$(cd "$(dirname "$BUILD/fitllm")" 2>/dev/null && pwd)/fitllm
 skip() { echo "SKIP: two-node (network namespace) test: $*"; exit 0; }
 [ -x "$FL" ] || skip "$BUILD/fitllm not built"
@@ -80,14 +82,19 @@ else
 fi
 
 # the same run as 2 ranks on one node (shared memory): the same bits and logged losses
-timeout 60 mpirun -np 2 --bind-to none "$FL" finetune_full "${ARGS[@]}" --devices 2 --out_dir "$T/local" >"$T/out" 2>&1; rc=$?
+if [ -n "$REF" ]; then
+    LOCAL=$REF rc=0
+else
+    LOCAL=$T/local
+    timeout 60 mpirun -np 2 --bind-to none "$FL" finetune_full "${ARGS[@]}" --devices 2 --out_dir "$LOCAL" >"$T/out" 2>&1; rc=$?
+fi
 same=1
 for ck in step-000002 final; do
-    cmp -s "$T/local/$ck/model.safetensors" "$T/nodes/$ck/model.safetensors" || same=0
+    cmp -s "$LOCAL/$ck/model.safetensors" "$T/nodes/$ck/model.safetensors" || same=0
     # AdamW's m and v (2 x 260032 fp32) end training_state.safetensors, whose header holds the wall time
-    cmp -s <(tail -c 2080256 "$T/local/$ck/training_state.safetensors") <(tail -c 2080256 "$T/nodes/$ck/training_state.safetensors") || same=0
+    cmp -s <(tail -c 2080256 "$LOCAL/$ck/training_state.safetensors") <(tail -c 2080256 "$T/nodes/$ck/training_state.safetensors") || same=0
 done
-cmp -s <(cut -d, -f1-4 "$T/local/logs/metrics.csv") <(cut -d, -f1-4 "$T/nodes/logs/metrics.csv") || same=0
+cmp -s <(cut -d, -f1-4 "$LOCAL/logs/metrics.csv") <(cut -d, -f1-4 "$T/nodes/logs/metrics.csv") || same=0
 if [ $rc -eq 0 ] && [ $same = 1 ]; then ok "netns_two_nodes_equal_one_node (checkpoints and losses, bit for bit)"
 else bad "netns_two_nodes_equal_one_node" "exit $rc, same $same"; fi
 
