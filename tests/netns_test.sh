@@ -41,6 +41,8 @@ ip netns add "$NB" 2>"$T/err" || skip "cannot create a network namespace: $(head
   && ip -n "$NA" link set "$VA" up && ip -n "$NB" link set "$VB" up \
   && ip -n "$NA" link set lo up && ip -n "$NB" link set lo up; } 2>"$T/err" \
     || skip "cannot set up a veth pair between the namespaces: $(head -1 "$T/err")"
+# `ip netns exec` also needs to mount (a fresh /sys): containers may allow the namespace but not that
+ip netns exec "$NB" true 2>"$T/err" || skip "cannot run a program in a network namespace: $(head -1 "$T/err")"
 
 # Open MPI's rsh agent: "AGENT HOST COMMAND..." runs COMMAND on HOST (its words joined and read by a
 # shell, as ssh does); here HOST's namespace is the host
