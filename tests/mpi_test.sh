@@ -183,7 +183,7 @@ fi
 # seconds, non-zero; the launcher names the rank, rank 0 the last committed checkpoint (the newest
 # step-* with its COMMITTED marker; training goes on between the kill and the end). Started without a
 # launcher: the exit status is mpirun's, through fitllm's exec.
-"${SELF_ENV[@]}" "$FL" finetune_full "${ARGS[@]}" --train.max_steps 100000 --devices 2 --out_dir "$T/die" >"$T/out" 2>&1 &
+"${SELF_ENV[@]}" "$FL" finetune_full "${ARGS[@]}" --train.max_steps 100000 --train.epochs 100000 --devices 2 --out_dir "$T/die" >"$T/out" 2>&1 &
 job=$! # fitllm, then (exec) mpirun
 for _ in $(seq 600); do [ -f "$T/die/step-000002/COMMITTED" ] && break; sleep 0.1; done
 r1=""
