@@ -196,7 +196,10 @@ if [ -z "$r1" ]; then
     kill "$job" 2>/dev/null; wait "$job"
     bad "ddp_dead_rank_names_checkpoint" "rank 1 not found (step-000002 committed: $([ -f "$T/die/step-000002/COMMITTED" ] && echo yes || echo no))"
 else
-    t0=$(now); kill -9 "$r1"; wait "$job"; rc=$?; t1=$(now)
+    t0=$(now); kill -9 "$r1"
+    for _ in $(seq 600); do kill -0 "$job" 2>/dev/null || break; sleep 0.1; done
+    kill -0 "$job" 2>/dev/null && kill -9 "$job" # hung for 60 s: the time check below fails
+    wait "$job"; rc=$?; t1=$(now)
     secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
     last=$(sed -n "s/.*rank 0 of 2: ended by the launcher .*the last committed checkpoint is '\([^']*\)' (to continue from it, run the same command with --resume auto).*/\1/p" "$T/out")
     if [ $rc -ne 0 ] && awk -v s="$secs" 'BEGIN { exit !(s <= 20) }' && grep -q "rank 1 .* exited on signal 9" "$T/out" \
