@@ -7,8 +7,9 @@ ASAN_BUILD ?= build-asan
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 # openmpi-*: multi-process collectives (src/comm/comm_mpi.c); the build also works without them
 DEB_PKGS   := cmake make gcc g++ libc6-dev libopenblas-dev libdnnl-dev libyaml-dev libpcre2-dev openmpi-bin libopenmpi-dev
-# optional: the lab's PNG charts (without it `fitllm lab` writes the data and notes it in report.md)
-DEB_OPT_PKGS := gnuplot-nox
+# optional: gnuplot-nox, the lab's PNG charts (without it `fitllm lab` writes the data and notes it in report.md);
+# iproute2, the two-node test's network namespaces (tests/netns_test.sh skips without it)
+DEB_OPT_PKGS := gnuplot-nox iproute2
 FITLLM_DATA ?= ../shared/data
 export FITLLM_DATA
 
@@ -41,9 +42,9 @@ setup:
 	  if [ "$$(id -u)" = "0" ]; then \
 	    echo "installing (optional):$$opt"; \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$opt >/dev/null) || \
-	      echo "note: could not install$$opt; the lab will skip its charts"; \
+	      echo "note: could not install$$opt; the lab will skip its charts (gnuplot-nox), the two-node test will skip (iproute2)"; \
 	  else \
-	    echo "note: optional$$opt missing (lab charts): sudo apt-get install -y$$opt"; \
+	    echo "note: optional$$opt missing (lab charts, two-node test): sudo apt-get install -y$$opt"; \
 	  fi; \
 	fi
 

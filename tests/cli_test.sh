@@ -109,13 +109,28 @@ expect pretrain_unknown_model_near 2 "nearest: tinyllama-1.1b" -- "$FITLLM" pret
 expect finetune_underscore_int 0 "Saved the final model" -- "$FITLLM" finetune_full micro --train.max_tokens 10_000 --train.max_steps 1 \
     --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/us" --quiet
 # options of another command are errors naming the command that takes them (never silently ignored)
-# data parallel: --devices N needs N ranks from a launcher (the exact mpirun command is given);
+# data parallel: --devices N without a launcher starts its ranks through mpirun (tests/mpi_test.sh);
+# where it cannot (FITLLM_MPIRUN=none, a build without MPI, a rank of its own mpirun that sees no
+# launcher) and across nodes (the hosts are unknown) it prints the exact mpirun command;
 # what is not implemented yet (ZeRO-3 / FULL_SHARD, fsdp's default) says so, never mapped onto something else
-for pat in "--devices 2 asks for 2 ranks .*not started by a launcher" "^  mpirun -np 2 .*fitllm finetune_full micro --devices 2 --out_dir '?$T/d1"; do
-    expect ddp_devices_without_launcher 2 "$pat" -- \
-        env -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u PMI_RANK -u PMI_SIZE -u SLURM_PROCID -u RANK -u WORLD_SIZE \
-        "$FITLLM" finetune_full micro --devices 2 --out_dir "$T/d1"
+NOLAUNCH=(env -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u PMI_RANK -u PMI_SIZE -u SLURM_PROCID -u RANK -u WORLD_SIZE
+          -u FITLLM_LAUNCHED)
+for pat in "--devices 2 asks for 2 ranks .*not started by a launcher and cannot start them itself \((FITLLM_MPIRUN=none|this fitllm was built without MPI)" \
+           "^  mpirun -np 2 .*--bind-to none .*fitllm finetune_full micro --devices 2 --out_dir '?$T/d1"; do
+    expect ddp_devices_without_launcher 2 "$pat" -- "${NOLAUNCH[@]}" FITLLM_MPIRUN=none "$FITLLM" finetune_full micro --devices 2 --out_dir "$T/d1"
 done
+if "$FITLLM" --version | grep -q "built without MPI"; then
+    expect ddp_devices_needs_mpi_build 2 "built without MPI, which multi-process training needs: apt-get install openmpi-bin libopenmpi-dev" -- \
+        "${NOLAUNCH[@]}" "$FITLLM" finetune_full micro --devices 2 --out_dir "$T/d1"
+else
+    expect ddp_self_launch_no_recursion 2 "started by fitllm's own mpirun \(FITLLM_LAUNCHED is set\) but sees no Open MPI rank variables" -- \
+        "${NOLAUNCH[@]}" FITLLM_LAUNCHED=1 "$FITLLM" finetune_full micro --devices 2 --out_dir "$T/d1"
+fi
+for pat in "--devices 2 x --num_nodes 2 asks for 4 ranks on 2 machines, .*hostfile, one line per node \('HOST slots=2'\)" \
+           "^  mpirun -np 4 --hostfile HOSTS --map-by ppr:2:node .*fitllm finetune_full micro --devices 2 --num_nodes 2 --out_dir"; do
+    expect ddp_nodes_without_launcher 2 "$pat" -- "${NOLAUNCH[@]}" "$FITLLM" finetune_full micro --devices 2 --num_nodes 2 --out_dir "$T/d1"
+done
+[ -e "$T/d1" ] && { echo "FAIL ddp_without_launcher_writes_nothing: $T/d1 exists"; fail=$((fail+1)); }
 expect ddp_strategy_fsdp_not_yet 2 "strategy fsdp with the default fsdp.sharding_strategy 'FULL_SHARD' is not implemented yet \(issue #14" -- "$FITLLM" finetune_full micro --strategy fsdp --out_dir "$T/d2"
 expect zero_stage3_not_yet 2 "strategy 'deepspeed_stage_3' is not implemented yet \(issue #14" -- "$FITLLM" finetune_full micro --strategy deepspeed_stage_3 --out_dir "$T/d2"
 expect zero_hybrid_not_yet 2 "fsdp.sharding_strategy 'HYBRID_SHARD' is not implemented yet" -- "$FITLLM" finetune_full micro --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD --out_dir "$T/d2"

@@ -2,13 +2,17 @@
 # The MPI implementation of fl_comm and DDP / ZeRO training under mpirun (run by `make test` and ctest):
 #   - DDP training at 2 and 4 ranks and ZeRO-1/2 at 2, 3 and 4 against one process
 #     (tests/mpi/ddp_mpi_test.c), the CLI under mpirun (rank 0 reports and writes; its checkpoint
-#     resumes in one process; ZeRO's checkpoints equal DDP's; --devices mismatch);
+#     resumes in one process; ZeRO's checkpoints equal DDP's; --devices mismatch), and started
+#     without a launcher (it runs mpirun itself: the same bits, root and oversubscription handled);
 #   - every collective/dtype/op/count at 2 and 4 ranks, checked against the specification, float64,
 #     a second run and the threads implementation's bits (tests/mpi/comm_mpi_test.c);
 #   - faults: one rank calls fl_comm_abort, or exits non-zero without a word, while the others wait:
-#     every rank must end, the job non-zero, within seconds, the output naming the rank;
+#     every rank must end, the job non-zero, within seconds, the output naming the rank; a training
+#     rank killed: the same, and rank 0 names the last committed checkpoint; ranks with different
+#     configurations, model files or fitllm builds refuse at start-up naming the difference;
 #   - torchrun-style variables without mpirun, srun without an MPI plugin, another MPI's launcher:
-#     refused, naming what to run instead.
+#     refused, naming what to run instead;
+#   - two nodes: one rank in each of two network namespaces over TCP (tests/netns_test.sh).
 # Skips (exit 0, with the reason) when the build has no MPI or mpirun is missing.
 # Usage: tests/mpi_test.sh [build-dir]
 set -u
@@ -75,6 +79,26 @@ if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000002 (step 2, iter 
 else
     bad "ddp_checkpoint_resumes_in_one_process" "exit $rc"
 fi
+# no launcher: the same command line starts its 2 ranks itself through mpirun (as root without Open
+# MPI's root variables, which this script exports for its own mpirun calls) and trains what the explicit
+# mpirun run trained: the same checkpoints, bit for bit (weights; AdamW's m and v, 2 x 260032 fp32 at
+# the end of training_state.safetensors, whose header holds the wall time), and the same logged losses
+SELF_ENV=(env -u OMPI_ALLOW_RUN_AS_ROOT -u OMPI_ALLOW_RUN_AS_ROOT_CONFIRM -u OMPI_MCA_rmaps_base_oversubscribe
+          -u OMP_NUM_THREADS -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u FITLLM_LAUNCHED)
+timeout 300 "${SELF_ENV[@]}" "$FL" finetune_full "${ARGS[@]}" --devices 2 --out_dir "$T/self" >"$T/out" 2>&1; rc=$?
+want_root=""; [ "$(id -u)" = 0 ] && want_root=" --allow-run-as-root"
+if [ $rc -eq 0 ] && [ "$(grep -c "^fitllm: starting 2 ranks: [^ ]*mpirun -np 2$want_root .*--bind-to none .*fitllm finetune_full micro " "$T/out")" = 1 ] \
+    && [ "$(grep -c "Saved the final model" "$T/out")" = 1 ] \
+    && cmp -s "$T/cli/final/model.safetensors" "$T/self/final/model.safetensors" \
+    && cmp -s "$T/cli/step-000002/model.safetensors" "$T/self/step-000002/model.safetensors" \
+    && cmp -s <(tail -c 2080256 "$T/cli/step-000002/training_state.safetensors") \
+              <(tail -c 2080256 "$T/self/step-000002/training_state.safetensors") \
+    && [ -s "$T/self/logs/metrics.csv" ] \
+    && cmp -s <(cut -d, -f1-4,8,9 "$T/cli/logs/metrics.csv") <(cut -d, -f1-4,8,9 "$T/self/logs/metrics.csv"); then
+    ok "ddp_cli_self_launch_np2 (= the explicit mpirun run: checkpoints and losses)"
+else
+    bad "ddp_cli_self_launch_np2" "exit $rc"
+fi
 timeout 120 mpirun -np 2 "$FL" finetune_full "${ARGS[@]}" --devices 3 --train.global_batch_size 12 --out_dir "$T/cli3" >"$T/out" 2>&1; rc=$?
 if [ $rc -ne 0 ] && [ "$(grep -c "devices 3 x --num_nodes 1 = 3 ranks, but Open MPI (mpirun) started 2" "$T/out")" = 1 ]; then
     ok "ddp_devices_mismatch (exit $rc, one message)"
@@ -90,7 +114,11 @@ ZARGS=(micro --data.n_train 51 --data.n_val 7 --train.micro_batch_size 2 --train
        --train.save_interval 2 --train.max_seq_length 48 --eval.max_new_tokens 0 --threads 1 --devices 3
        --optimizer.class_path SGD --optimizer.momentum 0.9 --optimizer.lr 0.05)
 zok=1
-for st in ddp deepspeed_stage_1 deepspeed_stage_2; do
+# (DDP's 3 ranks start themselves: more ranks than cores here, so also Open MPI's oversubscription)
+timeout 300 "${SELF_ENV[@]}" "$FL" finetune_full "${ZARGS[@]}" --strategy ddp --out_dir "$T/z-ddp" >"$T/out" 2>&1 || { zok=0; bad "zero_cli_np3_ddp" "exit $?"; }
+want_over=""; [ "$(nproc)" -lt 3 ] && want_over=" .*--oversubscribe"
+grep -q -- "^fitllm: starting 3 ranks: [^ ]*mpirun -np 3$want_over" "$T/out" || { zok=0; bad "zero_cli_np3_ddp" "no self-launch line"; }
+for st in deepspeed_stage_1 deepspeed_stage_2; do
     timeout 300 mpirun -np 3 "$FL" finetune_full "${ZARGS[@]}" --strategy $st --out_dir "$T/z-$st" >"$T/out" 2>&1 || { zok=0; bad "zero_cli_np3_$st" "exit $?"; }
 done
 if [ $zok = 1 ]; then
@@ -125,6 +153,63 @@ else
     bad "ddp_config_mismatch" "exit $rc"
 fi
 
+# ... or different model files (rank 1's model.safetensors is another checkpoint's), or different fitllm
+# builds (a copy of the binary whose version text differs in one byte): refused before anything is loaded
+cp -r "$T/cli/step-000002" "$T/m0" && cp -r "$T/m0" "$T/m1" && cp "$T/cli/final/model.safetensors" "$T/m1/"
+MARGS=("${ARGS[@]:1}") # without the preset: the model folder comes first
+timeout 120 mpirun -np 2 sh -c 'if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then M=$1/m1; else M=$1/m0; fi; shift; exec "$0" finetune_full "$M" "$@"' \
+    "$FL" "$T" "${MARGS[@]}" --devices 2 --out_dir "$T/cli5" >"$T/out" 2>&1; rc=$?
+if [ $rc -ne 0 ] && [ "$(grep -c "rank 1 of 2: the ranks were started with different model files: rank 1 has 'checkpoint_dir model.safetensors: [0-9]* bytes, fingerprint [0-9a-f]*' where rank 0 has 'checkpoint_dir model.safetensors: " "$T/out")" = 1 ] \
+    && [ ! -e "$T/cli5" ]; then
+    ok "ddp_model_files_mismatch (exit $rc)"
+else
+    bad "ddp_model_files_mismatch" "exit $rc"
+fi
+V=$("$FL" --version | head -1 | sed -n 's/^fitllm \([^ ]*\)\( (git \(.*\))\)\{0,1\}$/\1 \3/p')
+cp "$FL" "$T/fitllm-other" && V="$V" perl -0777 -pi -e 's/\Q$ENV{V}\E\x00/"X" . substr($ENV{V}, 1) . "\x00"/e' "$T/fitllm-other"
+if cmp -s "$FL" "$T/fitllm-other"; then
+    bad "ddp_version_mismatch" "could not find the version text '$V' in $FL to make a different build"
+else
+    timeout 120 mpirun -np 2 sh -c 'if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then B=$1; else B=$0; fi; shift; exec "$B" finetune_full "$@"' \
+        "$FL" "$T/fitllm-other" "${ARGS[@]}" --devices 2 --out_dir "$T/cli6" >"$T/out" 2>&1; rc=$?
+    if [ $rc -ne 0 ] && [ "$(grep -cF "rank 1 of 2: the ranks were started with different fitllm versions: rank 1 has 'fitllm X${V:1}' where rank 0 has 'fitllm $V'" "$T/out")" = 1 ]; then
+        ok "ddp_version_mismatch (exit $rc)"
+    else
+        bad "ddp_version_mismatch" "exit $rc"
+    fi
+fi
+
+# a rank that dies during training (SIGKILL, after a checkpoint was committed): the job ends within
+# seconds, non-zero; the launcher names the rank, rank 0 the last committed checkpoint (the newest
+# step-* with its COMMITTED marker; training goes on between the kill and the end). Started without a
+# launcher: the exit status is mpirun's, through fitllm's exec.
+"${SELF_ENV[@]}" "$FL" finetune_full "${ARGS[@]}" --train.max_steps 100000 --train.epochs 100000 --devices 2 --out_dir "$T/die" >"$T/out" 2>&1 &
+job=$! # fitllm, then (exec) mpirun
+for _ in $(seq 600); do [ -f "$T/die/step-000002/COMMITTED" ] && break; sleep 0.1; done
+r1=""
+for st in /proc/[0-9]*/status; do
+    p=${st#/proc/}; p=${p%/status}
+    [ "$(awk '/^PPid:/ { print $2 }' "$st" 2>/dev/null)" = "$job" ] || continue
+    tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=1 && r1=$p
+done
+if [ -z "$r1" ]; then
+    kill "$job" 2>/dev/null; wait "$job"
+    bad "ddp_dead_rank_names_checkpoint" "rank 1 not found (step-000002 committed: $([ -f "$T/die/step-000002/COMMITTED" ] && echo yes || echo no))"
+else
+    t0=$(now); kill -9 "$r1"
+    for _ in $(seq 600); do kill -0 "$job" 2>/dev/null || break; sleep 0.1; done
+    kill -0 "$job" 2>/dev/null && kill -9 "$job" # hung for 60 s: the time check below fails
+    wait "$job"; rc=$?; t1=$(now)
+    secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+    last=$(sed -n "s/.*rank 0 of 2: ended by the launcher .*the last committed checkpoint is '\([^']*\)' (to continue from it, run the same command with --resume auto).*/\1/p" "$T/out")
+    if [ $rc -ne 0 ] && awk -v s="$secs" 'BEGIN { exit !(s <= 20) }' && grep -q "rank 1 .* exited on signal 9" "$T/out" \
+        && [ -n "$last" ] && [ -f "$last/COMMITTED" ] && case "$last" in "$T/die/step-"*) true ;; *) false ;; esac; then
+        ok "ddp_dead_rank_names_checkpoint (exit $rc in $secs s; ${last#$T/die/})"
+    else
+        bad "ddp_dead_rank_names_checkpoint" "exit $rc in $secs s, checkpoint named: '$last'"
+    fi
+fi
+
 # faults: every rank ends promptly, non-zero, and the output names the rank at fault
 fault() {
     local name=$1 mode=$2 pat=$3
@@ -155,6 +240,13 @@ if [ $rc -ne 0 ] && grep -q "Slurm (srun) says rank 0 of 2 but MPI .* sees rank 
 env -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE PMI_RANK=1 PMI_SIZE=2 timeout 60 "$BIN" >"$T/out" 2>&1; rc=$?
 if [ $rc -ne 0 ] && grep -q "says rank 1 of 2 but MPI .* sees rank 0 of 1: .*use the mpirun of the MPI fitllm was built with" "$T/out"; then
     ok "mpi_foreign_launcher"; else bad "mpi_foreign_launcher" "exit $rc"; fi
+
+# two nodes for real: one rank in each of two network namespaces, Open MPI over TCP (tests/netns_test.sh;
+# prints SKIP where it may not create namespaces)
+# (its one-node reference: the explicit 2-rank run of the same arguments above)
+"$(dirname "$0")/netns_test.sh" "$BUILD" "$T/cli" >"$T/out" 2>&1; rc=$?
+grep -E "^(ok|FAIL|SKIP)" "$T/out"
+if [ $rc -eq 0 ]; then pass=$((pass+1)); else bad "netns_two_nodes" "exit $rc"; fi
 
 echo
 echo "MPI tests: $pass passed, $fail failed"

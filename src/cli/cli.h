@@ -6,6 +6,7 @@
 #include <stdio.h>
 
 #include "fitllm/backend.h"
+#include "fitllm/comm.h"
 #include "fitllm/config.h"
 #include "fitllm/io.h"
 #include "fitllm/mem.h"
@@ -48,6 +49,26 @@ double fl_cli_peak_rss_mb(void);
 typedef int (*fl_cli_extra_fn)(void *ud, int argc, char **argv, int *i);
 int fl_cli_parse_run(const char *cmd, fl_cmd_kind kind, int argc, char **argv, fl_run_config *cfg,
                      fl_cli_extra_fn extra, void *ud, void (*help_fn)(const char *, fl_cmd_kind));
+/* --devices N (x --num_nodes) > 1 and no launcher (src/cli/launch.c): on one node, re-execute this
+ * command line (argv[0] = the subcommand) as N ranks through Open MPI's mpirun, printing
+ * "fitllm: starting N ranks: mpirun ..." (does not return; mpirun's exit status is the run's);
+ * otherwise (several nodes, a build without MPI, no mpirun, FITLLM_MPIRUN=none) print the exact
+ * command to run and return the exit code. */
+int fl_cli_start_ranks(const char *cmd, const fl_run_config *cfg, int argc, char **argv);
+/* "0.9.0-dev <git describe>": what ranks must agree on (src/cli/main.c). */
+const char *fl_cli_version(void);
+/* Multi-rank runs (src/cli/ranks.c). Start-up: every rank runs the same fitllm version and reads the
+ * same model files (checkpoint_dir, a --resume folder: each file's size and fingerprint) as rank 0;
+ * the lowest rank that differs prints the first difference. Collective; 0 or the exit code (2). */
+int fl_cli_check_ranks(const char *cmd, const fl_run_config *cfg, fl_comm *comm);
+/* "the last committed checkpoint is '...' (to continue ...)" or "no checkpoint was committed ..."
+ * in out_dir (the newest committed step-*, what --resume auto continues from). */
+void fl_cli_last_checkpoint(const char *out_dir, char *buf, size_t n);
+/* Around a run: rank 0 of several answers the launcher's SIGTERM (another rank died) with the last
+ * committed checkpoint; _step (from the step hook) refreshes it after a due checkpoint. */
+void fl_cli_faults_begin(const char *cmd, const fl_run_config *cfg, int rank, int size);
+void fl_cli_faults_step(const fl_run_config *cfg, long step);
+void fl_cli_faults_end(void);
 /* After a training run failed with FL_ERR_OOM: the breakdown at the failure and
  * what to try, planned for the same config and budget (src/cli/cmd_plan.c). */
 void fl_cli_oom_advice(const fl_run_config *cfg, const fl_mem_oom *oom, FILE *f);

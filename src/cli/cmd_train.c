@@ -28,6 +28,11 @@ static void help(const char *cmd, fl_cmd_kind kind) {
     printf("\n  --accelerator auto|cpu|cuda   (default auto: the GPU when this build has CUDA and one is visible,\n"
            "                                else the CPU) cuda is EXPERIMENTAL: one GPU (several ranks need NCCL,\n"
            "                                not implemented); passed `fitllm selftest` and trained on an H100\n");
+    printf("\n  Data parallel (--devices N, --num_nodes M, --strategy): started without a launcher on one machine,\n"
+           "  fitllm runs itself as N ranks through Open MPI's mpirun (printed first; FITLLM_MPIRUN=PATH picks the\n"
+           "  mpirun, FITLLM_MPIRUN=none only prints the command); under mpirun or srun --mpi=pmix, devices x\n"
+           "  num_nodes must equal the rank count. Several machines: mpirun -np N*M --hostfile HOSTS (the error\n"
+           "  without a launcher prints the whole command). Needs a build with MPI (fitllm --version).\n");
     printf("\nexit codes: 0 ok, 1 runtime error, 2 usage or config error, 3 out of memory\n");
 }
 
@@ -136,33 +141,9 @@ static void on_sigint(int sig) {
 }
 
 static int stop_if_interrupted(void *ud, long step, double loss, const void *params, size_t bytes) {
-    (void)ud, (void)step, (void)loss, (void)params, (void)bytes;
+    (void)loss, (void)params, (void)bytes;
+    fl_cli_faults_step(ud, step); /* ud: the run's configuration */
     return g_interrupted;
-}
-
-/* The command that starts `ranks` copies of this command line under Open MPI's mpirun (with its
- * root and oversubscription flags where this machine needs them). */
-static void mpirun_command(int ranks, int argc, char **argv, char *buf, size_t n) {
-    char exe[4096];
-    ssize_t len = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    if (len > 0) exe[len] = 0;
-    else snprintf(exe, sizeof exe, "fitllm");
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
-    size_t o = (size_t)snprintf(buf, n, "mpirun -np %d%s%s %s", ranks, geteuid() == 0 ? " --allow-run-as-root" : "",
-                                cores > 0 && ranks > cores ? " --oversubscribe" : "", exe);
-    for (int i = 0; i < argc && o < n; i++) { /* argv[0] is the subcommand */
-        const char *a = argv[i];
-        int plain = *a != 0;
-        for (const char *c = a; *c; c++)
-            if (!strchr("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_=./:,+@%", *c)) plain = 0;
-        if (plain) o += (size_t)snprintf(buf + o, n - o, " %s", a);
-        else { /* single quotes, ' as '\'' */
-            o += (size_t)snprintf(buf + o, n - o, " '");
-            for (const char *c = a; *c && o < n; c++)
-                o += (size_t)(*c == '\'' ? snprintf(buf + o, n - o, "'\\''") : snprintf(buf + o, n - o, "%c", *c));
-            if (o < n) o += (size_t)snprintf(buf + o, n - o, "'");
-        }
-    }
 }
 
 /* --devices / --num_nodes against the launcher; the communicator for more than one rank.
@@ -175,16 +156,8 @@ static int join_ranks(const char *cmd, const fl_run_config *cfg, int argc, char 
         return FL_EXIT_USAGE;
     }
     int want = cfg->devices * cfg->num_nodes, have = li.kind == FL_LAUNCH_NONE ? 1 : li.size;
-    if (want > 1 && li.kind == FL_LAUNCH_NONE) {
-        char line[8192];
-        mpirun_command(want, argc, argv, line, sizeof line);
-        fprintf(stderr, "fitllm %s: error: --devices %d%s asks for %d ranks (data-parallel DDP), but this process was "
-                "not started by a launcher; start the ranks with\n  %s\n%s", cmd, cfg->devices,
-                cfg->num_nodes > 1 ? " x --num_nodes" : "", want, line,
-                fl_comm_mpi_built() ? "" : "(and note: this build has no MPI, which multi-process training needs: "
-                "apt-get install openmpi-bin libopenmpi-dev, then rebuild)\n");
-        return FL_EXIT_USAGE;
-    }
+    /* no launcher: start the ranks through mpirun (does not return), or say what to run */
+    if (want > 1 && li.kind == FL_LAUNCH_NONE) return fl_cli_start_ranks(cmd, cfg, argc, argv);
     if (want != have) {
         if (li.rank == 0) /* every rank sees the same mismatch: one message */
             fprintf(stderr, "fitllm %s: error: --devices %d x --num_nodes %d = %d ranks, but %s started %d: give "
@@ -209,6 +182,10 @@ static int run(const char *cmd, fl_cmd_kind kind, int argc, char **argv) {
     if (rc) return rc < 0 ? 0 : rc;
     fl_comm *comm = NULL;
     if ((rc = join_ranks(cmd, &cfg, argc, argv, &comm)) != 0) return rc;
+    if (comm && (rc = fl_cli_check_ranks(cmd, &cfg, comm)) != 0) {
+        fl_comm_destroy(comm);
+        return rc;
+    }
     rc = train(cmd, kind, &cfg, comm);
     fl_comm_destroy(comm);
     return rc;
@@ -224,7 +201,9 @@ static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_co
              "fitllm %s: interrupted; to continue from the last step-* checkpoint in '%s', run the same command "
              "with --resume auto\n", cmd, cfg.out_dir);
     signal(SIGINT, on_sigint);
-    fl_status s = fl_trainer_run_comm(&cfg, comm, stdout, bar, stop_if_interrupted, NULL, &res);
+    fl_cli_faults_begin(cmd, &cfg, rank, world);
+    fl_status s = fl_trainer_run_comm(&cfg, comm, stdout, bar, stop_if_interrupted, &cfg, &res);
+    fl_cli_faults_end();
     signal(SIGINT, SIG_DFL);
     /* configuration problems found while setting up (bad values, a checkpoint_dir or data file
      * that does not exist, a technique this build lacks) are usage errors */
@@ -235,9 +214,10 @@ static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_co
          * it ends the job, naming the rank (the others may be waiting for it in a collective) */
         if (res.error_all_ranks && rank != 0) return code;
         if (!res.error_all_ranks) {
-            char msg[1200];
+            char msg[1200 + FL_CFG_PATH * 3], where[FL_CFG_PATH * 2];
             fflush(stdout);
-            snprintf(msg, sizeof msg, "fitllm %s: error: %s", cmd, fl_error_message());
+            fl_cli_last_checkpoint(cfg.out_dir, where, sizeof where);
+            snprintf(msg, sizeof msg, "fitllm %s: error: %s; %s", cmd, fl_error_message(), where);
             fl_comm_abort(comm, code, msg); /* MPI: does not return */
         }
     }

@@ -68,6 +68,8 @@ static const char *cpu_model(char *buf, size_t n) {
     return buf;
 }
 
+const char *fl_cli_version(void) { return FL_VERSION " " FL_GIT_DESCRIBE; }
+
 /* fitllm --version: version, build options, the CPU and the kernels run-time dispatch chose. */
 static int version(void) {
     char model[256];

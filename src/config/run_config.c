@@ -64,7 +64,7 @@ static const fl_cfg_key k_keys[] = {
     {"model", FL_CK_PATH, OFF(checkpoint_dir), "same as checkpoint_dir (a preset name: random init)"},
     {"out_dir", FL_CK_PATH, OFF(out_dir), "folder for checkpoints and logs"},
     {"precision", FL_CK_PRECISION, OFF(precision), "32-true | bf16-true | bf16-mixed | 16-true | 16-mixed"},
-    {"devices", FL_CK_DEVICES, OFF(devices), "devices (ranks) per node, or auto (1 CPU device); > 1: launch with mpirun -np devices x num_nodes"},
+    {"devices", FL_CK_DEVICES, OFF(devices), "devices (ranks) per node, or auto (1 CPU device); > 1: data parallel over devices x num_nodes ranks"},
     {"num_nodes", FL_CK_POS, OFF(num_nodes), "number of nodes"},
     {"strategy", FL_CK_STR32, OFF(strategy), "auto | ddp | deepspeed_stage_1 | deepspeed_stage_2 | fsdp (auto = ddp; ZeRO-1/2 shard the optimizer state / gradients)"},
     {"fsdp.sharding_strategy", FL_CK_STR32, OFF(sharding_strategy), "--strategy fsdp: NO_SHARD (= ddp) | SHARD_GRAD_OP (= ZeRO-2); FULL_SHARD (fsdp's default), HYBRID_SHARD: not yet"},
