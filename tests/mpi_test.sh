@@ -73,6 +73,18 @@ if [ $rc -eq 0 ] && [ "$(grep -c "Saved the final model" "$T/out")" = 1 ] && gre
 else
     bad "ddp_cli_np2" "exit $rc"
 fi
+# the bytes each step sent (metrics.csv comm_sent, counted by fl_comm): DDP's all-reduce at 2 ranks sends
+# 2 (N-1)/N psi = psi, the fp32 gradients (4 bytes x the parameters the run reports), plus the step's loss
+# statistics (a few doubles)
+nparam=$(sed -n 's/^model: .*, \([0-9]*\) parameters.*/\1/p' "$T/out" | head -1)
+col=$(head -1 "$T/cli/logs/metrics.csv" | tr ',' '\n' | grep -n '^comm_sent$' | cut -d: -f1)
+sent=$(awk -F, -v c="${col:-0}" 'NR > 1 && $c != "" { print $c }' "$T/cli/logs/metrics.csv" | sort -u)
+if [ -n "$nparam" ] && [ -n "$col" ] && [ "$(wc -l <<<"$sent")" = 1 ] && [ -n "$sent" ] \
+    && [ "$sent" -ge $((4 * nparam)) ] && [ "$sent" -le $((4 * nparam + 1024)) ]; then
+    ok "ddp_cli_bytes_sent_per_step ($sent bytes per step, psi = $((4 * nparam)))"
+else
+    bad "ddp_cli_bytes_sent_per_step" "parameters '$nparam', comm_sent '$sent'"
+fi
 timeout 300 "$FL" finetune_full "${ARGS[@]}" --resume "$T/cli/step-000002" --out_dir "$T/cli1" >"$T/out" 2>&1; rc=$?
 if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000002 (step 2, iter 8)" "$T/out"; then
     ok "ddp_checkpoint_resumes_in_one_process"
