@@ -164,8 +164,13 @@ static fl_status fl_hf_open_shards(const char *dir, fl_hf_shards *sh) {
     }
     char ipath[FL_HF_PATH_MAX];
     FL_TRY(fl_fs_join(ipath, sizeof ipath, dir, "model.safetensors.index.json"));
-    if (!fl_fs_is_file(ipath))
-        return fl_errorf(FL_ERR_NOT_FOUND, "%s: no model.safetensors or model.safetensors.index.json", dir);
+    if (!fl_fs_is_file(ipath)) {
+        char spath[FL_HF_PATH_MAX]; /* a sharded training checkpoint (src/train/shard_ckpt.c) */
+        int sharded = fl_fs_join(spath, sizeof spath, dir, "sharded_state.safetensors") == FL_OK && fl_fs_is_file(spath);
+        return fl_errorf(FL_ERR_NOT_FOUND, "%s: no model.safetensors or model.safetensors.index.json%s", dir,
+                         sharded ? " (a sharded checkpoint: write its Hugging Face folder with fitllm merge_shards "
+                                   "<dir>, or resume it with --resume)" : "");
+    }
     fl_json *idx = NULL;
     FL_TRY(fl_json_parse_file(ipath, &idx));
     fl_status s = FL_OK;
