@@ -65,7 +65,7 @@ static skjob *sk_run(int sc, int gworld, int ranks, const char *strategy, const 
                      const char *resume, const char *tag) {
     skjob *j = calloc(1, sizeof *j);
     if (!j) abort();
-    char out[FL_CFG_PATH + 200];
+    char out[FL_CFG_PATH];
     snprintf(out, sizeof out, "%s/%s-%s", fl_test_tmpdir(), zr_names[sc], tag);
     zr_config(&j->cfg, sc, gworld, ranks, 1, strategy, NULL, out);
     j->cfg.train.max_steps = steps;
@@ -263,7 +263,7 @@ static fl_status rewrite_shard(const char *path, const char *key, const char *va
  * and nothing resumed (no final/). */
 static void refuse(const char *dir, fl_status code, const char *what, const char *n1, const char *n2) {
     fl_run_config c;
-    char out[FL_CFG_PATH + 200];
+    char out[FL_CFG_PATH];
     static int seq;
     snprintf(out, sizeof out, "%s/refused-%d", fl_test_tmpdir(), seq++);
     zr_config(&c, ZR_SGDM, 3, 1, 1, "auto", NULL, out);
@@ -288,7 +288,7 @@ FL_TEST(shard_ckpt_bad_input_refused_naming_file_and_range) {
     /* step-1 and step-2 of a 3-rank ZeRO-2 run, saved sharded */
     skjob *a = sk_run(ZR_SGDM, 3, 3, "deepspeed_stage_2", "sharded", 2, 1, NULL, "bad");
     if (a->st[0] != FL_OK) { skfree(a); return; }
-    char s1[FL_CFG_PATH + 32], s2[FL_CFG_PATH + 32], d[FL_CFG_PATH + 32], p[3 * FL_CFG_PATH], q[FL_CFG_PATH + 200];
+    char s1[FL_CFG_PATH + 32], s2[FL_CFG_PATH + 32], d[FL_CFG_PATH], p[3 * FL_CFG_PATH], q[FL_CFG_PATH + 200];
     snprintf(s1, sizeof s1, "%s/step-000001", a->cfg.out_dir);
     snprintf(s2, sizeof s2, "%s/step-000002", a->cfg.out_dir);
     /* the intact one resumes in one process */

@@ -290,8 +290,8 @@ static fl_status shards_open(shards *sh, const char *dir, uint64_t fp, size_t nu
         s = fl_fs_join(sh->path[r], sizeof sh->path[r], dir, name);
         if (s != FL_OK) break;
         if (!fl_fs_is_file(sh->path[r])) {
-            s = fl_errorf(FL_ERR_NOT_FOUND, "%s: missing: this checkpoint was saved by %d ranks and needs every rank's "
-                          "shard file (nothing was resumed)", sh->path[r], sh->world);
+            s = fl_errorf(FL_ERR_NOT_FOUND, "%s: missing: this checkpoint was saved by %d rank%s and needs every rank's "
+                          "shard file (nothing was resumed)", sh->path[r], sh->world, sh->world == 1 ? "" : "s");
             break;
         }
         s = fl_st_open(&sh->f[r], sh->path[r]);
