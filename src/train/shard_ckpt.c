@@ -103,13 +103,18 @@ uint64_t fl_shard_fingerprint(const fl_param_layout *lay, size_t n) {
 }
 
 fl_status fl_shard_set_from_optim(fl_shard_set *s, const fl_model *m, const fl_optimizer *o) {
+    return fl_shard_set_from_optim_ex(s, m, o, o->p, 0, o->n);
+}
+
+fl_status fl_shard_set_from_optim_ex(fl_shard_set *s, const fl_model *m, const fl_optimizer *o, void *params,
+                                     size_t p_h0, size_t p_hn) {
     memset(s, 0, sizeof *s);
     if (m->lora)
         return fl_errorf(FL_ERR_UNSUPPORTED, "sharded checkpoints hold full-model training (finetune_full, pretrain); "
                          "LoRA adapters are saved whole");
     s->split_n = o->n;
     s->be = m->be;
-    fl_status st = fl_shard_set_add(s, "params", o->pt, o->n, 0, 1, o->p, 0, o->n); /* every rank holds them whole */
+    fl_status st = fl_shard_set_add(s, "params", o->pt, o->n, 0, 1, params, p_h0, p_hn);
     fl_dtype sd = o->cfg.state_dtype;
     if (st == FL_OK && o->m) {
         st = fl_shard_set_add(s, "optimizer.exp_avg", sd, o->n, 0, 1, o->m, o->s_off, o->s_len);

@@ -66,6 +66,11 @@ void fl_shard_owned(const fl_shard_buf *b, size_t split_n, int world, int rank, 
 /* An optimizer's buffers as it holds them: "params" (o->p, held whole) and its state (held
  * [s_off, s_off + s_len), or 8-bit AdamW's pieces per tensor). Full-model training only. */
 fl_status fl_shard_set_from_optim(fl_shard_set *s, const fl_model *m, const fl_optimizer *o);
+/* The same with the parameters held as [p_h0, p_h0 + p_hn) at `params` (backend memory holding
+ * exactly those elements): ZeRO-3 / FULL_SHARD passes its parameter chunk (fl_comm_chunk of o->n)
+ * and that buffer; DDP and ZeRO-1/2 pass o->p, 0, o->n. */
+fl_status fl_shard_set_from_optim_ex(fl_shard_set *s, const fl_model *m, const fl_optimizer *o, void *params,
+                                     size_t p_h0, size_t p_hn);
 /* The layout fingerprint (FNV-1a over every entry's name, shape and offset, and the element count):
  * shards of another model or layout are refused. */
 uint64_t fl_shard_fingerprint(const fl_param_layout *lay, size_t n);
