@@ -266,6 +266,30 @@ expect generate_adapter_base_missing 1 "base model 'golden-llama' .*not found.*f
 expect merge_lora_wrong_base 2 "peft-llama" -- "$FITLLM" merge_lora tests/fixtures/peft-llama --base tests/fixtures/golden-gpt2 --out_dir "$T/m3"
 expect merge_lora_not_adapter 2 "adapter_config.json" -- "$FITLLM" merge_lora "$T" --base tests/fixtures/golden-llama
 
+# sharded checkpoints (--fsdp.state_dict_type sharded) in one process: one shard file, no model.safetensors in a step
+# checkpoint; merge_shards writes the model.safetensors a full checkpoint holds; bad input named, exit 2
+SH=(micro --data.n_train 13 --data.n_val 3 --train.micro_batch_size 2 --train.global_batch_size 2 --train.max_steps 2
+    --train.save_interval 2 --train.max_seq_length 32 --eval.max_new_tokens 0 --eval.final_validation false --threads 1)
+expect sharded_save 0 "Saved the final model" -- "$FITLLM" finetune_full "${SH[@]}" --fsdp.state_dict_type sharded --out_dir "$T/shs"
+expect sharded_full_twin 0 "Saved the final model" -- "$FITLLM" finetune_full "${SH[@]}" --out_dir "$T/shf"
+expect merge_shards_ok 0 "merged .*step-000002 -> .*shm \(config.json, model.safetensors" -- "$FITLLM" merge_shards "$T/shs/step-000002" --out "$T/shm"
+if [ -f "$T/shs/step-000002/shard-00000-of-00001.safetensors" ] && [ ! -e "$T/shs/step-000002/model.safetensors" ] \
+    && cmp -s "$T/shm/model.safetensors" "$T/shf/step-000002/model.safetensors"; then
+    echo "ok   merge_shards_equals_full_checkpoint"; pass=$((pass+1))
+else
+    echo "FAIL merge_shards_equals_full_checkpoint"; fail=$((fail+1))
+fi
+expect merge_shards_help 0 "usage: fitllm merge_shards <ckpt_dir>" -- "$FITLLM" merge_shards --help
+expect merge_shards_missing_arg 2 "missing <ckpt_dir>" -- "$FITLLM" merge_shards
+expect merge_shards_not_sharded 2 "shf/step-000002: not a sharded checkpoint .*holds model.safetensors already" -- "$FITLLM" merge_shards "$T/shf/step-000002" --out "$T/shx"
+cp -r "$T/shs/step-000002" "$T/shbad" && rm -f "$T/shbad/shard-00000-of-00001.safetensors"
+expect merge_shards_missing_file 2 "shbad/shard-00000-of-00001.safetensors: missing" -- "$FITLLM" merge_shards "$T/shbad" --out "$T/shx"
+expect resume_sharded_missing_file 2 "shard-00000-of-00001.safetensors: missing" -- "$FITLLM" finetune_full "${SH[@]}" --resume "$T/shbad" --out_dir "$T/shr"
+expect generate_sharded_hint 1 "a sharded checkpoint: write its Hugging Face folder with fitllm merge_shards" -- "$FITLLM" generate "$T/shs/step-000002" --prompt-ids "1 2"
+expect sharded_bad_value 2 "fsdp.state_dict_type 'shard': unknown \(full or sharded\)" -- "$FITLLM" finetune_full "${SH[@]}" --fsdp.state_dict_type shard --out_dir "$T/shy"
+expect sharded_lora_refused 2 "finetune_lora's checkpoints are PEFT adapters" -- "$FITLLM" finetune_lora "${SH[@]}" --fsdp.state_dict_type sharded --out_dir "$T/shz"
+[ ! -e "$T/shx" ] && [ ! -e "$T/shr/final" ] && { echo "ok   sharded_bad_input_writes_nothing"; pass=$((pass+1)); } || { echo "FAIL sharded_bad_input_writes_nothing"; fail=$((fail+1)); }
+
 if [ -d "$DATA/stories260K-hf" ]; then
     printf '1 403 407 261 378 434 2 9 19 5\n' > "$T/ids.txt"
     expect loss_real_model 0 "loss [0-9.]+" -- "$FITLLM" loss "$DATA/stories260K-hf" --tokens-file "$T/ids.txt" --dump-logits "$T/logits.f32"

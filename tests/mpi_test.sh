@@ -4,6 +4,7 @@
 #     (tests/mpi/ddp_mpi_test.c), the CLI under mpirun (rank 0 reports and writes; its checkpoint
 #     resumes in one process; ZeRO's checkpoints equal DDP's; --devices mismatch), and started
 #     without a launcher (it runs mpirun itself: the same bits, root and oversubscription handled);
+#     a sharded checkpoint saved at 3 ranks resumes at 2 and merge_shards consolidates it;
 #   - every collective/dtype/op/count at 2 and 4 ranks, checked against the specification, float64,
 #     a second run and the threads implementation's bits (tests/mpi/comm_mpi_test.c);
 #   - faults: one rank calls fl_comm_abort, or exits non-zero without a word, while the others wait:
@@ -153,6 +154,39 @@ if [ $zok = 1 ]; then
         ok "zero_checkpoint_resumes_in_one_process"
     else
         bad "zero_checkpoint_resumes_in_one_process" "exit $rc"
+    fi
+fi
+
+# sharded checkpoints (--fsdp.state_dict_type sharded) through the CLI: saved by ZeRO-2 at 3 ranks (each rank writes
+# its ranges; no model.safetensors in a step checkpoint), resumed by ZeRO-1 at 2 ranks: the bits of the 2-rank resume
+# of the FULL checkpoint of the same run (final weights and momentum); merge_shards (offline, no mpirun) writes the
+# full checkpoint's model.safetensors byte for byte
+SARGS=("${ZARGS[@]}" --train.global_batch_size 12 --devices 3 --strategy deepspeed_stage_2)
+RARGS=("${ZARGS[@]}" --train.global_batch_size 12 --devices 2 --strategy deepspeed_stage_1)
+sok=1
+timeout 300 mpirun -np 3 "$FL" finetune_full "${SARGS[@]}" --fsdp.state_dict_type sharded --out_dir "$T/sh3" >"$T/out" 2>&1 || { sok=0; bad "sharded_save_np3" "exit $?"; }
+timeout 300 mpirun -np 3 "$FL" finetune_full "${SARGS[@]}" --out_dir "$T/fu3" >"$T/out" 2>&1 || { sok=0; bad "sharded_full_twin_np3" "exit $?"; }
+if [ $sok = 1 ]; then
+    S2="$T/sh3/step-000002"
+    if [ "$(ls "$S2"/shard-0000?-of-00003.safetensors | wc -l)" = 3 ] && [ ! -e "$S2/model.safetensors" ] && [ -f "$S2/COMMITTED" ]; then
+        ok "sharded_save_np3 (3 shard files, one marker)"
+    else
+        bad "sharded_save_np3" "unexpected files: $(ls "$S2" | tr '\n' ' ')"
+    fi
+    timeout 300 mpirun -np 2 "$FL" finetune_full "${RARGS[@]}" --resume "$S2" --out_dir "$T/shr2" >"$T/out" 2>&1; rc=$?
+    grep -q "Resuming training from .*step-000002 (step 2, iter 12)" "$T/out" || rc=99
+    timeout 300 mpirun -np 2 "$FL" finetune_full "${RARGS[@]}" --resume "$T/fu3/step-000002" --out_dir "$T/fur2" >"$T/out" 2>&1 || rc=98
+    if [ $rc -eq 0 ] && cmp -s "$T/shr2/final/model.safetensors" "$T/fur2/final/model.safetensors" \
+        && cmp -s <(tail -c 1040128 "$T/shr2/final/training_state.safetensors") <(tail -c 1040128 "$T/fur2/final/training_state.safetensors"); then
+        ok "sharded_saved_np3_resumed_np2 (= the full checkpoint's resume, bit for bit)"
+    else
+        bad "sharded_saved_np3_resumed_np2" "exit $rc or the final weights/momentum differ from the full checkpoint's resume"
+    fi
+    "$FL" merge_shards "$S2" --out "$T/shm" >"$T/out" 2>&1; rc=$?
+    if [ $rc -eq 0 ] && cmp -s "$T/shm/model.safetensors" "$T/fu3/step-000002/model.safetensors"; then
+        ok "merge_shards (= the full checkpoint's model.safetensors)"
+    else
+        bad "merge_shards" "exit $rc or its model.safetensors differs from the full checkpoint's"
     fi
 fi
 

@@ -57,6 +57,16 @@ fl_status fl_ckpt_find_latest(const char *out_dir, char *path, size_t n);
 /* Load parameters, optimizer state and train state from a committed
  * checkpoint into an initialized model/optimizer of the same shape. */
 fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_state *st);
+/* 1 if dir is a sharded checkpoint (--fsdp.state_dict_type sharded: shard-RRRRR-of-NNNNN.safetensors
+ * per rank + sharded_state.safetensors); committed or not. */
+int fl_ckpt_is_sharded(const char *dir);
+/* The consolidated Hugging Face folder of a committed sharded checkpoint (config.json +
+ * model.safetensors, sharded above 5 GB as fl_hf_save_model; the tokenizer files copied): `fitllm
+ * merge_shards`. Offline (no communicator), streamed: it holds one output tensor at a time (as
+ * fp32) besides the shard files' read-only mappings. *n_tok (may be NULL): tokenizer files copied.
+ * A missing shard file, a range no file covers or another layout is an error naming the file
+ * and the range, and nothing is written. */
+fl_status fl_ckpt_merge_shards(const char *ckpt_dir, const char *out_dir, int *n_tok);
 /* Delete all but the newest `keep` committed step-* checkpoints (keep > 0). */
 void fl_ckpt_rotate(const char *out_dir, int keep);
 /* Remove leftover temporary folders of interrupted saves in out_dir. */

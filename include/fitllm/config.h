@@ -78,6 +78,8 @@ typedef struct {
     int devices, num_nodes;           /* ranks = devices x num_nodes (data parallel over MPI) */
     char strategy[32];                /* auto, ddp, deepspeed_stage_1, deepspeed_stage_2, fsdp (Lightning's names) */
     char sharding_strategy[32];       /* fsdp.sharding_strategy: "" (FULL_SHARD), NO_SHARD, SHARD_GRAD_OP */
+    char state_dict_type[32];         /* fsdp.state_dict_type: "full" (one consolidated checkpoint, the default) or
+                                         "sharded" (each rank writes its element ranges; any strategy) */
     char resume[FL_CFG_PATH];         /* "false", "true", "auto" or a checkpoint folder */
     uint64_t seed;
     char logger_name[16];             /* "csv" or "jsonl"; LitGPT's tensorboard / wandb / mlflow / litlogger

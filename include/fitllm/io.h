@@ -107,6 +107,14 @@ fl_status fl_hf_load_model_ex(fl_model *m, const char *dir, const fl_backend *be
  * model-0000i-of-0000N.safetensors + model.safetensors.index.json above the
  * shard size, 5 GB by default as save_pretrained), atomically. */
 fl_status fl_hf_save_model(const fl_model *m, const char *dir);
+/* The same writer (file names, shards, tensor order, header) for tensors that come from elsewhere:
+ * t[k] is layout entry k, name and dtype set by the caller (data, or a fill callback producing it
+ * one tensor at a time: fitllm merge_shards), shape and transposition as fl_hf_tensor_shape sets
+ * them; config.json from cfg. */
+fl_status fl_hf_save_tensors(const char *dir, const fl_model_config *cfg, const fl_param_layout *lay,
+                             const fl_st_write_tensor *t);
+/* The HF shape of layout entry p into t (GPT-2 Conv1D weights transposed on disk). */
+void fl_hf_tensor_shape(const fl_param_info *p, fl_st_write_tensor *t);
 /* Shard size for fl_hf_save_model (0 = the 5 GB default); tests use small values. */
 void fl_hf_set_max_shard_bytes(size_t bytes);
 

@@ -85,6 +85,7 @@ int fl_cmd_finetune_full(int argc, char **argv);
 int fl_cmd_pretrain(int argc, char **argv);
 int fl_cmd_finetune_lora(int argc, char **argv);
 int fl_cmd_merge_lora(int argc, char **argv);
+int fl_cmd_merge_shards(int argc, char **argv);
 #define FL_CLI_PATH 4096
 /* What fl_cli_load_with_adapter used. */
 typedef struct {

@@ -1,4 +1,5 @@
-/* fitllm merge_lora: merge a PEFT LoRA adapter into its base model and write a
+/* fitllm merge_shards: see fl_cmd_merge_shards at the end.
+ * fitllm merge_lora: merge a PEFT LoRA adapter into its base model and write a
  * complete Hugging Face folder (W += scaling * B @ A; config.json,
  * model.safetensors and the tokenizer files). The adapter may be given as the
  * adapter folder, a LoRA checkpoint (step-N/, final/ -> final/adapter) or a
@@ -242,4 +243,46 @@ int fl_cmd_merge_lora(int argc, char **argv) {
     fl_backend_pools_free(&pool, &hpool);
     fl_backend_free(&be);
     return rc == 0 ? 0 : (s == FL_ERR_INVALID || s == FL_ERR_NOT_FOUND ? FL_EXIT_USAGE : rc);
+}
+
+/* ---- fitllm merge_shards ---------------------------------------------------------------------- */
+
+static void help_shards(void) {
+    printf("usage: fitllm merge_shards <ckpt_dir> [--out DIR]\n\n"
+           "  <ckpt_dir>        a committed sharded checkpoint (out/step-000100 or out/final of a run with\n"
+           "                    --fsdp.state_dict_type sharded): shard-RRRRR-of-NNNNN.safetensors per rank\n"
+           "  --out DIR         where the Hugging Face folder goes (default: <ckpt_dir>/merged; inside a\n"
+           "                    step checkpoint it goes with it when train.keep_checkpoints rotates it out)\n\n"
+           "Writes config.json, model.safetensors (above 5 GB: model-0000i-of-0000N.safetensors + index, as\n"
+           "save_pretrained) and the checkpoint's tokenizer files: the bytes a full (unsharded) checkpoint of\n"
+           "the same weights holds. Offline (no mpirun, any machine that sees the files); streamed: it holds\n"
+           "one output tensor at a time (as fp32) besides the shard files' read-only mappings. A missing shard\n"
+           "file or a range no file holds is an error naming the file and the range (exit 2).\n");
+}
+
+int fl_cmd_merge_shards(int argc, char **argv) {
+    const char *cmd = "merge_shards", *ckpt = NULL, *out = NULL;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) { help_shards(); return 0; }
+        else if (!strcmp(a, "--out") || !strcmp(a, "--out_dir")) { if (!v) return fl_cli_usage(cmd, "%s needs a folder", a); out = v; i++; }
+        else if (a[0] == '-') return fl_cli_usage(cmd, "unknown option '%s'", a);
+        else if (!ckpt) ckpt = a;
+        else return fl_cli_usage(cmd, "unexpected argument '%s'", a);
+    }
+    if (!ckpt) return fl_cli_usage(cmd, "missing <ckpt_dir>");
+    char out_buf[FL_CLI_PATH + 16];
+    if (!out) {
+        snprintf(out_buf, sizeof out_buf, "%s/merged", ckpt);
+        out = out_buf;
+    }
+    int n_tok = 0;
+    fl_status s = fl_ckpt_merge_shards(ckpt, out, &n_tok);
+    if (s != FL_OK) {
+        int rc = fl_cli_fail(cmd, s, NULL);
+        return s == FL_ERR_INVALID || s == FL_ERR_NOT_FOUND || s == FL_ERR_FORMAT ? FL_EXIT_USAGE : rc;
+    }
+    printf("merged %s -> %s (config.json, model.safetensors, %d tokenizer file%s)\n", ckpt, out, n_tok,
+           n_tok == 1 ? "" : "s");
+    return 0;
 }

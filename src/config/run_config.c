@@ -26,6 +26,7 @@ void fl_cfg_defaults(fl_run_config *c, fl_cmd_kind cmd) {
     c->devices = 1;
     c->num_nodes = 1;
     snprintf(c->strategy, sizeof c->strategy, "auto");
+    snprintf(c->state_dict_type, sizeof c->state_dict_type, "full");
     snprintf(c->resume, sizeof c->resume, "false");
     c->seed = cmd == FL_CMD_PRETRAIN ? 42 : 1337;
     snprintf(c->logger_name, sizeof c->logger_name, "csv");
@@ -68,6 +69,7 @@ static const fl_cfg_key k_keys[] = {
     {"num_nodes", FL_CK_POS, OFF(num_nodes), "number of nodes"},
     {"strategy", FL_CK_STR32, OFF(strategy), "auto | ddp | deepspeed_stage_1 | deepspeed_stage_2 | fsdp (auto = ddp; ZeRO-1/2 shard the optimizer state / gradients)"},
     {"fsdp.sharding_strategy", FL_CK_STR32, OFF(sharding_strategy), "--strategy fsdp: NO_SHARD (= ddp) | SHARD_GRAD_OP (= ZeRO-2); FULL_SHARD (fsdp's default), HYBRID_SHARD: not yet"},
+    {"fsdp.state_dict_type", FL_CK_STR32, OFF(state_dict_type), "checkpoints of every strategy: full (consolidated, one file set) | sharded (each rank writes its element ranges; resumable at any world size; fitllm merge_shards consolidates)"},
     {"resume", FL_CK_RESUME, OFF(resume), "false | true | auto | path to a checkpoint folder"},
     {"seed", FL_CK_U64, OFF(seed), "random seed"},
     {"logger_name", FL_CK_LOGGER, OFF(logger_name), "csv | jsonl (metrics in out_dir/logs/); tensorboard, wandb, mlflow: csv"},
@@ -576,6 +578,12 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
         strcmp(c->sharding_strategy, "HYBRID_SHARD") && strcmp(c->sharding_strategy, "_HYBRID_SHARD_ZERO2"))
         return fl_errorf(FL_ERR_INVALID, "fsdp.sharding_strategy '%s': unknown (NO_SHARD, SHARD_GRAD_OP; FULL_SHARD "
                          "and HYBRID_SHARD later)", c->sharding_strategy);
+    if (strcmp(c->state_dict_type, "full") && strcmp(c->state_dict_type, "sharded"))
+        return fl_errorf(FL_ERR_INVALID, "fsdp.state_dict_type '%s': unknown (full or sharded)", c->state_dict_type);
+    if (!strcmp(c->state_dict_type, "sharded") && c->command == FL_CMD_FINETUNE_LORA)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "fsdp.state_dict_type sharded: finetune_lora's checkpoints are PEFT "
+                         "adapters (a few MB) and are written whole; sharded checkpoints are for finetune_full and "
+                         "pretrain (use full)");
     if (t->micro_batch_size <= 0) return fl_errorf(FL_ERR_INVALID, "train.micro_batch_size must be positive");
     if (t->global_batch_size <= 0) return fl_errorf(FL_ERR_INVALID, "train.global_batch_size must be positive");
     int per_rank = t->global_batch_size / (c->devices * c->num_nodes);
@@ -833,7 +841,8 @@ void fl_cfg_write_yaml(const fl_run_config *c, FILE *f) {
     static const char *groups[] = {"train", "eval", "fsdp"};
     for (size_t g = 0; g < sizeof groups / sizeof groups[0]; g++) {
         size_t pl = strlen(groups[g]);
-        if (!strcmp(groups[g], "fsdp") && !c->sharding_strategy[0]) continue; /* only when given */
+        if (!strcmp(groups[g], "fsdp") && !c->sharding_strategy[0] && !strcmp(c->state_dict_type, "full"))
+            continue; /* only when given */
         fprintf(f, "%s:\n", groups[g]);
         for (size_t j = 0; j < N_KEYS; j++)
             if (dumped(&k_keys[j]) && !strncmp(k_keys[j].name, groups[g], pl) && k_keys[j].name[pl] == '.') {

@@ -164,8 +164,13 @@ static fl_status fl_hf_open_shards(const char *dir, fl_hf_shards *sh) {
     }
     char ipath[FL_HF_PATH_MAX];
     FL_TRY(fl_fs_join(ipath, sizeof ipath, dir, "model.safetensors.index.json"));
-    if (!fl_fs_is_file(ipath))
-        return fl_errorf(FL_ERR_NOT_FOUND, "%s: no model.safetensors or model.safetensors.index.json", dir);
+    if (!fl_fs_is_file(ipath)) {
+        char spath[FL_HF_PATH_MAX]; /* a sharded training checkpoint (src/train/shard_ckpt.c) */
+        int sharded = fl_fs_join(spath, sizeof spath, dir, "sharded_state.safetensors") == FL_OK && fl_fs_is_file(spath);
+        return fl_errorf(FL_ERR_NOT_FOUND, "%s: no model.safetensors or model.safetensors.index.json%s", dir,
+                         sharded ? " (a sharded checkpoint: write its Hugging Face folder with fitllm merge_shards "
+                                   "<dir>, or resume it with --resume)" : "");
+    }
     fl_json *idx = NULL;
     FL_TRY(fl_json_parse_file(ipath, &idx));
     fl_status s = FL_OK;
@@ -329,45 +334,22 @@ static fl_status fl_hf_fill_q4(void *ud, float *dst) {
     return FL_OK;
 }
 
-static fl_status fl_hf_write_files(const fl_model *m, const char *dir) {
+/* config.json + the layout's tensors t[0..lay->n) (layout order) into dir: model.safetensors, or
+ * shards of at most g_max_shard_bytes (of the written dtypes) + model.safetensors.index.json. */
+static fl_status fl_hf_write_tensor_files(const char *dir, const fl_model_config *cfg, const fl_param_layout *lay,
+                                          const fl_st_write_tensor *t) {
     char path[FL_HF_PATH_MAX];
-    const fl_param_layout *lay = &m->layout;
-    fl_st_write_tensor *t = calloc((size_t)lay->n + 1, sizeof *t);
     int *shard = calloc((size_t)lay->n + 1, sizeof *shard);
-    fl_hf_fill_ctx *fc = calloc((size_t)lay->n + 1, sizeof *fc);
-    if (!t || !shard || !fc) { free(t); free(shard); free(fc); return fl_errorf(FL_ERR_OOM, "%s: out of memory", dir); }
+    if (!shard) return fl_errorf(FL_ERR_OOM, "%s: out of memory", dir);
     /* pack tensors, in layout order, into shards of at most g_max_shard_bytes */
     int n_shards = 1;
     size_t cur = 0, total = 0;
     for (int k = 0; k < lay->n; k++) {
-        const fl_param_info *p = &lay->params[k];
-        fl_dtype sdt;
-        const void *data = fl_model_param_data(m, k, &sdt);
-        size_t b = p->numel * fl_dtype_size(sdt);
+        size_t b = lay->params[k].numel * fl_dtype_size(t[k].dtype);
         if (cur > 0 && cur + b > g_max_shard_bytes) { n_shards++; cur = 0; }
         cur += b;
         total += b;
         shard[k] = n_shards - 1;
-        t[k].name = p->name;
-        t[k].dtype = sdt; /* saved in the storage dtype: a bf16-true run writes bf16 */
-        t[k].src_dtype = sdt;
-        t[k].data = data;
-        t[k].be = m->be; /* the storage is device memory (NULL: a model without a backend, host) */
-        if (!data) {
-            fc[k] = (fl_hf_fill_ctx){m, k};
-            t[k].src_dtype = FL_F32;
-            t[k].fill = fl_hf_fill_q4;
-            t[k].fill_ud = &fc[k];
-        }
-        t[k].ndim = p->ndim;
-        if (p->ndim == 2 && p->transposed_on_disk) {
-            t[k].shape[0] = p->shape[1];
-            t[k].shape[1] = p->shape[0];
-            t[k].transpose2d = 1;
-        } else {
-            t[k].shape[0] = p->shape[0];
-            t[k].shape[1] = p->shape[1];
-        }
     }
     const char *mk[] = {"format"}, *mv[] = {"pt"};
     fl_status s = FL_OK;
@@ -400,24 +382,63 @@ static fl_status fl_hf_write_files(const fl_model *m, const char *dir) {
         if (s == FL_OK) s = fl_fs_write_file_atomic(path, index, ilen);
         free(index);
     }
-    free(t);
     free(shard);
-    free(fc);
     if (s == FL_OK) s = fl_fs_join(path, sizeof path, dir, "config.json");
-    if (s == FL_OK) s = fl_hf_save_config(path, &m->cfg);
+    if (s == FL_OK) s = fl_hf_save_config(path, cfg);
     return s;
 }
 
-fl_status fl_hf_save_model(const fl_model *m, const char *dir) {
-    if (!m || (!m->params && !m->p16) || !dir || !dir[0]) return fl_errorf(FL_ERR_INVALID, "fl_hf_save_model: no model or folder");
+/* The tensors of a model: its storage (device memory read in slices), 4-bit entries dequantized */
+static fl_status fl_hf_write_files(const fl_model *m, const char *dir) {
+    const fl_param_layout *lay = &m->layout;
+    fl_st_write_tensor *t = calloc((size_t)lay->n + 1, sizeof *t);
+    fl_hf_fill_ctx *fc = calloc((size_t)lay->n + 1, sizeof *fc);
+    if (!t || !fc) { free(t); free(fc); return fl_errorf(FL_ERR_OOM, "%s: out of memory", dir); }
+    for (int k = 0; k < lay->n; k++) {
+        const fl_param_info *p = &lay->params[k];
+        fl_dtype sdt;
+        const void *data = fl_model_param_data(m, k, &sdt);
+        t[k].name = p->name;
+        t[k].dtype = sdt; /* saved in the storage dtype: a bf16-true run writes bf16 */
+        t[k].src_dtype = sdt;
+        t[k].data = data;
+        t[k].be = m->be; /* the storage is device memory (NULL: a model without a backend, host) */
+        if (!data) {
+            fc[k] = (fl_hf_fill_ctx){m, k};
+            t[k].src_dtype = FL_F32;
+            t[k].fill = fl_hf_fill_q4;
+            t[k].fill_ud = &fc[k];
+        }
+        fl_hf_tensor_shape(p, &t[k]);
+    }
+    fl_status s = fl_hf_write_tensor_files(dir, &m->cfg, lay, t);
+    free(t);
+    free(fc);
+    return s;
+}
+
+void fl_hf_tensor_shape(const fl_param_info *p, fl_st_write_tensor *t) {
+    t->ndim = p->ndim;
+    if (p->ndim == 2 && p->transposed_on_disk) {
+        t->shape[0] = p->shape[1];
+        t->shape[1] = p->shape[0];
+        t->transpose2d = 1;
+    } else {
+        t->shape[0] = p->shape[0];
+        t->shape[1] = p->shape[1];
+    }
+}
+
+/* Into an existing folder (it may hold tokenizer files): the files replaced, each atomically
+ * (weights first, then the config); a new folder is built beside the target and renamed into
+ * place. */
+static fl_status fl_hf_save_folder(const char *dir, const fl_model *m, const fl_model_config *cfg,
+                                   const fl_param_layout *lay, const fl_st_write_tensor *t) {
     if (fl_fs_is_dir(dir)) {
-        /* Existing folder (it may hold tokenizer files): replace our two files,
-         * each atomically (weights first, then the config). */
-        fl_status s = fl_hf_write_files(m, dir);
+        fl_status s = m ? fl_hf_write_files(m, dir) : fl_hf_write_tensor_files(dir, cfg, lay, t);
         if (s == FL_OK) fl_fs_sync_dir(dir);
         return s;
     }
-    /* New folder: build it beside the target, then rename it into place. */
     char tmp[FL_HF_PATH_MAX];
     size_t dl = strlen(dir);
     while (dl > 1 && dir[dl - 1] == '/') dl--;
@@ -425,11 +446,22 @@ fl_status fl_hf_save_model(const fl_model *m, const char *dir) {
     if (w < 0 || (size_t)w >= sizeof tmp) return fl_errorf(FL_ERR_INVALID, "%s: path too long", dir);
     fl_fs_remove_dir(tmp); /* stale leftover of a crashed save by this pid */
     if (mkdir(tmp, 0755) != 0) return fl_errorf(FL_ERR_IO, "%s: cannot create folder %s: %s", dir, tmp, strerror(errno));
-    fl_status s = fl_hf_write_files(m, tmp);
+    fl_status s = m ? fl_hf_write_files(m, tmp) : fl_hf_write_tensor_files(tmp, cfg, lay, t);
     if (s == FL_OK) {
         fl_fs_sync_dir(tmp);
         if (rename(tmp, dir) != 0) s = fl_errorf(FL_ERR_IO, "%s: cannot rename %s into place: %s", dir, tmp, strerror(errno));
     }
     if (s != FL_OK) fl_fs_remove_dir(tmp);
     return s;
+}
+
+fl_status fl_hf_save_model(const fl_model *m, const char *dir) {
+    if (!m || (!m->params && !m->p16) || !dir || !dir[0]) return fl_errorf(FL_ERR_INVALID, "fl_hf_save_model: no model or folder");
+    return fl_hf_save_folder(dir, m, NULL, NULL, NULL);
+}
+
+fl_status fl_hf_save_tensors(const char *dir, const fl_model_config *cfg, const fl_param_layout *lay,
+                             const fl_st_write_tensor *t) {
+    if (!cfg || !lay || !t || !dir || !dir[0]) return fl_errorf(FL_ERR_INVALID, "fl_hf_save_tensors: no tensors or folder");
+    return fl_hf_save_folder(dir, NULL, cfg, lay, t);
 }

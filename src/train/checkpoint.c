@@ -14,6 +14,7 @@
 #include "fitllm/checkpoint.h"
 #include "fitllm/io.h"
 #include "fitllm/peft.h"
+#include "shard_ckpt.h"
 
 #define STATE_FILE "training_state.safetensors"
 #define MARKER "COMMITTED"
@@ -60,6 +61,56 @@ fl_status fl_ckpt_save_adapter(const fl_model *m, const char *dir, const char *b
     return s;
 }
 
+/* The training state's metadata (format, optimizer, counters, data position, loss scale) into
+ * keys/vals (storage v); returns how many. numel: the trainable elements. */
+#define STATE_META_MAX 24
+static int state_meta(const char *format, const fl_optimizer *o, const fl_train_state *st, const fl_run_config *cfg,
+                      size_t numel, char v[][64], const char **keys, const char **vals) {
+    int k = 0;
+#define META(key, ...) (keys[k] = key, snprintf(v[k], 64, __VA_ARGS__), vals[k] = v[k], k++)
+    META("format", "%s", format);
+    META("version", "1");
+    META("optimizer", "%s", o ? fl_optim_name(o->cfg.kind) : "none");
+    META("optimizer_step", "%d", o ? o->step : 0);
+    META("step", "%ld", st->step);
+    META("iter", "%ld", st->iter);
+    META("loader_seed", "%llu", (unsigned long long)st->loader.seed);
+    META("loader_epoch", "%lld", (long long)st->loader.epoch);
+    META("loader_pos", "%lld", (long long)st->loader.pos);
+    META("tokens_real", "%lld", st->tokens_real);
+    META("tokens_prompt", "%lld", st->tokens_prompt);
+    META("tokens_padded", "%lld", st->tokens_padded);
+    META("train_seconds", "%.17g", st->train_seconds);
+    META("flops", "%.17g", st->flops);
+    META("world_size", "%d", cfg ? cfg->devices * cfg->num_nodes : 1);
+    META("numel", "%lld", (long long)numel);
+    if (o && o->use_loss_scale) { /* fp16 loss scaler: resumed exactly */
+        META("loss_scale", "%.9g", (double)o->ls.scale);
+        META("loss_scale_growth_tracker", "%d", o->ls.growth_tracker);
+    }
+#undef META
+    return k;
+}
+
+fl_status fl_ckpt_write_state_meta(const char *path, const char *format, const fl_optimizer *o,
+                                   const fl_train_state *st, const fl_run_config *cfg, size_t numel,
+                                   const char *const *xk, const char *const *xv, int nx) {
+    char v[STATE_META_MAX][64];
+    const char **keys = malloc((size_t)(STATE_META_MAX + nx) * sizeof *keys);
+    const char **vals = malloc((size_t)(STATE_META_MAX + nx) * sizeof *vals);
+    if (!keys || !vals) {
+        free(keys);
+        free(vals);
+        return fl_errorf(FL_ERR_OOM, "%s: out of host memory", path);
+    }
+    int k = state_meta(format, o, st, cfg, numel, v, keys, vals);
+    for (int i = 0; i < nx; i++) keys[k] = xk[i], vals[k++] = xv[i];
+    fl_status s = fl_st_write(path, NULL, 0, keys, vals, k);
+    free(keys);
+    free(vals);
+    return s;
+}
+
 static fl_status write_state(const char *dir, const fl_model *m, const fl_optimizer *o, const fl_train_state *st,
                              const fl_run_config *cfg) {
     char path[FL_CFG_PATH + 64];
@@ -79,31 +130,9 @@ static fl_status write_state(const char *dir, const fl_model *m, const fl_optimi
         /* block-wise 8-bit state of every tensor, bound in layout order: one raw blob */
         t[nt++] = (fl_st_write_tensor){"optimizer.state8", FL_U8, 1, {(int64_t)o->state8_bytes}, o->state8, FL_U8, 0, NULL, NULL, m->be};
     }
-    char v[24][64];
-    const char *keys[24], *vals[24];
-    int k = 0;
-#define META(key, ...) (keys[k] = key, snprintf(v[k], sizeof v[k], __VA_ARGS__), vals[k] = v[k], k++)
-    META("format", "fitllm-training-state");
-    META("version", "1");
-    META("optimizer", "%s", o ? fl_optim_name(o->cfg.kind) : "none");
-    META("optimizer_step", "%d", o ? o->step : 0);
-    META("step", "%ld", st->step);
-    META("iter", "%ld", st->iter);
-    META("loader_seed", "%llu", (unsigned long long)st->loader.seed);
-    META("loader_epoch", "%lld", (long long)st->loader.epoch);
-    META("loader_pos", "%lld", (long long)st->loader.pos);
-    META("tokens_real", "%lld", st->tokens_real);
-    META("tokens_prompt", "%lld", st->tokens_prompt);
-    META("tokens_padded", "%lld", st->tokens_padded);
-    META("train_seconds", "%.17g", st->train_seconds);
-    META("flops", "%.17g", st->flops);
-    META("world_size", "%d", cfg ? cfg->devices * cfg->num_nodes : 1);
-    META("numel", "%lld", (long long)n);
-    if (o && o->use_loss_scale) { /* fp16 loss scaler: resumed exactly */
-        META("loss_scale", "%.9g", (double)o->ls.scale);
-        META("loss_scale_growth_tracker", "%d", o->ls.growth_tracker);
-    }
-#undef META
+    char v[STATE_META_MAX][64];
+    const char *keys[STATE_META_MAX], *vals[STATE_META_MAX];
+    int k = state_meta("fitllm-training-state", o, st, cfg, (size_t)n, v, keys, vals);
     return fl_st_write(path, t, nt, keys, vals, k);
 }
 
@@ -148,46 +177,54 @@ fl_status fl_ckpt_save(const char *out_dir, const char *name, const fl_model *m,
         }
     }
     if (s == FL_OK && st) s = write_state(tmp, m, o, st, cfg);
-    if (s == FL_OK && cfg) {
-        snprintf(p, sizeof p, "%s/hyperparameters.yaml", tmp);
-        char *text = NULL;
-        size_t len = 0;
-        FILE *f = open_memstream(&text, &len);
-        if (!f) s = fl_errorf(FL_ERR_OOM, "%s: out of memory", p);
-        else {
-            fl_cfg_write_yaml(cfg, f);
-            fclose(f);
-            s = fl_fs_write_file_atomic(p, text, len);
-            free(text);
-        }
-    }
+    if (s == FL_OK && cfg) s = fl_ckpt_write_hparams(tmp, cfg);
     if (s == FL_OK && tokenizer_src) s = fl_io_copy_tokenizer_files(tokenizer_src, tmp, NULL);
-    if (s == FL_OK) {
-        fl_fs_sync_dir(tmp);
-        /* Replace an existing checkpoint of the same name: move it aside first so
-         * a crash between the renames leaves either the old or the new one. */
-        char trash[FL_CFG_PATH + 320];
-        snprintf(trash, sizeof trash, "%s/%s.trash-%d", out_dir, name, (int)getpid());
-        int had_old = fl_fs_is_dir(dst);
-        if (had_old && rename(dst, trash) != 0)
-            s = fl_errorf(FL_ERR_IO, "%s: cannot move the previous checkpoint aside: %s", dst, strerror(errno));
-        if (s == FL_OK && rename(tmp, dst) != 0) {
-            s = fl_errorf(FL_ERR_IO, "%s: cannot rename %s into place: %s", dst, tmp, strerror(errno));
-            if (had_old) rename(trash, dst);
-        }
-        if (s == FL_OK) {
-            fl_fs_sync_dir(out_dir);
-            snprintf(p, sizeof p, "%s/" MARKER, dst);
-            s = fl_fs_write_file_atomic(p, "fitllm checkpoint v1\n", 21);
-            fl_fs_sync_dir(dst);
-            if (had_old) remove_tree(trash);
-        }
-    }
+    if (s == FL_OK) s = fl_ckpt_commit(out_dir, name, tmp);
     if (s != FL_OK) {
         remove_tree(tmp);
         return fl_error_prefix(s, "saving checkpoint %s", dst);
     }
     return FL_OK;
+}
+
+fl_status fl_ckpt_write_hparams(const char *dir, const fl_run_config *cfg) {
+    char p[FL_CFG_PATH + 400];
+    FL_TRY(fl_fs_join(p, sizeof p, dir, "hyperparameters.yaml"));
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    if (!f) return fl_errorf(FL_ERR_OOM, "%s: out of memory", p);
+    fl_cfg_write_yaml(cfg, f);
+    fclose(f);
+    fl_status s = fl_fs_write_file_atomic(p, text, len);
+    free(text);
+    return s;
+}
+
+fl_status fl_ckpt_commit(const char *out_dir, const char *name, const char *tmp) {
+    char dst[FL_CFG_PATH + 300], p[FL_CFG_PATH + 400];
+    snprintf(dst, sizeof dst, "%s/%s", out_dir, name);
+    fl_status s = FL_OK;
+    fl_fs_sync_dir(tmp);
+    /* Replace an existing checkpoint of the same name: move it aside first so
+     * a crash between the renames leaves either the old or the new one. */
+    char trash[FL_CFG_PATH + 320];
+    snprintf(trash, sizeof trash, "%s/%s.trash-%d", out_dir, name, (int)getpid());
+    int had_old = fl_fs_is_dir(dst);
+    if (had_old && rename(dst, trash) != 0)
+        s = fl_errorf(FL_ERR_IO, "%s: cannot move the previous checkpoint aside: %s", dst, strerror(errno));
+    if (s == FL_OK && rename(tmp, dst) != 0) {
+        s = fl_errorf(FL_ERR_IO, "%s: cannot rename %s into place: %s", dst, tmp, strerror(errno));
+        if (had_old) rename(trash, dst);
+    }
+    if (s == FL_OK) {
+        fl_fs_sync_dir(out_dir);
+        snprintf(p, sizeof p, "%s/" MARKER, dst);
+        s = fl_fs_write_file_atomic(p, "fitllm checkpoint v1\n", 21);
+        fl_fs_sync_dir(dst);
+        if (had_old) remove_tree(trash);
+    }
+    return s;
 }
 
 int fl_ckpt_is_committed(const char *dir) {
@@ -257,6 +294,9 @@ static const char *meta(const fl_st_file *f, const char *key) {
 fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_state *st) {
     if (!fl_ckpt_is_committed(dir))
         return fl_errorf(FL_ERR_FORMAT, "%s: not a committed checkpoint (no " MARKER " file)", dir);
+    if (fl_ckpt_is_sharded(dir)) /* the trainer reads those (fl_dp_ckpt_load) */
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: a sharded checkpoint: resume it with --resume, or consolidate it "
+                         "with fitllm merge_shards %s", dir, dir);
     if (!m->lora) FL_TRY(fl_hf_load_weights(m, dir)); /* LoRA: the frozen base is the run's checkpoint_dir */
     char p[FL_CFG_PATH + 64];
     FL_TRY(fl_fs_join(p, sizeof p, dir, STATE_FILE));
@@ -300,30 +340,36 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
         }
         s = m->be->to_device(m->be, want[i].dst, t->data, want[i].bytes); /* optimizer state: device memory */
     }
-    if (s == FL_OK) {
+    if (s == FL_OK) s = fl_ckpt_read_state_meta(&f, p, o, st);
+    fl_st_close(&f);
+    return s;
+}
+
+fl_status fl_ckpt_read_state_meta(const fl_st_file *f, const char *p, fl_optimizer *o, fl_train_state *st) {
+    fl_status s = FL_OK;
+    {
         const char *need[] = {"step", "iter", "loader_seed", "loader_epoch", "loader_pos", "optimizer_step"};
         for (size_t i = 0; i < sizeof need / sizeof need[0]; i++)
-            if (!meta(&f, need[i])) { s = fl_errorf(FL_ERR_FORMAT, "%s: missing metadata '%s'", p, need[i]); break; }
+            if (!meta(f, need[i])) { s = fl_errorf(FL_ERR_FORMAT, "%s: missing metadata '%s'", p, need[i]); break; }
     }
     if (s == FL_OK) {
         memset(st, 0, sizeof *st);
-        st->step = strtol(meta(&f, "step"), NULL, 10);
-        st->iter = strtol(meta(&f, "iter"), NULL, 10);
-        st->loader.seed = strtoull(meta(&f, "loader_seed"), NULL, 10);
-        st->loader.epoch = strtoll(meta(&f, "loader_epoch"), NULL, 10);
-        st->loader.pos = strtoll(meta(&f, "loader_pos"), NULL, 10);
+        st->step = strtol(meta(f, "step"), NULL, 10);
+        st->iter = strtol(meta(f, "iter"), NULL, 10);
+        st->loader.seed = strtoull(meta(f, "loader_seed"), NULL, 10);
+        st->loader.epoch = strtoll(meta(f, "loader_epoch"), NULL, 10);
+        st->loader.pos = strtoll(meta(f, "loader_pos"), NULL, 10);
         const char *x;
-        if ((x = meta(&f, "tokens_real"))) st->tokens_real = strtoll(x, NULL, 10);
-        if ((x = meta(&f, "tokens_prompt"))) st->tokens_prompt = strtoll(x, NULL, 10);
-        if ((x = meta(&f, "tokens_padded"))) st->tokens_padded = strtoll(x, NULL, 10);
-        if ((x = meta(&f, "train_seconds"))) st->train_seconds = strtod(x, NULL);
-        if ((x = meta(&f, "flops"))) st->flops = strtod(x, NULL);
-        if (o) o->step = (int)strtol(meta(&f, "optimizer_step"), NULL, 10);
-        if (o && o->use_loss_scale && (x = meta(&f, "loss_scale"))) {
+        if ((x = meta(f, "tokens_real"))) st->tokens_real = strtoll(x, NULL, 10);
+        if ((x = meta(f, "tokens_prompt"))) st->tokens_prompt = strtoll(x, NULL, 10);
+        if ((x = meta(f, "tokens_padded"))) st->tokens_padded = strtoll(x, NULL, 10);
+        if ((x = meta(f, "train_seconds"))) st->train_seconds = strtod(x, NULL);
+        if ((x = meta(f, "flops"))) st->flops = strtod(x, NULL);
+        if (o) o->step = (int)strtol(meta(f, "optimizer_step"), NULL, 10);
+        if (o && o->use_loss_scale && (x = meta(f, "loss_scale"))) {
             o->ls.scale = strtof(x, NULL);
-            if ((x = meta(&f, "loss_scale_growth_tracker"))) o->ls.growth_tracker = (int)strtol(x, NULL, 10);
+            if ((x = meta(f, "loss_scale_growth_tracker"))) o->ls.growth_tracker = (int)strtol(x, NULL, 10);
         }
     }
-    fl_st_close(&f);
     return s;
 }

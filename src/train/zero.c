@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "dp.h"
+#include "shard_ckpt.h"
 #include "fitllm/checkpoint.h"
 #include "../model/model-impl.h"
 
@@ -164,6 +165,13 @@ static fl_status gather8(fl_dp *dp, const fl_optimizer *o, fl_optimizer *full) {
 fl_status fl_dp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const char *name, const fl_model *m,
                           const fl_optimizer *o, const fl_train_state *st, const fl_run_config *cfg,
                           const char *tok_dir) {
+    if (cfg && o && !strcmp(cfg->state_dict_type, "sharded")) { /* each rank its ranges: shard_ckpt.c */
+        fl_shard_set set;
+        FL_TRY(fl_shard_set_from_optim(&set, m, o));
+        fl_status s = fl_shard_ckpt_save(dp, &set, out_dir, name, m, o, st, cfg, tok_dir, !strcmp(name, "final"));
+        fl_shard_set_free(&set);
+        return s;
+    }
     if (!sharded(dp, o)) return write ? fl_ckpt_save(out_dir, name, m, o, st, cfg, tok_dir) : FL_OK;
     fl_optimizer full;
     memset(&full, 0, sizeof full);
@@ -202,6 +210,13 @@ fl_status fl_dp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const char 
 }
 
 fl_status fl_dp_ckpt_load(fl_dp *dp, const char *dir, fl_model *m, fl_optimizer *o, fl_train_state *st) {
+    if (fl_ckpt_is_sharded(dir)) { /* saved sharded, at any world size: each rank reads what it holds */
+        fl_shard_set set;
+        FL_TRY(fl_shard_set_from_optim(&set, m, o));
+        fl_status s = fl_shard_ckpt_load(dir, &set, &m->layout, o, st);
+        fl_shard_set_free(&set);
+        return s;
+    }
     if (!sharded(dp, o)) return fl_ckpt_load(dir, m, o, st);
     fl_optimizer full;
     FL_TRY(full_view(o, &full));
