@@ -119,6 +119,8 @@ fl_status fl_comm_nccl_create(fl_comm *host, const fl_nccl_api *api, void *strea
 /* The real NCCL table (NULL in a build without NCCL) and the CPU stand-in (always built). */
 const fl_nccl_api *fl_nccl_cuda_api(void);
 const fl_nccl_api *fl_nccl_standin_api(void);
+/* How many collective calls the stand-in has accepted in this process (tests: a run used it). */
+unsigned long fl_nccl_standin_calls(void);
 /* Whether this build links NCCL, and "NCCL 2.28.9" (the library's version) or "none". */
 int fl_comm_nccl_built(void);
 const char *fl_comm_nccl_library(void);
