@@ -144,3 +144,45 @@ FL_TEST(ddp_nccl_standin_cuda_emu_sgd) {
     fl_test_skip("no CUDA emulator in this build");
 #endif
 }
+
+/* Several ranks on device memory: ZeRO-1/2 through the NCCL communicator are refused (zero.c's
+ * parameter all-gather and state staging read host memory), naming the way out; a backend whose
+ * memory the host cannot read and that has no device communicator (the opaque test backend) is
+ * refused at set-up as before. */
+typedef struct {
+    fl_run_config cfg;
+    fl_status st[2];
+    char msg[2][700];
+} rj;
+static fl_status rj_rank(fl_comm *c, int rank, void *ud) {
+    rj *j = ud;
+    j->st[rank] = fl_trainer_run_comm(&j->cfg, c, NULL, 0, NULL, NULL, NULL);
+    snprintf(j->msg[rank], sizeof j->msg[rank], "%s", j->st[rank] != FL_OK ? fl_error_message() : "");
+    return j->st[rank];
+}
+
+FL_TEST(ddp_nccl_refusals) {
+    rj *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    char out[700];
+    snprintf(out, sizeof out, "%s/nccl-refusals", fl_test_tmpdir());
+    dr_config(&j->cfg, DR_SGD, 2, 2, 1, 0, out);
+    setenv("FITLLM_BACKEND", "opaque", 1);
+    FL_CHECK(fl_comm_threads_run(2, rj_rank, j) != FL_OK);
+    for (int r = 0; r < 2; r++)
+        FL_CHECKF(j->st[r] == FL_ERR_UNSUPPORTED && strstr(j->msg[r], "backend 'opaque'") &&
+                      strstr(j->msg[r], "device-memory communicator"),
+                  "rank %d: %s", r, j->msg[r]);
+#ifdef FL_HAVE_CUDA_EMU
+    setenv("FITLLM_BACKEND", "cuda-emu", 1);
+    snprintf(j->cfg.checkpoint_dir, sizeof j->cfg.checkpoint_dir, "gpt2-micro");
+    FL_REQUIRE_OK(fl_cfg_set(&j->cfg, "strategy", "deepspeed_stage_1"));
+    FL_CHECK(fl_comm_threads_run(2, rj_rank, j) != FL_OK);
+    for (int r = 0; r < 2; r++)
+        FL_CHECKF(j->st[r] == FL_ERR_UNSUPPORTED && strstr(j->msg[r], "ZeRO-1 on device memory (nccl communicator)") &&
+                      strstr(j->msg[r], "--strategy ddp"),
+                  "rank %d: %s", r, j->msg[r]);
+#endif
+    unsetenv("FITLLM_BACKEND");
+    free(j);
+}
