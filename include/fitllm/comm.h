@@ -7,7 +7,7 @@
  *   "threads"  N ranks as N threads of one process sharing memory (tests: collective semantics
  *              in the normal suite, and a bit-exact twin of the MPI implementation);
  *   "mpi"      processes started by mpirun / srun (Open MPI), built when CMake finds MPI;
- *   later "nccl" for GPUs.
+ *   "nccl"     device memory of a GPU backend, over a host communicator (fitllm/comm_nccl.h).
  *
  * Conventions for every collective:
  *  - every rank of the group calls the same collectives in the same order with the same count,
