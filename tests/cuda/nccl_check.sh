@@ -30,7 +30,8 @@ if [ "$NGPU" -lt 1 ]; then
 fi
 if [ "$NGPU" -lt 2 ]; then
     echo "one GPU: checking that two ranks on it are refused"
-    mpirun -np 2 "$FL" finetune_full micro --data.n_train 8 --train.max_steps 1 --devices 2 --accelerator cuda \
+    mpirun -np 2 "$FL" finetune_full micro --data.n_train 8 --train.micro_batch_size 1 --train.global_batch_size 2 \
+        --train.max_steps 1 --devices 2 --accelerator cuda \
         --out_dir "$T/one" >"$T/out" 2>&1
     if grep -q "two ranks on one GPU" "$T/out"; then
         echo "ok   two ranks on one GPU refused: $(grep -m1 'two ranks on one GPU' "$T/out" | cut -c1-240)"
