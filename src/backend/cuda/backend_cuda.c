@@ -61,9 +61,9 @@ static fl_status flb_pick_device(int count) {
     int dev = li.local_rank;
     if (dev >= count) {
         if (count != 1)
-            return fl_errorf(FL_ERR_UNSUPPORTED, "cuda backend: local rank %d of %s but %d CUDA devices visible: run one "
-                             "process per GPU (at most %d ranks on this node; NCCL refuses two ranks on one GPU)", li.local_rank,
-                             li.local_size > 0 ? "several" : "this node", count, count);
+            return fl_errorf(FL_ERR_UNSUPPORTED, "cuda backend: local rank %d on this node, but only %d CUDA devices are "
+                             "visible: run one process per GPU, at most %d ranks per node (NCCL refuses two ranks on one "
+                             "GPU)", li.local_rank, count, count);
         dev = 0; /* one visible device per rank */
     }
     cudaError_t e = cudaSetDevice(dev);
