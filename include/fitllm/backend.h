@@ -37,6 +37,7 @@ extern "C" {
 #define FL_IGNORE_INDEX (-100)
 
 typedef struct fl_backend fl_backend;
+struct fl_comm; /* fitllm/comm.h */
 
 /* Ops whose support depends on dtypes (fl_backend.supports_op: a, b, c as listed; every other
  * op is F32 and always implemented). */
@@ -90,6 +91,12 @@ struct fl_backend {
                              * widen it once itself (the chunked lm_head: fl_act_opts.head_widen) */
     size_t scratch_bytes;   /* bytes of the op scratch the caller lends (set_scratch below; 0: none) */
     int host_memory; /* 1: the device's buffers are host memory (cpu, ref): code may share one pool for tensors and host staging */
+    /* Several ranks (data-parallel training): a communicator whose collectives take this backend's
+     * device memory, made over the host communicator `host` (same ranks; collective over it: every
+     * rank calls it at the same point). NULL slot, or *out = NULL: the host communicator's own
+     * collectives work on this backend's buffers (cpu, ref). cuda: NCCL (include/fitllm/comm_nccl.h);
+     * cuda-emu: the NCCL code over its CPU stand-in. Destroy *out with fl_comm_destroy before host. */
+    fl_status (*comm_create)(const fl_backend *be, struct fl_comm *host, struct fl_comm **out);
 
     /* ---- matmul ---------------------------------------------------------
      * C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C, row-major, with

@@ -7,7 +7,7 @@
  *   "threads"  N ranks as N threads of one process sharing memory (tests: collective semantics
  *              in the normal suite, and a bit-exact twin of the MPI implementation);
  *   "mpi"      processes started by mpirun / srun (Open MPI), built when CMake finds MPI;
- *   later "nccl" for GPUs.
+ *   "nccl"     device memory of a GPU backend, over a host communicator (fitllm/comm_nccl.h).
  *
  * Conventions for every collective:
  *  - every rank of the group calls the same collectives in the same order with the same count,
@@ -19,7 +19,8 @@
  *  - DETERMINISTIC: the result bits depend only on the inputs and the world size, never on
  *    timing, the MPI library's algorithm choice or the implementation (threads == mpi, bit for
  *    bit). Element i of a reduction is x_0[i] (+) x_1[i] (+) ... (+) x_{N-1}[i] in rank order,
- *    computed by the rank that owns i's chunk (see "Chunk layout");
+ *    computed by the rank that owns i's chunk (see "Chunk layout"). The "nccl" implementation is
+ *    the exception: NCCL's own order (fitllm/comm_nccl.h says what differs);
  *  - all-reduce = reduce-scatter + all-gather over that layout, so every rank sends and receives
  *    (N-1)/N of the buffer per half, like a ring;
  *  - count 0 is valid (nothing moves, the call still matches across ranks); counts need not be

@@ -26,8 +26,10 @@ static void help(const char *cmd, fl_cmd_kind kind) {
                                      "Hugging Face name)." : "");
     fl_cfg_print_help(kind, stdout);
     printf("\n  --accelerator auto|cpu|cuda   (default auto: the GPU when this build has CUDA and one is visible,\n"
-           "                                else the CPU) cuda is EXPERIMENTAL: one GPU (several ranks need NCCL,\n"
-           "                                not implemented); passed `fitllm selftest` and trained on an H100\n");
+           "                                else the CPU) cuda is EXPERIMENTAL: passed `fitllm selftest` and trained\n"
+           "                                on an H100. Several GPUs (DDP only): mpirun -np N ... --devices N, one\n"
+           "                                process per GPU, through NCCL (builds with NCCL; verified on its CPU\n"
+           "                                stand-in only)\n");
     printf("\n  Data parallel (--devices N, --num_nodes M, --strategy): started without a launcher on one machine,\n"
            "  fitllm runs itself as N ranks through Open MPI's mpirun (printed first; FITLLM_MPIRUN=PATH picks the\n"
            "  mpirun, FITLLM_MPIRUN=none only prints the command); under mpirun or srun --mpi=pmix, devices x\n"

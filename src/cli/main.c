@@ -5,6 +5,7 @@
 #include "backend/cpu/cpu-impl.h"
 #include "cli.h"
 #include "fitllm/comm.h"
+#include "fitllm/comm_nccl.h"
 #include "fitllm/cpu.h"
 #include "fitllm/cuda.h"
 
@@ -109,6 +110,9 @@ static int version(void) {
     printf("cuda:     %s\n", cu);
     if (fl_comm_mpi_built()) printf("comm:     MPI (%s); launched by %s\n", fl_comm_mpi_library(), how);
     else printf("comm:     single process only (built without MPI); launched by %s\n", how);
+    if (fl_cuda_built()) /* several GPUs: NCCL, one process per GPU under mpirun */
+        printf("nccl:     %s%s\n", fl_comm_nccl_built() ? fl_comm_nccl_library() : "not compiled in (one GPU per run)",
+               fl_comm_nccl_built() ? " (experimental: several GPUs, one process per GPU under mpirun)" : "");
     return 0;
 }
 

@@ -364,7 +364,7 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     /* the last micro-batch's backward posts one bucket per group, the previous one waited for first:
      * the MPI scratch of one bucket, (N-1) x this rank's chunk of it, at a time; the last (the
      * embeddings) is still in flight when backward returns. With accumulation 1 that backward is
-     * the first micro-batch's, before after_bwd. */
+     * the first micro-batch's, before after_bwd. A GPU plan has none: NCCL's buffers are its own. */
     const size_t ges = lora ? sizeof(float) : es;
     const int rnk = x->rank < world ? x->rank : 0;
     void *bk_last = NULL;
@@ -374,7 +374,7 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
             size_t bo_, bl_;                                                                       \
             fl_comm_chunk(bk[i], world, rnk, &bo_, &bl_);                                          \
             if (bk_last) fl_mem_free(pl, bk_last);                                                 \
-            bk_last = bl_ && world > 1 && !x->comm_threads ? palloc(g, FL_TAG_WORKSPACE, (size_t)(world - 1) * bl_ * ges, \
+            bk_last = bl_ && world > 1 && !x->comm_threads && !x->cuda ? palloc(g, FL_TAG_WORKSPACE, (size_t)(world - 1) * bl_ * ges, \
                                                        "gradient bucket all-reduce scratch") : NULL; \
         }                                                                                          \
     } while (0)
@@ -387,7 +387,7 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
         if (n_bk) { /* bucketed: the last micro-batch's buckets (accumulation > 1), then the last completes */
             if (accum > 1) BUCKETS();
             if (bk_last) fl_mem_free(pl, bk_last);
-        } else if (!x->comm_threads) {
+        } else if (!x->comm_threads && !x->cuda) { /* GPUs: NCCL keeps its buffers outside the pool */
             void *sc = palloc(g, FL_TAG_WORKSPACE, (size_t)(world - 1) * c_len * ges,
                               stage == 2 ? "ZeRO-2 reduce-scatter scratch ((N-1) x chunk)"
                                          : "gradient all-reduce scratch ((N-1) x chunk)");

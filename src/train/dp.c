@@ -18,6 +18,17 @@ void fl_dp_init(fl_dp *dp, fl_comm *comm, fl_mem_pool *pool) {
 
 void fl_dp_done(fl_dp *dp) {
     if (dp->comm) fl_comm_set_pool(dp->comm, NULL);
+    fl_comm_destroy(dp->dev);
+    dp->dev = NULL;
+}
+
+fl_status fl_dp_device_comm(fl_dp *dp, const fl_backend *be) {
+    if (!dp->comm || dp->dev || !be->comm_create) return FL_OK;
+    FL_TRY(fl_error_prefix(be->comm_create(be, dp->comm, &dp->dev), "data parallel: the %s backend's communicator",
+                           be->name));
+    /* the host communicator now carries host memory only: its scratch is not the device pool's */
+    if (dp->dev) fl_comm_set_pool(dp->comm, NULL);
+    return FL_OK;
 }
 
 /* Doubles travel as pairs of F32 words: all-gather copies bits, it never adds. */
@@ -49,6 +60,10 @@ fl_status fl_dp_check(const fl_dp *dp, const fl_optimizer *o) {
     if (dp->comm && o->gt != FL_F32 && o->gt != FL_BF16)
         return fl_errorf(FL_ERR_UNSUPPORTED, "data parallel: %s gradients cannot be reduced yet (F32 and BF16 only; "
                          "use another precision than 16-true with several devices)", fl_dtype_name(o->gt));
+    /* ZeRO's parameter all-gather and state staging (zero.c) still read host memory */
+    if (dp->dev && dp->stage > 0)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "data parallel: %s on device memory (%s communicator) is not implemented "
+                         "yet; use --strategy ddp with several GPUs", fl_dp_stage_name(dp), fl_comm_impl_name(dp->dev));
     return FL_OK;
 }
 
@@ -85,7 +100,7 @@ static fl_status bucket_ready(void *ud, size_t off, size_t n) {
     /* one bucket in flight: the previous one completes (and frees its scratch) first */
     FL_TRY(fl_error_prefix(fl_comm_wait(&dp->bk_req), "data parallel: reducing a gradient bucket"));
     char *g = (char *)o->g + off * fl_dtype_size(o->gt);
-    FL_TRY(fl_error_prefix(fl_comm_iall_reduce(dp->comm, g, g, n, o->gt, FL_COMM_SUM, &dp->bk_req),
+    FL_TRY(fl_error_prefix(fl_comm_iall_reduce(fl_dp_dcomm(dp), g, g, n, o->gt, FL_COMM_SUM, &dp->bk_req),
                            "data parallel: posting a gradient bucket (elements %zu..%zu)", off, off + n));
     dp->bk_done += n;
     return FL_OK;
@@ -114,14 +129,14 @@ fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o) {
         /* ZeRO-2: rank r receives the sum of its chunk only, in place at its offset; element i is
          * still x_0[i] + ... + x_{N-1}[i] in rank order, the all-reduce's bits */
         size_t es = fl_dtype_size(o->gt);
-        FL_TRY(fl_error_prefix(fl_comm_reduce_scatter(dp->comm, o->g, (char *)o->g + o->s_off * es, o->n, o->gt,
+        FL_TRY(fl_error_prefix(fl_comm_reduce_scatter(fl_dp_dcomm(dp), o->g, (char *)o->g + o->s_off * es, o->n, o->gt,
                                                       FL_COMM_SUM),
                                "ZeRO-2: reduce-scattering the gradients"));
         if (o->cfg.kind == FL_OPT_ADAMW8BIT) FL_TRY(halo_8bit(dp, o));
         /* what this rank still needs: its chunk (and the 8-bit halo) */
         fl_model_grads_live(o->model, (o->s_len + fl_dp_zero2_halo(dp->world, dp->rank, &o->cfg)) * es);
     } else { /* one all-reduce of the flat buffer (LoRA's adapters) */
-        FL_TRY(fl_error_prefix(fl_comm_all_reduce(dp->comm, o->g, o->g, o->n, o->gt, FL_COMM_SUM),
+        FL_TRY(fl_error_prefix(fl_comm_all_reduce(fl_dp_dcomm(dp), o->g, o->g, o->n, o->gt, FL_COMM_SUM),
                                "data parallel: reducing the gradients"));
     }
     fl_mem_snapshot(o->model->pool, "after_reduce");
@@ -132,7 +147,7 @@ fl_status fl_dp_broadcast_params(fl_dp *dp, fl_optimizer *o) {
     if (!dp->comm) return FL_OK;
     /* a copy, no arithmetic: 16-bit storage (BF16 or F16) travels as BF16 words */
     fl_dtype t = fl_dtype_size(o->pt) == 4 ? FL_F32 : FL_BF16;
-    FL_TRY(fl_error_prefix(fl_comm_broadcast(dp->comm, o->p, o->n, t, 0), "data parallel: broadcasting the parameters"));
+    FL_TRY(fl_error_prefix(fl_comm_broadcast(fl_dp_dcomm(dp), o->p, o->n, t, 0), "data parallel: broadcasting the parameters"));
     if (!o->model->lora) fl_model_sync_compute_copy(o->model);
     return FL_OK;
 }

@@ -23,7 +23,9 @@
 #include "fitllm/trainer.h"
 
 typedef struct {
-    fl_comm *comm; /* NULL: one process */
+    fl_comm *comm; /* NULL: one process. Host-memory collectives (losses, counts, configuration) */
+    fl_comm *dev;  /* the backend's device-memory communicator (NCCL), owned; NULL: comm takes the
+                    * backend's buffers directly (host-memory backends) */
     int rank, world;
     int stage;     /* ZeRO stage of the run's strategy: 0 DDP (NO_SHARD), 1, 2 (see zero.c); 0 in one process */
     fl_optim_dist dist; /* the optimizer's hooks (fl_dp_optim_init) */
@@ -36,8 +38,15 @@ typedef struct {
 
 /* comm may be NULL (rank 0 of 1). */
 void fl_dp_init(fl_dp *dp, fl_comm *comm, fl_mem_pool *pool);
-/* Detach the scratch pool before it is freed. */
+/* Detach the scratch pool before it is freed; destroy the device communicator. */
 void fl_dp_done(fl_dp *dp);
+/* Several ranks on a backend with a device communicator (be->comm_create: NCCL on cuda, its CPU
+ * stand-in on cuda-emu): make it over dp->comm; the gradients' reductions and the parameters'
+ * broadcast then go through it, the host-side sums stay on dp->comm. Collective. No-op in one
+ * process or when the backend has none. */
+fl_status fl_dp_device_comm(fl_dp *dp, const fl_backend *be);
+/* The communicator of the backend's buffers (gradients, parameters). */
+static inline fl_comm *fl_dp_dcomm(const fl_dp *dp) { return dp->dev ? dp->dev : dp->comm; }
 /* Whether global micro-batch j (0-based within its step or evaluation) is this rank's. */
 static inline int fl_dp_mine(const fl_dp *dp, long j) { return j % dp->world == dp->rank; }
 /* v[0..n) := the sum over ranks of v, in rank order in double. The doubles travel bit for bit

@@ -544,9 +544,13 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
     CHECK(fl_backend_pools_init(&t.be, &t.pool, &t.hpool, t.be.host_memory ? "cpu" : t.be.name, cfg->max_memory));
     t.pool_ok = 1;
     fl_dp_init(&t.dp, comm, &t.pool);
-    if (t.dp.world > 1 && !t.be.host_memory) /* fl_comm's collectives read and write host memory today */
+    if (t.dp.world > 1 && t.be.comm_create) { /* the device communicator (NCCL): collective set-up */
+        AGREE();
+        CHECK(fl_dp_device_comm(&t.dp, &t.be));
+    }
+    if (t.dp.world > 1 && !t.be.host_memory && !t.dp.dev) /* the host communicator cannot read its memory */
         CHECK(fl_errorf(FL_ERR_UNSUPPORTED, "data-parallel training on backend '%s' (whose memory the host cannot "
-                        "read) needs a device-memory communicator (NCCL: not implemented yet); run one rank, or "
+                        "read) needs a device-memory communicator, which this backend does not have; run one rank, or "
                         "--accelerator cpu", t.be.name));
     fl_mem_set_phase(&t.pool, "model load");
     CHECK(load_model_and_tokenizer(&t));

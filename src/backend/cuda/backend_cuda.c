@@ -9,6 +9,8 @@
 #include <cuda_runtime_api.h>
 
 #include "backend/cuda/cu_gemm.h"
+#include "fitllm/comm.h"
+#include "fitllm/comm_nccl.h"
 #include "fitllm/cuda.h"
 
 #define FLB_NAME "cuda"
@@ -49,10 +51,34 @@ static int flb_stream_sync(void *s) {
 }
 static const char *flb_last_error(int rc) { return cudaGetErrorString((cudaError_t)rc); }
 
+/* One process per GPU: a rank started by a launcher with several ranks on this node uses device
+ * = its local rank; with one visible device per rank (srun --gpus-per-task=1, a per-rank
+ * CUDA_VISIBLE_DEVICES) that device. More local ranks than devices: refused here, since NCCL
+ * refuses two ranks on one GPU. */
+static fl_status flb_pick_device(int count) {
+    fl_launch_info li;
+    if (fl_launch_detect(&li) != FL_OK || li.size <= 1 || li.local_rank < 0) return FL_OK; /* device 0 (or the current one) */
+    int dev = li.local_rank;
+    if (dev >= count) {
+        if (count != 1)
+            return fl_errorf(FL_ERR_UNSUPPORTED, "cuda backend: local rank %d on this node, but only %d CUDA devices are "
+                             "visible: run one process per GPU, at most %d ranks per node (NCCL refuses two ranks on one "
+                             "GPU)", li.local_rank, count, count);
+        dev = 0; /* one visible device per rank */
+    }
+    cudaError_t e = cudaSetDevice(dev);
+    if (e != cudaSuccess)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "cuda backend: cudaSetDevice(%d) for local rank %d: %s", dev, li.local_rank,
+                         cudaGetErrorString(e));
+    return FL_OK;
+}
+
 static fl_status flb_device_init(void **stream, fl_cu_blas *blas) {
     char why[256];
-    if (fl_cuda_device_count(why, sizeof why) == 0)
+    int count = fl_cuda_device_count(why, sizeof why);
+    if (count == 0)
         return fl_errorf(FL_ERR_UNSUPPORTED, "cuda backend: no CUDA device visible (%s)", why);
+    FL_TRY(flb_pick_device(count));
     cudaStream_t s;
     cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
     if (e != cudaSuccess) return fl_errorf(FL_ERR_UNSUPPORTED, "cuda backend: cudaStreamCreate: %s", cudaGetErrorString(e));
@@ -67,6 +93,19 @@ static fl_status flb_device_init(void **stream, fl_cu_blas *blas) {
 static void flb_device_free(void *stream, fl_cu_blas *blas) {
     fl_cu_blas_free(blas);
     if (stream) cudaStreamDestroy((cudaStream_t)stream);
+}
+
+/* Several ranks: NCCL on device memory (a build without it refuses, naming the fix). */
+static fl_status flb_comm_create(void *stream, struct fl_comm *host, struct fl_comm **out) {
+    *out = NULL;
+#ifdef FL_HAVE_NCCL
+    return fl_comm_nccl_create(host, fl_nccl_cuda_api(), stream, out);
+#else
+    (void)stream; (void)host;
+    return fl_errorf(FL_ERR_UNSUPPORTED, "cuda backend: several ranks on GPUs need NCCL, and this fitllm was built "
+                     "without it (install NCCL, e.g. the libnccl-dev package, and configure again with -DFL_NCCL=ON); "
+                     "run one rank, or --accelerator cpu");
+#endif
 }
 
 #include "backend/cuda/backend_cuda_impl.h"

@@ -27,6 +27,9 @@ fl_status fl_cuda_backend_error(const fl_backend *be);
 fl_status fl_cuemu_backend_init(fl_backend *be, int n_threads);
 void fl_cuemu_backend_free(fl_backend *be);
 fl_status fl_cuemu_backend_error(const fl_backend *be);
+/* cuda-emu with several ranks: 1 (default) = the NCCL communicator over its CPU stand-in; 0 = the
+ * host communicator used directly (tests compare the two). Not thread-safe: set before the ranks start. */
+void fl_cuemu_use_nccl(int on);
 
 #ifdef __cplusplus
 }

@@ -12,6 +12,7 @@
  *   FLB_PREFIX(name)            the public functions' prefix (fl_cuda_##name / fl_cuemu_##name)
  *   flb_dev_alloc/free, flb_h2d/d2h/d2d/memset, flb_stream_new/sync/free, flb_last_error
  *   flb_gemm_fn                 fl_cu_gemm_cublaslt / fl_cu_gemm_standin
+ *   flb_comm_create(stream,..)  the device communicator of several ranks (NCCL / its stand-in)
  *   FLB_PANEL_BYTES, FLB_LT_WS_BYTES   scratch layout (see scratch below)
  *
  * Errors: CUDA reports kernel failures asynchronously, and many ops of the table return void.
@@ -463,6 +464,13 @@ static fl_status flb_pool_init(const fl_backend *be, fl_mem_pool *p, const char 
     return fl_mem_pool_init_raw(p, name, FL_DEV_CUDA, budget, flb_pool_raw_alloc, flb_pool_raw_free, NULL);
 }
 
+/* The collectives of several ranks run after the ops queued on this backend's stream. */
+static fl_status flb_comm_create_be(const fl_backend *be, struct fl_comm *host, struct fl_comm **out) {
+    *out = NULL;
+    FL_TRY(flb_sticky(be));
+    return flb_comm_create(FLB_IMPL(be)->stream, host, out);
+}
+
 fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     (void)n_threads;
     memset(be, 0, sizeof *be);
@@ -490,6 +498,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->gemm_widens16 = 1u << FL_F16; /* an F16 B is widened per call (the panels above); fl_cuda_gemm_widens16 */
     be->scratch_bytes = FLB_SCRATCH_BYTES;
     be->host_memory = FLB_HOST_MEMORY;
+    be->comm_create = flb_comm_create_be; /* several ranks: NCCL (or its CPU stand-in) on this stream */
     be->gemm = flb_gemm;
     be->embedding_forward = flb_embedding_forward;
     be->embedding_backward = flb_embedding_backward;

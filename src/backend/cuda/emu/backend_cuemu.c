@@ -8,6 +8,7 @@
 #include "backend/cuda/backend_cuda.h"
 #include "backend/cuda/cu_gemm.h"
 #include "backend/cuda/emu/cu_emu.h"
+#include "fitllm/comm_nccl.h"
 
 #define FLB_NAME "cuda-emu"
 #define FLB_GEMM_NAME "cublaslt-standin"
@@ -49,6 +50,18 @@ static fl_status flb_device_init(void **stream, fl_cu_blas *blas) {
 }
 static void flb_device_free(void *stream, fl_cu_blas *blas) {
     (void)stream; (void)blas;
+}
+
+/* Several ranks: the NCCL communicator's own code over the CPU stand-in (host memory, the
+ * threads implementation of fl_comm underneath), unless a test turned it off to compare with
+ * the host communicator used directly (fl_cuemu_use_nccl). */
+static int g_use_nccl = 1;
+void fl_cuemu_use_nccl(int on) { g_use_nccl = on; }
+static fl_status flb_comm_create(void *stream, struct fl_comm *host, struct fl_comm **out) {
+    (void)stream;
+    *out = NULL;
+    if (!g_use_nccl) return FL_OK;
+    return fl_comm_nccl_create(host, fl_nccl_standin_api(), NULL, out);
 }
 
 #include "backend/cuda/backend_cuda_impl.h"
