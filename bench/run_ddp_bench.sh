@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Data-parallel step benchmark: fitllm DDP / ZeRO-2 (mpirun) vs PyTorch DDP / FSDP2 (gloo),
+# Data-parallel step benchmark: fitllm DDP / ZeRO-2 / FSDP (mpirun) vs PyTorch DDP / FSDP2 (gloo),
 # 2 processes x 1 thread, same LLaMA shape, same global batch, alternating rounds (ABAB).
 #
 #   bench/run_ddp_bench.sh                      # tiny, B=2 per rank, T=256, 3 rounds
@@ -12,9 +12,11 @@
 #   Step time = logs/metrics.csv iter_time of rank 0 (forward + backward with its bucketed
 #   all-reduce + the remaining reduction + optimizer update), median over the steps after WARMUP.
 # torch: bench/bench_ddp_torch.py --mode ddp (and fsdp2_grad_op = FSDP2 with
-#   reshard_after_forward=False, the ZeRO-2-like sharding, as the partner of fitllm's ZeRO-2).
+#   reshard_after_forward=False, the ZeRO-2-like sharding, as the partner of fitllm's ZeRO-2; fsdp2 =
+#   FULL_SHARD, the partner of fitllm's `--strategy fsdp`).
 # Env: FITLLM (./build/fitllm), FITLLM_PY (/work/venv/bin/python), SHAPE (tiny), BATCH (2 per
 #   rank), SEQ (256), STEPS (8 timed), WARMUP (2), ROUNDS (3), ZERO2 (1: also ZeRO-2 vs FSDP2),
+#   FSDP (1: also fitllm FSDP FULL_SHARD vs FSDP2 fully_shard),
 #   SINGLE (0; 1: also ONE process x 1 thread with one rank's micro-batch B on each side, the
 #   step without communication: 1 - single/DDP estimates the communication share of the DDP
 #   step, memory-bandwidth contention between the two ranks included),
@@ -32,6 +34,7 @@ STEPS=${STEPS:-8}
 WARMUP=${WARMUP:-2}
 ROUNDS=${ROUNDS:-3}
 ZERO2=${ZERO2:-1}
+FSDP=${FSDP:-1}
 DATA=${DATA:-$( [ -d ../shared/data ] && echo ../shared/data || echo /work/shared/data )}
 OUT=${OUT:-bench/out/ddp-$(date -u +%Y%m%dT%H%M%SZ).txt}
 MPIRUN=(mpirun --oversubscribe -np 2)
@@ -69,7 +72,10 @@ rows = [r for r in csv.DictReader(open(path)) if r["iter_time"] not in ("", "nan
 t = [float(r["iter_time"]) for r in rows][warm:]
 losses = [round(float(r["loss"]), 6) for r in rows]
 med = statistics.median(t)
-print(f"RESULT impl=fitllm-{st} median_ms={med*1e3:.1f} tok_s={tok/med:.1f} steps={len(t)} losses={losses}")
+# bytes rank 0 sent per step, counted by fl_comm (metrics.csv comm_sent; absent in one process)
+sent = sorted({r.get("comm_sent", "") for r in rows} - {""})
+print(f"RESULT impl=fitllm-{st} median_ms={med*1e3:.1f} tok_s={tok/med:.1f} steps={len(t)} "
+      f"sent_bytes_per_step={'/'.join(sent) if sent else 0} losses={losses}")
 EOF
 }
 
@@ -92,6 +98,10 @@ for r in $(seq "$ROUNDS"); do
     if [ "$ZERO2" = 1 ]; then
         torch_one fsdp2_grad_op | sed "s/^/round=$r /" | tee -a "$OUT"
         fitllm_one deepspeed_stage_2 | sed "s/^/round=$r /" | tee -a "$OUT"
+    fi
+    if [ "$FSDP" = 1 ]; then
+        torch_one fsdp2 | sed "s/^/round=$r /" | tee -a "$OUT"
+        fitllm_one fsdp | sed "s/^/round=$r /" | tee -a "$OUT"
     fi
     if [ "${SINGLE:-0}" = 1 ]; then
         torch_single | sed "s/^/round=$r /" | tee -a "$OUT"
@@ -117,6 +127,7 @@ print()
 ratio("fitllm-ddp", "torch-ddp")
 ratio("fitllm-deepspeed_stage_2", "torch-fsdp2_grad_op")
 ratio("fitllm-deepspeed_stage_2", "torch-ddp")
+ratio("fitllm-fsdp", "torch-fsdp2")
 for a, b in (("fitllm-single", "fitllm-ddp"), ("torch-single", "torch-ddp")):
     if a in med and b in med:
         print(f"{b}: communication share ~ 1 - single/DDP = "
