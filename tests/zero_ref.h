@@ -204,6 +204,9 @@ static size_t zr_optim8_bytes(size_t n, int world, int rank) {
     return total;
 }
 
+static int zr_check_plan(const fl_run_config *cfg, int rank, const fl_trainer_result *res, int exact_peaks, char *why,
+                         size_t wn, size_t o);
+
 /* Check 3 for rank r of a ZeRO run: res = what it measured, ddp_optim = DDP's OPTIM bytes (the
  * whole state), trainable elements n. exact_peaks: also the WORKSPACE and total peaks (the plan
  * counts the MPI reduction's scratch, which the threads implementation does not take). */
@@ -237,6 +240,16 @@ static int zr_check_memory(const fl_run_config *cfg, int rank, int world, const 
                                       "%zu; ", rank, live, w2);
             }
         }
+    return bad + zr_check_plan(cfg, rank, res, exact_peaks, why, wn, o);
+}
+
+/* The plan for rank r (fitllm plan --devices N --strategy ... --rank r) against what rank r
+ * measured: every tag's peak (exact_peaks: WORKSPACE and the total too), every phase's reserved
+ * bytes and the live bytes of the tags that do not depend on a micro-batch's shape. Findings are
+ * appended to why at offset o. Returns the number of failures. */
+static int zr_check_plan(const fl_run_config *cfg, int rank, const fl_trainer_result *res, int exact_peaks, char *why,
+                         size_t wn, size_t o) {
+    int bad = 0;
     fl_plan *pl = calloc(1, sizeof *pl);
     fl_plan_opts po;
     fl_plan_opts_default(&po);
@@ -280,6 +293,52 @@ static int zr_check_memory(const fl_run_config *cfg, int rank, int world, const 
     }
     free(pl);
     return bad;
+}
+
+/* FULL_SHARD (ZeRO-3): the elements of rank r's shard, from the definition: every layout group
+ * (unit) of the micro preset split by fl_comm's chunk layout on its own, rank r's piece of each. */
+static size_t zr_fsdp_shard(int world, int rank) {
+    fl_model_config mc;
+    fl_param_layout lay;
+    if (fl_preset_find("micro", &mc) != FL_OK || fl_layout_build(&lay, &mc) != FL_OK) return 0;
+    size_t total = 0;
+    for (int g = 0; g < lay.n_groups; g++) {
+        size_t n = lay.group_offset[g + 1] - lay.group_offset[g];
+        total += n / (size_t)world + ((size_t)rank < n % (size_t)world);
+    }
+    fl_layout_free(&lay);
+    return total;
+}
+
+/* Check 3 for rank r of a FULL_SHARD run: res = what it measured, ddp = what a DDP rank measured,
+ * n trainable elements. After the step (after_opt_step) PARAMS, GRADS and OPTIM hold exactly rank
+ * r's shard of DDP's whole buffers (per-element state: DDP's OPTIM / n x shard), GATHER is empty,
+ * its peak is above 0 and below the whole model's parameters, and the plan equals the measurement. */
+static int zr_check_fsdp_memory(const fl_run_config *cfg, int rank, int world, const fl_trainer_result *res,
+                                const fl_trainer_result *ddp, size_t n, int exact_peaks, char *why, size_t wn) {
+    int bad = 0;
+    size_t o = 0;
+    why[0] = 0;
+    size_t sh = zr_fsdp_shard(world, rank), es = !strcmp(cfg->precision, "bf16-true") ? 2 : 4;
+    const fl_mem_phase *ph = NULL;
+    for (int i = 0; i < res->n_phases; i++)
+        if (!strcmp(res->phases[i].name, "after_opt_step")) ph = &res->phases[i];
+    size_t optim = ddp->peak[FL_TAG_OPTIM] / n * sh;
+    if (!ph || !sh || ph->cur[FL_TAG_PARAMS] != sh * es || ph->cur[FL_TAG_GRADS] != sh * es ||
+        ph->cur[FL_TAG_OPTIM] != optim || ddp->peak[FL_TAG_OPTIM] % n || ph->cur[FL_TAG_GATHER] != 0) {
+        bad++;
+        o += (size_t)snprintf(why + o, wn > o ? wn - o : 0, "rank %d after the step: PARAMS %zu GRADS %zu OPTIM %zu "
+                              "GATHER %zu, want %zu %zu %zu 0 (shard of %zu of %zu elements); ", rank,
+                              ph ? ph->cur[FL_TAG_PARAMS] : 0, ph ? ph->cur[FL_TAG_GRADS] : 0,
+                              ph ? ph->cur[FL_TAG_OPTIM] : 0, ph ? ph->cur[FL_TAG_GATHER] : 0, sh * es, sh * es, optim,
+                              sh, n);
+    }
+    if (!(res->peak[FL_TAG_GATHER] > 0 && res->peak[FL_TAG_GATHER] < n * es)) {
+        bad++;
+        o += (size_t)snprintf(why + o, wn > o ? wn - o : 0, "rank %d GATHER peak %zu not in (0, %zu); ", rank,
+                              res->peak[FL_TAG_GATHER], n * es);
+    }
+    return bad + zr_check_plan(cfg, rank, res, exact_peaks, why, wn, o);
 }
 
 #endif

@@ -77,7 +77,7 @@ typedef struct {
     char precision[16];               /* "32-true", "bf16-true", "bf16-mixed", "16-mixed", ... */
     int devices, num_nodes;           /* ranks = devices x num_nodes (data parallel over MPI) */
     char strategy[32];                /* auto, ddp, deepspeed_stage_1, deepspeed_stage_2, fsdp (Lightning's names) */
-    char sharding_strategy[32];       /* fsdp.sharding_strategy: "" (FULL_SHARD), NO_SHARD, SHARD_GRAD_OP */
+    char sharding_strategy[32];       /* fsdp.sharding_strategy: "" (FULL_SHARD), FULL_SHARD, NO_SHARD, SHARD_GRAD_OP */
     char resume[FL_CFG_PATH];         /* "false", "true", "auto" or a checkpoint folder */
     uint64_t seed;
     char logger_name[16];             /* "csv" or "jsonl"; LitGPT's tensorboard / wandb / mlflow / litlogger
@@ -154,9 +154,10 @@ const char *fl_cfg_command_name(fl_cmd_kind cmd);
 fl_status fl_cfg_validate(const fl_run_config *c);
 /* The ZeRO stage of a strategy (Lightning's names): auto, ddp and fsdp + NO_SHARD -> 0 (DDP),
  * deepspeed_stage_1 -> 1 (optimizer state sharded), deepspeed_stage_2 and fsdp + SHARD_GRAD_OP -> 2
- * (also the reduced gradients). What is not built yet (deepspeed_stage_3, FULL_SHARD, which is fsdp's
- * default sharding_strategy, HYBRID_SHARD, the offload variants) is FL_ERR_UNSUPPORTED naming issue
- * #14, never mapped onto something else; unknown names FL_ERR_INVALID. sharding may be NULL. */
+ * (also the reduced gradients), deepspeed_stage_3 and fsdp + FULL_SHARD (fsdp's default) -> 3 (also the
+ * parameters: src/train/fsdp.c). What is not built yet (HYBRID_SHARD, the offload variants) is
+ * FL_ERR_UNSUPPORTED naming issue #14, never mapped onto something else; unknown names FL_ERR_INVALID.
+ * sharding may be NULL. */
 fl_status fl_cfg_zero_stage(const char *strategy, const char *sharding, int *stage);
 /* fl_cfg_zero_stage with fsdp read as SHARD_GRAD_OP: whether the name is one fitllm runs. */
 fl_status fl_cfg_check_strategy(const char *strategy);
