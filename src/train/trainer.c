@@ -621,11 +621,11 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
         if (t.dp.world > 1) {
             char lb[300];
             fprintf(out, "data parallel (%s, strategy %s): %d ranks over %s (%s); rank 0 reports; gradients summed "
-                    "over the ranks once per step (%s, deterministic rank order)%s\n",
+                    "over the ranks %s (%s, deterministic rank order)%s\n",
                     fl_dp_stage_name(&t.dp), cfg->strategy[0] ? cfg->strategy : "auto", t.dp.world,
                     fl_comm_impl_name(comm), fl_launch_describe(&comm->launch, lb, sizeof lb),
-                    t.dp.fsdp ? "one reduce-scatter per unit as its backward ends, every micro-batch: each rank "
-                                "keeps its shard"
+                    t.dp.fsdp ? "unit by unit in every micro-batch" : "once per step",
+                    t.dp.fsdp ? "one reduce-scatter per unit as its backward ends: each rank keeps its shard"
                     : t.dp.stage == 2 ? "one reduce-scatter: each rank keeps its chunk"
                     : t.model.lora ? "one all-reduce of the adapters"
                                    : "all-reduced block by block as the last micro-batch's backward ends each",
