@@ -128,6 +128,11 @@ FL_TEST(fsdp_threads_accum1_equals_zero2_bits) {
         }
         FL_CHECKF(zr_same(&j[0]->rec[0], &j[1]->rec[0]), "%s %s at %d ranks, accumulation 1: FULL_SHARD differs from "
                   "ZeRO-2 in bits", zr_names[k[i].sc], k[i].prec, k[i].world);
+        for (int r = 0; r < k[i].world; r++) { /* and each rank's memory (bf16-mixed: the gathered bf16 copies) */
+            char why[2048];
+            int bad = zr_check_fsdp_memory(&j[1]->cfg, r, k[i].world, &j[1]->res[r], 0, why, sizeof why);
+            FL_CHECKF(bad == 0, "%s %s FULL_SHARD: %s", zr_names[k[i].sc], k[i].prec, why);
+        }
         free_fjob(j[0]);
         free_fjob(j[1]);
     }
