@@ -107,6 +107,11 @@ fl_status fl_dp_agree(fl_dp *dp, fl_status mine);
  * after fl_model_set_precision, before fl_model_alloc_grads (which then allocates the shard) and
  * the optimizer (which then sees the shard). Collective. No-op otherwise. */
 fl_status fl_fsdp_init(fl_dp *dp, const fl_run_config *cfg, fl_model *m);
+/* This rank's element ranges (for sharded checkpoints): unit g's piece is the whole-model elements
+ * [flat_off[g], flat_off[g] + len[g]) and sits at shard_off[g] of the shard (params, grads, optimizer
+ * state alike). Fills the arrays (layout.n_groups entries each, any may be NULL) and returns the
+ * number of units; 0 when the run is not sharded. */
+int fl_fsdp_ranges(const fl_dp *dp, size_t *flat_off, size_t *shard_off, size_t *len);
 /* Give back the gathered buffers and the bookkeeping (before fl_model_free). */
 void fl_fsdp_free(fl_dp *dp);
 /* The whole parameters (layout order, storage dtype) on every rank, gathered unit by unit into a

@@ -249,6 +249,17 @@ fl_status fl_fsdp_init(fl_dp *dp, const fl_run_config *cfg, fl_model *m) {
     return FL_OK;
 }
 
+int fl_fsdp_ranges(const fl_dp *dp, size_t *flat_off, size_t *shard_off, size_t *len) {
+    const struct fl_fsdp *f = dp->fsdp;
+    if (!f) return 0;
+    for (int g = 0; g < f->G; g++) {
+        if (flat_off) flat_off[g] = f->m->layout.group_offset[g] + f->coff[g];
+        if (shard_off) shard_off[g] = f->loc[g];
+        if (len) len[g] = f->clen[g];
+    }
+    return f->G;
+}
+
 /* ---- whole copies (the step hook, checkpoints) ----------------------------------------------- */
 
 /* full[go[g] ..] (every unit, layout order) = the units gathered from the ranks' shards `shard`
@@ -269,11 +280,15 @@ static fl_status gather_whole(fl_dp *dp, const void *shard, size_t es, void *ful
     return fl_error_prefix(s, "FSDP: gathering the whole parameters or state");
 }
 
-/* The reverse: this rank's pieces out of a whole buffer. */
-static void scatter_whole(const struct fl_fsdp *f, const void *full, size_t es, void *shard) {
-    for (int g = 0; g < f->G; g++)
-        memcpy((char *)shard + f->loc[g] * es, (const char *)full + (f->m->layout.group_offset[g] + f->coff[g]) * es,
-               f->clen[g] * es);
+/* The reverse: this rank's pieces (fl_fsdp_ranges) out of a whole buffer. */
+static fl_status scatter_whole(const fl_dp *dp, const void *full, size_t es, void *shard) {
+    int G = dp->fsdp->G;
+    size_t *r = malloc(3 * ((size_t)G + 1) * sizeof *r);
+    if (!r) return fl_errorf(FL_ERR_OOM, "FSDP: out of host memory");
+    fl_fsdp_ranges(dp, r, r + G, r + 2 * G);
+    for (int g = 0; g < G; g++) memcpy((char *)shard + r[G + g] * es, (const char *)full + r[g] * es, r[2 * G + g] * es);
+    free(r);
+    return FL_OK;
 }
 
 fl_status fl_fsdp_whole_params(fl_dp *dp, void **out, size_t *bytes) {
@@ -374,10 +389,11 @@ fl_status fl_fsdp_ckpt_load(fl_dp *dp, const char *dir, fl_model *m, fl_optimize
     fl_status s = whole_optim(o, n, &wm, &wo);
     if (s == FL_OK) s = fl_ckpt_load(dir, &wm, &wo, st);
     if (s == FL_OK) { /* keep this rank's pieces, and the scalars */
-        scatter_whole(f, params, f->es, m->params ? (void *)m->params : (void *)m->p16);
+        s = scatter_whole(dp, params, f->es, m->params ? (void *)m->params : (void *)m->p16);
         size_t ses = state_es(o);
-        if (o->m) scatter_whole(f, wo.m, ses, o->m), scatter_whole(f, wo.v, ses, o->v);
-        if (o->buf) scatter_whole(f, wo.buf, ses, o->buf);
+        if (s == FL_OK && o->m) s = scatter_whole(dp, wo.m, ses, o->m);
+        if (s == FL_OK && o->m) s = scatter_whole(dp, wo.v, ses, o->v);
+        if (s == FL_OK && o->buf) s = scatter_whole(dp, wo.buf, ses, o->buf);
         o->step = wo.step;
         o->ls = wo.ls;
     }
