@@ -550,7 +550,10 @@ fl_status fl_cfg_zero_stage(const char *s, const char *sharding, int *stage) {
         if (!strcmp(ss, "NO_SHARD")) return FL_OK;
         if (!strcmp(ss, "SHARD_GRAD_OP")) { *stage = 2; return FL_OK; }
         if (!strcmp(ss, "FULL_SHARD")) { *stage = 3; return FL_OK; }
-        if (!strcmp(ss, "HYBRID_SHARD") || !strcmp(ss, "_HYBRID_SHARD_ZERO2")) return not_yet("fsdp.sharding_strategy", ss);
+        if (!strcmp(ss, "HYBRID_SHARD") || !strcmp(ss, "_HYBRID_SHARD_ZERO2")) /* needs a communicator per node */
+            return fl_errorf(FL_ERR_UNSUPPORTED, "fsdp.sharding_strategy '%s' is not implemented yet (issue #14: "
+                             "sharding within a node and replicating across nodes needs a communicator per node); on "
+                             "one node it is FULL_SHARD: use --fsdp.sharding_strategy FULL_SHARD", ss);
         return fl_errorf(FL_ERR_INVALID, "fsdp.sharding_strategy '%s': unknown (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD; "
                          "HYBRID_SHARD later)", ss);
     }
