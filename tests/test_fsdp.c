@@ -88,14 +88,24 @@ FL_TEST(fsdp_threads_sgd_momentum_2_and_3_ranks) {
     scenario(ZR_SGDM, 3);
 }
 
+/* Under ASan (make test's second pass) these two run the same code as the SGD scenario and the
+ * accumulation-1 runs below (bf16-true included): the release pass checks their bounds. */
 FL_TEST(fsdp_threads_adamw_clip_2_and_3_ranks) {
+#if defined(__SANITIZE_ADDRESS__)
+    fl_test_skip("the release pass runs it (make test time; the same code runs under ASan in the SGD scenario)");
+#else
     scenario(ZR_ADAMW, 2);
     scenario(ZR_ADAMW, 3);
+#endif
 }
 
 FL_TEST(fsdp_threads_bf16_true_2_and_3_ranks) {
+#if defined(__SANITIZE_ADDRESS__)
+    fl_test_skip("the release pass runs it (make test time; bf16-true runs under ASan in the accumulation-1 test)");
+#else
     scenario(ZR_BF16, 2);
     scenario(ZR_BF16, 3);
+#endif
 }
 
 /* With accumulation 1 each element's reduced gradient is the same rank-order sum under FULL_SHARD
