@@ -111,10 +111,12 @@ FL_TEST(fsdp_threads_bf16_true_2_and_3_ranks) {
 /* With accumulation 1 each element's reduced gradient is the same rank-order sum under FULL_SHARD
  * and ZeRO-2, and the update is elementwise on the same bits: the same parameters and losses bit
  * for bit, in every precision, when no clipping norm (summed over a different partition of the
- * elements) enters. bf16-mixed too: the gathered unit's bf16 copy is the RNE of the same fp32 bits. */
+ * elements) enters. bf16-mixed too: the gathered unit's bf16 copy is the RNE of the same fp32 bits;
+ * and with activation checkpointing (the backward's recompute reads the block gathered again). */
 FL_TEST(fsdp_threads_accum1_equals_zero2_bits) {
-    static const struct { int sc; const char *prec; int world; } k[] = {
-        {ZR_SGDM, "32-true", 2}, {ZR_SGDM, "32-true", 3}, {ZR_SGDM, "bf16-mixed", 3}, {ZR_BF16, "bf16-true", 2}};
+    static const struct { int sc; const char *prec; int world, ckpt; } k[] = {
+        {ZR_SGDM, "32-true", 2, 0}, {ZR_SGDM, "32-true", 3, 1}, {ZR_SGDM, "bf16-mixed", 3, 0},
+        {ZR_BF16, "bf16-true", 2, 1}};
     for (size_t i = 0; i < sizeof k / sizeof k[0]; i++) {
         fjob *j[2];
         for (int z = 0; z < 2; z++) {
@@ -126,7 +128,7 @@ FL_TEST(fsdp_threads_accum1_equals_zero2_bits) {
                       NULL, out);
             j[z]->cfg.train.global_batch_size = 2 * k[i].world;
             j[z]->cfg.train.max_steps = 4;
-            if (k[i].sc == ZR_BF16) j[z]->cfg.optimizer.weight_decay = 0.0f;
+            j[z]->cfg.train.activation_checkpointing = k[i].ckpt; /* backward recomputes from the gathered block */
             snprintf(j[z]->cfg.precision, sizeof j[z]->cfg.precision, "%s", k[i].prec);
             FL_CHECKF(fl_comm_threads_run(k[i].world, frank, j[z]) == FL_OK, "%s %s: %s", k[i].prec,
                       z ? "ZeRO-3" : "ZeRO-2", fl_error_message());
