@@ -1,5 +1,6 @@
 /* ZeRO-1 / ZeRO-2 scenarios shared by tests/test_zero.c (ranks as threads, in the normal suite)
- * and tests/mpi/ddp_mpi_test.c (ranks as MPI processes).
+ * and tests/mpi/ddp_mpi_test.c (ranks as MPI processes); FULL_SHARD (ZeRO-3) runs the same scenarios
+ * in tests/test_fsdp.c, checked with the same bounds (check 2) and zr_check_fsdp_memory (check 3).
  *
  * The runs are tests/ddp_ref.h's (the `micro` preset, 51 synthetic samples in micro-batches of 2,
  * so no world size divides the data) with three optimizers and precisions:
