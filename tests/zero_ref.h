@@ -101,6 +101,7 @@ static void zr_config(fl_run_config *c, int sc, int world, int ranks, int micro_
     }
     snprintf(c->strategy, sizeof c->strategy, "%s", strategy);
     snprintf(c->sharding_strategy, sizeof c->sharding_strategy, "%s", sharding ? sharding : "");
+    c->hook_whole_params = 1; /* FULL_SHARD: the records compare whole parameters */
 }
 
 static float zr_bf16_to_f32(uint16_t h) {

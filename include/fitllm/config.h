@@ -100,6 +100,10 @@ typedef struct {
     int threads;                      /* 0 = all cores */
     int quiet;
     int overwrite;
+    /* library callers (no option): the step hook's parameters under FSDP FULL_SHARD: 0 this rank's
+     * shard (fl_step_hook), 1 the whole parameters, gathered unit by unit for it (a collective and a
+     * whole host copy on every rank each step: tests) */
+    int hook_whole_params;
 } fl_run_config;
 
 /* Defaults of the command (LitGPT's setup() defaults). */

@@ -65,7 +65,7 @@ const char *fl_fsdp_refusal(const fl_run_config *cfg, const fl_precision *p);
 /* Hook for tests: called after every optimizer step (after that step's
  * evaluation and checkpoint) with the step's loss (mean over its valid
  * targets) and the raw bytes of the trained parameters (all of them in their storage dtype,
- * or the LoRA adapters). Returning non-zero stops training there, with
+ * or the LoRA adapters; under FULL_SHARD this rank's shard unless cfg->hook_whole_params). Returning non-zero stops training there, with
  * no final checkpoint, as a crash right after the step would. */
 typedef int (*fl_step_hook)(void *ud, long step, double loss, const void *params, size_t bytes);
 

@@ -819,13 +819,14 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
         if (hook) { /* the hook reads the trained parameters on the host: a copy when they are device memory */
             size_t pb = t.opt.n * fl_dtype_size(t.opt.pt);
             void *hp = NULL;
-            if (t.dp.fsdp) { /* FULL_SHARD: the whole parameters gathered for it (collective: every rank has a hook) */
+            if (t.dp.fsdp && cfg->hook_whole_params) { /* FULL_SHARD: the whole parameters gathered for it
+                                                         * (collective: every rank has a hook); else the shard */
                 CHECK(fl_fsdp_whole_params(&t.dp, &hp, &pb));
             } else {
                 hp = t.be.host_memory ? NULL : malloc(pb + 1);
                 if (!t.be.host_memory && !hp) CHECK(fl_errorf(FL_ERR_OOM, "out of host memory"));
             }
-            s = hp && !t.dp.fsdp ? t.be.to_host(&t.be, hp, t.opt.p, pb) : FL_OK;
+            s = hp && !(t.dp.fsdp && cfg->hook_whole_params) ? t.be.to_host(&t.be, hp, t.opt.p, pb) : FL_OK;
             if (s == FL_OK)
                 stop[0] = hook(hook_ud, t.st.step, step_valid ? step_loss / step_valid : NAN, hp ? hp : t.opt.p, pb);
             free(hp);
