@@ -112,7 +112,8 @@ expect finetune_underscore_int 0 "Saved the final model" -- "$FITLLM" finetune_f
 # data parallel: --devices N without a launcher starts its ranks through mpirun (tests/mpi_test.sh);
 # where it cannot (FITLLM_MPIRUN=none, a build without MPI, a rank of its own mpirun that sees no
 # launcher) and across nodes (the hosts are unknown) it prints the exact mpirun command;
-# what is not implemented yet (ZeRO-3 / FULL_SHARD, fsdp's default) says so, never mapped onto something else
+# what is not implemented yet (HYBRID_SHARD, offload, sharded checkpoints under FULL_SHARD) says so, never mapped
+# onto something else
 NOLAUNCH=(env -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u PMI_RANK -u PMI_SIZE -u SLURM_PROCID -u RANK -u WORLD_SIZE
           -u FITLLM_LAUNCHED)
 for pat in "--devices 2 asks for 2 ranks .*not started by a launcher and cannot start them itself \((FITLLM_MPIRUN=none|this fitllm was built without MPI)" \
@@ -131,11 +132,13 @@ for pat in "--devices 2 x --num_nodes 2 asks for 4 ranks on 2 machines, .*hostfi
     expect ddp_nodes_without_launcher 2 "$pat" -- "${NOLAUNCH[@]}" "$FITLLM" finetune_full micro --devices 2 --num_nodes 2 --out_dir "$T/d1"
 done
 [ -e "$T/d1" ] && { echo "FAIL ddp_without_launcher_writes_nothing: $T/d1 exists"; fail=$((fail+1)); }
-expect ddp_strategy_fsdp_not_yet 2 "strategy fsdp with the default fsdp.sharding_strategy 'FULL_SHARD' is not implemented yet \(issue #14" -- "$FITLLM" finetune_full micro --strategy fsdp --out_dir "$T/d2"
-expect zero_stage3_not_yet 2 "strategy 'deepspeed_stage_3' is not implemented yet \(issue #14" -- "$FITLLM" finetune_full micro --strategy deepspeed_stage_3 --out_dir "$T/d2"
+expect zero_stage3_offload_not_yet 2 "strategy 'deepspeed_stage_3_offload' is not implemented yet \(issue #14" -- "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload --out_dir "$T/d2"
+expect fsdp_sharded_ckpt_not_yet 2 "fsdp.state_dict_type sharded under FULL_SHARD / deepspeed_stage_3: not implemented yet" -- "$FITLLM" finetune_full micro --strategy fsdp --fsdp.state_dict_type sharded --out_dir "$T/d2"
 expect zero_hybrid_not_yet 2 "fsdp.sharding_strategy 'HYBRID_SHARD' is not implemented yet" -- "$FITLLM" finetune_full micro --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD --out_dir "$T/d2"
 expect zero_sharding_unknown 2 "fsdp.sharding_strategy 'ZERO9': unknown" -- "$FITLLM" finetune_full micro --strategy fsdp --fsdp.sharding_strategy ZERO9 --out_dir "$T/d2"
-# one process: every strategy trains as one process does
+# one process: every strategy trains as one process does (FULL_SHARD of one rank holds everything)
+expect fsdp_one_process 0 "Saved the final model" -- "$FITLLM" finetune_full micro --strategy fsdp --train.max_steps 1 \
+    --train.global_batch_size 2 --train.micro_batch_size 2 --train.max_seq_length 32 --out_dir "$T/f1" --quiet
 expect zero_stage2_one_process 0 "Saved the final model" -- "$FITLLM" finetune_full micro --strategy deepspeed_stage_2 --train.max_steps 1 \
     --train.global_batch_size 2 --train.micro_batch_size 2 --train.max_seq_length 32 --out_dir "$T/z1" --quiet
 expect ddp_strategy_unknown 2 "strategy 'horovod': unknown" -- "$FITLLM" pretrain --model_name micro --strategy horovod --out_dir "$T/d3"
@@ -177,7 +180,9 @@ if "$FITLLM" plan tinyllama-1.1b | grep -q "FITS"; then echo "FAIL plan_no_budge
 expect plan_no_budget_json 0 '"verdict": "unknown"' -- "$FITLLM" plan tinyllama-1.1b --json
 expect plan_absurd_peak 0 "more than any single machine has" -- "$FITLLM" plan llama-3-8b --train.micro_batch_size 4096 --train.global_batch_size 4096
 expect plan_devices_2 0 "data parallel \(DDP\) over 2 ranks: the memory of ONE rank" -- "$FITLLM" plan tinyllama-1.1b --devices 2
-expect plan_strategy_fsdp 2 "fsdp.sharding_strategy 'FULL_SHARD' is not implemented yet \(issue #14" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy fsdp
+expect plan_strategy_fsdp 0 "FSDP FULL_SHARD \(ZeRO-3\) over 2 ranks: rank 1's memory" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy fsdp --rank 1
+expect plan_fsdp_8bit_refused 2 "FULL_SHARD with AdamW8bit is not implemented yet" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy deepspeed_stage_3 --optimizer bnb.optim.AdamW8bit
+expect plan_hybrid_not_yet 2 "fsdp.sharding_strategy 'HYBRID_SHARD' is not implemented yet \(issue #14" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD
 expect plan_zero1_rank 0 "ZeRO-1 over 4 ranks: rank 3's memory: OPTIM for its chunk" -- "$FITLLM" plan tinyllama-1.1b --devices 4 --strategy deepspeed_stage_1 --rank 3
 expect plan_zero_rank_range 2 "plan --rank 4: the run has ranks 0..3" -- "$FITLLM" plan tinyllama-1.1b --devices 4 --strategy deepspeed_stage_2 --rank 4
 expect plan_zero_8bit 0 "ZeRO-2 over 2 ranks" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy deepspeed_stage_2 --optimizer bnb.optim.AdamW8bit
@@ -191,6 +196,14 @@ expect plan_zero1_optim_quarter 0 '"peak": \{"PARAMS": 4400193536, "GRADS": 4400
     "$FITLLM" plan tinyllama-1.1b --devices 4 --strategy deepspeed_stage_1 --json
 expect plan_zero2_optim_rank1_of_3 0 '"OPTIM": 2933462360, "ACTS"' -- \
     "$FITLLM" plan tinyllama-1.1b --devices 3 --train.global_batch_size 3 --strategy deepspeed_stage_2 --rank 1 --json
+# FULL_SHARD splits every unit on its own: tinyllama's embeddings (65536000 = 3 x 21845333 + 1) and each of
+# its 22 blocks (44044288 = 3 x 14681429 + 1) give rank 0 one element more, the head group (65538048) divides:
+# rank 0 holds 21845334 + 22 x 14681430 + 21846016 = 366682810 elements (GRADS 4 bytes, AdamW 8 bytes each),
+# ranks 1 and 2 366682787
+expect plan_fsdp_rank0_of_3 0 '"GRADS": 1466731240, "OPTIM": 2933462480, "ACTS"' -- \
+    "$FITLLM" plan tinyllama-1.1b --devices 3 --train.global_batch_size 3 --strategy fsdp --rank 0 --json
+expect plan_fsdp_rank2_of_3 0 '"GRADS": 1466731148, "OPTIM": 2933462296, "ACTS"' -- \
+    "$FITLLM" plan tinyllama-1.1b --devices 3 --train.global_batch_size 3 --strategy deepspeed_stage_3 --rank 2 --json
 expect plan_zero2_optim_rank2_of_3 0 '"OPTIM": 2933462352, "ACTS"' -- \
     "$FITLLM" plan tinyllama-1.1b --devices 3 --train.global_batch_size 3 --strategy deepspeed_stage_2 --rank 2 --json
 expect plan_bad_size 2 "not a size" -- "$FITLLM" plan tinyllama-1.1b --device-memory lots

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The MPI implementation of fl_comm and DDP / ZeRO training under mpirun (run by `make test` and ctest):
-#   - DDP training at 2 and 4 ranks and ZeRO-1/2 at 2, 3 and 4 against one process
+#   - DDP training at 2 and 4 ranks, ZeRO-1/2 at 2, 3 and 4 and FULL_SHARD at 2 against one process
 #     (tests/mpi/ddp_mpi_test.c), the CLI under mpirun (rank 0 reports and writes; its checkpoint
 #     resumes in one process; ZeRO's checkpoints equal DDP's; --devices mismatch), and started
 #     without a launcher (it runs mpirun itself: the same bits, root and oversubscription handled);
@@ -188,6 +188,22 @@ if [ $sok = 1 ]; then
     else
         bad "merge_shards" "exit $rc or its model.safetensors differs from the full checkpoint's"
     fi
+fi
+# FULL_SHARD through the CLI at 2 ranks: rank 0's consolidated checkpoint (units gathered one at a
+# time) resumes in one process
+timeout 300 mpirun -np 2 "$FL" finetune_full "${ARGS[@]}" --devices 2 --strategy fsdp --out_dir "$T/fsdp" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 0 ] && grep -q "data parallel (ZeRO-3 (FSDP FULL_SHARD), strategy fsdp): 2 ranks" "$T/out" \
+    && grep -q "memory of rank 0 (ZeRO-3 (FSDP FULL_SHARD): PARAMS, GRADS and OPTIM hold its shard" "$T/out" \
+    && [ -f "$T/fsdp/final/model.safetensors" ]; then
+    ok "fsdp_cli_np2"
+else
+    bad "fsdp_cli_np2" "exit $rc"
+fi
+timeout 300 "$FL" finetune_full "${ARGS[@]}" --resume "$T/fsdp/step-000002" --out_dir "$T/fsdp1" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000002 (step 2, iter 8)" "$T/out"; then
+    ok "fsdp_checkpoint_resumes_in_one_process"
+else
+    bad "fsdp_checkpoint_resumes_in_one_process" "exit $rc"
 fi
 
 # ranks started with different command lines refuse at start-up, naming the difference (once)

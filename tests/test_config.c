@@ -232,8 +232,11 @@ FL_TEST(cfg_values_litgpt_spells) {
     FL_REQUIRE_OK(fl_cfg_set(&c, "train.global_batch_size", "64"));
     FL_REQUIRE_OK(fl_cfg_set(&c, "checkpoint_dir", "micro"));
     FL_CHECKF(fl_cfg_validate(&c) == FL_OK, "%s", fl_error_message()); /* DDP over 4 ranks (a launcher starts them) */
-    FL_REQUIRE_OK(fl_cfg_set(&c, "strategy", "fsdp"));
+    FL_REQUIRE_OK(fl_cfg_set(&c, "strategy", "fsdp")); /* FULL_SHARD (ZeRO-3) over 4 ranks */
+    FL_CHECKF(fl_cfg_validate(&c) == FL_OK, "%s", fl_error_message());
+    FL_REQUIRE_OK(fl_cfg_set(&c, "fsdp.sharding_strategy", "HYBRID_SHARD"));
     FL_CHECK(fl_cfg_validate(&c) == FL_ERR_UNSUPPORTED && strstr(fl_error_message(), "not implemented yet"));
+    FL_REQUIRE_OK(fl_cfg_set(&c, "fsdp.sharding_strategy", ""));
     FL_REQUIRE_OK(fl_cfg_set(&c, "strategy", "auto"));
     FL_REQUIRE_OK(fl_cfg_set(&c, "devices", "auto"));
     FL_CHECK(c.devices == 1);

@@ -1,5 +1,6 @@
 /* ZeRO-1 / ZeRO-2 scenarios shared by tests/test_zero.c (ranks as threads, in the normal suite)
- * and tests/mpi/ddp_mpi_test.c (ranks as MPI processes).
+ * and tests/mpi/ddp_mpi_test.c (ranks as MPI processes); FULL_SHARD (ZeRO-3) runs the same scenarios
+ * in tests/test_fsdp.c, checked with the same bounds (check 2) and zr_check_fsdp_memory (check 3).
  *
  * The runs are tests/ddp_ref.h's (the `micro` preset, 51 synthetic samples in micro-batches of 2,
  * so no world size divides the data) with three optimizers and precisions:
@@ -100,6 +101,7 @@ static void zr_config(fl_run_config *c, int sc, int world, int ranks, int micro_
     }
     snprintf(c->strategy, sizeof c->strategy, "%s", strategy);
     snprintf(c->sharding_strategy, sizeof c->sharding_strategy, "%s", sharding ? sharding : "");
+    c->hook_whole_params = 1; /* FULL_SHARD: the records compare whole parameters */
 }
 
 static float zr_bf16_to_f32(uint16_t h) {
@@ -204,6 +206,9 @@ static size_t zr_optim8_bytes(size_t n, int world, int rank) {
     return total;
 }
 
+static int zr_check_plan(const fl_run_config *cfg, int rank, const fl_trainer_result *res, int exact_peaks, char *why,
+                         size_t wn, size_t o);
+
 /* Check 3 for rank r of a ZeRO run: res = what it measured, ddp_optim = DDP's OPTIM bytes (the
  * whole state), trainable elements n. exact_peaks: also the WORKSPACE and total peaks (the plan
  * counts the MPI reduction's scratch, which the threads implementation does not take). */
@@ -237,6 +242,16 @@ static int zr_check_memory(const fl_run_config *cfg, int rank, int world, const 
                                       "%zu; ", rank, live, w2);
             }
         }
+    return bad + zr_check_plan(cfg, rank, res, exact_peaks, why, wn, o);
+}
+
+/* The plan for rank r (fitllm plan --devices N --strategy ... --rank r) against what rank r
+ * measured: every tag's peak (exact_peaks: WORKSPACE and the total too), every phase's reserved
+ * bytes and the live bytes of the tags that do not depend on a micro-batch's shape. Findings are
+ * appended to why at offset o. Returns the number of failures. */
+static int zr_check_plan(const fl_run_config *cfg, int rank, const fl_trainer_result *res, int exact_peaks, char *why,
+                         size_t wn, size_t o) {
+    int bad = 0;
     fl_plan *pl = calloc(1, sizeof *pl);
     fl_plan_opts po;
     fl_plan_opts_default(&po);
@@ -280,6 +295,80 @@ static int zr_check_memory(const fl_run_config *cfg, int rank, int world, const 
     }
     free(pl);
     return bad;
+}
+
+/* The model a scenario trains (the micro preset, or pretrain's model_name / model_config). */
+static int zr_model_config(const fl_run_config *cfg, fl_model_config *mc) {
+    int have = 0;
+    if (cfg->command == FL_CMD_PRETRAIN) return fl_cfg_model_config(cfg, mc, &have) == FL_OK && have;
+    return fl_preset_find(cfg->checkpoint_dir, mc) == FL_OK;
+}
+
+/* FULL_SHARD (ZeRO-3): the elements of rank r's shard, from the definition: every layout group
+ * (unit) split by fl_comm's chunk layout on its own, rank r's piece of each; *n the whole count. */
+static size_t zr_fsdp_shard(const fl_model_config *mc, int world, int rank, size_t *n) {
+    fl_param_layout lay;
+    if (fl_layout_build(&lay, mc) != FL_OK) return 0;
+    size_t total = 0;
+    for (int g = 0; g < lay.n_groups; g++) {
+        size_t u = lay.group_offset[g + 1] - lay.group_offset[g];
+        total += u / (size_t)world + ((size_t)rank < u % (size_t)world);
+    }
+    *n = lay.numel;
+    fl_layout_free(&lay);
+    return total;
+}
+
+/* What FULL_SHARD may hold gathered at once, from its rules (not from the runtime's sequence): the
+ * parameters of at most 2 blocks (limit_all_gathers), of the head group and of the embeddings
+ * (elements of es bytes, plus ces for a mixed policy's compute copy), the unreduced gradients of one
+ * block, the head group and the embeddings (es), and one reduced piece. */
+static size_t zr_fsdp_gather_bound(const fl_model_config *mc, int world, size_t es, size_t ces) {
+    fl_param_layout lay;
+    if (fl_layout_build(&lay, mc) != FL_OK) return 0;
+    size_t ub = 0, ue = lay.group_offset[1], uh = lay.numel - lay.group_offset[lay.n_groups - 1];
+    for (int g = 1; g + 1 < lay.n_groups; g++)
+        if (lay.group_offset[g + 1] - lay.group_offset[g] > ub) ub = lay.group_offset[g + 1] - lay.group_offset[g];
+    fl_layout_free(&lay);
+    size_t umax = ub > ue ? ub : ue;
+    umax = umax > uh ? umax : uh;
+    return (2 * ub + uh + ue) * (es + ces) + (ub + uh + ue) * es + (umax / (size_t)world + 1) * es;
+}
+
+/* Check 3 for rank r of a FULL_SHARD run (res: what it measured). After the step (after_opt_step)
+ * PARAMS and GRADS hold exactly rank r's shard, OPTIM its state (per element: AdamW 2 states, SGD
+ * with momentum 1, of 4 bytes, 2 under bf16-true), GATHER is empty; its peak is above 0 and below the
+ * bound of zr_fsdp_gather_bound (at most 2 blocks gathered); and the plan equals the measurement. */
+static int zr_check_fsdp_memory(const fl_run_config *cfg, int rank, int world, const fl_trainer_result *res,
+                                int exact_peaks, char *why, size_t wn) {
+    int bad = 0;
+    size_t o = 0, n = 0;
+    why[0] = 0;
+    fl_model_config mc;
+    size_t sh = zr_model_config(cfg, &mc) ? zr_fsdp_shard(&mc, world, rank, &n) : 0;
+    int bf16 = !strcmp(cfg->precision, "bf16-true");
+    size_t es = bf16 ? 2 : 4;
+    size_t states = cfg->optimizer.kind == FL_OPT_ADAMW ? 2 : cfg->optimizer.momentum != 0.0f ? 1 : 0;
+    const fl_mem_phase *ph = NULL;
+    for (int i = 0; i < res->n_phases; i++)
+        if (!strcmp(res->phases[i].name, "after_opt_step")) ph = &res->phases[i];
+    size_t optim = sh * states * es;
+    if (!ph || !sh || ph->cur[FL_TAG_PARAMS] != sh * es || ph->cur[FL_TAG_GRADS] != sh * es ||
+        ph->cur[FL_TAG_OPTIM] != optim || ph->cur[FL_TAG_GATHER] != 0) {
+        bad++;
+        o += (size_t)snprintf(why + o, wn > o ? wn - o : 0, "rank %d after the step: PARAMS %zu GRADS %zu OPTIM %zu "
+                              "GATHER %zu, want %zu %zu %zu 0 (shard of %zu of %zu elements); ", rank,
+                              ph ? ph->cur[FL_TAG_PARAMS] : 0, ph ? ph->cur[FL_TAG_GRADS] : 0,
+                              ph ? ph->cur[FL_TAG_OPTIM] : 0, ph ? ph->cur[FL_TAG_GATHER] : 0, sh * es, sh * es, optim,
+                              sh, n);
+    }
+    size_t gb = sh ? zr_fsdp_gather_bound(&mc, world, es, !strcmp(cfg->precision, "bf16-mixed") ? 2 : 0) : 0;
+    if (!(res->peak[FL_TAG_GATHER] > 0 && res->peak[FL_TAG_GATHER] <= gb)) {
+        bad++;
+        o += (size_t)snprintf(why + o, wn > o ? wn - o : 0, "rank %d GATHER peak %zu not in (0, %zu]; ", rank,
+                              res->peak[FL_TAG_GATHER], gb);
+    }
+    return bad + zr_check_plan(cfg, rank, res, exact_peaks, why, wn, o);
 }
 
 #endif

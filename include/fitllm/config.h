@@ -77,7 +77,7 @@ typedef struct {
     char precision[16];               /* "32-true", "bf16-true", "bf16-mixed", "16-mixed", ... */
     int devices, num_nodes;           /* ranks = devices x num_nodes (data parallel over MPI) */
     char strategy[32];                /* auto, ddp, deepspeed_stage_1, deepspeed_stage_2, fsdp (Lightning's names) */
-    char sharding_strategy[32];       /* fsdp.sharding_strategy: "" (FULL_SHARD), NO_SHARD, SHARD_GRAD_OP */
+    char sharding_strategy[32];       /* fsdp.sharding_strategy: "" (FULL_SHARD), FULL_SHARD, NO_SHARD, SHARD_GRAD_OP */
     char state_dict_type[32];         /* fsdp.state_dict_type: "full" (one consolidated checkpoint, the default) or
                                          "sharded" (each rank writes its element ranges; any strategy) */
     char resume[FL_CFG_PATH];         /* "false", "true", "auto" or a checkpoint folder */
@@ -102,6 +102,10 @@ typedef struct {
     int threads;                      /* 0 = all cores */
     int quiet;
     int overwrite;
+    /* library callers (no option): the step hook's parameters under FSDP FULL_SHARD: 0 this rank's
+     * shard (fl_step_hook), 1 the whole parameters, gathered unit by unit for it (a collective and a
+     * whole host copy on every rank each step: tests) */
+    int hook_whole_params;
 } fl_run_config;
 
 /* Defaults of the command (LitGPT's setup() defaults). */
@@ -156,9 +160,10 @@ const char *fl_cfg_command_name(fl_cmd_kind cmd);
 fl_status fl_cfg_validate(const fl_run_config *c);
 /* The ZeRO stage of a strategy (Lightning's names): auto, ddp and fsdp + NO_SHARD -> 0 (DDP),
  * deepspeed_stage_1 -> 1 (optimizer state sharded), deepspeed_stage_2 and fsdp + SHARD_GRAD_OP -> 2
- * (also the reduced gradients). What is not built yet (deepspeed_stage_3, FULL_SHARD, which is fsdp's
- * default sharding_strategy, HYBRID_SHARD, the offload variants) is FL_ERR_UNSUPPORTED naming issue
- * #14, never mapped onto something else; unknown names FL_ERR_INVALID. sharding may be NULL. */
+ * (also the reduced gradients), deepspeed_stage_3 and fsdp + FULL_SHARD (fsdp's default) -> 3 (also the
+ * parameters: src/train/fsdp.c). What is not built yet (HYBRID_SHARD, the offload variants) is
+ * FL_ERR_UNSUPPORTED naming issue #14, never mapped onto something else; unknown names FL_ERR_INVALID.
+ * sharding may be NULL. */
 fl_status fl_cfg_zero_stage(const char *strategy, const char *sharding, int *stage);
 /* fl_cfg_zero_stage with fsdp read as SHARD_GRAD_OP: whether the name is one fitllm runs. */
 fl_status fl_cfg_check_strategy(const char *strategy);

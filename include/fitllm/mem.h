@@ -9,8 +9,8 @@
  *
  * Reserved and live. An allocation's bytes are *reserved* from fl_mem_alloc to
  * fl_mem_free (the counters above, the budget, the OOM record). Its *live*
- * bytes are the part that holds data a later phase still reads: PARAMS, OPTIM
- * and OTHER allocations are live in full (weights, optimizer state carried
+ * bytes are the part that holds data a later phase still reads: PARAMS, OPTIM,
+ * OTHER and GATHER allocations are live in full (weights, optimizer state carried
  * from step to step, the step's token buffers); GRADS, ACTS and WORKSPACE
  * allocations start with nothing live and their owner says what is with
  * fl_mem_set_live (the activation arena after a training forward, the
@@ -47,6 +47,8 @@ typedef enum {
     FL_TAG_ACTS,       /* activations saved for backward */
     FL_TAG_WORKSPACE,  /* temporaries: activation grads, logits chunks, scratch */
     FL_TAG_OTHER,      /* everything else (token buffers, bookkeeping) */
+    FL_TAG_GATHER,     /* FSDP / ZeRO-3: the gathered units' parameters and their unreduced gradients
+                        * (src/train/fsdp.c); 0 in every other run */
     FL_TAG_COUNT
 } fl_mem_tag;
 

@@ -164,6 +164,37 @@ typedef struct {
     int q4_double_quant;  /* "-dq": double-quantized absmax */
 } fl_model_storage;
 
+/* Sharded parameters (FSDP FULL_SHARD / ZeRO-3; set by src/train/fsdp.c, NULL otherwise). The
+ * model's units are its layout groups (0 the embeddings, 1..L the blocks, L+1 the final norm and
+ * lm_head); under sharding `params`/`p16` and `grads`/`g16` hold only this rank's shard of every
+ * group (numel elements), and a group's whole parameters exist only while it is gathered:
+ * fl_model_forward/backward ask for each group right before using it and give it back after, so
+ * transformer.c stays one graph and the model never talks to other ranks. views[g] is what the
+ * block lookups (blocks.c) read while group g is gathered: p its parameters (store dtype), wc
+ * their compute-dtype copy (mixed policies) or NULL, g its gradient of this micro-batch (store
+ * dtype) between grads_begin and grads_ready; NULL when absent. */
+typedef struct {
+    void *p, *wc, *g;
+} fl_group_view;
+
+typedef struct fl_param_provider {
+    void *ud;
+    size_t numel;         /* elements of this rank's shard (params, grads and optimizer state) */
+    fl_group_view *views; /* (layout.n_groups) */
+    /* group g's parameters into views[g] (waiting for a gather posted ahead), then post the gather
+     * of group `next` ahead (-1: none; the provider may decline: its prefetch limit) */
+    fl_status (*gather)(void *ud, int g, int next);
+    /* done with group g's parameters (its buffers go back) */
+    void (*release)(void *ud, int g);
+    /* a zeroed gradient buffer for group g in views[g].g (no-op when it has one) */
+    fl_status (*grads_begin)(void *ud, int g);
+    /* group g's gradient of this micro-batch is complete: reduce-scatter it into the shard */
+    fl_status (*grads_ready)(void *ud, int g);
+    /* the start of an optimizer step (fl_model_zero_grads): the next reduction of each group
+     * replaces the shard's gradient instead of adding to it */
+    void (*zero_grads)(void *ud);
+} fl_param_provider;
+
 typedef struct {
     fl_model_config cfg;
     fl_param_layout layout;
@@ -217,6 +248,7 @@ typedef struct {
      * (final norm, lm_head), block L-1 ... 0, then the embeddings (group 0). NULL: not called. */
     fl_status (*grad_ready)(void *ud, size_t off, size_t n);
     void *grad_ready_ud;
+    fl_param_provider *pp;  /* sharded parameters (FSDP FULL_SHARD), see fl_param_provider; NULL: whole */
 } fl_model;
 
 /* Create an empty model for cfg (validates cfg, builds the layout, allocates

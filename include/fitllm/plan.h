@@ -69,7 +69,8 @@ typedef struct {
     int seq_len;           /* > 0: plan for this T instead of max_seq_length / the context */
     int generation;        /* -1 auto (as the CLI run would), 0 off, 1 on */
     int no_suggestions;    /* skip the suggestion search (used by the search itself) */
-    int rank;              /* ZeRO: plan this rank (their chunks differ by one element at most); default 0 */
+    int rank;              /* ZeRO / FSDP: plan this rank (ZeRO's chunks differ by one element at most, FULL_SHARD's
+                            * shards by one per unit); default 0 */
     int cuda;              /* 1: plan a run on the CUDA backend (its op scratch and GEMM widening; the device
                             * pool only: host staging is not device memory); 0: the CPU backend */
     int comm_threads;      /* several ranks: 1 = they run as threads of one process (the threads communicator
@@ -99,7 +100,8 @@ typedef struct {
     size_t n_params;
     int B, accum, global_batch, T; /* per rank: global_batch = the run's / devices */
     int devices;               /* ranks (DDP: the plan is one rank's memory) */
-    int rank, zero_stage;      /* the rank planned; ZeRO stage of the strategy (0: DDP or one process) */
+    int rank, zero_stage;      /* the rank planned; ZeRO stage of the strategy (0: DDP or one process, 3: FSDP
+                                * FULL_SHARD; LoRA under FULL_SHARD: 2) */
     char precision[16];
     char optimizer[24];        /* "AdamW", "SGD", "SGD+momentum" */
     int act_ckpt;

@@ -48,11 +48,12 @@ struct fl_optimizer;
  * and updates, only its range [s_off, s_off + s_len) of the flat trainable buffer: fl_comm's chunk
  * layout of n over `world` ranks. */
 typedef struct fl_optim_dist {
-    int world, rank, stage; /* stage 0: DDP (NO_SHARD), 1: ZeRO-1, 2: ZeRO-2 */
+    int world, rank, stage; /* stage 0: DDP (NO_SHARD), 1: ZeRO-1, 2: ZeRO-2, 3: ZeRO-3 / FSDP FULL_SHARD (the
+                             * optimizer then sees only the rank's shard: src/train/fsdp.c) */
     void *ud;
     /* v[0..n) := its sum over ranks, in rank order (the same bits on every rank) */
     fl_status (*sum)(void *ud, double *v, int n);
-    /* after this rank updated its range: every rank's range of o->p to every rank (stage > 0) */
+    /* after this rank updated its range: every rank's range of o->p to every rank (stages 1 and 2) */
     fl_status (*gather)(void *ud, struct fl_optimizer *o);
 } fl_optim_dist;
 

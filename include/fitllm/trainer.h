@@ -58,11 +58,17 @@ typedef struct {
  * micro-batch's backward ends each (DDP and ZeRO-1 of the full model; not ZeRO-2, LoRA or one
  * process). The planner replays it. */
 int fl_trainer_dp_bucketed(int world, int zero_stage, int lora);
+/* FSDP FULL_SHARD / ZeRO-3 (src/train/fsdp.c): the elements of rank `rank`'s shard among `world`
+ * (every layout group split by fl_comm's chunk layout on its own: sum over groups of the rank's
+ * chunk), what each rank holds of the parameters, gradients and optimizer state. The planner uses it. */
+size_t fl_fsdp_shard_numel(const fl_param_layout *lay, int world, int rank);
+/* Why FULL_SHARD cannot run this configuration yet (8-bit AdamW, 16-true), or NULL. p may be NULL. */
+const char *fl_fsdp_refusal(const fl_run_config *cfg, const fl_precision *p);
 
 /* Hook for tests: called after every optimizer step (after that step's
  * evaluation and checkpoint) with the step's loss (mean over its valid
  * targets) and the raw bytes of the trained parameters (all of them in their storage dtype,
- * or the LoRA adapters). Returning non-zero stops training there, with
+ * or the LoRA adapters; under FULL_SHARD this rank's shard unless cfg->hook_whole_params). Returning non-zero stops training there, with
  * no final checkpoint, as a crash right after the step would. */
 typedef int (*fl_step_hook)(void *ud, long step, double loss, const void *params, size_t bytes);
 

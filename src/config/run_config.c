@@ -67,8 +67,8 @@ static const fl_cfg_key k_keys[] = {
     {"precision", FL_CK_PRECISION, OFF(precision), "32-true | bf16-true | bf16-mixed | 16-true | 16-mixed"},
     {"devices", FL_CK_DEVICES, OFF(devices), "devices (ranks) per node, or auto (1 CPU device); > 1: data parallel over devices x num_nodes ranks"},
     {"num_nodes", FL_CK_POS, OFF(num_nodes), "number of nodes"},
-    {"strategy", FL_CK_STR32, OFF(strategy), "auto | ddp | deepspeed_stage_1 | deepspeed_stage_2 | fsdp (auto = ddp; ZeRO-1/2 shard the optimizer state / gradients)"},
-    {"fsdp.sharding_strategy", FL_CK_STR32, OFF(sharding_strategy), "--strategy fsdp: NO_SHARD (= ddp) | SHARD_GRAD_OP (= ZeRO-2); FULL_SHARD (fsdp's default), HYBRID_SHARD: not yet"},
+    {"strategy", FL_CK_STR32, OFF(strategy), "auto | ddp | deepspeed_stage_1 | deepspeed_stage_2 | deepspeed_stage_3 | fsdp (auto = ddp; ZeRO-1/2 shard the optimizer state / gradients; ZeRO-3 = fsdp FULL_SHARD also the parameters, gathered block by block)"},
+    {"fsdp.sharding_strategy", FL_CK_STR32, OFF(sharding_strategy), "--strategy fsdp: FULL_SHARD (default; = ZeRO-3: parameters, gradients and optimizer state divided by the ranks) | SHARD_GRAD_OP (= ZeRO-2) | NO_SHARD (= ddp); HYBRID_SHARD: not yet"},
     {"fsdp.state_dict_type", FL_CK_STR32, OFF(state_dict_type), "checkpoints of every strategy: full (consolidated, one file set) | sharded (each rank writes its element ranges; resumable at any world size; fitllm merge_shards consolidates)"},
     {"resume", FL_CK_RESUME, OFF(resume), "false | true | auto | path to a checkpoint folder"},
     {"seed", FL_CK_U64, OFF(seed), "random seed"},
@@ -533,32 +533,36 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
 /* Lightning's and DeepSpeed's names for what is not built yet (issue #14): refused, never mapped
  * onto something else. */
 static fl_status not_yet(const char *what, const char *name) {
-    return fl_errorf(FL_ERR_UNSUPPORTED, "%s '%s' is not implemented yet (issue #14: parameter sharding, ZeRO-3 / "
-                     "FULL_SHARD, and offload come later); use --strategy ddp, deepspeed_stage_1, deepspeed_stage_2, "
-                     "or fsdp with --fsdp.sharding_strategy NO_SHARD or SHARD_GRAD_OP", what, name);
+    return fl_errorf(FL_ERR_UNSUPPORTED, "%s '%s' is not implemented yet (issue #14: HYBRID_SHARD and offload come "
+                     "later); use --strategy ddp, deepspeed_stage_1, deepspeed_stage_2, deepspeed_stage_3, or fsdp "
+                     "with --fsdp.sharding_strategy NO_SHARD, SHARD_GRAD_OP or FULL_SHARD", what, name);
 }
 
 fl_status fl_cfg_zero_stage(const char *s, const char *sharding, int *stage) {
-    static const char *later[] = {"deepspeed", "deepspeed_stage_3", "deepspeed_stage_2_offload",
+    static const char *later[] = {"deepspeed", "deepspeed_stage_2_offload",
                                   "deepspeed_stage_3_offload", "deepspeed_stage_1_offload", "fsdp_cpu_offload"};
     *stage = 0;
     if (!s[0] || !strcmp(s, "auto") || !strcmp(s, "ddp")) return FL_OK;
     if (!strcmp(s, "deepspeed_stage_1")) { *stage = 1; return FL_OK; }
     if (!strcmp(s, "deepspeed_stage_2")) { *stage = 2; return FL_OK; }
+    if (!strcmp(s, "deepspeed_stage_3")) { *stage = 3; return FL_OK; }
     if (!strcmp(s, "fsdp")) {
-        /* Lightning's FSDPStrategy default is FULL_SHARD (ZeRO-3): refused until it exists */
+        /* Lightning's FSDPStrategy default is FULL_SHARD (ZeRO-3) */
         const char *ss = sharding && sharding[0] ? sharding : "FULL_SHARD";
         if (!strcmp(ss, "NO_SHARD")) return FL_OK;
         if (!strcmp(ss, "SHARD_GRAD_OP")) { *stage = 2; return FL_OK; }
-        if (!strcmp(ss, "FULL_SHARD") || !strcmp(ss, "HYBRID_SHARD") || !strcmp(ss, "_HYBRID_SHARD_ZERO2"))
-            return not_yet(sharding && sharding[0] ? "fsdp.sharding_strategy" : "strategy fsdp with the default "
-                           "fsdp.sharding_strategy", ss);
-        return fl_errorf(FL_ERR_INVALID, "fsdp.sharding_strategy '%s': unknown (NO_SHARD, SHARD_GRAD_OP; FULL_SHARD "
-                         "and HYBRID_SHARD later)", ss);
+        if (!strcmp(ss, "FULL_SHARD")) { *stage = 3; return FL_OK; }
+        if (!strcmp(ss, "HYBRID_SHARD") || !strcmp(ss, "_HYBRID_SHARD_ZERO2")) /* needs a communicator per node */
+            return fl_errorf(FL_ERR_UNSUPPORTED, "fsdp.sharding_strategy '%s' is not implemented yet (issue #14: "
+                             "sharding within a node and replicating across nodes needs a communicator per node); on "
+                             "one node it is FULL_SHARD: use --fsdp.sharding_strategy FULL_SHARD", ss);
+        return fl_errorf(FL_ERR_INVALID, "fsdp.sharding_strategy '%s': unknown (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD; "
+                         "HYBRID_SHARD later)", ss);
     }
     for (size_t i = 0; i < sizeof later / sizeof later[0]; i++)
         if (!strcmp(s, later[i])) return not_yet("strategy", s);
-    return fl_errorf(FL_ERR_INVALID, "strategy '%s': unknown (auto, ddp, deepspeed_stage_1, deepspeed_stage_2, fsdp)",
+    return fl_errorf(FL_ERR_INVALID, "strategy '%s': unknown (auto, ddp, deepspeed_stage_1, deepspeed_stage_2, "
+                     "deepspeed_stage_3, fsdp)",
                      s);
 }
 
@@ -576,14 +580,18 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
     if (c->sharding_strategy[0] && strcmp(c->sharding_strategy, "NO_SHARD") &&
         strcmp(c->sharding_strategy, "SHARD_GRAD_OP") && strcmp(c->sharding_strategy, "FULL_SHARD") &&
         strcmp(c->sharding_strategy, "HYBRID_SHARD") && strcmp(c->sharding_strategy, "_HYBRID_SHARD_ZERO2"))
-        return fl_errorf(FL_ERR_INVALID, "fsdp.sharding_strategy '%s': unknown (NO_SHARD, SHARD_GRAD_OP; FULL_SHARD "
-                         "and HYBRID_SHARD later)", c->sharding_strategy);
+        return fl_errorf(FL_ERR_INVALID, "fsdp.sharding_strategy '%s': unknown (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD; "
+                         "HYBRID_SHARD later)", c->sharding_strategy);
     if (strcmp(c->state_dict_type, "full") && strcmp(c->state_dict_type, "sharded"))
         return fl_errorf(FL_ERR_INVALID, "fsdp.state_dict_type '%s': unknown (full or sharded)", c->state_dict_type);
     if (!strcmp(c->state_dict_type, "sharded") && c->command == FL_CMD_FINETUNE_LORA)
         return fl_errorf(FL_ERR_UNSUPPORTED, "fsdp.state_dict_type sharded: finetune_lora's checkpoints are PEFT "
                          "adapters (a few MB) and are written whole; sharded checkpoints are for finetune_full and "
                          "pretrain (use full)");
+    if (!strcmp(c->state_dict_type, "sharded") && stage == 3 && c->command != FL_CMD_FINETUNE_LORA)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "fsdp.state_dict_type sharded under FULL_SHARD / deepspeed_stage_3: not "
+                         "implemented yet (FULL_SHARD's shards are per unit, the sharded files per flat range); use full "
+                         "(consolidated, gathered one unit at a time)");
     if (t->micro_batch_size <= 0) return fl_errorf(FL_ERR_INVALID, "train.micro_batch_size must be positive");
     if (t->global_batch_size <= 0) return fl_errorf(FL_ERR_INVALID, "train.global_batch_size must be positive");
     int per_rank = t->global_batch_size / (c->devices * c->num_nodes);

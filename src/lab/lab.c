@@ -313,7 +313,9 @@ static void run_row(const lab_exp *e, const fl_lab_report *rep, long steps, cons
         r->phases_planned = 1;
     }
     int avail = e->technique[0] ? fl_plan_technique_available(e->technique) : 1;
-    if (avail != 1 || r->planned == FL_PLAN_UNAVAILABLE) {
+    /* the lab trains in one process: the multi-process rows (ddp, fsdp: mpirun) are not run yet */
+    const int multi = !strcmp(e->technique, "ddp") || !strcmp(e->technique, "fsdp");
+    if (avail != 1 || multi || r->planned == FL_PLAN_UNAVAILABLE) {
         r->verdict = FL_LAB_NA;
         r->planned = r->ref_planned = FL_PLAN_UNAVAILABLE; /* the plan without the technique would mislead */
         r->planned_peak = r->ref_peak = 0;
@@ -322,7 +324,8 @@ static void run_row(const lab_exp *e, const fl_lab_report *rep, long steps, cons
         ts = fl_plan_techniques(&n);
         for (int i = 0; i < n; i++)
             if (!strcmp(ts[i].name, e->technique))
-                snprintf(r->note, sizeof r->note, "%s not available in this build: %s", e->technique, ts[i].note);
+                snprintf(r->note, sizeof r->note, "%s %s: %s", e->technique,
+                         ts[i].available ? "is not run by the lab" : "not available in this build", ts[i].note);
         goto done;
     }
     step_log log;

@@ -12,6 +12,10 @@
 #include "core/fs.h"
 #include "fitllm/lab.h"
 
+/* The lab trains in one process: the FSDP gathered-block tag (FL_TAG_GATHER) is always 0 there, so
+ * its files keep the six tags before it. */
+#define LAB_TAGS FL_TAG_GATHER
+
 #define MIB(x) ((double)(x) / 1048576.0)
 
 static const char *match(const fl_lab_row *r) {
@@ -43,7 +47,7 @@ void fl_lab_print_table(const fl_lab_report *rep, FILE *f) {
         fprintf(f, "%-15s %-7s %-6s %-10s %-6s %-4s %-7s %-3s |", r->name, r->model, bx, r->precision, r->optimizer,
                 r->act_ckpt ? "on" : "off", fl_lab_verdict_name(r->verdict), match(r));
         if (r->verdict == FL_LAB_FITS || r->verdict == FL_LAB_OOM) {
-            for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, t == FL_TAG_OTHER ? " %6.2f" : " %8.1f", MIB(r->peak[t]));
+            for (int t = 0; t < LAB_TAGS; t++) fprintf(f, t == FL_TAG_OTHER ? " %6.2f" : " %8.1f", MIB(r->peak[t]));
             fprintf(f, " | %8.1f", MIB(r->peak_total));
         } else {
             fprintf(f, " %8s %8s %8s %8s %8s %6s | %8s", "-", "-", "-", "-", "-", "-", "-");
@@ -134,7 +138,7 @@ static fl_status write_csv(const fl_lab_report *rep, const char *dir) {
         fprintf(f, "%s,%s,%s,%d,%d,%d,%s,%s,%d,%s,%s,%s", r->name, r->model, r->ref_model, r->B,
                 r->accum, r->T, r->precision, r->optimizer, r->act_ckpt, fl_lab_verdict_name(r->verdict),
                 fl_lab_verdict_name(r->expected), match(r));
-        for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, ",%zu", r->peak[t]);
+        for (int t = 0; t < LAB_TAGS; t++) fprintf(f, ",%zu", r->peak[t]);
         fprintf(f, ",%zu,%s,%zu,%s,%zu", r->peak_total, plan_name(r->planned), r->planned_peak,
                 plan_name(r->ref_planned), r->ref_peak);
         if (r->verdict == FL_LAB_FITS) fprintf(f, ",%.3f,%.1f,%.5f", r->step_ms, r->tok_s, r->final_loss);
@@ -157,7 +161,7 @@ static fl_status write_csv(const fl_lab_report *rep, const char *dir) {
                 const fl_mem_phase *ph = &r->phases[k];
                 fprintf(f, "%s,%s,%s,%s", r->name, r->phases_planned ? "planned" : "measured", ph->name,
                         live ? "live" : "reserved");
-                for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, ",%zu", live ? ph->live[t] : ph->cur[t]);
+                for (int t = 0; t < LAB_TAGS; t++) fprintf(f, ",%zu", live ? ph->live[t] : ph->cur[t]);
                 fprintf(f, ",%zu\n", live ? ph->live_total : ph->cur_total);
             }
     }
@@ -167,7 +171,7 @@ static fl_status write_csv(const fl_lab_report *rep, const char *dir) {
 
 static void jtags(FILE *f, const size_t *b, size_t total) {
     fputc('{', f);
-    for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, "\"%s\": %zu, ", fl_mem_tag_name((fl_mem_tag)t), b[t]);
+    for (int t = 0; t < LAB_TAGS; t++) fprintf(f, "\"%s\": %zu, ", fl_mem_tag_name((fl_mem_tag)t), b[t]);
     fprintf(f, "\"total\": %zu}", total);
 }
 
@@ -202,7 +206,7 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
         jstr(f, r->technique);
         fprintf(f, ", \"verdict\": \"%s\", \"lab_verdict\": \"%s\", \"matches_lab\": \"%s\", \"peak\": {",
                 fl_lab_verdict_name(r->verdict), fl_lab_verdict_name(r->expected), match(r));
-        for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, "\"%s\": %zu, ", fl_mem_tag_name((fl_mem_tag)t), r->peak[t]);
+        for (int t = 0; t < LAB_TAGS; t++) fprintf(f, "\"%s\": %zu, ", fl_mem_tag_name((fl_mem_tag)t), r->peak[t]);
         fprintf(f, "\"total\": %zu}, \"planned_verdict\": \"%s\", \"planned_peak\": %zu, \"ref_planned_verdict\": "
                    "\"%s\", \"ref_planned_peak\": %zu, \"steps\": %ld, \"step_ms\": ",
                 r->peak_total, plan_name(r->planned), r->planned_peak, plan_name(r->ref_planned), r->ref_peak, r->steps);
@@ -249,7 +253,7 @@ static int find_gnuplot(void) {
 
 /* memory.dat / phases.dat / step_time.dat + charts.gp, then gnuplot (run in dir: the script
  * names its files relative to its own folder). Returns 1 if drawn. */
-static const char *k_tag_colour[FL_TAG_COUNT] = {"#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377"};
+static const char *k_tag_colour[LAB_TAGS] = {"#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377"};
 
 static const char *short_phase(const char *name) {
     static const char *map[][2] = {{"after_load", "load"}, {"before_fwd", "pre-fwd"}, {"after_fwd", "fwd"},
@@ -270,7 +274,7 @@ static int write_charts(const fl_lab_report *rep, const char *dir, char *why, si
         const size_t *b = r->verdict == FL_LAB_FITS ? r->peak : r->planned_tag;
         int show = r->verdict == FL_LAB_FITS || (r->verdict == FL_LAB_OOM && r->planned_peak);
         fprintf(f, "\"%s%s\"", r->name, r->verdict == FL_LAB_OOM ? " (OOM)" : r->verdict == FL_LAB_NA ? " (n/a)" : "");
-        for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, " %.3f", show ? MIB(b[t]) : 0.0);
+        for (int t = 0; t < LAB_TAGS; t++) fprintf(f, " %.3f", show ? MIB(b[t]) : 0.0);
         fprintf(f, "\n");
     }
     fclose(f);
@@ -288,7 +292,7 @@ static int write_charts(const fl_lab_report *rep, const char *dir, char *why, si
         for (int k = 0; k < r->n_phases; k++) {
             const fl_mem_phase *ph = &r->phases[k];
             fprintf(f, "\"%s\"", short_phase(ph->name));
-            for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, " %.3f", MIB(ph->live[t]));
+            for (int t = 0; t < LAB_TAGS; t++) fprintf(f, " %.3f", MIB(ph->live[t]));
             fprintf(f, " %.3f\n", MIB(ph->cur_total - ph->live_total));
         }
         blk[nblk++] = r;
@@ -334,8 +338,8 @@ static int write_charts(const fl_lab_report *rep, const char *dir, char *why, si
         for (int bI = 0; bI < nblk; bI++) {
             const fl_lab_row *r = blk[bI];
             fprintf(f, "%s newhistogram \"%s%s\"", bI ? ", \\\n    " : "", r->name, r->verdict == FL_LAB_OOM ? " (OOM, planned)" : "");
-            static const char *tags[FL_TAG_COUNT] = {"PARAMS", "GRADS", "OPTIM", "ACTS", "WORKSPACE", "OTHER"};
-            for (int t = 0; t < FL_TAG_COUNT; t++) {
+            static const char *tags[LAB_TAGS] = {"PARAMS", "GRADS", "OPTIM", "ACTS", "WORKSPACE", "OTHER"};
+            for (int t = 0; t < LAB_TAGS; t++) {
                 fprintf(f, ", 'phases.dat' index %d using %d%s", bI, t + 2, t == 0 ? ":xtic(1)" : "");
                 if (bI == 0) fprintf(f, " title '%s'", tags[t]);
                 else fprintf(f, " notitle");
@@ -419,7 +423,7 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
                 r->accum, ranks, r->precision, r->optimizer, r->act_ckpt ? "on" : "off", fl_lab_verdict_name(r->verdict),
                 match(r));
         if (r->verdict == FL_LAB_FITS || r->verdict == FL_LAB_OOM) {
-            for (int t = 0; t < FL_TAG_COUNT; t++) fprintf(f, " %.2f |", MIB(r->peak[t]));
+            for (int t = 0; t < LAB_TAGS; t++) fprintf(f, " %.2f |", MIB(r->peak[t]));
             fprintf(f, " %.2f |", MIB(r->peak_total));
         } else {
             fprintf(f, " - | - | - | - | - | - | - |");

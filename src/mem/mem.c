@@ -16,7 +16,7 @@ struct fl_mem_entry {
 #define TOMB ((void *)1)
 #define ALIGN 64
 
-static const char *k_tag[FL_TAG_COUNT] = {"PARAMS", "GRADS", "OPTIM", "ACTS", "WORKSPACE", "OTHER"};
+static const char *k_tag[FL_TAG_COUNT] = {"PARAMS", "GRADS", "OPTIM", "ACTS", "WORKSPACE", "OTHER", "GATHER"};
 
 const char *fl_mem_tag_name(fl_mem_tag t) { return (t >= 0 && t < FL_TAG_COUNT) ? k_tag[t] : "?"; }
 
@@ -146,7 +146,7 @@ fl_status fl_mem_alloc(fl_mem_pool *p, fl_mem_tag tag, size_t bytes, void **out)
     if (!ptr) return fail_oom(p, tag, bytes, 1);
     /* weights, optimizer state and token buffers hold their data from the start; gradients,
      * activations and scratch hold nothing needed until their owner says so (fl_mem_set_live) */
-    size_t live = (tag == FL_TAG_PARAMS || tag == FL_TAG_OPTIM || tag == FL_TAG_OTHER) ? bytes : 0;
+    size_t live = (tag == FL_TAG_PARAMS || tag == FL_TAG_OPTIM || tag == FL_TAG_OTHER || tag == FL_TAG_GATHER) ? bytes : 0;
     if (insert_entry(p, ptr, bytes, live, tag) != 0) {
         p->raw_free(ptr, bytes, p->raw_ud);
         return fail_oom(p, tag, bytes, 1);

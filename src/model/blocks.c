@@ -12,6 +12,35 @@ static int idx_of(const fl_model *m, const char *name) { return fl_layout_find(&
 static size_t loff(const fl_model *m, int i) { return i < 0 ? (size_t)-1 : m->layout.params[i].offset; }
 static size_t off_of(const fl_model *m, const char *name) { return loff(m, idx_of(m, name)); }
 
+/* The layout group holding layout offset off. */
+static int group_of(const fl_model *m, size_t off) {
+    const size_t *go = m->layout.group_offset;
+    int g = 0;
+    while (g + 1 < m->layout.n_groups && off >= go[g + 1]) g++;
+    return g;
+}
+
+/* Sharded parameters (m->pp): element `off` of group g's view buffer v (element size es), NULL
+ * while the group is not gathered. A sharded model has no 4-bit entries: store offsets are layout
+ * offsets. */
+static void *view_at(const fl_model *m, void *v, size_t off, size_t es) {
+    return v ? (char *)v + (off - m->layout.group_offset[group_of(m, off)]) * es : NULL;
+}
+
+/* The stored parameter at store offset so (fp32 or 16-bit storage): in the whole buffer, or in
+ * its group's gathered view. */
+static void *paddr(const fl_model *m, size_t so) {
+    if (m->pp) return view_at(m, m->pp->views[group_of(m, so)].p, so, fl_dtype_size(m->store_dtype));
+    return m->params ? (void *)(m->params + so) : (void *)(m->p16 + so);
+}
+
+/* Its compute-dtype copy (mixed policies), or NULL. */
+static const void *wcaddr(const fl_model *m, size_t so) {
+    size_t es = fl_dtype_size(m->prec.compute_dtype);
+    if (m->pp) return view_at(m, m->pp->views[group_of(m, so)].wc, so, es);
+    return m->wcompute ? (const void *)((const char *)m->wcompute + so * es) : NULL;
+}
+
 /* fp32 view of a 1-D parameter: in place (fp32 storage) or widened into the
  * next free slot of pstage (16-bit storage; *cur is the slot cursor). */
 static const float *P1(const fl_model *m, const char *name, float **cur) {
@@ -19,23 +48,24 @@ static const float *P1(const fl_model *m, const char *name, float **cur) {
     if (i < 0) return NULL;
     const fl_param_info *p = &m->layout.params[i];
     size_t so = fl_model_store_off(m, i);
-    if (m->params) return m->params + so;
+    const void *src = paddr(m, so);
+    if (m->store_dtype == FL_F32) return src;
     float *v = *cur;
-    m->be->convert(m->be, v, FL_F32, m->p16 + so, m->store_dtype, p->numel);
     *cur += p->numel;
+    if (!src) return NULL; /* sharded: its group is not gathered */
+    m->be->convert(m->be, v, FL_F32, src, m->store_dtype, p->numel);
     return v;
 }
 
 /* Gradient of the entry at layout offset off: in place (fp32), or at the same
- * position relative to its group in gstage (16-bit: see fl_grad_stage_*). */
+ * position relative to its group in gstage (16-bit: see fl_grad_stage_*). Sharded
+ * fp32: in its group's gradient view (NULL while it has none). */
 static float *G(const fl_model *m, size_t off) {
     if (off == (size_t)-1) return NULL;
+    if (m->pp && m->store_dtype == FL_F32) return view_at(m, m->pp->views[group_of(m, off)].g, off, sizeof(float));
     if (m->grads) return m->grads + off;
     if (!m->g16) return NULL;
-    const size_t *go = m->layout.group_offset;
-    int g = 0;
-    while (g + 1 < m->layout.n_groups && off >= go[g + 1]) g++;
-    return m->gstage + (off - go[g]);
+    return m->gstage + (off - m->layout.group_offset[group_of(m, off)]);
 }
 
 void fl_linear_set_weight(const fl_model *m, fl_linear *lin, int wi) {
@@ -53,13 +83,13 @@ void fl_linear_set_weight(const fl_model *m, fl_linear *lin, int wi) {
         return;
     }
     size_t so = fl_model_store_off(m, wi);
-    if (m->p16) { /* 16-bit storage: the matmul reads the stored weights */
-        lin->wc = m->p16 + so;
+    if (m->store_dtype != FL_F32) { /* 16-bit storage: the matmul reads the stored weights */
+        lin->wc = paddr(m, so);
         lin->wct = m->store_dtype;
         return;
     }
-    lin->w = m->params + so;
-    lin->wc = m->wcompute ? (const void *)(m->wcompute + so) : NULL;
+    lin->w = paddr(m, so);
+    lin->wc = wcaddr(m, so);
 }
 
 void fl_linear_set_dw_scratch(const fl_model *m, fl_linear *lin) {
@@ -92,8 +122,11 @@ void fl_grad_stage_begin(fl_model *m, size_t n) {
 
 fl_status fl_grad_stage_flush(fl_model *m, size_t off, size_t n) {
     if (!m->g16) return FL_OK;
-    /* g16[off : off+n] += gstage[0 : n], widened to fp32, rounded once */
-    return m->be->accumulate16(m->be, m->g16 + off, m->store_dtype, m->gstage, n);
+    /* g16[off : off+n] += gstage[0 : n], widened to fp32, rounded once (sharded: into the
+     * gradient view of off's group) */
+    void *dst = m->pp ? view_at(m, m->pp->views[group_of(m, off)].g, off, sizeof(uint16_t)) : (void *)(m->g16 + off);
+    if (!dst) return fl_errorf(FL_ERR_INTERNAL, "sharded gradients: group %d has no gradient buffer", group_of(m, off));
+    return m->be->accumulate16(m->be, dst, m->store_dtype, m->gstage, n);
 }
 
 void fl_get_block(const fl_model *m, int l, fl_block_params *bp) {
@@ -167,15 +200,16 @@ void fl_get_outer(const fl_model *m, fl_outer_params *o) {
     /* embeddings: fp32 pointers only with fp32 storage (else fl_embed_* read the 16-bit rows) */
     o->wte_off = fl_model_store_off(m, iwte);
     o->wpe_off = iwpe >= 0 ? fl_model_store_off(m, iwpe) : (size_t)-1;
-    o->wte = m->params ? m->params + o->wte_off : NULL;
+    const int f32 = m->store_dtype == FL_F32;
+    o->wte = f32 ? paddr(m, o->wte_off) : NULL;
     o->dwte = G(m, wte);
-    o->wpe = (m->params && iwpe >= 0) ? m->params + o->wpe_off : NULL;
+    o->wpe = (f32 && iwpe >= 0) ? paddr(m, o->wpe_off) : NULL;
     o->dwpe = G(m, wpe);
     o->lnf_w = P1(m, lw, cur); o->dlnf_w = G(m, off_of(m, lw));
     o->lnf_b = gpt2 ? P1(m, "transformer.ln_f.bias", cur) : NULL;
     o->dlnf_b = gpt2 ? G(m, off_of(m, "transformer.ln_f.bias")) : NULL;
-    o->head = m->params ? m->params + fl_model_store_off(m, ihd) : NULL;
-    o->dhead = (m->grads || m->g16) ? (m->grads ? m->grads + hd : m->gstage) : NULL; /* 16-bit: the head is staged alone */
+    o->head = f32 ? paddr(m, fl_model_store_off(m, ihd)) : NULL;
+    o->dhead = f32 ? G(m, hd) : m->g16 ? m->gstage : NULL; /* 16-bit: the head is staged alone */
     o->head_off = hd;
     o->head_idx = ihd;
 }
@@ -186,7 +220,7 @@ void fl_embed_forward(const fl_model *m, const fl_outer_params *op, float *out, 
                       const int32_t *ids, int B, int T, int pos0) {
     const fl_backend *be = m->be;
     const int C = m->cfg.dim;
-    if (m->params) {
+    if (m->store_dtype == FL_F32) {
         be->embedding_forward(be, out, dids, op->wte, op->wpe ? op->wpe + (size_t)pos0 * C : NULL, B, T, C);
         return;
     }
@@ -194,9 +228,9 @@ void fl_embed_forward(const fl_model *m, const fl_outer_params *op, float *out, 
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++) {
             float *o = out + ((size_t)b * T + t) * C;
-            be->convert(be, o, FL_F32, m->p16 + op->wte_off + (size_t)ids[b * T + t] * C, m->store_dtype, C);
+            be->convert(be, o, FL_F32, paddr(m, op->wte_off + (size_t)ids[b * T + t] * C), m->store_dtype, C);
             if (op->wpe_off != (size_t)-1) {
-                be->convert(be, row, FL_F32, m->p16 + op->wpe_off + (size_t)(pos0 + t) * C, m->store_dtype, C);
+                be->convert(be, row, FL_F32, paddr(m, op->wpe_off + (size_t)(pos0 + t) * C), m->store_dtype, C);
                 be->add(be, o, o, row, C);
             }
         }

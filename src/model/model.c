@@ -139,6 +139,7 @@ size_t fl_model_store_off(const fl_model *m, int i) {
 void *fl_model_param_data(const fl_model *m, int i, fl_dtype *dt) {
     if (dt) *dt = m->store_dtype;
     if (fl_model_param_is_q4(m, i)) return NULL;
+    if (m->pp) return NULL; /* sharded (FSDP): no whole entry here; src/train/fsdp.c stages a whole copy */
     size_t off = fl_model_store_off(m, i);
     return m->params ? (void *)(m->params + off) : (void *)(m->p16 + off);
 }
@@ -180,6 +181,10 @@ void fl_model_read_param(const fl_model *m, int i, float *dst) {
     fl_dtype dt;
     const char *src = fl_model_param_data(m, i, &dt);
     const size_t n = m->layout.params[i].numel, es = fl_dtype_size(dt);
+    if (!src) { /* sharded */
+        memset(dst, 0, n * sizeof(float));
+        return;
+    }
     if (dt == FL_F32 || !m->be) { /* storage is device memory: it comes to the host through the backend */
         if (m->be) (void)m->be->to_host(m->be, dst, src, n * sizeof(float));
         else fl_convert(dst, FL_F32, src, dt, n);
@@ -209,6 +214,7 @@ void fl_model_write_param(fl_model *m, int i, const float *src) {
     fl_dtype dt;
     char *dst = fl_model_param_data(m, i, &dt);
     const size_t n = m->layout.params[i].numel, es = fl_dtype_size(dt);
+    if (!dst) return; /* sharded */
     if (dt == FL_F32 || !m->be) {
         if (m->be) (void)m->be->to_device(m->be, dst, src, n * sizeof(float));
         else fl_convert(dst, dt, src, FL_F32, n);
@@ -296,7 +302,8 @@ fl_status fl_model_set_precision(fl_model *m, const fl_precision *p) {
 }
 
 void fl_model_sync_compute_copy(fl_model *m) {
-    if (m->wcompute && m->params)
+    /* sharded: no whole copy (each gathered group converts its own, src/train/fsdp.c) */
+    if (m->wcompute && m->params && !m->pp)
         m->be->convert(m->be, m->wcompute, m->prec.compute_dtype, m->params, FL_F32, m->dense_numel);
 }
 
@@ -324,11 +331,12 @@ fl_status fl_model_alloc_grads(fl_model *m) {
         return fl_errorf(FL_ERR_UNSUPPORTED, "the 4-bit base weights are frozen: QLoRA trains LoRA adapters only "
                          "(fitllm finetune_lora --quantize ...)");
     fl_status s;
+    const size_t n = m->pp ? m->pp->numel : m->layout.numel; /* sharded: this rank's shard */
     if (m->store_dtype == FL_F32) {
-        s = fl_backend_calloc(m->be, m->pool, FL_TAG_GRADS, m->layout.numel * sizeof(float), (void **)&m->grads);
+        s = fl_backend_calloc(m->be, m->pool, FL_TAG_GRADS, n * sizeof(float), (void **)&m->grads);
     } else {
         m->gstage_n = fl_sizing_gstage_elems(&m->cfg);
-        s = fl_backend_calloc(m->be, m->pool, FL_TAG_GRADS, m->layout.numel * sizeof(uint16_t), (void **)&m->g16);
+        s = fl_backend_calloc(m->be, m->pool, FL_TAG_GRADS, n * sizeof(uint16_t), (void **)&m->g16);
         if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, m->gstage_n * sizeof(float), (void **)&m->gstage);
         if (s != FL_OK) {
             fl_mem_free(m->pool, m->g16);
@@ -339,8 +347,10 @@ fl_status fl_model_alloc_grads(fl_model *m) {
 }
 
 void fl_model_zero_grads(fl_model *m) {
-    if (m->grads) m->be->zero(m->be, m->grads, m->layout.numel * sizeof(float));
-    if (m->g16) m->be->zero(m->be, m->g16, m->layout.numel * sizeof(uint16_t));
+    size_t n = m->pp ? m->pp->numel : m->layout.numel; /* sharded: this rank's shard */
+    if (m->grads) m->be->zero(m->be, m->grads, n * sizeof(float));
+    if (m->g16) m->be->zero(m->be, m->g16, n * sizeof(uint16_t));
+    if (m->pp && m->pp->zero_grads) m->pp->zero_grads(m->pp->ud);
     if (m->lora) m->be->zero(m->be, m->lora->grads, m->lora->numel * sizeof(float));
     fl_model_grads_live(m, 0); /* zeros: nothing accumulated yet */
 }
@@ -361,12 +371,12 @@ size_t fl_model_grads_live_bytes(const fl_model *m) {
 
 float *fl_model_param(fl_model *m, const char *name) {
     int i = fl_layout_find(&m->layout, name);
-    return (i < 0 || !m->params || fl_model_param_is_q4(m, i)) ? NULL : m->params + fl_model_store_off(m, i);
+    return (i < 0 || !m->params || m->pp || fl_model_param_is_q4(m, i)) ? NULL : m->params + fl_model_store_off(m, i);
 }
 
 float *fl_model_grad(fl_model *m, const char *name) {
     int i = fl_layout_find(&m->layout, name);
-    return (i < 0 || !m->grads) ? NULL : m->grads + m->layout.params[i].offset;
+    return (i < 0 || !m->grads || m->pp) ? NULL : m->grads + m->layout.params[i].offset;
 }
 
 /* ---- random init ---------------------------------------------------------- */

@@ -52,6 +52,14 @@ static fl_status block_forward(fl_model *m, int l, int B, int T, fl_layer_acts *
     return FL_OK;
 }
 
+/* Sharded parameters (m->pp, FSDP FULL_SHARD: see fl_param_provider): group g is gathered right
+ * before use (the next one's gather posted ahead), given back after, and its gradient buffer
+ * zeroed before its backward and reduced after. No-ops when the model holds every parameter. */
+#define PP_GATHER(g, next) do { if (m->pp) FL_TRY(m->pp->gather(m->pp->ud, (g), (next))); } while (0)
+#define PP_RELEASE(g) do { if (m->pp) m->pp->release(m->pp->ud, (g)); } while (0)
+#define PP_GRADS(g) do { if (m->pp) FL_TRY(m->pp->grads_begin(m->pp->ud, (g))); } while (0)
+#define PP_READY(g) do { if (m->pp) FL_TRY(m->pp->grads_ready(m->pp->ud, (g))); } while (0)
+
 static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *targets, int B, int T, float grad_scale,
                            float *logits_out) {
     const fl_backend *be = m->be;
@@ -72,9 +80,14 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
     FL_TRY(be->to_device(be, a->ids, ids, (size_t)N * sizeof *ids)); /* host ids -> the arena */
     /* The arena may be sized for a larger T; views are laid out for (m->B, m->T)
      * rows but we use them as (B, T) contiguous rows, which fits since B*T <= m->B*m->T. */
+    /* sharded: the units in forward order are the embeddings (0), the blocks (1..L) and the head
+     * group (L+1: final norm, lm_head); tied embeddings keep group 0 gathered for the head */
+    const int HG = d.L + 1, tied = m->cfg.tie_embeddings;
+    PP_GATHER(0, d.L > 0 ? 1 : HG);
     fl_outer_params op;
     fl_get_outer(m, &op);
     fl_embed_forward(m, &op, a->res[0], a->ids, ids, B, T, 0);
+    if (!tied) PP_RELEASE(0);
     const int32_t *tg = targets; /* what cross_entropy reads: device memory on a device backend */
     if (targets && a->targets) {
         FL_TRY(be->to_device(be, a->targets, targets, (size_t)N * sizeof *targets));
@@ -87,8 +100,18 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
      * activations, and a training forward rounds each block's into its 16-bit
      * region (the forward itself computes in fp32 either way: same loss). */
     for (int l = 0; l < d.L; l++) {
+        PP_GATHER(l + 1, l + 2 <= d.L ? l + 2 : HG);
         FL_TRY(block_forward(m, l, B, T, &a->layer[l]));
         if (grad_scale > 0) FL_TRY(fl_acts_narrow(m, l, N));
+        PP_RELEASE(l + 1);
+    }
+    if (m->pp) { /* the head group, and in training its gradient buffer (tied: the embeddings' too) */
+        PP_GATHER(HG, -1);
+        if (grad_scale > 0 && targets) {
+            PP_GRADS(HG);
+            if (tied) PP_GRADS(0);
+        }
+        fl_get_outer(m, &op);
     }
     fl_norm_forward(m, a->lnf, a->lnf_mean, a->lnf_rstd, a->res[d.L], op.lnf_w, op.lnf_b, N);
 
@@ -169,10 +192,14 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
     m->fwd_B = B;
     m->fwd_T = T;
     m->fwd_train = grad_scale > 0;
+    /* sharded: the head group stays gathered for the final norm's backward (PyTorch keeps its root
+     * unit too); tied, the embeddings' weight is not read again (their gradient buffer stays) */
+    if (tied) PP_RELEASE(0);
+    if (!m->fwd_train) PP_RELEASE(HG);
     /* live memory: what this forward leaves for the backward; the head's gradient is written
      * already (its backward ran chunk by chunk above) */
     fl_acts_mark_live(m, B, T, m->fwd_train);
-    if (m->fwd_train) {
+    if (m->fwd_train && !m->pp) { /* sharded: the head's gradient is in its group's gathered buffer */
         size_t hg = m->lora ? fl_lora_sizing_head_grads(&m->lora->cfg, m->lora->mods, m->lora->n_mods)
                   : head.dw ? (size_t)d.V * d.C * (m->g16 ? sizeof(uint16_t) : sizeof(float)) : 0;
         if (hg > fl_model_grads_live_bytes(m)) fl_model_grads_live(m, hg); /* accumulation: may be all already */
@@ -187,6 +214,8 @@ static fl_status model_backward(fl_model *m) {
         return fl_errorf(FL_ERR_INVALID, "fl_model_backward: needs a preceding training forward (grad_scale > 0)");
     fl_dims d = fl_model_dims(&m->cfg);
     const int B = m->fwd_B, T = m->fwd_T, N = B * T;
+    const int HG = d.L + 1;
+    PP_GATHER(HG, d.L > 0 ? d.L : -1); /* kept from the forward; block L-1's gather posted ahead */
     fl_outer_params op;
     fl_get_outer(m, &op);
     float *dres = a->dres;   // (N, C)
@@ -201,9 +230,13 @@ static fl_status model_backward(fl_model *m) {
     /* data parallel: a group is final once flushed (the head's gradient was completed in forward) */
 #define GRAD_READY(g) \
     do { if (m->grad_ready) FL_TRY(m->grad_ready(m->grad_ready_ud, m->layout.group_offset[g], fl_group_numel(m, g))); } while (0)
+    PP_RELEASE(HG);
+    PP_READY(HG);
     GRAD_READY(d.L + 1);
 
     for (int l = d.L - 1; l >= 0; l--) {
+        PP_GATHER(l + 1, l >= 1 ? l : -1); /* the embeddings' weights are not read in backward */
+        PP_GRADS(l + 1);
         fl_block_params bp;
         fl_get_block(m, l, &bp);
         fl_layer_acts *la = &a->layer[l];
@@ -232,9 +265,16 @@ static fl_status model_backward(fl_model *m) {
         FL_TRY(fl_linear_backward(be, buf1, 0, buf2, la->ln1, &bp.qkv, N)); // d ln1 (N, C)
         norm_backward(m, dres, bp.d_ln1_w, bp.d_ln1_b, buf1, a->res[l], bp.ln1_w, la->ln1_mean, la->ln1_rstd, N);
         FL_TRY(fl_grad_stage_flush(m, m->layout.group_offset[l + 1], gn));
+        PP_RELEASE(l + 1);
+        PP_READY(l + 1);
         GRAD_READY(l + 1);
     }
+    if (m->pp) { /* the embeddings' gradient buffer (tied: the head's, since the forward) */
+        PP_GRADS(0);
+        fl_get_outer(m, &op);
+    }
     FL_TRY(fl_embed_backward(m, &op, dres, a->ids, B, T));
+    PP_READY(0);
     GRAD_READY(0);
 #undef GRAD_READY
     m->fwd_train = 0;

@@ -37,7 +37,7 @@ static const fl_plan_technique k_tech[] = {
     {"qlora", 1, "fitllm finetune_lora --quantize bnb.nf4-dq", "LoRA on bitsandbytes NF4/FP4 4-bit base weights"},
     {"cpu_offload", 0, "optimizer state and master weights on the host", "not available yet"},
     {"ddp", 1, "mpirun -np N fitllm ... --devices N (--strategy ddp)", "each rank holds everything; the lab runs its ranks as threads of one process"},
-    {"fsdp", 0, "--devices N --strategy fsdp", "parameter sharding (FULL_SHARD / ZeRO-3) is not available yet; ZeRO-1/2 are (--strategy deepspeed_stage_1|2)"},
+    {"fsdp", 1, "mpirun -np N fitllm ... --devices N --strategy fsdp", "FULL_SHARD / ZeRO-3: parameters, gradients and optimizer state divided by the ranks, units gathered block by block"},
 };
 #define N_TECH (int)(sizeof k_tech / sizeof k_tech[0])
 
@@ -209,6 +209,86 @@ static void snap(program *g, const char *name) {
     if (!g->failed) fl_mem_snapshot(&g->pool, name);
 }
 
+/* FULL_SHARD's step (src/train/fsdp.c's provider, called by transformer.c in this order): the
+ * gathered units' parameter buffers and their gradient buffers (GATHER), the reduce-scatters' MPI
+ * scratch (WORKSPACE) and the later micro-batches' reduced pieces (GATHER). */
+typedef struct {
+    program *g;
+    int G, world;
+    const size_t *n, *len; /* (G) unit elements, this rank's chunk of each */
+    size_t es, ces;        /* storage and compute-copy element bytes (0: no copy) */
+    void *p[FL_PLAN_MAX_GROUPS], *c[FL_PLAN_MAX_GROUPS], *gr[FL_PLAN_MAX_GROUPS];
+    int fresh[FL_PLAN_MAX_GROUPS], live_blocks;
+    void *grads;           /* the gradient shard */
+} fsdp_sim;
+
+static int fs_block(const fsdp_sim *f, int u) { return u >= 1 && u <= f->G - 2; }
+
+static void fs_post(fsdp_sim *f, int u) {
+    f->p[u] = palloc(f->g, FL_TAG_GATHER, f->n[u] * f->es, "FSDP gathered unit parameters");
+    if (f->ces) f->c[u] = palloc(f->g, FL_TAG_GATHER, f->n[u] * f->ces, "FSDP gathered unit compute copy");
+    if (fs_block(f, u)) f->live_blocks++;
+}
+
+static void fs_gather(fsdp_sim *f, int u, int next) {
+    if (!f->p[u]) fs_post(f, u);
+    if (next >= 0 && !f->p[next] && (!fs_block(f, next) || f->live_blocks < 2)) fs_post(f, next);
+}
+
+static void fs_release(fsdp_sim *f, int u) {
+    if (!f->p[u]) return;
+    if (f->c[u]) fl_mem_free(&f->g->pool, f->c[u]);
+    fl_mem_free(&f->g->pool, f->p[u]);
+    f->p[u] = f->c[u] = NULL;
+    if (fs_block(f, u)) f->live_blocks--;
+}
+
+static void fs_grads(fsdp_sim *f, int u) {
+    if (!f->gr[u]) f->gr[u] = palloc(f->g, FL_TAG_GATHER, f->n[u] * f->es, "FSDP unit gradient (unreduced)");
+}
+
+static void fs_ready(fsdp_sim *f, int u) {
+    void *tmp = f->fresh[u] ? NULL : palloc(f->g, FL_TAG_GATHER, f->len[u] * f->es, "FSDP reduced piece");
+    void *sc = f->len[u] ? palloc(f->g, FL_TAG_WORKSPACE, (size_t)(f->world - 1) * f->len[u] * f->es,
+                                  "FSDP reduce-scatter scratch ((N-1) x piece)") : NULL;
+    if (sc) fl_mem_free(&f->g->pool, sc);
+    if (tmp) fl_mem_free(&f->g->pool, tmp);
+    f->fresh[u] = 0;
+    if (f->gr[u]) fl_mem_free(&f->g->pool, f->gr[u]);
+    f->gr[u] = NULL;
+    fl_mem_set_live(&f->g->pool, f->grads, SIZE_MAX);
+}
+
+/* One micro-batch's forward (train: its head's gradient buffers) and backward. */
+static void fs_forward(fsdp_sim *f, int tied) {
+    const int L = f->G - 2, HG = L + 1;
+    fs_gather(f, 0, L > 0 ? 1 : HG);
+    if (!tied) fs_release(f, 0);
+    for (int l = 0; l < L; l++) {
+        fs_gather(f, l + 1, l + 2 <= L ? l + 2 : HG);
+        fs_release(f, l + 1);
+    }
+    fs_gather(f, HG, -1);
+    fs_grads(f, HG);
+    if (tied) fs_grads(f, 0);
+    if (tied) fs_release(f, 0);
+}
+
+static void fs_backward(fsdp_sim *f) {
+    const int L = f->G - 2, HG = L + 1;
+    fs_gather(f, HG, L > 0 ? L : -1);
+    fs_release(f, HG);
+    fs_ready(f, HG);
+    for (int l = L - 1; l >= 0; l--) {
+        fs_gather(f, l + 1, l >= 1 ? l : -1);
+        fs_grads(f, l + 1);
+        fs_release(f, l + 1);
+        fs_ready(f, l + 1);
+    }
+    fs_grads(f, 0);
+    fs_ready(f, 0);
+}
+
 /* The trainer's allocations, in its order (fl_trainer_run). Stops at the
  * first failure like the trainer does. The one place that knows which
  * buffers a run holds: extend it together with the runtime. */
@@ -228,7 +308,7 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     size_t dense, q4b;
     fl_sizing_param_split(mc, &stg, &dense, &q4b);
     snprintf(what, sizeof what, "parameters (%s%s)", fl_dtype_name(stg.param_dtype), q4b ? ", not quantized" : "");
-    palloc(g, FL_TAG_PARAMS, dense * es, what);
+    void *whole = palloc(g, FL_TAG_PARAMS, dense * es, what);
     if (q4b) {
         snprintf(what, sizeof what, "4-bit linear weights (%s)", fl_q4_mode_name((fl_q4_type)stg.q4_type, stg.q4_double_quant));
         palloc(g, FL_TAG_PARAMS, q4b, what);
@@ -237,9 +317,10 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     size_t q4s = fl_sizing_q4_staging_elems(mc, &stg); /* load or random init: fl_model_q4_staging, freed after */
     if (q4s) fl_mem_free(&g->pool, palloc(g, FL_TAG_WORKSPACE, q4s * sizeof(float), "fp32 staging of a 4-bit weight"));
     size_t copy = fl_precision_copy_bytes(&pr, n);
+    void *wcopy = NULL;
     if (copy) {
         snprintf(what, sizeof what, "%s weight copy", pr.name);
-        palloc(g, FL_TAG_PARAMS, copy, what);
+        wcopy = palloc(g, FL_TAG_PARAMS, copy, what);
     }
     snap(g, "after_load");
     snprintf(g->step, sizeof g->step, "before_fwd");
@@ -254,21 +335,31 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     void *grads = NULL;
     int lora = c->command == FL_CMD_FINETUNE_LORA && have_lay && fl_trainer_lora_config(c, mc, &lc) == FL_OK &&
                fl_lora_modules(&lc, &lay, mc, &mods, &n_mods) == FL_OK;
+    const int world = c->devices * c->num_nodes;
+    int stage = 0; /* ZeRO stage (fl_dp_optim_init): validated by fl_plan_run */
+    if (world > 1 && fl_cfg_zero_stage(c->strategy, c->sharding_strategy, &stage) != FL_OK) stage = 0;
+    if (stage == 3 && (c->command == FL_CMD_FINETUNE_LORA || !have_lay)) stage = 2; /* LoRA's adapters: ZeRO-2 */
+    /* FULL_SHARD (fl_fsdp_init): the shard of every unit, then the whole buffer and copy go back */
+    const int fsdp = stage == 3;
+    const size_t n_shard = fsdp ? fl_fsdp_shard_numel(&lay, world, x->rank < world ? x->rank : 0) : n;
+    if (fsdp) {
+        snprintf(what, sizeof what, "parameter shard (%s)", fl_dtype_name(stg.param_dtype));
+        palloc(g, FL_TAG_PARAMS, n_shard * es, what);
+        if (whole) fl_mem_free(&g->pool, whole);
+        if (wcopy) fl_mem_free(&g->pool, wcopy);
+    }
     if (lora) { /* fl_model_lora_init: adapter parameters and their gradients; the base is frozen */
         fl_lora_adapter_offsets(mods, n_mods, lc.r, NULL, &n_train);
         palloc(g, FL_TAG_PARAMS, n_train * sizeof(float), "LoRA adapters");
         grads = palloc(g, FL_TAG_GRADS, n_train * sizeof(float), "LoRA adapter gradients");
     } else {
-        snprintf(what, sizeof what, "gradients (%s)", fl_dtype_name(stg.param_dtype));
-        grads = palloc(g, FL_TAG_GRADS, n * es, what);
+        snprintf(what, sizeof what, "gradients (%s%s)", fl_dtype_name(stg.param_dtype), fsdp ? ", shard" : "");
+        grads = palloc(g, FL_TAG_GRADS, n_shard * es, what);
         if (es != 4) palloc(g, FL_TAG_WORKSPACE, fl_sizing_gstage_elems(mc) * sizeof(float), "fp32 gradient staging (one group)");
     }
-    const int world = c->devices * c->num_nodes;
-    int stage = 0; /* ZeRO stage (fl_dp_optim_init): validated by fl_plan_run */
-    if (world > 1 && fl_cfg_zero_stage(c->strategy, c->sharding_strategy, &stage) != FL_OK) stage = 0;
     size_t c_off = 0, c_len = n_train; /* this rank's chunk of the trainable elements (fl_comm_chunk) */
     fl_comm_chunk(n_train, world, x->rank < world ? x->rank : 0, &c_off, &c_len);
-    const size_t n_state = stage ? c_len : n_train; /* ZeRO: optimizer state for the chunk only */
+    const size_t n_state = fsdp ? n_shard : stage ? c_len : n_train; /* ZeRO: state for the chunk / shard only */
     fl_optim_config ocp = *oc; /* the policy fixes the state dtype of full parameters (fl_optim_init) */
     if (!lora && pr.optim_dtype == FL_BF16) ocp.state_dtype = FL_BF16;
     oc = &ocp;
@@ -341,6 +432,26 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
         int gi = lay.n_groups - 1 - i;
         bk[i] = lay.group_offset[gi + 1] - lay.group_offset[gi];
     }
+    /* FULL_SHARD: the units' sizes and this rank's chunk of each */
+    size_t fs_n[FL_PLAN_MAX_GROUPS], fs_len[FL_PLAN_MAX_GROUPS];
+    fsdp_sim fs;
+    memset(&fs, 0, sizeof fs);
+    if (fsdp && lay.n_groups <= FL_PLAN_MAX_GROUPS) {
+        fs.g = g;
+        fs.G = lay.n_groups;
+        fs.world = world;
+        fs.n = fs_n;
+        fs.len = fs_len;
+        fs.es = es;
+        fs.ces = copy ? fl_dtype_size(pr.compute_dtype) : 0;
+        for (int u = 0; u < lay.n_groups; u++) {
+            size_t co;
+            fs_n[u] = lay.group_offset[u + 1] - lay.group_offset[u];
+            fl_comm_chunk(fs_n[u], world, x->rank < world ? x->rank : 0, &co, &fs_len[u]);
+            fs.fresh[u] = 1;
+        }
+        fs.grads = grads;
+    }
     if (have_lay) fl_layout_free(&lay);
     size_t ids = (size_t)accum * B * x->T * sizeof(int32_t);
     palloc(g, FL_TAG_OTHER, ids, "step token ids (accumulation x B x T)");
@@ -353,13 +464,15 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     fl_mem_set_live(pl, acts, as.acts_saved_bytes);
     fl_mem_set_live(pl, work, as.work_const_bytes + as.work_handoff_bytes);
     fl_mem_set_live(pl, lacts, lora_saved);
-    fl_mem_set_live(pl, grads, head_grads);
+    if (fs.G) fs_forward(&fs, mc->tie_embeddings); /* FULL_SHARD: the head's gradient is in GATHER */
+    else fl_mem_set_live(pl, grads, head_grads);
     snap(g, "after_fwd");
     snprintf(g->step, sizeof g->step, "after_bwd");
     fl_mem_set_phase(pl, "backward");
     fl_mem_set_live(pl, acts, 0);
     fl_mem_set_live(pl, work, as.work_const_bytes);
     fl_mem_set_live(pl, lacts, 0);
+    if (fs.G) fs_backward(&fs);
     fl_mem_set_live(pl, grads, SIZE_MAX);
     /* the last micro-batch's backward posts one bucket per group, the previous one waited for first:
      * the MPI scratch of one bucket, (N-1) x this rank's chunk of it, at a time; the last (the
@@ -384,7 +497,12 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
                       * the gradients, from the pool while it runs (DDP and ZeRO-1 all-reduce, ZeRO-2
                       * reduce-scatter: the same scratch) */
         snprintf(g->step, sizeof g->step, "after_reduce");
-        if (n_bk) { /* bucketed: the last micro-batch's buckets (accumulation > 1), then the last completes */
+        if (fs.G) { /* FULL_SHARD: the later micro-batches, each unit reduced as its backward ends */
+            for (int k = 1; k < accum; k++) {
+                fs_forward(&fs, mc->tie_embeddings);
+                fs_backward(&fs);
+            }
+        } else if (n_bk) { /* bucketed: the last micro-batch's buckets (accumulation > 1), then the last completes */
             if (accum > 1) BUCKETS();
             if (bk_last) fl_mem_free(pl, bk_last);
         } else if (!x->comm_threads && !x->cuda) { /* GPUs: NCCL keeps its buffers outside the pool */
@@ -647,11 +765,23 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
         return fl_errorf(FL_ERR_INVALID, "plan --rank %d: the run has ranks 0..%d", opts.rank, p->devices - 1);
     p->rank = p->devices > 1 ? opts.rank : 0;
     p->zero_stage = p->devices > 1 ? stage : 0;
+    if (p->zero_stage == 3 && c->command == FL_CMD_FINETUNE_LORA) p->zero_stage = 2; /* adapters: ZeRO-2 */
+    const int fsdp = p->zero_stage == 3;
+    if (fsdp) {
+        fl_precision fp;
+        const char *why = fl_fsdp_refusal(c, fl_precision_find(c->precision, &fp) == FL_OK ? &fp : NULL);
+        if (why) return fl_errorf(FL_ERR_UNSUPPORTED, "%s", why);
+    }
     if (p->devices > 1 && !p->zero_stage)
         note(p, "data parallel (DDP) over %d ranks: the memory of ONE rank (every rank holds the whole model, its "
                 "gradients and optimizer state)%s", p->devices,
              opts.comm_threads ? "; the ranks are threads of one process: no all-reduce scratch"
                                : ", with the gradient all-reduce's scratch in WORKSPACE");
+    else if (fsdp)
+        note(p, "FSDP FULL_SHARD (ZeRO-3) over %d ranks: rank %d's memory: PARAMS, GRADS and OPTIM its shard of "
+                "every unit (each unit split by fl_comm's chunk layout); GATHER the units gathered at a time (at most "
+                "2 blocks, the head group and, tied, the embeddings) and their unreduced gradients; the load holds "
+                "the whole model once (after_load), before the shard is cut", p->devices, p->rank);
     else if (p->devices > 1)
         note(p, "ZeRO-%d over %d ranks: rank %d's memory: OPTIM for its chunk of the parameters; %s; parameters "
                 "whole", p->zero_stage, p->devices, p->rank,
@@ -696,6 +826,10 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     if (gen < 0)
         gen = c->eval.max_new_tokens > 0 && has_val_split(c) &&
               (c->train.max_steps < 0 || c->train.max_steps >= c->eval.interval);
+    if (gen && fsdp) {
+        note(p, "no eval sample generation: the trainer skips it under FULL_SHARD");
+        gen = 0;
+    }
     if (gen && c->eval.max_new_tokens > 0) {
         FL_TRY(gen_prompt_tokens(c, &x.n_prompt));
         x.cap = x.n_prompt + c->eval.max_new_tokens;

@@ -118,7 +118,9 @@ void fl_dp_buckets_arm(fl_dp *dp, fl_optimizer *o, int last) {
 fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o) {
     if (!dp->comm) return FL_OK;
     FL_TRY(fl_dp_check(dp, o));
-    if (dp->bk_o) { /* bucketed: the last bucket (the embeddings) is still in flight */
+    if (dp->fsdp) {
+        /* FULL_SHARD: every unit was reduce-scattered into the shard as its backward ended */
+    } else if (dp->bk_o) { /* bucketed: the last bucket (the embeddings) is still in flight */
         o->model->grad_ready = NULL;
         dp->bk_o = NULL;
         FL_TRY(fl_error_prefix(fl_comm_wait(&dp->bk_req), "data parallel: reducing a gradient bucket"));
@@ -144,7 +146,9 @@ fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o) {
 }
 
 fl_status fl_dp_broadcast_params(fl_dp *dp, fl_optimizer *o) {
-    if (!dp->comm) return FL_OK;
+    /* FULL_SHARD: the shards were cut from rank 0's weights (fl_fsdp_init); a resume gave every rank
+     * its pieces of the same checkpoint */
+    if (!dp->comm || dp->fsdp) return FL_OK;
     /* a copy, no arithmetic: 16-bit storage (BF16 or F16) travels as BF16 words */
     fl_dtype t = fl_dtype_size(o->pt) == 4 ? FL_F32 : FL_BF16;
     FL_TRY(fl_error_prefix(fl_comm_broadcast(fl_dp_dcomm(dp), o->p, o->n, t, 0), "data parallel: broadcasting the parameters"));

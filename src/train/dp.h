@@ -27,13 +27,15 @@ typedef struct {
     fl_comm *dev;  /* the backend's device-memory communicator (NCCL), owned; NULL: comm takes the
                     * backend's buffers directly (host-memory backends) */
     int rank, world;
-    int stage;     /* ZeRO stage of the run's strategy: 0 DDP (NO_SHARD), 1, 2 (see zero.c); 0 in one process */
+    int stage;     /* ZeRO stage of the run's strategy: 0 DDP (NO_SHARD), 1, 2 (see zero.c), 3 (fsdp.c; LoRA: 2);
+                    * 0 in one process */
     fl_optim_dist dist; /* the optimizer's hooks (fl_dp_optim_init) */
     /* bucketed reduction (fl_dp_buckets_arm): the optimizer whose gradients the buckets reduce, the
      * bucket in flight, the elements posted this step */
     fl_optimizer *bk_o;
     fl_comm_req *bk_req;
     size_t bk_done;
+    struct fl_fsdp *fsdp; /* stage 3 (FULL_SHARD) of the full model: the sharding (fsdp.c), else NULL */
 } fl_dp;
 
 /* comm may be NULL (rank 0 of 1). */
@@ -105,5 +107,35 @@ fl_status fl_dp_broadcast_params(fl_dp *dp, fl_optimizer *o);
  * every rank when all succeeded, else the lowest failing rank's status on every rank, the
  * message "rank R of N: <its message>". Must be called by every rank at the same point. */
 fl_status fl_dp_agree(fl_dp *dp, fl_status mine);
+
+/* ---- FSDP FULL_SHARD / ZeRO-3 (src/train/fsdp.c) ----------------------------------------------- */
+
+/* Under stage 3 with several ranks (full model; LoRA's adapters train as ZeRO-2): broadcast rank
+ * 0's parameters, keep this rank's shard of every unit (PARAMS) and give the whole buffer and the
+ * mixed policies' whole compute copy back; the model then asks for its units through m->pp. Run
+ * after fl_model_set_precision, before fl_model_alloc_grads (which then allocates the shard) and
+ * the optimizer (which then sees the shard). Collective. No-op otherwise. */
+fl_status fl_fsdp_init(fl_dp *dp, const fl_run_config *cfg, fl_model *m);
+/* This rank's element ranges (for sharded checkpoints): unit g's piece is the whole-model elements
+ * [flat_off[g], flat_off[g] + len[g]) and sits at shard_off[g] of the shard (params, grads, optimizer
+ * state alike). Fills the arrays (layout.n_groups entries each, any may be NULL) and returns the
+ * number of units; 0 when the run is not sharded. */
+int fl_fsdp_ranges(const fl_dp *dp, size_t *flat_off, size_t *shard_off, size_t *len);
+/* Give back the gathered buffers and the bookkeeping (before fl_model_free). */
+void fl_fsdp_free(fl_dp *dp);
+/* The whole parameters (layout order, storage dtype) on every rank, gathered unit by unit into a
+ * malloc'd host buffer (the step hook's view). Collective. */
+fl_status fl_fsdp_whole_params(fl_dp *dp, void **out, size_t *bytes);
+/* inf/NaN in any rank's parameter shard (decided alike on every rank). Collective. */
+fl_status fl_fsdp_check_finite(fl_dp *dp, const fl_optimizer *o, int *found);
+/* Consolidated checkpoints in the single-process format: every unit's parameters and optimizer
+ * state gathered one unit at a time; rank 0 stages the whole parameters and state in host memory
+ * (outside the pool, what the single-process writer reads) and writes; the other ranks hold one
+ * unit's buffer at a time. Load: every rank reads the checkpoint through the same staging and
+ * keeps its pieces. Both collective (load: not, but every rank must call it). */
+fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const char *name, const fl_model *m,
+                            const fl_optimizer *o, const fl_train_state *st, const fl_run_config *cfg,
+                            const char *tok_dir);
+fl_status fl_fsdp_ckpt_load(fl_dp *dp, const char *dir, fl_model *m, fl_optimizer *o, fl_train_state *st);
 
 #endif

@@ -72,6 +72,12 @@ static fl_status trainable(fl_optimizer *o, fl_model *model) {
             o->t_off[i] = model->layout.params[i].offset;
             o->t_n[i] = model->layout.params[i].numel;
         }
+        if (model->pp) { /* sharded (FSDP): this rank's shard, one elementwise range (8-bit AdamW is refused) */
+            o->n = model->pp->numel;
+            o->n_tensors = 1;
+            o->t_off[0] = 0;
+            o->t_n[0] = o->n;
+        }
     }
     return FL_OK;
 }
@@ -171,8 +177,9 @@ void fl_optim_free(fl_optimizer *o) {
     memset(o, 0, sizeof *o);
 }
 
-/* Whether this rank holds only its range of the reduced gradients (ZeRO-2). */
-static int grads_sharded(const fl_optimizer *o) { return o->dist && o->dist->stage == 2; }
+/* Whether this rank holds only its range of the reduced gradients (ZeRO-2, and ZeRO-3 / FSDP whose
+ * optimizer sees only the rank's shard: [s_off, s_off + s_len) is the whole of it). */
+static int grads_sharded(const fl_optimizer *o) { return o->dist && o->dist->stage >= 2; }
 
 static const void *g_at(const fl_optimizer *o, size_t off) { return (const char *)o->g + off * fl_dtype_size(o->gt); }
 
@@ -218,9 +225,10 @@ static fl_status grad_sumsq(const fl_optimizer *o, double *out) {
 }
 
 double fl_grad_norm(const fl_model *m) {
+    size_t n = m->pp ? m->pp->numel : m->layout.numel; /* sharded: this rank's shard only */
     if (m->lora) return sqrt(m->be->sumsq(m->be, m->lora->grads, m->lora->numel));
-    if (m->g16) return sqrt(m->be->sumsq_ex(m->be, m->g16, m->store_dtype, m->layout.numel));
-    return sqrt(m->be->sumsq(m->be, m->grads, m->layout.numel));
+    if (m->g16) return sqrt(m->be->sumsq_ex(m->be, m->g16, m->store_dtype, n));
+    return sqrt(m->be->sumsq(m->be, m->grads, n));
 }
 
 fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_out) {

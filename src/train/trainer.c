@@ -251,8 +251,8 @@ static fl_status validate(trainer *t, int max_iters, double *loss) {
     double sum = 0;
     long cnt = 0;
     fl_mem_set_phase(&t->pool, "validation");
+    fl_batch b;
     for (long k = 0; k < n; k++) {
-        fl_batch b;
         int ne;
         FL_TRY(fl_loader_next(t->val, &b, &ne));
         if (!fl_dp_mine(&t->dp, k)) continue; /* data parallel: each rank evaluates its share */
@@ -260,6 +260,10 @@ static fl_status validate(trainer *t, int max_iters, double *loss) {
         sum += t->model.loss_sum;
         cnt += t->model.n_valid;
     }
+    /* FULL_SHARD: a forward gathers every unit from all ranks, so every rank runs as many; a rank
+     * without a batch in the last round runs the last one again and discards it */
+    if (t->dp.fsdp && n % t->dp.world && t->dp.rank >= n % t->dp.world)
+        FL_TRY(fl_model_forward(&t->model, b.ids, b.targets, b.B, b.T, 0.0f, NULL));
     fl_model_lora_set_train(&t->model, 1);
     double v[2] = {sum, (double)cnt};
     FL_TRY(fl_dp_sum(&t->dp, v, 2));
@@ -278,6 +282,11 @@ static fl_status validate(trainer *t, int max_iters, double *loss) {
 static fl_status generate_example(trainer *t) {
     const fl_run_config *c = t->cfg;
     if (!t->out || c->eval.max_new_tokens <= 0) return FL_OK;
+    if (t->dp.fsdp) { /* decoding token by token would gather every block for every token */
+        fprintf(t->out, "(sample generation skipped: the parameters are sharded (FULL_SHARD); generate from a "
+                "checkpoint with fitllm generate)\n");
+        return FL_OK;
+    }
     const char *instruction = "Recommend a movie for me to watch during the weekend and explain the reason.";
     char *prompt = NULL, *text = NULL;
     int32_t *ids = NULL, *gen = NULL;
@@ -434,9 +443,10 @@ static fl_status diverged(const trainer *t, fl_status s, long step, long iter) {
 
 /* Refuse to save weights an update has pushed to inf/NaN (a finite loss can
  * still give a huge step): the last good checkpoint must not be rotated away. */
-static fl_status check_weights(const trainer *t) {
+static fl_status check_weights(trainer *t) {
     int found = 0;
-    FL_TRY(t->be.check_finite(&t->be, t->opt.p, t->opt.pt, t->opt.n, 1.0f, &found));
+    if (t->dp.fsdp) FL_TRY(fl_fsdp_check_finite(&t->dp, &t->opt, &found)); /* every rank's shard */
+    else FL_TRY(t->be.check_finite(&t->be, t->opt.p, t->opt.pt, t->opt.n, 1.0f, &found));
     if (found) return fl_errorf(FL_ERR_NONFINITE, "the weights hold inf/NaN after the update");
     return FL_OK;
 }
@@ -459,6 +469,7 @@ static void cleanup(trainer *t) {
     fl_loader_free(t->val);
     fl_data_free(t->data);
     fl_tok_free(t->tok);
+    fl_fsdp_free(&t->dp);
     fl_optim_free(&t->opt);
     if (t->model_ok) fl_model_free(&t->model);
     if (t->pool_ok) fl_backend_pools_free(&t->pool, &t->hpool);
@@ -565,7 +576,9 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
         CHECK(fl_trainer_lora_config(cfg, &t.model.cfg, &lc));
         CHECK(fl_model_lora_init(&t.model, &lc, cfg->seed));
     } else {
-        CHECK(fl_model_alloc_grads(&t.model));
+        AGREE(); /* FULL_SHARD's set-up is collective: every rank has its model before it starts */
+        CHECK(fl_fsdp_init(&t.dp, cfg, &t.model)); /* FULL_SHARD: keep this rank's shard of the parameters */
+        CHECK(fl_model_alloc_grads(&t.model));      /* (sharded: of the gradients) */
     }
     CHECK(fl_dp_optim_init(&t.dp, cfg, &t.opt, &t.model)); /* ZeRO: state for this rank's chunk only */
     CHECK(fl_dp_check(&t.dp, &t.opt));
@@ -620,13 +633,18 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
         if (t.dp.world > 1) {
             char lb[300];
             fprintf(out, "data parallel (%s, strategy %s): %d ranks over %s (%s); rank 0 reports; gradients summed "
-                    "over the ranks once per step (%s, deterministic rank order)%s\n",
+                    "over the ranks %s (%s, deterministic rank order)%s\n",
                     fl_dp_stage_name(&t.dp), cfg->strategy[0] ? cfg->strategy : "auto", t.dp.world,
                     fl_comm_impl_name(comm), fl_launch_describe(&comm->launch, lb, sizeof lb),
-                    t.dp.stage == 2 ? "one reduce-scatter: each rank keeps its chunk"
+                    t.dp.fsdp ? "unit by unit in every micro-batch" : "once per step",
+                    t.dp.fsdp ? "one reduce-scatter per unit as its backward ends: each rank keeps its shard"
+                    : t.dp.stage == 2 ? "one reduce-scatter: each rank keeps its chunk"
                     : t.model.lora ? "one all-reduce of the adapters"
                                    : "all-reduced block by block as the last micro-batch's backward ends each",
-                    t.dp.stage ? "; each rank holds the optimizer state of its chunk of the parameters, updates it, "
+                    t.dp.fsdp ? "; each rank holds its shard of every unit's parameters, gradients and optimizer "
+                    "state; a unit's parameters are all-gathered right before its forward and its backward (the next "
+                    "unit's gather posted ahead, at most 2 blocks at once)"
+                    : t.dp.stage ? "; each rank holds the optimizer state of its chunk of the parameters, updates it, "
                     "and the updated parameters are all-gathered" : "");
         }
         long bpe = (long)fl_loader_batches_per_epoch(t.train);
@@ -775,6 +793,10 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
             if (t.dp.world > 1 && !t.dp.stage)
                 fprintf(out, "memory of rank 0 (DDP: every rank holds the same; WORKSPACE includes the all-reduce's "
                         "scratch)\n");
+            else if (t.dp.fsdp)
+                fprintf(out, "memory of rank 0 (%s: PARAMS, GRADS and OPTIM hold its shard, %zu of %zu elements; "
+                        "GATHER the units gathered at a time and their unreduced gradients; WORKSPACE includes the "
+                        "reduction's scratch)\n", fl_dp_stage_name(&t.dp), t.opt.n, t.model.layout.numel);
             else if (t.dp.world > 1)
                 fprintf(out, "memory of rank 0 (%s: OPTIM holds its chunk's state, %zu of %zu elements%s; WORKSPACE "
                         "includes the reduction's scratch)\n", fl_dp_stage_name(&t.dp), t.opt.s_len, t.opt.n,
@@ -815,9 +837,15 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
         double stop[2] = {0, cfg->train.max_time > 0 && t.st.train_seconds >= cfg->train.max_time};
         if (hook) { /* the hook reads the trained parameters on the host: a copy when they are device memory */
             size_t pb = t.opt.n * fl_dtype_size(t.opt.pt);
-            void *hp = t.be.host_memory ? NULL : malloc(pb + 1);
-            if (!t.be.host_memory && !hp) CHECK(fl_errorf(FL_ERR_OOM, "out of host memory"));
-            s = hp ? t.be.to_host(&t.be, hp, t.opt.p, pb) : FL_OK;
+            void *hp = NULL;
+            if (t.dp.fsdp && cfg->hook_whole_params) { /* FULL_SHARD: the whole parameters gathered for it
+                                                         * (collective: every rank has a hook); else the shard */
+                CHECK(fl_fsdp_whole_params(&t.dp, &hp, &pb));
+            } else {
+                hp = t.be.host_memory ? NULL : malloc(pb + 1);
+                if (!t.be.host_memory && !hp) CHECK(fl_errorf(FL_ERR_OOM, "out of host memory"));
+            }
+            s = hp && !(t.dp.fsdp && cfg->hook_whole_params) ? t.be.to_host(&t.be, hp, t.opt.p, pb) : FL_OK;
             if (s == FL_OK)
                 stop[0] = hook(hook_ud, t.st.step, step_valid ? step_loss / step_valid : NAN, hp ? hp : t.opt.p, pb);
             free(hp);

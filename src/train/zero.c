@@ -1,5 +1,6 @@
 /* ZeRO-1 and ZeRO-2 (DeepSpeed's stages 1 and 2; Lightning's deepspeed_stage_1/2 and FSDP's
- * SHARD_GRAD_OP) on fl_comm: see dp.h and docs/ARCHITECTURE.md "Data-parallel training".
+ * SHARD_GRAD_OP) on fl_comm: see dp.h and docs/ARCHITECTURE.md "Data-parallel training". ZeRO-3 /
+ * FULL_SHARD is src/train/fsdp.c; this file routes its optimizer set-up and checkpoints there.
  *
  * What is divided. The trainable elements [0, n) of the flat buffer are split by fl_comm's chunk
  * layout (rank r owns len(r) = n/N + (r < n%N) elements at off(r)); rank r keeps optimizer state
@@ -30,7 +31,7 @@
 #include "../model/model-impl.h"
 
 const char *fl_dp_stage_name(const fl_dp *dp) {
-    return dp->stage == 1 ? "ZeRO-1" : dp->stage == 2 ? "ZeRO-2" : "DDP";
+    return dp->stage == 1 ? "ZeRO-1" : dp->stage == 2 ? "ZeRO-2" : dp->stage == 3 ? "ZeRO-3 (FSDP FULL_SHARD)" : "DDP";
 }
 
 static fl_status dist_sum(void *ud, double *v, int n) { return fl_dp_sum(ud, v, n); }
@@ -40,7 +41,7 @@ static fl_dtype word_type(fl_dtype t) { return fl_dtype_size(t) == 4 ? FL_F32 : 
 
 static fl_status dist_gather(void *ud, fl_optimizer *o) {
     fl_dp *dp = ud;
-    if (!dp->comm) return FL_OK;
+    if (!dp->comm || dp->stage == 3) return FL_OK; /* FULL_SHARD: the parameters stay sharded */
     size_t es = fl_dtype_size(o->pt);
     return fl_error_prefix(fl_comm_all_gather(dp->comm, (char *)o->p + o->s_off * es, o->p, o->n, word_type(o->pt)),
                            "%s: gathering the updated parameters", fl_dp_stage_name(dp));
@@ -50,8 +51,12 @@ fl_status fl_dp_optim_init(fl_dp *dp, const fl_run_config *cfg, fl_optimizer *o,
     int stage = 0;
     FL_TRY(fl_cfg_zero_stage(cfg->strategy, cfg->sharding_strategy, &stage));
     dp->stage = dp->comm ? stage : 0; /* one process: every stage is the plain optimizer */
+    /* FULL_SHARD of LoRA: the frozen base stays whole on every rank and the adapters (the trainable
+     * parameters) train as under ZeRO-2 (fl_fsdp_init shards full-model runs only) */
+    if (dp->stage == 3 && !dp->fsdp) dp->stage = 2;
     dp->dist = (fl_optim_dist){dp->world, dp->rank, dp->stage, dp, dist_sum, dist_gather};
-    if (dp->stage > 0) FL_TRY(fl_optim_init_shard(o, m, &cfg->optimizer, dp->world, dp->rank));
+    /* ZeRO-3: the optimizer runs on this rank's shard (m->pp) as on a whole buffer */
+    if (dp->stage == 1 || dp->stage == 2) FL_TRY(fl_optim_init_shard(o, m, &cfg->optimizer, dp->world, dp->rank));
     else FL_TRY(fl_optim_init(o, m, &cfg->optimizer));
     if (dp->stage == 2 && o->cfg.kind == FL_OPT_ADAMW8BIT && o->n / (size_t)dp->world < FL_OPTIM_8BIT_HALO) {
         size_t n = o->n;
@@ -66,7 +71,7 @@ fl_status fl_dp_optim_init(fl_dp *dp, const fl_run_config *cfg, fl_optimizer *o,
 
 /* ---- checkpoints: the single-process format ------------------------------------------------- */
 
-static int sharded(const fl_dp *dp, const fl_optimizer *o) { return dp->comm && dp->stage > 0 && o; }
+static int sharded(const fl_dp *dp, const fl_optimizer *o) { return dp->comm && (dp->stage == 1 || dp->stage == 2) && o; }
 
 static size_t state_es(const fl_optimizer *o) { return o->cfg.state_dtype == FL_BF16 ? 2 : 4; }
 
@@ -166,12 +171,16 @@ fl_status fl_dp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const char 
                           const fl_optimizer *o, const fl_train_state *st, const fl_run_config *cfg,
                           const char *tok_dir) {
     if (cfg && o && !strcmp(cfg->state_dict_type, "sharded")) { /* each rank its ranges: shard_ckpt.c */
+        if (dp->fsdp) /* refused at set-up (fl_cfg_validate); kept for callers that skip it */
+            return fl_errorf(FL_ERR_UNSUPPORTED, "fsdp.state_dict_type sharded under FULL_SHARD: not implemented yet "
+                             "(its shards are per unit); use full");
         fl_shard_set set;
         FL_TRY(fl_shard_set_from_optim(&set, m, o));
         fl_status s = fl_shard_ckpt_save(dp, &set, out_dir, name, m, o, st, cfg, tok_dir, !strcmp(name, "final"));
         fl_shard_set_free(&set);
         return s;
     }
+    if (dp->fsdp) return fl_fsdp_ckpt_save(dp, write, out_dir, name, m, o, st, cfg, tok_dir);
     if (!sharded(dp, o)) return write ? fl_ckpt_save(out_dir, name, m, o, st, cfg, tok_dir) : FL_OK;
     fl_optimizer full;
     memset(&full, 0, sizeof full);
@@ -211,12 +220,17 @@ fl_status fl_dp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const char 
 
 fl_status fl_dp_ckpt_load(fl_dp *dp, const char *dir, fl_model *m, fl_optimizer *o, fl_train_state *st) {
     if (fl_ckpt_is_sharded(dir)) { /* saved sharded, at any world size: each rank reads what it holds */
+        if (dp->fsdp)
+            return fl_errorf(FL_ERR_UNSUPPORTED, "%s: a sharded checkpoint cannot be resumed under FULL_SHARD yet "
+                             "(its shards are per unit); resume it with --strategy ddp, deepspeed_stage_1 or "
+                             "deepspeed_stage_2, or export its model with `fitllm merge_shards`", dir);
         fl_shard_set set;
         FL_TRY(fl_shard_set_from_optim(&set, m, o));
         fl_status s = fl_shard_ckpt_load(dir, &set, &m->layout, o, st);
         fl_shard_set_free(&set);
         return s;
     }
+    if (dp->fsdp) return fl_fsdp_ckpt_load(dp, dir, m, o, st);
     if (!sharded(dp, o)) return fl_ckpt_load(dir, m, o, st);
     fl_optimizer full;
     FL_TRY(full_view(o, &full));

@@ -1,4 +1,4 @@
-/* Data-parallel training (DDP, ZeRO-1, ZeRO-2) with the ranks as MPI processes (run by
+/* Data-parallel training (DDP, ZeRO-1, ZeRO-2; FULL_SHARD at 2 ranks) with the ranks as MPI processes (run by
  * tests/mpi_test.sh under mpirun -np 2, 3 and 4):
  *   fitllm_ddp_mpi_test TMPDIR
  * every scenario of tests/ddp_ref.h trains over MPI; rank 0 then trains the single-process
@@ -253,6 +253,61 @@ static void accum1_memory(fl_comm *c, const char *tmp) {
     CHECK(fl_comm_barrier(c) == FL_OK, "barrier");
 }
 
+/* FULL_SHARD over MPI (2 ranks: tests/mpi_test.sh): AdamW with clipping against one process (the
+ * derived bounds), the threads twin's bits, every rank ending with the same parameters, and each
+ * rank's memory equal to the plan for it with every peak (the reduce-scatters' MPI scratch included). */
+static void fsdp_scenario(fl_comm *c, const char *tmp) {
+    int n = fl_comm_size(c);
+    char out[600];
+    fl_run_config cfg;
+    snprintf(out, sizeof out, "%s/fsdp-mpi", tmp);
+    zr_config(&cfg, ZR_ADAMW, n, n, 1, "fsdp", NULL, out);
+    zr_rec rec = {0};
+    fl_trainer_result res;
+    fl_status s = fl_trainer_run_comm(&cfg, c, NULL, 0, zr_record, &rec, &res);
+    CHECK(s == FL_OK, "FULL_SHARD over MPI: %s", fl_error_message());
+    if (s == FL_OK) {
+        char why[2048];
+        int bad = zr_check_fsdp_memory(&cfg, g_rank, n, &res, 1, why, sizeof why);
+        CHECK(bad == 0, "FULL_SHARD: %s", why);
+        double h = 0;
+        for (size_t i = 0; i < rec.nbytes; i++) h += (double)rec.bytes[i] * (double)(i % 7919 + 1);
+        float mine[2] = {(float)h, (float)(h - (float)h)}, *all = calloc((size_t)n * 2, sizeof *all);
+        CHECK(all && fl_comm_all_gather(c, mine, all, (size_t)n * 2, FL_F32) == FL_OK, "gathering checksums");
+        for (int r = 1; all && r < n; r++)
+            CHECK(!memcmp(all, all + 2 * r, 2 * sizeof *all), "FULL_SHARD: rank %d's parameters differ from rank 0's", r);
+        free(all);
+    }
+    if (s == FL_OK && g_rank == 0) {
+        fl_run_config rc;
+        zr_rec ref = {0}, ctl = {0};
+        snprintf(out, sizeof out, "%s/fsdp-ref", tmp);
+        zr_config(&rc, ZR_ADAMW, n, 1, 1, "auto", NULL, out);
+        CHECK(fl_trainer_run(&rc, NULL, 0, zr_record, &ref, NULL) == FL_OK, "ref: %s", fl_error_message());
+        snprintf(out, sizeof out, "%s/fsdp-ctl", tmp);
+        zr_config(&rc, ZR_ADAMW, n, 1, n, "auto", NULL, out);
+        CHECK(fl_trainer_run(&rc, NULL, 0, zr_record, &ctl, NULL) == FL_OK, "control: %s", fl_error_message());
+        char why[1024];
+        int bad = zr_compare_one_process(&rec, &ref, &ctl, &cfg, why, sizeof why);
+        CHECK(bad == 0, "FULL_SHARD at %d ranks vs one process: %s", n, why);
+        if (!bad) printf("  %s FULL_SHARD at %d ranks vs one process: %s\n", zr_names[ZR_ADAMW], n, why);
+        ztjob *j = calloc(1, sizeof *j);
+        if (j && n <= 8) {
+            snprintf(out, sizeof out, "%s/fsdp-threads", tmp);
+            zr_config(&j->cfg, ZR_ADAMW, n, n, 1, "fsdp", NULL, out);
+            fl_status ts = fl_comm_threads_run(n, ztrank, j);
+            CHECK(ts == FL_OK, "threads: %s", fl_error_message());
+            if (ts == FL_OK) CHECK(zr_same(&j->rec[0], &rec), "FULL_SHARD over MPI and over threads differ in bits");
+            for (int r = 0; r < n; r++) zr_free(&j->rec[r]);
+        }
+        free(j);
+        zr_free(&ref);
+        zr_free(&ctl);
+    }
+    zr_free(&rec);
+    CHECK(fl_comm_barrier(c) == FL_OK, "barrier");
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr, "usage: fitllm_ddp_mpi_test TMPDIR (under mpirun)\n");
@@ -271,6 +326,7 @@ int main(int argc, char **argv) {
         for (int sc = 0; sc < DR_COUNT; sc++) scenario(c, tmp, sc);
     for (int sc = 0; sc < ZR_COUNT; sc++) zero_scenario(c, tmp, sc);
     accum1_memory(c, tmp);
+    if (n == 2) fsdp_scenario(c, tmp);
     float f = (float)g_fails, fmax = 0, chk = (float)g_checks, csum = 0;
     if (fl_comm_all_reduce(c, &f, &fmax, 1, FL_F32, FL_COMM_MAX) != FL_OK ||
         fl_comm_all_reduce(c, &chk, &csum, 1, FL_F32, FL_COMM_SUM) != FL_OK) {

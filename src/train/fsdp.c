@@ -1,0 +1,403 @@
+/* FSDP FULL_SHARD / ZeRO-3 (Lightning's `fsdp` with its default sharding_strategy, DeepSpeed's
+ * deepspeed_stage_3) on fl_comm: see dp.h and docs/ARCHITECTURE.md "Parameter sharding".
+ *
+ * Units. The model's layout groups are the FSDP units: 0 the embeddings, 1..L the blocks, L+1 the
+ * final norm and lm_head (as FSDP wraps each block and leaves the rest to the root). Each unit of
+ * n_g elements is split by fl_comm's chunk layout over the ranks ON ITS OWN, so rank r keeps
+ * len_r(n_g) elements of it at offset off_r(n_g); its shard is these pieces, unit after unit
+ * (loc[g]: the piece's offset in the shard). Why per unit and not one chunk of the whole flat
+ * buffer (ZeRO-1/2's): then a unit's gather is exactly fl_comm's all-gather of n_g elements and its
+ * gradient exactly a reduce-scatter of n_g (each rank moves (N-1)/N of the unit either way, the
+ * traffic of a ring); with one global chunk per rank a block lies in one or two ranks' chunks, its
+ * gather would be an all-gather of unequal pieces and its reduction a reduce to one owner, N-1
+ * times the traffic into that rank (fl_comm has neither). PyTorch's FSDP shards each FlatParameter
+ * (unit) the same way.
+ *
+ * What each rank holds: its shard of the parameters (PARAMS; bf16-mixed: of the fp32 master
+ * weights; the bf16 copy the matmuls read exists only for a gathered unit), of the gradients
+ * (GRADS) and of the optimizer state (OPTIM: the optimizer runs on the shard as on a whole buffer,
+ * elementwise), and while a unit is in use its gathered parameters and its gradient of the current
+ * micro-batch (GATHER). The model asks for each unit right before using it (fl_param_provider,
+ * transformer.c): gather(g, next) waits for g's all-gather (posted ahead while the previous unit
+ * computed) and posts next's; at most 2 blocks' parameter buffers exist at once (limit_all_gathers:
+ * a prefetch is not posted while two blocks are gathered), the head group and, with tied
+ * embeddings, the embeddings come on top at the head. In backward each block is gathered again
+ * (activation checkpointing recomputes from the same gathered buffer), its gradient accumulates in
+ * a zeroed gathered-gradient buffer, and when its backward ends one reduce-scatter sums it over the
+ * ranks into the rank's gradient piece: the first micro-batch of a step writes it, the later ones
+ * add to it (the reduced piece of that micro-batch, rounded once per add).
+ *
+ * Bits. The gather copies bits; the reduce-scatter of element i is x_0[i] + ... + x_{N-1}[i] in rank
+ * order (fl_comm). With accumulation 1 the reduced gradient is therefore DDP's / ZeRO-2's bit for bit
+ * and the update is elementwise on the same bits, so FULL_SHARD gives ZeRO-2's parameters exactly
+ * except for the clipping norm: it is the rank-order sum of the ranks' squared shard norms (double),
+ * a different partition from ZeRO-2's chunks, so its last bits may differ (without clipping: the
+ * same bits, checked in tests/test_fsdp.c). With accumulation > 1 the order differs from DDP's:
+ * FSDP sums the ranks first and then the micro-batches (sum_k (sum_r g_rk)), DDP the micro-batches
+ * first (sum_r (sum_k g_rk)); the same reassociation as tests/ddp_ref.h's bound covers. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "dp.h"
+#include "fitllm/checkpoint.h"
+#include "../model/model-impl.h"
+
+struct fl_fsdp {
+    fl_dp *dp;
+    fl_model *m;
+    fl_param_provider pp;
+    int G;                  /* units: layout groups */
+    size_t *n;              /* (G) elements of each unit */
+    size_t *coff, *clen;    /* (G) this rank's chunk of the unit (fl_comm_chunk of n[g]) */
+    size_t *loc;            /* (G + 1) offset of that chunk in the shard; loc[G] = shard elements */
+    fl_group_view *views;   /* (G) */
+    void **pbuf, **cbuf;    /* (G) gathered parameters (store dtype) and compute copy (mixed) */
+    fl_comm_req **req;      /* (G) a gather in flight */
+    int *fresh;             /* (G) the next reduction writes the shard's gradient (first micro-batch) */
+    int live_blocks;        /* blocks (units 1..L) whose parameters are gathered or in flight */
+    size_t es, ces;         /* element bytes of the storage and of the compute copy (0: none) */
+    fl_dtype word;          /* what the all-gather moves: F32, or 16-bit storage as BF16 words */
+};
+
+#define FSDP_BLOCK_LIMIT 2 /* limit_all_gathers: blocks gathered at once */
+
+static int is_block(const struct fl_fsdp *f, int g) { return g >= 1 && g <= f->G - 2; }
+
+size_t fl_fsdp_shard_numel(const fl_param_layout *lay, int world, int rank) {
+    size_t total = 0;
+    for (int g = 0; g < lay->n_groups; g++) {
+        size_t off, len;
+        fl_comm_chunk(lay->group_offset[g + 1] - lay->group_offset[g], world, rank, &off, &len);
+        total += len;
+    }
+    return total;
+}
+
+const char *fl_fsdp_refusal(const fl_run_config *cfg, const fl_precision *p) {
+    if (cfg->optimizer.kind == FL_OPT_ADAMW8BIT)
+        return "FULL_SHARD with AdamW8bit is not implemented yet: its block-wise state (blocks of 256 from each "
+               "tensor's start) would cross the per-unit shard edges, which needs each neighbour's reduced gradients "
+               "and parameters of those blocks (ZeRO-2 fetches the gradients); use --strategy deepspeed_stage_2 or "
+               "fsdp with --fsdp.sharding_strategy SHARD_GRAD_OP, or AdamW / SGD";
+    if (p && p->param_dtype == FL_F16)
+        return "FULL_SHARD with 16-true is not implemented yet (F16 gradients cannot be reduced yet); use bf16-true "
+               "or bf16-mixed";
+    return NULL;
+}
+
+/* ---- the provider (model-side hooks) -------------------------------------------------------- */
+
+static fl_status post(struct fl_fsdp *f, int g) {
+    fl_model *m = f->m;
+    FL_TRY(fl_mem_alloc(m->pool, FL_TAG_GATHER, f->n[g] * f->es, &f->pbuf[g]));
+    if (f->ces) {
+        fl_status s = fl_mem_alloc(m->pool, FL_TAG_GATHER, f->n[g] * f->ces, &f->cbuf[g]);
+        if (s != FL_OK) {
+            fl_mem_free(m->pool, f->pbuf[g]);
+            f->pbuf[g] = NULL;
+            return s;
+        }
+    }
+    if (is_block(f, g)) f->live_blocks++;
+    const char *shard = (const char *)(m->params ? (void *)m->params : (void *)m->p16);
+    return fl_error_prefix(fl_comm_iall_gather(f->dp->comm, shard + f->loc[g] * f->es, f->pbuf[g], f->n[g], f->word,
+                                               &f->req[g]),
+                           "FSDP: gathering unit %d (%zu elements)", g, f->n[g]);
+}
+
+static fl_status pp_gather(void *ud, int g, int next) {
+    struct fl_fsdp *f = ud;
+    fl_model *m = f->m;
+    if (!f->pbuf[g]) FL_TRY(post(f, g));
+    if (f->req[g]) { /* it arrives: the parameters, then (mixed) the copy the matmuls read */
+        FL_TRY(fl_error_prefix(fl_comm_wait(&f->req[g]), "FSDP: gathering unit %d", g));
+        if (f->ces) FL_TRY(m->be->convert(m->be, f->cbuf[g], m->prec.compute_dtype, f->pbuf[g], FL_F32, f->n[g]));
+        f->views[g].p = f->pbuf[g];
+        f->views[g].wc = f->cbuf[g];
+    }
+    if (next >= 0 && next < f->G && !f->pbuf[next] && (!is_block(f, next) || f->live_blocks < FSDP_BLOCK_LIMIT))
+        FL_TRY(post(f, next));
+    return FL_OK;
+}
+
+static void pp_release(void *ud, int g) {
+    struct fl_fsdp *f = ud;
+    if (!f->pbuf[g]) return;
+    if (f->req[g]) (void)fl_comm_wait(&f->req[g]); /* posted, never used: it must land before the buffer goes */
+    fl_mem_free(f->m->pool, f->cbuf[g]);
+    fl_mem_free(f->m->pool, f->pbuf[g]);
+    f->cbuf[g] = f->pbuf[g] = NULL;
+    f->views[g].p = f->views[g].wc = NULL;
+    if (is_block(f, g)) f->live_blocks--;
+}
+
+static fl_status pp_grads_begin(void *ud, int g) {
+    struct fl_fsdp *f = ud;
+    if (f->views[g].g) return FL_OK;
+    FL_TRY(fl_mem_alloc(f->m->pool, FL_TAG_GATHER, f->n[g] * f->es, &f->views[g].g));
+    f->m->be->zero(f->m->be, f->views[g].g, f->n[g] * f->es);
+    return FL_OK;
+}
+
+static fl_status pp_grads_ready(void *ud, int g) {
+    struct fl_fsdp *f = ud;
+    fl_model *m = f->m;
+    if (!f->views[g].g) return fl_errorf(FL_ERR_INTERNAL, "FSDP: unit %d has no gradient to reduce", g);
+    fl_dtype gt = m->store_dtype;
+    char *dst = (char *)(m->grads ? (void *)m->grads : (void *)m->g16) + f->loc[g] * f->es;
+    size_t len = f->clen[g];
+    fl_status s;
+    if (f->fresh[g]) { /* the step's first micro-batch: the reduced piece is the shard's gradient */
+        s = fl_comm_reduce_scatter(f->dp->comm, f->views[g].g, dst, f->n[g], gt, FL_COMM_SUM);
+        f->fresh[g] = 0;
+    } else { /* later ones: reduced into scratch, then added (rounded once) */
+        void *tmp = NULL;
+        s = fl_mem_alloc(m->pool, FL_TAG_GATHER, len * f->es, &tmp);
+        if (s == FL_OK) s = fl_comm_reduce_scatter(f->dp->comm, f->views[g].g, tmp, f->n[g], gt, FL_COMM_SUM);
+        if (s == FL_OK && len) {
+            if (gt == FL_F32) {
+                m->be->add(m->be, (float *)dst, (const float *)dst, tmp, len);
+            } else { /* widened into the (free) fp32 gradient staging, added into the 16-bit shard */
+                s = m->be->convert(m->be, m->gstage, FL_F32, tmp, gt, len);
+                if (s == FL_OK) s = m->be->accumulate16(m->be, (uint16_t *)dst, gt, m->gstage, len);
+            }
+        }
+        fl_mem_free(m->pool, tmp);
+    }
+    fl_mem_free(m->pool, f->views[g].g);
+    f->views[g].g = NULL;
+    fl_model_grads_live(m, SIZE_MAX); /* the shard holds reduced gradients from here to the update */
+    return fl_error_prefix(s, "FSDP: reduce-scattering unit %d's gradients (%zu elements)", g, f->n[g]);
+}
+
+static void pp_zero_grads(void *ud) {
+    struct fl_fsdp *f = ud;
+    for (int g = 0; g < f->G; g++) f->fresh[g] = 1;
+}
+
+/* ---- set-up ---------------------------------------------------------------------------------- */
+
+void fl_fsdp_free(fl_dp *dp) {
+    struct fl_fsdp *f = dp->fsdp;
+    if (!f) return;
+    for (int g = 0; g < f->G; g++) {
+        pp_release(f, g);
+        if (f->views && f->views[g].g) fl_mem_free(f->m->pool, f->views[g].g);
+    }
+    if (f->m && f->m->pp == &f->pp) f->m->pp = NULL;
+    free(f->n), free(f->coff), free(f->clen), free(f->loc), free(f->views), free(f->pbuf), free(f->cbuf);
+    free(f->req), free(f->fresh);
+    free(f);
+    dp->fsdp = NULL;
+}
+
+fl_status fl_fsdp_init(fl_dp *dp, const fl_run_config *cfg, fl_model *m) {
+    int stage = 0;
+    FL_TRY(fl_cfg_zero_stage(cfg->strategy, cfg->sharding_strategy, &stage));
+    if (!dp->comm || stage != 3 || m->lora) return FL_OK;
+    dp->stage = 3;
+    const char *why = fl_fsdp_refusal(cfg, &m->prec);
+    if (why) return fl_errorf(FL_ERR_UNSUPPORTED, "%s", why);
+    if (m->q4) return fl_errorf(FL_ERR_UNSUPPORTED, "FULL_SHARD of a 4-bit model: QLoRA trains adapters only");
+    /* rank 0's weights everywhere first, as DDP starts: each rank then keeps its pieces of them */
+    void *full = m->params ? (void *)m->params : (void *)m->p16;
+    fl_dtype word = m->store_dtype == FL_F32 ? FL_F32 : FL_BF16;
+    FL_TRY(fl_error_prefix(fl_comm_broadcast(dp->comm, full, m->layout.numel, word, 0),
+                           "FSDP: broadcasting the parameters"));
+    struct fl_fsdp *f = calloc(1, sizeof *f);
+    if (!f) return fl_errorf(FL_ERR_OOM, "FSDP bookkeeping: out of host memory");
+    dp->fsdp = f;
+    f->dp = dp;
+    f->m = m;
+    f->G = m->layout.n_groups;
+    size_t G = (size_t)f->G + 1;
+    f->n = calloc(G, sizeof *f->n), f->coff = calloc(G, sizeof *f->coff), f->clen = calloc(G, sizeof *f->clen);
+    f->loc = calloc(G, sizeof *f->loc), f->views = calloc(G, sizeof *f->views);
+    f->pbuf = calloc(G, sizeof *f->pbuf), f->cbuf = calloc(G, sizeof *f->cbuf), f->req = calloc(G, sizeof *f->req);
+    f->fresh = calloc(G, sizeof *f->fresh);
+    if (!f->n || !f->coff || !f->clen || !f->loc || !f->views || !f->pbuf || !f->cbuf || !f->req || !f->fresh) {
+        fl_fsdp_free(dp);
+        return fl_errorf(FL_ERR_OOM, "FSDP bookkeeping: out of host memory");
+    }
+    f->es = fl_dtype_size(m->store_dtype);
+    f->ces = m->wcompute ? fl_dtype_size(m->prec.compute_dtype) : 0;
+    f->word = word;
+    for (int g = 0; g < f->G; g++) {
+        f->n[g] = m->layout.group_offset[g + 1] - m->layout.group_offset[g];
+        fl_comm_chunk(f->n[g], dp->world, dp->rank, &f->coff[g], &f->clen[g]);
+        f->loc[g + 1] = f->loc[g] + f->clen[g];
+        f->fresh[g] = 1;
+    }
+    /* the shard (PARAMS), then the whole buffer and the whole compute copy go back */
+    void *shard = NULL;
+    fl_status s = fl_mem_alloc(m->pool, FL_TAG_PARAMS, f->loc[f->G] * f->es, &shard);
+    if (s != FL_OK) {
+        fl_fsdp_free(dp);
+        return fl_error_prefix(s, "FSDP: allocating this rank's parameter shard");
+    }
+    for (int g = 0; g < f->G; g++)
+        memcpy((char *)shard + f->loc[g] * f->es, (char *)full + (m->layout.group_offset[g] + f->coff[g]) * f->es,
+               f->clen[g] * f->es);
+    fl_mem_free(m->pool, full);
+    fl_mem_free(m->pool, m->wcompute);
+    m->wcompute = NULL;
+    if (m->store_dtype == FL_F32) m->params = shard;
+    else m->p16 = shard;
+    f->pp = (fl_param_provider){f, f->loc[f->G], f->views, pp_gather, pp_release, pp_grads_begin, pp_grads_ready,
+                                pp_zero_grads};
+    m->pp = &f->pp;
+    return FL_OK;
+}
+
+int fl_fsdp_ranges(const fl_dp *dp, size_t *flat_off, size_t *shard_off, size_t *len) {
+    const struct fl_fsdp *f = dp->fsdp;
+    if (!f) return 0;
+    for (int g = 0; g < f->G; g++) {
+        if (flat_off) flat_off[g] = f->m->layout.group_offset[g] + f->coff[g];
+        if (shard_off) shard_off[g] = f->loc[g];
+        if (len) len[g] = f->clen[g];
+    }
+    return f->G;
+}
+
+/* ---- whole copies (the step hook, checkpoints) ----------------------------------------------- */
+
+/* full[go[g] ..] (every unit, layout order) = the units gathered from the ranks' shards `shard`
+ * (elements of es bytes); one unit's buffer at a time (host memory, outside the pool: checkpoint
+ * I/O staging). full may be NULL on ranks that only send (root >= 0 and rank != root). */
+static fl_status gather_whole(fl_dp *dp, const void *shard, size_t es, void *full) {
+    struct fl_fsdp *f = dp->fsdp;
+    size_t cap = 0;
+    for (int g = 0; g < f->G; g++) cap = f->n[g] > cap ? f->n[g] : cap;
+    char *tmp = full ? NULL : malloc(cap * es + 4);
+    fl_status s = fl_dp_agree(dp, full || tmp ? FL_OK : fl_errorf(FL_ERR_OOM, "FSDP: out of host memory"));
+    fl_dtype w = es == 4 ? FL_F32 : FL_BF16;
+    for (int g = 0; s == FL_OK && g < f->G; g++) {
+        char *dst = full ? (char *)full + f->m->layout.group_offset[g] * es : tmp;
+        s = fl_comm_all_gather(dp->comm, (const char *)shard + f->loc[g] * es, dst, f->n[g], w);
+    }
+    free(tmp);
+    return fl_error_prefix(s, "FSDP: gathering the whole parameters or state");
+}
+
+/* The reverse: this rank's pieces (fl_fsdp_ranges) out of a whole buffer. */
+static fl_status scatter_whole(const fl_dp *dp, const void *full, size_t es, void *shard) {
+    int G = dp->fsdp->G;
+    size_t *r = malloc(3 * ((size_t)G + 1) * sizeof *r);
+    if (!r) return fl_errorf(FL_ERR_OOM, "FSDP: out of host memory");
+    fl_fsdp_ranges(dp, r, r + G, r + 2 * G);
+    for (int g = 0; g < G; g++) memcpy((char *)shard + r[G + g] * es, (const char *)full + r[g] * es, r[2 * G + g] * es);
+    free(r);
+    return FL_OK;
+}
+
+fl_status fl_fsdp_whole_params(fl_dp *dp, void **out, size_t *bytes) {
+    struct fl_fsdp *f = dp->fsdp;
+    fl_model *m = f->m;
+    *bytes = m->layout.numel * f->es;
+    *out = malloc(*bytes + 4);
+    fl_status s = gather_whole(dp, m->params ? (void *)m->params : (void *)m->p16, f->es, *out);
+    if (s != FL_OK) {
+        free(*out);
+        *out = NULL;
+    }
+    return s;
+}
+
+fl_status fl_fsdp_check_finite(fl_dp *dp, const fl_optimizer *o, int *found) {
+    FL_TRY(o->model->be->check_finite(o->model->be, o->p, o->pt, o->n, 1.0f, found));
+    double v = *found != 0; /* every rank decides alike */
+    FL_TRY(fl_dp_sum(dp, &v, 1));
+    *found = v > 0;
+    return FL_OK;
+}
+
+/* A shallow whole model over host buffers (the single-process format's writer and reader read
+ * m->params / p16 through the layout): no shard, no provider, no gradients. */
+static void whole_model(const fl_model *m, void *params, fl_model *w) {
+    *w = *m;
+    w->pp = NULL;
+    w->params = m->store_dtype == FL_F32 ? params : NULL;
+    w->p16 = m->store_dtype == FL_F32 ? NULL : params;
+    w->wcompute = NULL;
+    w->grads = NULL;
+    w->g16 = NULL;
+}
+
+static size_t state_es(const fl_optimizer *o) { return o->cfg.state_dtype == FL_BF16 ? 2 : 4; }
+
+/* *w = o over whole host state buffers (zeroed; NULL where o has none) of n elements. */
+static fl_status whole_optim(const fl_optimizer *o, size_t n, fl_model *wm, fl_optimizer *w) {
+    *w = *o;
+    w->model = wm;
+    w->m = w->v = w->buf = NULL;
+    w->n = n;
+    w->s_off = 0;
+    w->s_len = n;
+    size_t bytes = n * state_es(o) + 4;
+    int ok = 1;
+    if (o->m) ok &= (w->m = calloc(1, bytes)) != NULL && (w->v = calloc(1, bytes)) != NULL;
+    if (o->buf) ok &= (w->buf = calloc(1, bytes)) != NULL;
+    if (!ok) {
+        free(w->m), free(w->v), free(w->buf);
+        w->m = w->v = w->buf = NULL;
+        return fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory staging the %s state (%zu bytes)",
+                         fl_optim_name(o->cfg.kind), bytes);
+    }
+    return FL_OK;
+}
+
+static void whole_optim_free(fl_optimizer *w) {
+    free(w->m), free(w->v), free(w->buf);
+}
+
+fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const char *name, const fl_model *m,
+                            const fl_optimizer *o, const fl_train_state *st, const fl_run_config *cfg,
+                            const char *tok_dir) {
+    struct fl_fsdp *f = dp->fsdp;
+    const size_t n = m->layout.numel;
+    int lead = dp->rank == 0;
+    void *params = lead ? malloc(n * f->es + 4) : NULL;
+    fl_model wm;
+    whole_model(m, params, &wm);
+    fl_optimizer wo;
+    memset(&wo, 0, sizeof wo);
+    fl_status s = lead && !params ? fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory staging the parameters")
+                                  : FL_OK;
+    if (s == FL_OK && lead && o) s = whole_optim(o, n, &wm, &wo);
+    s = fl_dp_agree(dp, s);
+    if (s == FL_OK) s = gather_whole(dp, m->params ? (void *)m->params : (void *)m->p16, f->es, params);
+    size_t ses = o ? state_es(o) : 4;
+    const void *mine[3] = {o ? o->m : NULL, o ? o->v : NULL, o ? o->buf : NULL};
+    void *dst[3] = {wo.m, wo.v, wo.buf};
+    for (int k = 0; s == FL_OK && k < 3; k++)
+        if (mine[k]) s = gather_whole(dp, mine[k], ses, dst[k]);
+    if (s == FL_OK && write) s = fl_ckpt_save(out_dir, name, &wm, o ? &wo : NULL, st, cfg, tok_dir);
+    if (lead && o) whole_optim_free(&wo);
+    free(params);
+    return s;
+}
+
+fl_status fl_fsdp_ckpt_load(fl_dp *dp, const char *dir, fl_model *m, fl_optimizer *o, fl_train_state *st) {
+    struct fl_fsdp *f = dp->fsdp;
+    const size_t n = m->layout.numel;
+    void *params = malloc(n * f->es + 4);
+    if (!params) return fl_errorf(FL_ERR_OOM, "resume: out of host memory staging the parameters");
+    fl_model wm;
+    whole_model(m, params, &wm);
+    fl_optimizer wo;
+    fl_status s = whole_optim(o, n, &wm, &wo);
+    if (s == FL_OK) s = fl_ckpt_load(dir, &wm, &wo, st);
+    if (s == FL_OK) { /* keep this rank's pieces, and the scalars */
+        s = scatter_whole(dp, params, f->es, m->params ? (void *)m->params : (void *)m->p16);
+        size_t ses = state_es(o);
+        if (s == FL_OK && o->m) s = scatter_whole(dp, wo.m, ses, o->m);
+        if (s == FL_OK && o->m) s = scatter_whole(dp, wo.v, ses, o->v);
+        if (s == FL_OK && o->buf) s = scatter_whole(dp, wo.buf, ses, o->buf);
+        o->step = wo.step;
+        o->ls = wo.ls;
+    }
+    whole_optim_free(&wo);
+    free(params);
+    return s;
+}
