@@ -247,7 +247,7 @@ if [ -f "$T/lab/results.csv" ]; then
     v() { awk -F, -v n="$1" '$1 == n { print $10 }' "$T/lab/results.csv"; }
     ok=1
     for pair in baseline:OOM reduced-batch:fits grad-accum:fits grad-accum-lr:fits larger-model:fits even-larger:OOM \
-                even-larger-b1:OOM sgd:fits adam8bit:fits act-ckpt:fits bf16-mixed:fits lora:fits bf16-true:fits qlora:fits ddp:fits; do
+                even-larger-b1:OOM sgd:fits adam8bit:fits act-ckpt:fits bf16-mixed:fits lora:fits bf16-true:fits qlora:fits ddp:fits fsdp:fits; do
         got=$(v "${pair%%:*}"); [ "$got" = "${pair#*:}" ] || { echo "     ${pair%%:*}: $got, want ${pair#*:}"; ok=0; }
     done
     grep -q "NO" <(awk -F, 'NR > 1 { print $12 }' "$T/lab/results.csv") && { echo "     a verdict differs from the lab's"; ok=0; }

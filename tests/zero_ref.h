@@ -212,7 +212,7 @@ static int zr_check_plan(const fl_run_config *cfg, int rank, const fl_trainer_re
 /* Check 3 for rank r of a ZeRO run: res = what it measured, ddp_optim = DDP's OPTIM bytes (the
  * whole state), trainable elements n. exact_peaks: also the WORKSPACE and total peaks (the plan
  * counts the MPI reduction's scratch, which the threads implementation does not take). */
-static int zr_check_memory(const fl_run_config *cfg, int rank, int world, const fl_trainer_result *res,
+static inline int zr_check_memory(const fl_run_config *cfg, int rank, int world, const fl_trainer_result *res,
                            size_t state_bytes_whole, size_t n, int exact_peaks, char *why, size_t wn) {
     int bad = 0;
     size_t o = 0;
@@ -339,7 +339,7 @@ static size_t zr_fsdp_gather_bound(const fl_model_config *mc, int world, size_t 
  * PARAMS and GRADS hold exactly rank r's shard, OPTIM its state (per element: AdamW 2 states, SGD
  * with momentum 1, of 4 bytes, 2 under bf16-true), GATHER is empty; its peak is above 0 and below the
  * bound of zr_fsdp_gather_bound (at most 2 blocks gathered); and the plan equals the measurement. */
-static int zr_check_fsdp_memory(const fl_run_config *cfg, int rank, int world, const fl_trainer_result *res,
+static inline int zr_check_fsdp_memory(const fl_run_config *cfg, int rank, int world, const fl_trainer_result *res,
                                 int exact_peaks, char *why, size_t wn) {
     int bad = 0;
     size_t o = 0, n = 0;

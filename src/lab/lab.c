@@ -65,7 +65,7 @@ static const lab_exp k_exps[] = {
     {"ddp", "4x DDP", "same memory per device, faster", "tinyllama-1.1b", "lab-1b", 8, 32, 1, "32-true", FL_OPT_ADAMW,
      0, "ddp", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL | SUITE_CI},
     {"fsdp", "4x FSDP", "memory per device about halves", "open-llama-7b", "lab-7b", 1, 4, 1, "32-true", FL_OPT_ADAMW,
-     0, "fsdp", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL},
+     0, "fsdp", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL | SUITE_CI},
 };
 #define N_EXPS (int)(sizeof k_exps / sizeof k_exps[0])
 
@@ -231,7 +231,7 @@ static void time_note(const lab_exp *e, char *buf, size_t n) {
     else if (!strcmp(t, "adam8bit")) why = "(de)quantizes the 8-bit optimizer state block by block";
     else if (!strcmp(e->precision, "bf16-true") || !strcmp(e->precision, "bf16-mixed"))
         why = "bf16 <-> fp32 conversions (the CPU computes in fp32)";
-    if (exp_ranks(e) > 1) why = "its ranks share this machine's cores (the speed-up needs a device each)";
+    if (exp_ranks(e) > 1) why = "its ranks share this machine's cores";
     if (e->B < 8) snprintf(small, sizeof small, "micro batch %d (small matmuls)", e->B);
     int big = strcmp(e->lab_model, "lab-1b") != 0;
     snprintf(buf, n, "%s%s%s%s%s%s%s", big ? "larger model (" : "", big ? e->lab_model : "", big ? ")" : "",
@@ -313,9 +313,7 @@ static void run_row(const lab_exp *e, const fl_lab_report *rep, long steps, cons
         r->phases_planned = 1;
     }
     int avail = e->technique[0] ? fl_plan_technique_available(e->technique) : 1;
-    /* the lab trains in one process: the multi-process rows (ddp, fsdp: mpirun) are not run yet */
-    const int multi = !strcmp(e->technique, "ddp") || !strcmp(e->technique, "fsdp");
-    if (avail != 1 || multi || r->planned == FL_PLAN_UNAVAILABLE) {
+    if (avail != 1 || r->planned == FL_PLAN_UNAVAILABLE) {
         r->verdict = FL_LAB_NA;
         r->planned = r->ref_planned = FL_PLAN_UNAVAILABLE; /* the plan without the technique would mislead */
         r->planned_peak = r->ref_peak = 0;
@@ -324,8 +322,7 @@ static void run_row(const lab_exp *e, const fl_lab_report *rep, long steps, cons
         ts = fl_plan_techniques(&n);
         for (int i = 0; i < n; i++)
             if (!strcmp(ts[i].name, e->technique))
-                snprintf(r->note, sizeof r->note, "%s %s: %s", e->technique,
-                         ts[i].available ? "is not run by the lab" : "not available in this build", ts[i].note);
+                snprintf(r->note, sizeof r->note, "%s not available in this build: %s", e->technique, ts[i].note);
         goto done;
     }
     step_log log;

@@ -12,9 +12,8 @@
 #include "core/fs.h"
 #include "fitllm/lab.h"
 
-/* The lab trains in one process: the FSDP gathered-block tag (FL_TAG_GATHER) is always 0 there, so
- * its files keep the six tags before it. */
-#define LAB_TAGS FL_TAG_GATHER
+/* Every tag, GATHER (FSDP's gathered units: the 4x FSDP row) last. */
+#define LAB_TAGS FL_TAG_COUNT
 
 #define MIB(x) ((double)(x) / 1048576.0)
 
@@ -36,9 +35,9 @@ static const char *plan_name(fl_plan_verdict v) {
 
 void fl_lab_print_table(const fl_lab_report *rep, FILE *f) {
     char a[32];
-    fprintf(f, "\n%-15s %-7s %-6s %-10s %-6s %-4s %-7s %-3s | %8s %8s %8s %8s %8s %6s | %8s %8s %-5s | %9s %8s %7s\n",
+    fprintf(f, "\n%-15s %-7s %-6s %-10s %-6s %-4s %-7s %-3s | %8s %8s %8s %8s %8s %6s %8s | %8s %8s %-5s | %9s %8s %7s\n",
             "experiment", "model", "BxAcc", "precision", "optim", "ckpt", "verdict", "lab", "PARAMS", "GRADS", "OPTIM",
-            "ACTS", "WORKSP", "OTHER", "peak", "planned", "plan", "ms/sample", "tok/s", "loss");
+            "ACTS", "WORKSP", "OTHER", "GATHER", "peak", "planned", "plan", "ms/sample", "tok/s", "loss");
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
         char bx[16];
@@ -50,7 +49,7 @@ void fl_lab_print_table(const fl_lab_report *rep, FILE *f) {
             for (int t = 0; t < LAB_TAGS; t++) fprintf(f, t == FL_TAG_OTHER ? " %6.2f" : " %8.1f", MIB(r->peak[t]));
             fprintf(f, " | %8.1f", MIB(r->peak_total));
         } else {
-            fprintf(f, " %8s %8s %8s %8s %8s %6s | %8s", "-", "-", "-", "-", "-", "-", "-");
+            fprintf(f, " %8s %8s %8s %8s %8s %6s %8s | %8s", "-", "-", "-", "-", "-", "-", "-", "-");
         }
         if (r->planned == FL_PLAN_FITS || r->planned == FL_PLAN_OOM) fprintf(f, " %8.1f", MIB(r->planned_peak));
         else fprintf(f, " %8s", "-");
@@ -130,7 +129,7 @@ static fl_status write_csv(const fl_lab_report *rep, const char *dir) {
     if (!f) return fl_errorf(FL_ERR_IO, "%s: cannot write: %s", path, strerror(errno));
     /* quoted free text (lab_step, note) last, so the other columns split on commas */
     fprintf(f, "experiment,model,ref_model,micro_batch,accumulation,seq_len,precision,optimizer,act_ckpt,"
-               "verdict,lab_verdict,matches_lab,peak_PARAMS,peak_GRADS,peak_OPTIM,peak_ACTS,peak_WORKSPACE,peak_OTHER,"
+               "verdict,lab_verdict,matches_lab,peak_PARAMS,peak_GRADS,peak_OPTIM,peak_ACTS,peak_WORKSPACE,peak_OTHER,peak_GATHER,"
                "peak_total,planned_verdict,planned_peak,ref_planned_verdict,ref_planned_peak,step_ms,tok_s,final_loss,"
                "wall_s,ms_per_sample,lab_step,note,time_note\n");
     for (int i = 0; i < rep->n; i++) {
@@ -153,7 +152,7 @@ static fl_status write_csv(const fl_lab_report *rep, const char *dir) {
     /* reserved and live bytes per phase: one line per (experiment, phase, kind) */
     f = open_out(dir, "phases.csv", path, sizeof path);
     if (!f) return fl_errorf(FL_ERR_IO, "%s: cannot write: %s", path, strerror(errno));
-    fprintf(f, "experiment,source,phase,kind,PARAMS,GRADS,OPTIM,ACTS,WORKSPACE,OTHER,total\n");
+    fprintf(f, "experiment,source,phase,kind,PARAMS,GRADS,OPTIM,ACTS,WORKSPACE,OTHER,GATHER,total\n");
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
         for (int k = 0; k < r->n_phases; k++)
@@ -253,7 +252,8 @@ static int find_gnuplot(void) {
 
 /* memory.dat / phases.dat / step_time.dat + charts.gp, then gnuplot (run in dir: the script
  * names its files relative to its own folder). Returns 1 if drawn. */
-static const char *k_tag_colour[LAB_TAGS] = {"#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377"};
+static const char *k_tag_colour[LAB_TAGS] = {"#4477aa", "#ee6677", "#228833", "#ccbb44", "#66ccee", "#aa3377",
+                                                   "#bbbbbb"};
 
 static const char *short_phase(const char *name) {
     static const char *map[][2] = {{"after_load", "load"}, {"before_fwd", "pre-fwd"}, {"after_fwd", "fwd"},
@@ -268,7 +268,7 @@ static int write_charts(const fl_lab_report *rep, const char *dir, char *why, si
     if (strchr(dir, '\'') || strchr(dir, '"')) { snprintf(why, wn, "the output folder name has quotes"); return 0; }
     FILE *f = open_out(dir, "memory.dat", path, sizeof path);
     if (!f) { snprintf(why, wn, "cannot write %s", path); return 0; }
-    fprintf(f, "# experiment PARAMS GRADS OPTIM ACTS WORKSPACE OTHER (MiB); OOM rows: the planned need\n");
+    fprintf(f, "# experiment PARAMS GRADS OPTIM ACTS WORKSPACE OTHER GATHER (MiB); OOM rows: the planned need\n");
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
         const size_t *b = r->verdict == FL_LAB_FITS ? r->peak : r->planned_tag;
@@ -281,7 +281,7 @@ static int write_charts(const fl_lab_report *rep, const char *dir, char *why, si
     /* one block per experiment with phases (measured when it fits, planned when OOM) */
     f = open_out(dir, "phases.dat", path, sizeof path);
     if (!f) { snprintf(why, wn, "cannot write %s", path); return 0; }
-    fprintf(f, "# per experiment (blocks; OOM rows: planned): phase, live PARAMS GRADS OPTIM ACTS WORKSPACE OTHER, "
+    fprintf(f, "# per experiment (blocks; OOM rows: planned): phase, live PARAMS GRADS OPTIM ACTS WORKSPACE OTHER GATHER, "
                "reserved but not live (MiB)\n");
     int nblk = 0;
     const fl_lab_row *blk[64];
@@ -325,9 +325,9 @@ static int write_charts(const fl_lab_report *rep, const char *dir, char *why, si
                "set label 1 'budget' at graph 0.99, first %.3f right offset 0,0.8 tc rgb 'red'\n"
                "plot 'memory.dat' using 2:xtic(1) title 'PARAMS' lc rgb '%s', '' using 3 title 'GRADS' lc rgb '%s', "
                "'' using 4 title 'OPTIM' lc rgb '%s', '' using 5 title 'ACTS' lc rgb '%s', '' using 6 title "
-               "'WORKSPACE' lc rgb '%s', '' using 7 title 'OTHER' lc rgb '%s'\n",
+               "'WORKSPACE' lc rgb '%s', '' using 7 title 'OTHER' lc rgb '%s', '' using 8 title 'GATHER' lc rgb '%s'\n",
             MIB(rep->budget), MIB(rep->budget), MIB(rep->budget), MIB(rep->budget), k_tag_colour[0], k_tag_colour[1],
-            k_tag_colour[2], k_tag_colour[3], k_tag_colour[4], k_tag_colour[5]);
+            k_tag_colour[2], k_tag_colour[3], k_tag_colour[4], k_tag_colour[5], k_tag_colour[6]);
     if (nblk) {
         fprintf(f, "set output 'phases.png'\nset terminal pngcairo size 1600,700 font 'sans,9'\n"
                    "set title 'Live memory per phase of a step (colours: live by tag; grey: reserved but holding "
@@ -338,14 +338,14 @@ static int write_charts(const fl_lab_report *rep, const char *dir, char *why, si
         for (int bI = 0; bI < nblk; bI++) {
             const fl_lab_row *r = blk[bI];
             fprintf(f, "%s newhistogram \"%s%s\"", bI ? ", \\\n    " : "", r->name, r->verdict == FL_LAB_OOM ? " (OOM, planned)" : "");
-            static const char *tags[LAB_TAGS] = {"PARAMS", "GRADS", "OPTIM", "ACTS", "WORKSPACE", "OTHER"};
+            static const char *tags[LAB_TAGS] = {"PARAMS", "GRADS", "OPTIM", "ACTS", "WORKSPACE", "OTHER", "GATHER"};
             for (int t = 0; t < LAB_TAGS; t++) {
                 fprintf(f, ", 'phases.dat' index %d using %d%s", bI, t + 2, t == 0 ? ":xtic(1)" : "");
                 if (bI == 0) fprintf(f, " title '%s'", tags[t]);
                 else fprintf(f, " notitle");
                 fprintf(f, " lc rgb '%s'", k_tag_colour[t]);
             }
-            fprintf(f, ", 'phases.dat' index %d using 8 %s lc rgb '#dddddd'", bI,
+            fprintf(f, ", 'phases.dat' index %d using %d %s lc rgb '#dddddd'", bI, LAB_TAGS + 2,
                     bI == 0 ? "title 'reserved, not live'" : "notitle");
         }
         fprintf(f, "\nset bmargin\n");
@@ -411,9 +411,9 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
             rep->param_ratio, fl_fmt_bytes(rep->budget, a, sizeof a), rep->budget, rep->T, rep->act_ratio_lab,
             rep->ref_T, rep->act_ratio_ref, rep->ref_T);
     fprintf(f, "## Results\n\n| experiment | lab's change | model | micro x acc | precision | optimizer | act ckpt | "
-               "verdict | as in the lab | PARAMS | GRADS | OPTIM | ACTS | WORKSPACE | OTHER | peak | planned | "
+               "verdict | as in the lab | PARAMS | GRADS | OPTIM | ACTS | WORKSPACE | OTHER | GATHER | peak | planned | "
                "ms/sample | tok/s | final loss | extra time per sample |\n|");
-    for (int k = 0; k < 21; k++) fprintf(f, "---|");
+    for (int k = 0; k < 22; k++) fprintf(f, "---|");
     fprintf(f, "\n");
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
@@ -426,7 +426,7 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
             for (int t = 0; t < LAB_TAGS; t++) fprintf(f, " %.2f |", MIB(r->peak[t]));
             fprintf(f, " %.2f |", MIB(r->peak_total));
         } else {
-            fprintf(f, " - | - | - | - | - | - | - |");
+            fprintf(f, " - | - | - | - | - | - | - | - |");
         }
         if (r->planned == FL_PLAN_FITS || r->planned == FL_PLAN_OOM)
             fprintf(f, " %.2f (%s) |", MIB(r->planned_peak), plan_name(r->planned));
