@@ -352,6 +352,11 @@ void fl_cu_emu_launch(fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem, 
                 }
             }
     g_emu = NULL;
+#ifdef FL_EMU_ASAN
+    /* a fiber's last frames (fiber_main's, which never returns) leave their redzones poisoned: clear the
+     * shadow before the pages go, or the next mapping at these addresses reads as a stack underflow */
+    __asan_unpoison_memory_region(stacks, sbytes);
+#endif
     munmap(stacks, sbytes);
     free(smem);
     free(f);
