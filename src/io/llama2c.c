@@ -69,7 +69,8 @@ static fl_status fl_llama2c_put(fl_model *m, const char *path, const char *name,
     if (m->pp) { /* sharded (FSDP FULL_SHARD): this rank's piece alone, fl_model_param_piece */
         size_t k0, k1;
         char *dst = fl_model_param_piece(m, k, &k0, &k1, &dt);
-        return dst ? fl_llama2c_put_range(m, path, name, dst, dt, src, k0, k1, permute_heads, (size_t)p->shape[1])
+        return dst ? fl_llama2c_put_range(m, path, name, dst, dt, src, k0, k1, permute_heads,
+                                          p->ndim == 2 ? (size_t)p->shape[1] : numel)
                    : FL_OK;
     }
     void *data = fl_model_param_data(m, k, &dt);
