@@ -295,17 +295,6 @@ static fl_status gather_whole(fl_dp *dp, const void *shard, size_t es, void *ful
     return fl_error_prefix(s, "FSDP: gathering the whole parameters or state");
 }
 
-/* The reverse: this rank's pieces (fl_fsdp_ranges) out of a whole buffer. */
-static fl_status scatter_whole(const fl_dp *dp, const void *full, size_t es, void *shard) {
-    int G = dp->fsdp->G;
-    size_t *r = malloc(3 * ((size_t)G + 1) * sizeof *r);
-    if (!r) return fl_errorf(FL_ERR_OOM, "FSDP: out of host memory");
-    fl_fsdp_ranges(dp, r, r + G, r + 2 * G);
-    for (int g = 0; g < G; g++) memcpy((char *)shard + r[G + g] * es, (const char *)full + r[g] * es, r[2 * G + g] * es);
-    free(r);
-    return FL_OK;
-}
-
 fl_status fl_fsdp_whole_params(fl_dp *dp, void **out, size_t *bytes) {
     struct fl_fsdp *f = dp->fsdp;
     fl_model *m = f->m;
@@ -394,25 +383,9 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
 }
 
 fl_status fl_fsdp_ckpt_load(fl_dp *dp, const char *dir, fl_model *m, fl_optimizer *o, fl_train_state *st) {
-    struct fl_fsdp *f = dp->fsdp;
-    const size_t n = m->layout.numel;
-    void *params = malloc(n * f->es + 4);
-    if (!params) return fl_errorf(FL_ERR_OOM, "resume: out of host memory staging the parameters");
-    fl_model wm;
-    whole_model(m, params, &wm);
-    fl_optimizer wo;
-    fl_status s = whole_optim(o, n, &wm, &wo);
-    if (s == FL_OK) s = fl_ckpt_load(dir, &wm, &wo, st);
-    if (s == FL_OK) { /* keep this rank's pieces, and the scalars */
-        s = scatter_whole(dp, params, f->es, m->params ? (void *)m->params : (void *)m->p16);
-        size_t ses = state_es(o);
-        if (s == FL_OK && o->m) s = scatter_whole(dp, wo.m, ses, o->m);
-        if (s == FL_OK && o->m) s = scatter_whole(dp, wo.v, ses, o->v);
-        if (s == FL_OK && o->buf) s = scatter_whole(dp, wo.buf, ses, o->buf);
-        o->step = wo.step;
-        o->ls = wo.ls;
-    }
-    whole_optim_free(&wo);
-    free(params);
-    return s;
+    (void)dp;
+    /* the model is sharded (m->pp): fl_ckpt_load reads this rank's pieces of the weights
+     * (fl_hf_load_weights through fl_model_param_piece) and of the optimizer state straight from the
+     * checkpoint's files, no whole staging */
+    return fl_ckpt_load(dir, m, o, st);
 }
