@@ -138,8 +138,8 @@ fl_status fl_fsdp_check_finite(fl_dp *dp, const fl_optimizer *o, int *found);
 /* Consolidated checkpoints in the single-process format: every unit's parameters and optimizer
  * state gathered one unit at a time; rank 0 stages the whole parameters and state in host memory
  * (outside the pool, what the single-process writer reads) and writes; the other ranks hold one
- * unit's buffer at a time. Load: every rank reads the checkpoint through the same staging and
- * keeps its pieces. Both collective (load: not, but every rank must call it). */
+ * unit's buffer at a time. Load: every rank reads only its pieces of the weights and optimizer
+ * state from the checkpoint's files (fl_ckpt_load on the sharded model). Save is collective. */
 fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const char *name, const fl_model *m,
                             const fl_optimizer *o, const fl_train_state *st, const fl_run_config *cfg,
                             const char *tok_dir);

@@ -13,6 +13,11 @@
  * times the traffic into that rank (fl_comm has neither). PyTorch's FSDP shards each FlatParameter
  * (unit) the same way.
  *
+ * Load. The model is created sharded (fl_fsdp_prepare: the storage's shard callback allocates the
+ * shard in place of the whole buffer and sets m->pp with the pieces); the loaders and the random
+ * init then fill only this rank's pieces (fl_model_param_piece), so no rank ever holds the whole
+ * model and no collective runs at load.
+ *
  * What each rank holds: its shard of the parameters (PARAMS; bf16-mixed: of the fp32 master
  * weights; the bf16 copy the matmuls read exists only for a gathered unit), of the gradients
  * (GRADS) and of the optimizer state (OPTIM: the optimizer runs on the shard as on a whole buffer,
