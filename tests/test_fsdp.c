@@ -10,7 +10,9 @@
 #include <string.h>
 
 #include "fitllm/checkpoint.h"
+#include "fitllm/io.h"
 #include "test.h"
+#include "train/dp.h"
 #include "zero_ref.h"
 
 #define FT_MAX_RANKS 4
@@ -349,4 +351,138 @@ FL_TEST(fsdp_threads_checkpoint_resumes_at_another_world_size) {
                   "step %d: resumed at 3 ranks %.9f vs 2 ranks %.9f", s + 1, b->rec[0].loss[s], a->rec[0].loss[s]);
     free_fjob(a);
     free_fjob(b);
+}
+
+/* ---- the sharded load: each rank holds only its pieces, the whole load's bits ---------------- */
+
+/* One source (path NULL: the `micro` preset's random init, seed 11; else a model folder or .bin)
+ * loaded whole here and by each rank sharded (fl_fsdp_prepare's storage): every rank's shard must
+ * be the whole load's bytes at its pieces, the pieces fl_comm's chunk of every unit (recomputed
+ * here from the layout), and PARAMS never above the shard (the all-time peak: no whole buffer). */
+typedef struct {
+    const char *path;
+    const char *prec;
+    const fl_model *whole;
+    char msg[FT_MAX_RANKS][600];
+} lload;
+
+static fl_status lload_make(const lload *L, fl_model *m, const fl_backend *be, fl_mem_pool *pool,
+                            const fl_model_storage *stg) {
+    if (L->path) {
+        int loaded = 0;
+        FL_TRY(fl_model_load_auto_ex(m, L->path, be, pool, stg, &loaded));
+        return loaded ? FL_OK : fl_errorf(FL_ERR_INTERNAL, "%s: no weights", L->path);
+    }
+    fl_model_config mc;
+    FL_TRY(fl_preset_find("micro", &mc));
+    FL_TRY(fl_model_init_ex(m, &mc, be, pool, stg));
+    return fl_model_init_random_ex(m, 11);
+}
+
+static fl_status lload_rank(fl_comm *c, int rank, void *ud) {
+    lload *L = ud;
+    char *msg = L->msg[rank];
+    fl_backend be;
+    fl_mem_pool pool;
+    fl_model m;
+    memset(&m, 0, sizeof m);
+    fl_dp dp;
+    memset(&dp, 0, sizeof dp);
+    fl_dp_init(&dp, c, NULL);
+    fl_run_config cfg;
+    fl_cfg_defaults(&cfg, FL_CMD_FINETUNE_FULL);
+    snprintf(cfg.strategy, sizeof cfg.strategy, "fsdp");
+    fl_precision prec;
+    fl_model_storage stg;
+    fl_status s = fl_test_backend(&be, 1);
+    if (s != FL_OK) return s;
+    s = fl_mem_pool_init(&pool, "cpu", 0);
+    if (s == FL_OK) s = fl_precision_find(L->prec, &prec);
+    if (s == FL_OK) fl_model_storage_for(&prec, &stg), s = fl_fsdp_prepare(&dp, &cfg, &prec, &stg);
+    if (s == FL_OK) s = lload_make(L, &m, &be, &pool, &stg);
+    if (s != FL_OK) {
+        snprintf(msg, 600, "load: %s", fl_error_message());
+    } else if (!m.pp || !dp.fsdp) {
+        snprintf(msg, 600, "the model was not created sharded");
+    } else {
+        const fl_model *w = L->whole;
+        const size_t es = fl_dtype_size(m.store_dtype), sh = fl_fsdp_shard_numel(&m.layout, dp.world, rank);
+        const char *mine = m.params ? (const char *)m.params : (const char *)m.p16;
+        const char *all = w->params ? (const char *)w->params : (const char *)w->p16;
+        size_t at = 0;
+        if (m.pp->numel != sh || pool.cur[FL_TAG_PARAMS] != sh * es || pool.peak[FL_TAG_PARAMS] != sh * es)
+            snprintf(msg, 600, "PARAMS now %zu, peak %zu, want the shard's %zu bytes (%zu elements)",
+                     pool.cur[FL_TAG_PARAMS], pool.peak[FL_TAG_PARAMS], sh * es, sh);
+        for (int g = 0; !msg[0] && g < m.layout.n_groups; g++) {
+            size_t off, len, n = m.layout.group_offset[g + 1] - m.layout.group_offset[g];
+            fl_comm_chunk(n, dp.world, rank, &off, &len);
+            if (m.pp->flat_off[g] != m.layout.group_offset[g] + off || m.pp->len[g] != len || m.pp->shard_off[g] != at)
+                snprintf(msg, 600, "unit %d: piece [%zu, +%zu) at %zu, want [%zu, +%zu) at %zu", g, m.pp->flat_off[g],
+                         m.pp->len[g], m.pp->shard_off[g], m.layout.group_offset[g] + off, len, at);
+            else if (memcmp(mine + at * es, all + (m.layout.group_offset[g] + off) * es, len * es))
+                snprintf(msg, 600, "unit %d: the piece's bytes differ from the whole load's", g);
+            at += len;
+        }
+    }
+    if (msg[0] && s == FL_OK) s = fl_errorf(FL_ERR_INTERNAL, "rank %d: %s", rank, msg);
+    fl_fsdp_free(&dp);
+    fl_model_free(&m);
+    fl_mem_pool_free(&pool);
+    fl_backend_free(&be);
+    return s;
+}
+
+FL_TEST(fsdp_load_each_rank_reads_only_its_pieces) {
+    FL_SKIP_IF_NO_DATA();
+    char sharded[700]; /* a sharded HF folder (model-0000i-of-0000N + index): tensors spread over files */
+    snprintf(sharded, sizeof sharded, "%s/sharded-hf", fl_test_tmpdir());
+    char llama[700], gpt2[700], bin[700];
+    snprintf(llama, sizeof llama, "%s", fl_test_data_path("stories260K-hf"));
+    snprintf(gpt2, sizeof gpt2, "%s", fl_test_data_path("tiny-gpt2-hf")); /* Conv1D weights transposed on disk */
+    snprintf(bin, sizeof bin, "%s", fl_test_data_path("stories260K/stories260K.bin")); /* llama2.c: q/k permuted */
+    {
+        fl_backend be;
+        fl_mem_pool pool;
+        fl_model m;
+        FL_REQUIRE_OK(fl_test_backend(&be, 1));
+        FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
+        FL_REQUIRE_OK(fl_hf_load_model(&m, llama, &be, &pool));
+        fl_hf_set_max_shard_bytes(200000);
+        fl_status s = fl_hf_save_model(&m, sharded);
+        fl_hf_set_max_shard_bytes(0);
+        FL_REQUIRE_OK(s);
+        fl_model_free(&m);
+        fl_mem_pool_free(&pool);
+        fl_backend_free(&be);
+    }
+    static const char *const precs[] = {"32-true", "bf16-true"};
+    const char *const paths[] = {NULL, llama, gpt2, sharded, bin};
+    for (size_t k = 0; k < sizeof paths / sizeof paths[0]; k++)
+        for (int p = 0; p < 2; p++)
+            for (int world = 2; world <= 3; world++) {
+                lload *L = calloc(1, sizeof *L);
+                FL_REQUIRE(L != NULL);
+                L->path = paths[k];
+                L->prec = precs[p];
+                fl_backend be;
+                fl_mem_pool pool;
+                fl_model whole;
+                FL_REQUIRE_OK(fl_test_backend(&be, 1));
+                FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
+                fl_precision pr;
+                FL_REQUIRE_OK(fl_precision_find(L->prec, &pr));
+                fl_model_storage stg;
+                fl_model_storage_for(&pr, &stg);
+                FL_REQUIRE_OK(lload_make(L, &whole, &be, &pool, &stg));
+                L->whole = &whole;
+                fl_status s = fl_comm_threads_run(world, lload_rank, L);
+                for (int r = 0; r < world; r++)
+                    FL_CHECKF(s == FL_OK && !L->msg[r][0], "%s, %s, %d ranks: rank %d: %s",
+                              L->path ? L->path : "random init", L->prec, world, r,
+                              L->msg[r][0] ? L->msg[r] : fl_error_message());
+                fl_model_free(&whole);
+                fl_mem_pool_free(&pool);
+                fl_backend_free(&be);
+                free(L);
+            }
 }

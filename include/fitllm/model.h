@@ -162,6 +162,13 @@ typedef struct {
                            * lm_head stay in param_dtype (as transformers' BitsAndBytesConfig) */
     int q4_type;          /* fl_q4_type: FL_Q4_NF4 or FL_Q4_FP4 */
     int q4_double_quant;  /* "-dq": double-quantized absmax */
+    /* Sharded from the start (FSDP FULL_SHARD; set by src/train/fsdp.c's fl_fsdp_prepare, NULL
+     * otherwise): fl_model_init_ex calls shard(shard_ud, m) IN PLACE of allocating the whole dense
+     * parameter buffer; it allocates this rank's shard into params / p16 and sets m->pp with its
+     * pieces, so the loaders and the random init fill only the shard (fl_model_param_piece) and no
+     * rank ever holds the whole model. (m is an fl_model *.) */
+    fl_status (*shard)(void *shard_ud, void *m);
+    void *shard_ud;
 } fl_model_storage;
 
 /* Sharded parameters (FSDP FULL_SHARD / ZeRO-3; set by src/train/fsdp.c, NULL otherwise). The
@@ -193,6 +200,9 @@ typedef struct fl_param_provider {
     /* the start of an optimizer step (fl_model_zero_grads): the next reduction of each group
      * replaces the shard's gradient instead of adding to it */
     void (*zero_grads)(void *ud);
+    /* (layout.n_groups) this rank's piece of group g: the whole-model (layout) elements
+     * [flat_off[g], flat_off[g] + len[g]), stored at shard_off[g] of the shard */
+    const size_t *flat_off, *shard_off, *len;
 } fl_param_provider;
 
 typedef struct {
@@ -271,6 +281,11 @@ void fl_model_write_param(fl_model *m, int i, const float *src);
 /* Pointer to entry i in the dense storage and its dtype; NULL for a 4-bit entry
  * (read it with fl_model_read_param: dequantized, LoRA-merged after fl_model_lora_merge). */
 void *fl_model_param_data(const fl_model *m, int i, fl_dtype *dt);
+/* The part of entry i this model holds: its elements [*k0, *k1) (of the entry), at the returned
+ * pointer (element *k0; dtype *dt). Whole model: 0, numel and fl_model_param_data. Sharded (m->pp):
+ * the entry's intersection with this rank's piece of its group, one range (an entry lies in one
+ * group), NULL when empty (*k0 == *k1). What the loaders and the random init fill. */
+void *fl_model_param_piece(const fl_model *m, int i, size_t *k0, size_t *k1, fl_dtype *dt);
 /* Entry i is stored in 4 bits. */
 int fl_model_param_is_q4(const fl_model *m, int i);
 /* Element offset of entry i in the dense store. */

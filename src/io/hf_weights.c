@@ -33,6 +33,59 @@ static void fl_hf_fmt_shape(char *buf, size_t n, int ndim, const int64_t *shape)
     if (k < n) snprintf(buf + k, n - k, "]");
 }
 
+/* A sharded model (m->pp, FSDP FULL_SHARD): only this rank's piece of entry pi, its elements
+ * [k0, k1) (fl_model_param_piece), read from the mapped file: only those elements' bytes are
+ * touched (a contiguous run; for a Conv1D weight stored transposed, the strided disk elements of the
+ * piece's output rows). Checked and converted exactly as fl_hf_copy_tensor's whole-tensor paths do
+ * (the file dtype straight to the storage dtype; transposed: through fp32), so the piece holds the
+ * whole load's bits. Fixed slices copied into the (device) storage: no whole-tensor staging. */
+static fl_status fl_hf_copy_tensor_range(fl_model *m, int pi, const fl_st_file *f, const fl_st_tensor *t) {
+    const fl_param_info *p = &m->layout.params[pi];
+    size_t k0, k1;
+    fl_dtype dt;
+    char *dst = fl_model_param_piece(m, pi, &k0, &k1, &dt);
+    if (!dst) return FL_OK; /* nothing of this tensor is ours */
+    const size_t es = fl_dtype_size(t->dtype), ds = fl_dtype_size(dt);
+    const int tr = p->ndim == 2 && p->transposed_on_disk;
+    const size_t out = (size_t)p->shape[0], in = tr ? (size_t)p->shape[1] : 1; /* storage (o, i) = disk (i, o) */
+    const char *src = t->data;
+    enum { SLICE = 1 << 16 };
+    double *buf = malloc(SLICE * sizeof(double) + SLICE * sizeof(float)); /* file slice (or fp32) | converted */
+    if (!buf) return fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", f->path, t->name);
+    char *cv = (char *)(buf + SLICE);
+    fl_status s = FL_OK;
+    for (size_t a = k0; a < k1 && s == FL_OK; a += SLICE) {
+        const size_t n = k1 - a < SLICE ? k1 - a : SLICE;
+        long long bad = -1;
+        if (!tr) {
+            memcpy(buf, src + a * es, n * es); /* copied out first: the file does not promise alignment */
+            bad = fl_dtype_first_nonfinite(buf, t->dtype, n);
+            if (bad >= 0) bad += (long long)a;
+            else if (fl_convert(cv, dt, buf, t->dtype, n))
+                s = fl_errorf(FL_ERR_INTERNAL, "%s: tensor '%s': conversion failed", f->path, t->name);
+        } else {
+            float *row = (float *)buf;
+            for (size_t j = 0; j < n && bad < 0; j++) {
+                const size_t k = a + j, o = k / in, i = k % in, at = i * out + o; /* disk element */
+                double raw;
+                memcpy(&raw, src + at * es, es);
+                if (fl_dtype_first_nonfinite(&raw, t->dtype, 1) >= 0) bad = (long long)at;
+                else fl_convert(&row[j], FL_F32, &raw, t->dtype, 1);
+            }
+            if (bad < 0) fl_convert(cv, dt, row, FL_F32, n);
+        }
+        if (bad >= 0) {
+            s = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s' holds a non-finite value (inf/NaN) at element %lld: the "
+                          "file is corrupt or was saved from a diverged run", f->path, t->name, bad);
+        } else if (s == FL_OK) {
+            if (m->be) s = m->be->to_device(m->be, dst + (a - k0) * ds, cv, n * ds);
+            else memcpy(dst + (a - k0) * ds, cv, n * ds); /* a model without a backend: host memory */
+        }
+    }
+    free(buf);
+    return s;
+}
+
 /* Copy one file tensor into the parameter entry, converting dtype and
  * transposing Conv1D weights ([in,out] on disk -> (out,in)). */
 static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl_st_file *f, const fl_st_tensor *t,
@@ -54,6 +107,7 @@ static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s: tensor '%s': dtype %s cannot be loaded as a parameter (F32, BF16, F16)",
                          f->path, t->name, fl_dtype_name(t->dtype));
     int pi = (int)(p - m->layout.params);
+    if (m->pp) return fl_hf_copy_tensor_range(m, pi, f, t); /* sharded: this rank's piece alone */
     fl_dtype dt;
     void *dst = fl_model_param_data(m, pi, &dt);
     /* a 4-bit entry: read as fp32 into the pool's staging (fl_model_q4_staging), then quantized */

@@ -33,6 +33,31 @@ static void fl_llama2c_put_rows(void *dst, fl_dtype dt, const float *src, int n_
                            src + ((size_t)h * hd + 2 * (size_t)i + t) * cols, FL_F32, (size_t)cols);
 }
 
+/* Elements [k0, k1) of a tensor (HF order, rows of cols) into dst (dtype dt): each row's segment
+ * converted from its source row (permuted as fl_llama2c_put_rows permutes; n_heads = 0: none), the
+ * same fp32 -> dt rounding as the whole tensor's. Device storage: through one host buffer of the
+ * range, copied in. */
+static fl_status fl_llama2c_put_range(fl_model *m, const char *path, const char *name, char *dst, fl_dtype dt,
+                                      const float *src, size_t k0, size_t k1, int n_heads, size_t cols) {
+    const size_t ds = fl_dtype_size(dt), hd = (size_t)m->cfg.head_dim, half = hd / 2;
+    const int dev = m->be && !m->be->host_memory;
+    char *h = dev ? malloc((k1 - k0) * ds + 1) : dst;
+    if (!h) return fl_errorf(FL_ERR_OOM, "%s: out of host memory loading '%s'", path, name);
+    for (size_t a = k0; a < k1;) {
+        const size_t r = a / cols, e = (r + 1) * cols < k1 ? (r + 1) * cols : k1; /* row r's segment [a, e) */
+        size_t sr = r;
+        if (n_heads) {
+            const size_t hh = r / hd, rem = r % hd;
+            sr = hh * hd + 2 * (rem % half) + rem / half; /* hf row h*hd + t*half + i <- meta row h*hd + 2i + t */
+        }
+        fl_convert(h + (a - k0) * ds, dt, src + sr * cols + (a - r * cols), FL_F32, e - a);
+        a = e;
+    }
+    fl_status s = dev ? m->be->to_device(m->be, dst, h, (k1 - k0) * ds) : FL_OK;
+    if (dev) free(h);
+    return s;
+}
+
 static fl_status fl_llama2c_put(fl_model *m, const char *path, const char *name, const float *src, size_t numel,
                                 int permute_heads) {
     int k = fl_layout_find(&m->layout, name);
@@ -41,6 +66,13 @@ static fl_status fl_llama2c_put(fl_model *m, const char *path, const char *name,
     if (p->numel != numel)
         return fl_errorf(FL_ERR_INTERNAL, "%s: tensor '%s': layout has %zu elements, checkpoint %zu", path, name, p->numel, numel);
     fl_dtype dt;
+    if (m->pp) { /* sharded (FSDP FULL_SHARD): this rank's piece alone, fl_model_param_piece */
+        size_t k0, k1;
+        char *dst = fl_model_param_piece(m, k, &k0, &k1, &dt);
+        return dst ? fl_llama2c_put_range(m, path, name, dst, dt, src, k0, k1, permute_heads,
+                                          p->ndim == 2 ? (size_t)p->shape[1] : numel)
+                   : FL_OK;
+    }
     void *data = fl_model_param_data(m, k, &dt);
     if (data && m->be && !m->be->host_memory) { /* device storage: permuted on the host (one tensor), written in */
         float *tmp = malloc(numel * sizeof(float) + 1);

@@ -97,7 +97,10 @@ fl_status fl_model_init_ex(fl_model *m, const fl_model_config *cfg, const fl_bac
         if (!m->soff || !m->q4) s = fl_errorf(FL_ERR_OOM, "4-bit storage bookkeeping: out of host memory");
         else m->dense_numel = storage_plan(&m->layout, &m->storage, m->soff, &m->q4_bytes);
     }
-    if (s == FL_OK && m->store_dtype == FL_F32) {
+    if (s == FL_OK && m->storage.shard) { /* sharded from the start: the owner allocates this rank's shard */
+        if (m->store_dtype != FL_F32) m->pstage_n = fl_sizing_pstage_elems(&m->cfg);
+        s = m->storage.shard(m->storage.shard_ud, m);
+    } else if (s == FL_OK && m->store_dtype == FL_F32) {
         s = fl_mem_alloc(pool, FL_TAG_PARAMS, m->dense_numel * sizeof(float), (void **)&m->params);
     } else if (s == FL_OK) {
         m->pstage_n = fl_sizing_pstage_elems(&m->cfg);
@@ -142,6 +145,25 @@ void *fl_model_param_data(const fl_model *m, int i, fl_dtype *dt) {
     if (m->pp) return NULL; /* sharded (FSDP): no whole entry here; src/train/fsdp.c stages a whole copy */
     size_t off = fl_model_store_off(m, i);
     return m->params ? (void *)(m->params + off) : (void *)(m->p16 + off);
+}
+
+void *fl_model_param_piece(const fl_model *m, int i, size_t *k0, size_t *k1, fl_dtype *dt) {
+    const fl_param_info *p = &m->layout.params[i];
+    if (dt) *dt = m->store_dtype;
+    if (!m->pp || !m->pp->flat_off) {
+        *k0 = 0, *k1 = p->numel;
+        return fl_model_param_data(m, i, dt);
+    }
+    const int g = p->group; /* the entry [p->offset, + numel) meets the piece [a, b) of its group */
+    const size_t a = m->pp->flat_off[g], b = a + m->pp->len[g];
+    const size_t lo = p->offset > a ? p->offset : a, hi = p->offset + p->numel < b ? p->offset + p->numel : b;
+    if (lo >= hi) {
+        *k0 = *k1 = 0;
+        return NULL;
+    }
+    *k0 = lo - p->offset, *k1 = hi - p->offset;
+    size_t at = m->pp->shard_off[g] + (lo - a);
+    return m->params ? (void *)(m->params + at) : (void *)(m->p16 + at);
 }
 
 /* A 4-bit entry's buffer on a device whose memory is not host memory: a host copy (from the host
@@ -286,7 +308,7 @@ fl_status fl_model_set_precision(fl_model *m, const fl_precision *p) {
     m->wcompute = NULL;
     const fl_dtype old_compute = m->prec.name ? m->prec.compute_dtype : FL_F32;
     m->prec = *p;
-    if (p->compute_copy) {
+    if (p->compute_copy && !m->pp) { /* sharded: each gathered unit converts its own (src/train/fsdp.c) */
         fl_status s = fl_mem_alloc(m->pool, FL_TAG_PARAMS, fl_precision_copy_bytes(p, m->dense_numel),
                                    (void **)&m->wcompute);
         if (s != FL_OK) return fl_error_prefix(s, "allocating the %s weight copy", p->name);
@@ -435,18 +457,25 @@ fl_status fl_model_init_random_ex(fl_model *m, uint64_t seed) {
             init_fill(q4tmp, 0, p->numel, p->numel, kind, sd, &s);
             fl_model_write_param(m, i, q4tmp);
         } else { /* generated on the host in slices, copied into the (device) storage */
+            /* only the part this model holds (sharded: this rank's piece [a, b) of the entry). The
+             * stream is splitmix64, a counter (draw j reads the state s + (j+1) x gamma), and each
+             * pair of elements takes two draws: starting at the pair of element a is starting the
+             * state at s + a0 x gamma (a0 = a rounded down to even), the whole stream's values */
             fl_dtype dt;
-            char *dst = fl_model_param_data(m, i, &dt);
+            size_t a, b;
+            char *dst = fl_model_param_piece(m, i, &a, &b, &dt);
+            const size_t a0 = a & ~(size_t)1, es = fl_dtype_size(dt);
+            if (kind == 2) s += (uint64_t)a0 * 0x9e3779b97f4a7c15ULL;
             uint16_t *s16 = (uint16_t *)(slice + SLICE);
-            for (size_t k0 = 0; k0 < p->numel; k0 += SLICE) {
-                size_t k1 = p->numel - k0 < SLICE ? p->numel : k0 + SLICE;
+            for (size_t k0 = a0; k0 < b; k0 += SLICE) {
+                size_t k1 = b - k0 < SLICE ? b : k0 + SLICE, lo = k0 > a ? k0 : a; /* slice [k0, k1): keep [lo, k1) */
                 init_fill(slice, k0, k1, p->numel, kind, sd, &s);
-                const void *h = slice;
-                if (dt != FL_F32) fl_convert(s16, dt, slice, FL_F32, k1 - k0), h = s16;
-                size_t nb = (k1 - k0) * fl_dtype_size(dt);
+                const void *h = slice + (lo - k0);
+                if (dt != FL_F32) fl_convert(s16, dt, h, FL_F32, k1 - lo), h = s16;
+                size_t nb = (k1 - lo) * es;
                 fl_status st = FL_OK;
-                if (m->be) st = m->be->to_device(m->be, dst + k0 * fl_dtype_size(dt), h, nb);
-                else memcpy(dst + k0 * fl_dtype_size(dt), h, nb); /* no backend: host memory */
+                if (m->be) st = m->be->to_device(m->be, dst + (lo - a) * es, h, nb);
+                else memcpy(dst + (lo - a) * es, h, nb); /* no backend: host memory */
                 if (st != FL_OK) {
                     free(slice);
                     fl_mem_free(fl_mem_host_pool(m->pool), q4tmp);

@@ -307,8 +307,20 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     const size_t es = fl_dtype_size(stg.param_dtype);
     size_t dense, q4b;
     fl_sizing_param_split(mc, &stg, &dense, &q4b);
-    snprintf(what, sizeof what, "parameters (%s%s)", fl_dtype_name(stg.param_dtype), q4b ? ", not quantized" : "");
-    void *whole = palloc(g, FL_TAG_PARAMS, dense * es, what);
+    fl_param_layout lay;
+    int have_lay = fl_layout_build(&lay, mc) == FL_OK;
+    const int world = c->devices * c->num_nodes;
+    int stage = 0; /* ZeRO stage (fl_dp_optim_init): validated by fl_plan_run */
+    if (world > 1 && fl_cfg_zero_stage(c->strategy, c->sharding_strategy, &stage) != FL_OK) stage = 0;
+    if (stage == 3 && (c->command == FL_CMD_FINETUNE_LORA || !have_lay)) stage = 2; /* LoRA's adapters: ZeRO-2 */
+    /* FULL_SHARD (fl_fsdp_prepare): the model is created sharded, its shard of every unit in place of
+     * the whole buffer; the loader or the random init fills the shard alone (no staging in the pool)
+     * and no whole compute copy exists (each gathered unit converts its own) */
+    const int fsdp = stage == 3;
+    const size_t n_shard = fsdp ? fl_fsdp_shard_numel(&lay, world, x->rank < world ? x->rank : 0) : n;
+    if (fsdp) snprintf(what, sizeof what, "parameter shard (%s)", fl_dtype_name(stg.param_dtype));
+    else snprintf(what, sizeof what, "parameters (%s%s)", fl_dtype_name(stg.param_dtype), q4b ? ", not quantized" : "");
+    palloc(g, FL_TAG_PARAMS, (fsdp ? n_shard : dense) * es, what);
     if (q4b) {
         snprintf(what, sizeof what, "4-bit linear weights (%s)", fl_q4_mode_name((fl_q4_type)stg.q4_type, stg.q4_double_quant));
         palloc(g, FL_TAG_PARAMS, q4b, what);
@@ -316,18 +328,15 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     if (es != 4) palloc(g, FL_TAG_WORKSPACE, fl_sizing_pstage_elems(mc) * sizeof(float), "fp32 views of 1-D parameters");
     size_t q4s = fl_sizing_q4_staging_elems(mc, &stg); /* load or random init: fl_model_q4_staging, freed after */
     if (q4s) fl_mem_free(&g->pool, palloc(g, FL_TAG_WORKSPACE, q4s * sizeof(float), "fp32 staging of a 4-bit weight"));
-    size_t copy = fl_precision_copy_bytes(&pr, n);
-    void *wcopy = NULL;
+    size_t copy = fsdp ? 0 : fl_precision_copy_bytes(&pr, n);
     if (copy) {
         snprintf(what, sizeof what, "%s weight copy", pr.name);
-        wcopy = palloc(g, FL_TAG_PARAMS, copy, what);
+        palloc(g, FL_TAG_PARAMS, copy, what);
     }
     snap(g, "after_load");
     snprintf(g->step, sizeof g->step, "before_fwd");
     /* set-up: fl_model_alloc_grads (or the LoRA adapters), fl_optim_init, fl_model_alloc_acts, step buffers */
     fl_mem_set_phase(&g->pool, "setup");
-    fl_param_layout lay;
-    int have_lay = fl_layout_build(&lay, mc) == FL_OK;
     fl_lora_config lc;
     fl_lora_module *mods = NULL;
     int n_mods = 0;
@@ -335,19 +344,6 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     void *grads = NULL;
     int lora = c->command == FL_CMD_FINETUNE_LORA && have_lay && fl_trainer_lora_config(c, mc, &lc) == FL_OK &&
                fl_lora_modules(&lc, &lay, mc, &mods, &n_mods) == FL_OK;
-    const int world = c->devices * c->num_nodes;
-    int stage = 0; /* ZeRO stage (fl_dp_optim_init): validated by fl_plan_run */
-    if (world > 1 && fl_cfg_zero_stage(c->strategy, c->sharding_strategy, &stage) != FL_OK) stage = 0;
-    if (stage == 3 && (c->command == FL_CMD_FINETUNE_LORA || !have_lay)) stage = 2; /* LoRA's adapters: ZeRO-2 */
-    /* FULL_SHARD (fl_fsdp_init): the shard of every unit, then the whole buffer and copy go back */
-    const int fsdp = stage == 3;
-    const size_t n_shard = fsdp ? fl_fsdp_shard_numel(&lay, world, x->rank < world ? x->rank : 0) : n;
-    if (fsdp) {
-        snprintf(what, sizeof what, "parameter shard (%s)", fl_dtype_name(stg.param_dtype));
-        palloc(g, FL_TAG_PARAMS, n_shard * es, what);
-        if (whole) fl_mem_free(&g->pool, whole);
-        if (wcopy) fl_mem_free(&g->pool, wcopy);
-    }
     if (lora) { /* fl_model_lora_init: adapter parameters and their gradients; the base is frozen */
         fl_lora_adapter_offsets(mods, n_mods, lc.r, NULL, &n_train);
         palloc(g, FL_TAG_PARAMS, n_train * sizeof(float), "LoRA adapters");
@@ -443,7 +439,7 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
         fs.n = fs_n;
         fs.len = fs_len;
         fs.es = es;
-        fs.ces = copy ? fl_dtype_size(pr.compute_dtype) : 0;
+        fs.ces = fl_precision_copy_bytes(&pr, n) ? fl_dtype_size(pr.compute_dtype) : 0; /* mixed: per gathered unit */
         for (int u = 0; u < lay.n_groups; u++) {
             size_t co;
             fs_n[u] = lay.group_offset[u + 1] - lay.group_offset[u];
@@ -780,8 +776,9 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     else if (fsdp)
         note(p, "FSDP FULL_SHARD (ZeRO-3) over %d ranks: rank %d's memory: PARAMS, GRADS and OPTIM its shard of "
                 "every unit (each unit split by fl_comm's chunk layout); GATHER the units gathered at a time (at most "
-                "2 blocks, the head group and, tied, the embeddings) and their unreduced gradients; the load holds "
-                "the whole model once (after_load), before the shard is cut", p->devices, p->rank);
+                "2 blocks, the head group and, tied, the embeddings) and their unreduced gradients; the model is "
+                "created sharded (the load reads, or the random init generates, only the rank's pieces: it never "
+                "holds the whole model)", p->devices, p->rank);
     else if (p->devices > 1)
         note(p, "ZeRO-%d over %d ranks: rank %d's memory: OPTIM for its chunk of the parameters; %s; parameters "
                 "whole", p->zero_stage, p->devices, p->rank,

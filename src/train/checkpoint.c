@@ -338,7 +338,13 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
                           want[i].name);
             break;
         }
-        s = m->be->to_device(m->be, want[i].dst, t->data, want[i].bytes); /* optimizer state: device memory */
+        if (m->pp && !m->lora && i < 3) { /* sharded (FSDP): this rank's pieces of the flat state, read alone */
+            for (int g = 0; s == FL_OK && g < m->layout.n_groups; g++)
+                s = m->be->to_device(m->be, (char *)want[i].dst + m->pp->shard_off[g] * es,
+                                     (const char *)t->data + m->pp->flat_off[g] * es, m->pp->len[g] * es);
+        } else {
+            s = m->be->to_device(m->be, want[i].dst, t->data, want[i].bytes); /* optimizer state: device memory */
+        }
     }
     if (s == FL_OK) s = fl_ckpt_read_state_meta(&f, p, o, st);
     fl_st_close(&f);

@@ -146,8 +146,8 @@ fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o) {
 }
 
 fl_status fl_dp_broadcast_params(fl_dp *dp, fl_optimizer *o) {
-    /* FULL_SHARD: the shards were cut from rank 0's weights (fl_fsdp_init); a resume gave every rank
-     * its pieces of the same checkpoint */
+    /* FULL_SHARD: each rank read or generated its pieces of the same weights (fl_fsdp_prepare); a
+     * resume gave every rank its pieces of the same checkpoint */
     if (!dp->comm || dp->fsdp) return FL_OK;
     /* a copy, no arithmetic: 16-bit storage (BF16 or F16) travels as BF16 words */
     fl_dtype t = fl_dtype_size(o->pt) == 4 ? FL_F32 : FL_BF16;

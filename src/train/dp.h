@@ -110,11 +110,18 @@ fl_status fl_dp_agree(fl_dp *dp, fl_status mine);
 
 /* ---- FSDP FULL_SHARD / ZeRO-3 (src/train/fsdp.c) ----------------------------------------------- */
 
-/* Under stage 3 with several ranks (full model; LoRA's adapters train as ZeRO-2): broadcast rank
- * 0's parameters, keep this rank's shard of every unit (PARAMS) and give the whole buffer and the
- * mixed policies' whole compute copy back; the model then asks for its units through m->pp. Run
- * after fl_model_set_precision, before fl_model_alloc_grads (which then allocates the shard) and
- * the optimizer (which then sees the shard). Collective. No-op otherwise. */
+/* Under stage 3 with several ranks (full model; LoRA's adapters train as ZeRO-2): refuse what
+ * FULL_SHARD cannot run, and set stg's shard callback so that the model is created SHARDED:
+ * fl_model_init_ex allocates only this rank's shard of every unit (PARAMS) and sets m->pp, then
+ * the loader (fl_hf_load_weights, the llama2.c reader) or the random init fills only this rank's
+ * pieces, reading them from the files or generating the same values the whole-model init gives
+ * (fl_model_param_piece): no rank ever holds the whole model, and no collective runs at load.
+ * Run before the model is created (stg: fl_trainer_storage's). No-op otherwise. */
+fl_status fl_fsdp_prepare(fl_dp *dp, const fl_run_config *cfg, const fl_precision *prec, fl_model_storage *stg);
+/* After fl_model_set_precision, before fl_model_alloc_grads (which then allocates the shard) and
+ * the optimizer (which then sees the shard): the gathered units' compute copy of mixed policies
+ * (no whole copy exists). FL_ERR_INTERNAL when stage 3 applies but the model was not created
+ * through fl_fsdp_prepare's storage. No-op otherwise. */
 fl_status fl_fsdp_init(fl_dp *dp, const fl_run_config *cfg, fl_model *m);
 /* This rank's element ranges (for sharded checkpoints): unit g's piece is the whole-model elements
  * [flat_off[g], flat_off[g] + len[g]) and sits at shard_off[g] of the shard (params, grads, optimizer
@@ -131,8 +138,8 @@ fl_status fl_fsdp_check_finite(fl_dp *dp, const fl_optimizer *o, int *found);
 /* Consolidated checkpoints in the single-process format: every unit's parameters and optimizer
  * state gathered one unit at a time; rank 0 stages the whole parameters and state in host memory
  * (outside the pool, what the single-process writer reads) and writes; the other ranks hold one
- * unit's buffer at a time. Load: every rank reads the checkpoint through the same staging and
- * keeps its pieces. Both collective (load: not, but every rank must call it). */
+ * unit's buffer at a time. Load: every rank reads only its pieces of the weights and optimizer
+ * state from the checkpoint's files (fl_ckpt_load on the sharded model). Save is collective. */
 fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const char *name, const fl_model *m,
                             const fl_optimizer *o, const fl_train_state *st, const fl_run_config *cfg,
                             const char *tok_dir);

@@ -13,6 +13,11 @@
  * times the traffic into that rank (fl_comm has neither). PyTorch's FSDP shards each FlatParameter
  * (unit) the same way.
  *
+ * Load. The model is created sharded (fl_fsdp_prepare: the storage's shard callback allocates the
+ * shard in place of the whole buffer and sets m->pp with the pieces); the loaders and the random
+ * init then fill only this rank's pieces (fl_model_param_piece), so no rank ever holds the whole
+ * model and no collective runs at load.
+ *
  * What each rank holds: its shard of the parameters (PARAMS; bf16-mixed: of the fp32 master
  * weights; the bf16 copy the matmuls read exists only for a gathered unit), of the gradients
  * (GRADS) and of the optimizer state (OPTIM: the optimizer runs on the shard as on a whole buffer,
@@ -49,6 +54,7 @@ struct fl_fsdp {
     int G;                  /* units: layout groups */
     size_t *n;              /* (G) elements of each unit */
     size_t *coff, *clen;    /* (G) this rank's chunk of the unit (fl_comm_chunk of n[g]) */
+    size_t *foff;           /* (G) that chunk's whole-model offset: group_offset[g] + coff[g] */
     size_t *loc;            /* (G + 1) offset of that chunk in the shard; loc[G] = shard elements */
     fl_group_view *views;   /* (G) */
     void **pbuf, **cbuf;    /* (G) gathered parameters (store dtype) and compute copy (mixed) */
@@ -185,67 +191,81 @@ void fl_fsdp_free(fl_dp *dp) {
         if (f->views && f->views[g].g) fl_mem_free(f->m->pool, f->views[g].g);
     }
     if (f->m && f->m->pp == &f->pp) f->m->pp = NULL;
-    free(f->n), free(f->coff), free(f->clen), free(f->loc), free(f->views), free(f->pbuf), free(f->cbuf);
+    free(f->n), free(f->coff), free(f->clen), free(f->foff), free(f->loc), free(f->views), free(f->pbuf), free(f->cbuf);
     free(f->req), free(f->fresh);
     free(f);
     dp->fsdp = NULL;
 }
 
-fl_status fl_fsdp_init(fl_dp *dp, const fl_run_config *cfg, fl_model *m) {
-    int stage = 0;
-    FL_TRY(fl_cfg_zero_stage(cfg->strategy, cfg->sharding_strategy, &stage));
-    if (!dp->comm || stage != 3 || m->lora) return FL_OK;
-    dp->stage = 3;
-    const char *why = fl_fsdp_refusal(cfg, &m->prec);
-    if (why) return fl_errorf(FL_ERR_UNSUPPORTED, "%s", why);
-    if (m->q4) return fl_errorf(FL_ERR_UNSUPPORTED, "FULL_SHARD of a 4-bit model: QLoRA trains adapters only");
-    /* rank 0's weights everywhere first, as DDP starts: each rank then keeps its pieces of them */
-    void *full = m->params ? (void *)m->params : (void *)m->p16;
-    fl_dtype word = m->store_dtype == FL_F32 ? FL_F32 : FL_BF16;
-    FL_TRY(fl_error_prefix(fl_comm_broadcast(dp->comm, full, m->layout.numel, word, 0),
-                           "FSDP: broadcasting the parameters"));
+/* The model's storage callback (fl_model_storage.shard), run by fl_model_init_ex in place of the
+ * whole parameter buffer: the bookkeeping, this rank's shard (PARAMS) and the provider with its
+ * pieces. The loaders and the random init then fill the shard alone (fl_model_param_piece). */
+static fl_status shard_model(void *ud, void *mp) {
+    fl_dp *dp = ud;
+    fl_model *m = mp;
+    fl_fsdp_free(dp); /* a model created again (a failed load retried) */
     struct fl_fsdp *f = calloc(1, sizeof *f);
     if (!f) return fl_errorf(FL_ERR_OOM, "FSDP bookkeeping: out of host memory");
     dp->fsdp = f;
+    dp->stage = 3;
     f->dp = dp;
     f->m = m;
     f->G = m->layout.n_groups;
     size_t G = (size_t)f->G + 1;
     f->n = calloc(G, sizeof *f->n), f->coff = calloc(G, sizeof *f->coff), f->clen = calloc(G, sizeof *f->clen);
+    f->foff = calloc(G, sizeof *f->foff);
     f->loc = calloc(G, sizeof *f->loc), f->views = calloc(G, sizeof *f->views);
     f->pbuf = calloc(G, sizeof *f->pbuf), f->cbuf = calloc(G, sizeof *f->cbuf), f->req = calloc(G, sizeof *f->req);
     f->fresh = calloc(G, sizeof *f->fresh);
-    if (!f->n || !f->coff || !f->clen || !f->loc || !f->views || !f->pbuf || !f->cbuf || !f->req || !f->fresh) {
+    if (!f->n || !f->coff || !f->clen || !f->foff || !f->loc || !f->views || !f->pbuf || !f->cbuf || !f->req ||
+        !f->fresh) {
         fl_fsdp_free(dp);
         return fl_errorf(FL_ERR_OOM, "FSDP bookkeeping: out of host memory");
     }
     f->es = fl_dtype_size(m->store_dtype);
-    f->ces = m->wcompute ? fl_dtype_size(m->prec.compute_dtype) : 0;
-    f->word = word;
+    f->ces = 0; /* set by fl_fsdp_init once the precision policy is known */
+    f->word = m->store_dtype == FL_F32 ? FL_F32 : FL_BF16;
     for (int g = 0; g < f->G; g++) {
         f->n[g] = m->layout.group_offset[g + 1] - m->layout.group_offset[g];
         fl_comm_chunk(f->n[g], dp->world, dp->rank, &f->coff[g], &f->clen[g]);
+        f->foff[g] = m->layout.group_offset[g] + f->coff[g];
         f->loc[g + 1] = f->loc[g] + f->clen[g];
         f->fresh[g] = 1;
     }
-    /* the shard (PARAMS), then the whole buffer and the whole compute copy go back */
     void *shard = NULL;
     fl_status s = fl_mem_alloc(m->pool, FL_TAG_PARAMS, f->loc[f->G] * f->es, &shard);
     if (s != FL_OK) {
         fl_fsdp_free(dp);
-        return fl_error_prefix(s, "FSDP: allocating this rank's parameter shard");
+        return fl_error_prefix(s, "FSDP: allocating this rank's parameter shard (%zu elements)", f->loc[f->G]);
     }
-    for (int g = 0; g < f->G; g++)
-        memcpy((char *)shard + f->loc[g] * f->es, (char *)full + (m->layout.group_offset[g] + f->coff[g]) * f->es,
-               f->clen[g] * f->es);
-    fl_mem_free(m->pool, full);
-    fl_mem_free(m->pool, m->wcompute);
-    m->wcompute = NULL;
     if (m->store_dtype == FL_F32) m->params = shard;
     else m->p16 = shard;
-    f->pp = (fl_param_provider){f, f->loc[f->G], f->views, pp_gather, pp_release, pp_grads_begin, pp_grads_ready,
-                                pp_zero_grads};
+    f->pp = (fl_param_provider){f,         f->loc[f->G],  f->views, pp_gather, pp_release, pp_grads_begin,
+                                pp_grads_ready, pp_zero_grads, f->foff, f->loc, f->clen};
     m->pp = &f->pp;
+    return FL_OK;
+}
+
+fl_status fl_fsdp_prepare(fl_dp *dp, const fl_run_config *cfg, const fl_precision *prec, fl_model_storage *stg) {
+    int stage = 0;
+    FL_TRY(fl_cfg_zero_stage(cfg->strategy, cfg->sharding_strategy, &stage));
+    if (!dp->comm || dp->world < 2 || stage != 3 || cfg->command == FL_CMD_FINETUNE_LORA) return FL_OK;
+    const char *why = fl_fsdp_refusal(cfg, prec);
+    if (why) return fl_errorf(FL_ERR_UNSUPPORTED, "%s", why);
+    if (stg->quant4) return fl_errorf(FL_ERR_UNSUPPORTED, "FULL_SHARD of a 4-bit model: QLoRA trains adapters only");
+    stg->shard = shard_model;
+    stg->shard_ud = dp;
+    return FL_OK;
+}
+
+fl_status fl_fsdp_init(fl_dp *dp, const fl_run_config *cfg, fl_model *m) {
+    int stage = 0;
+    FL_TRY(fl_cfg_zero_stage(cfg->strategy, cfg->sharding_strategy, &stage));
+    if (!dp->comm || dp->world < 2 || stage != 3 || m->lora) return FL_OK;
+    struct fl_fsdp *f = dp->fsdp;
+    if (!f || m->pp != &f->pp)
+        return fl_errorf(FL_ERR_INTERNAL, "FSDP: the model was not created sharded (fl_fsdp_prepare's storage)");
+    f->ces = m->prec.compute_copy ? fl_dtype_size(m->prec.compute_dtype) : 0; /* mixed: per gathered unit */
     return FL_OK;
 }
 
@@ -253,7 +273,7 @@ int fl_fsdp_ranges(const fl_dp *dp, size_t *flat_off, size_t *shard_off, size_t 
     const struct fl_fsdp *f = dp->fsdp;
     if (!f) return 0;
     for (int g = 0; g < f->G; g++) {
-        if (flat_off) flat_off[g] = f->m->layout.group_offset[g] + f->coff[g];
+        if (flat_off) flat_off[g] = f->foff[g];
         if (shard_off) shard_off[g] = f->loc[g];
         if (len) len[g] = f->clen[g];
     }
@@ -278,17 +298,6 @@ static fl_status gather_whole(fl_dp *dp, const void *shard, size_t es, void *ful
     }
     free(tmp);
     return fl_error_prefix(s, "FSDP: gathering the whole parameters or state");
-}
-
-/* The reverse: this rank's pieces (fl_fsdp_ranges) out of a whole buffer. */
-static fl_status scatter_whole(const fl_dp *dp, const void *full, size_t es, void *shard) {
-    int G = dp->fsdp->G;
-    size_t *r = malloc(3 * ((size_t)G + 1) * sizeof *r);
-    if (!r) return fl_errorf(FL_ERR_OOM, "FSDP: out of host memory");
-    fl_fsdp_ranges(dp, r, r + G, r + 2 * G);
-    for (int g = 0; g < G; g++) memcpy((char *)shard + r[G + g] * es, (const char *)full + r[g] * es, r[2 * G + g] * es);
-    free(r);
-    return FL_OK;
 }
 
 fl_status fl_fsdp_whole_params(fl_dp *dp, void **out, size_t *bytes) {
@@ -379,25 +388,9 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
 }
 
 fl_status fl_fsdp_ckpt_load(fl_dp *dp, const char *dir, fl_model *m, fl_optimizer *o, fl_train_state *st) {
-    struct fl_fsdp *f = dp->fsdp;
-    const size_t n = m->layout.numel;
-    void *params = malloc(n * f->es + 4);
-    if (!params) return fl_errorf(FL_ERR_OOM, "resume: out of host memory staging the parameters");
-    fl_model wm;
-    whole_model(m, params, &wm);
-    fl_optimizer wo;
-    fl_status s = whole_optim(o, n, &wm, &wo);
-    if (s == FL_OK) s = fl_ckpt_load(dir, &wm, &wo, st);
-    if (s == FL_OK) { /* keep this rank's pieces, and the scalars */
-        s = scatter_whole(dp, params, f->es, m->params ? (void *)m->params : (void *)m->p16);
-        size_t ses = state_es(o);
-        if (s == FL_OK && o->m) s = scatter_whole(dp, wo.m, ses, o->m);
-        if (s == FL_OK && o->m) s = scatter_whole(dp, wo.v, ses, o->v);
-        if (s == FL_OK && o->buf) s = scatter_whole(dp, wo.buf, ses, o->buf);
-        o->step = wo.step;
-        o->ls = wo.ls;
-    }
-    whole_optim_free(&wo);
-    free(params);
-    return s;
+    (void)dp;
+    /* the model is sharded (m->pp): fl_ckpt_load reads this rank's pieces of the weights
+     * (fl_hf_load_weights through fl_model_param_piece) and of the optimizer state straight from the
+     * checkpoint's files, no whole staging */
+    return fl_ckpt_load(dir, m, o, st);
 }

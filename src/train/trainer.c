@@ -563,6 +563,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
         CHECK(fl_errorf(FL_ERR_UNSUPPORTED, "data-parallel training on backend '%s' (whose memory the host cannot "
                         "read) needs a device-memory communicator, which this backend does not have; run one rank, or "
                         "--accelerator cpu", t.be.name));
+    CHECK(fl_fsdp_prepare(&t.dp, cfg, &prec, &t.stg)); /* FULL_SHARD: the model is created sharded */
     fl_mem_set_phase(&t.pool, "model load");
     CHECK(load_model_and_tokenizer(&t));
     CHECK(fl_model_set_precision(&t.model, &prec));
@@ -576,8 +577,8 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
         CHECK(fl_trainer_lora_config(cfg, &t.model.cfg, &lc));
         CHECK(fl_model_lora_init(&t.model, &lc, cfg->seed));
     } else {
-        AGREE(); /* FULL_SHARD's set-up is collective: every rank has its model before it starts */
-        CHECK(fl_fsdp_init(&t.dp, cfg, &t.model)); /* FULL_SHARD: keep this rank's shard of the parameters */
+        AGREE(); /* every rank has its model (FULL_SHARD: its shard) before the gradients */
+        CHECK(fl_fsdp_init(&t.dp, cfg, &t.model)); /* FULL_SHARD: the gathered units' compute copy */
         CHECK(fl_model_alloc_grads(&t.model));      /* (sharded: of the gradients) */
     }
     CHECK(fl_dp_optim_init(&t.dp, cfg, &t.opt, &t.model)); /* ZeRO: state for this rank's chunk only */

@@ -52,7 +52,7 @@ fl_status fl_dp_optim_init(fl_dp *dp, const fl_run_config *cfg, fl_optimizer *o,
     FL_TRY(fl_cfg_zero_stage(cfg->strategy, cfg->sharding_strategy, &stage));
     dp->stage = dp->comm ? stage : 0; /* one process: every stage is the plain optimizer */
     /* FULL_SHARD of LoRA: the frozen base stays whole on every rank and the adapters (the trainable
-     * parameters) train as under ZeRO-2 (fl_fsdp_init shards full-model runs only) */
+     * parameters) train as under ZeRO-2 (fl_fsdp_prepare shards full-model runs only) */
     if (dp->stage == 3 && !dp->fsdp) dp->stage = 2;
     dp->dist = (fl_optim_dist){dp->world, dp->rank, dp->stage, dp, dist_sum, dist_gather};
     /* ZeRO-3: the optimizer runs on this rank's shard (m->pp) as on a whole buffer */
