@@ -162,3 +162,79 @@ FL_TEST(lab_ci_suite_verdicts) {
     FL_CHECK(fl_lab_run(&o, NULL, &rep) == FL_ERR_INVALID && strstr(fl_error_message(), "reduced-batch"));
     fl_lab_report_free(&rep);
 }
+
+/* `fitllm lab --suite fsdp`: the GPT-2-XL FSDP batch-size sweep, on three of its rows (1 step each) under a
+ * budget the test derives from the sizing functions alone: the activations of micro batch 8 without
+ * checkpointing (fl_sizing_acts). Micro batch 8 then cannot fit (its ACTS allocation alone is the budget, with
+ * the parameter shards already held), while with activation checkpointing it must, since a checkpointed step
+ * keeps only the block inputs plus one block (fl_sizing_acts_ex). */
+FL_TEST(lab_fsdp_sweep) {
+    fl_lab_report sc;
+    memset(&sc, 0, sizeof sc);
+    FL_REQUIRE_OK(fl_lab_scale(&sc));
+    fl_model_config mc;
+    FL_REQUIRE_OK(fl_preset_find("lab-gpt2-xl", &mc));
+    fl_act_sizes full8, ck8;
+    fl_sizing_acts(&mc, 8, sc.T, &full8);
+    fl_act_opts ao;
+    memset(&ao, 0, sizeof ao);
+    ao.act_ckpt = 1;
+    fl_sizing_acts_ex(&mc, 8, sc.T, &ao, &ck8);
+    FL_REQUIRE(ck8.acts_bytes * 4 < full8.acts_bytes);
+    fl_lab_opts o;
+    fl_lab_opts_default(&o);
+    o.suite = "fsdp";
+    o.only = "b2,b8,b8-ckpt";
+    o.steps = 1;
+    o.threads = 2;
+    o.budget = full8.acts_bytes;
+    fl_lab_report rep;
+    FL_REQUIRE_OK(fl_lab_run(&o, NULL, &rep));
+    FL_REQUIRE(rep.n == 3 && rep.n_errors == 0 && rep.sweep && rep.budget == full8.acts_bytes);
+    const fl_lab_row *b2 = row(&rep, "b2"), *b8 = row(&rep, "b8"), *b8c = row(&rep, "b8-ckpt");
+    FL_REQUIRE(b2 && b8 && b8c);
+    FL_CHECKF(b8->verdict == FL_LAB_OOM && b8->planned == FL_PLAN_OOM, "b8: %s, planned %d",
+              fl_lab_verdict_name(b8->verdict), b8->planned);
+    FL_CHECKF(b2->verdict == FL_LAB_FITS && b8c->verdict == FL_LAB_FITS, "b2 %s, b8-ckpt %s",
+              fl_lab_verdict_name(b2->verdict), fl_lab_verdict_name(b8c->verdict));
+    FL_CHECKF(b8c->peak[FL_TAG_ACTS] == ck8.acts_bytes, "b8-ckpt ACTS %zu, sized %zu", b8c->peak[FL_TAG_ACTS],
+              ck8.acts_bytes);
+    FL_CHECK(b8c->peak_total <= rep.budget && b8c->ranks == 4 && b8c->act_ckpt && !b8->act_ckpt);
+    /* the largest micro batch that fits, per setting: 2 without checkpointing (8 OOM), 8 with */
+    FL_CHECK(b2->largest && !b8->largest && b8c->largest);
+    for (int i = 0; i < rep.n; i++) {
+        const fl_lab_row *r = &rep.rows[i];
+        FL_CHECKF((r->planned == FL_PLAN_OOM) == (r->verdict == FL_LAB_OOM) && r->verdict == r->expected,
+                  "%s: planned %d", r->name, r->planned);
+        if (r->verdict != FL_LAB_FITS) continue;
+        FL_CHECKF(r->planned_peak == r->peak_total, "%s: planned %zu measured %zu", r->name, r->planned_peak,
+                  r->peak_total);
+        /* model FLOPs of the global batch (4 ranks x micro batch) per second */
+        double want = fl_model_train_flops(&mc, r->B, sc.T) * 4 / (r->step_ms / 1e3) / 1e12;
+        FL_CHECKF(r->tflops > 0 && fabs(r->tflops / want - 1) < 1e-9, "%s: %g TFLOP/s, want %g", r->name, r->tflops,
+                  want);
+    }
+    char dir[600], p[700];
+    snprintf(dir, sizeof dir, "%s/lab-fsdp", fl_test_tmpdir());
+    FL_REQUIRE_OK(fl_lab_write(&rep, dir, NULL));
+    snprintf(p, sizeof p, "%s/report.md", dir);
+    FILE *f = fopen(p, "r");
+    FL_REQUIRE(f != NULL);
+    char line[4096];
+    int bold = 0;
+    while (fgets(line, sizeof line, f)) bold += !strncmp(line, "| **2** |", 9) || !strncmp(line, "| **8** |", 9);
+    fclose(f);
+    FL_CHECK(bold == 2);
+    fl_lab_report_free(&rep);
+    /* each setting stops at the first micro batch the plan says OOM: under the whole fp32 model's bytes even
+     * the load cannot keep its shard, so the sweep is b1 (OOM), b1-ckpt (OOM) and nothing fits */
+    o.only = NULL;
+    o.budget = (size_t)fl_sizing_param_count(&mc) * 4;
+    FL_REQUIRE_OK(fl_lab_run(&o, NULL, &rep));
+    FL_CHECKF(rep.n == 2 && rep.n_errors == 0, "%d rows", rep.n);
+    for (int i = 0; i < rep.n; i++)
+        FL_CHECKF(rep.rows[i].B == 1 && rep.rows[i].verdict == FL_LAB_OOM && rep.rows[i].planned == FL_PLAN_OOM &&
+                      !rep.rows[i].largest,
+                  "%s: %s", rep.rows[i].name, fl_lab_verdict_name(rep.rows[i].verdict));
+    fl_lab_report_free(&rep);
+}

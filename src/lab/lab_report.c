@@ -404,7 +404,7 @@ static int write_charts(const fl_lab_report *rep, const char *dir, char *why, si
     if (n_blocks) {
         fprintf(f, "reset\nset terminal pngcairo size 1280,640 font 'sans,10'\nset output 'sweep.png'\n"
                    "set title 'GPT-2-XL (lab-gpt2-xl) 4x FSDP FULL_SHARD: memory per rank and throughput vs micro "
-                   "batch (OOM points: planned need)'\n"
+                   "batch (OOM points: planned need)' noenhanced\n"
                    "set datafile missing '?'\nset logscale x 2\nset xlabel 'micro batch per rank'\n"
                    "set ylabel 'peak MiB per rank'\nset y2label 'tokens/s (global batch)'\nset ytics nomirror\n"
                    "set y2tics\nset grid\nset key outside right top\nset yrange [0:*]\nset y2range [0:*]\n"
