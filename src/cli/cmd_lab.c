@@ -21,7 +21,7 @@ static void help(void) {
            "                    fsdp: the course's GPT-2-XL FSDP benchmark at lab scale (lab-gpt2-xl, 4 ranks\n"
            "                    FULL_SHARD): micro batch 1, 2, 4, ... with and without activation checkpointing,\n"
            "                    each up to the first the plan says OOM; per-rank memory, iteration time, tok/s,\n"
-           "                    model TFLOP/s, the largest batch that fits marked; 3 steps each (a few minutes)\n"
+           "                    model TFLOP/s, the largest batch that fits marked; 2 steps each (a few minutes)\n"
            "  --only LIST       (default: the whole suite)  comma-separated experiment names:\n                   ");
     const char *const *n = fl_lab_experiments("quick");
     for (int i = 0; n[i]; i++) printf(" %s", n[i]);

@@ -475,7 +475,7 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
     snprintf(rep->suite, sizeof rep->suite, "%s", o->suite ? o->suite : "quick");
     FL_TRY(fl_lab_scale(rep));
     if (o->budget) rep->budget = o->budget;
-    long steps = o->steps > 0 ? o->steps : bit == SUITE_FULL ? 20 : bit == SUITE_CI ? 2 : bit == SUITE_FSDP ? 3 : 4;
+    long steps = o->steps > 0 ? o->steps : bit == SUITE_FULL ? 20 : bit == SUITE_CI ? 2 : bit == SUITE_FSDP ? 2 : 4;
     rep->sweep = bit == SUITE_FSDP;
     rep->threads = o->threads;
     char tmp[FL_CFG_PATH];

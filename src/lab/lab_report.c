@@ -517,7 +517,8 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
                    "Memory per rank (rank 0) in MiB; OOM rows: what was live at the failure, the planned column what "
                    "the run would need. Iteration = one optimizer step of the global batch (micro batch x 4 ranks); "
                    "TFLOP/s = model FLOPs (6 x parameters per token + attention, no recompute) / iteration time. "
-                   "**Bold**: the largest micro batch that fits.\n\n",
+                   "**Bold**: the largest micro batch that fits. The sweep has no lab verdict to match: the Results "
+                   "table's \"as in the lab\" compares the run with the plan's verdict.\n\n",
                 fl_fmt_bytes(rep->budget, a, sizeof a));
         for (int ck = 0; ck < 2; ck++) {
             fprintf(f, "### Activation checkpointing %s\n\n| micro batch | verdict | planned | PARAMS | GRADS | OPTIM | "
