@@ -163,9 +163,9 @@ FL_TEST(lab_ci_suite_verdicts) {
     fl_lab_report_free(&rep);
 }
 
-/* `fitllm lab --suite fsdp`: the GPT-2-XL FSDP batch-size sweep, on three of its rows (1 step each) under a
- * budget the test derives from the sizing functions alone: the activations of micro batch 8 without
- * checkpointing (fl_sizing_acts). Micro batch 8 then cannot fit (its ACTS allocation alone is the budget, with
+/* `fitllm lab --suite fsdp`: the GPT-2-XL FSDP batch-size sweep, on four of its rows (1 step each) under a
+ * budget the test derives from the sizing functions alone: the activations of micro batch 4 without
+ * checkpointing (fl_sizing_acts). Micro batch 4 then cannot fit (its ACTS allocation alone is the budget, with
  * the parameter shards already held), while with activation checkpointing it must, since a checkpointed step
  * keeps only the block inputs plus one block (fl_sizing_acts_ex). */
 FL_TEST(lab_fsdp_sweep) {
@@ -177,34 +177,34 @@ FL_TEST(lab_fsdp_sweep) {
     FL_REQUIRE_OK(fl_lab_scale(&sc));
     fl_model_config mc;
     FL_REQUIRE_OK(fl_preset_find("lab-gpt2-xl", &mc));
-    fl_act_sizes full8, ck8;
-    fl_sizing_acts(&mc, 8, sc.T, &full8);
+    fl_act_sizes full4, ck4;
+    fl_sizing_acts(&mc, 4, sc.T, &full4);
     fl_act_opts ao;
     memset(&ao, 0, sizeof ao);
     ao.act_ckpt = 1;
-    fl_sizing_acts_ex(&mc, 8, sc.T, &ao, &ck8);
-    FL_REQUIRE(ck8.acts_bytes * 4 < full8.acts_bytes);
+    fl_sizing_acts_ex(&mc, 4, sc.T, &ao, &ck4);
+    FL_REQUIRE(ck4.acts_bytes * 4 < full4.acts_bytes);
     fl_lab_opts o;
     fl_lab_opts_default(&o);
     o.suite = "fsdp";
-    o.only = "b2,b8,b8-ckpt";
+    o.only = "b1,b4,b1-ckpt,b4-ckpt";
     o.steps = 1;
     o.threads = 2;
-    o.budget = full8.acts_bytes;
+    o.budget = full4.acts_bytes;
     fl_lab_report rep;
     FL_REQUIRE_OK(fl_lab_run(&o, NULL, &rep));
-    FL_REQUIRE(rep.n == 3 && rep.n_errors == 0 && rep.sweep && rep.budget == full8.acts_bytes);
-    const fl_lab_row *b2 = row(&rep, "b2"), *b8 = row(&rep, "b8"), *b8c = row(&rep, "b8-ckpt");
-    FL_REQUIRE(b2 && b8 && b8c);
-    FL_CHECKF(b8->verdict == FL_LAB_OOM && b8->planned == FL_PLAN_OOM, "b8: %s, planned %d",
-              fl_lab_verdict_name(b8->verdict), b8->planned);
-    FL_CHECKF(b2->verdict == FL_LAB_FITS && b8c->verdict == FL_LAB_FITS, "b2 %s, b8-ckpt %s",
-              fl_lab_verdict_name(b2->verdict), fl_lab_verdict_name(b8c->verdict));
-    FL_CHECKF(b8c->peak[FL_TAG_ACTS] == ck8.acts_bytes, "b8-ckpt ACTS %zu, sized %zu", b8c->peak[FL_TAG_ACTS],
-              ck8.acts_bytes);
-    FL_CHECK(b8c->peak_total <= rep.budget && b8c->ranks == 4 && b8c->act_ckpt && !b8->act_ckpt);
-    /* the largest micro batch that fits, per setting: 2 without checkpointing (8 OOM), 8 with */
-    FL_CHECK(b2->largest && !b8->largest && b8c->largest);
+    FL_REQUIRE(rep.n == 4 && rep.n_errors == 0 && rep.sweep && rep.budget == full4.acts_bytes);
+    const fl_lab_row *b1 = row(&rep, "b1"), *b4 = row(&rep, "b4"), *b4c = row(&rep, "b4-ckpt"), *b1c = row(&rep, "b1-ckpt");
+    FL_REQUIRE(b1 && b4 && b4c && b1c);
+    FL_CHECKF(b4->verdict == FL_LAB_OOM && b4->planned == FL_PLAN_OOM, "b4: %s, planned %d",
+              fl_lab_verdict_name(b4->verdict), b4->planned);
+    FL_CHECKF(b1->verdict == FL_LAB_FITS && b4c->verdict == FL_LAB_FITS, "b1 %s, b4-ckpt %s",
+              fl_lab_verdict_name(b1->verdict), fl_lab_verdict_name(b4c->verdict));
+    FL_CHECKF(b4c->peak[FL_TAG_ACTS] == ck4.acts_bytes, "b4-ckpt ACTS %zu, sized %zu", b4c->peak[FL_TAG_ACTS],
+              ck4.acts_bytes);
+    FL_CHECK(b4c->peak_total <= rep.budget && b4c->ranks == 4 && b4c->act_ckpt && !b4->act_ckpt);
+    /* the largest micro batch that fits, per setting: 1 without checkpointing (4 OOM), 4 with */
+    FL_CHECK(b1->largest && !b4->largest && b4c->largest && !b1c->largest && b1c->verdict == FL_LAB_FITS);
     for (int i = 0; i < rep.n; i++) {
         const fl_lab_row *r = &rep.rows[i];
         FL_CHECKF((r->planned == FL_PLAN_OOM) == (r->verdict == FL_LAB_OOM) && r->verdict == r->expected,
@@ -225,7 +225,7 @@ FL_TEST(lab_fsdp_sweep) {
     FL_REQUIRE(f != NULL);
     char line[4096];
     int bold = 0;
-    while (fgets(line, sizeof line, f)) bold += !strncmp(line, "| **2** |", 9) || !strncmp(line, "| **8** |", 9);
+    while (fgets(line, sizeof line, f)) bold += !strncmp(line, "| **1** |", 9) || !strncmp(line, "| **4** |", 9);
     fclose(f);
     FL_CHECK(bold == 2);
     fl_lab_report_free(&rep);
