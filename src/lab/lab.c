@@ -91,7 +91,6 @@ static int suite_bit(const char *s) {
  * 4 ranks FULL_SHARD on lab-gpt2-xl (gpt2-xl / 16), micro batch 1, 2, 4, ... with and without
  * activation checkpointing; each setting stops at the first batch the planner says OOM (that row
  * runs too: its OOM is a result). The rows are named b<B> and b<B>-ckpt. */
-#define SWEEP_MAX_B 256
 #define SWEEP_N 18 /* 2 x (1, 2, 4, ..., 256) */
 
 static const char *sweep_name(int i) {
