@@ -238,7 +238,7 @@ else echo "FAIL ft_oom_at_eval_no_final"; ls -R "$T/oom2" 2>&1 | head | sed 's/^
 expect plan_predicts_eval_oom 3 "OUT OF MEMORY during validation \(eval_generate\)" -- "$FITLLM" plan micro "${TR[@]}" --eval.max_new_tokens 8 --max-memory "$need"
 
 # ---- fitllm lab: the quick suite (make demo) with its verdicts, files and charts ----
-expect lab_bad_suite 2 "not quick, full or ci" -- "$FITLLM" lab --suite huge
+expect lab_bad_suite 2 "not quick, full, ci or fsdp" -- "$FITLLM" lab --suite huge
 expect lab_bad_only 2 "unknown experiment" -- "$FITLLM" lab --only nope --out_dir "$T/lab0"
 t0=$(date +%s)
 expect lab_quick 0 "wrote" -- "$FITLLM" lab --suite quick --out_dir "$T/lab"
@@ -247,7 +247,8 @@ if [ -f "$T/lab/results.csv" ]; then
     v() { awk -F, -v n="$1" '$1 == n { print $10 }' "$T/lab/results.csv"; }
     ok=1
     for pair in baseline:OOM reduced-batch:fits grad-accum:fits grad-accum-lr:fits larger-model:fits even-larger:OOM \
-                even-larger-b1:OOM sgd:fits adam8bit:fits act-ckpt:fits bf16-mixed:fits lora:fits bf16-true:fits qlora:fits ddp:fits fsdp:fits; do
+                even-larger-b1:OOM sgd:fits adam8bit:fits act-ckpt:fits bf16-mixed:fits lora:fits bf16-true:fits qlora:fits ddp:fits fsdp:fits \
+                fsdp-larger-batch:fits; do
         got=$(v "${pair%%:*}"); [ "$got" = "${pair#*:}" ] || { echo "     ${pair%%:*}: $got, want ${pair#*:}"; ok=0; }
     done
     grep -q "NO" <(awk -F, 'NR > 1 { print $12 }' "$T/lab/results.csv") && { echo "     a verdict differs from the lab's"; ok=0; }
@@ -262,6 +263,13 @@ if [ -f "$T/lab/results.csv" ]; then
     # the report shows reserved vs live per phase and time per sample with the reason a row costs more
     expect lab_report_live_and_per_sample 0 "" -- bash -c "grep -q 'Reserved and live memory per phase' '$T/lab/report.md' && grep -q 'ms/sample' '$T/lab/report.md' && grep -q 'recomputes every block' '$T/lab/report.md' && grep -q 'after_fwd,live' '$T/lab/phases.csv'"
 fi
+
+# fitllm lab --suite fsdp (the GPT-2-XL FSDP batch-size sweep; the whole sweep takes minutes, the library test
+# runs three rows): one row per setting through the CLI, its sweep tables and chart data; a batch name of another
+# suite is a usage error
+expect lab_fsdp_bad_only 2 "unknown experiment 'sgd' in suite fsdp" -- "$FITLLM" lab --suite fsdp --only sgd --out_dir "$T/labf0"
+expect lab_fsdp_rows 0 "batch-size sweep, activation checkpointing on" -- "$FITLLM" lab --suite fsdp --only b1,b1-ckpt --steps 1 --out_dir "$T/labf"
+expect lab_fsdp_report 0 "" -- bash -c "grep -q '^## Batch-size sweep' '$T/labf/report.md' && grep -q '^| \*\*1\*\* | fits | fits |' '$T/labf/report.md' && test -s '$T/labf/sweep.dat' && grep -q \"'sweep.png'\" '$T/labf/charts.gp'"
 
 # PEFT LoRA adapters: merge_lora writes a merged HF folder; generate --adapter merges in memory
 expect merge_lora_ok 0 "merged" -- "$FITLLM" merge_lora tests/fixtures/peft-llama --base tests/fixtures/golden-llama --out_dir "$T/merged"

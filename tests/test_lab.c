@@ -162,3 +162,103 @@ FL_TEST(lab_ci_suite_verdicts) {
     FL_CHECK(fl_lab_run(&o, NULL, &rep) == FL_ERR_INVALID && strstr(fl_error_message(), "reduced-batch"));
     fl_lab_report_free(&rep);
 }
+
+/* `fitllm lab --suite fsdp`: the GPT-2-XL FSDP batch-size sweep, on four of its rows (1 step each) under a
+ * budget the test derives from the sizing functions alone: the activations of micro batch 4 without
+ * checkpointing (fl_sizing_acts). Micro batch 4 then cannot fit (its ACTS allocation alone is the budget, with
+ * the parameter shards already held), while with activation checkpointing it must, since a checkpointed step
+ * keeps only the block inputs plus one block (fl_sizing_acts_ex). */
+FL_TEST(lab_fsdp_sweep) {
+#if defined(__SANITIZE_ADDRESS__)
+    fl_test_skip("the release pass runs it (make test time; lab_fsdp_sweep_stops runs the sweep's code under ASan)");
+#else
+    fl_lab_report sc;
+    memset(&sc, 0, sizeof sc);
+    FL_REQUIRE_OK(fl_lab_scale(&sc));
+    fl_model_config mc;
+    FL_REQUIRE_OK(fl_preset_find("lab-gpt2-xl", &mc));
+    fl_act_sizes full4, ck4;
+    fl_sizing_acts(&mc, 4, sc.T, &full4);
+    fl_act_opts ao;
+    memset(&ao, 0, sizeof ao);
+    ao.act_ckpt = 1;
+    fl_sizing_acts_ex(&mc, 4, sc.T, &ao, &ck4);
+    FL_REQUIRE(ck4.acts_bytes * 4 < full4.acts_bytes);
+    fl_lab_opts o;
+    fl_lab_opts_default(&o);
+    o.suite = "fsdp";
+    o.only = "b1,b4,b1-ckpt,b4-ckpt";
+    o.steps = 1;
+    o.threads = 2;
+    o.budget = full4.acts_bytes;
+    fl_lab_report rep;
+    FL_REQUIRE_OK(fl_lab_run(&o, NULL, &rep));
+    FL_REQUIRE(rep.n == 4 && rep.n_errors == 0 && rep.sweep && rep.budget == full4.acts_bytes);
+    const fl_lab_row *b1 = row(&rep, "b1"), *b4 = row(&rep, "b4"), *b4c = row(&rep, "b4-ckpt"), *b1c = row(&rep, "b1-ckpt");
+    FL_REQUIRE(b1 && b4 && b4c && b1c);
+    FL_CHECKF(b4->verdict == FL_LAB_OOM && b4->planned == FL_PLAN_OOM, "b4: %s, planned %d",
+              fl_lab_verdict_name(b4->verdict), b4->planned);
+    FL_CHECKF(b1->verdict == FL_LAB_FITS && b4c->verdict == FL_LAB_FITS, "b1 %s, b4-ckpt %s",
+              fl_lab_verdict_name(b1->verdict), fl_lab_verdict_name(b4c->verdict));
+    FL_CHECKF(b4c->peak[FL_TAG_ACTS] == ck4.acts_bytes, "b4-ckpt ACTS %zu, sized %zu", b4c->peak[FL_TAG_ACTS],
+              ck4.acts_bytes);
+    FL_CHECK(b4c->peak_total <= rep.budget && b4c->ranks == 4 && b4c->act_ckpt && !b4->act_ckpt);
+    /* the largest micro batch that fits, per setting: 1 without checkpointing (4 OOM), 4 with */
+    FL_CHECK(b1->largest && !b4->largest && b4c->largest && !b1c->largest && b1c->verdict == FL_LAB_FITS);
+    for (int i = 0; i < rep.n; i++) {
+        const fl_lab_row *r = &rep.rows[i];
+        FL_CHECKF((r->planned == FL_PLAN_OOM) == (r->verdict == FL_LAB_OOM) && r->verdict == r->expected,
+                  "%s: planned %d", r->name, r->planned);
+        if (r->verdict != FL_LAB_FITS) continue;
+        FL_CHECKF(r->planned_peak == r->peak_total, "%s: planned %zu measured %zu", r->name, r->planned_peak,
+                  r->peak_total);
+        /* model FLOPs of the global batch (4 ranks x micro batch) per second */
+        double want = fl_model_train_flops(&mc, r->B, sc.T) * 4 / (r->step_ms / 1e3) / 1e12;
+        FL_CHECKF(r->tflops > 0 && fabs(r->tflops / want - 1) < 1e-9, "%s: %g TFLOP/s, want %g", r->name, r->tflops,
+                  want);
+    }
+    char dir[600], p[700];
+    snprintf(dir, sizeof dir, "%s/lab-fsdp", fl_test_tmpdir());
+    FL_REQUIRE_OK(fl_lab_write(&rep, dir, NULL));
+    snprintf(p, sizeof p, "%s/report.md", dir);
+    FILE *f = fopen(p, "r");
+    FL_REQUIRE(f != NULL);
+    char line[4096];
+    int bold = 0;
+    while (fgets(line, sizeof line, f)) bold += !strncmp(line, "| **1** |", 9) || !strncmp(line, "| **4** |", 9);
+    fclose(f);
+    FL_CHECK(bold == 2);
+    fl_lab_report_free(&rep);
+#endif
+}
+
+/* Each setting of the sweep stops at the first micro batch the plan says OOM: under the whole fp32 model's
+ * bytes even the load cannot keep its shard, so the sweep is b1 (OOM), b1-ckpt (OOM) and nothing fits. */
+FL_TEST(lab_fsdp_sweep_stops) {
+    fl_model_config mc;
+    FL_REQUIRE_OK(fl_preset_find("lab-gpt2-xl", &mc));
+    fl_lab_opts o;
+    fl_lab_opts_default(&o);
+    o.suite = "fsdp";
+    o.steps = 1;
+    o.threads = 2;
+    o.budget = (size_t)fl_sizing_param_count(&mc) * 4;
+    fl_lab_report rep;
+    FL_REQUIRE_OK(fl_lab_run(&o, NULL, &rep));
+    FL_CHECKF(rep.n == 2 && rep.n_errors == 0, "%d rows", rep.n);
+    for (int i = 0; i < rep.n; i++)
+        FL_CHECKF(rep.rows[i].B == 1 && rep.rows[i].verdict == FL_LAB_OOM && rep.rows[i].planned == FL_PLAN_OOM &&
+                      !rep.rows[i].largest,
+                  "%s: %s", rep.rows[i].name, fl_lab_verdict_name(rep.rows[i].verdict));
+    char dir[600], p[700];
+    snprintf(dir, sizeof dir, "%s/lab-fsdp-oom", fl_test_tmpdir());
+    FL_REQUIRE_OK(fl_lab_write(&rep, dir, NULL));
+    snprintf(p, sizeof p, "%s/sweep.dat", dir);
+    struct stat st;
+    FL_CHECK(stat(p, &st) == 0 && st.st_size > 0);
+    fl_lab_report_free(&rep);
+    /* a name of another suite is refused, naming the sweep's */
+    o.only = "sgd";
+    FL_CHECK(fl_lab_run(&o, NULL, &rep) == FL_ERR_INVALID && strstr(fl_error_message(), "b1-ckpt"));
+    fl_lab_report_free(&rep);
+}

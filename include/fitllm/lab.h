@@ -41,11 +41,15 @@ typedef enum { FL_LAB_FITS = 0, FL_LAB_OOM, FL_LAB_NA, FL_LAB_ERROR, FL_LAB_VERD
 const char *fl_lab_verdict_name(fl_lab_verdict v); /* "fits", "OOM", "n/a", "error" */
 
 typedef struct {
-    const char *suite;     /* "quick" (default), "full" or "ci" (the unit tests' subset) */
-    const char *only;      /* comma-separated experiment names, NULL = all of the suite */
+    const char *suite;     /* "quick" (default), "full", "ci" (the unit tests' subset) or "fsdp" (the batch-size
+                            * sweep of the course's GPT-2-XL FSDP benchmark on lab-gpt2-xl, 4 ranks FULL_SHARD) */
+    const char *only;      /* comma-separated experiment names, NULL = all of the suite (fsdp: b<B> and
+                            * b<B>-ckpt, B a power of two <= 256) */
     int threads;           /* 0 = all cores */
     int steps;             /* optimizer steps per runnable experiment; 0 = the suite's */
     const char *run_dir;   /* where the runs' out_dirs go (logs); NULL = a temporary folder, removed */
+    size_t budget;         /* per-device budget in bytes; 0 = the scaled one (fl_lab_scale); the tests set a
+                            * smaller one to reach the OOM at a small micro batch */
 } fl_lab_opts;
 
 void fl_lab_opts_default(fl_lab_opts *o);
@@ -85,6 +89,9 @@ typedef struct {
     int ranks;                 /* data-parallel rows (ddp, fsdp): ranks run as threads of this process, each with
                                 * its own pool and budget; memory and phases are rank 0's, tok/s the global
                                 * batch's; 1 otherwise */
+    double tflops;             /* model FLOP/s of the step (fl_model_train_flops: 6 N per token + attention, no
+                                * recompute) in TFLOP/s, runs that fit */
+    int largest;               /* fsdp sweep: 1 on the largest micro batch that fits for its checkpointing setting */
 } fl_lab_row;
 
 typedef struct {
@@ -99,6 +106,7 @@ typedef struct {
     double wall_s;
     int threads;
     int n_errors;
+    int sweep;                 /* 1: the fsdp suite (report.md gets the sweep tables, sweep.png) */
 } fl_lab_report;
 
 /* The scaling alone (budget, T, ratios), without running anything. */
@@ -115,7 +123,8 @@ void fl_lab_print_table(const fl_lab_report *rep, FILE *f);
  * its files relative to dir (re-run it with `cd dir && gnuplot charts.gp`). *charts_out = 1 when the PNGs were drawn;
  * a missing gnuplot is noted in report.md, not an error. */
 fl_status fl_lab_write(const fl_lab_report *rep, const char *dir, int *charts_out);
-/* Names of the experiments of a suite ("quick", "full", "ci"), NULL-terminated; NULL if no such suite. */
+/* Names of the experiments of a suite ("quick", "full", "ci", "fsdp": its candidate rows b1..b256,
+ * b1-ckpt..b256-ckpt, run up to the first the plan says OOM), NULL-terminated; NULL if no such suite. */
 const char *const *fl_lab_experiments(const char *suite);
 
 #ifdef __cplusplus

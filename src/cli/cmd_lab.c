@@ -9,19 +9,23 @@
 #include "fitllm/lab.h"
 
 static void help(void) {
-    printf("usage: fitllm lab [--suite quick|full] [--only name,name] [--out_dir DIR] [--threads N] [--steps N]\n"
+    printf("usage: fitllm lab [--suite quick|full|fsdp] [--only name,name] [--out_dir DIR] [--threads N] [--steps N]\n"
            "                  [--keep-runs]\n\n"
            "Runs the memory lab's sequence of experiments (baseline, reduced batch, gradient accumulation, LR\n"
            "scaling, bf16-true, bf16-mixed, larger models, SGD, 8-bit Adam, activation checkpointing, CPU offload,\n"
-           "LoRA, QLoRA, DDP, FSDP) on the lab's models scaled to this machine (lab-* presets) with a memory budget\n"
+           "LoRA, QLoRA, DDP, FSDP, FSDP with a larger batch) on the lab's models scaled to this machine (lab-* presets) with a memory budget\n"
            "scaled as an 80 GB GPU relates to TinyLlama-1.1B; prints a table and writes report.md, results.csv,\n"
            "results.json and PNG charts (gnuplot, optional). Rows for techniques this build lacks say n/a.\n\n"
            "  --suite NAME      (default quick)  quick: every experiment, 4 steps each (under a minute on 2 idle cores);\n"
-           "                    full: 20 steps each; ci: the 5 rows the unit tests assert, 2 steps\n"
+           "                    full: 20 steps each; ci: the rows the unit tests assert, 2 steps;\n"
+           "                    fsdp: the course's GPT-2-XL FSDP benchmark at lab scale (lab-gpt2-xl, 4 ranks\n"
+           "                    FULL_SHARD): micro batch 1, 2, 4, ... with and without activation checkpointing,\n"
+           "                    each up to the first the plan says OOM; per-rank memory, iteration time, tok/s,\n"
+           "                    model TFLOP/s, the largest batch that fits marked; 2 steps each (a few minutes)\n"
            "  --only LIST       (default: the whole suite)  comma-separated experiment names:\n                   ");
     const char *const *n = fl_lab_experiments("quick");
     for (int i = 0; n[i]; i++) printf(" %s", n[i]);
-    printf("\n"
+    printf("\n                    fsdp suite: b1 b2 b4 ... b256, b1-ckpt ... b256-ckpt\n"
            "  --out_dir DIR     (default lab)  where the report, CSV, JSON and charts go\n"
            "  --threads N       (default 0 = all cores)  CPU threads\n"
            "  --accelerator A   (default auto)  auto|cpu|cuda; auto: the GPU when this build has CUDA and one\n"
@@ -41,7 +45,7 @@ int fl_cmd_lab(int argc, char **argv) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) { help(); return 0; }
         else if (!strcmp(a, "--suite")) {
-            if (!v || !fl_lab_experiments(v)) return fl_cli_usage(cmd, "--suite: '%s' is not quick, full or ci", v ? v : "");
+            if (!v || !fl_lab_experiments(v)) return fl_cli_usage(cmd, "--suite: '%s' is not quick, full, ci or fsdp", v ? v : "");
             o.suite = v;
             i++;
         } else if (!strcmp(a, "--only")) {

@@ -30,6 +30,7 @@
 #define SUITE_QUICK 1
 #define SUITE_FULL 2
 #define SUITE_CI 4
+#define SUITE_FSDP 8 /* the batch-size sweep: its rows are generated (sweep_exp), not in k_exps */
 
 static const lab_exp k_exps[] = {
     {"baseline", "full fine-tune, fp32, batch 32", "OOM", "tinyllama-1.1b", "lab-1b", 32, 32, 1, "32-true",
@@ -66,6 +67,9 @@ static const lab_exp k_exps[] = {
      0, "ddp", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL | SUITE_CI},
     {"fsdp", "4x FSDP", "memory per device about halves", "open-llama-7b", "lab-7b", 1, 4, 1, "32-true", FL_OPT_ADAMW,
      0, "fsdp", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL | SUITE_CI},
+    /* micro batch 0: the largest power of two the planner fits per rank (pick_batch) */
+    {"fsdp-larger-batch", "4x FSDP, larger micro batch", "fits: the shards leave room for activations",
+     "open-llama-7b", "lab-7b", 0, 0, 1, "32-true", FL_OPT_ADAMW, 0, "fsdp", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL},
 };
 #define N_EXPS (int)(sizeof k_exps / sizeof k_exps[0])
 
@@ -79,13 +83,39 @@ static int suite_bit(const char *s) {
     if (!s || !strcmp(s, "quick")) return SUITE_QUICK;
     if (!strcmp(s, "full")) return SUITE_FULL;
     if (!strcmp(s, "ci")) return SUITE_CI;
+    if (!strcmp(s, "fsdp")) return SUITE_FSDP;
     return 0;
+}
+
+/* ---- the fsdp suite: the course's GPT-2-XL FSDP benchmark at lab scale ----------------------
+ * 4 ranks FULL_SHARD on lab-gpt2-xl (gpt2-xl / 16), micro batch 1, 2, 4, ... with and without
+ * activation checkpointing; each setting stops at the first batch the planner says OOM (that row
+ * runs too: its OOM is a result). The rows are named b<B> and b<B>-ckpt. */
+#define SWEEP_N 18 /* 2 x (1, 2, 4, ..., 256) */
+
+static const char *sweep_name(int i) {
+    static char names[SWEEP_N][16];
+    int B = 1 << (i % (SWEEP_N / 2)), ck = i >= SWEEP_N / 2;
+    snprintf(names[i], sizeof names[i], "b%d%s", B, ck ? "-ckpt" : "");
+    return names[i];
+}
+
+static lab_exp sweep_exp(int B, int ck, const char *name) {
+    lab_exp e = {name, "GPT-2-XL, 4x FSDP FULL_SHARD", "the plan's verdict", "gpt2-xl", "lab-gpt2-xl", B, 4 * B, 1,
+                 "32-true", FL_OPT_ADAMW, ck, "fsdp", FL_LAB_FITS, SUITE_FSDP};
+    return e;
 }
 
 const char *const *fl_lab_experiments(const char *suite) {
     static const char *names[3][N_EXPS + 1];
+    static const char *sweep[SWEEP_N + 1];
     int bit = suite_bit(suite), idx = bit == SUITE_QUICK ? 0 : bit == SUITE_FULL ? 1 : 2;
     if (!bit) return NULL;
+    if (bit == SUITE_FSDP) {
+        for (int i = 0; i < SWEEP_N; i++) sweep[i] = sweep_name(i);
+        sweep[SWEEP_N] = NULL;
+        return sweep;
+    }
     int n = 0;
     for (int i = 0; i < N_EXPS; i++)
         if (k_exps[i].suites & bit) names[idx][n++] = k_exps[i].name;
@@ -263,6 +293,10 @@ static fl_status train_row(const fl_run_config *c, int ranks, step_log *log, fl_
     for (int r = 0; r < ranks; r++) x->log[r] = *log;
     fl_status s = fl_comm_threads_run(ranks, rank_main, x);
     int pick = 0;
+    /* a rank out of memory makes its peers fail in their next collective (an IO error naming it):
+     * the row's verdict is the OOM */
+    for (int r = 0; r < ranks && s != FL_OK; r++)
+        if (x->st[r] == FL_ERR_OOM) { s = FL_ERR_OOM; break; }
     for (int r = 0; r < ranks && s != FL_OK; r++)
         if (x->st[r] == s) { pick = r; break; }
     *log = x->log[pick];
@@ -271,9 +305,30 @@ static fl_status train_row(const fl_run_config *c, int ranks, step_log *log, fl_
     return s;
 }
 
-static void run_row(const lab_exp *e, const fl_lab_report *rep, long steps, const char *run_dir, int threads,
+/* "FSDP with larger batch": the largest power-of-two micro batch (<= 64) the planner fits per rank
+ * at lab scale, with the per-device budget (1 if none: the row then shows the OOM). */
+static int pick_batch(const lab_exp *e, const fl_lab_report *rep, long steps, const char *out, int threads,
+                      fl_run_config *c, fl_plan *p) {
+    int best = 1;
+    for (int B = 1; B <= 64; B *= 2) {
+        lab_exp x = *e;
+        x.B = B;
+        x.global = B * exp_ranks(e);
+        apply_row(c, &x, x.lab_model, rep->T, steps, rep->budget, out, threads);
+        fl_plan_verdict v;
+        size_t peak;
+        plan_row(c, p, &v, &peak);
+        if (v != FL_PLAN_FITS) break;
+        best = B;
+    }
+    return best;
+}
+
+static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, const char *run_dir, int threads,
                     fl_lab_row *r) {
     memset(r, 0, sizeof *r);
+    lab_exp ex = *e0;
+    const lab_exp *e = &ex;
     snprintf(r->name, sizeof r->name, "%s", e->name);
     snprintf(r->lab_step, sizeof r->lab_step, "%s", e->lab_step);
     snprintf(r->expect, sizeof r->expect, "%s", e->expect);
@@ -282,14 +337,11 @@ static void run_row(const lab_exp *e, const fl_lab_report *rep, long steps, cons
     snprintf(r->precision, sizeof r->precision, "%s", e->precision);
     snprintf(r->optimizer, sizeof r->optimizer, "%s", fl_optim_name(e->optim));
     snprintf(r->technique, sizeof r->technique, "%s", e->technique);
-    r->B = e->B;
     r->ranks = exp_ranks(e);
-    r->accum = e->global / (e->B * r->ranks);
     r->T = rep->T;
     r->act_ckpt = e->act_ckpt;
     r->expected = e->expected;
     r->final_loss = NAN;
-    time_note(e, r->time_note, sizeof r->time_note);
     double t0 = now_s();
     char out[FL_CFG_PATH];
     snprintf(out, sizeof out, "%s/%s", run_dir, e->name);
@@ -300,6 +352,14 @@ static void run_row(const lab_exp *e, const fl_lab_report *rep, long steps, cons
         snprintf(r->note, sizeof r->note, "out of host memory");
         goto done;
     }
+    if (ex.B == 0) { /* the planner picks the micro batch */
+        ex.B = pick_batch(e, rep, steps, out, threads, c, p);
+        ex.global = ex.B * r->ranks;
+        snprintf(r->lab_step, sizeof r->lab_step, "4x FSDP, micro batch %d (the largest the plan fits)", ex.B);
+    }
+    r->B = e->B;
+    r->accum = e->global / (e->B * r->ranks);
+    time_note(e, r->time_note, sizeof r->time_note);
     /* the real scale: the real model, T 1024, an 80 GB device */
     apply_row(c, e, e->ref_model, rep->ref_T, steps, rep->ref_device, out, threads);
     plan_row(c, p, &r->ref_planned, &r->ref_peak);
@@ -344,6 +404,9 @@ static void run_row(const lab_exp *e, const fl_lab_report *rep, long steps, cons
         else r->step_ms = 1e3 * res.train_seconds;
         double tokens_per_step = (double)e->global * rep->T; /* several ranks: the global batch */
         r->tok_s = r->step_ms > 0 ? tokens_per_step / (r->step_ms / 1e3) : 0;
+        fl_model_config mc; /* model FLOPs of the global batch (the MFU convention: no recompute) */
+        if (r->step_ms > 0 && fl_preset_find(e->lab_model, &mc) == FL_OK)
+            r->tflops = fl_model_train_flops(&mc, e->B, rep->T) * (double)e->global / e->B / (r->step_ms / 1e3) / 1e12;
     } else if (s == FL_ERR_OOM) {
         r->verdict = FL_LAB_OOM;
         r->oom = res.oom;
@@ -386,22 +449,33 @@ static int in_list(const char *list, const char *name) {
 fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
     memset(rep, 0, sizeof *rep);
     int bit = suite_bit(o->suite);
-    if (!bit) return fl_errorf(FL_ERR_INVALID, "unknown suite '%s' (quick, full, ci)", o->suite);
+    if (!bit) return fl_errorf(FL_ERR_INVALID, "unknown suite '%s' (quick, full, ci, fsdp)", o->suite);
     if (o->only && *o->only) { /* every name must exist */
         char buf[1024];
         snprintf(buf, sizeof buf, "%s", o->only);
-        for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ","))
-            if (!find_exp(tok)) {
+        const char *const *sw = fl_lab_experiments("fsdp");
+        for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+            int known = 0;
+            if (bit == SUITE_FSDP) {
+                for (int i = 0; sw[i]; i++) known |= !strcmp(sw[i], tok);
+            } else known = find_exp(tok) != NULL;
+            if (!known) {
                 char names[1024];
                 size_t off = 0;
-                for (int i = 0; i < N_EXPS && off < sizeof names; i++)
-                    off += (size_t)snprintf(names + off, sizeof names - off, "%s%s", i ? ", " : "", k_exps[i].name);
-                return fl_errorf(FL_ERR_INVALID, "--only: unknown experiment '%s' (known: %s)", tok, names);
+                for (int i = 0; bit == SUITE_FSDP ? sw[i] != NULL : i < N_EXPS; i++)
+                    if (off < sizeof names)
+                        off += (size_t)snprintf(names + off, sizeof names - off, "%s%s", i ? ", " : "",
+                                                bit == SUITE_FSDP ? sw[i] : k_exps[i].name);
+                return fl_errorf(FL_ERR_INVALID, "--only: unknown experiment '%s' in suite %s (known: %s)", tok,
+                                 o->suite, names);
             }
+        }
     }
     snprintf(rep->suite, sizeof rep->suite, "%s", o->suite ? o->suite : "quick");
     FL_TRY(fl_lab_scale(rep));
-    long steps = o->steps > 0 ? o->steps : bit == SUITE_FULL ? 20 : bit == SUITE_CI ? 2 : 4;
+    if (o->budget) rep->budget = o->budget;
+    long steps = o->steps > 0 ? o->steps : bit == SUITE_FULL ? 20 : bit == SUITE_CI ? 2 : bit == SUITE_FSDP ? 2 : 4;
+    rep->sweep = bit == SUITE_FSDP;
     rep->threads = o->threads;
     char tmp[FL_CFG_PATH];
     const char *run_dir = o->run_dir;
@@ -410,7 +484,7 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
         if (!mkdtemp(tmp)) return fl_errorf(FL_ERR_IO, "cannot create a temporary folder for the runs");
         run_dir = tmp;
     }
-    rep->rows = calloc(N_EXPS, sizeof *rep->rows);
+    rep->rows = calloc(N_EXPS > SWEEP_N ? N_EXPS : SWEEP_N, sizeof *rep->rows);
     if (!rep->rows) return fl_errorf(FL_ERR_OOM, "out of host memory");
     char a[32];
     if (out) {
@@ -421,17 +495,39 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
         fflush(out);
     }
     double t0 = now_s();
-    for (int i = 0; i < N_EXPS; i++) {
-        const lab_exp *e = &k_exps[i];
-        if (o->only && *o->only ? !in_list(o->only, e->name) : !(e->suites & bit)) continue;
+    int n_cand = bit == SUITE_FSDP ? SWEEP_N : N_EXPS, stopped = 0;
+    for (int i = 0; i < n_cand; i++) {
+        lab_exp sx;
+        const lab_exp *e = &k_exps[i < N_EXPS ? i : 0];
+        if (bit == SUITE_FSDP) {
+            if (i == SWEEP_N / 2) stopped = 0; /* the checkpointed half starts again at batch 1 */
+            sx = sweep_exp(1 << (i % (SWEEP_N / 2)), i >= SWEEP_N / 2, sweep_name(i));
+            e = &sx;
+            if (o->only && *o->only ? !in_list(o->only, e->name) : stopped) continue;
+        } else if (o->only && *o->only ? !in_list(o->only, e->name) : !(e->suites & bit)) continue;
         fl_lab_row *r = &rep->rows[rep->n++];
         run_row(e, rep, steps, run_dir, o->threads, r);
+        if (bit == SUITE_FSDP) { /* the sweep's reference is the plan: planned == measured */
+            r->expected = r->planned == FL_PLAN_OOM ? FL_LAB_OOM : FL_LAB_FITS;
+            snprintf(r->lab_step, sizeof r->lab_step, "GPT-2-XL 4x FSDP, micro batch %d, act ckpt %s", r->B,
+                     r->act_ckpt ? "on" : "off");
+            if (r->planned != FL_PLAN_FITS) stopped = 1;
+        }
         if (r->verdict == FL_LAB_ERROR) rep->n_errors++;
         if (out) {
-            fprintf(out, "  %-16s %-6s %8.1f s  %s\n", r->name, fl_lab_verdict_name(r->verdict), r->wall_s,
+            fprintf(out, "  %-17s %-6s %8.1f s  %s\n", r->name, fl_lab_verdict_name(r->verdict), r->wall_s,
                     r->verdict == FL_LAB_FITS ? fl_fmt_bytes(r->peak_total, a, sizeof a) : r->note);
             fflush(out);
         }
+    }
+    /* the largest micro batch that fits, per checkpointing setting */
+    for (int ck = 0; ck < 2; ck++) {
+        int best = -1;
+        for (int i = 0; i < rep->n; i++)
+            if (rep->sweep && rep->rows[i].act_ckpt == ck && rep->rows[i].verdict == FL_LAB_FITS &&
+                (best < 0 || rep->rows[i].B > rep->rows[best].B))
+                best = i;
+        if (best >= 0) rep->rows[best].largest = 1;
     }
     rep->wall_s = now_s() - t0;
     if (!o->run_dir) nftw(tmp, rm_entry, 16, FTW_DEPTH | FTW_PHYS);

@@ -35,7 +35,7 @@ static const char *plan_name(fl_plan_verdict v) {
 
 void fl_lab_print_table(const fl_lab_report *rep, FILE *f) {
     char a[32];
-    fprintf(f, "\n%-15s %-7s %-6s %-10s %-6s %-4s %-7s %-3s | %8s %8s %8s %8s %8s %6s %8s | %8s %8s %-5s | %9s %8s %7s\n",
+    fprintf(f, "\n%-17s %-11s %-6s %-10s %-6s %-4s %-7s %-3s | %8s %8s %8s %8s %8s %6s %8s | %8s %8s %-5s | %9s %8s %7s\n",
             "experiment", "model", "BxAcc", "precision", "optim", "ckpt", "verdict", "lab", "PARAMS", "GRADS", "OPTIM",
             "ACTS", "WORKSP", "OTHER", "GATHER", "peak", "planned", "plan", "ms/sample", "tok/s", "loss");
     for (int i = 0; i < rep->n; i++) {
@@ -43,7 +43,7 @@ void fl_lab_print_table(const fl_lab_report *rep, FILE *f) {
         char bx[16];
         if (r->ranks > 1) snprintf(bx, sizeof bx, "%dx%dx%d", r->B, r->accum, r->ranks);
         else snprintf(bx, sizeof bx, "%dx%d", r->B, r->accum);
-        fprintf(f, "%-15s %-7s %-6s %-10s %-6s %-4s %-7s %-3s |", r->name, r->model, bx, r->precision, r->optimizer,
+        fprintf(f, "%-17s %-11s %-6s %-10s %-6s %-4s %-7s %-3s |", r->name, r->model, bx, r->precision, r->optimizer,
                 r->act_ckpt ? "on" : "off", fl_lab_verdict_name(r->verdict), match(r));
         if (r->verdict == FL_LAB_FITS || r->verdict == FL_LAB_OOM) {
             for (int t = 0; t < LAB_TAGS; t++) fprintf(f, t == FL_TAG_OTHER ? " %6.2f" : " %8.1f", MIB(r->peak[t]));
@@ -67,6 +67,20 @@ void fl_lab_print_table(const fl_lab_report *rep, FILE *f) {
     for (int i = 0; i < rep->n; i++)
         if (rep->rows[i].verdict != FL_LAB_FITS && rep->rows[i].note[0])
             fprintf(f, "  %s: %s\n", rep->rows[i].name, rep->rows[i].note);
+    if (!rep->sweep) return;
+    for (int ck = 0; ck < 2; ck++) {
+        fprintf(f, "\nbatch-size sweep, activation checkpointing %s (per rank; * = the largest micro batch that fits):\n"
+                   "%6s %-7s %10s %10s %10s %9s %9s\n", ck ? "on" : "off", "micro", "verdict", "peak MiB", "planned",
+                "iter ms", "tok/s", "TFLOP/s");
+        for (int i = 0; i < rep->n; i++) {
+            const fl_lab_row *r = &rep->rows[i];
+            if (r->act_ckpt != ck) continue;
+            fprintf(f, "%5d%s %-7s %10.1f %10.1f", r->B, r->largest ? "*" : " ", fl_lab_verdict_name(r->verdict),
+                    MIB(r->peak_total), MIB(r->planned_peak));
+            if (r->verdict == FL_LAB_FITS) fprintf(f, " %10.1f %9.0f %9.4f\n", r->step_ms, r->tok_s, r->tflops);
+            else fprintf(f, " %10s %9s %9s\n", "-", "-", "-");
+        }
+    }
 }
 
 /* ---- files ------------------------------------------------------------------------------ */
@@ -131,7 +145,7 @@ static fl_status write_csv(const fl_lab_report *rep, const char *dir) {
     fprintf(f, "experiment,model,ref_model,micro_batch,accumulation,seq_len,precision,optimizer,act_ckpt,"
                "verdict,lab_verdict,matches_lab,peak_PARAMS,peak_GRADS,peak_OPTIM,peak_ACTS,peak_WORKSPACE,peak_OTHER,peak_GATHER,"
                "peak_total,planned_verdict,planned_peak,ref_planned_verdict,ref_planned_peak,step_ms,tok_s,final_loss,"
-               "wall_s,ms_per_sample,lab_step,note,time_note\n");
+               "wall_s,ms_per_sample,tflops,largest_fitting,lab_step,note,time_note\n");
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
         fprintf(f, "%s,%s,%s,%d,%d,%d,%s,%s,%d,%s,%s,%s", r->name, r->model, r->ref_model, r->B,
@@ -143,8 +157,9 @@ static fl_status write_csv(const fl_lab_report *rep, const char *dir) {
         if (r->verdict == FL_LAB_FITS) fprintf(f, ",%.3f,%.1f,%.5f", r->step_ms, r->tok_s, r->final_loss);
         else fprintf(f, ",,,");
         fprintf(f, ",%.2f,", r->wall_s);
-        if (r->verdict == FL_LAB_FITS) fprintf(f, "%.4f", ms_per_sample(r));
-        fprintf(f, ",\"%s\",\"", r->lab_step);
+        if (r->verdict == FL_LAB_FITS) fprintf(f, "%.4f,%.6f", ms_per_sample(r), r->tflops);
+        else fputc(',', f);
+        fprintf(f, ",%d,\"%s\",\"", r->largest, r->lab_step);
         for (const char *p = r->note; *p; p++) fputs(*p == '"' ? "\"\"" : (char[2]){*p, 0}, f);
         fprintf(f, "\",\"%s\"\n", r->time_note);
     }
@@ -191,7 +206,8 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
                "\"lab_model\": \"lab-1b\", \"param_ratio\": %.8g, \"seq_len\": %d, \"ref_seq_len\": %d, "
                "\"act_per_param_ref\": %.8g, \"act_per_param_lab\": %.8g},\n",
             rep->budget, rep->ref_device, rep->param_ratio, rep->T, rep->ref_T, rep->act_ratio_ref, rep->act_ratio_lab);
-    fprintf(f, "  \"wall_s\": %.2f,\n  \"experiments\": [", rep->wall_s);
+    fprintf(f, "  \"wall_s\": %.2f,\n  \"sweep\": %s,\n  \"experiments\": [", rep->wall_s,
+            rep->sweep ? "true" : "false");
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
         fprintf(f, "%s\n    {\"name\": ", i ? "," : "");
@@ -216,6 +232,9 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
         jstr(f, r->time_note);
         fprintf(f, ", \"tok_s\": ");
         jnum(f, r->verdict == FL_LAB_FITS ? r->tok_s : NAN);
+        fprintf(f, ", \"tflops\": ");
+        jnum(f, r->verdict == FL_LAB_FITS ? r->tflops : NAN);
+        fprintf(f, ", \"largest_fitting\": %s", r->largest ? "true" : "false");
         fprintf(f, ", \"final_loss\": ");
         jnum(f, r->final_loss);
         fprintf(f, ", \"wall_s\": %.2f, \"note\": ", r->wall_s);
@@ -311,6 +330,27 @@ static int write_charts(const fl_lab_report *rep, const char *dir, char *why, si
             nfit++;
         }
     fclose(f);
+    int sweep_idx[2] = {-1, -1}, sweep_fit[2] = {0, 0}, n_blocks = 0;
+    if (rep->sweep) { /* the fsdp suite: peak per rank and tok/s against the micro batch, one block per setting */
+        f = open_out(dir, "sweep.dat", path, sizeof path);
+        if (!f) { snprintf(why, wn, "cannot write %s", path); return 0; }
+        fprintf(f, "# micro_batch peak_MiB_per_rank (OOM: planned need) tokens_per_s (? = OOM); block 0: activation "
+                   "checkpointing off, block 1: on\n");
+        for (int ck = 0; ck < 2; ck++) {
+            for (int i = 0; i < rep->n; i++) {
+                const fl_lab_row *r = &rep->rows[i];
+                if (r->act_ckpt != ck || (r->verdict != FL_LAB_FITS && r->verdict != FL_LAB_OOM)) continue;
+                if (sweep_idx[ck] < 0) { /* gnuplot's index: blocks split by two blank lines */
+                    fprintf(f, "%s", n_blocks ? "\n\n" : "");
+                    sweep_idx[ck] = n_blocks++;
+                }
+                fprintf(f, "%d %.3f ", r->B, MIB(r->verdict == FL_LAB_FITS ? r->peak_total : r->planned_peak));
+                if (r->verdict == FL_LAB_FITS) fprintf(f, "%.1f\n", r->tok_s), sweep_fit[ck] = 1;
+                else fprintf(f, "?\n");
+            }
+        }
+        fclose(f);
+    }
     f = open_out(dir, "charts.gp", path, sizeof path);
     if (!f) { snprintf(why, wn, "cannot write %s", path); return 0; }
     fprintf(f, "# gnuplot script written by fitllm lab; its files are named relative to this folder:\n"
@@ -361,6 +401,27 @@ static int write_charts(const fl_lab_report *rep, const char *dir, char *why, si
                    "plot 'step_time.dat' using (0.5*$2):0:(0.5*$2):(0.38):yticlabels(1) with boxxyerror lc rgb "
                    "'#4477aa'\n",
                 rep->threads ? "fixed" : "all");
+    if (n_blocks) {
+        fprintf(f, "reset\nset terminal pngcairo size 1280,640 font 'sans,10'\nset output 'sweep.png'\n"
+                   "set title 'GPT-2-XL (lab-gpt2-xl) 4x FSDP FULL_SHARD: memory per rank and throughput vs micro "
+                   "batch (OOM points: planned need)' noenhanced\n"
+                   "set datafile missing '?'\nset logscale x 2\nset xlabel 'micro batch per rank'\n"
+                   "set ylabel 'peak MiB per rank'\nset y2label 'tokens/s (global batch)'\nset ytics nomirror\n"
+                   "set y2tics\nset grid\nset key outside right top\nset yrange [0:*]\nset y2range [0:*]\n"
+                   "set arrow 1 from graph 0, first %.3f to graph 1, first %.3f nohead lw 2 dt 2 lc rgb 'red'\nplot",
+                MIB(rep->budget), MIB(rep->budget));
+        int k = 0;
+        for (int ck = 0; ck < 2; ck++) {
+            if (sweep_idx[ck] < 0) continue;
+            const char *col = ck ? "#228833" : "#4477aa", *nm = ck ? "act ckpt" : "no ckpt";
+            fprintf(f, "%s 'sweep.dat' index %d using 1:2 with linespoints lw 2 lc rgb '%s' title 'memory, %s'",
+                    k++ ? "," : "", sweep_idx[ck], col, nm);
+            if (sweep_fit[ck]) /* gnuplot refuses an axis with no defined point */
+                fprintf(f, ", 'sweep.dat' index %d using 1:3 axes x1y2 with linespoints dt 2 lc rgb '%s' title "
+                           "'tok/s, %s'", sweep_idx[ck], col, nm);
+        }
+        fprintf(f, "\n");
+    }
     fclose(f);
     if (!find_gnuplot()) {
         snprintf(why, wn, "gnuplot is not installed (apt-get install gnuplot-nox); the data and charts.gp are there");
@@ -447,6 +508,40 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
             fprintf(f, "- **%s**: %s\n", rep->rows[i].name, rep->rows[i].note);
         }
     if (notes) fprintf(f, "\n");
+    if (rep->sweep) {
+        fprintf(f, "## Batch-size sweep: GPT-2-XL with FSDP on 4 devices, at lab scale\n\n"
+                   "The course's benchmark trains GPT-2-XL with FSDP FULL_SHARD on 4 GPUs and sweeps the micro batch "
+                   "against memory, iteration time and TFLOP/s. Here: `lab-gpt2-xl` (gpt2-xl with every width / 16), "
+                   "4 ranks as threads sharing this machine's cores, each with the per-device budget %s; micro batch "
+                   "1, 2, 4, ... per rank until the planner says OOM (that row runs too and its OOM is a result). "
+                   "Memory per rank (rank 0) in MiB; OOM rows: what was live at the failure, the planned column what "
+                   "the run would need. Iteration = one optimizer step of the global batch (micro batch x 4 ranks); "
+                   "TFLOP/s = model FLOPs (6 x parameters per token + attention, no recompute) / iteration time. "
+                   "**Bold**: the largest micro batch that fits. The sweep has no lab verdict to match: the Results "
+                   "table's \"as in the lab\" compares the run with the plan's verdict.\n\n",
+                fl_fmt_bytes(rep->budget, a, sizeof a));
+        for (int ck = 0; ck < 2; ck++) {
+            fprintf(f, "### Activation checkpointing %s\n\n| micro batch | verdict | planned | PARAMS | GRADS | OPTIM | "
+                       "ACTS | WORKSPACE | GATHER | peak | planned peak | iteration ms | tok/s | TFLOP/s |\n|",
+                    ck ? "on" : "off");
+            for (int k = 0; k < 14; k++) fprintf(f, "---|");
+            fprintf(f, "\n");
+            for (int i = 0; i < rep->n; i++) {
+                const fl_lab_row *r = &rep->rows[i];
+                if (r->act_ckpt != ck) continue;
+                const char *bo = r->largest ? "**" : "";
+                fprintf(f, "| %s%d%s | %s | %s |", bo, r->B, bo, fl_lab_verdict_name(r->verdict), plan_name(r->planned));
+                static const fl_mem_tag tags[] = {FL_TAG_PARAMS, FL_TAG_GRADS, FL_TAG_OPTIM, FL_TAG_ACTS,
+                                                  FL_TAG_WORKSPACE, FL_TAG_GATHER};
+                for (size_t t = 0; t < sizeof tags / sizeof tags[0]; t++) fprintf(f, " %.2f |", MIB(r->peak[tags[t]]));
+                fprintf(f, " %s%.2f%s | %.2f |", bo, MIB(r->peak_total), bo, MIB(r->planned_peak));
+                if (r->verdict == FL_LAB_FITS) fprintf(f, " %.1f | %.0f | %.4f |\n", r->step_ms, r->tok_s, r->tflops);
+                else fprintf(f, " - | - | - |\n");
+            }
+            fprintf(f, "\n");
+        }
+        if (charts) fprintf(f, "![memory and tokens/s vs micro batch](sweep.png)\n\n");
+    }
     const fl_lab_row *rb = row_named(rep, "reduced-batch"), *ga = row_named(rep, "grad-accum");
     if (rb && ga && rb->verdict == FL_LAB_FITS && ga->verdict == FL_LAB_FITS)
         fprintf(f, "Gradient accumulation (micro 8 x 4) peaks at %s vs %s for micro batch 8 alone (%.3f%% more: the "

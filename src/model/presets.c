@@ -42,6 +42,11 @@ static const preset k_presets[] = {
     LLAMA("lab-3b", 2000, 200, 540, 26, 10, 10, 20, 2048, 1e-6f, 10000.0f, 0), /* open-llama-3b / 16 (HD even) */
     LLAMA("lab-7b", 2000, 256, 688, 32, 8, 8, 32, 2048, 1e-6f, 10000.0f, 0),   /* open-llama-7b / 16 */
     LLAMA("lab-13b", 2000, 320, 864, 40, 10, 10, 32, 2048, 1e-6f, 10000.0f, 0), /* open-llama-13b / 16 */
+    /* gpt2-xl / 16 (`fitllm lab --suite fsdp`): 25 heads x 64 -> 5 x 20 (25 does not divide by 4 as the
+     * LLaMA presets' heads do), vocabulary 50257 / 16 */
+    {"lab-gpt2-xl", {.arch = FL_ARCH_GPT2, .name = "lab-gpt2-xl", .vocab_size = 3141, .dim = 100, .ffn_dim = 400,
+                     .n_layers = 48, .n_heads = 5, .n_kv_heads = 5, .head_dim = 20, .max_seq = 1024, .norm_eps = 1e-5f,
+                     .tie_embeddings = 1, .attention_bias = 1, .mlp_bias = 1}},
     LLAMA("tinyllama-1.1b", 32000, 2048, 5632, 22, 32, 4, 64, 2048, 1e-5f, 10000.0f, 0),
     LLAMA("open-llama-3b", 32000, 3200, 8640, 26, 32, 32, 100, 2048, 1e-6f, 10000.0f, 0),
     LLAMA("open-llama-7b", 32000, 4096, 11008, 32, 32, 32, 128, 2048, 1e-6f, 10000.0f, 0),
