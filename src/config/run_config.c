@@ -588,10 +588,6 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
         return fl_errorf(FL_ERR_UNSUPPORTED, "fsdp.state_dict_type sharded: finetune_lora's checkpoints are PEFT "
                          "adapters (a few MB) and are written whole; sharded checkpoints are for finetune_full and "
                          "pretrain (use full)");
-    if (!strcmp(c->state_dict_type, "sharded") && stage == 3 && c->command != FL_CMD_FINETUNE_LORA)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "fsdp.state_dict_type sharded under FULL_SHARD / deepspeed_stage_3: not "
-                         "implemented yet (FULL_SHARD's shards are per unit, the sharded files per flat range); use full "
-                         "(consolidated, gathered one unit at a time)");
     if (t->micro_batch_size <= 0) return fl_errorf(FL_ERR_INVALID, "train.micro_batch_size must be positive");
     if (t->global_batch_size <= 0) return fl_errorf(FL_ERR_INVALID, "train.global_batch_size must be positive");
     int per_rank = t->global_batch_size / (c->devices * c->num_nodes);

@@ -38,12 +38,13 @@
 
 /* ---- buffers ------------------------------------------------------------------------------------ */
 
-fl_status fl_shard_set_add(fl_shard_set *s, const char *name, fl_dtype dt, size_t count, size_t base, size_t gran,
-                           void *data, size_t h0, size_t hn) {
+fl_status fl_shard_set_add_pieces(fl_shard_set *s, const char *name, fl_dtype dt, size_t count, size_t base,
+                                  size_t gran, const fl_shard_piece *pc, int npc) {
     if (strlen(name) >= FL_SHARD_NAME_MAX) return fl_errorf(FL_ERR_INVALID, "sharded checkpoint: buffer name too long: %s", name);
-    if (gran == 0 || h0 + hn > count)
-        return fl_errorf(FL_ERR_INVALID, "sharded checkpoint: buffer %s: held range [%zu, %zu) outside [0, %zu)", name, h0,
-                         h0 + hn, count);
+    for (int i = 0; i < npc; i++) /* ascending, disjoint, inside the buffer */
+        if (gran == 0 || pc[i].k0 + pc[i].n > count || (i && pc[i].k0 < pc[i - 1].k0 + pc[i - 1].n))
+            return fl_errorf(FL_ERR_INVALID, "sharded checkpoint: buffer %s: held range [%zu, %zu) outside [0, %zu) or "
+                             "out of order", name, pc[i].k0, pc[i].k0 + pc[i].n, count);
     if (s->n == s->cap) {
         int cap = s->cap ? 2 * s->cap : 16;
         fl_shard_buf *b = realloc(s->b, (size_t)cap * sizeof *b);
@@ -51,20 +52,29 @@ fl_status fl_shard_set_add(fl_shard_set *s, const char *name, fl_dtype dt, size_
         s->b = b;
         s->cap = cap;
     }
-    fl_shard_buf *b = &s->b[s->n++];
+    fl_shard_buf *b = &s->b[s->n];
     memset(b, 0, sizeof *b);
+    b->pc = malloc((size_t)(npc ? npc : 1) * sizeof *b->pc);
+    if (!b->pc) return fl_errorf(FL_ERR_OOM, "sharded checkpoint: out of host memory");
+    if (npc) memcpy(b->pc, pc, (size_t)npc * sizeof *pc);
+    b->npc = npc;
+    s->n++;
     snprintf(b->name, sizeof b->name, "%s", name);
     b->dtype = dt;
     b->count = count;
     b->base = base;
     b->gran = gran;
-    b->data = data;
-    b->h0 = h0;
-    b->hn = hn;
     return FL_OK;
 }
 
+fl_status fl_shard_set_add(fl_shard_set *s, const char *name, fl_dtype dt, size_t count, size_t base, size_t gran,
+                           void *data, size_t h0, size_t hn) {
+    fl_shard_piece pc = {h0, hn, data};
+    return fl_shard_set_add_pieces(s, name, dt, count, base, gran, &pc, 1);
+}
+
 void fl_shard_set_free(fl_shard_set *s) {
+    for (int i = 0; i < s->n; i++) free(s->b[i].pc);
     free(s->b);
     memset(s, 0, sizeof *s);
 }
@@ -103,11 +113,8 @@ uint64_t fl_shard_fingerprint(const fl_param_layout *lay, size_t n) {
 }
 
 fl_status fl_shard_set_from_optim(fl_shard_set *s, const fl_model *m, const fl_optimizer *o) {
-    return fl_shard_set_from_optim_ex(s, m, o, o->p, 0, o->n);
-}
-
-fl_status fl_shard_set_from_optim_ex(fl_shard_set *s, const fl_model *m, const fl_optimizer *o, void *params,
-                                     size_t p_h0, size_t p_hn) {
+    void *params = o->p;
+    size_t p_h0 = 0, p_hn = o->n;
     memset(s, 0, sizeof *s);
     if (m->lora)
         return fl_errorf(FL_ERR_UNSUPPORTED, "sharded checkpoints hold full-model training (finetune_full, pretrain); "
@@ -152,6 +159,38 @@ fl_status fl_shard_set_from_optim_ex(fl_shard_set *s, const fl_model *m, const f
     return st;
 }
 
+fl_status fl_shard_set_from_fsdp(fl_shard_set *s, const fl_dp *dp, const fl_model *m, const fl_optimizer *o) {
+    memset(s, 0, sizeof *s);
+    const int G = m->layout.n_groups;
+    if (m->lora || o->state8 || o->s_off != 0 || o->s_len != o->n)
+        return fl_errorf(FL_ERR_INTERNAL, "sharded checkpoint under FULL_SHARD: full-model AdamW or SGD on the shard only");
+    size_t *foff = calloc((size_t)G + 1, sizeof *foff), *loc = calloc((size_t)G + 1, sizeof *loc),
+           *len = calloc((size_t)G + 1, sizeof *len);
+    fl_shard_piece *pc = calloc((size_t)G + 1, sizeof *pc);
+    fl_status st = foff && loc && len && pc ? FL_OK : fl_errorf(FL_ERR_OOM, "sharded checkpoint: out of host memory");
+    int units = st == FL_OK ? fl_fsdp_ranges(dp, foff, loc, len) : 0;
+    if (st == FL_OK && units != G)
+        st = fl_errorf(FL_ERR_INTERNAL, "sharded checkpoint under FULL_SHARD: %d units, the layout has %d groups", units, G);
+    s->split_n = m->layout.numel; /* the whole model's elements: the pieces are whole-model offsets */
+    s->own_held = 1;              /* each rank owns its pieces of every unit: they tile each buffer */
+    s->be = m->be;
+    /* every buffer is held alike: unit g's piece at loc[g] of the shard (params, m, v, momentum) */
+    void *bufs[3] = {o->p, o->m ? o->m : o->buf, o->m ? o->v : NULL};
+    const char *names[3] = {"params", o->m ? "optimizer.exp_avg" : "optimizer.momentum_buffer", "optimizer.exp_avg_sq"};
+    fl_dtype dts[3] = {o->pt, o->cfg.state_dtype, o->cfg.state_dtype};
+    for (int k = 0; st == FL_OK && k < 3; k++) {
+        if (!bufs[k]) continue;
+        size_t es = fl_dtype_size(dts[k]);
+        int np = 0;
+        for (int g = 0; g < G; g++)
+            if (len[g]) pc[np++] = (fl_shard_piece){foff[g], len[g], (char *)bufs[k] + loc[g] * es};
+        st = fl_shard_set_add_pieces(s, names[k], dts[k], s->split_n, 0, 1, pc, np);
+    }
+    free(foff), free(loc), free(len), free(pc);
+    if (st != FL_OK) fl_shard_set_free(s);
+    return st;
+}
+
 /* ---- files ------------------------------------------------------------------------------------- */
 
 static void shard_name(char *buf, size_t n, int rank, int world) {
@@ -164,23 +203,51 @@ static const char *meta(const fl_st_file *f, const char *key) {
     return NULL;
 }
 
-/* This rank's shard file: its owned range of every buffer. */
+/* The ranges of b rank `rank` of `world` owns and where they are held: own_held, its non-empty
+ * pieces; else its chunk, inside one held piece. *n = 0: none. pc: room for b->npc + 1. */
+static fl_status owned_pieces(const fl_shard_set *set, const fl_shard_buf *b, int world, int rank, const char *path,
+                              fl_shard_piece *pc, int *n) {
+    *n = 0;
+    if (set->own_held) {
+        for (int i = 0; i < b->npc; i++)
+            if (b->pc[i].n) pc[(*n)++] = b->pc[i];
+        return FL_OK;
+    }
+    size_t k0, k1;
+    fl_shard_owned(b, set->split_n, world, rank, &k0, &k1);
+    if (k1 == k0) return FL_OK; /* nothing of this buffer is this rank's */
+    for (int i = 0; i < b->npc; i++) {
+        const fl_shard_piece *h = &b->pc[i];
+        if (k0 >= h->k0 && k1 <= h->k0 + h->n) {
+            pc[(*n)++] = (fl_shard_piece){k0, k1 - k0, (char *)h->data + (k0 - h->k0) * fl_dtype_size(b->dtype)};
+            return FL_OK;
+        }
+    }
+    return fl_errorf(FL_ERR_INVALID, "%s: buffer %s: rank %d owns elements [%zu, %zu) but does not hold them", path,
+                     b->name, rank, k0, k1);
+}
+
+/* This rank's shard file: its owned ranges of every buffer, one tensor per buffer (the ranges one
+ * after another: FULL_SHARD's pieces lie so in its shard). */
 static fl_status write_shard(const char *dir, const fl_shard_set *set, int rank, int world, uint64_t fp,
                              const fl_train_state *st) {
     char path[FL_CFG_PATH + 400], name[64];
     shard_name(name, sizeof name, rank, world);
     FL_TRY(fl_fs_join(path, sizeof path, dir, name));
-    int nk = 7 + set->n;
+    int nk = 7 + set->n, maxp = 1;
+    for (int i = 0; i < set->n; i++) maxp = set->b[i].npc + 1 > maxp ? set->b[i].npc + 1 : maxp;
+    size_t vcap = 64 + (size_t)maxp * 44; /* "count" and two numbers per range */
     fl_st_write_tensor *t = calloc((size_t)set->n + 1, sizeof *t);
-    char (*v)[FL_SHARD_NAME_MAX + 16] = calloc((size_t)nk, sizeof *v);
+    char *v = calloc((size_t)nk, vcap);
     char (*keys)[FL_SHARD_NAME_MAX + 16] = calloc((size_t)nk, sizeof *keys);
     const char **kp = calloc((size_t)nk, sizeof *kp), **vp = calloc((size_t)nk, sizeof *vp);
-    fl_status s = t && v && keys && kp && vp ? FL_OK : fl_errorf(FL_ERR_OOM, "%s: out of host memory", path);
+    fl_shard_piece *pc = calloc((size_t)maxp, sizeof *pc);
+    fl_status s = t && v && keys && kp && vp && pc ? FL_OK : fl_errorf(FL_ERR_OOM, "%s: out of host memory", path);
     int nt = 0, k = 0;
-#define KV(key, ...) (snprintf(keys[k], sizeof keys[k], "%s", key), snprintf(v[k], sizeof v[k], __VA_ARGS__), k++)
+#define KV(key, ...) (snprintf(keys[k], sizeof keys[k], "%s", key), snprintf(v + k * vcap, vcap, __VA_ARGS__), k++)
     if (s == FL_OK) {
         KV("format", SHARD_FORMAT);
-        KV("version", "1");
+        KV("version", "%d", set->own_held ? 2 : 1); /* 2: "ranges.<buffer>" lists */
         KV("rank", "%d", rank);
         KV("world_size", "%d", world);
         KV("fingerprint", "%016" PRIx64, fp);
@@ -189,29 +256,42 @@ static fl_status write_shard(const char *dir, const fl_shard_set *set, int rank,
     }
     for (int i = 0; s == FL_OK && i < set->n; i++) {
         const fl_shard_buf *b = &set->b[i];
-        size_t k0, k1;
-        fl_shard_owned(b, set->split_n, world, rank, &k0, &k1);
-        if (k1 > k0 && (k0 < b->h0 || k1 > b->h0 + b->hn)) {
-            s = fl_errorf(FL_ERR_INVALID, "%s: buffer %s: rank %d owns elements [%zu, %zu) but holds [%zu, %zu)", path,
-                          b->name, rank, k0, k1, b->h0, b->h0 + b->hn);
-            break;
-        }
+        int np = 0;
+        s = owned_pieces(set, b, world, rank, path, pc, &np);
+        if (s != FL_OK) break;
+        size_t es = fl_dtype_size(b->dtype), total = 0;
         char rk[FL_SHARD_NAME_MAX + 16];
-        snprintf(rk, sizeof rk, "range.%s", b->name);
-        KV(rk, "%zu %zu %zu", k0, k1, b->count);
-        if (k1 == k0) continue; /* nothing of this buffer is this rank's */
-        size_t es = fl_dtype_size(b->dtype);
-        t[nt++] = (fl_st_write_tensor){b->name, b->dtype, 1, {(int64_t)(k1 - k0)}, (const char *)b->data + (k0 - b->h0) * es,
-                                       b->dtype, 0, NULL, NULL, set->be};
+        snprintf(rk, sizeof rk, "%s.%s", np > 1 ? "ranges" : "range", b->name);
+        if (np <= 1) {
+            KV(rk, "%zu %zu %zu", np ? pc[0].k0 : 0, np ? pc[0].k0 + pc[0].n : 0, b->count);
+        } else { /* "count k0 k1 k0 k1 ...", ascending */
+            char *o = v + k * vcap;
+            size_t used = (size_t)snprintf(o, vcap, "%zu", b->count);
+            for (int j = 0; j < np && used < vcap; j++)
+                used += (size_t)snprintf(o + used, vcap - used, " %zu %zu", pc[j].k0, pc[j].k0 + pc[j].n);
+            snprintf(keys[k++], sizeof keys[0], "%s", rk);
+        }
+        for (int j = 0; j < np; j++) {
+            if (j && (char *)pc[j].data != (char *)pc[j - 1].data + pc[j - 1].n * es) {
+                s = fl_errorf(FL_ERR_INTERNAL, "%s: buffer %s: the owned ranges are not held one after another", path,
+                              b->name);
+                break;
+            }
+            total += pc[j].n;
+        }
+        if (s == FL_OK && np)
+            t[nt++] = (fl_st_write_tensor){b->name, b->dtype, 1, {(int64_t)total}, pc[0].data, b->dtype, 0, NULL, NULL,
+                                           set->be};
     }
 #undef KV
-    for (int i = 0; s == FL_OK && i < k; i++) kp[i] = keys[i], vp[i] = v[i];
+    for (int i = 0; s == FL_OK && i < k; i++) kp[i] = keys[i], vp[i] = v + i * vcap;
     if (s == FL_OK) s = fl_st_write(path, t, nt, kp, vp, k); /* fsynced, renamed into place */
     free(t);
     free(v);
     free(keys);
     free(kp);
     free(vp);
+    free(pc);
     return s;
 }
 
@@ -320,62 +400,120 @@ static fl_status shards_open(shards *sh, const char *dir, uint64_t fp, size_t nu
     return s;
 }
 
-/* File r's range [*k0, *k1) of buffer b and the tensor holding it (NULL when empty); checked
- * against b's dtype and count. */
-static fl_status file_range(const shards *sh, int r, const fl_shard_buf *b, size_t *k0, size_t *k1,
-                            const fl_st_tensor **t) {
-    char rk[FL_SHARD_NAME_MAX + 16];
+/* One range of a buffer in a shard file: elements [k0, k1) at src (the file's mmap). */
+typedef struct {
+    size_t k0, k1;
+    int r;
+    const char *src;
+} frange;
+
+static int frange_cmp(const void *a, const void *b) {
+    const frange *x = a, *y = b;
+    return x->k0 < y->k0 ? -1 : x->k0 > y->k0 ? 1 : x->r - y->r;
+}
+
+/* Every file's ranges of buffer b ("range.<b>" = "k0 k1 count" or "ranges.<b>" = "count k0 k1 ...",
+ * ascending within a file, one after another in the file's tensor <b>), checked against b's dtype
+ * and count, non-empty ones only, sorted by k0. *out: malloc'd. */
+static fl_status buf_ranges(const shards *sh, const fl_shard_buf *b, frange **out, int *nout) {
+    *out = NULL;
+    *nout = 0;
+    int cap = 0, n = 0;
+    frange *fr = NULL;
+    fl_status s = FL_OK;
+    char rk[FL_SHARD_NAME_MAX + 16], lk[FL_SHARD_NAME_MAX + 16];
     snprintf(rk, sizeof rk, "range.%s", b->name);
-    const char *v = meta(&sh->f[r], rk);
-    *k0 = *k1 = 0;
-    *t = NULL;
-    if (!v) return FL_OK; /* holds nothing of it (a gap if someone needs it) */
-    unsigned long long a, e, c;
-    if (sscanf(v, "%llu %llu %llu", &a, &e, &c) != 3 || a > e || e > c)
-        return fl_errorf(FL_ERR_FORMAT, "%s: metadata %s = '%s': not a range 'k0 k1 count'", sh->path[r], rk, v);
-    if (c != b->count)
-        return fl_errorf(FL_ERR_FORMAT, "%s: buffer %s has %llu elements, this run's %zu (another model or optimizer "
-                         "layout)", sh->path[r], b->name, c, b->count);
-    *k0 = (size_t)a;
-    *k1 = (size_t)e;
-    if (e == a) return FL_OK;
-    *t = fl_st_find(&sh->f[r], b->name);
+    snprintf(lk, sizeof lk, "ranges.%s", b->name);
     size_t es = fl_dtype_size(b->dtype);
-    if (!*t) return fl_errorf(FL_ERR_FORMAT, "%s: range [%llu, %llu) of %s listed but the tensor is missing", sh->path[r], a, e, b->name);
-    if ((*t)->dtype != b->dtype)
-        return fl_errorf(FL_ERR_FORMAT, "%s: buffer %s is %s, this run's is %s (precision or optimizer.state_dtype "
-                         "changed?)", sh->path[r], b->name, fl_dtype_name((*t)->dtype), fl_dtype_name(b->dtype));
-    if ((*t)->end - (*t)->begin != (size_t)(e - a) * es)
-        return fl_errorf(FL_ERR_FORMAT, "%s: tensor %s holds %zu bytes, its range [%llu, %llu) needs %zu", sh->path[r],
-                         b->name, (*t)->end - (*t)->begin, a, e, (size_t)(e - a) * es);
+    for (int r = 0; s == FL_OK && r < sh->world; r++) {
+        const char *v1 = meta(&sh->f[r], rk), *vl = meta(&sh->f[r], lk), *v = v1 ? v1 : vl, *key = v1 ? rk : lk;
+        if (!v) continue; /* holds nothing of it (a gap if someone needs it) */
+        unsigned long long c, a, e;
+        int used = 0, first = n;
+        size_t total = 0, prev = 0;
+        if (v1) { /* "k0 k1 count" */
+            if (sscanf(v, "%llu %llu %llu%n", &a, &e, &c, &used) != 3 || a > e || e > c)
+                s = fl_errorf(FL_ERR_FORMAT, "%s: metadata %s = '%s': not a range 'k0 k1 count'", sh->path[r], key, v);
+        } else if (sscanf(v, "%llu%n", &c, &used) != 1) {
+            s = fl_errorf(FL_ERR_FORMAT, "%s: metadata %s: not 'count k0 k1 ...'", sh->path[r], key);
+        }
+        if (s == FL_OK && c != b->count)
+            s = fl_errorf(FL_ERR_FORMAT, "%s: buffer %s has %llu elements, this run's %zu (another model or optimizer "
+                          "layout)", sh->path[r], b->name, c, b->count);
+        const char *q = v + used;
+        for (int more = 1; s == FL_OK && more;) {
+            if (v1) {
+                more = 0; /* the one range read above */
+            } else {
+                int u = 0;
+                if (sscanf(q, "%llu %llu%n", &a, &e, &u) != 2) break; /* the list's end */
+                q += u;
+                if (a > e || e > c || a < prev)
+                    s = fl_errorf(FL_ERR_FORMAT, "%s: metadata %s: range [%llu, %llu) out of order or outside [0, %llu)",
+                                  sh->path[r], key, a, e, c);
+            }
+            if (s != FL_OK || e == a) continue;
+            prev = (size_t)e;
+            if (n == cap) {
+                cap = cap ? 2 * cap : 16;
+                frange *x = realloc(fr, (size_t)cap * sizeof *fr);
+                if (!x) {
+                    s = fl_errorf(FL_ERR_OOM, "%s: out of host memory", sh->dir);
+                    break;
+                }
+                fr = x;
+            }
+            fr[n++] = (frange){(size_t)a, (size_t)e, r, NULL};
+            total += (size_t)(e - a);
+        }
+        if (s != FL_OK || n == first) continue;
+        const fl_st_tensor *t = fl_st_find(&sh->f[r], b->name);
+        if (!t)
+            s = fl_errorf(FL_ERR_FORMAT, "%s: range [%zu, %zu) of %s listed but the tensor is missing", sh->path[r],
+                          fr[first].k0, fr[first].k1, b->name);
+        else if (t->dtype != b->dtype)
+            s = fl_errorf(FL_ERR_FORMAT, "%s: buffer %s is %s, this run's is %s (precision or optimizer.state_dtype "
+                          "changed?)", sh->path[r], b->name, fl_dtype_name(t->dtype), fl_dtype_name(b->dtype));
+        else if (t->end - t->begin != total * es)
+            s = fl_errorf(FL_ERR_FORMAT, "%s: tensor %s holds %zu bytes, its range%s [%zu, %zu)%s need%s %zu", sh->path[r],
+                          b->name, t->end - t->begin, n - first > 1 ? "s" : "", fr[first].k0, fr[first].k1,
+                          n - first > 1 ? " ..." : "", n - first > 1 ? "" : "s", total * es);
+        size_t off = 0; /* where each range sits in the tensor */
+        for (int i = first; s == FL_OK && i < n; i++) {
+            fr[i].src = (const char *)t->data + off * es;
+            off += fr[i].k1 - fr[i].k0;
+        }
+    }
+    if (s != FL_OK) {
+        free(fr);
+        return s;
+    }
+    qsort(fr, (size_t)n, sizeof *fr, frange_cmp);
+    *out = fr;
+    *nout = n;
     return FL_OK;
 }
 
-/* Every element of [a, e) of b in some file's range, else an error naming the first gap and the
- * file that ends where it starts. */
-static fl_status covered(const shards *sh, const fl_shard_buf *b, size_t a, size_t e) {
+/* Every element of [a, e) of b in some file's range (fr: sorted), else an error naming the first
+ * gap and the file that ends where it starts. */
+static fl_status covered(const shards *sh, const fl_shard_buf *b, const frange *fr, int n, size_t a, size_t e) {
     size_t pos = a;
-    while (pos < e) {
-        size_t best = pos, next = e;
+    for (int i = 0; pos < e; i++) {
+        if (i < n && fr[i].k0 <= pos) {
+            if (fr[i].k1 > pos) pos = fr[i].k1;
+            continue;
+        }
+        size_t next = i < n && fr[i].k0 < e ? fr[i].k0 : e;
         int before = -1;
-        for (int r = 0; r < sh->world; r++) {
-            size_t k0, k1;
-            const fl_st_tensor *t;
-            FL_TRY(file_range(sh, r, b, &k0, &k1, &t));
-            if (k0 <= pos && pos < k1 && k1 > best) best = k1;
-            if (k0 > pos && k0 < next) next = k0;
-            if (k1 == pos && k1 > k0) before = r;
+        for (int j = 0; j < n; j++)
+            if (fr[j].k1 == pos) before = fr[j].r;
+        char after[FL_CFG_PATH + 120] = "";
+        if (before >= 0) {
+            const char *slash = strrchr(sh->path[before], '/');
+            snprintf(after, sizeof after, "; it follows %s's range", slash ? slash + 1 : sh->path[before]);
         }
-        if (best == pos) {
-            char after[FL_CFG_PATH + 120] = "";
-            if (before >= 0) {
-                const char *slash = strrchr(sh->path[before], '/');
-                snprintf(after, sizeof after, "; it follows %s's range", slash ? slash + 1 : sh->path[before]);
-            }
-            return fl_errorf(FL_ERR_FORMAT, "%s: buffer %s: elements [%zu, %zu) of %zu are in none of the %d shard "
-                             "files%s (nothing was resumed)", sh->dir, b->name, pos, next, b->count, sh->world, after);
-        }
-        pos = best;
+        return fl_errorf(FL_ERR_FORMAT, "%s: buffer %s: elements [%zu, %zu) of %zu are in none of the %d shard "
+                         "files%s (nothing was resumed)", sh->dir, b->name, pos, next, b->count, sh->world, after);
     }
     return FL_OK;
 }
@@ -391,35 +529,44 @@ fl_status fl_shard_ckpt_load(const char *dir, const fl_shard_set *set, const fl_
     if (o && opt && strcmp(opt, fl_optim_name(o->cfg.kind)))
         s = fl_errorf(FL_ERR_FORMAT, "%s/" FL_SHARD_META_FILE ": saved with optimizer %s, this run uses %s", dir, opt,
                       fl_optim_name(o->cfg.kind));
+    frange **fr = calloc((size_t)set->n + 1, sizeof *fr);
+    int *nfr = calloc((size_t)set->n + 1, sizeof *nfr);
+    if (s == FL_OK && (!fr || !nfr)) s = fl_errorf(FL_ERR_OOM, "%s: out of host memory", dir);
     /* check everything first: nothing is written into the run's buffers unless all of it loads */
     for (int i = 0; s == FL_OK && i < set->n; i++) {
         const fl_shard_buf *b = &set->b[i];
-        s = covered(&sh, b, b->h0, b->h0 + b->hn);
+        s = buf_ranges(&sh, b, &fr[i], &nfr[i]);
+        for (int p = 0; s == FL_OK && p < b->npc; p++)
+            s = covered(&sh, b, fr[i], nfr[i], b->pc[p].k0, b->pc[p].k0 + b->pc[p].n);
         if (s != FL_OK || strcmp(b->name, "params")) continue;
-        for (int r = 0; s == FL_OK && r < sh.world; r++) { /* no inf/NaN weight is resumed */
-            size_t k0, k1;
-            const fl_st_tensor *t;
-            s = file_range(&sh, r, b, &k0, &k1, &t);
-            long long bad = s == FL_OK && t ? fl_dtype_first_nonfinite(t->data, b->dtype, k1 - k0) : -1;
+        for (int j = 0; s == FL_OK && j < nfr[i]; j++) { /* no inf/NaN weight is resumed */
+            const frange *x = &fr[i][j];
+            long long bad = fl_dtype_first_nonfinite(x->src, b->dtype, x->k1 - x->k0);
             if (bad >= 0)
                 s = fl_errorf(FL_ERR_FORMAT, "%s: parameter element %llu (in [%zu, %zu)) is inf/NaN: the checkpoint was "
-                              "saved from a diverged run", sh.path[r], (unsigned long long)k0 + (unsigned long long)bad,
-                              k0, k1);
+                              "saved from a diverged run", sh.path[x->r], (unsigned long long)x->k0 + (unsigned long long)bad,
+                              x->k0, x->k1);
         }
     }
+    /* each held piece from the overlap of every file range with it */
     for (int i = 0; s == FL_OK && i < set->n; i++) {
         const fl_shard_buf *b = &set->b[i];
-        size_t es = fl_dtype_size(b->dtype), h1 = b->h0 + b->hn;
-        for (int r = 0; s == FL_OK && r < sh.world; r++) {
-            size_t k0, k1;
-            const fl_st_tensor *t;
-            s = file_range(&sh, r, b, &k0, &k1, &t);
-            size_t lo = k0 > b->h0 ? k0 : b->h0, hi = k1 < h1 ? k1 : h1;
-            if (s == FL_OK && t && lo < hi)
-                s = set->be->to_device(set->be, (char *)b->data + (lo - b->h0) * es,
-                                       (const char *)t->data + (lo - k0) * es, (hi - lo) * es);
+        size_t es = fl_dtype_size(b->dtype);
+        for (int p = 0; s == FL_OK && p < b->npc; p++) {
+            const fl_shard_piece *h = &b->pc[p];
+            size_t h1 = h->k0 + h->n;
+            for (int j = 0; s == FL_OK && j < nfr[i]; j++) {
+                const frange *x = &fr[i][j];
+                size_t lo = x->k0 > h->k0 ? x->k0 : h->k0, hi = x->k1 < h1 ? x->k1 : h1;
+                if (lo < hi)
+                    s = set->be->to_device(set->be, (char *)h->data + (lo - h->k0) * es, x->src + (lo - x->k0) * es,
+                                           (hi - lo) * es);
+            }
         }
     }
+    for (int i = 0; fr && i < set->n; i++) free(fr[i]);
+    free(fr);
+    free(nfr);
     if (s == FL_OK) s = fl_ckpt_read_state_meta(&sh.meta, sh.dir, o, st);
     shards_close(&sh);
     return s;
@@ -430,6 +577,8 @@ fl_status fl_shard_ckpt_load(const char *dir, const fl_shard_set *set, const fl_
 typedef struct {
     const shards *sh;
     const fl_shard_buf *b; /* "params" */
+    const frange *fr;      /* its ranges in the files, sorted */
+    int nfr;
     size_t off, n;         /* the tensor's elements of it */
 } fill_ctx;
 
@@ -438,14 +587,12 @@ typedef struct {
 static fl_status fill_tensor(void *ud, float *dst) {
     const fill_ctx *c = ud;
     size_t es = fl_dtype_size(c->b->dtype), e = c->off + c->n;
-    for (int r = 0; r < c->sh->world; r++) {
-        size_t k0, k1;
-        const fl_st_tensor *t;
-        FL_TRY(file_range(c->sh, r, c->b, &k0, &k1, &t));
-        size_t lo = k0 > c->off ? k0 : c->off, hi = k1 < e ? k1 : e;
-        if (!t || lo >= hi) continue;
-        if (fl_convert(dst + (lo - c->off), FL_F32, (const char *)t->data + (lo - k0) * es, c->b->dtype, hi - lo))
-            return fl_errorf(FL_ERR_UNSUPPORTED, "%s: cannot convert %s parameters", c->sh->path[r],
+    for (int j = 0; j < c->nfr; j++) {
+        const frange *x = &c->fr[j];
+        size_t lo = x->k0 > c->off ? x->k0 : c->off, hi = x->k1 < e ? x->k1 : e;
+        if (lo >= hi) continue;
+        if (fl_convert(dst + (lo - c->off), FL_F32, x->src + (lo - x->k0) * es, c->b->dtype, hi - lo))
+            return fl_errorf(FL_ERR_UNSUPPORTED, "%s: cannot convert %s parameters", c->sh->path[x->r],
                              fl_dtype_name(c->b->dtype));
     }
     return FL_OK;
@@ -477,13 +624,16 @@ static fl_status export_hf(const char *ckpt, const char *out, int *n_tok) {
         if (t) pb.dtype = t->dtype;
     }
     if (pb.dtype == FL_DTYPE_COUNT) s = fl_errorf(FL_ERR_FORMAT, "%s: no shard file holds parameters", ckpt);
-    if (s == FL_OK) s = covered(&sh, &pb, 0, pb.count);
+    frange *fr = NULL;
+    int nfr = 0;
+    if (s == FL_OK) s = buf_ranges(&sh, &pb, &fr, &nfr);
+    if (s == FL_OK) s = covered(&sh, &pb, fr, nfr, 0, pb.count);
     fl_st_write_tensor *t = calloc((size_t)lay.n + 1, sizeof *t);
     fill_ctx *fc = calloc((size_t)lay.n + 1, sizeof *fc);
     if (s == FL_OK && (!t || !fc)) s = fl_errorf(FL_ERR_OOM, "%s: out of host memory", out);
     for (int k = 0; s == FL_OK && k < lay.n; k++) {
         const fl_param_info *pi = &lay.params[k];
-        fc[k] = (fill_ctx){&sh, &pb, pi->offset, pi->numel};
+        fc[k] = (fill_ctx){&sh, &pb, fr, nfr, pi->offset, pi->numel};
         t[k].name = pi->name;
         t[k].dtype = pb.dtype; /* as fl_hf_save_model: the storage dtype */
         t[k].src_dtype = FL_F32;
@@ -495,6 +645,7 @@ static fl_status export_hf(const char *ckpt, const char *out, int *n_tok) {
     if (s == FL_OK && strcmp(ckpt, out)) s = fl_io_copy_tokenizer_files(ckpt, out, n_tok);
     free(t);
     free(fc);
+    free(fr);
     shards_close(&sh);
     fl_layout_free(&lay);
     return s;

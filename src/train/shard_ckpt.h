@@ -4,14 +4,16 @@
  *
  * The abstraction: a checkpoint is a list of FLAT BUFFERS (the trainable parameters, AdamW's m and
  * v, SGD's momentum, 8-bit AdamW's per-tensor codes and block absmax). Buffer element k stands for
- * element base + k * gran of the split space [0, split_n): the trainable elements that fl_comm's
- * chunk layout divides over the ranks (fl_comm_chunk). Rank r OWNS the buffer elements whose split
- * element falls in its chunk: every element is owned by exactly one rank at every world size, and a
- * rank writes exactly its owned ranges (so a buffer every rank holds whole, like ZeRO-1/2's
- * parameters, is stored once, not N times). A rank HOLDS a contiguous range [h0, h0 + hn) of each
- * buffer in memory (the whole buffer, its chunk, or 8-bit AdamW's block-widened piece), which must
- * contain what it owns; on resume it reads its held range from whichever files own it. ZeRO-3 /
- * FULL_SHARD's parameter chunk is one more buffer whose held range is the chunk.
+ * element base + k * gran of the split space [0, split_n): the trainable elements. A rank HOLDS a
+ * list of ranges of each buffer in memory (pieces: the whole buffer, its chunk, 8-bit AdamW's
+ * block-widened piece, or FULL_SHARD's per-unit pieces) and OWNS some of them, which it writes:
+ *   - the chunk rule (DDP, ZeRO-1/2): rank r owns the buffer elements whose split element falls in
+ *     its fl_comm_chunk of [0, split_n), one range that must lie in one held piece (so a buffer
+ *     every rank holds whole, like ZeRO-1/2's parameters, is stored once, not N times);
+ *   - own_held (ZeRO-3 / FULL_SHARD): rank r owns exactly what it holds, its pieces of every unit
+ *     (fl_fsdp_ranges; each unit split by fl_comm_chunk on its own), several ranges per buffer.
+ * Either way the ranks' owned ranges tile every buffer exactly once. On resume a rank reads each
+ * held piece from whichever files' ranges overlap it, whatever rule wrote them.
  */
 #ifndef FL_TRAIN_SHARD_CKPT_H
 #define FL_TRAIN_SHARD_CKPT_H
@@ -42,35 +44,44 @@ fl_status fl_ckpt_commit(const char *out_dir, const char *name, const char *tmp)
 #define FL_SHARD_NAME_MAX 160
 #define FL_SHARD_META_FILE "sharded_state.safetensors" /* the one shared metadata file */
 
+/* Held elements [k0, k0 + n) of a buffer at data (backend memory). */
+typedef struct {
+    size_t k0, n;
+    void *data;
+} fl_shard_piece;
+
 typedef struct {
     char name[FL_SHARD_NAME_MAX]; /* "params", "optimizer.exp_avg", "optimizer.state8.<tensor>.q_m", ... */
     fl_dtype dtype;               /* in memory and on disk */
     size_t count;                 /* elements of the whole buffer */
     size_t base, gran;            /* element k <-> split element base + k * gran */
-    void *data;                   /* backend memory holding elements [h0, h0 + hn) */
-    size_t h0, hn;
+    fl_shard_piece *pc;           /* held pieces, ascending and disjoint (malloc'd) */
+    int npc;
 } fl_shard_buf;
 
 typedef struct {
     fl_shard_buf *b;
     int n, cap;
-    size_t split_n;              /* the space fl_comm_chunk divides: the trainable elements */
+    size_t split_n;              /* the trainable elements (the whole model's, also under FULL_SHARD) */
+    int own_held;                /* a rank owns what it holds (FULL_SHARD), else the chunk rule */
     const fl_backend *be;        /* whose memory data is (to_host / to_device) */
 } fl_shard_set;
 
+/* One held piece [h0, h0 + hn) at data. */
 fl_status fl_shard_set_add(fl_shard_set *s, const char *name, fl_dtype dt, size_t count, size_t base, size_t gran,
                            void *data, size_t h0, size_t hn);
+/* Several held pieces (copied; ascending, disjoint, inside [0, count)). */
+fl_status fl_shard_set_add_pieces(fl_shard_set *s, const char *name, fl_dtype dt, size_t count, size_t base,
+                                  size_t gran, const fl_shard_piece *pc, int npc);
 void fl_shard_set_free(fl_shard_set *s);
-/* The elements [*k0, *k1) of b that rank `rank` of `world` owns. */
+/* The elements [*k0, *k1) of b that rank `rank` of `world` owns under the chunk rule. */
 void fl_shard_owned(const fl_shard_buf *b, size_t split_n, int world, int rank, size_t *k0, size_t *k1);
 /* An optimizer's buffers as it holds them: "params" (o->p, held whole) and its state (held
  * [s_off, s_off + s_len), or 8-bit AdamW's pieces per tensor). Full-model training only. */
 fl_status fl_shard_set_from_optim(fl_shard_set *s, const fl_model *m, const fl_optimizer *o);
-/* The same with the parameters held as [p_h0, p_h0 + p_hn) at `params` (backend memory holding
- * exactly those elements): ZeRO-3 / FULL_SHARD passes its parameter chunk (fl_comm_chunk of o->n)
- * and that buffer; DDP and ZeRO-1/2 pass o->p, 0, o->n. */
-fl_status fl_shard_set_from_optim_ex(fl_shard_set *s, const fl_model *m, const fl_optimizer *o, void *params,
-                                     size_t p_h0, size_t p_hn);
+/* ZeRO-3 / FULL_SHARD (dp->fsdp): "params" and the optimizer state (AdamW m, v or SGD momentum;
+ * o runs on the shard) held as this rank's per-unit pieces (fl_fsdp_ranges), own_held. */
+fl_status fl_shard_set_from_fsdp(fl_shard_set *s, const fl_dp *dp, const fl_model *m, const fl_optimizer *o);
 /* The layout fingerprint (FNV-1a over every entry's name, shape and offset, and the element count):
  * shards of another model or layout are refused. */
 uint64_t fl_shard_fingerprint(const fl_param_layout *lay, size_t n);
@@ -78,7 +89,9 @@ uint64_t fl_shard_fingerprint(const fl_param_layout *lay, size_t n);
 /* ---- save, load, export -------------------------------------------------------------------------- */
 
 /* Collective. Every rank writes out_dir/.tmp-<name>-shards/shard-RRRRR-of-NNNNN.safetensors (its
- * owned ranges of every buffer in set; metadata: buffer ranges, rank, world, fingerprint, step);
+ * owned ranges of every buffer in set, one tensor per buffer holding them one after another;
+ * metadata: "range.<buffer>" = "k0 k1 count" for one range, "ranges.<buffer>" = "count k0 k1 k0 k1
+ * ..." for several, rank, world, fingerprint, step);
  * rank 0 also writes sharded_state.safetensors (training state, world, fingerprint, buffers),
  * config.json, hyperparameters.yaml and the tokenizer files. After every rank reported success
  * (fl_dp_agree), rank 0 writes the consolidated HF export when export_hf (final/: streamed from
@@ -88,7 +101,7 @@ uint64_t fl_shard_fingerprint(const fl_param_layout *lay, size_t n);
 fl_status fl_shard_ckpt_save(fl_dp *dp, const fl_shard_set *set, const char *out_dir, const char *name,
                              const fl_model *m, const fl_optimizer *o, const fl_train_state *st,
                              const fl_run_config *cfg, const char *tok_dir, int export_hf);
-/* Read this rank's held range of every buffer of set from whichever shard files own it (any saved
+/* Read this rank's held pieces of every buffer of set from whichever shard files own it (any saved
  * world size), then the training state. Everything is checked before anything is written (files
  * present, same fingerprint, step and world in every file, buffer dtypes, ranges covering what is
  * needed, finite parameters): an error names the file and the range, and nothing is resumed. Not

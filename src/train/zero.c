@@ -171,11 +171,8 @@ fl_status fl_dp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const char 
                           const fl_optimizer *o, const fl_train_state *st, const fl_run_config *cfg,
                           const char *tok_dir) {
     if (cfg && o && !strcmp(cfg->state_dict_type, "sharded")) { /* each rank its ranges: shard_ckpt.c */
-        if (dp->fsdp) /* refused at set-up (fl_cfg_validate); kept for callers that skip it */
-            return fl_errorf(FL_ERR_UNSUPPORTED, "fsdp.state_dict_type sharded under FULL_SHARD: not implemented yet "
-                             "(its shards are per unit); use full");
-        fl_shard_set set;
-        FL_TRY(fl_shard_set_from_optim(&set, m, o));
+        fl_shard_set set; /* FULL_SHARD: its pieces of every unit, else the chunk rule */
+        FL_TRY(dp->fsdp ? fl_shard_set_from_fsdp(&set, dp, m, o) : fl_shard_set_from_optim(&set, m, o));
         fl_status s = fl_shard_ckpt_save(dp, &set, out_dir, name, m, o, st, cfg, tok_dir, !strcmp(name, "final"));
         fl_shard_set_free(&set);
         return s;
@@ -220,12 +217,8 @@ fl_status fl_dp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const char 
 
 fl_status fl_dp_ckpt_load(fl_dp *dp, const char *dir, fl_model *m, fl_optimizer *o, fl_train_state *st) {
     if (fl_ckpt_is_sharded(dir)) { /* saved sharded, at any world size: each rank reads what it holds */
-        if (dp->fsdp)
-            return fl_errorf(FL_ERR_UNSUPPORTED, "%s: a sharded checkpoint cannot be resumed under FULL_SHARD yet "
-                             "(its shards are per unit); resume it with --strategy ddp, deepspeed_stage_1 or "
-                             "deepspeed_stage_2, or export its model with `fitllm merge_shards`", dir);
-        fl_shard_set set;
-        FL_TRY(fl_shard_set_from_optim(&set, m, o));
+        fl_shard_set set; /* FULL_SHARD: each piece from the overlapping ranges */
+        FL_TRY(dp->fsdp ? fl_shard_set_from_fsdp(&set, dp, m, o) : fl_shard_set_from_optim(&set, m, o));
         fl_status s = fl_shard_ckpt_load(dir, &set, &m->layout, o, st);
         fl_shard_set_free(&set);
         return s;
