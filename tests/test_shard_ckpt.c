@@ -115,27 +115,57 @@ static int exists(const char *p) {
     return stat(p, &st) == 0;
 }
 
-/* The "params" ranges of the shard files of dir tile [0, n) once: returns the elements stored. */
-static size_t params_stored(const char *dir, int world, size_t n, int *tiled) {
-    size_t total = 0, next = 0;
-    *tiled = 1;
-    for (int r = 0; r < world; r++) {
+static int rcmp(const void *a, const void *b) {
+    const size_t *x = a, *y = b;
+    return x[0] < y[0] ? -1 : x[0] > y[0];
+}
+
+/* The "params" ranges of the shard files of dir tile [0, n) once: returns the elements stored.
+ * chunk_rule (DDP, ZeRO-1/2): each file holds one range, fl_comm's chunk of rank r; else
+ * (FULL_SHARD) each file lists several ranges ("ranges.params": its pieces of the units), and all
+ * files' ranges together tile [0, n). */
+static size_t params_stored(const char *dir, int world, size_t n, int chunk_rule, int *tiled) {
+    size_t total = 0, next = 0, (*all)[2] = calloc(4096, sizeof *all);
+    int na = 0;
+    *tiled = all != NULL;
+    for (int r = 0; r < world && all; r++) {
         char p[FL_CFG_PATH + 200];
         snprintf(p, sizeof p, "%s/shard-%05d-of-%05d.safetensors", dir, r, world);
         fl_st_file f;
-        if (fl_st_open(&f, p) != FL_OK) { *tiled = 0; return 0; }
+        if (fl_st_open(&f, p) != FL_OK) { *tiled = 0; break; }
         const fl_st_tensor *t = fl_st_find(&f, "params");
-        size_t k0 = 0, k1 = 0, cnt = 0;
-        for (int i = 0; i < f.n_meta; i++)
-            if (!strcmp(f.meta_keys[i], "range.params")) sscanf(f.meta_vals[i], "%zu %zu %zu", &k0, &k1, &cnt);
-        size_t off, len;
-        fl_comm_chunk(n, world, r, &off, &len); /* what rank r owns: fl_comm's chunk */
-        if (!t || k0 != off || k1 != off + len || k0 != next || cnt != n) *tiled = 0;
+        size_t k0 = 0, k1 = 0, cnt = 0, in_file = 0;
+        int nr = 0;
+        for (int i = 0; i < f.n_meta; i++) {
+            if (!strcmp(f.meta_keys[i], "range.params") && sscanf(f.meta_vals[i], "%zu %zu %zu", &k0, &k1, &cnt) == 3 &&
+                na < 4096) {
+                all[na][0] = k0, all[na++][1] = k1, nr++, in_file += k1 - k0;
+            } else if (!strcmp(f.meta_keys[i], "ranges.params")) {
+                const char *q = f.meta_vals[i];
+                int u = 0;
+                if (sscanf(q, "%zu%n", &cnt, &u) != 1) *tiled = 0;
+                for (q += u; na < 4096 && sscanf(q, "%zu %zu%n", &k0, &k1, &u) == 2; q += u)
+                    all[na][0] = k0, all[na++][1] = k1, nr++, in_file += k1 - k0;
+            }
+        }
+        if (chunk_rule) {
+            size_t off, len;
+            fl_comm_chunk(n, world, r, &off, &len); /* what rank r owns: fl_comm's chunk */
+            if (nr != 1 || k0 != off || k1 != off + len) *tiled = 0;
+        } else if (nr < 2) {
+            *tiled = 0; /* FULL_SHARD: a piece of every unit */
+        }
+        if (!t || cnt != n || (t->end - t->begin) / fl_dtype_size(t->dtype) != in_file) *tiled = 0;
         if (t) total += (t->end - t->begin) / fl_dtype_size(t->dtype);
-        next = k1;
         fl_st_close(&f);
     }
+    if (all) qsort(all, (size_t)na, sizeof *all, rcmp);
+    for (int i = 0; i < na; i++) {
+        if (all[i][0] != next) *tiled = 0;
+        next = all[i][1];
+    }
     if (next != n) *tiled = 0;
+    free(all);
     return total;
 }
 
@@ -153,7 +183,8 @@ static void scenario(int sc, int gw, int sw, const char *sstrat, const int *rw, 
     /* the files: parameters once, merge = the full checkpoint's bytes */
     int tiled = 0;
     size_t n = a->rec[0].nbytes / (sc == ZR_BF16 ? 2 : 4);
-    size_t stored = params_stored(sdir, sw, n, &tiled);
+    int chunk_rule = strcmp(sstrat, "fsdp") && strcmp(sstrat, "deepspeed_stage_3");
+    size_t stored = params_stored(sdir, sw, n, chunk_rule, &tiled);
     FL_CHECKF(tiled && stored == n, "%s: the shard files hold %zu parameter elements (tiling %d), the model %zu",
               zr_names[sc], stored, tiled, n);
     snprintf(p, sizeof p, "%s/model.safetensors", sdir);
@@ -177,16 +208,17 @@ static void scenario(int sc, int gw, int sw, const char *sstrat, const int *rw, 
         char tag[64];
         skjob *ref = NULL;
         for (int k = 0; strat[k]; k++) {
-            if (rw[w] == 1 && k > 0) break; /* one process: one strategy */
-            snprintf(tag, sizeof tag, "resume%d-%s", rw[w], strat[k]);
-            skjob *x = sk_run(sc, gw, rw[w], strat[k], "full", 5, 0, sdir, tag);
+            if (rw[w] == 1 && k > 0) break; /* one process: one strategy (DDP: every strategy is one process) */
+            const char *sname = rw[w] == 1 ? "ddp" : strat[k];
+            snprintf(tag, sizeof tag, "resume%d-%s", rw[w], sname);
+            skjob *x = sk_run(sc, gw, rw[w], sname, "full", 5, 0, sdir, tag);
             if (!ref) {
                 snprintf(tag, sizeof tag, "resume%d-from-full", rw[w]);
-                ref = sk_run(sc, gw, rw[w], strat[k], "full", 5, 0, fdir, tag);
+                ref = sk_run(sc, gw, rw[w], sname, "full", 5, 0, fdir, tag);
             }
             FL_CHECKF(x->st[0] == FL_OK && ref->st[0] == FL_OK && same_from(&x->rec[0], &ref->rec[0], 3),
                       "%s: saved sharded at %d ranks, resumed at %d (%s): bits differ from the full checkpoint's resume",
-                      zr_names[sc], sw, rw[w], strat[k]);
+                      zr_names[sc], sw, rw[w], sname);
             skfree(x);
         }
         skfree(ref);
@@ -236,6 +268,26 @@ FL_TEST(shard_ckpt_threads_bf16_true_saved_at_2_resumed_at_3) {
     static const int rw[] = {3, 0};
     static const char *const st[] = {"deepspeed_stage_2", NULL};
     scenario(ZR_BF16, 3, 2, "ddp", rw, st); /* global batch 12: 2 x 2 x 3 and 3 x 2 x 2 */
+}
+
+/* FULL_SHARD (ZeRO-3): each rank writes its pieces of every unit (several ranges per buffer:
+ * bf16 parameters, AdamW's m and v); saved at 3 ranks, resumed by FULL_SHARD at 2 (each piece from
+ * the overlapping ranges of the 3-rank files) and by DDP in one process; at 3 ranks the
+ * uninterrupted run's bits; merge_shards = the full checkpoint's model.safetensors. Runs under ASan
+ * too: the ranges lists are this scenario's alone. */
+FL_TEST(shard_ckpt_threads_fsdp_bf16_true_saved_at_3_resumed_at_2_and_1) {
+    static const int rw[] = {2, 1, 0};
+    static const char *const st[] = {"fsdp", NULL};
+    scenario(ZR_BF16, 3, 3, "fsdp", rw, st); /* global batch 12: 3 x 2 x 2 and 2 x 2 x 3 */
+}
+
+/* The other direction: SGD momentum saved by ZeRO-2 at 2 ranks (one chunk per rank), resumed by
+ * FULL_SHARD at 3 (each unit's piece from the 2 files' chunks). */
+FL_TEST(shard_ckpt_threads_zero2_saved_at_2_resumed_by_fsdp_at_3) {
+    SK_RELEASE_ONLY();
+    static const int rw[] = {3, 0};
+    static const char *const st[] = {"fsdp", NULL};
+    scenario(ZR_SGDM, 3, 2, "deepspeed_stage_2", rw, st);
 }
 
 /* ---- bad input ------------------------------------------------------------------------------ */
