@@ -112,7 +112,7 @@ expect finetune_underscore_int 0 "Saved the final model" -- "$FITLLM" finetune_f
 # data parallel: --devices N without a launcher starts its ranks through mpirun (tests/mpi_test.sh);
 # where it cannot (FITLLM_MPIRUN=none, a build without MPI, a rank of its own mpirun that sees no
 # launcher) and across nodes (the hosts are unknown) it prints the exact mpirun command;
-# what is not implemented yet (HYBRID_SHARD, offload, sharded checkpoints under FULL_SHARD) says so, never mapped
+# what is not implemented yet (HYBRID_SHARD, offload) says so, never mapped
 # onto something else
 NOLAUNCH=(env -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u PMI_RANK -u PMI_SIZE -u SLURM_PROCID -u RANK -u WORLD_SIZE
           -u FITLLM_LAUNCHED)
@@ -133,7 +133,6 @@ for pat in "--devices 2 x --num_nodes 2 asks for 4 ranks on 2 machines, .*hostfi
 done
 [ -e "$T/d1" ] && { echo "FAIL ddp_without_launcher_writes_nothing: $T/d1 exists"; fail=$((fail+1)); }
 expect zero_stage3_offload_not_yet 2 "strategy 'deepspeed_stage_3_offload' is not implemented yet \(issue #14" -- "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload --out_dir "$T/d2"
-expect fsdp_sharded_ckpt_not_yet 2 "fsdp.state_dict_type sharded under FULL_SHARD / deepspeed_stage_3: not implemented yet" -- "$FITLLM" finetune_full micro --strategy fsdp --fsdp.state_dict_type sharded --out_dir "$T/d2"
 expect zero_hybrid_not_yet 2 "fsdp.sharding_strategy 'HYBRID_SHARD' is not implemented yet" -- "$FITLLM" finetune_full micro --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD --out_dir "$T/d2"
 expect zero_sharding_unknown 2 "fsdp.sharding_strategy 'ZERO9': unknown" -- "$FITLLM" finetune_full micro --strategy fsdp --fsdp.sharding_strategy ZERO9 --out_dir "$T/d2"
 # one process: every strategy trains as one process does (FULL_SHARD of one rank holds everything)
@@ -292,6 +291,9 @@ expect merge_lora_not_adapter 2 "adapter_config.json" -- "$FITLLM" merge_lora "$
 SH=(micro --data.n_train 13 --data.n_val 3 --train.micro_batch_size 2 --train.global_batch_size 2 --train.max_steps 2
     --train.save_interval 2 --train.max_seq_length 32 --eval.max_new_tokens 0 --eval.final_validation false --threads 1)
 expect sharded_save 0 "Saved the final model" -- "$FITLLM" finetune_full "${SH[@]}" --fsdp.state_dict_type sharded --out_dir "$T/shs"
+# FULL_SHARD with sharded checkpoints (one process: one rank holds every unit whole; the threads
+# and MPI tests run its per-unit pieces)
+expect fsdp_sharded_ckpt 0 "Saved the final model" -- "$FITLLM" finetune_full "${SH[@]}" --strategy fsdp --fsdp.state_dict_type sharded --out_dir "$T/shfs"
 expect sharded_full_twin 0 "Saved the final model" -- "$FITLLM" finetune_full "${SH[@]}" --out_dir "$T/shf"
 expect merge_shards_ok 0 "merged .*step-000002 -> .*shm \(config.json, model.safetensors" -- "$FITLLM" merge_shards "$T/shs/step-000002" --out "$T/shm"
 if [ -f "$T/shs/step-000002/shard-00000-of-00001.safetensors" ] && [ ! -e "$T/shs/step-000002/model.safetensors" ] \

@@ -4,7 +4,7 @@
 #     (tests/mpi/ddp_mpi_test.c), the CLI under mpirun (rank 0 reports and writes; its checkpoint
 #     resumes in one process; ZeRO's checkpoints equal DDP's; --devices mismatch), and started
 #     without a launcher (it runs mpirun itself: the same bits, root and oversubscription handled);
-#     a sharded checkpoint saved at 3 ranks resumes at 2 and merge_shards consolidates it;
+#     a sharded checkpoint saved at 3 ranks resumes at 2 and merge_shards consolidates it (also FULL_SHARD's);
 #   - every collective/dtype/op/count at 2 and 4 ranks, checked against the specification, float64,
 #     a second run and the threads implementation's bits (tests/mpi/comm_mpi_test.c);
 #   - faults: one rank calls fl_comm_abort, or exits non-zero without a word, while the others wait:
@@ -204,6 +204,21 @@ if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000002 (step 2, iter 
     ok "fsdp_checkpoint_resumes_in_one_process"
 else
     bad "fsdp_checkpoint_resumes_in_one_process" "exit $rc"
+fi
+# the same FULL_SHARD run with sharded checkpoints: each rank writes its pieces of every unit (a list of ranges per
+# buffer); merge_shards and final/'s export = the consolidated run's model.safetensors, and one process resumes it
+# to the bits of resuming the consolidated checkpoint
+timeout 300 mpirun -np 2 "$FL" finetune_full "${ARGS[@]}" --devices 2 --strategy fsdp --fsdp.state_dict_type sharded \
+    --out_dir "$T/fsdps" >"$T/out" 2>&1; rc=$?
+"$FL" merge_shards "$T/fsdps/step-000002" --out "$T/fsdpm" >>"$T/out" 2>&1 || rc=97
+timeout 300 "$FL" finetune_full "${ARGS[@]}" --resume "$T/fsdps/step-000002" --out_dir "$T/fsdps1" >>"$T/out" 2>&1 || rc=96
+if [ $rc -eq 0 ] && grep -q "ranges.params" "$T/fsdps/step-000002/shard-00001-of-00002.safetensors" \
+    && cmp -s "$T/fsdpm/model.safetensors" "$T/fsdp/step-000002/model.safetensors" \
+    && cmp -s "$T/fsdps/final/model.safetensors" "$T/fsdp/final/model.safetensors" \
+    && cmp -s "$T/fsdps1/final/model.safetensors" "$T/fsdp1/final/model.safetensors"; then
+    ok "fsdp_sharded_ckpt_np2 (merge_shards, final/ and the resume = the consolidated run's bytes)"
+else
+    bad "fsdp_sharded_ckpt_np2" "exit $rc or a model.safetensors differs from the consolidated run's"
 fi
 
 # ranks started with different command lines refuse at start-up, naming the difference (once)
