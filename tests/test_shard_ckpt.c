@@ -274,9 +274,13 @@ FL_TEST(shard_ckpt_threads_bf16_true_saved_at_2_resumed_at_3) {
  * bf16 parameters, AdamW's m and v); saved at 3 ranks, resumed by FULL_SHARD at 2 (each piece from
  * the overlapping ranges of the 3-rank files) and by DDP in one process; at 3 ranks the
  * uninterrupted run's bits; merge_shards = the full checkpoint's model.safetensors. Runs under ASan
- * too: the ranges lists are this scenario's alone. */
+ * too (without the one-process resume): the ranges lists are this scenario's alone. */
 FL_TEST(shard_ckpt_threads_fsdp_bf16_true_saved_at_3_resumed_at_2_and_1) {
+#if defined(__SANITIZE_ADDRESS__)
+    static const int rw[] = {2, 0}; /* make test's time: the release pass adds the one-process resume */
+#else
     static const int rw[] = {2, 1, 0};
+#endif
     static const char *const st[] = {"fsdp", NULL};
     scenario(ZR_BF16, 3, 3, "fsdp", rw, st); /* global batch 12: 3 x 2 x 2 and 2 x 2 x 3 */
 }

@@ -4,9 +4,12 @@
  * success, makes it resumable. See shard_ckpt.h for the buffer abstraction.
  *
  * A checkpoint folder (step-XXXXXX/ or final/):
- *   shard-RRRRR-of-NNNNN.safetensors  rank R's owned range of every buffer, one 1-D tensor each
- *                                      (named as the buffer); metadata: format, rank, world_size,
- *                                      fingerprint, step, iter, and "range.<buffer>" = "k0 k1 count"
+ *   shard-RRRRR-of-NNNNN.safetensors  rank R's owned ranges of every buffer, one 1-D tensor each
+ *                                      (named as the buffer, the ranges one after another);
+ *                                      metadata: format, rank, world_size, fingerprint, step, iter,
+ *                                      and "range.<buffer>" = "k0 k1 count" (one range) or
+ *                                      "ranges.<buffer>" = "count k0 k1 k0 k1 ..." (FULL_SHARD: its
+ *                                      piece of every unit)
  *   sharded_state.safetensors          no tensors; the training state (fl_ckpt_save's metadata),
  *                                      shard_files, fingerprint, stage, the buffer list
  *   config.json, hyperparameters.yaml, tokenizer files (rank 0)
@@ -16,11 +19,12 @@
  * second, consolidated copy for transformers and generate); `fitllm merge_shards` writes the same
  * export offline from any committed sharded checkpoint.
  *
- * Resume at any world size: a rank reads its held range of each buffer from the files whose owned
- * ranges overlap it (through the files' mmaps, straight into its buffers); ranges that no file
- * covers, a missing file, a file of another step, world size or layout are refused before anything
- * is written. The ranges are fl_comm_chunk's over the trainable elements, so a buffer's owned
- * ranges tile it at every world size. */
+ * Resume at any world size and strategy: a rank reads each held piece of each buffer from the
+ * files whose owned ranges overlap it (through the files' mmaps, straight into its buffers);
+ * ranges that no file covers, a missing file, a file of another step, world size or layout are
+ * refused before anything is written. The ranges are fl_comm_chunk's over the trainable elements
+ * (DDP, ZeRO-1/2) or over each FSDP unit (FULL_SHARD), so a buffer's owned ranges tile it at every
+ * world size whichever strategy saved it. */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
