@@ -64,7 +64,7 @@ static fl_status run_on(const char *backend, const char *prec, const char *opt, 
     return s;
 }
 
-static void compare(const char *prec, const char *opt, int lora) {
+__attribute__((unused)) static void compare(const char *prec, const char *opt, int lora) {
     crec cpu = {0}, ref = {0}, emu = {0};
     FL_REQUIRE_OK(run_on("cpu", prec, opt, lora, NULL, &cpu));
     FL_REQUIRE_OK(run_on("ref", prec, opt, lora, NULL, &ref));
