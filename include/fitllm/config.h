@@ -171,7 +171,8 @@ fl_status fl_cfg_check_strategy(const char *strategy);
 
 /* What --strategy runs as (fl_cfg_resolve_strategy). */
 typedef struct {
-    int stage;         /* ZeRO stage the run uses: 0 DDP (and one process), 1, 2, 3 FULL_SHARD (LoRA: see dp.h) */
+    int stage;         /* ZeRO stage of the strategy run: 0 DDP (and auto in one process), 1, 2, 3 FULL_SHARD
+                        * (LoRA: see dp.h); one process runs unsharded whatever it is */
     char strategy[32]; /* the strategy run: the one given, or auto's choice ("ddp" or "fsdp") */
     char sharding[32]; /* its fsdp.sharding_strategy ("FULL_SHARD" for auto's fsdp, else the one given) */
     char desc[256];    /* for the run's description: "fsdp", "auto: fsdp FULL_SHARD (...)", "auto: DDP, since ..." */
@@ -181,7 +182,7 @@ typedef struct {
  * FULL_SHARD (across nodes HYBRID is not implemented: FULL_SHARD over all ranks, and desc says so);
  * finetune_lora -> DDP over the adapters. Where FULL_SHARD refuses the configuration (8-bit AdamW,
  * 16-true, sharded checkpoints; device_comm: a device-memory communicator) auto is DDP and desc
- * says why. An explicit strategy is never changed; one rank: stage 0 and nothing changes. The
+ * says why. An explicit strategy is never changed; auto with one rank stays auto (stage 0). The
  * trainer (with its communicator) and the planner (--cuda) both resolve here. Errors as
  * fl_cfg_zero_stage. */
 fl_status fl_cfg_resolve_strategy(const fl_run_config *c, int device_comm, fl_strategy_choice *out);
