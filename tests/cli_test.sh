@@ -103,7 +103,7 @@ expect finetune_precision_unknown 2 "16-mixed" -- "$FITLLM" finetune_full micro 
 R=tests/fixtures/litgpt-recipes
 expect plan_recipe_devices_space 0 "FITS" -- "$FITLLM" plan llama-2-7b --config "$R/finetune/llama-2-7b/full.yaml" --devices 1 --device-memory 80GB
 expect plan_recipe_devices_eq 0 "FITS" -- "$FITLLM" plan llama-2-7b --config "$R/finetune/llama-2-7b/full.yaml" --devices=auto --device-memory 80GB
-expect plan_recipe_devices_4 0 "data parallel \(DDP\) over 4 ranks" -- "$FITLLM" plan llama-2-7b --config "$R/finetune/llama-2-7b/full.yaml" --device-memory 80GB
+expect plan_recipe_devices_4 0 "FSDP FULL_SHARD \(ZeRO-3\) over 4 ranks" -- "$FITLLM" plan llama-2-7b --config "$R/finetune/llama-2-7b/full.yaml" --device-memory 80GB
 expect plan_litgpt_model_name 0 "FITS" -- "$FITLLM" plan TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T --device-memory 80GB
 expect pretrain_unknown_model_near 2 "nearest: tinyllama-1.1b" -- "$FITLLM" pretrain --model_name tinyllama-1b --data Synthetic --out_dir "$T/o2"
 expect finetune_underscore_int 0 "Saved the final model" -- "$FITLLM" finetune_full micro --train.max_tokens 10_000 --train.max_steps 1 \
@@ -178,7 +178,14 @@ expect plan_no_budget_unknown 0 "verdict: UNKNOWN: no --device-memory / --max-me
 if "$FITLLM" plan tinyllama-1.1b | grep -q "FITS"; then echo "FAIL plan_no_budget_not_fits"; fail=$((fail+1)); else echo "ok   plan_no_budget_not_fits"; pass=$((pass+1)); fi
 expect plan_no_budget_json 0 '"verdict": "unknown"' -- "$FITLLM" plan tinyllama-1.1b --json
 expect plan_absurd_peak 0 "more than any single machine has" -- "$FITLLM" plan llama-3-8b --train.micro_batch_size 4096 --train.global_batch_size 4096
-expect plan_devices_2 0 "data parallel \(DDP\) over 2 ranks: the memory of ONE rank" -- "$FITLLM" plan tinyllama-1.1b --devices 2
+expect plan_devices_2 0 "data parallel \(DDP\) over 2 ranks: the memory of ONE rank" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy ddp
+# --strategy auto (the default) per command, as LitGPT: finetune_full FULL_SHARD, finetune_lora DDP over the
+# adapters, DDP where FULL_SHARD refuses the run (AdamW8bit), pretrain FULL_SHARD (HYBRID_SHARD on one node)
+expect plan_auto_full_fsdp 0 "strategy auto: fsdp FULL_SHARD, as LitGPT's finetune_full" -- "$FITLLM" plan tinyllama-1.1b --devices 2
+expect plan_auto_full_fsdp_mem 0 "FSDP FULL_SHARD \(ZeRO-3\) over 2 ranks" -- "$FITLLM" plan tinyllama-1.1b --devices 2
+expect plan_auto_lora_ddp 0 "strategy auto: DDP over the adapters" -- "$FITLLM" plan tinyllama-1.1b --lora --devices 2
+expect plan_auto_lora_ddp_mem 0 "data parallel \(DDP\) over 2 ranks" -- "$FITLLM" plan tinyllama-1.1b --lora --devices 2
+expect plan_auto_8bit_ddp 0 "strategy auto: DDP, since FULL_SHARD does not support AdamW8bit yet" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --optimizer bnb.optim.AdamW8bit
 expect plan_strategy_fsdp 0 "FSDP FULL_SHARD \(ZeRO-3\) over 2 ranks: rank 1's memory" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy fsdp --rank 1
 expect plan_fsdp_8bit_refused 2 "FULL_SHARD with AdamW8bit is not implemented yet" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy deepspeed_stage_3 --optimizer bnb.optim.AdamW8bit
 expect plan_hybrid_not_yet 2 "fsdp.sharding_strategy 'HYBRID_SHARD' is not implemented yet \(issue #14" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD

@@ -101,6 +101,7 @@ static void dr_config(fl_run_config *c, int sc, int world, int ranks, int micro_
     c->threads = 1;
     c->seed = 11;
     c->devices = ranks;
+    snprintf(c->strategy, sizeof c->strategy, "ddp"); /* these are DDP's tests (auto: FULL_SHARD for finetune_full) */
     c->optimizer.lr = 3e-3f;
     if (sc == DR_ADAMW) c->train.max_norm = 0.5f; /* clipping on: decided from the reduced gradients */
     if (sc == DR_SGD) {

@@ -65,8 +65,9 @@ done
 
 # the CLI under mpirun: rank 0 alone reports and writes; its checkpoint resumes in one process
 FL=$BUILD/fitllm
+# (--strategy ddp: these are DDP's cases; auto is FULL_SHARD for finetune_full; a later --strategy overrides it)
 ARGS=(micro --data.n_train 51 --data.n_val 7 --train.micro_batch_size 2 --train.global_batch_size 8
-      --train.max_steps 4 --train.save_interval 2 --train.max_seq_length 48 --eval.max_new_tokens 0 --threads 1)
+      --train.max_steps 4 --train.save_interval 2 --train.max_seq_length 48 --eval.max_new_tokens 0 --threads 1 --strategy ddp)
 timeout 300 mpirun -np 2 "$FL" finetune_full "${ARGS[@]}" --devices 2 --out_dir "$T/cli" >"$T/out" 2>&1; rc=$?
 if [ $rc -eq 0 ] && [ "$(grep -c "Saved the final model" "$T/out")" = 1 ] && grep -q "x 2 ranks = global batch 8" "$T/out" \
     && grep -q "data parallel (DDP" "$T/out" && [ -f "$T/cli/final/model.safetensors" ] && [ -f "$T/cli/logs/metrics.csv" ]; then

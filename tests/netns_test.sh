@@ -69,14 +69,15 @@ t0=$(date +%s.%N)
 
 # the DDP CLI scenario of tests/mpi_test.sh: 4 AdamW steps of global batch 8 (micro 2), checkpoints at 2 and 4
 ARGS=(micro --data.n_train 51 --data.n_val 7 --train.micro_batch_size 2 --train.global_batch_size 8
-      --train.max_steps 4 --train.save_interval 2 --train.max_seq_length 48 --eval.max_new_tokens 0 --threads 1)
+      --train.max_steps 4 --train.save_interval 2 --train.max_seq_length 48 --eval.max_new_tokens 0 --threads 1
+      --strategy ddp)
 timeout 60 ip netns exec "$NA" mpirun -np 2 --hostfile "$T/hosts" --mca plm_rsh_agent "$T/rsh" \
     --mca btl tcp,self --mca btl_tcp_if_include $NET --mca oob_tcp_if_include $NET --bind-to none -x OMP_NUM_THREADS \
     "$FL" finetune_full "${ARGS[@]}" --num_nodes 2 --devices 1 --out_dir "$T/nodes" >"$T/out" 2>&1; rc=$?
 tx=$(ip netns exec "$NB" cat "/sys/class/net/$VB/statistics/tx_bytes" 2>/dev/null || echo 0)
 # each step all-reduces the 260032 fp32 gradients: every rank sends (N-1)/N of them per half, 2 halves
 need=$((4 * 260032 * 4))
-if [ $rc -eq 0 ] && grep -q "data parallel (DDP, strategy auto): 2 ranks over mpi (Open MPI (mpirun): rank 0 of 2, local rank 0 of 1)" "$T/out" \
+if [ $rc -eq 0 ] && grep -q "data parallel (DDP, strategy ddp): 2 ranks over mpi (Open MPI (mpirun): rank 0 of 2, local rank 0 of 1)" "$T/out" \
     && grep -qx "$IPB" "$T/rsh.log" && [ -f "$T/nodes/final/model.safetensors" ] && [ "$tx" -ge "$need" ]; then
     ok "netns_two_nodes_ddp (one rank per namespace over TCP; $tx bytes sent from $IPB, >= $need)"
 else

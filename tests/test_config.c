@@ -12,7 +12,9 @@
 
 #include "fitllm/config.h"
 #include "fitllm/model.h"
+#include "fitllm/precision.h"
 #include "test.h"
+#include "train/dp.h"
 
 #define RECIPES "tests/fixtures/litgpt-recipes"
 
@@ -231,7 +233,7 @@ FL_TEST(cfg_values_litgpt_spells) {
     FL_CHECK(c.devices == 4);
     FL_REQUIRE_OK(fl_cfg_set(&c, "train.global_batch_size", "64"));
     FL_REQUIRE_OK(fl_cfg_set(&c, "checkpoint_dir", "micro"));
-    FL_CHECKF(fl_cfg_validate(&c) == FL_OK, "%s", fl_error_message()); /* DDP over 4 ranks (a launcher starts them) */
+    FL_CHECKF(fl_cfg_validate(&c) == FL_OK, "%s", fl_error_message()); /* auto (FULL_SHARD) over 4 ranks (a launcher starts them) */
     FL_REQUIRE_OK(fl_cfg_set(&c, "strategy", "fsdp")); /* FULL_SHARD (ZeRO-3) over 4 ranks */
     FL_CHECKF(fl_cfg_validate(&c) == FL_OK, "%s", fl_error_message());
     FL_REQUIRE_OK(fl_cfg_set(&c, "fsdp.sharding_strategy", "HYBRID_SHARD"));
@@ -418,4 +420,103 @@ FL_TEST(cfg_litgpt_recipes_parse_all) {
     /* the vendored set: 4 pretrain, 12 finetune (7 LoRA/QLoRA), 3 asking for 2 or 4 GPUs */
     FL_CHECKF(st.n == 16 && st.n_pretrain == 4 && st.n_lora == 7 && st.n_multi == 3,
               "recipes %d, pretrain %d, lora %d, multi-device %d", st.n, st.n_pretrain, st.n_lora, st.n_multi);
+}
+
+/* --strategy auto per command, optimizer, precision, checkpoint type, ranks and nodes, against the
+ * rule as issue #14 states it (LitGPT's defaults; DDP where FULL_SHARD refuses the run), and against
+ * the refusals themselves: wherever auto picks DDP for a full-model run, an explicit fsdp is refused
+ * by fl_fsdp_refusal or fl_cfg_validate, and wherever it picks FULL_SHARD, neither refuses. */
+FL_TEST(cfg_strategy_auto_resolution) {
+    static const fl_cmd_kind cmds[] = {FL_CMD_PRETRAIN, FL_CMD_FINETUNE_FULL, FL_CMD_FINETUNE_LORA};
+    static const fl_optim_kind opts[] = {FL_OPT_ADAMW, FL_OPT_SGD, FL_OPT_ADAMW8BIT};
+    static const char *precs[] = {"32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"};
+    static const char *sdts[] = {"full", "sharded"};
+    int n = 0;
+    for (int ci = 0; ci < 3; ci++)
+        for (int oi = 0; oi < 3; oi++)
+            for (int pi = 0; pi < 5; pi++)
+                for (int si = 0; si < 2; si++)
+                    for (int dev = 1; dev <= 2; dev++)
+                        for (int nodes = 1; nodes <= 2; nodes++)
+                            for (int gpu = 0; gpu <= 1; gpu++) {
+        fl_cmd_kind cmd = cmds[ci];
+        if (cmd == FL_CMD_FINETUNE_LORA && si) continue; /* LoRA's checkpoints are adapters, written whole */
+        fl_run_config c;
+        fl_cfg_defaults(&c, cmd);
+        fl_optim_config_default(&c.optimizer, opts[oi]);
+        snprintf(c.precision, sizeof c.precision, "%s", precs[pi]);
+        snprintf(c.state_dict_type, sizeof c.state_dict_type, "%s", sdts[si]);
+        c.data.kind = FL_DATA_SYNTHETIC; /* a valid run otherwise */
+        snprintf(c.checkpoint_dir, sizeof c.checkpoint_dir, "micro");
+        c.train.micro_batch_size = 1;
+        c.train.global_batch_size = 4;
+        c.devices = dev;
+        c.num_nodes = nodes;
+        const int world = dev * nodes;
+        fl_strategy_choice sc;
+        FL_REQUIRE_OK(fl_cfg_resolve_strategy(&c, gpu, &sc));
+        char what[160];
+        snprintf(what, sizeof what, "%s %s %s %s devices %d nodes %d%s", fl_cfg_command_name(cmd),
+                 fl_optim_name(opts[oi]), precs[pi], sdts[si], dev, nodes, gpu ? " gpu" : "");
+        /* the rule, as stated */
+        int refused = opts[oi] == FL_OPT_ADAMW8BIT || !strcmp(precs[pi], "16-true") || si || gpu;
+        if (world == 1) {
+            FL_CHECKF(sc.stage == 0 && !strcmp(sc.strategy, "auto") && !strcmp(sc.desc, "auto"), "%s: %d %s", what,
+                      sc.stage, sc.desc);
+        } else if (cmd == FL_CMD_FINETUNE_LORA) {
+            FL_CHECKF(sc.stage == 0 && !strcmp(sc.strategy, "ddp") && strstr(sc.desc, "DDP over the adapters"),
+                      "%s: %d %s", what, sc.stage, sc.desc);
+        } else if (refused) {
+            FL_CHECKF(sc.stage == 0 && !strcmp(sc.strategy, "ddp") &&
+                      strstr(sc.desc, "auto: DDP, since FULL_SHARD does not support "), "%s: %d %s", what, sc.stage,
+                      sc.desc);
+        } else {
+            FL_CHECKF(sc.stage == 3 && !strcmp(sc.strategy, "fsdp") && !strcmp(sc.sharding, "FULL_SHARD") &&
+                      strstr(sc.desc, "auto: fsdp FULL_SHARD"), "%s: %d %s", what, sc.stage, sc.desc);
+            /* pretrain across nodes: LitGPT's HYBRID_SHARD is not built, and the description says so */
+            FL_CHECKF(!!strstr(sc.desc, "not implemented") == (cmd == FL_CMD_PRETRAIN && nodes > 1), "%s: %s", what,
+                      sc.desc);
+        }
+        /* the refusals themselves (host memory: fl_dp_check's device refusal has no config-level twin) */
+        if (world > 1 && cmd != FL_CMD_FINETUNE_LORA && !gpu) {
+            fl_run_config f = c;
+            snprintf(f.strategy, sizeof f.strategy, "fsdp");
+            fl_precision pr;
+            FL_REQUIRE_OK(fl_precision_find(f.precision, &pr));
+            FL_CHECKF(fl_cfg_validate(&c) == FL_OK, "%s: %s", what, fl_error_message()); /* valid under auto */
+            int explicit_refused = fl_fsdp_refusal(&f, &pr) != NULL || fl_cfg_validate(&f) != FL_OK;
+            FL_CHECKF(explicit_refused == (sc.stage != 3), "%s: explicit fsdp %s, auto chose %s", what,
+                      explicit_refused ? "refused" : "runs", sc.strategy);
+        }
+        n++;
+    }
+    FL_CHECK(n == 3 * 3 * 5 * 2 * 8 - 3 * 5 * 8);
+    /* an explicit strategy is never changed */
+    static const char *given[][2] = {{"ddp", ""}, {"deepspeed_stage_1", ""}, {"deepspeed_stage_2", ""},
+                                     {"deepspeed_stage_3", ""}, {"fsdp", ""}, {"fsdp", "SHARD_GRAD_OP"},
+                                     {"fsdp", "NO_SHARD"}};
+    for (size_t i = 0; i < sizeof given / sizeof given[0]; i++) {
+        fl_run_config c;
+        fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
+        c.devices = 2;
+        fl_optim_config_default(&c.optimizer, FL_OPT_ADAMW8BIT); /* auto would pick DDP: given ones stay */
+        snprintf(c.strategy, sizeof c.strategy, "%s", given[i][0]);
+        snprintf(c.sharding_strategy, sizeof c.sharding_strategy, "%s", given[i][1]);
+        int stage;
+        FL_REQUIRE_OK(fl_cfg_zero_stage(c.strategy, c.sharding_strategy, &stage));
+        fl_strategy_choice sc;
+        FL_REQUIRE_OK(fl_cfg_resolve_strategy(&c, 0, &sc));
+        FL_CHECKF(sc.stage == stage && !strcmp(sc.strategy, given[i][0]) && !strcmp(sc.sharding, given[i][1]) &&
+                  !strcmp(sc.desc, given[i][0]), "%s %s: %d %s %s", given[i][0], given[i][1], sc.stage, sc.strategy,
+                  sc.desc);
+    }
+    /* the errors of an unknown or not-built strategy, as fl_cfg_zero_stage */
+    fl_run_config c;
+    fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
+    c.devices = 2;
+    fl_strategy_choice sc;
+    snprintf(c.strategy, sizeof c.strategy, "horovod");
+    FL_CHECK(fl_cfg_resolve_strategy(&c, 0, &sc) == FL_ERR_INVALID);
+    snprintf(c.strategy, sizeof c.strategy, "deepspeed_stage_3_offload");
+    FL_CHECK(fl_cfg_resolve_strategy(&c, 0, &sc) == FL_ERR_UNSUPPORTED);
 }

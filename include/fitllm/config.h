@@ -158,7 +158,8 @@ const char *fl_cfg_command_name(fl_cmd_kind cmd);
 
 /* Check cross-field constraints (sizes positive, warmup exclusivity, ...). */
 fl_status fl_cfg_validate(const fl_run_config *c);
-/* The ZeRO stage of a strategy (Lightning's names): auto, ddp and fsdp + NO_SHARD -> 0 (DDP),
+/* The ZeRO stage of a strategy name (Lightning's names): auto (as a name; the run's choice is
+ * fl_cfg_resolve_strategy), ddp and fsdp + NO_SHARD -> 0 (DDP),
  * deepspeed_stage_1 -> 1 (optimizer state sharded), deepspeed_stage_2 and fsdp + SHARD_GRAD_OP -> 2
  * (also the reduced gradients), deepspeed_stage_3 and fsdp + FULL_SHARD (fsdp's default) -> 3 (also the
  * parameters: src/train/fsdp.c). What is not built yet (HYBRID_SHARD, the offload variants) is
@@ -167,6 +168,24 @@ fl_status fl_cfg_validate(const fl_run_config *c);
 fl_status fl_cfg_zero_stage(const char *strategy, const char *sharding, int *stage);
 /* fl_cfg_zero_stage with fsdp read as SHARD_GRAD_OP: whether the name is one fitllm runs. */
 fl_status fl_cfg_check_strategy(const char *strategy);
+
+/* What --strategy runs as (fl_cfg_resolve_strategy). */
+typedef struct {
+    int stage;         /* ZeRO stage of the strategy run: 0 DDP (and auto in one process), 1, 2, 3 FULL_SHARD
+                        * (LoRA: see dp.h); one process runs unsharded whatever it is */
+    char strategy[32]; /* the strategy run: the one given, or auto's choice ("ddp" or "fsdp") */
+    char sharding[32]; /* its fsdp.sharding_strategy ("FULL_SHARD" for auto's fsdp, else the one given) */
+    char desc[256];    /* for the run's description: "fsdp", "auto: fsdp FULL_SHARD (...)", "auto: DDP, since ..." */
+} fl_strategy_choice;
+/* --strategy auto (the default) per command as LitGPT does, for devices x num_nodes ranks:
+ * finetune_full -> FSDP FULL_SHARD; pretrain -> LitGPT's HYBRID_SHARD, which on one node is
+ * FULL_SHARD (across nodes HYBRID is not implemented: FULL_SHARD over all ranks, and desc says so);
+ * finetune_lora -> DDP over the adapters. Where FULL_SHARD refuses the configuration (8-bit AdamW,
+ * 16-true, sharded checkpoints; device_comm: a device-memory communicator) auto is DDP and desc
+ * says why. An explicit strategy is never changed; auto with one rank stays auto (stage 0). The
+ * trainer (with its communicator) and the planner (--cuda) both resolve here. Errors as
+ * fl_cfg_zero_stage. */
+fl_status fl_cfg_resolve_strategy(const fl_run_config *c, int device_comm, fl_strategy_choice *out);
 
 /* Write the effective configuration as YAML (hyperparameters.yaml). */
 void fl_cfg_write_yaml(const fl_run_config *c, FILE *f);

@@ -10,6 +10,8 @@
 
 #include "config-impl.h"
 #include "fitllm/mem.h"
+#include "fitllm/precision.h"
+#include "fitllm/train.h"
 
 void fl_cfg_defaults(fl_run_config *c, fl_cmd_kind cmd) {
     memset(c, 0, sizeof *c);
@@ -67,7 +69,7 @@ static const fl_cfg_key k_keys[] = {
     {"precision", FL_CK_PRECISION, OFF(precision), "32-true | bf16-true | bf16-mixed | 16-true | 16-mixed"},
     {"devices", FL_CK_DEVICES, OFF(devices), "devices (ranks) per node, or auto (1 CPU device); > 1: data parallel over devices x num_nodes ranks"},
     {"num_nodes", FL_CK_POS, OFF(num_nodes), "number of nodes"},
-    {"strategy", FL_CK_STR32, OFF(strategy), "auto | ddp | deepspeed_stage_1 | deepspeed_stage_2 | deepspeed_stage_3 | fsdp (auto = ddp; ZeRO-1/2 shard the optimizer state / gradients; ZeRO-3 = fsdp FULL_SHARD also the parameters, gathered block by block)"},
+    {"strategy", FL_CK_STR32, OFF(strategy), "auto | ddp | deepspeed_stage_1 | deepspeed_stage_2 | deepspeed_stage_3 | fsdp (auto, as LitGPT: fsdp FULL_SHARD for finetune_full and pretrain, ddp over the adapters for adapter fine-tuning; ddp where FULL_SHARD refuses the run (AdamW8bit, 16-true); ZeRO-1/2 shard the optimizer state / gradients; ZeRO-3 = fsdp FULL_SHARD also the parameters, gathered block by block)"},
     {"fsdp.sharding_strategy", FL_CK_STR32, OFF(sharding_strategy), "--strategy fsdp: FULL_SHARD (default; = ZeRO-3: parameters, gradients and optimizer state divided by the ranks) | SHARD_GRAD_OP (= ZeRO-2) | NO_SHARD (= ddp); HYBRID_SHARD: not yet"},
     {"fsdp.state_dict_type", FL_CK_STR32, OFF(state_dict_type), "checkpoints of every strategy: full (consolidated, one file set) | sharded (each rank writes its element ranges; resumable at any world size; fitllm merge_shards consolidates)"},
     {"resume", FL_CK_RESUME, OFF(resume), "false | true | auto | path to a checkpoint folder"},
@@ -571,12 +573,60 @@ fl_status fl_cfg_check_strategy(const char *s) {
     return fl_cfg_zero_stage(s, "SHARD_GRAD_OP", &stage);
 }
 
+/* Why FULL_SHARD would refuse this run (NULL: it runs it). The same refusals as fl_fsdp_refusal
+ * (src/train/fsdp.c) and fl_dp_check (device memory):
+ * tests/test_config.c checks that auto never picks FULL_SHARD where an explicit fsdp is refused. */
+static const char *full_shard_refusal(const fl_run_config *c, int device_comm) {
+    fl_precision p;
+    if (c->optimizer.kind == FL_OPT_ADAMW8BIT) return "AdamW8bit";
+    if (fl_precision_find(c->precision, &p) == FL_OK && p.param_dtype == FL_F16) return "16-true";
+    if (device_comm) return "device memory (a GPU communicator)";
+    return NULL;
+}
+
+fl_status fl_cfg_resolve_strategy(const fl_run_config *c, int device_comm, fl_strategy_choice *out) {
+    memset(out, 0, sizeof *out);
+    const int world = c->devices * c->num_nodes;
+    int stage = 0;
+    FL_TRY(fl_cfg_zero_stage(c->strategy, c->sharding_strategy, &stage));
+    const char *s = c->strategy[0] ? c->strategy : "auto";
+    if (strcmp(s, "auto") || world < 2) { /* given, or one process: as given */
+        snprintf(out->strategy, sizeof out->strategy, "%s", s);
+        snprintf(out->sharding, sizeof out->sharding, "%s", c->sharding_strategy);
+        snprintf(out->desc, sizeof out->desc, "%s", s);
+        out->stage = stage; /* one process: as fl_cfg_zero_stage (its users run one process unsharded) */
+        return FL_OK;
+    }
+    const char *why = c->command == FL_CMD_FINETUNE_LORA ? NULL : full_shard_refusal(c, device_comm);
+    if (c->command == FL_CMD_FINETUNE_LORA) {
+        snprintf(out->desc, sizeof out->desc, "auto: DDP over the adapters, as LitGPT's finetune_lora");
+    } else if (why) {
+        snprintf(out->desc, sizeof out->desc, "auto: DDP, since FULL_SHARD does not support %s yet", why);
+    } else {
+        snprintf(out->strategy, sizeof out->strategy, "fsdp");
+        snprintf(out->sharding, sizeof out->sharding, "FULL_SHARD");
+        out->stage = 3;
+        if (c->command != FL_CMD_PRETRAIN)
+            snprintf(out->desc, sizeof out->desc, "auto: fsdp FULL_SHARD, as LitGPT's %s", fl_cfg_command_name(c->command));
+        else if (c->num_nodes > 1)
+            snprintf(out->desc, sizeof out->desc, "auto: fsdp FULL_SHARD over all %d ranks; LitGPT's pretrain uses "
+                     "HYBRID_SHARD (shard within a node, replicate across nodes), not implemented yet", world);
+        else
+            snprintf(out->desc, sizeof out->desc, "auto: fsdp FULL_SHARD, as LitGPT's pretrain (HYBRID_SHARD, on one "
+                     "node FULL_SHARD)");
+        return FL_OK;
+    }
+    snprintf(out->strategy, sizeof out->strategy, "ddp");
+    return FL_OK;
+}
+
 fl_status fl_cfg_validate(const fl_run_config *c) {
     const fl_train_args *t = &c->train;
     if (c->devices < 1 || c->num_nodes < 1)
         return fl_errorf(FL_ERR_INVALID, "devices=%d num_nodes=%d must be >= 1", c->devices, c->num_nodes);
-    int stage;
-    FL_TRY(fl_cfg_zero_stage(c->strategy, c->sharding_strategy, &stage));
+    fl_strategy_choice sc; /* auto: what it resolves to (the refusals below are of the strategy run) */
+    FL_TRY(fl_cfg_resolve_strategy(c, 0, &sc));
+    int stage = sc.stage;
     if (c->sharding_strategy[0] && strcmp(c->sharding_strategy, "NO_SHARD") &&
         strcmp(c->sharding_strategy, "SHARD_GRAD_OP") && strcmp(c->sharding_strategy, "FULL_SHARD") &&
         strcmp(c->sharding_strategy, "HYBRID_SHARD") && strcmp(c->sharding_strategy, "_HYBRID_SHARD_ZERO2"))

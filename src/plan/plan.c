@@ -310,8 +310,10 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     fl_param_layout lay;
     int have_lay = fl_layout_build(&lay, mc) == FL_OK;
     const int world = c->devices * c->num_nodes;
-    int stage = 0; /* ZeRO stage (fl_dp_optim_init): validated by fl_plan_run */
-    if (world > 1 && fl_cfg_zero_stage(c->strategy, c->sharding_strategy, &stage) != FL_OK) stage = 0;
+    int stage = 0; /* ZeRO stage (fl_dp_optim_init) of the strategy run (auto resolved as the trainer does, for
+                    * this variant of the run: a suggested optimizer may change auto's choice); validated by fl_plan_run */
+    fl_strategy_choice sc;
+    if (world > 1 && fl_cfg_resolve_strategy(c, x->cuda, &sc) == FL_OK) stage = sc.stage;
     if (stage == 3 && (c->command == FL_CMD_FINETUNE_LORA || !have_lay)) stage = 2; /* LoRA's adapters: ZeRO-2 */
     /* FULL_SHARD (fl_fsdp_prepare): the model is created sharded, its shard of every unit in place of
      * the whole buffer; the loader or the random init fills the shard alone (no staging in the pool)
@@ -755,14 +757,16 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     }
     FL_TRY(fl_cfg_validate(c));
     p->devices = c->devices * c->num_nodes;
-    int stage = 0;
-    FL_TRY(fl_cfg_zero_stage(c->strategy, c->sharding_strategy, &stage));
+    fl_strategy_choice sc; /* --strategy auto: the trainer's choice (fl_cfg_resolve_strategy) */
+    FL_TRY(fl_cfg_resolve_strategy(c, opts.cuda, &sc));
+    const int stage = sc.stage;
     if (p->devices > 1 && (opts.rank < 0 || opts.rank >= p->devices))
         return fl_errorf(FL_ERR_INVALID, "plan --rank %d: the run has ranks 0..%d", opts.rank, p->devices - 1);
     p->rank = p->devices > 1 ? opts.rank : 0;
     p->zero_stage = p->devices > 1 ? stage : 0;
     if (p->zero_stage == 3 && c->command == FL_CMD_FINETUNE_LORA) p->zero_stage = 2; /* adapters: ZeRO-2 */
     const int fsdp = p->zero_stage == 3;
+    if (p->devices > 1) note(p, "strategy %s", sc.desc);
     if (fsdp) {
         fl_precision fp;
         const char *why = fl_fsdp_refusal(c, fl_precision_find(c->precision, &fp) == FL_OK ? &fp : NULL);

@@ -563,7 +563,15 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
         CHECK(fl_errorf(FL_ERR_UNSUPPORTED, "data-parallel training on backend '%s' (whose memory the host cannot "
                         "read) needs a device-memory communicator, which this backend does not have; run one rank, or "
                         "--accelerator cpu", t.be.name));
-    CHECK(fl_fsdp_prepare(&t.dp, cfg, &prec, &t.stg)); /* FULL_SHARD: the model is created sharded */
+    /* --strategy auto: the strategy this run uses (fl_cfg_resolve_strategy, as the planner); the
+     * sharding code reads it from rcfg, a copy of cfg with the resolved names (cfg, written to
+     * hyperparameters.yaml and compared across ranks, keeps what was given) */
+    fl_strategy_choice sc;
+    CHECK(fl_cfg_resolve_strategy(cfg, t.dp.dev != NULL, &sc));
+    fl_run_config rcfg = *cfg;
+    snprintf(rcfg.strategy, sizeof rcfg.strategy, "%s", sc.strategy);
+    snprintf(rcfg.sharding_strategy, sizeof rcfg.sharding_strategy, "%s", sc.sharding);
+    CHECK(fl_fsdp_prepare(&t.dp, &rcfg, &prec, &t.stg)); /* FULL_SHARD: the model is created sharded */
     fl_mem_set_phase(&t.pool, "model load");
     CHECK(load_model_and_tokenizer(&t));
     CHECK(fl_model_set_precision(&t.model, &prec));
@@ -578,10 +586,10 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
         CHECK(fl_model_lora_init(&t.model, &lc, cfg->seed));
     } else {
         AGREE(); /* every rank has its model (FULL_SHARD: its shard) before the gradients */
-        CHECK(fl_fsdp_init(&t.dp, cfg, &t.model)); /* FULL_SHARD: the gathered units' compute copy */
+        CHECK(fl_fsdp_init(&t.dp, &rcfg, &t.model)); /* FULL_SHARD: the gathered units' compute copy */
         CHECK(fl_model_alloc_grads(&t.model));      /* (sharded: of the gradients) */
     }
-    CHECK(fl_dp_optim_init(&t.dp, cfg, &t.opt, &t.model)); /* ZeRO: state for this rank's chunk only */
+    CHECK(fl_dp_optim_init(&t.dp, &rcfg, &t.opt, &t.model)); /* ZeRO: state for this rank's chunk only */
     CHECK(fl_dp_check(&t.dp, &t.opt));
     t.model.act_ckpt = cfg->train.activation_checkpointing;
     CHECK(fl_model_alloc_acts(&t.model, t.B, t.T));
@@ -635,7 +643,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
             char lb[300];
             fprintf(out, "data parallel (%s, strategy %s): %d ranks over %s (%s); rank 0 reports; gradients summed "
                     "over the ranks %s (%s, deterministic rank order)%s\n",
-                    fl_dp_stage_name(&t.dp), cfg->strategy[0] ? cfg->strategy : "auto", t.dp.world,
+                    fl_dp_stage_name(&t.dp), sc.desc, t.dp.world,
                     fl_comm_impl_name(comm), fl_launch_describe(&comm->launch, lb, sizeof lb),
                     t.dp.fsdp ? "unit by unit in every micro-batch" : "once per step",
                     t.dp.fsdp ? "one reduce-scatter per unit as its backward ends: each rank keeps its shard"
