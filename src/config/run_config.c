@@ -624,9 +624,8 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
     const fl_train_args *t = &c->train;
     if (c->devices < 1 || c->num_nodes < 1)
         return fl_errorf(FL_ERR_INVALID, "devices=%d num_nodes=%d must be >= 1", c->devices, c->num_nodes);
-    fl_strategy_choice sc; /* auto: what it resolves to (the refusals below are of the strategy run) */
+    fl_strategy_choice sc; /* auto: resolvable (its errors are the strategy's) */
     FL_TRY(fl_cfg_resolve_strategy(c, 0, &sc));
-    int stage = sc.stage;
     if (c->sharding_strategy[0] && strcmp(c->sharding_strategy, "NO_SHARD") &&
         strcmp(c->sharding_strategy, "SHARD_GRAD_OP") && strcmp(c->sharding_strategy, "FULL_SHARD") &&
         strcmp(c->sharding_strategy, "HYBRID_SHARD") && strcmp(c->sharding_strategy, "_HYBRID_SHARD_ZERO2"))
