@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "core/text.h"
 #include "fitllm/checkpoint.h"
 
 /* ---- what each rank runs and reads ------------------------------------------------------- */
@@ -110,19 +111,6 @@ static void describe_path(FILE *out, const char *label, const char *path) {
     free(names);
 }
 
-/* The first line where a and b differ (either may have run out: "(nothing)"). */
-static void first_diff(const char *a, const char *b, char *la, char *lb, size_t n) {
-    while (*a && *b) {
-        const char *ea = strchr(a, '\n'), *eb = strchr(b, '\n');
-        size_t na = ea ? (size_t)(ea - a) : strlen(a), nb = eb ? (size_t)(eb - b) : strlen(b);
-        if (na != nb || memcmp(a, b, na)) break;
-        a += na + (ea != NULL);
-        b += nb + (eb != NULL);
-    }
-    snprintf(la, n, "%.*s", (int)strcspn(a, "\n"), *a ? a : "(nothing)");
-    snprintf(lb, n, "%.*s", (int)strcspn(b, "\n"), *b ? b : "(nothing)");
-}
-
 int fl_cli_check_ranks(const char *cmd, const fl_run_config *cfg, fl_comm *comm) {
     const int rank = fl_comm_rank(comm), size = fl_comm_size(comm);
     char *mine = NULL;
@@ -161,7 +149,7 @@ int fl_cli_check_ranks(const char *cmd, const fl_run_config *cfg, fl_comm *comm)
     int first = worst > 0 ? size - (int)worst : -1, rc = first >= 0 ? FL_EXIT_USAGE : 0;
     if (first == rank) {
         char here[512], there[512];
-        first_diff(mine, root, here, there, sizeof here);
+        fl_text_first_diff(mine, root, here, there, sizeof here);
         int version = !strncmp(here, "fitllm ", 7) || !strncmp(there, "fitllm ", 7);
         fflush(stdout);
         fprintf(stderr, "fitllm %s: error: rank %d of %d: the ranks were started with different %s: rank %d has '%s' "

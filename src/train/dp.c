@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "../model/model-impl.h"
+#include "core/text.h"
 
 void fl_dp_init(fl_dp *dp, fl_comm *comm, fl_mem_pool *pool) {
     dp->comm = comm && fl_comm_size(comm) > 1 ? comm : NULL;
@@ -182,19 +183,6 @@ fl_status fl_dp_agree(fl_dp *dp, fl_status mine) {
     return s;
 }
 
-/* The first line where a and b differ, cut at the newline. */
-static void first_diff(const char *a, const char *b, char *la, char *lb, size_t n) {
-    while (*a && *b) {
-        const char *ea = strchr(a, '\n'), *eb = strchr(b, '\n');
-        size_t na = ea ? (size_t)(ea - a) : strlen(a), nb = eb ? (size_t)(eb - b) : strlen(b);
-        if (na != nb || memcmp(a, b, na)) break;
-        a += na + (ea != NULL);
-        b += nb + (eb != NULL);
-    }
-    snprintf(la, n, "%.*s", (int)(strchr(a, '\n') ? strchr(a, '\n') - a : (long)strlen(a)), a);
-    snprintf(lb, n, "%.*s", (int)(strchr(b, '\n') ? strchr(b, '\n') - b : (long)strlen(b)), b);
-}
-
 fl_status fl_dp_check_config(fl_dp *dp, const fl_run_config *cfg) {
     if (!dp->comm) return FL_OK;
     char *mine = NULL;
@@ -213,7 +201,7 @@ fl_status fl_dp_check_config(fl_dp *dp, const fl_run_config *cfg) {
     if (s == FL_OK) s = fl_comm_broadcast(dp->comm, root, words, FL_BF16, 0);
     if (s == FL_OK && (n0 != len || memcmp(root, mine, len))) {
         char here[200], there[200];
-        first_diff(mine, root, here, there, sizeof here);
+        fl_text_first_diff(mine, root, here, there, sizeof here);
         s = fl_errorf(FL_ERR_INVALID, "the ranks were started with different configurations: rank %d has '%s' where "
                       "rank 0 has '%s' (every rank must run the same command line and recipe)", dp->rank, here, there);
     }
