@@ -182,6 +182,10 @@ expect plan_devices_2 0 "data parallel \(DDP\) over 2 ranks: the memory of ONE r
 # --strategy auto (the default) per command, as LitGPT: finetune_full FULL_SHARD, finetune_lora DDP over the
 # adapters, DDP where FULL_SHARD refuses the run (AdamW8bit), pretrain FULL_SHARD (HYBRID_SHARD on one node)
 expect plan_auto_full_fsdp 0 "strategy auto: fsdp FULL_SHARD, as LitGPT's finetune_full" -- "$FITLLM" plan tinyllama-1.1b --devices 2
+# LitGPT's FSDP checkpoints each block's activations: auto's FSDP too, unless told otherwise
+expect plan_auto_full_actckpt 0 "AdamW, activation checkpointing on" -- "$FITLLM" plan tinyllama-1.1b --devices 2
+expect plan_auto_full_actckpt_off 0 "AdamW, activation checkpointing off" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --train.activation_checkpointing false
+expect plan_ddp_no_actckpt 0 "AdamW, activation checkpointing off" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy ddp
 expect plan_auto_full_fsdp_mem 0 "FSDP FULL_SHARD \(ZeRO-3\) over 2 ranks" -- "$FITLLM" plan tinyllama-1.1b --devices 2
 expect plan_auto_lora_ddp 0 "strategy auto: DDP over the adapters" -- "$FITLLM" plan tinyllama-1.1b --lora --devices 2
 expect plan_auto_lora_ddp_mem 0 "data parallel \(DDP\) over 2 ranks" -- "$FITLLM" plan tinyllama-1.1b --lora --devices 2

@@ -477,6 +477,17 @@ FL_TEST(cfg_strategy_auto_resolution) {
             FL_CHECKF(!!strstr(sc.desc, "not implemented") == (cmd == FL_CMD_PRETRAIN && nodes > 1), "%s: %s", what,
                       sc.desc);
         }
+        /* activation checkpointing (train.activation_checkpointing null): on exactly where auto shards
+         * finetune_full (LitGPT's finetune/full.py: activation_checkpointing_policy={Block}); given: as given */
+        FL_CHECKF(sc.act_ckpt == (cmd == FL_CMD_FINETUNE_FULL && sc.stage == 3), "%s: act_ckpt %d", what, sc.act_ckpt);
+        for (int given_ck = 0; given_ck <= 1; given_ck++) {
+            fl_run_config g = c;
+            g.train.activation_checkpointing = given_ck;
+            fl_strategy_choice gc;
+            FL_REQUIRE_OK(fl_cfg_resolve_strategy(&g, gpu, &gc));
+            FL_CHECKF(gc.act_ckpt == given_ck && gc.stage == sc.stage, "%s: given %d, act_ckpt %d", what, given_ck,
+                      gc.act_ckpt);
+        }
         /* the refusals themselves (host memory: fl_dp_check's device refusal has no config-level twin) */
         if (world > 1 && cmd != FL_CMD_FINETUNE_LORA && !gpu) {
             fl_run_config f = c;

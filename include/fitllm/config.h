@@ -46,7 +46,8 @@ typedef struct {
     int tie_embeddings;       /* -1 = null (keep the checkpoint's) */
     float max_norm;           /* <= 0 = null (no clipping) */
     float min_lr;
-    int activation_checkpointing; /* fitllm extension (lab's act_ckpt) */
+    int activation_checkpointing; /* fitllm extension (lab's act_ckpt); -1 = null: as LitGPT, on where --strategy
+                                   * auto runs finetune_full as FSDP (fl_strategy_choice.act_ckpt) */
     int keep_checkpoints;     /* fitllm: keep only the newest N step-* checkpoints (0 = all) */
     float max_time;           /* seconds of training (evaluation excluded) after which the run ends as
                                  at max_steps: final validation and final/; < 0 = null */
@@ -176,6 +177,9 @@ typedef struct {
     char strategy[32]; /* the strategy run: the one given, or auto's choice ("ddp" or "fsdp") */
     char sharding[32]; /* its fsdp.sharding_strategy ("FULL_SHARD" for auto's fsdp, else the one given) */
     char desc[256];    /* for the run's description: "fsdp", "auto: fsdp FULL_SHARD (...)", "auto: DDP, since ..." */
+    int act_ckpt;      /* activation checkpointing per block: train.activation_checkpointing when given; null:
+                        * on where auto picks FSDP for finetune_full (LitGPT's finetune/full.py wraps each Block
+                        * with activation_checkpointing_policy={Block} when it shards), else off */
 } fl_strategy_choice;
 /* --strategy auto (the default) per command as LitGPT does, for devices x num_nodes ranks:
  * finetune_full -> FSDP FULL_SHARD; pretrain -> LitGPT's HYBRID_SHARD, which on one node is

@@ -47,6 +47,7 @@ void fl_cfg_defaults(fl_run_config *c, fl_cmd_kind cmd) {
     t->max_steps = -1;
     t->max_time = -1;
     t->tie_embeddings = -1;
+    t->activation_checkpointing = -1;
     t->max_norm = 0;
     c->eval.interval = cmd == FL_CMD_PRETRAIN ? 1000 : cmd == FL_CMD_FINETUNE_LORA ? 100 : 600;
     c->eval.max_new_tokens = 100;
@@ -113,7 +114,7 @@ static const fl_cfg_key k_keys[] = {
     {"train.weight_decay", FL_CK_FLOAT, OFF(optimizer.weight_decay), "(older LitGPT recipes) optimizer.weight_decay"},
     {"train.beta1", FL_CK_FLOAT, OFF(optimizer.beta1), "(older LitGPT recipes) AdamW beta1"},
     {"train.beta2", FL_CK_FLOAT, OFF(optimizer.beta2), "(older LitGPT recipes) AdamW beta2"},
-    {"train.activation_checkpointing", FL_CK_BOOL, OFF(train.activation_checkpointing), "recompute blocks in backward"},
+    {"train.activation_checkpointing", FL_CK_BOOL_OPT, OFF(train.activation_checkpointing), "recompute blocks in backward (null: on where --strategy auto shards finetune_full over several devices, as LitGPT's FSDP; off otherwise)"},
     {"train.keep_checkpoints", FL_CK_INT, OFF(train.keep_checkpoints), "keep only the newest N step-* checkpoints, 0 = all (fitllm)"},
     {"eval.interval", FL_CK_POS, OFF(eval.interval), "optimizer steps between evaluations"},
     {"eval.max_new_tokens", FL_CK_INT_OPT0, OFF(eval.max_new_tokens), "tokens of the sample generation"},
@@ -584,7 +585,7 @@ static const char *full_shard_refusal(const fl_run_config *c, int device_comm) {
     return NULL;
 }
 
-fl_status fl_cfg_resolve_strategy(const fl_run_config *c, int device_comm, fl_strategy_choice *out) {
+static fl_status resolve_strategy(const fl_run_config *c, int device_comm, fl_strategy_choice *out) {
     memset(out, 0, sizeof *out);
     const int world = c->devices * c->num_nodes;
     int stage = 0;
@@ -617,6 +618,19 @@ fl_status fl_cfg_resolve_strategy(const fl_run_config *c, int device_comm, fl_st
         return FL_OK;
     }
     snprintf(out->strategy, sizeof out->strategy, "ddp");
+    return FL_OK;
+}
+
+fl_status fl_cfg_resolve_strategy(const fl_run_config *c, int device_comm, fl_strategy_choice *out) {
+    FL_TRY(resolve_strategy(c, device_comm, out));
+    const int auto_fsdp = (!c->strategy[0] || !strcmp(c->strategy, "auto")) && !strcmp(out->strategy, "fsdp");
+    if (c->train.activation_checkpointing >= 0) {
+        out->act_ckpt = c->train.activation_checkpointing != 0;
+    } else if (auto_fsdp && c->command == FL_CMD_FINETUNE_FULL) { /* LitGPT: activation_checkpointing_policy={Block} */
+        out->act_ckpt = 1;
+        size_t n = strlen(out->desc);
+        snprintf(out->desc + n, sizeof out->desc - n, ", activation checkpointing per block");
+    }
     return FL_OK;
 }
 

@@ -313,7 +313,11 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     int stage = 0; /* ZeRO stage (fl_dp_optim_init) of the strategy run (auto resolved as the trainer does, for
                     * this variant of the run: a suggested optimizer may change auto's choice); validated by fl_plan_run */
     fl_strategy_choice sc;
-    if (world > 1 && fl_cfg_resolve_strategy(c, x->cuda, &sc) == FL_OK) stage = sc.stage;
+    int act_ckpt = c->train.activation_checkpointing > 0; /* given, or auto's choice (LitGPT's FSDP: on) */
+    if (fl_cfg_resolve_strategy(c, x->cuda, &sc) == FL_OK) {
+        if (world > 1) stage = sc.stage;
+        act_ckpt = sc.act_ckpt;
+    }
     if (stage == 3 && (c->command == FL_CMD_FINETUNE_LORA || !have_lay)) stage = 2; /* LoRA's adapters: ZeRO-2 */
     /* FULL_SHARD (fl_fsdp_prepare): the model is created sharded, its shard of every unit in place of
      * the whole buffer; the loader or the random init fills the shard alone (no staging in the pool)
@@ -396,7 +400,7 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     }
     fl_act_sizes as; /* the activation arena: fl_model_alloc_acts */
     /* m->prec.act_dtype; bf16 dW scratch when bf16 matmuls meet trainable weights */
-    fl_act_opts ao = {c->train.activation_checkpointing, pr.act_dtype, pr.compute_dtype == FL_BF16 && !lora,
+    fl_act_opts ao = {act_ckpt, pr.act_dtype, pr.compute_dtype == FL_BF16 && !lora,
                       fl_head_widen_dtype(pr.compute_dtype, x->cuda ? fl_cuda_gemm_widens16() : fl_cpu_gemm_widens16()),
                       fl_model_backend_scratch(pr.compute_dtype, stg.quant4,
                                                x->cuda ? fl_cuda_scratch_bytes() : fl_cpu_scratch_bytes())};
@@ -687,7 +691,7 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
         snprintf(s->note, sizeof s->note, "bf16 parameters, gradients, optimizer state and saved activations");
     }
     /* 4. activation checkpointing and 8-bit AdamW, planned like the rest */
-    if (!c->train.activation_checkpointing && (s = sugg(p, "activation_checkpointing"))) {
+    if (!p->act_ckpt && (s = sugg(p, "activation_checkpointing"))) {
         fl_run_config v = *c;
         v.train.activation_checkpointing = 1;
         s->fits = simulate(x, &v, oc, p->B, p->accum, budget, NULL, NULL);
@@ -820,7 +824,7 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     snprintf(p->precision, sizeof p->precision, "%s", c->precision);
     snprintf(p->optimizer, sizeof p->optimizer, "%s%s", fl_optim_name(c->optimizer.kind),
              c->optimizer.kind == FL_OPT_SGD && c->optimizer.momentum != 0.0f ? "+momentum" : "");
-    p->act_ckpt = c->train.activation_checkpointing;
+    p->act_ckpt = sc.act_ckpt;
     p->budget = opts.device_memory ? opts.device_memory : c->max_memory;
     /* sample generation at evaluation, as the CLI run does it */
     int gen = opts.generation;

@@ -591,7 +591,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
     }
     CHECK(fl_dp_optim_init(&t.dp, &rcfg, &t.opt, &t.model)); /* ZeRO: state for this rank's chunk only */
     CHECK(fl_dp_check(&t.dp, &t.opt));
-    t.model.act_ckpt = cfg->train.activation_checkpointing;
+    t.model.act_ckpt = sc.act_ckpt; /* given, or LitGPT's default under auto's FSDP */
     CHECK(fl_model_alloc_acts(&t.model, t.B, t.T));
     size_t per = (size_t)t.B * t.T;
     /* the step's token ids and targets: host memory (the loader writes them; the forward uploads) */
@@ -632,7 +632,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
         if (strcmp(cfg->logger_name, "csv") && strcmp(cfg->logger_name, "jsonl"))
             fprintf(out, "logger_name %s: fitllm writes CSV metrics (%s/logs/metrics.csv); the %s logger is not "
                     "available in this build\n", cfg->logger_name, cfg->out_dir, cfg->logger_name);
-        fprintf(out, "precision %s%s\n", prec.name, cfg->train.activation_checkpointing ? ", activation checkpointing" : "");
+        fprintf(out, "precision %s%s\n", prec.name, t.model.act_ckpt ? ", activation checkpointing" : "");
         char ranks[48] = "";
         if (t.dp.world > 1) snprintf(ranks, sizeof ranks, " x %d ranks", t.dp.world);
         fprintf(out, "micro_batch %d x accumulation %d%s = global batch %d; %ld steps/epoch, %ld steps, warmup %ld; "
