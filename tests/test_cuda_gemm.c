@@ -151,3 +151,86 @@ FL_TEST(cuda_gemm_errors) {
         FL_CHECK(fl_cu_blas_init(&b, NULL, 0, NULL) == FL_ERR_UNSUPPORTED);
     }
 }
+
+/* The cuBLASLt plan cache (cu_gemm.h): every field the descriptors or the heuristic depend on
+ * separates two keys, pointers of equal alignment do not; LRU eviction destroys exactly the least
+ * recently used plan; free destroys the rest. */
+static int g_destroyed[8];
+static void count_destroy(void *plan) { g_destroyed[(int)(intptr_t)plan]++; }
+
+FL_TEST(cuda_gemm_plan_cache) {
+    _Alignas(256) static float buf[1024];
+    fl_cu_gemm_desc d = {.trans_a = 0, .trans_b = 1, .m = 5, .n = 7, .k = 3, .alpha = 1, .beta = 0,
+                         .A = buf, .ta = FL_F32, .lda = 5, .stride_a = 15,
+                         .B = buf + 64, .tb = FL_F32, .ldb = 7, .stride_b = 21,
+                         .C = buf + 128, .tc = FL_F32, .ldc = 5, .stride_c = 35, .batch = 1};
+    fl_cu_gemm_key k0, k;
+    fl_cu_gemm_key_of(&d, 1024, &k0);
+    /* not in the key: pointers of the same alignment, alpha, beta, strides of a single matrix */
+    fl_cu_gemm_desc e = d;
+    e.A = buf + 256; e.B = buf + 512; e.C = buf + 768; e.alpha = 2; e.beta = 1; e.stride_a = 99;
+    fl_cu_gemm_key_of(&e, 1024, &k);
+    FL_CHECK(fl_cu_gemm_key_eq(&k0, &k));
+    /* in the key: each of these alone makes another plan */
+    for (int f = 0; f < 17; f++) {
+        e = d;
+        size_t ws = 1024;
+        switch (f) {
+        case 0: e.trans_a = 1; e.lda = 3; break;
+        case 1: e.trans_b = 0; e.ldb = 3; break;
+        case 2: e.m = 6; e.ldc = 6; e.lda = 6; break;
+        case 3: e.n = 8; break;
+        case 4: e.k = 4; break;
+        case 5: e.ta = FL_BF16; e.tb = FL_BF16; break;
+        case 6: e.tc = FL_BF16; e.ta = FL_BF16; e.tb = FL_BF16; break;
+        case 7: e.lda = 6; break;
+        case 8: e.ldb = 8; break;
+        case 9: e.ldc = 6; break;
+        case 10: e.batch = 2; break;
+        case 11: e.A = buf + 1; break; /* 4-byte aligned sub-view */
+        case 12: e.B = buf + 2; break;
+        case 13: e.C = buf + 4; break;
+        case 14: ws = 0; break;
+        case 15: e.batch = 2; e.stride_b = 22; break;
+        case 16: e.batch = 2; e.stride_c = 36; break;
+        }
+        fl_cu_gemm_key kb, kf;
+        fl_cu_gemm_key_of(&e, ws, &kf);
+        FL_CHECKF(!fl_cu_gemm_key_eq(&k0, &kf), "field %d ignored by the key", f);
+        if (f == 15 || f == 16) { /* batched: the strides matter, against the same batch's key */
+            fl_cu_gemm_desc b2 = d;
+            b2.batch = 2;
+            fl_cu_gemm_key_of(&b2, 1024, &kb);
+            FL_CHECKF(!fl_cu_gemm_key_eq(&kb, &kf), "batched stride (field %d) ignored by the key", f);
+        }
+    }
+    FL_CHECK(fl_cu_gemm_align_of(buf) == 256 && fl_cu_gemm_align_of(buf + 1) == 4 && fl_cu_gemm_align_of(buf + 2) == 8);
+
+    /* LRU: capacity 3, plans 1..5 */
+    memset(g_destroyed, 0, sizeof g_destroyed);
+    fl_cu_gemm_cache c;
+    FL_CHECK(fl_cu_gemm_cache_init(&c, 0, NULL) == FL_ERR_INVALID);
+    FL_REQUIRE_OK(fl_cu_gemm_cache_init(&c, 3, count_destroy));
+    fl_cu_gemm_key ks[6];
+    for (int i = 1; i <= 5; i++) {
+        e = d;
+        e.m = 10 + i;
+        e.ldc = e.lda = e.m;
+        fl_cu_gemm_key_of(&e, 0, &ks[i]);
+    }
+    for (int i = 1; i <= 3; i++) {
+        FL_CHECK(fl_cu_gemm_cache_get(&c, &ks[i]) == NULL);
+        fl_cu_gemm_cache_put(&c, &ks[i], (void *)(intptr_t)i);
+    }
+    FL_CHECK(fl_cu_gemm_cache_get(&c, &ks[1]) == (void *)(intptr_t)1); /* 1 used: 2 is now the oldest */
+    fl_cu_gemm_cache_put(&c, &ks[4], (void *)(intptr_t)4);
+    FL_CHECK(g_destroyed[2] == 1 && g_destroyed[1] == 0 && g_destroyed[3] == 0);
+    FL_CHECK(fl_cu_gemm_cache_get(&c, &ks[2]) == NULL);
+    FL_CHECK(fl_cu_gemm_cache_get(&c, &ks[3]) == (void *)(intptr_t)3 && fl_cu_gemm_cache_get(&c, &ks[4]) == (void *)(intptr_t)4);
+    fl_cu_gemm_cache_put(&c, &ks[5], (void *)(intptr_t)5); /* 1 is the oldest now */
+    FL_CHECK(g_destroyed[1] == 1 && c.n == 3 && c.evictions == 2);
+    FL_CHECK(c.hits == 3 && c.misses == 4);
+    fl_cu_gemm_cache_free(&c);
+    FL_CHECK(g_destroyed[1] == 1 && g_destroyed[2] == 1 && g_destroyed[3] == 1 && g_destroyed[4] == 1 &&
+             g_destroyed[5] == 1);
+}

@@ -5,6 +5,7 @@
 #include "fitllm/cuda.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #ifdef FL_HAVE_CUDA
@@ -87,18 +88,108 @@ fl_status fl_cu_gemm_rowmajor(fl_cu_gemm_fn fn, void *ctx, int trans_a, int tran
     return fn(ctx, &d);
 }
 
+/* ---- the plan cache (cu_gemm.h) ---------------------------------------------------------------- */
+
+uint32_t fl_cu_gemm_align_of(const void *p) {
+    uintptr_t a = (uintptr_t)p;
+    uint32_t al = 256;
+    while (al > 1 && (a & (al - 1))) al >>= 1;
+    return al;
+}
+
+void fl_cu_gemm_key_of(const fl_cu_gemm_desc *d, size_t workspace_bytes, fl_cu_gemm_key *k) {
+    memset(k, 0, sizeof *k); /* every byte defined: keys compare as memory */
+    int32_t v[] = {d->trans_a, d->trans_b, d->m, d->n, d->k, (int32_t)d->ta, (int32_t)d->tb, (int32_t)d->tc, d->batch,
+                   (int32_t)fl_cu_gemm_align_of(d->A), (int32_t)fl_cu_gemm_align_of(d->B),
+                   (int32_t)fl_cu_gemm_align_of(d->C)};
+    memcpy(k->v, v, sizeof v);
+    k->ld[0] = d->lda;
+    k->ld[1] = d->ldb;
+    k->ld[2] = d->ldc;
+    k->workspace_bytes = workspace_bytes;
+    if (d->batch > 1) { /* one matrix: the strides are not read */
+        k->stride[0] = d->stride_a;
+        k->stride[1] = d->stride_b;
+        k->stride[2] = d->stride_c;
+    }
+}
+
+int fl_cu_gemm_key_eq(const fl_cu_gemm_key *a, const fl_cu_gemm_key *b) { return !memcmp(a, b, sizeof *a); }
+
+static uint64_t key_hash(const fl_cu_gemm_key *k) { /* FNV-1a over the key's bytes */
+    const unsigned char *p = (const unsigned char *)k;
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < sizeof *k; i++) h = (h ^ p[i]) * 1099511628211ull;
+    return h;
+}
+
+fl_status fl_cu_gemm_cache_init(fl_cu_gemm_cache *c, int cap, void (*destroy)(void *plan)) {
+    memset(c, 0, sizeof *c);
+    if (cap < 1) return fl_errorf(FL_ERR_INVALID, "cu_gemm plan cache: capacity %d", cap);
+    c->e = calloc((size_t)cap, sizeof *c->e);
+    if (!c->e) return fl_errorf(FL_ERR_OOM, "cu_gemm plan cache: %d entries", cap);
+    c->cap = cap;
+    c->destroy = destroy;
+    return FL_OK;
+}
+
+void *fl_cu_gemm_cache_get(fl_cu_gemm_cache *c, const fl_cu_gemm_key *k) {
+    uint64_t h = key_hash(k);
+    for (int i = 0; i < c->n; i++)
+        if (c->e[i].hash == h && fl_cu_gemm_key_eq(&c->e[i].key, k)) {
+            c->e[i].used = ++c->tick;
+            c->hits++;
+            return c->e[i].plan;
+        }
+    c->misses++;
+    return NULL;
+}
+
+void fl_cu_gemm_cache_put(fl_cu_gemm_cache *c, const fl_cu_gemm_key *k, void *plan) {
+    int slot = c->n;
+    if (c->n == c->cap) { /* full: the least recently used goes */
+        slot = 0;
+        for (int i = 1; i < c->n; i++)
+            if (c->e[i].used < c->e[slot].used) slot = i;
+        if (c->destroy) c->destroy(c->e[slot].plan);
+        c->evictions++;
+    } else {
+        c->n++;
+    }
+    c->e[slot].key = *k;
+    c->e[slot].hash = key_hash(k);
+    c->e[slot].used = ++c->tick;
+    c->e[slot].plan = plan;
+}
+
+void fl_cu_gemm_cache_free(fl_cu_gemm_cache *c) {
+    for (int i = 0; i < c->n; i++)
+        if (c->destroy) c->destroy(c->e[i].plan);
+    free(c->e);
+    memset(c, 0, sizeof *c);
+}
+
 #ifdef FL_HAVE_CUDA
 static cudaDataType_t cu_type(fl_dtype t) {
     return t == FL_F32 ? CUDA_R_32F : t == FL_BF16 ? CUDA_R_16BF : CUDA_R_16F;
 }
 
-/* Largest power of two (<= 256) dividing the address: the heuristics assume 256-byte aligned
- * operands unless told otherwise, and our operands are often sub-views (a head, a row offset). */
-static uint32_t align_of(const void *p) {
-    uintptr_t a = (uintptr_t)p;
-    uint32_t al = 256;
-    while (al > 1 && (a & (al - 1))) al >>= 1;
-    return al;
+
+/* One GEMM shape's cuBLASLt objects (the plan cache's value). */
+typedef struct {
+    cublasLtMatmulDesc_t op;
+    cublasLtMatrixLayout_t la, lb, lc;
+    cublasLtMatmulAlgo_t algo;
+} lt_plan;
+
+static void lt_plan_destroy(void *p) {
+    lt_plan *q = p;
+    if (!q) return;
+    if (q->lc) cublasLtMatrixLayoutDestroy(q->lc);
+    if (q->lb) cublasLtMatrixLayoutDestroy(q->lb);
+    if (q->la) cublasLtMatrixLayoutDestroy(q->la);
+    if (q->op) cublasLtMatmulDescDestroy(q->op);
+    free(q);
 }
 
 fl_status fl_cu_blas_init(fl_cu_blas *b, void *workspace, size_t workspace_bytes, void *stream) {
@@ -106,10 +197,13 @@ fl_status fl_cu_blas_init(fl_cu_blas *b, void *workspace, size_t workspace_bytes
     char why[256];
     if (fl_cuda_device_count(why, sizeof why) == 0) /* cublasLtCreate would fail (and leak) */
         return fl_errorf(FL_ERR_UNSUPPORTED, "cuBLASLt: no CUDA device visible (%s)", why);
+    FL_TRY(fl_cu_gemm_cache_init(&b->plans, FL_CU_GEMM_CACHE_CAP, lt_plan_destroy));
     cublasLtHandle_t h;
     cublasStatus_t st = cublasLtCreate(&h);
-    if (st != CUBLAS_STATUS_SUCCESS)
+    if (st != CUBLAS_STATUS_SUCCESS) {
+        fl_cu_gemm_cache_free(&b->plans);
         return fl_errorf(FL_ERR_UNSUPPORTED, "cuBLASLt: cublasLtCreate failed (%s)", cublasLtGetStatusString(st));
+    }
     b->lt = h;
     b->workspace = workspace;
     b->workspace_bytes = workspace_bytes;
@@ -118,6 +212,7 @@ fl_status fl_cu_blas_init(fl_cu_blas *b, void *workspace, size_t workspace_bytes
 }
 
 void fl_cu_blas_free(fl_cu_blas *b) {
+    fl_cu_gemm_cache_free(&b->plans); /* the descriptors before the handle */
     if (b->lt) cublasLtDestroy((cublasLtHandle_t)b->lt);
     memset(b, 0, sizeof *b);
 }
@@ -133,26 +228,26 @@ static cublasStatus_t layout(cublasLtMatrixLayout_t *l, fl_dtype t, int64_t rows
     return st;
 }
 
-fl_status fl_cu_gemm_cublaslt(void *ctx, const fl_cu_gemm_desc *d) {
-    fl_cu_blas *b = ctx;
-    fl_status s = fl_cu_gemm_check(d);
-    if (s != FL_OK) return s;
-    if (d->m == 0 || d->n == 0) return FL_OK;
-    cublasLtMatmulDesc_t op = NULL;
-    cublasLtMatrixLayout_t la = NULL, lb = NULL, lc = NULL;
+/* The descriptors and the heuristic's algorithm for d's shape (a cache miss). */
+static cublasStatus_t lt_plan_create(fl_cu_blas *b, const fl_cu_gemm_desc *d, lt_plan **out) {
+    *out = NULL;
+    lt_plan *q = calloc(1, sizeof *q);
+    if (!q) return CUBLAS_STATUS_ALLOC_FAILED;
     cublasLtMatmulPreference_t pref = NULL;
-    cublasStatus_t st = cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F); /* fp32: no TF32 */
+    cublasStatus_t st = cublasLtMatmulDescCreate(&q->op, CUBLAS_COMPUTE_32F, CUDA_R_32F); /* fp32: no TF32 */
     cublasOperation_t opa = d->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, opb = d->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-    if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa);
-    if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb);
+    if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulDescSetAttribute(q->op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof opa);
+    if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulDescSetAttribute(q->op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof opb);
     if (st == CUBLAS_STATUS_SUCCESS)
-        st = layout(&la, d->ta, d->trans_a ? d->k : d->m, d->trans_a ? d->m : d->k, d->lda, d->batch, d->stride_a);
+        st = layout(&q->la, d->ta, d->trans_a ? d->k : d->m, d->trans_a ? d->m : d->k, d->lda, d->batch, d->stride_a);
     if (st == CUBLAS_STATUS_SUCCESS)
-        st = layout(&lb, d->tb, d->trans_b ? d->n : d->k, d->trans_b ? d->k : d->n, d->ldb, d->batch, d->stride_b);
-    if (st == CUBLAS_STATUS_SUCCESS) st = layout(&lc, d->tc, d->m, d->n, d->ldc, d->batch, d->stride_c);
+        st = layout(&q->lb, d->tb, d->trans_b ? d->n : d->k, d->trans_b ? d->k : d->n, d->ldb, d->batch, d->stride_b);
+    if (st == CUBLAS_STATUS_SUCCESS) st = layout(&q->lc, d->tc, d->m, d->n, d->ldc, d->batch, d->stride_c);
     if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulPreferenceCreate(&pref);
+    /* the heuristics assume 256-byte aligned operands unless told otherwise, and our operands are
+     * often sub-views (a head, a row offset) */
     uint64_t ws = b->workspace_bytes;
-    uint32_t al_a = align_of(d->A), al_b = align_of(d->B), al_c = align_of(d->C);
+    uint32_t al_a = fl_cu_gemm_align_of(d->A), al_b = fl_cu_gemm_align_of(d->B), al_c = fl_cu_gemm_align_of(d->C);
     if (st == CUBLAS_STATUS_SUCCESS)
         st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws);
     if (st == CUBLAS_STATUS_SUCCESS)
@@ -165,16 +260,35 @@ fl_status fl_cu_gemm_cublaslt(void *ctx, const fl_cu_gemm_desc *d) {
         st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof al_c);
     cublasLtMatmulHeuristicResult_t heur;
     int found = 0;
-    if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulAlgoGetHeuristic(b->lt, op, la, lb, lc, lc, pref, 1, &heur, &found);
-    if (st == CUBLAS_STATUS_SUCCESS && found == 0) st = CUBLAS_STATUS_NOT_SUPPORTED;
     if (st == CUBLAS_STATUS_SUCCESS)
-        st = cublasLtMatmul(b->lt, op, &d->alpha, d->A, la, d->B, lb, &d->beta, d->C, lc, d->C, lc, &heur.algo,
-                            b->workspace, b->workspace_bytes, (cudaStream_t)b->stream);
+        st = cublasLtMatmulAlgoGetHeuristic(b->lt, q->op, q->la, q->lb, q->lc, q->lc, pref, 1, &heur, &found);
+    if (st == CUBLAS_STATUS_SUCCESS && found == 0) st = CUBLAS_STATUS_NOT_SUPPORTED;
     if (pref) cublasLtMatmulPreferenceDestroy(pref);
-    if (lc) cublasLtMatrixLayoutDestroy(lc);
-    if (lb) cublasLtMatrixLayoutDestroy(lb);
-    if (la) cublasLtMatrixLayoutDestroy(la);
-    if (op) cublasLtMatmulDescDestroy(op);
+    if (st != CUBLAS_STATUS_SUCCESS) {
+        lt_plan_destroy(q);
+        return st;
+    }
+    q->algo = heur.algo;
+    *out = q;
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+fl_status fl_cu_gemm_cublaslt(void *ctx, const fl_cu_gemm_desc *d) {
+    fl_cu_blas *b = ctx;
+    fl_status s = fl_cu_gemm_check(d);
+    if (s != FL_OK) return s;
+    if (d->m == 0 || d->n == 0) return FL_OK;
+    fl_cu_gemm_key key;
+    fl_cu_gemm_key_of(d, b->workspace_bytes, &key);
+    lt_plan *q = fl_cu_gemm_cache_get(&b->plans, &key);
+    cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+    if (!q) {
+        st = lt_plan_create(b, d, &q);
+        if (st == CUBLAS_STATUS_SUCCESS) fl_cu_gemm_cache_put(&b->plans, &key, q);
+    }
+    if (st == CUBLAS_STATUS_SUCCESS)
+        st = cublasLtMatmul(b->lt, q->op, &d->alpha, d->A, q->la, d->B, q->lb, &d->beta, d->C, q->lc, d->C, q->lc,
+                            &q->algo, b->workspace, b->workspace_bytes, (cudaStream_t)b->stream);
     if (st != CUBLAS_STATUS_SUCCESS)
         return fl_errorf(FL_ERR_UNSUPPORTED, "cuBLASLt matmul m=%d n=%d k=%d (%s,%s,%s) batch %d: %s", d->m, d->n,
                          d->k, fl_dtype_name(d->ta), fl_dtype_name(d->tb), fl_dtype_name(d->tc), d->batch,

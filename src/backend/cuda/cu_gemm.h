@@ -60,6 +60,49 @@ fl_status fl_cu_gemm_rowmajor(fl_cu_gemm_fn fn, void *ctx, int trans_a, int tran
                               void *C, fl_dtype tc, int ldc, int batch, int64_t stride_a, int64_t stride_b,
                               int64_t stride_c);
 
+/* Plan cache. A cublasLtMatmul needs an operation descriptor, three matrix layouts and an
+ * algorithm from the heuristics (tens of microseconds of host time together, every call); a
+ * training step issues the same few dozen GEMM shapes hundreds of times, so the real wrapper keeps
+ * them per shape. The key is everything the descriptors and the heuristic query depend on: the
+ * operations, m n k, the types, the leading dimensions, the batch and its strides (batch > 1), and
+ * the operands' alignments and the workspace size (the heuristic is told them: a sub-view of lesser alignment must not
+ * reuse an algorithm chosen for 256-byte aligned operands). Pointers, alpha and beta are not in it:
+ * they are passed to each matmul. At most `cap` plans, the least recently used one destroyed
+ * (the destroy callback) when a new shape comes; the cache is host memory the library owns, like
+ * cuBLASLt's own descriptors. The logic is host code, built and tested everywhere. */
+typedef struct {
+    int32_t v[12];
+    int64_t ld[3], stride[3];
+    uint64_t workspace_bytes;
+} fl_cu_gemm_key;
+/* workspace_bytes: the most workspace the heuristic may pick an algorithm for (a plan chosen with a
+ * workspace must not run without it) */
+void fl_cu_gemm_key_of(const fl_cu_gemm_desc *d, size_t workspace_bytes, fl_cu_gemm_key *k);
+int fl_cu_gemm_key_eq(const fl_cu_gemm_key *a, const fl_cu_gemm_key *b);
+/* Largest power of two (<= 256) dividing the address. */
+uint32_t fl_cu_gemm_align_of(const void *p);
+
+typedef struct {
+    fl_cu_gemm_key key;
+    uint64_t hash, used; /* used: the tick of the last hit (LRU) */
+    void *plan;
+} fl_cu_gemm_cache_entry;
+typedef struct {
+    fl_cu_gemm_cache_entry *e;
+    int cap, n;
+    uint64_t tick;
+    size_t hits, misses, evictions;
+    void (*destroy)(void *plan);
+} fl_cu_gemm_cache;
+#define FL_CU_GEMM_CACHE_CAP 256
+fl_status fl_cu_gemm_cache_init(fl_cu_gemm_cache *c, int cap, void (*destroy)(void *plan));
+/* The plan stored for k (a hit: counted, marked most recently used), or NULL (a miss: counted). */
+void *fl_cu_gemm_cache_get(fl_cu_gemm_cache *c, const fl_cu_gemm_key *k);
+/* Store a plan for k (not present): when full, the least recently used plan is destroyed first. */
+void fl_cu_gemm_cache_put(fl_cu_gemm_cache *c, const fl_cu_gemm_key *k, void *plan);
+/* Destroy every plan and the table. */
+void fl_cu_gemm_cache_free(fl_cu_gemm_cache *c);
+
 /* The real thing (FL_CUDA builds only; elsewhere fl_cu_blas_init returns FL_ERR_UNSUPPORTED).
  * ctx of fl_cu_gemm_cublaslt is an fl_cu_blas: a cuBLASLt handle, a device workspace lent by
  * the caller (from the accounting pool; 32 MiB lets the heuristics pick split-K algorithms on
@@ -69,6 +112,7 @@ typedef struct {
     void *workspace;        /* device memory, may be NULL with workspace_bytes 0 */
     size_t workspace_bytes;
     void *stream;           /* cudaStream_t, NULL: default stream */
+    fl_cu_gemm_cache plans; /* descriptors, layouts and algorithm per GEMM shape */
 } fl_cu_blas;
 fl_status fl_cu_blas_init(fl_cu_blas *b, void *workspace, size_t workspace_bytes, void *stream);
 void fl_cu_blas_free(fl_cu_blas *b);
