@@ -642,3 +642,54 @@ FL_TEST(model_acts16_gradients_vs_fp32_acts) {
     fl_mem_pool_free(&pool);
     fl_cpu_backend_free(&be);
 }
+
+/* Parameter roles (model.h): resolved once by the layout, each one the HF entry it stands for, in
+ * the group it belongs to, for LLaMA with and without biases, tied and untied, and GPT-2. */
+FL_TEST(model_layout_roles_resolve_to_their_entries) {
+    static const char *llama[FL_ROLE_COUNT] = {
+        "model.embed_tokens.weight", NULL, "model.norm.weight", NULL, "lm_head.weight",
+        "model.layers.%d.input_layernorm.weight", NULL, "model.layers.%d.post_attention_layernorm.weight", NULL,
+        "model.layers.%d.self_attn.q_proj.weight", "model.layers.%d.self_attn.q_proj.bias",
+        "model.layers.%d.self_attn.o_proj.weight", "model.layers.%d.self_attn.o_proj.bias",
+        "model.layers.%d.mlp.gate_proj.weight", "model.layers.%d.mlp.gate_proj.bias",
+        "model.layers.%d.mlp.down_proj.weight", "model.layers.%d.mlp.down_proj.bias"};
+    static const char *gpt2[FL_ROLE_COUNT] = {
+        "transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight", "transformer.ln_f.bias",
+        "lm_head.weight", "transformer.h.%d.ln_1.weight", "transformer.h.%d.ln_1.bias", "transformer.h.%d.ln_2.weight",
+        "transformer.h.%d.ln_2.bias", "transformer.h.%d.attn.c_attn.weight", "transformer.h.%d.attn.c_attn.bias",
+        "transformer.h.%d.attn.c_proj.weight", "transformer.h.%d.attn.c_proj.bias", "transformer.h.%d.mlp.c_fc.weight",
+        "transformer.h.%d.mlp.c_fc.bias", "transformer.h.%d.mlp.c_proj.weight", "transformer.h.%d.mlp.c_proj.bias"};
+    for (int v = 0; v < 4; v++) {
+        fl_model_config c;
+        FL_REQUIRE_OK(fl_preset_find(v == 3 ? "gpt2-micro" : "micro", &c));
+        if (v == 1) c.attention_bias = c.mlp_bias = 1;
+        if (v < 3) c.tie_embeddings = v != 2;
+        FL_REQUIRE_OK(fl_config_validate(&c));
+        fl_param_layout lay;
+        FL_REQUIRE_OK(fl_layout_build(&lay, &c));
+        const char **names = v == 3 ? gpt2 : llama;
+        int found = 0;
+        for (int g = 0; g < lay.n_groups; g++)
+            for (int r = 0; r < FL_ROLE_COUNT; r++) {
+                const int outer = r <= FL_ROLE_HEAD, want_group = outer ? (r == FL_ROLE_EMBED || r == FL_ROLE_POS_EMBED
+                                                                            ? 0 : lay.n_groups - 1) : g;
+                int present = names[r] && (outer ? g == want_group : g >= 1 && g <= c.n_layers);
+                if (present && v != 3) { /* LLaMA's optional entries */
+                    if ((r == FL_ROLE_QKV_B || r == FL_ROLE_O_B) && !c.attention_bias) present = 0;
+                    if ((r == FL_ROLE_FC_B || r == FL_ROLE_PROJ_B) && !c.mlp_bias) present = 0;
+                }
+                if (r == FL_ROLE_HEAD && c.tie_embeddings) present = 0;
+                int i = fl_layout_role(&lay, g, (fl_param_role)r);
+                FL_CHECKF(present == (i >= 0), "variant %d group %d role %d: index %d", v, g, r, i);
+                if (i < 0 || !present) continue;
+                char want[FL_PARAM_NAME_MAX];
+                snprintf(want, sizeof want, names[r], g - 1);
+                FL_CHECKF(!strcmp(lay.params[i].name, want) && lay.params[i].group == g && lay.params[i].role == r,
+                          "variant %d group %d role %d: %s, want %s", v, g, r, lay.params[i].name, want);
+                found++;
+            }
+        FL_CHECK(found > 6 * c.n_layers);
+        FL_CHECK(fl_layout_role(&lay, -1, FL_ROLE_EMBED) == -1 && fl_layout_role(&lay, lay.n_groups, FL_ROLE_EMBED) == -1);
+        fl_layout_free(&lay);
+    }
+}

@@ -64,6 +64,20 @@ fl_status fl_config_validate(fl_model_config *cfg);
 
 #define FL_PARAM_NAME_MAX 96
 
+/* What a layout entry is to the graph, resolved once when the layout is built (the forward and
+ * backward look parameters up by role and group, never by name). A fused matrix is named by its
+ * first entry: QKV_W is q_proj (LLaMA; k and v follow it) or c_attn (GPT-2), FC_W is gate_proj
+ * (up follows it) or c_fc. Entries inside a fused run (k, v, up and their biases) have no role. */
+typedef enum {
+    FL_ROLE_NONE = -1,
+    /* outer: group 0 (embeddings) and L+1 (final norm, head) */
+    FL_ROLE_EMBED = 0, FL_ROLE_POS_EMBED, FL_ROLE_NORM_F_W, FL_ROLE_NORM_F_B, FL_ROLE_HEAD,
+    /* per block: groups 1..L */
+    FL_ROLE_LN1_W, FL_ROLE_LN1_B, FL_ROLE_LN2_W, FL_ROLE_LN2_B, FL_ROLE_QKV_W, FL_ROLE_QKV_B, FL_ROLE_O_W,
+    FL_ROLE_O_B, FL_ROLE_FC_W, FL_ROLE_FC_B, FL_ROLE_PROJ_W, FL_ROLE_PROJ_B,
+    FL_ROLE_COUNT
+} fl_param_role;
+
 typedef struct {
     char name[FL_PARAM_NAME_MAX]; /* HF name, e.g. "model.layers.0.self_attn.q_proj.weight" */
     int ndim;                     /* 1 or 2 */
@@ -72,6 +86,7 @@ typedef struct {
     size_t numel;
     int group;                    /* 0 embed, 1..L blocks, L+1 head */
     int transposed_on_disk;       /* GPT-2 Conv1D: file holds shape[1] x shape[0] */
+    fl_param_role role;
 } fl_param_info;
 
 typedef struct {
@@ -80,6 +95,7 @@ typedef struct {
     int n_groups;           /* L + 2 */
     size_t *group_offset;   /* n_groups + 1 element offsets; group g = [off[g], off[g+1]) */
     size_t numel;           /* total elements */
+    int *role_index;        /* (n_groups x FL_ROLE_COUNT) entry of each role in each group, or -1 */
 } fl_param_layout;
 
 /* Build the layout for a config (malloc'd bookkeeping, not model memory). */
@@ -88,6 +104,11 @@ void fl_layout_free(fl_param_layout *lay);
 /* Index of an entry by HF name, or -1. Accepts GPT-2 names without the
  * "transformer." prefix too. */
 int fl_layout_find(const fl_param_layout *lay, const char *name);
+/* Index of group g's entry of role r (outer roles: group 0 or L+1; block roles: 1..L), or -1
+ * (absent: a bias the config does not have, a tied head). */
+static inline int fl_layout_role(const fl_param_layout *lay, int g, fl_param_role r) {
+    return (g < 0 || g >= lay->n_groups || r < 0 || r >= FL_ROLE_COUNT) ? -1 : lay->role_index[g * FL_ROLE_COUNT + r];
+}
 
 /* ---- sizing (shared by the runtime and the planner) ---------------------- */
 

@@ -7,10 +7,8 @@
 
 #include "model-impl.h"
 
-static int idx_of(const fl_model *m, const char *name) { return fl_layout_find(&m->layout, name); }
 /* Layout (gradient) offset of entry i, or -1. */
 static size_t loff(const fl_model *m, int i) { return i < 0 ? (size_t)-1 : m->layout.params[i].offset; }
-static size_t off_of(const fl_model *m, const char *name) { return loff(m, idx_of(m, name)); }
 
 /* The layout group holding layout offset off. */
 static int group_of(const fl_model *m, size_t off) {
@@ -41,10 +39,9 @@ static const void *wcaddr(const fl_model *m, size_t so) {
     return m->wcompute ? (const void *)((const char *)m->wcompute + so * es) : NULL;
 }
 
-/* fp32 view of a 1-D parameter: in place (fp32 storage) or widened into the
- * next free slot of pstage (16-bit storage; *cur is the slot cursor). */
-static const float *P1(const fl_model *m, const char *name, float **cur) {
-    int i = idx_of(m, name);
+/* fp32 view of 1-D parameter entry i (-1: absent, NULL): in place (fp32 storage) or widened into
+ * the next free slot of pstage (16-bit storage; *cur is the slot cursor). */
+static const float *P1(const fl_model *m, int i, float **cur) {
     if (i < 0) return NULL;
     const fl_param_info *p = &m->layout.params[i];
     size_t so = fl_model_store_off(m, i);
@@ -98,16 +95,15 @@ void fl_linear_set_dw_scratch(const fl_model *m, fl_linear *lin) {
     lin->dyb16 = on ? m->acts->dyb16 : NULL;
 }
 
-static void set_linear(const fl_model *m, fl_linear *lin, int in, int out, const char *w, const char *b,
-                       float **cur) {
-    size_t ow = off_of(m, w), ob = b ? off_of(m, b) : (size_t)-1;
+/* A linear layer from its weight and bias entries (indices; bias -1: none). */
+static void set_linear(const fl_model *m, fl_linear *lin, int in, int out, int wi, int bi, float **cur) {
     lin->in = in;
     lin->out = out;
-    fl_linear_set_weight(m, lin, idx_of(m, w));
+    fl_linear_set_weight(m, lin, wi);
     fl_linear_set_dw_scratch(m, lin);
-    lin->b = b ? P1(m, b, cur) : NULL;
-    lin->dw = lin->n_q4 ? NULL : G(m, ow);
-    lin->db = G(m, ob);
+    lin->b = P1(m, bi, cur);
+    lin->dw = lin->n_q4 ? NULL : G(m, loff(m, wi));
+    lin->db = G(m, loff(m, bi));
 }
 
 /* ---- 16-bit storage: gradient staging ------------------------------------------ */
@@ -131,47 +127,21 @@ fl_status fl_grad_stage_flush(fl_model *m, size_t off, size_t n) {
 
 void fl_get_block(const fl_model *m, int l, fl_block_params *bp) {
     fl_dims d = fl_model_dims(&m->cfg);
-    char a[FL_PARAM_NAME_MAX], b[FL_PARAM_NAME_MAX], c[FL_PARAM_NAME_MAX], e[FL_PARAM_NAME_MAX];
     memset(bp, 0, sizeof *bp);
     float *cur0 = m->pstage ? m->pstage + fl_pstage_block_start(m) : NULL, **cur = &cur0;
-    if (m->cfg.arch == FL_ARCH_LLAMA) {
-        int ab = m->cfg.attention_bias, mb = m->cfg.mlp_bias;
-        snprintf(a, sizeof a, "model.layers.%d.input_layernorm.weight", l);
-        snprintf(b, sizeof b, "model.layers.%d.post_attention_layernorm.weight", l);
-        bp->ln1_w = P1(m, a, cur); bp->d_ln1_w = G(m, off_of(m, a));
-        bp->ln2_w = P1(m, b, cur); bp->d_ln2_w = G(m, off_of(m, b));
-        /* q_proj starts the fused (QKV, C) matrix; q_proj.bias the fused bias. */
-        snprintf(a, sizeof a, "model.layers.%d.self_attn.q_proj.weight", l);
-        snprintf(b, sizeof b, "model.layers.%d.self_attn.q_proj.bias", l);
-        set_linear(m, &bp->qkv, d.C, d.QKV, a, ab ? b : NULL, cur);
-        snprintf(a, sizeof a, "model.layers.%d.self_attn.o_proj.weight", l);
-        snprintf(b, sizeof b, "model.layers.%d.self_attn.o_proj.bias", l);
-        set_linear(m, &bp->o, d.QD, d.C, a, ab ? b : NULL, cur);
-        /* gate_proj starts the fused (2F, C) [gate | up] matrix. */
-        snprintf(c, sizeof c, "model.layers.%d.mlp.gate_proj.weight", l);
-        snprintf(e, sizeof e, "model.layers.%d.mlp.gate_proj.bias", l);
-        set_linear(m, &bp->fc, d.C, d.FCW, c, mb ? e : NULL, cur);
-        snprintf(c, sizeof c, "model.layers.%d.mlp.down_proj.weight", l);
-        snprintf(e, sizeof e, "model.layers.%d.mlp.down_proj.bias", l);
-        set_linear(m, &bp->proj, d.F, d.C, c, mb ? e : NULL, cur);
-    } else {
-#define GP(field, dfield, fmt) \
-    snprintf(a, sizeof a, fmt, l); bp->field = P1(m, a, cur); bp->dfield = G(m, off_of(m, a))
-        GP(ln1_w, d_ln1_w, "transformer.h.%d.ln_1.weight");
-        GP(ln1_b, d_ln1_b, "transformer.h.%d.ln_1.bias");
-        GP(ln2_w, d_ln2_w, "transformer.h.%d.ln_2.weight");
-        GP(ln2_b, d_ln2_b, "transformer.h.%d.ln_2.bias");
-#undef GP
-#define GL(lin, in, out, name)                                              \
-    snprintf(a, sizeof a, "transformer.h.%d." name ".weight", l);            \
-    snprintf(b, sizeof b, "transformer.h.%d." name ".bias", l);              \
-    set_linear(m, &bp->lin, in, out, a, b, cur)
-        GL(qkv, d.C, d.QKV, "attn.c_attn");
-        GL(o, d.QD, d.C, "attn.c_proj");
-        GL(fc, d.C, d.FCW, "mlp.c_fc");
-        GL(proj, d.F, d.C, "mlp.c_proj");
-#undef GL
-    }
+    const int g = l + 1;
+#define R(role) fl_layout_role(&m->layout, g, FL_ROLE_##role)
+    /* the order of the 1-D parameters is pstage's slot order (LLaMA: ln1, ln2, then the biases) */
+    bp->ln1_w = P1(m, R(LN1_W), cur); bp->d_ln1_w = G(m, loff(m, R(LN1_W)));
+    bp->ln1_b = P1(m, R(LN1_B), cur); bp->d_ln1_b = G(m, loff(m, R(LN1_B)));
+    bp->ln2_w = P1(m, R(LN2_W), cur); bp->d_ln2_w = G(m, loff(m, R(LN2_W)));
+    bp->ln2_b = P1(m, R(LN2_B), cur); bp->d_ln2_b = G(m, loff(m, R(LN2_B)));
+    /* QKV_W starts the fused (QKV, C) matrix, FC_W the fused (2F, C) [gate | up] one (LLaMA) */
+    set_linear(m, &bp->qkv, d.C, d.QKV, R(QKV_W), R(QKV_B), cur);
+    set_linear(m, &bp->o, d.QD, d.C, R(O_W), R(O_B), cur);
+    set_linear(m, &bp->fc, d.C, d.FCW, R(FC_W), R(FC_B), cur);
+    set_linear(m, &bp->proj, d.F, d.C, R(PROJ_W), R(PROJ_B), cur);
+#undef R
     fl_lora_attach(m, l, 0, &bp->qkv);
     fl_lora_attach(m, l, 1, &bp->o);
     fl_lora_attach(m, l, 2, &bp->fc);
@@ -190,13 +160,13 @@ size_t fl_pstage_block_start(const fl_model *m) {
 }
 
 void fl_get_outer(const fl_model *m, fl_outer_params *o) {
-    int gpt2 = m->cfg.arch == FL_ARCH_GPT2;
+    const fl_param_layout *lay = &m->layout;
+    const int gh = lay->n_groups - 1; /* the final norm and head's group */
     float *cur0 = m->pstage, **cur = &cur0;
-    int iwte = idx_of(m, gpt2 ? "transformer.wte.weight" : "model.embed_tokens.weight");
-    int iwpe = gpt2 ? idx_of(m, "transformer.wpe.weight") : -1;
-    int ihd = m->cfg.tie_embeddings ? iwte : idx_of(m, "lm_head.weight");
+    int iwte = fl_layout_role(lay, 0, FL_ROLE_EMBED), iwpe = fl_layout_role(lay, 0, FL_ROLE_POS_EMBED);
+    int ihd = m->cfg.tie_embeddings ? iwte : fl_layout_role(lay, gh, FL_ROLE_HEAD);
+    int ilw = fl_layout_role(lay, gh, FL_ROLE_NORM_F_W), ilb = fl_layout_role(lay, gh, FL_ROLE_NORM_F_B);
     size_t wte = loff(m, iwte), wpe = loff(m, iwpe), hd = loff(m, ihd);
-    const char *lw = gpt2 ? "transformer.ln_f.weight" : "model.norm.weight";
     /* embeddings: fp32 pointers only with fp32 storage (else fl_embed_* read the 16-bit rows) */
     o->wte_off = fl_model_store_off(m, iwte);
     o->wpe_off = iwpe >= 0 ? fl_model_store_off(m, iwpe) : (size_t)-1;
@@ -205,9 +175,8 @@ void fl_get_outer(const fl_model *m, fl_outer_params *o) {
     o->dwte = G(m, wte);
     o->wpe = (f32 && iwpe >= 0) ? paddr(m, o->wpe_off) : NULL;
     o->dwpe = G(m, wpe);
-    o->lnf_w = P1(m, lw, cur); o->dlnf_w = G(m, off_of(m, lw));
-    o->lnf_b = gpt2 ? P1(m, "transformer.ln_f.bias", cur) : NULL;
-    o->dlnf_b = gpt2 ? G(m, off_of(m, "transformer.ln_f.bias")) : NULL;
+    o->lnf_w = P1(m, ilw, cur); o->dlnf_w = G(m, loff(m, ilw));
+    o->lnf_b = P1(m, ilb, cur); o->dlnf_b = G(m, loff(m, ilb));
     o->head = f32 ? paddr(m, fl_model_store_off(m, ihd)) : NULL;
     o->dhead = f32 ? G(m, hd) : m->g16 ? m->gstage : NULL; /* 16-bit: the head is staged alone */
     o->head_off = hd;

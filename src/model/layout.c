@@ -67,7 +67,7 @@ typedef struct {
     int group;
 } builder;
 
-static int add(builder *b, const char *name, int64_t d0, int64_t d1, int transposed) {
+static int add(builder *b, fl_param_role role, const char *name, int64_t d0, int64_t d1, int transposed) {
     fl_param_layout *lay = b->lay;
     if (lay->n == b->cap) {
         int nc = b->cap ? b->cap * 2 : 64;
@@ -86,6 +86,7 @@ static int add(builder *b, const char *name, int64_t d0, int64_t d1, int transpo
     e->offset = b->off;
     e->group = b->group;
     e->transposed_on_disk = transposed;
+    e->role = role;
     b->off += e->numel;
     return 0;
 }
@@ -100,67 +101,75 @@ fl_status fl_layout_build(fl_param_layout *lay, const fl_model_config *c) {
     lay->n_groups = L + 2;
     lay->group_offset = calloc((size_t)lay->n_groups + 1, sizeof(size_t));
     if (!lay->group_offset) return fl_errorf(FL_ERR_OOM, "layout: out of host memory");
-#define P(d0, d1, tr, ...) (snprintf(nm, sizeof nm, __VA_ARGS__), err |= add(&b, nm, d0, d1, tr))
+#define P(role, d0, d1, tr, ...) (snprintf(nm, sizeof nm, __VA_ARGS__), err |= add(&b, FL_ROLE_##role, nm, d0, d1, tr))
     if (c->arch == FL_ARCH_LLAMA) {
-        P(V, C, 0, "model.embed_tokens.weight");
+        P(EMBED, V, C, 0, "model.embed_tokens.weight");
         for (int l = 0; l < L; l++) {
             lay->group_offset[l + 1] = b.off;
             b.group = l + 1;
-            P(C, 0, 0, "model.layers.%d.input_layernorm.weight", l);
+            P(LN1_W, C, 0, 0, "model.layers.%d.input_layernorm.weight", l);
             /* q, k, v consecutive: together the fused (QD+2KVD, C) matrix. */
-            P(QD, C, 0, "model.layers.%d.self_attn.q_proj.weight", l);
-            P(KVD, C, 0, "model.layers.%d.self_attn.k_proj.weight", l);
-            P(KVD, C, 0, "model.layers.%d.self_attn.v_proj.weight", l);
+            P(QKV_W, QD, C, 0, "model.layers.%d.self_attn.q_proj.weight", l);
+            P(NONE, KVD, C, 0, "model.layers.%d.self_attn.k_proj.weight", l);
+            P(NONE, KVD, C, 0, "model.layers.%d.self_attn.v_proj.weight", l);
             if (c->attention_bias) {
-                P(QD, 0, 0, "model.layers.%d.self_attn.q_proj.bias", l);
-                P(KVD, 0, 0, "model.layers.%d.self_attn.k_proj.bias", l);
-                P(KVD, 0, 0, "model.layers.%d.self_attn.v_proj.bias", l);
+                P(QKV_B, QD, 0, 0, "model.layers.%d.self_attn.q_proj.bias", l);
+                P(NONE, KVD, 0, 0, "model.layers.%d.self_attn.k_proj.bias", l);
+                P(NONE, KVD, 0, 0, "model.layers.%d.self_attn.v_proj.bias", l);
             }
-            P(C, QD, 0, "model.layers.%d.self_attn.o_proj.weight", l);
-            if (c->attention_bias) P(C, 0, 0, "model.layers.%d.self_attn.o_proj.bias", l);
-            P(C, 0, 0, "model.layers.%d.post_attention_layernorm.weight", l);
+            P(O_W, C, QD, 0, "model.layers.%d.self_attn.o_proj.weight", l);
+            if (c->attention_bias) P(O_B, C, 0, 0, "model.layers.%d.self_attn.o_proj.bias", l);
+            P(LN2_W, C, 0, 0, "model.layers.%d.post_attention_layernorm.weight", l);
             /* gate then up: the fused (2F, C) matrix. */
-            P(F, C, 0, "model.layers.%d.mlp.gate_proj.weight", l);
-            P(F, C, 0, "model.layers.%d.mlp.up_proj.weight", l);
+            P(FC_W, F, C, 0, "model.layers.%d.mlp.gate_proj.weight", l);
+            P(NONE, F, C, 0, "model.layers.%d.mlp.up_proj.weight", l);
             if (c->mlp_bias) {
-                P(F, 0, 0, "model.layers.%d.mlp.gate_proj.bias", l);
-                P(F, 0, 0, "model.layers.%d.mlp.up_proj.bias", l);
+                P(FC_B, F, 0, 0, "model.layers.%d.mlp.gate_proj.bias", l);
+                P(NONE, F, 0, 0, "model.layers.%d.mlp.up_proj.bias", l);
             }
-            P(C, F, 0, "model.layers.%d.mlp.down_proj.weight", l);
-            if (c->mlp_bias) P(C, 0, 0, "model.layers.%d.mlp.down_proj.bias", l);
+            P(PROJ_W, C, F, 0, "model.layers.%d.mlp.down_proj.weight", l);
+            if (c->mlp_bias) P(PROJ_B, C, 0, 0, "model.layers.%d.mlp.down_proj.bias", l);
         }
         lay->group_offset[L + 1] = b.off;
         b.group = L + 1;
-        P(C, 0, 0, "model.norm.weight");
-        if (!c->tie_embeddings) P(V, C, 0, "lm_head.weight");
+        P(NORM_F_W, C, 0, 0, "model.norm.weight");
+        if (!c->tie_embeddings) P(HEAD, V, C, 0, "lm_head.weight");
     } else {
-        P(V, C, 0, "transformer.wte.weight");
-        P(c->max_seq, C, 0, "transformer.wpe.weight");
+        P(EMBED, V, C, 0, "transformer.wte.weight");
+        P(POS_EMBED, c->max_seq, C, 0, "transformer.wpe.weight");
         for (int l = 0; l < L; l++) {
             lay->group_offset[l + 1] = b.off;
             b.group = l + 1;
-            P(C, 0, 0, "transformer.h.%d.ln_1.weight", l);
-            P(C, 0, 0, "transformer.h.%d.ln_1.bias", l);
-            P(3 * C, C, 1, "transformer.h.%d.attn.c_attn.weight", l);
-            P(3 * C, 0, 0, "transformer.h.%d.attn.c_attn.bias", l);
-            P(C, C, 1, "transformer.h.%d.attn.c_proj.weight", l);
-            P(C, 0, 0, "transformer.h.%d.attn.c_proj.bias", l);
-            P(C, 0, 0, "transformer.h.%d.ln_2.weight", l);
-            P(C, 0, 0, "transformer.h.%d.ln_2.bias", l);
-            P(F, C, 1, "transformer.h.%d.mlp.c_fc.weight", l);
-            P(F, 0, 0, "transformer.h.%d.mlp.c_fc.bias", l);
-            P(C, F, 1, "transformer.h.%d.mlp.c_proj.weight", l);
-            P(C, 0, 0, "transformer.h.%d.mlp.c_proj.bias", l);
+            P(LN1_W, C, 0, 0, "transformer.h.%d.ln_1.weight", l);
+            P(LN1_B, C, 0, 0, "transformer.h.%d.ln_1.bias", l);
+            P(QKV_W, 3 * C, C, 1, "transformer.h.%d.attn.c_attn.weight", l);
+            P(QKV_B, 3 * C, 0, 0, "transformer.h.%d.attn.c_attn.bias", l);
+            P(O_W, C, C, 1, "transformer.h.%d.attn.c_proj.weight", l);
+            P(O_B, C, 0, 0, "transformer.h.%d.attn.c_proj.bias", l);
+            P(LN2_W, C, 0, 0, "transformer.h.%d.ln_2.weight", l);
+            P(LN2_B, C, 0, 0, "transformer.h.%d.ln_2.bias", l);
+            P(FC_W, F, C, 1, "transformer.h.%d.mlp.c_fc.weight", l);
+            P(FC_B, F, 0, 0, "transformer.h.%d.mlp.c_fc.bias", l);
+            P(PROJ_W, C, F, 1, "transformer.h.%d.mlp.c_proj.weight", l);
+            P(PROJ_B, C, 0, 0, "transformer.h.%d.mlp.c_proj.bias", l);
         }
         lay->group_offset[L + 1] = b.off;
         b.group = L + 1;
-        P(C, 0, 0, "transformer.ln_f.weight");
-        P(C, 0, 0, "transformer.ln_f.bias");
-        if (!c->tie_embeddings) P(V, C, 0, "lm_head.weight");
+        P(NORM_F_W, C, 0, 0, "transformer.ln_f.weight");
+        P(NORM_F_B, C, 0, 0, "transformer.ln_f.bias");
+        if (!c->tie_embeddings) P(HEAD, V, C, 0, "lm_head.weight");
     }
 #undef P
     lay->group_offset[L + 2] = b.off;
     lay->numel = b.off;
+    lay->role_index = err ? NULL : malloc((size_t)lay->n_groups * FL_ROLE_COUNT * sizeof(int));
+    if (!lay->role_index) err = 1;
+    else {
+        for (int i = 0; i < lay->n_groups * FL_ROLE_COUNT; i++) lay->role_index[i] = -1;
+        for (int i = 0; i < lay->n; i++)
+            if (lay->params[i].role != FL_ROLE_NONE)
+                lay->role_index[lay->params[i].group * FL_ROLE_COUNT + lay->params[i].role] = i;
+    }
     if (err) {
         fl_layout_free(lay);
         return fl_errorf(FL_ERR_OOM, "layout: out of host memory");
@@ -170,6 +179,7 @@ fl_status fl_layout_build(fl_param_layout *lay, const fl_model_config *c) {
 
 void fl_layout_free(fl_param_layout *lay) {
     free(lay->params);
+    free(lay->role_index);
     free(lay->group_offset);
     memset(lay, 0, sizeof *lay);
 }
