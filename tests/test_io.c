@@ -388,6 +388,86 @@ FL_TEST(safetensors_bad_truncated) {
     expect_st_error(p, FL_ERR_FORMAT, "last.weight", NULL, "truncated");
 }
 
+/* fill_range (io.h): a tensor produced slice by slice is written with the bytes of the same tensor
+ * given whole (converted, transposed, > FL_ST_FILL_SLICE elements: several slices, in order); a
+ * producer's error stops the write and leaves no file. */
+typedef struct {
+    const float *src;
+    size_t next, calls, fail_at;
+} range_src;
+static fl_status range_fill(void *ud, void *dst, size_t off, size_t n) {
+    range_src *r = ud;
+    if (off != r->next) return fl_errorf(FL_ERR_INTERNAL, "slice at %zu, expected %zu", off, r->next);
+    if (r->fail_at && r->calls + 1 == r->fail_at) return fl_errorf(FL_ERR_IO, "producer failed at slice %zu", r->calls);
+    memcpy(dst, r->src + off, n * sizeof(float));
+    r->next = off + n;
+    r->calls++;
+    return FL_OK;
+}
+
+static fl_status never_fill(void *ud, float *dst) {
+    (void)ud, (void)dst;
+    return fl_errorf(FL_ERR_INTERNAL, "not to be called");
+}
+
+static unsigned char *slurp(const char *path, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    long len = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    unsigned char *b = malloc((size_t)len + 1);
+    *n = b && fread(b, 1, (size_t)len, f) == (size_t)len ? (size_t)len : 0;
+    fclose(f);
+    return b;
+}
+
+FL_TEST(safetensors_fill_range_streams_the_same_bytes) {
+    const size_t big = FL_ST_FILL_SLICE * 2 + 77; /* three slices */
+    float *a = malloc(big * sizeof(float));
+    FL_REQUIRE(a != NULL);
+    for (size_t i = 0; i < big; i++) a[i] = (float)((i * 2654435761u) % 1000003) / 7.0f - 50.0f;
+    range_src r[3] = {{a, 0, 0, 0}, {a, 0, 0, 0}, {a, 0, 0, 0}};
+    fl_st_write_tensor whole[3] = {
+        {.name = "big", .dtype = FL_BF16, .ndim = 1, .shape = {(int64_t)big}, .data = a, .src_dtype = FL_F32},
+        {.name = "tr", .dtype = FL_F32, .ndim = 2, .shape = {5, 7}, .data = a, .src_dtype = FL_F32, .transpose2d = 1},
+        {.name = "small", .dtype = FL_F32, .ndim = 2, .shape = {3, 4}, .data = a + 9, .src_dtype = FL_F32}};
+    fl_st_write_tensor ranged[3];
+    memcpy(ranged, whole, sizeof whole);
+    for (int i = 0; i < 3; i++) {
+        ranged[i].data = NULL;
+        ranged[i].fill_range = range_fill;
+        ranged[i].fill_ud = &r[i];
+    }
+    r[2].src = a + 9;
+    char p1[512], p2[512];
+    snprintf(p1, sizeof p1, "%s", pj(tdir(), "whole.safetensors"));
+    snprintf(p2, sizeof p2, "%s", pj(tdir(), "ranged.safetensors"));
+    FL_REQUIRE_OK(fl_st_write(p1, whole, 3, NULL, NULL, 0));
+    FL_REQUIRE_OK(fl_st_write(p2, ranged, 3, NULL, NULL, 0));
+    FL_CHECK(r[0].calls == 3 && r[0].next == big && r[1].calls == 1 && r[2].calls == 1);
+    size_t n1 = 0, n2 = 0;
+    unsigned char *b1 = slurp(p1, &n1), *b2 = slurp(p2, &n2);
+    FL_CHECK(n1 > big * 2 && n1 == n2 && b1 && b2 && !memcmp(b1, b2, n1));
+    free(b1);
+    free(b2);
+    /* a failing producer: an error naming it, no file, no temporary */
+    range_src rf = {a, 0, 0, 2};
+    ranged[0].fill_ud = &rf;
+    const char *p3 = pj(tdir(), "failed.safetensors");
+    FL_CHECK(fl_st_write(p3, ranged, 1, NULL, NULL, 0) == FL_ERR_IO && strstr(fl_error_message(), "producer failed"));
+    FL_CHECK(access(p3, F_OK) != 0);
+    char tmp[600];
+    snprintf(tmp, sizeof tmp, "%s.tmp", p3);
+    FL_CHECK(access(tmp, F_OK) != 0);
+    /* fill and fill_range together: refused */
+    fl_st_write_tensor both = ranged[2];
+    both.fill = never_fill;
+    both.src_dtype = FL_F32;
+    FL_CHECK(fl_st_write(p3, &both, 1, NULL, NULL, 0) == FL_ERR_INVALID && strstr(fl_error_message(), "fill_range"));
+    free(a);
+}
+
 /* ---- config ----------------------------------------------------------------- */
 
 static const char *LLAMA_CFG =

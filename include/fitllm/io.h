@@ -74,7 +74,14 @@ typedef struct {
     /* Non-NULL: data is device memory of this backend, read through be->to_host in bounded
      * host slices (a transposed tensor: staged whole on the host, one tensor at a time). */
     const struct fl_backend *be;
+    /* Optional ranged producer instead of data and fill: writes elements [off, off + n) of the
+     * tensor's source (src_dtype, in the source's order: before transpose2d) to dst. Called in
+     * increasing off over slices of at most FL_ST_FILL_SLICE elements (a transposed tensor: once,
+     * whole), so a tensor larger than any buffer streams from wherever it lives (FSDP's
+     * consolidated checkpoint gathers it from the ranks unit by unit). */
+    fl_status (*fill_range)(void *ud, void *dst, size_t off, size_t n);
 } fl_st_write_tensor;
+#define FL_ST_FILL_SLICE ((size_t)1 << 20)
 
 /* Write tensors (in the given order) with optional metadata pairs to `path`
  * atomically: path.tmp, fsync, rename. */

@@ -308,6 +308,25 @@ static fl_status fl_st_write_data(int fd, const char *tmp, const fl_st_write_ten
         free(buf);
         return s;
     }
+    if (t->fill_range) { /* produced slice by slice (a transposed tensor: whole, it is gathered) */
+        size_t chunk = t->transpose2d || numel < FL_ST_FILL_SLICE ? numel : FL_ST_FILL_SLICE;
+        void *h = malloc(chunk * ss);
+        if (!h) return fl_errorf(FL_ERR_OOM, "%s: out of memory writing '%s'", tmp, t->name);
+        fl_st_write_tensor x = *t;
+        x.fill_range = NULL;
+        x.be = NULL;
+        x.data = h;
+        fl_status s = FL_OK;
+        for (size_t i = 0; i < numel && s == FL_OK; i += chunk) {
+            size_t m = numel - i < chunk ? numel - i : chunk;
+            s = t->fill_range(t->fill_ud, h, i, m);
+            x.ndim = t->transpose2d ? t->ndim : 1;
+            if (!t->transpose2d) x.shape[0] = (int64_t)m;
+            if (s == FL_OK) s = fl_st_write_data(fd, tmp, &x);
+        }
+        free(h);
+        return s;
+    }
     if (t->be) { /* device memory: to the host in slices (a transposed tensor: whole, it is gathered) */
         size_t chunk = t->transpose2d ? numel : (size_t)1 << 18;
         if (chunk > numel) chunk = numel;
@@ -375,7 +394,8 @@ fl_status fl_st_write(const char *path, const fl_st_write_tensor *t, int n, cons
         for (int d = 0; d < x->ndim; d++)
             if (x->shape[d] < 0) return fl_errorf(FL_ERR_INVALID, "%s: tensor '%s': negative dimension", path, x->name);
         if (x->transpose2d && x->ndim != 2) return fl_errorf(FL_ERR_INVALID, "%s: tensor '%s': transpose2d needs a 2-D tensor", path, x->name);
-        if (fl_st_numel(x) && !x->data && !x->fill) return fl_errorf(FL_ERR_INVALID, "%s: tensor '%s': NULL data", path, x->name);
+        if (x->fill && x->fill_range) return fl_errorf(FL_ERR_INVALID, "%s: tensor '%s': fill and fill_range both given", path, x->name);
+        if (fl_st_numel(x) && !x->data && !x->fill && !x->fill_range) return fl_errorf(FL_ERR_INVALID, "%s: tensor '%s': NULL data", path, x->name);
         if (x->dtype != (x->fill ? FL_F32 : x->src_dtype)) {
             char o[8] = {0};
             if (fl_convert(o, x->dtype, o, x->src_dtype, 0))
