@@ -288,6 +288,87 @@ FL_TEST(fsdp_threads_checkpoint_equals_zero2_and_resumes) {
     free_fjob(r);
 }
 
+/* The consolidated checkpoint streams (fsdp.c: rank 0 writes while the units are gathered, one
+ * unit's buffer per rank, never the whole model or state): GPT-2 (Conv1D weights transposed on
+ * disk) with AdamW's two states gives ZeRO-2's files byte for byte; a write failing at any point
+ * ends every rank with an error (no rank left waiting in a gather) and commits nothing. */
+FL_TEST(fsdp_threads_checkpoint_streams_gpt2_and_write_failures_end_every_rank) {
+    static const char *strat[2] = {"deepspeed_stage_2", "fsdp"};
+    fjob *j[2];
+    char dir[2][700];
+    for (int k = 0; k < 2; k++) {
+        j[k] = calloc(1, sizeof *j[k]);
+        FL_REQUIRE(j[k] != NULL);
+        snprintf(dir[k], sizeof dir[k], "%s/fgck-%d", fl_test_tmpdir(), k);
+        zr_config(&j[k]->cfg, ZR_ADAMW, 2, 2, 1, strat[k], NULL, dir[k]);
+        snprintf(j[k]->cfg.checkpoint_dir, sizeof j[k]->cfg.checkpoint_dir, "gpt2-micro");
+        j[k]->cfg.train.global_batch_size = 4;
+        j[k]->cfg.train.max_steps = 1;
+        j[k]->cfg.train.save_interval = 1;
+        FL_REQUIRE_OK(fl_comm_threads_run(2, frank, j[k]));
+    }
+    for (int f = 0; f < 2; f++) {
+        char a[800], b[800];
+        const char *file = f ? "training_state.safetensors" : "model.safetensors";
+        snprintf(a, sizeof a, "%s/step-000001/%s", dir[0], file);
+        snprintf(b, sizeof b, "%s/step-000001/%s", dir[1], file);
+        size_t la = 0, lb = 0;
+        unsigned char *da = st_data(a, &la), *db = st_data(b, &lb);
+        FL_CHECKF(da && db && la == lb && !memcmp(da, db, la), "GPT-2: FULL_SHARD's %s differs from ZeRO-2's (%zu vs "
+                  "%zu bytes)", file, lb, la);
+        free(da);
+        free(db);
+    }
+    /* failing writes: the first, part-way through model.safetensors, and the last ones (from the
+     * commit marker back into training_state.safetensors) */
+    long total = 0; /* the writes of a good run */
+    {
+        fjob *t = calloc(1, sizeof *t);
+        FL_REQUIRE(t != NULL);
+        t->cfg = j[1]->cfg;
+        snprintf(t->cfg.out_dir, sizeof t->cfg.out_dir, "%s/fgck-count", fl_test_tmpdir());
+        fl_io_fail_writes_after(1L << 40);
+        FL_REQUIRE_OK(fl_comm_threads_run(2, frank, t));
+        total = (1L << 40) - fl_io_writes_left();
+        fl_io_fail_writes_after(-1);
+        free_fjob(t);
+    }
+    FL_REQUIRE(total > 8);
+    int in_state = 0;
+    for (long k = -3; k < 40 && !in_state; k++) {
+        const long after = k < 0 ? (k == -3 ? 0 : k == -2 ? 2 : 6) : total - 1 - k;
+        fjob *t = calloc(1, sizeof *t);
+        FL_REQUIRE(t != NULL);
+        t->cfg = j[1]->cfg;
+        snprintf(t->cfg.out_dir, sizeof t->cfg.out_dir, "%s/fgck-fail%ld", fl_test_tmpdir(), k + 3);
+        fl_io_fail_writes_after(after);
+        fl_status s = fl_comm_threads_run(2, frank, t);
+        fl_io_fail_writes_after(-1);
+        FL_CHECKF(s != FL_OK, "writes failing after %ld of %ld: the run succeeded", after, total);
+        for (int r = 0; r < 2; r++) FL_CHECKF(t->st[r] != FL_OK, "writes failing after %ld: rank %d ok", after, r);
+        FL_CHECKF(strstr(t->msg[0], "No space left"), "writes failing after %ld: rank 0: %s", after, t->msg[0]);
+        in_state = k >= 0 && strstr(t->msg[0], "training_state") != NULL;
+        if (in_state) printf("      %ld writes per good run; write %ld from the end fails in training_state\n", total, k + 1);
+        /* nothing half-written is committed: a committed step holds the good run's bytes */
+        char p[800], q[900], g[900];
+        snprintf(p, sizeof p, "%s/step-000001", t->cfg.out_dir);
+        if (fl_ckpt_is_committed(p)) {
+            snprintf(q, sizeof q, "%s/training_state.safetensors", p);
+            snprintf(g, sizeof g, "%s/step-000001/training_state.safetensors", dir[1]);
+            size_t lq = 0, lg = 0;
+            unsigned char *dq = st_data(q, &lq), *dg = st_data(g, &lg);
+            FL_CHECKF(dq && dg && lq == lg && !memcmp(dq, dg, lq), "writes failing after %ld: %s committed with "
+                      "other bytes", after, p);
+            free(dq);
+            free(dg);
+        }
+        FL_CHECKF(k >= 0 || !fl_ckpt_is_committed(p), "writes failing after %ld: %s committed", after, p);
+        free_fjob(t);
+    }
+    FL_CHECKF(in_state, "no failure fell in training_state.safetensors within the last 40 of %ld writes", total);
+    for (int k = 0; k < 2; k++) free_fjob(j[k]);
+}
+
 /* What FULL_SHARD does not run yet is refused at set-up on every rank, naming why (8-bit AdamW,
  * 16-true); LoRA under FULL_SHARD trains its adapters as ZeRO-2 (the same bits). */
 FL_TEST(fsdp_threads_refusals_and_lora_fallback) {

@@ -44,6 +44,16 @@ typedef struct {
  * tokenizer_src: folder whose tokenizer files are copied (NULL = none). */
 fl_status fl_ckpt_save(const char *out_dir, const char *name, const fl_model *m, const fl_optimizer *o,
                        const fl_train_state *st, const fl_run_config *cfg, const char *tokenizer_src);
+/* fl_ckpt_save with the tensors produced while they are written (fl_st_write_tensor's fill_range):
+ * model: m->layout.n tensors in layout order (fl_hf_save_tensors' contract), state: the training
+ * state's tensors (the names, dtypes and lengths write_state gives a whole optimizer); the metadata
+ * comes from m, o and st as fl_ckpt_save's. Used where the bytes live on several ranks (FSDP
+ * FULL_SHARD), so that no rank ever holds the whole model or optimizer state. Not for LoRA models. */
+struct fl_st_write_tensor_s; /* fitllm/io.h */
+fl_status fl_ckpt_save_streamed(const char *out_dir, const char *name, const fl_model *m, const fl_optimizer *o,
+                                const fl_train_state *st, const fl_run_config *cfg, const char *tokenizer_src,
+                                const struct fl_st_write_tensor_s *model, const struct fl_st_write_tensor_s *state,
+                                int n_state);
 /* Write the PEFT adapter of a LoRA model (m->lora) to dir (adapter_config.json +
  * adapter_model.safetensors). base_model is stored as base_model_name_or_path: an existing
  * path as its absolute path (found from any working directory), anything else (a preset

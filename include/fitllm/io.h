@@ -58,7 +58,7 @@ const fl_st_tensor *fl_st_find(const fl_st_file *f, const char *name);
 
 /* ---- safetensors writing ------------------------------------------------- */
 
-typedef struct {
+typedef struct fl_st_write_tensor_s {
     const char *name;
     fl_dtype dtype;       /* dtype to WRITE */
     int ndim;
@@ -158,6 +158,9 @@ int fl_io_has_tokenizer(const char *dir);
  * disk were full (ENOSPC); -1 disables. Covers safetensors, config and
  * checkpoint writes. */
 void fl_io_fail_writes_after(long n);
+/* Writes left before the injected failure (-1: off): after a run armed with a large n, n minus
+ * this is how many writes the run made. */
+long fl_io_writes_left(void);
 
 #ifdef __cplusplus
 }

@@ -33,7 +33,8 @@ typedef enum {
 fl_status fl_errorf(fl_status s, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 
-/* Prepend context to the current message: "ctx: <old message>". Returns s. */
+/* Prepend context to the current message: "ctx: <old message>" when s is an error (FL_OK: the
+ * message is left alone, so a success path never rewrites an earlier error). Returns s. */
 fl_status fl_error_prefix(fl_status s, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 

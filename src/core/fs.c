@@ -15,6 +15,7 @@
 static long g_fail_writes = -1;
 
 void fl_fs_fail_writes_after(long n) { g_fail_writes = n; }
+long fl_fs_writes_left(void) { return g_fail_writes; }
 
 int fl_fs_write_fault(void) {
     if (g_fail_writes < 0) return 0;

@@ -29,6 +29,7 @@ fl_status fl_fs_mkdir_p(const char *path);
 /* Fault injection (tests, through fl_io_fail_writes_after): the (n+1)-th write from now fails
  * with ENOSPC; -1 disables. fl_fs_write_fault: 1 when it fires (errno = ENOSPC). */
 void fl_fs_fail_writes_after(long n);
+long fl_fs_writes_left(void);
 int fl_fs_write_fault(void);
 
 

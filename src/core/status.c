@@ -19,6 +19,7 @@ fl_status fl_errorf(fl_status s, const char *fmt, ...) {
 }
 
 fl_status fl_error_prefix(fl_status s, const char *fmt, ...) {
+    if (s == FL_OK) return s; /* no error: the message (maybe an earlier, reported one) stays as it is */
     char pre[FL_ERRMSG_MAX], old[FL_ERRMSG_MAX];
     va_list ap;
     va_start(ap, fmt);

@@ -9,6 +9,7 @@
 
 /* the public fault-injection hook (io.h) drives the file layer's */
 void fl_io_fail_writes_after(long n) { fl_fs_fail_writes_after(n); }
+long fl_io_writes_left(void) { return fl_fs_writes_left(); }
 
 /* what save_pretrained writes beside the weights (tokenizer and generation settings), plus
  * llama2.c's tokenizer files */

@@ -111,10 +111,18 @@ fl_status fl_ckpt_write_state_meta(const char *path, const char *format, const f
     return s;
 }
 
+/* The training state file: the optimizer's tensors (given: produced while written; NULL: o's own
+ * buffers) and the metadata. */
 static fl_status write_state(const char *dir, const fl_model *m, const fl_optimizer *o, const fl_train_state *st,
-                             const fl_run_config *cfg) {
+                             const fl_run_config *cfg, const fl_st_write_tensor *given, int n_given) {
     char path[FL_CFG_PATH + 64];
     FL_TRY(fl_fs_join(path, sizeof path, dir, STATE_FILE));
+    if (given) {
+        char v[STATE_META_MAX][64];
+        const char *keys[STATE_META_MAX], *vals[STATE_META_MAX];
+        int k = state_meta("fitllm-training-state", o, st, cfg, m->layout.numel, v, keys, vals);
+        return fl_st_write(path, given, n_given, keys, vals, k);
+    }
     fl_st_write_tensor t[3];
     int nt = 0;
     /* the trainable parameters: all of them, or the LoRA adapters (base frozen) */
@@ -151,8 +159,9 @@ void fl_ckpt_clean_tmp(const char *out_dir) {
     closedir(d);
 }
 
-fl_status fl_ckpt_save(const char *out_dir, const char *name, const fl_model *m, const fl_optimizer *o,
-                       const fl_train_state *st, const fl_run_config *cfg, const char *tokenizer_src) {
+static fl_status save(const char *out_dir, const char *name, const fl_model *m, const fl_optimizer *o,
+                      const fl_train_state *st, const fl_run_config *cfg, const char *tokenizer_src,
+                      const fl_st_write_tensor *model, const fl_st_write_tensor *state, int n_state) {
     char tmp[FL_CFG_PATH + 300], dst[FL_CFG_PATH + 300], p[FL_CFG_PATH + 400];
     if (mkdir(out_dir, 0755) != 0 && errno != EEXIST)
         return fl_errorf(FL_ERR_IO, "%s: cannot create output folder: %s", out_dir, strerror(errno));
@@ -169,6 +178,8 @@ fl_status fl_ckpt_save(const char *out_dir, const char *name, const fl_model *m,
          * model and would not load the base that adapter_config.json names. */
         if (mkdir(tmp, 0755) != 0) s = fl_errorf(FL_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
         else s = fl_ckpt_save_adapter(m, tmp, base);
+    } else if (model) { /* produced tensor by tensor as they are written */
+        s = fl_hf_save_tensors(tmp, &m->cfg, &m->layout, model);
     } else {
         s = fl_hf_save_model(m, tmp); /* config.json + model.safetensors, fsynced */
         if (s == FL_OK && m->lora) { /* LoRA final/: the merged model + adapter/, committed together */
@@ -176,7 +187,7 @@ fl_status fl_ckpt_save(const char *out_dir, const char *name, const fl_model *m,
             s = fl_ckpt_save_adapter(m, p, base);
         }
     }
-    if (s == FL_OK && st) s = write_state(tmp, m, o, st, cfg);
+    if (s == FL_OK && st) s = write_state(tmp, m, o, st, cfg, model ? state : NULL, n_state);
     if (s == FL_OK && cfg) s = fl_ckpt_write_hparams(tmp, cfg);
     if (s == FL_OK && tokenizer_src) s = fl_io_copy_tokenizer_files(tokenizer_src, tmp, NULL);
     if (s == FL_OK) s = fl_ckpt_commit(out_dir, name, tmp);
@@ -185,6 +196,19 @@ fl_status fl_ckpt_save(const char *out_dir, const char *name, const fl_model *m,
         return fl_error_prefix(s, "saving checkpoint %s", dst);
     }
     return FL_OK;
+}
+
+fl_status fl_ckpt_save(const char *out_dir, const char *name, const fl_model *m, const fl_optimizer *o,
+                       const fl_train_state *st, const fl_run_config *cfg, const char *tokenizer_src) {
+    return save(out_dir, name, m, o, st, cfg, tokenizer_src, NULL, NULL, 0);
+}
+
+fl_status fl_ckpt_save_streamed(const char *out_dir, const char *name, const fl_model *m, const fl_optimizer *o,
+                                const fl_train_state *st, const fl_run_config *cfg, const char *tokenizer_src,
+                                const fl_st_write_tensor *model, const fl_st_write_tensor *state, int n_state) {
+    if (!model || m->lora || (st && n_state > 0 && !state))
+        return fl_errorf(FL_ERR_INVALID, "fl_ckpt_save_streamed: needs the model's tensors (and no LoRA)");
+    return save(out_dir, name, m, o, st, cfg, tokenizer_src, model, state, n_state);
 }
 
 fl_status fl_ckpt_write_hparams(const char *dir, const fl_run_config *cfg) {

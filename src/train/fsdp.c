@@ -45,6 +45,7 @@
 
 #include "dp.h"
 #include "fitllm/checkpoint.h"
+#include "fitllm/io.h"
 #include "../model/model-impl.h"
 
 struct fl_fsdp {
@@ -321,70 +322,120 @@ fl_status fl_fsdp_check_finite(fl_dp *dp, const fl_optimizer *o, int *found) {
     return FL_OK;
 }
 
-/* A shallow whole model over host buffers (the single-process format's writer and reader read
- * m->params / p16 through the layout): no shard, no provider, no gradients. */
-static void whole_model(const fl_model *m, void *params, fl_model *w) {
-    *w = *m;
-    w->pp = NULL;
-    w->params = m->store_dtype == FL_F32 ? params : NULL;
-    w->p16 = m->store_dtype == FL_F32 ? NULL : params;
-    w->wcompute = NULL;
-    w->grads = NULL;
-    w->g16 = NULL;
+/* ---- the consolidated checkpoint, streamed ---------------------------------------------------
+ * The single-process format (model.safetensors + training_state.safetensors), written by rank 0
+ * while the bytes are gathered: one whole-model array (the parameters, then each optimizer state)
+ * is a stream of units; unit g is all-gathered (every rank, in unit order) when the writer first
+ * asks for an element of it, and rank 0 copies the asked range out of that one unit's buffer. The
+ * other ranks run the same gathers, stream after stream, while rank 0 writes; after its writer
+ * returns (done, or failed part-way) rank 0 gathers whatever units it did not ask for, so every
+ * rank has run the same collectives in the same order. Host memory: one unit's buffer per rank
+ * (the largest unit), never the whole model or state. */
+typedef struct {
+    fl_dp *dp;
+    const char *shard; /* this rank's shard of the array */
+    size_t es;         /* element bytes (4: F32 words, 2: 16-bit values moved as BF16 words) */
+    char *buf;         /* one unit (shared by the streams: they run one after the other) */
+    int next;          /* the next unit to gather; next - 1 is in buf */
+    fl_status err;     /* a failed gather: later requests fail too */
+} unit_stream;
+
+static fl_status us_upto(unit_stream *u, int g) {
+    struct fl_fsdp *f = u->dp->fsdp;
+    while (u->err == FL_OK && u->next <= g) {
+        int k = u->next++;
+        u->err = fl_error_prefix(fl_comm_all_gather(u->dp->comm, u->shard + f->loc[k] * u->es, u->buf, f->n[k],
+                                                    u->es == 4 ? FL_F32 : FL_BF16),
+                                 "FSDP checkpoint: gathering unit %d", k);
+    }
+    return u->err;
 }
 
-static size_t state_es(const fl_optimizer *o) { return o->cfg.state_dtype == FL_BF16 ? 2 : 4; }
-
-/* *w = o over whole host state buffers (zeroed; NULL where o has none) of n elements. */
-static fl_status whole_optim(const fl_optimizer *o, size_t n, fl_model *wm, fl_optimizer *w) {
-    *w = *o;
-    w->model = wm;
-    w->m = w->v = w->buf = NULL;
-    w->n = n;
-    w->s_off = 0;
-    w->s_len = n;
-    size_t bytes = n * state_es(o) + 4;
-    int ok = 1;
-    if (o->m) ok &= (w->m = calloc(1, bytes)) != NULL && (w->v = calloc(1, bytes)) != NULL;
-    if (o->buf) ok &= (w->buf = calloc(1, bytes)) != NULL;
-    if (!ok) {
-        free(w->m), free(w->v), free(w->buf);
-        w->m = w->v = w->buf = NULL;
-        return fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory staging the %s state (%zu bytes)",
-                         fl_optim_name(o->cfg.kind), bytes);
+/* n elements of the array from whole-model element `at` (within unit g..) into dst */
+static fl_status us_copy(unit_stream *u, char *dst, size_t at, size_t n) {
+    struct fl_fsdp *f = u->dp->fsdp;
+    const size_t *go = f->m->layout.group_offset;
+    while (n > 0) {
+        int g = u->next > 0 ? u->next - 1 : 0;
+        if (at < go[g]) /* the writer reads in layout order: a unit once gathered is not asked for again */
+            return fl_errorf(FL_ERR_INTERNAL, "FSDP checkpoint: element %zu asked for after unit %d", at, g);
+        while (g + 1 < f->G && at >= go[g + 1]) g++;
+        FL_TRY(us_upto(u, g));
+        size_t len = go[g + 1] - at < n ? go[g + 1] - at : n;
+        memcpy(dst, u->buf + (at - go[g]) * u->es, len * u->es);
+        dst += len * u->es;
+        at += len;
+        n -= len;
     }
     return FL_OK;
 }
 
-static void whole_optim_free(fl_optimizer *w) {
-    free(w->m), free(w->v), free(w->buf);
+typedef struct {
+    unit_stream *u;
+    size_t start; /* the tensor's first whole-model element */
+} us_tensor;
+
+static fl_status us_fill(void *ud, void *dst, size_t off, size_t n) {
+    us_tensor *t = ud;
+    return us_copy(t->u, dst, t->start + off, n);
 }
+
+static size_t state_es(const fl_optimizer *o) { return o->cfg.state_dtype == FL_BF16 ? 2 : 4; }
 
 fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const char *name, const fl_model *m,
                             const fl_optimizer *o, const fl_train_state *st, const fl_run_config *cfg,
                             const char *tok_dir) {
     struct fl_fsdp *f = dp->fsdp;
-    const size_t n = m->layout.numel;
-    int lead = dp->rank == 0;
-    void *params = lead ? malloc(n * f->es + 4) : NULL;
-    fl_model wm;
-    whole_model(m, params, &wm);
-    fl_optimizer wo;
-    memset(&wo, 0, sizeof wo);
-    fl_status s = lead && !params ? fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory staging the parameters")
-                                  : FL_OK;
-    if (s == FL_OK && lead && o) s = whole_optim(o, n, &wm, &wo);
+    const fl_param_layout *lay = &m->layout;
+    const int lead = dp->rank == 0, L = lay->n;
+    /* the arrays, in the order the writer reads them: the parameters, then the optimizer's state */
+    const size_t ses = o ? state_es(o) : 4;
+    const void *arr[4] = {m->params ? (const void *)m->params : (const void *)m->p16, o ? o->m : NULL,
+                          o ? o->v : NULL, o ? o->buf : NULL};
+    const size_t aes[4] = {f->es, ses, ses, ses};
+    static const char *state_name[4] = {NULL, "optimizer.exp_avg", "optimizer.exp_avg_sq", "optimizer.momentum_buffer"};
+    size_t cap = 0;
+    for (int g = 0; g < f->G; g++) cap = f->n[g] > cap ? f->n[g] : cap;
+    char *buf = malloc(cap * (f->es > ses ? f->es : ses) + 4);
+    unit_stream us[4];
+    for (int a = 0; a < 4; a++) us[a] = (unit_stream){dp, arr[a], aes[a], buf, 0, FL_OK};
+    fl_st_write_tensor *t = lead ? calloc((size_t)L + 4, sizeof *t) : NULL;
+    us_tensor *ut = lead ? calloc((size_t)L + 4, sizeof *ut) : NULL;
+    fl_status s = !buf || (lead && (!t || !ut)) ? fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory") : FL_OK;
     s = fl_dp_agree(dp, s);
-    if (s == FL_OK) s = gather_whole(dp, m->params ? (void *)m->params : (void *)m->p16, f->es, params);
-    size_t ses = o ? state_es(o) : 4;
-    const void *mine[3] = {o ? o->m : NULL, o ? o->v : NULL, o ? o->buf : NULL};
-    void *dst[3] = {wo.m, wo.v, wo.buf};
-    for (int k = 0; s == FL_OK && k < 3; k++)
-        if (mine[k]) s = gather_whole(dp, mine[k], ses, dst[k]);
-    if (s == FL_OK && write) s = fl_ckpt_save(out_dir, name, &wm, o ? &wo : NULL, st, cfg, tok_dir);
-    if (lead && o) whole_optim_free(&wo);
-    free(params);
-    return s;
+    if (s != FL_OK) {
+        free(t), free(ut), free(buf);
+        return s;
+    }
+    if (lead && write) {
+        for (int k = 0; k < L; k++) { /* model.safetensors: each entry in the storage dtype, as one process writes */
+            const fl_param_info *p = &lay->params[k];
+            ut[k] = (us_tensor){&us[0], p->offset};
+            t[k] = (fl_st_write_tensor){.name = p->name, .dtype = m->store_dtype, .src_dtype = m->store_dtype,
+                                        .fill_range = us_fill, .fill_ud = &ut[k]};
+            fl_hf_tensor_shape(p, &t[k]);
+        }
+        int ns = 0; /* training_state.safetensors: the optimizer's state, whole-model arrays */
+        fl_st_write_tensor *stt = t + L;
+        for (int a = 1; a < 4; a++) {
+            if (!arr[a]) continue;
+            ut[L + ns] = (us_tensor){&us[a], 0};
+            stt[ns] = (fl_st_write_tensor){.name = state_name[a], .dtype = o->cfg.state_dtype, .ndim = 1,
+                                           .shape = {(int64_t)lay->numel}, .src_dtype = o->cfg.state_dtype,
+                                           .fill_range = us_fill, .fill_ud = &ut[L + ns]};
+            ns++;
+        }
+        s = fl_ckpt_save_streamed(out_dir, name, m, o, st, cfg, tok_dir, t, stt, ns);
+    }
+    /* every rank: every unit of every array, in order (rank 0: those its writer did not ask for) */
+    fl_status g = FL_OK;
+    for (int a = 0; g == FL_OK && a < 4; a++)
+        if (arr[a]) g = us_upto(&us[a], f->G - 1);
+    if (s == FL_OK) s = g;
+    free(t);
+    free(ut);
+    free(buf);
+    return fl_dp_agree(dp, s);
 }
 
 fl_status fl_fsdp_ckpt_load(fl_dp *dp, const char *dir, fl_model *m, fl_optimizer *o, fl_train_state *st) {
