@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "fitllm/checkpoint.h"
+#include "train/dp.h"
 #include "test.h"
 #include "zero_ref.h"
 
@@ -307,4 +308,46 @@ FL_TEST(zero_threads_adamw8bit_checkpoints_equal_ddp) {
               "8-bit ZeRO-2 resumed at 3 ranks differs in bits from the uninterrupted run");
     for (int k = 0; k < 3; k++) free_job(j[k]);
     free_job(r);
+}
+
+/* ZeRO's consolidated checkpoints stream (zero.c: each optimizer state broadcast piece by piece by
+ * its owner while rank 0 writes; never staged whole): with pieces of 997 elements (each rank's chunk
+ * spans many, and pieces end inside tensors), AdamW's step-1 checkpoints of ZeRO-1 and ZeRO-2 at 3
+ * ranks hold DDP's bytes, and so does ZeRO-2's with LoRA (the adapters' state and lora.params). */
+FL_TEST(zero_threads_checkpoints_stream_pieces_equal_ddp) {
+    fl_dp_set_stream_piece(997);
+    for (int lora = 0; lora <= 1; lora++) {
+        static const char *strat[3] = {"ddp", "deepspeed_stage_1", "deepspeed_stage_2"};
+        char dir[3][700];
+        for (int k = 0; k < 3; k++) {
+            if (lora && k == 1) continue;
+            zjob *j = calloc(1, sizeof *j);
+            FL_REQUIRE(j != NULL);
+            snprintf(dir[k], sizeof dir[k], "%s/zst%d-%s", fl_test_tmpdir(), lora, strat[k]);
+            if (lora) dr_config(&j->cfg, DR_LORA, 3, 3, 1, 0, dir[k]);
+            else zr_config(&j->cfg, ZR_ADAMW, 3, 3, 1, strat[k], NULL, dir[k]);
+            snprintf(j->cfg.strategy, sizeof j->cfg.strategy, "%s", strat[k]);
+            j->cfg.train.max_steps = 1;
+            j->cfg.train.save_interval = 1;
+            FL_CHECKF(fl_comm_threads_run(3, zrank, j) == FL_OK, "%s%s: %s", strat[k], lora ? " LoRA" : "",
+                      fl_error_message());
+            free_job(j);
+        }
+        for (int k = 1; k < 3; k++) {
+            if (lora && k == 1) continue;
+            for (int f = 0; f < 2; f++) {
+                char a[800], b[800];
+                const char *file = f ? "training_state.safetensors" : lora ? "adapter_model.safetensors" : "model.safetensors";
+                snprintf(a, sizeof a, "%s/step-000001/%s", dir[0], file);
+                snprintf(b, sizeof b, "%s/step-000001/%s", dir[k], file);
+                size_t la = 0, lb = 0;
+                unsigned char *da = st_data(a, &la), *db = st_data(b, &lb);
+                FL_CHECKF(da && db && la == lb && la > 997 * 4 && !memcmp(da, db, la),
+                          "%s%s: %s differs from DDP's (%zu vs %zu bytes)", strat[k], lora ? " LoRA" : "", file, la, lb);
+                free(da);
+                free(db);
+            }
+        }
+    }
+    fl_dp_set_stream_piece(0);
 }

@@ -44,11 +44,12 @@ typedef struct {
  * tokenizer_src: folder whose tokenizer files are copied (NULL = none). */
 fl_status fl_ckpt_save(const char *out_dir, const char *name, const fl_model *m, const fl_optimizer *o,
                        const fl_train_state *st, const fl_run_config *cfg, const char *tokenizer_src);
-/* fl_ckpt_save with the tensors produced while they are written (fl_st_write_tensor's fill_range):
- * model: m->layout.n tensors in layout order (fl_hf_save_tensors' contract), state: the training
- * state's tensors (the names, dtypes and lengths write_state gives a whole optimizer); the metadata
- * comes from m, o and st as fl_ckpt_save's. Used where the bytes live on several ranks (FSDP
- * FULL_SHARD), so that no rank ever holds the whole model or optimizer state. Not for LoRA models. */
+/* fl_ckpt_save with tensors produced while they are written (fl_st_write_tensor's fill_range):
+ * model: m->layout.n tensors in layout order (fl_hf_save_tensors' contract), or NULL: m's own
+ * weights (not with LoRA, whose base is not saved); state: the optimizer's tensors of the training
+ * state (the names, dtypes and lengths fl_ckpt_save gives a whole optimizer; LoRA's lora.params is
+ * added from m), n_state of them, NULL: o's own. Metadata from m, o and st as fl_ckpt_save's. Used
+ * where the bytes live on several ranks (FSDP, ZeRO), so that no rank holds a whole copy. */
 struct fl_st_write_tensor_s; /* fitllm/io.h */
 fl_status fl_ckpt_save_streamed(const char *out_dir, const char *name, const fl_model *m, const fl_optimizer *o,
                                 const fl_train_state *st, const fl_run_config *cfg, const char *tokenizer_src,

@@ -117,19 +117,16 @@ static fl_status write_state(const char *dir, const fl_model *m, const fl_optimi
                              const fl_run_config *cfg, const fl_st_write_tensor *given, int n_given) {
     char path[FL_CFG_PATH + 64];
     FL_TRY(fl_fs_join(path, sizeof path, dir, STATE_FILE));
-    if (given) {
-        char v[STATE_META_MAX][64];
-        const char *keys[STATE_META_MAX], *vals[STATE_META_MAX];
-        int k = state_meta("fitllm-training-state", o, st, cfg, m->layout.numel, v, keys, vals);
-        return fl_st_write(path, given, n_given, keys, vals, k);
-    }
-    fl_st_write_tensor t[3];
+    fl_st_write_tensor t[8];
     int nt = 0;
+    if (n_given < 0 || n_given > 4) return fl_errorf(FL_ERR_INVALID, "%s: %d state tensors", path, n_given);
     /* the trainable parameters: all of them, or the LoRA adapters (base frozen) */
     int64_t n = (int64_t)(m->lora ? m->lora->numel : m->layout.numel);
     if (m->lora) t[nt++] = (fl_st_write_tensor){"lora.params", FL_F32, 1, {n}, m->lora->params, FL_F32, 0, NULL, NULL, m->be};
     fl_dtype sd = o ? o->cfg.state_dtype : FL_F32;
-    if (o && o->m) {
+    if (given) {
+        for (int i = 0; i < n_given; i++) t[nt++] = given[i];
+    } else if (o && o->m) {
         t[nt++] = (fl_st_write_tensor){"optimizer.exp_avg", sd, 1, {n}, o->m, sd, 0, NULL, NULL, m->be};
         t[nt++] = (fl_st_write_tensor){"optimizer.exp_avg_sq", sd, 1, {n}, o->v, sd, 0, NULL, NULL, m->be};
     } else if (o && o->buf) {
@@ -187,7 +184,7 @@ static fl_status save(const char *out_dir, const char *name, const fl_model *m, 
             s = fl_ckpt_save_adapter(m, p, base);
         }
     }
-    if (s == FL_OK && st) s = write_state(tmp, m, o, st, cfg, model ? state : NULL, n_state);
+    if (s == FL_OK && st) s = write_state(tmp, m, o, st, cfg, state, n_state);
     if (s == FL_OK && cfg) s = fl_ckpt_write_hparams(tmp, cfg);
     if (s == FL_OK && tokenizer_src) s = fl_io_copy_tokenizer_files(tokenizer_src, tmp, NULL);
     if (s == FL_OK) s = fl_ckpt_commit(out_dir, name, tmp);
@@ -206,8 +203,8 @@ fl_status fl_ckpt_save(const char *out_dir, const char *name, const fl_model *m,
 fl_status fl_ckpt_save_streamed(const char *out_dir, const char *name, const fl_model *m, const fl_optimizer *o,
                                 const fl_train_state *st, const fl_run_config *cfg, const char *tokenizer_src,
                                 const fl_st_write_tensor *model, const fl_st_write_tensor *state, int n_state) {
-    if (!model || m->lora || (st && n_state > 0 && !state))
-        return fl_errorf(FL_ERR_INVALID, "fl_ckpt_save_streamed: needs the model's tensors (and no LoRA)");
+    if ((model && m->lora) || (n_state > 0 && !state))
+        return fl_errorf(FL_ERR_INVALID, "fl_ckpt_save_streamed: a LoRA model's weights are not streamed");
     return save(out_dir, name, m, o, st, cfg, tokenizer_src, model, state, n_state);
 }
 
@@ -366,6 +363,8 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
             for (int g = 0; s == FL_OK && g < m->layout.n_groups; g++)
                 s = m->be->to_device(m->be, (char *)want[i].dst + m->pp->shard_off[g] * es,
                                      (const char *)t->data + m->pp->flat_off[g] * es, m->pp->len[g] * es);
+        } else if (i < 3 && (o->s_off != 0 || o->s_len != tn)) { /* ZeRO: this rank's chunk, read alone */
+            s = m->be->to_device(m->be, want[i].dst, (const char *)t->data + o->s_off * es, o->s_len * es);
         } else {
             s = m->be->to_device(m->be, want[i].dst, t->data, want[i].bytes); /* optimizer state: device memory */
         }

@@ -145,4 +145,33 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
                             const char *tok_dir);
 fl_status fl_fsdp_ckpt_load(fl_dp *dp, const char *dir, fl_model *m, fl_optimizer *o, fl_train_state *st);
 
+/* ---- consolidated checkpoints, streamed (ckpt_stream.c) ------------------------------------
+ * One whole-model array of es-byte elements as n_units consecutive units [start[u], start[u+1]);
+ * fetch(s, u) is a collective that leaves unit u in s->buf on rank 0 (the other ranks take part:
+ * an all-gather, a broadcast from its owner); every rank fetches the units in order. Rank 0's
+ * writer reads through fl_st_write_tensor.fill_range = fl_dp_stream_fill (forward only); the
+ * others call fl_dp_stream_drain meanwhile, and rank 0 drains after its writer returns. */
+typedef struct fl_dp_stream {
+    fl_dp *dp;
+    int n_units;
+    const size_t *start; /* (n_units + 1) */
+    size_t es;
+    fl_status (*fetch)(struct fl_dp_stream *s, int unit);
+    const void *src;     /* this rank's part of the array (fetch reads it) */
+    size_t src_off;      /* whole-array element of src[0] (ZeRO: the rank's chunk offset) */
+    char *buf;           /* one unit (the largest) */
+    int next;            /* next unit to fetch */
+    fl_status err;       /* a failed fetch: every later request fails too */
+} fl_dp_stream;
+typedef struct {
+    fl_dp_stream *s;
+    size_t start; /* the tensor's first element in the array */
+} fl_dp_stream_tensor;
+fl_status fl_dp_stream_upto(fl_dp_stream *s, int unit);
+fl_status fl_dp_stream_drain(fl_dp_stream *s);
+fl_status fl_dp_stream_fill(void *ud, void *dst, size_t off, size_t n); /* ud: fl_dp_stream_tensor */
+/* ZeRO's pieces (elements of one rank's chunk per broadcast; 0: the default, 1 Mi). Tests use small
+ * odd sizes so a chunk spans several pieces. */
+void fl_dp_set_stream_piece(size_t elements);
+
 #endif

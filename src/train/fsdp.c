@@ -322,62 +322,15 @@ fl_status fl_fsdp_check_finite(fl_dp *dp, const fl_optimizer *o, int *found) {
     return FL_OK;
 }
 
-/* ---- the consolidated checkpoint, streamed ---------------------------------------------------
- * The single-process format (model.safetensors + training_state.safetensors), written by rank 0
- * while the bytes are gathered: one whole-model array (the parameters, then each optimizer state)
- * is a stream of units; unit g is all-gathered (every rank, in unit order) when the writer first
- * asks for an element of it, and rank 0 copies the asked range out of that one unit's buffer. The
- * other ranks run the same gathers, stream after stream, while rank 0 writes; after its writer
- * returns (done, or failed part-way) rank 0 gathers whatever units it did not ask for, so every
- * rank has run the same collectives in the same order. Host memory: one unit's buffer per rank
- * (the largest unit), never the whole model or state. */
-typedef struct {
-    fl_dp *dp;
-    const char *shard; /* this rank's shard of the array */
-    size_t es;         /* element bytes (4: F32 words, 2: 16-bit values moved as BF16 words) */
-    char *buf;         /* one unit (shared by the streams: they run one after the other) */
-    int next;          /* the next unit to gather; next - 1 is in buf */
-    fl_status err;     /* a failed gather: later requests fail too */
-} unit_stream;
-
-static fl_status us_upto(unit_stream *u, int g) {
+/* ---- the consolidated checkpoint, streamed (dp.h: fl_dp_stream) -----------------------------
+ * The single-process format, written by rank 0 while the bytes are gathered: each whole-model
+ * array (the parameters, then each optimizer state) streams unit by unit, unit g all-gathered when
+ * the writer first asks for an element of it. Host memory: one unit's buffer per rank (the
+ * largest), never the whole model or state. */
+static fl_status fetch_unit(fl_dp_stream *u, int g) {
     struct fl_fsdp *f = u->dp->fsdp;
-    while (u->err == FL_OK && u->next <= g) {
-        int k = u->next++;
-        u->err = fl_error_prefix(fl_comm_all_gather(u->dp->comm, u->shard + f->loc[k] * u->es, u->buf, f->n[k],
-                                                    u->es == 4 ? FL_F32 : FL_BF16),
-                                 "FSDP checkpoint: gathering unit %d", k);
-    }
-    return u->err;
-}
-
-/* n elements of the array from whole-model element `at` (within unit g..) into dst */
-static fl_status us_copy(unit_stream *u, char *dst, size_t at, size_t n) {
-    struct fl_fsdp *f = u->dp->fsdp;
-    const size_t *go = f->m->layout.group_offset;
-    while (n > 0) {
-        int g = u->next > 0 ? u->next - 1 : 0;
-        if (at < go[g]) /* the writer reads in layout order: a unit once gathered is not asked for again */
-            return fl_errorf(FL_ERR_INTERNAL, "FSDP checkpoint: element %zu asked for after unit %d", at, g);
-        while (g + 1 < f->G && at >= go[g + 1]) g++;
-        FL_TRY(us_upto(u, g));
-        size_t len = go[g + 1] - at < n ? go[g + 1] - at : n;
-        memcpy(dst, u->buf + (at - go[g]) * u->es, len * u->es);
-        dst += len * u->es;
-        at += len;
-        n -= len;
-    }
-    return FL_OK;
-}
-
-typedef struct {
-    unit_stream *u;
-    size_t start; /* the tensor's first whole-model element */
-} us_tensor;
-
-static fl_status us_fill(void *ud, void *dst, size_t off, size_t n) {
-    us_tensor *t = ud;
-    return us_copy(t->u, dst, t->start + off, n);
+    return fl_comm_all_gather(u->dp->comm, (const char *)u->src + f->loc[g] * u->es, u->buf, f->n[g],
+                              u->es == 4 ? FL_F32 : FL_BF16);
 }
 
 static size_t state_es(const fl_optimizer *o) { return o->cfg.state_dtype == FL_BF16 ? 2 : 4; }
@@ -397,10 +350,11 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
     size_t cap = 0;
     for (int g = 0; g < f->G; g++) cap = f->n[g] > cap ? f->n[g] : cap;
     char *buf = malloc(cap * (f->es > ses ? f->es : ses) + 4);
-    unit_stream us[4];
-    for (int a = 0; a < 4; a++) us[a] = (unit_stream){dp, arr[a], aes[a], buf, 0, FL_OK};
+    fl_dp_stream us[4];
+    for (int a = 0; a < 4; a++)
+        us[a] = (fl_dp_stream){dp, f->G, lay->group_offset, aes[a], fetch_unit, arr[a], 0, buf, 0, FL_OK};
     fl_st_write_tensor *t = lead ? calloc((size_t)L + 4, sizeof *t) : NULL;
-    us_tensor *ut = lead ? calloc((size_t)L + 4, sizeof *ut) : NULL;
+    fl_dp_stream_tensor *ut = lead ? calloc((size_t)L + 4, sizeof *ut) : NULL;
     fl_status s = !buf || (lead && (!t || !ut)) ? fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory") : FL_OK;
     s = fl_dp_agree(dp, s);
     if (s != FL_OK) {
@@ -410,19 +364,19 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
     if (lead && write) {
         for (int k = 0; k < L; k++) { /* model.safetensors: each entry in the storage dtype, as one process writes */
             const fl_param_info *p = &lay->params[k];
-            ut[k] = (us_tensor){&us[0], p->offset};
+            ut[k] = (fl_dp_stream_tensor){&us[0], p->offset};
             t[k] = (fl_st_write_tensor){.name = p->name, .dtype = m->store_dtype, .src_dtype = m->store_dtype,
-                                        .fill_range = us_fill, .fill_ud = &ut[k]};
+                                        .fill_range = fl_dp_stream_fill, .fill_ud = &ut[k]};
             fl_hf_tensor_shape(p, &t[k]);
         }
         int ns = 0; /* training_state.safetensors: the optimizer's state, whole-model arrays */
         fl_st_write_tensor *stt = t + L;
         for (int a = 1; a < 4; a++) {
             if (!arr[a]) continue;
-            ut[L + ns] = (us_tensor){&us[a], 0};
+            ut[L + ns] = (fl_dp_stream_tensor){&us[a], 0};
             stt[ns] = (fl_st_write_tensor){.name = state_name[a], .dtype = o->cfg.state_dtype, .ndim = 1,
                                            .shape = {(int64_t)lay->numel}, .src_dtype = o->cfg.state_dtype,
-                                           .fill_range = us_fill, .fill_ud = &ut[L + ns]};
+                                           .fill_range = fl_dp_stream_fill, .fill_ud = &ut[L + ns]};
             ns++;
         }
         s = fl_ckpt_save_streamed(out_dir, name, m, o, st, cfg, tok_dir, t, stt, ns);
@@ -430,7 +384,7 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
     /* every rank: every unit of every array, in order (rank 0: those its writer did not ask for) */
     fl_status g = FL_OK;
     for (int a = 0; g == FL_OK && a < 4; a++)
-        if (arr[a]) g = us_upto(&us[a], f->G - 1);
+        if (arr[a]) g = fl_dp_stream_drain(&us[a]);
     if (s == FL_OK) s = g;
     free(t);
     free(ut);

@@ -167,6 +167,78 @@ static fl_status gather8(fl_dp *dp, const fl_optimizer *o, fl_optimizer *full) {
     return s;
 }
 
+/* ZeRO-1/2's consolidated checkpoint (AdamW, SGD), streamed (dp.h: fl_dp_stream): the parameters
+ * are whole on every rank (rank 0 writes its own); each optimizer state is cut into pieces of at
+ * most g_piece elements (1 Mi) of one rank's chunk, each broadcast by its owner when rank 0's writer
+ * reaches it. Host memory: one piece per rank, never the whole state (before: rank 0 staged it). */
+static size_t g_piece = (size_t)1 << 20;
+void fl_dp_set_stream_piece(size_t elements) { g_piece = elements ? elements : (size_t)1 << 20; }
+
+static fl_status fetch_piece(fl_dp_stream *u, int k) {
+    size_t off, len, a = u->start[k], n = u->start[k + 1] - a;
+    int r = 0; /* the owner: the rank whose chunk holds the piece */
+    for (; r + 1 < u->dp->world; r++) {
+        fl_comm_chunk(u->start[u->n_units], u->dp->world, r, &off, &len);
+        if (a < off + len) break;
+    }
+    if (r == u->dp->rank) memcpy(u->buf, (const char *)u->src + (a - u->src_off) * u->es, n * u->es);
+    return fl_comm_broadcast(u->dp->comm, u->buf, n, u->es == 4 ? FL_F32 : FL_BF16, r);
+}
+
+static fl_status zero_save_streamed(fl_dp *dp, int write, const char *out_dir, const char *name, const fl_model *m,
+                                    const fl_optimizer *o, const fl_train_state *st, const fl_run_config *cfg,
+                                    const char *tok_dir) {
+    const int lead = dp->rank == 0;
+    const size_t es = state_es(o), n = o->n;
+    const size_t P = g_piece;
+    int units = 0; /* pieces: each rank's chunk cut every P elements, in rank order (= element order) */
+    for (int r = 0; r < dp->world; r++) {
+        size_t off, len;
+        fl_comm_chunk(n, dp->world, r, &off, &len);
+        units += (int)((len + P - 1) / P);
+    }
+    size_t *start = malloc(((size_t)units + 1) * sizeof *start);
+    char *buf = malloc(P * es + 4);
+    fl_status s = start && buf ? FL_OK : fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory");
+    if (start) {
+        int u = 0;
+        for (int r = 0; r < dp->world; r++) {
+            size_t off, len;
+            fl_comm_chunk(n, dp->world, r, &off, &len);
+            for (size_t a = 0; a < len; a += P) start[u++] = off + a;
+        }
+        start[units] = n;
+    }
+    s = fl_dp_agree(dp, s);
+    if (s != FL_OK) {
+        free(start), free(buf);
+        return s;
+    }
+    static const char *names[3] = {"optimizer.exp_avg", "optimizer.exp_avg_sq", "optimizer.momentum_buffer"};
+    const void *arr[3] = {o->m, o->v, o->buf};
+    fl_dp_stream us[3];
+    fl_dp_stream_tensor ut[3];
+    fl_st_write_tensor t[3];
+    int nt = 0;
+    for (int a = 0; a < 3; a++) {
+        us[a] = (fl_dp_stream){dp, units, start, es, fetch_piece, arr[a], o->s_off, buf, 0, FL_OK};
+        if (!arr[a]) continue;
+        ut[nt] = (fl_dp_stream_tensor){&us[a], 0};
+        t[nt] = (fl_st_write_tensor){.name = names[a], .dtype = o->cfg.state_dtype, .ndim = 1, .shape = {(int64_t)n},
+                                     .src_dtype = o->cfg.state_dtype, .fill_range = fl_dp_stream_fill,
+                                     .fill_ud = &ut[nt]};
+        nt++;
+    }
+    if (lead && write) s = fl_ckpt_save_streamed(out_dir, name, m, o, st, cfg, tok_dir, NULL, t, nt);
+    fl_status g = FL_OK; /* every rank: every piece, in order (rank 0: those its writer did not ask for) */
+    for (int a = 0; g == FL_OK && a < 3; a++)
+        if (arr[a]) g = fl_dp_stream_drain(&us[a]);
+    if (s == FL_OK) s = g;
+    free(start);
+    free(buf);
+    return fl_dp_agree(dp, s);
+}
+
 fl_status fl_dp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const char *name, const fl_model *m,
                           const fl_optimizer *o, const fl_train_state *st, const fl_run_config *cfg,
                           const char *tok_dir) {
@@ -179,37 +251,13 @@ fl_status fl_dp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const char 
     }
     if (dp->fsdp) return fl_fsdp_ckpt_save(dp, write, out_dir, name, m, o, st, cfg, tok_dir);
     if (!sharded(dp, o)) return write ? fl_ckpt_save(out_dir, name, m, o, st, cfg, tok_dir) : FL_OK;
+    if (!o->state8) return zero_save_streamed(dp, write, out_dir, name, m, o, st, cfg, tok_dir);
     fl_optimizer full;
     memset(&full, 0, sizeof full);
     fl_status s = FL_OK;
-    if (dp->rank == 0) s = full_view(o, &full);
-    if (o->state8) {
-        s = fl_dp_agree(dp, s);
-        if (s == FL_OK) s = gather8(dp, o, &full);
-        if (s == FL_OK && write) s = fl_ckpt_save(out_dir, name, m, &full, st, cfg, tok_dir);
-        if (dp->rank == 0) full_free(&full);
-        return s;
-    }
-    size_t es = state_es(o), cap = o->n / dp->world + 1;
-    char *tmp = dp->rank ? malloc(cap * es + 1) : NULL; /* another rank's chunk passes through here */
-    if (dp->rank && !tmp) s = fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory");
-    s = fl_dp_agree(dp, s); /* every rank staged, or none goes on */
-    fl_dtype wt = es == 4 ? FL_F32 : FL_BF16;
-    float *mine[3] = {o->m, o->v, o->buf};
-    void *dst[3] = {full.m, full.v, full.buf};
-    /* rank r broadcasts its chunk; rank 0 receives it in place in the full buffer */
-    for (int r = 0; s == FL_OK && r < dp->world; r++) {
-        size_t off, len;
-        fl_comm_chunk(o->n, dp->world, r, &off, &len);
-        for (int k = 0; s == FL_OK && k < 3; k++) {
-            if (!mine[k]) continue;
-            void *b = r == dp->rank ? (void *)mine[k] : dp->rank == 0 ? (char *)dst[k] + off * es : tmp;
-            if (dp->rank == 0 && r == 0) memcpy((char *)dst[k], mine[k], len * es);
-            s = fl_error_prefix(fl_comm_broadcast(dp->comm, b, len, wt, r), "%s: gathering the optimizer state for "
-                                "the checkpoint", fl_dp_stage_name(dp));
-        }
-    }
-    free(tmp);
+    if (dp->rank == 0) s = full_view(o, &full); /* 8-bit: rank 0 assembles the single-process layout */
+    s = fl_dp_agree(dp, s);
+    if (s == FL_OK) s = gather8(dp, o, &full);
     if (s == FL_OK && write) s = fl_ckpt_save(out_dir, name, m, &full, st, cfg, tok_dir);
     if (dp->rank == 0) full_free(&full);
     return s;
@@ -224,8 +272,9 @@ fl_status fl_dp_ckpt_load(fl_dp *dp, const char *dir, fl_model *m, fl_optimizer 
         return s;
     }
     if (dp->fsdp) return fl_fsdp_ckpt_load(dp, dir, m, o, st);
-    if (!sharded(dp, o)) return fl_ckpt_load(dir, m, o, st);
-    fl_optimizer full;
+    /* AdamW / SGD: fl_ckpt_load reads this rank's chunk of each state alone ([s_off, s_off + s_len)) */
+    if (!sharded(dp, o) || !o->state8) return fl_ckpt_load(dir, m, o, st);
+    fl_optimizer full; /* 8-bit: the single-process layout, this rank's pieces taken out of it */
     FL_TRY(full_view(o, &full));
     fl_status s = fl_ckpt_load(dir, m, &full, st);
     if (s == FL_OK) { /* keep this rank's chunk, and the scalars */
