@@ -80,11 +80,7 @@ size_t fl_fsdp_shard_numel(const fl_param_layout *lay, int world, int rank) {
 }
 
 const char *fl_fsdp_refusal(const fl_run_config *cfg, const fl_precision *p) {
-    if (cfg->optimizer.kind == FL_OPT_ADAMW8BIT)
-        return "FULL_SHARD with AdamW8bit is not implemented yet: its block-wise state (blocks of 256 from each "
-               "tensor's start) would cross the per-unit shard edges, which needs each neighbour's reduced gradients "
-               "and parameters of those blocks (ZeRO-2 fetches the gradients); use --strategy deepspeed_stage_2 or "
-               "fsdp with --fsdp.sharding_strategy SHARD_GRAD_OP, or AdamW / SGD";
+    (void)cfg; /* AdamW8bit runs: blocks cut by a rank edge exchange their scales (src/train/optim.c) */
     if (p && p->param_dtype == FL_F16)
         return "FULL_SHARD with 16-true is not implemented yet (F16 gradients cannot be reduced yet); use bf16-true "
                "or bf16-mixed";
@@ -347,9 +343,14 @@ static fl_status whole_optim(const fl_optimizer *o, size_t n, fl_model *wm, fl_o
     int ok = 1;
     if (o->m) ok &= (w->m = calloc(1, bytes)) != NULL && (w->v = calloc(1, bytes)) != NULL;
     if (o->buf) ok &= (w->buf = calloc(1, bytes)) != NULL;
+    w->state8 = NULL;
+    if (o->state8) { /* 8-bit AdamW: the single-process layout, every tensor's state whole */
+        w->state8_bytes = bytes = fl_optim_state_bytes_layout(&o->cfg, &wm->layout);
+        ok &= (w->state8 = calloc(1, bytes + 8)) != NULL;
+    }
     if (!ok) {
-        free(w->m), free(w->v), free(w->buf);
-        w->m = w->v = w->buf = NULL;
+        free(w->m), free(w->v), free(w->buf), free(w->state8);
+        w->m = w->v = w->buf = w->state8 = NULL;
         return fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory staging the %s state (%zu bytes)",
                          fl_optim_name(o->cfg.kind), bytes);
     }
@@ -357,7 +358,31 @@ static fl_status whole_optim(const fl_optimizer *o, size_t n, fl_model *wm, fl_o
 }
 
 static void whole_optim_free(fl_optimizer *w) {
-    free(w->m), free(w->v), free(w->buf);
+    free(w->m), free(w->v), free(w->buf), free(w->state8);
+}
+
+/* 8-bit AdamW: every rank's packed pieces (fl_optim_8bit_fsdp_piece) into rank 0's single-process
+ * layout full, one broadcast per rank through host staging of the largest rank's state; a cut
+ * block's scales come from both its ranks, the same bits. */
+static fl_status gather_state8(fl_dp *dp, const fl_optimizer *o, void *full) {
+    const fl_param_layout *lay = &dp->fsdp->m->layout;
+    size_t *a = calloc((size_t)lay->n + 1, sizeof *a), *len = calloc((size_t)lay->n + 1, sizeof *len), cap = 0, x;
+    for (int r = 0; r < dp->world; r++) {
+        size_t b = fl_optim_8bit_fsdp_bytes(lay, dp->world, r, &x) - x;
+        cap = b > cap ? b : cap;
+    }
+    char *tmp = malloc(cap + 8);
+    fl_status s = fl_dp_agree(dp, a && len && tmp ? FL_OK : fl_errorf(FL_ERR_OOM, "FSDP: out of host memory"));
+    for (int r = 0; s == FL_OK && r < dp->world; r++) {
+        size_t b = fl_optim_8bit_fsdp_bytes(lay, dp->world, r, &x) - x, so; /* a multiple of 4: 16-bit words */
+        void *buf = r == dp->rank ? o->state8 : tmp;
+        s = fl_comm_broadcast(dp->comm, buf, b / 2, FL_BF16, r);
+        if (s != FL_OK || dp->rank != 0) continue;
+        for (int i = 0; i < lay->n; i++) fl_optim_8bit_fsdp_piece(lay, i, dp->world, r, &a[i], &len[i], &so);
+        s = fl_optim_8bit_fsdp_copy(lay, a, len, buf, full, 1);
+    }
+    free(a), free(len), free(tmp);
+    return fl_error_prefix(s, "FSDP: gathering the 8-bit optimizer state");
 }
 
 fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const char *name, const fl_model *m,
@@ -381,6 +406,7 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
     void *dst[3] = {wo.m, wo.v, wo.buf};
     for (int k = 0; s == FL_OK && k < 3; k++)
         if (mine[k]) s = gather_whole(dp, mine[k], ses, dst[k]);
+    if (s == FL_OK && o && o->state8) s = gather_state8(dp, o, wo.state8);
     if (s == FL_OK && write) s = fl_ckpt_save(out_dir, name, &wm, o ? &wo : NULL, st, cfg, tok_dir);
     if (lead && o) whole_optim_free(&wo);
     free(params);
