@@ -15,7 +15,7 @@
 #include "train/dp.h"
 #include "zero_ref.h"
 
-#define FT_MAX_RANKS 4
+#define FT_MAX_RANKS 24
 
 typedef struct {
     fl_run_config cfg;
@@ -188,6 +188,61 @@ FL_TEST(fsdp_threads_adamw8bit_cut_blocks_equal_zero2_bits) {
         free_fjob(j[0]);
         free_fjob(j[1]);
     }
+}
+
+/* A block on three ranks: a 1-layer LLaMA whose embeddings unit is one 8-bit tensor of 5120
+ * elements (320 x 16), at 24 ranks: pieces of 213-214 elements, so some block of 256 holds a whole
+ * piece and parts of both neighbours' (checked here from the definition), its scales exchanged among
+ * three ranks. FULL_SHARD equals ZeRO-2 bit for bit (accumulation 1, no clipping), and the plan
+ * equals every rank's memory. */
+FL_TEST(fsdp_threads_adamw8bit_block_on_three_ranks) {
+    enum { W = 24 };
+    static const char *const f[][2] = {{"name", "a8-tiny"}, {"n_layer", "1"}, {"n_embd", "16"}, {"vocab_size", "320"},
+        {"padding_multiple", "64"}, {"n_head", "4"}, {"n_query_groups", "1"}, {"intermediate_size", "32"},
+        {"norm_class_name", "RMSNorm"}, {"mlp_class_name", "LLaMAMLP"}, {"bias", "false"}, {"parallel_residual", "false"},
+        {"rotary_percentage", "1.0"}, {"block_size", "64"}};
+    int three = 0; /* a block of the embeddings (unit 0, 5120 elements) meeting three ranks' pieces */
+    for (size_t b = 0; b < 20; b++) {
+        int meet = 0;
+        for (size_t r = 0, off = 0; r < W; r++) {
+            size_t len = 5120 / W + (r < 5120 % W);
+            meet += off < (b + 1) * 256 && off + len > b * 256;
+            off += len;
+        }
+        three |= meet >= 3;
+    }
+    FL_CHECKF(three, "no block of 256 meets three of %d ranks' pieces of 5120 elements", W);
+    fjob *j[2];
+    for (int z = 0; z < 2; z++) {
+        j[z] = calloc(1, sizeof *j[z]);
+        FL_REQUIRE(j[z] != NULL);
+        char out[700];
+        snprintf(out, sizeof out, "%s/f-8b3-%d", fl_test_tmpdir(), z);
+        zr_config(&j[z]->cfg, ZR_ADAMW8, W, W, 1, z ? "fsdp" : "deepspeed_stage_2", NULL, out);
+        j[z]->cfg.command = FL_CMD_PRETRAIN;
+        j[z]->cfg.checkpoint_dir[0] = 0;
+        for (size_t k = 0; k < sizeof f / sizeof f[0]; k++) {
+            char key[64];
+            snprintf(key, sizeof key, "model_config.%s", f[k][0]);
+            FL_REQUIRE_OK(fl_cfg_set(&j[z]->cfg, key, f[k][1]));
+        }
+        j[z]->cfg.train.tie_embeddings = 0;
+        j[z]->cfg.train.micro_batch_size = 1;
+        j[z]->cfg.train.global_batch_size = W;
+        j[z]->cfg.train.max_seq_length = 16;
+        j[z]->cfg.train.max_steps = 3;
+        j[z]->cfg.train.max_norm = 0;
+        FL_CHECKF(fl_comm_threads_run(W, frank, j[z]) == FL_OK, "%s at %d ranks: %s", z ? "FULL_SHARD" : "ZeRO-2", W,
+                  fl_error_message());
+    }
+    FL_CHECKF(zr_same(&j[0]->rec[0], &j[1]->rec[0]), "AdamW8bit at %d ranks: FULL_SHARD differs from ZeRO-2 in bits", W);
+    for (int r = 0; r < W; r++) {
+        char why[2048];
+        int bad = zr_check_fsdp_memory(&j[1]->cfg, r, W, &j[1]->res[r], 0, why, sizeof why);
+        FL_CHECKF(bad == 0, "AdamW8bit FULL_SHARD at %d ranks: %s", W, why);
+    }
+    free_fjob(j[0]);
+    free_fjob(j[1]);
 }
 
 /* With clipping and accumulation 2 against one process (zero_ref.h's check 2 for 8-bit: the loss at
