@@ -159,7 +159,12 @@ FL_TEST(fsdp_threads_accum1_equals_zero2_bits) {
 FL_TEST(fsdp_threads_adamw8bit_cut_blocks_equal_zero2_bits) {
     fl_model_config mc;
     FL_REQUIRE_OK(fl_preset_find("micro", &mc));
-    for (int world = 2; world <= 3; world++) {
+    /* 32-true at 2 and 3 ranks; bf16-true (bf16 parameters and gradients into the kernel) at 3 and
+     * 16-mixed (the loss scale's reciprocal as the kernel's gradient scale) at 2 */
+    static const struct { int world; const char *prec; } k[] = {{2, "32-true"}, {3, "32-true"}, {3, "bf16-true"},
+                                                                 {2, "16-mixed"}};
+    for (size_t ki = 0; ki < sizeof k / sizeof k[0]; ki++) {
+        const int world = k[ki].world;
         size_t cut = 0;
         zr_fsdp_optim8(&mc, world, 0, &cut);
         FL_CHECKF(cut > 0, "micro at %d ranks: no rank edge inside an 8-bit block (the test would not exercise the "
@@ -170,20 +175,21 @@ FL_TEST(fsdp_threads_adamw8bit_cut_blocks_equal_zero2_bits) {
             j[z] = calloc(1, sizeof *j[z]);
             FL_REQUIRE(j[z] != NULL);
             char out[700];
-            snprintf(out, sizeof out, "%s/f-8b-%d-%d", fl_test_tmpdir(), world, z);
+            snprintf(out, sizeof out, "%s/f-8b-%zu-%d", fl_test_tmpdir(), ki, z);
             zr_config(&j[z]->cfg, ZR_ADAMW8, world, world, 1, z ? "fsdp" : "deepspeed_stage_2", NULL, out);
+            snprintf(j[z]->cfg.precision, sizeof j[z]->cfg.precision, "%s", k[ki].prec);
             j[z]->cfg.train.global_batch_size = 2 * world;
             j[z]->cfg.train.max_steps = 4;
             j[z]->cfg.train.max_norm = 0; /* the clipping norm sums another partition: not ZeRO-2's last bits */
-            FL_CHECKF(fl_comm_threads_run(world, frank, j[z]) == FL_OK, "AdamW8bit %s at %d ranks: %s",
-                      z ? "FULL_SHARD" : "ZeRO-2", world, fl_error_message());
+            FL_CHECKF(fl_comm_threads_run(world, frank, j[z]) == FL_OK, "AdamW8bit %s %s at %d ranks: %s",
+                      z ? "FULL_SHARD" : "ZeRO-2", k[ki].prec, world, fl_error_message());
         }
-        FL_CHECKF(zr_same(&j[0]->rec[0], &j[1]->rec[0]), "AdamW8bit at %d ranks, accumulation 1: FULL_SHARD differs "
-                  "from ZeRO-2 in bits", world);
+        FL_CHECKF(zr_same(&j[0]->rec[0], &j[1]->rec[0]), "AdamW8bit %s at %d ranks, accumulation 1: FULL_SHARD "
+                  "differs from ZeRO-2 in bits", k[ki].prec, world);
         for (int r = 0; r < world; r++) {
             char why[2048];
             int bad = zr_check_fsdp_memory(&j[1]->cfg, r, world, &j[1]->res[r], 0, why, sizeof why);
-            FL_CHECKF(bad == 0, "AdamW8bit FULL_SHARD at %d ranks: %s", world, why);
+            FL_CHECKF(bad == 0, "AdamW8bit FULL_SHARD %s at %d ranks: %s", k[ki].prec, world, why);
         }
         free_fjob(j[0]);
         free_fjob(j[1]);
