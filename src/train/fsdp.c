@@ -366,22 +366,23 @@ static void whole_optim_free(fl_optimizer *w) {
  * block's scales come from both its ranks, the same bits. */
 static fl_status gather_state8(fl_dp *dp, const fl_optimizer *o, void *full) {
     const fl_param_layout *lay = &dp->fsdp->m->layout;
-    size_t *a = calloc((size_t)lay->n + 1, sizeof *a), *len = calloc((size_t)lay->n + 1, sizeof *len), cap = 0, x;
-    for (int r = 0; r < dp->world; r++) {
-        size_t b = fl_optim_8bit_fsdp_bytes(lay, dp->world, r, &x) - x;
-        cap = b > cap ? b : cap;
+    const size_t n = (size_t)lay->n + 1, W = (size_t)dp->world;
+    size_t *a = calloc(n * W, sizeof *a), *len = calloc(n * W, sizeof *len), *b = calloc(W, sizeof *b), cap = 0, so;
+    for (int r = 0; a && len && b && r < dp->world; r++) { /* rank r's pieces and their bytes (what it allocated) */
+        for (int i = 0; i < lay->n; i++) {
+            fl_optim_8bit_fsdp_piece(lay, i, dp->world, r, &a[r * n + i], &len[r * n + i], &so);
+            b[r] += fl_adam8bit_piece_bytes(lay->params[i].numel, a[r * n + i], len[r * n + i]);
+        }
+        cap = b[r] > cap ? b[r] : cap;
     }
     char *tmp = malloc(cap + 8);
-    fl_status s = fl_dp_agree(dp, a && len && tmp ? FL_OK : fl_errorf(FL_ERR_OOM, "FSDP: out of host memory"));
+    fl_status s = fl_dp_agree(dp, a && len && b && tmp ? FL_OK : fl_errorf(FL_ERR_OOM, "FSDP: out of host memory"));
     for (int r = 0; s == FL_OK && r < dp->world; r++) {
-        size_t b = fl_optim_8bit_fsdp_bytes(lay, dp->world, r, &x) - x, so; /* a multiple of 4: 16-bit words */
         void *buf = r == dp->rank ? o->state8 : tmp;
-        s = fl_comm_broadcast(dp->comm, buf, b / 2, FL_BF16, r);
-        if (s != FL_OK || dp->rank != 0) continue;
-        for (int i = 0; i < lay->n; i++) fl_optim_8bit_fsdp_piece(lay, i, dp->world, r, &a[i], &len[i], &so);
-        s = fl_optim_8bit_fsdp_copy(lay, a, len, buf, full, 1);
+        s = fl_comm_broadcast(dp->comm, buf, b[r] / 2, FL_BF16, r); /* a multiple of 4 bytes: 16-bit words */
+        if (s == FL_OK && dp->rank == 0) s = fl_optim_8bit_fsdp_copy(lay, a + r * n, len + r * n, buf, full, 1);
     }
-    free(a), free(len), free(tmp);
+    free(a), free(len), free(b), free(tmp);
     return fl_error_prefix(s, "FSDP: gathering the 8-bit optimizer state");
 }
 
