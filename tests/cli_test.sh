@@ -180,7 +180,7 @@ expect plan_no_budget_json 0 '"verdict": "unknown"' -- "$FITLLM" plan tinyllama-
 expect plan_absurd_peak 0 "more than any single machine has" -- "$FITLLM" plan llama-3-8b --train.micro_batch_size 4096 --train.global_batch_size 4096
 expect plan_devices_2 0 "data parallel \(DDP\) over 2 ranks: the memory of ONE rank" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy ddp
 # --strategy auto (the default) per command, as LitGPT: finetune_full FULL_SHARD, finetune_lora DDP over the
-# adapters, DDP where FULL_SHARD refuses the run (AdamW8bit), pretrain FULL_SHARD (HYBRID_SHARD on one node)
+# adapters, DDP where FULL_SHARD refuses the run (16-true), pretrain FULL_SHARD (HYBRID_SHARD on one node)
 expect plan_auto_full_fsdp 0 "strategy auto: fsdp FULL_SHARD, as LitGPT's finetune_full" -- "$FITLLM" plan tinyllama-1.1b --devices 2
 # LitGPT's FSDP checkpoints each block's activations: auto's FSDP too, unless told otherwise
 expect plan_auto_full_actckpt 0 "AdamW, activation checkpointing on" -- "$FITLLM" plan tinyllama-1.1b --devices 2
@@ -189,9 +189,9 @@ expect plan_ddp_no_actckpt 0 "AdamW, activation checkpointing off" -- "$FITLLM" 
 expect plan_auto_full_fsdp_mem 0 "FSDP FULL_SHARD \(ZeRO-3\) over 2 ranks" -- "$FITLLM" plan tinyllama-1.1b --devices 2
 expect plan_auto_lora_ddp 0 "strategy auto: DDP over the adapters" -- "$FITLLM" plan tinyllama-1.1b --lora --devices 2
 expect plan_auto_lora_ddp_mem 0 "data parallel \(DDP\) over 2 ranks" -- "$FITLLM" plan tinyllama-1.1b --lora --devices 2
-expect plan_auto_8bit_ddp 0 "strategy auto: DDP, since FULL_SHARD does not support AdamW8bit yet" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --optimizer bnb.optim.AdamW8bit
+expect plan_auto_8bit_fsdp 0 "strategy auto: fsdp FULL_SHARD, as LitGPT's finetune_full" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --optimizer bnb.optim.AdamW8bit
 expect plan_strategy_fsdp 0 "FSDP FULL_SHARD \(ZeRO-3\) over 2 ranks: rank 1's memory" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy fsdp --rank 1
-expect plan_fsdp_8bit_refused 2 "FULL_SHARD with AdamW8bit is not implemented yet" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy deepspeed_stage_3 --optimizer bnb.optim.AdamW8bit
+expect plan_fsdp_8bit 0 "FSDP FULL_SHARD \(ZeRO-3\) over 2 ranks" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy deepspeed_stage_3 --optimizer bnb.optim.AdamW8bit
 expect plan_hybrid_not_yet 2 "fsdp.sharding_strategy 'HYBRID_SHARD' is not implemented yet \(issue #14" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD
 expect plan_zero1_rank 0 "ZeRO-1 over 4 ranks: rank 3's memory: OPTIM for its chunk" -- "$FITLLM" plan tinyllama-1.1b --devices 4 --strategy deepspeed_stage_1 --rank 3
 expect plan_zero_rank_range 2 "plan --rank 4: the run has ranks 0..3" -- "$FITLLM" plan tinyllama-1.1b --devices 4 --strategy deepspeed_stage_2 --rank 4

@@ -880,6 +880,72 @@ FL_TEST(prec_adam8bit_nonfinite_rule) {
     FL_FOR_EACH_BACKEND(be, 2) prec_adam8bit_nonfinite_rule_on(be);
 }
 
+/* The absmax floor (fl_adam8bit_state.floor_m / floor_v), FULL_SHARD's way to update a block that two
+ * ranks hold parts of (src/train/optim.c): one tensor of 4396 elements (its last block partial) cut
+ * at 1000, inside block 3. Each side updates its whole blocks as they are; each part of block 3 first
+ * on a copy (the part's own absmax), then for real with the max of both parts as its floor; each side
+ * keeps its own copy of block 3's scales. Over 3 steps every parameter, code and scale must equal
+ * the uncut tensor's update bit for bit (max is exact), and the floor must matter: at some step the
+ * parts' own maxima differ. */
+FL_TEST(prec_adam8bit_absmax_floor_splits_a_block) {
+    fl_backend be;
+    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    enum { N = 4396, CUT = 1000, B = FL_ADAM8BIT_BLOCK };
+    fl_test_rng r = {7};
+    float *p0 = fl_test_frand(&r, N, -1, 1), *pw = malloc(N * 4), *ps = malloc(N * 4);
+    memcpy(pw, p0, N * 4), memcpy(ps, p0, N * 4);
+    const size_t sb = fl_adam8bit_state_bytes(N);
+    void *mw = calloc(1, sb), *ms = calloc(1, sb);
+    fl_adam8bit_state w, s;
+    FL_REQUIRE_OK(fl_adam8bit_state_bind(&w, N, mw));
+    FL_REQUIRE_OK(fl_adam8bit_state_bind(&s, N, ms));
+    float rm[2] = {0, 0}; /* the right side's copy of block 3's scales (m, v); s holds the left's */
+    const size_t b3 = CUT / B, s3 = b3 * B, e3 = s3 + B;
+    int differ = 0;
+    for (int step = 1; step <= 3; step++) {
+        float *g = fl_test_frand(&r, N, -2, 2);
+        for (size_t i = s3; i < CUT; i++) g[i] *= step == 2 ? 0.01f : 1.0f; /* the parts' maxima trade places */
+        for (size_t i = CUT; i < e3; i++) g[i] *= step == 2 ? 1.0f : 0.01f;
+        FL_REQUIRE_OK(be.adam8bit_update(&be, pw, FL_F32, g, FL_F32, &w, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.01f, step, 1.0f));
+        /* the views: [0, s3) whole, [s3, CUT) left part, [CUT, e3) right part, [e3, N) whole */
+        fl_adam8bit_state v[4];
+        const size_t x[4] = {0, s3, CUT, e3}, y[4] = {s3, CUT, e3, N};
+        float part[2][2]; /* pass 1: each part's own max |m|, max v */
+        for (int k = 0; k < 4; k++) {
+            memset(&v[k], 0, sizeof v[k]);
+            v[k].n = y[k] - x[k];
+            v[k].n_blocks = (v[k].n + B - 1) / B;
+            v[k].q_m = s.q_m + x[k], v[k].q_v = s.q_v + x[k];
+            v[k].absmax_m = k == 2 ? &rm[0] : s.absmax_m + x[k] / B;
+            v[k].absmax_v = k == 2 ? &rm[1] : s.absmax_v + x[k] / B;
+            if (k != 1 && k != 2) continue;
+            float cp[B], ca[2] = {v[k].absmax_m[0], v[k].absmax_v[0]};
+            uint8_t cq[2 * B];
+            memcpy(cp, ps + x[k], v[k].n * 4), memcpy(cq, v[k].q_m, v[k].n), memcpy(cq + B, v[k].q_v, v[k].n);
+            fl_adam8bit_state c = v[k];
+            c.q_m = cq, c.q_v = cq + B, c.absmax_m = ca, c.absmax_v = ca + 1;
+            FL_REQUIRE_OK(be.adam8bit_update(&be, cp, FL_F32, g + x[k], FL_F32, &c, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.01f,
+                                             step, 1.0f));
+            part[k - 1][0] = ca[0], part[k - 1][1] = ca[1];
+        }
+        differ |= part[0][0] != part[1][0];
+        float fl[2] = {fmaxf(part[0][0], part[1][0]), fmaxf(part[0][1], part[1][1])};
+        for (int k = 0; k < 4; k++) {
+            if (k == 1 || k == 2) v[k].floor_m = &fl[0], v[k].floor_v = &fl[1];
+            FL_REQUIRE_OK(be.adam8bit_update(&be, ps + x[k], FL_F32, g + x[k], FL_F32, &v[k], 1e-2f, 0.9f, 0.999f, 1e-8f,
+                                             0.01f, step, 1.0f));
+        }
+        free(g);
+        FL_CHECKF(!memcmp(pw, ps, N * 4) && !memcmp(w.q_m, s.q_m, 2 * (size_t)N) &&
+                      !memcmp(w.absmax_m, s.absmax_m, w.n_blocks * 4) && !memcmp(w.absmax_v, s.absmax_v, w.n_blocks * 4) &&
+                      !memcmp(&w.absmax_m[b3], &rm[0], 4) && !memcmp(&w.absmax_v[b3], &rm[1], 4),
+                  "step %d: the cut tensor's update differs from the whole one's", step);
+    }
+    FL_CHECK(differ); /* the floor was needed */
+    free(p0), free(pw), free(ps), free(mw), free(ms);
+    fl_backend_free(&be);
+}
+
 FL_TEST(prec_ref_backend_wired) {
     fl_backend be;
     FL_REQUIRE_OK(fl_ref_backend_init(&be));

@@ -319,6 +319,43 @@ static size_t zr_fsdp_shard(const fl_model_config *mc, int world, int rank, size
     return total;
 }
 
+/* FULL_SHARD with 8-bit AdamW, from the definitions (not the runtime's helpers): rank r's OPTIM
+ * bytes. Each tensor's elements in r's piece of its unit (not widened to blocks): 8-bit tensors
+ * (>= 4096 elements) q_m and q_v one byte each padded to 4, two fp32 absmax per block of 256 (from
+ * the tensor's start) the piece meets; smaller tensors fp32 m and v. When a rank edge falls strictly
+ * inside a block of an 8-bit tensor (*cut: such blocks of the whole model), the exchange: two fp32
+ * per cut block and a copy of one cut part (256 x (4 + 2) bytes and two fp32), src/train/optim.c. */
+static size_t zr_fsdp_optim8(const fl_model_config *mc, int world, int rank, size_t *cut) {
+    fl_param_layout lay;
+    *cut = 0;
+    if (fl_layout_build(&lay, mc) != FL_OK) return 0;
+    size_t total = 0;
+    for (int g = 0; g < lay.n_groups; g++) {
+        size_t u0 = lay.group_offset[g], u = lay.group_offset[g + 1] - u0;
+        size_t last_t = SIZE_MAX, last_b = SIZE_MAX;
+        for (int e = 0; e < world; e++) { /* the pieces [off_e, off_e + len_e) of the unit */
+            size_t len = u / (size_t)world + ((size_t)e < u % (size_t)world), off = 0;
+            for (int q = 0; q < e; q++) off += u / (size_t)world + ((size_t)q < u % (size_t)world);
+            for (int i = 0; i < lay.n; i++) {
+                size_t t0 = lay.params[i].offset - u0, tn = lay.params[i].numel;
+                if (lay.params[i].group != g) continue;
+                if (e > 0 && tn >= 4096 && off > t0 && off < t0 + tn && (off - t0) % 256 && /* a cut block */
+                    !((size_t)i == last_t && (off - t0) / 256 == last_b)) {
+                    (*cut)++;
+                    last_t = (size_t)i, last_b = (off - t0) / 256;
+                }
+                if (e != rank) continue;
+                size_t lo = off > t0 ? off : t0, hi = off + len < t0 + tn ? off + len : t0 + tn;
+                if (lo >= hi) continue;
+                if (tn < 4096) total += 8 * (hi - lo);
+                else total += (2 * (hi - lo) + 3) / 4 * 4 + 8 * ((hi - t0 + 255) / 256 - (lo - t0) / 256);
+            }
+        }
+    }
+    fl_layout_free(&lay);
+    return total + (*cut ? 8 * *cut + 256 * 6 + 8 : 0);
+}
+
 /* What FULL_SHARD may hold gathered at once, from its rules (not from the runtime's sequence): the
  * parameters of at most 2 blocks (limit_all_gathers), of the head group and of the embeddings
  * (elements of es bytes, plus ces for a mixed policy's compute copy), the unreduced gradients of one
@@ -352,7 +389,8 @@ static inline int zr_check_fsdp_memory(const fl_run_config *cfg, int rank, int w
     const fl_mem_phase *ph = NULL;
     for (int i = 0; i < res->n_phases; i++)
         if (!strcmp(res->phases[i].name, "after_opt_step")) ph = &res->phases[i];
-    size_t optim = sh * states * es;
+    size_t optim = sh * states * es, cut = 0;
+    if (sh && cfg->optimizer.kind == FL_OPT_ADAMW8BIT) optim = zr_fsdp_optim8(&mc, world, rank, &cut);
     if (!ph || !sh || ph->cur[FL_TAG_PARAMS] != sh * es || ph->cur[FL_TAG_GRADS] != sh * es ||
         ph->cur[FL_TAG_OPTIM] != optim || ph->cur[FL_TAG_GATHER] != 0) {
         bad++;

@@ -35,6 +35,12 @@ typedef struct {
     float *absmax_m;   /* (n_blocks) */
     float *absmax_v;   /* (n_blocks) */
     float *m, *v;      /* (n) fp32 state when n < FL_ADAM8BIT_MIN_SIZE, else NULL */
+    /* (n_blocks) or NULL (bind leaves them NULL): each block's new absmax is at least this. FULL_SHARD
+     * (src/train/optim.c) updates a block whose elements lie on two ranks on each of them with the
+     * max over the whole block's new |m| / v (exchanged) here, so both quantize with one-process
+     * scales. max is exact, so max(floor, the part's max) is the whole block's max bit for bit.
+     * The CPU backend implements it; the CUDA backend refuses a state that sets it. */
+    const float *floor_m, *floor_v;
 } fl_adam8bit_state;
 
 /* 1 if a tensor of n elements gets 8-bit state. */

@@ -55,6 +55,9 @@ typedef struct fl_optim_dist {
     fl_status (*sum)(void *ud, double *v, int n);
     /* after this rank updated its range: every rank's range of o->p to every rank (stages 1 and 2) */
     fl_status (*gather)(void *ud, struct fl_optimizer *o);
+    /* v[0..n) := its elementwise max over ranks (the same bits on every rank; 8-bit AdamW under
+     * FULL_SHARD: the partial absmax of the blocks cut by a rank edge) */
+    fl_status (*max)(void *ud, float *v, size_t n);
 } fl_optim_dist;
 
 typedef struct fl_optimizer {
@@ -85,6 +88,18 @@ typedef struct fl_optimizer {
     const fl_optim_dist *dist; /* data-parallel hooks, NULL in one process */
     size_t *p8_a, *p8_n;       /* 8-bit: (n_tensors) the piece of each tensor whose state st8[i] holds
                                 * (fl_optim_8bit_piece; the whole tensor but under ZeRO) */
+    /* 8-bit under FULL_SHARD (the model sharded, m->pp): t_off / t_n describe the layout's tensors,
+     * p8_a / p8_n each tensor's elements in this rank's piece of its unit (fl_optim_8bit_fsdp_piece,
+     * not widened: a block cut by a rank edge is split between the ranks, its codes each rank's part,
+     * its two absmax on both), p8_s (n_tensors) where that piece lies in the shard; p8_slot (2 x
+     * n_tensors) the exchange slot of the piece's first and last block when a rank edge cuts it, else
+     * -1; n_slots the cut blocks of the whole model; x8 (OPTIM, x8_bytes) the exchange vector and the
+     * scratch of the first pass (fl_optim_8bit_fsdp_bytes) */
+    size_t *p8_s;
+    int *p8_slot;
+    int n_slots;
+    void *x8;
+    size_t x8_bytes;
 } fl_optimizer;
 
 /* Optimizer over the model's trainable parameters: all of them, or only the
@@ -92,7 +107,8 @@ typedef struct fl_optimizer {
 fl_status fl_optim_init(fl_optimizer *o, fl_model *model, const fl_optim_config *cfg);
 /* The same holding state only for rank `rank`'s chunk of the trainable elements among `world`
  * (fl_comm_chunk's layout: ZeRO). world 1 = fl_optim_init. 8-bit AdamW keeps its block-wise
- * state per tensor: see fl_optim_8bit_piece. */
+ * state per tensor: see fl_optim_8bit_piece. A sharded model (FULL_SHARD, m->pp): state for the
+ * whole shard; world and rank place 8-bit AdamW's pieces (fl_optim_8bit_fsdp_piece). */
 fl_status fl_optim_init_shard(fl_optimizer *o, fl_model *model, const fl_optim_config *cfg, int world, int rank);
 /* 8-bit AdamW under ZeRO: the piece [*a, *a + *len) of a tensor (t_n elements at flat offset t_off
  * of n) whose state rank `rank` of `world` keeps and updates: the tensor's elements inside the
@@ -100,6 +116,25 @@ fl_status fl_optim_init_shard(fl_optimizer *o, fl_model *model, const fl_optim_c
  * every block is quantized over the same elements as in one process; a block cut by a chunk edge
  * is kept, and updated alike, by both neighbours. *len 0: none. world 1: the whole tensor. */
 void fl_optim_8bit_piece(size_t n, size_t t_off, size_t t_n, int world, int rank, size_t *a, size_t *len);
+/* 8-bit AdamW under FULL_SHARD / ZeRO-3: tensor i of lay within rank `rank`'s piece of its unit
+ * (each unit split by fl_comm_chunk among `world` on its own, src/train/fsdp.c): the tensor's elements
+ * [*a, *a + *len), at element *shard_off of the rank's shard (*len 0: none). Not widened to blocks:
+ * a block cut by the edge between two ranks' pieces keeps its codes split between them and its scale
+ * on both; each quantizes it with the max over the whole block, exchanged (src/train/optim.c). */
+void fl_optim_8bit_fsdp_piece(const fl_param_layout *lay, int i, int world, int rank, size_t *a, size_t *len,
+                              size_t *shard_off);
+/* The blocks of 8-bit tensors that a rank edge cuts under FULL_SHARD at `world` ranks, numbered in
+ * layout order over the whole model (the exchange slots); edge_slot (n_groups x (world + 1), may be
+ * NULL) gets for each unit g and rank e the slot of the block holding the edge where rank e's piece
+ * starts, or -1. Returns the count. */
+int fl_optim_8bit_fsdp_slots(const fl_param_layout *lay, int world, int *edge_slot);
+/* The state bytes of a piece [a, a + len) of a tensor of t_n elements: 8-bit tensors: codes 2 per
+ * element padded to 4, two fp32 absmax per block the piece meets; else fp32 m and v. */
+size_t fl_adam8bit_piece_bytes(size_t t_n, size_t a, size_t len);
+/* What 8-bit AdamW under FULL_SHARD holds as OPTIM on rank `rank`: its pieces' state (one
+ * allocation) and, when any block is cut, the exchange scratch (a second); *scratch (may be NULL)
+ * gets the latter's bytes. What fl_optim_init allocates on a sharded model; the planner's figure. */
+size_t fl_optim_8bit_fsdp_bytes(const fl_param_layout *lay, int world, int rank, size_t *scratch);
 /* The widest reach of a rank's 8-bit pieces beyond its chunk, in elements (< 256): ZeRO-2 fetches
  * that many reduced gradients from each neighbour. */
 #define FL_OPTIM_8BIT_HALO (FL_ADAM8BIT_BLOCK - 1)

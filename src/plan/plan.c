@@ -367,7 +367,7 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     oc = &ocp;
     if (oc->kind == FL_OPT_ADAMW8BIT) { /* one allocation, bound per tensor (fl_optim_init) */
         size_t b8 = 0;
-        const int zw = stage ? world : 1, zr = stage ? (x->rank < world ? x->rank : 0) : 0;
+        const int zw = stage ? world : 1, zr = stage ? (x->rank < world ? x->rank : 0) : 0, rnk8 = zr;
         /* tensor t_n at flat offset t_off: its piece's state (ZeRO: the blocks meeting this rank's
          * chunk, fl_optim_8bit_piece; else the whole tensor) */
 #define PIECE(t_off, t_n)                                                                 \
@@ -384,11 +384,17 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
                 PIECE(lo[2 * j + 1], (size_t)mods[j].out * lc.r);
             }
             free(lo);
+        } else if (have_lay && fsdp) { /* FULL_SHARD: its pieces of the tensors, then the exchange (fl_optim_init) */
+            size_t x8 = 0;
+            b8 = fl_optim_8bit_fsdp_bytes(&lay, world, rnk8, &x8);
+            palloc(g, FL_TAG_OPTIM, b8 - x8, "AdamW8bit block-wise state (shard)");
+            if (x8) palloc(g, FL_TAG_OPTIM, x8, "AdamW8bit scales of the blocks cut by a rank edge (exchange)");
+            b8 = 0;
         } else if (have_lay) {
             for (int i = 0; i < lay.n; i++) PIECE(lay.params[i].offset, lay.params[i].numel);
         }
 #undef PIECE
-        palloc(g, FL_TAG_OPTIM, b8, "AdamW8bit block-wise state");
+        if (b8 || !fsdp) palloc(g, FL_TAG_OPTIM, b8, "AdamW8bit block-wise state");
     } else {
         size_t st = fl_optim_state_bytes(oc, n_state);
         if (oc->kind == FL_OPT_ADAMW) { /* exp_avg and exp_avg_sq, one buffer each */

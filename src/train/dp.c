@@ -1,6 +1,7 @@
 /* The data-parallel context of a training run: see dp.h. */
 #include "dp.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -54,6 +55,20 @@ fl_status fl_dp_sum(fl_dp *dp, double *v, int n) {
             v[i] = acc;
         }
     if (all != stack) free(all);
+    return s;
+}
+
+fl_status fl_dp_max(fl_dp *dp, float *v, size_t n) {
+    if (!dp->comm || n == 0) return FL_OK;
+    float *all = malloc(n * (size_t)dp->world * sizeof *all);
+    if (!all) return fl_errorf(FL_ERR_OOM, "data parallel: out of host memory");
+    fl_status s = fl_comm_all_gather(dp->comm, v, all, n * (size_t)dp->world, FL_F32); /* n words per rank */
+    for (size_t i = 0; s == FL_OK && i < n; i++) {
+        float m = all[i];
+        for (int r = 1; r < dp->world; r++) m = fmaxf(m, all[(size_t)r * n + i]);
+        v[i] = m;
+    }
+    free(all);
     return s;
 }
 

@@ -57,6 +57,16 @@ static inline int fl_dp_mine(const fl_dp *dp, long j) { return j % dp->world == 
 fl_status fl_dp_sum(fl_dp *dp, double *v, int n);
 /* Every rank's value of v[0..n) (rank-major into all[world * n]). */
 fl_status fl_dp_gather(fl_dp *dp, const double *v, int n, double *all);
+/* v[0..n) := its elementwise max over ranks (fmaxf; a NaN is dropped), from an all-gather of
+ * every rank's v (host scratch outside the pool, as fl_dp_sum's): the same bits on every rank. */
+fl_status fl_dp_max(fl_dp *dp, float *v, size_t n);
+/* 8-bit AdamW under FULL_SHARD (src/train/optim.c): copy the packed state of the pieces (a[i],
+ * len[i]) of every tensor of lay (fl_optim_8bit_fsdp_piece's, of some rank; the pieces' spans one
+ * after another, as fl_optim_init binds them) to (to_full) or from the single-process layout full
+ * (fl_adam8bit_state_bind per tensor, in layout order). Host memory. A cut block's absmax is
+ * written by each rank that holds a part, with the same bits. */
+fl_status fl_optim_8bit_fsdp_copy(const fl_param_layout *lay, const size_t *a, const size_t *len, void *packed,
+                                  void *full, int to_full);
 /* Every rank's run configuration must be rank 0's (the YAML dump compared line by line):
  * FL_ERR_INVALID on the ranks that differ, naming the first differing line. Collective. */
 fl_status fl_dp_check_config(fl_dp *dp, const fl_run_config *cfg);

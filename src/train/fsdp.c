@@ -81,11 +81,7 @@ size_t fl_fsdp_shard_numel(const fl_param_layout *lay, int world, int rank) {
 }
 
 const char *fl_fsdp_refusal(const fl_run_config *cfg, const fl_precision *p) {
-    if (cfg->optimizer.kind == FL_OPT_ADAMW8BIT)
-        return "FULL_SHARD with AdamW8bit is not implemented yet: its block-wise state (blocks of 256 from each "
-               "tensor's start) would cross the per-unit shard edges, which needs each neighbour's reduced gradients "
-               "and parameters of those blocks (ZeRO-2 fetches the gradients); use --strategy deepspeed_stage_2 or "
-               "fsdp with --fsdp.sharding_strategy SHARD_GRAD_OP, or AdamW / SGD";
+    (void)cfg; /* AdamW8bit runs: blocks cut by a rank edge exchange their scales (src/train/optim.c) */
     if (p && p->param_dtype == FL_F16)
         return "FULL_SHARD with 16-true is not implemented yet (F16 gradients cannot be reduced yet); use bf16-true "
                "or bf16-mixed";
@@ -335,6 +331,31 @@ static fl_status fetch_unit(fl_dp_stream *u, int g) {
 
 static size_t state_es(const fl_optimizer *o) { return o->cfg.state_dtype == FL_BF16 ? 2 : 4; }
 
+/* 8-bit AdamW: every rank's packed pieces (fl_optim_8bit_fsdp_piece) into rank 0's single-process
+ * layout full, one broadcast per rank through host staging of the largest rank's state; a cut
+ * block's scales come from both its ranks, the same bits. */
+static fl_status gather_state8(fl_dp *dp, const fl_optimizer *o, void *full) {
+    const fl_param_layout *lay = &dp->fsdp->m->layout;
+    const size_t n = (size_t)lay->n + 1, W = (size_t)dp->world;
+    size_t *a = calloc(n * W, sizeof *a), *len = calloc(n * W, sizeof *len), *b = calloc(W, sizeof *b), cap = 0, so;
+    for (int r = 0; a && len && b && r < dp->world; r++) { /* rank r's pieces and their bytes (what it allocated) */
+        for (int i = 0; i < lay->n; i++) {
+            fl_optim_8bit_fsdp_piece(lay, i, dp->world, r, &a[r * n + i], &len[r * n + i], &so);
+            b[r] += fl_adam8bit_piece_bytes(lay->params[i].numel, a[r * n + i], len[r * n + i]);
+        }
+        cap = b[r] > cap ? b[r] : cap;
+    }
+    char *tmp = malloc(cap + 8);
+    fl_status s = fl_dp_agree(dp, a && len && b && tmp ? FL_OK : fl_errorf(FL_ERR_OOM, "FSDP: out of host memory"));
+    for (int r = 0; s == FL_OK && r < dp->world; r++) {
+        void *buf = r == dp->rank ? o->state8 : tmp;
+        s = fl_comm_broadcast(dp->comm, buf, b[r] / 2, FL_BF16, r); /* a multiple of 4 bytes: 16-bit words */
+        if (s == FL_OK && dp->rank == 0) s = fl_optim_8bit_fsdp_copy(lay, a + r * n, len + r * n, buf, full, 1);
+    }
+    free(a), free(len), free(b), free(tmp);
+    return fl_error_prefix(s, "FSDP: gathering the 8-bit optimizer state");
+}
+
 fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const char *name, const fl_model *m,
                             const fl_optimizer *o, const fl_train_state *st, const fl_run_config *cfg,
                             const char *tok_dir) {
@@ -355,10 +376,16 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
         us[a] = (fl_dp_stream){dp, f->G, lay->group_offset, aes[a], fetch_unit, arr[a], 0, buf, 0, FL_OK};
     fl_st_write_tensor *t = lead ? calloc((size_t)L + 4, sizeof *t) : NULL;
     fl_dp_stream_tensor *ut = lead ? calloc((size_t)L + 4, sizeof *ut) : NULL;
-    fl_status s = !buf || (lead && (!t || !ut)) ? fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory") : FL_OK;
+    /* 8-bit AdamW: rank 0 assembles the single-process layout of the state first (one broadcast per
+     * rank), then the parameters stream as above */
+    const size_t s8_bytes = o && o->state8 ? fl_optim_state_bytes_layout(&o->cfg, lay) : 0;
+    void *s8 = lead && s8_bytes ? calloc(1, s8_bytes + 8) : NULL;
+    fl_status s = !buf || (lead && (!t || !ut || (s8_bytes && !s8)))
+                      ? fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory") : FL_OK;
     s = fl_dp_agree(dp, s);
+    if (s == FL_OK && s8_bytes) s = fl_dp_agree(dp, gather_state8(dp, o, s8));
     if (s != FL_OK) {
-        free(t), free(ut), free(buf);
+        free(t), free(ut), free(buf), free(s8);
         return s;
     }
     if (lead && write) {
@@ -379,6 +406,9 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
                                            .fill_range = fl_dp_stream_fill, .fill_ud = &ut[L + ns]};
             ns++;
         }
+        if (s8) /* the single-process format's blob (checkpoint.c write_state) */
+            stt[ns++] = (fl_st_write_tensor){.name = "optimizer.state8", .dtype = FL_U8, .ndim = 1,
+                                             .shape = {(int64_t)s8_bytes}, .data = s8, .src_dtype = FL_U8};
         s = fl_ckpt_save_streamed(out_dir, name, m, o, st, cfg, tok_dir, t, stt, ns);
     }
     /* every rank: every unit of every array, in order (rank 0: those its writer did not ask for) */
@@ -389,6 +419,7 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
     free(t);
     free(ut);
     free(buf);
+    free(s8);
     return fl_dp_agree(dp, s);
 }
 

@@ -8,6 +8,7 @@
 #include "../model/model-impl.h"
 #include "fitllm/comm.h"
 #include "fitllm/train.h"
+#include "dp.h"
 
 void fl_optim_config_default(fl_optim_config *c, fl_optim_kind kind) {
     memset(c, 0, sizeof *c);
@@ -72,8 +73,8 @@ static fl_status trainable(fl_optimizer *o, fl_model *model) {
             o->t_off[i] = model->layout.params[i].offset;
             o->t_n[i] = model->layout.params[i].numel;
         }
-        if (model->pp) { /* sharded (FSDP): this rank's shard, one elementwise range (8-bit AdamW is refused) */
-            o->n = model->pp->numel;
+        if (model->pp) o->n = model->pp->numel; /* sharded (FSDP): the optimizer runs on this rank's shard */
+        if (model->pp && o->cfg.kind != FL_OPT_ADAMW8BIT) { /* one elementwise range (8-bit: per tensor, below) */
             o->n_tensors = 1;
             o->t_off[0] = 0;
             o->t_n[0] = o->n;
@@ -104,6 +105,292 @@ void fl_optim_8bit_piece(size_t n, size_t t_off, size_t t_n, int world, int rank
     *len = y - x;
 }
 
+/* ---- 8-bit AdamW under FULL_SHARD ------------------------------------------------------------
+ *
+ * Each unit is split among the ranks by fl_comm_chunk on its own (src/train/fsdp.c), so a rank edge
+ * may cut a quantization block (256 elements from its tensor's start). The update of an element is
+ * local; only the block's new absmax, which scales the requantized m and v of all its elements,
+ * needs the block's other elements. So each rank keeps the codes of its part of such a block and
+ * both absmax (the same bits on every rank that holds a part), and a step runs in two passes:
+ *   1. for each part of a cut block: the update on a scratch copy of the part (its parameters,
+ *      codes and scales), which yields the part's max |m| and max v (the kernel's absmax of the
+ *      part alone); every cut block of the model has a slot, -FLT_MAX where a rank has no part;
+ *   2. the max of the slots over the ranks (dist->max: exact, order-free), then the real update of
+ *      every piece: whole blocks as in one process, each part of a cut block with the block's max as
+ *      its absmax floor (fl_adam8bit_state.floor_m / floor_v), which the kernel's max over the part
+ *      leaves as it is. Every element then gets one-process arithmetic: the same m, v, parameter
+ *      and codes, and the block the same absmax, bit for bit.
+ * A piece's state is one span: q_m[len], q_v[len] (padded to 4), absmax_m[nb], absmax_v[nb] over
+ * the nb blocks the piece meets; the update binds views of it: the cut first block, the whole
+ * blocks, the cut last block. */
+
+/* group g's rank-r chunk, in flat (layout) elements, and its offset in rank r's shard */
+static void fsdp_unit_piece(const fl_param_layout *lay, int g, int world, int rank, size_t *flat, size_t *len,
+                            size_t *loc) {
+    size_t at = 0, off, cl;
+    for (int h = 0; h < g; h++) {
+        fl_comm_chunk(lay->group_offset[h + 1] - lay->group_offset[h], world, rank, &off, &cl);
+        at += cl;
+    }
+    fl_comm_chunk(lay->group_offset[g + 1] - lay->group_offset[g], world, rank, &off, &cl);
+    *flat = lay->group_offset[g] + off;
+    *len = cl;
+    if (loc) *loc = at;
+}
+
+void fl_optim_8bit_fsdp_piece(const fl_param_layout *lay, int i, int world, int rank, size_t *a, size_t *len,
+                              size_t *shard_off) {
+    const fl_param_info *t = &lay->params[i];
+    size_t f, cl, loc;
+    fsdp_unit_piece(lay, t->group, world, rank, &f, &cl, &loc);
+    size_t lo = f > t->offset ? f : t->offset, hi = f + cl < t->offset + t->numel ? f + cl : t->offset + t->numel;
+    *a = *len = 0;
+    *shard_off = loc;
+    if (lo >= hi) return;
+    *a = lo - t->offset;
+    *len = hi - lo;
+    *shard_off = loc + (lo - f);
+}
+
+int fl_optim_8bit_fsdp_slots(const fl_param_layout *lay, int world, int *edge_slot) {
+    const size_t B = FL_ADAM8BIT_BLOCK;
+    int n = 0;
+    for (int g = 0; g < lay->n_groups; g++) {
+        int last_i = -1;
+        size_t last_b = 0;
+        for (int e = 0; e <= world; e++) {
+            int slot = -1;
+            size_t f = lay->group_offset[g + 1], cl;
+            if (e > 0 && e < world) fsdp_unit_piece(lay, g, world, e, &f, &cl, NULL); /* where rank e's piece starts */
+            for (int i = 0; slot < 0 && e > 0 && e < world && i < lay->n; i++) {
+                const fl_param_info *t = &lay->params[i];
+                if (t->group != g || f <= t->offset || f >= t->offset + t->numel || !fl_adam8bit_is_8bit(t->numel) ||
+                    (f - t->offset) % B == 0)
+                    continue;
+                size_t b = (f - t->offset) / B; /* strictly inside block b of tensor i */
+                if (i != last_i || b != last_b) n++; /* several edges in one block (pieces < 256): one slot */
+                last_i = i, last_b = b;
+                slot = n - 1;
+            }
+            if (edge_slot) edge_slot[g * (world + 1) + e] = slot;
+        }
+    }
+    return n;
+}
+
+size_t fl_adam8bit_piece_bytes(size_t t_n, size_t a, size_t len) {
+    if (!len) return 0;
+    if (!fl_adam8bit_is_8bit(t_n)) return 8 * len;
+    const size_t B = FL_ADAM8BIT_BLOCK, nb = (a + len + B - 1) / B - a / B;
+    return ((2 * len + 3) & ~(size_t)3) + 8 * nb;
+}
+
+/* The exchange scratch: the slots' partial absmax (m then v), then pass 1's copy of one part (its
+ * parameters in fp32 width, codes, scales). */
+static size_t x8_bytes(int n_slots) {
+    return n_slots ? 2 * (size_t)n_slots * sizeof(float) + FL_ADAM8BIT_BLOCK * (4 + 2) + 2 * sizeof(float) : 0;
+}
+
+size_t fl_optim_8bit_fsdp_bytes(const fl_param_layout *lay, int world, int rank, size_t *scratch) {
+    size_t total = 0;
+    for (int i = 0; i < lay->n; i++) {
+        size_t a, len, so;
+        fl_optim_8bit_fsdp_piece(lay, i, world, rank, &a, &len, &so);
+        total += fl_adam8bit_piece_bytes(lay->params[i].numel, a, len);
+    }
+    size_t x = x8_bytes(world > 1 ? fl_optim_8bit_fsdp_slots(lay, world, NULL) : 0);
+    if (scratch) *scratch = x;
+    return total + x;
+}
+
+/* A piece's state span: q_m, q_v, then the absmax of the nb blocks it meets (st->n_blocks = nb,
+ * which the kernel never sees whole unless the piece is block-aligned). */
+static void bind_piece(fl_adam8bit_state *st, size_t t_n, size_t a, size_t len, void *mem) {
+    memset(st, 0, sizeof *st);
+    st->n = len;
+    if (!len) return;
+    uint8_t *b = mem;
+    if (!fl_adam8bit_is_8bit(t_n)) {
+        st->m = (float *)b;
+        st->v = (float *)(b + 4 * len);
+        return;
+    }
+    const size_t B = FL_ADAM8BIT_BLOCK;
+    st->n_blocks = (a + len + B - 1) / B - a / B;
+    st->q_m = b;
+    st->q_v = b + len;
+    st->absmax_m = (float *)(b + ((2 * len + 3) & ~(size_t)3));
+    st->absmax_v = st->absmax_m + st->n_blocks;
+}
+
+fl_status fl_optim_8bit_fsdp_copy(const fl_param_layout *lay, const size_t *a, const size_t *len, void *packed,
+                                  void *full, int to_full) {
+    size_t po = 0, fo = 0;
+    for (int i = 0; i < lay->n; i++) {
+        const size_t tn = lay->params[i].numel;
+        fl_adam8bit_state ps, fs;
+        bind_piece(&ps, tn, a[i], len[i], (char *)packed + po);
+        FL_TRY(fl_adam8bit_state_bind(&fs, tn, (char *)full + fo));
+        po += fl_adam8bit_piece_bytes(tn, a[i], len[i]);
+        fo += fl_adam8bit_state_bytes(tn);
+        if (!len[i]) continue;
+        if (a[i] + len[i] > tn)
+            return fl_errorf(FL_ERR_INTERNAL, "8-bit AdamW state: piece [%zu, +%zu) of tensor %s (%zu elements)", a[i],
+                             len[i], lay->params[i].name, tn);
+#define CP(dst, src, bytes) memcpy(to_full ? (void *)(dst) : (void *)(src), to_full ? (const void *)(src) : (const void *)(dst), bytes)
+        if (ps.q_m) {
+            const size_t b0 = a[i] / FL_ADAM8BIT_BLOCK;
+            CP(fs.q_m + a[i], ps.q_m, len[i]);
+            CP(fs.q_v + a[i], ps.q_v, len[i]);
+            CP(fs.absmax_m + b0, ps.absmax_m, ps.n_blocks * sizeof(float));
+            CP(fs.absmax_v + b0, ps.absmax_v, ps.n_blocks * sizeof(float));
+        } else {
+            CP(fs.m + a[i], ps.m, len[i] * sizeof(float));
+            CP(fs.v + a[i], ps.v, len[i] * sizeof(float));
+        }
+#undef CP
+    }
+    return FL_OK;
+}
+
+/* The views of piece i for the update: k 0 its cut first block, 1 its whole blocks, 2 its cut last
+ * block; *off the view's first element in the piece; 0 when the view is empty. *slot: the exchange
+ * slot (cut views). */
+static int piece_view(const fl_optimizer *o, int i, int k, fl_adam8bit_state *v, size_t *off, int *slot) {
+    const fl_adam8bit_state *w = &o->st8[i];
+    const size_t B = FL_ADAM8BIT_BLOCK, a = o->p8_a[i], len = o->p8_n[i], tn = o->t_n[i], e = a + len;
+    memset(v, 0, sizeof *v);
+    *off = 0;
+    *slot = -1;
+    if (!len) return 0;
+    if (!w->q_m) { /* fp32 path: elementwise, one view */
+        if (k != 1) return 0;
+        *v = *w;
+        return 1;
+    }
+    const size_t b0 = a / B, b1 = (e + B - 1) / B;
+    /* the first block's part [a, h) and the block's own end */
+    size_t h = (b0 + 1) * B < e ? (b0 + 1) * B : e, end0 = (b0 + 1) * B < tn ? (b0 + 1) * B : tn;
+    int cut0 = a % B != 0 || h < end0;
+    int cut1 = b1 - 1 > b0 && e % B != 0 && e < tn;
+    size_t t0 = cut1 ? (b1 - 1) * B : e; /* where the cut last block's part starts */
+    size_t x, y, bi;
+    if (k == 0) {
+        if (!cut0) return 0;
+        x = a, y = h, bi = 0;
+        *slot = o->p8_slot[2 * i];
+    } else if (k == 2) {
+        if (!cut1) return 0;
+        x = t0, y = e, bi = b1 - 1 - b0;
+        *slot = o->p8_slot[2 * i + 1];
+    } else {
+        x = cut0 ? h : a, y = t0, bi = cut0;
+        if (y <= x) return 0;
+    }
+    v->n = y - x;
+    v->n_blocks = (v->n + B - 1) / B;
+    v->q_m = w->q_m + (x - a);
+    v->q_v = w->q_v + (x - a);
+    v->absmax_m = w->absmax_m + bi;
+    v->absmax_v = w->absmax_v + bi;
+    *off = x - a;
+    return 1;
+}
+
+static fl_status fsdp8_step(fl_optimizer *o, float lr, float scale) {
+    const fl_backend *be = o->model->be;
+    const fl_optim_config *c = &o->cfg;
+    const size_t pes = fl_dtype_size(o->pt), ges = fl_dtype_size(o->gt), S = (size_t)o->n_slots;
+    float *part = o->x8; /* (2 S): max |m| then max v of each cut block */
+    char *sp = (char *)o->x8 + 2 * S * sizeof(float);
+    uint8_t *sq = (uint8_t *)(sp + FL_ADAM8BIT_BLOCK * 4);
+    float *sa = (float *)(sq + 2 * FL_ADAM8BIT_BLOCK);
+#define UPDATE(pp, gg, st) \
+    be->adam8bit_update(be, pp, o->pt, gg, o->gt, st, lr, c->beta1, c->beta2, c->eps, c->weight_decay, o->step, scale)
+    for (size_t k = 0; k < 2 * S; k++) part[k] = -3.40282347e+38f; /* no part here: the max's identity */
+    /* pass 1: each cut part updated on a copy, for its absmax */
+    for (int i = 0; i < o->n_tensors; i++)
+        for (int k = 0; k < 3; k += 2) {
+            fl_adam8bit_state v, w;
+            size_t off;
+            int slot;
+            if (!piece_view(o, i, k, &v, &off, &slot)) continue;
+            if (slot < 0 || slot >= o->n_slots || v.n >= FL_ADAM8BIT_BLOCK)
+                return fl_errorf(FL_ERR_INTERNAL, "8-bit AdamW (FULL_SHARD): tensor %d's cut block has no slot", i);
+            size_t at = o->p8_s[i] + off;
+            memcpy(sp, (const char *)o->p + at * pes, v.n * pes);
+            memcpy(sq, v.q_m, v.n);
+            memcpy(sq + FL_ADAM8BIT_BLOCK, v.q_v, v.n);
+            sa[0] = v.absmax_m[0];
+            sa[1] = v.absmax_v[0];
+            w = v;
+            w.q_m = sq, w.q_v = sq + FL_ADAM8BIT_BLOCK, w.absmax_m = sa, w.absmax_v = sa + 1;
+            FL_TRY(UPDATE(sp, (const char *)o->g + at * ges, &w));
+            part[slot] = sa[0];
+            part[S + (size_t)slot] = sa[1];
+        }
+    /* the blocks' max over the ranks */
+    if (S) {
+        if (!o->dist || !o->dist->max)
+            return fl_errorf(FL_ERR_INTERNAL, "8-bit AdamW (FULL_SHARD): %zu cut blocks but no exchange", S);
+        FL_TRY(fl_error_prefix(o->dist->max(o->dist->ud, part, 2 * S), "8-bit AdamW (FULL_SHARD): the scales of the "
+                               "blocks cut by a rank edge"));
+    }
+    /* pass 2: the update, cut parts floored at their block's max */
+    for (int i = 0; i < o->n_tensors; i++)
+        for (int k = 0; k < 3; k++) {
+            fl_adam8bit_state v;
+            size_t off;
+            int slot;
+            if (!piece_view(o, i, k, &v, &off, &slot)) continue;
+            if (k != 1) v.floor_m = &part[slot], v.floor_v = &part[S + (size_t)slot];
+            size_t at = o->p8_s[i] + off;
+            FL_TRY(UPDATE((char *)o->p + at * pes, (const char *)o->g + at * ges, &v));
+        }
+#undef UPDATE
+    return FL_OK;
+}
+
+/* 8-bit AdamW on a sharded model: the pieces (fl_optim_8bit_fsdp_piece), their slots, one OPTIM
+ * span for the state and one for the exchange. */
+static fl_status fsdp8_init(fl_optimizer *o, fl_model *model, int world, int rank) {
+    const fl_param_layout *lay = &model->layout;
+    const fl_param_provider *pp = model->pp;
+    for (int g = 0; g < lay->n_groups; g++) { /* the model's shard is this world's and rank's */
+        size_t f, cl, loc;
+        fsdp_unit_piece(lay, g, world, rank, &f, &cl, &loc);
+        if (pp->flat_off[g] != f || pp->len[g] != cl || pp->shard_off[g] != loc)
+            return fl_errorf(FL_ERR_INTERNAL, "8-bit AdamW (FULL_SHARD): unit %d of the model's shard is not rank %d of "
+                             "%d's piece", g, rank, world);
+    }
+    int n = o->n_tensors;
+    int *edge = calloc((size_t)lay->n_groups * ((size_t)world + 1) + 1, sizeof *edge);
+    o->p8_s = calloc((size_t)n + 1, sizeof *o->p8_s);
+    o->p8_slot = calloc(2 * (size_t)n + 1, sizeof *o->p8_slot);
+    fl_status s = edge && o->p8_s && o->p8_slot ? FL_OK : fl_errorf(FL_ERR_OOM, "8-bit optimizer bookkeeping: out of "
+                                                                    "host memory");
+    if (s == FL_OK) o->n_slots = world > 1 ? fl_optim_8bit_fsdp_slots(lay, world, edge) : 0;
+    for (int i = 0; s == FL_OK && i < n; i++) {
+        fl_optim_8bit_fsdp_piece(lay, i, world, rank, &o->p8_a[i], &o->p8_n[i], &o->p8_s[i]);
+        o->state8_bytes += fl_adam8bit_piece_bytes(o->t_n[i], o->p8_a[i], o->p8_n[i]);
+        /* a cut first block's part starts inside it (rank's edge) or ends inside it (the next rank's) */
+        const size_t B = FL_ADAM8BIT_BLOCK, a = o->p8_a[i], e = a + o->p8_n[i];
+        const int *es = edge ? edge + (size_t)lay->params[i].group * ((size_t)world + 1) : NULL;
+        o->p8_slot[2 * i] = a % B ? es[rank] : es[rank + 1];
+        o->p8_slot[2 * i + 1] = e % B ? es[rank + 1] : -1;
+    }
+    free(edge);
+    if (s == FL_OK) s = fl_backend_calloc(model->be, model->pool, FL_TAG_OPTIM, o->state8_bytes, &o->state8);
+    size_t off = 0;
+    for (int i = 0; s == FL_OK && i < n; i++) {
+        bind_piece(&o->st8[i], o->t_n[i], o->p8_a[i], o->p8_n[i], (char *)o->state8 + off);
+        off += fl_adam8bit_piece_bytes(o->t_n[i], o->p8_a[i], o->p8_n[i]);
+    }
+    o->x8_bytes = x8_bytes(o->n_slots);
+    if (s == FL_OK && o->x8_bytes) s = fl_backend_calloc(model->be, model->pool, FL_TAG_OPTIM, o->x8_bytes, &o->x8);
+    return s;
+}
+
 fl_status fl_optim_init_shard(fl_optimizer *o, fl_model *model, const fl_optim_config *cfg, int world, int rank) {
     memset(o, 0, sizeof *o);
     if (world < 1 || rank < 0 || rank >= world)
@@ -120,7 +407,8 @@ fl_status fl_optim_init_shard(fl_optimizer *o, fl_model *model, const fl_optim_c
     o->use_loss_scale = model->prec.loss_scaling;
     fl_loss_scale_init(&o->ls);
     fl_status s = trainable(o, model);
-    if (s == FL_OK) fl_comm_chunk(o->n, world, rank, &o->s_off, &o->s_len);
+    const int sharded = model->pp && !model->lora; /* FULL_SHARD: the whole shard is this rank's */
+    if (s == FL_OK) fl_comm_chunk(o->n, sharded ? 1 : world, sharded ? 0 : rank, &o->s_off, &o->s_len);
     /* the backend must implement the update for these dtypes: found here, not at the first step */
     if (s == FL_OK) {
         const fl_backend *be = model->be;
@@ -144,13 +432,15 @@ fl_status fl_optim_init_shard(fl_optimizer *o, fl_model *model, const fl_optim_c
         o->p8_a = calloc((size_t)o->n_tensors + 1, sizeof *o->p8_a);
         o->p8_n = calloc((size_t)o->n_tensors + 1, sizeof *o->p8_n);
         if (!o->st8 || !o->p8_a || !o->p8_n) s = fl_errorf(FL_ERR_OOM, "8-bit optimizer bookkeeping: out of host memory");
-        for (int i = 0; s == FL_OK && i < o->n_tensors; i++) {
+        if (s == FL_OK && sharded) s = fsdp8_init(o, model, world, rank);
+        for (int i = 0; s == FL_OK && !sharded && i < o->n_tensors; i++) {
             fl_optim_8bit_piece(o->n, o->t_off[i], o->t_n[i], world, rank, &o->p8_a[i], &o->p8_n[i]);
             o->state8_bytes += fl_adam8bit_state_bytes_ex(o->p8_n[i], fl_adam8bit_is_8bit(o->t_n[i]));
         }
-        if (s == FL_OK) s = fl_backend_calloc(model->be, model->pool, FL_TAG_OPTIM, o->state8_bytes, &o->state8);
+        if (s == FL_OK && !sharded)
+            s = fl_backend_calloc(model->be, model->pool, FL_TAG_OPTIM, o->state8_bytes, &o->state8);
         size_t off = 0;
-        for (int i = 0; s == FL_OK && i < o->n_tensors; i++) {
+        for (int i = 0; s == FL_OK && !sharded && i < o->n_tensors; i++) {
             int e8 = fl_adam8bit_is_8bit(o->t_n[i]);
             s = fl_adam8bit_state_bind_ex(&o->st8[i], o->p8_n[i], e8, (char *)o->state8 + off);
             off += fl_adam8bit_state_bytes_ex(o->p8_n[i], e8);
@@ -169,6 +459,9 @@ void fl_optim_free(fl_optimizer *o) {
     fl_mem_free(o->model->pool, o->v);
     fl_mem_free(o->model->pool, o->buf);
     fl_mem_free(o->model->pool, o->state8);
+    fl_mem_free(o->model->pool, o->x8);
+    free(o->p8_s);
+    free(o->p8_slot);
     free(o->st8);
     free(o->p8_a);
     free(o->p8_n);
@@ -281,6 +574,8 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
     } else if (c->kind == FL_OPT_SGD) {
         FL_TRY(be->sgd_update_ex(be, p, o->pt, g, o->gt, o->buf, c->state_dtype, n, lr, c->momentum,
                                  c->dampening, c->weight_decay, c->nesterov, o->step == 1, scale));
+    } else if (o->p8_s) { /* FULL_SHARD: pieces of units, blocks cut by rank edges (above) */
+        FL_TRY(fsdp8_step(o, lr, scale));
     } else {
         /* block-wise state is per tensor, as bitsandbytes keeps it per parameter */
         for (int i = 0; i < o->n_tensors; i++) {

@@ -166,8 +166,8 @@ fl_status fl_shard_set_from_optim(fl_shard_set *s, const fl_model *m, const fl_o
 fl_status fl_shard_set_from_fsdp(fl_shard_set *s, const fl_dp *dp, const fl_model *m, const fl_optimizer *o) {
     memset(s, 0, sizeof *s);
     const int G = m->layout.n_groups;
-    if (m->lora || o->state8 || o->s_off != 0 || o->s_len != o->n)
-        return fl_errorf(FL_ERR_INTERNAL, "sharded checkpoint under FULL_SHARD: full-model AdamW or SGD on the shard only");
+    if (m->lora || (o->state8 && !o->p8_s) || o->s_off != 0 || o->s_len != o->n)
+        return fl_errorf(FL_ERR_INTERNAL, "sharded checkpoint under FULL_SHARD: full-model training on the shard only");
     size_t *foff = calloc((size_t)G + 1, sizeof *foff), *loc = calloc((size_t)G + 1, sizeof *loc),
            *len = calloc((size_t)G + 1, sizeof *len);
     fl_shard_piece *pc = calloc((size_t)G + 1, sizeof *pc);
@@ -189,6 +189,38 @@ fl_status fl_shard_set_from_fsdp(fl_shard_set *s, const fl_dp *dp, const fl_mode
         for (int g = 0; g < G; g++)
             if (len[g]) pc[np++] = (fl_shard_piece){foff[g], len[g], (char *)bufs[k] + loc[g] * es};
         st = fl_shard_set_add_pieces(s, names[k], dts[k], s->split_n, 0, 1, pc, np);
+    }
+    /* 8-bit AdamW: per tensor, as fl_shard_set_from_optim names them (any strategy resumes them):
+     * this rank's piece [a, a + len) of the codes (fp32 m, v), the scales of the blocks it meets
+     * (held), of those starting in it (owned: a cut block is written once, by its first element's
+     * rank) */
+    for (int i = 0; st == FL_OK && o->state8 && i < o->n_tensors; i++) {
+        const fl_adam8bit_state *a = &o->st8[i];
+        const size_t tn = o->t_n[i], to = o->t_off[i], p0 = o->p8_a[i], pn = o->p8_n[i], B = FL_ADAM8BIT_BLOCK;
+        char nm[FL_SHARD_NAME_MAX];
+        const char *tname = m->layout.params[i].name;
+#define ADD(suffix, dt, cnt, gran, ptr, h0, hn)                                                      \
+    do {                                                                                             \
+        snprintf(nm, sizeof nm, "optimizer.state8.%s.%s", tname, suffix);                            \
+        if (st == FL_OK) st = fl_shard_set_add(s, nm, dt, cnt, to, gran, ptr, h0, hn);               \
+    } while (0)
+        if (fl_adam8bit_is_8bit(tn)) {
+            const size_t nb = ceil_div(tn, B), b0 = p0 / B, k0 = ceil_div(p0, B), k1 = ceil_div(p0 + pn, B);
+            ADD("q_m", FL_U8, tn, 1, a->q_m, p0, pn);
+            ADD("q_v", FL_U8, tn, 1, a->q_v, p0, pn);
+            for (int k = 0; k < 2 && st == FL_OK; k++) {
+                ADD(k ? "absmax_v" : "absmax_m", FL_F32, nb, B, k ? a->absmax_v : a->absmax_m, b0, pn ? a->n_blocks : 0);
+                if (st != FL_OK) break;
+                fl_shard_buf *b = &s->b[s->n - 1];
+                b->own_sub = 1;
+                b->own_k0 = pn ? k0 : b0;
+                b->own_n = pn && k1 > k0 ? k1 - k0 : 0;
+            }
+        } else {
+            ADD("m", FL_F32, tn, 1, a->m, p0, pn);
+            ADD("v", FL_F32, tn, 1, a->v, p0, pn);
+        }
+#undef ADD
     }
     free(foff), free(loc), free(len), free(pc);
     if (st != FL_OK) fl_shard_set_free(s);
@@ -212,6 +244,14 @@ static const char *meta(const fl_st_file *f, const char *key) {
 static fl_status owned_pieces(const fl_shard_set *set, const fl_shard_buf *b, int world, int rank, const char *path,
                               fl_shard_piece *pc, int *n) {
     *n = 0;
+    if (set->own_held && b->own_sub) {
+        if (b->npc != 1 || b->own_k0 < b->pc[0].k0 || b->own_k0 + b->own_n > b->pc[0].k0 + b->pc[0].n)
+            return fl_errorf(FL_ERR_INTERNAL, "%s: buffer %s: owned range outside the held one", path, b->name);
+        if (b->own_n)
+            pc[(*n)++] = (fl_shard_piece){b->own_k0, b->own_n,
+                                          (char *)b->pc[0].data + (b->own_k0 - b->pc[0].k0) * fl_dtype_size(b->dtype)};
+        return FL_OK;
+    }
     if (set->own_held) {
         for (int i = 0; i < b->npc; i++)
             if (b->pc[i].n) pc[(*n)++] = b->pc[i];

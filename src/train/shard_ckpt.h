@@ -57,6 +57,11 @@ typedef struct {
     size_t base, gran;            /* element k <-> split element base + k * gran */
     fl_shard_piece *pc;           /* held pieces, ascending and disjoint (malloc'd) */
     int npc;
+    /* own_held only: own_sub 1 = the rank owns [own_k0, own_k0 + own_n) of its one held piece, not all
+     * of it (FULL_SHARD 8-bit AdamW's scales: a block cut by a rank edge is held by both ranks and
+     * owned by the one holding its first element) */
+    int own_sub;
+    size_t own_k0, own_n;
 } fl_shard_buf;
 
 typedef struct {
@@ -80,7 +85,9 @@ void fl_shard_owned(const fl_shard_buf *b, size_t split_n, int world, int rank, 
  * [s_off, s_off + s_len), or 8-bit AdamW's pieces per tensor). Full-model training only. */
 fl_status fl_shard_set_from_optim(fl_shard_set *s, const fl_model *m, const fl_optimizer *o);
 /* ZeRO-3 / FULL_SHARD (dp->fsdp): "params" and the optimizer state (AdamW m, v or SGD momentum;
- * o runs on the shard) held as this rank's per-unit pieces (fl_fsdp_ranges), own_held. */
+ * o runs on the shard) held as this rank's per-unit pieces (fl_fsdp_ranges), own_held; 8-bit AdamW:
+ * its piece of every tensor's codes (fp32 m, v) and the scales of the blocks the piece meets, owning
+ * those whose first element is its. */
 fl_status fl_shard_set_from_fsdp(fl_shard_set *s, const fl_dp *dp, const fl_model *m, const fl_optimizer *o);
 /* The layout fingerprint (FNV-1a over every entry's name, shape and offset, and the element count):
  * shards of another model or layout are refused. */

@@ -35,6 +35,7 @@ const char *fl_dp_stage_name(const fl_dp *dp) {
 }
 
 static fl_status dist_sum(void *ud, double *v, int n) { return fl_dp_sum(ud, v, n); }
+static fl_status dist_max(void *ud, float *v, size_t n) { return fl_dp_max(ud, v, n); }
 
 /* 16-bit storage travels as BF16 words: an all-gather copies, it never adds */
 static fl_dtype word_type(fl_dtype t) { return fl_dtype_size(t) == 4 ? FL_F32 : FL_BF16; }
@@ -54,9 +55,10 @@ fl_status fl_dp_optim_init(fl_dp *dp, const fl_run_config *cfg, fl_optimizer *o,
     /* FULL_SHARD of LoRA: the frozen base stays whole on every rank and the adapters (the trainable
      * parameters) train as under ZeRO-2 (fl_fsdp_prepare shards full-model runs only) */
     if (dp->stage == 3 && !dp->fsdp) dp->stage = 2;
-    dp->dist = (fl_optim_dist){dp->world, dp->rank, dp->stage, dp, dist_sum, dist_gather};
-    /* ZeRO-3: the optimizer runs on this rank's shard (m->pp) as on a whole buffer */
-    if (dp->stage == 1 || dp->stage == 2) FL_TRY(fl_optim_init_shard(o, m, &cfg->optimizer, dp->world, dp->rank));
+    dp->dist = (fl_optim_dist){dp->world, dp->rank, dp->stage, dp, dist_sum, dist_gather, dist_max};
+    /* ZeRO-3: the optimizer runs on this rank's shard (m->pp) as on a whole buffer (8-bit AdamW: its
+     * pieces of the tensors, placed by world and rank) */
+    if (dp->stage >= 1) FL_TRY(fl_optim_init_shard(o, m, &cfg->optimizer, dp->world, dp->rank));
     else FL_TRY(fl_optim_init(o, m, &cfg->optimizer));
     if (dp->stage == 2 && o->cfg.kind == FL_OPT_ADAMW8BIT && o->n / (size_t)dp->world < FL_OPTIM_8BIT_HALO) {
         size_t n = o->n;

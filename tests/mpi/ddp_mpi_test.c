@@ -253,15 +253,16 @@ static void accum1_memory(fl_comm *c, const char *tmp) {
     CHECK(fl_comm_barrier(c) == FL_OK, "barrier");
 }
 
-/* FULL_SHARD over MPI (2 ranks: tests/mpi_test.sh): AdamW with clipping against one process (the
- * derived bounds), the threads twin's bits, every rank ending with the same parameters, and each
- * rank's memory equal to the plan for it with every peak (the reduce-scatters' MPI scratch included). */
-static void fsdp_scenario(fl_comm *c, const char *tmp) {
+/* FULL_SHARD over MPI (2 ranks: tests/mpi_test.sh): AdamW with clipping (and 8-bit AdamW with
+ * clipping: its cut blocks' scales exchanged over MPI) against one process (the derived bounds), the
+ * threads twin's bits, every rank ending with the same parameters, and each rank's memory equal to
+ * the plan for it with every peak (the reduce-scatters' MPI scratch included). */
+static void fsdp_scenario(fl_comm *c, const char *tmp, int sc) {
     int n = fl_comm_size(c);
     char out[600];
     fl_run_config cfg;
-    snprintf(out, sizeof out, "%s/fsdp-mpi", tmp);
-    zr_config(&cfg, ZR_ADAMW, n, n, 1, "fsdp", NULL, out);
+    snprintf(out, sizeof out, "%s/fsdp-mpi%d", tmp, sc);
+    zr_config(&cfg, sc, n, n, 1, "fsdp", NULL, out);
     zr_rec rec = {0};
     fl_trainer_result res;
     fl_status s = fl_trainer_run_comm(&cfg, c, NULL, 0, zr_record, &rec, &res);
@@ -281,20 +282,20 @@ static void fsdp_scenario(fl_comm *c, const char *tmp) {
     if (s == FL_OK && g_rank == 0) {
         fl_run_config rc;
         zr_rec ref = {0}, ctl = {0};
-        snprintf(out, sizeof out, "%s/fsdp-ref", tmp);
-        zr_config(&rc, ZR_ADAMW, n, 1, 1, "auto", NULL, out);
+        snprintf(out, sizeof out, "%s/fsdp-ref%d", tmp, sc);
+        zr_config(&rc, sc, n, 1, 1, "auto", NULL, out);
         CHECK(fl_trainer_run(&rc, NULL, 0, zr_record, &ref, NULL) == FL_OK, "ref: %s", fl_error_message());
-        snprintf(out, sizeof out, "%s/fsdp-ctl", tmp);
-        zr_config(&rc, ZR_ADAMW, n, 1, n, "auto", NULL, out);
+        snprintf(out, sizeof out, "%s/fsdp-ctl%d", tmp, sc);
+        zr_config(&rc, sc, n, 1, n, "auto", NULL, out);
         CHECK(fl_trainer_run(&rc, NULL, 0, zr_record, &ctl, NULL) == FL_OK, "control: %s", fl_error_message());
         char why[1024];
         int bad = zr_compare_one_process(&rec, &ref, &ctl, &cfg, why, sizeof why);
         CHECK(bad == 0, "FULL_SHARD at %d ranks vs one process: %s", n, why);
-        if (!bad) printf("  %s FULL_SHARD at %d ranks vs one process: %s\n", zr_names[ZR_ADAMW], n, why);
+        if (!bad) printf("  %s FULL_SHARD at %d ranks vs one process: %s\n", zr_names[sc], n, why);
         ztjob *j = calloc(1, sizeof *j);
         if (j && n <= 8) {
-            snprintf(out, sizeof out, "%s/fsdp-threads", tmp);
-            zr_config(&j->cfg, ZR_ADAMW, n, n, 1, "fsdp", NULL, out);
+            snprintf(out, sizeof out, "%s/fsdp-threads%d", tmp, sc);
+            zr_config(&j->cfg, sc, n, n, 1, "fsdp", NULL, out);
             fl_status ts = fl_comm_threads_run(n, ztrank, j);
             CHECK(ts == FL_OK, "threads: %s", fl_error_message());
             if (ts == FL_OK) CHECK(zr_same(&j->rec[0], &rec), "FULL_SHARD over MPI and over threads differ in bits");
@@ -326,7 +327,8 @@ int main(int argc, char **argv) {
         for (int sc = 0; sc < DR_COUNT; sc++) scenario(c, tmp, sc);
     for (int sc = 0; sc < ZR_COUNT; sc++) zero_scenario(c, tmp, sc);
     accum1_memory(c, tmp);
-    if (n == 2) fsdp_scenario(c, tmp);
+    if (n == 2) fsdp_scenario(c, tmp, ZR_ADAMW);
+    if (n == 2) fsdp_scenario(c, tmp, ZR_ADAMW8);
     float f = (float)g_fails, fmax = 0, chk = (float)g_checks, csum = 0;
     if (fl_comm_all_reduce(c, &f, &fmax, 1, FL_F32, FL_COMM_MAX) != FL_OK ||
         fl_comm_all_reduce(c, &chk, &csum, 1, FL_F32, FL_COMM_SUM) != FL_OK) {

@@ -228,7 +228,8 @@ fl_status fl_cpu_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp, con
         float s1[FL_ADAM8BIT_BLOCK], s2[FL_ADAM8BIT_BLOCK];
         unsigned char ok[FL_ADAM8BIT_BLOCK];
         float am = st->absmax_m[b], av = st->absmax_v[b];
-        float nm1 = -3.40282347e+38f, nm2 = -3.40282347e+38f;
+        /* from -FLT_MAX as the kernel; FULL_SHARD: from the whole block's max (fl_adam8bit_state) */
+        float nm1 = st->floor_m ? st->floor_m[b] : -3.40282347e+38f, nm2 = st->floor_v ? st->floor_v[b] : -3.40282347e+38f;
         for (int j = 0; j < cnt; j++) {
             float graw = load_f(g, tg, i0 + j);
             ok[j] = isfinite(graw) ? 1 : 0;

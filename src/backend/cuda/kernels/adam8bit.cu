@@ -164,6 +164,7 @@ extern "C" int FL_CUK(adam8bit_update)(void *p, fl_dtype tp, const void *g, fl_d
     k.beta2 = beta2;
     k.grad_scale = grad_scale;
     k.decay_on = weight_decay > 0.0f;
+    if (st->floor_m || st->floor_v) return -1; /* FULL_SHARD's absmax floor: host memory only (fitllm/adam8bit.h) */
     if (!fl_adam8bit_is_8bit(n)) {
         if (!st->m || !st->v) return -1;
         size_t blocks = (n + 255) / 256;
