@@ -106,6 +106,9 @@ typedef struct {
      * shard (fl_step_hook), 1 the whole parameters, gathered unit by unit for it (a collective and a
      * whole host copy on every rank each step: tests) */
     int hook_whole_params;
+    /* library callers (no option): fp16 loss scaling's initial scale (0: 65536, GradScaler's default;
+     * a resumed run takes its checkpoint's); tests force an overflow with a huge one */
+    float loss_scale_init;
 } fl_run_config;
 
 /* Defaults of the command (LitGPT's setup() defaults). */

@@ -577,9 +577,7 @@ fl_status fl_cfg_check_strategy(const char *s) {
  * (src/train/fsdp.c) and fl_dp_check (device memory):
  * tests/test_config.c checks that auto never picks FULL_SHARD where an explicit fsdp is refused. */
 static const char *full_shard_refusal(const fl_run_config *c, int device_comm) {
-    fl_precision p;
     if (c->optimizer.kind == FL_OPT_ADAMW8BIT) return "AdamW8bit";
-    if (fl_precision_find(c->precision, &p) == FL_OK && p.param_dtype == FL_F16) return "16-true";
     if (device_comm) return "device memory (a GPU communicator)";
     return NULL;
 }

@@ -161,7 +161,7 @@ static void zero_scenario(fl_comm *c, const char *tmp, int sc) {
     for (int k = 1; k < 3; k++) {
         CHECK(zr_same(&rec[k], &rec[0]), "%s: ZeRO-%d over MPI differs in bits from DDP over MPI", zr_names[sc], k);
         char why[2048];
-        size_t nel = rec[0].nbytes / (sc == ZR_BF16 ? 2 : 4);
+        size_t nel = rec[0].nbytes / fl_dtype_size(zr_store_dtype(&cfg[0]));
         int bad = zr_check_memory(&cfg[k], g_rank, n, &res[k], res[0].peak[FL_TAG_OPTIM], nel, 1, why, sizeof why);
         CHECK(bad == 0, "%s ZeRO-%d: %s", zr_names[sc], k, why);
     }
