@@ -77,8 +77,13 @@ static void scenario(int sc, int world) {
         FL_CHECKF(bad == 0, "%s ZeRO-%d at %d ranks vs one process: %s", zr_names[sc], k + 1, world, why);
         if (getenv("FL_TEST_VERBOSE")) printf("    %s ZeRO-%d at %d ranks: %s\n", zr_names[sc], k + 1, world, why);
     }
-    /* 3. memory of every rank */
+    /* 3. memory of every rank (DDP: the plan's for that rank) */
     size_t n = ddp->rec[0].nbytes / fl_dtype_size(zr_store_dtype(&ddp->cfg));
+    for (int r = 0; r < world; r++) {
+        char why[2048] = "";
+        int bad = zr_check_plan(&ddp->cfg, r, &ddp->res[r], 0, why, sizeof why, 0);
+        FL_CHECKF(bad == 0, "%s DDP at %d ranks: %s", zr_names[sc], world, why);
+    }
     for (int k = 0; k < 2; k++)
         for (int r = 0; r < world; r++) {
             char why[2048];
