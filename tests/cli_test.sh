@@ -190,6 +190,7 @@ expect plan_auto_full_fsdp_mem 0 "FSDP FULL_SHARD \(ZeRO-3\) over 2 ranks" -- "$
 expect plan_auto_lora_ddp 0 "strategy auto: DDP over the adapters" -- "$FITLLM" plan tinyllama-1.1b --lora --devices 2
 expect plan_auto_lora_ddp_mem 0 "data parallel \(DDP\) over 2 ranks" -- "$FITLLM" plan tinyllama-1.1b --lora --devices 2
 expect plan_auto_8bit_fsdp 0 "strategy auto: fsdp FULL_SHARD, as LitGPT's finetune_full" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --optimizer bnb.optim.AdamW8bit
+expect plan_auto_16true_fsdp 0 "strategy auto: fsdp FULL_SHARD, as LitGPT's finetune_full" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --precision 16-true
 expect plan_strategy_fsdp 0 "FSDP FULL_SHARD \(ZeRO-3\) over 2 ranks: rank 1's memory" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy fsdp --rank 1
 expect plan_fsdp_8bit 0 "FSDP FULL_SHARD \(ZeRO-3\) over 2 ranks" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy deepspeed_stage_3 --optimizer bnb.optim.AdamW8bit
 expect plan_hybrid_not_yet 2 "fsdp.sharding_strategy 'HYBRID_SHARD' is not implemented yet \(issue #14" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD

@@ -7,7 +7,9 @@
  *   - float64 with a derived bound: a sequential fp32 sum of N terms is within
  *     gamma_{N-1} * sum|x| of the exact sum (gamma_k = k u / (1 - k u), u = 2^-24; Higham 4.2),
  *     one more operation for AVG's division (gamma_N * sum|x| / N), and BF16's final rounding
- *     adds at most 2^-8 of the magnitude (8-bit significand, round to nearest); MAX is exact.
+ *     adds at most 2^-8 of the magnitude (8-bit significand, round to nearest), F16's at most
+ *     2^-11 of it (11-bit significand) or 2^-25 absolute (half of fp16's subnormal spacing 2^-24,
+ *     for results below 2^-14); MAX is exact.
  * Header-only (static functions): include it in one translation unit per program. */
 #ifndef FL_TEST_COMM_REF_H
 #define FL_TEST_COMM_REF_H
@@ -37,8 +39,9 @@ static inline unsigned long long cr_mix(unsigned long long z) {
     return z ^ (z >> 31);
 }
 
-/* Rank r's input for case cs: count elements of cs->dt, uniform in [-1, 1) (BF16: rounded), with
- * a spread of magnitudes (some elements scaled by 2^-10 .. 2^10) so sums round non-trivially. */
+/* Rank r's input for case cs: count elements of cs->dt, uniform in [-1, 1) (BF16, F16: rounded),
+ * with a spread of magnitudes (some elements scaled by 2^-10 .. 2^10) so sums round non-trivially
+ * (F16: some land in fp16's subnormal range below 2^-14). */
 static inline void cr_input(const cr_case *cs, int r, void *out) {
     unsigned long long s = cr_mix(((unsigned long long)cs->kind << 56) ^ ((unsigned long long)cs->dt << 48) ^
                                   ((unsigned long long)cs->op << 40) ^ ((unsigned long long)r << 32) ^ cs->count);
@@ -48,12 +51,15 @@ static inline void cr_input(const cr_case *cs, int r, void *out) {
         int e = (int)((s >> 3) % 21) - 10;
         if ((s & 7) == 0) v = ldexpf(v, e);
         if (cs->dt == FL_F32) ((float *)out)[i] = v;
+        else if (cs->dt == FL_F16) ((uint16_t *)out)[i] = fl_f32_to_f16(v);
         else ((uint16_t *)out)[i] = fl_f32_to_bf16(v);
     }
 }
 
 static inline double cr_get(fl_dtype dt, const void *p, size_t i) {
-    return dt == FL_F32 ? (double)((const float *)p)[i] : (double)fl_bf16_to_f32(((const uint16_t *)p)[i]);
+    if (dt == FL_F32) return (double)((const float *)p)[i];
+    if (dt == FL_F16) return (double)fl_f16_to_f32(((const uint16_t *)p)[i]);
+    return (double)fl_bf16_to_f32(((const uint16_t *)p)[i]);
 }
 
 /* The specification of reduced element i over n ranks, as the dtype's bits (in a uint32). */
@@ -67,13 +73,14 @@ static inline uint32_t cr_spec_elem(fl_dtype dt, fl_comm_op op, int n, const voi
     }
     if (op == FL_COMM_AVG) a = a / (float)n;
     if (dt == FL_BF16) return fl_f32_to_bf16(a);
+    if (dt == FL_F16) return fl_f32_to_f16(a);
     uint32_t u;
     memcpy(&u, &a, 4);
     return u;
 }
 
 static inline uint32_t cr_bits(fl_dtype dt, const void *p, size_t i) {
-    if (dt == FL_BF16) return ((const uint16_t *)p)[i];
+    if (dt == FL_BF16 || dt == FL_F16) return ((const uint16_t *)p)[i];
     uint32_t u;
     memcpy(&u, (const float *)p + i, 4);
     return u;
@@ -84,7 +91,7 @@ static inline uint32_t cr_bits(fl_dtype dt, const void *p, size_t i) {
  * with `label`). *worst gets the largest |err| / bound seen (0 when all exact). */
 static inline int cr_check_reduce(const char *label, fl_dtype dt, fl_comm_op op, int n, const void *const *in, size_t off,
                            size_t len, const void *got, double *worst) {
-    const double u = ldexp(1.0, -24), ub = ldexp(1.0, -8);
+    const double u = ldexp(1.0, -24), ub = ldexp(1.0, -8), uh = ldexp(1.0, -11), uh_sub = ldexp(1.0, -25);
     int fails = 0;
     for (size_t j = 0; j < len; j++) {
         size_t i = off + j;
@@ -105,6 +112,7 @@ static inline int cr_check_reduce(const char *label, fl_dtype dt, fl_comm_op op,
             ref = op == FL_COMM_AVG ? sum / n : sum;
             bound = gamma * asum / (op == FL_COMM_AVG ? n : 1);
             if (dt == FL_BF16) bound += ub * (fabs(ref) + bound);
+            if (dt == FL_F16) bound += uh * (fabs(ref) + bound) + uh_sub;
         }
         double err = fabs(g - ref);
         if (worst && bound > 0 && err / bound > *worst) *worst = err / bound;
@@ -228,7 +236,7 @@ static inline int cr_cases(int n, cr_case *cases) {
     size_t counts[] = {0, 1, 2, 3, (size_t)(n > 1 ? n - 1 : 1), (size_t)n, (size_t)n + 1, 7, 1000, 4099};
     int k = 0;
     for (size_t ci = 0; ci < sizeof counts / sizeof counts[0]; ci++)
-        for (int dt = 0; dt < 2; dt++)
+        for (int dt = 0; dt < 3; dt++)
             for (int kind = 0; kind < FL_COLL_BARRIER; kind++)
                 for (int ip = 0; ip < 2; ip++) {
                     int nops = kind <= FL_COLL_REDUCE_SCATTER ? FL_COMM_OP_COUNT : 1;
@@ -237,7 +245,8 @@ static inline int cr_cases(int n, cr_case *cases) {
                     for (int op = 0; op < nops; op++)
                         for (int root = 0; root < nroots; root++) {
                             if (cases)
-                                cases[k] = (cr_case){(fl_coll_kind)kind, counts[ci], dt ? FL_BF16 : FL_F32,
+                                cases[k] = (cr_case){(fl_coll_kind)kind, counts[ci],
+                                                     dt == 2 ? FL_F16 : dt ? FL_BF16 : FL_F32,
                                                      (fl_comm_op)op, kind == FL_COLL_BROADCAST ? (n - 1 - root) : 0, ip};
                             k++;
                         }

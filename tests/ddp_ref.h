@@ -37,6 +37,19 @@
  *     contracts the difference). That bound is weak on purpose: it is derived, not fitted; for
  *     AdamW the strong check is the loss at every step (1e-6 relative), and SGD (update lr x g,
  *     no normalization) keeps the tight parameter bound with no addition.
+ * 16-bit gradients (bf16-true, 16-true; applied in tests/zero_ref.h): every stored partial sum is
+ * rounded to the 16-bit dtype (unit roundoff u = 2^-8 bf16, 2^-11 fp16; the fp32 roundings inside a
+ * micro-batch are 2^13 times smaller or more). A contribution's error grows with the roundings on
+ * its path to the step's gradient, at most gamma_d sum|c| for the longest path d. One process with
+ * accumulation K = N a rounds once per micro-batch (d = K); the control (micro N b, accumulation a)
+ * d = a; DDP, ZeRO and FULL_SHARD a on the rank (FULL_SHARD: the unit's gradient, reduced, then one
+ * add per later micro-batch) plus ONE MORE: the reduction's rounding of the rank sum (fl_comm sums
+ * in fp32 and rounds once), d = a + 1. The worst-case distance DDP-ref is then (K + a + 1) u sum|c|
+ * against the control pair's (K + a) u sum|c|, of which D (and the control's loss noise) is the
+ * measured realisation: the 16-bit bounds scale both by dr_round16_factor = (K + a + 1) / (K + a)
+ * (7/6 at 2 ranks x accumulation 2). Under 16-true a loss-scale skip decided differently (an
+ * overflow seen by some ranks only, or before the reduction) would move parameters by a whole
+ * update, far beyond any of these bounds.
  * The data split of 51 samples in micro-batches of 2 gives 26 micro-batches per epoch, the last
  * of one sample: no world size divides it, epochs wrap inside steps, and one rank gets the short
  * micro-batch. */
@@ -152,6 +165,10 @@ static double dr_floor(const fl_run_config *c) {
     }
     return sum;
 }
+
+/* The 16-bit reduction's factor on the noise terms (above): K micro-batches per step in one
+ * process, a per rank. */
+static inline double dr_round16_factor(long K, long a) { return (double)(K + a + 1) / (double)(K + a); }
 
 /* The checks above, dctl = D of the control pair; writes the findings (or the figures when all
  * pass) to `why`. Returns the number of failures. */

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The MPI implementation of fl_comm and DDP / ZeRO training under mpirun (run by `make test` and ctest):
-#   - DDP training at 2 and 4 ranks, ZeRO-1/2 at 2, 3 and 4 and FULL_SHARD (AdamW, 8-bit AdamW) at 2 against one process
+#   - DDP training at 2 and 4 ranks, ZeRO-1/2 at 2, 3 and 4 (16-true at 2) and FULL_SHARD (AdamW, 8-bit AdamW) at 2
+#     against one process
 #     (tests/mpi/ddp_mpi_test.c), the CLI under mpirun (rank 0 reports and writes; its checkpoint
 #     resumes in one process; ZeRO's checkpoints equal DDP's; --devices mismatch), and started
 #     without a launcher (it runs mpirun itself: the same bits, root and oversubscription handled);

@@ -148,6 +148,34 @@ FL_TEST(comm_bf16_rounded_once) {
         FL_CHECKF(fl_bf16_to_f32(x.out[r][0]) == 1.0f + ldexpf(1.0f, -7), "rank %d: %.9g", r, fl_bf16_to_f32(x.out[r][0]));
 }
 
+/* F16 likewise: 1 + 3 x 2^-12 rounds to 1 + 2^-10 (fp16's ulp at 1 is 2^-10; 3 x 2^-12 is more than
+ * half of it, each 2^-12 a quarter). And a sum of finite fp16 values beyond fp16's range is +-inf
+ * after the one rounding (the loss scaler's overflow check on the reduced gradients must see it):
+ * 40000 + 40000; 65504 + 16 = 65520, the tie between 65504 (odd significand) and 2^16, rounds to
+ * even, i.e. overflows; 65504 + 15 rounds back to 65504; -40000 x 2 is -inf. MAX keeps an fp16 NaN. */
+typedef struct { uint16_t out[4][6]; } f16_ctx;
+static fl_status f16_rank(fl_comm *c, int rank, void *p) {
+    f16_ctx *x = p;
+    float v[6] = {rank == 0 ? 1.0f : ldexpf(1.0f, -12), rank < 2 ? 40000.0f : 0.0f, rank == 0 ? 65504.0f : rank == 1 ? 16.0f : 0.0f,
+                  rank == 0 ? 65504.0f : rank == 1 ? 15.0f : 0.0f, rank < 2 ? -40000.0f : 0.0f, rank == 3 ? NAN : (float)rank};
+    uint16_t h[6];
+    for (int i = 0; i < 6; i++) h[i] = fl_f32_to_f16(v[i]);
+    FL_TRY(fl_comm_all_reduce(c, h, x->out[rank], 5, FL_F16, FL_COMM_SUM));
+    return fl_comm_all_reduce(c, h + 5, x->out[rank] + 5, 1, FL_F16, FL_COMM_MAX);
+}
+FL_TEST(comm_f16_rounded_once_and_overflows) {
+    f16_ctx x;
+    FL_REQUIRE_OK(fl_comm_threads_run(4, f16_rank, &x));
+    for (int r = 0; r < 4; r++) {
+        const uint16_t *o = x.out[r];
+        FL_CHECKF(fl_f16_to_f32(o[0]) == 1.0f + ldexpf(1.0f, -10), "rank %d: %.9g", r, fl_f16_to_f32(o[0]));
+        FL_CHECKF(o[1] == 0x7c00 && o[2] == 0x7c00 && o[4] == 0xfc00, "rank %d: %04x %04x %04x (want +inf +inf -inf)", r,
+                  o[1], o[2], o[4]);
+        FL_CHECKF(fl_f16_to_f32(o[3]) == 65504.0f, "rank %d: %.9g", r, fl_f16_to_f32(o[3]));
+        FL_CHECKF(isnan(fl_f16_to_f32(o[5])), "rank %d: MAX %04x", r, o[5]);
+    }
+}
+
 /* MAX keeps a NaN (an overflow check must see it) and +-inf. */
 typedef struct { float out[3][4]; } nan_ctx;
 static fl_status nan_rank(fl_comm *c, int rank, void *p) {
@@ -326,8 +354,8 @@ FL_TEST(comm_bad_arguments) {
     FL_REQUIRE_OK(fl_comm_threads_create(2, 5, c));
     float a[8] = {0}, b[8];
     fl_comm_req *r = (fl_comm_req *)1;
-    FL_CHECK(fl_comm_iall_reduce(c[1], a, b, 8, FL_F16, FL_COMM_SUM, &r) == FL_ERR_UNSUPPORTED);
-    FL_CHECKF(strstr(fl_error_message(), "rank 1 of 2: all_reduce(count 8, ?, sum): dtype F16"), "'%s'", fl_error_message());
+    FL_CHECK(fl_comm_iall_reduce(c[1], a, b, 2, FL_F64, FL_COMM_SUM, &r) == FL_ERR_UNSUPPORTED);
+    FL_CHECKF(strstr(fl_error_message(), "rank 1 of 2: all_reduce(count 2, ?, sum): dtype F64"), "'%s'", fl_error_message());
     FL_CHECK(r == NULL);
     FL_CHECK(fl_comm_all_reduce(c[0], a, a + 1, 4, FL_F32, FL_COMM_SUM) == FL_ERR_INVALID);
     FL_CHECKF(strstr(fl_error_message(), "overlap"), "'%s'", fl_error_message());

@@ -172,6 +172,10 @@ static fl_status api_rank(fl_comm *host, int rank, void *p) {
     uint16_t hb[2] = {fl_f32_to_bf16(1.0f), fl_f32_to_bf16((float)rank)};
     rc = a->all_reduce(hb, hb, 2, FL_NCCL_BFLOAT16, FL_NCCL_SUM, nc, NULL);
     EXPECT(rank, rc == 0 && fl_bf16_to_f32(hb[0]) == 3.0f && fl_bf16_to_f32(hb[1]) == 3.0f, "bf16 sum");
+    /* F16 (ncclFloat16) likewise */
+    uint16_t hh[2] = {fl_f32_to_f16(1.0f), fl_f32_to_f16((float)rank)};
+    rc = a->all_reduce(hh, hh, 2, FL_NCCL_FLOAT16, FL_NCCL_SUM, nc, NULL);
+    EXPECT(rank, rc == 0 && fl_f16_to_f32(hh[0]) == 3.0f && fl_f16_to_f32(hh[1]) == 3.0f, "f16 sum");
     /* broadcast: send significant on the root only, recv filled everywhere */
     float src[3] = {7, 8, 9}, dst[3] = {0, 0, 0};
     rc = a->broadcast(rank == 1 ? src : NULL, dst, 3, FL_NCCL_FLOAT32, 1, nc, NULL);
@@ -189,7 +193,7 @@ static fl_status api_rank(fl_comm *host, int rank, void *p) {
     EXPECT(rank, gr == (float)(SN * rank * 10 + 0 + 1 + 2), "grouped reduce: %g", gr);
     EXPECT(rank, a->group_end() == FL_NCCL_INVALID_USAGE, "unmatched group_end");
     /* refused types and ops */
-    EXPECT(rank, a->all_reduce(v, av, 2, 6 /* ncclFloat16 */, FL_NCCL_SUM, nc, NULL) == FL_NCCL_INVALID_ARGUMENT, "f16");
+    EXPECT(rank, a->all_reduce(v, av, 2, 8 /* ncclFloat64 */, FL_NCCL_SUM, nc, NULL) == FL_NCCL_INVALID_ARGUMENT, "f64");
     EXPECT(rank, a->all_reduce(v, av, 2, FL_NCCL_FLOAT32, 1 /* ncclProd */, nc, NULL) == FL_NCCL_INVALID_ARGUMENT, "prod");
     EXPECT(rank, strstr(a->get_last_error(nc), "op 1") != NULL, "last error '%s'", a->get_last_error(nc));
     /* streams: collectives complete when an event recorded after them does */

@@ -459,7 +459,7 @@ FL_TEST(cfg_strategy_auto_resolution) {
         snprintf(what, sizeof what, "%s %s %s %s devices %d nodes %d%s", fl_cfg_command_name(cmd),
                  fl_optim_name(opts[oi]), precs[pi], sdts[si], dev, nodes, gpu ? " gpu" : "");
         /* the rule, as stated */
-        int refused = !strcmp(precs[pi], "16-true") || gpu; /* AdamW8bit runs under FULL_SHARD */
+        int refused = gpu; /* every optimizer and precision runs under FULL_SHARD */
         if (world == 1) {
             FL_CHECKF(sc.stage == 0 && !strcmp(sc.strategy, "auto") && !strcmp(sc.desc, "auto"), "%s: %d %s", what,
                       sc.stage, sc.desc);

@@ -78,8 +78,13 @@ static void scenario(int sc, int world) {
         FL_CHECKF(bad == 0, "%s ZeRO-%d at %d ranks vs one process: %s", zr_names[sc], k + 1, world, why);
         if (getenv("FL_TEST_VERBOSE")) printf("    %s ZeRO-%d at %d ranks: %s\n", zr_names[sc], k + 1, world, why);
     }
-    /* 3. memory of every rank */
-    size_t n = ddp->rec[0].nbytes / (sc == ZR_BF16 ? 2 : 4);
+    /* 3. memory of every rank (DDP: the plan's for that rank) */
+    size_t n = ddp->rec[0].nbytes / fl_dtype_size(zr_store_dtype(&ddp->cfg));
+    for (int r = 0; r < world; r++) {
+        char why[2048] = "";
+        int bad = zr_check_plan(&ddp->cfg, r, &ddp->res[r], 0, why, sizeof why, 0);
+        FL_CHECKF(bad == 0, "%s DDP at %d ranks: %s", zr_names[sc], world, why);
+    }
     for (int k = 0; k < 2; k++)
         for (int r = 0; r < world; r++) {
             char why[2048];
@@ -108,6 +113,19 @@ FL_TEST(zero_threads_sgd_momentum_2_and_3_ranks) {
 FL_TEST(zero_threads_bf16_true_2_and_3_ranks) {
     scenario(ZR_BF16, 2);
     scenario(ZR_BF16, 3);
+}
+
+/* 16-true: fp16 gradients reduced (fp32 sum, one rounding), the loss scaler's overflow check on the
+ * reduced gradients; DDP, ZeRO-1 and ZeRO-2 the same bits, one process within the derived bounds,
+ * each rank's memory the plan's. */
+FL_TEST(zero_threads_f16_true_2_and_3_ranks) {
+#if defined(__SANITIZE_ADDRESS__)
+    fl_test_skip("the release pass runs it (make test time; 16-true's DDP, ZeRO-2 and FULL_SHARD run under ASan in "
+                 "the overflow test below)");
+#else
+    scenario(ZR_F16, 2);
+    scenario(ZR_F16, 3);
+#endif
 }
 
 /* Lightning's FSDP names: SHARD_GRAD_OP is ZeRO-2, NO_SHARD is DDP (the same bits). */
@@ -350,4 +368,88 @@ FL_TEST(zero_threads_checkpoints_stream_pieces_equal_ddp) {
         }
     }
     fl_dp_set_stream_piece(0);
+}
+
+/* 16-true from an initial loss scale of 2^21 (the micro model's scaled fp16 gradients overflow up to
+ * 2^18): the first steps overflow and are skipped (the scale halved each time) until it fits. The verdict is taken on the REDUCED gradients
+ * (DDP: the whole sum on every rank; ZeRO-2 and FULL_SHARD: each rank its range, the verdicts summed),
+ * so every rank skips the same steps and ends with the same scale, and that sequence is one
+ * process's with the same global batch (its gradient sum differs in rounding only, far below the
+ * 2^k margins of the scale). A skipped step leaves the parameters as they were, on every rank. */
+#define OV_STEPS 6
+typedef struct {
+    fl_run_config cfg;
+    uint64_t h[ZT_MAX_RANKS][OV_STEPS + 1]; /* per rank, per step: a hash of the parameters */
+    zr_rec rec[ZT_MAX_RANKS];
+    fl_trainer_result res[ZT_MAX_RANKS];
+} ovjob;
+typedef struct { ovjob *j; int rank; } ovrank;
+
+static int ov_hook(void *ud, long step, double loss, const void *params, size_t bytes) {
+    ovrank *o = ud;
+    uint64_t h = 1469598103934665603ULL;
+    for (size_t i = 0; i < bytes; i++) h = (h ^ ((const unsigned char *)params)[i]) * 1099511628211ULL;
+    if (step <= OV_STEPS) o->j->h[o->rank][step] = h;
+    return zr_record(&o->j->rec[o->rank], step, loss, params, bytes);
+}
+
+static fl_status ov_run_rank(fl_comm *c, int rank, void *ud) {
+    ovjob *j = ud;
+    ovrank o = {j, rank};
+    return fl_trainer_run_comm(&j->cfg, c, NULL, 0, ov_hook, &o, &j->res[rank]);
+}
+
+/* Which of steps 2..OV_STEPS left rank r's parameters unchanged, as a bit mask. */
+static unsigned ov_unchanged(const ovjob *j, int r) {
+    unsigned m = 0;
+    for (int s = 2; s <= OV_STEPS; s++) m |= (unsigned)(j->h[r][s] == j->h[r][s - 1]) << s;
+    return m;
+}
+
+FL_TEST(zero_threads_f16_overflow_skipped_alike_on_every_rank) {
+    static const char *strat[4] = {"", "ddp", "deepspeed_stage_2", "fsdp"}; /* "": one process */
+    const float init = 0x1p21f;
+    ovjob *j[4];
+    for (int k = 0; k < 4; k++) {
+        j[k] = calloc(1, sizeof *j[k]);
+        FL_REQUIRE(j[k] != NULL);
+        int world = k ? 2 : 1;
+        char out[700];
+        snprintf(out, sizeof out, "%s/f16ov-%d", fl_test_tmpdir(), k);
+        zr_config(&j[k]->cfg, ZR_F16, 2, world, 1, k ? strat[k] : "auto", NULL, out);
+        j[k]->cfg.train.max_steps = OV_STEPS;
+        j[k]->cfg.train.max_norm = 0; /* no clipping: DDP and ZeRO-2 the same bits, FULL_SHARD too at accumulation 1 */
+        j[k]->cfg.train.global_batch_size = 4; /* 2 ranks x micro 2 x accumulation 1 */
+        j[k]->cfg.loss_scale_init = init;
+        fl_status s = world > 1 ? fl_comm_threads_run(world, ov_run_rank, j[k]) : ov_run_rank(NULL, 0, j[k]);
+        FL_CHECKF(s == FL_OK, "%s: %s", k ? strat[k] : "one process", fl_error_message());
+        if (s != FL_OK) goto out;
+        for (int r = 0; r < world; r++) {
+            const fl_trainer_result *q = &j[k]->res[r], *q0 = &j[0]->res[0];
+            /* every rank, every strategy: one process's skips and final scale (init halved per skip) */
+            FL_CHECKF(q->skipped_steps == q0->skipped_steps && q->loss_scale == q0->loss_scale &&
+                          ov_unchanged(j[k], r) == ov_unchanged(j[0], 0),
+                      "%s rank %d: %ld skipped, scale %g, unchanged steps %#x; one process: %ld, %g, %#x",
+                      k ? strat[k] : "one process", r, q->skipped_steps, (double)q->loss_scale, ov_unchanged(j[k], r),
+                      q0->skipped_steps, (double)q0->loss_scale, ov_unchanged(j[0], 0));
+            FL_CHECK(!memcmp(j[k]->h[r], j[k]->h[0], sizeof j[k]->h[0])); /* the same bits after every step */
+        }
+    }
+    {
+        const fl_trainer_result *q0 = &j[0]->res[0];
+        /* not vacuous: overflows happened, then updates (the scale came down to one that fits) */
+        FL_CHECKF(q0->skipped_steps >= 1 && q0->skipped_steps < OV_STEPS - 1 &&
+                      q0->loss_scale == ldexpf(init, -(int)q0->skipped_steps),
+                  "one process: %ld skipped of %d, scale %g", q0->skipped_steps, OV_STEPS, (double)q0->loss_scale);
+        FL_CHECKF(zr_same(&j[1]->rec[0], &j[2]->rec[0]) && zr_same(&j[2]->rec[0], &j[3]->rec[0]),
+                  "16-true with skipped steps: DDP, ZeRO-2 and FULL_SHARD differ in bits");
+        if (getenv("FL_TEST_VERBOSE"))
+            printf("    16-true from scale 2^%d: %ld of %d steps skipped on every rank, scale 2^%d at the end\n",
+                   ilogbf(init), q0->skipped_steps, OV_STEPS, ilogbf(q0->loss_scale));
+    }
+out:
+    for (int k = 0; k < 4; k++) {
+        for (int r = 0; r < ZT_MAX_RANKS; r++) zr_free(&j[k]->rec[r]);
+        free(j[k]);
+    }
 }

@@ -7,6 +7,8 @@
  *   adamw_clip       AdamW, fp32, clipping on (the norm decided from the shards under ZeRO-2);
  *   sgd_momentum     SGD with momentum 0.9 (sharded momentum buffer), fp32;
  *   bf16_true_adamw  AdamW under bf16-true (bf16 parameters, gradients and state);
+ *   f16_true_adamw   AdamW under 16-true (fp16 parameters and gradients, fp32 state, dynamic loss
+ *                    scaling: the overflow check and the skip decided from the reduced gradients);
  *   adamw8bit_clip   bitsandbytes' AdamW8bit with clipping: block-wise state per tensor (blocks of
  *                    256 from each tensor's start, tensors under 4096 elements fp32). A rank keeps
  *                    the blocks that meet its chunk whole, so every block is quantized over the
@@ -23,12 +25,13 @@
  *      same bits;
  *   2. against one process training the same global batch: ddp_ref.h's derived bounds (loss at
  *      every step within 1e-6 relative, parameters within 8 D + 4 ulp x steps + the AdamW term).
- *      bf16-true stores every gradient sum and every update in bf16, so a different grouping moves
- *      parameters by bf16 ulps and the loss by more than 1e-6 from step 2 on: there the same
- *      derivation is applied to the loss too: 8 x the control's largest loss difference over the
- *      run (one realisation of the reassociation noise, like D; per step it fluctuates and can be
- *      near 0 by chance), at least 1e-6 relative; and bf16's ulp (2^-7 relative) in the parameter
- *      bound;
+ *      bf16-true and 16-true store every gradient sum and every update in 16 bits, so a different
+ *      grouping moves parameters by 16-bit ulps and the loss by more than 1e-6 from step 2 on: there
+ *      the same derivation is applied to the loss too: 8 x the control's largest loss difference
+ *      over the run (one realisation of the reassociation noise, like D; per step it fluctuates and
+ *      can be near 0 by chance), at least 1e-6 relative; the dtype's ulp (bf16 2^-7, fp16 2^-10
+ *      relative) in the parameter bound; and both noise terms scaled by dr_round16_factor for the
+ *      reduction's own rounding to 16 bits (ddp_ref.h derives it);
  *      8-bit AdamW has no derived parameter bound (quantizing m and v breaks the Cauchy-Schwarz
  *      argument: a value quantized to 0 can make one update arbitrarily large), so its check against
  *      one process is the loss at every step (1e-6 relative) and, above all, check 1;
@@ -53,8 +56,9 @@ static inline void zr_unused_(void) {
     (void)dr_record;
 }
 
-enum { ZR_ADAMW = 0, ZR_SGDM, ZR_BF16, ZR_ADAMW8, ZR_COUNT };
-static const char *const zr_names[ZR_COUNT] = {"adamw_clip", "sgd_momentum", "bf16_true_adamw", "adamw8bit_clip"};
+enum { ZR_ADAMW = 0, ZR_SGDM, ZR_BF16, ZR_ADAMW8, ZR_F16, ZR_COUNT };
+static const char *const zr_names[ZR_COUNT] = {"adamw_clip", "sgd_momentum", "bf16_true_adamw", "adamw8bit_clip",
+                                               "f16_true_adamw"};
 
 typedef struct {
     double loss[DR_MAX_STEPS];
@@ -94,6 +98,7 @@ static void zr_config(fl_run_config *c, int sc, int world, int ranks, int micro_
         c->optimizer.lr = 0.1f;
     }
     if (sc == ZR_BF16) snprintf(c->precision, sizeof c->precision, "bf16-true");
+    if (sc == ZR_F16) snprintf(c->precision, sizeof c->precision, "16-true");
     if (sc == ZR_ADAMW8) { /* bitsandbytes' AdamW8bit: blocks of 256 per tensor, small tensors fp32 */
         float lr = c->optimizer.lr;
         fl_optim_config_default(&c->optimizer, FL_OPT_ADAMW8BIT);
@@ -104,27 +109,25 @@ static void zr_config(fl_run_config *c, int sc, int world, int ranks, int micro_
     c->hook_whole_params = 1; /* FULL_SHARD: the records compare whole parameters */
 }
 
-static float zr_bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+/* The storage dtype of the trained parameters (and gradients) under c's precision. */
+static fl_dtype zr_store_dtype(const fl_run_config *c) {
+    return !strcmp(c->precision, "bf16-true") ? FL_BF16 : !strcmp(c->precision, "16-true") ? FL_F16 : FL_F32;
 }
 
-/* A dr_rec view (fp32 values) of r, for ddp_ref.h's comparisons. */
-static dr_rec zr_as_dr(const zr_rec *r, int bf16) {
+/* A dr_rec view (fp32 values) of r (parameters of dtype dt), for ddp_ref.h's comparisons. */
+static dr_rec zr_as_dr(const zr_rec *r, fl_dtype dt) {
     dr_rec d;
     memset(&d, 0, sizeof d);
     memcpy(d.loss, r->loss, sizeof d.loss);
     d.steps = r->steps;
-    d.numel = r->nbytes / (bf16 ? 2 : 4);
+    d.numel = r->nbytes / fl_dtype_size(dt);
     d.params = malloc(d.numel * sizeof(float) + 4);
     if (!d.params || !r->bytes) return d;
     for (size_t i = 0; i < d.numel; i++) {
-        if (bf16) {
+        if (dt != FL_F32) {
             uint16_t h;
             memcpy(&h, r->bytes + 2 * i, 2);
-            d.params[i] = zr_bf16_to_f32(h);
+            d.params[i] = dt == FL_BF16 ? fl_bf16_to_f32(h) : fl_f16_to_f32(h);
         } else {
             memcpy(&d.params[i], r->bytes + 4 * i, 4);
         }
@@ -135,25 +138,28 @@ static dr_rec zr_as_dr(const zr_rec *r, int bf16) {
 /* Check 2 above. Returns the number of failures; `why` gets the findings or the figures. */
 static int zr_compare_one_process(const zr_rec *z, const zr_rec *ref, const zr_rec *ctl, const fl_run_config *c,
                                   char *why, size_t n) {
-    int bf16 = !strcmp(c->precision, "bf16-true");
+    fl_dtype sd = zr_store_dtype(c);
     long steps = c->train.max_steps;
-    dr_rec a = zr_as_dr(z, bf16), b = zr_as_dr(ref, bf16), k = zr_as_dr(ctl, bf16);
+    dr_rec a = zr_as_dr(z, sd), b = zr_as_dr(ref, sd), k = zr_as_dr(ctl, sd);
     int bad;
     if (c->optimizer.kind == FL_OPT_ADAMW8BIT) { /* no parameter bound (above): the loss */
         double lr = dr_loss_rel(&a, &b, steps);
         bad = !(lr <= 1e-6);
         snprintf(why, n, "loss rel %.2g %s 1e-6 (params differ by %.3g, the control by %.3g: no derived bound for "
                  "8-bit)", lr, bad ? ">" : "<=", dr_max_diff(&a, &b), dr_max_diff(&b, &k));
-    } else if (!bf16) {
+    } else if (sd == FL_F32) {
         bad = dr_compare(&a, &b, dr_max_diff(&b, &k), dr_floor(c), steps, why, n);
     } else {
         bad = 0;
         size_t o = 0;
         why[0] = 0;
+        /* the reduction's rounding to 16 bits: K micro-batches per step in one process, a per rank */
+        long K = c->train.global_batch_size / c->train.micro_batch_size, ranks = (long)c->devices * c->num_nodes;
+        double f16r = dr_round16_factor(K, K / (ranks > 0 ? ranks : 1));
         double worst = 0, lctl = 0; /* the control's loss noise over the run (as D is over the parameters) */
         for (long s = 0; s < steps && s < DR_MAX_STEPS; s++) lctl = fmax(lctl, fabs(ctl->loss[s] - ref->loss[s]));
         for (long s = 0; s < steps && s < DR_MAX_STEPS; s++) {
-            double tol = fmax(1e-6 * fabs(ref->loss[s]), 8 * lctl);
+            double tol = fmax(1e-6 * fabs(ref->loss[s]), 8 * f16r * lctl);
             double d = fabs(z->loss[s] - ref->loss[s]);
             if (!(d <= tol)) {
                 bad++;
@@ -164,15 +170,16 @@ static int zr_compare_one_process(const zr_rec *z, const zr_rec *ref, const zr_r
         }
         double dctl = dr_max_diff(&b, &k), d = dr_max_diff(&a, &b), mx = 0;
         for (size_t i = 0; i < b.numel; i++) mx = fmax(mx, fabs(b.params[i]));
-        double ulp = ldexp(1.0, ilogb(mx > 0 ? mx : 1) - 7); /* bf16: 8 significant bits */
-        double bound = 8 * dctl + 4 * ulp * (double)steps + dr_floor(c);
+        /* bf16: 8 significant bits, fp16: 11 */
+        double ulp = ldexp(1.0, ilogb(mx > 0 ? mx : 1) - (sd == FL_BF16 ? 7 : 10));
+        double bound = 8 * f16r * dctl + 4 * ulp * (double)steps + dr_floor(c);
         if (!(dctl >= 0) || !(d <= bound)) {
             bad++;
             o += (size_t)snprintf(why + o, o < n ? n - o : 0, "params differ by %.3g > bound %.3g (control %.3g); ",
                                   d, bound, dctl);
         }
-        if (!bad) snprintf(why, n, "loss rel <= %.2g (bf16 control bound), params %.3g <= bound %.3g (control %.3g)",
-                           worst, d, bound, dctl);
+        if (!bad) snprintf(why, n, "loss rel <= %.2g (%s control bound), params %.3g <= bound %.3g (control %.3g)",
+                           worst, fl_dtype_name(sd), d, bound, dctl);
     }
     dr_free(&a);
     dr_free(&b);
@@ -231,7 +238,7 @@ static inline int zr_check_memory(const fl_run_config *cfg, int rank, int world,
     }
     int stage = 0;
     fl_cfg_zero_stage(cfg->strategy, cfg->sharding_strategy, &stage);
-    size_t ges = !strcmp(cfg->precision, "bf16-true") ? 2 : 4;
+    size_t ges = fl_dtype_size(zr_store_dtype(cfg));
     for (int i = 0; i < res->n_phases; i++)
         if (!strcmp(res->phases[i].name, "after_reduce")) {
             size_t halo = e8 && stage == 2 ? (size_t)255 * ((rank > 0) + (rank < world - 1)) : 0;
@@ -374,7 +381,7 @@ static size_t zr_fsdp_gather_bound(const fl_model_config *mc, int world, size_t 
 
 /* Check 3 for rank r of a FULL_SHARD run (res: what it measured). After the step (after_opt_step)
  * PARAMS and GRADS hold exactly rank r's shard, OPTIM its state (per element: AdamW 2 states, SGD
- * with momentum 1, of 4 bytes, 2 under bf16-true), GATHER is empty; its peak is above 0 and below the
+ * with momentum 1, of 4 bytes, 2 under bf16-true; 16-true keeps fp32 state), GATHER is empty; its peak is above 0 and below the
  * bound of zr_fsdp_gather_bound (at most 2 blocks gathered); and the plan equals the measurement. */
 static inline int zr_check_fsdp_memory(const fl_run_config *cfg, int rank, int world, const fl_trainer_result *res,
                                 int exact_peaks, char *why, size_t wn) {
@@ -383,13 +390,12 @@ static inline int zr_check_fsdp_memory(const fl_run_config *cfg, int rank, int w
     why[0] = 0;
     fl_model_config mc;
     size_t sh = zr_model_config(cfg, &mc) ? zr_fsdp_shard(&mc, world, rank, &n) : 0;
-    int bf16 = !strcmp(cfg->precision, "bf16-true");
-    size_t es = bf16 ? 2 : 4;
+    size_t es = fl_dtype_size(zr_store_dtype(cfg)), ses = !strcmp(cfg->precision, "bf16-true") ? 2 : 4;
     size_t states = cfg->optimizer.kind == FL_OPT_ADAMW ? 2 : cfg->optimizer.momentum != 0.0f ? 1 : 0;
     const fl_mem_phase *ph = NULL;
     for (int i = 0; i < res->n_phases; i++)
         if (!strcmp(res->phases[i].name, "after_opt_step")) ph = &res->phases[i];
-    size_t optim = sh * states * es, cut = 0;
+    size_t optim = sh * states * ses, cut = 0;
     if (sh && cfg->optimizer.kind == FL_OPT_ADAMW8BIT) optim = zr_fsdp_optim8(&mc, world, rank, &cut);
     if (!ph || !sh || ph->cur[FL_TAG_PARAMS] != sh * es || ph->cur[FL_TAG_GRADS] != sh * es ||
         ph->cur[FL_TAG_OPTIM] != optim || ph->cur[FL_TAG_GATHER] != 0) {

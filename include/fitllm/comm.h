@@ -13,7 +13,10 @@
  *  - every rank of the group calls the same collectives in the same order with the same count,
  *    dtype, op and root (the threads implementation checks this and names the ranks that differ;
  *    MPI cannot check it cheaply);
- *  - dtypes FL_F32 and FL_BF16. BF16 is widened to fp32, reduced in fp32 and rounded (RNE) once;
+ *  - dtypes FL_F32, FL_BF16 and FL_F16. The 16-bit ones are widened to fp32 (exactly), reduced in
+ *    fp32 and rounded (RNE) once; an F16 result beyond fp16's range (|x| >= 65520 after the sum)
+ *    becomes +-inf, so a sum of finite fp16 gradients that overflows is seen as an overflow by a
+ *    loss scaler checking the reduced gradients;
  *  - ops SUM, AVG (the sum divided by size in fp32, then rounded once), MAX (a NaN anywhere
  *    gives NaN, so an overflow check sees it);
  *  - DETERMINISTIC: the result bits depend only on the inputs and the world size, never on

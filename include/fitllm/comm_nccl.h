@@ -18,12 +18,13 @@
  *  - every buffer is device memory of the backend the communicator was made for;
  *  - DETERMINISM: NCCL's reductions are not fl_comm's rank-order sum. A ring or tree all-reduce
  *    adds the ranks' values in an order that depends on the element's position, the channel,
- *    the algorithm and the rank count, and BF16 partial sums are rounded to bf16 at every hop
- *    (up to N-1 roundings instead of one); AVG premultiplies by 1/N. Results are the same on
+ *    the algorithm and the rank count, and BF16 / F16 partial sums are rounded to 16 bits at every
+ *    hop (up to N-1 roundings instead of one; an F16 partial sum beyond 65504 is inf there even
+ *    when the whole sum would not be); AVG premultiplies by 1/N. Results are the same on
  *    every rank (each element is reduced once and then copied) and run to run for a fixed
  *    configuration, but differ in the last bits from fl_comm's at 3 ranks and more. At 2 ranks
- *    a SUM is one addition x_0 + x_1 = x_1 + x_0 rounded once (fp32, or bf16 widened, added in
- *    fp32 and rounded once): the same bits as fl_comm's. MAX follows NCCL (NaN propagation is
+ *    a SUM is one addition x_0 + x_1 = x_1 + x_0 rounded once (fp32, or bf16 / f16 widened, added
+ *    in fp32 and rounded once): the same bits as fl_comm's. MAX follows NCCL (NaN propagation is
  *    not guaranteed). The stand-in reduces in rank order (it calls the threads implementation),
  *    so under it the results equal fl_comm's bit for bit at every world size;
  *  - fl_comm's uneven chunk layout (count not divisible by N) is done with grouped ncclReduce /
@@ -67,7 +68,7 @@ enum {
     FL_NCCL_IN_PROGRESS = 7
 };
 enum { FL_NCCL_SUM = 0, FL_NCCL_MAX = 2, FL_NCCL_AVG = 4 };       /* ncclRedOp_t */
-enum { FL_NCCL_FLOAT32 = 7, FL_NCCL_BFLOAT16 = 9 };               /* ncclDataType_t */
+enum { FL_NCCL_FLOAT16 = 6, FL_NCCL_FLOAT32 = 7, FL_NCCL_BFLOAT16 = 9 }; /* ncclDataType_t */
 #define FL_NCCL_EVENT_PENDING (-1) /* event_query: not complete yet (cudaErrorNotReady) */
 
 /* The calls the NCCL communicator makes. NCCL entries return an ncclResult_t value; the stream /

@@ -107,6 +107,9 @@ typedef struct {
      * shard (fl_step_hook), 1 the whole parameters, gathered unit by unit for it (a collective and a
      * whole host copy on every rank each step: tests) */
     int hook_whole_params;
+    /* library callers (no option): fp16 loss scaling's initial scale (0: 65536, GradScaler's default;
+     * a resumed run takes its checkpoint's); tests force an overflow with a huge one */
+    float loss_scale_init;
 } fl_run_config;
 
 /* Defaults of the command (LitGPT's setup() defaults). */
@@ -184,9 +187,8 @@ typedef struct {
 /* --strategy auto (the default) per command as LitGPT does, for devices x num_nodes ranks:
  * finetune_full -> FSDP FULL_SHARD; pretrain -> LitGPT's HYBRID_SHARD, which on one node is
  * FULL_SHARD (across nodes HYBRID is not implemented: FULL_SHARD over all ranks, and desc says so);
- * finetune_lora -> DDP over the adapters. Where FULL_SHARD refuses the configuration (8-bit AdamW,
- * 16-true, sharded checkpoints; device_comm: a device-memory communicator) auto is DDP and desc
- * says why. An explicit strategy is never changed; auto with one rank stays auto (stage 0). The
+ * finetune_lora -> DDP over the adapters. Where FULL_SHARD refuses the configuration (device_comm:
+ * a device-memory communicator) auto is DDP and desc says why. An explicit strategy is never changed; auto with one rank stays auto (stage 0). The
  * trainer (with its communicator) and the planner (--cuda) both resolve here. Errors as
  * fl_cfg_zero_stage. */
 fl_status fl_cfg_resolve_strategy(const fl_run_config *c, int device_comm, fl_strategy_choice *out);

@@ -46,6 +46,10 @@ typedef struct {
     /* data parallel: the bytes this rank sent in the last step (fl_comm_traffic: gradient reduction,
      * parameter gathers, the step's loss statistics); 0 in one process */
     unsigned long long comm_sent_last_step;
+    /* fp16 loss scaling (16-true): the scale at the end and the updates skipped for an inf/NaN in
+     * the (reduced) gradients this session; 0 and 0 without loss scaling */
+    float loss_scale;
+    long skipped_steps;
 } fl_trainer_result;
 
 /* res (may be NULL) is filled on success and on failure: peak and peak_total
@@ -62,7 +66,8 @@ int fl_trainer_dp_bucketed(int world, int zero_stage, int lora);
  * (every layout group split by fl_comm's chunk layout on its own: sum over groups of the rank's
  * chunk), what each rank holds of the parameters, gradients and optimizer state. The planner uses it. */
 size_t fl_fsdp_shard_numel(const fl_param_layout *lay, int world, int rank);
-/* Why FULL_SHARD cannot run this configuration yet (8-bit AdamW, 16-true), or NULL. p may be NULL. */
+/* Why FULL_SHARD cannot run this configuration, or NULL (every optimizer and precision runs on
+ * host memory now; kept as the one place a future refusal goes). p may be NULL. */
 const char *fl_fsdp_refusal(const fl_run_config *cfg, const fl_precision *p);
 
 /* Hook for tests: called after every optimizer step (after that step's

@@ -36,7 +36,7 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "  num_nodes must equal the rank count. Several machines: mpirun -np N*M --hostfile HOSTS (the error\n"
            "  without a launcher prints the whole command). Needs a build with MPI (fitllm --version).\n"
            "  --strategy auto (the default) is LitGPT's: finetune_full and pretrain FSDP FULL_SHARD, adapter\n"
-           "  fine-tuning DDP over the adapters; DDP where FULL_SHARD refuses the run (16-true, GPUs);\n"
+           "  fine-tuning DDP over the adapters; DDP where FULL_SHARD refuses the run (GPUs);\n"
            "  the run's \"data parallel (...)\" line names what auto chose and why.\n");
     printf("\nexit codes: 0 ok, 1 runtime error, 2 usage or config error, 3 out of memory\n");
 }

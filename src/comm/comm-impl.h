@@ -7,8 +7,8 @@
 
 #include "fitllm/comm.h"
 
-/* dst[i] = op over r = 0..n-1 (in that order) of src[r][i], i < len, for dtype dt (F32 or BF16).
- * Accumulates in fp32 (BF16 widened exactly), AVG divides the sum by n in fp32, and the result
+/* dst[i] = op over r = 0..n-1 (in that order) of src[r][i], i < len, for dtype dt (F32, BF16 or
+ * F16). Accumulates in fp32 (16-bit widened exactly), AVG divides the sum by n in fp32, and the result
  * is rounded to dt once. dst may alias any src[r] at the same index (blocks are staged in a
  * stack accumulator). The same function runs in every implementation: that, with the fixed rank
  * order, is what makes their results bit-identical. */

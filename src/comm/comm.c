@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "comm/comm-impl.h"
+#include "core/cvt.h"
 
 /* ---- names and messages -------------------------------------------------------------------- */
 
@@ -24,7 +25,7 @@ const char *fl_coll_kind_name(fl_coll_kind kd) {
 }
 
 const char *fl_comm_what(char *buf, size_t n, fl_coll_kind kind, size_t count, fl_dtype dt, fl_comm_op op, int root) {
-    const char *dn = (dt == FL_F32 || dt == FL_BF16) ? fl_dtype_name(dt) : "?";
+    const char *dn = (dt == FL_F32 || dt == FL_BF16 || dt == FL_F16) ? fl_dtype_name(dt) : "?";
     switch (kind) {
     case FL_COLL_ALL_REDUCE:
     case FL_COLL_REDUCE_SCATTER:
@@ -69,8 +70,16 @@ static inline void acc_add(float *acc, const float *x, size_t m) {
 static inline void acc_max(float *acc, const float *x, size_t m) {
     for (size_t i = 0; i < m; i++) acc[i] = (x[i] > acc[i] || x[i] != x[i]) ? x[i] : acc[i];
 }
-static void widen(float *dst, const uint16_t *src, size_t m) {
-    for (size_t i = 0; i < m; i++) dst[i] = fl_bf16_to_f32(src[i]);
+/* 16-bit to fp32 (exact for BF16 and F16) and back (RNE; F16 overflow gives +-inf): the SIMD row
+ * kernels of core/cvt.c, bit-identical to the scalar conversions of fitllm/dtype.h for every input,
+ * so every implementation and every CPU computes the same bits. */
+static void widen(float *dst, const uint16_t *src, size_t m, fl_dtype dt) {
+    if (dt == FL_BF16) fl_cvt_bf16_to_f32(dst, src, m);
+    else fl_cvt_f16_to_f32(dst, src, m);
+}
+static void narrow(uint16_t *dst, const float *src, size_t m, fl_dtype dt) {
+    if (dt == FL_BF16) fl_cvt_f32_to_bf16(dst, src, m);
+    else fl_cvt_f32_to_f16(dst, src, m);
 }
 
 void fl_comm_reduce_kernel(void *dst, const void *const *src, int n, size_t len, fl_dtype dt, fl_comm_op op) {
@@ -83,7 +92,7 @@ void fl_comm_reduce_kernel(void *dst, const void *const *src, int n, size_t len,
             if (dt == FL_F32) {
                 x = (const float *)src[r] + b;
             } else {
-                widen(tmp, (const uint16_t *)src[r] + b, m);
+                widen(tmp, (const uint16_t *)src[r] + b, m, dt);
                 x = tmp;
             }
             if (r == 0) acc_first(acc, x, m);
@@ -95,8 +104,7 @@ void fl_comm_reduce_kernel(void *dst, const void *const *src, int n, size_t len,
         if (dt == FL_F32) {
             memcpy((float *)dst + b, acc, m * sizeof(float));
         } else {
-            uint16_t *d = (uint16_t *)dst + b;
-            for (size_t i = 0; i < m; i++) d[i] = fl_f32_to_bf16(acc[i]);
+            narrow((uint16_t *)dst + b, acc, m, dt);
         }
     }
 }
@@ -157,8 +165,8 @@ static fl_status check_common(fl_comm *c, fl_coll_kind kind, size_t count, fl_dt
     if (!c) return fl_errorf(FL_ERR_INVALID, "comm: %s on a NULL communicator", fl_coll_kind_name(kind));
     fl_comm_what(what, wn, kind, count, dt, op, root);
     if (!req) return fl_comm_fail(c, FL_ERR_INVALID, what, "no request pointer");
-    if (dt != FL_F32 && dt != FL_BF16)
-        return fl_comm_fail(c, FL_ERR_UNSUPPORTED, what, "dtype %s (F32 and BF16 are supported)",
+    if (dt != FL_F32 && dt != FL_BF16 && dt != FL_F16)
+        return fl_comm_fail(c, FL_ERR_UNSUPPORTED, what, "dtype %s (F32, BF16 and F16 are supported)",
                             dt >= 0 && dt < FL_DTYPE_COUNT ? fl_dtype_name(dt) : "?");
     if ((kind == FL_COLL_ALL_REDUCE || kind == FL_COLL_REDUCE_SCATTER) && (op < 0 || op >= FL_COMM_OP_COUNT))
         return fl_comm_fail(c, FL_ERR_INVALID, what, "unknown op %d", (int)op);

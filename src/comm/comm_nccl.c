@@ -34,7 +34,9 @@ typedef struct {
     nreq *head;        /* outstanding requests */
 } ncomm;
 
-static int nccl_dtype(fl_dtype dt) { return dt == FL_BF16 ? FL_NCCL_BFLOAT16 : FL_NCCL_FLOAT32; }
+static int nccl_dtype(fl_dtype dt) {
+    return dt == FL_BF16 ? FL_NCCL_BFLOAT16 : dt == FL_F16 ? FL_NCCL_FLOAT16 : FL_NCCL_FLOAT32;
+}
 static int nccl_op(fl_comm_op op) { return op == FL_COMM_MAX ? FL_NCCL_MAX : op == FL_COMM_AVG ? FL_NCCL_AVG : FL_NCCL_SUM; }
 
 static fl_status nccl_err(fl_comm *c, const char *what, const char *call, int rc) {

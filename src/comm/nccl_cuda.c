@@ -19,7 +19,9 @@ static_assert(SAME(ncclSuccess, FL_NCCL_SUCCESS) && SAME(ncclSystemError, FL_NCC
                   SAME(ncclInProgress, FL_NCCL_IN_PROGRESS),
               "ncclResult_t values");
 static_assert(SAME(ncclSum, FL_NCCL_SUM) && SAME(ncclMax, FL_NCCL_MAX) && SAME(ncclAvg, FL_NCCL_AVG), "ncclRedOp_t values");
-static_assert(SAME(ncclFloat32, FL_NCCL_FLOAT32) && SAME(ncclBfloat16, FL_NCCL_BFLOAT16), "ncclDataType_t values");
+static_assert(SAME(ncclFloat32, FL_NCCL_FLOAT32) && SAME(ncclBfloat16, FL_NCCL_BFLOAT16) &&
+                  SAME(ncclFloat16, FL_NCCL_FLOAT16),
+              "ncclDataType_t values");
 
 static int r_get_version(int *v) { return (int)ncclGetVersion(v); }
 static int r_get_unique_id(fl_nccl_id *id) { return (int)ncclGetUniqueId((ncclUniqueId *)id); }

@@ -288,8 +288,9 @@ static const char *s_get_last_error(void *comm) { return comm ? ((scomm *)comm)-
 
 static int s_check(scomm *sc, int dtype, int op, int need_op) {
     if (!sc) return FL_NCCL_INVALID_ARGUMENT;
-    if (dtype != FL_NCCL_FLOAT32 && dtype != FL_NCCL_BFLOAT16) {
-        snprintf(sc->last, sizeof sc->last, "stand-in: datatype %d (ncclFloat32 and ncclBfloat16 only)", dtype);
+    if (dtype != FL_NCCL_FLOAT32 && dtype != FL_NCCL_BFLOAT16 && dtype != FL_NCCL_FLOAT16) {
+        snprintf(sc->last, sizeof sc->last, "stand-in: datatype %d (ncclFloat32, ncclBfloat16 and ncclFloat16 only)",
+                 dtype);
         return FL_NCCL_INVALID_ARGUMENT;
     }
     if (need_op && op != FL_NCCL_SUM && op != FL_NCCL_MAX && op != FL_NCCL_AVG) {
@@ -299,7 +300,9 @@ static int s_check(scomm *sc, int dtype, int op, int need_op) {
     return FL_NCCL_SUCCESS;
 }
 
-static fl_dtype s_dt(int dtype) { return dtype == FL_NCCL_BFLOAT16 ? FL_BF16 : FL_F32; }
+static fl_dtype s_dt(int dtype) {
+    return dtype == FL_NCCL_BFLOAT16 ? FL_BF16 : dtype == FL_NCCL_FLOAT16 ? FL_F16 : FL_F32;
+}
 static fl_comm_op s_op(int op) { return op == FL_NCCL_MAX ? FL_COMM_MAX : op == FL_NCCL_AVG ? FL_COMM_AVG : FL_COMM_SUM; }
 
 static int s_all_reduce(const void *send, void *recv, size_t count, int dtype, int op, void *comm, void *stream) {

@@ -73,9 +73,11 @@ fl_status fl_dp_max(fl_dp *dp, float *v, size_t n) {
 }
 
 fl_status fl_dp_check(const fl_dp *dp, const fl_optimizer *o) {
-    if (dp->comm && o->gt != FL_F32 && o->gt != FL_BF16)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "data parallel: %s gradients cannot be reduced yet (F32 and BF16 only; "
-                         "use another precision than 16-true with several devices)", fl_dtype_name(o->gt));
+    /* F16 (16-true) is reduced like BF16: in fp32, rounded once; a sum beyond fp16's range comes out
+     * inf, which the loss scaler's check (after the reduction, on the reduced gradients) sees */
+    if (dp->comm && o->gt != FL_F32 && o->gt != FL_BF16 && o->gt != FL_F16)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "data parallel: %s gradients cannot be reduced (F32, BF16 and F16 only)",
+                         fl_dtype_name(o->gt));
     /* ZeRO's parameter all-gather and state staging (zero.c) still read host memory */
     if (dp->dev && dp->stage > 0)
         return fl_errorf(FL_ERR_UNSUPPORTED, "data parallel: %s on device memory (%s communicator) is not implemented "

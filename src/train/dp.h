@@ -70,9 +70,9 @@ fl_status fl_optim_8bit_fsdp_copy(const fl_param_layout *lay, const size_t *a, c
 /* Every rank's run configuration must be rank 0's (the YAML dump compared line by line):
  * FL_ERR_INVALID on the ranks that differ, naming the first differing line. Collective. */
 fl_status fl_dp_check_config(fl_dp *dp, const fl_run_config *cfg);
-/* What this build cannot reduce yet (F16 gradients), checked at set-up. */
+/* What this build cannot run yet (ZeRO on a device communicator's memory), checked at set-up. */
 fl_status fl_dp_check(const fl_dp *dp, const fl_optimizer *o);
-/* Sum the trainable gradients (o->g, F32 or BF16) over ranks in place: DDP and ZeRO-1 of the full
+/* Sum the trainable gradients (o->g, F32, BF16 or F16) over ranks in place: DDP and ZeRO-1 of the full
  * model wait for the last bucket (fl_dp_buckets_arm), with LoRA one all-reduce of the adapters
  * (every rank holds the whole sum), ZeRO-2 one reduce-scatter (each rank holds the sum of its chunk, in place at its offset;
  * the rest of the buffer is dead: GRADS live = the chunk's bytes). With several ranks the memory

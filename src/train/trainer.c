@@ -591,6 +591,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
     }
     CHECK(fl_dp_optim_init(&t.dp, &rcfg, &t.opt, &t.model)); /* ZeRO: state for this rank's chunk only */
     CHECK(fl_dp_check(&t.dp, &t.opt));
+    if (t.opt.use_loss_scale && cfg->loss_scale_init > 0) t.opt.ls.scale = cfg->loss_scale_init;
     t.model.act_ckpt = sc.act_ckpt; /* given, or LitGPT's default under auto's FSDP */
     CHECK(fl_model_alloc_acts(&t.model, t.B, t.T));
     size_t per = (size_t)t.B * t.T;
@@ -928,6 +929,10 @@ done:
         r.n_phases = t.pool.n_phases < FL_TRAINER_MAX_PHASES ? t.pool.n_phases : FL_TRAINER_MAX_PHASES;
         memcpy(r.phases, t.pool.phases, (size_t)r.n_phases * sizeof r.phases[0]);
         if (s == FL_ERR_OOM) r.oom = t.pool.oom;
+    }
+    if (t.opt.model && t.opt.use_loss_scale) {
+        r.loss_scale = t.opt.ls.scale;
+        r.skipped_steps = (long)t.opt.ls.n_skipped;
     }
     if (res) *res = r;
     cleanup(&t);

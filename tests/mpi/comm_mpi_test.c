@@ -96,7 +96,8 @@ static void check_async(fl_comm *c) {
     void *in[K], *out[K], *ref[K];
     fl_comm_req *req[K];
     for (int k = 0; k < K; k++) {
-        cs[k] = (cr_case){(fl_coll_kind)(k % 4), LEN + k, k % 3 == 0 ? FL_BF16 : FL_F32, (fl_comm_op)(k % 3), k % n, 0};
+        fl_dtype dt = (k / 4) % 3 == 0 ? FL_BF16 : (k / 4) % 3 == 1 ? FL_F16 : FL_F32; /* every kind in each */
+        cs[k] = (cr_case){(fl_coll_kind)(k % 4), LEN + k, dt, (fl_comm_op)(k % 3), k % n, 0};
         size_t es = fl_dtype_size(cs[k].dt);
         in[k] = malloc(cs[k].count * es);
         out[k] = malloc(cs[k].count * es);
@@ -189,14 +190,18 @@ static void check_pool(fl_comm *c) {
     fl_comm_set_pool(c, &pool);
     size_t count = 1001;
     uint16_t *a = calloc(count, 2);
-    fl_comm_req *q;
-    CHECK(fl_comm_iall_reduce(c, a, a, count, FL_BF16, FL_COMM_SUM, &q) == FL_OK, "pool: %s", fl_error_message());
-    size_t want = fl_comm_scratch_bytes(c, FL_COLL_ALL_REDUCE, count, FL_BF16), off, len;
-    fl_comm_chunk(count, fl_comm_size(c), fl_comm_rank(c), &off, &len);
-    CHECK(want == (size_t)(fl_comm_size(c) - 1) * len * 2, "scratch formula %zu", want);
-    CHECK(pool.cur[FL_TAG_WORKSPACE] == want, "pool WORKSPACE %zu while pending, want %zu", pool.cur[FL_TAG_WORKSPACE], want);
-    CHECK(fl_comm_wait(&q) == FL_OK, "pool wait: %s", fl_error_message());
-    CHECK(pool.cur[FL_TAG_WORKSPACE] == 0, "pool WORKSPACE %zu after wait", pool.cur[FL_TAG_WORKSPACE]);
+    for (int k = 0; k < 2; k++) { /* BF16 and F16 (16-true's gradients): 2 bytes an element */
+        fl_dtype dt = k ? FL_F16 : FL_BF16;
+        fl_comm_req *q;
+        CHECK(fl_comm_iall_reduce(c, a, a, count, dt, FL_COMM_SUM, &q) == FL_OK, "pool: %s", fl_error_message());
+        size_t want = fl_comm_scratch_bytes(c, FL_COLL_ALL_REDUCE, count, dt), off, len;
+        fl_comm_chunk(count, fl_comm_size(c), fl_comm_rank(c), &off, &len);
+        CHECK(want == (size_t)(fl_comm_size(c) - 1) * len * 2, "scratch formula %zu", want);
+        CHECK(pool.cur[FL_TAG_WORKSPACE] == want, "pool WORKSPACE %zu while pending, want %zu", pool.cur[FL_TAG_WORKSPACE],
+              want);
+        CHECK(fl_comm_wait(&q) == FL_OK, "pool wait: %s", fl_error_message());
+        CHECK(pool.cur[FL_TAG_WORKSPACE] == 0, "pool WORKSPACE %zu after wait", pool.cur[FL_TAG_WORKSPACE]);
+    }
     fl_comm_set_pool(c, NULL);
     fl_mem_pool_free(&pool);
     free(a);
