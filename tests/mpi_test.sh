@@ -305,6 +305,7 @@ fault() {
 }
 fault mpi_abort_ends_all_ranks abort "rank 3 of 4 aborting: abort test"
 fault mpi_dead_rank_ends_all_ranks die "Exit code: +7"
+fault mpi_abort_on_a_split_ends_all_ranks abort_split "rank 1 of 2 aborting: abort test"
 
 # torchrun-style variables without an MPI launcher: refused with the command to run
 env -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE RANK=1 WORLD_SIZE=2 "$BIN" >"$T/out" 2>&1; rc=$?
