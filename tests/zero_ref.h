@@ -345,7 +345,10 @@ static inline int zr_check_fsdp_memory(const fl_run_config *cfg, int rank, int w
     size_t o = 0, n = 0;
     why[0] = 0;
     fl_model_config mc;
-    size_t sh = zr_model_config(cfg, &mc) ? zr_fsdp_shard(&mc, world, rank, &n) : 0;
+    /* HYBRID_SHARD across nodes: FULL_SHARD within the node of --devices ranks (local rank = rank % devices) */
+    int hybrid = cfg->num_nodes > 1 && fl_cfg_hybrid_shard(cfg->strategy, cfg->sharding_strategy);
+    const int sw = hybrid ? cfg->devices : world, sr = hybrid ? rank % cfg->devices : rank;
+    size_t sh = zr_model_config(cfg, &mc) ? zr_fsdp_shard(&mc, sw, sr, &n) : 0;
     int bf16 = !strcmp(cfg->precision, "bf16-true");
     size_t es = bf16 ? 2 : 4;
     size_t states = cfg->optimizer.kind == FL_OPT_ADAMW ? 2 : cfg->optimizer.momentum != 0.0f ? 1 : 0;
@@ -362,7 +365,7 @@ static inline int zr_check_fsdp_memory(const fl_run_config *cfg, int rank, int w
                               ph ? ph->cur[FL_TAG_OPTIM] : 0, ph ? ph->cur[FL_TAG_GATHER] : 0, sh * es, sh * es, optim,
                               sh, n);
     }
-    size_t gb = sh ? zr_fsdp_gather_bound(&mc, world, es, !strcmp(cfg->precision, "bf16-mixed") ? 2 : 0) : 0;
+    size_t gb = sh ? zr_fsdp_gather_bound(&mc, sw, es, !strcmp(cfg->precision, "bf16-mixed") ? 2 : 0) : 0;
     if (!(res->peak[FL_TAG_GATHER] > 0 && res->peak[FL_TAG_GATHER] <= gb)) {
         bad++;
         o += (size_t)snprintf(why + o, wn > o ? wn - o : 0, "rank %d GATHER peak %zu not in (0, %zu]; ", rank,

@@ -19,6 +19,10 @@ void fl_dp_init(fl_dp *dp, fl_comm *comm, fl_mem_pool *pool) {
 
 void fl_dp_done(fl_dp *dp) {
     if (dp->comm) fl_comm_set_pool(dp->comm, NULL);
+    fl_fsdp_free(dp); /* its gathers in flight use dp->node */
+    fl_comm_destroy(dp->rep);
+    fl_comm_destroy(dp->node);
+    dp->rep = dp->node = NULL;
     fl_comm_destroy(dp->dev);
     dp->dev = NULL;
 }

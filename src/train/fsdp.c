@@ -39,7 +39,26 @@
  * a different partition from ZeRO-2's chunks, so its last bits may differ (without clipping: the
  * same bits, checked in tests/test_fsdp.c). With accumulation > 1 the order differs from DDP's:
  * FSDP sums the ranks first and then the micro-batches (sum_k (sum_r g_rk)), DDP the micro-batches
- * first (sum_r (sum_k g_rk)); the same reassociation as tests/ddp_ref.h's bound covers. */
+ * first (sum_r (sum_k g_rk)); the same reassociation as tests/ddp_ref.h's bound covers.
+ *
+ * HYBRID_SHARD (--fsdp.sharding_strategy HYBRID_SHARD, pretrain's auto across nodes; PyTorch FSDP's
+ * semantics): FULL_SHARD within each node, replicated across the nodes. The world of devices x
+ * num_nodes ranks is split (fl_fsdp_prepare, fl_comm_split) into the nodes, dp->node = ranks
+ * k*devices .. k*devices + devices-1 (Lightning's --devices per node, the launcher's block placement:
+ * mpirun --map-by ppr:D:node, srun), and the replica groups, dp->rep = the ranks of one local rank
+ * on every node, in node order. Everything above runs over the node instead of the world: the units
+ * are chunked over the node's ranks (rank r keeps its local rank's pieces, the same on every node),
+ * gathered within the node; a unit's gradient is reduce-scattered within the node, then its piece
+ * all-reduced over the replica group (the nodes holding the same piece), so every node ends with the
+ * same reduced shard, and the elementwise update keeps the nodes' shards bit-identical. The data is
+ * not split by node: rank r still trains global micro-batches j = k*world + r of the one stream.
+ * Bits: element i's gradient is sum_n (sum_l g_(n,l)[i]), each node's rank-order sum first (fp32;
+ * BF16 gradients rounded once there), then the nodes' in node order (rounded once more): DDP's
+ * rank-order sum reassociated ((g0 + g1) + (g2 + g3) where DDP adds ((g0 + g1) + g2) + g3; with one
+ * rank per node it IS DDP's order, with one node it is FULL_SHARD), within tests/ddp_ref.h's bound.
+ * The clipping norm sums each distinct shard once: over the node (fl_fsdp_sum), not over the
+ * replicas. Checkpoints: consolidated ones are gathered within each node (rank 0 writes); sharded
+ * ones are written by node 0's ranks (shard_ckpt.c). HYBRID on one node is FULL_SHARD (no split). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -49,6 +68,7 @@
 
 struct fl_fsdp {
     fl_dp *dp;
+    fl_comm *sc, *rc;       /* the shard group (the world; HYBRID: the node) and the replica group (HYBRID, else NULL) */
     fl_model *m;
     fl_param_provider pp;
     int G;                  /* units: layout groups */
@@ -106,7 +126,7 @@ static fl_status post(struct fl_fsdp *f, int g) {
     }
     if (is_block(f, g)) f->live_blocks++;
     const char *shard = (const char *)(m->params ? (void *)m->params : (void *)m->p16);
-    return fl_error_prefix(fl_comm_iall_gather(f->dp->comm, shard + f->loc[g] * f->es, f->pbuf[g], f->n[g], f->word,
+    return fl_error_prefix(fl_comm_iall_gather(f->sc, shard + f->loc[g] * f->es, f->pbuf[g], f->n[g], f->word,
                                                &f->req[g]),
                            "FSDP: gathering unit %d (%zu elements)", g, f->n[g]);
 }
@@ -153,13 +173,16 @@ static fl_status pp_grads_ready(void *ud, int g) {
     char *dst = (char *)(m->grads ? (void *)m->grads : (void *)m->g16) + f->loc[g] * f->es;
     size_t len = f->clen[g];
     fl_status s;
+    /* HYBRID: the node's sum of the piece, then the nodes' (all-reduce over the replica group, in place) */
     if (f->fresh[g]) { /* the step's first micro-batch: the reduced piece is the shard's gradient */
-        s = fl_comm_reduce_scatter(f->dp->comm, f->views[g].g, dst, f->n[g], gt, FL_COMM_SUM);
+        s = fl_comm_reduce_scatter(f->sc, f->views[g].g, dst, f->n[g], gt, FL_COMM_SUM);
+        if (s == FL_OK && f->rc) s = fl_comm_all_reduce(f->rc, dst, dst, len, gt, FL_COMM_SUM);
         f->fresh[g] = 0;
     } else { /* later ones: reduced into scratch, then added (rounded once) */
         void *tmp = NULL;
         s = fl_mem_alloc(m->pool, FL_TAG_GATHER, len * f->es, &tmp);
-        if (s == FL_OK) s = fl_comm_reduce_scatter(f->dp->comm, f->views[g].g, tmp, f->n[g], gt, FL_COMM_SUM);
+        if (s == FL_OK) s = fl_comm_reduce_scatter(f->sc, f->views[g].g, tmp, f->n[g], gt, FL_COMM_SUM);
+        if (s == FL_OK && f->rc) s = fl_comm_all_reduce(f->rc, tmp, tmp, len, gt, FL_COMM_SUM);
         if (s == FL_OK && len) {
             if (gt == FL_F32) {
                 m->be->add(m->be, (float *)dst, (const float *)dst, tmp, len);
@@ -209,6 +232,8 @@ static fl_status shard_model(void *ud, void *mp) {
     dp->fsdp = f;
     dp->stage = 3;
     f->dp = dp;
+    f->sc = dp->node ? dp->node : dp->comm;
+    f->rc = dp->rep;
     f->m = m;
     f->G = m->layout.n_groups;
     size_t G = (size_t)f->G + 1;
@@ -227,7 +252,7 @@ static fl_status shard_model(void *ud, void *mp) {
     f->word = m->store_dtype == FL_F32 ? FL_F32 : FL_BF16;
     for (int g = 0; g < f->G; g++) {
         f->n[g] = m->layout.group_offset[g + 1] - m->layout.group_offset[g];
-        fl_comm_chunk(f->n[g], dp->world, dp->rank, &f->coff[g], &f->clen[g]);
+        fl_comm_chunk(f->n[g], fl_comm_size(f->sc), fl_comm_rank(f->sc), &f->coff[g], &f->clen[g]);
         f->foff[g] = m->layout.group_offset[g] + f->coff[g];
         f->loc[g + 1] = f->loc[g] + f->clen[g];
         f->fresh[g] = 1;
@@ -253,6 +278,24 @@ fl_status fl_fsdp_prepare(fl_dp *dp, const fl_run_config *cfg, const fl_precisio
     const char *why = fl_fsdp_refusal(cfg, prec);
     if (why) return fl_errorf(FL_ERR_UNSUPPORTED, "%s", why);
     if (stg->quant4) return fl_errorf(FL_ERR_UNSUPPORTED, "FULL_SHARD of a 4-bit model: QLoRA trains adapters only");
+    if (fl_cfg_hybrid_shard(cfg->strategy, cfg->sharding_strategy) && cfg->num_nodes > 1 && !dp->node) {
+        /* HYBRID_SHARD: the nodes and the replica groups (collective; every rank agrees first, so a rank
+         * that failed earlier in set-up is not left alone in the split) */
+        if (cfg->devices * cfg->num_nodes != dp->world)
+            return fl_errorf(FL_ERR_INVALID, "HYBRID_SHARD: devices x num_nodes = %d x %d, but the run has %d ranks",
+                             cfg->devices, cfg->num_nodes, dp->world);
+        FL_TRY(fl_dp_agree(dp, FL_OK));
+        fl_status s = fl_comm_split(dp->comm, dp->rank / cfg->devices, dp->rank, &dp->node);
+        if (s == FL_OK) s = fl_comm_split(dp->comm, dp->rank % cfg->devices, dp->rank, &dp->rep);
+        if (s != FL_OK) {
+            fl_comm_destroy(dp->rep), fl_comm_destroy(dp->node);
+            dp->rep = dp->node = NULL;
+            return fl_error_prefix(s, "HYBRID_SHARD: splitting the %d ranks into %d nodes of %d", dp->world,
+                                   cfg->num_nodes, cfg->devices);
+        }
+        fl_comm_set_pool(dp->node, dp->comm->pool); /* their MPI scratch in the run's pool, as the world's */
+        fl_comm_set_pool(dp->rep, dp->comm->pool);
+    }
     stg->shard = shard_model;
     stg->shard_ud = dp;
     return FL_OK;
@@ -294,7 +337,7 @@ static fl_status gather_whole(fl_dp *dp, const void *shard, size_t es, void *ful
     fl_dtype w = es == 4 ? FL_F32 : FL_BF16;
     for (int g = 0; s == FL_OK && g < f->G; g++) {
         char *dst = full ? (char *)full + f->m->layout.group_offset[g] * es : tmp;
-        s = fl_comm_all_gather(dp->comm, (const char *)shard + f->loc[g] * es, dst, f->n[g], w);
+        s = fl_comm_all_gather(f->sc, (const char *)shard + f->loc[g] * es, dst, f->n[g], w); /* HYBRID: in the node */
     }
     free(tmp);
     return fl_error_prefix(s, "FSDP: gathering the whole parameters or state");
@@ -311,6 +354,23 @@ fl_status fl_fsdp_whole_params(fl_dp *dp, void **out, size_t *bytes) {
         *out = NULL;
     }
     return s;
+}
+
+fl_status fl_fsdp_sum(fl_dp *dp, double *v, int n) {
+    if (!dp->node) return fl_dp_sum(dp, v, n);
+    const int w = fl_comm_size(dp->node);
+    if (w < 2 || n <= 0) return FL_OK;
+    double *all = malloc((size_t)n * w * sizeof *all);
+    if (!all) return fl_errorf(FL_ERR_OOM, "FSDP: out of host memory");
+    /* doubles as pairs of F32 words: an all-gather copies bits; the sum in rank order, as fl_dp_sum */
+    fl_status s = fl_comm_all_gather(dp->node, v, all, (size_t)n * 2 * w, FL_F32);
+    for (int i = 0; s == FL_OK && i < n; i++) {
+        double acc = 0;
+        for (int r = 0; r < w; r++) acc += all[(size_t)r * n + i];
+        v[i] = acc;
+    }
+    free(all);
+    return fl_error_prefix(s, "HYBRID_SHARD: summing over the node");
 }
 
 fl_status fl_fsdp_check_finite(fl_dp *dp, const fl_optimizer *o, int *found) {

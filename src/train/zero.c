@@ -31,10 +31,11 @@
 #include "../model/model-impl.h"
 
 const char *fl_dp_stage_name(const fl_dp *dp) {
-    return dp->stage == 1 ? "ZeRO-1" : dp->stage == 2 ? "ZeRO-2" : dp->stage == 3 ? "ZeRO-3 (FSDP FULL_SHARD)" : "DDP";
+    return dp->stage == 1 ? "ZeRO-1" : dp->stage == 2 ? "ZeRO-2" : dp->stage == 3 ? (dp->node ? "FSDP HYBRID_SHARD" : "ZeRO-3 (FSDP FULL_SHARD)") : "DDP";
 }
 
-static fl_status dist_sum(void *ud, double *v, int n) { return fl_dp_sum(ud, v, n); }
+/* stage 3: over the shard group (HYBRID_SHARD: each node holds every shard once) */
+static fl_status dist_sum(void *ud, double *v, int n) { return ((fl_dp *)ud)->fsdp ? fl_fsdp_sum(ud, v, n) : fl_dp_sum(ud, v, n); }
 
 /* 16-bit storage travels as BF16 words: an all-gather copies, it never adds */
 static fl_dtype word_type(fl_dtype t) { return fl_dtype_size(t) == 4 ? FL_F32 : FL_BF16; }
