@@ -188,7 +188,9 @@ expect plan_auto_lora_ddp_mem 0 "data parallel \(DDP\) over 2 ranks" -- "$FITLLM
 expect plan_auto_8bit_ddp 0 "strategy auto: DDP, since FULL_SHARD does not support AdamW8bit yet" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --optimizer bnb.optim.AdamW8bit
 expect plan_strategy_fsdp 0 "FSDP FULL_SHARD \(ZeRO-3\) over 2 ranks: rank 1's memory" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy fsdp --rank 1
 expect plan_fsdp_8bit_refused 2 "FULL_SHARD with AdamW8bit is not implemented yet" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy deepspeed_stage_3 --optimizer bnb.optim.AdamW8bit
-expect plan_hybrid_not_yet 2 "fsdp.sharding_strategy 'HYBRID_SHARD' is not implemented yet \(issue #14" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD
+expect plan_hybrid_rank 0 "FSDP HYBRID_SHARD over 2 nodes of 2 ranks: rank 3's memory" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --num_nodes 2 --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD --rank 3
+# (one node: HYBRID_SHARD is FULL_SHARD)
+expect plan_hybrid_one_node 0 "FSDP FULL_SHARD \(ZeRO-3\) over 2 ranks" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD
 expect plan_zero1_rank 0 "ZeRO-1 over 4 ranks: rank 3's memory: OPTIM for its chunk" -- "$FITLLM" plan tinyllama-1.1b --devices 4 --strategy deepspeed_stage_1 --rank 3
 expect plan_zero_rank_range 2 "plan --rank 4: the run has ranks 0..3" -- "$FITLLM" plan tinyllama-1.1b --devices 4 --strategy deepspeed_stage_2 --rank 4
 expect plan_zero_8bit 0 "ZeRO-2 over 2 ranks" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy deepspeed_stage_2 --optimizer bnb.optim.AdamW8bit

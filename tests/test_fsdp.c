@@ -442,6 +442,12 @@ FL_TEST(fsdp_threads_hybrid_bits_of_full_shard_and_ddp) {
     fjob *d = hrun(ZR_SGDM, 2, 1, "ddp", NULL, 1, 0, "ddp");
     FL_CHECKF(h1->rec[0].bytes && zr_same(&h1->rec[0], &d->rec[0]), "HYBRID_SHARD with one rank per node differs from "
               "DDP in bits");
+    /* and the same bytes on the wire per step: the nodes' all-reduce of every unit is DDP's (N = 2: a rank sends
+     * count elements per all-reduce either way), the node groups of one rank move nothing; counted over the
+     * node and replica communicators too */
+    FL_CHECKF(h1->res[0].comm_sent_last_step == d->res[0].comm_sent_last_step && d->res[0].comm_sent_last_step > 0,
+              "bytes sent in the last step: HYBRID 2 x 1 %llu, DDP %llu", h1->res[0].comm_sent_last_step,
+              d->res[0].comm_sent_last_step);
     for (int r = 0; r < 2; r++) { /* each rank holds the whole model as its shard, and the plan says so */
         char why[2048];
         int bad = zr_check_fsdp_memory(&h1->cfg, r, 2, &h1->res[r], 0, why, sizeof why);

@@ -36,6 +36,17 @@ fl_status fl_dp_device_comm(fl_dp *dp, const fl_backend *be) {
     return FL_OK;
 }
 
+unsigned long long fl_dp_sent(const fl_dp *dp) {
+    const fl_comm *cs[3] = {dp->comm, dp->node, dp->rep};
+    unsigned long long sent = 0;
+    for (int i = 0; i < 3; i++) {
+        fl_comm_traffic t;
+        fl_comm_get_traffic(cs[i], &t); /* zeros for NULL */
+        sent += t.sent;
+    }
+    return sent;
+}
+
 /* Doubles travel as pairs of F32 words: all-gather copies bits, it never adds. */
 fl_status fl_dp_gather(fl_dp *dp, const double *v, int n, double *all) {
     if (!dp->comm) {

@@ -50,6 +50,9 @@ void fl_dp_done(fl_dp *dp);
  * broadcast then go through it, the host-side sums stay on dp->comm. Collective. No-op in one
  * process or when the backend has none. */
 fl_status fl_dp_device_comm(fl_dp *dp, const fl_backend *be);
+/* Bytes this rank has sent over its host communicators: the world's, and HYBRID_SHARD's node and
+ * replica groups (fl_comm_traffic). */
+unsigned long long fl_dp_sent(const fl_dp *dp);
 /* The communicator of the backend's buffers (gradients, parameters). */
 static inline fl_comm *fl_dp_dcomm(const fl_dp *dp) { return dp->dev ? dp->dev : dp->comm; }
 /* Whether global micro-batch j (0-based within its step or evaluation) is this rank's. */
