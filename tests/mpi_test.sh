@@ -5,7 +5,8 @@
 #     resumes in one process; ZeRO's checkpoints equal DDP's; --devices mismatch), and started
 #     without a launcher (it runs mpirun itself: the same bits, root and oversubscription handled);
 #     a sharded checkpoint saved at 3 ranks resumes at 2 and merge_shards consolidates it (also FULL_SHARD's);
-#     HYBRID_SHARD with 2 ranks as 2 nodes (= DDP's checkpoints) and pretrain's auto across nodes;
+#     HYBRID_SHARD with 2 ranks as 2 nodes (= DDP's checkpoints), 4 as 2 x 2 and 4 x 1 (ddp_mpi_test.c: every
+#     peak = the plan, MPI = threads) and pretrain's auto across nodes;
 #   - every collective/dtype/op/count at 2 and 4 ranks, checked against the specification, float64,
 #     a second run and the threads implementation's bits (tests/mpi/comm_mpi_test.c);
 #   - faults: one rank calls fl_comm_abort, or exits non-zero without a word, while the others wait:
