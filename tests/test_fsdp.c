@@ -433,11 +433,13 @@ FL_TEST(fsdp_threads_hybrid_2x2_vs_one_process_and_plan) {
  * gradient sum is the nodes' in rank order, DDP's (accumulation 1, no clipping: DDP's norm adds the
  * world's chunks, HYBRID's the one shard's). */
 FL_TEST(fsdp_threads_hybrid_bits_of_full_shard_and_ddp) {
+#if !defined(__SANITIZE_ADDRESS__) /* (make test time: on one node no HYBRID code runs; the release pass checks it) */
     fjob *h = hrun(ZR_SGDM, 1, 2, "fsdp", "HYBRID_SHARD", 0, 0.05f, "one-node");
     fjob *fs = hrun(ZR_SGDM, 1, 2, "fsdp", "FULL_SHARD", 0, 0.05f, "one-node-fs");
     FL_CHECKF(h->rec[0].bytes && zr_same(&h->rec[0], &fs->rec[0]), "HYBRID_SHARD on one node differs from FULL_SHARD");
     free_fjob(h);
     free_fjob(fs);
+#endif
     fjob *h1 = hrun(ZR_SGDM, 2, 1, "fsdp", "HYBRID_SHARD", 1, 0, "per-node-1");
     fjob *d = hrun(ZR_SGDM, 2, 1, "ddp", NULL, 1, 0, "ddp");
     FL_CHECKF(h1->rec[0].bytes && zr_same(&h1->rec[0], &d->rec[0]), "HYBRID_SHARD with one rank per node differs from "
