@@ -57,7 +57,7 @@
  * rank-order sum reassociated ((g0 + g1) + (g2 + g3) where DDP adds ((g0 + g1) + g2) + g3; with one
  * rank per node it IS DDP's order, with one node it is FULL_SHARD), within tests/ddp_ref.h's bound.
  * The clipping norm sums each distinct shard once: over the node (fl_fsdp_sum), not over the
- * replicas. Checkpoints: consolidated ones are gathered within each node (rank 0 writes); sharded
+ * replicas. Checkpoints: consolidated ones are gathered within node 0 (rank 0 writes); sharded
  * ones are written by node 0's ranks (shard_ckpt.c). HYBRID on one node is FULL_SHARD (no split). */
 #include <stdlib.h>
 #include <string.h>
@@ -327,15 +327,17 @@ int fl_fsdp_ranges(const fl_dp *dp, size_t *flat_off, size_t *shard_off, size_t 
 
 /* full[go[g] ..] (every unit, layout order) = the units gathered from the ranks' shards `shard`
  * (elements of es bytes); one unit's buffer at a time (host memory, outside the pool: checkpoint
- * I/O staging). full may be NULL on ranks that only send (root >= 0 and rank != root). */
-static fl_status gather_whole(fl_dp *dp, const void *shard, size_t es, void *full) {
+ * I/O staging). full may be NULL on ranks that only send (root >= 0 and rank != root). node0: only
+ * node 0 gathers (HYBRID_SHARD's checkpoints: rank 0 writes; the other nodes hold the same bytes). */
+static fl_status gather_whole(fl_dp *dp, const void *shard, size_t es, void *full, int node0) {
     struct fl_fsdp *f = dp->fsdp;
     size_t cap = 0;
     for (int g = 0; g < f->G; g++) cap = f->n[g] > cap ? f->n[g] : cap;
-    char *tmp = full ? NULL : malloc(cap * es + 4);
-    fl_status s = fl_dp_agree(dp, full || tmp ? FL_OK : fl_errorf(FL_ERR_OOM, "FSDP: out of host memory"));
+    const int skip = node0 && f->rc && fl_comm_rank(f->rc) != 0;
+    char *tmp = full || skip ? NULL : malloc(cap * es + 4);
+    fl_status s = fl_dp_agree(dp, full || tmp || skip ? FL_OK : fl_errorf(FL_ERR_OOM, "FSDP: out of host memory"));
     fl_dtype w = es == 4 ? FL_F32 : FL_BF16;
-    for (int g = 0; s == FL_OK && g < f->G; g++) {
+    for (int g = 0; s == FL_OK && !skip && g < f->G; g++) {
         char *dst = full ? (char *)full + f->m->layout.group_offset[g] * es : tmp;
         s = fl_comm_all_gather(f->sc, (const char *)shard + f->loc[g] * es, dst, f->n[g], w); /* HYBRID: in the node */
     }
@@ -348,7 +350,7 @@ fl_status fl_fsdp_whole_params(fl_dp *dp, void **out, size_t *bytes) {
     fl_model *m = f->m;
     *bytes = m->layout.numel * f->es;
     *out = malloc(*bytes + 4);
-    fl_status s = gather_whole(dp, m->params ? (void *)m->params : (void *)m->p16, f->es, *out);
+    fl_status s = gather_whole(dp, m->params ? (void *)m->params : (void *)m->p16, f->es, *out, 0);
     if (s != FL_OK) {
         free(*out);
         *out = NULL;
@@ -435,12 +437,12 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
                                   : FL_OK;
     if (s == FL_OK && lead && o) s = whole_optim(o, n, &wm, &wo);
     s = fl_dp_agree(dp, s);
-    if (s == FL_OK) s = gather_whole(dp, m->params ? (void *)m->params : (void *)m->p16, f->es, params);
+    if (s == FL_OK) s = gather_whole(dp, m->params ? (void *)m->params : (void *)m->p16, f->es, params, 1);
     size_t ses = o ? state_es(o) : 4;
     const void *mine[3] = {o ? o->m : NULL, o ? o->v : NULL, o ? o->buf : NULL};
     void *dst[3] = {wo.m, wo.v, wo.buf};
     for (int k = 0; s == FL_OK && k < 3; k++)
-        if (mine[k]) s = gather_whole(dp, mine[k], ses, dst[k]);
+        if (mine[k]) s = gather_whole(dp, mine[k], ses, dst[k], 1);
     if (s == FL_OK && write) s = fl_ckpt_save(out_dir, name, &wm, o ? &wo : NULL, st, cfg, tok_dir);
     if (lead && o) whole_optim_free(&wo);
     free(params);
