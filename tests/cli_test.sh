@@ -112,7 +112,7 @@ expect finetune_underscore_int 0 "Saved the final model" -- "$FITLLM" finetune_f
 # data parallel: --devices N without a launcher starts its ranks through mpirun (tests/mpi_test.sh);
 # where it cannot (FITLLM_MPIRUN=none, a build without MPI, a rank of its own mpirun that sees no
 # launcher) and across nodes (the hosts are unknown) it prints the exact mpirun command;
-# what is not implemented yet (HYBRID_SHARD, offload) says so, never mapped
+# what is not implemented yet (_HYBRID_SHARD_ZERO2, offload) says so, never mapped
 # onto something else
 NOLAUNCH=(env -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u PMI_RANK -u PMI_SIZE -u SLURM_PROCID -u RANK -u WORLD_SIZE
           -u FITLLM_LAUNCHED)
@@ -133,7 +133,7 @@ for pat in "--devices 2 x --num_nodes 2 asks for 4 ranks on 2 machines, .*hostfi
 done
 [ -e "$T/d1" ] && { echo "FAIL ddp_without_launcher_writes_nothing: $T/d1 exists"; fail=$((fail+1)); }
 expect zero_stage3_offload_not_yet 2 "strategy 'deepspeed_stage_3_offload' is not implemented yet \(issue #14" -- "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload --out_dir "$T/d2"
-expect zero_hybrid_not_yet 2 "fsdp.sharding_strategy 'HYBRID_SHARD' is not implemented yet" -- "$FITLLM" finetune_full micro --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD --out_dir "$T/d2"
+expect zero_hybrid_zero2_not_yet 2 "fsdp.sharding_strategy '_HYBRID_SHARD_ZERO2' is not implemented yet" -- "$FITLLM" finetune_full micro --strategy fsdp --fsdp.sharding_strategy _HYBRID_SHARD_ZERO2 --out_dir "$T/d2"
 expect zero_sharding_unknown 2 "fsdp.sharding_strategy 'ZERO9': unknown" -- "$FITLLM" finetune_full micro --strategy fsdp --fsdp.sharding_strategy ZERO9 --out_dir "$T/d2"
 # one process: every strategy trains as one process does (FULL_SHARD of one rank holds everything)
 expect fsdp_one_process 0 "Saved the final model" -- "$FITLLM" finetune_full micro --strategy fsdp --train.max_steps 1 \
@@ -193,7 +193,9 @@ expect plan_auto_8bit_fsdp 0 "strategy auto: fsdp FULL_SHARD, as LitGPT's finetu
 expect plan_auto_16true_fsdp 0 "strategy auto: fsdp FULL_SHARD, as LitGPT's finetune_full" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --precision 16-true
 expect plan_strategy_fsdp 0 "FSDP FULL_SHARD \(ZeRO-3\) over 2 ranks: rank 1's memory" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy fsdp --rank 1
 expect plan_fsdp_8bit 0 "FSDP FULL_SHARD \(ZeRO-3\) over 2 ranks" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy deepspeed_stage_3 --optimizer bnb.optim.AdamW8bit
-expect plan_hybrid_not_yet 2 "fsdp.sharding_strategy 'HYBRID_SHARD' is not implemented yet \(issue #14" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD
+expect plan_hybrid_rank 0 "FSDP HYBRID_SHARD over 2 nodes of 2 ranks: rank 3's memory" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --num_nodes 2 --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD --rank 3
+# (one node: HYBRID_SHARD is FULL_SHARD)
+expect plan_hybrid_one_node 0 "FSDP FULL_SHARD \(ZeRO-3\) over 2 ranks" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD
 expect plan_zero1_rank 0 "ZeRO-1 over 4 ranks: rank 3's memory: OPTIM for its chunk" -- "$FITLLM" plan tinyllama-1.1b --devices 4 --strategy deepspeed_stage_1 --rank 3
 expect plan_zero_rank_range 2 "plan --rank 4: the run has ranks 0..3" -- "$FITLLM" plan tinyllama-1.1b --devices 4 --strategy deepspeed_stage_2 --rank 4
 expect plan_zero_8bit 0 "ZeRO-2 over 2 ranks" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy deepspeed_stage_2 --optimizer bnb.optim.AdamW8bit

@@ -6,6 +6,8 @@
 #     resumes in one process; ZeRO's checkpoints equal DDP's; --devices mismatch), and started
 #     without a launcher (it runs mpirun itself: the same bits, root and oversubscription handled);
 #     a sharded checkpoint saved at 3 ranks resumes at 2 and merge_shards consolidates it (also FULL_SHARD's);
+#     HYBRID_SHARD with 2 ranks as 2 nodes (= DDP's checkpoints), 4 as 2 x 2 and 4 x 1 (ddp_mpi_test.c: every
+#     peak = the plan, MPI = threads) and pretrain's auto across nodes;
 #   - every collective/dtype/op/count at 2 and 4 ranks, checked against the specification, float64,
 #     a second run and the threads implementation's bits (tests/mpi/comm_mpi_test.c);
 #   - faults: one rank calls fl_comm_abort, or exits non-zero without a word, while the others wait:
@@ -207,6 +209,41 @@ if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000002 (step 2, iter 
 else
     bad "fsdp_checkpoint_resumes_in_one_process" "exit $rc"
 fi
+# HYBRID_SHARD with the 2 ranks presented as 2 nodes of 1 (--devices 1 --num_nodes 2: the shard groups follow
+# --devices, whatever the launcher's local ranks): each node's shard is the whole model and the gradients are
+# all-reduced across the nodes in rank order, DDP's sum; at accumulation 1 without clipping the checkpoints hold
+# DDP's bits (weights and the momentum buffer). The bare-instruction prompt makes the micro-batches differ (the
+# Alpaca template's first 47 tokens are the same in every sample). Then pretrain's auto across the 2 nodes is HYBRID.
+HARGS=(micro --data.n_train 51 --data.n_val 7 --data.prompt_style default --train.micro_batch_size 2
+       --train.global_batch_size 4 --train.max_steps 3 --train.save_interval 2 --train.max_seq_length 20
+       --eval.max_new_tokens 0 --threads 1 --devices 1 --num_nodes 2
+       --optimizer.class_path SGD --optimizer.momentum 0.9 --optimizer.lr 0.05)
+hok=1
+timeout 300 mpirun -np 2 "$FL" finetune_full "${HARGS[@]}" --strategy ddp --out_dir "$T/hy-ddp" >"$T/out" 2>&1 || { hok=0; bad "hybrid_cli_np2_ddp" "exit $?"; }
+timeout 300 mpirun -np 2 "$FL" finetune_full "${HARGS[@]}" --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD \
+    --out_dir "$T/hy" >"$T/out" 2>&1 || { hok=0; bad "hybrid_cli_np2" "exit $?"; }
+if [ $hok = 1 ]; then
+    hsame=1
+    for ck in step-000002 final; do
+        cmp -s "$T/hy-ddp/$ck/model.safetensors" "$T/hy/$ck/model.safetensors" || hsame=0
+        cmp -s <(tail -c 1040128 "$T/hy-ddp/$ck/training_state.safetensors") \
+               <(tail -c 1040128 "$T/hy/$ck/training_state.safetensors") || hsame=0
+    done
+    if [ $hsame = 1 ] && grep -q "data parallel (FSDP HYBRID_SHARD, strategy fsdp): 2 ranks" "$T/out" \
+        && grep -q "then an all-reduce of the piece across the nodes" "$T/out"; then
+        ok "hybrid_cli_np2_as_2_nodes (checkpoints = DDP's, bit for bit)"
+    else
+        bad "hybrid_cli_np2_as_2_nodes" "checkpoints differ from DDP's ($hsame) or the report lacks HYBRID's lines"
+    fi
+fi
+timeout 300 mpirun -np 2 "$FL" pretrain --model_name micro --data Synthetic --train.max_tokens 400 --train.micro_batch_size 2 \
+    --train.global_batch_size 4 --train.max_seq_length 20 --eval.max_new_tokens 0 --threads 1 --devices 1 --num_nodes 2 \
+    --out_dir "$T/hy-pt" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 0 ] && grep -q "data parallel (FSDP HYBRID_SHARD, strategy auto: fsdp HYBRID_SHARD, as LitGPT's pretrain" "$T/out"; then
+    ok "hybrid_pretrain_auto_across_nodes"
+else
+    bad "hybrid_pretrain_auto_across_nodes" "exit $rc"
+fi
 # the same FULL_SHARD run with sharded checkpoints: each rank writes its pieces of every unit (a list of ranges per
 # buffer); merge_shards and final/'s export = the consolidated run's model.safetensors, and one process resumes it
 # to the bits of resuming the consolidated checkpoint
@@ -306,6 +343,7 @@ fault() {
 }
 fault mpi_abort_ends_all_ranks abort "rank 3 of 4 aborting: abort test"
 fault mpi_dead_rank_ends_all_ranks die "Exit code: +7"
+fault mpi_abort_on_a_split_ends_all_ranks abort_split "rank 1 of 2 aborting: abort test"
 
 # torchrun-style variables without an MPI launcher: refused with the command to run
 env -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE RANK=1 WORLD_SIZE=2 "$BIN" >"$T/out" 2>&1; rc=$?

@@ -7,7 +7,8 @@
 # the same run as 2 ranks on one node (the same bits: the reductions are deterministic, whatever the
 # transport) and against one process with the same global batch (losses within 1e-6 relative, the
 # issue's bound; the parameters differ by float grouping, tests/ddp_ref.h), and that the gradients
-# really crossed the veth (bytes sent by the second namespace >= the all-reduces' volume).
+# really crossed the veth (bytes sent by the second namespace >= the all-reduces' volume); and HYBRID_SHARD
+# across the two nodes against one process.
 # Skips (exit 0, "SKIP: ...") when not root, without iproute2, MPI or mpirun, or where namespaces or
 # veth pairs cannot be created (containers without CAP_NET_ADMIN / CAP_SYS_ADMIN).
 # Usage: tests/netns_test.sh [build-dir [one-node-run]]  (one-node-run: the out_dir of `mpirun -np 2 fitllm
@@ -111,6 +112,28 @@ if [ $rc -eq 0 ] && awk -v w="$worst" 'BEGIN { exit !(w ~ /^[0-9.e+-]+$/ && w + 
     ok "netns_two_nodes_vs_one_process (16 losses, worst relative difference $worst)"
 else
     bad "netns_two_nodes_vs_one_process" "exit $rc, worst $worst"
+fi
+
+# HYBRID_SHARD across the two namespaces (2 nodes x 1 rank: each node's shard is the whole model, the gradients
+# all-reduced across the nodes over TCP), on micro-batches that differ (the bare instruction, 20 tokens; the Alpaca
+# template's first 47 tokens are the same in every sample): every logged loss within 1e-6 relative of one process
+HARGS=(micro --data.n_train 51 --data.n_val 7 --data.prompt_style default --train.micro_batch_size 2
+       --train.global_batch_size 8 --train.max_steps 3 --train.max_seq_length 20 --eval.max_new_tokens 0 --threads 1)
+timeout 60 ip netns exec "$NA" mpirun -np 2 --hostfile "$T/hosts" --mca plm_rsh_agent "$T/rsh" \
+    --mca btl tcp,self --mca btl_tcp_if_include $NET --mca oob_tcp_if_include $NET --bind-to none -x OMP_NUM_THREADS \
+    "$FL" finetune_full "${HARGS[@]}" --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD --num_nodes 2 --devices 1 \
+    --out_dir "$T/hnodes" >"$T/out" 2>&1; rc=$?
+grep -q "data parallel (FSDP HYBRID_SHARD, strategy fsdp): 2 ranks over mpi (Open MPI (mpirun): rank 0 of 2, local rank 0 of 1)" \
+    "$T/out" || rc=99
+[ $rc -eq 0 ] && { timeout 60 "$FL" finetune_full "${HARGS[@]}" --out_dir "$T/hone" >"$T/out" 2>&1 || rc=98; }
+worst=$(paste -d, <(cut -d, -f1,4 "$T/hone/logs/metrics.csv" 2>/dev/null) <(cut -d, -f1,4 "$T/hnodes/logs/metrics.csv" 2>/dev/null) | awk -F, '
+    NR > 1 && $2 != "" { if ($1 != $3) { print "iter mismatch"; exit } n++
+                         d = ($2 - $4) / $2; if (d < 0) d = -d; if (d > w) w = d }
+    END { if (n < 12) print "only " n " losses"; else printf "%.3g\n", w }')
+if [ $rc -eq 0 ] && awk -v w="$worst" 'BEGIN { exit !(w ~ /^[0-9.e+-]+$/ && w + 0 <= 1e-6) }'; then
+    ok "netns_two_nodes_hybrid_shard_vs_one_process (12 losses, worst relative difference $worst)"
+else
+    bad "netns_two_nodes_hybrid_shard_vs_one_process" "exit $rc, worst $worst"
 fi
 
 secs=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')

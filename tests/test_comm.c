@@ -523,3 +523,138 @@ FL_TEST(comm_traffic_counts) {
     FL_CHECK(t1.sent == 0 && t1.received == 0 && t1.calls[FL_COLL_ALL_REDUCE] == 1);
     fl_comm_destroy(s1);
 }
+
+/* ---- sub-communicators (fl_comm_split) --------------------------------------------------------- */
+
+/* 6 ranks as 2 "nodes" of 3 (color rank / 3) and 3 replica groups (color rank % 3, key -rank: the
+ * reversed order), then a split of a split. Integer-valued data: every sum is exact, so the
+ * expected values are written out. */
+typedef struct {
+    int bad[6];
+    char msg[6][256];
+    fl_comm_traffic parent_before[6], parent_after[6], node_t[6];
+} split_ctx;
+
+static fl_status split_rank(fl_comm *c, int rank, void *ud) {
+    split_ctx *x = ud;
+    float v[7];
+    for (int i = 0; i < 7; i++) v[i] = (float)(rank * 10 + i);
+    FL_TRY(fl_comm_all_reduce(c, v, v, 7, FL_F32, FL_COMM_SUM)); /* some parent traffic first */
+    fl_comm_get_traffic(c, &x->parent_before[rank]);
+    fl_comm *node = NULL, *rep = NULL, *half = NULL;
+    FL_TRY(fl_comm_split(c, rank / 3, rank, &node));
+    fl_status s = fl_comm_split(c, rank % 3, -rank, &rep);
+    fl_comm_get_traffic(c, &x->parent_after[rank]);
+    int n0 = rank / 3 * 3, bad = 0;
+#define SPLIT_BAD(cond, ...) do { if (!bad && (cond)) { bad = 1; snprintf(x->msg[rank], sizeof x->msg[rank], __VA_ARGS__); } } while (0)
+    if (s == FL_OK) {
+        SPLIT_BAD(fl_comm_size(node) != 3 || fl_comm_rank(node) != rank - n0, "node: rank %d of %d", fl_comm_rank(node),
+                  fl_comm_size(node));
+        /* key -rank: rank 3+j is replica rank 0, rank j rank 1 */
+        SPLIT_BAD(fl_comm_size(rep) != 2 || fl_comm_rank(rep) != (rank < 3), "replica: rank %d of %d", fl_comm_rank(rep),
+                  fl_comm_size(rep));
+        SPLIT_BAD(strcmp(fl_comm_impl_name(node), "threads"), "implementation %s", fl_comm_impl_name(node));
+        /* node all-reduce: sum over the node's 3 ranks; replica reduce-scatter: over the two nodes */
+        for (int i = 0; i < 7; i++) v[i] = (float)(rank * 10 + i);
+        s = fl_comm_all_reduce(node, v, v, 7, FL_F32, FL_COMM_SUM);
+        for (int i = 0; s == FL_OK && i < 7; i++)
+            SPLIT_BAD(v[i] != (float)(10 * (3 * n0 + 3) + 3 * i), "node sum [%d] = %g", i, v[i]);
+        float w[5], mine[3];
+        for (int i = 0; i < 5; i++) w[i] = (float)(rank + 100 * i);
+        size_t off, len;
+        fl_comm_chunk(5, 2, fl_comm_rank(rep), &off, &len);
+        if (s == FL_OK) s = fl_comm_reduce_scatter(rep, w, mine, 5, FL_F32, FL_COMM_SUM);
+        for (size_t i = 0; s == FL_OK && i < len; i++)
+            SPLIT_BAD(mine[i] != (float)(2 * (rank % 3) + 3 + 200 * (off + i)), "replica sum [%zu] = %g", off + i, mine[i]);
+        /* broadcast from the node's rank 1; a nested split of the node into {0} and {1, 2} */
+        float b = (float)rank;
+        if (s == FL_OK) s = fl_comm_broadcast(node, &b, 1, FL_F32, 1);
+        SPLIT_BAD(s == FL_OK && b != (float)(n0 + 1), "broadcast gave %g", b);
+        if (s == FL_OK) s = fl_comm_split(node, fl_comm_rank(node) > 0, 0, &half);
+        if (s == FL_OK) {
+            SPLIT_BAD(fl_comm_size(half) != (rank == n0 ? 1 : 2), "nested: size %d", fl_comm_size(half));
+            float h = 1;
+            s = fl_comm_all_reduce(half, &h, &h, 1, FL_F32, FL_COMM_SUM);
+            SPLIT_BAD(s == FL_OK && h != (float)fl_comm_size(half), "nested sum %g", h);
+        }
+        fl_comm_get_traffic(node, &x->node_t[rank]);
+    }
+#undef SPLIT_BAD
+    x->bad[rank] = bad;
+    fl_comm_destroy(half);
+    fl_comm_destroy(rep);
+    fl_comm_destroy(node);
+    return s;
+}
+
+FL_TEST(comm_threads_split) {
+    split_ctx x;
+    memset(&x, 0, sizeof x);
+    FL_REQUIRE_OK(fl_comm_threads_run(6, split_rank, &x));
+    for (int r = 0; r < 6; r++) {
+        FL_CHECKF(!x.bad[r], "rank %d: %s", r, x.msg[r]);
+        /* the split's own exchange is not training traffic; the node counts its own collectives */
+        FL_CHECK(!memcmp(&x.parent_before[r], &x.parent_after[r], sizeof x.parent_after[r]));
+        FL_CHECK(x.node_t[r].calls[FL_COLL_ALL_REDUCE] == 1 && x.node_t[r].calls[FL_COLL_BROADCAST] == 1);
+        size_t off, len;
+        fl_comm_chunk(7, 3, r % 3, &off, &len);
+        /* node all-reduce of 7 fp32 (2 x (7 - len + 2 len)) + broadcast of 1 from rank 1 (2 out, or 1 in) */
+        unsigned long long want = 4ull * ((7 - len) + 2 * len) + (r % 3 == 1 ? 4ull * 2 : 0);
+        FL_CHECKF(x.node_t[r].sent == want, "rank %d: node sent %llu, want %llu", r, x.node_t[r].sent, want);
+    }
+    /* size 1 splits into size 1 */
+    fl_comm *s1, *sub;
+    FL_REQUIRE_OK(fl_comm_init_single(&s1));
+    FL_REQUIRE_OK(fl_comm_split(s1, 7, 0, &sub));
+    FL_CHECK(fl_comm_size(sub) == 1 && fl_comm_rank(sub) == 0);
+    fl_comm *bad = NULL;
+    FL_CHECK(fl_comm_split(s1, -1, 0, &bad) == FL_ERR_INVALID && bad == NULL);
+    fl_comm_destroy(sub);
+    fl_comm_destroy(s1);
+}
+
+/* A rank that aborts on its node's group ends the calls of every rank, whichever group they wait in:
+ * 4 ranks as 2 nodes x 2; rank 0 aborts its node group; rank 1 waits there, rank 2 in the replica
+ * group {0, 2}, rank 3 in {1, 3} (for rank 1) and the parent would not help any of them. */
+typedef struct {
+    fl_status st[4];
+    char msg[4][1024];
+    double t[4];
+} split_abort_ctx;
+
+static fl_status split_abort_rank(fl_comm *c, int rank, void *ud) {
+    split_abort_ctx *x = ud;
+    fl_comm *node = NULL, *rep = NULL;
+    FL_TRY(fl_comm_split(c, rank / 2, rank, &node));
+    fl_status s = fl_comm_split(c, rank % 2, rank, &rep);
+    double t0 = now_s();
+    float v[4] = {0};
+    if (s == FL_OK) {
+        if (rank == 0) {
+            usleep(50000);
+            fl_comm_abort(node, 3, "test failure on the node group");
+        } else if (rank == 1) {
+            s = fl_comm_all_reduce(node, v, v, 4, FL_F32, FL_COMM_SUM);
+        } else {
+            s = fl_comm_all_reduce(rep, v, v, 4, FL_F32, FL_COMM_SUM);
+        }
+    }
+    x->st[rank] = s;
+    snprintf(x->msg[rank], sizeof x->msg[rank], "%s", s == FL_OK ? "" : fl_error_message());
+    x->t[rank] = now_s() - t0;
+    fl_comm_destroy(rep);
+    fl_comm_destroy(node);
+    return FL_OK;
+}
+
+FL_TEST(comm_threads_split_abort) {
+    split_abort_ctx x;
+    memset(&x, 0, sizeof x);
+    FL_REQUIRE_OK(fl_comm_threads_run(4, split_abort_rank, &x));
+    for (int r = 1; r < 4; r++) {
+        FL_CHECKF(x.st[r] == FL_ERR_IO, "rank %d: status %d", r, x.st[r]);
+        FL_CHECKF(strstr(x.msg[r], "rank 0 aborted") && strstr(x.msg[r], "test failure on the node group"), "rank %d: '%s'",
+                  r, x.msg[r]);
+        FL_CHECKF(x.t[r] < 5, "rank %d took %.1f s to notice", r, x.t[r]);
+    }
+}

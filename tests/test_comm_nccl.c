@@ -388,3 +388,33 @@ FL_TEST(comm_nccl_bootstrap_failures) {
     FL_CHECK(fl_comm_nccl_built() == (fl_nccl_cuda_api() != NULL));
     FL_CHECK(fl_comm_nccl_built() ? !strncmp(fl_comm_nccl_library(), "NCCL", 4) : !strcmp(fl_comm_nccl_library(), "none"));
 }
+
+/* fl_comm_split of an NCCL communicator (the stand-in): 4 ranks as 2 nodes x 2; the node group
+ * sums over its two ranks (exact values), a new host split underneath, destroyed with it. */
+typedef struct { int bad[4]; char msg[4][256]; } sp_ctx;
+static fl_status sp_rank(fl_comm *host, int rank, void *p) {
+    sp_ctx *x = p;
+    fl_comm *c = NULL, *node = NULL;
+    FL_TRY(fl_comm_nccl_create(host, fl_nccl_standin_api(), NULL, &c));
+    fl_status s = fl_comm_split(c, rank / 2, rank, &node);
+    float v[5];
+    for (int i = 0; i < 5; i++) v[i] = val(rank, i);
+    if (s == FL_OK) s = fl_comm_all_reduce(node, v, v, 5, FL_F32, FL_COMM_SUM);
+    if (s == FL_OK) {
+        x->bad[rank] = fl_comm_size(node) != 2 || fl_comm_rank(node) != rank % 2 || strcmp(fl_comm_impl_name(node), "nccl");
+        int n0 = rank / 2 * 2;
+        for (int i = 0; i < 5; i++)
+            if (v[i] != val(n0, i) + val(n0 + 1, i)) x->bad[rank] = 1;
+    }
+    snprintf(x->msg[rank], sizeof x->msg[rank], "%s", s == FL_OK ? "" : fl_error_message());
+    fl_comm_destroy(node);
+    fl_comm_destroy(c);
+    return s;
+}
+
+FL_TEST(comm_nccl_standin_split) {
+    sp_ctx x;
+    memset(&x, 0, sizeof x);
+    FL_REQUIRE_OK(fl_comm_threads_run(4, sp_rank, &x));
+    for (int r = 0; r < 4; r++) FL_CHECKF(!x.bad[r], "rank %d: wrong split or sum %s", r, x.msg[r]);
+}

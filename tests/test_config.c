@@ -236,7 +236,9 @@ FL_TEST(cfg_values_litgpt_spells) {
     FL_CHECKF(fl_cfg_validate(&c) == FL_OK, "%s", fl_error_message()); /* auto (FULL_SHARD) over 4 ranks (a launcher starts them) */
     FL_REQUIRE_OK(fl_cfg_set(&c, "strategy", "fsdp")); /* FULL_SHARD (ZeRO-3) over 4 ranks */
     FL_CHECKF(fl_cfg_validate(&c) == FL_OK, "%s", fl_error_message());
-    FL_REQUIRE_OK(fl_cfg_set(&c, "fsdp.sharding_strategy", "HYBRID_SHARD"));
+    FL_REQUIRE_OK(fl_cfg_set(&c, "fsdp.sharding_strategy", "HYBRID_SHARD")); /* FULL_SHARD within a node */
+    FL_CHECKF(fl_cfg_validate(&c) == FL_OK, "%s", fl_error_message());
+    FL_REQUIRE_OK(fl_cfg_set(&c, "fsdp.sharding_strategy", "_HYBRID_SHARD_ZERO2"));
     FL_CHECK(fl_cfg_validate(&c) == FL_ERR_UNSUPPORTED && strstr(fl_error_message(), "not implemented yet"));
     FL_REQUIRE_OK(fl_cfg_set(&c, "fsdp.sharding_strategy", ""));
     FL_REQUIRE_OK(fl_cfg_set(&c, "strategy", "auto"));
@@ -471,11 +473,13 @@ FL_TEST(cfg_strategy_auto_resolution) {
                       strstr(sc.desc, "auto: DDP, since FULL_SHARD does not support "), "%s: %d %s", what, sc.stage,
                       sc.desc);
         } else {
-            FL_CHECKF(sc.stage == 3 && !strcmp(sc.strategy, "fsdp") && !strcmp(sc.sharding, "FULL_SHARD") &&
-                      strstr(sc.desc, "auto: fsdp FULL_SHARD"), "%s: %d %s", what, sc.stage, sc.desc);
-            /* pretrain across nodes: LitGPT's HYBRID_SHARD is not built, and the description says so */
-            FL_CHECKF(!!strstr(sc.desc, "not implemented") == (cmd == FL_CMD_PRETRAIN && nodes > 1), "%s: %s", what,
-                      sc.desc);
+            /* pretrain across nodes: LitGPT's HYBRID_SHARD (FULL_SHARD within a node); else FULL_SHARD */
+            const char *want = cmd == FL_CMD_PRETRAIN && nodes > 1 ? "HYBRID_SHARD" : "FULL_SHARD";
+            char wdesc[64];
+            snprintf(wdesc, sizeof wdesc, "auto: fsdp %s", want);
+            FL_CHECKF(sc.stage == 3 && !strcmp(sc.strategy, "fsdp") && !strcmp(sc.sharding, want) &&
+                      strstr(sc.desc, wdesc) && !strstr(sc.desc, "not implemented"), "%s: %d %s %s", what, sc.stage,
+                      sc.sharding, sc.desc);
         }
         /* activation checkpointing (train.activation_checkpointing null): on exactly where auto shards
          * finetune_full (LitGPT's finetune/full.py: activation_checkpointing_policy={Block}); given: as given */

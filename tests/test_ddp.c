@@ -128,7 +128,7 @@ FL_TEST(ddp_threads_devices_must_match_ranks) {
     FL_CHECK(fl_trainer_run(&c, NULL, 0, NULL, NULL, NULL) == FL_ERR_INVALID);
     FL_CHECKF(strstr(fl_error_message(), "mpirun -np 2") != NULL, "%s", fl_error_message());
     /* strategies of later steps name the issue */
-    FL_CHECK(fl_cfg_set(&c, "strategy", "fsdp") == FL_OK && fl_cfg_set(&c, "fsdp.sharding_strategy", "HYBRID_SHARD") == FL_OK);
+    FL_CHECK(fl_cfg_set(&c, "strategy", "fsdp") == FL_OK && fl_cfg_set(&c, "fsdp.sharding_strategy", "_HYBRID_SHARD_ZERO2") == FL_OK);
     FL_CHECK(fl_cfg_validate(&c) == FL_ERR_UNSUPPORTED);
     FL_CHECKF(strstr(fl_error_message(), "#14") != NULL, "%s", fl_error_message());
     FL_CHECK(fl_cfg_set(&c, "fsdp.sharding_strategy", "") == FL_OK);

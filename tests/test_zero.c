@@ -201,12 +201,16 @@ FL_TEST(zero_strategies_refused_clearly) {
     FL_CHECK(fl_cfg_zero_stage("fsdp", "NO_SHARD", &st) == FL_OK && st == 0);
     FL_CHECK(fl_cfg_zero_stage("ddp", "SHARD_GRAD_OP", &st) == FL_OK && st == 0);
     FL_CHECK(fl_cfg_zero_stage("auto", NULL, &st) == FL_OK && st == 0);
-    /* fsdp's default sharding is FULL_SHARD = ZeRO-3 (deepspeed_stage_3); HYBRID_SHARD and offload not yet */
+    /* fsdp's default sharding is FULL_SHARD = ZeRO-3 (deepspeed_stage_3); HYBRID_SHARD = ZeRO-3 within a node;
+     * _HYBRID_SHARD_ZERO2 and offload not yet */
     FL_CHECK(fl_cfg_zero_stage("fsdp", NULL, &st) == FL_OK && st == 3);
     FL_CHECK(fl_cfg_zero_stage("fsdp", "FULL_SHARD", &st) == FL_OK && st == 3);
     FL_CHECK(fl_cfg_zero_stage("deepspeed_stage_3", NULL, &st) == FL_OK && st == 3);
-    FL_CHECK(fl_cfg_zero_stage("fsdp", "HYBRID_SHARD", &st) == FL_ERR_UNSUPPORTED);
-    FL_CHECKF(strstr(fl_error_message(), "HYBRID_SHARD") && strstr(fl_error_message(), "#14"), "%s",
+    FL_CHECK(fl_cfg_zero_stage("fsdp", "HYBRID_SHARD", &st) == FL_OK && st == 3);
+    FL_CHECK(fl_cfg_hybrid_shard("fsdp", "HYBRID_SHARD") && !fl_cfg_hybrid_shard("fsdp", "FULL_SHARD") &&
+             !fl_cfg_hybrid_shard("deepspeed_stage_3", "HYBRID_SHARD"));
+    FL_CHECK(fl_cfg_zero_stage("fsdp", "_HYBRID_SHARD_ZERO2", &st) == FL_ERR_UNSUPPORTED);
+    FL_CHECKF(strstr(fl_error_message(), "_HYBRID_SHARD_ZERO2") && strstr(fl_error_message(), "#14"), "%s",
               fl_error_message());
     FL_CHECK(fl_cfg_zero_stage("deepspeed_stage_3_offload", NULL, &st) == FL_ERR_UNSUPPORTED);
     FL_CHECKF(strstr(fl_error_message(), "deepspeed_stage_3_offload") && strstr(fl_error_message(), "not implemented yet"),
@@ -216,7 +220,8 @@ FL_TEST(zero_strategies_refused_clearly) {
     FL_CHECK(fl_cfg_set(&c, "strategy", "fsdp") == FL_OK && fl_cfg_validate(&c) == FL_OK);
     FL_CHECK(fl_cfg_set(&c, "fsdp.sharding_strategy", "SHARD_GRAD_OP") == FL_OK && fl_cfg_validate(&c) == FL_OK);
     FL_CHECK(fl_cfg_set(&c, "fsdp.sharding_strategy", "FULL_SHARD") == FL_OK && fl_cfg_validate(&c) == FL_OK);
-    FL_CHECK(fl_cfg_set(&c, "fsdp.sharding_strategy", "HYBRID_SHARD") == FL_OK &&
+    FL_CHECK(fl_cfg_set(&c, "fsdp.sharding_strategy", "HYBRID_SHARD") == FL_OK && fl_cfg_validate(&c) == FL_OK);
+    FL_CHECK(fl_cfg_set(&c, "fsdp.sharding_strategy", "_HYBRID_SHARD_ZERO2") == FL_OK &&
              fl_cfg_validate(&c) == FL_ERR_UNSUPPORTED);
     FL_CHECK(fl_cfg_set(&c, "fsdp.sharding_strategy", "EVERYTHING") == FL_OK && fl_cfg_validate(&c) == FL_ERR_INVALID);
     FL_CHECK(fl_cfg_set(&c, "strategy", "deepspeed_stage_1") == FL_OK &&

@@ -389,14 +389,17 @@ static inline int zr_check_fsdp_memory(const fl_run_config *cfg, int rank, int w
     size_t o = 0, n = 0;
     why[0] = 0;
     fl_model_config mc;
-    size_t sh = zr_model_config(cfg, &mc) ? zr_fsdp_shard(&mc, world, rank, &n) : 0;
+    /* HYBRID_SHARD across nodes: FULL_SHARD within the node of --devices ranks (local rank = rank % devices) */
+    int hybrid = cfg->num_nodes > 1 && fl_cfg_hybrid_shard(cfg->strategy, cfg->sharding_strategy);
+    const int sw = hybrid ? cfg->devices : world, sr = hybrid ? rank % cfg->devices : rank;
+    size_t sh = zr_model_config(cfg, &mc) ? zr_fsdp_shard(&mc, sw, sr, &n) : 0;
     size_t es = fl_dtype_size(zr_store_dtype(cfg)), ses = !strcmp(cfg->precision, "bf16-true") ? 2 : 4;
     size_t states = cfg->optimizer.kind == FL_OPT_ADAMW ? 2 : cfg->optimizer.momentum != 0.0f ? 1 : 0;
     const fl_mem_phase *ph = NULL;
     for (int i = 0; i < res->n_phases; i++)
         if (!strcmp(res->phases[i].name, "after_opt_step")) ph = &res->phases[i];
     size_t optim = sh * states * ses, cut = 0;
-    if (sh && cfg->optimizer.kind == FL_OPT_ADAMW8BIT) optim = zr_fsdp_optim8(&mc, world, rank, &cut);
+    if (sh && cfg->optimizer.kind == FL_OPT_ADAMW8BIT) optim = zr_fsdp_optim8(&mc, sw, sr, &cut);
     if (!ph || !sh || ph->cur[FL_TAG_PARAMS] != sh * es || ph->cur[FL_TAG_GRADS] != sh * es ||
         ph->cur[FL_TAG_OPTIM] != optim || ph->cur[FL_TAG_GATHER] != 0) {
         bad++;
@@ -406,7 +409,7 @@ static inline int zr_check_fsdp_memory(const fl_run_config *cfg, int rank, int w
                               ph ? ph->cur[FL_TAG_OPTIM] : 0, ph ? ph->cur[FL_TAG_GATHER] : 0, sh * es, sh * es, optim,
                               sh, n);
     }
-    size_t gb = sh ? zr_fsdp_gather_bound(&mc, world, es, !strcmp(cfg->precision, "bf16-mixed") ? 2 : 0) : 0;
+    size_t gb = sh ? zr_fsdp_gather_bound(&mc, sw, es, !strcmp(cfg->precision, "bf16-mixed") ? 2 : 0) : 0;
     if (!(res->peak[FL_TAG_GATHER] > 0 && res->peak[FL_TAG_GATHER] <= gb)) {
         bad++;
         o += (size_t)snprintf(why + o, wn > o ? wn - o : 0, "rank %d GATHER peak %zu not in (0, %zu]; ", rank,

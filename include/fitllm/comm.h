@@ -136,6 +136,9 @@ typedef struct fl_comm_vtable {
     /* Tell every rank to stop: see fl_comm_abort. */
     void (*abort)(fl_comm *c, int code, const char *msg);
     void (*destroy)(fl_comm *c);
+    /* The group of c's ranks with this rank's color: see fl_comm_split. Collective over c. NULL:
+     * the implementation cannot split. */
+    fl_status (*split)(fl_comm *c, int color, int key, fl_comm **out);
 } fl_comm_vtable;
 
 /* Traffic of one rank since its communicator was created, counted by the dispatch layer on every
@@ -198,6 +201,19 @@ void fl_comm_set_pool(fl_comm *c, fl_mem_pool *pool);
 /* Bytes of scratch the collective takes on this rank while it is pending (what the planner
  * adds): MPI reductions (N-1) x len(rank) elements, otherwise 0. */
 size_t fl_comm_scratch_bytes(const fl_comm *c, fl_coll_kind kind, size_t count, fl_dtype dt);
+
+/* Sub-communicators (MPI_Comm_split's semantics): the ranks of c that pass the same color form one
+ * new group, ranked by (key, rank in c). Collective over c (every rank calls it at the same point;
+ * color >= 0). *out is a communicator of c's implementation (threads: a group of the same threads;
+ * mpi: MPI_Comm_split; nccl: a new NCCL communicator bootstrapped over the split host communicator;
+ * single: size 1) with the same collectives, conventions and bits at its size, its own traffic
+ * counters (from zero; the split's own exchange is not counted on c) and no scratch pool (set one
+ * with fl_comm_set_pool). local_rank / local_size: mpi asks MPI again (the ranks of the new group on
+ * this node), elsewhere the new rank and size. A failure or fl_comm_abort in any group of a job
+ * reaches every group of it (threads: the groups split from one fl_comm_threads_create share the
+ * failure; mpi: MPI_Abort of the whole job). Destroy *out with fl_comm_destroy before c.
+ * HYBRID_SHARD (src/train/fsdp.c) splits the world into its nodes and its replica groups. */
+fl_status fl_comm_split(fl_comm *c, int color, int key, fl_comm **out);
 
 /* The chunk of `rank` among `size` ranks for `count` elements (layout above). */
 void fl_comm_chunk(size_t count, int size, int rank, size_t *off, size_t *len);

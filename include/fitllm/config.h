@@ -78,7 +78,8 @@ typedef struct {
     char precision[16];               /* "32-true", "bf16-true", "bf16-mixed", "16-mixed", ... */
     int devices, num_nodes;           /* ranks = devices x num_nodes (data parallel over MPI) */
     char strategy[32];                /* auto, ddp, deepspeed_stage_1, deepspeed_stage_2, fsdp (Lightning's names) */
-    char sharding_strategy[32];       /* fsdp.sharding_strategy: "" (FULL_SHARD), FULL_SHARD, NO_SHARD, SHARD_GRAD_OP */
+    char sharding_strategy[32];       /* fsdp.sharding_strategy: "" (FULL_SHARD), FULL_SHARD, NO_SHARD, SHARD_GRAD_OP,
+                                       * HYBRID_SHARD */
     char state_dict_type[32];         /* fsdp.state_dict_type: "full" (one consolidated checkpoint, the default) or
                                          "sharded" (each rank writes its element ranges; any strategy) */
     char resume[FL_CFG_PATH];         /* "false", "true", "auto" or a checkpoint folder */
@@ -166,10 +167,14 @@ fl_status fl_cfg_validate(const fl_run_config *c);
  * fl_cfg_resolve_strategy), ddp and fsdp + NO_SHARD -> 0 (DDP),
  * deepspeed_stage_1 -> 1 (optimizer state sharded), deepspeed_stage_2 and fsdp + SHARD_GRAD_OP -> 2
  * (also the reduced gradients), deepspeed_stage_3 and fsdp + FULL_SHARD (fsdp's default) -> 3 (also the
- * parameters: src/train/fsdp.c). What is not built yet (HYBRID_SHARD, the offload variants) is
- * FL_ERR_UNSUPPORTED naming issue #14, never mapped onto something else; unknown names FL_ERR_INVALID.
- * sharding may be NULL. */
+ * parameters: src/train/fsdp.c), fsdp + HYBRID_SHARD -> 3 (FULL_SHARD within each node, replicated
+ * across nodes: fl_cfg_hybrid_shard). What is not built yet (_HYBRID_SHARD_ZERO2, the offload
+ * variants) is FL_ERR_UNSUPPORTED naming issue #14, never mapped onto something else; unknown names
+ * FL_ERR_INVALID. sharding may be NULL. */
 fl_status fl_cfg_zero_stage(const char *strategy, const char *sharding, int *stage);
+/* Whether strategy + sharding is HYBRID_SHARD: FULL_SHARD over the --devices ranks of each node
+ * (ranks node*devices .. node*devices + devices-1), replicated across the --num_nodes nodes. */
+int fl_cfg_hybrid_shard(const char *strategy, const char *sharding);
 /* fl_cfg_zero_stage with fsdp read as SHARD_GRAD_OP: whether the name is one fitllm runs. */
 fl_status fl_cfg_check_strategy(const char *strategy);
 
@@ -178,15 +183,16 @@ typedef struct {
     int stage;         /* ZeRO stage of the strategy run: 0 DDP (and auto in one process), 1, 2, 3 FULL_SHARD
                         * (LoRA: see dp.h); one process runs unsharded whatever it is */
     char strategy[32]; /* the strategy run: the one given, or auto's choice ("ddp" or "fsdp") */
-    char sharding[32]; /* its fsdp.sharding_strategy ("FULL_SHARD" for auto's fsdp, else the one given) */
+    char sharding[32]; /* its fsdp.sharding_strategy ("FULL_SHARD" or "HYBRID_SHARD" for auto's fsdp, else the one
+                        * given) */
     char desc[256];    /* for the run's description: "fsdp", "auto: fsdp FULL_SHARD (...)", "auto: DDP, since ..." */
     int act_ckpt;      /* activation checkpointing per block: train.activation_checkpointing when given; null:
                         * on where auto picks FSDP for finetune_full (LitGPT's finetune/full.py wraps each Block
                         * with activation_checkpointing_policy={Block} when it shards), else off */
 } fl_strategy_choice;
 /* --strategy auto (the default) per command as LitGPT does, for devices x num_nodes ranks:
- * finetune_full -> FSDP FULL_SHARD; pretrain -> LitGPT's HYBRID_SHARD, which on one node is
- * FULL_SHARD (across nodes HYBRID is not implemented: FULL_SHARD over all ranks, and desc says so);
+ * finetune_full -> FSDP FULL_SHARD; pretrain -> LitGPT's HYBRID_SHARD (num_nodes > 1; on one node
+ * it is FULL_SHARD, which auto names);
  * finetune_lora -> DDP over the adapters. Where FULL_SHARD refuses the configuration (device_comm:
  * a device-memory communicator) auto is DDP and desc says why. An explicit strategy is never changed; auto with one rank stays auto (stage 0). The
  * trainer (with its communicator) and the planner (--cuda) both resolve here. Errors as

@@ -35,8 +35,9 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "  mpirun, FITLLM_MPIRUN=none only prints the command); under mpirun or srun --mpi=pmix, devices x\n"
            "  num_nodes must equal the rank count. Several machines: mpirun -np N*M --hostfile HOSTS (the error\n"
            "  without a launcher prints the whole command). Needs a build with MPI (fitllm --version).\n"
-           "  --strategy auto (the default) is LitGPT's: finetune_full and pretrain FSDP FULL_SHARD, adapter\n"
-           "  fine-tuning DDP over the adapters; DDP where FULL_SHARD refuses the run (GPUs);\n"
+           "  --strategy auto (the default) is LitGPT's: finetune_full FSDP FULL_SHARD, pretrain HYBRID_SHARD\n"
+           "  (FULL_SHARD within each node of --devices ranks, replicated across the --num_nodes nodes; on one node\n"
+           "  FULL_SHARD), adapter fine-tuning DDP over the adapters; DDP where FULL_SHARD refuses the run (GPUs);\n"
            "  the run's \"data parallel (...)\" line names what auto chose and why.\n");
     printf("\nexit codes: 0 ok, 1 runtime error, 2 usage or config error, 3 out of memory\n");
 }

@@ -28,6 +28,12 @@ void fl_comm_scratch_free(fl_comm *c, void *p);
 /* Allocate and fill the common fields of a handle (impl-specific fields are the caller's). */
 fl_status fl_comm_alloc_handle(const fl_comm_vtable *vt, int rank, int size, fl_comm **out);
 
+/* fl_comm_split's membership, computed alike on every rank of c: every rank's (color, key) travels
+ * as bits (one all-gather over c, host memory: not for nccl handles); the ranks with this rank's
+ * color ordered by (key, rank in c). *members (malloc'd, *new_size entries): c's rank of each new
+ * rank; *new_rank: this rank's place. */
+fl_status fl_comm_split_members(fl_comm *c, int color, int key, int *new_rank, int *new_size, int **members);
+
 #ifdef FL_HAVE_MPI
 fl_status fl_comm_mpi_init(fl_comm **out, const fl_launch_info *li, int *argc, char ***argv);
 #endif

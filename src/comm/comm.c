@@ -314,6 +314,43 @@ fl_status fl_comm_barrier(fl_comm *c) {
     return c->vt->barrier(c);
 }
 
+fl_status fl_comm_split_members(fl_comm *c, int color, int key, int *new_rank, int *new_size, int **members) {
+    *members = NULL;
+    int32_t *all = malloc(((size_t)c->size * 2 + 2) * sizeof *all);
+    if (!all) return fl_comm_fail(c, FL_ERR_OOM, "split", "out of host memory");
+    int32_t *mine = all + (size_t)c->size * 2;
+    mine[0] = color, mine[1] = key;
+    /* int32 bits in F32 words: an all-gather copies, it never adds */
+    fl_status s = fl_comm_all_gather(c, mine, all, (size_t)c->size * 2, FL_F32);
+    int n = 0, *mem = s == FL_OK ? malloc((size_t)c->size * sizeof *mem) : NULL;
+    if (s == FL_OK && !mem) s = fl_comm_fail(c, FL_ERR_OOM, "split", "out of host memory");
+    if (s == FL_OK) {
+        for (int r = 0; r < c->size; r++) /* insertion by (key, rank): rank order is the tie-break */
+            if (all[2 * r] == color) {
+                int i = n++;
+                while (i > 0 && all[2 * mem[i - 1] + 1] > all[2 * r + 1]) mem[i] = mem[i - 1], i--;
+                mem[i] = r;
+            }
+        for (int i = 0; i < n; i++)
+            if (mem[i] == c->rank) *new_rank = i;
+        *new_size = n;
+        *members = mem;
+    }
+    free(all);
+    return s;
+}
+
+fl_status fl_comm_split(fl_comm *c, int color, int key, fl_comm **out) {
+    *out = NULL;
+    if (!c) return fl_errorf(FL_ERR_INVALID, "comm: split of a NULL communicator");
+    if (color < 0) return fl_comm_fail(c, FL_ERR_INVALID, "split", "color %d (must be >= 0)", color);
+    if (!c->vt->split) return fl_comm_fail(c, FL_ERR_UNSUPPORTED, "split", "this implementation cannot split");
+    fl_comm_traffic keep = c->traffic; /* set-up, not training traffic */
+    fl_status s = c->vt->split(c, color, key, out);
+    c->traffic = keep;
+    return s;
+}
+
 void fl_comm_abort(fl_comm *c, int code, const char *msg) {
     if (c) c->vt->abort(c, code, msg ? msg : "");
 }
@@ -381,6 +418,13 @@ static fl_status single_wait(fl_comm *c, fl_comm_req *r) {
 static void single_abort(fl_comm *c, int code, const char *msg) { (void)c; (void)code; (void)msg; }
 static void single_destroy(fl_comm *c) { free(c); }
 
+static fl_status single_split(fl_comm *c, int color, int key, fl_comm **out) {
+    (void)color, (void)key;
+    FL_TRY(fl_comm_init_single(out));
+    (*out)->launch = c->launch;
+    return FL_OK;
+}
+
 static const fl_comm_vtable k_single = {
     .name = "single",
     .iall_reduce = single_reduce,
@@ -392,6 +436,7 @@ static const fl_comm_vtable k_single = {
     .wait = single_wait,
     .abort = single_abort,
     .destroy = single_destroy,
+    .split = single_split,
 };
 
 fl_status fl_comm_init_single(fl_comm **out) { return fl_comm_alloc_handle(&k_single, 0, 1, out); }

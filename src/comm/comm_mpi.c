@@ -366,7 +366,8 @@ static void m_abort(fl_comm *c, int code, const char *msg) {
     mcomm *m = c->impl;
     fprintf(stderr, "fitllm: rank %d of %d aborting: %s\n", c->rank, c->size, msg);
     fflush(stderr);
-    MPI_Abort(m->comm, code ? code : 1);
+    (void)m; /* the whole job, whichever group (a split's) the failure was seen in */
+    MPI_Abort(MPI_COMM_WORLD, code ? code : 1);
 }
 
 static void m_destroy(fl_comm *c) {
@@ -382,6 +383,8 @@ static void m_destroy(fl_comm *c) {
     free(c);
 }
 
+static fl_status m_split(fl_comm *c, int color, int key, fl_comm **out);
+
 static const fl_comm_vtable k_mpi = {
     .name = "mpi",
     .iall_reduce = m_all_reduce,
@@ -393,7 +396,50 @@ static const fl_comm_vtable k_mpi = {
     .wait = m_wait,
     .abort = m_abort,
     .destroy = m_destroy,
+    .split = m_split,
 };
+
+/* local_rank / local_size of c: its ranks on this node (MPI's shared-memory split). */
+static int ask_local(fl_comm *c, MPI_Comm comm) {
+    MPI_Comm node = MPI_COMM_NULL;
+    int rc = MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, c->rank, MPI_INFO_NULL, &node);
+    if (rc == MPI_SUCCESS) {
+        MPI_Comm_rank(node, &c->local_rank);
+        MPI_Comm_size(node, &c->local_size);
+        MPI_Comm_free(&node);
+    }
+    return rc;
+}
+
+static fl_status m_split(fl_comm *c, int color, int key, fl_comm **out) {
+    mcomm *m = c->impl;
+    /* no request may be outstanding on c across a blocking split: fl_comm's users split at set-up */
+    MPI_Comm nc = MPI_COMM_NULL;
+    int rc = MPI_Comm_split(m->comm, color, key, &nc);
+    if (rc != MPI_SUCCESS) return mpi_fail(c, "split", "MPI_Comm_split", rc);
+    MPI_Comm_set_errhandler(nc, MPI_ERRORS_RETURN);
+    int rank = 0, size = 1;
+    MPI_Comm_rank(nc, &rank);
+    MPI_Comm_size(nc, &size);
+    mcomm *sm = calloc(1, sizeof *sm);
+    fl_comm *sc = NULL;
+    if (!sm || fl_comm_alloc_handle(&k_mpi, rank, size, &sc) != FL_OK) {
+        free(sm);
+        MPI_Comm_free(&nc);
+        return fl_comm_fail(c, FL_ERR_OOM, "split", "cannot allocate a handle");
+    }
+    sc->impl = sm;
+    sc->launch = c->launch;
+    sm->comm = nc; /* owns_init 0: only the first communicator finalizes MPI */
+    rc = ask_local(sc, nc);
+    if (rc != MPI_SUCCESS) {
+        fl_status s = mpi_fail(c, "split", "MPI_Comm_split_type", rc);
+        m_destroy(sc);
+        return s;
+    }
+    *out = sc;
+    return FL_OK;
+}
 
 /* What to tell a user whose launcher started `want` processes that MPI sees as `got`. */
 static const char *launch_hint(const fl_launch_info *li) {
@@ -444,13 +490,7 @@ fl_status fl_comm_mpi_init(fl_comm **out, const fl_launch_info *li, int *argc, c
     /* our own communicator: our tags never meet anyone else's messages */
     rc = MPI_Comm_dup(MPI_COMM_WORLD, &m->comm);
     if (rc == MPI_SUCCESS) rc = MPI_Comm_set_errhandler(m->comm, MPI_ERRORS_RETURN);
-    MPI_Comm node = MPI_COMM_NULL;
-    if (rc == MPI_SUCCESS) rc = MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
-    if (rc == MPI_SUCCESS) {
-        MPI_Comm_rank(node, &c->local_rank);
-        MPI_Comm_size(node, &c->local_size);
-        MPI_Comm_free(&node);
-    }
+    if (rc == MPI_SUCCESS) rc = ask_local(c, MPI_COMM_WORLD);
     if (rc != MPI_SUCCESS) {
         fl_status s = mpi_fail(c, "init", "MPI_Comm_dup/MPI_Comm_split_type", rc);
         free(m);

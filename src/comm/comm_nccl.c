@@ -32,6 +32,7 @@ typedef struct {
     void *stream;      /* this communicator's stream */
     void *ready;       /* event on the compute stream, re-recorded per collective */
     nreq *head;        /* outstanding requests */
+    int owns_host;     /* a split's: its host communicator (a split of the parent's host) is its own */
 } ncomm;
 
 static int nccl_dtype(fl_dtype dt) {
@@ -248,8 +249,25 @@ static void n_destroy(fl_comm *c) {
     }
     if (m->ready) m->api->event_destroy(m->ready);
     if (m->stream) m->api->stream_destroy(m->stream);
+    if (m->owns_host) fl_comm_destroy(m->host);
     free(m);
     free(c);
+}
+
+/* The host communicator is split (fl_comm_split: its implementation's), then a new NCCL communicator
+ * is bootstrapped over the part (a unique id from its rank 0, ncclCommInitRank): what ncclCommSplit
+ * does, through the calls the api table already has, so the stand-in and libnccl run the same path. */
+static fl_status n_split(fl_comm *c, int color, int key, fl_comm **out) {
+    ncomm *m = c->impl;
+    fl_comm *host = NULL;
+    FL_TRY(fl_comm_split(m->host, color, key, &host));
+    fl_status s = fl_comm_nccl_create(host, m->api, m->compute, out);
+    if (s != FL_OK) {
+        fl_comm_destroy(host);
+        return s;
+    }
+    ((ncomm *)(*out)->impl)->owns_host = 1;
+    return FL_OK;
 }
 
 static const fl_comm_vtable k_nccl = {
@@ -263,6 +281,7 @@ static const fl_comm_vtable k_nccl = {
     .wait = n_wait,
     .abort = n_abort,
     .destroy = n_destroy,
+    .split = n_split,
 };
 
 #define ID_WORDS (1 + FL_NCCL_ID_BYTES / 4) /* rank 0's status, then the id */

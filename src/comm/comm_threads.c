@@ -13,7 +13,14 @@
  * runs outside the lock; the counters under it. Waiting progresses all of the rank's outstanding
  * requests, so requests may be completed in any order without deadlock. A failure (a rank's
  * abort, mismatched calls, a timeout) breaks the whole group: every rank's pending and later
- * calls fail naming the cause. */
+ * calls fail naming the cause.
+ *
+ * Splits (fl_comm_split): the new group's rank 0 allocates it and its address travels to the
+ * members over the parent (an all-gather of the pointer's bits). Every group split from one
+ * fl_comm_threads_create shares a `family`: a group that breaks records its cause there too, and
+ * a rank waiting in any group of the family sees it within FAMILY_POLL_MS (its waits wake up that
+ * often while the family has more than one group), so one rank's failure ends every rank's calls
+ * as MPI_Abort ends every process. */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <stdint.h>
@@ -25,6 +32,13 @@
 #include "comm/comm-impl.h"
 
 #define SLOTS 64
+#define FAMILY_POLL_MS 20
+
+typedef struct {
+    pthread_mutex_t mu; /* a leaf lock: taken with a group's lock held, never the other way */
+    int broken, groups;
+    char why[1024];
+} family;
 
 typedef struct {
     int busy;
@@ -48,6 +62,7 @@ typedef struct {
     int broken;
     char why[1024]; /* the cause, reported by every rank */
     int refs;
+    family *fam;
 } group;
 
 typedef struct treq {
@@ -72,6 +87,26 @@ static void break_group(group *g, const char *fmt, ...) {
     va_end(ap);
     g->broken = 1;
     pthread_cond_broadcast(&g->cv);
+    pthread_mutex_lock(&g->fam->mu);
+    if (!g->fam->broken) {
+        g->fam->broken = 1;
+        memcpy(g->fam->why, g->why, sizeof g->why);
+    }
+    pthread_mutex_unlock(&g->fam->mu);
+}
+
+/* Another group of the family broke: this one breaks with its cause. Lock of g held. Returns
+ * whether the family has other groups (then waits poll). */
+static int family_sync(group *g) {
+    pthread_mutex_lock(&g->fam->mu);
+    int many = g->fam->groups > 1;
+    if (g->fam->broken && !g->broken) {
+        memcpy(g->why, g->fam->why, sizeof g->why);
+        g->broken = 1;
+        pthread_cond_broadcast(&g->cv);
+    }
+    pthread_mutex_unlock(&g->fam->mu);
+    return many;
 }
 
 static struct timespec deadline_after(double s) {
@@ -191,9 +226,19 @@ static fl_status wait_until(fl_comm *c, int (*cond)(fl_comm *, void *), void *ar
     group *g = t->g;
     struct timespec dl = deadline_after(g->timeout_s);
     for (;;) {
+        int many = family_sync(g);
         progress_all(c);
         if (g->broken) return fl_comm_fail(c, FL_ERR_IO, what, "%s", g->why);
         if (cond(c, arg)) return FL_OK;
+        if (many) { /* wake up every FAMILY_POLL_MS to look at the other groups */
+            struct timespec now, poll = deadline_after(FAMILY_POLL_MS / 1000.0);
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            int before_dl = poll.tv_sec < dl.tv_sec || (poll.tv_sec == dl.tv_sec && poll.tv_nsec < dl.tv_nsec);
+            if (before_dl) {
+                pthread_cond_timedwait(&g->cv, &g->mu, &poll);
+                continue;
+            }
+        }
         if (pthread_cond_timedwait(&g->cv, &g->mu, &dl) != 0) {
             progress_all(c);
             if (cond(c, arg)) return FL_OK;
@@ -299,6 +344,7 @@ static fl_status t_test(fl_comm *c, fl_comm_req *base, int *done) {
     treq *r = (treq *)base;
     fl_status st = FL_OK;
     pthread_mutex_lock(&t->g->mu);
+    family_sync(t->g);
     progress_all(c);
     *done = r->stage == 3;
     if (t->g->broken) {
@@ -325,6 +371,65 @@ static void t_abort(fl_comm *c, int code, const char *msg) {
     pthread_mutex_unlock(&t->g->mu);
 }
 
+static void group_free(group *g) {
+    for (int i = 0; i < SLOTS; i++) {
+        free(g->slots[i].send);
+        free(g->slots[i].recv);
+    }
+    pthread_mutex_destroy(&g->mu);
+    pthread_cond_destroy(&g->cv);
+    pthread_mutex_lock(&g->fam->mu);
+    int last = --g->fam->groups == 0;
+    pthread_mutex_unlock(&g->fam->mu);
+    if (last) {
+        pthread_mutex_destroy(&g->fam->mu);
+        free(g->fam);
+    }
+    free(g);
+}
+
+/* A group of n with no handles yet (refs = n: each member's handle holds one), in family fam
+ * (NULL: a new family). */
+static group *group_new(int n, double timeout_s, family *fam) {
+    group *g = calloc(1, sizeof *g);
+    if (!g) return NULL;
+    if (!fam) {
+        fam = calloc(1, sizeof *fam);
+        if (!fam) {
+            free(g);
+            return NULL;
+        }
+        pthread_mutex_init(&fam->mu, NULL);
+    }
+    g->fam = fam;
+    pthread_mutex_lock(&fam->mu);
+    fam->groups++;
+    pthread_mutex_unlock(&fam->mu);
+    g->n = n;
+    g->refs = n;
+    g->timeout_s = timeout_s > 0 ? timeout_s : 120;
+    pthread_mutex_init(&g->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&g->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    int ok = 1;
+    for (int i = 0; i < SLOTS; i++) {
+        g->slots[i].send = calloc((size_t)n, sizeof(void *));
+        g->slots[i].recv = calloc((size_t)n, sizeof(void *));
+        ok = ok && g->slots[i].send && g->slots[i].recv;
+    }
+    if (!ok) {
+        group_free(g);
+        return NULL;
+    }
+    return g;
+}
+
+static void t_destroy(fl_comm *c);
+static fl_status t_split(fl_comm *c, int color, int key, fl_comm **out);
+
 static void t_destroy(fl_comm *c) {
     tcomm *t = c->impl;
     group *g = t->g;
@@ -337,15 +442,7 @@ static void t_destroy(fl_comm *c) {
     }
     int last = --g->refs == 0;
     pthread_mutex_unlock(&g->mu);
-    if (last) {
-        for (int i = 0; i < SLOTS; i++) {
-            free(g->slots[i].send);
-            free(g->slots[i].recv);
-        }
-        pthread_mutex_destroy(&g->mu);
-        pthread_cond_destroy(&g->cv);
-        free(g);
-    }
+    if (last) group_free(g);
     free(t);
     free(c);
 }
@@ -361,54 +458,72 @@ static const fl_comm_vtable k_threads = {
     .wait = t_wait,
     .abort = t_abort,
     .destroy = t_destroy,
+    .split = t_split,
 };
+
+/* One rank's handle on g as rank r (its reference was counted in group_new). */
+static fl_status attach(group *g, int r, fl_comm **out) {
+    tcomm *t = calloc(1, sizeof *t);
+    if (!t || fl_comm_alloc_handle(&k_threads, r, g->n, out) != FL_OK) {
+        free(t);
+        *out = NULL;
+        return fl_errorf(FL_ERR_OOM, "comm threads: cannot allocate a handle");
+    }
+    t->g = g;
+    (*out)->impl = t;
+    return FL_OK;
+}
+
+/* Give back a reference of g without a handle (a member that could not attach). */
+static void drop_ref(group *g) {
+    pthread_mutex_lock(&g->mu);
+    int last = --g->refs == 0;
+    pthread_mutex_unlock(&g->mu);
+    if (last) group_free(g);
+}
+
+static fl_status t_split(fl_comm *c, int color, int key, fl_comm **out) {
+    tcomm *t = c->impl;
+    int nr = 0, nn = 0, *mem = NULL;
+    FL_TRY(fl_comm_split_members(c, color, key, &nr, &nn, &mem));
+    int leader = mem[0];
+    free(mem);
+    group *mine = nr == 0 ? group_new(nn, t->g->timeout_s, t->g->fam) : NULL;
+    /* the leaders' group addresses to every rank, as bits (uint64 in two F32 words) */
+    uint64_t *all = malloc(((size_t)c->size + 1) * sizeof *all);
+    if (!all) {
+        if (mine) group_free(mine);
+        return fl_comm_fail(c, FL_ERR_OOM, "split", "out of host memory");
+    }
+    all[c->size] = (uint64_t)(uintptr_t)mine;
+    fl_status s = fl_comm_all_gather(c, &all[c->size], all, (size_t)c->size * 2, FL_F32);
+    group *g = s == FL_OK ? (group *)(uintptr_t)all[leader] : NULL;
+    free(all);
+    if (s != FL_OK) { /* nobody attaches: the leader's group goes */
+        if (mine) group_free(mine);
+        return s;
+    }
+    if (!g) return fl_comm_fail(c, FL_ERR_OOM, "split", "rank %d could not allocate the group of color %d", leader, color);
+    s = attach(g, nr, out);
+    if (s != FL_OK) {
+        drop_ref(g); /* the others' calls in the new group then time out: the group is short of a rank */
+        return s;
+    }
+    return FL_OK;
+}
 
 fl_status fl_comm_threads_create(int n, double timeout_s, fl_comm **comms) {
     if (n < 1 || n > 4096) return fl_errorf(FL_ERR_INVALID, "comm threads: group size %d outside [1, 4096]", n);
-    group *g = calloc(1, sizeof *g);
+    group *g = group_new(n, timeout_s, NULL);
     if (!g) return fl_errorf(FL_ERR_OOM, "comm threads: cannot allocate a group of %d", n);
-    g->n = n;
-    g->timeout_s = timeout_s > 0 ? timeout_s : 120;
-    pthread_mutex_init(&g->mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&g->cv, &ca);
-    pthread_condattr_destroy(&ca);
     int ok = 1;
-    for (int i = 0; i < SLOTS; i++) {
-        g->slots[i].send = calloc((size_t)n, sizeof(void *));
-        g->slots[i].recv = calloc((size_t)n, sizeof(void *));
-        ok = ok && g->slots[i].send && g->slots[i].recv;
-    }
     for (int r = 0; r < n; r++) comms[r] = NULL;
-    for (int r = 0; ok && r < n; r++) {
-        tcomm *t = calloc(1, sizeof *t);
-        if (!t || fl_comm_alloc_handle(&k_threads, r, n, &comms[r]) != FL_OK) {
-            free(t);
-            ok = 0;
-            break;
-        }
-        t->g = g;
-        comms[r]->impl = t;
-        g->refs++;
-    }
+    for (int r = 0; ok && r < n; r++) ok = attach(g, r, &comms[r]) == FL_OK;
     if (!ok) {
-        int any = 0;
-        for (int r = 0; r < n; r++)
-            if (comms[r]) {
-                any = 1;
-                t_destroy(comms[r]); /* the last one frees the group */
-                comms[r] = NULL;
-            }
-        if (!any) {
-            for (int i = 0; i < SLOTS; i++) {
-                free(g->slots[i].send);
-                free(g->slots[i].recv);
-            }
-            pthread_mutex_destroy(&g->mu);
-            pthread_cond_destroy(&g->cv);
-            free(g);
+        for (int r = 0; r < n; r++) {
+            if (comms[r]) t_destroy(comms[r]); /* gives back its reference */
+            else drop_ref(g);                  /* the last one frees the group */
+            comms[r] = NULL;
         }
         return fl_errorf(FL_ERR_OOM, "comm threads: cannot allocate a group of %d", n);
     }

@@ -71,7 +71,7 @@ static const fl_cfg_key k_keys[] = {
     {"devices", FL_CK_DEVICES, OFF(devices), "devices (ranks) per node, or auto (1 CPU device); > 1: data parallel over devices x num_nodes ranks"},
     {"num_nodes", FL_CK_POS, OFF(num_nodes), "number of nodes"},
     {"strategy", FL_CK_STR32, OFF(strategy), "auto | ddp | deepspeed_stage_1 | deepspeed_stage_2 | deepspeed_stage_3 | fsdp (auto, as LitGPT: fsdp FULL_SHARD for finetune_full and pretrain, ddp over the adapters for adapter fine-tuning; ddp where FULL_SHARD refuses the run (a GPU communicator); ZeRO-1/2 shard the optimizer state / gradients; ZeRO-3 = fsdp FULL_SHARD also the parameters, gathered block by block)"},
-    {"fsdp.sharding_strategy", FL_CK_STR32, OFF(sharding_strategy), "--strategy fsdp: FULL_SHARD (default; = ZeRO-3: parameters, gradients and optimizer state divided by the ranks) | SHARD_GRAD_OP (= ZeRO-2) | NO_SHARD (= ddp); HYBRID_SHARD: not yet"},
+    {"fsdp.sharding_strategy", FL_CK_STR32, OFF(sharding_strategy), "--strategy fsdp: FULL_SHARD (default; = ZeRO-3: parameters, gradients and optimizer state divided by the ranks) | SHARD_GRAD_OP (= ZeRO-2) | NO_SHARD (= ddp) | HYBRID_SHARD (FULL_SHARD within each node of --devices ranks, replicated across --num_nodes; pretrain's auto across nodes)"},
     {"fsdp.state_dict_type", FL_CK_STR32, OFF(state_dict_type), "checkpoints of every strategy: full (consolidated, one file set) | sharded (each rank writes its element ranges; resumable at any world size; fitllm merge_shards consolidates)"},
     {"resume", FL_CK_RESUME, OFF(resume), "false | true | auto | path to a checkpoint folder"},
     {"seed", FL_CK_U64, OFF(seed), "random seed"},
@@ -536,9 +536,9 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
 /* Lightning's and DeepSpeed's names for what is not built yet (issue #14): refused, never mapped
  * onto something else. */
 static fl_status not_yet(const char *what, const char *name) {
-    return fl_errorf(FL_ERR_UNSUPPORTED, "%s '%s' is not implemented yet (issue #14: HYBRID_SHARD and offload come "
-                     "later); use --strategy ddp, deepspeed_stage_1, deepspeed_stage_2, deepspeed_stage_3, or fsdp "
-                     "with --fsdp.sharding_strategy NO_SHARD, SHARD_GRAD_OP or FULL_SHARD", what, name);
+    return fl_errorf(FL_ERR_UNSUPPORTED, "%s '%s' is not implemented yet (issue #14: offload comes later); use "
+                     "--strategy ddp, deepspeed_stage_1, deepspeed_stage_2, deepspeed_stage_3, or fsdp with "
+                     "--fsdp.sharding_strategy NO_SHARD, SHARD_GRAD_OP, FULL_SHARD or HYBRID_SHARD", what, name);
 }
 
 fl_status fl_cfg_zero_stage(const char *s, const char *sharding, int *stage) {
@@ -555,18 +555,24 @@ fl_status fl_cfg_zero_stage(const char *s, const char *sharding, int *stage) {
         if (!strcmp(ss, "NO_SHARD")) return FL_OK;
         if (!strcmp(ss, "SHARD_GRAD_OP")) { *stage = 2; return FL_OK; }
         if (!strcmp(ss, "FULL_SHARD")) { *stage = 3; return FL_OK; }
-        if (!strcmp(ss, "HYBRID_SHARD") || !strcmp(ss, "_HYBRID_SHARD_ZERO2")) /* needs a communicator per node */
+        /* FULL_SHARD within each node (--devices ranks), replicated across nodes: src/train/fsdp.c */
+        if (!strcmp(ss, "HYBRID_SHARD")) { *stage = 3; return FL_OK; }
+        if (!strcmp(ss, "_HYBRID_SHARD_ZERO2"))
             return fl_errorf(FL_ERR_UNSUPPORTED, "fsdp.sharding_strategy '%s' is not implemented yet (issue #14: "
-                             "sharding within a node and replicating across nodes needs a communicator per node); on "
-                             "one node it is FULL_SHARD: use --fsdp.sharding_strategy FULL_SHARD", ss);
-        return fl_errorf(FL_ERR_INVALID, "fsdp.sharding_strategy '%s': unknown (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD; "
-                         "HYBRID_SHARD later)", ss);
+                             "SHARD_GRAD_OP within a node, replicated across nodes); use HYBRID_SHARD (FULL_SHARD "
+                             "within a node) or SHARD_GRAD_OP over all ranks", ss);
+        return fl_errorf(FL_ERR_INVALID, "fsdp.sharding_strategy '%s': unknown (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, "
+                         "HYBRID_SHARD)", ss);
     }
     for (size_t i = 0; i < sizeof later / sizeof later[0]; i++)
         if (!strcmp(s, later[i])) return not_yet("strategy", s);
     return fl_errorf(FL_ERR_INVALID, "strategy '%s': unknown (auto, ddp, deepspeed_stage_1, deepspeed_stage_2, "
                      "deepspeed_stage_3, fsdp)",
                      s);
+}
+
+int fl_cfg_hybrid_shard(const char *strategy, const char *sharding) {
+    return strategy && !strcmp(strategy, "fsdp") && sharding && !strcmp(sharding, "HYBRID_SHARD");
 }
 
 fl_status fl_cfg_check_strategy(const char *s) {
@@ -602,13 +608,16 @@ static fl_status resolve_strategy(const fl_run_config *c, int device_comm, fl_st
         snprintf(out->desc, sizeof out->desc, "auto: DDP, since FULL_SHARD does not support %s yet", why);
     } else {
         snprintf(out->strategy, sizeof out->strategy, "fsdp");
-        snprintf(out->sharding, sizeof out->sharding, "FULL_SHARD");
+        /* pretrain across nodes: LitGPT's HYBRID_SHARD (FULL_SHARD within each node of --devices ranks,
+         * replicated across the nodes); on one node that is FULL_SHARD, which is what runs */
+        int hybrid = c->command == FL_CMD_PRETRAIN && c->num_nodes > 1;
+        snprintf(out->sharding, sizeof out->sharding, "%s", hybrid ? "HYBRID_SHARD" : "FULL_SHARD");
         out->stage = 3;
         if (c->command != FL_CMD_PRETRAIN)
             snprintf(out->desc, sizeof out->desc, "auto: fsdp FULL_SHARD, as LitGPT's %s", fl_cfg_command_name(c->command));
-        else if (c->num_nodes > 1)
-            snprintf(out->desc, sizeof out->desc, "auto: fsdp FULL_SHARD over all %d ranks; LitGPT's pretrain uses "
-                     "HYBRID_SHARD (shard within a node, replicate across nodes), not implemented yet", world);
+        else if (hybrid)
+            snprintf(out->desc, sizeof out->desc, "auto: fsdp HYBRID_SHARD, as LitGPT's pretrain (FULL_SHARD within "
+                     "each of the %d nodes of %d ranks, replicated across the nodes)", c->num_nodes, c->devices);
         else
             snprintf(out->desc, sizeof out->desc, "auto: fsdp FULL_SHARD, as LitGPT's pretrain (HYBRID_SHARD, on one "
                      "node FULL_SHARD)");
@@ -640,8 +649,8 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
     if (c->sharding_strategy[0] && strcmp(c->sharding_strategy, "NO_SHARD") &&
         strcmp(c->sharding_strategy, "SHARD_GRAD_OP") && strcmp(c->sharding_strategy, "FULL_SHARD") &&
         strcmp(c->sharding_strategy, "HYBRID_SHARD") && strcmp(c->sharding_strategy, "_HYBRID_SHARD_ZERO2"))
-        return fl_errorf(FL_ERR_INVALID, "fsdp.sharding_strategy '%s': unknown (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD; "
-                         "HYBRID_SHARD later)", c->sharding_strategy);
+        return fl_errorf(FL_ERR_INVALID, "fsdp.sharding_strategy '%s': unknown (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, "
+                         "HYBRID_SHARD)", c->sharding_strategy);
     if (strcmp(c->state_dict_type, "full") && strcmp(c->state_dict_type, "sharded"))
         return fl_errorf(FL_ERR_INVALID, "fsdp.state_dict_type '%s': unknown (full or sharded)", c->state_dict_type);
     if (!strcmp(c->state_dict_type, "sharded") && c->command == FL_CMD_FINETUNE_LORA)

@@ -214,7 +214,8 @@ static void snap(program *g, const char *name) {
  * scratch (WORKSPACE) and the later micro-batches' reduced pieces (GATHER). */
 typedef struct {
     program *g;
-    int G, world;
+    int G, world;          /* world: the shard group's ranks (HYBRID_SHARD: the node's) */
+    int nodes, node;       /* HYBRID_SHARD: the replica group (one rank per node) and this rank's node; else 1, 0 */
     const size_t *n, *len; /* (G) unit elements, this rank's chunk of each */
     size_t es, ces;        /* storage and compute-copy element bytes (0: no copy) */
     void *p[FL_PLAN_MAX_GROUPS], *c[FL_PLAN_MAX_GROUPS], *gr[FL_PLAN_MAX_GROUPS];
@@ -249,9 +250,16 @@ static void fs_grads(fsdp_sim *f, int u) {
 
 static void fs_ready(fsdp_sim *f, int u) {
     void *tmp = f->fresh[u] ? NULL : palloc(f->g, FL_TAG_GATHER, f->len[u] * f->es, "FSDP reduced piece");
-    void *sc = f->len[u] ? palloc(f->g, FL_TAG_WORKSPACE, (size_t)(f->world - 1) * f->len[u] * f->es,
-                                  "FSDP reduce-scatter scratch ((N-1) x piece)") : NULL;
+    void *sc = f->len[u] && f->world > 1 ? palloc(f->g, FL_TAG_WORKSPACE, (size_t)(f->world - 1) * f->len[u] * f->es,
+                                                  "FSDP reduce-scatter scratch ((N-1) x piece)") : NULL;
     if (sc) fl_mem_free(&f->g->pool, sc);
+    if (f->nodes > 1) { /* HYBRID_SHARD: then the piece's all-reduce over the nodes, (nodes-1) x its chunk of it */
+        size_t o, l;
+        fl_comm_chunk(f->len[u], f->nodes, f->node, &o, &l);
+        void *rs = l ? palloc(f->g, FL_TAG_WORKSPACE, (size_t)(f->nodes - 1) * l * f->es,
+                              "HYBRID_SHARD all-reduce scratch over the nodes") : NULL;
+        if (rs) fl_mem_free(&f->g->pool, rs);
+    }
     if (tmp) fl_mem_free(&f->g->pool, tmp);
     f->fresh[u] = 0;
     if (f->gr[u]) fl_mem_free(&f->g->pool, f->gr[u]);
@@ -323,7 +331,10 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
      * the whole buffer; the loader or the random init fills the shard alone (no staging in the pool)
      * and no whole compute copy exists (each gathered unit converts its own) */
     const int fsdp = stage == 3;
-    const size_t n_shard = fsdp ? fl_fsdp_shard_numel(&lay, world, x->rank < world ? x->rank : 0) : n;
+    /* HYBRID_SHARD across nodes: the shard group is this rank's node (--devices ranks), replicated per node */
+    const int hybrid = fsdp && c->num_nodes > 1 && fl_cfg_hybrid_shard(sc.strategy, sc.sharding);
+    const int fs_world = hybrid ? c->devices : world, fs_rank = (x->rank < world ? x->rank : 0) % fs_world;
+    const size_t n_shard = fsdp ? fl_fsdp_shard_numel(&lay, fs_world, fs_rank) : n;
     if (fsdp) snprintf(what, sizeof what, "parameter shard (%s)", fl_dtype_name(stg.param_dtype));
     else snprintf(what, sizeof what, "parameters (%s%s)", fl_dtype_name(stg.param_dtype), q4b ? ", not quantized" : "");
     palloc(g, FL_TAG_PARAMS, (fsdp ? n_shard : dense) * es, what);
@@ -386,7 +397,7 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
             free(lo);
         } else if (have_lay && fsdp) { /* FULL_SHARD: its pieces of the tensors, then the exchange (fl_optim_init) */
             size_t x8 = 0;
-            b8 = fl_optim_8bit_fsdp_bytes(&lay, world, rnk8, &x8);
+            b8 = fl_optim_8bit_fsdp_bytes(&lay, fs_world, fs_rank, &x8); /* HYBRID: within the node */
             palloc(g, FL_TAG_OPTIM, b8 - x8, "AdamW8bit block-wise state (shard)");
             if (x8) palloc(g, FL_TAG_OPTIM, x8, "AdamW8bit scales of the blocks cut by a rank edge (exchange)");
             b8 = 0;
@@ -447,7 +458,9 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     if (fsdp && lay.n_groups <= FL_PLAN_MAX_GROUPS) {
         fs.g = g;
         fs.G = lay.n_groups;
-        fs.world = world;
+        fs.world = fs_world;
+        fs.nodes = hybrid ? c->num_nodes : 1;
+        fs.node = hybrid ? (x->rank < world ? x->rank : 0) / c->devices : 0;
         fs.n = fs_n;
         fs.len = fs_len;
         fs.es = es;
@@ -455,7 +468,7 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
         for (int u = 0; u < lay.n_groups; u++) {
             size_t co;
             fs_n[u] = lay.group_offset[u + 1] - lay.group_offset[u];
-            fl_comm_chunk(fs_n[u], world, x->rank < world ? x->rank : 0, &co, &fs_len[u]);
+            fl_comm_chunk(fs_n[u], fs_world, fs_rank, &co, &fs_len[u]);
             fs.fresh[u] = 1;
         }
         fs.grads = grads;
@@ -787,6 +800,11 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
                 "gradients and optimizer state)%s", p->devices,
              opts.comm_threads ? "; the ranks are threads of one process: no all-reduce scratch"
                                : ", with the gradient all-reduce's scratch in WORKSPACE");
+    else if (fsdp && c->num_nodes > 1 && fl_cfg_hybrid_shard(sc.strategy, sc.sharding))
+        note(p, "FSDP HYBRID_SHARD over %d nodes of %d ranks: rank %d's memory: FULL_SHARD within its node (PARAMS, "
+                "GRADS and OPTIM its shard of every unit, split over the node's %d ranks; GATHER the units gathered "
+                "in the node at a time), the same shards replicated on every node (gradients reduce-scattered in "
+                "the node, then all-reduced across the nodes)", c->num_nodes, c->devices, p->rank, c->devices);
     else if (fsdp)
         note(p, "FSDP FULL_SHARD (ZeRO-3) over %d ranks: rank %d's memory: PARAMS, GRADS and OPTIM its shard of "
                 "every unit (each unit split by fl_comm's chunk layout); GATHER the units gathered at a time (at most "

@@ -20,6 +20,10 @@ void fl_dp_init(fl_dp *dp, fl_comm *comm, fl_mem_pool *pool) {
 
 void fl_dp_done(fl_dp *dp) {
     if (dp->comm) fl_comm_set_pool(dp->comm, NULL);
+    fl_fsdp_free(dp); /* its gathers in flight use dp->node */
+    fl_comm_destroy(dp->rep);
+    fl_comm_destroy(dp->node);
+    dp->rep = dp->node = NULL;
     fl_comm_destroy(dp->dev);
     dp->dev = NULL;
 }
@@ -31,6 +35,17 @@ fl_status fl_dp_device_comm(fl_dp *dp, const fl_backend *be) {
     /* the host communicator now carries host memory only: its scratch is not the device pool's */
     if (dp->dev) fl_comm_set_pool(dp->comm, NULL);
     return FL_OK;
+}
+
+unsigned long long fl_dp_sent(const fl_dp *dp) {
+    const fl_comm *cs[3] = {dp->comm, dp->node, dp->rep};
+    unsigned long long sent = 0;
+    for (int i = 0; i < 3; i++) {
+        fl_comm_traffic t;
+        fl_comm_get_traffic(cs[i], &t); /* zeros for NULL */
+        sent += t.sent;
+    }
+    return sent;
 }
 
 /* Doubles travel as pairs of F32 words: all-gather copies bits, it never adds. */

@@ -36,17 +36,23 @@ typedef struct {
     fl_comm_req *bk_req;
     size_t bk_done;
     struct fl_fsdp *fsdp; /* stage 3 (FULL_SHARD) of the full model: the sharding (fsdp.c), else NULL */
+    fl_comm *node, *rep;  /* HYBRID_SHARD across nodes (fl_fsdp_prepare, owned): this rank's node (the shard group)
+                           * and its replica group (the ranks of its local rank on every node); NULL otherwise */
 } fl_dp;
 
 /* comm may be NULL (rank 0 of 1). */
 void fl_dp_init(fl_dp *dp, fl_comm *comm, fl_mem_pool *pool);
-/* Detach the scratch pool before it is freed; destroy the device communicator. */
+/* Detach the scratch pool before it is freed; give back FSDP's bookkeeping (fl_fsdp_free) and destroy
+ * the device and HYBRID_SHARD communicators. */
 void fl_dp_done(fl_dp *dp);
 /* Several ranks on a backend with a device communicator (be->comm_create: NCCL on cuda, its CPU
  * stand-in on cuda-emu): make it over dp->comm; the gradients' reductions and the parameters'
  * broadcast then go through it, the host-side sums stay on dp->comm. Collective. No-op in one
  * process or when the backend has none. */
 fl_status fl_dp_device_comm(fl_dp *dp, const fl_backend *be);
+/* Bytes this rank has sent over its host communicators: the world's, and HYBRID_SHARD's node and
+ * replica groups (fl_comm_traffic). */
+unsigned long long fl_dp_sent(const fl_dp *dp);
 /* The communicator of the backend's buffers (gradients, parameters). */
 static inline fl_comm *fl_dp_dcomm(const fl_dp *dp) { return dp->dev ? dp->dev : dp->comm; }
 /* Whether global micro-batch j (0-based within its step or evaluation) is this rank's. */
@@ -121,7 +127,9 @@ fl_status fl_dp_agree(fl_dp *dp, fl_status mine);
 /* ---- FSDP FULL_SHARD / ZeRO-3 (src/train/fsdp.c) ----------------------------------------------- */
 
 /* Under stage 3 with several ranks (full model; LoRA's adapters train as ZeRO-2): refuse what
- * FULL_SHARD cannot run, and set stg's shard callback so that the model is created SHARDED:
+ * FULL_SHARD cannot run; HYBRID_SHARD across nodes: split the world into the nodes (dp->node: ranks
+ * node*devices .. +devices-1, the shard group) and the replica groups (dp->rep), collective; and set
+ * stg's shard callback so that the model is created SHARDED:
  * fl_model_init_ex allocates only this rank's shard of every unit (PARAMS) and sets m->pp, then
  * the loader (fl_hf_load_weights, the llama2.c reader) or the random init fills only this rank's
  * pieces, reading them from the files or generating the same values the whole-model init gives
@@ -143,6 +151,10 @@ void fl_fsdp_free(fl_dp *dp);
 /* The whole parameters (layout order, storage dtype) on every rank, gathered unit by unit into a
  * malloc'd host buffer (the step hook's view). Collective. */
 fl_status fl_fsdp_whole_params(fl_dp *dp, void **out, size_t *bytes);
+/* o->dist's sum under stage 3 (the clipping norm, loss scaling's verdict): over the shard group, so that
+ * each distinct shard counts once (HYBRID_SHARD: the node; every node holds the same reduced shards),
+ * rank order, the same bits on every rank. Else fl_dp_sum. */
+fl_status fl_fsdp_sum(fl_dp *dp, double *v, int n);
 /* inf/NaN in any rank's parameter shard (decided alike on every rank). Collective. */
 fl_status fl_fsdp_check_finite(fl_dp *dp, const fl_optimizer *o, int *found);
 /* Consolidated checkpoints in the single-process format: every unit's parameters and optimizer

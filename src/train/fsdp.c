@@ -39,7 +39,26 @@
  * a different partition from ZeRO-2's chunks, so its last bits may differ (without clipping: the
  * same bits, checked in tests/test_fsdp.c). With accumulation > 1 the order differs from DDP's:
  * FSDP sums the ranks first and then the micro-batches (sum_k (sum_r g_rk)), DDP the micro-batches
- * first (sum_r (sum_k g_rk)); the same reassociation as tests/ddp_ref.h's bound covers. */
+ * first (sum_r (sum_k g_rk)); the same reassociation as tests/ddp_ref.h's bound covers.
+ *
+ * HYBRID_SHARD (--fsdp.sharding_strategy HYBRID_SHARD, pretrain's auto across nodes; PyTorch FSDP's
+ * semantics): FULL_SHARD within each node, replicated across the nodes. The world of devices x
+ * num_nodes ranks is split (fl_fsdp_prepare, fl_comm_split) into the nodes, dp->node = ranks
+ * k*devices .. k*devices + devices-1 (Lightning's --devices per node, the launcher's block placement:
+ * mpirun --map-by ppr:D:node, srun), and the replica groups, dp->rep = the ranks of one local rank
+ * on every node, in node order. Everything above runs over the node instead of the world: the units
+ * are chunked over the node's ranks (rank r keeps its local rank's pieces, the same on every node),
+ * gathered within the node; a unit's gradient is reduce-scattered within the node, then its piece
+ * all-reduced over the replica group (the nodes holding the same piece), so every node ends with the
+ * same reduced shard, and the elementwise update keeps the nodes' shards bit-identical. The data is
+ * not split by node: rank r still trains global micro-batches j = k*world + r of the one stream.
+ * Bits: element i's gradient is sum_n (sum_l g_(n,l)[i]), each node's rank-order sum first (fp32;
+ * BF16 gradients rounded once there), then the nodes' in node order (rounded once more): DDP's
+ * rank-order sum reassociated ((g0 + g1) + (g2 + g3) where DDP adds ((g0 + g1) + g2) + g3; with one
+ * rank per node it IS DDP's order, with one node it is FULL_SHARD), within tests/ddp_ref.h's bound.
+ * The clipping norm sums each distinct shard once: over the node (fl_fsdp_sum), not over the
+ * replicas. Checkpoints: consolidated ones are gathered within node 0 (rank 0 writes); sharded
+ * ones are written by node 0's ranks (shard_ckpt.c). HYBRID on one node is FULL_SHARD (no split). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -50,6 +69,7 @@
 
 struct fl_fsdp {
     fl_dp *dp;
+    fl_comm *sc, *rc;       /* the shard group (the world; HYBRID: the node) and the replica group (HYBRID, else NULL) */
     fl_model *m;
     fl_param_provider pp;
     int G;                  /* units: layout groups */
@@ -101,7 +121,7 @@ static fl_status post(struct fl_fsdp *f, int g) {
     }
     if (is_block(f, g)) f->live_blocks++;
     const char *shard = (const char *)(m->params ? (void *)m->params : (void *)m->p16);
-    return fl_error_prefix(fl_comm_iall_gather(f->dp->comm, shard + f->loc[g] * f->es, f->pbuf[g], f->n[g], f->word,
+    return fl_error_prefix(fl_comm_iall_gather(f->sc, shard + f->loc[g] * f->es, f->pbuf[g], f->n[g], f->word,
                                                &f->req[g]),
                            "FSDP: gathering unit %d (%zu elements)", g, f->n[g]);
 }
@@ -148,13 +168,16 @@ static fl_status pp_grads_ready(void *ud, int g) {
     char *dst = (char *)(m->grads ? (void *)m->grads : (void *)m->g16) + f->loc[g] * f->es;
     size_t len = f->clen[g];
     fl_status s;
+    /* HYBRID: the node's sum of the piece, then the nodes' (all-reduce over the replica group, in place) */
     if (f->fresh[g]) { /* the step's first micro-batch: the reduced piece is the shard's gradient */
-        s = fl_comm_reduce_scatter(f->dp->comm, f->views[g].g, dst, f->n[g], gt, FL_COMM_SUM);
+        s = fl_comm_reduce_scatter(f->sc, f->views[g].g, dst, f->n[g], gt, FL_COMM_SUM);
+        if (s == FL_OK && f->rc) s = fl_comm_all_reduce(f->rc, dst, dst, len, gt, FL_COMM_SUM);
         f->fresh[g] = 0;
     } else { /* later ones: reduced into scratch, then added (rounded once) */
         void *tmp = NULL;
         s = fl_mem_alloc(m->pool, FL_TAG_GATHER, len * f->es, &tmp);
-        if (s == FL_OK) s = fl_comm_reduce_scatter(f->dp->comm, f->views[g].g, tmp, f->n[g], gt, FL_COMM_SUM);
+        if (s == FL_OK) s = fl_comm_reduce_scatter(f->sc, f->views[g].g, tmp, f->n[g], gt, FL_COMM_SUM);
+        if (s == FL_OK && f->rc) s = fl_comm_all_reduce(f->rc, tmp, tmp, len, gt, FL_COMM_SUM);
         if (s == FL_OK && len) {
             if (gt == FL_F32) {
                 m->be->add(m->be, (float *)dst, (const float *)dst, tmp, len);
@@ -204,6 +227,8 @@ static fl_status shard_model(void *ud, void *mp) {
     dp->fsdp = f;
     dp->stage = 3;
     f->dp = dp;
+    f->sc = dp->node ? dp->node : dp->comm;
+    f->rc = dp->rep;
     f->m = m;
     f->G = m->layout.n_groups;
     size_t G = (size_t)f->G + 1;
@@ -222,7 +247,7 @@ static fl_status shard_model(void *ud, void *mp) {
     f->word = m->store_dtype == FL_F32 ? FL_F32 : FL_BF16;
     for (int g = 0; g < f->G; g++) {
         f->n[g] = m->layout.group_offset[g + 1] - m->layout.group_offset[g];
-        fl_comm_chunk(f->n[g], dp->world, dp->rank, &f->coff[g], &f->clen[g]);
+        fl_comm_chunk(f->n[g], fl_comm_size(f->sc), fl_comm_rank(f->sc), &f->coff[g], &f->clen[g]);
         f->foff[g] = m->layout.group_offset[g] + f->coff[g];
         f->loc[g + 1] = f->loc[g] + f->clen[g];
         f->fresh[g] = 1;
@@ -248,6 +273,24 @@ fl_status fl_fsdp_prepare(fl_dp *dp, const fl_run_config *cfg, const fl_precisio
     const char *why = fl_fsdp_refusal(cfg, prec);
     if (why) return fl_errorf(FL_ERR_UNSUPPORTED, "%s", why);
     if (stg->quant4) return fl_errorf(FL_ERR_UNSUPPORTED, "FULL_SHARD of a 4-bit model: QLoRA trains adapters only");
+    if (fl_cfg_hybrid_shard(cfg->strategy, cfg->sharding_strategy) && cfg->num_nodes > 1 && !dp->node) {
+        /* HYBRID_SHARD: the nodes and the replica groups (collective; every rank agrees first, so a rank
+         * that failed earlier in set-up is not left alone in the split) */
+        if (cfg->devices * cfg->num_nodes != dp->world)
+            return fl_errorf(FL_ERR_INVALID, "HYBRID_SHARD: devices x num_nodes = %d x %d, but the run has %d ranks",
+                             cfg->devices, cfg->num_nodes, dp->world);
+        FL_TRY(fl_dp_agree(dp, FL_OK));
+        fl_status s = fl_comm_split(dp->comm, dp->rank / cfg->devices, dp->rank, &dp->node);
+        if (s == FL_OK) s = fl_comm_split(dp->comm, dp->rank % cfg->devices, dp->rank, &dp->rep);
+        if (s != FL_OK) {
+            fl_comm_destroy(dp->rep), fl_comm_destroy(dp->node);
+            dp->rep = dp->node = NULL;
+            return fl_error_prefix(s, "HYBRID_SHARD: splitting the %d ranks into %d nodes of %d", dp->world,
+                                   cfg->num_nodes, cfg->devices);
+        }
+        fl_comm_set_pool(dp->node, dp->comm->pool); /* their MPI scratch in the run's pool, as the world's */
+        fl_comm_set_pool(dp->rep, dp->comm->pool);
+    }
     stg->shard = shard_model;
     stg->shard_ud = dp;
     return FL_OK;
@@ -279,17 +322,19 @@ int fl_fsdp_ranges(const fl_dp *dp, size_t *flat_off, size_t *shard_off, size_t 
 
 /* full[go[g] ..] (every unit, layout order) = the units gathered from the ranks' shards `shard`
  * (elements of es bytes); one unit's buffer at a time (host memory, outside the pool: checkpoint
- * I/O staging). full may be NULL on ranks that only send (root >= 0 and rank != root). */
-static fl_status gather_whole(fl_dp *dp, const void *shard, size_t es, void *full) {
+ * I/O staging). full may be NULL on ranks that only send (root >= 0 and rank != root). node0: only
+ * node 0 gathers (HYBRID_SHARD's checkpoints: rank 0 writes; the other nodes hold the same bytes). */
+static fl_status gather_whole(fl_dp *dp, const void *shard, size_t es, void *full, int node0) {
     struct fl_fsdp *f = dp->fsdp;
     size_t cap = 0;
     for (int g = 0; g < f->G; g++) cap = f->n[g] > cap ? f->n[g] : cap;
-    char *tmp = full ? NULL : malloc(cap * es + 4);
-    fl_status s = fl_dp_agree(dp, full || tmp ? FL_OK : fl_errorf(FL_ERR_OOM, "FSDP: out of host memory"));
+    const int skip = node0 && f->rc && fl_comm_rank(f->rc) != 0;
+    char *tmp = full || skip ? NULL : malloc(cap * es + 4);
+    fl_status s = fl_dp_agree(dp, full || tmp || skip ? FL_OK : fl_errorf(FL_ERR_OOM, "FSDP: out of host memory"));
     fl_dtype w = es == 4 ? FL_F32 : FL_BF16;
-    for (int g = 0; s == FL_OK && g < f->G; g++) {
+    for (int g = 0; s == FL_OK && !skip && g < f->G; g++) {
         char *dst = full ? (char *)full + f->m->layout.group_offset[g] * es : tmp;
-        s = fl_comm_all_gather(dp->comm, (const char *)shard + f->loc[g] * es, dst, f->n[g], w);
+        s = fl_comm_all_gather(f->sc, (const char *)shard + f->loc[g] * es, dst, f->n[g], w); /* HYBRID: in the node */
     }
     free(tmp);
     return fl_error_prefix(s, "FSDP: gathering the whole parameters or state");
@@ -300,12 +345,29 @@ fl_status fl_fsdp_whole_params(fl_dp *dp, void **out, size_t *bytes) {
     fl_model *m = f->m;
     *bytes = m->layout.numel * f->es;
     *out = malloc(*bytes + 4);
-    fl_status s = gather_whole(dp, m->params ? (void *)m->params : (void *)m->p16, f->es, *out);
+    fl_status s = gather_whole(dp, m->params ? (void *)m->params : (void *)m->p16, f->es, *out, 0);
     if (s != FL_OK) {
         free(*out);
         *out = NULL;
     }
     return s;
+}
+
+fl_status fl_fsdp_sum(fl_dp *dp, double *v, int n) {
+    if (!dp->node) return fl_dp_sum(dp, v, n);
+    const int w = fl_comm_size(dp->node);
+    if (w < 2 || n <= 0) return FL_OK;
+    double *all = malloc((size_t)n * w * sizeof *all);
+    if (!all) return fl_errorf(FL_ERR_OOM, "FSDP: out of host memory");
+    /* doubles as pairs of F32 words: an all-gather copies bits; the sum in rank order, as fl_dp_sum */
+    fl_status s = fl_comm_all_gather(dp->node, v, all, (size_t)n * 2 * w, FL_F32);
+    for (int i = 0; s == FL_OK && i < n; i++) {
+        double acc = 0;
+        for (int r = 0; r < w; r++) acc += all[(size_t)r * n + i];
+        v[i] = acc;
+    }
+    free(all);
+    return fl_error_prefix(s, "HYBRID_SHARD: summing over the node");
 }
 
 fl_status fl_fsdp_check_finite(fl_dp *dp, const fl_optimizer *o, int *found) {
@@ -323,7 +385,7 @@ fl_status fl_fsdp_check_finite(fl_dp *dp, const fl_optimizer *o, int *found) {
  * largest), never the whole model or state. */
 static fl_status fetch_unit(fl_dp_stream *u, int g) {
     struct fl_fsdp *f = u->dp->fsdp;
-    return fl_comm_all_gather(u->dp->comm, (const char *)u->src + f->loc[g] * u->es, u->buf, f->n[g],
+    return fl_comm_all_gather(f->sc, /* the shard group (HYBRID: the node) */ (const char *)u->src + f->loc[g] * u->es, u->buf, f->n[g],
                               u->es == 4 ? FL_F32 : FL_BF16);
 }
 
@@ -333,21 +395,25 @@ static size_t state_es(const fl_optimizer *o) { return o->cfg.state_dtype == FL_
  * layout full, one broadcast per rank through host staging of the largest rank's state; a cut
  * block's scales come from both its ranks, the same bits. */
 static fl_status gather_state8(fl_dp *dp, const fl_optimizer *o, void *full) {
-    const fl_param_layout *lay = &dp->fsdp->m->layout;
-    const size_t n = (size_t)lay->n + 1, W = (size_t)dp->world;
+    struct fl_fsdp *f = dp->fsdp;
+    const fl_param_layout *lay = &f->m->layout;
+    /* the shard group (HYBRID_SHARD: the node; node 0 alone broadcasts, the others hold the same pieces) */
+    const int other_node = f->rc && fl_comm_rank(f->rc) != 0;
+    const int world = fl_comm_size(f->sc), me = fl_comm_rank(f->sc);
+    const size_t n = (size_t)lay->n + 1, W = (size_t)world;
     size_t *a = calloc(n * W, sizeof *a), *len = calloc(n * W, sizeof *len), *b = calloc(W, sizeof *b), cap = 0, so;
-    for (int r = 0; a && len && b && r < dp->world; r++) { /* rank r's pieces and their bytes (what it allocated) */
+    for (int r = 0; a && len && b && r < world; r++) { /* rank r's pieces and their bytes (what it allocated) */
         for (int i = 0; i < lay->n; i++) {
-            fl_optim_8bit_fsdp_piece(lay, i, dp->world, r, &a[r * n + i], &len[r * n + i], &so);
+            fl_optim_8bit_fsdp_piece(lay, i, world, r, &a[r * n + i], &len[r * n + i], &so);
             b[r] += fl_adam8bit_piece_bytes(lay->params[i].numel, a[r * n + i], len[r * n + i]);
         }
         cap = b[r] > cap ? b[r] : cap;
     }
     char *tmp = malloc(cap + 8);
     fl_status s = fl_dp_agree(dp, a && len && b && tmp ? FL_OK : fl_errorf(FL_ERR_OOM, "FSDP: out of host memory"));
-    for (int r = 0; s == FL_OK && r < dp->world; r++) {
-        void *buf = r == dp->rank ? o->state8 : tmp;
-        s = fl_comm_broadcast(dp->comm, buf, b[r] / 2, FL_BF16, r); /* a multiple of 4 bytes: 16-bit words */
+    for (int r = 0; s == FL_OK && !other_node && r < world; r++) {
+        void *buf = r == me ? o->state8 : tmp;
+        s = fl_comm_broadcast(f->sc, buf, b[r] / 2, FL_BF16, r); /* a multiple of 4 bytes: 16-bit words */
         if (s == FL_OK && dp->rank == 0) s = fl_optim_8bit_fsdp_copy(lay, a + r * n, len + r * n, buf, full, 1);
     }
     free(a), free(len), free(b), free(tmp);
@@ -359,7 +425,7 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
                             const char *tok_dir) {
     struct fl_fsdp *f = dp->fsdp;
     const fl_param_layout *lay = &m->layout;
-    const int lead = dp->rank == 0, L = lay->n;
+    const int lead = dp->rank == 0, L = lay->n, other_node = f->rc && fl_comm_rank(f->rc) != 0;
     /* the arrays, in the order the writer reads them: the parameters, then the optimizer's state */
     const size_t ses = o ? state_es(o) : 4;
     const void *arr[4] = {m->params ? (const void *)m->params : (const void *)m->p16, o ? o->m : NULL,
@@ -381,7 +447,7 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
     fl_status s = !buf || (lead && (!t || !ut || (s8_bytes && !s8)))
                       ? fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory") : FL_OK;
     s = fl_dp_agree(dp, s);
-    if (s == FL_OK && s8_bytes) s = fl_dp_agree(dp, gather_state8(dp, o, s8));
+    if (s == FL_OK && s8_bytes) s = fl_dp_agree(dp, gather_state8(dp, o, s8)); /* (agrees inside first) */
     if (s != FL_OK) {
         free(t), free(ut), free(buf), free(s8);
         return s;
@@ -409,9 +475,10 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
                                              .shape = {(int64_t)s8_bytes}, .data = s8, .src_dtype = FL_U8};
         s = fl_ckpt_save_streamed(out_dir, name, m, o, st, cfg, tok_dir, t, stt, ns);
     }
-    /* every rank: every unit of every array, in order (rank 0: those its writer did not ask for) */
+    /* every rank of node 0 (HYBRID: the other nodes hold the same shards and take no part): every unit of
+     * every array, in order (rank 0: those its writer did not ask for) */
     fl_status g = FL_OK;
-    for (int a = 0; g == FL_OK && a < 4; a++)
+    for (int a = 0; g == FL_OK && !other_node && a < 4; a++)
         if (arr[a]) g = fl_dp_stream_drain(&us[a]);
     if (s == FL_OK) s = g;
     free(t);

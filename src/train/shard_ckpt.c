@@ -24,7 +24,8 @@
  * ranges that no file covers, a missing file, a file of another step, world size or layout are
  * refused before anything is written. The ranges are fl_comm_chunk's over the trainable elements
  * (DDP, ZeRO-1/2) or over each FSDP unit (FULL_SHARD), so a buffer's owned ranges tile it at every
- * world size whichever strategy saved it. */
+ * world size whichever strategy saved it. HYBRID_SHARD: the ranks of node 0 write their node's
+ * shards (shard_files = ranks per node); the other nodes hold the same bytes and write nothing. */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -349,7 +350,7 @@ static fl_status write_meta(const char *dir, const fl_dp *dp, const fl_shard_set
     for (int i = 0; i < set->n; i++)
         fprintf(f, "%s%s %s %zu", i ? ";" : "", set->b[i].name, fl_dtype_name(set->b[i].dtype), set->b[i].count);
     fclose(f);
-    snprintf(files, sizeof files, "%d", dp->world);
+    snprintf(files, sizeof files, "%d", dp->node ? fl_comm_size(dp->node) : dp->world); /* HYBRID: one node's */
     snprintf(fps, sizeof fps, "%016" PRIx64, fp);
     const char *xk[] = {"shard_files", "fingerprint", "stage", "buffers"};
     const char *xv[] = {files, fps, fl_dp_stage_name(dp), buffers};
@@ -737,7 +738,11 @@ fl_status fl_shard_ckpt_save(fl_dp *dp, const fl_shard_set *set, const char *out
         if (s == FL_OK) s = write_meta(tmp, dp, set, o, st, cfg, fp);
     }
     s = fl_dp_agree(dp, s); /* the folder exists before any rank writes into it */
-    if (s == FL_OK) s = fl_dp_agree(dp, write_shard(tmp, set, dp->rank, dp->world, fp, st)); /* every rank's file, fsynced */
+    /* HYBRID_SHARD: every node holds the same shards; node 0's ranks write them, as ranks 0..devices-1 of
+     * `devices` files (they tile every buffer, so any world size and strategy resumes them) */
+    const int wrank = dp->node ? fl_comm_rank(dp->node) : dp->rank, wworld = dp->node ? fl_comm_size(dp->node) : dp->world;
+    const int writes = !dp->rep || fl_comm_rank(dp->rep) == 0;
+    if (s == FL_OK) s = fl_dp_agree(dp, writes ? write_shard(tmp, set, wrank, wworld, fp, st) : FL_OK); /* fsynced */
     if (s == FL_OK) {
         fl_status c = FL_OK;
         if (dp->rank == 0) {

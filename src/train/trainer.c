@@ -647,7 +647,9 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
                     fl_dp_stage_name(&t.dp), sc.desc, t.dp.world,
                     fl_comm_impl_name(comm), fl_launch_describe(&comm->launch, lb, sizeof lb),
                     t.dp.fsdp ? "unit by unit in every micro-batch" : "once per step",
-                    t.dp.fsdp ? "one reduce-scatter per unit as its backward ends: each rank keeps its shard"
+                    t.dp.fsdp && t.dp.node ? "one reduce-scatter per unit within the node as its backward ends, then "
+                    "an all-reduce of the piece across the nodes: each rank keeps its node's shard"
+                    : t.dp.fsdp ? "one reduce-scatter per unit as its backward ends: each rank keeps its shard"
                     : t.dp.stage == 2 ? "one reduce-scatter: each rank keeps its chunk"
                     : t.model.lora ? "one all-reduce of the adapters"
                                    : "all-reduced block by block as the last micro-batch's backward ends each",
@@ -711,8 +713,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
             t.mbs[k] = (fl_micro_batch){di, dt, b.B, b.T};
         }
         float lr = (float)fl_lr_schedule(cfg->optimizer.lr, cfg->train.min_lr, t.st.step, t.warmup, t.max_steps);
-        fl_comm_traffic tr0; /* this rank's traffic before the step: the step's bytes go to the log */
-        fl_comm_get_traffic(t.dp.comm, &tr0);
+        const unsigned long long sent0 = fl_dp_sent(&t.dp); /* this rank's traffic before the step: the step's bytes go to the log */
         fl_model_zero_grads(&t.model);
         double step_loss = 0;
         fl_step_result sr;
@@ -745,9 +746,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
         }
         /* every rank's (loss sum, valid) per micro-batch, for the log and the step loss */
         CHECK(fl_dp_gather(&t.dp, mine, 2 * t.accum, t.mb_stats));
-        fl_comm_traffic tr1;
-        fl_comm_get_traffic(t.dp.comm, &tr1);
-        const double step_sent = (double)(tr1.sent - tr0.sent);
+        const double step_sent = (double)(fl_dp_sent(&t.dp) - sent0);
         if (t.dp.world > 1) r.comm_sent_last_step = (unsigned long long)step_sent;
         for (int j = 0; j < t.G; j++) {
             int k = j / t.dp.world;

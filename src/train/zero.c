@@ -31,10 +31,11 @@
 #include "../model/model-impl.h"
 
 const char *fl_dp_stage_name(const fl_dp *dp) {
-    return dp->stage == 1 ? "ZeRO-1" : dp->stage == 2 ? "ZeRO-2" : dp->stage == 3 ? "ZeRO-3 (FSDP FULL_SHARD)" : "DDP";
+    return dp->stage == 1 ? "ZeRO-1" : dp->stage == 2 ? "ZeRO-2" : dp->stage == 3 ? (dp->node ? "FSDP HYBRID_SHARD" : "ZeRO-3 (FSDP FULL_SHARD)") : "DDP";
 }
 
-static fl_status dist_sum(void *ud, double *v, int n) { return fl_dp_sum(ud, v, n); }
+/* stage 3: over the shard group (HYBRID_SHARD: each node holds every shard once) */
+static fl_status dist_sum(void *ud, double *v, int n) { return ((fl_dp *)ud)->fsdp ? fl_fsdp_sum(ud, v, n) : fl_dp_sum(ud, v, n); }
 static fl_status dist_max(void *ud, float *v, size_t n) { return fl_dp_max(ud, v, n); }
 
 /* 16-bit storage travels as BF16 words: an all-gather copies, it never adds */
@@ -57,8 +58,11 @@ fl_status fl_dp_optim_init(fl_dp *dp, const fl_run_config *cfg, fl_optimizer *o,
     if (dp->stage == 3 && !dp->fsdp) dp->stage = 2;
     dp->dist = (fl_optim_dist){dp->world, dp->rank, dp->stage, dp, dist_sum, dist_gather, dist_max};
     /* ZeRO-3: the optimizer runs on this rank's shard (m->pp) as on a whole buffer (8-bit AdamW: its
-     * pieces of the tensors, placed by world and rank) */
-    if (dp->stage >= 1) FL_TRY(fl_optim_init_shard(o, m, &cfg->optimizer, dp->world, dp->rank));
+     * pieces of the tensors, placed by the shard group's size and this rank's place in it: HYBRID_SHARD
+     * shards within the node) */
+    const int sw = dp->stage == 3 && dp->node ? fl_comm_size(dp->node) : dp->world;
+    const int sr = dp->stage == 3 && dp->node ? fl_comm_rank(dp->node) : dp->rank;
+    if (dp->stage >= 1) FL_TRY(fl_optim_init_shard(o, m, &cfg->optimizer, sw, sr));
     else FL_TRY(fl_optim_init(o, m, &cfg->optimizer));
     if (dp->stage == 2 && o->cfg.kind == FL_OPT_ADAMW8BIT && o->n / (size_t)dp->world < FL_OPTIM_8BIT_HALO) {
         size_t n = o->n;

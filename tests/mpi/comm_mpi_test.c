@@ -207,6 +207,37 @@ static void check_pool(fl_comm *c) {
     free(a);
 }
 
+/* fl_comm_split: colors rank % 2 with key -rank (the reversed order), sums inside each part (exact
+ * integers), the parent's traffic untouched by the split, a broadcast from the part's rank 0. */
+static void check_split(fl_comm *c) {
+    int n = fl_comm_size(c), me = fl_comm_rank(c);
+    fl_comm_traffic before, after;
+    fl_comm_get_traffic(c, &before);
+    fl_comm *p = NULL;
+    fl_status s = fl_comm_split(c, me % 2, -me, &p);
+    fl_comm_get_traffic(c, &after);
+    CHECK(s == FL_OK, "split: %s", fl_error_message());
+    if (s != FL_OK) return;
+    CHECK(!memcmp(&before, &after, sizeof after), "the split counted as traffic");
+    int size = (n - me % 2 + 1) / 2, want_rank = (n - 1 - me) / 2; /* ranks of my parity, highest first */
+    CHECK(fl_comm_size(p) == size && fl_comm_rank(p) == want_rank && !strcmp(fl_comm_impl_name(p), "mpi"),
+          "split: rank %d of %d (%s), want %d of %d", fl_comm_rank(p), fl_comm_size(p), fl_comm_impl_name(p), want_rank, size);
+    CHECK(fl_comm_local_size(p) >= 1 && fl_comm_local_rank(p) < fl_comm_local_size(p), "split: local %d of %d",
+          fl_comm_local_rank(p), fl_comm_local_size(p));
+    float v[3] = {(float)me, 1, (float)(me * me)}, want[3] = {0, 0, 0};
+    for (int r = me % 2; r < n; r += 2) want[0] += (float)r, want[1] += 1, want[2] += (float)(r * r);
+    s = fl_comm_all_reduce(p, v, v, 3, FL_F32, FL_COMM_SUM);
+    CHECK(s == FL_OK && v[0] == want[0] && v[1] == want[1] && v[2] == want[2], "split sum %g %g %g", v[0], v[1], v[2]);
+    float b = (float)me;
+    s = fl_comm_broadcast(p, &b, 1, FL_F32, 0);
+    int top = n - 1 - ((n - 1 - me) % 2); /* the highest rank of my parity: the part's rank 0 */
+    CHECK(s == FL_OK && b == (float)top, "split broadcast %g, want %d", b, top);
+    fl_comm_traffic t;
+    fl_comm_get_traffic(p, &t);
+    CHECK(t.calls[FL_COLL_ALL_REDUCE] == 1 && t.calls[FL_COLL_BROADCAST] == 1, "split traffic calls");
+    fl_comm_destroy(p);
+}
+
 int main(int argc, char **argv) {
     const char *mode = argc > 1 ? argv[1] : "check";
     fl_comm *c;
@@ -216,16 +247,20 @@ int main(int argc, char **argv) {
     }
     g_rank = fl_comm_rank(c);
     int n = fl_comm_size(c);
-    if (!strcmp(mode, "abort") || !strcmp(mode, "die")) {
+    if (!strcmp(mode, "abort") || !strcmp(mode, "die") || !strcmp(mode, "abort_split")) {
         float v = 1;
         if (fl_comm_all_reduce(c, &v, &v, 1, FL_F32, FL_COMM_SUM) != FL_OK) return 1;
+        /* abort_split: the last rank aborts on a sub-communicator (ranks of its parity); the whole job ends */
+        fl_comm *part = NULL;
+        if (!strcmp(mode, "abort_split") && fl_comm_split(c, g_rank % 2, g_rank, &part) != FL_OK) return 1;
         if (g_rank == n - 1) {
             usleep(200000); /* the others are in the barrier by now */
             if (!strcmp(mode, "die")) _exit(7);
-            fl_comm_abort(c, 3, "abort test: the last rank gives up");
+            fl_comm_abort(part ? part : c, 3, "abort test: the last rank gives up");
             fprintf(stderr, "rank %d: fl_comm_abort returned\n", g_rank);
             return 0;
         }
+        if (part) (void)fl_comm_barrier(part); /* the last rank's part waits for it; the other part goes on */
         fl_status s = fl_comm_barrier(c);
         fprintf(stderr, "rank %d: barrier returned %d after the last rank left (%s)\n", g_rank, (int)s, fl_error_message());
         fl_comm_destroy(c);
@@ -239,6 +274,7 @@ int main(int argc, char **argv) {
     check_async(c);
     check_large(c);
     check_pool(c);
+    check_split(c);
     /* everyone's verdict: the maximum of the failure counts */
     float f = (float)g_fails, fmax = 0, chk = (float)g_checks, csum = 0;
     if (fl_comm_all_reduce(c, &f, &fmax, 1, FL_F32, FL_COMM_MAX) != FL_OK ||

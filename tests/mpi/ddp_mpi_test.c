@@ -1,4 +1,4 @@
-/* Data-parallel training (DDP, ZeRO-1, ZeRO-2; FULL_SHARD at 2 ranks) with the ranks as MPI processes (run by
+/* Data-parallel training (DDP, ZeRO-1, ZeRO-2; FULL_SHARD at 2 ranks, HYBRID_SHARD at 4) with the ranks as MPI processes (run by
  * tests/mpi_test.sh under mpirun -np 2, 3 and 4):
  *   fitllm_ddp_mpi_test TMPDIR
  * every scenario of tests/ddp_ref.h trains over MPI; rank 0 then trains the single-process
@@ -309,6 +309,56 @@ static void fsdp_scenario(fl_comm *c, const char *tmp, int sc) {
     CHECK(fl_comm_barrier(c) == FL_OK, "barrier");
 }
 
+/* HYBRID_SHARD over MPI (4 ranks as 2 nodes x 2, and as 4 nodes x 1: --devices per --num_nodes n / per): each rank's
+ * memory equal to the plan for it with every peak (the node's reduce-scatter scratch, then the piece's all-reduce
+ * scratch across the nodes: at 4 x 1 that one is (4-1)/4 of the unit and decides WORKSPACE's peak), every rank ending
+ * with the same parameters, and the threads twin's bits. The bare-instruction prompt (20 tokens) makes the
+ * micro-batches differ (tests/test_fsdp.c's hy_data). */
+static void hybrid_scenario(fl_comm *c, const char *tmp, int per) {
+    int n = fl_comm_size(c);
+    char out[600];
+    fl_run_config cfg;
+    snprintf(out, sizeof out, "%s/hybrid-mpi-%d", tmp, per);
+    zr_config(&cfg, ZR_SGDM, n, n, 1, "fsdp", "HYBRID_SHARD", out);
+    snprintf(cfg.data.prompt_style, sizeof cfg.data.prompt_style, "default");
+    cfg.train.max_seq_length = 20;
+    cfg.train.max_steps = 3;
+    cfg.train.max_norm = 0.05f;
+    cfg.devices = per;
+    cfg.num_nodes = n / per;
+    zr_rec rec = {0};
+    fl_trainer_result res;
+    fl_status s = fl_trainer_run_comm(&cfg, c, NULL, 0, zr_record, &rec, &res);
+    CHECK(s == FL_OK, "HYBRID_SHARD over MPI: %s", fl_error_message());
+    if (s == FL_OK) {
+        char why[2048];
+        int bad = zr_check_fsdp_memory(&cfg, g_rank, n, &res, 1, why, sizeof why);
+        CHECK(bad == 0, "HYBRID_SHARD: %s", why);
+        double h = 0;
+        for (size_t i = 0; i < rec.nbytes; i++) h += (double)rec.bytes[i] * (double)(i % 7919 + 1);
+        float mine[2] = {(float)h, (float)(h - (float)h)}, *all = calloc((size_t)n * 2, sizeof *all);
+        CHECK(all && fl_comm_all_gather(c, mine, all, (size_t)n * 2, FL_F32) == FL_OK, "gathering checksums");
+        for (int r = 1; all && r < n; r++)
+            CHECK(!memcmp(all, all + 2 * r, 2 * sizeof *all), "HYBRID_SHARD: rank %d's parameters differ from rank 0's", r);
+        free(all);
+    }
+    if (s == FL_OK && g_rank == 0) {
+        ztjob *j = calloc(1, sizeof *j);
+        if (j && n <= 8) {
+            j->cfg = cfg;
+            snprintf(j->cfg.out_dir, sizeof j->cfg.out_dir, "%s/hybrid-threads-%d", tmp, per);
+            fl_status ts = fl_comm_threads_run(n, ztrank, j);
+            CHECK(ts == FL_OK, "threads: %s", fl_error_message());
+            if (ts == FL_OK) CHECK(zr_same(&j->rec[0], &rec), "HYBRID_SHARD over MPI and over threads differ in bits");
+            if (ts == FL_OK) printf("  HYBRID_SHARD at %d nodes x %d ranks: MPI = threads, bit for bit\n", n / per, per);
+            for (int r = 0; r < n; r++) zr_free(&j->rec[r]);
+        }
+        free(j);
+    }
+    zr_free(&rec);
+    CHECK(fl_comm_barrier(c) == FL_OK, "barrier");
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr, "usage: fitllm_ddp_mpi_test TMPDIR (under mpirun)\n");
@@ -331,6 +381,7 @@ int main(int argc, char **argv) {
     accum1_memory(c, tmp);
     if (n == 2) fsdp_scenario(c, tmp, ZR_ADAMW);
     if (n == 2) fsdp_scenario(c, tmp, ZR_ADAMW8);
+    if (n == 4) hybrid_scenario(c, tmp, 2), hybrid_scenario(c, tmp, 1);
     float f = (float)g_fails, fmax = 0, chk = (float)g_checks, csum = 0;
     if (fl_comm_all_reduce(c, &f, &fmax, 1, FL_F32, FL_COMM_MAX) != FL_OK ||
         fl_comm_all_reduce(c, &chk, &csum, 1, FL_F32, FL_COMM_SUM) != FL_OK) {
