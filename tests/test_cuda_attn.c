@@ -725,6 +725,81 @@ FL_TEST(cuda_attn_tc_unsupported) {
     for (int i = 0; i < 64; i++) FL_CHECKF(x[i] == 0.0f, "an error path wrote x[%d]", i);
 }
 
+/* The backend's dispatch: "cuda-emu" runs the tensor-core kernels for a bf16 compute dtype and a
+ * shape they take, the fp32 kernels otherwise (F32, a bias, HD 24) and whenever
+ * FITLLM_CUDA_ATTN=fp32; bits equal to the direct launches say which ran. */
+static int same(const float *x, const float *y, size_t n) { return !memcmp(x, y, n * sizeof(float)); }
+
+static void dispatch_case(const char *env, int HD, int use_bias) {
+    if (env) setenv("FITLLM_CUDA_ATTN", env, 1);
+    else unsetenv("FITLLM_CUDA_ATTN");
+    fl_backend be;
+    fl_status st = fl_backend_init_by_name("cuda-emu", &be, 1);
+    FL_CHECKF(st == FL_OK, "cuda-emu init with FITLLM_CUDA_ATTN=%s", env ? env : "(unset)");
+    if (st != FL_OK) return;
+    FL_CHECK(be.set_compute_dtype != NULL);
+    be.set_compute_dtype(&be, FL_BF16);
+    const int expect_tc = !(env && !strcmp(env, "fp32")) && (HD == 64 || HD == 128) && !use_bias;
+    const int B = 1, T = 9, NH = 2, NKV = 1, W = (NH + 2 * NKV) * HD, OW = NH * HD;
+    const size_t nx = (size_t)B * T * W, no = (size_t)B * T * OW, nl = (size_t)B * NH * T;
+    fl_test_rng rng = {(unsigned long long)(HD + use_bias)};
+    float *qkv = fl_test_frand(&rng, nx, -1, 1), *dout = fl_test_frand(&rng, no, -1, 1);
+    float *bias = fl_test_frand(&rng, (size_t)NH * T * T, -1, 1);
+    float *o1 = malloc(no * 4), *o2 = malloc(no * 4), *l1 = malloc(nl * 4), *l2 = malloc(nl * 4);
+    float *g1 = calloc(nx, 4), *g2 = calloc(nx, 4), *work = malloc(nl * 4);
+    const fl_attn_desc a = fl_cu_attention_fused_desc(B, T, NH, NKV, HD);
+    const float *q = qkv, *k = qkv + NH * HD, *v = qkv + (NH + NKV) * HD;
+    if (!use_bias) { /* the fused ops */
+        be.attention_forward(&be, o1, l1, qkv, B, T, NH, NKV, HD);
+        be.attention_backward(&be, g1, dout, qkv, o1, l1, B, T, NH, NKV, HD);
+        FL_CHECK(be.sync(&be) == FL_OK);
+        if (expect_tc) {
+            FL_CHECK(fl_cuemu_attention_forward_tc(&a, o2, l2, q, k, v, NULL, NULL) == 0);
+            FL_CHECK(fl_cuemu_attention_backward_tc(&a, g2, g2 + OW, g2 + OW + NKV * HD, dout, q, k, v, NULL, o2, l2,
+                                                    work, NULL) == 0);
+        } else {
+            FL_CHECK(fl_cuemu_attention_forward(o2, l2, qkv, B, T, NH, NKV, HD, NULL) == 0);
+            FL_CHECK(fl_cuemu_attention_backward(g2, dout, qkv, o2, l2, B, T, NH, NKV, HD, work, NULL) == 0);
+        }
+    } else { /* the general ops with a bias: always fp32 */
+        FL_CHECK(be.attention_forward_ex(&be, &a, o1, l1, q, k, v, bias, NULL) == FL_OK);
+        FL_CHECK(be.attention_backward_ex(&be, &a, g1, g1 + OW, g1 + OW + NKV * HD, NULL, dout, q, k, v, bias, NULL,
+                                          o1, l1) == FL_OK);
+        FL_CHECK(fl_cuemu_attention_forward_ex(&a, o2, l2, q, k, v, bias, NULL, NULL) == 0);
+        FL_CHECK(fl_cuemu_attention_backward_ex(&a, g2, g2 + OW, g2 + OW + NKV * HD, NULL, dout, q, k, v, bias, NULL,
+                                                o2, l2, work, NULL) == 0);
+    }
+    FL_CHECKF(same(o1, o2, no) && same(l1, l2, nl) && same(g1, g2, nx), "dispatch env %s HD %d bias %d: expected the %s "
+              "kernels", env ? env : "(unset)", HD, use_bias, expect_tc ? "tensor-core" : "fp32");
+    if (expect_tc) { /* and back to F32: the fp32 kernels */
+        be.set_compute_dtype(&be, FL_F32);
+        be.attention_forward(&be, o1, l1, qkv, B, T, NH, NKV, HD);
+        FL_CHECK(be.sync(&be) == FL_OK);
+        FL_CHECK(fl_cuemu_attention_forward(o2, l2, qkv, B, T, NH, NKV, HD, NULL) == 0);
+        FL_CHECK(same(o1, o2, no) && same(l1, l2, nl));
+    }
+    fl_backend_free(&be);
+    free(qkv), free(dout), free(bias), free(o1), free(o2), free(l1), free(l2), free(g1), free(g2), free(work);
+    unsetenv("FITLLM_CUDA_ATTN");
+}
+
+FL_TEST(cuda_attn_tc_dispatch) {
+    dispatch_case(NULL, 64, 0);
+    dispatch_case("auto", 128, 0);
+    dispatch_case(NULL, 24, 0);
+    dispatch_case(NULL, 64, 1);
+    dispatch_case("fp32", 64, 0);
+    setenv("FITLLM_CUDA_ATTN", "tensor", 1);
+    fl_backend be;
+    FL_CHECK(fl_backend_init_by_name("cuda-emu", &be, 1) == FL_ERR_INVALID);
+    FL_CHECK(strstr(fl_error_message(), "FITLLM_CUDA_ATTN=tensor") != NULL);
+    unsetenv("FITLLM_CUDA_ATTN");
+    fl_backend cpu;
+    FL_REQUIRE_OK(fl_cpu_backend_init(&cpu, 1));
+    FL_CHECK(cpu.set_compute_dtype == NULL); /* fp32 attention always */
+    fl_backend_free(&cpu);
+}
+
 #else
 FL_TEST(cuda_attn_skipped) { fl_test_skip("built without the CUDA emulator (no C++ compiler)"); }
 #endif
