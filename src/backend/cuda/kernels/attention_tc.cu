@@ -260,16 +260,18 @@ template <int D> __global__ static void fl_cu_tc_dkdv_k(fl_cu_attn_p p) {
             /* warp-uniform skips: keys past the tile end, or no row of the tile sees them */
             if (kw >= kn || t0 + rn <= wfirst) continue;
             float s[NQ][4], dp[NQ][4];
-            for (int nt = 0; nt < NQ; nt++) {
+            for (int nt = 0; nt < NQ; nt++)
                 for (int i = 0; i < 4; i++) s[nt][i] = dp[nt][i] = 0.0f;
-                for (int kk = 0; kk < DK; kk++) {
-                    uint32_t af[4], bf[2];
-                    fl_cu_tc_frag_a(af, Ks, KP, kw, kk * 16);
+            for (int kk = 0; kk < DK; kk++) { /* the warp's K / V fragments once per k-step */
+                uint32_t ka[4], va[4];
+                fl_cu_tc_frag_a(ka, Ks, KP, kw, kk * 16);
+                fl_cu_tc_frag_a(va, Vs, KP, kw, kk * 16);
+                for (int nt = 0; nt < NQ; nt++) {
+                    uint32_t bf[2];
                     fl_cu_tc_frag_b(bf, Qs, KP, nt * 8, kk * 16);
-                    fl_cu_mma_bf16_16816(s[nt], af, bf, s[nt]);
-                    fl_cu_tc_frag_a(af, Vs, KP, kw, kk * 16);
+                    fl_cu_mma_bf16_16816(s[nt], ka, bf, s[nt]);
                     fl_cu_tc_frag_b(bf, Gs, KP, nt * 8, kk * 16);
-                    fl_cu_mma_bf16_16816(dp[nt], af, bf, dp[nt]);
+                    fl_cu_mma_bf16_16816(dp[nt], va, bf, dp[nt]);
                 }
             }
             /* element i of n-tile nt: key j0 (i < 2) or j1, query row nt*8 + 2tq + (i & 1) */
@@ -353,16 +355,18 @@ template <int D> __global__ static void fl_cu_tc_dq_k(fl_cu_attn_p p) {
         __syncthreads(); /* also: Qs / Gs written (first tile) */
         if (k0 >= wend) continue; /* no row of this warp sees the tile (warp-uniform) */
         float s[NT][4], dp[NT][4];
-        for (int nt = 0; nt < NT; nt++) {
+        for (int nt = 0; nt < NT; nt++)
             for (int i = 0; i < 4; i++) s[nt][i] = dp[nt][i] = 0.0f;
-            for (int kk = 0; kk < DK; kk++) {
-                uint32_t af[4], bf[2];
-                fl_cu_tc_frag_a(af, Qs, KP, warp * 16, kk * 16);
+        for (int kk = 0; kk < DK; kk++) { /* the warp's Q / dO fragments once per k-step */
+            uint32_t qa[4], ga[4];
+            fl_cu_tc_frag_a(qa, Qs, KP, warp * 16, kk * 16);
+            fl_cu_tc_frag_a(ga, Gs, KP, warp * 16, kk * 16);
+            for (int nt = 0; nt < NT; nt++) {
+                uint32_t bf[2];
                 fl_cu_tc_frag_b(bf, Ks, KP, nt * 8, kk * 16);
-                fl_cu_mma_bf16_16816(s[nt], af, bf, s[nt]);
-                fl_cu_tc_frag_a(af, Gs, KP, warp * 16, kk * 16);
+                fl_cu_mma_bf16_16816(s[nt], qa, bf, s[nt]);
                 fl_cu_tc_frag_b(bf, Vs, KP, nt * 8, kk * 16);
-                fl_cu_mma_bf16_16816(dp[nt], af, bf, dp[nt]);
+                fl_cu_mma_bf16_16816(dp[nt], ga, bf, dp[nt]);
             }
         }
         for (int nt = 0; nt < NT; nt++)
