@@ -32,6 +32,8 @@
 #include <string.h>
 
 #include "fitllm/backend.h"
+#include "fitllm/model.h"
+#include "fitllm/precision.h"
 #include "test.h"
 
 #ifdef FL_HAVE_CUDA_EMU
@@ -798,6 +800,68 @@ FL_TEST(cuda_attn_tc_dispatch) {
     FL_REQUIRE_OK(fl_cpu_backend_init(&cpu, 1));
     FL_CHECK(cpu.set_compute_dtype == NULL); /* fp32 attention always */
     fl_backend_free(&cpu);
+}
+
+/* The model tells the backend its compute dtype around each call (fl_model_tell_compute_dtype):
+ * a recorder in the slot sees BF16 then F32 around a bf16-mixed forward and backward, F32 for
+ * 32-true; on "cuda-emu" with HD 64 the bf16 loss then comes from the tensor-core kernels (it
+ * differs from the FITLLM_CUDA_ATTN=fp32 run's, which are the fp32 kernels). */
+static void (*g_real_set)(const fl_backend *, fl_dtype);
+static fl_dtype g_seen[16];
+static int g_nseen;
+static void record_dtype(const fl_backend *be, fl_dtype t) {
+    if (g_nseen < 16) g_seen[g_nseen++] = t;
+    g_real_set(be, t);
+}
+
+static void model_loss(const char *env, int record, double *loss) {
+    if (env) setenv("FITLLM_CUDA_ATTN", env, 1);
+    fl_backend be;
+    FL_REQUIRE_OK(fl_backend_init_by_name("cuda-emu", &be, 1));
+    unsetenv("FITLLM_CUDA_ATTN");
+    if (record) {
+        g_real_set = be.set_compute_dtype;
+        be.set_compute_dtype = record_dtype;
+        g_nseen = 0;
+    }
+    fl_model_config c;
+    FL_REQUIRE_OK(fl_preset_find("micro", &c));
+    c.dim = 128, c.n_heads = 2, c.n_kv_heads = 1, c.head_dim = 64, c.n_layers = 1; /* HD 64: the tc kernels */
+    fl_mem_pool pool, host;
+    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, "tc", 0));
+    fl_model m;
+    FL_REQUIRE_OK(fl_model_init(&m, &c, &be, &pool));
+    fl_model_init_random(&m, 5);
+    const int B = 1, T = 20;
+    int32_t ids[20], tg[20];
+    for (int i = 0; i < T; i++) ids[i] = (i * 37 + 11) % c.vocab_size, tg[i] = (i * 53 + 7) % c.vocab_size;
+    FL_REQUIRE_OK(fl_model_set_precision(&m, fl_precision_get(FL_PREC_BF16_MIXED)));
+    FL_REQUIRE_OK(fl_model_alloc_grads(&m));
+    FL_REQUIRE_OK(fl_model_alloc_acts(&m, B, T));
+    FL_REQUIRE_OK(fl_model_forward(&m, ids, tg, B, T, 1.0f / T, NULL));
+    *loss = m.loss_sum;
+    FL_REQUIRE_OK(fl_model_backward(&m));
+    if (record) {
+        FL_CHECKF(g_nseen == 4 && g_seen[0] == FL_BF16 && g_seen[1] == FL_F32 && g_seen[2] == FL_BF16 &&
+                      g_seen[3] == FL_F32,
+                  "bf16-mixed: %d set_compute_dtype calls (want BF16, F32 around forward and backward)", g_nseen);
+        FL_REQUIRE_OK(fl_model_set_precision(&m, fl_precision_get(FL_PREC_32_TRUE)));
+        g_nseen = 0;
+        FL_REQUIRE_OK(fl_model_forward(&m, ids, tg, B, T, 0.0f, NULL));
+        FL_CHECKF(g_nseen == 2 && g_seen[0] == FL_F32 && g_seen[1] == FL_F32, "32-true: calls %d", g_nseen);
+    }
+    fl_model_free(&m);
+    fl_backend_pools_free(&pool, &host);
+    fl_backend_free(&be);
+}
+
+FL_TEST(cuda_attn_tc_model) {
+    double tc = NAN, fp = NAN;
+    model_loss(NULL, 1, &tc);
+    model_loss("fp32", 0, &fp);
+    printf("      bf16-mixed loss sum: %.9g (tensor cores) vs %.9g (fp32 attention)\n", tc, fp);
+    FL_CHECK(isfinite(tc) && isfinite(fp));
+    FL_CHECK(tc != fp);
 }
 
 #else
