@@ -32,6 +32,8 @@
 #include <string.h>
 
 #include "fitllm/backend.h"
+#include "fitllm/model.h"
+#include "fitllm/precision.h"
 #include "test.h"
 
 #ifdef FL_HAVE_CUDA_EMU
@@ -62,6 +64,9 @@ typedef struct {
      * dbias (NH,Tq,Tk); M* the |term| sums of the bound; sabs the largest score magnitude */
     double *out, *lse, *dq, *dk, *dv, *dbias, *Mo, *Mq, *Mk, *Mv, *Mb;
     double sabs;
+    /* optional (NULL: not computed), for the bf16 bound: as Mq / Mk with P1 + P2 replaced by
+     * Qt = sum_j p_tj P1_tj (how far an error of out, hence of D, reaches dS) */
+    double *Mq2, *Mk2;
 } ref_t;
 
 static int visible(const fl_attn_desc *a, const uint8_t *kmask, int b, int t, int j) {
@@ -130,6 +135,8 @@ static void ref_run(ref_t *R) {
                     }
                     D += p[j] * dp[j];
                 }
+                double Qt = 0;
+                for (int j = 0; j < Tk; j++) Qt += p[j] * P1[j];
                 for (int j = 0; j < Tk; j++) {
                     if (p[j] == 0) continue;
                     const double ds = p[j] * (dp[j] - D), w = p[j] * (P1[j] + P2);
@@ -142,6 +149,8 @@ static void ref_run(ref_t *R) {
                         R->Mk[krow + d] += a->scale * w * fabs((double)q[d]);
                         R->dv[krow + d] += p[j] * dO[d];
                         R->Mv[krow + d] += p[j] * fabs((double)dO[d]);
+                        if (R->Mq2) R->Mq2[orow + d] += a->scale * p[j] * Qt * fabs((double)k[d]);
+                        if (R->Mk2) R->Mk2[krow + d] += a->scale * p[j] * Qt * fabs((double)q[d]);
                     }
                     if (R->dbias) {
                         R->dbias[((size_t)h * Tq + t) * Tk + j] += ds;
@@ -243,7 +252,7 @@ static void run_case(const attn_case *cs) {
         }
     }
     /* reference */
-    ref_t R = {a, q, k, v, bias, dout, kmask, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0};
+    ref_t R = {a, q, k, v, bias, dout, kmask, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL};
     const size_t cq = (size_t)a.B * a.Tq * wq, ck = (size_t)a.B * a.Tk * wk;
     R.out = dzeros(cq), R.lse = dzeros(nl), R.dq = dzeros(cq), R.dk = dzeros(ck), R.dv = dzeros(ck);
     R.Mo = dzeros(cq), R.Mq = dzeros(cq), R.Mk = dzeros(ck), R.Mv = dzeros(ck);
@@ -384,7 +393,7 @@ FL_TEST(cuda_attn_fused) {
     float *qkv = fl_test_frand(&rng, nx, -1.5f, 1.5f), *dout = fl_test_frand(&rng, no, -1, 1);
     fl_attn_desc a = {B, T, T, NH, NKV, HD, W, W, W, OW, 1.0f / sqrtf((float)HD), 1};
     ref_t R = {a, qkv, qkv + NH * HD, qkv + (NH + NKV) * HD, NULL, dout, NULL, NULL, NULL, NULL, NULL, NULL,
-               NULL, NULL, NULL, NULL, NULL, NULL, 0};
+               NULL, NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL};
     R.out = dzeros(no), R.lse = dzeros(nl), R.dq = dzeros(no), R.Mo = dzeros(no), R.Mq = dzeros(no);
     const size_t ck = (size_t)B * T * NKV * HD;
     R.dk = dzeros(ck), R.dv = dzeros(ck), R.Mk = dzeros(ck), R.Mv = dzeros(ck);
@@ -479,6 +488,380 @@ FL_TEST(cuda_attn_decode) {
     decode_case(7, 4, 4, 8);
     decode_case(33, 6, 2, 64);
     decode_case(33, 4, 1, 200);
+}
+
+/* ---- the tensor-core (bf16) kernels: kernels/attention_tc.cu --------------------------------------
+ *
+ * The mma primitive first: small integers make every product and partial sum exact in fp32, so
+ * the result is the integer matmul's whatever the summation order (the emulator's or a GPU's),
+ * and a fragment taken transposed or from the wrong lane gives other numbers (the test checks
+ * that A^T B differs from A B, so a transposed A cannot pass). Random bf16 values: within the
+ * fp32 accumulation bound of 17 terms, doubled (tensor cores truncate; the emulator rounds).
+ *
+ * The attention kernels: Q, K, V, dO and the products' P and dS rounded to bf16 (u = 2^-8), fp32
+ * elsewhere. Inputs either bf16 values already (ui = 0: only P / dS rounding and fp32 remain, a
+ * bound of ~0.4% of the |term| sums) or any fp32 (ui = 2^-8). Derived (first order terms kept
+ * exactly, products of the factors for the higher orders; u32 = 2^-24, sabs the largest
+ * scale * sum|q k|, Ls = 1 + sabs + log(Tk + 1) bounds |lse| and the scores):
+ *   scores:  ES = (2 ui + ui^2) sabs + 2 u32 (HD + 8)(1 + sabs)       (operands, fp32 dot)
+ *   lse:     EL = ES + 4 u32 (Tk + 8) Ls                               (max moves by ES, l's sum)
+ *   out:     wP = e^(2 ES)(1 + u)(1 + ui) - 1 relative per weight p_j v_j (normalized p moves by
+ *            e^(+-2 ES), P and V rounded), eo = wP + 2 u32 (Tk + HD + 16)(1 + wP); |err| <= eo Mo
+ *   backward: recomputed p = exp(s - lse) relative rp = e^(ES + EL + 2 u32 Ls) - 1;
+ *            c = (1 + u)(1 + ui)(1 + rp);
+ *            dS = p (dP - D): dP's operands and fp32 sum (2 ui + ui^2 + 2 u32 HD)(P1 + P2), D from
+ *            the kernel's out: sum_d |dO_d| eo Mo_d = eo Qt (Mq2 / Mk2 carry Qt);
+ *   dq, dk:  |err| <= [(rp + 2 ui + ui^2 + 2 u32 HD) c + (1 + u)(1 + ui) - 1 + 4 u32 (Tk + Tq rep + 16) c] M
+ *            + (eo + 2 u32 HD) c M2
+ *   dv:      |err| <= [c - 1 + 4 u32 (Tq rep + 16) c] Mv
+ * plus 4 u32 (|x| + |x0|) for the += into pre-filled gradients. A row that sees no key: exact. */
+#define U16 (1.0 / 256.0)
+
+static float bfround(float x) { return fl_bf16_to_f32(fl_f32_to_bf16(x)); }
+
+FL_TEST(cuda_attn_mma) {
+    fl_test_rng rng = {4242};
+    uint16_t A[256], B[128];
+    float Af[256], Bf[128], C[128], D1[128], D2[128];
+    for (int pass = 0; pass < 2; pass++) {
+        for (int i = 0; i < 256; i++) {
+            Af[i] = pass == 0 ? (float)((int)(fl_test_rng_u64(&rng) % 17) - 8) : bfround(fl_test_rng_uniform(&rng, -2, 2));
+            A[i] = fl_f32_to_bf16(Af[i]);
+        }
+        for (int i = 0; i < 128; i++) {
+            Bf[i] = pass == 0 ? (float)((int)(fl_test_rng_u64(&rng) % 17) - 8) : bfround(fl_test_rng_uniform(&rng, -2, 2));
+            B[i] = fl_f32_to_bf16(Bf[i]);
+            C[i] = pass == 0 ? (float)((int)(fl_test_rng_u64(&rng) % 101) - 50) : fl_test_rng_uniform(&rng, -4, 4);
+        }
+        fl_cu_emu_set_seed(k_seed_a);
+        int rc = emu_call(fl_cuemu_mma_bf16_check(D1, A, B, C, NULL), "mma");
+        fl_cu_emu_set_seed(k_seed_b);
+        rc |= emu_call(fl_cuemu_mma_bf16_check(D2, A, B, C, NULL), "mma");
+        FL_CHECK(rc == 0);
+        FL_CHECK(!memcmp(D1, D2, sizeof D1));
+        int bad = 0, transposed_differs = 0;
+        for (int r = 0; r < 16; r++)
+            for (int n = 0; n < 8; n++) {
+                double want = C[r * 8 + n], wantT = want, mag = fabs(want);
+                for (int kk = 0; kk < 16; kk++) {
+                    want += (double)Af[r * 16 + kk] * Bf[kk * 8 + n];
+                    wantT += (double)Af[kk * 16 + r] * Bf[kk * 8 + n];
+                    mag += fabs((double)Af[r * 16 + kk] * Bf[kk * 8 + n]);
+                }
+                const double tol = pass == 0 ? 0.0 : 2 * 17 * U32 * mag;
+                transposed_differs += wantT != want;
+                if (!(fabs(D1[r * 8 + n] - want) <= tol)) {
+                    if (!bad++)
+                        fprintf(stderr, "  mma pass %d: D[%d][%d] = %.9g want %.9g (bound %.3g)\n", pass, r, n,
+                                D1[r * 8 + n], want, tol);
+                }
+            }
+        FL_CHECKF(bad == 0, "mma pass %d: %d of 128 outputs wrong", pass, bad);
+        FL_CHECK(transposed_differs > 64);
+    }
+}
+
+typedef struct {
+    int B, Tq, Tk, NH, NKV, HD, causal, mask, strided, exact_in;
+} tc_case;
+
+static int check_b16(const char *what, const float *got, const float *pre, size_t rows, size_t row, size_t ld,
+                     const double *want, const double *M, double fM, const double *M2, double fM2, double *worst) {
+    for (size_t r = 0; r < rows; r++)
+        for (size_t c = 0; c < row; c++) {
+            const size_t gi = r * ld + c, wi = r * row + c;
+            const double x = got[gi], p0 = pre ? pre[gi] : 0.0, err = fabs(x - p0 - want[wi]);
+            const double tol = fM * M[wi] + (M2 ? fM2 * M2[wi] : 0.0) + 4 * U32 * (fabs(x) + fabs(p0));
+            if (!(err <= tol)) {
+                fprintf(stderr, "  %s: [%zu,%zu] got %.9g want %.9g (err %.3g > bound %.3g)\n", what, r, c, x - p0,
+                        want[wi], err, tol);
+                return 0;
+            }
+            if (tol > 0 && err / tol > *worst) *worst = err / tol;
+        }
+    return 1;
+}
+
+static void tc_run(const tc_case *cs) {
+    char name[160];
+    snprintf(name, sizeof name, "tc B%d Tq%d Tk%d NH%d/%d HD%d%s%s%s%s", cs->B, cs->Tq, cs->Tk, cs->NH, cs->NKV, cs->HD,
+             cs->causal ? " causal" : "", cs->mask ? " kmask" : "", cs->strided ? " strided" : "",
+             cs->exact_in ? " bf16-inputs" : " fp32-inputs");
+    fl_test_rng rng = {(unsigned long long)(cs->Tq * 131 + cs->Tk * 7 + cs->HD + cs->NKV * 1000 + cs->exact_in)};
+    fl_attn_desc a = {0};
+    a.B = cs->B, a.Tq = cs->Tq, a.Tk = cs->Tk, a.NH = cs->NH, a.NKV = cs->NKV, a.HD = cs->HD;
+    a.scale = 1.0f / sqrtf((float)cs->HD);
+    a.causal = cs->causal;
+    const size_t wq = (size_t)a.NH * a.HD, wk = (size_t)a.NKV * a.HD;
+    a.ldq = wq + (cs->strided ? 2 : 0);
+    a.ldk = wk + (cs->strided ? 4 : 0);
+    a.ldv = wk + (cs->strided ? 6 : 0);
+    a.ldo = wq + (cs->strided ? 2 : 0);
+    const size_t nq = (size_t)a.B * a.Tq * a.ldq, nk = (size_t)a.B * a.Tk * a.ldk, nv = (size_t)a.B * a.Tk * a.ldv;
+    const size_t no = (size_t)a.B * a.Tq * a.ldo, nl = (size_t)a.B * a.NH * a.Tq;
+    float *q = fl_test_frand(&rng, nq, -1.5f, 1.5f), *k = fl_test_frand(&rng, nk, -1.5f, 1.5f);
+    float *v = fl_test_frand(&rng, nv, -1, 1), *dout = fl_test_frand(&rng, no, -1, 1);
+    if (cs->exact_in) {
+        for (size_t i = 0; i < nq; i++) q[i] = bfround(q[i]);
+        for (size_t i = 0; i < nk; i++) k[i] = bfround(k[i]);
+        for (size_t i = 0; i < nv; i++) v[i] = bfround(v[i]);
+        for (size_t i = 0; i < no; i++) dout[i] = bfround(dout[i]);
+    }
+    uint8_t *kmask = NULL;
+    if (cs->mask) {
+        kmask = malloc((size_t)a.B * a.Tk);
+        for (size_t i = 0; i < (size_t)a.B * a.Tk; i++) kmask[i] = (fl_test_rng_u64(&rng) % 5) != 0;
+        if (a.B > 1) memset(kmask + a.Tk, 0, a.Tk); /* b = 1: every key padding, no row sees anything */
+    }
+    ref_t R = {a, q, k, v, NULL, dout, kmask, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0,
+               NULL, NULL};
+    const size_t cq = (size_t)a.B * a.Tq * wq, ck = (size_t)a.B * a.Tk * wk;
+    R.out = dzeros(cq), R.lse = dzeros(nl), R.dq = dzeros(cq), R.dk = dzeros(ck), R.dv = dzeros(ck);
+    R.Mo = dzeros(cq), R.Mq = dzeros(cq), R.Mk = dzeros(ck), R.Mv = dzeros(ck), R.Mq2 = dzeros(cq), R.Mk2 = dzeros(ck);
+    ref_run(&R);
+    /* the bound (see above) */
+    const double ui = cs->exact_in ? 0.0 : U16, u = U16, rep = a.NH / a.NKV, sab = R.sabs;
+    const double Ls = 1 + sab + log(a.Tk + 1.0);
+    const double ES = (2 * ui + ui * ui) * sab + 2 * U32 * (a.HD + 8) * (1 + sab);
+    const double EL = ES + 4 * U32 * (a.Tk + 8) * Ls;
+    const double wP = exp(2 * ES) * (1 + u) * (1 + ui) - 1, eo = wP + 2 * U32 * (a.Tk + a.HD + 16) * (1 + wP);
+    const double rp = exp(ES + EL + 2 * U32 * Ls) - 1, c = (1 + u) * (1 + ui) * (1 + rp);
+    const double fqk = (rp + 2 * ui + ui * ui + 2 * U32 * a.HD) * c + ((1 + u) * (1 + ui) - 1) +
+                       4 * U32 * (a.Tk + a.Tq * rep + 16) * c;
+    const double fqk2 = (eo + 2 * U32 * a.HD) * c, fv = c - 1 + 4 * U32 * (a.Tq * rep + 16) * c;
+
+    float *out1 = fl_test_frand(&rng, no, 7, 8), *out2 = fl_test_fdup(out1, no), *out0 = fl_test_fdup(out1, no);
+    float *lse1 = malloc(nl * 4), *lse2 = malloc(nl * 4);
+    fl_cu_emu_set_seed(k_seed_a);
+    int rc = emu_call(fl_cuemu_attention_forward_tc(&a, out1, lse1, q, k, v, kmask, NULL), name);
+    fl_cu_emu_set_seed(k_seed_b);
+    rc |= emu_call(fl_cuemu_attention_forward_tc(&a, out2, lse2, q, k, v, kmask, NULL), name);
+    FL_CHECKF(rc == 0, "%s: forward launcher -> %d", name, rc);
+    FL_CHECKF(!memcmp(out1, out2, no * 4) && !memcmp(lse1, lse2, nl * 4), "%s: forward bits differ between runs", name);
+    const size_t rows = (size_t)a.B * a.Tq, krows = (size_t)a.B * a.Tk;
+    double wo = 0, wl = 0, wdq = 0, wdk = 0, wdv = 0;
+    FL_CHECKF(check_b16("tc out vs float64", out1, NULL, rows, wq, a.ldo, R.out, R.Mo, eo, NULL, 0, &wo), "%s: out",
+              name);
+    int lse_ok = 1;
+    for (size_t i = 0; i < nl && lse_ok; i++) {
+        if (isinf(R.lse[i])) lse_ok = isinf(lse1[i]) && lse1[i] < 0;
+        else {
+            const double e = fabs(lse1[i] - R.lse[i]);
+            lse_ok = e <= EL;
+            if (e / EL > wl) wl = e / EL;
+        }
+        if (!lse_ok) fprintf(stderr, "  tc lse: [%zu] got %.9g want %.9g (bound %.3g)\n", i, lse1[i], R.lse[i], EL);
+    }
+    FL_CHECKF(lse_ok, "%s: lse", name);
+    int pad_ok = 1;
+    for (size_t r = 0; r < rows; r++)
+        for (size_t cc = wq; cc < a.ldo; cc++) pad_ok &= out1[r * a.ldo + cc] == out0[r * a.ldo + cc];
+    FL_CHECKF(pad_ok, "%s: forward wrote into the stride padding", name);
+
+    /* backward, pre-filled gradients, twice (bits); then from the fp32 forward's out / lse (mixing) */
+    float *dq0 = fl_test_frand(&rng, nq, -0.5f, 0.5f), *dk0 = fl_test_frand(&rng, nk, -0.5f, 0.5f), *dv0 = fl_test_frand(&rng, nv, -0.5f, 0.5f);
+    float *dq1 = fl_test_fdup(dq0, nq), *dk1 = fl_test_fdup(dk0, nk), *dv1 = fl_test_fdup(dv0, nv);
+    float *dq2 = fl_test_fdup(dq0, nq), *dk2 = fl_test_fdup(dk0, nk), *dv2 = fl_test_fdup(dv0, nv);
+    float *work = malloc(nl * 4 + 4);
+    fl_cu_emu_set_seed(k_seed_a);
+    rc = emu_call(fl_cuemu_attention_backward_tc(&a, dq1, dk1, dv1, dout, q, k, v, kmask, out1, lse1, work, NULL), name);
+    fl_cu_emu_set_seed(k_seed_b);
+    rc |= emu_call(fl_cuemu_attention_backward_tc(&a, dq2, dk2, dv2, dout, q, k, v, kmask, out1, lse1, work, NULL), name);
+    FL_CHECKF(rc == 0, "%s: backward launcher -> %d", name, rc);
+    FL_CHECKF(!memcmp(dq1, dq2, nq * 4) && !memcmp(dk1, dk2, nk * 4) && !memcmp(dv1, dv2, nv * 4),
+              "%s: backward bits differ between runs", name);
+    FL_CHECKF(check_b16("tc dq vs float64", dq1, dq0, rows, wq, a.ldq, R.dq, R.Mq, fqk, R.Mq2, fqk2, &wdq), "%s: dq", name);
+    FL_CHECKF(check_b16("tc dk vs float64", dk1, dk0, krows, wk, a.ldk, R.dk, R.Mk, fqk, R.Mk2, fqk2, &wdk), "%s: dk", name);
+    FL_CHECKF(check_b16("tc dv vs float64", dv1, dv0, krows, wk, a.ldv, R.dv, R.Mv, fv, NULL, 0, &wdv), "%s: dv", name);
+    pad_ok = 1;
+    for (size_t r = 0; r < rows; r++)
+        for (size_t cc = wq; cc < a.ldq; cc++) pad_ok &= dq1[r * a.ldq + cc] == dq0[r * a.ldq + cc];
+    for (size_t r = 0; r < krows; r++) {
+        for (size_t cc = wk; cc < a.ldk; cc++) pad_ok &= dk1[r * a.ldk + cc] == dk0[r * a.ldk + cc];
+        for (size_t cc = wk; cc < a.ldv; cc++) pad_ok &= dv1[r * a.ldv + cc] == dv0[r * a.ldv + cc];
+    }
+    FL_CHECKF(pad_ok, "%s: backward wrote into the stride padding", name);
+    printf("      %s: worst err/bound out %.3f lse %.3f dq %.3f dk %.3f dv %.3f (bounds: out %.2g, dq/dk %.2g + %.2g, dv %.2g relative)\n",
+           name, wo, wl, wdq, wdk, wdv, eo, fqk, fqk2, fv);
+    if (cs->exact_in && cs->strided) { /* the tc backward after the fp32 forward: the same bound */
+        float *o3 = fl_test_fdup(out0, no), *l3 = malloc(nl * 4);
+        float *dq3 = fl_test_fdup(dq0, nq), *dk3 = fl_test_fdup(dk0, nk), *dv3 = fl_test_fdup(dv0, nv);
+        rc = emu_call(fl_cuemu_attention_forward_ex(&a, o3, l3, q, k, v, NULL, kmask, NULL), name);
+        rc |= emu_call(fl_cuemu_attention_backward_tc(&a, dq3, dk3, dv3, dout, q, k, v, kmask, o3, l3, work, NULL), name);
+        FL_CHECK(rc == 0);
+        double w3 = 0;
+        FL_CHECKF(check_b16("tc dq after fp32 fwd", dq3, dq0, rows, wq, a.ldq, R.dq, R.Mq, fqk, R.Mq2, fqk2, &w3) &&
+                      check_b16("tc dk after fp32 fwd", dk3, dk0, krows, wk, a.ldk, R.dk, R.Mk, fqk, R.Mk2, fqk2, &w3) &&
+                      check_b16("tc dv after fp32 fwd", dv3, dv0, krows, wk, a.ldv, R.dv, R.Mv, fv, NULL, 0, &w3),
+                  "%s: backward after the fp32 forward", name);
+        free(o3), free(l3), free(dq3), free(dk3), free(dv3);
+    }
+    free(q), free(k), free(v), free(dout), free(kmask);
+    free(R.out), free(R.lse), free(R.dq), free(R.dk), free(R.dv), free(R.Mo), free(R.Mq), free(R.Mk), free(R.Mv);
+    free(R.Mq2), free(R.Mk2);
+    free(out1), free(out2), free(out0), free(lse1), free(lse2);
+    free(dq0), free(dk0), free(dv0), free(dq1), free(dk1), free(dv1), free(dq2), free(dk2), free(dv2), free(work);
+}
+
+FL_TEST(cuda_attn_tc) {
+    const tc_case cases[] = {
+        {2, 33, 33, 4, 2, 64, 1, 0, 1, 1},  /* causal self, GQA, strided views */
+        {1, 70, 7, 2, 2, 64, 1, 0, 0, 1},   /* causal Tq > Tk: rows t < 63 see nothing; 2 query tiles */
+        {2, 7, 70, 2, 1, 64, 0, 1, 1, 1},   /* cross, kmask (b = 1 all padding), 2 key tiles */
+        {1, 40, 40, 2, 1, 128, 1, 1, 0, 1}, /* HD 128: 32-row / 32-key backward tiles */
+        {1, 33, 33, 2, 2, 64, 1, 0, 0, 0},  /* fp32 inputs: their rounding inside the bound */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) tc_run(&cases[i]);
+}
+
+FL_TEST(cuda_attn_tc_unsupported) {
+    float x[64] = {0}, work[16];
+    fl_attn_desc a = {1, 3, 3, 2, 2, 80, 160, 160, 160, 160, 0.1f, 1};
+    FL_CHECK(!fl_cu_attention_tc_supported(&a, NULL));
+    FL_CHECK(fl_cuemu_attention_forward_tc(&a, x, x, x, x, x, NULL, NULL) == FL_CU_ATTN_UNSUPPORTED);
+    FL_CHECK(fl_cuemu_attention_backward_tc(&a, x, x, x, x, x, x, x, NULL, x, x, work, NULL) == FL_CU_ATTN_UNSUPPORTED);
+    a.HD = 64, a.ldq = a.ldk = a.ldv = a.ldo = 128;
+    FL_CHECK(fl_cu_attention_tc_supported(&a, NULL) && !fl_cu_attention_tc_supported(&a, x));
+    a.NKV = 3; /* NH % NKV: invalid before unsupported */
+    FL_CHECK(fl_cuemu_attention_forward_tc(&a, x, x, x, x, x, NULL, NULL) == FL_CU_ATTN_INVALID);
+    for (int i = 0; i < 64; i++) FL_CHECKF(x[i] == 0.0f, "an error path wrote x[%d]", i);
+}
+
+/* The backend's dispatch: "cuda-emu" runs the tensor-core kernels for a bf16 compute dtype and a
+ * shape they take, the fp32 kernels otherwise (F32, a bias, HD 24) and whenever
+ * FITLLM_CUDA_ATTN=fp32; bits equal to the direct launches say which ran. */
+static int same(const float *x, const float *y, size_t n) { return !memcmp(x, y, n * sizeof(float)); }
+
+static void dispatch_case(const char *env, int HD, int use_bias) {
+    if (env) setenv("FITLLM_CUDA_ATTN", env, 1);
+    else unsetenv("FITLLM_CUDA_ATTN");
+    fl_backend be;
+    fl_status st = fl_backend_init_by_name("cuda-emu", &be, 1);
+    FL_CHECKF(st == FL_OK, "cuda-emu init with FITLLM_CUDA_ATTN=%s", env ? env : "(unset)");
+    if (st != FL_OK) return;
+    FL_CHECK(be.set_compute_dtype != NULL);
+    be.set_compute_dtype(&be, FL_BF16);
+    const int expect_tc = !(env && !strcmp(env, "fp32")) && (HD == 64 || HD == 128) && !use_bias;
+    const int B = 1, T = 9, NH = 2, NKV = 1, W = (NH + 2 * NKV) * HD, OW = NH * HD;
+    const size_t nx = (size_t)B * T * W, no = (size_t)B * T * OW, nl = (size_t)B * NH * T;
+    fl_test_rng rng = {(unsigned long long)(HD + use_bias)};
+    float *qkv = fl_test_frand(&rng, nx, -1, 1), *dout = fl_test_frand(&rng, no, -1, 1);
+    float *bias = fl_test_frand(&rng, (size_t)NH * T * T, -1, 1);
+    float *o1 = malloc(no * 4), *o2 = malloc(no * 4), *l1 = malloc(nl * 4), *l2 = malloc(nl * 4);
+    float *g1 = calloc(nx, 4), *g2 = calloc(nx, 4), *work = malloc(nl * 4);
+    const fl_attn_desc a = fl_cu_attention_fused_desc(B, T, NH, NKV, HD);
+    const float *q = qkv, *k = qkv + NH * HD, *v = qkv + (NH + NKV) * HD;
+    if (!use_bias) { /* the fused ops */
+        be.attention_forward(&be, o1, l1, qkv, B, T, NH, NKV, HD);
+        be.attention_backward(&be, g1, dout, qkv, o1, l1, B, T, NH, NKV, HD);
+        FL_CHECK(be.sync(&be) == FL_OK);
+        if (expect_tc) {
+            FL_CHECK(fl_cuemu_attention_forward_tc(&a, o2, l2, q, k, v, NULL, NULL) == 0);
+            FL_CHECK(fl_cuemu_attention_backward_tc(&a, g2, g2 + OW, g2 + OW + NKV * HD, dout, q, k, v, NULL, o2, l2,
+                                                    work, NULL) == 0);
+        } else {
+            FL_CHECK(fl_cuemu_attention_forward(o2, l2, qkv, B, T, NH, NKV, HD, NULL) == 0);
+            FL_CHECK(fl_cuemu_attention_backward(g2, dout, qkv, o2, l2, B, T, NH, NKV, HD, work, NULL) == 0);
+        }
+    } else { /* the general ops with a bias: always fp32 */
+        FL_CHECK(be.attention_forward_ex(&be, &a, o1, l1, q, k, v, bias, NULL) == FL_OK);
+        FL_CHECK(be.attention_backward_ex(&be, &a, g1, g1 + OW, g1 + OW + NKV * HD, NULL, dout, q, k, v, bias, NULL,
+                                          o1, l1) == FL_OK);
+        FL_CHECK(fl_cuemu_attention_forward_ex(&a, o2, l2, q, k, v, bias, NULL, NULL) == 0);
+        FL_CHECK(fl_cuemu_attention_backward_ex(&a, g2, g2 + OW, g2 + OW + NKV * HD, NULL, dout, q, k, v, bias, NULL,
+                                                o2, l2, work, NULL) == 0);
+    }
+    FL_CHECKF(same(o1, o2, no) && same(l1, l2, nl) && same(g1, g2, nx), "dispatch env %s HD %d bias %d: expected the %s "
+              "kernels", env ? env : "(unset)", HD, use_bias, expect_tc ? "tensor-core" : "fp32");
+    if (expect_tc) { /* and back to F32: the fp32 kernels */
+        be.set_compute_dtype(&be, FL_F32);
+        be.attention_forward(&be, o1, l1, qkv, B, T, NH, NKV, HD);
+        FL_CHECK(be.sync(&be) == FL_OK);
+        FL_CHECK(fl_cuemu_attention_forward(o2, l2, qkv, B, T, NH, NKV, HD, NULL) == 0);
+        FL_CHECK(same(o1, o2, no) && same(l1, l2, nl));
+    }
+    fl_backend_free(&be);
+    free(qkv), free(dout), free(bias), free(o1), free(o2), free(l1), free(l2), free(g1), free(g2), free(work);
+    unsetenv("FITLLM_CUDA_ATTN");
+}
+
+FL_TEST(cuda_attn_tc_dispatch) {
+    dispatch_case(NULL, 64, 0);
+    dispatch_case("auto", 128, 0);
+    dispatch_case(NULL, 24, 0);
+    dispatch_case(NULL, 64, 1);
+    dispatch_case("fp32", 64, 0);
+    setenv("FITLLM_CUDA_ATTN", "tensor", 1);
+    fl_backend be;
+    FL_CHECK(fl_backend_init_by_name("cuda-emu", &be, 1) == FL_ERR_INVALID);
+    FL_CHECK(strstr(fl_error_message(), "FITLLM_CUDA_ATTN=tensor") != NULL);
+    unsetenv("FITLLM_CUDA_ATTN");
+    fl_backend cpu;
+    FL_REQUIRE_OK(fl_cpu_backend_init(&cpu, 1));
+    FL_CHECK(cpu.set_compute_dtype == NULL); /* fp32 attention always */
+    fl_backend_free(&cpu);
+}
+
+/* The model tells the backend its compute dtype around each call (fl_model_tell_compute_dtype):
+ * a recorder in the slot sees BF16 then F32 around a bf16-mixed forward and backward, F32 for
+ * 32-true; on "cuda-emu" with HD 64 the bf16 loss then comes from the tensor-core kernels (it
+ * differs from the FITLLM_CUDA_ATTN=fp32 run's, which are the fp32 kernels). */
+static void (*g_real_set)(const fl_backend *, fl_dtype);
+static fl_dtype g_seen[16];
+static int g_nseen;
+static void record_dtype(const fl_backend *be, fl_dtype t) {
+    if (g_nseen < 16) g_seen[g_nseen++] = t;
+    g_real_set(be, t);
+}
+
+static void model_loss(const char *env, int record, double *loss) {
+    if (env) setenv("FITLLM_CUDA_ATTN", env, 1);
+    fl_backend be;
+    FL_REQUIRE_OK(fl_backend_init_by_name("cuda-emu", &be, 1));
+    unsetenv("FITLLM_CUDA_ATTN");
+    if (record) {
+        g_real_set = be.set_compute_dtype;
+        be.set_compute_dtype = record_dtype;
+        g_nseen = 0;
+    }
+    fl_model_config c;
+    FL_REQUIRE_OK(fl_preset_find("micro", &c));
+    c.dim = 128, c.n_heads = 2, c.n_kv_heads = 1, c.head_dim = 64, c.n_layers = 1; /* HD 64: the tc kernels */
+    fl_mem_pool pool, host;
+    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, "tc", 0));
+    fl_model m;
+    FL_REQUIRE_OK(fl_model_init(&m, &c, &be, &pool));
+    fl_model_init_random(&m, 5);
+    const int B = 1, T = 20;
+    int32_t ids[20], tg[20];
+    for (int i = 0; i < T; i++) ids[i] = (i * 37 + 11) % c.vocab_size, tg[i] = (i * 53 + 7) % c.vocab_size;
+    FL_REQUIRE_OK(fl_model_set_precision(&m, fl_precision_get(FL_PREC_BF16_MIXED)));
+    FL_REQUIRE_OK(fl_model_alloc_grads(&m));
+    FL_REQUIRE_OK(fl_model_alloc_acts(&m, B, T));
+    FL_REQUIRE_OK(fl_model_forward(&m, ids, tg, B, T, 1.0f / T, NULL));
+    *loss = m.loss_sum;
+    FL_REQUIRE_OK(fl_model_backward(&m));
+    if (record) {
+        FL_CHECKF(g_nseen == 4 && g_seen[0] == FL_BF16 && g_seen[1] == FL_F32 && g_seen[2] == FL_BF16 &&
+                      g_seen[3] == FL_F32,
+                  "bf16-mixed: %d set_compute_dtype calls (want BF16, F32 around forward and backward)", g_nseen);
+        FL_REQUIRE_OK(fl_model_set_precision(&m, fl_precision_get(FL_PREC_32_TRUE)));
+        g_nseen = 0;
+        FL_REQUIRE_OK(fl_model_forward(&m, ids, tg, B, T, 0.0f, NULL));
+        FL_CHECKF(g_nseen == 2 && g_seen[0] == FL_F32 && g_seen[1] == FL_F32, "32-true: calls %d", g_nseen);
+    }
+    fl_model_free(&m);
+    fl_backend_pools_free(&pool, &host);
+    fl_backend_free(&be);
+}
+
+FL_TEST(cuda_attn_tc_model) {
+    double tc = NAN, fp = NAN;
+    model_loss(NULL, 1, &tc);
+    model_loss("fp32", 0, &fp);
+    printf("      bf16-mixed loss sum: %.9g (tensor cores) vs %.9g (fp32 attention)\n", tc, fp);
+    FL_CHECK(isfinite(tc) && isfinite(fp));
+    FL_CHECK(tc != fp);
 }
 
 #else

@@ -97,6 +97,14 @@ struct fl_backend {
      * collectives work on this backend's buffers (cpu, ref). cuda: NCCL (include/fitllm/comm_nccl.h);
      * cuda-emu: the NCCL code over its CPU stand-in. Destroy *out with fl_comm_destroy before host. */
     fl_status (*comm_create)(const fl_backend *be, struct fl_comm *host, struct fl_comm **out);
+    /* The compute dtype of the run (its precision policy's), which some ops may follow instead of
+     * their fp32 contract; NULL slot: none do (cpu, ref, opaque). cuda: with FL_BF16 the attention
+     * ops (forward, backward, fused and general without bias) multiply bf16-rounded Q, K, V, P, dO
+     * and dS on tensor cores with fp32 accumulation and softmax, as a bf16 PyTorch run's flash
+     * attention (the environment's FITLLM_CUDA_ATTN=fp32 keeps the fp32 kernels). The model sets
+     * it around each forward / backward / generation call and puts back FL_F32 after, so ops
+     * called outside a model (tests, selftest) keep the fp32 contract. */
+    void (*set_compute_dtype)(const fl_backend *be, fl_dtype t);
 
     /* ---- matmul ---------------------------------------------------------
      * C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C, row-major, with

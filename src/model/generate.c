@@ -114,7 +114,9 @@ static fl_status forward_rows(fl_model *m, fl_kv_cache *kv, const rows_scratch *
                               int pos0, float *logits) {
     void *sc = m->acts && m->acts->be_scratch ? m->acts->be_scratch : kv->be_scratch;
     if (sc) m->be->set_scratch(m->be, sc, m->be->scratch_bytes);
+    fl_model_tell_compute_dtype(m, 1);
     fl_status s = forward_rows_impl(m, kv, w, ids, n, pos0, logits);
+    fl_model_tell_compute_dtype(m, 0);
     if (sc) m->be->set_scratch(m->be, NULL, 0);
     return s;
 }

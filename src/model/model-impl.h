@@ -87,6 +87,9 @@ int fl_logits_chunk_rows(int vocab_size, int N);
 
 /* Release the activation arena and its views (safe when none). */
 void fl_model_free_acts(fl_model *m);
+/* fl_backend.set_compute_dtype around a model call (transformer.c): on = the precision's compute
+ * dtype, off = FL_F32 (no-op for backends without the slot). */
+void fl_model_tell_compute_dtype(const fl_model *m, int on);
 /* 16-bit saved activations (no-ops when a->act_dtype is F32 or under checkpointing):
  * round block l's saved activations (N rows) from the shared fp32 layer buffer into its
  * 16-bit region after its forward / widen them back before its backward. */

@@ -292,17 +292,28 @@ static void lend_scratch(const fl_model *m, int on) {
         m->be->set_scratch(m->be, on ? m->acts->be_scratch : NULL, on ? m->be->scratch_bytes : 0);
 }
 
+/* The precision's compute dtype told to the backend for the call (fl_backend.set_compute_dtype:
+ * bf16 runs may take its tensor-core attention), FL_F32 again after. */
+void fl_model_tell_compute_dtype(const fl_model *m, int on) {
+    if (m->be->set_compute_dtype)
+        m->be->set_compute_dtype(m->be, on && m->prec.name ? m->prec.compute_dtype : FL_F32);
+}
+
 fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targets, int B, int T, float grad_scale,
                            float *logits_out) {
     lend_scratch(m, 1);
+    fl_model_tell_compute_dtype(m, 1);
     fl_status s = model_forward(m, ids, targets, B, T, grad_scale, logits_out);
+    fl_model_tell_compute_dtype(m, 0);
     lend_scratch(m, 0);
     return s;
 }
 
 fl_status fl_model_backward(fl_model *m) {
     lend_scratch(m, 1);
+    fl_model_tell_compute_dtype(m, 1);
     fl_status s = model_backward(m);
+    fl_model_tell_compute_dtype(m, 0);
     lend_scratch(m, 0);
     return s;
 }

@@ -7,6 +7,10 @@
  *    NH 16, NKV 4 and 16, HD 64 and 128): the emulator would take minutes there;
  * plus the bits of two GPU runs of each backward (deterministic: no atomics), and the kernel
  * times (cudaEvent) of forward and backward at T 1024 / 2048, HD 64, NH 32.
+ * The tensor-core (bf16) kernels of attention_tc.cu likewise: the mma's fragment layouts on the
+ * hardware (exact integer products), GPU vs emulator at small shapes, the float64 slice with
+ * bf16-rounded inputs (tolerance 1e-2: P and dS rounded to bf16), and their times next to the
+ * fp32 kernels' (the speed-up of a bf16 run's attention).
  * Tolerances: GPU vs emulator as cuda_check.c's report() (nvcc contracts to FMAs, the device
  * expf is not glibc's): relative 1e-4 plus 1e-5 (values) / 2e-5 (gradients) of the largest
  * reference magnitude; the float64 slice: 1e-4 of the largest magnitude of each tensor (fp32
@@ -20,6 +24,7 @@
 #include <string.h>
 
 #include "backend/cuda/cu_kernels_attn.h"
+#include "fitllm/dtype.h"
 
 int fl_cuda_check_attn(void);
 
@@ -150,6 +155,107 @@ static void check_decode(int T, int NH, int NKV, int HD) {
     free(q), free(kc), free(vc), free(o), free(h);
 }
 
+/* ---- tensor cores: the mma fragment layouts, then the kernels against the emulator ------------------ */
+
+/* Small integers: exact on any hardware in any summation order, so the GPU's D must equal the
+ * integer matmul bit for bit (a fragment layout of cu_mma.h that does not match the hardware's
+ * fails here even if the emulator agrees with itself); random bf16 values: within the fp32
+ * accumulation bound of 17 terms (doubled: tensor cores truncate) of float64. */
+static void check_mma(void) {
+    unsigned s = 77;
+    uint16_t A[256], B[128];
+    float Af[256], Bf[128], C[128], D[128];
+    for (int pass = 0; pass < 2; pass++) {
+        for (int i = 0; i < 256; i++) {
+            s = s * 1664525u + 1013904223u;
+            Af[i] = pass == 0 ? (float)((int)(s >> 20) % 17 - 8) : fl_bf16_to_f32(fl_f32_to_bf16(-2.0f + 4.0f * (float)(s >> 8) / 16777216.0f));
+            A[i] = fl_f32_to_bf16(Af[i]);
+        }
+        for (int i = 0; i < 128; i++) {
+            s = s * 1664525u + 1013904223u;
+            Bf[i] = pass == 0 ? (float)((int)(s >> 20) % 17 - 8) : fl_bf16_to_f32(fl_f32_to_bf16(-2.0f + 4.0f * (float)(s >> 8) / 16777216.0f));
+            B[i] = fl_f32_to_bf16(Bf[i]);
+            C[i] = pass == 0 ? (float)((int)(s >> 12) % 101 - 50) : -4.0f + 8.0f * (float)(s >> 8) / 16777216.0f;
+        }
+        float *gd = a_dev(NULL, sizeof D), *gc = a_dev(C, sizeof C);
+        uint16_t *ga = a_dev(A, sizeof A), *gb = a_dev(B, sizeof B);
+        int rc = fl_cuk_mma_bf16_check(gd, ga, gb, gc, NULL);
+        const char *op = pass == 0 ? "mma bf16 m16n8k16 (integers: exact)" : "mma bf16 m16n8k16 (random, fp32 bound)";
+        if (rc || cudaDeviceSynchronize() != cudaSuccess) {
+            printf("%-40s FAIL (launch: %d)\n", op, rc);
+            a_fail++;
+        } else {
+            a_host(D, gd, sizeof D);
+            int ok = 1;
+            double worst = 0;
+            for (int r = 0; r < 16; r++)
+                for (int n = 0; n < 8; n++) {
+                    double want = C[r * 8 + n], mag = fabs(want);
+                    for (int k = 0; k < 16; k++) {
+                        want += (double)Af[r * 16 + k] * Bf[k * 8 + n];
+                        mag += fabs((double)Af[r * 16 + k] * Bf[k * 8 + n]);
+                    }
+                    const double err = fabs(D[r * 8 + n] - want), tol = pass == 0 ? 0 : 2 * 17 * mag / 16777216.0;
+                    ok &= err <= tol;
+                    if (tol > 0) worst = fmax(worst, err / tol);
+                }
+            printf("%-40s %s  (worst err / bound %.2f)\n", op, ok ? "ok  " : "FAIL", worst);
+            if (!ok) a_fail++;
+        }
+        cudaFree(gd), cudaFree(gc), cudaFree(ga), cudaFree(gb);
+    }
+}
+
+/* The tensor-core kernels on the GPU against the same source emulated (at 100+ rows the emulated
+ * run takes seconds). Both round the same bf16 operands, but a P or dS whose fp32 value differs
+ * by an ulp (the mma's order, the device exp2f) can round to the neighbouring bf16: differences
+ * of up to 2^-8 of a term, so 1e-2 relative plus 2e-3 of the largest value (a layout or masking
+ * error is 1e-1 or more). kmask with b = 1's key 0 hidden. */
+static void check_tc_ex(int B, int Tq, int Tk, int NH, int NKV, int HD, int causal, int use_mask) {
+    char nm[96], op[128];
+    snprintf(nm, sizeof nm, "attn_tc B%d Tq%d Tk%d %d/%d HD%d%s%s", B, Tq, Tk, NH, NKV, HD, causal ? " c" : "",
+             use_mask ? " m" : "");
+    unsigned s = (unsigned)(Tq * 37 + Tk + HD);
+    fl_attn_desc a = {B, Tq, Tk, NH, NKV, HD, (size_t)NH * HD + 2, (size_t)NKV * HD + 4, (size_t)NKV * HD,
+                      (size_t)NH * HD, 1.0f / sqrtf((float)HD), causal};
+    size_t nq = (size_t)B * Tq * a.ldq, nk = (size_t)B * Tk * a.ldk, nv = (size_t)B * Tk * a.ldv;
+    size_t no = (size_t)B * Tq * a.ldo, nl = (size_t)B * NH * Tq;
+    float *q = a_rand(&s, nq, -1.5f, 1.5f), *k = a_rand(&s, nk, -1.5f, 1.5f), *v = a_rand(&s, nv, -1, 1);
+    float *dout = a_rand(&s, no, -1, 1);
+    uint8_t *mask = NULL;
+    if (use_mask) {
+        mask = malloc((size_t)B * Tk);
+        for (size_t i = 0; i < (size_t)B * Tk; i++) mask[i] = (i * 7 + 3) % 5 != 0;
+        if (B > 1) mask[Tk] = 0;
+    }
+    float *out = malloc(no * 4), *lse = malloc(nl * 4), *work = malloc(fl_cu_attention_work_bytes(B, NH, Tq));
+    float *dq = calloc(nq, 4), *dk = calloc(nk, 4), *dv = calloc(nv, 4);
+    int rc = fl_cuemu_attention_forward_tc(&a, out, lse, q, k, v, mask, NULL);
+    rc |= fl_cuemu_attention_backward_tc(&a, dq, dk, dv, dout, q, k, v, mask, out, lse, work, NULL);
+    float *gq = a_dev(q, nq * 4), *gk = a_dev(k, nk * 4), *gv = a_dev(v, nv * 4), *gdo = a_dev(dout, no * 4);
+    float *go = a_dev(NULL, no * 4), *gl = a_dev(NULL, nl * 4), *gw = a_dev(NULL, fl_cu_attention_work_bytes(B, NH, Tq));
+    uint8_t *gm = mask ? a_dev(mask, (size_t)B * Tk) : NULL;
+    float *gdq = a_dev(NULL, nq * 4), *gdk = a_dev(NULL, nk * 4), *gdv = a_dev(NULL, nv * 4);
+    cudaMemset(gdq, 0, nq * 4), cudaMemset(gdk, 0, nk * 4), cudaMemset(gdv, 0, nv * 4);
+    rc |= fl_cuk_attention_forward_tc(&a, go, gl, gq, gk, gv, gm, NULL);
+    rc |= fl_cuk_attention_backward_tc(&a, gdq, gdk, gdv, gdo, gq, gk, gv, gm, go, gl, gw, NULL);
+    if (rc || cudaDeviceSynchronize() != cudaSuccess) {
+        printf("%-40s FAIL (launch: %d, %s)\n", nm, rc, cudaGetErrorString(cudaGetLastError()));
+        a_fail++;
+    } else {
+        float *h = malloc((nq > nk ? (nq > nv ? nq : nv) : (nk > nv ? nk : nv)) * 4 + no * 4 + nl * 4);
+        a_host(h, go, no * 4), snprintf(op, sizeof op, "%s out", nm), a_report(op, h, out, no, 1e-2, 2e-3);
+        a_host(h, gl, nl * 4), snprintf(op, sizeof op, "%s lse", nm), a_report(op, h, lse, nl, 1e-4, 1e-5);
+        a_host(h, gdq, nq * 4), snprintf(op, sizeof op, "%s dq", nm), a_report(op, h, dq, nq, 1e-2, 2e-3);
+        a_host(h, gdk, nk * 4), snprintf(op, sizeof op, "%s dk", nm), a_report(op, h, dk, nk, 1e-2, 2e-3);
+        a_host(h, gdv, nv * 4), snprintf(op, sizeof op, "%s dv", nm), a_report(op, h, dv, nv, 1e-2, 2e-3);
+        free(h);
+    }
+    cudaFree(gq), cudaFree(gk), cudaFree(gv), cudaFree(gdo), cudaFree(go), cudaFree(gl), cudaFree(gw), cudaFree(gm);
+    cudaFree(gdq), cudaFree(gdk), cudaFree(gdv);
+    free(q), free(k), free(v), free(dout), free(mask), free(out), free(lse), free(work), free(dq), free(dk), free(dv);
+}
+
 /* ---- large shapes: GPU against a float64 slice ------------------------------------------------ */
 
 /* max |x - ref| / max |ref| over a slice */
@@ -165,20 +271,42 @@ static void a_err_report(const char *op, a_err e, double tol) {
     if (!ok) a_fail++;
 }
 
-static void check_large(int B, int T, int NH, int NKV, int HD) {
+/* the fused ops, fp32 or tensor-core kernels (tc: inputs rounded to bf16 first, so that the bf16
+ * error left is P's and dS's rounding, <= 2^-8 of the |term| sums per element) */
+static int a_fwd(int tc, float *o, float *l, const float *x, int B, int T, int NH, int NKV, int HD) {
+    if (!tc) return fl_cuk_attention_forward(o, l, x, B, T, NH, NKV, HD, NULL);
+    const fl_attn_desc a = fl_cu_attention_fused_desc(B, T, NH, NKV, HD);
+    return fl_cuk_attention_forward_tc(&a, o, l, x, x + (size_t)NH * HD, x + (size_t)(NH + NKV) * HD, NULL, NULL);
+}
+static int a_bwd(int tc, float *dx, const float *dout, const float *x, const float *o, const float *l, int B, int T,
+                 int NH, int NKV, int HD, void *w) {
+    if (!tc) return fl_cuk_attention_backward(dx, dout, x, o, l, B, T, NH, NKV, HD, w, NULL);
+    const fl_attn_desc a = fl_cu_attention_fused_desc(B, T, NH, NKV, HD);
+    const size_t ko = (size_t)NH * HD, vo = (size_t)(NH + NKV) * HD;
+    return fl_cuk_attention_backward_tc(&a, dx, dx + ko, dx + vo, dout, x, x + ko, x + vo, NULL, o, l, w, NULL);
+}
+static void a_round_bf16(float *x, size_t n) {
+    for (size_t i = 0; i < n; i++) x[i] = fl_bf16_to_f32(fl_f32_to_bf16(x[i]));
+}
+
+static void check_large(int B, int T, int NH, int NKV, int HD, int tc) {
     char nm[96], op[128];
-    snprintf(nm, sizeof nm, "attn B%d T%d %d/%d HD%d", B, T, NH, NKV, HD);
+    snprintf(nm, sizeof nm, "attn%s B%d T%d %d/%d HD%d", tc ? "_tc" : "", B, T, NH, NKV, HD);
     unsigned s = (unsigned)(T + NKV * 7 + HD);
     const size_t W = (size_t)(NH + 2 * NKV) * HD, OW = (size_t)NH * HD;
     const size_t nx = (size_t)B * T * W, no = (size_t)B * T * OW, nl = (size_t)B * NH * T;
     float *qkv = a_rand(&s, nx, -1.5f, 1.5f), *dout = a_rand(&s, no, -1, 1);
+    if (tc) a_round_bf16(qkv, nx), a_round_bf16(dout, no);
+    /* bf16 P / dS: ~1e-3 of the largest value expected (2^-8 per term, not aligned), a lost tile,
+     * a masking or a fragment-layout error is 1e-1 or more */
+    const double tol = tc ? 1e-2 : 1e-4, tol_lse = tc ? 1e-4 : 1e-5;
     float *gx = a_dev(qkv, nx * 4), *gdo = a_dev(dout, no * 4), *go = a_dev(NULL, no * 4), *gl = a_dev(NULL, nl * 4);
     float *gdx = a_dev(NULL, nx * 4), *gdx2 = a_dev(NULL, nx * 4), *gw = a_dev(NULL, fl_cu_attention_work_bytes(B, NH, T));
     cudaMemset(gdx, 0, nx * 4);
     cudaMemset(gdx2, 0, nx * 4);
-    int rc = fl_cuk_attention_forward(go, gl, gx, B, T, NH, NKV, HD, NULL);
-    rc |= fl_cuk_attention_backward(gdx, gdo, gx, go, gl, B, T, NH, NKV, HD, gw, NULL);
-    rc |= fl_cuk_attention_backward(gdx2, gdo, gx, go, gl, B, T, NH, NKV, HD, gw, NULL);
+    int rc = a_fwd(tc, go, gl, gx, B, T, NH, NKV, HD);
+    rc |= a_bwd(tc, gdx, gdo, gx, go, gl, B, T, NH, NKV, HD, gw);
+    rc |= a_bwd(tc, gdx2, gdo, gx, go, gl, B, T, NH, NKV, HD, gw);
     if (rc || cudaDeviceSynchronize() != cudaSuccess) {
         printf("%-40s FAIL (launch: %d)\n", nm, rc);
         a_fail++;
@@ -243,11 +371,11 @@ static void check_large(int B, int T, int NH, int NKV, int HD) {
                 a_acc(&ev, dvr[d], dv[(size_t)j * HD + d]);
             }
         }
-        snprintf(op, sizeof op, "%s out", nm), a_err_report(op, eo, 1e-4);
-        snprintf(op, sizeof op, "%s lse", nm), a_err_report(op, el, 1e-5);
-        snprintf(op, sizeof op, "%s dq", nm), a_err_report(op, eq, 1e-4);
-        snprintf(op, sizeof op, "%s dk", nm), a_err_report(op, ek, 1e-4);
-        snprintf(op, sizeof op, "%s dv", nm), a_err_report(op, ev, 1e-4);
+        snprintf(op, sizeof op, "%s out", nm), a_err_report(op, eo, tol);
+        snprintf(op, sizeof op, "%s lse", nm), a_err_report(op, el, tol_lse);
+        snprintf(op, sizeof op, "%s dq", nm), a_err_report(op, eq, tol);
+        snprintf(op, sizeof op, "%s dk", nm), a_err_report(op, ek, tol);
+        snprintf(op, sizeof op, "%s dv", nm), a_err_report(op, ev, tol);
         free(out), free(lse), free(dx), free(dx2), free(p), free(dp), free(dk), free(dv), free(o), free(dq);
     }
 done:
@@ -257,7 +385,7 @@ done:
 
 /* ---- kernel times --------------------------------------------------------------------------- */
 
-static void time_attn(int B, int T, int NH, int NKV, int HD) {
+static void time_attn(int B, int T, int NH, int NKV, int HD, int tc) {
     unsigned s = 9;
     const size_t W = (size_t)(NH + 2 * NKV) * HD, nx = (size_t)B * T * W, no = (size_t)B * T * NH * HD;
     float *x = a_rand(&s, nx, -1.5f, 1.5f);
@@ -268,12 +396,12 @@ static void time_attn(int B, int T, int NH, int NKV, int HD) {
     cudaEvent_t e0, e1, e2;
     cudaEventCreate(&e0), cudaEventCreate(&e1), cudaEventCreate(&e2);
     const int reps = 5;
-    int rc = fl_cuk_attention_forward(go, gl, gx, B, T, NH, NKV, HD, NULL); /* warm-up */
-    rc |= fl_cuk_attention_backward(gdx, gdo, gx, go, gl, B, T, NH, NKV, HD, gw, NULL);
+    int rc = a_fwd(tc, go, gl, gx, B, T, NH, NKV, HD); /* warm-up */
+    rc |= a_bwd(tc, gdx, gdo, gx, go, gl, B, T, NH, NKV, HD, gw);
     cudaEventRecord(e0, NULL);
-    for (int i = 0; i < reps; i++) rc |= fl_cuk_attention_forward(go, gl, gx, B, T, NH, NKV, HD, NULL);
+    for (int i = 0; i < reps; i++) rc |= a_fwd(tc, go, gl, gx, B, T, NH, NKV, HD);
     cudaEventRecord(e1, NULL);
-    for (int i = 0; i < reps; i++) rc |= fl_cuk_attention_backward(gdx, gdo, gx, go, gl, B, T, NH, NKV, HD, gw, NULL);
+    for (int i = 0; i < reps; i++) rc |= a_bwd(tc, gdx, gdo, gx, go, gl, B, T, NH, NKV, HD, gw);
     cudaEventRecord(e2, NULL);
     cudaEventSynchronize(e2);
     float f = 0, bw = 0;
@@ -300,16 +428,28 @@ int fl_cuda_check_attn(void) {
     check_decode(1, 6, 2, 64);
     check_decode(77, 8, 2, 128);
     check_decode(300, 4, 4, 256);
-    check_large(2, 1024, 16, 4, 64);
-    check_large(2, 1024, 16, 16, 64);
-    check_large(2, 1024, 16, 4, 128);
-    check_large(2, 1024, 16, 16, 128);
+    for (int tc = 0; tc < 2; tc++) {
+        check_large(2, 1024, 16, 4, 64, tc);
+        check_large(2, 1024, 16, 16, 64, tc);
+        check_large(2, 1024, 16, 4, 128, tc);
+        check_large(2, 1024, 16, 16, 128, tc);
+    }
+    check_mma();
+    check_tc_ex(2, 33, 33, 6, 2, 64, 1, 1);
+    check_tc_ex(2, 70, 70, 4, 4, 64, 1, 0);
+    check_tc_ex(2, 37, 150, 6, 2, 64, 0, 1);
+    check_tc_ex(2, 150, 29, 4, 2, 128, 1, 1);
+    check_tc_ex(1, 100, 100, 2, 1, 128, 0, 0);
     const int Ts[2] = {1024, 2048}, kv[2] = {32, 8};
     for (int i = 0; i < 2; i++)
-        for (int j = 0; j < 2; j++) {
-            printf("attention time B 2 T %d NH 32 NKV %d HD 64 (causal, fp32):\n", Ts[i], kv[j]);
-            time_attn(2, Ts[i], 32, kv[j], 64);
-        }
+        for (int j = 0; j < 2; j++)
+            for (int tc = 0; tc < 2; tc++) {
+                printf("attention time B 2 T %d NH 32 NKV %d HD 64 (causal, %s):\n", Ts[i], kv[j],
+                       tc ? "bf16 tensor cores" : "fp32");
+                time_attn(2, Ts[i], 32, kv[j], 64, tc);
+            }
+    printf("attention time B 2 T 2048 NH 16 NKV 16 HD 128 (causal, bf16 tensor cores):\n");
+    time_attn(2, 2048, 16, 16, 128, 1);
     return a_fail;
 }
 

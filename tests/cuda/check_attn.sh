@@ -9,7 +9,7 @@ NVCC=${NVCC:-nvcc}
 ARCH=${FL_CUDA_ARCH:-90}
 CUDA_INC=$(dirname "$(command -v "$NVCC")")/../include
 mkdir -p "$O"
-for f in attention attention_bwd; do
+for f in attention attention_bwd attention_tc; do
     "$NVCC" -O3 -arch=sm_$ARCH --Werror=all-warnings -Xptxas=--warn-on-spills -Iinclude -Isrc \
         -c src/backend/cuda/kernels/$f.cu -o "$O/$f.gpu.o"
     g++ -O2 -fno-exceptions -fno-rtti -ffp-contract=off -fno-math-errno -Iinclude -Isrc -x c++ \

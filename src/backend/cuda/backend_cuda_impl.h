@@ -52,6 +52,8 @@ typedef struct {
     void *scratch;         /* lent by the caller (set_scratch), or own_scratch */
     void *own_scratch;     /* allocated on first use when nothing is lent */
     double *scalars;       /* device: [0] sumsq result, [1..PARTS] partials; int flag after */
+    fl_dtype compute;      /* set_compute_dtype: FL_BF16 = tensor-core attention where it applies */
+    int attn_fp32;         /* FITLLM_CUDA_ATTN=fp32: the fp32 attention kernels whatever the dtype */
     fl_status err;         /* sticky: the first failure */
     char errmsg[384];
 } flb_impl;
@@ -400,6 +402,7 @@ static void flb_set_scratch(const fl_backend *be, void *p, size_t bytes) {
     flb_impl *im = FLB_IMPL(be);
     im->scratch = (p && bytes >= FLB_SCRATCH_BYTES) ? p : NULL;
 }
+static void flb_set_compute_dtype(const fl_backend *be, fl_dtype t) { FLB_IMPL(be)->compute = t; }
 static fl_status flb_to_device(const fl_backend *be, void *dst, const void *src, size_t bytes) {
     FL_TRY(flb_sticky(be));
     if (bytes && flb_h2d(dst, src, bytes, STREAM))
@@ -491,6 +494,17 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
         return fl_errorf(FL_ERR_OOM, "%s backend: cannot allocate %zu bytes of device memory", FLB_NAME,
                          (2 + FL_CU_SUMSQ_PARTS) * sizeof(double));
     }
+    const char *ea = getenv("FITLLM_CUDA_ATTN");
+    if (ea && *ea && strcmp(ea, "auto") && strcmp(ea, "fp32")) {
+        flb_dev_free(im->scalars);
+        flb_device_free(im->stream, &im->blas);
+        free(im);
+        be->impl = NULL;
+        return fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_ATTN=%s: expected 'auto' (tensor-core attention in "
+                         "bf16 runs) or 'fp32' (the fp32 kernels always)", FLB_NAME, ea);
+    }
+    im->attn_fp32 = ea && !strcmp(ea, "fp32");
+    im->compute = FL_F32;
     be->name = FLB_NAME;
     be->device = FL_DEV_CUDA;
     be->n_threads = 1;
@@ -498,6 +512,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->gemm_widens16 = 1u << FL_F16; /* an F16 B is widened per call (the panels above); fl_cuda_gemm_widens16 */
     be->scratch_bytes = FLB_SCRATCH_BYTES;
     be->host_memory = FLB_HOST_MEMORY;
+    be->set_compute_dtype = flb_set_compute_dtype;
     be->comm_create = flb_comm_create_be; /* several ranks: NCCL (or its CPU stand-in) on this stream */
     be->gemm = flb_gemm;
     be->embedding_forward = flb_embedding_forward;

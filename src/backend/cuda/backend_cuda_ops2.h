@@ -38,9 +38,19 @@ static void flb_embedding_backward(const fl_backend *be, float *dwte, float *dwp
     }
     FLB_RUN(be, FLB_K(embedding_backward)(dwte, dwpe, dout, ids, B, T, C, work, STREAM), "embedding_backward");
 }
+/* The tensor-core kernels (kernels/attention_tc.cu) for a bf16 run's attention of a shape they
+ * take (HD 64 / 128, no bias), unless FITLLM_CUDA_ATTN=fp32; else the fp32 kernels. */
+static int flb_attn_tc(const fl_backend *be, const fl_attn_desc *a, const float *bias) {
+    const flb_impl *im = FLB_IMPL(be);
+    return im->compute == FL_BF16 && !im->attn_fp32 && fl_cu_attention_tc_supported(a, bias);
+}
 static void flb_attention_forward(const fl_backend *be, float *out, float *lse, const float *qkv, int B, int T, int NH,
                                   int NKV, int HD) {
-    int rc = FLB_K(attention_forward)(out, lse, qkv, B, T, NH, NKV, HD, STREAM);
+    const fl_attn_desc a = fl_cu_attention_fused_desc(B, T, NH, NKV, HD);
+    int rc = qkv && NKV > 0 && flb_attn_tc(be, &a, NULL)
+                 ? FLB_K(attention_forward_tc)(&a, out, lse, qkv, qkv + (size_t)NH * HD, qkv + (size_t)(NH + NKV) * HD,
+                                               NULL, STREAM)
+                 : FLB_K(attention_forward)(out, lse, qkv, B, T, NH, NKV, HD, STREAM);
     if (rc == FL_CU_ATTN_UNSUPPORTED) { /* as the CPU: outputs NaN (all-ones bytes), never silent garbage */
         flb_nan_fill(be, out, (size_t)B * T * NH * HD);
         flb_nan_fill(be, lse, (size_t)B * NH * T);
@@ -51,7 +61,12 @@ static void flb_attention_backward(const fl_backend *be, float *dqkv, const floa
                                    const float *out, const float *lse, int B, int T, int NH, int NKV, int HD) {
     void *work = flb_work(be, fl_cu_attention_work_bytes(B, NH, T), "attention_backward");
     if (!work) return;
-    int rc = FLB_K(attention_backward)(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD, work, STREAM);
+    const fl_attn_desc a = fl_cu_attention_fused_desc(B, T, NH, NKV, HD);
+    const size_t ko = (size_t)NH * HD, vo = (size_t)(NH + NKV) * HD;
+    int rc = qkv && dqkv && NKV > 0 && flb_attn_tc(be, &a, NULL)
+                 ? FLB_K(attention_backward_tc)(&a, dqkv, dqkv + ko, dqkv + vo, dout, qkv, qkv + ko, qkv + vo, NULL, out,
+                                                lse, work, STREAM)
+                 : FLB_K(attention_backward)(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD, work, STREAM);
     if (rc == FL_CU_ATTN_UNSUPPORTED) flb_nan_fill(be, dqkv, (size_t)B * T * (NH + 2 * NKV) * HD);
     FLB_RUN(be, rc, "attention_backward");
 }
@@ -76,6 +91,9 @@ static fl_status flb_attention_forward_ex(const fl_backend *be, const fl_attn_de
     FL_TRY(flb_sticky(be));
     FL_TRY(fl_attn_check_args("attention_forward_ex", a, FL_CU_ATTN_MAX_HD, "the CUDA kernels' tiles", out, lse, q, k,
                               v, bias, NULL));
+    if (flb_attn_tc(be, a, bias))
+        return flb_attn_status(be, FLB_K(attention_forward_tc)(a, out, lse, q, k, v, kmask, STREAM),
+                               "attention_forward_ex");
     return flb_attn_status(be, FLB_K(attention_forward_ex)(a, out, lse, q, k, v, bias, kmask, STREAM),
                            "attention_forward_ex");
 }
@@ -89,6 +107,10 @@ static fl_status flb_attention_backward_ex(const fl_backend *be, const fl_attn_d
     if (!dq || !dk || !dv || !dout) return fl_errorf(FL_ERR_INVALID, "attention_backward_ex: NULL gradient tensor");
     void *work = flb_work(be, fl_cu_attention_work_bytes(a->B, a->NH, a->Tq), "attention_backward_ex");
     if (!work) return flb_sticky(be);
+    if (flb_attn_tc(be, a, bias)) /* no bias: no dbias either (checked above) */
+        return flb_attn_status(be,
+                               FLB_K(attention_backward_tc)(a, dq, dk, dv, dout, q, k, v, kmask, out, lse, work, STREAM),
+                               "attention_backward_ex");
     return flb_attn_status(be,
                            FLB_K(attention_backward_ex)(a, dq, dk, dv, dbias, dout, q, k, v, bias, kmask, out, lse,
                                                         work, STREAM),

@@ -9,7 +9,8 @@
  *   __device__ / __shared__ (static arrays) / FL_CU_DYN_SMEM (dynamic shared memory),
  *   threadIdx, blockIdx, blockDim, gridDim, __syncthreads, __syncwarp,
  *   __shfl_xor_sync / __shfl_down_sync / __shfl_sync (float, int, unsigned, double),
- *   float math from <math.h> plus rsqrtf, the 16-bit conversions below, FL_CU_LAUNCH.
+ *   float math from <math.h> plus rsqrtf, the 16-bit conversions below, FL_CU_LAUNCH;
+ *   and, including cu_mma.h, the bf16 tensor-core mma (emulated through a warp gather).
  * Host launchers are named FL_CUK(name) (fl_cuk_* on the GPU, fl_cuemu_* emulated) so both
  * object sets link into one test program. */
 #ifndef FL_CU_COMPAT_H

@@ -13,13 +13,31 @@
 #define FL_CU_KERNELS_ATTN_H
 
 #include <stddef.h>
+#include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "fitllm/backend.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* The fused op's views of qkv (B, T, (NH+2*NKV)*HD) as a causal self-attention descriptor. */
+static inline fl_attn_desc fl_cu_attention_fused_desc(int B, int T, int NH, int NKV, int HD) {
+    fl_attn_desc a;
+    memset(&a, 0, sizeof a);
+    a.B = B;
+    a.Tq = a.Tk = T;
+    a.NH = NH;
+    a.NKV = NKV;
+    a.HD = HD;
+    a.ldq = a.ldk = a.ldv = (size_t)(NH + 2 * (NKV > 0 ? NKV : 0)) * (HD > 0 ? HD : 0);
+    a.ldo = (size_t)NH * (HD > 0 ? HD : 0);
+    a.scale = HD > 0 ? 1.0f / sqrtf((float)HD) : 1.0f;
+    a.causal = 1;
+    return a;
+}
 
 #define FL_CU_ATTN_MAX_HD 256 /* as the CPU's FL_CPU_ATTN_MAX_HD */
 #define FL_CU_ATTN_UNSUPPORTED (-1)
@@ -29,6 +47,13 @@ extern "C" {
  * B*NH*Tq query rows). Tq = T for the fused op. */
 static inline size_t fl_cu_attention_work_bytes(int B, int NH, int Tq) {
     return (B > 0 && NH > 0 && Tq > 0) ? (size_t)B * (size_t)NH * (size_t)Tq * sizeof(float) : 0;
+}
+
+/* The tensor-core kernels (kernels/attention_tc.cu: bf16 operands, fp32 accumulation and softmax;
+ * for runs whose compute dtype is bf16) take these shapes: HD 64 or 128, no bias. Anything else
+ * is FL_CU_ATTN_UNSUPPORTED from their launchers: run the fp32 kernels. */
+static inline int fl_cu_attention_tc_supported(const fl_attn_desc *a, const float *bias) {
+    return a && (a->HD == 64 || a->HD == 128) && !bias;
 }
 
 #define FL_CU_DECLARE_ATTN_KERNELS(P)                                                                          \
@@ -47,7 +72,15 @@ static inline size_t fl_cu_attention_work_bytes(int B, int NH, int Tq) {
     int P##attention_backward_ex(const fl_attn_desc *a, float *dq, float *dk, float *dv, float *dbias,          \
                                  const float *dout, const float *q, const float *k, const float *v,            \
                                  const float *bias, const uint8_t *kmask, const float *out, const float *lse,  \
-                                 void *work, void *stream);
+                                 void *work, void *stream);                                                    \
+    /* tensor cores (bf16): attention_forward_ex / attention_backward_ex without bias and dbias */            \
+    int P##attention_forward_tc(const fl_attn_desc *a, float *out, float *lse, const float *q, const float *k,  \
+                                const float *v, const uint8_t *kmask, void *stream);                           \
+    int P##attention_backward_tc(const fl_attn_desc *a, float *dq, float *dk, float *dv, const float *dout,     \
+                                 const float *q, const float *k, const float *v, const uint8_t *kmask,         \
+                                 const float *out, const float *lse, void *work, void *stream);                \
+    /* one warp: d (16x8) = a (16x16) b (16x8) + c through fl_cu_mma_bf16_16816 (row-major, bf16 a, b) */     \
+    int P##mma_bf16_check(float *d, const uint16_t *a, const uint16_t *b, const float *c, void *stream);
 
 FL_CU_DECLARE_ATTN_KERNELS(fl_cuk_)
 FL_CU_DECLARE_ATTN_KERNELS(fl_cuemu_)

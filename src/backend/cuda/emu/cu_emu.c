@@ -95,6 +95,7 @@ typedef struct {
     void *ctx;
     unsigned char *smem;
     uint64_t xchg[FL_EMU_MAX_THREADS];
+    unsigned char gat[FL_EMU_MAX_THREADS][FL_CU_EMU_GATHER_MAX]; /* fl_cu_emu_warp_gather's slots */
     int order[FL_EMU_MAX_THREADS];
 #ifdef FL_EMU_ASAN
     const void *sched_bottom;
@@ -194,6 +195,22 @@ uint64_t fl_cu_emu_exchange(uint64_t mine, int src_lane) {
     if (src_lane >= 0 && src_lane < 32 && src < e->nthreads && e->f[src].state != DONE) r = e->xchg[src];
     fl_cu_emu_syncwarp();
     return r;
+}
+
+void fl_cu_emu_warp_gather(const void *mine, size_t bytes, void *all) {
+    emu *e = g_emu;
+    int me = e->cur->linear, base = me & ~31, ok = base + 32 <= e->nthreads && bytes <= FL_CU_EMU_GATHER_MAX;
+    if (ok) memcpy(e->gat[me], mine, bytes);
+    fl_cu_emu_syncwarp();
+    for (int l = 0; l < 32 && ok; l++) ok = e->f[base + l].state != DONE;
+    if (ok)
+        for (int l = 0; l < 32; l++) memcpy((unsigned char *)all + (size_t)l * bytes, e->gat[base + l], bytes);
+    else {
+        set_err("warp gather (mma): thread %d: the whole warp must be live and converged, at most %d bytes", me,
+                FL_CU_EMU_GATHER_MAX);
+        memset(all, 0, 32 * bytes);
+    }
+    fl_cu_emu_syncwarp();
 }
 
 static void run_fiber(emu *e, fiber *f) {

@@ -41,6 +41,12 @@ void fl_cu_emu_syncwarp(void);
  * lane src_lane published (src_lane < 0, outside the block or an exited lane: `mine`), then waits
  * again so no lane overwrites its slot before all have read. */
 uint64_t fl_cu_emu_exchange(uint64_t mine, int src_lane);
+/* The warp's all-gather under the emulated tensor-core mma (cu_mma.h): every lane publishes
+ * `bytes` (<= FL_CU_EMU_GATHER_MAX) from `mine` and receives the 32 lanes' in lane order into
+ * `all` (32 * bytes), one warp barrier phase. Every lane of a full warp must be live and call it
+ * (as mma.sync needs): otherwise the launch records an error and `all` is zeros. */
+#define FL_CU_EMU_GATHER_MAX 64
+void fl_cu_emu_warp_gather(const void *mine, size_t bytes, void *all);
 /* Lane of the calling thread (0..31). */
 int fl_cu_emu_lane(void);
 

@@ -18,22 +18,6 @@
  * tile end) and rows with no visible key (lse -inf) get P = dS = +0 exactly. */
 #include "backend/cuda/kernels/attn_common.h"
 
-/* D = dout . out, one warp per (b, h, t) row; rows of `work` in (B, NH, Tq) order. */
-__global__ static void fl_cu_attn_dsum_k(fl_cu_attn_p p) {
-    const int lane = threadIdx.x & 31;
-    const size_t row = (size_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); // (b*NH + h)*Tq + t
-    const size_t nrows = (size_t)p.B * p.NH * p.Tq;
-    if (row >= nrows) return; /* the whole warp */
-    const int t = (int)(row % p.Tq), h = (int)(row / p.Tq % p.NH);
-    const size_t b = row / ((size_t)p.Tq * p.NH);
-    const float *dO = p.dout + (b * p.Tq + t) * p.ldo + (size_t)h * p.HD;
-    const float *o = p.out + (b * p.Tq + t) * p.ldo + (size_t)h * p.HD;
-    float s = 0.0f;
-    for (int d = lane; d < p.HD; d += 32) s += dO[d] * o[d];
-    s = fl_cu_warp_sum(s);
-    if (lane == 0) p.Dsum[row] = s;
-}
-
 /* ---- dK / dV --------------------------------------------------------------------------------- */
 
 template <class C> __global__ static void fl_cu_attn_dkdv_k(fl_cu_attn_p p) {
@@ -245,9 +229,7 @@ template <class C> __global__ static void fl_cu_attn_dq_k(fl_cu_attn_p p) {
 
 template <class C> static int fl_cu_attn_bwd_launch(const fl_cu_attn_p &p, void *stream) {
     enum { D = C::D };
-    const size_t nrows = (size_t)p.B * p.NH * p.Tq;
-    FL_CU_LAUNCH(fl_cu_attn_dsum_k, dim3((unsigned)((nrows + 7) / 8)), dim3(256), 0, (fl_cu_stream)stream, p);
-    int rc = fl_cu_launch_error();
+    int rc = fl_cu_attn_dsum_launch(p, stream);
     if (rc) return rc;
     if (p.Tk > 0) {
         const size_t smem = sizeof(float) * (2 * (size_t)C::KBK * (D + 1) + 2 * (size_t)C::KBQ * (D + 1) +
@@ -299,7 +281,7 @@ extern "C" int FL_CUK(attention_backward_ex)(const fl_attn_desc *a, float *dq, f
 extern "C" int FL_CUK(attention_backward)(float *dqkv, const float *dout, const float *qkv, const float *out,
                                           const float *lse, int B, int T, int NH, int NKV, int HD, void *work,
                                           void *stream) {
-    fl_attn_desc a = fl_cu_attn_fused_desc(B, T, NH, NKV, HD);
+    fl_attn_desc a = fl_cu_attention_fused_desc(B, T, NH, NKV, HD);
     if (!qkv || !dqkv || NKV <= 0 || HD <= 0) return HD > FL_CU_ATTN_MAX_HD ? FL_CU_ATTN_UNSUPPORTED : FL_CU_ATTN_INVALID;
     const size_t ko = (size_t)NH * HD, vo = (size_t)(NH + NKV) * HD;
     return FL_CUK(attention_backward_ex)(&a, dqkv, dqkv + ko, dqkv + vo, NULL, dout, qkv, qkv + ko, qkv + vo, NULL,

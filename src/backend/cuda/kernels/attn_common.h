@@ -86,6 +86,29 @@ FL_CU_DEV float fl_cu_attn_sum8(float v) {
     return v;
 }
 
+/* D = dout . out, one warp per (b, h, t) row; rows of p.Dsum in (B, NH, Tq) order; launched with
+ * (B*NH*Tq + 7) / 8 blocks of 256 threads. Shared by the fp32 and the tensor-core backward (a
+ * template only so that a file that does not launch it has no unused function). */
+template <int unused_> __global__ static void fl_cu_attn_dsum_k(fl_cu_attn_p p) {
+    const int lane = threadIdx.x & 31;
+    const size_t row = (size_t)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); // (b*NH + h)*Tq + t
+    const size_t nrows = (size_t)p.B * p.NH * p.Tq;
+    if (row >= nrows) return; /* the whole warp */
+    const int t = (int)(row % p.Tq), h = (int)(row / p.Tq % p.NH);
+    const size_t b = row / ((size_t)p.Tq * p.NH);
+    const float *dO = p.dout + (b * p.Tq + t) * p.ldo + (size_t)h * p.HD;
+    const float *o = p.out + (b * p.Tq + t) * p.ldo + (size_t)h * p.HD;
+    float s = 0.0f;
+    for (int d = lane; d < p.HD; d += 32) s += dO[d] * o[d];
+    s = fl_cu_warp_sum(s);
+    if (lane == 0) p.Dsum[row] = s;
+}
+static inline int fl_cu_attn_dsum_launch(const fl_cu_attn_p &p, void *stream) {
+    const size_t nrows = (size_t)p.B * p.NH * p.Tq;
+    FL_CU_LAUNCH(fl_cu_attn_dsum_k<0>, dim3((unsigned)((nrows + 7) / 8)), dim3(256), 0, (fl_cu_stream)stream, p);
+    return fl_cu_launch_error();
+}
+
 /* Host-side argument checks shared by the launchers (0, or an FL_CU_ATTN_* code). */
 static inline int fl_cu_attn_check(const fl_attn_desc *a, const void *out, const void *lse, const float *q,
                                    const float *k, const float *v, const float *bias, const float *dbias) {
@@ -118,22 +141,6 @@ static inline fl_cu_attn_p fl_cu_attn_params(const fl_attn_desc *a) {
     p.causal = a->causal != 0;
     p.scale = a->scale;
     return p;
-}
-
-/* The fused op's views of qkv (B, T, (NH+2*NKV)*HD) as a causal self-attention descriptor. */
-static inline fl_attn_desc fl_cu_attn_fused_desc(int B, int T, int NH, int NKV, int HD) {
-    fl_attn_desc a;
-    memset(&a, 0, sizeof a);
-    a.B = B;
-    a.Tq = a.Tk = T;
-    a.NH = NH;
-    a.NKV = NKV;
-    a.HD = HD;
-    a.ldq = a.ldk = a.ldv = (size_t)(NH + 2 * (NKV > 0 ? NKV : 0)) * (HD > 0 ? HD : 0);
-    a.ldo = (size_t)NH * (HD > 0 ? HD : 0);
-    a.scale = HD > 0 ? 1.0f / sqrtf((float)HD) : 1.0f;
-    a.causal = 1;
-    return a;
 }
 
 /* Head-dimension bucket: the smallest of 32, 64, 128, 256 that holds HD. */
