@@ -315,7 +315,7 @@ static fl_status rewrite_shard(const char *path, const char *key, const char *va
         int64_t len = x->shape[0];
         const char *d = x->data;
         if (trim && !strcmp(x->name, tensor)) len -= (int64_t)trim, d += trim * 4;
-        t[nt++] = (fl_st_write_tensor){x->name, x->dtype, 1, {len}, d, x->dtype, 0, NULL, NULL, NULL};
+        t[nt++] = (fl_st_write_tensor){x->name, x->dtype, 1, {len}, d, x->dtype, 0, NULL, NULL, NULL, NULL};
     }
     for (int i = 0; i < f.n_meta && nk < 64; i++) {
         k[nk] = f.meta_keys[i];

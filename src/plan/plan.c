@@ -378,7 +378,7 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     oc = &ocp;
     if (oc->kind == FL_OPT_ADAMW8BIT) { /* one allocation, bound per tensor (fl_optim_init) */
         size_t b8 = 0;
-        const int zw = stage ? world : 1, zr = stage ? (x->rank < world ? x->rank : 0) : 0, rnk8 = zr;
+        const int zw = stage ? world : 1, zr = stage ? (x->rank < world ? x->rank : 0) : 0;
         /* tensor t_n at flat offset t_off: its piece's state (ZeRO: the blocks meeting this rank's
          * chunk, fl_optim_8bit_piece; else the whole tensor) */
 #define PIECE(t_off, t_n)                                                                 \

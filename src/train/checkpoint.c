@@ -122,18 +122,18 @@ static fl_status write_state(const char *dir, const fl_model *m, const fl_optimi
     if (n_given < 0 || n_given > 4) return fl_errorf(FL_ERR_INVALID, "%s: %d state tensors", path, n_given);
     /* the trainable parameters: all of them, or the LoRA adapters (base frozen) */
     int64_t n = (int64_t)(m->lora ? m->lora->numel : m->layout.numel);
-    if (m->lora) t[nt++] = (fl_st_write_tensor){"lora.params", FL_F32, 1, {n}, m->lora->params, FL_F32, 0, NULL, NULL, m->be};
+    if (m->lora) t[nt++] = (fl_st_write_tensor){"lora.params", FL_F32, 1, {n}, m->lora->params, FL_F32, 0, NULL, NULL, m->be, NULL};
     fl_dtype sd = o ? o->cfg.state_dtype : FL_F32;
     if (given) {
         for (int i = 0; i < n_given; i++) t[nt++] = given[i];
     } else if (o && o->m) {
-        t[nt++] = (fl_st_write_tensor){"optimizer.exp_avg", sd, 1, {n}, o->m, sd, 0, NULL, NULL, m->be};
-        t[nt++] = (fl_st_write_tensor){"optimizer.exp_avg_sq", sd, 1, {n}, o->v, sd, 0, NULL, NULL, m->be};
+        t[nt++] = (fl_st_write_tensor){"optimizer.exp_avg", sd, 1, {n}, o->m, sd, 0, NULL, NULL, m->be, NULL};
+        t[nt++] = (fl_st_write_tensor){"optimizer.exp_avg_sq", sd, 1, {n}, o->v, sd, 0, NULL, NULL, m->be, NULL};
     } else if (o && o->buf) {
-        t[nt++] = (fl_st_write_tensor){"optimizer.momentum_buffer", sd, 1, {n}, o->buf, sd, 0, NULL, NULL, m->be};
+        t[nt++] = (fl_st_write_tensor){"optimizer.momentum_buffer", sd, 1, {n}, o->buf, sd, 0, NULL, NULL, m->be, NULL};
     } else if (o && o->state8) {
         /* block-wise 8-bit state of every tensor, bound in layout order: one raw blob */
-        t[nt++] = (fl_st_write_tensor){"optimizer.state8", FL_U8, 1, {(int64_t)o->state8_bytes}, o->state8, FL_U8, 0, NULL, NULL, m->be};
+        t[nt++] = (fl_st_write_tensor){"optimizer.state8", FL_U8, 1, {(int64_t)o->state8_bytes}, o->state8, FL_U8, 0, NULL, NULL, m->be, NULL};
     }
     char v[STATE_META_MAX][64];
     const char *keys[STATE_META_MAX], *vals[STATE_META_MAX];

@@ -326,7 +326,7 @@ static fl_status write_shard(const char *dir, const fl_shard_set *set, int rank,
         }
         if (s == FL_OK && np)
             t[nt++] = (fl_st_write_tensor){b->name, b->dtype, 1, {(int64_t)total}, pc[0].data, b->dtype, 0, NULL, NULL,
-                                           set->be};
+                                           set->be, NULL};
     }
 #undef KV
     for (int i = 0; s == FL_OK && i < k; i++) kp[i] = keys[i], vp[i] = v + i * vcap;
