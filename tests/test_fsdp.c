@@ -361,6 +361,20 @@ static unsigned char *st_data(const char *path, size_t *len) {
     return d;
 }
 
+/* Whether `file` of checkpoint folder `step` holds the same tensor data under a_dir and b_dir (the
+ * headers differ: the training state's records the wall time). */
+static int same_ckpt_data(const char *a_dir, const char *b_dir, const char *step, const char *file) {
+    char a[4200], b[4200];
+    snprintf(a, sizeof a, "%s/%s/%s", a_dir, step, file);
+    snprintf(b, sizeof b, "%s/%s/%s", b_dir, step, file);
+    size_t la = 0, lb = 0;
+    unsigned char *da = st_data(a, &la), *db = st_data(b, &lb);
+    int same = da && db && la == lb && !memcmp(da, db, la);
+    free(da);
+    free(db);
+    return same;
+}
+
 /* Consolidated checkpoints under FULL_SHARD, gathered one unit at a time: at accumulation 1 the
  * step-3 checkpoint holds ZeRO-2's bytes (weights and the momentum buffer, in the single-process
  * layout); the run resumed from it at 2 ranks ends with the uninterrupted run's bits (each rank
@@ -380,16 +394,8 @@ FL_TEST(fsdp_threads_checkpoint_equals_zero2_and_resumes) {
         FL_REQUIRE_OK(fl_comm_threads_run(2, frank, j[k]));
     }
     for (int f = 0; f < 2; f++) {
-        char a[800], b[800];
         const char *file = f ? "training_state.safetensors" : "model.safetensors";
-        snprintf(a, sizeof a, "%s/step-000003/%s", dir[0], file);
-        snprintf(b, sizeof b, "%s/step-000003/%s", dir[1], file);
-        size_t la = 0, lb = 0;
-        unsigned char *da = st_data(a, &la), *db = st_data(b, &lb);
-        FL_CHECKF(da && db && la == lb && !memcmp(da, db, la), "FULL_SHARD's %s differs from ZeRO-2's (%zu vs %zu "
-                  "bytes)", file, lb, la);
-        free(da);
-        free(db);
+        FL_CHECKF(same_ckpt_data(dir[0], dir[1], "step-000003", file), "FULL_SHARD's %s differs from ZeRO-2's", file);
     }
     fjob *r = calloc(1, sizeof *r);
     FL_REQUIRE(r != NULL);
@@ -439,16 +445,9 @@ FL_TEST(fsdp_threads_checkpoint_streams_gpt2_and_write_failures_end_every_rank) 
         FL_REQUIRE_OK(fl_comm_threads_run(2, frank, j[k]));
     }
     for (int f = 0; f < 2; f++) {
-        char a[800], b[800];
         const char *file = f ? "training_state.safetensors" : "model.safetensors";
-        snprintf(a, sizeof a, "%s/step-000001/%s", dir[0], file);
-        snprintf(b, sizeof b, "%s/step-000001/%s", dir[1], file);
-        size_t la = 0, lb = 0;
-        unsigned char *da = st_data(a, &la), *db = st_data(b, &lb);
-        FL_CHECKF(da && db && la == lb && !memcmp(da, db, la), "GPT-2: FULL_SHARD's %s differs from ZeRO-2's (%zu vs "
-                  "%zu bytes)", file, lb, la);
-        free(da);
-        free(db);
+        FL_CHECKF(same_ckpt_data(dir[0], dir[1], "step-000001", file), "GPT-2: FULL_SHARD's %s differs from ZeRO-2's",
+                  file);
     }
     /* failing writes: the first, part-way through model.safetensors, and the last ones (from the
      * commit marker back into training_state.safetensors) */
@@ -481,7 +480,7 @@ FL_TEST(fsdp_threads_checkpoint_streams_gpt2_and_write_failures_end_every_rank) 
         in_state = k >= 0 && strstr(t->msg[0], "training_state") != NULL;
         if (in_state) printf("      %ld writes per good run; write %ld from the end fails in training_state\n", total, k + 1);
         /* nothing half-written is committed: a committed step holds the good run's bytes */
-        char p[800], q[900], g[900];
+        char p[sizeof t->cfg.out_dir + 16], q[sizeof p + 40], g[sizeof p + 760];
         snprintf(p, sizeof p, "%s/step-000001", t->cfg.out_dir);
         if (fl_ckpt_is_committed(p)) {
             snprintf(q, sizeof q, "%s/training_state.safetensors", p);
@@ -581,16 +580,9 @@ FL_TEST(fsdp_threads_adamw8bit_checkpoints_resume_at_3_2_and_1) {
     FL_CHECKF(zr_same(&full->rec[0], &sh->rec[0]) && zr_same(&full->rec[0], &z2->rec[0]),
               "the three saving runs differ (FULL_SHARD = ZeRO-2 at accumulation 1)");
     for (int f = 0; f < 2; f++) {
-        char a[sizeof z2->cfg.out_dir + 64], b[sizeof z2->cfg.out_dir + 64];
         const char *file = f ? "training_state.safetensors" : "model.safetensors";
-        snprintf(a, sizeof a, "%s/step-000002/%s", z2->cfg.out_dir, file);
-        snprintf(b, sizeof b, "%s/step-000002/%s", full->cfg.out_dir, file);
-        size_t la = 0, lb = 0;
-        unsigned char *da = st_data(a, &la), *db = st_data(b, &lb);
-        FL_CHECKF(da && db && la == lb && !memcmp(da, db, la), "AdamW8bit: FULL_SHARD's %s differs from ZeRO-2's (%zu "
-                  "vs %zu bytes)", file, lb, la);
-        free(da);
-        free(db);
+        FL_CHECKF(same_ckpt_data(z2->cfg.out_dir, full->cfg.out_dir, "step-000002", file),
+                  "AdamW8bit: FULL_SHARD's %s differs from ZeRO-2's", file);
     }
     char cf[sizeof full->cfg.out_dir + 16], cs[sizeof full->cfg.out_dir + 16];
     snprintf(cf, sizeof cf, "%s/step-000002", full->cfg.out_dir);
