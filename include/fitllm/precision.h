@@ -5,8 +5,8 @@
  *   32-true      f32                          f32    f32     f32 x f32
  *   bf16-mixed   f32 master + bf16 copy       f32    f32     f32 acts x bf16 weight copy (fp32 accumulate)
  *   bf16-true    bf16                         bf16   bf16    f32 acts x bf16 weights (fp32 accumulate)
- *   16-mixed     f32 master + f16 copy        f32    f32     (not available yet: needs f16 GEMM)
- *   16-true      f16                          f16    f32     (not available yet)
+ *   16-mixed     f32 master + f16 copy        f32    f32     f32 acts x f16 weight copy, loss scaling
+ *   16-true      f16                          f16    f32     f32 acts x f16 weights, loss scaling
  *
  * On the CPU, activations and elementwise ops (norms, attention, activations,
  * cross-entropy) compute in fp32 under every policy, but the 16-bit policies
