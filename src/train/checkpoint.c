@@ -352,6 +352,9 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
         {"optimizer.state8", o ? o->state8 : NULL, o ? o->state8_bytes : 0, FL_U8}};
     const int pieces8 = m->pp && !m->lora && o && o->state8; /* FULL_SHARD 8-bit: the file is the whole state */
     if (pieces8) want[3].bytes = fl_optim_state_bytes_layout(&o->cfg, &m->layout);
+    /* ZeRO-1/2 8-bit (a chunk of the trainable elements): the file is the whole state too */
+    const int zero8 = !pieces8 && o && o->state8 && (o->s_off != 0 || o->s_len != tn);
+    if (zero8) want[3].bytes = fl_zero8_full_bytes(o);
     for (int i = 0; s == FL_OK && i < 4; i++) {
         if (!want[i].dst) continue;
         const fl_st_tensor *t = fl_st_find(&f, want[i].name);
@@ -365,6 +368,8 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
             for (int g = 0; s == FL_OK && g < m->layout.n_groups; g++)
                 s = m->be->to_device(m->be, (char *)want[i].dst + m->pp->shard_off[g] * es,
                                      (const char *)t->data + m->pp->flat_off[g] * es, m->pp->len[g] * es);
+        } else if (i == 3 && zero8) { /* this rank's pieces, out of the mapped file (host memory) */
+            s = fl_zero8_take(o, t->data);
         } else if (i == 3 && pieces8) { /* this rank's pieces of every tensor's state (host memory) */
             s = fl_optim_8bit_fsdp_copy(&m->layout, o->p8_a, o->p8_n, o->state8, (void *)t->data, 0);
         } else if (i < 3 && (o->s_off != 0 || o->s_len != tn)) { /* ZeRO: this rank's chunk, read alone */

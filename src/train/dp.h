@@ -73,6 +73,11 @@ fl_status fl_dp_max(fl_dp *dp, float *v, size_t n);
  * written by each rank that holds a part, with the same bits. */
 fl_status fl_optim_8bit_fsdp_copy(const fl_param_layout *lay, const size_t *a, const size_t *len, void *packed,
                                   void *full, int to_full);
+/* ZeRO-1/2 8-bit AdamW (zero.c): the single-process layout's bytes of o's tensors, and this rank's
+ * pieces (o->p8_a / p8_n: whole blocks around its chunk) taken out of that layout `full` (a
+ * checkpoint's optimizer.state8, mapped: no whole copy). Host memory. */
+size_t fl_zero8_full_bytes(const fl_optimizer *o);
+fl_status fl_zero8_take(fl_optimizer *o, const void *full);
 /* Every rank's run configuration must be rank 0's (the YAML dump compared line by line):
  * FL_ERR_INVALID on the ranks that differ, naming the first differing line. Collective. */
 fl_status fl_dp_check_config(fl_dp *dp, const fl_run_config *cfg);

@@ -122,6 +122,13 @@ static fl_status unpack8(const fl_optimizer *o, int world, int r, void *packed, 
     return FL_OK;
 }
 
+size_t fl_zero8_full_bytes(const fl_optimizer *o) { return packed_bytes(o, 1, 0); }
+
+fl_status fl_zero8_take(fl_optimizer *o, const void *full) {
+    if (!o->dist) return fl_errorf(FL_ERR_INTERNAL, "8-bit ZeRO state: no rank");
+    return unpack8(o, o->dist->world, o->dist->rank, o->state8, (void *)full, 0);
+}
+
 /* *full = o with full-size host state buffers (zeroed), range [0, n): the single-process layout */
 static fl_status full_view(const fl_optimizer *o, fl_optimizer *full) {
     *full = *o;
@@ -278,19 +285,7 @@ fl_status fl_dp_ckpt_load(fl_dp *dp, const char *dir, fl_model *m, fl_optimizer 
         return s;
     }
     if (dp->fsdp) return fl_fsdp_ckpt_load(dp, dir, m, o, st);
-    /* AdamW / SGD: fl_ckpt_load reads this rank's chunk of each state alone ([s_off, s_off + s_len)) */
-    if (!sharded(dp, o) || !o->state8) return fl_ckpt_load(dir, m, o, st);
-    fl_optimizer full; /* 8-bit: the single-process layout, this rank's pieces taken out of it */
-    FL_TRY(full_view(o, &full));
-    fl_status s = fl_ckpt_load(dir, m, &full, st);
-    if (s == FL_OK) { /* keep this rank's chunk, and the scalars */
-        size_t es = state_es(o), off = o->s_off * es, len = o->s_len * es;
-        if (o->m) memcpy(o->m, (char *)full.m + off, len), memcpy(o->v, (char *)full.v + off, len);
-        if (o->buf) memcpy(o->buf, (char *)full.buf + off, len);
-        if (o->state8) s = unpack8(o, dp->world, dp->rank, o->state8, full.state8, 0);
-        o->step = full.step;
-        o->ls = full.ls;
-    }
-    full_free(&full);
-    return s;
+    /* fl_ckpt_load reads this rank's part alone: AdamW / SGD its chunk of each state ([s_off, s_off + s_len)),
+     * 8-bit AdamW its pieces out of the mapped single-process layout (fl_zero8_take) */
+    return fl_ckpt_load(dir, m, o, st);
 }
