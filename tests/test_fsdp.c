@@ -628,6 +628,7 @@ static void hy_data(fl_run_config *c) {
 /* `nodes` x `per` thread ranks presented as nodes (--devices per --num_nodes nodes: the trainer splits
  * the world by it), scenario sc, 3 steps (accumulation 2 per rank unless accum1). Every rank must end
  * with the same bits. */
+static int g_hsave; /* hrun: save_interval (0: none) */
 static fjob *hrun(int sc, int nodes, int per, const char *strategy, const char *sharding, int accum1, float max_norm,
                   const char *tag) {
     const int world = nodes * per;
@@ -642,6 +643,7 @@ static fjob *hrun(int sc, int nodes, int per, const char *strategy, const char *
     j->cfg.train.max_steps = 3;
     j->cfg.train.max_norm = max_norm;
     if (accum1) j->cfg.train.global_batch_size = 2 * world;
+    j->cfg.train.save_interval = g_hsave;
     fl_status s = fl_comm_threads_run(world, frank, j);
     FL_CHECKF(s == FL_OK, "%s %s at %d x %d ranks: %s", zr_names[sc], tag, nodes, per, fl_error_message());
     for (int r = 1; s == FL_OK && r < world; r++)
@@ -728,6 +730,20 @@ FL_TEST(fsdp_threads_hybrid_adamw8bit_and_16_true) {
         }
         free_fjob(f);
     }
+    /* the consolidated 8-bit checkpoint streams from node 0 (the other node's ranks take no part): one
+     * rank per node is DDP's order, so the step-3 files are DDP's bytes */
+    g_hsave = 3;
+    fjob *h = hrun(ZR_ADAMW8, 2, 1, "fsdp", "HYBRID_SHARD", 1, 0, "hy8ck"), *d = hrun(ZR_ADAMW8, 2, 1, "ddp", NULL, 1, 0,
+                                                                                 "dd8ck");
+    g_hsave = 0;
+    FL_CHECKF(h->rec[0].bytes && zr_same(&h->rec[0], &d->rec[0]), "HYBRID 8-bit, 1 rank per node: not DDP's bits");
+    for (int k = 0; k < 2; k++) {
+        const char *file = k ? "training_state.safetensors" : "model.safetensors";
+        FL_CHECKF(same_ckpt_data(h->cfg.out_dir, d->cfg.out_dir, "step-000003", file),
+                  "HYBRID 8-bit: %s differs from DDP's", file);
+    }
+    free_fjob(h);
+    free_fjob(d);
 #endif
 }
 

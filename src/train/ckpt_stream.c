@@ -6,7 +6,10 @@
  * After the writer returns, done or failed part-way, rank 0 fetches what it did not ask for
  * (fl_dp_stream_drain), so every rank ran the same collectives in the same order. One unit's
  * buffer per rank is all the host memory this takes. */
+#include <stdlib.h>
 #include <string.h>
+
+#include "fitllm/adam8bit.h"
 
 #include "dp.h"
 
@@ -43,4 +46,71 @@ static fl_status copy_out(fl_dp_stream *s, char *dst, size_t at, size_t n) {
 fl_status fl_dp_stream_fill(void *ud, void *dst, size_t off, size_t n) {
     fl_dp_stream_tensor *t = ud;
     return copy_out(t->s, dst, t->start + off, n);
+}
+
+/* ---- 8-bit AdamW's state (dp.h: fl_dp_stream8) ------------------------------------------------ */
+
+static size_t piece_bytes8(size_t tn, size_t a, size_t len) { return fl_adam8bit_piece_bytes(tn, a, len); }
+
+static fl_status fetch8(fl_dp_stream *s, int i) {
+    fl_dp_stream8 *c = s->ctx;
+    if (c->skip) return FL_OK;
+    const size_t tn = c->t_n[i];
+    if (s->dp->rank == 0) memset(s->buf, 0, s->start[i + 1] - s->start[i]);
+    for (int r = 0; r < c->world; r++) {
+        const size_t a = c->a[(size_t)r * c->n_t + i], len = c->len[(size_t)r * c->n_t + i];
+        if (!len) continue;
+        const size_t pb = piece_bytes8(tn, a, len);
+        if (r == c->me) memcpy(c->stage, (const char *)c->o->state8 + c->own[i], pb);
+        FL_TRY(fl_comm_broadcast(c->comm, c->stage, (pb + 1) / 2, FL_BF16, r)); /* bytes as 16-bit words */
+        if (s->dp->rank == 0) FL_TRY(fl_optim_8bit_piece_to_full(tn, a, len, c->stage, s->buf));
+    }
+    return FL_OK;
+}
+
+fl_status fl_dp_stream8_init(fl_dp_stream *s, fl_dp_stream8 *c, fl_dp *dp, fl_comm *comm, int world, int me, int skip,
+                             const fl_optimizer *o, const fl_param_layout *lay) {
+    memset(c, 0, sizeof *c);
+    memset(s, 0, sizeof *s);
+    const int n = lay ? lay->n : o->n_tensors;
+    c->comm = comm, c->world = world, c->me = me, c->skip = skip, c->n_t = n, c->o = o;
+    c->t_n = calloc((size_t)n + 1, sizeof *c->t_n);
+    c->a = calloc((size_t)n * world + 1, sizeof *c->a);
+    c->len = calloc((size_t)n * world + 1, sizeof *c->len);
+    c->own = calloc((size_t)n + 1, sizeof *c->own);
+    c->start = calloc((size_t)n + 1, sizeof *c->start);
+    if (!c->t_n || !c->a || !c->len || !c->own || !c->start) return fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory");
+    size_t unit = 0, piece = 0, own = 0;
+    for (int i = 0; i < n; i++) {
+        c->t_n[i] = lay ? lay->params[i].numel : o->t_n[i];
+        for (int r = 0; r < world; r++) {
+            size_t *a = &c->a[(size_t)r * n + i], *len = &c->len[(size_t)r * n + i], so;
+            if (lay) fl_optim_8bit_fsdp_piece(lay, i, world, r, a, len, &so);
+            else fl_optim_8bit_piece(o->n, o->t_off[i], o->t_n[i], world, r, a, len);
+            const size_t pb = piece_bytes8(c->t_n[i], *a, *len);
+            piece = pb > piece ? pb : piece;
+            if (r == me) c->own[i] = own, own += pb;
+        }
+        const size_t tb = fl_adam8bit_state_bytes(c->t_n[i]);
+        c->start[i + 1] = c->start[i] + tb;
+        unit = tb > unit ? tb : unit;
+    }
+    if (!skip && own != o->state8_bytes)
+        return fl_errorf(FL_ERR_INTERNAL, "checkpoint: 8-bit state of %zu bytes, its pieces make %zu", o->state8_bytes,
+                         own);
+    c->stage = malloc(piece + 8);
+    char *buf = malloc(unit + 8);
+    if (!c->stage || !buf) {
+        free(buf);
+        return fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory");
+    }
+    *s = (fl_dp_stream){dp, n, c->start, 1, fetch8, NULL, 0, buf, 0, FL_OK, c};
+    return FL_OK;
+}
+
+void fl_dp_stream8_free(fl_dp_stream *s, fl_dp_stream8 *c) {
+    free(s->buf);
+    free(c->t_n), free(c->a), free(c->len), free(c->own), free(c->start), free(c->stage);
+    memset(c, 0, sizeof *c);
+    s->buf = NULL;
 }

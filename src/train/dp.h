@@ -189,6 +189,7 @@ typedef struct fl_dp_stream {
     char *buf;           /* one unit (the largest) */
     int next;            /* next unit to fetch */
     fl_status err;       /* a failed fetch: every later request fails too */
+    void *ctx;           /* fetch's own context (8-bit state: fl_dp_stream8) */
 } fl_dp_stream;
 typedef struct {
     fl_dp_stream *s;
@@ -197,6 +198,22 @@ typedef struct {
 fl_status fl_dp_stream_upto(fl_dp_stream *s, int unit);
 fl_status fl_dp_stream_drain(fl_dp_stream *s);
 fl_status fl_dp_stream_fill(void *ud, void *dst, size_t off, size_t n); /* ud: fl_dp_stream_tensor */
+/* 8-bit AdamW's state in the single-process layout (optimizer.state8: every tensor's
+ * fl_adam8bit_state_bytes, in order), streamed tensor by tensor: unit i is tensor i's state, each
+ * rank of the group holding a piece of it broadcasts the piece (ZeRO-1/2: fl_optim_8bit_piece of the
+ * world; FULL_SHARD: fl_optim_8bit_fsdp_piece of the shard group, lay given) and rank 0 places it
+ * (fl_optim_8bit_piece_to_full). skip: this rank takes no part (HYBRID: another node's replica). */
+typedef struct {
+    fl_comm *comm;
+    int world, me, skip, n_t;
+    const fl_optimizer *o;
+    size_t *t_n, *a, *len, *own, *start; /* (n_t) sizes; (world x n_t) pieces; (n_t) own packed offsets; (n_t + 1) */
+    char *stage;                          /* one piece (the largest) */
+} fl_dp_stream8;
+fl_status fl_dp_stream8_init(fl_dp_stream *s, fl_dp_stream8 *c, fl_dp *dp, fl_comm *comm, int world, int me, int skip,
+                             const fl_optimizer *o, const fl_param_layout *lay);
+void fl_dp_stream8_free(fl_dp_stream *s, fl_dp_stream8 *c);
+fl_status fl_optim_8bit_piece_to_full(size_t tn, size_t a, size_t len, const void *packed, void *full);
 /* ZeRO's pieces (elements of one rank's chunk per broadcast; 0: the default, 1 Mi). Tests use small
  * odd sizes so a chunk spans several pieces. */
 void fl_dp_set_stream_piece(size_t elements);

@@ -391,35 +391,6 @@ static fl_status fetch_unit(fl_dp_stream *u, int g) {
 
 static size_t state_es(const fl_optimizer *o) { return o->cfg.state_dtype == FL_BF16 ? 2 : 4; }
 
-/* 8-bit AdamW: every rank's packed pieces (fl_optim_8bit_fsdp_piece) into rank 0's single-process
- * layout full, one broadcast per rank through host staging of the largest rank's state; a cut
- * block's scales come from both its ranks, the same bits. */
-static fl_status gather_state8(fl_dp *dp, const fl_optimizer *o, void *full) {
-    struct fl_fsdp *f = dp->fsdp;
-    const fl_param_layout *lay = &f->m->layout;
-    /* the shard group (HYBRID_SHARD: the node; node 0 alone broadcasts, the others hold the same pieces) */
-    const int other_node = f->rc && fl_comm_rank(f->rc) != 0;
-    const int world = fl_comm_size(f->sc), me = fl_comm_rank(f->sc);
-    const size_t n = (size_t)lay->n + 1, W = (size_t)world;
-    size_t *a = calloc(n * W, sizeof *a), *len = calloc(n * W, sizeof *len), *b = calloc(W, sizeof *b), cap = 0, so;
-    for (int r = 0; a && len && b && r < world; r++) { /* rank r's pieces and their bytes (what it allocated) */
-        for (int i = 0; i < lay->n; i++) {
-            fl_optim_8bit_fsdp_piece(lay, i, world, r, &a[r * n + i], &len[r * n + i], &so);
-            b[r] += fl_adam8bit_piece_bytes(lay->params[i].numel, a[r * n + i], len[r * n + i]);
-        }
-        cap = b[r] > cap ? b[r] : cap;
-    }
-    char *tmp = malloc(cap + 8);
-    fl_status s = fl_dp_agree(dp, a && len && b && tmp ? FL_OK : fl_errorf(FL_ERR_OOM, "FSDP: out of host memory"));
-    for (int r = 0; s == FL_OK && !other_node && r < world; r++) {
-        void *buf = r == me ? o->state8 : tmp;
-        s = fl_comm_broadcast(f->sc, buf, b[r] / 2, FL_BF16, r); /* a multiple of 4 bytes: 16-bit words */
-        if (s == FL_OK && dp->rank == 0) s = fl_optim_8bit_fsdp_copy(lay, a + r * n, len + r * n, buf, full, 1);
-    }
-    free(a), free(len), free(b), free(tmp);
-    return fl_error_prefix(s, "FSDP: gathering the 8-bit optimizer state");
-}
-
 fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const char *name, const fl_model *m,
                             const fl_optimizer *o, const fl_train_state *st, const fl_run_config *cfg,
                             const char *tok_dir) {
@@ -437,19 +408,23 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
     char *buf = malloc(cap * (f->es > ses ? f->es : ses) + 4);
     fl_dp_stream us[4];
     for (int a = 0; a < 4; a++)
-        us[a] = (fl_dp_stream){dp, f->G, lay->group_offset, aes[a], fetch_unit, arr[a], 0, buf, 0, FL_OK};
+        us[a] = (fl_dp_stream){dp, f->G, lay->group_offset, aes[a], fetch_unit, arr[a], 0, buf, 0, FL_OK, NULL};
     fl_st_write_tensor *t = lead ? calloc((size_t)L + 4, sizeof *t) : NULL;
     fl_dp_stream_tensor *ut = lead ? calloc((size_t)L + 4, sizeof *ut) : NULL;
-    /* 8-bit AdamW: rank 0 assembles the single-process layout of the state first (one broadcast per
-     * rank), then the parameters stream as above */
-    const size_t s8_bytes = o && o->state8 ? fl_optim_state_bytes_layout(&o->cfg, lay) : 0;
-    void *s8 = lead && s8_bytes ? calloc(1, s8_bytes + 8) : NULL;
-    fl_status s = !buf || (lead && (!t || !ut || (s8_bytes && !s8)))
-                      ? fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory") : FL_OK;
+    /* 8-bit AdamW: the single-process layout streams tensor by tensor, each piece broadcast by its
+     * rank of the shard group (HYBRID: node 0's) */
+    fl_dp_stream u8;
+    fl_dp_stream8 c8;
+    memset(&u8, 0, sizeof u8);
+    memset(&c8, 0, sizeof c8);
+    fl_status s = !buf || (lead && (!t || !ut)) ? fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory") : FL_OK;
+    const int has8 = o && o->state8;
+    if (s == FL_OK && has8)
+        s = fl_dp_stream8_init(&u8, &c8, dp, f->sc, fl_comm_size(f->sc), fl_comm_rank(f->sc), other_node, o, lay);
     s = fl_dp_agree(dp, s);
-    if (s == FL_OK && s8_bytes) s = fl_dp_agree(dp, gather_state8(dp, o, s8)); /* (agrees inside first) */
     if (s != FL_OK) {
-        free(t), free(ut), free(buf), free(s8);
+        free(t), free(ut), free(buf);
+        fl_dp_stream8_free(&u8, &c8);
         return s;
     }
     if (lead && write) {
@@ -470,9 +445,13 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
                                            .fill_range = fl_dp_stream_fill, .fill_ud = &ut[L + ns]};
             ns++;
         }
-        if (s8) /* the single-process format's blob (checkpoint.c write_state) */
-            stt[ns++] = (fl_st_write_tensor){.name = "optimizer.state8", .dtype = FL_U8, .ndim = 1,
-                                             .shape = {(int64_t)s8_bytes}, .data = s8, .src_dtype = FL_U8};
+        if (has8) { /* the single-process format's blob (checkpoint.c write_state) */
+            ut[L + ns] = (fl_dp_stream_tensor){&u8, 0};
+            stt[ns] = (fl_st_write_tensor){.name = "optimizer.state8", .dtype = FL_U8, .ndim = 1,
+                                           .shape = {(int64_t)c8.start[c8.n_t]}, .src_dtype = FL_U8,
+                                           .fill_range = fl_dp_stream_fill, .fill_ud = &ut[L + ns]};
+            ns++;
+        }
         s = fl_ckpt_save_streamed(out_dir, name, m, o, st, cfg, tok_dir, t, stt, ns);
     }
     /* every rank of node 0 (HYBRID: the other nodes hold the same shards and take no part): every unit of
@@ -480,11 +459,12 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
     fl_status g = FL_OK;
     for (int a = 0; g == FL_OK && !other_node && a < 4; a++)
         if (arr[a]) g = fl_dp_stream_drain(&us[a]);
+    if (g == FL_OK && has8) g = fl_dp_stream_drain(&u8);
     if (s == FL_OK) s = g;
     free(t);
     free(ut);
     free(buf);
-    free(s8);
+    fl_dp_stream8_free(&u8, &c8);
     return fl_dp_agree(dp, s);
 }
 

@@ -253,6 +253,25 @@ fl_status fl_optim_8bit_fsdp_copy(const fl_param_layout *lay, const size_t *a, c
     return FL_OK;
 }
 
+fl_status fl_optim_8bit_piece_to_full(size_t tn, size_t a, size_t len, const void *packed, void *full) {
+    if (!len) return FL_OK;
+    if (a + len > tn) return fl_errorf(FL_ERR_INTERNAL, "8-bit AdamW state: piece [%zu, +%zu) of %zu", a, len, tn);
+    fl_adam8bit_state ps, fs;
+    bind_piece(&ps, tn, a, len, (void *)packed);
+    FL_TRY(fl_adam8bit_state_bind(&fs, tn, full));
+    if (ps.q_m) {
+        const size_t b0 = a / FL_ADAM8BIT_BLOCK;
+        memcpy(fs.q_m + a, ps.q_m, len);
+        memcpy(fs.q_v + a, ps.q_v, len);
+        memcpy(fs.absmax_m + b0, ps.absmax_m, ps.n_blocks * sizeof(float));
+        memcpy(fs.absmax_v + b0, ps.absmax_v, ps.n_blocks * sizeof(float));
+    } else {
+        memcpy(fs.m + a, ps.m, len * sizeof(float));
+        memcpy(fs.v + a, ps.v, len * sizeof(float));
+    }
+    return FL_OK;
+}
+
 /* The views of piece i for the update: k 0 its cut first block, 1 its whole blocks, 2 its cut last
  * block; *off the view's first element in the piece; 0 when the view is empty. *slot: the exchange
  * slot (cut views). */

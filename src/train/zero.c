@@ -129,58 +129,7 @@ fl_status fl_zero8_take(fl_optimizer *o, const void *full) {
     return unpack8(o, o->dist->world, o->dist->rank, o->state8, (void *)full, 0);
 }
 
-/* *full = o with full-size host state buffers (zeroed), range [0, n): the single-process layout */
-static fl_status full_view(const fl_optimizer *o, fl_optimizer *full) {
-    *full = *o;
-    full->m = full->v = full->buf = NULL;
-    full->state8 = NULL;
-    full->s_off = 0;
-    full->s_len = o->n;
-    size_t bytes = o->n * state_es(o);
-    int ok = 1;
-    if (o->m) ok &= (full->m = calloc(1, bytes + 1)) != NULL && (full->v = calloc(1, bytes + 1)) != NULL;
-    if (o->buf) ok &= (full->buf = calloc(1, bytes + 1)) != NULL;
-    if (o->state8) { /* fl_optim_init's layout in one process */
-        full->state8_bytes = packed_bytes(o, 1, 0);
-        ok &= (full->state8 = calloc(1, full->state8_bytes + 8)) != NULL;
-        bytes = full->state8_bytes;
-    }
-    if (!ok) {
-        free(full->m), free(full->v), free(full->buf), free(full->state8);
-        return fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory staging the %s optimizer state (%zu bytes)",
-                         fl_optim_name(o->cfg.kind), bytes);
-    }
-    return FL_OK;
-}
-
-static void full_free(fl_optimizer *full) {
-    free(full->m);
-    free(full->v);
-    free(full->buf);
-    free(full->state8);
-}
-
-/* 8-bit: every rank's packed state to rank 0's full layout, one broadcast per rank */
-static fl_status gather8(fl_dp *dp, const fl_optimizer *o, fl_optimizer *full) {
-    size_t cap = 0;
-    for (int r = 0; r < dp->world; r++) {
-        size_t b = packed_bytes(o, dp->world, r);
-        if (b > cap) cap = b;
-    }
-    char *tmp = malloc(cap + 8);
-    fl_status s = fl_dp_agree(dp, tmp ? FL_OK : fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory"));
-    for (int r = 0; s == FL_OK && r < dp->world; r++) {
-        size_t b = packed_bytes(o, dp->world, r); /* a multiple of 4: travels as 16-bit words */
-        void *buf = r == dp->rank ? o->state8 : tmp;
-        s = fl_error_prefix(fl_comm_broadcast(dp->comm, buf, b / 2, FL_BF16, r),
-                            "%s: gathering the 8-bit optimizer state for the checkpoint", fl_dp_stage_name(dp));
-        if (s == FL_OK && dp->rank == 0) s = unpack8(o, dp->world, r, buf, full->state8, 1);
-    }
-    free(tmp);
-    return s;
-}
-
-/* ZeRO-1/2's consolidated checkpoint (AdamW, SGD), streamed (dp.h: fl_dp_stream): the parameters
+/* ZeRO-1/2's consolidated checkpoint (AdamW, SGD, 8-bit AdamW), streamed (dp.h: fl_dp_stream): the parameters
  * are whole on every rank (rank 0 writes its own); each optimizer state is cut into pieces of at
  * most g_piece elements (1 Mi) of one rank's chunk, each broadcast by its owner when rank 0's writer
  * reaches it. Host memory: one piece per rank, never the whole state (before: rank 0 staged it). */
@@ -222,19 +171,25 @@ static fl_status zero_save_streamed(fl_dp *dp, int write, const char *out_dir, c
         }
         start[units] = n;
     }
+    fl_dp_stream u8; /* 8-bit AdamW: its single-process layout, tensor by tensor */
+    fl_dp_stream8 c8;
+    memset(&u8, 0, sizeof u8);
+    memset(&c8, 0, sizeof c8);
+    if (s == FL_OK && o->state8) s = fl_dp_stream8_init(&u8, &c8, dp, dp->comm, dp->world, dp->rank, 0, o, NULL);
     s = fl_dp_agree(dp, s);
     if (s != FL_OK) {
         free(start), free(buf);
+        fl_dp_stream8_free(&u8, &c8);
         return s;
     }
     static const char *names[3] = {"optimizer.exp_avg", "optimizer.exp_avg_sq", "optimizer.momentum_buffer"};
     const void *arr[3] = {o->m, o->v, o->buf};
     fl_dp_stream us[3];
-    fl_dp_stream_tensor ut[3];
-    fl_st_write_tensor t[3];
+    fl_dp_stream_tensor ut[4];
+    fl_st_write_tensor t[4];
     int nt = 0;
     for (int a = 0; a < 3; a++) {
-        us[a] = (fl_dp_stream){dp, units, start, es, fetch_piece, arr[a], o->s_off, buf, 0, FL_OK};
+        us[a] = (fl_dp_stream){dp, units, start, es, fetch_piece, arr[a], o->s_off, buf, 0, FL_OK, NULL};
         if (!arr[a]) continue;
         ut[nt] = (fl_dp_stream_tensor){&us[a], 0};
         t[nt] = (fl_st_write_tensor){.name = names[a], .dtype = o->cfg.state_dtype, .ndim = 1, .shape = {(int64_t)n},
@@ -242,10 +197,19 @@ static fl_status zero_save_streamed(fl_dp *dp, int write, const char *out_dir, c
                                      .fill_ud = &ut[nt]};
         nt++;
     }
+    if (o->state8) { /* checkpoint.c write_state's blob */
+        ut[nt] = (fl_dp_stream_tensor){&u8, 0};
+        t[nt] = (fl_st_write_tensor){.name = "optimizer.state8", .dtype = FL_U8, .ndim = 1,
+                                     .shape = {(int64_t)c8.start[c8.n_t]}, .src_dtype = FL_U8,
+                                     .fill_range = fl_dp_stream_fill, .fill_ud = &ut[nt]};
+        nt++;
+    }
     if (lead && write) s = fl_ckpt_save_streamed(out_dir, name, m, o, st, cfg, tok_dir, NULL, t, nt);
     fl_status g = FL_OK; /* every rank: every piece, in order (rank 0: those its writer did not ask for) */
     for (int a = 0; g == FL_OK && a < 3; a++)
         if (arr[a]) g = fl_dp_stream_drain(&us[a]);
+    if (g == FL_OK && o->state8) g = fl_dp_stream_drain(&u8);
+    fl_dp_stream8_free(&u8, &c8);
     if (s == FL_OK) s = g;
     free(start);
     free(buf);
@@ -264,16 +228,7 @@ fl_status fl_dp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const char 
     }
     if (dp->fsdp) return fl_fsdp_ckpt_save(dp, write, out_dir, name, m, o, st, cfg, tok_dir);
     if (!sharded(dp, o)) return write ? fl_ckpt_save(out_dir, name, m, o, st, cfg, tok_dir) : FL_OK;
-    if (!o->state8) return zero_save_streamed(dp, write, out_dir, name, m, o, st, cfg, tok_dir);
-    fl_optimizer full;
-    memset(&full, 0, sizeof full);
-    fl_status s = FL_OK;
-    if (dp->rank == 0) s = full_view(o, &full); /* 8-bit: rank 0 assembles the single-process layout */
-    s = fl_dp_agree(dp, s);
-    if (s == FL_OK) s = gather8(dp, o, &full);
-    if (s == FL_OK && write) s = fl_ckpt_save(out_dir, name, m, &full, st, cfg, tok_dir);
-    if (dp->rank == 0) full_free(&full);
-    return s;
+    return zero_save_streamed(dp, write, out_dir, name, m, o, st, cfg, tok_dir);
 }
 
 fl_status fl_dp_ckpt_load(fl_dp *dp, const char *dir, fl_model *m, fl_optimizer *o, fl_train_state *st) {
