@@ -48,6 +48,28 @@ fl_status fl_dp_stream_fill(void *ud, void *dst, size_t off, size_t n) {
     return copy_out(t->s, dst, t->start + off, n);
 }
 
+int fl_dp_stream_state_tensors(const fl_optimizer *o, size_t numel, fl_dp_stream *us, fl_dp_stream *u8,
+                               fl_dp_stream_tensor *ut, fl_st_write_tensor *t) {
+    static const char *names[3] = {"optimizer.exp_avg", "optimizer.exp_avg_sq", "optimizer.momentum_buffer"};
+    int nt = 0;
+    for (int a = 0; a < 3; a++) {
+        if (!us[a].src) continue;
+        ut[nt] = (fl_dp_stream_tensor){&us[a], 0};
+        t[nt] = (fl_st_write_tensor){.name = names[a], .dtype = o->cfg.state_dtype, .ndim = 1,
+                                     .shape = {(int64_t)numel}, .src_dtype = o->cfg.state_dtype,
+                                     .fill_range = fl_dp_stream_fill, .fill_ud = &ut[nt]};
+        nt++;
+    }
+    if (u8) { /* checkpoint.c write_state's blob */
+        ut[nt] = (fl_dp_stream_tensor){u8, 0};
+        t[nt] = (fl_st_write_tensor){.name = "optimizer.state8", .dtype = FL_U8, .ndim = 1,
+                                     .shape = {(int64_t)u8->start[u8->n_units]}, .src_dtype = FL_U8,
+                                     .fill_range = fl_dp_stream_fill, .fill_ud = &ut[nt]};
+        nt++;
+    }
+    return nt;
+}
+
 /* ---- 8-bit AdamW's state (dp.h: fl_dp_stream8) ------------------------------------------------ */
 
 static size_t piece_bytes8(size_t tn, size_t a, size_t len) { return fl_adam8bit_piece_bytes(tn, a, len); }

@@ -19,6 +19,7 @@
 #include "fitllm/checkpoint.h"
 #include "fitllm/comm.h"
 #include "fitllm/config.h"
+#include "fitllm/io.h"
 #include "fitllm/train.h"
 #include "fitllm/trainer.h"
 
@@ -198,6 +199,11 @@ typedef struct {
 fl_status fl_dp_stream_upto(fl_dp_stream *s, int unit);
 fl_status fl_dp_stream_drain(fl_dp_stream *s);
 fl_status fl_dp_stream_fill(void *ud, void *dst, size_t off, size_t n); /* ud: fl_dp_stream_tensor */
+/* The training state's optimizer tensors (checkpoint.c's names and dtypes) over streams: us[0..2] the
+ * exp_avg, exp_avg_sq and momentum arrays of numel elements (src NULL: absent), u8 the 8-bit blob (or
+ * NULL). Fills t and ut (4 each at most); returns how many. */
+int fl_dp_stream_state_tensors(const fl_optimizer *o, size_t numel, fl_dp_stream *us, fl_dp_stream *u8,
+                               fl_dp_stream_tensor *ut, fl_st_write_tensor *t);
 /* 8-bit AdamW's state in the single-process layout (optimizer.state8: every tensor's
  * fl_adam8bit_state_bytes, in order), streamed tensor by tensor: unit i is tensor i's state, each
  * rank of the group holding a piece of it broadcasts the piece (ZeRO-1/2: fl_optim_8bit_piece of the

@@ -402,7 +402,6 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
     const void *arr[4] = {m->params ? (const void *)m->params : (const void *)m->p16, o ? o->m : NULL,
                           o ? o->v : NULL, o ? o->buf : NULL};
     const size_t aes[4] = {f->es, ses, ses, ses};
-    static const char *state_name[4] = {NULL, "optimizer.exp_avg", "optimizer.exp_avg_sq", "optimizer.momentum_buffer"};
     size_t cap = 0;
     for (int g = 0; g < f->G; g++) cap = f->n[g] > cap ? f->n[g] : cap;
     char *buf = malloc(cap * (f->es > ses ? f->es : ses) + 4);
@@ -435,24 +434,9 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
                                         .fill_range = fl_dp_stream_fill, .fill_ud = &ut[k]};
             fl_hf_tensor_shape(p, &t[k]);
         }
-        int ns = 0; /* training_state.safetensors: the optimizer's state, whole-model arrays */
-        fl_st_write_tensor *stt = t + L;
-        for (int a = 1; a < 4; a++) {
-            if (!arr[a]) continue;
-            ut[L + ns] = (fl_dp_stream_tensor){&us[a], 0};
-            stt[ns] = (fl_st_write_tensor){.name = state_name[a], .dtype = o->cfg.state_dtype, .ndim = 1,
-                                           .shape = {(int64_t)lay->numel}, .src_dtype = o->cfg.state_dtype,
-                                           .fill_range = fl_dp_stream_fill, .fill_ud = &ut[L + ns]};
-            ns++;
-        }
-        if (has8) { /* the single-process format's blob (checkpoint.c write_state) */
-            ut[L + ns] = (fl_dp_stream_tensor){&u8, 0};
-            stt[ns] = (fl_st_write_tensor){.name = "optimizer.state8", .dtype = FL_U8, .ndim = 1,
-                                           .shape = {(int64_t)c8.start[c8.n_t]}, .src_dtype = FL_U8,
-                                           .fill_range = fl_dp_stream_fill, .fill_ud = &ut[L + ns]};
-            ns++;
-        }
-        s = fl_ckpt_save_streamed(out_dir, name, m, o, st, cfg, tok_dir, t, stt, ns);
+        /* training_state.safetensors: the optimizer's state, whole-model arrays */
+        const int ns = o ? fl_dp_stream_state_tensors(o, lay->numel, us + 1, has8 ? &u8 : NULL, ut + L, t + L) : 0;
+        s = fl_ckpt_save_streamed(out_dir, name, m, o, st, cfg, tok_dir, t, t + L, ns);
     }
     /* every rank of node 0 (HYBRID: the other nodes hold the same shards and take no part): every unit of
      * every array, in order (rank 0: those its writer did not ask for) */

@@ -182,28 +182,13 @@ static fl_status zero_save_streamed(fl_dp *dp, int write, const char *out_dir, c
         fl_dp_stream8_free(&u8, &c8);
         return s;
     }
-    static const char *names[3] = {"optimizer.exp_avg", "optimizer.exp_avg_sq", "optimizer.momentum_buffer"};
     const void *arr[3] = {o->m, o->v, o->buf};
     fl_dp_stream us[3];
+    for (int a = 0; a < 3; a++)
+        us[a] = (fl_dp_stream){dp, units, start, es, fetch_piece, arr[a], o->s_off, buf, 0, FL_OK, NULL};
     fl_dp_stream_tensor ut[4];
     fl_st_write_tensor t[4];
-    int nt = 0;
-    for (int a = 0; a < 3; a++) {
-        us[a] = (fl_dp_stream){dp, units, start, es, fetch_piece, arr[a], o->s_off, buf, 0, FL_OK, NULL};
-        if (!arr[a]) continue;
-        ut[nt] = (fl_dp_stream_tensor){&us[a], 0};
-        t[nt] = (fl_st_write_tensor){.name = names[a], .dtype = o->cfg.state_dtype, .ndim = 1, .shape = {(int64_t)n},
-                                     .src_dtype = o->cfg.state_dtype, .fill_range = fl_dp_stream_fill,
-                                     .fill_ud = &ut[nt]};
-        nt++;
-    }
-    if (o->state8) { /* checkpoint.c write_state's blob */
-        ut[nt] = (fl_dp_stream_tensor){&u8, 0};
-        t[nt] = (fl_st_write_tensor){.name = "optimizer.state8", .dtype = FL_U8, .ndim = 1,
-                                     .shape = {(int64_t)c8.start[c8.n_t]}, .src_dtype = FL_U8,
-                                     .fill_range = fl_dp_stream_fill, .fill_ud = &ut[nt]};
-        nt++;
-    }
+    const int nt = fl_dp_stream_state_tensors(o, n, us, o->state8 ? &u8 : NULL, ut, t);
     if (lead && write) s = fl_ckpt_save_streamed(out_dir, name, m, o, st, cfg, tok_dir, NULL, t, nt);
     fl_status g = FL_OK; /* every rank: every piece, in order (rank 0: those its writer did not ask for) */
     for (int a = 0; g == FL_OK && a < 3; a++)
