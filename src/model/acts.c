@@ -1,5 +1,5 @@
-/* The activation arena: its layout (carving), its size (shared with the
- * planner through fl_sizing_acts) and its allocation. */
+/* The activation arena: its layout (carving, from the block graph's slots: graph.c), its size
+ * (shared with the planner through fl_sizing_acts) and its allocation. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -29,17 +29,6 @@ static void *carve_bytes(carver *cv, size_t nbytes) {
 
 static float *carve(carver *cv, size_t nfloats) { return carve_bytes(cv, nfloats * sizeof(float)); }
 
-/* Widths of the saved (N, width) activations, FL_SAVED_* order. */
-static void saved_widths(const fl_dims *d, size_t w[FL_N_SAVED]) {
-    w[FL_SAVED_LN1] = (size_t)d->C;
-    w[FL_SAVED_QKV] = (size_t)d->QKV;
-    w[FL_SAVED_ATT] = (size_t)d->QD;
-    w[FL_SAVED_RES_MID] = (size_t)d->C;
-    w[FL_SAVED_LN2] = (size_t)d->C;
-    w[FL_SAVED_FC] = (size_t)d->FCW;
-    w[FL_SAVED_ACT] = (size_t)d->F;
-}
-
 int fl_logits_chunk_rows(int vocab_size, int N) {
     /* About 32 MiB of logits per chunk: large enough for an efficient lm_head
      * GEMM, small enough that (N, V) never exists at once. */
@@ -51,75 +40,59 @@ int fl_logits_chunk_rows(int vocab_size, int N) {
 
 static int logits_chunk_rows(const fl_model_config *c, int N) { return fl_logits_chunk_rows(c->vocab_size, N); }
 
-/* Layouts (N = B*T rows):
- *   fp32 (default):  res[0..L] | L x {layer's activations, all fp32} | lnf
- *   act_ckpt:        res[0..L] | ONE shared fp32 layer buffer           | lnf
- *   16-bit saved:    res[0..L] | ONE shared fp32 buffer of the (N, width) activations |
- *                    L x {fp32 per-row stats (norm mean/rstd, lse), 16-bit (N, width) copies} | lnf */
-static size_t carve_acts(const fl_model_config *c, int B, int T, int ckpt, fl_dtype adt, char *base, fl_acts *a,
-                         size_t *saved) {
+/* Layouts (N = B*T rows), the block's slots in the graph's production order (g->prod):
+ *   fp32 (default):  res[0..L] | L x {the block's slots, all fp32} | lnf
+ *   act_ckpt:        res[0..L] | ONE shared fp32 block buffer           | lnf
+ *   16-bit saved:    res[0..L] | ONE shared fp32 buffer of the WIDE slots |
+ *                    L x {fp32 STAT slots (norm mean/rstd, lse), 16-bit copies of the WIDE slots} | lnf */
+static size_t carve_acts(const fl_model_config *c, const fl_block_graph *g, int B, int T, int ckpt, fl_dtype adt,
+                         char *base, fl_acts *a, size_t *saved) {
     fl_dims d = fl_model_dims(c);
     size_t N = (size_t)B * T;
     int ln = c->arch == FL_ARCH_GPT2; /* LayerNorm keeps the mean too */
     int a16 = !ckpt && adt != FL_F32;
-    size_t w[FL_N_SAVED];
-    saved_widths(&d, w);
     carver cv = {base, 0, 1, 0};
     /* what backward reads: the residual stream (block inputs, res[L] for the final norm) ... */
+    float **res = a ? a->res : NULL;
     for (int l = 0; l <= d.L; l++) {
         float *r = carve(&cv, N * d.C);
-        if (a) a->res[l] = r;
+        if (res) res[l] = r;
     }
+    fl_layer_acts sh; /* the views every block shares (16-bit: the WIDE slots; checkpointing: all) */
+    memset(&sh, 0, sizeof sh);
     if (a16) {
-        /* the shared fp32 buffer of the wide activations; the per-layer part follows */
-        fl_layer_acts sh;
-        memset(&sh, 0, sizeof sh);
         cv.keep = 0; /* the shared fp32 buffer: the block being computed; backward widens into it */
-        if (d.L > 0) {
-            sh.ln1 = carve(&cv, N * w[FL_SAVED_LN1]);
-            sh.qkv = carve(&cv, N * w[FL_SAVED_QKV]);
-            sh.att = carve(&cv, N * w[FL_SAVED_ATT]);
-            sh.res_mid = carve(&cv, N * w[FL_SAVED_RES_MID]);
-            sh.ln2 = carve(&cv, N * w[FL_SAVED_LN2]);
-            sh.fc = carve(&cv, N * w[FL_SAVED_FC]);
-            sh.act = carve(&cv, N * w[FL_SAVED_ACT]);
-        }
+        for (int k = 0; d.L > 0 && k < g->n_prod; k++)
+            if (g->slot[g->prod[k]].kind == FL_GSLOT_WIDE) sh.s[g->prod[k]] = carve(&cv, N * g->slot[g->prod[k]].width);
         size_t es = fl_dtype_size(adt);
         cv.keep = 1; /* ... every block's statistics and 16-bit copies ... */
         for (int l = 0; l < d.L; l++) {
             fl_layer_acts la = sh;
-            la.ln1_mean = ln ? carve(&cv, N) : NULL;
-            la.ln1_rstd = carve(&cv, N);
-            la.lse = carve(&cv, N * d.NH);
-            la.ln2_mean = ln ? carve(&cv, N) : NULL;
-            la.ln2_rstd = carve(&cv, N);
-            for (int k = 0; k < FL_N_SAVED; k++) la.s16[k] = carve_bytes(&cv, N * w[k] * es);
+            for (int k = 0; k < g->n_prod; k++)
+                if (g->slot[g->prod[k]].kind == FL_GSLOT_STAT) la.s[g->prod[k]] = carve(&cv, N * g->slot[g->prod[k]].width);
+            for (int k = 0; k < g->n_prod; k++)
+                if (g->slot[g->prod[k]].kind == FL_GSLOT_WIDE)
+                    la.s16[g->prod[k]] = carve_bytes(&cv, N * g->slot[g->prod[k]].width * es);
             if (a) a->layer[l] = la;
         }
     } else {
-        /* checkpointing: one layer buffer shared by all blocks (backward recomputes it: not kept) */
+        /* checkpointing: one block buffer shared by all blocks (backward recomputes it: not kept) */
         cv.keep = !ckpt; /* ... every block's activations ... */
         for (int l = 0; l < (ckpt ? (d.L > 0 ? 1 : 0) : d.L); l++) {
             fl_layer_acts la;
             memset(&la, 0, sizeof la);
-            la.ln1 = carve(&cv, N * d.C);
-            la.ln1_mean = ln ? carve(&cv, N) : NULL;
-            la.ln1_rstd = carve(&cv, N);
-            la.qkv = carve(&cv, N * d.QKV);
-            la.att = carve(&cv, N * d.QD);
-            la.lse = carve(&cv, N * d.NH);
-            la.res_mid = carve(&cv, N * d.C);
-            la.ln2 = carve(&cv, N * d.C);
-            la.ln2_mean = ln ? carve(&cv, N) : NULL;
-            la.ln2_rstd = carve(&cv, N);
-            la.fc = carve(&cv, N * d.FCW);
-            la.act = carve(&cv, N * d.F);
+            for (int k = 0; k < g->n_prod; k++) la.s[g->prod[k]] = carve(&cv, N * g->slot[g->prod[k]].width);
             if (a) {
                 if (ckpt) for (int k = 0; k < d.L; k++) a->layer[k] = la;
                 else a->layer[l] = la;
             }
         }
     }
+    if (a) /* the residual stream: block l reads res[l], writes res[l+1] */
+        for (int l = 0; l < d.L; l++) {
+            a->layer[l].s[FL_GSLOT_IN] = a->res[l];
+            a->layer[l].s[FL_GSLOT_OUT] = a->res[l + 1];
+        }
     /* ... and the final norm's statistics; its output only feeds the head, whose backward
      * runs inside the forward */
     cv.keep = 0;
@@ -132,19 +105,19 @@ static size_t carve_acts(const fl_model_config *c, int B, int T, int ckpt, fl_dt
     return cv.off;
 }
 
+/* 16-bit saved activations: block l's WIDE slots between the shared fp32 buffer and its 16-bit copies. */
 static fl_status convert_saved(fl_model *m, int l, int N, int narrow) {
     fl_acts *a = m->acts;
     if (!a || a->act_dtype == FL_F32) return FL_OK;
-    fl_dims d = fl_model_dims(&m->cfg);
-    size_t w[FL_N_SAVED];
-    saved_widths(&d, w);
+    const fl_block_graph *g = a->graph;
     fl_layer_acts *la = &a->layer[l];
-    float *f[FL_N_SAVED] = {la->ln1, la->qkv, la->att, la->res_mid, la->ln2, la->fc, la->act};
     const fl_backend *be = m->be;
-    for (int k = 0; k < FL_N_SAVED; k++) {
-        size_t n = (size_t)N * w[k];
-        if (narrow) FL_TRY(be->convert(be, la->s16[k], a->act_dtype, f[k], FL_F32, n));
-        else FL_TRY(be->convert(be, f[k], FL_F32, la->s16[k], a->act_dtype, n));
+    for (int k = 0; k < g->n_prod; k++) {
+        int sl = g->prod[k];
+        if (g->slot[sl].kind != FL_GSLOT_WIDE) continue;
+        size_t n = (size_t)N * g->slot[sl].width;
+        if (narrow) FL_TRY(be->convert(be, la->s16[sl], a->act_dtype, la->s[sl], FL_F32, n));
+        else FL_TRY(be->convert(be, la->s[sl], FL_F32, la->s16[sl], a->act_dtype, n));
     }
     return FL_OK;
 }
@@ -158,21 +131,24 @@ static size_t imax(size_t a, size_t b) { return a > b ? a : b; }
  * the first N x C floats of buf1, and the token ids), *constant = the RoPE tables (written
  * once, read by every pass). Everything else is scratch within one pass (the widened head and
  * the backend's scratch too). */
-static size_t carve_work(const fl_model_config *c, int B, int T, int dw_bf16, fl_dtype head_widen, size_t be_scratch,
-                         char *base, fl_acts *a, size_t *handoff, size_t *constant) {
+static size_t carve_work(const fl_model_config *c, const fl_block_graph *g, int B, int T, int dw_bf16,
+                         fl_dtype head_widen, size_t be_scratch, char *base, fl_acts *a, size_t *handoff,
+                         size_t *constant) {
     fl_dims d = fl_model_dims(c);
     size_t N = (size_t)B * T;
     carver cv = {base, 0, 0, 0};
-    float *dres = carve(&cv, N * d.C);
-    float *buf1 = carve(&cv, N * imax(imax(d.C, d.QD), d.F));
-    float *buf2 = carve(&cv, N * imax(d.QKV, d.FCW));
+    /* the backward's gradient buffers (the graph's assignment); buf1 also takes d(lnf) (N, C) */
+    float *dres = carve(&cv, N * imax(d.C, (size_t)g->gbuf_width[FL_GBUF_RES]));
+    float *buf1 = carve(&cv, N * imax(d.C, (size_t)g->gbuf_width[FL_GBUF_1]));
+    float *buf2 = carve(&cv, N * (size_t)g->gbuf_width[FL_GBUF_2]);
     float *logits = carve(&cv, (size_t)logits_chunk_rows(c, (int)N) * d.V);
     float *losses = carve(&cv, N);
     float *ids = carve(&cv, N); /* int32 ids stored in float-sized slots */
     size_t half = c->arch == FL_ARCH_LLAMA ? (size_t)T * (d.HD / 2) : 0;
     float *rc = carve(&cv, half), *rs = carve(&cv, half);
-    void *xb16 = dw_bf16 ? carve_bytes(&cv, N * imax(imax(d.C, d.QD), d.F) * sizeof(uint16_t)) : NULL;
-    size_t dyn = imax(N * imax(imax(d.C, d.QKV), d.FCW), (size_t)logits_chunk_rows(c, (int)N) * d.V);
+    /* bf16 dW scratch: the widest linear input and output (the head's: (N, C) and a logits chunk) */
+    void *xb16 = dw_bf16 ? carve_bytes(&cv, N * imax(d.C, (size_t)g->lin_in_max) * sizeof(uint16_t)) : NULL;
+    size_t dyn = imax(N * imax(d.C, (size_t)g->lin_out_max), (size_t)logits_chunk_rows(c, (int)N) * d.V);
     void *dyb16 = dw_bf16 ? carve_bytes(&cv, dyn * sizeof(uint16_t)) : NULL;
     if (handoff) *handoff = N * d.C * sizeof(float) + N * sizeof(int32_t);
     if (constant) *constant = 2 * half * sizeof(float);
@@ -220,15 +196,16 @@ void fl_sizing_acts_ex(const fl_model_config *cfg_in, int B, int T, const fl_act
      * model does, so planner and runtime size the same arena. */
     fl_model_config c = *cfg_in;
     memset(out, 0, sizeof *out);
-    if (fl_config_validate(&c) != FL_OK || B <= 0 || T <= 0) return;
-    out->acts_bytes = carve_acts(&c, B, T, ckpt, adt, NULL, NULL, &out->acts_saved_bytes);
-    out->workspace_bytes = carve_work(&c, B, T, opts && opts->dw_bf16, opts ? opts->head_widen : FL_F32,
+    fl_block_graph g;
+    if (fl_config_validate(&c) != FL_OK || B <= 0 || T <= 0 || fl_block_graph_build(&c, &g) != FL_OK) return;
+    out->acts_bytes = carve_acts(&c, &g, B, T, ckpt, adt, NULL, NULL, &out->acts_saved_bytes);
+    out->workspace_bytes = carve_work(&c, &g, B, T, opts && opts->dw_bf16, opts ? opts->head_widen : FL_F32,
                                       opts ? opts->backend_scratch : 0, NULL, NULL, &out->work_handoff_bytes,
                                       &out->work_const_bytes);
     /* per layer: the difference between L and L-1 layers */
     fl_model_config c1 = c;
     c1.n_layers = c.n_layers - 1;
-    out->per_layer_acts_bytes = out->acts_bytes - carve_acts(&c1, B, T, ckpt, adt, NULL, NULL, NULL);
+    out->per_layer_acts_bytes = out->acts_bytes - carve_acts(&c1, &g, B, T, ckpt, adt, NULL, NULL, NULL);
     out->logits_chunk_rows = logits_chunk_rows(&c, B * T);
 }
 
@@ -240,8 +217,8 @@ void fl_acts_mark_live(fl_model *m, int B, int T, int train) {
     if (!m->acts) return;
     size_t saved = 0, handoff = 0, constant = 0;
     if (train) {
-        carve_acts(&m->cfg, B, T, m->act_ckpt, m->act_dtype, NULL, NULL, &saved);
-        carve_work(&m->cfg, B, T, 0, FL_F32, 0, NULL, NULL, &handoff, &constant);
+        carve_acts(&m->cfg, m->acts->graph, B, T, m->act_ckpt, m->act_dtype, NULL, NULL, &saved);
+        carve_work(&m->cfg, m->acts->graph, B, T, 0, FL_F32, 0, NULL, NULL, &handoff, &constant);
     }
     fl_mem_set_live(m->pool, m->acts_arena, saved);
     fl_mem_set_live(m->pool, m->work_arena, handoff + m->sizes.work_const_bytes);
@@ -267,13 +244,17 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     a->L = m->cfg.n_layers;
     a->res = calloc((size_t)a->L + 1, sizeof *a->res);
     a->layer = calloc((size_t)a->L, sizeof *a->layer);
+    fl_block_graph *g = calloc(1, sizeof *g);
+    a->graph = g;
     m->acts = a;
-    if (!a->res || !a->layer) { fl_model_free_acts(m); return fl_errorf(FL_ERR_OOM, "activation views: out of host memory"); }
-    fl_status s = fl_mem_alloc(m->pool, FL_TAG_ACTS, m->sizes.acts_bytes, (void **)&m->acts_arena);
+    if (!a->res || !a->layer || !g) { fl_model_free_acts(m); return fl_errorf(FL_ERR_OOM, "activation views: out of host memory"); }
+    fl_status s = fl_block_graph_build(&m->cfg, g);
+    if (s != FL_OK) { fl_model_free_acts(m); return s; }
+    s = fl_mem_alloc(m->pool, FL_TAG_ACTS, m->sizes.acts_bytes, (void **)&m->acts_arena);
     if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, m->sizes.workspace_bytes, (void **)&m->work_arena);
     if (s != FL_OK) { fl_model_free_acts(m); return fl_error_prefix(s, "allocating activations for B=%d T=%d", B, T); }
-    carve_acts(&m->cfg, B, T, m->act_ckpt, m->act_dtype, (char *)m->acts_arena, a, NULL);
-    carve_work(&m->cfg, B, T, dw_bf16, head_widen, bes, (char *)m->work_arena, a, NULL, NULL);
+    carve_acts(&m->cfg, g, B, T, m->act_ckpt, m->act_dtype, (char *)m->acts_arena, a, NULL);
+    carve_work(&m->cfg, g, B, T, dw_bf16, head_widen, bes, (char *)m->work_arena, a, NULL, NULL);
     if (m->cfg.arch == FL_ARCH_LLAMA)
         s = m->be->rope_tables(m->be, a->rope_cos, a->rope_sin, T, m->cfg.head_dim, m->cfg.rope_theta,
                                &m->cfg.rope_scaling);

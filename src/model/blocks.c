@@ -125,27 +125,26 @@ fl_status fl_grad_stage_flush(fl_model *m, size_t off, size_t n) {
     return m->be->accumulate16(m->be, dst, m->store_dtype, m->gstage, n);
 }
 
-void fl_get_block(const fl_model *m, int l, fl_block_params *bp) {
-    fl_dims d = fl_model_dims(&m->cfg);
+void fl_get_block(const fl_model *m, const fl_block_graph *gr, int l, fl_block_params *bp) {
     memset(bp, 0, sizeof *bp);
     float *cur0 = m->pstage ? m->pstage + fl_pstage_block_start(m) : NULL, **cur = &cur0;
     const int g = l + 1;
-#define R(role) fl_layout_role(&m->layout, g, FL_ROLE_##role)
-    /* the order of the 1-D parameters is pstage's slot order (LLaMA: ln1, ln2, then the biases) */
-    bp->ln1_w = P1(m, R(LN1_W), cur); bp->d_ln1_w = G(m, loff(m, R(LN1_W)));
-    bp->ln1_b = P1(m, R(LN1_B), cur); bp->d_ln1_b = G(m, loff(m, R(LN1_B)));
-    bp->ln2_w = P1(m, R(LN2_W), cur); bp->d_ln2_w = G(m, loff(m, R(LN2_W)));
-    bp->ln2_b = P1(m, R(LN2_B), cur); bp->d_ln2_b = G(m, loff(m, R(LN2_B)));
-    /* QKV_W starts the fused (QKV, C) matrix, FC_W the fused (2F, C) [gate | up] one (LLaMA) */
-    set_linear(m, &bp->qkv, d.C, d.QKV, R(QKV_W), R(QKV_B), cur);
-    set_linear(m, &bp->o, d.QD, d.C, R(O_W), R(O_B), cur);
-    set_linear(m, &bp->fc, d.C, d.FCW, R(FC_W), R(FC_B), cur);
-    set_linear(m, &bp->proj, d.F, d.C, R(PROJ_W), R(PROJ_B), cur);
+#define R(role) ((role) < 0 ? -1 : fl_layout_role(&m->layout, g, (fl_param_role)(role)))
+    /* the graph's parameters: the norms' (in op order), then the linears' (weight: a fused (QKV, C) or
+     * (2F, C) matrix starts at its role's entry); 1-D ones take pstage slots in this order */
+    for (int i = 0; i < gr->n_ops; i++) {
+        const fl_gop *o = &gr->op[i];
+        if (o->kind != FL_GOP_NORM) continue;
+        bp->norm_w[o->p] = P1(m, R(o->role_w), cur); bp->d_norm_w[o->p] = G(m, loff(m, R(o->role_w)));
+        bp->norm_b[o->p] = P1(m, R(o->role_b), cur); bp->d_norm_b[o->p] = G(m, loff(m, R(o->role_b)));
+    }
+    for (int i = 0; i < gr->n_ops; i++) {
+        const fl_gop *o = &gr->op[i];
+        if (o->kind != FL_GOP_LINEAR) continue;
+        set_linear(m, &bp->lin[o->p], gr->slot[o->in].width, gr->slot[o->out].width, R(o->role_w), R(o->role_b), cur);
+        fl_lora_attach(m, l, o->p, &bp->lin[o->p]); /* LoRA kind = the linear's index (0 qkv, 1 o, 2 fc, 3 proj) */
+    }
 #undef R
-    fl_lora_attach(m, l, 0, &bp->qkv);
-    fl_lora_attach(m, l, 1, &bp->o);
-    fl_lora_attach(m, l, 2, &bp->fc);
-    fl_lora_attach(m, l, 3, &bp->proj);
 }
 
 void fl_norm_forward(const fl_model *m, float *out, float *mean, float *rstd, const float *x, const float *w,

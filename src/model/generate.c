@@ -1,7 +1,7 @@
 /* Generation: KV cache, prefill / decode forward, sampling, the token loop.
- * The block structure is the training forward's (transformer.c) with the
- * attention split in two: the prompt uses the causal attention op on itself,
- * a decode step attends one query to the cached keys (attention_decode). */
+ * The blocks run the training forward's block graph (graph.c) with the cache in
+ * the context: the prompt uses the causal attention op on itself, a decode step
+ * attends one query to the cached keys (attention_decode). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -9,32 +9,26 @@
 #include "fitllm/generate.h"
 #include "model-impl.h"
 
-/* ---- scratch for a forward over n rows ------------------------------------ */
+/* ---- scratch for a forward over n rows ------------------------------------
+ * The block graph's slots, sharing buffers by liveness (fl_block_rows_scratch: the blocks run in place,
+ * input and output in one buffer), then the final norm of the last row. */
 
 typedef struct {
-    float *x, *ln, *mean, *rstd, *qkv, *att, *lse, *mid, *fc, *act;
+    fl_block_graph g;
+    float *s[FL_GRAPH_MAX_SLOTS]; /* (n, width) views of the block's slots */
+    float *ln, *mean, *rstd;      /* (1, C), (1), (1): the final norm of the last row */
 } rows_scratch;
 
 static size_t al16(size_t n) { return (n + 15) / 16 * 16; } /* 64-byte aligned views */
 
-static size_t scratch_floats(const fl_dims *d, int n, rows_scratch *s, float *base) {
-    size_t N = (size_t)n, off = 0;
-#define TAKE(field, cnt)                        \
-    do {                                        \
-        if (s) s->field = base + off;           \
-        off += al16(cnt);                       \
-    } while (0)
-    TAKE(x, N * d->C);
-    TAKE(ln, N * d->C);
-    TAKE(mean, N);
-    TAKE(rstd, N);
-    TAKE(qkv, N * d->QKV);
-    TAKE(att, N * d->QD);
-    TAKE(lse, N * d->NH);
-    TAKE(mid, N * d->C);
-    TAKE(fc, N * d->FCW);
-    TAKE(act, N * d->F);
-#undef TAKE
+static size_t scratch_floats(const fl_block_graph *g, int C, int n, rows_scratch *w, float *base) {
+    size_t off = fl_block_rows_scratch(g, n, base, w ? w->s : NULL);
+    if (w) w->ln = base + off;
+    off += al16((size_t)C);
+    if (w) w->mean = base + off;
+    off += al16(1);
+    if (w) w->rstd = base + off;
+    off += al16(1);
     return off;
 }
 
@@ -125,7 +119,6 @@ static fl_status forward_rows_impl(fl_model *m, fl_kv_cache *kv, const rows_scra
                                    int pos0, float *logits) {
     const fl_backend *be = m->be;
     fl_dims d = fl_model_dims(&m->cfg);
-    const int llama = m->cfg.arch == FL_ARCH_LLAMA;
     fl_outer_params op;
     fl_get_outer(m, &op);
     const int32_t *dids = ids; /* host memory: the op reads the caller's ids */
@@ -133,42 +126,21 @@ static fl_status forward_rows_impl(fl_model *m, fl_kv_cache *kv, const rows_scra
         FL_TRY(be->to_device(be, kv->dids, ids, (size_t)n * sizeof *ids));
         dids = kv->dids;
     }
-    fl_embed_forward(m, &op, w->x, dids, ids, 1, n, pos0);
-    const size_t head_stride = (size_t)kv->max_T * d.HD;
+    float *x = w->s[FL_GSLOT_IN]; // (n, C): every block's input and output (fl_block_rows_scratch)
+    fl_embed_forward(m, &op, x, dids, ids, 1, n, pos0);
+    /* the block graph with the cache: attention appends K/V rows (after RoPE), then attends causally
+     * within the n rows (prefill, pos0 == 0) or, for one row, to the cached positions 0..pos0 (decode) */
+    fl_block_ctx c = {1, n, pos0, kv->rope_cos, kv->rope_sin, kv, 0};
     for (int l = 0; l < d.L; l++) {
         fl_block_params bp;
-        fl_get_block(m, l, &bp);
-        fl_norm_forward(m, w->ln, w->mean, w->rstd, w->x, bp.ln1_w, bp.ln1_b, n);
-        FL_TRY(fl_linear_forward(be, w->qkv, w->ln, &bp.qkv, n)); // (n, QKV)
-        if (llama) {
-            be->rope_forward(be, w->qkv, 1, n, d.NH, d.HD, d.QKV, kv->rope_cos, kv->rope_sin, pos0);
-            be->rope_forward(be, w->qkv + d.QD, 1, n, d.NKV, d.HD, d.QKV, kv->rope_cos, kv->rope_sin, pos0);
-        }
-        /* append K/V rows (after RoPE) to the cache: (NKV, max_T, HD) per layer */
-        float *kc = kv->k + fl_kv_cache_index(kv, l, 0, 0), *vc = kv->v + fl_kv_cache_index(kv, l, 0, 0);
-        for (int t = 0; t < n; t++) {
-            const float *row = w->qkv + (size_t)t * d.QKV;
-            for (int g = 0; g < d.NKV; g++) {
-                size_t dst = (size_t)g * head_stride + (size_t)(pos0 + t) * d.HD;
-                FL_TRY(be->copy(be, kc + dst, row + d.QD + (size_t)g * d.HD, (size_t)d.HD * sizeof(float)));
-                FL_TRY(be->copy(be, vc + dst, row + d.QD + d.KVD + (size_t)g * d.HD, (size_t)d.HD * sizeof(float)));
-            }
-        }
-        if (n == 1) be->attention_decode(be, w->att, w->qkv, kc, vc, pos0 + 1, d.NH, d.NKV, d.HD, head_stride);
-        else be->attention_forward(be, w->att, w->lse, w->qkv, 1, n, d.NH, d.NKV, d.HD);
-        FL_TRY(fl_linear_forward(be, w->mid, w->att, &bp.o, n)); // (n, C)
-        be->add(be, w->mid, w->mid, w->x, (size_t)n * d.C);
-        fl_norm_forward(m, w->ln, w->mean, w->rstd, w->mid, bp.ln2_w, bp.ln2_b, n);
-        FL_TRY(fl_linear_forward(be, w->fc, w->ln, &bp.fc, n)); // (n, FCW)
-        if (llama) be->swiglu_forward(be, w->act, w->fc, n, d.F);
-        else be->gelu_forward(be, w->act, w->fc, (size_t)n * d.F);
-        FL_TRY(fl_linear_forward(be, w->x, w->act, &bp.proj, n)); // (n, C)
-        be->add(be, w->x, w->x, w->mid, (size_t)n * d.C);
+        fl_get_block(m, &w->g, l, &bp);
+        c.layer = l;
+        FL_TRY(fl_block_forward(m, &w->g, &bp, w->s, &c));
     }
     kv->pos = pos0 + n;
     if (!logits) return FL_OK;
     /* final norm and head on the last row only */
-    const float *last = w->x + (size_t)(n - 1) * d.C;
+    const float *last = x + (size_t)(n - 1) * d.C;
     fl_norm_forward(m, w->ln, w->mean, w->rstd, last, op.lnf_w, op.lnf_b, 1);
     fl_linear head = {.in = d.C, .out = d.V, .w = op.head};
     fl_linear_set_weight(m, &head, op.head_idx);
@@ -195,9 +167,9 @@ static fl_status check_ids(const fl_model *m, const fl_kv_cache *kv, const int32
 
 fl_status fl_model_decode(fl_model *m, fl_kv_cache *kv, int32_t id, float *logits) {
     FL_TRY(check_ids(m, kv, &id, 1));
-    fl_dims d = fl_model_dims(&m->cfg);
     rows_scratch w;
-    scratch_floats(&d, 1, &w, kv->step);
+    FL_TRY(fl_block_graph_build(&m->cfg, &w.g));
+    scratch_floats(&w.g, m->cfg.dim, 1, &w, kv->step);
     return forward_rows(m, kv, &w, &id, 1, kv->pos, logits);
 }
 
@@ -207,12 +179,12 @@ fl_status fl_model_prefill(fl_model *m, fl_kv_cache *kv, const int32_t *ids, int
         for (int i = 0; i < n; i++) FL_TRY(fl_model_decode(m, kv, ids[i], i == n - 1 ? logits : NULL));
         return FL_OK;
     }
-    fl_dims d = fl_model_dims(&m->cfg);
-    float *base = NULL;
-    FL_TRY(fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, scratch_floats(&d, n, NULL, NULL) * sizeof(float),
-                        (void **)&base));
     rows_scratch w;
-    scratch_floats(&d, n, &w, base);
+    FL_TRY(fl_block_graph_build(&m->cfg, &w.g));
+    float *base = NULL;
+    FL_TRY(fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, scratch_floats(&w.g, m->cfg.dim, n, NULL, NULL) * sizeof(float),
+                        (void **)&base));
+    scratch_floats(&w.g, m->cfg.dim, n, &w, base);
     fl_status s = forward_rows(m, kv, &w, ids, n, 0, logits);
     fl_mem_free(m->pool, base);
     return s;
@@ -397,10 +369,12 @@ void fl_sizing_generate(const fl_model_config *cfg_in, int n_prompt, int max_T, 
     memset(out, 0, sizeof *out);
     if (fl_config_validate(&c) != FL_OK || max_T <= 0) return;
     fl_dims d = fl_model_dims(&c);
+    fl_block_graph g;
+    if (fl_block_graph_build(&c, &g) != FL_OK) return;
     out->kv_bytes = fl_kv_cache_bytes(&c, max_T);
     if (c.arch == FL_ARCH_LLAMA) out->rope_bytes = 2 * (size_t)max_T * (d.HD / 2) * sizeof(float);
-    out->step_bytes = scratch_floats(&d, 1, NULL, NULL) * sizeof(float);
+    out->step_bytes = scratch_floats(&g, d.C, 1, NULL, NULL) * sizeof(float);
     out->sampler_bytes = (size_t)c.vocab_size * (sizeof(float) + sizeof(int32_t));
     out->logits_bytes = (size_t)c.vocab_size * sizeof(float);
-    if (n_prompt > 1) out->prefill_bytes = scratch_floats(&d, n_prompt, NULL, NULL) * sizeof(float);
+    if (n_prompt > 1) out->prefill_bytes = scratch_floats(&g, d.C, n_prompt, NULL, NULL) * sizeof(float);
 }

@@ -5,34 +5,20 @@
 #include "fitllm/lora.h"
 #include "fitllm/model.h"
 
-/* Per-layer saved activations, all views into m->acts_arena. N = B*T rows. */
+/* Per-layer views of the block graph's slots (graph.h), into m->acts_arena. N = B*T rows. */
 typedef struct {
-    float *ln1;        /* (N, C) */
-    float *ln1_mean;   /* (N) LayerNorm only */
-    float *ln1_rstd;   /* (N) */
-    float *qkv;        /* (N, QKV) q,k after RoPE */
-    float *att;        /* (N, QD) attention output before o_proj */
-    float *lse;        /* (B, NH, T) */
-    float *res_mid;    /* (N, C) residual after the attention branch */
-    float *ln2;        /* (N, C) */
-    float *ln2_mean;   /* (N) */
-    float *ln2_rstd;   /* (N) */
-    float *fc;         /* (N, FCW) pre-activation (SwiGLU: [gate | up]) */
-    float *act;        /* (N, F) post-activation */
-    /* 16-bit activations (fl_act_opts.act_dtype != F32, no checkpointing): the wide views
-     * above then alias ONE shared fp32 layer buffer, and s16[k] holds this layer's copy of
-     * saved activation k (FL_SAVED_* order, fl_acts_saved) in act_dtype; else all NULL. */
-    uint16_t *s16[7];
+    float *s[16];      /* FL_GRAPH_MAX_SLOTS: each slot's (N, width) fp32 view; s[IN] = res[l], s[OUT] = res[l+1].
+                        * 16-bit saved activations: the WIDE slots alias ONE shared fp32 layer buffer */
+    void *s16[16];     /* 16-bit activations (fl_act_opts.act_dtype != F32, no checkpointing): this layer's copy of
+                        * each WIDE slot in act_dtype; else NULL */
 } fl_layer_acts;
-
-/* The (N, width) activations a block saves for backward, in s16 order. */
-enum { FL_SAVED_LN1, FL_SAVED_QKV, FL_SAVED_ATT, FL_SAVED_RES_MID, FL_SAVED_LN2, FL_SAVED_FC, FL_SAVED_ACT, FL_N_SAVED };
 
 struct fl_acts {
     int L;
     fl_dtype act_dtype;     /* storage of the saved activations (F32: in place, no conversion) */
     float **res;            /* L+1 views (N, C): res[l] = input of block l; res[L] = final residual */
     fl_layer_acts *layer;   /* L */
+    const struct fl_block_graph_s *graph; /* the block graph the views follow (m->acts owns it) */
     float *lnf;             /* (N, C) */
     float *lnf_mean;        /* (N) */
     float *lnf_rstd;        /* (N) */
@@ -179,14 +165,9 @@ fl_status fl_linear_forward(const fl_backend *be, float *y, const float *x, cons
 fl_status fl_linear_backward(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, const float *x,
                              const fl_linear *lin, int N);
 
-/* ---- parameter lookup (blocks.c), shared by transformer.c and generate.c ---- */
+#include "graph.h"
 
-/* Parameter and gradient pointers of one block. */
-typedef struct {
-    const float *ln1_w, *ln1_b, *ln2_w, *ln2_b;
-    float *d_ln1_w, *d_ln1_b, *d_ln2_w, *d_ln2_b;
-    fl_linear qkv, o, fc, proj;
-} fl_block_params;
+/* ---- parameter lookup (blocks.c), shared by transformer.c and generate.c ---- */
 
 /* Embeddings, final norm and head (head == wte when tied). */
 typedef struct {
@@ -197,7 +178,8 @@ typedef struct {
     size_t wte_off, wpe_off; /* storage offsets of the embeddings (wpe: -1 if none) */
 } fl_outer_params;
 
-void fl_get_block(const fl_model *m, int l, fl_block_params *bp);
+/* Block l's parameters, bound by the graph's NORM and LINEAR ops (roles of layout group l + 1). */
+void fl_get_block(const fl_model *m, const fl_block_graph *g, int l, fl_block_params *bp);
 /* Point lin at the stored weight of layout entry wi (fp32 w and its compute copy wc,
  * the 16-bit weight as wc, or the 4-bit parts q4); lin->out must be set. */
 void fl_linear_set_weight(const fl_model *m, fl_linear *lin, int wi);

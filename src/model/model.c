@@ -259,6 +259,7 @@ void fl_model_free_acts(fl_model *m) {
         fl_mem_free(m->pool, m->acts->targets);
         free(m->acts->res);
         free(m->acts->layer);
+        free((void *)m->acts->graph);
         free(m->acts);
         m->acts = NULL;
     }

@@ -1,8 +1,8 @@
-/* The decoder: explicit forward and backward of every block (llm.c style).
- * One implementation for LLaMA (RMSNorm, RoPE, SwiGLU, GQA) and GPT-2
- * (LayerNorm, learned positions, tanh-GELU, biases). Every op is a backend
- * call; activations live in the arena sized by fl_sizing_acts (fp32, or the
- * wide ones stored in 16 bits between forward and backward: fl_act_opts). */
+/* The decoder's training passes: embeddings, the blocks (each run from its block graph, graph.c:
+ * LLaMA's RMSNorm/RoPE/SwiGLU/GQA or GPT-2's LayerNorm/GELU/biases described once), the final norm
+ * and the chunked head + cross-entropy, forward and backward (llm.c style: every op a backend call).
+ * Activations live in the arena carved from the same graph (acts.c; fp32, or the wide ones stored
+ * in 16 bits between forward and backward: fl_act_opts). */
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -22,34 +22,21 @@ static void norm_backward(const fl_model *m, float *dx, float *dw, float *db, co
     else be->rmsnorm_backward(be, dx, dw, dout, x, w, rstd, N, m->cfg.dim);
 }
 
-/* One block forward: res[l] (N, C) -> res[l+1] (N, C), saving the block's
- * activations in la. Used by the forward pass and, with activation
- * checkpointing, again in backward (same ops, same order: bit-identical). */
-static fl_status block_forward(fl_model *m, int l, int B, int T, fl_layer_acts *la) {
-    const fl_backend *be = m->be;
-    fl_acts *a = m->acts;
-    fl_dims d = fl_model_dims(&m->cfg);
-    const int N = B * T;
+/* A training pass's context: B sequences of T rows from position 0, the arena's RoPE tables. */
+static fl_block_ctx train_ctx(const fl_model *m, int B, int T) {
+    fl_block_ctx x = {B, T, 0, m->acts->rope_cos, m->acts->rope_sin, NULL, 0};
+    return x;
+}
+
+/* One block forward: res[l] (N, C) -> res[l+1] (N, C), saving the block's activations in its
+ * slots (the block graph, graph.c). Used by the forward pass and, with activation checkpointing,
+ * again in backward (same ops, same order: bit-identical). */
+static fl_status block_forward(fl_model *m, int l, int B, int T) {
+    const fl_block_graph *g = m->acts->graph;
     fl_block_params bp;
-    fl_get_block(m, l, &bp);
-    const float *x = a->res[l]; // (N, C)
-    fl_norm_forward(m, la->ln1, la->ln1_mean, la->ln1_rstd, x, bp.ln1_w, bp.ln1_b, N);
-    FL_TRY(fl_linear_forward(be, la->qkv, la->ln1, &bp.qkv, N)); // (N, QKV)
-    if (m->cfg.arch == FL_ARCH_LLAMA) {
-        be->rope_forward(be, la->qkv, B, T, d.NH, d.HD, d.QKV, a->rope_cos, a->rope_sin, 0);
-        be->rope_forward(be, la->qkv + d.QD, B, T, d.NKV, d.HD, d.QKV, a->rope_cos, a->rope_sin, 0);
-    }
-    be->attention_forward(be, la->att, la->lse, la->qkv, B, T, d.NH, d.NKV, d.HD); // (N, QD)
-    FL_TRY(fl_linear_forward(be, la->res_mid, la->att, &bp.o, N));               // (N, C)
-    be->add(be, la->res_mid, la->res_mid, x, (size_t)N * d.C);
-    fl_norm_forward(m, la->ln2, la->ln2_mean, la->ln2_rstd, la->res_mid, bp.ln2_w, bp.ln2_b, N);
-    FL_TRY(fl_linear_forward(be, la->fc, la->ln2, &bp.fc, N)); // (N, FCW)
-    if (m->cfg.arch == FL_ARCH_LLAMA) be->swiglu_forward(be, la->act, la->fc, N, d.F);
-    else be->gelu_forward(be, la->act, la->fc, (size_t)N * d.F);
-    float *out = a->res[l + 1];
-    FL_TRY(fl_linear_forward(be, out, la->act, &bp.proj, N)); // (N, C)
-    be->add(be, out, out, la->res_mid, (size_t)N * d.C);
-    return FL_OK;
+    fl_get_block(m, g, l, &bp);
+    fl_block_ctx x = train_ctx(m, B, T);
+    return fl_block_forward(m, g, &bp, m->acts->layer[l].s, &x);
 }
 
 /* Sharded parameters (m->pp, FSDP FULL_SHARD: see fl_param_provider): group g is gathered right
@@ -101,7 +88,7 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
      * region (the forward itself computes in fp32 either way: same loss). */
     for (int l = 0; l < d.L; l++) {
         PP_GATHER(l + 1, l + 2 <= d.L ? l + 2 : HG);
-        FL_TRY(block_forward(m, l, B, T, &a->layer[l]));
+        FL_TRY(block_forward(m, l, B, T));
         if (grad_scale > 0) FL_TRY(fl_acts_narrow(m, l, N));
         PP_RELEASE(l + 1);
     }
@@ -219,8 +206,8 @@ static fl_status model_backward(fl_model *m) {
     fl_outer_params op;
     fl_get_outer(m, &op);
     float *dres = a->dres;   // (N, C)
-    float *buf1 = a->buf1;   // (N, max(C, QD, F))
-    float *buf2 = a->buf2;   // (N, max(QKV, FCW))
+    float *buf1 = a->buf1;   // (N, max(C, graph's gbuf_width[1])): d(lnf), then the blocks' off-path gradients
+    float *buf2 = a->buf2;   // (N, graph's gbuf_width[2])
     be->zero(be, dres, (size_t)N * d.C * sizeof(float));
     /* the final norm's parameters open the head group (16-bit storage: staged) */
     const size_t n_lnf = (size_t)(m->cfg.arch == FL_ARCH_GPT2 ? 2 : 1) * d.C, head_group = m->layout.group_offset[d.L + 1];
@@ -237,33 +224,19 @@ static fl_status model_backward(fl_model *m) {
     for (int l = d.L - 1; l >= 0; l--) {
         PP_GATHER(l + 1, l >= 1 ? l : -1); /* the embeddings' weights are not read in backward */
         PP_GRADS(l + 1);
-        fl_block_params bp;
-        fl_get_block(m, l, &bp);
-        fl_layer_acts *la = &a->layer[l];
         const size_t gn = fl_group_numel(m, l + 1);
         fl_grad_stage_begin(m, gn);
         /* checkpointing: rebuild this block's activations from its saved input
          * (it also rewrites res[l+1] with identical values; backward no longer needs it) */
-        if (m->act_ckpt) FL_TRY(block_forward(m, l, B, T, la));
+        if (m->act_ckpt) FL_TRY(block_forward(m, l, B, T));
         /* 16-bit saved activations: widen this block's back into the shared fp32 buffer */
         FL_TRY(fl_acts_widen(m, l, N));
-        /* MLP branch: res[l+1] = res_mid + proj(act(fc(norm2(res_mid)))) */
-        FL_TRY(fl_linear_backward(be, buf1, 0, dres, la->act, &bp.proj, N)); // d act (N, F)
-        be->zero(be, buf2, (size_t)N * d.FCW * sizeof(float));
-        if (m->cfg.arch == FL_ARCH_LLAMA) be->swiglu_backward(be, buf2, buf1, la->fc, N, d.F);
-        else be->gelu_backward(be, buf2, buf1, la->fc, (size_t)N * d.F); // d fc (N, FCW)
-        FL_TRY(fl_linear_backward(be, buf1, 0, buf2, la->ln2, &bp.fc, N)); // d ln2 (N, C)
-        norm_backward(m, dres, bp.d_ln2_w, bp.d_ln2_b, buf1, la->res_mid, bp.ln2_w, la->ln2_mean, la->ln2_rstd, N);
-        /* attention branch: res_mid = res[l] + o(attn(rope(qkv(norm1(res[l]))))) */
-        FL_TRY(fl_linear_backward(be, buf1, 0, dres, la->att, &bp.o, N)); // d att (N, QD)
-        be->zero(be, buf2, (size_t)N * d.QKV * sizeof(float));
-        be->attention_backward(be, buf2, buf1, la->qkv, la->att, la->lse, B, T, d.NH, d.NKV, d.HD); // d qkv
-        if (m->cfg.arch == FL_ARCH_LLAMA) {
-            be->rope_backward(be, buf2, B, T, d.NH, d.HD, d.QKV, a->rope_cos, a->rope_sin, 0);
-            be->rope_backward(be, buf2 + d.QD, B, T, d.NKV, d.HD, d.QKV, a->rope_cos, a->rope_sin, 0);
-        }
-        FL_TRY(fl_linear_backward(be, buf1, 0, buf2, la->ln1, &bp.qkv, N)); // d ln1 (N, C)
-        norm_backward(m, dres, bp.d_ln1_w, bp.d_ln1_b, buf1, a->res[l], bp.ln1_w, la->ln1_mean, la->ln1_rstd, N);
+        /* the block's ops in reverse (graph.c): d res[l+1] in dres becomes d res[l] */
+        fl_block_params bp;
+        fl_get_block(m, a->graph, l, &bp);
+        fl_block_ctx x = train_ctx(m, B, T);
+        float *const gb[FL_N_GBUF] = {dres, buf1, buf2};
+        FL_TRY(fl_block_backward(m, a->graph, &bp, a->layer[l].s, gb, &x));
         FL_TRY(fl_grad_stage_flush(m, m->layout.group_offset[l + 1], gn));
         PP_RELEASE(l + 1);
         PP_READY(l + 1);
