@@ -282,6 +282,12 @@ typedef struct {
     fl_param_provider *pp;  /* sharded parameters (FSDP FULL_SHARD), see fl_param_provider; NULL: whole */
 } fl_model;
 
+/* The storage of the flat layout, whichever dtype holds it (m->store_dtype: fp32 `params`/`grads`, or 16-bit
+ * `p16`/`g16`; device memory on a device backend): code outside the model reaches the stores through these
+ * rather than branching on which field is set. NULL: none (grads: nothing trains, or LoRA's own). */
+static inline void *fl_model_params_data(const fl_model *m) { return m->params ? (void *)m->params : (void *)m->p16; }
+static inline void *fl_model_grads_data(const fl_model *m) { return m->grads ? (void *)m->grads : (void *)m->g16; }
+
 /* Create an empty model for cfg (validates cfg, builds the layout, allocates
  * PARAMS, uninitialized). */
 fl_status fl_model_init(fl_model *m, const fl_model_config *cfg, const fl_backend *be, fl_mem_pool *pool);

@@ -510,7 +510,7 @@ static fl_status fl_hf_save_folder(const char *dir, const fl_model *m, const fl_
 }
 
 fl_status fl_hf_save_model(const fl_model *m, const char *dir) {
-    if (!m || (!m->params && !m->p16) || !dir || !dir[0]) return fl_errorf(FL_ERR_INVALID, "fl_hf_save_model: no model or folder");
+    if (!m || !fl_model_params_data(m) || !dir || !dir[0]) return fl_errorf(FL_ERR_INVALID, "fl_hf_save_model: no model or folder");
     return fl_hf_save_folder(dir, m, NULL, NULL, NULL);
 }
 

@@ -233,7 +233,7 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     fl_model_free_acts(m);
     m->act_dtype = m->prec.name ? m->prec.act_dtype : FL_F32; /* zeroed policy = 32-true */
     /* bf16 weight-gradient GEMMs when the matmuls compute in bf16 and the weights train */
-    int dw_bf16 = m->prec.name && m->prec.compute_dtype == FL_BF16 && (m->grads || m->g16);
+    int dw_bf16 = m->prec.name && m->prec.compute_dtype == FL_BF16 && fl_model_grads_data(m) != NULL;
     fl_dtype head_widen = fl_head_widen_dtype(m->prec.name ? m->prec.compute_dtype : FL_F32, m->be->gemm_widens16);
     size_t bes = fl_model_backend_scratch(m->prec.name ? m->prec.compute_dtype : FL_F32, m->q4 != NULL,
                                           m->be->scratch_bytes);

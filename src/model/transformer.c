@@ -57,7 +57,7 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
                                          "(fl_model_lora_merge); save the model and reload it to run it");
     if (B * T > m->B * m->T || T > m->T)
         return fl_errorf(FL_ERR_INVALID, "fl_model_forward: batch (%d,%d) exceeds the arena's (%d,%d)", B, T, m->B, m->T);
-    if (grad_scale > 0 && (!targets || (!m->grads && !m->g16 && !m->lora)))
+    if (grad_scale > 0 && (!targets || (!fl_model_grads_data(m) && !m->lora)))
         return fl_errorf(FL_ERR_INVALID, "fl_model_forward: training forward needs targets and gradient buffers");
     fl_dims d = fl_model_dims(&m->cfg);
     const int N = B * T;

@@ -120,7 +120,7 @@ static fl_status post(struct fl_fsdp *f, int g) {
         }
     }
     if (is_block(f, g)) f->live_blocks++;
-    const char *shard = (const char *)(m->params ? (void *)m->params : (void *)m->p16);
+    const char *shard = (const char *)fl_model_params_data(m);
     return fl_error_prefix(fl_comm_iall_gather(f->sc, shard + f->loc[g] * f->es, f->pbuf[g], f->n[g], f->word,
                                                &f->req[g]),
                            "FSDP: gathering unit %d (%zu elements)", g, f->n[g]);
@@ -165,7 +165,7 @@ static fl_status pp_grads_ready(void *ud, int g) {
     fl_model *m = f->m;
     if (!f->views[g].g) return fl_errorf(FL_ERR_INTERNAL, "FSDP: unit %d has no gradient to reduce", g);
     fl_dtype gt = m->store_dtype;
-    char *dst = (char *)(m->grads ? (void *)m->grads : (void *)m->g16) + f->loc[g] * f->es;
+    char *dst = (char *)fl_model_grads_data(m) + f->loc[g] * f->es;
     size_t len = f->clen[g];
     fl_status s;
     /* HYBRID: the node's sum of the piece, then the nodes' (all-reduce over the replica group, in place) */
@@ -345,7 +345,7 @@ fl_status fl_fsdp_whole_params(fl_dp *dp, void **out, size_t *bytes) {
     fl_model *m = f->m;
     *bytes = m->layout.numel * f->es;
     *out = malloc(*bytes + 4);
-    fl_status s = gather_whole(dp, m->params ? (void *)m->params : (void *)m->p16, f->es, *out, 0);
+    fl_status s = gather_whole(dp, fl_model_params_data(m), f->es, *out, 0);
     if (s != FL_OK) {
         free(*out);
         *out = NULL;
@@ -399,7 +399,7 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
     const int lead = dp->rank == 0, L = lay->n, other_node = f->rc && fl_comm_rank(f->rc) != 0;
     /* the arrays, in the order the writer reads them: the parameters, then the optimizer's state */
     const size_t ses = o ? state_es(o) : 4;
-    const void *arr[4] = {m->params ? (const void *)m->params : (const void *)m->p16, o ? o->m : NULL,
+    const void *arr[4] = {fl_model_params_data(m), o ? o->m : NULL,
                           o ? o->v : NULL, o ? o->buf : NULL};
     const size_t aes[4] = {f->es, ses, ses, ses};
     size_t cap = 0;

@@ -65,8 +65,8 @@ static fl_status trainable(fl_optimizer *o, fl_model *model) {
             o->t_n[2 * j + 1] = (size_t)st->mods[j].out * st->cfg.r;
         }
     } else {
-        o->p = model->params ? (void *)model->params : (void *)model->p16;
-        o->g = model->grads ? (void *)model->grads : (void *)model->g16;
+        o->p = fl_model_params_data(model);
+        o->g = fl_model_grads_data(model);
         o->pt = o->gt = model->store_dtype;
         o->n = model->layout.numel;
         for (int i = 0; i < n; i++) {
@@ -539,8 +539,8 @@ static fl_status grad_sumsq(const fl_optimizer *o, double *out) {
 double fl_grad_norm(const fl_model *m) {
     size_t n = m->pp ? m->pp->numel : m->layout.numel; /* sharded: this rank's shard only */
     if (m->lora) return sqrt(m->be->sumsq(m->be, m->lora->grads, m->lora->numel));
-    if (m->g16) return sqrt(m->be->sumsq_ex(m->be, m->g16, m->store_dtype, n));
-    return sqrt(m->be->sumsq(m->be, m->grads, n));
+    if (m->store_dtype != FL_F32) return sqrt(m->be->sumsq_ex(m->be, fl_model_grads_data(m), m->store_dtype, n));
+    return sqrt(m->be->sumsq(m->be, fl_model_grads_data(m), n));
 }
 
 fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_out) {
