@@ -60,6 +60,44 @@ typedef struct {
  * Errors name the offending key. */
 fl_status fl_config_validate(fl_model_config *cfg);
 
+/* ---- architectures --------------------------------------------------------
+ * Everything the engine knows about one architecture, in one descriptor per fl_arch, defined
+ * with its config rules, its HF-named layout and its LoRA modules in src/model/arch_<name>.c.
+ * The block graph (src/model/graph.c) reads the feature flags; the rest of the engine reads the
+ * descriptor instead of comparing fl_arch values. */
+typedef struct fl_layout_builder fl_layout_builder;
+typedef struct {
+    const char *target;   /* PEFT target module name ("q_proj", "c_attn") */
+    const char *fmt;      /* the module's HF name for block %d */
+    int row0, rows;       /* its rows of the fused output (q|k|v, gate|up), and the fused output's rows */
+} fl_arch_lora_module;
+#define FL_ARCH_MAX_LORA_MODULES 8
+typedef struct {
+    const char *name;          /* "llama", "gpt2": JSON and bench output */
+    const char *display;       /* "LLaMA", "GPT-2": messages */
+    int layernorm;             /* LayerNorm (mean, rstd, bias) instead of RMSNorm */
+    int rope;                  /* rotary positions (else a learned position table, role POS_EMBED) */
+    int glu;                   /* gated MLP: the fused (2F, C) gate|up matrix and SwiGLU (else GELU) */
+    int conv1d;                /* HF stores the linears as Conv1D (in, out): transposed on load and save,
+                                * PEFT's fan_in_fan_out */
+    int scaled_proj_init;      /* random init: the residual projections (O_W, PROJ_W) at std / sqrt(2 L) */
+    int ffn_mult;              /* ffn_dim = ffn_mult x dim when the config gives none (0: required) */
+    const char *hf_prefix;     /* an optional leading prefix of the HF tensor names ("transformer."), or NULL */
+    const char *hf_block;      /* the HF names' block prefix, after hf_prefix ("model.layers.", "h.") */
+    const char *hf_embed;      /* the token embedding's HF name, after hf_prefix */
+    const char *hf_layers_key; /* config.json's layer count key ("num_hidden_layers", "n_layer"): messages */
+    const char *const *lora_targets; /* the valid PEFT target names, NULL-terminated (lm_head included) */
+    const char *lora_default;  /* the default target list of `fitllm bench --lora` ("q_proj,v_proj") */
+    /* the architecture's own config rules, after the generic ones (forced fields, extra checks) */
+    fl_status (*check)(fl_model_config *c);
+    /* the HF-named flat layout: fl_layout_add / fl_layout_group (src/model/layout.c); nonzero on OOM */
+    int (*layout)(fl_layout_builder *b, const fl_model_config *c);
+    /* the block LoRA modules (lm_head excluded), in the order adapters are laid out; returns the count */
+    int (*lora_modules)(const fl_model_config *c, fl_arch_lora_module out[FL_ARCH_MAX_LORA_MODULES]);
+} fl_arch_info;
+/* The descriptor of a (valid) architecture; NULL for a value outside fl_arch. */
+const fl_arch_info *fl_arch_get(fl_arch a);
+
 /* ---- parameter layout ---------------------------------------------------- */
 
 #define FL_PARAM_NAME_MAX 96
@@ -100,6 +138,12 @@ typedef struct {
 
 /* Build the layout for a config (malloc'd bookkeeping, not model memory). */
 fl_status fl_layout_build(fl_param_layout *lay, const fl_model_config *cfg);
+/* For an architecture's layout function: start layout group g (0 embeddings, 1..L blocks, L+1 final
+ * norm and head) at the current offset; add the next entry (HF name from fmt; d1 0: 1-D; transposed:
+ * stored (d1, d0) on disk). fl_layout_add returns nonzero when out of memory. */
+void fl_layout_group(fl_layout_builder *b, int g);
+int fl_layout_add(fl_layout_builder *b, fl_param_role role, int64_t d0, int64_t d1, int transposed, const char *fmt,
+                  ...) __attribute__((format(printf, 6, 7)));
 void fl_layout_free(fl_param_layout *lay);
 /* Index of an entry by HF name, or -1. Accepts GPT-2 names without the
  * "transformer." prefix too. */

@@ -135,7 +135,7 @@ int fl_cmd_bench_step(int argc, char **argv) {
     if (lora_r) {
         fl_lora_config lc;
         if ((s = fl_lora_config_init(&lc, &m.cfg, lora_r, 2.0f * lora_r, 0.0f, 0,
-                                     m.cfg.arch == FL_ARCH_GPT2 ? "c_attn" : "q_proj,v_proj")) != FL_OK)
+                                     fl_arch_get(m.cfg.arch)->lora_default)) != FL_OK)
             goto fail;
         if ((s = fl_model_lora_init(&m, &lc, (uint64_t)seed)) != FL_OK) goto fail;
     } else if ((s = fl_model_alloc_grads(&m)) != FL_OK) {
@@ -165,7 +165,7 @@ int fl_cmd_bench_step(int argc, char **argv) {
 
     const fl_model_config *c = &m.cfg;
     printf("bench-step: %s (%s, %zu params, L=%d C=%d NH=%d NKV=%d F=%d V=%d), B=%d T=%d, %s, %s%s%s, %d threads, gemm=%s\n",
-           model_path, c->arch == FL_ARCH_LLAMA ? "llama" : "gpt2", m.layout.numel, c->n_layers, c->dim, c->n_heads,
+           model_path, fl_arch_get(c->arch)->name, m.layout.numel, c->n_layers, c->dim, c->n_heads,
            c->n_kv_heads, c->ffn_dim, c->vocab_size, B, T, prec.name, fl_optim_name(okind), act_ckpt ? ", act-ckpt" : "", lora_r ? ", LoRA q,v" : "",
            be.n_threads, be.gemm_name);
     fl_step_result res;

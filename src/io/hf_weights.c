@@ -268,7 +268,7 @@ fl_status fl_hf_load_weights(fl_model *m, const char *dir) {
     if (!seen) { fl_hf_shards_free(&sh); return fl_errorf(FL_ERR_OOM, "%s: out of memory", dir); }
     float *q4stage = NULL;
     s = fl_model_q4_staging(m, &q4stage);
-    int wte = fl_layout_find(lay, m->cfg.arch == FL_ARCH_GPT2 ? "transformer.wte.weight" : "model.embed_tokens.weight");
+    int wte = fl_layout_role(lay, 0, FL_ROLE_EMBED);
     for (int fi = 0; fi < sh.n_files && s == FL_OK; fi++) {
         const fl_st_file *f = &sh.files[fi];
         for (int ti = 0; ti < f->n_tensors && s == FL_OK; ti++) {
@@ -284,7 +284,7 @@ fl_status fl_hf_load_weights(fl_model *m, const char *dir) {
                     continue; /* tied: the embedding is the head */
                 }
                 s = fl_errorf(FL_ERR_FORMAT, "%s: unexpected tensor '%s' (not a parameter of this %s model per config.json)",
-                              f->path, t->name, m->cfg.arch == FL_ARCH_GPT2 ? "GPT-2" : "LLaMA");
+                              f->path, t->name, fl_arch_get(m->cfg.arch)->display);
                 break;
             }
             if (seen[k]) {
@@ -312,15 +312,15 @@ static fl_status fl_hf_check_config_vs_files(const char *dir, const char *cfg_pa
     fl_hf_shards sh;
     fl_status s = fl_hf_open_shards(dir, &sh);
     if (s != FL_OK) { fl_hf_shards_free(&sh); return s; }
-    const int gpt2 = c->arch == FL_ARCH_GPT2;
-    const char *pre = gpt2 ? "h." : "model.layers.", *emb = gpt2 ? "wte.weight" : "model.embed_tokens.weight";
+    const fl_arch_info *ai = fl_arch_get(c->arch);
+    const char *pre = ai->hf_block, *emb = ai->hf_embed, *opt = ai->hf_prefix; /* names after the optional prefix */
     long max_layer = -1;
     const fl_st_tensor *e = NULL;
     for (int fi = 0; fi < sh.n_files; fi++)
         for (int ti = 0; ti < sh.files[fi].n_tensors; ti++) {
             const fl_st_tensor *t = &sh.files[fi].tensors[ti];
             const char *nm = t->name;
-            if (gpt2 && !strncmp(nm, "transformer.", 12)) nm += 12; /* both GPT-2 spellings */
+            if (opt && !strncmp(nm, opt, strlen(opt))) nm += strlen(opt); /* both spellings (GPT-2: with and without) */
             if (!strcmp(nm, emb)) e = t;
             if (strncmp(nm, pre, strlen(pre))) continue;
             char *end;
@@ -329,7 +329,7 @@ static fl_status fl_hf_check_config_vs_files(const char *dir, const char *cfg_pa
         }
     if (max_layer >= 0 && max_layer + 1 != c->n_layers)
         s = fl_errorf(FL_ERR_FORMAT, "%s: says %d layers (%s) but the weights in %s hold %ld (%s0 .. %s%ld)", cfg_path,
-                      c->n_layers, gpt2 ? "n_layer" : "num_hidden_layers", dir, max_layer + 1, pre, pre, max_layer);
+                      c->n_layers, ai->hf_layers_key, dir, max_layer + 1, pre, pre, max_layer);
     else if (e && (e->ndim != 2 || e->shape[0] != c->vocab_size || e->shape[1] != c->dim))
         s = fl_errorf(FL_ERR_FORMAT, "%s: vocab_size %d x hidden size %d does not match the embedding '%s' of shape "
                       "[%lld, %lld] in %s", cfg_path, c->vocab_size, c->dim, e->name, (long long)e->shape[0],

@@ -7,11 +7,10 @@
 
 #include "fitllm/lora.h"
 
-static const char *const llama_targets[] = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                            "up_proj", "down_proj", "lm_head", NULL};
-static const char *const gpt2_targets[] = {"c_attn", "c_proj", "c_fc", "lm_head", NULL};
-
-const char *const *fl_lora_valid_targets(fl_arch arch) { return arch == FL_ARCH_GPT2 ? gpt2_targets : llama_targets; }
+const char *const *fl_lora_valid_targets(fl_arch arch) {
+    const fl_arch_info *ai = fl_arch_get(arch);
+    return ai ? ai->lora_targets : NULL;
+}
 
 float fl_lora_scaling(const fl_lora_config *c) {
     double s = c->use_rslora ? (double)c->alpha / sqrt((double)c->r) : (double)c->alpha / (double)c->r;
@@ -45,7 +44,7 @@ fl_status fl_lora_config_validate(const fl_lora_config *c, const fl_model_config
     for (int i = 0; i < c->n_targets; i++) {
         if (!is_valid(mc->arch, c->targets[i]))
             return fl_errorf(FL_ERR_INVALID, "lora target_modules: unknown module '%s' for %s (valid: %s)",
-                             c->targets[i], mc->arch == FL_ARCH_GPT2 ? "GPT-2" : "LLaMA", valid);
+                             c->targets[i], fl_arch_get(mc->arch)->display, valid);
         if (strcmp(c->targets[i], "lm_head") == 0 && mc->tie_embeddings)
             return fl_errorf(FL_ERR_INVALID,
                              "lora target_modules: lm_head is tied to the input embeddings in this model "
@@ -109,36 +108,19 @@ fl_status fl_lora_modules(const fl_lora_config *c, const fl_param_layout *lay, c
     FL_TRY(fl_lora_config_validate(c, mc));
     *mods = NULL;
     *n_mods = 0;
-    const int C = mc->dim, QD = mc->n_heads * mc->head_dim, KVD = mc->n_kv_heads * mc->head_dim, F = mc->ffn_dim;
-    const int QKV = QD + 2 * KVD;
-    int cap = mc->n_layers * 7 + 1, n = 0;
+    fl_arch_lora_module tab[FL_ARCH_MAX_LORA_MODULES];
+    const int nt = fl_arch_get(mc->arch)->lora_modules(mc, tab); /* the architecture's block modules */
+    int cap = mc->n_layers * nt + 1, n = 0;
     fl_lora_module *m = calloc((size_t)cap, sizeof *m);
     if (!m) return fl_errorf(FL_ERR_OOM, "lora: module list");
-    struct { const char *target, *fmt; int row0, rows; } tab_llama[] = {
-        {"q_proj", "model.layers.%d.self_attn.q_proj", 0, QKV},
-        {"k_proj", "model.layers.%d.self_attn.k_proj", QD, QKV},
-        {"v_proj", "model.layers.%d.self_attn.v_proj", QD + KVD, QKV},
-        {"o_proj", "model.layers.%d.self_attn.o_proj", 0, C},
-        {"gate_proj", "model.layers.%d.mlp.gate_proj", 0, 2 * F},
-        {"up_proj", "model.layers.%d.mlp.up_proj", F, 2 * F},
-        {"down_proj", "model.layers.%d.mlp.down_proj", 0, C},
-    }, tab_gpt2[] = {
-        {"c_attn", "transformer.h.%d.attn.c_attn", 0, 3 * C},
-        {"c_proj", "transformer.h.%d.attn.c_proj", 0, C},
-        {"c_fc", "transformer.h.%d.mlp.c_fc", 0, F},
-        {"c_proj", "transformer.h.%d.mlp.c_proj", 0, C},
-    };
-    const int gpt2 = mc->arch == FL_ARCH_GPT2;
-    const int nt = gpt2 ? 4 : 7;
     for (int l = 0; l < mc->n_layers; l++)
         for (int t = 0; t < nt; t++) {
-            const char *target = gpt2 ? tab_gpt2[t].target : tab_llama[t].target;
-            if (!has_target(c, target)) continue;
+            if (!has_target(c, tab[t].target)) continue;
             fl_lora_module *e = &m[n];
-            snprintf(e->name, sizeof e->name, gpt2 ? tab_gpt2[t].fmt : tab_llama[t].fmt, l);
+            snprintf(e->name, sizeof e->name, tab[t].fmt, l);
             e->layer = l;
-            e->fused_row0 = gpt2 ? tab_gpt2[t].row0 : tab_llama[t].row0;
-            e->fused_rows = gpt2 ? tab_gpt2[t].rows : tab_llama[t].rows;
+            e->fused_row0 = tab[t].row0;
+            e->fused_rows = tab[t].rows;
             n++;
         }
     if (has_target(c, "lm_head")) {

@@ -49,7 +49,7 @@ static size_t carve_acts(const fl_model_config *c, const fl_block_graph *g, int 
                          char *base, fl_acts *a, size_t *saved) {
     fl_dims d = fl_model_dims(c);
     size_t N = (size_t)B * T;
-    int ln = c->arch == FL_ARCH_GPT2; /* LayerNorm keeps the mean too */
+    int ln = fl_arch_get(c->arch)->layernorm; /* LayerNorm keeps the mean too */
     int a16 = !ckpt && adt != FL_F32;
     carver cv = {base, 0, 1, 0};
     /* what backward reads: the residual stream (block inputs, res[L] for the final norm) ... */
@@ -144,7 +144,7 @@ static size_t carve_work(const fl_model_config *c, const fl_block_graph *g, int 
     float *logits = carve(&cv, (size_t)logits_chunk_rows(c, (int)N) * d.V);
     float *losses = carve(&cv, N);
     float *ids = carve(&cv, N); /* int32 ids stored in float-sized slots */
-    size_t half = c->arch == FL_ARCH_LLAMA ? (size_t)T * (d.HD / 2) : 0;
+    size_t half = fl_arch_get(c->arch)->rope ? (size_t)T * (d.HD / 2) : 0;
     float *rc = carve(&cv, half), *rs = carve(&cv, half);
     /* bf16 dW scratch: the widest linear input and output (the head's: (N, C) and a logits chunk) */
     void *xb16 = dw_bf16 ? carve_bytes(&cv, N * imax(d.C, (size_t)g->lin_in_max) * sizeof(uint16_t)) : NULL;
@@ -255,7 +255,7 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     if (s != FL_OK) { fl_model_free_acts(m); return fl_error_prefix(s, "allocating activations for B=%d T=%d", B, T); }
     carve_acts(&m->cfg, g, B, T, m->act_ckpt, m->act_dtype, (char *)m->acts_arena, a, NULL);
     carve_work(&m->cfg, g, B, T, dw_bf16, head_widen, bes, (char *)m->work_arena, a, NULL, NULL);
-    if (m->cfg.arch == FL_ARCH_LLAMA)
+    if (fl_arch_get(m->cfg.arch)->rope)
         s = m->be->rope_tables(m->be, a->rope_cos, a->rope_sin, T, m->cfg.head_dim, m->cfg.rope_theta,
                                &m->cfg.rope_scaling);
     if (s != FL_OK) { fl_model_free_acts(m); return fl_error_prefix(s, "the RoPE tables"); }

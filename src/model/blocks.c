@@ -150,12 +150,20 @@ void fl_get_block(const fl_model *m, const fl_block_graph *gr, int l, fl_block_p
 void fl_norm_forward(const fl_model *m, float *out, float *mean, float *rstd, const float *x, const float *w,
                      const float *b, int N) {
     const fl_backend *be = m->be;
-    if (m->cfg.arch == FL_ARCH_GPT2) be->layernorm_forward(be, out, mean, rstd, x, w, b, N, m->cfg.dim, m->cfg.norm_eps);
+    if (fl_arch_get(m->cfg.arch)->layernorm) be->layernorm_forward(be, out, mean, rstd, x, w, b, N, m->cfg.dim, m->cfg.norm_eps);
     else be->rmsnorm_forward(be, out, rstd, x, w, N, m->cfg.dim, m->cfg.norm_eps);
 }
 
+size_t fl_outer_1d(const fl_model *m) {
+    const fl_param_layout *lay = &m->layout;
+    size_t n = 0;
+    for (int i = lay->n - 1; i >= 0 && lay->params[i].group == lay->n_groups - 1; i--) /* the last group's entries */
+        if (lay->params[i].ndim == 1) n += lay->params[i].numel;
+    return n;
+}
+
 size_t fl_pstage_block_start(const fl_model *m) {
-    return (size_t)(m->cfg.arch == FL_ARCH_GPT2 ? 3 : 2) * m->cfg.dim; /* outer 1-D, then one embedding row */
+    return fl_outer_1d(m) + (size_t)m->cfg.dim; /* outer 1-D, then one embedding row */
 }
 
 void fl_get_outer(const fl_model *m, fl_outer_params *o) {

@@ -56,7 +56,7 @@ fl_status fl_kv_cache_init(fl_kv_cache *kv, const fl_model *m, int max_T) {
     if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_ACTS, half, (void **)&kv->v);
     fl_gen_sizes gs;
     fl_sizing_generate(c, 1, max_T, &gs);
-    if (s == FL_OK && c->arch == FL_ARCH_LLAMA) {
+    if (s == FL_OK && fl_arch_get(c->arch)->rope) {
         size_t tb = gs.rope_bytes / 2;
         s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, tb, (void **)&kv->rope_cos);
         if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, tb, (void **)&kv->rope_sin);
@@ -372,7 +372,7 @@ void fl_sizing_generate(const fl_model_config *cfg_in, int n_prompt, int max_T, 
     fl_block_graph g;
     if (fl_block_graph_build(&c, &g) != FL_OK) return;
     out->kv_bytes = fl_kv_cache_bytes(&c, max_T);
-    if (c.arch == FL_ARCH_LLAMA) out->rope_bytes = 2 * (size_t)max_T * (d.HD / 2) * sizeof(float);
+    if (fl_arch_get(c.arch)->rope) out->rope_bytes = 2 * (size_t)max_T * (d.HD / 2) * sizeof(float);
     out->step_bytes = scratch_floats(&g, d.C, 1, NULL, NULL) * sizeof(float);
     out->sampler_bytes = (size_t)c.vocab_size * (sizeof(float) + sizeof(int32_t));
     out->logits_bytes = (size_t)c.vocab_size * sizeof(float);

@@ -30,13 +30,15 @@ static void op(fl_block_graph *g, fl_gop_kind kind, int in, int out, int a1, int
     o->role_b = (int8_t)role_b;
 }
 
-/* The pre-norm decoder block (LLaMA: RMSNorm, RoPE, SwiGLU, GQA; GPT-2: LayerNorm, GELU, biases):
+/* The pre-norm decoder block, by the architecture's flags (fl_arch_info: LLaMA's RMSNorm, RoPE, SwiGLU,
+ * GQA; GPT-2's LayerNorm, GELU, biases):
  *   x -> norm1 -> qkv -> [rope] -> attention -> o -> (+ x) = res_mid
  *     -> norm2 -> fc -> swiglu | gelu -> proj -> (+ res_mid) = out
  * The slots are declared in the order the ops produce them: that order is the arena's layout. */
 static void decoder_block(const fl_model_config *c, fl_block_graph *g) {
     fl_dims d = fl_model_dims(c);
-    const int ln = c->arch == FL_ARCH_GPT2;
+    const fl_arch_info *ai = fl_arch_get(c->arch);
+    const int ln = ai->layernorm;
     g->layernorm = ln;
     const int X = slot(g, "x", d.C, FL_GSLOT_STREAM, 1), OUT = slot(g, "out", d.C, FL_GSLOT_STREAM, 1);
     const int ln1 = slot(g, "ln1", d.C, FL_GSLOT_WIDE, 0);
@@ -49,13 +51,13 @@ static void decoder_block(const fl_model_config *c, fl_block_graph *g) {
     const int fc = slot(g, "fc", d.FCW, FL_GSLOT_WIDE, 0), act = slot(g, "act", d.F, FL_GSLOT_WIDE, 0);
     op(g, FL_GOP_NORM, X, ln1, ln1m, ln1r, 0, FL_ROLE_LN1_W, FL_ROLE_LN1_B);
     op(g, FL_GOP_LINEAR, ln1, qkv, -1, -1, 0, FL_ROLE_QKV_W, FL_ROLE_QKV_B); /* fused (QKV, C) */
-    if (c->arch == FL_ARCH_LLAMA) op(g, FL_GOP_ROPE, qkv, qkv, -1, -1, -1, -1, -1);
+    if (ai->rope) op(g, FL_GOP_ROPE, qkv, qkv, -1, -1, -1, -1, -1);
     op(g, FL_GOP_ATTN, qkv, att, lse, -1, -1, -1, -1);
     op(g, FL_GOP_LINEAR, att, mid, -1, -1, 1, FL_ROLE_O_W, FL_ROLE_O_B);
     op(g, FL_GOP_ADD, X, mid, -1, -1, -1, -1, -1);
     op(g, FL_GOP_NORM, mid, ln2, ln2m, ln2r, 1, FL_ROLE_LN2_W, FL_ROLE_LN2_B);
     op(g, FL_GOP_LINEAR, ln2, fc, -1, -1, 2, FL_ROLE_FC_W, FL_ROLE_FC_B); /* LLaMA: fused (2F, C) [gate | up] */
-    op(g, c->arch == FL_ARCH_LLAMA ? FL_GOP_SWIGLU : FL_GOP_GELU, fc, act, -1, -1, -1, -1, -1);
+    op(g, ai->glu ? FL_GOP_SWIGLU : FL_GOP_GELU, fc, act, -1, -1, -1, -1, -1);
     op(g, FL_GOP_LINEAR, act, OUT, -1, -1, 3, FL_ROLE_PROJ_W, FL_ROLE_PROJ_B);
     op(g, FL_GOP_ADD, mid, OUT, -1, -1, -1, -1, -1);
     g->n_norms = 2;
@@ -152,9 +154,8 @@ fl_status fl_block_graph_finish(fl_block_graph *g) {
 
 fl_status fl_block_graph_build(const fl_model_config *c, fl_block_graph *g) {
     memset(g, 0, sizeof *g);
-    if (c->arch != FL_ARCH_LLAMA && c->arch != FL_ARCH_GPT2)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "no block graph for architecture %d", (int)c->arch);
-    decoder_block(c, g);
+    if (!fl_arch_get(c->arch)) return fl_errorf(FL_ERR_UNSUPPORTED, "no block graph for architecture %d", (int)c->arch);
+    decoder_block(c, g); /* every architecture so far: the pre-norm decoder block, by its feature flags */
     return fl_block_graph_finish(g);
 }
 

@@ -1,5 +1,6 @@
 /* Parameter layout: which HF tensor lives where in the flat buffer, plus the
  * config validation and parameter count that the planner shares. */
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,21 +26,15 @@ fl_status fl_config_validate(fl_model_config *c) {
         return fl_errorf(FL_ERR_FORMAT,
                          "model config: num_attention_heads %d is not a multiple of num_key_value_heads %d",
                          c->n_heads, c->n_kv_heads);
-    if (c->head_dim % 2 && c->arch == FL_ARCH_LLAMA)
+    const fl_arch_info *ai = fl_arch_get(c->arch);
+    if (c->head_dim % 2 && ai->rope)
         return fl_errorf(FL_ERR_FORMAT, "model config: head_dim %d must be even for RoPE", c->head_dim);
-    if (c->ffn_dim <= 0) c->ffn_dim = c->arch == FL_ARCH_GPT2 ? 4 * c->dim : 0;
+    if (c->ffn_dim <= 0) c->ffn_dim = ai->ffn_mult * c->dim;
     NEED_POS(ffn_dim, "intermediate_size");
     NEED_POS(max_seq, "max_position_embeddings");
     if (!(c->norm_eps > 0)) c->norm_eps = 1e-5f;
-    if (c->arch == FL_ARCH_LLAMA && !(c->rope_theta > 0)) c->rope_theta = 10000.0f;
-    if (c->arch == FL_ARCH_GPT2) {
-        c->attention_bias = 1;
-        c->mlp_bias = 1;
-        c->n_kv_heads = c->n_heads;
-        if (c->head_dim * c->n_heads != c->dim)
-            return fl_errorf(FL_ERR_FORMAT, "model config: GPT-2 needs n_embd %d divisible by n_head %d", c->dim,
-                             c->n_heads);
-    }
+    if (ai->rope && !(c->rope_theta > 0)) c->rope_theta = 10000.0f;
+    if (ai->check) FL_TRY(ai->check(c));
     if (c->rope_scaling.type != FL_ROPE_NONE && !(c->rope_scaling.factor > 0))
         return fl_errorf(FL_ERR_FORMAT, "model config: rope_scaling.factor must be positive");
     /* sanity limits, far above any real model (405B: 126 layers, 16384 wide, 53248 MLP, 128256
@@ -60,14 +55,15 @@ fl_status fl_config_validate(fl_model_config *c) {
 #undef NEED_POS
 }
 
-typedef struct {
+struct fl_layout_builder {
     fl_param_layout *lay;
     int cap;
     size_t off;
     int group;
-} builder;
+};
 
-static int add(builder *b, fl_param_role role, const char *name, int64_t d0, int64_t d1, int transposed) {
+int fl_layout_add(fl_layout_builder *b, fl_param_role role, int64_t d0, int64_t d1, int transposed, const char *fmt,
+                  ...) {
     fl_param_layout *lay = b->lay;
     if (lay->n == b->cap) {
         int nc = b->cap ? b->cap * 2 : 64;
@@ -78,7 +74,10 @@ static int add(builder *b, fl_param_role role, const char *name, int64_t d0, int
     }
     fl_param_info *e = &lay->params[lay->n++];
     memset(e, 0, sizeof *e);
-    snprintf(e->name, sizeof e->name, "%s", name);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->name, sizeof e->name, fmt, ap);
+    va_end(ap);
     e->ndim = d1 > 0 ? 2 : 1;
     e->shape[0] = d0;
     e->shape[1] = d1 > 0 ? d1 : 0;
@@ -91,75 +90,21 @@ static int add(builder *b, fl_param_role role, const char *name, int64_t d0, int
     return 0;
 }
 
+void fl_layout_group(fl_layout_builder *b, int g) {
+    b->lay->group_offset[g] = b->off;
+    b->group = g;
+}
+
 fl_status fl_layout_build(fl_param_layout *lay, const fl_model_config *c) {
     memset(lay, 0, sizeof *lay);
-    builder b = {lay, 0, 0, 0};
-    const int C = c->dim, L = c->n_layers, V = c->vocab_size, F = c->ffn_dim;
-    const int QD = c->n_heads * c->head_dim, KVD = c->n_kv_heads * c->head_dim;
-    char nm[FL_PARAM_NAME_MAX];
-    int err = 0;
+    const fl_arch_info *ai = fl_arch_get(c->arch);
+    if (!ai) return fl_errorf(FL_ERR_UNSUPPORTED, "layout: unknown architecture %d", (int)c->arch);
+    fl_layout_builder b = {lay, 0, 0, 0};
+    const int L = c->n_layers;
     lay->n_groups = L + 2;
     lay->group_offset = calloc((size_t)lay->n_groups + 1, sizeof(size_t));
     if (!lay->group_offset) return fl_errorf(FL_ERR_OOM, "layout: out of host memory");
-#define P(role, d0, d1, tr, ...) (snprintf(nm, sizeof nm, __VA_ARGS__), err |= add(&b, FL_ROLE_##role, nm, d0, d1, tr))
-    if (c->arch == FL_ARCH_LLAMA) {
-        P(EMBED, V, C, 0, "model.embed_tokens.weight");
-        for (int l = 0; l < L; l++) {
-            lay->group_offset[l + 1] = b.off;
-            b.group = l + 1;
-            P(LN1_W, C, 0, 0, "model.layers.%d.input_layernorm.weight", l);
-            /* q, k, v consecutive: together the fused (QD+2KVD, C) matrix. */
-            P(QKV_W, QD, C, 0, "model.layers.%d.self_attn.q_proj.weight", l);
-            P(NONE, KVD, C, 0, "model.layers.%d.self_attn.k_proj.weight", l);
-            P(NONE, KVD, C, 0, "model.layers.%d.self_attn.v_proj.weight", l);
-            if (c->attention_bias) {
-                P(QKV_B, QD, 0, 0, "model.layers.%d.self_attn.q_proj.bias", l);
-                P(NONE, KVD, 0, 0, "model.layers.%d.self_attn.k_proj.bias", l);
-                P(NONE, KVD, 0, 0, "model.layers.%d.self_attn.v_proj.bias", l);
-            }
-            P(O_W, C, QD, 0, "model.layers.%d.self_attn.o_proj.weight", l);
-            if (c->attention_bias) P(O_B, C, 0, 0, "model.layers.%d.self_attn.o_proj.bias", l);
-            P(LN2_W, C, 0, 0, "model.layers.%d.post_attention_layernorm.weight", l);
-            /* gate then up: the fused (2F, C) matrix. */
-            P(FC_W, F, C, 0, "model.layers.%d.mlp.gate_proj.weight", l);
-            P(NONE, F, C, 0, "model.layers.%d.mlp.up_proj.weight", l);
-            if (c->mlp_bias) {
-                P(FC_B, F, 0, 0, "model.layers.%d.mlp.gate_proj.bias", l);
-                P(NONE, F, 0, 0, "model.layers.%d.mlp.up_proj.bias", l);
-            }
-            P(PROJ_W, C, F, 0, "model.layers.%d.mlp.down_proj.weight", l);
-            if (c->mlp_bias) P(PROJ_B, C, 0, 0, "model.layers.%d.mlp.down_proj.bias", l);
-        }
-        lay->group_offset[L + 1] = b.off;
-        b.group = L + 1;
-        P(NORM_F_W, C, 0, 0, "model.norm.weight");
-        if (!c->tie_embeddings) P(HEAD, V, C, 0, "lm_head.weight");
-    } else {
-        P(EMBED, V, C, 0, "transformer.wte.weight");
-        P(POS_EMBED, c->max_seq, C, 0, "transformer.wpe.weight");
-        for (int l = 0; l < L; l++) {
-            lay->group_offset[l + 1] = b.off;
-            b.group = l + 1;
-            P(LN1_W, C, 0, 0, "transformer.h.%d.ln_1.weight", l);
-            P(LN1_B, C, 0, 0, "transformer.h.%d.ln_1.bias", l);
-            P(QKV_W, 3 * C, C, 1, "transformer.h.%d.attn.c_attn.weight", l);
-            P(QKV_B, 3 * C, 0, 0, "transformer.h.%d.attn.c_attn.bias", l);
-            P(O_W, C, C, 1, "transformer.h.%d.attn.c_proj.weight", l);
-            P(O_B, C, 0, 0, "transformer.h.%d.attn.c_proj.bias", l);
-            P(LN2_W, C, 0, 0, "transformer.h.%d.ln_2.weight", l);
-            P(LN2_B, C, 0, 0, "transformer.h.%d.ln_2.bias", l);
-            P(FC_W, F, C, 1, "transformer.h.%d.mlp.c_fc.weight", l);
-            P(FC_B, F, 0, 0, "transformer.h.%d.mlp.c_fc.bias", l);
-            P(PROJ_W, C, F, 1, "transformer.h.%d.mlp.c_proj.weight", l);
-            P(PROJ_B, C, 0, 0, "transformer.h.%d.mlp.c_proj.bias", l);
-        }
-        lay->group_offset[L + 1] = b.off;
-        b.group = L + 1;
-        P(NORM_F_W, C, 0, 0, "transformer.ln_f.weight");
-        P(NORM_F_B, C, 0, 0, "transformer.ln_f.bias");
-        if (!c->tie_embeddings) P(HEAD, V, C, 0, "lm_head.weight");
-    }
-#undef P
+    int err = ai->layout(&b, c); /* its entries in flat order: the embeddings, each block, the final norm and head */
     lay->group_offset[L + 2] = b.off;
     lay->numel = b.off;
     lay->role_index = err ? NULL : malloc((size_t)lay->n_groups * FL_ROLE_COUNT * sizeof(int));
@@ -187,59 +132,63 @@ void fl_layout_free(fl_param_layout *lay) {
 int fl_layout_find(const fl_param_layout *lay, const char *name) {
     for (int i = 0; i < lay->n; i++)
         if (strcmp(lay->params[i].name, name) == 0) return i;
-    /* GPT-2 files may omit the "transformer." prefix. */
-    static const char pre[] = "transformer.";
-    if (strncmp(name, pre, sizeof pre - 1) != 0) {
+    /* files may omit an architecture's optional prefix (GPT-2's "transformer.") */
+    const char *pre = NULL;
+    for (int a = 0; a < FL_ARCH_COUNT && !pre; a++) {
+        const char *p = fl_arch_get((fl_arch)a)->hf_prefix;
+        if (p && lay->n > 0 && !strncmp(lay->params[0].name, p, strlen(p))) pre = p;
+    }
+    if (pre && strncmp(name, pre, strlen(pre)) != 0) {
         for (int i = 0; i < lay->n; i++)
-            if (strncmp(lay->params[i].name, pre, sizeof pre - 1) == 0 &&
-                strcmp(lay->params[i].name + sizeof pre - 1, name) == 0)
+            if (strncmp(lay->params[i].name, pre, strlen(pre)) == 0 && strcmp(lay->params[i].name + strlen(pre), name) == 0)
                 return i;
     }
     return -1;
 }
 
-size_t fl_sizing_param_count(const fl_model_config *c) {
-    size_t C = c->dim, V = c->vocab_size, F = c->ffn_dim, L = c->n_layers;
-    size_t QD = (size_t)c->n_heads * c->head_dim, KVD = (size_t)c->n_kv_heads * c->head_dim;
-    size_t n = V * C, blk;
-    if (c->arch == FL_ARCH_LLAMA) {
-        blk = 2 * C + (QD + 2 * KVD) * C + C * QD + 3 * F * C;
-        if (c->attention_bias) blk += QD + 2 * KVD + C;
-        if (c->mlp_bias) blk += 2 * F + C;
-        n += L * blk + C;
-    } else {
-        n += (size_t)c->max_seq * C;
-        blk = 4 * C + 3 * C * C + 3 * C + C * C + C + 2 * F * C + F + C;
-        n += L * blk + 2 * C;
+/* Sizes derived from the layout itself (no per-architecture formula): the config's layout is built
+ * (names and offsets only, tens of microseconds for the largest models) and measured. */
+typedef struct {
+    size_t numel, outer_1d, block_1d, max_group;
+} layout_sums;
+
+static int layout_sums_of(const fl_model_config *cin, layout_sums *o) {
+    memset(o, 0, sizeof *o);
+    fl_model_config c = *cin;
+    fl_param_layout lay;
+    if (fl_config_validate(&c) != FL_OK || fl_layout_build(&lay, &c) != FL_OK) return -1;
+    const int L = c.n_layers;
+    size_t *one_d = calloc((size_t)lay.n_groups, sizeof *one_d);
+    if (!one_d) { fl_layout_free(&lay); return -1; }
+    for (int i = 0; i < lay.n; i++)
+        if (lay.params[i].ndim == 1) one_d[lay.params[i].group] += lay.params[i].numel;
+    o->numel = lay.numel;
+    o->outer_1d = one_d[L + 1];
+    for (int g = 1; g <= L; g++)
+        if (one_d[g] > o->block_1d) o->block_1d = one_d[g];
+    for (int g = 0; g < lay.n_groups; g++) {
+        size_t n = lay.group_offset[g + 1] - lay.group_offset[g];
+        if (n > o->max_group) o->max_group = n;
     }
-    if (!c->tie_embeddings) n += V * C;
-    return n;
+    free(one_d);
+    fl_layout_free(&lay);
+    return 0;
 }
 
-/* 16-bit storage staging (see fl_model in model.h). pstage: the 1-D parameters
- * of the embeddings/head groups, one row of C for the embedding, and the 1-D
- * parameters of one block. gstage: the largest group (a block, the embeddings
- * or the head; a tied head's gradient is the embedding's). */
-static size_t block_1d(const fl_model_config *c) {
-    size_t C = c->dim, F = c->ffn_dim, QKV = (size_t)(c->n_heads + 2 * c->n_kv_heads) * c->head_dim;
-    if (c->arch == FL_ARCH_GPT2) return 4 * C + QKV + C + F + C;
-    size_t n = 2 * C;
-    if (c->attention_bias) n += QKV + C;
-    if (c->mlp_bias) n += 2 * (size_t)F + C;
-    return n;
+size_t fl_sizing_param_count(const fl_model_config *c) {
+    layout_sums s;
+    return layout_sums_of(c, &s) ? 0 : s.numel;
 }
 
+/* 16-bit storage staging (see fl_model in model.h). pstage: the 1-D parameters of the final norm
+ * and head's group, one row of C for the embedding, and the 1-D parameters of one block. gstage:
+ * the largest group (a block, the embeddings or the head; a tied head's gradient is the embedding's). */
 size_t fl_sizing_pstage_elems(const fl_model_config *c) {
-    size_t C = c->dim;
-    return (c->arch == FL_ARCH_GPT2 ? 2 * C : C) + C + block_1d(c);
+    layout_sums s;
+    return layout_sums_of(c, &s) ? 0 : s.outer_1d + (size_t)c->dim + s.block_1d;
 }
 
 size_t fl_sizing_gstage_elems(const fl_model_config *c) {
-    size_t C = c->dim, V = c->vocab_size, L = c->n_layers;
-    size_t outer_1d = c->arch == FL_ARCH_GPT2 ? 2 * C : C;
-    size_t g0 = V * C + (c->arch == FL_ARCH_GPT2 ? (size_t)c->max_seq * C : 0);
-    size_t head = outer_1d + (c->tie_embeddings ? 0 : V * C);
-    size_t blk = L ? (fl_sizing_param_count(c) - g0 - head) / L : 0;
-    size_t n = blk > g0 ? blk : g0;
-    return head > n ? head : n;
+    layout_sums s;
+    return layout_sums_of(c, &s) ? 0 : s.max_group;
 }

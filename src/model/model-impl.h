@@ -61,7 +61,7 @@ static inline fl_dims fl_model_dims(const fl_model_config *c) {
     d.KVD = d.NKV * d.HD;
     d.QKV = d.QD + 2 * d.KVD;
     d.F = c->ffn_dim;
-    d.FCW = c->arch == FL_ARCH_LLAMA ? 2 * d.F : d.F;
+    d.FCW = fl_arch_get(c->arch)->glu ? 2 * d.F : d.F;
     d.V = c->vocab_size;
     d.L = c->n_layers;
     return d;
@@ -202,6 +202,8 @@ fl_status fl_embed_backward(fl_model *m, const fl_outer_params *op, const float 
 size_t fl_group_numel(const fl_model *m, int g);
 void fl_grad_stage_begin(fl_model *m, size_t n);
 fl_status fl_grad_stage_flush(fl_model *m, size_t off, size_t n);
+/* Elements of the 1-D parameters of the final norm and head's group (the final norm's weight and bias). */
+size_t fl_outer_1d(const fl_model *m);
 /* Start of a block's 1-D parameter views in pstage (after the outer ones and one row). */
 size_t fl_pstage_block_start(const fl_model *m);
 

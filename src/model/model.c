@@ -449,9 +449,10 @@ fl_status fl_model_init_random_ex(fl_model *m, uint64_t seed) {
     }
     for (int i = 0; i < m->layout.n; i++) {
         const fl_param_info *p = &m->layout.params[i];
-        int is_norm = strstr(p->name, "norm") || strstr(p->name, "ln_");
+        int is_norm = p->role == FL_ROLE_LN1_W || p->role == FL_ROLE_LN2_W || p->role == FL_ROLE_NORM_F_W;
         int kind = ends_with(p->name, ".bias") ? 0 : is_norm ? 1 : 2;
-        double sd = (m->cfg.arch == FL_ARCH_GPT2 && ends_with(p->name, "c_proj.weight")) ? proj_std : std;
+        const int residual_proj = p->role == FL_ROLE_O_W || p->role == FL_ROLE_PROJ_W;
+        double sd = fl_arch_get(m->cfg.arch)->scaled_proj_init && residual_proj ? proj_std : std;
         /* per-tensor stream so the init does not depend on layout order */
         uint64_t s = seed * 0x100000001b3ULL + (uint64_t)i * 0x9e3779b97f4a7c15ULL;
         if (fl_model_param_is_q4(m, i)) {

@@ -18,7 +18,7 @@ static double now_ms(void) {
 static void norm_backward(const fl_model *m, float *dx, float *dw, float *db, const float *dout, const float *x,
                           const float *w, const float *mean, const float *rstd, int N) {
     const fl_backend *be = m->be;
-    if (m->cfg.arch == FL_ARCH_GPT2) be->layernorm_backward(be, dx, dw, db, dout, x, w, mean, rstd, N, m->cfg.dim);
+    if (fl_arch_get(m->cfg.arch)->layernorm) be->layernorm_backward(be, dx, dw, db, dout, x, w, mean, rstd, N, m->cfg.dim);
     else be->rmsnorm_backward(be, dx, dw, dout, x, w, rstd, N, m->cfg.dim);
 }
 
@@ -210,7 +210,7 @@ static fl_status model_backward(fl_model *m) {
     float *buf2 = a->buf2;   // (N, graph's gbuf_width[2])
     be->zero(be, dres, (size_t)N * d.C * sizeof(float));
     /* the final norm's parameters open the head group (16-bit storage: staged) */
-    const size_t n_lnf = (size_t)(m->cfg.arch == FL_ARCH_GPT2 ? 2 : 1) * d.C, head_group = m->layout.group_offset[d.L + 1];
+    const size_t n_lnf = fl_outer_1d(m), head_group = m->layout.group_offset[d.L + 1];
     fl_grad_stage_begin(m, n_lnf);
     norm_backward(m, dres, op.dlnf_w, op.dlnf_b, buf1, a->res[d.L], op.lnf_w, a->lnf_mean, a->lnf_rstd, N);
     FL_TRY(fl_grad_stage_flush(m, head_group, n_lnf));

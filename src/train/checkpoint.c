@@ -53,7 +53,7 @@ fl_status fl_ckpt_save_adapter(const fl_model *m, const char *dir, const char *b
         return fl_errorf(FL_ERR_INVALID, "%s: base model path too long for adapter_config.json: %s", dir, b);
     }
     if (b) memcpy(pc.base_model, b, strlen(b) + 1);
-    pc.fan_in_fan_out = m->cfg.arch == FL_ARCH_GPT2; /* PEFT's flag for GPT-2's Conv1D */
+    pc.fan_in_fan_out = fl_arch_get(m->cfg.arch)->conv1d; /* PEFT's flag for GPT-2's Conv1D */
     pc.inference_mode = 1;
     fl_status s = fl_peft_save(dir, &pc, mods, st->n_mods);
     free(mods);
