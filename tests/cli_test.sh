@@ -105,6 +105,17 @@ expect plan_recipe_devices_space 0 "FITS" -- "$FITLLM" plan llama-2-7b --config 
 expect plan_recipe_devices_eq 0 "FITS" -- "$FITLLM" plan llama-2-7b --config "$R/finetune/llama-2-7b/full.yaml" --devices=auto --device-memory 80GB
 expect plan_recipe_devices_4 0 "FSDP FULL_SHARD \(ZeRO-3\) over 4 ranks" -- "$FITLLM" plan llama-2-7b --config "$R/finetune/llama-2-7b/full.yaml" --device-memory 80GB
 expect plan_litgpt_model_name 0 "FITS" -- "$FITLLM" plan TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T --device-memory 80GB
+# OPT (BLIP-2's language model): the plan of its real shape, a full fine-tune of the test shape saved as an HF
+# folder whose loss `fitllm loss` reads back, and LoRA with OPT's module names
+expect plan_opt_27b 0 "FITS" -- "$FITLLM" plan facebook/opt-2.7b --device-memory 80GB
+expect finetune_opt_ok 0 "Saved the final model" -- "$FITLLM" finetune_full opt-micro --train.max_steps 2 \
+    --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/opt" --quiet
+echo "1 2 3 4 5 6" > "$T/opt_ids.txt"
+expect loss_opt_saved 0 "loss" -- "$FITLLM" loss "$T/opt/final" --tokens-file "$T/opt_ids.txt"
+expect finetune_lora_opt_targets 0 "Saved the PEFT adapter" -- "$FITLLM" finetune_lora opt-micro --lora_projection true \
+    --lora_mlp true --train.max_steps 1 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/optl" --quiet
+expect finetune_lora_opt_bad_target 2 "out_proj, fc1, fc2" -- "$FITLLM" finetune_lora opt-micro --lora_target_modules o_proj \
+    --out_dir "$T/optl2"
 expect pretrain_unknown_model_near 2 "nearest: tinyllama-1.1b" -- "$FITLLM" pretrain --model_name tinyllama-1b --data Synthetic --out_dir "$T/o2"
 expect finetune_underscore_int 0 "Saved the final model" -- "$FITLLM" finetune_full micro --train.max_tokens 10_000 --train.max_steps 1 \
     --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/us" --quiet

@@ -247,6 +247,13 @@ static void kv_vs_nocache_random(fl_model_config c) {
 }
 
 FL_TEST(gen_kv_equals_nocache_gpt2) { kv_vs_nocache_random(small_gpt2()); }
+/* OPT: the same block with ReLU and a position table read from row 2 (a wrong offset in decode shows) */
+FL_TEST(gen_kv_equals_nocache_opt) {
+    fl_model_config c = small_gpt2();
+    c.arch = FL_ARCH_OPT;
+    snprintf(c.name, sizeof c.name, "gen-opt");
+    kv_vs_nocache_random(c);
+}
 FL_TEST(gen_kv_equals_nocache_gqa_llama) { kv_vs_nocache_random(small_gqa_llama()); }
 
 FL_TEST(gen_kv_equals_nocache_stories260k) {

@@ -562,6 +562,46 @@ FL_TEST(config_gpt2_defaults) {
     CHECK_MSG("'n_positions'");
 }
 
+/* OPT: the keys of a real config (facebook/opt-125m's, shrunk), the save/load round trip, and the
+ * variants refused by name: post-norm blocks (OPT-350m), a projected embedding, another activation */
+FL_TEST(config_opt_keys_and_refusals) {
+    const char *p = pj(tdir(), "config.json");
+#define OPT_CFG "{\"model_type\": \"opt\", \"architectures\": [\"OPTForCausalLM\"], \"hidden_size\": 16, " \
+                "\"num_hidden_layers\": 2, \"num_attention_heads\": 2, \"ffn_dim\": 40, \"vocab_size\": 50, "    \
+                "\"max_position_embeddings\": 32, \"activation_function\": \"relu\", \"enable_bias\": true, "     \
+                "\"word_embed_proj_dim\": %d, \"do_layer_norm_before\": %s%s}"
+    char buf[1024];
+    snprintf(buf, sizeof buf, OPT_CFG, 16, "true", "");
+    FL_REQUIRE(write_text(p, buf) == 0);
+    fl_model_config c, c2;
+    FL_REQUIRE_OK(fl_hf_load_config(p, &c));
+    FL_CHECK(c.arch == FL_ARCH_OPT && c.dim == 16 && c.n_layers == 2 && c.n_heads == 2 && c.n_kv_heads == 2);
+    FL_CHECK(c.ffn_dim == 40 && c.max_seq == 32 && c.norm_eps == 1e-5f && c.tie_embeddings == 1 && c.head_dim == 8);
+    FL_CHECK(c.attention_bias && c.mlp_bias);
+    FL_REQUIRE_OK(fl_hf_save_config(p, &c));
+    FL_REQUIRE_OK(fl_hf_load_config(p, &c2));
+    FL_CHECK(memcmp(&c, &c2, sizeof c) == 0);
+    fl_param_layout lay; /* the position table holds the 2 offset rows: HF's (max_position_embeddings + 2, C) */
+    FL_REQUIRE_OK(fl_layout_build(&lay, &c));
+    int pe = fl_layout_role(&lay, 0, FL_ROLE_POS_EMBED);
+    FL_CHECK(pe >= 0 && lay.params[pe].shape[0] == 34 && !strcmp(lay.params[pe].name, "model.decoder.embed_positions.weight"));
+    FL_CHECK(fl_layout_find(&lay, "decoder.layers.1.fc2.bias") >= 0); /* OPTModel files: no "model." prefix */
+    fl_layout_free(&lay);
+    snprintf(buf, sizeof buf, OPT_CFG, 16, "false", "");
+    FL_REQUIRE(write_text(p, buf) == 0);
+    FL_CHECK(fl_hf_load_config(p, &c) == FL_ERR_UNSUPPORTED);
+    CHECK_MSG("'do_layer_norm_before'");
+    snprintf(buf, sizeof buf, OPT_CFG, 8, "true", "");
+    FL_REQUIRE(write_text(p, buf) == 0);
+    FL_CHECK(fl_hf_load_config(p, &c) == FL_ERR_UNSUPPORTED);
+    CHECK_MSG("'word_embed_proj_dim'");
+    snprintf(buf, sizeof buf, OPT_CFG, 16, "true", ", \"activation_function\": \"gelu\"");
+    FL_REQUIRE(write_text(p, buf) == 0);
+    FL_CHECK(fl_hf_load_config(p, &c) == FL_ERR_UNSUPPORTED);
+    CHECK_MSG("'activation_function'");
+#undef OPT_CFG
+}
+
 /* ---- weights ---------------------------------------------------------------- */
 
 static fl_model_config small_llama(void) {

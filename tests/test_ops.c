@@ -609,8 +609,12 @@ FL_TEST(ops_attention_nkv1_b1) { attn_case(1, 75, 4, 1, 16, 400); }
 
 /* ---- activations -------------------------------------------------------------------- */
 
-typedef struct { double *x; const float *R; int N, F; double *out; int gelu; } act_ctx;
+typedef struct { double *x; const float *R; int N, F; double *out; int gelu; } act_ctx; /* gelu 2: ReLU */
 static void act_ref(act_ctx *c) {
+    if (c->gelu == 2) {
+        for (int i = 0; i < c->N; i++) c->out[i] = c->x[i] > 0 ? c->x[i] : 0;
+        return;
+    }
     if (c->gelu) {
         for (int i = 0; i < c->N; i++) {
             double x = c->x[i];
@@ -668,6 +672,34 @@ static void ops_gelu_on(fl_backend be) {
 FL_TEST(ops_gelu) {
     fl_backend be;
     FL_FOR_EACH_BACKEND(be, 2) ops_gelu_on(be);
+}
+
+/* ReLU: exact forward; backward against finite differences away from the kink (|x| >= 0.05 >> the step),
+ * and at 0 exactly no gradient (PyTorch's threshold_backward); a NaN passes forward */
+static void ops_relu_on(fl_backend be) {
+    fl_test_rng r = {10};
+    const int n = 103;
+    float *x = fl_test_frand(&r, n, -3, 3), *R = fl_test_frand(&r, n, -1, 1), *out = malloc(n * 4);
+    for (int i = 0; i < n; i++)
+        if (fabsf(x[i]) < 0.05f) x[i] = x[i] < 0 ? -0.05f : 0.05f;
+    x[0] = 0.0f;
+    act_ctx c = {d_of(x, n), R, n, 0, malloc(8 * n), 2};
+    act_ref(&c);
+    float *want = f_of(c.out, n);
+    be.relu_forward(&be, out, x, n);
+    FL_CHECK(memcmp(out, want, (size_t)n * 4) == 0); /* max(x, 0) is exact */
+    float *dx = fl_test_frand(&r, n, -1, 1), *pre = fl_test_fdup(dx, n);
+    be.relu_backward(&be, dx, R, x, n);
+    FL_CHECKF(dx[0] == pre[0], "%s: relu gradient at 0 is %g, want none", be.name, (double)(dx[0] - pre[0]));
+    FD_CHECK("relu dinp", dx + 1, pre + 1, c.x + 1, n - 1, act_loss, &c, 0);
+    float nan_in = NAN, nan_out = 0;
+    be.relu_forward(&be, &nan_out, &nan_in, 1);
+    FL_CHECKF(isnan(nan_out), "%s: relu(NaN) = %g, want NaN (a diverged run must show)", be.name, (double)nan_out);
+    free(x); free(R); free(out); free(c.x); free(c.out); free(want); free(dx); free(pre);
+}
+FL_TEST(ops_relu) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) ops_relu_on(be);
 }
 
 /* ---- elementwise / bias / reductions --------------------------------------------------- */

@@ -176,6 +176,10 @@ struct fl_backend {
                             const float *gu /*(N,2F)*/, int N, int F);
     void (*gelu_forward)(const fl_backend *be, float *out /*(n)*/, const float *inp /*(n)*/, size_t n);
     void (*gelu_backward)(const fl_backend *be, float *dinp /*(n)*/, const float *dout, const float *inp, size_t n);
+    /* ReLU (OPT): out = inp < 0 ? 0 : inp (a NaN stays NaN); backward dinp += inp <= 0 ? 0 : dout (PyTorch's
+     * threshold_backward: no gradient at inp == 0). */
+    void (*relu_forward)(const fl_backend *be, float *out /*(n)*/, const float *inp /*(n)*/, size_t n);
+    void (*relu_backward)(const fl_backend *be, float *dinp /*(n)*/, const float *dout, const float *inp, size_t n);
 
     /* ---- elementwise / bias -------------------------------------------- */
     /* out = a + b (out may alias a or b). */

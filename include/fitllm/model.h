@@ -35,7 +35,7 @@
 extern "C" {
 #endif
 
-typedef enum { FL_ARCH_LLAMA = 0, FL_ARCH_GPT2, FL_ARCH_COUNT } fl_arch;
+typedef enum { FL_ARCH_LLAMA = 0, FL_ARCH_GPT2, FL_ARCH_OPT, FL_ARCH_COUNT } fl_arch;
 
 typedef struct {
     fl_arch arch;
@@ -77,7 +77,10 @@ typedef struct {
     const char *display;       /* "LLaMA", "GPT-2": messages */
     int layernorm;             /* LayerNorm (mean, rstd, bias) instead of RMSNorm */
     int rope;                  /* rotary positions (else a learned position table, role POS_EMBED) */
-    int glu;                   /* gated MLP: the fused (2F, C) gate|up matrix and SwiGLU (else GELU) */
+    int glu;                   /* gated MLP: the fused (2F, C) gate|up matrix and SwiGLU (else relu or GELU) */
+    int relu;                  /* a plain MLP's activation is ReLU (OPT), else the tanh GELU (GPT-2) */
+    int pos_offset;            /* the learned position table has this many leading rows no position reads
+                                * (OPT: 2); position p reads row p + pos_offset */
     int conv1d;                /* HF stores the linears as Conv1D (in, out): transposed on load and save,
                                 * PEFT's fan_in_fan_out */
     int scaled_proj_init;      /* random init: the residual projections (O_W, PROJ_W) at std / sqrt(2 L) */
@@ -88,6 +91,8 @@ typedef struct {
     const char *hf_layers_key; /* config.json's layer count key ("num_hidden_layers", "n_layer"): messages */
     const char *const *lora_targets; /* the valid PEFT target names, NULL-terminated (lm_head included) */
     const char *lora_default;  /* the default target list of `fitllm bench --lora` ("q_proj,v_proj") */
+    /* the PEFT targets of LitGPT's --lora_query, _key, _value, _projection, _mlp switches (comma lists) */
+    const char *lora_switch[5];
     /* the architecture's own config rules, after the generic ones (forced fields, extra checks) */
     fl_status (*check)(fl_model_config *c);
     /* the HF-named flat layout: fl_layout_add / fl_layout_group (src/model/layout.c); nonzero on OOM */

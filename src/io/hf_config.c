@@ -168,6 +168,45 @@ static fl_status fl_hf_parse_gpt2(const char *path, const fl_json *r, fl_model_c
     return FL_OK;
 }
 
+/* OPT (OPTForCausalLM): pre-norm blocks only, no embedding projection (fl_arch_opt, src/model/arch_opt.c) */
+static fl_status fl_hf_parse_opt(const char *path, const fl_json *r, fl_model_config *c) {
+    c->arch = FL_ARCH_OPT;
+    snprintf(c->name, sizeof c->name, "opt");
+    const char *act = NULL;
+    FL_TRY(fl_hf_str(path, r, "activation_function", &act));
+    if (act && strcmp(act, "relu") != 0)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: key 'activation_function' = '%s' is not supported (relu)", path, act);
+    int pre = 1, affine = 1, bias = 1, remove_final = 0;
+    FL_TRY(fl_hf_bool(path, r, "do_layer_norm_before", 1, &pre));
+    if (!pre)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: key 'do_layer_norm_before' = false (post-norm blocks, as OPT-350m) is "
+                         "not supported", path);
+    FL_TRY(fl_hf_bool(path, r, "_remove_final_layer_norm", 0, &remove_final));
+    if (remove_final) return fl_errorf(FL_ERR_UNSUPPORTED, "%s: key '_remove_final_layer_norm' = true is not supported", path);
+    FL_TRY(fl_hf_bool(path, r, "layer_norm_elementwise_affine", 1, &affine));
+    if (!affine)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: key 'layer_norm_elementwise_affine' = false is not supported", path);
+    FL_TRY(fl_hf_int(path, r, "hidden_size", NULL, &c->dim));
+    int proj = c->dim;
+    FL_TRY(fl_hf_int(path, r, "word_embed_proj_dim", &proj, &proj));
+    if (proj != c->dim)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: key 'word_embed_proj_dim' = %d differs from hidden_size %d (project_in/out "
+                         "layers, as OPT-350m) is not supported", path, proj, c->dim);
+    FL_TRY(fl_hf_int(path, r, "ffn_dim", NULL, &c->ffn_dim));
+    FL_TRY(fl_hf_int(path, r, "num_attention_heads", NULL, &c->n_heads));
+    c->n_kv_heads = c->n_heads;
+    c->head_dim = c->n_heads > 0 ? c->dim / c->n_heads : 0;
+    FL_TRY(fl_hf_int(path, r, "num_hidden_layers", NULL, &c->n_layers));
+    FL_TRY(fl_hf_int(path, r, "max_position_embeddings", NULL, &c->max_seq));
+    FL_TRY(fl_hf_int(path, r, "vocab_size", NULL, &c->vocab_size));
+    FL_TRY(fl_hf_bool(path, r, "tie_word_embeddings", 1, &c->tie_embeddings));
+    FL_TRY(fl_hf_bool(path, r, "enable_bias", 1, &bias));
+    c->attention_bias = c->mlp_bias = bias;
+    c->norm_eps = 1e-5f; /* nn.LayerNorm's default: OPT has no epsilon key */
+    c->rope_theta = 0.0f;
+    return FL_OK;
+}
+
 fl_status fl_hf_load_config(const char *path, fl_model_config *cfg) {
     fl_json *root = NULL;
     FL_TRY(fl_json_parse_file(path, &root));
@@ -182,6 +221,7 @@ fl_status fl_hf_load_config(const char *path, fl_model_config *cfg) {
     s = fl_hf_str(path, root, "model_type", &mt);
     if (s != FL_OK) goto done;
     int is_llama = mt ? strcmp(mt, "llama") == 0 : 0, is_gpt2 = mt ? strcmp(mt, "gpt2") == 0 : 0;
+    const int is_opt = mt ? strcmp(mt, "opt") == 0 : 0;
     if (!is_llama && !is_gpt2) { /* llama-compatible variants name the architecture */
         is_llama = fl_hf_arch_has(root, "LlamaForCausalLM");
         is_gpt2 = !is_llama && !mt && fl_hf_arch_has(root, "GPT2LMHeadModel");
@@ -190,8 +230,10 @@ fl_status fl_hf_load_config(const char *path, fl_model_config *cfg) {
         s = fl_hf_parse_llama(path, root, &c);
     else if (is_gpt2)
         s = fl_hf_parse_gpt2(path, root, &c);
+    else if (is_opt)
+        s = fl_hf_parse_opt(path, root, &c);
     else if (mt)
-        s = fl_errorf(FL_ERR_UNSUPPORTED, "%s: model_type '%s' is not supported (llama, gpt2)", path, mt);
+        s = fl_errorf(FL_ERR_UNSUPPORTED, "%s: model_type '%s' is not supported (llama, gpt2, opt)", path, mt);
     else
         s = fl_errorf(FL_ERR_FORMAT, "%s: missing key 'model_type' (and no known 'architectures')", path);
     if (s != FL_OK) goto done;
@@ -287,6 +329,32 @@ fl_status fl_hf_save_config(const char *path, const fl_model_config *c) {
                      "}\n",
                      c->dim, c->n_layers, c->n_heads, c->ffn_dim, c->max_seq, c->max_seq, c->vocab_size, eps,
                      c->tie_embeddings ? "true" : "false");
+    } else if (c->arch == FL_ARCH_OPT) {
+        w = snprintf(buf, sizeof buf,
+                     "{\n"
+                     "  \"architectures\": [\"OPTForCausalLM\"],\n"
+                     "  \"model_type\": \"opt\",\n"
+                     "  \"activation_function\": \"relu\",\n"
+                     "  \"hidden_size\": %d,\n"
+                     "  \"word_embed_proj_dim\": %d,\n"
+                     "  \"ffn_dim\": %d,\n"
+                     "  \"num_hidden_layers\": %d,\n"
+                     "  \"num_attention_heads\": %d,\n"
+                     "  \"max_position_embeddings\": %d,\n"
+                     "  \"vocab_size\": %d,\n"
+                     "  \"do_layer_norm_before\": true,\n"
+                     "  \"enable_bias\": %s,\n"
+                     "  \"layer_norm_elementwise_affine\": true,\n"
+                     "  \"tie_word_embeddings\": %s,\n"
+                     "  \"dropout\": 0.0,\n"
+                     "  \"attention_dropout\": 0.0,\n"
+                     "  \"layerdrop\": 0.0,\n"
+                     "  \"init_std\": 0.02,\n"
+                     "  \"use_cache\": true,\n"
+                     "  \"torch_dtype\": \"float32\"\n"
+                     "}\n",
+                     c->dim, c->dim, c->ffn_dim, c->n_layers, c->n_heads, c->max_seq, c->vocab_size,
+                     c->attention_bias ? "true" : "false", c->tie_embeddings ? "true" : "false");
     } else {
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s: cannot write a config for architecture %d", path, (int)c->arch);
     }

@@ -5,16 +5,18 @@
 
 #include "model/model-impl.h"
 
-/* Which fl_linear of a block a module belongs to (0 qkv, 1 o, 2 fc, 3 proj). */
-static int linear_kind(const char *name) {
-    const char *dot = strrchr(name, '.');
-    const char *leaf = dot ? dot + 1 : name;
-    if (!strcmp(leaf, "q_proj") || !strcmp(leaf, "k_proj") || !strcmp(leaf, "v_proj") || !strcmp(leaf, "c_attn"))
-        return 0;
-    if (!strcmp(leaf, "o_proj") || strstr(name, "attn.c_proj")) return 1;
-    if (!strcmp(leaf, "gate_proj") || !strcmp(leaf, "up_proj") || !strcmp(leaf, "c_fc")) return 2;
-    if (!strcmp(leaf, "down_proj") || strstr(name, "mlp.c_proj")) return 3;
-    return -1;
+/* Which fl_linear of a block a module belongs to (0 qkv, 1 o, 2 fc, 3 proj: the block graph's linear
+ * index), from the role of its weight's fused run (k, v, up carry no role: their run starts earlier). */
+static int linear_kind(const fl_param_layout *lay, int param_index) {
+    int i = param_index;
+    while (i > 0 && lay->params[i].role == FL_ROLE_NONE) i--;
+    switch (lay->params[i].role) {
+    case FL_ROLE_QKV_W: return 0;
+    case FL_ROLE_O_W: return 1;
+    case FL_ROLE_FC_W: return 2;
+    case FL_ROLE_PROJ_W: return 3;
+    default: return -1;
+    }
 }
 
 static void free_state(struct fl_lora_state *st, fl_mem_pool *pool) {
@@ -43,7 +45,7 @@ fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t se
     st->scaling = fl_lora_scaling(cfg);
     fl_status s = fl_lora_modules(cfg, &m->layout, &m->cfg, &st->mods, &st->n_mods);
     for (int j = 0; s == FL_OK && j < st->n_mods; j++)
-        if (st->mods[j].layer >= 0 && linear_kind(st->mods[j].name) < 0)
+        if (st->mods[j].layer >= 0 && linear_kind(&m->layout, st->mods[j].param_index) < 0)
             s = fl_errorf(FL_ERR_INTERNAL, "LoRA: module %s belongs to no linear of its block", st->mods[j].name);
     int L = m->cfg.n_layers;
     if (s == FL_OK) {
@@ -77,7 +79,7 @@ fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t se
             st->first[l * 4 + k] = n;
             for (int j = 0; j < st->n_mods; j++) {
                 const fl_lora_module *md = &st->mods[j];
-                if (l < L ? (md->layer != l || linear_kind(md->name) != k) : md->layer >= 0) continue;
+                if (l < L ? (md->layer != l || linear_kind(&m->layout, md->param_index) != k) : md->layer >= 0) continue;
                 fl_lora_slot *sl = &st->slots[n++];
                 float *A = st->params + st->off[2 * j], *Bm = st->params + st->off[2 * j + 1];
                 fl_lora_init_adapter(host + st->off[2 * j], host + st->off[2 * j + 1], cfg->r, md->in, md->out,

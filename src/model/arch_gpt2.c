@@ -70,6 +70,8 @@ const fl_arch_info fl_arch_gpt2 = {
     .hf_layers_key = "n_layer",
     .lora_targets = targets,
     .lora_default = "c_attn",
+    /* PEFT suffix match: c_proj is attn.c_proj and mlp.c_proj */
+    .lora_switch = {"c_attn", "c_attn", "c_attn", "c_proj", "c_proj,c_fc"},
     .check = check,
     .layout = layout,
     .lora_modules = lora_modules,

@@ -71,6 +71,7 @@ const fl_arch_info fl_arch_llama = {
     .hf_layers_key = "num_hidden_layers",
     .lora_targets = targets,
     .lora_default = "q_proj,v_proj",
+    .lora_switch = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj,up_proj,down_proj"},
     .layout = layout,
     .lora_modules = lora_modules,
 };

@@ -174,9 +174,12 @@ void fl_get_outer(const fl_model *m, fl_outer_params *o) {
     int ihd = m->cfg.tie_embeddings ? iwte : fl_layout_role(lay, gh, FL_ROLE_HEAD);
     int ilw = fl_layout_role(lay, gh, FL_ROLE_NORM_F_W), ilb = fl_layout_role(lay, gh, FL_ROLE_NORM_F_B);
     size_t wte = loff(m, iwte), wpe = loff(m, iwpe), hd = loff(m, ihd);
+    /* the position table from the row position 0 reads (OPT's starts 2 rows in: fl_arch_info.pos_offset) */
+    const size_t pos_skip = (size_t)fl_arch_get(m->cfg.arch)->pos_offset * m->cfg.dim;
+    if (iwpe >= 0) wpe += pos_skip;
     /* embeddings: fp32 pointers only with fp32 storage (else fl_embed_* read the 16-bit rows) */
     o->wte_off = fl_model_store_off(m, iwte);
-    o->wpe_off = iwpe >= 0 ? fl_model_store_off(m, iwpe) : (size_t)-1;
+    o->wpe_off = iwpe >= 0 ? fl_model_store_off(m, iwpe) + pos_skip : (size_t)-1;
     const int f32 = m->store_dtype == FL_F32;
     o->wte = f32 ? paddr(m, o->wte_off) : NULL;
     o->dwte = G(m, wte);

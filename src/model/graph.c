@@ -31,9 +31,9 @@ static void op(fl_block_graph *g, fl_gop_kind kind, int in, int out, int a1, int
 }
 
 /* The pre-norm decoder block, by the architecture's flags (fl_arch_info: LLaMA's RMSNorm, RoPE, SwiGLU,
- * GQA; GPT-2's LayerNorm, GELU, biases):
+ * GQA; GPT-2's LayerNorm, GELU, biases; OPT's LayerNorm, ReLU, biases):
  *   x -> norm1 -> qkv -> [rope] -> attention -> o -> (+ x) = res_mid
- *     -> norm2 -> fc -> swiglu | gelu -> proj -> (+ res_mid) = out
+ *     -> norm2 -> fc -> swiglu | gelu | relu -> proj -> (+ res_mid) = out
  * The slots are declared in the order the ops produce them: that order is the arena's layout. */
 static void decoder_block(const fl_model_config *c, fl_block_graph *g) {
     fl_dims d = fl_model_dims(c);
@@ -57,7 +57,7 @@ static void decoder_block(const fl_model_config *c, fl_block_graph *g) {
     op(g, FL_GOP_ADD, X, mid, -1, -1, -1, -1, -1);
     op(g, FL_GOP_NORM, mid, ln2, ln2m, ln2r, 1, FL_ROLE_LN2_W, FL_ROLE_LN2_B);
     op(g, FL_GOP_LINEAR, ln2, fc, -1, -1, 2, FL_ROLE_FC_W, FL_ROLE_FC_B); /* LLaMA: fused (2F, C) [gate | up] */
-    op(g, ai->glu ? FL_GOP_SWIGLU : FL_GOP_GELU, fc, act, -1, -1, -1, -1, -1);
+    op(g, ai->glu ? FL_GOP_SWIGLU : ai->relu ? FL_GOP_RELU : FL_GOP_GELU, fc, act, -1, -1, -1, -1, -1);
     op(g, FL_GOP_LINEAR, act, OUT, -1, -1, 3, FL_ROLE_PROJ_W, FL_ROLE_PROJ_B);
     op(g, FL_GOP_ADD, mid, OUT, -1, -1, -1, -1, -1);
     g->n_norms = 2;
@@ -233,6 +233,7 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
         case FL_GOP_ADD: be->add(be, out, out, in, (size_t)N * wo); break;
         case FL_GOP_SWIGLU: be->swiglu_forward(be, out, in, N, (int)wo); break;
         case FL_GOP_GELU: be->gelu_forward(be, out, in, (size_t)N * wi); break;
+        case FL_GOP_RELU: be->relu_forward(be, out, in, (size_t)N * wi); break;
         }
     }
     return FL_OK;
@@ -268,6 +269,7 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
             break;
         case FL_GOP_SWIGLU: be->swiglu_backward(be, din, dout, s[o->in], N, (int)wo); break;
         case FL_GOP_GELU: be->gelu_backward(be, din, dout, s[o->in], (size_t)N * wi); break;
+        case FL_GOP_RELU: be->relu_backward(be, din, dout, s[o->in], (size_t)N * wi); break;
         case FL_GOP_ADD: break;
         }
     }

@@ -53,6 +53,7 @@ typedef enum {
     FL_GOP_ADD,    /* out += in (the residual connection; both on the residual path) */
     FL_GOP_SWIGLU, /* out (N, F) = silu(in[:, :F]) * in[:, F:] */
     FL_GOP_GELU,   /* out = gelu_tanh(in) */
+    FL_GOP_RELU,   /* out = max(in, 0) */
 } fl_gop_kind;
 
 typedef struct {

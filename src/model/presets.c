@@ -26,6 +26,11 @@ typedef struct {
           .n_heads = NH, .n_kv_heads = NH, .head_dim = C / NH, .max_seq = 1024, .norm_eps = 1e-5f,                   \
           .tie_embeddings = 1, .attention_bias = 1, .mlp_bias = 1}}
 
+#define OPT(nm, C, F, L, NH)                                                                                          \
+    {nm, {.arch = FL_ARCH_OPT, .name = nm, .vocab_size = 50272, .dim = C, .ffn_dim = F, .n_layers = L, .n_heads = NH,  \
+          .n_kv_heads = NH, .head_dim = C / NH, .max_seq = 2048, .norm_eps = 1e-5f, .tie_embeddings = 1,               \
+          .attention_bias = 1, .mlp_bias = 1}}
+
 static const preset k_presets[] = {
     /* CPU-sized LLaMA shapes (the benchmark's "tiny" and "small"). */
     LLAMA("micro", 512, 64, 172, 5, 8, 4, 8, 512, 1e-5f, 10000.0f, 1),
@@ -35,6 +40,10 @@ static const preset k_presets[] = {
     {"gpt2-micro", {.arch = FL_ARCH_GPT2, .name = "gpt2-micro", .vocab_size = 512, .dim = 64, .ffn_dim = 256,
                     .n_layers = 2, .n_heads = 4, .n_kv_heads = 4, .head_dim = 16, .max_seq = 512, .norm_eps = 1e-5f,
                     .tie_embeddings = 1, .attention_bias = 1, .mlp_bias = 1}},
+    /* An OPT shape small enough for tests (byte tokenizer). */
+    {"opt-micro", {.arch = FL_ARCH_OPT, .name = "opt-micro", .vocab_size = 512, .dim = 64, .ffn_dim = 256,
+                   .n_layers = 2, .n_heads = 4, .n_kv_heads = 4, .head_dim = 16, .max_seq = 512, .norm_eps = 1e-5f,
+                   .tie_embeddings = 1, .attention_bias = 1, .mlp_bias = 1}},
     /* The lab's models scaled for a CPU (`fitllm lab`, docs/ARCHITECTURE.md "Planner and lab"):
      * every width (C, F, heads x head_dim, vocabulary) / 16, depth and head structure kept,
      * so parameters scale by ~1/256 and one token's activations per parameter by 16. */
@@ -62,12 +71,22 @@ static const preset k_presets[] = {
     GPT2("gpt2-medium", 1024, 24, 16),
     GPT2("gpt2-large", 1280, 36, 20),
     GPT2("gpt2-xl", 1600, 48, 25),
+    /* OPT (pre-norm sizes; OPT-350m's post-norm blocks and embedding projection are not supported);
+     * opt-2.7b is BLIP-2's language model */
+    OPT("opt-125m", 768, 3072, 12, 12),
+    OPT("opt-1.3b", 2048, 8192, 24, 32),
+    OPT("opt-2.7b", 2560, 10240, 32, 32),
+    OPT("opt-6.7b", 4096, 16384, 32, 32),
 };
 
 /* LitGPT's names (litgpt/config.py) and Hugging Face repo ids of the presets, so
  * that recipes and command lines written for LitGPT name the same model here.
  * Matching ignores case; "org/name" and "name" both match. */
 static const struct { const char *alias, *preset; } k_aliases[] = {
+    {"facebook/opt-125m", "opt-125m"},
+    {"facebook/opt-1.3b", "opt-1.3b"},
+    {"facebook/opt-2.7b", "opt-2.7b"},
+    {"facebook/opt-6.7b", "opt-6.7b"},
     {"tiny-llama-1.1b", "tinyllama-1.1b"},
     {"TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T", "tinyllama-1.1b"},
     {"tiny-llama-1.1b-chat", "tinyllama-1.1b"},

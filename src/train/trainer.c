@@ -78,6 +78,18 @@ static int exists(const char *p) {
 
 /* ---- set-up ------------------------------------------------------------------ */
 
+/* name is a whole item of the comma-separated list */
+static int list_has(const char *list, const char *name) {
+    const size_t n = strlen(name);
+    for (const char *q = list; *q;) {
+        if (!strncmp(q, name, n) && (q[n] == ',' || !q[n])) return 1;
+        const char *comma = strchr(q, ',');
+        if (!comma) break;
+        q = comma + 1;
+    }
+    return 0;
+}
+
 /* LitGPT's lora_* switches (or a PEFT target list) -> an fl_lora_config. */
 fl_status fl_trainer_lora_config(const fl_run_config *c, const fl_model_config *mc, fl_lora_config *lc) {
     char t[256] = "";
@@ -85,19 +97,19 @@ fl_status fl_trainer_lora_config(const fl_run_config *c, const fl_model_config *
     if (a->target_modules[0]) {
         snprintf(t, sizeof t, "%s", a->target_modules);
     } else {
-        int gpt2 = mc->arch == FL_ARCH_GPT2;
+        /* each switch's targets in the architecture's names (fl_arch_info.lora_switch), each module once, in
+         * switch order (GPT-2: q, k, v are all c_attn; PEFT's suffix match makes c_proj both projections) */
+        const fl_arch_info *ai = fl_arch_get(mc->arch);
+        const int on[5] = {a->query, a->key, a->value, a->projection, a->mlp};
         size_t o = 0;
 #define ADD(name) o += (size_t)snprintf(t + o, sizeof t - o, "%s%s", o ? "," : "", name)
-        if (gpt2) {
-            if (a->query || a->key || a->value) ADD("c_attn");
-            if (a->projection || a->mlp) ADD("c_proj"); /* PEFT suffix match: attn.c_proj and mlp.c_proj */
-            if (a->mlp) ADD("c_fc");
-        } else {
-            if (a->query) ADD("q_proj");
-            if (a->key) ADD("k_proj");
-            if (a->value) ADD("v_proj");
-            if (a->projection) ADD("o_proj");
-            if (a->mlp) { ADD("gate_proj"); ADD("up_proj"); ADD("down_proj"); }
+        for (int k = 0; k < 5; k++) {
+            if (!on[k]) continue;
+            char list[128];
+            snprintf(list, sizeof list, "%s", ai->lora_switch[k]);
+            for (char *save = NULL, *name = strtok_r(list, ",", &save); name; name = strtok_r(NULL, ",", &save)) {
+                if (!list_has(t, name)) ADD(name);
+            }
         }
         if (a->head) ADD("lm_head");
 #undef ADD

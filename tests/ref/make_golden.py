@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Golden fixtures for fitllm: forward logits, loss, gradients and 5 AdamW steps
-of two small random HF models (LLaMA with GQA, GPT-2 with tied embeddings).
+of three small random HF models (LLaMA with GQA, GPT-2 with tied embeddings, OPT).
 
 Run from the repo root:
     /work/venv/bin/python tests/ref/make_golden.py [--out tests/fixtures]
 
-Writes tests/fixtures/golden-llama/ and tests/fixtures/golden-gpt2/, each with
+Writes tests/fixtures/golden-llama/, golden-gpt2/ and golden-opt/ (--only NAME: just that one), each with
 config.json + model.safetensors (HF save_pretrained, initial weights) and
 golden.safetensors (see tests/ref/README.md for the exact contents).
 """
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 B, T, V = 2, 40, 257
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
@@ -68,6 +68,19 @@ def init_gpt2(model, seed):
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
             elif name.endswith(".bias"):
                 p.copy_(0.02 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.02 * torch.randn(p.shape, generator=g))
+
+
+def init_opt(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            is_ln = "layer_norm" in name
+            if is_ln and name.endswith(".weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif is_ln and name.endswith(".bias"):
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.02 * torch.randn(p.shape, generator=g))
 
@@ -207,6 +220,8 @@ def main():
     ap.add_argument("--out", default="tests/fixtures")
     ap.add_argument("--add-f64", action="store_true",
                     help="only add the float64 after5_f64.* anchors to the existing golden.safetensors")
+    ap.add_argument("--only", choices=["llama", "gpt2", "opt"],
+                    help="write only this fixture (the others' fp32 tensors depend on the CPU that made them)")
     args = ap.parse_args()
     global ADD_F64_ONLY
     ADD_F64_ONLY = args.add_f64
@@ -214,6 +229,15 @@ def main():
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
 
+    if args.only in (None, "llama"):
+        make_llama(args, cmd)
+    if args.only in (None, "gpt2"):
+        make_gpt2(args, cmd)
+    if args.only in (None, "opt"):
+        make_opt(args, cmd)
+
+
+def make_llama(args, cmd):
     cfg = LlamaConfig(
         hidden_size=96, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
         head_dim=16, intermediate_size=160, vocab_size=V, max_position_embeddings=64,
@@ -228,6 +252,8 @@ def main():
     print("golden-llama")
     build_golden(m, os.path.join(args.out, "golden-llama"), batch_seed=42, cmd=cmd)
 
+
+def make_gpt2(args, cmd):
     cfg = GPT2Config(
         n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=V,
         layer_norm_epsilon=1e-5, activation_function="gelu_new",
@@ -241,6 +267,24 @@ def main():
     assert m.lm_head.weight is m.transformer.wte.weight
     print("golden-gpt2")
     build_golden(m, os.path.join(args.out, "golden-gpt2"), batch_seed=43, cmd=cmd)
+
+
+def make_opt(args, cmd):
+    # OPT: pre-norm LayerNorm blocks with biases, learned positions (table offset 2), ReLU, tied head
+    cfg = OPTConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=96, vocab_size=V,
+        max_position_embeddings=64, word_embed_proj_dim=64, do_layer_norm_before=True,
+        activation_function="relu", enable_bias=True, layer_norm_elementwise_affine=True,
+        dropout=0.0, attention_dropout=0.0, layerdrop=0.0, tie_word_embeddings=True,
+        pad_token_id=1, bos_token_id=2, eos_token_id=2,
+        attn_implementation="eager", dtype=torch.float32)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(9012)
+    m = OPTForCausalLM(cfg).float()
+    init_opt(m, seed=9012)
+    assert m.lm_head.weight is m.model.decoder.embed_tokens.weight
+    print("golden-opt")
+    build_golden(m, os.path.join(args.out, "golden-opt"), batch_seed=44, cmd=cmd)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,22 @@ void fl_cpu_gelu_forward(const fl_backend *be, float *out /*(n)*/, const float *
     }
 }
 
+void fl_cpu_relu_forward(const fl_backend *be, float *out /*(n)*/, const float *inp /*(n)*/, size_t n) {
+    /* FL_VECTORIZE: relu_fwd */
+#pragma omp parallel for simd num_threads(be->n_threads) schedule(static) if (n >= FL_CPU_PAR_MIN)
+    for (size_t i = 0; i < n; i++) out[i] = inp[i] < 0.0f ? 0.0f : inp[i]; /* a NaN stays NaN, as in torch */
+}
+
+void fl_cpu_relu_backward(const fl_backend *be, float *dinp /*(n)*/, const float *dout /*(n)*/, const float *inp /*(n)*/,
+                          size_t n) {
+    /* FL_VECTORIZE: relu_bwd */
+#pragma omp parallel for simd num_threads(be->n_threads) schedule(static) if (n >= FL_CPU_PAR_MIN)
+    for (size_t i = 0; i < n; i++) {
+        const float d = dout[i]; /* loaded unconditionally: a select, not a branch (generic builds vectorize it) */
+        dinp[i] += inp[i] <= 0.0f ? 0.0f : d; /* threshold_backward's rule */
+    }
+}
+
 void fl_cpu_gelu_backward(const fl_backend *be, float *dinp /*(n)*/, const float *dout /*(n)*/,
                           const float *inp /*(n)*/, size_t n) {
     /* FL_VECTORIZE: gelu_bwd */

@@ -34,6 +34,8 @@ static void fill_ops(fl_backend *be) {
     be->swiglu_backward = fl_cpu_swiglu_backward;
     be->gelu_forward = fl_cpu_gelu_forward;
     be->gelu_backward = fl_cpu_gelu_backward;
+    be->relu_forward = fl_cpu_relu_forward;
+    be->relu_backward = fl_cpu_relu_backward;
     be->add = fl_cpu_add;
     be->bias_forward = fl_cpu_bias_forward;
     be->bias_backward = fl_cpu_bias_backward;

@@ -43,6 +43,17 @@ __global__ static void fl_cu_gelu_bwd_k(float *dinp, const float *dout, const fl
     }
 }
 
+/* ReLU (OPT), the CPU backend's rules: a NaN passes, no gradient at 0 (threshold_backward) */
+__global__ static void fl_cu_relu_fwd_k(float *out, const float *inp, size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        out[i] = inp[i] < 0.0f ? 0.0f : inp[i];
+}
+
+__global__ static void fl_cu_relu_bwd_k(float *dinp, const float *dout, const float *inp, size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        dinp[i] += inp[i] <= 0.0f ? 0.0f : dout[i];
+}
+
 static unsigned act_blocks(size_t n) {
     size_t b = (n + 255) / 256;
     return (unsigned)(b > 1024 ? 1024 : b ? b : 1);
@@ -67,5 +78,15 @@ extern "C" int FL_CUK(gelu_forward)(float *out, const float *inp, size_t n, void
 extern "C" int FL_CUK(gelu_backward)(float *dinp, const float *dout, const float *inp, size_t n, void *stream) {
     if (n == 0) return 0;
     FL_CU_LAUNCH(fl_cu_gelu_bwd_k, dim3(act_blocks(n)), dim3(256), 0, (fl_cu_stream)stream, dinp, dout, inp, n);
+    return fl_cu_launch_error();
+}
+extern "C" int FL_CUK(relu_forward)(float *out, const float *inp, size_t n, void *stream) {
+    if (n == 0) return 0;
+    FL_CU_LAUNCH(fl_cu_relu_fwd_k, dim3(act_blocks(n)), dim3(256), 0, (fl_cu_stream)stream, out, inp, n);
+    return fl_cu_launch_error();
+}
+extern "C" int FL_CUK(relu_backward)(float *dinp, const float *dout, const float *inp, size_t n, void *stream) {
+    if (n == 0) return 0;
+    FL_CU_LAUNCH(fl_cu_relu_bwd_k, dim3(act_blocks(n)), dim3(256), 0, (fl_cu_stream)stream, dinp, dout, inp, n);
     return fl_cu_launch_error();
 }
