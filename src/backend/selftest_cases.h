@@ -154,6 +154,12 @@ static void op_gelu_f(const fl_backend *be, float **i, float **o, const int *s) 
 static void op_gelu_b(const fl_backend *be, float **i, float **o, const int *s) {
     be->gelu_backward(be, o[0], i[0], i[1], (size_t)s[0]);
 }
+static void op_relu_f(const fl_backend *be, float **i, float **o, const int *s) {
+    be->relu_forward(be, o[0], i[0], (size_t)s[0]);
+}
+static void op_relu_b(const fl_backend *be, float **i, float **o, const int *s) {
+    be->relu_backward(be, o[0], i[0], i[1], (size_t)s[0]);
+}
 static void op_add(const fl_backend *be, float **i, float **o, const int *s) { be->add(be, o[0], i[0], i[1], (size_t)s[0]); }
 static void op_bias_f(const fl_backend *be, float **i, float **o, const int *s) {
     be->bias_forward(be, o[0], i[0], s[0], s[1]);
@@ -198,11 +204,12 @@ static void op_attn_ex(const fl_backend *be, float **i, float **o, const int *s)
 
 static void st_cases_generic(st_ctx *c) {
     const int N = c->small ? 19 : 517, C = c->small ? 40 : 768, F = c->small ? 45 : 1377, n = c->small ? 3001 : 1000003;
-    static const char *const ops[14] = {"rmsnorm_forward", "rmsnorm_backward", "layernorm_forward", "layernorm_backward",
+    static const char *const ops[16] = {"rmsnorm_forward", "rmsnorm_backward", "layernorm_forward", "layernorm_backward",
                                         "swiglu_forward", "swiglu_backward", "gelu_forward", "gelu_backward", "add",
-                                        "scale", "bias_forward", "bias_backward", "adamw_update", "sgd_update"};
-    char nm[14][64];
-    for (int k = 0; k < 14; k++) {
+                                        "scale", "bias_forward", "bias_backward", "adamw_update", "sgd_update",
+                                        "relu_forward", "relu_backward"};
+    char nm[16][64];
+    for (int k = 0; k < 16; k++) {
         if (k < 4) snprintf(nm[k], sizeof nm[k], "%s %dx%d", ops[k], N, C);
         else if (k < 6 || k == 10 || k == 11) snprintf(nm[k], sizeof nm[k], "%s %dx%d", ops[k], N, F);
         else snprintf(nm[k], sizeof nm[k], "%s %d", ops[k], n);
@@ -231,6 +238,8 @@ static void st_cases_generic(st_ctx *c) {
         {nm[12], 1, 3, {(size_t)n}, {(size_t)n, (size_t)n, (size_t)n}, {-1}, {1}, {1, 1, 2}, 16, 1,
          op_adamw, {n}},
         {nm[13], 1, 2, {(size_t)n}, {(size_t)n, (size_t)n}, {-1}, {1}, {1, 1}, 8, 1, op_sgd, {n}},
+        {nm[14], 1, 1, {(size_t)n}, {(size_t)n}, {-5}, {5}, {0}, 1, 1, op_relu_f, {n}},
+        {nm[15], 2, 1, {(size_t)n, (size_t)n}, {(size_t)n}, {-1, -5}, {1, 5}, {1}, 1, 1, op_relu_b, {n}},
     };
     for (size_t k = 0; k < sizeof g / sizeof g[0]; k++) st_case_gen(c, &g[k]);
     /* RoPE: B 3, T 129, 5 heads of HD 64 in rows of stride 5*64+7, positions from 11 */

@@ -9,7 +9,7 @@
 static void help(void) {
     printf("usage: fitllm selftest [--accelerator cuda|cpu] [--backend NAME] [--only SUBSTRING] [--threads N]\n\n"
            "Runs every op of a backend (GEMMs in every type combination, norms, RoPE, attention forward and\n"
-           "backward, SwiGLU/GELU, cross-entropy, optimizers incl. 8-bit AdamW, 16-bit conversions, NF4\n"
+           "backward, SwiGLU/GELU/ReLU, cross-entropy, optimizers incl. 8-bit AdamW, 16-bit conversions, NF4\n"
            "matmuls, LoRA) on random inputs, and the same op on the CPU backend, and compares every output\n"
            "element against a floating-point error bound of the computation. Prints one line per case (worst\n"
            "error as a fraction of its bound; median time of 5 runs on the tested backend) and exits 1 on any\n"
