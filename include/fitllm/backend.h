@@ -413,10 +413,13 @@ void fl_opaque_backend_free(fl_backend *be);
  * nothing, supports_op says yes), its pool (pool_init) hands out fake addresses that are never
  * dereferenced, so running the real set-up and training step on it costs no memory and little
  * time, while every allocation goes through the accounting pool as on the backend it stands in
- * for. `planned` names that backend ("cpu", the default for NULL, or "cuda"): its scratch_bytes,
- * gemm_widens16 and host_memory are copied (docs/ARCHITECTURE.md "Planner and lab"). */
+ * for. `planned` names that backend, "cpu" or "cuda": its scratch_bytes, gemm_widens16 and
+ * host_memory are copied (docs/ARCHITECTURE.md "Planner and lab"); "cpu" (host memory) is for
+ * fl_trainer_rehearse only, whose code never writes tensors through host pointers. NULL (the
+ * registry's "null", FITLLM_BACKEND=null): a device whose memory the host cannot read (any code
+ * path runs on it, as on the opaque backend) with the CPU's scratch sizes. */
 fl_status fl_null_backend_init_for(fl_backend *be, const char *planned);
-fl_status fl_null_backend_init(fl_backend *be, int n_threads); /* planned "cpu" (the registry's init) */
+fl_status fl_null_backend_init(fl_backend *be, int n_threads); /* planned NULL (the registry's init) */
 void fl_null_backend_free(fl_backend *be);
 
 /* ---- the registry: the backends this build has (src/backend/registry.c) ----------------------

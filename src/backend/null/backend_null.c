@@ -241,7 +241,10 @@ fl_status fl_null_backend_init_for(fl_backend *be, const char *planned) {
     if (!be) return fl_errorf(FL_ERR_INVALID, "fl_null_backend_init: NULL backend");
     memset(be, 0, sizeof *be);
     const int cuda = planned && !strcmp(planned, "cuda");
-    if (planned && !cuda && strcmp(planned, "cpu"))
+    /* standing in for the CPU: host memory, one pool (only fl_trainer_rehearse runs on this: code
+     * paths that write tensors through host pointers, a LoRA merge, a loader, would fault) */
+    const int cpu = planned && !strcmp(planned, "cpu");
+    if (planned && !cuda && !cpu)
         return fl_errorf(FL_ERR_INVALID, "null backend: cannot stand in for '%s' (cpu or cuda)", planned);
     nul *n = calloc(1, sizeof *n);
     if (!n) return fl_errorf(FL_ERR_OOM, "null backend: out of host memory");
@@ -253,7 +256,7 @@ fl_status fl_null_backend_init_for(fl_backend *be, const char *planned) {
     /* the planned backend's facts (plan --accelerator cuda: the GPU's, without a GPU) */
     be->gemm_widens16 = cuda ? fl_cuda_gemm_widens16() : fl_cpu_gemm_widens16();
     be->scratch_bytes = cuda ? fl_cuda_scratch_bytes() : fl_cpu_scratch_bytes();
-    be->host_memory = !cuda;
+    be->host_memory = cpu;
     be->discards = 1;
     be->impl = n;
     be->gemm = n_gemm;
@@ -307,7 +310,7 @@ fl_status fl_null_backend_init_for(fl_backend *be, const char *planned) {
 
 fl_status fl_null_backend_init(fl_backend *be, int n_threads) {
     (void)n_threads;
-    return fl_null_backend_init_for(be, "cpu");
+    return fl_null_backend_init_for(be, NULL);
 }
 
 void fl_null_backend_free(fl_backend *be) {
