@@ -260,6 +260,9 @@ expect ft_oom_at_eval 3 "out of memory during validation" -- "$FITLLM" finetune_
 if [ -d "$T/oom2/logs" ] && [ ! -e "$T/oom2/final" ]; then echo "ok   ft_oom_at_eval_no_final"; pass=$((pass+1))
 else echo "FAIL ft_oom_at_eval_no_final"; ls -R "$T/oom2" 2>&1 | head | sed 's/^/     /'; fail=$((fail+1)); fi
 expect plan_predicts_eval_oom 3 "OUT OF MEMORY during validation \(eval_generate\)" -- "$FITLLM" plan micro "${TR[@]}" --eval.max_new_tokens 8 --max-memory "$need"
+# the planner's null backend as FITLLM_BACKEND=null: a device the host cannot read, so every path of a run
+# (LoRA merge, checkpoint, sample) goes through the backend's copies and nothing faults; the bytes are zeros
+expect null_backend_lora_run 0 "peak total" -- env FITLLM_BACKEND=null "$FITLLM" finetune_lora micro "${TR[@]}" --out_dir "$T/null-lora"
 
 # ---- fitllm lab: the quick suite (make demo) with its verdicts, files and charts ----
 expect lab_bad_suite 2 "not quick, full, ci or fsdp" -- "$FITLLM" lab --suite huge

@@ -250,3 +250,49 @@ FL_TEST(mem_budget_oom_during_setup_names_phase) {
     fl_mem_pool_free(&p);
     fl_cpu_backend_free(&be);
 }
+
+/* fl_mem_pool.account (the null backend standing in for host memory): a host pool's bytes charge
+ * another pool's counters, live bytes, budget and OOM record, its memory being its own; and the
+ * null backend's pools: fake addresses for tensors, real host staging, one set of counters. */
+FL_TEST(mem_account_pool_and_null_pools) {
+    fl_mem_pool dev, host;
+    FL_REQUIRE_OK(fl_mem_pool_init(&dev, "dev", 1000));
+    FL_REQUIRE_OK(fl_mem_pool_init(&host, "host", 0));
+    host.account = &dev;
+    void *a = NULL, *b = NULL, *c = NULL;
+    FL_REQUIRE_OK(fl_mem_alloc(&dev, FL_TAG_PARAMS, 600, &a));
+    FL_REQUIRE_OK(fl_mem_alloc(&host, FL_TAG_WORKSPACE, 300, &b));
+    memset(b, 1, 300); /* the host pool's memory is real */
+    FL_CHECK(dev.cur_total == 900 && dev.cur[FL_TAG_WORKSPACE] == 300 && host.cur_total == 0);
+    fl_mem_set_live(&host, b, 100);
+    FL_CHECK(dev.live[FL_TAG_WORKSPACE] == 100 && dev.live_total == 700);
+    fl_mem_set_phase(&dev, "setup");
+    FL_CHECK(fl_mem_alloc(&host, FL_TAG_OTHER, 101, &c) == FL_ERR_OOM && c == NULL); /* dev's budget */
+    FL_CHECK(dev.oom.valid && dev.oom.requested == 101 && dev.oom.in_use == 900 && dev.oom.tag == FL_TAG_OTHER);
+    FL_CHECK(!host.oom.valid);
+    fl_mem_free(&host, b);
+    FL_CHECK(dev.cur_total == 600 && dev.live_total == 600 && dev.peak_total == 900);
+    fl_mem_free(&dev, a);
+    fl_mem_pool_free(&dev);
+    fl_mem_pool_free(&host);
+
+    fl_backend nb;
+    fl_mem_pool np, nh;
+    FL_REQUIRE_OK(fl_null_backend_init_for(&nb, "cpu"));
+    FL_REQUIRE_OK(fl_backend_pools_init(&nb, &np, &nh, "cpu", 0));
+    FL_CHECK(fl_mem_host_pool(&np) == &nh && nh.account == &np);
+    void *t = NULL, *h = NULL;
+    const size_t big = (size_t)1 << 40; /* 1 TiB of tensor: nothing reserved */
+    FL_REQUIRE_OK(fl_mem_alloc(&np, FL_TAG_PARAMS, big, &t));
+    FL_REQUIRE_OK(fl_mem_alloc(fl_mem_host_pool(&np), FL_TAG_OTHER, 4096, &h));
+    memset(h, 0, 4096);
+    FL_CHECK(t != NULL && np.cur_total == big + 4096 && np.cur[FL_TAG_OTHER] == 4096);
+    float x = 1.0f;
+    FL_REQUIRE_OK(nb.to_host(&nb, &x, t, sizeof x)); /* what the host reads back: zeros */
+    FL_CHECK(x == 0.0f);
+    fl_mem_free(fl_mem_host_pool(&np), h);
+    fl_mem_free(&np, t);
+    FL_CHECK(np.cur_total == 0);
+    fl_backend_pools_free(&np, &nh);
+    fl_backend_free(&nb);
+}

@@ -985,6 +985,22 @@ FL_TEST(ops_backend_vtables) {
         FL_CHECK(bk.name && !strcmp(bk.name, fl_backend_name(bk_i_)) && fl_backend_description(bk_i_) != NULL);
         FL_CHECK(bk.n_threads >= 1);
     }
+    /* the planner's null backend (skipped by the op loops: it computes nothing): registered, its
+     * table complete too, for each backend it stands in for */
+    static const char *stand_in[3] = {NULL, "cpu", "cuda"};
+    for (int k = 0; k < 3; k++) {
+        fl_backend nb;
+        FL_REQUIRE_OK(k ? fl_null_backend_init_for(&nb, stand_in[k]) : fl_backend_init_by_name("null", &nb, 1));
+        void (*const *slots)(void) = (void (*const *)(void))&nb.gemm;
+        int missing = 0;
+        for (size_t i = 0; i < nslots; i++) missing += slots[i] == NULL;
+        FL_CHECKF(missing == 0, "null (%s): %d of %zu vtable slots are NULL", k ? stand_in[k] : "registry", missing,
+                  nslots);
+        FL_CHECK(nb.discards && nb.host_memory == (k == 1) && nb.pool_init != NULL);
+        fl_backend_free(&nb);
+    }
+    fl_backend nb;
+    FL_CHECK(fl_null_backend_init_for(&nb, "tpu") == FL_ERR_INVALID);
     fl_backend none;
     FL_CHECK(fl_backend_init_by_name("no-such-backend", &none, 1) == FL_ERR_INVALID);
     FL_CHECK(strstr(fl_error_message(), "no-such-backend") && strstr(fl_error_message(), "cpu, ref"));

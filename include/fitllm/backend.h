@@ -91,6 +91,11 @@ struct fl_backend {
                              * widen it once itself (the chunked lm_head: fl_act_opts.head_widen) */
     size_t scratch_bytes;   /* bytes of the op scratch the caller lends (set_scratch below; 0: none) */
     int host_memory; /* 1: the device's buffers are host memory (cpu, ref): code may share one pool for tensors and host staging */
+    /* 1: the null backend (the planner's, src/backend/null/): its ops and copies do nothing and its
+     * pool hands out addresses nobody may touch, so host code may skip producing tensor bytes that
+     * nothing will read (the random init's values, a LoRA init's, a 4-bit quantization); it must
+     * still make every allocation it would make otherwise (that is what the planner measures). */
+    int discards;
     /* Several ranks (data-parallel training): a communicator whose collectives take this backend's
      * device memory, made over the host communicator `host` (same ranks; collective over it: every
      * rank calls it at the same point). NULL slot, or *out = NULL: the host communicator's own
@@ -406,6 +411,20 @@ fl_status fl_ref_backend_init(fl_backend *be);
  * A testing aid: FITLLM_TEST_BACKEND=opaque (tests), FITLLM_BACKEND=opaque (CLI). */
 fl_status fl_opaque_backend_init(fl_backend *be, int n_threads);
 void fl_opaque_backend_free(fl_backend *be);
+
+/* The null backend (src/backend/null/): the planner's. Every op and copy is a no-op that touches
+ * no memory (to_host writes zeros into the host buffer, sumsq returns 0, check_finite finds
+ * nothing, supports_op says yes), its pool (pool_init) hands out fake addresses that are never
+ * dereferenced, so running the real set-up and training step on it costs no memory and little
+ * time, while every allocation goes through the accounting pool as on the backend it stands in
+ * for. `planned` names that backend, "cpu" or "cuda": its scratch_bytes, gemm_widens16 and
+ * host_memory are copied (docs/ARCHITECTURE.md "Planner and lab"); "cpu" (host memory) is for
+ * fl_trainer_rehearse only, whose code never writes tensors through host pointers. NULL (the
+ * registry's "null", FITLLM_BACKEND=null): a device whose memory the host cannot read (any code
+ * path runs on it, as on the opaque backend) with the CPU's scratch sizes. */
+fl_status fl_null_backend_init_for(fl_backend *be, const char *planned);
+fl_status fl_null_backend_init(fl_backend *be, int n_threads); /* planned NULL (the registry's init) */
+void fl_null_backend_free(fl_backend *be);
 
 /* ---- the registry: the backends this build has (src/backend/registry.c) ----------------------
  * In a fixed order: "cpu" (the fast CPU ops), "ref" (the portable scalar reference); a build

@@ -113,6 +113,12 @@ typedef struct fl_mem_pool {
      * on this pool's tensors takes its host staging (file reads, conversions, checkpoint
      * writes). NULL: this pool's memory is host memory, staging comes from it too. */
     struct fl_mem_pool *host;
+    /* The pool whose counters, budget, fault injection and OOM record this pool's allocations
+     * charge (NULL: its own). The memory still comes from this pool's raw allocator. The planner
+     * plans a backend with host memory (one pool for tensors and host staging) on the null
+     * backend: its tensors get addresses nobody may touch, while the host staging that host code
+     * writes must be real memory, charged to the same counters (src/plan/plan.c). */
+    struct fl_mem_pool *account;
 } fl_mem_pool;
 
 /* The pool host staging for p's tensors comes from: p->host, or p itself (host memory). */

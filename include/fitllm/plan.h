@@ -7,14 +7,15 @@
  * run generates a sample at evaluation), the peak, and
  * the verdict: fits, or out of memory at which phase, tag and allocation.
  *
- * One source of truth: the planner does not have a formula of its own. It
- * replays the trainer's allocation sequence (src/train/trainer.c: model load
- * PARAMS; set-up GRADS, OPTIM, ACTS + WORKSPACE, OTHER step buffers; the KV
- * cache and sampler of the evaluation sample) with the sizes returned by the
- * runtime's sizing functions (fl_sizing_param_count, fl_optim_state_bytes,
- * fl_sizing_acts, fl_sizing_generate) on an fl_mem_pool whose raw allocator
- * hands out no memory. So the budget check, the per-tag counters, the phase
- * snapshots and the OOM record are the allocator's own code.
+ * One source of truth: the planner does not have a formula of its own. For one
+ * process it runs the trainer's own set-up and first step (fl_trainer_rehearse:
+ * model load, gradients or adapters, optimizer state, activations, step buffers,
+ * forward, backward, update, the evaluation sample) on the null backend, whose
+ * ops do nothing and whose pool hands out addresses that are never touched: the
+ * allocations, the budget check, the per-tag counters, the phase snapshots and
+ * the OOM record are the runtime's own. One rank of a multi-rank run (DDP, ZeRO,
+ * FSDP) is still a replay of its allocations with the runtime's sizing functions
+ * (src/plan/plan.c replay_sharded).
  *
  * Data dependence: the trainer sizes activations for T = the longest sample,
  * capped by train.max_seq_length and the model context. The planner does not
@@ -116,7 +117,7 @@ typedef struct {
     /* the verdict under the budget */
     fl_plan_verdict verdict;
     fl_mem_oom oom;            /* FL_PLAN_OOM: the first allocation that fails (the allocator's record) */
-    char oom_what[96];         /* which buffer, e.g. "AdamW state exp_avg_sq" */
+    char oom_what[96];         /* which buffer, as the failing allocation site says, e.g. "allocating AdamW state" */
     char oom_step[32];         /* the planned phase it belongs to, e.g. "before_fwd" (set-up) or "eval_generate" */
     char unavailable[256];     /* FL_PLAN_UNAVAILABLE: what is missing */
     int max_micro_batch_size;  /* largest divisor of the global batch that fits; 0 none; -1 no budget */

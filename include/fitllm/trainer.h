@@ -93,6 +93,18 @@ double fl_trainer_eta(double session_seconds, long session_steps, long steps_lef
 fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, fl_step_hook hook, void *hook_ud,
                          fl_trainer_result *res);
 
+/* The planner's run (src/plan/plan.c): the trainer's own set-up and first optimizer step, with
+ * its own functions (model load, set-up, the step), on backend `be` (the null backend) with a
+ * pool of `budget` bytes (0: none). The model is *mc created and randomly initialized (no
+ * weights read); the step is `accum` micro-batches of (B, T) tokens (no data read); with
+ * gen_prompt > 0 the evaluation follows (a forward without gradients, then the sample of
+ * eval.max_new_tokens after a prompt of gen_prompt tokens), snapshotted as "eval_generate" at
+ * its first sampled token. Single process (devices x num_nodes ranks are the caller's
+ * business). res gets the peaks, the snapshots and, on FL_ERR_OOM, the failed allocation; the
+ * error message names the allocation site. */
+fl_status fl_trainer_rehearse(const fl_run_config *cfg, const fl_model_config *mc, const fl_backend *be,
+                              size_t budget, int B, int T, int accum, int gen_prompt, fl_trainer_result *res);
+
 /* Data-parallel training (DDP / NO_SHARD) over comm: every rank of comm calls this with the same
  * configuration, whose devices x num_nodes must equal the communicator's size. Each rank trains
  * its share of every step's global batch (global micro-batch j of a step is rank j % size's) and

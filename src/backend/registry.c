@@ -26,15 +26,17 @@ static fl_backend_entry g_backends[MAX_BACKENDS] = {
     {"ref", "the portable reference: the same ops on one thread, naive GEMM", ref_init, fl_cpu_backend_free},
     {"opaque", "a testing aid: the CPU ops over memory the host cannot read outside them", fl_opaque_backend_init,
      fl_opaque_backend_free},
+    {"null", "the planner's: ops that do nothing over memory that does not exist (fitllm plan)",
+     fl_null_backend_init, fl_null_backend_free},
 #ifdef FL_HAVE_CUDA
     {"cuda", "NVIDIA GPUs (EXPERIMENTAL): CUDA kernels, cuBLASLt, device memory", fl_cuda_backend_init,
      fl_cuda_backend_free},
 #endif
 };
 #ifdef FL_HAVE_CUDA
-static int g_n_backends = 4;
+static int g_n_backends = 5;
 #else
-static int g_n_backends = 3;
+static int g_n_backends = 4;
 #endif
 #define N_BACKENDS g_n_backends
 
@@ -96,6 +98,18 @@ fl_status fl_backend_pools_init(const fl_backend *be, fl_mem_pool *dev, fl_mem_p
     if (host) memset(host, 0, sizeof *host);
     /* a backend without pool_init is host memory (the default of the contract) */
     FL_TRY(be->pool_init ? be->pool_init(be, dev, name, budget) : fl_mem_pool_init(dev, name, budget));
+    if (be->discards && be->host_memory && host) {
+        /* the null backend standing in for host memory: one pool's counters as on the CPU, but the
+         * host staging that host code writes is real memory (a host pool charging dev's counters) */
+        fl_status s = fl_mem_pool_init(host, name ? name : "pool", 0);
+        if (s != FL_OK) {
+            fl_mem_pool_free(dev);
+            return s;
+        }
+        host->account = dev;
+        dev->host = host;
+        return FL_OK;
+    }
     if (be->host_memory || !host) return FL_OK;
     char hn[32];
     snprintf(hn, sizeof hn, "%s host", name ? name : "pool");

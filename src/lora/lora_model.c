@@ -82,8 +82,9 @@ fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t se
                 if (l < L ? (md->layer != l || linear_kind(&m->layout, md->param_index) != k) : md->layer >= 0) continue;
                 fl_lora_slot *sl = &st->slots[n++];
                 float *A = st->params + st->off[2 * j], *Bm = st->params + st->off[2 * j + 1];
-                fl_lora_init_adapter(host + st->off[2 * j], host + st->off[2 * j + 1], cfg->r, md->in, md->out,
-                                     seed + (uint64_t)j * 0x9e3779b97f4a7c15ULL);
+                if (!m->be->discards) /* the planner's null backend keeps no values */
+                    fl_lora_init_adapter(host + st->off[2 * j], host + st->off[2 * j + 1], cfg->r, md->in, md->out,
+                                         seed + (uint64_t)j * 0x9e3779b97f4a7c15ULL);
                 sl->A = A;
                 sl->B = Bm;
                 sl->dA = st->grads + st->off[2 * j];

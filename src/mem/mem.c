@@ -137,29 +137,30 @@ static fl_status fail_oom(fl_mem_pool *p, fl_mem_tag tag, size_t bytes, int os_r
 fl_status fl_mem_alloc(fl_mem_pool *p, fl_mem_tag tag, size_t bytes, void **out) {
     *out = NULL;
     if (tag < 0 || tag >= FL_TAG_COUNT) return fl_errorf(FL_ERR_INTERNAL, "fl_mem_alloc: bad tag %d", (int)tag);
-    if (p->fail_after >= 0) {
-        if (p->fail_after == 0) return fail_oom(p, tag, bytes, 1);
-        p->fail_after--;
+    fl_mem_pool *a = p->account ? p->account : p; /* whose counters, budget and OOM record */
+    if (a->fail_after >= 0) {
+        if (a->fail_after == 0) return fail_oom(a, tag, bytes, 1);
+        a->fail_after--;
     }
-    if (p->budget && (bytes > p->budget || p->cur_total > p->budget - bytes)) return fail_oom(p, tag, bytes, 0);
+    if (a->budget && (bytes > a->budget || a->cur_total > a->budget - bytes)) return fail_oom(a, tag, bytes, 0);
     void *ptr = p->raw_alloc(bytes, p->raw_ud);
-    if (!ptr) return fail_oom(p, tag, bytes, 1);
+    if (!ptr) return fail_oom(a, tag, bytes, 1);
     /* weights, optimizer state and token buffers hold their data from the start; gradients,
      * activations and scratch hold nothing needed until their owner says so (fl_mem_set_live) */
     size_t live = (tag == FL_TAG_PARAMS || tag == FL_TAG_OPTIM || tag == FL_TAG_OTHER || tag == FL_TAG_GATHER) ? bytes : 0;
     if (insert_entry(p, ptr, bytes, live, tag) != 0) {
         p->raw_free(ptr, bytes, p->raw_ud);
-        return fail_oom(p, tag, bytes, 1);
+        return fail_oom(a, tag, bytes, 1);
     }
-    p->n_allocs++;
-    p->cur[tag] += bytes;
-    p->cur_total += bytes;
-    p->live[tag] += live;
-    p->live_total += live;
-    if (p->cur[tag] > p->peak[tag]) p->peak[tag] = p->cur[tag];
-    if (p->cur_total > p->peak_total) p->peak_total = p->cur_total;
-    if (p->cur[tag] > p->phase_peak[tag]) p->phase_peak[tag] = p->cur[tag];
-    if (p->cur_total > p->phase_peak_total) p->phase_peak_total = p->cur_total;
+    a->n_allocs++;
+    a->cur[tag] += bytes;
+    a->cur_total += bytes;
+    a->live[tag] += live;
+    a->live_total += live;
+    if (a->cur[tag] > a->peak[tag]) a->peak[tag] = a->cur[tag];
+    if (a->cur_total > a->peak_total) a->peak_total = a->cur_total;
+    if (a->cur[tag] > a->phase_peak[tag]) a->phase_peak[tag] = a->cur[tag];
+    if (a->cur_total > a->phase_peak_total) a->phase_peak_total = a->cur_total;
     *out = ptr;
     return FL_OK;
 }
@@ -174,10 +175,11 @@ void fl_mem_free(fl_mem_pool *p, void *ptr) {
     if (!ptr) return;
     fl_mem_entry *e = find_slot(p, ptr);
     if (!e) return; /* not ours: ignore rather than corrupt the counts */
-    p->cur[e->tag] -= e->bytes;
-    p->cur_total -= e->bytes;
-    p->live[e->tag] -= e->live;
-    p->live_total -= e->live;
+    fl_mem_pool *a = p->account ? p->account : p;
+    a->cur[e->tag] -= e->bytes;
+    a->cur_total -= e->bytes;
+    a->live[e->tag] -= e->live;
+    a->live_total -= e->live;
     p->raw_free(ptr, e->bytes, p->raw_ud);
     e->ptr = TOMB;
     p->tab_len--;
@@ -187,8 +189,9 @@ void fl_mem_set_live(fl_mem_pool *p, const void *ptr, size_t bytes) {
     fl_mem_entry *e = ptr ? find_slot(p, ptr) : NULL;
     if (!e) return;
     if (bytes > e->bytes) bytes = e->bytes;
-    p->live[e->tag] = p->live[e->tag] - e->live + bytes;
-    p->live_total = p->live_total - e->live + bytes;
+    fl_mem_pool *a = p->account ? p->account : p;
+    a->live[e->tag] = a->live[e->tag] - e->live + bytes;
+    a->live_total = a->live_total - e->live + bytes;
     e->live = bytes;
 }
 

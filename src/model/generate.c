@@ -77,6 +77,11 @@ fl_status fl_kv_cache_init(fl_kv_cache *kv, const fl_model *m, int max_T) {
         fl_kv_cache_free(kv);
         return fl_error_prefix(s, "allocating the KV cache (%d positions)", max_T);
     }
+    /* live: what every later decode step reads (the cache's positions as they fill, the RoPE tables) */
+    fl_mem_set_live(m->pool, kv->k, SIZE_MAX);
+    fl_mem_set_live(m->pool, kv->v, SIZE_MAX);
+    fl_mem_set_live(m->pool, kv->rope_cos, SIZE_MAX);
+    fl_mem_set_live(m->pool, kv->rope_sin, SIZE_MAX);
     return FL_OK;
 }
 

@@ -117,6 +117,8 @@ fl_status fl_model_init_ex(fl_model *m, const fl_model_config *cfg, const fl_bac
         off += (int)fl_q4_bytes(p->numel, m->storage.q4_double_quant);
     }
     if (s != FL_OK) {
+        const fl_dtype dt = m->store_dtype;
+        const int q4 = m->storage.quant4;
         fl_mem_free(pool, m->pstage);
         fl_mem_free(pool, m->q4_mem);
         fl_mem_free(pool, m->p16);
@@ -125,7 +127,7 @@ fl_status fl_model_init_ex(fl_model *m, const fl_model_config *cfg, const fl_bac
         free(m->q4);
         fl_layout_free(&m->layout);
         memset(m, 0, sizeof *m);
-        return fl_error_prefix(s, "allocating parameters");
+        return fl_error_prefix(s, "allocating parameters (%s%s)", fl_dtype_name(dt), q4 ? ", 4-bit linears" : "");
     }
     m->prec = *fl_precision_get(m->store_dtype == FL_BF16 ? FL_PREC_BF16_TRUE
                                 : m->store_dtype == FL_F16 ? FL_PREC_16_TRUE
@@ -366,7 +368,7 @@ fl_status fl_model_alloc_grads(fl_model *m) {
             m->g16 = NULL;
         }
     }
-    return s == FL_OK ? s : fl_error_prefix(s, "allocating gradients");
+    return s == FL_OK ? s : fl_error_prefix(s, "allocating gradients (%s)", fl_dtype_name(m->store_dtype));
 }
 
 void fl_model_zero_grads(fl_model *m) {
@@ -441,6 +443,10 @@ fl_status fl_model_init_random_ex(fl_model *m, uint64_t seed) {
      * staging (WORKSPACE, freed at the end; the planner counts it in "model load") */
     float *q4tmp = NULL;
     FL_TRY(fl_model_q4_staging(m, &q4tmp));
+    if (m->be && m->be->discards) { /* the planner's null backend: the same allocations, no values */
+        fl_mem_free(fl_mem_host_pool(m->pool), q4tmp);
+        return FL_OK;
+    }
     enum { SLICE = 16384 };
     float *slice = malloc(SLICE * sizeof(float) + SLICE * sizeof(uint16_t));
     if (!slice) {

@@ -1,10 +1,17 @@
 /* The memory planner: see include/fitllm/plan.h.
  *
- * The trainer's allocation sequence is replayed on an fl_mem_pool whose raw
- * allocator returns fake addresses (no memory is touched), with the sizes the
- * runtime's sizing functions return. When a technique lands in the runtime,
- * two places here change: k_tech (availability) and run_program() (its
- * allocations, through the sizing functions the runtime then uses). */
+ * One process (devices x num_nodes = 1): the plan RUNS the trainer's own set-up and first
+ * step (fl_trainer_rehearse: model load, gradients or adapters, optimizer state, activations,
+ * step buffers, forward, backward, update, the evaluation sample) on the null backend, whose
+ * ops do nothing and whose pool hands out fake addresses: the phases, peaks, per-tag bytes and
+ * the first failing allocation under a budget are the runtime's by construction. A technique
+ * that lands in the runtime is planned with no change here but its row in k_tech.
+ *
+ * Several ranks (DDP, ZeRO-1/2, FSDP FULL_SHARD, HYBRID_SHARD): replay_sharded() below is the
+ * one remaining hand-kept replay of the trainer's allocations, rank by rank (its collectives'
+ * scratch and the FULL_SHARD gather schedule need the other ranks, which a single process
+ * planning one rank does not have); tests/test_fsdp.c and tests/test_zero.c hold it to the
+ * runtime's numbers. */
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -166,6 +173,7 @@ static int has_val_split(const fl_run_config *c) {
 
 typedef struct {
     fl_model_config mc;
+    fl_status *err;      /* where a run that failed for another reason than memory says so (may be NULL) */
     int T;
     int gen;             /* sample generation at evaluation */
     int n_prompt, cap;   /* its prompt tokens and KV capacity */
@@ -297,10 +305,12 @@ static void fs_backward(fsdp_sim *f) {
     fs_ready(f, 0);
 }
 
-/* The trainer's allocations, in its order (fl_trainer_run). Stops at the
- * first failure like the trainer does. The one place that knows which
- * buffers a run holds: extend it together with the runtime. */
-static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, const fl_optim_config *oc, int B,
+/* THE REMAINING REPLAY: the allocations of one rank of a data-parallel run (DDP, ZeRO-1/2,
+ * FULL_SHARD, HYBRID_SHARD), in the trainer's order (fl_trainer_run_comm), through the sizing
+ * functions the runtime uses. Stops at the first failure like the trainer does. One process is
+ * not planned here (rehearse() runs the real code); this still has to follow the runtime by
+ * hand for several ranks: a technique that changes a rank's buffers changes this too. */
+static void replay_sharded(program *g, const plan_ctx *x, const fl_run_config *c, const fl_optim_config *oc, int B,
                         int accum) {
     const fl_model_config *mc = &x->mc;
     const size_t n = fl_sizing_param_count(mc);
@@ -576,15 +586,59 @@ static void run_program(program *g, const plan_ctx *x, const fl_run_config *c, c
     for (int i = 0; i < k; i++) fl_mem_free(&g->pool, p[i]);
 }
 
-/* Run the program; returns 1 if it fits. out (may be NULL) gets the phases,
- * peaks and the OOM record. */
+/* The snapshot an allocation that fails before snapshot i precedes (one process) */
+static const char *k_steps[] = {"after_load", "before_fwd", "after_fwd", "after_bwd", "after_opt_step",
+                                "eval_generate"};
+
+/* One process: the trainer's real set-up and first step on the null backend standing in for
+ * the CPU or (plan --accelerator cuda) the GPU; same contract as simulate(). */
+static int rehearse(const plan_ctx *x, const fl_run_config *c, const fl_optim_config *oc, int B, int accum,
+                    size_t budget, fl_plan *out, size_t *peak_total) {
+    fl_run_config v = *c;
+    v.optimizer = *oc;
+    fl_backend be;
+    fl_trainer_result r;
+    memset(&r, 0, sizeof r);
+    fl_status s = fl_null_backend_init_for(&be, x->cuda ? "cuda" : "cpu");
+    if (s == FL_OK) {
+        s = fl_trainer_rehearse(&v, &x->mc, &be, budget, B, x->T, accum, x->gen ? x->n_prompt : 0, &r);
+        fl_null_backend_free(&be);
+    }
+    const int oom = s == FL_ERR_OOM && r.oom.valid;
+    if (s != FL_OK && !oom && x->err && *x->err == FL_OK) *x->err = s; /* not a memory verdict: an error */
+    if (peak_total) *peak_total = r.peak_total;
+    if (out) {
+        if (!budget) {
+            out->n_phases = r.n_phases < FL_PLAN_MAX_PHASES ? r.n_phases : FL_PLAN_MAX_PHASES;
+            memcpy(out->phases, r.phases, (size_t)out->n_phases * sizeof *out->phases);
+            memcpy(out->peak, r.peak, sizeof out->peak);
+            out->peak_total = r.peak_total;
+        } else if (oom) {
+            /* what failed, as the allocation site says it: the message up to the pool's own words */
+            const char *m = fl_error_message(), *e = strstr(m, "out of memory on ");
+            size_t n = e ? (size_t)(e - m) : strlen(m);
+            while (n && (m[n - 1] == ' ' || m[n - 1] == ':')) n--;
+            if (n) snprintf(out->oom_what, sizeof out->oom_what, "%.*s", (int)n, m);
+            else snprintf(out->oom_what, sizeof out->oom_what, "%s buffer", fl_mem_tag_name(r.oom.tag));
+            out->oom = r.oom;
+            const int k = r.n_phases < (int)(sizeof k_steps / sizeof *k_steps) ? r.n_phases
+                                                                               : (int)(sizeof k_steps / sizeof *k_steps) - 1;
+            snprintf(out->oom_step, sizeof out->oom_step, "%s", k_steps[k]);
+        }
+    }
+    return s == FL_OK;
+}
+
+/* Plan one run; returns 1 if it fits. out (may be NULL) gets the phases, peaks and the OOM
+ * record. One process runs the real code (rehearse), several ranks the replay. */
 static int simulate(const plan_ctx *x, const fl_run_config *c, const fl_optim_config *oc, int B, int accum,
                     size_t budget, fl_plan *out, size_t *peak_total) {
+    if (c->devices * c->num_nodes == 1) return rehearse(x, c, oc, B, accum, budget, out, peak_total);
     program g;
     memset(&g, 0, sizeof g);
     g.next = 4096;
     if (fl_mem_pool_init_raw(&g.pool, "cpu", FL_DEV_CUDA, budget, fake_alloc, fake_free, &g.next) != FL_OK) return 0;
-    run_program(&g, x, c, oc, B, accum);
+    replay_sharded(&g, x, c, oc, B, accum);
     if (peak_total) *peak_total = g.pool.peak_total;
     if (out) {
         if (!budget) {
@@ -818,6 +872,8 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
                                   "reduce-scatter: the chunk" : "gradients whole (all-reduced)");
     plan_ctx x;
     memset(&x, 0, sizeof x);
+    fl_status err = FL_OK;
+    x.err = &err;
     x.rank = p->rank;
     x.cuda = opts.cuda;
     x.comm_threads = opts.comm_threads;
@@ -884,6 +940,8 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
         return FL_OK;
     }
     simulate(&x, c, &c->optimizer, p->B, p->accum, 0, p, NULL); /* what the run needs */
+    if (err != FL_OK) return err; /* the run itself fails (not for memory): the same error */
+    x.err = NULL;                 /* the variants below: a failing one just does not fit */
     if (!p->budget) {
         p->verdict = FL_PLAN_FITS;
         p->max_micro_batch_size = -1;

@@ -118,14 +118,21 @@ fl_status fl_trainer_lora_config(const fl_run_config *c, const fl_model_config *
     return fl_lora_config_init(lc, mc, a->r, a->alpha, a->dropout, a->use_rslora, t);
 }
 
-static fl_status load_model_and_tokenizer(trainer *t) {
+/* The run's model. given (the planner's, fl_trainer_rehearse): that configuration, created and
+ * randomly initialized as a preset is (no weights read: the loader's allocations are the random
+ * init's, one 4-bit weight's fp32 staging at most). */
+static fl_status load_model(trainer *t, const fl_model_config *given) {
     const fl_run_config *c = t->cfg;
     fl_model_config mc;
     const char *ck = c->checkpoint_dir;
     int have_weights = 0;
     int have_cfg = 0; /* pretrain: model_config fields, a config.json, or model_name */
-    if (c->command == FL_CMD_PRETRAIN) FL_TRY(fl_cfg_model_config(c, &mc, &have_cfg));
-    if (have_cfg) {
+    if (!given && c->command == FL_CMD_PRETRAIN) FL_TRY(fl_cfg_model_config(c, &mc, &have_cfg));
+    if (given) {
+        FL_TRY(fl_model_init_ex(&t->model, given, &t->be, &t->pool, &t->stg));
+        t->model_ok = 1;
+        FL_TRY(fl_model_init_random_ex(&t->model, c->seed));
+    } else if (have_cfg) {
         FL_TRY(fl_model_init_ex(&t->model, &mc, &t->be, &t->pool, &t->stg));
         t->model_ok = 1;
         FL_TRY(fl_model_init_random_ex(&t->model, c->seed));
@@ -166,8 +173,13 @@ static fl_status load_model_and_tokenizer(trainer *t) {
     if (c->train.tie_embeddings >= 0 && c->train.tie_embeddings != t->model.cfg.tie_embeddings)
         return fl_errorf(FL_ERR_UNSUPPORTED, "train.tie_embeddings=%d differs from the model's tie_word_embeddings=%d",
                          c->train.tie_embeddings, t->model.cfg.tie_embeddings);
+    return FL_OK;
+}
 
-    /* Tokenizer: the model folder's, an explicit tokenizer_dir, or the built-in bytes. */
+/* Tokenizer: the model folder's, an explicit tokenizer_dir, or the built-in bytes. */
+static fl_status load_tokenizer(trainer *t) {
+    const fl_run_config *c = t->cfg;
+    const char *ck = c->checkpoint_dir;
     const char *td = c->tokenizer_dir[0] ? c->tokenizer_dir : NULL;
     if (!td && ck[0] && exists(ck)) {
         struct stat st;
@@ -287,6 +299,30 @@ static fl_status validate(trainer *t, int max_iters, double *loss) {
     return FL_OK;
 }
 
+/* The evaluation sample's model part (generate_example's, and the planner's): the adapters in
+ * evaluation mode, a KV cache of n + eval.max_new_tokens positions, fl_generate at temperature
+ * 0.8 from the n prompt ids, the cache freed. eos: NULL or one id. cb, ud: fl_generate's. */
+static fl_status sample_tokens(trainer *t, const int32_t *ids, int n, const int32_t *eos, int32_t *gen, int *n_out,
+                               fl_gen_callback cb, void *ud) {
+    const fl_run_config *c = t->cfg;
+    fl_kv_cache kv;
+    memset(&kv, 0, sizeof kv);
+    fl_model_lora_set_train(&t->model, 0);
+    fl_status s = fl_kv_cache_init(&kv, &t->model, n + c->eval.max_new_tokens);
+    if (s == FL_OK) {
+        fl_gen_params gp;
+        fl_gen_params_default(&gp);
+        gp.max_new_tokens = c->eval.max_new_tokens;
+        gp.temperature = 0.8f;
+        gp.seed = c->seed;
+        fl_gen_stop why;
+        s = fl_generate(&t->model, &kv, ids, n, &gp, eos, eos ? 1 : 0, gen, n_out, &why, cb, ud);
+        fl_kv_cache_free(&kv);
+    }
+    fl_model_lora_set_train(&t->model, 1);
+    return s;
+}
+
 /* LitGPT's generate_example: the fixed instruction through the prompt style,
  * sampled at temperature 0.8, printed to show what the model has learned.
  * Pretraining has no instructions: the prompt is the first FL_PRETRAIN_PROMPT_TOKENS
@@ -303,9 +339,8 @@ static fl_status generate_example(trainer *t) {
     char *prompt = NULL, *text = NULL;
     int32_t *ids = NULL, *gen = NULL;
     size_t n = 0, len = 0;
-    fl_kv_cache kv;
-    memset(&kv, 0, sizeof kv);
-    int kv_ok = 0;
+    int n_out = 0;
+    int32_t eos = -1;
     fl_status s = FL_OK;
     if (c->command == FL_CMD_PRETRAIN && t->data && fl_data_count(t->data, FL_SPLIT_VAL) > 0) {
         const fl_sample *sm = fl_data_get(t->data, FL_SPLIT_VAL, 0);
@@ -327,29 +362,14 @@ static fl_status generate_example(trainer *t) {
                 "context of %d)\n", n, c->eval.max_new_tokens, t->model.cfg.max_seq);
         goto out;
     }
-    fl_model_lora_set_train(&t->model, 0);
-    if (s == FL_OK) s = fl_kv_cache_init(&kv, &t->model, cap);
-    kv_ok = s == FL_OK;
     gen = malloc((size_t)c->eval.max_new_tokens * sizeof *gen);
     if (s == FL_OK && !gen) s = fl_errorf(FL_ERR_OOM, "out of host memory");
-    if (s == FL_OK) {
-        fl_gen_params gp;
-        fl_gen_params_default(&gp);
-        gp.max_new_tokens = c->eval.max_new_tokens;
-        gp.temperature = 0.8f;
-        gp.seed = c->seed;
-        int32_t eos = fl_tok_eos_id(t->tok);
-        int n_out = 0;
-        fl_gen_stop why;
-        s = fl_generate(&t->model, &kv, ids, (int)n, &gp, eos >= 0 ? &eos : NULL, eos >= 0 ? 1 : 0, gen, &n_out, &why,
-                        NULL, NULL);
-        if (s == FL_OK) s = fl_tok_decode(t->tok, gen, (size_t)n_out, 1, &text, &len);
-        /* pretrain: the text prefix and its continuation read as one text */
-        if (s == FL_OK) fprintf(t->out, "%s%s%s\n", instruction, c->command == FL_CMD_PRETRAIN ? "" : "\n", text);
-    }
+    if (s == FL_OK) eos = fl_tok_eos_id(t->tok);
+    if (s == FL_OK) s = sample_tokens(t, ids, (int)n, eos >= 0 ? &eos : NULL, gen, &n_out, NULL, NULL);
+    if (s == FL_OK) s = fl_tok_decode(t->tok, gen, (size_t)n_out, 1, &text, &len);
+    /* pretrain: the text prefix and its continuation read as one text */
+    if (s == FL_OK) fprintf(t->out, "%s%s%s\n", instruction, c->command == FL_CMD_PRETRAIN ? "" : "\n", text);
 out:
-    fl_model_lora_set_train(&t->model, 1);
-    if (kv_ok) fl_kv_cache_free(&kv);
     free(gen);
     free(text);
     free(ids);
@@ -517,6 +537,182 @@ fl_status fl_trainer_storage(const fl_run_config *c, const fl_precision *p, fl_m
     return FL_OK;
 }
 
+/* ---- the pieces fl_trainer_run and fl_trainer_rehearse share ------------------------------
+ * The planner runs these same functions on the null backend (fl_trainer_rehearse): whatever
+ * they allocate is what the plan shows, so a change here is planned without touching plan.c. */
+
+/* "model load": the model (given: see load_model), its precision policy's compute copy, then
+ * the after_load snapshot (the weights alone). */
+static fl_status setup_model(trainer *t, const fl_precision *prec, const fl_model_config *given) {
+    fl_mem_set_phase(&t->pool, "model load");
+    FL_TRY(load_model(t, given));
+    FL_TRY(fl_model_set_precision(&t->model, prec));
+    fl_mem_snapshot(&t->pool, "after_load");
+    return FL_OK;
+}
+
+/* "setup": gradients (or the LoRA adapters), optimizer state, the activation arena for
+ * (t->B, t->T) and the step's buffers for t->accum micro-batches (t->G global). */
+static fl_status setup_training(trainer *t, const fl_run_config *rcfg, const fl_strategy_choice *sc) {
+    const fl_run_config *cfg = t->cfg;
+    fl_mem_set_phase(&t->pool, "setup");
+    if (cfg->command == FL_CMD_FINETUNE_LORA) {
+        /* adapters only: the base stays frozen and needs no gradient buffer */
+        fl_lora_config lc;
+        FL_TRY(fl_trainer_lora_config(cfg, &t->model.cfg, &lc));
+        FL_TRY(fl_model_lora_init(&t->model, &lc, cfg->seed));
+    } else {
+        FL_TRY(fl_fsdp_init(&t->dp, rcfg, &t->model)); /* FULL_SHARD: the gathered units' compute copy */
+        FL_TRY(fl_model_alloc_grads(&t->model));      /* (sharded: of the gradients) */
+    }
+    FL_TRY(fl_dp_optim_init(&t->dp, rcfg, &t->opt, &t->model)); /* ZeRO: state for this rank's chunk only */
+    FL_TRY(fl_dp_check(&t->dp, &t->opt));
+    if (t->opt.use_loss_scale && cfg->loss_scale_init > 0) t->opt.ls.scale = cfg->loss_scale_init;
+    t->model.act_ckpt = sc->act_ckpt; /* given, or LitGPT's default under auto's FSDP */
+    FL_TRY(fl_model_alloc_acts(&t->model, t->B, t->T));
+    size_t per = (size_t)t->B * t->T;
+    /* the step's token ids and targets: host memory (the loader writes them; the forward uploads) */
+    fl_status s = fl_mem_alloc(fl_mem_host_pool(&t->pool), FL_TAG_OTHER, (size_t)t->accum * per * sizeof(int32_t),
+                               (void **)&t->ids);
+    if (s == FL_OK)
+        s = fl_mem_alloc(fl_mem_host_pool(&t->pool), FL_TAG_OTHER, (size_t)t->accum * per * sizeof(int32_t),
+                         (void **)&t->tgt);
+    if (s != FL_OK) return fl_error_prefix(s, "the step's token ids and targets (%d x %d x %d)", t->accum, t->B, t->T);
+    t->mbs = calloc((size_t)t->accum, sizeof *t->mbs);
+    t->mb_epoch = calloc((size_t)t->G, sizeof *t->mb_epoch);
+    t->mb_tokens = calloc((size_t)t->G, sizeof *t->mb_tokens);
+    t->mb_stats = calloc((size_t)t->G * 2, sizeof *t->mb_stats);
+    t->mb_ms = calloc((size_t)t->accum, sizeof *t->mb_ms);
+    if (!t->mbs || !t->mb_epoch || !t->mb_tokens || !t->mb_stats || !t->mb_ms)
+        return fl_errorf(FL_ERR_OOM, "out of host memory");
+    return FL_OK;
+}
+
+/* One optimizer step over this rank's fetched micro-batches t->mbs: forward + backward of each
+ * (gradients accumulate locally; the memory snapshots are fl_train_micro's), the reduction over
+ * the ranks, the update. iter0: global micro-batches before this step; step_valid: the valid
+ * targets of the whole step (0: nothing to learn, no update). (loss sum, valid) per micro-batch
+ * go to this rank's slots of t->mb_stats. */
+static fl_status train_step(trainer *t, long iter0, long step_valid, float lr, fl_step_result *sr) {
+    const fl_run_config *cfg = t->cfg;
+    fl_model_zero_grads(&t->model);
+    memset(sr, 0, sizeof *sr);
+    double *mine = t->mb_stats + (size_t)t->dp.rank * 2 * t->accum; /* (loss sum, valid) per k */
+    for (int k = 0; k < t->accum; k++) {
+        double it0 = now_s(), ls_k = 0;
+        long nv_k = 0, j = (long)k * t->dp.world + t->dp.rank;
+        if (step_valid > 0) { /* every target of the step masked: nothing to learn, skip the update */
+            /* LoRA dropout masks depend on (seed, global iteration) only: a resumed run, and
+             * any world size, draws the same */
+            fl_model_lora_set_seed(&t->model, cfg->seed * 0x9e3779b97f4a7c15ULL + (uint64_t)(iter0 + j));
+            fl_dp_buckets_arm(&t->dp, &t->opt, k == t->accum - 1); /* the last backward reduces block by block */
+            FL_TRY(diverged(t, fl_train_micro(&t->model, &t->opt, &t->mbs[k], k, 0, step_valid, lr,
+                                              cfg->train.max_norm, &ls_k, &nv_k, sr), t->st.step + 1, iter0 + j + 1));
+        }
+        mine[2 * k] = ls_k;
+        mine[2 * k + 1] = (double)nv_k;
+        t->mb_ms[k] = (now_s() - it0) * 1e3;
+    }
+    if (step_valid > 0) {
+        double u0 = now_s();
+        /* the sum over ranks, then one update: clipping and fp16 overflow skips see the same
+         * reduced gradients on every rank, so they decide alike */
+        FL_TRY(fl_dp_reduce_grads(&t->dp, &t->opt));
+        FL_TRY(diverged(t, fl_train_update(&t->model, &t->opt, lr, cfg->train.max_norm, sr), t->st.step + 1,
+                        iter0 + t->G));
+        t->mb_ms[t->accum - 1] += (now_s() - u0) * 1e3; /* the step's last iteration carries the update */
+    }
+    return FL_OK;
+}
+
+/* The pool's memory record into r: the all-time peaks, the snapshots, and on FL_ERR_OOM the
+ * failed allocation (also on failure: what was reached). */
+static void result_memory(const trainer *t, fl_status s, fl_trainer_result *r) {
+    for (int k = 0; k < FL_TAG_COUNT; k++) r->peak[k] = t->pool.peak[k];
+    r->peak_total = t->pool.peak_total;
+    r->n_phases = t->pool.n_phases < FL_TRAINER_MAX_PHASES ? t->pool.n_phases : FL_TRAINER_MAX_PHASES;
+    memcpy(r->phases, t->pool.phases, (size_t)r->n_phases * sizeof r->phases[0]);
+    if (s == FL_ERR_OOM) r->oom = t->pool.oom;
+}
+
+/* The rehearsal's sample: the "eval_generate" snapshot at the first sampled token (the cache,
+ * the decode scratch, the sampler and its logits held; the prefill's scratch, gone by then, is
+ * in the phase peak), then stop after the first decode step: every later step repeats it
+ * (fl_model_decode allocates nothing) and sampling over the vocabulary on the host would cost
+ * the plan more than everything else (3/4 of a Llama-3-8B plan's time). */
+static int snapshot_eval_generate(void *ud, int32_t id) {
+    (void)id;
+    fl_mem_pool *p = ud;
+    if (fl_mem_find_phase(p, "eval_generate")) return 1;
+    fl_mem_snapshot(p, "eval_generate");
+    return 0;
+}
+
+fl_status fl_trainer_rehearse(const fl_run_config *cfg, const fl_model_config *mc, const fl_backend *be,
+                              size_t budget, int B, int T, int accum, int gen_prompt, fl_trainer_result *res) {
+    trainer t;
+    memset(&t, 0, sizeof t);
+    t.cfg = cfg;
+    fl_dp_init(&t.dp, NULL, NULL);
+    fl_trainer_result r;
+    memset(&r, 0, sizeof r);
+    r.val_loss = NAN;
+    int32_t *prompt = NULL, *gen = NULL;
+    fl_precision prec;
+    fl_status s = fl_precision_find(cfg->precision, &prec);
+    if (s == FL_OK && !prec.available)
+        s = fl_errorf(FL_ERR_UNSUPPORTED, "precision '%s' is not available yet in this build", cfg->precision);
+    if (s == FL_OK) s = fl_trainer_storage(cfg, &prec, &t.stg);
+    if (s != FL_OK) goto done;
+    t.be = *be; /* borrowed (be_ok stays 0: the caller frees it) */
+    s = fl_backend_pools_init(&t.be, &t.pool, &t.hpool, be->host_memory ? "cpu" : "cuda", budget);
+    if (s != FL_OK) goto done;
+    t.pool_ok = 1;
+    fl_dp_init(&t.dp, NULL, &t.pool);
+    fl_strategy_choice sc;
+    s = fl_cfg_resolve_strategy(cfg, !be->host_memory, &sc);
+    fl_run_config rcfg = *cfg;
+    if (s == FL_OK) {
+        snprintf(rcfg.strategy, sizeof rcfg.strategy, "%s", sc.strategy);
+        snprintf(rcfg.sharding_strategy, sizeof rcfg.sharding_strategy, "%s", sc.sharding);
+        s = fl_fsdp_prepare(&t.dp, &rcfg, &prec, &t.stg);
+    }
+    if (s == FL_OK) s = setup_model(&t, &prec, mc);
+    t.B = B;
+    t.T = T;
+    t.accum = accum;
+    t.G = accum * t.dp.world;
+    if (s == FL_OK) s = setup_training(&t, &rcfg, &sc);
+    if (s != FL_OK) goto done;
+    /* a step of token 0 everywhere, every target valid (the values do not matter: nothing computes) */
+    const size_t per = (size_t)B * T;
+    memset(t.ids, 0, (size_t)accum * per * sizeof *t.ids);
+    memset(t.tgt, 0, (size_t)accum * per * sizeof *t.tgt);
+    for (int k = 0; k < accum; k++) t.mbs[k] = (fl_micro_batch){t.ids + k * per, t.tgt + k * per, B, T};
+    fl_step_result sr;
+    s = train_step(&t, 0, (long)(accum * per), cfg->optimizer.lr, &sr);
+    if (s != FL_OK || gen_prompt <= 0) goto done;
+    /* the evaluation (validate, then generate_example): one forward without gradients, then the
+     * sample, snapshotted at its first token ("eval_generate": the KV cache, the decode scratch,
+     * the sampler and its logits held) */
+    fl_mem_set_phase(&t.pool, "validation");
+    fl_model_lora_set_train(&t.model, 0);
+    s = fl_model_forward(&t.model, t.ids, t.tgt, B, T, 0.0f, NULL);
+    fl_model_lora_set_train(&t.model, 1);
+    prompt = calloc((size_t)gen_prompt, sizeof *prompt);
+    gen = malloc(((size_t)cfg->eval.max_new_tokens + 1) * sizeof *gen);
+    if (s == FL_OK && (!prompt || !gen)) s = fl_errorf(FL_ERR_OOM, "out of host memory");
+    int n_out = 0;
+    if (s == FL_OK) s = sample_tokens(&t, prompt, gen_prompt, NULL, gen, &n_out, snapshot_eval_generate, &t.pool);
+done:
+    if (t.pool_ok) result_memory(&t, s, &r);
+    if (res) *res = r;
+    free(prompt);
+    free(gen);
+    cleanup(&t);
+    return s;
+}
+
 fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, fl_step_hook hook, void *hook_ud,
                          fl_trainer_result *res) {
     return fl_trainer_run_comm(cfg, NULL, out, progress_bar, hook, hook_ud, res);
@@ -584,41 +780,14 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
     snprintf(rcfg.strategy, sizeof rcfg.strategy, "%s", sc.strategy);
     snprintf(rcfg.sharding_strategy, sizeof rcfg.sharding_strategy, "%s", sc.sharding);
     CHECK(fl_fsdp_prepare(&t.dp, &rcfg, &prec, &t.stg)); /* FULL_SHARD: the model is created sharded */
-    fl_mem_set_phase(&t.pool, "model load");
-    CHECK(load_model_and_tokenizer(&t));
-    CHECK(fl_model_set_precision(&t.model, &prec));
-    fl_mem_snapshot(&t.pool, "after_load"); /* the weights alone (plan.c takes the same snapshot) */
+    CHECK(setup_model(&t, &prec, NULL));
+    CHECK(load_tokenizer(&t));
     CHECK(load_data(&t));
     schedule(&t);
     fl_mem_set_phase(&t.pool, "setup");
-    if (cfg->command == FL_CMD_FINETUNE_LORA) {
-        /* adapters only: the base stays frozen and needs no gradient buffer */
-        fl_lora_config lc;
-        CHECK(fl_trainer_lora_config(cfg, &t.model.cfg, &lc));
-        CHECK(fl_model_lora_init(&t.model, &lc, cfg->seed));
-    } else {
-        AGREE(); /* every rank has its model (FULL_SHARD: its shard) before the gradients */
-        CHECK(fl_fsdp_init(&t.dp, &rcfg, &t.model)); /* FULL_SHARD: the gathered units' compute copy */
-        CHECK(fl_model_alloc_grads(&t.model));      /* (sharded: of the gradients) */
-    }
-    CHECK(fl_dp_optim_init(&t.dp, &rcfg, &t.opt, &t.model)); /* ZeRO: state for this rank's chunk only */
-    CHECK(fl_dp_check(&t.dp, &t.opt));
-    if (t.opt.use_loss_scale && cfg->loss_scale_init > 0) t.opt.ls.scale = cfg->loss_scale_init;
-    t.model.act_ckpt = sc.act_ckpt; /* given, or LitGPT's default under auto's FSDP */
-    CHECK(fl_model_alloc_acts(&t.model, t.B, t.T));
+    if (cfg->command != FL_CMD_FINETUNE_LORA) AGREE(); /* every rank has its model (FULL_SHARD: its shard) before the gradients */
+    CHECK(setup_training(&t, &rcfg, &sc));
     size_t per = (size_t)t.B * t.T;
-    /* the step's token ids and targets: host memory (the loader writes them; the forward uploads) */
-    CHECK(fl_mem_alloc(fl_mem_host_pool(&t.pool), FL_TAG_OTHER, (size_t)t.accum * per * sizeof(int32_t), (void **)&t.ids));
-    CHECK(fl_mem_alloc(fl_mem_host_pool(&t.pool), FL_TAG_OTHER, (size_t)t.accum * per * sizeof(int32_t), (void **)&t.tgt));
-    t.mbs = calloc((size_t)t.accum, sizeof *t.mbs);
-    t.mb_epoch = calloc((size_t)t.G, sizeof *t.mb_epoch);
-    t.mb_tokens = calloc((size_t)t.G, sizeof *t.mb_tokens);
-    t.mb_stats = calloc((size_t)t.G * 2, sizeof *t.mb_stats);
-    t.mb_ms = calloc((size_t)t.accum, sizeof *t.mb_ms);
-    if (!t.mbs || !t.mb_epoch || !t.mb_tokens || !t.mb_stats || !t.mb_ms) {
-        s = fl_errorf(FL_ERR_OOM, "out of host memory");
-        goto done;
-    }
     AGREE(); /* every rank holds its model, data and buffers; nothing was written yet */
     if (lead) {
         CHECK(fl_fs_mkdir_p(cfg->out_dir));
@@ -726,36 +895,10 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
         }
         float lr = (float)fl_lr_schedule(cfg->optimizer.lr, cfg->train.min_lr, t.st.step, t.warmup, t.max_steps);
         const unsigned long long sent0 = fl_dp_sent(&t.dp); /* this rank's traffic before the step: the step's bytes go to the log */
-        fl_model_zero_grads(&t.model);
         double step_loss = 0;
         fl_step_result sr;
-        memset(&sr, 0, sizeof sr);
-        /* this rank's micro-batches: forward + backward, gradients accumulate locally */
+        CHECK(train_step(&t, iter0, step_valid, lr, &sr));
         double *mine = t.mb_stats + (size_t)t.dp.rank * 2 * t.accum; /* (loss sum, valid) per k */
-        for (int k = 0; k < t.accum; k++) {
-            double it0 = now_s(), ls_k = 0;
-            long nv_k = 0, j = (long)k * t.dp.world + t.dp.rank;
-            if (step_valid > 0) { /* every target of the step masked: nothing to learn, skip the update */
-                /* LoRA dropout masks depend on (seed, global iteration) only: a resumed run, and
-                 * any world size, draws the same */
-                fl_model_lora_set_seed(&t.model, cfg->seed * 0x9e3779b97f4a7c15ULL + (uint64_t)(iter0 + j));
-                fl_dp_buckets_arm(&t.dp, &t.opt, k == t.accum - 1); /* the last backward reduces block by block */
-                CHECK(diverged(&t, fl_train_micro(&t.model, &t.opt, &t.mbs[k], k, 0, step_valid, lr,
-                                                  cfg->train.max_norm, &ls_k, &nv_k, &sr), t.st.step + 1, iter0 + j + 1));
-            }
-            mine[2 * k] = ls_k;
-            mine[2 * k + 1] = (double)nv_k;
-            t.mb_ms[k] = (now_s() - it0) * 1e3;
-        }
-        if (step_valid > 0) {
-            double u0 = now_s();
-            /* the sum over ranks, then one update: clipping and fp16 overflow skips see the same
-             * reduced gradients on every rank, so they decide alike */
-            CHECK(fl_dp_reduce_grads(&t.dp, &t.opt));
-            CHECK(diverged(&t, fl_train_update(&t.model, &t.opt, lr, cfg->train.max_norm, &sr), t.st.step + 1,
-                           iter0 + t.G));
-            t.mb_ms[t.accum - 1] += (now_s() - u0) * 1e3; /* the step's last iteration carries the update */
-        }
         /* every rank's (loss sum, valid) per micro-batch, for the log and the step loss */
         CHECK(fl_dp_gather(&t.dp, mine, 2 * t.accum, t.mb_stats));
         const double step_sent = (double)(fl_dp_sent(&t.dp) - sent0);
@@ -934,13 +1077,7 @@ done:
 #undef AGREE
 #undef CHECK
     free(window);
-    if (t.pool_ok) { /* also on failure: what was reached, and the OOM record */
-        for (int k = 0; k < FL_TAG_COUNT; k++) r.peak[k] = t.pool.peak[k];
-        r.peak_total = t.pool.peak_total;
-        r.n_phases = t.pool.n_phases < FL_TRAINER_MAX_PHASES ? t.pool.n_phases : FL_TRAINER_MAX_PHASES;
-        memcpy(r.phases, t.pool.phases, (size_t)r.n_phases * sizeof r.phases[0]);
-        if (s == FL_ERR_OOM) r.oom = t.pool.oom;
-    }
+    if (t.pool_ok) result_memory(&t, s, &r); /* also on failure: what was reached, and the OOM record */
     if (t.opt.model && t.opt.use_loss_scale) {
         r.loss_scale = t.opt.ls.scale;
         r.skipped_steps = (long)t.opt.ls.n_skipped;

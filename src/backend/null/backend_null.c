@@ -1,0 +1,320 @@
+/* The null backend ("null"): the planner's stand-in for a device (include/fitllm/backend.h).
+ *
+ * `fitllm plan` runs the trainer's real set-up and one real training step on it
+ * (fl_trainer_rehearse, src/train/trainer.c) instead of replaying the allocations by hand:
+ * every op and copy here returns at once without touching memory, and the pool hands out
+ * fake addresses (never dereferenced, nothing reserved), so the real code's allocations reach
+ * the accounting pool exactly as on the backend planned while a 70B plan costs no memory and
+ * a few milliseconds. The facts that change what the model allocates are the planned
+ * backend's: scratch_bytes (its op scratch), gemm_widens16 (the widened lm_head) and
+ * host_memory (one pool for tensors and host staging, or a device pool beside a host one).
+ *
+ * What the host reads back is well defined: to_host writes zeros (losses of 0, a finite norm),
+ * sumsq returns 0 and check_finite finds nothing, so the trainer's host logic (the loss, the
+ * clipping, the loss scaler, the sampler) runs its ordinary path. supports_op says yes to
+ * everything: the plan shows the memory of a run the build may still refuse at set-up. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/cuda/backend_cuda.h"
+#include "fitllm/backend.h"
+
+typedef struct {
+    uintptr_t next; /* the next fake address (one counter for every pool of this backend) */
+} nul;
+
+/* unique, 64-byte aligned, never dereferenced: the low pages no process maps */
+static void *nul_alloc(size_t bytes, void *ud) {
+    nul *n = ud;
+    uintptr_t p = n->next;
+    n->next += 64; /* distinct per allocation; the size is the pool's business */
+    return (void *)p;
+}
+
+static void nul_free(void *p, size_t bytes, void *ud) { (void)p; (void)bytes; (void)ud; }
+
+static fl_status nul_pool_init(const fl_backend *be, fl_mem_pool *p, const char *name, size_t budget) {
+    /* FL_DEV_CUDA: fl_mem_calloc never memsets it (the bytes do not exist) */
+    return fl_mem_pool_init_raw(p, name, FL_DEV_CUDA, budget, nul_alloc, nul_free, be->impl);
+}
+
+static fl_status n_gemm(const fl_backend *be, int ta, int tb, int M, int N, int K, float alpha, const void *A,
+                        fl_dtype tA, int lda, const void *B, fl_dtype tB, int ldb, float beta, void *C, fl_dtype tC,
+                        int ldc) {
+    (void)be; (void)ta; (void)tb; (void)M; (void)N; (void)K; (void)alpha; (void)A; (void)tA; (void)lda; (void)B;
+    (void)tB; (void)ldb; (void)beta; (void)C; (void)tC; (void)ldc;
+    return FL_OK;
+}
+static void n_embedding_forward(const fl_backend *be, float *out, const int32_t *ids, const float *wte,
+                                const float *wpe, int B, int T, int C) {
+    (void)be; (void)out; (void)ids; (void)wte; (void)wpe; (void)B; (void)T; (void)C;
+}
+static void n_embedding_backward(const fl_backend *be, float *dwte, float *dwpe, const float *dout,
+                                 const int32_t *ids, int B, int T, int C) {
+    (void)be; (void)dwte; (void)dwpe; (void)dout; (void)ids; (void)B; (void)T; (void)C;
+}
+static void n_rmsnorm_forward(const fl_backend *be, float *out, float *rstd, const float *inp, const float *w, int N,
+                              int C, float eps) {
+    (void)be; (void)out; (void)rstd; (void)inp; (void)w; (void)N; (void)C; (void)eps;
+}
+static void n_rmsnorm_backward(const fl_backend *be, float *dinp, float *dw, const float *dout, const float *inp,
+                               const float *w, const float *rstd, int N, int C) {
+    (void)be; (void)dinp; (void)dw; (void)dout; (void)inp; (void)w; (void)rstd; (void)N; (void)C;
+}
+static void n_layernorm_forward(const fl_backend *be, float *out, float *mean, float *rstd, const float *inp,
+                                const float *w, const float *b, int N, int C, float eps) {
+    (void)be; (void)out; (void)mean; (void)rstd; (void)inp; (void)w; (void)b; (void)N; (void)C; (void)eps;
+}
+static void n_layernorm_backward(const fl_backend *be, float *dinp, float *dw, float *db, const float *dout,
+                                 const float *inp, const float *w, const float *mean, const float *rstd, int N,
+                                 int C) {
+    (void)be; (void)dinp; (void)dw; (void)db; (void)dout; (void)inp; (void)w; (void)mean; (void)rstd; (void)N;
+    (void)C;
+}
+static void n_rope(const fl_backend *be, float *x, int B, int T, int nh, int HD, size_t row_stride,
+                   const float *cos_t, const float *sin_t, int pos0) {
+    (void)be; (void)x; (void)B; (void)T; (void)nh; (void)HD; (void)row_stride; (void)cos_t; (void)sin_t; (void)pos0;
+}
+static void n_attention_forward(const fl_backend *be, float *out, float *lse, const float *qkv, int B, int T, int NH,
+                                int NKV, int HD) {
+    (void)be; (void)out; (void)lse; (void)qkv; (void)B; (void)T; (void)NH; (void)NKV; (void)HD;
+}
+static void n_attention_backward(const fl_backend *be, float *dqkv, const float *dout, const float *qkv,
+                                 const float *out, const float *lse, int B, int T, int NH, int NKV, int HD) {
+    (void)be; (void)dqkv; (void)dout; (void)qkv; (void)out; (void)lse; (void)B; (void)T; (void)NH; (void)NKV;
+    (void)HD;
+}
+static void n_swiglu_forward(const fl_backend *be, float *out, const float *gu, int N, int F) {
+    (void)be; (void)out; (void)gu; (void)N; (void)F;
+}
+static void n_swiglu_backward(const fl_backend *be, float *dgu, const float *dout, const float *gu, int N, int F) {
+    (void)be; (void)dgu; (void)dout; (void)gu; (void)N; (void)F;
+}
+static void n_gelu_forward(const fl_backend *be, float *out, const float *inp, size_t n) {
+    (void)be; (void)out; (void)inp; (void)n;
+}
+static void n_gelu_backward(const fl_backend *be, float *dinp, const float *dout, const float *inp, size_t n) {
+    (void)be; (void)dinp; (void)dout; (void)inp; (void)n;
+}
+static void n_add(const fl_backend *be, float *out, const float *a, const float *b, size_t n) {
+    (void)be; (void)out; (void)a; (void)b; (void)n;
+}
+static void n_bias_forward(const fl_backend *be, float *y, const float *b, int N, int OC) {
+    (void)be; (void)y; (void)b; (void)N; (void)OC;
+}
+static void n_bias_backward(const fl_backend *be, float *db, const float *dy, int N, int OC) {
+    (void)be; (void)db; (void)dy; (void)N; (void)OC;
+}
+static void n_cross_entropy(const fl_backend *be, float *loss, float *dlogits, const float *logits,
+                            const int32_t *targets, int N, int V, float grad_scale, int ignore_index) {
+    (void)be; (void)loss; (void)dlogits; (void)logits; (void)targets; (void)N; (void)V; (void)grad_scale;
+    (void)ignore_index;
+}
+static void n_adamw_update(const fl_backend *be, float *p, const float *g, float *m, float *v, size_t n, float lr,
+                           float beta1, float beta2, float eps, float wd, int step, float grad_scale) {
+    (void)be; (void)p; (void)g; (void)m; (void)v; (void)n; (void)lr; (void)beta1; (void)beta2; (void)eps; (void)wd;
+    (void)step; (void)grad_scale;
+}
+static void n_sgd_update(const fl_backend *be, float *p, const float *g, float *buf, size_t n, float lr,
+                         float momentum, float dampening, float wd, int nesterov, int first_step, float grad_scale) {
+    (void)be; (void)p; (void)g; (void)buf; (void)n; (void)lr; (void)momentum; (void)dampening; (void)wd;
+    (void)nesterov; (void)first_step; (void)grad_scale;
+}
+static double n_sumsq(const fl_backend *be, const float *x, size_t n) {
+    (void)be; (void)x; (void)n;
+    return 0.0;
+}
+static void n_scale(const fl_backend *be, float *x, size_t n, float s) { (void)be; (void)x; (void)n; (void)s; }
+static void n_zero(const fl_backend *be, void *x, size_t bytes) { (void)be; (void)x; (void)bytes; }
+static void n_attention_decode(const fl_backend *be, float *out, const float *q, const float *kcache,
+                               const float *vcache, int T, int NH, int NKV, int HD, size_t head_stride) {
+    (void)be; (void)out; (void)q; (void)kcache; (void)vcache; (void)T; (void)NH; (void)NKV; (void)HD;
+    (void)head_stride;
+}
+static fl_status n_convert(const fl_backend *be, void *dst, fl_dtype dt, const void *src, fl_dtype st, size_t n) {
+    (void)be; (void)dst; (void)dt; (void)src; (void)st; (void)n;
+    return FL_OK;
+}
+static fl_status n_adamw_update_ex(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m,
+                                   void *v, fl_dtype ts, size_t n, float lr, float beta1, float beta2, float eps,
+                                   float wd, int step, float grad_scale) {
+    (void)be; (void)p; (void)tp; (void)g; (void)tg; (void)m; (void)v; (void)ts; (void)n; (void)lr; (void)beta1;
+    (void)beta2; (void)eps; (void)wd; (void)step; (void)grad_scale;
+    return FL_OK;
+}
+static fl_status n_sgd_update_ex(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf,
+                                 fl_dtype ts, size_t n, float lr, float momentum, float dampening, float wd,
+                                 int nesterov, int first_step, float grad_scale) {
+    (void)be; (void)p; (void)tp; (void)g; (void)tg; (void)buf; (void)ts; (void)n; (void)lr; (void)momentum;
+    (void)dampening; (void)wd; (void)nesterov; (void)first_step; (void)grad_scale;
+    return FL_OK;
+}
+static fl_status n_check_finite(const fl_backend *be, const void *x, fl_dtype t, size_t n, float inv_scale,
+                                int *found_inf) {
+    (void)be; (void)x; (void)t; (void)n; (void)inv_scale; (void)found_inf; /* nothing found: left unchanged */
+    return FL_OK;
+}
+static fl_status n_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg,
+                                   const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,
+                                   float wd, int step, float grad_scale) {
+    (void)be; (void)p; (void)tp; (void)g; (void)tg; (void)st; (void)lr; (void)beta1; (void)beta2; (void)eps;
+    (void)wd; (void)step; (void)grad_scale;
+    return FL_OK;
+}
+static fl_status n_q4_matmul_forward(const fl_backend *be, float *y, int ldy, const float *x, const fl_q4_weight *w,
+                                     int N, float beta) {
+    (void)be; (void)y; (void)ldy; (void)x; (void)w; (void)N; (void)beta;
+    return FL_OK;
+}
+static fl_status n_q4_matmul_backward(const fl_backend *be, float *dx, const float *dy, int ldy,
+                                      const fl_q4_weight *w, int N, float beta) {
+    (void)be; (void)dx; (void)dy; (void)ldy; (void)w; (void)N; (void)beta;
+    return FL_OK;
+}
+static fl_status n_lora_forward(const fl_backend *be, float *y, int ldy, float *h, float *xd, const float *x,
+                                const float *A, const float *B, int N, int in, int out, int r, float scaling,
+                                float dropout, uint64_t seed) {
+    (void)be; (void)y; (void)ldy; (void)h; (void)xd; (void)x; (void)A; (void)B; (void)N; (void)in; (void)out;
+    (void)r; (void)scaling; (void)dropout; (void)seed;
+    return FL_OK;
+}
+static fl_status n_lora_backward(const fl_backend *be, float *dx, float *dA, float *dB, const float *dy, int ldy,
+                                 const float *xb, const float *h, const float *A, const float *B, int N, int in,
+                                 int out, int r, float scaling, float dropout, uint64_t seed, float *work) {
+    (void)be; (void)dx; (void)dA; (void)dB; (void)dy; (void)ldy; (void)xb; (void)h; (void)A; (void)B; (void)N;
+    (void)in; (void)out; (void)r; (void)scaling; (void)dropout; (void)seed; (void)work;
+    return FL_OK;
+}
+static fl_status n_accumulate16(const fl_backend *be, uint16_t *dst, fl_dtype t, const float *src, size_t n) {
+    (void)be; (void)dst; (void)t; (void)src; (void)n;
+    return FL_OK;
+}
+static double n_sumsq_ex(const fl_backend *be, const void *x, fl_dtype t, size_t n) {
+    (void)be; (void)x; (void)t; (void)n;
+    return 0.0;
+}
+static fl_status n_attention_forward_ex(const fl_backend *be, const fl_attn_desc *a, float *out, float *lse,
+                                        const float *q, const float *k, const float *v, const float *bias,
+                                        const uint8_t *kmask) {
+    (void)be; (void)a; (void)out; (void)lse; (void)q; (void)k; (void)v; (void)bias; (void)kmask;
+    return FL_OK;
+}
+static fl_status n_attention_backward_ex(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk, float *dv,
+                                         float *dbias, const float *dout, const float *q, const float *k,
+                                         const float *v, const float *bias, const uint8_t *kmask, const float *out,
+                                         const float *lse) {
+    (void)be; (void)a; (void)dq; (void)dk; (void)dv; (void)dbias; (void)dout; (void)q; (void)k; (void)v; (void)bias;
+    (void)kmask; (void)out; (void)lse;
+    return FL_OK;
+}
+static void n_set_scratch(const fl_backend *be, void *p, size_t bytes) { (void)be; (void)p; (void)bytes; }
+static fl_status n_to_device(const fl_backend *be, void *dst, const void *src, size_t bytes) {
+    (void)be; (void)dst; (void)src; (void)bytes;
+    return FL_OK;
+}
+/* the host side is real memory: what the host reads back is zeros */
+static fl_status n_to_host(const fl_backend *be, void *dst, const void *src, size_t bytes) {
+    (void)be; (void)src;
+    if (bytes) memset(dst, 0, bytes);
+    return FL_OK;
+}
+static fl_status n_copy(const fl_backend *be, void *dst, const void *src, size_t bytes) {
+    (void)be; (void)dst; (void)src; (void)bytes;
+    return FL_OK;
+}
+static fl_status n_sync(const fl_backend *be) {
+    (void)be;
+    return FL_OK;
+}
+static int n_supports_op(const fl_backend *be, fl_op op, fl_dtype a, fl_dtype b, fl_dtype c) {
+    (void)be; (void)op; (void)a; (void)b; (void)c;
+    return 1;
+}
+static fl_status n_rope_tables(const fl_backend *be, float *cos_t, float *sin_t, int maxT, int HD, float theta,
+                               const fl_rope_scaling *scaling) {
+    (void)be; (void)cos_t; (void)sin_t; (void)maxT; (void)HD; (void)theta; (void)scaling;
+    return FL_OK;
+}
+
+fl_status fl_null_backend_init_for(fl_backend *be, const char *planned) {
+    if (!be) return fl_errorf(FL_ERR_INVALID, "fl_null_backend_init: NULL backend");
+    memset(be, 0, sizeof *be);
+    const int cuda = planned && !strcmp(planned, "cuda");
+    /* standing in for the CPU: host memory, one pool (only fl_trainer_rehearse runs on this: code
+     * paths that write tensors through host pointers, a LoRA merge, a loader, would fault) */
+    const int cpu = planned && !strcmp(planned, "cpu");
+    if (planned && !cuda && !cpu)
+        return fl_errorf(FL_ERR_INVALID, "null backend: cannot stand in for '%s' (cpu or cuda)", planned);
+    nul *n = calloc(1, sizeof *n);
+    if (!n) return fl_errorf(FL_ERR_OOM, "null backend: out of host memory");
+    n->next = 4096;
+    be->name = "null";
+    be->device = cuda ? FL_DEV_CUDA : FL_DEV_CPU;
+    be->n_threads = 1;
+    be->gemm_name = "none";
+    /* the planned backend's facts (plan --accelerator cuda: the GPU's, without a GPU) */
+    be->gemm_widens16 = cuda ? fl_cuda_gemm_widens16() : fl_cpu_gemm_widens16();
+    be->scratch_bytes = cuda ? fl_cuda_scratch_bytes() : fl_cpu_scratch_bytes();
+    be->host_memory = cpu;
+    be->discards = 1;
+    be->impl = n;
+    be->gemm = n_gemm;
+    be->embedding_forward = n_embedding_forward;
+    be->embedding_backward = n_embedding_backward;
+    be->rmsnorm_forward = n_rmsnorm_forward;
+    be->rmsnorm_backward = n_rmsnorm_backward;
+    be->layernorm_forward = n_layernorm_forward;
+    be->layernorm_backward = n_layernorm_backward;
+    be->rope_forward = n_rope;
+    be->rope_backward = n_rope;
+    be->attention_forward = n_attention_forward;
+    be->attention_backward = n_attention_backward;
+    be->swiglu_forward = n_swiglu_forward;
+    be->swiglu_backward = n_swiglu_backward;
+    be->gelu_forward = n_gelu_forward;
+    be->gelu_backward = n_gelu_backward;
+    be->add = n_add;
+    be->bias_forward = n_bias_forward;
+    be->bias_backward = n_bias_backward;
+    be->cross_entropy = n_cross_entropy;
+    be->adamw_update = n_adamw_update;
+    be->sgd_update = n_sgd_update;
+    be->sumsq = n_sumsq;
+    be->scale = n_scale;
+    be->zero = n_zero;
+    be->attention_decode = n_attention_decode;
+    be->convert = n_convert;
+    be->adamw_update_ex = n_adamw_update_ex;
+    be->sgd_update_ex = n_sgd_update_ex;
+    be->check_finite = n_check_finite;
+    be->adam8bit_update = n_adam8bit_update;
+    be->q4_matmul_forward = n_q4_matmul_forward;
+    be->q4_matmul_backward = n_q4_matmul_backward;
+    be->lora_forward = n_lora_forward;
+    be->lora_backward = n_lora_backward;
+    be->accumulate16 = n_accumulate16;
+    be->sumsq_ex = n_sumsq_ex;
+    be->attention_forward_ex = n_attention_forward_ex;
+    be->attention_backward_ex = n_attention_backward_ex;
+    be->set_scratch = n_set_scratch;
+    be->to_device = n_to_device;
+    be->to_host = n_to_host;
+    be->copy = n_copy;
+    be->sync = n_sync;
+    be->supports_op = n_supports_op;
+    be->rope_tables = n_rope_tables;
+    be->pool_init = nul_pool_init;
+    return FL_OK;
+}
+
+fl_status fl_null_backend_init(fl_backend *be, int n_threads) {
+    (void)n_threads;
+    return fl_null_backend_init_for(be, NULL);
+}
+
+void fl_null_backend_free(fl_backend *be) {
+    if (!be || !be->impl) return;
+    free(be->impl);
+    memset(be, 0, sizeof *be);
+}
