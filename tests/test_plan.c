@@ -81,12 +81,12 @@ static void check_phases(const fl_plan *pl, const fl_trainer_result *r, const ch
 }
 
 FL_TEST(plan_equals_runtime_matrix) {
-    static const char *presets[] = {"micro", "gpt2-micro"};
+    static const char *presets[] = {"micro", "gpt2-micro", "opt-micro"};
     int runs = 0;
     double worst = 0;
     FILE *devnull = fopen("/dev/null", "w");
     FL_REQUIRE(devnull != NULL);
-    for (int pi = 0; pi < 2; pi++)
+    for (int pi = 0; pi < 3; pi++)
         for (int opt = 0; opt < 3; opt++)      /* AdamW, SGD, SGD with momentum */
             for (int bi = 0; bi < 3; bi++)     /* micro batch 1, 2, 4 of a global batch of 4 */
                 for (int gen = 0; gen < 2; gen++) {
@@ -123,7 +123,7 @@ FL_TEST(plan_equals_runtime_matrix) {
                     runs++;
                 }
     fclose(devnull);
-    FL_CHECK(runs == 36);
+    FL_CHECK(runs == 54);
     /* Today the plan is exact for every tag; say so if that ever changes. */
     if (worst > 0) fprintf(stderr, "  note: largest planned/measured peak difference %.4f%%\n", 100 * worst);
 }
@@ -450,8 +450,8 @@ FL_TEST(plan_json_schema) {
  * workspace hands over d(lnf) (N x C) and the ids (N); RoPE tables (LLaMA) are always live.
  * The head's gradient (V x C, the tied embedding) is written inside the forward. */
 FL_TEST(live_bytes_match_shape_count) {
-    static const char *presets[] = {"micro", "gpt2-micro"};
-    for (int pi = 0; pi < 2; pi++)
+    static const char *presets[] = {"micro", "gpt2-micro", "opt-micro"};
+    for (int pi = 0; pi < 3; pi++)
         for (int ck = 0; ck < 2; ck++) {
             fl_model_config mc;
             FL_REQUIRE_OK(fl_preset_find(presets[pi], &mc));
@@ -469,7 +469,7 @@ FL_TEST(live_bytes_match_shape_count) {
                 if (!strcmp(r.phases[i].name, "after_bwd")) ab = &r.phases[i];
             }
             FL_REQUIRE(af && ab);
-            int gpt2 = mc.arch == FL_ARCH_GPT2;
+            int gpt2 = mc.arch != FL_ARCH_LLAMA; /* GPT-2 and OPT: LayerNorm (mean too), plain MLP, no RoPE */
             size_t N = 2 * 32, L = mc.n_layers, C = mc.dim, H = mc.n_heads, HD = mc.head_dim, KV = mc.n_kv_heads;
             size_t F = mc.ffn_dim, qkv = (H + 2 * KV) * HD, fcw = gpt2 ? F : 2 * F, stats = gpt2 ? 2 : 1;
             size_t layer = C + stats + qkv + H * HD + H + C + C + stats + fcw + F;

@@ -971,7 +971,7 @@ void fl_plan_print(const fl_plan *p, FILE *f) {
     char a[32], b[32], d[32];
     fprintf(f, "model: %s (%s), %zu parameters; %s, L=%d C=%d F=%d heads %d/%d, vocab %d, context %d\n",
             p->model.name[0] ? p->model.name : "?", p->model_source, p->n_params,
-            p->model.arch == FL_ARCH_GPT2 ? "GPT-2" : "LLaMA", p->model.n_layers, p->model.dim, p->model.ffn_dim,
+            fl_arch_get(p->model.arch)->display, p->model.n_layers, p->model.dim, p->model.ffn_dim,
             p->model.n_heads, p->model.n_kv_heads, p->model.vocab_size, p->model.max_seq);
     fprintf(f, "run: micro_batch %d x accumulation %d = global batch %d, T=%d, precision %s, %s, activation "
                "checkpointing %s, eval sample generation %s\n",
@@ -1060,7 +1060,7 @@ void fl_plan_write_json(const fl_plan *p, FILE *f) {
     jstr(f, p->model_source);
     fprintf(f, ", \"arch\": \"%s\", \"params\": %zu, \"vocab_size\": %d, \"dim\": %d, \"n_layers\": %d, "
                "\"n_heads\": %d, \"n_kv_heads\": %d, \"ffn_dim\": %d, \"context\": %d},\n",
-            p->model.arch == FL_ARCH_GPT2 ? "gpt2" : "llama", p->n_params, p->model.vocab_size, p->model.dim,
+            fl_arch_get(p->model.arch)->name, p->n_params, p->model.vocab_size, p->model.dim,
             p->model.n_layers, p->model.n_heads, p->model.n_kv_heads, p->model.ffn_dim, p->model.max_seq);
     fprintf(f, "  \"config\": {\"micro_batch_size\": %d, \"accumulation\": %d, \"global_batch_size\": %d, "
                "\"seq_len\": %d, \"precision\": ",
