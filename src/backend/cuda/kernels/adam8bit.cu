@@ -165,7 +165,8 @@ extern "C" int FL_CUK(adam8bit_update)(void *p, fl_dtype tp, const void *g, fl_d
     k.grad_scale = grad_scale;
     k.decay_on = weight_decay > 0.0f;
     if (st->floor_m || st->floor_v) return -1; /* FULL_SHARD's absmax floor: host memory only (fitllm/adam8bit.h) */
-    if (!fl_adam8bit_is_8bit(n)) {
+    if (!st->q_m) { /* the fp32 path, as the CPU's: a small tensor, or a piece of one (ZeRO's pieces of a large
+                     * tensor can be shorter than the 8-bit threshold and stay 8-bit: the state says which) */
         if (!st->m || !st->v) return -1;
         size_t blocks = (n + 255) / 256;
         FL_CU_LAUNCH(fl_cu_adam32_k, dim3((unsigned)blocks), dim3(256), 0, (fl_cu_stream)stream, p, (int)tp, g,
