@@ -461,8 +461,7 @@ FL_TEST(cfg_strategy_auto_resolution) {
         snprintf(what, sizeof what, "%s %s %s %s devices %d nodes %d%s", fl_cfg_command_name(cmd),
                  fl_optim_name(opts[oi]), precs[pi], sdts[si], dev, nodes, gpu ? " gpu" : "");
         /* the rule, as stated */
-        /* every optimizer and precision runs under FULL_SHARD; on device memory all but AdamW8bit */
-        int refused = gpu && opts[oi] == FL_OPT_ADAMW8BIT;
+        int refused = 0; /* every optimizer and precision runs under FULL_SHARD, on host and device memory */
         if (world == 1) {
             FL_CHECKF(sc.stage == 0 && !strcmp(sc.strategy, "auto") && !strcmp(sc.desc, "auto"), "%s: %d %s", what,
                       sc.stage, sc.desc);
@@ -493,15 +492,14 @@ FL_TEST(cfg_strategy_auto_resolution) {
             FL_CHECKF(gc.act_ckpt == given_ck && gc.stage == sc.stage, "%s: given %d, act_ckpt %d", what, given_ck,
                       gc.act_ckpt);
         }
-        /* the refusals themselves (on a GPU communicator fsdp.c adds fl_fsdp_device_refusal) */
+        /* the refusals themselves (the same on a GPU communicator) */
         if (world > 1 && cmd != FL_CMD_FINETUNE_LORA) {
             fl_run_config f = c;
             snprintf(f.strategy, sizeof f.strategy, "fsdp");
             fl_precision pr;
             FL_REQUIRE_OK(fl_precision_find(f.precision, &pr));
             FL_CHECKF(fl_cfg_validate(&c) == FL_OK, "%s: %s", what, fl_error_message()); /* valid under auto */
-            int explicit_refused = fl_fsdp_refusal(&f, &pr) != NULL || fl_cfg_validate(&f) != FL_OK ||
-                                   (gpu && fl_fsdp_device_refusal(&f) != NULL);
+            int explicit_refused = fl_fsdp_refusal(&f, &pr) != NULL || fl_cfg_validate(&f) != FL_OK;
             FL_CHECKF(explicit_refused == (sc.stage != 3), "%s: explicit fsdp %s, auto chose %s", what,
                       explicit_refused ? "refused" : "runs", sc.strategy);
         }

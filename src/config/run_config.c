@@ -580,11 +580,12 @@ fl_status fl_cfg_check_strategy(const char *s) {
     return fl_cfg_zero_stage(s, "SHARD_GRAD_OP", &stage);
 }
 
-/* Why FULL_SHARD would refuse this run (NULL: it runs it). The same refusals as fl_fsdp_refusal and
- * fl_fsdp_device_refusal (src/train/fsdp.c; device memory: AdamW8bit's cut-block exchange is host-side):
- * tests/test_config.c checks that auto never picks FULL_SHARD where an explicit fsdp is refused. */
+/* Why FULL_SHARD would refuse this run (NULL: it runs it). The same refusals as fl_fsdp_refusal
+ * (src/train/fsdp.c): none today, on host or device memory (a GPU communicator: FULL_SHARD gathers and
+ * reduces through it, as LitGPT's FSDP on GPUs). tests/test_config.c checks that auto never picks
+ * FULL_SHARD where an explicit fsdp is refused. */
 static const char *full_shard_refusal(const fl_run_config *c, int device_comm) {
-    if (device_comm && c->optimizer.kind == FL_OPT_ADAMW8BIT) return "AdamW8bit on device memory (a GPU communicator)";
+    (void)c, (void)device_comm;
     return NULL;
 }
 

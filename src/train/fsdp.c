@@ -104,15 +104,10 @@ size_t fl_fsdp_shard_numel(const fl_param_layout *lay, int world, int rank) {
 }
 
 const char *fl_fsdp_refusal(const fl_run_config *cfg, const fl_precision *p) {
-    (void)cfg, (void)p; /* every optimizer and precision runs (AdamW8bit: blocks cut by a rank edge exchange
-                        * their scales, src/train/optim.c; 16-true: F16 shards, reduced like BF16) */
+    (void)cfg, (void)p; /* every optimizer and precision runs, on host and device memory (AdamW8bit: blocks cut
+                        * by a rank edge exchange their scales, src/train/optim.c; 16-true: F16 shards, reduced
+                        * like BF16) */
     return NULL;
-}
-
-const char *fl_fsdp_device_refusal(const fl_run_config *cfg) {
-    /* the cut blocks' two-pass update (optim.c fsdp8_step) stages its parts and scales with host memcpy,
-     * and the CUDA kernel takes no absmax floor */
-    return cfg->optimizer.kind == FL_OPT_ADAMW8BIT ? "AdamW8bit on device memory (a GPU communicator)" : NULL;
 }
 
 /* ---- the provider (model-side hooks) -------------------------------------------------------- */
@@ -281,7 +276,6 @@ fl_status fl_fsdp_prepare(fl_dp *dp, const fl_run_config *cfg, const fl_precisio
     FL_TRY(fl_cfg_zero_stage(cfg->strategy, cfg->sharding_strategy, &stage));
     if (!dp->comm || dp->world < 2 || stage != 3 || cfg->command == FL_CMD_FINETUNE_LORA) return FL_OK;
     const char *why = fl_fsdp_refusal(cfg, prec);
-    if (!why && dp->dev) why = fl_fsdp_device_refusal(cfg);
     if (why) return fl_errorf(FL_ERR_UNSUPPORTED, "%s", why);
     if (stg->quant4) return fl_errorf(FL_ERR_UNSUPPORTED, "FULL_SHARD of a 4-bit model: QLoRA trains adapters only");
     if (fl_cfg_hybrid_shard(cfg->strategy, cfg->sharding_strategy) && cfg->num_nodes > 1 && !dp->node) {

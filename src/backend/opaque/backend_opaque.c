@@ -184,6 +184,9 @@ static void init_api(void) {
     g_api.event_synchronize = x_event_synchronize;
 }
 
+static int g_use_comm = 1;
+void fl_opaque_use_comm(int on) { g_use_comm = on; }
+
 static fl_status opq_comm_create(const fl_backend *be, struct fl_comm *host, struct fl_comm **out) {
     (void)be;
     static pthread_once_t once = PTHREAD_ONCE_INIT;
@@ -538,7 +541,7 @@ fl_status fl_opaque_backend_init(fl_backend *be, int n_threads) {
     be->supports_op = op_supports_op;
     be->rope_tables = op_rope_tables;
     be->pool_init = opq_pool_init;
-    be->comm_create = opq_comm_create; /* several ranks: the NCCL stand-in over the ranks' ranges */
+    be->comm_create = g_use_comm ? opq_comm_create : NULL; /* several ranks: the NCCL stand-in over the ranges */
     return FL_OK;
 }
 
