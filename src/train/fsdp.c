@@ -440,8 +440,8 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
         us[a] = (fl_dp_stream){dp, f->G, lay->group_offset, aes[a], fetch_unit, arr[a], 0, buf, 0, FL_OK, stage};
     fl_st_write_tensor *t = lead ? calloc((size_t)L + 4, sizeof *t) : NULL;
     fl_dp_stream_tensor *ut = lead ? calloc((size_t)L + 4, sizeof *ut) : NULL;
-    /* 8-bit AdamW: the single-process layout streams tensor by tensor, each piece broadcast by its
-     * rank of the shard group (HYBRID: node 0's) */
+    /* 8-bit AdamW: the single-process layout streams tensor by tensor, each piece copied to the host and
+     * broadcast by its rank of the shard group (HYBRID: node 0's) over the host communicator */
     fl_dp_stream u8;
     fl_dp_stream8 c8;
     memset(&u8, 0, sizeof u8);
@@ -449,7 +449,7 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
     fl_status s = !buf || !stage || (lead && (!t || !ut)) ? fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory") : FL_OK;
     const int has8 = o && o->state8;
     if (s == FL_OK && has8)
-        s = fl_dp_stream8_init(&u8, &c8, dp, f->sc, fl_comm_size(f->sc), fl_comm_rank(f->sc), other_node, o, lay);
+        s = fl_dp_stream8_init(&u8, &c8, dp, f->hsc, fl_comm_size(f->hsc), fl_comm_rank(f->hsc), other_node, o, lay);
     s = fl_dp_agree(dp, s);
     if (s != FL_OK) {
         free(t), free(ut), free(buf), free(stage);

@@ -81,7 +81,8 @@ static void opq_leave(const fl_backend *be) {
  * A collective copies between the ranks' ranges on whichever thread progresses it, so while any
  * thread is inside a stand-in call that can move data (a post, an event query or wait, a stream's
  * or communicator's end) EVERY instance's range is open: a registry of the live instances and one
- * count. Host code outside those calls and outside the ops still faults on any rank's memory. */
+ * count. Host code outside those calls and outside the ops still faults on any rank's memory, and a
+ * collective handed a host buffer is refused (ncclInvalidArgument), as a GPU's NCCL would fail. */
 static pthread_mutex_t g_reg_mu = PTHREAD_MUTEX_INITIALIZER;
 static opq **g_reg;
 static int g_nreg, g_capreg, g_comm_open;
@@ -139,6 +140,28 @@ static void comm_leave(void) {
     pthread_mutex_unlock(&g_reg_mu);
 }
 
+/* Whether p is device memory of some live instance (a GPU's NCCL takes device buffers only: a host
+ * buffer handed to the device communicator is a bug the stand-in alone would not see). */
+static int in_some_range(const void *p) {
+    const char *c = p;
+    int in = 0;
+    pthread_mutex_lock(&g_reg_mu);
+    for (int i = 0; i < g_nreg && !in; i++) {
+        opq *o = g_reg[i];
+        pthread_mutex_lock(&o->mu);
+        in = c >= o->base && c < o->base + o->top;
+        pthread_mutex_unlock(&o->mu);
+    }
+    pthread_mutex_unlock(&g_reg_mu);
+    return in;
+}
+/* the buffers of a collective of `count` elements: device memory (NULL: a non-root's absent recv) */
+#define DEV_ARGS(send, recv, count)                                                              \
+    do {                                                                                         \
+        if ((count) && (((send) && !in_some_range(send)) || ((recv) && !in_some_range(recv)))) \
+            return FL_NCCL_INVALID_ARGUMENT;                                                     \
+    } while (0)
+
 #define SI fl_nccl_standin_api()
 #define COMM_OPEN(call) \
     do {                \
@@ -150,18 +173,23 @@ static void comm_leave(void) {
 static int x_comm_destroy(void *comm) { COMM_OPEN(SI->comm_destroy(comm)); }
 static int x_comm_abort(void *comm) { COMM_OPEN(SI->comm_abort(comm)); }
 static int x_all_reduce(const void *send, void *recv, size_t count, int dtype, int op, void *comm, void *stream) {
+    DEV_ARGS(send, recv, count);
     COMM_OPEN(SI->all_reduce(send, recv, count, dtype, op, comm, stream));
 }
 static int x_reduce_scatter(const void *send, void *recv, size_t n, int dtype, int op, void *comm, void *stream) {
+    DEV_ARGS(send, recv, n);
     COMM_OPEN(SI->reduce_scatter(send, recv, n, dtype, op, comm, stream));
 }
 static int x_all_gather(const void *send, void *recv, size_t n, int dtype, void *comm, void *stream) {
+    DEV_ARGS(send, recv, n);
     COMM_OPEN(SI->all_gather(send, recv, n, dtype, comm, stream));
 }
 static int x_broadcast(const void *send, void *recv, size_t count, int dtype, int root, void *comm, void *stream) {
+    DEV_ARGS(send, recv, count);
     COMM_OPEN(SI->broadcast(send, recv, count, dtype, root, comm, stream));
 }
 static int x_reduce(const void *send, void *recv, size_t count, int dtype, int op, int root, void *comm, void *stream) {
+    DEV_ARGS(send, recv, count);
     COMM_OPEN(SI->reduce(send, recv, count, dtype, op, root, comm, stream));
 }
 static int x_stream_destroy(void *stream) { COMM_OPEN(SI->stream_destroy(stream)); }
