@@ -43,6 +43,8 @@ typedef struct {
     const char *backend; /* "cuda-emu" (default), "opaque" or "cpu" */
 } sjob;
 
+static inline void sn_unused_(void) { (void)zr_compare_one_process; } /* zero_ref.h's, unused here */
+
 static double sn_now_ms(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -173,8 +175,9 @@ static void check_resume(const sjob *j, const sjob *ref, const char *what) {
     r->backend = j->backend;
     r->cfg = j->cfg;
     r->cfg.train.save_interval = 0;
-    snprintf(r->cfg.resume, sizeof r->cfg.resume, "%s/step-000001", j->cfg.out_dir);
-    snprintf(r->cfg.out_dir, sizeof r->cfg.out_dir, "%s-resumed", j->cfg.out_dir);
+    FL_REQUIRE(snprintf(r->cfg.resume, sizeof r->cfg.resume, "%s/step-000001", j->cfg.out_dir) <
+                   (int)sizeof r->cfg.resume &&
+               snprintf(r->cfg.out_dir, sizeof r->cfg.out_dir, "%s-resumed", j->cfg.out_dir) < (int)sizeof r->cfg.out_dir);
     FL_CHECKF(sj_run(r, 1) == FL_OK, "%s resumed: %s", what, r->msg[0]);
     for (int q = 0; r->st[0] == FL_OK && q < r->world; q++)
         FL_CHECKF(r->rec[q].steps == 2 && r->rec[q].bytes && r->rec[q].nbytes == ref->rec[0].nbytes &&
@@ -186,7 +189,8 @@ static void check_resume(const sjob *j, const sjob *ref, const char *what) {
 }
 
 /* ZeRO-1, ZeRO-2 and FULL_SHARD through the NCCL stand-in = DDP over the host communicator, bit for
- * bit (parameters, losses and both consolidated checkpoints' tensors), in 32-true and bf16-true
+ * bit (parameters, losses and both consolidated checkpoints' tensors; on cuda-emu, slow, ZeRO-1 in
+ * 32-true only and the resumes of FULL_SHARD only), in 32-true and bf16-true
  * (AdamW: two state buffers) or with AdamW8bit (FULL_SHARD: blocks cut by a rank edge exchange their
  * new scales, which the kernels take as floors from device memory: optim.c fsdp8_step);
  * FULL_SHARD over the host communicator on the same backend too (32-true); ZeRO-2 and FULL_SHARD
@@ -205,6 +209,7 @@ static void stages(int sc, const char *backend) {
     FL_CHECKF(sj_run(ref, 0) == FL_OK && ref->calls == 0, "%s DDP host: %s (%lu stand-in calls)", zr_names[sc],
               ref->msg[0], ref->calls);
     for (int k = 0; k < 3 && ref->st[0] == FL_OK; k++) {
+        if (!opaque && k == 0 && sc != ZR_ADAMW) continue; /* the emulator is slow: ZeRO-1 in 32-true only there */
         snprintf(tag, sizeof tag, "%s-%s", tags[k], backend);
         sjob *j = sj_new(sc, 2, strat[k][0], strat[k][1], tag);
         j->backend = backend;
@@ -214,7 +219,8 @@ static void stages(int sc, const char *backend) {
         if (j->st[0] == FL_OK) {
             check_bits(j, ref, what);
             check_ckpts(j, ref, what);
-            if (k > 0 && (opaque || sc != ZR_BF16)) check_resume(j, ref, what); /* (the emulator is slow) */
+            /* resumes: ZeRO-2 and FULL_SHARD on opaque, FULL_SHARD (32-true, 8-bit) on the slow emulator */
+            if (opaque ? k > 0 : k == 2 && sc != ZR_BF16) check_resume(j, ref, what);
         }
         const unsigned long steps = (unsigned long)j->cfg.train.max_steps, want = k < 2 ? 2 * (1 + 2 * steps)
                                                                                     : 2 * steps * (2 * 4 + 2);

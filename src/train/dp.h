@@ -52,9 +52,10 @@ void fl_dp_init(fl_dp *dp, fl_comm *comm, fl_mem_pool *pool);
  * the device and HYBRID_SHARD communicators. */
 void fl_dp_done(fl_dp *dp);
 /* Several ranks on a backend with a device communicator (be->comm_create: NCCL on cuda, its CPU
- * stand-in on cuda-emu): make it over dp->comm; the gradients' reductions and the parameters'
- * broadcast then go through it, the host-side sums stay on dp->comm. Collective. No-op in one
- * process or when the backend has none. */
+ * stand-in on cuda-emu and opaque): make it over dp->comm; every collective on the backend's buffers
+ * (the gradients' reductions, the parameters' broadcast, ZeRO's all-gather and 8-bit halo, FSDP's
+ * gathers and reduce-scatters) then goes through it, the host-side sums and the checkpoint streams'
+ * host staging stay on dp->comm. Collective. No-op in one process or when the backend has none. */
 fl_status fl_dp_device_comm(fl_dp *dp, const fl_backend *be);
 /* Bytes this rank has sent over its host communicators: the world's, and HYBRID_SHARD's node and
  * replica groups (fl_comm_traffic). */
