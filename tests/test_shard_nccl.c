@@ -190,7 +190,8 @@ static void check_resume(const sjob *j, const sjob *ref, const char *what) {
 
 /* ZeRO-1, ZeRO-2 and FULL_SHARD through the NCCL stand-in = DDP over the host communicator, bit for
  * bit (parameters, losses and both consolidated checkpoints' tensors; on cuda-emu, slow, ZeRO-1 in
- * 32-true only and the resumes of FULL_SHARD only), in 32-true and bf16-true
+ * 32-true only and the resumes of FULL_SHARD only; on opaque ZeRO-2 and FULL_SHARD also saving sharded
+ * checkpoints, resumed), in 32-true and bf16-true
  * (AdamW: two state buffers) or with AdamW8bit (FULL_SHARD: blocks cut by a rank edge exchange their
  * new scales, which the kernels take as floors from device memory: optim.c fsdp8_step);
  * FULL_SHARD over the host communicator on the same backend too (32-true); ZeRO-2 and FULL_SHARD
@@ -228,6 +229,19 @@ static void stages(int sc, const char *backend) {
                   want);
         if (getenv("FL_TEST_VERBOSE")) printf("    %s: %lu stand-in collectives, DDP's bits\n", what, j->calls);
         sj_free(j);
+        if (opaque && k > 0 && sc != ZR_BF16) { /* sharded checkpoints (shard_ckpt.c: each rank its ranges) */
+            snprintf(tag, sizeof tag, "%s-%s-sharded", tags[k], backend);
+            sjob *h = sj_new(sc, 2, strat[k][0], strat[k][1], tag);
+            h->backend = backend;
+            snprintf(h->cfg.state_dict_type, sizeof h->cfg.state_dict_type, "sharded");
+            snprintf(what, sizeof what, "%s %s on %s, sharded checkpoints", zr_names[sc], tags[k], backend);
+            FL_CHECKF(sj_run(h, 1) == FL_OK, "%s: %s", what, h->msg[0]);
+            if (h->st[0] == FL_OK) {
+                check_bits(h, ref, what);
+                check_resume(h, ref, what);
+            }
+            sj_free(h);
+        }
     }
     if (sc == ZR_ADAMW && !opaque) { /* (opaque memory has no host-communicator path) */
         sjob *h = sj_new(sc, 2, "fsdp", "FULL_SHARD", "fsdp-host");
