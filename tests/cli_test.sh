@@ -191,8 +191,10 @@ expect plan_no_budget_json 0 '"verdict": "unknown"' -- "$FITLLM" plan tinyllama-
 expect plan_absurd_peak 0 "more than any single machine has" -- "$FITLLM" plan llama-3-8b --train.micro_batch_size 4096 --train.global_batch_size 4096
 expect plan_devices_2 0 "data parallel \(DDP\) over 2 ranks: the memory of ONE rank" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --strategy ddp
 # --strategy auto (the default) per command, as LitGPT: finetune_full FULL_SHARD, finetune_lora DDP over the
-# adapters, DDP where FULL_SHARD refuses the run (16-true), pretrain FULL_SHARD (HYBRID_SHARD on one node)
+# adapters, pretrain FULL_SHARD (HYBRID_SHARD on one node), on CPUs and GPUs (a device communicator)
 expect plan_auto_full_fsdp 0 "strategy auto: fsdp FULL_SHARD, as LitGPT's finetune_full" -- "$FITLLM" plan tinyllama-1.1b --devices 2
+expect plan_auto_full_fsdp_gpu 0 "strategy auto: fsdp FULL_SHARD, as LitGPT's finetune_full" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --accelerator cuda
+expect plan_auto_8bit_fsdp_gpu 0 "strategy auto: fsdp FULL_SHARD, as LitGPT's finetune_full" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --accelerator cuda --optimizer bnb.optim.AdamW8bit
 # LitGPT's FSDP checkpoints each block's activations: auto's FSDP too, unless told otherwise
 expect plan_auto_full_actckpt 0 "AdamW, activation checkpointing on" -- "$FITLLM" plan tinyllama-1.1b --devices 2
 expect plan_auto_full_actckpt_off 0 "AdamW, activation checkpointing off" -- "$FITLLM" plan tinyllama-1.1b --devices 2 --train.activation_checkpointing false

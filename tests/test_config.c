@@ -461,7 +461,7 @@ FL_TEST(cfg_strategy_auto_resolution) {
         snprintf(what, sizeof what, "%s %s %s %s devices %d nodes %d%s", fl_cfg_command_name(cmd),
                  fl_optim_name(opts[oi]), precs[pi], sdts[si], dev, nodes, gpu ? " gpu" : "");
         /* the rule, as stated */
-        int refused = gpu; /* every optimizer and precision runs under FULL_SHARD */
+        int refused = 0; /* every optimizer and precision runs under FULL_SHARD, on host and device memory */
         if (world == 1) {
             FL_CHECKF(sc.stage == 0 && !strcmp(sc.strategy, "auto") && !strcmp(sc.desc, "auto"), "%s: %d %s", what,
                       sc.stage, sc.desc);
@@ -492,8 +492,8 @@ FL_TEST(cfg_strategy_auto_resolution) {
             FL_CHECKF(gc.act_ckpt == given_ck && gc.stage == sc.stage, "%s: given %d, act_ckpt %d", what, given_ck,
                       gc.act_ckpt);
         }
-        /* the refusals themselves (host memory: fl_dp_check's device refusal has no config-level twin) */
-        if (world > 1 && cmd != FL_CMD_FINETUNE_LORA && !gpu) {
+        /* the refusals themselves (the same on a GPU communicator) */
+        if (world > 1 && cmd != FL_CMD_FINETUNE_LORA) {
             fl_run_config f = c;
             snprintf(f.strategy, sizeof f.strategy, "fsdp");
             fl_precision pr;

@@ -39,7 +39,7 @@ typedef struct {
      * (src/train/optim.c) updates a block whose elements lie on two ranks on each of them with the
      * max over the whole block's new |m| / v (exchanged) here, so both quantize with one-process
      * scales. max is exact, so max(floor, the part's max) is the whole block's max bit for bit.
-     * The CPU backend implements it; the CUDA backend refuses a state that sets it. */
+     * The backend's memory (device memory on a GPU), like the state; every backend implements it. */
     const float *floor_m, *floor_v;
 } fl_adam8bit_state;
 

@@ -411,6 +411,10 @@ fl_status fl_ref_backend_init(fl_backend *be);
  * A testing aid: FITLLM_TEST_BACKEND=opaque (tests), FITLLM_BACKEND=opaque (CLI). */
 fl_status fl_opaque_backend_init(fl_backend *be, int n_threads);
 void fl_opaque_backend_free(fl_backend *be);
+/* Whether backends made from now on have a device communicator (comm_create: the NCCL stand-in with
+ * every opaque range open while a collective moves data; default 1). Tests turn it off to see the
+ * refusal of several ranks on memory no communicator can reach. */
+void fl_opaque_use_comm(int on);
 
 /* The null backend (src/backend/null/): the planner's. Every op and copy is a no-op that touches
  * no memory (to_host writes zeros into the host buffer, sumsq returns 0, check_finite finds

@@ -66,8 +66,8 @@ int fl_trainer_dp_bucketed(int world, int zero_stage, int lora);
  * (every layout group split by fl_comm's chunk layout on its own: sum over groups of the rank's
  * chunk), what each rank holds of the parameters, gradients and optimizer state. The planner uses it. */
 size_t fl_fsdp_shard_numel(const fl_param_layout *lay, int world, int rank);
-/* Why FULL_SHARD cannot run this configuration, or NULL (every optimizer and precision runs on
- * host memory now; kept as the one place a future refusal goes). p may be NULL. */
+/* Why FULL_SHARD cannot run this configuration, or NULL (every optimizer and precision runs, on host
+ * and on device memory; kept as the one place a future refusal goes). p may be NULL. */
 const char *fl_fsdp_refusal(const fl_run_config *cfg, const fl_precision *p);
 
 /* Hook for tests: called after every optimizer step (after that step's

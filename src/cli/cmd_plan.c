@@ -33,7 +33,7 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "  --device-memory SIZE           (default: --max_memory, else none)  device memory, e.g. 80GB, 24GiB\n"
            "  --devices N|auto               (default 1)  ranks of a data-parallel run: plans one rank's memory\n"
            "                                 (--strategy auto, the default, as the trainer: fsdp FULL_SHARD, --lora\n"
-           "                                 ddp, ddp where FULL_SHARD refuses the run (GPUs);\n"
+           "                                 ddp, on CPUs and GPUs;\n"
            "                                 --strategy ddp: every rank the same; deepspeed_stage_1 / _2 and fsdp\n"
            "                                 with --fsdp.sharding_strategy SHARD_GRAD_OP: the rank's chunk of the\n"
            "                                 optimizer state); auto: 1 (one CPU device); overrides a recipe's devices:\n"

@@ -27,9 +27,9 @@ static void help(const char *cmd, fl_cmd_kind kind) {
     fl_cfg_print_help(kind, stdout);
     printf("\n  --accelerator auto|cpu|cuda   (default auto: the GPU when this build has CUDA and one is visible,\n"
            "                                else the CPU) cuda is EXPERIMENTAL: passed `fitllm selftest` and trained\n"
-           "                                on an H100. Several GPUs (DDP only): mpirun -np N ... --devices N, one\n"
-           "                                process per GPU, through NCCL (builds with NCCL; verified on its CPU\n"
-           "                                stand-in only)\n");
+           "                                on an H100. Several GPUs (DDP, ZeRO-1/2, FSDP): mpirun -np N ... --devices N,\n"
+           "                                one process per GPU, through NCCL (builds with NCCL; verified on its\n"
+           "                                CPU stand-in only)\n");
     printf("\n  Data parallel (--devices N, --num_nodes M, --strategy): started without a launcher on one machine,\n"
            "  fitllm runs itself as N ranks through Open MPI's mpirun (printed first; FITLLM_MPIRUN=PATH picks the\n"
            "  mpirun, FITLLM_MPIRUN=none only prints the command); under mpirun or srun --mpi=pmix, devices x\n"
@@ -37,7 +37,7 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "  without a launcher prints the whole command). Needs a build with MPI (fitllm --version).\n"
            "  --strategy auto (the default) is LitGPT's: finetune_full FSDP FULL_SHARD, pretrain HYBRID_SHARD\n"
            "  (FULL_SHARD within each node of --devices ranks, replicated across the --num_nodes nodes; on one node\n"
-           "  FULL_SHARD), adapter fine-tuning DDP over the adapters; DDP where FULL_SHARD refuses the run (GPUs);\n"
+           "  FULL_SHARD), adapter fine-tuning DDP over the adapters, on CPUs and GPUs (NCCL);\n"
            "  the run's \"data parallel (...)\" line names what auto chose and why.\n");
     printf("\nexit codes: 0 ok, 1 runtime error, 2 usage or config error, 3 out of memory\n");
 }

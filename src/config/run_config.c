@@ -70,7 +70,7 @@ static const fl_cfg_key k_keys[] = {
     {"precision", FL_CK_PRECISION, OFF(precision), "32-true | bf16-true | bf16-mixed | 16-true | 16-mixed"},
     {"devices", FL_CK_DEVICES, OFF(devices), "devices (ranks) per node, or auto (1 CPU device); > 1: data parallel over devices x num_nodes ranks"},
     {"num_nodes", FL_CK_POS, OFF(num_nodes), "number of nodes"},
-    {"strategy", FL_CK_STR32, OFF(strategy), "auto | ddp | deepspeed_stage_1 | deepspeed_stage_2 | deepspeed_stage_3 | fsdp (auto, as LitGPT: fsdp FULL_SHARD for finetune_full and pretrain, ddp over the adapters for adapter fine-tuning; ddp where FULL_SHARD refuses the run (a GPU communicator); ZeRO-1/2 shard the optimizer state / gradients; ZeRO-3 = fsdp FULL_SHARD also the parameters, gathered block by block)"},
+    {"strategy", FL_CK_STR32, OFF(strategy), "auto | ddp | deepspeed_stage_1 | deepspeed_stage_2 | deepspeed_stage_3 | fsdp (auto, as LitGPT: fsdp FULL_SHARD for finetune_full and pretrain, ddp over the adapters for adapter fine-tuning, on CPUs and GPUs; ZeRO-1/2 shard the optimizer state / gradients; ZeRO-3 = fsdp FULL_SHARD also the parameters, gathered block by block)"},
     {"fsdp.sharding_strategy", FL_CK_STR32, OFF(sharding_strategy), "--strategy fsdp: FULL_SHARD (default; = ZeRO-3: parameters, gradients and optimizer state divided by the ranks) | SHARD_GRAD_OP (= ZeRO-2) | NO_SHARD (= ddp) | HYBRID_SHARD (FULL_SHARD within each node of --devices ranks, replicated across --num_nodes; pretrain's auto across nodes)"},
     {"fsdp.state_dict_type", FL_CK_STR32, OFF(state_dict_type), "checkpoints of every strategy: full (consolidated, one file set) | sharded (each rank writes its element ranges; resumable at any world size; fitllm merge_shards consolidates)"},
     {"resume", FL_CK_RESUME, OFF(resume), "false | true | auto | path to a checkpoint folder"},
@@ -581,10 +581,11 @@ fl_status fl_cfg_check_strategy(const char *s) {
 }
 
 /* Why FULL_SHARD would refuse this run (NULL: it runs it). The same refusals as fl_fsdp_refusal
- * (src/train/fsdp.c) and fl_dp_check (device memory):
- * tests/test_config.c checks that auto never picks FULL_SHARD where an explicit fsdp is refused. */
+ * (src/train/fsdp.c): none today, on host or device memory (a GPU communicator: FULL_SHARD gathers and
+ * reduces through it, as LitGPT's FSDP on GPUs). tests/test_config.c checks that auto never picks
+ * FULL_SHARD where an explicit fsdp is refused. */
 static const char *full_shard_refusal(const fl_run_config *c, int device_comm) {
-    if (device_comm) return "device memory (a GPU communicator)";
+    (void)c, (void)device_comm;
     return NULL;
 }
 

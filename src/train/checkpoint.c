@@ -370,8 +370,13 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
                                      (const char *)t->data + m->pp->flat_off[g] * es, m->pp->len[g] * es);
         } else if (i == 3 && zero8) { /* this rank's pieces, out of the mapped file (host memory) */
             s = fl_zero8_take(o, t->data);
-        } else if (i == 3 && pieces8) { /* this rank's pieces of every tensor's state (host memory) */
-            s = fl_optim_8bit_fsdp_copy(&m->layout, o->p8_a, o->p8_n, o->state8, (void *)t->data, 0);
+        } else if (i == 3 && pieces8) { /* this rank's pieces of every tensor's state: assembled in host memory
+                                          * (outside the pool: I/O staging), then to the backend's */
+            void *h = calloc(1, o->state8_bytes + 4);
+            s = h ? fl_optim_8bit_fsdp_copy(&m->layout, o->p8_a, o->p8_n, h, (void *)t->data, 0)
+                  : fl_errorf(FL_ERR_OOM, "%s: out of host memory", p);
+            if (s == FL_OK && o->state8_bytes) s = m->be->to_device(m->be, o->state8, h, o->state8_bytes);
+            free(h);
         } else if (i < 3 && (o->s_off != 0 || o->s_len != tn)) { /* ZeRO: this rank's chunk, read alone */
             s = m->be->to_device(m->be, want[i].dst, (const char *)t->data + o->s_off * es, o->s_len * es);
         } else {

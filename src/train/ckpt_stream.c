@@ -83,8 +83,11 @@ static fl_status fetch8(fl_dp_stream *s, int i) {
         const size_t a = c->a[(size_t)r * c->n_t + i], len = c->len[(size_t)r * c->n_t + i];
         if (!len) continue;
         const size_t pb = piece_bytes8(tn, a, len);
-        if (r == c->me) memcpy(c->stage, (const char *)c->o->state8 + c->own[i], pb);
+        /* the owner's piece of device memory into host memory; the broadcast runs whatever came of it (every
+         * rank takes part), then a failed copy is reported */
+        fl_status cs = r == c->me ? fl_dp_to_host(s->dp, c->stage, (const char *)c->o->state8 + c->own[i], pb) : FL_OK;
         FL_TRY(fl_comm_broadcast(c->comm, c->stage, (pb + 1) / 2, FL_BF16, r)); /* bytes as 16-bit words */
+        FL_TRY(cs);
         if (s->dp->rank == 0) FL_TRY(fl_optim_8bit_piece_to_full(tn, a, len, c->stage, s->buf));
     }
     return FL_OK;

@@ -20,7 +20,10 @@ void fl_dp_init(fl_dp *dp, fl_comm *comm, fl_mem_pool *pool) {
 
 void fl_dp_done(fl_dp *dp) {
     if (dp->comm) fl_comm_set_pool(dp->comm, NULL);
-    fl_fsdp_free(dp); /* its gathers in flight use dp->node */
+    fl_fsdp_free(dp); /* its gathers in flight use dp->node (dp->dnode) */
+    fl_comm_destroy(dp->drep); /* before dev: split from it */
+    fl_comm_destroy(dp->dnode);
+    dp->drep = dp->dnode = NULL;
     fl_comm_destroy(dp->rep);
     fl_comm_destroy(dp->node);
     dp->rep = dp->node = NULL;
@@ -34,6 +37,13 @@ fl_status fl_dp_device_comm(fl_dp *dp, const fl_backend *be) {
                            be->name));
     /* the host communicator now carries host memory only: its scratch is not the device pool's */
     if (dp->dev) fl_comm_set_pool(dp->comm, NULL);
+    return FL_OK;
+}
+
+fl_status fl_dp_to_host(const fl_dp *dp, void *dst, const void *src, size_t bytes) {
+    if (!bytes) return FL_OK;
+    if (dp->be) return dp->be->to_host(dp->be, dst, src, bytes);
+    memcpy(dst, src, bytes);
     return FL_OK;
 }
 
@@ -93,29 +103,30 @@ fl_status fl_dp_check(const fl_dp *dp, const fl_optimizer *o) {
     if (dp->comm && o->gt != FL_F32 && o->gt != FL_BF16 && o->gt != FL_F16)
         return fl_errorf(FL_ERR_UNSUPPORTED, "data parallel: %s gradients cannot be reduced (F32, BF16 and F16 only)",
                          fl_dtype_name(o->gt));
-    /* ZeRO's parameter all-gather and state staging (zero.c) still read host memory */
-    if (dp->dev && dp->stage > 0)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "data parallel: %s on device memory (%s communicator) is not implemented "
-                         "yet; use --strategy ddp with several GPUs", fl_dp_stage_name(dp), fl_comm_impl_name(dp->dev));
+    /* ZeRO-1/2 and FULL_SHARD reach device memory through the device communicator (gathers, reductions)
+     * and the backend's copies (the 8-bit halo, checkpoint streams): no stage is refused here */
     return FL_OK;
 }
 
 /* ZeRO-2 with 8-bit AdamW: a rank's pieces reach up to FL_OPTIM_8BIT_HALO elements into each
  * neighbour's chunk (whole blocks), so after the reduce-scatter every rank sends its chunk's first
  * and last H reduced gradients to all (one all-gather of 2H per rank, WORKSPACE while it runs) and
- * takes its neighbours' into place. Every chunk holds >= H elements (fl_dp_optim_init). */
+ * takes its neighbours' into place. Every chunk holds >= H elements (fl_dp_optim_init). The
+ * gradients are the backend's memory: moved by its copies and the device communicator. */
 static fl_status halo_8bit(fl_dp *dp, fl_optimizer *o) {
+    const fl_backend *be = o->model->be;
     const size_t H = FL_OPTIM_8BIT_HALO, es = fl_dtype_size(o->gt), per = 2 * H;
     char *g = o->g, *buf;
     FL_TRY(fl_mem_alloc(o->model->pool, FL_TAG_WORKSPACE, ((size_t)dp->world + 1) * per * es, (void **)&buf));
     char *mine = buf + (size_t)dp->world * per * es;
-    memcpy(mine, g + o->s_off * es, H * es);
-    memcpy(mine + H * es, g + (o->s_off + o->s_len - H) * es, H * es);
-    fl_status s = fl_comm_all_gather(dp->comm, mine, buf, (size_t)dp->world * per, es == 4 ? FL_F32 : FL_BF16);
+    fl_status s = be->copy(be, mine, g + o->s_off * es, H * es);
+    if (s == FL_OK) s = be->copy(be, mine + H * es, g + (o->s_off + o->s_len - H) * es, H * es);
+    if (s == FL_OK)
+        s = fl_comm_all_gather(fl_dp_dcomm(dp), mine, buf, (size_t)dp->world * per, es == 4 ? FL_F32 : FL_BF16);
     if (s == FL_OK && dp->rank > 0) /* the tail of rank - 1's chunk ends where ours starts */
-        memcpy(g + (o->s_off - H) * es, buf + ((size_t)(dp->rank - 1) * per + H) * es, H * es);
+        s = be->copy(be, g + (o->s_off - H) * es, buf + ((size_t)(dp->rank - 1) * per + H) * es, H * es);
     if (s == FL_OK && dp->rank < dp->world - 1) /* the head of rank + 1's */
-        memcpy(g + (o->s_off + o->s_len) * es, buf + (size_t)(dp->rank + 1) * per * es, H * es);
+        s = be->copy(be, g + (o->s_off + o->s_len) * es, buf + (size_t)(dp->rank + 1) * per * es, H * es);
     fl_mem_free(o->model->pool, buf);
     return fl_error_prefix(s, "ZeRO-2: the 8-bit optimizer's neighbouring gradients");
 }

@@ -38,7 +38,12 @@ typedef struct {
     size_t bk_done;
     struct fl_fsdp *fsdp; /* stage 3 (FULL_SHARD) of the full model: the sharding (fsdp.c), else NULL */
     fl_comm *node, *rep;  /* HYBRID_SHARD across nodes (fl_fsdp_prepare, owned): this rank's node (the shard group)
-                           * and its replica group (the ranks of its local rank on every node); NULL otherwise */
+                           * and its replica group (the ranks of its local rank on every node); NULL otherwise.
+                           * Host communicators (host-side sums, sharded checkpoints' bookkeeping) */
+    fl_comm *dnode, *drep; /* the same groups split from dev (owned; NULL without a device communicator): the
+                            * gathers and reductions of device buffers */
+    const fl_backend *be;  /* the run's backend (NULL: host memory, memcpy): the checkpoint streams read device
+                            * memory through its to_host, write it through to_device */
 } fl_dp;
 
 /* comm may be NULL (rank 0 of 1). */
@@ -47,15 +52,19 @@ void fl_dp_init(fl_dp *dp, fl_comm *comm, fl_mem_pool *pool);
  * the device and HYBRID_SHARD communicators. */
 void fl_dp_done(fl_dp *dp);
 /* Several ranks on a backend with a device communicator (be->comm_create: NCCL on cuda, its CPU
- * stand-in on cuda-emu): make it over dp->comm; the gradients' reductions and the parameters'
- * broadcast then go through it, the host-side sums stay on dp->comm. Collective. No-op in one
- * process or when the backend has none. */
+ * stand-in on cuda-emu and opaque): make it over dp->comm; every collective on the backend's buffers
+ * (the gradients' reductions, the parameters' broadcast, ZeRO's all-gather and 8-bit halo, FSDP's
+ * gathers and reduce-scatters) then goes through it, the host-side sums and the checkpoint streams'
+ * host staging stay on dp->comm. Collective. No-op in one process or when the backend has none. */
 fl_status fl_dp_device_comm(fl_dp *dp, const fl_backend *be);
 /* Bytes this rank has sent over its host communicators: the world's, and HYBRID_SHARD's node and
  * replica groups (fl_comm_traffic). */
 unsigned long long fl_dp_sent(const fl_dp *dp);
 /* The communicator of the backend's buffers (gradients, parameters). */
 static inline fl_comm *fl_dp_dcomm(const fl_dp *dp) { return dp->dev ? dp->dev : dp->comm; }
+/* bytes of device memory src (the backend's buffers) into host memory dst: dp->be's to_host, memcpy without
+ * a backend */
+fl_status fl_dp_to_host(const fl_dp *dp, void *dst, const void *src, size_t bytes);
 /* Whether global micro-batch j (0-based within its step or evaluation) is this rank's. */
 static inline int fl_dp_mine(const fl_dp *dp, long j) { return j % dp->world == dp->rank; }
 /* v[0..n) := the sum over ranks of v, in rank order in double. The doubles travel bit for bit
@@ -82,7 +91,7 @@ fl_status fl_zero8_take(fl_optimizer *o, const void *full);
 /* Every rank's run configuration must be rank 0's (the YAML dump compared line by line):
  * FL_ERR_INVALID on the ranks that differ, naming the first differing line. Collective. */
 fl_status fl_dp_check_config(fl_dp *dp, const fl_run_config *cfg);
-/* What this build cannot run yet (ZeRO on a device communicator's memory), checked at set-up. */
+/* What data parallelism cannot run (gradient dtypes other than F32, BF16, F16), checked at set-up. */
 fl_status fl_dp_check(const fl_dp *dp, const fl_optimizer *o);
 /* Sum the trainable gradients (o->g, F32, BF16 or F16) over ranks in place: DDP and ZeRO-1 of the full
  * model wait for the last bucket (fl_dp_buckets_arm), with LoRA one all-reduce of the adapters

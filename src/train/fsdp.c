@@ -69,7 +69,10 @@
 
 struct fl_fsdp {
     fl_dp *dp;
-    fl_comm *sc, *rc;       /* the shard group (the world; HYBRID: the node) and the replica group (HYBRID, else NULL) */
+    fl_comm *sc, *rc;       /* the shard group (the world; HYBRID: the node) and the replica group (HYBRID, else NULL)
+                             * of the backend's buffers: the device communicator's (dp->dev and its splits) when
+                             * the run has one, else the host's */
+    fl_comm *hsc;           /* the shard group over host memory (the checkpoint streams' staged units) */
     fl_model *m;
     fl_param_provider pp;
     int G;                  /* units: layout groups */
@@ -101,8 +104,9 @@ size_t fl_fsdp_shard_numel(const fl_param_layout *lay, int world, int rank) {
 }
 
 const char *fl_fsdp_refusal(const fl_run_config *cfg, const fl_precision *p) {
-    (void)cfg, (void)p; /* every optimizer and precision runs (AdamW8bit: blocks cut by a rank edge exchange
-                        * their scales, src/train/optim.c; 16-true: F16 shards, reduced like BF16) */
+    (void)cfg, (void)p; /* every optimizer and precision runs, on host and device memory (AdamW8bit: blocks cut
+                        * by a rank edge exchange their scales, src/train/optim.c; 16-true: F16 shards, reduced
+                        * like BF16) */
     return NULL;
 }
 
@@ -227,8 +231,9 @@ static fl_status shard_model(void *ud, void *mp) {
     dp->fsdp = f;
     dp->stage = 3;
     f->dp = dp;
-    f->sc = dp->node ? dp->node : dp->comm;
-    f->rc = dp->rep;
+    f->hsc = dp->node ? dp->node : dp->comm;
+    f->sc = dp->dev ? (dp->dnode ? dp->dnode : dp->dev) : f->hsc;
+    f->rc = dp->dev ? dp->drep : dp->rep;
     f->m = m;
     f->G = m->layout.n_groups;
     size_t G = (size_t)f->G + 1;
@@ -290,6 +295,16 @@ fl_status fl_fsdp_prepare(fl_dp *dp, const fl_run_config *cfg, const fl_precisio
         }
         fl_comm_set_pool(dp->node, dp->comm->pool); /* their MPI scratch in the run's pool, as the world's */
         fl_comm_set_pool(dp->rep, dp->comm->pool);
+        /* the same groups of the device communicator (NCCL: its host part split, a communicator bootstrapped
+         * over each), for the gathers and reductions of device buffers */
+        if (s == FL_OK && dp->dev) s = fl_comm_split(dp->dev, dp->rank / cfg->devices, dp->rank, &dp->dnode);
+        if (s == FL_OK && dp->dev) s = fl_comm_split(dp->dev, dp->rank % cfg->devices, dp->rank, &dp->drep);
+        if (s != FL_OK) {
+            fl_comm_destroy(dp->drep), fl_comm_destroy(dp->dnode);
+            dp->drep = dp->dnode = NULL;
+            return fl_error_prefix(s, "HYBRID_SHARD: splitting the device communicator into %d nodes of %d",
+                                   cfg->num_nodes, cfg->devices);
+        }
     }
     stg->shard = shard_model;
     stg->shard_ud = dp;
@@ -324,18 +339,35 @@ int fl_fsdp_ranges(const fl_dp *dp, size_t *flat_off, size_t *shard_off, size_t 
  * (elements of es bytes); one unit's buffer at a time (host memory, outside the pool: checkpoint
  * I/O staging). full may be NULL on ranks that only send (root >= 0 and rank != root). node0: only
  * node 0 gathers (HYBRID_SHARD's checkpoints: rank 0 writes; the other nodes hold the same bytes). */
+/* Unit g of the array whose shard (the backend's memory) is `shard` into host memory dst (n[g]
+ * elements): this rank's piece copied to the host (stage: clen[g] elements), then all-gathered over
+ * the host shard group. Every rank of the group calls it; a failed copy still takes part. */
+static fl_status gather_unit_host(fl_dp *dp, const void *shard, size_t es, int g, void *dst, void *stage) {
+    struct fl_fsdp *f = dp->fsdp;
+    fl_status c = fl_dp_to_host(dp, stage, (const char *)shard + f->loc[g] * es, f->clen[g] * es);
+    fl_status s = fl_comm_all_gather(f->hsc, stage, dst, f->n[g], es == 4 ? FL_F32 : FL_BF16); /* HYBRID: in the node */
+    return c != FL_OK ? c : s;
+}
+
+static size_t max_unit(const struct fl_fsdp *f, const size_t *n) {
+    size_t cap = 0;
+    for (int g = 0; g < f->G; g++) cap = n[g] > cap ? n[g] : cap;
+    return cap;
+}
+
 static fl_status gather_whole(fl_dp *dp, const void *shard, size_t es, void *full, int node0) {
     struct fl_fsdp *f = dp->fsdp;
-    size_t cap = 0;
-    for (int g = 0; g < f->G; g++) cap = f->n[g] > cap ? f->n[g] : cap;
+    const size_t cap = max_unit(f, f->n);
     const int skip = node0 && f->rc && fl_comm_rank(f->rc) != 0;
     char *tmp = full || skip ? NULL : malloc(cap * es + 4);
-    fl_status s = fl_dp_agree(dp, full || tmp || skip ? FL_OK : fl_errorf(FL_ERR_OOM, "FSDP: out of host memory"));
-    fl_dtype w = es == 4 ? FL_F32 : FL_BF16;
+    char *stage = skip ? NULL : malloc(max_unit(f, f->clen) * es + 4); /* this rank's piece in host memory */
+    fl_status s = fl_dp_agree(dp, (full || tmp || skip) && (stage || skip) ? FL_OK
+                                                                           : fl_errorf(FL_ERR_OOM, "FSDP: out of host memory"));
     for (int g = 0; s == FL_OK && !skip && g < f->G; g++) {
         char *dst = full ? (char *)full + f->m->layout.group_offset[g] * es : tmp;
-        s = fl_comm_all_gather(f->sc, (const char *)shard + f->loc[g] * es, dst, f->n[g], w); /* HYBRID: in the node */
+        s = gather_unit_host(dp, shard, es, g, dst, stage);
     }
+    free(stage);
     free(tmp);
     return fl_error_prefix(s, "FSDP: gathering the whole parameters or state");
 }
@@ -384,9 +416,7 @@ fl_status fl_fsdp_check_finite(fl_dp *dp, const fl_optimizer *o, int *found) {
  * the writer first asks for an element of it. Host memory: one unit's buffer per rank (the
  * largest), never the whole model or state. */
 static fl_status fetch_unit(fl_dp_stream *u, int g) {
-    struct fl_fsdp *f = u->dp->fsdp;
-    return fl_comm_all_gather(f->sc, /* the shard group (HYBRID: the node) */ (const char *)u->src + f->loc[g] * u->es, u->buf, f->n[g],
-                              u->es == 4 ? FL_F32 : FL_BF16);
+    return gather_unit_host(u->dp, u->src, u->es, g, u->buf, u->ctx); /* ctx: the piece's host staging */
 }
 
 static size_t state_es(const fl_optimizer *o) { return o->cfg.state_dtype == FL_BF16 ? 2 : 4; }
@@ -402,27 +432,27 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
     const void *arr[4] = {fl_model_params_data(m), o ? o->m : NULL,
                           o ? o->v : NULL, o ? o->buf : NULL};
     const size_t aes[4] = {f->es, ses, ses, ses};
-    size_t cap = 0;
-    for (int g = 0; g < f->G; g++) cap = f->n[g] > cap ? f->n[g] : cap;
-    char *buf = malloc(cap * (f->es > ses ? f->es : ses) + 4);
+    const size_t wes = f->es > ses ? f->es : ses;
+    char *buf = malloc(max_unit(f, f->n) * wes + 4);
+    char *stage = malloc(max_unit(f, f->clen) * wes + 4); /* this rank's piece of a unit, copied to the host */
     fl_dp_stream us[4];
     for (int a = 0; a < 4; a++)
-        us[a] = (fl_dp_stream){dp, f->G, lay->group_offset, aes[a], fetch_unit, arr[a], 0, buf, 0, FL_OK, NULL};
+        us[a] = (fl_dp_stream){dp, f->G, lay->group_offset, aes[a], fetch_unit, arr[a], 0, buf, 0, FL_OK, stage};
     fl_st_write_tensor *t = lead ? calloc((size_t)L + 4, sizeof *t) : NULL;
     fl_dp_stream_tensor *ut = lead ? calloc((size_t)L + 4, sizeof *ut) : NULL;
-    /* 8-bit AdamW: the single-process layout streams tensor by tensor, each piece broadcast by its
-     * rank of the shard group (HYBRID: node 0's) */
+    /* 8-bit AdamW: the single-process layout streams tensor by tensor, each piece copied to the host and
+     * broadcast by its rank of the shard group (HYBRID: node 0's) over the host communicator */
     fl_dp_stream u8;
     fl_dp_stream8 c8;
     memset(&u8, 0, sizeof u8);
     memset(&c8, 0, sizeof c8);
-    fl_status s = !buf || (lead && (!t || !ut)) ? fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory") : FL_OK;
+    fl_status s = !buf || !stage || (lead && (!t || !ut)) ? fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory") : FL_OK;
     const int has8 = o && o->state8;
     if (s == FL_OK && has8)
-        s = fl_dp_stream8_init(&u8, &c8, dp, f->sc, fl_comm_size(f->sc), fl_comm_rank(f->sc), other_node, o, lay);
+        s = fl_dp_stream8_init(&u8, &c8, dp, f->hsc, fl_comm_size(f->hsc), fl_comm_rank(f->hsc), other_node, o, lay);
     s = fl_dp_agree(dp, s);
     if (s != FL_OK) {
-        free(t), free(ut), free(buf);
+        free(t), free(ut), free(buf), free(stage);
         fl_dp_stream8_free(&u8, &c8);
         return s;
     }
@@ -448,6 +478,7 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
     free(t);
     free(ut);
     free(buf);
+    free(stage);
     fl_dp_stream8_free(&u8, &c8);
     return fl_dp_agree(dp, s);
 }

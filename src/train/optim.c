@@ -316,17 +316,24 @@ static int piece_view(const fl_optimizer *o, int i, int k, fl_adam8bit_state *v,
     return 1;
 }
 
+/* The state, the parameters, the gradients and the exchange scratch o->x8 are the backend's memory
+ * (device memory on a GPU): moved with its copies; the slots' maxima travel through a host array
+ * (the exchange is a host-side all-gather) and back into x8, where the kernels read them as floors. */
 static fl_status fsdp8_step(fl_optimizer *o, float lr, float scale) {
     const fl_backend *be = o->model->be;
     const fl_optim_config *c = &o->cfg;
     const size_t pes = fl_dtype_size(o->pt), ges = fl_dtype_size(o->gt), S = (size_t)o->n_slots;
-    float *part = o->x8; /* (2 S): max |m| then max v of each cut block */
+    float *part = o->x8; /* (2 S): max |m| then max v of each cut block (the floors pass 2 reads) */
     char *sp = (char *)o->x8 + 2 * S * sizeof(float);
     uint8_t *sq = (uint8_t *)(sp + FL_ADAM8BIT_BLOCK * 4);
     float *sa = (float *)(sq + 2 * FL_ADAM8BIT_BLOCK);
+    float *hpart = S ? malloc(2 * S * sizeof *hpart) : NULL; /* the slots in host memory */
+    if (S && !hpart) return fl_errorf(FL_ERR_OOM, "8-bit AdamW (FULL_SHARD): out of host memory");
+    fl_status s = FL_OK;
 #define UPDATE(pp, gg, st) \
     be->adam8bit_update(be, pp, o->pt, gg, o->gt, st, lr, c->beta1, c->beta2, c->eps, c->weight_decay, o->step, scale)
-    for (size_t k = 0; k < 2 * S; k++) part[k] = -3.40282347e+38f; /* no part here: the max's identity */
+#define TRY8(x) do { if ((s = (x)) != FL_OK) goto done; } while (0)
+    for (size_t k = 0; k < 2 * S; k++) hpart[k] = -3.40282347e+38f; /* no part here: the max's identity */
     /* pass 1: each cut part updated on a copy, for its absmax */
     for (int i = 0; i < o->n_tensors; i++)
         for (int k = 0; k < 3; k += 2) {
@@ -335,25 +342,26 @@ static fl_status fsdp8_step(fl_optimizer *o, float lr, float scale) {
             int slot;
             if (!piece_view(o, i, k, &v, &off, &slot)) continue;
             if (slot < 0 || slot >= o->n_slots || v.n >= FL_ADAM8BIT_BLOCK)
-                return fl_errorf(FL_ERR_INTERNAL, "8-bit AdamW (FULL_SHARD): tensor %d's cut block has no slot", i);
+                TRY8(fl_errorf(FL_ERR_INTERNAL, "8-bit AdamW (FULL_SHARD): tensor %d's cut block has no slot", i));
             size_t at = o->p8_s[i] + off;
-            memcpy(sp, (const char *)o->p + at * pes, v.n * pes);
-            memcpy(sq, v.q_m, v.n);
-            memcpy(sq + FL_ADAM8BIT_BLOCK, v.q_v, v.n);
-            sa[0] = v.absmax_m[0];
-            sa[1] = v.absmax_v[0];
+            TRY8(be->copy(be, sp, (const char *)o->p + at * pes, v.n * pes));
+            TRY8(be->copy(be, sq, v.q_m, v.n));
+            TRY8(be->copy(be, sq + FL_ADAM8BIT_BLOCK, v.q_v, v.n));
+            TRY8(be->copy(be, sa, v.absmax_m, sizeof(float)));
+            TRY8(be->copy(be, sa + 1, v.absmax_v, sizeof(float)));
             w = v;
             w.q_m = sq, w.q_v = sq + FL_ADAM8BIT_BLOCK, w.absmax_m = sa, w.absmax_v = sa + 1;
-            FL_TRY(UPDATE(sp, (const char *)o->g + at * ges, &w));
-            part[slot] = sa[0];
-            part[S + (size_t)slot] = sa[1];
+            TRY8(UPDATE(sp, (const char *)o->g + at * ges, &w));
+            TRY8(be->to_host(be, &hpart[slot], sa, sizeof(float)));
+            TRY8(be->to_host(be, &hpart[S + (size_t)slot], sa + 1, sizeof(float)));
         }
-    /* the blocks' max over the ranks */
+    /* the blocks' max over the ranks, then into x8 for the kernels */
     if (S) {
         if (!o->dist || !o->dist->max)
-            return fl_errorf(FL_ERR_INTERNAL, "8-bit AdamW (FULL_SHARD): %zu cut blocks but no exchange", S);
-        FL_TRY(fl_error_prefix(o->dist->max(o->dist->ud, part, 2 * S), "8-bit AdamW (FULL_SHARD): the scales of the "
-                               "blocks cut by a rank edge"));
+            TRY8(fl_errorf(FL_ERR_INTERNAL, "8-bit AdamW (FULL_SHARD): %zu cut blocks but no exchange", S));
+        TRY8(fl_error_prefix(o->dist->max(o->dist->ud, hpart, 2 * S), "8-bit AdamW (FULL_SHARD): the scales of the "
+                             "blocks cut by a rank edge"));
+        TRY8(be->to_device(be, part, hpart, 2 * S * sizeof(float)));
     }
     /* pass 2: the update, cut parts floored at their block's max */
     for (int i = 0; i < o->n_tensors; i++)
@@ -364,10 +372,13 @@ static fl_status fsdp8_step(fl_optimizer *o, float lr, float scale) {
             if (!piece_view(o, i, k, &v, &off, &slot)) continue;
             if (k != 1) v.floor_m = &part[slot], v.floor_v = &part[S + (size_t)slot];
             size_t at = o->p8_s[i] + off;
-            FL_TRY(UPDATE((char *)o->p + at * pes, (const char *)o->g + at * ges, &v));
+            TRY8(UPDATE((char *)o->p + at * pes, (const char *)o->g + at * ges, &v));
         }
 #undef UPDATE
-    return FL_OK;
+#undef TRY8
+done:
+    free(hpart);
+    return s;
 }
 
 /* 8-bit AdamW on a sharded model: the pieces (fl_optim_8bit_fsdp_piece), their slots, one OPTIM

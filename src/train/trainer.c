@@ -763,6 +763,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
     CHECK(fl_backend_pools_init(&t.be, &t.pool, &t.hpool, t.be.host_memory ? "cpu" : t.be.name, cfg->max_memory));
     t.pool_ok = 1;
     fl_dp_init(&t.dp, comm, &t.pool);
+    t.dp.be = &t.be; /* the checkpoint streams read and write the backend's memory through it */
     if (t.dp.world > 1 && t.be.comm_create) { /* the device communicator (NCCL): collective set-up */
         AGREE();
         CHECK(fl_dp_device_comm(&t.dp, &t.be));

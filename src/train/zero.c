@@ -45,7 +45,7 @@ static fl_status dist_gather(void *ud, fl_optimizer *o) {
     fl_dp *dp = ud;
     if (!dp->comm || dp->stage == 3) return FL_OK; /* FULL_SHARD: the parameters stay sharded */
     size_t es = fl_dtype_size(o->pt);
-    return fl_error_prefix(fl_comm_all_gather(dp->comm, (char *)o->p + o->s_off * es, o->p, o->n, word_type(o->pt)),
+    return fl_error_prefix(fl_comm_all_gather(fl_dp_dcomm(dp), (char *)o->p + o->s_off * es, o->p, o->n, word_type(o->pt)),
                            "%s: gathering the updated parameters", fl_dp_stage_name(dp));
 }
 
@@ -126,7 +126,15 @@ size_t fl_zero8_full_bytes(const fl_optimizer *o) { return packed_bytes(o, 1, 0)
 
 fl_status fl_zero8_take(fl_optimizer *o, const void *full) {
     if (!o->dist) return fl_errorf(FL_ERR_INTERNAL, "8-bit ZeRO state: no rank");
-    return unpack8(o, o->dist->world, o->dist->rank, o->state8, (void *)full, 0);
+    /* the rank's pieces are assembled in host memory (its own state's bytes, outside the pool: checkpoint
+     * I/O staging), then copied to the backend's memory */
+    const fl_backend *be = o->model->be;
+    void *host = calloc(1, o->state8_bytes + 4);
+    if (!host) return fl_errorf(FL_ERR_OOM, "8-bit ZeRO state: out of host memory");
+    fl_status s = unpack8(o, o->dist->world, o->dist->rank, host, (void *)full, 0);
+    if (s == FL_OK && o->state8_bytes) s = be->to_device(be, o->state8, host, o->state8_bytes);
+    free(host);
+    return s;
 }
 
 /* ZeRO-1/2's consolidated checkpoint (AdamW, SGD, 8-bit AdamW), streamed (dp.h: fl_dp_stream): the parameters
@@ -143,8 +151,11 @@ static fl_status fetch_piece(fl_dp_stream *u, int k) {
         fl_comm_chunk(u->start[u->n_units], u->dp->world, r, &off, &len);
         if (a < off + len) break;
     }
-    if (r == u->dp->rank) memcpy(u->buf, (const char *)u->src + (a - u->src_off) * u->es, n * u->es);
-    return fl_comm_broadcast(u->dp->comm, u->buf, n, u->es == 4 ? FL_F32 : FL_BF16, r);
+    /* the owner's piece of device memory into host memory, then over the host communicator */
+    fl_status c = r == u->dp->rank ? fl_dp_to_host(u->dp, u->buf, (const char *)u->src + (a - u->src_off) * u->es, n * u->es)
+                                   : FL_OK;
+    fl_status b = fl_comm_broadcast(u->dp->comm, u->buf, n, u->es == 4 ? FL_F32 : FL_BF16, r); /* every rank takes part */
+    return c != FL_OK ? c : b;
 }
 
 static fl_status zero_save_streamed(fl_dp *dp, int write, const char *out_dir, const char *name, const fl_model *m,

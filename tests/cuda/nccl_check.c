@@ -11,7 +11,9 @@
  *   2. 40 asynchronous all-reduces completed in reverse order;
  *   3. DDP training (tests/ddp_ref.h's SGD and AdamW-with-clipping scenarios) on the GPUs against
  *      one process on rank 0's GPU: the step losses within 1e-6 relative and the parameters within
- *      ddp_ref.h's bound; every rank ends with the same parameter bits.
+ *      ddp_ref.h's bound; every rank ends with the same parameter bits; the AdamW scenario also
+ *      under ZeRO-2 and FSDP FULL_SHARD (parameters, gradients, gathered units and optimizer state
+ *      on the GPUs, through NCCL), against the same bounds (any grouping of the same terms).
  * Prints "nccl check: N ranks, C checks, F failures" on rank 0; exit 1 on a failure, 0 with a
  * message when there is nothing to check (size 1, no GPU). */
 #include <cuda_runtime_api.h>
@@ -181,15 +183,17 @@ static void collectives(fl_comm *c) {
     CHECK(ok, "asynchronous all-reduces: %s", fl_error_message());
 }
 
-static void ddp(fl_comm *c, const char *tmp, int sc) {
+static void ddp(fl_comm *c, const char *tmp, int sc, const char *strategy) {
     int n = fl_comm_size(c);
     char out[600];
     fl_run_config cfg;
-    snprintf(out, sizeof out, "%s/nccl-%s", tmp, dr_names[sc]); /* rank 0 writes there */
+    snprintf(out, sizeof out, "%s/nccl-%s-%s", tmp, dr_names[sc], strategy); /* rank 0 writes there */
     dr_config(&cfg, sc, n, n, 1, 1, out);
+    snprintf(cfg.strategy, sizeof cfg.strategy, "%s", strategy);
+    cfg.hook_whole_params = 1; /* FULL_SHARD: the record sees the whole parameters, gathered */
     dr_rec run = {0};
     fl_status s = fl_trainer_run_comm(&cfg, c, NULL, 0, dr_record, &run, NULL);
-    CHECK(s == FL_OK, "%s: DDP over NCCL: %s", dr_names[sc], fl_error_message());
+    CHECK(s == FL_OK, "%s: %s over NCCL: %s", dr_names[sc], strategy, fl_error_message());
     if (s != FL_OK) return;
     double hsum = 0, hx = 0;
     for (size_t i = 0; i < run.numel; i++) {
@@ -214,12 +218,12 @@ static void ddp(fl_comm *c, const char *tmp, int sc) {
         dr_config(&rc, sc, n, 1, n, 0, out);
         CHECK(fl_trainer_run(&rc, NULL, 0, dr_record, &ctl, NULL) == FL_OK, "control: %s", fl_error_message());
         double lr = dr_loss_rel(&run, &ctl, cfg.train.max_steps);
-        CHECK(lr <= 1e-6, "%s at %d GPUs vs one GPU with micro %d: step losses differ by %.3g relative", dr_names[sc], n,
-              2 * n, lr);
+        CHECK(lr <= 1e-6, "%s %s at %d GPUs vs one GPU with micro %d: step losses differ by %.3g relative", dr_names[sc],
+              strategy, n, 2 * n, lr);
         char why[1024];
         int bad = dr_compare(&run, &ref, dr_max_diff(&ref, &ctl), dr_floor(&cfg), cfg.train.max_steps, why, sizeof why);
-        CHECK(bad == 0, "%s at %d GPUs vs one GPU: %s", dr_names[sc], n, why);
-        printf("  %s at %d GPUs vs one GPU: %s\n", dr_names[sc], n, why);
+        CHECK(bad == 0, "%s %s at %d GPUs vs one GPU: %s", dr_names[sc], strategy, n, why);
+        printf("  %s %s at %d GPUs vs one GPU: %s\n", dr_names[sc], strategy, n, why);
         dr_free(&ref);
         dr_free(&ctl);
     }
@@ -263,8 +267,10 @@ int main(int argc, char **argv) {
     fl_comm_destroy(nc);
     fl_backend_free(&be);
     setenv("FITLLM_BACKEND", "cuda", 1);
-    ddp(c, argv[1], DR_SGD);
-    ddp(c, argv[1], DR_ADAMW);
+    ddp(c, argv[1], DR_SGD, "ddp");
+    ddp(c, argv[1], DR_ADAMW, "ddp");
+    ddp(c, argv[1], DR_ADAMW, "deepspeed_stage_2");
+    ddp(c, argv[1], DR_ADAMW, "fsdp");
     float f = (float)g_fails, fmax = 0, chk = (float)g_checks, csum = 0;
     if (fl_comm_all_reduce(c, &f, &fmax, 1, FL_F32, FL_COMM_MAX) != FL_OK ||
         fl_comm_all_reduce(c, &chk, &csum, 1, FL_F32, FL_COMM_SUM) != FL_OK)

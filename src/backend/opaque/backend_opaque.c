@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "backend/cpu/cpu-impl.h"
+#include "fitllm/comm_nccl.h"
 
 #define OPQ_RESERVE ((size_t)1 << 38) /* 256 GiB of address space (no memory until used) */
 
@@ -48,7 +49,10 @@ static size_t page_size(void) {
     return ps;
 }
 
+static void opq_unregister(opq *o);
+
 static void opq_release(opq *o) {
+    opq_unregister(o);
     munmap(o->base, OPQ_RESERVE);
     free(o->blk);
     pthread_mutex_destroy(&o->mu);
@@ -70,7 +74,153 @@ static void opq_leave(const fl_backend *be) {
     pthread_mutex_unlock(&o->mu);
 }
 
-/* ---- the pool's raw allocator ------------------------------------------------------------ */
+/* ---- the device communicator: the NCCL stand-in with every range open while it moves data ----
+ *
+ * Several ranks (threads, each with its own opaque backend and range) run data-parallel training
+ * through the NCCL communicator (src/comm/comm_nccl.c) over the CPU stand-in, as "cuda-emu" does.
+ * A collective copies between the ranks' ranges on whichever thread progresses it, so while any
+ * thread is inside a stand-in call that can move data (a post, an event query or wait, a stream's
+ * or communicator's end) EVERY instance's range is open: a registry of the live instances and one
+ * count. Host code outside those calls and outside the ops still faults on any rank's memory, and a
+ * collective handed a host buffer is refused (ncclInvalidArgument), as a GPU's NCCL would fail. */
+static pthread_mutex_t g_reg_mu = PTHREAD_MUTEX_INITIALIZER;
+static opq **g_reg;
+static int g_nreg, g_capreg, g_comm_open;
+
+static void opq_register(opq *o) {
+    pthread_mutex_lock(&g_reg_mu);
+    if (g_nreg == g_capreg) {
+        int cap = g_capreg ? 2 * g_capreg : 8;
+        opq **n = realloc(g_reg, (size_t)cap * sizeof *n);
+        if (n) g_reg = n, g_capreg = cap;
+    }
+    if (g_nreg < g_capreg) {
+        g_reg[g_nreg++] = o;
+        if (g_comm_open) { /* a collective is moving data now: this range opens with the others */
+            pthread_mutex_lock(&o->mu);
+            if (o->open++ == 0 && o->top) mprotect(o->base, o->top, PROT_READ | PROT_WRITE);
+            pthread_mutex_unlock(&o->mu);
+        }
+    }
+    pthread_mutex_unlock(&g_reg_mu);
+}
+
+static void opq_unregister(opq *o) {
+    pthread_mutex_lock(&g_reg_mu);
+    for (int i = 0; i < g_nreg; i++)
+        if (g_reg[i] == o) {
+            g_reg[i] = g_reg[--g_nreg];
+            if (g_comm_open) o->open--; /* the range goes away with the instance */
+            break;
+        }
+    pthread_mutex_unlock(&g_reg_mu);
+}
+
+static void comm_enter(void) {
+    pthread_mutex_lock(&g_reg_mu);
+    if (g_comm_open++ == 0)
+        for (int i = 0; i < g_nreg; i++) {
+            opq *o = g_reg[i];
+            pthread_mutex_lock(&o->mu);
+            if (o->open++ == 0 && o->top) mprotect(o->base, o->top, PROT_READ | PROT_WRITE);
+            pthread_mutex_unlock(&o->mu);
+        }
+    pthread_mutex_unlock(&g_reg_mu);
+}
+
+static void comm_leave(void) {
+    pthread_mutex_lock(&g_reg_mu);
+    if (--g_comm_open == 0)
+        for (int i = 0; i < g_nreg; i++) {
+            opq *o = g_reg[i];
+            pthread_mutex_lock(&o->mu);
+            if (--o->open == 0 && o->top) mprotect(o->base, o->top, PROT_NONE);
+            pthread_mutex_unlock(&o->mu);
+        }
+    pthread_mutex_unlock(&g_reg_mu);
+}
+
+/* Whether p is device memory of some live instance (a GPU's NCCL takes device buffers only: a host
+ * buffer handed to the device communicator is a bug the stand-in alone would not see). */
+static int in_some_range(const void *p) {
+    const char *c = p;
+    int in = 0;
+    pthread_mutex_lock(&g_reg_mu);
+    for (int i = 0; i < g_nreg && !in; i++) {
+        opq *o = g_reg[i];
+        pthread_mutex_lock(&o->mu);
+        in = c >= o->base && c < o->base + o->top;
+        pthread_mutex_unlock(&o->mu);
+    }
+    pthread_mutex_unlock(&g_reg_mu);
+    return in;
+}
+/* the buffers of a collective of `count` elements: device memory (NULL: a non-root's absent recv) */
+#define DEV_ARGS(send, recv, count)                                                              \
+    do {                                                                                         \
+        if ((count) && (((send) && !in_some_range(send)) || ((recv) && !in_some_range(recv)))) \
+            return FL_NCCL_INVALID_ARGUMENT;                                                     \
+    } while (0)
+
+#define SI fl_nccl_standin_api()
+#define COMM_OPEN(call) \
+    do {                \
+        comm_enter();   \
+        int r_ = call;  \
+        comm_leave();   \
+        return r_;      \
+    } while (0)
+static int x_comm_destroy(void *comm) { COMM_OPEN(SI->comm_destroy(comm)); }
+static int x_comm_abort(void *comm) { COMM_OPEN(SI->comm_abort(comm)); }
+static int x_all_reduce(const void *send, void *recv, size_t count, int dtype, int op, void *comm, void *stream) {
+    DEV_ARGS(send, recv, count);
+    COMM_OPEN(SI->all_reduce(send, recv, count, dtype, op, comm, stream));
+}
+static int x_reduce_scatter(const void *send, void *recv, size_t n, int dtype, int op, void *comm, void *stream) {
+    DEV_ARGS(send, recv, n);
+    COMM_OPEN(SI->reduce_scatter(send, recv, n, dtype, op, comm, stream));
+}
+static int x_all_gather(const void *send, void *recv, size_t n, int dtype, void *comm, void *stream) {
+    DEV_ARGS(send, recv, n);
+    COMM_OPEN(SI->all_gather(send, recv, n, dtype, comm, stream));
+}
+static int x_broadcast(const void *send, void *recv, size_t count, int dtype, int root, void *comm, void *stream) {
+    DEV_ARGS(send, recv, count);
+    COMM_OPEN(SI->broadcast(send, recv, count, dtype, root, comm, stream));
+}
+static int x_reduce(const void *send, void *recv, size_t count, int dtype, int op, int root, void *comm, void *stream) {
+    DEV_ARGS(send, recv, count);
+    COMM_OPEN(SI->reduce(send, recv, count, dtype, op, root, comm, stream));
+}
+static int x_stream_destroy(void *stream) { COMM_OPEN(SI->stream_destroy(stream)); }
+static int x_event_query(void *ev) { COMM_OPEN(SI->event_query(ev)); }
+static int x_event_synchronize(void *ev) { COMM_OPEN(SI->event_synchronize(ev)); }
+
+static fl_nccl_api g_api;
+static void init_api(void) {
+    g_api = *SI; /* the stand-in's ids, streams and events; the data-moving calls wrapped */
+    g_api.name = "nccl-standin (opaque)";
+    g_api.comm_destroy = x_comm_destroy;
+    g_api.comm_abort = x_comm_abort;
+    g_api.all_reduce = x_all_reduce;
+    g_api.reduce_scatter = x_reduce_scatter;
+    g_api.all_gather = x_all_gather;
+    g_api.broadcast = x_broadcast;
+    g_api.reduce = x_reduce;
+    g_api.stream_destroy = x_stream_destroy;
+    g_api.event_query = x_event_query;
+    g_api.event_synchronize = x_event_synchronize;
+}
+
+static int g_use_comm = 1;
+void fl_opaque_use_comm(int on) { g_use_comm = on; }
+
+static fl_status opq_comm_create(const fl_backend *be, struct fl_comm *host, struct fl_comm **out) {
+    (void)be;
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, init_api);
+    return fl_comm_nccl_create(host, &g_api, NULL, out);
+}
 
 static int blk_insert(opq *o, int at, opq_block b) {
     if (o->nblk == o->capblk) {
@@ -374,6 +524,7 @@ fl_status fl_opaque_backend_init(fl_backend *be, int n_threads) {
         return fl_errorf(FL_ERR_OOM, "opaque backend: cannot reserve %zu GiB of address space", OPQ_RESERVE >> 30);
     }
     pthread_mutex_init(&o->mu, NULL);
+    opq_register(o);
     *be = o->cpu; /* names, thread count, GEMM facts: the CPU's */
     be->name = "opaque";
     be->host_memory = 0;
@@ -426,6 +577,7 @@ fl_status fl_opaque_backend_init(fl_backend *be, int n_threads) {
     be->supports_op = op_supports_op;
     be->rope_tables = op_rope_tables;
     be->pool_init = opq_pool_init;
+    be->comm_create = g_use_comm ? opq_comm_create : NULL; /* several ranks: the NCCL stand-in over the ranges */
     return FL_OK;
 }
 

@@ -70,8 +70,12 @@ FL_CU_DEV float a8_block_max(float v, float *buf) {
     return r;
 }
 
+/* floor_m / floor_v (device memory, may be NULL): FULL_SHARD's absmax floor per block (fitllm/adam8bit.h):
+ * the block's new absmax is max(floor, the part's max); max is exact and order-free, so this is the
+ * CPU's fmaxf chain started at the floor. */
 __global__ static void fl_cu_adam8bit_k(void *p, int tp, const void *g, int tg, uint8_t *q_m, uint8_t *q_v,
-                                        float *absmax_m, float *absmax_v, size_t n, size_t nb, fl_cu_a8_consts k) {
+                                        float *absmax_m, float *absmax_v, const float *floor_m, const float *floor_v,
+                                        size_t n, size_t nb, fl_cu_a8_consts k) {
     __shared__ float cs[256], cu[256], red[16];
     const int tid = threadIdx.x;
     cs[tid] = fl_cu_code_signed[tid];
@@ -96,6 +100,8 @@ __global__ static void fl_cu_adam8bit_k(void *p, int tp, const void *g, int tg, 
         /* the CPU's nm = fmaxf(nm, |s|) from -FLT_MAX: a NaN |s| leaves it unchanged */
         float nm1 = a8_block_max(in ? fmaxf(-FLT_MAX, fabsf(s1)) : -FLT_MAX, red);
         float nm2 = a8_block_max(in ? fmaxf(-FLT_MAX, fabsf(s2)) : -FLT_MAX, red + 8);
+        if (floor_m) nm1 = fmaxf(floor_m[b], nm1);
+        if (floor_v) nm2 = fmaxf(floor_v[b], nm2);
         if (tid == 0) { /* every thread read am, av before the reductions' barriers */
             absmax_m[b] = nm1;
             absmax_v[b] = nm2;
@@ -164,8 +170,8 @@ extern "C" int FL_CUK(adam8bit_update)(void *p, fl_dtype tp, const void *g, fl_d
     k.beta2 = beta2;
     k.grad_scale = grad_scale;
     k.decay_on = weight_decay > 0.0f;
-    if (st->floor_m || st->floor_v) return -1; /* FULL_SHARD's absmax floor: host memory only (fitllm/adam8bit.h) */
-    if (!fl_adam8bit_is_8bit(n)) {
+    if (!st->q_m) { /* the fp32 path (FULL_SHARD's floor is for 8-bit blocks: none here), as the CPU's: a small tensor, or a piece of one (ZeRO's pieces of a large
+                     * tensor can be shorter than the 8-bit threshold and stay 8-bit: the state says which) */
         if (!st->m || !st->v) return -1;
         size_t blocks = (n + 255) / 256;
         FL_CU_LAUNCH(fl_cu_adam32_k, dim3((unsigned)blocks), dim3(256), 0, (fl_cu_stream)stream, p, (int)tp, g,
@@ -180,7 +186,7 @@ extern "C" int FL_CUK(adam8bit_update)(void *p, fl_dtype tp, const void *g, fl_d
     size_t grid = st->n_blocks < 2048 ? st->n_blocks : 2048;
     if (st->n_blocks / grid > 16) grid = (st->n_blocks + 15) / 16;
     FL_CU_LAUNCH(fl_cu_adam8bit_k, dim3((unsigned)grid), dim3(256), 0, (fl_cu_stream)stream, p, (int)tp, g, (int)tg,
-                 st->q_m, st->q_v, st->absmax_m, st->absmax_v, n, st->n_blocks, k);
+                 st->q_m, st->q_v, st->absmax_m, st->absmax_v, st->floor_m, st->floor_v, n, st->n_blocks, k);
     return fl_cu_launch_error();
 }
 
