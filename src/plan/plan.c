@@ -229,6 +229,7 @@ typedef struct {
     void *p[FL_PLAN_MAX_GROUPS], *c[FL_PLAN_MAX_GROUPS], *gr[FL_PLAN_MAX_GROUPS];
     int fresh[FL_PLAN_MAX_GROUPS], live_blocks;
     void *grads;           /* the gradient shard */
+    int nccl;              /* a GPU plan: the reductions run on NCCL, whose buffers are outside the pools */
 } fsdp_sim;
 
 static int fs_block(const fsdp_sim *f, int u) { return u >= 1 && u <= f->G - 2; }
@@ -258,10 +259,13 @@ static void fs_grads(fsdp_sim *f, int u) {
 
 static void fs_ready(fsdp_sim *f, int u) {
     void *tmp = f->fresh[u] ? NULL : palloc(f->g, FL_TAG_GATHER, f->len[u] * f->es, "FSDP reduced piece");
-    void *sc = f->len[u] && f->world > 1 ? palloc(f->g, FL_TAG_WORKSPACE, (size_t)(f->world - 1) * f->len[u] * f->es,
-                                                  "FSDP reduce-scatter scratch ((N-1) x piece)") : NULL;
+    /* the host communicator's scratch; a GPU's NCCL keeps its buffers outside the pools (as DDP's below) */
+    void *sc = f->len[u] && f->world > 1 && !f->nccl
+                   ? palloc(f->g, FL_TAG_WORKSPACE, (size_t)(f->world - 1) * f->len[u] * f->es,
+                            "FSDP reduce-scatter scratch ((N-1) x piece)")
+                   : NULL;
     if (sc) fl_mem_free(&f->g->pool, sc);
-    if (f->nodes > 1) { /* HYBRID_SHARD: then the piece's all-reduce over the nodes, (nodes-1) x its chunk of it */
+    if (f->nodes > 1 && !f->nccl) { /* HYBRID_SHARD: then the piece's all-reduce over the nodes, (nodes-1) x its chunk of it */
         size_t o, l;
         fl_comm_chunk(f->len[u], f->nodes, f->node, &o, &l);
         void *rs = l ? palloc(f->g, FL_TAG_WORKSPACE, (size_t)(f->nodes - 1) * l * f->es,
@@ -470,6 +474,7 @@ static void replay_sharded(program *g, const plan_ctx *x, const fl_run_config *c
         fs.G = lay.n_groups;
         fs.world = fs_world;
         fs.nodes = hybrid ? c->num_nodes : 1;
+        fs.nccl = x->cuda;
         fs.node = hybrid ? (x->rank < world ? x->rank : 0) / c->devices : 0;
         fs.n = fs_n;
         fs.len = fs_len;
