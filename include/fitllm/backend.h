@@ -418,7 +418,8 @@ void fl_opaque_use_comm(int on);
 
 /* The null backend (src/backend/null/): the planner's. Every op and copy is a no-op that touches
  * no memory (to_host writes zeros into the host buffer, sumsq returns 0, check_finite finds
- * nothing, supports_op says yes), its pool (pool_init) hands out fake addresses that are never
+ * nothing; supports_op is the planned backend's, so a plan refuses what that run would refuse at
+ * set-up; the registry's null says yes), its pool (pool_init) hands out fake addresses that are never
  * dereferenced, so running the real set-up and training step on it costs no memory and little
  * time, while every allocation goes through the accounting pool as on the backend it stands in
  * for. `planned` names that backend, "cpu" or "cuda": its scratch_bytes, gemm_widens16 and

@@ -175,6 +175,7 @@ void fl_cli_oom_advice(const fl_run_config *cfg, const fl_mem_oom *oom, FILE *f)
         else if (s->fits == 1)
             fprintf(f, "  - %-26s %s (planned peak %s; %s)\n", s->technique, s->change,
                     fl_fmt_bytes(s->peak, a, sizeof a), s->note);
+        else if (s->fits < 0) fprintf(f, "  - %-26s not with this run: %s\n", s->technique, s->note);
         else fprintf(f, "  - %-26s does not fit: %s\n", s->technique, s->note);
     }
     free(p);

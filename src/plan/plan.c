@@ -693,6 +693,23 @@ static int max_micro_batch(const plan_ctx *x, const fl_run_config *c, const fl_o
     return 0;
 }
 
+/* Whether the planned backend's 8-bit AdamW takes the run's trainable parameters (LoRA: the fp32 adapters;
+ * else the precision's storage): its supports_op, asked through the null backend standing in for it. */
+static int adam8bit_takes(const plan_ctx *x, const fl_run_config *c, char *why, size_t n) {
+    fl_precision pr;
+    fl_model_storage st;
+    if (fl_precision_find(c->precision, &pr) != FL_OK || fl_trainer_storage(c, &pr, &st) != FL_OK) return 1;
+    const fl_dtype dt = c->command == FL_CMD_FINETUNE_LORA ? FL_F32 : st.param_dtype;
+    fl_backend nb;
+    if (fl_null_backend_init_for(&nb, x->cuda ? "cuda" : "cpu") != FL_OK) return 1;
+    const int ok = nb.supports_op(&nb, FL_OP_ADAM8BIT, dt, dt, FL_F32);
+    fl_null_backend_free(&nb);
+    if (!ok)
+        snprintf(why, n, "the %s backend's 8-bit AdamW does not take %s parameters (--precision %s)",
+                 x->cuda ? "cuda" : "cpu", fl_dtype_name(dt), c->precision);
+    return ok;
+}
+
 static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
     const fl_optim_config *oc = &c->optimizer;
     size_t budget = p->budget, peak = 0;
@@ -778,7 +795,10 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
         snprintf(s->change, sizeof s->change, "--train.activation_checkpointing true");
         snprintf(s->note, sizeof s->note, "keeps each block's input only; one block is recomputed in backward");
     }
-    if (oc->kind == FL_OPT_ADAMW && (s = sugg(p, "adam8bit"))) {
+    if (oc->kind == FL_OPT_ADAMW && (s = sugg(p, "adam8bit")) && !adam8bit_takes(x, c, s->note, sizeof s->note)) {
+        s->fits = -1; /* not with this precision: unknown, said in the note */
+        snprintf(s->change, sizeof s->change, "--optimizer bnb.optim.AdamW8bit");
+    } else if (oc->kind == FL_OPT_ADAMW && s) {
         fl_optim_config a8;
         fl_optim_config_default(&a8, FL_OPT_ADAMW8BIT);
         a8.lr = oc->lr;
@@ -1035,6 +1055,7 @@ void fl_plan_print(const fl_plan *p, FILE *f) {
             else if (s->fits == 1)
                 fprintf(f, "  - %-26s fits: %s (planned peak %s; %s)\n", s->technique, s->change,
                         fl_fmt_bytes(s->peak, a, sizeof a), s->note);
+            else if (s->fits < 0) fprintf(f, "  - %-26s not with this run: %s\n", s->technique, s->note);
             else fprintf(f, "  - %-26s does not fit: %s\n", s->technique, s->note);
         }
     }

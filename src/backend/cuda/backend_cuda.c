@@ -129,3 +129,22 @@ size_t fl_cuda_scratch_bytes(void) {
     return (size_t)FL_CUDA_LT_WS_BYTES + (size_t)FL_CUDA_PANEL_BYTES + (size_t)FL_CUDA_WORK_BYTES + 256;
 }
 unsigned fl_cuda_gemm_widens16(void) { return 1u << FL_F16; }
+
+static int fl_float_dt(fl_dtype t) { return t == FL_F32 || t == FL_BF16 || t == FL_F16; }
+
+int fl_cuda_supports_op(fl_op op, fl_dtype a, fl_dtype b, fl_dtype c) {
+    switch (op) {
+    case FL_OP_GEMM: /* cuBLASLt's bf16/fp16 tensor cores with fp32 accumulation, fp32, and the widened mixes */
+        return (a == FL_F32 && b == FL_F32 && c == FL_F32) || (a == FL_BF16 && b == FL_BF16 && c == FL_F32) ||
+               (a == FL_F32 && b == FL_BF16 && c == FL_F32) || (a == FL_BF16 && b == FL_BF16 && c == FL_BF16) ||
+               (a == FL_F32 && b == FL_F16 && c == FL_F32) || (a == FL_F16 && b == FL_F16 && c == FL_F32);
+    case FL_OP_CONVERT: return fl_float_dt(a) && fl_float_dt(b);
+    case FL_OP_ADAMW_EX:
+    case FL_OP_SGD_EX: return fl_float_dt(a) && fl_float_dt(b) && (c == FL_F32 || c == FL_BF16);
+    case FL_OP_ADAM8BIT: return (a == FL_F32 || a == FL_BF16) && (b == FL_F32 || b == FL_BF16);
+    case FL_OP_ACCUMULATE16: return a == FL_BF16 || a == FL_F16;
+    case FL_OP_SUMSQ: return fl_float_dt(a);
+    case FL_OP_Q4_MATMUL: return 1;
+    default: return 0;
+    }
+}

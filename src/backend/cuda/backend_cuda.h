@@ -18,6 +18,9 @@ extern "C" {
 size_t fl_cuda_scratch_bytes(void);
 /* gemm_widens16 of the real backend: an F16 B is widened per call (bf16 is native) */
 unsigned fl_cuda_gemm_widens16(void);
+/* supports_op of the real backend (and its emulated twin), in any build: the planner's null backend asks
+ * it when it stands in for a GPU */
+int fl_cuda_supports_op(fl_op op, fl_dtype a, fl_dtype b, fl_dtype c);
 
 fl_status fl_cuda_backend_init(fl_backend *be, int n_threads);
 void fl_cuda_backend_free(fl_backend *be);

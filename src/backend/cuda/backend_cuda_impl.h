@@ -104,11 +104,7 @@ static void *flb_scratch(const fl_backend *be) {
 
 /* ============================== GEMM ============================== */
 
-static int flb_gemm_types_ok(fl_dtype ta, fl_dtype tb, fl_dtype tc) {
-    return (ta == FL_F32 && tb == FL_F32 && tc == FL_F32) || (ta == FL_BF16 && tb == FL_BF16 && tc == FL_F32) ||
-           (ta == FL_F32 && tb == FL_BF16 && tc == FL_F32) || (ta == FL_BF16 && tb == FL_BF16 && tc == FL_BF16) ||
-           (ta == FL_F32 && tb == FL_F16 && tc == FL_F32) || (ta == FL_F16 && tb == FL_F16 && tc == FL_F32);
-}
+static int flb_gemm_types_ok(fl_dtype ta, fl_dtype tb, fl_dtype tc) { return fl_cuda_supports_op(FL_OP_GEMM, ta, tb, tc); }
 
 static fl_status flb_gemm_direct(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
                                  const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
@@ -434,17 +430,7 @@ static fl_status flb_sync(const fl_backend *be) {
 }
 static int flb_supports_op(const fl_backend *be, fl_op op, fl_dtype a, fl_dtype b, fl_dtype c) {
     (void)be;
-    switch (op) {
-    case FL_OP_GEMM: return flb_gemm_types_ok(a, b, c);
-    case FL_OP_CONVERT: return flb_float3(a) && flb_float3(b);
-    case FL_OP_ADAMW_EX:
-    case FL_OP_SGD_EX: return flb_float3(a) && flb_float3(b) && (c == FL_F32 || c == FL_BF16);
-    case FL_OP_ADAM8BIT: return (a == FL_F32 || a == FL_BF16) && (b == FL_F32 || b == FL_BF16);
-    case FL_OP_ACCUMULATE16: return a == FL_BF16 || a == FL_F16;
-    case FL_OP_SUMSQ: return flb_float3(a);
-    case FL_OP_Q4_MATMUL: return 1;
-    default: return 0;
-    }
+    return fl_cuda_supports_op(op, a, b, c); /* one table (backend_cuda.c), which the planner reads too */
 }
 static fl_status flb_rope_tables(const fl_backend *be, float *cos_t, float *sin_t, int maxT, int HD, float theta,
                                  const fl_rope_scaling *scaling) {

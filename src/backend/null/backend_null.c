@@ -11,17 +11,20 @@
  *
  * What the host reads back is well defined: to_host writes zeros (losses of 0, a finite norm),
  * sumsq returns 0 and check_finite finds nothing, so the trainer's host logic (the loss, the
- * clipping, the loss scaler, the sampler) runs its ordinary path. supports_op says yes to
- * everything: the plan shows the memory of a run the build may still refuse at set-up. */
+ * clipping, the loss scaler, the sampler) runs its ordinary path. supports_op is the planned
+ * backend's (a plan refuses what that run would refuse at set-up, with the same message); the
+ * registry's "null", standing in for nothing, says yes to everything. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend/cpu/cpu-impl.h"
 #include "backend/cuda/backend_cuda.h"
 #include "fitllm/backend.h"
 
 typedef struct {
     uintptr_t next; /* the next fake address (one counter for every pool of this backend) */
+    int planned;    /* the backend it stands in for: 0 none (the registry's), 1 cpu, 2 cuda */
 } nul;
 
 /* unique, 64-byte aligned, never dereferenced: the low pages no process maps */
@@ -227,8 +230,12 @@ static fl_status n_sync(const fl_backend *be) {
     (void)be;
     return FL_OK;
 }
+/* standing in for a backend: its supports_op (a plan refuses what the run would refuse at set-up); the
+ * registry's null (planned NULL) supports everything */
 static int n_supports_op(const fl_backend *be, fl_op op, fl_dtype a, fl_dtype b, fl_dtype c) {
-    (void)be; (void)op; (void)a; (void)b; (void)c;
+    const nul *n = be->impl;
+    if (n->planned == 1) return fl_cpu_supports_op(be, op, a, b, c);
+    if (n->planned == 2) return fl_cuda_supports_op(op, a, b, c);
     return 1;
 }
 static fl_status n_rope_tables(const fl_backend *be, float *cos_t, float *sin_t, int maxT, int HD, float theta,
@@ -249,7 +256,8 @@ fl_status fl_null_backend_init_for(fl_backend *be, const char *planned) {
     nul *n = calloc(1, sizeof *n);
     if (!n) return fl_errorf(FL_ERR_OOM, "null backend: out of host memory");
     n->next = 4096;
-    be->name = "null";
+    n->planned = cpu ? 1 : cuda ? 2 : 0;
+    be->name = cpu ? "null (standing in for cpu)" : cuda ? "null (standing in for cuda)" : "null";
     be->device = cuda ? FL_DEV_CUDA : FL_DEV_CPU;
     be->n_threads = 1;
     be->gemm_name = "none";
