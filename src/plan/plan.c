@@ -607,6 +607,9 @@ static int rehearse(const plan_ctx *x, const fl_run_config *c, const fl_optim_co
     fl_status s = fl_null_backend_init_for(&be, x->cuda ? "cuda" : "cpu");
     if (s == FL_OK) {
         s = fl_trainer_rehearse(&v, &x->mc, &be, budget, B, x->T, accum, x->gen ? x->n_prompt : 0, &r);
+        if (s == FL_ERR_UNSUPPORTED) /* the stand-in asked the planned backend's supports_op */
+            s = fl_error_prefix(s, "the %s backend refuses this run at set-up (the plan's null backend stands in for it)",
+                                x->cuda ? "cuda" : "cpu");
         fl_null_backend_free(&be);
     }
     const int oom = s == FL_ERR_OOM && r.oom.valid;

@@ -257,7 +257,7 @@ fl_status fl_null_backend_init_for(fl_backend *be, const char *planned) {
     if (!n) return fl_errorf(FL_ERR_OOM, "null backend: out of host memory");
     n->next = 4096;
     n->planned = cpu ? 1 : cuda ? 2 : 0;
-    be->name = cpu ? "null (standing in for cpu)" : cuda ? "null (standing in for cuda)" : "null";
+    be->name = "null"; /* the registry finds its free function by name (fl_backend_free) */
     be->device = cuda ? FL_DEV_CUDA : FL_DEV_CPU;
     be->n_threads = 1;
     be->gemm_name = "none";
