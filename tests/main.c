@@ -232,6 +232,30 @@ int main(int argc, char **argv) {
     return failed ? 1 : 0;
 }
 
+unsigned char *fl_test_st_data(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    unsigned char h[8];
+    unsigned char *d = NULL;
+    if (fread(h, 1, 8, f) == 8) {
+        uint64_t hl = 0;
+        for (int i = 7; i >= 0; i--) hl = hl << 8 | h[i];
+        fseek(f, 0, SEEK_END);
+        long size = ftell(f);
+        if (size > (long)(8 + hl)) {
+            *len = (size_t)size - 8 - hl;
+            d = malloc(*len);
+            fseek(f, (long)(8 + hl), SEEK_SET);
+            if (d && fread(d, 1, *len, f) != *len) {
+                free(d);
+                d = NULL;
+            }
+        }
+    }
+    fclose(f);
+    return d;
+}
+
 double fl_test_scaled_err(const float *a, const float *ref, size_t n, size_t *worst) {
     double md = 0, mr = 0;
     size_t w = 0;

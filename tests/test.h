@@ -28,6 +28,9 @@ const char *fl_test_data_path(const char *rel);
 double fl_test_scaled_err(const float *a, const float *ref, size_t n, size_t *worst);
 /* A fresh temporary directory for this test (created). */
 const char *fl_test_tmpdir(void);
+/* The tensor data of a safetensors file (after the 8-byte length and the JSON header), malloc'd; NULL if the
+ * file cannot be read. Checkpoints of two runs compare on it (their headers differ: wall times). */
+unsigned char *fl_test_st_data(const char *path, size_t *len);
 
 /* ---- backends ---------------------------------------------------------------------------
  * "The test backend" of tests that are not about one backend's ops (models, trainer, LoRA,

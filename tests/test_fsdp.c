@@ -339,28 +339,6 @@ FL_TEST(fsdp_threads_untied_llama_and_gpt2_equal_zero2_bits) {
     free_fjob(f);
 }
 
-/* The tensor data of a safetensors file (after the 8-byte length and the JSON header), malloc'd. */
-static unsigned char *st_data(const char *path, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    unsigned char h[8];
-    unsigned char *d = NULL;
-    if (fread(h, 1, 8, f) == 8) {
-        uint64_t hl = 0;
-        for (int i = 7; i >= 0; i--) hl = hl << 8 | h[i];
-        fseek(f, 0, SEEK_END);
-        long size = ftell(f);
-        if (size > (long)(8 + hl)) {
-            *len = (size_t)size - 8 - hl;
-            d = malloc(*len);
-            fseek(f, (long)(8 + hl), SEEK_SET);
-            if (d && fread(d, 1, *len, f) != *len) { free(d); d = NULL; }
-        }
-    }
-    fclose(f);
-    return d;
-}
-
 /* Whether `file` of checkpoint folder `step` holds the same tensor data under a_dir and b_dir (the
  * headers differ: the training state's records the wall time). */
 static int same_ckpt_data(const char *a_dir, const char *b_dir, const char *step, const char *file) {
@@ -368,7 +346,7 @@ static int same_ckpt_data(const char *a_dir, const char *b_dir, const char *step
     snprintf(a, sizeof a, "%s/%s/%s", a_dir, step, file);
     snprintf(b, sizeof b, "%s/%s/%s", b_dir, step, file);
     size_t la = 0, lb = 0;
-    unsigned char *da = st_data(a, &la), *db = st_data(b, &lb);
+    unsigned char *da = fl_test_st_data(a, &la), *db = fl_test_st_data(b, &lb);
     int same = da && db && la == lb && !memcmp(da, db, la);
     free(da);
     free(db);
@@ -486,7 +464,7 @@ FL_TEST(fsdp_threads_checkpoint_streams_gpt2_and_write_failures_end_every_rank) 
             snprintf(q, sizeof q, "%s/training_state.safetensors", p);
             snprintf(g, sizeof g, "%s/step-000001/training_state.safetensors", dir[1]);
             size_t lq = 0, lg = 0;
-            unsigned char *dq = st_data(q, &lq), *dg = st_data(g, &lg);
+            unsigned char *dq = fl_test_st_data(q, &lq), *dg = fl_test_st_data(g, &lg);
             FL_CHECKF(dq && dg && lq == lg && !memcmp(dq, dg, lq), "writes failing after %ld: %s committed with "
                       "other bytes", after, p);
             free(dq);

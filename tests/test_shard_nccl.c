@@ -118,31 +118,6 @@ static void check_bits(const sjob *j, const sjob *ref, const char *what) {
               "%.9g)", what, j->rec[0].steps, j->rec[0].loss[0], ref->rec[0].loss[0]);
 }
 
-/* The tensor data of a safetensors file (after the 8-byte length and the JSON header), malloc'd. */
-static unsigned char *st_data(const char *path, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    unsigned char h[8];
-    unsigned char *d = NULL;
-    if (fread(h, 1, 8, f) == 8) {
-        uint64_t hl = 0;
-        for (int i = 7; i >= 0; i--) hl = hl << 8 | h[i];
-        fseek(f, 0, SEEK_END);
-        long size = ftell(f);
-        if (size > (long)(8 + hl)) {
-            *len = (size_t)size - 8 - hl;
-            d = malloc(*len);
-            fseek(f, (long)(8 + hl), SEEK_SET);
-            if (d && fread(d, 1, *len, f) != *len) {
-                free(d);
-                d = NULL;
-            }
-        }
-    }
-    fclose(f);
-    return d;
-}
-
 /* Whether `file` of checkpoint folder `step` holds the same tensor data under both runs (the headers
  * differ: the training state's records the wall time). */
 static int same_ckpt_data(const sjob *a, const sjob *b, const char *step, const char *file) {
@@ -150,7 +125,7 @@ static int same_ckpt_data(const sjob *a, const sjob *b, const char *step, const 
     snprintf(pa, sizeof pa, "%s/%s/%s", a->cfg.out_dir, step, file);
     snprintf(pb, sizeof pb, "%s/%s/%s", b->cfg.out_dir, step, file);
     size_t la = 0, lb = 0;
-    unsigned char *da = st_data(pa, &la), *db = st_data(pb, &lb);
+    unsigned char *da = fl_test_st_data(pa, &la), *db = fl_test_st_data(pb, &lb);
     int same = da && db && la == lb && !memcmp(da, db, la);
     free(da);
     free(db);

@@ -267,28 +267,6 @@ FL_TEST(zero_threads_adamw8bit_2_and_3_ranks) {
     scenario(ZR_ADAMW8, 3);
 }
 
-/* The tensor data of a safetensors file (after the 8-byte length and the JSON header), malloc'd. */
-static unsigned char *st_data(const char *path, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    unsigned char h[8];
-    unsigned char *d = NULL;
-    if (fread(h, 1, 8, f) == 8) {
-        uint64_t hl = 0;
-        for (int i = 7; i >= 0; i--) hl = hl << 8 | h[i];
-        fseek(f, 0, SEEK_END);
-        long size = ftell(f);
-        if (size > (long)(8 + hl)) {
-            *len = (size_t)size - 8 - hl;
-            d = malloc(*len);
-            fseek(f, (long)(8 + hl), SEEK_SET);
-            if (d && fread(d, 1, *len, f) != *len) { free(d); d = NULL; }
-        }
-    }
-    fclose(f);
-    return d;
-}
-
 /* 8-bit AdamW's consolidated checkpoints: rank 0 reassembles the pieces into the single-process
  * layout, so ZeRO-1's and ZeRO-2's step-3 checkpoints at 3 ranks hold DDP's bytes (weights and
  * the whole 8-bit state), and a ZeRO-2 run resumed from its own checkpoint at 3 ranks ends with
@@ -313,7 +291,7 @@ FL_TEST(zero_threads_adamw8bit_checkpoints_equal_ddp) {
             snprintf(a, sizeof a, "%s/step-000003/%s", dir[0], file);
             snprintf(b, sizeof b, "%s/step-000003/%s", dir[k], file);
             size_t la = 0, lb = 0;
-            unsigned char *da = st_data(a, &la), *db = st_data(b, &lb);
+            unsigned char *da = fl_test_st_data(a, &la), *db = fl_test_st_data(b, &lb);
             FL_CHECKF(da && db && la == lb && !memcmp(da, db, la), "%s: %s differs from DDP's (%zu vs %zu bytes)",
                       strat[k], file, la, lb);
             free(da);
@@ -364,7 +342,7 @@ FL_TEST(zero_threads_checkpoints_stream_pieces_equal_ddp) {
                 snprintf(a, sizeof a, "%s/step-000001/%s", dir[0], file);
                 snprintf(b, sizeof b, "%s/step-000001/%s", dir[k], file);
                 size_t la = 0, lb = 0;
-                unsigned char *da = st_data(a, &la), *db = st_data(b, &lb);
+                unsigned char *da = fl_test_st_data(a, &la), *db = fl_test_st_data(b, &lb);
                 FL_CHECKF(da && db && la == lb && la > 997 * 4 && !memcmp(da, db, la),
                           "%s%s: %s differs from DDP's (%zu vs %zu bytes)", strat[k], lora ? " LoRA" : "", file, la, lb);
                 free(da);

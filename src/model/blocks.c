@@ -154,6 +154,13 @@ void fl_norm_forward(const fl_model *m, float *out, float *mean, float *rstd, co
     else be->rmsnorm_forward(be, out, rstd, x, w, N, m->cfg.dim, m->cfg.norm_eps);
 }
 
+void fl_norm_backward(const fl_model *m, float *dx, float *dw, float *db, const float *dout, const float *x,
+                      const float *w, const float *mean, const float *rstd, int N) {
+    const fl_backend *be = m->be;
+    if (fl_arch_get(m->cfg.arch)->layernorm) be->layernorm_backward(be, dx, dw, db, dout, x, w, mean, rstd, N, m->cfg.dim);
+    else be->rmsnorm_backward(be, dx, dw, dout, x, w, rstd, N, m->cfg.dim);
+}
+
 size_t fl_outer_1d(const fl_model *m) {
     const fl_param_layout *lay = &m->layout;
     size_t n = 0;

@@ -39,7 +39,6 @@ static void decoder_block(const fl_model_config *c, fl_block_graph *g) {
     fl_dims d = fl_model_dims(c);
     const fl_arch_info *ai = fl_arch_get(c->arch);
     const int ln = ai->layernorm;
-    g->layernorm = ln;
     const int X = slot(g, "x", d.C, FL_GSLOT_STREAM, 1), OUT = slot(g, "out", d.C, FL_GSLOT_STREAM, 1);
     const int ln1 = slot(g, "ln1", d.C, FL_GSLOT_WIDE, 0);
     const int ln1m = ln ? slot(g, "ln1_mean", 1, FL_GSLOT_STAT, 0) : -1, ln1r = slot(g, "ln1_rstd", 1, FL_GSLOT_STAT, 0);
@@ -206,17 +205,13 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
     const fl_backend *be = m->be;
     fl_dims d = fl_model_dims(&m->cfg);
     const int N = x->B * x->T;
-    const float eps = m->cfg.norm_eps;
 #define S(k) ((k) >= 0 ? s[k] : NULL)
     for (int i = 0; i < g->n_ops; i++) {
         const fl_gop *o = &g->op[i];
         float *in = s[o->in], *out = s[o->out];
         const size_t wi = (size_t)g->slot[o->in].width, wo = (size_t)g->slot[o->out].width;
         switch ((fl_gop_kind)o->kind) {
-        case FL_GOP_NORM:
-            if (g->layernorm) be->layernorm_forward(be, out, S(o->a1), S(o->a2), in, bp->norm_w[o->p], bp->norm_b[o->p], N, (int)wi, eps);
-            else be->rmsnorm_forward(be, out, S(o->a2), in, bp->norm_w[o->p], N, (int)wi, eps);
-            break;
+        case FL_GOP_NORM: fl_norm_forward(m, out, S(o->a1), S(o->a2), in, bp->norm_w[o->p], bp->norm_b[o->p], N); break;
         case FL_GOP_LINEAR: FL_TRY(fl_linear_forward(be, out, in, &bp->lin[o->p], N)); break; // (N, wo)
         case FL_GOP_ROPE: rope(m, in, 0, x, wi); break;
         case FL_GOP_ATTN:
@@ -257,10 +252,8 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
             be->zero(be, din, (size_t)N * wi * sizeof(float));
         switch ((fl_gop_kind)o->kind) {
         case FL_GOP_NORM:
-            if (g->layernorm)
-                be->layernorm_backward(be, din, bp->d_norm_w[o->p], bp->d_norm_b[o->p], dout, s[o->in], bp->norm_w[o->p],
-                                       S(o->a1), S(o->a2), N, (int)wi);
-            else be->rmsnorm_backward(be, din, bp->d_norm_w[o->p], dout, s[o->in], bp->norm_w[o->p], S(o->a2), N, (int)wi);
+            fl_norm_backward(m, din, bp->d_norm_w[o->p], bp->d_norm_b[o->p], dout, s[o->in], bp->norm_w[o->p], S(o->a1),
+                             S(o->a2), N);
             break;
         case FL_GOP_LINEAR: FL_TRY(fl_linear_backward(be, din, si->resid, dout, s[o->in], &bp->lin[o->p], N)); break;
         case FL_GOP_ROPE: rope(m, din, 1, x, wi); break;

@@ -46,7 +46,7 @@ typedef struct {
 } fl_gslot;
 
 typedef enum {
-    FL_GOP_NORM,   /* out, a1 (mean: LayerNorm only, else -1), a2 (rstd) = norm_p(in) */
+    FL_GOP_NORM,   /* out, a1 (mean: LayerNorm only, else -1), a2 (rstd) = norm_p(in): the architecture's norm */
     FL_GOP_LINEAR, /* out = in @ W_p^T (+ b_p) (+ LoRA) */
     FL_GOP_ROPE,   /* in place: rotate the q and k heads of in (fused q|k|v rows) */
     FL_GOP_ATTN,   /* out, a1 (lse) = causal GQA attention over in's fused q|k|v rows */
@@ -71,7 +71,6 @@ typedef struct fl_block_graph_s {
     int n_slots, n_ops;
     fl_gslot slot[FL_GRAPH_MAX_SLOTS];
     fl_gop op[FL_GRAPH_MAX_OPS];
-    int layernorm;                /* NORM ops: LayerNorm (mean, rstd, bias) or RMSNorm (rstd) */
     int n_norms, n_linears;
     /* derived (fl_block_graph_build) */
     int8_t prod[FL_GRAPH_MAX_SLOTS]; /* the block's own slots (not IN/OUT) in the order the ops produce them */
@@ -87,7 +86,7 @@ typedef struct fl_block_graph_s {
 /* The block graph of a (validated) config's architecture. FL_ERR_INTERNAL names a malformed table. */
 fl_status fl_block_graph_build(const fl_model_config *c, fl_block_graph *g);
 /* Derive a table's production order, gradient buffers, widths and inference buffers (n_slots, slot[] with
- * name/width/kind/resid, n_ops, op[], layernorm, n_norms, n_linears filled; the rest zero), checking that
+ * name/width/kind/resid, n_ops, op[], n_norms, n_linears filled; the rest zero), checking that
  * every slot is made once before it is read, off-path activations have one consumer, residual adds stay
  * on the residual path, and the input dies before the output is made. Used by fl_block_graph_build; a
  * new architecture's builder calls it too. */

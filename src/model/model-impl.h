@@ -207,8 +207,11 @@ size_t fl_outer_1d(const fl_model *m);
 /* Start of a block's 1-D parameter views in pstage (after the outer ones and one row). */
 size_t fl_pstage_block_start(const fl_model *m);
 
-/* Normalization dispatch: RMSNorm for LLaMA, LayerNorm for GPT-2 (mean unused for RMSNorm). */
+/* Normalization dispatch by the architecture (fl_arch_info.layernorm): RMSNorm or LayerNorm (mean and the
+ * bias unused for RMSNorm), over (N, C) rows; the backward accumulates into dx, dw, db. */
 void fl_norm_forward(const fl_model *m, float *out, float *mean, float *rstd, const float *x, const float *w,
                      const float *b, int N);
+void fl_norm_backward(const fl_model *m, float *dx, float *dw, float *db, const float *dout, const float *x,
+                      const float *w, const float *mean, const float *rstd, int N);
 
 #endif

@@ -83,12 +83,7 @@ fl_status fl_model_init_ex(fl_model *m, const fl_model_config *cfg, const fl_bac
     if (m->store_dtype != FL_F32 && m->store_dtype != FL_BF16 && m->store_dtype != FL_F16)
         return fl_errorf(FL_ERR_INVALID, "parameter storage must be F32, BF16 or F16 (got %s)",
                          fl_dtype_name(m->store_dtype));
-    FL_TRY(fl_layout_build(&m->layout, &m->cfg));
-    if (m->layout.numel != fl_sizing_param_count(&m->cfg)) {
-        fl_layout_free(&m->layout);
-        return fl_errorf(FL_ERR_INTERNAL, "layout has %zu elements but sizing counts %zu", m->layout.numel,
-                         fl_sizing_param_count(&m->cfg));
-    }
+    FL_TRY(fl_layout_build(&m->layout, &m->cfg)); /* fl_sizing_param_count measures this same layout */
     fl_status s = FL_OK;
     m->dense_numel = m->layout.numel;
     if (m->storage.quant4) {

@@ -15,13 +15,6 @@ static double now_ms(void) {
     return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
 }
 
-static void norm_backward(const fl_model *m, float *dx, float *dw, float *db, const float *dout, const float *x,
-                          const float *w, const float *mean, const float *rstd, int N) {
-    const fl_backend *be = m->be;
-    if (fl_arch_get(m->cfg.arch)->layernorm) be->layernorm_backward(be, dx, dw, db, dout, x, w, mean, rstd, N, m->cfg.dim);
-    else be->rmsnorm_backward(be, dx, dw, dout, x, w, rstd, N, m->cfg.dim);
-}
-
 /* A training pass's context: B sequences of T rows from position 0, the arena's RoPE tables. */
 static fl_block_ctx train_ctx(const fl_model *m, int B, int T) {
     fl_block_ctx x = {B, T, 0, m->acts->rope_cos, m->acts->rope_sin, NULL, 0};
@@ -212,7 +205,7 @@ static fl_status model_backward(fl_model *m) {
     /* the final norm's parameters open the head group (16-bit storage: staged) */
     const size_t n_lnf = fl_outer_1d(m), head_group = m->layout.group_offset[d.L + 1];
     fl_grad_stage_begin(m, n_lnf);
-    norm_backward(m, dres, op.dlnf_w, op.dlnf_b, buf1, a->res[d.L], op.lnf_w, a->lnf_mean, a->lnf_rstd, N);
+    fl_norm_backward(m, dres, op.dlnf_w, op.dlnf_b, buf1, a->res[d.L], op.lnf_w, a->lnf_mean, a->lnf_rstd, N);
     FL_TRY(fl_grad_stage_flush(m, head_group, n_lnf));
     /* data parallel: a group is final once flushed (the head's gradient was completed in forward) */
 #define GRAD_READY(g) \
