@@ -82,15 +82,19 @@ static void cfg_small(fl_run_config *c, int sc, int world, const char *strategy,
 
 /* Run j->cfg on j->world thread ranks of cuda-emu; use_nccl 0: the host communicator takes the
  * backend's buffers directly (no device communicator). */
+static int g_sn_staged; /* opaque's device communicator is the staged one (fl_opaque_use_comm(2)) */
+static unsigned long sn_calls(void) { return g_sn_staged ? fl_comm_staged_calls() : fl_nccl_standin_calls(); }
 static fl_status sj_run(sjob *j, int use_nccl) {
     setenv("FITLLM_BACKEND", j->backend ? j->backend : "cuda-emu", 1);
     fl_cuemu_use_nccl(use_nccl);
-    unsigned long c0 = fl_nccl_standin_calls();
+    fl_opaque_use_comm(g_sn_staged ? 2 : 1);
+    unsigned long c0 = sn_calls();
     double t0 = sn_now_ms();
     fl_status s = fl_comm_threads_run(j->world, sj_rank, j);
     if (getenv("FL_TEST_VERBOSE")) printf("    [%s: %.0f ms]\n", j->cfg.out_dir, sn_now_ms() - t0);
-    j->calls = fl_nccl_standin_calls() - c0;
+    j->calls = sn_calls() - c0;
     fl_cuemu_use_nccl(1);
+    fl_opaque_use_comm(1);
     unsetenv("FITLLM_BACKEND");
     return s;
 }
@@ -190,7 +194,7 @@ static void stages(int sc, const char *backend) {
         sjob *j = sj_new(sc, 2, strat[k][0], strat[k][1], tag);
         j->backend = backend;
         char what[128];
-        snprintf(what, sizeof what, "%s %s on %s (NCCL stand-in)", zr_names[sc], tags[k], backend);
+        snprintf(what, sizeof what, "%s %s on %s (%s)", zr_names[sc], tags[k], backend, g_sn_staged ? "staged communicator" : "NCCL stand-in");
         FL_CHECKF(sj_run(j, 1) == FL_OK, "%s: %s", what, j->msg[0]);
         if (j->st[0] == FL_OK) {
             check_bits(j, ref, what);
@@ -202,7 +206,7 @@ static void stages(int sc, const char *backend) {
                                                                                     : 2 * steps * (2 * 4 + 2);
         FL_CHECKF(j->calls >= want, "%s: only %lu collectives went through the stand-in (want >= %lu)", what, j->calls,
                   want);
-        if (getenv("FL_TEST_VERBOSE")) printf("    %s: %lu stand-in collectives, DDP's bits\n", what, j->calls);
+        if (getenv("FL_TEST_VERBOSE")) printf("    %s: %lu device-communicator collectives, DDP's bits\n", what, j->calls);
         sj_free(j);
         if (opaque && k > 0 && sc != ZR_BF16) { /* sharded checkpoints (shard_ckpt.c: each rank its ranges) */
             snprintf(tag, sizeof tag, "%s-%s-sharded", tags[k], backend);
@@ -244,8 +248,10 @@ static void hybrid(const char *backend) {
         FL_CHECKF(sj_run(j[k], k) == FL_OK, "HYBRID_SHARD %s: %s", k ? "NCCL" : "host", j[k]->msg[0]);
     }
     if (j[0]->st[0] == FL_OK && j[1]->st[0] == FL_OK) {
-        check_bits(j[1], j[0], "HYBRID_SHARD 2 x 2 (NCCL stand-in) vs the host communicator");
-        check_ckpts(j[1], j[0], "HYBRID_SHARD 2 x 2 (NCCL stand-in) vs the host communicator");
+        const char *what = g_sn_staged ? "HYBRID_SHARD 2 x 2 (staged communicator) vs the host communicator"
+                                       : "HYBRID_SHARD 2 x 2 (NCCL stand-in) vs the host communicator";
+        check_bits(j[1], j[0], what);
+        check_ckpts(j[1], j[0], what);
     }
     /* per rank and step: every unit gathered in forward within the node and reduce-scattered, its
      * piece all-reduced across the nodes, each block gathered again in backward */
@@ -304,4 +310,30 @@ FL_TEST(shard_nccl_opaque_zero_fsdp_equal_cpu_bits) {
     stages(ZR_BF16, "opaque");
     stages(ZR_ADAMW8, "opaque");
     hybrid("opaque");
+}
+
+/* The staged device communicator (src/comm/comm_staged.c: the CUDA backend's for thread ranks sharing
+ * one GPU, e.g. the lab's DDP and FSDP rows) on the opaque backend, whose memory it reaches only through
+ * the backend's to_host / to_device: DDP, ZeRO-1/2, FULL_SHARD (resumed, sharded checkpoints) and
+ * HYBRID_SHARD give the cpu backend's bits over the host communicator, and the collectives went through
+ * the staged communicator ("calls" counts them there). */
+FL_TEST(shard_staged_opaque_ddp_zero_fsdp_equal_cpu_bits) {
+    if (!sn_run(0)) return;
+    g_sn_staged = 1;
+    sjob *ref = sj_new(ZR_ADAMW, 2, "ddp", NULL, "ddp-host-staged"), *j = sj_new(ZR_ADAMW, 2, "ddp", NULL, "ddp-staged");
+    ref->backend = "cpu";
+    j->backend = "opaque";
+    FL_CHECKF(sj_run(ref, 0) == FL_OK && ref->calls == 0, "DDP host: %s", ref->msg[0]);
+    FL_CHECKF(sj_run(j, 1) == FL_OK, "DDP on opaque, staged: %s", j->msg[0]);
+    if (ref->st[0] == FL_OK && j->st[0] == FL_OK) {
+        check_bits(j, ref, "DDP on opaque (staged communicator)");
+        check_ckpts(j, ref, "DDP on opaque (staged communicator)");
+    }
+    FL_CHECKF(j->calls >= 2 * (1 + (unsigned long)j->cfg.train.max_steps), "DDP staged: %lu staged collectives", j->calls);
+    sj_free(ref);
+    sj_free(j);
+    stages(ZR_ADAMW, "opaque");
+    stages(ZR_ADAMW8, "opaque");
+    hybrid("opaque");
+    g_sn_staged = 0;
 }

@@ -411,9 +411,11 @@ fl_status fl_ref_backend_init(fl_backend *be);
  * A testing aid: FITLLM_TEST_BACKEND=opaque (tests), FITLLM_BACKEND=opaque (CLI). */
 fl_status fl_opaque_backend_init(fl_backend *be, int n_threads);
 void fl_opaque_backend_free(fl_backend *be);
-/* Whether backends made from now on have a device communicator (comm_create: the NCCL stand-in with
- * every opaque range open while a collective moves data; default 1). Tests turn it off to see the
- * refusal of several ranks on memory no communicator can reach. */
+/* Whether backends made from now on have a device communicator (comm_create), and which: 1 (default)
+ * the NCCL stand-in with every opaque range open while a collective moves data; 2 the staged
+ * communicator (fl_backend_comm_staged: through host buffers by the backend's own copies, as the CUDA
+ * backend's thread ranks on one GPU); 0 none: tests see the refusal of several ranks on memory no
+ * communicator can reach. */
 void fl_opaque_use_comm(int on);
 
 /* The null backend (src/backend/null/): the planner's. Every op and copy is a no-op that touches
@@ -461,6 +463,11 @@ fl_status fl_backend_pools_init(const fl_backend *be, fl_mem_pool *dev, fl_mem_p
 void fl_backend_pools_free(fl_mem_pool *dev, fl_mem_pool *host);
 /* fl_mem_calloc for device memory: allocate from p (be's pool) and zero with be->zero. */
 fl_status fl_backend_calloc(const fl_backend *be, fl_mem_pool *p, fl_mem_tag tag, size_t bytes, void **out);
+/* A device communicator for be's memory staged through host memory over `host` (fl_comm_staged_create
+ * with be->to_host / be->to_device as its copies): the CUDA backend's when its ranks are threads of one
+ * process sharing one GPU (NCCL refuses that), the opaque backend's in its "staged" mode (tests). */
+struct fl_comm;
+fl_status fl_backend_comm_staged(const fl_backend *be, struct fl_comm *host, struct fl_comm **out);
 /* The backend the CLI and the trainer create: $FITLLM_BACKEND when set (a testing aid, e.g.
  * "opaque"; checked by fl_backend_init_by_name), else the one chosen with
  * fl_backend_set_default_name (the CLI's --accelerator cpu|cuda), else "cpu". */

@@ -215,6 +215,21 @@ size_t fl_comm_scratch_bytes(const fl_comm *c, fl_coll_kind kind, size_t count, 
  * HYBRID_SHARD (src/train/fsdp.c) splits the world into its nodes and its replica groups. */
 fl_status fl_comm_split(fl_comm *c, int color, int key, fl_comm **out);
 
+/* A device communicator staged through host memory: every collective copies the device buffer's
+ * part to a host buffer (to_host), runs the same collective on `host` in place there, and copies the
+ * result back (to_device); everything completes when posted, and the results are host's bits (the
+ * threads implementation's sums in rank order). For ranks NCCL cannot serve: threads of one process
+ * sharing one GPU (the lab's in-process DDP/FSDP rows on the CUDA backend). `host` must outlive the
+ * communicator (a split's own host communicator is destroyed with it). src/comm/comm_staged.c. */
+typedef struct {
+    void *ctx;
+    fl_status (*to_host)(void *ctx, void *dst /*host*/, const void *src /*device*/, size_t bytes);
+    fl_status (*to_device)(void *ctx, void *dst /*device*/, const void *src /*host*/, size_t bytes);
+} fl_comm_staging;
+fl_status fl_comm_staged_create(fl_comm *host, const fl_comm_staging *st, fl_comm **out);
+/* How many collectives staged communicators have completed in this process (tests). */
+unsigned long fl_comm_staged_calls(void);
+
 /* The chunk of `rank` among `size` ranks for `count` elements (layout above). */
 void fl_comm_chunk(size_t count, int size, int rank, size_t *off, size_t *len);
 

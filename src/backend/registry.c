@@ -7,6 +7,7 @@
 
 #include "backend/cuda/backend_cuda.h"
 #include "fitllm/backend.h"
+#include "fitllm/comm.h"
 
 typedef struct {
     const char *name;
@@ -132,4 +133,17 @@ fl_status fl_backend_calloc(const fl_backend *be, fl_mem_pool *p, fl_mem_tag tag
     FL_TRY(fl_mem_alloc(p, tag, bytes, out));
     if (bytes) be->zero(be, *out, bytes);
     return FL_OK;
+}
+
+static fl_status staged_to_host(void *ctx, void *dst, const void *src, size_t bytes) {
+    const fl_backend *be = ctx;
+    return be->to_host(be, dst, src, bytes);
+}
+static fl_status staged_to_device(void *ctx, void *dst, const void *src, size_t bytes) {
+    const fl_backend *be = ctx;
+    return be->to_device(be, dst, src, bytes);
+}
+fl_status fl_backend_comm_staged(const fl_backend *be, fl_comm *host, fl_comm **out) {
+    fl_comm_staging st = {(void *)be, staged_to_host, staged_to_device};
+    return fl_comm_staged_create(host, &st, out);
 }

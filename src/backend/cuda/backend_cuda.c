@@ -4,6 +4,7 @@
 #include "backend/cuda/backend_cuda.h"
 
 #include <stdio.h>
+#include <string.h>
 
 #ifdef FL_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -95,13 +96,17 @@ static void flb_device_free(void *stream, fl_cu_blas *blas) {
     if (stream) cudaStreamDestroy((cudaStream_t)stream);
 }
 
-/* Several ranks: NCCL on device memory (a build without it refuses, naming the fix). */
-static fl_status flb_comm_create(void *stream, struct fl_comm *host, struct fl_comm **out) {
+/* Several ranks: NCCL on device memory (a build without it refuses, naming the fix). Ranks that are
+ * threads of this process (the lab's in-process DDP and FSDP rows) share its one GPU, which NCCL
+ * refuses ("Duplicate GPU detected"): their collectives are staged through host buffers over the
+ * threads communicator (src/comm/comm_staged.c; the threads implementation's bits). */
+static fl_status flb_comm_create(const fl_backend *be, void *stream, struct fl_comm *host, struct fl_comm **out) {
     *out = NULL;
+    if (host && host->vt && !strcmp(host->vt->name, "threads")) return fl_backend_comm_staged(be, host, out);
 #ifdef FL_HAVE_NCCL
     return fl_comm_nccl_create(host, fl_nccl_cuda_api(), stream, out);
 #else
-    (void)stream; (void)host;
+    (void)stream;
     return fl_errorf(FL_ERR_UNSUPPORTED, "cuda backend: several ranks on GPUs need NCCL, and this fitllm was built "
                      "without it (install NCCL, e.g. the libnccl-dev package, and configure again with -DFL_NCCL=ON); "
                      "run one rank, or --accelerator cpu");

@@ -12,7 +12,7 @@
  *   FLB_PREFIX(name)            the public functions' prefix (fl_cuda_##name / fl_cuemu_##name)
  *   flb_dev_alloc/free, flb_h2d/d2h/d2d/memset, flb_stream_new/sync/free, flb_last_error
  *   flb_gemm_fn                 fl_cu_gemm_cublaslt / fl_cu_gemm_standin
- *   flb_comm_create(stream,..)  the device communicator of several ranks (NCCL / its stand-in)
+ *   flb_comm_create(be,stream,..) the device communicator of several ranks (NCCL / its stand-in; staged)
  *   FLB_PANEL_BYTES, FLB_LT_WS_BYTES   scratch layout (see scratch below)
  *
  * Errors: CUDA reports kernel failures asynchronously, and many ops of the table return void.
@@ -463,7 +463,7 @@ static fl_status flb_pool_init(const fl_backend *be, fl_mem_pool *p, const char 
 static fl_status flb_comm_create_be(const fl_backend *be, struct fl_comm *host, struct fl_comm **out) {
     *out = NULL;
     FL_TRY(flb_sticky(be));
-    return flb_comm_create(FLB_IMPL(be)->stream, host, out);
+    return flb_comm_create(be, FLB_IMPL(be)->stream, host, out);
 }
 
 fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {

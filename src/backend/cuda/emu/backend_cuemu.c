@@ -57,8 +57,8 @@ static void flb_device_free(void *stream, fl_cu_blas *blas) {
  * the host communicator used directly (fl_cuemu_use_nccl). */
 static int g_use_nccl = 1;
 void fl_cuemu_use_nccl(int on) { g_use_nccl = on; }
-static fl_status flb_comm_create(void *stream, struct fl_comm *host, struct fl_comm **out) {
-    (void)stream;
+static fl_status flb_comm_create(const fl_backend *be, void *stream, struct fl_comm *host, struct fl_comm **out) {
+    (void)be; (void)stream;
     *out = NULL;
     if (!g_use_nccl) return FL_OK;
     return fl_comm_nccl_create(host, fl_nccl_standin_api(), NULL, out);
