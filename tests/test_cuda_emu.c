@@ -165,6 +165,7 @@ FL_TEST(cuda_emu_rmsnorm) {
     rmsnorm_case(7, 13);  /* one partial warp per row */
     rmsnorm_case(5, 300); /* 8 warps, strided: two elements per thread for some */
     rmsnorm_case(3, 33);  /* two warps, the second with one live element */
+    rmsnorm_case(533, 21); /* dw's column sum: 4 row groups, four rows per iteration and a remainder, a partial column block */
 }
 
 /* ---- cross-entropy -------------------------------------------------------------------------- */
@@ -377,6 +378,7 @@ FL_TEST(cuda_emu_layernorm) {
     layernorm_case(7, 13, 1);
     layernorm_case(5, 300, 0);
     layernorm_case(4, 97, 1);
+    layernorm_case(389, 19, 1); /* dw/db's column sum: 3 row groups and a remainder */
 }
 
 /* ---- activations ------------------------------------------------------------------------------ */

@@ -30,7 +30,7 @@
  * tests, tools), a buffer of the same size is allocated once on first use.
  *
  * Memory: pool_init makes a pool whose arenas are device allocations; the tiny per-backend
- * "scalars" buffer (a found-inf flag and the sum-of-squares partials, < 1 KiB) is allocated at
+ * "scalars" buffer (a found-inf flag and the sum-of-squares partials, < 9 KiB) is allocated at
  * init outside any pool. */
 #include <math.h>
 #include <stdio.h>

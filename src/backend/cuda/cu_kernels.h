@@ -17,8 +17,10 @@
 extern "C" {
 #endif
 
-/* Partial sums of sumsq_ex: fixed, so its result does not depend on the device. */
-#define FL_CU_SUMSQ_PARTS 64
+/* Partial sums of sumsq_ex, at most (their count is a function of n, so the result does not depend
+ * on the device). 64 parts (the first version) streamed a 1.1B-parameter gradient at 80 GB/s on an
+ * H100 (28 ms per step). */
+#define FL_CU_SUMSQ_PARTS 1024
 
 #define FL_CU_DECLARE_KERNELS(P)                                                                              \
     int P##rmsnorm_forward(float *out, float *rstd, const float *inp, const float *w, int N, int C, float eps,  \

@@ -106,14 +106,23 @@ extern "C" int FL_CUK(accumulate16)(uint16_t *dst, fl_dtype t, const float *src,
     return fl_cu_launch_error();
 }
 
-/* ---- sum of squares in double, deterministic: FL_CU_SUMSQ_PARTS contiguous ranges fixed by n (range
- * p = [n*p/P, n*(p+1)/P)), one block each (strided in the block, a fixed-order block sum), then one
+/* ---- sum of squares in double, deterministic: P contiguous ranges fixed by n (P = n / 2^16 within
+ * [1, FL_CU_SUMSQ_PARTS]; range p = [n*p/P, n*(p+1)/P)), one block each (strided in the block, a fixed-order block sum), then one
  * block adds the partials in a fixed order. The same bits for any device; not the CPU's bits. ------ */
 __global__ static void fl_cu_sumsq_part_k(double *part, const void *x, int t, size_t n) {
     __shared__ double buf[32];
     size_t P = gridDim.x, b = n * blockIdx.x / P, e = n * (blockIdx.x + 1) / P;
     double s = 0.0;
-    for (size_t i = b + threadIdx.x; i < e; i += blockDim.x) {
+    size_t i = b + threadIdx.x, S = blockDim.x;
+    for (; i + 3 * S < e; i += 4 * S) { /* four loads in flight; added in index order */
+        double v0 = fl_cu_ld(x, t, i), v1 = fl_cu_ld(x, t, i + S), v2 = fl_cu_ld(x, t, i + 2 * S),
+               v3 = fl_cu_ld(x, t, i + 3 * S);
+        s += v0 * v0;
+        s += v1 * v1;
+        s += v2 * v2;
+        s += v3 * v3;
+    }
+    for (; i < e; i += S) {
         double v = fl_cu_ld(x, t, i);
         s += v * v;
     }
@@ -131,8 +140,11 @@ __global__ static void fl_cu_sumsq_total_k(double *out, const double *part, int 
 
 extern "C" int FL_CUK(sumsq_ex)(double *out, double *work, const void *x, fl_dtype t, size_t n, void *stream) {
     if (!is_float(t)) return -1;
-    FL_CU_LAUNCH(fl_cu_sumsq_part_k, dim3(FL_CU_SUMSQ_PARTS), dim3(256), 0, (fl_cu_stream)stream, work, x, (int)t, n);
-    FL_CU_LAUNCH(fl_cu_sumsq_total_k, dim3(1), dim3(256), 0, (fl_cu_stream)stream, out, work, FL_CU_SUMSQ_PARTS);
+    /* P = n / 2^16 parts within [1, FL_CU_SUMSQ_PARTS]: a function of n alone (the same bits on any device) */
+    size_t P = n >> 16;
+    P = P < 1 ? 1 : P > FL_CU_SUMSQ_PARTS ? FL_CU_SUMSQ_PARTS : P;
+    FL_CU_LAUNCH(fl_cu_sumsq_part_k, dim3((unsigned)P), dim3(256), 0, (fl_cu_stream)stream, work, x, (int)t, n);
+    FL_CU_LAUNCH(fl_cu_sumsq_total_k, dim3(1), dim3(256), 0, (fl_cu_stream)stream, out, work, (int)P);
     return fl_cu_launch_error();
 }
 
@@ -145,14 +157,6 @@ __global__ static void fl_cu_scale_k(float *x, size_t n, float s) {
 }
 __global__ static void fl_cu_bias_fwd_k(float *y, const float *b, int N, int OC) {
     FL_CU_GRID_STRIDE(i, (size_t)N * OC) y[i] += b[i % OC];
-}
-/* db[c] += sum over rows in order (one thread per column: deterministic, coalesced across the warp) */
-__global__ static void fl_cu_bias_bwd_k(float *db, const float *dy, int N, int OC) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= OC) return;
-    float s = 0.0f;
-    for (int n = 0; n < N; n++) s += dy[(size_t)n * OC + c];
-    db[c] += s;
 }
 
 extern "C" int FL_CUK(add)(float *out, const float *a, const float *b, size_t n, void *stream) {
@@ -168,9 +172,4 @@ extern "C" int FL_CUK(bias_forward)(float *y, const float *b, int N, int OC, voi
         FL_CU_LAUNCH(fl_cu_bias_fwd_k, dim3(ew_grid((size_t)N * OC)), dim3(256), 0, (fl_cu_stream)stream, y, b, N, OC);
     return fl_cu_launch_error();
 }
-extern "C" int FL_CUK(bias_backward)(float *db, const float *dy, int N, int OC, void *stream) {
-    if (db && N > 0 && OC > 0)
-        FL_CU_LAUNCH(fl_cu_bias_bwd_k, dim3((unsigned)(OC + 127) / 128), dim3(128), 0, (fl_cu_stream)stream, db, dy, N,
-                     OC);
-    return fl_cu_launch_error();
-}
+/* bias_backward: a column sum, kernels/norm.cu (fl_cu_colsum_k) */
