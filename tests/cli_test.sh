@@ -275,6 +275,12 @@ expect null_backend_lora_run 0 "peak total" -- env FITLLM_BACKEND=null "$FITLLM"
 # ---- fitllm lab: the quick suite (make demo) with its verdicts, files and charts ----
 expect lab_bad_suite 2 "not quick, full, ci or fsdp" -- "$FITLLM" lab --suite huge
 expect lab_bad_only 2 "unknown experiment" -- "$FITLLM" lab --only nope --out_dir "$T/lab0"
+# --scale real (an 80 GB GPU's run; here only what needs no memory): a bad scale, the fsdp suite refused,
+# the 4-rank rows n/a naming the launch they need, the report saying which scale it is
+expect lab_bad_scale 2 "not lab or real" -- "$FITLLM" lab --scale huge
+expect lab_real_fsdp_suite 2 "the fsdp suite runs at lab scale only" -- "$FITLLM" lab --scale real --suite fsdp
+expect lab_real_ranks_na 0 "ddp: at real scale the 4 ranks need 4 devices .mpirun -np 4 fitllm finetune_full tinyllama-1.1b --devices 4" -- "$FITLLM" lab --scale real --only ddp,fsdp --out_dir "$T/labreal"
+expect lab_real_report 0 "" -- bash -c "grep -q '^## Scale: real' '$T/labreal/report.md' && grep -q '\"scale\": \"real\"' '$T/labreal/results.json' && grep -q 'real scale: tinyllama-1.1b' <('$FITLLM' lab --scale real --only ddp --out_dir '$T/labreal2')"
 t0=$(date +%s)
 expect lab_quick 0 "wrote" -- "$FITLLM" lab --suite quick --steps 2 --out_dir "$T/lab"
 echo "     (quick suite: $(( $(date +%s) - t0 )) s)"

@@ -50,6 +50,9 @@ typedef struct {
     const char *run_dir;   /* where the runs' out_dirs go (logs); NULL = a temporary folder, removed */
     size_t budget;         /* per-device budget in bytes; 0 = the scaled one (fl_lab_scale); the tests set a
                             * smaller one to reach the OOM at a small micro batch */
+    int real_scale;        /* 1: the real models (tinyllama-1.1b, open-llama-3b/7b) at T 1024 on an 80 GB budget,
+                            * for an 80 GB GPU; the data-parallel rows are n/a (they need 4 devices); not with the
+                            * fsdp suite */
 } fl_lab_opts;
 
 void fl_lab_opts_default(fl_lab_opts *o);
@@ -107,6 +110,7 @@ typedef struct {
     int threads;
     int n_errors;
     int sweep;                 /* 1: the fsdp suite (report.md gets the sweep tables, sweep.png) */
+    int real_scale;            /* 1: rows ran the real models at ref_T on ref_device (fl_lab_opts.real_scale) */
 } fl_lab_report;
 
 /* The scaling alone (budget, T, ratios), without running anything. */

@@ -252,7 +252,7 @@ static void plan_row(const fl_run_config *c, fl_plan *p, fl_plan_verdict *verdic
 
 /* Why a row's step costs more per sample than plain fp32 AdamW at a large micro batch:
  * the extra work its technique does on this CPU (the step-time chart compares ms per sample). */
-static void time_note(const lab_exp *e, char *buf, size_t n) {
+static void time_note(const lab_exp *e, int real, char *buf, size_t n) {
     const char *t = e->technique, *why = "";
     char small[48] = "";
     if (e->act_ckpt) why = "recomputes every block's forward in backward";
@@ -260,11 +260,12 @@ static void time_note(const lab_exp *e, char *buf, size_t n) {
     else if (!strcmp(t, "lora")) why = "adapter matmuls on top of the frozen base";
     else if (!strcmp(t, "adam8bit")) why = "(de)quantizes the 8-bit optimizer state block by block";
     else if (!strcmp(e->precision, "bf16-true") || !strcmp(e->precision, "bf16-mixed"))
-        why = "bf16 <-> fp32 conversions (the CPU computes in fp32)";
+        why = real ? "" : "bf16 <-> fp32 conversions (the CPU computes in fp32)";
     if (exp_ranks(e) > 1) why = "its ranks share this machine's cores";
     if (e->B < 8) snprintf(small, sizeof small, "micro batch %d (small matmuls)", e->B);
-    int big = strcmp(e->lab_model, "lab-1b") != 0;
-    snprintf(buf, n, "%s%s%s%s%s%s%s", big ? "larger model (" : "", big ? e->lab_model : "", big ? ")" : "",
+    const char *model = real ? e->ref_model : e->lab_model;
+    int big = strcmp(model, real ? REF_MODEL : LAB_MODEL) != 0;
+    snprintf(buf, n, "%s%s%s%s%s%s%s", big ? "larger model (" : "", big ? model : "", big ? ")" : "",
              big && (why[0] || small[0]) ? "; " : "", why, why[0] && small[0] ? "; " : "", small);
 }
 
@@ -314,7 +315,7 @@ static int pick_batch(const lab_exp *e, const fl_lab_report *rep, long steps, co
         lab_exp x = *e;
         x.B = B;
         x.global = B * exp_ranks(e);
-        apply_row(c, &x, x.lab_model, rep->T, steps, rep->budget, out, threads);
+        apply_row(c, &x, rep->real_scale ? x.ref_model : x.lab_model, rep->T, steps, rep->budget, out, threads);
         fl_plan_verdict v;
         size_t peak;
         plan_row(c, p, &v, &peak);
@@ -332,7 +333,8 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
     snprintf(r->name, sizeof r->name, "%s", e->name);
     snprintf(r->lab_step, sizeof r->lab_step, "%s", e->lab_step);
     snprintf(r->expect, sizeof r->expect, "%s", e->expect);
-    snprintf(r->model, sizeof r->model, "%s", e->lab_model);
+    const char *model = rep->real_scale ? e->ref_model : e->lab_model; /* the model the row runs */
+    snprintf(r->model, sizeof r->model, "%s", model);
     snprintf(r->ref_model, sizeof r->ref_model, "%s", e->ref_model);
     snprintf(r->precision, sizeof r->precision, "%s", e->precision);
     snprintf(r->optimizer, sizeof r->optimizer, "%s", fl_optim_name(e->optim));
@@ -359,18 +361,25 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
     }
     r->B = e->B;
     r->accum = e->global / (e->B * r->ranks);
-    time_note(e, r->time_note, sizeof r->time_note);
+    time_note(e, rep->real_scale, r->time_note, sizeof r->time_note);
     /* the real scale: the real model, T 1024, an 80 GB device */
     apply_row(c, e, e->ref_model, rep->ref_T, steps, rep->ref_device, out, threads);
     plan_row(c, p, &r->ref_planned, &r->ref_peak);
-    /* the lab scale */
-    apply_row(c, e, e->lab_model, rep->T, steps, rep->budget, out, threads);
+    /* the scale the row runs at: the lab's (or the real one again, --scale real) */
+    apply_row(c, e, model, rep->T, steps, rep->budget, out, threads);
     plan_row(c, p, &r->planned, &r->planned_peak);
     if (r->planned == FL_PLAN_OOM || r->planned == FL_PLAN_FITS) {
         memcpy(r->planned_tag, p->peak, sizeof r->planned_tag);
         r->n_phases = p->n_phases; /* replaced by the measured ones when the run fits */
         memcpy(r->phases, p->phases, sizeof r->phases);
         r->phases_planned = 1;
+    }
+    if (rep->real_scale && r->ranks > 1) { /* one process cannot stand in for 4 devices of 80 GB */
+        r->verdict = FL_LAB_NA;
+        snprintf(r->note, sizeof r->note, "at real scale the %d ranks need %d devices (mpirun -np %d fitllm "
+                 "finetune_full %s --devices %d ...); the lab's thread ranks would share this one", r->ranks, r->ranks,
+                 r->ranks, e->ref_model, r->ranks);
+        goto done;
     }
     int avail = e->technique[0] ? fl_plan_technique_available(e->technique) : 1;
     if (avail != 1 || r->planned == FL_PLAN_UNAVAILABLE) {
@@ -405,7 +414,7 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
         double tokens_per_step = (double)e->global * rep->T; /* several ranks: the global batch */
         r->tok_s = r->step_ms > 0 ? tokens_per_step / (r->step_ms / 1e3) : 0;
         fl_model_config mc; /* model FLOPs of the global batch (the MFU convention: no recompute) */
-        if (r->step_ms > 0 && fl_preset_find(e->lab_model, &mc) == FL_OK)
+        if (r->step_ms > 0 && fl_preset_find(model, &mc) == FL_OK)
             r->tflops = fl_model_train_flops(&mc, e->B, rep->T) * (double)e->global / e->B / (r->step_ms / 1e3) / 1e12;
     } else if (s == FL_ERR_OOM) {
         r->verdict = FL_LAB_OOM;
@@ -473,6 +482,16 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
     }
     snprintf(rep->suite, sizeof rep->suite, "%s", o->suite ? o->suite : "quick");
     FL_TRY(fl_lab_scale(rep));
+    if (o->real_scale) {
+        if (bit == SUITE_FSDP)
+            return fl_errorf(FL_ERR_INVALID, "--scale real: the fsdp suite runs at lab scale only (its 4 ranks need 4 "
+                                             "devices at the real one)");
+        rep->real_scale = 1;
+        rep->T = rep->ref_T;
+        rep->budget = rep->ref_device;
+        rep->param_ratio = 1.0;
+        rep->act_ratio_lab = rep->act_ratio_ref;
+    }
     if (o->budget) rep->budget = o->budget;
     long steps = o->steps > 0 ? o->steps : bit == SUITE_FULL ? 20 : bit == SUITE_CI ? 2 : bit == SUITE_FSDP ? 2 : 4;
     rep->sweep = bit == SUITE_FSDP;
@@ -487,7 +506,12 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
     rep->rows = calloc(N_EXPS > SWEEP_N ? N_EXPS : SWEEP_N, sizeof *rep->rows);
     if (!rep->rows) return fl_errorf(FL_ERR_OOM, "out of host memory");
     char a[32];
-    if (out) {
+    if (out && rep->real_scale) {
+        fprintf(out, "fitllm lab, suite %s, real scale: %s, open-llama-3b and open-llama-7b at T = %d, budget %s per "
+                     "device (80 GB), %ld steps per run\n",
+                rep->suite, REF_MODEL, rep->T, fl_fmt_bytes(rep->budget, a, sizeof a), steps);
+        fflush(out);
+    } else if (out) {
         fprintf(out, "fitllm lab, suite %s: budget %s (80 GB x params(%s)/params(%s) = 80 GB x %.5f), T = %d "
                      "(activations per parameter of one sample as %s at T = %d), %ld steps per run\n",
                 rep->suite, fl_fmt_bytes(rep->budget, a, sizeof a), LAB_MODEL, REF_MODEL, rep->param_ratio, rep->T,

@@ -202,10 +202,11 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
     jstr(f, cpu);
     fprintf(f, ", \"cores\": %ld, \"ram_gib\": %.1f, \"os\": ", cores, ram);
     jstr(f, os);
-    fprintf(f, "},\n  \"scaling\": {\"budget\": %zu, \"ref_device\": %zu, \"ref_model\": \"tinyllama-1.1b\", "
+    fprintf(f, "},\n  \"scaling\": {\"scale\": \"%s\", \"budget\": %zu, \"ref_device\": %zu, \"ref_model\": \"tinyllama-1.1b\", "
                "\"lab_model\": \"lab-1b\", \"param_ratio\": %.8g, \"seq_len\": %d, \"ref_seq_len\": %d, "
                "\"act_per_param_ref\": %.8g, \"act_per_param_lab\": %.8g},\n",
-            rep->budget, rep->ref_device, rep->param_ratio, rep->T, rep->ref_T, rep->act_ratio_ref, rep->act_ratio_lab);
+            rep->real_scale ? "real" : "lab", rep->budget, rep->ref_device, rep->param_ratio, rep->T, rep->ref_T,
+            rep->act_ratio_ref, rep->act_ratio_lab);
     fprintf(f, "  \"wall_s\": %.2f,\n  \"sweep\": %s,\n  \"experiments\": [", rep->wall_s,
             rep->sweep ? "true" : "false");
     for (int i = 0; i < rep->n; i++) {
@@ -450,6 +451,14 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
     fprintf(f, "# fitllm lab report (suite %s)\n\n", rep->suite);
     fprintf(f, "- date: %s\n- machine: %s, %ld cores, %.1f GiB RAM, %s\n- threads: %s\n- wall time: %.1f s\n\n", date,
             cpu, cores, ram, os, rep->threads ? "fixed" : "all cores", rep->wall_s);
+    if (rep->real_scale)
+        fprintf(f, "## Scale: real (`--scale real`)\n\n"
+                   "Every row ran the lab's real model (tinyllama-1.1b, open-llama-3b, open-llama-7b; random init, "
+                   "Synthetic data) at T = %d with a budget of %s per device (the lab's 80 GB GPU), on the backend "
+                   "named in the run (`--accelerator`). The data-parallel rows are n/a: their 4 ranks need 4 devices "
+                   "(`mpirun -np 4`). The `planned` column is the planner's peak for the same run; the sections below "
+                   "describe the lab-scale defaults, which this report does not use.\n\n",
+                rep->T, fl_fmt_bytes(rep->budget, a, sizeof a));
     fprintf(f, "## How the lab is scaled to this machine\n\n"
                "The course lab fine-tunes TinyLlama-1.1B on one 80 GB GPU. Here every model is its `lab-*` preset: "
                "the real shape with every width (hidden size, MLP size, heads x head dim, vocabulary) divided by 16 and "

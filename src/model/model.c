@@ -1,6 +1,7 @@
 /* Model lifetime: parameters, gradients, activation arena (and its sizing,
  * shared with the planner), random init, FLOP count. */
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -442,8 +443,12 @@ fl_status fl_model_init_random_ex(fl_model *m, uint64_t seed) {
         fl_mem_free(fl_mem_host_pool(m->pool), q4tmp);
         return FL_OK;
     }
-    enum { SLICE = 16384 };
-    float *slice = malloc(SLICE * sizeof(float) + SLICE * sizeof(uint16_t));
+    /* a block of NS slices per copy, the slices generated in parallel (each slice's stream state is
+     * computed from its first element, so the values do not depend on the split); 768 KiB of host
+     * buffer (under the 1 MiB the allocation check allows outside the pool) */
+    enum { SLICE = 16384, NS = 8, BLOCK = SLICE * NS };
+    const int nt = m->be && m->be->n_threads > 0 ? m->be->n_threads : omp_get_max_threads();
+    float *slice = malloc(BLOCK * sizeof(float) + BLOCK * sizeof(uint16_t));
     if (!slice) {
         fl_mem_free(fl_mem_host_pool(m->pool), q4tmp);
         return fl_errorf(FL_ERR_OOM, "random init: out of host memory");
@@ -456,8 +461,14 @@ fl_status fl_model_init_random_ex(fl_model *m, uint64_t seed) {
         double sd = fl_arch_get(m->cfg.arch)->scaled_proj_init && residual_proj ? proj_std : std;
         /* per-tensor stream so the init does not depend on layout order */
         uint64_t s = seed * 0x100000001b3ULL + (uint64_t)i * 0x9e3779b97f4a7c15ULL;
-        if (fl_model_param_is_q4(m, i)) {
-            init_fill(q4tmp, 0, p->numel, p->numel, kind, sd, &s);
+        if (fl_model_param_is_q4(m, i)) { /* the whole tensor, its slices in parallel (as below) */
+            const long nsl = (long)((p->numel + SLICE - 1) / SLICE);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && nsl > 1)
+            for (long q = 0; q < nsl; q++) {
+                const size_t k0 = (size_t)q * SLICE, k1 = p->numel - k0 < SLICE ? p->numel : k0 + SLICE;
+                uint64_t sq = kind == 2 ? s + (uint64_t)k0 * 0x9e3779b97f4a7c15ULL : s;
+                init_fill(q4tmp + k0, k0, k1, p->numel, kind, sd, &sq);
+            }
             fl_model_write_param(m, i, q4tmp);
         } else { /* generated on the host in slices, copied into the (device) storage */
             /* only the part this model holds (sharded: this rank's piece [a, b) of the entry). The
@@ -468,14 +479,22 @@ fl_status fl_model_init_random_ex(fl_model *m, uint64_t seed) {
             size_t a, b;
             char *dst = fl_model_param_piece(m, i, &a, &b, &dt);
             const size_t a0 = a & ~(size_t)1, es = fl_dtype_size(dt);
-            if (kind == 2) s += (uint64_t)a0 * 0x9e3779b97f4a7c15ULL;
-            uint16_t *s16 = (uint16_t *)(slice + SLICE);
-            for (size_t k0 = a0; k0 < b; k0 += SLICE) {
-                size_t k1 = b - k0 < SLICE ? b : k0 + SLICE, lo = k0 > a ? k0 : a; /* slice [k0, k1): keep [lo, k1) */
-                init_fill(slice, k0, k1, p->numel, kind, sd, &s);
-                const void *h = slice + (lo - k0);
-                if (dt != FL_F32) fl_convert(s16, dt, h, FL_F32, k1 - lo), h = s16;
-                size_t nb = (k1 - lo) * es;
+            uint16_t *s16 = (uint16_t *)(slice + BLOCK);
+            for (size_t B0 = a0; B0 < b; B0 += BLOCK) { /* block [B0, B1): slices of SLICE, element lo.. kept */
+                const size_t B1 = b - B0 < BLOCK ? b : B0 + BLOCK, lo = B0 > a ? B0 : a;
+                const long nsl = (long)((B1 - B0 + SLICE - 1) / SLICE);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && nsl > 1)
+                for (long q = 0; q < nsl; q++) {
+                    const size_t k0 = B0 + (size_t)q * SLICE, k1 = B1 - k0 < SLICE ? B1 : k0 + SLICE;
+                    uint64_t sq = kind == 2 ? s + (uint64_t)k0 * 0x9e3779b97f4a7c15ULL : s; /* pair k0/2's state */
+                    init_fill(slice + (k0 - B0), k0, k1, p->numel, kind, sd, &sq);
+                    if (dt != FL_F32) { /* [max(k0, lo), k1) into s16 at the same offset from lo */
+                        const size_t c0 = k0 > lo ? k0 : lo;
+                        if (k1 > c0) fl_convert(s16 + (c0 - lo), dt, slice + (c0 - B0), FL_F32, k1 - c0);
+                    }
+                }
+                const void *h = dt != FL_F32 ? (const void *)s16 : (const void *)(slice + (lo - B0));
+                size_t nb = (B1 - lo) * es;
                 fl_status st = FL_OK;
                 if (m->be) st = m->be->to_device(m->be, dst + (lo - a) * es, h, nb);
                 else memcpy(dst + (lo - a) * es, h, nb); /* no backend: host memory */
