@@ -107,12 +107,15 @@ expect plan_recipe_devices_4 0 "FSDP FULL_SHARD \(ZeRO-3\) over 4 ranks" -- "$FI
 expect plan_litgpt_model_name 0 "FITS" -- "$FITLLM" plan TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T --device-memory 80GB
 # OPT (BLIP-2's language model): the plan of its real shape, a full fine-tune of the test shape saved as an HF
 # folder whose loss `fitllm loss` reads back, and LoRA with OPT's module names
-# a combination the planned backend refuses at set-up is refused by the plan too (its supports_op), and not
-# offered as a suggestion
-expect plan_refuses_what_the_run_refuses 2 "does not implement adam8bit_update for parameters F16" -- \
-    "$FITLLM" plan micro --precision 16-true --optimizer bnb.optim.AdamW8bit
-expect plan_suggestion_not_with_this_run 3 "adam8bit +not with this run: the cpu backend's 8-bit AdamW does not take F16" -- \
+# 16-true (fp16 parameters) with 8-bit AdamW: planned, suggested, and trained (its step losses track plain AdamW's:
+# tests/test_prec.c prec_adam8bit_16bit_params holds the update to the fp32 kernel's rounding). The plan answers
+# supports_op as the planned backend does (tests/test_ops.c compares the tables).
+expect plan_16true_adam8bit 0 "peak" -- "$FITLLM" plan micro --precision 16-true --optimizer bnb.optim.AdamW8bit
+expect plan_16true_suggests_adam8bit 3 "adam8bit +does not fit: about 2 bytes of state" -- \
     "$FITLLM" plan micro --precision 16-true --device-memory 12MB
+expect finetune_16true_adam8bit 0 "Saved the final model" -- "$FITLLM" finetune_full micro --precision 16-true \
+    --optimizer bnb.optim.AdamW8bit --train.max_steps 3 --train.global_batch_size 2 --train.micro_batch_size 2 \
+    --out_dir "$T/f16a8" --quiet
 expect plan_opt_27b 0 "FITS" -- "$FITLLM" plan facebook/opt-2.7b --device-memory 80GB
 expect finetune_opt_ok 0 "Saved the final model" -- "$FITLLM" finetune_full opt-micro --train.max_steps 2 \
     --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/opt" --quiet

@@ -100,7 +100,7 @@ FL_TEST(cuda_more_embedding) {
 static void *to_type(const float *x, size_t n, fl_dtype t) {
     if (t == FL_F32) return dup_bytes(x, n * 4);
     uint16_t *h = malloc(n * 2);
-    for (size_t i = 0; i < n; i++) h[i] = fl_f32_to_bf16(x[i]);
+    for (size_t i = 0; i < n; i++) h[i] = t == FL_F16 ? fl_f32_to_f16(x[i]) : fl_f32_to_bf16(x[i]);
     return h;
 }
 
@@ -161,6 +161,8 @@ FL_TEST(cuda_more_adam8bit) {
     adam8bit_case(FL_ADAM8BIT_MIN_SIZE, FL_F32, FL_BF16);
     adam8bit_case(1000, FL_F32, FL_F32); /* fp32-state path */
     adam8bit_case(333, FL_BF16, FL_F32);
+    adam8bit_case(FL_ADAM8BIT_MIN_SIZE + 3, FL_F16, FL_F16); /* 16-true: fp16 parameters and gradients */
+    adam8bit_case(333, FL_F16, FL_F16);
     fl_adam8bit_state st = {0};
     st.n = 10;
     float d = 0;

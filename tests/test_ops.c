@@ -20,6 +20,7 @@
 #include <time.h>
 
 #include "backend/cpu/cpu-impl.h"
+#include "backend/cuda/backend_cuda.h"
 #include "fitllm/backend.h"
 #include "test.h"
 
@@ -997,6 +998,20 @@ FL_TEST(ops_backend_vtables) {
         FL_CHECKF(missing == 0, "null (%s): %d of %zu vtable slots are NULL", k ? stand_in[k] : "registry", missing,
                   nslots);
         FL_CHECK(nb.discards && nb.host_memory == (k == 1) && nb.pool_init != NULL);
+        /* a stand-in answers supports_op as the backend it stands in for (a plan refuses what that run
+         * would refuse at set-up); the registry's says yes */
+        long differ = 0;
+        for (int op = 0; op < FL_OP_COUNT; op++)
+            for (int a = 0; a < FL_DTYPE_COUNT; a++)
+                for (int b = 0; b < FL_DTYPE_COUNT; b++)
+                    for (int c = 0; c < FL_DTYPE_COUNT; c++) {
+                        int want = k == 1 ? fl_cpu_supports_op(NULL, (fl_op)op, (fl_dtype)a, (fl_dtype)b, (fl_dtype)c)
+                                   : k == 2 ? fl_cuda_supports_op((fl_op)op, (fl_dtype)a, (fl_dtype)b, (fl_dtype)c)
+                                            : 1;
+                        differ += !nb.supports_op(&nb, (fl_op)op, (fl_dtype)a, (fl_dtype)b, (fl_dtype)c) != !want;
+                    }
+        FL_CHECKF(differ == 0, "null (%s): supports_op differs from the planned backend's in %ld cases",
+                  k ? stand_in[k] : "registry", differ);
         fl_backend_free(&nb);
     }
     fl_backend nb;

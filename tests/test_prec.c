@@ -859,11 +859,14 @@ static void prec_adam8bit_nonfinite_rule_on(fl_backend be) {
         }
         free(keep);
     }
-    /* bf16 parameters and gradients are accepted; other dtypes are not */
+    /* bf16 and fp16 parameters and gradients are accepted (prec_adam8bit_16bit_params: their values); others are not */
     uint16_t *pb = to_bf16(p, n), *gb = to_bf16(g, n);
     FL_REQUIRE_OP(&be, be.adam8bit_update(&be, pb, FL_BF16, gb, FL_BF16, &s1, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.01f, 4, 1.0f));
-    FL_CHECK(be.adam8bit_update(&be, pb, FL_F16, gb, FL_BF16, &s1, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.01f, 4, 1.0f) ==
+    FL_CHECK(be.adam8bit_update(&be, pb, FL_F64, gb, FL_BF16, &s1, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.01f, 4, 1.0f) ==
              FL_ERR_UNSUPPORTED);
+    FL_CHECK(be.adam8bit_update(&be, pb, FL_BF16, gb, FL_I32, &s1, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.01f, 4, 1.0f) ==
+             FL_ERR_UNSUPPORTED);
+    FL_CHECK(be.supports_op(&be, FL_OP_ADAM8BIT, FL_F16, FL_F16, FL_F32) && !be.supports_op(&be, FL_OP_ADAM8BIT, FL_F64, FL_F32, FL_F32));
     /* determinism: 1 vs 2 threads */
     be.n_threads = 1;
     memset(m1, 0, bytes);
@@ -875,6 +878,71 @@ static void prec_adam8bit_nonfinite_rule_on(fl_backend be) {
     FL_CHECK(memcmp(p, p2, n * 4) == 0 && memcmp(m1, m2, bytes) == 0);
     free(p), free(p2), free(g), free(g2), free(m1), free(m2), free(pb), free(gb);
 }
+/* 16-bit parameters (bf16-true, 16-true): bnb's kernels load T, compute in fp32 and store (T)(p). With
+ * weight decay 0 the update is one rounding of the fp32 result, so a 16-bit run must give, every step,
+ * the 16-bit rounding of the fp32 run (anchored to bnb by prec_adam8bit_vs_bnb_reference) on the same
+ * widened inputs (p re-rounded after each step to stay in step), and the same state bytes (the state
+ * sees only the 16-bit-exact gradients; the fp32-state path rounds the unscaled gradient to T first, as
+ * bnb does). Both the 8-bit path (n 5000) and the fp32-state one (n 3000), with a loss scale (grad_scale
+ * 1/128) as 16-true uses it. */
+static void adam8bit_16bit_on(fl_backend be, fl_dtype dt) {
+    size_t ns[2] = {5000, 3000};
+    for (int t = 0; t < 2; t++) {
+        size_t n = ns[t];
+        fl_test_rng rng = {(unsigned long long)(31 + t + 10 * dt)};
+        float *p = malloc(n * 4), *g = malloc(n * 4);
+        uint16_t *ph = malloc(n * 2), *gh = malloc(n * 2);
+        fl_test_fill(&rng, p, n, -1, 1);
+        for (size_t i = 0; i < n; i++) { /* 16-bit-exact values on both sides */
+            ph[i] = dt == FL_BF16 ? fl_f32_to_bf16(p[i]) : fl_f32_to_f16(p[i]);
+            p[i] = dt == FL_BF16 ? fl_bf16_to_f32(ph[i]) : fl_f16_to_f32(ph[i]);
+        }
+        size_t bytes = fl_adam8bit_state_bytes(n);
+        void *m32 = calloc(1, bytes), *m16 = calloc(1, bytes);
+        fl_adam8bit_state s32, s16;
+        FL_REQUIRE_OK(fl_adam8bit_state_bind(&s32, n, m32));
+        FL_REQUIRE_OK(fl_adam8bit_state_bind(&s16, n, m16));
+        size_t bad = 0, moved = 0;
+        for (int step = 1; step <= 3; step++) {
+            fl_test_fill(&rng, g, n, -40.0f, 40.0f); /* a scaled gradient (x 128) */
+            const int q8 = fl_adam8bit_is_8bit(n);
+            for (size_t i = 0; i < n; i++) {
+                gh[i] = dt == FL_BF16 ? fl_f32_to_bf16(g[i]) : fl_f32_to_f16(g[i]);
+                g[i] = dt == FL_BF16 ? fl_bf16_to_f32(gh[i]) : fl_f16_to_f32(gh[i]);
+                /* the fp32-state kernel (kOptimizer32bit2State) rounds the UNSCALED gradient to T,
+                 * (T)(gnorm_scale * g): the fp32 run gets that value and scale 1 */
+                if (!q8) {
+                    float u = g[i] * (1.0f / 128);
+                    g[i] = dt == FL_BF16 ? fl_bf16_to_f32(fl_f32_to_bf16(u)) : fl_f16_to_f32(fl_f32_to_f16(u));
+                }
+            }
+            FL_REQUIRE_OP(&be, be.adam8bit_update(&be, p, FL_F32, g, FL_F32, &s32, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.0f, step,
+                                                  q8 ? 1.0f / 128 : 1.0f));
+            FL_REQUIRE_OP(&be, be.adam8bit_update(&be, ph, dt, gh, dt, &s16, 1e-2f, 0.9f, 0.999f, 1e-8f, 0.0f, step,
+                                                  1.0f / 128));
+            for (size_t i = 0; i < n; i++) {
+                uint16_t want = dt == FL_BF16 ? fl_f32_to_bf16(p[i]) : fl_f32_to_f16(p[i]);
+                float before = dt == FL_BF16 ? fl_bf16_to_f32(want) : fl_f16_to_f32(want);
+                bad += ph[i] != want;
+                moved += before != p[i]; /* the fp32 run left the 16-bit grid: the rounding mattered */
+                p[i] = before;
+            }
+            FL_CHECKF(memcmp(m32, m16, bytes) == 0, "%s n=%zu step %d: the state differs", fl_dtype_name(dt), n, step);
+        }
+        FL_CHECKF(bad == 0 && moved > n, "%s n=%zu: %zu of %zu parameters are not the rounding of the fp32 update "
+                  "(%zu rounded)", fl_dtype_name(dt), n, bad, 3 * n, moved);
+        free(p), free(g), free(ph), free(gh), free(m32), free(m16);
+    }
+}
+
+FL_TEST(prec_adam8bit_16bit_params) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) {
+        adam8bit_16bit_on(be, FL_BF16);
+        adam8bit_16bit_on(be, FL_F16);
+    }
+}
+
 FL_TEST(prec_adam8bit_nonfinite_rule) {
     fl_backend be;
     FL_FOR_EACH_BACKEND(be, 2) prec_adam8bit_nonfinite_rule_on(be);

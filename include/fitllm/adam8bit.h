@@ -18,6 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "fitllm/dtype.h"
 #include "fitllm/status.h"
 
 #ifdef __cplusplus
@@ -45,6 +46,9 @@ typedef struct {
 
 /* 1 if a tensor of n elements gets 8-bit state. */
 static inline int fl_adam8bit_is_8bit(size_t n) { return n >= FL_ADAM8BIT_MIN_SIZE; }
+/* Parameter and gradient dtypes of the update: F32, BF16 and F16 (bnb's kernels take float, bf16 and
+ * half; the values are widened to fp32, updated, and rounded once to the parameter type). */
+static inline int fl_adam8bit_dtype_ok(fl_dtype t) { return t == FL_F32 || t == FL_BF16 || t == FL_F16; }
 
 /* Bytes of optimizer state for n elements (for the memory planner): 8-bit path
  * 2*n + 8*ceil(n/256) (+ up to 3 bytes padding so the absmax arrays are 4-aligned);

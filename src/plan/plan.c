@@ -37,7 +37,7 @@ static const fl_plan_technique k_tech[] = {
     {"sgd", 1, "--optimizer SGD (no state without momentum; one buffer with)", ""},
     {"bf16-true", 1, "--precision bf16-true", "bf16 parameters, gradients and AdamW state (2+2+4 bytes per parameter)"},
     {"bf16-mixed", 1, "--precision bf16-mixed", "fp32 master weights + a bf16 copy the matmuls read"},
-    {"16-mixed", 0, "--precision 16-mixed", "not wired into the trainer yet (loss scaler exists)"},
+    {"16-mixed", 1, "--precision 16-mixed", "fp32 master weights + an fp16 copy the matmuls read, dynamic loss scaling"},
     {"activation_checkpointing", 1, "--train.activation_checkpointing true", "keep block inputs, recompute blocks in backward"},
     {"adam8bit", 1, "--optimizer bnb.optim.AdamW8bit", "bitsandbytes' block-wise 8-bit AdamW state"},
     {"lora", 1, "fitllm finetune_lora", "adapters only: the base needs no gradients or optimizer state"},

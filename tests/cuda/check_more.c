@@ -168,7 +168,7 @@ static void adam8bit_check(size_t n, fl_dtype tp, int timed) {
     void *p = malloc(n * ps);
     for (size_t i = 0; i < n; i++) {
         if (tp == FL_F32) ((float *)p)[i] = p32[i];
-        else ((uint16_t *)p)[i] = fl_f32_to_bf16(p32[i]);
+        else ((uint16_t *)p)[i] = tp == FL_F16 ? fl_f32_to_f16(p32[i]) : fl_f32_to_bf16(p32[i]);
     }
     void *mem = calloc(1, sb), *hp = malloc(n * ps), *hm = malloc(sb);
     fl_adam8bit_state st, dst;
@@ -370,6 +370,7 @@ int fl_cuda_check_more(void) {
     emb_big(1);
     adam8bit_check(2 * FL_ADAM8BIT_MIN_SIZE + 77, FL_BF16, 0);
     adam8bit_check(1000, FL_F32, 0);
+    adam8bit_check(FL_ADAM8BIT_MIN_SIZE + 5, FL_F16, 0); /* 16-true: fp16 parameters (not yet run on a GPU) */
     adam8bit_check((size_t)1 << 24, FL_F32, 1);
     q4_small(19, 37, 131, FL_Q4_NF4, 0);
     q4_small(133, 150, 70, FL_Q4_FP4, 1);

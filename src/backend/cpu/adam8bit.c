@@ -172,22 +172,28 @@ const char *fl_cpu_adam8bit_quantizer_path(void) {
 }
 
 static inline float load_f(const void *x, fl_dtype t, size_t i) {
-    return t == FL_F32 ? ((const float *)x)[i] : fl_bf16_to_f32(((const uint16_t *)x)[i]);
+    return t == FL_F32    ? ((const float *)x)[i]
+           : t == FL_BF16 ? fl_bf16_to_f32(((const uint16_t *)x)[i])
+                          : fl_f16_to_f32(((const uint16_t *)x)[i]);
 }
 /* (T)(x): the kernel's store into the parameter type. */
-static inline float round_to(float x, fl_dtype t) { return t == FL_F32 ? x : fl_bf16_to_f32(fl_f32_to_bf16(x)); }
+static inline float round_to(float x, fl_dtype t) {
+    return t == FL_F32 ? x : t == FL_BF16 ? fl_bf16_to_f32(fl_f32_to_bf16(x)) : fl_f16_to_f32(fl_f32_to_f16(x));
+}
 static inline void store_f(void *x, fl_dtype t, size_t i, float v) {
     if (t == FL_F32)
         ((float *)x)[i] = v;
-    else
+    else if (t == FL_BF16)
         ((uint16_t *)x)[i] = fl_f32_to_bf16(v);
+    else
+        ((uint16_t *)x)[i] = fl_f32_to_f16(v);
 }
 
 fl_status fl_cpu_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg,
                                  const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,
                                  float weight_decay, int step, float grad_scale) {
-    if ((tp != FL_F32 && tp != FL_BF16) || (tg != FL_F32 && tg != FL_BF16))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "adam8bit_update: p=%s g=%s (F32 or BF16 only)", fl_dtype_name(tp),
+    if (!fl_adam8bit_dtype_ok(tp) || !fl_adam8bit_dtype_ok(tg))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "adam8bit_update: p=%s g=%s (F32, BF16 or F16 only)", fl_dtype_name(tp),
                          fl_dtype_name(tg));
     if (!st) return fl_errorf(FL_ERR_INVALID, "adam8bit_update: NULL state");
     size_t n = st->n;

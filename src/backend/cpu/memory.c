@@ -58,7 +58,7 @@ int fl_cpu_supports_op(const fl_backend *be, fl_op op, fl_dtype a, fl_dtype b, f
     case FL_OP_CONVERT: return isfloat(a) && isfloat(b);
     case FL_OP_ADAMW_EX:
     case FL_OP_SGD_EX: return isfloat(a) && isfloat(b) && (c == FL_F32 || c == FL_BF16);
-    case FL_OP_ADAM8BIT: return (a == FL_F32 || a == FL_BF16) && (b == FL_F32 || b == FL_BF16);
+    case FL_OP_ADAM8BIT: return fl_adam8bit_dtype_ok(a) && fl_adam8bit_dtype_ok(b);
     case FL_OP_ACCUMULATE16: return a == FL_BF16 || a == FL_F16;
     case FL_OP_SUMSQ: return isfloat(a);
     case FL_OP_Q4_MATMUL: return 1;

@@ -120,7 +120,7 @@ static fl_status flb_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp,
                                      const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,
                                      float weight_decay, int step, float grad_scale) {
     FL_TRY(flb_sticky(be));
-    if ((tp != FL_F32 && tp != FL_BF16) || (tg != FL_F32 && tg != FL_BF16))
+    if (!fl_adam8bit_dtype_ok(tp) || !fl_adam8bit_dtype_ok(tg))
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s adam8bit_update: p %s, g %s not supported", FLB_NAME,
                          fl_dtype_name(tp), fl_dtype_name(tg));
     FLB_RUN_S(be, FLB_K(adam8bit_update)(p, tp, g, tg, st, lr, beta1, beta2, eps, weight_decay, step, grad_scale,

@@ -29,12 +29,17 @@ typedef struct {
 } fl_cu_a8_consts;
 
 FL_CU_DEV float a8_load(const void *x, int t, size_t i) {
-    return t == FL_F32 ? ((const float *)x)[i] : fl_cu_bf16_to_f32(((const uint16_t *)x)[i]);
+    return t == FL_F32    ? ((const float *)x)[i]
+           : t == FL_BF16 ? fl_cu_bf16_to_f32(((const uint16_t *)x)[i])
+                          : fl_cu_f16_to_f32(((const uint16_t *)x)[i]);
 }
-FL_CU_DEV float a8_round(float x, int t) { return t == FL_F32 ? x : fl_cu_bf16_to_f32(fl_cu_f32_to_bf16(x)); }
+FL_CU_DEV float a8_round(float x, int t) {
+    return t == FL_F32 ? x : t == FL_BF16 ? fl_cu_bf16_to_f32(fl_cu_f32_to_bf16(x)) : fl_cu_f16_to_f32(fl_cu_f32_to_f16(x));
+}
 FL_CU_DEV void a8_store(void *x, int t, size_t i, float v) {
     if (t == FL_F32) ((float *)x)[i] = v;
-    else ((uint16_t *)x)[i] = fl_cu_f32_to_bf16(v);
+    else if (t == FL_BF16) ((uint16_t *)x)[i] = fl_cu_f32_to_bf16(v);
+    else ((uint16_t *)x)[i] = fl_cu_f32_to_f16(v);
 }
 
 /* fl_adam8bit_quantize: bnb's quantize_2D search from pivot 127, then the midpoint test (the
@@ -153,7 +158,7 @@ static float host_mul(float a, float b) {
 extern "C" int FL_CUK(adam8bit_update)(void *p, fl_dtype tp, const void *g, fl_dtype tg, const fl_adam8bit_state *st,
                                        float lr, float beta1, float beta2, float eps, float weight_decay, int step,
                                        float grad_scale, void *stream) {
-    if ((tp != FL_F32 && tp != FL_BF16) || (tg != FL_F32 && tg != FL_BF16) || !st || step < 1) return -1;
+    if (!fl_adam8bit_dtype_ok(tp) || !fl_adam8bit_dtype_ok(tg) || !st || step < 1) return -1;
     const size_t n = st->n;
     if (n == 0) return 0;
     if (!p || !g) return -1;
