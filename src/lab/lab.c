@@ -260,7 +260,8 @@ static void time_note(const lab_exp *e, int real, char *buf, size_t n) {
     else if (!strcmp(t, "lora")) why = "adapter matmuls on top of the frozen base";
     else if (!strcmp(t, "adam8bit")) why = "(de)quantizes the 8-bit optimizer state block by block";
     else if (!strcmp(e->precision, "bf16-true") || !strcmp(e->precision, "bf16-mixed"))
-        why = real ? "" : "bf16 <-> fp32 conversions (the CPU computes in fp32)";
+        why = strcmp(fl_backend_default_name(), "cpu") ? "bf16 <-> fp32 conversions of the fp32 activations"
+                                                       : "bf16 <-> fp32 conversions (the CPU computes in fp32)";
     if (exp_ranks(e) > 1) why = "its ranks share this machine's cores";
     if (e->B < 8) snprintf(small, sizeof small, "micro batch %d (small matmuls)", e->B);
     const char *model = real ? e->ref_model : e->lab_model;
