@@ -50,6 +50,10 @@ SHAPES = {
     # TinyLlama-1.1B's shapes (the preset tinyllama-1.1b of fitllm)
     "tinyllama-1.1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32,
                            num_key_value_heads=4, intermediate_size=5632, vocab_size=32000),
+    # OPT-125m's shapes (fitllm's preset opt-125m; OPTForCausalLM: LayerNorm, biases, ReLU, learned
+    # positions, tied head; dropout off as fitllm has none)
+    "opt-125m": dict(arch="opt", hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                     ffn_dim=3072, vocab_size=50272),
 }
 
 
@@ -125,12 +129,25 @@ def main():
     from transformers import LlamaConfig, LlamaForCausalLM
     import transformers
 
-    s = SHAPES[args.shape]
-    cfg = LlamaConfig(**s, max_position_embeddings=max(1024, args.seq), rms_norm_eps=1e-5,
-                      rope_theta=10000.0, tie_word_embeddings=False,
-                      attention_bias=False, mlp_bias=False, hidden_act="silu",
-                      bos_token_id=1, eos_token_id=2, use_cache=False,
-                      attn_implementation="sdpa")
+    s = dict(SHAPES[args.shape])
+    if s.pop("arch", "llama") == "opt":
+        from transformers import OPTConfig, OPTForCausalLM
+        if quant:
+            sys.exit("bench_step_torch.py: --quantize is for the LLaMA shapes")
+        LlamaForCausalLM = OPTForCausalLM  # noqa: N806 (the same calls below)
+        s["num_key_value_heads"] = s["num_attention_heads"]
+        cfg = OPTConfig(hidden_size=s["hidden_size"], num_hidden_layers=s["num_hidden_layers"],
+                        num_attention_heads=s["num_attention_heads"], ffn_dim=s["ffn_dim"],
+                        vocab_size=s["vocab_size"], max_position_embeddings=max(2048, args.seq),
+                        word_embed_proj_dim=s["hidden_size"], do_layer_norm_before=True, enable_bias=True,
+                        activation_function="relu", dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                        layerdrop=0.0, tie_word_embeddings=True, use_cache=False, attn_implementation="sdpa")
+    else:
+        cfg = LlamaConfig(**s, max_position_embeddings=max(1024, args.seq), rms_norm_eps=1e-5,
+                          rope_theta=10000.0, tie_word_embeddings=False,
+                          attention_bias=False, mlp_bias=False, hidden_act="silu",
+                          bos_token_id=1, eos_token_id=2, use_cache=False,
+                          attn_implementation="sdpa")
     cfg._attn_implementation = "sdpa"
     bf16_true = args.precision == "bf16-true"
     if args.save_random:  # child process of the --quantize path: write the random fp32 model
@@ -180,7 +197,7 @@ def main():
         return loss.item(), None
 
     base = model.get_base_model() if args.lora else model  # LlamaForCausalLM (PEFT layers inside)
-    body, head = base.model, base.lm_head
+    body, head = (base.model.decoder if hasattr(base.model, "decoder") else base.model), base.lm_head
 
     def step_phases():
         opt.zero_grad(set_to_none=True)
