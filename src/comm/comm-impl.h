@@ -25,6 +25,13 @@ fl_status fl_comm_fail(const fl_comm *c, fl_status s, const char *what, const ch
 fl_status fl_comm_scratch_alloc(fl_comm *c, size_t bytes, void **out);
 void fl_comm_scratch_free(fl_comm *c, void *p);
 
+/* A request that is complete when posted (single, staged): made by done_req, released by the
+ * implementation's test / wait, which are these two. */
+fl_status fl_comm_done_req(fl_comm *c, fl_coll_kind kind, size_t count, fl_dtype dt, fl_comm_op op,
+                           fl_comm_req **req);
+fl_status fl_comm_done_test(fl_comm *c, fl_comm_req *r, int *done);
+fl_status fl_comm_done_wait(fl_comm *c, fl_comm_req *r);
+
 /* Allocate and fill the common fields of a handle (impl-specific fields are the caller's). */
 fl_status fl_comm_alloc_handle(const fl_comm_vtable *vt, int rank, int size, fl_comm **out);
 

@@ -363,10 +363,10 @@ void fl_comm_destroy(fl_comm *c) {
 /* Size 1: a reduction is the kernel over one source (so BF16 NaN payloads come out exactly as the
  * threads implementation's at size 1), gathers are copies; everything completes when posted. */
 
-static fl_status single_req(fl_comm *c, fl_coll_kind kind, size_t count, fl_dtype dt, fl_comm_op op,
-                            fl_comm_req **req) {
+fl_status fl_comm_done_req(fl_comm *c, fl_coll_kind kind, size_t count, fl_dtype dt, fl_comm_op op,
+                           fl_comm_req **req) {
     fl_comm_req *r = malloc(sizeof *r);
-    if (!r) return fl_errorf(FL_ERR_OOM, "comm single: cannot allocate a request");
+    if (!r) return fl_comm_fail(c, FL_ERR_OOM, "request", "cannot allocate a request");
     r->comm = c;
     r->kind = kind;
     r->count = count;
@@ -380,36 +380,36 @@ static fl_status single_reduce(fl_comm *c, const void *send, void *recv, size_t 
                                fl_comm_req **req) {
     const void *src[1] = {send};
     fl_comm_reduce_kernel(recv, src, 1, count, dt, op);
-    return single_req(c, FL_COLL_ALL_REDUCE, count, dt, op, req);
+    return fl_comm_done_req(c, FL_COLL_ALL_REDUCE, count, dt, op, req);
 }
 
 static fl_status single_rs(fl_comm *c, const void *send, void *recv, size_t count, fl_dtype dt, fl_comm_op op,
                            fl_comm_req **req) {
     const void *src[1] = {send};
     fl_comm_reduce_kernel(recv, src, 1, count, dt, op);
-    return single_req(c, FL_COLL_REDUCE_SCATTER, count, dt, op, req);
+    return fl_comm_done_req(c, FL_COLL_REDUCE_SCATTER, count, dt, op, req);
 }
 
 static fl_status single_ag(fl_comm *c, const void *send, void *recv, size_t count, fl_dtype dt, fl_comm_req **req) {
     if (count && send != recv) memcpy(recv, send, count * fl_dtype_size(dt));
-    return single_req(c, FL_COLL_ALL_GATHER, count, dt, FL_COMM_SUM, req);
+    return fl_comm_done_req(c, FL_COLL_ALL_GATHER, count, dt, FL_COMM_SUM, req);
 }
 
 static fl_status single_bcast(fl_comm *c, void *buf, size_t count, fl_dtype dt, int root, fl_comm_req **req) {
     (void)buf; (void)root;
-    return single_req(c, FL_COLL_BROADCAST, count, dt, FL_COMM_SUM, req);
+    return fl_comm_done_req(c, FL_COLL_BROADCAST, count, dt, FL_COMM_SUM, req);
 }
 
 static fl_status single_barrier(fl_comm *c) { (void)c; return FL_OK; }
 
-static fl_status single_test(fl_comm *c, fl_comm_req *r, int *done) {
+fl_status fl_comm_done_test(fl_comm *c, fl_comm_req *r, int *done) {
     (void)c;
     free(r);
     *done = 1;
     return FL_OK;
 }
 
-static fl_status single_wait(fl_comm *c, fl_comm_req *r) {
+fl_status fl_comm_done_wait(fl_comm *c, fl_comm_req *r) {
     (void)c;
     free(r);
     return FL_OK;
@@ -432,8 +432,8 @@ static const fl_comm_vtable k_single = {
     .iall_gather = single_ag,
     .ibroadcast = single_bcast,
     .barrier = single_barrier,
-    .test = single_test,
-    .wait = single_wait,
+    .test = fl_comm_done_test,
+    .wait = fl_comm_done_wait,
     .abort = single_abort,
     .destroy = single_destroy,
     .split = single_split,

@@ -33,15 +33,7 @@ unsigned long fl_comm_staged_calls(void) { return __atomic_load_n(&g_calls, __AT
 
 static fl_status done_req(fl_comm *c, fl_coll_kind kind, size_t count, fl_dtype dt, fl_comm_op op, fl_comm_req **req) {
     __atomic_fetch_add(&g_calls, 1, __ATOMIC_RELAXED);
-    fl_comm_req *r = malloc(sizeof *r);
-    if (!r) return fl_comm_fail(c, FL_ERR_OOM, "request", "cannot allocate a request");
-    r->comm = c;
-    r->kind = kind;
-    r->count = count;
-    r->dtype = dt;
-    r->op = op;
-    *req = r;
-    return FL_OK;
+    return fl_comm_done_req(c, kind, count, dt, op, req);
 }
 
 /* A failed copy: the other ranks must not wait for this one in the host collective. */
@@ -130,19 +122,6 @@ static fl_status s_broadcast(fl_comm *c, void *buf, size_t count, fl_dtype dt, i
 
 static fl_status s_barrier(fl_comm *c) { return fl_comm_barrier(((scomm *)c->impl)->host); }
 
-static fl_status s_test(fl_comm *c, fl_comm_req *r, int *done) {
-    (void)c;
-    free(r);
-    *done = 1;
-    return FL_OK;
-}
-
-static fl_status s_wait(fl_comm *c, fl_comm_req *r) {
-    (void)c;
-    free(r);
-    return FL_OK;
-}
-
 static void s_abort(fl_comm *c, int code, const char *msg) {
     scomm *m = c->impl;
     m->host->vt->abort(m->host, code, msg);
@@ -175,8 +154,8 @@ static const fl_comm_vtable k_staged = {
     .iall_gather = s_all_gather,
     .ibroadcast = s_broadcast,
     .barrier = s_barrier,
-    .test = s_test,
-    .wait = s_wait,
+    .test = fl_comm_done_test,
+    .wait = fl_comm_done_wait,
     .abort = s_abort,
     .destroy = s_destroy,
     .split = s_split,
