@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Every single-GPU check of the CUDA backend in one run (EXPERIMENTAL backend; for a machine with an
+# NVIDIA GPU and a CUDA build of fitllm):
+#   tests/cuda/gpu_check_all.sh [build-dir] [--bench]
+#   1. fitllm_cuda_check: the real kernels against the emulated ones (tensor-core attention included);
+#   2. fitllm selftest --accelerator cuda: every op against the CPU backend;
+#   3. short trainings on built-in presets (no data files needed: Synthetic data), cuda against cpu: the
+#      largest relative step-loss difference per run, within a bound per precision (fp32 1e-5: two fp32
+#      evaluations of the same sums; bf16 2e-2: bf16's 2^-8 rounding of activations and weights);
+#   4. fitllm lab --accelerator cuda (the quick suite, every row, planned = measured);
+#   5. with --bench: bench-step at TinyLlama-1.1B's shapes (bf16-true, LoRA), and the same step in PyTorch
+#      when python3 has torch and transformers (bench/bench_step_torch.py --device cuda).
+# Exit 1 when a check fails. The session that ran it on an H100: docs/BENCHMARKS.md "GPU".
+set -u
+BUILD=${1:-build}
+BENCH=0
+[ "${2:-}" = "--bench" ] && BENCH=1
+F=$BUILD/fitllm
+T=$(mktemp -d /tmp/fitllm-gpu-XXXXXX)
+trap 'rm -rf "$T"' EXIT
+fail=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || { echo "skip: no nvidia-smi"; exit 0; }
+"$F" --version | grep -i cuda
+if ! "$F" --version | grep -q "cuda: *compiled in"; then echo "skip: $F was built without CUDA"; exit 0; fi
+
+echo "== 1. fitllm_cuda_check"
+if [ -x "$BUILD/fitllm_cuda_check" ]; then
+    "$BUILD/fitllm_cuda_check" >"$T/check.log" 2>&1 || fail=1
+    grep -E "FAIL" "$T/check.log" | head -20
+    tail -1 "$T/check.log"
+else
+    echo "  (not built)"
+fi
+
+echo "== 2. fitllm selftest --accelerator cuda"
+"$F" selftest --accelerator cuda >"$T/selftest.log" 2>&1 || fail=1
+grep -i fail "$T/selftest.log" | head; tail -1 "$T/selftest.log"
+
+echo "== 3. trainings, cuda vs cpu (8 steps, Synthetic data)"
+common="--data Synthetic --train.max_steps 8 --train.global_batch_size 8 --train.micro_batch_size 4 \
+--train.max_seq_length 128 --train.save_interval 100 --eval.interval 100 --train.log_interval 1 --seed 3 --overwrite true"
+train() { # name bound args...
+    local k=$1 bound=$2; shift 2
+    for acc in cpu cuda; do
+        # shellcheck disable=SC2086
+        if ! "$F" "$@" $common --accelerator $acc --out_dir "$T/$k-$acc" >"$T/$k-$acc.log" 2>&1; then
+            echo "FAIL $k on $acc: $(grep -i error "$T/$k-$acc.log" | head -1)"; fail=1; return
+        fi
+    done
+    local d
+    d=$(paste -d' ' <(cut -d, -f4 "$T/$k-cpu/logs/metrics.csv" | tail -n +2) \
+                    <(cut -d, -f4 "$T/$k-cuda/logs/metrics.csv" | tail -n +2) |
+        awk '{r=($1-$2)/$1; if(r<0)r=-r; if(r>m)m=r} END{printf "%.2e", m}')
+    if awk -v d="$d" -v b="$bound" 'BEGIN{exit !(d <= b)}'; then echo "ok   $k: max relative loss difference $d (bound $bound)"
+    else echo "FAIL $k: max relative loss difference $d (bound $bound)"; fail=1; fi
+}
+train micro-fp32 1e-5 finetune_full micro --precision 32-true
+train micro-bf16 2e-2 finetune_full micro --precision bf16-true
+train micro-8bit 1e-5 finetune_full micro --precision 32-true --optimizer bnb.optim.AdamW8bit
+train micro-qlora 1e-5 finetune_lora micro --quantize bnb.nf4-dq
+train gpt2-fp32 1e-5 finetune_full gpt2-micro --precision 32-true
+train opt-fp32 1e-5 finetune_full opt-micro --precision 32-true
+train small-bf16 2e-2 finetune_full small --precision bf16-true
+
+echo "== 4. fitllm lab --accelerator cuda"
+"$F" lab --suite quick --accelerator cuda --out_dir "$T/lab" >"$T/lab.log" 2>&1 || fail=1
+grep -E "^  [a-z]" "$T/lab.log"
+
+if [ $BENCH = 1 ]; then
+    echo "== 5. TinyLlama-1.1B step (B 4, T 2048): fitllm, then PyTorch"
+    for extra in "" "--lora 8"; do
+        # shellcheck disable=SC2086
+        "$F" bench-step tinyllama-1.1b --accelerator cuda --precision bf16-true $extra --micro-batch 4 --seq 2048 \
+            --steps 5 --warmup 2 2>&1 | grep RESULT
+        if python3 -c "import torch, transformers" 2>/dev/null; then
+            # shellcheck disable=SC2086
+            python3 "$(dirname "$0")/../../bench/bench_step_torch.py" --device cuda --shape tinyllama-1.1b \
+                --precision bf16-true $extra --batch 4 --seq 2048 --steps 5 --warmup 2 2>&1 | grep RESULT
+        fi
+    done
+fi
+[ $fail = 0 ] && echo "gpu_check_all: every check passed" || echo "gpu_check_all: FAILED (logs were in $T)"
+exit $fail
