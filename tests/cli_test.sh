@@ -283,6 +283,18 @@ expect lab_bad_only 2 "unknown experiment" -- "$FITLLM" lab --only nope --out_di
 expect lab_bad_scale 2 "not lab or real" -- "$FITLLM" lab --scale huge
 expect lab_real_fsdp_suite 2 "the fsdp suite runs at lab scale only" -- "$FITLLM" lab --scale real --suite fsdp
 expect lab_real_ranks_na 0 "ddp: at real scale the 4 ranks need 4 devices .mpirun -np 4 fitllm finetune_full tinyllama-1.1b --devices 4" -- "$FITLLM" lab --scale real --only ddp,fsdp --out_dir "$T/labreal"
+# a row that would run needs the 80 GB device: on a machine with less (this one's RAM), n/a naming both
+if [ "$(awk '/MemTotal/ {print $2}' /proc/meminfo)" -lt 78000000 ]; then
+    expect lab_real_needs_device 0 "baseline: at real scale this row needs the 74.51 GiB device: the cpu backend has" -- \
+        "$FITLLM" lab --scale real --only baseline --out_dir "$T/labreal3" --accelerator cpu
+fi
+# the real scale's data: a TextFiles folder whose samples are T + 1 = 1025 tokens (byte text), enough for the
+# largest global batch (32) x steps (1) + 16 samples; a run on it has T = min(1024, the model's context)
+expect lab_real_text_data 0 "" -- bash -c "'$FITLLM' lab --scale real --only ddp --steps 1 --keep-runs --out_dir '$T/labreal4' >/dev/null && \
+    test \$(stat -c %s '$T/labreal4/runs/real-scale-text/1-train.txt') -ge 49200 && test -s '$T/labreal4/runs/real-scale-text/0-val.txt'"
+expect lab_real_text_T 0 "longest input 512" -- "$FITLLM" finetune_full micro --data TextFiles \
+    --data.train_data_path "$T/labreal4/runs/real-scale-text" --train.max_seq_length 1025 --train.max_steps 1 \
+    --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/labreal5"
 expect lab_real_report 0 "" -- bash -c "grep -q '^## Scale: real' '$T/labreal/report.md' && grep -q '\"scale\": \"real\"' '$T/labreal/results.json' && grep -q 'real scale: tinyllama-1.1b' <('$FITLLM' lab --scale real --only ddp --out_dir '$T/labreal2')"
 t0=$(date +%s)
 expect lab_quick 0 "wrote" -- "$FITLLM" lab --suite quick --steps 2 --out_dir "$T/lab"

@@ -21,6 +21,8 @@ int fl_cuda_device_count(char *why, size_t n);
 /* One line for --version: "not compiled in", or the architectures built and the devices
  * visible ("no CUDA device visible (<runtime's reason>)" when none). */
 void fl_cuda_describe(char *buf, size_t n);
+/* Total memory of CUDA device `device` in bytes (0 without a CUDA build, a driver or that device). */
+size_t fl_cuda_device_memory(int device);
 
 /* --accelerator auto|cpu|cuda */
 typedef enum { FL_ACCEL_AUTO = 0, FL_ACCEL_CPU, FL_ACCEL_CUDA } fl_accel;

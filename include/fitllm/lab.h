@@ -111,6 +111,11 @@ typedef struct {
     int n_errors;
     int sweep;                 /* 1: the fsdp suite (report.md gets the sweep tables, sweep.png) */
     int real_scale;            /* 1: rows ran the real models at ref_T on ref_device (fl_lab_opts.real_scale) */
+    size_t capacity;           /* real scale: the memory of the device the rows run on (GPU memory, or the host's
+                                * RAM for the CPU); rows are n/a when it is below the budget */
+    char text_dir[4200];       /* real scale: TextFiles folder of byte text the rows train on (every sample
+                                * ref_T + 1 tokens: Synthetic's records are ~200 tokens, so the run's T would be
+                                * theirs, not ref_T); "" at lab scale (Synthetic, whose samples are longer than T) */
 } fl_lab_report;
 
 /* The scaling alone (budget, T, ratios), without running anything. */

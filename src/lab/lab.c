@@ -1,16 +1,21 @@
 /* The memory lab: see include/fitllm/lab.h. This file holds the experiments,
  * the scaling and the runs; lab_report.c writes the table and the files. */
 #define _XOPEN_SOURCE 700
+#include <errno.h>
 #include <ftw.h>
 #include <math.h>
+#include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "core/fs.h"
 #include "fitllm/backend.h"
 #include "fitllm/comm.h"
+#include "fitllm/cuda.h"
 #include "fitllm/lab.h"
 #include "fitllm/trainer.h"
 #include "lab-impl.h"
@@ -194,12 +199,16 @@ static int exp_ranks(const lab_exp *e) { return !strcmp(e->technique, "ddp") || 
 
 /* The config of a row: at lab scale (model, T) or at the real one. */
 static void apply_row(fl_run_config *c, const lab_exp *e, const char *model, int T, long steps, size_t budget,
-                      const char *out_dir, int threads) {
+                      const char *out_dir, int threads, const char *text_dir) {
     fl_cfg_defaults(c, FL_CMD_FINETUNE_FULL);
     snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "%s", model);
     snprintf(c->out_dir, sizeof c->out_dir, "%s", out_dir);
     snprintf(c->precision, sizeof c->precision, "%s", e->precision);
     c->data.kind = FL_DATA_SYNTHETIC;
+    if (text_dir && *text_dir) { /* real scale: samples of exactly T + 1 tokens (write_text_dir) */
+        c->data.kind = FL_DATA_TEXTFILES;
+        snprintf(c->data.train_data_path, sizeof c->data.train_data_path, "%s", text_dir);
+    }
     c->data.synthetic_train = (int)(e->global * steps + 8);
     c->data.synthetic_val = 2;
     c->train.global_batch_size = e->global;
@@ -316,7 +325,8 @@ static int pick_batch(const lab_exp *e, const fl_lab_report *rep, long steps, co
         lab_exp x = *e;
         x.B = B;
         x.global = B * exp_ranks(e);
-        apply_row(c, &x, rep->real_scale ? x.ref_model : x.lab_model, rep->T, steps, rep->budget, out, threads);
+        apply_row(c, &x, rep->real_scale ? x.ref_model : x.lab_model, rep->T, steps, rep->budget, out, threads,
+                  rep->text_dir);
         fl_plan_verdict v;
         size_t peak;
         plan_row(c, p, &v, &peak);
@@ -364,10 +374,10 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
     r->accum = e->global / (e->B * r->ranks);
     time_note(e, rep->real_scale, r->time_note, sizeof r->time_note);
     /* the real scale: the real model, T 1024, an 80 GB device */
-    apply_row(c, e, e->ref_model, rep->ref_T, steps, rep->ref_device, out, threads);
+    apply_row(c, e, e->ref_model, rep->ref_T, steps, rep->ref_device, out, threads, rep->text_dir);
     plan_row(c, p, &r->ref_planned, &r->ref_peak);
     /* the scale the row runs at: the lab's (or the real one again, --scale real) */
-    apply_row(c, e, model, rep->T, steps, rep->budget, out, threads);
+    apply_row(c, e, model, rep->T, steps, rep->budget, out, threads, rep->text_dir);
     plan_row(c, p, &r->planned, &r->planned_peak);
     if (r->planned == FL_PLAN_OOM || r->planned == FL_PLAN_FITS) {
         memcpy(r->planned_tag, p->peak, sizeof r->planned_tag);
@@ -380,6 +390,15 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
         snprintf(r->note, sizeof r->note, "at real scale the %d ranks need %d devices (mpirun -np %d fitllm "
                  "finetune_full %s --devices %d ...); the lab's thread ranks would share this one", r->ranks, r->ranks,
                  r->ranks, e->ref_model, r->ranks);
+        goto done;
+    }
+    if (rep->real_scale && rep->capacity < rep->budget) { /* the pool would grow past the machine: refuse, not crash */
+        char a[32], b[32];
+        r->verdict = FL_LAB_NA;
+        snprintf(r->note, sizeof r->note, "at real scale this row needs the %s device: the %s backend has %s (%s); run "
+                 "it on an 80 GB GPU (--accelerator cuda)", fl_fmt_bytes(rep->budget, a, sizeof a),
+                 fl_backend_default_name(), fl_fmt_bytes(rep->capacity, b, sizeof b),
+                 strcmp(fl_backend_default_name(), "cuda") ? "the machine's RAM" : "GPU memory");
         goto done;
     }
     int avail = e->technique[0] ? fl_plan_technique_available(e->technique) : 1;
@@ -456,6 +475,38 @@ static int in_list(const char *list, const char *name) {
     return 0;
 }
 
+/* The real scale's data: a TextFiles folder (the first file, in name order, is the validation split)
+ * of deterministic lowercase byte text, long enough for every row (the largest global batch x steps
+ * samples of T + 1 tokens, plus the trainer's margin), so each sample is exactly T + 1 tokens. */
+static fl_status write_text_dir(const char *dir, int T, long steps, int max_global) {
+    FL_TRY(fl_fs_mkdir_p(dir));
+    static const char *names[2] = {"0-val.txt", "1-train.txt"};
+    const size_t per = (size_t)T + 1, want[2] = {8 * per, ((size_t)max_global * (size_t)steps + 16) * per};
+    uint64_t st = 0x243f6a8885a308d3ULL;
+    char path[4300], line[128];
+    for (int f = 0; f < 2; f++) {
+        snprintf(path, sizeof path, "%s/%s", dir, names[f]);
+        FILE *fp = fopen(path, "w");
+        if (!fp) return fl_errorf(FL_ERR_IO, "%s: cannot write: %s", path, strerror(errno));
+        for (size_t done = 0; done < want[f];) {
+            int n = 0;
+            while (n < 79) {
+                st = st * 6364136223846793005ULL + 1442695040888963407ULL;
+                int k = (int)((st >> 33) % 27);
+                line[n++] = k == 26 ? ' ' : (char)('a' + k);
+            }
+            line[n++] = '\n';
+            if (fwrite(line, 1, (size_t)n, fp) != (size_t)n) {
+                fclose(fp);
+                return fl_errorf(FL_ERR_IO, "%s: write failed", path);
+            }
+            done += (size_t)n;
+        }
+        if (fclose(fp) != 0) return fl_errorf(FL_ERR_IO, "%s: write failed", path);
+    }
+    return FL_OK;
+}
+
 fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
     memset(rep, 0, sizeof *rep);
     int bit = suite_bit(o->suite);
@@ -488,6 +539,8 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
             return fl_errorf(FL_ERR_INVALID, "--scale real: the fsdp suite runs at lab scale only (its 4 ranks need 4 "
                                              "devices at the real one)");
         rep->real_scale = 1;
+        if (!strcmp(fl_backend_default_name(), "cuda")) rep->capacity = fl_cuda_device_memory(0);
+        else rep->capacity = (size_t)sysconf(_SC_PHYS_PAGES) * (size_t)sysconf(_SC_PAGE_SIZE);
         rep->T = rep->ref_T;
         rep->budget = rep->ref_device;
         rep->param_ratio = 1.0;
@@ -503,6 +556,12 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
         snprintf(tmp, sizeof tmp, "/tmp/fitllm-lab-XXXXXX");
         if (!mkdtemp(tmp)) return fl_errorf(FL_ERR_IO, "cannot create a temporary folder for the runs");
         run_dir = tmp;
+    }
+    if (rep->real_scale) {
+        int max_global = 1;
+        for (int i = 0; i < N_EXPS; i++) max_global = k_exps[i].global > max_global ? k_exps[i].global : max_global;
+        snprintf(rep->text_dir, sizeof rep->text_dir, "%s/real-scale-text", run_dir);
+        FL_TRY(fl_error_prefix(write_text_dir(rep->text_dir, rep->T, steps, max_global), "lab --scale real: its data"));
     }
     rep->rows = calloc(N_EXPS > SWEEP_N ? N_EXPS : SWEEP_N, sizeof *rep->rows);
     if (!rep->rows) return fl_errorf(FL_ERR_OOM, "out of host memory");

@@ -61,6 +61,22 @@ void fl_cuda_describe(char *buf, size_t n) {
 #endif
 }
 
+size_t fl_cuda_device_memory(int device) {
+#ifdef FL_HAVE_CUDA
+    char why[256];
+    if (device < 0 || device >= fl_cuda_device_count(why, sizeof why)) return 0;
+    struct cudaDeviceProp p;
+    if (cudaGetDeviceProperties(&p, device) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return p.totalGlobalMem;
+#else
+    (void)device;
+    return 0;
+#endif
+}
+
 int fl_accel_parse(const char *s, fl_accel *out) {
     if (!s) return -1;
     if (!strcmp(s, "auto")) *out = FL_ACCEL_AUTO;
