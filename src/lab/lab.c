@@ -197,6 +197,11 @@ static int on_step(void *ud, long step, double loss, const void *p, size_t n) {
 /* The lab's multi-device rows ("4x DDP", "4x FSDP"): their ranks. */
 static int exp_ranks(const lab_exp *e) { return !strcmp(e->technique, "ddp") || !strcmp(e->technique, "fsdp") ? 4 : 1; }
 
+/* The model a row runs: its lab-* preset, or (--scale real) the real one. */
+static const char *row_model(const lab_exp *e, const fl_lab_report *rep) {
+    return rep->real_scale ? e->ref_model : e->lab_model;
+}
+
 /* The config of a row: at lab scale (model, T) or at the real one. */
 static void apply_row(fl_run_config *c, const lab_exp *e, const char *model, int T, long steps, size_t budget,
                       const char *out_dir, int threads, const char *text_dir) {
@@ -261,7 +266,7 @@ static void plan_row(const fl_run_config *c, fl_plan *p, fl_plan_verdict *verdic
 
 /* Why a row's step costs more per sample than plain fp32 AdamW at a large micro batch:
  * the extra work its technique does on this CPU (the step-time chart compares ms per sample). */
-static void time_note(const lab_exp *e, int real, char *buf, size_t n) {
+static void time_note(const lab_exp *e, const fl_lab_report *rep, char *buf, size_t n) {
     const char *t = e->technique, *why = "";
     char small[48] = "";
     if (e->act_ckpt) why = "recomputes every block's forward in backward";
@@ -273,8 +278,8 @@ static void time_note(const lab_exp *e, int real, char *buf, size_t n) {
                                                        : "bf16 <-> fp32 conversions (the CPU computes in fp32)";
     if (exp_ranks(e) > 1) why = "its ranks share this machine's cores";
     if (e->B < 8) snprintf(small, sizeof small, "micro batch %d (small matmuls)", e->B);
-    const char *model = real ? e->ref_model : e->lab_model;
-    int big = strcmp(model, real ? REF_MODEL : LAB_MODEL) != 0;
+    const char *model = row_model(e, rep);
+    int big = strcmp(model, rep->real_scale ? REF_MODEL : LAB_MODEL) != 0;
     snprintf(buf, n, "%s%s%s%s%s%s%s", big ? "larger model (" : "", big ? model : "", big ? ")" : "",
              big && (why[0] || small[0]) ? "; " : "", why, why[0] && small[0] ? "; " : "", small);
 }
@@ -325,8 +330,7 @@ static int pick_batch(const lab_exp *e, const fl_lab_report *rep, long steps, co
         lab_exp x = *e;
         x.B = B;
         x.global = B * exp_ranks(e);
-        apply_row(c, &x, rep->real_scale ? x.ref_model : x.lab_model, rep->T, steps, rep->budget, out, threads,
-                  rep->text_dir);
+        apply_row(c, &x, row_model(&x, rep), rep->T, steps, rep->budget, out, threads, rep->text_dir);
         fl_plan_verdict v;
         size_t peak;
         plan_row(c, p, &v, &peak);
@@ -344,7 +348,7 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
     snprintf(r->name, sizeof r->name, "%s", e->name);
     snprintf(r->lab_step, sizeof r->lab_step, "%s", e->lab_step);
     snprintf(r->expect, sizeof r->expect, "%s", e->expect);
-    const char *model = rep->real_scale ? e->ref_model : e->lab_model; /* the model the row runs */
+    const char *model = row_model(e, rep);
     snprintf(r->model, sizeof r->model, "%s", model);
     snprintf(r->ref_model, sizeof r->ref_model, "%s", e->ref_model);
     snprintf(r->precision, sizeof r->precision, "%s", e->precision);
@@ -372,13 +376,19 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
     }
     r->B = e->B;
     r->accum = e->global / (e->B * r->ranks);
-    time_note(e, rep->real_scale, r->time_note, sizeof r->time_note);
-    /* the real scale: the real model, T 1024, an 80 GB device */
-    apply_row(c, e, e->ref_model, rep->ref_T, steps, rep->ref_device, out, threads, rep->text_dir);
-    plan_row(c, p, &r->ref_planned, &r->ref_peak);
-    /* the scale the row runs at: the lab's (or the real one again, --scale real) */
+    time_note(e, rep, r->time_note, sizeof r->time_note);
+    /* the real scale: the real model, T 1024, an 80 GB device (--scale real: the run's own plan, below) */
+    if (!rep->real_scale) {
+        apply_row(c, e, e->ref_model, rep->ref_T, steps, rep->ref_device, out, threads, rep->text_dir);
+        plan_row(c, p, &r->ref_planned, &r->ref_peak);
+    }
+    /* the scale the row runs at */
     apply_row(c, e, model, rep->T, steps, rep->budget, out, threads, rep->text_dir);
     plan_row(c, p, &r->planned, &r->planned_peak);
+    if (rep->real_scale) {
+        r->ref_planned = r->planned;
+        r->ref_peak = r->planned_peak;
+    }
     if (r->planned == FL_PLAN_OOM || r->planned == FL_PLAN_FITS) {
         memcpy(r->planned_tag, p->peak, sizeof r->planned_tag);
         r->n_phases = p->n_phases; /* replaced by the measured ones when the run fits */
