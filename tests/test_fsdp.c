@@ -956,3 +956,49 @@ FL_TEST(fsdp_load_each_rank_reads_only_its_pieces) {
                 free(L);
             }
 }
+
+/* The plan of one rank of several runs every rank's real set-up and step (threads on null backends,
+ * src/plan/plan.c rehearse_ranks) and gives the budget to the planned rank alone. FULL_SHARD at 3
+ * ranks with AdamW (units of odd sizes: rank 0's pieces are the largest), thread ranks (no MPI
+ * scratch, as the measured run): each rank's plan has its own measured peak to the byte; that peak
+ * as the budget fits and one byte less is out of memory; and rank 2's plan under a budget below
+ * rank 0's peak but not below its own fits (a budget every rank shared would have failed rank 0
+ * first, and with it the plan). */
+FL_TEST(fsdp_plan_per_rank_budget_is_the_planned_ranks) {
+    fjob *f = frun(ZR_ADAMW, 3, "fsdp", NULL, 1, "pb");
+    if (f->st[0] != FL_OK) {
+        free_fjob(f);
+        return;
+    }
+    fl_plan *pl = calloc(1, sizeof *pl);
+    FL_REQUIRE(pl != NULL);
+    fl_plan_opts po;
+    fl_plan_opts_default(&po);
+    po.no_suggestions = 1;
+    po.generation = 0;
+    po.comm_threads = 1;
+    for (int r = 0; r < 3; r++) {
+        const size_t peak = f->res[r].peak_total;
+        po.rank = r;
+        po.device_memory = 0;
+        FL_REQUIRE_OK(fl_plan_run(&f->cfg, &po, pl));
+        FL_CHECKF(pl->peak_total == peak, "rank %d: planned peak %zu, measured %zu", r, pl->peak_total, peak);
+        po.device_memory = peak;
+        FL_REQUIRE_OK(fl_plan_run(&f->cfg, &po, pl));
+        FL_CHECKF(pl->verdict == FL_PLAN_FITS, "rank %d: its measured peak %zu as the budget: %s", r, peak,
+                  fl_plan_verdict_name(pl->verdict));
+        po.device_memory = peak - 1;
+        FL_REQUIRE_OK(fl_plan_run(&f->cfg, &po, pl));
+        FL_CHECKF(pl->verdict == FL_PLAN_OOM && pl->oom.valid, "rank %d: one byte under its peak: %s", r,
+                  fl_plan_verdict_name(pl->verdict));
+    }
+    FL_CHECKF(f->res[2].peak_total < f->res[0].peak_total, "rank 2's peak %zu, rank 0's %zu: the shards should differ",
+              f->res[2].peak_total, f->res[0].peak_total);
+    po.rank = 2;
+    po.device_memory = f->res[0].peak_total - 1;
+    FL_REQUIRE_OK(fl_plan_run(&f->cfg, &po, pl));
+    FL_CHECKF(pl->verdict == FL_PLAN_FITS, "rank 2 under %zu bytes (its peak %zu): %s", po.device_memory,
+              f->res[2].peak_total, fl_plan_verdict_name(pl->verdict));
+    free(pl);
+    free_fjob(f);
+}

@@ -431,6 +431,10 @@ void fl_opaque_use_comm(int on);
  * path runs on it, as on the opaque backend) with the CPU's scratch sizes. */
 fl_status fl_null_backend_init_for(fl_backend *be, const char *planned);
 fl_status fl_null_backend_init(fl_backend *be, int n_threads); /* planned NULL (the registry's init) */
+/* Several ranks: the null backend's device communicator (comm_create: fl_comm_null_create over the
+ * host communicator) moves nothing; with on, its reductions take the MPI implementation's receive
+ * scratch from the pool, as a CPU run over mpirun does (plan: not for thread ranks or NCCL). */
+void fl_null_backend_set_mpi_scratch(fl_backend *be, int on);
 void fl_null_backend_free(fl_backend *be);
 
 /* ---- the registry: the backends this build has (src/backend/registry.c) ----------------------

@@ -230,6 +230,15 @@ fl_status fl_comm_staged_create(fl_comm *host, const fl_comm_staging *st, fl_com
 /* How many collectives staged communicators have completed in this process (tests). */
 unsigned long fl_comm_staged_calls(void);
 
+/* The null device communicator (src/comm/comm_null.c): the planner's, for the null backend's
+ * ranks (fitllm plan --devices N runs the ranks' real set-up and first step as threads). Its
+ * collectives move no bytes (the buffers are fake addresses) and complete at once; with
+ * mpi_scratch, each reduction takes the MPI implementation's receive scratch ((N-1) x this rank's
+ * chunk, fl_comm_scratch_bytes) from host's pool (as it is now) between its post and its wait, as a
+ * CPU run over MPI does; without, nothing (threads ranks; NCCL keeps its buffers outside the pool).
+ * Splits split host (collective over it). host must outlive the handle. */
+fl_status fl_comm_null_create(fl_comm *host, int mpi_scratch, fl_comm **out);
+
 /* The chunk of `rank` among `size` ranks for `count` elements (layout above). */
 void fl_comm_chunk(size_t count, int size, int rank, size_t *off, size_t *len);
 

@@ -14,8 +14,9 @@
  * ops do nothing and whose pool hands out addresses that are never touched: the
  * allocations, the budget check, the per-tag counters, the phase snapshots and
  * the OOM record are the runtime's own. One rank of a multi-rank run (DDP, ZeRO,
- * FSDP) is still a replay of its allocations with the runtime's sizing functions
- * (src/plan/plan.c replay_sharded).
+ * FSDP) is planned by running every rank's set-up and first step as threads, each
+ * on its own null backend whose communicator moves nothing but takes the planned
+ * run's collective scratch (fl_trainer_rehearse_comm, fl_comm_null_create).
  *
  * Data dependence: the trainer sizes activations for T = the longest sample,
  * capped by train.max_seq_length and the model context. The planner does not

@@ -60,11 +60,11 @@ typedef struct {
 
 /* Whether a data-parallel run reduces its gradients in buckets, block by block as the last
  * micro-batch's backward ends each (DDP and ZeRO-1 of the full model; not ZeRO-2, LoRA or one
- * process). The planner replays it. */
+ * process). */
 int fl_trainer_dp_bucketed(int world, int zero_stage, int lora);
 /* FSDP FULL_SHARD / ZeRO-3 (src/train/fsdp.c): the elements of rank `rank`'s shard among `world`
  * (every layout group split by fl_comm's chunk layout on its own: sum over groups of the rank's
- * chunk), what each rank holds of the parameters, gradients and optimizer state. The planner uses it. */
+ * chunk), what each rank holds of the parameters, gradients and optimizer state. */
 size_t fl_fsdp_shard_numel(const fl_param_layout *lay, int world, int rank);
 /* Why FULL_SHARD cannot run this configuration, or NULL (every optimizer and precision runs, on host
  * and on device memory; kept as the one place a future refusal goes). p may be NULL. */
@@ -104,6 +104,13 @@ fl_status fl_trainer_run(const fl_run_config *cfg, FILE *out, int progress_bar, 
  * error message names the allocation site. */
 fl_status fl_trainer_rehearse(const fl_run_config *cfg, const fl_model_config *mc, const fl_backend *be,
                               size_t budget, int B, int T, int accum, int gen_prompt, fl_trainer_result *res);
+/* The same for one rank of comm's (several ranks: every rank of comm calls it, each with its own
+ * backend, whose comm_create makes the device communicator: the null backend's moves no bytes). The
+ * set-up follows fl_trainer_run_comm's, agreements included; a rank that fails breaks comm's group
+ * (fl_comm_abort's semantics) so the others return instead of waiting. Each rank's res is its own. */
+fl_status fl_trainer_rehearse_comm(const fl_run_config *cfg, const fl_model_config *mc, const fl_backend *be,
+                                   fl_comm *comm, size_t budget, int B, int T, int accum, int gen_prompt,
+                                   fl_trainer_result *res);
 
 /* Data-parallel training (DDP / NO_SHARD) over comm: every rank of comm calls this with the same
  * configuration, whose devices x num_nodes must equal the communicator's size. Each rank trains

@@ -28,7 +28,7 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "(holding data a later phase still reads), the peak, whether it fits the\n"
            "device, the largest micro_batch_size that fits, and what to try when it does not. No memory is\n"
            "touched and nothing computes: the trainer's own set-up and step run on a null backend whose ops\n"
-           "do nothing (one rank of a multi-rank run: its allocations replayed with the runtime's sizing code).\n\n"
+           "do nothing (several ranks: every rank's set-up and step run as threads, their collectives moving nothing).\n\n"
            "plan options:\n"
            "  --device-memory SIZE           (default: --max_memory, else none)  device memory, e.g. 80GB, 24GiB\n"
            "  --devices N|auto               (default 1)  ranks of a data-parallel run: plans one rank's memory\n"

@@ -34,6 +34,13 @@ fl_status fl_comm_done_wait(fl_comm *c, fl_comm_req *r);
 
 /* Allocate and fill the common fields of a handle (impl-specific fields are the caller's). */
 fl_status fl_comm_alloc_handle(const fl_comm_vtable *vt, int rank, int size, fl_comm **out);
+/* The same for an implementation over a host communicator (staged, nccl, null): host's rank, size,
+ * node-local rank and size and launch, with impl set. */
+fl_status fl_comm_alloc_handle_over(const fl_comm_vtable *vt, const fl_comm *host, void *impl, fl_comm **out);
+/* Their split: host split (collective over it), then make(part, ud, out) over the part; the part is
+ * destroyed if make fails, else the new handle owns it (the caller marks its impl so). */
+typedef fl_status (*fl_comm_over_fn)(fl_comm *part, void *ud, fl_comm **out);
+fl_status fl_comm_split_over(fl_comm *host, int color, int key, fl_comm_over_fn make, void *ud, fl_comm **out);
 
 /* fl_comm_split's membership, computed alike on every rank of c: every rank's (color, key) travels
  * as bits (one all-gather over c, host memory: not for nccl handles); the ranks with this rank's

@@ -136,6 +136,23 @@ size_t fl_comm_scratch_bytes(const fl_comm *c, fl_coll_kind kind, size_t count, 
     return (size_t)(c->size - 1) * len * fl_dtype_size(dt);
 }
 
+fl_status fl_comm_alloc_handle_over(const fl_comm_vtable *vt, const fl_comm *host, void *impl, fl_comm **out) {
+    FL_TRY(fl_comm_alloc_handle(vt, host->rank, host->size, out));
+    (*out)->impl = impl;
+    (*out)->local_rank = host->local_rank;
+    (*out)->local_size = host->local_size;
+    (*out)->launch = host->launch;
+    return FL_OK;
+}
+
+fl_status fl_comm_split_over(fl_comm *host, int color, int key, fl_comm_over_fn make, void *ud, fl_comm **out) {
+    fl_comm *part = NULL;
+    FL_TRY(fl_comm_split(host, color, key, &part));
+    fl_status s = make(part, ud, out);
+    if (s != FL_OK) fl_comm_destroy(part);
+    return s;
+}
+
 fl_status fl_comm_alloc_handle(const fl_comm_vtable *vt, int rank, int size, fl_comm **out) {
     fl_comm *c = calloc(1, sizeof *c);
     if (!c) return fl_errorf(FL_ERR_OOM, "comm: cannot allocate a handle");

@@ -257,15 +257,13 @@ static void n_destroy(fl_comm *c) {
 /* The host communicator is split (fl_comm_split: its implementation's), then a new NCCL communicator
  * is bootstrapped over the part (a unique id from its rank 0, ncclCommInitRank): what ncclCommSplit
  * does, through the calls the api table already has, so the stand-in and libnccl run the same path. */
+static fl_status nccl_over(fl_comm *part, void *ud, fl_comm **out) {
+    const ncomm *m = ud;
+    return fl_comm_nccl_create(part, m->api, m->compute, out);
+}
+
 static fl_status n_split(fl_comm *c, int color, int key, fl_comm **out) {
-    ncomm *m = c->impl;
-    fl_comm *host = NULL;
-    FL_TRY(fl_comm_split(m->host, color, key, &host));
-    fl_status s = fl_comm_nccl_create(host, m->api, m->compute, out);
-    if (s != FL_OK) {
-        fl_comm_destroy(host);
-        return s;
-    }
+    FL_TRY(fl_comm_split_over(((ncomm *)c->impl)->host, color, key, nccl_over, c->impl, out));
     ((ncomm *)(*out)->impl)->owns_host = 1;
     return FL_OK;
 }
@@ -309,16 +307,12 @@ fl_status fl_comm_nccl_create(fl_comm *host, const fl_nccl_api *api, void *strea
     memcpy(&id, words + 1, sizeof id);
 
     fl_comm *c;
-    FL_TRY(fl_comm_alloc_handle(&k_nccl, host->rank, host->size, &c));
     ncomm *m = calloc(1, sizeof *m);
-    if (!m) {
-        free(c);
+    if (!m) return fl_errorf(FL_ERR_OOM, "comm nccl: cannot allocate a handle");
+    if (fl_comm_alloc_handle_over(&k_nccl, host, m, &c) != FL_OK) {
+        free(m);
         return fl_errorf(FL_ERR_OOM, "comm nccl: cannot allocate a handle");
     }
-    c->impl = m;
-    c->local_rank = host->local_rank;
-    c->local_size = host->local_size;
-    c->launch = host->launch;
     m->api = api;
     m->host = host;
     m->compute = stream;

@@ -134,15 +134,12 @@ static void s_destroy(fl_comm *c) {
     free(c);
 }
 
+static fl_status staged_over(fl_comm *part, void *ud, fl_comm **out) {
+    return fl_comm_staged_create(part, &((scomm *)ud)->st, out);
+}
+
 static fl_status s_split(fl_comm *c, int color, int key, fl_comm **out) {
-    scomm *m = c->impl;
-    fl_comm *h = NULL;
-    FL_TRY(fl_comm_split(m->host, color, key, &h));
-    fl_status s = fl_comm_staged_create(h, &m->st, out);
-    if (s != FL_OK) {
-        fl_comm_destroy(h);
-        return s;
-    }
+    FL_TRY(fl_comm_split_over(((scomm *)c->impl)->host, color, key, staged_over, c->impl, out));
     ((scomm *)(*out)->impl)->owns_host = 1;
     return FL_OK;
 }
@@ -167,16 +164,9 @@ fl_status fl_comm_staged_create(fl_comm *host, const fl_comm_staging *st, fl_com
         return fl_errorf(FL_ERR_INVALID, "comm staged: a host communicator and both copies are needed");
     scomm *m = calloc(1, sizeof *m);
     if (!m) return fl_errorf(FL_ERR_OOM, "comm staged: cannot allocate a handle");
-    fl_status s = fl_comm_alloc_handle(&k_staged, host->rank, host->size, out);
-    if (s != FL_OK) {
-        free(m);
-        return s;
-    }
     m->host = host;
     m->st = *st;
-    (*out)->impl = m;
-    (*out)->local_rank = host->local_rank;
-    (*out)->local_size = host->local_size;
-    (*out)->launch = host->launch;
-    return FL_OK;
+    fl_status s = fl_comm_alloc_handle_over(&k_staged, host, m, out);
+    if (s != FL_OK) free(m);
+    return s;
 }

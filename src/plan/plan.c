@@ -7,11 +7,14 @@
  * the first failing allocation under a budget are the runtime's by construction. A technique
  * that lands in the runtime is planned with no change here but its row in k_tech.
  *
- * Several ranks (DDP, ZeRO-1/2, FSDP FULL_SHARD, HYBRID_SHARD): replay_sharded() below is the
- * one remaining hand-kept replay of the trainer's allocations, rank by rank (its collectives'
- * scratch and the FULL_SHARD gather schedule need the other ranks, which a single process
- * planning one rank does not have); tests/test_fsdp.c and tests/test_zero.c hold it to the
- * runtime's numbers. */
+ * Several ranks (DDP, ZeRO-1/2, FSDP FULL_SHARD, HYBRID_SHARD) are planned the same way: every
+ * rank's set-up and first step run as threads over the threads communicator
+ * (fl_trainer_rehearse_comm), each on its own null backend, whose device communicator moves no
+ * bytes and takes the planned run's collective scratch (MPI's receive buffers for CPU ranks over
+ * mpirun; none for thread ranks or NCCL). The rank planned alone has the budget, so a verdict is its
+ * own. There is no hand-kept replay left: tests/test_zero.c, tests/test_fsdp.c and the MPI tests
+ * compare these plans with the runs' measured pools. */
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -169,8 +172,6 @@ static int has_val_split(const fl_run_config *c) {
     }
 }
 
-#define FL_PLAN_MAX_GROUPS 1024 /* layout groups (layers + 2) the bucket replay handles */
-
 typedef struct {
     fl_model_config mc;
     fl_status *err;      /* where a run that failed for another reason than memory says so (may be NULL) */
@@ -182,418 +183,44 @@ typedef struct {
     int comm_threads;    /* the ranks are threads (fl_plan_opts.comm_threads): no reduction scratch */
 } plan_ctx;
 
-/* ---- the allocation program ---------------------------------------------------------- */
-
-static void *fake_alloc(size_t bytes, void *ud) {
-    uintptr_t *next = ud, p = *next;
-    *next += 64 + (bytes & 63); /* unique, never dereferenced */
-    return (void *)p;
-}
-
-static void fake_free(void *p, size_t bytes, void *ud) { (void)p; (void)bytes; (void)ud; }
-
-typedef struct {
-    fl_mem_pool pool;
-    uintptr_t next;
-    int failed;
-    char what[96];
-    char step[32];       /* the snapshot the current allocations precede */
-    char failed_step[32];
-} program;
-
-static void *palloc(program *g, fl_mem_tag tag, size_t bytes, const char *what) {
-    void *p = NULL;
-    if (g->failed) return NULL;
-    if (fl_mem_alloc(&g->pool, tag, bytes, &p) != FL_OK) {
-        g->failed = 1;
-        snprintf(g->what, sizeof g->what, "%s", what);
-        snprintf(g->failed_step, sizeof g->failed_step, "%s", g->step);
-        return NULL;
-    }
-    return p;
-}
-
-static void snap(program *g, const char *name) {
-    if (!g->failed) fl_mem_snapshot(&g->pool, name);
-}
-
-/* FULL_SHARD's step (src/train/fsdp.c's provider, called by transformer.c in this order): the
- * gathered units' parameter buffers and their gradient buffers (GATHER), the reduce-scatters' MPI
- * scratch (WORKSPACE) and the later micro-batches' reduced pieces (GATHER). */
-typedef struct {
-    program *g;
-    int G, world;          /* world: the shard group's ranks (HYBRID_SHARD: the node's) */
-    int nodes, node;       /* HYBRID_SHARD: the replica group (one rank per node) and this rank's node; else 1, 0 */
-    const size_t *n, *len; /* (G) unit elements, this rank's chunk of each */
-    size_t es, ces;        /* storage and compute-copy element bytes (0: no copy) */
-    void *p[FL_PLAN_MAX_GROUPS], *c[FL_PLAN_MAX_GROUPS], *gr[FL_PLAN_MAX_GROUPS];
-    int fresh[FL_PLAN_MAX_GROUPS], live_blocks;
-    void *grads;           /* the gradient shard */
-    int nccl;              /* a GPU plan: the reductions run on NCCL, whose buffers are outside the pools */
-} fsdp_sim;
-
-static int fs_block(const fsdp_sim *f, int u) { return u >= 1 && u <= f->G - 2; }
-
-static void fs_post(fsdp_sim *f, int u) {
-    f->p[u] = palloc(f->g, FL_TAG_GATHER, f->n[u] * f->es, "FSDP gathered unit parameters");
-    if (f->ces) f->c[u] = palloc(f->g, FL_TAG_GATHER, f->n[u] * f->ces, "FSDP gathered unit compute copy");
-    if (fs_block(f, u)) f->live_blocks++;
-}
-
-static void fs_gather(fsdp_sim *f, int u, int next) {
-    if (!f->p[u]) fs_post(f, u);
-    if (next >= 0 && !f->p[next] && (!fs_block(f, next) || f->live_blocks < 2)) fs_post(f, next);
-}
-
-static void fs_release(fsdp_sim *f, int u) {
-    if (!f->p[u]) return;
-    if (f->c[u]) fl_mem_free(&f->g->pool, f->c[u]);
-    fl_mem_free(&f->g->pool, f->p[u]);
-    f->p[u] = f->c[u] = NULL;
-    if (fs_block(f, u)) f->live_blocks--;
-}
-
-static void fs_grads(fsdp_sim *f, int u) {
-    if (!f->gr[u]) f->gr[u] = palloc(f->g, FL_TAG_GATHER, f->n[u] * f->es, "FSDP unit gradient (unreduced)");
-}
-
-static void fs_ready(fsdp_sim *f, int u) {
-    void *tmp = f->fresh[u] ? NULL : palloc(f->g, FL_TAG_GATHER, f->len[u] * f->es, "FSDP reduced piece");
-    /* the host communicator's scratch; a GPU's NCCL keeps its buffers outside the pools (as DDP's below) */
-    void *sc = f->len[u] && f->world > 1 && !f->nccl
-                   ? palloc(f->g, FL_TAG_WORKSPACE, (size_t)(f->world - 1) * f->len[u] * f->es,
-                            "FSDP reduce-scatter scratch ((N-1) x piece)")
-                   : NULL;
-    if (sc) fl_mem_free(&f->g->pool, sc);
-    if (f->nodes > 1 && !f->nccl) { /* HYBRID_SHARD: then the piece's all-reduce over the nodes, (nodes-1) x its chunk of it */
-        size_t o, l;
-        fl_comm_chunk(f->len[u], f->nodes, f->node, &o, &l);
-        void *rs = l ? palloc(f->g, FL_TAG_WORKSPACE, (size_t)(f->nodes - 1) * l * f->es,
-                              "HYBRID_SHARD all-reduce scratch over the nodes") : NULL;
-        if (rs) fl_mem_free(&f->g->pool, rs);
-    }
-    if (tmp) fl_mem_free(&f->g->pool, tmp);
-    f->fresh[u] = 0;
-    if (f->gr[u]) fl_mem_free(&f->g->pool, f->gr[u]);
-    f->gr[u] = NULL;
-    fl_mem_set_live(&f->g->pool, f->grads, SIZE_MAX);
-}
-
-/* One micro-batch's forward (train: its head's gradient buffers) and backward. */
-static void fs_forward(fsdp_sim *f, int tied) {
-    const int L = f->G - 2, HG = L + 1;
-    fs_gather(f, 0, L > 0 ? 1 : HG);
-    if (!tied) fs_release(f, 0);
-    for (int l = 0; l < L; l++) {
-        fs_gather(f, l + 1, l + 2 <= L ? l + 2 : HG);
-        fs_release(f, l + 1);
-    }
-    fs_gather(f, HG, -1);
-    fs_grads(f, HG);
-    if (tied) fs_grads(f, 0);
-    if (tied) fs_release(f, 0);
-}
-
-static void fs_backward(fsdp_sim *f) {
-    const int L = f->G - 2, HG = L + 1;
-    fs_gather(f, HG, L > 0 ? L : -1);
-    fs_release(f, HG);
-    fs_ready(f, HG);
-    for (int l = L - 1; l >= 0; l--) {
-        fs_gather(f, l + 1, l >= 1 ? l : -1);
-        fs_grads(f, l + 1);
-        fs_release(f, l + 1);
-        fs_ready(f, l + 1);
-    }
-    fs_grads(f, 0);
-    fs_ready(f, 0);
-}
-
-/* THE REMAINING REPLAY: the allocations of one rank of a data-parallel run (DDP, ZeRO-1/2,
- * FULL_SHARD, HYBRID_SHARD), in the trainer's order (fl_trainer_run_comm), through the sizing
- * functions the runtime uses. Stops at the first failure like the trainer does. One process is
- * not planned here (rehearse() runs the real code); this still has to follow the runtime by
- * hand for several ranks: a technique that changes a rank's buffers changes this too. */
-static void replay_sharded(program *g, const plan_ctx *x, const fl_run_config *c, const fl_optim_config *oc, int B,
-                        int accum) {
-    const fl_model_config *mc = &x->mc;
-    const size_t n = fl_sizing_param_count(mc);
-    char what[96];
-    fl_precision pr;
-    if (fl_precision_find(c->precision, &pr) != FL_OK) pr = *fl_precision_get(FL_PREC_32_TRUE);
-    snprintf(g->step, sizeof g->step, "after_load");
-    /* model load: fl_model_init_ex (storage of the policy), then fl_model_set_precision (mixed: the compute copy) */
-    fl_mem_set_phase(&g->pool, "model load");
-    fl_model_storage stg;
-    if (fl_trainer_storage(c, &pr, &stg) != FL_OK) fl_model_storage_for(&pr, &stg); /* validated earlier */
-    const size_t es = fl_dtype_size(stg.param_dtype);
-    size_t dense, q4b;
-    fl_sizing_param_split(mc, &stg, &dense, &q4b);
-    fl_param_layout lay;
-    int have_lay = fl_layout_build(&lay, mc) == FL_OK;
-    const int world = c->devices * c->num_nodes;
-    int stage = 0; /* ZeRO stage (fl_dp_optim_init) of the strategy run (auto resolved as the trainer does, for
-                    * this variant of the run: a suggested optimizer may change auto's choice); validated by fl_plan_run */
-    fl_strategy_choice sc;
-    int act_ckpt = c->train.activation_checkpointing > 0; /* given, or auto's choice (LitGPT's FSDP: on) */
-    if (fl_cfg_resolve_strategy(c, x->cuda, &sc) == FL_OK) {
-        if (world > 1) stage = sc.stage;
-        act_ckpt = sc.act_ckpt;
-    }
-    if (stage == 3 && (c->command == FL_CMD_FINETUNE_LORA || !have_lay)) stage = 2; /* LoRA's adapters: ZeRO-2 */
-    /* FULL_SHARD (fl_fsdp_prepare): the model is created sharded, its shard of every unit in place of
-     * the whole buffer; the loader or the random init fills the shard alone (no staging in the pool)
-     * and no whole compute copy exists (each gathered unit converts its own) */
-    const int fsdp = stage == 3;
-    /* HYBRID_SHARD across nodes: the shard group is this rank's node (--devices ranks), replicated per node */
-    const int hybrid = fsdp && c->num_nodes > 1 && fl_cfg_hybrid_shard(sc.strategy, sc.sharding);
-    const int fs_world = hybrid ? c->devices : world, fs_rank = (x->rank < world ? x->rank : 0) % fs_world;
-    const size_t n_shard = fsdp ? fl_fsdp_shard_numel(&lay, fs_world, fs_rank) : n;
-    if (fsdp) snprintf(what, sizeof what, "parameter shard (%s)", fl_dtype_name(stg.param_dtype));
-    else snprintf(what, sizeof what, "parameters (%s%s)", fl_dtype_name(stg.param_dtype), q4b ? ", not quantized" : "");
-    palloc(g, FL_TAG_PARAMS, (fsdp ? n_shard : dense) * es, what);
-    if (q4b) {
-        snprintf(what, sizeof what, "4-bit linear weights (%s)", fl_q4_mode_name((fl_q4_type)stg.q4_type, stg.q4_double_quant));
-        palloc(g, FL_TAG_PARAMS, q4b, what);
-    }
-    if (es != 4) palloc(g, FL_TAG_WORKSPACE, fl_sizing_pstage_elems(mc) * sizeof(float), "fp32 views of 1-D parameters");
-    size_t q4s = fl_sizing_q4_staging_elems(mc, &stg); /* load or random init: fl_model_q4_staging, freed after */
-    if (q4s) fl_mem_free(&g->pool, palloc(g, FL_TAG_WORKSPACE, q4s * sizeof(float), "fp32 staging of a 4-bit weight"));
-    size_t copy = fsdp ? 0 : fl_precision_copy_bytes(&pr, n);
-    if (copy) {
-        snprintf(what, sizeof what, "%s weight copy", pr.name);
-        palloc(g, FL_TAG_PARAMS, copy, what);
-    }
-    snap(g, "after_load");
-    snprintf(g->step, sizeof g->step, "before_fwd");
-    /* set-up: fl_model_alloc_grads (or the LoRA adapters), fl_optim_init, fl_model_alloc_acts, step buffers */
-    fl_mem_set_phase(&g->pool, "setup");
-    fl_lora_config lc;
-    fl_lora_module *mods = NULL;
-    int n_mods = 0;
-    size_t n_train = n; /* trainable elements */
-    void *grads = NULL;
-    int lora = c->command == FL_CMD_FINETUNE_LORA && have_lay && fl_trainer_lora_config(c, mc, &lc) == FL_OK &&
-               fl_lora_modules(&lc, &lay, mc, &mods, &n_mods) == FL_OK;
-    if (lora) { /* fl_model_lora_init: adapter parameters and their gradients; the base is frozen */
-        fl_lora_adapter_offsets(mods, n_mods, lc.r, NULL, &n_train);
-        palloc(g, FL_TAG_PARAMS, n_train * sizeof(float), "LoRA adapters");
-        grads = palloc(g, FL_TAG_GRADS, n_train * sizeof(float), "LoRA adapter gradients");
-    } else {
-        snprintf(what, sizeof what, "gradients (%s%s)", fl_dtype_name(stg.param_dtype), fsdp ? ", shard" : "");
-        grads = palloc(g, FL_TAG_GRADS, n_shard * es, what);
-        if (es != 4) palloc(g, FL_TAG_WORKSPACE, fl_sizing_gstage_elems(mc) * sizeof(float), "fp32 gradient staging (one group)");
-    }
-    size_t c_off = 0, c_len = n_train; /* this rank's chunk of the trainable elements (fl_comm_chunk) */
-    fl_comm_chunk(n_train, world, x->rank < world ? x->rank : 0, &c_off, &c_len);
-    const size_t n_state = fsdp ? n_shard : stage ? c_len : n_train; /* ZeRO: state for the chunk / shard only */
-    fl_optim_config ocp = *oc; /* the policy fixes the state dtype of full parameters (fl_optim_init) */
-    if (!lora && pr.optim_dtype == FL_BF16) ocp.state_dtype = FL_BF16;
-    oc = &ocp;
-    if (oc->kind == FL_OPT_ADAMW8BIT) { /* one allocation, bound per tensor (fl_optim_init) */
-        size_t b8 = 0;
-        const int zw = stage ? world : 1, zr = stage ? (x->rank < world ? x->rank : 0) : 0;
-        /* tensor t_n at flat offset t_off: its piece's state (ZeRO: the blocks meeting this rank's
-         * chunk, fl_optim_8bit_piece; else the whole tensor) */
-#define PIECE(t_off, t_n)                                                                 \
-    do {                                                                                  \
-        size_t pa_, pn_;                                                                  \
-        fl_optim_8bit_piece(n_train, (t_off), (t_n), zw, zr, &pa_, &pn_);                 \
-        b8 += fl_adam8bit_state_bytes_ex(pn_, fl_adam8bit_is_8bit(t_n));                  \
-    } while (0)
-        if (lora) {
-            size_t *lo = calloc(2 * (size_t)n_mods + 1, sizeof *lo), tot = 0;
-            if (lo) fl_lora_adapter_offsets(mods, n_mods, lc.r, lo, &tot);
-            for (int j = 0; lo && j < n_mods; j++) {
-                PIECE(lo[2 * j], (size_t)lc.r * mods[j].in);
-                PIECE(lo[2 * j + 1], (size_t)mods[j].out * lc.r);
-            }
-            free(lo);
-        } else if (have_lay && fsdp) { /* FULL_SHARD: its pieces of the tensors, then the exchange (fl_optim_init) */
-            size_t x8 = 0;
-            b8 = fl_optim_8bit_fsdp_bytes(&lay, fs_world, fs_rank, &x8); /* HYBRID: within the node */
-            palloc(g, FL_TAG_OPTIM, b8 - x8, "AdamW8bit block-wise state (shard)");
-            if (x8) palloc(g, FL_TAG_OPTIM, x8, "AdamW8bit scales of the blocks cut by a rank edge (exchange)");
-            b8 = 0;
-        } else if (have_lay) {
-            for (int i = 0; i < lay.n; i++) PIECE(lay.params[i].offset, lay.params[i].numel);
-        }
-#undef PIECE
-        if (b8 || !fsdp) palloc(g, FL_TAG_OPTIM, b8, "AdamW8bit block-wise state");
-    } else {
-        size_t st = fl_optim_state_bytes(oc, n_state);
-        if (oc->kind == FL_OPT_ADAMW) { /* exp_avg and exp_avg_sq, one buffer each */
-            palloc(g, FL_TAG_OPTIM, st / 2, "AdamW state exp_avg");
-            palloc(g, FL_TAG_OPTIM, st - st / 2, "AdamW state exp_avg_sq");
-        } else if (st > 0) {
-            palloc(g, FL_TAG_OPTIM, st, "SGD momentum buffer");
-        }
-    }
-    fl_act_sizes as; /* the activation arena: fl_model_alloc_acts */
-    /* m->prec.act_dtype; bf16 dW scratch when bf16 matmuls meet trainable weights */
-    fl_act_opts ao = {act_ckpt, pr.act_dtype, pr.compute_dtype == FL_BF16 && !lora,
-                      fl_head_widen_dtype(pr.compute_dtype, x->cuda ? fl_cuda_gemm_widens16() : fl_cpu_gemm_widens16()),
-                      fl_model_backend_scratch(pr.compute_dtype, stg.quant4,
-                                               x->cuda ? fl_cuda_scratch_bytes() : fl_cpu_scratch_bytes())};
-    fl_sizing_acts_ex(mc, B, x->T, &ao, &as);
-    snprintf(what, sizeof what, "activations (B=%d, T=%d%s%s%s)", B, x->T, ao.act_ckpt ? ", checkpointed" : "",
-             !ao.act_ckpt && ao.act_dtype != FL_F32 ? ", saved in " : "",
-             !ao.act_ckpt && ao.act_dtype != FL_F32 ? fl_dtype_name(ao.act_dtype) : "");
-    void *acts = palloc(g, FL_TAG_ACTS, as.acts_bytes, what);
-    snprintf(what, sizeof what, "workspace (B=%d, T=%d%s)", B, x->T,
-             ao.head_widen != FL_F32 ? ", with the lm_head widened to fp32" : "");
-    void *work = palloc(g, FL_TAG_WORKSPACE, as.workspace_bytes, what);
-    if (work) fl_mem_set_live(&g->pool, work, as.work_const_bytes); /* the RoPE tables */
-    void *lacts = NULL;
-    /* what a training forward leaves live (fl_acts_mark_live, the head's gradient in fl_model_forward) */
-    size_t lora_saved = 0, head_grads = (size_t)mc->vocab_size * mc->dim * es;
-    if (lora) { /* fl_lora_alloc_acts */
-        size_t la, lw;
-        fl_lora_sizing_acts(&lc, mods, n_mods, B, x->T, &la, &lw);
-        lacts = palloc(g, FL_TAG_ACTS, la, "LoRA activations");
-        palloc(g, FL_TAG_WORKSPACE, lw, "LoRA backward scratch");
-        lora_saved = ao.act_ckpt ? 0 : fl_lora_sizing_live_acts(&lc, mods, n_mods, B, x->T);
-        head_grads = fl_lora_sizing_head_grads(&lc, mods, n_mods);
-    }
-    free(mods);
-    /* bucketed reduction (fl_dp_buckets_arm): the layout groups' sizes, in backward's order */
-    const int bucketed = fl_trainer_dp_bucketed(world, stage, lora) && have_lay;
-    int n_bk = bucketed ? lay.n_groups : 0;
-    size_t bk[FL_PLAN_MAX_GROUPS];
-    if (n_bk > FL_PLAN_MAX_GROUPS) n_bk = 0;
-    for (int i = 0; i < n_bk; i++) { /* head group (L+1), blocks L-1 .. 0 (groups L .. 1), embeddings (0) */
-        int gi = lay.n_groups - 1 - i;
-        bk[i] = lay.group_offset[gi + 1] - lay.group_offset[gi];
-    }
-    /* FULL_SHARD: the units' sizes and this rank's chunk of each */
-    size_t fs_n[FL_PLAN_MAX_GROUPS], fs_len[FL_PLAN_MAX_GROUPS];
-    fsdp_sim fs;
-    memset(&fs, 0, sizeof fs);
-    if (fsdp && lay.n_groups <= FL_PLAN_MAX_GROUPS) {
-        fs.g = g;
-        fs.G = lay.n_groups;
-        fs.world = fs_world;
-        fs.nodes = hybrid ? c->num_nodes : 1;
-        fs.nccl = x->cuda;
-        fs.node = hybrid ? (x->rank < world ? x->rank : 0) / c->devices : 0;
-        fs.n = fs_n;
-        fs.len = fs_len;
-        fs.es = es;
-        fs.ces = fl_precision_copy_bytes(&pr, n) ? fl_dtype_size(pr.compute_dtype) : 0; /* mixed: per gathered unit */
-        for (int u = 0; u < lay.n_groups; u++) {
-            size_t co;
-            fs_n[u] = lay.group_offset[u + 1] - lay.group_offset[u];
-            fl_comm_chunk(fs_n[u], fs_world, fs_rank, &co, &fs_len[u]);
-            fs.fresh[u] = 1;
-        }
-        fs.grads = grads;
-    }
-    if (have_lay) fl_layout_free(&lay);
-    size_t ids = (size_t)accum * B * x->T * sizeof(int32_t);
-    palloc(g, FL_TAG_OTHER, ids, "step token ids (accumulation x B x T)");
-    palloc(g, FL_TAG_OTHER, ids, "step targets (accumulation x B x T)");
-    /* the step (fl_train_micro): no allocation between the snapshots today; what is live changes */
-    fl_mem_pool *pl = &g->pool;
-    snap(g, "before_fwd");
-    snprintf(g->step, sizeof g->step, "after_fwd");
-    fl_mem_set_phase(pl, "forward");
-    fl_mem_set_live(pl, acts, as.acts_saved_bytes);
-    fl_mem_set_live(pl, work, as.work_const_bytes + as.work_handoff_bytes);
-    fl_mem_set_live(pl, lacts, lora_saved);
-    if (fs.G) fs_forward(&fs, mc->tie_embeddings); /* FULL_SHARD: the head's gradient is in GATHER */
-    else fl_mem_set_live(pl, grads, head_grads);
-    snap(g, "after_fwd");
-    snprintf(g->step, sizeof g->step, "after_bwd");
-    fl_mem_set_phase(pl, "backward");
-    fl_mem_set_live(pl, acts, 0);
-    fl_mem_set_live(pl, work, as.work_const_bytes);
-    fl_mem_set_live(pl, lacts, 0);
-    if (fs.G) fs_backward(&fs);
-    fl_mem_set_live(pl, grads, SIZE_MAX);
-    /* the last micro-batch's backward posts one bucket per group, the previous one waited for first:
-     * the MPI scratch of one bucket, (N-1) x this rank's chunk of it, at a time; the last (the
-     * embeddings) is still in flight when backward returns. With accumulation 1 that backward is
-     * the first micro-batch's, before after_bwd. A GPU plan has none: NCCL's buffers are its own. */
-    const size_t ges = lora ? sizeof(float) : es;
-    const int rnk = x->rank < world ? x->rank : 0;
-    void *bk_last = NULL;
-#define BUCKETS()                                                                                  \
-    do {                                                                                           \
-        for (int i = 0; i < n_bk; i++) {                                                           \
-            size_t bo_, bl_;                                                                       \
-            fl_comm_chunk(bk[i], world, rnk, &bo_, &bl_);                                          \
-            if (bk_last) fl_mem_free(pl, bk_last);                                                 \
-            bk_last = bl_ && world > 1 && !x->comm_threads && !x->cuda ? palloc(g, FL_TAG_WORKSPACE, (size_t)(world - 1) * bl_ * ges, \
-                                                       "gradient bucket all-reduce scratch") : NULL; \
-        }                                                                                          \
-    } while (0)
-    if (n_bk && accum == 1) BUCKETS();
-    snap(g, "after_bwd");
-    if (world > 1) { /* fl_dp_reduce_grads: the MPI reduction's receive scratch, (N-1) x this rank's chunk of
-                      * the gradients, from the pool while it runs (DDP and ZeRO-1 all-reduce, ZeRO-2
-                      * reduce-scatter: the same scratch) */
-        snprintf(g->step, sizeof g->step, "after_reduce");
-        if (fs.G) { /* FULL_SHARD: the later micro-batches, each unit reduced as its backward ends */
-            for (int k = 1; k < accum; k++) {
-                fs_forward(&fs, mc->tie_embeddings);
-                fs_backward(&fs);
-            }
-        } else if (n_bk) { /* bucketed: the last micro-batch's buckets (accumulation > 1), then the last completes */
-            if (accum > 1) BUCKETS();
-            if (bk_last) fl_mem_free(pl, bk_last);
-        } else if (!x->comm_threads && !x->cuda) { /* GPUs: NCCL keeps its buffers outside the pool */
-            void *sc = palloc(g, FL_TAG_WORKSPACE, (size_t)(world - 1) * c_len * ges,
-                              stage == 2 ? "ZeRO-2 reduce-scatter scratch ((N-1) x chunk)"
-                                         : "gradient all-reduce scratch ((N-1) x chunk)");
-            if (sc) fl_mem_free(pl, sc);
-        }
-        if (stage == 2 && oc->kind == FL_OPT_ADAMW8BIT) /* 8-bit: the neighbours' edge gradients (halo_8bit) */
-            fl_mem_free(pl, palloc(g, FL_TAG_WORKSPACE, ((size_t)world + 1) * 2 * FL_OPTIM_8BIT_HALO * ges,
-                                   "ZeRO-2 8-bit halo exchange"));
-        if (stage == 2) { /* the reduced chunk this rank keeps (+ the 8-bit halo, fl_dp_zero2_halo) */
-            int r = rnk;
-            size_t halo = oc->kind == FL_OPT_ADAMW8BIT ? (size_t)FL_OPTIM_8BIT_HALO * ((r > 0) + (r < world - 1)) : 0;
-            fl_mem_set_live(pl, grads, (c_len + halo) * ges);
-        }
-        snap(g, "after_reduce");
-    }
-#undef BUCKETS
-    snprintf(g->step, sizeof g->step, "after_opt_step");
-    fl_mem_set_phase(pl, "optimizer step");
-    fl_mem_set_live(pl, grads, 0);
-    snap(g, "after_opt_step");
-    if (!x->gen || g->failed) return;
-    /* evaluation sample (generate_example: fl_kv_cache_init, then fl_generate) */
-    snprintf(g->step, sizeof g->step, "eval_generate");
-    fl_mem_set_phase(&g->pool, "validation");
-    fl_gen_sizes gs;
-    fl_sizing_generate(mc, x->n_prompt, x->cap, &gs);
-    void *p[8] = {0};
-    int k = 0;
-    snprintf(what, sizeof what, "KV cache K (%d positions)", x->cap);
-    p[k++] = palloc(g, FL_TAG_ACTS, gs.kv_bytes / 2, what);
-    snprintf(what, sizeof what, "KV cache V (%d positions)", x->cap);
-    p[k++] = palloc(g, FL_TAG_ACTS, gs.kv_bytes - gs.kv_bytes / 2, what);
-    if (gs.rope_bytes) {
-        p[k++] = palloc(g, FL_TAG_WORKSPACE, gs.rope_bytes / 2, "generation RoPE cos table");
-        p[k++] = palloc(g, FL_TAG_WORKSPACE, gs.rope_bytes / 2, "generation RoPE sin table");
-    }
-    /* live at the end of the sample: the whole KV cache (every position written, read by the
-     * next token) and the RoPE tables; the rest is one decode step's scratch */
-    for (int i = 0; i < k; i++) fl_mem_set_live(&g->pool, p[i], SIZE_MAX);
-    p[k++] = palloc(g, FL_TAG_WORKSPACE, gs.step_bytes, "decode step scratch");
-    p[k++] = palloc(g, FL_TAG_WORKSPACE, gs.sampler_bytes / 2, "sampler probabilities");
-    p[k++] = palloc(g, FL_TAG_WORKSPACE, gs.sampler_bytes - gs.sampler_bytes / 2, "sampler indices");
-    p[k++] = palloc(g, FL_TAG_WORKSPACE, gs.logits_bytes, "generation logits");
-    void *pre = gs.prefill_bytes ? palloc(g, FL_TAG_WORKSPACE, gs.prefill_bytes, "prefill scratch") : NULL;
-    snap(g, "eval_generate"); /* the generation peak: everything above is live */
-    if (pre) fl_mem_free(&g->pool, pre);
-    for (int i = 0; i < k; i++) fl_mem_free(&g->pool, p[i]);
-}
-
-/* The snapshot an allocation that fails before snapshot i precedes (one process) */
+/* The snapshot an allocation that fails before snapshot i precedes (one process; several ranks
+ * snapshot after_reduce between after_bwd and after_opt_step) */
 static const char *k_steps[] = {"after_load", "before_fwd", "after_fwd", "after_bwd", "after_opt_step",
                                 "eval_generate"};
+static const char *k_steps_dp[] = {"after_load", "before_fwd", "after_fwd", "after_bwd", "after_reduce",
+                                   "after_opt_step", "eval_generate"};
+
+/* The plan's verdict from a rehearsal's status s and record r (s's message is this thread's). */
+static int rehearsal_result(const plan_ctx *x, fl_status s, const fl_trainer_result *r, int ranks, size_t budget,
+                            fl_plan *out, size_t *peak_total) {
+    if (s == FL_ERR_UNSUPPORTED) /* the stand-in asked the planned backend's supports_op */
+        s = fl_error_prefix(s, "the %s backend refuses this run at set-up (the plan's null backend stands in for it)",
+                            x->cuda ? "cuda" : "cpu");
+    const int oom = s == FL_ERR_OOM && r->oom.valid;
+    if (s != FL_OK && !oom && x->err && *x->err == FL_OK) *x->err = s; /* not a memory verdict: an error */
+    if (peak_total) *peak_total = r->peak_total;
+    if (out) {
+        if (!budget) {
+            out->n_phases = r->n_phases < FL_PLAN_MAX_PHASES ? r->n_phases : FL_PLAN_MAX_PHASES;
+            memcpy(out->phases, r->phases, (size_t)out->n_phases * sizeof *out->phases);
+            memcpy(out->peak, r->peak, sizeof out->peak);
+            out->peak_total = r->peak_total;
+        } else if (oom) {
+            /* what failed, as the allocation site says it: the message up to the pool's own words */
+            const char *m = fl_error_message(), *e = strstr(m, "out of memory on ");
+            size_t n = e ? (size_t)(e - m) : strlen(m);
+            while (n && (m[n - 1] == ' ' || m[n - 1] == ':')) n--;
+            if (n) snprintf(out->oom_what, sizeof out->oom_what, "%.*s", (int)n, m);
+            else snprintf(out->oom_what, sizeof out->oom_what, "%s buffer", fl_mem_tag_name(r->oom.tag));
+            out->oom = r->oom;
+            const char *const *steps = ranks > 1 ? k_steps_dp : k_steps;
+            const int ns = ranks > 1 ? (int)(sizeof k_steps_dp / sizeof *k_steps_dp)
+                                     : (int)(sizeof k_steps / sizeof *k_steps);
+            snprintf(out->oom_step, sizeof out->oom_step, "%s", steps[r->n_phases < ns ? r->n_phases : ns - 1]);
+        }
+    }
+    return s == FL_OK;
+}
 
 /* One process: the trainer's real set-up and first step on the null backend standing in for
  * the CPU or (plan --accelerator cuda) the GPU; same contract as simulate(). */
@@ -607,62 +234,90 @@ static int rehearse(const plan_ctx *x, const fl_run_config *c, const fl_optim_co
     fl_status s = fl_null_backend_init_for(&be, x->cuda ? "cuda" : "cpu");
     if (s == FL_OK) {
         s = fl_trainer_rehearse(&v, &x->mc, &be, budget, B, x->T, accum, x->gen ? x->n_prompt : 0, &r);
-        if (s == FL_ERR_UNSUPPORTED) /* the stand-in asked the planned backend's supports_op */
-            s = fl_error_prefix(s, "the %s backend refuses this run at set-up (the plan's null backend stands in for it)",
-                                x->cuda ? "cuda" : "cpu");
         fl_null_backend_free(&be);
     }
-    const int oom = s == FL_ERR_OOM && r.oom.valid;
-    if (s != FL_OK && !oom && x->err && *x->err == FL_OK) *x->err = s; /* not a memory verdict: an error */
-    if (peak_total) *peak_total = r.peak_total;
-    if (out) {
-        if (!budget) {
-            out->n_phases = r.n_phases < FL_PLAN_MAX_PHASES ? r.n_phases : FL_PLAN_MAX_PHASES;
-            memcpy(out->phases, r.phases, (size_t)out->n_phases * sizeof *out->phases);
-            memcpy(out->peak, r.peak, sizeof out->peak);
-            out->peak_total = r.peak_total;
-        } else if (oom) {
-            /* what failed, as the allocation site says it: the message up to the pool's own words */
-            const char *m = fl_error_message(), *e = strstr(m, "out of memory on ");
-            size_t n = e ? (size_t)(e - m) : strlen(m);
-            while (n && (m[n - 1] == ' ' || m[n - 1] == ':')) n--;
-            if (n) snprintf(out->oom_what, sizeof out->oom_what, "%.*s", (int)n, m);
-            else snprintf(out->oom_what, sizeof out->oom_what, "%s buffer", fl_mem_tag_name(r.oom.tag));
-            out->oom = r.oom;
-            const int k = r.n_phases < (int)(sizeof k_steps / sizeof *k_steps) ? r.n_phases
-                                                                               : (int)(sizeof k_steps / sizeof *k_steps) - 1;
-            snprintf(out->oom_step, sizeof out->oom_step, "%s", k_steps[k]);
-        }
+    return rehearsal_result(x, s, &r, 1, budget, out, peak_total);
+}
+
+/* Several ranks: every rank's real set-up and first step, as threads over the threads communicator,
+ * each on its own null backend (whose device communicator moves nothing and takes the planned
+ * run's scratch: MPI's receive scratch for CPU ranks over mpirun, none for thread ranks or NCCL).
+ * Only the planned rank has the budget, so a verdict is its own; its failure breaks the group
+ * (fl_trainer_rehearse_comm), so the others return. */
+typedef struct {
+    const plan_ctx *x;
+    const fl_run_config *v;
+    int B, accum;
+    size_t budget;
+    fl_status s;             /* the planned rank's */
+    fl_trainer_result r;
+    char msg[1024];          /* its message */
+    fl_status first;         /* another rank's failure that did not come from the group breaking */
+    char first_msg[1024];
+    pthread_mutex_t mu;
+} ranks_ctx;
+
+static fl_status rehearse_rank(fl_comm *comm, int rank, void *ud) {
+    ranks_ctx *k = ud;
+    const plan_ctx *x = k->x;
+    const int me = rank == x->rank;
+    fl_backend be;
+    fl_trainer_result r;
+    memset(&r, 0, sizeof r);
+    fl_status s = fl_null_backend_init_for(&be, x->cuda ? "cuda" : "cpu");
+    if (s == FL_OK) {
+        fl_null_backend_set_mpi_scratch(&be, !x->comm_threads && !x->cuda);
+        s = fl_trainer_rehearse_comm(k->v, &x->mc, &be, comm, me ? k->budget : 0, k->B, x->T, k->accum,
+                                     x->gen ? x->n_prompt : 0, &r);
+        fl_null_backend_free(&be);
     }
-    return s == FL_OK;
+    if (me) {
+        k->s = s;
+        k->r = r;
+        snprintf(k->msg, sizeof k->msg, "%s", s == FL_OK ? "" : fl_error_message());
+    } else if (s != FL_OK && !strstr(fl_error_message(), " aborted (code ")) {
+        pthread_mutex_lock(&k->mu);
+        if (k->first == FL_OK) {
+            k->first = s;
+            snprintf(k->first_msg, sizeof k->first_msg, "%s", fl_error_message());
+        }
+        pthread_mutex_unlock(&k->mu);
+    }
+    return FL_OK; /* the statuses are read from k */
+}
+
+static int rehearse_ranks(const plan_ctx *x, const fl_run_config *c, const fl_optim_config *oc, int B, int accum,
+                          size_t budget, fl_plan *out, size_t *peak_total) {
+    fl_run_config v = *c;
+    v.optimizer = *oc;
+    const int world = c->devices * c->num_nodes;
+    ranks_ctx *k = calloc(1, sizeof *k);
+    if (!k) {
+        fl_status s = fl_errorf(FL_ERR_OOM, "plan: out of host memory");
+        if (x->err && *x->err == FL_OK) *x->err = s;
+        return 0;
+    }
+    *k = (ranks_ctx){.x = x, .v = &v, .B = B, .accum = accum, .budget = budget, .s = FL_ERR_INTERNAL};
+    pthread_mutex_init(&k->mu, NULL);
+    fl_status s = fl_comm_threads_run(world, rehearse_rank, k);
+    if (s == FL_OK) {
+        s = k->s;
+        /* the planned rank failed because another one did (the group broke): that one's error */
+        if (s != FL_OK && s != FL_ERR_OOM && k->first != FL_OK) fl_errorf(s = k->first, "%s", k->first_msg);
+        else if (s != FL_OK) fl_errorf(s, "%s", k->msg);
+    }
+    int fits = rehearsal_result(x, s, &k->r, world, budget, out, peak_total);
+    pthread_mutex_destroy(&k->mu);
+    free(k);
+    return fits;
 }
 
 /* Plan one run; returns 1 if it fits. out (may be NULL) gets the phases, peaks and the OOM
- * record. One process runs the real code (rehearse), several ranks the replay. */
+ * record. */
 static int simulate(const plan_ctx *x, const fl_run_config *c, const fl_optim_config *oc, int B, int accum,
                     size_t budget, fl_plan *out, size_t *peak_total) {
     if (c->devices * c->num_nodes == 1) return rehearse(x, c, oc, B, accum, budget, out, peak_total);
-    program g;
-    memset(&g, 0, sizeof g);
-    g.next = 4096;
-    if (fl_mem_pool_init_raw(&g.pool, "cpu", FL_DEV_CUDA, budget, fake_alloc, fake_free, &g.next) != FL_OK) return 0;
-    replay_sharded(&g, x, c, oc, B, accum);
-    if (peak_total) *peak_total = g.pool.peak_total;
-    if (out) {
-        if (!budget) {
-            out->n_phases = g.pool.n_phases < FL_PLAN_MAX_PHASES ? g.pool.n_phases : FL_PLAN_MAX_PHASES;
-            memcpy(out->phases, g.pool.phases, (size_t)out->n_phases * sizeof *out->phases);
-            memcpy(out->peak, g.pool.peak, sizeof out->peak);
-            out->peak_total = g.pool.peak_total;
-        } else if (g.failed) {
-            out->oom = g.pool.oom;
-            snprintf(out->oom_what, sizeof out->oom_what, "%s", g.what);
-            snprintf(out->oom_step, sizeof out->oom_step, "%s", g.failed_step);
-        }
-    }
-    int fits = !g.failed;
-    fl_mem_pool_free(&g.pool);
-    return fits;
+    return rehearse_ranks(x, c, oc, B, accum, budget, out, peak_total);
 }
 
 /* ---- the plan -------------------------------------------------------------------------- */

@@ -650,10 +650,16 @@ static int snapshot_eval_generate(void *ud, int32_t id) {
 
 fl_status fl_trainer_rehearse(const fl_run_config *cfg, const fl_model_config *mc, const fl_backend *be,
                               size_t budget, int B, int T, int accum, int gen_prompt, fl_trainer_result *res) {
+    return fl_trainer_rehearse_comm(cfg, mc, be, NULL, budget, B, T, accum, gen_prompt, res);
+}
+
+fl_status fl_trainer_rehearse_comm(const fl_run_config *cfg, const fl_model_config *mc, const fl_backend *be,
+                                   fl_comm *comm, size_t budget, int B, int T, int accum, int gen_prompt,
+                                   fl_trainer_result *res) {
     trainer t;
     memset(&t, 0, sizeof t);
     t.cfg = cfg;
-    fl_dp_init(&t.dp, NULL, NULL);
+    fl_dp_init(&t.dp, comm, NULL);
     fl_trainer_result r;
     memset(&r, 0, sizeof r);
     r.val_loss = NAN;
@@ -668,9 +674,23 @@ fl_status fl_trainer_rehearse(const fl_run_config *cfg, const fl_model_config *m
     s = fl_backend_pools_init(&t.be, &t.pool, &t.hpool, be->host_memory ? "cpu" : "cuda", budget);
     if (s != FL_OK) goto done;
     t.pool_ok = 1;
-    fl_dp_init(&t.dp, NULL, &t.pool);
+    /* fl_trainer_run_comm's set-up sequence, agreements included (a rank that fails stops the others
+     * at the next one; after set-up it breaks the group: see done) */
+    fl_dp_init(&t.dp, comm, &t.pool);
+    t.dp.be = &t.be;
+    if (t.dp.world > 1 && !be->comm_create) {
+        s = fl_errorf(FL_ERR_UNSUPPORTED, "rehearsing %d ranks needs a backend with a device communicator (the null "
+                      "backend's)", t.dp.world);
+        goto done;
+    }
+    if (t.dp.world > 1) {
+        s = fl_dp_agree(&t.dp, FL_OK);
+        if (s == FL_OK) s = fl_dp_device_comm(&t.dp, &t.be);
+    }
     fl_strategy_choice sc;
-    s = fl_cfg_resolve_strategy(cfg, !be->host_memory, &sc);
+    /* the planned backend's choice: a GPU's under --accelerator cuda (the null communicator is a
+     * device one on either) */
+    if (s == FL_OK) s = fl_cfg_resolve_strategy(cfg, !be->host_memory, &sc);
     fl_run_config rcfg = *cfg;
     if (s == FL_OK) {
         snprintf(rcfg.strategy, sizeof rcfg.strategy, "%s", sc.strategy);
@@ -682,7 +702,10 @@ fl_status fl_trainer_rehearse(const fl_run_config *cfg, const fl_model_config *m
     t.T = T;
     t.accum = accum;
     t.G = accum * t.dp.world;
+    if (t.dp.world > 1 && cfg->command != FL_CMD_FINETUNE_LORA && s == FL_OK) s = fl_dp_agree(&t.dp, s);
     if (s == FL_OK) s = setup_training(&t, &rcfg, &sc);
+    if (t.dp.world > 1 && s == FL_OK) s = fl_dp_agree(&t.dp, s);
+    if (s == FL_OK) s = fl_dp_broadcast_params(&t.dp, &t.opt); /* rank 0's weights everywhere, as DDP starts */
     if (s != FL_OK) goto done;
     /* a step of token 0 everywhere, every target valid (the values do not matter: nothing computes) */
     const size_t per = (size_t)B * T;
@@ -705,6 +728,14 @@ fl_status fl_trainer_rehearse(const fl_run_config *cfg, const fl_model_config *m
     int n_out = 0;
     if (s == FL_OK) s = sample_tokens(&t, prompt, gen_prompt, NULL, gen, &n_out, snapshot_eval_generate, &t.pool);
 done:
+    /* several ranks: a failure anywhere (this rank's OOM under its budget) breaks the group, so the
+     * others' next collective fails at once instead of waiting for this rank */
+    if (s != FL_OK && t.dp.comm) {
+        char msg[256];
+        snprintf(msg, sizeof msg, "%s", fl_error_message());
+        t.dp.comm->vt->abort(t.dp.comm, 1, msg);
+        fl_errorf(s, "%s", msg); /* abort may have written its own */
+    }
     if (t.pool_ok) result_memory(&t, s, &r);
     if (res) *res = r;
     free(prompt);

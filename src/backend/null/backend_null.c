@@ -21,17 +21,21 @@
 #include "backend/cpu/cpu-impl.h"
 #include "backend/cuda/backend_cuda.h"
 #include "fitllm/backend.h"
+#include "fitllm/comm.h"
 
 typedef struct {
     uintptr_t next; /* the next fake address (one counter for every pool of this backend) */
     int planned;    /* the backend it stands in for: 0 none (the registry's), 1 cpu, 2 cuda */
+    int mpi_scratch; /* its ranks' reductions take the MPI scratch (fl_null_backend_set_mpi_scratch) */
 } nul;
 
-/* unique, 64-byte aligned, never dereferenced: the low pages no process maps */
+/* 64-byte aligned, never dereferenced, starting in the low pages no process maps; allocations
+ * are disjoint ranges (the communicator's argument checks compare a collective's send and
+ * receive ranges, as on any device) */
 static void *nul_alloc(size_t bytes, void *ud) {
     nul *n = ud;
     uintptr_t p = n->next;
-    n->next += 64; /* distinct per allocation; the size is the pool's business */
+    n->next += (bytes + 127) & ~(uintptr_t)63; /* at least 64 apart: distinct even at 0 bytes */
     return (void *)p;
 }
 
@@ -244,6 +248,17 @@ static fl_status n_rope_tables(const fl_backend *be, float *cos_t, float *sin_t,
     return FL_OK;
 }
 
+/* several ranks: the null communicator over the host one (its collectives move nothing; the planned
+ * MPI run's scratch when asked) */
+static fl_status n_comm_create(const fl_backend *be, struct fl_comm *host, struct fl_comm **out) {
+    const nul *n = be->impl;
+    return fl_comm_null_create(host, n->mpi_scratch, out);
+}
+
+void fl_null_backend_set_mpi_scratch(fl_backend *be, int on) {
+    if (be && be->impl && be->comm_create == n_comm_create) ((nul *)be->impl)->mpi_scratch = on;
+}
+
 fl_status fl_null_backend_init_for(fl_backend *be, const char *planned) {
     if (!be) return fl_errorf(FL_ERR_INVALID, "fl_null_backend_init: NULL backend");
     memset(be, 0, sizeof *be);
@@ -315,6 +330,7 @@ fl_status fl_null_backend_init_for(fl_backend *be, const char *planned) {
     be->supports_op = n_supports_op;
     be->rope_tables = n_rope_tables;
     be->pool_init = nul_pool_init;
+    be->comm_create = n_comm_create;
     return FL_OK;
 }
 
