@@ -37,6 +37,7 @@ typedef struct {
     fl_run_config cfg;
     zr_rec rec[SN_MAX_RANKS];
     fl_status st[SN_MAX_RANKS];
+    fl_trainer_result res[SN_MAX_RANKS];
     char msg[SN_MAX_RANKS][700];
     unsigned long calls; /* collectives the NCCL stand-in accepted during the run */
     int world;
@@ -53,7 +54,7 @@ static double sn_now_ms(void) {
 
 static fl_status sj_rank(fl_comm *c, int rank, void *ud) {
     sjob *j = ud;
-    j->st[rank] = fl_trainer_run_comm(&j->cfg, c, NULL, 0, zr_record, &j->rec[rank], NULL);
+    j->st[rank] = fl_trainer_run_comm(&j->cfg, c, NULL, 0, zr_record, &j->rec[rank], &j->res[rank]);
     snprintf(j->msg[rank], sizeof j->msg[rank], "%s", j->st[rank] != FL_OK ? fl_error_message() : "");
     if (j->st[rank] != FL_OK && getenv("FL_TEST_VERBOSE")) fprintf(stderr, "    rank %d failed: %s\n", rank, j->msg[rank]);
     return j->st[rank];
@@ -336,4 +337,40 @@ FL_TEST(shard_staged_opaque_ddp_zero_fsdp_equal_cpu_bits) {
     stages(ZR_ADAMW8, "opaque");
     hybrid("opaque");
     g_sn_staged = 0;
+}
+
+/* A rank that fails inside a step, where no agreement follows, releases its peers from the NCCL
+ * stand-in's own thread group too (fl_comm_release_peers: ncclCommAbort of the stand-in). Without
+ * it they wait there for the group's 120 s timeout: the host group, broken when rank 0's thread
+ * returns, is not the group their gather waits in. FULL_SHARD at 3 thread ranks of the opaque backend
+ * (device communicator: the stand-in) under a budget of rank 1's measured peak, which ranks 1 and 2
+ * fit and rank 0 (the largest pieces) does not, and not before its step (its set-up fits): rank 0 is
+ * out of memory in the step, and says so; ranks 1 and 2 fail with its abort, not with a timeout naming
+ * the ranks that did not join. */
+FL_TEST(shard_nccl_oom_in_step_releases_the_other_ranks) {
+    sjob *f = sj_new(ZR_ADAMW, 3, "fsdp", NULL, "release-ref");
+    f->backend = "opaque";
+    FL_REQUIRE_OK(sj_run(f, 1));
+    size_t setup0 = 0; /* rank 0's reserved bytes when the step starts */
+    for (int i = 0; i < f->res[0].n_phases; i++)
+        if (!strcmp(f->res[0].phases[i].name, "before_fwd")) setup0 = f->res[0].phases[i].cur_total;
+    const size_t budget = f->res[1].peak_total;
+    FL_REQUIRE(f->res[0].peak_total > budget && f->res[2].peak_total <= budget && setup0 > 0 && setup0 <= budget);
+    sjob *g = sj_new(ZR_ADAMW, 3, "fsdp", NULL, "release");
+    g->backend = "opaque";
+    g->cfg.max_memory = budget;
+    double t0 = sn_now_ms();
+    fl_status s = sj_run(g, 1);
+    const double ms = sn_now_ms() - t0;
+    /* its message is the OOM's (the teardown of its gathers in flight on the aborted communicator
+     * records errors of its own, which must not replace it) */
+    FL_CHECKF(s == FL_ERR_OOM && g->st[0] == FL_ERR_OOM && g->res[0].oom.valid && strstr(g->msg[0], "out of memory"),
+              "rank 0: %s (%s)", fl_status_name(g->st[0]), g->msg[0]);
+    FL_CHECKF(strcmp(g->res[0].oom.phase, "setup") && strcmp(g->res[0].oom.phase, "model load"),
+              "rank 0 ran out of memory in '%s', not in the step", g->res[0].oom.phase);
+    for (int r = 1; r < 3; r++)
+        FL_CHECKF(g->st[r] != FL_OK && !strstr(g->msg[r], "did not join") && !strstr(g->msg[r], "timed out"),
+                  "rank %d (after %.0f ms): %s: %s", r, ms, fl_status_name(g->st[r]), g->msg[r]);
+    sj_free(g);
+    sj_free(f);
 }

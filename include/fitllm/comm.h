@@ -139,6 +139,9 @@ typedef struct fl_comm_vtable {
     /* The group of c's ranks with this rank's color: see fl_comm_split. Collective over c. NULL:
      * the implementation cannot split. */
     fl_status (*split)(fl_comm *c, int color, int key, fl_comm **out);
+    /* See fl_comm_release_peers; NULL: the implementation's ranks are processes, whose exit ends the
+     * job through the launcher (mpi), or there are no peers (single). */
+    int (*release_peers)(fl_comm *c, const char *msg);
 } fl_comm_vtable;
 
 /* Traffic of one rank since its communicator was created, counted by the dispatch layer on every
@@ -288,6 +291,14 @@ fl_status fl_comm_wait_all(fl_comm_req **reqs, int n);
  *   single:  returns (the caller exits as it would anyway).
  * For the CLI's fatal-error path only: library code returns errors instead. */
 void fl_comm_abort(fl_comm *c, int code, const char *msg);
+
+/* For library code whose rank failed where no agreement follows (an OOM inside a training step):
+ * peers that are threads of this process would otherwise wait in their next collective until the
+ * group's timeout. Where they are (threads, and the staged, nccl and null communicators over
+ * threads: the NCCL stand-in's own group too), the group breaks as fl_comm_abort breaks it and
+ * this returns 1; their calls then fail with "rank R aborted (code 1): msg". Processes (mpi) and a
+ * single rank: nothing (0); the failing process's exit ends an MPI job. Never exits. */
+int fl_comm_release_peers(fl_comm *c, const char *msg);
 
 #ifdef __cplusplus
 }

@@ -372,6 +372,10 @@ void fl_comm_abort(fl_comm *c, int code, const char *msg) {
     if (c) c->vt->abort(c, code, msg ? msg : "");
 }
 
+int fl_comm_release_peers(fl_comm *c, const char *msg) {
+    return c && c->vt->release_peers ? c->vt->release_peers(c, msg ? msg : "") : 0;
+}
+
 void fl_comm_destroy(fl_comm *c) {
     if (c) c->vt->destroy(c);
 }

@@ -240,6 +240,16 @@ static void n_abort(fl_comm *c, int code, const char *msg) {
     fl_comm_abort(m->host, code, msg);
 }
 
+/* Ranks that are threads (the host's are): NCCL's communicator aborted too, so a peer waiting in an
+ * NCCL call (the stand-in's group) is released as well; over MPI nothing (the process exits). */
+static int n_release(fl_comm *c, const char *msg) {
+    ncomm *m = c->impl;
+    if (!fl_comm_release_peers(m->host, msg)) return 0;
+    if (m->nc) m->api->comm_abort(m->nc);
+    m->nc = NULL;
+    return 1;
+}
+
 static void n_destroy(fl_comm *c) {
     ncomm *m = c->impl;
     while (m->head) unlink_free(c, m->head); /* never waited for: released */
@@ -278,6 +288,7 @@ static const fl_comm_vtable k_nccl = {
     .test = n_test,
     .wait = n_wait,
     .abort = n_abort,
+    .release_peers = n_release,
     .destroy = n_destroy,
     .split = n_split,
 };

@@ -116,6 +116,8 @@ static void n_abort(fl_comm *c, int code, const char *msg) {
     m->host->vt->abort(m->host, code, msg);
 }
 
+static int n_release(fl_comm *c, const char *msg) { return fl_comm_release_peers(((ncomm *)c->impl)->host, msg); }
+
 static void n_destroy(fl_comm *c) {
     ncomm *m = c->impl;
     while (m && m->out) release(c, &m->out->base);
@@ -147,6 +149,7 @@ static const fl_comm_vtable k_null = {
     .test = n_test,
     .wait = n_wait,
     .abort = n_abort,
+    .release_peers = n_release,
     .destroy = n_destroy,
     .split = n_split,
 };

@@ -127,6 +127,8 @@ static void s_abort(fl_comm *c, int code, const char *msg) {
     m->host->vt->abort(m->host, code, msg);
 }
 
+static int s_release(fl_comm *c, const char *msg) { return fl_comm_release_peers(((scomm *)c->impl)->host, msg); }
+
 static void s_destroy(fl_comm *c) {
     scomm *m = c->impl;
     if (m && m->owns_host) fl_comm_destroy(m->host);
@@ -154,6 +156,7 @@ static const fl_comm_vtable k_staged = {
     .test = fl_comm_done_test,
     .wait = fl_comm_done_wait,
     .abort = s_abort,
+    .release_peers = s_release,
     .destroy = s_destroy,
     .split = s_split,
 };

@@ -371,6 +371,11 @@ static void t_abort(fl_comm *c, int code, const char *msg) {
     pthread_mutex_unlock(&t->g->mu);
 }
 
+static int t_release(fl_comm *c, const char *msg) {
+    t_abort(c, 1, msg);
+    return 1;
+}
+
 static void group_free(group *g) {
     for (int i = 0; i < SLOTS; i++) {
         free(g->slots[i].send);
@@ -457,6 +462,7 @@ static const fl_comm_vtable k_threads = {
     .test = t_test,
     .wait = t_wait,
     .abort = t_abort,
+    .release_peers = t_release,
     .destroy = t_destroy,
     .split = t_split,
 };

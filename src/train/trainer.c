@@ -508,6 +508,15 @@ static void cleanup(trainer *t) {
     if (t->be_ok) fl_backend_free(&t->be);
 }
 
+/* cleanup after a failure keeps the failure's message: tearing down what was in flight (FSDP's
+ * gathers on an aborted communicator) records errors of its own */
+static void cleanup_keep_error(trainer *t, fl_status s) {
+    char *keep = s != FL_OK ? strdup(fl_error_message()) : NULL;
+    cleanup(t);
+    if (keep) fl_errorf(s, "%s", keep);
+    free(keep);
+}
+
 static fl_status resume_if_asked(trainer *t, int *resumed) {
     const char *r = t->cfg->resume;
     char path[FL_CFG_PATH + 300];
@@ -733,14 +742,14 @@ done:
     if (s != FL_OK && t.dp.comm) {
         char msg[256];
         snprintf(msg, sizeof msg, "%s", fl_error_message());
-        t.dp.comm->vt->abort(t.dp.comm, 1, msg);
+        fl_comm_release_peers(fl_dp_dcomm(&t.dp), msg);
         fl_errorf(s, "%s", msg); /* abort may have written its own */
     }
     if (t.pool_ok) result_memory(&t, s, &r);
     if (res) *res = r;
     free(prompt);
     free(gen);
-    cleanup(&t);
+    cleanup_keep_error(&t, s);
     return s;
 }
 
@@ -1105,6 +1114,13 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
     print_box(&t, &r);
 done:
     if (s != FL_OK && in_setup && !agreed) s = fl_dp_agree(&t.dp, s); /* meet the others' next AGREE */
+    if (s != FL_OK && !in_setup && t.dp.comm) { /* no agreement follows: peers that are threads would wait in
+                                                 * their next collective until the group's timeout */
+        char msg[512];
+        snprintf(msg, sizeof msg, "%s", fl_error_message());
+        fl_comm_release_peers(fl_dp_dcomm(&t.dp), msg);
+        fl_errorf(s, "%s", msg);
+    }
     r.error_all_ranks = in_setup;
 #undef AGREE
 #undef CHECK
@@ -1115,6 +1131,6 @@ done:
         r.skipped_steps = (long)t.opt.ls.n_skipped;
     }
     if (res) *res = r;
-    cleanup(&t);
+    cleanup_keep_error(&t, s);
     return s;
 }
