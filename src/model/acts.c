@@ -141,6 +141,8 @@ static size_t carve_work(const fl_model_config *c, const fl_block_graph *g, int 
     float *dres = carve(&cv, N * imax(d.C, (size_t)g->gbuf_width[FL_GBUF_RES]));
     float *buf1 = carve(&cv, N * imax(d.C, (size_t)g->gbuf_width[FL_GBUF_1]));
     float *buf2 = carve(&cv, N * (size_t)g->gbuf_width[FL_GBUF_2]);
+    float *more[2] = {NULL, NULL}; /* a graph with slots read by several ops: its further buffers */
+    for (int k = FL_N_GBUF; k < g->n_gbuf; k++) more[k - FL_N_GBUF] = carve(&cv, N * (size_t)g->gbuf_width[k]);
     float *logits = carve(&cv, (size_t)logits_chunk_rows(c, (int)N) * d.V);
     float *losses = carve(&cv, N);
     float *ids = carve(&cv, N); /* int32 ids stored in float-sized slots */
@@ -166,7 +168,7 @@ static size_t carve_work(const fl_model_config *c, const fl_block_graph *g, int 
         a->head_w = head_w; a->head_x = head_x; a->head_t16 = head_t16;
         a->xb16 = xb16;
         a->dyb16 = dyb16;
-        a->dres = dres; a->buf1 = buf1; a->buf2 = buf2; a->logits = logits; a->losses = losses; a->ids = (int32_t *)ids;
+        a->dres = dres; a->buf1 = buf1; a->buf2 = buf2; a->gbuf_more[0] = more[0]; a->gbuf_more[1] = more[1]; a->logits = logits; a->losses = losses; a->ids = (int32_t *)ids;
         a->rope_cos = rc; a->rope_sin = rs; a->rope_T = T;
     }
     return cv.off;

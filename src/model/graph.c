@@ -68,8 +68,9 @@ static int in_place(const fl_gop *o) { return o->kind == FL_GOP_ROPE || o->kind 
 /* Everything derived from the table, and the checks that make the derivations valid. */
 fl_status fl_block_graph_finish(fl_block_graph *g) {
     int made[FL_GRAPH_MAX_SLOTS] = {0}, used[FL_GRAPH_MAX_SLOTS] = {0};
+    int merged[FL_GRAPH_MAX_SLOTS]; /* the residual slot each one was added into (ADD), -1 */
     int def[FL_GRAPH_MAX_SLOTS], last[FL_GRAPH_MAX_SLOTS];
-    for (int s = 0; s < g->n_slots; s++) def[s] = last[s] = -1;
+    for (int s = 0; s < g->n_slots; s++) def[s] = last[s] = merged[s] = -1;
     /* production order; each slot made by exactly one op (in-place ops modify, they do not make) */
     for (int i = 0; i < g->n_ops; i++) {
         const fl_gop *o = &g->op[i];
@@ -78,6 +79,13 @@ fl_status fl_block_graph_finish(fl_block_graph *g) {
         if (o->in != FL_GSLOT_IN && !made[o->in])
             return fl_errorf(FL_ERR_INTERNAL, "block graph: op %d reads '%s' before it is made", i, g->slot[o->in].name);
         if (o->kind != FL_GOP_ROPE && o->in != FL_GSLOT_IN) used[o->in]++; /* ROPE modifies, the rest read */
+        /* the residual path has one gradient buffer: once a slot is added into the next residual slot, dres
+         * holds that one's gradient in the backward, and a later read of the slot would add its gradient
+         * there before the ops that read d(next) have run */
+        if (merged[o->in] >= 0)
+            return fl_errorf(FL_ERR_INTERNAL, "block graph: op %d reads '%s' after it was added into '%s'", i,
+                             g->slot[o->in].name, g->slot[merged[o->in]].name);
+        if (o->kind == FL_GOP_ADD) merged[o->in] = o->out;
         if (in_place(o) && !made[o->out])
             return fl_errorf(FL_ERR_INTERNAL, "block graph: op %d modifies '%s' before it is made", i, g->slot[o->out].name);
         last[o->in] = i;
@@ -96,17 +104,21 @@ fl_status fl_block_graph_finish(fl_block_graph *g) {
     for (int s = 0; s < g->n_slots; s++) {
         if (s != FL_GSLOT_IN && !made[s])
             return fl_errorf(FL_ERR_INTERNAL, "block graph: no op makes slot '%s'", g->slot[s].name);
-        /* the backward's two gradient buffers alternate along a chain: every off-path activation has
-         * exactly one consumer (a second one would need its gradients summed) */
-        if (g->slot[s].kind == FL_GSLOT_WIDE && !g->slot[s].resid && used[s] != 1)
-            return fl_errorf(FL_ERR_INTERNAL, "block graph: '%s' is read by %d ops (the backward needs exactly one)",
-                             g->slot[s].name, used[s]);
+        /* an off-path activation nobody reads has no gradient for its producer's backward */
+        if (g->slot[s].kind == FL_GSLOT_WIDE && !g->slot[s].resid && used[s] == 0)
+            return fl_errorf(FL_ERR_INTERNAL, "block graph: '%s' is made but no op reads it", g->slot[s].name);
     }
-    /* gradient buffers, ops in reverse: the residual path accumulates in RES; an op's input gradient
-     * goes to the buffer its output gradient is not in */
+    /* gradient buffers, ops in reverse: the residual path accumulates in RES. An off-path slot's gradient
+     * takes the lowest free buffer at its first contribution (its last reader in forward order), stays
+     * there while its other readers add to it, and frees the buffer once its producer's backward has
+     * read it: a chain alternates 1 and 2, as the hand-written passes did */
+    int8_t holder[FL_GRAPH_MAX_GBUF]; /* the slot whose gradient each buffer holds, -1 free */
+    memset(holder, -1, sizeof holder);
+    g->n_gbuf = FL_N_GBUF;
     for (int i = g->n_ops - 1; i >= 0; i--) {
-        const fl_gop *o = &g->op[i];
+        fl_gop *o = &g->op[i];
         fl_gslot *si = &g->slot[o->in], *so = &g->slot[o->out];
+        o->acc = si->resid;
         if (o->kind == FL_GOP_ADD) {
             if (!si->resid || !so->resid)
                 return fl_errorf(FL_ERR_INTERNAL, "block graph: op %d adds '%s' off the residual path", i, si->name);
@@ -115,7 +127,22 @@ fl_status fl_block_graph_finish(fl_block_graph *g) {
         if (so->grad == FL_GBUF_NONE)
             return fl_errorf(FL_ERR_INTERNAL, "block graph: the backward reaches op %d before d('%s')", i, so->name);
         if (o->kind == FL_GOP_ROPE) continue; /* in place: in == out */
-        if (!si->resid) si->grad = so->grad == FL_GBUF_1 ? FL_GBUF_2 : FL_GBUF_1;
+        if (!si->resid) {
+            if (si->grad != FL_GBUF_NONE) {
+                o->acc = 1; /* a later reader already started d(in): add to it */
+            } else {
+                int b = 1;
+                while (b < FL_GRAPH_MAX_GBUF && holder[b] >= 0) b++;
+                if (b == FL_GRAPH_MAX_GBUF)
+                    return fl_errorf(FL_ERR_INTERNAL, "block graph: d('%s') needs more than %d gradient buffers",
+                                     si->name, FL_GRAPH_MAX_GBUF - 1);
+                si->grad = (int8_t)b;
+                holder[b] = o->in;
+                if (b + 1 > g->n_gbuf) g->n_gbuf = b + 1;
+            }
+        }
+        /* the op that makes its output has read d(out) for the last time */
+        if (!so->resid && def[o->out] == i && holder[so->grad] == o->out) holder[so->grad] = -1;
     }
     for (int s = 0; s < g->n_slots; s++)
         if (g->slot[s].grad > FL_GBUF_NONE && g->gbuf_width[g->slot[s].grad] < g->slot[s].width)
@@ -247,15 +274,16 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         if (o->kind == FL_GOP_ADD) continue; /* both sides on the residual path: d(in) += d(out) is the identity */
         float *din = gb[si->grad], *dout = gb[so->grad];
         const size_t wi = (size_t)si->width, wo = (size_t)so->width;
-        /* ops whose backward accumulates into d(in): an off-path gradient starts from zero */
-        if (!si->resid && o->kind != FL_GOP_LINEAR && o->kind != FL_GOP_ROPE)
+        /* ops whose backward accumulates into d(in): a gradient not started yet starts from zero (a
+         * LINEAR overwrites it instead; o->acc: the residual path, or another reader's part already there) */
+        if (!o->acc && o->kind != FL_GOP_LINEAR && o->kind != FL_GOP_ROPE)
             be->zero(be, din, (size_t)N * wi * sizeof(float));
         switch ((fl_gop_kind)o->kind) {
         case FL_GOP_NORM:
             fl_norm_backward(m, din, bp->d_norm_w[o->p], bp->d_norm_b[o->p], dout, s[o->in], bp->norm_w[o->p], S(o->a1),
                              S(o->a2), N);
             break;
-        case FL_GOP_LINEAR: FL_TRY(fl_linear_backward(be, din, si->resid, dout, s[o->in], &bp->lin[o->p], N)); break;
+        case FL_GOP_LINEAR: FL_TRY(fl_linear_backward(be, din, o->acc, dout, s[o->in], &bp->lin[o->p], N)); break;
         case FL_GOP_ROPE: rope(m, din, 1, x, wi); break;
         case FL_GOP_ATTN:
             be->attention_backward(be, din, dout, s[o->in], s[o->out], S(o->a1), x->B, x->T, d.NH, d.NKV, d.HD);

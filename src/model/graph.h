@@ -34,8 +34,12 @@ typedef enum {
     FL_GSLOT_STAT,   /* per-row fp32 statistics (norm mean / rstd, attention log-sum-exp): saved, never narrowed */
 } fl_gslot_kind;
 
-/* Which workspace buffer holds a slot's gradient during the backward. */
+/* Which workspace buffer holds a slot's gradient during the backward: RES the residual stream's,
+ * then the off-path buffers, assigned by liveness (a pre-norm chain alternates 1 and 2; a slot read by
+ * several ops keeps its buffer from its first gradient contribution to its producer's backward, so a
+ * parallel block needs a third). n_gbuf >= 3 of at most FL_GRAPH_MAX_GBUF. */
 typedef enum { FL_GBUF_NONE = -1, FL_GBUF_RES = 0, FL_GBUF_1 = 1, FL_GBUF_2 = 2, FL_N_GBUF = 3 } fl_gbuf;
+#define FL_GRAPH_MAX_GBUF 5 /* fl_acts.gbuf_more holds the 2 beyond FL_N_GBUF */
 
 typedef struct {
     const char *name;  /* "ln1", "qkv", ...: messages and docs */
@@ -62,6 +66,8 @@ typedef struct {
     int8_t a1, a2;       /* auxiliary output slots (statistics), -1 if none */
     int8_t p;            /* NORM: norm index (fl_block_params.norm_*), LINEAR: linear index (lin[], LoRA kind) */
     int8_t role_w, role_b; /* NORM / LINEAR: the parameters' fl_param_role (role_b -1: none) */
+    uint8_t acc;         /* derived: the backward adds to d(in) (the residual path, or a slot's later reader in
+                          * the backward's order: its gradients are summed) instead of starting it */
 } fl_gop;
 
 #define FL_GRAPH_MAX_NORMS 2
@@ -75,7 +81,8 @@ typedef struct fl_block_graph_s {
     /* derived (fl_block_graph_build) */
     int8_t prod[FL_GRAPH_MAX_SLOTS]; /* the block's own slots (not IN/OUT) in the order the ops produce them */
     int n_prod;
-    int gbuf_width[FL_N_GBUF];    /* widest gradient each backward buffer holds (floats per row) */
+    int n_gbuf;                   /* backward buffers (>= FL_N_GBUF) */
+    int gbuf_width[FL_GRAPH_MAX_GBUF]; /* widest gradient each backward buffer holds (floats per row) */
     int lin_in_max, lin_out_max;  /* widest LINEAR input / output (bf16 dW scratch) */
     /* inference (prefill / decode): slots share buffers by liveness */
     int n_ibuf;
@@ -87,8 +94,9 @@ typedef struct fl_block_graph_s {
 fl_status fl_block_graph_build(const fl_model_config *c, fl_block_graph *g);
 /* Derive a table's production order, gradient buffers, widths and inference buffers (n_slots, slot[] with
  * name/width/kind/resid, n_ops, op[], n_norms, n_linears filled; the rest zero), checking that
- * every slot is made once before it is read, off-path activations have one consumer, residual adds stay
- * on the residual path, and the input dies before the output is made. Used by fl_block_graph_build; a
+ * every slot is made once before it is read, every off-path activation is read (by one op or several:
+ * their gradients are summed), residual adds stay on the residual path, and the input dies before the
+ * output is made. Used by fl_block_graph_build; a
  * new architecture's builder calls it too. */
 fl_status fl_block_graph_finish(fl_block_graph *g);
 
@@ -113,7 +121,7 @@ typedef struct {
 fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
                            const fl_block_ctx *x);
 /* gb[FL_GBUF_RES] holds d(output) on entry and d(input) on return (accumulated along the residual path);
- * gb[FL_GBUF_1], gb[FL_GBUF_2]: (N, gbuf_width) scratch. Parameter gradients accumulate (+=). */
+ * gb[1 .. n_gbuf-1]: (N, gbuf_width) scratch. Parameter gradients accumulate (+=). */
 fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
                             float *const *gb, const fl_block_ctx *x);
 

@@ -26,6 +26,7 @@ struct fl_acts {
     float *dres;            /* (N, C) gradient of the residual stream */
     float *buf1;            /* (N, max(C, QD, F)) activation-gradient scratch; also dlnf */
     float *buf2;            /* (N, max(QKV, FCW)) */
+    float *gbuf_more[2];    /* the graph's backward buffers 3 and 4 (a slot read by several ops), else NULL */
     float *logits;          /* (chunk, V) */
     float *losses;          /* (N) per-token loss */
     int32_t *ids;           /* (N) copy of the forward's token ids, for the embedding backward */

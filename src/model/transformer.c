@@ -228,7 +228,7 @@ static fl_status model_backward(fl_model *m) {
         fl_block_params bp;
         fl_get_block(m, a->graph, l, &bp);
         fl_block_ctx x = train_ctx(m, B, T);
-        float *const gb[FL_N_GBUF] = {dres, buf1, buf2};
+        float *const gb[FL_GRAPH_MAX_GBUF] = {dres, buf1, buf2, a->gbuf_more[0], a->gbuf_more[1]};
         FL_TRY(fl_block_backward(m, a->graph, &bp, a->layer[l].s, gb, &x));
         FL_TRY(fl_grad_stage_flush(m, m->layout.group_offset[l + 1], gn));
         PP_RELEASE(l + 1);
