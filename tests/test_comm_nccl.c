@@ -418,3 +418,48 @@ FL_TEST(comm_nccl_standin_split) {
     FL_REQUIRE_OK(fl_comm_threads_run(4, sp_rank, &x));
     for (int r = 0; r < 4; r++) FL_CHECKF(!x.bad[r], "rank %d: wrong split or sum %s", r, x.msg[r]);
 }
+
+/* The watchdog: rank 1 never posts the all-reduce rank 0 waits in (a peer that stopped without
+ * failing: NCCL would wait forever). With FITLLM_NCCL_TIMEOUT=0.3 rank 0's wait fails after about
+ * that long, naming the collective and the limit, and its communicator refuses later calls. */
+typedef struct {
+    fl_status st;
+    char msg[1024];
+    double waited_s;
+    int later_refused;
+} wd_ctx;
+
+static fl_status wd_rank(fl_comm *host, int rank, void *p) {
+    wd_ctx *x = p;
+    fl_comm *c;
+    FL_TRY(fl_comm_nccl_create(host, fl_nccl_standin_api(), NULL, &c));
+    if (rank == 0) {
+        float v[8] = {0};
+        struct timespec a, b;
+        clock_gettime(CLOCK_MONOTONIC, &a);
+        x->st = fl_comm_all_reduce(c, v, v, 8, FL_F32, FL_COMM_SUM);
+        clock_gettime(CLOCK_MONOTONIC, &b);
+        x->waited_s = (double)(b.tv_sec - a.tv_sec) + (b.tv_nsec - a.tv_nsec) * 1e-9;
+        snprintf(x->msg, sizeof x->msg, "%s", x->st != FL_OK ? fl_error_message() : "");
+        x->later_refused = fl_comm_all_reduce(c, v, v, 8, FL_F32, FL_COMM_SUM) != FL_OK;
+    }
+    fl_comm_barrier(host); /* rank 1 waits here, on the host, until rank 0 gave up */
+    fl_comm_destroy(c);
+    return FL_OK;
+}
+
+FL_TEST(comm_nccl_watchdog_ends_a_wait_for_a_silent_peer) {
+    wd_ctx x;
+    memset(&x, 0, sizeof x);
+    setenv("FITLLM_NCCL_TIMEOUT", "0.3", 1);
+    FL_CHECK(fl_comm_nccl_timeout() == 0.3);
+    fl_status s = fl_comm_threads_run(2, wd_rank, &x);
+    unsetenv("FITLLM_NCCL_TIMEOUT");
+    FL_CHECK(fl_comm_nccl_timeout() == 600.0);
+    FL_REQUIRE_OK(s);
+    FL_CHECKF(x.st == FL_ERR_IO && strstr(x.msg, "comm nccl: rank 0 of 2: all_reduce(count 8, F32, sum)") &&
+                  strstr(x.msg, "no completion after 0.3 s") && strstr(x.msg, "FITLLM_NCCL_TIMEOUT"),
+              "rank 0: %s '%s'", fl_status_name(x.st), x.msg);
+    FL_CHECKF(x.waited_s >= 0.3, "rank 0 gave up after %.3f s, before the limit", x.waited_s);
+    FL_CHECK(x.later_refused);
+}

@@ -36,7 +36,10 @@
  *    polled while it waits). fl_comm_test queries the event. The bucketed gradient reduction
  *    therefore overlaps the next block's backward on the GPU;
  *  - no scratch in fitllm's pools (NCCL keeps its own buffers, outside the memory report);
- *  - barrier = the host communicator's barrier; abort = ncclCommAbort, then the host's abort.
+ *  - barrier = the host communicator's barrier; abort = ncclCommAbort, then the host's abort;
+ *  - a watchdog: a wait that sees no completion for FITLLM_NCCL_TIMEOUT seconds (default 600, as
+ *    PyTorch's; 0: none) aborts the communicator and fails naming the collective (NCCL itself waits
+ *    forever for a peer that stopped without failing, or whose collectives differ).
  *
  * Devices: one process per GPU. The cuda backend picks device = the launcher's local rank (one
  * visible device per rank, e.g. srun --gpus-per-task=1: that device). NCCL refuses two ranks on
@@ -116,6 +119,8 @@ typedef struct fl_nccl_api {
  * Collective over host: rank 0 creates the unique id and broadcasts it (its failure reaches every
  * rank). host must outlive the result; fl_comm_destroy(*out) does not destroy host. */
 fl_status fl_comm_nccl_create(fl_comm *host, const fl_nccl_api *api, void *stream, fl_comm **out);
+/* The watchdog's limit new communicators take: FITLLM_NCCL_TIMEOUT (seconds), default 600. */
+double fl_comm_nccl_timeout(void);
 
 /* The real NCCL table (NULL in a build without NCCL) and the CPU stand-in (always built). */
 const fl_nccl_api *fl_nccl_cuda_api(void);

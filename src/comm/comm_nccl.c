@@ -33,7 +33,23 @@ typedef struct {
     void *ready;       /* event on the compute stream, re-recorded per collective */
     nreq *head;        /* outstanding requests */
     int owns_host;     /* a split's: its host communicator (a split of the parent's host) is its own */
+    double timeout_s;  /* a wait that sees no completion for this long aborts (fl_comm_nccl_timeout) */
 } ncomm;
+
+/* FITLLM_NCCL_TIMEOUT seconds (default 600, PyTorch's NCCL watchdog default; 0 or less: never). */
+double fl_comm_nccl_timeout(void) {
+    const char *e = getenv("FITLLM_NCCL_TIMEOUT");
+    if (!e || !*e) return 600.0;
+    char *end;
+    double v = strtod(e, &end);
+    return end != e ? v : 600.0;
+}
+
+static double mono_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
 
 static int nccl_dtype(fl_dtype dt) {
     return dt == FL_BF16 ? FL_NCCL_BFLOAT16 : dt == FL_F16 ? FL_NCCL_FLOAT16 : FL_NCCL_FLOAT32;
@@ -219,14 +235,26 @@ static fl_status n_wait(fl_comm *c, fl_comm_req *base) {
     fl_comm_what(what, sizeof what, base->kind, base->count, base->dtype, base->op, 0);
     fl_status s;
     int done = 0, spins = 0;
+    ncomm *m = c->impl;
+    const double t0 = mono_s();
     /* poll rather than cudaEventSynchronize: a peer's failure shows as NCCL's asynchronous error
-     * while our event never completes */
+     * while our event never completes. A peer that stopped without failing (it left the training
+     * loop, it is stuck, or the ranks' collectives differ) shows as nothing at all: NCCL waits
+     * forever, so after timeout_s this rank aborts the communicator and says so (PyTorch's watchdog) */
     while ((s = poll_req(c, r, what, &done)) == FL_OK && !done) {
         if (++spins < 64) {
             sched_yield();
         } else {
             struct timespec ts = {0, 20000}; /* 20 us */
             nanosleep(&ts, NULL);
+            if ((spins & 1023) == 0 && m->timeout_s > 0 && mono_s() - t0 > m->timeout_s) {
+                if (m->nc) m->api->comm_abort(m->nc); /* NCCL's communicator freed; later calls fail */
+                m->nc = NULL;
+                s = fl_comm_fail(c, FL_ERR_IO, what,
+                                 "no completion after %.4g s: a peer stopped or the ranks' collectives differ; the "
+                                 "communicator was aborted (FITLLM_NCCL_TIMEOUT sets the limit)", m->timeout_s);
+                break;
+            }
         }
     }
     unlink_free(c, r);
@@ -324,6 +352,7 @@ fl_status fl_comm_nccl_create(fl_comm *host, const fl_nccl_api *api, void *strea
         free(m);
         return fl_errorf(FL_ERR_OOM, "comm nccl: cannot allocate a handle");
     }
+    m->timeout_s = fl_comm_nccl_timeout();
     m->api = api;
     m->host = host;
     m->compute = stream;
