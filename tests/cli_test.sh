@@ -104,6 +104,8 @@ R=tests/fixtures/litgpt-recipes
 expect plan_recipe_devices_space 0 "FITS" -- "$FITLLM" plan llama-2-7b --config "$R/finetune/llama-2-7b/full.yaml" --devices 1 --device-memory 80GB
 expect plan_recipe_devices_eq 0 "FITS" -- "$FITLLM" plan llama-2-7b --config "$R/finetune/llama-2-7b/full.yaml" --devices=auto --device-memory 80GB
 expect plan_recipe_devices_4 0 "FSDP FULL_SHARD \(ZeRO-3\) over 4 ranks" -- "$FITLLM" plan llama-2-7b --config "$R/finetune/llama-2-7b/full.yaml" --device-memory 80GB
+# several ranks are rehearsed as threads: too many is a clear refusal (exit 2), not the threads communicator's limit
+expect plan_too_many_ranks 2 "4800 ranks \(devices 8 x num_nodes 600\): a plan rehearses every rank as a thread of this process, at most 4096" -- "$FITLLM" plan micro --devices 8 --num_nodes 600 --train.global_batch_size 4800
 expect plan_litgpt_model_name 0 "FITS" -- "$FITLLM" plan TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T --device-memory 80GB
 # OPT (BLIP-2's language model): the plan of its real shape, a full fine-tune of the test shape saved as an HF
 # folder whose loss `fitllm loss` reads back, and LoRA with OPT's module names

@@ -11,6 +11,7 @@
 #include "fitllm/checkpoint.h"
 #include "fitllm/comm.h"
 #include "test.h"
+#include "train/dp.h"
 
 typedef struct {
     fl_run_config cfg;
@@ -179,5 +180,41 @@ FL_TEST(ddp_threads_setup_failures_reach_every_rank) {
     for (int r = 0; r < 2; r++)
         FL_CHECKF(j->st[r] != FL_OK && strstr(j->msg[r], "rank 0 of 2") && strstr(j->msg[r], "no-such-model"),
                   "rank %d: %s", r, j->msg[r]);
+    free(j);
+}
+
+/* fl_dp_agree directly, 4 thread ranks (nothing returns early, so every rank's answer is its own): all
+ * OK agree on OK; ranks 1 and 3 failing with different errors give every rank rank 1's status and
+ * message, named "rank 1 of 4" (the lowest failing rank's, sent by it alone). */
+typedef struct {
+    fl_status st[2][4];
+    char msg[4][600];
+} agree_job;
+
+static fl_status agree_rank(fl_comm *c, int rank, void *ud) {
+    agree_job *j = ud;
+    fl_dp dp;
+    memset(&dp, 0, sizeof dp);
+    fl_dp_init(&dp, c, NULL);
+    j->st[0][rank] = fl_dp_agree(&dp, FL_OK);
+    fl_status mine = FL_OK;
+    if (rank == 1) mine = fl_errorf(FL_ERR_IO, "rank one's disk is full");
+    if (rank == 3) mine = fl_errorf(FL_ERR_OOM, "rank three is out of memory");
+    j->st[1][rank] = fl_dp_agree(&dp, mine);
+    snprintf(j->msg[rank], sizeof j->msg[rank], "%s", fl_error_message());
+    fl_dp_done(&dp);
+    return FL_OK;
+}
+
+FL_TEST(ddp_agree_returns_the_lowest_failing_ranks_error_everywhere) {
+    agree_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    FL_REQUIRE_OK(fl_comm_threads_run(4, agree_rank, j));
+    for (int r = 0; r < 4; r++) {
+        FL_CHECKF(j->st[0][r] == FL_OK, "rank %d: all OK gave %s", r, fl_status_name(j->st[0][r]));
+        FL_CHECKF(j->st[1][r] == FL_ERR_IO && strstr(j->msg[r], "rank 1 of 4: rank one's disk is full") &&
+                      !strstr(j->msg[r], "three"),
+                  "rank %d: %s '%s'", r, fl_status_name(j->st[1][r]), j->msg[r]);
+    }
     free(j);
 }

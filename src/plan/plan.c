@@ -244,6 +244,8 @@ static int rehearse(const plan_ctx *x, const fl_run_config *c, const fl_optim_co
  * run's scratch: MPI's receive scratch for CPU ranks over mpirun, none for thread ranks or NCCL).
  * Only the planned rank has the budget, so a verdict is its own; its failure breaks the group
  * (fl_trainer_rehearse_comm), so the others return. */
+#define FL_PLAN_MAX_RANKS 4096 /* the threads communicator's largest group (about 9 s and 1.4 GB at 4096) */
+
 typedef struct {
     const plan_ctx *x;
     const fl_run_config *v;
@@ -299,7 +301,11 @@ static int rehearse_ranks(const plan_ctx *x, const fl_run_config *c, const fl_op
     }
     *k = (ranks_ctx){.x = x, .v = &v, .B = B, .accum = accum, .budget = budget, .s = FL_ERR_INTERNAL};
     pthread_mutex_init(&k->mu, NULL);
-    fl_status s = fl_comm_threads_run(world, rehearse_rank, k);
+    fl_status s = world > FL_PLAN_MAX_RANKS
+                      ? fl_errorf(FL_ERR_INVALID, "plan: %d ranks (devices %d x num_nodes %d): a plan rehearses every "
+                                  "rank as a thread of this process, at most %d", world, c->devices, c->num_nodes,
+                                  FL_PLAN_MAX_RANKS)
+                      : fl_comm_threads_run(world, rehearse_rank, k);
     if (s == FL_OK) {
         s = k->s;
         /* the planned rank failed because another one did (the group broke): that one's error */
