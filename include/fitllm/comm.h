@@ -297,7 +297,8 @@ void fl_comm_abort(fl_comm *c, int code, const char *msg);
  * group's timeout. Where they are (threads, and the staged, nccl and null communicators over
  * threads: the NCCL stand-in's own group too), the group breaks as fl_comm_abort breaks it and
  * this returns 1; their calls then fail with "rank R aborted (code 1): msg". Processes (mpi) and a
- * single rank: nothing (0); the failing process's exit ends an MPI job. Never exits. */
+ * single rank: nothing (0); the failing process's exit ends an MPI job. Never exits. msg may be
+ * fl_error_message(): this thread's message is msg afterwards. */
 int fl_comm_release_peers(fl_comm *c, const char *msg);
 
 #ifdef __cplusplus

@@ -106,7 +106,7 @@ fl_status fl_trainer_rehearse(const fl_run_config *cfg, const fl_model_config *m
                               size_t budget, int B, int T, int accum, int gen_prompt, fl_trainer_result *res);
 /* The same for one rank of comm's (several ranks: every rank of comm calls it, each with its own
  * backend, whose comm_create makes the device communicator: the null backend's moves no bytes). The
- * set-up follows fl_trainer_run_comm's, agreements included; a rank that fails breaks comm's group
+ * set-up follows fl_trainer_run_comm's (its agreements aside); a rank that fails breaks comm's group
  * (fl_comm_abort's semantics) so the others return instead of waiting. Each rank's res is its own. */
 fl_status fl_trainer_rehearse_comm(const fl_run_config *cfg, const fl_model_config *mc, const fl_backend *be,
                                    fl_comm *comm, size_t budget, int B, int T, int accum, int gen_prompt,

@@ -373,7 +373,13 @@ void fl_comm_abort(fl_comm *c, int code, const char *msg) {
 }
 
 int fl_comm_release_peers(fl_comm *c, const char *msg) {
-    return c && c->vt->release_peers ? c->vt->release_peers(c, msg ? msg : "") : 0;
+    if (!c || !c->vt->release_peers) return 0;
+    /* msg is usually this thread's error message, which the implementation's calls may rewrite */
+    char keep[2048];
+    snprintf(keep, sizeof keep, "%s", msg ? msg : "");
+    int r = c->vt->release_peers(c, keep);
+    fl_errorf(FL_OK, "%s", keep);
+    return r;
 }
 
 void fl_comm_destroy(fl_comm *c) {

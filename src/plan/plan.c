@@ -14,7 +14,6 @@
  * mpirun; none for thread ranks or NCCL). The rank planned alone has the budget, so a verdict is its
  * own. There is no hand-kept replay left: tests/test_zero.c, tests/test_fsdp.c and the MPI tests
  * compare these plans with the runs' measured pools. */
-#include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -251,12 +250,9 @@ typedef struct {
     const fl_run_config *v;
     int B, accum;
     size_t budget;
-    fl_status s;             /* the planned rank's */
+    fl_status s;             /* the planned rank's (another rank's failure reaches it with its message) */
     fl_trainer_result r;
-    char msg[1024];          /* its message */
-    fl_status first;         /* another rank's failure that did not come from the group breaking */
-    char first_msg[1024];
-    pthread_mutex_t mu;
+    char msg[2048];          /* its message */
 } ranks_ctx;
 
 static fl_status rehearse_rank(fl_comm *comm, int rank, void *ud) {
@@ -277,15 +273,8 @@ static fl_status rehearse_rank(fl_comm *comm, int rank, void *ud) {
         k->s = s;
         k->r = r;
         snprintf(k->msg, sizeof k->msg, "%s", s == FL_OK ? "" : fl_error_message());
-    } else if (s != FL_OK && !strstr(fl_error_message(), " aborted (code ")) {
-        pthread_mutex_lock(&k->mu);
-        if (k->first == FL_OK) {
-            k->first = s;
-            snprintf(k->first_msg, sizeof k->first_msg, "%s", fl_error_message());
-        }
-        pthread_mutex_unlock(&k->mu);
     }
-    return FL_OK; /* the statuses are read from k */
+    return FL_OK; /* the planned rank's status is read from k */
 }
 
 static int rehearse_ranks(const plan_ctx *x, const fl_run_config *c, const fl_optim_config *oc, int B, int accum,
@@ -300,20 +289,13 @@ static int rehearse_ranks(const plan_ctx *x, const fl_run_config *c, const fl_op
         return 0;
     }
     *k = (ranks_ctx){.x = x, .v = &v, .B = B, .accum = accum, .budget = budget, .s = FL_ERR_INTERNAL};
-    pthread_mutex_init(&k->mu, NULL);
     fl_status s = world > FL_PLAN_MAX_RANKS
                       ? fl_errorf(FL_ERR_INVALID, "plan: %d ranks (devices %d x num_nodes %d): a plan rehearses every "
                                   "rank as a thread of this process, at most %d", world, c->devices, c->num_nodes,
                                   FL_PLAN_MAX_RANKS)
                       : fl_comm_threads_run(world, rehearse_rank, k);
-    if (s == FL_OK) {
-        s = k->s;
-        /* the planned rank failed because another one did (the group broke): that one's error */
-        if (s != FL_OK && s != FL_ERR_OOM && k->first != FL_OK) fl_errorf(s = k->first, "%s", k->first_msg);
-        else if (s != FL_OK) fl_errorf(s, "%s", k->msg);
-    }
+    if (s == FL_OK && (s = k->s) != FL_OK) fl_errorf(s, "%s", k->msg);
     int fits = rehearsal_result(x, s, &k->r, world, budget, out, peak_total);
-    pthread_mutex_destroy(&k->mu);
     free(k);
     return fits;
 }

@@ -683,19 +683,14 @@ fl_status fl_trainer_rehearse_comm(const fl_run_config *cfg, const fl_model_conf
     s = fl_backend_pools_init(&t.be, &t.pool, &t.hpool, be->host_memory ? "cpu" : "cuda", budget);
     if (s != FL_OK) goto done;
     t.pool_ok = 1;
-    /* fl_trainer_run_comm's set-up sequence, agreements included (a rank that fails stops the others
-     * at the next one; after set-up it breaks the group: see done) */
+    /* fl_trainer_run_comm's set-up sequence; its agreements are left out (they allocate nothing, and a
+     * rank that fails here breaks the group: see done) */
     fl_dp_init(&t.dp, comm, &t.pool);
     t.dp.be = &t.be;
-    if (t.dp.world > 1 && !be->comm_create) {
+    if (t.dp.world > 1 && !be->comm_create)
         s = fl_errorf(FL_ERR_UNSUPPORTED, "rehearsing %d ranks needs a backend with a device communicator (the null "
                       "backend's)", t.dp.world);
-        goto done;
-    }
-    if (t.dp.world > 1) {
-        s = fl_dp_agree(&t.dp, FL_OK);
-        if (s == FL_OK) s = fl_dp_device_comm(&t.dp, &t.be);
-    }
+    if (s == FL_OK) s = fl_dp_device_comm(&t.dp, &t.be);
     fl_strategy_choice sc;
     /* the planned backend's choice: a GPU's under --accelerator cuda (the null communicator is a
      * device one on either) */
@@ -711,9 +706,7 @@ fl_status fl_trainer_rehearse_comm(const fl_run_config *cfg, const fl_model_conf
     t.T = T;
     t.accum = accum;
     t.G = accum * t.dp.world;
-    if (t.dp.world > 1 && cfg->command != FL_CMD_FINETUNE_LORA && s == FL_OK) s = fl_dp_agree(&t.dp, s);
     if (s == FL_OK) s = setup_training(&t, &rcfg, &sc);
-    if (t.dp.world > 1 && s == FL_OK) s = fl_dp_agree(&t.dp, s);
     if (s == FL_OK) s = fl_dp_broadcast_params(&t.dp, &t.opt); /* rank 0's weights everywhere, as DDP starts */
     if (s != FL_OK) goto done;
     /* a step of token 0 everywhere, every target valid (the values do not matter: nothing computes) */
@@ -739,12 +732,7 @@ fl_status fl_trainer_rehearse_comm(const fl_run_config *cfg, const fl_model_conf
 done:
     /* several ranks: a failure anywhere (this rank's OOM under its budget) breaks the group, so the
      * others' next collective fails at once instead of waiting for this rank */
-    if (s != FL_OK && t.dp.comm) {
-        char msg[256];
-        snprintf(msg, sizeof msg, "%s", fl_error_message());
-        fl_comm_release_peers(fl_dp_dcomm(&t.dp), msg);
-        fl_errorf(s, "%s", msg); /* abort may have written its own */
-    }
+    if (s != FL_OK && t.dp.comm) fl_comm_release_peers(fl_dp_dcomm(&t.dp), fl_error_message());
     if (t.pool_ok) result_memory(&t, s, &r);
     if (res) *res = r;
     free(prompt);
@@ -1114,13 +1102,8 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
     print_box(&t, &r);
 done:
     if (s != FL_OK && in_setup && !agreed) s = fl_dp_agree(&t.dp, s); /* meet the others' next AGREE */
-    if (s != FL_OK && !in_setup && t.dp.comm) { /* no agreement follows: peers that are threads would wait in
-                                                 * their next collective until the group's timeout */
-        char msg[512];
-        snprintf(msg, sizeof msg, "%s", fl_error_message());
-        fl_comm_release_peers(fl_dp_dcomm(&t.dp), msg);
-        fl_errorf(s, "%s", msg);
-    }
+    /* no agreement follows: peers that are threads would wait in their next collective */
+    if (s != FL_OK && !in_setup && t.dp.comm) fl_comm_release_peers(fl_dp_dcomm(&t.dp), fl_error_message());
     r.error_all_ranks = in_setup;
 #undef AGREE
 #undef CHECK
