@@ -221,20 +221,26 @@ static int rehearsal_result(const plan_ctx *x, fl_status s, const fl_trainer_res
     return s == FL_OK;
 }
 
-/* One process: the trainer's real set-up and first step on the null backend standing in for
- * the CPU or (plan --accelerator cuda) the GPU; same contract as simulate(). */
+/* The trainer's real set-up and first step (of one rank of comm's, or of the one process) on its own
+ * null backend standing in for the CPU or (plan --accelerator cuda) the GPU; r gets its record. */
+static fl_status rehearse_on_null(const plan_ctx *x, const fl_run_config *v, fl_comm *comm, size_t budget, int B,
+                                  int accum, fl_trainer_result *r) {
+    memset(r, 0, sizeof *r);
+    fl_backend be;
+    FL_TRY(fl_null_backend_init_for(&be, x->cuda ? "cuda" : "cpu"));
+    fl_null_backend_set_mpi_scratch(&be, !x->comm_threads && !x->cuda); /* several CPU ranks over mpirun */
+    fl_status s = fl_trainer_rehearse_comm(v, &x->mc, &be, comm, budget, B, x->T, accum, x->gen ? x->n_prompt : 0, r);
+    fl_null_backend_free(&be);
+    return s;
+}
+
+/* One process; same contract as simulate(). */
 static int rehearse(const plan_ctx *x, const fl_run_config *c, const fl_optim_config *oc, int B, int accum,
                     size_t budget, fl_plan *out, size_t *peak_total) {
     fl_run_config v = *c;
     v.optimizer = *oc;
-    fl_backend be;
     fl_trainer_result r;
-    memset(&r, 0, sizeof r);
-    fl_status s = fl_null_backend_init_for(&be, x->cuda ? "cuda" : "cpu");
-    if (s == FL_OK) {
-        s = fl_trainer_rehearse(&v, &x->mc, &be, budget, B, x->T, accum, x->gen ? x->n_prompt : 0, &r);
-        fl_null_backend_free(&be);
-    }
+    fl_status s = rehearse_on_null(x, &v, NULL, budget, B, accum, &r);
     return rehearsal_result(x, s, &r, 1, budget, out, peak_total);
 }
 
@@ -257,18 +263,9 @@ typedef struct {
 
 static fl_status rehearse_rank(fl_comm *comm, int rank, void *ud) {
     ranks_ctx *k = ud;
-    const plan_ctx *x = k->x;
-    const int me = rank == x->rank;
-    fl_backend be;
+    const int me = rank == k->x->rank;
     fl_trainer_result r;
-    memset(&r, 0, sizeof r);
-    fl_status s = fl_null_backend_init_for(&be, x->cuda ? "cuda" : "cpu");
-    if (s == FL_OK) {
-        fl_null_backend_set_mpi_scratch(&be, !x->comm_threads && !x->cuda);
-        s = fl_trainer_rehearse_comm(k->v, &x->mc, &be, comm, me ? k->budget : 0, k->B, x->T, k->accum,
-                                     x->gen ? x->n_prompt : 0, &r);
-        fl_null_backend_free(&be);
-    }
+    fl_status s = rehearse_on_null(k->x, k->v, comm, me ? k->budget : 0, k->B, k->accum, &r);
     if (me) {
         k->s = s;
         k->r = r;
