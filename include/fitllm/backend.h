@@ -375,6 +375,12 @@ struct fl_backend {
 
     /* Initialize p as this backend's pool for tensor memory (parameters, gradients, optimizer state, activations, KV cache): CPU and ref: fl_mem_pool_init(p, name, budget). */
     fl_status (*pool_init)(const fl_backend *be, fl_mem_pool *p, const char *name, size_t budget);
+    /* Initialize p as the pool of the host tier of an offloaded run (CPU offload: the optimizer state and
+     * the update's staging live there, outside the device's budget): host memory that this backend's
+     * to_host / to_device reach fastest. cuda: page-locked (cudaMallocHost), so the copies run at the
+     * link's speed without a bounce buffer; cpu, ref, opaque, cuda-emu: ordinary host memory; null: its
+     * fake addresses (counted, never touched). */
+    fl_status (*host_pool_init)(const fl_backend *be, fl_mem_pool *p, const char *name, size_t budget);
 
     void *impl; /* backend-private state (last: the op slots from gemm to here are the whole table) */
 };

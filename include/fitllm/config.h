@@ -168,10 +168,15 @@ fl_status fl_cfg_validate(const fl_run_config *c);
  * deepspeed_stage_1 -> 1 (optimizer state sharded), deepspeed_stage_2 and fsdp + SHARD_GRAD_OP -> 2
  * (also the reduced gradients), deepspeed_stage_3 and fsdp + FULL_SHARD (fsdp's default) -> 3 (also the
  * parameters: src/train/fsdp.c), fsdp + HYBRID_SHARD -> 3 (FULL_SHARD within each node, replicated
- * across nodes: fl_cfg_hybrid_shard). What is not built yet (_HYBRID_SHARD_ZERO2, the offload
- * variants) is FL_ERR_UNSUPPORTED naming issue #14, never mapped onto something else; unknown names
- * FL_ERR_INVALID. sharding may be NULL. */
+ * across nodes: fl_cfg_hybrid_shard); deepspeed_stage_1_offload -> 1 and deepspeed_stage_2_offload -> 2
+ * with the optimizer offloaded (fl_cfg_offload). What is not built yet (_HYBRID_SHARD_ZERO2, parameter
+ * offload: deepspeed_stage_3_offload, fsdp_cpu_offload) is FL_ERR_UNSUPPORTED, never mapped onto
+ * something else; unknown names FL_ERR_INVALID. sharding may be NULL. */
 fl_status fl_cfg_zero_stage(const char *strategy, const char *sharding, int *stage);
+/* Whether the strategy offloads the optimizer (ZeRO-Offload: deepspeed_stage_1_offload,
+ * deepspeed_stage_2_offload): its state lives in the backend's host tier (host_pool_init), outside
+ * the device budget, and the update runs there on the host's cores (src/train/optim.c). */
+int fl_cfg_offload(const char *strategy);
 /* Whether strategy + sharding is HYBRID_SHARD: FULL_SHARD over the --devices ranks of each node
  * (ranks node*devices .. node*devices + devices-1), replicated across the --num_nodes nodes. */
 int fl_cfg_hybrid_shard(const char *strategy, const char *sharding);
@@ -189,6 +194,7 @@ typedef struct {
     int act_ckpt;      /* activation checkpointing per block: train.activation_checkpointing when given; null:
                         * on where auto picks FSDP for finetune_full (LitGPT's finetune/full.py wraps each Block
                         * with activation_checkpointing_policy={Block} when it shards), else off */
+    int offload;       /* the optimizer offloaded to the host (fl_cfg_offload) */
 } fl_strategy_choice;
 /* --strategy auto (the default) per command as LitGPT does, for devices x num_nodes ranks:
  * finetune_full -> FSDP FULL_SHARD; pretrain -> LitGPT's HYBRID_SHARD (num_nodes > 1; on one node

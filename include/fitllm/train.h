@@ -100,7 +100,24 @@ typedef struct fl_optimizer {
     int n_slots;
     void *x8;
     size_t x8_bytes;
+    /* Where the state lives and the update runs: sbe's memory from spool (the model's backend and pool;
+     * under CPU offload, fl_optim_init_offload, the host backend and the host tier). Checkpoints read and
+     * write m, v and buf through sbe. */
+    const fl_backend *sbe;
+    struct fl_mem_pool *spool;
+    int offload;            /* 1: fl_optim_init_offload */
+    void *hp, *hg;          /* offload on a device whose memory the host cannot read: one piece of the
+                             * parameters and of the gradients in the host tier (WORKSPACE), staged per update */
+    size_t piece;           /* their elements */
 } fl_optimizer;
+
+/* CPU offload (ZeRO-Offload; fl_cfg_offload): the host backend the update runs on (the model's own
+ * backend when its memory is host memory) and the host tier its state comes from (be->host_pool_init of
+ * the model's backend: outside the device pool and its budget). */
+typedef struct {
+    const fl_backend *be;
+    struct fl_mem_pool *pool;
+} fl_optim_offload;
 
 /* Optimizer over the model's trainable parameters: all of them, or only the
  * LoRA adapters when the model has LoRA (the base is frozen). */
@@ -110,6 +127,19 @@ fl_status fl_optim_init(fl_optimizer *o, fl_model *model, const fl_optim_config 
  * state per tensor: see fl_optim_8bit_piece. A sharded model (FULL_SHARD, m->pp): state for the
  * whole shard; world and rank place 8-bit AdamW's pieces (fl_optim_8bit_fsdp_piece). */
 fl_status fl_optim_init_shard(fl_optimizer *o, fl_model *model, const fl_optim_config *cfg, int world, int rank);
+/* The same with the state in off's host tier and the update on off's backend (off NULL: as
+ * fl_optim_init_shard). AdamW (fp32 or bf16 state) and SGD; not 8-bit AdamW, nor a sharded model
+ * (FULL_SHARD's parameters stay on the device: parameter offload is not built). Each step copies this
+ * rank's range of the (reduced) gradients and the parameters to the host piece by piece, updates them
+ * there with the host's kernels and copies the parameters back: the same arithmetic as the update on the
+ * device where the kernels are the same (cpu, opaque); on a backend whose memory is host memory nothing is
+ * copied (the update runs in place, only the state lives in the host tier). */
+fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim_config *cfg, int world, int rank,
+                                const fl_optim_offload *off);
+/* Elements per piece of the offloaded update's staging (0: the default, 4 Mi: 16 MiB of fp32 each for
+ * parameters and gradients). Tests use small odd sizes so the range spans several pieces. */
+void fl_optim_set_offload_piece(size_t elements);
+size_t fl_optim_offload_piece(void);
 /* 8-bit AdamW under ZeRO: the piece [*a, *a + *len) of a tensor (t_n elements at flat offset t_off
  * of n) whose state rank `rank` of `world` keeps and updates: the tensor's elements inside the
  * rank's chunk, widened to whole blocks of 256 on 8-bit tensors (fl_adam8bit_is_8bit(t_n)), so

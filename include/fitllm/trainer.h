@@ -50,6 +50,11 @@ typedef struct {
      * the (reduced) gradients this session; 0 and 0 without loss scaling */
     float loss_scale;
     long skipped_steps;
+    /* CPU offload (fl_cfg_offload): 1, and the host tier's peaks (the optimizer state and the update's
+     * staging; outside peak[] and the device budget); 0 otherwise */
+    int offload;
+    size_t host_peak[8];
+    size_t host_peak_total;
 } fl_trainer_result;
 
 /* res (may be NULL) is filled on success and on failure: peak and peak_total

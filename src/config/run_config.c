@@ -70,7 +70,7 @@ static const fl_cfg_key k_keys[] = {
     {"precision", FL_CK_PRECISION, OFF(precision), "32-true | bf16-true | bf16-mixed | 16-true | 16-mixed"},
     {"devices", FL_CK_DEVICES, OFF(devices), "devices (ranks) per node, or auto (1 CPU device); > 1: data parallel over devices x num_nodes ranks"},
     {"num_nodes", FL_CK_POS, OFF(num_nodes), "number of nodes"},
-    {"strategy", FL_CK_STR32, OFF(strategy), "auto | ddp | deepspeed_stage_1 | deepspeed_stage_2 | deepspeed_stage_3 | fsdp (auto, as LitGPT: fsdp FULL_SHARD for finetune_full and pretrain, ddp over the adapters for adapter fine-tuning, on CPUs and GPUs; ZeRO-1/2 shard the optimizer state / gradients; ZeRO-3 = fsdp FULL_SHARD also the parameters, gathered block by block)"},
+    {"strategy", FL_CK_STR32, OFF(strategy), "auto | ddp | deepspeed_stage_1 | deepspeed_stage_2 | deepspeed_stage_3 | deepspeed_stage_1_offload | deepspeed_stage_2_offload | fsdp (auto, as LitGPT: fsdp FULL_SHARD for finetune_full and pretrain, ddp over the adapters for adapter fine-tuning, on CPUs and GPUs; ZeRO-1/2 shard the optimizer state / gradients; ZeRO-3 = fsdp FULL_SHARD also the parameters, gathered block by block; *_offload: ZeRO-Offload, the optimizer state in host memory outside the device budget and the update on the host's cores, AdamW or SGD, one device or several)"},
     {"fsdp.sharding_strategy", FL_CK_STR32, OFF(sharding_strategy), "--strategy fsdp: FULL_SHARD (default; = ZeRO-3: parameters, gradients and optimizer state divided by the ranks) | SHARD_GRAD_OP (= ZeRO-2) | NO_SHARD (= ddp) | HYBRID_SHARD (FULL_SHARD within each node of --devices ranks, replicated across --num_nodes; pretrain's auto across nodes)"},
     {"fsdp.state_dict_type", FL_CK_STR32, OFF(state_dict_type), "checkpoints of every strategy: full (consolidated, one file set) | sharded (each rank writes its element ranges; resumable at any world size; fitllm merge_shards consolidates)"},
     {"resume", FL_CK_RESUME, OFF(resume), "false | true | auto | path to a checkpoint folder"},
@@ -533,21 +533,27 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
     return fl_errorf(FL_ERR_INTERNAL, "option '%s': unhandled type", key);
 }
 
-/* Lightning's and DeepSpeed's names for what is not built yet (issue #14): refused, never mapped
- * onto something else. */
+/* Lightning's and DeepSpeed's names for what is not built yet: refused, never mapped onto something
+ * else. */
 static fl_status not_yet(const char *what, const char *name) {
-    return fl_errorf(FL_ERR_UNSUPPORTED, "%s '%s' is not implemented yet (issue #14: offload comes later); use "
-                     "--strategy ddp, deepspeed_stage_1, deepspeed_stage_2, deepspeed_stage_3, or fsdp with "
-                     "--fsdp.sharding_strategy NO_SHARD, SHARD_GRAD_OP, FULL_SHARD or HYBRID_SHARD", what, name);
+    return fl_errorf(FL_ERR_UNSUPPORTED, "%s '%s' is not implemented yet (parameter offload: the parameters on the host "
+                     "between uses); use deepspeed_stage_2_offload or deepspeed_stage_1_offload (the optimizer state "
+                     "and its update on the host), --strategy ddp, deepspeed_stage_1, deepspeed_stage_2, "
+                     "deepspeed_stage_3, or fsdp with --fsdp.sharding_strategy NO_SHARD, SHARD_GRAD_OP, FULL_SHARD or "
+                     "HYBRID_SHARD", what, name);
+}
+
+int fl_cfg_offload(const char *s) {
+    return s && (!strcmp(s, "deepspeed_stage_1_offload") || !strcmp(s, "deepspeed_stage_2_offload"));
 }
 
 fl_status fl_cfg_zero_stage(const char *s, const char *sharding, int *stage) {
-    static const char *later[] = {"deepspeed", "deepspeed_stage_2_offload",
-                                  "deepspeed_stage_3_offload", "deepspeed_stage_1_offload", "fsdp_cpu_offload"};
+    static const char *later[] = {"deepspeed", "deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme",
+                                  "fsdp_cpu_offload"};
     *stage = 0;
     if (!s[0] || !strcmp(s, "auto") || !strcmp(s, "ddp")) return FL_OK;
-    if (!strcmp(s, "deepspeed_stage_1")) { *stage = 1; return FL_OK; }
-    if (!strcmp(s, "deepspeed_stage_2")) { *stage = 2; return FL_OK; }
+    if (!strcmp(s, "deepspeed_stage_1") || !strcmp(s, "deepspeed_stage_1_offload")) { *stage = 1; return FL_OK; }
+    if (!strcmp(s, "deepspeed_stage_2") || !strcmp(s, "deepspeed_stage_2_offload")) { *stage = 2; return FL_OK; }
     if (!strcmp(s, "deepspeed_stage_3")) { *stage = 3; return FL_OK; }
     if (!strcmp(s, "fsdp")) {
         /* Lightning's FSDPStrategy default is FULL_SHARD (ZeRO-3) */
@@ -567,7 +573,7 @@ fl_status fl_cfg_zero_stage(const char *s, const char *sharding, int *stage) {
     for (size_t i = 0; i < sizeof later / sizeof later[0]; i++)
         if (!strcmp(s, later[i])) return not_yet("strategy", s);
     return fl_errorf(FL_ERR_INVALID, "strategy '%s': unknown (auto, ddp, deepspeed_stage_1, deepspeed_stage_2, "
-                     "deepspeed_stage_3, fsdp)",
+                     "deepspeed_stage_3, deepspeed_stage_1_offload, deepspeed_stage_2_offload, fsdp)",
                      s);
 }
 
@@ -630,6 +636,7 @@ static fl_status resolve_strategy(const fl_run_config *c, int device_comm, fl_st
 
 fl_status fl_cfg_resolve_strategy(const fl_run_config *c, int device_comm, fl_strategy_choice *out) {
     FL_TRY(resolve_strategy(c, device_comm, out));
+    out->offload = fl_cfg_offload(c->strategy);
     const int auto_fsdp = (!c->strategy[0] || !strcmp(c->strategy, "auto")) && !strcmp(out->strategy, "fsdp");
     if (c->train.activation_checkpointing >= 0) {
         out->act_ckpt = c->train.activation_checkpointing != 0;

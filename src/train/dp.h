@@ -44,6 +44,7 @@ typedef struct {
                             * gathers and reductions of device buffers */
     const fl_backend *be;  /* the run's backend (NULL: host memory, memcpy): the checkpoint streams read device
                             * memory through its to_host, write it through to_device */
+    const fl_optim_offload *offload; /* CPU offload (fl_cfg_offload): the optimizer's host backend and tier; NULL none */
 } fl_dp;
 
 /* comm may be NULL (rank 0 of 1). */

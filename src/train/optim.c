@@ -421,7 +421,16 @@ static fl_status fsdp8_init(fl_optimizer *o, fl_model *model, int world, int ran
     return s;
 }
 
+static size_t g_offload_piece = (size_t)4 << 20;
+void fl_optim_set_offload_piece(size_t elements) { g_offload_piece = elements ? elements : (size_t)4 << 20; }
+size_t fl_optim_offload_piece(void) { return g_offload_piece; }
+
 fl_status fl_optim_init_shard(fl_optimizer *o, fl_model *model, const fl_optim_config *cfg, int world, int rank) {
+    return fl_optim_init_offload(o, model, cfg, world, rank, NULL);
+}
+
+fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim_config *cfg, int world, int rank,
+                                const fl_optim_offload *off) {
     memset(o, 0, sizeof *o);
     if (world < 1 || rank < 0 || rank >= world)
         return fl_errorf(FL_ERR_INVALID, "optimizer set-up: rank %d of %d", rank, world);
@@ -429,8 +438,19 @@ fl_status fl_optim_init_shard(fl_optimizer *o, fl_model *model, const fl_optim_c
     if (cfg->kind < 0 || cfg->kind >= FL_OPT_COUNT) return fl_errorf(FL_ERR_INVALID, "unknown optimizer %d", (int)cfg->kind);
     if (cfg->state_dtype != FL_F32 && cfg->state_dtype != FL_BF16)
         return fl_errorf(FL_ERR_INVALID, "optimizer state dtype must be F32 or BF16");
+    if (off && cfg->kind == FL_OPT_ADAMW8BIT)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "CPU offload of AdamW8bit is not supported (its block-wise state is "
+                         "already a quarter of AdamW's; as DeepSpeed's, the offloaded optimizer is AdamW or SGD): use "
+                         "--optimizer AdamW, or a strategy without offload");
+    if (off && model->pp && !model->lora)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "CPU offload of a sharded model (FULL_SHARD): parameter offload is not "
+                         "implemented yet; use deepspeed_stage_2_offload");
+    if (off && (!off->be || !off->pool)) return fl_errorf(FL_ERR_INVALID, "CPU offload: no host backend or host pool");
     o->cfg = *cfg;
     o->model = model;
+    o->offload = off != NULL;
+    o->sbe = off ? off->be : model->be;
+    o->spool = off ? off->pool : model->pool;
     /* the precision policy fixes the state dtype of the full parameters (bf16-true: bf16);
      * LoRA adapters are fp32 under every policy */
     if (!model->lora && model->prec.optim_dtype == FL_BF16) o->cfg.state_dtype = FL_BF16;
@@ -441,7 +461,7 @@ fl_status fl_optim_init_shard(fl_optimizer *o, fl_model *model, const fl_optim_c
     if (s == FL_OK) fl_comm_chunk(o->n, sharded ? 1 : world, sharded ? 0 : rank, &o->s_off, &o->s_len);
     /* the backend must implement the update for these dtypes: found here, not at the first step */
     if (s == FL_OK) {
-        const fl_backend *be = model->be;
+        const fl_backend *be = o->sbe; /* offload: the host's kernels run it */
         fl_op op = cfg->kind == FL_OPT_ADAMW ? FL_OP_ADAMW_EX : cfg->kind == FL_OPT_SGD ? FL_OP_SGD_EX : FL_OP_ADAM8BIT;
         if (!be->supports_op(be, op, o->pt, o->gt, o->cfg.state_dtype))
             s = fl_errorf(FL_ERR_UNSUPPORTED, "backend '%s' does not implement %s for parameters %s, gradients %s, state "
@@ -451,10 +471,10 @@ fl_status fl_optim_init_shard(fl_optimizer *o, fl_model *model, const fl_optim_c
     size_t bytes = o->s_len * (o->cfg.state_dtype == FL_BF16 ? 2 : 4); /* this rank's range */
     if (s != FL_OK) {
     } else if (cfg->kind == FL_OPT_ADAMW) {
-        s = fl_backend_calloc(model->be, model->pool, FL_TAG_OPTIM, bytes, (void **)&o->m);
-        if (s == FL_OK) s = fl_backend_calloc(model->be, model->pool, FL_TAG_OPTIM, bytes, (void **)&o->v);
+        s = fl_backend_calloc(o->sbe, o->spool, FL_TAG_OPTIM, bytes, (void **)&o->m);
+        if (s == FL_OK) s = fl_backend_calloc(o->sbe, o->spool, FL_TAG_OPTIM, bytes, (void **)&o->v);
     } else if (cfg->kind == FL_OPT_SGD) {
-        if (cfg->momentum != 0.0f) s = fl_backend_calloc(model->be, model->pool, FL_TAG_OPTIM, bytes, (void **)&o->buf);
+        if (cfg->momentum != 0.0f) s = fl_backend_calloc(o->sbe, o->spool, FL_TAG_OPTIM, bytes, (void **)&o->buf);
     } else {
         /* 8-bit: one OPTIM allocation, bound tensor by tensor (zeroed = fresh state); under ZeRO
          * each tensor's piece (whole blocks) that meets this rank's chunk */
@@ -476,18 +496,28 @@ fl_status fl_optim_init_shard(fl_optimizer *o, fl_model *model, const fl_optim_c
             off += fl_adam8bit_state_bytes_ex(o->p8_n[i], e8);
         }
     }
+    /* offload to a device the host cannot read: the staging of one piece of the parameters and gradients
+     * (host tier, held for the run as DeepSpeed's pinned buffers) */
+    if (s == FL_OK && off && !model->be->host_memory) {
+        o->piece = o->s_len < g_offload_piece ? o->s_len : g_offload_piece;
+        s = fl_mem_alloc(o->spool, FL_TAG_WORKSPACE, o->piece * fl_dtype_size(o->pt), &o->hp);
+        if (s == FL_OK) s = fl_mem_alloc(o->spool, FL_TAG_WORKSPACE, o->piece * fl_dtype_size(o->gt), &o->hg);
+    }
     if (s != FL_OK) {
         fl_optim_free(o);
-        return fl_error_prefix(s, "allocating %s state", fl_optim_name(cfg->kind));
+        return fl_error_prefix(s, "allocating %s state%s", fl_optim_name(cfg->kind), off ? " (CPU offload: host tier)" : "");
     }
     return FL_OK;
 }
 
 void fl_optim_free(fl_optimizer *o) {
     if (!o->model) return;
-    fl_mem_free(o->model->pool, o->m);
-    fl_mem_free(o->model->pool, o->v);
-    fl_mem_free(o->model->pool, o->buf);
+    fl_mem_pool *sp = o->spool ? o->spool : o->model->pool;
+    fl_mem_free(sp, o->m);
+    fl_mem_free(sp, o->v);
+    fl_mem_free(sp, o->buf);
+    fl_mem_free(sp, o->hp);
+    fl_mem_free(sp, o->hg);
     fl_mem_free(o->model->pool, o->state8);
     fl_mem_free(o->model->pool, o->x8);
     free(o->p8_s);
@@ -554,6 +584,52 @@ double fl_grad_norm(const fl_model *m) {
     return sqrt(m->be->sumsq(m->be, fl_model_grads_data(m), n));
 }
 
+/* AdamW / SGD on be over n elements of parameters p and gradients g (this rank's range, or one piece of
+ * it) with the state from element st of the rank's state arrays */
+static fl_status update_range(const fl_optimizer *o, const fl_backend *be, void *p, const void *g, size_t st, size_t n,
+                              float lr, float scale) {
+    const fl_optim_config *c = &o->cfg;
+    const size_t ses = c->state_dtype == FL_BF16 ? 2 : 4;
+    void *m = o->m ? (char *)o->m + st * ses : NULL, *v = o->v ? (char *)o->v + st * ses : NULL;
+    void *buf = o->buf ? (char *)o->buf + st * ses : NULL;
+    const int f32 = o->pt == FL_F32 && o->gt == FL_F32;
+    if (c->kind == FL_OPT_ADAMW && c->state_dtype == FL_F32 && f32) {
+        be->adamw_update(be, p, g, m, v, n, lr, c->beta1, c->beta2, c->eps, c->weight_decay, o->step, scale);
+        return FL_OK;
+    }
+    if (c->kind == FL_OPT_ADAMW)
+        return be->adamw_update_ex(be, p, o->pt, g, o->gt, m, v, c->state_dtype, n, lr, c->beta1, c->beta2, c->eps,
+                                   c->weight_decay, o->step, scale);
+    if (c->kind == FL_OPT_SGD && c->state_dtype == FL_F32 && f32) {
+        be->sgd_update(be, p, g, buf, n, lr, c->momentum, c->dampening, c->weight_decay, c->nesterov, o->step == 1,
+                       scale);
+        return FL_OK;
+    }
+    if (c->kind == FL_OPT_SGD)
+        return be->sgd_update_ex(be, p, o->pt, g, o->gt, buf, c->state_dtype, n, lr, c->momentum, c->dampening,
+                                 c->weight_decay, c->nesterov, o->step == 1, scale);
+    return fl_errorf(FL_ERR_INTERNAL, "optimizer update: %s is not elementwise", fl_optim_name(c->kind));
+}
+
+/* CPU offload on a device the host cannot read (ZeRO-Offload): piece by piece, this rank's (reduced)
+ * gradients and parameters down to the host tier, the update there with the host backend's kernels and
+ * the state it holds, the parameters back up. The device's stream orders the upload of piece k before
+ * the download of piece k + 1 (to_host waits for it), so one staging piece serves every piece; the last
+ * upload is waited for before the step returns (the staging must not change under it). */
+static fl_status offload_update(const fl_optimizer *o, float lr, float scale) {
+    const fl_backend *be = o->model->be;
+    const size_t pes = fl_dtype_size(o->pt), ges = fl_dtype_size(o->gt);
+    for (size_t a = 0; a < o->s_len; a += o->piece) {
+        const size_t len = o->s_len - a < o->piece ? o->s_len - a : o->piece, at = o->s_off + a;
+        char *p = (char *)o->p + at * pes;
+        FL_TRY(fl_error_prefix(be->to_host(be, o->hg, g_at(o, at), len * ges), "CPU offload: gradients to the host"));
+        FL_TRY(fl_error_prefix(be->to_host(be, o->hp, p, len * pes), "CPU offload: parameters to the host"));
+        FL_TRY(update_range(o, o->sbe, o->hp, o->hg, a, len, lr, scale));
+        FL_TRY(fl_error_prefix(be->to_device(be, p, o->hp, len * pes), "CPU offload: parameters to the device"));
+    }
+    return fl_error_prefix(be->sync(be), "CPU offload: the updated parameters");
+}
+
 fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_out) {
     fl_model *m = o->model;
     const fl_backend *be = m->be;
@@ -591,19 +667,10 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
      * with the same arithmetic as the whole buffer does */
     size_t n = o->s_len;
     void *p = (char *)o->p + o->s_off * fl_dtype_size(o->pt), *g = (void *)g_at(o, o->s_off);
-    const int f32 = o->pt == FL_F32 && o->gt == FL_F32;
-    if (c->kind == FL_OPT_ADAMW && c->state_dtype == FL_F32 && f32) {
-        be->adamw_update(be, p, g, o->m, o->v, n, lr, c->beta1, c->beta2, c->eps, c->weight_decay,
-                         o->step, scale);
-    } else if (c->kind == FL_OPT_ADAMW) {
-        FL_TRY(be->adamw_update_ex(be, p, o->pt, g, o->gt, o->m, o->v, c->state_dtype, n, lr,
-                                   c->beta1, c->beta2, c->eps, c->weight_decay, o->step, scale));
-    } else if (c->kind == FL_OPT_SGD && c->state_dtype == FL_F32 && f32) {
-        be->sgd_update(be, p, g, o->buf, n, lr, c->momentum, c->dampening, c->weight_decay,
-                       c->nesterov, o->step == 1, scale);
-    } else if (c->kind == FL_OPT_SGD) {
-        FL_TRY(be->sgd_update_ex(be, p, o->pt, g, o->gt, o->buf, c->state_dtype, n, lr, c->momentum,
-                                 c->dampening, c->weight_decay, c->nesterov, o->step == 1, scale));
+    if (c->kind != FL_OPT_ADAMW8BIT && o->hp) {
+        FL_TRY(offload_update(o, lr, scale));
+    } else if (c->kind != FL_OPT_ADAMW8BIT) {
+        FL_TRY(update_range(o, o->sbe, p, g, 0, n, lr, scale)); /* offload on host memory: in place, host state */
     } else if (o->p8_s) { /* FULL_SHARD: pieces of units, blocks cut by rank edges (above) */
         FL_TRY(fsdp8_step(o, lr, scale));
     } else {

@@ -130,9 +130,12 @@ fl_status fl_shard_set_from_optim(fl_shard_set *s, const fl_model *m, const fl_o
     fl_dtype sd = o->cfg.state_dtype;
     if (st == FL_OK && o->m) {
         st = fl_shard_set_add(s, "optimizer.exp_avg", sd, o->n, 0, 1, o->m, o->s_off, o->s_len);
+        if (st == FL_OK) s->b[s->n - 1].be = o->sbe; /* CPU offload: the host tier */
         if (st == FL_OK) st = fl_shard_set_add(s, "optimizer.exp_avg_sq", sd, o->n, 0, 1, o->v, o->s_off, o->s_len);
+        if (st == FL_OK) s->b[s->n - 1].be = o->sbe;
     } else if (st == FL_OK && o->buf) {
         st = fl_shard_set_add(s, "optimizer.momentum_buffer", sd, o->n, 0, 1, o->buf, o->s_off, o->s_len);
+        if (st == FL_OK) s->b[s->n - 1].be = o->sbe;
     } else if (st == FL_OK && o->state8) {
         /* bitsandbytes' state per tensor: codes per element, one absmax per block of 256 from the
          * tensor's start (a block belongs to the owner of its first element), fp32 m/v for tensors
@@ -326,7 +329,7 @@ static fl_status write_shard(const char *dir, const fl_shard_set *set, int rank,
         }
         if (s == FL_OK && np)
             t[nt++] = (fl_st_write_tensor){b->name, b->dtype, 1, {(int64_t)total}, pc[0].data, b->dtype, 0, NULL, NULL,
-                                           set->be, NULL};
+                                           b->be ? b->be : set->be, NULL};
     }
 #undef KV
     for (int i = 0; s == FL_OK && i < k; i++) kp[i] = keys[i], vp[i] = v + i * vcap;
@@ -603,9 +606,9 @@ fl_status fl_shard_ckpt_load(const char *dir, const fl_shard_set *set, const fl_
             for (int j = 0; s == FL_OK && j < nfr[i]; j++) {
                 const frange *x = &fr[i][j];
                 size_t lo = x->k0 > h->k0 ? x->k0 : h->k0, hi = x->k1 < h1 ? x->k1 : h1;
+                const fl_backend *bb = b->be ? b->be : set->be;
                 if (lo < hi)
-                    s = set->be->to_device(set->be, (char *)h->data + (lo - h->k0) * es, x->src + (lo - x->k0) * es,
-                                           (hi - lo) * es);
+                    s = bb->to_device(bb, (char *)h->data + (lo - h->k0) * es, x->src + (lo - x->k0) * es, (hi - lo) * es);
             }
         }
     }

@@ -62,6 +62,8 @@ typedef struct {
      * owned by the one holding its first element) */
     int own_sub;
     size_t own_k0, own_n;
+    const fl_backend *be;         /* whose memory data is when not the set's (CPU offload: the optimizer state's host
+                                   * backend); NULL: set->be */
 } fl_shard_buf;
 
 typedef struct {

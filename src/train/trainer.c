@@ -33,6 +33,14 @@ typedef struct {
     fl_mem_pool pool;
     fl_mem_pool hpool;          /* host staging when the backend's memory is not host memory (pool.host) */
     int pool_ok;
+    /* CPU offload (fl_cfg_offload): the host tier (the backend's host_pool_init, outside the device budget)
+     * and the backend the optimizer's update runs on (hbe: a CPU backend when the device's memory is not
+     * host memory; else the run's own) */
+    fl_mem_pool opool;
+    int opool_ok;
+    fl_backend hbe;
+    int hbe_ok;
+    fl_optim_offload off;
     fl_model model;
     fl_model_storage stg; /* parameter storage of the precision policy */
     int model_ok;
@@ -433,6 +441,10 @@ static void print_box(trainer *t, const fl_trainer_result *r) {
         fprintf(t->out, "| %-28s %30s |\n", lbl, fl_fmt_bytes(r->peak[k], b, sizeof b));
     }
     fprintf(t->out, "| %-28s %30s |\n", "peak total", fl_fmt_bytes(r->peak_total, b, sizeof b));
+    if (r->offload) { /* CPU offload: the host tier beside the device */
+        fprintf(t->out, "| %-28s %30s |\n", "host tier (offload) OPTIM", fl_fmt_bytes(r->host_peak[FL_TAG_OPTIM], b, sizeof b));
+        fprintf(t->out, "| %-28s %30s |\n", "host tier (offload) total", fl_fmt_bytes(r->host_peak_total, b, sizeof b));
+    }
     if (t->dp.world > 1) { /* ZeRO's unit: psi = the trainable gradients' bytes */
         double psi = (double)t->opt.n * fl_dtype_size(t->opt.gt);
         char v[48];
@@ -505,6 +517,8 @@ static void cleanup(trainer *t) {
     fl_optim_free(&t->opt);
     if (t->model_ok) fl_model_free(&t->model);
     if (t->pool_ok) fl_backend_pools_free(&t->pool, &t->hpool);
+    if (t->opool_ok) fl_mem_pool_free(&t->opool);
+    if (t->hbe_ok) fl_cpu_backend_free(&t->hbe);
     if (t->be_ok) fl_backend_free(&t->be);
 }
 
@@ -560,6 +574,28 @@ static fl_status setup_model(trainer *t, const fl_precision *prec, const fl_mode
     return FL_OK;
 }
 
+/* CPU offload (ZeRO-Offload, --strategy deepspeed_stage_{1,2}_offload): the host tier, from the backend's
+ * host_pool_init (cuda: page-locked memory; null: counted fake addresses) without a budget, and the backend
+ * the update runs on: the run's own where its memory is host memory (cpu, ref, cuda-emu) or where it
+ * computes nothing (the planner's null), else a CPU backend with the run's threads. */
+static fl_status setup_offload(trainer *t, const fl_strategy_choice *sc) {
+    if (!sc->offload) return FL_OK;
+    const fl_backend *be = &t->be;
+    FL_TRY(be->host_pool_init ? be->host_pool_init(be, &t->opool, "host (offload)", 0)
+                              : fl_mem_pool_init(&t->opool, "host (offload)", 0));
+    t->opool_ok = 1;
+    if (be->host_memory || be->discards) {
+        t->off.be = be;
+    } else {
+        FL_TRY(fl_error_prefix(fl_cpu_backend_init(&t->hbe, t->cfg->threads), "CPU offload: the host's optimizer"));
+        t->hbe_ok = 1;
+        t->off.be = &t->hbe;
+    }
+    t->off.pool = &t->opool;
+    t->dp.offload = &t->off;
+    return FL_OK;
+}
+
 /* "setup": gradients (or the LoRA adapters), optimizer state, the activation arena for
  * (t->B, t->T) and the step's buffers for t->accum micro-batches (t->G global). */
 static fl_status setup_training(trainer *t, const fl_run_config *rcfg, const fl_strategy_choice *sc) {
@@ -574,7 +610,9 @@ static fl_status setup_training(trainer *t, const fl_run_config *rcfg, const fl_
         FL_TRY(fl_fsdp_init(&t->dp, rcfg, &t->model)); /* FULL_SHARD: the gathered units' compute copy */
         FL_TRY(fl_model_alloc_grads(&t->model));      /* (sharded: of the gradients) */
     }
-    FL_TRY(fl_dp_optim_init(&t->dp, rcfg, &t->opt, &t->model)); /* ZeRO: state for this rank's chunk only */
+    FL_TRY(setup_offload(t, sc));
+    FL_TRY(fl_dp_optim_init(&t->dp, rcfg, &t->opt, &t->model)); /* ZeRO: state for this rank's chunk only; offload:
+                                                                  * in the host tier */
     FL_TRY(fl_dp_check(&t->dp, &t->opt));
     if (t->opt.use_loss_scale && cfg->loss_scale_init > 0) t->opt.ls.scale = cfg->loss_scale_init;
     t->model.act_ckpt = sc->act_ckpt; /* given, or LitGPT's default under auto's FSDP */
@@ -639,6 +677,9 @@ static fl_status train_step(trainer *t, long iter0, long step_valid, float lr, f
 static void result_memory(const trainer *t, fl_status s, fl_trainer_result *r) {
     for (int k = 0; k < FL_TAG_COUNT; k++) r->peak[k] = t->pool.peak[k];
     r->peak_total = t->pool.peak_total;
+    r->offload = t->opool_ok;
+    for (int k = 0; t->opool_ok && k < FL_TAG_COUNT; k++) r->host_peak[k] = t->opool.peak[k];
+    r->host_peak_total = t->opool_ok ? t->opool.peak_total : 0;
     r->n_phases = t->pool.n_phases < FL_TRAINER_MAX_PHASES ? t->pool.n_phases : FL_TRAINER_MAX_PHASES;
     memcpy(r->phases, t->pool.phases, (size_t)r->n_phases * sizeof r->phases[0]);
     if (s == FL_ERR_OOM) r->oom = t->pool.oom;
@@ -995,6 +1036,11 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
                         "includes the reduction's scratch)\n", fl_dp_stage_name(&t.dp), t.opt.s_len, t.opt.n,
                         t.dp.stage == 2 ? "; GRADS live after the reduction: its chunk" : "");
             fl_mem_print_report(&t.pool, out);
+            if (t.opool_ok) {
+                fprintf(out, "\nhost tier (CPU offload: the optimizer state%s, outside the device's budget)\n",
+                        t.opt.hp ? " and the update's staging of one piece" : "");
+                fl_mem_print_report(&t.opool, out);
+            }
             fprintf(out, "\n");
         }
         if (t.st.step % cfg->eval.interval == 0 && t.val) {
@@ -1097,8 +1143,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
         if (t.model.lora && lead && out) fprintf(out, "Saved the PEFT adapter to '%s/adapter'\n", r.final_dir);
         if (out) fprintf(out, "Saved the final model to '%s'\n", r.final_dir);
     }
-    for (int k = 0; k < FL_TAG_COUNT; k++) r.peak[k] = t.pool.peak[k];
-    r.peak_total = t.pool.peak_total;
+    result_memory(&t, FL_OK, &r);
     print_box(&t, &r);
 done:
     if (s != FL_OK && in_setup && !agreed) s = fl_dp_agree(&t.dp, s); /* meet the others' next AGREE */

@@ -62,8 +62,8 @@ fl_status fl_dp_optim_init(fl_dp *dp, const fl_run_config *cfg, fl_optimizer *o,
      * shards within the node) */
     const int sw = dp->stage == 3 && dp->node ? fl_comm_size(dp->node) : dp->world;
     const int sr = dp->stage == 3 && dp->node ? fl_comm_rank(dp->node) : dp->rank;
-    if (dp->stage >= 1) FL_TRY(fl_optim_init_shard(o, m, &cfg->optimizer, sw, sr));
-    else FL_TRY(fl_optim_init(o, m, &cfg->optimizer));
+    if (dp->stage >= 1) FL_TRY(fl_optim_init_offload(o, m, &cfg->optimizer, sw, sr, dp->offload));
+    else FL_TRY(fl_optim_init_offload(o, m, &cfg->optimizer, 1, 0, dp->offload));
     if (dp->stage == 2 && o->cfg.kind == FL_OPT_ADAMW8BIT && o->n / (size_t)dp->world < FL_OPTIM_8BIT_HALO) {
         size_t n = o->n;
         fl_optim_free(o);
@@ -152,8 +152,10 @@ static fl_status fetch_piece(fl_dp_stream *u, int k) {
         if (a < off + len) break;
     }
     /* the owner's piece of device memory into host memory, then over the host communicator */
-    fl_status c = r == u->dp->rank ? fl_dp_to_host(u->dp, u->buf, (const char *)u->src + (a - u->src_off) * u->es, n * u->es)
-                                   : FL_OK;
+    const void *src = (const char *)u->src + (a - u->src_off) * u->es;
+    const fl_backend *sb = u->ctx; /* the state's backend (CPU offload: the host's) */
+    fl_status c = r != u->dp->rank ? FL_OK : sb ? (n ? sb->to_host(sb, u->buf, src, n * u->es) : FL_OK)
+                                            : fl_dp_to_host(u->dp, u->buf, src, n * u->es);
     fl_status b = fl_comm_broadcast(u->dp->comm, u->buf, n, u->es == 4 ? FL_F32 : FL_BF16, r); /* every rank takes part */
     return c != FL_OK ? c : b;
 }
@@ -196,7 +198,7 @@ static fl_status zero_save_streamed(fl_dp *dp, int write, const char *out_dir, c
     const void *arr[3] = {o->m, o->v, o->buf};
     fl_dp_stream us[3];
     for (int a = 0; a < 3; a++)
-        us[a] = (fl_dp_stream){dp, units, start, es, fetch_piece, arr[a], o->s_off, buf, 0, FL_OK, NULL};
+        us[a] = (fl_dp_stream){dp, units, start, es, fetch_piece, arr[a], o->s_off, buf, 0, FL_OK, (void *)o->sbe};
     fl_dp_stream_tensor ut[4];
     fl_st_write_tensor t[4];
     const int nt = fl_dp_stream_state_tensors(o, n, us, o->state8 ? &u8 : NULL, ut, t);

@@ -67,6 +67,7 @@ static void fill_ops(fl_backend *be) {
     be->attention_forward_ex = fl_cpu_attention_forward_ex;
     be->attention_backward_ex = fl_cpu_attention_backward_ex;
     be->pool_init = fl_cpu_pool_init;
+    be->host_pool_init = fl_cpu_pool_init;
     be->host_memory = 1;
 }
 

@@ -33,6 +33,15 @@ static void *flb_dev_alloc(size_t bytes) {
     return p;
 }
 static void flb_dev_free(void *p) { cudaFree(p); }
+static void *flb_host_alloc(size_t bytes) {
+    void *p = NULL;
+    if (cudaMallocHost(&p, bytes) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    return p;
+}
+static void flb_host_free(void *p) { cudaFreeHost(p); }
 static int flb_h2d(void *d, const void *h, size_t n, void *s) {
     return (int)cudaMemcpyAsync(d, h, n, cudaMemcpyHostToDevice, (cudaStream_t)s);
 }

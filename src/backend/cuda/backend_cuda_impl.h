@@ -10,7 +10,7 @@
  *   FLB_NAME, FLB_DESC          backend name ("cuda" / "cuda-emu") and one line for --version
  *   FLB_K(name)                 the kernel launcher (fl_cuk_##name / fl_cuemu_##name)
  *   FLB_PREFIX(name)            the public functions' prefix (fl_cuda_##name / fl_cuemu_##name)
- *   flb_dev_alloc/free, flb_h2d/d2h/d2d/memset, flb_stream_new/sync/free, flb_last_error
+ *   flb_dev_alloc/free, flb_host_alloc/free (page-locked host memory), flb_h2d/d2h/d2d/memset, flb_stream_new/sync/free, flb_last_error
  *   flb_gemm_fn                 fl_cu_gemm_cublaslt / fl_cu_gemm_standin
  *   flb_comm_create(be,stream,..) the device communicator of several ranks (NCCL / its stand-in; staged)
  *   FLB_PANEL_BYTES, FLB_LT_WS_BYTES   scratch layout (see scratch below)
@@ -458,6 +458,20 @@ static fl_status flb_pool_init(const fl_backend *be, fl_mem_pool *p, const char 
     (void)be;
     return fl_mem_pool_init_raw(p, name, FL_DEV_CUDA, budget, flb_pool_raw_alloc, flb_pool_raw_free, NULL);
 }
+/* the host tier of an offloaded run: page-locked host memory (flb_host_alloc), which the copies reach
+ * at the link's speed */
+static void *flb_host_raw_alloc(size_t bytes, void *ud) {
+    (void)ud;
+    return flb_host_alloc(bytes ? bytes : 1);
+}
+static void flb_host_raw_free(void *ptr, size_t bytes, void *ud) {
+    (void)bytes; (void)ud;
+    flb_host_free(ptr);
+}
+static fl_status flb_host_pool_init(const fl_backend *be, fl_mem_pool *p, const char *name, size_t budget) {
+    (void)be;
+    return fl_mem_pool_init_raw(p, name, FL_DEV_CUDA_HOST, budget, flb_host_raw_alloc, flb_host_raw_free, NULL);
+}
 
 /* The collectives of several ranks run after the ops queued on this backend's stream. */
 static fl_status flb_comm_create_be(const fl_backend *be, struct fl_comm *host, struct fl_comm **out) {
@@ -554,6 +568,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->supports_op = flb_supports_op;
     be->rope_tables = flb_rope_tables;
     be->pool_init = flb_pool_init;
+    be->host_pool_init = flb_host_pool_init;
     return FL_OK;
 }
 

@@ -296,6 +296,12 @@ static fl_status opq_pool_init(const fl_backend *be, fl_mem_pool *p, const char 
     return fl_mem_pool_init_raw(p, name, FL_DEV_CPU, budget, opq_alloc, opq_free, be->impl);
 }
 
+/* the host tier (CPU offload): ordinary host memory, which its copies read and write as any host buffer */
+static fl_status opq_host_pool_init(const fl_backend *be, fl_mem_pool *p, const char *name, size_t budget) {
+    (void)be;
+    return fl_mem_pool_init(p, name, budget);
+}
+
 /* ---- the ops: open the range, run the CPU op, close it ----------------------------------- */
 
 #define IN (&((opq *)be->impl)->cpu)
@@ -577,6 +583,7 @@ fl_status fl_opaque_backend_init(fl_backend *be, int n_threads) {
     be->supports_op = op_supports_op;
     be->rope_tables = op_rope_tables;
     be->pool_init = opq_pool_init;
+    be->host_pool_init = opq_host_pool_init;
     be->comm_create = g_use_comm ? opq_comm_create : NULL; /* several ranks: the NCCL stand-in over the ranges */
     return FL_OK;
 }

@@ -22,6 +22,8 @@
 
 static void *flb_dev_alloc(size_t bytes) { return aligned_alloc(256, (bytes + 255) / 256 * 256); }
 static void flb_dev_free(void *p) { free(p); }
+static void *flb_host_alloc(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+static void flb_host_free(void *p) { free(p); }
 static int flb_h2d(void *d, const void *h, size_t n, void *s) {
     (void)s;
     memmove(d, h, n);
