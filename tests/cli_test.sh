@@ -155,6 +155,16 @@ for pat in "--devices 2 x --num_nodes 2 asks for 4 ranks on 2 machines, .*hostfi
 done
 [ -e "$T/d1" ] && { echo "FAIL ddp_without_launcher_writes_nothing: $T/d1 exists"; fail=$((fail+1)); }
 expect zero_stage3_offload_not_yet 2 "strategy 'deepspeed_stage_3_offload' is not implemented yet \(parameter offload" -- "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload --out_dir "$T/d2"
+# CPU offload (ZeRO-Offload): trains, reports the host tier beside the device's memory; the planner
+# prints the host tier's row and suggests it where the optimizer state does not fit; 8-bit AdamW refused
+expect offload_trains_with_host_tier 0 "host tier \(offload\) OPTIM +1\.98 MiB" -- "$FITLLM" finetune_full micro \
+    --strategy deepspeed_stage_2_offload --train.max_steps 2 --train.global_batch_size 2 --train.micro_batch_size 2 \
+    --train.max_seq_length 32 --out_dir "$T/off1"
+expect offload_8bit_refused 2 "CPU offload of AdamW8bit is not supported" -- "$FITLLM" finetune_full micro \
+    --strategy deepspeed_stage_2_offload --optimizer bnb.optim.AdamW8bit --out_dir "$T/off2"
+expect plan_offload_host_row 0 "^host \(offload\) +reserved +0 B +0 B +1\.98 MiB" -- "$FITLLM" plan micro --strategy deepspeed_stage_2_offload
+expect plan_suggests_offload 3 "cpu_offload +fits: --strategy deepspeed_stage_2_offload" -- "$FITLLM" plan open-llama-7b \
+    --device-memory 80GB --train.micro_batch_size 1 --train.global_batch_size 1 --train.max_seq_length 1025 --accelerator cuda
 expect zero_hybrid_zero2_not_yet 2 "fsdp.sharding_strategy '_HYBRID_SHARD_ZERO2' is not implemented yet" -- "$FITLLM" finetune_full micro --strategy fsdp --fsdp.sharding_strategy _HYBRID_SHARD_ZERO2 --out_dir "$T/d2"
 expect zero_sharding_unknown 2 "fsdp.sharding_strategy 'ZERO9': unknown" -- "$FITLLM" finetune_full micro --strategy fsdp --fsdp.sharding_strategy ZERO9 --out_dir "$T/d2"
 # one process: every strategy trains as one process does (FULL_SHARD of one rank holds everything)

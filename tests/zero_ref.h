@@ -281,6 +281,16 @@ static int zr_check_plan(const fl_run_config *cfg, int rank, const fl_trainer_re
         o += (size_t)snprintf(why + o, wn > o ? wn - o : 0, "rank %d planned peak %zu, measured %zu; ", rank,
                               pl->peak_total, res->peak_total);
     }
+    /* CPU offload: the host tier (the optimizer state and the update's staging) to the byte */
+    int host_ok = pl->offload == res->offload && pl->host_peak_total == res->host_peak_total;
+    for (int k = 0; k < FL_TAG_COUNT; k++) host_ok &= pl->host_peak[k] == res->host_peak[k];
+    if (!host_ok) {
+        bad++;
+        o += (size_t)snprintf(why + o, wn > o ? wn - o : 0, "rank %d host tier: planned %s %zu (OPTIM %zu), measured %s "
+                              "%zu (OPTIM %zu); ", rank, pl->offload ? "offload" : "none", pl->host_peak_total,
+                              pl->host_peak[FL_TAG_OPTIM], res->offload ? "offload" : "none", res->host_peak_total,
+                              res->host_peak[FL_TAG_OPTIM]);
+    }
     if (pl->n_phases != res->n_phases) {
         bad++;
         o += (size_t)snprintf(why + o, wn > o ? wn - o : 0, "rank %d: %d planned phases, %d measured; ", rank,

@@ -115,6 +115,11 @@ typedef struct {
     int n_phases;
     size_t peak[FL_TAG_COUNT];
     size_t peak_total;
+    /* CPU offload (--strategy deepspeed_stage_{1,2}_offload): 1, and the host tier's peak per tag (the
+     * optimizer state and the update's staging), outside peak[] and the budget; 0 otherwise */
+    int offload;
+    size_t host_peak[FL_TAG_COUNT];
+    size_t host_peak_total;
     /* the verdict under the budget */
     fl_plan_verdict verdict;
     fl_mem_oom oom;            /* FL_PLAN_OOM: the first allocation that fails (the allocator's record) */

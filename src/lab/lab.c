@@ -240,6 +240,8 @@ static void apply_row(fl_run_config *c, const lab_exp *e, const char *model, int
     }
     c->overwrite = 1;
     c->seed = 1337;
+    /* the lab's DeepSpeed ZeRO stage 2 offload: the optimizer state and its update on the host (one device) */
+    if (!strcmp(e->technique, "cpu_offload")) snprintf(c->strategy, sizeof c->strategy, "deepspeed_stage_2_offload");
     if (!strcmp(e->technique, "lora") || !strcmp(e->technique, "qlora")) {
         /* the lab's LoRA: r 16, alpha 32, dropout 0.05 on query and value; QLoRA: the same on an NF4 base */
         c->command = FL_CMD_FINETUNE_LORA;
@@ -446,6 +448,11 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
         fl_model_config mc; /* model FLOPs of the global batch (the MFU convention: no recompute) */
         if (r->step_ms > 0 && fl_preset_find(model, &mc) == FL_OK)
             r->tflops = fl_model_train_flops(&mc, e->B, rep->T) * (double)e->global / e->B / (r->step_ms / 1e3) / 1e12;
+        if (res.offload) { /* CPU offload: what the host tier took instead of the device */
+            char a[32], b[32];
+            snprintf(r->note, sizeof r->note, "host tier (outside the device budget): OPTIM %s, total %s",
+                     fl_fmt_bytes(res.host_peak[FL_TAG_OPTIM], a, sizeof a), fl_fmt_bytes(res.host_peak_total, b, sizeof b));
+        }
     } else if (s == FL_ERR_OOM) {
         r->verdict = FL_LAB_OOM;
         r->oom = res.oom;

@@ -65,7 +65,7 @@ void fl_lab_print_table(const fl_lab_report *rep, FILE *f) {
         if (rep->rows[i].verdict == FL_LAB_FITS && rep->rows[i].time_note[0])
             fprintf(f, "  %s: extra time per sample: %s\n", rep->rows[i].name, rep->rows[i].time_note);
     for (int i = 0; i < rep->n; i++)
-        if (rep->rows[i].verdict != FL_LAB_FITS && rep->rows[i].note[0])
+        if (rep->rows[i].note[0])
             fprintf(f, "  %s: %s\n", rep->rows[i].name, rep->rows[i].note);
     if (!rep->sweep) return;
     for (int ck = 0; ck < 2; ck++) {
@@ -512,7 +512,7 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
                "the row does beyond fp32 AdamW on lab-1b (its technique on this CPU, a larger model).\n\n", "OOM for baseline and the largest model, fits otherwise");
     int notes = 0;
     for (int i = 0; i < rep->n; i++)
-        if (rep->rows[i].verdict != FL_LAB_FITS && rep->rows[i].note[0]) {
+        if (rep->rows[i].note[0]) {
             if (!notes++) fprintf(f, "Notes:\n\n");
             fprintf(f, "- **%s**: %s\n", rep->rows[i].name, rep->rows[i].note);
         }

@@ -44,7 +44,7 @@ static const fl_plan_technique k_tech[] = {
     {"adam8bit", 1, "--optimizer bnb.optim.AdamW8bit", "bitsandbytes' block-wise 8-bit AdamW state"},
     {"lora", 1, "fitllm finetune_lora", "adapters only: the base needs no gradients or optimizer state"},
     {"qlora", 1, "fitllm finetune_lora --quantize bnb.nf4-dq", "LoRA on bitsandbytes NF4/FP4 4-bit base weights"},
-    {"cpu_offload", 0, "optimizer state and master weights on the host", "not available yet"},
+    {"cpu_offload", 1, "--strategy deepspeed_stage_2_offload", "ZeRO-Offload: the optimizer state in host memory, the update on the host's cores"},
     {"ddp", 1, "mpirun -np N fitllm ... --devices N (--strategy ddp)", "each rank holds everything; the lab runs its ranks as threads of one process"},
     {"fsdp", 1, "mpirun -np N fitllm ... --devices N --strategy fsdp", "FULL_SHARD / ZeRO-3: parameters, gradients and optimizer state divided by the ranks, units gathered block by block"},
 };
@@ -204,6 +204,9 @@ static int rehearsal_result(const plan_ctx *x, fl_status s, const fl_trainer_res
             memcpy(out->phases, r->phases, (size_t)out->n_phases * sizeof *out->phases);
             memcpy(out->peak, r->peak, sizeof out->peak);
             out->peak_total = r->peak_total;
+            out->offload = r->offload;
+            memcpy(out->host_peak, r->host_peak, sizeof out->host_peak);
+            out->host_peak_total = r->host_peak_total;
         } else if (oom) {
             /* what failed, as the allocation site says it: the message up to the pool's own words */
             const char *m = fl_error_message(), *e = strstr(m, "out of memory on ");
@@ -451,6 +454,19 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
         snprintf(s->change, sizeof s->change, "--optimizer bnb.optim.AdamW8bit");
         snprintf(s->note, sizeof s->note, "about 2 bytes of state per parameter instead of 8");
     }
+    /* 4b. CPU offload (ZeRO-Offload): the optimizer state off the device; AdamW and SGD with momentum, not
+     * under FULL_SHARD (parameter offload is not built) */
+    if (!fl_cfg_offload(c->strategy) && p->zero_stage != 3 &&
+        (oc->kind == FL_OPT_ADAMW || (oc->kind == FL_OPT_SGD && oc->momentum != 0.0f)) && (s = sugg(p, "cpu_offload"))) {
+        fl_run_config v = *c;
+        snprintf(v.strategy, sizeof v.strategy, "deepspeed_stage_2_offload");
+        s->fits = simulate(x, &v, oc, p->B, p->accum, budget, NULL, NULL);
+        simulate(x, &v, oc, p->B, p->accum, 0, NULL, &peak);
+        s->peak = peak;
+        snprintf(s->change, sizeof s->change, "--strategy deepspeed_stage_2_offload");
+        snprintf(s->note, sizeof s->note, "the optimizer state in host memory and the update on the host's cores "
+                 "(slower: gradients down and parameters up every step)");
+    }
     if (c->command != FL_CMD_FINETUNE_LORA && (s = sugg(p, "lora"))) {
         fl_run_config v = *c;
         fl_run_config d;
@@ -538,6 +554,10 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
                 "whole", p->zero_stage, p->devices, p->rank,
              p->zero_stage == 2 ? "GRADS reserved in full (backward fills the flat buffer), live after the "
                                   "reduce-scatter: the chunk" : "gradients whole (all-reduced)");
+    if (sc.offload)
+        note(p, "CPU offload (ZeRO-Offload, %s): OPTIM is the host tier's, outside the device budget (the \"host "
+                "(offload)\" row: the optimizer state%s); every step moves the gradients to the host and the updated "
+                "parameters back", c->strategy, opts.cuda ? " and the update's staging of one piece" : "");
     plan_ctx x;
     memset(&x, 0, sizeof x);
     fl_status err = FL_OK;
@@ -660,6 +680,8 @@ void fl_plan_print(const fl_plan *p, FILE *f) {
         row(f, "", "live", p->phases[i].live, p->phases[i].live_total, 0, 0);
     }
     row(f, "peak", "reserved", p->peak, p->peak_total, 0, 0);
+    if (p->offload) /* the host tier: outside the device's budget */
+        row(f, "host (offload)", "reserved", p->host_peak, p->host_peak_total, 0, 0);
     if (p->budget)
         fprintf(f, "budget %s (%zu bytes); planned peak %s = %.1f%% of it\n", fl_fmt_bytes(p->budget, a, sizeof a),
                 p->budget, fl_fmt_bytes(p->peak_total, b, sizeof b), 100.0 * (double)p->peak_total / (double)p->budget);
@@ -757,6 +779,9 @@ void fl_plan_write_json(const fl_plan *p, FILE *f) {
     }
     fprintf(f, "%s],\n  \"peak\": ", p->n_phases ? "\n  " : "");
     jtags(f, p->peak, p->peak_total);
+    fprintf(f, ",\n  \"host_tier\": "); /* CPU offload: the host memory the run takes beside the device's */
+    if (p->offload) jtags(f, p->host_peak, p->host_peak_total);
+    else fprintf(f, "null");
     fprintf(f, ",\n  \"verdict\": \"%s\",\n",
             p->verdict == FL_PLAN_FITS && !p->budget ? "unknown" : fl_plan_verdict_name(p->verdict));
     if (p->verdict == FL_PLAN_OOM) {

@@ -29,9 +29,11 @@ typedef struct {
     int mpi_scratch; /* its ranks' reductions take the MPI scratch (fl_null_backend_set_mpi_scratch) */
 } nul;
 
-/* 64-byte aligned, never dereferenced, starting in the low pages no process maps; allocations
- * are disjoint ranges (the communicator's argument checks compare a collective's send and
- * receive ranges, as on any device) */
+/* 64-byte aligned, never dereferenced, in the upper half of the 64-bit space (NUL_BASE and up: no
+ * x86-64 or AArch64 process maps an address there, a dereference faults, and no real host pointer
+ * is ever mistaken for one, however much a plan allocates); allocations are disjoint ranges (the
+ * communicator's argument checks compare a collective's send and receive ranges, as on any device) */
+#define NUL_BASE ((uintptr_t)1 << 63)
 static void *nul_alloc(size_t bytes, void *ud) {
     nul *n = ud;
     uintptr_t p = n->next;
@@ -224,9 +226,8 @@ static fl_status n_to_device(const fl_backend *be, void *dst, const void *src, s
  * fake addresses (a planned offload's host tier, host_pool_init), which nobody may touch */
 static fl_status n_to_host(const fl_backend *be, void *dst, const void *src, size_t bytes) {
     (void)src;
-    const nul *n = be->impl;
-    uintptr_t d = (uintptr_t)dst;
-    if (d >= 4096 && d < n->next) return FL_OK;
+    (void)be;
+    if ((uintptr_t)dst >= NUL_BASE) return FL_OK;
     if (bytes) memset(dst, 0, bytes);
     return FL_OK;
 }
@@ -274,7 +275,7 @@ fl_status fl_null_backend_init_for(fl_backend *be, const char *planned) {
         return fl_errorf(FL_ERR_INVALID, "null backend: cannot stand in for '%s' (cpu or cuda)", planned);
     nul *n = calloc(1, sizeof *n);
     if (!n) return fl_errorf(FL_ERR_OOM, "null backend: out of host memory");
-    n->next = 4096;
+    n->next = NUL_BASE;
     n->planned = cpu ? 1 : cuda ? 2 : 0;
     be->name = "null"; /* the registry finds its free function by name (fl_backend_free) */
     be->device = cuda ? FL_DEV_CUDA : FL_DEV_CPU;
