@@ -91,6 +91,28 @@ FL_TEST(offload_one_process_equals_the_device_optimizer) {
     }
 }
 
+/* LoRA with dropout: the trainable parameters are the adapters (fp32 under every policy), staged on opaque */
+FL_TEST(offload_lora_adapters_equal_the_device_optimizer) {
+    fl_optim_set_offload_piece(997); /* micro's q,v adapters: a few thousand elements, several pieces */
+    ojob *j[2] = {calloc(1, sizeof(ojob)), calloc(1, sizeof(ojob))};
+    FL_REQUIRE(j[0] && j[1]);
+    for (int k = 0; k < 2; k++) {
+        char out[700];
+        snprintf(out, sizeof out, "%s/offload-lora-%d", fl_test_tmpdir(), k);
+        dr_config(&j[k]->cfg, DR_LORA, 1, 1, 1, 1, out);
+        snprintf(j[k]->cfg.strategy, sizeof j[k]->cfg.strategy, "%s", k ? "deepspeed_stage_2_offload" : "deepspeed_stage_2");
+        setenv("FITLLM_BACKEND", "opaque", 1);
+        j[k]->st[0] = fl_trainer_run(&j[k]->cfg, NULL, 0, zr_record, &j[k]->rec[0], &j[k]->res[0]);
+        unsetenv("FITLLM_BACKEND");
+        FL_CHECKF(j[k]->st[0] == FL_OK, "LoRA %s: %s", j[k]->cfg.strategy, fl_error_message());
+    }
+    size_t n = j[0]->rec[0].nbytes / sizeof(float), piece = n < 997 ? n : 997;
+    compare(j[1], j[0], 1, 2 * piece * sizeof(float), "LoRA (dropout)");
+    free_job(j[0]);
+    free_job(j[1]);
+    fl_optim_set_offload_piece(0);
+}
+
 FL_TEST(offload_zero_threads_equal_zero_bits) {
     for (int world = 2; world <= 3; world++)
         for (int stage = 1; stage <= 2; stage++) {

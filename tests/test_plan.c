@@ -407,8 +407,8 @@ FL_TEST(plan_json_schema) {
     fclose(f);
     fl_json *j = NULL;
     FL_REQUIRE_OK(fl_json_parse_file(path, &j));
-    static const char *keys[] = {"version", "model", "config", "budget", "tags", "phases", "peak", "verdict", "oom",
-                                 "unavailable", "max_micro_batch_size", "suggestions", "notes"};
+    static const char *keys[] = {"version", "model", "config", "budget", "tags", "phases", "peak", "host_tier",
+                                 "verdict", "oom", "unavailable", "max_micro_batch_size", "suggestions", "notes"};
     for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
         FL_CHECKF(fl_json_get(j, keys[i]) != NULL, "missing key %s", keys[i]);
     FL_CHECK(fl_json_get(j, "version")->i == FL_PLAN_JSON_VERSION);
@@ -430,6 +430,7 @@ FL_TEST(plan_json_schema) {
         FL_CHECK(fl_json_get(b, "total") && fl_json_get(p, "phase_peak") && fl_json_get(lv, "total"));
     }
     FL_CHECK(fl_json_get(fl_json_get(j, "peak"), "total")->num == (double)pl.peak_total);
+    FL_CHECK(fl_json_get(j, "host_tier")->type == FL_JSON_NULL); /* no offload */
     const fl_json *oom = fl_json_get(j, "oom");
     FL_CHECK(!strcmp(fl_json_get(oom, "tag")->str, "PARAMS") && !strcmp(fl_json_get(oom, "phase")->str, "model load"));
     FL_CHECK(fl_json_get(oom, "requested")->num == (double)pl.oom.requested && fl_json_get(oom, "available"));
@@ -439,6 +440,20 @@ FL_TEST(plan_json_schema) {
     const fl_json *s0 = fl_json_at(sg, 0);
     FL_CHECK(fl_json_get(s0, "technique") && fl_json_get(s0, "available") && fl_json_get(s0, "fits") &&
              fl_json_get(s0, "peak") && fl_json_get(s0, "change") && fl_json_get(s0, "note"));
+    fl_json_free(j);
+    /* CPU offload: the host tier, per tag, as fl_plan has it */
+    snprintf(c.strategy, sizeof c.strategy, "deepspeed_stage_2_offload");
+    o.device_memory = 0;
+    FL_REQUIRE_OK(fl_plan_run(&c, &o, &pl));
+    FL_REQUIRE(pl.offload && pl.host_peak[FL_TAG_OPTIM] > 0 && pl.peak[FL_TAG_OPTIM] == 0);
+    f = fopen(path, "w");
+    FL_REQUIRE(f != NULL);
+    fl_plan_write_json(&pl, f);
+    fclose(f);
+    FL_REQUIRE_OK(fl_json_parse_file(path, &j));
+    const fl_json *ht = fl_json_get(j, "host_tier");
+    FL_CHECK(ht && ht->type == FL_JSON_OBJECT && fl_json_get(ht, "OPTIM")->num == (double)pl.host_peak[FL_TAG_OPTIM] &&
+             fl_json_get(ht, "total")->num == (double)pl.host_peak_total);
     fl_json_free(j);
 }
 
