@@ -135,12 +135,14 @@ zok=1
 timeout 300 "${SELF_ENV[@]}" "$FL" finetune_full "${ZARGS[@]}" --strategy ddp --out_dir "$T/z-ddp" >"$T/out" 2>&1 || { zok=0; bad "zero_cli_np3_ddp" "exit $?"; }
 want_over=""; [ "$(nproc)" -lt 3 ] && want_over=" .*--oversubscribe"
 grep -q -- "^fitllm: starting 3 ranks: [^ ]*mpirun -np 3$want_over" "$T/out" || { zok=0; bad "zero_cli_np3_ddp" "no self-launch line"; }
-for st in deepspeed_stage_1 deepspeed_stage_2; do
+# (deepspeed_stage_2_offload: the momentum in the host tier, streamed from there into the checkpoint; first, so the
+# report checked below is ZeRO-2's)
+for st in deepspeed_stage_2_offload deepspeed_stage_1 deepspeed_stage_2; do
     timeout 300 mpirun -np 3 "$FL" finetune_full "${ZARGS[@]}" --strategy $st --out_dir "$T/z-$st" >"$T/out" 2>&1 || { zok=0; bad "zero_cli_np3_$st" "exit $?"; }
 done
 if [ $zok = 1 ]; then
     zsame=1
-    for st in deepspeed_stage_1 deepspeed_stage_2; do
+    for st in deepspeed_stage_1 deepspeed_stage_2 deepspeed_stage_2_offload; do
         for ck in step-000002 final; do
             cmp -s "$T/z-ddp/$ck/model.safetensors" "$T/z-$st/$ck/model.safetensors" || zsame=0
             cmp -s <(tail -c 1040128 "$T/z-ddp/$ck/training_state.safetensors") \
@@ -149,7 +151,7 @@ if [ $zok = 1 ]; then
     done
     if [ $zsame = 1 ] && grep -q "data parallel (ZeRO-2, strategy deepspeed_stage_2): 3 ranks" "$T/out" \
         && grep -q "memory of rank 0 (ZeRO-2: OPTIM holds its chunk's state, 86678 of 260032 elements" "$T/out"; then
-        ok "zero_cli_np3 (ZeRO-1/2 checkpoints = DDP's, bit for bit)"
+        ok "zero_cli_np3 (ZeRO-1/2 and ZeRO-2 offload checkpoints = DDP's, bit for bit)"
     else
         bad "zero_cli_np3" "checkpoints differ from DDP's ($zsame) or the report lacks ZeRO-2's lines"
     fi
