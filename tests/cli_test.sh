@@ -165,6 +165,20 @@ expect offload_8bit_refused 2 "CPU offload of AdamW8bit is not supported" -- "$F
 expect plan_offload_host_row 0 "^host \(offload\) +reserved +0 B +0 B +1\.98 MiB" -- "$FITLLM" plan micro --strategy deepspeed_stage_2_offload
 expect plan_suggests_offload 3 "cpu_offload +fits: --strategy deepspeed_stage_2_offload" -- "$FITLLM" plan open-llama-7b \
     --device-memory 80GB --train.micro_batch_size 1 --train.global_batch_size 1 --train.max_seq_length 1025 --accelerator cuda
+# NVMe offload: the state in files under nvme_path (none left behind); a folder that cannot take them and nvme
+# without an offload strategy are refused, named
+mkdir -p "$T/nvme"
+expect offload_nvme_trains 0 "nvme tier \(offload\) OPTIM +1\.98 MiB" -- "$FITLLM" finetune_full micro \
+    --strategy deepspeed_stage_2_offload --offload_optimizer_device nvme --nvme_path "$T/nvme" --train.max_steps 2 \
+    --train.global_batch_size 2 --train.micro_batch_size 2 --train.max_seq_length 32 --out_dir "$T/off3"
+[ -z "$(ls -A "$T/nvme")" ] || { echo "FAIL offload_nvme_leaves_no_files: $(ls -A "$T/nvme")"; fail=$((fail+1)); }
+expect offload_nvme_bad_path 2 "nvme offload: cannot create a file in '/nonexistent-fitllm': .*\(nvme_path\)" -- \
+    "$FITLLM" finetune_full micro --strategy deepspeed_stage_2_offload --offload_optimizer_device nvme \
+    --nvme_path /nonexistent-fitllm --out_dir "$T/off4"
+expect offload_nvme_needs_offload 2 "offload_optimizer_device nvme offloads the optimizer of --strategy deepspeed_stage_2_offload" -- \
+    "$FITLLM" finetune_full micro --offload_optimizer_device nvme --out_dir "$T/off5"
+expect plan_offload_nvme_row 0 "^nvme \(offload\) +reserved +0 B +0 B +1\.98 MiB" -- "$FITLLM" plan micro \
+    --strategy deepspeed_stage_2_offload --offload_optimizer_device nvme
 expect zero_hybrid_zero2_not_yet 2 "fsdp.sharding_strategy '_HYBRID_SHARD_ZERO2' is not implemented yet" -- "$FITLLM" finetune_full micro --strategy fsdp --fsdp.sharding_strategy _HYBRID_SHARD_ZERO2 --out_dir "$T/d2"
 expect zero_sharding_unknown 2 "fsdp.sharding_strategy 'ZERO9': unknown" -- "$FITLLM" finetune_full micro --strategy fsdp --fsdp.sharding_strategy ZERO9 --out_dir "$T/d2"
 # one process: every strategy trains as one process does (FULL_SHARD of one rank holds everything)

@@ -191,6 +191,100 @@ FL_TEST(offload_opaque_zero2_two_ranks_same_bits) {
     fl_optim_set_offload_piece(0);
 }
 
+/* NVMe offload (offload_optimizer_device nvme): the state in unlinked files under nvme_path, walked piece
+ * by piece (9973 elements: 27 pieces, each prefetched, written back and dropped); the same bits, the state's
+ * bytes in the nvme tier instead of the host's, as planned; no file left in the folder; a checkpoint at step 2
+ * streamed from the files and resumed into them ends on the uninterrupted run's bits. On cpu (in place) and on
+ * opaque (staged through the host tier, and the state on disk). */
+static void nvme_cfg(fl_run_config *c, const char *dir) {
+    snprintf(c->offload_device, sizeof c->offload_device, "nvme");
+    snprintf(c->nvme_path, sizeof c->nvme_path, "%s", dir);
+}
+
+static int dir_is_empty(const char *dir) {
+    char cmd[800];
+    snprintf(cmd, sizeof cmd, "test -z \"$(ls -A '%s' 2>/dev/null)\"", dir);
+    return system(cmd) == 0;
+}
+
+FL_TEST(offload_nvme_pages_the_state_through_files_with_the_same_bits) {
+    const size_t piece = 9973;
+    fl_optim_set_offload_piece(piece);
+    char dir[700];
+    snprintf(dir, sizeof dir, "%s/nvme", fl_test_tmpdir());
+    char mk[760];
+    snprintf(mk, sizeof mk, "mkdir -p '%s'", dir);
+    FL_REQUIRE(system(mk) == 0);
+    const char *bes[2] = {"cpu", "opaque"};
+    const int scs[2] = {ZR_ADAMW, ZR_SGDM};
+    for (int b = 0; b < 2; b++)
+        for (int i = 0; i < 2; i++) {
+            ojob *base = run(scs[i], 1, "deepspeed_stage_2", bes[b], "dev");
+            ojob *off = calloc(1, sizeof *off);
+            FL_REQUIRE(off != NULL);
+            char out[700];
+            snprintf(out, sizeof out, "%s/offload-nvme-%s-%s", fl_test_tmpdir(), zr_names[scs[i]], bes[b]);
+            zr_config(&off->cfg, scs[i], 1, 1, 1, "deepspeed_stage_2_offload", NULL, out);
+            nvme_cfg(&off->cfg, dir);
+            setenv("FITLLM_BACKEND", bes[b], 1);
+            off->st[0] = fl_trainer_run(&off->cfg, NULL, 0, zr_record, &off->rec[0], &off->res[0]);
+            unsetenv("FITLLM_BACKEND");
+            FL_CHECKF(off->st[0] == FL_OK, "nvme %s on %s: %s", zr_names[scs[i]], bes[b], fl_error_message());
+            const fl_trainer_result *a = &off->res[0], *d = &base->res[0];
+            if (off->st[0] == FL_OK && base->st[0] == FL_OK) {
+                FL_CHECKF(zr_same(&off->rec[0], &base->rec[0]), "nvme %s on %s: parameters or losses differ from the "
+                          "device optimizer's bits", zr_names[scs[i]], bes[b]);
+                size_t staging = b ? staging_bytes(&off->cfg, piece) : 0;
+                FL_CHECKF(a->nvme && a->nvme_peak[FL_TAG_OPTIM] == d->peak[FL_TAG_OPTIM] &&
+                          a->nvme_peak_total == d->peak[FL_TAG_OPTIM] && a->peak[FL_TAG_OPTIM] == 0 &&
+                          a->peak_total == d->peak_total - d->peak[FL_TAG_OPTIM] && a->host_peak[FL_TAG_OPTIM] == 0 &&
+                          a->host_peak_total == staging,
+                          "nvme %s on %s: nvme OPTIM %zu (device run's %zu), host tier %zu (staging %zu), device %zu",
+                          zr_names[scs[i]], bes[b], a->nvme_peak[FL_TAG_OPTIM], d->peak[FL_TAG_OPTIM],
+                          a->host_peak_total, staging, a->peak_total);
+                if (!b) { /* the plan (host memory: one device pool as planned) of every tier */
+                    char why[2048] = "";
+                    int bad = zr_check_plan(&off->cfg, 0, a, 1, why, sizeof why, 0);
+                    FL_CHECKF(bad == 0, "nvme %s: %s", zr_names[scs[i]], why);
+                }
+            }
+            FL_CHECKF(dir_is_empty(dir), "nvme %s on %s: files left in %s", zr_names[scs[i]], bes[b], dir);
+            if (b == 1 && i == 0 && off->st[0] == FL_OK) { /* checkpoint at step 2 from the files, resumed into them */
+                fl_run_config c = off->cfg;
+                snprintf(c.out_dir, sizeof c.out_dir, "%s/offload-nvme-resume", fl_test_tmpdir());
+                c.train.save_interval = 2;
+                zr_rec part = {0}, rest = {0};
+                setenv("FITLLM_BACKEND", bes[b], 1);
+                g_stop_at = 2;
+                fl_status s = fl_trainer_run(&c, NULL, 0, stop_hook, &part, NULL);
+                g_stop_at = 0;
+                snprintf(c.resume, sizeof c.resume, "auto");
+                if (s == FL_OK) s = fl_trainer_run(&c, NULL, 0, zr_record, &rest, NULL);
+                unsetenv("FITLLM_BACKEND");
+                FL_CHECKF(s == FL_OK && rest.steps == off->rec[0].steps && rest.nbytes == off->rec[0].nbytes &&
+                          !memcmp(rest.bytes, off->rec[0].bytes, rest.nbytes),
+                          "nvme: the resumed run ends on other parameters than the uninterrupted one (%s)",
+                          s == FL_OK ? "" : fl_error_message());
+                zr_free(&part);
+                zr_free(&rest);
+            }
+            free_job(base);
+            free_job(off);
+        }
+    /* a folder that cannot take the files: refused at set-up, naming it */
+    ojob *bad = calloc(1, sizeof *bad);
+    FL_REQUIRE(bad != NULL);
+    char out[700];
+    snprintf(out, sizeof out, "%s/offload-nvme-bad", fl_test_tmpdir());
+    zr_config(&bad->cfg, ZR_ADAMW, 1, 1, 1, "deepspeed_stage_2_offload", NULL, out);
+    nvme_cfg(&bad->cfg, "/nonexistent-fitllm-nvme");
+    fl_status s = fl_trainer_run(&bad->cfg, NULL, 0, NULL, NULL, NULL);
+    FL_CHECKF(s != FL_OK && strstr(fl_error_message(), "/nonexistent-fitllm-nvme") &&
+              strstr(fl_error_message(), "nvme_path"), "bad nvme_path: %s (%s)", fl_status_name(s), fl_error_message());
+    free(bad);
+    fl_optim_set_offload_piece(0);
+}
+
 FL_TEST(offload_refuses_what_it_does_not_offload) {
     fl_run_config c;
     char out[700];
@@ -202,4 +296,10 @@ FL_TEST(offload_refuses_what_it_does_not_offload) {
     /* parameter offload (stage 3) is refused by name at the configuration, never run as something else */
     FL_CHECK(fl_cfg_set(&c, "strategy", "deepspeed_stage_3_offload") == FL_OK && fl_cfg_validate(&c) == FL_ERR_UNSUPPORTED);
     FL_CHECK(strstr(fl_error_message(), "parameter offload") != NULL);
+    /* nvme needs an offload strategy; an unknown device is named */
+    zr_config(&c, ZR_ADAMW, 1, 1, 1, "deepspeed_stage_2", NULL, out);
+    FL_CHECK(fl_cfg_set(&c, "offload_optimizer_device", "nvme") == FL_OK && fl_cfg_validate(&c) == FL_ERR_INVALID &&
+             strstr(fl_error_message(), "deepspeed_stage_2_offload"));
+    FL_CHECK(fl_cfg_set(&c, "offload_optimizer_device", "tape") == FL_OK && fl_cfg_validate(&c) == FL_ERR_INVALID &&
+             strstr(fl_error_message(), "'tape'"));
 }

@@ -80,6 +80,10 @@ typedef struct {
     char strategy[32];                /* auto, ddp, deepspeed_stage_1, deepspeed_stage_2, fsdp (Lightning's names) */
     char sharding_strategy[32];       /* fsdp.sharding_strategy: "" (FULL_SHARD), FULL_SHARD, NO_SHARD, SHARD_GRAD_OP,
                                        * HYBRID_SHARD */
+    char offload_device[32];          /* offload_optimizer_device (Lightning's DeepSpeedStrategy argument): "cpu" (the
+                                       * default: the offloaded state in host memory) or "nvme" (in files under
+                                       * nvme_path, paged through host memory) */
+    char nvme_path[FL_CFG_PATH];      /* nvme_path: the folder of the nvme state files ("": out_dir) */
     char state_dict_type[32];         /* fsdp.state_dict_type: "full" (one consolidated checkpoint, the default) or
                                          "sharded" (each rank writes its element ranges; any strategy) */
     char resume[FL_CFG_PATH];         /* "false", "true", "auto" or a checkpoint folder */

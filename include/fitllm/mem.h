@@ -52,7 +52,8 @@ typedef enum {
     FL_TAG_COUNT
 } fl_mem_tag;
 
-typedef enum { FL_DEV_CPU = 0, FL_DEV_CUDA, FL_DEV_CUDA_HOST, FL_DEV_COUNT } fl_device;
+/* FL_DEV_DISK: a disk pool (fl_mem_disk_pool_init): host-addressable memory whose pages are a file's */
+typedef enum { FL_DEV_CPU = 0, FL_DEV_CUDA, FL_DEV_CUDA_HOST, FL_DEV_DISK, FL_DEV_COUNT } fl_device;
 
 const char *fl_mem_tag_name(fl_mem_tag t); /* "PARAMS", ... */
 
@@ -119,6 +120,10 @@ typedef struct fl_mem_pool {
      * backend: its tensors get addresses nobody may touch, while the host staging that host code
      * writes must be real memory, charged to the same counters (src/plan/plan.c). */
     struct fl_mem_pool *account;
+    /* optional, for raw allocators with state of their own (the disk pool): why the last raw_alloc
+     * failed (appended to the OOM message), and the release of raw_ud when the pool is freed */
+    const char *(*raw_why)(void *ud);
+    void (*raw_done)(void *ud);
 } fl_mem_pool;
 
 /* The pool host staging for p's tensors comes from: p->host, or p itself (host memory). */
@@ -131,6 +136,23 @@ fl_status fl_mem_pool_init_raw(fl_mem_pool *p, const char *name, fl_device dev, 
                                fl_raw_alloc_fn a, fl_raw_free_fn f, void *ud);
 /* Frees the bookkeeping. Live allocations are released too (and counted as leaks). */
 void fl_mem_pool_free(fl_mem_pool *p);
+
+/* A pool on disk (NVMe offload, the host tier's lower level): every allocation is a file of its own in
+ * `dir`, created (mkstemp), unlinked at once (nothing is left behind, whatever way the process ends),
+ * its blocks reserved (posix_fallocate: a full disk fails here, naming the folder, not later with a
+ * SIGBUS on a page that cannot be written) and mapped MAP_SHARED: the memory is the file's pages,
+ * which the kernel reads in when touched and may write back and drop, so the process holds only
+ * what it touches. A fresh allocation reads as zeros (pool device FL_DEV_DISK: fl_mem_calloc and
+ * fl_backend_calloc do not write it). The folder must exist and take a file (checked here). */
+fl_status fl_mem_disk_pool_init(fl_mem_pool *p, const char *name, const char *dir);
+/* Residency of [ptr, ptr + bytes) of one of a disk pool's allocations (page-aligned inwards for the
+ * release, outwards for the rest). No-ops on any other pool (a plan's stand-in). prefetch: start
+ * reading it in (MADV_WILLNEED: the kernel's read-ahead, asynchronous); writeback: start writing
+ * its dirty pages (sync_file_range, asynchronous); release: write them back and wait, then drop the
+ * pages from the process and the page cache (the next touch reads them from the file). */
+void fl_mem_disk_prefetch(fl_mem_pool *p, const void *ptr, size_t bytes);
+void fl_mem_disk_writeback(fl_mem_pool *p, const void *ptr, size_t bytes);
+fl_status fl_mem_disk_release(fl_mem_pool *p, const void *ptr, size_t bytes);
 
 /* Allocate `bytes` (may be 0: returns a unique non-NULL pointer) tagged `tag`.
  * On failure *out = NULL and FL_ERR_OOM with a message naming tag, request,

@@ -120,6 +120,10 @@ typedef struct {
     int offload;
     size_t host_peak[FL_TAG_COUNT];
     size_t host_peak_total;
+    /* NVMe offload: 1, and the disk tier's peak (the optimizer state's files) */
+    int nvme;
+    size_t nvme_peak[FL_TAG_COUNT];
+    size_t nvme_peak_total;
     /* the verdict under the budget */
     fl_plan_verdict verdict;
     fl_mem_oom oom;            /* FL_PLAN_OOM: the first allocation that fails (the allocator's record) */

@@ -106,9 +106,12 @@ typedef struct fl_optimizer {
     const fl_backend *sbe;
     struct fl_mem_pool *spool;
     int offload;            /* 1: fl_optim_init_offload */
+    int disk;               /* the state in a disk pool (NVMe offload): the update walks it piece by piece,
+                             * prefetching the next piece and releasing the last (fl_mem_disk_*) */
+    struct fl_mem_pool *hpool; /* the host tier the staging comes from */
     void *hp, *hg;          /* offload on a device whose memory the host cannot read: one piece of the
                              * parameters and of the gradients in the host tier (WORKSPACE), staged per update */
-    size_t piece;           /* their elements */
+    size_t piece;           /* the update's piece (staged or on disk), elements */
 } fl_optimizer;
 
 /* CPU offload (ZeRO-Offload; fl_cfg_offload): the host backend the update runs on (the model's own
@@ -117,6 +120,8 @@ typedef struct fl_optimizer {
 typedef struct {
     const fl_backend *be;
     struct fl_mem_pool *pool;
+    struct fl_mem_pool *state_pool; /* NVMe offload: the state's disk pool (fl_mem_disk_pool_init, or a plan's
+                                     * stand-in); NULL: the state in pool */
 } fl_optim_offload;
 
 /* Optimizer over the model's trainable parameters: all of them, or only the
@@ -136,6 +141,19 @@ fl_status fl_optim_init_shard(fl_optimizer *o, fl_model *model, const fl_optim_c
  * copied (the update runs in place, only the state lives in the host tier). */
 fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim_config *cfg, int world, int rank,
                                 const fl_optim_offload *off);
+/* Copies of the optimizer's state (m, v, buf) to or from host memory, through the state's backend, in
+ * slices; NVMe offload: each slice's pages are written back and dropped once copied, so a checkpoint of
+ * a state larger than the host's memory streams through a slice of it. `state` points into o's state. */
+fl_status fl_optim_state_read(const fl_optimizer *o, void *host, const void *state, size_t bytes);
+fl_status fl_optim_state_write(const fl_optimizer *o, void *state, const void *host, size_t bytes);
+/* A safetensors fill_range producer over one state array (ud: fl_optim_state_src): the checkpoint writer's
+ * source for an NVMe-offloaded state. */
+typedef struct {
+    const fl_optimizer *o;
+    const void *arr;
+    size_t es;
+} fl_optim_state_src;
+fl_status fl_optim_state_fill(void *ud, void *dst, size_t off, size_t n);
 /* Elements per piece of the offloaded update's staging (0: the default, 4 Mi: 16 MiB of fp32 each for
  * parameters and gradients). Tests use small odd sizes so the range spans several pieces. */
 void fl_optim_set_offload_piece(size_t elements);

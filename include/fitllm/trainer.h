@@ -55,6 +55,10 @@ typedef struct {
     int offload;
     size_t host_peak[8];
     size_t host_peak_total;
+    /* NVMe offload (offload_optimizer_device nvme): 1, and the disk tier's peaks (the optimizer state's files) */
+    int nvme;
+    size_t nvme_peak[8];
+    size_t nvme_peak_total;
 } fl_trainer_result;
 
 /* res (may be NULL) is filled on success and on failure: peak and peak_total

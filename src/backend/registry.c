@@ -131,7 +131,7 @@ void fl_backend_pools_free(fl_mem_pool *dev, fl_mem_pool *host) {
 
 fl_status fl_backend_calloc(const fl_backend *be, fl_mem_pool *p, fl_mem_tag tag, size_t bytes, void **out) {
     FL_TRY(fl_mem_alloc(p, tag, bytes, out));
-    if (bytes) be->zero(be, *out, bytes);
+    if (bytes && p->device != FL_DEV_DISK) be->zero(be, *out, bytes); /* a disk pool's fresh file reads as zeros */
     return FL_OK;
 }
 

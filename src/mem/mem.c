@@ -144,7 +144,11 @@ fl_status fl_mem_alloc(fl_mem_pool *p, fl_mem_tag tag, size_t bytes, void **out)
     }
     if (a->budget && (bytes > a->budget || a->cur_total > a->budget - bytes)) return fail_oom(a, tag, bytes, 0);
     void *ptr = p->raw_alloc(bytes, p->raw_ud);
-    if (!ptr) return fail_oom(a, tag, bytes, 1);
+    if (!ptr) {
+        fl_status st = fail_oom(a, tag, bytes, 1);
+        const char *why = p->raw_why ? p->raw_why(p->raw_ud) : NULL;
+        return why && *why ? fl_error_prefix(st, "%s", why) : st;
+    }
     /* weights, optimizer state and token buffers hold their data from the start; gradients,
      * activations and scratch hold nothing needed until their owner says so (fl_mem_set_live) */
     size_t live = (tag == FL_TAG_PARAMS || tag == FL_TAG_OPTIM || tag == FL_TAG_OTHER || tag == FL_TAG_GATHER) ? bytes : 0;
@@ -167,7 +171,7 @@ fl_status fl_mem_alloc(fl_mem_pool *p, fl_mem_tag tag, size_t bytes, void **out)
 
 fl_status fl_mem_calloc(fl_mem_pool *p, fl_mem_tag tag, size_t bytes, void **out) {
     FL_TRY(fl_mem_alloc(p, tag, bytes, out));
-    if (p->device == FL_DEV_CPU || p->device == FL_DEV_CUDA_HOST) memset(*out, 0, bytes);
+    if (p->device == FL_DEV_CPU || p->device == FL_DEV_CUDA_HOST) memset(*out, 0, bytes); /* FL_DEV_DISK: zeros */
     return FL_OK;
 }
 
@@ -214,6 +218,8 @@ void fl_mem_pool_free(fl_mem_pool *p) {
     free(p->tab);
     p->tab = NULL;
     p->tab_len = 0;
+    if (p->raw_done) p->raw_done(p->raw_ud);
+    p->raw_done = NULL;
 }
 
 void fl_mem_set_budget(fl_mem_pool *p, size_t budget) { p->budget = budget; }

@@ -207,6 +207,9 @@ static int rehearsal_result(const plan_ctx *x, fl_status s, const fl_trainer_res
             out->offload = r->offload;
             memcpy(out->host_peak, r->host_peak, sizeof out->host_peak);
             out->host_peak_total = r->host_peak_total;
+            out->nvme = r->nvme;
+            memcpy(out->nvme_peak, r->nvme_peak, sizeof out->nvme_peak);
+            out->nvme_peak_total = r->nvme_peak_total;
         } else if (oom) {
             /* what failed, as the allocation site says it: the message up to the pool's own words */
             const char *m = fl_error_message(), *e = strstr(m, "out of memory on ");
@@ -554,7 +557,12 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
                 "whole", p->zero_stage, p->devices, p->rank,
              p->zero_stage == 2 ? "GRADS reserved in full (backward fills the flat buffer), live after the "
                                   "reduce-scatter: the chunk" : "gradients whole (all-reduced)");
-    if (sc.offload)
+    if (sc.offload && !strcmp(c->offload_device, "nvme"))
+        note(p, "NVMe offload (%s, offload_optimizer_device nvme): OPTIM is the nvme tier's (the \"nvme (offload)\" "
+                "row: the optimizer state in files under nvme_path, paged through a few pieces of host memory), outside "
+                "the device budget%s", c->strategy, opts.cuda ? "; the host tier holds the update's staging of one piece"
+                                                                : "");
+    else if (sc.offload)
         note(p, "CPU offload (ZeRO-Offload, %s): OPTIM is the host tier's, outside the device budget (the \"host "
                 "(offload)\" row: the optimizer state%s); every step moves the gradients to the host and the updated "
                 "parameters back", c->strategy, opts.cuda ? " and the update's staging of one piece" : "");
@@ -682,6 +690,8 @@ void fl_plan_print(const fl_plan *p, FILE *f) {
     row(f, "peak", "reserved", p->peak, p->peak_total, 0, 0);
     if (p->offload) /* the host tier: outside the device's budget */
         row(f, "host (offload)", "reserved", p->host_peak, p->host_peak_total, 0, 0);
+    if (p->nvme) /* the state's files */
+        row(f, "nvme (offload)", "reserved", p->nvme_peak, p->nvme_peak_total, 0, 0);
     if (p->budget)
         fprintf(f, "budget %s (%zu bytes); planned peak %s = %.1f%% of it\n", fl_fmt_bytes(p->budget, a, sizeof a),
                 p->budget, fl_fmt_bytes(p->peak_total, b, sizeof b), 100.0 * (double)p->peak_total / (double)p->budget);
@@ -781,6 +791,9 @@ void fl_plan_write_json(const fl_plan *p, FILE *f) {
     jtags(f, p->peak, p->peak_total);
     fprintf(f, ",\n  \"host_tier\": "); /* CPU offload: the host memory the run takes beside the device's */
     if (p->offload) jtags(f, p->host_peak, p->host_peak_total);
+    else fprintf(f, "null");
+    fprintf(f, ",\n  \"nvme_tier\": "); /* NVMe offload: the optimizer state's files */
+    if (p->nvme) jtags(f, p->nvme_peak, p->nvme_peak_total);
     else fprintf(f, "null");
     fprintf(f, ",\n  \"verdict\": \"%s\",\n",
             p->verdict == FL_PLAN_FITS && !p->budget ? "unknown" : fl_plan_verdict_name(p->verdict));

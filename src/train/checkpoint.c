@@ -131,6 +131,18 @@ static fl_status write_state(const char *dir, const fl_model *m, const fl_optimi
         t[nt++] = (fl_st_write_tensor){"optimizer.exp_avg_sq", sd, 1, {n}, o->v, sd, 0, NULL, NULL, o->sbe, NULL};
     } else if (o && o->buf) {
         t[nt++] = (fl_st_write_tensor){"optimizer.momentum_buffer", sd, 1, {n}, o->buf, sd, 0, NULL, NULL, o->sbe, NULL};
+    }
+    fl_optim_state_src src[2]; /* NVMe offload: the state streams from its files, a slice at a time */
+    for (int i = 0; !given && o && o->disk && i < nt; i++) {
+        if (t[i].data != o->m && t[i].data != o->v && t[i].data != o->buf) continue;
+        int j = t[i].data == o->v;
+        src[j] = (fl_optim_state_src){o, t[i].data, fl_dtype_size(sd)};
+        t[i].fill_range = fl_optim_state_fill;
+        t[i].fill_ud = &src[j];
+        t[i].data = NULL;
+        t[i].be = NULL;
+    }
+    if (given || !o) {
     } else if (o && o->state8) {
         /* block-wise 8-bit state of every tensor, bound in layout order: one raw blob */
         t[nt++] = (fl_st_write_tensor){"optimizer.state8", FL_U8, 1, {(int64_t)o->state8_bytes}, o->state8, FL_U8, 0, NULL, NULL, m->be, NULL};
@@ -378,10 +390,11 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
             if (s == FL_OK && o->state8_bytes) s = m->be->to_device(m->be, o->state8, h, o->state8_bytes);
             free(h);
         } else if (i < 3 && (o->s_off != 0 || o->s_len != tn)) { /* ZeRO: this rank's chunk, read alone */
-            s = o->sbe->to_device(o->sbe, want[i].dst, (const char *)t->data + o->s_off * es, o->s_len * es);
-        } else { /* optimizer state: the state's memory (the device's; CPU offload: the host tier) */
-            const fl_backend *sb = i < 3 ? o->sbe : m->be;
-            s = sb->to_device(sb, want[i].dst, t->data, want[i].bytes);
+            s = fl_optim_state_write(o, want[i].dst, (const char *)t->data + o->s_off * es, o->s_len * es);
+        } else if (i < 3) { /* the state's memory (the device's; CPU offload: the host tier; NVMe: its files) */
+            s = fl_optim_state_write(o, want[i].dst, t->data, want[i].bytes);
+        } else {
+            s = m->be->to_device(m->be, want[i].dst, t->data, want[i].bytes);
         }
     }
     if (s == FL_OK) s = fl_ckpt_read_state_meta(&f, p, o, st);

@@ -421,6 +421,33 @@ static fl_status fsdp8_init(fl_optimizer *o, fl_model *model, int world, int ran
     return s;
 }
 
+#define STATE_SLICE ((size_t)16 << 20) /* bytes per slice of a state copy */
+
+fl_status fl_optim_state_read(const fl_optimizer *o, void *host, const void *state, size_t bytes) {
+    const fl_backend *be = o->sbe ? o->sbe : o->model->be;
+    for (size_t a = 0; a < bytes; a += STATE_SLICE) {
+        const size_t n = bytes - a < STATE_SLICE ? bytes - a : STATE_SLICE;
+        FL_TRY(be->to_host(be, (char *)host + a, (const char *)state + a, n));
+        if (o->disk) FL_TRY(fl_mem_disk_release(o->spool, (const char *)state + a, n));
+    }
+    return FL_OK;
+}
+
+fl_status fl_optim_state_write(const fl_optimizer *o, void *state, const void *host, size_t bytes) {
+    const fl_backend *be = o->sbe ? o->sbe : o->model->be;
+    for (size_t a = 0; a < bytes; a += STATE_SLICE) {
+        const size_t n = bytes - a < STATE_SLICE ? bytes - a : STATE_SLICE;
+        FL_TRY(be->to_device(be, (char *)state + a, (const char *)host + a, n));
+        if (o->disk) FL_TRY(fl_mem_disk_release(o->spool, (char *)state + a, n));
+    }
+    return FL_OK;
+}
+
+fl_status fl_optim_state_fill(void *ud, void *dst, size_t off, size_t n) {
+    const fl_optim_state_src *x = ud;
+    return fl_optim_state_read(x->o, dst, (const char *)x->arr + off * x->es, n * x->es);
+}
+
 static size_t g_offload_piece = (size_t)4 << 20;
 void fl_optim_set_offload_piece(size_t elements) { g_offload_piece = elements ? elements : (size_t)4 << 20; }
 size_t fl_optim_offload_piece(void) { return g_offload_piece; }
@@ -450,7 +477,9 @@ fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim
     o->model = model;
     o->offload = off != NULL;
     o->sbe = off ? off->be : model->be;
-    o->spool = off ? off->pool : model->pool;
+    o->spool = off ? (off->state_pool ? off->state_pool : off->pool) : model->pool;
+    o->hpool = off ? off->pool : NULL;
+    o->disk = off && off->state_pool;
     /* the precision policy fixes the state dtype of the full parameters (bf16-true: bf16);
      * LoRA adapters are fp32 under every policy */
     if (!model->lora && model->prec.optim_dtype == FL_BF16) o->cfg.state_dtype = FL_BF16;
@@ -498,10 +527,10 @@ fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim
     }
     /* offload to a device the host cannot read: the staging of one piece of the parameters and gradients
      * (host tier, held for the run as DeepSpeed's pinned buffers) */
+    if (s == FL_OK && off) o->piece = o->s_len < g_offload_piece ? o->s_len : g_offload_piece;
     if (s == FL_OK && off && !model->be->host_memory) {
-        o->piece = o->s_len < g_offload_piece ? o->s_len : g_offload_piece;
-        s = fl_mem_alloc(o->spool, FL_TAG_WORKSPACE, o->piece * fl_dtype_size(o->pt), &o->hp);
-        if (s == FL_OK) s = fl_mem_alloc(o->spool, FL_TAG_WORKSPACE, o->piece * fl_dtype_size(o->gt), &o->hg);
+        s = fl_mem_alloc(o->hpool, FL_TAG_WORKSPACE, o->piece * fl_dtype_size(o->pt), &o->hp);
+        if (s == FL_OK) s = fl_mem_alloc(o->hpool, FL_TAG_WORKSPACE, o->piece * fl_dtype_size(o->gt), &o->hg);
     }
     if (s != FL_OK) {
         fl_optim_free(o);
@@ -516,8 +545,8 @@ void fl_optim_free(fl_optimizer *o) {
     fl_mem_free(sp, o->m);
     fl_mem_free(sp, o->v);
     fl_mem_free(sp, o->buf);
-    fl_mem_free(sp, o->hp);
-    fl_mem_free(sp, o->hg);
+    fl_mem_free(o->hpool, o->hp);
+    fl_mem_free(o->hpool, o->hg);
     fl_mem_free(o->model->pool, o->state8);
     fl_mem_free(o->model->pool, o->x8);
     free(o->p8_s);
@@ -611,23 +640,56 @@ static fl_status update_range(const fl_optimizer *o, const fl_backend *be, void 
     return fl_errorf(FL_ERR_INTERNAL, "optimizer update: %s is not elementwise", fl_optim_name(c->kind));
 }
 
-/* CPU offload on a device the host cannot read (ZeRO-Offload): piece by piece, this rank's (reduced)
- * gradients and parameters down to the host tier, the update there with the host backend's kernels and
- * the state it holds, the parameters back up. The device's stream orders the upload of piece k before
- * the download of piece k + 1 (to_host waits for it), so one staging piece serves every piece; the last
- * upload is waited for before the step returns (the staging must not change under it). */
+/* The state of elements [a, a + len) of the rank's range, one call per state array (NVMe offload's
+ * residency hints) */
+static fl_status state_range(const fl_optimizer *o, size_t a, size_t len, int what) {
+    const size_t ses = o->cfg.state_dtype == FL_BF16 ? 2 : 4;
+    void *arr[3] = {o->m, o->v, o->buf};
+    for (int i = 0; i < 3; i++) {
+        if (!arr[i] || !len) continue;
+        const char *x = (const char *)arr[i] + a * ses;
+        if (what == 0) fl_mem_disk_prefetch(o->spool, x, len * ses);
+        else if (what == 1) fl_mem_disk_writeback(o->spool, x, len * ses);
+        else FL_TRY(fl_mem_disk_release(o->spool, x, len * ses));
+    }
+    return FL_OK;
+}
+
+/* CPU offload (ZeRO-Offload), piece by piece over this rank's range:
+ *   staged (a device the host cannot read): the (reduced) gradients and the parameters down to the host
+ *   tier, the update there with the host backend's kernels and the state, the parameters back up. The
+ *   device's stream orders piece k's upload before piece k + 1's download (to_host waits), so one staging
+ *   piece serves every piece; the last upload is waited for before the step returns;
+ *   NVMe (the state in a disk pool): before piece k, the read-ahead of piece k + 1's state starts; after
+ *   it, piece k's write-back starts and piece k - 1's is waited for and its pages dropped, so the process
+ *   holds about three pieces of the state while the disk reads and writes beside the update. */
 static fl_status offload_update(const fl_optimizer *o, float lr, float scale) {
     const fl_backend *be = o->model->be;
-    const size_t pes = fl_dtype_size(o->pt), ges = fl_dtype_size(o->gt);
-    for (size_t a = 0; a < o->s_len; a += o->piece) {
-        const size_t len = o->s_len - a < o->piece ? o->s_len - a : o->piece, at = o->s_off + a;
+    const size_t pes = fl_dtype_size(o->pt), ges = fl_dtype_size(o->gt), P = o->piece ? o->piece : o->s_len;
+    size_t prev = 0, prev_len = 0;
+    for (size_t a = 0; a < o->s_len; a += P) {
+        const size_t len = o->s_len - a < P ? o->s_len - a : P, at = o->s_off + a;
         char *p = (char *)o->p + at * pes;
-        FL_TRY(fl_error_prefix(be->to_host(be, o->hg, g_at(o, at), len * ges), "CPU offload: gradients to the host"));
-        FL_TRY(fl_error_prefix(be->to_host(be, o->hp, p, len * pes), "CPU offload: parameters to the host"));
-        FL_TRY(update_range(o, o->sbe, o->hp, o->hg, a, len, lr, scale));
-        FL_TRY(fl_error_prefix(be->to_device(be, p, o->hp, len * pes), "CPU offload: parameters to the device"));
+        if (o->disk) {
+            if (a == 0) FL_TRY(state_range(o, a, len, 0));
+            FL_TRY(state_range(o, a + len, o->s_len - a - len < P ? o->s_len - a - len : P, 0));
+        }
+        if (o->hp) {
+            FL_TRY(fl_error_prefix(be->to_host(be, o->hg, g_at(o, at), len * ges), "CPU offload: gradients to the host"));
+            FL_TRY(fl_error_prefix(be->to_host(be, o->hp, p, len * pes), "CPU offload: parameters to the host"));
+            FL_TRY(update_range(o, o->sbe, o->hp, o->hg, a, len, lr, scale));
+            FL_TRY(fl_error_prefix(be->to_device(be, p, o->hp, len * pes), "CPU offload: parameters to the device"));
+        } else { /* host memory: in place */
+            FL_TRY(update_range(o, o->sbe, p, g_at(o, at), a, len, lr, scale));
+        }
+        if (o->disk) {
+            FL_TRY(state_range(o, a, len, 1));
+            if (prev_len) FL_TRY(state_range(o, prev, prev_len, 2));
+            prev = a, prev_len = len;
+        }
     }
-    return fl_error_prefix(be->sync(be), "CPU offload: the updated parameters");
+    if (o->disk && prev_len) FL_TRY(state_range(o, prev, prev_len, 2));
+    return o->hp ? fl_error_prefix(be->sync(be), "CPU offload: the updated parameters") : FL_OK;
 }
 
 fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_out) {
@@ -667,7 +729,7 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
      * with the same arithmetic as the whole buffer does */
     size_t n = o->s_len;
     void *p = (char *)o->p + o->s_off * fl_dtype_size(o->pt), *g = (void *)g_at(o, o->s_off);
-    if (c->kind != FL_OPT_ADAMW8BIT && o->hp) {
+    if (c->kind != FL_OPT_ADAMW8BIT && (o->hp || o->disk)) {
         FL_TRY(offload_update(o, lr, scale));
     } else if (c->kind != FL_OPT_ADAMW8BIT) {
         FL_TRY(update_range(o, o->sbe, p, g, 0, n, lr, scale)); /* offload on host memory: in place, host state */

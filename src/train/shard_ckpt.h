@@ -64,6 +64,8 @@ typedef struct {
     size_t own_k0, own_n;
     const fl_backend *be;         /* whose memory data is when not the set's (CPU offload: the optimizer state's host
                                    * backend); NULL: set->be */
+    const struct fl_optimizer *opt; /* the optimizer whose state data is (CPU offload): copied through
+                                     * fl_optim_state_read / _write (NVMe: the pages dropped behind) */
 } fl_shard_buf;
 
 typedef struct {

@@ -38,6 +38,8 @@ typedef struct {
      * host memory; else the run's own) */
     fl_mem_pool opool;
     int opool_ok;
+    fl_mem_pool dpool;          /* NVMe offload (offload_optimizer_device nvme): the state's disk tier */
+    int dpool_ok;
     fl_backend hbe;
     int hbe_ok;
     fl_optim_offload off;
@@ -445,6 +447,8 @@ static void print_box(trainer *t, const fl_trainer_result *r) {
         fprintf(t->out, "| %-28s %30s |\n", "host tier (offload) OPTIM", fl_fmt_bytes(r->host_peak[FL_TAG_OPTIM], b, sizeof b));
         fprintf(t->out, "| %-28s %30s |\n", "host tier (offload) total", fl_fmt_bytes(r->host_peak_total, b, sizeof b));
     }
+    if (r->nvme)
+        fprintf(t->out, "| %-28s %30s |\n", "nvme tier (offload) OPTIM", fl_fmt_bytes(r->nvme_peak[FL_TAG_OPTIM], b, sizeof b));
     if (t->dp.world > 1) { /* ZeRO's unit: psi = the trainable gradients' bytes */
         double psi = (double)t->opt.n * fl_dtype_size(t->opt.gt);
         char v[48];
@@ -517,6 +521,7 @@ static void cleanup(trainer *t) {
     fl_optim_free(&t->opt);
     if (t->model_ok) fl_model_free(&t->model);
     if (t->pool_ok) fl_backend_pools_free(&t->pool, &t->hpool);
+    if (t->dpool_ok) fl_mem_pool_free(&t->dpool);
     if (t->opool_ok) fl_mem_pool_free(&t->opool);
     if (t->hbe_ok) fl_cpu_backend_free(&t->hbe);
     if (t->be_ok) fl_backend_free(&t->be);
@@ -593,6 +598,19 @@ static fl_status setup_offload(trainer *t, const fl_strategy_choice *sc) {
     }
     t->off.pool = &t->opool;
     t->dp.offload = &t->off;
+    if (strcmp(t->cfg->offload_device, "nvme")) return FL_OK;
+    /* NVMe (ZeRO-Infinity's offload_optimizer device nvme): the state in files under nvme_path (out_dir by
+     * default, made here: the files are unlinked at creation, so an OOM still leaves no files); the plan's
+     * null backend stands it in with its counted fake addresses */
+    if (be->discards) {
+        FL_TRY(be->host_pool_init(be, &t->dpool, "nvme (offload)", 0));
+    } else {
+        const char *dir = t->cfg->nvme_path[0] ? t->cfg->nvme_path : t->cfg->out_dir;
+        if (!t->cfg->nvme_path[0]) FL_TRY(fl_fs_mkdir_p(dir));
+        FL_TRY(fl_mem_disk_pool_init(&t->dpool, "nvme (offload)", dir));
+    }
+    t->dpool_ok = 1;
+    t->off.state_pool = &t->dpool;
     return FL_OK;
 }
 
@@ -680,6 +698,9 @@ static void result_memory(const trainer *t, fl_status s, fl_trainer_result *r) {
     r->offload = t->opool_ok;
     for (int k = 0; t->opool_ok && k < FL_TAG_COUNT; k++) r->host_peak[k] = t->opool.peak[k];
     r->host_peak_total = t->opool_ok ? t->opool.peak_total : 0;
+    r->nvme = t->dpool_ok;
+    for (int k = 0; t->dpool_ok && k < FL_TAG_COUNT; k++) r->nvme_peak[k] = t->dpool.peak[k];
+    r->nvme_peak_total = t->dpool_ok ? t->dpool.peak_total : 0;
     r->n_phases = t->pool.n_phases < FL_TRAINER_MAX_PHASES ? t->pool.n_phases : FL_TRAINER_MAX_PHASES;
     memcpy(r->phases, t->pool.phases, (size_t)r->n_phases * sizeof r->phases[0]);
     if (s == FL_ERR_OOM) r->oom = t->pool.oom;
@@ -1037,9 +1058,15 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
                         t.dp.stage == 2 ? "; GRADS live after the reduction: its chunk" : "");
             fl_mem_print_report(&t.pool, out);
             if (t.opool_ok) {
-                fprintf(out, "\nhost tier (CPU offload: the optimizer state%s, outside the device's budget)\n",
-                        t.opt.hp ? " and the update's staging of one piece" : "");
+                fprintf(out, "\nhost tier (CPU offload: %s%s, outside the device's budget)\n",
+                        t.dpool_ok ? "the optimizer state is in the nvme tier below" : "the optimizer state",
+                        t.opt.hp ? "; the update's staging of one piece" : "");
                 fl_mem_print_report(&t.opool, out);
+            }
+            if (t.dpool_ok) {
+                fprintf(out, "\nnvme tier (the optimizer state in files under '%s', paged through a few pieces of host "
+                        "memory)\n", cfg->nvme_path[0] ? cfg->nvme_path : cfg->out_dir);
+                fl_mem_print_report(&t.dpool, out);
             }
             fprintf(out, "\n");
         }

@@ -153,9 +153,8 @@ static fl_status fetch_piece(fl_dp_stream *u, int k) {
     }
     /* the owner's piece of device memory into host memory, then over the host communicator */
     const void *src = (const char *)u->src + (a - u->src_off) * u->es;
-    const fl_backend *sb = u->ctx; /* the state's backend (CPU offload: the host's) */
-    fl_status c = r != u->dp->rank ? FL_OK : sb ? (n ? sb->to_host(sb, u->buf, src, n * u->es) : FL_OK)
-                                            : fl_dp_to_host(u->dp, u->buf, src, n * u->es);
+    const fl_optimizer *o = u->ctx; /* the state's owner (CPU offload: host tier; NVMe: its files, released behind) */
+    fl_status c = r != u->dp->rank ? FL_OK : fl_optim_state_read(o, u->buf, src, n * u->es);
     fl_status b = fl_comm_broadcast(u->dp->comm, u->buf, n, u->es == 4 ? FL_F32 : FL_BF16, r); /* every rank takes part */
     return c != FL_OK ? c : b;
 }
@@ -198,7 +197,7 @@ static fl_status zero_save_streamed(fl_dp *dp, int write, const char *out_dir, c
     const void *arr[3] = {o->m, o->v, o->buf};
     fl_dp_stream us[3];
     for (int a = 0; a < 3; a++)
-        us[a] = (fl_dp_stream){dp, units, start, es, fetch_piece, arr[a], o->s_off, buf, 0, FL_OK, (void *)o->sbe};
+        us[a] = (fl_dp_stream){dp, units, start, es, fetch_piece, arr[a], o->s_off, buf, 0, FL_OK, (void *)o};
     fl_dp_stream_tensor ut[4];
     fl_st_write_tensor t[4];
     const int nt = fl_dp_stream_state_tensors(o, n, us, o->state8 ? &u8 : NULL, ut, t);
