@@ -463,12 +463,16 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
         (oc->kind == FL_OPT_ADAMW || (oc->kind == FL_OPT_SGD && oc->momentum != 0.0f)) && (s = sugg(p, "cpu_offload"))) {
         fl_run_config v = *c;
         snprintf(v.strategy, sizeof v.strategy, "deepspeed_stage_2_offload");
+        /* a CPU run's host tier is the same RAM as its "device": only files free it (the nvme tier) */
+        if (!x->cuda) snprintf(v.offload_device, sizeof v.offload_device, "nvme");
         s->fits = simulate(x, &v, oc, p->B, p->accum, budget, NULL, NULL);
         simulate(x, &v, oc, p->B, p->accum, 0, NULL, &peak);
         s->peak = peak;
-        snprintf(s->change, sizeof s->change, "--strategy deepspeed_stage_2_offload");
-        snprintf(s->note, sizeof s->note, "the optimizer state in host memory and the update on the host's cores "
-                 "(slower: gradients down and parameters up every step)");
+        snprintf(s->change, sizeof s->change, "--strategy deepspeed_stage_2_offload%s",
+                 x->cuda ? "" : " --offload_optimizer_device nvme --nvme_path DIR");
+        snprintf(s->note, sizeof s->note, "%s", x->cuda ? "the optimizer state in host memory and the update on the "
+                 "host's cores (slower: gradients down and parameters up every step)" : "the optimizer state in files "
+                 "on a disk, paged through a few pieces of RAM (slower: read and written every step)");
     }
     if (c->command != FL_CMD_FINETUNE_LORA && (s = sugg(p, "lora"))) {
         fl_run_config v = *c;
@@ -558,10 +562,9 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
              p->zero_stage == 2 ? "GRADS reserved in full (backward fills the flat buffer), live after the "
                                   "reduce-scatter: the chunk" : "gradients whole (all-reduced)");
     if (sc.offload && !strcmp(c->offload_device, "nvme"))
-        note(p, "NVMe offload (%s, offload_optimizer_device nvme): OPTIM is the nvme tier's (the \"nvme (offload)\" "
-                "row: the optimizer state in files under nvme_path, paged through a few pieces of host memory), outside "
-                "the device budget%s", c->strategy, opts.cuda ? "; the host tier holds the update's staging of one piece"
-                                                                : "");
+        note(p, "NVMe offload: OPTIM is in the nvme tier (its row: files under nvme_path, paged through a few "
+                "pieces of host memory), outside the device budget%s", opts.cuda ? "; the host tier: one piece staged"
+                                                                                 : "");
     else if (sc.offload)
         note(p, "CPU offload (ZeRO-Offload, %s): OPTIM is the host tier's, outside the device budget (the \"host "
                 "(offload)\" row: the optimizer state%s); every step moves the gradients to the host and the updated "
