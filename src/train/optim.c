@@ -467,8 +467,8 @@ fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim
         return fl_errorf(FL_ERR_INVALID, "optimizer state dtype must be F32 or BF16");
     if (off && cfg->kind == FL_OPT_ADAMW8BIT)
         return fl_errorf(FL_ERR_UNSUPPORTED, "CPU offload of AdamW8bit is not supported (its block-wise state is "
-                         "already a quarter of AdamW's; as DeepSpeed's, the offloaded optimizer is AdamW or SGD): use "
-                         "--optimizer AdamW, or a strategy without offload");
+                         "already a quarter of AdamW's): use --optimizer AdamW or SGD with the offload, or AdamW8bit "
+                         "with a strategy without offload");
     if (off && model->pp && !model->lora)
         return fl_errorf(FL_ERR_UNSUPPORTED, "CPU offload of a sharded model (FULL_SHARD): parameter offload is not "
                          "implemented yet; use deepspeed_stage_2_offload");
