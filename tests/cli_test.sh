@@ -62,6 +62,9 @@ expect accelerator_cuda_refused 1 "--accelerator cuda: (this fitllm was built wi
 expect accelerator_help 0 "EXPERIMENTAL" -- "$FITLLM" generate --help
 # fitllm selftest: the CPU backend against the reference (the CUDA one needs a GPU)
 expect selftest_cpu_small 0 "selftest: [0-9]+ of [0-9]+ cases ok$" -- "$FITLLM" selftest --accelerator cpu --small
+# its training runs (micro, 4 steps; with offload: the update staged through the host tier) on the opaque backend
+expect selftest_opaque_training 0 "ok +train_step offload \(deepspeed_stage_2_offload\) +max relative loss difference 0\.00e\+00" -- \
+    "$FITLLM" selftest --backend opaque --only train_step
 expect selftest_only_none 2 "no case matches --only 'no-such-op'" -- "$FITLLM" selftest --accelerator cpu --small --only no-such-op
 expect selftest_cuda_refused 1 "--accelerator cuda: (this fitllm was built without CUDA|no CUDA device visible)" -- \
     "$FITLLM" selftest --accelerator cuda

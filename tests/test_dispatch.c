@@ -3,6 +3,7 @@
  * fl_convert, the backend's convert and accumulate16) and the 8-bit optimizer's quantizer and
  * update. Variants the CPU lacks are reported and skipped. Run: fitllm_tests dispatch */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -260,4 +261,26 @@ FL_TEST(dispatch_adam8bit_variants_bit_exact) {
     }
     fl_cpu_set_level(-1);
     free(ref_mem), free(ref_p), free(g), free(p0), free(x), free(want), free(got);
+}
+
+/* A backend made with the default thread count (0: all cores) gets the same count however many GEMMs
+ * ran before: the GEMM sets the calling thread's OpenMP count to 1 for a small product, and the default
+ * used to be read from it (omp_get_max_threads at init), so every later default backend of the process
+ * ran on one thread (the lab's rows after the first; a selftest's second training gave other bits). */
+FL_TEST(cpu_default_threads_survive_a_small_gemm) {
+    fl_backend a, b;
+    FL_REQUIRE_OK(fl_cpu_backend_init(&a, 0));
+    float x[4] = {1, 2, 3, 4}, y[4] = {0};
+    FL_REQUIRE_OK(a.gemm(&a, 0, 0, 2, 2, 2, 1.0f, x, FL_F32, 2, x, FL_F32, 2, 0.0f, y, FL_F32, 2));
+    FL_REQUIRE_OK(fl_cpu_backend_init(&b, 0));
+    FL_CHECKF(a.n_threads == b.n_threads && a.n_threads == fl_cpu_default_threads(),
+              "default backends: %d threads, then %d after a small GEMM (default %d)", a.n_threads, b.n_threads,
+              fl_cpu_default_threads());
+    FL_CHECK(y[0] == 7.0f && y[3] == 22.0f); /* [1 2; 3 4]^2 */
+    /* and that count is all cores (libgomp's default without OMP_NUM_THREADS: the CPUs this process may use) */
+    if (!getenv("OMP_NUM_THREADS") && !getenv("OMP_THREAD_LIMIT"))
+        FL_CHECKF(a.n_threads == (omp_get_num_procs() < FL_CPU_MAX_THREADS ? omp_get_num_procs() : FL_CPU_MAX_THREADS),
+                  "default backend: %d threads on %d usable CPUs", a.n_threads, omp_get_num_procs());
+    fl_cpu_backend_free(&a);
+    fl_cpu_backend_free(&b);
 }

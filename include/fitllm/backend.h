@@ -401,6 +401,9 @@ void fl_cpu_process_init(char **argv);
 /* Create the CPU backend. n_threads <= 0: use the OpenMP default / all cores.
  * The GEMM library is chosen at build time (see docs/BENCHMARKS.md). */
 fl_status fl_cpu_backend_init(fl_backend *be, int n_threads);
+/* What n_threads <= 0 means: the OpenMP default as the process started (read once; later
+ * omp_set_num_threads calls, the GEMM's among them, do not change it). */
+int fl_cpu_default_threads(void);
 /* The CPU backend's gemm_widens16 in this build on this CPU (the planner's answer too). */
 unsigned fl_cpu_gemm_widens16(void);
 /* The CPU backend's scratch_bytes (the planner's answer too). */

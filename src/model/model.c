@@ -448,7 +448,7 @@ fl_status fl_model_init_random_ex(fl_model *m, uint64_t seed) {
      * buffer (under the 1 MiB the allocation check allows outside the pool) */
     enum { SLICE = 16384, NS = 8, BLOCK = SLICE * NS };
     /* the backend's threads on the CPU; a device backend's count is its own (CUDA: 1): the host's cores then */
-    const int nt = m->be && m->be->host_memory && m->be->n_threads > 0 ? m->be->n_threads : omp_get_max_threads();
+    const int nt = m->be && m->be->host_memory && m->be->n_threads > 0 ? m->be->n_threads : fl_cpu_default_threads();
     float *slice = malloc(BLOCK * sizeof(float) + BLOCK * sizeof(uint16_t));
     if (!slice) {
         fl_mem_free(fl_mem_host_pool(m->pool), q4tmp);

@@ -58,6 +58,10 @@ train micro-fp32 1e-5 finetune_full micro --precision 32-true
 train micro-bf16 2e-2 finetune_full micro --precision bf16-true
 train micro-8bit 1e-5 finetune_full micro --precision 32-true --optimizer bnb.optim.AdamW8bit
 train micro-qlora 1e-5 finetune_lora micro --quantize bnb.nf4-dq
+# CPU offload: on the GPU the update is staged through the page-locked host tier and runs on the host's cores
+train micro-offload 1e-5 finetune_full micro --precision 32-true --strategy deepspeed_stage_2_offload
+train micro-offload-nvme 1e-5 finetune_full micro --precision 32-true --strategy deepspeed_stage_2_offload \
+    --offload_optimizer_device nvme --nvme_path "$T"
 train gpt2-fp32 1e-5 finetune_full gpt2-micro --precision 32-true
 train opt-fp32 1e-5 finetune_full opt-micro --precision 32-true
 train small-bf16 2e-2 finetune_full small --precision bf16-true

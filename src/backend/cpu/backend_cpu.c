@@ -1,6 +1,7 @@
 /* The CPU backend vtable: the fast CPU ops (OpenMP) and the reference backend
  * (the same ops on one thread with the naive GEMM). */
 #include <omp.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -91,13 +92,27 @@ float *fl_cpu_scratch_part(int part) {
     return (float *)tl_scratch.p + (part ? FL_CPU_WIDEN_SCRATCH : 0);
 }
 
+/* "All cores": the OpenMP default as the process started, read once. Not omp_get_max_threads() at each
+ * init: the GEMM sets the calling thread's count (omp_set_num_threads, gemm.c) to the backend's, and to 1
+ * for a small product, so a backend made after one ran on that thread took 1 thread and kept it: every
+ * later default-threads run of a process (the lab's rows after the first, a selftest's second training)
+ * ran on one core, and the per-thread-count GEMMs gave other bits than the first run. */
+static int g_default_threads;
+static void read_default_threads(void) { g_default_threads = omp_get_max_threads(); }
+
+int fl_cpu_default_threads(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, read_default_threads);
+    return g_default_threads > 0 ? g_default_threads : 1;
+}
+
 fl_status fl_cpu_backend_init(fl_backend *be, int n_threads) {
     if (!be) return fl_errorf(FL_ERR_INVALID, "fl_cpu_backend_init: NULL backend");
     memset(be, 0, sizeof *be);
     be->name = "cpu";
     be->device = FL_DEV_CPU;
     be->host_memory = 1;
-    be->n_threads = n_threads > 0 ? n_threads : omp_get_max_threads();
+    be->n_threads = n_threads > 0 ? n_threads : fl_cpu_default_threads();
     if (be->n_threads > FL_CPU_MAX_THREADS) be->n_threads = FL_CPU_MAX_THREADS;
     be->gemm_name = fl_cpu_gemm_library();
     be->gemm_widens16 = fl_cpu_gemm_widens16();

@@ -78,7 +78,7 @@ const char *fl_cpu_gemm_library(void) {
 
 static int gemm_threads(const fl_backend *be) {
     int nt = be ? be->n_threads : 0;
-    if (nt <= 0) nt = omp_get_max_threads();
+    if (nt <= 0) nt = fl_cpu_default_threads();
     return nt > 0 ? nt : 1;
 }
 

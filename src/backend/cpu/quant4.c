@@ -159,7 +159,7 @@ static float quant_block(const float *x, size_t len, size_t i0, uint8_t *packed,
 fl_status fl_q4_quantize(fl_q4_weight *w, const float *src, int n_threads) {
     if (!w || !w->packed || !src) return fl_errorf(FL_ERR_INVALID, "fl_q4_quantize: unbound weight or NULL source");
     const size_t n = w->n, nb = w->n_blocks;
-    int nt = n_threads > 0 ? n_threads : omp_get_max_threads();
+    int nt = n_threads > 0 ? n_threads : fl_cpu_default_threads();
     float *am = w->absmax;
     /* dq: the raw absmax go into a temporary (the only allocation: quantization is a load-time step). */
     float *raw = am;
@@ -225,7 +225,7 @@ void fl_q4_dequantize_tile(const fl_q4_weight *w, int r0, int nr, int c0, int c1
 
 fl_status fl_q4_dequantize(const fl_q4_weight *w, float *dst, int n_threads) {
     if (!w || !w->packed || !dst) return fl_errorf(FL_ERR_INVALID, "fl_q4_dequantize: unbound weight or NULL dst");
-    int nt = n_threads > 0 ? n_threads : omp_get_max_threads();
+    int nt = n_threads > 0 ? n_threads : fl_cpu_default_threads();
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int r = 0; r < w->rows; r++) fl_q4_dequantize_tile(w, r, 1, 0, w->cols, dst + (size_t)r * w->cols, w->cols);
     return FL_OK;
