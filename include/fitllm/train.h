@@ -105,7 +105,6 @@ typedef struct fl_optimizer {
      * write m, v and buf through sbe. */
     const fl_backend *sbe;
     struct fl_mem_pool *spool;
-    int offload;            /* 1: fl_optim_init_offload */
     int disk;               /* the state in a disk pool (NVMe offload): the update walks it piece by piece,
                              * prefetching the next piece and releasing the last (fl_mem_disk_*) */
     struct fl_mem_pool *hpool; /* the host tier the staging comes from */
@@ -146,18 +145,9 @@ fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim
  * a state larger than the host's memory streams through a slice of it. `state` points into o's state. */
 fl_status fl_optim_state_read(const fl_optimizer *o, void *host, const void *state, size_t bytes);
 fl_status fl_optim_state_write(const fl_optimizer *o, void *state, const void *host, size_t bytes);
-/* A safetensors fill_range producer over one state array (ud: fl_optim_state_src): the checkpoint writer's
- * source for an NVMe-offloaded state. */
-typedef struct {
-    const fl_optimizer *o;
-    const void *arr;
-    size_t es;
-} fl_optim_state_src;
-fl_status fl_optim_state_fill(void *ud, void *dst, size_t off, size_t n);
 /* Elements per piece of the offloaded update's staging (0: the default, 4 Mi: 16 MiB of fp32 each for
  * parameters and gradients). Tests use small odd sizes so the range spans several pieces. */
 void fl_optim_set_offload_piece(size_t elements);
-size_t fl_optim_offload_piece(void);
 /* 8-bit AdamW under ZeRO: the piece [*a, *a + *len) of a tensor (t_n elements at flat offset t_off
  * of n) whose state rank `rank` of `world` keeps and updates: the tensor's elements inside the
  * rank's chunk, widened to whole blocks of 256 on 8-bit tensors (fl_adam8bit_is_8bit(t_n)), so

@@ -124,25 +124,18 @@ static fl_status write_state(const char *dir, const fl_model *m, const fl_optimi
     int64_t n = (int64_t)(m->lora ? m->lora->numel : m->layout.numel);
     if (m->lora) t[nt++] = (fl_st_write_tensor){"lora.params", FL_F32, 1, {n}, m->lora->params, FL_F32, 0, NULL, NULL, m->be, NULL};
     fl_dtype sd = o ? o->cfg.state_dtype : FL_F32;
+    fl_optim_state_src src[2]; /* NVMe offload: the state streams from its files, a slice at a time */
+    const size_t es = fl_dtype_size(sd);
     if (given) {
         for (int i = 0; i < n_given; i++) t[nt++] = given[i];
     } else if (o && o->m) {
-        t[nt++] = (fl_st_write_tensor){"optimizer.exp_avg", sd, 1, {n}, o->m, sd, 0, NULL, NULL, o->sbe, NULL};
-        t[nt++] = (fl_st_write_tensor){"optimizer.exp_avg_sq", sd, 1, {n}, o->v, sd, 0, NULL, NULL, o->sbe, NULL};
+        t[nt] = (fl_st_write_tensor){"optimizer.exp_avg", sd, 1, {n}, NULL, sd, 0, NULL, NULL, NULL, NULL};
+        fl_optim_state_source(o, &t[nt++], o->m, es, &src[0]);
+        t[nt] = (fl_st_write_tensor){"optimizer.exp_avg_sq", sd, 1, {n}, NULL, sd, 0, NULL, NULL, NULL, NULL};
+        fl_optim_state_source(o, &t[nt++], o->v, es, &src[1]);
     } else if (o && o->buf) {
-        t[nt++] = (fl_st_write_tensor){"optimizer.momentum_buffer", sd, 1, {n}, o->buf, sd, 0, NULL, NULL, o->sbe, NULL};
-    }
-    fl_optim_state_src src[2]; /* NVMe offload: the state streams from its files, a slice at a time */
-    for (int i = 0; !given && o && o->disk && i < nt; i++) {
-        if (t[i].data != o->m && t[i].data != o->v && t[i].data != o->buf) continue;
-        int j = t[i].data == o->v;
-        src[j] = (fl_optim_state_src){o, t[i].data, fl_dtype_size(sd)};
-        t[i].fill_range = fl_optim_state_fill;
-        t[i].fill_ud = &src[j];
-        t[i].data = NULL;
-        t[i].be = NULL;
-    }
-    if (given || !o) {
+        t[nt] = (fl_st_write_tensor){"optimizer.momentum_buffer", sd, 1, {n}, NULL, sd, 0, NULL, NULL, NULL, NULL};
+        fl_optim_state_source(o, &t[nt++], o->buf, es, &src[0]);
     } else if (o && o->state8) {
         /* block-wise 8-bit state of every tensor, bound in layout order: one raw blob */
         t[nt++] = (fl_st_write_tensor){"optimizer.state8", FL_U8, 1, {(int64_t)o->state8_bytes}, o->state8, FL_U8, 0, NULL, NULL, m->be, NULL};

@@ -47,6 +47,17 @@ typedef struct {
     const fl_optim_offload *offload; /* CPU offload (fl_cfg_offload): the optimizer's host backend and tier; NULL none */
 } fl_dp;
 
+/* A checkpoint writer's source for one optimizer state array arr of o (es-byte elements): t->data read
+ * through the state's backend, or in an NVMe tier a fill_range producer that streams it from its files a
+ * slice at a time (fl_optim_state_read; src holds the producer's state and must outlive the write). */
+typedef struct {
+    const fl_optimizer *o;
+    const void *arr;
+    size_t es;
+} fl_optim_state_src;
+void fl_optim_state_source(const fl_optimizer *o, fl_st_write_tensor *t, const void *arr, size_t es,
+                           fl_optim_state_src *src);
+
 /* comm may be NULL (rank 0 of 1). */
 void fl_dp_init(fl_dp *dp, fl_comm *comm, fl_mem_pool *pool);
 /* Detach the scratch pool before it is freed; give back FSDP's bookkeeping (fl_fsdp_free) and destroy

@@ -424,7 +424,7 @@ static fl_status fsdp8_init(fl_optimizer *o, fl_model *model, int world, int ran
 #define STATE_SLICE ((size_t)16 << 20) /* bytes per slice of a state copy */
 
 fl_status fl_optim_state_read(const fl_optimizer *o, void *host, const void *state, size_t bytes) {
-    const fl_backend *be = o->sbe ? o->sbe : o->model->be;
+    const fl_backend *be = o->sbe;
     for (size_t a = 0; a < bytes; a += STATE_SLICE) {
         const size_t n = bytes - a < STATE_SLICE ? bytes - a : STATE_SLICE;
         FL_TRY(be->to_host(be, (char *)host + a, (const char *)state + a, n));
@@ -434,7 +434,7 @@ fl_status fl_optim_state_read(const fl_optimizer *o, void *host, const void *sta
 }
 
 fl_status fl_optim_state_write(const fl_optimizer *o, void *state, const void *host, size_t bytes) {
-    const fl_backend *be = o->sbe ? o->sbe : o->model->be;
+    const fl_backend *be = o->sbe;
     for (size_t a = 0; a < bytes; a += STATE_SLICE) {
         const size_t n = bytes - a < STATE_SLICE ? bytes - a : STATE_SLICE;
         FL_TRY(be->to_device(be, (char *)state + a, (const char *)host + a, n));
@@ -443,14 +443,22 @@ fl_status fl_optim_state_write(const fl_optimizer *o, void *state, const void *h
     return FL_OK;
 }
 
-fl_status fl_optim_state_fill(void *ud, void *dst, size_t off, size_t n) {
+static fl_status state_fill(void *ud, void *dst, size_t off, size_t n) {
     const fl_optim_state_src *x = ud;
     return fl_optim_state_read(x->o, dst, (const char *)x->arr + off * x->es, n * x->es);
 }
 
+void fl_optim_state_source(const fl_optimizer *o, fl_st_write_tensor *t, const void *arr, size_t es,
+                           fl_optim_state_src *src) {
+    *src = (fl_optim_state_src){o, arr, es};
+    t->data = o->disk ? NULL : arr;
+    t->be = o->disk ? NULL : o->sbe;
+    t->fill_range = o->disk ? state_fill : NULL;
+    t->fill_ud = o->disk ? src : NULL;
+}
+
 static size_t g_offload_piece = (size_t)4 << 20;
 void fl_optim_set_offload_piece(size_t elements) { g_offload_piece = elements ? elements : (size_t)4 << 20; }
-size_t fl_optim_offload_piece(void) { return g_offload_piece; }
 
 fl_status fl_optim_init_shard(fl_optimizer *o, fl_model *model, const fl_optim_config *cfg, int world, int rank) {
     return fl_optim_init_offload(o, model, cfg, world, rank, NULL);
@@ -475,7 +483,6 @@ fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim
     if (off && (!off->be || !off->pool)) return fl_errorf(FL_ERR_INVALID, "CPU offload: no host backend or host pool");
     o->cfg = *cfg;
     o->model = model;
-    o->offload = off != NULL;
     o->sbe = off ? off->be : model->be;
     o->spool = off ? (off->state_pool ? off->state_pool : off->pool) : model->pool;
     o->hpool = off ? off->pool : NULL;
@@ -541,7 +548,7 @@ fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim
 
 void fl_optim_free(fl_optimizer *o) {
     if (!o->model) return;
-    fl_mem_pool *sp = o->spool ? o->spool : o->model->pool;
+    fl_mem_pool *sp = o->spool; /* the model's pool, or the offload tier's */
     fl_mem_free(sp, o->m);
     fl_mem_free(sp, o->v);
     fl_mem_free(sp, o->buf);

@@ -130,12 +130,12 @@ fl_status fl_shard_set_from_optim(fl_shard_set *s, const fl_model *m, const fl_o
     fl_dtype sd = o->cfg.state_dtype;
     if (st == FL_OK && o->m) {
         st = fl_shard_set_add(s, "optimizer.exp_avg", sd, o->n, 0, 1, o->m, o->s_off, o->s_len);
-        if (st == FL_OK) s->b[s->n - 1].be = o->sbe, s->b[s->n - 1].opt = o; /* CPU offload: the host tier */
+        if (st == FL_OK) s->b[s->n - 1].opt = o; /* the state's memory (CPU offload: the host tier) */
         if (st == FL_OK) st = fl_shard_set_add(s, "optimizer.exp_avg_sq", sd, o->n, 0, 1, o->v, o->s_off, o->s_len);
-        if (st == FL_OK) s->b[s->n - 1].be = o->sbe, s->b[s->n - 1].opt = o;
+        if (st == FL_OK) s->b[s->n - 1].opt = o;
     } else if (st == FL_OK && o->buf) {
         st = fl_shard_set_add(s, "optimizer.momentum_buffer", sd, o->n, 0, 1, o->buf, o->s_off, o->s_len);
-        if (st == FL_OK) s->b[s->n - 1].be = o->sbe, s->b[s->n - 1].opt = o;
+        if (st == FL_OK) s->b[s->n - 1].opt = o;
     } else if (st == FL_OK && o->state8) {
         /* bitsandbytes' state per tensor: codes per element, one absmax per block of 256 from the
          * tensor's start (a block belongs to the owner of its first element), fp32 m/v for tensors
@@ -328,15 +328,11 @@ static fl_status write_shard(const char *dir, const fl_shard_set *set, int rank,
             }
             total += pc[j].n;
         }
-        if (s == FL_OK && np)
-            t[nt++] = (fl_st_write_tensor){b->name, b->dtype, 1, {(int64_t)total}, pc[0].data, b->dtype, 0, NULL, NULL,
-                                           b->be ? b->be : set->be, NULL};
-        if (s == FL_OK && np && b->opt && b->opt->disk) { /* NVMe offload: streamed from its files */
-            src[nt - 1] = (fl_optim_state_src){b->opt, pc[0].data, es};
-            t[nt - 1].fill_range = fl_optim_state_fill;
-            t[nt - 1].fill_ud = &src[nt - 1];
-            t[nt - 1].data = NULL;
-            t[nt - 1].be = NULL;
+        if (s == FL_OK && np) {
+            t[nt] = (fl_st_write_tensor){b->name, b->dtype, 1, {(int64_t)total}, pc[0].data, b->dtype, 0, NULL, NULL,
+                                         set->be, NULL};
+            if (b->opt) fl_optim_state_source(b->opt, &t[nt], pc[0].data, es, &src[nt]); /* the state's memory */
+            nt++;
         }
     }
 #undef KV
@@ -615,10 +611,9 @@ fl_status fl_shard_ckpt_load(const char *dir, const fl_shard_set *set, const fl_
             for (int j = 0; s == FL_OK && j < nfr[i]; j++) {
                 const frange *x = &fr[i][j];
                 size_t lo = x->k0 > h->k0 ? x->k0 : h->k0, hi = x->k1 < h1 ? x->k1 : h1;
-                const fl_backend *bb = b->be ? b->be : set->be;
                 char *d = (char *)h->data + (lo - h->k0) * es;
                 if (lo < hi && b->opt) s = fl_optim_state_write(b->opt, d, x->src + (lo - x->k0) * es, (hi - lo) * es);
-                else if (lo < hi) s = bb->to_device(bb, d, x->src + (lo - x->k0) * es, (hi - lo) * es);
+                else if (lo < hi) s = set->be->to_device(set->be, d, x->src + (lo - x->k0) * es, (hi - lo) * es);
             }
         }
     }

@@ -62,10 +62,8 @@ typedef struct {
      * owned by the one holding its first element) */
     int own_sub;
     size_t own_k0, own_n;
-    const fl_backend *be;         /* whose memory data is when not the set's (CPU offload: the optimizer state's host
-                                   * backend); NULL: set->be */
-    const struct fl_optimizer *opt; /* the optimizer whose state data is (CPU offload): copied through
-                                     * fl_optim_state_read / _write (NVMe: the pages dropped behind) */
+    const struct fl_optimizer *opt; /* the optimizer whose state data is (NULL: set->be's memory): copied through
+                                     * its state's backend (CPU offload: the host's; NVMe: the pages dropped behind) */
 } fl_shard_buf;
 
 typedef struct {
