@@ -37,11 +37,12 @@ int main(int argc, char **argv) {
         {"stories15M B4 T256", 4, 256, 6, 6, 48},
         {"stories260K B8 T256", 8, 256, 8, 4, 8},
         {"1B-like GQA B1 T512", 1, 512, 32, 8, 64},
+        {"small B4 T256", 4, 256, 12, 12, 64},
     };
     printf("threads %d, median of %d; ms per call (fused = attention_forward/backward, general = *_ex)\n", threads,
            reps);
-    printf("%-22s %9s %9s %9s %9s %8s %8s %8s %8s\n", "shape", "fwd fused", "fwd gen", "bwd fused", "bwd gen",
-           "fwd g/f", "bwd g/f", "min fwd", "min bwd");
+    printf("%-22s %9s %9s %9s %9s %8s %8s %8s %8s %8s %8s\n", "shape", "fwd fused", "fwd gen", "bwd fused", "bwd gen",
+           "fwd g/f", "bwd g/f", "min fwd", "min bwd", "GF/s fwd", "GF/s bwd");
     for (size_t s = 0; s < sizeof sh / sizeof sh[0]; s++) {
         int B = sh[s].B, T = sh[s].T, NH = sh[s].NH, NKV = sh[s].NKV, HD = sh[s].HD;
         size_t W = (size_t)(NH + 2 * NKV) * HD, nq = (size_t)B * T * W, no = (size_t)B * T * NH * HD;
@@ -74,8 +75,12 @@ int main(int argc, char **argv) {
             m[k] = 1e3 * median(t[k], reps); /* sorts t[k] */
             mn[k] = t[k][0];
         }
-        printf("%-22s %9.2f %9.2f %9.2f %9.2f %8.2f %8.2f %8.2f %8.2f\n", sh[s].name, m[0], m[1], m[2], m[3],
-               m[1] / m[0], m[3] / m[2], mn[1] / mn[0], mn[3] / mn[2]);
+        /* useful FLOPs of the fused op (the causal half of each T x T product): forward QK^T and PV,
+         * backward S, dP, dV, dK, dQ; 2 FLOPs per multiply-add */
+        double pairs = (double)B * NH * T * (T + 1) / 2.0 * HD;
+        printf("%-22s %9.2f %9.2f %9.2f %9.2f %8.2f %8.2f %8.2f %8.2f %8.1f %8.1f\n", sh[s].name, m[0], m[1], m[2],
+               m[3], m[1] / m[0], m[3] / m[2], mn[1] / mn[0], mn[3] / mn[2], 2 * 2 * pairs / (m[0] * 1e6),
+               2 * 5 * pairs / (m[2] * 1e6));
         free(qkv); free(dqkv); free(out); free(dout); free(lse);
     }
     return 0;

@@ -284,3 +284,65 @@ FL_TEST(cpu_default_threads_survive_a_small_gemm) {
     fl_cpu_backend_free(&a);
     fl_cpu_backend_free(&b);
 }
+
+/* The attention kernels' tile product (attn_mm.c) at every level the CPU has: C = [C +] A B with
+ * strided A (row-major and transposed, as the kernels call it), ragged M (register-tile edges),
+ * N a multiple of 8 (the vector variant) and not (portable), acc on (C read) and off (C holding
+ * NaN must not be read). Every element against float64 within the classic bound of a K-term
+ * chain, |err| <= gamma_{K+1} (|C0| + sum |a||b|), gamma_n = n u / (1 - n u); and, where the
+ * AVX2+FMA variant runs, bit for bit against a scalar fmaf chain over k ascending (its
+ * documented per-element order, whatever the tile an element falls in). */
+FL_TEST(dispatch_attn_tile_product) {
+    static const int shapes[][3] = {{32, 32, 64}, {13, 32, 48}, {32, 64, 32}, {7, 8, 5}, {1, 16, 1},
+                                    {29, 40, 17}, {6, 24, 0}, {5, 12, 9}, {32, 256, 32}};
+    fl_test_rng r = {4242};
+    int lv[3], nl = test_levels(lv);
+    for (int li = 0; li < nl; li++) {
+        fl_cpu_set_level(lv[li]);
+        const char *L = fl_cpu_level_name((fl_cpu_level_t)lv[li]);
+        for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++)
+            for (int trans = 0; trans < 2; trans++)
+                for (int acc = 0; acc < 2; acc++) {
+                    int M = shapes[si][0], N = shapes[si][1], K = shapes[si][2], ldb = N + 3, ldc = N + 5;
+                    int ai = trans ? 1 : K + 2, ak = trans ? M + 1 : 1; /* A or A^T stored with padding */
+                    size_t na = (size_t)(trans ? (K > 0 ? K : 1) * (M + 1) : M * (K + 2));
+                    float *A = fl_test_frand(&r, na, -1, 1), *B = fl_test_frand(&r, (size_t)(K > 0 ? K : 1) * ldb, -1, 1);
+                    float *C = fl_test_frand(&r, (size_t)M * ldc, -1, 1), *C0 = fl_test_fdup(C, (size_t)M * ldc);
+                    if (!acc)
+                        for (size_t i = 0; i < (size_t)M * ldc; i++) C[i] = NAN;
+                    fl_cpu_attn_mm(C, ldc, A, ai, ak, B, ldb, M, N, K, acc);
+                    int exact = N % 8 == 0 && !strcmp(fl_cpu_attn_mm_path(), "avx2-fma");
+                    int bad = 0;
+                    for (int i = 0; i < M && !bad; i++)
+                        for (int n = 0; n < N && !bad; n++) {
+                            float c0 = acc ? C0[(size_t)i * ldc + n] : 0.0f, f = c0;
+                            double ref = c0, mag = fabs(c0);
+                            for (int k = 0; k < K; k++) {
+                                float a = A[(size_t)i * ai + (size_t)k * ak], b = B[(size_t)k * ldb + n];
+                                ref += (double)a * b;
+                                mag += fabs((double)a * b);
+                                f = fmaf(a, b, f);
+                            }
+                            double u = 0x1p-24, g = (K + 1) * u / (1 - (K + 1) * u);
+                            float got = C[(size_t)i * ldc + n];
+                            if (!(fabs(got - ref) <= g * mag) || (exact && memcmp(&got, &f, 4))) {
+                                FL_CHECKF(0, "%s M%d N%d K%d trans %d acc %d: C[%d][%d] = %.9g, float64 %.9g (bound %.3g), fmaf chain %.9g",
+                                          L, M, N, K, trans, acc, i, n, got, ref, g * mag, f);
+                                bad = 1;
+                            }
+                        }
+                    /* columns past N and C's padding are not written */
+                    for (int i = 0; i < M && !bad; i++)
+                        for (int n = N; n < ldc; n++)
+                            if (memcmp(&C[(size_t)i * ldc + n], acc ? &C0[(size_t)i * ldc + n] : &(float){NAN}, 4) &&
+                                !(isnan(C[(size_t)i * ldc + n]) && !acc)) {
+                                FL_CHECKF(0, "%s M%d N%d K%d: padding C[%d][%d] written", L, M, N, K, i, n);
+                                bad = 1;
+                                break;
+                            }
+                    free(A), free(B), free(C), free(C0);
+                }
+        fprintf(stderr, "  level %s: attention tile product %s\n", L, fl_cpu_attn_mm_path());
+    }
+    fl_cpu_set_level(-1);
+}

@@ -22,6 +22,7 @@
 #include "backend/cpu/cpu-impl.h"
 #include "backend/cuda/backend_cuda.h"
 #include "fitllm/backend.h"
+#include "fitllm/cpu.h"
 #include "test.h"
 
 /* ---- helpers ------------------------------------------------------------------ */
@@ -550,7 +551,8 @@ static void attn_case_on(fl_backend be, int B, int T, int NH, int NKV, int HD, s
     be.attention_forward(&be, out, lse, qkv, B, T, NH, NKV, HD);
     float *want = f_of(c.out, no), *wl = f_of(c.lse, nl);
     char what[96];
-    snprintf(what, sizeof what, "attn B%d T%d NH%d NKV%d HD%d", B, T, NH, NKV, HD);
+    snprintf(what, sizeof what, "attn B%d T%d NH%d NKV%d HD%d (cpu level %s)", B, T, NH, NKV, HD,
+             fl_cpu_level_name(fl_cpu_level()));
     FL_CHECKF(fl_test_allclose(what, out, want, no, 1e-5, 2e-6), "%s: forward out", what);
     FL_CHECKF(fl_test_allclose(what, lse, wl, nl, 1e-5, 1e-6), "%s: forward lse", what);
 
@@ -596,6 +598,14 @@ static void attn_case_on(fl_backend be, int B, int T, int NH, int NKV, int HD, s
 static void attn_case(int B, int T, int NH, int NKV, int HD, size_t nsample) {
     fl_backend be;
     FL_FOR_EACH_BACKEND(be, 2) attn_case_on(be, B, T, NH, NKV, HD, nsample);
+    /* the tile products dispatch at run time (attn_mm.c): the cpu backend again at every lower
+     * level this CPU has (the loop above ran the detected one) */
+    for (int lv = FL_CPU_GENERIC; lv < (int)fl_cpu_level_detected(); lv++) {
+        fl_cpu_set_level(lv);
+        fl_cpu_backend_init(&be, 2);
+        attn_case_on(be, B, T, NH, NKV, HD, nsample);
+    }
+    fl_cpu_set_level(-1);
 }
 
 FL_TEST(ops_attention_gqa) { attn_case(2, 37, 6, 2, 12, 500); }   /* ratio 3 */

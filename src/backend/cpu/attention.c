@@ -24,9 +24,8 @@
 
 #include "backend/cpu/cpu-impl.h"
 
-#define BQ 32 /* query rows per forward work item */
-#define BK FL_CPU_ATTN_BK /* keys per tile: two AVX-512 vectors of scores */
-#define RB FL_CPU_ATTN_RB /* query rows processed together (register blocking); the code below is unrolled for 4 */
+#define BK FL_CPU_ATTN_BK /* keys per tile; also query rows per block (tiles and blocks align) */
+#define BQ BK             /* query rows per forward work item and per backward row block */
 #define MAXHD FL_CPU_ATTN_MAX_HD
 
 /* Transpose rows k0..k0+kn-1 of one head (row stride W) into Kt (HD, BK);
@@ -67,82 +66,66 @@ void fl_cpu_attention_forward(const fl_backend *be, float *out /*(B,T,NH*HD)*/, 
         const float *Q = qkv + (size_t)b * T * W + (size_t)h * HD;                 // (T,HD) stride W
         const float *K = qkv + (size_t)b * T * W + (size_t)(NH + g) * HD;          // (T,HD) stride W
         const float *V = qkv + (size_t)b * T * W + (size_t)(NH + NKV + g) * HD;    // (T,HD) stride W
-        float Kt[MAXHD * BK];  // (HD,BK) transposed key tile
-        float Qs[BQ * MAXHD];  // (BQ,HD) query tile, pre-scaled by 1/sqrt(HD); rows >= qn zero
-        float O[BQ * MAXHD];   // (BQ,HD) unnormalized output accumulator
-        float m[BQ], l[BQ];    // (BQ) running max / running sum
-        for (int r = 0; r < BQ; r++) {
-            for (int d = 0; d < HD; d++) Qs[r * HD + d] = O[r * HD + d] = 0.0f;
-            if (r < qn) {
-                const float *q = Q + (size_t)(q0 + r) * W;
-                for (int d = 0; d < HD; d++) Qs[r * HD + d] = q[d] * scale;
+        float QsT[MAXHD * BQ]; // (HD,BQ) query tile transposed, pre-scaled by 1/sqrt(HD); columns >= qn zero
+        float O[BQ * MAXHD];   // (qn,HD) unnormalized output accumulator
+        float ST[BK * BQ];     // (kn,BQ) scores of the key tile, transposed; then probabilities
+        float m[BQ], l[BQ];    // (BQ) running max / running sum per query row
+        float mx[BQ], corr[BQ], ps[BQ];
+        for (int d = 0; d < HD; d++)
+            for (int r = qn; r < BQ; r++) QsT[d * BQ + r] = 0.0f;
+        for (int r = 0; r < qn; r++) {
+            const float *q = Q + (size_t)(q0 + r) * W;
+            for (int d = 0; d < HD; d++) {
+                QsT[d * BQ + r] = q[d] * scale;
+                O[r * HD + d] = 0.0f;
             }
-            m[r] = -INFINITY;
-            l[r] = 0.0f;
         }
+        for (int r = 0; r < BQ; r++) m[r] = -INFINITY, l[r] = 0.0f;
         int kend = q0 + qn; /* causal: keys 0..q0+qn-1 */
         for (int k0 = 0; k0 < kend; k0 += BK) {
             int kn = kend - k0 < BK ? kend - k0 : BK;
-            load_transposed(Kt, K + (size_t)k0 * W, W, kn, HD);
-            /* RB query rows at a time: every Kt / V load feeds RB FMAs. */
-            for (int r0 = 0; r0 < qn; r0 += RB) {
-                float s[RB][BK]; // (RB,BK) scores, then probabilities
-                int jm[RB];      // visible keys per row (0 for padding rows)
-                for (int r = 0; r < RB; r++) {
-                    int t = q0 + r0 + r, j = t - k0 + 1;
-                    jm[r] = r0 + r >= qn ? 0 : j < kn ? j : kn;
-                    for (int j2 = 0; j2 < BK; j2++) s[r][j2] = 0.0f;
-                }
-                for (int d = 0; d < HD; d++) {
-                    const float *kt = Kt + d * BK;
-                    for (int r = 0; r < RB; r++) {
-                        float a = Qs[(r0 + r) * HD + d];
+            /* S^T = K (scale Q)^T: (kn,BQ), one query row per lane, so the online softmax below
+             * runs down the keys with no horizontal reductions */
+            fl_cpu_attn_mm(ST, BQ, K + (size_t)k0 * W, (int)W, 1, QsT, BQ, kn, BQ, HD, 0);
+            /* key k0+j is visible to row r iff r >= k0 + j - q0 (rows past qn see every key:
+             * their scores are 0 and their results are dropped) */
+            for (int r = 0; r < BQ; r++) mx[r] = -INFINITY, ps[r] = 0.0f;
+            for (int j = 0; j < kn; j++) {
+                const float *st = ST + j * BQ;
+                int rmin = k0 + j - q0;
+                /* FL_VECTORIZE: attn_fwd_max */
 #pragma omp simd
-                        for (int j = 0; j < BK; j++) s[r][j] += a * kt[j];
-                    }
-                }
-                int jmx = 0;
-                for (int r = 0; r < RB; r++) {
-                    int rr = r0 + r, jmax = jm[r];
-                    jmx = jmax > jmx ? jmax : jmx;
-                    if (jmax <= 0) { /* padding row (or no visible key): contributes nothing */
-                        for (int j = 0; j < BK; j++) s[r][j] = 0.0f;
-                        continue;
-                    }
-                    float smax = -INFINITY;
-                    for (int j = 0; j < jmax; j++) smax = s[r][j] > smax ? s[r][j] : smax;
-                    float mnew = smax > m[rr] ? smax : m[rr];
-                    float corr = fl_cpu_expf(m[rr] - mnew); /* first tile: m=-inf -> ~0, O and l are 0 */
-                    float ps = 0.0f;
-                    /* FL_VECTORIZE: attn_fwd_exp */
-#pragma omp simd reduction(+ : ps)
-                    for (int j = 0; j < BK; j++) {
-                        /* keepf, not ?: (a ?: keeps this loop scalar: cpu-impl.h) */
-                        float p = fl_cpu_keepf(fl_cpu_expf(s[r][j] - mnew), j < jmax);
-                        s[r][j] = p;
-                        ps += p;
-                    }
-                    l[rr] = l[rr] * corr + ps;
-                    m[rr] = mnew;
-                    float *o = O + rr * HD;
-#pragma omp simd
-                    for (int d = 0; d < HD; d++) o[d] *= corr;
-                }
-                /* O[r] += P[r,j] V[j]; masked / padding entries of P are exactly 0. */
-                float *o0 = O + r0 * HD, *o1 = o0 + HD, *o2 = o1 + HD, *o3 = o2 + HD;
-                for (int j = 0; j < jmx; j++) {
-                    const float *v = V + (size_t)(k0 + j) * W;
-                    float p0 = s[0][j], p1 = s[1][j], p2 = s[2][j], p3 = s[3][j];
-#pragma omp simd
-                    for (int d = 0; d < HD; d++) {
-                        float vd = v[d];
-                        o0[d] += p0 * vd;
-                        o1[d] += p1 * vd;
-                        o2[d] += p2 * vd;
-                        o3[d] += p3 * vd;
-                    }
+                for (int r = 0; r < BQ; r++) {
+                    float v = fl_cpu_selectf(st[r], -INFINITY, r >= rmin);
+                    mx[r] = v > mx[r] ? v : mx[r];
                 }
             }
+#pragma omp simd
+            for (int r = 0; r < BQ; r++) {
+                float mnew = mx[r] > m[r] ? mx[r] : m[r];
+                corr[r] = fl_cpu_expf(m[r] - mnew); /* first tile: m=-inf -> ~0, O and l are 0 */
+                m[r] = mnew;
+            }
+            for (int j = 0; j < kn; j++) {
+                float *st = ST + j * BQ;
+                int rmin = k0 + j - q0;
+                /* FL_VECTORIZE: attn_fwd_exp */
+#pragma omp simd
+                for (int r = 0; r < BQ; r++) {
+                    /* keepf, not ?: (a ?: keeps this loop scalar: cpu-impl.h) */
+                    float p = fl_cpu_keepf(fl_cpu_expf(st[r] - m[r]), r >= rmin);
+                    st[r] = p;
+                    ps[r] += p;
+                }
+            }
+            for (int r = 0; r < qn; r++) {
+                l[r] = l[r] * corr[r] + ps[r];
+                float *o = O + r * HD, c = corr[r];
+#pragma omp simd
+                for (int d = 0; d < HD; d++) o[d] *= c;
+            }
+            /* O += P V: A(r,j) = P^T[j][r]; masked entries of P are exactly 0 */
+            fl_cpu_attn_mm(O, HD, ST, 1, BQ, V + (size_t)k0 * W, (int)W, qn, HD, kn, 1);
         }
         for (int r = 0; r < qn; r++) {
             int t = q0 + r;
@@ -156,20 +139,23 @@ void fl_cpu_attention_forward(const fl_backend *be, float *out /*(B,T,NH*HD)*/, 
 }
 
 /* ---- backward ----------------------------------------------------------------------
- * Two schedules with bit-identical results (both run the same three row-block
- * functions below in the same per-element order):
+ * Unit of work: a block of BQ query rows t0.. of head h against the key tile at k0 (both
+ * aligned to BK, so a block is a query tile): S = (scale Q) K^T and dP = dO V^T (BQ,BK),
+ * P = exp(S - lse), dS = P o (dP - D), then dV += P^T dO and dK += dS^T (scale Q) into the
+ * tile's accumulators and, when asked, dQ of the block += scale (dS K). Five tile products
+ * (fl_cpu_attn_mm), each a chain over its inner dimension in ascending order.
+ * Two schedules with bit-identical results (both run block_grads below on the same blocks):
  *  - fused: item = (b, kv head g); owns dK/dV of g and dQ of g's query heads.
  *    Least work, but only B*NKV items: the 1B-like lab model (NKV 1) at micro
  *    batch 1 would run on one thread.
  *  - split: items (b, g, key tile) own that tile's dK/dV (all of g's heads, all
  *    rows t >= k0), items (b, h, query tile) own dQ of those rows (key tiles
- *    ascending up to the diagonal). P and dP are computed by both, so it does
- *    7 HD-long FMA rows per (query, key) pair instead of 5 (1.55-1.8x the time
- *    on one thread, with the second exp), but spreads over
+ *    ascending up to the diagonal). P and dP are computed by both (7 products per
+ *    block and tile instead of 5, and the exp twice), but the work spreads over
  *    B*NKV*T/BK + B*NH*T/BK items; both kinds write disjoint parts of dqkv, so
  *    they share one parallel loop.
  * Per element the summation order is the same in both: dK/dV of key j sum over
- * heads ascending, then row blocks ascending, into a zeroed tile added once;
+ * heads ascending, then rows ascending, into a zeroed tile added once;
  * dQ of row t adds scale * (its key tile's sum) for key tiles ascending. */
 
 typedef struct {
@@ -183,117 +169,66 @@ typedef struct {
     float scale;
 } attn_bw;
 
-/* Per-thread state of RB query rows against one key tile (cpu-impl.h). */
-typedef fl_cpu_attn_rows attn_rows;
+/* Per-thread buffers of one block against one tile (about 50 KB at HD 256, on the stack). */
+typedef struct {
+    float qs[BQ * MAXHD]; // (qn,HD) scale * q of the block
+    float dq[BQ * MAXHD]; // (qn,HD) dS K of the block
+    float s[BQ * BK];     // (qn,BK) scores -> P
+    float dp[BQ * BK];    // (qn,BK) dP -> dS
+} attn_blk;
 
-/* Rows t0..t0+RB-1 of head h of batch b against the key tile at k0 (kn keys,
- * transposed in Kt/Vt): P = exp(S - lse) into r->s, dS = P o (dP - D) into
- * r->dp. Padding rows (t >= T) get zero q/dO and P = dS = 0. Returns the
- * largest visible key count of the block. noinline: the fused and the split
- * schedule must run the very same code (bit-identical results). */
-__attribute__((noinline)) static int rows_probs(const attn_bw *a, attn_rows *r, const float *Kt /*(HD,BK)*/,
-                                                const float *Vt /*(HD,BK)*/, int b, int h, int k0, int kn, int t0) {
-    const int T = a->T, HD = a->HD;
-    const float *base = a->qkv + (size_t)b * T * a->W;
-    const float *L = a->lse + ((size_t)b * a->NH + h) * T; // (T)
-    for (int i = 0; i < RB; i++) {
-        int t = t0 + i;
-        if (t < T) {
-            const float *q = base + (size_t)t * a->W + (size_t)h * HD;
-            const float *dO = a->dout + ((size_t)b * T + t) * a->OW + (size_t)h * HD;
-            const float *o = a->out + ((size_t)b * T + t) * a->OW + (size_t)h * HD;
-            float Dr = 0.0f;
+/* Block t0 (qn = min(BQ, T - t0) rows, t0 >= k0) of head h of batch b against the key tile at
+ * k0 (kn keys; Kt/Vt transposed, zero past kn): unless dV is NULL, adds P^T dO into dV and
+ * dS^T (scale q) into dK (first jmx rows of the (BK,HD) tiles); with_dq, adds scale * dS K
+ * into the block's dQ rows of dqkv. noinline: both schedules run this very code. */
+__attribute__((noinline)) static void block_grads(const attn_bw *a, attn_blk *w, const float *Kt /*(HD,BK)*/,
+                                                  const float *Vt /*(HD,BK)*/, float *dK /*(BK,HD)*/,
+                                                  float *dV /*(BK,HD)*/, int b, int h, int k0, int kn, int t0,
+                                                  int with_dq) {
+    const int T = a->T, HD = a->HD, qn = T - t0 < BQ ? T - t0 : BQ;
+    const float *Q = a->qkv + ((size_t)b * T + t0) * a->W + (size_t)h * HD;   // (qn,HD) stride W
+    const float *dO = a->dout + ((size_t)b * T + t0) * a->OW + (size_t)h * HD; // (qn,HD) stride OW
+    const float *O = a->out + ((size_t)b * T + t0) * a->OW + (size_t)h * HD;   // (qn,HD) stride OW
+    const float *L = a->lse + ((size_t)b * a->NH + h) * T + t0;                // (qn)
+    for (int i = 0; i < qn; i++)
+        for (int d = 0; d < HD; d++) w->qs[i * HD + d] = Q[(size_t)i * a->W + d] * a->scale;
+    fl_cpu_attn_mm(w->s, BK, w->qs, HD, 1, Kt, BK, qn, BK, HD, 0);           /* S = (scale Q) K^T */
+    fl_cpu_attn_mm(w->dp, BK, dO, (int)a->OW, 1, Vt, BK, qn, BK, HD, 0);     /* dP = dO V^T */
+    for (int i = 0; i < qn; i++) {
+        const float *o = O + (size_t)i * a->OW, *go = dO + (size_t)i * a->OW;
+        float Dr = 0.0f;
 #pragma omp simd reduction(+ : Dr)
-            for (int d = 0; d < HD; d++) Dr += dO[d] * o[d];
-            for (int d = 0; d < HD; d++) {
-                r->qs[i][d] = q[d] * a->scale;
-                r->go[i][d] = dO[d];
-            }
-            r->D[i] = Dr;
-            r->lt[i] = L[t];
-            r->jm[i] = t - k0 + 1 < kn ? t - k0 + 1 : kn;
-        } else {
-            for (int d = 0; d < HD; d++) r->qs[i][d] = r->go[i][d] = 0.0f;
-            r->D[i] = r->lt[i] = 0.0f;
-            r->jm[i] = 0;
-        }
-        for (int j = 0; j < BK; j++) r->s[i][j] = r->dp[i][j] = 0.0f;
-    }
-    for (int d = 0; d < HD; d++) {
-        const float *kt = Kt + d * BK, *vt = Vt + d * BK;
-        for (int i = 0; i < RB; i++) {
-            float q = r->qs[i][d], gd = r->go[i][d];
-#pragma omp simd
-            for (int j = 0; j < BK; j++) {
-                r->s[i][j] += q * kt[j];
-                r->dp[i][j] += gd * vt[j];
-            }
-        }
-    }
-    int jmx = 0;
-    for (int i = 0; i < RB; i++) {
-        int jmax = r->jm[i];
-        float Lr = r->lt[i], Dr = r->D[i];
-        jmx = jmax > jmx ? jmax : jmx;
+        for (int d = 0; d < HD; d++) Dr += go[d] * o[d];
+        int j = t0 + i - k0 + 1, jmax = j < kn ? j : kn; /* >= 1: t0 >= k0 */
+        float Lr = L[i], *s = w->s + i * BK, *dp = w->dp + i * BK;
         /* FL_VECTORIZE: attn_bwd_exp */
 #pragma omp simd
-        for (int j = 0; j < BK; j++) {
-            float p = fl_cpu_keepf(fl_cpu_expf(r->s[i][j] - Lr), j < jmax);
-            r->s[i][j] = p;
-            r->dp[i][j] = p * (r->dp[i][j] - Dr);
+        for (int j2 = 0; j2 < BK; j2++) {
+            float p = fl_cpu_keepf(fl_cpu_expf(s[j2] - Lr), j2 < jmax);
+            s[j2] = p;
+            dp[j2] = p * (dp[j2] - Dr);
         }
     }
-    return jmx;
-}
-
-/* dV_j += P^T dO and dK_j += dS^T (scale q) for the first jmx keys of the tile. */
-/* noinline and shared with attention_ex.c: every schedule of both kernels runs this very code. */
-__attribute__((noinline)) void fl_cpu_attn_rows_dkdv(const attn_rows *r, float *dK /*(BK,HD)*/, float *dV /*(BK,HD)*/,
-                                                     int jmx, int HD) {
-    for (int j = 0; j < jmx; j++) {
-        float *dv = dV + j * HD, *dk = dK + j * HD;
-        float p0 = r->s[0][j], p1 = r->s[1][j], p2 = r->s[2][j], p3 = r->s[3][j];
-        float e0 = r->dp[0][j], e1 = r->dp[1][j], e2 = r->dp[2][j], e3 = r->dp[3][j];
-        /* FL_VECTORIZE: attn_bwd_dkdv */
-#pragma omp simd
-        for (int d = 0; d < HD; d++) {
-            dv[d] += p0 * r->go[0][d] + p1 * r->go[1][d] + p2 * r->go[2][d] + p3 * r->go[3][d];
-            /* scale folded into qs */
-            dk[d] += e0 * r->qs[0][d] + e1 * r->qs[1][d] + e2 * r->qs[2][d] + e3 * r->qs[3][d];
-        }
+    int jmx = t0 + qn - k0 < kn ? t0 + qn - k0 : kn; /* keys some row of the block sees */
+    if (dV) {
+        fl_cpu_attn_mm(dV, HD, w->s, 1, BK, dO, (int)a->OW, jmx, HD, qn, 1); /* dV += P^T dO */
+        fl_cpu_attn_mm(dK, HD, w->dp, 1, BK, w->qs, HD, jmx, HD, qn, 1);     /* dK += dS^T (scale Q) */
     }
-}
-
-/* dQ_t += scale * sum_j dS_tj K_j over the first jmx keys of the tile at k0. */
-__attribute__((noinline)) static void rows_dq(const attn_bw *a, attn_rows *r, int b, int h, int g, int k0, int jmx,
-                                              int t0) {
-    const int T = a->T, HD = a->HD;
-    const float *K = a->qkv + (size_t)b * T * a->W + (size_t)(a->NH + g) * HD; // (T,HD) stride W
-    for (int i = 0; i < RB; i++)
-        for (int d = 0; d < HD; d++) r->dq[i][d] = 0.0f;
-    for (int j = 0; j < jmx; j++) {
-        const float *kr = K + (size_t)(k0 + j) * a->W;
-        float e0 = r->dp[0][j], e1 = r->dp[1][j], e2 = r->dp[2][j], e3 = r->dp[3][j];
-#pragma omp simd
-        for (int d = 0; d < HD; d++) {
-            float kd = kr[d];
-            r->dq[0][d] += e0 * kd;
-            r->dq[1][d] += e1 * kd;
-            r->dq[2][d] += e2 * kd;
-            r->dq[3][d] += e3 * kd;
-        }
-    }
-    for (int i = 0; i < RB && t0 + i < T; i++) {
+    if (!with_dq) return;
+    const float *K = a->qkv + ((size_t)b * T + k0) * a->W + (size_t)(a->NH + h / a->rep) * HD; // (jmx,HD) stride W
+    fl_cpu_attn_mm(w->dq, HD, w->dp, BK, 1, K, (int)a->W, qn, HD, jmx, 0); /* dS K */
+    for (int i = 0; i < qn; i++) {
         float *dqr = a->dqkv + ((size_t)b * T + t0 + i) * a->W + (size_t)h * HD;
+        const float *dq = w->dq + i * HD;
 #pragma omp simd
-        for (int d = 0; d < HD; d++) dqr[d] += a->scale * r->dq[i][d];
+        for (int d = 0; d < HD; d++) dqr[d] += a->scale * dq[d];
     }
 }
 
 /* Key tile k0 of kv head g: dK/dV over every head of g's group and every row
  * t >= k0, added into dqkv; with_dq: also the dQ contributions of this tile
  * (only when the caller owns all of the group's dQ rows: the fused schedule). */
-static void kv_tile(const attn_bw *a, attn_rows *r, int b, int g, int k0, int with_dq) {
+static void kv_tile(const attn_bw *a, attn_blk *w, int b, int g, int k0, int with_dq) {
     const int T = a->T, HD = a->HD;
     const float *K = a->qkv + (size_t)b * T * a->W + (size_t)(a->NH + g) * HD;          // (T,HD) stride W
     const float *V = a->qkv + (size_t)b * T * a->W + (size_t)(a->NH + a->NKV + g) * HD; // (T,HD) stride W
@@ -305,13 +240,8 @@ static void kv_tile(const attn_bw *a, attn_rows *r, int b, int g, int k0, int wi
     memset(dK, 0, sizeof(float) * (size_t)kn * HD);
     memset(dV, 0, sizeof(float) * (size_t)kn * HD);
     for (int h = g * a->rep; h < (g + 1) * a->rep; h++)
-        /* causal: only rows t >= k0 see this tile; RB rows at a time so each
-         * Kt/Vt load and each dK/dV row update serves RB rows */
-        for (int t0 = k0; t0 < T; t0 += RB) {
-            int jmx = rows_probs(a, r, Kt, Vt, b, h, k0, kn, t0);
-            fl_cpu_attn_rows_dkdv(r, dK, dV, jmx, HD);
-            if (with_dq) rows_dq(a, r, b, h, g, k0, jmx, t0);
-        }
+        for (int t0 = k0; t0 < T; t0 += BQ) /* causal: only rows t >= k0 see this tile */
+            block_grads(a, w, Kt, Vt, dK, dV, b, h, k0, kn, t0, with_dq);
     float *dbase = a->dqkv + (size_t)b * T * a->W;
     for (int j = 0; j < kn; j++) {
         float *dkr = dbase + (size_t)(k0 + j) * a->W + (size_t)(a->NH + g) * HD;
@@ -324,22 +254,18 @@ static void kv_tile(const attn_bw *a, attn_rows *r, int b, int g, int k0, int wi
     }
 }
 
-/* dQ of query rows q0..q0+BK-1 of head h: key tiles 0..q0 ascending (the query
+/* dQ of query rows q0..q0+BQ-1 of head h: key tiles 0..q0 ascending (the query
  * tile is aligned with the key tiles, so the last one is the diagonal). */
-static void q_tile(const attn_bw *a, attn_rows *r, int b, int h, int q0) {
+static void q_tile(const attn_bw *a, attn_blk *w, int b, int h, int q0) {
     const int T = a->T, HD = a->HD, g = h / a->rep;
     const float *K = a->qkv + (size_t)b * T * a->W + (size_t)(a->NH + g) * HD;          // (T,HD) stride W
     const float *V = a->qkv + (size_t)b * T * a->W + (size_t)(a->NH + a->NKV + g) * HD; // (T,HD) stride W
     float Kt[MAXHD * BK], Vt[MAXHD * BK]; // (HD,BK) transposed key / value tiles
-    int qend = q0 + BK < T ? q0 + BK : T;
     for (int k0 = 0; k0 <= q0; k0 += BK) {
         int kn = T - k0 < BK ? T - k0 : BK;
         load_transposed(Kt, K + (size_t)k0 * a->W, a->W, kn, HD);
         load_transposed(Vt, V + (size_t)k0 * a->W, a->W, kn, HD);
-        for (int t0 = q0; t0 < qend; t0 += RB) {
-            int jmx = rows_probs(a, r, Kt, Vt, b, h, k0, kn, t0);
-            rows_dq(a, r, b, h, g, k0, jmx, t0);
-        }
+        block_grads(a, w, Kt, Vt, NULL, NULL, b, h, k0, kn, q0, 1);
     }
 }
 
@@ -377,9 +303,9 @@ void fl_cpu_attention_backward_sched(const fl_backend *be, float *dqkv, const fl
         const int nitems = B * NKV;
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
         for (int it = 0; it < nitems; it++) {
-            attn_rows r;
+            attn_blk w;
             int b = it / NKV, g = it % NKV;
-            for (int k0 = 0; k0 < T; k0 += BK) kv_tile(&a, &r, b, g, k0, 1);
+            for (int k0 = 0; k0 < T; k0 += BK) kv_tile(&a, &w, b, g, k0, 1);
         }
         return;
     }
@@ -389,13 +315,13 @@ void fl_cpu_attention_backward_sched(const fl_backend *be, float *dqkv, const fl
     const int nkt = (T + BK - 1) / BK, n_kv = B * NKV * nkt, n_q = B * NH * nkt;
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
     for (int it = 0; it < n_kv + n_q; it++) {
-        attn_rows r;
+        attn_blk w;
         if (it < n_kv) {
             int kt = it / (B * NKV), bg = it % (B * NKV);
-            kv_tile(&a, &r, bg / NKV, bg % NKV, kt * BK, 0);
+            kv_tile(&a, &w, bg / NKV, bg % NKV, kt * BK, 0);
         } else {
             int i = it - n_kv, qt = nkt - 1 - i / (B * NH), bh = i % (B * NH);
-            q_tile(&a, &r, bh / NH, bh % NH, qt * BK);
+            q_tile(&a, &w, bh / NH, bh % NH, qt * BK);
         }
     }
 }

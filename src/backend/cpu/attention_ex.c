@@ -39,7 +39,7 @@
 
 #define BQ 32 /* query rows per work item */
 #define BK FL_CPU_ATTN_BK /* keys per tile */
-#define RB FL_CPU_ATTN_RB /* query rows processed together (register blocking); code below is unrolled for 4 */
+#define RB 4 /* query rows processed together (register blocking); code below is unrolled for 4 */
 #define MAXHD FL_CPU_ATTN_MAX_HD
 
 /* One past the last key row t may see (causal: t + Tk - Tq, bottom-right aligned),
@@ -224,8 +224,31 @@ typedef struct {
     int rep; /* NH / NKV */
 } bw_ctx;
 
-/* Per-thread state of RB query rows against one key tile (cpu-impl.h, shared with attention.c). */
-typedef fl_cpu_attn_rows bw_rows;
+/* Per-thread state of RB query rows against one key tile. */
+typedef struct {
+    float qs[RB][MAXHD], go[RB][MAXHD], dq[RB][MAXHD]; // (RB,HD) scale*q, dO, dQ of the row block
+    float s[RB][BK], dp[RB][BK];                       // (RB,BK) scores -> P, dP -> dS
+    float D[RB], lt[RB];                               // (RB) dO.O and lse per row
+    int jm[RB];                                        // (RB) visible keys per row
+} bw_rows;
+
+/* dV_j += P^T dO and dK_j += dS^T (scale q) for the first jmx keys of the tile. noinline: every
+ * schedule runs this very code. */
+__attribute__((noinline)) static void rows_dkdv(const bw_rows *r, float *dK /*(BK,HD)*/, float *dV /*(BK,HD)*/,
+                                                int jmx, int HD) {
+    for (int j = 0; j < jmx; j++) {
+        float *dv = dV + j * HD, *dk = dK + j * HD;
+        float p0 = r->s[0][j], p1 = r->s[1][j], p2 = r->s[2][j], p3 = r->s[3][j];
+        float e0 = r->dp[0][j], e1 = r->dp[1][j], e2 = r->dp[2][j], e3 = r->dp[3][j];
+        /* FL_VECTORIZE: attn_bwd_dkdv */
+#pragma omp simd
+        for (int d = 0; d < HD; d++) {
+            dv[d] += p0 * r->go[0][d] + p1 * r->go[1][d] + p2 * r->go[2][d] + p3 * r->go[3][d];
+            /* scale folded into qs */
+            dk[d] += e0 * r->qs[0][d] + e1 * r->qs[1][d] + e2 * r->qs[2][d] + e3 * r->qs[3][d];
+        }
+    }
+}
 
 /* Rows t0..t0+RB-1 of head h, batch b against the key tile at k0 (kn keys, transposed
  * in Kt/Vt, key mask km): P = exp(S - lse) into r->s, dS = P o (dP - D) into r->dp,
@@ -355,7 +378,7 @@ static void kv_item(const bw_ctx *c, int b, int g, int k0, int with_dq) {
     for (int h = g * c->rep; h < (g + 1) * c->rep; h++)
         for (int t0 = tstart; t0 < a->Tq; t0 += RB) {
             int jmx = rows_probs(c, &r, Kt, Vt, km, b, h, k0, kn, t0);
-            fl_cpu_attn_rows_dkdv(&r, dK, dV, jmx, HD);
+            rows_dkdv(&r, dK, dV, jmx, HD);
             if (with_dq) rows_dq(c, &r, b, h, k0, kn, jmx, t0);
         }
     for (int j = 0; j < kn; j++) {

@@ -33,19 +33,14 @@
  * model setup should reject such configs up front. */
 #define FL_CPU_ATTN_MAX_HD 256
 #define FL_CPU_ATTN_BK 32 /* keys per tile of the attention kernels (attention.c, attention_ex.c) */
-#define FL_CPU_ATTN_RB 4  /* query rows per register block */
 
-/* Attention backward: per-thread state of RB query rows against one key tile, shared by the fused
- * (attention.c) and the general (attention_ex.c) kernels. */
-typedef struct {
-    float qs[FL_CPU_ATTN_RB][FL_CPU_ATTN_MAX_HD], go[FL_CPU_ATTN_RB][FL_CPU_ATTN_MAX_HD],
-        dq[FL_CPU_ATTN_RB][FL_CPU_ATTN_MAX_HD];                      // (RB,HD) scale*q, dO, dQ of the row block
-    float s[FL_CPU_ATTN_RB][FL_CPU_ATTN_BK], dp[FL_CPU_ATTN_RB][FL_CPU_ATTN_BK]; // (RB,BK) scores -> P, dP -> dS
-    float D[FL_CPU_ATTN_RB], lt[FL_CPU_ATTN_RB];                     // (RB) dO.O and lse per row
-    int jm[FL_CPU_ATTN_RB];                                          // (RB) visible keys per row
-} fl_cpu_attn_rows;
-/* dV_j += P^T dO and dK_j += dS^T (scale q) for the first jmx keys of the tile (attention.c). */
-void fl_cpu_attn_rows_dkdv(const fl_cpu_attn_rows *r, float *dK /*(BK,HD)*/, float *dV /*(BK,HD)*/, int jmx, int HD);
+/* C(M,N) = [C +] A(M,K) B(K,N) on the calling thread, A(i,k) = A[i*ai + k*ak], B rows and C rows
+ * contiguous (strides ldb, ldc); acc = 0 starts from 0 (C not read). The attention kernels' tile
+ * products (attn_mm.c: per-element order, variants). */
+void fl_cpu_attn_mm(float *C, int ldc, const float *A, int ai, int ak, const float *B, int ldb, int M, int N, int K,
+                    int acc);
+/* The variant fl_cpu_attn_mm runs for N % 8 == 0 at the current level ("avx2-fma" or "portable"). */
+const char *fl_cpu_attn_mm_path(void);
 
 /* Upper bound on threads for ops that keep per-thread partial sums on the stack. */
 #define FL_CPU_MAX_THREADS 256
@@ -314,6 +309,12 @@ static inline float fl_cpu_expf(float x) {
  * speculate that arithmetic back, so the loop stays scalar. */
 static inline float fl_cpu_keepf(float v, int keep) {
     return fl_cpu_f32_from_bits(fl_cpu_f32_bits(v) & -(uint32_t)(keep != 0));
+}
+
+/* keep ? a : b on the bits (the same reason as fl_cpu_keepf: a float ?: in a loop stays scalar). */
+static inline float fl_cpu_selectf(float a, float b, int keep) {
+    uint32_t m = -(uint32_t)(keep != 0);
+    return fl_cpu_f32_from_bits((fl_cpu_f32_bits(a) & m) | (fl_cpu_f32_bits(b) & ~m));
 }
 
 /* 1 / (1 + e^-x) */

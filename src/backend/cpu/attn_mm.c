@@ -1,0 +1,123 @@
+/* Small dense products inside the attention kernels (attention.c): the five tile products
+ * of flash attention (S = Q K^T, O += P V; backward dP = dO V^T, dV += P^T dO, dK += dS^T Q,
+ * dQ = dS K) on one thread, inside the kernels' own parallel loops.
+ *
+ *   C(M,N) = [C +] A(M,K) B(K,N)
+ *   A(i,k) = A[i*ai + k*ak]    (any strides: row-major A, or A^T of a row-major tile)
+ *   B(k,n) = B[k*ldb + n]      (rows contiguous)
+ *   C(i,n) = C[i*ldc + n]
+ *
+ * Each C element is one chain over k ascending, c = c + A(i,k) B(k,n) (fused multiply-add
+ * where the variant has it), starting from C (acc) or 0. The chain does not depend on the
+ * register tiling, so every caller that runs the same product gets the same bits, whatever
+ * rows or columns it shares a tile with (attention.c's schedules rely on this).
+ *
+ * Variants, chosen per call from fl_cpu_level() (include/fitllm/cpu.h):
+ *   avx2  (AVX2 + FMA; also used at the avx512 level: Zen 4 runs 512-bit FMAs as two 256-bit
+ *          halves, so 256-bit tiles reach the same peak) when N % 8 == 0: register tiles of
+ *          6 rows x 16 columns (12 accumulators, 2 B loads and 6 broadcasts per k), narrower
+ *          at the edges;
+ *   portable C otherwise (any N; what the compiler makes of it at the build's -march).
+ * A tile of the callers (32 x 32 x HD) is 65K multiply-adds per call: the per-call cost
+ * (a level read, a switch) is noise. */
+#include "backend/cpu/cpu-impl.h"
+#include "fitllm/cpu.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define AMM_X86 1
+#endif
+
+static void mm_portable(float *C, int ldc, const float *A, int ai, int ak, const float *B, int ldb, int M, int N,
+                        int K, int acc) {
+    for (int i = 0; i < M; i++) {
+        float *c = C + (size_t)i * ldc; // (N) row i of C
+        if (!acc)
+            for (int n = 0; n < N; n++) c[n] = 0.0f;
+        for (int k = 0; k < K; k++) {
+            float a = A[(size_t)i * ai + (size_t)k * ak];
+            const float *b = B + (size_t)k * ldb; // (N) row k of B
+#pragma omp simd
+            for (int n = 0; n < N; n++) c[n] += a * b[n];
+        }
+    }
+}
+
+#if defined(AMM_X86)
+#define T2 __attribute__((target("avx2,fma")))
+
+/* One MR x (8 NV) register tile of C over the whole K. MR and NV are constants at every call
+ * site (the switch below), so the accumulators live in registers. */
+T2 static inline __attribute__((always_inline)) void tile_avx2(float *C, int ldc, const float *A, int ai, int ak,
+                                                                const float *B, int ldb, int K, int acc, const int MR,
+                                                                const int NV) {
+    __m256 c[6][2];
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < NV; v++)
+            c[r][v] = acc ? _mm256_loadu_ps(C + (size_t)r * ldc + 8 * v) : _mm256_setzero_ps();
+    for (int k = 0; k < K; k++) {
+        const float *b = B + (size_t)k * ldb, *a = A + (size_t)k * ak;
+        __m256 b0 = _mm256_loadu_ps(b), b1 = NV > 1 ? _mm256_loadu_ps(b + 8) : b0;
+        for (int r = 0; r < MR; r++) {
+            __m256 ar = _mm256_broadcast_ss(a + (size_t)r * ai);
+            c[r][0] = _mm256_fmadd_ps(ar, b0, c[r][0]);
+            if (NV > 1) c[r][1] = _mm256_fmadd_ps(ar, b1, c[r][1]);
+        }
+    }
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < NV; v++) _mm256_storeu_ps(C + (size_t)r * ldc + 8 * v, c[r][v]);
+}
+
+#define TILE(mr, nv) tile_avx2(Ct, ldc, At, ai, ak, Bt, ldb, K, acc, mr, nv)
+T2 static void mm_avx2(float *C, int ldc, const float *A, int ai, int ak, const float *B, int ldb, int M, int N, int K,
+                       int acc) {
+    for (int n0 = 0; n0 < N; n0 += 16) {
+        const int nv = N - n0 >= 16 ? 2 : 1; /* N % 8 == 0 */
+        const float *Bt = B + n0;
+        for (int i0 = 0; i0 < M; i0 += 6) {
+            const int mr = M - i0 < 6 ? M - i0 : 6;
+            float *Ct = C + (size_t)i0 * ldc + n0;
+            const float *At = A + (size_t)i0 * ai;
+            if (nv == 2) {
+                switch (mr) {
+                case 6: TILE(6, 2); break;
+                case 5: TILE(5, 2); break;
+                case 4: TILE(4, 2); break;
+                case 3: TILE(3, 2); break;
+                case 2: TILE(2, 2); break;
+                default: TILE(1, 2); break;
+                }
+            } else {
+                switch (mr) {
+                case 6: TILE(6, 1); break;
+                case 5: TILE(5, 1); break;
+                case 4: TILE(4, 1); break;
+                case 3: TILE(3, 1); break;
+                case 2: TILE(2, 1); break;
+                default: TILE(1, 1); break;
+                }
+            }
+        }
+    }
+}
+#undef TILE
+#endif
+
+const char *fl_cpu_attn_mm_path(void) {
+#if defined(AMM_X86)
+    if (fl_cpu_level() >= FL_CPU_AVX2) return "avx2-fma";
+#endif
+    return "portable";
+}
+
+void fl_cpu_attn_mm(float *C, int ldc, const float *A, int ai, int ak, const float *B, int ldb, int M, int N, int K,
+                    int acc) {
+    if (M <= 0 || N <= 0) return;
+#if defined(AMM_X86)
+    if (N % 8 == 0 && fl_cpu_level() >= FL_CPU_AVX2) {
+        mm_avx2(C, ldc, A, ai, ak, B, ldb, M, N, K, acc);
+        return;
+    }
+#endif
+    mm_portable(C, ldc, A, ai, ak, B, ldb, M, N, K, acc);
+}
