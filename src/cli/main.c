@@ -94,8 +94,9 @@ static int version(void) {
     printf("features: %s (level %s", *feat ? feat : "none of avx2/fma/f16c/avx512", fl_cpu_level_name(fl_cpu_level_detected()));
     if (*env) printf("; FITLLM_CPU=%s%s", env, env_ok ? "" : " not understood (generic|avx2|avx512), ignored");
     printf("; in use: %s)\n", k.cpu_level);
-    printf("kernels:  gemm %s, bf16 gemm %s, f16 gemm %s, adam8bit quantizer %s, 16-bit conversions %s\n",
-           k.gemm_library, k.bf16_gemm, k.f16_gemm, k.adam8bit, k.convert);
+    printf("kernels:  gemm %s, bf16 gemm %s, f16 gemm %s, adam8bit quantizer %s, 16-bit conversions %s, attention "
+           "tiles %s\n",
+           k.gemm_library, k.bf16_gemm, k.f16_gemm, k.adam8bit, k.convert, k.attention);
     printf("threads:  %d (default; OMP_NUM_THREADS or --threads where a command has it)\n", k.threads);
     printf("backends:");
     for (int i = 0; i < fl_backend_count(); i++) printf("%s %s", i ? "," : "", fl_backend_name(i));

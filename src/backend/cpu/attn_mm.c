@@ -13,11 +13,11 @@
  * rows or columns it shares a tile with (attention.c's schedules rely on this).
  *
  * Variants, chosen per call from fl_cpu_level() (include/fitllm/cpu.h):
- *   avx2  (AVX2 + FMA; also used at the avx512 level: Zen 4 runs 512-bit FMAs as two 256-bit
- *          halves, so 256-bit tiles reach the same peak) when N % 8 == 0: register tiles of
- *          6 rows x 16 columns (12 accumulators, 2 B loads and 6 broadcasts per k), narrower
- *          at the edges;
+ *   avx512 (AVX-512F) when N % 16 == 0: register tiles of 6 rows x 32 columns (12 zmm
+ *          accumulators, 2 B loads and 6 broadcasts per k), narrower at the edges;
+ *   avx2   (AVX2 + FMA) when N % 8 == 0: the same tiles 16 columns wide;
  *   portable C otherwise (any N; what the compiler makes of it at the build's -march).
+ * avx512 and avx2 give the same bits (one fused multiply-add per element and k, in order).
  * A tile of the callers (32 x 32 x HD) is 65K multiply-adds per call: the per-call cost
  * (a level read, a switch) is noise. */
 #include "backend/cpu/cpu-impl.h"
@@ -101,10 +101,71 @@ T2 static void mm_avx2(float *C, int ldc, const float *A, int ai, int ak, const 
     }
 }
 #undef TILE
+
+/* The same tiles 16 lanes wide (N % 16 == 0): the same fused multiply-add per element in the
+ * same order, so the bits equal the AVX2 variant's. On Zen 4 a 512-bit FMA is two 256-bit
+ * halves (the same peak), but a k step of the 6 x 32 tile issues 20 instructions for 24
+ * 256-bit FMAs' worth of work instead of 20 for 12: the 256-bit kernel is bound by the
+ * front end's issue width before the FMA units. */
+#define T5 __attribute__((target("avx512f,avx2,fma")))
+T5 static inline __attribute__((always_inline)) void tile_avx512(float *C, int ldc, const float *A, int ai, int ak,
+                                                                  const float *B, int ldb, int K, int acc,
+                                                                  const int MR, const int NV) {
+    __m512 c[6][2];
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < NV; v++)
+            c[r][v] = acc ? _mm512_loadu_ps(C + (size_t)r * ldc + 16 * v) : _mm512_setzero_ps();
+    for (int k = 0; k < K; k++) {
+        const float *b = B + (size_t)k * ldb, *a = A + (size_t)k * ak;
+        __m512 b0 = _mm512_loadu_ps(b), b1 = NV > 1 ? _mm512_loadu_ps(b + 16) : b0;
+        for (int r = 0; r < MR; r++) {
+            __m512 ar = _mm512_set1_ps(a[(size_t)r * ai]);
+            c[r][0] = _mm512_fmadd_ps(ar, b0, c[r][0]);
+            if (NV > 1) c[r][1] = _mm512_fmadd_ps(ar, b1, c[r][1]);
+        }
+    }
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < NV; v++) _mm512_storeu_ps(C + (size_t)r * ldc + 16 * v, c[r][v]);
+}
+
+#define TILE(mr, nv) tile_avx512(Ct, ldc, At, ai, ak, Bt, ldb, K, acc, mr, nv)
+T5 static void mm_avx512(float *C, int ldc, const float *A, int ai, int ak, const float *B, int ldb, int M, int N,
+                         int K, int acc) {
+    for (int n0 = 0; n0 < N; n0 += 32) {
+        const int nv = N - n0 >= 32 ? 2 : 1; /* N % 16 == 0 */
+        const float *Bt = B + n0;
+        for (int i0 = 0; i0 < M; i0 += 6) {
+            const int mr = M - i0 < 6 ? M - i0 : 6;
+            float *Ct = C + (size_t)i0 * ldc + n0;
+            const float *At = A + (size_t)i0 * ai;
+            if (nv == 2) {
+                switch (mr) {
+                case 6: TILE(6, 2); break;
+                case 5: TILE(5, 2); break;
+                case 4: TILE(4, 2); break;
+                case 3: TILE(3, 2); break;
+                case 2: TILE(2, 2); break;
+                default: TILE(1, 2); break;
+                }
+            } else {
+                switch (mr) {
+                case 6: TILE(6, 1); break;
+                case 5: TILE(5, 1); break;
+                case 4: TILE(4, 1); break;
+                case 3: TILE(3, 1); break;
+                case 2: TILE(2, 1); break;
+                default: TILE(1, 1); break;
+                }
+            }
+        }
+    }
+}
+#undef TILE
 #endif
 
 const char *fl_cpu_attn_mm_path(void) {
 #if defined(AMM_X86)
+    if (fl_cpu_level() >= FL_CPU_AVX512) return "avx512";
     if (fl_cpu_level() >= FL_CPU_AVX2) return "avx2-fma";
 #endif
     return "portable";
@@ -114,7 +175,12 @@ void fl_cpu_attn_mm(float *C, int ldc, const float *A, int ai, int ak, const flo
                     int acc) {
     if (M <= 0 || N <= 0) return;
 #if defined(AMM_X86)
-    if (N % 8 == 0 && fl_cpu_level() >= FL_CPU_AVX2) {
+    fl_cpu_level_t lv = fl_cpu_level();
+    if (N % 16 == 0 && lv >= FL_CPU_AVX512) {
+        mm_avx512(C, ldc, A, ai, ak, B, ldb, M, N, K, acc);
+        return;
+    }
+    if (N % 8 == 0 && lv >= FL_CPU_AVX2) {
         mm_avx2(C, ldc, A, ai, ak, B, ldb, M, N, K, acc);
         return;
     }

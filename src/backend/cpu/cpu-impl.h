@@ -119,6 +119,7 @@ typedef struct {
     const char *f16_gemm;      /* fl_cpu_gemm_f16_path() */
     const char *adam8bit;      /* fl_cpu_adam8bit_quantizer_path() */
     const char *convert;       /* 16-bit conversions: core/cvt.c's fl_cvt_path() */
+    const char *attention;     /* the attention kernels' tile products: fl_cpu_attn_mm_path() */
     int threads;               /* default thread count (fl_cpu_backend_init with 0) */
 } fl_cpu_kernel_info;
 void fl_cpu_kernels(fl_cpu_kernel_info *k);

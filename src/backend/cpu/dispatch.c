@@ -13,5 +13,6 @@ void fl_cpu_kernels(fl_cpu_kernel_info *k) {
     k->f16_gemm = fl_cpu_gemm_f16_path();
     k->adam8bit = fl_cpu_adam8bit_quantizer_path();
     k->convert = fl_cvt_path();
+    k->attention = fl_cpu_attn_mm_path();
     k->threads = fl_cpu_backend_init(&be, 0) == FL_OK ? be.n_threads : 1;
 }
