@@ -44,6 +44,35 @@ static void mm_portable(float *C, int ldc, const float *A, int ai, int ak, const
 }
 
 #if defined(AMM_X86)
+/* C over register tiles of up to 6 rows x 2 vectors of LANES columns (N % LANES == 0): each
+ * edge tile gets its own compile-time shape, so its accumulators stay in registers. */
+#define MM_DRIVER(NAME, ATTR, TILE_FN_, LANES)                                                                      \
+    ATTR static void NAME(float *C, int ldc, const float *A, int ai, int ak, const float *B, int ldb, int M, int N, \
+                          int K, int acc) {                                                                          \
+        for (int n0 = 0; n0 < N; n0 += 2 * (LANES)) {                                                               \
+            const int nv = N - n0 >= 2 * (LANES) ? 2 : 1;                                                           \
+            const float *Bt = B + n0;                                                                                \
+            for (int i0 = 0; i0 < M; i0 += 6) {                                                                      \
+                const int mr = M - i0 < 6 ? M - i0 : 6;                                                              \
+                float *Ct = C + (size_t)i0 * ldc + n0;                                                               \
+                const float *At = A + (size_t)i0 * ai;                                                               \
+                switch (mr * 2 + nv - 2) {                                                                           \
+                case 12: TILE_FN_(Ct, ldc, At, ai, ak, Bt, ldb, K, acc, 6, 2); break;                               \
+                case 11: TILE_FN_(Ct, ldc, At, ai, ak, Bt, ldb, K, acc, 6, 1); break;                               \
+                case 10: TILE_FN_(Ct, ldc, At, ai, ak, Bt, ldb, K, acc, 5, 2); break;                               \
+                case 9: TILE_FN_(Ct, ldc, At, ai, ak, Bt, ldb, K, acc, 5, 1); break;                                \
+                case 8: TILE_FN_(Ct, ldc, At, ai, ak, Bt, ldb, K, acc, 4, 2); break;                                \
+                case 7: TILE_FN_(Ct, ldc, At, ai, ak, Bt, ldb, K, acc, 4, 1); break;                                \
+                case 6: TILE_FN_(Ct, ldc, At, ai, ak, Bt, ldb, K, acc, 3, 2); break;                                \
+                case 5: TILE_FN_(Ct, ldc, At, ai, ak, Bt, ldb, K, acc, 3, 1); break;                                \
+                case 4: TILE_FN_(Ct, ldc, At, ai, ak, Bt, ldb, K, acc, 2, 2); break;                                \
+                case 3: TILE_FN_(Ct, ldc, At, ai, ak, Bt, ldb, K, acc, 2, 1); break;                                \
+                case 2: TILE_FN_(Ct, ldc, At, ai, ak, Bt, ldb, K, acc, 1, 2); break;                                \
+                default: TILE_FN_(Ct, ldc, At, ai, ak, Bt, ldb, K, acc, 1, 1); break;                               \
+                }                                                                                                    \
+            }                                                                                                        \
+        }                                                                                                            \
+    }
 #define T2 __attribute__((target("avx2,fma")))
 
 /* One MR x (8 NV) register tile of C over the whole K. MR and NV are constants at every call
@@ -68,39 +97,7 @@ T2 static inline __attribute__((always_inline)) void tile_avx2(float *C, int ldc
         for (int v = 0; v < NV; v++) _mm256_storeu_ps(C + (size_t)r * ldc + 8 * v, c[r][v]);
 }
 
-#define TILE(mr, nv) tile_avx2(Ct, ldc, At, ai, ak, Bt, ldb, K, acc, mr, nv)
-T2 static void mm_avx2(float *C, int ldc, const float *A, int ai, int ak, const float *B, int ldb, int M, int N, int K,
-                       int acc) {
-    for (int n0 = 0; n0 < N; n0 += 16) {
-        const int nv = N - n0 >= 16 ? 2 : 1; /* N % 8 == 0 */
-        const float *Bt = B + n0;
-        for (int i0 = 0; i0 < M; i0 += 6) {
-            const int mr = M - i0 < 6 ? M - i0 : 6;
-            float *Ct = C + (size_t)i0 * ldc + n0;
-            const float *At = A + (size_t)i0 * ai;
-            if (nv == 2) {
-                switch (mr) {
-                case 6: TILE(6, 2); break;
-                case 5: TILE(5, 2); break;
-                case 4: TILE(4, 2); break;
-                case 3: TILE(3, 2); break;
-                case 2: TILE(2, 2); break;
-                default: TILE(1, 2); break;
-                }
-            } else {
-                switch (mr) {
-                case 6: TILE(6, 1); break;
-                case 5: TILE(5, 1); break;
-                case 4: TILE(4, 1); break;
-                case 3: TILE(3, 1); break;
-                case 2: TILE(2, 1); break;
-                default: TILE(1, 1); break;
-                }
-            }
-        }
-    }
-}
-#undef TILE
+MM_DRIVER(mm_avx2, T2, tile_avx2, 8)
 
 /* The same tiles 16 lanes wide (N % 16 == 0): the same fused multiply-add per element in the
  * same order, so the bits equal the AVX2 variant's. On Zen 4 a 512-bit FMA is two 256-bit
@@ -128,39 +125,7 @@ T5 static inline __attribute__((always_inline)) void tile_avx512(float *C, int l
         for (int v = 0; v < NV; v++) _mm512_storeu_ps(C + (size_t)r * ldc + 16 * v, c[r][v]);
 }
 
-#define TILE(mr, nv) tile_avx512(Ct, ldc, At, ai, ak, Bt, ldb, K, acc, mr, nv)
-T5 static void mm_avx512(float *C, int ldc, const float *A, int ai, int ak, const float *B, int ldb, int M, int N,
-                         int K, int acc) {
-    for (int n0 = 0; n0 < N; n0 += 32) {
-        const int nv = N - n0 >= 32 ? 2 : 1; /* N % 16 == 0 */
-        const float *Bt = B + n0;
-        for (int i0 = 0; i0 < M; i0 += 6) {
-            const int mr = M - i0 < 6 ? M - i0 : 6;
-            float *Ct = C + (size_t)i0 * ldc + n0;
-            const float *At = A + (size_t)i0 * ai;
-            if (nv == 2) {
-                switch (mr) {
-                case 6: TILE(6, 2); break;
-                case 5: TILE(5, 2); break;
-                case 4: TILE(4, 2); break;
-                case 3: TILE(3, 2); break;
-                case 2: TILE(2, 2); break;
-                default: TILE(1, 2); break;
-                }
-            } else {
-                switch (mr) {
-                case 6: TILE(6, 1); break;
-                case 5: TILE(5, 1); break;
-                case 4: TILE(4, 1); break;
-                case 3: TILE(3, 1); break;
-                case 2: TILE(2, 1); break;
-                default: TILE(1, 1); break;
-                }
-            }
-        }
-    }
-}
-#undef TILE
+MM_DRIVER(mm_avx512, T5, tile_avx512, 16)
 #endif
 
 const char *fl_cpu_attn_mm_path(void) {
