@@ -87,6 +87,12 @@ static void check_all(gemm_fn fn, const char *name) {
             fails += !run_case(fn, name, ta, tb, 7, 13, 0, 1, 0.5f, 2, 0);
             fails += !run_case(fn, name, ta, tb, 7, 13, 0, 1, 0, 2, 1);
             fails += !run_case(fn, name, ta, tb, 7, 13, 0, 1, 1, 0, 0);
+            /* a transposed B whose row stride is a multiple of 4 KiB: fl_cpu_gemm copies it into the
+             * scratch with a padded stride first (gemm.c, FL_ALIAS_FLOATS); K a multiple of it and not */
+            if (tb) {
+                fails += !run_case(fn, name, ta, tb, 130, 260, 1024, 1, 0, 0, 1);
+                fails += !run_case(fn, name, ta, tb, 131, 257, 1000, -0.5f, 0.75f, 24, 0);
+            }
             /* M or N == 0: nothing touched */
             fails += !run_case(fn, name, ta, tb, 0, 13, 5, 1, 0.5f, 1, 0);
             fails += !run_case(fn, name, ta, tb, 7, 0, 5, 1, 0.5f, 1, 0);

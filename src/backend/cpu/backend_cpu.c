@@ -98,11 +98,17 @@ float *fl_cpu_scratch_part(int part) {
  * later default-threads run of a process (the lab's rows after the first, a selftest's second training)
  * ran on one core, and the per-thread-count GEMMs gave other bits than the first run. */
 static int g_default_threads;
+static pthread_once_t g_default_once = PTHREAD_ONCE_INIT;
 static void read_default_threads(void) { g_default_threads = omp_get_max_threads(); }
+/* Read before main(): read at the first call instead, the value depended on what ran before it on
+ * that thread (a test run of `fitllm_tests gemm` made its first default backend after a small GEMM,
+ * and got 1 thread). libgomp, a shared library, has set its defaults from the environment by then. */
+__attribute__((constructor)) static void default_threads_at_start(void) {
+    pthread_once(&g_default_once, read_default_threads);
+}
 
 int fl_cpu_default_threads(void) {
-    static pthread_once_t once = PTHREAD_ONCE_INIT;
-    pthread_once(&once, read_default_threads);
+    pthread_once(&g_default_once, read_default_threads);
     return g_default_threads > 0 ? g_default_threads : 1;
 }
 

@@ -600,7 +600,7 @@ static fl_status sgemm_f32(const fl_backend *be, int nt, int trans_a, int trans_
  * guarded by one mutex (thread-safe, serialized across callers). If the scratch cannot be
  * allocated, the double-accumulating reference kernel runs (same semantics, slow). */
 /* Row converters to fp32: 16-bit storage widened exactly, or F32 rounded to bf16. */
-typedef enum { W_NONE, W_BF16, W_F16, W_F32_ROUND_BF16 } widen_kind;
+typedef enum { W_NONE, W_BF16, W_F16, W_F32_ROUND_BF16, W_F32 } widen_kind; /* W_F32: a plain copy */
 
 /* One widening: dst(rows, cols), row stride ldd = widen(src(rows, cols), row stride lds). */
 typedef struct {
@@ -613,7 +613,9 @@ typedef struct {
 
 static void widen_row(const widen_job *j, int r) {
     float *d = j->dst + (size_t)r * j->ldd;
-    if (j->w == W_F32_ROUND_BF16)
+    if (j->w == W_F32)
+        memcpy(d, (const float *)j->src + (size_t)r * j->lds, (size_t)j->cols * sizeof(float));
+    else if (j->w == W_F32_ROUND_BF16)
         fl_cvt_f32_round_bf16(d, (const float *)j->src + (size_t)r * j->lds, (size_t)j->cols);
     else if (j->w == W_BF16)
         fl_cvt_bf16_to_f32(d, (const uint16_t *)j->src + (size_t)r * j->lds, (size_t)j->cols);
@@ -672,6 +674,16 @@ static int balanced(int n, size_t most) {
 /* Row stride of a (rows x cols) scratch block: cols, or cols + 16 when cols is a multiple of
  * 256 floats (1 KiB) and the block still fits in cap: power-of-two strides map the rows of a
  * panel onto the same cache sets (4K aliasing), which cost 1.5-2.4x on the K = 1024 dW shapes. */
+/* A row stride of this many floats (4 KiB) or a multiple maps every row of a panel onto the same
+ * L1 sets. oneDNN's sgemm with such a transposed B (stored (N,K), ldb = K): the small model's
+ * down projection forward (1024 x 768 x 2048, ldb 2048) ran at 147-175 GFLOP/s against 197-203
+ * with ldb 2064 (Zen 4, 2 threads); every forward GEMM of a C = 2048 model (TinyLlama) has it.
+ * fl_cpu_gemm copies such a B into the scratch with a padded stride first when it fits in one
+ * block (one pass over N x K floats, 1/M of the product's work). Larger B (TinyLlama's qkv,
+ * 2560 x 2048) measured no slower unpadded (214 GFLOP/s), and split into K blocks they lost
+ * more than the padding gained, so they go to the library as they are. */
+#define FL_ALIAS_FLOATS 1024
+
 static int scratch_ld(int rows, int cols, size_t cap) {
     return cols % 256 == 0 && (size_t)rows * (cols + 16) <= cap ? cols + 16 : cols;
 }
@@ -698,6 +710,7 @@ static fl_status widen_sgemm_f32c(const fl_backend *be, int nt, int trans_a, int
     int nb = balanced(N, bfit / (size_t)kb);
     int mb = wa == W_NONE ? M : balanced(M, afit / (size_t)kb);
     float *SB = scratch, *SA = scratch + bcap;
+    const fl_dtype tb = wb == W_F32 ? FL_F32 : FL_BF16; /* B's element size (BF16 and F16: 2 bytes) */
 #if defined(FL_HAVE_OPENBLAS)
     /* widen on the calling thread: an OpenMP region right before each OpenBLAS call makes the
      * two spinning thread pools steal each other's cores (see the top of this file) */
@@ -714,10 +727,10 @@ static fl_status widen_sgemm_f32c(const fl_backend *be, int nt, int trans_a, int
             int nc = N - j0 < nb ? N - j0 : nb;
             widen_job jobs[2]; /* [0]: B's block until the first sgemm; then A's blocks */
             if (trans_b) { /* stored (N,K): rows j0.., cols k0.. -> SB (nc, kc) */
-                widen_job jb = {SB, scratch_ld(nc, kc, bcap), (const uint16_t *)B + (size_t)j0 * ldb + k0, wb, nc, kc, ldb};
+                widen_job jb = {SB, scratch_ld(nc, kc, bcap), elem_at(B, tb, (size_t)j0 * ldb + k0), wb, nc, kc, ldb};
                 jobs[0] = jb;
             } else { /* stored (K,N): rows k0.., cols j0.. -> SB (kc, nc) */
-                widen_job jb = {SB, scratch_ld(kc, nc, bcap), (const uint16_t *)B + (size_t)k0 * ldb + j0, wb, kc, nc, ldb};
+                widen_job jb = {SB, scratch_ld(kc, nc, bcap), elem_at(B, tb, (size_t)k0 * ldb + j0), wb, kc, nc, ldb};
                 jobs[0] = jb;
             }
             int ldsb = jobs[0].ldd;
@@ -930,6 +943,19 @@ fl_status fl_cpu_gemm(const fl_backend *be, int trans_a, int trans_b, int M, int
          * this way every library behaves the same. */
         scale_c(C_, M, N, ldc, beta, nt);
         return FL_OK;
+    }
+    if (trans_b && ldb % FL_ALIAS_FLOATS == 0 && M >= 128 && N >= 256 && K >= 256 &&
+        (size_t)N * (K + 16) <= FL_WIDEN_SCRATCH - FL_WIDEN_SCRATCH / 16) {
+        /* 4 KiB aliasing: copy B into the scratch with a padded stride, one block (widen + sgemm) */
+        size_t cap;
+        int locked;
+        float *S = ws_get(&cap, &locked);
+        fl_status s = S && (size_t)N * (K + 16) <= cap - cap / 16
+                          ? widen_sgemm_f32c(be, nt, trans_a, 1, M, N, K, alpha, A_, FL_F32, W_NONE, lda, B_, W_F32,
+                                             ldb, beta, C_, ldc, S, cap)
+                          : sgemm_f32(be, nt, trans_a, trans_b, M, N, K, alpha, A_, lda, B_, ldb, beta, C_, ldc);
+        ws_release(locked);
+        return s;
     }
     return sgemm_f32(be, nt, trans_a, trans_b, M, N, K, alpha, A_, lda, B_, ldb, beta, C_, ldc);
 #else
