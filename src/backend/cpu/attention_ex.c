@@ -95,90 +95,63 @@ static void fwd_item(const fl_attn_desc *a, float *out, float *lse, const float 
     const float *V = v + (size_t)b * Tk * a->ldv + (size_t)g * HD; // (Tk,HD) stride ldv
     const uint8_t *M = kmask ? kmask + (size_t)b * Tk : NULL;     // (Tk) or NULL
     float Kt[MAXHD * BK]; // (HD,BK) transposed key tile
-    float Qs[BQ * MAXHD]; // (BQ,HD) query tile times scale; rows >= qn zero
-    float O[BQ * MAXHD];  // (BQ,HD) unnormalized output accumulator
+    float Qs[BQ * MAXHD]; // (qn,HD) query tile times scale
+    float O[BQ * MAXHD];  // (qn,HD) unnormalized output accumulator
+    float S[BQ * BK];     // (qn,BK) scores, then probabilities
     float m[BQ], l[BQ];   // (BQ) running max / running sum
     int lim[BQ];          // (BQ) one past each row's last causally visible key
     int km[BK];           // (BK) key exists and is not padding
-    for (int r = 0; r < BQ; r++) {
-        for (int d = 0; d < HD; d++) Qs[r * HD + d] = O[r * HD + d] = 0.0f;
-        if (r < qn) {
-            const float *qr = Q + (size_t)(q0 + r) * a->ldq;
-            for (int d = 0; d < HD; d++) Qs[r * HD + d] = qr[d] * a->scale;
+    for (int r = 0; r < qn; r++) {
+        const float *qr = Q + (size_t)(q0 + r) * a->ldq;
+        for (int d = 0; d < HD; d++) {
+            Qs[r * HD + d] = qr[d] * a->scale;
+            O[r * HD + d] = 0.0f;
         }
         m[r] = -INFINITY;
         l[r] = 0.0f;
-        lim[r] = r < qn ? key_limit(a, q0 + r) : 0;
+        lim[r] = key_limit(a, q0 + r);
     }
     const int kend = qn > 0 ? key_limit(a, q0 + qn - 1) : 0; /* no row of the tile sees keys >= kend */
     for (int k0 = 0; k0 < kend; k0 += BK) {
         const int kn = kend - k0 < BK ? kend - k0 : BK;
         load_transposed(Kt, K + (size_t)k0 * a->ldk, a->ldk, kn, HD);
         load_key_mask(km, M, k0, kn);
-        for (int r0 = 0; r0 < qn; r0 += RB) {
-            float s[RB][BK]; // (RB,BK) scores, then probabilities
-            int jm[RB];      // (RB) keys of the tile up to the row's causal limit (0: padding row)
-            for (int r = 0; r < RB; r++) {
-                int j = lim[r0 + r] - k0; /* lim is 0 for padding rows r0+r >= qn (BQ % RB == 0) */
-                jm[r] = j < 0 ? 0 : j < kn ? j : kn;
-                for (int j2 = 0; j2 < BK; j2++) s[r][j2] = 0.0f;
+        /* S = (scale Q) K^T for the whole tile: one tile product (attn_mm.c) */
+        fl_cpu_attn_mm(S, BK, Qs, HD, 1, Kt, BK, qn, BK, HD, 0);
+        int jmx = 0; /* keys some row of the tile sees */
+        for (int r = 0; r < qn; r++) {
+            float *s = S + r * BK;
+            int j = lim[r] - k0, jmax = j < 0 ? 0 : j < kn ? j : kn;
+            if (bias && jmax > 0) {
+                const float *br = bias + ((size_t)h * Tq + q0 + r) * Tk + k0; // (kn) of row q0+r
+                for (int j2 = 0; j2 < jmax; j2++) s[j2] += br[j2];
             }
-            for (int d = 0; d < HD; d++) {
-                const float *kt = Kt + d * BK;
-                for (int r = 0; r < RB; r++) {
-                    float qd = Qs[(r0 + r) * HD + d];
-                    /* FL_VECTORIZE: attn_ex_fwd_qk */
-#pragma omp simd
-                    for (int j = 0; j < BK; j++) s[r][j] += qd * kt[j];
-                }
+            float smax = -INFINITY;
+            for (int j2 = 0; j2 < jmax; j2++)
+                if (km[j2] && s[j2] > smax) smax = s[j2];
+            if (smax == -INFINITY) { /* no visible key in this tile: the row's state is unchanged */
+                for (int j2 = 0; j2 < BK; j2++) s[j2] = 0.0f;
+                continue;
             }
-            int jmx = 0;
-            for (int r = 0; r < RB; r++) {
-                const int rr = r0 + r, jmax = jm[r];
-                if (bias && jmax > 0) {
-                    const float *br = bias + ((size_t)h * Tq + q0 + rr) * Tk + k0; // (kn) of row q0+rr
-                    for (int j = 0; j < jmax; j++) s[r][j] += br[j];
-                }
-                float smax = -INFINITY;
-                for (int j = 0; j < jmax; j++)
-                    if (km[j] && s[r][j] > smax) smax = s[r][j];
-                if (smax == -INFINITY) { /* no visible key in this tile: the row's state is unchanged */
-                    for (int j = 0; j < BK; j++) s[r][j] = 0.0f;
-                    continue;
-                }
-                jmx = jmax > jmx ? jmax : jmx;
-                float mnew = smax > m[rr] ? smax : m[rr];
-                float corr = fl_cpu_expf(m[rr] - mnew); /* m = -inf (nothing seen yet): ~0, and O, l are 0 */
-                float ps = 0.0f;
-                /* FL_VECTORIZE: attn_ex_fwd_exp */
+            jmx = jmax > jmx ? jmax : jmx;
+            float mnew = smax > m[r] ? smax : m[r];
+            float corr = fl_cpu_expf(m[r] - mnew); /* m = -inf (nothing seen yet): ~0, and O, l are 0 */
+            float ps = 0.0f;
+            /* FL_VECTORIZE: attn_ex_fwd_exp */
 #pragma omp simd reduction(+ : ps)
-                for (int j = 0; j < BK; j++) {
-                    float p = fl_cpu_keepf(fl_cpu_expf(s[r][j] - mnew), km[j] & (j < jmax));
-                    s[r][j] = p;
-                    ps += p;
-                }
-                l[rr] = l[rr] * corr + ps;
-                m[rr] = mnew;
-                float *o = O + rr * HD;
-#pragma omp simd
-                for (int d = 0; d < HD; d++) o[d] *= corr;
+            for (int j2 = 0; j2 < BK; j2++) {
+                float p = fl_cpu_keepf(fl_cpu_expf(s[j2] - mnew), km[j2] & (j2 < jmax));
+                s[j2] = p;
+                ps += p;
             }
-            /* O[r] += P[r,j] V[j]; hidden entries of P are exactly 0 */
-            float *o0 = O + r0 * HD, *o1 = o0 + HD, *o2 = o1 + HD, *o3 = o2 + HD;
-            for (int j = 0; j < jmx; j++) {
-                const float *vr = V + (size_t)(k0 + j) * a->ldv;
-                float p0 = s[0][j], p1 = s[1][j], p2 = s[2][j], p3 = s[3][j];
-                /* FL_VECTORIZE: attn_ex_fwd_pv */
+            l[r] = l[r] * corr + ps;
+            m[r] = mnew;
+            float *o = O + r * HD;
 #pragma omp simd
-                for (int d = 0; d < HD; d++) {
-                    float vd = vr[d];
-                    o0[d] += p0 * vd;
-                    o1[d] += p1 * vd;
-                    o2[d] += p2 * vd;
-                    o3[d] += p3 * vd;
-                }
-            }
+            for (int d = 0; d < HD; d++) o[d] *= corr;
         }
+        /* O += P V over the keys some row sees; hidden entries of P are exactly 0 */
+        if (jmx > 0) fl_cpu_attn_mm(O, HD, S, BK, 1, V + (size_t)k0 * a->ldv, (int)a->ldv, qn, HD, jmx, 1);
     }
     for (int r = 0; r < qn; r++) {
         const int t = q0 + r;
