@@ -4,14 +4,18 @@
  * h reads kv head h / (NH/NKV). Scores are scaled by 1/sqrt(HD).
  *
  * Forward: work item = (b, h, tile of BQ query rows). Keys are visited in tiles
- * of BK up to the diagonal; each key tile is transposed once into Kt (HD,BK) so
- * a score row is HD broadcast-FMAs over a BK-wide vector (no horizontal sums).
- * An online softmax (running max m, running sum l, rescaled accumulator O)
- * means the (T,T) score matrix never exists. We store lse = m + log(l).
+ * of BK up to the diagonal; the query tile is transposed once into QsT (HD,BQ)
+ * and each key tile's scores come out transposed, S^T = K (scale Q)^T, one
+ * query row per vector lane, so the online softmax (running max m, running sum
+ * l, rescaled accumulator O) has no horizontal sums; then O += P V. The (T,T)
+ * score matrix never exists. We store lse = m + log(l).
  *
- * Backward: per key tile, P = exp(S - lse) is recomputed row by row and
+ * Backward: per key tile and block of BQ query rows, P = exp(S - lse) is
+ * recomputed and
  *   D_t = dO_t . O_t,  dV_j += P^T dO,  dP = dO V^T,  dS = P o (dP - D),
  *   dQ += scale dS K,  dK_j += scale dS^T Q.
+ * Every product is a tile product of fl_cpu_attn_mm (attn_mm.c: register tiles,
+ * run-time dispatch, one multiply-add chain per element in a fixed order).
  * Every output element is owned by exactly one work item (no atomics, no
  * races) and summed in a fixed order, so the result is bit-identical for any
  * thread count; the two schedules (fused / split, see "backward" below) give
@@ -271,9 +275,9 @@ static void q_tile(const attn_bw *a, attn_blk *w, int b, int h, int q0) {
 
 /* 1 if the split schedule is expected to finish clearly first: the fused one takes
  * ceil(n/nt) rounds of 5 units per item; the split one about 8 n / nt (measured on one
- * thread: 1.55-1.8x the fused time at HD 16-64). Split only for a 1.5x gain: when the
- * machine is shared the extra threads may not run, and then the split is that much slower
- * (so 2 threads and one item stay fused; 3 or more threads split). */
+ * thread: 1.46-1.89x the fused time at HD 8-64 with the tile products, Zen 4). Split only
+ * for a 1.5x gain: when the machine is shared the extra threads may not run, and then the
+ * split is that much slower (so 2 threads and one item stay fused; 3 or more threads split). */
 int fl_cpu_attn_use_split(int n_fused, int nt) {
     if (nt <= 1) return 0;
     long rounds = (n_fused + nt - 1) / nt;
