@@ -24,7 +24,7 @@ EXPECTED="xent_max xent_exp_sum xent_softmax_grad
 swiglu_fwd swiglu_bwd gelu_fwd gelu_bwd relu_fwd relu_bwd
 rmsnorm_sumsq rmsnorm_out rmsnorm_bwd_dot rmsnorm_bwd_dx rmsnorm_dw
 layernorm_sum layernorm_var layernorm_out_bias layernorm_out layernorm_bwd_dots layernorm_bwd_dx layernorm_dw_db
-adamw sgd scale add bias_fwd bias_bwd sumsq sumsq16 embedding_fwd embedding_bwd_wte embedding_bwd_wpe rope attn_fwd_max attn_fwd_exp attn_bwd_exp
+adamw adamw16 sgd scale add bias_fwd bias_bwd sumsq sumsq16 embedding_fwd embedding_bwd_wte embedding_bwd_wpe rope attn_fwd_max attn_fwd_exp attn_bwd_exp
 attn_ex_fwd_exp attn_ex_bwd_qk attn_ex_bwd_exp attn_bwd_dkdv attn_ex_bwd_dq"
 
 if [ ! -f "$CC_JSON" ]; then

@@ -389,7 +389,8 @@ FL_TEST(real_tiny_gpt2_loss_vs_torch) { real_vs_torch("tiny-gpt2-hf", "tests/fix
 FL_TEST(real_stories260k_loss_vs_torch) { real_vs_torch("stories260K-hf", "tests/fixtures/stories260K-ref.json"); }
 
 /* Activation checkpointing: bit-identical gradients (fp32) and an arena of
- * (L+1) residuals plus one block instead of L blocks. */
+ * (L+1) residuals plus one block instead of L blocks; the backward recomputes L-1 blocks (the
+ * last one's activations survive the head). */
 static void ckpt_case(const char *preset) {
     fl_backend be;
     FL_REQUIRE_OK(fl_test_backend(&be, 2));
@@ -421,6 +422,9 @@ static void ckpt_case(const char *preset) {
         FL_REQUIRE_OK(fl_model_forward(&m, ids, tg, B, T, 0.01f, NULL));
         loss[k] = m.loss_sum;
         FL_REQUIRE_OK(fl_model_backward(&m));
+        /* the last block's activations are still in the shared buffer after the forward */
+        FL_CHECKF(m.ckpt_recomputed == (k ? c.n_layers - 1 : 0), "%s: %d blocks recomputed", preset,
+                  m.ckpt_recomputed);
         g[k] = malloc(m.layout.numel * sizeof(float));
         memcpy(g[k], m.grads, m.layout.numel * sizeof(float));
     }

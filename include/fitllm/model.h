@@ -315,6 +315,9 @@ typedef struct {
     long n_valid;           /* number of non-ignored targets */
     int fwd_B, fwd_T;       /* shape of the last forward */
     int fwd_train;          /* last forward prepared a backward */
+    int ckpt_last_live;     /* act_ckpt: the shared block buffer still holds block L-1's activations from
+                             * the last training forward, so its backward skips the recompute */
+    int ckpt_recomputed;    /* act_ckpt: blocks the last backward recomputed (L - 1) */
     double ms_head;         /* last forward: wall ms of the head + loss (lm_head chunks, cross-entropy and,
                              * in training, the head's backward), included in the forward's time */
     int act_ckpt;           /* activation checkpointing (set before fl_model_alloc_acts) */

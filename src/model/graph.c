@@ -283,7 +283,10 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
             fl_norm_backward(m, din, bp->d_norm_w[o->p], bp->d_norm_b[o->p], dout, s[o->in], bp->norm_w[o->p], S(o->a1),
                              S(o->a2), N);
             break;
-        case FL_GOP_LINEAR: FL_TRY(fl_linear_backward(be, din, o->acc, dout, s[o->in], &bp->lin[o->p], N)); break;
+        case FL_GOP_LINEAR:
+            FL_TRY(fl_linear_backward_ex(be, din, o->acc, dout, s[o->in], x->s16 ? x->s16[o->in] : NULL,
+                                         &bp->lin[o->p], N));
+            break;
         case FL_GOP_ROPE: rope(m, din, 1, x, wi); break;
         case FL_GOP_ATTN:
             be->attention_backward(be, din, dout, s[o->in], s[o->out], S(o->a1), x->B, x->T, d.NH, d.NKV, d.HD);

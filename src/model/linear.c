@@ -25,20 +25,29 @@ fl_status fl_linear_forward(const fl_backend *be, float *y, const float *x, cons
 
 fl_status fl_linear_backward(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, const float *x,
                              const fl_linear *lin, int N) {
+    return fl_linear_backward_ex(be, dx, dx_accumulate, dy, x, NULL, lin, N);
+}
+
+fl_status fl_linear_backward_ex(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, const float *x,
+                                const void *x16, const fl_linear *lin, int N) {
     const void *w = lin->wc ? lin->wc : (const void *)lin->w;
     fl_dtype wt = lin->wc ? lin->wct : FL_F32;
+    /* bf16 compute with a trainable weight (lin->xb16 set only with a BF16 weight): dy rounded to bf16
+     * once, here; the dx GEMM reads that copy, the same operand its own rounding of an F32 dy gives */
+    const int dy16 = lin->dw && lin->xb16;
+    if (dy16) FL_TRY(be->convert(be, lin->dyb16, FL_BF16, dy, FL_F32, (size_t)N * lin->out));
     if (dx && lin->n_q4) { /* dx (N,in) = sum over parts of dy[:, rows] @ deq(W_part) */
         for (int k = 0, r0 = 0; k < lin->n_q4; r0 += lin->q4[k]->rows, k++)
             FL_TRY(be->q4_matmul_backward(be, dx, dy + r0, lin->out, lin->q4[k], N,
                                           (k > 0 || dx_accumulate) ? 1.0f : 0.0f));
     } else if (dx) /* dx (N,in) = dy (N,out) @ W (out,in) */
-        FL_TRY(be->gemm(be, 0, 0, N, lin->in, lin->out, 1.0f, dy, FL_F32, lin->out, w, wt, lin->in,
-                        dx_accumulate ? 1.0f : 0.0f, dx, FL_F32, lin->in));
-    if (lin->dw && lin->xb16) { /* bf16 compute: dW += bf16(dy)^T @ bf16(x), fp32 accumulation */
-        FL_TRY(be->convert(be, lin->xb16, FL_BF16, x, FL_F32, (size_t)N * lin->in));
-        FL_TRY(be->convert(be, lin->dyb16, FL_BF16, dy, FL_F32, (size_t)N * lin->out));
-        FL_TRY(be->gemm(be, 1, 0, lin->out, lin->in, N, 1.0f, lin->dyb16, FL_BF16, lin->out, lin->xb16, FL_BF16,
-                        lin->in, 1.0f, lin->dw, FL_F32, lin->in));
+        FL_TRY(be->gemm(be, 0, 0, N, lin->in, lin->out, 1.0f, dy16 ? (const void *)lin->dyb16 : (const void *)dy,
+                        dy16 ? FL_BF16 : FL_F32, lin->out, w, wt, lin->in, dx_accumulate ? 1.0f : 0.0f, dx, FL_F32,
+                        lin->in));
+    if (dy16) { /* dW += bf16(dy)^T @ bf16(x), fp32 accumulation; bf16(x): the saved copy when there is one */
+        if (!x16) FL_TRY(be->convert(be, lin->xb16, FL_BF16, x, FL_F32, (size_t)N * lin->in));
+        FL_TRY(be->gemm(be, 1, 0, lin->out, lin->in, N, 1.0f, lin->dyb16, FL_BF16, lin->out, x16 ? x16 : lin->xb16,
+                        FL_BF16, lin->in, 1.0f, lin->dw, FL_F32, lin->in));
     } else if (lin->dw) /* dW (out,in) += dy^T (out,N) @ x (N,in) */
         FL_TRY(be->gemm(be, 1, 0, lin->out, lin->in, N, 1.0f, dy, FL_F32, lin->out, x, FL_F32, lin->in, 1.0f,
                         lin->dw, FL_F32, lin->in));

@@ -165,6 +165,10 @@ fl_status fl_linear_forward(const fl_backend *be, float *y, const float *x, cons
  * dW += dy^T x; db += colsum(dy). dx may be NULL. */
 fl_status fl_linear_backward(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, const float *x,
                              const fl_linear *lin, int N);
+/* The same, with x16: bf16(x) already at hand (NULL: none), what a bf16 weight-gradient GEMM reads
+ * instead of rounding x itself (lin->xb16 set). */
+fl_status fl_linear_backward_ex(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, const float *x,
+                                const void *x16, const fl_linear *lin, int N);
 
 #include "graph.h"
 

@@ -17,7 +17,7 @@ static double now_ms(void) {
 
 /* A training pass's context: B sequences of T rows from position 0, the arena's RoPE tables. */
 static fl_block_ctx train_ctx(const fl_model *m, int B, int T) {
-    fl_block_ctx x = {B, T, 0, m->acts->rope_cos, m->acts->rope_sin, NULL, 0};
+    fl_block_ctx x = {B, T, 0, m->acts->rope_cos, m->acts->rope_sin, NULL, 0, NULL};
     return x;
 }
 
@@ -79,12 +79,16 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
      * saved activations the blocks also share one fp32 buffer of the wide
      * activations, and a training forward rounds each block's into its 16-bit
      * region (the forward itself computes in fp32 either way: same loss). */
+    m->ckpt_last_live = 0;
     for (int l = 0; l < d.L; l++) {
         PP_GATHER(l + 1, l + 2 <= d.L ? l + 2 : HG);
         FL_TRY(block_forward(m, l, B, T));
         if (grad_scale > 0) FL_TRY(fl_acts_narrow(m, l, N));
         PP_RELEASE(l + 1);
     }
+    /* checkpointing: the last block's activations are still in the shared buffer (the final norm
+     * and the head write elsewhere), so the backward starts on them without a recompute */
+    m->ckpt_last_live = m->act_ckpt && grad_scale > 0 && d.L > 0;
     if (m->pp) { /* the head group, and in training its gradient buffer (tied: the embeddings' too) */
         PP_GATHER(HG, -1);
         if (grad_scale > 0 && targets) {
@@ -202,6 +206,7 @@ static fl_status model_backward(fl_model *m) {
     float *buf1 = a->buf1;   // (N, max(C, graph's gbuf_width[1])): d(lnf), then the blocks' off-path gradients
     float *buf2 = a->buf2;   // (N, graph's gbuf_width[2])
     be->zero(be, dres, (size_t)N * d.C * sizeof(float));
+    m->ckpt_recomputed = 0;
     /* the final norm's parameters open the head group (16-bit storage: staged) */
     const size_t n_lnf = fl_outer_1d(m), head_group = m->layout.group_offset[d.L + 1];
     fl_grad_stage_begin(m, n_lnf);
@@ -219,15 +224,21 @@ static fl_status model_backward(fl_model *m) {
         PP_GRADS(l + 1);
         const size_t gn = fl_group_numel(m, l + 1);
         fl_grad_stage_begin(m, gn);
-        /* checkpointing: rebuild this block's activations from its saved input
-         * (it also rewrites res[l+1] with identical values; backward no longer needs it) */
-        if (m->act_ckpt) FL_TRY(block_forward(m, l, B, T));
+        /* checkpointing: rebuild this block's activations from its saved input (it also rewrites
+         * res[l+1] with identical values; backward no longer needs it). Block L-1's are still
+         * there from the forward (the same ops in the same order: the same bits). */
+        if (m->act_ckpt && !(l == d.L - 1 && m->ckpt_last_live)) {
+            FL_TRY(block_forward(m, l, B, T));
+            m->ckpt_recomputed++;
+        }
+        m->ckpt_last_live = 0;
         /* 16-bit saved activations: widen this block's back into the shared fp32 buffer */
         FL_TRY(fl_acts_widen(m, l, N));
         /* the block's ops in reverse (graph.c): d res[l+1] in dres becomes d res[l] */
         fl_block_params bp;
         fl_get_block(m, a->graph, l, &bp);
         fl_block_ctx x = train_ctx(m, B, T);
+        if (a->act_dtype == FL_BF16) x.s16 = a->layer[l].s16;
         float *const gb[FL_GRAPH_MAX_GBUF] = {dres, buf1, buf2, a->gbuf_more[0], a->gbuf_more[1]};
         FL_TRY(fl_block_backward(m, a->graph, &bp, a->layer[l].s, gb, &x));
         FL_TRY(fl_grad_stage_flush(m, m->layout.group_offset[l + 1], gn));
