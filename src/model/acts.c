@@ -106,7 +106,7 @@ static size_t carve_acts(const fl_model_config *c, const fl_block_graph *g, int 
 }
 
 /* 16-bit saved activations: block l's WIDE slots between the shared fp32 buffer and its 16-bit copies. */
-static fl_status convert_saved(fl_model *m, int l, int N, int narrow) {
+static fl_status convert_saved(fl_model *m, int l, int N, int narrow, unsigned done) {
     fl_acts *a = m->acts;
     if (!a || a->act_dtype == FL_F32) return FL_OK;
     const fl_block_graph *g = a->graph;
@@ -114,7 +114,7 @@ static fl_status convert_saved(fl_model *m, int l, int N, int narrow) {
     const fl_backend *be = m->be;
     for (int k = 0; k < g->n_prod; k++) {
         int sl = g->prod[k];
-        if (g->slot[sl].kind != FL_GSLOT_WIDE) continue;
+        if (g->slot[sl].kind != FL_GSLOT_WIDE || (done >> sl & 1u)) continue;
         size_t n = (size_t)N * g->slot[sl].width;
         if (narrow) FL_TRY(be->convert(be, la->s16[sl], a->act_dtype, la->s[sl], FL_F32, n));
         else FL_TRY(be->convert(be, la->s[sl], FL_F32, la->s16[sl], a->act_dtype, n));
@@ -122,8 +122,9 @@ static fl_status convert_saved(fl_model *m, int l, int N, int narrow) {
     return FL_OK;
 }
 
-fl_status fl_acts_narrow(fl_model *m, int l, int N) { return convert_saved(m, l, N, 1); }
-fl_status fl_acts_widen(fl_model *m, int l, int N) { return convert_saved(m, l, N, 0); }
+fl_status fl_acts_narrow(fl_model *m, int l, int N) { return convert_saved(m, l, N, 1, 0); }
+fl_status fl_acts_narrow_rest(fl_model *m, int l, int N, unsigned done) { return convert_saved(m, l, N, 1, done); }
+fl_status fl_acts_widen(fl_model *m, int l, int N) { return convert_saved(m, l, N, 0, 0); }
 
 static size_t imax(size_t a, size_t b) { return a > b ? a : b; }
 

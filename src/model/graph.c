@@ -227,6 +227,14 @@ static fl_status kv_append(const fl_model *m, const float *qkv, const fl_block_c
     return FL_OK;
 }
 
+/* Slot k holds its final values once op i has read it: no later op writes it (an output, or
+ * RoPE's in-place rotation). */
+static int final_after(const fl_block_graph *g, int i, int k) {
+    for (int j = i + 1; j < g->n_ops; j++)
+        if (g->op[j].out == k || (g->op[j].kind == FL_GOP_ROPE && g->op[j].in == k)) return 0;
+    return 1;
+}
+
 fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
                            const fl_block_ctx *x) {
     const fl_backend *be = m->be;
@@ -239,7 +247,19 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
         const size_t wi = (size_t)g->slot[o->in].width, wo = (size_t)g->slot[o->out].width;
         switch ((fl_gop_kind)o->kind) {
         case FL_GOP_NORM: fl_norm_forward(m, out, S(o->a1), S(o->a2), in, bp->norm_w[o->p], bp->norm_b[o->p], N); break;
-        case FL_GOP_LINEAR: FL_TRY(fl_linear_forward(be, out, in, &bp->lin[o->p], N)); break; // (N, wo)
+        case FL_GOP_LINEAR: { // (N, wo)
+            const fl_linear *lin = &bp->lin[o->p];
+            void *in16 = x->s16 && x->narrowed && lin->n_q4 == 0 && lin->wc && lin->wct == FL_BF16 &&
+                                 final_after(g, i, o->in)
+                             ? x->s16[o->in]
+                             : NULL;
+            if (in16) { /* the saved copy, rounded now, is the GEMM's bf16 operand */
+                FL_TRY(be->convert(be, in16, FL_BF16, in, FL_F32, (size_t)N * wi));
+                *x->narrowed |= 1u << o->in;
+            }
+            FL_TRY(fl_linear_forward_ex(be, out, in, in16, lin, N));
+            break;
+        }
         case FL_GOP_ROPE: rope(m, in, 0, x, wi); break;
         case FL_GOP_ATTN:
             if (x->kv) FL_TRY(kv_append(m, in, x));

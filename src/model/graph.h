@@ -114,9 +114,11 @@ typedef struct {
     fl_kv_cache *kv;                    /* generation (B == 1): ATTN appends its K/V rows to the cache and, for
                                          * one row, attends to positions 0..pos0 of it; NULL: training */
     int layer;                          /* the cache's layer */
-    void *const *s16;                   /* backward with BF16 saved activations: each WIDE slot's bf16 copy
-                                         * (fl_layer_acts.s16), which a LINEAR's bf16 weight-gradient GEMM reads
-                                         * as its rounded input (the same bits); NULL: none */
+    void *const *s16;                   /* BF16 saved activations: each WIDE slot's bf16 copy (fl_layer_acts.s16).
+                                         * Backward: a LINEAR's bf16 weight-gradient GEMM reads it as its rounded
+                                         * input (the same bits). Forward (with narrowed): a LINEAR with a BF16
+                                         * weight rounds its input there and its GEMM reads that copy. NULL: none */
+    unsigned *narrowed;                 /* forward with s16: bit k set when the block rounded slot k into s16 */
 } fl_block_ctx;
 
 /* s: the slots' buffers (s[FL_GSLOT_IN] the input rows, s[FL_GSLOT_OUT] where the output goes; may alias

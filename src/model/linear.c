@@ -3,6 +3,11 @@
 #include "model-impl.h"
 
 fl_status fl_linear_forward(const fl_backend *be, float *y, const float *x, const fl_linear *lin, int N) {
+    return fl_linear_forward_ex(be, y, x, NULL, lin, N);
+}
+
+fl_status fl_linear_forward_ex(const fl_backend *be, float *y, const float *x, const void *x16, const fl_linear *lin,
+                               int N) {
     /* y (N,out) = x (N,in) @ W^T (in,out) */
     if (lin->n_q4) { /* 4-bit base: each part fills its rows of the (fused) output, dequantized tile by tile */
         for (int k = 0, r0 = 0; k < lin->n_q4; r0 += lin->q4[k]->rows, k++)
@@ -11,8 +16,10 @@ fl_status fl_linear_forward(const fl_backend *be, float *y, const float *x, cons
         /* mixed precision: the weight's compute copy (bf16), fp32 accumulation */
         const void *w = lin->wc ? lin->wc : (const void *)lin->w;
         fl_dtype wt = lin->wc ? lin->wct : FL_F32;
-        FL_TRY(be->gemm(be, 0, 1, N, lin->out, lin->in, 1.0f, x, FL_F32, lin->in, w, wt, lin->in, 0.0f, y, FL_F32,
-                        lin->out));
+        /* a BF16 weight's GEMM rounds an F32 x to bf16: x16 is that operand already */
+        const int a16 = x16 && wt == FL_BF16;
+        FL_TRY(be->gemm(be, 0, 1, N, lin->out, lin->in, 1.0f, a16 ? x16 : (const void *)x, a16 ? FL_BF16 : FL_F32,
+                        lin->in, w, wt, lin->in, 0.0f, y, FL_F32, lin->out));
     }
     if (lin->b) be->bias_forward(be, y, lin->b, N, lin->out);
     for (int k = 0; k < lin->n_lora; k++) { /* y[:, row0:row0+out] += scaling * drop(x) A^T B^T */

@@ -81,6 +81,9 @@ void fl_model_tell_compute_dtype(const fl_model *m, int on);
  * round block l's saved activations (N rows) from the shared fp32 layer buffer into its
  * 16-bit region after its forward / widen them back before its backward. */
 fl_status fl_acts_narrow(fl_model *m, int l, int N);
+/* The same, but for the slots in `done` (bit k: slot k), which the block's forward has rounded
+ * already (a bf16 GEMM operand: fl_block_ctx.narrowed). */
+fl_status fl_acts_narrow_rest(fl_model *m, int l, int N, unsigned done);
 /* Live bytes (fl_mem_set_live) of the ACTS/WORKSPACE arenas and the LoRA activations after a
  * pass over (B, T): train = a training forward (what the backward reads), else none but the
  * constant tables. Gradients: fl_model_grads_live. */
@@ -165,6 +168,10 @@ fl_status fl_linear_forward(const fl_backend *be, float *y, const float *x, cons
  * dW += dy^T x; db += colsum(dy). dx may be NULL. */
 fl_status fl_linear_backward(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, const float *x,
                              const fl_linear *lin, int N);
+/* y = x W^T (+ b, + the LoRA branches on x) with x16: bf16(x) already at hand (NULL: none), what a
+ * BF16 weight's GEMM reads instead of rounding x itself. */
+fl_status fl_linear_forward_ex(const fl_backend *be, float *y, const float *x, const void *x16, const fl_linear *lin,
+                               int N);
 /* The same, with x16: bf16(x) already at hand (NULL: none), what a bf16 weight-gradient GEMM reads
  * instead of rounding x itself (lin->xb16 set). */
 fl_status fl_linear_backward_ex(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, const float *x,

@@ -17,18 +17,22 @@ static double now_ms(void) {
 
 /* A training pass's context: B sequences of T rows from position 0, the arena's RoPE tables. */
 static fl_block_ctx train_ctx(const fl_model *m, int B, int T) {
-    fl_block_ctx x = {B, T, 0, m->acts->rope_cos, m->acts->rope_sin, NULL, 0, NULL};
+    fl_block_ctx x = {B, T, 0, m->acts->rope_cos, m->acts->rope_sin, NULL, 0, NULL, NULL};
     return x;
 }
 
 /* One block forward: res[l] (N, C) -> res[l+1] (N, C), saving the block's activations in its
  * slots (the block graph, graph.c). Used by the forward pass and, with activation checkpointing,
  * again in backward (same ops, same order: bit-identical). */
-static fl_status block_forward(fl_model *m, int l, int B, int T) {
+static fl_status block_forward(fl_model *m, int l, int B, int T, unsigned *narrowed) {
     const fl_block_graph *g = m->acts->graph;
     fl_block_params bp;
     fl_get_block(m, g, l, &bp);
     fl_block_ctx x = train_ctx(m, B, T);
+    if (narrowed && m->acts->act_dtype == FL_BF16) { /* 16-bit saved activations: the BF16 GEMMs' inputs */
+        x.s16 = m->acts->layer[l].s16;
+        x.narrowed = narrowed;
+    }
     return fl_block_forward(m, g, &bp, m->acts->layer[l].s, &x);
 }
 
@@ -82,8 +86,9 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
     m->ckpt_last_live = 0;
     for (int l = 0; l < d.L; l++) {
         PP_GATHER(l + 1, l + 2 <= d.L ? l + 2 : HG);
-        FL_TRY(block_forward(m, l, B, T));
-        if (grad_scale > 0) FL_TRY(fl_acts_narrow(m, l, N));
+        unsigned done = 0; /* the slots the block rounded into their 16-bit copies itself */
+        FL_TRY(block_forward(m, l, B, T, grad_scale > 0 ? &done : NULL));
+        if (grad_scale > 0) FL_TRY(fl_acts_narrow_rest(m, l, N, done));
         PP_RELEASE(l + 1);
     }
     /* checkpointing: the last block's activations are still in the shared buffer (the final norm
@@ -228,7 +233,7 @@ static fl_status model_backward(fl_model *m) {
          * res[l+1] with identical values; backward no longer needs it). Block L-1's are still
          * there from the forward (the same ops in the same order: the same bits). */
         if (m->act_ckpt && !(l == d.L - 1 && m->ckpt_last_live)) {
-            FL_TRY(block_forward(m, l, B, T));
+            FL_TRY(block_forward(m, l, B, T, NULL));
             m->ckpt_recomputed++;
         }
         m->ckpt_last_live = 0;
