@@ -913,3 +913,58 @@ FL_TEST(lora_head_config_and_peft_io) {
     FL_CHECK(bits_equal(a.mods[0].W, W, sizeof W) && bits_equal(a.mods[0].B, Bm, sizeof Bm));
     fl_peft_free(&a);
 }
+
+/* Under LoRA the embeddings are frozen, so nothing reads block 0's input gradient: its backward skips
+ * the ops whose gradient only flows there (the first norm's backward, the qkv projection's dx; PyTorch's
+ * autograd skips them too). The adapters' gradients are bit for bit those of a backward that runs them
+ * (m->keep_block0_din), and d(res[0]) is not (the skipped ops' share is missing: the skip ran). */
+static void block0_skip_case(const char *preset, const char *targets) {
+    fl_model_config c;
+    FL_REQUIRE_OK(fl_preset_find(preset, &c));
+    c.vocab_size = 97;
+    c.max_seq = 32;
+    fl_backend be;
+    FL_REQUIRE_OK(fl_cpu_backend_init(&be, 2));
+    fl_mem_pool pool;
+    FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
+    fl_model m;
+    FL_REQUIRE_OK(fl_model_init(&m, &c, &be, &pool));
+    fl_model_init_random(&m, 3);
+    fl_lora_config lc;
+    FL_REQUIRE_OK(fl_lora_config_init(&lc, &c, 4, 8, 0.0f, 0, targets));
+    FL_REQUIRE_OK(fl_model_lora_init(&m, &lc, 7));
+    fl_test_rng rg = {17};
+    fl_test_fill(&rg, m.lora->params, m.lora->numel, -0.3f, 0.3f); /* B != 0: gradients flow through both */
+    const int B = 2, T = 19, N = B * T;
+    FL_REQUIRE_OK(fl_model_alloc_acts(&m, B, T));
+    int32_t ids[38], tg[38];
+    for (int i = 0; i < N; i++) ids[i] = (int32_t)(fl_test_rng_u64(&rg) % 97), tg[i] = (int32_t)(fl_test_rng_u64(&rg) % 97);
+    const size_t n = m.lora->numel, nd = (size_t)N * c.dim;
+    float *g[2], *dres[2];
+    for (int k = 0; k < 2; k++) {
+        m.keep_block0_din = k;
+        fl_model_zero_grads(&m);
+        FL_REQUIRE_OK(fl_model_forward(&m, ids, tg, B, T, 1.0f / N, NULL));
+        FL_REQUIRE_OK(fl_model_backward(&m));
+        g[k] = malloc(n * sizeof(float));
+        dres[k] = malloc(nd * sizeof(float));
+        memcpy(g[k], m.lora->grads, n * sizeof(float));
+        memcpy(dres[k], m.acts->dres, nd * sizeof(float));
+    }
+    double gmax = 0;
+    for (size_t i = 0; i < n; i++) gmax = fmax(gmax, fabs(g[0][i]));
+    FL_CHECKF(gmax > 0 && memcmp(g[0], g[1], n * sizeof(float)) == 0, "%s %s: adapter gradients differ (max %g)",
+              preset, targets, gmax);
+    FL_CHECKF(memcmp(dres[0], dres[1], nd * sizeof(float)) != 0, "%s %s: d(res[0]) complete: nothing was skipped",
+              preset, targets);
+    for (int k = 0; k < 2; k++) free(g[k]), free(dres[k]);
+    fl_model_free(&m);
+    fl_mem_pool_free(&pool);
+    fl_cpu_backend_free(&be);
+}
+
+FL_TEST(lora_block0_input_grad_skipped) {
+    block0_skip_case("micro", "q_proj, v_proj");
+    block0_skip_case("micro", "all-linear");
+    block0_skip_case("gpt2-micro", "c_attn");
+}

@@ -318,6 +318,8 @@ typedef struct {
     int ckpt_last_live;     /* act_ckpt: the shared block buffer still holds block L-1's activations from
                              * the last training forward, so its backward skips the recompute */
     int ckpt_recomputed;    /* act_ckpt: blocks the last backward recomputed (L - 1) */
+    int keep_block0_din;    /* tests: run block 0's input-gradient ops under LoRA too (nothing reads their
+                             * result: the embeddings are frozen; by default they are skipped) */
     double ms_head;         /* last forward: wall ms of the head + loss (lm_head chunks, cross-entropy and,
                              * in training, the head's backward), included in the forward's time */
     int act_ckpt;           /* activation checkpointing (set before fl_model_alloc_acts) */

@@ -119,6 +119,8 @@ typedef struct {
                                          * input (the same bits). Forward (with narrowed): a LINEAR with a BF16
                                          * weight rounds its input there and its GEMM reads that copy. NULL: none */
     unsigned *narrowed;                 /* forward with s16: bit k set when the block rounded slot k into s16 */
+    int no_din;                         /* backward: nothing reads d(input) (block 0 under LoRA: the embeddings
+                                         * are frozen), so ops whose gradient only flows there are skipped */
 } fl_block_ctx;
 
 /* s: the slots' buffers (s[FL_GSLOT_IN] the input rows, s[FL_GSLOT_OUT] where the output goes; may alias

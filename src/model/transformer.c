@@ -17,7 +17,7 @@ static double now_ms(void) {
 
 /* A training pass's context: B sequences of T rows from position 0, the arena's RoPE tables. */
 static fl_block_ctx train_ctx(const fl_model *m, int B, int T) {
-    fl_block_ctx x = {B, T, 0, m->acts->rope_cos, m->acts->rope_sin, NULL, 0, NULL, NULL};
+    fl_block_ctx x = {B, T, 0, m->acts->rope_cos, m->acts->rope_sin, NULL, 0, NULL, NULL, 0};
     return x;
 }
 
@@ -244,6 +244,8 @@ static fl_status model_backward(fl_model *m) {
         fl_get_block(m, a->graph, l, &bp);
         fl_block_ctx x = train_ctx(m, B, T);
         if (a->act_dtype == FL_BF16) x.s16 = a->layer[l].s16;
+        /* LoRA: the embeddings are frozen, so block 0's input gradient has no reader */
+        x.no_din = l == 0 && m->lora && !m->keep_block0_din;
         float *const gb[FL_GRAPH_MAX_GBUF] = {dres, buf1, buf2, a->gbuf_more[0], a->gbuf_more[1]};
         FL_TRY(fl_block_backward(m, a->graph, &bp, a->layer[l].s, gb, &x));
         FL_TRY(fl_grad_stage_flush(m, m->layout.group_offset[l + 1], gn));
