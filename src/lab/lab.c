@@ -271,7 +271,7 @@ static void plan_row(const fl_run_config *c, fl_plan *p, fl_plan_verdict *verdic
 static void time_note(const lab_exp *e, const fl_lab_report *rep, char *buf, size_t n) {
     const char *t = e->technique, *why = "";
     char small[48] = "";
-    if (e->act_ckpt) why = "recomputes every block's forward in backward";
+    if (e->act_ckpt) why = "recomputes every block's forward but the last in backward";
     else if (!strcmp(t, "qlora")) why = "dequantizes 4-bit weights at every matmul";
     else if (!strcmp(t, "lora")) why = "adapter matmuls on top of the frozen base";
     else if (!strcmp(t, "adam8bit")) why = "(de)quantizes the 8-bit optimizer state block by block";
