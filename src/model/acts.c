@@ -122,8 +122,7 @@ static fl_status convert_saved(fl_model *m, int l, int N, int narrow, unsigned d
     return FL_OK;
 }
 
-fl_status fl_acts_narrow(fl_model *m, int l, int N) { return convert_saved(m, l, N, 1, 0); }
-fl_status fl_acts_narrow_rest(fl_model *m, int l, int N, unsigned done) { return convert_saved(m, l, N, 1, done); }
+fl_status fl_acts_narrow(fl_model *m, int l, int N, unsigned done) { return convert_saved(m, l, N, 1, done); }
 fl_status fl_acts_widen(fl_model *m, int l, int N) { return convert_saved(m, l, N, 0, 0); }
 
 static size_t imax(size_t a, size_t b) { return a > b ? a : b; }

@@ -285,18 +285,19 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
 /* Slots whose gradient something reads (bit k: slot k), when d(input) is not read: in the forward's
  * order, an op's output needs its gradient when the op trains a parameter (or LoRA adapter) or its
  * input needs one. */
+static int op_trains(const fl_block_params *bp, const fl_gop *o) {
+    if (o->kind == FL_GOP_LINEAR) {
+        const fl_linear *l = &bp->lin[o->p];
+        return l->dw || l->db || l->n_lora > 0;
+    }
+    return o->kind == FL_GOP_NORM && (bp->d_norm_w[o->p] || bp->d_norm_b[o->p]);
+}
+
 static unsigned grads_needed(const fl_block_graph *g, const fl_block_params *bp) {
     unsigned need = 0;
     for (int i = 0; i < g->n_ops; i++) {
         const fl_gop *o = &g->op[i];
-        int trains = 0;
-        if (o->kind == FL_GOP_LINEAR) {
-            const fl_linear *l = &bp->lin[o->p];
-            trains = l->dw || l->db || l->n_lora > 0;
-        } else if (o->kind == FL_GOP_NORM) {
-            trains = bp->d_norm_w[o->p] || bp->d_norm_b[o->p];
-        }
-        if (trains || (need >> o->in & 1u)) need |= 1u << o->out;
+        if (op_trains(bp, o) || (need >> o->in & 1u)) need |= 1u << o->out;
     }
     return need;
 }
@@ -312,13 +313,10 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         const fl_gop *o = &g->op[i];
         const fl_gslot *si = &g->slot[o->in], *so = &g->slot[o->out];
         if (o->kind == FL_GOP_ADD) continue; /* both sides on the residual path: d(in) += d(out) is the identity */
-        if (!(need >> o->in & 1u)) { /* nothing reads d(in): a LINEAR still trains its weight or adapters */
-            if (o->kind == FL_GOP_LINEAR)
-                FL_TRY(fl_linear_backward_ex(be, NULL, 0, gb[so->grad], s[o->in], x->s16 ? x->s16[o->in] : NULL,
-                                             &bp->lin[o->p], N));
-            if (o->kind != FL_GOP_NORM || !(bp->d_norm_w[o->p] || bp->d_norm_b[o->p])) continue;
-        }
-        float *din = gb[si->grad], *dout = gb[so->grad];
+        /* nothing reads d(in): only an op that trains runs (a LINEAR without its dx) */
+        const int need_in = need >> o->in & 1u;
+        if (!need_in && !op_trains(bp, o)) continue;
+        float *din = need_in || o->kind != FL_GOP_LINEAR ? gb[si->grad] : NULL, *dout = gb[so->grad];
         const size_t wi = (size_t)si->width, wo = (size_t)so->width;
         /* ops whose backward accumulates into d(in): a gradient not started yet starts from zero (a
          * LINEAR overwrites it instead; o->acc: the residual path, or another reader's part already there) */

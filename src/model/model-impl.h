@@ -79,11 +79,10 @@ void fl_model_free_acts(fl_model *m);
 void fl_model_tell_compute_dtype(const fl_model *m, int on);
 /* 16-bit saved activations (no-ops when a->act_dtype is F32 or under checkpointing):
  * round block l's saved activations (N rows) from the shared fp32 layer buffer into its
- * 16-bit region after its forward / widen them back before its backward. */
-fl_status fl_acts_narrow(fl_model *m, int l, int N);
-/* The same, but for the slots in `done` (bit k: slot k), which the block's forward has rounded
- * already (a bf16 GEMM operand: fl_block_ctx.narrowed). */
-fl_status fl_acts_narrow_rest(fl_model *m, int l, int N, unsigned done);
+ * 16-bit region after its forward (but for the slots in `done`, bit k: slot k, which the block's
+ * forward rounded already as bf16 GEMM operands: fl_block_ctx.narrowed) / widen them back before
+ * its backward. */
+fl_status fl_acts_narrow(fl_model *m, int l, int N, unsigned done);
 /* Live bytes (fl_mem_set_live) of the ACTS/WORKSPACE arenas and the LoRA activations after a
  * pass over (B, T): train = a training forward (what the backward reads), else none but the
  * constant tables. Gradients: fl_model_grads_live. */

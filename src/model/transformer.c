@@ -88,7 +88,7 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
         PP_GATHER(l + 1, l + 2 <= d.L ? l + 2 : HG);
         unsigned done = 0; /* the slots the block rounded into their 16-bit copies itself */
         FL_TRY(block_forward(m, l, B, T, grad_scale > 0 ? &done : NULL));
-        if (grad_scale > 0) FL_TRY(fl_acts_narrow_rest(m, l, N, done));
+        if (grad_scale > 0) FL_TRY(fl_acts_narrow(m, l, N, done));
         PP_RELEASE(l + 1);
     }
     /* checkpointing: the last block's activations are still in the shared buffer (the final norm
