@@ -57,6 +57,7 @@ build: setup $(BUILD)/Makefile
 # Release suite, the CLI and MPI (mpirun -np 2 and 4) tests, then the memory/I-O/error-path tests again under ASan+UBSan
 # (fault-injection sweeps and bad-input files must not leak or crash).
 test: build
+	tests/check_tracked_sizes.sh
 	./$(BUILD)/fitllm_tests
 	./$(BUILD)/fitllm_alloc_check
 	@# CUDA builds: the real kernels against the emulated ones on a visible GPU (says so and passes without one)
