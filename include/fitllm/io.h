@@ -147,12 +147,19 @@ fl_status fl_model_load_auto_ex(fl_model *m, const char *path, const fl_backend 
 /* Copy the tokenizer and generation files of a model folder that exist in src_dir
  * (tokenizer.json, tokenizer.model, tokenizer_config.json, special_tokens_map.json,
  * added_tokens.json, vocab.json, merges.txt, chat_template.jinja, generation_config.json,
- * tokenizer.bin, tok512.bin) into dst_dir, each written atomically.
+ * tokenizer.bin, tok512.bin, else another tok*.bin) into dst_dir, each written atomically.
  * *n_copied (may be NULL) gets how many were copied. */
 fl_status fl_io_copy_tokenizer_files(const char *src_dir, const char *dst_dir, int *n_copied);
 /* 1 if dir holds a tokenizer fitllm reads (tokenizer.json, tokenizer.model, tokenizer.bin,
- * tok512.bin). */
+ * a llama2.c tok*.bin). */
 int fl_io_has_tokenizer(const char *dir);
+/* The tokenizer of a run into a checkpoint folder dst_dir. src: a folder (its files, as
+ * fl_io_copy_tokenizer_files), one tokenizer file (copied as tokenizer.json / tokenizer.model /
+ * tok*.bin, the name fl_tok_load looks for, with its folder's tokenizer_config.json,
+ * special_tokens_map.json, added_tokens.json, generation_config.json), or NULL: the built-in byte
+ * tokenizer, written as tokenizer.json + tokenizer_config.json (fl_tok_builtin_bytes_hf_json).
+ * *n_written (may be NULL): how many files. */
+fl_status fl_io_write_tokenizer(const char *src, const char *dst_dir, int *n_written);
 
 /* Fault injection for tests: the (n+1)-th file write from now fails as if the
  * disk were full (ENOSPC); -1 disables. Covers safetensors, config and

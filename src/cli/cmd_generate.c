@@ -7,7 +7,9 @@
 #include <sys/stat.h>
 
 #include "cli.h"
+#include "fitllm/checkpoint.h"
 #include "fitllm/generate.h"
+#include "fitllm/io.h"
 #include "fitllm/tokenizer.h"
 
 #define DEFAULT_PROMPT "What food do llamas eat?" /* LitGPT's default */
@@ -16,10 +18,16 @@ static void help(void) {
     fl_gen_params d;
     fl_gen_params_default(&d);
     printf("usage: fitllm generate <model> [--prompt TEXT | --prompt-ids \"1 2 3\"] [options]\n\n"
-           "  <model>                HF folder (config.json + safetensors), llama2.c .bin, or preset name\n"
-           "                         (presets are randomly initialized with --seed); or a PEFT adapter\n"
-           "                         folder, e.g. a finetune_lora step-N/ checkpoint: its base model\n"
-           "                         (base_model_name_or_path) with the adapter merged in memory\n"
+           "  <model>                what to generate with:\n"
+           "                         - a Hugging Face folder (config.json + safetensors), e.g. a run's final/\n"
+           "                           or a full fine-tuning step-N/ checkpoint, or a llama2.c .bin\n"
+           "                         - a run folder (out/finetune/full): its final/, else its newest\n"
+           "                           committed step-N/\n"
+           "                         - a PEFT adapter folder, e.g. a finetune_lora step-N/ checkpoint or a\n"
+           "                           LoRA run folder without final/ yet: its base model\n"
+           "                           (base_model_name_or_path) with the adapter merged in memory\n"
+           "                         - a preset name (micro, gpt2, ...): random initialization with --seed\n"
+           "                           and the built-in byte tokenizer (noise: for trying the pipeline)\n"
            "  --prompt TEXT          prompt text, encoded with the tokenizer (BOS added as the tokenizer\n"
            "                         does by default) (default \"%s\")\n"
            "  --prompt-ids \"IDS\"     prompt as whitespace-separated token ids instead of text; the\n"
@@ -31,8 +39,10 @@ static void help(void) {
            "  --seed N               sampling seed (and preset init seed) (default %llu)\n"
            "  --adapter DIR          PEFT LoRA adapter merged into <model> in memory (an adapter folder,\n"
            "                         a finetune_lora checkpoint or run folder, as merge_lora takes)\n"
-           "  --tokenizer PATH       tokenizer file or folder (default: the model folder; for a .bin model,\n"
-           "                         tok512.bin next to it)\n"
+           "  --tokenizer PATH       tokenizer file or folder, or \"bytes\" for the built-in byte tokenizer\n"
+           "                         (default: the model folder's, which every fitllm checkpoint carries,\n"
+           "                         the byte tokenizer as tokenizer.json included; for an adapter, its base's\n"
+           "                         or its own; for a .bin model, tok512.bin next to it; for a preset, bytes)\n"
            "  --threads N            CPU threads (default: all cores)\n"
            "  --accelerator A        auto|cpu|cuda (default auto: the GPU when this build has CUDA and one is\n"
            "                         visible, else the CPU). cuda is EXPERIMENTAL (single GPU; README)\n\n"
@@ -82,12 +92,81 @@ static int is_adapter_dir(const char *p) {
     return stat(q, &st) == 0 && S_ISREG(st.st_mode);
 }
 
-/* Default tokenizer: the model folder itself; for a .bin model, tok512.bin next to it. */
+static int has(const char *dir, const char *name) {
+    char q[FL_CLI_PATH + 64];
+    struct stat st;
+    snprintf(q, sizeof q, "%s/%s", dir, name);
+    return stat(q, &st) == 0;
+}
+
+/* Default tokenizer: the model folder itself; for a .bin model, tok512.bin next to it (else its
+ * folder: another tok*.bin). */
 static void default_tokenizer(const char *model, char *buf, size_t n) {
     if (is_dir(model)) { snprintf(buf, n, "%s", model); return; }
     const char *slash = strrchr(model, '/');
     if (slash) snprintf(buf, n, "%.*s/tok512.bin", (int)(slash - model), model);
     else snprintf(buf, n, "tok512.bin");
+    struct stat st;
+    if (stat(buf, &st) != 0) {
+        if (slash) snprintf(buf, n, "%.*s", (int)(slash - model), model);
+        else snprintf(buf, n, ".");
+    }
+}
+
+/* What <model> names. A run folder (no config.json, no adapter_config.json) becomes its final/,
+ * else its newest committed step-N/; a path that is not there is said to be so, apart from a
+ * preset name (which may look like a path: Hugging Face ids such as meta-llama/Llama-3.2-1B). */
+typedef struct {
+    char path[FL_CLI_PATH]; /* what to load */
+    int preset;             /* 1: a preset name (random init, built-in byte tokenizer) */
+    char note[FL_CLI_PATH + 128]; /* how a run folder was resolved ("" none) */
+} gen_model;
+
+static int looks_like_path(const char *a) {
+    size_t n = strlen(a);
+    return strchr(a, '/') || a[0] == '.' || a[0] == '~' || (n > 4 && !strcmp(a + n - 4, ".bin")) ||
+           (n > 5 && !strcmp(a + n - 5, ".json")) || (n > 12 && !strcmp(a + n - 12, ".safetensors"));
+}
+
+static fl_status resolve_model(const char *arg, gen_model *g) {
+    struct stat st;
+    fl_model_config mc;
+    memset(g, 0, sizeof *g);
+    if (strlen(arg) >= FL_CLI_PATH - 64) return fl_errorf(FL_ERR_INVALID, "%s: path too long", arg);
+    snprintf(g->path, sizeof g->path, "%s", arg);
+    if (stat(arg, &st) != 0) {
+        if (fl_preset_find(arg, &mc) == FL_OK) {
+            g->preset = 1;
+            return FL_OK;
+        }
+        if (looks_like_path(arg)) {
+            size_t n = strlen(arg);
+            int file = (n > 4 && !strcmp(arg + n - 4, ".bin")) || (n > 12 && !strcmp(arg + n - 12, ".safetensors"));
+            return fl_errorf(FL_ERR_NOT_FOUND, "no such %s: %s", file ? "file" : "folder", arg);
+        }
+        char why[1024]; /* copy first: fl_errorf rewrites the message buffer it would read */
+        snprintf(why, sizeof why, "%s", fl_error_message());
+        return fl_errorf(FL_ERR_NOT_FOUND, "'%s' is neither a folder nor a model preset (%s)", arg, why);
+    }
+    if (!S_ISDIR(st.st_mode) || has(arg, "config.json") || has(arg, "adapter_config.json")) return FL_OK;
+    /* a run folder: final/, else the newest committed step (arg is short enough for both) */
+    char p[FL_CLI_PATH];
+    snprintf(p, sizeof p, "%s/final", arg);
+    if (is_dir(p) && fl_ckpt_is_committed(p)) {
+        snprintf(g->path, sizeof g->path, "%s", p);
+        snprintf(g->note, sizeof g->note, "%s is a run folder: its final checkpoint %s", arg, p);
+        return FL_OK;
+    }
+    if (fl_ckpt_find_latest(arg, p, sizeof p) == FL_OK) {
+        snprintf(g->path, sizeof g->path, "%s", p);
+        snprintf(g->note, sizeof g->note, "%s is a run folder: its newest checkpoint %s (no final/ yet)", arg, p);
+        return FL_OK;
+    }
+    if (is_dir(p) || has(arg, "logs") || has(arg, "hyperparameters.yaml"))
+        return fl_errorf(FL_ERR_NOT_FOUND, "%s: a run folder without a committed checkpoint yet (no final/, no "
+                         "step-*/ with its COMMITTED marker): wait for the first save (train.save_interval)", arg);
+    return fl_errorf(FL_ERR_NOT_FOUND, "%s: not a model folder (no config.json), a PEFT adapter folder (no "
+                     "adapter_config.json) nor a training run folder (no final/ or step-*/)", arg);
 }
 
 /* Streaming: after each token, decode prompt + generated so far and print what
@@ -175,6 +254,14 @@ int fl_cmd_generate(int argc, char **argv) {
     if (fl_gen_params_validate(&gp) != FL_OK) return fl_cli_usage(cmd, "%s", fl_error_message());
     if (!prompt_ids && !prompt) prompt = DEFAULT_PROMPT;
 
+    gen_model gm;
+    if (resolve_model(model_path, &gm) != FL_OK) {
+        fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
+        return FL_EXIT_USAGE; /* <model> names nothing there is */
+    }
+    if (gm.note[0]) fprintf(stderr, "fitllm generate: %s\n", gm.note);
+    model_path = gm.path;
+
     fl_backend be;
     fl_mem_pool pool, hpool; /* tensors; host staging when the backend's memory is not host memory */
     fl_model m = {0};
@@ -203,16 +290,33 @@ int fl_cmd_generate(int argc, char **argv) {
     if (adapter && !base)
         fprintf(stderr, "fitllm generate: %s is a LoRA adapter: base model %s with it merged in memory\n", info.adapter,
                 info.base);
+    /* a preset base (the run's random init) has no tokenizer of its own: the run used the built-in bytes */
+    struct stat sb;
+    const int preset_base = adapter && stat(info.base, &sb) != 0;
+    if (!loaded)
+        fprintf(stderr, "fitllm generate: random initialization (no weights were loaded): %s%s%s is a model preset "
+                "(seed %llu), so the text is noise; train it and generate from the run's final/\n",
+                adapter ? "the base '" : "'", adapter ? info.base : model_path, "'",
+                (unsigned long long)(adapter ? 1337 : gp.seed));
     if (prompt_ids) {
         if ((s = parse_ids(prompt_ids, &ids, &n_ids)) != FL_OK) goto fail;
     } else {
-        char tp[4096];
+        char tp[FL_CLI_PATH];
         const char *ts;
-        if (tok_path) snprintf(tp, sizeof tp, "%s", tok_path);
+        int bytes = 0; /* the built-in byte tokenizer */
+        if (tok_path) bytes = !strcmp(tok_path, "bytes"), snprintf(tp, sizeof tp, "%s", tok_path);
+        else if (gm.preset) bytes = 1;
         else if (adapter && (ts = fl_cli_adapter_tokenizer(&info, tp, sizeof tp)) != NULL) snprintf(tp, sizeof tp, "%s", ts);
+        else if (preset_base) bytes = 1;
         else default_tokenizer(base ? base : info.base, tp, sizeof tp);
-        if ((s = fl_tok_load(&tok, tp)) != FL_OK) {
-            s = fl_error_prefix(s, "loading the tokenizer (--tokenizer PATH, or --prompt-ids)");
+        if ((s = bytes ? fl_tok_builtin_bytes(&tok) : fl_tok_load(&tok, tp)) != FL_OK) {
+            char why[1024]; /* copy first: fl_errorf rewrites the message buffer it would read */
+            snprintf(why, sizeof why, "%s", fl_error_message());
+            /* checkpoints of runs with the built-in byte tokenizer carry it since fitllm wrote it as tokenizer.json */
+            int old_ckpt = s == FL_ERR_NOT_FOUND && !tok_path && is_dir(tp) && fl_ckpt_is_committed(tp);
+            s = fl_errorf(s, "loading the tokenizer (--tokenizer PATH, or --prompt-ids): %s%s", why,
+                          old_ckpt ? "; a checkpoint saved by an older fitllm from a run with the built-in byte "
+                                     "tokenizer has none: --tokenizer bytes" : "");
             goto fail;
         }
         size_t n = 0;
@@ -262,8 +366,6 @@ int fl_cmd_generate(int argc, char **argv) {
         for (int i = 0; i < n_ids; i++) printf(i ? " %d" : "%d", (int)ids[i]);
         fflush(stdout);
     }
-    if (!loaded) fprintf(stderr, "fitllm generate: note: %s is randomly initialized (seed %llu)\n", model_path,
-                         (unsigned long long)gp.seed);
     double t0 = fl_cli_now_ms();
     int n_out = 0;
     fl_gen_stop why;
