@@ -582,6 +582,73 @@ else
     echo "skip real-model CLI checks: $DATA not found (set FITLLM_DATA)"; skip=$((skip+1))
 fi
 
+# ---- train, then generate (issue 28): every checkpoint folder carries its tokenizer (the built-in
+# byte tokenizer as tokenizer.json); generate takes a checkpoint, a step, a run folder, a LoRA run, a
+# preset; a path that is not there is said to be so ----
+G=(--data Synthetic --data.n_train 16 --data.n_val 2 --train.global_batch_size 2 --train.micro_batch_size 2 --train.max_seq_length 33
+   --train.max_steps 2 --train.save_interval 1 --eval.max_new_tokens 0 --quiet)
+gq() { "$FITLLM" generate "$@" --prompt "Once upon" --max_new_tokens 6 --temperature 0 2>/dev/null; }
+expect tg_full_run 0 "Saved the final model" -- "$FITLLM" finetune_full micro "${G[@]}" --out_dir "$T/tg"
+expect tg_lora_run 0 "Saved the PEFT adapter" -- "$FITLLM" finetune_lora micro "${G[@]}" --optimizer.lr 0.05 --out_dir "$T/tgl"
+ok=1
+for f in tg/step-000001 tg/final tgl/step-000001 tgl/final tgl/final/adapter; do for n in tokenizer.json tokenizer_config.json; do
+    [ -f "$T/$f/$n" ] || { echo "     missing $f/$n"; ok=0; }; done; done
+if [ $ok = 1 ]; then echo "ok   tg_checkpoints_carry_byte_tokenizer"; pass=$((pass+1)); else echo "FAIL tg_checkpoints_carry_byte_tokenizer"; fail=$((fail+1)); fi
+expect tg_generate_final 0 "^Once upon" -- "$FITLLM" generate "$T/tg/final" --prompt "Once upon" --max_new_tokens 4
+expect tg_generate_step 0 "^Once upon" -- "$FITLLM" generate "$T/tg/step-000001" --prompt "Once upon" --max_new_tokens 4
+expect tg_generate_run_folder 0 "is a run folder: its final checkpoint .*/tg/final" -- "$FITLLM" generate "$T/tg" --prompt "Once upon" --max_new_tokens 4
+a=$(gq "$T/tg/final"); b=$(gq "$T/tg"); c=$(gq "$T/tg/step-000001")
+if [ -n "$a" ] && [ "$a" = "$b" ] && [ "$a" != "$c" ]; then echo "ok   tg_run_folder_is_final"; pass=$((pass+1)); else echo "FAIL tg_run_folder_is_final: '$a' '$b' '$c'"; fail=$((fail+1)); fi
+# a run folder without final/ yet: its newest committed step (step-000002 uncommitted: step-000001)
+mkdir -p "$T/tg-nof"; cp -r "$T/tg/step-000001" "$T/tg/step-000002" "$T/tg-nof/"; rm "$T/tg-nof/step-000002/COMMITTED"
+expect tg_generate_run_no_final 0 "newest checkpoint .*tg-nof/step-000001 \(no final/ yet\)" -- "$FITLLM" generate "$T/tg-nof" --prompt Once --max_new_tokens 2
+# LoRA run: the run folder is final/ (the merged model), which equals the base preset + final/adapter in memory;
+# without final/ the newest step, a PEFT adapter on the preset base with the run's byte tokenizer
+expect tg_generate_lora_run 0 "is a run folder: its final checkpoint .*/tgl/final" -- "$FITLLM" generate "$T/tgl" --prompt Once --max_new_tokens 2
+a=$(gq "$T/tgl"); b=$(gq "$T/tgl/final/adapter"); c=$(gq micro)
+if [ -n "$a" ] && [ "$a" = "$b" ] && [ "$a" != "$c" ]; then echo "ok   tg_lora_final_equals_base_plus_adapter"; pass=$((pass+1)); else echo "FAIL tg_lora_final_equals_base_plus_adapter: '$a' '$b' '$c'"; fail=$((fail+1)); fi
+mkdir -p "$T/tgl-nof"; cp -r "$T/tgl/step-000001" "$T/tgl/step-000002" "$T/tgl-nof/"
+expect tg_generate_lora_run_no_final 0 "step-000002 is a LoRA adapter: base model micro" -- "$FITLLM" generate "$T/tgl-nof" --prompt Once --max_new_tokens 2
+# presets: random init with the built-in byte tokenizer, said first
+expect tg_generate_preset 0 "^fitllm generate: random initialization \(no weights were loaded\): 'micro' is a model preset" -- "$FITLLM" generate micro --max_new_tokens 2
+expect tg_generate_preset_gpt2 0 "'gpt2' is a model preset \(seed 1337\) with the built-in byte tokenizer" -- "$FITLLM" generate gpt2 --max_new_tokens 1
+# what is not there
+expect tg_generate_no_such_folder 2 "error: no such folder: /nonexistent/final$" -- "$FITLLM" generate /nonexistent/final
+expect tg_generate_no_such_relative 2 "error: no such folder: out/no-such-run/lora$" -- "$FITLLM" generate out/no-such-run/lora
+expect tg_generate_not_a_preset 2 "'nosuch' is neither a folder nor a model preset .*nearest: " -- "$FITLLM" generate nosuch
+mkdir -p "$T/tg-empty/logs"
+expect tg_generate_run_not_saved 2 "tg-empty: a run folder without a committed checkpoint yet" -- "$FITLLM" generate "$T/tg-empty"
+mkdir -p "$T/tg-none"
+expect tg_generate_not_a_model 2 "tg-none: not a model folder \(no config.json\), a PEFT adapter folder" -- "$FITLLM" generate "$T/tg-none"
+# a checkpoint of an older fitllm (no tokenizer file): the way out is named, and works
+cp -r "$T/tg/final" "$T/tg-old"; rm -f "$T/tg-old"/tokenizer*
+expect tg_generate_old_checkpoint 1 "no tokenizer found .*--tokenizer bytes" -- "$FITLLM" generate "$T/tg-old" --prompt Once
+a=$(gq "$T/tg/final"); b=$(gq "$T/tg-old" --tokenizer bytes)
+if [ -n "$a" ] && [ "$a" = "$b" ]; then echo "ok   tg_tokenizer_bytes_equals_written"; pass=$((pass+1)); else echo "FAIL tg_tokenizer_bytes_equals_written: '$a' '$b'"; fail=$((fail+1)); fi
+# merge_lora onto a trained byte-tokenizer base: the merged folder carries the tokenizer and generates
+expect tg_merge_lora 0 "2 tokenizer files from" -- "$FITLLM" merge_lora "$T/tgl/final" --base "$T/tg/final" --out_dir "$T/tg-merged"
+expect tg_generate_merged 0 "^Once" -- "$FITLLM" generate "$T/tg-merged" --prompt Once --max_new_tokens 2
+if [ -d "$DATA/stories260K-hf" ]; then
+    # real tokenizers travel: tokenizer.json (stories260K-hf), a llama2.c tok512.bin given as a file, GPT-2's files
+    expect tg_real_full 0 "Saved the final model" -- "$FITLLM" finetune_full "$DATA/stories260K-hf" "${G[@]}" --out_dir "$T/tgr"
+    cmp -s "$DATA/stories260K-hf/tokenizer.json" "$T/tgr/step-000001/tokenizer.json" && cmp -s "$DATA/stories260K-hf/tokenizer.json" "$T/tgr/final/tokenizer.json" \
+        && { echo "ok   tg_real_tokenizer_copied"; pass=$((pass+1)); } || { echo "FAIL tg_real_tokenizer_copied"; fail=$((fail+1)); }
+    expect tg_real_generate_run 0 "^Once upon" -- "$FITLLM" generate "$T/tgr" --prompt "Once upon" --max_new_tokens 4
+    expect tg_l2c_pretrain 0 "Saved the final model" -- "$FITLLM" pretrain --model_name micro --data TextFiles --data.train_data_path "$DATA/text" \
+        --tokenizer_dir "$DATA/stories260K/tok512.bin" --train.max_steps 1 --train.global_batch_size 1 --train.micro_batch_size 1 \
+        --train.max_seq_length 32 --out_dir "$T/tgb" --quiet
+    cmp -s "$DATA/stories260K/tok512.bin" "$T/tgb/final/tok512.bin" && { echo "ok   tg_l2c_tokenizer_file_copied"; pass=$((pass+1)); } \
+        || { echo "FAIL tg_l2c_tokenizer_file_copied"; ls "$T/tgb/final" | sed 's/^/     /'; fail=$((fail+1)); }
+    expect tg_l2c_generate 0 "^Once upon" -- "$FITLLM" generate "$T/tgb" --prompt "Once upon" --max_new_tokens 4
+    expect tg_qlora_run 0 "Saved the PEFT adapter" -- "$FITLLM" finetune_lora "$DATA/stories260K-hf" "${G[@]}" --quantize bnb.nf4 --out_dir "$T/tgq"
+    expect tg_qlora_generate_run 0 "^Once upon" -- "$FITLLM" generate "$T/tgq" --prompt "Once upon" --max_new_tokens 4
+    expect tg_qlora_generate_step 0 "^Once upon" -- "$FITLLM" generate "$T/tgq/step-000001" --prompt "Once upon" --max_new_tokens 4
+    expect tg_gpt2_run 0 "Saved the final model" -- "$FITLLM" finetune_full "$DATA/tiny-gpt2-hf" "${G[@]}" --out_dir "$T/tgg"
+    ok=1; for f in tokenizer.json vocab.json merges.txt; do cmp -s "$DATA/tiny-gpt2-hf/$f" "$T/tgg/step-000001/$f" || { echo "     $f"; ok=0; }; done
+    if [ $ok = 1 ]; then echo "ok   tg_gpt2_tokenizer_copied"; pass=$((pass+1)); else echo "FAIL tg_gpt2_tokenizer_copied"; fail=$((fail+1)); fi
+    expect tg_gpt2_generate_run 0 "^Once upon" -- "$FITLLM" generate "$T/tgg" --prompt "Once upon" --max_new_tokens 4
+fi
+
 echo
 echo "$pass passed, $fail failed, $skip skipped"
 [ "$fail" -eq 0 ]

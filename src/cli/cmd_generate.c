@@ -293,11 +293,17 @@ int fl_cmd_generate(int argc, char **argv) {
     /* a preset base (the run's random init) has no tokenizer of its own: the run used the built-in bytes */
     struct stat sb;
     const int preset_base = adapter && stat(info.base, &sb) != 0;
-    if (!loaded)
-        fprintf(stderr, "fitllm generate: random initialization (no weights were loaded): %s%s%s is a model preset "
-                "(seed %llu), so the text is noise; train it and generate from the run's final/\n",
-                adapter ? "the base '" : "'", adapter ? info.base : model_path, "'",
-                (unsigned long long)(adapter ? 1337 : gp.seed));
+    /* the first line, as training says it for a preset */
+    if (!loaded && adapter)
+        fprintf(stderr, "fitllm generate: random initialization (no weights were loaded): the adapter's base '%s' is a "
+                "model preset, initialized with seed 1337 (a run's default --seed; the run's final/ holds the weights "
+                "it trained on)\n", info.base);
+    else if (!loaded && !gm.preset)
+        fprintf(stderr, "fitllm generate: no weights were loaded: %s is a model shape only (config.json)\n", model_path);
+    else if (!loaded)
+        fprintf(stderr, "fitllm generate: random initialization (no weights were loaded): '%s' is a model preset "
+                "(seed %llu)%s, so the text is noise; generate from a trained run (out/.../final) for text\n",
+                model_path, (unsigned long long)gp.seed, gm.preset && !tok_path ? " with the built-in byte tokenizer" : "");
     if (prompt_ids) {
         if ((s = parse_ids(prompt_ids, &ids, &n_ids)) != FL_OK) goto fail;
     } else {
