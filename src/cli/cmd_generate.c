@@ -21,8 +21,8 @@ static void help(void) {
            "  <model>                what to generate with:\n"
            "                         - a Hugging Face folder (config.json + safetensors), e.g. a run's final/\n"
            "                           or a full fine-tuning step-N/ checkpoint, or a llama2.c .bin\n"
-           "                         - a run folder (out/finetune/full): its final/, else its newest\n"
-           "                           committed step-N/\n"
+           "                         - a run folder (out/finetune/full, out/finetune/lora): its final/ (a LoRA\n"
+           "                           run's: the merged model), else its newest committed step-N/\n"
            "                         - a PEFT adapter folder, e.g. a finetune_lora step-N/ checkpoint or a\n"
            "                           LoRA run folder without final/ yet: its base model\n"
            "                           (base_model_name_or_path) with the adapter merged in memory\n"
@@ -47,7 +47,9 @@ static void help(void) {
            "  --accelerator A        auto|cpu|cuda (default auto: the GPU when this build has CUDA and one is\n"
            "                         visible, else the CPU). cuda is EXPERIMENTAL (single GPU; README)\n\n"
            "Stops at max_new_tokens, at an EOS token or at the model's context. The text streams to\n"
-           "stdout as it is generated; timing (ms/token) goes to stderr. Dashes work too (--max-new-tokens).\n",
+           "stdout as it is generated; timing (ms/token) goes to stderr. Dashes work too (--max-new-tokens).\n"
+           "A <model> that names nothing is exit 2: \"no such folder: PATH\", or neither a folder nor a preset\n"
+           "(with the nearest preset names).\n",
            DEFAULT_PROMPT, d.max_new_tokens, d.temperature, d.top_k, d.top_p, (unsigned long long)d.seed);
 }
 
@@ -167,6 +169,47 @@ static fl_status resolve_model(const char *arg, gen_model *g) {
                          "step-*/ with its COMMITTED marker): wait for the first save (train.save_interval)", arg);
     return fl_errorf(FL_ERR_NOT_FOUND, "%s: not a model folder (no config.json), a PEFT adapter folder (no "
                      "adapter_config.json) nor a training run folder (no final/ or step-*/)", arg);
+}
+
+/* Says, first, when no weights were loaded (a preset, or an adapter on a preset base), as
+ * training says it for a preset. */
+static void say_init(const gen_model *gm, const fl_cli_adapter_info *info, int loaded, uint64_t seed,
+                     const char *tok_path) {
+    if (loaded) return;
+    if (info)
+        fprintf(stderr, "fitllm generate: random initialization (no weights were loaded): the adapter's base '%s' is a "
+                "model preset, initialized with seed 1337 (a run's default --seed; the run's final/ holds the weights "
+                "it trained on)\n", info->base);
+    else if (!gm->preset)
+        fprintf(stderr, "fitllm generate: no weights were loaded: %s is a model shape only (config.json)\n", gm->path);
+    else
+        fprintf(stderr, "fitllm generate: random initialization (no weights were loaded): '%s' is a model preset "
+                "(seed %llu)%s, so the text is noise; generate from a trained run (out/.../final) for text\n",
+                gm->path, (unsigned long long)seed, tok_path ? "" : " with the built-in byte tokenizer");
+}
+
+/* The tokenizer: --tokenizer (a path, or "bytes"); a preset's built-in bytes; an adapter's (its
+ * base's or its own; on a preset base, which has none, the bytes the run used); else the model's
+ * folder (every fitllm checkpoint carries its tokenizer). info: the adapter's, NULL without one. */
+static fl_status gen_tokenizer(fl_tokenizer **tok, const char *tok_path, const gen_model *gm,
+                               const fl_cli_adapter_info *info, const char *model) {
+    char tp[FL_CLI_PATH];
+    const char *ts;
+    struct stat sb;
+    int bytes = 0;
+    if (tok_path) bytes = !strcmp(tok_path, "bytes"), snprintf(tp, sizeof tp, "%s", tok_path);
+    else if (gm->preset) bytes = 1;
+    else if (info && (ts = fl_cli_adapter_tokenizer(info, tp, sizeof tp)) != NULL) snprintf(tp, sizeof tp, "%s", ts);
+    else if (info && stat(info->base, &sb) != 0) bytes = 1;
+    else default_tokenizer(model, tp, sizeof tp);
+    fl_status s = bytes ? fl_tok_builtin_bytes(tok) : fl_tok_load(tok, tp);
+    if (s == FL_OK) return FL_OK;
+    char why[1024]; /* copy first: fl_errorf rewrites the message buffer it would read */
+    snprintf(why, sizeof why, "%s", fl_error_message());
+    int old_ckpt = s == FL_ERR_NOT_FOUND && !tok_path && is_dir(tp) && fl_ckpt_is_committed(tp);
+    return fl_errorf(s, "loading the tokenizer (--tokenizer PATH, or --prompt-ids): %s%s", why,
+                     old_ckpt ? "; a checkpoint saved by an older fitllm from a run with the built-in byte tokenizer "
+                                "has none: --tokenizer bytes" : "");
 }
 
 /* Streaming: after each token, decode prompt + generated so far and print what
@@ -290,41 +333,11 @@ int fl_cmd_generate(int argc, char **argv) {
     if (adapter && !base)
         fprintf(stderr, "fitllm generate: %s is a LoRA adapter: base model %s with it merged in memory\n", info.adapter,
                 info.base);
-    /* a preset base (the run's random init) has no tokenizer of its own: the run used the built-in bytes */
-    struct stat sb;
-    const int preset_base = adapter && stat(info.base, &sb) != 0;
-    /* the first line, as training says it for a preset */
-    if (!loaded && adapter)
-        fprintf(stderr, "fitllm generate: random initialization (no weights were loaded): the adapter's base '%s' is a "
-                "model preset, initialized with seed 1337 (a run's default --seed; the run's final/ holds the weights "
-                "it trained on)\n", info.base);
-    else if (!loaded && !gm.preset)
-        fprintf(stderr, "fitllm generate: no weights were loaded: %s is a model shape only (config.json)\n", model_path);
-    else if (!loaded)
-        fprintf(stderr, "fitllm generate: random initialization (no weights were loaded): '%s' is a model preset "
-                "(seed %llu)%s, so the text is noise; generate from a trained run (out/.../final) for text\n",
-                model_path, (unsigned long long)gp.seed, gm.preset && !tok_path ? " with the built-in byte tokenizer" : "");
+    say_init(&gm, adapter ? &info : NULL, loaded, gp.seed, tok_path);
     if (prompt_ids) {
         if ((s = parse_ids(prompt_ids, &ids, &n_ids)) != FL_OK) goto fail;
     } else {
-        char tp[FL_CLI_PATH];
-        const char *ts;
-        int bytes = 0; /* the built-in byte tokenizer */
-        if (tok_path) bytes = !strcmp(tok_path, "bytes"), snprintf(tp, sizeof tp, "%s", tok_path);
-        else if (gm.preset) bytes = 1;
-        else if (adapter && (ts = fl_cli_adapter_tokenizer(&info, tp, sizeof tp)) != NULL) snprintf(tp, sizeof tp, "%s", ts);
-        else if (preset_base) bytes = 1;
-        else default_tokenizer(base ? base : info.base, tp, sizeof tp);
-        if ((s = bytes ? fl_tok_builtin_bytes(&tok) : fl_tok_load(&tok, tp)) != FL_OK) {
-            char why[1024]; /* copy first: fl_errorf rewrites the message buffer it would read */
-            snprintf(why, sizeof why, "%s", fl_error_message());
-            /* checkpoints of runs with the built-in byte tokenizer carry it since fitllm wrote it as tokenizer.json */
-            int old_ckpt = s == FL_ERR_NOT_FOUND && !tok_path && is_dir(tp) && fl_ckpt_is_committed(tp);
-            s = fl_errorf(s, "loading the tokenizer (--tokenizer PATH, or --prompt-ids): %s%s", why,
-                          old_ckpt ? "; a checkpoint saved by an older fitllm from a run with the built-in byte "
-                                     "tokenizer has none: --tokenizer bytes" : "");
-            goto fail;
-        }
+        if ((s = gen_tokenizer(&tok, tok_path, &gm, adapter ? &info : NULL, base ? base : info.base)) != FL_OK) goto fail;
         size_t n = 0;
         if ((s = fl_tok_encode(tok, prompt, strlen(prompt), -1, 0, &ids, &n)) != FL_OK) goto fail;
         n_ids = (int)n;
