@@ -76,8 +76,8 @@ test-fast: build
 	./$(BUILD)/fitllm_tests $(FILTER)
 
 ASAN_FILTER ?=
-# FL_CUDA=OFF: the sanitizers check host code; the GPU objects (nvcc, 4 architectures) are built and
-# linked by the release pass, and the same kernel sources run here under the emulator (host C++)
+# FL_CUDA=OFF: the sanitizers check host code; the GPU plugin (nvcc, 4 architectures) is built by the
+# release pass where it is (a GPU here, or CUDA=1), and the same kernel sources run here under the emulator (host C++)
 asan: setup
 	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFL_SANITIZE=ON -DFL_NATIVE=ON -DFL_CUDA=OFF >/dev/null
 	cmake --build $(ASAN_BUILD) -j $(JOBS) --target fitllm_tests

@@ -133,6 +133,7 @@ static int g_plugin_done;
 static pthread_mutex_t g_plugin_lock = PTHREAD_MUTEX_INITIALIZER; /* taken before g_drv_lock, never after */
 static char g_plugin_why[768];
 
+#ifdef FL_HAVE_CUDA
 static const char *abi_mismatch(const fl_cuda_plugin *p) {
     if (p->abi != FL_CUDA_PLUGIN_ABI) return "its interface version differs";
     if (p->backend_size != sizeof(fl_backend) || p->pool_size != sizeof(fl_mem_pool) ||
@@ -140,6 +141,7 @@ static const char *abi_mismatch(const fl_cuda_plugin *p) {
         return "its structure sizes differ";
     return NULL;
 }
+#endif
 
 static const fl_cuda_plugin *plugin_open(char *why, size_t n) {
 #ifndef FL_HAVE_CUDA
