@@ -25,7 +25,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 "$F" --version | grep -i cuda
 if ! "$F" --version | grep -q "cuda: *compiled in"; then echo "skip: $F was built without CUDA"; exit 0; fi
 # the plugin must be beside the binary (or named by FITLLM_CUDA_LIB) and load: else every check below fails the same way
-if ! "$F" --version | grep -qE "cuda: .*: [0-9]+ devices?:"; then
+if ! "$F" --version | grep -qE "cuda: .* [0-9]+ devices?: [0-9]"; then
     echo "FAIL: $F cannot use the GPU (the line above says why: plugin missing, driver, libraries)"; exit 1
 fi
 

@@ -37,8 +37,13 @@ void fl_cuda_describe(char *buf, size_t n) {
     char *rest = buf + (o < n ? o : n);
     size_t left = o < n ? n - o : 0;
     const fl_cuda_plugin *p = fl_cuda_plugin_try(why, sizeof why);
-    if (!p) snprintf(rest, left, "%s", why);
-    else p->describe_devices(rest, left);
+    if (!p) {
+        snprintf(rest, left, "%s", why);
+        return;
+    }
+    int v = fl_cuda_driver_probe()->version;
+    size_t o2 = (size_t)snprintf(rest, left, "NVIDIA driver for CUDA %d.%d; ", v / 1000, v % 1000 / 10);
+    p->describe_devices(rest + (o2 < left ? o2 : left), o2 < left ? left - o2 : 0);
 #else
     /* the driver all the same: says whether a CUDA build would have a GPU here */
     const fl_cuda_driver *d = fl_cuda_driver_probe();
