@@ -54,10 +54,11 @@ expect bench_ok 0 "RESULT impl=fitllm .* fwd_ms=[0-9.]+ head_ms=[0-9.]+ bwd_ms=[
 # --accelerator (EXPERIMENTAL CUDA backend): auto runs on the GPU when the build has CUDA and one is
 # visible (here: none, so the CPU); cpu runs on the CPU; cuda without a build or device is refused
 # with the reason
-expect version_cuda 0 "cuda: +(not compiled in|compiled in \(experimental; .*\); (no CUDA device visible \(.+\)|[0-9]+ devices?:))" -- "$FITLLM" --version
+expect version_cuda 0 "cuda: +(not compiled in \(.*\); this machine: .+|compiled in as a plugin \(experimental; CUDA [0-9.]+, sm [0-9,]+\): .+; .+)" -- "$FITLLM" --version
 expect accelerator_auto_ok 0 "RESULT impl=fitllm" -- "$FITLLM" bench-step micro --micro-batch 1 --seq 16 --steps 1 --warmup 0 --accelerator auto
 expect accelerator_bad 2 "--accelerator must be auto, cpu or cuda \(got 'gpu'\)" -- "$FITLLM" bench-step micro --accelerator gpu
-expect accelerator_cuda_refused 1 "--accelerator cuda: (this fitllm was built without CUDA|no CUDA device visible|the CUDA backend is experimental)" -- \
+CUDA_WHY="(this fitllm was built without CUDA|no NVIDIA driver|NVIDIA driver too old|no GPU|no CUDA device visible|the CUDA plugin .* is missing)"
+expect accelerator_cuda_refused 1 "--accelerator cuda: $CUDA_WHY" -- \
     "$FITLLM" finetune_full micro --accelerator cuda --out_dir "$T/xcuda"
 expect accelerator_help 0 "EXPERIMENTAL" -- "$FITLLM" generate --help
 # fitllm selftest: the CPU backend against the reference (the CUDA one needs a GPU)
@@ -66,8 +67,48 @@ expect selftest_cpu_small 0 "selftest: [0-9]+ of [0-9]+ cases ok$" -- "$FITLLM" 
 expect selftest_opaque_training 0 "ok +train_step offload \(deepspeed_stage_2_offload\) +max relative loss difference 0\.00e\+00" -- \
     "$FITLLM" selftest --backend opaque --only train_step
 expect selftest_only_none 2 "no case matches --only 'no-such-op'" -- "$FITLLM" selftest --accelerator cpu --small --only no-such-op
-expect selftest_cuda_refused 1 "--accelerator cuda: (this fitllm was built without CUDA|no CUDA device visible)" -- \
+expect selftest_cuda_refused 1 "--accelerator cuda: $CUDA_WHY" -- \
     "$FITLLM" selftest --accelerator cuda
+# The CUDA plugin (docs/ARCHITECTURE.md "CUDA plugin"): fitllm maps nothing of CUDA until a GPU is
+# asked for and usable, and tells the driver's states apart. A stand-in libcuda.so.1 built with the
+# tests (tests/cuda/fake_libcuda.c) plays the driver.
+FAKE_DRV=$(dirname "$FITLLM")/fake-driver
+if ! ldconfig -p 2>/dev/null | grep -q "libcuda\.so\.1 "; then
+    expect version_no_driver 0 "cuda: .*no NVIDIA driver \(libcuda\.so\.1 not found\)" -- "$FITLLM" --version
+else echo "skip version_no_driver: this machine has an NVIDIA driver"; skip=$((skip+1)); fi
+if [ -e "$FAKE_DRV/libcuda.so.1" ] && "$FITLLM" --version | grep -q "cuda: *compiled in"; then
+    expect version_driver_too_old 0 "cuda: .*NVIDIA driver too old: it supports CUDA 11\.0, this build needs CUDA [0-9]+\.0 or newer" -- \
+        env LD_LIBRARY_PATH="$FAKE_DRV" FITLLM_FAKE_CUDA_VERSION=11000 "$FITLLM" --version
+    expect accelerator_cuda_driver_too_old 1 "--accelerator cuda: NVIDIA driver too old" -- \
+        env LD_LIBRARY_PATH="$FAKE_DRV" FITLLM_FAKE_CUDA_VERSION=11000 "$FITLLM" finetune_full micro --accelerator cuda --out_dir "$T/xcuda"
+    expect version_driver_no_gpu 0 "cuda: .*no GPU \(NVIDIA driver for CUDA 99\.0 found, but it sees no device\)" -- \
+        env LD_LIBRARY_PATH="$FAKE_DRV" FITLLM_FAKE_CUDA_VERSION=99000 "$FITLLM" --version
+    # a driver that claims a GPU: the plugin is opened (its symbols resolve against fitllm's) and the
+    # CUDA runtime's own refusal of the stand-in comes back as a clean error
+    expect accelerator_cuda_plugin_loads 1 "--accelerator cuda: no CUDA device visible to the CUDA runtime \(cudaGetDeviceCount: " -- \
+        env LD_LIBRARY_PATH="$FAKE_DRV" FITLLM_FAKE_CUDA_VERSION=99000 FITLLM_FAKE_CUDA_DEVICES=1 \
+        "$FITLLM" finetune_full micro --accelerator cuda --out_dir "$T/xcuda"
+    expect accelerator_cuda_plugin_missing 1 "--accelerator cuda: the CUDA plugin $T/none/libfitllm_cuda\.so is missing \(.*make build CUDA=1" -- \
+        env FITLLM_CUDA_LIB="$T/none/libfitllm_cuda.so" "$FITLLM" finetune_full micro --accelerator cuda --out_dir "$T/xcuda"
+    expect accelerator_auto_plugin_missing 0 "RESULT impl=fitllm" -- env FITLLM_CUDA_LIB="$T/none/libfitllm_cuda.so" \
+        "$FITLLM" bench-step micro --micro-batch 1 --seq 16 --steps 1 --warmup 0
+elif [ -e "$FAKE_DRV/libcuda.so.1" ]; then
+    expect version_driver_without_cuda 0 "cuda: +not compiled in .*; this machine: no GPU \(NVIDIA driver for CUDA 11\.0 found" -- \
+        env LD_LIBRARY_PATH="$FAKE_DRV" FITLLM_FAKE_CUDA_VERSION=11000 "$FITLLM" --version
+else echo "skip fake-driver checks: $FAKE_DRV/libcuda.so.1 not built"; skip=$((skip+1)); fi
+# What a CPU run costs beyond its tagged memory (the memory report's peak): the program, its libraries
+# and the allocator's slack, ~15 MiB; a build that mapped the CUDA libraries at start paid 200 MiB more.
+out=$("$FITLLM" bench-step micro --micro-batch 2 --seq 32 --steps 2 --warmup 0 --accelerator cpu 2>&1)
+peak=$(awk '/^peak +reserved/{v=$(NF-1); u=$NF; m=(u=="GiB")?1024:(u=="MiB")?1:(u=="KiB")?1/1024:1/1048576; print v*m}' <<<"$out")
+rss=$(grep -o "peak_rss_mb=[0-9.]*" <<<"$out" | cut -d= -f2)
+if [ -n "$peak" ] && [ -n "$rss" ] && awk -v r="$rss" -v p="$peak" 'BEGIN{exit !(r <= p + 40)}'; then
+    echo "ok   rss_vs_tagged_peak (peak RSS $rss MiB, tagged peak $peak MiB)"; pass=$((pass+1))
+else echo "FAIL rss_vs_tagged_peak: peak RSS ${rss:-?} MiB > tagged peak ${peak:-?} MiB + 40 MiB"; fail=$((fail+1)); fi
+if [ -x /usr/bin/time ] && ! ldconfig -p 2>/dev/null | grep -q "libcuda\.so\.1 "; then # (with a GPU, --version opens the plugin)
+    rss=$(/usr/bin/time -f "%M" "$FITLLM" --version 2>&1 >/dev/null | tail -1)
+    if [ "${rss:-999999}" -lt 20480 ]; then echo "ok   version_rss (${rss} KB)"; pass=$((pass+1))
+    else echo "FAIL version_rss: fitllm --version peaked at ${rss:-?} KB (want < 20 MB)"; fail=$((fail+1)); fi
+else echo "skip version_rss: no /usr/bin/time, or an NVIDIA driver here"; skip=$((skip+1)); fi
 expect selftest_bad_backend 1 "unknown backend 'nope'" -- "$FITLLM" selftest --backend nope
 # plan for a GPU without one: the CUDA backend's op scratch (80 MiB) in WORKSPACE
 expect plan_cuda 0 "peak +reserved" -- "$FITLLM" plan micro --accelerator cuda --precision bf16-true --train.micro_batch_size 1

@@ -135,9 +135,15 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) { usage(stdout); return 0; }
     if (!strcmp(argv[1], "--version") || !strcmp(argv[1], "version")) return version();
     /* --accelerator auto (every command's default): the GPU when this build has CUDA and one is
-     * visible; a command's --accelerator cpu|cuda overrides it */
+     * visible; a command's --accelerator cpu|cuda overrides it. Not probed for --accelerator cpu:
+     * probing a usable GPU opens the CUDA plugin and its libraries (~200 MB), which a CPU run never needs. */
+    int cpu_asked = 0;
+    for (int i = 2; i < argc; i++)
+        cpu_asked |= !strcmp(argv[i], "--accelerator=cpu") ||
+                     (i + 1 < argc && !strcmp(argv[i], "--accelerator") && !strcmp(argv[i + 1], "cpu"));
     fl_accel use;
-    if (fl_accel_resolve(FL_ACCEL_AUTO, &use) == FL_OK && use == FL_ACCEL_CUDA) fl_backend_set_default_name("cuda");
+    if (!cpu_asked && fl_accel_resolve(FL_ACCEL_AUTO, &use) == FL_OK && use == FL_ACCEL_CUDA)
+        fl_backend_set_default_name("cuda");
     for (size_t i = 0; i < sizeof k_cmds / sizeof k_cmds[0]; i++)
         if (!strcmp(argv[1], k_cmds[i].name)) return k_cmds[i].fn(argc - 1, argv + 1);
     fprintf(stderr, "fitllm: unknown command '%s'\n", argv[1]);
