@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "fitllm/trainer.h"
 
 static void help(void) {
     printf("usage: fitllm loss <model> --tokens-file ids.txt [--dump-logits out.f32] [--threads N]\n\n"
@@ -91,7 +92,7 @@ int fl_cmd_loss(int argc, char **argv) {
         goto fail;
     if ((s = fl_model_forward(&m, ids, ids + 1, 1, T, 0.0f, logits)) != FL_OK) goto fail;
     double loss = m.loss_sum / (double)m.n_valid;
-    printf("loss %.6f  ppl %.4f  tokens %d  model %s%s\n", loss, exp(loss), T, model_path,
+    printf("loss %.6f  ppl %.4f  tokens %d  model %s%s\n", loss, fl_trainer_perplexity(loss), T, model_path,
            loaded ? "" : " (random init)");
     if (dump) {
         char tmp[4096];
