@@ -158,8 +158,9 @@ typedef struct {
     long warmup;        /* steps before this do not count */
     double ema;         /* smoothed training loss; NaN before the first step */
     int above;          /* consecutive counted steps with ema > limit */
-    long last_good;     /* the last step whose smoothed loss was within the limit (warm-up or not; a
-                         * validation above it moves it before that validation); 0 = none */
+    long last_good;     /* the newest step whose weights gave a loss within the limit: a validation after
+                         * it, or the next step's training loss (computed before that step's update) and
+                         * its EMA; -1 = none yet */
     double value;       /* what tripped it (the EMA or the validation loss) */
     int by_val;         /* 1: a validation loss tripped it */
     long since;         /* first step of the window that tripped it */

@@ -16,18 +16,17 @@ void fl_trainer_diverge_init(fl_trainer_diverge *d, int vocab_size, long warmup)
     d->warmup = warmup > 0 ? warmup : 0;
     d->ema = NAN;
     d->value = NAN;
+    d->last_good = -1; /* none known yet (a resumed run's weights are vouched for by its first loss) */
 }
 
+/* The loss of step `step` is computed with the weights of step - 1 (before its update): a loss within
+ * the limit vouches for those weights, the checkpoint step-(step-1). */
 int fl_trainer_diverge_train(fl_trainer_diverge *d, long step, double loss) {
     if (isnan(loss)) return 0; /* a fully masked step: no loss */
     /* inf stays inf in the EMA (the NaN/inf path of the trainer stops such a run first) */
     d->ema = isnan(d->ema) ? loss : d->ema + FL_DIVERGE_ALPHA * (loss - d->ema);
-    if (!(d->ema > d->limit)) {
-        d->above = 0;
-        d->last_good = step;
-        return 0;
-    }
-    if (step < d->warmup) { /* above, but the warm-up's steps do not count (nor are they good) */
+    if (loss <= d->limit && d->ema <= d->limit && step - 1 > d->last_good) d->last_good = step - 1;
+    if (!(d->ema > d->limit) || step < d->warmup) { /* within, or above in the warm-up: does not count */
         d->above = 0;
         return 0;
     }
@@ -38,12 +37,18 @@ int fl_trainer_diverge_train(fl_trainer_diverge *d, long step, double loss) {
     return 1;
 }
 
+/* a validation after `step` steps evaluates the weights of step-`step` itself */
 int fl_trainer_diverge_val(fl_trainer_diverge *d, long step, double val_loss) {
-    if (isnan(val_loss) || step < d->warmup || step < 1 || !(val_loss > d->limit)) return 0;
+    if (isnan(val_loss)) return 0;
+    if (val_loss <= d->limit) {
+        if (step > d->last_good) d->last_good = step;
+        return 0;
+    }
+    if (d->last_good >= step) d->last_good = step - 1; /* these weights are the bad ones */
+    if (step < d->warmup || step < 1) return 0;
     d->value = val_loss;
     d->by_val = 1;
     d->since = step;
-    if (d->last_good >= step) d->last_good = step - 1; /* these weights are the bad ones */
     return 1;
 }
 
@@ -84,11 +89,14 @@ fl_status fl_trainer_diverge_error(const fl_trainer_diverge *d, const char *out_
         snprintf(what, sizeof what, "the smoothed training loss (EMA %.2f) stayed above %.3g, a uniform guess's loss "
                  "ln(vocab) = %.3f + %.0f, for %d steps (since step %ld; now %.4g)", FL_DIVERGE_ALPHA, d->limit, d->ln_v,
                  FL_DIVERGE_MARGIN, FL_DIVERGE_WINDOW, d->since, d->value);
-    if (fl_trainer_ckpt_at_or_before(out_dir, d->last_good, good, sizeof good))
+    if (d->last_good >= 0 && fl_trainer_ckpt_at_or_before(out_dir, d->last_good, good, sizeof good))
         snprintf(kept, sizeof kept, "the last good checkpoint, '%s', is kept: resume from it with --resume '%s' and a "
                  "lower learning rate", good, good);
+    else if (d->last_good >= 0)
+        snprintf(kept, sizeof kept, "no committed checkpoint holds weights from before the divergence (the last good "
+                 "ones: step %ld)", d->last_good);
     else
-        snprintf(kept, sizeof kept, "no checkpoint from before the divergence (step %ld or earlier) is kept", d->last_good);
+        snprintf(kept, sizeof kept, "no weights of this run gave a loss within the limit: no checkpoint is a good one");
     return fl_errorf(FL_ERR_NONFINITE,
                      "training diverged at step %ld (iter %ld): %s; stopped without saving final/ (%s). hint: lower "
                      "the learning rate (--optimizer.lr, now %g), clip gradients (--train.max_norm 1.0) or warm up "
