@@ -249,9 +249,87 @@ expect finetune_max_seq_length_1 2 "max_seq_length 1: a sample needs at least 2 
 # Ctrl-C: stops after the step, exit 130, says how to resume. --foreground: timeout then signals only
 # the command; otherwise it also signals its process group, and the second SIGINT means "stop now"
 # (a race seen under load: the run then stops mid-checkpoint with the generic resume message)
-expect finetune_ctrl_c 130 "interrupted after step [0-9]+; the last checkpoint is '.*step-[0-9]+': to continue, run the same command with --resume auto" -- \
+expect finetune_ctrl_c 130 "stopped by SIGINT \(Ctrl-C\) after step [0-9]+; the last checkpoint is '.*step-[0-9]+': to continue, run the same command with --resume auto" -- \
     timeout --foreground --preserve-status -s INT 6 "$FITLLM" finetune_full micro --train.max_steps 100000 --train.global_batch_size 2 --train.micro_batch_size 2 \
     --train.save_interval 1 --eval.max_new_tokens 0 --out_dir "$T/ctrlc" --quiet
+# ---- stopping by a signal, a dead rank, a full disk, finite divergence (issue 28) ----
+# A run in the background; the signal goes after its first step, found by polling its metrics file
+# (flushed per row) rather than by a fixed sleep (a busy 2-core machine).
+start_run() { local n=$1; shift; "$@" >"$T/$n.log" 2>"$T/$n.err" & BG=$!; }
+# wait_for FILE ERE: up to 300 s, while the run lives
+wait_for() {
+    local i
+    for i in $(seq 3000); do grep -qE -- "$2" "$1" 2>/dev/null && return 0; kill -0 "$BG" 2>/dev/null || return 1; sleep 0.1; done
+    return 1
+}
+# stopped NAME WANT_RC ERE: the background run's exit status, its stderr, and a log that ends with a whole line
+stopped() {
+    local name=$1 want=$2 pat=$3 rc
+    wait "$BG"; rc=$?
+    if [ "$rc" -ne "$want" ]; then echo "FAIL $name: exit $rc, want $want"; tail -5 "$T/$name.err" | sed 's/^/     /'; fail=$((fail+1)); return 1; fi
+    if ! grep -qE -- "$pat" "$T/$name.err"; then echo "FAIL $name: stderr lacks /$pat/"; tail -5 "$T/$name.err" | sed 's/^/     /'; fail=$((fail+1)); return 1; fi
+    if [ ! -s "$T/$name.log" ] || [ -n "$(tail -c1 "$T/$name.log")" ]; then echo "FAIL $name: the log does not end with a whole line"; fail=$((fail+1)); return 1; fi
+    echo "ok   $name"; pass=$((pass+1))
+}
+SIGRUN=(finetune_full micro --train.max_steps 100000 --train.global_batch_size 2 --train.micro_batch_size 2 --eval.max_new_tokens 0)
+FIRST_STEP="^[0-9]+,1,"   # a metrics row of step 1
+# SIGTERM (Slurm, Kubernetes) and SIGUSR1 (Slurm's --signal=USR1 pre-emption notice) act as Ctrl-C: the step
+# finishes, its checkpoint is committed (train.save_on_signal, default true), named; exit 128 + the signal
+for sg in TERM:143 USR1:138; do
+    name=finetune_sig${sg%%:*}; rc=${sg##*:}
+    start_run $name "$FITLLM" "${SIGRUN[@]}" --train.save_interval 100000 --out_dir "$T/$name"
+    wait_for "$T/$name/logs/metrics.csv" "$FIRST_STEP"; kill -${sg%%:*} $BG
+    stopped $name $rc "stopped by SIG${sg%%:*} after step ([0-9]+); the last checkpoint is '.*/step-0*\1': to continue, run the same command with --resume auto" &&
+        { ls "$T/$name"/step-*/COMMITTED >/dev/null 2>&1 || { echo "FAIL ${name}_checkpoint: no committed step-*"; fail=$((fail+1)); }; }
+done
+start_run sigterm_no_save "$FITLLM" "${SIGRUN[@]}" --train.save_interval 100000 --train.save_on_signal false --out_dir "$T/sns"
+wait_for "$T/sns/logs/metrics.csv" "$FIRST_STEP"; kill -TERM $BG
+stopped sigterm_no_save 143 "stopped by SIGTERM after step [0-9]+, before any checkpoint was committed \(train.save_interval 100000, train.save_on_signal false\)"
+ls "$T/sns"/step-* >/dev/null 2>&1 && { echo "FAIL sigterm_no_save_no_checkpoint"; fail=$((fail+1)); }
+# a second signal stops at once (long steps: 128 micro-batches, so it lands within the step), naming the checkpoint
+start_run sigterm_twice "$FITLLM" finetune_full micro --train.max_steps 100000 --train.global_batch_size 256 \
+    --train.micro_batch_size 2 --eval.max_new_tokens 0 --train.save_interval 1 --out_dir "$T/s2x"
+wait_for "$T/s2x/logs/metrics.csv" "^[0-9]+,2,"; kill -TERM $BG
+wait_for "$T/sigterm_twice.err" "SIGTERM: stopping after this step"; kill -TERM $BG
+stopped sigterm_twice 143 "stopped at once by SIGTERM; the last committed checkpoint is '.*/step-0+[1-9]'"
+# --devices 2: the launcher stays, forwards the stop to the ranks and exits as one process would
+if "$FITLLM" --version | grep -q "comm: *MPI (Open MPI" && command -v mpirun >/dev/null; then
+    MPIENV=("${NOLAUNCH[@]}" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1)
+    DPRUN=(finetune_full micro --devices 2 --strategy ddp --train.max_steps 100000 --train.global_batch_size 4
+           --train.micro_batch_size 2 --eval.max_new_tokens 0)
+    start_run ddp_ctrl_c "${MPIENV[@]}" "$FITLLM" "${DPRUN[@]}" --train.save_interval 100000 --out_dir "$T/dpi"
+    wait_for "$T/dpi/logs/metrics.csv" "$FIRST_STEP"; kill -INT $BG
+    stopped ddp_ctrl_c 130 "stopped by SIGINT \(Ctrl-C\) after the ranks' last step; the last committed checkpoint is '.*/step-0+[1-9][0-9]*'"
+    start_run ddp_sigterm "${MPIENV[@]}" "$FITLLM" "${DPRUN[@]}" --train.save_interval 100000 --out_dir "$T/dpt"
+    wait_for "$T/dpt/logs/metrics.csv" "$FIRST_STEP"; kill -TERM $BG
+    stopped ddp_sigterm 143 "stopped by SIGTERM after the ranks' last step; the last committed checkpoint is '.*/step-0+[1-9]"
+    # a rank killed (SIGKILL: it says nothing), rank 0 or the other: the launcher names the last checkpoint
+    for which in first last; do
+        start_run ddp_rank_killed_$which "${MPIENV[@]}" "$FITLLM" "${DPRUN[@]}" --train.save_interval 1 --out_dir "$T/dpk$which"
+        wait_for "$T/dpk$which/logs/metrics.csv" "^[0-9]+,3,"
+        MPIRUN_PID=$(pgrep -P $BG); RANK_PID=$(pgrep -P "$MPIRUN_PID" | if [ $which = first ]; then head -1; else tail -1; fi)
+        [ -n "$RANK_PID" ] && kill -KILL "$RANK_PID"
+        stopped ddp_rank_killed_$which 137 "the ranks failed \(mpirun's status 137; .*\); the last committed checkpoint is '.*/step-0+[1-9]"
+    done
+else
+    echo "skip ddp_ctrl_c, ddp_sigterm, ddp_rank_killed: this fitllm has no Open MPI, or no mpirun here"; skip=$((skip+1))
+fi
+# a full disk while saving (fault injection: every write after step 1's checkpoint fails): the last committed one named
+expect disk_full_names_checkpoint 1 "No space left on device; the last committed checkpoint is '.*/step-000001' \(to continue from it, run the same command with --resume auto\)" -- \
+    env FITLLM_FAULT_DISK_FULL_AFTER_STEP=1 "$FITLLM" finetune_full micro --train.max_steps 5 --train.global_batch_size 2 \
+    --train.micro_batch_size 2 --train.save_interval 1 --eval.max_new_tokens 0 --out_dir "$T/dfull"
+# finite divergence: lr 50 sends the loss far above a uniform guess's ln(512) = 6.2: exit 1, no final/, the last good
+# checkpoint named (step 2 of a healthy run, resumed at lr 50); off: exit 0, and the perplexity prints as inf
+DIVRUN=(finetune_full micro --train.global_batch_size 2 --train.micro_batch_size 2 --eval.max_new_tokens 0)
+"$FITLLM" "${DIVRUN[@]}" --train.max_steps 2 --train.save_interval 2 --out_dir "$T/lr50" >/dev/null 2>&1; rm -rf "$T/lr50/final"
+expect diverge_lr50 1 "training diverged at step [0-9]+ .*above 8.24, a uniform guess's loss ln\(vocab\) = 6.238 \+ 2.*stopped without saving final/ \(the last good checkpoint, '.*/step-000002', is kept" -- \
+    "$FITLLM" "${DIVRUN[@]}" --resume "$T/lr50/step-000002" --optimizer.lr 50 --train.lr_warmup_steps 0 --train.max_steps 60 --train.save_interval 1 --out_dir "$T/lr50"
+[ -e "$T/lr50/final" ] && { echo "FAIL diverge_lr50_no_final"; fail=$((fail+1)); }
+expect diverge_lr50_check_off 0 "Final evaluation \| val loss: [0-9]{3,}\.[0-9]+ \| val ppl: inf" -- \
+    "$FITLLM" "${DIVRUN[@]}" --optimizer.lr 50 --train.lr_warmup_steps 0 --train.max_steps 60 --train.divergence_check false --out_dir "$T/lr50off"
+printf '1 2 3 4 5 6 7 8 9 10\n' > "$T/ten.txt"
+expect loss_ppl_inf 0 "^loss [0-9]{3,}\.[0-9]+  ppl inf " -- "$FITLLM" loss "$T/lr50off/final" --tokens-file "$T/ten.txt"
+expect loss_ppl_finite 0 "^loss [0-9.]+  ppl [0-9]+\.[0-9]{4} " -- "$FITLLM" loss micro --tokens-file "$T/ten.txt"
 expect finetune_16_true_ok 0 "Saved the final model" -- "$FITLLM" finetune_full micro --precision 16-true --train.max_steps 3 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/x5b" --quiet
 expect finetune_oom 3 "out of memory" -- "$FITLLM" finetune_full tiny --max_memory 100MB --out_dir "$T/x6" --train.max_steps 1
 if [ -d "$T/x6/final" ] || ls "$T/x6"/step-* >/dev/null 2>&1; then echo "FAIL finetune_oom_no_output"; fail=$((fail+1)); else echo "ok   finetune_oom_no_output"; pass=$((pass+1)); fi

@@ -293,6 +293,9 @@ static int join_ranks(const char *cmd, const fl_run_config *cfg, int argc, char 
 static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_comm *comm);
 
 static int run(const char *cmd, fl_cmd_kind kind, int argc, char **argv) {
+    /* the log a line at a time also into a file or a pipe (mpirun's): a process killed at any moment
+     * (SIGKILL, the launcher ending a rank) leaves whole lines; a line per iteration costs nothing */
+    setvbuf(stdout, NULL, _IOLBF, 0);
     fl_run_config cfg;
     int rc = fl_cli_parse_run(cmd, kind, argc, argv, &cfg, NULL, NULL, help);
     if (rc) return rc < 0 ? 0 : rc;
@@ -314,7 +317,8 @@ static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_co
     fl_run_config cfg = *cfg_in;
     const int rank = comm ? fl_comm_rank(comm) : 0, world = comm ? fl_comm_size(comm) : 1;
     const int launched = getenv("FITLLM_LAUNCHED") != NULL && world > 1; /* by fitllm's own mpirun */
-    int bar = !cfg.quiet && isatty(STDOUT_FILENO) && rank == 0;
+    const char *tty = launched ? getenv("FITLLM_LOG_TTY") : NULL; /* the launcher's stdout (launch.c) */
+    int bar = !cfg.quiet && (tty ? atoi(tty) : isatty(STDOUT_FILENO)) && rank == 0;
     fl_trainer_result res;
     snprintf(g_resume_msg, sizeof g_resume_msg,
              "fitllm %s: stopped at once; to continue from the last step-* checkpoint in '%s', run the same command "
