@@ -330,6 +330,18 @@ expect diverge_lr50_check_off 0 "Final evaluation \| val loss: [0-9]{3,}\.[0-9]+
 printf '1 2 3 4 5 6 7 8 9 10\n' > "$T/ten.txt"
 expect loss_ppl_inf 0 "^loss [0-9]{3,}\.[0-9]+  ppl inf " -- "$FITLLM" loss "$T/lr50off/final" --tokens-file "$T/ten.txt"
 expect loss_ppl_finite 0 "^loss [0-9.]+  ppl [0-9]+\.[0-9]{4} " -- "$FITLLM" loss micro --tokens-file "$T/ten.txt"
+# a llama2.c model file without --tokenizer_dir: the tokenizer beside it (tok512.bin), named, and carried to final/;
+# a model without tokenizer files says the built-in byte tokenizer is used
+if [ -f "$DATA/stories260K/stories260K.bin" ] && [ -f "$DATA/stories260K/tok512.bin" ]; then
+    expect tok_beside_model_file 0 "tokenizer: llama2c from '.*stories260K'" -- "$FITLLM" finetune_full "$DATA/stories260K/stories260K.bin" \
+        --train.max_steps 1 --train.global_batch_size 2 --train.micro_batch_size 2 --eval.max_new_tokens 0 --out_dir "$T/tokb"
+    cmp -s "$DATA/stories260K/tok512.bin" "$T/tokb/final/tok512.bin" && { echo "ok   tok_beside_model_file_copied"; pass=$((pass+1)); } \
+        || { echo "FAIL tok_beside_model_file_copied"; fail=$((fail+1)); }
+else
+    echo "skip tok_beside_model_file: no $DATA/stories260K/stories260K.bin and tok512.bin"; skip=$((skip+1))
+fi
+expect tok_builtin_named 0 "tokenizer: bytes \(built in: no tokenizer files with the model; --tokenizer_dir gives one\)" -- \
+    "$FITLLM" finetune_full micro --train.max_steps 1 --train.global_batch_size 2 --train.micro_batch_size 2 --eval.max_new_tokens 0 --out_dir "$T/tokm"
 expect finetune_16_true_ok 0 "Saved the final model" -- "$FITLLM" finetune_full micro --precision 16-true --train.max_steps 3 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/x5b" --quiet
 expect finetune_oom 3 "out of memory" -- "$FITLLM" finetune_full tiny --max_memory 100MB --out_dir "$T/x6" --train.max_steps 1
 if [ -d "$T/x6/final" ] || ls "$T/x6"/step-* >/dev/null 2>&1; then echo "FAIL finetune_oom_no_output"; fail=$((fail+1)); else echo "ok   finetune_oom_no_output"; pass=$((pass+1)); fi

@@ -191,9 +191,16 @@ static fl_status load_tokenizer(trainer *t) {
     const fl_run_config *c = t->cfg;
     const char *ck = c->checkpoint_dir;
     const char *td = c->tokenizer_dir[0] ? c->tokenizer_dir : NULL;
+    char beside[FL_CFG_PATH];
     if (!td && ck[0] && exists(ck)) {
         struct stat st;
-        if (stat(ck, &st) == 0 && S_ISDIR(st.st_mode)) td = ck;
+        if (stat(ck, &st) == 0 && S_ISDIR(st.st_mode)) {
+            td = ck;
+        } else { /* a model file (llama2.c's stories260K.bin): the tokenizer beside it (tok512.bin) */
+            const char *slash = strrchr(ck, '/');
+            snprintf(beside, sizeof beside, "%.*s", slash ? (int)(slash - ck) : 1, slash ? (slash == ck ? "/" : ck) : ".");
+            if (fl_io_has_tokenizer(beside)) td = beside;
+        }
     }
     if (td) {
         FL_TRY(fl_tok_load(&t->tok, td));
@@ -202,8 +209,10 @@ static fl_status load_tokenizer(trainer *t) {
         FL_TRY(fl_tok_builtin_bytes(&t->tok));
     }
     if (fl_tok_vocab_size(t->tok) > t->model.cfg.vocab_size)
-        return fl_errorf(FL_ERR_INVALID, "tokenizer (%s, %d ids) does not fit the model's vocab_size %d",
-                         fl_tok_kind(t->tok), fl_tok_vocab_size(t->tok), t->model.cfg.vocab_size);
+        return fl_errorf(FL_ERR_INVALID, "tokenizer (%s, %d ids%s%s%s) does not fit the model's vocab_size %d%s",
+                         fl_tok_kind(t->tok), fl_tok_vocab_size(t->tok), td ? ", from '" : "", td ? td : "",
+                         td ? "'" : "", t->model.cfg.vocab_size, td && td == beside ? "; give the model's with "
+                         "--tokenizer_dir" : "");
     return FL_OK;
 }
 
@@ -915,9 +924,10 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
 
     const fl_data_stats *ds = fl_data_get_stats(t.data);
     if (out) {
-        fprintf(out, "model: %s, %zu parameters (%s); tokenizer: %s\n", t.model.cfg.name[0] ? t.model.cfg.name : "?",
+        fprintf(out, "model: %s, %zu parameters (%s); tokenizer: %s%s%s%s\n", t.model.cfg.name[0] ? t.model.cfg.name : "?",
                 t.model.layout.numel, cfg->checkpoint_dir[0] ? cfg->checkpoint_dir : cfg->model_name,
-                fl_tok_kind(t.tok));
+                fl_tok_kind(t.tok), t.tok_dir[0] ? " from '" : " (built in: no tokenizer files with the model; "
+                "--tokenizer_dir gives one", t.tok_dir[0] ? t.tok_dir : "", t.tok_dir[0] ? "'" : ")");
         fprintf(out, "data: %s, %zu train / %zu val samples, %zu truncated to max_seq_length; longest input %d\n",
                 fl_data_kind_name(cfg->data.kind), ds->n_samples[FL_SPLIT_TRAIN], ds->n_samples[FL_SPLIT_VAL],
                 ds->n_truncated, t.T);
