@@ -151,7 +151,7 @@ done:
  * finished one, and apart from errors (1), so it can requeue it with --resume auto).
  * SIGUSR2 is fitllm's launcher asking its ranks to stop (it took the user's signal: launch.c). */
 static volatile sig_atomic_t g_interrupted; /* the first signal's number; 0 = none */
-static int g_world = 1;
+static int g_world = 1, g_rank0 = 1; /* g_rank0: this process speaks (rank 0, or one process) */
 static const char *g_cmd_name = "train", *g_out_dir = ".";
 
 const char *fl_cli_signal_name(int sig) {
@@ -170,7 +170,7 @@ static void on_signal(int sig) {
         return;
     }
     g_interrupted = sig;
-    if (sig == SIGUSR2) return; /* the launcher said it */
+    if (sig == SIGUSR2 || !g_rank0) return; /* the launcher said it; rank 0 speaks for the ranks */
     char m[256];
     const char *name = fl_cli_signal_name(sig);
     size_t n = 0;
@@ -324,6 +324,7 @@ static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_co
              "fitllm %s: stopped at once; to continue from the last step-* checkpoint in '%s', run the same command "
              "with --resume auto\n", cmd, cfg.out_dir);
     g_world = world;
+    g_rank0 = rank == 0;
     g_cmd_name = cmd;
     g_out_dir = cfg_in->out_dir;
     signals_begin(cfg.threads > 0 ? cfg.threads : fl_cpu_default_threads(), launched);

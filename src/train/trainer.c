@@ -1141,7 +1141,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
             s = hp && !(t.dp.fsdp && cfg->hook_whole_params) ? t.be.to_host(&t.be, hp, t.opt.p, pb) : FL_OK;
             if (s == FL_OK) {
                 int h = hook(hook_ud, t.st.step, step_valid ? step_loss / step_valid : NAN, hp ? hp : t.opt.p, pb);
-                stop[0] = h != 0;
+                stop[0] = h > 0;
                 stop[2] = h > 1;
             }
             free(hp);
