@@ -264,8 +264,10 @@ wait_for() {
 }
 # stopped NAME WANT_RC ERE: the background run's exit status, its stderr, and a log that ends with a whole line
 stopped() {
-    local name=$1 want=$2 pat=$3 rc
+    local name=$1 want=$2 pat=$3 rc dog
+    ( sleep 300; kill -KILL "$BG" 2>/dev/null ) & dog=$!   # a run that does not stop must not hang the suite
     wait "$BG"; rc=$?
+    kill "$dog" 2>/dev/null; wait "$dog" 2>/dev/null
     if [ "$rc" -ne "$want" ]; then echo "FAIL $name: exit $rc, want $want"; tail -5 "$T/$name.err" | sed 's/^/     /'; fail=$((fail+1)); return 1; fi
     if ! grep -qE -- "$pat" "$T/$name.err"; then echo "FAIL $name: stderr lacks /$pat/"; tail -5 "$T/$name.err" | sed 's/^/     /'; fail=$((fail+1)); return 1; fi
     if [ ! -s "$T/$name.log" ] || [ -n "$(tail -c1 "$T/$name.log")" ]; then echo "FAIL $name: the log does not end with a whole line"; fail=$((fail+1)); return 1; fi
@@ -311,8 +313,11 @@ if "$FITLLM" --version | grep -q "comm: *MPI (Open MPI" && command -v mpirun >/d
         [ -n "$RANK_PID" ] && kill -KILL "$RANK_PID"
         stopped ddp_rank_killed_$which 137 "the ranks failed \(mpirun's status 137; .*\); the last committed checkpoint is '.*/step-0+[1-9]"
     done
+    # a full disk on rank 0 (fault injection, below): its message and the launcher's name the last committed checkpoint
+    expect ddp_disk_full 1 "rank 0 of 2 aborting: .*No space left on device; the last committed checkpoint is '.*/step-000001'" -- \
+        env FITLLM_FAULT_DISK_FULL_AFTER_STEP=1 "${MPIENV[@]}" "$FITLLM" "${DPRUN[@]}" --train.max_steps 5 --train.save_interval 1 --out_dir "$T/dpdf"
 else
-    echo "skip ddp_ctrl_c, ddp_sigterm, ddp_rank_killed: this fitllm has no Open MPI, or no mpirun here"; skip=$((skip+1))
+    echo "skip ddp_ctrl_c, ddp_sigterm, ddp_rank_killed, ddp_disk_full: this fitllm has no Open MPI, or no mpirun here"; skip=$((skip+1))
 fi
 # a full disk while saving (fault injection: every write after step 1's checkpoint fails): the last committed one named
 expect disk_full_names_checkpoint 1 "No space left on device; the last committed checkpoint is '.*/step-000001' \(to continue from it, run the same command with --resume auto\)" -- \
