@@ -82,8 +82,10 @@ const char *fl_fsdp_refusal(const fl_run_config *cfg, const fl_precision *p);
 /* Hook for tests: called after every optimizer step (after that step's
  * evaluation and checkpoint) with the step's loss (mean over its valid
  * targets) and the raw bytes of the trained parameters (all of them in their storage dtype,
- * or the LoRA adapters; under FULL_SHARD this rank's shard unless cfg->hook_whole_params). Returning non-zero stops training there, with
- * no final checkpoint, as a crash right after the step would. */
+ * or the LoRA adapters; under FULL_SHARD this rank's shard unless cfg->hook_whole_params). Returning 1 stops training there, with
+ * no final checkpoint, as a crash right after the step would; 2 stops there after committing this step's step-*
+ * checkpoint (unless train.save_interval just wrote it, or the loss is above the divergence limit): the CLI's
+ * answer to a signal under train.save_on_signal. Any rank's request counts for all. */
 typedef int (*fl_step_hook)(void *ud, long step, double loss, const void *params, size_t bytes);
 
 /* The LoRA configuration of a finetune_lora run (LitGPT's lora_* switches or a
