@@ -264,10 +264,12 @@ wait_for() {
 }
 # stopped NAME WANT_RC ERE: the background run's exit status, its stderr, and a log that ends with a whole line
 stopped() {
-    local name=$1 want=$2 pat=$3 rc dog
-    ( sleep 300; kill -KILL "$BG" 2>/dev/null ) & dog=$!   # a run that does not stop must not hang the suite
+    local name=$1 want=$2 pat=$3 rc i
+    # a run that does not stop must not hang the suite: 300 s, then SIGKILL (polled: a watchdog subshell killed
+    # right after its fork could still run this script's EXIT trap)
+    for i in $(seq 3000); do kill -0 "$BG" 2>/dev/null || break; sleep 0.1; done
+    kill -0 "$BG" 2>/dev/null && kill -KILL "$BG"
     wait "$BG"; rc=$?
-    kill "$dog" 2>/dev/null; wait "$dog" 2>/dev/null
     if [ "$rc" -ne "$want" ]; then echo "FAIL $name: exit $rc, want $want"; tail -5 "$T/$name.err" | sed 's/^/     /'; fail=$((fail+1)); return 1; fi
     if ! grep -qE -- "$pat" "$T/$name.err"; then echo "FAIL $name: stderr lacks /$pat/"; tail -5 "$T/$name.err" | sed 's/^/     /'; fail=$((fail+1)); return 1; fi
     if [ ! -s "$T/$name.log" ] || [ -n "$(tail -c1 "$T/$name.log")" ]; then echo "FAIL $name: the log does not end with a whole line"; fail=$((fail+1)); return 1; fi
@@ -309,7 +311,7 @@ if "$FITLLM" --version | grep -q "comm: *MPI (Open MPI" && command -v mpirun >/d
     for which in first last; do
         start_run ddp_rank_killed_$which "${MPIENV[@]}" "$FITLLM" "${DPRUN[@]}" --train.save_interval 1 --out_dir "$T/dpk$which"
         wait_for "$T/dpk$which/logs/metrics.csv" "^[0-9]+,3,"
-        MPIRUN_PID=$(pgrep -P $BG); RANK_PID=$(pgrep -P "$MPIRUN_PID" | if [ $which = first ]; then head -1; else tail -1; fi)
+        MPIRUN_PID=$(pgrep -P $BG); RANK_PID=$([ -n "$MPIRUN_PID" ] && pgrep -P "$MPIRUN_PID" | if [ $which = first ]; then head -1; else tail -1; fi)
         [ -n "$RANK_PID" ] && kill -KILL "$RANK_PID"
         stopped ddp_rank_killed_$which 137 "the ranks failed \(mpirun's status 137; .*\); the last committed checkpoint is '.*/step-0+[1-9]"
     done
