@@ -46,6 +46,7 @@ typedef struct {
     int n_tensors;
     char **meta_keys, **meta_vals; /* __metadata__ (string -> string) */
     int n_meta;
+    void *owned;           /* tensor data regrouped off the mapping (LitGPT's interleaved qkv); freed by close */
 } fl_st_file;
 
 /* Open and validate: header length sane (<= FL_ST_MAX_HEADER, within file),
