@@ -311,3 +311,40 @@ FL_TEST(torch_truncated_files) {
     }
     FL_CHECK(ok == 0);
 }
+
+/* fitllm convert: the same bytes as the safetensors twin; a failure at any write leaves nothing. */
+FL_TEST(torch_convert_atomic) {
+    const char *td = fl_test_tmpdir(); /* a new folder each call: taken once */
+    char dst[512];
+    snprintf(dst, sizeof dst, "%s/out", td);
+    int n = 0;
+    FL_REQUIRE_OK(fl_hf_convert(FX "tiny-sharded", dst, &n));
+    FL_CHECK(n == 21);
+    char p[600];
+    snprintf(p, sizeof p, "%s/model.safetensors", dst);
+    fl_st_file a, b;
+    FL_REQUIRE_OK(fl_st_open(&a, p));
+    FL_REQUIRE_OK(fl_st_open(&b, FX "tiny-st/model.safetensors"));
+    FL_CHECK(a.map_size == b.map_size && !memcmp(a.map, b.map, a.map_size));
+    fl_st_close(&a);
+    fl_st_close(&b);
+    FL_CHECK(fl_hf_convert(FX "tiny-bin", dst, NULL) == FL_ERR_INVALID);
+    CHECK_MSG("already exists");
+    fl_io_fail_writes_after(1000000);
+    snprintf(dst, sizeof dst, "%s/count", td);
+    FL_REQUIRE_OK(fl_hf_convert(FX "tiny-lit", dst, NULL));
+    long writes = 1000000 - fl_io_writes_left();
+    fl_io_fail_writes_after(-1);
+    FL_REQUIRE(writes > 2);
+    for (long k = 0; k < writes; k++) {
+        snprintf(dst, sizeof dst, "%s/f%ld", td, k);
+        fl_io_fail_writes_after(k);
+        fl_status s = fl_hf_convert(FX "tiny-lit", dst, NULL);
+        fl_io_fail_writes_after(-1);
+        FL_CHECKF(s == FL_ERR_IO, "write %ld failing: %s", k, fl_status_name(s));
+    }
+    /* nothing but the two good outputs in the folder: no f<k>, no temp folders */
+    char cmd[700];
+    snprintf(cmd, sizeof cmd, "test $(ls -A '%s' | wc -l) -eq 2", td);
+    FL_CHECK(system(cmd) == 0);
+}

@@ -41,6 +41,20 @@ fl_status fl_torch_open_mem(fl_st_file *f, const void *p, size_t n, const char *
  * buffer f owns). n_heads, n_kv_heads, head_dim from the model's config. */
 fl_status fl_torch_lit_to_hf(fl_st_file *f, int n_heads, int n_kv_heads, int head_dim);
 
+/* The weight files of a Hugging Face folder, opened as fl_hf_load_weights opens them (the
+ * first of model.safetensors, its index, pytorch_model.bin, its index, lit_model.pth; cfg
+ * gives the head counts LitGPT's fused qkv is split by). Close with fl_hf_close_weight_files. */
+fl_status fl_hf_open_weight_files(const char *dir, const fl_model_config *cfg, fl_st_file **files, int *n_files);
+void fl_hf_close_weight_files(fl_st_file *files, int n_files);
+
+/* fitllm convert: the model folder src_dir (any of the weight formats above, config.json)
+ * written as a new folder dst_dir with model.safetensors (shards + index above the shard
+ * size, fl_hf_set_max_shard_bytes), every tensor in its dtype on disk, config.json and the
+ * tokenizer/generation files copied as they are. dst_dir must not exist; it is built beside
+ * itself and renamed into place, so a failure leaves nothing. *n_tensors (may be NULL) gets
+ * the number written. */
+fl_status fl_hf_convert(const char *src_dir, const char *dst_dir, int *n_tensors);
+
 #ifdef __cplusplus
 }
 #endif

@@ -540,3 +540,22 @@ fl_status fl_hf_save_tensors(const char *dir, const fl_model_config *cfg, const 
     if (!cfg || !lay || !t || !dir || !dir[0]) return fl_errorf(FL_ERR_INVALID, "fl_hf_save_tensors: no tensors or folder");
     return fl_hf_save_folder(dir, NULL, cfg, lay, t);
 }
+
+/* ---- the weight files alone (fitllm convert) ------------------------------ */
+
+fl_status fl_hf_open_weight_files(const char *dir, const fl_model_config *cfg, fl_st_file **files, int *n_files) {
+    fl_hf_shards sh;
+    *files = NULL;
+    *n_files = 0;
+    fl_status s = fl_hf_open_shards(dir, cfg, &sh);
+    if (s != FL_OK) { fl_hf_shards_free(&sh); return s; }
+    free(sh.names);
+    *files = sh.files;
+    *n_files = sh.n_files;
+    return FL_OK;
+}
+
+void fl_hf_close_weight_files(fl_st_file *files, int n_files) {
+    for (int i = 0; i < n_files; i++) fl_st_close(&files[i]);
+    free(files);
+}

@@ -97,9 +97,10 @@ static int zip_extra64(const uint8_t *x, size_t xlen, uint64_t *usize, uint64_t 
 fl_status fl_zip_list(const uint8_t *m, size_t size, const char *path, fl_zip_entry **out, int *n_out) {
     *out = NULL;
     *n_out = 0;
-    uint64_t cd_off, cd_size, n_ent;
-    size_t cd_limit;
+    uint64_t cd_off = 0, cd_size = 0, n_ent = 0;
+    size_t cd_limit = 0;
     FL_TRY(zip_find_cd(m, size, path, &cd_off, &cd_size, &n_ent, &cd_limit));
+    if (n_ent > (1u << 24)) return fl_errorf(FL_ERR_FORMAT, "%s: zip claims %llu entries (more than 2^24)", path, (unsigned long long)n_ent);
     fl_zip_entry *es = calloc((size_t)n_ent + 1, sizeof *es);
     if (!es) return fl_errorf(FL_ERR_OOM, "%s: out of memory listing the zip", path);
     size_t p = (size_t)cd_off, end = (size_t)(cd_off + cd_size);
