@@ -1,11 +1,8 @@
-/* PyTorch checkpoints (torch.save zip files) read in place: the pieces shared by
- * torch_zip.c (the archive, binding tensors to storages) and torch_pickle.c (the
- * restricted unpickler). Private: the public API is fitllm/torch_ckpt.h.
- *
- * NOTE: this header was reconstructed from its users by a duplicate helper that
- * overwrote the original by mistake (see TORCH-HELPER-NOTE.txt); check it. */
-#ifndef FL_IO_TORCH_IMPL_H
-#define FL_IO_TORCH_IMPL_H
+/* PyTorch checkpoints (torch.save zip files), library-internal: the zip reader
+ * (torch_zip.c) and the restricted unpickler (torch_pickle.c). The public entry
+ * points are in include/fitllm/torch_ckpt.h. */
+#ifndef FITLLM_IO_TORCH_IMPL_H
+#define FITLLM_IO_TORCH_IMPL_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -13,33 +10,38 @@
 #include "fitllm/dtype.h"
 #include "fitllm/status.h"
 
-/* One stored zip entry: its name (not NUL-terminated, points into the mapping) and bytes. */
-typedef struct {
-    const char *name;
-    size_t name_len;
-    const uint8_t *data; /* the entry's bytes in the mapping */
-    uint64_t size;
-} fl_zip_entry;
-
-/* The central directory of the zip in m[0..size) (path for messages): *out (malloc'd, free())
- * holds *n_out entries, every one stored, unencrypted and inside the file. */
-fl_status fl_zip_list(const uint8_t *m, size_t size, const char *path, fl_zip_entry **out, int *n_out);
-
-/* One tensor of the state dict: its storage data/<storage_key> and its place in it. */
+/* One tensor of the state dict, as _rebuild_tensor_v2 describes it. */
 typedef struct {
     char *name;            /* state-dict key (owned) */
-    char *storage_key;     /* storage entry key (owned) */
-    fl_dtype dtype;        /* the storage's element type */
-    int64_t storage_numel; /* elements the storage declares */
-    int64_t offset;        /* storage_offset (elements) */
-    int64_t numel;         /* elements of the tensor */
+    char *storage_key;     /* the zip entry <archive>/data/<storage_key> holds the storage (owned) */
+    fl_dtype dtype;        /* from the storage class (torch.FloatStorage -> F32, ...) */
+    int64_t storage_numel; /* elements of the whole storage, as the persistent id says */
+    int64_t offset;        /* first element of the tensor in its storage */
+    int64_t numel;
     int ndim;
     int64_t shape[8];
 } fl_torch_rec;
 
-/* Unpickle data.pkl (p[0..n)) of `path` without executing anything: the records of the
- * state dict's tensors (*recs malloc'd, free with fl_torch_recs_free). */
+/* Run the restricted unpickler over data.pkl (p, n bytes; `path` names the file in
+ * errors). Only the opcodes and globals torch.save writes for a state dict are
+ * accepted; anything else is refused by name before it is acted on. On success
+ * *recs holds *n_recs tensors (contiguous, inside their storages' element counts;
+ * a Lightning-style {"model": state_dict, ...} is unwrapped to the state dict).
+ * Free with fl_torch_recs_free. */
 fl_status fl_torch_unpickle(const uint8_t *p, size_t n, const char *path, fl_torch_rec **recs, int *n_recs);
 void fl_torch_recs_free(fl_torch_rec *r, int n);
+
+/* One stored entry of a zip file, pointing into the caller's mapping. */
+typedef struct {
+    const char *name; /* not NUL-terminated */
+    size_t name_len;
+    const uint8_t *data;
+    uint64_t size;
+} fl_zip_entry;
+
+/* List the entries of a zip held in memory (map, size). Every entry must be stored
+ * (method 0), unencrypted, with its data inside the file; zip64 end records and
+ * extra fields are read (torch writes them). *out is malloc'd (free it). */
+fl_status fl_zip_list(const uint8_t *map, size_t size, const char *path, fl_zip_entry **out, int *n);
 
 #endif

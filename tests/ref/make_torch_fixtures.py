@@ -23,6 +23,9 @@ Writes tests/fixtures/torch/:
   legacy.bin      the pre-1.6 non-zip format (_use_new_zipfile_serialization=False).
   stories260K-bf16/  stories260K-hf (real TinyStories weights) re-saved by torch in bfloat16 as
                   pytorch_model.bin + its config.json (torch_dtype bfloat16); ~0.5 MB.
+
+and the fuzz seeds fuzz/seeds-torch/ (fuzz/fuzz_torch.c): a few small torch.save files (dtypes, shared
+storages with offsets, a Lightning-style wrapper, protocol 4, evil, legacy), each under 4 KB.
 """
 import argparse
 import collections
@@ -188,7 +191,18 @@ def main():
     st = read_safetensors(os.path.join(src, "model.safetensors"))
     bf = as_state_dict(collections.OrderedDict((n, x.to(torch.bfloat16)) for n, x in st.items()))
     torch.save(bf, os.path.join(folder("stories260K-bf16", scfg), "pytorch_model.bin"))
-    for root, _, files in os.walk(OUT):
+    seeds = "fuzz/seeds-torch"
+    os.makedirs(seeds, exist_ok=True)
+    a = torch.arange(6, dtype=torch.float32)
+    small = collections.OrderedDict([("a", a.reshape(2, 3)), ("b", torch.ones(3, dtype=torch.bfloat16)),
+                                     ("c", a[2:]), ("d", torch.zeros(2, dtype=torch.float16)), ("e", torch.tensor(1.5, dtype=torch.float64))])
+    torch.save(as_state_dict(small), os.path.join(seeds, "small.bin"))
+    torch.save(small, os.path.join(seeds, "proto4.bin"), pickle_protocol=4)
+    torch.save({"model": {"transformer.wte.weight": torch.ones(4, 2)}, "iter_num": 1}, os.path.join(seeds, "lit.pth"))
+    torch.save({"x": torch.nn.Parameter(torch.ones(2))}, os.path.join(seeds, "param.bin"))
+    torch.save({"x": Evil()}, os.path.join(seeds, "evil.bin"))
+    torch.save({"w": torch.ones(3)}, os.path.join(seeds, "legacy.bin"), _use_new_zipfile_serialization=False)
+    for root, _, files in list(os.walk(OUT)) + list(os.walk(seeds)):
         for fn in files:
             print(os.path.join(root, fn), os.path.getsize(os.path.join(root, fn)))
 
