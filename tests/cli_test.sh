@@ -605,6 +605,11 @@ expect convert_evil_refused 1 "evil/pytorch_model.bin: pickle global posix.syste
 expect loss_evil_refused 1 "pickle global posix.system is not allowed" -- "$FITLLM" loss "$T/evil" --tokens-file "$T/oov.txt"
 [ ! -e /tmp/fitllm-torch-pwned ] && [ -z "$(ls -d "$T"/cv-evil* 2>/dev/null)" ] \
     && { echo "ok   evil_ran_nothing_wrote_nothing"; pass=$((pass+1)); } || { echo "FAIL evil_ran_nothing_wrote_nothing"; fail=$((fail+1)); }
+# LitGPT's own folder (lit_model.pth + model_config.yaml, no config.json) loads; a field fitllm cannot build is named
+printf '1 5 9 13 7 3\n' > "$T/tiny-ids.txt"
+expect loss_lit_yaml_folder 0 "loss [0-9.]+" -- "$FITLLM" loss "$TF/tiny-lit-yaml" --tokens-file "$T/tiny-ids.txt"
+mkdir -p "$T/litpar"; cp "$TF/tiny-lit-yaml"/* "$T/litpar/"; sed -i 's/^parallel_residual: false/parallel_residual: true/' "$T/litpar/model_config.yaml"
+expect loss_lit_yaml_unsupported 1 "model_config.yaml.*parallel_residual" -- "$FITLLM" loss "$T/litpar" --tokens-file "$T/tiny-ids.txt"
 mkdir -p "$T/legacy"; cp "$TF/tiny-bin/config.json" "$T/legacy/"; cp "$TF/legacy.bin" "$T/legacy/pytorch_model.bin"
 expect loss_legacy_refused 1 "legacy/pytorch_model.bin: a legacy \(non-zip\) torch.save file" -- "$FITLLM" loss "$T/legacy" --tokens-file "$T/oov.txt"
 if [ -d "$DATA/stories260K-hf" ]; then

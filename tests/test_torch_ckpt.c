@@ -73,6 +73,14 @@ FL_TEST(torch_model_folders_load) {
     FL_REQUIRE_OK(fl_model_load_auto(&m, FX "tiny-lit", NULL, &pool, &loaded));
     FL_CHECK(loaded && !memcmp(m.params, ref.params, ref.layout.numel * sizeof(float)));
     fl_model_free(&m);
+    /* LitGPT's own folder: model_config.yaml instead of config.json, the same model */
+    loaded = 0;
+    FL_REQUIRE_OK(fl_model_load_auto(&m, FX "tiny-lit-yaml", NULL, &pool, &loaded));
+    FL_CHECK(loaded && m.cfg.n_layers == ref.cfg.n_layers && m.cfg.n_kv_heads == ref.cfg.n_kv_heads &&
+             m.cfg.vocab_size == ref.cfg.vocab_size && m.cfg.ffn_dim == ref.cfg.ffn_dim && !m.cfg.tie_embeddings &&
+             m.cfg.norm_eps == ref.cfg.norm_eps && m.cfg.rope_theta == ref.cfg.rope_theta);
+    FL_CHECK(m.layout.numel == ref.layout.numel && !memcmp(m.params, ref.params, ref.layout.numel * sizeof(float)));
+    fl_model_free(&m);
     fl_model_free(&ref);
     FL_CHECK(fl_mem_live_count(&pool) == 0);
     fl_mem_pool_free(&pool);
@@ -328,6 +336,18 @@ FL_TEST(torch_convert_atomic) {
     FL_CHECK(a.map_size == b.map_size && !memcmp(a.map, b.map, a.map_size));
     fl_st_close(&a);
     fl_st_close(&b);
+    snprintf(dst, sizeof dst, "%s/yaml", td); /* a LitGPT folder: config.json written from model_config.yaml */
+    FL_REQUIRE_OK(fl_hf_convert(FX "tiny-lit-yaml", dst, NULL));
+    snprintf(p, sizeof p, "%s/model.safetensors", dst);
+    FL_REQUIRE_OK(fl_st_open(&a, p));
+    FL_REQUIRE_OK(fl_st_open(&b, FX "tiny-st/model.safetensors"));
+    FL_CHECK(a.map_size == b.map_size && !memcmp(a.map, b.map, a.map_size));
+    fl_st_close(&a);
+    fl_st_close(&b);
+    fl_model_config c;
+    snprintf(p, sizeof p, "%s/config.json", dst);
+    FL_REQUIRE_OK(fl_hf_load_config(p, &c));
+    FL_CHECK(c.n_layers == 2 && c.n_heads == 4 && c.n_kv_heads == 2 && c.dim == 32 && c.vocab_size == 64);
     FL_CHECK(fl_hf_convert(FX "tiny-bin", dst, NULL) == FL_ERR_INVALID);
     CHECK_MSG("already exists");
     fl_io_fail_writes_after(1000000);
@@ -343,8 +363,27 @@ FL_TEST(torch_convert_atomic) {
         fl_io_fail_writes_after(-1);
         FL_CHECKF(s == FL_ERR_IO, "write %ld failing: %s", k, fl_status_name(s));
     }
-    /* nothing but the two good outputs in the folder: no f<k>, no temp folders */
+    /* nothing but the three good outputs in the folder: no f<k>, no temp folders */
     char cmd[700];
-    snprintf(cmd, sizeof cmd, "test $(ls -A '%s' | wc -l) -eq 2", td);
+    snprintf(cmd, sizeof cmd, "test $(ls -A '%s' | wc -l) -eq 3", td);
     FL_CHECK(system(cmd) == 0);
+}
+
+/* torch.save with pickle_protocol=4 (FRAME, MEMOIZE, SHORT_BINUNICODE, STACK_GLOBAL) and an
+ * nn.Parameter (_rebuild_parameter) read as well; float64 and zero-dim tensors too. */
+FL_TEST(torch_protocol4_and_parameters) {
+    fl_st_file f;
+    FL_REQUIRE_OK(fl_torch_open(&f, "fuzz/seeds-torch/proto4.bin"));
+    const fl_st_tensor *c = fl_st_find(&f, "c"), *e = fl_st_find(&f, "e");
+    FL_REQUIRE(f.n_tensors == 5 && c && e);
+    float v[4];
+    double x;
+    memcpy(v, c->data, sizeof v); /* a[2:] of arange(6) */
+    memcpy(&x, e->data, sizeof x);
+    FL_CHECK(c->ndim == 1 && c->shape[0] == 4 && v[0] == 2.0f && v[3] == 5.0f);
+    FL_CHECK(e->ndim == 0 && e->dtype == FL_F64 && x == 1.5);
+    fl_st_close(&f);
+    FL_REQUIRE_OK(fl_torch_open(&f, "fuzz/seeds-torch/param.bin"));
+    FL_CHECK(f.n_tensors == 1 && !strcmp(f.tensors[0].name, "x") && f.tensors[0].shape[0] == 2);
+    fl_st_close(&f);
 }

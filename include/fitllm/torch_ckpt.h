@@ -55,6 +55,16 @@ void fl_hf_close_weight_files(fl_st_file *files, int n_files);
  * the number written. */
 fl_status fl_hf_convert(const char *src_dir, const char *dst_dir, int *n_tensors);
 
+/* LitGPT's model_config.yaml (litgpt.Config fields: n_layer, n_embd, n_head, n_query_groups,
+ * intermediate_size, padded_vocab_size, ...) as a LLaMA model config; a field fitllm cannot build
+ * is refused naming it. */
+fl_status fl_lit_load_config(const char *yaml_path, fl_model_config *cfg);
+
+/* fl_hf_load_model_ex with the config already read (a LitGPT folder's model_config.yaml):
+ * checked against the weight files, model built, weights loaded. */
+fl_status fl_hf_load_model_cfg(fl_model *m, const char *dir, const fl_model_config *cfg, const char *cfg_source,
+                               const fl_backend *be, fl_mem_pool *pool, const fl_model_storage *st);
+
 #ifdef __cplusplus
 }
 #endif

@@ -86,10 +86,17 @@ fl_status fl_hf_convert(const char *src, const char *dst, int *n_tensors) {
     char cfg_path[CV_PATH_MAX], tmp[CV_PATH_MAX], path[CV_PATH_MAX];
     FL_TRY(fl_fs_join(cfg_path, sizeof cfg_path, src, "config.json"));
     fl_model_config cfg;
-    FL_TRY(fl_hf_load_config(cfg_path, &cfg));
     char *cfg_bytes = NULL;
     size_t cfg_len = 0;
-    FL_TRY(cv_read_file(cfg_path, &cfg_bytes, &cfg_len));
+    if (fl_fs_is_file(cfg_path)) {
+        FL_TRY(fl_hf_load_config(cfg_path, &cfg));
+        FL_TRY(cv_read_file(cfg_path, &cfg_bytes, &cfg_len));
+    } else { /* a LitGPT folder: config.json is written from model_config.yaml's model */
+        FL_TRY(fl_fs_join(cfg_path, sizeof cfg_path, src, "model_config.yaml"));
+        if (!fl_fs_is_file(cfg_path))
+            return fl_errorf(FL_ERR_NOT_FOUND, "%s: no config.json (Hugging Face) or model_config.yaml (LitGPT)", src);
+        FL_TRY(fl_lit_load_config(cfg_path, &cfg));
+    }
     fl_param_layout lay;
     fl_status s = fl_layout_build(&lay, &cfg);
     if (s != FL_OK) { free(cfg_bytes); return s; }
@@ -111,8 +118,8 @@ fl_status fl_hf_convert(const char *src, const char *dst, int *n_tensors) {
         s = fl_hf_save_tensors(tmp, &cfg, &lay, t); /* creates tmp (itself atomically) */
         made = 1;
     }
-    if (s == FL_OK) s = fl_fs_join(path, sizeof path, tmp, "config.json");
-    if (s == FL_OK) s = fl_fs_write_file_atomic(path, cfg_bytes, cfg_len);
+    if (s == FL_OK && cfg_bytes) s = fl_fs_join(path, sizeof path, tmp, "config.json");
+    if (s == FL_OK && cfg_bytes) s = fl_fs_write_file_atomic(path, cfg_bytes, cfg_len);
     if (s == FL_OK) s = fl_io_copy_tokenizer_files(src, tmp, NULL);
     if (s == FL_OK) {
         fl_fs_sync_dir(tmp);

@@ -382,8 +382,13 @@ fl_status fl_hf_load_model_ex(fl_model *m, const char *dir, const fl_backend *be
     FL_TRY(fl_fs_join(path, sizeof path, dir, "config.json"));
     fl_model_config cfg;
     FL_TRY(fl_hf_load_config(path, &cfg));
-    FL_TRY(fl_hf_check_config_vs_files(dir, path, &cfg));
-    FL_TRY(fl_model_init_ex(m, &cfg, be, pool, st));
+    return fl_hf_load_model_cfg(m, dir, &cfg, path, be, pool, st);
+}
+
+fl_status fl_hf_load_model_cfg(fl_model *m, const char *dir, const fl_model_config *cfg, const char *cfg_source,
+                               const fl_backend *be, fl_mem_pool *pool, const fl_model_storage *st) {
+    FL_TRY(fl_hf_check_config_vs_files(dir, cfg_source, cfg));
+    FL_TRY(fl_model_init_ex(m, cfg, be, pool, st));
     fl_status s = fl_hf_load_weights(m, dir);
     if (s != FL_OK) fl_model_free(m);
     return s;

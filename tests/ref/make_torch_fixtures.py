@@ -16,6 +16,7 @@ Writes tests/fixtures/torch/:
   tiny-sharded/   the same as pytorch_model-00001-of-00002.bin, -00002-of-00002.bin and
                   pytorch_model.bin.index.json (transformers' names and index format).
   tiny-lit/       the same as LitGPT's lit_model.pth (attn.qkv.weight = [q; k; v], LitGPT >= 0.5).
+  tiny-lit-yaml/  lit_model.pth as tiny-lit/ with LitGPT's model_config.yaml instead of config.json.
   tiny-lit-old/   the same with the older interleaved attn.attn.weight (per kv group: q heads, k, v),
                   wrapped as {"model": state_dict} the way Lightning Fabric saves training checkpoints.
   evil.bin        torch.save of an object whose __reduce__ is os.system("touch /tmp/fitllm-torch-pwned"):
@@ -142,6 +143,39 @@ def lit_names(t, interleaved):
     return out
 
 
+LIT_YAML = f"""attention_logit_softcapping: null
+attention_scores_scalar: null
+bias: false
+block_size: 64
+gelu_approximate: none
+head_size: {HD}
+hf_config:
+  name: tiny-llama
+  org: fitllm
+intermediate_size: {FF}
+lm_head_bias: false
+mlp_class_name: LLaMAMLP
+n_embd: {C}
+n_expert: 0
+n_expert_per_token: 0
+n_head: {NH}
+n_layer: {L}
+n_query_groups: {NKV}
+name: tiny-llama
+norm_class_name: RMSNorm
+norm_eps: 1.0e-05
+padded_vocab_size: {V}
+padding_multiple: 64
+parallel_residual: false
+rope_base: 10000
+rope_condense_ratio: 1
+rotary_percentage: 1.0
+scale_embeddings: false
+shared_attention_norm: false
+vocab_size: {V}
+"""
+
+
 class Evil:
     def __reduce__(self):
         return (os.system, ("touch /tmp/fitllm-torch-pwned",))
@@ -178,6 +212,11 @@ def main():
         json.dump({"metadata": {"total_size": total}, "weight_map": wm}, f, indent=2)
 
     torch.save(lit_names(t, False), os.path.join(folder("tiny-lit", cfg), "lit_model.pth"))
+    d = os.path.join(OUT, "tiny-lit-yaml")  # LitGPT's own folder: model_config.yaml, no config.json
+    os.makedirs(d, exist_ok=True)
+    torch.save(lit_names(t, False), os.path.join(d, "lit_model.pth"))
+    with open(os.path.join(d, "model_config.yaml"), "w") as f:  # as litgpt download writes it (sorted keys)
+        f.write(LIT_YAML)
     torch.save({"model": lit_names(t, True), "iter_num": 7},
                os.path.join(folder("tiny-lit-old", cfg), "lit_model.pth"))
 
