@@ -787,6 +787,53 @@ if [ -d "$DATA/stories260K-hf" ]; then
     expect tg_gpt2_generate_run 0 "^Once upon" -- "$FITLLM" generate "$T/tgg" --prompt "Once upon" --max_new_tokens 4
 fi
 
+# PyTorch checkpoints in (tests/fixtures/torch, written by torch: tests/ref/make_torch_fixtures.py) and
+# fitllm convert: the tiny model as pytorch_model.bin / shards / lit_model.pth converts to the very bytes
+# of its safetensors twin; hostile files are refused by name and leave nothing behind
+TF=tests/fixtures/torch
+expect convert_bin 0 "converted .* \(21 tensors, safetensors\)" -- "$FITLLM" convert "$TF/tiny-bin" "$T/cv-bin"
+cmp -s "$T/cv-bin/model.safetensors" "$TF/tiny-st/model.safetensors" && cmp -s "$T/cv-bin/config.json" "$TF/tiny-bin/config.json" \
+    && { echo "ok   convert_bin_bytes_equal_safetensors"; pass=$((pass+1)); } || { echo "FAIL convert_bin_bytes_equal_safetensors"; fail=$((fail+1)); }
+expect convert_lit_sharded 0 "converted" -- "$FITLLM" convert "$TF/tiny-lit-old" "$T/cv-lit" --max-shard-size 20KB
+[ -f "$T/cv-lit/model-00003-of-00003.safetensors" ] && [ -f "$T/cv-lit/model.safetensors.index.json" ] && [ ! -e "$T/cv-lit/model.safetensors" ] \
+    && { echo "ok   convert_shards_written"; pass=$((pass+1)); } || { echo "FAIL convert_shards_written"; ls "$T/cv-lit" | sed 's/^/     /'; fail=$((fail+1)); }
+expect convert_sharded_back 0 "converted" -- "$FITLLM" convert "$T/cv-lit" "$T/cv-lit1"
+cmp -s "$T/cv-lit1/model.safetensors" "$TF/tiny-st/model.safetensors" \
+    && { echo "ok   convert_lit_bytes_equal_safetensors"; pass=$((pass+1)); } || { echo "FAIL convert_lit_bytes_equal_safetensors"; fail=$((fail+1)); }
+expect convert_dst_exists 1 "cv-bin: already exists" -- "$FITLLM" convert "$TF/tiny-sharded" "$T/cv-bin"
+expect convert_usage 2 "needs <src_dir> and <dst_dir>" -- "$FITLLM" convert "$TF/tiny-bin"
+expect convert_bad_size 2 "needs a size such as 5GB" -- "$FITLLM" convert "$TF/tiny-bin" "$T/cv-x" --max-shard-size 5XB
+expect convert_help 0 "usage: fitllm convert" -- "$FITLLM" convert --help
+mkdir -p "$T/evil"; cp "$TF/tiny-bin/config.json" "$T/evil/"; cp "$TF/evil.bin" "$T/evil/pytorch_model.bin"; rm -f /tmp/fitllm-torch-pwned
+expect convert_evil_refused 1 "evil/pytorch_model.bin: pickle global posix.system is not allowed \(only torch state dicts are read" -- \
+    "$FITLLM" convert "$T/evil" "$T/cv-evil"
+expect loss_evil_refused 1 "pickle global posix.system is not allowed" -- "$FITLLM" loss "$T/evil" --tokens-file "$T/oov.txt"
+[ ! -e /tmp/fitllm-torch-pwned ] && [ -z "$(ls -d "$T"/cv-evil* 2>/dev/null)" ] \
+    && { echo "ok   evil_ran_nothing_wrote_nothing"; pass=$((pass+1)); } || { echo "FAIL evil_ran_nothing_wrote_nothing"; fail=$((fail+1)); }
+# LitGPT's own folder (lit_model.pth + model_config.yaml, no config.json) loads; a field fitllm cannot build is named
+printf '1 5 9 13 7 3\n' > "$T/tiny-ids.txt"
+expect loss_lit_yaml_folder 0 "loss [0-9.]+" -- "$FITLLM" loss "$TF/tiny-lit-yaml" --tokens-file "$T/tiny-ids.txt"
+mkdir -p "$T/litpar"; cp "$TF/tiny-lit-yaml"/* "$T/litpar/"; sed -i 's/^parallel_residual: false/parallel_residual: true/' "$T/litpar/model_config.yaml"
+expect loss_lit_yaml_unsupported 1 "model_config.yaml.*parallel_residual" -- "$FITLLM" loss "$T/litpar" --tokens-file "$T/tiny-ids.txt"
+mkdir -p "$T/legacy"; cp "$TF/tiny-bin/config.json" "$T/legacy/"; cp "$TF/legacy.bin" "$T/legacy/pytorch_model.bin"
+expect loss_legacy_refused 1 "legacy/pytorch_model.bin: a legacy \(non-zip\) torch.save file" -- "$FITLLM" loss "$T/legacy" --tokens-file "$T/oov.txt"
+if [ -d "$DATA/stories260K-hf" ]; then
+    # stories260K in bf16 as pytorch_model.bin: loss, the same loss after convert, a short fine-tune from it
+    mkdir -p "$T/sbin"; cp "$TF/stories260K-bf16"/* "$DATA/stories260K-hf/tokenizer.json" "$T/sbin/"
+    # "Once upon a time, there was a little girl named Lily. She loved to play outside in the park." (BOS first)
+    echo "1 403 407 261 378 432 383 286 261 376 298 315 421 395 317 426 338 401 396 267 337 410 408 419 292 411 322 265 282 295 433 426" > "$T/sids.txt"
+    expect loss_torch_bin 0 "loss [0-9.]+" -- "$FITLLM" loss "$T/sbin" --tokens-file "$T/sids.txt"
+    expect convert_stories_bin 0 "converted" -- "$FITLLM" convert "$T/sbin" "$T/sbin-st"
+    lb=$("$FITLLM" loss "$T/sbin" --tokens-file "$T/sids.txt" 2>&1 | awk '/^loss/ {print $2}')
+    lc=$("$FITLLM" loss "$T/sbin-st" --tokens-file "$T/sids.txt" 2>&1 | awk '/^loss/ {print $2}')
+    lf=$("$FITLLM" loss "$DATA/stories260K-hf" --tokens-file "$T/sids.txt" 2>&1 | awk '/^loss/ {print $2}')
+    # the bf16 weights' loss: identical after convert, and within bf16 rounding (measured 2.3e-5) of the fp32 model's 0.1804
+    [ -n "$lb" ] && [ "$lb" = "$lc" ] && [ -f "$T/sbin-st/tokenizer.json" ] && awk -v a="$lb" -v b="$lf" 'BEGIN { d = a - b; exit !(d < 0.005 && d > -0.005) }' \
+        && { echo "ok   loss_bin_equals_converted_near_fp32"; pass=$((pass+1)); } || { echo "FAIL loss_bin_equals_converted_near_fp32: $lb vs $lc vs fp32 $lf"; fail=$((fail+1)); }
+    expect finetune_from_torch_bin 0 "Saved the final model" -- "$FITLLM" finetune_full "$T/sbin" --train.max_steps 2 \
+        --train.global_batch_size 1 --eval.final_validation false --out_dir "$T/ft-bin" --quiet
+fi
+
 echo
 echo "$pass passed, $fail failed, $skip skipped"
 [ "$fail" -eq 0 ]

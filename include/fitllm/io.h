@@ -3,6 +3,8 @@
  *  - Hugging Face folders: config.json (LLaMA, GPT-2), model.safetensors or a
  *    sharded set with model.safetensors.index.json; F32/BF16/F16 on disk are
  *    converted to the run's dtype; files are read through mmap.
+ *  - PyTorch checkpoints (pytorch_model*.bin, LitGPT lit_model.pth) in the same
+ *    folders, through fitllm/torch_ckpt.h (a restricted unpickler, nothing executed).
  *  - llama2.c .bin checkpoints (v0 header), converted to HF layout (Meta's
  *    interleaved RoPE rows permuted to rotate-half order).
  *  - writing safetensors (HF names, 8-byte aligned header, __metadata__),
@@ -46,6 +48,7 @@ typedef struct {
     int n_tensors;
     char **meta_keys, **meta_vals; /* __metadata__ (string -> string) */
     int n_meta;
+    void *owned;           /* tensor data regrouped off the mapping (LitGPT's interleaved qkv); freed by close */
 } fl_st_file;
 
 /* Open and validate: header length sane (<= FL_ST_MAX_HEADER, within file),
@@ -97,7 +100,8 @@ fl_status fl_hf_load_config(const char *config_json_path, fl_model_config *cfg);
 /* Write config.json for cfg. */
 fl_status fl_hf_save_config(const char *path, const fl_model_config *cfg);
 
-/* Load all parameters of m from a folder's model.safetensors or sharded index.
+/* Load all parameters of m from a folder's model.safetensors or sharded index (or, when the
+ * folder has none, pytorch_model.bin, its sharded index or lit_model.pth: fitllm/torch_ckpt.h).
  * Every layout entry must be present with the right shape (tied lm_head may be
  * absent or equal to wte); tensors not in the layout are an error, except
  * known buffers (rotary inv_freq, GPT-2 attn.bias/masked_bias). */

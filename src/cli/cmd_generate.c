@@ -19,7 +19,8 @@ static void help(void) {
     fl_gen_params_default(&d);
     printf("usage: fitllm generate <model> [--prompt TEXT | --prompt-ids \"1 2 3\"] [options]\n\n"
            "  <model>                what to generate with:\n"
-           "                         - a Hugging Face folder (config.json + safetensors), e.g. a run's final/\n"
+           "                         - a Hugging Face folder (config.json + safetensors or pytorch_model*.bin, or\n"
+           "                           LitGPT's lit_model.pth), e.g. a run's final/\n"
            "                           or a full fine-tuning step-N/ checkpoint, or a llama2.c .bin\n"
            "                         - a run folder (out/finetune/full, out/finetune/lora): its final/ (a LoRA\n"
            "                           run's: the merged model), else its newest committed step-N/\n"

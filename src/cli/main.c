@@ -29,6 +29,8 @@
 #define FL_BUILD_SANITIZE "?"
 #endif
 
+int fl_cmd_convert(int argc, char **argv); /* src/cli/cmd_convert.c */
+
 static const struct {
     const char *name;
     int (*fn)(int, char **);
@@ -40,6 +42,7 @@ static const struct {
     {"finetune", fl_cmd_finetune_lora, "alias of finetune_lora"},
     {"merge_lora", fl_cmd_merge_lora, "merge a PEFT LoRA adapter into its base model (HF folder out)"},
     {"merge_shards", fl_cmd_merge_shards, "consolidate a sharded checkpoint into one HF folder (offline, streamed)"},
+    {"convert", fl_cmd_convert, "write a model folder (pytorch_model*.bin, lit_model.pth, ...) as HF safetensors"},
     {"plan", fl_cmd_plan, "predict memory per tag and phase, the verdict on a device, what to try (no run)"},
     {"lab", fl_cmd_lab, "run the memory lab's experiments on scaled models; table, report, CSV/JSON, charts"},
     {"demo", fl_cmd_demo, "short real training run on a built-in model with synthetic data + memory report"},
