@@ -105,7 +105,7 @@ FL_TEST(cfg_hyperparameters_roundtrip_hard_values) {
         {"checkpoint_dir", "123"},
         {"tokenizer_dir", "yes"},
         {"resume", "auto"},
-        {"max_memory", "3000000123"},
+        {"max_memory", "3000000123B"},
         {"seed", "1099511627776"},
         {"devices", "auto"},
         {"logger_name", "tensorboard"},
@@ -252,6 +252,13 @@ FL_TEST(cfg_values_litgpt_spells) {
     FL_REQUIRE_OK(fl_cfg_set(&c, "max_memory", "8GB"));
     FL_REQUIRE_OK(fl_cfg_set(&c, "max_memory", "null"));
     FL_CHECK(c.max_memory == 0);
+    /* a size without a unit is refused, naming the option and the units (issue 28: 80 = 80 bytes) */
+    FL_CHECK(fl_cfg_set(&c, "max_memory", "80") == FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "max_memory") && strstr(fl_error_message(), "80GB") &&
+              strstr(fl_error_message(), "80GiB"), "%s", fl_error_message());
+    const char *ysz = "max_memory: 80\n";
+    FL_CHECK(fl_cfg_apply_yaml(&c, ysz, strlen(ysz), "sz.yaml") == FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "no unit"), "%s", fl_error_message());
     /* LitGPT's access_token and log: (wandb / litlogger settings) are accepted */
     const char *y = "access_token: hf_x\nlog:\n  project: p\n  metadata:\n    a: 1\n  log_model: false\n";
     FL_REQUIRE_OK(fl_cfg_apply_yaml(&c, y, strlen(y), "log.yaml"));

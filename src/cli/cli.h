@@ -40,6 +40,10 @@ fl_status fl_cli_load_model_ex(fl_model *m, const char *path, int random_init, u
 double fl_cli_now_ms(void);
 /* Peak resident set size of this process in MiB. */
 double fl_cli_peak_rss_mb(void);
+/* Whether stdout is a terminal a person watches (progress bars and escapes only then): for a rank
+ * that fitllm's launcher started, what the launcher's stdout was (FITLLM_STDOUT_TTY); for a rank of
+ * another launcher, no (its stdout is the launcher's pseudo-terminal whatever the user's is). */
+int fl_cli_stdout_is_terminal(int world);
 
 /* Parse a training command line ([checkpoint_dir] --config Y --dotted.key V ...) into cfg
  * (defaults < YAML < command line) and validate it. `extra` (may be NULL) sees each

@@ -8,6 +8,7 @@
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "cli.h"
 #include "fitllm/cuda.h"
@@ -135,4 +136,10 @@ double fl_cli_peak_rss_mb(void) {
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
     return ru.ru_maxrss / 1024.0;
+}
+
+int fl_cli_stdout_is_terminal(int world) {
+    const char *e = getenv("FITLLM_STDOUT_TTY");
+    if (e && *e) return !strcmp(e, "1");
+    return world <= 1 && isatty(STDOUT_FILENO);
 }

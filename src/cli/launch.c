@@ -179,6 +179,10 @@ int fl_cli_start_ranks(const char *cmd, const fl_run_config *cfg, int argc, char
     int k = 0;
     if (argc > 4096) return fl_cli_usage(cmd, "too many arguments to start ranks with (%d)", argc);
     char np[16], marker[] = MARKER "=1";
+    /* the ranks' stdout is mpirun's pseudo-terminal even when mpirun's own goes to a file: tell them
+     * which it is, so that a log file gets no progress bar or terminal escapes */
+    char tty[] = "FITLLM_STDOUT_TTY=0";
+    if (isatty(STDOUT_FILENO)) tty[sizeof tty - 2] = '1';
     snprintf(np, sizeof np, "%d", want);
     av[k++] = mpirun;
     av[k++] = "-np";
@@ -192,6 +196,8 @@ int fl_cli_start_ranks(const char *cmd, const fl_run_config *cfg, int argc, char
     av[k++] = omp;
     av[k++] = "-x";
     av[k++] = marker;
+    av[k++] = "-x";
+    av[k++] = tty;
     av[k++] = exe;
     for (int i = 0; i < argc; i++) av[k++] = argv[i];
     av[k] = NULL;

@@ -125,7 +125,7 @@ static const fl_cfg_key k_keys[] = {
     {"eval.initial_validation", FL_CK_BOOL, OFF(eval.initial_validation), "evaluate before training"},
     {"eval.final_validation", FL_CK_BOOL, OFF(eval.final_validation), "evaluate after training"},
     {"eval.evaluate_example", FL_CK_IGNORED, 0, "accepted for LitGPT compatibility"},
-    {"optimizer", FL_CK_OPTIMIZER, 0, "AdamW | Adam | SGD | bnb.optim.AdamW8bit | Adam8bit | PagedAdamW"},
+    {"optimizer", FL_CK_OPTIMIZER, 0, "AdamW | Adam | SGD | bnb.optim.AdamW8bit | Adam8bit (bnb Paged* optimizers: refused, no CUDA paging)"},
     {"optimizer.class_path", FL_CK_OPTIMIZER, 0, "same as optimizer"},
     {"optimizer.lr", FL_CK_FLOAT, OFF(optimizer.lr), "learning rate"},
     {"optimizer.weight_decay", FL_CK_FLOAT, OFF(optimizer.weight_decay), "weight decay"},
@@ -160,7 +160,7 @@ static const fl_cfg_key k_keys[] = {
     {"lora_target_modules", FL_CK_PATH256, OFF(lora.target_modules), "finetune_lora: PEFT target modules (overrides lora_*)"},
     {"use_rslora", FL_CK_BOOL, OFF(lora.use_rslora), "finetune_lora: scaling alpha / sqrt(r)"},
     {"quantize", FL_CK_STR32, OFF(lora.quantize), "finetune_lora (QLoRA): bnb.nf4 | bnb.nf4-dq | bnb.fp4 | bnb.fp4-dq"},
-    {"max_memory", FL_CK_BYTES, OFF(max_memory), "allocator budget, e.g. 8GB (fitllm)"},
+    {"max_memory", FL_CK_BYTES, OFF(max_memory), "allocator budget with its unit, e.g. 8GB or 8GiB; a bare number is refused (fitllm)"},
     {"threads", FL_CK_INT, OFF(threads), "CPU threads, 0 = all cores (fitllm)"},
     {"quiet", FL_CK_BOOL, OFF(quiet), "no progress bar (fitllm)"},
     {"overwrite", FL_CK_BOOL, OFF(overwrite), "reuse an out_dir that holds another run (fitllm)"},
@@ -307,23 +307,33 @@ static fl_status set_optimizer(fl_run_config *c, const char *v) {
     else if (!strncmp(name, "bitsandbytes.optim.", 19)) name += 19;
     fl_optim_kind kind;
     float wd = -1.0f; /* the class's default weight decay, when it differs from the kind's */
-    if (!strcasecmp(name, "AdamW") || !strcasecmp(name, "PagedAdamW") || !strcasecmp(name, "PagedAdamW32bit") ||
-        !strcasecmp(name, "AdamW32bit")) {
-        /* Paged optimizers page state through CUDA unified memory; on the CPU the state
-         * already lives in host memory, so they are plain AdamW here. */
+    if (!strncasecmp(name, "Paged", 5)) {
+        /* bitsandbytes' paged optimizers keep their state in CUDA managed memory that the driver
+         * pages out to host memory under GPU memory pressure. fitllm has no such paging: running
+         * plain AdamW instead would silently drop what the recipe asked for */
+        int eight = strstr(name, "8bit") != NULL;
+        return fl_errorf(FL_ERR_UNSUPPORTED,
+                         "optimizer '%s' is not implemented: paged optimizers keep their state in CUDA managed memory "
+                         "that is paged out to host memory under GPU memory pressure, which fitllm does not do. "
+                         "To keep the optimizer state in host memory use --strategy deepspeed_stage_2_offload "
+                         "(--offload_optimizer_device cpu, the default); %s",
+                         v, eight ? "for the 8-bit state on the device use bnb.optim.AdamW8bit"
+                                  : "for a 4x smaller state on the device use bnb.optim.AdamW8bit; or torch.optim.AdamW");
+    }
+    if (!strcasecmp(name, "AdamW") || !strcasecmp(name, "AdamW32bit")) { /* bnb's AdamW32bit: AdamW, fp32 state */
         kind = FL_OPT_ADAMW;
-    } else if (!strcasecmp(name, "Adam")) {
+    } else if (!strcasecmp(name, "Adam") || !strcasecmp(name, "Adam32bit")) {
         kind = FL_OPT_ADAMW, wd = 0.0f; /* torch Adam: weight decay 0 (and we apply it decoupled) */
     } else if (!strcasecmp(name, "SGD")) {
         kind = FL_OPT_SGD;
-    } else if (!strcasecmp(name, "AdamW8bit") || !strcasecmp(name, "PagedAdamW8bit")) {
+    } else if (!strcasecmp(name, "AdamW8bit")) {
         kind = FL_OPT_ADAMW8BIT;
     } else if (!strcasecmp(name, "Adam8bit")) {
         kind = FL_OPT_ADAMW8BIT, wd = 0.0f; /* bnb Adam8bit: same kernel, weight decay 0 */
     } else {
         return fl_errorf(FL_ERR_UNSUPPORTED,
                          "optimizer '%s' is not supported (AdamW, Adam, SGD, bnb.optim.AdamW8bit, bnb.optim.Adam8bit, "
-                         "bnb.optim.PagedAdamW)", v);
+                         "bnb.optim.AdamW32bit, bnb.optim.Adam32bit)", v);
     }
     if (c->optimizer.kind != kind) {
         fl_optim_config keep = c->optimizer;
@@ -445,8 +455,10 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
         return parse_bool(key, v, (int *)(base + k->off));
     case FL_CK_BYTES:
         if (is_null(v)) { *(size_t *)(base + k->off) = 0; return FL_OK; }
-        if (fl_parse_bytes(v, (size_t *)(base + k->off)) != 0)
-            return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is not a size like 8GB or 512MiB", key, v);
+        if (fl_parse_bytes(v, (size_t *)(base + k->off)) != 0) {
+            char why[300];
+            return fl_errorf(FL_ERR_INVALID, "option '%s': %s", key, fl_bytes_refusal(v, why, sizeof why));
+        }
         return FL_OK;
     case FL_CK_PRECISION: return set_precision(base + k->off, v);
     case FL_CK_RESUME:
@@ -835,9 +847,9 @@ static void value_str(const fl_run_config *c, const fl_cfg_key *k, char *buf, si
         break;
     }
     case FL_CK_BOOL: snprintf(buf, n, "%s", *(const int *)(base + k->off) ? "true" : "false"); break;
-    case FL_CK_BYTES: { /* bytes, exactly (fl_parse_bytes reads a plain count) */
+    case FL_CK_BYTES: { /* bytes, exactly, with their unit (fl_parse_bytes refuses a bare number) */
         size_t v = *(const size_t *)(base + k->off);
-        if (v) snprintf(buf, n, "%zu", v); else snprintf(buf, n, "null");
+        if (v) snprintf(buf, n, "%zuB", v); else snprintf(buf, n, "null");
         break;
     }
     case FL_CK_DATA: snprintf(buf, n, "%s", fl_data_kind_name(c->data.kind)); break;

@@ -449,12 +449,17 @@ static void print_box(trainer *t, const fl_trainer_result *r) {
     }
     if (r->nvme)
         fprintf(t->out, "| %-28s %30s |\n", "nvme tier (offload) OPTIM", fl_fmt_bytes(r->nvme_peak[FL_TAG_OPTIM], b, sizeof b));
-    if (t->dp.world > 1) { /* ZeRO's unit: psi = the trainable gradients' bytes */
-        double psi = (double)t->opt.n * fl_dtype_size(t->opt.gt);
-        char v[48];
-        snprintf(v, sizeof v, "%s = %.2f psi", fl_fmt_bytes((size_t)r->comm_sent_last_step, b, sizeof b),
-                 psi > 0 ? (double)r->comm_sent_last_step / psi : 0.0);
+    if (t->dp.world > 1) {
+        /* in units of the whole model's trainable gradients (ZeRO's psi; under FULL_SHARD opt.n is
+         * this rank's shard), said in words: DDP's all-reduce sends 2 (N-1)/N of it */
+        size_t n_grad = t->dp.fsdp ? t->model.layout.numel : t->opt.n;
+        double psi = (double)n_grad * fl_dtype_size(t->opt.gt);
+        char v[48], g[32], lbl[64];
+        snprintf(v, sizeof v, "%s", fl_fmt_bytes((size_t)r->comm_sent_last_step, b, sizeof b));
         fprintf(t->out, "| %-28s %30s |\n", "sent per step (this rank)", v);
+        snprintf(lbl, sizeof lbl, "  = x the gradients (%s)", fl_fmt_bytes((size_t)psi, g, sizeof g));
+        snprintf(v, sizeof v, "%.2f x", psi > 0 ? (double)r->comm_sent_last_step / psi : 0.0);
+        fprintf(t->out, "| %-44s %14s |\n", lbl, v);
     }
     fprintf(t->out, "+-------------------------------------------------------------+\n");
 }
@@ -850,7 +855,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
     CHECK(fl_dp_check_config(&t.dp, cfg)); /* the same command line and recipe on every rank */
     CHECK(fl_backend_init_by_name(fl_backend_default_name(), &t.be, cfg->threads));
     t.be_ok = 1;
-    CHECK(fl_backend_pools_init(&t.be, &t.pool, &t.hpool, t.be.host_memory ? "cpu" : t.be.name, cfg->max_memory));
+    CHECK(fl_backend_pools_init(&t.be, &t.pool, &t.hpool, t.be.name, cfg->max_memory));
     t.pool_ok = 1;
     fl_dp_init(&t.dp, comm, &t.pool);
     t.dp.be = &t.be; /* the checkpoint streams read and write the backend's memory through it */
@@ -994,6 +999,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
         CHECK(fl_dp_gather(&t.dp, mine, 2 * t.accum, t.mb_stats));
         const double step_sent = (double)(fl_dp_sent(&t.dp) - sent0);
         if (t.dp.world > 1) r.comm_sent_last_step = (unsigned long long)step_sent;
+        int timed_k = -1; /* the round whose time a printed line has shown */
         for (int j = 0; j < t.G; j++) {
             int k = j / t.dp.world;
             const double *st = t.mb_stats + ((size_t)(j % t.dp.world) * t.accum + k) * 2;
@@ -1017,10 +1023,16 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
                 if (isnan(val_loss)) snprintf(vbuf, sizeof vbuf, "n/a");
                 else snprintf(vbuf, sizeof vbuf, "%.3f", val_loss);
                 bar_clear(&t);
+                /* several ranks: the iterations of one round ran at once, one per rank, and took
+                 * rank 0's time: printed once, on the round's first printed line */
+                char tbuf[64];
+                if (timed_k != k) snprintf(tbuf, sizeof tbuf, "iter time: %.2f ms", it_time * 1e3);
+                else snprintf(tbuf, sizeof tbuf, "rank %d's micro-batch, in parallel with iter %ld", j % t.dp.world,
+                              t.st.iter - j % t.dp.world);
+                timed_k = k;
                 if (out)
-                    fprintf(out, "Epoch %lld | iter %ld step %ld | loss train: %.3f, val: %s | iter time: %.2f ms%s\n",
-                            (long long)t.mb_epoch[j] + 1, t.st.iter, step_now, run, vbuf, it_time * 1e3,
-                            last ? " (step)" : "");
+                    fprintf(out, "Epoch %lld | iter %ld step %ld | loss train: %.3f, val: %s | %s%s\n",
+                            (long long)t.mb_epoch[j] + 1, t.st.iter, step_now, run, vbuf, tbuf, last ? " (step)" : "");
                 /* tokens: cumulative through this iteration (LitGPT's iter_num x micro batch x T) */
                 fl_metrics_values mv = {t.st.iter, step_now, t.mb_epoch[j], run, it_time, lr, NAN,
                                         t.mb_tokens[j] / (it_time > 0 ? it_time : 1e-9),
