@@ -105,7 +105,7 @@ int fl_cmd_bench_step(int argc, char **argv) {
                 return fl_cli_usage(cmd, "--max-memory: %s", fl_bytes_refusal(v, why, sizeof why));
             }
             i++;
-        } else if (a[0] == '-') return fl_cli_usage(cmd, "unknown option '%s'", a);
+        } else if (a[0] == '-') return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--act-ckpt", "--help", "--init", "--lora", "--lr", "--max-memory", "--micro-batch", "--optimizer", "--precision", "--preset", "--quantize", "--seed", "--seq", "--steps", "--threads", "--warmup", NULL});
         else if (!model_path) model_path = a;
         else return fl_cli_usage(cmd, "unexpected argument '%s'", a);
     }

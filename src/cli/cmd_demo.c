@@ -61,7 +61,7 @@ int fl_cmd_demo(int argc, char **argv) {
                 return fl_cli_usage(cmd, "--max-memory: %s", fl_bytes_refusal(v, why, sizeof why));
             }
             i++;
-        } else return fl_cli_usage(cmd, "unknown option '%s'", a);
+        } else return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--accum", "--help", "--lr", "--max-memory", "--micro-batch", "--model", "--seq", "--steps", "--threads", NULL});
     }
     fl_backend be;
     fl_mem_pool pool, hpool; /* tensors; host staging when the backend's memory is not host memory */

@@ -143,3 +143,23 @@ int fl_cli_stdout_is_terminal(int world) {
     if (e && *e) return !strcmp(e, "1");
     return world <= 1 && isatty(STDOUT_FILENO);
 }
+
+const char *fl_cli_nearest(const char *word, const char *const *known) {
+    const char *best = NULL;
+    size_t bd = (size_t)-1;
+    for (size_t i = 0; known && known[i]; i++) {
+        size_t d = fl_edit_distance(word, known[i]);
+        if (d < bd) bd = d, best = known[i];
+    }
+    return best && bd <= 2 + strlen(word) / 4 ? best : NULL;
+}
+
+int fl_cli_unknown_option(const char *cmd, const char *arg, const char *const *known) {
+    char key[128];
+    snprintf(key, sizeof key, "%.*s", (int)strcspn(arg, "="), arg); /* --opt=value: the option's name */
+    for (size_t i = 0; known && known[i]; i++) /* a known option at the end of the line, its value missing */
+        if (!strcmp(key, known[i])) return fl_cli_usage(cmd, "option '%s' needs a value", key);
+    const char *near = fl_cli_nearest(key, known);
+    if (near) return fl_cli_usage(cmd, "unknown option '%s' (did you mean '%s'?)", key, near);
+    return fl_cli_usage(cmd, "unknown option '%s'", key);
+}

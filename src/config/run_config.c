@@ -393,6 +393,14 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
                          c->command == FL_CMD_PRETRAIN ? "pretrain" : "finetune_full");
     char *base = (char *)c;
     long long x = 0;
+    if (k->off == offsetof(fl_run_config, train.lr_warmup_steps) && k->type == FL_CK_INT_OPT) {
+        c->lr_warmup_steps_given = 1;
+    } else if (k->off == offsetof(fl_run_config, train.lr_warmup_fraction) && k->type == FL_CK_FLOAT_OPT &&
+               !is_null(v) && !c->lr_warmup_steps_given) {
+        /* a fraction given alone is the warm-up: the command's default steps (100, pretrain 2000)
+         * give way (LitGPT refuses the pair even when the steps are only its default) */
+        c->train.lr_warmup_steps = -1;
+    }
     switch (k->type) {
     case FL_CK_PATH:
         if (is_null(v)) { ((char *)(base + k->off))[0] = '\0'; return FL_OK; }
@@ -695,7 +703,9 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
                          t->global_batch_size, c->devices * c->num_nodes, t->micro_batch_size);
     if (t->log_interval <= 0) return fl_errorf(FL_ERR_INVALID, "train.log_interval must be positive");
     if (t->lr_warmup_fraction >= 0 && t->lr_warmup_steps > 0)
-        return fl_errorf(FL_ERR_INVALID, "can't provide both train.lr_warmup_fraction and train.lr_warmup_steps");
+        return fl_errorf(FL_ERR_INVALID, "train.lr_warmup_fraction %g and train.lr_warmup_steps %d are both given: "
+                         "remove one of them (or set it to null); the fraction alone replaces the default steps",
+                         (double)t->lr_warmup_fraction, t->lr_warmup_steps);
     if (t->lr_warmup_fraction > 1) return fl_errorf(FL_ERR_INVALID, "train.lr_warmup_fraction must be in [0, 1]");
     if (t->max_seq_length == 0 || t->max_seq_length == 1)
         return fl_errorf(FL_ERR_INVALID, "train.max_seq_length %d: a sample needs at least 2 tokens (an input and "

@@ -7,6 +7,8 @@
 #include <dirent.h>
 #include <errno.h>
 #include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -62,7 +64,21 @@ typedef struct {
     int accum, G, B, T;         /* G = accum x world: micro-batches of one optimizer step, all ranks */
     long max_steps, warmup, steps_per_epoch;
     fl_train_state st;
+    char notes[1024];           /* user settings the run could not take as given, one "note: ..." line each */
 } trainer;
+
+/* A setting the run adjusts is said, never changed without a word (printed with the run's header). */
+static void add_note(trainer *t, const char *fmt, ...) {
+    size_t o = strlen(t->notes);
+    if (o + 8 >= sizeof t->notes) return;
+    va_list ap;
+    va_start(ap, fmt);
+    o += (size_t)snprintf(t->notes + o, sizeof t->notes - o, "note: ");
+    if (o < sizeof t->notes) vsnprintf(t->notes + o, sizeof t->notes - o, fmt, ap);
+    va_end(ap);
+    o = strlen(t->notes);
+    if (o + 1 < sizeof t->notes) t->notes[o] = '\n', t->notes[o + 1] = 0;
+}
 
 static double now_s(void) {
     struct timespec t;
@@ -216,6 +232,13 @@ static fl_status load_data(trainer *t) {
     /* LitGPT's pretrain cuts the token stream into blocks of the model's context
      * (model.max_seq_length = block_size) unless train.max_seq_length says less */
     if (dc.kind == FL_DATA_TEXTFILES && dc.max_seq_length <= 0) dc.max_seq_length = t->model.cfg.max_seq;
+    const int ctx = t->model.cfg.max_seq;
+    if (c->train.max_seq_length > ctx) {
+        /* LitGPT's pretrain: min(train.max_seq_length, block_size); longer blocks would only be cut */
+        if (dc.kind == FL_DATA_TEXTFILES) dc.max_seq_length = ctx;
+        add_note(t, "train.max_seq_length %d is more than the model's %d positions (its context): samples are cut to "
+                 "%d tokens", c->train.max_seq_length, ctx, ctx);
+    }
     if (dc.kind == FL_DATA_ALPACA && !dc.json_path[0])
         snprintf(dc.json_path, sizeof dc.json_path, "data/alpaca/alpaca_data_cleaned_archive.json");
     FL_TRY(fl_data_load(&t->data, &dc, t->tok));
@@ -270,6 +293,13 @@ static void schedule(trainer *t) {
     if (a->lr_warmup_fraction >= 0) w = (long)ceil(a->lr_warmup_fraction * t->steps_per_epoch);
     else if (a->lr_warmup_steps > 0) w = a->lr_warmup_steps;
     t->warmup = w < ms ? w : ms;
+    if (w > ms)
+        add_note(t, "the warm-up of %ld steps (%s) is longer than the run's %ld steps: the learning rate rises over "
+                 "all %ld and never decays", w, a->lr_warmup_fraction >= 0 ? "train.lr_warmup_fraction" :
+                 "train.lr_warmup_steps", ms, ms);
+    if (bpe < t->G)
+        add_note(t, "the training split has %ld micro-batches, fewer than the %d of one optimizer step: an epoch is "
+                 "counted as one step", bpe, t->G);
 }
 
 /* ---- evaluation ---------------------------------------------------------------- */
@@ -907,6 +937,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
         fprintf(out, "data: %s, %zu train / %zu val samples, %zu truncated to max_seq_length; longest input %d\n",
                 fl_data_kind_name(cfg->data.kind), ds->n_samples[FL_SPLIT_TRAIN], ds->n_samples[FL_SPLIT_VAL],
                 ds->n_truncated, t.T);
+        if (ds->val_source[0]) fprintf(out, "validation: %s\n", ds->val_source);
         if (strcmp(cfg->logger_name, "csv") && strcmp(cfg->logger_name, "jsonl"))
             fprintf(out, "logger_name %s: fitllm writes CSV metrics (%s/logs/metrics.csv); the %s logger is not "
                     "available in this build\n", cfg->logger_name, cfg->out_dir, cfg->logger_name);
@@ -917,6 +948,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
                 "%s lr %g, min_lr %g\n",
                 t.B, t.accum, ranks, cfg->train.global_batch_size, t.steps_per_epoch, t.max_steps, t.warmup,
                 fl_optim_name(cfg->optimizer.kind), cfg->optimizer.lr, cfg->train.min_lr);
+        fputs(t.notes, out);
         if (t.dp.world > 1) {
             char lb[300];
             fprintf(out, "data parallel (%s, strategy %s): %d ranks over %s (%s); rank 0 reports; gradients summed "
