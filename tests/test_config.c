@@ -589,3 +589,19 @@ FL_TEST(cfg_paged_optimizers_refused) {
     FL_REQUIRE_OK(fl_cfg_set(&c, "optimizer", "bnb.optim.Adam32bit"));
     FL_CHECK(c.optimizer.kind == FL_OPT_ADAMW && c.optimizer.weight_decay == 0.0f);
 }
+
+/* issue 28: a value longer than its field is refused, never cut short to another name unsaid */
+FL_TEST(cfg_long_values_refused) {
+    fl_run_config c;
+    fl_cfg_defaults(&c, FL_CMD_PRETRAIN);
+    char name[80];
+    memset(name, 'a', 70);
+    name[70] = 0;
+    FL_CHECK(fl_cfg_set(&c, "model_name", name) == FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "model_name") && strstr(fl_error_message(), "longer than 63"), "%s",
+              fl_error_message());
+    FL_CHECK(fl_cfg_set(&c, "strategy", "deepspeed_stage_3_offload_nvme_xyz") == FL_ERR_INVALID);
+    name[63] = 0; /* the longest that fits */
+    FL_REQUIRE_OK(fl_cfg_set(&c, "model_name", name));
+    FL_CHECK(strlen(c.model_name) == 63);
+}

@@ -407,7 +407,14 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
         if (strlen(v) >= FL_CFG_PATH) return fl_errorf(FL_ERR_INVALID, "option '%s': path too long", key);
         snprintf(base + k->off, FL_CFG_PATH, "%s", v);
         return FL_OK;
-    case FL_CK_STR32: snprintf(base + k->off, 32, "%s", is_null(v) ? "" : v); return FL_OK;
+    case FL_CK_STR32:
+    case FL_CK_STR64: { /* too long is an error: cut short, a name would turn into another (or none) unsaid */
+        size_t cap = k->type == FL_CK_STR32 ? 32 : 64;
+        if (!is_null(v) && strlen(v) >= cap)
+            return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is longer than %zu characters", key, v, cap - 1);
+        snprintf(base + k->off, cap, "%s", is_null(v) ? "" : v);
+        return FL_OK;
+    }
     case FL_CK_PATH256: {
         /* a YAML list arrives as "[a, b]": keep the names, comma-separated */
         char buf[256];
@@ -415,10 +422,11 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
         for (const char *q = is_null(v) ? "" : v; *q && o < sizeof buf - 1; q++)
             if (*q != '[' && *q != ']' && *q != ' ' && *q != '"' && *q != '\'') buf[o++] = *q;
         buf[o] = 0;
+        if (o == sizeof buf - 1)
+            return fl_errorf(FL_ERR_INVALID, "option '%s': the list is longer than %zu characters", key, sizeof buf - 2);
         snprintf(base + k->off, 256, "%s", buf);
         return FL_OK;
     }
-    case FL_CK_STR64: snprintf(base + k->off, 64, "%s", is_null(v) ? "" : v); return FL_OK;
     case FL_CK_SINT:
         FL_TRY(parse_int(key, v, -(1 << 30), 1 << 30, &x));
         *(int *)(base + k->off) = (int)x;
