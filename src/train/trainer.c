@@ -484,12 +484,12 @@ static void print_box(trainer *t, const fl_trainer_result *r) {
          * this rank's shard), said in words: DDP's all-reduce sends 2 (N-1)/N of it */
         size_t n_grad = t->dp.fsdp ? t->model.layout.numel : t->opt.n;
         double psi = (double)n_grad * fl_dtype_size(t->opt.gt);
-        char v[48], g[32], lbl[64];
-        snprintf(v, sizeof v, "%s", fl_fmt_bytes((size_t)r->comm_sent_last_step, b, sizeof b));
-        fprintf(t->out, "| %-28s %30s |\n", "sent per step (this rank)", v);
-        snprintf(lbl, sizeof lbl, "  = x the gradients (%s)", fl_fmt_bytes((size_t)psi, g, sizeof g));
-        snprintf(v, sizeof v, "%.2f x", psi > 0 ? (double)r->comm_sent_last_step / psi : 0.0);
-        fprintf(t->out, "| %-44s %14s |\n", lbl, v);
+        char g[32], line[96];
+        fprintf(t->out, "| %-28s %30s |\n", "sent per step (this rank)",
+                fl_fmt_bytes((size_t)r->comm_sent_last_step, b, sizeof b));
+        snprintf(line, sizeof line, "= %.2f x the model's gradients (%s)",
+                 psi > 0 ? (double)r->comm_sent_last_step / psi : 0.0, fl_fmt_bytes((size_t)psi, g, sizeof g));
+        fprintf(t->out, "| %59s |\n", line);
     }
     fprintf(t->out, "+-------------------------------------------------------------+\n");
 }
