@@ -596,6 +596,7 @@ expect optimizer_paged_refused 2 "PagedAdamW' is not implemented: paged optimize
 expect optimizer_paged8_refused 2 "PagedAdamW8bit' is not implemented" -- "$FITLLM" finetune_full micro --optimizer bnb.optim.PagedAdamW8bit --out_dir "$T/pg"
 expect did_you_mean_command 2 "unknown command 'finetune_ful' \(did you mean 'finetune_full'\?\)" -- "$FITLLM" finetune_ful micro
 expect did_you_mean_bench_flag 2 "unknown option '--micro-bach' \(did you mean '--micro-batch'\?\)" -- "$FITLLM" bench-step micro --micro-bach 2
+expect did_you_mean_plan_flag 2 "unknown option 'device-memroy' \(did you mean '--device-memory'\?\)" -- "$FITLLM" plan micro --device-memroy 80GB
 expect did_you_mean_recipe_key 2 "unknown option 'train.micro_bach_size' \(did you mean 'train.micro_batch_size'\?\)" -- \
     "$FITLLM" finetune_full micro --train.micro_bach_size 2
 expect warmup_fraction_alone 0 "warmup 1;" -- "$FITLLM" finetune_full micro "${TR[@]}" --train.lr_warmup_fraction 0.5 --out_dir "$T/wf"
