@@ -613,6 +613,9 @@ if [ -d "$DATA/text" ]; then
     expect textfiles_names_val_file 0 "^validation: tinyshakespeare.txt, the first .txt of train_data_path in sorted order" -- \
         "$FITLLM" pretrain --model_name micro --data TextFiles --data.train_data_path "$DATA/text" --tokenizer_dir "$DATA/stories260K-hf" \
         --train.max_steps 1 --train.global_batch_size 1 --train.micro_batch_size 1 --train.max_seq_length 32 --out_dir "$T/tf1" --quiet
+    expect clamp_longest_sample_said 0 "note: the longest sample has 1030 input tokens, more than the model's 512 positions" -- \
+        "$FITLLM" finetune_full "$DATA/stories260K-hf" --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --train.max_steps 1 \
+        --train.global_batch_size 1 --eval.max_iters 1 --eval.final_validation false --eval.max_new_tokens 0 --out_dir "$T/cl3" --quiet
     # the CPU recipe validates on TinyStories (its one train file's last 5%), not on Shakespeare
     mkdir -p "$T/rcp/run" && ln -s "$(cd "$DATA/.." && pwd)" "$T/rcp/shared"
     expect recipe_validates_on_tinystories 0 "^validation: the last 5% of the blocks of tinystories-val-prefix.txt" -- \

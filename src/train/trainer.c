@@ -253,6 +253,9 @@ static fl_status load_data(trainer *t) {
     int T = longest - 1; /* inputs are the sample minus its last token */
     if (c->train.max_seq_length > 0 && T > c->train.max_seq_length) T = c->train.max_seq_length;
     if (T > t->model.cfg.max_seq) T = t->model.cfg.max_seq;
+    if (c->train.max_seq_length <= 0 && longest - 1 > ctx) /* null: the longest sample would decide */
+        add_note(t, "the longest sample has %d input tokens, more than the model's %d positions (its context): "
+                 "samples are cut to %d tokens (train.max_seq_length null)", longest - 1, ctx, ctx);
     t->T = T;
     t->B = c->train.micro_batch_size;
     /* every target masked (an empty response with mask_prompt, responses cut away by
