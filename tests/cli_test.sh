@@ -434,10 +434,10 @@ if grep -q "out of memory during setup: ACTS requested" <<<"$out" && grep -q "av
 else echo "FAIL ft_oom_setup_report_no_output"; echo "$out" | tail -12 | sed 's/^/     /'; fail=$((fail+1)); fi
 # budget = the planned training peak: training fits, the evaluation sample's KV cache does not
 need=$("$FITLLM" plan micro "${TR[@]}" --eval.max_new_tokens 8 --generation off --json | grep -o '"peak": {[^}]*}' | grep -o '"total": [0-9]*' | grep -o '[0-9]*$')
-expect ft_oom_at_eval 3 "out of memory during validation" -- "$FITLLM" finetune_full micro "${TR[@]}" --eval.max_new_tokens 8 --out_dir "$T/oom2" --max-memory "$need"
+expect ft_oom_at_eval 3 "out of memory during validation" -- "$FITLLM" finetune_full micro "${TR[@]}" --eval.max_new_tokens 8 --out_dir "$T/oom2" --max-memory "${need}B"
 if [ -d "$T/oom2/logs" ] && [ ! -e "$T/oom2/final" ]; then echo "ok   ft_oom_at_eval_no_final"; pass=$((pass+1))
 else echo "FAIL ft_oom_at_eval_no_final"; ls -R "$T/oom2" 2>&1 | head | sed 's/^/     /'; fail=$((fail+1)); fi
-expect plan_predicts_eval_oom 3 "OUT OF MEMORY during validation \(eval_generate\)" -- "$FITLLM" plan micro "${TR[@]}" --eval.max_new_tokens 8 --max-memory "$need"
+expect plan_predicts_eval_oom 3 "OUT OF MEMORY during validation \(eval_generate\)" -- "$FITLLM" plan micro "${TR[@]}" --eval.max_new_tokens 8 --max-memory "${need}B"
 # the planner's null backend as FITLLM_BACKEND=null: a device the host cannot read, so every path of a run
 # (LoRA merge, checkpoint, sample) goes through the backend's copies and nothing faults; the bytes are zeros
 expect null_backend_lora_run 0 "peak total" -- env FITLLM_BACKEND=null "$FITLLM" finetune_lora micro "${TR[@]}" --out_dir "$T/null-lora"
@@ -832,6 +832,62 @@ if [ -d "$DATA/stories260K-hf" ]; then
         && { echo "ok   loss_bin_equals_converted_near_fp32"; pass=$((pass+1)); } || { echo "FAIL loss_bin_equals_converted_near_fp32: $lb vs $lc vs fp32 $lf"; fail=$((fail+1)); }
     expect finetune_from_torch_bin 0 "Saved the final model" -- "$FITLLM" finetune_full "$T/sbin" --train.max_steps 2 \
         --train.global_batch_size 1 --eval.final_validation false --out_dir "$T/ft-bin" --quiet
+fi
+
+# ---- issue 28, the small things: sizes need a unit; paged optimizers refused; did you mean; the
+# warm-up fraction alone; clamps said; the memory report names its backend; TextFiles names its
+# validation text; no progress bar or escapes in a log, the DDP iteration time once ----
+expect size_no_unit_plan 2 "'80' has no unit: write 80GB \(10\^9 bytes\) or 80GiB" -- "$FITLLM" plan micro --device-memory 80
+expect size_no_unit_max_memory 2 "option 'max_memory': '80' has no unit" -- "$FITLLM" finetune_full micro --max-memory 80 --out_dir "$T/sz"
+printf 'max_memory: 80\n' > "$T/sz.yaml"
+expect size_no_unit_recipe 2 "sz.yaml:1: option 'max_memory': '80' has no unit" -- "$FITLLM" finetune_full micro --config "$T/sz.yaml" --out_dir "$T/sz"
+expect size_no_unit_bench 2 "--max-memory: '80' has no unit" -- "$FITLLM" bench-step micro --max-memory 80
+expect size_bytes_unit 3 "budget 80 B" -- "$FITLLM" plan micro --device-memory 80B
+expect optimizer_paged_refused 2 "PagedAdamW' is not implemented: paged optimizers keep their state in CUDA managed memory.*deepspeed_stage_2_offload.*AdamW8bit" -- \
+    "$FITLLM" finetune_full micro --optimizer bnb.optim.PagedAdamW --out_dir "$T/pg"
+expect optimizer_paged8_refused 2 "PagedAdamW8bit' is not implemented" -- "$FITLLM" finetune_full micro --optimizer bnb.optim.PagedAdamW8bit --out_dir "$T/pg"
+expect did_you_mean_command 2 "unknown command 'finetune_ful' \(did you mean 'finetune_full'\?\)" -- "$FITLLM" finetune_ful micro
+expect did_you_mean_bench_flag 2 "unknown option '--micro-bach' \(did you mean '--micro-batch'\?\)" -- "$FITLLM" bench-step micro --micro-bach 2
+expect did_you_mean_plan_flag 2 "unknown option 'device-memroy' \(did you mean '--device-memory'\?\)" -- "$FITLLM" plan micro --device-memroy 80GB
+expect did_you_mean_recipe_key 2 "unknown option 'train.micro_bach_size' \(did you mean 'train.micro_batch_size'\?\)" -- \
+    "$FITLLM" finetune_full micro --train.micro_bach_size 2
+expect warmup_fraction_alone 0 "warmup 1;" -- "$FITLLM" finetune_full micro "${TR[@]}" --train.lr_warmup_fraction 0.5 --out_dir "$T/wf"
+expect warmup_both_given 2 "train.lr_warmup_fraction 0.5 and train.lr_warmup_steps 3 are both given: remove one" -- \
+    "$FITLLM" finetune_full micro "${TR[@]}" --train.lr_warmup_fraction 0.5 --train.lr_warmup_steps 3 --out_dir "$T/wf2"
+expect clamp_max_seq_length_said 0 "note: train.max_seq_length 4096 is more than the model's 512 positions" -- \
+    "$FITLLM" finetune_full micro "${TR[@]}" --train.max_seq_length 4096 --out_dir "$T/cl"
+expect clamp_warmup_said 0 "note: the warm-up of 100 steps \(train.lr_warmup_steps\) is longer than the run's 1 steps" -- \
+    "$FITLLM" finetune_full micro "${TR[@]}" --out_dir "$T/cl2"
+for be in ref opaque; do
+    expect memory_report_names_$be 0 "^memory report \($be\)" -- env FITLLM_BACKEND=$be "$FITLLM" finetune_full micro "${TR[@]}" --out_dir "$T/mr-$be"
+done
+if [ -d "$DATA/text" ]; then
+    expect textfiles_names_val_file 0 "^validation: tinyshakespeare.txt, the first .txt of train_data_path in sorted order" -- \
+        "$FITLLM" pretrain --model_name micro --data TextFiles --data.train_data_path "$DATA/text" --tokenizer_dir "$DATA/stories260K-hf" \
+        --train.max_steps 1 --train.global_batch_size 1 --train.micro_batch_size 1 --train.max_seq_length 32 --out_dir "$T/tf1" --quiet
+    expect clamp_longest_sample_said 0 "note: the longest sample has 1030 input tokens, more than the model's 512 positions" -- \
+        "$FITLLM" finetune_full "$DATA/stories260K-hf" --data JSON --data.json_path "$DATA/instruct/alpaca-tiny.json" --train.max_steps 1 \
+        --train.global_batch_size 1 --eval.max_iters 1 --eval.final_validation false --eval.max_new_tokens 0 --out_dir "$T/cl3" --quiet
+    # the CPU recipe validates on TinyStories (its one train file's last 5%), not on Shakespeare
+    mkdir -p "$T/rcp/run" && ln -s "$(cd "$DATA/.." && pwd)" "$T/rcp/shared"
+    expect recipe_validates_on_tinystories 0 "^validation: the last 5% of the blocks of tinystories-val-prefix.txt" -- \
+        bash -c "cd '$T/rcp/run' && '$(cd "$(dirname "$FITLLM")" && pwd)/$(basename "$FITLLM")' pretrain --config '$PWD/recipes/cpu/micro-pretrain-tinystories.yaml' \
+        --train.max_steps 1 --train.global_batch_size 8 --eval.max_iters 1 --out_dir '$T/tf2' --quiet"
+else
+    echo "skip textfiles_names_val_file: $DATA/text not found"; skip=$((skip+1))
+fi
+# --devices 2 started by fitllm itself, stdout a pipe: the ranks' stdout is mpirun's pseudo-terminal,
+# yet no progress bar or terminal escapes; a round's iteration time once; bytes sent in words
+if "$FITLLM" --version | grep -q "^comm: *MPI" && command -v mpirun >/dev/null 2>&1; then
+    out=$("${NOLAUNCH[@]}" OMP_NUM_THREADS=1 OMPI_MCA_rmaps_base_oversubscribe=1 "$FITLLM" finetune_full micro --data Synthetic \
+          --data.n_train 16 --data.n_val 2 --train.global_batch_size 4 --train.micro_batch_size 1 --train.max_seq_length 33 \
+          --train.max_steps 1 --eval.final_validation false --eval.max_new_tokens 0 --devices 2 --strategy ddp --out_dir "$T/ddp-log" 2>&1)
+    if [ $? -eq 0 ] && ! grep -q $'[\r\x1b]' <<<"$out" && ! grep -q '\[#' <<<"$out" \
+       && grep -q "iter 1 step 0 .*| iter time: " <<<"$out" && grep -q "iter 2 step 0 .*| rank 1's micro-batch, in parallel with iter 1$" <<<"$out" \
+       && grep -q "= 1.00 x the model's gradients (1015.75 KiB) |" <<<"$out"; then echo "ok   ddp_log_plain_time_once"; pass=$((pass+1))
+    else echo "FAIL ddp_log_plain_time_once"; echo "$out" | cat -v | grep -E "iter|\^\[|gradients" | head -8 | sed 's/^/     /'; fail=$((fail+1)); fi
+else
+    echo "skip ddp_log_plain_time_once: no MPI build or no mpirun"; skip=$((skip+1))
 fi
 
 echo

@@ -105,7 +105,7 @@ FL_TEST(cfg_hyperparameters_roundtrip_hard_values) {
         {"checkpoint_dir", "123"},
         {"tokenizer_dir", "yes"},
         {"resume", "auto"},
-        {"max_memory", "3000000123"},
+        {"max_memory", "3000000123B"},
         {"seed", "1099511627776"},
         {"devices", "auto"},
         {"logger_name", "tensorboard"},
@@ -252,6 +252,13 @@ FL_TEST(cfg_values_litgpt_spells) {
     FL_REQUIRE_OK(fl_cfg_set(&c, "max_memory", "8GB"));
     FL_REQUIRE_OK(fl_cfg_set(&c, "max_memory", "null"));
     FL_CHECK(c.max_memory == 0);
+    /* a size without a unit is refused, naming the option and the units (issue 28: 80 = 80 bytes) */
+    FL_CHECK(fl_cfg_set(&c, "max_memory", "80") == FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "max_memory") && strstr(fl_error_message(), "80GB") &&
+              strstr(fl_error_message(), "80GiB"), "%s", fl_error_message());
+    const char *ysz = "max_memory: 80\n";
+    FL_CHECK(fl_cfg_apply_yaml(&c, ysz, strlen(ysz), "sz.yaml") == FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "no unit"), "%s", fl_error_message());
     /* LitGPT's access_token and log: (wandb / litlogger settings) are accepted */
     const char *y = "access_token: hf_x\nlog:\n  project: p\n  metadata:\n    a: 1\n  log_model: false\n";
     FL_REQUIRE_OK(fl_cfg_apply_yaml(&c, y, strlen(y), "log.yaml"));
@@ -534,4 +541,67 @@ FL_TEST(cfg_strategy_auto_resolution) {
     FL_CHECK(fl_cfg_resolve_strategy(&c, 0, &sc) == FL_ERR_INVALID);
     snprintf(c.strategy, sizeof c.strategy, "deepspeed_stage_3_offload");
     FL_CHECK(fl_cfg_resolve_strategy(&c, 0, &sc) == FL_ERR_UNSUPPORTED);
+}
+
+/* issue 28: a warm-up fraction given alone replaces the default warm-up steps; both given is an
+ * error that says which to remove, in either order and from a recipe too */
+FL_TEST(cfg_warmup_fraction_alone_wins) {
+    for (int kind = 0; kind < FL_CMD_COUNT; kind++) {
+        fl_run_config c;
+        fl_cfg_defaults(&c, (fl_cmd_kind)kind);
+        FL_REQUIRE_OK(fl_cfg_set(&c, kind == FL_CMD_PRETRAIN ? "data" : "checkpoint_dir", kind == FL_CMD_PRETRAIN ? "Synthetic" : "micro"));
+        FL_CHECK(c.train.lr_warmup_steps > 0); /* the command's default */
+        FL_REQUIRE_OK(fl_cfg_set(&c, "train.lr_warmup_fraction", "0.1"));
+        FL_CHECK(c.train.lr_warmup_steps == -1 && c.train.lr_warmup_fraction == 0.1f);
+        FL_CHECKF(fl_cfg_validate(&c) == FL_OK, "%s", fl_error_message());
+        for (int order = 0; order < 2; order++) {
+            fl_cfg_defaults(&c, (fl_cmd_kind)kind);
+            FL_REQUIRE_OK(fl_cfg_set(&c, kind == FL_CMD_PRETRAIN ? "data" : "checkpoint_dir", kind == FL_CMD_PRETRAIN ? "Synthetic" : "micro"));
+            FL_REQUIRE_OK(fl_cfg_set(&c, order ? "train.lr_warmup_steps" : "train.lr_warmup_fraction", order ? "50" : "0.1"));
+            FL_REQUIRE_OK(fl_cfg_set(&c, order ? "train.lr_warmup_fraction" : "train.lr_warmup_steps", order ? "0.1" : "50"));
+            FL_CHECK(fl_cfg_validate(&c) == FL_ERR_INVALID);
+            FL_CHECKF(strstr(fl_error_message(), "lr_warmup_steps 50") && strstr(fl_error_message(), "remove one"),
+                      "%s", fl_error_message());
+        }
+        /* steps null and a fraction: fine (hyperparameters.yaml writes the pair so) */
+        fl_cfg_defaults(&c, (fl_cmd_kind)kind);
+        FL_REQUIRE_OK(fl_cfg_set(&c, kind == FL_CMD_PRETRAIN ? "data" : "checkpoint_dir", kind == FL_CMD_PRETRAIN ? "Synthetic" : "micro"));
+        const char *y = "train:\n  lr_warmup_steps: null\n  lr_warmup_fraction: 0.2\n";
+        FL_REQUIRE_OK(fl_cfg_apply_yaml(&c, y, strlen(y), "w.yaml"));
+        FL_CHECKF(fl_cfg_validate(&c) == FL_OK, "%s", fl_error_message());
+    }
+}
+
+/* issue 28: bitsandbytes' paged optimizers are refused with the reason, never run as AdamW */
+FL_TEST(cfg_paged_optimizers_refused) {
+    static const char *paged[] = {"PagedAdamW", "bnb.optim.PagedAdamW", "bnb.optim.PagedAdamW32bit",
+                                  "bnb.optim.PagedAdamW8bit", "bitsandbytes.optim.PagedAdam8bit"};
+    fl_run_config c;
+    fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
+    for (size_t i = 0; i < sizeof paged / sizeof paged[0]; i++) {
+        FL_CHECK(fl_cfg_set(&c, "optimizer", paged[i]) == FL_ERR_UNSUPPORTED);
+        FL_CHECKF(strstr(fl_error_message(), "CUDA managed memory") && strstr(fl_error_message(), "deepspeed_stage_2_offload") &&
+                  strstr(fl_error_message(), "AdamW8bit"), "%s", fl_error_message());
+    }
+    /* the 32-bit names are the plain optimizers */
+    FL_REQUIRE_OK(fl_cfg_set(&c, "optimizer", "bnb.optim.AdamW32bit"));
+    FL_CHECK(c.optimizer.kind == FL_OPT_ADAMW);
+    FL_REQUIRE_OK(fl_cfg_set(&c, "optimizer", "bnb.optim.Adam32bit"));
+    FL_CHECK(c.optimizer.kind == FL_OPT_ADAMW && c.optimizer.weight_decay == 0.0f);
+}
+
+/* issue 28: a value longer than its field is refused, never cut short to another name unsaid */
+FL_TEST(cfg_long_values_refused) {
+    fl_run_config c;
+    fl_cfg_defaults(&c, FL_CMD_PRETRAIN);
+    char name[80];
+    memset(name, 'a', 70);
+    name[70] = 0;
+    FL_CHECK(fl_cfg_set(&c, "model_name", name) == FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "model_name") && strstr(fl_error_message(), "longer than 63"), "%s",
+              fl_error_message());
+    FL_CHECK(fl_cfg_set(&c, "strategy", "deepspeed_stage_3_offload_nvme_xyz") == FL_ERR_INVALID);
+    name[63] = 0; /* the longest that fits */
+    FL_REQUIRE_OK(fl_cfg_set(&c, "model_name", name));
+    FL_CHECK(strlen(c.model_name) == 63);
 }

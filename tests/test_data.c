@@ -386,6 +386,9 @@ FL_TEST(data_textfiles_chunking) {
     FL_REQUIRE_OK(fl_tok_encode(tok, "val text here", 13, 1, 0, &v, &nv));
     FL_CHECK(fl_data_count(d, FL_SPLIT_VAL) == nv / 8);
     FL_CHECK(memcmp(fl_data_get(d, FL_SPLIT_VAL, 0)->ids, v, 32) == 0);
+    /* the run names the validation file and the rule that chose it */
+    const char *vs = fl_data_get_stats(d)->val_source;
+    FL_CHECKF(!strncmp(vs, "a.txt, the first .txt", 21) && strstr(vs, "data.val_data_path"), "%s", vs);
     free(x), free(y), free(v), free(all);
     fl_data_free(d);
     d = NULL;
@@ -395,17 +398,41 @@ FL_TEST(data_textfiles_chunking) {
     snprintf(c.val_data_path, sizeof c.val_data_path, "%s", vd);
     FL_REQUIRE_OK(fl_data_load(&d, &c, tok));
     FL_CHECK(fl_data_count(d, FL_SPLIT_VAL) == 34 / 8);
+    FL_CHECKF(!strncmp(fl_data_get_stats(d)->val_source, "v.txt (data.val_data_path ", 26), "%s",
+              fl_data_get_stats(d)->val_source);
     fl_data_free(d);
     d = NULL;
     WRITE(vd, "w.txt", "bad \xc3\x28 byte");
     fl_status s = fl_data_load(&d, &c, tok);
     FL_CHECK(s == FL_ERR_FORMAT && strstr(fl_error_message(), "w.txt") && strstr(fl_error_message(), "UTF-8"));
+    /* one train file (a folder of one, or the file itself), no validation files: its last
+     * val_split_fraction of blocks validates; the two splits hold disjoint, consecutive blocks */
     const char *one = fl_test_tmpdir();
-    WRITE(one, "only.txt", "just one file");
+    WRITE(one, "only.txt", "just one file, long enough for twenty blocks of five tokens: abcdefghijklmnopqrstuvwxyz");
     fl_data_config_default(&c, FL_DATA_TEXTFILES);
     c.max_seq_length = 4;
-    snprintf(c.train_data_path, sizeof c.train_data_path, "%s", one);
-    FL_CHECK(fl_data_load(&d, &c, tok) == FL_ERR_FORMAT && strstr(fl_error_message(), "at least two"));
+    c.val_split_fraction = 0.25f;
+    char onef[4000];
+    snprintf(onef, sizeof onef, "%.3900s/only.txt", one);
+    for (int as_file = 0; as_file < 2; as_file++) {
+        snprintf(c.train_data_path, sizeof c.train_data_path, "%s", as_file ? onef : one);
+        FL_REQUIRE_OK(fl_data_load(&d, &c, tok));
+        const char *txt = "just one file, long enough for twenty blocks of five tokens: abcdefghijklmnopqrstuvwxyz";
+        FL_REQUIRE_OK(fl_tok_encode(tok, txt, strlen(txt), 1, 0, &x, &nx));
+        size_t nbk = nx / 5, ntr = fl_data_count(d, FL_SPLIT_TRAIN), nva = fl_data_count(d, FL_SPLIT_VAL);
+        FL_CHECKF(ntr + nva == nbk && nva == nbk / 4, "%zu + %zu blocks of %zu", ntr, nva, nbk);
+        for (size_t i = 0; i < nva; i++)
+            FL_CHECK(memcmp(fl_data_get(d, FL_SPLIT_VAL, i)->ids, x + (ntr + i) * 5, 20) == 0);
+        FL_CHECK(memcmp(fl_data_get(d, FL_SPLIT_TRAIN, ntr - 1)->ids, x + (ntr - 1) * 5, 20) == 0);
+        FL_CHECKF(strstr(fl_data_get_stats(d)->val_source, "the last 25% of the blocks of only.txt"), "%s",
+                  fl_data_get_stats(d)->val_source);
+        free(x);
+        x = NULL;
+        fl_data_free(d);
+        d = NULL;
+    }
+    snprintf(c.train_data_path, sizeof c.train_data_path, "%s/nope.txt", one);
+    FL_CHECK(fl_data_load(&d, &c, tok) == FL_ERR_NOT_FOUND && strstr(fl_error_message(), "nope.txt"));
     const char *empty = fl_test_tmpdir();
     snprintf(c.train_data_path, sizeof c.train_data_path, "%s", empty);
     FL_CHECK(fl_data_load(&d, &c, tok) == FL_ERR_NOT_FOUND && strstr(fl_error_message(), "no .txt"));
@@ -422,8 +449,10 @@ FL_TEST(data_textfiles_shared_text) {
     c.max_seq_length = 255;
     fl_dataset *d = NULL;
     FL_REQUIRE_OK(fl_data_load(&d, &c, tok));
-    /* sorted: tinyshakespeare.txt (val), tinystories-val-prefix.txt (train) */
+    /* sorted: tinyshakespeare.txt (val), tinystories-val-prefix.txt (train); the run says so */
     FL_CHECK(fl_data_count(d, FL_SPLIT_VAL) > 4000 && fl_data_count(d, FL_SPLIT_TRAIN) > 3000);
+    FL_CHECKF(!strncmp(fl_data_get_stats(d)->val_source, "tinyshakespeare.txt, the first", 30), "%s",
+              fl_data_get_stats(d)->val_source);
     FL_CHECK(fl_data_get(d, FL_SPLIT_VAL, 0)->ids[0] == fl_tok_bos_id(tok));
     fl_data_free(d);
     fl_tok_free(tok);

@@ -123,7 +123,15 @@ FL_TEST(mem_parse_bytes) {
     FL_CHECK(fl_parse_bytes("80GB", &v) == 0 && v == 80000000000ULL);
     FL_CHECK(fl_parse_bytes("512MiB", &v) == 0 && v == 512ULL << 20);
     FL_CHECK(fl_parse_bytes("1.5G", &v) == 0 && v == (size_t)(1.5 * (1ULL << 30)));
-    FL_CHECK(fl_parse_bytes("1000", &v) == 0 && v == 1000);
+    FL_CHECK(fl_parse_bytes("1000B", &v) == 0 && v == 1000);
+    /* a bare number is refused (-2, "80" is not 80 bytes), zero aside */
+    FL_CHECK(fl_parse_bytes("1000", &v) == -2);
+    FL_CHECK(fl_parse_bytes("80", &v) == -2);
+    FL_CHECK(fl_parse_bytes("0", &v) == 0 && v == 0);
+    char why[300];
+    FL_CHECK(strstr(fl_bytes_refusal("80", why, sizeof why), "'80' has no unit: write 80GB") != NULL);
+    FL_CHECK(strstr(why, "80GiB") != NULL);
+    FL_CHECK(strstr(fl_bytes_refusal("lots", why, sizeof why), "not a size") != NULL);
     FL_CHECK(fl_parse_bytes("12XB", &v) == -1);
     FL_CHECK(fl_parse_bytes("-3GB", &v) == -1);
     FL_CHECK(fl_parse_bytes("", &v) == -1);

@@ -118,6 +118,9 @@ typedef struct {
     /* library callers (no option): fp16 loss scaling's initial scale (0: 65536, GradScaler's default;
      * a resumed run takes its checkpoint's); tests force an overflow with a huge one */
     float loss_scale_init;
+    /* train.lr_warmup_steps was given (fl_cfg_set): a train.lr_warmup_fraction given alone replaces
+     * the command's default warm-up steps instead of conflicting with them */
+    int lr_warmup_steps_given;
 } fl_run_config;
 
 /* Defaults of the command (LitGPT's setup() defaults). */

@@ -55,6 +55,7 @@ typedef struct {
     int cache_hit;            /* loaded from the cache without tokenizing */
     size_t n_warnings;        /* things skipped where LitGPT would go on (blank .jsonl lines,
                                  an empty split, text past the last full TextFiles block) */
+    char val_source[640];     /* TextFiles: the validation text and how it was chosen, in words ("" otherwise) */
 } fl_data_stats;
 
 typedef struct fl_dataset fl_dataset; /* opaque */

@@ -191,9 +191,12 @@ void fl_mem_print_oom(const fl_mem_pool *p, FILE *f);
 
 /* Format a byte count as "1.23 GiB" / "512.0 KiB" / "17 B" into buf. */
 const char *fl_fmt_bytes(size_t bytes, char *buf, size_t n);
-/* Parse "80GB", "512MiB", "1.5G", "1000000" (SI units: powers of 1000; *iB: 1024;
- * bare K/M/G/T: 1024). Returns 0 or -1. */
+/* Parse "80GB", "512MiB", "1.5G", "1000000B" (SI units: powers of 1000; *iB: 1024;
+ * bare K/M/G/T: 1024; B: bytes). Returns 0, -1 (not a size) or -2 (a number without a
+ * unit, other than 0: "80" is refused rather than read as 80 bytes). */
 int fl_parse_bytes(const char *s, size_t *out);
+/* Why fl_parse_bytes refused v, for an error message (names the units to use); returns buf. */
+const char *fl_bytes_refusal(const char *v, char *buf, size_t n);
 
 #ifdef __cplusplus
 }

@@ -20,6 +20,12 @@ enum { FL_EXIT_OK = 0, FL_EXIT_RUNTIME = 1, FL_EXIT_USAGE = 2, FL_EXIT_OOM = 3 }
 int fl_cli_fail(const char *cmd, fl_status s, const fl_mem_pool *pool);
 /* Usage error: prints the message and "see fitllm <cmd> --help"; returns 2. */
 int fl_cli_usage(const char *cmd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* The candidate nearest to word by edit distance (case-insensitive), or NULL when none is near
+ * enough to be what was meant (the rule of the option keys: distance <= 2 + len/4). known: NULL-ended. */
+const char *fl_cli_nearest(const char *word, const char *const *known);
+/* "unknown option '--micro-bach' (did you mean '--micro-batch'?)" as a usage error; known: the
+ * command's options, NULL-ended. Returns FL_EXIT_USAGE. */
+int fl_cli_unknown_option(const char *cmd, const char *arg, const char *const *known);
 
 /* Parse helpers: return 0 on success, -1 with a usage message printed. */
 int fl_cli_int(const char *cmd, const char *opt, const char *val, long lo, long hi, int *out);
@@ -40,6 +46,10 @@ fl_status fl_cli_load_model_ex(fl_model *m, const char *path, int random_init, u
 double fl_cli_now_ms(void);
 /* Peak resident set size of this process in MiB. */
 double fl_cli_peak_rss_mb(void);
+/* Whether stdout is a terminal a person watches (progress bars and escapes only then): for a rank
+ * that fitllm's launcher started, what the launcher's stdout was (FITLLM_STDOUT_TTY); for a rank of
+ * another launcher, no (its stdout is the launcher's pseudo-terminal whatever the user's is). */
+int fl_cli_stdout_is_terminal(int world);
 
 /* Parse a training command line ([checkpoint_dir] --config Y --dotted.key V ...) into cfg
  * (defaults < YAML < command line) and validate it. `extra` (may be NULL) sees each

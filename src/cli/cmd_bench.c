@@ -100,9 +100,12 @@ int fl_cmd_bench_step(int argc, char **argv) {
             else return fl_cli_usage(cmd, "unknown optimizer '%s' (AdamW, SGD)", v);
             i++;
         } else if (!strcmp(a, "--max-memory")) {
-            if (!v || fl_parse_bytes(v, &budget)) return fl_cli_usage(cmd, "--max-memory: '%s' is not a size like 2GB", v ? v : "");
+            if (!v || fl_parse_bytes(v, &budget)) {
+                char why[300];
+                return fl_cli_usage(cmd, "--max-memory: %s", fl_bytes_refusal(v, why, sizeof why));
+            }
             i++;
-        } else if (a[0] == '-') return fl_cli_usage(cmd, "unknown option '%s'", a);
+        } else if (a[0] == '-') return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--act-ckpt", "--help", "--init", "--lora", "--lr", "--max-memory", "--micro-batch", "--optimizer", "--precision", "--preset", "--quantize", "--seed", "--seq", "--steps", "--threads", "--warmup", NULL});
         else if (!model_path) model_path = a;
         else return fl_cli_usage(cmd, "unexpected argument '%s'", a);
     }
@@ -121,7 +124,7 @@ int fl_cmd_bench_step(int argc, char **argv) {
     int loaded = 0, rc = 0;
     fl_status s = fl_backend_init_by_name(fl_backend_default_name(), &be, threads);
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
-    if ((s = fl_backend_pools_init(&be, &pool, &hpool, "cpu", budget)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
+    if ((s = fl_backend_pools_init(&be, &pool, &hpool, be.name, budget)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
     fl_mem_set_phase(&pool, "model load");
     fl_model_storage stg;
     fl_model_storage_for(&prec, &stg);

@@ -56,9 +56,12 @@ int fl_cmd_demo(int argc, char **argv) {
         else if (!strcmp(a, "--accelerator")) { int rc = fl_cli_accelerator(cmd, v); if (rc) return rc; i++; }
         else if (!strcmp(a, "--lr")) { if (fl_cli_float(cmd, a, v, &lr)) return 2; i++; }
         else if (!strcmp(a, "--max-memory")) {
-            if (!v || fl_parse_bytes(v, &budget)) return fl_cli_usage(cmd, "--max-memory: '%s' is not a size like 2GB", v ? v : "");
+            if (!v || fl_parse_bytes(v, &budget)) {
+                char why[300];
+                return fl_cli_usage(cmd, "--max-memory: %s", fl_bytes_refusal(v, why, sizeof why));
+            }
             i++;
-        } else return fl_cli_usage(cmd, "unknown option '%s'", a);
+        } else return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--accum", "--help", "--lr", "--max-memory", "--micro-batch", "--model", "--seq", "--steps", "--threads", NULL});
     }
     fl_backend be;
     fl_mem_pool pool, hpool; /* tensors; host staging when the backend's memory is not host memory */
@@ -69,7 +72,7 @@ int fl_cmd_demo(int argc, char **argv) {
     int rc = 0;
     fl_status s = fl_backend_init_by_name(fl_backend_default_name(), &be, threads);
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
-    if ((s = fl_backend_pools_init(&be, &pool, &hpool, "cpu", budget)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
+    if ((s = fl_backend_pools_init(&be, &pool, &hpool, be.name, budget)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
     if ((s = fl_preset_find(preset, &cfg)) != FL_OK) goto fail;
     fl_mem_set_phase(&pool, "setup");
     if ((s = fl_model_init(&m, &cfg, &be, &pool)) != FL_OK) goto fail;

@@ -69,7 +69,7 @@ int fl_cmd_lab(int argc, char **argv) {
             o.real_scale = !strcmp(v, "real");
             i++;
         }
-        else return fl_cli_usage(cmd, "unknown option '%s'", a);
+        else return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--help", "--keep-runs", "--only", "--out_dir", "--scale", "--steps", "--suite", "--threads", NULL});
     }
     char runs[4200];
     if (keep) {

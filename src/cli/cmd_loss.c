@@ -65,7 +65,7 @@ int fl_cmd_loss(int argc, char **argv) {
         else if (!strcmp(a, "--threads")) { if (fl_cli_int(cmd, a, i + 1 < argc ? argv[++i] : NULL, 0, 1024, &threads)) return 2; }
         else if (!strcmp(a, "--accelerator")) { int rc = fl_cli_accelerator(cmd, i + 1 < argc ? argv[++i] : NULL); if (rc) return rc; }
         else if (!strcmp(a, "--seed")) { if (fl_cli_int(cmd, a, i + 1 < argc ? argv[++i] : NULL, 0, 1 << 30, &seed)) return 2; }
-        else if (a[0] == '-') return fl_cli_usage(cmd, "unknown or incomplete option '%s'", a);
+        else if (a[0] == '-') return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--dump-logits", "--help", "--seed", "--threads", "--tokens-file", NULL});
         else if (!model_path) model_path = a;
         else return fl_cli_usage(cmd, "unexpected argument '%s'", a);
     }

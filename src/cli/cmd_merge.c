@@ -199,7 +199,7 @@ int fl_cmd_merge_lora(int argc, char **argv) {
         else if (!strcmp(a, "--out_dir")) { if (!v) return fl_cli_usage(cmd, "--out_dir needs a folder"); out = v; i++; }
         else if (!strcmp(a, "--threads")) { if (fl_cli_int(cmd, a, v, 0, 1024, &threads)) return 2; i++; }
         else if (!strcmp(a, "--accelerator")) { int rc = fl_cli_accelerator(cmd, v); if (rc) return rc; i++; }
-        else if (a[0] == '-') return fl_cli_usage(cmd, "unknown option '%s'", a);
+        else if (a[0] == '-') return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--base", "--checkpoint_dir", "--help", "--out_dir", "--threads", NULL});
         else if (!adapter) adapter = a;
         else return fl_cli_usage(cmd, "unexpected argument '%s'", a);
     }
@@ -266,7 +266,7 @@ int fl_cmd_merge_shards(int argc, char **argv) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) { help_shards(); return 0; }
         else if (!strcmp(a, "--out") || !strcmp(a, "--out_dir")) { if (!v) return fl_cli_usage(cmd, "%s needs a folder", a); out = v; i++; }
-        else if (a[0] == '-') return fl_cli_usage(cmd, "unknown option '%s'", a);
+        else if (a[0] == '-') return fl_cli_unknown_option(cmd, a, (const char *const[]){"--help", "--out", "--out_dir", NULL});
         else if (!ckpt) ckpt = a;
         else return fl_cli_usage(cmd, "unexpected argument '%s'", a);
     }

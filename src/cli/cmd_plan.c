@@ -69,7 +69,10 @@ static int extra(void *ud, int argc, char **argv, int *i) {
     if (!strcmp(arg, "--lora")) { a->lora = 1; return 1; }
     if (!strcmp(arg, "--device-memory") || !strcmp(arg, "--device_memory")) {
         if (!v || fl_parse_bytes(v, &a->device_memory) || a->device_memory == 0) {
-            fl_cli_usage("plan", "--device-memory: '%s' is not a size like 80GB", v ? v : "");
+            char why[300];
+            if (v && fl_parse_bytes(v, &a->device_memory) == 0) snprintf(why, sizeof why, "'%s' is no memory at all", v);
+            else fl_bytes_refusal(v, why, sizeof why);
+            fl_cli_usage("plan", "--device-memory: %s", why);
             return -1;
         }
         (*i)++;

@@ -141,7 +141,7 @@ int fl_cmd_selftest(int argc, char **argv) {
         else if (!strcmp(a, "--small")) small = 1;
         else if (!strcmp(a, "--threads")) {
             if (fl_cli_int(cmd, a, i + 1 < argc ? argv[++i] : NULL, 0, 4096, &threads)) return FL_EXIT_USAGE;
-        } else return fl_cli_usage(cmd, "unknown option '%s'", a);
+        } else return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--backend", "--help", "--only", "--small", "--threads", NULL});
     }
     const char *ref_name = "cpu";
     if (!name) {

@@ -60,7 +60,7 @@ int fl_cmd_tokenize(int argc, char **argv) {
         else if (!strcmp(a, "--eos")) { if (fl_cli_int(cmd, a, i + 1 < argc ? argv[++i] : NULL, 0, 1, &eos)) return FL_EXIT_USAGE; }
         else if (!strcmp(a, "--skip-special")) { if (fl_cli_int(cmd, a, i + 1 < argc ? argv[++i] : NULL, 0, 1, &skip)) return FL_EXIT_USAGE; }
         else if (!strcmp(a, "--info")) info = 1;
-        else if (a[0] == '-' && a[1]) return fl_cli_usage(cmd, "unknown or incomplete option '%s'", a);
+        else if (a[0] == '-' && a[1]) return fl_cli_unknown_option(cmd, a, (const char *const[]){"--bos", "--decode", "--eos", "--file", "--help", "--info", "--skip-special", "--text", NULL});
         else if (!path) path = a;
         else return fl_cli_usage(cmd, "unexpected argument '%s'", a);
     }

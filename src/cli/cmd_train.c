@@ -56,6 +56,19 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "138 SIGUSR1\n");
 }
 
+/* An unknown option the key table has nothing near to: perhaps a mistyped flag of the command line
+ * itself (--acelerator, plan's --device-memroy), which the table does not hold. Prints the usage
+ * error with the suggestion and returns its exit code, or 0 when there is nothing to suggest. */
+static int unknown_flag(const char *cmd, const char *key) {
+    static const char *const run_flags[] = {"accelerator", "config", "max-memory", "help", NULL};
+    static const char *const plan_flags[] = {"accelerator", "config", "max-memory", "help", "device-memory", "seq-len",
+                                             "generation", "json", "lora", "rank", NULL};
+    const char *m = fl_error_message();
+    if (strncmp(m, "unknown option", 14) || strstr(m, "did you mean")) return 0;
+    const char *near = fl_cli_nearest(key, strcmp(cmd, "plan") ? run_flags : plan_flags);
+    return near ? fl_cli_usage(cmd, "unknown option '%s' (did you mean '--%s'?)", key, near) : 0;
+}
+
 /* defaults < every --config (in order) < the command line, merged BEFORE any value
  * is checked: a recipe's unsupported value (data: TinyStories) can be overridden. */
 int fl_cli_parse_run(const char *cmd, fl_cmd_kind kind, int argc, char **argv, fl_run_config *cfg,
@@ -111,8 +124,10 @@ int fl_cli_parse_run(const char *cmd, fl_cmd_kind kind, int argc, char **argv, f
                     /* an unknown (or another command's) option is that, not a missing value */
                     fl_run_config probe = *cfg;
                     if (fl_cfg_set(&probe, key, "null") == FL_ERR_INVALID &&
-                        (!strncmp(fl_error_message(), "unknown option", 14) || strstr(fl_error_message(), "applies to")))
+                        (!strncmp(fl_error_message(), "unknown option", 14) || strstr(fl_error_message(), "applies to"))) {
+                        if ((rc = unknown_flag(cmd, key)) != 0) goto done;
                         USAGE("%s", fl_error_message());
+                    }
                     USAGE("option --%s needs a value", key);
                 }
             }
@@ -128,7 +143,10 @@ int fl_cli_parse_run(const char *cmd, fl_cmd_kind kind, int argc, char **argv, f
     }
     int failed;
     if (fl_cfg_apply_entries(cfg, &opts, &failed) != FL_OK) {
-        if (failed >= 0 && opts.e[failed].from_cli) USAGE("%s", fl_error_message());
+        if (failed >= 0 && opts.e[failed].from_cli) {
+            if ((rc = unknown_flag(cmd, opts.e[failed].name)) != 0) goto done;
+            USAGE("%s", fl_error_message());
+        }
         fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
         rc = FL_EXIT_USAGE;
         goto done;
@@ -316,9 +334,7 @@ static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_co
     (void)kind;
     fl_run_config cfg = *cfg_in;
     const int rank = comm ? fl_comm_rank(comm) : 0, world = comm ? fl_comm_size(comm) : 1;
-    const int launched = getenv("FITLLM_LAUNCHED") != NULL && world > 1; /* by fitllm's own mpirun */
-    const char *tty = launched ? getenv("FITLLM_LOG_TTY") : NULL; /* the launcher's stdout (launch.c) */
-    int bar = !cfg.quiet && (tty ? atoi(tty) : isatty(STDOUT_FILENO)) && rank == 0;
+    int bar = !cfg.quiet && rank == 0 && fl_cli_stdout_is_terminal(world);
     fl_trainer_result res;
     snprintf(g_resume_msg, sizeof g_resume_msg,
              "fitllm %s: stopped at once; to continue from the last step-* checkpoint in '%s', run the same command "

@@ -8,6 +8,7 @@
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "cli.h"
 #include "fitllm/cuda.h"
@@ -135,4 +136,30 @@ double fl_cli_peak_rss_mb(void) {
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
     return ru.ru_maxrss / 1024.0;
+}
+
+int fl_cli_stdout_is_terminal(int world) {
+    const char *e = getenv("FITLLM_STDOUT_TTY");
+    if (e && *e) return !strcmp(e, "1");
+    return world <= 1 && isatty(STDOUT_FILENO);
+}
+
+const char *fl_cli_nearest(const char *word, const char *const *known) {
+    const char *best = NULL;
+    size_t bd = (size_t)-1;
+    for (size_t i = 0; known && known[i]; i++) {
+        size_t d = fl_edit_distance(word, known[i]);
+        if (d < bd) bd = d, best = known[i];
+    }
+    return best && bd <= 2 + strlen(word) / 4 ? best : NULL;
+}
+
+int fl_cli_unknown_option(const char *cmd, const char *arg, const char *const *known) {
+    char key[128];
+    snprintf(key, sizeof key, "%.*s", (int)strcspn(arg, "="), arg); /* --opt=value: the option's name */
+    for (size_t i = 0; known && known[i]; i++) /* a known option at the end of the line, its value missing */
+        if (!strcmp(key, known[i])) return fl_cli_usage(cmd, "option '%s' needs a value", key);
+    const char *near = fl_cli_nearest(key, known);
+    if (near) return fl_cli_usage(cmd, "unknown option '%s' (did you mean '%s'?)", key, near);
+    return fl_cli_usage(cmd, "unknown option '%s'", key);
 }

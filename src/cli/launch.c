@@ -252,10 +252,11 @@ int fl_cli_start_ranks(const char *cmd, const fl_run_config *cfg, int argc, char
     char *av[64 + 4096];
     int k = 0;
     if (argc > 4096) return fl_cli_usage(cmd, "too many arguments to start ranks with (%d)", argc);
-    char np[16], marker[] = MARKER "=1", tty[] = "FITLLM_LOG_TTY=0";
-    /* mpirun gives the ranks a pseudo-terminal: whether the log is a terminal is this process's to say
-     * (else a log file gets the progress bar, and a rank ended at once leaves it as the last line) */
-    tty[sizeof tty - 2] = isatty(STDOUT_FILENO) ? '1' : '0';
+    char np[16], marker[] = MARKER "=1";
+    /* the ranks' stdout is mpirun's pseudo-terminal even when mpirun's own goes to a file: tell them
+     * which it is, so that a log file gets no progress bar or terminal escapes */
+    char tty[] = "FITLLM_STDOUT_TTY=0";
+    if (isatty(STDOUT_FILENO)) tty[sizeof tty - 2] = '1';
     snprintf(np, sizeof np, "%d", want);
     av[k++] = mpirun;
     av[k++] = "-np";

@@ -149,6 +149,19 @@ int main(int argc, char **argv) {
         fl_backend_set_default_name("cuda");
     for (size_t i = 0; i < sizeof k_cmds / sizeof k_cmds[0]; i++)
         if (!strcmp(argv[1], k_cmds[i].name)) return k_cmds[i].fn(argc - 1, argv + 1);
+    const char *names[sizeof k_cmds / sizeof k_cmds[0] + 4];
+    size_t n = 0;
+    for (size_t i = 0; i < sizeof k_cmds / sizeof k_cmds[0]; i++) names[n++] = k_cmds[i].name;
+    names[n++] = "--version";
+    names[n++] = "--help";
+    names[n] = NULL;
+    const char *near = fl_cli_nearest(argv[1], names);
+    if (near) {
+        fprintf(stderr, "fitllm: unknown %s '%s' (did you mean '%s'?)\n", argv[1][0] == '-' ? "option" : "command",
+                argv[1], near);
+        fprintf(stderr, "usage: fitllm <command> [options]   (fitllm --help lists the commands)\n");
+        return FL_EXIT_USAGE;
+    }
     fprintf(stderr, "fitllm: unknown command '%s'\n", argv[1]);
     usage(stderr);
     return FL_EXIT_USAGE;

@@ -90,12 +90,12 @@ static const fl_cfg_key k_keys[] = {
     {"data.json_path", FL_CK_PATH, OFF(data.json_path), "Alpaca/JSON: .json, .jsonl, or folder with train.json/val.json"},
     {"data.download_dir", FL_CK_DOWNLOAD_DIR, 0, "Alpaca: folder holding file_name (no downloads: must exist)"},
     {"data.file_name", FL_CK_FILE_NAME, 0, "Alpaca: file inside download_dir"},
-    {"data.train_data_path", FL_CK_PATH, OFF(data.train_data_path), "TextFiles: training text folder"},
-    {"data.val_data_path", FL_CK_PATH, OFF(data.val_data_path), "TextFiles: validation text folder"},
+    {"data.train_data_path", FL_CK_PATH, OFF(data.train_data_path), "TextFiles: training text folder (or one .txt file: its last val_split_fraction validates)"},
+    {"data.val_data_path", FL_CK_PATH, OFF(data.val_data_path), "TextFiles: validation text folder or .txt file (null: the first train .txt in sorted order, as LitGPT; the run names it)"},
     {"data.prompt_style", FL_CK_STR32, OFF(data.prompt_style), "prompt style (alpaca)"},
     {"data.mask_prompt", FL_CK_BOOL, OFF(data.mask_prompt), "prompt tokens get ignore_index labels"},
     {"data.ignore_index", FL_CK_SINT, OFF(data.ignore_index), "label of masked tokens"},
-    {"data.val_split_fraction", FL_CK_FLOAT, OFF(data.val_split_fraction), "fraction held out for validation"},
+    {"data.val_split_fraction", FL_CK_FLOAT, OFF(data.val_split_fraction), "fraction held out for validation (Alpaca/JSON; TextFiles with one train file)"},
     {"data.seed", FL_CK_U64, OFF(data.seed), "seed of the train/val split"},
     {"data.num_workers", FL_CK_IGNORED, 0, "accepted for LitGPT compatibility (data is tokenized once)"},
     {"data.n_train", FL_CK_INT, OFF(data.synthetic_train), "Synthetic: training samples"},
@@ -106,7 +106,7 @@ static const fl_cfg_key k_keys[] = {
     {"train.global_batch_size", FL_CK_POS, OFF(train.global_batch_size), "samples per optimizer step"},
     {"train.micro_batch_size", FL_CK_POS, OFF(train.micro_batch_size), "samples per forward/backward"},
     {"train.lr_warmup_steps", FL_CK_INT_OPT, OFF(train.lr_warmup_steps), "optimizer steps of linear warmup"},
-    {"train.lr_warmup_fraction", FL_CK_FLOAT_OPT, OFF(train.lr_warmup_fraction), "warmup as a fraction of an epoch"},
+    {"train.lr_warmup_fraction", FL_CK_FLOAT_OPT, OFF(train.lr_warmup_fraction), "warmup as a fraction of an epoch (given alone, it replaces the default lr_warmup_steps)"},
     {"train.epochs", FL_CK_INT_OPT, OFF(train.epochs), "epochs to train"},
     {"train.max_tokens", FL_CK_LL_OPT, OFF(train.max_tokens), "stop after this many tokens"},
     {"train.max_steps", FL_CK_INT_OPT, OFF(train.max_steps), "stop after this many optimizer steps"},
@@ -129,7 +129,7 @@ static const fl_cfg_key k_keys[] = {
     {"eval.initial_validation", FL_CK_BOOL, OFF(eval.initial_validation), "evaluate before training"},
     {"eval.final_validation", FL_CK_BOOL, OFF(eval.final_validation), "evaluate after training"},
     {"eval.evaluate_example", FL_CK_IGNORED, 0, "accepted for LitGPT compatibility"},
-    {"optimizer", FL_CK_OPTIMIZER, 0, "AdamW | Adam | SGD | bnb.optim.AdamW8bit | Adam8bit | PagedAdamW"},
+    {"optimizer", FL_CK_OPTIMIZER, 0, "AdamW | Adam | SGD | bnb.optim.AdamW8bit | Adam8bit (bnb Paged* optimizers: refused, no CUDA paging)"},
     {"optimizer.class_path", FL_CK_OPTIMIZER, 0, "same as optimizer"},
     {"optimizer.lr", FL_CK_FLOAT, OFF(optimizer.lr), "learning rate"},
     {"optimizer.weight_decay", FL_CK_FLOAT, OFF(optimizer.weight_decay), "weight decay"},
@@ -164,7 +164,7 @@ static const fl_cfg_key k_keys[] = {
     {"lora_target_modules", FL_CK_PATH256, OFF(lora.target_modules), "finetune_lora: PEFT target modules (overrides lora_*)"},
     {"use_rslora", FL_CK_BOOL, OFF(lora.use_rslora), "finetune_lora: scaling alpha / sqrt(r)"},
     {"quantize", FL_CK_STR32, OFF(lora.quantize), "finetune_lora (QLoRA): bnb.nf4 | bnb.nf4-dq | bnb.fp4 | bnb.fp4-dq"},
-    {"max_memory", FL_CK_BYTES, OFF(max_memory), "allocator budget, e.g. 8GB (fitllm)"},
+    {"max_memory", FL_CK_BYTES, OFF(max_memory), "allocator budget with its unit, e.g. 8GB or 8GiB; a bare number is refused (fitllm)"},
     {"threads", FL_CK_INT, OFF(threads), "CPU threads, 0 = all cores (fitllm)"},
     {"quiet", FL_CK_BOOL, OFF(quiet), "no progress bar (fitllm)"},
     {"overwrite", FL_CK_BOOL, OFF(overwrite), "reuse an out_dir that holds another run (fitllm)"},
@@ -311,23 +311,33 @@ static fl_status set_optimizer(fl_run_config *c, const char *v) {
     else if (!strncmp(name, "bitsandbytes.optim.", 19)) name += 19;
     fl_optim_kind kind;
     float wd = -1.0f; /* the class's default weight decay, when it differs from the kind's */
-    if (!strcasecmp(name, "AdamW") || !strcasecmp(name, "PagedAdamW") || !strcasecmp(name, "PagedAdamW32bit") ||
-        !strcasecmp(name, "AdamW32bit")) {
-        /* Paged optimizers page state through CUDA unified memory; on the CPU the state
-         * already lives in host memory, so they are plain AdamW here. */
+    if (!strncasecmp(name, "Paged", 5)) {
+        /* bitsandbytes' paged optimizers keep their state in CUDA managed memory that the driver
+         * pages out to host memory under GPU memory pressure. fitllm has no such paging: running
+         * plain AdamW instead would silently drop what the recipe asked for */
+        int eight = strstr(name, "8bit") != NULL;
+        return fl_errorf(FL_ERR_UNSUPPORTED,
+                         "optimizer '%s' is not implemented: paged optimizers keep their state in CUDA managed memory "
+                         "that is paged out to host memory under GPU memory pressure, which fitllm does not do. "
+                         "To keep the optimizer state in host memory use --strategy deepspeed_stage_2_offload "
+                         "(--offload_optimizer_device cpu, the default); %s",
+                         v, eight ? "for the 8-bit state on the device use bnb.optim.AdamW8bit"
+                                  : "for a 4x smaller state on the device use bnb.optim.AdamW8bit; or torch.optim.AdamW");
+    }
+    if (!strcasecmp(name, "AdamW") || !strcasecmp(name, "AdamW32bit")) { /* bnb's AdamW32bit: AdamW, fp32 state */
         kind = FL_OPT_ADAMW;
-    } else if (!strcasecmp(name, "Adam")) {
+    } else if (!strcasecmp(name, "Adam") || !strcasecmp(name, "Adam32bit")) {
         kind = FL_OPT_ADAMW, wd = 0.0f; /* torch Adam: weight decay 0 (and we apply it decoupled) */
     } else if (!strcasecmp(name, "SGD")) {
         kind = FL_OPT_SGD;
-    } else if (!strcasecmp(name, "AdamW8bit") || !strcasecmp(name, "PagedAdamW8bit")) {
+    } else if (!strcasecmp(name, "AdamW8bit")) {
         kind = FL_OPT_ADAMW8BIT;
     } else if (!strcasecmp(name, "Adam8bit")) {
         kind = FL_OPT_ADAMW8BIT, wd = 0.0f; /* bnb Adam8bit: same kernel, weight decay 0 */
     } else {
         return fl_errorf(FL_ERR_UNSUPPORTED,
                          "optimizer '%s' is not supported (AdamW, Adam, SGD, bnb.optim.AdamW8bit, bnb.optim.Adam8bit, "
-                         "bnb.optim.PagedAdamW)", v);
+                         "bnb.optim.AdamW32bit, bnb.optim.Adam32bit)", v);
     }
     if (c->optimizer.kind != kind) {
         fl_optim_config keep = c->optimizer;
@@ -387,13 +397,28 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
                          c->command == FL_CMD_PRETRAIN ? "pretrain" : "finetune_full");
     char *base = (char *)c;
     long long x = 0;
+    if (k->off == offsetof(fl_run_config, train.lr_warmup_steps) && k->type == FL_CK_INT_OPT) {
+        c->lr_warmup_steps_given = 1;
+    } else if (k->off == offsetof(fl_run_config, train.lr_warmup_fraction) && k->type == FL_CK_FLOAT_OPT &&
+               !is_null(v) && !c->lr_warmup_steps_given) {
+        /* a fraction given alone is the warm-up: the command's default steps (100, pretrain 2000)
+         * give way (LitGPT refuses the pair even when the steps are only its default) */
+        c->train.lr_warmup_steps = -1;
+    }
     switch (k->type) {
     case FL_CK_PATH:
         if (is_null(v)) { ((char *)(base + k->off))[0] = '\0'; return FL_OK; }
         if (strlen(v) >= FL_CFG_PATH) return fl_errorf(FL_ERR_INVALID, "option '%s': path too long", key);
         snprintf(base + k->off, FL_CFG_PATH, "%s", v);
         return FL_OK;
-    case FL_CK_STR32: snprintf(base + k->off, 32, "%s", is_null(v) ? "" : v); return FL_OK;
+    case FL_CK_STR32:
+    case FL_CK_STR64: { /* too long is an error: cut short, a name would turn into another (or none) unsaid */
+        size_t cap = k->type == FL_CK_STR32 ? 32 : 64;
+        if (!is_null(v) && strlen(v) >= cap)
+            return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is longer than %zu characters", key, v, cap - 1);
+        snprintf(base + k->off, cap, "%s", is_null(v) ? "" : v);
+        return FL_OK;
+    }
     case FL_CK_PATH256: {
         /* a YAML list arrives as "[a, b]": keep the names, comma-separated */
         char buf[256];
@@ -401,10 +426,11 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
         for (const char *q = is_null(v) ? "" : v; *q && o < sizeof buf - 1; q++)
             if (*q != '[' && *q != ']' && *q != ' ' && *q != '"' && *q != '\'') buf[o++] = *q;
         buf[o] = 0;
+        if (o == sizeof buf - 1)
+            return fl_errorf(FL_ERR_INVALID, "option '%s': the list is longer than %zu characters", key, sizeof buf - 2);
         snprintf(base + k->off, 256, "%s", buf);
         return FL_OK;
     }
-    case FL_CK_STR64: snprintf(base + k->off, 64, "%s", is_null(v) ? "" : v); return FL_OK;
     case FL_CK_SINT:
         FL_TRY(parse_int(key, v, -(1 << 30), 1 << 30, &x));
         *(int *)(base + k->off) = (int)x;
@@ -449,8 +475,10 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
         return parse_bool(key, v, (int *)(base + k->off));
     case FL_CK_BYTES:
         if (is_null(v)) { *(size_t *)(base + k->off) = 0; return FL_OK; }
-        if (fl_parse_bytes(v, (size_t *)(base + k->off)) != 0)
-            return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is not a size like 8GB or 512MiB", key, v);
+        if (fl_parse_bytes(v, (size_t *)(base + k->off)) != 0) {
+            char why[300];
+            return fl_errorf(FL_ERR_INVALID, "option '%s': %s", key, fl_bytes_refusal(v, why, sizeof why));
+        }
         return FL_OK;
     case FL_CK_PRECISION: return set_precision(base + k->off, v);
     case FL_CK_RESUME:
@@ -687,7 +715,9 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
                          t->global_batch_size, c->devices * c->num_nodes, t->micro_batch_size);
     if (t->log_interval <= 0) return fl_errorf(FL_ERR_INVALID, "train.log_interval must be positive");
     if (t->lr_warmup_fraction >= 0 && t->lr_warmup_steps > 0)
-        return fl_errorf(FL_ERR_INVALID, "can't provide both train.lr_warmup_fraction and train.lr_warmup_steps");
+        return fl_errorf(FL_ERR_INVALID, "train.lr_warmup_fraction %g and train.lr_warmup_steps %d are both given: "
+                         "remove one of them (or set it to null); the fraction alone replaces the default steps",
+                         (double)t->lr_warmup_fraction, t->lr_warmup_steps);
     if (t->lr_warmup_fraction > 1) return fl_errorf(FL_ERR_INVALID, "train.lr_warmup_fraction must be in [0, 1]");
     if (t->max_seq_length == 0 || t->max_seq_length == 1)
         return fl_errorf(FL_ERR_INVALID, "train.max_seq_length %d: a sample needs at least 2 tokens (an input and "
@@ -839,9 +869,9 @@ static void value_str(const fl_run_config *c, const fl_cfg_key *k, char *buf, si
         break;
     }
     case FL_CK_BOOL: snprintf(buf, n, "%s", *(const int *)(base + k->off) ? "true" : "false"); break;
-    case FL_CK_BYTES: { /* bytes, exactly (fl_parse_bytes reads a plain count) */
+    case FL_CK_BYTES: { /* bytes, exactly, with their unit (fl_parse_bytes refuses a bare number) */
         size_t v = *(const size_t *)(base + k->off);
-        if (v) snprintf(buf, n, "%zu", v); else snprintf(buf, n, "null");
+        if (v) snprintf(buf, n, "%zuB", v); else snprintf(buf, n, "null");
         break;
     }
     case FL_CK_DATA: snprintf(buf, n, "%s", fl_data_kind_name(c->data.kind)); break;

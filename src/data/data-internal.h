@@ -97,6 +97,9 @@ fl_status fl_data_sources(const fl_data_config *cfg, fl_data_files *fs, size_t *
 
 fl_status fl_data_build_json(fl_dataset *d, const fl_data_config *cfg, const fl_tokenizer *tok,
                              const fl_data_files *fs, size_t n_train_files);
+/* TextFiles: which text validates, in words (file names and how they were chosen), into buf. */
+void fl_data_textfiles_describe(const fl_data_config *cfg, const fl_data_files *fs, size_t n_train_files, char *buf,
+                                size_t n);
 fl_status fl_data_build_textfiles(fl_dataset *d, const fl_data_config *cfg, const fl_tokenizer *tok,
                                   const fl_data_files *fs, size_t n_train_files);
 fl_status fl_data_build_synthetic(fl_dataset *d, const fl_data_config *cfg, const fl_tokenizer *tok);

@@ -161,6 +161,10 @@ fl_status fl_data_load(fl_dataset **out, const fl_data_config *cfg, const fl_tok
     }
     if (s == FL_OK) s = fl_data_new(&d);
     if (s == FL_OK) d->ignore_index = cfg->ignore_index;
+    char val_source[sizeof d->stats.val_source] = "";
+    if (s == FL_OK && cfg->kind == FL_DATA_TEXTFILES)
+        fl_data_textfiles_describe(cfg, &fs, n_train_files, val_source, sizeof val_source);
+    if (s == FL_OK) memcpy(d->stats.val_source, val_source, sizeof val_source);
     if (s == FL_OK && use_cache) {
         fl_status cs = fl_data_cache_read(cpath, key, d);
         if (cs == FL_OK) {
@@ -176,6 +180,7 @@ fl_status fl_data_load(fl_dataset **out, const fl_data_config *cfg, const fl_tok
         fl_error_clear();
         s = fl_data_new(&d);
         if (s == FL_OK) d->ignore_index = cfg->ignore_index;
+        if (s == FL_OK) memcpy(d->stats.val_source, val_source, sizeof val_source);
     }
     if (s == FL_OK) {
         switch (cfg->kind) {

@@ -81,10 +81,17 @@ static fl_status find_split_file(const char *dir, const char *name, char *buf, s
 
 static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
-/* Sorted *.txt regular files of dir (like sorted(glob(dir/"*.txt"))). */
+/* Sorted *.txt regular files of dir (like sorted(glob(dir/"*.txt"))), or dir itself when it is a
+ * file (fitllm: one text file for a split, which LitGPT's folders cannot name). */
 static fl_status add_txt_files(const char *dir, fl_data_files *fs, size_t *count) {
     *count = 0;
-    if (!fl_fs_is_dir(dir)) return fl_errorf(FL_ERR_NOT_FOUND, "%s: TextFiles data folder does not exist", dir);
+    if (fl_fs_is_file(dir)) {
+        FL_TRY(fl_data_files_add(fs, dir));
+        *count = 1;
+        return FL_OK;
+    }
+    if (!fl_fs_is_dir(dir))
+        return fl_errorf(FL_ERR_NOT_FOUND, "%s: TextFiles data folder (or .txt file) does not exist", dir);
     DIR *d = opendir(dir);
     if (!d) return fl_errorf(FL_ERR_IO, "%s: cannot open folder: %s", dir, strerror(errno));
     char **names = NULL;
@@ -152,10 +159,12 @@ fl_status fl_data_sources(const fl_data_config *cfg, fl_data_files *fs, size_t *
             *n_train_files = nt;
             return FL_OK;
         }
-        /* LitGPT: val_files, *train_files = sorted(train files) */
-        if (nt < 2)
-            return fl_errorf(FL_ERR_FORMAT, "%s: TextFiles needs at least two .txt files when val_data_path is not set "
-                                            "(the first becomes the validation split)", cfg->train_data_path);
+        /* one file: fl_data_build_textfiles holds out its last val_split_fraction of blocks */
+        if (nt == 1) {
+            *n_train_files = 1;
+            return FL_OK;
+        }
+        /* LitGPT: val_files, *train_files = sorted(train files); the run names the file */
         fl_data_file first = fs->f[0];
         memmove(fs->f, fs->f + 1, (fs->n - 1) * sizeof *fs->f);
         fs->f[fs->n - 1] = first;

@@ -278,7 +278,11 @@ int fl_parse_bytes(const char *s, size_t *out) {
     while (*end && k < sizeof u - 1) u[k++] = (char)toupper((unsigned char)*end++);
     if (*end) return -1;
     double mul;
-    if (!strcmp(u, "") || !strcmp(u, "B")) mul = 1;
+    /* a bare number is refused, zero aside: "--device-memory 80" meant 80 GB, not 80 bytes */
+    if (!strcmp(u, "")) {
+        if (v != 0) return -2;
+        mul = 1;
+    } else if (!strcmp(u, "B")) mul = 1;
     else if (!strcmp(u, "K") || !strcmp(u, "KIB")) mul = 1024.0;
     else if (!strcmp(u, "M") || !strcmp(u, "MIB")) mul = 1024.0 * 1024;
     else if (!strcmp(u, "G") || !strcmp(u, "GIB")) mul = 1024.0 * 1024 * 1024;
@@ -292,6 +296,22 @@ int fl_parse_bytes(const char *s, size_t *out) {
     if (r >= 1.8e19) return -1;
     *out = (size_t)(r + 0.5);
     return 0;
+}
+
+const char *fl_bytes_refusal(const char *v, char *buf, size_t n) {
+    size_t x;
+    if (!v) v = "";
+    if (fl_parse_bytes(v, &x) == -2) {
+        const char *s = v;
+        while (isspace((unsigned char)*s)) s++;
+        size_t l = strlen(s);
+        while (l && isspace((unsigned char)s[l - 1])) l--;
+        snprintf(buf, n, "'%s' has no unit: write %.*sGB (10^9 bytes) or %.*sGiB (2^30 bytes), MB / MiB likewise, or "
+                 "%.*sB if you mean bytes", v, (int)l, s, (int)l, s, (int)l, s);
+    } else {
+        snprintf(buf, n, "'%s' is not a size like 80GB, 24GiB or 512MiB", v);
+    }
+    return buf;
 }
 
 void fl_mem_print_report(const fl_mem_pool *p, FILE *f) {

@@ -7,6 +7,8 @@
 #include <dirent.h>
 #include <errno.h>
 #include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -62,7 +64,21 @@ typedef struct {
     int accum, G, B, T;         /* G = accum x world: micro-batches of one optimizer step, all ranks */
     long max_steps, warmup, steps_per_epoch;
     fl_train_state st;
+    char notes[1024];           /* user settings the run could not take as given, one "note: ..." line each */
 } trainer;
+
+/* A setting the run adjusts is said, never changed without a word (printed with the run's header). */
+static void add_note(trainer *t, const char *fmt, ...) {
+    size_t o = strlen(t->notes);
+    if (o + 8 >= sizeof t->notes) return;
+    va_list ap;
+    va_start(ap, fmt);
+    o += (size_t)snprintf(t->notes + o, sizeof t->notes - o, "note: ");
+    if (o < sizeof t->notes) vsnprintf(t->notes + o, sizeof t->notes - o, fmt, ap);
+    va_end(ap);
+    o = strlen(t->notes);
+    if (o + 1 < sizeof t->notes) t->notes[o] = '\n', t->notes[o + 1] = 0;
+}
 
 static double now_s(void) {
     struct timespec t;
@@ -225,6 +241,13 @@ static fl_status load_data(trainer *t) {
     /* LitGPT's pretrain cuts the token stream into blocks of the model's context
      * (model.max_seq_length = block_size) unless train.max_seq_length says less */
     if (dc.kind == FL_DATA_TEXTFILES && dc.max_seq_length <= 0) dc.max_seq_length = t->model.cfg.max_seq;
+    const int ctx = t->model.cfg.max_seq;
+    if (c->train.max_seq_length > ctx) {
+        /* LitGPT's pretrain: min(train.max_seq_length, block_size); longer blocks would only be cut */
+        if (dc.kind == FL_DATA_TEXTFILES) dc.max_seq_length = ctx;
+        add_note(t, "train.max_seq_length %d is more than the model's %d positions (its context): samples are cut to "
+                 "%d tokens", c->train.max_seq_length, ctx, ctx);
+    }
     if (dc.kind == FL_DATA_ALPACA && !dc.json_path[0])
         snprintf(dc.json_path, sizeof dc.json_path, "data/alpaca/alpaca_data_cleaned_archive.json");
     FL_TRY(fl_data_load(&t->data, &dc, t->tok));
@@ -239,6 +262,9 @@ static fl_status load_data(trainer *t) {
     int T = longest - 1; /* inputs are the sample minus its last token */
     if (c->train.max_seq_length > 0 && T > c->train.max_seq_length) T = c->train.max_seq_length;
     if (T > t->model.cfg.max_seq) T = t->model.cfg.max_seq;
+    if (c->train.max_seq_length <= 0 && longest - 1 > ctx) /* null: the longest sample would decide */
+        add_note(t, "the longest sample has %d input tokens, more than the model's %d positions (its context): "
+                 "samples are cut to %d tokens (train.max_seq_length null)", longest - 1, ctx, ctx);
     t->T = T;
     t->B = c->train.micro_batch_size;
     /* every target masked (an empty response with mask_prompt, responses cut away by
@@ -279,6 +305,13 @@ static void schedule(trainer *t) {
     if (a->lr_warmup_fraction >= 0) w = (long)ceil(a->lr_warmup_fraction * t->steps_per_epoch);
     else if (a->lr_warmup_steps > 0) w = a->lr_warmup_steps;
     t->warmup = w < ms ? w : ms;
+    if (w > ms)
+        add_note(t, "the warm-up of %ld steps (%s) is longer than the run's %ld steps: the learning rate rises over "
+                 "all %ld and never decays", w, a->lr_warmup_fraction >= 0 ? "train.lr_warmup_fraction" :
+                 "train.lr_warmup_steps", ms, ms);
+    if (bpe < t->G)
+        add_note(t, "the training split has %ld micro-batches, fewer than the %d of one optimizer step: an epoch is "
+                 "counted as one step", bpe, t->G);
 }
 
 /* ---- evaluation ---------------------------------------------------------------- */
@@ -458,12 +491,17 @@ static void print_box(trainer *t, const fl_trainer_result *r) {
     }
     if (r->nvme)
         fprintf(t->out, "| %-28s %30s |\n", "nvme tier (offload) OPTIM", fl_fmt_bytes(r->nvme_peak[FL_TAG_OPTIM], b, sizeof b));
-    if (t->dp.world > 1) { /* ZeRO's unit: psi = the trainable gradients' bytes */
-        double psi = (double)t->opt.n * fl_dtype_size(t->opt.gt);
-        char v[48];
-        snprintf(v, sizeof v, "%s = %.2f psi", fl_fmt_bytes((size_t)r->comm_sent_last_step, b, sizeof b),
-                 psi > 0 ? (double)r->comm_sent_last_step / psi : 0.0);
-        fprintf(t->out, "| %-28s %30s |\n", "sent per step (this rank)", v);
+    if (t->dp.world > 1) {
+        /* in units of the whole model's trainable gradients (ZeRO's psi; under FULL_SHARD opt.n is
+         * this rank's shard), said in words: DDP's all-reduce sends 2 (N-1)/N of it */
+        size_t n_grad = t->dp.fsdp ? t->model.layout.numel : t->opt.n;
+        double psi = (double)n_grad * fl_dtype_size(t->opt.gt);
+        char g[32], line[96];
+        fprintf(t->out, "| %-28s %30s |\n", "sent per step (this rank)",
+                fl_fmt_bytes((size_t)r->comm_sent_last_step, b, sizeof b));
+        snprintf(line, sizeof line, "= %.2f x the model's gradients (%s)",
+                 psi > 0 ? (double)r->comm_sent_last_step / psi : 0.0, fl_fmt_bytes((size_t)psi, g, sizeof g));
+        fprintf(t->out, "| %59s |\n", line);
     }
     fprintf(t->out, "+-------------------------------------------------------------+\n");
 }
@@ -878,7 +916,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
     CHECK(fl_dp_check_config(&t.dp, cfg)); /* the same command line and recipe on every rank */
     CHECK(fl_backend_init_by_name(fl_backend_default_name(), &t.be, cfg->threads));
     t.be_ok = 1;
-    CHECK(fl_backend_pools_init(&t.be, &t.pool, &t.hpool, t.be.host_memory ? "cpu" : t.be.name, cfg->max_memory));
+    CHECK(fl_backend_pools_init(&t.be, &t.pool, &t.hpool, t.be.name, cfg->max_memory));
     t.pool_ok = 1;
     fl_dp_init(&t.dp, comm, &t.pool);
     t.dp.be = &t.be; /* the checkpoint streams read and write the backend's memory through it */
@@ -931,6 +969,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
         fprintf(out, "data: %s, %zu train / %zu val samples, %zu truncated to max_seq_length; longest input %d\n",
                 fl_data_kind_name(cfg->data.kind), ds->n_samples[FL_SPLIT_TRAIN], ds->n_samples[FL_SPLIT_VAL],
                 ds->n_truncated, t.T);
+        if (ds->val_source[0]) fprintf(out, "validation: %s\n", ds->val_source);
         if (strcmp(cfg->logger_name, "csv") && strcmp(cfg->logger_name, "jsonl"))
             fprintf(out, "logger_name %s: fitllm writes CSV metrics (%s/logs/metrics.csv); the %s logger is not "
                     "available in this build\n", cfg->logger_name, cfg->out_dir, cfg->logger_name);
@@ -941,6 +980,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
                 "%s lr %g, min_lr %g\n",
                 t.B, t.accum, ranks, cfg->train.global_batch_size, t.steps_per_epoch, t.max_steps, t.warmup,
                 fl_optim_name(cfg->optimizer.kind), cfg->optimizer.lr, cfg->train.min_lr);
+        fputs(t.notes, out);
         if (t.dp.world > 1) {
             char lb[300];
             fprintf(out, "data parallel (%s, strategy %s): %d ranks over %s (%s); rank 0 reports; gradients summed "
@@ -1026,6 +1066,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
         CHECK(fl_dp_gather(&t.dp, mine, 2 * t.accum, t.mb_stats));
         const double step_sent = (double)(fl_dp_sent(&t.dp) - sent0);
         if (t.dp.world > 1) r.comm_sent_last_step = (unsigned long long)step_sent;
+        int timed_k = -1; /* the round whose time a printed line has shown */
         for (int j = 0; j < t.G; j++) {
             int k = j / t.dp.world;
             const double *st = t.mb_stats + ((size_t)(j % t.dp.world) * t.accum + k) * 2;
@@ -1049,10 +1090,16 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
                 if (isnan(val_loss)) snprintf(vbuf, sizeof vbuf, "n/a");
                 else snprintf(vbuf, sizeof vbuf, "%.3f", val_loss);
                 bar_clear(&t);
+                /* several ranks: the iterations of one round ran at once, one per rank, and took
+                 * rank 0's time: printed once, on the round's first printed line */
+                char tbuf[64];
+                if (timed_k != k) snprintf(tbuf, sizeof tbuf, "iter time: %.2f ms", it_time * 1e3);
+                else snprintf(tbuf, sizeof tbuf, "rank %d's micro-batch, in parallel with iter %ld", j % t.dp.world,
+                              t.st.iter - j % t.dp.world);
+                timed_k = k;
                 if (out)
-                    fprintf(out, "Epoch %lld | iter %ld step %ld | loss train: %.3f, val: %s | iter time: %.2f ms%s\n",
-                            (long long)t.mb_epoch[j] + 1, t.st.iter, step_now, run, vbuf, it_time * 1e3,
-                            last ? " (step)" : "");
+                    fprintf(out, "Epoch %lld | iter %ld step %ld | loss train: %.3f, val: %s | %s%s\n",
+                            (long long)t.mb_epoch[j] + 1, t.st.iter, step_now, run, vbuf, tbuf, last ? " (step)" : "");
                 /* tokens: cumulative through this iteration (LitGPT's iter_num x micro batch x T) */
                 fl_metrics_values mv = {t.st.iter, step_now, t.mb_epoch[j], run, it_time, lr, NAN,
                                         t.mb_tokens[j] / (it_time > 0 ? it_time : 1e-9),
