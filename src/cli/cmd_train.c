@@ -334,6 +334,7 @@ static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_co
     (void)kind;
     fl_run_config cfg = *cfg_in;
     const int rank = comm ? fl_comm_rank(comm) : 0, world = comm ? fl_comm_size(comm) : 1;
+    const int launched = getenv("FITLLM_LAUNCHED") != NULL && world > 1; /* by fitllm's own mpirun */
     int bar = !cfg.quiet && rank == 0 && fl_cli_stdout_is_terminal(world);
     fl_trainer_result res;
     snprintf(g_resume_msg, sizeof g_resume_msg,
