@@ -170,6 +170,10 @@ int fl_cmd_generate(int argc, char **argv) {
         else return fl_cli_usage(cmd, "unexpected argument '%s'", a);
     }
     if (!model_path) return fl_cli_usage(cmd, "missing <model>");
+    char named[FL_CLI_PATH], tok_named[FL_CLI_PATH]; /* Hugging Face repo ids: their downloaded folders */
+    int named_rc = fl_cli_model_arg(cmd, &model_path, named, sizeof named);
+    if (!named_rc && tok_path) named_rc = fl_cli_model_arg(cmd, &tok_path, tok_named, sizeof tok_named);
+    if (named_rc) return named_rc;
     if (prompt && prompt_ids) return fl_cli_usage(cmd, "give --prompt or --prompt-ids, not both");
     if (seed >= 0) gp.seed = (uint64_t)seed;
     if (fl_gen_params_validate(&gp) != FL_OK) return fl_cli_usage(cmd, "%s", fl_error_message());

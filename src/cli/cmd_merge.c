@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 
 #include "cli.h"
+#include "fitllm/hub.h"
 #include "fitllm/checkpoint.h"
 #include "fitllm/lora.h"
 #include "fitllm/peft.h"
@@ -99,16 +100,21 @@ fl_status fl_cli_find_adapter(const char *path, fl_cli_adapter_info *info) {
  * that a missing one is reported with the path tried and how to give another. */
 static fl_status resolve_base(const fl_peft_adapter *a, const fl_cli_adapter_info *info, const char *base,
                               const char *hint, char *out, size_t n) {
-    if (base) {
-        snprintf(out, n, "%s", base);
-        return FL_OK;
-    }
+    if (base) /* a Hugging Face repo id: its downloaded folder */
+        return fl_cli_resolve_model(NULL, base, out, n, 0);
     const char *b = a->cfg.base_model;
     if (!b[0])
         return fl_errorf(FL_ERR_INVALID, "%s/adapter_config.json names no base model (base_model_name_or_path is "
                          "null): give it with %s", info->adapter, hint);
     struct stat st;
     fl_model_config mc;
+    char named[FL_CLI_PATH];
+    /* base_model_name_or_path is most often a Hub repo id: the download folder's or HF cache's copy */
+    if (stat(b, &st) != 0 && fl_hub_repo_of(b, named, sizeof named)) {
+        fl_status s = fl_cli_resolve_model(NULL, b, out, n, 0);
+        return s == FL_OK ? FL_OK : fl_error_prefix(s, "%s/adapter_config.json: base model '%s' "
+                                                    "(base_model_name_or_path) (or give it with %s)", info->adapter, b, hint);
+    }
     if (stat(b, &st) != 0 && fl_preset_find(b, &mc) != FL_OK) {
         int relative = b[0] != '/';
         return fl_errorf(FL_ERR_NOT_FOUND,

@@ -38,6 +38,7 @@ static const struct {
     {"pretrain", fl_cmd_pretrain, "train a model from scratch or continue pretraining"},
     {"finetune_lora", fl_cmd_finetune_lora, "LoRA fine-tuning: PEFT adapters on a frozen base"},
     {"finetune", fl_cmd_finetune_lora, "alias of finetune_lora"},
+    {"download", fl_cmd_download, "fetch a model from the Hugging Face Hub into checkpoints/ORG/NAME (as litgpt download)"},
     {"merge_lora", fl_cmd_merge_lora, "merge a PEFT LoRA adapter into its base model (HF folder out)"},
     {"merge_shards", fl_cmd_merge_shards, "consolidate a sharded checkpoint into one HF folder (offline, streamed)"},
     {"plan", fl_cmd_plan, "predict memory per tag and phase, the verdict on a device, what to try (no run)"},

@@ -1,0 +1,96 @@
+/* Models by name in the CLI: a Hugging Face repo id where a model is accepted resolves to the
+ * downloaded folder (fitllm/hub.h); a preset (a shape without weights) is said to be one on
+ * the first line of the output, so a run on random weights is never mistaken for fine-tuning. */
+#include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "cli.h"
+#include "fitllm/hub.h"
+
+static int exists(const char *p) {
+    struct stat st;
+    return stat(p, &st) == 0;
+}
+
+fl_status fl_cli_resolve_model(const char *cmd, const char *name, char *out, size_t n, int shape_ok) {
+    if (!name || !name[0] || exists(name)) {
+        snprintf(out, n, "%s", name ? name : "");
+        return FL_OK;
+    }
+    fl_hub_where where;
+    fl_status s = fl_hub_resolve(name, out, n, &where);
+    if (s == FL_OK) {
+        if (cmd) {
+            fflush(stdout);
+            fprintf(stderr, "fitllm %s: %s is %s (%s)\n", cmd, name, out, fl_hub_where_name(where));
+        }
+        return FL_OK;
+    }
+    if (s == FL_ERR_INVALID) { /* no repo id: a preset, or an error that names it later */
+        snprintf(out, n, "%s", name);
+        return FL_OK;
+    }
+    char why[2048]; /* copied: fl_errorf rewrites the message it would read */
+    snprintf(why, sizeof why, "%s", fl_error_message());
+    fl_model_config mc;
+    int preset = fl_preset_find(name, &mc) == FL_OK;
+    if (preset && shape_ok) { /* plan: the preset of the same shape needs no weights */
+        snprintf(out, n, "%s", name);
+        return FL_OK;
+    }
+    if (preset)
+        return fl_errorf(FL_ERR_NOT_FOUND, "%s (or give the preset name '%s' for the model's shape with random "
+                         "weights)", why, mc.name);
+    return fl_errorf(FL_ERR_NOT_FOUND, "%s", why);
+}
+
+int fl_cli_model_arg(const char *cmd, const char **path, char *buf, size_t n) {
+    if (fl_cli_resolve_model(cmd, *path, buf, n, 0) != FL_OK) {
+        fflush(stdout);
+        fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
+        return FL_EXIT_RUNTIME;
+    }
+    *path = buf;
+    return 0;
+}
+
+void fl_cli_note_random(const char *cmd, const char *why) {
+    fflush(stdout);
+    fprintf(stderr, "fitllm%s%s: random initialization (no weights were loaded): %s\n", cmd ? " " : "", cmd ? cmd : "",
+            why);
+}
+
+void fl_cli_note_preset(const char *cmd, const char *name) {
+    fl_model_config mc;
+    if (fl_preset_find(name, &mc) != FL_OK) return;
+    const char *repo = fl_preset_repo_id(name);
+    char why[512];
+    if (repo)
+        snprintf(why, sizeof why, "'%s' is the preset %s, the model's shape only; for its weights run `fitllm "
+                 "download %s` and give %s", name, mc.name, repo, repo);
+    else
+        snprintf(why, sizeof why, "'%s' is a preset, a model shape only", name);
+    fl_cli_note_random(cmd, why);
+}
+
+void fl_cli_note_run_weights(const char *cmd, const fl_run_config *c) {
+    const char *ck = c->checkpoint_dir;
+    char why[FL_CFG_PATH + 128];
+    size_t len = strlen(ck);
+    if (c->command == FL_CMD_PRETRAIN && !ck[0] && (c->n_model_fields || c->model_config[0] || c->model_name[0])) {
+        if (c->model_name[0] && !c->n_model_fields && !c->model_config[0])
+            snprintf(why, sizeof why, "pretraining model_name %s from scratch", c->model_name);
+        else
+            snprintf(why, sizeof why, "pretraining from scratch (model_config)");
+        fl_cli_note_random(cmd, why);
+    } else if (ck[0] && !exists(ck)) {
+        fl_cli_note_preset(cmd, ck); /* silent for a name that is no preset: the run fails and says so */
+    } else if (ck[0] && c->init_random) {
+        snprintf(why, sizeof why, "--init random: the shape of %s, fresh weights", ck);
+        fl_cli_note_random(cmd, why);
+    } else if (len > 5 && !strcmp(ck + len - 5, ".json")) {
+        snprintf(why, sizeof why, "%s is a config.json, the model's shape only", ck);
+        fl_cli_note_random(cmd, why);
+    }
+}
