@@ -11,7 +11,7 @@
 #include "fitllm/hub.h"
 
 #include "core/fs.h"
-#include "core/sha256.h"
+#include "io/sha256.h"
 #include "fitllm/json.h"
 
 #include <ctype.h>
