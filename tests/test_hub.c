@@ -4,7 +4,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
+#include <utime.h>
 
 #include "io/sha256.h"
 #include "fitllm/hub.h"
@@ -132,6 +134,8 @@ FL_TEST(hub_resolve_cache_and_download_folder) {
     mkdirs(p);
     snprintf(p, sizeof p, "%s/models--org--model/snapshots/rev1/config.json", cache);
     put(p, "{}");
+    struct utimbuf later = {time(NULL) + 3600, time(NULL) + 3600}; /* the newest: taken were refs/main ignored */
+    utime(p, &later);
     snprintf(p, sizeof p, "%s/models--org--model/refs", cache);
     mkdirs(p);
     snprintf(p, sizeof p, "%s/models--org--model/refs/main", cache);
