@@ -16,7 +16,8 @@ static void help(void) {
     fl_gen_params d;
     fl_gen_params_default(&d);
     printf("usage: fitllm generate <model> [--prompt TEXT | --prompt-ids \"1 2 3\"] [options]\n\n"
-           "  <model>                HF folder (config.json + safetensors), llama2.c .bin, or preset name\n"
+           "  <model>                HF folder (config.json + safetensors), a Hugging Face repo id ORG/NAME\n"
+           "                         (downloaded, `fitllm download --help`), llama2.c .bin, or preset name\n"
            "                         (presets are randomly initialized with --seed); or a PEFT adapter\n"
            "                         folder, e.g. a finetune_lora step-N/ checkpoint: its base model\n"
            "                         (base_model_name_or_path) with the adapter merged in memory\n"
