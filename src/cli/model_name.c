@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 
 #include "cli.h"
+#include "fitllm/checkpoint.h"
 #include "fitllm/hub.h"
 
 static int exists(const char *p) {
@@ -76,8 +77,12 @@ void fl_cli_note_preset(const char *cmd, const char *name) {
 
 void fl_cli_note_run_weights(const char *cmd, const fl_run_config *c) {
     const char *ck = c->checkpoint_dir;
-    char why[FL_CFG_PATH + 128];
+    char why[FL_CFG_PATH + 128], last[FL_CFG_PATH + 64];
     size_t len = strlen(ck);
+    /* a resumed run takes its weights from the checkpoint (--resume auto: when there is one) */
+    if (c->resume[0] && strcmp(c->resume, "false") &&
+        (strcmp(c->resume, "auto") || fl_ckpt_find_latest(c->out_dir, last, sizeof last) == FL_OK))
+        return;
     if (c->command == FL_CMD_PRETRAIN && !ck[0] && (c->n_model_fields || c->model_config[0] || c->model_name[0])) {
         if (c->model_name[0] && !c->n_model_fields && !c->model_config[0])
             snprintf(why, sizeof why, "pretraining model_name %s from scratch", c->model_name);
