@@ -610,6 +610,8 @@ if [ $rc -eq 2 ] && grep -q "run \`fitllm download TinyLlama/TinyLlama-1.1B-inte
    && ! grep -q "nearest" <<<"$out"; then echo "ok   recipe_suggests_download"; pass=$((pass+1))
 else echo "FAIL recipe_suggests_download: exit $rc"; echo "$out" | tail -3 | sed 's/^/     /'; fail=$((fail+1)); fi
 expect plan_repo_id_shape 0 "FITS" -- env -C "$HT/work" "$FLA" plan TinyLlama/TinyLlama-1.1B-Chat-v1.0 --device-memory 80GB
+# plan needs no weights: the recipe's checkpoints/ORG/NAME, not downloaded, is planned as its preset's shape
+expect plan_recipe_shape 0 "model: tinyllama-1.1b \(preset\)" -- env -C "$HT/work" "$FLA" plan --config "$PWD/recipes/tiny-llama-full.yaml" --device-memory 80GB
 
 if [ -x "$HUBSRV" ] && [ -f "$DATA/stories260K-hf/model.safetensors" ]; then
     SRC="$DATA/stories260K-hf"

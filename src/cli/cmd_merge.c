@@ -113,8 +113,11 @@ static fl_status resolve_base(const fl_peft_adapter *a, const fl_cli_adapter_inf
     /* base_model_name_or_path is most often a Hub repo id: the download folder's or HF cache's copy */
     if (stat(b, &st) != 0 && fl_hub_repo_of(b, named, sizeof named)) {
         fl_status s = fl_cli_resolve_model(NULL, b, out, n, 0);
-        return s == FL_OK ? FL_OK : fl_error_prefix(s, "%s/adapter_config.json: base model '%s' "
-                                                    "(base_model_name_or_path) (or give it with %s)", info->adapter, b, hint);
+        if (s == FL_OK) return FL_OK;
+        char why[2048]; /* copied: fl_errorf rewrites the message it would read */
+        snprintf(why, sizeof why, "%s", fl_error_message());
+        return fl_errorf(s, "%s/adapter_config.json: base model '%s' (base_model_name_or_path) not found (%s); give "
+                         "the base model folder with %s", info->adapter, b, why, hint);
     }
     if (stat(b, &st) != 0 && fl_preset_find(b, &mc) != FL_OK) {
         int relative = b[0] != '/';

@@ -104,8 +104,7 @@ fl_status fl_cli_load_model_ex(fl_model *m, const char *path, int random_init, u
         if (s != FL_OK) {
             char why[1024]; /* copy first: fl_errorf rewrites the message buffer it would read */
             snprintf(why, sizeof why, "%s", fl_error_message());
-            return fl_errorf(FL_ERR_NOT_FOUND, "'%s' is neither a file, a folder, a downloaded Hugging Face model "
-                             "nor a model preset (%s)", path, why);
+            return fl_errorf(FL_ERR_NOT_FOUND, "'%s' is neither a file, a folder nor a model preset (%s)", path, why);
         }
         fl_cli_note_preset(NULL, path);
         FL_TRY(fl_model_init_ex(m, &cfg, be, pool, stg));

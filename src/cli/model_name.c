@@ -35,9 +35,10 @@ fl_status fl_cli_resolve_model(const char *cmd, const char *name, char *out, siz
     char why[2048]; /* copied: fl_errorf rewrites the message it would read */
     snprintf(why, sizeof why, "%s", fl_error_message());
     fl_model_config mc;
-    int preset = fl_preset_find(name, &mc) == FL_OK;
+    char repo[256];
+    int preset = fl_hub_repo_of(name, repo, sizeof repo) && fl_preset_find(repo, &mc) == FL_OK;
     if (preset && shape_ok) { /* plan: the preset of the same shape needs no weights */
-        snprintf(out, n, "%s", name);
+        snprintf(out, n, "%s", repo);
         return FL_OK;
     }
     if (preset)

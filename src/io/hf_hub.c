@@ -335,17 +335,24 @@ static void emit(const fl_hub_download_opts *o, fl_hub_event_kind k, const char 
 static fl_status hash_prefix(const char *path, int64_t len, fl_sha256 *sha) {
     FILE *f = fopen(path, "rb");
     if (!f) return fl_errorf(FL_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    static char buf[1 << 16];
+    const size_t cap = 1 << 16;
+    char *buf = malloc(cap);
+    if (!buf) {
+        fclose(f);
+        return fl_errorf(FL_ERR_OOM, "%s: out of memory", path);
+    }
     while (len > 0) {
-        size_t want = len > (int64_t)sizeof buf ? sizeof buf : (size_t)len;
+        size_t want = len > (int64_t)cap ? cap : (size_t)len;
         size_t got = fread(buf, 1, want, f);
         if (got != want) {
             fclose(f);
+            free(buf);
             return fl_errorf(FL_ERR_IO, "%s: read failed", path);
         }
         fl_sha256_update(sha, buf, got);
         len -= (int64_t)got;
     }
+    free(buf);
     fclose(f);
     return FL_OK;
 }

@@ -221,7 +221,6 @@ static void api_listing(int fd, const char *repo, const char *dir) {
     size_t off = (size_t)snprintf(body, sizeof body, "{\"id\": \"%s\", \"sha\": \"%s\", \"siblings\": [", repo, k_commit);
     int first = 1;
     /* the top level and one level of folders (files there are never picked) */
-    const char *subs[2] = {"", NULL};
     char subname[256];
     DIR *d = opendir(dir);
     struct dirent *e;
@@ -251,7 +250,6 @@ static void api_listing(int fd, const char *repo, const char *dir) {
             }
         }
     }
-    (void)subs;
     if (d) closedir(d);
     off += (size_t)snprintf(body + off, sizeof body - off, "], \"gated\": false}");
     sendf(fd, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %zu\r\nConnection: close\r\n\r\n",
