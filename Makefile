@@ -22,7 +22,7 @@ all: build
 help:
 	@echo "make demo   - build and run the memory lab, quick suite (fitllm lab: table, lab/report.md, charts)"
 	@echo "make test   - build and run the whole test suite (release + AddressSanitizer pass)"
-	@echo "make build  - configure and build into $(BUILD)/"
+	@echo "make build  - configure and build into $(BUILD)/ (CUDA=1: with the CUDA plugin, even without a GPU here)"
 	@echo "make asan   - build with ASan/UBSan and run the whole suite under it"
 	@echo "make bench  - fitllm vs PyTorch training-step benchmark (needs a torch virtualenv)"
 	@echo "make fuzz   - libFuzzer (clang) on every input parser, FUZZ_TIME s each (default 600), FUZZ_JOBS at a time"
@@ -50,10 +50,15 @@ setup:
 	  fi; \
 	fi
 
+# CUDA=1 (or ON): also build the CUDA plugin libfitllm_cuda.so (nvcc, minutes), with or without a GPU
+# here; CUDA=0: never; unset: FL_CUDA=auto, the plugin only where nvcc is found and a GPU can be used
+# (so a CPU machine never runs nvcc). Remembered by $(BUILD)/ until given again.
+CUDA ?=
 $(BUILD)/Makefile: CMakeLists.txt
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release >/dev/null
 
 build: setup $(BUILD)/Makefile
+	$(if $(CUDA),cmake -S . -B $(BUILD) -DFL_CUDA=$(CUDA) >/dev/null)
 	cmake --build $(BUILD) -j $(JOBS)
 
 # Release suite, the CLI and MPI (mpirun -np 2 and 4) tests, then the memory/I-O/error-path tests again under ASan+UBSan
@@ -73,8 +78,8 @@ test-fast: build
 	./$(BUILD)/fitllm_tests $(FILTER)
 
 ASAN_FILTER ?=
-# FL_CUDA=OFF: the sanitizers check host code; the GPU objects (nvcc, 4 architectures) are built and
-# linked by the release pass, and the same kernel sources run here under the emulator (host C++)
+# FL_CUDA=OFF: the sanitizers check host code; the GPU plugin (nvcc, 4 architectures) is built by the
+# release pass where it is (a GPU here, or CUDA=1), and the same kernel sources run here under the emulator (host C++)
 asan: setup
 	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFL_SANITIZE=ON -DFL_NATIVE=ON -DFL_CUDA=OFF >/dev/null
 	cmake --build $(ASAN_BUILD) -j $(JOBS) --target fitllm_tests

@@ -38,6 +38,7 @@ fuzz_llama2c)            maxlen=8192;  seeds=fuzz/seeds-llama2c ;;
 fuzz_peft)               maxlen=8192;  seeds=fuzz/seeds-peft ;;
 fuzz_recipe_yaml)        maxlen=4096;  seeds=fuzz/seeds-recipe ;;
 fuzz_recipe_overrides)   maxlen=1024;  seeds=fuzz/seeds-overrides ;;
+fuzz_torch)              maxlen=8192;  seeds=fuzz/seeds-torch ;;
 *) echo "fuzz/run.sh: unknown harness '$name'"; exit 2 ;;
 esac
 mkdir -p "$corpus"

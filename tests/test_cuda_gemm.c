@@ -146,9 +146,10 @@ FL_TEST(cuda_gemm_errors) {
     d.tb = FL_F32;
     d.batch = 0;
     FL_CHECK(fl_cu_gemm_standin(NULL, &d) == FL_ERR_INVALID);
-    if (fl_cuda_device_count(NULL, 0) == 0) { /* no CUDA build or no device: a clear refusal */
-        fl_cu_blas b;
-        FL_CHECK(fl_cu_blas_init(&b, NULL, 0, NULL) == FL_ERR_UNSUPPORTED);
+    if (fl_cuda_device_count(NULL, 0) == 0) { /* no CUDA build, plugin, driver or device: a clear refusal */
+        fl_backend be;
+        fl_status st = fl_backend_init_by_name("cuda", &be, 1);
+        FL_CHECK(st == (fl_cuda_built() ? FL_ERR_UNSUPPORTED : FL_ERR_INVALID) && *fl_error_message());
     }
 }
 

@@ -968,3 +968,134 @@ FL_TEST(trainer_progress_bar_eta) {
     text[len] = '\0';
     FL_CHECKF(strstr(text, "step 1/3, ETA ") && strstr(text, "step 2/3, ETA "), "no ETA in the progress bar");
 }
+
+/* ---- finite divergence and stopping by a signal (issue 28) ---------------------------------- */
+
+/* The detector on scripted losses (V = 512: ln V = 6.238, limit 8.238): a sustained rise trips it
+ * after exactly FL_DIVERGE_WINDOW counted steps, a one-step spike does not, warm-up steps do not
+ * count, NaN steps are skipped, and the last good weights are the step BEFORE the first bad loss
+ * (a step's loss is computed with the previous step's weights). */
+FL_TEST(trainer_diverge_detector_window_spike_warmup) {
+    fl_trainer_diverge d;
+    fl_trainer_diverge_init(&d, 512, 5);
+    FL_CHECK(fabs(d.limit - (log(512.0) + 2.0)) < 1e-12);
+    for (long k = 1; k <= 10; k++) FL_CHECK(!fl_trainer_diverge_train(&d, k, 6.2));
+    FL_CHECK(d.last_good == 9 && !fl_trainer_diverge_suspect(&d));
+    /* step 11 on: 100 nats. EMA after step 11 = 6.2 + 0.1 * 93.8 = 15.58 > limit: counted from step 11 */
+    long tripped = -1;
+    for (long k = 11; k <= 40 && tripped < 0; k++)
+        if (fl_trainer_diverge_train(&d, k, 100.0)) tripped = k;
+    FL_CHECKF(tripped == 11 + FL_DIVERGE_WINDOW - 1, "tripped at %ld", tripped);
+    FL_CHECK(d.last_good == 9 && d.since == 11 && !d.by_val && fl_trainer_diverge_suspect(&d));
+    /* one spike of 30 nats: the EMA goes to 6.2 + 2.38 = 8.58 (above), then decays below within 3 steps */
+    fl_trainer_diverge_init(&d, 512, 0);
+    int any = 0;
+    for (long k = 1; k <= 100; k++) any |= fl_trainer_diverge_train(&d, k, k == 12 ? 30.0 : k == 50 ? NAN : 6.2);
+    FL_CHECK(!any && d.above == 0 && d.last_good == 99);
+    /* warm-up: steps before it never count; the window starts at the warm-up's end */
+    fl_trainer_diverge_init(&d, 512, 30);
+    tripped = -1;
+    for (long k = 1; k <= 100 && tripped < 0; k++)
+        if (fl_trainer_diverge_train(&d, k, 100.0)) tripped = k;
+    FL_CHECKF(tripped == 30 + FL_DIVERGE_WINDOW - 1, "tripped at %ld", tripped);
+    FL_CHECK(d.last_good == -1);
+    /* a loss just below the limit for ever: never */
+    fl_trainer_diverge_init(&d, 512, 0);
+    any = 0;
+    for (long k = 1; k <= 200; k++) any |= fl_trainer_diverge_train(&d, k, d.limit - 1e-9);
+    FL_CHECK(!any);
+}
+
+FL_TEST(trainer_diverge_detector_validation_and_message) {
+    fl_trainer_diverge d;
+    fl_trainer_diverge_init(&d, 512, 10);
+    FL_CHECK(!fl_trainer_diverge_val(&d, 0, 331.8)); /* the initial validation: not after warm-up */
+    FL_CHECK(!fl_trainer_diverge_val(&d, 5, 331.8)); /* in the warm-up */
+    FL_CHECK(!fl_trainer_diverge_val(&d, 10, 6.0) && d.last_good == 10);
+    FL_CHECK(fl_trainer_diverge_val(&d, 20, 331.8) && d.by_val && d.value == 331.8 && d.last_good == 10);
+    FL_CHECK(!fl_trainer_diverge_val(&d, 30, NAN));
+    /* the message names the newest committed step-* at or before the last good step */
+    char dir[600], p[700];
+    snprintf(dir, sizeof dir, "%s/divmsg", fl_test_tmpdir());
+    const char *names[] = {"step-000004", "step-000008", "step-000012", "step-000009.tmp"};
+    for (int i = 0; i < 4; i++) {
+        snprintf(p, sizeof p, "%s/%s", dir, names[i]);
+        mkdir(dir, 0755);
+        FL_REQUIRE(mkdir(p, 0755) == 0);
+        if (i != 1) { /* step-000008: not committed (an interrupted save) */
+            snprintf(p, sizeof p, "%s/%s/COMMITTED", dir, names[i]);
+            FILE *f = fopen(p, "w");
+            FL_REQUIRE(f);
+            fclose(f);
+        }
+    }
+    FL_CHECK(fl_trainer_ckpt_at_or_before(dir, 10, p, sizeof p) && strstr(p, "/step-000004"));
+    FL_CHECK(fl_trainer_ckpt_at_or_before(dir, 12, p, sizeof p) && strstr(p, "/step-000012"));
+    FL_CHECK(!fl_trainer_ckpt_at_or_before(dir, 3, p, sizeof p));
+    fl_status s = fl_trainer_diverge_error(&d, dir, 50.0, 20, 20);
+    FL_CHECK(s == FL_ERR_NONFINITE);
+    FL_CHECKF(strstr(fl_error_message(), "training diverged at step 20") &&
+              strstr(fl_error_message(), "the validation loss 331.8 is above 8.24") &&
+              strstr(fl_error_message(), "last good checkpoint, '") && strstr(fl_error_message(), "/step-000004'") &&
+              strstr(fl_error_message(), "--train.divergence_check false"), "%s", fl_error_message());
+    /* perplexity: exp up to e^20, inf beyond (and printed as inf); NaN stays NaN */
+    FL_CHECK(fabs(fl_trainer_perplexity(1.0) - M_E) < 1e-12 && fl_trainer_perplexity(20.0) == exp(20.0));
+    FL_CHECK(isinf(fl_trainer_perplexity(20.001)) && isinf(fl_trainer_perplexity(331.8)));
+    FL_CHECK(isnan(fl_trainer_perplexity(NAN)));
+    char b[32];
+    snprintf(b, sizeof b, "%.3f", fl_trainer_perplexity(331.8));
+    FL_CHECK(!strcmp(b, "inf"));
+}
+
+/* End to end: lr 50 on the small run stops with the divergence error (not a NaN), no final/; with
+ * train.divergence_check off the same run finishes and saves final/. */
+FL_TEST(trainer_finite_divergence_stops_the_run) {
+    fl_run_config c;
+    char out[512], p[600];
+    snprintf(out, sizeof out, "%s/fdiv", fl_test_tmpdir());
+    small_run(&c, out);
+    c.train.max_steps = 40;
+    c.train.save_interval = 0;
+    c.train.lr_warmup_steps = 0;
+    c.eval.interval = 1000;
+    c.eval.max_new_tokens = 0;
+    c.optimizer.lr = 50.0f;
+    fl_status s = fl_trainer_run(&c, NULL, 0, NULL, NULL, NULL);
+    FL_CHECKF(s == FL_ERR_NONFINITE && strstr(fl_error_message(), "uniform guess"), "%s: %s", fl_status_name(s),
+              fl_error_message());
+    snprintf(p, sizeof p, "%s/final", out);
+    FL_CHECK(access(p, F_OK) != 0);
+    snprintf(out, sizeof out, "%s/fdiv_off", fl_test_tmpdir());
+    snprintf(c.out_dir, sizeof c.out_dir, "%s", out);
+    c.train.divergence_check = 0;
+    fl_trainer_result res;
+    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, NULL, NULL, &res));
+    FL_CHECKF(res.val_loss > log(512.0) + 2.0, "val loss %g", res.val_loss);
+    snprintf(p, sizeof p, "%s/final", out);
+    FL_CHECK(access(p, F_OK) == 0);
+}
+
+/* A hook that returns 2 (a signal under train.save_on_signal) stops after committing this step's
+ * checkpoint; 1 stops without one; neither saves final/. */
+static int stop_at_3(void *ud, long step, double loss, const void *params, size_t bytes) {
+    (void)loss, (void)params, (void)bytes;
+    return step == 3 ? *(int *)ud : 0;
+}
+
+FL_TEST(trainer_hook_stop_saves_checkpoint_on_request) {
+    for (int how = 1; how <= 2; how++) {
+        fl_run_config c;
+        char out[512], p[600];
+        snprintf(out, sizeof out, "%s/sigsave%d", fl_test_tmpdir(), how);
+        small_run(&c, out);
+        c.train.save_interval = 100;
+        c.eval.max_new_tokens = 0;
+        fl_trainer_result res;
+        FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, stop_at_3, &how, &res));
+        FL_CHECK(res.steps == 3);
+        snprintf(p, sizeof p, "%s/step-000003", out);
+        FL_CHECKF(fl_ckpt_is_committed(p) == (how == 2), "how %d", how);
+        snprintf(p, sizeof p, "%s/final", out);
+        FL_CHECK(access(p, F_OK) != 0);
+    }
+}

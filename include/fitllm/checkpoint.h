@@ -41,7 +41,9 @@ typedef struct {
 } fl_train_state;
 
 /* Save to out_dir/<name>. o and st may be NULL (weights-only, e.g. an export).
- * tokenizer_src: folder whose tokenizer files are copied (NULL = none). */
+ * tokenizer_src: the run's tokenizer, a folder whose tokenizer files are copied or one tokenizer
+ * file; NULL = the built-in byte tokenizer, written as tokenizer.json (fl_io_write_tokenizer), so
+ * that every checkpoint (step-N/, final/, a LoRA step's adapter folder, final/adapter) carries it. */
 fl_status fl_ckpt_save(const char *out_dir, const char *name, const fl_model *m, const fl_optimizer *o,
                        const fl_train_state *st, const fl_run_config *cfg, const char *tokenizer_src);
 /* fl_ckpt_save with tensors produced while they are written (fl_st_write_tensor's fill_range):

@@ -51,6 +51,9 @@ typedef struct {
     int keep_checkpoints;     /* fitllm: keep only the newest N step-* checkpoints (0 = all) */
     float max_time;           /* seconds of training (evaluation excluded) after which the run ends as
                                  at max_steps: final validation and final/; < 0 = null */
+    int save_on_signal;       /* fitllm: a stop by SIGINT/SIGTERM/SIGUSR1 commits a checkpoint of the step (default 1) */
+    int divergence_check;     /* fitllm: stop a run whose loss stays above ln(vocab) + margin (default 1;
+                               * fl_diverge in src/train/divergence.h) */
 } fl_train_args;
 
 typedef struct {

@@ -3,6 +3,8 @@
  *  - Hugging Face folders: config.json (LLaMA, GPT-2), model.safetensors or a
  *    sharded set with model.safetensors.index.json; F32/BF16/F16 on disk are
  *    converted to the run's dtype; files are read through mmap.
+ *  - PyTorch checkpoints (pytorch_model*.bin, LitGPT lit_model.pth) in the same
+ *    folders, through fitllm/torch_ckpt.h (a restricted unpickler, nothing executed).
  *  - llama2.c .bin checkpoints (v0 header), converted to HF layout (Meta's
  *    interleaved RoPE rows permuted to rotate-half order).
  *  - writing safetensors (HF names, 8-byte aligned header, __metadata__),
@@ -46,6 +48,7 @@ typedef struct {
     int n_tensors;
     char **meta_keys, **meta_vals; /* __metadata__ (string -> string) */
     int n_meta;
+    void *owned;           /* tensor data regrouped off the mapping (LitGPT's interleaved qkv); freed by close */
 } fl_st_file;
 
 /* Open and validate: header length sane (<= FL_ST_MAX_HEADER, within file),
@@ -97,7 +100,8 @@ fl_status fl_hf_load_config(const char *config_json_path, fl_model_config *cfg);
 /* Write config.json for cfg. */
 fl_status fl_hf_save_config(const char *path, const fl_model_config *cfg);
 
-/* Load all parameters of m from a folder's model.safetensors or sharded index.
+/* Load all parameters of m from a folder's model.safetensors or sharded index (or, when the
+ * folder has none, pytorch_model.bin, its sharded index or lit_model.pth: fitllm/torch_ckpt.h).
  * Every layout entry must be present with the right shape (tied lm_head may be
  * absent or equal to wte); tensors not in the layout are an error, except
  * known buffers (rotary inv_freq, GPT-2 attn.bias/masked_bias). */
@@ -147,12 +151,19 @@ fl_status fl_model_load_auto_ex(fl_model *m, const char *path, const fl_backend 
 /* Copy the tokenizer and generation files of a model folder that exist in src_dir
  * (tokenizer.json, tokenizer.model, tokenizer_config.json, special_tokens_map.json,
  * added_tokens.json, vocab.json, merges.txt, chat_template.jinja, generation_config.json,
- * tokenizer.bin, tok512.bin) into dst_dir, each written atomically.
+ * tokenizer.bin, tok512.bin, else another tok*.bin) into dst_dir, each written atomically.
  * *n_copied (may be NULL) gets how many were copied. */
 fl_status fl_io_copy_tokenizer_files(const char *src_dir, const char *dst_dir, int *n_copied);
 /* 1 if dir holds a tokenizer fitllm reads (tokenizer.json, tokenizer.model, tokenizer.bin,
- * tok512.bin). */
+ * a llama2.c tok*.bin). */
 int fl_io_has_tokenizer(const char *dir);
+/* The tokenizer of a run into a checkpoint folder dst_dir. src: a folder (its files, as
+ * fl_io_copy_tokenizer_files), one tokenizer file (copied as tokenizer.json / tokenizer.model /
+ * tok*.bin, the name fl_tok_load looks for, with its folder's tokenizer_config.json,
+ * special_tokens_map.json, added_tokens.json, generation_config.json), or NULL: the built-in byte
+ * tokenizer, written as tokenizer.json + tokenizer_config.json (fl_tok_builtin_bytes_hf_json).
+ * *n_written (may be NULL): how many files. */
+fl_status fl_io_write_tokenizer(const char *src, const char *dst_dir, int *n_written);
 
 /* Fault injection for tests: the (n+1)-th file write from now fails as if the
  * disk were full (ENOSPC); -1 disables. Covers safetensors, config and

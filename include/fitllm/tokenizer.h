@@ -30,6 +30,14 @@ fl_status fl_tok_load(fl_tokenizer **out, const char *path);
  * 257 = <eos>; vocab size 258. Lossless for any byte string. */
 fl_status fl_tok_builtin_bytes(fl_tokenizer **out);
 void fl_tok_free(fl_tokenizer *t);
+/* The built-in byte tokenizer as Hugging Face files (what a checkpoint of a run that used it
+ * carries): tokenizer.json (BPE over the 256 byte-level pieces, no merges, ByteLevel without the
+ * regex; <bos>/<eos> special added tokens 256/257) and tokenizer_config.json (bos/eos tokens, none
+ * added). fl_tok_load and transformers' AutoTokenizer load them; the ids of a text are the
+ * built-in's but for the literal strings "<bos>"/"<eos>", matched as the special tokens.
+ * *text is malloc'd and NUL-terminated; *len excludes the NUL; the caller frees it. */
+fl_status fl_tok_builtin_bytes_hf_json(char **text, size_t *len);
+fl_status fl_tok_builtin_bytes_hf_config(char **text, size_t *len);
 
 /* Encode n bytes of UTF-8 text (invalid UTF-8 handled as the HF tokenizer does).
  * bos/eos: -1 = the tokenizer's default (add_bos_token / add_eos_token), 0 = no,

@@ -82,8 +82,10 @@ const char *fl_fsdp_refusal(const fl_run_config *cfg, const fl_precision *p);
 /* Hook for tests: called after every optimizer step (after that step's
  * evaluation and checkpoint) with the step's loss (mean over its valid
  * targets) and the raw bytes of the trained parameters (all of them in their storage dtype,
- * or the LoRA adapters; under FULL_SHARD this rank's shard unless cfg->hook_whole_params). Returning non-zero stops training there, with
- * no final checkpoint, as a crash right after the step would. */
+ * or the LoRA adapters; under FULL_SHARD this rank's shard unless cfg->hook_whole_params). Returning 1 stops training there, with
+ * no final checkpoint, as a crash right after the step would; 2 stops there after committing this step's step-*
+ * checkpoint (unless train.save_interval just wrote it, or the loss is above the divergence limit): the CLI's
+ * answer to a signal under train.save_on_signal. Any rank's request counts for all. */
 typedef int (*fl_step_hook)(void *ud, long step, double loss, const void *params, size_t bytes);
 
 /* The LoRA configuration of a finetune_lora run (LitGPT's lora_* switches or a
@@ -130,6 +132,58 @@ fl_status fl_trainer_rehearse_comm(const fl_run_config *cfg, const fl_model_conf
  * (or of size 1) is fl_trainer_run. See docs/ARCHITECTURE.md "Data-parallel training". */
 fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out, int progress_bar, fl_step_hook hook,
                               void *hook_ud, fl_trainer_result *res);
+
+
+/* ---- finite divergence (src/train/divergence.c) ----------------------------------------------
+ * A loss that stays above a uniform guess's, ln(vocab_size), by FL_DIVERGE_MARGIN nats after the
+ * learning-rate warm-up: the model predicts worse than knowing nothing, and no later step brings
+ * it back in practice (lr 50 on micro: 331.8 against ln 512 = 6.2). The run stops as on a NaN.
+ * - the training loss of each optimizer step (mean over its valid targets, the same on every
+ *   rank) is smoothed by an EMA with weight FL_DIVERGE_ALPHA (a one-step spike moves it by a
+ *   tenth), and must stay above the limit for FL_DIVERGE_WINDOW consecutive steps;
+ * - a validation loss (already a mean over eval.max_iters batches of the current weights) above
+ *   the limit counts at once: the final validation of a run too short to fill the window stops it.
+ * Steps before the warm-up's end (step < warmup) do not count: a fresh model starts near ln(V).
+ * The margin, 2 nats: the model gives the right token e^-2 = 1/7.4 of a uniform guess's
+ * probability on average; a random init starts within a few tenths of ln(V), a healthy run far
+ * below it. The window, 20 steps: a few bad batches in a row cannot trip it. */
+#define FL_DIVERGE_MARGIN 2.0
+#define FL_DIVERGE_WINDOW 20
+#define FL_DIVERGE_ALPHA 0.1
+/* losses above this many nats print their perplexity as inf: e^20 = 4.9e8 is beyond any vocabulary's
+ * uniform guess (the perplexity of a diverged run is otherwise a 143-digit number) */
+#define FL_PPL_MAX_LOSS 20.0
+
+typedef struct {
+    double limit;       /* ln(vocab_size) + FL_DIVERGE_MARGIN, nats */
+    double ln_v;        /* ln(vocab_size) */
+    long warmup;        /* steps before this do not count */
+    double ema;         /* smoothed training loss; NaN before the first step */
+    int above;          /* consecutive counted steps with ema > limit */
+    long last_good;     /* the newest step whose weights gave a loss within the limit: a validation after
+                         * it, or the next step's training loss (computed before that step's update) and
+                         * its EMA; -1 = none yet */
+    double value;       /* what tripped it (the EMA or the validation loss) */
+    int by_val;         /* 1: a validation loss tripped it */
+    long since;         /* first step of the window that tripped it */
+} fl_trainer_diverge;
+
+/* vocab_size: the model's; warmup: the LR schedule's warm-up steps. */
+void fl_trainer_diverge_init(fl_trainer_diverge *d, int vocab_size, long warmup);
+/* The step's training loss (NaN: a fully masked step, ignored). Returns 1 when diverged. */
+int fl_trainer_diverge_train(fl_trainer_diverge *d, long step, double loss);
+/* A validation loss after `step` optimizer steps (NaN: none). Returns 1 when diverged. */
+int fl_trainer_diverge_val(fl_trainer_diverge *d, long step, double val_loss);
+/* 1 while the smoothed loss is above the limit (checkpoints should not rotate older ones away). */
+int fl_trainer_diverge_suspect(const fl_trainer_diverge *d);
+/* The run's error after a trip: FL_ERR_NONFINITE (exit 1), "training diverged at step S (iter I): the
+ * ... loss X stayed above ...; stopped without saving final/ (the last good checkpoint, '...', is kept)"
+ * with the newest committed step-* of out_dir at or before d->last_good, and the hint. */
+fl_status fl_trainer_diverge_error(const fl_trainer_diverge *d, const char *out_dir, double lr, long step, long iter);
+/* The newest committed step-* checkpoint of out_dir whose step is <= max_step, into path; 0 if none. */
+int fl_trainer_ckpt_at_or_before(const char *out_dir, long max_step, char *path, size_t n);
+/* exp(loss), or INFINITY beyond FL_PPL_MAX_LOSS (and for inf/NaN losses: NaN stays NaN). */
+double fl_trainer_perplexity(double loss);
 
 #ifdef __cplusplus
 }

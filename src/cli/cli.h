@@ -51,7 +51,8 @@ int fl_cli_parse_run(const char *cmd, fl_cmd_kind kind, int argc, char **argv, f
                      fl_cli_extra_fn extra, void *ud, void (*help_fn)(const char *, fl_cmd_kind));
 /* --devices N (x --num_nodes) > 1 and no launcher (src/cli/launch.c): on one node, re-execute this
  * command line (argv[0] = the subcommand) as N ranks through Open MPI's mpirun, printing
- * "fitllm: starting N ranks: mpirun ..." (does not return; mpirun's exit status is the run's);
+ * "fitllm: starting N ranks: mpirun ..."; this process stays to forward a stop signal to the ranks
+ * and returns the run's exit status (mpirun's, or 128 + the signal that stopped it);
  * otherwise (several nodes, a build without MPI, no mpirun, FITLLM_MPIRUN=none) print the exact
  * command to run and return the exit code. */
 int fl_cli_start_ranks(const char *cmd, const fl_run_config *cfg, int argc, char **argv);
@@ -69,6 +70,11 @@ void fl_cli_last_checkpoint(const char *out_dir, char *buf, size_t n);
 void fl_cli_faults_begin(const char *cmd, const fl_run_config *cfg, int rank, int size);
 void fl_cli_faults_step(const fl_run_config *cfg, long step);
 void fl_cli_faults_end(void);
+/* A rank of several ended by the launcher's SIGTERM (from the thread that took it): rank 0 names the
+ * last committed checkpoint; the process dies of sig. Does not return. */
+void fl_cli_faults_term(int sig);
+/* "SIGINT (Ctrl-C)", "SIGTERM", "SIGUSR1", ... (cmd_train.c) */
+const char *fl_cli_signal_name(int sig);
 /* After a training run failed with FL_ERR_OOM: the breakdown at the failure and
  * what to try, planned for the same config and budget (src/cli/cmd_plan.c). */
 void fl_cli_oom_advice(const fl_run_config *cfg, const fl_mem_oom *oom, FILE *f);
@@ -122,6 +128,14 @@ void fl_cli_note_preset(const char *cmd, const char *name);
 /* That note when a training run's configuration means random weights (a preset, --init random,
  * a config.json, pretraining from model_name / model_config). */
 void fl_cli_note_run_weights(const char *cmd, const fl_run_config *cfg);
+/* The subcommand running (main.c), named by notes printed with cmd NULL. */
+void fl_cli_set_command(const char *cmd);
+/* 1 once the random-init note was printed (it is printed at most once per process). */
+int fl_cli_said_random(void);
+/* The command prints the random-init note itself: the model loaders' (cmd NULL) stay quiet. */
+void fl_cli_own_random_note(void);
+/* "; for its weights run `fitllm download ORG/NAME` ..." for a preset with a repo id, else "". */
+void fl_cli_preset_weights_hint(const char *name, char *buf, size_t n);
 int fl_cmd_download(int argc, char **argv);
 
 #endif

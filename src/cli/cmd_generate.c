@@ -7,7 +7,9 @@
 #include <sys/stat.h>
 
 #include "cli.h"
+#include "fitllm/checkpoint.h"
 #include "fitllm/generate.h"
+#include "fitllm/io.h"
 #include "fitllm/tokenizer.h"
 
 #define DEFAULT_PROMPT "What food do llamas eat?" /* LitGPT's default */
@@ -16,11 +18,19 @@ static void help(void) {
     fl_gen_params d;
     fl_gen_params_default(&d);
     printf("usage: fitllm generate <model> [--prompt TEXT | --prompt-ids \"1 2 3\"] [options]\n\n"
-           "  <model>                HF folder (config.json + safetensors), a Hugging Face repo id ORG/NAME\n"
-           "                         (downloaded, `fitllm download --help`), llama2.c .bin, or preset name\n"
-           "                         (presets are randomly initialized with --seed); or a PEFT adapter\n"
-           "                         folder, e.g. a finetune_lora step-N/ checkpoint: its base model\n"
-           "                         (base_model_name_or_path) with the adapter merged in memory\n"
+           "  <model>                what to generate with:\n"
+           "                         - a Hugging Face folder (config.json + safetensors or pytorch_model*.bin, or\n"
+           "                           LitGPT's lit_model.pth), e.g. a run's final/\n"
+           "                           or a full fine-tuning step-N/ checkpoint, or a llama2.c .bin\n"
+           "                         - a run folder (out/finetune/full, out/finetune/lora): its final/ (a LoRA\n"
+           "                           run's: the merged model), else its newest committed step-N/\n"
+           "                         - a PEFT adapter folder, e.g. a finetune_lora step-N/ checkpoint or a\n"
+           "                           LoRA run folder without final/ yet: its base model\n"
+           "                           (base_model_name_or_path) with the adapter merged in memory\n"
+           "                         - a Hugging Face repo id ORG/NAME: its download (checkpoints/ORG/NAME or\n"
+           "                           the Hugging Face cache; `fitllm download --help`)\n"
+           "                         - a preset name (micro, gpt2, ...): random initialization with --seed\n"
+           "                           and the built-in byte tokenizer (noise: for trying the pipeline)\n"
            "  --prompt TEXT          prompt text, encoded with the tokenizer (BOS added as the tokenizer\n"
            "                         does by default) (default \"%s\")\n"
            "  --prompt-ids \"IDS\"     prompt as whitespace-separated token ids instead of text; the\n"
@@ -32,13 +42,17 @@ static void help(void) {
            "  --seed N               sampling seed (and preset init seed) (default %llu)\n"
            "  --adapter DIR          PEFT LoRA adapter merged into <model> in memory (an adapter folder,\n"
            "                         a finetune_lora checkpoint or run folder, as merge_lora takes)\n"
-           "  --tokenizer PATH       tokenizer file or folder (default: the model folder; for a .bin model,\n"
-           "                         tok512.bin next to it)\n"
+           "  --tokenizer PATH       tokenizer file or folder, or \"bytes\" for the built-in byte tokenizer\n"
+           "                         (default: the model folder's, which every fitllm checkpoint carries,\n"
+           "                         the byte tokenizer as tokenizer.json included; for an adapter, its base's\n"
+           "                         or its own; for a .bin model, tok512.bin next to it; for a preset, bytes)\n"
            "  --threads N            CPU threads (default: all cores)\n"
            "  --accelerator A        auto|cpu|cuda (default auto: the GPU when this build has CUDA and one is\n"
            "                         visible, else the CPU). cuda is EXPERIMENTAL (single GPU; README)\n\n"
            "Stops at max_new_tokens, at an EOS token or at the model's context. The text streams to\n"
-           "stdout as it is generated; timing (ms/token) goes to stderr. Dashes work too (--max-new-tokens).\n",
+           "stdout as it is generated; timing (ms/token) goes to stderr. Dashes work too (--max-new-tokens).\n"
+           "A <model> that names nothing is exit 2: \"no such folder: PATH\", or neither a folder nor a preset\n"
+           "(with the nearest preset names).\n",
            DEFAULT_PROMPT, d.max_new_tokens, d.temperature, d.top_k, d.top_p, (unsigned long long)d.seed);
 }
 
@@ -83,12 +97,126 @@ static int is_adapter_dir(const char *p) {
     return stat(q, &st) == 0 && S_ISREG(st.st_mode);
 }
 
-/* Default tokenizer: the model folder itself; for a .bin model, tok512.bin next to it. */
+static int has(const char *dir, const char *name) {
+    char q[FL_CLI_PATH + 64];
+    struct stat st;
+    snprintf(q, sizeof q, "%s/%s", dir, name);
+    return stat(q, &st) == 0;
+}
+
+/* Default tokenizer: the model folder itself; for a .bin model, tok512.bin next to it (else its
+ * folder: another tok*.bin). */
 static void default_tokenizer(const char *model, char *buf, size_t n) {
     if (is_dir(model)) { snprintf(buf, n, "%s", model); return; }
     const char *slash = strrchr(model, '/');
     if (slash) snprintf(buf, n, "%.*s/tok512.bin", (int)(slash - model), model);
     else snprintf(buf, n, "tok512.bin");
+    struct stat st;
+    if (stat(buf, &st) != 0) {
+        if (slash) snprintf(buf, n, "%.*s", (int)(slash - model), model);
+        else snprintf(buf, n, ".");
+    }
+}
+
+/* What <model> names. A run folder (no config.json, no adapter_config.json) becomes its final/,
+ * else its newest committed step-N/; a path that is not there is said to be so, apart from a
+ * preset name (which may look like a path: Hugging Face ids such as meta-llama/Llama-3.2-1B). */
+typedef struct {
+    char path[FL_CLI_PATH]; /* what to load */
+    int preset;             /* 1: a preset name (random init, built-in byte tokenizer) */
+    char note[FL_CLI_PATH + 128]; /* how a run folder was resolved ("" none) */
+} gen_model;
+
+static int looks_like_path(const char *a) {
+    size_t n = strlen(a);
+    return strchr(a, '/') || a[0] == '.' || a[0] == '~' || (n > 4 && !strcmp(a + n - 4, ".bin")) ||
+           (n > 5 && !strcmp(a + n - 5, ".json")) || (n > 12 && !strcmp(a + n - 12, ".safetensors"));
+}
+
+static fl_status resolve_model(const char *arg, gen_model *g) {
+    struct stat st;
+    fl_model_config mc;
+    memset(g, 0, sizeof *g);
+    if (strlen(arg) >= FL_CLI_PATH - 64) return fl_errorf(FL_ERR_INVALID, "%s: path too long", arg);
+    snprintf(g->path, sizeof g->path, "%s", arg);
+    if (stat(arg, &st) != 0) {
+        if (fl_preset_find(arg, &mc) == FL_OK) {
+            g->preset = 1;
+            return FL_OK;
+        }
+        if (looks_like_path(arg)) {
+            size_t n = strlen(arg);
+            int file = (n > 4 && !strcmp(arg + n - 4, ".bin")) || (n > 12 && !strcmp(arg + n - 12, ".safetensors"));
+            return fl_errorf(FL_ERR_NOT_FOUND, "no such %s: %s", file ? "file" : "folder", arg);
+        }
+        char why[1024]; /* copy first: fl_errorf rewrites the message buffer it would read */
+        snprintf(why, sizeof why, "%s", fl_error_message());
+        return fl_errorf(FL_ERR_NOT_FOUND, "'%s' is neither a folder nor a model preset (%s)", arg, why);
+    }
+    if (!S_ISDIR(st.st_mode) || has(arg, "config.json") || has(arg, "adapter_config.json")) return FL_OK;
+    /* a run folder: final/, else the newest committed step (arg is short enough for both) */
+    char p[FL_CLI_PATH];
+    snprintf(p, sizeof p, "%s/final", arg);
+    if (is_dir(p) && fl_ckpt_is_committed(p)) {
+        snprintf(g->path, sizeof g->path, "%s", p);
+        snprintf(g->note, sizeof g->note, "%s is a run folder: its final checkpoint %s", arg, p);
+        return FL_OK;
+    }
+    if (fl_ckpt_find_latest(arg, p, sizeof p) == FL_OK) {
+        snprintf(g->path, sizeof g->path, "%s", p);
+        snprintf(g->note, sizeof g->note, "%s is a run folder: its newest checkpoint %s (no final/ yet)", arg, p);
+        return FL_OK;
+    }
+    if (is_dir(p) || has(arg, "logs") || has(arg, "hyperparameters.yaml"))
+        return fl_errorf(FL_ERR_NOT_FOUND, "%s: a run folder without a committed checkpoint yet (no final/, no "
+                         "step-*/ with its COMMITTED marker): wait for the first save (train.save_interval)", arg);
+    return fl_errorf(FL_ERR_NOT_FOUND, "%s: not a model folder (no config.json), a PEFT adapter folder (no "
+                     "adapter_config.json) nor a training run folder (no final/ or step-*/)", arg);
+}
+
+/* Says, first, when no weights were loaded (a preset, or an adapter on a preset base), as
+ * training says it for a preset. */
+static void say_init(const gen_model *gm, const fl_cli_adapter_info *info, int loaded, uint64_t seed,
+                     const char *tok_path) {
+    if (loaded) return;
+    char why[2 * FL_CLI_PATH + 512], hint[FL_CLI_PATH + 128];
+    if (info) {
+        snprintf(why, sizeof why, "the adapter's base '%s' is a model preset, initialized with seed 1337 (a run's "
+                 "default --seed; the run's final/ holds the weights it trained on)", info->base);
+        fl_cli_note_random("generate", why);
+    } else if (!gm->preset) {
+        fprintf(stderr, "fitllm generate: no weights were loaded: %s is a model shape only (config.json)\n", gm->path);
+    } else {
+        fl_cli_preset_weights_hint(gm->path, hint, sizeof hint);
+        snprintf(why, sizeof why, "'%s' is a model preset (seed %llu)%s, so the text is noise; generate from a "
+                 "trained run (out/.../final) for text%s", gm->path, (unsigned long long)seed,
+                 tok_path ? "" : " with the built-in byte tokenizer", hint);
+        fl_cli_note_random("generate", why);
+    }
+}
+
+/* The tokenizer: --tokenizer (a path, or "bytes"); a preset's built-in bytes; an adapter's (its
+ * base's or its own; on a preset base, which has none, the bytes the run used); else the model's
+ * folder (every fitllm checkpoint carries its tokenizer). info: the adapter's, NULL without one. */
+static fl_status gen_tokenizer(fl_tokenizer **tok, const char *tok_path, const gen_model *gm,
+                               const fl_cli_adapter_info *info, const char *model) {
+    char tp[FL_CLI_PATH];
+    const char *ts;
+    struct stat sb;
+    int bytes = 0;
+    if (tok_path) bytes = !strcmp(tok_path, "bytes"), snprintf(tp, sizeof tp, "%s", tok_path);
+    else if (gm->preset) bytes = 1;
+    else if (info && (ts = fl_cli_adapter_tokenizer(info, tp, sizeof tp)) != NULL) snprintf(tp, sizeof tp, "%s", ts);
+    else if (info && stat(info->base, &sb) != 0) bytes = 1;
+    else default_tokenizer(model, tp, sizeof tp);
+    fl_status s = bytes ? fl_tok_builtin_bytes(tok) : fl_tok_load(tok, tp);
+    if (s == FL_OK) return FL_OK;
+    char why[1024]; /* copy first: fl_errorf rewrites the message buffer it would read */
+    snprintf(why, sizeof why, "%s", fl_error_message());
+    int old_ckpt = s == FL_ERR_NOT_FOUND && !tok_path && is_dir(tp) && fl_ckpt_is_committed(tp);
+    return fl_errorf(s, "loading the tokenizer (--tokenizer PATH, or --prompt-ids): %s%s", why,
+                     old_ckpt ? "; a checkpoint saved by an older fitllm from a run with the built-in byte tokenizer "
+                                "has none: --tokenizer bytes" : "");
 }
 
 /* Streaming: after each token, decode prompt + generated so far and print what
@@ -180,6 +308,14 @@ int fl_cmd_generate(int argc, char **argv) {
     if (fl_gen_params_validate(&gp) != FL_OK) return fl_cli_usage(cmd, "%s", fl_error_message());
     if (!prompt_ids && !prompt) prompt = DEFAULT_PROMPT;
 
+    gen_model gm;
+    if (resolve_model(model_path, &gm) != FL_OK) {
+        fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
+        return FL_EXIT_USAGE; /* <model> names nothing there is */
+    }
+    if (gm.note[0]) fprintf(stderr, "fitllm generate: %s\n", gm.note);
+    model_path = gm.path;
+
     fl_backend be;
     fl_mem_pool pool, hpool; /* tensors; host staging when the backend's memory is not host memory */
     fl_model m = {0};
@@ -191,6 +327,8 @@ int fl_cmd_generate(int argc, char **argv) {
     fl_status s = fl_backend_init_by_name(fl_backend_default_name(), &be, threads);
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
     if ((s = fl_backend_pools_init(&be, &pool, &hpool, "cpu", 0)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
+    fl_cli_own_random_note(); /* say_init says it */
+    if (gm.preset && !adapter) say_init(&gm, NULL, 0, gp.seed, tok_path); /* first, before the (slow) random init */
     /* a PEFT adapter folder as <model> (a finetune_lora step-N/): its base with it merged */
     const char *base = model_path;
     if (!adapter && is_adapter_dir(model_path)) {
@@ -208,18 +346,11 @@ int fl_cmd_generate(int argc, char **argv) {
     if (adapter && !base)
         fprintf(stderr, "fitllm generate: %s is a LoRA adapter: base model %s with it merged in memory\n", info.adapter,
                 info.base);
+    if (!gm.preset || adapter) say_init(&gm, adapter ? &info : NULL, loaded, gp.seed, tok_path);
     if (prompt_ids) {
         if ((s = parse_ids(prompt_ids, &ids, &n_ids)) != FL_OK) goto fail;
     } else {
-        char tp[4096];
-        const char *ts;
-        if (tok_path) snprintf(tp, sizeof tp, "%s", tok_path);
-        else if (adapter && (ts = fl_cli_adapter_tokenizer(&info, tp, sizeof tp)) != NULL) snprintf(tp, sizeof tp, "%s", ts);
-        else default_tokenizer(base ? base : info.base, tp, sizeof tp);
-        if ((s = fl_tok_load(&tok, tp)) != FL_OK) {
-            s = fl_error_prefix(s, "loading the tokenizer (--tokenizer PATH, or --prompt-ids)");
-            goto fail;
-        }
+        if ((s = gen_tokenizer(&tok, tok_path, &gm, adapter ? &info : NULL, base ? base : info.base)) != FL_OK) goto fail;
         size_t n = 0;
         if ((s = fl_tok_encode(tok, prompt, strlen(prompt), -1, 0, &ids, &n)) != FL_OK) goto fail;
         n_ids = (int)n;
@@ -267,8 +398,6 @@ int fl_cmd_generate(int argc, char **argv) {
         for (int i = 0; i < n_ids; i++) printf(i ? " %d" : "%d", (int)ids[i]);
         fflush(stdout);
     }
-    if (!loaded) fprintf(stderr, "fitllm generate: note: %s is randomly initialized (seed %llu)\n", model_path,
-                         (unsigned long long)gp.seed);
     double t0 = fl_cli_now_ms();
     int n_out = 0;
     fl_gen_stop why;

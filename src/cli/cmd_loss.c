@@ -7,11 +7,13 @@
 #include <string.h>
 
 #include "cli.h"
+#include "fitllm/trainer.h"
 
 static void help(void) {
     printf("usage: fitllm loss <model> --tokens-file ids.txt [--dump-logits out.f32] [--threads N]\n\n"
-           "  <model>              HF folder (config.json + safetensors), a Hugging Face repo id ORG/NAME\n"
-           "                       (downloaded, `fitllm download --help`), llama2.c .bin, or preset name\n"
+           "  <model>              HF folder (config.json + safetensors or pytorch_model*.bin; or LitGPT's\n"
+           "                       lit_model.pth), a Hugging Face repo id ORG/NAME (downloaded, `fitllm\n"
+           "                       download --help`), llama2.c .bin, or preset name\n"
            "                       (presets are randomly initialized: --seed)\n"
            "  --tokens-file FILE   whitespace-separated token ids (at least 2)\n"
            "  --dump-logits FILE   write the logits of positions 0..n-2 as little-endian float32, (n-1) x V\n"
@@ -92,7 +94,7 @@ int fl_cmd_loss(int argc, char **argv) {
         goto fail;
     if ((s = fl_model_forward(&m, ids, ids + 1, 1, T, 0.0f, logits)) != FL_OK) goto fail;
     double loss = m.loss_sum / (double)m.n_valid;
-    printf("loss %.6f  ppl %.4f  tokens %d  model %s%s\n", loss, exp(loss), T, model_path,
+    printf("loss %.6f  ppl %.4f  tokens %d  model %s%s\n", loss, fl_trainer_perplexity(loss), T, model_path,
            loaded ? "" : " (random init)");
     if (dump) {
         char tmp[4096];

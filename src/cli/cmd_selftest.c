@@ -148,12 +148,12 @@ int fl_cmd_selftest(int argc, char **argv) {
         fl_accel want = FL_ACCEL_AUTO;
         if (accel && fl_accel_parse(accel, &want))
             return fl_cli_usage(cmd, "--accelerator must be auto, cpu or cuda (got '%s')", accel);
-        char why[256];
+        char why[768];
         if (want == FL_ACCEL_CPU) name = "cpu";
         else if (fl_cuda_built() && fl_cuda_device_count(why, sizeof why) > 0) name = "cuda";
         else if (want == FL_ACCEL_CUDA) {
             fprintf(stderr, "fitllm %s: error: --accelerator cuda: %s\n", cmd,
-                    fl_cuda_built() ? "no CUDA device visible" : "this fitllm was built without CUDA");
+                    fl_cuda_built() ? why : "this fitllm was built without CUDA (make build CUDA=1)");
             return FL_EXIT_RUNTIME;
         } else name = "cpu";
     }

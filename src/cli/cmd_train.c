@@ -41,7 +41,19 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "  (FULL_SHARD within each node of --devices ranks, replicated across the --num_nodes nodes; on one node\n"
            "  FULL_SHARD), adapter fine-tuning DDP over the adapters, on CPUs and GPUs (NCCL);\n"
            "  the run's \"data parallel (...)\" line names what auto chose and why.\n");
-    printf("\nexit codes: 0 ok, 1 runtime error, 2 usage or config error, 3 out of memory\n");
+    printf("\n  Stopping: SIGINT (Ctrl-C), SIGTERM and SIGUSR1 (Slurm's --signal=USR1@SECONDS pre-emption notice) finish\n"
+           "  the current step, commit its checkpoint (--train.save_on_signal, default true), name it, and exit\n"
+           "  128 + the signal: 130, 143, 138; a second signal stops at once. Several ranks: signal the fitllm\n"
+           "  that started them (it forwards the stop), or send SIGUSR1 to every rank; SIGTERM to the ranks\n"
+           "  themselves ends them at once (it is how mpirun and srun end a job whose rank failed).\n");
+    printf("\n  Divergence (--train.divergence_check, default true): after the warm-up, a validation loss, or a\n"
+           "  training loss smoothed by an EMA (weight %.1f) for %d steps in a row, above ln(vocab_size) + %.0f\n"
+           "  (a uniform guess's loss + %.0f nats: the model predicts far worse than knowing nothing) stops\n"
+           "  the run as a NaN does: exit 1, no final/, the last good checkpoint named. Perplexities above\n"
+           "  e^%.0f print as inf.\n", FL_DIVERGE_ALPHA, FL_DIVERGE_WINDOW, FL_DIVERGE_MARGIN, FL_DIVERGE_MARGIN,
+           FL_PPL_MAX_LOSS);
+    printf("\nexit codes: 0 ok, 1 runtime error, 2 usage or config error, 3 out of memory, 130 SIGINT, 143 SIGTERM,\n"
+           "138 SIGUSR1\n");
 }
 
 /* defaults < every --config (in order) < the command line, merged BEFORE any value
@@ -145,73 +157,120 @@ done:
     return rc;
 }
 
-/* Ctrl-C: the first stops the run after the current step (its checkpoint, if one is due, is
- * written) and says how to resume; a second stops at once, saying the same. */
-static volatile sig_atomic_t g_interrupted;
+/* Stopping by a signal: SIGINT (Ctrl-C), SIGTERM (Slurm's scancel and time limit, Kubernetes, systemd)
+ * and SIGUSR1 (Slurm's pre-emption notice, sbatch --signal=B:USR1@120 / srun --signal=USR1@120) all
+ * stop the run after the current step, committing its checkpoint under train.save_on_signal; a
+ * second one stops at once. The exit status is the shell's for a process killed by the first signal,
+ * 128 + its number: 130, 143, 138 (SIGUSR1: non-zero, so a batch script does not take the run for a
+ * finished one, and apart from errors (1), so it can requeue it with --resume auto).
+ * SIGUSR2 is fitllm's launcher asking its ranks to stop (it took the user's signal: launch.c). */
+static volatile sig_atomic_t g_interrupted; /* the first signal's number; 0 = none */
+static int g_world = 1, g_rank0 = 1; /* g_rank0: this process speaks (rank 0, or one process) */
+static const char *g_cmd_name = "train", *g_out_dir = ".";
+
+const char *fl_cli_signal_name(int sig) {
+    return sig == SIGINT ? "SIGINT (Ctrl-C)" : sig == SIGTERM ? "SIGTERM" : sig == SIGUSR1 ? "SIGUSR1" :
+           sig == SIGUSR2 ? "SIGUSR2" : sig == SIGHUP ? "SIGHUP" : "a signal";
+}
+
+/* The first signal (a handler where no thread takes it by sigwait: only async-signal-safe calls). */
 static char g_resume_msg[FL_CFG_PATH + 256];
 
-static void on_sigint(int sig) {
-    if (g_interrupted) {
+static void on_signal(int sig) {
+    if (g_interrupted) { /* the second, in a thread that does not block it (one MPI started): stop now */
         if (write(STDERR_FILENO, g_resume_msg, strlen(g_resume_msg)) < 0) { /* nothing to do */ }
         signal(sig, SIG_DFL);
         raise(sig);
         return;
     }
-    g_interrupted = 1;
-    static const char m[] = "\nfitllm: interrupted: stopping after this step (Ctrl-C again to stop now)\n";
-    if (write(STDERR_FILENO, m, sizeof m - 1) < 0) { /* nothing to do */ }
+    g_interrupted = sig;
+    if (sig == SIGUSR2 || !g_rank0) return; /* the launcher said it; rank 0 speaks for the ranks */
+    char m[256];
+    const char *name = fl_cli_signal_name(sig);
+    size_t n = 0;
+#define PUT(str) do { size_t l_ = strlen(str); if (n + l_ < sizeof m) { memcpy(m + n, str, l_); n += l_; } } while (0)
+    PUT("\nfitllm: ");
+    PUT(name);
+    PUT(": stopping after this step (the same signal again, or Ctrl-C, stops now)\n");
+#undef PUT
+    if (write(STDERR_FILENO, m, n) < 0) { /* nothing to do */ }
 }
 
-/* Ctrl-C is taken by a thread of its own (sigwait), with SIGINT blocked in every other thread: the
+/* The signals are taken by a thread of its own (sigwait), blocked in every other thread: the
  * training thread and the OpenMP pool, whose threads are started here and inherit the mask. With
  * the signal delivered asynchronously to the training threads, the heap was corrupted in about 1 run
  * of 5 (`finetune_ctrl_c` at 2 threads: a oneDNN GEMM's free aborted; never with --threads 1). */
 static volatile sig_atomic_t g_sig_done;
 static pthread_t g_sig_thread;
-static sigset_t g_sig_old;
+static sigset_t g_sig_old, g_sig_set;
 
-static void *sigint_thread(void *arg) {
-    sigset_t *set = arg;
+/* Stop now: what was printed is flushed whole (stdio's lock: no line is cut), the message names the
+ * last committed checkpoint, and the process dies of the signal (the shell's 128 + number). */
+static void stop_now(int sig) {
+    char where[2 * FL_CFG_PATH];
+    fflush(stdout);
+    fl_cli_last_checkpoint(g_out_dir, where, sizeof where);
+    fprintf(stderr, "fitllm %s: stopped at once by %s; %s\n", g_cmd_name, fl_cli_signal_name(sig), where);
+    fflush(stderr);
+    signal(sig, SIG_DFL);
+    pthread_sigmask(SIG_UNBLOCK, &g_sig_set, NULL);
+    raise(sig);
+}
+
+static void *signal_thread(void *arg) {
+    (void)arg;
     for (;;) {
         int sig;
-        if (sigwait(set, &sig) != 0) continue;
+        if (sigwait(&g_sig_set, &sig) != 0) continue;
         if (g_sig_done) return NULL;
-        if (g_interrupted) { /* the second: stop now, by the signal's default action */
-            if (write(STDERR_FILENO, g_resume_msg, strlen(g_resume_msg)) < 0) { /* nothing to do */ }
-            signal(SIGINT, SIG_DFL);
-            pthread_sigmask(SIG_UNBLOCK, set, NULL);
-            raise(SIGINT);
+        /* several ranks: mpirun and srun end every rank with SIGTERM when one fails (the others
+         * would wait for it in a collective): rank 0 names the last checkpoint and all end now */
+        if (sig == SIGTERM && g_world > 1) fl_cli_faults_term(sig);
+        if (g_interrupted) { /* the second: stop now */
+            stop_now(sig == SIGUSR2 ? SIGTERM : sig);
             return NULL;
         }
-        on_sigint(sig);
+        on_signal(sig);
     }
 }
 
-static void sigint_begin(int nt) {
-    static sigset_t set;
-    sigemptyset(&set);
-    sigaddset(&set, SIGINT);
-    pthread_sigmask(SIG_BLOCK, &set, &g_sig_old);
+/* launched: by fitllm's launcher (SIGUSR2 is its stop request) */
+static void signals_begin(int nt, int launched) {
+    sigemptyset(&g_sig_set);
+    sigaddset(&g_sig_set, SIGINT);
+    sigaddset(&g_sig_set, SIGTERM);
+    sigaddset(&g_sig_set, SIGUSR1);
+    if (launched) sigaddset(&g_sig_set, SIGUSR2);
+    pthread_sigmask(SIG_BLOCK, &g_sig_set, &g_sig_old);
     if (omp_get_max_threads() > nt) nt = omp_get_max_threads();
 #pragma omp parallel num_threads(nt)
-    { /* nothing: the pool's threads exist from now on, SIGINT blocked */ }
-    signal(SIGINT, on_sigint); /* a thread started before this still takes it the old way */
+    { /* nothing: the pool's threads exist from now on, the signals blocked */ }
+    /* a thread started before this (MPI's) still takes them the old way */
+    signal(SIGINT, on_signal);
+    signal(SIGUSR1, on_signal);
+    if (g_world == 1) signal(SIGTERM, on_signal);
+    if (launched) signal(SIGUSR2, on_signal);
     g_sig_done = 0;
-    if (pthread_create(&g_sig_thread, NULL, sigint_thread, &set) != 0) pthread_sigmask(SIG_SETMASK, &g_sig_old, NULL);
+    if (pthread_create(&g_sig_thread, NULL, signal_thread, NULL) != 0) pthread_sigmask(SIG_SETMASK, &g_sig_old, NULL);
 }
 
-static void sigint_end(void) {
+static void signals_end(int launched) {
     g_sig_done = 1;
     pthread_kill(g_sig_thread, SIGINT);
     pthread_join(g_sig_thread, NULL);
     signal(SIGINT, SIG_DFL);
+    signal(SIGTERM, SIG_DFL);
+    signal(SIGUSR1, SIG_DFL);
+    if (launched) signal(SIGUSR2, SIG_DFL);
     pthread_sigmask(SIG_SETMASK, &g_sig_old, NULL);
 }
 
+/* 0 = go on; 1 = stop; 2 = stop after committing this step's checkpoint (train.save_on_signal) */
 static int stop_if_interrupted(void *ud, long step, double loss, const void *params, size_t bytes) {
+    const fl_run_config *cfg = ud;
     (void)loss, (void)params, (void)bytes;
-    fl_cli_faults_step(ud, step); /* ud: the run's configuration */
-    return g_interrupted;
+    fl_cli_faults_step(cfg, step);
+    return g_interrupted ? (cfg->train.save_on_signal ? 2 : 1) : 0;
 }
 
 /* --devices / --num_nodes against the launcher; the communicator for more than one rank.
@@ -224,8 +283,11 @@ static int join_ranks(const char *cmd, const fl_run_config *cfg, int argc, char 
         return FL_EXIT_USAGE;
     }
     int want = cfg->devices * cfg->num_nodes, have = li.kind == FL_LAUNCH_NONE ? 1 : li.size;
-    /* no launcher: start the ranks through mpirun (does not return), or say what to run */
-    if (want > 1 && li.kind == FL_LAUNCH_NONE) return fl_cli_start_ranks(cmd, cfg, argc, argv);
+    /* no launcher: start the ranks through mpirun (their status once they end), or say what to run */
+    if (want > 1 && li.kind == FL_LAUNCH_NONE) { /* the run's status, or -1 for 0: nothing left to do here */
+        int rc = fl_cli_start_ranks(cmd, cfg, argc, argv);
+        return rc ? rc : -1;
+    }
     if (want != have) {
         if (li.rank == 0) /* every rank sees the same mismatch: one message */
             fprintf(stderr, "fitllm %s: error: --devices %d x --num_nodes %d = %d ranks, but %s started %d: give "
@@ -245,11 +307,16 @@ static int join_ranks(const char *cmd, const fl_run_config *cfg, int argc, char 
 static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_comm *comm);
 
 static int run(const char *cmd, fl_cmd_kind kind, int argc, char **argv) {
+    /* the log a line at a time also into a file or a pipe (mpirun's): a process killed at any moment
+     * (SIGKILL, the launcher ending a rank) leaves whole lines; a line per iteration costs nothing */
+    setvbuf(stdout, NULL, _IOLBF, 0);
     fl_run_config cfg;
     int rc = fl_cli_parse_run(cmd, kind, argc, argv, &cfg, NULL, NULL, help);
     if (rc) return rc < 0 ? 0 : rc;
+    /* a rank of fitllm's launcher: its stop request may come while MPI starts; kept for the first step */
+    if (getenv("FITLLM_LAUNCHED")) signal(SIGUSR2, on_signal);
     fl_comm *comm = NULL;
-    if ((rc = join_ranks(cmd, &cfg, argc, argv, &comm)) != 0) return rc;
+    if ((rc = join_ranks(cmd, &cfg, argc, argv, &comm)) != 0) return rc < 0 ? 0 : rc;
     if (!comm || fl_comm_rank(comm) == 0) fl_cli_note_run_weights(cmd, &cfg); /* the first line, when it applies */
     if (comm && (rc = fl_cli_check_ranks(cmd, &cfg, comm)) != 0) {
         fl_comm_destroy(comm);
@@ -264,16 +331,23 @@ static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_co
     (void)kind;
     fl_run_config cfg = *cfg_in;
     const int rank = comm ? fl_comm_rank(comm) : 0, world = comm ? fl_comm_size(comm) : 1;
-    int bar = !cfg.quiet && isatty(STDOUT_FILENO) && rank == 0;
+    const int launched = getenv("FITLLM_LAUNCHED") != NULL && world > 1; /* by fitllm's own mpirun */
+    const char *tty = launched ? getenv("FITLLM_LOG_TTY") : NULL; /* the launcher's stdout (launch.c) */
+    int bar = !cfg.quiet && (tty ? atoi(tty) : isatty(STDOUT_FILENO)) && rank == 0;
     fl_trainer_result res;
     snprintf(g_resume_msg, sizeof g_resume_msg,
-             "fitllm %s: interrupted; to continue from the last step-* checkpoint in '%s', run the same command "
+             "fitllm %s: stopped at once; to continue from the last step-* checkpoint in '%s', run the same command "
              "with --resume auto\n", cmd, cfg.out_dir);
-    sigint_begin(cfg.threads > 0 ? cfg.threads : fl_cpu_default_threads());
+    g_world = world;
+    g_rank0 = rank == 0;
+    g_cmd_name = cmd;
+    g_out_dir = cfg_in->out_dir;
+    signals_begin(cfg.threads > 0 ? cfg.threads : fl_cpu_default_threads(), launched);
     fl_cli_faults_begin(cmd, &cfg, rank, world);
     fl_status s = fl_trainer_run_comm(&cfg, comm, stdout, bar, stop_if_interrupted, &cfg, &res);
     fl_cli_faults_end();
-    sigint_end();
+    signals_end(launched);
+    fflush(stdout); /* the log ends with its last whole line before any message */
     /* configuration problems found while setting up (bad values, a checkpoint_dir or data file
      * that does not exist, a technique this build lacks) are usage errors */
     int code = s == FL_ERR_OOM ? FL_EXIT_OOM
@@ -284,32 +358,48 @@ static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_co
         if (res.error_all_ranks && rank != 0) return code;
         if (!res.error_all_ranks) {
             char msg[1200 + FL_CFG_PATH * 3], where[FL_CFG_PATH * 2];
-            fflush(stdout);
             fl_cli_last_checkpoint(cfg.out_dir, where, sizeof where);
             snprintf(msg, sizeof msg, "fitllm %s: error: %s; %s", cmd, fl_error_message(), where);
             fl_comm_abort(comm, code, msg); /* MPI: does not return */
         }
     }
-    if (s == FL_OK && g_interrupted && rank != 0) return 130;
-    if (s == FL_OK && g_interrupted) {
+    const int sig = g_interrupted;
+    if (s == FL_OK && sig && res.final_dir[0]) { /* it came after the last step: the run is complete */
+        if (rank == 0)
+            fprintf(stderr, "fitllm %s: %s came after the last step; the run finished and saved '%s'\n", cmd,
+                    fl_cli_signal_name(sig), res.final_dir);
+        return 0;
+    }
+    /* the launcher's request: it names the signal and the checkpoint, and exits with the code */
+    if (s == FL_OK && sig == SIGUSR2) return 0;
+    if (s == FL_OK && sig && rank != 0) return 128 + sig;
+    if (s == FL_OK && sig) {
         char last[FL_CFG_PATH + 300];
-        fflush(stdout);
         if (fl_ckpt_find_latest(cfg.out_dir, last, sizeof last) == FL_OK)
-            fprintf(stderr, "fitllm %s: interrupted after step %ld; the last checkpoint is '%s': to continue, run the "
-                            "same command with --resume auto (out_dir '%s')\n", cmd, res.steps, last, cfg.out_dir);
+            fprintf(stderr, "fitllm %s: stopped by %s after step %ld; the last checkpoint is '%s': to continue, run the "
+                            "same command with --resume auto (out_dir '%s')\n", cmd, fl_cli_signal_name(sig), res.steps,
+                    last, cfg.out_dir);
         else
-            fprintf(stderr, "fitllm %s: interrupted after step %ld, before any checkpoint was saved (train.save_interval "
-                            "%d): nothing to resume from, a new run starts over (--overwrite)\n", cmd, res.steps,
-                    cfg.train.save_interval);
-        return 130; /* 128 + SIGINT, as the shell reports a process killed by Ctrl-C */
+            fprintf(stderr, "fitllm %s: stopped by %s after step %ld, before any checkpoint was committed "
+                            "(train.save_interval %d, train.save_on_signal %s): nothing to resume from, a new run starts "
+                            "over (--overwrite)\n", cmd, fl_cli_signal_name(sig), res.steps, cfg.train.save_interval,
+                    cfg.train.save_on_signal ? "true" : "false");
+        return 128 + sig; /* as the shell reports a process killed by it: 130 SIGINT, 143 SIGTERM, 138 SIGUSR1 */
     }
     if (s != FL_OK) {
-        if (bar) fflush(stdout);
         if (s == FL_ERR_OOM) {
             /* the breakdown and what to try, from the planner (same sizing as the runtime) */
             fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
             fl_cli_oom_advice(&cfg, &res.oom, stderr);
             return FL_EXIT_OOM;
+        }
+        /* a failure after training started (a full disk, a file that cannot be written) names the
+         * checkpoint to continue from; a diverged run's message names the last good one itself */
+        if (!res.error_all_ranks && s != FL_ERR_NONFINITE) {
+            char where[FL_CFG_PATH * 2];
+            fl_cli_last_checkpoint(cfg.out_dir, where, sizeof where);
+            fprintf(stderr, "fitllm %s: error: %s; %s\n", cmd, fl_error_message(), where);
+            return code;
         }
         fl_cli_fail(cmd, s, NULL);
         return code;

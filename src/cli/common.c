@@ -112,7 +112,7 @@ fl_status fl_cli_load_model_ex(fl_model *m, const char *path, int random_init, u
         return FL_OK;
     }
     if (random_init) {
-        char cp[4096];
+        char cp[FL_CLI_PATH + 16];
         if (is_dir(path)) snprintf(cp, sizeof cp, "%s/config.json", path);
         else snprintf(cp, sizeof cp, "%s", path);
         size_t n = strlen(cp);

@@ -4,7 +4,11 @@
  * cannot be guessed (which hosts?): they get the exact `mpirun --hostfile` command to run. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <sched.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -113,6 +117,76 @@ static int find_mpirun(char *out, size_t n, char *looked, size_t ln) {
     return found;
 }
 
+/* mpirun as a child in a process group of its own, this process staying to take the user's signals:
+ * mpirun aborts the job on SIGINT/SIGTERM (exit 1, no checkpoint), so the terminal's Ctrl-C must not
+ * reach it. The first SIGINT, SIGTERM or SIGUSR1 becomes SIGUSR2 to mpirun, which forwards it to the
+ * ranks: they stop together after the step, commit its checkpoint (train.save_on_signal) and exit 0;
+ * this process then names the signal and the checkpoint and exits 128 + the signal. A second signal
+ * ends mpirun (it ends the ranks) at once. Without a signal, mpirun's status is the run's; a rank's
+ * death (killed, or its error) also names the last committed checkpoint here, whichever rank it was. */
+static int run_ranks(const char *cmd, const fl_run_config *cfg, const char *mpirun, char **av, const char *line) {
+    sigset_t set, old;
+    sigemptyset(&set);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGUSR1);
+    sigaddset(&set, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &set, &old);
+    pid_t pid = fork();
+    if (pid < 0) {
+        sigprocmask(SIG_SETMASK, &old, NULL);
+        fprintf(stderr, "fitllm %s: error: cannot start %s: %s; start the ranks with\n  %s\n", cmd, mpirun,
+                strerror(errno), line);
+        return FL_EXIT_RUNTIME;
+    }
+    if (pid == 0) {
+        setpgid(0, 0);                         /* out of the terminal's foreground group: no Ctrl-C */
+        prctl(PR_SET_PDEATHSIG, SIGTERM);      /* this process killed (SIGKILL): mpirun ends the job */
+        int nul = open("/dev/null", O_RDONLY); /* a background group reading the terminal would stop */
+        if (nul >= 0) { dup2(nul, STDIN_FILENO); close(nul); }
+        sigprocmask(SIG_SETMASK, &old, NULL);
+        execv(mpirun, av);
+        fprintf(stderr, "fitllm %s: error: cannot run %s: %s; start the ranks with\n  %s\n", cmd, mpirun,
+                strerror(errno), line);
+        _exit(FL_EXIT_RUNTIME);
+    }
+    setpgid(pid, pid); /* also here: whichever runs first */
+    int first = 0, status = 0;
+    for (;;) {
+        int sig = 0;
+        if (sigwait(&set, &sig) != 0) continue;
+        if (sig == SIGCHLD) {
+            pid_t w = waitpid(pid, &status, WNOHANG);
+            if (w == pid) break;
+            continue;
+        }
+        if (!first) {
+            first = sig;
+            fprintf(stderr, "\nfitllm: %s: the ranks stop after this step%s (the same signal again, or Ctrl-C, stops "
+                    "now)\n", fl_cli_signal_name(sig), cfg->train.save_on_signal ? " and commit its checkpoint" : "");
+            kill(pid, SIGUSR2); /* mpirun forwards SIGUSR1/2 to every rank */
+        } else {
+            fprintf(stderr, "\nfitllm: %s again: stopping the ranks now\n", fl_cli_signal_name(sig));
+            kill(pid, SIGTERM); /* mpirun ends every rank */
+        }
+    }
+    sigprocmask(SIG_SETMASK, &old, NULL);
+    int code = WIFEXITED(status) ? WEXITSTATUS(status) : WIFSIGNALED(status) ? 128 + WTERMSIG(status) : 1;
+    char where[3 * FL_CLI_PATH];
+    fl_cli_last_checkpoint(cfg->out_dir, where, sizeof where);
+    fflush(stdout);
+    if (first) {
+        fprintf(stderr, "fitllm %s: stopped by %s%s; %s\n", cmd, fl_cli_signal_name(first),
+                code == 0 ? " after the ranks' last step" : " (the ranks ended at once)", where);
+        return 128 + first; /* as the shell reports a process killed by it */
+    }
+    /* 2: a usage error every rank agreed on (printed); 3: out of memory (the breakdown printed) */
+    if (code != 0 && code != FL_EXIT_USAGE && code != FL_EXIT_OOM)
+        fprintf(stderr, "fitllm %s: error: the ranks failed (mpirun's status %d; its message above names the rank); "
+                "%s\n", cmd, code, where);
+    return code;
+}
+
 int fl_cli_start_ranks(const char *cmd, const fl_run_config *cfg, int argc, char **argv) {
     const int want = cfg->devices * cfg->num_nodes, root = geteuid() == 0;
     int phys, cpus = usable_cpus(&phys);
@@ -178,7 +252,10 @@ int fl_cli_start_ranks(const char *cmd, const fl_run_config *cfg, int argc, char
     char *av[64 + 4096];
     int k = 0;
     if (argc > 4096) return fl_cli_usage(cmd, "too many arguments to start ranks with (%d)", argc);
-    char np[16], marker[] = MARKER "=1";
+    char np[16], marker[] = MARKER "=1", tty[] = "FITLLM_LOG_TTY=0";
+    /* mpirun gives the ranks a pseudo-terminal: whether the log is a terminal is this process's to say
+     * (else a log file gets the progress bar, and a rank ended at once leaves it as the last line) */
+    tty[sizeof tty - 2] = isatty(STDOUT_FILENO) ? '1' : '0';
     snprintf(np, sizeof np, "%d", want);
     av[k++] = mpirun;
     av[k++] = "-np";
@@ -192,6 +269,8 @@ int fl_cli_start_ranks(const char *cmd, const fl_run_config *cfg, int argc, char
     av[k++] = omp;
     av[k++] = "-x";
     av[k++] = marker;
+    av[k++] = "-x";
+    av[k++] = tty;
     av[k++] = exe;
     for (int i = 0; i < argc; i++) av[k++] = argv[i];
     av[k] = NULL;
@@ -201,8 +280,5 @@ int fl_cli_start_ranks(const char *cmd, const fl_run_config *cfg, int argc, char
     fflush(stdout);
     fprintf(stderr, "fitllm: starting %d ranks: %s\n", want, line);
     fflush(stderr);
-    execv(mpirun, av); /* mpirun's exit status is the run's (the first failing rank's) */
-    fprintf(stderr, "fitllm %s: error: cannot run %s: %s; start the ranks with\n  %s\n", cmd, mpirun, strerror(errno),
-            line);
-    return FL_EXIT_RUNTIME;
+    return run_ranks(cmd, cfg, mpirun, av, line);
 }

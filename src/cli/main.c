@@ -29,6 +29,8 @@
 #define FL_BUILD_SANITIZE "?"
 #endif
 
+int fl_cmd_convert(int argc, char **argv); /* src/cli/cmd_convert.c */
+
 static const struct {
     const char *name;
     int (*fn)(int, char **);
@@ -41,6 +43,7 @@ static const struct {
     {"download", fl_cmd_download, "fetch a model from the Hugging Face Hub into checkpoints/ORG/NAME (as litgpt download)"},
     {"merge_lora", fl_cmd_merge_lora, "merge a PEFT LoRA adapter into its base model (HF folder out)"},
     {"merge_shards", fl_cmd_merge_shards, "consolidate a sharded checkpoint into one HF folder (offline, streamed)"},
+    {"convert", fl_cmd_convert, "write a model folder (pytorch_model*.bin, lit_model.pth, ...) as HF safetensors"},
     {"plan", fl_cmd_plan, "predict memory per tag and phase, the verdict on a device, what to try (no run)"},
     {"lab", fl_cmd_lab, "run the memory lab's experiments on scaled models; table, report, CSV/JSON, charts"},
     {"demo", fl_cmd_demo, "short real training run on a built-in model with synthetic data + memory report"},
@@ -136,11 +139,20 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) { usage(stdout); return 0; }
     if (!strcmp(argv[1], "--version") || !strcmp(argv[1], "version")) return version();
     /* --accelerator auto (every command's default): the GPU when this build has CUDA and one is
-     * visible; a command's --accelerator cpu|cuda overrides it */
+     * visible; a command's --accelerator cpu|cuda overrides it. Not probed for --accelerator cpu:
+     * probing a usable GPU opens the CUDA plugin and its libraries (~200 MB), which a CPU run never needs. */
+    int cpu_asked = 0;
+    for (int i = 2; i < argc; i++)
+        cpu_asked |= !strcmp(argv[i], "--accelerator=cpu") ||
+                     (i + 1 < argc && !strcmp(argv[i], "--accelerator") && !strcmp(argv[i + 1], "cpu"));
     fl_accel use;
-    if (fl_accel_resolve(FL_ACCEL_AUTO, &use) == FL_OK && use == FL_ACCEL_CUDA) fl_backend_set_default_name("cuda");
+    if (!cpu_asked && fl_accel_resolve(FL_ACCEL_AUTO, &use) == FL_OK && use == FL_ACCEL_CUDA)
+        fl_backend_set_default_name("cuda");
     for (size_t i = 0; i < sizeof k_cmds / sizeof k_cmds[0]; i++)
-        if (!strcmp(argv[1], k_cmds[i].name)) return k_cmds[i].fn(argc - 1, argv + 1);
+        if (!strcmp(argv[1], k_cmds[i].name)) {
+            fl_cli_set_command(k_cmds[i].name); /* notes of shared helpers name it */
+            return k_cmds[i].fn(argc - 1, argv + 1);
+        }
     fprintf(stderr, "fitllm: unknown command '%s'\n", argv[1]);
     usage(stderr);
     return FL_EXIT_USAGE;

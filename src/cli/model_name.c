@@ -14,12 +14,34 @@ static int exists(const char *p) {
     return stat(p, &st) == 0;
 }
 
+static const char *g_cmd;   /* the running subcommand, for the notes of shared helpers */
+static int g_said, g_own;   /* the random-init note was printed / the command prints it itself */
+
+void fl_cli_set_command(const char *cmd) { g_cmd = cmd; }
+int fl_cli_said_random(void) { return g_said; }
+void fl_cli_own_random_note(void) { g_own = 1; }
+
+/* "ORG/NAME" whose ORG is a folder here (out/mcro, a typo under ./out) is a path that is not
+ * there, not a repo id: the command says "no such folder" */
+static int local_path_like(const char *name) {
+    const char *slash = strchr(name, '/');
+    char first[FL_CLI_PATH];
+    if (!slash || (size_t)(slash - name) >= sizeof first) return 0;
+    snprintf(first, sizeof first, "%.*s", (int)(slash - name), name);
+    struct stat st;
+    return strcmp(first, "checkpoints") && stat(first, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
 fl_status fl_cli_resolve_model(const char *cmd, const char *name, char *out, size_t n, int shape_ok) {
     if (!name || !name[0] || exists(name)) {
         snprintf(out, n, "%s", name ? name : "");
         return FL_OK;
     }
     fl_hub_where where;
+    if (fl_hub_is_repo_id(name) && local_path_like(name)) {
+        snprintf(out, n, "%s", name);
+        return FL_OK;
+    }
     fl_status s = fl_hub_resolve(name, out, n, &where);
     if (s == FL_OK) {
         if (cmd) {
@@ -58,21 +80,31 @@ int fl_cli_model_arg(const char *cmd, const char **path, char *buf, size_t n) {
 }
 
 void fl_cli_note_random(const char *cmd, const char *why) {
+    if (g_said) return; /* once: the command's own and a helper's would say the same */
+    g_said = 1;
+    if (!cmd) cmd = g_cmd;
     fflush(stdout);
     fprintf(stderr, "fitllm%s%s: random initialization (no weights were loaded): %s\n", cmd ? " " : "", cmd ? cmd : "",
             why);
 }
 
+void fl_cli_preset_weights_hint(const char *name, char *buf, size_t n) {
+    const char *repo = fl_preset_repo_id(name);
+    if (repo) snprintf(buf, n, "; for its weights run `fitllm download %s` and give %s", repo, repo);
+    else if (n) buf[0] = 0;
+}
+
 void fl_cli_note_preset(const char *cmd, const char *name) {
+    if (g_own && !cmd) return; /* the command says it, with its own details */
     fl_model_config mc;
     if (fl_preset_find(name, &mc) != FL_OK) return;
     const char *repo = fl_preset_repo_id(name);
     char why[512];
     if (repo)
-        snprintf(why, sizeof why, "'%s' is the preset %s, the model's shape only; for its weights run `fitllm "
-                 "download %s` and give %s", name, mc.name, repo, repo);
+        snprintf(why, sizeof why, "'%s' is a model preset (%s), the shape of %s only; for its weights run `fitllm "
+                 "download %s` and give %s", name, mc.name, repo, repo, repo);
     else
-        snprintf(why, sizeof why, "'%s' is a preset, a model shape only", name);
+        snprintf(why, sizeof why, "'%s' is a model preset, a model shape only", name);
     fl_cli_note_random(cmd, why);
 }
 

@@ -7,6 +7,7 @@
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -18,6 +19,7 @@
 #include "cli.h"
 #include "core/text.h"
 #include "fitllm/checkpoint.h"
+#include "fitllm/io.h"
 
 /* ---- what each rank runs and reads ------------------------------------------------------- */
 
@@ -199,6 +201,10 @@ void fl_cli_faults_begin(const char *cmd, const fl_run_config *cfg, int rank, in
 }
 
 void fl_cli_faults_step(const fl_run_config *cfg, long step) {
+    /* testing a full disk: FITLLM_FAULT_DISK_FULL_AFTER_STEP=K makes every file write after step K's
+     * checkpoint fail with ENOSPC (as fl_io_fail_writes_after; tests/cli_test.sh) */
+    const char *df = getenv("FITLLM_FAULT_DISK_FULL_AFTER_STEP");
+    if (df && *df && step > 0 && step == atol(df)) fl_io_fail_writes_after(0);
     if (g_rank != 0 || g_size < 2) return;
     /* the trainer's hook runs after a due checkpoint was committed: rescan only then */
     if (step != 0 && (cfg->train.save_interval <= 0 || step % cfg->train.save_interval != 0)) return;
@@ -210,6 +216,18 @@ void fl_cli_faults_step(const fl_run_config *cfg, long step) {
     g_term_len = 0; /* a signal between these lines writes nothing rather than half a message */
     g_term_buf = b;
     g_term_len = w > 0 ? ((size_t)w < sizeof g_term_msg[b] ? w : (int)sizeof g_term_msg[b] - 1) : 0;
+}
+
+void fl_cli_faults_term(int sig) {
+    size_t n = (size_t)g_term_len;
+    fflush(stdout); /* the log's lines whole */
+    if (g_rank == 0 && n && write(STDERR_FILENO, g_term_msg[g_term_buf], n) < 0) { /* nothing to do */ }
+    signal(sig, SIG_DFL);
+    sigset_t one;
+    sigemptyset(&one);
+    sigaddset(&one, sig);
+    pthread_sigmask(SIG_UNBLOCK, &one, NULL);
+    raise(sig);
 }
 
 void fl_cli_faults_end(void) {

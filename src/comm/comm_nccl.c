@@ -15,6 +15,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "backend/cuda/cu_plugin.h"
 #include "comm/comm-impl.h"
 #include "fitllm/comm_nccl.h"
 
@@ -378,8 +379,20 @@ fl_status fl_comm_nccl_create(fl_comm *host, const fl_nccl_api *api, void *strea
     return FL_OK;
 }
 
-#ifndef FL_HAVE_NCCL
-const fl_nccl_api *fl_nccl_cuda_api(void) { return NULL; }
-int fl_comm_nccl_built(void) { return 0; }
-const char *fl_comm_nccl_library(void) { return "none"; }
+/* The real table lives in the CUDA plugin (src/comm/nccl_cuda.c), opened on first use. */
+const fl_nccl_api *fl_nccl_cuda_api(void) {
+    const fl_cuda_plugin *p = fl_cuda_plugin_try(NULL, 0);
+    return p ? p->nccl : NULL;
+}
+int fl_comm_nccl_built(void) {
+#ifdef FL_HAVE_NCCL
+    return 1;
+#else
+    return 0;
 #endif
+}
+const char *fl_comm_nccl_library(void) {
+    if (!fl_comm_nccl_built()) return "none";
+    const fl_cuda_plugin *p = fl_cuda_plugin_try(NULL, 0);
+    return p && p->nccl ? p->nccl_library() : "NCCL (in the CUDA plugin; not loaded: no GPU in use)";
+}

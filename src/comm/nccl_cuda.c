@@ -1,5 +1,5 @@
-/* The real fl_nccl_api table: libnccl and the CUDA runtime (built with FL_NCCL, which needs
- * FL_CUDA; CMake drops this file otherwise). Thin wrappers only: every decision is in
+/* The real fl_nccl_api table: libnccl and the CUDA runtime, in the CUDA plugin (built with FL_NCCL,
+ * which needs FL_CUDA; never in libfitllm, which reaches it through the plugin's table). Thin wrappers only: every decision is in
  * comm_nccl.c, which `make test` runs over the CPU stand-in (nccl_standin.c). */
 #include <assert.h>
 #include <stdio.h>
@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include "backend/cuda/plugin/cudart.h"
 #include "fitllm/comm_nccl.h"
 
 /* fl_nccl_api passes NCCL's values through unchanged */
@@ -121,10 +122,9 @@ static const fl_nccl_api k_real = {
     .cuda_error_string = r_cuda_error_string,
 };
 
-const fl_nccl_api *fl_nccl_cuda_api(void) { return &k_real; }
-int fl_comm_nccl_built(void) { return 1; }
+const fl_nccl_api *fl_cudart_nccl_api(void) { return &k_real; }
 
-const char *fl_comm_nccl_library(void) {
+const char *fl_cudart_nccl_library(void) {
     static char buf[64];
     int v = 0;
     if (ncclGetVersion(&v) != ncclSuccess) return "NCCL (version unknown)";

@@ -50,6 +50,8 @@ void fl_cfg_defaults(fl_run_config *c, fl_cmd_kind cmd) {
     t->tie_embeddings = -1;
     t->activation_checkpointing = -1;
     t->max_norm = 0;
+    t->save_on_signal = 1;
+    t->divergence_check = 1;
     c->eval.interval = cmd == FL_CMD_PRETRAIN ? 1000 : cmd == FL_CMD_FINETUNE_LORA ? 100 : 600;
     c->eval.max_new_tokens = 100;
     c->eval.max_iters = 100;
@@ -119,6 +121,8 @@ static const fl_cfg_key k_keys[] = {
     {"train.beta2", FL_CK_FLOAT, OFF(optimizer.beta2), "(older LitGPT recipes) AdamW beta2"},
     {"train.activation_checkpointing", FL_CK_BOOL_OPT, OFF(train.activation_checkpointing), "recompute blocks in backward (null: on where --strategy auto shards finetune_full over several devices, as LitGPT's FSDP; off otherwise)"},
     {"train.keep_checkpoints", FL_CK_INT, OFF(train.keep_checkpoints), "keep only the newest N step-* checkpoints, 0 = all (fitllm)"},
+    {"train.save_on_signal", FL_CK_BOOL, OFF(train.save_on_signal), "on SIGINT (Ctrl-C), SIGTERM or SIGUSR1: finish the step, commit a step-* checkpoint, then stop (fitllm)"},
+    {"train.divergence_check", FL_CK_BOOL, OFF(train.divergence_check), "stop with exit 1, no final/, when the loss stays above a uniform guess's ln(vocab_size) + 2 (20 steps of the smoothed training loss, or a validation) after warm-up (fitllm)"},
     {"eval.interval", FL_CK_POS, OFF(eval.interval), "optimizer steps between evaluations"},
     {"eval.max_new_tokens", FL_CK_INT_OPT0, OFF(eval.max_new_tokens), "tokens of the sample generation"},
     {"eval.max_iters", FL_CK_POS, OFF(eval.max_iters), "validation batches per evaluation"},

@@ -2,6 +2,7 @@
  * with model.safetensors.index.json) and whole-folder save. */
 #include "fitllm/io.h"
 #include "fitllm/json.h"
+#include "fitllm/torch_ckpt.h"
 
 #include "core/fs.h"
 
@@ -204,27 +205,10 @@ static void fl_hf_shards_free(fl_hf_shards *s) {
     memset(s, 0, sizeof *s);
 }
 
-/* Open model.safetensors or every shard named by the index (each once). */
-static fl_status fl_hf_open_shards(const char *dir, fl_hf_shards *sh) {
+/* The shards named by an index (model.safetensors.index.json or pytorch_model.bin.index.json),
+ * each opened once. */
+static fl_status fl_hf_open_index(const char *dir, const char *ipath, fl_hf_shards *sh) {
     char path[FL_HF_PATH_MAX];
-    memset(sh, 0, sizeof *sh);
-    FL_TRY(fl_fs_join(path, sizeof path, dir, "model.safetensors"));
-    if (fl_fs_is_file(path)) {
-        sh->files = calloc(1, sizeof *sh->files);
-        if (!sh->files) return fl_errorf(FL_ERR_OOM, "%s: out of memory", path);
-        FL_TRY(fl_st_open(&sh->files[0], path));
-        sh->n_files = 1;
-        return FL_OK;
-    }
-    char ipath[FL_HF_PATH_MAX];
-    FL_TRY(fl_fs_join(ipath, sizeof ipath, dir, "model.safetensors.index.json"));
-    if (!fl_fs_is_file(ipath)) {
-        char spath[FL_HF_PATH_MAX]; /* a sharded training checkpoint (src/train/shard_ckpt.c) */
-        int sharded = fl_fs_join(spath, sizeof spath, dir, "sharded_state.safetensors") == FL_OK && fl_fs_is_file(spath);
-        return fl_errorf(FL_ERR_NOT_FOUND, "%s: no model.safetensors or model.safetensors.index.json%s", dir,
-                         sharded ? " (a sharded checkpoint: write its Hugging Face folder with fitllm merge_shards "
-                                   "<dir>, or resume it with --resume)" : "");
-    }
     fl_json *idx = NULL;
     FL_TRY(fl_json_parse_file(ipath, &idx));
     fl_status s = FL_OK;
@@ -247,7 +231,7 @@ static fl_status fl_hf_open_shards(const char *dir, fl_hf_shards *sh) {
         if (k == sh->n_files) {
             snprintf(sh->names[k], sizeof sh->names[k], "%s", e->str);
             s = fl_fs_join(path, sizeof path, dir, e->str);
-            if (s == FL_OK) s = fl_st_open(&sh->files[k], path);
+            if (s == FL_OK) s = fl_weights_open(&sh->files[k], path);
             if (s != FL_OK) break;
             sh->n_files++;
         }
@@ -259,9 +243,46 @@ done:
     return s;
 }
 
+/* One weights file as the whole model. */
+static fl_status fl_hf_open_single(const char *path, fl_hf_shards *sh) {
+    sh->files = calloc(1, sizeof *sh->files);
+    if (!sh->files) return fl_errorf(FL_ERR_OOM, "%s: out of memory", path);
+    FL_TRY(fl_weights_open(&sh->files[0], path));
+    sh->n_files = 1;
+    return FL_OK;
+}
+
+/* Open the folder's weights, the first of: model.safetensors, model.safetensors.index.json (and its
+ * shards), pytorch_model.bin, pytorch_model.bin.index.json (and its shards), lit_model.pth (LitGPT
+ * names mapped to Hugging Face ones with cfg's head counts). Safetensors first, as transformers
+ * prefers them when a folder holds both. */
+static fl_status fl_hf_open_shards(const char *dir, const fl_model_config *cfg, fl_hf_shards *sh) {
+    static const char *const single[] = {"model.safetensors", NULL, "pytorch_model.bin", NULL, "lit_model.pth"};
+    static const char *const index[] = {NULL, "model.safetensors.index.json", NULL, "pytorch_model.bin.index.json", NULL};
+    char path[FL_HF_PATH_MAX];
+    memset(sh, 0, sizeof *sh);
+    for (int i = 0; i < 5; i++) {
+        FL_TRY(fl_fs_join(path, sizeof path, dir, single[i] ? single[i] : index[i]));
+        if (!fl_fs_is_file(path)) continue;
+        if (!single[i]) return fl_hf_open_index(dir, path, sh);
+        FL_TRY(fl_hf_open_single(path, sh));
+        if (i == 4) {
+            int hd = cfg->head_dim ? cfg->head_dim : cfg->dim / (cfg->n_heads ? cfg->n_heads : 1);
+            return fl_torch_lit_to_hf(&sh->files[0], cfg->n_heads, cfg->n_kv_heads ? cfg->n_kv_heads : cfg->n_heads, hd);
+        }
+        return FL_OK;
+    }
+    char spath[FL_HF_PATH_MAX]; /* a sharded training checkpoint (src/train/shard_ckpt.c) */
+    int sharded = fl_fs_join(spath, sizeof spath, dir, "sharded_state.safetensors") == FL_OK && fl_fs_is_file(spath);
+    return fl_errorf(FL_ERR_NOT_FOUND, "%s: no model.safetensors, model.safetensors.index.json, pytorch_model.bin, "
+                     "pytorch_model.bin.index.json or lit_model.pth%s", dir,
+                     sharded ? " (a sharded checkpoint: write its Hugging Face folder with fitllm merge_shards "
+                               "<dir>, or resume it with --resume)" : "");
+}
+
 fl_status fl_hf_load_weights(fl_model *m, const char *dir) {
     fl_hf_shards sh;
-    fl_status s = fl_hf_open_shards(dir, &sh);
+    fl_status s = fl_hf_open_shards(dir, &m->cfg, &sh);
     if (s != FL_OK) { fl_hf_shards_free(&sh); return s; }
     const fl_param_layout *lay = &m->layout;
     char *seen = calloc((size_t)lay->n + 1, 1);
@@ -310,7 +331,7 @@ fl_status fl_hf_load_weights(fl_model *m, const char *dir) {
  * checked tensor by tensor while loading. */
 static fl_status fl_hf_check_config_vs_files(const char *dir, const char *cfg_path, const fl_model_config *c) {
     fl_hf_shards sh;
-    fl_status s = fl_hf_open_shards(dir, &sh);
+    fl_status s = fl_hf_open_shards(dir, c, &sh);
     if (s != FL_OK) { fl_hf_shards_free(&sh); return s; }
     const fl_arch_info *ai = fl_arch_get(c->arch);
     const char *pre = ai->hf_block, *emb = ai->hf_embed, *opt = ai->hf_prefix; /* names after the optional prefix */
@@ -361,8 +382,13 @@ fl_status fl_hf_load_model_ex(fl_model *m, const char *dir, const fl_backend *be
     FL_TRY(fl_fs_join(path, sizeof path, dir, "config.json"));
     fl_model_config cfg;
     FL_TRY(fl_hf_load_config(path, &cfg));
-    FL_TRY(fl_hf_check_config_vs_files(dir, path, &cfg));
-    FL_TRY(fl_model_init_ex(m, &cfg, be, pool, st));
+    return fl_hf_load_model_cfg(m, dir, &cfg, path, be, pool, st);
+}
+
+fl_status fl_hf_load_model_cfg(fl_model *m, const char *dir, const fl_model_config *cfg, const char *cfg_source,
+                               const fl_backend *be, fl_mem_pool *pool, const fl_model_storage *st) {
+    FL_TRY(fl_hf_check_config_vs_files(dir, cfg_source, cfg));
+    FL_TRY(fl_model_init_ex(m, cfg, be, pool, st));
     fl_status s = fl_hf_load_weights(m, dir);
     if (s != FL_OK) fl_model_free(m);
     return s;
@@ -518,4 +544,23 @@ fl_status fl_hf_save_tensors(const char *dir, const fl_model_config *cfg, const 
                              const fl_st_write_tensor *t) {
     if (!cfg || !lay || !t || !dir || !dir[0]) return fl_errorf(FL_ERR_INVALID, "fl_hf_save_tensors: no tensors or folder");
     return fl_hf_save_folder(dir, NULL, cfg, lay, t);
+}
+
+/* ---- the weight files alone (fitllm convert) ------------------------------ */
+
+fl_status fl_hf_open_weight_files(const char *dir, const fl_model_config *cfg, fl_st_file **files, int *n_files) {
+    fl_hf_shards sh;
+    *files = NULL;
+    *n_files = 0;
+    fl_status s = fl_hf_open_shards(dir, cfg, &sh);
+    if (s != FL_OK) { fl_hf_shards_free(&sh); return s; }
+    free(sh.names);
+    *files = sh.files;
+    *n_files = sh.n_files;
+    return FL_OK;
+}
+
+void fl_hf_close_weight_files(fl_st_file *files, int n_files) {
+    for (int i = 0; i < n_files; i++) fl_st_close(&files[i]);
+    free(files);
 }

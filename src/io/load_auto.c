@@ -2,6 +2,7 @@
 #include "fitllm/io.h"
 
 #include "core/fs.h"
+#include "fitllm/torch_ckpt.h"
 
 #include <errno.h>
 #include <string.h>
@@ -28,12 +29,22 @@ fl_status fl_model_load_auto_ex(fl_model *m, const char *path, const fl_backend 
         char cfg[4096];
         FL_TRY(fl_fs_join(cfg, sizeof cfg, path, "config.json"));
         if (!fl_fs_is_file(cfg)) {
+            char lit[4096];
+            FL_TRY(fl_fs_join(lit, sizeof lit, path, "model_config.yaml"));
+            if (fl_fs_is_file(lit)) { /* a LitGPT checkpoint folder: lit_model.pth + model_config.yaml */
+                fl_model_config c;
+                FL_TRY(fl_lit_load_config(lit, &c));
+                FL_TRY(fl_hf_load_model_cfg(m, path, &c, lit, be, pool, stg));
+                if (weights_loaded) *weights_loaded = 1;
+                return FL_OK;
+            }
             FL_TRY(fl_fs_join(cfg, sizeof cfg, path, "adapter_config.json"));
             if (fl_fs_is_file(cfg)) /* e.g. a finetune_lora step checkpoint */
                 return fl_errorf(FL_ERR_NOT_FOUND, "%s: a PEFT LoRA adapter folder (adapter_config.json), not a model: "
                                  "`fitllm merge_lora %s` makes a model of it (`fitllm generate` takes it as it is)",
                                  path, path);
-            return fl_errorf(FL_ERR_NOT_FOUND, "%s: folder has no config.json (not a Hugging Face model folder)", path);
+            return fl_errorf(FL_ERR_NOT_FOUND, "%s: folder has no config.json (not a Hugging Face model folder) and no "
+                             "model_config.yaml (not a LitGPT checkpoint folder)", path);
         }
         FL_TRY(fl_hf_load_model_ex(m, path, be, pool, stg));
         if (weights_loaded) *weights_loaded = 1;

@@ -27,6 +27,7 @@ void fl_st_close(fl_st_file *f) {
     for (int i = 0; i < f->n_meta; i++) { free(f->meta_keys[i]); free(f->meta_vals[i]); }
     free(f->meta_keys);
     free(f->meta_vals);
+    free(f->owned);
     free(f->path);
     memset(f, 0, sizeof *f);
 }

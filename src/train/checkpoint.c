@@ -184,14 +184,17 @@ static fl_status save(const char *out_dir, const char *name, const fl_model *m, 
         s = fl_hf_save_tensors(tmp, &m->cfg, &m->layout, model);
     } else {
         s = fl_hf_save_model(m, tmp); /* config.json + model.safetensors, fsynced */
-        if (s == FL_OK && m->lora) { /* LoRA final/: the merged model + adapter/, committed together */
+        if (s == FL_OK && m->lora) { /* LoRA final/: the merged model + adapter/, committed together;
+                                      * adapter/ with the tokenizer too, usable on its own */
             snprintf(p, sizeof p, "%s/adapter", tmp);
             s = fl_ckpt_save_adapter(m, p, base);
+            if (s == FL_OK) s = fl_io_write_tokenizer(tokenizer_src, p, NULL);
         }
     }
     if (s == FL_OK && st) s = write_state(tmp, m, o, st, cfg, state, n_state);
     if (s == FL_OK && cfg) s = fl_ckpt_write_hparams(tmp, cfg);
-    if (s == FL_OK && tokenizer_src) s = fl_io_copy_tokenizer_files(tokenizer_src, tmp, NULL);
+    /* every checkpoint carries the run's tokenizer (NULL: the built-in bytes, as tokenizer.json) */
+    if (s == FL_OK) s = fl_io_write_tokenizer(tokenizer_src, tmp, NULL);
     if (s == FL_OK) s = fl_ckpt_commit(out_dir, name, tmp);
     if (s != FL_OK) {
         remove_tree(tmp);

@@ -7,6 +7,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "fitllm/trainer.h"
 #include "metrics.h"
 
 static const char *k_cols[] = {"iter", "step", "epoch", "loss", "iter_time", "tokens", "total_tokens",
@@ -80,7 +81,7 @@ void fl_metrics_row(fl_metrics *mt, const fl_metrics_values *v) {
     if (!mt->f) return;
     double vals[N_COLS] = {(double)v->iter, (double)v->step, (double)v->epoch, v->loss, v->iter_time,
                            (double)v->tokens, (double)v->total_tokens, v->learning_rate, v->val_loss,
-                           isnan(v->val_loss) ? NAN : exp(v->val_loss), v->tok_s};
+                           fl_trainer_perplexity(v->val_loss), v->tok_s}; /* beyond a sane range: inf */
     for (int t = 0; t < 6; t++) vals[11 + t] = (double)v->mem[t];
     vals[17] = (double)v->mem_peak;
     vals[18] = v->comm_sent;
@@ -91,7 +92,9 @@ void fl_metrics_row(fl_metrics *mt, const fl_metrics_values *v) {
         int first = 1;
         for (size_t i = 0; i < N_COLS; i++) {
             if (!present[i]) continue;
-            fprintf(mt->f, "%s\"%s\": %.10g", first ? "" : ", ", k_cols[i], vals[i]);
+            /* inf as Python's json writes it (JSON has no spelling for it) */
+            if (isinf(vals[i])) fprintf(mt->f, "%s\"%s\": %sInfinity", first ? "" : ", ", k_cols[i], vals[i] < 0 ? "-" : "");
+            else fprintf(mt->f, "%s\"%s\": %.10g", first ? "" : ", ", k_cols[i], vals[i]);
             first = 0;
         }
         fputs("}\n", mt->f);

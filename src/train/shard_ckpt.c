@@ -742,7 +742,7 @@ fl_status fl_shard_ckpt_save(fl_dp *dp, const fl_shard_set *set, const char *out
         if (s == FL_OK) s = fl_fs_join(p, sizeof p, tmp, "config.json");
         if (s == FL_OK) s = fl_hf_save_config(p, &m->cfg);
         if (s == FL_OK && cfg) s = fl_ckpt_write_hparams(tmp, cfg);
-        if (s == FL_OK && tok_dir) s = fl_io_copy_tokenizer_files(tok_dir, tmp, NULL);
+        if (s == FL_OK) s = fl_io_write_tokenizer(tok_dir, tmp, NULL); /* NULL: the built-in bytes */
         if (s == FL_OK) s = write_meta(tmp, dp, set, o, st, cfg, fp);
     }
     s = fl_dp_agree(dp, s); /* the folder exists before any rank writes into it */

@@ -191,9 +191,16 @@ static fl_status load_tokenizer(trainer *t) {
     const fl_run_config *c = t->cfg;
     const char *ck = c->checkpoint_dir;
     const char *td = c->tokenizer_dir[0] ? c->tokenizer_dir : NULL;
+    char beside[FL_CFG_PATH];
     if (!td && ck[0] && exists(ck)) {
         struct stat st;
-        if (stat(ck, &st) == 0 && S_ISDIR(st.st_mode)) td = ck;
+        if (stat(ck, &st) == 0 && S_ISDIR(st.st_mode)) {
+            td = ck;
+        } else { /* a model file (llama2.c's stories260K.bin): the tokenizer beside it (tok512.bin) */
+            const char *slash = strrchr(ck, '/');
+            snprintf(beside, sizeof beside, "%.*s", slash ? (int)(slash - ck) : 1, slash ? (slash == ck ? "/" : ck) : ".");
+            if (fl_io_has_tokenizer(beside)) td = beside;
+        }
     }
     if (td) {
         FL_TRY(fl_tok_load(&t->tok, td));
@@ -202,8 +209,10 @@ static fl_status load_tokenizer(trainer *t) {
         FL_TRY(fl_tok_builtin_bytes(&t->tok));
     }
     if (fl_tok_vocab_size(t->tok) > t->model.cfg.vocab_size)
-        return fl_errorf(FL_ERR_INVALID, "tokenizer (%s, %d ids) does not fit the model's vocab_size %d",
-                         fl_tok_kind(t->tok), fl_tok_vocab_size(t->tok), t->model.cfg.vocab_size);
+        return fl_errorf(FL_ERR_INVALID, "tokenizer (%s, %d ids%s%s%s) does not fit the model's vocab_size %d%s",
+                         fl_tok_kind(t->tok), fl_tok_vocab_size(t->tok), td ? ", from '" : "", td ? td : "",
+                         td ? "'" : "", t->model.cfg.vocab_size, td && td == beside ? "; give the model's with "
+                         "--tokenizer_dir" : "");
     return FL_OK;
 }
 
@@ -496,6 +505,25 @@ static fl_status check_weights(trainer *t) {
     if (t->dp.fsdp) FL_TRY(fl_fsdp_check_finite(&t->dp, &t->opt, &found)); /* every rank's shard */
     else FL_TRY(t->be.check_finite(&t->be, t->opt.p, t->opt.pt, t->opt.n, 1.0f, &found));
     if (found) return fl_errorf(FL_ERR_NONFINITE, "the weights hold inf/NaN after the update");
+    return FL_OK;
+}
+
+/* The step-* checkpoint of the current step (collective). rotate: delete the older ones beyond
+ * train.keep_checkpoints (not while the loss is above the divergence limit: they may be the last
+ * good ones). */
+static fl_status save_step(trainer *t, int lead, int rotate) {
+    const fl_run_config *cfg = t->cfg;
+    char name[32];
+    snprintf(name, sizeof name, "step-%06ld", t->st.step);
+    bar_clear(t);
+    if (t->out) fprintf(t->out, "Saving checkpoint to '%s/%s'\n", cfg->out_dir, name);
+    fl_mem_set_phase(&t->pool, "checkpoint");
+    FL_TRY(diverged(t, check_weights(t), t->st.step, t->st.iter));
+    /* the ranks hold the same weights (and, but under ZeRO, state): one writer, the single-process
+     * format; ZeRO's state chunks travel to rank 0 first (collective) */
+    FL_TRY(fl_dp_ckpt_save(&t->dp, lead, cfg->out_dir, name, &t->model, &t->opt, &t->st, cfg,
+                           t->tok_dir[0] ? t->tok_dir : NULL));
+    if (lead && rotate) fl_ckpt_rotate(cfg->out_dir, cfg->train.keep_checkpoints);
     return FL_OK;
 }
 
@@ -896,9 +924,10 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
 
     const fl_data_stats *ds = fl_data_get_stats(t.data);
     if (out) {
-        fprintf(out, "model: %s, %zu parameters (%s); tokenizer: %s\n", t.model.cfg.name[0] ? t.model.cfg.name : "?",
+        fprintf(out, "model: %s, %zu parameters (%s); tokenizer: %s%s%s%s\n", t.model.cfg.name[0] ? t.model.cfg.name : "?",
                 t.model.layout.numel, cfg->checkpoint_dir[0] ? cfg->checkpoint_dir : cfg->model_name,
-                fl_tok_kind(t.tok));
+                fl_tok_kind(t.tok), t.tok_dir[0] ? " from '" : " (built in: no tokenizer files with the model; "
+                "--tokenizer_dir gives one", t.tok_dir[0] ? t.tok_dir : "", t.tok_dir[0] ? "'" : ")");
         fprintf(out, "data: %s, %zu train / %zu val samples, %zu truncated to max_seq_length; longest input %d\n",
                 fl_data_kind_name(cfg->data.kind), ds->n_samples[FL_SPLIT_TRAIN], ds->n_samples[FL_SPLIT_VAL],
                 ds->n_truncated, t.T);
@@ -942,13 +971,16 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
     long val_step = -1; /* the step of the last evaluation in the loop */
     if (cfg->eval.initial_validation) {
         CHECK(validate(&t, cfg->eval.max_iters, &val_loss));
-        if (out) fprintf(out, "initial validation | val loss: %.3f | val ppl: %.3f\n", val_loss, exp(val_loss));
+        if (out) fprintf(out, "initial validation | val loss: %.3f | val ppl: %.3f\n", val_loss,
+                         fl_trainer_perplexity(val_loss));
     }
 
     /* running mean of per-iteration losses over the last `accum` iterations (LitGPT's RunningMean) */
     window = calloc((size_t)t.G, sizeof *window);
     if (!window) { s = fl_errorf(FL_ERR_OOM, "out of host memory"); goto done; }
     long wn = 0;
+    fl_trainer_diverge dv; /* finite divergence: the loss stays above a uniform guess's */
+    fl_trainer_diverge_init(&dv, t.model.cfg.vocab_size, t.warmup);
     double t_start = now_s() - t.st.train_seconds;
     const double train0 = t.st.train_seconds; /* a resumed run measures its own steps for the ETA */
     const long step0 = t.st.step;
@@ -1034,6 +1066,9 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
             s = fl_errorf(FL_ERR_NONFINITE, "the loss is %s", isnan(step_loss) ? "NaN" : "inf");
             CHECK(diverged(&t, s, t.st.step + 1, t.st.iter));
         }
+        if (cfg->train.divergence_check && step_valid > 0 && !sr.skipped &&
+            fl_trainer_diverge_train(&dv, t.st.step + 1, step_loss / (double)step_valid))
+            CHECK(fl_trainer_diverge_error(&dv, cfg->out_dir, cfg->optimizer.lr, t.st.step + 1, t.st.iter));
         if (sr.skipped && out) { /* loss scaling: overflow, the update was skipped and the scale halved */
             bar_clear(&t);
             fprintf(out, "step %ld: inf/NaN in the fp16 gradients: update skipped, loss scale -> %g\n", t.st.step + 1,
@@ -1076,6 +1111,8 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
             bar_clear(&t);
             CHECK(generate_example(&t));
             if (out) fprintf(out, "iter %ld: val loss %.4f, val time: %.2f ms\n", t.st.iter, val_loss, (now_s() - e0) * 1e3);
+            if (cfg->train.divergence_check && fl_trainer_diverge_val(&dv, t.st.step, val_loss))
+                CHECK(fl_trainer_diverge_error(&dv, cfg->out_dir, cfg->optimizer.lr, t.st.step, t.st.iter));
             fl_metrics_values mv = {t.st.iter, t.st.step, (long)t.st.loader.epoch, NAN, NAN, NAN, val_loss, NAN, -1, -1, {0}, 0, NAN};
             mem_values(&t.pool, &mv);
             mv.tokens = t.st.tokens_padded;
@@ -1084,23 +1121,13 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
             val_step = t.st.step;
             t_start += now_s() - e0; /* evaluation time is not training time */
         }
-        if (cfg->train.save_interval > 0 && t.st.step % cfg->train.save_interval == 0) {
-            char name[32];
-            snprintf(name, sizeof name, "step-%06ld", t.st.step);
-            bar_clear(&t);
-            if (out) fprintf(out, "Saving checkpoint to '%s/%s'\n", cfg->out_dir, name);
-            fl_mem_set_phase(&t.pool, "checkpoint");
-            CHECK(diverged(&t, check_weights(&t), t.st.step, t.st.iter));
-            /* the ranks hold the same weights (and, but under ZeRO, state): one writer, the single-process
-             * format; ZeRO's state chunks travel to rank 0 first (collective) */
-            CHECK(fl_dp_ckpt_save(&t.dp, lead, cfg->out_dir, name, &t.model, &t.opt, &t.st, cfg,
-                                  t.tok_dir[0] ? t.tok_dir : NULL));
-            if (lead) fl_ckpt_rotate(cfg->out_dir, cfg->train.keep_checkpoints);
-        }
+        const int saved = cfg->train.save_interval > 0 && t.st.step % cfg->train.save_interval == 0;
+        if (saved) CHECK(save_step(&t, lead, !fl_trainer_diverge_suspect(&dv)));
         /* after evaluation and checkpointing, so a hook that stops the run acts
          * like a crash right after this step's checkpoint */
-        /* stopping is decided together: a hook (Ctrl-C) or the time budget on any rank stops all */
-        double stop[2] = {0, cfg->train.max_time > 0 && t.st.train_seconds >= cfg->train.max_time};
+        /* stopping is decided together: a hook (Ctrl-C) or the time budget on any rank stops all; a
+         * hook that returns 2 (a signal under train.save_on_signal) asks for this step's checkpoint */
+        double stop[3] = {0, cfg->train.max_time > 0 && t.st.train_seconds >= cfg->train.max_time, 0};
         if (hook) { /* the hook reads the trained parameters on the host: a copy when they are device memory */
             size_t pb = t.opt.n * fl_dtype_size(t.opt.pt);
             void *hp = NULL;
@@ -1112,13 +1139,18 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
                 if (!t.be.host_memory && !hp) CHECK(fl_errorf(FL_ERR_OOM, "out of host memory"));
             }
             s = hp && !(t.dp.fsdp && cfg->hook_whole_params) ? t.be.to_host(&t.be, hp, t.opt.p, pb) : FL_OK;
-            if (s == FL_OK)
-                stop[0] = hook(hook_ud, t.st.step, step_valid ? step_loss / step_valid : NAN, hp ? hp : t.opt.p, pb);
+            if (s == FL_OK) {
+                int h = hook(hook_ud, t.st.step, step_valid ? step_loss / step_valid : NAN, hp ? hp : t.opt.p, pb);
+                stop[0] = h > 0;
+                stop[2] = h > 1;
+            }
             free(hp);
             CHECK(s);
         }
-        CHECK(fl_dp_sum(&t.dp, stop, 2));
+        CHECK(fl_dp_sum(&t.dp, stop, 3));
         if (stop[0] > 0) {
+            /* not while the loss is above the divergence limit: that checkpoint would be a bad one */
+            if (stop[2] > 0 && !saved && !fl_trainer_diverge_suspect(&dv)) CHECK(save_step(&t, lead, 1));
             stopped = 1;
             break;
         }
@@ -1150,7 +1182,10 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
             if (!have_final)
                 CHECK(diverged(&t, validate(&t, (int)n_val, &val_loss), t.st.step, t.st.iter));
             r.val_loss = val_loss;
-            if (out) fprintf(out, "Final evaluation | val loss: %.3f | val ppl: %.3f\n", val_loss, exp(val_loss));
+            if (out) fprintf(out, "Final evaluation | val loss: %.3f | val ppl: %.3f\n", val_loss,
+                             fl_trainer_perplexity(val_loss));
+            if (cfg->train.divergence_check && fl_trainer_diverge_val(&dv, t.st.step, val_loss))
+                CHECK(fl_trainer_diverge_error(&dv, cfg->out_dir, cfg->optimizer.lr, t.st.step, t.st.iter));
         }
         if (cfg->eval.final_validation && t.val && !have_final) {
             fl_metrics_values mv = {t.st.iter, t.st.step, (long)t.st.loader.epoch, NAN, NAN, NAN, val_loss, NAN, -1, -1, {0}, 0, NAN};

@@ -209,7 +209,7 @@ int main(void) {
     char why[256], desc[1024];
     fl_cuda_describe(desc, sizeof desc);
     if (fl_cuda_device_count(why, sizeof why) == 0) {
-        printf("fitllm_cuda_check: no CUDA device visible (%s): nothing checked\n", why);
+        printf("fitllm_cuda_check: %s: nothing checked\n", why);
         return 0;
     }
     printf("fitllm_cuda_check: %s\n", desc);

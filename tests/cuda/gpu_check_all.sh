@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Every single-GPU check of the CUDA backend in one run (EXPERIMENTAL backend; for a machine with an
-# NVIDIA GPU and a CUDA build of fitllm):
+# NVIDIA GPU and a CUDA build of fitllm: build/fitllm with the CUDA plugin build/libfitllm_cuda.so
+# beside it, e.g. configured elsewhere with cmake -DFL_CUDA=ON -DFL_CUDA_ARCHS=90 and the build folder
+# carried here; the plugin needs the CUDA toolkit's libcublasLt and libnccl on the loader's path):
 #   tests/cuda/gpu_check_all.sh [build-dir] [--bench]
 #   1. fitllm_cuda_check: the real kernels against the emulated ones (tensor-core attention included);
 #   2. fitllm selftest --accelerator cuda: every op against the CPU backend;
@@ -22,6 +24,10 @@ fail=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || { echo "skip: no nvidia-smi"; exit 0; }
 "$F" --version | grep -i cuda
 if ! "$F" --version | grep -q "cuda: *compiled in"; then echo "skip: $F was built without CUDA"; exit 0; fi
+# the plugin must be beside the binary (or named by FITLLM_CUDA_LIB) and load: else every check below fails the same way
+if ! "$F" --version | grep -qE "cuda: .* [0-9]+ devices?: [0-9]"; then
+    echo "FAIL: $F cannot use the GPU (the line above says why: plugin missing, driver, libraries)"; exit 1
+fi
 
 echo "== 1. fitllm_cuda_check"
 if [ -x "$BUILD/fitllm_cuda_check" ]; then

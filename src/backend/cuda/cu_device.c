@@ -1,16 +1,14 @@
 /* CUDA build and device queries, and the --accelerator choice (include/fitllm/cuda.h).
  *
- * Only the CUDA runtime's device queries are used here; a machine without a driver or a GPU
- * answers them with an error code, which becomes "no CUDA device visible" (never a failure:
- * --version and accelerator auto must work everywhere). */
+ * The answers come from the CUDA plugin (cu_loader.c), which is opened only after the NVIDIA
+ * driver was found with a GPU: a machine without a driver or a GPU answers "no CUDA device"
+ * with the driver's own reason (never a failure: --version and accelerator auto must work
+ * everywhere, and fast). */
 #include <stdio.h>
 #include <string.h>
 
+#include "backend/cuda/cu_plugin.h"
 #include "fitllm/cuda.h"
-
-#ifdef FL_HAVE_CUDA
-#include <cuda_runtime_api.h>
-#endif
 
 int fl_cuda_built(void) {
 #ifdef FL_HAVE_CUDA
@@ -21,60 +19,42 @@ int fl_cuda_built(void) {
 }
 
 int fl_cuda_device_count(char *why, size_t n) {
-#ifdef FL_HAVE_CUDA
-    int count = 0;
-    cudaError_t e = cudaGetDeviceCount(&count);
-    if (e != cudaSuccess) {
-        if (why) snprintf(why, n, "cudaGetDeviceCount: %s", cudaGetErrorString(e));
-        (void)cudaGetLastError(); /* clear the sticky-less error state */
+    char w[768];
+    const fl_cuda_plugin *p = fl_cuda_plugin_try(w, sizeof w);
+    if (!p) {
+        if (why && n) snprintf(why, n, "%s", w);
         return 0;
     }
-    if (count == 0 && why) snprintf(why, n, "the CUDA runtime reports 0 devices");
-    return count;
-#else
-    if (why) snprintf(why, n, "this build has no CUDA (configure with -DFL_CUDA=ON on a machine with the CUDA toolkit)");
-    return 0;
-#endif
+    return p->device_count(why, n);
 }
 
 void fl_cuda_describe(char *buf, size_t n) {
 #ifdef FL_HAVE_CUDA
-    char why[256];
-    int rt = 0;
-    cudaRuntimeGetVersion(&rt);
-    int count = fl_cuda_device_count(why, sizeof why);
-    size_t o = (size_t)snprintf(buf, n, "compiled in (experimental; runtime %d.%d, sm %s); ", rt / 1000,
-                                rt % 1000 / 10, FL_CUDA_ARCHS);
-    if (count == 0) {
-        snprintf(buf + (o < n ? o : n), o < n ? n - o : 0, "no CUDA device visible (%s)", why);
+    char path[4096], why[768];
+    if (fl_cuda_plugin_path(path, sizeof path) != 0) snprintf(path, sizeof path, "%s", FL_CUDA_PLUGIN_FILE);
+    size_t o = (size_t)snprintf(buf, n, "compiled in as a plugin (experimental; CUDA %s, sm %s): %.400s; ", FL_CUDA_VERSION,
+                                FL_CUDA_ARCHS, path);
+    char *rest = buf + (o < n ? o : n);
+    size_t left = o < n ? n - o : 0;
+    const fl_cuda_plugin *p = fl_cuda_plugin_try(why, sizeof why);
+    if (!p) {
+        snprintf(rest, left, "%s", why);
         return;
     }
-    o += (size_t)snprintf(buf + (o < n ? o : n), o < n ? n - o : 0, "%d device%s:", count, count == 1 ? "" : "s");
-    for (int d = 0; d < count; d++) {
-        struct cudaDeviceProp p;
-        if (cudaGetDeviceProperties(&p, d) != cudaSuccess) continue;
-        o += (size_t)snprintf(buf + (o < n ? o : n), o < n ? n - o : 0, "%s %d %s (sm_%d%d, %.1f GiB)",
-                              d ? ";" : "", d, p.name, p.major, p.minor, (double)p.totalGlobalMem / (1 << 30));
-    }
+    int v = fl_cuda_driver_probe()->version;
+    size_t o2 = (size_t)snprintf(rest, left, "NVIDIA driver for CUDA %d.%d; ", v / 1000, v % 1000 / 10);
+    p->describe_devices(rest + (o2 < left ? o2 : left), o2 < left ? left - o2 : 0);
 #else
-    snprintf(buf, n, "not compiled in");
+    /* the driver all the same: says whether a CUDA build would have a GPU here */
+    const fl_cuda_driver *d = fl_cuda_driver_probe();
+    snprintf(buf, n, "not compiled in (make build CUDA=1, or cmake -DFL_CUDA=ON, with the CUDA toolkit); this machine: %s",
+             d->why);
 #endif
 }
 
 size_t fl_cuda_device_memory(int device) {
-#ifdef FL_HAVE_CUDA
-    char why[256];
-    if (device < 0 || device >= fl_cuda_device_count(why, sizeof why)) return 0;
-    struct cudaDeviceProp p;
-    if (cudaGetDeviceProperties(&p, device) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return 0;
-    }
-    return p.totalGlobalMem;
-#else
-    (void)device;
-    return 0;
-#endif
+    const fl_cuda_plugin *p = fl_cuda_plugin_try(NULL, 0);
+    return p ? p->device_memory(device) : 0;
 }
 
 int fl_accel_parse(const char *s, fl_accel *out) {
@@ -89,16 +69,16 @@ int fl_accel_parse(const char *s, fl_accel *out) {
 fl_status fl_accel_resolve(fl_accel want, fl_accel *use) {
     *use = FL_ACCEL_CPU;
     if (want == FL_ACCEL_CPU) return FL_OK;
-    char why[256];
+    char why[768];
     int have = fl_cuda_built() && fl_cuda_device_count(why, sizeof why) > 0;
     if (want == FL_ACCEL_AUTO) { /* the GPU when this build has CUDA and one is visible */
         if (have) *use = FL_ACCEL_CUDA;
         return FL_OK;
     }
     if (!fl_cuda_built())
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--accelerator cuda: this fitllm was built without CUDA "
-                                             "(rebuild with the CUDA toolkit installed, or use --accelerator cpu)");
-    if (!have) return fl_errorf(FL_ERR_UNSUPPORTED, "--accelerator cuda: no CUDA device visible (%s)", why);
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--accelerator cuda: this fitllm was built without CUDA (rebuild with "
+                                             "the CUDA toolkit installed: make build CUDA=1; or use --accelerator cpu)");
+    if (!have) return fl_errorf(FL_ERR_UNSUPPORTED, "--accelerator cuda: %s", why);
     *use = FL_ACCEL_CUDA;
     return FL_OK;
 }

@@ -10,7 +10,7 @@
  * Types (ta, tb, tc): (F32, F32, F32), (BF16, BF16, F32), (BF16, BF16, BF16), (F16, F16, F32),
  * (F16, F16, F16).
  *
- * Two implementations of that contract: fl_cu_gemm_cublaslt (FL_CUDA builds; device pointers) and
+ * Two implementations of that contract: fl_cu_gemm_cublaslt (the CUDA plugin; device pointers) and
  * fl_cu_gemm_standin (always built: host loops implementing the documented semantics, float64
  * accumulation), which is what the tests run on machines without a GPU. fl_cu_gemm_rowmajor maps
  * the backend's row-major gemm (fitllm/backend.h) onto either: a row-major X is the column-major
@@ -103,7 +103,7 @@ void fl_cu_gemm_cache_put(fl_cu_gemm_cache *c, const fl_cu_gemm_key *k, void *pl
 /* Destroy every plan and the table. */
 void fl_cu_gemm_cache_free(fl_cu_gemm_cache *c);
 
-/* The real thing (FL_CUDA builds only; elsewhere fl_cu_blas_init returns FL_ERR_UNSUPPORTED).
+/* The real thing: defined in the CUDA plugin only (plugin/cu_gemm_lt.c; the GPU check programs link it).
  * ctx of fl_cu_gemm_cublaslt is an fl_cu_blas: a cuBLASLt handle, a device workspace lent by
  * the caller (from the accounting pool; 32 MiB lets the heuristics pick split-K algorithms on
  * H100) and the stream the matmuls are queued on. */

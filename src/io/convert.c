@@ -1,0 +1,135 @@
+/* fitllm convert: a model folder in any weight format fitllm reads (safetensors,
+ * pytorch_model*.bin, lit_model.pth) to a Hugging Face safetensors folder; see
+ * fl_hf_convert in include/fitllm/torch_ckpt.h. Tensors are written straight from
+ * the mapped source files in their own dtype (nothing is converted or held in
+ * memory but the header), in the layout's order, with the same shard writer as
+ * fl_hf_save_model. */
+#include "fitllm/torch_ckpt.h"
+
+#include "core/fs.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define CV_PATH_MAX 4096
+
+static int cv_ends_with(const char *s, const char *suf) {
+    size_t a = strlen(s), b = strlen(suf);
+    return a >= b && strcmp(s + a - b, suf) == 0;
+}
+
+/* config.json's bytes, to copy unchanged (our writer would drop keys fitllm does not use). */
+static fl_status cv_read_file(const char *path, char **out, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return fl_errorf(FL_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    char *b = NULL;
+    size_t cap = 0, len = 0;
+    for (;;) {
+        if (len == cap) {
+            char *nb = cap > (64u << 20) ? NULL : realloc(b, cap = cap ? 2 * cap : 4096);
+            if (!nb) { free(b); fclose(f); return fl_errorf(FL_ERR_OOM, "%s: too large or out of memory", path); }
+            b = nb;
+        }
+        size_t r = fread(b + len, 1, cap - len, f);
+        len += r;
+        if (r == 0) break;
+    }
+    int err = ferror(f);
+    fclose(f);
+    if (err) { free(b); return fl_errorf(FL_ERR_IO, "%s: read failed", path); }
+    *out = b;
+    *n = len;
+    return FL_OK;
+}
+
+/* The layout's tensors out of the opened files, checked as the loader checks them. */
+static fl_status cv_collect(const fl_param_layout *lay, const fl_model_config *cfg, const char *src, const fl_st_file *fs,
+                            int nf, fl_st_write_tensor *t) {
+    for (int k = 0; k < lay->n; k++) {
+        const fl_param_info *p = &lay->params[k];
+        const fl_st_tensor *x = NULL;
+        for (int i = 0; i < nf && !x; i++) x = fl_st_find(&fs[i], p->name);
+        if (!x) return fl_errorf(FL_ERR_NOT_FOUND, "%s: tensor '%s' not found in the model files", src, p->name);
+        fl_st_write_tensor w = {0};
+        fl_hf_tensor_shape(p, &w); /* the shape on disk */
+        int ok = x->ndim == w.ndim;
+        for (int d = 0; ok && d < w.ndim; d++) ok = x->shape[d] == w.shape[d];
+        if (!ok) return fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s': the file's shape does not match config.json", src, p->name);
+        if (x->dtype != FL_F32 && x->dtype != FL_BF16 && x->dtype != FL_F16 && x->dtype != FL_F64)
+            return fl_errorf(FL_ERR_UNSUPPORTED, "tensor '%s': dtype %s is not a parameter dtype (F32, BF16, F16, F64)",
+                             p->name, fl_dtype_name(x->dtype));
+        t[k] = (fl_st_write_tensor){.name = p->name, .dtype = x->dtype, .src_dtype = x->dtype, .ndim = x->ndim,
+                                    .data = x->data};
+        memcpy(t[k].shape, x->shape, sizeof t[k].shape); /* as on disk: no transpose */
+    }
+    for (int i = 0; i < nf; i++)
+        for (int j = 0; j < fs[i].n_tensors; j++) {
+            const char *n = fs[i].tensors[j].name;
+            if (fl_layout_find(lay, n) >= 0 || cv_ends_with(n, ".attn.bias") || cv_ends_with(n, ".attn.masked_bias") ||
+                cv_ends_with(n, "rotary_emb.inv_freq") || (cfg->tie_embeddings && !strcmp(n, "lm_head.weight")))
+                continue; /* buffers, and a tied head that is the embedding */
+            return fl_errorf(FL_ERR_FORMAT, "%s: unexpected tensor '%s' (not a parameter of this model per config.json)",
+                             fs[i].path, n);
+        }
+    return FL_OK;
+}
+
+fl_status fl_hf_convert(const char *src, const char *dst, int *n_tensors) {
+    if (n_tensors) *n_tensors = 0;
+    if (!src || !dst || !src[0] || !dst[0]) return fl_errorf(FL_ERR_INVALID, "convert: no source or destination folder");
+    struct stat st;
+    if (stat(dst, &st) == 0) return fl_errorf(FL_ERR_INVALID, "%s: already exists (convert writes a new folder)", dst);
+    char cfg_path[CV_PATH_MAX], tmp[CV_PATH_MAX], path[CV_PATH_MAX];
+    FL_TRY(fl_fs_join(cfg_path, sizeof cfg_path, src, "config.json"));
+    fl_model_config cfg;
+    char *cfg_bytes = NULL;
+    size_t cfg_len = 0;
+    if (fl_fs_is_file(cfg_path)) {
+        FL_TRY(fl_hf_load_config(cfg_path, &cfg));
+        FL_TRY(cv_read_file(cfg_path, &cfg_bytes, &cfg_len));
+    } else { /* a LitGPT folder: config.json is written from model_config.yaml's model */
+        FL_TRY(fl_fs_join(cfg_path, sizeof cfg_path, src, "model_config.yaml"));
+        if (!fl_fs_is_file(cfg_path))
+            return fl_errorf(FL_ERR_NOT_FOUND, "%s: no config.json (Hugging Face) or model_config.yaml (LitGPT)", src);
+        FL_TRY(fl_lit_load_config(cfg_path, &cfg));
+    }
+    fl_param_layout lay;
+    fl_status s = fl_layout_build(&lay, &cfg);
+    if (s != FL_OK) { free(cfg_bytes); return s; }
+    fl_st_file *fs = NULL;
+    int nf = 0;
+    fl_st_write_tensor *t = calloc((size_t)lay.n + 1, sizeof *t);
+    if (!t) s = fl_errorf(FL_ERR_OOM, "%s: out of memory", src);
+    if (s == FL_OK) s = fl_hf_open_weight_files(src, &cfg, &fs, &nf);
+    if (s == FL_OK) s = cv_collect(&lay, &cfg, src, fs, nf, t);
+    int made = 0;
+    if (s == FL_OK) {
+        size_t dl = strlen(dst);
+        while (dl > 1 && dst[dl - 1] == '/') dl--;
+        int w = snprintf(tmp, sizeof tmp, "%.*s.tmp-%ld", (int)dl, dst, (long)getpid());
+        if (w < 0 || (size_t)w >= sizeof tmp) s = fl_errorf(FL_ERR_INVALID, "%s: path too long", dst);
+    }
+    if (s == FL_OK) {
+        fl_fs_remove_dir(tmp); /* a crashed convert's leftover with this pid */
+        s = fl_hf_save_tensors(tmp, &cfg, &lay, t); /* creates tmp (itself atomically) */
+        made = 1;
+    }
+    if (s == FL_OK && cfg_bytes) s = fl_fs_join(path, sizeof path, tmp, "config.json");
+    if (s == FL_OK && cfg_bytes) s = fl_fs_write_file_atomic(path, cfg_bytes, cfg_len);
+    if (s == FL_OK) s = fl_io_copy_tokenizer_files(src, tmp, NULL);
+    if (s == FL_OK) {
+        fl_fs_sync_dir(tmp);
+        if (rename(tmp, dst) != 0) s = fl_errorf(FL_ERR_IO, "%s: cannot rename %s into place: %s", dst, tmp, strerror(errno));
+    }
+    if (s != FL_OK && made) fl_fs_remove_dir(tmp);
+    if (s == FL_OK && n_tensors) *n_tensors = lay.n;
+    fl_hf_close_weight_files(fs, nf);
+    free(t);
+    fl_layout_free(&lay);
+    free(cfg_bytes);
+    return s;
+}
