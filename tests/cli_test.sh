@@ -720,6 +720,131 @@ else
     echo "skip real-model CLI checks: $DATA not found (set FITLLM_DATA)"; skip=$((skip+1))
 fi
 
+# ---- models by name: fitllm download against a Hub stand-in on the loopback (tests/hub/hub_server.c),
+# repo ids resolved from the download folder and a Hugging Face cache layout, the note on random weights ----
+HUBSRV="$(dirname "$FITLLM")/fitllm_hub_server"
+FLA=$(cd "$(dirname "$FITLLM")" && pwd)/$(basename "$FITLLM")   # env -C runs it from another folder
+HT="$T/hub"; mkdir -p "$HT/work" "$HT/empty-cache"
+export HF_HUB_CACHE="$HT/empty-cache"   # never the user's own cache
+unset HF_TOKEN FITLLM_CHECKPOINTS
+# the first line of the output of a run on a preset says that its weights are random
+out=$("$FITLLM" finetune_full gpt2-micro --data Synthetic --train.max_steps 1 --train.global_batch_size 1 \
+      --train.micro_batch_size 1 --out_dir "$T/rnd" --quiet 2>&1 | head -1)
+if grep -q "random initialization (no weights were loaded): 'gpt2-micro' is a model preset" <<<"$out"; then
+    echo "ok   preset_random_note_first_line"; pass=$((pass+1))
+else echo "FAIL preset_random_note_first_line: first line '$out'"; fail=$((fail+1)); fi
+out=$("$FITLLM" generate gpt2 --prompt_ids "1 2" --max_new_tokens 1 2>&1 | head -1)
+if grep -q "random initialization (no weights were loaded): .*fitllm download openai-community/gpt2" <<<"$out"; then
+    echo "ok   preset_random_note_names_download"; pass=$((pass+1))
+else echo "FAIL preset_random_note_names_download: first line '$out'"; fail=$((fail+1)); fi
+# a repo id that is not downloaded is not a random model: where it looked, what to run, the preset for its shape
+expect repo_id_not_downloaded 2 "TinyLlama-1.1B-Chat-v1.0 is not downloaded: .*$HT/empty-cache.*run \`fitllm download TinyLlama/TinyLlama-1.1B-Chat-v1.0\` first \(or give the preset name 'tinyllama-1.1b'" -- \
+    env -C "$HT/work" "$FLA" finetune_full TinyLlama/TinyLlama-1.1B-Chat-v1.0 --data Synthetic --out_dir "$T/nd"
+expect repo_id_not_downloaded_loss 1 "run \`fitllm download karpathy/stories260K\` first" -- \
+    env -C "$HT/work" "$FLA" loss karpathy/stories260K --tokens-file "$T/oov.txt"
+# the TinyLlama recipe's checkpoints/ORG/NAME: the download command, no preset (random weights) suggested
+out=$(env -C "$HT/work" "$FLA" finetune_full --config "$PWD/recipes/tiny-llama-full.yaml" 2>&1); rc=$?
+if [ $rc -eq 2 ] && grep -q "run \`fitllm download TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T\`" <<<"$out" \
+   && ! grep -q "nearest" <<<"$out"; then echo "ok   recipe_suggests_download"; pass=$((pass+1))
+else echo "FAIL recipe_suggests_download: exit $rc"; echo "$out" | tail -3 | sed 's/^/     /'; fail=$((fail+1)); fi
+expect plan_repo_id_shape 0 "FITS" -- env -C "$HT/work" "$FLA" plan TinyLlama/TinyLlama-1.1B-Chat-v1.0 --device-memory 80GB
+# plan needs no weights: the recipe's checkpoints/ORG/NAME, not downloaded, is planned as its preset's shape
+expect plan_recipe_shape 0 "model: tinyllama-1.1b \(preset\)" -- env -C "$HT/work" "$FLA" plan --config "$PWD/recipes/tiny-llama-full.yaml" --device-memory 80GB
+
+if [ -x "$HUBSRV" ] && [ -f "$DATA/stories260K-hf/model.safetensors" ]; then
+    SRC="$DATA/stories260K-hf"
+    for r in stories260K gated bad; do mkdir -p "$HT/root/fitllm-test/$r"; cp "$SRC"/* "$HT/root/fitllm-test/$r/"; done
+    chmod -R u+w "$HT/root"
+    (cd "$HT/root/fitllm-test/stories260K" && sha256sum model.safetensors > .sha256)   # an LFS file: its sha256
+    cp "$HT/root/fitllm-test/stories260K/.sha256" "$HT/root/fitllm-test/gated/"
+    echo "hf_secret" > "$HT/root/fitllm-test/gated/.token"
+    (cd "$HT/root/fitllm-test/bad" && sha256sum config.json | sed 's/config.json/model.safetensors/' > .sha256)  # a wrong one
+    mkdir -p "$HT/root/fitllm-test/noweights" && cp "$SRC/config.json" "$HT/root/fitllm-test/noweights/"
+    hub_start() {   # the stand-in, with server options; HUBPID, HUBURL
+        rm -f "$HT/port"
+        "$HUBSRV" --root "$HT/root" --port-file "$HT/port" --log "$HT/log" --max-seconds 300 "$@" &
+        HUBPID=$!
+        for _ in $(seq 100); do [ -s "$HT/port" ] && break; sleep 0.05; done
+        HUBURL="http://127.0.0.1:$(cat "$HT/port" 2>/dev/null)"
+    }
+    hub_stop() { kill "$HUBPID" 2>/dev/null; wait "$HUBPID" 2>/dev/null; }
+    CK="$HT/work/checkpoints/fitllm-test/stories260K"
+    if "$FITLLM" download --help | grep -q "access_token" && ! "$FITLLM" download a/b 2>&1 | grep -q "without libcurl"; then
+        hub_start
+        D() { env -C "$HT/work" HF_ENDPOINT="$HUBURL" "$FLA" download "$@"; }
+        expect download_ok 0 "model.safetensors: 1.0 MB, sha256 ok.*" -- D fitllm-test/stories260K
+        if cmp -s "$CK/model.safetensors" "$SRC/model.safetensors" && cmp -s "$CK/tokenizer.json" "$SRC/tokenizer.json" \
+           && [ -f "$CK/config.json" ] && [ -z "$(find "$CK" -name '*.part')" ]; then echo "ok   download_files_identical"; pass=$((pass+1))
+        else echo "FAIL download_files_identical"; ls -la "$CK" | sed 's/^/     /'; fail=$((fail+1)); fi
+        expect download_again_skips 0 "model.safetensors: already complete" -- D fitllm-test/stories260K
+        expect download_401_gated 1 "fitllm-test/gated is gated or private \(HTTP 401.*no access token was given.*--access_token" -- D fitllm-test/gated
+        expect download_403_bad_token 1 "HTTP 403.*the token given was refused" -- D fitllm-test/gated --access_token wrong
+        [ ! -e "$HT/work/checkpoints/fitllm-test/gated" ] && echo "ok   download_refused_leaves_nothing" && pass=$((pass+1)) \
+            || { echo "FAIL download_refused_leaves_nothing"; fail=$((fail+1)); }
+        expect download_token_ok 0 "Saved fitllm-test/gated" -- D fitllm-test/gated --access_token hf_secret
+        expect download_hf_token_env 0 "Saved fitllm-test/gated" -- env HF_TOKEN=hf_secret HF_ENDPOINT="$HUBURL" "$FITLLM" download fitllm-test/gated --checkpoint_dir "$HT/alt"
+        expect download_404 1 "no model repo fitllm-test/nope on http://127.0.0.1:[0-9]+ \(HTTP 404" -- D fitllm-test/nope
+        expect download_bad_revision 1 "has no revision 'v9'" -- D fitllm-test/stories260K --revision v9
+        expect download_no_weights 1 "no weights fitllm reads" -- D fitllm-test/noweights
+        expect download_checksum_mismatch 1 "model.safetensors: checksum mismatch: the Hub says sha256 [0-9a-f]{64}, the download has $(sha256sum "$SRC/model.safetensors" | cut -c1-64)" -- D fitllm-test/bad
+        [ -z "$(find "$HT/work/checkpoints" -path '*bad*' -type f)" ] && echo "ok   download_checksum_mismatch_no_files" && pass=$((pass+1)) \
+            || { echo "FAIL download_checksum_mismatch_no_files"; find "$HT/work/checkpoints" -path '*bad*'; fail=$((fail+1)); }
+        expect download_bad_repo_id 2 "not a Hugging Face repo id" -- D not-a-repo
+        expect download_lists_known 0 "TinyLlama/TinyLlama-1.1B-Chat-v1.0 +\(tinyllama-1.1b\)" -- D
+        hub_stop
+        expect download_network_failure 1 "network error fetching the file list" -- env HF_ENDPOINT=http://127.0.0.1:1 "$FITLLM" download fitllm-test/stories260K --checkpoint_dir "$HT/nf"
+        # a connection cut mid-file: resumed with a Range request in the same run
+        rm -rf "$HT/work/checkpoints"; : > "$HT/log"; hub_start --drop-after 300000 --drop-once
+        expect download_resume_in_run 0 "connection lost at 300.0 kB .*resuming" -- D fitllm-test/stories260K
+        grep -q "GET /cdn/fitllm-test/stories260K/model.safetensors range=bytes=300000-" "$HT/log" && cmp -s "$CK/model.safetensors" "$SRC/model.safetensors" \
+            && echo "ok   download_resume_in_run_range" && pass=$((pass+1)) || { echo "FAIL download_resume_in_run_range"; fail=$((fail+1)); }
+        hub_stop
+        # cut every time: the run fails after its retries, keeps the .part, the folder is not a model yet
+        rm -rf "$HT/work/checkpoints"; : > "$HT/log"; hub_start --drop-after 200000
+        expect download_interrupted 1 "network error downloading model.safetensors at 600000 of 1044984 bytes.*kept in .*model.safetensors.part: run the same command again to resume" -- D fitllm-test/stories260K
+        [ -f "$CK/model.safetensors.part" ] && [ ! -e "$CK/model.safetensors" ] && [ ! -e "$CK/config.json" ] \
+            && echo "ok   download_interrupted_no_final_files" && pass=$((pass+1)) || { echo "FAIL download_interrupted_no_final_files"; ls -la "$CK"; fail=$((fail+1)); }
+        expect download_interrupted_not_a_model 1 "karpathy|fitllm-test/stories260K is not downloaded" -- env -C "$HT/work" "$FLA" loss fitllm-test/stories260K --tokens-file "$T/oov.txt"
+        hub_stop
+        : > "$HT/log"; hub_start
+        expect download_resume_next_run 0 "model.safetensors: resuming at 600.0 kB of 1.0 MB" -- D fitllm-test/stories260K
+        grep -q "range=bytes=600000-" "$HT/log" && cmp -s "$CK/model.safetensors" "$SRC/model.safetensors" \
+            && echo "ok   download_resume_next_run_range" && pass=$((pass+1)) || { echo "FAIL download_resume_next_run_range"; fail=$((fail+1)); }
+        hub_stop
+        # by name from the download folder: the same loss as the folder itself
+        printf '1 72 101 108 108 111 32 119 111 114 108 100\n' > "$HT/toks.txt"
+        want=$("$FITLLM" loss "$SRC" --tokens-file "$HT/toks.txt" 2>/dev/null | awk '{print $2}')
+        expect load_from_download_dir 0 "loss $want .*model fitllm-test/stories260K" -- env -C "$HT/work" "$FLA" loss fitllm-test/stories260K --tokens-file "$HT/toks.txt"
+    else
+        expect download_without_libcurl 1 "built without libcurl" -- "$FITLLM" download fitllm-test/stories260K
+    fi
+    # a Hugging Face cache as huggingface_hub writes it: refs/main -> snapshots/<rev>/ -> symlinks into blobs/
+    HC="$HT/hf-home/hub/models--karpathy--stories260K"; mkdir -p "$HC/refs" "$HC/blobs" "$HC/snapshots/0a1b2c3d"
+    printf 0a1b2c3d > "$HC/refs/main"
+    for f in config.json model.safetensors tokenizer.json tokenizer_config.json; do
+        h=$(sha256sum "$SRC/$f" | cut -c1-64); cp "$SRC/$f" "$HC/blobs/$h"; ln -s "../../blobs/$h" "$HC/snapshots/0a1b2c3d/$f"
+    done
+    printf '1 72 101 108 108 111\n' > "$HT/toks2.txt"
+    want=$("$FITLLM" loss "$SRC" --tokens-file "$HT/toks2.txt" 2>/dev/null | awk '{print $2}')
+    expect load_from_hf_cache_hf_home 0 "loss $want " -- env -u HF_HUB_CACHE HF_HOME="$HT/hf-home" "$FITLLM" loss karpathy/stories260K --tokens-file "$HT/toks2.txt"
+    expect load_from_hf_cache_hub_cache 0 "loss $want " -- env HF_HUB_CACHE="$HT/hf-home/hub" "$FITLLM" loss karpathy/stories260K --tokens-file "$HT/toks2.txt"
+    expect generate_from_hf_cache 0 "karpathy/stories260K is .*snapshots/0a1b2c3d \(the Hugging Face cache\)" -- \
+        env HF_HUB_CACHE="$HT/hf-home/hub" "$FITLLM" generate karpathy/stories260K --prompt "Once upon a time" --max_new_tokens 4
+    # LitGPT's recipe path checkpoints/ORG/NAME finds the cache's copy (here stories260K stands in for TinyLlama)
+    mv "$HT/hf-home/hub/models--karpathy--stories260K" "$HT/hf-home/hub/models--TinyLlama--TinyLlama-1.1B-intermediate-step-1431k-3T"
+    expect recipe_from_hf_cache 0 "checkpoints/TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T is .*models--TinyLlama--TinyLlama-1.1B-intermediate-step-1431k-3T/snapshots/0a1b2c3d \(the Hugging Face cache\)" -- \
+        env -C "$HT/work" HF_HUB_CACHE="$HT/hf-home/hub" "$FLA" finetune_full --config "$PWD/recipes/tiny-llama-full.yaml" --data Synthetic \
+        --precision 32-true --train.max_steps 1 --train.global_batch_size 1 --train.micro_batch_size 1 --out_dir "$T/rc" --quiet
+    if [ -d "$T/lo/final/adapter" ]; then   # merge_lora: base_model_name_or_path a repo id, found in the cache
+        cp -r "$T/lo/final/adapter" "$HT/ad"
+        sed -i 's|"base_model_name_or_path": *"[^"]*"|"base_model_name_or_path": "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T"|' "$HT/ad/adapter_config.json"
+        expect merge_lora_base_repo_id 0 "base: .*models--TinyLlama--TinyLlama-1.1B-intermediate-step-1431k-3T/snapshots/0a1b2c3d" -- \
+            env HF_HUB_CACHE="$HT/hf-home/hub" "$FITLLM" merge_lora "$HT/ad" --out_dir "$HT/merged"
+    fi
+else
+    echo "skip download and Hugging Face cache checks: no $HUBSRV or $DATA/stories260K-hf"; skip=$((skip+1))
+fi
+
 # ---- train, then generate (issue 28): every checkpoint folder carries its tokenizer (the built-in
 # byte tokenizer as tokenizer.json); generate takes a checkpoint, a step, a run folder, a LoRA run, a
 # preset; a path that is not there is said to be so ----

@@ -437,6 +437,11 @@ extern "C" {
 fl_status fl_preset_find(const char *name, fl_model_config *cfg);
 /* NULL-terminated list of preset names. */
 const char *const *fl_preset_names(void);
+/* The i-th Hugging Face repo id ("ORG/NAME") of a preset, with the preset it has the shape of in
+ * *preset (may be NULL); NULL past the last. */
+const char *fl_preset_repo_at(size_t i, const char **preset);
+/* The first Hugging Face repo id of the preset `name` (a preset name or an alias), NULL if none. */
+const char *fl_preset_repo_id(const char *name);
 #ifdef __cplusplus
 }
 #endif

@@ -123,4 +123,29 @@ fl_status fl_cli_load_with_adapter(fl_model *m, const char *base, const char *ad
  * the run's), else the checkpoint holding an adapter/ (final/); NULL if none has one. */
 const char *fl_cli_adapter_tokenizer(const fl_cli_adapter_info *info, char *buf, size_t n);
 
+/* Models by name (src/cli/model_name.c). A model argument that is not a file or folder here and
+ * names a Hugging Face repo (ORG/NAME, checkpoints/ORG/NAME) -> the folder fitllm's download
+ * folder or the HF cache holds (cmd non-NULL: "fitllm <cmd>: NAME is PATH (where)" on stderr);
+ * not there: FL_ERR_NOT_FOUND saying to run `fitllm download` (shape_ok, plan: a repo id of a
+ * preset stays the name, its shape). Any other name is copied unchanged (a preset). */
+fl_status fl_cli_resolve_model(const char *cmd, const char *name, char *out, size_t n, int shape_ok);
+/* The same for a command's model argument: *path = buf on success; else prints the error, returns 1. */
+int fl_cli_model_arg(const char *cmd, const char **path, char *buf, size_t n);
+/* "fitllm <cmd>: random initialization (no weights were loaded): <why>" on stderr (stdout flushed). */
+void fl_cli_note_random(const char *cmd, const char *why);
+/* That note for a preset name, with the `fitllm download` of its weights (nothing if no preset). */
+void fl_cli_note_preset(const char *cmd, const char *name);
+/* That note when a training run's configuration means random weights (a preset, --init random,
+ * a config.json, pretraining from model_name / model_config). */
+void fl_cli_note_run_weights(const char *cmd, const fl_run_config *cfg);
+/* The subcommand running (main.c), named by notes printed with cmd NULL. */
+void fl_cli_set_command(const char *cmd);
+/* 1 once the random-init note was printed (it is printed at most once per process). */
+int fl_cli_said_random(void);
+/* The command prints the random-init note itself: the model loaders' (cmd NULL) stay quiet. */
+void fl_cli_own_random_note(void);
+/* "; for its weights run `fitllm download ORG/NAME` ..." for a preset with a repo id, else "". */
+void fl_cli_preset_weights_hint(const char *name, char *buf, size_t n);
+int fl_cmd_download(int argc, char **argv);
+
 #endif

@@ -12,7 +12,8 @@
 
 static void help(void) {
     printf("usage: fitllm bench-step <model> [options]\n\n"
-           "  <model>               preset name (tiny, small, tinyllama-1.1b, ...), HF folder, config.json or\n"
+           "  <model>               preset name (tiny, small, tinyllama-1.1b, ...), HF folder, a downloaded Hugging\n"
+           "                        Face repo id ORG/NAME (`fitllm download --help`), config.json or\n"
            "                        llama2.c .bin (--preset NAME is the same as a preset positional)\n"
            "  --init random         ignore stored weights, initialize randomly (presets always are)\n"
            "  --micro-batch B       sequences per step (default 4)\n"

@@ -27,6 +27,8 @@ static void help(void) {
            "                         - a PEFT adapter folder, e.g. a finetune_lora step-N/ checkpoint or a\n"
            "                           LoRA run folder without final/ yet: its base model\n"
            "                           (base_model_name_or_path) with the adapter merged in memory\n"
+           "                         - a Hugging Face repo id ORG/NAME: its download (checkpoints/ORG/NAME or\n"
+           "                           the Hugging Face cache; `fitllm download --help`)\n"
            "                         - a preset name (micro, gpt2, ...): random initialization with --seed\n"
            "                           and the built-in byte tokenizer (noise: for trying the pipeline)\n"
            "  --prompt TEXT          prompt text, encoded with the tokenizer (BOS added as the tokenizer\n"
@@ -177,16 +179,20 @@ static fl_status resolve_model(const char *arg, gen_model *g) {
 static void say_init(const gen_model *gm, const fl_cli_adapter_info *info, int loaded, uint64_t seed,
                      const char *tok_path) {
     if (loaded) return;
-    if (info)
-        fprintf(stderr, "fitllm generate: random initialization (no weights were loaded): the adapter's base '%s' is a "
-                "model preset, initialized with seed 1337 (a run's default --seed; the run's final/ holds the weights "
-                "it trained on)\n", info->base);
-    else if (!gm->preset)
+    char why[2 * FL_CLI_PATH + 512], hint[FL_CLI_PATH + 128];
+    if (info) {
+        snprintf(why, sizeof why, "the adapter's base '%s' is a model preset, initialized with seed 1337 (a run's "
+                 "default --seed; the run's final/ holds the weights it trained on)", info->base);
+        fl_cli_note_random("generate", why);
+    } else if (!gm->preset) {
         fprintf(stderr, "fitllm generate: no weights were loaded: %s is a model shape only (config.json)\n", gm->path);
-    else
-        fprintf(stderr, "fitllm generate: random initialization (no weights were loaded): '%s' is a model preset "
-                "(seed %llu)%s, so the text is noise; generate from a trained run (out/.../final) for text\n",
-                gm->path, (unsigned long long)seed, tok_path ? "" : " with the built-in byte tokenizer");
+    } else {
+        fl_cli_preset_weights_hint(gm->path, hint, sizeof hint);
+        snprintf(why, sizeof why, "'%s' is a model preset (seed %llu)%s, so the text is noise; generate from a "
+                 "trained run (out/.../final) for text%s", gm->path, (unsigned long long)seed,
+                 tok_path ? "" : " with the built-in byte tokenizer", hint);
+        fl_cli_note_random("generate", why);
+    }
 }
 
 /* The tokenizer: --tokenizer (a path, or "bytes"); a preset's built-in bytes; an adapter's (its
@@ -293,6 +299,10 @@ int fl_cmd_generate(int argc, char **argv) {
         else return fl_cli_usage(cmd, "unexpected argument '%s'", a);
     }
     if (!model_path) return fl_cli_usage(cmd, "missing <model>");
+    char named[FL_CLI_PATH], tok_named[FL_CLI_PATH]; /* Hugging Face repo ids: their downloaded folders */
+    int named_rc = fl_cli_model_arg(cmd, &model_path, named, sizeof named);
+    if (!named_rc && tok_path) named_rc = fl_cli_model_arg(cmd, &tok_path, tok_named, sizeof tok_named);
+    if (named_rc) return named_rc;
     if (prompt && prompt_ids) return fl_cli_usage(cmd, "give --prompt or --prompt-ids, not both");
     if (seed >= 0) gp.seed = (uint64_t)seed;
     if (fl_gen_params_validate(&gp) != FL_OK) return fl_cli_usage(cmd, "%s", fl_error_message());
@@ -317,6 +327,8 @@ int fl_cmd_generate(int argc, char **argv) {
     fl_status s = fl_backend_init_by_name(fl_backend_default_name(), &be, threads);
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
     if ((s = fl_backend_pools_init(&be, &pool, &hpool, "cpu", 0)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
+    fl_cli_own_random_note(); /* say_init says it */
+    if (gm.preset && !adapter) say_init(&gm, NULL, 0, gp.seed, tok_path); /* first, before the (slow) random init */
     /* a PEFT adapter folder as <model> (a finetune_lora step-N/): its base with it merged */
     const char *base = model_path;
     if (!adapter && is_adapter_dir(model_path)) {
@@ -334,7 +346,7 @@ int fl_cmd_generate(int argc, char **argv) {
     if (adapter && !base)
         fprintf(stderr, "fitllm generate: %s is a LoRA adapter: base model %s with it merged in memory\n", info.adapter,
                 info.base);
-    say_init(&gm, adapter ? &info : NULL, loaded, gp.seed, tok_path);
+    if (!gm.preset || adapter) say_init(&gm, adapter ? &info : NULL, loaded, gp.seed, tok_path);
     if (prompt_ids) {
         if ((s = parse_ids(prompt_ids, &ids, &n_ids)) != FL_OK) goto fail;
     } else {

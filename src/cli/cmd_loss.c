@@ -12,7 +12,8 @@
 static void help(void) {
     printf("usage: fitllm loss <model> --tokens-file ids.txt [--dump-logits out.f32] [--threads N]\n\n"
            "  <model>              HF folder (config.json + safetensors or pytorch_model*.bin; or LitGPT's\n"
-           "                       lit_model.pth), llama2.c .bin, or preset name\n"
+           "                       lit_model.pth), a Hugging Face repo id ORG/NAME (downloaded, `fitllm\n"
+           "                       download --help`), llama2.c .bin, or preset name\n"
            "                       (presets are randomly initialized: --seed)\n"
            "  --tokens-file FILE   whitespace-separated token ids (at least 2)\n"
            "  --dump-logits FILE   write the logits of positions 0..n-2 as little-endian float32, (n-1) x V\n"

@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 
 #include "cli.h"
+#include "fitllm/hub.h"
 #include "fitllm/checkpoint.h"
 #include "fitllm/lora.h"
 #include "fitllm/peft.h"
@@ -20,7 +21,8 @@ static void help(void) {
            "  <adapter>         a PEFT adapter folder (adapter_config.json + adapter_model.safetensors),\n"
            "                    a finetune_lora checkpoint (out/step-000100, or out/final: its adapter/)\n"
            "                    or a finetune_lora run folder (out: final/adapter, else the newest step)\n"
-           "  --base DIR        base model folder (default: the adapter's base_model_name_or_path)\n"
+           "  --base DIR        base model folder (default: the adapter's base_model_name_or_path); a Hugging\n"
+           "                    Face repo id ORG/NAME means its download (`fitllm download --help`)\n"
            "  --out_dir DIR     where the merged HF model goes (default: <adapter>/merged; inside a\n"
            "                    step checkpoint it goes with it when train.keep_checkpoints rotates it out)\n"
            "  --threads N       CPU threads (default: all cores)\n"
@@ -99,16 +101,24 @@ fl_status fl_cli_find_adapter(const char *path, fl_cli_adapter_info *info) {
  * that a missing one is reported with the path tried and how to give another. */
 static fl_status resolve_base(const fl_peft_adapter *a, const fl_cli_adapter_info *info, const char *base,
                               const char *hint, char *out, size_t n) {
-    if (base) {
-        snprintf(out, n, "%s", base);
-        return FL_OK;
-    }
+    if (base) /* a Hugging Face repo id: its downloaded folder */
+        return fl_cli_resolve_model(NULL, base, out, n, 0);
     const char *b = a->cfg.base_model;
     if (!b[0])
         return fl_errorf(FL_ERR_INVALID, "%s/adapter_config.json names no base model (base_model_name_or_path is "
                          "null): give it with %s", info->adapter, hint);
     struct stat st;
     fl_model_config mc;
+    char named[FL_CLI_PATH];
+    /* base_model_name_or_path is most often a Hub repo id: the download folder's or HF cache's copy */
+    if (stat(b, &st) != 0 && fl_hub_repo_of(b, named, sizeof named)) {
+        fl_status s = fl_cli_resolve_model(NULL, b, out, n, 0);
+        if (s == FL_OK) return FL_OK;
+        char why[2048]; /* copied: fl_errorf rewrites the message it would read */
+        snprintf(why, sizeof why, "%s", fl_error_message());
+        return fl_errorf(s, "%s/adapter_config.json: base model '%s' (base_model_name_or_path) not found (%s); give "
+                         "the base model folder with %s", info->adapter, b, why, hint);
+    }
     if (stat(b, &st) != 0 && fl_preset_find(b, &mc) != FL_OK) {
         int relative = b[0] != '/';
         return fl_errorf(FL_ERR_NOT_FOUND,

@@ -20,7 +20,7 @@ typedef struct {
 
 static void help(const char *cmd, fl_cmd_kind kind) {
     (void)kind;
-    printf("usage: fitllm %s <checkpoint_dir | preset> [--config recipe.yaml] [--<option> VALUE ...]\n"
+    printf("usage: fitllm %s <checkpoint_dir | ORG/NAME | preset> [--config recipe.yaml] [--<option> VALUE ...]\n"
            "          [--device-memory SIZE] [--devices 1] [--rank 0] [--seq-len T] [--generation auto|on|off] [--json]\n\n",
            cmd);
     printf("Predicts the bytes per tag (PARAMS, GRADS, OPTIM, ACTS, WORKSPACE, OTHER) at each phase of a\n"

@@ -155,6 +155,20 @@ int fl_cli_parse_run(const char *cmd, fl_cmd_kind kind, int argc, char **argv, f
         fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
         rc = FL_EXIT_USAGE;
     }
+    /* models by name: a Hugging Face repo id -> the folder it was downloaded to (src/cli/model_name.c);
+     * said once per job (rank 0 of a launcher's ranks) */
+    fl_launch_info li;
+    const char *say = fl_launch_detect(&li) == FL_OK && li.rank != 0 ? NULL : cmd;
+    char *paths[2] = {cfg->checkpoint_dir, cfg->tokenizer_dir};
+    for (int k = 0; k < 2 && !rc; k++) {
+        char buf[FL_CFG_PATH];
+        if (fl_cli_resolve_model(say, paths[k], buf, sizeof buf, k == 0 && !strcmp(cmd, "plan")) != FL_OK) {
+            fprintf(stderr, "fitllm %s: error: %s%s\n", cmd, k ? "tokenizer_dir: " : "", fl_error_message());
+            rc = FL_EXIT_USAGE;
+        } else {
+            snprintf(paths[k], FL_CFG_PATH, "%s", buf);
+        }
+    }
 #undef USAGE
 done:
     fl_cfg_entries_free(&opts);
@@ -321,6 +335,7 @@ static int run(const char *cmd, fl_cmd_kind kind, int argc, char **argv) {
     if (getenv("FITLLM_LAUNCHED")) signal(SIGUSR2, on_signal);
     fl_comm *comm = NULL;
     if ((rc = join_ranks(cmd, &cfg, argc, argv, &comm)) != 0) return rc < 0 ? 0 : rc;
+    if (!comm || fl_comm_rank(comm) == 0) fl_cli_note_run_weights(cmd, &cfg); /* the first line, when it applies */
     if (comm && (rc = fl_cli_check_ranks(cmd, &cfg, comm)) != 0) {
         fl_comm_destroy(comm);
         return rc;

@@ -96,7 +96,10 @@ fl_status fl_cli_load_model(fl_model *m, const char *path, int random_init, uint
 fl_status fl_cli_load_model_ex(fl_model *m, const char *path, int random_init, uint64_t seed, const fl_backend *be,
                                fl_mem_pool *pool, const fl_model_storage *stg, int *weights_loaded) {
     fl_model_config cfg;
+    char named[FL_CLI_PATH];
     *weights_loaded = 0;
+    FL_TRY(fl_cli_resolve_model(NULL, path, named, sizeof named, 0)); /* a Hugging Face repo id: its folder */
+    path = named;
     if (!exists(path)) {
         fl_status s = fl_preset_find(path, &cfg);
         if (s != FL_OK) {
@@ -104,12 +107,13 @@ fl_status fl_cli_load_model_ex(fl_model *m, const char *path, int random_init, u
             snprintf(why, sizeof why, "%s", fl_error_message());
             return fl_errorf(FL_ERR_NOT_FOUND, "'%s' is neither a file, a folder nor a model preset (%s)", path, why);
         }
+        fl_cli_note_preset(NULL, path);
         FL_TRY(fl_model_init_ex(m, &cfg, be, pool, stg));
         FL_TRY(fl_model_init_random_ex(m, seed));
         return FL_OK;
     }
     if (random_init) {
-        char cp[4096];
+        char cp[FL_CLI_PATH + 16];
         if (is_dir(path)) snprintf(cp, sizeof cp, "%s/config.json", path);
         else snprintf(cp, sizeof cp, "%s", path);
         size_t n = strlen(cp);

@@ -40,6 +40,7 @@ static const struct {
     {"pretrain", fl_cmd_pretrain, "train a model from scratch or continue pretraining"},
     {"finetune_lora", fl_cmd_finetune_lora, "LoRA fine-tuning: PEFT adapters on a frozen base"},
     {"finetune", fl_cmd_finetune_lora, "alias of finetune_lora"},
+    {"download", fl_cmd_download, "fetch a model from the Hugging Face Hub into checkpoints/ORG/NAME (as litgpt download)"},
     {"merge_lora", fl_cmd_merge_lora, "merge a PEFT LoRA adapter into its base model (HF folder out)"},
     {"merge_shards", fl_cmd_merge_shards, "consolidate a sharded checkpoint into one HF folder (offline, streamed)"},
     {"convert", fl_cmd_convert, "write a model folder (pytorch_model*.bin, lit_model.pth, ...) as HF safetensors"},
@@ -148,7 +149,10 @@ int main(int argc, char **argv) {
     if (!cpu_asked && fl_accel_resolve(FL_ACCEL_AUTO, &use) == FL_OK && use == FL_ACCEL_CUDA)
         fl_backend_set_default_name("cuda");
     for (size_t i = 0; i < sizeof k_cmds / sizeof k_cmds[0]; i++)
-        if (!strcmp(argv[1], k_cmds[i].name)) return k_cmds[i].fn(argc - 1, argv + 1);
+        if (!strcmp(argv[1], k_cmds[i].name)) {
+            fl_cli_set_command(k_cmds[i].name); /* notes of shared helpers name it */
+            return k_cmds[i].fn(argc - 1, argv + 1);
+        }
     const char *names[sizeof k_cmds / sizeof k_cmds[0] + 4];
     size_t n = 0;
     for (size_t i = 0; i < sizeof k_cmds / sizeof k_cmds[0]; i++) names[n++] = k_cmds[i].name;

@@ -67,7 +67,7 @@ void fl_cfg_defaults(fl_run_config *c, fl_cmd_kind cmd) {
 
 #define OFF(f) offsetof(fl_run_config, f)
 static const fl_cfg_key k_keys[] = {
-    {"checkpoint_dir", FL_CK_PATH, OFF(checkpoint_dir), "base model folder (HF layout) or preset name"},
+    {"checkpoint_dir", FL_CK_PATH, OFF(checkpoint_dir), "base model folder (HF layout), a Hugging Face repo id ORG/NAME (downloaded: `fitllm download`, or in the HF cache) or a preset name (random weights)"},
     {"model", FL_CK_PATH, OFF(checkpoint_dir), "same as checkpoint_dir (a preset name: random init)"},
     {"out_dir", FL_CK_PATH, OFF(out_dir), "folder for checkpoints and logs"},
     {"precision", FL_CK_PRECISION, OFF(precision), "32-true | bf16-true | bf16-mixed | 16-true | 16-mixed"},

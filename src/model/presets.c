@@ -139,6 +139,27 @@ const char *const *fl_preset_names(void) {
     return k_names;
 }
 
+const char *fl_preset_repo_at(size_t i, const char **preset) {
+    size_t na = sizeof k_aliases / sizeof k_aliases[0];
+    for (size_t k = 0; k < na; k++) {
+        if (!strchr(k_aliases[k].alias, '/')) continue;
+        if (i-- == 0) {
+            if (preset) *preset = k_aliases[k].preset;
+            return k_aliases[k].alias;
+        }
+    }
+    return NULL;
+}
+
+const char *fl_preset_repo_id(const char *name) {
+    fl_model_config c;
+    if (fl_preset_find(name, &c) != FL_OK) return NULL;
+    const char *p;
+    for (size_t i = 0; fl_preset_repo_at(i, &p); i++)
+        if (!strcmp(p, c.name)) return fl_preset_repo_at(i, NULL);
+    return NULL;
+}
+
 /* "org/name" matches "name" too (LitGPT's Config.from_name does the same). */
 static int name_is(const char *name, const char *known) {
     if (!strcasecmp(name, known)) return 1;
@@ -173,6 +194,7 @@ fl_status fl_preset_find(const char *name, fl_model_config *cfg) {
     const char *q = strrchr(name, '/') ? strrchr(name, '/') + 1 : name;
     for (size_t i = 0; i < n + na; i++) {
         const char *cand = i < n ? k_presets[i].name : k_aliases[i - n].alias;
+        if (strchr(cand, '/')) continue; /* a repo id means the downloaded weights (fitllm download) */
         const char *cs = strrchr(cand, '/') ? strrchr(cand, '/') + 1 : cand;
         size_t d = fl_edit_distance(q, cs);
         if (contains_nocase(cs, q) || contains_nocase(q, cs)) d = d / 2; /* "llama-2" ~ "llama-2-7b" */
@@ -196,6 +218,8 @@ fl_status fl_preset_find(const char *name, fl_model_config *cfg) {
         off += (size_t)snprintf(list + off, sizeof list - off, "%s%s", i ? ", " : "", k_presets[i].name);
     if (why[0]) /* a near name would be a different model, not a typo */
         return fl_errorf(FL_ERR_NOT_FOUND, "unknown model preset '%s'%s; presets: %s", name, why, list);
-    return fl_errorf(FL_ERR_NOT_FOUND, "unknown model preset '%s' (nearest: %s, %s, %s; presets: %s; LitGPT and "
-                     "Hugging Face names of these are accepted too)", name, best[0], best[1], best[2], list);
+    return fl_errorf(FL_ERR_NOT_FOUND, "unknown model preset '%s' (nearest: %s, %s, %s; presets (a model's shape, "
+                     "randomly initialized): %s; LitGPT names of these are accepted too; for a model's weights give "
+                     "its Hugging Face repo id, `fitllm download ORG/NAME` fetches it)", name, best[0], best[1],
+                     best[2], list);
 }
