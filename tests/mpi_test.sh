@@ -300,14 +300,17 @@ fi
 # a rank that dies during training (SIGKILL, after a checkpoint was committed): the job ends within
 # seconds, non-zero; the launcher names the rank, rank 0 the last committed checkpoint (the newest
 # step-* with its COMMITTED marker; training goes on between the kill and the end). Started without a
-# launcher: the exit status is mpirun's, through fitllm's exec.
+# launcher: fitllm stays as mpirun's parent (it forwards stop signals) and exits with mpirun's status.
 "${SELF_ENV[@]}" "$FL" finetune_full "${ARGS[@]}" --train.max_steps 100000 --train.epochs 100000 --devices 2 --out_dir "$T/die" >"$T/out" 2>&1 &
 job=$! # fitllm, then (exec) mpirun
 for _ in $(seq 600); do [ -f "$T/die/step-000002/COMMITTED" ] && break; sleep 0.1; done
 r1=""
 for st in /proc/[0-9]*/status; do
     p=${st#/proc/}; p=${p%/status}
-    [ "$(awk '/^PPid:/ { print $2 }' "$st" 2>/dev/null)" = "$job" ] || continue
+    # a descendant of fitllm (fitllm -> mpirun -> rank: the launcher stays as mpirun's parent)
+    pp=$(awk '/^PPid:/ { print $2 }' "$st" 2>/dev/null); gp=""
+    [ -n "$pp" ] && gp=$(awk '/^PPid:/ { print $2 }' "/proc/$pp/status" 2>/dev/null)
+    [ "$pp" = "$job" ] || [ "$gp" = "$job" ] || continue
     tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=1 && r1=$p
 done
 if [ -z "$r1" ]; then
