@@ -22,7 +22,7 @@ all: build
 
 help:
 	@echo "make demo   - build and run the memory lab, quick suite (fitllm lab: table, lab/report.md, charts)"
-	@echo "make test   - build and run the whole test suite (release + AddressSanitizer pass)"
+	@echo "make test   - build and run the whole test suite (release, CLI, MPI, 10 s fuzz smoke, AddressSanitizer pass)"
 	@echo "make build  - configure and build into $(BUILD)/"
 	@echo "make asan   - build with ASan/UBSan and run the whole suite under it"
 	@echo "make bench  - fitllm vs PyTorch training-step benchmark (needs a torch virtualenv)"
@@ -63,7 +63,7 @@ build: setup $(BUILD)/Makefile
 # wall time) and one line "make test: N passed, N failed, N skipped"; logs in $(BUILD)/test-logs/.
 test: SETUP_EXTRA_PKGS = $(FUZZ_DEB_PKGS)
 test: build
-	BUILD=$(BUILD) MAKE="$(MAKE)" ASAN_FILTER="" JOBS=$(JOBS) FUZZ_JOBS=$(FUZZ_JOBS) tests/run_all.sh
+	BUILD=$(BUILD) ASAN_FILTER="" JOBS=$(JOBS) FUZZ_JOBS=$(FUZZ_JOBS) tests/run_all.sh
 
 test-fast: build
 	./$(BUILD)/fitllm_tests $(FILTER)
@@ -84,7 +84,7 @@ demo: build
 bench: build
 	bench/run_bench_step.sh
 
-# Coverage-guided fuzzing (clang + libFuzzer, ASan/UBSan; not part of `make test`): every parser of
+# Coverage-guided fuzzing (clang + libFuzzer, ASan/UBSan; `make test` runs each harness for 10 s only): every parser of
 # untrusted input, FUZZ_TIME seconds per harness, FUZZ_JOBS at a time (nice 19). Corpora, logs and
 # crash inputs in build-fuzz/; docs/FUZZING.md. One harness: fuzz/run.sh NAME SECONDS.
 FUZZ_TIME ?= 600

@@ -15,7 +15,7 @@
 # skipped]" (a stage that prints none counts as one check: passed when it exits 0). A stage that
 # exits non-zero counts at least one failure. The end: a table (stage, result, counts, wall time)
 # and one line "make test: N passed, N failed, N skipped"; the exit status is 1 when any stage failed.
-# Usage: tests/run_all.sh (from the Makefile: BUILD, ASAN_FILTER, JOBS, MAKE in the environment)
+# Usage: tests/run_all.sh (from the Makefile: BUILD, ASAN_FILTER, JOBS, FUZZ_JOBS in the environment)
 #        tests/run_all.sh STAGE...   runs only the stages named (e.g. tests/run_all.sh unit cli)
 set -u
 cd "$(dirname "$0")/.."
