@@ -12,6 +12,9 @@ DEB_PKGS   := cmake make gcc g++ libc6-dev libopenblas-dev libdnnl-dev libyaml-d
 # optional: gnuplot-nox, the lab's PNG charts (without it `fitllm lab` writes the data and notes it in report.md);
 # iproute2, the two-node test's network namespaces (tests/netns_test.sh skips without it)
 DEB_OPT_PKGS := gnuplot-nox iproute2
+# clang with libFuzzer (libclang-rt-dev: a separate package from clang on Debian) and LLVM's OpenMP:
+# the fuzz build (fuzz/build.sh), needed by `make test` (its fuzz smoke stage) and the fuzz targets only
+FUZZ_DEB_PKGS := clang libclang-rt-dev libomp-dev
 FITLLM_DATA ?= ../shared/data
 export FITLLM_DATA
 
@@ -21,7 +24,7 @@ all: build
 
 help:
 	@echo "make demo   - build and run the memory lab, quick suite (fitllm lab: table, lab/report.md, charts)"
-	@echo "make test   - build and run the whole test suite (release + AddressSanitizer pass)"
+	@echo "make test   - build and run the whole test suite (release, CLI, MPI, 10 s fuzz smoke, AddressSanitizer pass)"
 	@echo "make build  - configure and build into $(BUILD)/ (CUDA=1: with the CUDA plugin, even without a GPU here)"
 	@echo "make asan   - build with ASan/UBSan and run the whole suite under it"
 	@echo "make bench  - fitllm vs PyTorch training-step benchmark (needs a torch virtualenv)"
@@ -29,7 +32,7 @@ help:
 	@echo "make fuzz-smoke - the same, 30 s each"
 
 setup:
-	@missing=""; for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	@missing=""; for p in $(DEB_PKGS) $(SETUP_EXTRA_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = "0" ]; then \
 	    echo "installing:$$missing"; \
@@ -61,18 +64,13 @@ build: setup $(BUILD)/Makefile
 	$(if $(CUDA),cmake -S . -B $(BUILD) -DFL_CUDA=$(CUDA) >/dev/null)
 	cmake --build $(BUILD) -j $(JOBS)
 
-# Release suite, the CLI and MPI (mpirun -np 2 and 4) tests, then the memory/I-O/error-path tests again under ASan+UBSan
-# (fault-injection sweeps and bad-input files must not leak or crash).
+# Release suite, the CLI and MPI (mpirun -np 2 and 4) tests, a 10-second libFuzzer smoke run of every harness,
+# then the unit tests again under ASan+UBSan (fault-injection sweeps and bad-input files must not leak or crash).
+# tests/run_all.sh runs the stages in order, goes on after a failing one, and ends with a table (stage, counts,
+# wall time) and one line "make test: N passed, N failed, N skipped"; logs in $(BUILD)/test-logs/.
+test: SETUP_EXTRA_PKGS = $(FUZZ_DEB_PKGS)
 test: build
-	tests/check_tracked_sizes.sh
-	./$(BUILD)/fitllm_tests
-	./$(BUILD)/fitllm_alloc_check
-	@# CUDA builds: the real kernels against the emulated ones on a visible GPU (says so and passes without one)
-	if [ -x ./$(BUILD)/fitllm_cuda_check ]; then ./$(BUILD)/fitllm_cuda_check; fi
-	tests/check_vectorized.sh $(BUILD)
-	tests/cli_test.sh ./$(BUILD)/fitllm
-	tests/mpi_test.sh $(BUILD)
-	$(MAKE) --no-print-directory asan ASAN_FILTER=""
+	BUILD=$(BUILD) ASAN_FILTER="" JOBS=$(JOBS) FUZZ_JOBS=$(FUZZ_JOBS) tests/run_all.sh
 
 test-fast: build
 	./$(BUILD)/fitllm_tests $(FILTER)
@@ -93,14 +91,15 @@ demo: build
 bench: build
 	bench/run_bench_step.sh
 
-# Coverage-guided fuzzing (clang + libFuzzer, ASan/UBSan; not part of `make test`): every parser of
+# Coverage-guided fuzzing (clang + libFuzzer, ASan/UBSan; `make test` runs each harness for 10 s only): every parser of
 # untrusted input, FUZZ_TIME seconds per harness, FUZZ_JOBS at a time (nice 19). Corpora, logs and
 # crash inputs in build-fuzz/; docs/FUZZING.md. One harness: fuzz/run.sh NAME SECONDS.
 FUZZ_TIME ?= 600
 FUZZ_JOBS ?= 2
 FUZZ_NAMES ?=
-fuzz-build:
-	fuzz/build.sh
+fuzz-build: SETUP_EXTRA_PKGS = $(FUZZ_DEB_PKGS)
+fuzz-build: setup
+	JOBS=$(JOBS) fuzz/build.sh
 
 fuzz: fuzz-build
 	fuzz/run_all.sh $(FUZZ_TIME) $(FUZZ_JOBS) $(FUZZ_NAMES)

@@ -11,6 +11,9 @@
  * folder is loaded twice: the second load must be a cache hit that gives the same
  * samples (abort otherwise). An accepted dataset feeds a shuffled loader for a
  * few micro-batches, whose ids must be tokens of the tokenizer. Build: fuzz/build.sh */
+/* binaries built from this file (fuzz/harnesses.cmake reads these lines: name, then defines): */
+// fuzz-build: fuzz_dataset_dir_json
+// fuzz-build: fuzz_dataset_dir_textfiles FL_FUZZ_TEXTFILES
 #include "fuzz_util.h"
 
 #include "fitllm/data.h"
@@ -36,11 +39,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (!g_tok && fl_tok_builtin_bytes(&g_tok) != FL_OK) abort();
     char path[700];
     const char *root = fz_fresh_dir("data");
-    const uint8_t *p = data, *part;
-    size_t n;
+    const uint8_t *p = data;
     fl_data_config c;
 #ifndef FL_FUZZ_TEXTFILES
     static const char *names[] = {"train.json", "val.json", "train.jsonl", "val.jsonl"};
+    const uint8_t *part;
+    size_t n;
     fl_data_config_default(&c, FL_DATA_JSON);
     for (int k = 0; k < 4 && fz_next_part(&p, data + size, &part, &n); k++) {
         if (!n) continue;

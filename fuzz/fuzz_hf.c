@@ -12,6 +12,9 @@
  * parts are not written. The folder is loaded with fl_hf_load_model (fp32, CPU
  * backend): a tiny input must never make it allocate more than its files can
  * fill. Build: fuzz/build.sh */
+/* binaries built from this file (fuzz/harnesses.cmake reads these lines: name, then defines): */
+// fuzz-build: fuzz_hf_config
+// fuzz-build: fuzz_hf_folder FL_FUZZ_FOLDER
 #include "fuzz_util.h"
 
 #include "fitllm/backend.h"

@@ -3,6 +3,9 @@
  * torch's random_split and tokenized into SFT samples with the built-in byte
  * tokenizer, then batched. Any crash, leak or sanitizer report is a bug: bad
  * input must come back as an fl_status. Build: fuzz/build.sh. */
+/* binaries built from this file (fuzz/harnesses.cmake reads these lines: name, then defines): */
+// fuzz-build: fuzz_json_dataset_json
+// fuzz-build: fuzz_json_dataset_jsonl FL_FUZZ_JSONL
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

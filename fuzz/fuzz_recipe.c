@@ -10,6 +10,9 @@
  * command-line overrides, one per line, "key=value" (or "key" alone, given as
  * "true"), applied in order with fl_cfg_set until one is refused, then
  * validated and written as above (when the input is valid UTF-8: YAML cannot hold other bytes). Build: fuzz/build.sh */
+/* binaries built from this file (fuzz/harnesses.cmake reads these lines: name, then defines): */
+// fuzz-build: fuzz_recipe_yaml
+// fuzz-build: fuzz_recipe_overrides FL_FUZZ_OVERRIDES
 #include "fuzz_util.h"
 
 #include "data/data-internal.h"

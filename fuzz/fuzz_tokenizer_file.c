@@ -11,6 +11,10 @@
  * with forced BOS/EOS; every id must be in [0, vocab) and BOS/EOS ids in range
  * or -1 (abort otherwise); the ids are decoded with and without skip_special,
  * and out-of-range ids are decoded too. Build: fuzz/build.sh */
+/* binaries built from this file (fuzz/harnesses.cmake reads these lines: name, then defines): */
+// fuzz-build: fuzz_tokenizer_model FL_FUZZ_SPM
+// fuzz-build: fuzz_tokenizer_llama2c FL_FUZZ_LLAMA2C
+// fuzz-build: fuzz_tokenizer_dir FL_FUZZ_DIR
 #include "fuzz_util.h"
 
 #include "fitllm/tokenizer.h"

@@ -73,7 +73,7 @@ static const char *fz_tmpdir(void) {
 }
 
 /* A fresh empty sub-folder of the temp folder for this input. */
-static const char *fz_fresh_dir(const char *name) {
+static inline const char *fz_fresh_dir(const char *name) {
     static char p[512];
     snprintf(p, sizeof p, "%s/%s", fz_tmpdir(), name);
     fz_rm_tree(p);
@@ -81,7 +81,7 @@ static const char *fz_fresh_dir(const char *name) {
     return p;
 }
 
-static void fz_write(const char *path, const void *data, size_t n) {
+static inline void fz_write(const char *path, const void *data, size_t n) {
     int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     if (fd < 0) abort();
     const char *p = data;
@@ -95,7 +95,7 @@ static void fz_write(const char *path, const void *data, size_t n) {
 }
 
 /* Next part of [*p, end) up to FZ_SEP (the whole rest if there is none); 0 when done. */
-static int fz_next_part(const uint8_t **p, const uint8_t *end, const uint8_t **part, size_t *n) {
+static inline int fz_next_part(const uint8_t **p, const uint8_t *end, const uint8_t **part, size_t *n) {
     if (!*p) return 0;
     const uint8_t *s = memmem(*p, (size_t)(end - *p), FZ_SEP, FZ_SEP_LEN);
     *part = *p;

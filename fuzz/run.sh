@@ -6,6 +6,10 @@
 # (default ../shared/data; copied into the corpus, missing ones skipped). Crash,
 # leak, timeout and OOM inputs go to build-fuzz/artifacts/<name>/; the log to
 # build-fuzz/logs/<name>.log; its last line (cov, ft, corpus, execs) is printed.
+# A harness not named in the table below (a new fuzz/fuzz_NAME.c) runs with max_len 8192
+# ($FUZZ_MAX_LEN) and the seeds in fuzz/seeds-NAME/ (or fuzz/seeds-fuzz_NAME/, fuzz/seeds/NAME/).
+# FUZZ_FRESH=1 (the smoke run of `make test`): the corpus is build-fuzz/smoke/corpus-<name>/,
+# emptied first, so the run starts from the seeds only; its log is build-fuzz/smoke/<name>.log.
 # Exit status: non-zero when libFuzzer found something.
 set -e
 cd "$(dirname "$0")/.."
@@ -15,8 +19,10 @@ secs=${2:-600}
 [ $# -gt 0 ] && shift
 DATA=${FITLLM_DATA:-../shared/data}
 OUT=build-fuzz
-corpus=$OUT/corpus-${name#fuzz_}
-mkdir -p "$corpus" "$OUT/artifacts/$name" "$OUT/logs"
+short=${name#fuzz_}
+corpus=$OUT/corpus-$short
+mkdir -p "$OUT/artifacts/$name" "$OUT/logs"
+[ -x "$OUT/$name" ] || { echo "fuzz/run.sh: $OUT/$name not built (fuzz/build.sh)"; exit 2; }
 SEP='
 @@FILE@@
 '
@@ -38,9 +44,16 @@ fuzz_llama2c)            maxlen=8192;  seeds=fuzz/seeds-llama2c ;;
 fuzz_peft)               maxlen=8192;  seeds=fuzz/seeds-peft ;;
 fuzz_recipe_yaml)        maxlen=4096;  seeds=fuzz/seeds-recipe ;;
 fuzz_recipe_overrides)   maxlen=1024;  seeds=fuzz/seeds-overrides ;;
-fuzz_torch)              maxlen=8192;  seeds=fuzz/seeds-torch ;;
-*) echo "fuzz/run.sh: unknown harness '$name'"; exit 2 ;;
+*)  maxlen=${FUZZ_MAX_LEN:-8192}; seeds=
+    for d in fuzz/seeds-$short fuzz/seeds-$name fuzz/seeds/$short; do [ -d "$d" ] && { seeds=$d; break; }; done
+    [ -n "$seeds" ] || { seeds=$OUT/no-seeds; mkdir -p "$seeds"; echo "fuzz/run.sh: note: no fuzz/seeds-$short/ for $name" >&2; } ;;
 esac
+log=$OUT/logs/$name.log
+if [ "${FUZZ_FRESH:-0}" = 1 ]; then
+    corpus=$OUT/smoke/corpus-$short
+    log=$OUT/smoke/$name.log
+    rm -rf "$corpus"
+fi
 mkdir -p "$corpus"
 case $name in
 fuzz_json_dataset_json)  shared instruct/alpaca-tiny.json ;;
@@ -60,7 +73,6 @@ fuzz_hf_config)          shared stories260K-hf/config.json; shared tiny-gpt2-hf/
 fuzz_llama2c)            shared stories260K/stories260K.bin ;;       # likewise: the header
 fuzz_recipe_yaml)        for f in recipes/*.yaml recipes/cpu/*.yaml; do cp "$f" "$corpus/recipe-$(basename "$f")"; done ;;
 esac
-log=$OUT/logs/$name.log
 export OMP_NUM_THREADS=1
 rc=0
 ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1} "$OUT/$name" -max_total_time="$secs" -rss_limit_mb=2048 -max_len=$maxlen \
@@ -68,5 +80,5 @@ ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1} "$OUT/$name" -max_total_time="$secs
 last=$(grep -E '^#[0-9]+' "$log" | tail -1)
 execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")
 echo "$name: rc=$rc ${secs}s execs=$execs | $last"
-[ $rc -eq 0 ] || { grep -E 'ERROR|SUMMARY|Test unit written' "$log" | head -5; }
+[ $rc -eq 0 ] || { grep -E 'ERROR|SUMMARY|Test unit written' "$log" | head -5; echo "  log: $log"; }
 exit $rc

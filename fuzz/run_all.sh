@@ -1,19 +1,30 @@
 #!/bin/sh
 # Run every harness (or those named) for SECONDS each, JOBS at a time, at nice 19:
 #   fuzz/run_all.sh SECONDS JOBS [NAME...]
-# Prints one summary line per harness (fuzz/run.sh) and fails if any harness found something.
+# Every harness: the binaries fuzz/build.sh built (build-fuzz/harnesses.txt, every fuzz/fuzz_*.c).
+# Prints one summary line per harness (fuzz/run.sh), then "fuzz: N passed, N failed, 0 skipped"
+# (failed = libFuzzer found a crash, leak, timeout, OOM or sanitizer report; the input is in
+# build-fuzz/artifacts/<name>/), and fails if any harness found something.
+# FUZZ_FRESH=1 starts each from its seeds only (`make test`'s smoke run; fuzz/run.sh).
 cd "$(dirname "$0")/.."
 secs=${1:-600}
 jobs=${2:-2}
 [ $# -gt 0 ] && shift
 [ $# -gt 0 ] && shift
-ALL="fuzz_safetensors fuzz_hf_config fuzz_hf_folder fuzz_llama2c fuzz_peft fuzz_recipe_yaml fuzz_recipe_overrides
-     fuzz_tokenizer_json fuzz_tokenizer_model fuzz_tokenizer_llama2c fuzz_tokenizer_dir
-     fuzz_json_dataset_json fuzz_json_dataset_jsonl fuzz_dataset_dir_json fuzz_dataset_dir_textfiles"
-names=${*:-$ALL}
+list=build-fuzz/harnesses.txt
+[ -f "$list" ] || { echo "fuzz/run_all.sh: $list missing: run fuzz/build.sh first"; exit 2; }
+names=${*:-$(cat "$list")}
 mkdir -p build-fuzz/logs
-: > build-fuzz/logs/summary.txt
+sum=build-fuzz/logs/summary.txt
+[ "${FUZZ_FRESH:-0}" = 1 ] && sum=build-fuzz/logs/smoke-summary.txt
+: > "$sum"
 echo $names | tr ' ' '\n' | grep . |
-    xargs -P "$jobs" -I{} sh -c "nice -n 19 fuzz/run.sh {} $secs >> build-fuzz/logs/summary.txt 2>&1"
-cat build-fuzz/logs/summary.txt
-! grep -q 'rc=[1-9]' build-fuzz/logs/summary.txt
+    xargs -P "$jobs" -I{} sh -c "nice -n 19 fuzz/run.sh {} $secs >> $sum 2>&1"
+cat "$sum"
+pass=$(grep -c ': rc=0 ' "$sum")
+fail=$(echo $names | wc -w); fail=$((fail - pass))
+if [ "$fail" -gt 0 ]; then
+    echo "fuzz: failing harnesses: $(grep -E '^fuzz_[a-z0-9_]*: rc=[1-9]' "$sum" | cut -d: -f1 | tr '\n' ' ')(crash inputs in build-fuzz/artifacts/<name>/)"
+fi
+echo "fuzz: $pass passed, $fail failed, 0 skipped"
+[ "$fail" -eq 0 ]

@@ -6,6 +6,8 @@
 #include <stdarg.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <fcntl.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "fitllm/backend.h"
@@ -17,7 +19,7 @@
 
 #define MAX_TESTS 1024
 
-static struct { const char *name, *file; fl_test_fn fn; } g_tests[MAX_TESTS];
+static struct { const char *name, *file; fl_test_fn fn; double ms; } g_tests[MAX_TESTS];
 static int g_n;
 static int g_failed, g_skipped;
 static const char *g_cur;
@@ -180,6 +182,186 @@ int fl_test_allclose(const char *what, const float *a, const float *b, size_t n,
     return 1;
 }
 
+static int cmp_ms_desc(const void *a, const void *b) {
+    double x = g_tests[*(const int *)a].ms, y = g_tests[*(const int *)b].ms;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+/* FITLLM_TEST_TIMES=1 (or a count): the slowest tests of this run and their share of the total,
+ * for keeping `make test` short */
+static void print_slowest(void) {
+    const char *e = getenv("FITLLM_TEST_TIMES");
+    if (!e || !*e || !strcmp(e, "0")) return;
+    int top = atoi(e) > 1 ? atoi(e) : 20;
+    static int idx[MAX_TESTS];
+    int n = 0;
+    double total = 0;
+    for (int i = 0; i < g_n; i++)
+        if (g_tests[i].ms > 0) idx[n++] = i, total += g_tests[i].ms;
+    qsort(idx, n, sizeof idx[0], cmp_ms_desc);
+    if (top > n) top = n;
+    double shown = 0;
+    printf("\nslowest %d of %d tests (FITLLM_TEST_TIMES):\n", top, n);
+    for (int k = 0; k < top; k++) {
+        shown += g_tests[idx[k]].ms;
+        const char *f = strrchr(g_tests[idx[k]].file, '/');
+        printf("  %9.1f ms  %-56s %s\n", g_tests[idx[k]].ms, g_tests[idx[k]].name, f ? f + 1 : g_tests[idx[k]].file);
+    }
+    printf("  these %d: %.1f s of %.1f s (%.0f%%)\n", top, shown / 1e3, total / 1e3, total > 0 ? 100 * shown / total : 0);
+}
+
+/* Runs test i, prints its status line; returns 0 passed, 1 failed, 2 skipped. */
+static int run_one(int i) {
+    g_cur = g_tests[i].name;
+    g_failed = g_skipped = 0;
+    g_be_cur = "";
+    memset(g_be_counted, 0, sizeof g_be_counted);
+    fl_error_clear();
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    g_tests[i].fn();
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double ms = (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6;
+    const char *st = g_failed ? "FAIL" : g_skipped ? "skip" : "ok";
+    g_tests[i].ms = ms;
+    printf("%-4s %-48s %8.1f ms\n", st, g_tests[i].name, ms);
+    fflush(stdout);
+    return g_failed ? 1 : g_skipped ? 2 : 0;
+}
+
+/* FITLLM_TEST_JOBS=N: the selected tests run in N forked worker processes (make test uses 2: most
+ * tests keep one core busy, and a test of several threads mostly waits on their barriers). The
+ * parent writes the test indices into a pipe that the workers read one at a time (so a long test
+ * does not hold up a fixed share), and prints each test's output whole when it ends. A worker that
+ * dies (a crash, an ASan report) fails the test it was running; one that exits non-zero after its
+ * last test (LeakSanitizer at exit) is a failure too; the other workers take the remaining tests. */
+typedef struct {
+    int kind; /* 0: started, 1: finished */
+    int worker, idx, status;
+    double ms;
+    unsigned char be_counted[MAX_BACKENDS];
+    int be_unsup[MAX_BACKENDS];
+} job_msg; /* under PIPE_BUF: one write() each, never interleaved */
+
+static void job_out_path(char *buf, size_t n, const char *dir, int idx) { snprintf(buf, n, "%s/%d.out", dir, idx); }
+
+static void job_cat(const char *path) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return;
+    char b[8192];
+    size_t n;
+    while ((n = fread(b, 1, sizeof b, f)) > 0) fwrite(b, 1, n, stdout);
+    fclose(f);
+    remove(path);
+    fflush(stdout);
+}
+
+static void job_worker(int w, int qfd, int rfd, const char *dir) {
+    int out = dup(1), err = dup(2);
+    int idx;
+    while (read(qfd, &idx, sizeof idx) == (ssize_t)sizeof idx) {
+        char path[300];
+        job_out_path(path, sizeof path, dir, idx);
+        int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        if (fd < 0) _exit(3);
+        fflush(stdout);
+        fflush(stderr);
+        dup2(fd, 1);
+        dup2(fd, 2);
+        close(fd);
+        job_msg m = {0};
+        m.worker = w, m.idx = idx;
+        if (write(rfd, &m, sizeof m) != (ssize_t)sizeof m) _exit(3);
+        int unsup0[MAX_BACKENDS];
+        memcpy(unsup0, g_be_unsup, sizeof unsup0);
+        m.status = run_one(idx);
+        fflush(stderr);
+        m.kind = 1, m.ms = g_tests[idx].ms;
+        memcpy(m.be_counted, g_be_counted, sizeof m.be_counted);
+        for (int b = 0; b < MAX_BACKENDS; b++) m.be_unsup[b] = g_be_unsup[b] - unsup0[b];
+        if (write(rfd, &m, sizeof m) != (ssize_t)sizeof m) _exit(3);
+    }
+    dup2(out, 1);
+    dup2(err, 2);
+    exit(0); /* atexit: this worker's scratch folder; then LeakSanitizer's check, on the terminal */
+}
+
+static int run_parallel(const int *sel, int nsel, int jobs, int *passed, int *failed, int *skipped) {
+    char dir[] = "/tmp/fitllm-testjobs-XXXXXX";
+    int q[2], r[2];
+    if (!mkdtemp(dir) || pipe(q) != 0 || pipe(r) != 0) {
+        perror("FITLLM_TEST_JOBS");
+        return -1;
+    }
+    /* every index up front (4 KB at most: fits the pipe), then EOF for the workers */
+    if (write(q[1], sel, nsel * sizeof sel[0]) != (ssize_t)(nsel * sizeof sel[0])) return -1;
+    close(q[1]);
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid[16];
+    int running[16];
+    for (int w = 0; w < jobs; w++) {
+        pid[w] = fork();
+        if (pid[w] < 0) {
+            perror("fork");
+            return -1;
+        }
+        if (pid[w] == 0) {
+            close(r[0]);
+            job_worker(w, q[0], r[1], dir);
+        }
+        running[w] = -1;
+    }
+    close(q[0]);
+    close(r[1]);
+    static unsigned char done[MAX_TESTS], started[MAX_TESTS];
+    job_msg m;
+    char path[300];
+    while (read(r[0], &m, sizeof m) == (ssize_t)sizeof m) {
+        if (m.kind == 0) {
+            running[m.worker] = m.idx;
+            started[m.idx] = 1;
+            continue;
+        }
+        running[m.worker] = -1;
+        done[m.idx] = 1;
+        g_tests[m.idx].ms = m.ms;
+        job_out_path(path, sizeof path, dir, m.idx);
+        job_cat(path);
+        for (int b = 0; b < MAX_BACKENDS; b++) g_be_tests[b] += m.be_counted[b], g_be_unsup[b] += m.be_unsup[b];
+        if (m.status == 1) ++*failed;
+        else if (m.status == 2) ++*skipped;
+        else ++*passed;
+    }
+    close(r[0]);
+    for (int w = 0; w < jobs; w++) {
+        int ws = 0;
+        waitpid(pid[w], &ws, 0);
+        if (WIFEXITED(ws) && WEXITSTATUS(ws) == 0) continue;
+        char how[64];
+        if (WIFSIGNALED(ws)) snprintf(how, sizeof how, "killed by signal %d", WTERMSIG(ws));
+        else snprintf(how, sizeof how, "exit status %d", WEXITSTATUS(ws));
+        ++*failed;
+        if (running[w] >= 0) {
+            job_out_path(path, sizeof path, dir, running[w]);
+            job_cat(path);
+            printf("FAIL %-48s the test process died (%s)\n", g_tests[running[w]].name, how);
+            done[running[w]] = 1;
+        } else {
+            printf("FAIL test worker %d (pid %d) ended with %s after its last test (a LeakSanitizer report "
+                   "above?)\n", w, (int)pid[w], how);
+        }
+    }
+    for (int k = 0; k < nsel; k++)
+        if (!done[sel[k]] && !started[sel[k]]) {
+            printf("FAIL %-48s not run: every test process died\n", g_tests[sel[k]].name);
+            ++*failed;
+        }
+    fflush(stdout);
+    rmdir(dir);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     fl_cpu_process_init(argv); /* idle OpenMP workers sleep (may re-execute the program once) */
 #ifdef FL_HAVE_CUDA_EMU
@@ -194,28 +376,26 @@ int main(int argc, char **argv) {
         return 2;
     }
     fl_backend_free(&probe);
-    int passed = 0, failed = 0, skipped = 0;
+    static int sel[MAX_TESTS];
+    int nsel = 0;
     for (int i = 0; i < g_n; i++) {
         int run = argc < 2;
         for (int a = 1; a < argc; a++)
             if (strstr(g_tests[i].name, argv[a])) run = 1;
-        if (!run) continue;
-        g_cur = g_tests[i].name;
-        g_failed = g_skipped = 0;
-        g_be_cur = "";
-        memset(g_be_counted, 0, sizeof g_be_counted);
-        fl_error_clear();
-        struct timespec t0, t1;
-        clock_gettime(CLOCK_MONOTONIC, &t0);
-        g_tests[i].fn();
-        clock_gettime(CLOCK_MONOTONIC, &t1);
-        double ms = (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) / 1e6;
-        const char *st = g_failed ? "FAIL" : g_skipped ? "skip" : "ok";
-        printf("%-4s %-48s %8.1f ms\n", st, g_tests[i].name, ms);
-        fflush(stdout);
-        if (g_failed) failed++;
-        else if (g_skipped) skipped++;
-        else passed++;
+        if (run) sel[nsel++] = i;
+    }
+    int passed = 0, failed = 0, skipped = 0;
+    const char *je = getenv("FITLLM_TEST_JOBS");
+    int jobs = je ? atoi(je) : 1;
+    if (jobs > 1 && nsel > 1) {
+        if (run_parallel(sel, nsel, jobs < 16 ? jobs : 16, &passed, &failed, &skipped) != 0) return 2;
+    } else {
+        for (int k = 0; k < nsel; k++) {
+            int st = run_one(sel[k]);
+            if (st == 1) failed++;
+            else if (st == 2) skipped++;
+            else passed++;
+        }
     }
     /* which backends the op tests ran, and what each one skipped as unsupported */
     int any = 0;
@@ -227,6 +407,7 @@ int main(int argc, char **argv) {
             printf("  %-8s %d tests, %d cases unsupported (skipped)\n", fl_backend_name(i), g_be_tests[i],
                    g_be_unsup[i]);
     }
+    print_slowest();
     printf("\n%d passed, %d failed, %d skipped\n", passed, failed, skipped);
     fflush(stdout); /* before LeakSanitizer's report, which ends the process without flushing stdio */
     return failed ? 1 : 0;

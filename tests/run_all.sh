@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# `make test`'s stages, in order, with one summary at the end:
+#   tracked-sizes  tests/check_tracked_sizes.sh (no tracked file over 5 MB)
+#   unit           $BUILD/fitllm_tests (the release build's unit tests; FITLLM_TEST_JOBS processes)
+#   alloc-check    $BUILD/fitllm_alloc_check (allocations above 1 MiB go through the pool)
+#   cuda-check     $BUILD/fitllm_cuda_check (CUDA builds only: real kernels vs emulated ones)
+#   vectorized     tests/check_vectorized.sh (the marked hot loops still vectorize)
+#   cli            tests/cli_test.sh (exit codes and messages of the CLI)
+#   mpi            tests/mpi_test.sh (mpirun -np 2 and 4)
+#   fuzz-smoke     fuzz/build.sh (clang, libFuzzer) then every harness for FUZZ_SMOKE_TIME s (10) from
+#                  its seeds, 2 at a time (fuzz/run_all.sh; a crash input is kept in build-fuzz/artifacts/)
+#   asan           `make asan`: the unit tests again under ASan+UBSan+LSan ($ASAN_BUILD)
+# Every stage runs even after one fails. Each stage's output is shown as it runs and kept in
+# $BUILD/test-logs/<stage>.log; its counts are its last line of the form "N passed, N failed[, N
+# skipped]" (a stage that prints none counts as one check: passed when it exits 0). A stage that
+# exits non-zero counts at least one failure. The end: a table (stage, result, counts, wall time)
+# and one line "make test: N passed, N failed, N skipped"; the exit status is 1 when any stage failed.
+# Usage: tests/run_all.sh (from the Makefile: BUILD, ASAN_FILTER, JOBS, FUZZ_JOBS in the environment)
+#        tests/run_all.sh STAGE...   runs only the stages named (e.g. tests/run_all.sh unit cli)
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+MAKE=${MAKE:-make}
+ASAN_FILTER=${ASAN_FILTER:-}
+FUZZ_SMOKE_TIME=${FUZZ_SMOKE_TIME:-10}
+FUZZ_JOBS=${FUZZ_JOBS:-2}
+# the unit tests (release and ASan) in this many processes (tests/main.c, FITLLM_TEST_JOBS): one per
+# core, at least 2 (most tests keep one core busy), at most 4
+if [ -z "${FITLLM_TEST_JOBS:-}" ]; then
+    FITLLM_TEST_JOBS=$(nproc 2>/dev/null || echo 2)
+    [ "$FITLLM_TEST_JOBS" -lt 2 ] && FITLLM_TEST_JOBS=2
+    [ "$FITLLM_TEST_JOBS" -gt 4 ] && FITLLM_TEST_JOBS=4
+fi
+export FITLLM_TEST_JOBS
+LOGS=$BUILD/test-logs
+mkdir -p "$LOGS"
+
+STAGES=(tracked-sizes unit alloc-check cuda-check vectorized cli mpi fuzz-smoke asan)
+stage_cmd() {
+    case $1 in
+    tracked-sizes) tests/check_tracked_sizes.sh ;;
+    unit)          "./$BUILD/fitllm_tests" ;;
+    alloc-check)   "./$BUILD/fitllm_alloc_check" ;;
+    cuda-check)    "./$BUILD/fitllm_cuda_check" ;;
+    vectorized)    tests/check_vectorized.sh "$BUILD" ;;
+    cli)           tests/cli_test.sh "./$BUILD/fitllm" ;;
+    mpi)           tests/mpi_test.sh "$BUILD" ;;
+    fuzz-smoke)    local t0=$SECONDS
+                   fuzz/build.sh || return 1
+                   echo "fuzz-smoke: clang build $((SECONDS - t0)) s"
+                   FUZZ_FRESH=1 fuzz/run_all.sh "$FUZZ_SMOKE_TIME" "$FUZZ_JOBS" ;;
+    asan)          "$MAKE" --no-print-directory asan ASAN_FILTER="$ASAN_FILTER" ;;
+    *) echo "tests/run_all.sh: unknown stage '$1' (stages: ${STAGES[*]})"; return 2 ;;
+    esac
+}
+
+[ $# -gt 0 ] && STAGES=("$@")
+declare -a R_NAME R_RES R_P R_F R_S R_T
+tp=0; tf=0; ts=0; nfail=0; t_all=$SECONDS
+for st in "${STAGES[@]}"; do
+    log=$LOGS/$st.log
+    if [ "$st" = cuda-check ] && [ ! -x "./$BUILD/fitllm_cuda_check" ]; then
+        R_NAME+=("$st"); R_RES+=("not built"); R_P+=(0); R_F+=(0); R_S+=(0); R_T+=(0)
+        continue
+    fi
+    echo
+    echo "==== make test: $st ===="
+    t0=$SECONDS
+    stage_cmd "$st" 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    dt=$((SECONDS - t0))
+    line=$(grep -aE '[0-9]+ passed, [0-9]+ failed' "$log" | tail -n 1)
+    if [ -n "$line" ]; then
+        p=$(grep -oE '[0-9]+ passed' <<<"$line" | tail -n 1 | cut -d' ' -f1)
+        f=$(grep -oE '[0-9]+ failed' <<<"$line" | tail -n 1 | cut -d' ' -f1)
+        s=$(grep -oE '[0-9]+ skipped' <<<"$line" | tail -n 1 | cut -d' ' -f1)
+        s=${s:-0}
+    elif [ "$rc" -eq 0 ]; then
+        p=1; f=0; s=0
+    else
+        p=0; f=1; s=0
+    fi
+    # a crash after the count line (a leak report at exit, a signal) is still a failure
+    [ "$rc" -ne 0 ] && [ "$f" -eq 0 ] && f=1
+    res=ok
+    [ "$rc" -ne 0 ] && { res="FAILED (exit $rc)"; nfail=$((nfail + 1)); }
+    R_NAME+=("$st"); R_RES+=("$res"); R_P+=("$p"); R_F+=("$f"); R_S+=("$s"); R_T+=("$dt")
+    tp=$((tp + p)); tf=$((tf + f)); ts=$((ts + s))
+done
+
+total=$((SECONDS - t_all))
+echo
+echo "==== make test: summary (logs in $LOGS/) ===="
+printf '%-14s %-18s %7s %7s %7s %9s\n' stage result passed failed skipped time
+for i in "${!R_NAME[@]}"; do
+    printf '%-14s %-18s %7d %7d %7d %6d:%02d\n' "${R_NAME[$i]}" "${R_RES[$i]}" "${R_P[$i]}" "${R_F[$i]}" \
+        "${R_S[$i]}" $((R_T[i] / 60)) $((R_T[i] % 60))
+done
+printf '%-14s %-18s %7d %7d %7d %6d:%02d\n' total "$nfail stage(s) failed" "$tp" "$tf" "$ts" $((total / 60)) \
+    $((total % 60))
+echo "make test: $tp passed, $tf failed, $ts skipped"
+[ "$nfail" -eq 0 ]
