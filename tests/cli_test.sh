@@ -791,6 +791,20 @@ if [ -x "$HUBSRV" ] && [ -f "$DATA/stories260K-hf/model.safetensors" ]; then
             || { echo "FAIL download_checksum_mismatch_no_files"; find "$HT/work/checkpoints" -path '*bad*'; fail=$((fail+1)); }
         expect download_bad_repo_id 2 "not a Hugging Face repo id" -- D not-a-repo
         expect download_lists_known 0 "TinyLlama/TinyLlama-1.1B-Chat-v1.0 +\(tinyllama-1.1b\)" -- D
+        # a repo with pytorch_model.bin only (stories260K in bf16, written by torch): converted to safetensors beside
+        # it (LitGPT's --convert_checkpoint, default true), the same loss as the .bin; false keeps the .bin only
+        mkdir -p "$HT/root/fitllm-test/binonly"; cp tests/fixtures/torch/stories260K-bf16/* "$SRC/tokenizer.json" "$HT/root/fitllm-test/binonly/"
+        printf '1 72 101 108 108 111 32 119 111 114 108 100\n' > "$HT/toksb.txt"
+        wantb=$("$FITLLM" loss "$HT/root/fitllm-test/binonly" --tokens-file "$HT/toksb.txt" 2>/dev/null | awk '{print $2}')
+        expect download_bin_converted 0 "converted pytorch_model\*.bin to safetensors \([0-9]+ tensors\)" -- D fitllm-test/binonly
+        CB="$HT/work/checkpoints/fitllm-test/binonly"
+        [ -f "$CB/model.safetensors" ] && [ -f "$CB/pytorch_model.bin" ] && [ -z "$(find "$CB" -name '.fitllm-convert*')" ] \
+            && echo "ok   download_bin_converted_files" && pass=$((pass+1)) || { echo "FAIL download_bin_converted_files"; ls -la "$CB" | sed 's/^/     /'; fail=$((fail+1)); }
+        rm -f "$CB/pytorch_model.bin"   # the loss below is the safetensors' then
+        expect download_bin_converted_same_loss 0 "loss $wantb " -- env -C "$HT/work" "$FLA" loss fitllm-test/binonly --tokens-file "$HT/toksb.txt"
+        expect download_bin_no_convert 0 "Saved fitllm-test/binonly" -- D fitllm-test/binonly --convert_checkpoint false --checkpoint_dir "$HT/nc"
+        [ -f "$HT/nc/fitllm-test/binonly/pytorch_model.bin" ] && [ ! -e "$HT/nc/fitllm-test/binonly/model.safetensors" ] \
+            && echo "ok   download_bin_no_convert_keeps_bin" && pass=$((pass+1)) || { echo "FAIL download_bin_no_convert_keeps_bin"; fail=$((fail+1)); }
         hub_stop
         expect download_network_failure 1 "network error fetching the file list" -- env HF_ENDPOINT=http://127.0.0.1:1 "$FITLLM" download fitllm-test/stories260K --checkpoint_dir "$HT/nf"
         # a connection cut mid-file: resumed with a Range request in the same run

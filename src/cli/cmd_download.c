@@ -1,12 +1,17 @@
 /* fitllm download: a model's files from the Hugging Face Hub into checkpoints/ORG/NAME, as
  * `litgpt download` lays them out (src/io/hf_hub.c does the work; this prints). */
+#include <dirent.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "cli.h"
+#include "core/fs.h"
 #include "fitllm/hub.h"
+#include "fitllm/torch_ckpt.h"
 
 static void help(void) {
     printf("usage: fitllm download [REPO] [--access_token TOKEN] [--checkpoint_dir DIR] [--revision REV]\n"
@@ -20,7 +25,10 @@ static void help(void) {
            "                         model's license on its Hub page first\n"
            "  --checkpoint_dir DIR   where ORG/NAME goes (default: $FITLLM_CHECKPOINTS, else checkpoints)\n"
            "  --revision REV         branch, tag or commit (default main)\n"
-           "  --tokenizer_only true  config, generation config and tokenizer files only\n\n"
+           "  --tokenizer_only true  config, generation config and tokenizer files only\n"
+           "  --convert_checkpoint B a repo without safetensors: its pytorch_model*.bin converted to\n"
+           "                         model.safetensors beside them (default true, as LitGPT converts; the\n"
+           "                         .bin files stay and may be deleted; fitllm also reads them as they are)\n\n"
            "Each file is written to FILE.part and renamed when complete and verified (SHA-256 of the large\n"
            "files against the Hub's checksum, else the size); an interrupted download resumes from the\n"
            ".part when run again; config.json is written last, so a folder with one is complete.\n"
@@ -112,6 +120,53 @@ static void on_event(void *ud, const fl_hub_event *ev) {
     fflush(stdout);
 }
 
+static int has_file(const char *dir, const char *name) {
+    char p[FL_CLI_PATH];
+    return snprintf(p, sizeof p, "%s/%s", dir, name) < (int)sizeof p && fl_fs_is_file(p);
+}
+
+/* A download that brought pytorch_model*.bin and no safetensors: the weights converted into
+ * model.safetensors (or its shards + index) beside them, as LitGPT converts what it downloads.
+ * fl_hf_convert builds a new folder atomically; its safetensors files are then renamed into dir
+ * (same file system), the index last, so a folder never holds an index without its shards. A
+ * failure leaves the .bin files, which fitllm reads as they are: said, not fatal. */
+static void convert_bin(const char *cmd, const char *dir) {
+    if (has_file(dir, "model.safetensors") || has_file(dir, "model.safetensors.index.json")) return;
+    if (!has_file(dir, "pytorch_model.bin") && !has_file(dir, "pytorch_model.bin.index.json")) return;
+    char tmp[FL_CLI_PATH], a[FL_CLI_PATH], b[FL_CLI_PATH];
+    if (snprintf(tmp, sizeof tmp, "%s/.fitllm-convert-%ld", dir, (long)getpid()) >= (int)sizeof tmp) return;
+    int n = 0;
+    fl_status s = fl_hf_convert(dir, tmp, &n);
+    if (s != FL_OK) {
+        fprintf(stderr, "fitllm %s: note: the pytorch_model*.bin weights were not converted to safetensors (%s); "
+                        "fitllm reads the .bin files as they are\n", cmd, fl_error_message());
+        return;
+    }
+    DIR *d = opendir(tmp);
+    int ok = d != NULL, pass;
+    for (pass = 0; ok && pass < 2; pass++) { /* shards first, the index second */
+        rewinddir(d);
+        struct dirent *e;
+        while (ok && (e = readdir(d))) {
+            size_t L = strlen(e->d_name);
+            int is_index = !strcmp(e->d_name, "model.safetensors.index.json");
+            int is_st = L > 12 && !strcmp(e->d_name + L - 12, ".safetensors");
+            if (!(pass == 0 ? is_st : is_index)) continue;
+            if (snprintf(a, sizeof a, "%s/%s", tmp, e->d_name) >= (int)sizeof a ||
+                snprintf(b, sizeof b, "%s/%s", dir, e->d_name) >= (int)sizeof b || rename(a, b) != 0) {
+                fprintf(stderr, "fitllm %s: note: cannot move the converted %s into %s (%s); fitllm reads the .bin "
+                                "files as they are\n", cmd, e->d_name, dir, strerror(errno));
+                ok = 0;
+            }
+        }
+    }
+    if (d) closedir(d);
+    fl_fs_remove_dir(tmp);
+    if (ok)
+        printf("converted pytorch_model*.bin to safetensors (%d tensors) in %s; the .bin files may be deleted "
+               "(--convert_checkpoint false skips this)\n", n, dir);
+}
+
 static int parse_bool(const char *v, int *out) {
     if (!strcmp(v, "true") || !strcmp(v, "True") || !strcmp(v, "1")) { *out = 1; return 0; }
     if (!strcmp(v, "false") || !strcmp(v, "False") || !strcmp(v, "0")) { *out = 0; return 0; }
@@ -121,6 +176,7 @@ static int parse_bool(const char *v, int *out) {
 int fl_cmd_download(int argc, char **argv) {
     const char *cmd = "download";
     fl_hub_download_opts o = {0};
+    int convert = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = NULL;
         char key[64];
@@ -142,8 +198,8 @@ int fl_cmd_download(int argc, char **argv) {
         else if (!strcmp(key, "tokenizer_only")) {
             if (parse_bool(v, &o.tokenizer_only)) return fl_cli_usage(cmd, "--tokenizer_only takes true or false, not '%s'", v);
         } else if (!strcmp(key, "convert_checkpoint")) {
-            int b; /* LitGPT converts to its own format; fitllm reads the Hugging Face files as they are */
-            if (parse_bool(v, &b)) return fl_cli_usage(cmd, "--convert_checkpoint takes true or false, not '%s'", v);
+            /* LitGPT converts to its own format; fitllm converts .bin weights to safetensors */
+            if (parse_bool(v, &convert)) return fl_cli_usage(cmd, "--convert_checkpoint takes true or false, not '%s'", v);
         } else {
             return fl_cli_usage(cmd, "unknown option '%s'", a);
         }
@@ -174,6 +230,7 @@ int fl_cmd_download(int argc, char **argv) {
     /* the default folder resolves by name; another needs FITLLM_CHECKPOINTS or the path */
     int by_name = !o.checkpoint_dir || !strcmp(o.checkpoint_dir, fl_hub_download_root());
     printf("Saved %s to %s\n", o.repo, dir);
+    if (convert && !o.tokenizer_only) convert_bin(cmd, dir);
     if (!o.tokenizer_only)
         printf("use it as `%s` wherever fitllm takes a model (finetune_full, finetune_lora, generate, ...)%s\n",
                by_name ? o.repo : dir, by_name ? " from this folder, or by its path" : "");
