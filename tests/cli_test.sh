@@ -985,6 +985,8 @@ expect size_bytes_unit 3 "budget 80 B" -- "$FITLLM" plan micro --device-memory 8
 expect optimizer_paged_refused 2 "PagedAdamW' is not implemented: paged optimizers keep their state in CUDA managed memory.*deepspeed_stage_2_offload.*AdamW8bit" -- \
     "$FITLLM" finetune_full micro --optimizer bnb.optim.PagedAdamW --out_dir "$T/pg"
 expect optimizer_paged8_refused 2 "PagedAdamW8bit' is not implemented" -- "$FITLLM" finetune_full micro --optimizer bnb.optim.PagedAdamW8bit --out_dir "$T/pg"
+expect did_you_mean_generate_flag 2 "unknown option '--max_new_tokns' \(did you mean '--max_new_tokens'\?\)" -- "$FITLLM" generate micro --max_new_tokns 3
+expect generate_flag_needs_value 2 "option '--prompt' needs a value" -- "$FITLLM" generate micro --prompt
 expect did_you_mean_command 2 "unknown command 'finetune_ful' \(did you mean 'finetune_full'\?\)" -- "$FITLLM" finetune_ful micro
 expect did_you_mean_bench_flag 2 "unknown option '--micro-bach' \(did you mean '--micro-batch'\?\)" -- "$FITLLM" bench-step micro --micro-bach 2
 expect did_you_mean_plan_flag 2 "unknown option 'device-memroy' \(did you mean '--device-memory'\?\)" -- "$FITLLM" plan micro --device-memroy 80GB

@@ -294,7 +294,10 @@ int fl_cmd_generate(int argc, char **argv) {
         else if (opt(a, "--seed")) { if (fl_cli_int(cmd, a, v, 0, 1 << 30, &seed)) return 2; i++; }
         else if (opt(a, "--threads")) { if (fl_cli_int(cmd, a, v, 0, 1024, &threads)) return 2; i++; }
         else if (opt(a, "--accelerator")) { int rc = fl_cli_accelerator(cmd, v); if (rc) return rc; i++; }
-        else if (a[0] == '-') return fl_cli_usage(cmd, "unknown or incomplete option '%s'", a);
+        else if (a[0] == '-')
+            return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--adapter", "--help", "--max_new_tokens",
+                                                                         "--prompt", "--prompt_ids", "--seed", "--temperature",
+                                                                         "--threads", "--tokenizer", "--top_k", "--top_p", NULL});
         else if (!model_path) model_path = a;
         else return fl_cli_usage(cmd, "unexpected argument '%s'", a);
     }
