@@ -123,3 +123,35 @@ void fl_fs_sync_dir(const char *path) {
         close(fd);
     }
 }
+
+fl_status fl_fs_read_file(const char *path, size_t max_bytes, char **out, size_t *len) {
+    *out = NULL;
+    *len = 0;
+    FILE *f = fopen(path, "rb");
+    if (!f) return fl_errorf(errno == ENOENT ? FL_ERR_NOT_FOUND : FL_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    char *buf = NULL;
+    size_t n = 0, cap = 0;
+    for (;;) {
+        if (n == cap) { /* doubling from 64 KiB: O(n) copies in all */
+            size_t nc = cap ? cap * 2 : 65536;
+            char *nb = realloc(buf, nc);
+            if (!nb) { free(buf); fclose(f); return fl_errorf(FL_ERR_OOM, "%s: out of memory reading file", path); }
+            buf = nb;
+            cap = nc;
+        }
+        size_t r = fread(buf + n, 1, cap - n, f);
+        n += r;
+        if (max_bytes && n > max_bytes) {
+            free(buf);
+            fclose(f);
+            return fl_errorf(FL_ERR_FORMAT, "%s: larger than %zu bytes", path, max_bytes);
+        }
+        if (r == 0) break;
+    }
+    int err = ferror(f);
+    fclose(f);
+    if (err) { free(buf); return fl_errorf(FL_ERR_IO, "%s: read error", path); }
+    *out = buf;
+    *len = n;
+    return FL_OK;
+}

@@ -26,6 +26,9 @@ void fl_fs_sync_dir(const char *path);
 int fl_fs_write_all(int fd, const void *data, size_t n);
 /* mkdir -p. */
 fl_status fl_fs_mkdir_p(const char *path);
+/* The whole file at path in a new malloc'd buffer (*out, *len bytes; the caller frees it). max_bytes
+ * > 0 refuses a longer file (FL_ERR_FORMAT, naming it); a missing file is FL_ERR_NOT_FOUND. */
+fl_status fl_fs_read_file(const char *path, size_t max_bytes, char **out, size_t *len);
 /* Fault injection (tests, through fl_io_fail_writes_after): the (n+1)-th write from now fails
  * with ENOSPC; -1 disables. fl_fs_write_fault: 1 when it fires (errno = ENOSPC). */
 void fl_fs_fail_writes_after(long n);

@@ -22,30 +22,6 @@ static int cv_ends_with(const char *s, const char *suf) {
     return a >= b && strcmp(s + a - b, suf) == 0;
 }
 
-/* config.json's bytes, to copy unchanged (our writer would drop keys fitllm does not use). */
-static fl_status cv_read_file(const char *path, char **out, size_t *n) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return fl_errorf(FL_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    char *b = NULL;
-    size_t cap = 0, len = 0;
-    for (;;) {
-        if (len == cap) {
-            char *nb = cap > (64u << 20) ? NULL : realloc(b, cap = cap ? 2 * cap : 4096);
-            if (!nb) { free(b); fclose(f); return fl_errorf(FL_ERR_OOM, "%s: too large or out of memory", path); }
-            b = nb;
-        }
-        size_t r = fread(b + len, 1, cap - len, f);
-        len += r;
-        if (r == 0) break;
-    }
-    int err = ferror(f);
-    fclose(f);
-    if (err) { free(b); return fl_errorf(FL_ERR_IO, "%s: read failed", path); }
-    *out = b;
-    *n = len;
-    return FL_OK;
-}
-
 /* The layout's tensors out of the opened files, checked as the loader checks them. */
 static fl_status cv_collect(const fl_param_layout *lay, const fl_model_config *cfg, const char *src, const fl_st_file *fs,
                             int nf, fl_st_write_tensor *t) {
@@ -90,7 +66,7 @@ fl_status fl_hf_convert(const char *src, const char *dst, int *n_tensors) {
     size_t cfg_len = 0;
     if (fl_fs_is_file(cfg_path)) {
         FL_TRY(fl_hf_load_config(cfg_path, &cfg));
-        FL_TRY(cv_read_file(cfg_path, &cfg_bytes, &cfg_len));
+        FL_TRY(fl_fs_read_file(cfg_path, 64u << 20, &cfg_bytes, &cfg_len)); /* copied unchanged: our writer drops keys */
     } else { /* a LitGPT folder: config.json is written from model_config.yaml's model */
         FL_TRY(fl_fs_join(cfg_path, sizeof cfg_path, src, "model_config.yaml"));
         if (!fl_fs_is_file(cfg_path))

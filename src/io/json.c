@@ -6,6 +6,7 @@
  * "source:line:col" and what was expected.
  */
 #include "fitllm/json.h"
+#include "core/fs.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -368,25 +369,9 @@ fl_status fl_json_parse(const char *text, size_t n, const char *source, fl_json 
 
 fl_status fl_json_parse_file(const char *path, fl_json **out) {
     *out = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f) return fl_errorf(errno == ENOENT ? FL_ERR_NOT_FOUND : FL_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    char *buf = NULL;
-    size_t len = 0, cap = 0;
-    for (;;) {
-        if (len + 65536 > cap) {
-            size_t nc = cap ? cap * 2 : 65536;
-            char *nb = realloc(buf, nc);
-            if (!nb) { free(buf); fclose(f); return fl_errorf(FL_ERR_OOM, "%s: out of memory reading file", path); }
-            buf = nb;
-            cap = nc;
-        }
-        size_t r = fread(buf + len, 1, cap - len, f);
-        len += r;
-        if (r == 0) break;
-    }
-    int err = ferror(f);
-    fclose(f);
-    if (err) { free(buf); return fl_errorf(FL_ERR_IO, "%s: read error", path); }
+    char *buf;
+    size_t len;
+    FL_TRY(fl_fs_read_file(path, 0, &buf, &len));
     fl_status s = fl_json_parse(buf, len, path, out);
     free(buf);
     return s;
