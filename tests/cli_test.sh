@@ -332,10 +332,18 @@ DIVRUN=(finetune_full micro --train.global_batch_size 2 --train.micro_batch_size
 expect diverge_lr50 1 "training diverged at step [0-9]+ .*above 8.24, a uniform guess's loss ln\(vocab\) = 6.238 \+ 2.*stopped without saving final/ \(the last good checkpoint, '.*/step-000002', is kept" -- \
     "$FITLLM" "${DIVRUN[@]}" --resume "$T/lr50/step-000002" --optimizer.lr 50 --train.lr_warmup_steps 0 --train.max_steps 60 --train.save_interval 1 --out_dir "$T/lr50"
 [ -e "$T/lr50/final" ] && { echo "FAIL diverge_lr50_no_final"; fail=$((fail+1)); }
-expect diverge_lr50_check_off 0 "Final evaluation \| val loss: [0-9]{3,}\.[0-9]+ \| val ppl: inf" -- \
+# with the check off the run ends normally; where its loss went depends on the CPU's float path (lr 50 is
+# chaotic: 718 on a native Zen 4 build, 22 on a generic one), so the perplexity is checked against the loss:
+# above 20 nats (e^20) it prints inf, below it is exp(loss) (the unit test diverge_* pins the formatting)
+ppl_ok() { awk -v l="$1" -v p="$2" 'BEGIN { if (l == "" || p == "") exit 1; if (l > 20) exit !(p == "inf");
+                                            d = p / exp(l) - 1; exit !(d < 1e-3 && d > -1e-3) }'; }
+expect diverge_lr50_check_off 0 "Final evaluation \| val loss: [0-9]+\.[0-9]+ \| val ppl: " -- \
     "$FITLLM" "${DIVRUN[@]}" --optimizer.lr 50 --train.lr_warmup_steps 0 --train.max_steps 60 --train.divergence_check false --out_dir "$T/lr50off"
 printf '1 2 3 4 5 6 7 8 9 10\n' > "$T/ten.txt"
-expect loss_ppl_inf 0 "^loss [0-9]{3,}\.[0-9]+  ppl inf " -- "$FITLLM" loss "$T/lr50off/final" --tokens-file "$T/ten.txt"
+out=$("$FITLLM" loss "$T/lr50off/final" --tokens-file "$T/ten.txt" 2>&1)
+l=$(awk '/^loss/ {print $2}' <<<"$out"); p=$(awk '/^loss/ {print $4}' <<<"$out")
+if ppl_ok "$l" "$p" && awk -v l="$l" 'BEGIN { exit !(l > 6.238 + 2) }'; then echo "ok   loss_ppl_inf (loss $l, ppl $p)"; pass=$((pass+1))
+else echo "FAIL loss_ppl_inf: loss '$l' ppl '$p' (want above ln 512 + 2, and ppl inf above 20 nats)"; fail=$((fail+1)); fi
 expect loss_ppl_finite 0 "^loss [0-9.]+  ppl [0-9]+\.[0-9]{4} " -- "$FITLLM" loss micro --tokens-file "$T/ten.txt"
 # a llama2.c model file without --tokenizer_dir: the tokenizer beside it (tok512.bin), named, and carried to final/;
 # a model without tokenizer files says the built-in byte tokenizer is used
