@@ -54,6 +54,20 @@ typedef enum {
 } fl_op;
 const char *fl_op_name(fl_op op);
 
+/* Capability flags (fl_backend.caps, fl_backend_facts.caps): what code above the backend may
+ * assume about a backend, asked instead of comparing its name. */
+enum {
+    FL_CAP_HOST_MEMORY = 1u << 0,   /* its buffers are host memory (cpu, ref, cuda-emu): one pool may serve tensors and
+                                     * host staging (= fl_backend.host_memory) */
+    FL_CAP_DISCARDS = 1u << 1,      /* ops and copies do nothing (null; = fl_backend.discards) */
+    FL_CAP_ASYNC = 1u << 2,         /* ops are queued on a stream in issue order; to_host and sync wait for them
+                                     * (cuda, cuda-emu) */
+    FL_CAP_DEVICE_MEMORY = 1u << 3, /* memory of its own, sized apart from the machine's RAM (cuda):
+                                     * fl_backend_memory_capacity asks the device */
+    FL_CAP_COMPUTE_BF16 = 1u << 4,  /* set_compute_dtype takes FL_BF16: bf16 matmul and attention kernels, so a bf16
+                                     * run converts its fp32 activations (cuda, cuda-emu); else fp32 compute */
+};
+
 /* RoPE frequency scaling (HF config.json "rope_scaling"). */
 typedef enum { FL_ROPE_NONE = 0, FL_ROPE_LINEAR, FL_ROPE_LLAMA3, FL_ROPE_SCALING_COUNT } fl_rope_scaling_type;
 typedef struct {
@@ -90,6 +104,7 @@ struct fl_backend {
                              * matmul), so a caller that reuses one such operand across calls may
                              * widen it once itself (the chunked lm_head: fl_act_opts.head_widen) */
     size_t scratch_bytes;   /* bytes of the op scratch the caller lends (set_scratch below; 0: none) */
+    unsigned caps;   /* FL_CAP_* flags (above); fl_backend_facts_of answers them without making the backend */
     int host_memory; /* 1: the device's buffers are host memory (cpu, ref): code may share one pool for tensors and host staging */
     /* 1: the null backend (the planner's, src/backend/null/): its ops and copies do nothing and its
      * pool hands out addresses nobody may touch, so host code may skip producing tensor bytes that
@@ -475,6 +490,41 @@ fl_status fl_backend_comm_staged(const fl_backend *be, struct fl_comm *host, str
 const char *fl_backend_default_name(void);
 /* Choose the default backend by name (NULL: back to "cpu"); the name must stay valid. */
 void fl_backend_set_default_name(const char *name);
+
+/* What the registry knows of a backend by name, without making it (no device needed): the
+ * planner's null backend stands in for the backend with these facts, the lab and selftest ask
+ * them instead of comparing names. */
+typedef struct {
+    unsigned caps;          /* FL_CAP_* */
+    fl_device device;       /* its pools' device */
+    size_t scratch_bytes;   /* as fl_backend.scratch_bytes */
+    unsigned gemm_widens16; /* as fl_backend.gemm_widens16 */
+    /* as fl_backend.supports_op, without a backend; NULL: not known here (a backend registered with
+     * fl_backend_register): every op */
+    int (*supports_op)(fl_op op, fl_dtype a, fl_dtype b, fl_dtype c);
+    size_t (*memory_capacity)(void);       /* FL_CAP_DEVICE_MEMORY: the device's bytes (0: unknown) */
+    void (*describe)(char *buf, size_t n); /* one line on the device (cuda); NULL: none */
+    const char *reference;                 /* the backend `fitllm selftest` compares this one against */
+} fl_backend_facts;
+/* The facts of a registered backend, or of "cuda" in any build (plan --accelerator cuda plans for a
+ * GPU without one). Unknown name: FL_ERR_INVALID listing the names. A backend registered with
+ * fl_backend_register is made once (and freed) to read them. */
+fl_status fl_backend_facts_of(const char *name, fl_backend_facts *f);
+/* The memory a run on backend `name` is budgeted against: the device's (FL_CAP_DEVICE_MEMORY),
+ * else the machine's RAM. 0 when unknown. */
+size_t fl_backend_memory_capacity(const char *name);
+
+/* --accelerator auto|cpu|cuda: which backend a command runs on (the CLI's choice; the registry
+ * maps it to a backend name, so no caller names the GPU backend itself). */
+typedef enum { FL_ACCEL_AUTO = 0, FL_ACCEL_CPU, FL_ACCEL_CUDA } fl_accel;
+/* Parse "auto", "cpu" or "cuda"; -1 for anything else. */
+int fl_accel_parse(const char *s, fl_accel *out);
+/* The backend a command runs on: FL_ACCEL_CUDA when asked (cuda) or, for auto, when this build has
+ * CUDA and a device is visible; FL_ACCEL_CPU for cpu and for auto otherwise. cuda without a CUDA
+ * build or without a visible device is an error (FL_ERR_UNSUPPORTED) saying which. */
+fl_status fl_accel_resolve(fl_accel want, fl_accel *use);
+/* The registry's backend for a resolved accelerator: "cpu" or "cuda" (auto: "cpu"). */
+const char *fl_accel_backend(fl_accel a);
 
 /* The checks of attention_forward / attention_backward's arguments (shape, NH % NKV, row
  * strides, NULL tensors, dbias without bias, scale): FL_ERR_INVALID naming the field, or

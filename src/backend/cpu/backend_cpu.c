@@ -65,6 +65,7 @@ static void fill_ops(fl_backend *be) {
     be->pool_init = fl_cpu_pool_init;
     be->host_pool_init = fl_cpu_pool_init;
     be->host_memory = 1;
+    be->caps = FL_CAP_HOST_MEMORY;
 }
 
 /* The scratch lent by the calling thread (ops run on the caller's thread; their OpenMP workers

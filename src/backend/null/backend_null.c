@@ -19,13 +19,14 @@
 #include <string.h>
 
 #include "backend/cpu/cpu-impl.h"
-#include "backend/cuda/backend_cuda.h"
 #include "fitllm/backend.h"
 #include "fitllm/comm.h"
 
 typedef struct {
     uintptr_t next; /* the next fake address (one counter for every pool of this backend) */
-    int planned;    /* the backend it stands in for: 0 none (the registry's), 1 cpu, 2 cuda */
+    /* the supports_op of the backend it stands in for (fl_backend_facts); NULL: every op (the
+     * registry's null, or a backend whose facts do not say) */
+    int (*supports)(fl_op op, fl_dtype a, fl_dtype b, fl_dtype c);
     int mpi_scratch; /* its ranks' reductions take the MPI scratch (fl_null_backend_set_mpi_scratch) */
 } nul;
 
@@ -220,9 +221,7 @@ static fl_status n_sync(const fl_backend *be) {
  * registry's null (planned NULL) supports everything */
 static int n_supports_op(const fl_backend *be, fl_op op, fl_dtype a, fl_dtype b, fl_dtype c) {
     const nul *n = be->impl;
-    if (n->planned == 1) return fl_cpu_supports_op(be, op, a, b, c);
-    if (n->planned == 2) return fl_cuda_supports_op(op, a, b, c);
-    return 1;
+    return n->supports ? n->supports(op, a, b, c) : 1;
 }
 static fl_status n_rope_tables(const fl_backend *be, float *cos_t, float *sin_t, int maxT, int HD, float theta,
                                const fl_rope_scaling *scaling) {
@@ -244,25 +243,27 @@ void fl_null_backend_set_mpi_scratch(fl_backend *be, int on) {
 fl_status fl_null_backend_init_for(fl_backend *be, const char *planned) {
     if (!be) return fl_errorf(FL_ERR_INVALID, "fl_null_backend_init: NULL backend");
     memset(be, 0, sizeof *be);
-    const int cuda = planned && !strcmp(planned, "cuda");
-    /* standing in for the CPU: host memory, one pool (only fl_trainer_rehearse runs on this: code
-     * paths that write tensors through host pointers, a LoRA merge, a loader, would fault) */
-    const int cpu = planned && !strcmp(planned, "cpu");
-    if (planned && !cuda && !cpu)
-        return fl_errorf(FL_ERR_INVALID, "null backend: cannot stand in for '%s' (cpu or cuda)", planned);
+    /* the planned backend's facts (plan --accelerator cuda: the GPU's, without a GPU); none: the
+     * registry's null's. Standing in for host memory (the CPU): one pool (only fl_trainer_rehearse
+     * runs on this: code paths that write tensors through host pointers, a LoRA merge, a loader,
+     * would fault) */
+    fl_backend_facts f;
+    FL_TRY(fl_backend_facts_of(planned ? planned : "null", &f));
+    if (planned && (f.caps & FL_CAP_DISCARDS))
+        return fl_errorf(FL_ERR_INVALID, "null backend: cannot stand in for '%s' (itself)", planned);
     nul *n = calloc(1, sizeof *n);
     if (!n) return fl_errorf(FL_ERR_OOM, "null backend: out of host memory");
     n->next = NUL_BASE;
-    n->planned = cpu ? 1 : cuda ? 2 : 0;
+    n->supports = f.supports_op;
     be->name = "null"; /* the registry finds its free function by name (fl_backend_free) */
-    be->device = cuda ? FL_DEV_CUDA : FL_DEV_CPU;
+    be->device = f.device;
     be->n_threads = 1;
     be->gemm_name = "none";
-    /* the planned backend's facts (plan --accelerator cuda: the GPU's, without a GPU) */
-    be->gemm_widens16 = cuda ? fl_cuda_gemm_widens16() : fl_cpu_gemm_widens16();
-    be->scratch_bytes = cuda ? fl_cuda_scratch_bytes() : fl_cpu_scratch_bytes();
-    be->host_memory = cpu;
+    be->gemm_widens16 = f.gemm_widens16;
+    be->scratch_bytes = f.scratch_bytes;
+    be->host_memory = (f.caps & FL_CAP_HOST_MEMORY) != 0;
     be->discards = 1;
+    be->caps = (f.caps & FL_CAP_HOST_MEMORY) | FL_CAP_DISCARDS;
     be->impl = n;
     be->gemm = n_gemm;
     be->embedding_forward = n_embedding_forward;
