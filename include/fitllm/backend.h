@@ -25,9 +25,11 @@
 #include <stdint.h>
 
 #include "fitllm/adam8bit.h"
+#include "fitllm/cpu.h"
 #include "fitllm/dtype.h"
 #include "fitllm/mem.h"
 #include "fitllm/quant4.h"
+#include "fitllm/rope.h"
 #include "fitllm/status.h"
 
 #ifdef __cplusplus
@@ -67,16 +69,6 @@ enum {
     FL_CAP_COMPUTE_BF16 = 1u << 4,  /* set_compute_dtype takes FL_BF16: bf16 matmul and attention kernels, so a bf16
                                      * run converts its fp32 activations (cuda, cuda-emu); else fp32 compute */
 };
-
-/* RoPE frequency scaling (HF config.json "rope_scaling"). */
-typedef enum { FL_ROPE_NONE = 0, FL_ROPE_LINEAR, FL_ROPE_LLAMA3, FL_ROPE_SCALING_COUNT } fl_rope_scaling_type;
-typedef struct {
-    fl_rope_scaling_type type;
-    float factor;                 /* linear and llama3 */
-    float low_freq_factor;        /* llama3 */
-    float high_freq_factor;       /* llama3 */
-    int original_max_position;    /* llama3: original_max_position_embeddings */
-} fl_rope_scaling;
 
 /* Shape of one attention call (the attention_forward / attention_backward ops).
  * Layout: q (B, Tq, NH, HD), k and v (B, Tk, NKV, HD), out (B, Tq, NH, HD) are row-major views
@@ -404,11 +396,22 @@ void fl_cpu_process_init(char **argv);
 /* Create the CPU backend. n_threads <= 0: use the OpenMP default / all cores.
  * The GEMM library is chosen at build time (see docs/BENCHMARKS.md). */
 fl_status fl_cpu_backend_init(fl_backend *be, int n_threads);
-/* What n_threads <= 0 means: the OpenMP default as the process started (read once; later
- * omp_set_num_threads calls, the GEMM's among them, do not change it). */
-int fl_cpu_default_threads(void);
 /* The CPU backend's gemm_widens16 in this build on this CPU (the planner's answer too). */
 unsigned fl_cpu_gemm_widens16(void);
+/* The CPU backend's GEMM library: "openblas", "onednn" or "naive". */
+const char *fl_cpu_gemm_library(void);
+/* The CPU kernels run-time dispatch chose (fitllm --version, benchmarks; src/backend/cpu/dispatch.c). */
+typedef struct {
+    const char *cpu_level;     /* fl_cpu_level_name(fl_cpu_level()) */
+    const char *gemm_library;  /* fl_cpu_gemm_library() */
+    const char *bf16_gemm;     /* fl_cpu_gemm_bf16_path() */
+    const char *f16_gemm;      /* fl_cpu_gemm_f16_path() */
+    const char *adam8bit;      /* fl_cpu_adam8bit_quantizer_path() */
+    const char *convert;       /* 16-bit conversions: core/cvt.c's fl_cvt_path() */
+    const char *attention;     /* the attention kernels' tile products: fl_cpu_attn_mm_path() */
+    int threads;               /* default thread count (fl_cpu_backend_init with 0) */
+} fl_cpu_kernel_info;
+void fl_cpu_kernels(fl_cpu_kernel_info *k);
 /* The CPU backend's scratch_bytes (the planner's answer too). */
 size_t fl_cpu_scratch_bytes(void);
 void fl_cpu_backend_free(fl_backend *be);
@@ -550,9 +553,6 @@ fl_status fl_attention_qkv_backward(const fl_backend *be, float *dqkv /*(B,T,(NH
                                     const float *dout /*(B,T,NH*HD)*/, const float *qkv, const float *out,
                                     const float *lse /*(B,NH,T)*/, int B, int T, int NH, int NKV, int HD);
 
-/* RoPE tables: cos_t/sin_t (maxT, HD/2). inv_freq_j = theta^(-2j/HD), adjusted
- * by `scaling` (NULL or FL_ROPE_NONE: none); angle = pos * inv_freq_j. */
-void fl_rope_table_init(float *cos_t, float *sin_t, int maxT, int HD, float theta, const fl_rope_scaling *scaling);
 
 #ifdef __cplusplus
 }

@@ -54,6 +54,10 @@ const char *fl_cpu_env(int *valid);
  * kernels run on other threads (they may see either level, each call consistent). */
 fl_cpu_level_t fl_cpu_set_level(int level);
 
+/* The CPU backend's n_threads <= 0 (and the 4-bit quantizer's): the OpenMP default as the process
+ * started (read once; later omp_set_num_threads calls, the GEMM's among them, do not change it). */
+int fl_cpu_default_threads(void);
+
 #ifdef __cplusplus
 }
 #endif

@@ -2,7 +2,6 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "backend/cpu/cpu-impl.h"
 #include "cli.h"
 #include "fitllm/comm.h"
 #include "fitllm/comm_nccl.h"

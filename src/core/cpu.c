@@ -1,6 +1,7 @@
 /* CPU feature detection and the dispatch level; see include/fitllm/cpu.h. */
 #include "fitllm/cpu.h"
 
+#include <omp.h>
 #include <pthread.h>
 #include <stdlib.h>
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__clang__) && __clang_major__ < 15
@@ -117,4 +118,24 @@ fl_cpu_level_t fl_cpu_set_level(int level) {
     else
         g_cpu.forced = level > (int)g_cpu.hw ? (int)g_cpu.hw : level;
     return fl_cpu_level();
+}
+
+/* "All cores": the OpenMP default as the process started, read once. Not omp_get_max_threads() at each
+ * init: the GEMM sets the calling thread's count (omp_set_num_threads, gemm.c) to the backend's, and to 1
+ * for a small product, so a backend made after one ran on that thread took 1 thread and kept it: every
+ * later default-threads run of a process (the lab's rows after the first, a selftest's second training)
+ * ran on one core, and the per-thread-count GEMMs gave other bits than the first run. */
+static int g_default_threads;
+static pthread_once_t g_default_once = PTHREAD_ONCE_INIT;
+static void read_default_threads(void) { g_default_threads = omp_get_max_threads(); }
+/* Read before main(): read at the first call instead, the value depended on what ran before it on
+ * that thread (a test run of `fitllm_tests gemm` made its first default backend after a small GEMM,
+ * and got 1 thread). libgomp, a shared library, has set its defaults from the environment by then. */
+__attribute__((constructor)) static void default_threads_at_start(void) {
+    pthread_once(&g_default_once, read_default_threads);
+}
+
+int fl_cpu_default_threads(void) {
+    pthread_once(&g_default_once, read_default_threads);
+    return g_default_threads > 0 ? g_default_threads : 1;
 }

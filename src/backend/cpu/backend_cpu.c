@@ -88,26 +88,6 @@ float *fl_cpu_scratch_part(int part) {
     return (float *)tl_scratch.p + (part ? FL_CPU_WIDEN_SCRATCH : 0);
 }
 
-/* "All cores": the OpenMP default as the process started, read once. Not omp_get_max_threads() at each
- * init: the GEMM sets the calling thread's count (omp_set_num_threads, gemm.c) to the backend's, and to 1
- * for a small product, so a backend made after one ran on that thread took 1 thread and kept it: every
- * later default-threads run of a process (the lab's rows after the first, a selftest's second training)
- * ran on one core, and the per-thread-count GEMMs gave other bits than the first run. */
-static int g_default_threads;
-static pthread_once_t g_default_once = PTHREAD_ONCE_INIT;
-static void read_default_threads(void) { g_default_threads = omp_get_max_threads(); }
-/* Read before main(): read at the first call instead, the value depended on what ran before it on
- * that thread (a test run of `fitllm_tests gemm` made its first default backend after a small GEMM,
- * and got 1 thread). libgomp, a shared library, has set its defaults from the environment by then. */
-__attribute__((constructor)) static void default_threads_at_start(void) {
-    pthread_once(&g_default_once, read_default_threads);
-}
-
-int fl_cpu_default_threads(void) {
-    pthread_once(&g_default_once, read_default_threads);
-    return g_default_threads > 0 ? g_default_threads : 1;
-}
-
 fl_status fl_cpu_backend_init(fl_backend *be, int n_threads) {
     if (!be) return fl_errorf(FL_ERR_INVALID, "fl_cpu_backend_init: NULL backend");
     memset(be, 0, sizeof *be);

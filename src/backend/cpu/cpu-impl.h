@@ -67,8 +67,7 @@ fl_status fl_cpu_gemm_sized(const fl_backend *be, int trans_a, int trans_b, int 
 fl_status fl_cpu_gemm_naive(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
                             const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
                             void *C, fl_dtype tc, int ldc);
-/* "openblas", "onednn" or "naive". */
-const char *fl_cpu_gemm_library(void);
+/* fl_cpu_gemm_library: fitllm/backend.h */
 /* The portable bf16 GEMM (B must be BF16; same semantics as fl_cpu_gemm's bf16 path). */
 fl_status fl_cpu_gemm_bf16_tiled(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
                                  const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb,
@@ -111,18 +110,7 @@ void fl_cpu_gemm_widen_set_scratch_cap(size_t n);
 /* 1 if AVX512_BF16 (vdpbf16ps) is usable: the CPU has it and FITLLM_CPU allows avx512. */
 int fl_cpu_has_avx512bf16(void);
 
-/* ---- dispatch.c: the kernels run-time dispatch chose (fitllm --version, benchmarks) -------- */
-typedef struct {
-    const char *cpu_level;     /* fl_cpu_level_name(fl_cpu_level()) */
-    const char *gemm_library;  /* fl_cpu_gemm_library() */
-    const char *bf16_gemm;     /* fl_cpu_gemm_bf16_path() */
-    const char *f16_gemm;      /* fl_cpu_gemm_f16_path() */
-    const char *adam8bit;      /* fl_cpu_adam8bit_quantizer_path() */
-    const char *convert;       /* 16-bit conversions: core/cvt.c's fl_cvt_path() */
-    const char *attention;     /* the attention kernels' tile products: fl_cpu_attn_mm_path() */
-    int threads;               /* default thread count (fl_cpu_backend_init with 0) */
-} fl_cpu_kernel_info;
-void fl_cpu_kernels(fl_cpu_kernel_info *k);
+/* ---- dispatch.c: fl_cpu_kernels (fitllm/backend.h) ---- */
 
 /* ---- lowp.c / adam8bit.c (reduced precision; semantics in backend.h) ------------ */
 fl_status fl_cpu_accumulate16(const fl_backend *be, uint16_t *dst, fl_dtype t, const float *src, size_t n);

@@ -6,12 +6,6 @@
 
 #include "backend/cpu/cpu-impl.h"
 
-const char *fl_op_name(fl_op op) {
-    static const char *const names[FL_OP_COUNT] = {"gemm",       "convert",   "adamw_update", "sgd_update",
-                                                    "adam8bit_update", "accumulate16", "sumsq", "q4_matmul"};
-    return (unsigned)op < FL_OP_COUNT ? names[op] : "?";
-}
-
 static fl_status copy_bytes(void *dst, const void *src, size_t bytes, const char *who) {
     if (bytes == 0) return FL_OK;
     if (!dst || !src) return fl_errorf(FL_ERR_INVALID, "%s: NULL buffer for %zu bytes", who, bytes);

@@ -3,7 +3,7 @@
  * otherwise fuse a*b+c into an FMA; the emulator is built with -ffp-contract=off), so kernels
  * that must reproduce the CPU backend's bits (8-bit AdamW, the double-quantized absmax) say so
  * explicitly; and bitsandbytes' dynamic code tables (copies of fl_adam8bit_code_signed /
- * _unsigned from src/backend/cpu/adam8bit.c, checked equal bit for bit by tests/test_cuda_more.c
+ * _unsigned from src/core/adam8bit.c, checked equal bit for bit by tests/test_cuda_more.c
  * through fl_cuemu_adam8bit_codes and on the GPU by tests/cuda/check_more.c). */
 #ifndef FL_CU_MORE_DEV_H
 #define FL_CU_MORE_DEV_H
@@ -21,7 +21,7 @@ FL_CU_DEV float fl_cu_add_rn(float a, float b) { return a + b; }
 FL_CU_DEV int fl_cu_isfinite(float x) { return (fl_cu_float_bits(x) & 0x7f800000u) != 0x7f800000u; }
 FL_CU_DEV int fl_cu_signbit(float x) { return (int)(fl_cu_float_bits(x) >> 31); }
 
-#include "backend/adam8bit_codes.inc"
+#include "core/adam8bit_codes.inc"
 
 #ifdef FL_CU_NEED_CODE_SIGNED /* define before including: unused device arrays would be warnings */
 /* create_dynamic_map(signed=True), ascending */

@@ -18,7 +18,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend/cpu/cpu-impl.h"
 #include "fitllm/backend.h"
 #include "fitllm/comm.h"
 

@@ -21,7 +21,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "backend/cpu/cpu-impl.h"
+#include "fitllm/backend.h"
 #include "fitllm/comm_nccl.h"
 
 #define OPQ_RESERVE ((size_t)1 << 38) /* 256 GiB of address space (no memory until used) */

@@ -1,10 +1,16 @@
-/* The argument checks of the attention ops (fitllm/backend.h attention_forward /
- * attention_backward), shared by every backend so that a bad descriptor gets the same error,
- * naming the field, wherever it runs. */
+/* The helpers of the backend contract (fitllm/backend.h) that every backend shares: the op
+ * names of supports_op, the argument checks of the attention ops (a bad descriptor gets the same
+ * error, naming the field, wherever it runs) and the decoder's fused-QKV attention shape. */
 #include <math.h>
 #include <string.h>
 
 #include "fitllm/backend.h"
+
+const char *fl_op_name(fl_op op) {
+    static const char *const names[FL_OP_COUNT] = {"gemm",       "convert",   "adamw_update", "sgd_update",
+                                                    "adam8bit_update", "accumulate16", "sumsq", "q4_matmul"};
+    return (unsigned)op < FL_OP_COUNT ? names[op] : "?";
+}
 
 fl_status fl_attn_check_args(const char *op, const fl_attn_desc *a, int max_hd, const char *why_max, const void *out,
                              const void *lse, const float *q, const float *k, const float *v, const float *bias,

@@ -1,5 +1,6 @@
 /* 4-bit NF4/FP4 quantization with bitsandbytes' CUDA-kernel semantics (see fitllm/quant4.h),
- * (the fused dequantize-matmul ops are in q4matmul.c).
+ * the format and its reference quantize / dequantize, used by every backend and by the model's
+ * loaders (the CPU's fused dequantize-matmul ops are backend/cpu/q4matmul.c).
  *
  * Compiled with -ffp-contract=off (CMakeLists.txt): the double-quantized absmax is
  * code * scale + offset with two roundings, as bnb computes it (dequantize_blockwise, then +=).
@@ -11,7 +12,8 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "backend/cpu/cpu-impl.h"
+#include "fitllm/adam8bit.h"
+#include "fitllm/cpu.h"
 #include "fitllm/quant4.h"
 
 const float fl_q4_nf4_code[16] = {
