@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "data/data-internal.h"
+#include "data/data-impl.h"
 #include "fitllm/data.h"
 #include "fitllm/tokenizer.h"
 

@@ -15,7 +15,7 @@
 // fuzz-build: fuzz_recipe_overrides FL_FUZZ_OVERRIDES
 #include "fuzz_util.h"
 
-#include "data/data-internal.h"
+#include "data/data-impl.h"
 #include "fitllm/config.h"
 
 static fl_run_config g_c, g_c2; /* large (paths): static, not on the stack */

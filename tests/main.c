@@ -14,7 +14,7 @@
 #include "fitllm/status.h"
 #include "test.h"
 #ifdef FL_HAVE_CUDA_EMU
-#include "backend/cuda/backend_cuda.h"
+#include "backend/cuda/cuda-impl.h"
 #endif
 
 #define MAX_TESTS 1024

@@ -1,5 +1,5 @@
 /* A whole model "as CUDA" on the CPU: the trainer on the "cuda-emu" backend (the CUDA backend's
- * own code, backend_cuda_impl.h, over the kernel emulator and the cuBLASLt stand-in) against the
+ * own code, cuda-backend-impl.h, over the kernel emulator and the cuBLASLt stand-in) against the
  * CPU backend: every step's loss, and the trained parameters, on the real stories260K model.
  *
  * The two differ by summation order (the stand-in GEMM accumulates in float64, the kernels in

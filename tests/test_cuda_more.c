@@ -1,4 +1,4 @@
-/* CUDA kernels of cu_kernels_more.h under the CPU emulator (embeddings, 8-bit AdamW, 4-bit
+/* CUDA kernels of cu_kernels_train.h under the CPU emulator (embeddings, 8-bit AdamW, 4-bit
  * matmuls and dequantization, LoRA dropout), against the CPU backend at small odd shapes (partial
  * warps and tiles, rows whose 64-element quantization blocks straddle two rows, repeated ids).
  * Anchors:
@@ -23,7 +23,7 @@
 #include "test.h"
 
 #ifdef FL_HAVE_CUDA_EMU
-#include "backend/cuda/cu_kernels_more.h"
+#include "backend/cuda/cu_kernels_train.h"
 #include "backend/cuda/emu/cu_emu.h"
 
 static const uint64_t k_seeds[] = {0x51ed5eedull, 0xc0ffee11ull};

@@ -5,7 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "data/data-internal.h"
+#include "data/data-impl.h"
 #include "fitllm/data.h"
 #include "fitllm/json.h"
 #include "fitllm/tokenizer.h"

@@ -28,7 +28,7 @@
 #include "test.h"
 
 #ifdef FL_HAVE_CUDA_EMU
-#include "backend/cuda/backend_cuda.h"
+#include "backend/cuda/cuda-impl.h"
 
 typedef struct {
     fl_run_config cfg;

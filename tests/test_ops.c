@@ -20,7 +20,7 @@
 #include <time.h>
 
 #include "backend/cpu/cpu-impl.h"
-#include "backend/cuda/backend_cuda.h"
+#include "backend/cuda/cuda-impl.h"
 #include "fitllm/backend.h"
 #include "fitllm/cpu.h"
 #include "test.h"

@@ -26,7 +26,7 @@
 #include "zero_ref.h"
 
 #ifdef FL_HAVE_CUDA_EMU
-#include "backend/cuda/backend_cuda.h"
+#include "backend/cuda/cuda-impl.h"
 #else
 static void fl_cuemu_use_nccl(int on) { (void)on; } /* no cuda-emu: the opaque runs only */
 #endif

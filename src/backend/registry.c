@@ -7,7 +7,7 @@
 #include <unistd.h>
 
 #include "backend/cpu/cpu-impl.h"
-#include "backend/cuda/backend_cuda.h"
+#include "backend/cuda/cuda-impl.h"
 #include "fitllm/backend.h"
 #include "fitllm/comm.h"
 #include "fitllm/cuda.h"

@@ -25,45 +25,32 @@
 #include "fitllm/lora.h"
 #include "fitllm/quant4.h"
 
-typedef struct {
-    const fl_backend *dev, *ref;
-    fl_mem_pool pool;
-    FILE *out;
-    int n_cases, n_fail;
-    uint64_t rng;
-    const char *only;
-    int small;
-} st_ctx;
+#include "backend/selftest-impl.h"
+
 
 /* ---- host helpers ----------------------------------------------------------------------------- */
-static float st_rand(st_ctx *c, float lo, float hi) {
+float fl_st_rand(st_ctx *c, float lo, float hi) {
     c->rng = c->rng * 6364136223846793005ULL + 1442695040888963407ULL;
     return lo + (hi - lo) * (float)((c->rng >> 40) & 0xffffff) / 16777216.0f;
 }
-static float *st_frand(st_ctx *c, size_t n, float lo, float hi) {
+float *fl_st_frand(st_ctx *c, size_t n, float lo, float hi) {
     float *x = malloc(n * sizeof(float) + 1);
-    for (size_t i = 0; i < n && x; i++) x[i] = st_rand(c, lo, hi);
+    for (size_t i = 0; i < n && x; i++) x[i] = fl_st_rand(c, lo, hi);
     return x;
 }
-static float *st_dup(const float *x, size_t n) {
+float *fl_st_dup(const float *x, size_t n) {
     float *y = malloc(n * sizeof(float) + 1);
     if (y) memcpy(y, x, n * sizeof(float));
     return y;
 }
-static double st_now(void) {
+double fl_st_now(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
 /* ---- device buffers: the backend's own pool, filled and read through its copies -------------- */
-#define ST_MAX_BUFS 24
-typedef struct {
-    void *p[ST_MAX_BUFS];
-    int n;
-    int failed;
-} st_bufs;
-static void *st_up(st_ctx *c, st_bufs *b, const void *host, size_t bytes) {
+void *fl_st_up(st_ctx *c, st_bufs *b, const void *host, size_t bytes) {
     void *d = NULL;
     if (b->n == ST_MAX_BUFS || fl_mem_alloc(&c->pool, FL_TAG_OTHER, bytes ? bytes : 1, &d) != FL_OK) {
         b->failed = 1;
@@ -74,20 +61,16 @@ static void *st_up(st_ctx *c, st_bufs *b, const void *host, size_t bytes) {
     if (!host && bytes) c->dev->zero(c->dev, d, bytes);
     return d;
 }
-static void st_down(st_ctx *c, st_bufs *b, void *host, const void *dev, size_t bytes) {
+void fl_st_down(st_ctx *c, st_bufs *b, void *host, const void *dev, size_t bytes) {
     if (!dev || c->dev->to_host(c->dev, host, dev, bytes) != FL_OK) b->failed = 1;
 }
-static void st_free(st_ctx *c, st_bufs *b) {
+void fl_st_free(st_ctx *c, st_bufs *b) {
     for (int i = 0; i < b->n; i++) fl_mem_free(&c->pool, b->p[i]);
     b->n = 0;
 }
 
 /* ---- comparison ---------------------------------------------------------------------------------- */
-typedef struct {
-    double worst; /* max |d - r| / bound */
-    int ok;
-} st_cmp;
-static void st_compare(st_cmp *r, const float *dev, const float *ref, const double *mag, double magc, size_t n,
+void fl_st_compare(st_cmp *r, const float *dev, const float *ref, const double *mag, double magc, size_t n,
                        double tol, int L, double u, double atol) {
     double mx = magc; /* magc < 0: each element's own |ref| */
     if (!mag && mx == 0)
@@ -102,7 +85,7 @@ static void st_compare(st_cmp *r, const float *dev, const float *ref, const doub
 }
 
 /* one result line; time_s < 0: not timed */
-static void st_report(st_ctx *c, const char *name, const st_cmp *r, int launch_failed, double time_s) {
+void fl_st_report(st_ctx *c, const char *name, const st_cmp *r, int launch_failed, double time_s) {
     c->n_cases++;
     int ok = r->ok && !launch_failed;
     if (!ok) c->n_fail++;
@@ -114,16 +97,15 @@ static void st_report(st_ctx *c, const char *name, const st_cmp *r, int launch_f
 }
 
 /* median of 5 synchronized runs of fn */
-typedef void (*st_run_fn)(st_ctx *c, void *arg);
-static double st_time(st_ctx *c, st_run_fn fn, void *arg) {
+double fl_st_time(st_ctx *c, st_run_fn fn, void *arg) {
     double t[5];
     fn(c, arg); /* warm */
     c->dev->sync(c->dev);
     for (int k = 0; k < 5; k++) {
-        double t0 = st_now();
+        double t0 = fl_st_now();
         fn(c, arg);
         c->dev->sync(c->dev);
-        t[k] = st_now() - t0;
+        t[k] = fl_st_now() - t0;
     }
     for (int i = 1; i < 5; i++)
         for (int j = i; j > 0 && t[j] < t[j - 1]; j--) {
@@ -132,9 +114,8 @@ static double st_time(st_ctx *c, st_run_fn fn, void *arg) {
     return t[2];
 }
 
-static int st_want(st_ctx *c, const char *name) { return !c->only || strstr(name, c->only); }
+int fl_st_want(st_ctx *c, const char *name) { return !c->only || strstr(name, c->only); }
 
-#include "backend/selftest_cases.h"
 
 fl_status fl_backend_selftest(const fl_backend *dev, const fl_backend *ref, const char *only, int small, FILE *out,
                               fl_selftest_result *res) {
@@ -151,7 +132,7 @@ fl_status fl_backend_selftest(const fl_backend *dev, const fl_backend *ref, cons
     FL_TRY(dev->pool_init(dev, &c.pool, "selftest", 0));
     fprintf(out, "selftest: backend %s against %s (bound: tol * (L + 2) * u * magnitude; time: median of 5)\n",
             dev->name, ref->name);
-    st_run_all(&c);
+    fl_st_run_all(&c);
     fl_status s = dev->sync(dev);
     fl_mem_pool_free(&c.pool);
     res->n_cases = c.n_cases;

@@ -15,7 +15,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "data-internal.h"
+#include "data-impl.h"
 #include "core/fs.h"
 
 #define CACHE_MAGIC 0x3143415441444c46ULL /* "FLDATAC1" in little-endian bytes */

@@ -4,7 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "data-internal.h"
+#include "data-impl.h"
 
 void fl_data_config_default(fl_data_config *c, fl_data_kind kind) {
     memset(c, 0, sizeof *c);

@@ -9,7 +9,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "data-internal.h"
+#include "data-impl.h"
 #include "core/fs.h"
 
 fl_status fl_data_file_read(const char *path, fl_data_file *out) {

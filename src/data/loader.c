@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "data-internal.h"
+#include "data-impl.h"
 
 struct fl_loader {
     const fl_dataset *d;

@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "data-internal.h"
+#include "data-impl.h"
 #include "fitllm/json.h"
 
 static char *dupn(const char *s, size_t n) {

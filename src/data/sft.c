@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "data-internal.h"
+#include "data-impl.h"
 
 #define ALPACA_SYS_INPUT                                                                                         \
     "Below is an instruction that describes a task, paired with an input that provides further context. " \

@@ -10,7 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "data-internal.h"
+#include "data-impl.h"
 
 typedef struct {
     uint32_t s[624];

@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "data-internal.h"
+#include "data-impl.h"
 
 static void rand_letters(uint64_t *st, char *o, int n) {
     for (int i = 0; i < n; i++) o[i] = (char)('a' + fl_data_rand_below(st, 26));

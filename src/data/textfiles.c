@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "data-internal.h"
+#include "data-impl.h"
 
 static const char *base_name(const char *p) {
     const char *s = strrchr(p, '/');

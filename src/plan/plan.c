@@ -25,7 +25,7 @@
 #include "fitllm/generate.h"
 #include "fitllm/io.h"
 #include "fitllm/plan.h"
-#include "backend/cuda/backend_cuda.h"
+#include "backend/cuda/cuda-impl.h"
 #include "fitllm/trainer.h"
 #include "fitllm/lora.h"
 #include "fitllm/tokenizer.h"

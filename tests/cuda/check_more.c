@@ -1,4 +1,4 @@
-/* The cu_kernels_more.h kernels on a GPU (fl_cuk_*) against the emulated ones (fl_cuemu_*, which
+/* The cu_kernels_train.h kernels on a GPU (fl_cuk_*) against the emulated ones (fl_cuemu_*, which
  * tests/test_cuda_more.c checks against the CPU backend) at small odd shapes, and against the CPU
  * backend at realistic shapes, with cudaEvent timings of the latter (called from cuda_check.c's
  * main; one line per check, like its report()). Expectations:
@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend/cuda/cu_kernels_more.h"
+#include "backend/cuda/cu_kernels_train.h"
 #include "fitllm/backend.h"
 #include "fitllm/lora.h"
 

@@ -20,7 +20,7 @@ int fl_cuda_check_attn(void); /* check_attn.c: the attention kernels */
 
 static int g_fail;
 
-int fl_cuda_check_more(void); /* tests/cuda/check_more.c: the cu_kernels_more.h kernels */
+int fl_cuda_check_more(void); /* tests/cuda/check_more.c: the cu_kernels_train.h kernels */
 
 static void *dev_copy(const void *h, size_t bytes) {
     void *d = NULL;

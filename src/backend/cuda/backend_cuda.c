@@ -2,7 +2,7 @@
  * (src/backend/cuda/plugin/backend_cudart.c, opened by cu_loader.c), which says why when there is
  * no GPU to run on; and the real backend's sizes and op support, which the planner uses in any
  * build (a GPU run is planned anywhere). */
-#include "backend/cuda/backend_cuda.h"
+#include "backend/cuda/cuda-impl.h"
 
 #include <stdio.h>
 #include <string.h>

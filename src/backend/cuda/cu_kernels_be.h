@@ -1,4 +1,4 @@
-/* fitllm CUDA kernels the backend object itself needs (src/backend/cuda/backend_cuda_impl.h),
+/* fitllm CUDA kernels the backend object itself needs (src/backend/cuda/cuda-backend-impl.h),
  * beside the op kernels of cu_kernels.h: same two-prefix pattern (fl_cuk_ on the GPU, fl_cuemu_
  * under the emulator), same return convention (0, or the launch's error). */
 #ifndef FL_CU_KERNELS_BE_H

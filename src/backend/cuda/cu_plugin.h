@@ -44,7 +44,7 @@ typedef struct fl_cuda_plugin {
     int (*device_count)(char *why, size_t n);
     void (*describe_devices)(char *buf, size_t n); /* "1 device: 0 NVIDIA H100 (sm_90, 79.1 GiB)" */
     size_t (*device_memory)(int device);
-    /* the "cuda" backend (backend_cuda_impl.h over the real kernels, cuBLASLt, one stream) */
+    /* the "cuda" backend (cuda-backend-impl.h over the real kernels, cuBLASLt, one stream) */
     fl_status (*backend_init)(fl_backend *be, int n_threads);
     void (*backend_free)(fl_backend *be);
     fl_status (*backend_error)(const fl_backend *be);

@@ -1,11 +1,11 @@
-/* The "cuda-emu" backend: backend_cuda_impl.h over the CPU emulator's kernels (fl_cuemu_*), the
+/* The "cuda-emu" backend: cuda-backend-impl.h over the CPU emulator's kernels (fl_cuemu_*), the
  * cuBLASLt stand-in and host memory. Linked into the test programs only (fitllm_cuemu), where
  * tests/main.c registers it, so the op suite runs the CUDA backend's own code on any machine.
  * The scratch panels are small on purpose (64 KiB): the test shapes then cross panel edges. */
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend/cuda/backend_cuda.h"
+#include "backend/cuda/cuda-impl.h"
 #include "backend/cuda/cu_gemm.h"
 #include "backend/cuda/emu/cu_emu.h"
 #include "fitllm/comm_nccl.h"
@@ -66,4 +66,4 @@ static fl_status flb_comm_create(const fl_backend *be, void *stream, struct fl_c
     return fl_comm_nccl_create(host, fl_nccl_standin_api(), NULL, out);
 }
 
-#include "backend/cuda/backend_cuda_impl.h"
+#include "backend/cuda/cuda-backend-impl.h"

@@ -20,8 +20,8 @@
 #define FL_CU_NEED_CODE_SIGNED 1
 #define FL_CU_NEED_CODE_UNSIGNED 1
 #include "backend/cuda/cu_compat.h"
-#include "backend/cuda/cu_kernels_more.h"
-#include "backend/cuda/cu_more_dev.h"
+#include "backend/cuda/cu_kernels_train.h"
+#include "backend/cuda/cu_exact_dev.h"
 
 typedef struct {
     float beta1, beta2, w1, w2, step_size, eps2, decay, grad_scale;

@@ -22,7 +22,7 @@
  *      a group is one block's sequential chain per column slice, the kernel's critical path).
  * Backward into dwpe: one thread per (t, c) adds the batch rows in order (the CPU's order). */
 #include "backend/cuda/cu_compat.h"
-#include "backend/cuda/cu_kernels_more.h"
+#include "backend/cuda/cu_kernels_train.h"
 
 __global__ static void fl_cu_emb_fwd_k(float *out, const int32_t *ids, const float *wte, const float *wpe, int T,
                                        int C) {

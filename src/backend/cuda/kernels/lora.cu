@@ -8,8 +8,8 @@
  * separately (no FMA: the GPU and the emulator agree bit for bit; the CPU build may fuse them,
  * a difference of at most one rounding). Grid-stride, coalesced. */
 #include "backend/cuda/cu_compat.h"
-#include "backend/cuda/cu_kernels_more.h"
-#include "backend/cuda/cu_more_dev.h"
+#include "backend/cuda/cu_kernels_train.h"
+#include "backend/cuda/cu_exact_dev.h"
 
 FL_CU_DEV int lora_keep(uint64_t seed, size_t i, float p) {
     uint64_t z = seed + (uint64_t)(i + 1) * 0x9E3779B97F4A7C15ULL;

@@ -19,8 +19,8 @@
  * panel of rows of deq(W) (F32 or BF16) into a caller scratch, as the CPU backend's panels. */
 #define FL_CU_NEED_CODE_SIGNED 1
 #include "backend/cuda/cu_compat.h"
-#include "backend/cuda/cu_kernels_more.h"
-#include "backend/cuda/cu_more_dev.h"
+#include "backend/cuda/cu_kernels_train.h"
+#include "backend/cuda/cu_exact_dev.h"
 
 static __device__ const float fl_cu_nf4_code[16] = {
     -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,

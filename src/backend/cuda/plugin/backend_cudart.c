@@ -1,4 +1,4 @@
-/* The "cuda" backend (EXPERIMENTAL), in the CUDA plugin: backend_cuda_impl.h over the real CUDA
+/* The "cuda" backend (EXPERIMENTAL), in the CUDA plugin: cuda-backend-impl.h over the real CUDA
  * runtime, the nvcc kernels (fl_cuk_*) and cuBLASLt, on one stream per backend. libfitllm reaches
  * it through the plugin's table (cu_plugin.h: fl_cudart_backend_init & co.). */
 #include <stdio.h>
@@ -6,7 +6,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "backend/cuda/backend_cuda.h"
+#include "backend/cuda/cuda-impl.h"
 #include "backend/cuda/plugin/cudart.h"
 
 #include "backend/cuda/cu_gemm.h"
@@ -122,5 +122,5 @@ static fl_status flb_comm_create(const fl_backend *be, void *stream, struct fl_c
 #endif
 }
 
-#include "backend/cuda/backend_cuda_impl.h"
+#include "backend/cuda/cuda-backend-impl.h"
 

@@ -1,8 +1,9 @@
-/* fitllm CUDA backend object, part 2 (included by backend_cuda_impl.h): the ops over the
- * attention kernels (cu_kernels_attn.h) and the embedding / 8-bit Adam / 4-bit / LoRA-dropout
- * kernels (cu_kernels_more.h). Their device work buffers come from the op scratch's work area. */
+/* fitllm CUDA backend object: the ops whose kernels take a device work buffer from the op
+ * scratch's work area (included by cuda-backend-impl.h, which holds the table and the other ops):
+ * attention (cu_kernels_attn.h) and the embedding / 8-bit Adam / 4-bit / LoRA-dropout kernels
+ * (cu_kernels_train.h). */
 #include "backend/cuda/cu_kernels_attn.h"
-#include "backend/cuda/cu_kernels_more.h"
+#include "backend/cuda/cu_kernels_train.h"
 
 /* the work area of the scratch (after the GEMM's workspace and panels), or NULL with the sticky
  * error set when `bytes` does not fit */

@@ -1,12 +1,22 @@
-/* fitllm selftest cases (included by selftest.c): one function per op family. Shapes are odd
+/* fitllm selftest cases (selftest-impl.h; run by selftest.c's fl_backend_selftest): one function
+ * per op family. Shapes are odd
  * on purpose (tile and block edges) and large enough that the timings mean something on a GPU. */
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/selftest-impl.h"
+#include "fitllm/adam8bit.h"
+#include "fitllm/lora.h"
+#include "fitllm/quant4.h"
 
 #define U32 0x1p-24
 #define U16 0x1p-8
 
 /* ---- GEMM --------------------------------------------------------------------------------- */
 static void *st_as(const float *x, size_t n, fl_dtype t) { /* host copy of x stored as t */
-    if (t == FL_F32) return st_dup(x, n);
+    if (t == FL_F32) return fl_st_dup(x, n);
     uint16_t *h = malloc(n * 2 + 1);
     for (size_t i = 0; i < n && h; i++) h[i] = t == FL_BF16 ? fl_f32_to_bf16(x[i]) : fl_f32_to_f16(x[i]);
     return h;
@@ -33,22 +43,22 @@ static void st_case_gemm(st_ctx *c, int ta_, int tb_, int M, int N, int K, fl_dt
     char name[96];
     snprintf(name, sizeof name, "gemm %s%s %dx%dx%d %s.%s->%s%s", ta_ ? "T" : "N", tb_ ? "T" : "N", M, N, K,
              fl_dtype_name(ta), fl_dtype_name(tb), fl_dtype_name(tc), beta != 0 ? " +C" : "");
-    if (!st_want(c, name)) return;
+    if (!fl_st_want(c, name)) return;
     int ra = ta_ ? K : M, ca = ta_ ? M : K, rb = tb_ ? N : K, cb = tb_ ? K : N;
     int lda = ca + 3, ldb = cb + 1, ldc = N + 2; /* padded rows: strides exercised */
-    float *A = st_frand(c, (size_t)ra * lda, -1, 1), *B = st_frand(c, (size_t)rb * ldb, -1, 1);
-    float *C0 = st_frand(c, (size_t)M * ldc, -1, 1);
+    float *A = fl_st_frand(c, (size_t)ra * lda, -1, 1), *B = fl_st_frand(c, (size_t)rb * ldb, -1, 1);
+    float *C0 = fl_st_frand(c, (size_t)M * ldc, -1, 1);
     void *Ah = st_as(A, (size_t)ra * lda, ta), *Bh = st_as(B, (size_t)rb * ldb, tb);
     void *Cr = st_as(C0, (size_t)M * ldc, tc), *Cd = st_as(C0, (size_t)M * ldc, tc);
     size_t cb_ = (size_t)M * ldc * fl_dtype_size(tc);
     fl_status sr = c->ref->gemm(c->ref, ta_, tb_, M, N, K, 1.0f, Ah, ta, lda, Bh, tb, ldb, beta, Cr, tc, ldc);
     st_bufs b = {0};
-    void *dA = st_up(c, &b, Ah, (size_t)ra * lda * fl_dtype_size(ta));
-    void *dB = st_up(c, &b, Bh, (size_t)rb * ldb * fl_dtype_size(tb));
-    void *dC = st_up(c, &b, Cd, cb_);
+    void *dA = fl_st_up(c, &b, Ah, (size_t)ra * lda * fl_dtype_size(ta));
+    void *dB = fl_st_up(c, &b, Bh, (size_t)rb * ldb * fl_dtype_size(tb));
+    void *dC = fl_st_up(c, &b, Cd, cb_);
     fl_status sd = b.failed ? FL_ERR_IO : c->dev->gemm(c->dev, ta_, tb_, M, N, K, 1.0f, dA, ta, lda, dB, tb, ldb, beta,
                                                       dC, tc, ldc);
-    st_down(c, &b, Cd, dC, cb_);
+    fl_st_down(c, &b, Cd, dC, cb_);
     /* mag[i,j] = sum_k |a_ik b_kj| + |beta c_ij| with the operands as both backends see them */
     fl_dtype rnd = (tb == FL_BF16) ? FL_BF16 : FL_F32;
     double *mag = calloc((size_t)M * N, sizeof(double));
@@ -67,11 +77,11 @@ static void st_case_gemm(st_ctx *c, int ta_, int tb_, int M, int N, int K, fl_dt
     /* a bf16 C: the two fp32 results may round to neighbouring bf16 values (one ulp more) */
     if (tc == FL_BF16)
         for (size_t i = 0; i < (size_t)M * N; i++) mag[i] += fabs(fr[i]) * (2 * U16 / U32) / (K + 2) / 2; /* 2 u16 = one bf16 ulp */
-    st_compare(&r, fd, fr, mag, 0, (size_t)M * N, 2, K, U32, 1e-30);
+    fl_st_compare(&r, fd, fr, mag, 0, (size_t)M * N, 2, K, U32, 1e-30);
     st_gemm_arg ga = {ta_, tb_, M, N, K, lda, ldb, ldc, ta, tb, tc, dA, dB, dC};
-    double t = (sd == FL_OK && !b.failed) ? st_time(c, st_gemm_run, &ga) : -1;
-    st_report(c, name, &r, sd != FL_OK || b.failed, t);
-    st_free(c, &b);
+    double t = (sd == FL_OK && !b.failed) ? fl_st_time(c, st_gemm_run, &ga) : -1;
+    fl_st_report(c, name, &r, sd != FL_OK || b.failed, t);
+    fl_st_free(c, &b);
     free(A); free(B); free(C0); free(Ah); free(Bh); free(Cr); free(Cd); free(mag); free(fr); free(fd);
 }
 
@@ -96,31 +106,31 @@ static void st_gen_run(st_ctx *c, void *p) {
     a->g->op(c->dev, a->in, a->out, a->g->shape);
 }
 static void st_case_gen(st_ctx *c, const st_gen *g) {
-    if (!st_want(c, g->name)) return;
+    if (!fl_st_want(c, g->name)) return;
     float *hin[5] = {0}, *hr[3] = {0}, *hd[3] = {0}, *din[5] = {0}, *dout[3] = {0};
     st_bufs b = {0};
     for (int i = 0; i < g->n_in; i++) {
-        hin[i] = st_frand(c, g->in_n[i], g->in_lo[i], g->in_hi[i]);
-        din[i] = st_up(c, &b, hin[i], g->in_n[i] * 4);
+        hin[i] = fl_st_frand(c, g->in_n[i], g->in_lo[i], g->in_hi[i]);
+        din[i] = fl_st_up(c, &b, hin[i], g->in_n[i] * 4);
     }
     for (int o = 0; o < g->n_out; o++) {
-        hr[o] = g->out_acc[o] == 2 ? st_frand(c, g->out_n[o], 0, 1) /* a second moment: >= 0 */
-                : g->out_acc[o] ? st_frand(c, g->out_n[o], -1, 1) : calloc(g->out_n[o] + 1, 4);
-        hd[o] = st_dup(hr[o], g->out_n[o]);
-        dout[o] = st_up(c, &b, hd[o], g->out_n[o] * 4);
+        hr[o] = g->out_acc[o] == 2 ? fl_st_frand(c, g->out_n[o], 0, 1) /* a second moment: >= 0 */
+                : g->out_acc[o] ? fl_st_frand(c, g->out_n[o], -1, 1) : calloc(g->out_n[o] + 1, 4);
+        hd[o] = fl_st_dup(hr[o], g->out_n[o]);
+        dout[o] = fl_st_up(c, &b, hd[o], g->out_n[o] * 4);
     }
     g->op(c->ref, hin, hr, g->shape);
     if (!b.failed) g->op(c->dev, din, dout, g->shape);
     fl_status s = c->dev->sync(c->dev);
     st_cmp r = {0, 1};
     for (int o = 0; o < g->n_out; o++) {
-        st_down(c, &b, hd[o], dout[o], g->out_n[o] * 4);
-        st_compare(&r, hd[o], hr[o], NULL, 0, g->out_n[o], g->tol, g->L, U32, 0);
+        fl_st_down(c, &b, hd[o], dout[o], g->out_n[o] * 4);
+        fl_st_compare(&r, hd[o], hr[o], NULL, 0, g->out_n[o], g->tol, g->L, U32, 0);
     }
     st_gen_arg ga = {g, din, dout};
-    double t = (s == FL_OK && !b.failed) ? st_time(c, st_gen_run, &ga) : -1;
-    st_report(c, g->name, &r, s != FL_OK || b.failed, t);
-    st_free(c, &b);
+    double t = (s == FL_OK && !b.failed) ? fl_st_time(c, st_gen_run, &ga) : -1;
+    fl_st_report(c, g->name, &r, s != FL_OK || b.failed, t);
+    fl_st_free(c, &b);
     for (int i = 0; i < 5; i++) free(hin[i]);
     for (int o = 0; o < 3; o++) { free(hr[o]); free(hd[o]); }
 }
@@ -251,25 +261,25 @@ static void st_cases_generic(st_ctx *c) {
                      {(size_t)B * T * stride, (size_t)B * T * stride}, {0, 0}, {0, 0}, {1, 1}, 8, 2, op_rope,
                      {B, T, nh, HD, stride, pos0}};
         /* the generic case fills inputs randomly: RoPE needs the real tables, so run it by hand */
-        if (st_want(c, gr.name)) {
-            float *x = st_frand(c, gr.out_n[0], -1, 1), *xr = st_dup(x, gr.out_n[0]), *xr2 = st_dup(x, gr.out_n[0]);
-            float *hd0 = st_dup(x, gr.out_n[0]), *hd1 = st_dup(x, gr.out_n[0]);
+        if (fl_st_want(c, gr.name)) {
+            float *x = fl_st_frand(c, gr.out_n[0], -1, 1), *xr = fl_st_dup(x, gr.out_n[0]), *xr2 = fl_st_dup(x, gr.out_n[0]);
+            float *hd0 = fl_st_dup(x, gr.out_n[0]), *hd1 = fl_st_dup(x, gr.out_n[0]);
             float *in_r[2] = {cs, sn}, *out_r[2] = {xr, xr2};
             op_rope(c->ref, in_r, out_r, gr.shape);
             st_bufs b = {0};
-            float *din[2] = {st_up(c, &b, cs, gr.in_n[0] * 4), st_up(c, &b, sn, gr.in_n[1] * 4)};
-            float *dout[2] = {st_up(c, &b, x, gr.out_n[0] * 4), st_up(c, &b, x, gr.out_n[0] * 4)};
+            float *din[2] = {fl_st_up(c, &b, cs, gr.in_n[0] * 4), fl_st_up(c, &b, sn, gr.in_n[1] * 4)};
+            float *dout[2] = {fl_st_up(c, &b, x, gr.out_n[0] * 4), fl_st_up(c, &b, x, gr.out_n[0] * 4)};
             if (!b.failed) op_rope(c->dev, din, dout, gr.shape);
             fl_status s = c->dev->sync(c->dev);
-            st_down(c, &b, hd0, dout[0], gr.out_n[0] * 4);
-            st_down(c, &b, hd1, dout[1], gr.out_n[0] * 4);
+            fl_st_down(c, &b, hd0, dout[0], gr.out_n[0] * 4);
+            fl_st_down(c, &b, hd1, dout[1], gr.out_n[0] * 4);
             st_cmp r = {0, 1};
-            st_compare(&r, hd0, xr, NULL, 0, gr.out_n[0], 8, 2, U32, 0);
-            st_compare(&r, hd1, xr2, NULL, 0, gr.out_n[0], 8, 2, U32, 0);
+            fl_st_compare(&r, hd0, xr, NULL, 0, gr.out_n[0], 8, 2, U32, 0);
+            fl_st_compare(&r, hd1, xr2, NULL, 0, gr.out_n[0], 8, 2, U32, 0);
             st_gen_arg ga = {&gr, din, dout};
-            double t = (s == FL_OK && !b.failed) ? st_time(c, st_gen_run, &ga) : -1;
-            st_report(c, gr.name, &r, s != FL_OK || b.failed, t);
-            st_free(c, &b);
+            double t = (s == FL_OK && !b.failed) ? fl_st_time(c, st_gen_run, &ga) : -1;
+            fl_st_report(c, gr.name, &r, s != FL_OK || b.failed, t);
+            fl_st_free(c, &b);
             free(x); free(xr); free(xr2); free(hd0); free(hd1);
         }
         free(cs); free(sn);
@@ -280,27 +290,27 @@ static void st_cases_generic(st_ctx *c) {
 static void st_case_xent(st_ctx *c, int N, int V) {
     char name[64];
     snprintf(name, sizeof name, "cross_entropy %dx%d", N, V);
-    if (!st_want(c, name)) return;
-    float *x = st_frand(c, (size_t)N * V, -6, 6);
+    if (!fl_st_want(c, name)) return;
+    float *x = fl_st_frand(c, (size_t)N * V, -6, 6);
     int32_t *tg = malloc((size_t)N * 4);
-    for (int i = 0; i < N; i++) tg[i] = i % 7 == 3 ? FL_IGNORE_INDEX : (int32_t)(st_rand(c, 0, 1) * (V - 1));
+    for (int i = 0; i < N; i++) tg[i] = i % 7 == 3 ? FL_IGNORE_INDEX : (int32_t)(fl_st_rand(c, 0, 1) * (V - 1));
     float *lr = calloc(N, 4), *gr = calloc((size_t)N * V, 4), *ld = calloc(N, 4), *gd = calloc((size_t)N * V, 4);
     c->ref->cross_entropy(c->ref, lr, gr, x, tg, N, V, 0.25f, FL_IGNORE_INDEX);
     st_bufs b = {0};
-    float *dx = st_up(c, &b, x, (size_t)N * V * 4), *dl = st_up(c, &b, NULL, (size_t)N * 4);
-    float *dg = st_up(c, &b, NULL, (size_t)N * V * 4);
-    int32_t *dt = st_up(c, &b, tg, (size_t)N * 4);
+    float *dx = fl_st_up(c, &b, x, (size_t)N * V * 4), *dl = fl_st_up(c, &b, NULL, (size_t)N * 4);
+    float *dg = fl_st_up(c, &b, NULL, (size_t)N * V * 4);
+    int32_t *dt = fl_st_up(c, &b, tg, (size_t)N * 4);
     if (!b.failed) c->dev->cross_entropy(c->dev, dl, dg, dx, dt, N, V, 0.25f, FL_IGNORE_INDEX);
     fl_status s = c->dev->sync(c->dev);
-    st_down(c, &b, ld, dl, (size_t)N * 4);
-    st_down(c, &b, gd, dg, (size_t)N * V * 4);
+    fl_st_down(c, &b, ld, dl, (size_t)N * 4);
+    fl_st_down(c, &b, gd, dg, (size_t)N * V * 4);
     st_cmp r = {0, 1};
     /* loss: logsumexp over V terms of magnitude <= e^12 relative: L = V, mag = max |loss| + 12 */
-    st_compare(&r, ld, lr, NULL, 20, N, 8, V, U32, 0);
+    fl_st_compare(&r, ld, lr, NULL, 20, N, 8, V, U32, 0);
     /* dlogits = 0.25 (p_i - y_i): p_i = exp(x_i - max) / sum carries the sum's relative error */
-    st_compare(&r, gd, gr, NULL, -1, (size_t)N * V, 8, V, U32, 1e-12);
-    st_report(c, name, &r, s != FL_OK || b.failed, -1);
-    st_free(c, &b);
+    fl_st_compare(&r, gd, gr, NULL, -1, (size_t)N * V, 8, V, U32, 1e-12);
+    fl_st_report(c, name, &r, s != FL_OK || b.failed, -1);
+    fl_st_free(c, &b);
     free(x); free(tg); free(lr); free(gr); free(ld); free(gd);
 }
 
@@ -308,38 +318,38 @@ static void st_case_xent(st_ctx *c, int N, int V) {
 static void st_case_embedding(st_ctx *c, int B, int T, int C, int V) {
     char name[80];
     snprintf(name, sizeof name, "embedding_forward+backward %dx%dx%d V=%d", B, T, C, V);
-    if (!st_want(c, name)) return;
+    if (!fl_st_want(c, name)) return;
     size_t n = (size_t)B * T;
     int32_t *ids = malloc(n * 4);
-    for (size_t i = 0; i < n; i++) ids[i] = (int32_t)(i % 5 == 0 ? 17 : st_rand(c, 0, 1) * (V - 1)); /* repeats */
-    float *wte = st_frand(c, (size_t)V * C, -1, 1), *wpe = st_frand(c, (size_t)T * C, -1, 1);
-    float *dout = st_frand(c, n * C, -1, 1);
+    for (size_t i = 0; i < n; i++) ids[i] = (int32_t)(i % 5 == 0 ? 17 : fl_st_rand(c, 0, 1) * (V - 1)); /* repeats */
+    float *wte = fl_st_frand(c, (size_t)V * C, -1, 1), *wpe = fl_st_frand(c, (size_t)T * C, -1, 1);
+    float *dout = fl_st_frand(c, n * C, -1, 1);
     float *or_ = calloc(n * C, 4), *od = calloc(n * C, 4);
-    float *gr = st_frand(c, (size_t)V * C, -1, 1), *gd = st_dup(gr, (size_t)V * C);
-    float *pr = st_frand(c, (size_t)T * C, -1, 1), *pd = st_dup(pr, (size_t)T * C);
+    float *gr = fl_st_frand(c, (size_t)V * C, -1, 1), *gd = fl_st_dup(gr, (size_t)V * C);
+    float *pr = fl_st_frand(c, (size_t)T * C, -1, 1), *pd = fl_st_dup(pr, (size_t)T * C);
     c->ref->embedding_forward(c->ref, or_, ids, wte, wpe, B, T, C);
     c->ref->embedding_backward(c->ref, gr, pr, dout, ids, B, T, C);
     st_bufs b = {0};
-    int32_t *di = st_up(c, &b, ids, n * 4);
-    float *dw = st_up(c, &b, wte, (size_t)V * C * 4), *dp = st_up(c, &b, wpe, (size_t)T * C * 4);
-    float *ddo = st_up(c, &b, dout, n * C * 4), *dov = st_up(c, &b, NULL, n * C * 4);
-    float *dg = st_up(c, &b, gd, (size_t)V * C * 4), *dpg = st_up(c, &b, pd, (size_t)T * C * 4);
-    double t0 = st_now();
+    int32_t *di = fl_st_up(c, &b, ids, n * 4);
+    float *dw = fl_st_up(c, &b, wte, (size_t)V * C * 4), *dp = fl_st_up(c, &b, wpe, (size_t)T * C * 4);
+    float *ddo = fl_st_up(c, &b, dout, n * C * 4), *dov = fl_st_up(c, &b, NULL, n * C * 4);
+    float *dg = fl_st_up(c, &b, gd, (size_t)V * C * 4), *dpg = fl_st_up(c, &b, pd, (size_t)T * C * 4);
+    double t0 = fl_st_now();
     if (!b.failed) {
         c->dev->embedding_forward(c->dev, dov, di, dw, dp, B, T, C);
         c->dev->embedding_backward(c->dev, dg, dpg, ddo, di, B, T, C);
     }
     fl_status s = c->dev->sync(c->dev);
-    double t = st_now() - t0;
-    st_down(c, &b, od, dov, n * C * 4);
-    st_down(c, &b, gd, dg, (size_t)V * C * 4);
-    st_down(c, &b, pd, dpg, (size_t)T * C * 4);
+    double t = fl_st_now() - t0;
+    fl_st_down(c, &b, od, dov, n * C * 4);
+    fl_st_down(c, &b, gd, dg, (size_t)V * C * 4);
+    fl_st_down(c, &b, pd, dpg, (size_t)T * C * 4);
     st_cmp r = {0, 1};
-    st_compare(&r, od, or_, NULL, 2, n * C, 2, 1, U32, 0);
-    st_compare(&r, gd, gr, NULL, 0, (size_t)V * C, 2, (int)n, U32, 0);
-    st_compare(&r, pd, pr, NULL, 0, (size_t)T * C, 2, B, U32, 0);
-    st_report(c, name, &r, s != FL_OK || b.failed, t);
-    st_free(c, &b);
+    fl_st_compare(&r, od, or_, NULL, 2, n * C, 2, 1, U32, 0);
+    fl_st_compare(&r, gd, gr, NULL, 0, (size_t)V * C, 2, (int)n, U32, 0);
+    fl_st_compare(&r, pd, pr, NULL, 0, (size_t)T * C, 2, B, U32, 0);
+    fl_st_report(c, name, &r, s != FL_OK || b.failed, t);
+    fl_st_free(c, &b);
     free(ids); free(wte); free(wpe); free(dout); free(or_); free(od); free(gr); free(gd); free(pr); free(pd);
 }
 
@@ -376,35 +386,35 @@ static void st_case_attention_ex(st_ctx *c, int B, int Tq, int Tk, int NH, int N
 /* 16-bit conversions (bit-exact), sumsq, check_finite, accumulate16, adamw_update in bf16 */
 static void st_case_lowp(st_ctx *c) {
     const size_t n = c->small ? 3001 : 1000003;
-    float *x = st_frand(c, n, -70000, 70000); /* beyond f16's range: inf on overflow, the same on both */
+    float *x = fl_st_frand(c, n, -70000, 70000); /* beyond f16's range: inf on overflow, the same on both */
     const char *name = "convert f32->bf16->f16->f32 (bits)";
-    if (st_want(c, name)) {
+    if (fl_st_want(c, name)) {
         uint16_t *r16 = malloc(n * 2), *h16 = malloc(n * 2), *rb = malloc(n * 2), *db = malloc(n * 2);
         float *rf = malloc(n * 4), *df = malloc(n * 4);
         c->ref->convert(c->ref, rb, FL_BF16, x, FL_F32, n);
         c->ref->convert(c->ref, r16, FL_F16, rb, FL_BF16, n);
         c->ref->convert(c->ref, rf, FL_F32, r16, FL_F16, n);
         st_bufs b = {0};
-        void *dx = st_up(c, &b, x, n * 4), *d1 = st_up(c, &b, NULL, n * 2), *d2 = st_up(c, &b, NULL, n * 2);
-        void *d3 = st_up(c, &b, NULL, n * 4);
+        void *dx = fl_st_up(c, &b, x, n * 4), *d1 = fl_st_up(c, &b, NULL, n * 2), *d2 = fl_st_up(c, &b, NULL, n * 2);
+        void *d3 = fl_st_up(c, &b, NULL, n * 4);
         fl_status s = b.failed ? FL_ERR_IO : c->dev->convert(c->dev, d1, FL_BF16, dx, FL_F32, n);
         if (s == FL_OK) s = c->dev->convert(c->dev, d2, FL_F16, d1, FL_BF16, n);
         if (s == FL_OK) s = c->dev->convert(c->dev, d3, FL_F32, d2, FL_F16, n);
-        st_down(c, &b, db, d1, n * 2);
-        st_down(c, &b, h16, d2, n * 2);
-        st_down(c, &b, df, d3, n * 4);
+        fl_st_down(c, &b, db, d1, n * 2);
+        fl_st_down(c, &b, h16, d2, n * 2);
+        fl_st_down(c, &b, df, d3, n * 4);
         st_cmp r = {0, memcmp(rb, db, n * 2) == 0 && memcmp(r16, h16, n * 2) == 0 && memcmp(rf, df, n * 4) == 0};
-        st_report(c, name, &r, s != FL_OK || b.failed, -1);
-        st_free(c, &b);
+        fl_st_report(c, name, &r, s != FL_OK || b.failed, -1);
+        fl_st_free(c, &b);
         free(r16); free(h16); free(rb); free(db); free(rf); free(df);
     }
     name = "sumsq f32 / bf16";
-    if (st_want(c, name)) {
+    if (fl_st_want(c, name)) {
         uint16_t *xb = malloc(n * 2);
         for (size_t i = 0; i < n; i++) xb[i] = fl_f32_to_bf16(x[i] * 1e-3f);
         double r1 = c->ref->sumsq(c->ref, x, FL_F32, n), r2 = c->ref->sumsq(c->ref, xb, FL_BF16, n);
         st_bufs b = {0};
-        void *dx = st_up(c, &b, x, n * 4), *dxb = st_up(c, &b, xb, n * 2);
+        void *dx = fl_st_up(c, &b, x, n * 4), *dxb = fl_st_up(c, &b, xb, n * 2);
         double d1 = b.failed ? NAN : c->dev->sumsq(c->dev, dx, FL_F32, n);
         double d2 = b.failed ? NAN : c->dev->sumsq(c->dev, dxb, FL_BF16, n);
         fl_status s = c->dev->sync(c->dev);
@@ -412,61 +422,61 @@ static void st_case_lowp(st_ctx *c) {
         double bnd = 2.0 * (double)n * 0x1p-53;
         st_cmp r = {fmax(fabs(d1 - r1) / (bnd * r1), fabs(d2 - r2) / (bnd * r2)),
                     fabs(d1 - r1) <= bnd * r1 && fabs(d2 - r2) <= bnd * r2};
-        st_report(c, name, &r, s != FL_OK || b.failed, -1);
-        st_free(c, &b);
+        fl_st_report(c, name, &r, s != FL_OK || b.failed, -1);
+        fl_st_free(c, &b);
         free(xb);
     }
     name = "check_finite f32 (finite, then one inf)";
-    if (st_want(c, name)) {
-        float *y = st_frand(c, n, -1, 1);
+    if (fl_st_want(c, name)) {
+        float *y = fl_st_frand(c, n, -1, 1);
         st_bufs b = {0};
-        float *dy = st_up(c, &b, y, n * 4);
+        float *dy = fl_st_up(c, &b, y, n * 4);
         int f1 = 0, f2 = 0;
         fl_status s = b.failed ? FL_ERR_IO : c->dev->check_finite(c->dev, dy, FL_F32, n, 0.5f, &f1);
         y[n / 2 + 7] = INFINITY;
         if (s == FL_OK) s = c->dev->to_device(c->dev, dy, y, n * 4);
         if (s == FL_OK) s = c->dev->check_finite(c->dev, dy, FL_F32, n, 0.5f, &f2);
         st_cmp r = {0, f1 == 0 && f2 == 1};
-        st_report(c, name, &r, s != FL_OK || b.failed, -1);
-        st_free(c, &b);
+        fl_st_report(c, name, &r, s != FL_OK || b.failed, -1);
+        fl_st_free(c, &b);
         free(y);
     }
     name = "accumulate16 bf16 += f32";
-    if (st_want(c, name)) {
+    if (fl_st_want(c, name)) {
         uint16_t *acc = malloc(n * 2), *accd = malloc(n * 2);
         for (size_t i = 0; i < n; i++) acc[i] = fl_f32_to_bf16(x[i] * 1e-4f);
         memcpy(accd, acc, n * 2);
-        float *y = st_frand(c, n, -3, 3);
+        float *y = fl_st_frand(c, n, -3, 3);
         fl_status s0 = c->ref->accumulate16(c->ref, acc, FL_BF16, y, n);
         st_bufs b = {0};
-        void *da = st_up(c, &b, accd, n * 2), *dy = st_up(c, &b, y, n * 4);
+        void *da = fl_st_up(c, &b, accd, n * 2), *dy = fl_st_up(c, &b, y, n * 4);
         fl_status s = b.failed ? FL_ERR_IO : c->dev->accumulate16(c->dev, da, FL_BF16, dy, n);
-        st_down(c, &b, accd, da, n * 2);
+        fl_st_down(c, &b, accd, da, n * 2);
         /* one fp32 add then one RNE rounding: the same bits */
         st_cmp r = {0, s0 == FL_OK && memcmp(acc, accd, n * 2) == 0};
-        st_report(c, name, &r, s != FL_OK || b.failed, -1);
-        st_free(c, &b);
+        fl_st_report(c, name, &r, s != FL_OK || b.failed, -1);
+        fl_st_free(c, &b);
         free(acc); free(accd); free(y);
     }
     name = "adamw_update bf16 params, bf16 grads, bf16 state";
-    if (st_want(c, name)) {
+    if (fl_st_want(c, name)) {
         uint16_t *p = malloc(n * 2), *g = malloc(n * 2), *m = malloc(n * 2), *v = malloc(n * 2);
         for (size_t i = 0; i < n; i++) {
-            p[i] = fl_f32_to_bf16(st_rand(c, -1, 1));
-            g[i] = fl_f32_to_bf16(st_rand(c, -1, 1));
-            m[i] = fl_f32_to_bf16(st_rand(c, -0.1f, 0.1f));
-            v[i] = fl_f32_to_bf16(st_rand(c, 0, 0.01f));
+            p[i] = fl_f32_to_bf16(fl_st_rand(c, -1, 1));
+            g[i] = fl_f32_to_bf16(fl_st_rand(c, -1, 1));
+            m[i] = fl_f32_to_bf16(fl_st_rand(c, -0.1f, 0.1f));
+            v[i] = fl_f32_to_bf16(fl_st_rand(c, 0, 0.01f));
         }
         st_bufs b = {0};
-        void *dp = st_up(c, &b, p, n * 2), *dg = st_up(c, &b, g, n * 2), *dm = st_up(c, &b, m, n * 2);
-        void *dv = st_up(c, &b, v, n * 2);
+        void *dp = fl_st_up(c, &b, p, n * 2), *dg = fl_st_up(c, &b, g, n * 2), *dm = fl_st_up(c, &b, m, n * 2);
+        void *dv = fl_st_up(c, &b, v, n * 2);
         fl_status s0 = c->ref->adamw_update(c->ref, p, FL_BF16, g, FL_BF16, m, v, FL_BF16, n, 1e-3f, 0.9f, 0.999f,
                                                1e-8f, 0.01f, 5, 1.0f);
         fl_status s = b.failed ? FL_ERR_IO
                                : c->dev->adamw_update(c->dev, dp, FL_BF16, dg, FL_BF16, dm, dv, FL_BF16, n, 1e-3f,
                                                          0.9f, 0.999f, 1e-8f, 0.01f, 5, 1.0f);
         uint16_t *pd = malloc(n * 2);
-        st_down(c, &b, pd, dp, n * 2);
+        fl_st_down(c, &b, pd, dp, n * 2);
         /* fp32 evaluation on both (an FMA or sqrt ulp apart) then one bf16 rounding: equal, or one
          * bf16 ulp apart where the fp32 values straddle a rounding boundary */
         size_t bad = 0;
@@ -475,8 +485,8 @@ static void st_case_lowp(st_ctx *c) {
             if (d > 1 || d < -1) bad++;
         }
         st_cmp r = {(double)bad, s0 == FL_OK && bad == 0};
-        st_report(c, name, &r, s != FL_OK || b.failed, -1);
-        st_free(c, &b);
+        fl_st_report(c, name, &r, s != FL_OK || b.failed, -1);
+        fl_st_free(c, &b);
         free(p); free(g); free(m); free(v); free(pd);
     }
     free(x);
@@ -486,15 +496,15 @@ static void st_case_lowp(st_ctx *c) {
 static void st_case_adam8bit(st_ctx *c, size_t n) {
     char name[64];
     snprintf(name, sizeof name, "adam8bit_update n=%zu (3 steps)", n);
-    if (!st_want(c, name)) return;
+    if (!fl_st_want(c, name)) return;
     size_t sb = fl_adam8bit_state_bytes(n);
-    float *p = st_frand(c, n, -1, 1), *pd = st_dup(p, n), *g = st_frand(c, n, -1, 1);
+    float *p = fl_st_frand(c, n, -1, 1), *pd = fl_st_dup(p, n), *g = fl_st_frand(c, n, -1, 1);
     void *sr = calloc(1, sb + 64);
     fl_adam8bit_state str, std_;
     fl_status s0 = fl_adam8bit_state_bind(&str, n, sr);
     st_bufs b = {0};
-    void *ds = st_up(c, &b, NULL, sb);
-    float *dp = st_up(c, &b, p, n * 4), *dg = st_up(c, &b, g, n * 4);
+    void *ds = fl_st_up(c, &b, NULL, sb);
+    float *dp = fl_st_up(c, &b, p, n * 4), *dg = fl_st_up(c, &b, g, n * 4);
     fl_status s = b.failed ? FL_ERR_IO : fl_adam8bit_state_bind(&std_, n, ds);
     for (int step = 1; step <= 3 && s0 == FL_OK; step++) {
         s0 = c->ref->adam8bit_update(c->ref, p, FL_F32, g, FL_F32, &str, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, step, 1.0f);
@@ -502,7 +512,7 @@ static void st_case_adam8bit(st_ctx *c, size_t n) {
             s = c->dev->adam8bit_update(c->dev, dp, FL_F32, dg, FL_F32, &std_, 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, step,
                                         1.0f);
     }
-    st_down(c, &b, pd, dp, n * 4);
+    fl_st_down(c, &b, pd, dp, n * 4);
     /* Same fp32 formula on both sides, so the 8-bit codes agree except where a value sits on a
      * quantization midpoint and an FMA or sqrt ulp tips it to the neighbouring code. So: every
      * parameter within fp32 noise (8 ulp of |p| <= 1.1), except at most 0.1% of them, and those
@@ -515,8 +525,8 @@ static void st_case_adam8bit(st_ctx *c, size_t n) {
         if (d / trivial > worst) worst = d / trivial;
     }
     st_cmp r = {worst, s0 == FL_OK && far <= n / 1000 && worst <= 1};
-    st_report(c, name, &r, s != FL_OK || b.failed, -1);
-    st_free(c, &b);
+    fl_st_report(c, name, &r, s != FL_OK || b.failed, -1);
+    fl_st_free(c, &b);
     free(p); free(pd); free(g); free(sr);
 }
 
@@ -524,10 +534,10 @@ static void st_case_adam8bit(st_ctx *c, size_t n) {
 static void st_case_q4(st_ctx *c, int N, int rows, int cols, int dq) {
     char name[80];
     snprintf(name, sizeof name, "q4_matmul nf4%s fwd+bwd N%d %dx%d", dq ? "+dq" : "", N, rows, cols);
-    if (!st_want(c, name)) return;
+    if (!fl_st_want(c, name)) return;
     size_t nw = (size_t)rows * cols, qb = fl_q4_bytes(nw, dq);
-    float *W = st_frand(c, nw, -0.1f, 0.1f), *x = st_frand(c, (size_t)N * cols, -1, 1);
-    float *dy = st_frand(c, (size_t)N * rows, -1, 1);
+    float *W = fl_st_frand(c, nw, -0.1f, 0.1f), *x = fl_st_frand(c, (size_t)N * cols, -1, 1);
+    float *dy = fl_st_frand(c, (size_t)N * rows, -1, 1);
     void *hq = calloc(1, qb + 64);
     fl_q4_weight wq, wd;
     fl_status s0 = fl_q4_bind(&wq, rows, cols, FL_Q4_NF4, dq, hq);
@@ -537,20 +547,20 @@ static void st_case_q4(st_ctx *c, int N, int rows, int cols, int dq) {
     if (s0 == FL_OK) s0 = c->ref->q4_matmul_forward(c->ref, yr, rows, x, &wq, N, 0.0f);
     if (s0 == FL_OK) s0 = c->ref->q4_matmul_backward(c->ref, xr, dy, rows, &wq, N, 0.0f);
     st_bufs b = {0};
-    void *dq_ = st_up(c, &b, hq, qb);
-    float *dx = st_up(c, &b, x, (size_t)N * cols * 4), *ddy = st_up(c, &b, dy, (size_t)N * rows * 4);
-    float *dyo = st_up(c, &b, NULL, (size_t)N * rows * 4), *dxo = st_up(c, &b, NULL, (size_t)N * cols * 4);
+    void *dq_ = fl_st_up(c, &b, hq, qb);
+    float *dx = fl_st_up(c, &b, x, (size_t)N * cols * 4), *ddy = fl_st_up(c, &b, dy, (size_t)N * rows * 4);
+    float *dyo = fl_st_up(c, &b, NULL, (size_t)N * rows * 4), *dxo = fl_st_up(c, &b, NULL, (size_t)N * cols * 4);
     fl_status s = b.failed ? FL_ERR_IO : fl_q4_bind(&wd, rows, cols, FL_Q4_NF4, dq, dq_);
     if (s == FL_OK) s = c->dev->q4_matmul_forward(c->dev, dyo, rows, dx, &wd, N, 0.0f);
     if (s == FL_OK) s = c->dev->q4_matmul_backward(c->dev, dxo, ddy, rows, &wd, N, 0.0f);
-    st_down(c, &b, yd, dyo, (size_t)N * rows * 4);
-    st_down(c, &b, xd, dxo, (size_t)N * cols * 4);
+    fl_st_down(c, &b, yd, dyo, (size_t)N * rows * 4);
+    fl_st_down(c, &b, xd, dxo, (size_t)N * cols * 4);
     st_cmp r = {0, s0 == FL_OK};
     /* mag: |x| <= 1, |deq(W)| <= 0.1 * (1 + 2^-7): sum of K terms <= 0.11 K; L = K */
-    st_compare(&r, yd, yr, NULL, 0.11 * cols, (size_t)N * rows, 2, cols, U32, 0);
-    st_compare(&r, xd, xr, NULL, 0.11 * rows, (size_t)N * cols, 2, rows, U32, 0);
-    st_report(c, name, &r, s != FL_OK || b.failed, -1);
-    st_free(c, &b);
+    fl_st_compare(&r, yd, yr, NULL, 0.11 * cols, (size_t)N * rows, 2, cols, U32, 0);
+    fl_st_compare(&r, xd, xr, NULL, 0.11 * rows, (size_t)N * cols, 2, rows, U32, 0);
+    fl_st_report(c, name, &r, s != FL_OK || b.failed, -1);
+    fl_st_free(c, &b);
     free(W); free(x); free(dy); free(hq); free(yr); free(yd); free(xr); free(xd);
 }
 
@@ -558,12 +568,12 @@ static void st_case_q4(st_ctx *c, int N, int rows, int cols, int dq) {
 static void st_case_lora(st_ctx *c, int N, int in, int out, int r_, float p) {
     char name[80];
     snprintf(name, sizeof name, "lora fwd+bwd N%d %d->%d r%d dropout %.2f", N, in, out, r_, (double)p);
-    if (!st_want(c, name)) return;
-    float *x = st_frand(c, (size_t)N * in, -1, 1), *A = st_frand(c, (size_t)r_ * in, -0.1f, 0.1f);
-    float *B = st_frand(c, (size_t)out * r_, -0.1f, 0.1f), *dy = st_frand(c, (size_t)N * out, -1, 1);
-    float *y0 = st_frand(c, (size_t)N * out, -1, 1);
+    if (!fl_st_want(c, name)) return;
+    float *x = fl_st_frand(c, (size_t)N * in, -1, 1), *A = fl_st_frand(c, (size_t)r_ * in, -0.1f, 0.1f);
+    float *B = fl_st_frand(c, (size_t)out * r_, -0.1f, 0.1f), *dy = fl_st_frand(c, (size_t)N * out, -1, 1);
+    float *y0 = fl_st_frand(c, (size_t)N * out, -1, 1);
     size_t nw = (size_t)N * r_ + (size_t)N * in;
-    float *yr = st_dup(y0, (size_t)N * out), *hr = calloc((size_t)N * r_, 4), *xdr = calloc((size_t)N * in, 4);
+    float *yr = fl_st_dup(y0, (size_t)N * out), *hr = calloc((size_t)N * r_, 4), *xdr = calloc((size_t)N * in, 4);
     float *dxr = calloc((size_t)N * in, 4), *dAr = calloc((size_t)r_ * in, 4), *dBr = calloc((size_t)out * r_, 4);
     float *wr = calloc(nw, 4);
     fl_status s0 = c->ref->lora_forward(c->ref, yr, out, hr, xdr, x, A, B, N, in, out, r_, 2.0f, p, 99);
@@ -571,12 +581,12 @@ static void st_case_lora(st_ctx *c, int N, int in, int out, int r_, float p) {
         s0 = c->ref->lora_backward(c->ref, dxr, dAr, dBr, dy, out, p > 0 ? xdr : x, hr, A, B, N, in, out, r_, 2.0f, p, 99,
                                    wr);
     st_bufs b = {0};
-    float *dx_ = st_up(c, &b, x, (size_t)N * in * 4), *dA_ = st_up(c, &b, A, (size_t)r_ * in * 4);
-    float *dB_ = st_up(c, &b, B, (size_t)out * r_ * 4), *ddy = st_up(c, &b, dy, (size_t)N * out * 4);
-    float *dyv = st_up(c, &b, y0, (size_t)N * out * 4), *dh = st_up(c, &b, NULL, (size_t)N * r_ * 4);
-    float *dxd = st_up(c, &b, NULL, (size_t)N * in * 4), *ddx = st_up(c, &b, NULL, (size_t)N * in * 4);
-    float *ddA = st_up(c, &b, NULL, (size_t)r_ * in * 4), *ddB = st_up(c, &b, NULL, (size_t)out * r_ * 4);
-    float *dw = st_up(c, &b, NULL, nw * 4);
+    float *dx_ = fl_st_up(c, &b, x, (size_t)N * in * 4), *dA_ = fl_st_up(c, &b, A, (size_t)r_ * in * 4);
+    float *dB_ = fl_st_up(c, &b, B, (size_t)out * r_ * 4), *ddy = fl_st_up(c, &b, dy, (size_t)N * out * 4);
+    float *dyv = fl_st_up(c, &b, y0, (size_t)N * out * 4), *dh = fl_st_up(c, &b, NULL, (size_t)N * r_ * 4);
+    float *dxd = fl_st_up(c, &b, NULL, (size_t)N * in * 4), *ddx = fl_st_up(c, &b, NULL, (size_t)N * in * 4);
+    float *ddA = fl_st_up(c, &b, NULL, (size_t)r_ * in * 4), *ddB = fl_st_up(c, &b, NULL, (size_t)out * r_ * 4);
+    float *dw = fl_st_up(c, &b, NULL, nw * 4);
     fl_status s = b.failed ? FL_ERR_IO
                            : c->dev->lora_forward(c->dev, dyv, out, dh, dxd, dx_, dA_, dB_, N, in, out, r_, 2.0f, p, 99);
     if (s == FL_OK)
@@ -584,24 +594,24 @@ static void st_case_lora(st_ctx *c, int N, int in, int out, int r_, float p) {
                                   p, 99, dw);
     float *yd = malloc((size_t)N * out * 4), *dxh = malloc((size_t)N * in * 4), *dAh = malloc((size_t)r_ * in * 4);
     float *dBh = malloc((size_t)out * r_ * 4);
-    st_down(c, &b, yd, dyv, (size_t)N * out * 4);
-    st_down(c, &b, dxh, ddx, (size_t)N * in * 4);
-    st_down(c, &b, dAh, ddA, (size_t)r_ * in * 4);
-    st_down(c, &b, dBh, ddB, (size_t)out * r_ * 4);
+    fl_st_down(c, &b, yd, dyv, (size_t)N * out * 4);
+    fl_st_down(c, &b, dxh, ddx, (size_t)N * in * 4);
+    fl_st_down(c, &b, dAh, ddA, (size_t)r_ * in * 4);
+    fl_st_down(c, &b, dBh, ddB, (size_t)out * r_ * 4);
     st_cmp r = {0, s0 == FL_OK};
     double sc = 1.0 / (1.0 - p);
     /* chains of two products: magnitudes bounded by the factors' bounds (|x|, |dy| <= 1, |A|, |B| <= 0.1) */
-    st_compare(&r, yd, yr, NULL, 1 + 2 * 0.01 * in * r_ * sc, (size_t)N * out, 4, in + r_, U32, 0);
-    st_compare(&r, dBh, dBr, NULL, 2 * 0.1 * in * sc * N, (size_t)out * r_, 4, N + in, U32, 0);
-    st_compare(&r, dAh, dAr, NULL, 2 * 0.1 * out * sc * N, (size_t)r_ * in, 4, N + out, U32, 0);
-    st_compare(&r, dxh, dxr, NULL, 2 * 0.01 * out * r_ * sc, (size_t)N * in, 4, out + r_, U32, 0);
-    st_report(c, name, &r, s != FL_OK || b.failed, -1);
-    st_free(c, &b);
+    fl_st_compare(&r, yd, yr, NULL, 1 + 2 * 0.01 * in * r_ * sc, (size_t)N * out, 4, in + r_, U32, 0);
+    fl_st_compare(&r, dBh, dBr, NULL, 2 * 0.1 * in * sc * N, (size_t)out * r_, 4, N + in, U32, 0);
+    fl_st_compare(&r, dAh, dAr, NULL, 2 * 0.1 * out * sc * N, (size_t)r_ * in, 4, N + out, U32, 0);
+    fl_st_compare(&r, dxh, dxr, NULL, 2 * 0.01 * out * r_ * sc, (size_t)N * in, 4, out + r_, U32, 0);
+    fl_st_report(c, name, &r, s != FL_OK || b.failed, -1);
+    fl_st_free(c, &b);
     free(x); free(A); free(B); free(dy); free(y0); free(yr); free(hr); free(xdr); free(dxr); free(dAr); free(dBr);
     free(wr); free(yd); free(dxh); free(dAh); free(dBh);
 }
 
-static void st_run_all(st_ctx *c) {
+void fl_st_run_all(st_ctx *c) {
     /* small: the shapes of `make test`, where the backend may run under the CUDA emulator (a fiber
      * per GPU thread); still odd, still across tile and block edges */
     const int sm = c->small;

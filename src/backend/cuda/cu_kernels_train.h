@@ -1,4 +1,4 @@
-/* fitllm CUDA kernels, part two: embeddings, 8-bit AdamW, the 4-bit (NF4/FP4) matmuls and
+/* fitllm CUDA kernels of the training extras: embeddings, 8-bit AdamW, the 4-bit (NF4/FP4) matmuls and
  * dequantization, and the LoRA dropout pieces (src/backend/cuda/kernels/{embedding,adam8bit,q4,
  * lora}.cu). Same conventions as cu_kernels.h: each launcher exists as fl_cuk_NAME (nvcc,
  * device pointers, asynchronous on `stream`) and fl_cuemu_NAME (the emulator, host pointers,
@@ -8,8 +8,8 @@
  *
  * Structs passed by pointer (fl_adam8bit_state, fl_q4_weight) are HOST structs whose pointer
  * fields point to device memory; the launcher reads them on the host. */
-#ifndef FL_CU_KERNELS_MORE_H
-#define FL_CU_KERNELS_MORE_H
+#ifndef FL_CU_KERNELS_TRAIN_H
+#define FL_CU_KERNELS_TRAIN_H
 
 #include <stddef.h>
 #include <stdint.h>

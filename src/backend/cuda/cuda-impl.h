@@ -1,6 +1,6 @@
 /* fitllm CUDA backend objects (EXPERIMENTAL): "cuda" (the GPU; FL_CUDA builds) and "cuda-emu"
  * (the same backend code over the CPU emulator and the cuBLASLt stand-in, host memory; linked
- * into the test programs only, registered with fl_backend_register). See backend_cuda_impl.h. */
+ * into the test programs only, registered with fl_backend_register). See cuda-backend-impl.h. */
 #ifndef FL_BACKEND_CUDA_H
 #define FL_BACKEND_CUDA_H
 
@@ -10,7 +10,7 @@
 extern "C" {
 #endif
 
-/* The real backend's op scratch (backend_cuda_impl.h): cuBLASLt workspace, mixed-type GEMM panels,
+/* The real backend's op scratch (cuda-backend-impl.h): cuBLASLt workspace, mixed-type GEMM panels,
  * kernel work, + 256 bytes of re-alignment. The planner uses these sizes for a GPU plan. */
 #define FL_CUDA_LT_WS_BYTES (32u << 20)
 #define FL_CUDA_PANEL_BYTES (32u << 20)

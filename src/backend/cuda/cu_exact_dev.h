@@ -1,12 +1,12 @@
-/* Device-side helpers shared by the kernels of cu_kernels_more.h (included by .cu files only,
+/* Device-side helpers shared by the kernels of cu_kernels_train.h (included by .cu files only,
  * after cu_compat.h): fp32 multiply / add with one rounding each and no contraction (nvcc would
  * otherwise fuse a*b+c into an FMA; the emulator is built with -ffp-contract=off), so kernels
  * that must reproduce the CPU backend's bits (8-bit AdamW, the double-quantized absmax) say so
  * explicitly; and bitsandbytes' dynamic code tables (copies of fl_adam8bit_code_signed /
  * _unsigned from src/core/adam8bit.c, checked equal bit for bit by tests/test_cuda_more.c
  * through fl_cuemu_adam8bit_codes and on the GPU by tests/cuda/check_more.c). */
-#ifndef FL_CU_MORE_DEV_H
-#define FL_CU_MORE_DEV_H
+#ifndef FL_CU_EXACT_DEV_H
+#define FL_CU_EXACT_DEV_H
 
 #include "backend/cuda/cu_compat.h"
 

@@ -337,8 +337,8 @@ static fl_status flb_accumulate16(const fl_backend *be, uint16_t *dst, fl_dtype 
     return FL_OK;
 }
 
-/* The ops whose kernels live in cu_kernels_attn.h and cu_kernels_more.h. */
-#include "backend/cuda/backend_cuda_ops2.h"
+/* The ops whose kernels live in cu_kernels_attn.h and cu_kernels_train.h. */
+#include "backend/cuda/cuda-work-ops-impl.h"
 
 /* LoRA: the CPU backend's composition (four GEMMs through this backend's gemm) with the dropout
  * mask as kernels (the same pure function of (seed, index) as fitllm/lora.h). */
