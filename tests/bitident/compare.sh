@@ -5,6 +5,8 @@
 #
 #   tests/bitident/compare.sh OLD_BUILD NEW_BUILD [BACKEND...]     (default: cpu ref opaque, + cuda-emu if built)
 #   FITLLM_BITIDENT_STEPS=N (default 20), FITLLM_BITIDENT_ONLY=SUBSTR (one case family)
+#   FITLLM_BITIDENT_CACHE=1: keep OLD_BUILD's fingerprint in OLD_BUILD/bitident-*.txt and reuse it
+#     (for a build that no longer changes; a build that changes must not be cached)
 #
 # OLD_BUILD is a build of the commit to compare against, with fitllm_bitident built in it (copy
 # tests/bitident/ and the fitllm_bitident target into an older tree when it predates them).
@@ -25,7 +27,14 @@ args=(--steps "${FITLLM_BITIDENT_STEPS:-20}")
 [ -n "${FITLLM_BITIDENT_ONLY:-}" ] && args+=(--only "$FITLLM_BITIDENT_ONLY")
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-"$old/fitllm_bitident" "${args[@]}" "${backends[@]}" >"$tmp/old" 2>"$tmp/old.err"
+key=$(echo "${args[*]} ${backends[*]}" | tr -c 'A-Za-z0-9\n-' '_')
+cache="$old/bitident-$key.txt"
+if [ "${FITLLM_BITIDENT_CACHE:-0}" = 1 ] && [ -s "$cache" ]; then
+    cp "$cache" "$tmp/old"
+else
+    "$old/fitllm_bitident" "${args[@]}" "${backends[@]}" >"$tmp/old" 2>"$tmp/old.err"
+    [ "${FITLLM_BITIDENT_CACHE:-0}" = 1 ] && cp "$tmp/old" "$cache"
+fi
 "$new/fitllm_bitident" "${args[@]}" "${backends[@]}" >"$tmp/new" 2>"$tmp/new.err"
 n=$(wc -l <"$tmp/new")
 if cmp -s "$tmp/old" "$tmp/new"; then
