@@ -712,7 +712,6 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
         FL_TRY(found_inf(o, inv, &found));
         if (fl_loss_scale_update(&o->ls, found)) { /* overflow: no update, scale backed off */
             o->last_skipped = 1;
-            fl_model_grads_live(m, 0); /* discarded */
             if (norm_out) *norm_out = NAN;
             return FL_OK;
         }
@@ -755,6 +754,5 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
     /* ZeRO: every rank's updated range to every rank before anything reads the weights */
     if (o->dist && o->dist->stage > 0 && o->dist->gather) FL_TRY(o->dist->gather(o->dist->ud, o));
     if (!m->lora) fl_model_sync_compute_copy(m); /* mixed precision: matmuls read the refreshed copy */
-    fl_model_grads_live(m, 0); /* consumed: the next step starts from zero */
     return FL_OK;
 }

@@ -719,41 +719,20 @@ static fl_status setup_training(trainer *t, const fl_run_config *rcfg, const fl_
     return FL_OK;
 }
 
-/* One optimizer step over this rank's fetched micro-batches t->mbs: forward + backward of each
- * (gradients accumulate locally; the memory snapshots are fl_train_micro's), the reduction over
- * the ranks, the update. iter0: global micro-batches before this step; step_valid: the valid
- * targets of the whole step (0: nothing to learn, no update). (loss sum, valid) per micro-batch
- * go to this rank's slots of t->mb_stats. */
+/* One optimizer step over this rank's fetched micro-batches t->mbs (fl_step_run, the step
+ * bench-step times): iter0: global micro-batches before this step; step_valid: the valid targets
+ * of the whole step (0: nothing to learn, no update). (loss sum, valid) per micro-batch go to this
+ * rank's slots of t->mb_stats. A diverged micro-batch or update is said with its step and iteration. */
 static fl_status train_step(trainer *t, long iter0, long step_valid, float lr, fl_step_result *sr) {
     const fl_run_config *cfg = t->cfg;
-    fl_model_zero_grads(&t->model);
-    memset(sr, 0, sizeof *sr);
-    double *mine = t->mb_stats + (size_t)t->dp.rank * 2 * t->accum; /* (loss sum, valid) per k */
-    for (int k = 0; k < t->accum; k++) {
-        double it0 = now_s(), ls_k = 0;
-        long nv_k = 0, j = (long)k * t->dp.world + t->dp.rank;
-        if (step_valid > 0) { /* every target of the step masked: nothing to learn, skip the update */
-            /* LoRA dropout masks depend on (seed, global iteration) only: a resumed run, and
-             * any world size, draws the same */
-            fl_model_lora_set_seed(&t->model, cfg->seed * 0x9e3779b97f4a7c15ULL + (uint64_t)(iter0 + j));
-            fl_dp_buckets_arm(&t->dp, &t->opt, k == t->accum - 1); /* the last backward reduces block by block */
-            FL_TRY(diverged(t, fl_train_micro(&t->model, &t->opt, &t->mbs[k], k, 0, step_valid, lr,
-                                              cfg->train.max_norm, &ls_k, &nv_k, sr), t->st.step + 1, iter0 + j + 1));
-        }
-        mine[2 * k] = ls_k;
-        mine[2 * k + 1] = (double)nv_k;
-        t->mb_ms[k] = (now_s() - it0) * 1e3;
-    }
-    if (step_valid > 0) {
-        double u0 = now_s();
-        /* the sum over ranks, then one update: clipping and fp16 overflow skips see the same
-         * reduced gradients on every rank, so they decide alike */
-        FL_TRY(fl_dp_reduce_grads(&t->dp, &t->opt));
-        FL_TRY(diverged(t, fl_train_update(&t->model, &t->opt, lr, cfg->train.max_norm, sr), t->st.step + 1,
-                        iter0 + t->G));
-        t->mb_ms[t->accum - 1] += (now_s() - u0) * 1e3; /* the step's last iteration carries the update */
-    }
-    return FL_OK;
+    fl_step_ctx c = {.mbs = t->mbs, .n_micro = t->accum, .step_valid = step_valid, .skip_empty = 1, .lr = lr,
+                     .max_norm = cfg->train.max_norm, .dp = &t->dp, .seeded = 1,
+                     .seed = cfg->seed * 0x9e3779b97f4a7c15ULL, .iter0 = iter0,
+                     .mb_stats = t->mb_stats + (size_t)t->dp.rank * 2 * t->accum, .mb_ms = t->mb_ms};
+    fl_status s = fl_step_run(&t->model, &t->opt, &c, sr);
+    if (s == FL_OK) return s;
+    long it = c.failed_k < t->accum ? iter0 + (long)c.failed_k * t->dp.world + t->dp.rank + 1 : iter0 + t->G;
+    return diverged(t, s, t->st.step + 1, it);
 }
 
 /* The pool's memory record into r: the all-time peaks, the snapshots, and on FL_ERR_OOM the
