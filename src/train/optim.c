@@ -10,24 +10,6 @@
 #include "fitllm/train.h"
 #include "dp.h"
 
-void fl_optim_config_default(fl_optim_config *c, fl_optim_kind kind) {
-    memset(c, 0, sizeof *c);
-    c->kind = kind;
-    c->lr = 1e-3f;
-    c->state_dtype = FL_F32;
-    if (kind == FL_OPT_ADAMW || kind == FL_OPT_ADAMW8BIT) {
-        c->beta1 = 0.9f;
-        c->beta2 = 0.999f;
-        c->eps = 1e-8f;
-        c->weight_decay = 0.01f;
-    }
-}
-
-const char *fl_optim_name(fl_optim_kind kind) {
-    static const char *n[FL_OPT_COUNT] = {"AdamW", "SGD", "AdamW8bit"};
-    return (kind >= 0 && kind < FL_OPT_COUNT) ? n[kind] : "?";
-}
-
 size_t fl_optim_state_bytes(const fl_optim_config *c, size_t n) {
     size_t es = c->state_dtype == FL_BF16 ? 2 : 4;
     switch (c->kind) {
@@ -700,7 +682,6 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
         FL_TRY(found_inf(o, inv, &found));
         if (fl_loss_scale_update(&o->ls, found)) { /* overflow: no update, scale backed off */
             o->last_skipped = 1;
-            fl_model_grads_live(m, 0); /* discarded */
             if (norm_out) *norm_out = NAN;
             return FL_OK;
         }
@@ -743,6 +724,5 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
     /* ZeRO: every rank's updated range to every rank before anything reads the weights */
     if (o->dist && o->dist->stage > 0 && o->dist->gather) FL_TRY(o->dist->gather(o->dist->ud, o));
     if (!m->lora) fl_model_sync_compute_copy(m); /* mixed precision: matmuls read the refreshed copy */
-    fl_model_grads_live(m, 0); /* consumed: the next step starts from zero */
     return FL_OK;
 }
