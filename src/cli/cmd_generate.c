@@ -275,49 +275,63 @@ static int opt(const char *a, const char *under) {
     return !strcmp(a, dash);
 }
 
-int fl_cmd_generate(int argc, char **argv) {
-    const char *cmd = "generate", *model_path = NULL, *prompt = NULL, *prompt_ids = NULL, *tok_path = NULL, *adapter = NULL;
-    int threads = 0, seed = -1;
+/* generate's options. */
+typedef struct {
+    const char *model_path, *prompt, *prompt_ids, *tok_path, *adapter;
+    int threads, seed;
     fl_gen_params gp;
-    fl_gen_params_default(&gp);
+    char named[FL_CLI_PATH], tok_named[FL_CLI_PATH]; /* Hugging Face repo ids: their downloaded folders */
+} gen_opts;
+
+/* The command line into o: -1 to run, else the exit code (help, a usage error). */
+static int parse_opts(int argc, char **argv, const char *cmd, gen_opts *o) {
+    memset(o, 0, sizeof *o);
+    o->seed = -1;
+    fl_gen_params_default(&o->gp);
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) { help(); return 0; }
-        else if (opt(a, "--prompt") && v) { prompt = v; i++; }
-        else if (opt(a, "--prompt_ids") && v) { prompt_ids = v; i++; }
-        else if (opt(a, "--tokenizer") && v) { tok_path = v; i++; }
-        else if (opt(a, "--adapter") && v) { adapter = v; i++; }
-        else if (opt(a, "--max_new_tokens")) { if (fl_cli_int(cmd, a, v, 0, 1 << 30, &gp.max_new_tokens)) return 2; i++; }
-        else if (opt(a, "--top_k")) { if (fl_cli_int(cmd, a, v, 0, 1 << 30, &gp.top_k)) return 2; i++; }
-        else if (opt(a, "--temperature")) { if (fl_cli_float(cmd, a, v, &gp.temperature)) return 2; i++; }
-        else if (opt(a, "--top_p")) { if (fl_cli_float(cmd, a, v, &gp.top_p)) return 2; i++; }
-        else if (opt(a, "--seed")) { if (fl_cli_int(cmd, a, v, 0, 1 << 30, &seed)) return 2; i++; }
-        else if (opt(a, "--threads")) { if (fl_cli_int(cmd, a, v, 0, 1024, &threads)) return 2; i++; }
+        else if (opt(a, "--prompt") && v) { o->prompt = v; i++; }
+        else if (opt(a, "--prompt_ids") && v) { o->prompt_ids = v; i++; }
+        else if (opt(a, "--tokenizer") && v) { o->tok_path = v; i++; }
+        else if (opt(a, "--adapter") && v) { o->adapter = v; i++; }
+        else if (opt(a, "--max_new_tokens")) { if (fl_cli_int(cmd, a, v, 0, 1 << 30, &o->gp.max_new_tokens)) return 2; i++; }
+        else if (opt(a, "--top_k")) { if (fl_cli_int(cmd, a, v, 0, 1 << 30, &o->gp.top_k)) return 2; i++; }
+        else if (opt(a, "--temperature")) { if (fl_cli_float(cmd, a, v, &o->gp.temperature)) return 2; i++; }
+        else if (opt(a, "--top_p")) { if (fl_cli_float(cmd, a, v, &o->gp.top_p)) return 2; i++; }
+        else if (opt(a, "--seed")) { if (fl_cli_int(cmd, a, v, 0, 1 << 30, &o->seed)) return 2; i++; }
+        else if (opt(a, "--threads")) { if (fl_cli_int(cmd, a, v, 0, 1024, &o->threads)) return 2; i++; }
         else if (opt(a, "--accelerator")) { int rc = fl_cli_accelerator(cmd, v); if (rc) return rc; i++; }
         else if (a[0] == '-')
             return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--adapter", "--help", "--max_new_tokens",
                                                                          "--prompt", "--prompt_ids", "--seed", "--temperature",
                                                                          "--threads", "--tokenizer", "--top_k", "--top_p", NULL});
-        else if (!model_path) model_path = a;
+        else if (!o->model_path) o->model_path = a;
         else return fl_cli_usage(cmd, "unexpected argument '%s'", a);
     }
-    if (!model_path) return fl_cli_usage(cmd, "missing <model>");
-    char named[FL_CLI_PATH], tok_named[FL_CLI_PATH]; /* Hugging Face repo ids: their downloaded folders */
-    int named_rc = fl_cli_model_arg(cmd, &model_path, named, sizeof named);
-    if (!named_rc && tok_path) named_rc = fl_cli_model_arg(cmd, &tok_path, tok_named, sizeof tok_named);
+    if (!o->model_path) return fl_cli_usage(cmd, "missing <model>");
+    int named_rc = fl_cli_model_arg(cmd, &o->model_path, o->named, sizeof o->named);
+    if (!named_rc && o->tok_path) named_rc = fl_cli_model_arg(cmd, &o->tok_path, o->tok_named, sizeof o->tok_named);
     if (named_rc) return named_rc;
-    if (prompt && prompt_ids) return fl_cli_usage(cmd, "give --prompt or --prompt-ids, not both");
-    if (seed >= 0) gp.seed = (uint64_t)seed;
-    if (fl_gen_params_validate(&gp) != FL_OK) return fl_cli_usage(cmd, "%s", fl_error_message());
-    if (!prompt_ids && !prompt) prompt = DEFAULT_PROMPT;
+    if (o->prompt && o->prompt_ids) return fl_cli_usage(cmd, "give --prompt or --prompt-ids, not both");
+    if (o->seed >= 0) o->gp.seed = (uint64_t)o->seed;
+    if (fl_gen_params_validate(&o->gp) != FL_OK) return fl_cli_usage(cmd, "%s", fl_error_message());
+    if (!o->prompt_ids && !o->prompt) o->prompt = DEFAULT_PROMPT;
+    return -1;
+}
 
+int fl_cmd_generate(int argc, char **argv) {
+    const char *cmd = "generate";
+    gen_opts o;
+    int prc = parse_opts(argc, argv, cmd, &o);
+    if (prc >= 0) return prc;
     gen_model gm;
-    if (resolve_model(model_path, &gm) != FL_OK) {
+    if (resolve_model(o.model_path, &gm) != FL_OK) {
         fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
         return FL_EXIT_USAGE; /* <model> names nothing there is */
     }
     if (gm.note[0]) fprintf(stderr, "fitllm generate: %s\n", gm.note);
-    model_path = gm.path;
+    o.model_path = gm.path;
 
     fl_backend be;
     fl_mem_pool pool, hpool; /* tensors; host staging when the backend's memory is not host memory */
@@ -327,35 +341,35 @@ int fl_cmd_generate(int argc, char **argv) {
     int32_t *ids = NULL, *out = NULL, *eos = NULL;
     stream_state st = {0};
     int n_ids = 0, loaded = 0, rc = 0;
-    fl_status s = fl_backend_init_by_name(fl_backend_default_name(), &be, threads);
+    fl_status s = fl_backend_init_by_name(fl_backend_default_name(), &be, o.threads);
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
     if ((s = fl_backend_pools_init(&be, &pool, &hpool, "cpu", 0)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
     fl_cli_own_random_note(); /* say_init says it */
-    if (gm.preset && !adapter) say_init(&gm, NULL, 0, gp.seed, tok_path); /* first, before the (slow) random init */
-    /* a PEFT adapter folder as <model> (a finetune_lora step-N/): its base with it merged */
-    const char *base = model_path;
-    if (!adapter && is_adapter_dir(model_path)) {
-        adapter = model_path;
+    if (gm.preset && !o.adapter) say_init(&gm, NULL, 0, o.gp.seed, o.tok_path); /* first, before the (slow) random init */
+    /* a PEFT o.adapter folder as <model> (a finetune_lora step-N/): its base with it merged */
+    const char *base = o.model_path;
+    if (!o.adapter && is_adapter_dir(o.model_path)) {
+        o.adapter = o.model_path;
         base = NULL;
     }
     fl_cli_adapter_info info;
     char hint[FL_CLI_PATH + 64];
-    snprintf(hint, sizeof hint, "`fitllm generate <base_dir> --adapter %s`", model_path);
+    snprintf(hint, sizeof hint, "`fitllm generate <base_dir> --adapter %s`", o.model_path);
     /* the model first: a broken config.json is reported as the model's, not as a tokenizer
      * problem (the tokenizer also reads config.json for its special ids) */
-    if ((s = adapter ? fl_cli_load_with_adapter(&m, base, adapter, hint, &be, &pool, &loaded, &info)
-                     : fl_cli_load_model(&m, model_path, 0, gp.seed, &be, &pool, &loaded)) != FL_OK)
+    if ((s = o.adapter ? fl_cli_load_with_adapter(&m, base, o.adapter, hint, &be, &pool, &loaded, &info)
+                     : fl_cli_load_model(&m, o.model_path, 0, o.gp.seed, &be, &pool, &loaded)) != FL_OK)
         goto fail;
-    if (adapter && !base)
+    if (o.adapter && !base)
         fprintf(stderr, "fitllm generate: %s is a LoRA adapter: base model %s with it merged in memory\n", info.adapter,
                 info.base);
-    if (!gm.preset || adapter) say_init(&gm, adapter ? &info : NULL, loaded, gp.seed, tok_path);
-    if (prompt_ids) {
-        if ((s = parse_ids(prompt_ids, &ids, &n_ids)) != FL_OK) goto fail;
+    if (!gm.preset || o.adapter) say_init(&gm, o.adapter ? &info : NULL, loaded, o.gp.seed, o.tok_path);
+    if (o.prompt_ids) {
+        if ((s = parse_ids(o.prompt_ids, &ids, &n_ids)) != FL_OK) goto fail;
     } else {
-        if ((s = gen_tokenizer(&tok, tok_path, &gm, adapter ? &info : NULL, base ? base : info.base)) != FL_OK) goto fail;
+        if ((s = gen_tokenizer(&tok, o.tok_path, &gm, o.adapter ? &info : NULL, base ? base : info.base)) != FL_OK) goto fail;
         size_t n = 0;
-        if ((s = fl_tok_encode(tok, prompt, strlen(prompt), -1, 0, &ids, &n)) != FL_OK) goto fail;
+        if ((s = fl_tok_encode(tok, o.prompt, strlen(o.prompt), -1, 0, &ids, &n)) != FL_OK) goto fail;
         n_ids = (int)n;
         if (n_ids == 0) {
             s = fl_errorf(FL_ERR_INVALID, "the prompt encodes to no tokens (and the tokenizer adds no BOS)");
@@ -373,15 +387,15 @@ int fl_cmd_generate(int argc, char **argv) {
                           m.cfg.vocab_size);
             goto fail;
         }
-    /* The cache holds prompt + new tokens (LitGPT's max_returned_tokens), capped at the context. */
-    long want = (long)n_ids + gp.max_new_tokens;
+    /* The cache holds o.prompt + new tokens (LitGPT's max_returned_tokens), capped at the context. */
+    long want = (long)n_ids + o.gp.max_new_tokens;
     int cap_T = want < m.cfg.max_seq ? (int)want : m.cfg.max_seq;
     if (n_ids > m.cfg.max_seq) {
         s = fl_errorf(FL_ERR_INVALID, "prompt of %d tokens exceeds the model's context of %d", n_ids, m.cfg.max_seq);
         goto fail;
     }
     if ((s = fl_kv_cache_init(&kv, &m, cap_T)) != FL_OK) goto fail;
-    if (!(out = malloc(((size_t)gp.max_new_tokens + 1) * sizeof *out))) { s = fl_errorf(FL_ERR_OOM, "out of host memory"); goto fail; }
+    if (!(out = malloc(((size_t)o.gp.max_new_tokens + 1) * sizeof *out))) { s = fl_errorf(FL_ERR_OOM, "out of host memory"); goto fail; }
     /* every EOS id of the tokenizer (some have several, e.g. <|eot_id|> and <|end_of_text|>) */
     int n_eos = 0;
     if (tok) {
@@ -392,11 +406,11 @@ int fl_cmd_generate(int argc, char **argv) {
     }
     st.tok = tok;
     if (tok) {
-        st.cap = n_ids + gp.max_new_tokens;
+        st.cap = n_ids + o.gp.max_new_tokens;
         if (!(st.all = malloc((size_t)st.cap * sizeof *st.all))) { s = fl_errorf(FL_ERR_OOM, "out of host memory"); goto fail; }
         memcpy(st.all, ids, (size_t)n_ids * sizeof *ids);
         st.n = n_ids;
-        stream_flush(&st, 0); /* the prompt */
+        stream_flush(&st, 0); /* the o.prompt */
     } else {
         for (int i = 0; i < n_ids; i++) printf(i ? " %d" : "%d", (int)ids[i]);
         fflush(stdout);
@@ -404,7 +418,7 @@ int fl_cmd_generate(int argc, char **argv) {
     double t0 = fl_cli_now_ms();
     int n_out = 0;
     fl_gen_stop why;
-    s = fl_generate(&m, &kv, ids, n_ids, &gp, eos, n_eos, out, &n_out, &why, tok ? on_text : on_id, &st);
+    s = fl_generate(&m, &kv, ids, n_ids, &o.gp, eos, n_eos, out, &n_out, &why, tok ? on_text : on_id, &st);
     double t1 = fl_cli_now_ms();
     if (tok) stream_flush(&st, 1);
     printf("\n");

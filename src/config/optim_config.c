@@ -1,6 +1,9 @@
-/* An optimizer's configuration: torch's defaults and the names (fitllm/optim_config.h). */
+/* An optimizer's configuration: torch's defaults and the names (fitllm/optim_config.h); the learning
+ * rate schedule (fitllm/config.h). */
+#include <math.h>
 #include <string.h>
 
+#include "fitllm/config.h"
 #include "fitllm/optim_config.h"
 
 void fl_optim_config_default(fl_optim_config *c, fl_optim_kind kind) {
@@ -19,4 +22,12 @@ void fl_optim_config_default(fl_optim_config *c, fl_optim_kind kind) {
 const char *fl_optim_name(fl_optim_kind kind) {
     static const char *n[FL_OPT_COUNT] = {"AdamW", "SGD", "AdamW8bit"};
     return (kind >= 0 && kind < FL_OPT_COUNT) ? n[kind] : "?";
+}
+
+double fl_lr_schedule(double lr, double min_lr, long step, long warmup, long max_steps) {
+    if (warmup > 0 && step < warmup) return lr * (double)step / (double)warmup;
+    if (max_steps <= warmup) return lr;
+    double progress = (double)(step - warmup) / (double)(max_steps - warmup);
+    if (progress > 1) progress = 1;
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + cos(M_PI * progress));
 }

@@ -771,14 +771,6 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
     return FL_OK;
 }
 
-double fl_lr_schedule(double lr, double min_lr, long step, long warmup, long max_steps) {
-    if (warmup > 0 && step < warmup) return lr * (double)step / (double)warmup;
-    if (max_steps <= warmup) return lr;
-    double progress = (double)(step - warmup) / (double)(max_steps - warmup);
-    if (progress > 1) progress = 1;
-    return min_lr + 0.5 * (lr - min_lr) * (1.0 + cos(M_PI * progress));
-}
-
 /* ---- dump and help ------------------------------------------------------- */
 
 const char *fl_cfg_command_name(fl_cmd_kind cmd) {

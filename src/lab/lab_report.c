@@ -283,9 +283,16 @@ static const char *short_phase(const char *name) {
     return name;
 }
 
-static int write_charts(const fl_lab_report *rep, const char *dir, char *why, size_t wn) {
+/* What the charts are drawn from (write_chart_data), for the script (write_chart_script). */
+typedef struct {
+    const fl_lab_row *blk[64]; /* the experiments with phases, one phases.dat block each */
+    int nblk, nfit;            /* blocks; runs that fit (step_time.dat) */
+    int sweep_idx[2], sweep_fit[2], n_blocks; /* sweep.dat's block per checkpointing setting, whether any fit */
+} chart_data;
+
+/* memory.dat, phases.dat, step_time.dat and (the fsdp suite) sweep.dat: 0 with why on failure. */
+static int write_chart_data(const fl_lab_report *rep, const char *dir, char *why, size_t wn, chart_data *d) {
     char path[4200];
-    if (strchr(dir, '\'') || strchr(dir, '"')) { snprintf(why, wn, "the output folder name has quotes"); return 0; }
     FILE *f = open_out(dir, "memory.dat", path, sizeof path);
     if (!f) { snprintf(why, wn, "cannot write %s", path); return 0; }
     fprintf(f, "# experiment PARAMS GRADS OPTIM ACTS WORKSPACE OTHER GATHER (MiB); OOM rows: the planned need\n");
@@ -303,35 +310,31 @@ static int write_charts(const fl_lab_report *rep, const char *dir, char *why, si
     if (!f) { snprintf(why, wn, "cannot write %s", path); return 0; }
     fprintf(f, "# per experiment (blocks; OOM rows: planned): phase, live PARAMS GRADS OPTIM ACTS WORKSPACE OTHER GATHER, "
                "reserved but not live (MiB)\n");
-    int nblk = 0;
-    const fl_lab_row *blk[64];
-    for (int i = 0; i < rep->n && nblk < 64; i++) {
+    for (int i = 0; i < rep->n && d->nblk < 64; i++) {
         const fl_lab_row *r = &rep->rows[i];
         if (!r->n_phases || (r->verdict != FL_LAB_FITS && r->verdict != FL_LAB_OOM)) continue;
-        if (nblk) fprintf(f, "\n\n");
+        if (d->nblk) fprintf(f, "\n\n");
         for (int k = 0; k < r->n_phases; k++) {
             const fl_mem_phase *ph = &r->phases[k];
             fprintf(f, "\"%s\"", short_phase(ph->name));
             for (int t = 0; t < LAB_TAGS; t++) fprintf(f, " %.3f", MIB(ph->live[t]));
             fprintf(f, " %.3f\n", MIB(ph->cur_total - ph->live_total));
         }
-        blk[nblk++] = r;
+        d->blk[d->nblk++] = r;
     }
     fclose(f);
     f = open_out(dir, "step_time.dat", path, sizeof path);
     if (!f) { snprintf(why, wn, "cannot write %s", path); return 0; }
     fprintf(f, "# experiment ms_per_sample tokens_per_s (runs that fit; ms per optimizer step / (micro batch x "
                "accumulation))\n");
-    int nfit = 0;
     for (int i = 0; i < rep->n; i++)
         if (rep->rows[i].verdict == FL_LAB_FITS) {
             const fl_lab_row *r = &rep->rows[i];
             fprintf(f, "\"%s%s%s\" %.4f %.1f\n", r->name, r->time_note[0] ? ": " : "", r->time_note, ms_per_sample(r),
                     r->tok_s);
-            nfit++;
+            d->nfit++;
         }
     fclose(f);
-    int sweep_idx[2] = {-1, -1}, sweep_fit[2] = {0, 0}, n_blocks = 0;
     if (rep->sweep) { /* the fsdp suite: peak per rank and tok/s against the micro batch, one block per setting */
         f = open_out(dir, "sweep.dat", path, sizeof path);
         if (!f) { snprintf(why, wn, "cannot write %s", path); return 0; }
@@ -341,19 +344,22 @@ static int write_charts(const fl_lab_report *rep, const char *dir, char *why, si
             for (int i = 0; i < rep->n; i++) {
                 const fl_lab_row *r = &rep->rows[i];
                 if (r->act_ckpt != ck || (r->verdict != FL_LAB_FITS && r->verdict != FL_LAB_OOM)) continue;
-                if (sweep_idx[ck] < 0) { /* gnuplot's index: blocks split by two blank lines */
-                    fprintf(f, "%s", n_blocks ? "\n\n" : "");
-                    sweep_idx[ck] = n_blocks++;
+                if (d->sweep_idx[ck] < 0) { /* gnuplot's index: blocks split by two blank lines */
+                    fprintf(f, "%s", d->n_blocks ? "\n\n" : "");
+                    d->sweep_idx[ck] = d->n_blocks++;
                 }
                 fprintf(f, "%d %.3f ", r->B, MIB(r->verdict == FL_LAB_FITS ? r->peak_total : r->planned_peak));
-                if (r->verdict == FL_LAB_FITS) fprintf(f, "%.1f\n", r->tok_s), sweep_fit[ck] = 1;
+                if (r->verdict == FL_LAB_FITS) fprintf(f, "%.1f\n", r->tok_s), d->sweep_fit[ck] = 1;
                 else fprintf(f, "?\n");
             }
         }
         fclose(f);
     }
-    f = open_out(dir, "charts.gp", path, sizeof path);
-    if (!f) { snprintf(why, wn, "cannot write %s", path); return 0; }
+    return 1;
+}
+
+/* charts.gp: the gnuplot script over the data files. */
+static void write_chart_script(const fl_lab_report *rep, FILE *f, const chart_data *d) {
     fprintf(f, "# gnuplot script written by fitllm lab; its files are named relative to this folder:\n"
                "#   cd <this folder> && gnuplot charts.gp\n"
                "set terminal pngcairo size 1280,640 font 'sans,10'\n"
@@ -369,15 +375,15 @@ static int write_charts(const fl_lab_report *rep, const char *dir, char *why, si
                "'WORKSPACE' lc rgb '%s', '' using 7 title 'OTHER' lc rgb '%s', '' using 8 title 'GATHER' lc rgb '%s'\n",
             MIB(rep->budget), MIB(rep->budget), MIB(rep->budget), MIB(rep->budget), k_tag_colour[0], k_tag_colour[1],
             k_tag_colour[2], k_tag_colour[3], k_tag_colour[4], k_tag_colour[5], k_tag_colour[6]);
-    if (nblk) {
+    if (d->nblk) {
         fprintf(f, "set output 'phases.png'\nset terminal pngcairo size 1600,700 font 'sans,9'\n"
                    "set title 'Live memory per phase of a step (colours: live by tag; grey: reserved but holding "
                    "nothing still needed; OOM rows: planned)'\n"
                    "set style histogram rowstacked title textcolor lt -1 offset 0,-1.5\n"
                    "set xtics rotate by -90 scale 0 font ',7'\nset bmargin 7\n");
         fprintf(f, "plot");
-        for (int bI = 0; bI < nblk; bI++) {
-            const fl_lab_row *r = blk[bI];
+        for (int bI = 0; bI < d->nblk; bI++) {
+            const fl_lab_row *r = d->blk[bI];
             fprintf(f, "%s newhistogram \"%s%s\"", bI ? ", \\\n    " : "", r->name, r->verdict == FL_LAB_OOM ? " (OOM, planned)" : "");
             static const char *tags[LAB_TAGS] = {"PARAMS", "GRADS", "OPTIM", "ACTS", "WORKSPACE", "OTHER", "GATHER"};
             for (int t = 0; t < LAB_TAGS; t++) {
@@ -391,7 +397,7 @@ static int write_charts(const fl_lab_report *rep, const char *dir, char *why, si
         }
         fprintf(f, "\nset bmargin\n");
     }
-    if (nfit)
+    if (d->nfit)
         fprintf(f, "unset arrow 1\nunset label 1\nset terminal pngcairo size 1600,640 font 'sans,9'\n"
                    "set output 'step_time.png'\n"
                    "set title 'Time per training sample (ms per optimizer step / samples per step; runs that fit; "
@@ -402,7 +408,7 @@ static int write_charts(const fl_lab_report *rep, const char *dir, char *why, si
                    "plot 'step_time.dat' using (0.5*$2):0:(0.5*$2):(0.38):yticlabels(1) with boxxyerror lc rgb "
                    "'#4477aa'\n",
                 rep->threads ? "fixed" : "all");
-    if (n_blocks) {
+    if (d->n_blocks) {
         fprintf(f, "reset\nset terminal pngcairo size 1280,640 font 'sans,10'\nset output 'sweep.png'\n"
                    "set title 'GPT-2-XL (lab-gpt2-xl) 4x FSDP FULL_SHARD: memory per rank and throughput vs micro "
                    "batch (OOM points: planned need)' noenhanced\n"
@@ -413,16 +419,26 @@ static int write_charts(const fl_lab_report *rep, const char *dir, char *why, si
                 MIB(rep->budget), MIB(rep->budget));
         int k = 0;
         for (int ck = 0; ck < 2; ck++) {
-            if (sweep_idx[ck] < 0) continue;
+            if (d->sweep_idx[ck] < 0) continue;
             const char *col = ck ? "#228833" : "#4477aa", *nm = ck ? "act ckpt" : "no ckpt";
             fprintf(f, "%s 'sweep.dat' index %d using 1:2 with linespoints lw 2 lc rgb '%s' title 'memory, %s'",
-                    k++ ? "," : "", sweep_idx[ck], col, nm);
-            if (sweep_fit[ck]) /* gnuplot refuses an axis with no defined point */
+                    k++ ? "," : "", d->sweep_idx[ck], col, nm);
+            if (d->sweep_fit[ck]) /* gnuplot refuses an axis with no defined point */
                 fprintf(f, ", 'sweep.dat' index %d using 1:3 axes x1y2 with linespoints dt 2 lc rgb '%s' title "
-                           "'tok/s, %s'", sweep_idx[ck], col, nm);
+                           "'tok/s, %s'", d->sweep_idx[ck], col, nm);
         }
         fprintf(f, "\n");
     }
+}
+
+static int write_charts(const fl_lab_report *rep, const char *dir, char *why, size_t wn) {
+    char path[4200];
+    if (strchr(dir, '\'') || strchr(dir, '"')) { snprintf(why, wn, "the output folder name has quotes"); return 0; }
+    chart_data cd = {.sweep_idx = {-1, -1}};
+    if (!write_chart_data(rep, dir, why, wn, &cd)) return 0;
+    FILE *f = open_out(dir, "charts.gp", path, sizeof path);
+    if (!f) { snprintf(why, wn, "cannot write %s", path); return 0; }
+    write_chart_script(rep, f, &cd);
     fclose(f);
     if (!find_gnuplot()) {
         snprintf(why, wn, "gnuplot is not installed (apt-get install gnuplot-nox); the data and charts.gp are there");
@@ -443,14 +459,9 @@ static const fl_lab_row *row_named(const fl_lab_report *rep, const char *name) {
     return NULL;
 }
 
-static fl_status write_md(const fl_lab_report *rep, const char *dir, const char *date, const char *cpu, long cores,
-                          double ram, const char *os, int charts, const char *why) {
-    char path[4200], a[32], b[32];
-    FILE *f = open_out(dir, "report.md", path, sizeof path);
-    if (!f) return fl_errorf(FL_ERR_IO, "%s: cannot write: %s", path, strerror(errno));
-    fprintf(f, "# fitllm lab report (suite %s)\n\n", rep->suite);
-    fprintf(f, "- date: %s\n- machine: %s, %ld cores, %.1f GiB RAM, %s\n- threads: %s\n- wall time: %.1f s\n\n", date,
-            cpu, cores, ram, os, rep->threads ? "fixed" : "all cores", rep->wall_s);
+/* report.md: how the lab is scaled to this machine (and the real scale, when asked). */
+static void md_scaling(FILE *f, const fl_lab_report *rep) {
+    char a[32];
     if (rep->real_scale)
         fprintf(f, "## Scale: real (`--scale real`)\n\n"
                    "Every row ran the lab's real model (tinyllama-1.1b, open-llama-3b, open-llama-7b; random init, "
@@ -480,6 +491,11 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
                "device, so the scaled verdicts can be compared with what the real run would do with fitllm.\n\n",
             rep->param_ratio, fl_fmt_bytes(rep->budget, a, sizeof a), rep->budget, rep->T, rep->act_ratio_lab,
             rep->ref_T, rep->act_ratio_ref, rep->ref_T);
+}
+
+/* report.md: the results table, its notes, the gradient-accumulation comparison. */
+static void md_results(FILE *f, const fl_lab_report *rep) {
+    char a[32], b[32];
     fprintf(f, "## Results\n\n| experiment | lab's change | model | micro x acc | precision | optimizer | act ckpt | "
                "verdict | as in the lab | PARAMS | GRADS | OPTIM | ACTS | WORKSPACE | OTHER | GATHER | peak | planned | "
                "ms/sample | tok/s | final loss | extra time per sample |\n|");
@@ -517,6 +533,17 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
             fprintf(f, "- **%s**: %s\n", rep->rows[i].name, rep->rows[i].note);
         }
     if (notes) fprintf(f, "\n");
+    const fl_lab_row *rb = row_named(rep, "reduced-batch"), *ga = row_named(rep, "grad-accum");
+    if (rb && ga && rb->verdict == FL_LAB_FITS && ga->verdict == FL_LAB_FITS)
+        fprintf(f, "Gradient accumulation (micro 8 x 4) peaks at %s vs %s for micro batch 8 alone (%.3f%% more: the "
+                   "step's token buffers); its optimizer step covers 4x the samples.\n\n",
+                fl_fmt_bytes(ga->peak_total, a, sizeof a), fl_fmt_bytes(rb->peak_total, b, sizeof b),
+                100.0 * ((double)ga->peak_total / (double)rb->peak_total - 1.0));
+}
+
+/* report.md: the batch-size sweep (GPT-2-XL, FSDP on 4 ranks). */
+static void md_sweep(FILE *f, const fl_lab_report *rep, int charts) {
+    char a[32];
     if (rep->sweep) {
         fprintf(f, "## Batch-size sweep: GPT-2-XL with FSDP on 4 devices, at lab scale\n\n"
                    "The course's benchmark trains GPT-2-XL with FSDP FULL_SHARD on 4 GPUs and sweeps the micro batch "
@@ -551,12 +578,10 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
         }
         if (charts) fprintf(f, "![memory and tokens/s vs micro batch](sweep.png)\n\n");
     }
-    const fl_lab_row *rb = row_named(rep, "reduced-batch"), *ga = row_named(rep, "grad-accum");
-    if (rb && ga && rb->verdict == FL_LAB_FITS && ga->verdict == FL_LAB_FITS)
-        fprintf(f, "Gradient accumulation (micro 8 x 4) peaks at %s vs %s for micro batch 8 alone (%.3f%% more: the "
-                   "step's token buffers); its optimizer step covers 4x the samples.\n\n",
-                fl_fmt_bytes(ga->peak_total, a, sizeof a), fl_fmt_bytes(rb->peak_total, b, sizeof b),
-                100.0 * ((double)ga->peak_total / (double)rb->peak_total - 1.0));
+}
+
+/* report.md: reserved and live memory per phase of a step. */
+static void md_phases(FILE *f, const fl_lab_report *rep, int charts) {
     /* reserved vs live per phase */
     fprintf(f, "## Reserved and live memory per phase of a step\n\n"
                "Everything a step needs is allocated (**reserved**) before the first step, so the reserved "
@@ -587,6 +612,20 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
         fprintf(f, "\n");
     }
     fprintf(f, "\nAll tags, reserved and live, per phase: `phases.csv`%s.\n\n", charts ? "; chart `phases.png`" : "");
+}
+
+static fl_status write_md(const fl_lab_report *rep, const char *dir, const char *date, const char *cpu, long cores,
+                          double ram, const char *os, int charts, const char *why) {
+    char path[4200], a[32];
+    FILE *f = open_out(dir, "report.md", path, sizeof path);
+    if (!f) return fl_errorf(FL_ERR_IO, "%s: cannot write: %s", path, strerror(errno));
+    fprintf(f, "# fitllm lab report (suite %s)\n\n", rep->suite);
+    fprintf(f, "- date: %s\n- machine: %s, %ld cores, %.1f GiB RAM, %s\n- threads: %s\n- wall time: %.1f s\n\n", date,
+            cpu, cores, ram, os, rep->threads ? "fixed" : "all cores", rep->wall_s);
+    md_scaling(f, rep);
+    md_results(f, rep);
+    md_sweep(f, rep, charts);
+    md_phases(f, rep, charts);
     fprintf(f, "## Real scale (planned with fitllm's sizing, 80 GB device, T=%d)\n\n| experiment | model | plan | "
                "planned peak |\n|---|---|---|---|\n", rep->ref_T);
     for (int i = 0; i < rep->n; i++) {

@@ -89,8 +89,6 @@ fl_status fl_acts_narrow(fl_model *m, int l, int N, unsigned done);
 void fl_acts_live_bytes(const fl_model *m, int B, int T, int train, size_t *acts, size_t *work);
 /* The gradient buffer (the trained parameters' or the LoRA adapters'), NULL without one. */
 void *fl_model_grads_buffer(const fl_model *m);
-/* Live bytes of the gradient buffer (dp.c: ZeRO-2 keeps its chunk). SIZE_MAX = the whole buffer. */
-void fl_model_grads_live(fl_model *m, size_t bytes);
 fl_status fl_acts_widen(fl_model *m, int l, int N);
 
 /* One LoRA adapter attached to a linear (possibly to a row slice of a fused

@@ -379,11 +379,6 @@ void *fl_model_grads_buffer(const fl_model *m) {
     return m->lora ? (void *)m->lora->grads : m->grads ? (void *)m->grads : (void *)m->g16;
 }
 
-void fl_model_grads_live(fl_model *m, size_t bytes) {
-    void *g = fl_model_grads_buffer(m);
-    if (g) fl_mem_set_live(m->pool, g, bytes); /* clamped to the buffer: SIZE_MAX = all of it */
-}
-
 float *fl_model_param(fl_model *m, const char *name) {
     int i = fl_layout_find(&m->layout, name);
     return (i < 0 || !m->params || m->pp || fl_model_param_is_q4(m, i)) ? NULL : m->params + fl_model_store_off(m, i);

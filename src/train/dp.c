@@ -179,14 +179,17 @@ fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o) {
                                                       FL_COMM_SUM),
                                "ZeRO-2: reduce-scattering the gradients"));
         if (o->cfg.kind == FL_OPT_ADAMW8BIT) FL_TRY(halo_8bit(dp, o));
-        /* what this rank still needs: its chunk (and the 8-bit halo) */
-        fl_model_grads_live(o->model, (o->s_len + fl_dp_zero2_halo(dp->world, dp->rank, &o->cfg)) * es);
     } else { /* one all-reduce of the flat buffer (LoRA's adapters) */
         FL_TRY(fl_error_prefix(fl_comm_all_reduce(fl_dp_dcomm(dp), o->g, o->g, o->n, o->gt, FL_COMM_SUM),
                                "data parallel: reducing the gradients"));
     }
-    fl_mem_snapshot(o->model->pool, "after_reduce");
     return FL_OK;
+}
+
+size_t fl_dp_reduced_live(const fl_dp *dp, const fl_optimizer *o) {
+    if (!dp->comm || dp->fsdp || dp->stage != 2) return SIZE_MAX;
+    /* ZeRO-2: what this rank still needs is its chunk (and the 8-bit halo) */
+    return (o->s_len + fl_dp_zero2_halo(dp->world, dp->rank, &o->cfg)) * fl_dtype_size(o->gt);
 }
 
 fl_status fl_dp_broadcast_params(fl_dp *dp, fl_optimizer *o) {

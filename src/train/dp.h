@@ -108,9 +108,12 @@ fl_status fl_dp_check(const fl_dp *dp, const fl_optimizer *o);
 /* Sum the trainable gradients (o->g, F32, BF16 or F16) over ranks in place: DDP and ZeRO-1 of the full
  * model wait for the last bucket (fl_dp_buckets_arm), with LoRA one all-reduce of the adapters
  * (every rank holds the whole sum), ZeRO-2 one reduce-scatter (each rank holds the sum of its chunk, in place at its offset;
- * the rest of the buffer is dead: GRADS live = the chunk's bytes). With several ranks the memory
- * snapshot "after_reduce" follows. */
+ * the rest of the buffer is dead: GRADS live = the chunk's bytes, fl_dp_reduced_live). With several
+ * ranks the step (fl_step_run) records the live bytes and the memory snapshot "after_reduce" next. */
 fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o);
+/* The bytes of the gradient buffer o->g still live after fl_dp_reduce_grads: ZeRO-2's chunk (and the
+ * 8-bit halo), else SIZE_MAX (all of it). */
+size_t fl_dp_reduced_live(const fl_dp *dp, const fl_optimizer *o);
 /* Bucketed reduction (DDP and ZeRO-1, full-model training): before the LAST micro-batch of a step
  * (last = 1) the model's backward posts an all-reduce of each layout group's gradients as the group
  * becomes final (the head group, block L-1 ... 0, the embeddings), so the reduction of one block

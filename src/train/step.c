@@ -2,6 +2,7 @@
  * accumulation over micro-batches, backward, the data-parallel reduction, the update, with the
  * phase memory snapshots, the live bytes each phase leaves (fl_model_live) and phase timings. */
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -75,6 +76,18 @@ static fl_status update(fl_model *m, fl_optimizer *o, float lr, float max_norm, 
     return FL_OK;
 }
 
+/* The sum of the gradients over the ranks (dp NULL or one process: nothing), then what is live of
+ * them (ZeRO-2: this rank's chunk) and, with several ranks, the after_reduce snapshot. */
+static fl_status reduce(fl_model *m, fl_optimizer *o, struct fl_dp *dp) {
+    if (!dp) return FL_OK;
+    FL_TRY(fl_dp_reduce_grads(dp, o));
+    if (!dp->comm) return FL_OK;
+    size_t live = fl_dp_reduced_live(dp, o);
+    if (live != SIZE_MAX) fl_mem_set_live(m->pool, o->g, live);
+    fl_mem_snapshot(m->pool, "after_reduce");
+    return FL_OK;
+}
+
 fl_status fl_step_run(fl_model *m, fl_optimizer *o, fl_step_ctx *c, fl_step_result *res) {
     fl_step_result r = {0};
     const int world = c->dp ? c->dp->world : 1, rank = c->dp ? c->dp->rank : 0;
@@ -109,7 +122,7 @@ fl_status fl_step_run(fl_model *m, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
         double u0 = now_ms();
         /* the sum over ranks, then one update: clipping and fp16 overflow skips see the same
          * reduced gradients on every rank, so they decide alike */
-        fl_status s = c->dp ? fl_dp_reduce_grads(c->dp, o) : FL_OK;
+        fl_status s = reduce(m, o, c->dp);
         if (s == FL_OK) s = update(m, o, c->lr, c->max_norm, &r);
         if (s != FL_OK) {
             c->failed_k = c->n_micro;

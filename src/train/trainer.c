@@ -61,6 +61,13 @@ static int snapshot_eval_generate(void *ud, int32_t id) {
     return 0;
 }
 
+/* A trainer with nothing set up yet: its configuration and one process's (or comm's) ranks. */
+static void trainer_begin(trainer *t, const fl_run_config *cfg, fl_comm *comm) {
+    memset(t, 0, sizeof *t);
+    t->cfg = cfg;
+    fl_dp_init(&t->dp, comm, NULL);
+}
+
 fl_status fl_trainer_rehearse(const fl_run_config *cfg, const fl_model_config *mc, const fl_backend *be,
                               size_t budget, int B, int T, int accum, int gen_prompt, fl_trainer_result *res) {
     return fl_trainer_rehearse_comm(cfg, mc, be, NULL, budget, B, T, accum, gen_prompt, res);
@@ -70,9 +77,7 @@ fl_status fl_trainer_rehearse_comm(const fl_run_config *cfg, const fl_model_conf
                                    fl_comm *comm, size_t budget, int B, int T, int accum, int gen_prompt,
                                    fl_trainer_result *res) {
     trainer t;
-    memset(&t, 0, sizeof t);
-    t.cfg = cfg;
-    fl_dp_init(&t.dp, comm, NULL);
+    trainer_begin(&t, cfg, comm);
     fl_trainer_result r;
     memset(&r, 0, sizeof r);
     r.val_loss = NAN;
@@ -516,9 +521,7 @@ static fl_status run_loop_all(trainer *t, run_loop *L) {
 fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out, int progress_bar, fl_step_hook hook,
                               void *hook_ud, fl_trainer_result *res) {
     trainer t;
-    memset(&t, 0, sizeof t);
-    t.cfg = cfg;
-    fl_dp_init(&t.dp, comm, NULL);
+    trainer_begin(&t, cfg, comm);
     run_loop L;
     memset(&L, 0, sizeof L);
     L.lead = t.dp.rank == 0; /* only rank 0 prints, logs and writes checkpoints */
