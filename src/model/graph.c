@@ -157,7 +157,8 @@ static fl_status take_gbuf(fl_block_graph *g, int8_t *holder, int who, int *b) {
 /* Gradient buffers, ops in reverse. Residual slots joined by ADDs share one gradient (uf: their root);
  * the output's starts in RES (d(out) on entry) and the input's must end there: the same path in a
  * pre-norm block, two in a post-norm one (then the output's leaves RES at the last norm's backward,
- * before the input's first contribution). An off-path slot's gradient, and another residual path's,
+ * before the input's first contribution; when it is still there, as in a one-sublayer post-norm block,
+ * the input's takes another buffer and the backward copies it into RES at its end). An off-path slot's gradient, and another residual path's,
  * takes the lowest free buffer at its first contribution (its last reader in forward order), stays
  * there while its other readers add to it, and frees the buffer once its (first) producer's backward
  * has read it: a chain alternates 1 and 2, as the hand-written passes did. */
@@ -198,12 +199,9 @@ static fl_status assign_grads(fl_block_graph *g, const int *def) {
                 acc = 1; /* accumulates across blocks in the caller's buffer */
             } else if (sk->resid && ugrad[r] == FL_GBUF_NONE) { /* a residual path's first contribution */
                 acc = 0;
-                if (r == rin) {
-                    if (holder[FL_GBUF_RES] >= 0)
-                        return fl_errorf(FL_ERR_INTERNAL, "block graph: d('%s') needs the residual buffer while d('%s') "
-                                         "holds it", sk->name, g->slot[holder[FL_GBUF_RES]].name);
+                if (r == rin && holder[FL_GBUF_RES] < 0) {
                     holder[b = FL_GBUF_RES] = (int8_t)r;
-                } else {
+                } else { /* the input's path while d(out) still holds RES: copied there at the end */
                     FL_TRY(take_gbuf(g, holder, r, &b));
                 }
                 ugrad[r] = (int8_t)b;
@@ -515,6 +513,9 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         case FL_GOP_ADD: break;
         }
     }
+    if (g->slot[FL_GSLOT_IN].grad != FL_GBUF_RES && !x->no_din) /* d(input) ended elsewhere (assign_grads) */
+        FL_TRY(be->copy(be, gb[FL_GBUF_RES], gb[g->slot[FL_GSLOT_IN].grad],
+                        (size_t)x->B * x->T * g->slot[FL_GSLOT_IN].width * sizeof(float)));
     return FL_OK;
 #undef S
 }
