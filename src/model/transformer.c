@@ -50,9 +50,6 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
     const fl_backend *be = m->be;
     fl_acts *a = m->acts;
     if (!a) return fl_errorf(FL_ERR_INVALID, "fl_model_forward: activations not allocated (call fl_model_alloc_acts)");
-    if (!fl_model_graph_has(a->mgraph, FL_MOP_HEAD_LM, 1))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_forward: %s has no LM head (an encoder: fl_model_encode)",
-                         fl_arch_get(m->cfg.arch)->display);
     if (m->lora && m->lora->merged) /* the adapters are in the weights now: running them again would double them */
         return fl_errorf(FL_ERR_INVALID, "fl_model_forward: the LoRA adapters were merged into the weights "
                                          "(fl_model_lora_merge); save the model and reload it to run it");
@@ -425,6 +422,9 @@ void fl_model_tell_compute_dtype(const fl_model *m, int on) {
 
 fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targets, int B, int T, float grad_scale,
                            float *logits_out) {
+    if (m->acts && !fl_model_graph_has(m->acts->mgraph, FL_MOP_HEAD_LM, 1))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_forward: %s has no LM head (an encoder: fl_model_encode)",
+                         fl_arch_get(m->cfg.arch)->display);
     lend_scratch(m, 1);
     fl_model_tell_compute_dtype(m, 1);
     fl_status s = model_forward(m, ids, targets, B, T, grad_scale, logits_out);
