@@ -1,6 +1,6 @@
 /* The block graph beyond one residual stream (src/model/graph.c): cross-attention to a stream from
  * outside the block (an encoder output, XSTREAM) whose gradient the block sends back into the caller's
- * buffer, with Tk != T; and the ALLREDUCE op kind (tensor parallelism as a graph rewrite): a no-op
+ * buffer, with Tk != T, an additive bias (T5's) and a key padding mask; and the ALLREDUCE op kind (tensor parallelism as a graph rewrite): a no-op
  * without a communicator (the same bits as the graph without it), and over the threads communicator of
  * 2 ranks a sum whose effect is exact to check (identical inputs on both ranks: the reduced slot doubles,
  * so what follows from it doubles bit for bit). The block runs over micro's block-0 weights: q is the
@@ -36,6 +36,7 @@ static void cross_graph(const fl_model_config *c, int ar, fl_block_graph *g) {
     fl_graph_op(g, FL_GOP_LINEAR, SENC, SKV, -1, -1, 2, FL_ROLE_FC_W, -1);
     fl_gop *a = fl_graph_op(g, FL_GOP_ATTN, SQ, SATT, SLSE, -1, -1, -1, -1);
     a->attn = FL_ATTN_CROSS;
+    a->attn_flags = FL_GATTN_BIAS | FL_GATTN_MASK; /* T5's relative bias, a padded key */
     a->in2 = SKV;
     fl_graph_op(g, FL_GOP_LINEAR, SATT, SMID, -1, -1, 1, FL_ROLE_O_W, -1);
     if (ar & 1) fl_graph_op(g, FL_GOP_ALLREDUCE, SMID, SMID, -1, -1, FL_GAR_FWD, -1, -1);
@@ -50,6 +51,9 @@ typedef struct {
     const fl_block_graph *g;
     int B, T, Tk;
     const float *x, *enc, *r; /* inputs and d(out) */
+    const float *bias;        /* (NH, T, Tk) */
+    const uint8_t *kmask;     /* (B, Tk) */
+    float *dbias[2];          /* per rank: d(bias) */
     float *out[2], *mid[2], *dx[2], *denc[2], *dwq[2]; /* per rank: output, mid, d(x), d(enc), d(Wq) */
 } run_ctx;
 
@@ -80,7 +84,9 @@ static fl_status run_rank(fl_comm *comm, int rank, void *vctx) {
         bp.lin[p].db = NULL;
     }
     bp.d_norm_w[0] = NULL; /* the norm's weight does not train here (no shared gradient between ranks) */
-    fl_block_ctx cx = {.B = c->B, .T = c->T, .Tk = c->Tk, .dxs = dxs, .comm = comm};
+    fl_block_ctx cx = {.B = c->B, .T = c->T, .Tk = c->Tk, .dxs = dxs, .comm = comm, .attn_bias = c->bias,
+                       .kmask = c->kmask, .dattn_bias = c->dbias[rank]};
+    memset(c->dbias[rank], 0, (size_t)d.NH * c->T * c->Tk * sizeof(float));
     fl_status st = fl_block_forward(&m, c->g, &bp, s, &cx);
     if (st == FL_OK) memcpy(c->out[rank], s[SOUT], N * d.C * sizeof(float));
     if (st == FL_OK) memcpy(c->mid[rank], s[SMID], N * d.C * sizeof(float));
@@ -133,7 +139,11 @@ FL_TEST(graph_cross_attention_stream_and_allreduce) {
     fl_test_fill(&rng, x, N * d.C, -1.0f, 1.0f);
     fl_test_fill(&rng, enc, NK * d.C, -1.0f, 1.0f);
     fl_test_fill(&rng, r, N * d.C, -1.0f, 1.0f);
-    run_ctx c = {&m, &plain, B, T, Tk, x, enc, r, {0}, {0}, {0}, {0}, {0}};
+    float *bias = malloc((size_t)d.NH * T * Tk * 4);
+    fl_test_fill(&rng, bias, (size_t)d.NH * T * Tk, -1.0f, 1.0f);
+    uint8_t kmask[2 * 5] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 0}; /* sequence 1's last key padded */
+    run_ctx c = {&m, &plain, B, T, Tk, x, enc, r, bias, kmask, {0}, {0}, {0}, {0}, {0}, {0}};
+    for (int k = 0; k < 2; k++) c.dbias[k] = malloc((size_t)d.NH * T * Tk * 4);
     for (int k = 0; k < 2; k++) {
         c.out[k] = malloc(N * d.C * 4), c.mid[k] = malloc(N * d.C * 4), c.dx[k] = malloc(N * d.C * 4);
         c.denc[k] = malloc(NK * d.C * 4), c.dwq[k] = malloc((size_t)d.QD * d.C * 4);
@@ -176,6 +186,24 @@ FL_TEST(graph_cross_attention_stream_and_allreduce) {
                   (double)dx[i]);
     }
     c.x = x;
+    /* d(bias): summed over the batch; the padded key's column has none from sequence 1 */
+    const float *dbias = c.dbias[0];
+    float *bp = fl_test_fdup(bias, (size_t)d.NH * T * Tk);
+    for (size_t i = 2; i < (size_t)d.NH * T * Tk; i += (size_t)d.NH * T * Tk / 4) {
+        double l[2];
+        for (int s = 0; s < 2; s++) {
+            memcpy(bp, bias, (size_t)d.NH * T * Tk * 4);
+            bp[i] += s ? -1e-2f : 1e-2f;
+            c.bias = bp;
+            FL_REQUIRE_OK(run_rank(NULL, 1, &c));
+            l[s] = dot(c.out[1], r, N * d.C);
+        }
+        const double fd = (l[0] - l[1]) / 2e-2;
+        FL_CHECKF(fabs(fd - dbias[i]) <= 2e-3 * (1 + fabs(dbias[i])), "d(bias)[%zu]: finite difference %.6g, backward %.6g",
+                  i, fd, (double)dbias[i]);
+    }
+    c.bias = bias;
+    free(bp);
     double nz = 0;
     for (size_t i = 0; i < NK * d.C; i++) nz = fmax(nz, fabs(denc[i]));
     FL_CHECKF(nz > 1e-3, "d(enc) is zero");
@@ -209,6 +237,7 @@ FL_TEST(graph_cross_attention_stream_and_allreduce) {
     FL_CHECKF(same && twice && wq, "2 ranks: outputs agree %d, mid - x doubled %d, d(Wq) doubled %d", same, twice, wq);
     free(mid0);
     for (int k = 0; k < 2; k++) free(c.mid[k]), free(c.out[k]), free(c.dx[k]), free(c.denc[k]), free(c.dwq[k]);
+    free(c.dbias[0]), free(c.dbias[1]), free(bias);
     free(x), free(enc), free(r), free(xe), free(out0), free(dx0), free(dwq0);
     fl_model_free(&m);
     fl_mem_pool_free(&pool);
