@@ -451,6 +451,28 @@ fl_status fl_model_encode(fl_model *m, const int32_t *ids, const int32_t *type_i
 /* Its backward from d(hidden) (B*T, C, host memory): every parameter gradient ACCUMULATES (+=). */
 fl_status fl_model_encode_backward(fl_model *m, const float *dhidden);
 
+/* Live bytes (fl_mem_set_live: docs/ARCHITECTURE.md "Reserved and live memory") are a fact of a
+ * training step's phases, which the step (src/train/step.c) records at each phase boundary from this
+ * query; forward and backward themselves set none. */
+typedef enum {
+    FL_LIVE_ZEROED,   /* gradients cleared (fl_model_zero_grads): nothing accumulated yet */
+    FL_LIVE_FORWARD,  /* after a training forward: what the backward reads; the head's gradient is written
+                       * already (its backward ran chunk by chunk inside the forward) */
+    FL_LIVE_BACKWARD, /* after the backward: the saved activations are consumed, every gradient holds the step's sum */
+    FL_LIVE_UPDATED   /* after the optimizer update: the gradients are consumed (or, skipped, discarded) */
+} fl_live_phase;
+/* One region of the model's memory and the bytes of it live after the phase (SIZE_MAX: all of it;
+ * at_least: raise it to that, never lower it: accumulation may hold all of it already). */
+typedef struct {
+    const void *ptr;
+    size_t bytes;
+    int at_least;
+} fl_live_region;
+#define FL_MODEL_LIVE_MAX 4
+/* The regions whose live bytes `phase` sets, into out (FL_MODEL_LIVE_MAX); returns their count. The
+ * pass's (B, T) are the last forward's. */
+int fl_model_live(const fl_model *m, fl_live_phase phase, fl_live_region *out);
+
 /* FLOPs of one training step (forward + backward) for B*T tokens: 6 * N_matmul
  * * tokens + attention, the figure MFU is based on. */
 double fl_model_train_flops(const fl_model_config *cfg, int B, int T);

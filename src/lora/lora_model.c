@@ -177,12 +177,12 @@ size_t fl_lora_sizing_head_grads(const fl_lora_config *cfg, const fl_lora_module
     return g * sizeof(float);
 }
 
-void fl_lora_mark_live(fl_model *m, int B, int T, int saved) {
-    struct fl_lora_state *st = m->lora;
-    if (!st || !st->acts) return;
-    fl_mem_set_live(m->pool, st->acts, saved ? fl_lora_sizing_live_acts(&st->cfg, st->mods, st->n_mods, B, T) : 0);
+size_t fl_lora_live_acts(const fl_model *m, int B, int T, int saved, const void **buf) {
+    const struct fl_lora_state *st = m->lora;
+    *buf = st ? st->acts : NULL;
+    if (!st || !st->acts) return 0;
+    return saved ? fl_lora_sizing_live_acts(&st->cfg, st->mods, st->n_mods, B, T) : 0;
 }
-
 fl_status fl_lora_alloc_acts(fl_model *m, int B, int T) {
     struct fl_lora_state *st = m->lora;
     if (!st) return FL_OK;

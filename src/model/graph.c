@@ -369,7 +369,7 @@ static fl_status attn_forward(const fl_model *m, const fl_block_graph *g, const 
                                  kv->v + fl_kv_cache_index(kv, x->layer, 0, 0), x->pos0 + 1, d.NH, d.NKV, d.HD,
                                  (size_t)kv->max_T * d.HD);
         } else {
-            be->attention_forward(be, out, lse, in, x->B, x->T, d.NH, d.NKV, d.HD); // (N, QD)
+            FL_TRY(fl_attention_qkv_forward(be, out, lse, in, x->B, x->T, d.NH, d.NKV, d.HD)); // (N, QD)
         }
         return FL_OK;
     }
@@ -377,7 +377,7 @@ static fl_status attn_forward(const fl_model *m, const fl_block_graph *g, const 
     fl_attn_desc a;
     float *q, *k, *v;
     attn_views(m, g, o, x, s, &a, &q, &k, &v);
-    return be->attention_forward_ex(be, &a, out, lse, q, k, v, o->attn_flags & FL_GATTN_BIAS ? x->attn_bias : NULL,
+    return be->attention_forward(be, &a, out, lse, q, k, v, o->attn_flags & FL_GATTN_BIAS ? x->attn_bias : NULL,
                                     o->attn_flags & FL_GATTN_MASK ? x->kmask : NULL);
 }
 
@@ -392,8 +392,7 @@ static fl_status attn_backward(const fl_model *m, const fl_block_graph *g, const
     fl_dims d = fl_model_dims(&m->cfg);
     const float *lse = o->a1 >= 0 ? s[o->a1] : NULL;
     if (o->attn == FL_ATTN_CAUSAL && !o->attn_flags) {
-        be->attention_backward(be, din, dout, s[o->in], s[o->out], lse, x->B, x->T, d.NH, d.NKV, d.HD);
-        return FL_OK;
+        return fl_attention_qkv_backward(be, din, dout, s[o->in], s[o->out], lse, x->B, x->T, d.NH, d.NKV, d.HD);
     }
     fl_attn_desc a;
     float *q, *k, *v, *dk, *dv;
@@ -406,7 +405,7 @@ static fl_status attn_backward(const fl_model *m, const fl_block_graph *g, const
     }
     dv = dk + d.KVD;
     const float *bias = o->attn_flags & FL_GATTN_BIAS ? x->attn_bias : NULL;
-    return be->attention_backward_ex(be, &a, din, dk, dv, bias ? x->dattn_bias : NULL, dout, q, k, v, bias,
+    return be->attention_backward(be, &a, din, dk, dv, bias ? x->dattn_bias : NULL, dout, q, k, v, bias,
                                      o->attn_flags & FL_GATTN_MASK ? x->kmask : NULL, s[o->out], lse);
 }
 

@@ -90,15 +90,14 @@ void fl_model_tell_compute_dtype(const fl_model *m, int on);
  * forward rounded already as bf16 GEMM operands: fl_block_ctx.narrowed) / widen them back before
  * its backward. */
 fl_status fl_acts_narrow(fl_model *m, int l, int N, unsigned done);
-/* Live bytes (fl_mem_set_live) of the ACTS/WORKSPACE arenas and the LoRA activations after a
- * pass over (B, T): train = a training forward (what the backward reads), else none but the
- * constant tables. Gradients: fl_model_grads_live. */
-void fl_acts_mark_live(fl_model *m, int B, int T, int train);
-/* Live bytes of the gradient buffer (the trained parameters' or the LoRA adapters'): from the
- * step's first gradient write (lm_head's, inside a training forward) to the optimizer step.
- * SIZE_MAX = the whole buffer. */
+/* Live bytes (fl_mem_set_live) of the ACTS (*acts) and WORKSPACE (*work) arenas after a pass over
+ * (B, T): train = a training forward (what the backward reads), else none but the constant tables.
+ * fl_model_live (live.c) puts them together with the gradients' and the LoRA activations'. */
+void fl_acts_live_bytes(const fl_model *m, int B, int T, int train, size_t *acts, size_t *work);
+/* The gradient buffer (the trained parameters' or the LoRA adapters'), NULL without one. */
+void *fl_model_grads_buffer(const fl_model *m);
+/* Live bytes of the gradient buffer (dp.c: ZeRO-2 keeps its chunk). SIZE_MAX = the whole buffer. */
 void fl_model_grads_live(fl_model *m, size_t bytes);
-size_t fl_model_grads_live_bytes(const fl_model *m);
 fl_status fl_acts_widen(fl_model *m, int l, int N);
 
 /* One LoRA adapter attached to a linear (possibly to a row slice of a fused
@@ -164,8 +163,9 @@ int fl_lora_on_head(const fl_model *m); /* an adapter sits on lm_head */
 /* LoRA activations for (B, T) (called by fl_model_alloc_acts) and their release. */
 fl_status fl_lora_alloc_acts(fl_model *m, int B, int T);
 void fl_lora_free_acts(fl_model *m);
-/* LoRA activations' live bytes for (B, T): saved = a training forward whose backward reads them. */
-void fl_lora_mark_live(fl_model *m, int B, int T, int saved);
+/* LoRA activations' live bytes for (B, T) (saved: a training forward whose backward reads them); *buf gets
+ * their buffer (NULL: none). */
+size_t fl_lora_live_acts(const fl_model *m, int B, int T, int saved, const void **buf);
 void fl_model_lora_free(fl_model *m);
 
 /* y (N,out) = x (N,in) @ W^T + b */

@@ -373,21 +373,15 @@ void fl_model_zero_grads(fl_model *m) {
     if (m->g16) m->be->zero(m->be, m->g16, n * sizeof(uint16_t));
     if (m->pp && m->pp->zero_grads) m->pp->zero_grads(m->pp->ud);
     if (m->lora) m->be->zero(m->be, m->lora->grads, m->lora->numel * sizeof(float));
-    fl_model_grads_live(m, 0); /* zeros: nothing accumulated yet */
 }
 
-static void *grad_buffer(const fl_model *m) {
+void *fl_model_grads_buffer(const fl_model *m) {
     return m->lora ? (void *)m->lora->grads : m->grads ? (void *)m->grads : (void *)m->g16;
 }
 
 void fl_model_grads_live(fl_model *m, size_t bytes) {
-    void *g = grad_buffer(m);
+    void *g = fl_model_grads_buffer(m);
     if (g) fl_mem_set_live(m->pool, g, bytes); /* clamped to the buffer: SIZE_MAX = all of it */
-}
-
-size_t fl_model_grads_live_bytes(const fl_model *m) {
-    const void *g = grad_buffer(m);
-    return g ? fl_mem_live_of(m->pool, g) : 0;
 }
 
 float *fl_model_param(fl_model *m, const char *name) {

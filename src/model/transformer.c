@@ -186,14 +186,6 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
      * unit too); tied, the embeddings' weight is not read again (their gradient buffer stays) */
     if (tied) PP_RELEASE(0);
     if (!m->fwd_train) PP_RELEASE(HG);
-    /* live memory: what this forward leaves for the backward; the head's gradient is written
-     * already (its backward ran chunk by chunk above) */
-    fl_acts_mark_live(m, B, T, m->fwd_train);
-    if (m->fwd_train && !m->pp) { /* sharded: the head's gradient is in its group's gathered buffer */
-        size_t hg = m->lora ? fl_lora_sizing_head_grads(&m->lora->cfg, m->lora->mods, m->lora->n_mods)
-                  : head.dw ? (size_t)d.V * d.C * (m->g16 ? sizeof(uint16_t) : sizeof(float)) : 0;
-        if (hg > fl_model_grads_live_bytes(m)) fl_model_grads_live(m, hg); /* accumulation: may be all already */
-    }
     return FL_OK;
 }
 
@@ -273,9 +265,6 @@ static fl_status model_backward(fl_model *m) {
     PP_READY(0);
     GRAD_READY(0);
     m->fwd_train = 0;
-    /* live memory: the saved activations are consumed; every gradient holds the step's sum */
-    fl_acts_mark_live(m, B, T, 0);
-    fl_model_grads_live(m, SIZE_MAX);
     return FL_OK;
 }
 
@@ -361,7 +350,6 @@ static fl_status model_encode(fl_model *m, const int32_t *ids, const int32_t *ty
     m->fwd_B = B;
     m->fwd_T = T;
     m->fwd_train = train != 0;
-    fl_acts_mark_live(m, B, T, m->fwd_train);
     return FL_OK;
 }
 
@@ -400,8 +388,6 @@ static fl_status model_encode_backward(fl_model *m, const float *dhidden) {
             be->embedding_backward(be, enc_param(m, 0, FL_ROLE_TYPE_EMBED, 1), NULL, de, a->type_ids, B, T, d.C);
     }
     m->fwd_train = 0;
-    fl_acts_mark_live(m, B, T, 0);
-    fl_model_grads_live(m, SIZE_MAX);
     return FL_OK;
 }
 
