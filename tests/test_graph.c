@@ -274,7 +274,7 @@ static void par_run(fl_model *m, const fl_block_graph *g, const float *x, const 
     fl_model_zero_grads(m);
     fl_block_params bp;
     fl_get_block(m, g, 0, &bp);
-    fl_block_ctx cx = {B, T, 0, rc, rs, NULL, 0, NULL, NULL, 0};
+    fl_block_ctx cx = {.B = B, .T = T, .rope_cos = rc, .rope_sin = rs};
     FL_CHECK(fl_block_forward(m, g, &bp, s, &cx) == FL_OK);
     res->out = malloc(N * d.C * sizeof(float));
     memcpy(res->out, s[FL_GSLOT_OUT], N * d.C * sizeof(float));

@@ -35,7 +35,7 @@
 extern "C" {
 #endif
 
-typedef enum { FL_ARCH_LLAMA = 0, FL_ARCH_GPT2, FL_ARCH_OPT, FL_ARCH_COUNT } fl_arch;
+typedef enum { FL_ARCH_LLAMA = 0, FL_ARCH_GPT2, FL_ARCH_OPT, FL_ARCH_BERT, FL_ARCH_COUNT } fl_arch;
 
 typedef struct {
     fl_arch arch;
@@ -54,6 +54,7 @@ typedef struct {
     int tie_embeddings;  /* lm_head shares wte */
     int attention_bias;  /* biases on q,k,v,o (GPT-2: always) */
     int mlp_bias;        /* biases on fc/proj (GPT-2: always) */
+    int type_vocab_size; /* token types (BERT's segment embeddings, role TYPE_EMBED); 0: none */
 } fl_model_config;
 
 /* Fill derived defaults and validate (positive sizes, NH % NKV == 0, ...).
@@ -66,12 +67,23 @@ fl_status fl_config_validate(fl_model_config *cfg);
  * The block graph (src/model/graph.c) reads the feature flags; the rest of the engine reads the
  * descriptor instead of comparing fl_arch values. */
 typedef struct fl_layout_builder fl_layout_builder;
+struct fl_block_graph_s; /* src/model/graph.h: the block graph and the model graph around it */
+struct fl_model_graph_s;
 typedef struct {
     const char *target;   /* PEFT target module name ("q_proj", "c_attn") */
     const char *fmt;      /* the module's HF name for block %d */
     int row0, rows;       /* its rows of the fused output (q|k|v, gate|up), and the fused output's rows */
 } fl_arch_lora_module;
 #define FL_ARCH_MAX_LORA_MODULES 8
+/* An architecture whose config.json is read from a table of keys (src/io/hf_config.c's generic parser)
+ * instead of a parser of its own: the config keys of each field (NULL: not read; the field keeps 0 and
+ * fl_config_validate's defaults apply). */
+typedef struct {
+    const char *dim, *ffn, *heads, *kv_heads, *layers, *max_seq, *vocab, *eps, *type_vocab;
+    const char *act;           /* the activation's key ("hidden_act") ... */
+    const char *const *acts;   /* ... and the values this build runs, NULL-terminated (the first is the default) */
+    float eps_default;         /* when the eps key is absent */
+} fl_arch_hf_keys;
 typedef struct {
     const char *name;          /* "llama", "gpt2": JSON and bench output */
     const char *display;       /* "LLaMA", "GPT-2": messages */
@@ -99,6 +111,15 @@ typedef struct {
     int (*layout)(fl_layout_builder *b, const fl_model_config *c);
     /* the block LoRA modules (lm_head excluded), in the order adapters are laid out; returns the count */
     int (*lora_modules)(const fl_model_config *c, fl_arch_lora_module out[FL_ARCH_MAX_LORA_MODULES]);
+    /* its block, when it is not the pre-norm decoder block the flags above describe (src/model/graph.h:
+     * fl_graph_slot, fl_graph_op; fl_block_graph_build checks and derives the rest), or NULL */
+    void (*block_graph)(const fl_model_config *c, struct fl_block_graph_s *g);
+    /* the model around the blocks, when it is not the decoder's (embeddings, blocks, final norm, LM head), or NULL */
+    void (*model_graph)(const fl_model_config *c, struct fl_model_graph_s *mg);
+    /* config.json by table (see fl_arch_hf_keys): the model_type values it answers to (NULL-terminated) and
+     * its keys; NULL for the architectures hf_config.c parses with code of their own */
+    const char *const *hf_model_types;
+    const fl_arch_hf_keys *hf_keys;
 } fl_arch_info;
 /* The descriptor of a (valid) architecture; NULL for a value outside fl_arch. */
 const fl_arch_info *fl_arch_get(fl_arch a);
@@ -118,6 +139,8 @@ typedef enum {
     /* per block: groups 1..L */
     FL_ROLE_LN1_W, FL_ROLE_LN1_B, FL_ROLE_LN2_W, FL_ROLE_LN2_B, FL_ROLE_QKV_W, FL_ROLE_QKV_B, FL_ROLE_O_W,
     FL_ROLE_O_B, FL_ROLE_FC_W, FL_ROLE_FC_B, FL_ROLE_PROJ_W, FL_ROLE_PROJ_B,
+    /* outer, group 0: token-type embeddings and the embedding norm (BERT) */
+    FL_ROLE_TYPE_EMBED, FL_ROLE_EMB_NORM_W, FL_ROLE_EMB_NORM_B,
     FL_ROLE_COUNT
 } fl_param_role;
 
@@ -416,6 +439,17 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
 /* Backward through all blocks and embeddings after a forward with grad_scale
  * > 0; ACCUMULATES into m->grads (so micro-batches accumulate). */
 fl_status fl_model_backward(fl_model *m);
+
+/* Encoders (an architecture whose model graph ends in its hidden states, as BERT's: src/model/graph.h
+ * fl_model_graph): the forward over (B, T) ids (B*T <= the arena's) with optional token types (NULL: 0)
+ * and key padding mask ((B, T), nonzero = attend; NULL: all), copying the last hidden states (B*T, C) to
+ * hidden (host memory, may be NULL). train: keep what fl_model_encode_backward reads. fp32 storage, no
+ * LoRA, sharding, checkpointing or 16-bit saved activations yet (FL_ERR_UNSUPPORTED). A decoder's
+ * fl_model_forward refuses an encoder and this refuses a decoder. */
+fl_status fl_model_encode(fl_model *m, const int32_t *ids, const int32_t *type_ids, const uint8_t *kmask, int B, int T,
+                          int train, float *hidden);
+/* Its backward from d(hidden) (B*T, C, host memory): every parameter gradient ACCUMULATES (+=). */
+fl_status fl_model_encode_backward(fl_model *m, const float *dhidden);
 
 /* Live bytes (fl_mem_set_live: docs/ARCHITECTURE.md "Reserved and live memory") are a fact of a
  * training step's phases, which the step (src/train/step.c) records at each phase boundary from this

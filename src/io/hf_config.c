@@ -207,6 +207,50 @@ static fl_status fl_hf_parse_opt(const char *path, const fl_json *r, fl_model_co
     return FL_OK;
 }
 
+/* An architecture read from its descriptor's key table (fl_arch_hf_keys): nothing here changes per architecture. */
+static int fl_hf_in_list(const char *v, const char *const *list) {
+    for (int i = 0; v && list && list[i]; i++)
+        if (strcmp(v, list[i]) == 0) return 1;
+    return 0;
+}
+
+/* ", bert": the keyed architectures' model types, for messages */
+static const char *fl_hf_keyed_names(void) {
+    static char buf[128];
+    buf[0] = 0;
+    for (int a = 0; a < FL_ARCH_COUNT; a++) {
+        const fl_arch_info *ai = fl_arch_get((fl_arch)a);
+        for (int i = 0; ai->hf_keys && ai->hf_model_types && ai->hf_model_types[i]; i++)
+            snprintf(buf + strlen(buf), sizeof buf - strlen(buf), ", %s", ai->hf_model_types[i]);
+    }
+    return buf;
+}
+
+static fl_status fl_hf_parse_keys(const char *path, const fl_json *r, fl_arch a, fl_model_config *c) {
+    const fl_arch_info *ai = fl_arch_get(a);
+    const fl_arch_hf_keys *k = ai->hf_keys;
+    c->arch = a;
+    snprintf(c->name, sizeof c->name, "%s", ai->name);
+    const char *act = NULL;
+    if (k->act) FL_TRY(fl_hf_str(path, r, k->act, &act));
+    if (act && !fl_hf_in_list(act, k->acts)) {
+        char list[256] = "";
+        for (int i = 0; k->acts && k->acts[i]; i++)
+            snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", i ? ", " : "", k->acts[i]);
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: key '%s' = '%s' is not supported (%s)", path, k->act, act, list);
+    }
+    const int zero = 0;
+    struct { const char *key; int *field; const int *def; } ints[] = {
+        {k->dim, &c->dim, NULL},          {k->ffn, &c->ffn_dim, &zero},      {k->heads, &c->n_heads, NULL},
+        {k->kv_heads, &c->n_kv_heads, &zero}, {k->layers, &c->n_layers, NULL}, {k->max_seq, &c->max_seq, NULL},
+        {k->vocab, &c->vocab_size, NULL}, {k->type_vocab, &c->type_vocab_size, &zero},
+    };
+    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++)
+        if (ints[i].key) FL_TRY(fl_hf_int(path, r, ints[i].key, ints[i].def, ints[i].field));
+    if (k->eps) FL_TRY(fl_hf_float(path, r, k->eps, &k->eps_default, &c->norm_eps));
+    return FL_OK;
+}
+
 fl_status fl_hf_load_config(const char *path, fl_model_config *cfg) {
     fl_json *root = NULL;
     FL_TRY(fl_json_parse_file(path, &root));
@@ -226,14 +270,19 @@ fl_status fl_hf_load_config(const char *path, fl_model_config *cfg) {
         is_llama = fl_hf_arch_has(root, "LlamaForCausalLM");
         is_gpt2 = !is_llama && !mt && fl_hf_arch_has(root, "GPT2LMHeadModel");
     }
-    if (is_llama)
+    fl_arch keyed = FL_ARCH_COUNT; /* an architecture whose descriptor carries its config keys */
+    for (int a = 0; a < FL_ARCH_COUNT && keyed == FL_ARCH_COUNT; a++)
+        if (fl_arch_get((fl_arch)a)->hf_keys && fl_hf_in_list(mt, fl_arch_get((fl_arch)a)->hf_model_types)) keyed = (fl_arch)a;
+    if (keyed != FL_ARCH_COUNT)
+        s = fl_hf_parse_keys(path, root, keyed, &c);
+    else if (is_llama)
         s = fl_hf_parse_llama(path, root, &c);
     else if (is_gpt2)
         s = fl_hf_parse_gpt2(path, root, &c);
     else if (is_opt)
         s = fl_hf_parse_opt(path, root, &c);
     else if (mt)
-        s = fl_errorf(FL_ERR_UNSUPPORTED, "%s: model_type '%s' is not supported (llama, gpt2, opt)", path, mt);
+        s = fl_errorf(FL_ERR_UNSUPPORTED, "%s: model_type '%s' is not supported (llama, gpt2, opt%s)", path, mt, fl_hf_keyed_names());
     else
         s = fl_errorf(FL_ERR_FORMAT, "%s: missing key 'model_type' (and no known 'architectures')", path);
     if (s != FL_OK) goto done;

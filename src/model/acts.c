@@ -45,8 +45,8 @@ static int logits_chunk_rows(const fl_model_config *c, int N) { return fl_logits
  *   act_ckpt:        res[0..L] | ONE shared fp32 block buffer           | lnf
  *   16-bit saved:    res[0..L] | ONE shared fp32 buffer of the WIDE slots |
  *                    L x {fp32 STAT slots (norm mean/rstd, lse), 16-bit copies of the WIDE slots} | lnf */
-static size_t carve_acts(const fl_model_config *c, const fl_block_graph *g, int B, int T, int ckpt, fl_dtype adt,
-                         char *base, fl_acts *a, size_t *saved) {
+static size_t carve_acts(const fl_model_config *c, const fl_block_graph *g, const fl_model_graph *mg, int B, int T,
+                         int ckpt, fl_dtype adt, char *base, fl_acts *a, size_t *saved) {
     fl_dims d = fl_model_dims(c);
     size_t N = (size_t)B * T;
     int ln = fl_arch_get(c->arch)->layernorm; /* LayerNorm keeps the mean too */
@@ -95,13 +95,24 @@ static size_t carve_acts(const fl_model_config *c, const fl_block_graph *g, int 
         }
     /* ... and the final norm's statistics; its output only feeds the head, whose backward
      * runs inside the forward */
-    cv.keep = 0;
-    float *lnf = carve(&cv, N * d.C);
-    cv.keep = 1;
-    float *lnf_mean = ln ? carve(&cv, N) : NULL;
-    float *lnf_rstd = carve(&cv, N);
+    float *lnf = NULL, *lnf_mean = NULL, *lnf_rstd = NULL;
+    if (fl_model_graph_has(mg, FL_MOP_NORM, 1)) {
+        cv.keep = 0;
+        lnf = carve(&cv, N * d.C);
+        cv.keep = 1;
+        lnf_mean = ln ? carve(&cv, N) : NULL;
+        lnf_rstd = carve(&cv, N);
+    }
+    /* an embedding norm (BERT): its input and statistics */
+    float *emb_x = NULL, *emb_mean = NULL, *emb_rstd = NULL;
+    if (fl_model_graph_has(mg, FL_MOP_NORM, -1)) {
+        emb_x = carve(&cv, N * d.C);
+        emb_mean = ln ? carve(&cv, N) : NULL;
+        emb_rstd = carve(&cv, N);
+    }
     if (saved) *saved = cv.saved;
     if (a) { a->lnf = lnf; a->lnf_mean = lnf_mean; a->lnf_rstd = lnf_rstd; a->act_dtype = a16 ? adt : FL_F32; }
+    if (a) { a->emb_x = emb_x; a->emb_mean = emb_mean; a->emb_rstd = emb_rstd; }
     return cv.off;
 }
 
@@ -131,7 +142,8 @@ static size_t imax(size_t a, size_t b) { return a > b ? a : b; }
  * the first N x C floats of buf1, and the token ids), *constant = the RoPE tables (written
  * once, read by every pass). Everything else is scratch within one pass (the widened head and
  * the backend's scratch too). */
-static size_t carve_work(const fl_model_config *c, const fl_block_graph *g, int B, int T, int dw_bf16,
+static size_t carve_work(const fl_model_config *c, const fl_block_graph *g, const fl_model_graph *mg, int B, int T,
+                         int dw_bf16,
                          fl_dtype head_widen, size_t be_scratch, char *base, fl_acts *a, size_t *handoff,
                          size_t *constant) {
     fl_dims d = fl_model_dims(c);
@@ -162,7 +174,12 @@ static size_t carve_work(const fl_model_config *c, const fl_block_graph *g, int 
     float *head_x = hb ? carve(&cv, R * d.C) : NULL;
     void *head_t16 = !hb ? NULL : dyb16 ? dyb16 : carve_bytes(&cv, R * imax(d.V, d.C) * sizeof(uint16_t));
     void *bes = be_scratch ? carve_bytes(&cv, be_scratch) : NULL;
+    /* an encoder's inputs beside the ids: token types and the key padding mask */
+    const int enc = fl_model_graph_has(mg, FL_MOP_OUTPUT, 1);
+    void *types = enc ? carve_bytes(&cv, N * sizeof(int32_t)) : NULL, *kmask = enc ? carve_bytes(&cv, N) : NULL;
     if (a) {
+        a->type_ids = types;
+        a->kmask = kmask;
         a->be_scratch = bes;
         a->head_dt = hw ? head_widen : FL_F32;
         a->head_w = head_w; a->head_x = head_x; a->head_t16 = head_t16;
@@ -199,15 +216,18 @@ void fl_sizing_acts_ex(const fl_model_config *cfg_in, int B, int T, const fl_act
     fl_model_config c = *cfg_in;
     memset(out, 0, sizeof *out);
     fl_block_graph g;
-    if (fl_config_validate(&c) != FL_OK || B <= 0 || T <= 0 || fl_block_graph_build(&c, &g) != FL_OK) return;
-    out->acts_bytes = carve_acts(&c, &g, B, T, ckpt, adt, NULL, NULL, &out->acts_saved_bytes);
-    out->workspace_bytes = carve_work(&c, &g, B, T, opts && opts->dw_bf16, opts ? opts->head_widen : FL_F32,
+    fl_model_graph mg;
+    if (fl_config_validate(&c) != FL_OK || B <= 0 || T <= 0 || fl_block_graph_build(&c, &g) != FL_OK ||
+        fl_model_graph_build(&c, &mg) != FL_OK)
+        return;
+    out->acts_bytes = carve_acts(&c, &g, &mg, B, T, ckpt, adt, NULL, NULL, &out->acts_saved_bytes);
+    out->workspace_bytes = carve_work(&c, &g, &mg, B, T, opts && opts->dw_bf16, opts ? opts->head_widen : FL_F32,
                                       opts ? opts->backend_scratch : 0, NULL, NULL, &out->work_handoff_bytes,
                                       &out->work_const_bytes);
     /* per layer: the difference between L and L-1 layers */
     fl_model_config c1 = c;
     c1.n_layers = c.n_layers - 1;
-    out->per_layer_acts_bytes = out->acts_bytes - carve_acts(&c1, &g, B, T, ckpt, adt, NULL, NULL, NULL);
+    out->per_layer_acts_bytes = out->acts_bytes - carve_acts(&c1, &g, &mg, B, T, ckpt, adt, NULL, NULL, NULL);
     out->logits_chunk_rows = logits_chunk_rows(&c, B * T);
 }
 
@@ -218,8 +238,8 @@ void fl_sizing_acts_ex(const fl_model_config *cfg_in, int B, int T, const fl_act
 void fl_acts_live_bytes(const fl_model *m, int B, int T, int train, size_t *acts, size_t *work) {
     size_t saved = 0, handoff = 0, constant = 0;
     if (train) {
-        carve_acts(&m->cfg, m->acts->graph, B, T, m->act_ckpt, m->act_dtype, NULL, NULL, &saved);
-        carve_work(&m->cfg, m->acts->graph, B, T, 0, FL_F32, 0, NULL, NULL, &handoff, &constant);
+        carve_acts(&m->cfg, m->acts->graph, m->acts->mgraph, B, T, m->act_ckpt, m->act_dtype, NULL, NULL, &saved);
+        carve_work(&m->cfg, m->acts->graph, m->acts->mgraph, B, T, 0, FL_F32, 0, NULL, NULL, &handoff, &constant);
     }
     *acts = saved;
     *work = handoff + m->sizes.work_const_bytes;
@@ -244,17 +264,22 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     a->L = m->cfg.n_layers;
     a->res = calloc((size_t)a->L + 1, sizeof *a->res);
     a->layer = calloc((size_t)a->L, sizeof *a->layer);
-    fl_block_graph *g = calloc(1, sizeof *g);
+    /* one allocation, freed through a->graph (model.c's fl_model_free_acts) */
+    struct graphs { fl_block_graph g; fl_model_graph mg; } *both = calloc(1, sizeof *both);
+    fl_block_graph *g = both ? &both->g : NULL;
+    fl_model_graph *mg = both ? &both->mg : NULL;
     a->graph = g;
+    a->mgraph = mg;
     m->acts = a;
-    if (!a->res || !a->layer || !g) { fl_model_free_acts(m); return fl_errorf(FL_ERR_OOM, "activation views: out of host memory"); }
+    if (!a->res || !a->layer || !both) { fl_model_free_acts(m); return fl_errorf(FL_ERR_OOM, "activation views: out of host memory"); }
     fl_status s = fl_block_graph_build(&m->cfg, g);
+    if (s == FL_OK) s = fl_model_graph_build(&m->cfg, mg);
     if (s != FL_OK) { fl_model_free_acts(m); return s; }
     s = fl_mem_alloc(m->pool, FL_TAG_ACTS, m->sizes.acts_bytes, (void **)&m->acts_arena);
     if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, m->sizes.workspace_bytes, (void **)&m->work_arena);
     if (s != FL_OK) { fl_model_free_acts(m); return fl_error_prefix(s, "allocating activations for B=%d T=%d", B, T); }
-    carve_acts(&m->cfg, g, B, T, m->act_ckpt, m->act_dtype, (char *)m->acts_arena, a, NULL);
-    carve_work(&m->cfg, g, B, T, dw_bf16, head_widen, bes, (char *)m->work_arena, a, NULL, NULL);
+    carve_acts(&m->cfg, g, mg, B, T, m->act_ckpt, m->act_dtype, (char *)m->acts_arena, a, NULL);
+    carve_work(&m->cfg, g, mg, B, T, dw_bf16, head_widen, bes, (char *)m->work_arena, a, NULL, NULL);
     if (fl_arch_get(m->cfg.arch)->rope)
         s = m->be->rope_tables(m->be, a->rope_cos, a->rope_sin, T, m->cfg.head_dim, m->cfg.rope_theta,
                                &m->cfg.rope_scaling);

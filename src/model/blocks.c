@@ -194,7 +194,7 @@ void fl_get_outer(const fl_model *m, fl_outer_params *o) {
     o->dwpe = G(m, wpe);
     o->lnf_w = P1(m, ilw, cur); o->dlnf_w = G(m, loff(m, ilw));
     o->lnf_b = P1(m, ilb, cur); o->dlnf_b = G(m, loff(m, ilb));
-    o->head = f32 ? paddr(m, fl_model_store_off(m, ihd)) : NULL;
+    o->head = f32 && ihd >= 0 ? paddr(m, fl_model_store_off(m, ihd)) : NULL; /* an encoder has none */
     o->dhead = f32 ? G(m, hd) : m->g16 ? m->gstage : NULL; /* 16-bit: the head is staged alone */
     o->head_off = hd;
     o->head_idx = ihd;

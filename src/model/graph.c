@@ -1,14 +1,17 @@
-/* The block graph (see graph.h): the decoder block of LLaMA and GPT-2 described once as a table of
- * ops over activation slots, what is derived from the table (production order, gradient buffers,
- * widths, inference buffers by liveness), and the two executors every pass runs: forward (training,
- * the checkpointed recompute, prefill, decode) and backward. */
+/* The block graph (see graph.h): the decoder block of LLaMA, GPT-2 and OPT described once as a table
+ * of ops over activation slots (another architecture's block comes from its descriptor), what is derived
+ * from the table (production order, gradient buffers, widths, inference buffers by liveness), the two
+ * executors every pass runs: forward (training, the checkpointed recompute, prefill, decode) and
+ * backward, and the model-level table around the blocks. */
+#include <math.h>
 #include <string.h>
 
+#include "fitllm/comm.h"
 #include "model-impl.h"
 
 /* ---- building -------------------------------------------------------------------------- */
 
-static int slot(fl_block_graph *g, const char *name, int width, fl_gslot_kind kind, int resid) {
+int fl_graph_slot(fl_block_graph *g, const char *name, int width, fl_gslot_kind kind, int resid) {
     fl_gslot *s = &g->slot[g->n_slots];
     s->name = name;
     s->width = width;
@@ -18,8 +21,10 @@ static int slot(fl_block_graph *g, const char *name, int width, fl_gslot_kind ki
     return g->n_slots++;
 }
 
-static void op(fl_block_graph *g, fl_gop_kind kind, int in, int out, int a1, int a2, int p, int role_w, int role_b) {
+fl_gop *fl_graph_op(fl_block_graph *g, fl_gop_kind kind, int in, int out, int a1, int a2, int p, int role_w,
+                    int role_b) {
     fl_gop *o = &g->op[g->n_ops++];
+    memset(o, 0, sizeof *o);
     o->kind = (uint8_t)kind;
     o->in = (int8_t)in;
     o->out = (int8_t)out;
@@ -28,7 +33,11 @@ static void op(fl_block_graph *g, fl_gop_kind kind, int in, int out, int a1, int
     o->p = (int8_t)p;
     o->role_w = (int8_t)role_w;
     o->role_b = (int8_t)role_b;
+    return o;
 }
+
+#define slot fl_graph_slot
+#define op fl_graph_op
 
 /* The pre-norm decoder block, by the architecture's flags (fl_arch_info: LLaMA's RMSNorm, RoPE, SwiGLU,
  * GQA; GPT-2's LayerNorm, GELU, biases; OPT's LayerNorm, ReLU, biases):
@@ -62,59 +71,112 @@ static void decoder_block(const fl_model_config *c, fl_block_graph *g) {
     g->n_norms = 2;
     g->n_linears = 4;
 }
+#undef slot
+#undef op
 
-static int in_place(const fl_gop *o) { return o->kind == FL_GOP_ROPE || o->kind == FL_GOP_ADD; }
+/* ops that modify their slot in place without reading it as an input of their own (in == out) */
+static int modifies(const fl_gop *o) { return o->kind == FL_GOP_ROPE || o->kind == FL_GOP_ALLREDUCE; }
+static int in_place(const fl_gop *o) { return modifies(o) || o->kind == FL_GOP_ADD; }
+static int cross(const fl_gop *o) { return o->kind == FL_GOP_ATTN && o->attn == FL_ATTN_CROSS; }
+/* a slot the block does not make: its input and the streams from outside */
+static int given(const fl_block_graph *g, int s) { return s == FL_GSLOT_IN || g->slot[s].kind == FL_GSLOT_XSTREAM; }
 
-/* Everything derived from the table, and the checks that make the derivations valid. */
-fl_status fl_block_graph_finish(fl_block_graph *g) {
-    int made[FL_GRAPH_MAX_SLOTS] = {0}, used[FL_GRAPH_MAX_SLOTS] = {0};
+/* The forward order: every slot made by exactly one op before it is read (in-place ops modify, they do
+ * not make), def / last op of each slot, how many ops read it, the production order, the row kinds. */
+static fl_status forward_order(fl_block_graph *g, int *def, int *last, int *used) {
+    int made[FL_GRAPH_MAX_SLOTS] = {0};
     int merged[FL_GRAPH_MAX_SLOTS]; /* the residual slot each one was added into (ADD), -1 */
-    int def[FL_GRAPH_MAX_SLOTS], last[FL_GRAPH_MAX_SLOTS];
-    for (int s = 0; s < g->n_slots; s++) def[s] = last[s] = merged[s] = -1;
-    /* production order; each slot made by exactly one op (in-place ops modify, they do not make) */
+    for (int s = 0; s < g->n_slots; s++) {
+        def[s] = last[s] = merged[s] = -1;
+        used[s] = 0;
+        g->slot[s].xrows = g->slot[s].kind == FL_GSLOT_XSTREAM;
+    }
     for (int i = 0; i < g->n_ops; i++) {
         const fl_gop *o = &g->op[i];
-        if (o->in < 0 || o->in >= g->n_slots || o->out < 0 || o->out >= g->n_slots)
+        const int8_t ins[2] = {o->in, o->in2};
+        if (o->out < 0 || o->out >= g->n_slots)
             return fl_errorf(FL_ERR_INTERNAL, "block graph: op %d names a slot that does not exist", i);
-        if (o->in != FL_GSLOT_IN && !made[o->in])
-            return fl_errorf(FL_ERR_INTERNAL, "block graph: op %d reads '%s' before it is made", i, g->slot[o->in].name);
-        if (o->kind != FL_GOP_ROPE && o->in != FL_GSLOT_IN) used[o->in]++; /* ROPE modifies, the rest read */
-        /* the residual path has one gradient buffer: once a slot is added into the next residual slot, dres
-         * holds that one's gradient in the backward, and a later read of the slot would add its gradient
-         * there before the ops that read d(next) have run */
-        if (merged[o->in] >= 0)
-            return fl_errorf(FL_ERR_INTERNAL, "block graph: op %d reads '%s' after it was added into '%s'", i,
-                             g->slot[o->in].name, g->slot[merged[o->in]].name);
+        for (int k = 0; k < (cross(o) ? 2 : 1); k++) {
+            const int s = ins[k];
+            if (s < 0 || s >= g->n_slots)
+                return fl_errorf(FL_ERR_INTERNAL, "block graph: op %d names a slot that does not exist", i);
+            if (!given(g, s) && !made[s])
+                return fl_errorf(FL_ERR_INTERNAL, "block graph: op %d reads '%s' before it is made", i, g->slot[s].name);
+            if (!modifies(o) && s != FL_GSLOT_IN) used[s]++; /* ROPE and ALLREDUCE modify, the rest read */
+            /* a residual path has one gradient: once a slot is added into the next residual slot, that one's
+             * gradient is the slot's in the backward, and a later read of the slot would add its gradient
+             * there before the ops that read d(next) have run */
+            if (merged[s] >= 0)
+                return fl_errorf(FL_ERR_INTERNAL, "block graph: op %d reads '%s' after it was added into '%s'", i,
+                                 g->slot[s].name, g->slot[merged[s]].name);
+            last[s] = i;
+        }
         if (o->kind == FL_GOP_ADD) merged[o->in] = o->out;
         if (in_place(o) && !made[o->out])
             return fl_errorf(FL_ERR_INTERNAL, "block graph: op %d modifies '%s' before it is made", i, g->slot[o->out].name);
-        last[o->in] = i;
         if (in_place(o)) last[o->out] = i;
         const int8_t outs[3] = {in_place(o) ? -1 : o->out, o->a1, o->a2};
         for (int k = 0; k < 3; k++) {
             int s = outs[k];
             if (s < 0) continue;
-            if (s == FL_GSLOT_IN || made[s])
+            if (given(g, s) || made[s])
                 return fl_errorf(FL_ERR_INTERNAL, "block graph: slot '%s' is made twice (op %d)", g->slot[s].name, i);
             made[s] = 1;
             def[s] = last[s] = i;
+            g->slot[s].xrows = g->slot[o->in].xrows; /* rows follow the (query) input */
             if (s != FL_GSLOT_OUT) g->prod[g->n_prod++] = (int8_t)s;
         }
     }
     for (int s = 0; s < g->n_slots; s++) {
-        if (s != FL_GSLOT_IN && !made[s])
+        if (!given(g, s) && !made[s])
             return fl_errorf(FL_ERR_INTERNAL, "block graph: no op makes slot '%s'", g->slot[s].name);
         /* an off-path activation nobody reads has no gradient for its producer's backward */
         if (g->slot[s].kind == FL_GSLOT_WIDE && !g->slot[s].resid && used[s] == 0)
             return fl_errorf(FL_ERR_INTERNAL, "block graph: '%s' is made but no op reads it", g->slot[s].name);
     }
-    /* gradient buffers, ops in reverse: the residual path accumulates in RES. An off-path slot's gradient
-     * takes the lowest free buffer at its first contribution (its last reader in forward order), stays
-     * there while its other readers add to it, and frees the buffer once its producer's backward has
-     * read it: a chain alternates 1 and 2, as the hand-written passes did */
-    int8_t holder[FL_GRAPH_MAX_GBUF]; /* the slot whose gradient each buffer holds, -1 free */
+    return FL_OK;
+}
+
+static int root(const int8_t *uf, int s) {
+    while (uf[s] != s) s = uf[s];
+    return s;
+}
+
+/* The lowest free off-path gradient buffer (1 ..), taken for `who` (a slot, or a residual path's root). */
+static fl_status take_gbuf(fl_block_graph *g, int8_t *holder, int who, int *b) {
+    *b = 1;
+    while (*b < FL_GRAPH_MAX_GBUF && holder[*b] >= 0) (*b)++;
+    if (*b == FL_GRAPH_MAX_GBUF)
+        return fl_errorf(FL_ERR_INTERNAL, "block graph: d('%s') needs more than %d gradient buffers", g->slot[who].name,
+                         FL_GRAPH_MAX_GBUF - 1);
+    holder[*b] = (int8_t)who;
+    if (*b + 1 > g->n_gbuf) g->n_gbuf = *b + 1;
+    return FL_OK;
+}
+
+/* Gradient buffers, ops in reverse. Residual slots joined by ADDs share one gradient (uf: their root);
+ * the output's starts in RES (d(out) on entry) and the input's must end there: the same path in a
+ * pre-norm block, two in a post-norm one (then the output's leaves RES at the last norm's backward,
+ * before the input's first contribution; when it is still there, as in a one-sublayer post-norm block,
+ * the input's takes another buffer and the backward copies it into RES at its end). An off-path slot's gradient, and another residual path's,
+ * takes the lowest free buffer at its first contribution (its last reader in forward order), stays
+ * there while its other readers add to it, and frees the buffer once its (first) producer's backward
+ * has read it: a chain alternates 1 and 2, as the hand-written passes did. */
+static fl_status assign_grads(fl_block_graph *g, const int *def) {
+    int8_t uf[FL_GRAPH_MAX_SLOTS], ugrad[FL_GRAPH_MAX_SLOTS];
+    int udef[FL_GRAPH_MAX_SLOTS]; /* the first op making a member of each residual path */
+    for (int s = 0; s < g->n_slots; s++) uf[s] = (int8_t)s, ugrad[s] = FL_GBUF_NONE, udef[s] = g->n_ops;
+    for (int i = 0; i < g->n_ops; i++)
+        if (g->op[i].kind == FL_GOP_ADD) uf[root(uf, g->op[i].in)] = (int8_t)root(uf, g->op[i].out);
+    for (int s = 0; s < g->n_slots; s++)
+        if (def[s] >= 0 && def[s] < udef[root(uf, s)]) udef[root(uf, s)] = def[s];
+    const int rin = root(uf, FL_GSLOT_IN), rout = root(uf, FL_GSLOT_OUT);
+    int8_t holder[FL_GRAPH_MAX_GBUF]; /* the slot (or path root) whose gradient each buffer holds, -1 free */
     memset(holder, -1, sizeof holder);
+    ugrad[rout] = FL_GBUF_RES;
+    holder[FL_GBUF_RES] = (int8_t)rout;
     g->n_gbuf = FL_N_GBUF;
+#define GRAD(s) (g->slot[s].resid ? ugrad[root(uf, s)] : g->slot[s].grad)
     for (int i = g->n_ops - 1; i >= 0; i--) {
         fl_gop *o = &g->op[i];
         fl_gslot *si = &g->slot[o->in], *so = &g->slot[o->out];
@@ -124,37 +186,53 @@ fl_status fl_block_graph_finish(fl_block_graph *g) {
                 return fl_errorf(FL_ERR_INTERNAL, "block graph: op %d adds '%s' off the residual path", i, si->name);
             continue;
         }
-        if (so->grad == FL_GBUF_NONE)
+        const int gout = GRAD(o->out);
+        if (gout == FL_GBUF_NONE)
             return fl_errorf(FL_ERR_INTERNAL, "block graph: the backward reaches op %d before d('%s')", i, so->name);
-        if (o->kind == FL_GOP_ROPE) continue; /* in place: in == out */
-        if (!si->resid) {
-            if (si->grad != FL_GBUF_NONE) {
-                o->acc = 1; /* a later reader already started d(in): add to it */
-            } else {
-                int b = 1;
-                while (b < FL_GRAPH_MAX_GBUF && holder[b] >= 0) b++;
-                if (b == FL_GRAPH_MAX_GBUF)
-                    return fl_errorf(FL_ERR_INTERNAL, "block graph: d('%s') needs more than %d gradient buffers",
-                                     si->name, FL_GRAPH_MAX_GBUF - 1);
-                si->grad = (int8_t)b;
-                holder[b] = o->in;
-                if (b + 1 > g->n_gbuf) g->n_gbuf = b + 1;
+        if (modifies(o)) continue; /* in place: in == out */
+        const int8_t ins[2] = {o->in, o->in2};
+        for (int k = 0; k < (cross(o) ? 2 : 1); k++) {
+            const int s = ins[k], r = root(uf, s);
+            fl_gslot *sk = &g->slot[s];
+            int acc = 1, b;
+            if (sk->kind == FL_GSLOT_XSTREAM) {
+                acc = 1; /* accumulates across blocks in the caller's buffer */
+            } else if (sk->resid && ugrad[r] == FL_GBUF_NONE) { /* a residual path's first contribution */
+                acc = 0;
+                if (r == rin && holder[FL_GBUF_RES] < 0) {
+                    holder[b = FL_GBUF_RES] = (int8_t)r;
+                } else { /* the input's path while d(out) still holds RES: copied there at the end */
+                    FL_TRY(take_gbuf(g, holder, r, &b));
+                }
+                ugrad[r] = (int8_t)b;
+            } else if (!sk->resid && sk->grad == FL_GBUF_NONE) { /* an off-path slot's first contribution */
+                acc = 0;
+                FL_TRY(take_gbuf(g, holder, s, &b));
+                sk->grad = (int8_t)b;
             }
+            if (sk->kind != FL_GSLOT_XSTREAM && GRAD(s) == gout)
+                return fl_errorf(FL_ERR_INTERNAL, "block graph: op %d's backward reads d('%s') where it writes d('%s')", i,
+                                 so->name, sk->name);
+            if (k) o->acc2 = (uint8_t)acc;
+            else o->acc = (uint8_t)acc; /* the residual path, or a later reader in forward order started it */
         }
-        /* the op that makes its output has read d(out) for the last time */
+        /* the op that makes its output (the first member of its residual path) has read d(out) for the last time */
         if (!so->resid && def[o->out] == i && holder[so->grad] == o->out) holder[so->grad] = -1;
+        if (so->resid && root(uf, o->out) != rin && udef[root(uf, o->out)] == i) holder[gout] = -1;
     }
+#undef GRAD
+    for (int s = 0; s < g->n_slots; s++)
+        if (g->slot[s].resid) g->slot[s].grad = ugrad[root(uf, s)];
     for (int s = 0; s < g->n_slots; s++)
         if (g->slot[s].grad > FL_GBUF_NONE && g->gbuf_width[g->slot[s].grad] < g->slot[s].width)
             g->gbuf_width[g->slot[s].grad] = g->slot[s].width;
-    for (int i = 0; i < g->n_ops; i++)
-        if (g->op[i].kind == FL_GOP_LINEAR) {
-            if (g->slot[g->op[i].in].width > g->lin_in_max) g->lin_in_max = g->slot[g->op[i].in].width;
-            if (g->slot[g->op[i].out].width > g->lin_out_max) g->lin_out_max = g->slot[g->op[i].out].width;
-        }
-    /* inference buffers by liveness: IN and OUT share buffer 0 (the input is dead before the output is
-     * made in a pre-norm block; prefill and decode then run the blocks in place); the others take, in
-     * production order, the free buffer that fits best (else the widest free one, widened; else a new one) */
+    return FL_OK;
+}
+
+/* Inference buffers by liveness: IN and OUT share buffer 0 (the input is dead before the output is made;
+ * prefill and decode then run the blocks in place); the others take, in production order, the free
+ * buffer that fits best (else the widest free one, widened; else a new one). */
+static fl_status inference_buffers(fl_block_graph *g, const int *def, int *last) {
     if (last[FL_GSLOT_IN] >= def[FL_GSLOT_OUT])
         return fl_errorf(FL_ERR_INTERNAL, "block graph: the block's input is read after its output is made");
     last[FL_GSLOT_OUT] = g->n_ops;
@@ -178,10 +256,25 @@ fl_status fl_block_graph_finish(fl_block_graph *g) {
     return FL_OK;
 }
 
+/* Everything derived from the table, and the checks that make the derivations valid. */
+fl_status fl_block_graph_finish(fl_block_graph *g) {
+    int def[FL_GRAPH_MAX_SLOTS], last[FL_GRAPH_MAX_SLOTS], used[FL_GRAPH_MAX_SLOTS];
+    FL_TRY(forward_order(g, def, last, used));
+    FL_TRY(assign_grads(g, def));
+    for (int i = 0; i < g->n_ops; i++)
+        if (g->op[i].kind == FL_GOP_LINEAR) {
+            if (g->slot[g->op[i].in].width > g->lin_in_max) g->lin_in_max = g->slot[g->op[i].in].width;
+            if (g->slot[g->op[i].out].width > g->lin_out_max) g->lin_out_max = g->slot[g->op[i].out].width;
+        }
+    return inference_buffers(g, def, last);
+}
+
 fl_status fl_block_graph_build(const fl_model_config *c, fl_block_graph *g) {
     memset(g, 0, sizeof *g);
-    if (!fl_arch_get(c->arch)) return fl_errorf(FL_ERR_UNSUPPORTED, "no block graph for architecture %d", (int)c->arch);
-    decoder_block(c, g); /* every architecture so far: the pre-norm decoder block, by its feature flags */
+    const fl_arch_info *ai = fl_arch_get(c->arch);
+    if (!ai) return fl_errorf(FL_ERR_UNSUPPORTED, "no block graph for architecture %d", (int)c->arch);
+    if (ai->block_graph) ai->block_graph(c, g); /* its own block (BERT's post-norm encoder block) */
+    else decoder_block(c, g);                  /* the pre-norm decoder block, by the descriptor's feature flags */
     return fl_block_graph_finish(g);
 }
 
@@ -193,8 +286,9 @@ size_t fl_block_rows_scratch(const fl_block_graph *g, int n, float *base, float 
         off[b] = tot;
         tot += al16((size_t)n * g->ibuf_width[b]);
     }
-    if (base && s)
-        for (int k = 0; k < g->n_slots; k++) s[k] = base + off[g->ibuf_of[k]];
+    if (base && s) /* a stream from outside the block is the caller's to bind */
+        for (int k = 0; k < g->n_slots; k++)
+            if (g->slot[k].kind != FL_GSLOT_XSTREAM) s[k] = base + off[g->ibuf_of[k]];
     return tot;
 }
 
@@ -231,19 +325,104 @@ static fl_status kv_append(const fl_model *m, const float *qkv, const fl_block_c
  * RoPE's in-place rotation). */
 static int final_after(const fl_block_graph *g, int i, int k) {
     for (int j = i + 1; j < g->n_ops; j++)
-        if (g->op[j].out == k || (g->op[j].kind == FL_GOP_ROPE && g->op[j].in == k)) return 0;
+        if (g->op[j].out == k || (modifies(&g->op[j]) && g->op[j].in == k)) return 0;
     return 1;
+}
+
+/* Rows of slot k in this pass: the block's B x T, or B x Tk for a stream from outside and what is computed from it. */
+static int rows(const fl_block_graph *g, int k, const fl_block_ctx *x) { return x->B * (g->slot[k].xrows ? x->Tk : x->T); }
+
+/* The general attention op's shape and q/k/v views for an ATTN op that is not the fused causal one:
+ * self-attention over the fused q|k|v rows, or cross-attention of q rows to fused k|v rows. */
+static void attn_views(const fl_model *m, const fl_block_graph *g, const fl_gop *o, const fl_block_ctx *x,
+                       float *const *s, fl_attn_desc *a, float **q, float **k, float **v) {
+    fl_dims d = fl_model_dims(&m->cfg);
+    memset(a, 0, sizeof *a);
+    a->B = x->B, a->Tq = x->T, a->NH = d.NH, a->NKV = d.NKV, a->HD = d.HD;
+    a->ldo = (size_t)g->slot[o->out].width;
+    a->scale = 1.0f / sqrtf((float)d.HD);
+    a->causal = o->attn == FL_ATTN_CAUSAL;
+    *q = s[o->in];
+    a->ldq = (size_t)g->slot[o->in].width;
+    if (o->attn == FL_ATTN_CROSS) { /* k | v of the stream's rows */
+        a->Tk = x->Tk;
+        *k = s[o->in2];
+        a->ldk = a->ldv = (size_t)g->slot[o->in2].width;
+    } else {
+        a->Tk = x->T;
+        *k = *q + d.QD;
+        a->ldk = a->ldv = a->ldq;
+    }
+    *v = *k + d.KVD;
+}
+
+static fl_status attn_forward(const fl_model *m, const fl_block_graph *g, const fl_gop *o, float *const *s,
+                              const fl_block_ctx *x) {
+    const fl_backend *be = m->be;
+    fl_dims d = fl_model_dims(&m->cfg);
+    float *in = s[o->in], *out = s[o->out], *lse = o->a1 >= 0 ? s[o->a1] : NULL;
+    if (o->attn == FL_ATTN_CAUSAL && !o->attn_flags) { /* the decoder's fused causal kernels */
+        if (x->kv) FL_TRY(kv_append(m, in, x));
+        if (x->kv && x->T == 1) {
+            fl_kv_cache *kv = x->kv;
+            be->attention_decode(be, out, in, kv->k + fl_kv_cache_index(kv, x->layer, 0, 0),
+                                 kv->v + fl_kv_cache_index(kv, x->layer, 0, 0), x->pos0 + 1, d.NH, d.NKV, d.HD,
+                                 (size_t)kv->max_T * d.HD);
+        } else {
+            FL_TRY(fl_attention_qkv_forward(be, out, lse, in, x->B, x->T, d.NH, d.NKV, d.HD)); // (N, QD)
+        }
+        return FL_OK;
+    }
+    if (x->kv) return fl_errorf(FL_ERR_UNSUPPORTED, "generation with a KV cache runs causal self-attention only");
+    fl_attn_desc a;
+    float *q, *k, *v;
+    attn_views(m, g, o, x, s, &a, &q, &k, &v);
+    return be->attention_forward(be, &a, out, lse, q, k, v, o->attn_flags & FL_GATTN_BIAS ? x->attn_bias : NULL,
+                                    o->attn_flags & FL_GATTN_MASK ? x->kmask : NULL);
+}
+
+/* The gradient buffer of slot k: a stream from outside accumulates into the caller's. */
+static float *dslot(const fl_block_graph *g, int k, float *const *gb, const fl_block_ctx *x) {
+    return g->slot[k].kind == FL_GSLOT_XSTREAM ? (x->dxs ? x->dxs[k] : NULL) : gb[g->slot[k].grad];
+}
+
+static fl_status attn_backward(const fl_model *m, const fl_block_graph *g, const fl_gop *o, float *const *s,
+                               float *const *gb, const fl_block_ctx *x, float *din, float *dout) {
+    const fl_backend *be = m->be;
+    fl_dims d = fl_model_dims(&m->cfg);
+    const float *lse = o->a1 >= 0 ? s[o->a1] : NULL;
+    if (o->attn == FL_ATTN_CAUSAL && !o->attn_flags) {
+        return fl_attention_qkv_backward(be, din, dout, s[o->in], s[o->out], lse, x->B, x->T, d.NH, d.NKV, d.HD);
+    }
+    fl_attn_desc a;
+    float *q, *k, *v, *dk, *dv;
+    attn_views(m, g, o, x, s, &a, &q, &k, &v);
+    if (o->attn == FL_ATTN_CROSS) {
+        dk = dslot(g, o->in2, gb, x);
+        if (!o->acc2) be->zero(be, dk, (size_t)rows(g, o->in2, x) * g->slot[o->in2].width * sizeof(float));
+    } else {
+        dk = din + d.QD;
+    }
+    dv = dk + d.KVD;
+    const float *bias = o->attn_flags & FL_GATTN_BIAS ? x->attn_bias : NULL;
+    return be->attention_backward(be, &a, din, dk, dv, bias ? x->dattn_bias : NULL, dout, q, k, v, bias,
+                                     o->attn_flags & FL_GATTN_MASK ? x->kmask : NULL, s[o->out], lse);
+}
+
+/* ALLREDUCE: the slot summed over the communicator's ranks (no communicator or one rank: nothing to do). */
+static fl_status allreduce(struct fl_comm *c, float *p, size_t n) {
+    if (!c || fl_comm_size(c) <= 1) return FL_OK;
+    return fl_comm_all_reduce(c, p, p, n, FL_F32, FL_COMM_SUM);
 }
 
 fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
                            const fl_block_ctx *x) {
     const fl_backend *be = m->be;
-    fl_dims d = fl_model_dims(&m->cfg);
-    const int N = x->B * x->T;
 #define S(k) ((k) >= 0 ? s[k] : NULL)
     for (int i = 0; i < g->n_ops; i++) {
         const fl_gop *o = &g->op[i];
         float *in = s[o->in], *out = s[o->out];
+        const int N = rows(g, o->in, x);
         const size_t wi = (size_t)g->slot[o->in].width, wo = (size_t)g->slot[o->out].width;
         switch ((fl_gop_kind)o->kind) {
         case FL_GOP_NORM: fl_norm_forward(m, out, S(o->a1), S(o->a2), in, bp->norm_w[o->p], bp->norm_b[o->p], N); break;
@@ -261,21 +440,14 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
             break;
         }
         case FL_GOP_ROPE: rope(m, in, 0, x, wi); break;
-        case FL_GOP_ATTN:
-            if (x->kv) FL_TRY(kv_append(m, in, x));
-            if (x->kv && x->T == 1) {
-                fl_kv_cache *kv = x->kv;
-                be->attention_decode(be, out, in, kv->k + fl_kv_cache_index(kv, x->layer, 0, 0),
-                                     kv->v + fl_kv_cache_index(kv, x->layer, 0, 0), x->pos0 + 1, d.NH, d.NKV, d.HD,
-                                     (size_t)kv->max_T * d.HD);
-            } else {
-                FL_TRY(fl_attention_qkv_forward(be, out, S(o->a1), in, x->B, x->T, d.NH, d.NKV, d.HD)); // (N, QD)
-            }
-            break;
+        case FL_GOP_ATTN: FL_TRY(attn_forward(m, g, o, s, x)); break;
         case FL_GOP_ADD: be->add(be, out, out, in, (size_t)N * wo); break;
         case FL_GOP_SWIGLU: be->swiglu_forward(be, out, in, N, (int)wo); break;
         case FL_GOP_GELU: be->gelu_forward(be, out, in, (size_t)N * wi); break;
         case FL_GOP_RELU: be->relu_forward(be, out, in, (size_t)N * wi); break;
+        case FL_GOP_ALLREDUCE:
+            if (o->p == FL_GAR_FWD) FL_TRY(allreduce(x->comm, out, (size_t)N * wo));
+            break;
         }
     }
     return FL_OK;
@@ -305,23 +477,21 @@ static unsigned grads_needed(const fl_block_graph *g, const fl_block_params *bp)
 fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
                             float *const *gb, const fl_block_ctx *x) {
     const fl_backend *be = m->be;
-    fl_dims d = fl_model_dims(&m->cfg);
-    const int N = x->B * x->T;
     const unsigned need = x->no_din ? grads_needed(g, bp) : ~0u;
 #define S(k) ((k) >= 0 ? s[k] : NULL)
     for (int i = g->n_ops - 1; i >= 0; i--) {
         const fl_gop *o = &g->op[i];
         const fl_gslot *si = &g->slot[o->in], *so = &g->slot[o->out];
-        if (o->kind == FL_GOP_ADD) continue; /* both sides on the residual path: d(in) += d(out) is the identity */
+        if (o->kind == FL_GOP_ADD) continue; /* both sides on one residual path: d(in) += d(out) is the identity */
         /* nothing reads d(in): only an op that trains runs (a LINEAR without its dx) */
         const int need_in = need >> o->in & 1u;
         if (!need_in && !op_trains(bp, o)) continue;
-        float *din = need_in || o->kind != FL_GOP_LINEAR ? gb[si->grad] : NULL, *dout = gb[so->grad];
+        float *din = need_in || o->kind != FL_GOP_LINEAR ? dslot(g, o->in, gb, x) : NULL, *dout = dslot(g, o->out, gb, x);
+        const int N = rows(g, o->in, x);
         const size_t wi = (size_t)si->width, wo = (size_t)so->width;
         /* ops whose backward accumulates into d(in): a gradient not started yet starts from zero (a
          * LINEAR overwrites it instead; o->acc: the residual path, or another reader's part already there) */
-        if (!o->acc && o->kind != FL_GOP_LINEAR && o->kind != FL_GOP_ROPE)
-            be->zero(be, din, (size_t)N * wi * sizeof(float));
+        if (!o->acc && o->kind != FL_GOP_LINEAR && !modifies(o)) be->zero(be, din, (size_t)N * wi * sizeof(float));
         switch ((fl_gop_kind)o->kind) {
         case FL_GOP_NORM:
             fl_norm_backward(m, din, bp->d_norm_w[o->p], bp->d_norm_b[o->p], dout, s[o->in], bp->norm_w[o->p], S(o->a1),
@@ -332,15 +502,60 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
                                          &bp->lin[o->p], N));
             break;
         case FL_GOP_ROPE: rope(m, din, 1, x, wi); break;
-        case FL_GOP_ATTN:
-            FL_TRY(fl_attention_qkv_backward(be, din, dout, s[o->in], s[o->out], S(o->a1), x->B, x->T, d.NH, d.NKV, d.HD));
-            break;
+        case FL_GOP_ATTN: FL_TRY(attn_backward(m, g, o, s, gb, x, din, dout)); break;
         case FL_GOP_SWIGLU: be->swiglu_backward(be, din, dout, s[o->in], N, (int)wo); break;
         case FL_GOP_GELU: be->gelu_backward(be, din, dout, s[o->in], (size_t)N * wi); break;
         case FL_GOP_RELU: be->relu_backward(be, din, dout, s[o->in], (size_t)N * wi); break;
+        case FL_GOP_ALLREDUCE:
+            if (o->p == FL_GAR_BWD) FL_TRY(allreduce(x->comm, din, (size_t)N * wi));
+            break;
         case FL_GOP_ADD: break;
         }
     }
+    if (g->slot[FL_GSLOT_IN].grad != FL_GBUF_RES && !x->no_din) /* d(input) ended elsewhere (assign_grads) */
+        FL_TRY(be->copy(be, gb[FL_GBUF_RES], gb[g->slot[FL_GSLOT_IN].grad],
+                        (size_t)x->B * x->T * g->slot[FL_GSLOT_IN].width * sizeof(float)));
     return FL_OK;
 #undef S
+}
+
+/* ---- the model around the blocks ------------------------------------------------------------ */
+
+void fl_model_graph_op(fl_model_graph *mg, fl_mop_kind kind, int role_w, int role_b) {
+    if (mg->n_ops >= FL_MODEL_GRAPH_MAX_OPS) return; /* fl_model_graph_build refuses the table */
+    mg->op[mg->n_ops].kind = (uint8_t)kind;
+    mg->op[mg->n_ops].role_w = (int8_t)role_w;
+    mg->op[mg->n_ops].role_b = (int8_t)role_b;
+    mg->n_ops++;
+}
+
+int fl_model_graph_has(const fl_model_graph *mg, fl_mop_kind kind, int where) {
+    int side = -1;
+    for (int i = 0; i < mg->n_ops; i++) {
+        if (mg->op[i].kind == FL_MOP_BLOCKS) side = 1;
+        else if (mg->op[i].kind == kind && (where == 0 || where == side)) return 1;
+    }
+    return 0;
+}
+
+fl_status fl_model_graph_build(const fl_model_config *c, fl_model_graph *mg) {
+    memset(mg, 0, sizeof *mg);
+    const fl_arch_info *ai = fl_arch_get(c->arch);
+    if (!ai) return fl_errorf(FL_ERR_UNSUPPORTED, "no model graph for architecture %d", (int)c->arch);
+    if (ai->model_graph) {
+        ai->model_graph(c, mg);
+    } else { /* the decoders: (B, T) ids -> (N, C) rows -> L blocks -> final norm -> (N, V) logits, loss */
+        fl_model_graph_op(mg, FL_MOP_EMBED, -1, -1);
+        fl_model_graph_op(mg, FL_MOP_BLOCKS, -1, -1);
+        fl_model_graph_op(mg, FL_MOP_NORM, FL_ROLE_NORM_F_W, FL_ROLE_NORM_F_B);
+        fl_model_graph_op(mg, FL_MOP_HEAD_LM, -1, -1);
+    }
+    int blocks = 0;
+    for (int i = 0; i < mg->n_ops; i++) blocks += mg->op[i].kind == FL_MOP_BLOCKS;
+    const int last = mg->n_ops ? mg->op[mg->n_ops - 1].kind : -1;
+    if (mg->n_ops >= FL_MODEL_GRAPH_MAX_OPS || blocks != 1 || mg->op[0].kind == FL_MOP_BLOCKS ||
+        (last != FL_MOP_HEAD_LM && last != FL_MOP_OUTPUT))
+        return fl_errorf(FL_ERR_INTERNAL, "model graph of %s: one BLOCKS after the embeddings, ending in a head or the "
+                         "output, at most %d ops", ai->name, FL_MODEL_GRAPH_MAX_OPS - 1);
+    return FL_OK;
 }

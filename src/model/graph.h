@@ -10,8 +10,15 @@
  *     16-bit copies, the gradient buffers' and bf16 dW scratch widths) and generation's scratch
  *     (buffers shared by liveness).
  *
- * A new architecture of the same family (pre-norm residual blocks) is a new builder in graph.c;
- * a new kind of op is one case in each executor. See docs/ARCHITECTURE.md "The block graph". */
+ * Blocks may be pre-norm or post-norm (a residual add followed by a norm: the slots joined by ADD ops
+ * share one gradient, whichever buffer it lives in), attend causally, bidirectionally or across to a
+ * stream from outside the block (an encoder output: its gradient accumulates into the caller's buffer),
+ * with an optional additive bias and key padding mask, and may hold collectives (ALLREDUCE over the
+ * context's communicator: tensor parallelism as a graph rewrite). The decoder block is built here from
+ * the descriptor's flags; an architecture with another block gives its own builder (fl_arch_info.
+ * block_graph, with fl_graph_slot / fl_graph_op). The model around the blocks (embeddings, norms, head
+ * or plain output) is a second, smaller table (fl_model_graph). A new kind of op is one case in each
+ * executor. See docs/ARCHITECTURE.md "The block graph". */
 #ifndef FL_MODEL_GRAPH_H
 #define FL_MODEL_GRAPH_H
 
@@ -32,6 +39,8 @@ typedef enum {
     FL_GSLOT_STREAM, /* the block's input or output: lives in the residual stream, not in the block's buffers */
     FL_GSLOT_WIDE,   /* an (N, width) activation the backward reads: saved per block (16-bit when narrowed) */
     FL_GSLOT_STAT,   /* per-row fp32 statistics (norm mean / rstd, attention log-sum-exp): saved, never narrowed */
+    FL_GSLOT_XSTREAM, /* a stream from outside the block (cross-attention's encoder output, B x Tk rows): bound by
+                       * the caller in s[] like IN / OUT, its gradient accumulated into fl_block_ctx.dxs */
 } fl_gslot_kind;
 
 /* Which workspace buffer holds a slot's gradient during the backward: RES the residual stream's,
@@ -46,19 +55,30 @@ typedef struct {
     int width;         /* floats per row */
     uint8_t kind;      /* fl_gslot_kind */
     uint8_t resid;     /* on the residual path: its gradient is the stream's (accumulated, never overwritten) */
-    int8_t grad;       /* fl_gbuf of its gradient in the backward (FL_GBUF_NONE: statistics) */
+    int8_t grad;       /* fl_gbuf of its gradient in the backward (FL_GBUF_NONE: statistics, an XSTREAM) */
+    uint8_t xrows;     /* derived: B x Tk rows (an XSTREAM and what is computed from it alone), else B x T */
 } fl_gslot;
 
 typedef enum {
     FL_GOP_NORM,   /* out, a1 (mean: LayerNorm only, else -1), a2 (rstd) = norm_p(in): the architecture's norm */
     FL_GOP_LINEAR, /* out = in @ W_p^T (+ b_p) (+ LoRA) */
     FL_GOP_ROPE,   /* in place: rotate the q and k heads of in (fused q|k|v rows) */
-    FL_GOP_ATTN,   /* out, a1 (lse) = causal GQA attention over in's fused q|k|v rows */
-    FL_GOP_ADD,    /* out += in (the residual connection; both on the residual path) */
+    FL_GOP_ATTN,   /* out, a1 (lse) = GQA attention (fl_gop.attn): over in's fused q|k|v rows, or (CROSS) of in's
+                    * q rows (width QD) to in2's fused k|v rows (width 2 KVD, B x Tk rows of an XSTREAM's linear) */
+    FL_GOP_ADD,    /* out += in (a residual connection; both on a residual path) */
     FL_GOP_SWIGLU, /* out (N, F) = silu(in[:, :F]) * in[:, F:] */
     FL_GOP_GELU,   /* out = gelu_tanh(in) */
     FL_GOP_RELU,   /* out = max(in, 0) */
+    FL_GOP_ALLREDUCE, /* in place (in == out): sum over fl_block_ctx.comm's ranks; p = FL_GAR_FWD: in the forward
+                       * (backward: identity; Megatron's g after a row-parallel linear), FL_GAR_BWD: in the backward
+                       * (forward: identity; Megatron's f before a column-parallel one). No comm / one rank: no-op */
 } fl_gop_kind;
+
+/* Attention kinds (fl_gop.attn). CAUSAL without bias or mask runs the fused causal kernels (the decoder's
+ * path, unchanged); everything else the general op (attention_forward_ex, fl_attn_desc). */
+typedef enum { FL_ATTN_CAUSAL = 0, FL_ATTN_BIDIR, FL_ATTN_CROSS } fl_attn_kind;
+enum { FL_GATTN_BIAS = 1, FL_GATTN_MASK = 2 }; /* fl_gop.attn_flags: read fl_block_ctx.attn_bias / kmask */
+enum { FL_GAR_FWD = 0, FL_GAR_BWD = 1 };       /* ALLREDUCE's direction (fl_gop.p) */
 
 typedef struct {
     uint8_t kind;        /* fl_gop_kind */
@@ -68,6 +88,9 @@ typedef struct {
     int8_t role_w, role_b; /* NORM / LINEAR: the parameters' fl_param_role (role_b -1: none) */
     uint8_t acc;         /* derived: the backward adds to d(in) (the residual path, or a slot's later reader in
                           * the backward's order: its gradients are summed) instead of starting it */
+    uint8_t attn, attn_flags; /* ATTN: fl_attn_kind, FL_GATTN_* */
+    int8_t in2;          /* ATTN CROSS: the fused k|v slot (else unused) */
+    uint8_t acc2;        /* derived: the backward adds to d(in2) */
 } fl_gop;
 
 #define FL_GRAPH_MAX_NORMS 2
@@ -92,12 +115,19 @@ typedef struct fl_block_graph_s {
 
 /* The block graph of a (validated) config's architecture. FL_ERR_INTERNAL names a malformed table. */
 fl_status fl_block_graph_build(const fl_model_config *c, fl_block_graph *g);
+/* Builders (an architecture's fl_arch_info.block_graph): declare a slot (returns its index; resid: on a residual
+ * path, joined to others by ADD ops) and append an op (in2 / attention kind: set the returned op's fields). */
+int fl_graph_slot(fl_block_graph *g, const char *name, int width, fl_gslot_kind kind, int resid);
+fl_gop *fl_graph_op(fl_block_graph *g, fl_gop_kind kind, int in, int out, int a1, int a2, int p, int role_w,
+                    int role_b);
 /* Derive a table's production order, gradient buffers, widths and inference buffers (n_slots, slot[] with
  * name/width/kind/resid, n_ops, op[], n_norms, n_linears filled; the rest zero), checking that
  * every slot is made once before it is read, every off-path activation is read (by one op or several:
- * their gradients are summed), residual adds stay on the residual path, and the input dies before the
- * output is made. Used by fl_block_graph_build; a
- * new architecture's builder calls it too. */
+ * their gradients are summed), residual adds stay on residual paths, and the input dies before the
+ * output is made. Residual slots joined by ADD ops share one gradient: the input's and the output's
+ * live in FL_GBUF_RES (the same one in a pre-norm block; in a post-norm block the output's is consumed by
+ * the last norm's backward before the input's starts there), another residual path takes a free buffer
+ * as an off-path slot does. Used by fl_block_graph_build. */
 fl_status fl_block_graph_finish(fl_block_graph *g);
 
 /* Parameter and gradient pointers of one block, bound by the graph's NORM and LINEAR ops. */
@@ -121,6 +151,12 @@ typedef struct {
     unsigned *narrowed;                 /* forward with s16: bit k set when the block rounded slot k into s16 */
     int no_din;                         /* backward: nothing reads d(input) (block 0 under LoRA: the embeddings
                                          * are frozen), so ops whose gradient only flows there are skipped */
+    const uint8_t *kmask;               /* ATTN with FL_GATTN_MASK: (B, Tk) key padding mask, nonzero = attend */
+    const float *attn_bias;             /* ATTN with FL_GATTN_BIAS: (NH, T, Tk) added to the scores (T5) */
+    float *dattn_bias;                  /* its gradient (+=), or NULL */
+    int Tk;                             /* ATTN CROSS: key rows per sequence (the XSTREAM slots' rows: B x Tk) */
+    float *const *dxs;                  /* XSTREAM slot k's gradient (dxs[k], (B Tk, width), +=) */
+    struct fl_comm *comm;               /* ALLREDUCE's communicator (NULL: one rank) */
 } fl_block_ctx;
 
 /* s: the slots' buffers (s[FL_GSLOT_IN] the input rows, s[FL_GSLOT_OUT] where the output goes; may alias
@@ -135,5 +171,34 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
 /* Inference scratch for n rows: the floats of the graph's shared buffers (64-byte aligned views), and with a
  * base, the slot views (s[FL_GSLOT_IN] and s[FL_GSLOT_OUT] point to the same buffer). */
 size_t fl_block_rows_scratch(const fl_block_graph *g, int n, float *base, float **s);
+
+/* ---- the model around the blocks -------------------------------------------------------------
+ * A short table read top to bottom: what makes the first residual rows, the blocks, what follows them.
+ * The decoders': EMBED (tokens, + positions unless RoPE), BLOCKS, NORM (final), HEAD_LM (chunked head +
+ * cross-entropy: transformer.c's LM path). An encoder (BERT): EMBED, EMBED_TYPE, NORM (embedding norm),
+ * BLOCKS, OUTPUT (the last residual rows are the result: fl_model_encode). */
+typedef enum {
+    FL_MOP_EMBED,      /* res[0] = wte[ids] (+ wpe[pos]) */
+    FL_MOP_EMBED_TYPE, /* res[0] += wtt[type_ids] (role TYPE_EMBED; BERT's token types) */
+    FL_MOP_PATCH,      /* res[0] = patches @ W^T + b (+ pos): ViT's patch embedding. Declared, not executed yet */
+    FL_MOP_QUERIES,    /* res[0] = learned query rows (NQ, C) per sequence: BLIP-2's Q-Former. Declared only */
+    FL_MOP_NORM,       /* the stream normalized in place (before BLOCKS: the embedding norm, saving its input) */
+    FL_MOP_BLOCKS,     /* the L blocks (fl_block_graph) */
+    FL_MOP_HEAD_LM,    /* the LM head and cross-entropy */
+    FL_MOP_OUTPUT,     /* the stream is the model's output (hidden states) */
+} fl_mop_kind;
+
+#define FL_MODEL_GRAPH_MAX_OPS 8
+typedef struct fl_model_graph_s {
+    int n_ops;
+    struct { uint8_t kind; int8_t role_w, role_b; } op[FL_MODEL_GRAPH_MAX_OPS]; /* NORM: its parameters' roles */
+} fl_model_graph;
+
+/* The model graph of a (validated) config's architecture (fl_arch_info.model_graph, else the decoder's). */
+fl_status fl_model_graph_build(const fl_model_config *c, fl_model_graph *mg);
+/* Builders (fl_arch_info.model_graph): append an op (role_w/role_b: a NORM's parameters, else -1). */
+void fl_model_graph_op(fl_model_graph *mg, fl_mop_kind kind, int role_w, int role_b);
+/* Has the model graph an op of this kind (before BLOCKS: where < 0, after: > 0, anywhere: 0)? */
+int fl_model_graph_has(const fl_model_graph *mg, fl_mop_kind kind, int where);
 
 #endif

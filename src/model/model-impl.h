@@ -19,6 +19,13 @@ struct fl_acts {
     float **res;            /* L+1 views (N, C): res[l] = input of block l; res[L] = final residual */
     fl_layer_acts *layer;   /* L */
     const struct fl_block_graph_s *graph; /* the block graph the views follow (m->acts owns it) */
+    const struct fl_model_graph_s *mgraph; /* the model graph around the blocks (m->acts owns it) */
+    /* encoders (a model graph with an embedding norm, token types, a plain output), else NULL */
+    float *emb_x;           /* (N, C) the embedding norm's input */
+    float *emb_mean, *emb_rstd; /* (N) its statistics */
+    int32_t *type_ids;      /* (N) the token types (WORKSPACE) */
+    uint8_t *kmask;         /* (N) the key padding mask (WORKSPACE) */
+    int kmask_on;           /* the current pass has a mask */
     float *lnf;             /* (N, C) */
     float *lnf_mean;        /* (N) */
     float *lnf_rstd;        /* (N) */

@@ -445,7 +445,8 @@ fl_status fl_model_init_random_ex(fl_model *m, uint64_t seed) {
     }
     for (int i = 0; i < m->layout.n; i++) {
         const fl_param_info *p = &m->layout.params[i];
-        int is_norm = p->role == FL_ROLE_LN1_W || p->role == FL_ROLE_LN2_W || p->role == FL_ROLE_NORM_F_W;
+        int is_norm = p->role == FL_ROLE_LN1_W || p->role == FL_ROLE_LN2_W || p->role == FL_ROLE_NORM_F_W ||
+                      p->role == FL_ROLE_EMB_NORM_W;
         int kind = ends_with(p->name, ".bias") ? 0 : is_norm ? 1 : 2;
         const int residual_proj = p->role == FL_ROLE_O_W || p->role == FL_ROLE_PROJ_W;
         double sd = fl_arch_get(m->cfg.arch)->scaled_proj_init && residual_proj ? proj_std : std;

@@ -17,7 +17,8 @@ static double now_ms(void) {
 
 /* A training pass's context: B sequences of T rows from position 0, the arena's RoPE tables. */
 static fl_block_ctx train_ctx(const fl_model *m, int B, int T) {
-    fl_block_ctx x = {B, T, 0, m->acts->rope_cos, m->acts->rope_sin, NULL, 0, NULL, NULL, 0};
+    fl_block_ctx x = {.B = B, .T = T, .rope_cos = m->acts->rope_cos, .rope_sin = m->acts->rope_sin};
+    x.kmask = m->acts->kmask_on ? m->acts->kmask : NULL; /* an encoder's key padding mask */
     return x;
 }
 
@@ -188,34 +189,16 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
     return FL_OK;
 }
 
-static fl_status model_backward(fl_model *m) {
-    const fl_backend *be = m->be;
-    fl_acts *a = m->acts;
-    if (!a || !m->fwd_train)
-        return fl_errorf(FL_ERR_INVALID, "fl_model_backward: needs a preceding training forward (grad_scale > 0)");
-    fl_dims d = fl_model_dims(&m->cfg);
-    const int B = m->fwd_B, T = m->fwd_T, N = B * T;
-    const int HG = d.L + 1;
-    PP_GATHER(HG, d.L > 0 ? d.L : -1); /* kept from the forward; block L-1's gather posted ahead */
-    fl_outer_params op;
-    fl_get_outer(m, &op);
-    float *dres = a->dres;   // (N, C)
-    float *buf1 = a->buf1;   // (N, max(C, graph's gbuf_width[1])): d(lnf), then the blocks' off-path gradients
-    float *buf2 = a->buf2;   // (N, graph's gbuf_width[2])
-    be->zero(be, dres, (size_t)N * d.C * sizeof(float));
-    m->ckpt_recomputed = 0;
-    /* the final norm's parameters open the head group (16-bit storage: staged) */
-    const size_t n_lnf = fl_outer_1d(m), head_group = m->layout.group_offset[d.L + 1];
-    fl_grad_stage_begin(m, n_lnf);
-    fl_norm_backward(m, dres, op.dlnf_w, op.dlnf_b, buf1, a->res[d.L], op.lnf_w, a->lnf_mean, a->lnf_rstd, N);
-    FL_TRY(fl_grad_stage_flush(m, head_group, n_lnf));
-    /* data parallel: a group is final once flushed (the head's gradient was completed in forward) */
+/* data parallel: a group is final once flushed (fl_model.grad_ready) */
 #define GRAD_READY(g) \
     do { if (m->grad_ready) FL_TRY(m->grad_ready(m->grad_ready_ud, m->layout.group_offset[g], fl_group_numel(m, g))); } while (0)
-    PP_RELEASE(HG);
-    PP_READY(HG);
-    GRAD_READY(d.L + 1);
 
+/* The blocks' backward, L-1 down to 0: d res[L] in dres becomes d res[0]. */
+static fl_status blocks_backward(fl_model *m, int B, int T) {
+    fl_acts *a = m->acts;
+    fl_dims d = fl_model_dims(&m->cfg);
+    const int N = B * T;
+    float *dres = a->dres, *buf1 = a->buf1, *buf2 = a->buf2;
     for (int l = d.L - 1; l >= 0; l--) {
         PP_GATHER(l + 1, l >= 1 ? l : -1); /* the embeddings' weights are not read in backward */
         PP_GRADS(l + 1);
@@ -245,6 +228,35 @@ static fl_status model_backward(fl_model *m) {
         PP_READY(l + 1);
         GRAD_READY(l + 1);
     }
+    return FL_OK;
+}
+
+static fl_status model_backward(fl_model *m) {
+    const fl_backend *be = m->be;
+    fl_acts *a = m->acts;
+    if (!a || !m->fwd_train)
+        return fl_errorf(FL_ERR_INVALID, "fl_model_backward: needs a preceding training forward (grad_scale > 0)");
+    fl_dims d = fl_model_dims(&m->cfg);
+    const int B = m->fwd_B, T = m->fwd_T, N = B * T;
+    const int HG = d.L + 1;
+    PP_GATHER(HG, d.L > 0 ? d.L : -1); /* kept from the forward; block L-1's gather posted ahead */
+    fl_outer_params op;
+    fl_get_outer(m, &op);
+    float *dres = a->dres;   // (N, C)
+    float *buf1 = a->buf1;   // (N, max(C, graph's gbuf_width[1])): d(lnf), then the blocks' off-path gradients
+    be->zero(be, dres, (size_t)N * d.C * sizeof(float));
+    m->ckpt_recomputed = 0;
+    /* the final norm's parameters open the head group (16-bit storage: staged) */
+    const size_t n_lnf = fl_outer_1d(m), head_group = m->layout.group_offset[d.L + 1];
+    fl_grad_stage_begin(m, n_lnf);
+    fl_norm_backward(m, dres, op.dlnf_w, op.dlnf_b, buf1, a->res[d.L], op.lnf_w, a->lnf_mean, a->lnf_rstd, N);
+    FL_TRY(fl_grad_stage_flush(m, head_group, n_lnf));
+    /* the head's gradient was completed in forward */
+    PP_RELEASE(HG);
+    PP_READY(HG);
+    GRAD_READY(d.L + 1);
+
+    FL_TRY(blocks_backward(m, B, T));
     if (m->pp) { /* the embeddings' gradient buffer (tied: the head's, since the forward) */
         PP_GRADS(0);
         fl_get_outer(m, &op);
@@ -252,7 +264,129 @@ static fl_status model_backward(fl_model *m) {
     FL_TRY(fl_embed_backward(m, &op, dres, a->ids, B, T));
     PP_READY(0);
     GRAD_READY(0);
-#undef GRAD_READY
+    m->fwd_train = 0;
+    return FL_OK;
+}
+
+/* ---- encoders: the model graph interpreted (embeddings, norms, blocks, the hidden states out) ---- */
+
+/* fp32 parameter / gradient of group g's entry of role r (encoders run fp32 storage), NULL if absent */
+static float *enc_param(const fl_model *m, int g, int r, int grad) {
+    const int i = r < 0 ? -1 : fl_layout_role(&m->layout, g, (fl_param_role)r);
+    if (i < 0) return NULL;
+    if (grad) return m->grads ? m->grads + m->layout.params[i].offset : NULL;
+    return m->params + fl_model_store_off(m, i);
+}
+
+static fl_status encode_check(const fl_model *m, int B, int T) {
+    const fl_acts *a = m->acts;
+    if (!a) return fl_errorf(FL_ERR_INVALID, "fl_model_encode: activations not allocated (call fl_model_alloc_acts)");
+    if (!fl_model_graph_has(a->mgraph, FL_MOP_OUTPUT, 1))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_encode: %s ends in an LM head (fl_model_forward)",
+                         fl_arch_get(m->cfg.arch)->display);
+    if (!m->params || m->pp || m->lora || m->q4 || m->act_ckpt || a->act_dtype != FL_F32)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_encode: fp32 storage and activations only (no LoRA, sharding, "
+                                             "4-bit weights or activation checkpointing yet)");
+    if (B * T > m->B * m->T || T > m->T)
+        return fl_errorf(FL_ERR_INVALID, "fl_model_encode: batch (%d,%d) exceeds the arena's (%d,%d)", B, T, m->B, m->T);
+    return FL_OK;
+}
+
+/* The model graph's ops before BLOCKS: res[0] (N, C) from the ids. A norm that follows the embeddings
+ * normalizes their sum, saved in emb_x for its backward. */
+static fl_status encode_embed(fl_model *m, const int32_t *ids, int B, int T) {
+    const fl_backend *be = m->be;
+    fl_acts *a = m->acts;
+    const fl_model_graph *mg = a->mgraph;
+    const int N = B * T, C = m->cfg.dim;
+    float *e = fl_model_graph_has(mg, FL_MOP_NORM, -1) ? a->emb_x : a->res[0]; // (N, C) before the norm
+    fl_outer_params op;
+    fl_get_outer(m, &op);
+    for (int i = 0; i < mg->n_ops && mg->op[i].kind != FL_MOP_BLOCKS; i++) {
+        switch ((fl_mop_kind)mg->op[i].kind) {
+        case FL_MOP_EMBED: fl_embed_forward(m, &op, e, a->ids, ids, B, T, 0); break; // wte[ids] + wpe[t]
+        case FL_MOP_EMBED_TYPE: /* + wtt[types], through buf1 (N, C) */
+            be->embedding_forward(be, a->buf1, a->type_ids, enc_param(m, 0, FL_ROLE_TYPE_EMBED, 0), NULL, B, T, C);
+            be->add(be, e, e, a->buf1, (size_t)N * C);
+            break;
+        case FL_MOP_NORM:
+            fl_norm_forward(m, a->res[0], a->emb_mean, a->emb_rstd, e, enc_param(m, 0, mg->op[i].role_w, 0),
+                            enc_param(m, 0, mg->op[i].role_b, 0), N);
+            break;
+        default:
+            return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_encode: model graph op %d (patch embedding, learned "
+                             "queries) is declared but not executed yet", mg->op[i].kind);
+        }
+    }
+    return FL_OK;
+}
+
+static fl_status model_encode(fl_model *m, const int32_t *ids, const int32_t *type_ids, const uint8_t *kmask, int B,
+                              int T, int train, float *hidden) {
+    const fl_backend *be = m->be;
+    FL_TRY(encode_check(m, B, T));
+    fl_acts *a = m->acts;
+    fl_dims d = fl_model_dims(&m->cfg);
+    const int N = B * T;
+    for (int i = 0; i < N; i++)
+        if (ids[i] < 0 || ids[i] >= d.V || (type_ids && (type_ids[i] < 0 || type_ids[i] >= m->cfg.type_vocab_size)))
+            return fl_errorf(FL_ERR_INVALID, "token id %d (type %d) at position %d is outside the vocabulary [0, %d) "
+                             "(types [0, %d))", ids[i], type_ids ? type_ids[i] : 0, i, d.V, m->cfg.type_vocab_size);
+    FL_TRY(be->to_device(be, a->ids, ids, (size_t)N * sizeof *ids));
+    if (type_ids) FL_TRY(be->to_device(be, a->type_ids, type_ids, (size_t)N * sizeof *type_ids));
+    else be->zero(be, a->type_ids, (size_t)N * sizeof(int32_t));
+    a->kmask_on = kmask != NULL;
+    if (kmask) FL_TRY(be->to_device(be, a->kmask, kmask, (size_t)N));
+    FL_TRY(encode_embed(m, ids, B, T));
+    for (int l = 0; l < d.L; l++) FL_TRY(block_forward(m, l, B, T, NULL));
+    const float *out = a->res[d.L];
+    if (fl_model_graph_has(a->mgraph, FL_MOP_NORM, 1)) { /* a final norm (the decoders' kind of output) */
+        fl_outer_params op;
+        fl_get_outer(m, &op);
+        fl_norm_forward(m, a->lnf, a->lnf_mean, a->lnf_rstd, out, op.lnf_w, op.lnf_b, N);
+        out = a->lnf;
+    }
+    if (hidden) FL_TRY(be->to_host(be, hidden, out, (size_t)N * d.C * sizeof(float)));
+    m->fwd_B = B;
+    m->fwd_T = T;
+    m->fwd_train = train != 0;
+    return FL_OK;
+}
+
+static fl_status model_encode_backward(fl_model *m, const float *dhidden) {
+    const fl_backend *be = m->be;
+    fl_acts *a = m->acts;
+    if (!a || !m->fwd_train || !m->grads)
+        return fl_errorf(FL_ERR_INVALID, "fl_model_encode_backward: needs a training encode and gradient buffers");
+    fl_dims d = fl_model_dims(&m->cfg);
+    const int B = m->fwd_B, T = m->fwd_T, N = B * T;
+    const size_t nc = (size_t)N * d.C;
+    const fl_model_graph *mg = a->mgraph;
+    fl_outer_params op;
+    fl_get_outer(m, &op);
+    if (fl_model_graph_has(mg, FL_MOP_NORM, 1)) { /* d(lnf) -> d res[L] */
+        FL_TRY(be->to_device(be, a->buf1, dhidden, nc * sizeof(float)));
+        be->zero(be, a->dres, nc * sizeof(float));
+        fl_norm_backward(m, a->dres, op.dlnf_w, op.dlnf_b, a->buf1, a->res[d.L], op.lnf_w, a->lnf_mean, a->lnf_rstd, N);
+    } else {
+        FL_TRY(be->to_device(be, a->dres, dhidden, nc * sizeof(float)));
+    }
+    FL_TRY(blocks_backward(m, B, T)); // d res[0] in dres
+    const float *de = a->dres;        // d(embeddings' sum)
+    int en = -1; /* the embedding norm, if any: d(sum) = its backward */
+    for (int i = 0; i < mg->n_ops && mg->op[i].kind != FL_MOP_BLOCKS; i++)
+        if (mg->op[i].kind == FL_MOP_NORM) en = i;
+    if (en >= 0) {
+        be->zero(be, a->buf1, nc * sizeof(float));
+        fl_norm_backward(m, a->buf1, enc_param(m, 0, mg->op[en].role_w, 1), enc_param(m, 0, mg->op[en].role_b, 1),
+                         a->dres, a->emb_x, enc_param(m, 0, mg->op[en].role_w, 0), a->emb_mean, a->emb_rstd, N);
+        de = a->buf1;
+    }
+    for (int i = 0; i < mg->n_ops && mg->op[i].kind != FL_MOP_BLOCKS; i++) {
+        if (mg->op[i].kind == FL_MOP_EMBED) be->embedding_backward(be, op.dwte, op.dwpe, de, a->ids, B, T, d.C);
+        if (mg->op[i].kind == FL_MOP_EMBED_TYPE)
+            be->embedding_backward(be, enc_param(m, 0, FL_ROLE_TYPE_EMBED, 1), NULL, de, a->type_ids, B, T, d.C);
+    }
     m->fwd_train = 0;
     return FL_OK;
 }
@@ -274,6 +408,9 @@ void fl_model_tell_compute_dtype(const fl_model *m, int on) {
 
 fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targets, int B, int T, float grad_scale,
                            float *logits_out) {
+    if (m->acts && !fl_model_graph_has(m->acts->mgraph, FL_MOP_HEAD_LM, 1))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_forward: %s has no LM head (an encoder: fl_model_encode)",
+                         fl_arch_get(m->cfg.arch)->display);
     lend_scratch(m, 1);
     fl_model_tell_compute_dtype(m, 1);
     fl_status s = model_forward(m, ids, targets, B, T, grad_scale, logits_out);
@@ -287,6 +424,21 @@ fl_status fl_model_backward(fl_model *m) {
     fl_model_tell_compute_dtype(m, 1);
     fl_status s = model_backward(m);
     fl_model_tell_compute_dtype(m, 0);
+    lend_scratch(m, 0);
+    return s;
+}
+
+fl_status fl_model_encode(fl_model *m, const int32_t *ids, const int32_t *type_ids, const uint8_t *kmask, int B, int T,
+                          int train, float *hidden) {
+    lend_scratch(m, 1);
+    fl_status s = model_encode(m, ids, type_ids, kmask, B, T, train, hidden);
+    lend_scratch(m, 0);
+    return s;
+}
+
+fl_status fl_model_encode_backward(fl_model *m, const float *dhidden) {
+    lend_scratch(m, 1);
+    fl_status s = model_encode_backward(m, dhidden);
     lend_scratch(m, 0);
     return s;
 }
