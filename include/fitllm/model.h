@@ -222,6 +222,7 @@ void fl_sizing_acts_ex(const fl_model_config *cfg, int B, int T, const fl_act_op
 /* ---- the model ----------------------------------------------------------- */
 
 typedef struct fl_acts fl_acts; /* private: pointers into the ACTS arena */
+typedef struct fl_param_store fl_param_store; /* private: src/model/store.h */
 
 /* How the parameters are stored, fixed when the model is created (so a bf16
  * model never exists in fp32, not even while loading). */
@@ -280,29 +281,10 @@ typedef struct {
     fl_param_layout layout;
     const fl_backend *be;
     fl_mem_pool *pool;
-    float *params;  /* (numel) PARAMS when the storage is fp32, else NULL */
-    float *grads;   /* (numel) GRADS (fp32 storage), NULL until fl_model_alloc_grads */
-    /* 16-bit storage (bf16-true, 16-true): the same flat layout in bf16/f16.
-     * Ops still read fp32: matmuls take the 16-bit weights directly; the 1-D
-     * parameters (norms, biases) of the group in use are widened into pstage;
-     * a group's gradients are computed in fp32 into gstage and then added into
-     * g16 (one rounding per group per micro-batch). Both stages: WORKSPACE. */
-    fl_dtype store_dtype;   /* FL_F32, FL_BF16 or FL_F16 */
-    uint16_t *p16;          /* (numel) PARAMS, 16-bit storage, else NULL */
-    uint16_t *g16;          /* (numel) GRADS, 16-bit storage, else NULL */
-    float *pstage;          /* (pstage_n) fp32 views of 1-D parameters */
-    float *gstage;          /* (gstage_n) fp32 gradients of one group */
-    size_t pstage_n, gstage_n;
-    /* 4-bit entries (QLoRA; fl_model_storage.quant4): the dense store (params or p16)
-     * then holds only the other entries, at soff[i]; q4[i].packed != NULL marks a
-     * quantized entry, bound into q4_mem (PARAMS). Without quantization soff is NULL
-     * and every entry is at its layout offset. */
-    fl_model_storage storage;
-    size_t *soff;           /* (layout.n) element offset in the dense store, or NULL */
-    size_t dense_numel;     /* elements of the dense store */
-    fl_q4_weight *q4;       /* (layout.n) or NULL */
-    void *q4_mem;
-    size_t q4_bytes;
+    /* the parameters, their gradients and every storage detail (dtype, 16-bit staging, 4-bit entries,
+     * the compute copy, a shard's provider): the parameter store, src/model/store.h. Outside the model
+     * reach it through the accessors below. */
+    fl_param_store *store;
     /* activation arena for (B,T), allocated by fl_model_alloc_acts */
     int B, T;
     fl_act_sizes sizes;
@@ -326,21 +308,39 @@ typedef struct {
     fl_dtype act_dtype;     /* storage of the saved activations of the current arena: prec.act_dtype when
                              * fl_model_alloc_acts ran (fl_model_set_precision re-sizes the arena) */
     fl_precision prec;      /* precision policy (fl_model_set_precision); zeroed = 32-true */
-    uint16_t *wcompute;     /* (numel) compute-dtype copy of params (mixed policies), PARAMS */
     struct fl_lora_state *lora; /* LoRA adapters (fl_model_lora_init) or NULL: base frozen when set */
-    /* Data parallel (src/train/dp.c, bucketed reduction): when set, fl_model_backward calls it as
-     * each layout group's gradients [off, off + n) become final for this backward: the head group
-     * (final norm, lm_head), block L-1 ... 0, then the embeddings (group 0). NULL: not called. */
-    fl_status (*grad_ready)(void *ud, size_t off, size_t n);
-    void *grad_ready_ud;
-    fl_param_provider *pp;  /* sharded parameters (FSDP FULL_SHARD), see fl_param_provider; NULL: whole */
 } fl_model;
 
-/* The storage of the flat layout, whichever dtype holds it (m->store_dtype: fp32 `params`/`grads`, or 16-bit
- * `p16`/`g16`; device memory on a device backend): code outside the model reaches the stores through these
- * rather than branching on which field is set. NULL: none (grads: nothing trains, or LoRA's own). */
-static inline void *fl_model_params_data(const fl_model *m) { return m->params ? (void *)m->params : (void *)m->p16; }
-static inline void *fl_model_grads_data(const fl_model *m) { return m->grads ? (void *)m->grads : (void *)m->g16; }
+/* The storage of the flat layout, whichever dtype holds it (fl_model_store_dtype: fp32 or 16-bit; device memory
+ * on a device backend; under FSDP this rank's shard): code outside the model reaches the store through these
+ * rather than its fields. NULL: none (grads: nothing trains, or LoRA's own). The _f32 / _16 forms: the buffer
+ * when it has that width, else NULL. */
+void *fl_model_params_data(const fl_model *m);
+void *fl_model_grads_data(const fl_model *m);
+float *fl_model_params_f32(const fl_model *m);
+float *fl_model_grads_f32(const fl_model *m);
+uint16_t *fl_model_params_16(const fl_model *m);
+uint16_t *fl_model_grads_16(const fl_model *m);
+fl_dtype fl_model_store_dtype(const fl_model *m);
+/* Elements of the flat gradient / optimizer coordinates this model holds (sharded: this rank's shard). */
+size_t fl_model_store_numel(const fl_model *m);
+/* How the model was created (fl_model_init_ex's storage). */
+const fl_model_storage *fl_model_storage_of(const fl_model *m);
+/* The model has 4-bit entries (QLoRA). */
+int fl_model_quant4(const fl_model *m);
+/* Sharded parameters: the provider (FSDP FULL_SHARD, set through fl_model_store_shard), else NULL. */
+const fl_param_provider *fl_model_provider(const fl_model *m);
+/* For fl_model_storage.shard: the dense store becomes this rank's `shard` (PARAMS, store dtype, pp->numel
+ * elements), its groups gathered through pp. _unshard: the provider goes (teardown). */
+void fl_model_store_shard(fl_model *m, void *shard, fl_param_provider *pp);
+void fl_model_store_unshard(fl_model *m);
+/* 16-bit storage's fp32 gradient staging (gstage: the largest group's elements; free between a group's
+ * backward and the next), or NULL. */
+float *fl_model_grad_stage(const fl_model *m);
+/* Data parallel (src/train/dp.c, bucketed reduction): fl_model_backward calls fn(ud, off, n) as each layout
+ * group's gradients [off, off + n) become final for this backward: the head group (final norm, lm_head), block
+ * L-1 ... 0, then the embeddings (group 0). fn NULL: not called. */
+void fl_model_set_grad_ready(fl_model *m, fl_status (*fn)(void *ud, size_t off, size_t n), void *ud);
 
 /* Create an empty model for cfg (validates cfg, builds the layout, allocates
  * PARAMS, uninitialized). */

@@ -225,12 +225,12 @@ fl_status fl_model_lora_merge(fl_model *m) {
         const fl_param_info *p = &m->layout.params[md->param_index];
         if (fl_model_param_is_q4(m, md->param_index)) continue; /* merged when read (fl_lora_add_merged) */
         /* 16-bit storage: merge in fp32, round once */
-        float *tmp = m->params && !dev ? NULL : malloc(p->numel * sizeof(float));
-        if (!tmp && (dev || !m->params)) {
+        float *tmp = fl_model_params_f32(m) && !dev ? NULL : malloc(p->numel * sizeof(float));
+        if (!tmp && (dev || !fl_model_params_f32(m))) {
             s = fl_errorf(FL_ERR_OOM, "merging LoRA into %s: out of host memory", p->name);
             break;
         }
-        float *w = tmp ? tmp : m->params + fl_model_store_off(m, md->param_index);
+        float *w = tmp ? tmp : fl_model_params_f32(m) + fl_model_store_off(m, md->param_index);
         if (tmp) fl_model_read_param(m, md->param_index, tmp);
         fl_lora_merge(w, md->in, ad + st->off[2 * j], ad + st->off[2 * j + 1], st->cfg.r, md->in, md->out,
                       st->scaling);

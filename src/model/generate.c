@@ -65,7 +65,7 @@ fl_status fl_kv_cache_init(fl_kv_cache *kv, const fl_model *m, int max_T) {
     }
     if (s == FL_OK)
         s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, gs.step_bytes, (void **)&kv->step);
-    size_t bes = fl_model_backend_scratch(m->prec.name ? m->prec.compute_dtype : FL_F32, m->q4 != NULL,
+    size_t bes = fl_model_backend_scratch(m->prec.name ? m->prec.compute_dtype : FL_F32, fl_model_quant4(m),
                                           m->be->scratch_bytes);
     if (s == FL_OK && bes && !(m->acts && m->acts->be_scratch))
         s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, bes, &kv->be_scratch);

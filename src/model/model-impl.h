@@ -206,13 +206,8 @@ void fl_embed_forward(const fl_model *m, const fl_outer_params *op, float *out, 
 fl_status fl_embed_backward(fl_model *m, const fl_outer_params *op, const float *dout, const int32_t *ids, int B,
                             int T);
 
-/* 16-bit storage: a group's gradients are computed in fp32 into m->gstage
- * (zeroed by _begin over n elements; G() maps each entry to its offset within
- * its group) and added into m->g16 at element offset off by _flush. Both are
- * no-ops with fp32 storage. */
+/* Elements of layout group g (its gradients are staged and handed back per group: store.h). */
 size_t fl_group_numel(const fl_model *m, int g);
-void fl_grad_stage_begin(fl_model *m, size_t n);
-fl_status fl_grad_stage_flush(fl_model *m, size_t off, size_t n);
 /* Elements of the 1-D parameters of the final norm and head's group (the final norm's weight and bias). */
 size_t fl_outer_1d(const fl_model *m);
 /* Start of a block's 1-D parameter views in pstage (after the outer ones and one row). */

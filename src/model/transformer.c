@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "model-impl.h"
+#include "store.h"
 
 static double now_ms(void) {
     struct timespec t;
@@ -36,13 +37,14 @@ static fl_status block_forward(fl_model *m, int l, int B, int T, unsigned *narro
     return fl_block_forward(m, g, &bp, m->acts->layer[l].s, &x);
 }
 
-/* Sharded parameters (m->pp, FSDP FULL_SHARD: see fl_param_provider): group g is gathered right
- * before use (the next one's gather posted ahead), given back after, and its gradient buffer
- * zeroed before its backward and reduced after. No-ops when the model holds every parameter. */
-#define PP_GATHER(g, next) do { if (m->pp) FL_TRY(m->pp->gather(m->pp->ud, (g), (next))); } while (0)
-#define PP_RELEASE(g) do { if (m->pp) m->pp->release(m->pp->ud, (g)); } while (0)
-#define PP_GRADS(g) do { if (m->pp) FL_TRY(m->pp->grads_begin(m->pp->ud, (g))); } while (0)
-#define PP_READY(g) do { if (m->pp) FL_TRY(m->pp->grads_ready(m->pp->ud, (g))); } while (0)
+/* The parameter store (store.h) around each layout group: gathered right before use (the next one's
+ * gather posted ahead), released after; its gradient buffer begun before its backward and handed back
+ * after (FSDP: reduce-scattered into the shard; data parallel: the bucket's hook). No-ops for a store
+ * that holds every parameter. */
+#define PP_GATHER(g, next) FL_TRY(fl_store_gather(m->store, (g), (next)))
+#define PP_RELEASE(g) fl_store_release(m->store, (g))
+#define PP_GRADS(g) FL_TRY(fl_store_grads_begin(m->store, (g)))
+#define PP_READY(g) FL_TRY(fl_store_grads_ready(m->store, (g)))
 
 static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *targets, int B, int T, float grad_scale,
                            float *logits_out) {
@@ -94,7 +96,7 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
     /* checkpointing: the last block's activations are still in the shared buffer (the final norm
      * and the head write elsewhere), so the backward starts on them without a recompute */
     m->ckpt_last_live = m->act_ckpt && grad_scale > 0 && d.L > 0;
-    if (m->pp) { /* the head group, and in training its gradient buffer (tied: the embeddings' too) */
+    if (fl_store_sharded(m->store)) { /* the head group, and in training its gradient buffer (tied: the embeddings' too) */
         PP_GATHER(HG, -1);
         if (grad_scale > 0 && targets) {
             PP_GRADS(HG);
@@ -121,8 +123,8 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
     m->n_valid = 0;
     m->have_targets = targets != NULL;
     /* 16-bit storage: the head's gradient accumulates over the chunks in fp32, then is added once */
-    const int stage_head = grad_scale > 0 && targets && head.dw && m->g16;
-    if (stage_head) fl_grad_stage_begin(m, (size_t)d.V * d.C);
+    const int stage_head = grad_scale > 0 && targets && head.dw && m->store->g16;
+    if (stage_head) fl_store_stage_begin(m->store, (size_t)d.V * d.C);
     /* A 16-bit head on a backend whose 16-bit GEMM widens (fl_act_opts.head_widen): widen the
      * weight once here instead of in every chunk's GEMMs, then run fp32 GEMMs on the same
      * values: a BF16 head's GEMM operands are rounded to bf16 first (its chunk's rows into
@@ -160,7 +162,7 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
         }
         FL_TRY(fl_linear_backward(be, dlnf + (size_t)r0 * d.C, 0, a->logits, xr, wide ? &hw : &head, rows));
     }
-    if (stage_head) FL_TRY(fl_grad_stage_flush(m, op.head_off, (size_t)d.V * d.C));
+    if (stage_head) FL_TRY(fl_store_stage_flush(m->store, op.head_off, (size_t)d.V * d.C));
     if (!be->host_memory) FL_TRY(be->sync(be));
     m->ms_head = now_ms() - t_head;
     if (targets) { /* the per-token losses come to the host in slices (a device's arena is not host memory) */
@@ -188,9 +190,9 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
     /* live memory: what this forward leaves for the backward; the head's gradient is written
      * already (its backward ran chunk by chunk above) */
     fl_acts_mark_live(m, B, T, m->fwd_train);
-    if (m->fwd_train && !m->pp) { /* sharded: the head's gradient is in its group's gathered buffer */
+    if (m->fwd_train && !fl_store_sharded(m->store)) { /* sharded: the head's gradient is in its group's gathered buffer */
         size_t hg = m->lora ? fl_lora_sizing_head_grads(&m->lora->cfg, m->lora->mods, m->lora->n_mods)
-                  : head.dw ? (size_t)d.V * d.C * (m->g16 ? sizeof(uint16_t) : sizeof(float)) : 0;
+                  : head.dw ? (size_t)d.V * d.C * (m->store->g16 ? sizeof(uint16_t) : sizeof(float)) : 0;
         if (hg > fl_model_grads_live_bytes(m)) fl_model_grads_live(m, hg); /* accumulation: may be all already */
     }
     return FL_OK;
@@ -214,21 +216,18 @@ static fl_status model_backward(fl_model *m) {
     m->ckpt_recomputed = 0;
     /* the final norm's parameters open the head group (16-bit storage: staged) */
     const size_t n_lnf = fl_outer_1d(m), head_group = m->layout.group_offset[d.L + 1];
-    fl_grad_stage_begin(m, n_lnf);
+    fl_store_stage_begin(m->store, n_lnf);
     fl_norm_backward(m, dres, op.dlnf_w, op.dlnf_b, buf1, a->res[d.L], op.lnf_w, a->lnf_mean, a->lnf_rstd, N);
-    FL_TRY(fl_grad_stage_flush(m, head_group, n_lnf));
-    /* data parallel: a group is final once flushed (the head's gradient was completed in forward) */
-#define GRAD_READY(g) \
-    do { if (m->grad_ready) FL_TRY(m->grad_ready(m->grad_ready_ud, m->layout.group_offset[g], fl_group_numel(m, g))); } while (0)
+    FL_TRY(fl_store_stage_flush(m->store, head_group, n_lnf));
+    /* a group is final once flushed (the head's gradient was completed in forward) */
     PP_RELEASE(HG);
     PP_READY(HG);
-    GRAD_READY(d.L + 1);
 
     for (int l = d.L - 1; l >= 0; l--) {
         PP_GATHER(l + 1, l >= 1 ? l : -1); /* the embeddings' weights are not read in backward */
         PP_GRADS(l + 1);
         const size_t gn = fl_group_numel(m, l + 1);
-        fl_grad_stage_begin(m, gn);
+        fl_store_stage_begin(m->store, gn);
         /* checkpointing: rebuild this block's activations from its saved input (it also rewrites
          * res[l+1] with identical values; backward no longer needs it). Block L-1's are still
          * there from the forward (the same ops in the same order: the same bits). */
@@ -248,19 +247,16 @@ static fl_status model_backward(fl_model *m) {
         x.no_din = l == 0 && m->lora && !m->keep_block0_din;
         float *const gb[FL_GRAPH_MAX_GBUF] = {dres, buf1, buf2, a->gbuf_more[0], a->gbuf_more[1]};
         FL_TRY(fl_block_backward(m, a->graph, &bp, a->layer[l].s, gb, &x));
-        FL_TRY(fl_grad_stage_flush(m, m->layout.group_offset[l + 1], gn));
+        FL_TRY(fl_store_stage_flush(m->store, m->layout.group_offset[l + 1], gn));
         PP_RELEASE(l + 1);
         PP_READY(l + 1);
-        GRAD_READY(l + 1);
     }
-    if (m->pp) { /* the embeddings' gradient buffer (tied: the head's, since the forward) */
+    if (fl_store_sharded(m->store)) { /* the embeddings' gradient buffer (tied: the head's, since the forward) */
         PP_GRADS(0);
         fl_get_outer(m, &op);
     }
     FL_TRY(fl_embed_backward(m, &op, dres, a->ids, B, T));
     PP_READY(0);
-    GRAD_READY(0);
-#undef GRAD_READY
     m->fwd_train = 0;
     /* live memory: the saved activations are consumed; every gradient holds the step's sum */
     fl_acts_mark_live(m, B, T, 0);

@@ -358,7 +358,8 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
         {"optimizer.exp_avg_sq", o ? o->v : NULL, tn * es, sd},
         {"optimizer.momentum_buffer", o ? o->buf : NULL, tn * es, sd},
         {"optimizer.state8", o ? o->state8 : NULL, o ? o->state8_bytes : 0, FL_U8}};
-    const int pieces8 = m->pp && !m->lora && o && o->state8; /* FULL_SHARD 8-bit: the file is the whole state */
+    const fl_param_provider *pp = fl_model_provider(m);
+    const int pieces8 = pp && !m->lora && o && o->state8; /* FULL_SHARD 8-bit: the file is the whole state */
     if (pieces8) want[3].bytes = fl_optim_state_bytes_layout(&o->cfg, &m->layout);
     /* ZeRO-1/2 8-bit (a chunk of the trainable elements): the file is the whole state too */
     const int zero8 = !pieces8 && o && o->state8 && (o->s_off != 0 || o->s_len != tn);
@@ -372,10 +373,10 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
                           want[i].name);
             break;
         }
-        if (m->pp && !m->lora && i < 3) { /* sharded (FSDP): this rank's pieces of the flat state, read alone */
+        if (pp && !m->lora && i < 3) { /* sharded (FSDP): this rank's pieces of the flat state, read alone */
             for (int g = 0; s == FL_OK && g < m->layout.n_groups; g++)
-                s = m->be->to_device(m->be, (char *)want[i].dst + m->pp->shard_off[g] * es,
-                                     (const char *)t->data + m->pp->flat_off[g] * es, m->pp->len[g] * es);
+                s = m->be->to_device(m->be, (char *)want[i].dst + pp->shard_off[g] * es,
+                                     (const char *)t->data + pp->flat_off[g] * es, pp->len[g] * es);
         } else if (i == 3 && zero8) { /* this rank's pieces, out of the mapped file (host memory) */
             s = fl_zero8_take(o, t->data);
         } else if (i == 3 && pieces8) { /* this rank's pieces of every tensor's state: assembled in host memory
