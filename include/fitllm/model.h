@@ -389,6 +389,11 @@ fl_status fl_model_q4_staging(fl_model *m, float **out);
 size_t fl_sizing_q4_staging_elems(const fl_model_config *cfg, const fl_model_storage *st);
 fl_status fl_model_alloc_grads(fl_model *m);
 void fl_model_zero_grads(fl_model *m);
+/* Live bytes (fl_mem_set_live) of the gradient buffer (the trained parameters' or the LoRA adapters'): from
+ * the step's first gradient write (lm_head's, inside a training forward) to the optimizer step.
+ * SIZE_MAX = the whole buffer. */
+void fl_model_grads_live(fl_model *m, size_t bytes);
+size_t fl_model_grads_live_bytes(const fl_model *m);
 /* Size and allocate the activation arena and workspace for micro-batches of
  * at most (B,T). Re-callable; frees the previous arena. */
 fl_status fl_model_alloc_acts(fl_model *m, int B, int T);

@@ -109,6 +109,14 @@ fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t se
     return FL_OK;
 }
 
+int fl_model_lora_adapters(const fl_model *m, fl_lora_adapters *v) {
+    const struct fl_lora_state *st = m->lora;
+    memset(v, 0, sizeof *v);
+    if (!st) return 0;
+    *v = (fl_lora_adapters){&st->cfg, st->mods, st->n_mods, st->off, st->numel, st->params, st->grads};
+    return 1;
+}
+
 void fl_model_lora_set_seed(fl_model *m, uint64_t seed) {
     if (m->lora) m->lora->seed = seed;
 }

@@ -87,11 +87,6 @@ fl_status fl_acts_narrow(fl_model *m, int l, int N, unsigned done);
  * pass over (B, T): train = a training forward (what the backward reads), else none but the
  * constant tables. Gradients: fl_model_grads_live. */
 void fl_acts_mark_live(fl_model *m, int B, int T, int train);
-/* Live bytes of the gradient buffer (the trained parameters' or the LoRA adapters'): from the
- * step's first gradient write (lm_head's, inside a training forward) to the optimizer step.
- * SIZE_MAX = the whole buffer. */
-void fl_model_grads_live(fl_model *m, size_t bytes);
-size_t fl_model_grads_live_bytes(const fl_model *m);
 fl_status fl_acts_widen(fl_model *m, int l, int N);
 
 /* One LoRA adapter attached to a linear (possibly to a row slice of a fused

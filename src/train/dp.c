@@ -6,7 +6,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../model/model-impl.h"
 #include "core/text.h"
 
 void fl_dp_init(fl_dp *dp, fl_comm *comm, fl_mem_pool *pool) {

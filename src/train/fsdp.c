@@ -65,7 +65,6 @@
 #include "dp.h"
 #include "fitllm/checkpoint.h"
 #include "fitllm/io.h"
-#include "../model/model-impl.h"
 
 struct fl_fsdp {
     fl_dp *dp;

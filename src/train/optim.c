@@ -5,7 +5,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../model/model-impl.h"
 #include "fitllm/comm.h"
 #include "fitllm/train.h"
 #include "dp.h"
@@ -47,7 +46,8 @@ size_t fl_optim_state_bytes_layout(const fl_optim_config *c, const fl_param_layo
 
 /* The trainable tensors: the layout's, or each LoRA adapter's A and B. */
 static fl_status trainable(fl_optimizer *o, fl_model *model) {
-    const struct fl_lora_state *st = model->lora;
+    fl_lora_adapters ad;
+    const fl_lora_adapters *st = fl_model_lora_adapters(model, &ad) ? &ad : NULL;
     int n = st ? 2 * st->n_mods : model->layout.n;
     o->t_off = calloc((size_t)n + 1, sizeof *o->t_off);
     o->t_n = calloc((size_t)n + 1, sizeof *o->t_n);
@@ -60,9 +60,9 @@ static fl_status trainable(fl_optimizer *o, fl_model *model) {
         o->n = st->numel;
         for (int j = 0; j < st->n_mods; j++) {
             o->t_off[2 * j] = st->off[2 * j];
-            o->t_n[2 * j] = (size_t)st->cfg.r * st->mods[j].in;
+            o->t_n[2 * j] = (size_t)st->cfg->r * st->mods[j].in;
             o->t_off[2 * j + 1] = st->off[2 * j + 1];
-            o->t_n[2 * j + 1] = (size_t)st->mods[j].out * st->cfg.r;
+            o->t_n[2 * j + 1] = (size_t)st->mods[j].out * st->cfg->r;
         }
     } else {
         o->p = fl_model_params_data(model);
@@ -615,7 +615,8 @@ static fl_status grad_sumsq(const fl_optimizer *o, double *out) {
 
 double fl_grad_norm(const fl_model *m) {
     size_t n = fl_model_store_numel(m); /* sharded: this rank's shard only */
-    if (m->lora) return sqrt(m->be->sumsq(m->be, m->lora->grads, m->lora->numel));
+    fl_lora_adapters ad;
+    if (fl_model_lora_adapters(m, &ad)) return sqrt(m->be->sumsq(m->be, ad.grads, ad.numel));
     if (fl_model_store_dtype(m) != FL_F32)
         return sqrt(m->be->sumsq_ex(m->be, fl_model_grads_data(m), fl_model_store_dtype(m), n));
     return sqrt(m->be->sumsq(m->be, fl_model_grads_data(m), n));

@@ -15,7 +15,6 @@
 #include <time.h>
 
 #include "core/fs.h"
-#include "../model/model-impl.h"
 #include "fitllm/checkpoint.h"
 #include "fitllm/generate.h"
 #include "fitllm/io.h"

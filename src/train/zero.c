@@ -28,7 +28,6 @@
 #include "dp.h"
 #include "shard_ckpt.h"
 #include "fitllm/checkpoint.h"
-#include "../model/model-impl.h"
 
 const char *fl_dp_stage_name(const fl_dp *dp) {
     return dp->stage == 1 ? "ZeRO-1" : dp->stage == 2 ? "ZeRO-2" : dp->stage == 3 ? (dp->node ? "FSDP HYBRID_SHARD" : "ZeRO-3 (FSDP FULL_SHARD)") : "DDP";
