@@ -16,6 +16,7 @@
 #include "fitllm/peft.h"
 #include "fitllm/quant4.h"
 #include "model/model-impl.h"
+#include "lora/lora-impl.h"
 #include "test.h"
 
 #define CHECK_MSG(s) FL_CHECKF(strstr(fl_error_message(), (s)) != NULL, "message '%s' lacks '%s'", fl_error_message(), (s))

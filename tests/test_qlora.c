@@ -16,6 +16,7 @@
 #include "fitllm/peft.h"
 #include "fitllm/quant4.h"
 #include "model/model-impl.h"
+#include "lora/lora-impl.h"
 #include "test.h"
 
 #define QREF "tests/fixtures/qlora-ref.safetensors"

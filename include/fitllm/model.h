@@ -308,8 +308,63 @@ typedef struct {
     fl_dtype act_dtype;     /* storage of the saved activations of the current arena: prec.act_dtype when
                              * fl_model_alloc_acts ran (fl_model_set_precision re-sizes the arena) */
     fl_precision prec;      /* precision policy (fl_model_set_precision); zeroed = 32-true */
-    struct fl_lora_state *lora; /* LoRA adapters (fl_model_lora_init) or NULL: base frozen when set */
+    struct fl_lora_state *lora; /* LoRA's own state (src/lora: fl_model_lora_init), opaque to the model, or NULL */
+    struct fl_adapter_table *adapt; /* adapters attached to LINEAR ops (fl_model_adapters_begin) or NULL: when
+                                 * set, the base is frozen and the adapters are what trains */
 } fl_model;
+
+/* ---- adapters on LINEAR ops: a graph rewrite --------------------------------------------------
+ * An adapter is a trainable branch attached to a LINEAR op of the block graph (or to the lm_head):
+ * the op runs its base product (any parameter store: dense, 16-bit, 4-bit), its bias, then each
+ * attached adapter adds its branch to the output; its backward runs the base's, then each adapter
+ * adds its input gradient and accumulates its own parameters' gradients. The model knows nothing
+ * else about them: src/lora implements LoRA through this interface (fl_model_lora_init does the
+ * rewrite), and QLoRA is the 4-bit store plus the same rewrite. */
+typedef struct fl_linear_adapter fl_linear_adapter;
+typedef struct {
+    /* y (N rows of ldy floats: the LINEAR's whole output) += the branch on x (N, the LINEAR's input);
+     * row_base: the first of these rows in the pass's batch (the head runs chunk by chunk; blocks 0) */
+    fl_status (*forward)(const fl_linear_adapter *a, const fl_backend *be, float *y, int ldy, const float *x, int N,
+                         int row_base);
+    /* after the base backward: dx (N, in) += the branch's input gradient (dx NULL: not needed); the
+     * adapter's own parameter gradients accumulate. dy: the LINEAR's whole output gradient (N, ldy) */
+    fl_status (*backward)(const fl_linear_adapter *a, const fl_backend *be, float *dx, const float *dy, int ldy,
+                          const float *x, int N, int row_base);
+} fl_linear_adapter_ops;
+struct fl_linear_adapter {
+    const fl_linear_adapter_ops *ops; /* an implementation embeds this first in its own adapter */
+};
+
+/* What the owner of a model's adapters does at the model level. */
+typedef struct {
+    float *grads;           /* the adapters' gradient buffer: zeroed by fl_model_zero_grads, its live bytes tracked */
+    size_t grads_numel;     /* fp32 elements */
+    size_t head_grad_bytes; /* of which the head adapters' (written inside a training forward) */
+    /* their activations for micro-batches of (B, T) (fl_model_alloc_acts), released with the arena */
+    fl_status (*alloc_acts)(fl_model *m, int B, int T);
+    void (*free_acts)(fl_model *m);
+    /* their activations' live bytes after a pass over (B, T) (saved: a training forward whose backward reads them) */
+    void (*mark_live)(fl_model *m, int B, int T, int saved);
+    /* after fl_model_adapters_merged: a frozen 4-bit entry i as read (dst, dequantized) gets the merged branch */
+    void (*read_merged)(const fl_model *m, int i, float *dst);
+    /* the owner's state goes (fl_model_free, fl_model_detach_adapters) */
+    void (*release)(fl_model *m);
+} fl_adapter_hooks;
+/* The rewrite: fl_model_adapters_begin freezes the base and takes the owner's hooks (copied); then each
+ * fl_model_attach_adapter puts adapter a (owned by the caller, alive until release) on block `block`'s LINEAR
+ * `linear` (the block graph's linear index: 0 qkv, 1 o, 2 fc, 3 proj in the decoder block), or on the lm_head
+ * (block -1), after those attached before (their order is the order they run in). */
+fl_status fl_model_adapters_begin(fl_model *m, const fl_adapter_hooks *h);
+fl_status fl_model_attach_adapter(fl_model *m, int block, int linear, const fl_linear_adapter *a);
+/* The adapters were merged into the base weights: the model is then for saving only (fl_model_forward refuses;
+ * 4-bit entries read back merged through read_merged). */
+void fl_model_adapters_merged(fl_model *m);
+int fl_model_adapters_are_merged(const fl_model *m);
+/* Remove every adapter (their owner's release runs). */
+void fl_model_detach_adapters(fl_model *m);
+/* Rows of the (rows, V) logits chunk the head processes at once for N = B*T rows (fl_act_sizes.logits_chunk_rows;
+ * a head adapter's activations hold one chunk). */
+int fl_logits_chunk_rows(int vocab_size, int N);
 
 /* The storage of the flat layout, whichever dtype holds it (fl_model_store_dtype: fp32 or 16-bit; device memory
  * on a device backend; under FSDP this rank's shard): code outside the model reaches the store through these

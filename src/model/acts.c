@@ -224,7 +224,7 @@ void fl_acts_mark_live(fl_model *m, int B, int T, int train) {
     }
     fl_mem_set_live(m->pool, m->acts_arena, saved);
     fl_mem_set_live(m->pool, m->work_arena, handoff + m->sizes.work_const_bytes);
-    fl_lora_mark_live(m, B, T, train && !m->act_ckpt);
+    if (m->adapt && m->adapt->h.mark_live) m->adapt->h.mark_live(m, B, T, train && !m->act_ckpt);
 }
 
 fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
@@ -268,8 +268,8 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     fl_mem_set_live(m->pool, m->work_arena, m->sizes.work_const_bytes); /* the RoPE tables */
     m->B = B;
     m->T = T;
-    s = fl_lora_alloc_acts(m, B, T);
-    if (s != FL_OK) { fl_model_free_acts(m); return fl_error_prefix(s, "allocating LoRA activations"); }
+    s = m->adapt && m->adapt->h.alloc_acts ? m->adapt->h.alloc_acts(m, B, T) : FL_OK;
+    if (s != FL_OK) { fl_model_free_acts(m); return fl_error_prefix(s, "allocating the adapters' activations"); }
     return FL_OK;
 }
 

@@ -65,7 +65,7 @@ void fl_get_block(const fl_model *m, const fl_block_graph *gr, int l, fl_block_p
         const fl_gop *o = &gr->op[i];
         if (o->kind != FL_GOP_LINEAR) continue;
         set_linear(m, &bp->lin[o->p], gr->slot[o->in].width, gr->slot[o->out].width, R(o->role_w), R(o->role_b), cur);
-        fl_lora_attach(m, l, o->p, &bp->lin[o->p]); /* LoRA kind = the linear's index (0 qkv, 1 o, 2 fc, 3 proj) */
+        fl_model_bind_adapters(m, l, o->p, &bp->lin[o->p], 0); /* the adapters the rewrite attached to it */
     }
 #undef R
 }

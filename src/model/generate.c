@@ -149,7 +149,7 @@ static fl_status forward_rows_impl(fl_model *m, fl_kv_cache *kv, const rows_scra
     fl_norm_forward(m, w->ln, w->mean, w->rstd, last, op.lnf_w, op.lnf_b, 1);
     fl_linear head = {.in = d.C, .out = d.V, .w = op.head};
     fl_linear_set_weight(m, &head, op.head_idx);
-    fl_lora_attach_head(m, &head, 0); /* an lm_head adapter (one row; dropout is off outside training) */
+    fl_model_bind_adapters(m, -1, 0, &head, 0); /* an lm_head adapter (one row; dropout is off outside training) */
     if (!kv->dlogits) return fl_linear_forward(be, logits, w->ln, &head, 1); // (V)
     FL_TRY(fl_linear_forward(be, kv->dlogits, w->ln, &head, 1)); /* device logits, to the caller's host buffer */
     return be->to_host(be, logits, kv->dlogits, (size_t)d.V * sizeof(float));

@@ -157,14 +157,15 @@ void fl_model_read_param(const fl_model *m, int i, float *dst) {
             memset(dst, 0, m->layout.params[i].numel * sizeof(float));
         } else {
             fl_q4_dequantize(&hw, dst, m->be->n_threads);
-            fl_lora_add_merged(m, i, dst);
+            if (fl_model_adapters_are_merged(m) && m->adapt->h.read_merged) m->adapt->h.read_merged(m, i, dst);
         }
         fl_mem_free(fl_mem_host_pool(m->pool), blob);
         return;
     }
     if (fl_model_param_is_q4(m, i)) {
         fl_q4_dequantize(&m->store->q4[i], dst, m->be ? m->be->n_threads : 0);
-        fl_lora_add_merged(m, i, dst); /* after fl_model_lora_merge: the merged weight */
+        /* after the adapters were merged (fl_model_lora_merge): the merged weight */
+        if (fl_model_adapters_are_merged(m) && m->adapt->h.read_merged) m->adapt->h.read_merged(m, i, dst);
         return;
     }
     fl_dtype dt;
@@ -218,7 +219,7 @@ void fl_model_write_param(fl_model *m, int i, const float *src) {
 }
 
 void fl_model_free_acts(fl_model *m) {
-    fl_lora_free_acts(m);
+    if (m->adapt && m->adapt->h.free_acts) m->adapt->h.free_acts(m);
     fl_mem_free(m->pool, m->acts_arena);
     fl_mem_free(m->pool, m->work_arena);
     m->acts_arena = m->work_arena = NULL;
@@ -289,7 +290,7 @@ void fl_model_sync_compute_copy(fl_model *m) { fl_store_sync_compute(m->store); 
 void fl_model_free(fl_model *m) {
     if (!m->pool) return;
     fl_model_free_acts(m);
-    fl_model_lora_free(m);
+    fl_model_detach_adapters(m);
     fl_store_destroy(m->store);
     fl_layout_free(&m->layout);
     memset(m, 0, sizeof *m);
@@ -299,12 +300,12 @@ fl_status fl_model_alloc_grads(fl_model *m) { return fl_store_alloc_grads(m->sto
 
 void fl_model_zero_grads(fl_model *m) {
     fl_store_zero_grads(m->store);
-    if (m->lora) m->be->zero(m->be, m->lora->grads, m->lora->numel * sizeof(float));
+    if (m->adapt) m->be->zero(m->be, m->adapt->h.grads, m->adapt->h.grads_numel * sizeof(float));
     fl_model_grads_live(m, 0); /* zeros: nothing accumulated yet */
 }
 
 static void *grad_buffer(const fl_model *m) {
-    return m->lora ? (void *)m->lora->grads : fl_model_grads_data(m);
+    return m->adapt ? (void *)m->adapt->h.grads : fl_model_grads_data(m);
 }
 void fl_model_grads_live(fl_model *m, size_t bytes) {
     void *g = grad_buffer(m);

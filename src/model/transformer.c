@@ -51,12 +51,12 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
     const fl_backend *be = m->be;
     fl_acts *a = m->acts;
     if (!a) return fl_errorf(FL_ERR_INVALID, "fl_model_forward: activations not allocated (call fl_model_alloc_acts)");
-    if (m->lora && m->lora->merged) /* the adapters are in the weights now: running them again would double them */
+    if (fl_model_adapters_are_merged(m)) /* the adapters are in the weights now: running them again would double them */
         return fl_errorf(FL_ERR_INVALID, "fl_model_forward: the LoRA adapters were merged into the weights "
                                          "(fl_model_lora_merge); save the model and reload it to run it");
     if (B * T > m->B * m->T || T > m->T)
         return fl_errorf(FL_ERR_INVALID, "fl_model_forward: batch (%d,%d) exceeds the arena's (%d,%d)", B, T, m->B, m->T);
-    if (grad_scale > 0 && (!targets || (!fl_model_grads_data(m) && !m->lora)))
+    if (grad_scale > 0 && (!targets || (!fl_model_grads_data(m) && !m->adapt)))
         return fl_errorf(FL_ERR_INVALID, "fl_model_forward: training forward needs targets and gradient buffers");
     fl_dims d = fl_model_dims(&m->cfg);
     const int N = B * T;
@@ -132,7 +132,7 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
      * bf16 GEMM rounds an F32 A. An F16 GEMM does not round its F32 A, so nothing else changes.
      * Not with a LoRA adapter on lm_head (its branch reads the unrounded x and dy). */
     fl_linear hw = head;
-    const int wide = a->head_w && head.wc && head.wct == a->head_dt && head.n_q4 == 0 && !fl_lora_on_head(m);
+    const int wide = a->head_w && head.wc && head.wct == a->head_dt && head.n_q4 == 0 && !fl_model_head_adapted(m);
     const int round_bf16 = wide && a->head_dt == FL_BF16;
     if (wide) {
         FL_TRY(be->convert(be, a->head_w, FL_F32, head.wc, head.wct, (size_t)d.V * d.C)); // (V, C)
@@ -148,7 +148,7 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
             FL_TRY(be->convert(be, a->head_x, FL_F32, a->head_t16, FL_BF16, (size_t)rows * d.C));
             xr = a->head_x;
         }
-        fl_lora_attach_head(m, &head, r0); /* LoRA on lm_head: h / xd of this chunk, the batch's mask */
+        fl_model_bind_adapters(m, -1, 0, &head, r0); /* head adapters: this chunk, the batch's dropout mask */
         FL_TRY(fl_linear_forward(be, a->logits, xr, wide ? &hw : &head, rows)); // (rows, V)
         if (logits_out) FL_TRY(be->to_host(be, logits_out + (size_t)r0 * d.V, a->logits, (size_t)rows * d.V * sizeof(float)));
         if (!targets) continue;
@@ -191,7 +191,7 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
      * already (its backward ran chunk by chunk above) */
     fl_acts_mark_live(m, B, T, m->fwd_train);
     if (m->fwd_train && !fl_store_sharded(m->store)) { /* sharded: the head's gradient is in its group's gathered buffer */
-        size_t hg = m->lora ? fl_lora_sizing_head_grads(&m->lora->cfg, m->lora->mods, m->lora->n_mods)
+        size_t hg = m->adapt ? m->adapt->h.head_grad_bytes
                   : head.dw ? (size_t)d.V * d.C * (m->store->g16 ? sizeof(uint16_t) : sizeof(float)) : 0;
         if (hg > fl_model_grads_live_bytes(m)) fl_model_grads_live(m, hg); /* accumulation: may be all already */
     }
@@ -244,7 +244,7 @@ static fl_status model_backward(fl_model *m) {
         fl_block_ctx x = train_ctx(m, B, T);
         if (a->act_dtype == FL_BF16) x.s16 = a->layer[l].s16;
         /* LoRA: the embeddings are frozen, so block 0's input gradient has no reader */
-        x.no_din = l == 0 && m->lora && !m->keep_block0_din;
+        x.no_din = l == 0 && m->adapt && !m->keep_block0_din;
         float *const gb[FL_GRAPH_MAX_GBUF] = {dres, buf1, buf2, a->gbuf_more[0], a->gbuf_more[1]};
         FL_TRY(fl_block_backward(m, a->graph, &bp, a->layer[l].s, gb, &x));
         FL_TRY(fl_store_stage_flush(m->store, m->layout.group_offset[l + 1], gn));
