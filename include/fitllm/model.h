@@ -235,20 +235,21 @@ typedef struct {
     int q4_double_quant;  /* "-dq": double-quantized absmax */
     /* Sharded from the start (FSDP FULL_SHARD; set by src/train/fsdp.c's fl_fsdp_prepare, NULL
      * otherwise): fl_model_init_ex calls shard(shard_ud, m) IN PLACE of allocating the whole dense
-     * parameter buffer; it allocates this rank's shard into params / p16 and sets m->pp with its
-     * pieces, so the loaders and the random init fill only the shard (fl_model_param_piece) and no
+     * parameter buffer; it allocates this rank's shard and hands it with its provider (pieces) to
+     * fl_model_store_shard, which makes the parameter store an FSDP shard, so the loaders and the random init fill only the shard (fl_model_param_piece) and no
      * rank ever holds the whole model. (m is an fl_model *.) */
     fl_status (*shard)(void *shard_ud, void *m);
     void *shard_ud;
 } fl_model_storage;
 
-/* Sharded parameters (FSDP FULL_SHARD / ZeRO-3; set by src/train/fsdp.c, NULL otherwise). The
- * model's units are its layout groups (0 the embeddings, 1..L the blocks, L+1 the final norm and
- * lm_head); under sharding `params`/`p16` and `grads`/`g16` hold only this rank's shard of every
- * group (numel elements), and a group's whole parameters exist only while it is gathered:
- * fl_model_forward/backward ask for each group right before using it and give it back after, so
+/* Sharded parameters (FSDP FULL_SHARD / ZeRO-3; implemented by src/train/fsdp.c, wrapped by the
+ * parameter store's FSDP implementation, src/model/store_fsdp.c). The model's units are its layout
+ * groups (0 the embeddings, 1..L the blocks, L+1 the final norm and lm_head); under sharding the
+ * store's parameter and gradient buffers hold only this rank's shard of every group (numel
+ * elements), and a group's whole parameters exist only while it is gathered: fl_model_forward /
+ * backward ask the store for each group right before using it and give it back after, so
  * transformer.c stays one graph and the model never talks to other ranks. views[g] is what the
- * block lookups (blocks.c) read while group g is gathered: p its parameters (store dtype), wc
+ * store binds while group g is gathered: p its parameters (store dtype), wc
  * their compute-dtype copy (mixed policies) or NULL, g its gradient of this micro-batch (store
  * dtype) between grads_begin and grads_ready; NULL when absent. */
 typedef struct {
