@@ -380,8 +380,6 @@ uint16_t *fl_model_grads_16(const fl_model *m);
 fl_dtype fl_model_store_dtype(const fl_model *m);
 /* Elements of the flat gradient / optimizer coordinates this model holds (sharded: this rank's shard). */
 size_t fl_model_store_numel(const fl_model *m);
-/* How the model was created (fl_model_init_ex's storage). */
-const fl_model_storage *fl_model_storage_of(const fl_model *m);
 /* The model has 4-bit entries (QLoRA). */
 int fl_model_quant4(const fl_model *m);
 /* Sharded parameters: the provider (FSDP FULL_SHARD, set through fl_model_store_shard), else NULL. */

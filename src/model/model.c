@@ -77,26 +77,28 @@ fl_status fl_model_init_ex(fl_model *m, const fl_model_config *cfg, const fl_bac
 
 /* ---- the store's accessors (model.h) ---- */
 
+/* (a model that failed to initialize, or was freed, has no store: NULL / defaults) */
 void *fl_model_params_data(const fl_model *m) {
-    return m->store->params ? (void *)m->store->params : (void *)m->store->p16;
+    const fl_param_store *s = m->store;
+    return !s ? NULL : s->params ? (void *)s->params : (void *)s->p16;
 }
 void *fl_model_grads_data(const fl_model *m) {
-    return m->store->grads ? (void *)m->store->grads : (void *)m->store->g16;
+    const fl_param_store *s = m->store;
+    return !s ? NULL : s->grads ? (void *)s->grads : (void *)s->g16;
 }
 float *fl_model_params_f32(const fl_model *m) { return m->store ? m->store->params : NULL; }
 float *fl_model_grads_f32(const fl_model *m) { return m->store ? m->store->grads : NULL; }
 uint16_t *fl_model_params_16(const fl_model *m) { return m->store ? m->store->p16 : NULL; }
 uint16_t *fl_model_grads_16(const fl_model *m) { return m->store ? m->store->g16 : NULL; }
-fl_dtype fl_model_store_dtype(const fl_model *m) { return m->store->dtype; }
-size_t fl_model_store_numel(const fl_model *m) { return m->store->numel; }
-const fl_model_storage *fl_model_storage_of(const fl_model *m) { return &m->store->storage; }
+fl_dtype fl_model_store_dtype(const fl_model *m) { return m->store ? m->store->dtype : FL_F32; }
+size_t fl_model_store_numel(const fl_model *m) { return m->store ? m->store->numel : 0; }
 int fl_model_quant4(const fl_model *m) { return m->store && m->store->q4 != NULL; }
 const fl_param_provider *fl_model_provider(const fl_model *m) { return m->store ? m->store->pp : NULL; }
 void fl_model_store_shard(fl_model *m, void *shard, fl_param_provider *pp) { fl_store_make_shard(m->store, shard, pp); }
 void fl_model_store_unshard(fl_model *m) {
     if (m->store) fl_store_make_whole(m->store);
 }
-float *fl_model_grad_stage(const fl_model *m) { return m->store->gstage; }
+float *fl_model_grad_stage(const fl_model *m) { return m->store ? m->store->gstage : NULL; }
 void fl_model_set_grad_ready(fl_model *m, fl_status (*fn)(void *ud, size_t off, size_t n), void *ud) {
     m->store->grad_ready = fn;
     m->store->grad_ready_ud = ud;
