@@ -18,7 +18,7 @@ FUZZ_DEB_PKGS := clang libclang-rt-dev libomp-dev
 FITLLM_DATA ?= ../shared/data
 export FITLLM_DATA
 
-.PHONY: all setup build test test-fast asan demo bench clean help fuzz fuzz-build fuzz-smoke
+.PHONY: all setup build test test-fast asan demo bench bitident clean help fuzz fuzz-build fuzz-smoke
 
 all: build
 
@@ -30,6 +30,7 @@ help:
 	@echo "make bench  - fitllm vs PyTorch training-step benchmark (needs a torch virtualenv)"
 	@echo "make fuzz   - libFuzzer (clang) on every input parser, FUZZ_TIME s each (default 600), FUZZ_JOBS at a time"
 	@echo "make fuzz-smoke - the same, 30 s each"
+	@echo "make bitident BASE=DIR - does this build train bit for bit like the build in DIR (tests/bitident)"
 
 setup:
 	@missing=""; for p in $(DEB_PKGS) $(SETUP_EXTRA_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -90,6 +91,11 @@ demo: build
 
 bench: build
 	bench/run_bench_step.sh
+
+# Does this build train bit-identically to another one (BASE=its build folder)? tests/bitident/README.md
+bitident: build
+	@test -n "$(BASE)" || { echo "make bitident BASE=<build folder of the commit to compare against>"; exit 2; }
+	tests/bitident/compare.sh $(BASE) $(BUILD)
 
 # Coverage-guided fuzzing (clang + libFuzzer, ASan/UBSan; `make test` runs each harness for 10 s only): every parser of
 # untrusted input, FUZZ_TIME seconds per harness, FUZZ_JOBS at a time (nice 19). Corpora, logs and
