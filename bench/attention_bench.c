@@ -1,6 +1,6 @@
-/* Fused causal attention (attention_forward/backward, the decoder's fused-QKV path) vs the
- * general op (attention_forward_ex/backward_ex) on the same fused QKV buffer, passed as
- * q/k/v views: causal self-attention, no bias, no mask. Median of reps (and, as the g/f
+/* The CPU's fused causal attention kernels (attention.c, which the attention slots run for the
+ * decoder's fused-QKV shape) vs its general kernels (attention_general.c) on the same fused QKV
+ * buffer, passed as q/k/v views: causal self-attention, no bias, no mask. Median of reps (and, as the g/f
  * ratio of the fastest runs, "min": on a shared machine the noise only ever adds time), ms.
  * Usage: attention_bench [threads=1] [reps=5] */
 #include <math.h>
@@ -9,6 +9,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "backend/cpu/cpu-impl.h"
 #include "fitllm/backend.h"
 
 static double now(void) {
@@ -39,7 +40,7 @@ int main(int argc, char **argv) {
         {"1B-like GQA B1 T512", 1, 512, 32, 8, 64},
         {"small B4 T256", 4, 256, 12, 12, 64},
     };
-    printf("threads %d, median of %d; ms per call (fused = attention_forward/backward, general = *_ex)\n", threads,
+    printf("threads %d, median of %d; ms per call (fused = the fused-QKV kernels, general = the general kernels)\n", threads,
            reps);
     printf("%-22s %9s %9s %9s %9s %8s %8s %8s %8s %8s %8s\n", "shape", "fwd fused", "fwd gen", "bwd fused", "bwd gen",
            "fwd g/f", "bwd g/f", "min fwd", "min bwd", "GF/s fwd", "GF/s bwd");
@@ -54,17 +55,17 @@ int main(int argc, char **argv) {
         double t[4][100];
         for (int r = 0; r < reps + 1; r++) { /* first round: warm-up, not counted */
             double t0 = now();
-            be.attention_forward(&be, out, lse, qkv, B, T, NH, NKV, HD);
+            fl_cpu_attn_qkv_forward(&be, out, lse, qkv, B, T, NH, NKV, HD);
             double t1 = now();
-            be.attention_backward(&be, dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD);
+            fl_cpu_attn_qkv_backward_sched(&be, dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD, -1);
             double t2 = now();
-            if (be.attention_forward_ex(&be, &a, out, lse, qkv, qkv + (size_t)NH * HD, qkv + (size_t)(NH + NKV) * HD,
-                                        NULL, NULL) != FL_OK)
+            if (fl_cpu_attn_general_forward(&be, &a, out, lse, qkv, qkv + (size_t)NH * HD,
+                                            qkv + (size_t)(NH + NKV) * HD, NULL, NULL) != FL_OK)
                 return 1;
             double t3 = now();
-            if (be.attention_backward_ex(&be, &a, dqkv, dqkv + (size_t)NH * HD, dqkv + (size_t)(NH + NKV) * HD, NULL,
-                                         dout, qkv, qkv + (size_t)NH * HD, qkv + (size_t)(NH + NKV) * HD, NULL, NULL,
-                                         out, lse) != FL_OK)
+            if (fl_cpu_attn_general_backward_sched(&be, &a, dqkv, dqkv + (size_t)NH * HD, dqkv + (size_t)(NH + NKV) * HD,
+                                                   NULL, dout, qkv, qkv + (size_t)NH * HD,
+                                                   qkv + (size_t)(NH + NKV) * HD, NULL, NULL, out, lse, -1) != FL_OK)
                 return 1;
             double t4 = now();
             if (r == 0) continue;

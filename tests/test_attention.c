@@ -262,7 +262,7 @@ static fl_status run_op_sched(const fl_backend *be, const acase *c, ares *res, c
     }
     const float *kb = kbuf_of(c, c->qb, c->kb);
     float *dkb = c->cross ? res->dkb : res->dqb;
-    fl_status st = be->attention_forward_ex(be, a, res->out, res->lse, c->qb + c->qoff, kb + c->koff, kb + c->voff,
+    fl_status st = be->attention_forward(be, a, res->out, res->lse, c->qb + c->qoff, kb + c->koff, kb + c->voff,
                                             c->bias, c->mask);
     if (st != FL_OK) return st;
     /* dout in the out layout (stride ldo) */
@@ -271,11 +271,11 @@ static fl_status run_op_sched(const fl_backend *be, const acase *c, ares *res, c
         for (size_t i = 0; i < a->ldo; i++)
             dO[row * a->ldo + i] = i < (size_t)a->NH * a->HD ? c->dout[row * a->NH * a->HD + i] : NAN;
     if (split < 0)
-        st = be->attention_backward_ex(be, a, res->dqb + c->qoff, dkb + c->koff, dkb + c->voff, res->dbias, dO,
+        st = be->attention_backward(be, a, res->dqb + c->qoff, dkb + c->koff, dkb + c->voff, res->dbias, dO,
                                        c->qb + c->qoff, kb + c->koff, kb + c->voff, c->bias, c->mask, res->out,
                                        res->lse);
     else
-        st = fl_cpu_attention_backward_ex_sched(be, a, res->dqb + c->qoff, dkb + c->koff, dkb + c->voff, res->dbias,
+        st = fl_cpu_attn_general_backward_sched(be, a, res->dqb + c->qoff, dkb + c->koff, dkb + c->voff, res->dbias,
                                                 dO, c->qb + c->qoff, kb + c->koff, kb + c->voff, c->bias, c->mask,
                                                 res->out, res->lse, split);
     free(dO);
@@ -535,7 +535,7 @@ FL_TEST(attn_ex_bound_detects_errors) {
         float *dO = calloc(no, 4);
         for (size_t row = 0; row < (size_t)a->B * a->Tq; row++)
             memcpy(dO + row * a->ldo, c.dout + row * a->NH * a->HD, (size_t)a->NH * a->HD * 4);
-        FL_REQUIRE_OK(be.attention_backward_ex(&be, a, res.dqb, res.dkb + c.koff, res.dkb + c.voff, res.dbias, dO,
+        FL_REQUIRE_OK(be.attention_backward(&be, a, res.dqb, res.dkb + c.koff, res.dkb + c.voff, res.dbias, dO,
                                                c.qb, c.kb + c.koff, c.kb + c.voff, c.bias, c.mask, res.out, lse2));
         cmp_t m2 = {"lse+1e-4", 0, 0, 1};
         compare(&m2, &c, &res, &R, pre.q, pre.k, pre.b, 1.0, 0);
@@ -731,8 +731,8 @@ static void attn_ex_matches_fused_causal_op_on(fl_backend be) {
     size_t no = (size_t)B * T * NH * HD, nl = (size_t)B * NH * T;
     ares fused = {malloc(no * 4), malloc(nl * 4), malloc(c.nqb * 4), NULL, NULL};
     memcpy(fused.dqb, pre.q, c.nqb * 4);
-    be.attention_forward(&be, fused.out, fused.lse, c.qb, B, T, NH, NKV, HD);
-    be.attention_backward(&be, fused.dqb, c.dout, c.qb, fused.out, fused.lse, B, T, NH, NKV, HD);
+    fl_attention_qkv_forward(&be, fused.out, fused.lse, c.qb, B, T, NH, NKV, HD);
+    fl_attention_qkv_backward(&be, fused.dqb, c.dout, c.qb, fused.out, fused.lse, B, T, NH, NKV, HD);
     /* each op is within its bound of the float64 truth, so they differ by at most twice it:
      * compare the general op with the fused one taken as "want" */
     cmp_t m = {"general vs fused", 0, 0, 0};
@@ -774,22 +774,22 @@ static void attn_ex_bad_arguments_on(fl_backend be) {
     float x[64] = {0}, out[64], lse[8];
     for (int i = 0; i < 64; i++) out[i] = 7.0f;
     fl_attn_desc a = {1, 2, 2, 2, 1, 4, 16, 16, 16, 8, 0.5f, 0};
-    FL_CHECK(be.attention_forward_ex(&be, &a, out, lse, x, x, x, NULL, NULL) == FL_OK);
+    FL_CHECK(be.attention_forward(&be, &a, out, lse, x, x, x, NULL, NULL) == FL_OK);
     fl_attn_desc bad = a;
     bad.NKV = 3; /* NH % NKV */
-    FL_CHECK(be.attention_forward_ex(&be, &bad, out, lse, x, x, x, NULL, NULL) == FL_ERR_INVALID);
+    FL_CHECK(be.attention_forward(&be, &bad, out, lse, x, x, x, NULL, NULL) == FL_ERR_INVALID);
     bad = a;
     bad.ldk = 3; /* < NKV*HD */
-    FL_CHECK(be.attention_forward_ex(&be, &bad, out, lse, x, x, x, NULL, NULL) == FL_ERR_INVALID);
+    FL_CHECK(be.attention_forward(&be, &bad, out, lse, x, x, x, NULL, NULL) == FL_ERR_INVALID);
     FL_CHECK(strstr(fl_error_message(), "ldk") != NULL);
     bad = a;
     bad.HD = FL_CPU_ATTN_MAX_HD + 1, bad.ldq = bad.ldk = bad.ldv = bad.ldo = 1000;
     for (int i = 0; i < 64; i++) out[i] = 7.0f;
-    FL_CHECK(be.attention_forward_ex(&be, &bad, out, lse, x, x, x, NULL, NULL) == FL_ERR_UNSUPPORTED);
+    FL_CHECK(be.attention_forward(&be, &bad, out, lse, x, x, x, NULL, NULL) == FL_ERR_UNSUPPORTED);
     FL_CHECK(out[0] == 7.0f); /* nothing written on error */
-    FL_CHECK(be.attention_backward_ex(&be, &a, x, x, x, x /*dbias*/, x, x, x, x, NULL /*bias*/, NULL, out, lse) ==
+    FL_CHECK(be.attention_backward(&be, &a, x, x, x, x /*dbias*/, x, x, x, x, NULL /*bias*/, NULL, out, lse) ==
              FL_ERR_INVALID);
-    FL_CHECK(be.attention_backward_ex(&be, &a, NULL, x, x, NULL, x, x, x, x, NULL, NULL, out, lse) == FL_ERR_INVALID);
+    FL_CHECK(be.attention_backward(&be, &a, NULL, x, x, NULL, x, x, x, x, NULL, NULL, out, lse) == FL_ERR_INVALID);
 }
 FL_TEST(attn_ex_bad_arguments) {
     fl_backend be;
@@ -801,11 +801,11 @@ static void attn_ex_no_keys_on(fl_backend be) {
     fl_attn_desc a = {2, 3, 0, 2, 1, 4, 8, 4, 4, 8, 0.5f, 0};
     float q[48], out[48], lse[12], dq[48], d0[4] = {0}, dO[48];
     for (int i = 0; i < 48; i++) q[i] = 0.1f * i, out[i] = 7.0f, dq[i] = 3.0f, dO[i] = 1.0f;
-    FL_REQUIRE_OP(&be, be.attention_forward_ex(&be, &a, out, lse, q, d0, d0, NULL, NULL));
+    FL_REQUIRE_OP(&be, be.attention_forward(&be, &a, out, lse, q, d0, d0, NULL, NULL));
     int ok = 1;
     for (int i = 0; i < 48; i++) ok &= out[i] == 0.0f && dq[i] == 3.0f;
     for (int i = 0; i < 12; i++) ok &= isinf(lse[i]) && lse[i] < 0;
-    FL_REQUIRE_OP(&be, be.attention_backward_ex(&be, &a, dq, d0, d0, NULL, dO, q, d0, d0, NULL, NULL, out, lse));
+    FL_REQUIRE_OP(&be, be.attention_backward(&be, &a, dq, d0, d0, NULL, dO, q, d0, d0, NULL, NULL, out, lse));
     for (int i = 0; i < 48; i++) ok &= dq[i] == 3.0f;
     FL_CHECKF(ok, "Tk 0: out must be 0, lse -inf, dq unchanged");
 }
@@ -818,8 +818,8 @@ FL_TEST(attn_ex_in_every_backend_vtable) {
     fl_backend be, ref;
     FL_REQUIRE_OK(fl_cpu_backend_init(&be, 0));
     FL_REQUIRE_OK(fl_ref_backend_init(&ref));
-    FL_CHECK(be.attention_forward_ex && be.attention_backward_ex);
-    FL_CHECK(ref.attention_forward_ex && ref.attention_backward_ex);
+    FL_CHECK(be.attention_forward && be.attention_backward);
+    FL_CHECK(ref.attention_forward && ref.attention_backward);
     fl_backend bk;
-    FL_FOR_EACH_BACKEND(bk, 0) FL_CHECK(bk.attention_forward_ex && bk.attention_backward_ex);
+    FL_FOR_EACH_BACKEND(bk, 0) FL_CHECK(bk.attention_forward && bk.attention_backward);
 }

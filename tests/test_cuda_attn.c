@@ -272,7 +272,7 @@ static void run_case(const attn_case *cs) {
     FL_CHECKF(!memcmp(out1, out2, no * 4) && !memcmp(lse1, lse2, nl * 4), "%s: forward bits differ between runs", name);
     fl_backend be;
     fl_cpu_backend_init(&be, 2);
-    FL_CHECK(be.attention_forward_ex(&be, &a, outc, lsec, q, k, v, bias, kmask) == FL_OK);
+    FL_CHECK(be.attention_forward(&be, &a, outc, lsec, q, k, v, bias, kmask) == FL_OK);
     const size_t rows = (size_t)a.B * a.Tq;
     FL_CHECKF(check_bound("out vs float64", out1, NULL, rows, wq, a.ldo, R.out, R.Mo, nfac, R.sabs), "%s: out", name);
     FL_CHECKF(check_lse("lse vs float64", lse1, R.lse, nl, rho), "%s: lse", name);
@@ -301,7 +301,7 @@ static void run_case(const attn_case *cs) {
     FL_CHECKF(!memcmp(dq1, dq2, nq * 4) && !memcmp(dk1, dk2, nk * 4) && !memcmp(dv1, dv2, nv * 4) &&
                   (!db1 || !memcmp(db1, db2, nb * 4)),
               "%s: backward bits differ between runs", name);
-    FL_CHECK(be.attention_backward_ex(&be, &a, dqc, dkc, dvc, dbc, dout, q, k, v, bias, kmask, outc, lsec) == FL_OK);
+    FL_CHECK(be.attention_backward(&be, &a, dqc, dkc, dvc, dbc, dout, q, k, v, bias, kmask, outc, lsec) == FL_OK);
     const size_t krows = (size_t)a.B * a.Tk;
     FL_CHECKF(check_bound("dq vs float64", dq1, dq0, rows, wq, a.ldq, R.dq, R.Mq, nfac, R.sabs), "%s: dq", name);
     FL_CHECKF(check_bound("dk vs float64", dk1, dk0, krows, wk, a.ldk, R.dk, R.Mk, nfac, R.sabs), "%s: dk", name);
@@ -409,7 +409,7 @@ FL_TEST(cuda_attn_fused) {
     FL_CHECK(!memcmp(out1, out2, no * 4) && !memcmp(lse1, lse2, nl * 4));
     fl_backend be;
     fl_cpu_backend_init(&be, 2);
-    be.attention_forward(&be, outc, lsec, qkv, B, T, NH, NKV, HD);
+    fl_attention_qkv_forward(&be, outc, lsec, qkv, B, T, NH, NKV, HD);
     FL_CHECK(check_bound("fused out vs float64", out1, NULL, (size_t)B * T, OW, OW, R.out, R.Mo, nfac, R.sabs));
     FL_CHECK(check_lse("fused lse vs float64", lse1, R.lse, nl, U32 * (HD + T + 8) * (1 + R.sabs)));
     FL_CHECK(check_pair("fused out vs cpu", out1, outc, (size_t)B * T, OW, OW, R.Mo, nfac, R.sabs));
@@ -421,7 +421,7 @@ FL_TEST(cuda_attn_fused) {
     rc |= emu_call(fl_cuemu_attention_backward(g2, dout, qkv, out1, lse1, B, T, NH, NKV, HD, work, NULL), "fused bwd");
     FL_CHECK(rc == 0);
     FL_CHECKF(!memcmp(g1, g2, nx * 4), "fused backward bits differ between runs");
-    be.attention_backward(&be, gc, dout, qkv, outc, lsec, B, T, NH, NKV, HD);
+    fl_attention_qkv_backward(&be, gc, dout, qkv, outc, lsec, B, T, NH, NKV, HD);
     const size_t rows = (size_t)B * T, wk = (size_t)NKV * HD;
     FL_CHECK(check_bound("fused dq", g1, g0, rows, OW, W, R.dq, R.Mq, nfac, R.sabs));
     FL_CHECK(check_bound("fused dk", g1 + OW, g0 + OW, rows, wk, W, R.dk, R.Mk, nfac, R.sabs));
@@ -752,8 +752,8 @@ static void dispatch_case(const char *env, int HD, int use_bias) {
     const fl_attn_desc a = fl_cu_attention_fused_desc(B, T, NH, NKV, HD);
     const float *q = qkv, *k = qkv + NH * HD, *v = qkv + (NH + NKV) * HD;
     if (!use_bias) { /* the fused ops */
-        be.attention_forward(&be, o1, l1, qkv, B, T, NH, NKV, HD);
-        be.attention_backward(&be, g1, dout, qkv, o1, l1, B, T, NH, NKV, HD);
+        fl_attention_qkv_forward(&be, o1, l1, qkv, B, T, NH, NKV, HD);
+        fl_attention_qkv_backward(&be, g1, dout, qkv, o1, l1, B, T, NH, NKV, HD);
         FL_CHECK(be.sync(&be) == FL_OK);
         if (expect_tc) {
             FL_CHECK(fl_cuemu_attention_forward_tc(&a, o2, l2, q, k, v, NULL, NULL) == 0);
@@ -764,8 +764,8 @@ static void dispatch_case(const char *env, int HD, int use_bias) {
             FL_CHECK(fl_cuemu_attention_backward(g2, dout, qkv, o2, l2, B, T, NH, NKV, HD, work, NULL) == 0);
         }
     } else { /* the general ops with a bias: always fp32 */
-        FL_CHECK(be.attention_forward_ex(&be, &a, o1, l1, q, k, v, bias, NULL) == FL_OK);
-        FL_CHECK(be.attention_backward_ex(&be, &a, g1, g1 + OW, g1 + OW + NKV * HD, NULL, dout, q, k, v, bias, NULL,
+        FL_CHECK(be.attention_forward(&be, &a, o1, l1, q, k, v, bias, NULL) == FL_OK);
+        FL_CHECK(be.attention_backward(&be, &a, g1, g1 + OW, g1 + OW + NKV * HD, NULL, dout, q, k, v, bias, NULL,
                                           o1, l1) == FL_OK);
         FL_CHECK(fl_cuemu_attention_forward_ex(&a, o2, l2, q, k, v, bias, NULL, NULL) == 0);
         FL_CHECK(fl_cuemu_attention_backward_ex(&a, g2, g2 + OW, g2 + OW + NKV * HD, NULL, dout, q, k, v, bias, NULL,
@@ -775,7 +775,7 @@ static void dispatch_case(const char *env, int HD, int use_bias) {
               "kernels", env ? env : "(unset)", HD, use_bias, expect_tc ? "tensor-core" : "fp32");
     if (expect_tc) { /* and back to F32: the fp32 kernels */
         be.set_compute_dtype(&be, FL_F32);
-        be.attention_forward(&be, o1, l1, qkv, B, T, NH, NKV, HD);
+        fl_attention_qkv_forward(&be, o1, l1, qkv, B, T, NH, NKV, HD);
         FL_CHECK(be.sync(&be) == FL_OK);
         FL_CHECK(fl_cuemu_attention_forward(o2, l2, qkv, B, T, NH, NKV, HD, NULL) == 0);
         FL_CHECK(same(o1, o2, no) && same(l1, l2, nl));

@@ -243,7 +243,7 @@ FL_TEST(cuda_emu_adamw) {
             g[0] = 0.0f;
             g[1] = 1e-6f;
             EMU_OK(fl_cuemu_adamw_update(p, g, m, v, n, lr, b1, b2, eps, wd, step, gs, NULL));
-            be.adamw_update(&be, cp, g, cm, cv, n, lr, b1, b2, eps, wd, step, gs);
+            be.adamw_update(&be, cp, FL_F32, g, FL_F32, cm, cv, FL_F32, n, lr, b1, b2, eps, wd, step, gs);
             double bc1 = 1 - pow(b1, step), bc2 = 1 - pow(b2, step);
             for (size_t i = 0; i < n; i++) {
                 double gi = (double)g[i] * gs;
@@ -284,7 +284,7 @@ FL_TEST(cuda_emu_adamw_ex) {
             FL_REQUIRE_OK(be.convert(&be, g, combos[c].tg, gf, FL_F32, n));
             EMU_OK(fl_cuemu_adamw_update_ex(p, combos[c].tp, g, combos[c].tg, m, v, combos[c].ts, n, 1e-2f, 0.9f, 0.95f,
                                             1e-8f, 0.1f, step, 0.5f, NULL));
-            FL_REQUIRE_OK(be.adamw_update_ex(&be, cp, combos[c].tp, g, combos[c].tg, cm, cv, combos[c].ts, n, 1e-2f, 0.9f,
+            FL_REQUIRE_OK(be.adamw_update(&be, cp, combos[c].tp, g, combos[c].tg, cm, cv, combos[c].ts, n, 1e-2f, 0.9f,
                                              0.95f, 1e-8f, 0.1f, step, 0.5f));
             free(gf);
         }
@@ -476,7 +476,7 @@ FL_TEST(cuda_emu_sgd) {
             fl_cu_emu_set_seed(k_seeds[step & 1]);
             EMU_OK(fl_cuemu_sgd_update_ex(p, cs[c].tp, g, cs[c].tg, buf, cs[c].ts, n, 0.05f, cs[c].mom, 0.1f, 0.01f,
                                           cs[c].nesterov, step == 1, 0.5f, NULL));
-            FL_REQUIRE_OK(be.sgd_update_ex(&be, cp, cs[c].tp, g, cs[c].tg, cbuf, cs[c].ts, n, 0.05f, cs[c].mom, 0.1f,
+            FL_REQUIRE_OK(be.sgd_update(&be, cp, cs[c].tp, g, cs[c].tg, cbuf, cs[c].ts, n, 0.05f, cs[c].mom, 0.1f,
                                            0.01f, cs[c].nesterov, step == 1, 0.5f));
             free(gf);
         }
@@ -544,7 +544,7 @@ FL_TEST(cuda_emu_sumsq) {
         }
         FL_CHECKF(fabs(got[0] - want) <= 1e-12 * want, "sumsq %s: %.17g want %.17g", fl_dtype_name(ts[k]), got[0], want);
         FL_CHECKF(memcmp(&got[0], &got[1], sizeof(double)) == 0, "sumsq %s: depends on the fiber order", fl_dtype_name(ts[k]));
-        FL_CHECK(fabs(be.sumsq_ex(&be, v, ts[k], n) - want) <= 1e-12 * want);
+        FL_CHECK(fabs(be.sumsq(&be, v, ts[k], n) - want) <= 1e-12 * want);
         free(v); free(w);
     }
     free(x);

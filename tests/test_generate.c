@@ -99,7 +99,7 @@ FL_TEST(gen_op_attention_decode_matches_causal_last_row) {
             }
     fl_backend be;
     FL_FOR_EACH_BACKEND(be, 2) {
-        be.attention_forward(&be, out, lse, qkv, 1, T, NH, NKV, HD);
+        fl_attention_qkv_forward(&be, out, lse, qkv, 1, T, NH, NKV, HD);
         be.attention_decode(&be, dec, qkv + (size_t)(T - 1) * W, kc, vc, T, NH, NKV, HD, (size_t)T * HD);
         FL_CHECK(fl_test_allclose("decode vs causal last row", dec, out + (size_t)(T - 1) * NH * HD, NH * HD, 1e-5, 1e-6));
     }

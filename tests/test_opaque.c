@@ -62,7 +62,7 @@ FL_TEST(opaque_memory_is_closed_outside_ops) {
     int ok = 1;
     for (int i = 0; i < 1000; i++) ok &= h[i] == 2.0f * i;
     FL_CHECK(ok);
-    FL_CHECK(be.sumsq(&be, y, 3) == 0.0 + 4.0 + 16.0);
+    FL_CHECK(be.sumsq(&be, y, FL_F32, 3) == 0.0 + 4.0 + 16.0);
     FL_CHECK(read_faults(y)); /* closed again after the ops */
     fl_mem_free(&pool, x);
     fl_mem_free(&pool, y);

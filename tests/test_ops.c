@@ -548,7 +548,7 @@ static void attn_case_on(fl_backend be, int B, int T, int NH, int NKV, int HD, s
     float *out = malloc(no * 4), *lse = malloc(nl * 4);
     attn_ctx c = {d_of(qkv, nq), R, B, T, NH, NKV, HD, malloc(8 * no), malloc(8 * nl), malloc(8 * T)};
     attn_ref(&c);
-    be.attention_forward(&be, out, lse, qkv, B, T, NH, NKV, HD);
+    fl_attention_qkv_forward(&be, out, lse, qkv, B, T, NH, NKV, HD);
     float *want = f_of(c.out, no), *wl = f_of(c.lse, nl);
     char what[96];
     snprintf(what, sizeof what, "attn B%d T%d NH%d NKV%d HD%d (cpu level %s)", B, T, NH, NKV, HD,
@@ -557,7 +557,7 @@ static void attn_case_on(fl_backend be, int B, int T, int NH, int NKV, int HD, s
     FL_CHECKF(fl_test_allclose(what, lse, wl, nl, 1e-5, 1e-6), "%s: forward lse", what);
 
     float *dqkv = fl_test_frand(&r, nq, -1, 1), *pre = fl_test_fdup(dqkv, nq);
-    be.attention_backward(&be, dqkv, R, qkv, out, lse, B, T, NH, NKV, HD);
+    fl_attention_qkv_backward(&be, dqkv, R, qkv, out, lse, B, T, NH, NKV, HD);
     double *lse_keep = c.lse;
     c.lse = NULL; /* the FD loss does not need lse */
     FD_CHECK(what, dqkv, pre, c.qkv, nq, attn_loss, &c, nsample);
@@ -565,7 +565,7 @@ static void attn_case_on(fl_backend be, int B, int T, int NH, int NKV, int HD, s
 
     /* determinism: bit-identical across runs */
     float *d2 = fl_test_fdup(pre, nq), *d3 = fl_test_fdup(pre, nq);
-    be.attention_backward(&be, d2, R, qkv, out, lse, B, T, NH, NKV, HD);
+    fl_attention_qkv_backward(&be, d2, R, qkv, out, lse, B, T, NH, NKV, HD);
     FL_CHECKF(memcmp(d2, dqkv, nq * 4) == 0, "%s: backward not deterministic", what);
     /* backends computing with the CPU kernels (cpu, ref): the same bits for every thread count
      * (1 = the reference backend, 2, 3) and both backward schedules (fused per kv head / split
@@ -575,22 +575,22 @@ static void attn_case_on(fl_backend be, int B, int T, int NH, int NKV, int HD, s
         fl_ref_backend_init(&ref);
         fl_cpu_backend_init(&be3, 3);
         memcpy(d3, pre, nq * 4);
-        ref.attention_backward(&ref, d3, R, qkv, out, lse, B, T, NH, NKV, HD);
+        fl_attention_qkv_backward(&ref, d3, R, qkv, out, lse, B, T, NH, NKV, HD);
         FL_CHECKF(memcmp(d3, dqkv, nq * 4) == 0, "%s: backward depends on thread count (1 vs 2)", what);
         const fl_backend *bes[3] = {&ref, &be, &be3};
         for (int k = 0; k < 3; k++)
             for (int split = 0; split < 2; split++) {
                 memcpy(d3, pre, nq * 4);
-                fl_cpu_attention_backward_sched(bes[k], d3, R, qkv, out, lse, B, T, NH, NKV, HD, split);
+                fl_cpu_attn_qkv_backward_sched(bes[k], d3, R, qkv, out, lse, B, T, NH, NKV, HD, split);
                 FL_CHECKF(memcmp(d3, dqkv, nq * 4) == 0, "%s: backward differs with %d threads, %s schedule", what,
                           bes[k]->n_threads, split ? "split" : "fused");
             }
         memcpy(d3, pre, nq * 4);
-        be3.attention_backward(&be3, d3, R, qkv, out, lse, B, T, NH, NKV, HD);
+        fl_attention_qkv_backward(&be3, d3, R, qkv, out, lse, B, T, NH, NKV, HD);
         FL_CHECKF(memcmp(d3, dqkv, nq * 4) == 0, "%s: backward depends on thread count (3)", what);
     }
     float *o2 = malloc(no * 4), *l2 = malloc(nl * 4);
-    be.attention_forward(&be, o2, l2, qkv, B, T, NH, NKV, HD);
+    fl_attention_qkv_forward(&be, o2, l2, qkv, B, T, NH, NKV, HD);
     FL_CHECKF(memcmp(o2, out, no * 4) == 0 && memcmp(l2, lse, nl * 4) == 0, "%s: forward not deterministic", what);
     free(qkv); free(R); free(out); free(lse); free(c.qkv); free(c.out); free(c.p); free(want); free(wl); free(dqkv);
     free(pre); free(d2); free(d3); free(o2); free(l2);
@@ -732,10 +732,10 @@ static void ops_elementwise_on(fl_backend be) {
     FL_CHECK(ok);
     double ss = 0;
     for (size_t i = 0; i < n; i++) ss += (double)a[i] * a[i];
-    double got = be.sumsq(&be, a, n);
+    double got = be.sumsq(&be, a, FL_F32, n);
     FL_CHECKF(fabs(got - ss) <= 1e-12 * ss, "sumsq %.17g want %.17g", got, ss);
-    FL_CHECK(be.sumsq(&be, a, n) == got); /* deterministic */
-    FL_CHECK(be.sumsq(&be, a, 0) == 0.0 && be.sumsq(&be, a, 1) == (double)a[0] * a[0]);
+    FL_CHECK(be.sumsq(&be, a, FL_F32, n) == got); /* deterministic */
+    FL_CHECK(be.sumsq(&be, a, FL_F32, 0) == 0.0 && be.sumsq(&be, a, FL_F32, 1) == (double)a[0] * a[0]);
     be.zero(&be, a2, n * 4);
     ok = 1;
     for (size_t i = 0; i < n; i++) ok &= a2[i] == 0.0f;
@@ -769,14 +769,14 @@ static void ops_sumsq_zero_thread_independent_on(const char *name) {
         size_t n = sizes[si];
         double want = 0;
         for (size_t i = 0; i < n; i++) want += (double)x[i] * x[i];
-        double g0 = be[0].sumsq(&be[0], x, n), b0 = be[0].sumsq_ex(&be[0], x16, FL_BF16, n);
-        double h0 = be[0].sumsq_ex(&be[0], xh, FL_F16, n);
+        double g0 = be[0].sumsq(&be[0], x, FL_F32, n), b0 = be[0].sumsq(&be[0], x16, FL_BF16, n);
+        double h0 = be[0].sumsq(&be[0], xh, FL_F16, n);
         /* double accumulation of n <= 3.2M positive terms: relative error <= n * 2^-53 */
         FL_CHECKF(fabs(g0 - want) <= 1e-9 * want, "n=%zu: sumsq %.17g want %.17g", n, g0, want);
         for (int k = 1; k < 4; k++) {
-            FL_CHECKF(be[k].sumsq(&be[k], x, n) == g0, "n=%zu: f32 sumsq differs with %d threads", n, nts[k]);
-            FL_CHECKF(be[k].sumsq_ex(&be[k], x16, FL_BF16, n) == b0, "n=%zu: bf16 sumsq differs, %d threads", n, nts[k]);
-            FL_CHECKF(be[k].sumsq_ex(&be[k], xh, FL_F16, n) == h0, "n=%zu: f16 sumsq differs, %d threads", n, nts[k]);
+            FL_CHECKF(be[k].sumsq(&be[k], x, FL_F32, n) == g0, "n=%zu: f32 sumsq differs with %d threads", n, nts[k]);
+            FL_CHECKF(be[k].sumsq(&be[k], x16, FL_BF16, n) == b0, "n=%zu: bf16 sumsq differs, %d threads", n, nts[k]);
+            FL_CHECKF(be[k].sumsq(&be[k], xh, FL_F16, n) == h0, "n=%zu: f16 sumsq differs, %d threads", n, nts[k]);
         }
     }
     /* zero: an odd byte count above the parallel threshold (12 MiB + 3), the bytes around untouched */
@@ -898,7 +898,7 @@ static void ops_adamw_on(fl_backend be) {
         float *g = fl_test_frand(&r, n, -2, 2);
         g[0] = 0.0f;
         g[1] = 1e-6f;
-        be.adamw_update(&be, p, g, m, v, n, lr, b1, b2, eps, wd, step, gs);
+        be.adamw_update(&be, p, FL_F32, g, FL_F32, m, v, FL_F32, n, lr, b1, b2, eps, wd, step, gs);
         double bc1 = 1 - pow(b1, step), bc2 = 1 - pow(b2, step);
         for (size_t i = 0; i < n; i++) {
             double gi = (double)g[i] * gs;
@@ -929,7 +929,7 @@ static void sgd_case_on(fl_backend be, float mom, float damp, float wd, int nest
     const float lr = 0.05f, gs = 0.8f;
     for (int step = 1; step <= 4; step++) {
         float *g = fl_test_frand(&r, n, -2, 2);
-        be.sgd_update(&be, p, g, buf, n, lr, mom, damp, wd, nesterov, step == 1, gs);
+        be.sgd_update(&be, p, FL_F32, g, FL_F32, buf, FL_F32, n, lr, mom, damp, wd, nesterov, step == 1, gs);
         for (size_t i = 0; i < n; i++) {
             double d = (double)g[i] * gs + (double)wd * dp[i];
             if (mom != 0.0f) {
@@ -1039,8 +1039,8 @@ static void ops_attention_hd_too_large_is_loud_on(fl_backend be) {
     const int B = 1, T = 3, NH = 1, NKV = 1, HD = FL_CPU_ATTN_MAX_HD + 2;
     size_t nq = (size_t)B * T * 3 * HD, no = (size_t)B * T * HD;
     float *qkv = calloc(nq, 4), *out = calloc(no, 4), *lse = calloc(T, 4), *dq = calloc(nq, 4);
-    be.attention_forward(&be, out, lse, qkv, B, T, NH, NKV, HD);
-    be.attention_backward(&be, dq, out, qkv, out, lse, B, T, NH, NKV, HD);
+    fl_attention_qkv_forward(&be, out, lse, qkv, B, T, NH, NKV, HD);
+    fl_attention_qkv_backward(&be, dq, out, qkv, out, lse, B, T, NH, NKV, HD);
     FL_CHECK(isnan(out[0]) && isnan(lse[T - 1]) && isnan(dq[nq - 1]));
     free(qkv); free(out); free(lse); free(dq);
 }

@@ -543,7 +543,7 @@ static void prec_adamw_sgd_mixed_vs_double_on(fl_backend be) {
                 mg[3 * i + 1] = fabs(m0) + fabs(gi);
                 mg[3 * i + 2] = v0 + gi * gi;
             }
-            FL_REQUIRE_OP(&be, be.adamw_update_ex(&be, p, tp, g, tg, m, v, ts, n, lr, b1, b2, eps, wd, step, gs));
+            FL_REQUIRE_OP(&be, be.adamw_update(&be, p, tp, g, tg, m, v, ts, n, lr, b1, b2, eps, wd, step, gs));
             for (size_t i = 0; i < n; i++) {
                 worst_p = fmax(worst_p, err_units(ld(p, tp, i), rp[i], tp, mg[3 * i]));
                 worst_s = fmax(worst_s, fmax(err_units(ld(m, ts, i), rm[i], ts, mg[3 * i + 1]),
@@ -571,7 +571,7 @@ static void prec_adamw_sgd_mixed_vs_double_on(fl_backend be) {
                     rp[i] = p0 - (double)lr * d;
                     mp[i] = fabs(p0) + 2 * lr * dm;
                 }
-                FL_REQUIRE_OP(&be, be.sgd_update_ex(&be, p, tp, g, tg, mom != 0 ? m : NULL, ts, n, lr, mom, damp, wd, 1, first, gs));
+                FL_REQUIRE_OP(&be, be.sgd_update(&be, p, tp, g, tg, mom != 0 ? m : NULL, ts, n, lr, mom, damp, wd, 1, first, gs));
                 double wp = 0, wb = 0;
                 for (size_t i = 0; i < n; i++) {
                     wp = fmax(wp, err_units(ld(p, tp, i), rp[i], tp, mp[i]));
@@ -584,9 +584,9 @@ static void prec_adamw_sgd_mixed_vs_double_on(fl_backend be) {
         }
         free(p), free(g), free(m), free(v);
     }
-    FL_CHECK(be.adamw_update_ex(&be, NULL, FL_F64, NULL, FL_F32, NULL, NULL, FL_F32, 1, 1, 0.9f, 0.9f, 1e-8f, 0, 1, 1) ==
+    FL_CHECK(be.adamw_update(&be, NULL, FL_F64, NULL, FL_F32, NULL, NULL, FL_F32, 1, 1, 0.9f, 0.9f, 1e-8f, 0, 1, 1) ==
              FL_ERR_UNSUPPORTED);
-    FL_CHECK(be.sgd_update_ex(&be, NULL, FL_F32, NULL, FL_F32, NULL, FL_F16, 1, 1, 0, 0, 0, 0, 1, 1) == FL_ERR_UNSUPPORTED);
+    FL_CHECK(be.sgd_update(&be, NULL, FL_F32, NULL, FL_F32, NULL, FL_F16, 1, 1, 0, 0, 0, 0, 1, 1) == FL_ERR_UNSUPPORTED);
 }
 FL_TEST(prec_adamw_sgd_mixed_vs_double) {
     fl_backend be;
@@ -1017,7 +1017,7 @@ FL_TEST(prec_adam8bit_absmax_floor_splits_a_block) {
 FL_TEST(prec_ref_backend_wired) {
     fl_backend be;
     FL_REQUIRE_OK(fl_ref_backend_init(&be));
-    FL_CHECK(be.convert && be.adamw_update_ex && be.sgd_update_ex && be.check_finite && be.adam8bit_update);
+    FL_CHECK(be.convert && be.adamw_update && be.sgd_update && be.check_finite && be.adam8bit_update);
     float a[4] = {1, 2, 3, 4}, c[4];
     uint16_t b[4] = {0x3f80, 0, 0, 0x3f80};
     FL_REQUIRE_OK(be.gemm(&be, 0, 0, 2, 2, 2, 1, a, FL_F32, 2, b, FL_BF16, 2, 0, c, FL_F32, 2));
@@ -1142,9 +1142,9 @@ static void support_on(fl_backend be) {
                 for (int ts = 0; ts < 2; ts++) {
                     float p[8], gg[8];
                     memcpy(p, f, sizeof p), memcpy(gg, g, sizeof gg), memset(m, 0, sizeof m), memset(v, 0, sizeof v);
-                    fl_status st = opt == 0 ? be.adamw_update_ex(&be, p, dt[tp], gg, dt[tg], m, v, dt[ts], 4, 1e-3f, 0.9f,
+                    fl_status st = opt == 0 ? be.adamw_update(&be, p, dt[tp], gg, dt[tg], m, v, dt[ts], 4, 1e-3f, 0.9f,
                                                                  0.999f, 1e-8f, 0.01f, 1, 1.0f)
-                                            : be.sgd_update_ex(&be, p, dt[tp], gg, dt[tg], m, dt[ts], 4, 1e-3f, 0.9f, 0.0f,
+                                            : be.sgd_update(&be, p, dt[tp], gg, dt[tg], m, dt[ts], 4, 1e-3f, 0.9f, 0.0f,
                                                                0.01f, 0, 1, 1.0f);
                     char what[64];
                     snprintf(what, sizeof what, "%s p %s g %s state %s", opt ? "sgd_update_ex" : "adamw_update_ex",
@@ -1226,11 +1226,11 @@ static void supports_matches_on(fl_backend be) {
                 fl_status st[4];
                 st[0] = be.gemm(&be, 0, 0, 2, 2, 2, 1.0f, buf[0], dt[a], 2, buf[1], dt[b], 2, 0.0f, buf[2], dt[c], 2);
                 st[1] = c == 0 ? be.convert(&be, buf[0], dt[a], buf[1], dt[b], 4) : FL_OK;
-                st[2] = be.adamw_update_ex(&be, buf[0], dt[a], buf[1], dt[b], buf[2], buf[3], dt[c], 4, 1e-3f, 0.9f,
+                st[2] = be.adamw_update(&be, buf[0], dt[a], buf[1], dt[b], buf[2], buf[3], dt[c], 4, 1e-3f, 0.9f,
                                            0.999f, 1e-8f, 0.0f, 1, 1.0f);
-                st[3] = be.sgd_update_ex(&be, buf[0], dt[a], buf[1], dt[b], buf[2], dt[c], 4, 1e-3f, 0.9f, 0.0f, 0.0f,
+                st[3] = be.sgd_update(&be, buf[0], dt[a], buf[1], dt[b], buf[2], dt[c], 4, 1e-3f, 0.9f, 0.0f, 0.0f,
                                          0, 1, 1.0f);
-                const fl_op ops[4] = {FL_OP_GEMM, FL_OP_CONVERT, FL_OP_ADAMW_EX, FL_OP_SGD_EX};
+                const fl_op ops[4] = {FL_OP_GEMM, FL_OP_CONVERT, FL_OP_ADAMW, FL_OP_SGD};
                 for (int k = 0; k < 4; k++) {
                     if (k == 1 && c != 0) continue;
                     int says = be.supports_op(&be, ops[k], dt[a], dt[b], k == 1 ? FL_F32 : dt[c]);
@@ -1257,7 +1257,7 @@ FL_TEST(prec_supports_op_matches_kernels) {
  * them, naming the op and dtypes, before anything runs (fl_model_set_precision, fl_optim_init). */
 static int no_bf16_gemm(const fl_backend *be, fl_op op, fl_dtype a, fl_dtype b, fl_dtype c) {
     if (op == FL_OP_GEMM && (a == FL_BF16 || b == FL_BF16)) return 0;
-    if ((op == FL_OP_ADAMW_EX || op == FL_OP_SGD_EX) && c == FL_BF16) return 0;
+    if ((op == FL_OP_ADAMW || op == FL_OP_SGD) && c == FL_BF16) return 0;
     return fl_cpu_supports_op(be, op, a, b, c);
 }
 
@@ -1288,7 +1288,7 @@ FL_TEST(prec_setup_refuses_unsupported_ops) {
     oc.state_dtype = FL_BF16;
     fl_optimizer o;
     FL_CHECK(fl_optim_init(&o, &m, &oc) == FL_ERR_UNSUPPORTED);
-    FL_CHECKF(strstr(fl_error_message(), "adamw_update_ex") != NULL, "%s", fl_error_message());
+    FL_CHECKF(strstr(fl_error_message(), "adamw_update") != NULL, "%s", fl_error_message());
     fl_optim_free(&o);
     fl_model_free(&m);
     FL_CHECK(pool.cur_total == 0);

@@ -44,8 +44,8 @@ struct fl_comm; /* fitllm/comm.h */
 typedef enum {
     FL_OP_GEMM = 0,     /* a = A's, b = B's, c = C's dtype */
     FL_OP_CONVERT,      /* a = destination, b = source */
-    FL_OP_ADAMW_EX,     /* a = parameters, b = gradients, c = the two state buffers */
-    FL_OP_SGD_EX,       /* a = parameters, b = gradients, c = the momentum buffer */
+    FL_OP_ADAMW,        /* a = parameters, b = gradients, c = the two state buffers */
+    FL_OP_SGD,          /* a = parameters, b = gradients, c = the momentum buffer */
     FL_OP_ADAM8BIT,     /* a = parameters, b = gradients */
     FL_OP_ACCUMULATE16, /* a = the 16-bit destination */
     FL_OP_SUMSQ,        /* a = the input */
@@ -53,6 +53,20 @@ typedef enum {
     FL_OP_COUNT
 } fl_op;
 const char *fl_op_name(fl_op op);
+
+/* Capability flags (fl_backend.caps, fl_backend_facts.caps): what code above the backend may
+ * assume about a backend, asked instead of comparing its name. */
+enum {
+    FL_CAP_HOST_MEMORY = 1u << 0,   /* its buffers are host memory (cpu, ref, cuda-emu): one pool may serve tensors and
+                                     * host staging (= fl_backend.host_memory) */
+    FL_CAP_DISCARDS = 1u << 1,      /* ops and copies do nothing (null; = fl_backend.discards) */
+    FL_CAP_ASYNC = 1u << 2,         /* ops are queued on a stream in issue order; to_host and sync wait for them
+                                     * (cuda, cuda-emu) */
+    FL_CAP_DEVICE_MEMORY = 1u << 3, /* memory of its own, sized apart from the machine's RAM (cuda):
+                                     * fl_backend_memory_capacity asks the device */
+    FL_CAP_COMPUTE_BF16 = 1u << 4,  /* set_compute_dtype takes FL_BF16: bf16 matmul and attention kernels, so a bf16
+                                     * run converts its fp32 activations (cuda, cuda-emu); else fp32 compute */
+};
 
 /* RoPE frequency scaling (HF config.json "rope_scaling"). */
 typedef enum { FL_ROPE_NONE = 0, FL_ROPE_LINEAR, FL_ROPE_LLAMA3, FL_ROPE_SCALING_COUNT } fl_rope_scaling_type;
@@ -64,7 +78,7 @@ typedef struct {
     int original_max_position;    /* llama3: original_max_position_embeddings */
 } fl_rope_scaling;
 
-/* Shape of one general attention call (the attention_forward_ex / attention_backward_ex ops).
+/* Shape of one attention call (the attention_forward / attention_backward ops).
  * Layout: q (B, Tq, NH, HD), k and v (B, Tk, NKV, HD), out (B, Tq, NH, HD) are row-major views
  * with explicit row strides: row (b, t) of q starts at q + (b*Tq + t)*ldq, and head h of it at
  * + h*HD (k, v, out likewise with ldk, ldv, ldo); the gradients dq, dk, dv, dout have the same
@@ -90,6 +104,7 @@ struct fl_backend {
                              * matmul), so a caller that reuses one such operand across calls may
                              * widen it once itself (the chunked lm_head: fl_act_opts.head_widen) */
     size_t scratch_bytes;   /* bytes of the op scratch the caller lends (set_scratch below; 0: none) */
+    unsigned caps;   /* FL_CAP_* flags (above); fl_backend_facts_of answers them without making the backend */
     int host_memory; /* 1: the device's buffers are host memory (cpu, ref): code may share one pool for tensors and host staging */
     /* 1: the null backend (the planner's, src/backend/null/): its ops and copies do nothing and its
      * pool hands out addresses nobody may touch, so host code may skip producing tensor bytes that
@@ -162,17 +177,6 @@ struct fl_backend {
     void (*rope_backward)(const fl_backend *be, float *dx, int B, int T, int nh, int HD, size_t row_stride,
                           const float *cos_t, const float *sin_t, int pos0);
 
-    /* ---- causal self-attention with grouped-query heads -----------------
-     * qkv rows are [q (NH*HD) | k (NKV*HD) | v (NKV*HD)]; query head h uses kv
-     * head h / (NH/NKV). Scale 1/sqrt(HD). Never materializes the (T,T) scores
-     * of all heads: tiles over keys with an online softmax (flash-attention
-     * style) and saves only the log-sum-exp per (b, h, t) for backward. */
-    void (*attention_forward)(const fl_backend *be, float *out /*(B,T,NH*HD)*/, float *lse /*(B,NH,T)*/,
-                              const float *qkv /*(B,T,(NH+2*NKV)*HD)*/, int B, int T, int NH, int NKV, int HD);
-    void (*attention_backward)(const fl_backend *be, float *dqkv /*(B,T,(NH+2*NKV)*HD)*/,
-                               const float *dout /*(B,T,NH*HD)*/, const float *qkv, const float *out /*(B,T,NH*HD)*/,
-                               const float *lse /*(B,NH,T)*/, int B, int T, int NH, int NKV, int HD);
-
     /* ---- activations ----------------------------------------------------
      * SwiGLU on the fused gate/up projection: gu rows are [gate (F) | up (F)],
      * out = silu(gate) * up. GELU is the tanh approximation (GPT-2 "gelu_new"). */
@@ -208,19 +212,28 @@ struct fl_backend {
     /* ---- optimizers (flat buffers; one call per contiguous range) --------
      * AdamW exactly as torch.optim.AdamW: p *= 1 - lr*wd; m = b1 m + (1-b1) g;
      * v = b2 v + (1-b2) g^2; p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps).
-     * g is multiplied by grad_scale first (clipping, loss-scale removal). step >= 1. */
-    void (*adamw_update)(const fl_backend *be, float *p, const float *g, float *m, float *v, size_t n, float lr,
-                         float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale);
-    /* SGD exactly as torch.optim.SGD (weight decay added to the gradient;
-     * momentum buffer initialized to the gradient on the first step; buf NULL
-     * when momentum == 0). */
-    void (*sgd_update)(const fl_backend *be, float *p, const float *g, float *buf, size_t n, float lr,
-                       float momentum, float dampening, float weight_decay, int nesterov, int first_step,
-                       float grad_scale);
+     * g is multiplied by grad_scale first (clipping, loss-scale removal). step >= 1.
+     * Storage dtypes: p in {F32, BF16, F16}, g in {F32, BF16, F16}, m and v share ts in {F32, BF16}
+     * (supports_op FL_OP_ADAMW says which a backend has; others return FL_ERR_UNSUPPORTED). Every
+     * value is widened to fp32 when loaded, the formula is evaluated in fp32 and the new p, m, v
+     * are rounded (RNE) once when stored. fp32 training = (F32, F32, F32); bf16-true = (BF16, BF16,
+     * BF16); bf16-mixed master weights = (F32, F32 or BF16, F32). (One slot since issue 29: the
+     * fp32-only adamw_update and the typed adamw_update_ex were twins; the CPU backend still runs
+     * its fp32 loop for (F32, F32, F32), the same bits as before.) */
+    fl_status (*adamw_update)(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m,
+                              void *v, fl_dtype ts, size_t n, float lr, float beta1, float beta2, float eps,
+                              float weight_decay, int step, float grad_scale);
+    /* SGD exactly as torch.optim.SGD (weight decay added to the gradient; momentum buffer
+     * initialized to the gradient on the first step), with the storage dtypes of adamw_update;
+     * buf (dtype ts in {F32, BF16}) NULL when momentum == 0. */
+    fl_status (*sgd_update)(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf,
+                            fl_dtype ts, size_t n, float lr, float momentum, float dampening, float weight_decay,
+                            int nesterov, int first_step, float grad_scale);
 
     /* ---- reductions / misc ---------------------------------------------- */
-    /* sum of x[i]^2 in double; the same bits for any thread count. */
-    double (*sumsq)(const fl_backend *be, const float *x, size_t n);
+    /* sum of x[i]^2 of x (F32, BF16 or F16; another dtype: 0), accumulated in double; the same
+     * bits for any thread count. */
+    double (*sumsq)(const fl_backend *be, const void *x, fl_dtype t, size_t n);
     /* x *= s */
     void (*scale)(const fl_backend *be, float *x, size_t n, float s);
     /* x = 0 (device memset) */
@@ -245,18 +258,6 @@ struct fl_backend {
     /* dst(n, dt) = src(n, st) for dt, st in {F32, BF16, F16} (any pair; same type = copy).
      * BF16 <-> F16 goes through f32 (exact widening, one RNE rounding). Parallel. */
     fl_status (*convert)(const fl_backend *be, void *dst, fl_dtype dt, const void *src, fl_dtype st, size_t n);
-
-    /* AdamW (exactly the formula of adamw_update, evaluated in fp32) with any storage dtype:
-     * p in {F32, BF16, F16}, g in {F32, BF16, F16}, m and v share ts in {F32, BF16}. Every value
-     * is widened to fp32 when loaded, the new p, m, v are rounded (RNE) once when stored.
-     * bf16-true = (BF16, BF16, BF16); bf16-mixed master weights = (F32, F32 or BF16, F32). */
-    fl_status (*adamw_update_ex)(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m,
-                                 void *v, fl_dtype ts, size_t n, float lr, float beta1, float beta2, float eps,
-                                 float weight_decay, int step, float grad_scale);
-    /* SGD (formula of sgd_update) likewise; buf (dtype ts in {F32, BF16}) NULL when momentum == 0. */
-    fl_status (*sgd_update_ex)(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf,
-                               fl_dtype ts, size_t n, float lr, float momentum, float dampening, float weight_decay,
-                               int nesterov, int first_step, float grad_scale);
 
     /* Loss scaling: sets *found_inf = 1 if any x[i] * inv_scale (computed in fp32, x widened from
      * t in {F32, BF16, F16}) is inf or NaN; otherwise leaves *found_inf unchanged, so calls over
@@ -312,10 +313,8 @@ struct fl_backend {
     /* dst (n, BF16 or F16) = round(widen(dst) + src) (round to nearest even): how a
      * group's fp32 staged gradients are added into 16-bit gradient storage. */
     fl_status (*accumulate16)(const fl_backend *be, uint16_t *dst, fl_dtype t, const float *src, size_t n);
-    /* sum of squares of x (F32, BF16 or F16), accumulated in double; the same bits for any thread count. */
-    double (*sumsq_ex)(const fl_backend *be, const void *x, fl_dtype t, size_t n);
 
-    /* ==== general attention (appended; see docs/ARCHITECTURE.md "General attention") ====
+    /* ==== attention (see docs/ARCHITECTURE.md "General attention") ====
      * Encoder (bidirectional), decoder (causal) and cross-attention (q from one tensor, k/v
      * from another, Tq != Tk) with grouped-query heads (query head h uses kv head h/(NH/NKV)).
      * For query row t of head h in batch b, key j is VISIBLE when kmask is NULL or
@@ -325,25 +324,29 @@ struct fl_backend {
      * bias (NH, Tq, Tk) is added to every batch element (T5's relative position bias; entries
      * must be finite: padding goes in kmask); kmask (B, Tk) is a key padding mask, nonzero =
      * attend. A query row with no visible key gets out = 0 and lse = -inf, and contributes
-     * nothing to any gradient. Like the fused op, the (Tq, Tk) scores of all heads never exist:
-     * key tiles with an online softmax, per-row lse saved for the backward.
-     * backward takes out and lse of attention_forward_ex on the same inputs, ACCUMULATES dq, dk,
+     * nothing to any gradient. The (Tq, Tk) scores of all heads never exist (flash-attention
+     * style): key tiles with an online softmax, per-row lse saved for the backward.
+     * backward takes out and lse of attention_forward on the same inputs, ACCUMULATES dq, dk,
      * dv (all required) and, when dbias != NULL (requires bias),
      * dbias (NH, Tq, Tk) += the gradient summed over the batch (T5's bias is learned). dq, dk, dv
      * may be disjoint column ranges of one buffer (the fused dQKV). Results are the same bits for
      * any thread count. Errors: FL_ERR_INVALID (bad shape, stride or NULL), FL_ERR_UNSUPPORTED
      * (HD beyond what the backend's tiles hold: FL_CPU_ATTN_MAX_HD = 256 on the CPU); on error
-     * nothing is written. */
-    fl_status (*attention_forward_ex)(const fl_backend *be, const fl_attn_desc *a, float *out /*(B,Tq,NH,HD) ldo*/,
-                                      float *lse /*(B,NH,Tq)*/, const float *q /*(B,Tq,NH,HD) ldq*/,
-                                      const float *k /*(B,Tk,NKV,HD) ldk*/, const float *v /*(B,Tk,NKV,HD) ldv*/,
-                                      const float *bias /*(NH,Tq,Tk) or NULL*/,
-                                      const uint8_t *kmask /*(B,Tk) or NULL*/);
-    fl_status (*attention_backward_ex)(const fl_backend *be, const fl_attn_desc *a, float *dq /*like q*/,
-                                       float *dk /*like k*/, float *dv /*like v*/,
-                                       float *dbias /*(NH,Tq,Tk) or NULL*/, const float *dout /*like out*/,
-                                       const float *q, const float *k, const float *v, const float *bias,
-                                       const uint8_t *kmask, const float *out, const float *lse /*(B,NH,Tq)*/);
+     * nothing is written.
+     * The decoder's causal self-attention over a fused QKV buffer (fl_attn_desc_qkv: q, k, v
+     * column ranges of one (B, T, (NH+2*NKV)*HD) buffer, scale 1/sqrt(HD), no bias, no mask) is
+     * this op too (fl_attention_qkv_forward / _backward below); a backend may run its own kernel
+     * for that shape (fl_attn_is_qkv; the CPU does). Until issue 29 it was a separate pair of
+     * slots, attention_forward / attention_backward, beside attention_forward_ex / _backward_ex. */
+    fl_status (*attention_forward)(const fl_backend *be, const fl_attn_desc *a, float *out /*(B,Tq,NH,HD) ldo*/,
+                                   float *lse /*(B,NH,Tq)*/, const float *q /*(B,Tq,NH,HD) ldq*/,
+                                   const float *k /*(B,Tk,NKV,HD) ldk*/, const float *v /*(B,Tk,NKV,HD) ldv*/,
+                                   const float *bias /*(NH,Tq,Tk) or NULL*/, const uint8_t *kmask /*(B,Tk) or NULL*/);
+    fl_status (*attention_backward)(const fl_backend *be, const fl_attn_desc *a, float *dq /*like q*/,
+                                    float *dk /*like k*/, float *dv /*like v*/, float *dbias /*(NH,Tq,Tk) or NULL*/,
+                                    const float *dout /*like out*/, const float *q, const float *k, const float *v,
+                                    const float *bias, const uint8_t *kmask, const float *out,
+                                    const float *lse /*(B,NH,Tq)*/);
 
     /* ---- scratch -------------------------------------------------------------------------
      * Ops never allocate: the few that need a large scratch (the CPU's 16-bit GEMM widening
@@ -488,12 +491,64 @@ const char *fl_backend_default_name(void);
 /* Choose the default backend by name (NULL: back to "cpu"); the name must stay valid. */
 void fl_backend_set_default_name(const char *name);
 
-/* The checks of attention_forward_ex / attention_backward_ex's arguments (shape, NH % NKV, row
+/* What the registry knows of a backend by name, without making it (no device needed): the
+ * planner's null backend stands in for the backend with these facts, the lab and selftest ask
+ * them instead of comparing names. */
+typedef struct {
+    unsigned caps;          /* FL_CAP_* */
+    fl_device device;       /* its pools' device */
+    size_t scratch_bytes;   /* as fl_backend.scratch_bytes */
+    unsigned gemm_widens16; /* as fl_backend.gemm_widens16 */
+    /* as fl_backend.supports_op, without a backend; NULL: not known here (a backend registered with
+     * fl_backend_register): every op */
+    int (*supports_op)(fl_op op, fl_dtype a, fl_dtype b, fl_dtype c);
+    size_t (*memory_capacity)(void);       /* FL_CAP_DEVICE_MEMORY: the device's bytes (0: unknown) */
+    void (*describe)(char *buf, size_t n); /* one line on the device (cuda); NULL: none */
+    const char *reference;                 /* the backend `fitllm selftest` compares this one against */
+} fl_backend_facts;
+/* The facts of a registered backend, or of "cuda" in any build (plan --accelerator cuda plans for a
+ * GPU without one). Unknown name: FL_ERR_INVALID listing the names. A backend registered with
+ * fl_backend_register is made once (and freed) to read them. */
+fl_status fl_backend_facts_of(const char *name, fl_backend_facts *f);
+/* The memory a run on backend `name` is budgeted against: the device's (FL_CAP_DEVICE_MEMORY),
+ * else the machine's RAM. 0 when unknown. */
+size_t fl_backend_memory_capacity(const char *name);
+
+/* --accelerator auto|cpu|cuda: which backend a command runs on (the CLI's choice; the registry
+ * maps it to a backend name, so no caller names the GPU backend itself). */
+typedef enum { FL_ACCEL_AUTO = 0, FL_ACCEL_CPU, FL_ACCEL_CUDA } fl_accel;
+/* Parse "auto", "cpu" or "cuda"; -1 for anything else. */
+int fl_accel_parse(const char *s, fl_accel *out);
+/* The backend a command runs on: FL_ACCEL_CUDA when asked (cuda) or, for auto, when this build has
+ * CUDA and a device is visible; FL_ACCEL_CPU for cpu and for auto otherwise. cuda without a CUDA
+ * build or without a visible device is an error (FL_ERR_UNSUPPORTED) saying which. */
+fl_status fl_accel_resolve(fl_accel want, fl_accel *use);
+/* The registry's backend for a resolved accelerator: "cpu" or "cuda" (auto: "cpu"). */
+const char *fl_accel_backend(fl_accel a);
+
+/* The checks of attention_forward / attention_backward's arguments (shape, NH % NKV, row
  * strides, NULL tensors, dbias without bias, scale): FL_ERR_INVALID naming the field, or
  * FL_ERR_UNSUPPORTED for HD > max_hd (why_max says whose limit). Every backend calls it first. */
 fl_status fl_attn_check_args(const char *op, const fl_attn_desc *a, int max_hd, const char *why_max, const void *out,
                              const void *lse, const float *q, const float *k, const float *v, const float *bias,
                              const float *dbias);
+/* The descriptor of the decoder's causal self-attention over a fused QKV buffer (B, T,
+ * (NH+2*NKV)*HD) with out (B, T, NH*HD): Tq = Tk = T, ldq = ldk = ldv = (NH+2*NKV)*HD, ldo =
+ * NH*HD, scale 1/sqrt(HD), causal. */
+fl_attn_desc fl_attn_desc_qkv(int B, int T, int NH, int NKV, int HD);
+/* 1 when an attention call is exactly that fused shape: the descriptor of fl_attn_desc_qkv, k and
+ * v the column ranges NH*HD and (NH+NKV)*HD of q's rows, no bias, no mask (backward: dk, dv the
+ * same ranges of dq, no dbias; pass dq = NULL for forward). A backend with a kernel of its own for
+ * the fused layout uses it then. */
+int fl_attn_is_qkv(const fl_attn_desc *a, const float *q, const float *k, const float *v, const float *bias,
+                   const uint8_t *kmask, const float *dq, const float *dk, const float *dv, const float *dbias);
+/* attention_forward / attention_backward over a fused QKV buffer (fl_attn_desc_qkv): the decoder's
+ * causal self-attention. dqkv ACCUMULATES like dq, dk, dv. */
+fl_status fl_attention_qkv_forward(const fl_backend *be, float *out /*(B,T,NH*HD)*/, float *lse /*(B,NH,T)*/,
+                                   const float *qkv /*(B,T,(NH+2*NKV)*HD)*/, int B, int T, int NH, int NKV, int HD);
+fl_status fl_attention_qkv_backward(const fl_backend *be, float *dqkv /*(B,T,(NH+2*NKV)*HD)*/,
+                                    const float *dout /*(B,T,NH*HD)*/, const float *qkv, const float *out,
+                                    const float *lse /*(B,NH,T)*/, int B, int T, int NH, int NKV, int HD);
 
 /* RoPE tables: cos_t/sin_t (maxT, HD/2). inv_freq_j = theta^(-2j/HD), adjusted
  * by `scaling` (NULL or FL_ROPE_NONE: none); angle = pos * inv_freq_j. */

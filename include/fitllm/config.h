@@ -21,7 +21,7 @@
 #include "fitllm/data.h"
 #include "fitllm/model.h"
 #include "fitllm/status.h"
-#include "fitllm/train.h"
+#include "fitllm/optim_config.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -1,4 +1,4 @@
-/* fitllm: CUDA build and device queries, and the --accelerator choice (EXPERIMENTAL).
+/* fitllm: CUDA build and device queries (EXPERIMENTAL).
  *
  * The CUDA backend (docs/ARCHITECTURE.md "CUDA backend") is experimental: its ops pass
  * `fitllm selftest --accelerator cuda` on an H100; see README for what has run on a GPU. */
@@ -27,14 +27,7 @@ void fl_cuda_describe(char *buf, size_t n);
 /* Total memory of CUDA device `device` in bytes (0 without a CUDA build, a driver or that device). */
 size_t fl_cuda_device_memory(int device);
 
-/* --accelerator auto|cpu|cuda */
-typedef enum { FL_ACCEL_AUTO = 0, FL_ACCEL_CPU, FL_ACCEL_CUDA } fl_accel;
-/* Parse "auto", "cpu" or "cuda"; -1 for anything else. */
-int fl_accel_parse(const char *s, fl_accel *out);
-/* The backend a command runs on: FL_ACCEL_CUDA when asked (cuda) or, for auto, when this build has
- * CUDA and a device is visible; FL_ACCEL_CPU for cpu and for auto otherwise. cuda without a CUDA
- * build or without a visible device is an error (FL_ERR_UNSUPPORTED) saying which. */
-fl_status fl_accel_resolve(fl_accel want, fl_accel *use);
+/* --accelerator auto|cpu|cuda: fl_accel_parse / fl_accel_resolve in fitllm/backend.h (the registry's). */
 
 #ifdef __cplusplus
 }

@@ -344,8 +344,9 @@ typedef struct {
     /* their activations for micro-batches of (B, T) (fl_model_alloc_acts), released with the arena */
     fl_status (*alloc_acts)(fl_model *m, int B, int T);
     void (*free_acts)(fl_model *m);
-    /* their activations' live bytes after a pass over (B, T) (saved: a training forward whose backward reads them) */
-    void (*mark_live)(fl_model *m, int B, int T, int saved);
+    /* their activations' live bytes after a pass over (B, T) (saved: a training forward whose backward reads
+     * them); *buf gets their buffer (NULL: none) */
+    size_t (*live_acts)(const fl_model *m, int B, int T, int saved, const void **buf);
     /* after fl_model_adapters_merged: a frozen 4-bit entry i as read (dst, dequantized) gets the merged branch */
     void (*read_merged)(const fl_model *m, int i, float *dst);
     /* the owner's state goes (fl_model_free, fl_model_detach_adapters) */
@@ -475,6 +476,28 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
 /* Backward through all blocks and embeddings after a forward with grad_scale
  * > 0; ACCUMULATES into m->grads (so micro-batches accumulate). */
 fl_status fl_model_backward(fl_model *m);
+
+/* Live bytes (fl_mem_set_live: docs/ARCHITECTURE.md "Reserved and live memory") are a fact of a
+ * training step's phases, which the step (src/train/step.c) records at each phase boundary from this
+ * query; forward and backward themselves set none. */
+typedef enum {
+    FL_LIVE_ZEROED,   /* gradients cleared (fl_model_zero_grads): nothing accumulated yet */
+    FL_LIVE_FORWARD,  /* after a training forward: what the backward reads; the head's gradient is written
+                       * already (its backward ran chunk by chunk inside the forward) */
+    FL_LIVE_BACKWARD, /* after the backward: the saved activations are consumed, every gradient holds the step's sum */
+    FL_LIVE_UPDATED   /* after the optimizer update: the gradients are consumed (or, skipped, discarded) */
+} fl_live_phase;
+/* One region of the model's memory and the bytes of it live after the phase (SIZE_MAX: all of it;
+ * at_least: raise it to that, never lower it: accumulation may hold all of it already). */
+typedef struct {
+    const void *ptr;
+    size_t bytes;
+    int at_least;
+} fl_live_region;
+#define FL_MODEL_LIVE_MAX 4
+/* The regions whose live bytes `phase` sets, into out (FL_MODEL_LIVE_MAX); returns their count. The
+ * pass's (B, T) are the last forward's. */
+int fl_model_live(const fl_model *m, fl_live_phase phase, fl_live_region *out);
 
 /* FLOPs of one training step (forward + backward) for B*T tokens: 6 * N_matmul
  * * tokens + attention, the figure MFU is based on. */

@@ -12,28 +12,11 @@
 #include "fitllm/adam8bit.h"
 #include "fitllm/loss_scale.h"
 #include "fitllm/model.h"
+#include "fitllm/optim_config.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-/* ADAMW8BIT: bitsandbytes' block-wise 8-bit AdamW (bnb.optim.AdamW8bit / Adam8bit),
- * state per parameter tensor (see fitllm/adam8bit.h). */
-typedef enum { FL_OPT_ADAMW = 0, FL_OPT_SGD, FL_OPT_ADAMW8BIT, FL_OPT_COUNT } fl_optim_kind;
-
-typedef struct {
-    fl_optim_kind kind;
-    float lr;
-    float beta1, beta2, eps;   /* AdamW */
-    float weight_decay;        /* AdamW: decoupled; SGD: L2 added to the gradient (torch semantics) */
-    float momentum, dampening; /* SGD */
-    int nesterov;              /* SGD */
-    fl_dtype state_dtype;      /* AdamW / SGD momentum state: FL_F32 (default) or FL_BF16 */
-} fl_optim_config;
-
-/* torch defaults: AdamW lr 1e-3, betas (0.9, 0.999), eps 1e-8, wd 0.01; SGD lr 1e-3, no momentum. */
-void fl_optim_config_default(fl_optim_config *c, fl_optim_kind kind);
-const char *fl_optim_name(fl_optim_kind kind);
 
 /* Optimizer state bytes for n parameters in one tensor (shared with the planner). */
 size_t fl_optim_state_bytes(const fl_optim_config *c, size_t n_params);
@@ -210,24 +193,35 @@ typedef struct {
     int B, T;
 } fl_micro_batch;
 
-/* Forward+backward of micro-batch k of a step whose micro-batches hold
- * `step_valid` non-ignored targets in total (grad scale 1/step_valid), then,
- * when `last`, the optimizer update. Gradients must be zeroed before the
- * first micro-batch of a step (fl_model_zero_grads). *loss_sum and *n_valid get
- * this micro-batch's summed loss and target count. Snapshots as fl_train_step
- * when k == 0 / last. */
-fl_status fl_train_micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb, int k, int last, long step_valid,
-                         float lr, float max_norm, double *loss_sum, long *n_valid, fl_step_result *res);
+struct fl_dp; /* data parallelism (src/train/dp.h) */
 
-/* The optimizer update that ends a step (what fl_train_micro does when `last`): phase
- * "optimizer step", fl_optim_step, the after_opt_step snapshot, res's grad_norm / skipped /
- * loss_scale / ms_opt. Data-parallel training calls it after the gradients were reduced. */
-fl_status fl_train_update(fl_model *m, fl_optimizer *o, float lr, float max_norm, fl_step_result *res);
+/* One training step, the one the trainer, bench-step, the demo and the tests all run
+ * (fl_step_run): zero the gradients; for each micro-batch k the forward (phase "forward") and the
+ * backward ("backward"), gradients accumulating; the reduction over the ranks (dp); the optimizer
+ * update ("optimizer step"). Memory snapshots before_fwd, after_fwd, after_bwd (micro-batch 0's) and
+ * after_opt_step; the live bytes of each phase (fl_model_live) recorded at its boundary. */
+typedef struct {
+    const fl_micro_batch *mbs; /* (n_micro) this rank's micro-batches of the step */
+    int n_micro;
+    long step_valid;           /* the step's valid targets over every rank: grad scale 1 / step_valid */
+    int skip_empty;            /* step_valid <= 0: no forward, no update (else an error) */
+    float lr, max_norm;
+    struct fl_dp *dp;          /* data parallel: the last micro-batch's backward reduces bucket by bucket
+                                * (fl_dp_buckets_arm), the reduction before the update; NULL: one process */
+    int seeded;                /* set the LoRA dropout seed of each micro-batch: seed + its global index
+                                * iter0 + k x world + rank (the same masks at any world size, and resumed) */
+    uint64_t seed;
+    long iter0;                /* global micro-batches before this step */
+    double *mb_stats;          /* (2 n_micro) or NULL: each micro-batch's loss sum and valid targets */
+    double *mb_ms;             /* (n_micro) or NULL: each micro-batch's wall ms, the last one's with the update */
+    int failed_k;              /* out, on failure: the micro-batch that failed, n_micro the update; else -1 */
+} fl_step_ctx;
+/* res (may be NULL): the loss (local micro-batches' summed loss / step_valid), phase timings, the
+ * update's norm / skip / loss scale. */
+fl_status fl_step_run(fl_model *m, fl_optimizer *o, fl_step_ctx *c, fl_step_result *res);
 
-/* One training step over n_micro micro-batches of (B,T) ids/targets laid out
- * consecutively ((n_micro, B, T) each). Zeroes gradients first. Records the
- * memory snapshots before_fwd, after_fwd, after_bwd, after_opt_step (first
- * micro-batch's forward/backward). */
+/* fl_step_run in one process over n_micro micro-batches of (B,T) ids/targets laid out
+ * consecutively ((n_micro, B, T) each); step_valid counted from targets. */
 fl_status fl_train_step(fl_model *m, fl_optimizer *o, const int32_t *ids, const int32_t *targets, int n_micro, int B,
                         int T, float lr, float max_norm, fl_step_result *res);
 

@@ -1,7 +1,8 @@
-/* The argument checks of the general attention ops (fitllm/backend.h attention_forward_ex /
- * attention_backward_ex), shared by every backend so that a bad descriptor gets the same error,
+/* The argument checks of the attention ops (fitllm/backend.h attention_forward /
+ * attention_backward), shared by every backend so that a bad descriptor gets the same error,
  * naming the field, wherever it runs. */
 #include <math.h>
+#include <string.h>
 
 #include "fitllm/backend.h"
 
@@ -24,3 +25,46 @@ fl_status fl_attn_check_args(const char *op, const fl_attn_desc *a, int max_hd, 
     return FL_OK;
 }
 
+
+fl_attn_desc fl_attn_desc_qkv(int B, int T, int NH, int NKV, int HD) {
+    fl_attn_desc a;
+    memset(&a, 0, sizeof a);
+    a.B = B;
+    a.Tq = a.Tk = T;
+    a.NH = NH;
+    a.NKV = NKV;
+    a.HD = HD;
+    a.ldq = a.ldk = a.ldv = (size_t)(NH + 2 * (NKV > 0 ? NKV : 0)) * (HD > 0 ? HD : 0);
+    a.ldo = (size_t)NH * (HD > 0 ? HD : 0);
+    /* the expression of the CPU's fused kernel and the CUDA kernels' fused descriptor: the same
+     * float, so fl_attn_is_qkv recognizes the shape and the bits stay those of the fused kernel */
+    a.scale = HD > 0 ? 1.0f / sqrtf((float)HD) : 1.0f;
+    a.causal = 1;
+    return a;
+}
+
+int fl_attn_is_qkv(const fl_attn_desc *a, const float *q, const float *k, const float *v, const float *bias,
+                   const uint8_t *kmask, const float *dq, const float *dk, const float *dv, const float *dbias) {
+    if (!a || bias || kmask || dbias || !q || a->HD <= 0 || a->NKV <= 0 || a->NH <= 0) return 0;
+    const fl_attn_desc f = fl_attn_desc_qkv(a->B, a->Tq, a->NH, a->NKV, a->HD);
+    const size_t ko = (size_t)a->NH * a->HD, vo = (size_t)(a->NH + a->NKV) * a->HD;
+    if (a->Tk != f.Tk || !a->causal || a->ldq != f.ldq || a->ldk != f.ldk || a->ldv != f.ldv || a->ldo != f.ldo ||
+        a->scale != f.scale || k != q + ko || v != q + vo)
+        return 0;
+    return !dq || (dk == dq + ko && dv == dq + vo);
+}
+
+fl_status fl_attention_qkv_forward(const fl_backend *be, float *out, float *lse, const float *qkv, int B, int T, int NH,
+                                   int NKV, int HD) {
+    const fl_attn_desc a = fl_attn_desc_qkv(B, T, NH, NKV, HD);
+    const size_t ko = (size_t)NH * (HD > 0 ? HD : 0), vo = (size_t)(NH + (NKV > 0 ? NKV : 0)) * (HD > 0 ? HD : 0);
+    return be->attention_forward(be, &a, out, lse, qkv, qkv ? qkv + ko : NULL, qkv ? qkv + vo : NULL, NULL, NULL);
+}
+
+fl_status fl_attention_qkv_backward(const fl_backend *be, float *dqkv, const float *dout, const float *qkv,
+                                    const float *out, const float *lse, int B, int T, int NH, int NKV, int HD) {
+    const fl_attn_desc a = fl_attn_desc_qkv(B, T, NH, NKV, HD);
+    const size_t ko = (size_t)NH * (HD > 0 ? HD : 0), vo = (size_t)(NH + (NKV > 0 ? NKV : 0)) * (HD > 0 ? HD : 0);
+    return be->attention_backward(be, &a, dqkv, dqkv ? dqkv + ko : NULL, dqkv ? dqkv + vo : NULL, NULL, dout, qkv,
+                                  qkv ? qkv + ko : NULL, qkv ? qkv + vo : NULL, NULL, NULL, out, lse);
+}

@@ -4,16 +4,20 @@
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
+#include "backend/cpu/cpu-impl.h"
 #include "backend/cuda/backend_cuda.h"
 #include "fitllm/backend.h"
 #include "fitllm/comm.h"
+#include "fitllm/cuda.h"
 
 typedef struct {
     const char *name;
     const char *what; /* one line for --version */
     fl_status (*init)(fl_backend *be, int n_threads);
     void (*free)(fl_backend *be);
+    void (*facts)(fl_backend_facts *f); /* NULL (registered from outside): made once to read them */
 } fl_backend_entry;
 
 static fl_status ref_init(fl_backend *be, int n_threads) {
@@ -21,17 +25,53 @@ static fl_status ref_init(fl_backend *be, int n_threads) {
     return fl_ref_backend_init(be);
 }
 
+/* ---- what each built-in backend is, without making it (fl_backend_facts_of) ---- */
+static int cpu_supports(fl_op op, fl_dtype a, fl_dtype b, fl_dtype c) { return fl_cpu_supports_op(NULL, op, a, b, c); }
+static void cpu_facts(fl_backend_facts *f) {
+    f->caps = FL_CAP_HOST_MEMORY;
+    f->scratch_bytes = fl_cpu_scratch_bytes();
+    f->gemm_widens16 = fl_cpu_gemm_widens16();
+    f->supports_op = cpu_supports;
+    f->reference = "ref";
+}
+static void ref_facts(fl_backend_facts *f) { /* the CPU's ops on one thread, naive GEMM, no scratch */
+    f->caps = FL_CAP_HOST_MEMORY;
+    f->supports_op = cpu_supports;
+}
+static void opaque_facts(fl_backend_facts *f) { /* the CPU's, over memory the host cannot read */
+    cpu_facts(f);
+    f->caps = 0;
+    f->reference = "cpu";
+}
+static void null_facts(fl_backend_facts *f) { /* the registry's null: the CPU's scratch, every op */
+    f->caps = FL_CAP_DISCARDS;
+    f->scratch_bytes = fl_cpu_scratch_bytes();
+    f->gemm_widens16 = fl_cpu_gemm_widens16();
+}
+static size_t cuda_memory(void) { return fl_cuda_device_memory(0); }
+/* in every build: plan --accelerator cuda plans for a GPU without one */
+static void cuda_facts(fl_backend_facts *f) {
+    f->caps = FL_CAP_ASYNC | FL_CAP_DEVICE_MEMORY | FL_CAP_COMPUTE_BF16;
+    f->device = FL_DEV_CUDA;
+    f->scratch_bytes = fl_cuda_scratch_bytes();
+    f->gemm_widens16 = fl_cuda_gemm_widens16();
+    f->supports_op = fl_cuda_supports_op;
+    f->memory_capacity = cuda_memory;
+    f->describe = fl_cuda_describe;
+}
+
 #define MAX_BACKENDS 8
 static fl_backend_entry g_backends[MAX_BACKENDS] = {
-    {"cpu", "the CPU ops (OpenMP, SIMD dispatch, library GEMM)", fl_cpu_backend_init, fl_cpu_backend_free},
-    {"ref", "the portable reference: the same ops on one thread, naive GEMM", ref_init, fl_cpu_backend_free},
+    {"cpu", "the CPU ops (OpenMP, SIMD dispatch, library GEMM)", fl_cpu_backend_init, fl_cpu_backend_free, cpu_facts},
+    {"ref", "the portable reference: the same ops on one thread, naive GEMM", ref_init, fl_cpu_backend_free,
+     ref_facts},
     {"opaque", "a testing aid: the CPU ops over memory the host cannot read outside them", fl_opaque_backend_init,
-     fl_opaque_backend_free},
+     fl_opaque_backend_free, opaque_facts},
     {"null", "the planner's: ops that do nothing over memory that does not exist (fitllm plan)",
-     fl_null_backend_init, fl_null_backend_free},
+     fl_null_backend_init, fl_null_backend_free, null_facts},
 #ifdef FL_HAVE_CUDA
     {"cuda", "NVIDIA GPUs (EXPERIMENTAL): CUDA kernels, cuBLASLt, device memory", fl_cuda_backend_init,
-     fl_cuda_backend_free},
+     fl_cuda_backend_free, cuda_facts},
 #endif
 };
 #ifdef FL_HAVE_CUDA
@@ -48,7 +88,7 @@ fl_status fl_backend_register(const char *name, const char *what, fl_status (*in
         if (!strcmp(g_backends[i].name, name)) return FL_OK; /* already there */
     if (g_n_backends == MAX_BACKENDS)
         return fl_errorf(FL_ERR_INVALID, "fl_backend_register: more than %d backends", MAX_BACKENDS);
-    g_backends[g_n_backends++] = (fl_backend_entry){name, what ? what : "", init, free_fn};
+    g_backends[g_n_backends++] = (fl_backend_entry){name, what ? what : "", init, free_fn, NULL};
     return FL_OK;
 }
 
@@ -82,6 +122,37 @@ void fl_backend_free(fl_backend *be) {
     if (!be) return;
     const fl_backend_entry *e = find(be->name);
     if (e) e->free(be);
+}
+
+fl_status fl_backend_facts_of(const char *name, fl_backend_facts *f) {
+    if (!name || !f) return fl_errorf(FL_ERR_INVALID, "fl_backend_facts_of: NULL argument");
+    memset(f, 0, sizeof *f);
+    f->device = FL_DEV_CPU;
+    f->reference = "cpu";
+    const fl_backend_entry *e = find(name);
+    static const fl_backend_entry planned_cuda = {"cuda", "", NULL, NULL, cuda_facts};
+    if (!e && !strcmp(name, planned_cuda.name)) e = &planned_cuda; /* a build without the backend */
+    if (e && e->facts) {
+        e->facts(f);
+        return FL_OK;
+    }
+    /* registered from outside (the test programs' cuda-emu), or unknown (the error lists the names) */
+    fl_backend be;
+    FL_TRY(fl_backend_init_by_name(name, &be, 1));
+    f->caps = be.caps;
+    f->device = be.device;
+    f->scratch_bytes = be.scratch_bytes;
+    f->gemm_widens16 = be.gemm_widens16;
+    fl_backend_free(&be);
+    return FL_OK;
+}
+
+size_t fl_backend_memory_capacity(const char *name) {
+    fl_backend_facts f;
+    if (fl_backend_facts_of(name, &f) != FL_OK) return 0;
+    if ((f.caps & FL_CAP_DEVICE_MEMORY) && f.memory_capacity) return f.memory_capacity();
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+    return pages > 0 && page > 0 ? (size_t)pages * (size_t)page : 0;
 }
 
 static const char *g_default_name;

@@ -177,15 +177,16 @@ static void op_rope(const fl_backend *be, float **i, float **o, const int *s) {
     be->rope_backward(be, o[1], s[0], s[1], s[2], s[3], (size_t)s[4], i[0], i[1], s[5]);
 }
 static void op_adamw(const fl_backend *be, float **i, float **o, const int *s) {
-    be->adamw_update(be, o[0], i[0], o[1], o[2], (size_t)s[0], 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, 3, 0.5f);
+    be->adamw_update(be, o[0], FL_F32, i[0], FL_F32, o[1], o[2], FL_F32, (size_t)s[0], 1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f,
+                     3, 0.5f);
 }
 static void op_sgd(const fl_backend *be, float **i, float **o, const int *s) {
-    be->sgd_update(be, o[0], i[0], o[1], (size_t)s[0], 1e-2f, 0.9f, 0.1f, 0.01f, 1, 0, 1.0f);
+    be->sgd_update(be, o[0], FL_F32, i[0], FL_F32, o[1], FL_F32, (size_t)s[0], 1e-2f, 0.9f, 0.1f, 0.01f, 1, 0, 1.0f);
 }
 static void op_attn(const fl_backend *be, float **i, float **o, const int *s) {
     /* s: B T NH NKV HD; i[0] qkv, i[1] dout; o[0] out, o[1] lse, o[2] dqkv */
-    be->attention_forward(be, o[0], o[1], i[0], s[0], s[1], s[2], s[3], s[4]);
-    be->attention_backward(be, o[2], i[1], i[0], o[0], o[1], s[0], s[1], s[2], s[3], s[4]);
+    if (fl_attention_qkv_forward(be, o[0], o[1], i[0], s[0], s[1], s[2], s[3], s[4]) != FL_OK) return;
+    fl_attention_qkv_backward(be, o[2], i[1], i[0], o[0], o[1], s[0], s[1], s[2], s[3], s[4]);
 }
 static void op_decode(const fl_backend *be, float **i, float **o, const int *s) {
     /* s: T NH NKV HD Tmax; i[0] q, i[1] kcache, i[2] vcache */
@@ -197,9 +198,8 @@ static void op_attn_ex(const fl_backend *be, float **i, float **o, const int *s)
                       (size_t)s[4] * s[5], (size_t)s[3] * s[5], 1.0f / sqrtf((float)s[5]), s[6]};
     size_t nq = (size_t)s[0] * s[1] * s[3] * s[5], nk = (size_t)s[0] * s[2] * s[4] * s[5];
     float *out = o[0], *lse = o[0] + nq;
-    if (be->attention_forward_ex(be, &a, out, lse, i[0], i[1], i[2], i[4], NULL) != FL_OK) return;
-    be->attention_backward_ex(be, &a, o[1], o[1] + nq, o[1] + nq + nk, o[2], i[3], i[0], i[1], i[2], i[4], NULL, out,
-                              lse);
+    if (be->attention_forward(be, &a, out, lse, i[0], i[1], i[2], i[4], NULL) != FL_OK) return;
+    be->attention_backward(be, &a, o[1], o[1] + nq, o[1] + nq + nk, o[2], i[3], i[0], i[1], i[2], i[4], NULL, out, lse);
 }
 
 static void st_cases_generic(st_ctx *c) {
@@ -373,7 +373,7 @@ static void st_case_attention_ex(st_ctx *c, int B, int Tq, int Tk, int NH, int N
     st_case_gen(c, &g);
 }
 
-/* 16-bit conversions (bit-exact), sumsq, check_finite, accumulate16, adamw_update_ex in bf16 */
+/* 16-bit conversions (bit-exact), sumsq, check_finite, accumulate16, adamw_update in bf16 */
 static void st_case_lowp(st_ctx *c) {
     const size_t n = c->small ? 3001 : 1000003;
     float *x = st_frand(c, n, -70000, 70000); /* beyond f16's range: inf on overflow, the same on both */
@@ -398,14 +398,15 @@ static void st_case_lowp(st_ctx *c) {
         st_free(c, &b);
         free(r16); free(h16); free(rb); free(db); free(rf); free(df);
     }
-    name = "sumsq f32 / sumsq_ex bf16";
+    name = "sumsq f32 / bf16";
     if (st_want(c, name)) {
         uint16_t *xb = malloc(n * 2);
         for (size_t i = 0; i < n; i++) xb[i] = fl_f32_to_bf16(x[i] * 1e-3f);
-        double r1 = c->ref->sumsq(c->ref, x, n), r2 = c->ref->sumsq_ex(c->ref, xb, FL_BF16, n);
+        double r1 = c->ref->sumsq(c->ref, x, FL_F32, n), r2 = c->ref->sumsq(c->ref, xb, FL_BF16, n);
         st_bufs b = {0};
         void *dx = st_up(c, &b, x, n * 4), *dxb = st_up(c, &b, xb, n * 2);
-        double d1 = b.failed ? NAN : c->dev->sumsq(c->dev, dx, n), d2 = b.failed ? NAN : c->dev->sumsq_ex(c->dev, dxb, FL_BF16, n);
+        double d1 = b.failed ? NAN : c->dev->sumsq(c->dev, dx, FL_F32, n);
+        double d2 = b.failed ? NAN : c->dev->sumsq(c->dev, dxb, FL_BF16, n);
         fl_status s = c->dev->sync(c->dev);
         /* double sums of n non-negative terms in any order: within 2 n 2^-53 of each other */
         double bnd = 2.0 * (double)n * 0x1p-53;
@@ -447,7 +448,7 @@ static void st_case_lowp(st_ctx *c) {
         st_free(c, &b);
         free(acc); free(accd); free(y);
     }
-    name = "adamw_update_ex bf16 params, bf16 grads, bf16 state";
+    name = "adamw_update bf16 params, bf16 grads, bf16 state";
     if (st_want(c, name)) {
         uint16_t *p = malloc(n * 2), *g = malloc(n * 2), *m = malloc(n * 2), *v = malloc(n * 2);
         for (size_t i = 0; i < n; i++) {
@@ -459,10 +460,10 @@ static void st_case_lowp(st_ctx *c) {
         st_bufs b = {0};
         void *dp = st_up(c, &b, p, n * 2), *dg = st_up(c, &b, g, n * 2), *dm = st_up(c, &b, m, n * 2);
         void *dv = st_up(c, &b, v, n * 2);
-        fl_status s0 = c->ref->adamw_update_ex(c->ref, p, FL_BF16, g, FL_BF16, m, v, FL_BF16, n, 1e-3f, 0.9f, 0.999f,
+        fl_status s0 = c->ref->adamw_update(c->ref, p, FL_BF16, g, FL_BF16, m, v, FL_BF16, n, 1e-3f, 0.9f, 0.999f,
                                                1e-8f, 0.01f, 5, 1.0f);
         fl_status s = b.failed ? FL_ERR_IO
-                               : c->dev->adamw_update_ex(c->dev, dp, FL_BF16, dg, FL_BF16, dm, dv, FL_BF16, n, 1e-3f,
+                               : c->dev->adamw_update(c->dev, dp, FL_BF16, dg, FL_BF16, dm, dv, FL_BF16, n, 1e-3f,
                                                          0.9f, 0.999f, 1e-8f, 0.01f, 5, 1.0f);
         uint16_t *pd = malloc(n * 2);
         st_down(c, &b, pd, dp, n * 2);

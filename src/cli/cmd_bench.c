@@ -54,68 +54,82 @@ static double median(double *x, int n) {
 
 enum { PH_TOTAL, PH_FWD, PH_HEAD, PH_BWD, PH_OPT, PH_COUNT };
 
-int fl_cmd_bench_step(int argc, char **argv) {
-    const char *cmd = "bench-step", *model_path = NULL;
-    int B = 4, T = 256, steps = 10, warmup = 2, threads = 0, seed = 1337, random_init = 0, act_ckpt = 0, lora_r = 0;
-    float lr = 1e-4f;
-    size_t budget = 0;
-    fl_optim_kind okind = FL_OPT_ADAMW;
-    fl_precision prec = *fl_precision_get(FL_PREC_32_TRUE);
-    fl_q4_type q4t = FL_Q4_NF4;
-    int q4dq = 0, quant = 0;
+/* bench-step's options. */
+typedef struct {
+    const char *model_path;
+    int B, T, steps, warmup, threads, seed, random_init, act_ckpt, lora_r;
+    float lr;
+    size_t budget;
+    fl_optim_kind okind;
+    fl_precision prec;
+    fl_q4_type q4t;
+    int q4dq, quant;
+} bench_opts;
+
+/* The command line into o: -1 to run, else the exit code (help, a usage error). */
+static int parse_opts(int argc, char **argv, const char *cmd, bench_opts *o) {
+    *o = (bench_opts){.B = 4, .T = 256, .steps = 10, .warmup = 2, .seed = 1337, .lr = 1e-4f, .okind = FL_OPT_ADAMW,
+                      .prec = *fl_precision_get(FL_PREC_32_TRUE), .q4t = FL_Q4_NF4};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) { help(); return 0; }
         else if (!strcmp(a, "--init")) {
             if (!v || strcmp(v, "random")) return fl_cli_usage(cmd, "--init accepts only 'random'");
-            random_init = 1; i++;
+            o->random_init = 1; i++;
         } else if (!strcmp(a, "--precision")) {
-            if (!v || fl_precision_find(v, &prec) != FL_OK) return fl_cli_usage(cmd, "%s", fl_error_message());
+            if (!v || fl_precision_find(v, &o->prec) != FL_OK) return fl_cli_usage(cmd, "%s", fl_error_message());
             i++;
         } else if (!strcmp(a, "--quantize")) {
-            if (!v || fl_q4_parse_mode(v, &q4t, &q4dq) != FL_OK)
+            if (!v || fl_q4_parse_mode(v, &o->q4t, &o->q4dq) != FL_OK)
                 return fl_cli_usage(cmd, "%s", v ? fl_error_message() : "--quantize needs a mode");
-            quant = 1;
+            o->quant = 1;
             i++;
         } else if (!strcmp(a, "--lora")) {
-            if (fl_cli_int(cmd, a, v, 1, 4096, &lora_r)) return 2;
+            if (fl_cli_int(cmd, a, v, 1, 4096, &o->lora_r)) return 2;
             i++;
         } else if (!strcmp(a, "--act-ckpt")) {
-            act_ckpt = 1;
+            o->act_ckpt = 1;
         } else if (!strcmp(a, "--preset")) {
             if (!v) return fl_cli_usage(cmd, "--preset needs a name");
-            model_path = v; i++;
-        } else if (!strcmp(a, "--micro-batch")) { if (fl_cli_int(cmd, a, v, 1, 1 << 20, &B)) return 2; i++; }
-        else if (!strcmp(a, "--seq")) { if (fl_cli_int(cmd, a, v, 1, 1 << 24, &T)) return 2; i++; }
-        else if (!strcmp(a, "--steps")) { if (fl_cli_int(cmd, a, v, 1, 1 << 20, &steps)) return 2; i++; }
-        else if (!strcmp(a, "--warmup")) { if (fl_cli_int(cmd, a, v, 0, 1 << 20, &warmup)) return 2; i++; }
-        else if (!strcmp(a, "--threads")) { if (fl_cli_int(cmd, a, v, 0, 1024, &threads)) return 2; i++; }
+            o->model_path = v; i++;
+        } else if (!strcmp(a, "--micro-batch")) { if (fl_cli_int(cmd, a, v, 1, 1 << 20, &o->B)) return 2; i++; }
+        else if (!strcmp(a, "--seq")) { if (fl_cli_int(cmd, a, v, 1, 1 << 24, &o->T)) return 2; i++; }
+        else if (!strcmp(a, "--steps")) { if (fl_cli_int(cmd, a, v, 1, 1 << 20, &o->steps)) return 2; i++; }
+        else if (!strcmp(a, "--warmup")) { if (fl_cli_int(cmd, a, v, 0, 1 << 20, &o->warmup)) return 2; i++; }
+        else if (!strcmp(a, "--threads")) { if (fl_cli_int(cmd, a, v, 0, 1024, &o->threads)) return 2; i++; }
         else if (!strcmp(a, "--accelerator")) { int rc = fl_cli_accelerator(cmd, v); if (rc) return rc; i++; }
-        else if (!strcmp(a, "--seed")) { if (fl_cli_int(cmd, a, v, 0, 1 << 30, &seed)) return 2; i++; }
-        else if (!strcmp(a, "--lr")) { if (fl_cli_float(cmd, a, v, &lr)) return 2; i++; }
+        else if (!strcmp(a, "--seed")) { if (fl_cli_int(cmd, a, v, 0, 1 << 30, &o->seed)) return 2; i++; }
+        else if (!strcmp(a, "--lr")) { if (fl_cli_float(cmd, a, v, &o->lr)) return 2; i++; }
         else if (!strcmp(a, "--optimizer")) {
             if (!v) return fl_cli_usage(cmd, "--optimizer needs a name");
-            if (!strcasecmp(v, "adamw")) okind = FL_OPT_ADAMW;
-            else if (!strcasecmp(v, "sgd")) okind = FL_OPT_SGD;
+            if (!strcasecmp(v, "adamw")) o->okind = FL_OPT_ADAMW;
+            else if (!strcasecmp(v, "sgd")) o->okind = FL_OPT_SGD;
             else return fl_cli_usage(cmd, "unknown optimizer '%s' (AdamW, SGD)", v);
             i++;
         } else if (!strcmp(a, "--max-memory")) {
-            if (!v || fl_parse_bytes(v, &budget)) {
+            if (!v || fl_parse_bytes(v, &o->budget)) {
                 char why[300];
                 return fl_cli_usage(cmd, "--max-memory: %s", fl_bytes_refusal(v, why, sizeof why));
             }
             i++;
         } else if (a[0] == '-') return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--act-ckpt", "--help", "--init", "--lora", "--lr", "--max-memory", "--micro-batch", "--optimizer", "--precision", "--preset", "--quantize", "--seed", "--seq", "--steps", "--threads", "--warmup", NULL});
-        else if (!model_path) model_path = a;
+        else if (!o->model_path) o->model_path = a;
         else return fl_cli_usage(cmd, "unexpected argument '%s'", a);
     }
-    if (!model_path) return fl_cli_usage(cmd, "missing <model>");
-    if (quant && !lora_r) return fl_cli_usage(cmd, "--quantize needs --lora R (the 4-bit base is frozen)");
-    if (quant && prec.compute_copy)
+    if (!o->model_path) return fl_cli_usage(cmd, "missing <model>");
+    if (o->quant && !o->lora_r) return fl_cli_usage(cmd, "--quantize needs --lora R (the 4-bit base is frozen)");
+    if (o->quant && o->prec.compute_copy)
         return fl_cli_usage(cmd, "--quantize with --precision %s: quantization and mixed precision are not supported together",
-                            prec.name);
+                            o->prec.name);
+    return -1;
+}
 
+int fl_cmd_bench_step(int argc, char **argv) {
+    const char *cmd = "bench-step";
+    bench_opts o;
+    int prc = parse_opts(argc, argv, cmd, &o);
+    if (prc >= 0) return prc;
     fl_backend be;
     fl_mem_pool pool, hpool; /* tensors; host staging when the backend's memory is not host memory */
     fl_model m = {0};
@@ -123,78 +137,81 @@ int fl_cmd_bench_step(int argc, char **argv) {
     int32_t *ids = NULL, *tg = NULL;
     double *times = NULL;
     int loaded = 0, rc = 0;
-    fl_status s = fl_backend_init_by_name(fl_backend_default_name(), &be, threads);
+    fl_status s = fl_backend_init_by_name(fl_backend_default_name(), &be, o.threads);
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
-    if ((s = fl_backend_pools_init(&be, &pool, &hpool, be.name, budget)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
+    if ((s = fl_backend_pools_init(&be, &pool, &hpool, be.name, o.budget)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
     fl_mem_set_phase(&pool, "model load");
     fl_model_storage stg;
-    fl_model_storage_for(&prec, &stg);
-    stg.quant4 = quant;
-    stg.q4_type = q4t;
-    stg.q4_double_quant = q4dq;
-    if ((s = fl_cli_load_model_ex(&m, model_path, random_init, (uint64_t)seed, &be, &pool, &stg, &loaded)) != FL_OK)
+    fl_model_storage_for(&o.prec, &stg);
+    stg.quant4 = o.quant;
+    stg.q4_type = o.q4t;
+    stg.q4_double_quant = o.q4dq;
+    if ((s = fl_cli_load_model_ex(&m, o.model_path, o.random_init, (uint64_t)o.seed, &be, &pool, &stg, &loaded)) != FL_OK)
         goto fail;
     fl_mem_set_phase(&pool, "setup");
-    if ((s = fl_model_set_precision(&m, &prec)) != FL_OK) goto fail;
-    if (lora_r) {
+    if ((s = fl_model_set_precision(&m, &o.prec)) != FL_OK) goto fail;
+    if (o.lora_r) {
         fl_lora_config lc;
-        if ((s = fl_lora_config_init(&lc, &m.cfg, lora_r, 2.0f * lora_r, 0.0f, 0,
+        if ((s = fl_lora_config_init(&lc, &m.cfg, o.lora_r, 2.0f * o.lora_r, 0.0f, 0,
                                      fl_arch_get(m.cfg.arch)->lora_default)) != FL_OK)
             goto fail;
-        if ((s = fl_model_lora_init(&m, &lc, (uint64_t)seed)) != FL_OK) goto fail;
+        if ((s = fl_model_lora_init(&m, &lc, (uint64_t)o.seed)) != FL_OK) goto fail;
     } else if ((s = fl_model_alloc_grads(&m)) != FL_OK) {
         goto fail;
     }
     fl_optim_config oc;
-    fl_optim_config_default(&oc, okind);
-    oc.lr = lr;
-    if (okind == FL_OPT_ADAMW) oc.weight_decay = 0.1f;
+    fl_optim_config_default(&oc, o.okind);
+    oc.lr = o.lr;
+    if (o.okind == FL_OPT_ADAMW) oc.weight_decay = 0.1f;
     if ((s = fl_optim_init(&opt, &m, &oc)) != FL_OK) goto fail;
-    m.act_ckpt = act_ckpt;
-    if ((s = fl_model_alloc_acts(&m, B, T)) != FL_OK) goto fail;
-    size_t N = (size_t)B * T;
+    m.act_ckpt = o.act_ckpt;
+    if ((s = fl_model_alloc_acts(&m, o.B, o.T)) != FL_OK) goto fail;
+    size_t N = (size_t)o.B * o.T;
     if ((s = fl_mem_alloc(fl_mem_host_pool(&pool), FL_TAG_OTHER, N * sizeof *ids, (void **)&ids)) != FL_OK) goto fail;
     if ((s = fl_mem_alloc(fl_mem_host_pool(&pool), FL_TAG_OTHER, N * sizeof *tg, (void **)&tg)) != FL_OK) goto fail;
-    times = calloc((size_t)steps * PH_COUNT, sizeof *times); /* (PH_COUNT, steps) */
+    times = calloc((size_t)o.steps * PH_COUNT, sizeof *times); /* (PH_COUNT, o.steps) */
     if (!times) {
-        s = fl_errorf(FL_ERR_OOM, "bench-step: no memory for %d step timings", steps);
+        s = fl_errorf(FL_ERR_OOM, "bench-step: no memory for %d step timings", o.steps);
         goto fail;
     }
-    uint64_t r = (uint64_t)seed * 0x9e3779b97f4a7c15ULL + 1;
+    uint64_t r = (uint64_t)o.seed * 0x9e3779b97f4a7c15ULL + 1;
     for (size_t i = 0; i < N; i++) {
         r ^= r << 13; r ^= r >> 7; r ^= r << 17;
         ids[i] = (int32_t)(r % (uint64_t)m.cfg.vocab_size);
     }
-    for (size_t i = 0; i < N; i++) tg[i] = (i + 1) % T ? ids[i + 1] : ids[i - T + 1];
+    for (size_t i = 0; i < N; i++) tg[i] = (i + 1) % o.T ? ids[i + 1] : ids[i - o.T + 1];
 
     const fl_model_config *c = &m.cfg;
     printf("bench-step: %s (%s, %zu params, L=%d C=%d NH=%d NKV=%d F=%d V=%d), B=%d T=%d, %s, %s%s%s, %d threads, gemm=%s\n",
-           model_path, fl_arch_get(c->arch)->name, m.layout.numel, c->n_layers, c->dim, c->n_heads,
-           c->n_kv_heads, c->ffn_dim, c->vocab_size, B, T, prec.name, fl_optim_name(okind), act_ckpt ? ", act-ckpt" : "", lora_r ? ", LoRA q,v" : "",
+           o.model_path, fl_arch_get(c->arch)->name, m.layout.numel, c->n_layers, c->dim, c->n_heads,
+           c->n_kv_heads, c->ffn_dim, c->vocab_size, o.B, o.T, o.prec.name, fl_optim_name(o.okind), o.act_ckpt ? ", act-ckpt" : "", o.lora_r ? ", LoRA q,v" : "",
            be.n_threads, be.gemm_name);
+    /* the step training runs (fl_step_run), in one process: one micro-batch, every target valid */
+    fl_micro_batch mb = {ids, tg, o.B, o.T};
     fl_step_result res;
-    for (int k = 0; k < warmup + steps; k++) {
-        if ((s = fl_train_step(&m, &opt, ids, tg, 1, B, T, lr, 1.0f, &res)) != FL_OK) goto fail;
-        if (k >= warmup) {
+    for (int k = 0; k < o.warmup + o.steps; k++) {
+        fl_step_ctx sc = {.mbs = &mb, .n_micro = 1, .step_valid = (long)N, .lr = o.lr, .max_norm = 1.0f};
+        if ((s = fl_step_run(&m, &opt, &sc, &res)) != FL_OK) goto fail;
+        if (k >= o.warmup) {
             const double ph[PH_COUNT] = {res.ms_total, res.ms_fwd, res.ms_head, res.ms_bwd, res.ms_opt};
-            for (int p = 0; p < PH_COUNT; p++) times[(size_t)p * steps + (k - warmup)] = ph[p];
+            for (int p = 0; p < PH_COUNT; p++) times[(size_t)p * o.steps + (k - o.warmup)] = ph[p];
         }
         printf("  step %3d  loss %.4f  %8.1f ms (fwd %.1f, head+loss %.1f, bwd %.1f, opt %.1f)%s\n", k + 1, res.loss,
-               res.ms_total, res.ms_fwd, res.ms_head, res.ms_bwd, res.ms_opt, k < warmup ? "  [warmup]" : "");
+               res.ms_total, res.ms_fwd, res.ms_head, res.ms_bwd, res.ms_opt, k < o.warmup ? "  [warmup]" : "");
     }
     double mph[PH_COUNT];
-    for (int p = 0; p < PH_COUNT; p++) mph[p] = median(times + (size_t)p * steps, steps);
+    for (int p = 0; p < PH_COUNT; p++) mph[p] = median(times + (size_t)p * o.steps, o.steps);
     double med = mph[PH_TOTAL];
-    double flops = fl_model_train_flops(c, B, T);
+    double flops = fl_model_train_flops(c, o.B, o.T);
     double toks = (double)N / (med / 1e3), gflops = flops / (med / 1e3) / 1e9;
-    printf("\nmedian %.1f ms/step over %d steps, %.0f tok/s, %.1f GFLOP/s (%.2f GFLOP/step)\n", med, steps, toks,
+    printf("\nmedian %.1f ms/step over %d steps, %.0f tok/s, %.1f GFLOP/s (%.2f GFLOP/step)\n", med, o.steps, toks,
            gflops, flops / 1e9);
     printf("median per phase: forward %.1f ms, head+loss %.1f ms, backward %.1f ms, optimizer %.1f ms\n\n",
            mph[PH_FWD], mph[PH_HEAD], mph[PH_BWD], mph[PH_OPT]);
     fl_mem_print_report(&pool, stdout);
     printf("\nRESULT impl=fitllm shape=%s median_ms=%.2f tok_s=%.1f gflops=%.2f peak_rss_mb=%.1f fwd_ms=%.2f head_ms=%.2f "
            "bwd_ms=%.2f opt_ms=%.2f\n",
-           model_path, med, toks, gflops, fl_cli_peak_rss_mb(), mph[PH_FWD], mph[PH_HEAD], mph[PH_BWD], mph[PH_OPT]);
+           o.model_path, med, toks, gflops, fl_cli_peak_rss_mb(), mph[PH_FWD], mph[PH_HEAD], mph[PH_BWD], mph[PH_OPT]);
     goto done;
 fail:
     rc = fl_cli_fail(cmd, s, &pool);

@@ -79,11 +79,12 @@ static int extra(void *ud, int argc, char **argv, int *i) {
         return 1;
     }
     if (!strcmp(arg, "--accelerator")) { /* plan for a device, present here or not */
-        if (!v || (strcmp(v, "cpu") && strcmp(v, "cuda") && strcmp(v, "auto"))) {
+        fl_accel want;
+        if (fl_accel_parse(v, &want)) {
             fl_cli_usage("plan", "--accelerator must be auto, cpu or cuda (got '%s')", v ? v : "");
             return -1;
         }
-        a->cuda = !strcmp(v, "cuda");
+        a->cuda = want == FL_ACCEL_CUDA; /* auto plans for the CPU: the plan needs no device */
         (*i)++;
         return 1;
     }

@@ -143,32 +143,31 @@ int fl_cmd_selftest(int argc, char **argv) {
             if (fl_cli_int(cmd, a, i + 1 < argc ? argv[++i] : NULL, 0, 4096, &threads)) return FL_EXIT_USAGE;
         } else return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--backend", "--help", "--only", "--small", "--threads", NULL});
     }
-    const char *ref_name = "cpu";
     if (!name) {
-        fl_accel want = FL_ACCEL_AUTO;
+        fl_accel want = FL_ACCEL_AUTO, use;
         if (accel && fl_accel_parse(accel, &want))
             return fl_cli_usage(cmd, "--accelerator must be auto, cpu or cuda (got '%s')", accel);
-        char why[768];
-        if (want == FL_ACCEL_CPU) name = "cpu";
-        else if (fl_cuda_built() && fl_cuda_device_count(why, sizeof why) > 0) name = "cuda";
-        else if (want == FL_ACCEL_CUDA) {
-            fprintf(stderr, "fitllm %s: error: --accelerator cuda: %s\n", cmd,
-                    fl_cuda_built() ? why : "this fitllm was built without CUDA (make build CUDA=1)");
+        if (fl_accel_resolve(want, &use) != FL_OK) {
+            fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
             return FL_EXIT_RUNTIME;
-        } else name = "cpu";
+        }
+        name = fl_accel_backend(use);
     }
-    if (!strcmp(name, "cpu")) ref_name = "ref";
+    fl_backend_facts facts; /* the reference it is compared against; a line on its device */
+    fl_status s = fl_backend_facts_of(name, &facts);
+    if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
+    const char *ref_name = facts.reference;
     fl_backend dev, ref;
-    fl_status s = fl_backend_init_by_name(name, &dev, threads);
+    s = fl_backend_init_by_name(name, &dev, threads);
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
     if ((s = fl_backend_init_by_name(ref_name, &ref, threads)) != FL_OK) {
         fl_backend_free(&dev);
         return fl_cli_fail(cmd, s, NULL);
     }
-    if (!strcmp(name, "cuda")) {
+    if (facts.describe) {
         char desc[512];
-        fl_cuda_describe(desc, sizeof desc);
-        printf("cuda: %s\n", desc);
+        facts.describe(desc, sizeof desc);
+        printf("%s: %s\n", name, desc);
     }
     fl_selftest_result res;
     s = fl_backend_selftest(&dev, &ref, only, small, stdout, &res);

@@ -41,7 +41,7 @@ int fl_cli_accelerator(const char *cmd, const char *val) {
         fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
         return FL_EXIT_RUNTIME;
     }
-    fl_backend_set_default_name(use == FL_ACCEL_CUDA ? "cuda" : "cpu");
+    fl_backend_set_default_name(fl_accel_backend(use));
     return 0;
 }
 

@@ -142,12 +142,15 @@ int main(int argc, char **argv) {
      * visible; a command's --accelerator cpu|cuda overrides it. Not probed for --accelerator cpu:
      * probing a usable GPU opens the CUDA plugin and its libraries (~200 MB), which a CPU run never needs. */
     int cpu_asked = 0;
+    fl_accel asked;
     for (int i = 2; i < argc; i++)
-        cpu_asked |= !strcmp(argv[i], "--accelerator=cpu") ||
-                     (i + 1 < argc && !strcmp(argv[i], "--accelerator") && !strcmp(argv[i + 1], "cpu"));
+        cpu_asked |= (!strncmp(argv[i], "--accelerator=", 14) && !fl_accel_parse(argv[i] + 14, &asked) &&
+                      asked == FL_ACCEL_CPU) ||
+                     (i + 1 < argc && !strcmp(argv[i], "--accelerator") && !fl_accel_parse(argv[i + 1], &asked) &&
+                      asked == FL_ACCEL_CPU);
     fl_accel use;
-    if (!cpu_asked && fl_accel_resolve(FL_ACCEL_AUTO, &use) == FL_OK && use == FL_ACCEL_CUDA)
-        fl_backend_set_default_name("cuda");
+    if (!cpu_asked && fl_accel_resolve(FL_ACCEL_AUTO, &use) == FL_OK && use != FL_ACCEL_CPU)
+        fl_backend_set_default_name(fl_accel_backend(use));
     for (size_t i = 0; i < sizeof k_cmds / sizeof k_cmds[0]; i++)
         if (!strcmp(argv[1], k_cmds[i].name)) {
             fl_cli_set_command(k_cmds[i].name); /* notes of shared helpers name it */

@@ -11,7 +11,6 @@
 #include "config-impl.h"
 #include "fitllm/mem.h"
 #include "fitllm/precision.h"
-#include "fitllm/train.h"
 
 void fl_cfg_defaults(fl_run_config *c, fl_cmd_kind cmd) {
     memset(c, 0, sizeof *c);
@@ -379,6 +378,101 @@ static fl_status set_model_field(fl_run_config *c, const char *key, const char *
     return FL_OK;
 }
 
+/* fl_cfg_set's option types with words of their own (precision, resume, logger, devices, the
+ * optimizer and its betas, Alpaca's download_dir / file_name, ...). */
+static fl_status set_special(fl_run_config *c, const fl_cfg_key *k, const char *key, const char *v) {
+    char *base = (char *)c;
+    long long x = 0;
+    switch (k->type) {
+    case FL_CK_PRECISION: return set_precision(base + k->off, v);
+    case FL_CK_RESUME:
+        if (is_null(v)) v = "false";
+        if (!strcasecmp(v, "true") || !strcasecmp(v, "false") || !strcmp(v, "auto")) {
+            char low[8];
+            snprintf(low, sizeof low, "%s", v);
+            for (char *p = low; *p; p++) *p = (char)tolower((unsigned char)*p);
+            snprintf(c->resume, sizeof c->resume, "%s", low);
+        } else {
+            snprintf(c->resume, sizeof c->resume, "%s", v);
+        }
+        return FL_OK;
+    case FL_CK_LOGGER:
+        /* LitGPT's other loggers are accepted: the run writes CSV metrics and says so
+         * (fl_trainer_run), rather than a recipe failing over where its charts go */
+        if (strcmp(v, "csv") && strcmp(v, "jsonl") && strcmp(v, "tensorboard") && strcmp(v, "wandb") &&
+            strcmp(v, "mlflow") && strcmp(v, "litlogger"))
+            return fl_errorf(FL_ERR_UNSUPPORTED, "logger_name '%s' is not one of csv, jsonl (fitllm) or LitGPT's "
+                             "tensorboard, wandb, mlflow, litlogger (written as csv here)", v);
+        snprintf(c->logger_name, sizeof c->logger_name, "%s", v);
+        return FL_OK;
+    case FL_CK_DEVICES:
+        /* LitGPT: "auto" (or -1) = every device there is; this build trains on one CPU device */
+        if (!strcasecmp(v, "auto") || !strcmp(v, "-1")) { c->devices = 1; return FL_OK; }
+        FL_TRY(parse_int(key, v, 1, 1 << 20, &x));
+        c->devices = (int)x;
+        return FL_OK;
+    case FL_CK_MODEL_CONFIG:
+        /* a config.json path, or null; either replaces a model_config mapping */
+        c->n_model_fields = 0;
+        if (is_null(v)) { c->model_config[0] = '\0'; return FL_OK; }
+        if (strlen(v) >= FL_CFG_PATH) return fl_errorf(FL_ERR_INVALID, "option '%s': path too long", key);
+        snprintf(c->model_config, sizeof c->model_config, "%s", v);
+        return FL_OK;
+    case FL_CK_DATA: return set_data_kind(c, v);
+    case FL_CK_OPTIMIZER: return set_optimizer(c, v);
+    case FL_CK_BETAS: {
+        /* "[0.9, 0.95]" or "0.9,0.95" */
+        char buf[128];
+        snprintf(buf, sizeof buf, "%s", v);
+        char *s = buf, *e;
+        while (*s == '[' || *s == '(' || isspace((unsigned char)*s)) s++;
+        double b1 = strtod(s, &e);
+        if (e == s) goto bad_betas;
+        s = e;
+        while (*s == ',' || isspace((unsigned char)*s)) s++;
+        double b2 = strtod(s, &e);
+        if (e == s) goto bad_betas;
+        s = e;
+        while (*s == ']' || *s == ')' || isspace((unsigned char)*s)) s++;
+        if (*s || !(b1 >= 0 && b1 < 1 && b2 >= 0 && b2 < 1)) goto bad_betas;
+        c->optimizer.beta1 = (float)b1;
+        c->optimizer.beta2 = (float)b2;
+        return FL_OK;
+    bad_betas:
+        return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is not a pair of betas in [0, 1) like [0.9, 0.95]", key, v);
+    }
+    case FL_CK_DOWNLOAD_DIR:
+    case FL_CK_FILE_NAME: {
+        /* LitGPT's Alpaca reads download_dir/file_name (downloading when absent;
+         * we never download, so the file must exist). Keep both parts in json_path. */
+        char dir[FL_CFG_PATH], file[FL_CFG_PATH];
+        const char *jp = c->data.json_path, *slash = strrchr(jp, '/');
+        snprintf(dir, sizeof dir, "%.*s", slash ? (int)(slash - jp) : 0, jp);
+        snprintf(file, sizeof file, "%s", slash ? slash + 1 : jp);
+        if (!dir[0]) snprintf(dir, sizeof dir, "data/alpaca");
+        if (!file[0]) snprintf(file, sizeof file, "alpaca_data_cleaned_archive.json");
+        if (k->type == FL_CK_DOWNLOAD_DIR) snprintf(dir, sizeof dir, "%s", v);
+        else snprintf(file, sizeof file, "%s", v);
+        if (strlen(dir) + strlen(file) + 2 > FL_CFG_PATH) return fl_errorf(FL_ERR_INVALID, "option '%s': path too long", key);
+        snprintf(c->data.json_path, sizeof c->data.json_path, "%s/%s", dir, file);
+        return FL_OK;
+    }
+    case FL_CK_INIT:
+        if (!strcmp(v, "random")) c->init_random = 1;
+        else if (!strcmp(v, "pretrained") || !strcmp(v, "checkpoint")) c->init_random = 0;
+        else return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is not pretrained or random", key, v);
+        return FL_OK;
+    case FL_CK_STATE_DTYPE:
+        if (!strcmp(v, "float32") || !strcmp(v, "fp32") || !strcmp(v, "f32")) c->optimizer.state_dtype = FL_F32;
+        else if (!strcmp(v, "bfloat16") || !strcmp(v, "bf16")) c->optimizer.state_dtype = FL_BF16;
+        else return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is not float32 or bfloat16", key, v);
+        return FL_OK;
+    case FL_CK_IGNORED: return FL_OK;
+    default: break;
+    }
+    return fl_errorf(FL_ERR_INTERNAL, "option '%s': unhandled type", key);
+}
+
 fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
     char key[256];
     normalize_key(key_in, key, sizeof key);
@@ -480,92 +574,8 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
             return fl_errorf(FL_ERR_INVALID, "option '%s': %s", key, fl_bytes_refusal(v, why, sizeof why));
         }
         return FL_OK;
-    case FL_CK_PRECISION: return set_precision(base + k->off, v);
-    case FL_CK_RESUME:
-        if (is_null(v)) v = "false";
-        if (!strcasecmp(v, "true") || !strcasecmp(v, "false") || !strcmp(v, "auto")) {
-            char low[8];
-            snprintf(low, sizeof low, "%s", v);
-            for (char *p = low; *p; p++) *p = (char)tolower((unsigned char)*p);
-            snprintf(c->resume, sizeof c->resume, "%s", low);
-        } else {
-            snprintf(c->resume, sizeof c->resume, "%s", v);
-        }
-        return FL_OK;
-    case FL_CK_LOGGER:
-        /* LitGPT's other loggers are accepted: the run writes CSV metrics and says so
-         * (fl_trainer_run), rather than a recipe failing over where its charts go */
-        if (strcmp(v, "csv") && strcmp(v, "jsonl") && strcmp(v, "tensorboard") && strcmp(v, "wandb") &&
-            strcmp(v, "mlflow") && strcmp(v, "litlogger"))
-            return fl_errorf(FL_ERR_UNSUPPORTED, "logger_name '%s' is not one of csv, jsonl (fitllm) or LitGPT's "
-                             "tensorboard, wandb, mlflow, litlogger (written as csv here)", v);
-        snprintf(c->logger_name, sizeof c->logger_name, "%s", v);
-        return FL_OK;
-    case FL_CK_DEVICES:
-        /* LitGPT: "auto" (or -1) = every device there is; this build trains on one CPU device */
-        if (!strcasecmp(v, "auto") || !strcmp(v, "-1")) { c->devices = 1; return FL_OK; }
-        FL_TRY(parse_int(key, v, 1, 1 << 20, &x));
-        c->devices = (int)x;
-        return FL_OK;
-    case FL_CK_MODEL_CONFIG:
-        /* a config.json path, or null; either replaces a model_config mapping */
-        c->n_model_fields = 0;
-        if (is_null(v)) { c->model_config[0] = '\0'; return FL_OK; }
-        if (strlen(v) >= FL_CFG_PATH) return fl_errorf(FL_ERR_INVALID, "option '%s': path too long", key);
-        snprintf(c->model_config, sizeof c->model_config, "%s", v);
-        return FL_OK;
-    case FL_CK_DATA: return set_data_kind(c, v);
-    case FL_CK_OPTIMIZER: return set_optimizer(c, v);
-    case FL_CK_BETAS: {
-        /* "[0.9, 0.95]" or "0.9,0.95" */
-        char buf[128];
-        snprintf(buf, sizeof buf, "%s", v);
-        char *s = buf, *e;
-        while (*s == '[' || *s == '(' || isspace((unsigned char)*s)) s++;
-        double b1 = strtod(s, &e);
-        if (e == s) goto bad_betas;
-        s = e;
-        while (*s == ',' || isspace((unsigned char)*s)) s++;
-        double b2 = strtod(s, &e);
-        if (e == s) goto bad_betas;
-        s = e;
-        while (*s == ']' || *s == ')' || isspace((unsigned char)*s)) s++;
-        if (*s || !(b1 >= 0 && b1 < 1 && b2 >= 0 && b2 < 1)) goto bad_betas;
-        c->optimizer.beta1 = (float)b1;
-        c->optimizer.beta2 = (float)b2;
-        return FL_OK;
-    bad_betas:
-        return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is not a pair of betas in [0, 1) like [0.9, 0.95]", key, v);
+    default: return set_special(c, k, key, v); /* the types with words of their own */
     }
-    case FL_CK_DOWNLOAD_DIR:
-    case FL_CK_FILE_NAME: {
-        /* LitGPT's Alpaca reads download_dir/file_name (downloading when absent;
-         * we never download, so the file must exist). Keep both parts in json_path. */
-        char dir[FL_CFG_PATH], file[FL_CFG_PATH];
-        const char *jp = c->data.json_path, *slash = strrchr(jp, '/');
-        snprintf(dir, sizeof dir, "%.*s", slash ? (int)(slash - jp) : 0, jp);
-        snprintf(file, sizeof file, "%s", slash ? slash + 1 : jp);
-        if (!dir[0]) snprintf(dir, sizeof dir, "data/alpaca");
-        if (!file[0]) snprintf(file, sizeof file, "alpaca_data_cleaned_archive.json");
-        if (k->type == FL_CK_DOWNLOAD_DIR) snprintf(dir, sizeof dir, "%s", v);
-        else snprintf(file, sizeof file, "%s", v);
-        if (strlen(dir) + strlen(file) + 2 > FL_CFG_PATH) return fl_errorf(FL_ERR_INVALID, "option '%s': path too long", key);
-        snprintf(c->data.json_path, sizeof c->data.json_path, "%s/%s", dir, file);
-        return FL_OK;
-    }
-    case FL_CK_INIT:
-        if (!strcmp(v, "random")) c->init_random = 1;
-        else if (!strcmp(v, "pretrained") || !strcmp(v, "checkpoint")) c->init_random = 0;
-        else return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is not pretrained or random", key, v);
-        return FL_OK;
-    case FL_CK_STATE_DTYPE:
-        if (!strcmp(v, "float32") || !strcmp(v, "fp32") || !strcmp(v, "f32")) c->optimizer.state_dtype = FL_F32;
-        else if (!strcmp(v, "bfloat16") || !strcmp(v, "bf16")) c->optimizer.state_dtype = FL_BF16;
-        else return fl_errorf(FL_ERR_INVALID, "option '%s': '%s' is not float32 or bfloat16", key, v);
-        return FL_OK;
-    case FL_CK_IGNORED: return FL_OK;
-    }
-    return fl_errorf(FL_ERR_INTERNAL, "option '%s': unhandled type", key);
 }
 
 /* Lightning's and DeepSpeed's names for what is not built yet: refused, never mapped onto something

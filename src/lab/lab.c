@@ -253,13 +253,19 @@ static void apply_row(fl_run_config *c, const lab_exp *e, const char *model, int
     }
 }
 
+/* A capability of the backend the rows run on (the default one), from the registry's facts. */
+static int backend_has(unsigned cap) {
+    fl_backend_facts f;
+    return fl_backend_facts_of(fl_backend_default_name(), &f) == FL_OK && (f.caps & cap) != 0;
+}
+
 static void plan_row(const fl_run_config *c, fl_plan *p, fl_plan_verdict *verdict, size_t *peak) {
     fl_plan_opts o;
     fl_plan_opts_default(&o);
     o.generation = 0;
     o.no_suggestions = 1;
     /* the rows run on the default backend: plan for the same one (its op scratch differs) */
-    o.cuda = !strcmp(fl_backend_default_name(), "cuda");
+    o.cuda = backend_has(FL_CAP_DEVICE_MEMORY);
     o.comm_threads = 1; /* several ranks run as threads (train_row) */
     if (fl_plan_run(c, &o, p) != FL_OK) { *verdict = FL_PLAN_VERDICT_COUNT; *peak = 0; return; }
     *verdict = p->verdict;
@@ -276,8 +282,8 @@ static void time_note(const lab_exp *e, const fl_lab_report *rep, char *buf, siz
     else if (!strcmp(t, "lora")) why = "adapter matmuls on top of the frozen base";
     else if (!strcmp(t, "adam8bit")) why = "(de)quantizes the 8-bit optimizer state block by block";
     else if (!strcmp(e->precision, "bf16-true") || !strcmp(e->precision, "bf16-mixed"))
-        why = strcmp(fl_backend_default_name(), "cpu") ? "bf16 <-> fp32 conversions of the fp32 activations"
-                                                       : "bf16 <-> fp32 conversions (the CPU computes in fp32)";
+        why = backend_has(FL_CAP_COMPUTE_BF16) ? "bf16 <-> fp32 conversions of the fp32 activations"
+                                               : "bf16 <-> fp32 conversions (the CPU computes in fp32)";
     if (exp_ranks(e) > 1) why = "its ranks share this machine's cores";
     if (e->B < 8) snprintf(small, sizeof small, "micro batch %d (small matmuls)", e->B);
     const char *model = row_model(e, rep);
@@ -410,7 +416,7 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
         snprintf(r->note, sizeof r->note, "at real scale this row needs the %s device: the %s backend has %s (%s); run "
                  "it on an 80 GB GPU (--accelerator cuda)", fl_fmt_bytes(rep->budget, a, sizeof a),
                  fl_backend_default_name(), fl_fmt_bytes(rep->capacity, b, sizeof b),
-                 strcmp(fl_backend_default_name(), "cuda") ? "the machine's RAM" : "GPU memory");
+                 backend_has(FL_CAP_DEVICE_MEMORY) ? "GPU memory" : "the machine's RAM");
         goto done;
     }
     int avail = e->technique[0] ? fl_plan_technique_available(e->technique) : 1;
@@ -556,8 +562,7 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
             return fl_errorf(FL_ERR_INVALID, "--scale real: the fsdp suite runs at lab scale only (its 4 ranks need 4 "
                                              "devices at the real one)");
         rep->real_scale = 1;
-        if (!strcmp(fl_backend_default_name(), "cuda")) rep->capacity = fl_cuda_device_memory(0);
-        else rep->capacity = (size_t)sysconf(_SC_PHYS_PAGES) * (size_t)sysconf(_SC_PAGE_SIZE);
+        rep->capacity = fl_backend_memory_capacity(fl_backend_default_name());
         rep->T = rep->ref_T;
         rep->budget = rep->ref_device;
         rep->param_ratio = 1.0;

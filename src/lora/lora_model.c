@@ -69,7 +69,7 @@ static void lora_release(fl_model *m) {
 }
 static fl_status lora_alloc_acts(fl_model *m, int B, int T);
 static void lora_free_acts(fl_model *m);
-static void lora_mark_live(fl_model *m, int B, int T, int saved);
+static size_t lora_live_acts(const fl_model *m, int B, int T, int saved, const void **buf);
 static void lora_add_merged(const fl_model *m, int i, float *dst);
 
 fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t seed) {
@@ -139,7 +139,7 @@ fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t se
     free(host);
     /* the rewrite: each slot attached to its LINEAR (block l's linear k; the lm_head: block -1), in slot order */
     fl_adapter_hooks h = {st->grads, st->numel, fl_lora_sizing_head_grads(&st->cfg, st->mods, st->n_mods),
-                          lora_alloc_acts, lora_free_acts, lora_mark_live, lora_add_merged, lora_release};
+                          lora_alloc_acts, lora_free_acts, lora_live_acts, lora_add_merged, lora_release};
     if (s == FL_OK) s = fl_model_adapters_begin(m, &h);
     if (s != FL_OK) {
         free_state(st, m->pool);
@@ -205,10 +205,11 @@ size_t fl_lora_sizing_head_grads(const fl_lora_config *cfg, const fl_lora_module
     return g * sizeof(float);
 }
 
-static void lora_mark_live(fl_model *m, int B, int T, int saved) {
-    struct fl_lora_state *st = m->lora;
-    if (!st || !st->acts) return;
-    fl_mem_set_live(m->pool, st->acts, saved ? fl_lora_sizing_live_acts(&st->cfg, st->mods, st->n_mods, B, T) : 0);
+static size_t lora_live_acts(const fl_model *m, int B, int T, int saved, const void **buf) {
+    const struct fl_lora_state *st = m->lora;
+    *buf = st ? st->acts : NULL;
+    if (!st || !st->acts) return 0;
+    return saved ? fl_lora_sizing_live_acts(&st->cfg, st->mods, st->n_mods, B, T) : 0;
 }
 
 static fl_status lora_alloc_acts(fl_model *m, int B, int T) {

@@ -215,16 +215,14 @@ void fl_sizing_acts_ex(const fl_model_config *cfg_in, int B, int T, const fl_act
  * forward, what the backward reads; otherwise (train = 0: an inference forward, a finished
  * backward) only the constant tables. Same carving as the arena: the planner's figures
  * (fl_sizing_acts_ex at its T) are these for a batch of the arena's shape. */
-void fl_acts_mark_live(fl_model *m, int B, int T, int train) {
-    if (!m->acts) return;
+void fl_acts_live_bytes(const fl_model *m, int B, int T, int train, size_t *acts, size_t *work) {
     size_t saved = 0, handoff = 0, constant = 0;
     if (train) {
         carve_acts(&m->cfg, m->acts->graph, B, T, m->act_ckpt, m->act_dtype, NULL, NULL, &saved);
         carve_work(&m->cfg, m->acts->graph, B, T, 0, FL_F32, 0, NULL, NULL, &handoff, &constant);
     }
-    fl_mem_set_live(m->pool, m->acts_arena, saved);
-    fl_mem_set_live(m->pool, m->work_arena, handoff + m->sizes.work_const_bytes);
-    if (m->adapt && m->adapt->h.mark_live) m->adapt->h.mark_live(m, B, T, train && !m->act_ckpt);
+    *acts = saved;
+    *work = handoff + m->sizes.work_const_bytes;
 }
 
 fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {

@@ -269,7 +269,7 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
                                      kv->v + fl_kv_cache_index(kv, x->layer, 0, 0), x->pos0 + 1, d.NH, d.NKV, d.HD,
                                      (size_t)kv->max_T * d.HD);
             } else {
-                be->attention_forward(be, out, S(o->a1), in, x->B, x->T, d.NH, d.NKV, d.HD); // (N, QD)
+                FL_TRY(fl_attention_qkv_forward(be, out, S(o->a1), in, x->B, x->T, d.NH, d.NKV, d.HD)); // (N, QD)
             }
             break;
         case FL_GOP_ADD: be->add(be, out, out, in, (size_t)N * wo); break;
@@ -333,7 +333,7 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
             break;
         case FL_GOP_ROPE: rope(m, din, 1, x, wi); break;
         case FL_GOP_ATTN:
-            be->attention_backward(be, din, dout, s[o->in], s[o->out], S(o->a1), x->B, x->T, d.NH, d.NKV, d.HD);
+            FL_TRY(fl_attention_qkv_backward(be, din, dout, s[o->in], s[o->out], S(o->a1), x->B, x->T, d.NH, d.NKV, d.HD));
             break;
         case FL_GOP_SWIGLU: be->swiglu_backward(be, din, dout, s[o->in], N, (int)wo); break;
         case FL_GOP_GELU: be->gelu_backward(be, din, dout, s[o->in], (size_t)N * wi); break;

@@ -79,10 +79,14 @@ void fl_model_tell_compute_dtype(const fl_model *m, int on);
  * forward rounded already as bf16 GEMM operands: fl_block_ctx.narrowed) / widen them back before
  * its backward. */
 fl_status fl_acts_narrow(fl_model *m, int l, int N, unsigned done);
-/* Live bytes (fl_mem_set_live) of the ACTS/WORKSPACE arenas and the LoRA activations after a
- * pass over (B, T): train = a training forward (what the backward reads), else none but the
- * constant tables. Gradients: fl_model_grads_live. */
-void fl_acts_mark_live(fl_model *m, int B, int T, int train);
+/* Live bytes (fl_mem_set_live) of the ACTS (*acts) and WORKSPACE (*work) arenas after a pass over
+ * (B, T): train = a training forward (what the backward reads), else none but the constant tables.
+ * fl_model_live (live.c) puts them together with the gradients' and the LoRA activations'. */
+void fl_acts_live_bytes(const fl_model *m, int B, int T, int train, size_t *acts, size_t *work);
+/* The gradient buffer (the trained parameters' or the LoRA adapters'), NULL without one. */
+void *fl_model_grads_buffer(const fl_model *m);
+/* Live bytes of the gradient buffer (dp.c: ZeRO-2 keeps its chunk). SIZE_MAX = the whole buffer. */
+void fl_model_grads_live(fl_model *m, size_t bytes);
 fl_status fl_acts_widen(fl_model *m, int l, int N);
 
 /* A linear layer: weight (out, in) in HF orientation, optional bias, optional

@@ -303,20 +303,14 @@ fl_status fl_model_alloc_grads(fl_model *m) { return fl_store_alloc_grads(m->sto
 void fl_model_zero_grads(fl_model *m) {
     fl_store_zero_grads(m->store);
     if (m->adapt) m->be->zero(m->be, m->adapt->h.grads, m->adapt->h.grads_numel * sizeof(float));
-    fl_model_grads_live(m, 0); /* zeros: nothing accumulated yet */
 }
 
-static void *grad_buffer(const fl_model *m) {
+void *fl_model_grads_buffer(const fl_model *m) {
     return m->adapt ? (void *)m->adapt->h.grads : fl_model_grads_data(m);
 }
 void fl_model_grads_live(fl_model *m, size_t bytes) {
-    void *g = grad_buffer(m);
+    void *g = fl_model_grads_buffer(m);
     if (g) fl_mem_set_live(m->pool, g, bytes); /* clamped to the buffer: SIZE_MAX = all of it */
-}
-
-size_t fl_model_grads_live_bytes(const fl_model *m) {
-    const void *g = grad_buffer(m);
-    return g ? fl_mem_live_of(m->pool, g) : 0;
 }
 
 float *fl_model_param(fl_model *m, const char *name) {

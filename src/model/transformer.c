@@ -187,14 +187,6 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
      * unit too); tied, the embeddings' weight is not read again (their gradient buffer stays) */
     if (tied) PP_RELEASE(0);
     if (!m->fwd_train) PP_RELEASE(HG);
-    /* live memory: what this forward leaves for the backward; the head's gradient is written
-     * already (its backward ran chunk by chunk above) */
-    fl_acts_mark_live(m, B, T, m->fwd_train);
-    if (m->fwd_train && !fl_store_sharded(m->store)) { /* sharded: the head's gradient is in its group's gathered buffer */
-        size_t hg = m->adapt ? m->adapt->h.head_grad_bytes
-                  : head.dw ? (size_t)d.V * d.C * (m->store->g16 ? sizeof(uint16_t) : sizeof(float)) : 0;
-        if (hg > fl_model_grads_live_bytes(m)) fl_model_grads_live(m, hg); /* accumulation: may be all already */
-    }
     return FL_OK;
 }
 
@@ -258,9 +250,6 @@ static fl_status model_backward(fl_model *m) {
     FL_TRY(fl_embed_backward(m, &op, dres, a->ids, B, T));
     PP_READY(0);
     m->fwd_train = 0;
-    /* live memory: the saved activations are consumed; every gradient holds the step's sum */
-    fl_acts_mark_live(m, B, T, 0);
-    fl_model_grads_live(m, SIZE_MAX);
     return FL_OK;
 }
 

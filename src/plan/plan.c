@@ -359,7 +359,20 @@ static int adam8bit_takes(const plan_ctx *x, const fl_run_config *c, char *why, 
     return ok;
 }
 
-static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
+/* A suggestion that runs the plan with v / oc: whether it fits the budget, its peak, what to type
+ * and why. */
+static void sugg_variant(fl_plan *p, const plan_ctx *x, fl_plan_suggestion *s, const fl_run_config *v,
+                         const fl_optim_config *oc, const char *change, const char *note) {
+    size_t peak = 0;
+    s->fits = simulate(x, v, oc, p->B, p->accum, p->budget, NULL, NULL);
+    simulate(x, v, oc, p->B, p->accum, 0, NULL, &peak);
+    s->peak = peak;
+    snprintf(s->change, sizeof s->change, "%s", change);
+    snprintf(s->note, sizeof s->note, "%s", note);
+}
+
+/* Suggestions 1-3: a smaller micro batch, shorter sequences, SGD without state. */
+static void suggest_shape(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
     const fl_optim_config *oc = &c->optimizer;
     size_t budget = p->budget, peak = 0;
     fl_plan_suggestion *s;
@@ -424,25 +437,26 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
                                                            : "still out of memory without optimizer state");
         }
     }
+}
+
+/* What to change when the run does not fit, each planned like the run itself. */
+static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
+    const fl_optim_config *oc = &c->optimizer;
+    fl_plan_suggestion *s;
+    suggest_shape(p, x, c);
     /* 3b. bf16-true: half the bytes of parameters, gradients, AdamW state and saved activations */
     if (!strcmp(c->precision, "32-true") && (s = sugg(p, "bf16-true"))) {
         fl_run_config v = *c;
         snprintf(v.precision, sizeof v.precision, "bf16-true");
-        s->fits = simulate(x, &v, oc, p->B, p->accum, budget, NULL, NULL);
-        simulate(x, &v, oc, p->B, p->accum, 0, NULL, &peak);
-        s->peak = peak;
-        snprintf(s->change, sizeof s->change, "--precision bf16-true");
-        snprintf(s->note, sizeof s->note, "bf16 parameters, gradients, optimizer state and saved activations");
+        sugg_variant(p, x, s, &v, oc, "--precision bf16-true",
+                     "bf16 parameters, gradients, optimizer state and saved activations");
     }
     /* 4. activation checkpointing and 8-bit AdamW, planned like the rest */
     if (!p->act_ckpt && (s = sugg(p, "activation_checkpointing"))) {
         fl_run_config v = *c;
         v.train.activation_checkpointing = 1;
-        s->fits = simulate(x, &v, oc, p->B, p->accum, budget, NULL, NULL);
-        simulate(x, &v, oc, p->B, p->accum, 0, NULL, &peak);
-        s->peak = peak;
-        snprintf(s->change, sizeof s->change, "--train.activation_checkpointing true");
-        snprintf(s->note, sizeof s->note, "keeps each block's input only; one block is recomputed in backward");
+        sugg_variant(p, x, s, &v, oc, "--train.activation_checkpointing true",
+                     "keeps each block's input only; one block is recomputed in backward");
     }
     if (oc->kind == FL_OPT_ADAMW && (s = sugg(p, "adam8bit")) && !adam8bit_takes(x, c, s->note, sizeof s->note)) {
         s->fits = -1; /* not with this precision: unknown, said in the note */
@@ -451,11 +465,7 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
         fl_optim_config a8;
         fl_optim_config_default(&a8, FL_OPT_ADAMW8BIT);
         a8.lr = oc->lr;
-        s->fits = simulate(x, c, &a8, p->B, p->accum, budget, NULL, NULL);
-        simulate(x, c, &a8, p->B, p->accum, 0, NULL, &peak);
-        s->peak = peak;
-        snprintf(s->change, sizeof s->change, "--optimizer bnb.optim.AdamW8bit");
-        snprintf(s->note, sizeof s->note, "about 2 bytes of state per parameter instead of 8");
+        sugg_variant(p, x, s, c, &a8, "--optimizer bnb.optim.AdamW8bit", "about 2 bytes of state per parameter instead of 8");
     }
     /* 4b. CPU offload (ZeRO-Offload): the optimizer state off the device; AdamW and SGD with momentum, not
      * under FULL_SHARD (parameter offload is not built) */
@@ -465,14 +475,11 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
         snprintf(v.strategy, sizeof v.strategy, "deepspeed_stage_2_offload");
         /* a CPU run's host tier is the same RAM as its "device": only files free it (the nvme tier) */
         if (!x->cuda) snprintf(v.offload_device, sizeof v.offload_device, "nvme");
-        s->fits = simulate(x, &v, oc, p->B, p->accum, budget, NULL, NULL);
-        simulate(x, &v, oc, p->B, p->accum, 0, NULL, &peak);
-        s->peak = peak;
-        snprintf(s->change, sizeof s->change, "--strategy deepspeed_stage_2_offload%s",
-                 x->cuda ? "" : " --offload_optimizer_device nvme --nvme_path DIR");
-        snprintf(s->note, sizeof s->note, "%s", x->cuda ? "the optimizer state in host memory and the update on the "
-                 "host's cores (slower: gradients down and parameters up every step)" : "the optimizer state in files "
-                 "on a disk, paged through a few pieces of RAM (slower: read and written every step)");
+        sugg_variant(p, x, s, &v, oc, x->cuda ? "--strategy deepspeed_stage_2_offload"
+                     : "--strategy deepspeed_stage_2_offload --offload_optimizer_device nvme --nvme_path DIR",
+                     x->cuda ? "the optimizer state in host memory and the update on the host's cores (slower: gradients "
+                     "down and parameters up every step)" : "the optimizer state in files on a disk, paged through a few "
+                     "pieces of RAM (slower: read and written every step)");
     }
     if (c->command != FL_CMD_FINETUNE_LORA && (s = sugg(p, "lora"))) {
         fl_run_config v = *c;
@@ -480,11 +487,9 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
         fl_cfg_defaults(&d, FL_CMD_FINETUNE_LORA);
         v.command = FL_CMD_FINETUNE_LORA;
         v.lora = d.lora;
-        s->fits = simulate(x, &v, oc, p->B, p->accum, budget, NULL, NULL);
-        simulate(x, &v, oc, p->B, p->accum, 0, NULL, &peak);
-        s->peak = peak;
-        snprintf(s->change, sizeof s->change, "fitllm finetune_lora (r %d, query+value)", v.lora.r);
-        snprintf(s->note, sizeof s->note, "gradients and optimizer state for the adapters only");
+        char change[64];
+        snprintf(change, sizeof change, "fitllm finetune_lora (r %d, query+value)", v.lora.r);
+        sugg_variant(p, x, s, &v, oc, change, "gradients and optimizer state for the adapters only");
     }
     if (!c->lora.quantize[0] && (s = sugg(p, "qlora"))) { /* QLoRA: LoRA on a 4-bit NF4 base */
         fl_run_config v = *c;
@@ -496,12 +501,9 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
         }
         snprintf(v.lora.quantize, sizeof v.lora.quantize, "bnb.nf4-dq");
         if (strstr(v.precision, "mixed")) snprintf(v.precision, sizeof v.precision, "bf16-true");
-        s->fits = simulate(x, &v, oc, p->B, p->accum, budget, NULL, NULL);
-        simulate(x, &v, oc, p->B, p->accum, 0, NULL, &peak);
-        s->peak = peak;
-        snprintf(s->change, sizeof s->change, "fitllm finetune_lora --quantize bnb.nf4-dq%s",
-                 strcmp(v.precision, c->precision) ? " --precision bf16-true" : "");
-        snprintf(s->note, sizeof s->note, "LoRA on a 4-bit base (4.127 bits per linear weight)");
+        sugg_variant(p, x, s, &v, oc, strcmp(v.precision, c->precision)
+                     ? "fitllm finetune_lora --quantize bnb.nf4-dq --precision bf16-true"
+                     : "fitllm finetune_lora --quantize bnb.nf4-dq", "LoRA on a 4-bit base (4.127 bits per linear weight)");
     }
     /* 5. what this build does not have yet */
     static const char *later[] = {"bf16-true", "bf16-mixed", "activation_checkpointing", "adam8bit", "lora", "qlora",

@@ -23,7 +23,7 @@
 #include "fitllm/train.h"
 #include "fitllm/trainer.h"
 
-typedef struct {
+typedef struct fl_dp {
     fl_comm *comm; /* NULL: one process. Host-memory collectives (losses, counts, configuration) */
     fl_comm *dev;  /* the backend's device-memory communicator (NCCL), owned; NULL: comm takes the
                     * backend's buffers directly (host-memory backends) */

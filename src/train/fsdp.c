@@ -194,7 +194,6 @@ static fl_status pp_grads_ready(void *ud, int g) {
     }
     fl_mem_free(m->pool, f->views[g].g);
     f->views[g].g = NULL;
-    fl_model_grads_live(m, SIZE_MAX); /* the shard holds reduced gradients from here to the update */
     return fl_error_prefix(s, "FSDP: reduce-scattering unit %d's gradients (%zu elements)", g, f->n[g]);
 }
 

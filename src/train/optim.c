@@ -9,24 +9,6 @@
 #include "fitllm/train.h"
 #include "dp.h"
 
-void fl_optim_config_default(fl_optim_config *c, fl_optim_kind kind) {
-    memset(c, 0, sizeof *c);
-    c->kind = kind;
-    c->lr = 1e-3f;
-    c->state_dtype = FL_F32;
-    if (kind == FL_OPT_ADAMW || kind == FL_OPT_ADAMW8BIT) {
-        c->beta1 = 0.9f;
-        c->beta2 = 0.999f;
-        c->eps = 1e-8f;
-        c->weight_decay = 0.01f;
-    }
-}
-
-const char *fl_optim_name(fl_optim_kind kind) {
-    static const char *n[FL_OPT_COUNT] = {"AdamW", "SGD", "AdamW8bit"};
-    return (kind >= 0 && kind < FL_OPT_COUNT) ? n[kind] : "?";
-}
-
 size_t fl_optim_state_bytes(const fl_optim_config *c, size_t n) {
     size_t es = c->state_dtype == FL_BF16 ? 2 : 4;
     switch (c->kind) {
@@ -498,7 +480,7 @@ fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim
     /* the backend must implement the update for these dtypes: found here, not at the first step */
     if (s == FL_OK) {
         const fl_backend *be = o->sbe; /* offload: the host's kernels run it */
-        fl_op op = cfg->kind == FL_OPT_ADAMW ? FL_OP_ADAMW_EX : cfg->kind == FL_OPT_SGD ? FL_OP_SGD_EX : FL_OP_ADAM8BIT;
+        fl_op op = cfg->kind == FL_OPT_ADAMW ? FL_OP_ADAMW : cfg->kind == FL_OPT_SGD ? FL_OP_SGD : FL_OP_ADAM8BIT;
         if (!be->supports_op(be, op, o->pt, o->gt, o->cfg.state_dtype))
             s = fl_errorf(FL_ERR_UNSUPPORTED, "backend '%s' does not implement %s for parameters %s, gradients %s, state "
                           "%s (optimizer set-up)", be->name, fl_op_name(op), fl_dtype_name(o->pt), fl_dtype_name(o->gt),
@@ -588,8 +570,7 @@ static fl_status found_inf(const fl_optimizer *o, float inv_scale, int *found) {
 static double chunk_sumsq(const fl_optimizer *o, size_t off, size_t len) {
     const fl_backend *be = o->model->be;
     if (!len) return 0.0;
-    if (o->gt == FL_F32) return be->sumsq(be, (const float *)g_at(o, off), len);
-    return be->sumsq_ex(be, g_at(o, off), o->gt, len);
+    return be->sumsq(be, g_at(o, off), o->gt, len);
 }
 
 /* The squared global gradient norm: the squared norms of the world's chunks summed in rank order
@@ -616,10 +597,8 @@ static fl_status grad_sumsq(const fl_optimizer *o, double *out) {
 double fl_grad_norm(const fl_model *m) {
     size_t n = fl_model_store_numel(m); /* sharded: this rank's shard only */
     fl_lora_adapters ad;
-    if (fl_model_lora_adapters(m, &ad)) return sqrt(m->be->sumsq(m->be, ad.grads, ad.numel));
-    if (fl_model_store_dtype(m) != FL_F32)
-        return sqrt(m->be->sumsq_ex(m->be, fl_model_grads_data(m), fl_model_store_dtype(m), n));
-    return sqrt(m->be->sumsq(m->be, fl_model_grads_data(m), n));
+    if (fl_model_lora_adapters(m, &ad)) return sqrt(m->be->sumsq(m->be, ad.grads, FL_F32, ad.numel));
+    return sqrt(m->be->sumsq(m->be, fl_model_grads_data(m), fl_model_store_dtype(m), n));
 }
 
 /* AdamW / SGD on be over n elements of parameters p and gradients g (this rank's range, or one piece of
@@ -630,22 +609,12 @@ static fl_status update_range(const fl_optimizer *o, const fl_backend *be, void 
     const size_t ses = c->state_dtype == FL_BF16 ? 2 : 4;
     void *m = o->m ? (char *)o->m + st * ses : NULL, *v = o->v ? (char *)o->v + st * ses : NULL;
     void *buf = o->buf ? (char *)o->buf + st * ses : NULL;
-    const int f32 = o->pt == FL_F32 && o->gt == FL_F32;
-    if (c->kind == FL_OPT_ADAMW && c->state_dtype == FL_F32 && f32) {
-        be->adamw_update(be, p, g, m, v, n, lr, c->beta1, c->beta2, c->eps, c->weight_decay, o->step, scale);
-        return FL_OK;
-    }
     if (c->kind == FL_OPT_ADAMW)
-        return be->adamw_update_ex(be, p, o->pt, g, o->gt, m, v, c->state_dtype, n, lr, c->beta1, c->beta2, c->eps,
-                                   c->weight_decay, o->step, scale);
-    if (c->kind == FL_OPT_SGD && c->state_dtype == FL_F32 && f32) {
-        be->sgd_update(be, p, g, buf, n, lr, c->momentum, c->dampening, c->weight_decay, c->nesterov, o->step == 1,
-                       scale);
-        return FL_OK;
-    }
+        return be->adamw_update(be, p, o->pt, g, o->gt, m, v, c->state_dtype, n, lr, c->beta1, c->beta2, c->eps,
+                                c->weight_decay, o->step, scale);
     if (c->kind == FL_OPT_SGD)
-        return be->sgd_update_ex(be, p, o->pt, g, o->gt, buf, c->state_dtype, n, lr, c->momentum, c->dampening,
-                                 c->weight_decay, c->nesterov, o->step == 1, scale);
+        return be->sgd_update(be, p, o->pt, g, o->gt, buf, c->state_dtype, n, lr, c->momentum, c->dampening,
+                              c->weight_decay, c->nesterov, o->step == 1, scale);
     return fl_errorf(FL_ERR_INTERNAL, "optimizer update: %s is not elementwise", fl_optim_name(c->kind));
 }
 
@@ -714,7 +683,6 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
         FL_TRY(found_inf(o, inv, &found));
         if (fl_loss_scale_update(&o->ls, found)) { /* overflow: no update, scale backed off */
             o->last_skipped = 1;
-            fl_model_grads_live(m, 0); /* discarded */
             if (norm_out) *norm_out = NAN;
             return FL_OK;
         }
@@ -757,6 +725,5 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
     /* ZeRO: every rank's updated range to every rank before anything reads the weights */
     if (o->dist && o->dist->stage > 0 && o->dist->gather) FL_TRY(o->dist->gather(o->dist->ud, o));
     if (!m->lora) fl_model_sync_compute_copy(m); /* mixed precision: matmuls read the refreshed copy */
-    fl_model_grads_live(m, 0); /* consumed: the next step starts from zero */
     return FL_OK;
 }

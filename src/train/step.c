@@ -1,9 +1,14 @@
-/* One training step: accumulation over micro-batches, backward, update, with
- * phase memory snapshots and phase timings. */
+/* The training step, the one every caller runs (the trainer, bench-step, the demo, tests):
+ * accumulation over micro-batches, backward, the data-parallel reduction, the update, with the
+ * phase memory snapshots, the live bytes each phase leaves (fl_model_live) and phase timings. */
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
+#include "fitllm/lora.h"
 #include "fitllm/train.h"
+#include "dp.h"
 
 static double now_ms(void) {
     struct timespec t;
@@ -11,8 +16,18 @@ static double now_ms(void) {
     return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
 }
 
-fl_status fl_train_micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb, int k, int last, long step_valid,
-                         float lr, float max_norm, double *loss_sum, long *n_valid, fl_step_result *res) {
+/* Live bytes are a fact of the step's phases: at each boundary the model says which of its
+ * regions still hold data a later phase reads (fl_model_live), and the step records it in the pool. */
+static void record_live(fl_model *m, fl_live_phase ph) {
+    fl_live_region r[FL_MODEL_LIVE_MAX];
+    int n = fl_model_live(m, ph, r);
+    for (int i = 0; i < n; i++)
+        if (!r[i].at_least || r[i].bytes > fl_mem_live_of(m->pool, r[i].ptr)) fl_mem_set_live(m->pool, r[i].ptr, r[i].bytes);
+}
+
+/* Forward + backward of micro-batch k (grad scale 1/step_valid); gradients accumulate. */
+static fl_status micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb, int k, long step_valid,
+                       double *loss_sum, long *n_valid, fl_step_result *res) {
     fl_mem_pool *pool = m->pool;
     if (step_valid <= 0) return fl_errorf(FL_ERR_INVALID, "training step has no target tokens (all are ignore_index)");
     float grad_scale = (float)(1.0 / (double)step_valid);
@@ -23,6 +38,7 @@ fl_status fl_train_micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb,
     FL_TRY(fl_model_forward(m, mb->ids, mb->targets, mb->B, mb->T, grad_scale, NULL));
     *loss_sum = m->loss_sum;
     *n_valid = m->n_valid;
+    record_live(m, FL_LIVE_FORWARD);
     /* a diverged run: stop before its NaN reaches the weights. Under fp16 loss
      * scaling an overflow is expected now and then: the optimizer skips that update. */
     if (!isfinite(m->loss_sum) && !(o && o->use_loss_scale))
@@ -31,53 +47,94 @@ fl_status fl_train_micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb,
     double b = now_ms();
     fl_mem_set_phase(pool, "backward");
     FL_TRY(fl_model_backward(m));
+    record_live(m, FL_LIVE_BACKWARD);
     if (k == 0) fl_mem_snapshot(pool, "after_bwd");
-    if (res && !m->be->host_memory) FL_TRY(m->be->sync(m->be)); /* an asynchronous device: its own time */
+    if (!m->be->host_memory) FL_TRY(m->be->sync(m->be)); /* an asynchronous device: its own time */
     double c = now_ms();
-    if (res) {
-        res->ms_fwd += b - a - m->ms_head;
-        res->ms_head += m->ms_head;
-        res->ms_bwd += c - b;
-    }
-    if (last) FL_TRY(fl_train_update(m, o, lr, max_norm, res));
+    res->ms_fwd += b - a - m->ms_head;
+    res->ms_head += m->ms_head;
+    res->ms_bwd += c - b;
     return FL_OK;
 }
 
-fl_status fl_train_update(fl_model *m, fl_optimizer *o, float lr, float max_norm, fl_step_result *res) {
+/* The optimizer update that ends a step: phase "optimizer step", fl_optim_step, the after_opt_step
+ * snapshot, res's grad_norm / skipped / loss_scale / ms_opt. */
+static fl_status update(fl_model *m, fl_optimizer *o, float lr, float max_norm, fl_step_result *res) {
     fl_mem_pool *pool = m->pool;
     double c = now_ms();
     fl_mem_set_phase(pool, "optimizer step");
     double norm = 0;
     FL_TRY(fl_optim_step(o, lr, max_norm, &norm));
-    if (res && !m->be->host_memory) FL_TRY(m->be->sync(m->be));
+    record_live(m, FL_LIVE_UPDATED); /* the gradients are consumed (or, skipped, discarded) */
+    if (!m->be->host_memory) FL_TRY(m->be->sync(m->be));
     fl_mem_snapshot(pool, "after_opt_step");
-    if (res) {
-        res->grad_norm = norm;
-        res->skipped = o->last_skipped;
-        res->loss_scale = o->use_loss_scale ? fl_loss_scale_value(&o->ls) : 0.0f;
-        res->ms_opt += now_ms() - c;
+    res->grad_norm = norm;
+    res->skipped = o->last_skipped;
+    res->loss_scale = o->use_loss_scale ? fl_loss_scale_value(&o->ls) : 0.0f;
+    res->ms_opt += now_ms() - c;
+    return FL_OK;
+}
+
+fl_status fl_step_run(fl_model *m, fl_optimizer *o, fl_step_ctx *c, fl_step_result *res) {
+    fl_step_result r = {0};
+    const int world = c->dp ? c->dp->world : 1, rank = c->dp ? c->dp->rank : 0;
+    double t0 = now_ms(), loss_sum = 0;
+    c->failed_k = -1;
+    fl_model_zero_grads(m);
+    record_live(m, FL_LIVE_ZEROED);
+    /* every target of the step masked: nothing to learn, no forward and no update (c->skip_empty) */
+    const int learn = c->step_valid > 0 || !c->skip_empty;
+    for (int k = 0; k < c->n_micro; k++) {
+        double it0 = now_ms(), ls_k = 0;
+        long nv_k = 0;
+        if (learn) {
+            if (c->seeded) /* LoRA dropout masks depend on (seed, global micro-batch) only: a resumed run, and any
+                            * world size, draws the same */
+                fl_model_lora_set_seed(m, c->seed + (uint64_t)(c->iter0 + (long)k * world + rank));
+            if (c->dp) fl_dp_buckets_arm(c->dp, o, k == c->n_micro - 1); /* the last backward reduces block by block */
+            fl_status s = micro(m, o, &c->mbs[k], k, c->step_valid, &ls_k, &nv_k, &r);
+            if (s != FL_OK) {
+                c->failed_k = k;
+                return s;
+            }
+        }
+        loss_sum += ls_k;
+        if (c->mb_stats) {
+            c->mb_stats[2 * k] = ls_k;
+            c->mb_stats[2 * k + 1] = (double)nv_k;
+        }
+        if (c->mb_ms) c->mb_ms[k] = now_ms() - it0;
     }
+    if (learn) {
+        double u0 = now_ms();
+        /* the sum over ranks, then one update: clipping and fp16 overflow skips see the same
+         * reduced gradients on every rank, so they decide alike */
+        fl_status s = c->dp ? fl_dp_reduce_grads(c->dp, o) : FL_OK;
+        if (s == FL_OK) s = update(m, o, c->lr, c->max_norm, &r);
+        if (s != FL_OK) {
+            c->failed_k = c->n_micro;
+            return s;
+        }
+        if (c->mb_ms && c->n_micro > 0) c->mb_ms[c->n_micro - 1] += now_ms() - u0; /* the last iteration carries it */
+    }
+    r.loss = c->step_valid > 0 ? loss_sum / (double)c->step_valid : NAN;
+    r.n_valid = c->step_valid;
+    r.ms_total = now_ms() - t0;
+    if (res) *res = r;
     return FL_OK;
 }
 
 fl_status fl_train_step(fl_model *m, fl_optimizer *o, const int32_t *ids, const int32_t *targets, int n_micro, int B,
                         int T, float lr, float max_norm, fl_step_result *res) {
+    enum { ON_STACK = 16 };
     const size_t mb = (size_t)B * T;
     long total = 0;
     for (size_t i = 0; i < (size_t)n_micro * mb; i++) total += targets[i] != FL_IGNORE_INDEX;
-    fl_step_result r = {0};
-    double t0 = now_ms(), loss_sum = 0;
-    fl_model_zero_grads(m);
-    for (int k = 0; k < n_micro; k++) {
-        fl_micro_batch b = {ids + k * mb, targets + k * mb, B, T};
-        double ls = 0;
-        long nv;
-        FL_TRY(fl_train_micro(m, o, &b, k, k == n_micro - 1, total, lr, max_norm, &ls, &nv, &r));
-        loss_sum += ls;
-    }
-    r.loss = loss_sum / (double)total;
-    r.n_valid = total;
-    r.ms_total = now_ms() - t0;
-    if (res) *res = r;
-    return FL_OK;
+    fl_micro_batch stack[ON_STACK], *mbs = n_micro <= ON_STACK ? stack : malloc((size_t)n_micro * sizeof *mbs);
+    if (!mbs) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    for (int k = 0; k < n_micro; k++) mbs[k] = (fl_micro_batch){ids + k * mb, targets + k * mb, B, T};
+    fl_step_ctx c = {.mbs = mbs, .n_micro = n_micro, .step_valid = total, .lr = lr, .max_norm = max_norm};
+    fl_status s = fl_step_run(m, o, &c, res);
+    if (mbs != stack) free(mbs);
+    return s;
 }

@@ -47,7 +47,7 @@ static void fill_nan(float *x, size_t n) {
     for (size_t i = 0; i < n; i++) x[i] = NAN;
 }
 
-void fl_cpu_attention_forward(const fl_backend *be, float *out /*(B,T,NH*HD)*/, float *lse /*(B,NH,T)*/,
+void fl_cpu_attn_qkv_forward(const fl_backend *be, float *out /*(B,T,NH*HD)*/, float *lse /*(B,NH,T)*/,
                               const float *qkv /*(B,T,(NH+2*NKV)*HD)*/, int B, int T, int NH, int NKV, int HD) {
     if (HD > MAXHD || HD <= 0 || NKV <= 0 || NH % NKV) {
         fill_nan(out, (size_t)B * T * NH * HD);
@@ -284,14 +284,7 @@ int fl_cpu_attn_use_split(int n_fused, int nt) {
     return 2L * 5 * rounds * nt >= 3L * 8 * n_fused;
 }
 
-void fl_cpu_attention_backward(const fl_backend *be, float *dqkv /*(B,T,(NH+2*NKV)*HD)*/,
-                               const float *dout /*(B,T,NH*HD)*/, const float *qkv /*(B,T,(NH+2*NKV)*HD)*/,
-                               const float *out /*(B,T,NH*HD)*/, const float *lse /*(B,NH,T)*/, int B, int T,
-                               int NH, int NKV, int HD) {
-    fl_cpu_attention_backward_sched(be, dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD, -1);
-}
-
-void fl_cpu_attention_backward_sched(const fl_backend *be, float *dqkv, const float *dout, const float *qkv,
+void fl_cpu_attn_qkv_backward_sched(const fl_backend *be, float *dqkv, const float *dout, const float *qkv,
                                      const float *out, const float *lse, int B, int T, int NH, int NKV, int HD,
                                      int split) {
     if (HD > MAXHD || HD <= 0 || NKV <= 0 || NH % NKV) {

@@ -47,8 +47,6 @@ static void fill_ops(fl_backend *be) {
     be->scale = fl_cpu_scale;
     be->zero = fl_cpu_zero;
     be->convert = fl_cpu_convert;
-    be->adamw_update_ex = fl_cpu_adamw_update_ex;
-    be->sgd_update_ex = fl_cpu_sgd_update_ex;
     be->check_finite = fl_cpu_check_finite;
     be->adam8bit_update = fl_cpu_adam8bit_update;
     be->attention_decode = fl_cpu_attention_decode;
@@ -64,12 +62,10 @@ static void fill_ops(fl_backend *be) {
     be->sync = fl_cpu_sync;
     be->supports_op = fl_cpu_supports_op;
     be->rope_tables = fl_cpu_rope_tables;
-    be->sumsq_ex = fl_cpu_sumsq_ex;
-    be->attention_forward_ex = fl_cpu_attention_forward_ex;
-    be->attention_backward_ex = fl_cpu_attention_backward_ex;
     be->pool_init = fl_cpu_pool_init;
     be->host_pool_init = fl_cpu_pool_init;
     be->host_memory = 1;
+    be->caps = FL_CAP_HOST_MEMORY;
 }
 
 /* The scratch lent by the calling thread (ops run on the caller's thread; their OpenMP workers

@@ -126,14 +126,14 @@ void fl_cpu_kernels(fl_cpu_kernel_info *k);
 
 /* ---- lowp.c / adam8bit.c (reduced precision; semantics in backend.h) ------------ */
 fl_status fl_cpu_accumulate16(const fl_backend *be, uint16_t *dst, fl_dtype t, const float *src, size_t n);
-double fl_cpu_sumsq_ex(const fl_backend *be, const void *x, fl_dtype t, size_t n);
+double fl_cpu_sumsq(const fl_backend *be, const void *x, fl_dtype t, size_t n);
 fl_status fl_cpu_convert(const fl_backend *be, void *dst, fl_dtype dt, const void *src, fl_dtype st, size_t n);
-fl_status fl_cpu_adamw_update_ex(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m,
-                                 void *v, fl_dtype ts, size_t n, float lr, float beta1, float beta2, float eps,
-                                 float weight_decay, int step, float grad_scale);
-fl_status fl_cpu_sgd_update_ex(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf,
-                               fl_dtype ts, size_t n, float lr, float momentum, float dampening, float weight_decay,
-                               int nesterov, int first_step, float grad_scale);
+fl_status fl_cpu_adamw_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m,
+                              void *v, fl_dtype ts, size_t n, float lr, float beta1, float beta2, float eps,
+                              float weight_decay, int step, float grad_scale);
+fl_status fl_cpu_sgd_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf,
+                            fl_dtype ts, size_t n, float lr, float momentum, float dampening, float weight_decay,
+                            int nesterov, int first_step, float grad_scale);
 fl_status fl_cpu_check_finite(const fl_backend *be, const void *x, fl_dtype t, size_t n, float inv_scale,
                               int *found_inf);
 fl_status fl_cpu_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg,
@@ -177,33 +177,36 @@ void fl_cpu_rope_forward(const fl_backend *be, float *x, int B, int T, int nh, i
 void fl_cpu_rope_backward(const fl_backend *be, float *dx, int B, int T, int nh, int HD, size_t row_stride,
                           const float *cos_t, const float *sin_t, int pos0);
 
-/* ---- attention.c -------------------------------------------------------------- */
-void fl_cpu_attention_forward(const fl_backend *be, float *out, float *lse, const float *qkv, int B, int T, int NH,
-                              int NKV, int HD);
-void fl_cpu_attention_backward(const fl_backend *be, float *dqkv, const float *dout, const float *qkv,
-                               const float *out, const float *lse, int B, int T, int NH, int NKV, int HD);
-/* The same with the schedule chosen: split 0 = fused (item (b, kv head)), 1 = split (items (b, kv head,
- * key tile) and (b, head, query tile)), -1 = by thread count. Same bits for every choice (tests). */
-void fl_cpu_attention_backward_sched(const fl_backend *be, float *dqkv, const float *dout, const float *qkv,
+/* ---- attention.c (the kernels of the fused-QKV causal shape, fl_attn_is_qkv) ---------- */
+/* HD beyond FL_CPU_ATTN_MAX_HD or NH % NKV != 0: the outputs become NaN (the slots refuse it first). */
+void fl_cpu_attn_qkv_forward(const fl_backend *be, float *out, float *lse, const float *qkv, int B, int T, int NH,
+                             int NKV, int HD);
+/* dqkv += the gradient, with the schedule chosen: split 0 = fused (item (b, kv head)), 1 = split
+ * (items (b, kv head, key tile) and (b, head, query tile)), -1 = by thread count. Same bits for
+ * every choice (tests). */
+void fl_cpu_attn_qkv_backward_sched(const fl_backend *be, float *dqkv, const float *dout, const float *qkv,
                                      const float *out, const float *lse, int B, int T, int NH, int NKV, int HD,
                                      int split);
 
 /* 1 if the split backward schedule (more, smaller items; 1.55-1.8x the work) should beat the
- * fused one (n_fused items) on nt threads by at least 1.5x (attention.c, attention_ex.c). */
+ * fused one (n_fused items) on nt threads by at least 1.5x (attention.c, attention_general.c). */
 int fl_cpu_attn_use_split(int n_fused, int nt);
 
-/* ---- attention_ex.c (general attention: mask, bias, cross, bidirectional; backend.h) ---- */
-fl_status fl_cpu_attention_forward_ex(const fl_backend *be, const fl_attn_desc *a, float *out, float *lse,
+/* ---- attention_general.c (the attention slots: mask, bias, cross, bidirectional; backend.h) ---- */
+fl_status fl_cpu_attention_forward(const fl_backend *be, const fl_attn_desc *a, float *out, float *lse,
+                                   const float *q, const float *k, const float *v, const float *bias,
+                                   const uint8_t *kmask);
+fl_status fl_cpu_attention_backward(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk, float *dv,
+                                    float *dbias, const float *dout, const float *q, const float *k, const float *v,
+                                    const float *bias, const uint8_t *kmask, const float *out, const float *lse);
+/* The general kernels, whatever the shape (the slots above send the fused-QKV shape to
+ * attention.c instead; tests and bench/attention_bench.c compare the two). Backward with the
+ * schedule chosen: split 0 = fused (items (b, kv head), or (kv head) with dbias), 1 = split
+ * (kv-tile and query-tile items), -1 = by thread count. Same bits for every choice (tests). */
+fl_status fl_cpu_attn_general_forward(const fl_backend *be, const fl_attn_desc *a, float *out, float *lse,
                                       const float *q, const float *k, const float *v, const float *bias,
                                       const uint8_t *kmask);
-fl_status fl_cpu_attention_backward_ex(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk, float *dv,
-                                       float *dbias, const float *dout, const float *q, const float *k,
-                                       const float *v, const float *bias, const uint8_t *kmask, const float *out,
-                                       const float *lse);
-/* The same with the schedule chosen: split 0 = fused (items (b, kv head), or (kv head) with
- * dbias), 1 = split (kv-tile and query-tile items), -1 = by thread count. Same bits for every
- * choice (tests). */
-fl_status fl_cpu_attention_backward_ex_sched(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk,
+fl_status fl_cpu_attn_general_backward_sched(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk,
                                              float *dv, float *dbias, const float *dout, const float *q,
                                              const float *k, const float *v, const float *bias,
                                              const uint8_t *kmask, const float *out, const float *lse, int split);
@@ -224,7 +227,7 @@ void fl_cpu_relu_backward(const fl_backend *be, float *dinp, const float *dout, 
 void fl_cpu_add(const fl_backend *be, float *out, const float *a, const float *b, size_t n);
 void fl_cpu_bias_forward(const fl_backend *be, float *y, const float *b, int N, int OC);
 void fl_cpu_bias_backward(const fl_backend *be, float *db, const float *dy, int N, int OC);
-double fl_cpu_sumsq(const fl_backend *be, const float *x, size_t n);
+double fl_cpu_sumsq_f32(const fl_backend *be, const float *x, size_t n);
 void fl_cpu_scale(const fl_backend *be, float *x, size_t n, float s);
 void fl_cpu_zero(const fl_backend *be, void *x, size_t bytes);
 
@@ -233,11 +236,11 @@ void fl_cpu_cross_entropy(const fl_backend *be, float *loss, float *dlogits, con
                           const int32_t *targets, int N, int V, float grad_scale, int ignore_index);
 
 /* ---- optim_kernels.c ---------------------------------------------------------------------- */
-void fl_cpu_adamw_update(const fl_backend *be, float *p, const float *g, float *m, float *v, size_t n, float lr,
-                         float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale);
-void fl_cpu_sgd_update(const fl_backend *be, float *p, const float *g, float *buf, size_t n, float lr,
-                       float momentum, float dampening, float weight_decay, int nesterov, int first_step,
-                       float grad_scale);
+/* The fp32 loops of adamw_update / sgd_update (all-F32 storage; lowp.c's slots call them). */
+void fl_cpu_adamw_f32(const fl_backend *be, float *p, const float *g, float *m, float *v, size_t n, float lr,
+                      float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale);
+void fl_cpu_sgd_f32(const fl_backend *be, float *p, const float *g, float *buf, size_t n, float lr, float momentum,
+                    float dampening, float weight_decay, int nesterov, int first_step, float grad_scale);
 
 /* ---- shared math helpers ------------------------------------------------------------ */
 

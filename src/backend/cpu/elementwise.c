@@ -72,7 +72,7 @@ void fl_cpu_bias_backward(const fl_backend *be, float *db /*(OC)*/, const float 
     }
 }
 
-double fl_cpu_sumsq(const fl_backend *be, const float *x /*(n)*/, size_t n) {
+double fl_cpu_sumsq_f32(const fl_backend *be, const float *x /*(n)*/, size_t n) {
     /* Fixed ranges (fl_cpu_sum_parts: set by n, not by the thread count), each summed in order,
      * partials added in range order: the same bits for any thread count. */
     const int P = fl_cpu_sum_parts(n);

@@ -65,15 +65,19 @@ fl_status fl_cpu_convert(const fl_backend *be, void *dst, fl_dtype dt, const voi
     return FL_OK;
 }
 
-fl_status fl_cpu_adamw_update_ex(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m,
-                                 void *v, fl_dtype ts, size_t n, float lr, float beta1, float beta2, float eps,
-                                 float weight_decay, int step, float grad_scale) {
+fl_status fl_cpu_adamw_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m,
+                              void *v, fl_dtype ts, size_t n, float lr, float beta1, float beta2, float eps,
+                              float weight_decay, int step, float grad_scale) {
     if (!isfloat(tp) || !isfloat(tg) || (ts != FL_F32 && ts != FL_BF16))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "adamw_update_ex: p=%s g=%s state=%s not supported", fl_dtype_name(tp),
+        return fl_errorf(FL_ERR_UNSUPPORTED, "adamw_update: p=%s g=%s state=%s not supported", fl_dtype_name(tp),
                          fl_dtype_name(tg), fl_dtype_name(ts));
     if (n == 0) return FL_OK;
-    if (!p || !g || !m || !v || step < 1) return fl_errorf(FL_ERR_INVALID, "adamw_update_ex: NULL buffer or step %d", step);
-    /* The same constants and operation order as fl_cpu_adamw_update (optim_kernels.c). */
+    if (!p || !g || !m || !v || step < 1) return fl_errorf(FL_ERR_INVALID, "adamw_update: NULL buffer or step %d", step);
+    if (tp == FL_F32 && tg == FL_F32 && ts == FL_F32) { /* fp32 training: the plain loop (optim_kernels.c) */
+        fl_cpu_adamw_f32(be, p, g, m, v, n, lr, beta1, beta2, eps, weight_decay, step, grad_scale);
+        return FL_OK;
+    }
+    /* The same constants and operation order as fl_cpu_adamw_f32 (optim_kernels.c). */
     double bc1 = 1.0 - pow((double)beta1, step), bc2 = 1.0 - pow((double)beta2, step);
     float step_size = (float)(lr / bc1), bc2_sqrt = (float)sqrt(bc2);
     float decay = 1.0f - lr * weight_decay, w1 = 1.0f - beta1, w2 = 1.0f - beta2;
@@ -130,14 +134,18 @@ fl_status fl_cpu_adamw_update_ex(const fl_backend *be, void *p, fl_dtype tp, con
     return FL_OK;
 }
 
-fl_status fl_cpu_sgd_update_ex(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf,
-                               fl_dtype ts, size_t n, float lr, float momentum, float dampening, float weight_decay,
-                               int nesterov, int first_step, float grad_scale) {
+fl_status fl_cpu_sgd_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf,
+                            fl_dtype ts, size_t n, float lr, float momentum, float dampening, float weight_decay,
+                            int nesterov, int first_step, float grad_scale) {
     if (!isfloat(tp) || !isfloat(tg) || (ts != FL_F32 && ts != FL_BF16))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "sgd_update_ex: p=%s g=%s buf=%s not supported", fl_dtype_name(tp),
+        return fl_errorf(FL_ERR_UNSUPPORTED, "sgd_update: p=%s g=%s buf=%s not supported", fl_dtype_name(tp),
                          fl_dtype_name(tg), fl_dtype_name(ts));
     if (n == 0) return FL_OK;
-    if (!p || !g) return fl_errorf(FL_ERR_INVALID, "sgd_update_ex: NULL buffer");
+    if (!p || !g) return fl_errorf(FL_ERR_INVALID, "sgd_update: NULL buffer");
+    if (tp == FL_F32 && tg == FL_F32 && ts == FL_F32) { /* fp32 training: the plain loop (optim_kernels.c) */
+        fl_cpu_sgd_f32(be, p, g, buf, n, lr, momentum, dampening, weight_decay, nesterov, first_step, grad_scale);
+        return FL_OK;
+    }
     int use_mom = momentum != 0.0f && buf != NULL;
     size_t nc = (n + FL_PREC_CHUNK - 1) / FL_PREC_CHUNK;
 #pragma omp parallel for num_threads(nthreads(be)) schedule(static)
@@ -207,8 +215,8 @@ fl_status fl_cpu_accumulate16(const fl_backend *be, uint16_t *dst, fl_dtype t, c
     return FL_OK;
 }
 
-double fl_cpu_sumsq_ex(const fl_backend *be, const void *x, fl_dtype t, size_t n) {
-    if (t == FL_F32) return fl_cpu_sumsq(be, (const float *)x, n);
+double fl_cpu_sumsq(const fl_backend *be, const void *x, fl_dtype t, size_t n) {
+    if (t == FL_F32) return fl_cpu_sumsq_f32(be, (const float *)x, n);
     if (!is16(t) || n == 0) return 0.0;
     /* the ranges of fl_cpu_sum_parts (fixed by n), partials added in order: the same bits for any
      * thread count */

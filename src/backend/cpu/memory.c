@@ -7,8 +7,8 @@
 #include "backend/cpu/cpu-impl.h"
 
 const char *fl_op_name(fl_op op) {
-    static const char *const names[FL_OP_COUNT] = {"gemm",       "convert",   "adamw_update_ex", "sgd_update_ex",
-                                                    "adam8bit_update", "accumulate16", "sumsq_ex", "q4_matmul"};
+    static const char *const names[FL_OP_COUNT] = {"gemm",       "convert",   "adamw_update", "sgd_update",
+                                                    "adam8bit_update", "accumulate16", "sumsq", "q4_matmul"};
     return (unsigned)op < FL_OP_COUNT ? names[op] : "?";
 }
 
@@ -56,8 +56,8 @@ int fl_cpu_supports_op(const fl_backend *be, fl_op op, fl_dtype a, fl_dtype b, f
                (a == FL_F32 && b == FL_BF16 && c == FL_F32) ||
                ((a == FL_F32 || a == FL_F16) && b == FL_F16 && c == FL_F32);
     case FL_OP_CONVERT: return isfloat(a) && isfloat(b);
-    case FL_OP_ADAMW_EX:
-    case FL_OP_SGD_EX: return isfloat(a) && isfloat(b) && (c == FL_F32 || c == FL_BF16);
+    case FL_OP_ADAMW:
+    case FL_OP_SGD: return isfloat(a) && isfloat(b) && (c == FL_F32 || c == FL_BF16);
     case FL_OP_ADAM8BIT: return fl_adam8bit_dtype_ok(a) && fl_adam8bit_dtype_ok(b);
     case FL_OP_ACCUMULATE16: return a == FL_BF16 || a == FL_F16;
     case FL_OP_SUMSQ: return isfloat(a);

@@ -10,8 +10,8 @@
 
 #include "backend/cpu/cpu-impl.h"
 
-void fl_cpu_adamw_update(const fl_backend *be, float *p /*(n)*/, const float *g /*(n)*/, float *m /*(n)*/,
-                         float *v /*(n)*/, size_t n, float lr, float beta1, float beta2, float eps,
+void fl_cpu_adamw_f32(const fl_backend *be, float *p /*(n)*/, const float *g /*(n)*/, float *m /*(n)*/,
+                      float *v /*(n)*/, size_t n, float lr, float beta1, float beta2, float eps,
                          float weight_decay, int step, float grad_scale) {
     /* torch.optim.AdamW (single-tensor path):
      *   p *= 1 - lr*wd; m.lerp_(g, 1-b1); v = b2 v + (1-b2) g^2;
@@ -34,8 +34,8 @@ void fl_cpu_adamw_update(const fl_backend *be, float *p /*(n)*/, const float *g 
     }
 }
 
-void fl_cpu_sgd_update(const fl_backend *be, float *p /*(n)*/, const float *g /*(n)*/, float *buf /*(n) or NULL*/,
-                       size_t n, float lr, float momentum, float dampening, float weight_decay, int nesterov,
+void fl_cpu_sgd_f32(const fl_backend *be, float *p /*(n)*/, const float *g /*(n)*/, float *buf /*(n) or NULL*/,
+                    size_t n, float lr, float momentum, float dampening, float weight_decay, int nesterov,
                        int first_step, float grad_scale) {
     /* torch.optim.SGD: d = g + wd p; buf = first ? d : mom buf + (1-damp) d;
      * d = nesterov ? d + mom buf : buf; p -= lr d. */

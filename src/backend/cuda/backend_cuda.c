@@ -38,8 +38,8 @@ int fl_cuda_supports_op(fl_op op, fl_dtype a, fl_dtype b, fl_dtype c) {
                (a == FL_F32 && b == FL_BF16 && c == FL_F32) || (a == FL_BF16 && b == FL_BF16 && c == FL_BF16) ||
                (a == FL_F32 && b == FL_F16 && c == FL_F32) || (a == FL_F16 && b == FL_F16 && c == FL_F32);
     case FL_OP_CONVERT: return fl_float_dt(a) && fl_float_dt(b);
-    case FL_OP_ADAMW_EX:
-    case FL_OP_SGD_EX: return fl_float_dt(a) && fl_float_dt(b) && (c == FL_F32 || c == FL_BF16);
+    case FL_OP_ADAMW:
+    case FL_OP_SGD: return fl_float_dt(a) && fl_float_dt(b) && (c == FL_F32 || c == FL_BF16);
     case FL_OP_ADAM8BIT: return fl_adam8bit_dtype_ok(a) && fl_adam8bit_dtype_ok(b);
     case FL_OP_ACCUMULATE16: return a == FL_BF16 || a == FL_F16;
     case FL_OP_SUMSQ: return fl_float_dt(a);

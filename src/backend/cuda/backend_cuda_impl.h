@@ -269,18 +269,8 @@ static void flb_cross_entropy(const fl_backend *be, float *loss, float *dlogits,
     FLB_RUN(be, FLB_K(cross_entropy)(loss, dlogits, logits, targets, N, V, grad_scale, ignore_index, STREAM),
             "cross_entropy");
 }
-static void flb_adamw_update(const fl_backend *be, float *p, const float *g, float *m, float *v, size_t n, float lr,
-                             float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale) {
-    FLB_RUN(be, FLB_K(adamw_update)(p, g, m, v, n, lr, beta1, beta2, eps, weight_decay, step, grad_scale, STREAM),
-            "adamw_update");
-}
-static void flb_sgd_update(const fl_backend *be, float *p, const float *g, float *buf, size_t n, float lr,
-                           float momentum, float dampening, float weight_decay, int nesterov, int first_step,
-                           float grad_scale) {
-    FLB_RUN(be, FLB_K(sgd_update_ex)(p, FL_F32, g, FL_F32, buf, FL_F32, n, lr, momentum, dampening, weight_decay,
-                                     nesterov, first_step, grad_scale, STREAM), "sgd_update");
-}
-static double flb_sumsq_ex_d(const fl_backend *be, const void *x, fl_dtype t, size_t n, const char *op) {
+static double flb_sumsq(const fl_backend *be, const void *x, fl_dtype t, size_t n) {
+    const char *op = "sumsq";
     flb_impl *im = FLB_IMPL(be);
     double r = 0;
     if (FLB_RUN(be, FLB_K(sumsq_ex)(im->scalars, im->scalars + 1, x, t, n, STREAM), op)) return NAN;
@@ -289,10 +279,6 @@ static double flb_sumsq_ex_d(const fl_backend *be, const void *x, fl_dtype t, si
         return NAN;
     }
     return r;
-}
-static double flb_sumsq(const fl_backend *be, const float *x, size_t n) { return flb_sumsq_ex_d(be, x, FL_F32, n, "sumsq"); }
-static double flb_sumsq_ex(const fl_backend *be, const void *x, fl_dtype t, size_t n) {
-    return flb_sumsq_ex_d(be, x, t, n, "sumsq_ex");
 }
 static void flb_scale(const fl_backend *be, float *x, size_t n, float s) {
     FLB_RUN(be, FLB_K(scale)(x, n, s, STREAM), "scale");
@@ -308,26 +294,26 @@ static fl_status flb_convert(const fl_backend *be, void *dst, fl_dtype dt, const
     FLB_RUN_S(be, FLB_K(convert)(dst, dt, src, st, n, STREAM), "convert");
     return FL_OK;
 }
-static fl_status flb_adamw_update_ex(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m,
+static fl_status flb_adamw_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m,
                                      void *v, fl_dtype ts, size_t n, float lr, float beta1, float beta2, float eps,
                                      float weight_decay, int step, float grad_scale) {
     FL_TRY(flb_sticky(be));
     if (!flb_float3(tp) || !flb_float3(tg) || (ts != FL_F32 && ts != FL_BF16))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s adamw_update_ex: p %s, g %s, state %s not supported", FLB_NAME,
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s adamw_update: p %s, g %s, state %s not supported", FLB_NAME,
                          fl_dtype_name(tp), fl_dtype_name(tg), fl_dtype_name(ts));
     FLB_RUN_S(be, FLB_K(adamw_update_ex)(p, tp, g, tg, m, v, ts, n, lr, beta1, beta2, eps, weight_decay, step,
-                                         grad_scale, STREAM), "adamw_update_ex");
+                                         grad_scale, STREAM), "adamw_update");
     return FL_OK;
 }
-static fl_status flb_sgd_update_ex(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf,
+static fl_status flb_sgd_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf,
                                    fl_dtype ts, size_t n, float lr, float momentum, float dampening,
                                    float weight_decay, int nesterov, int first_step, float grad_scale) {
     FL_TRY(flb_sticky(be));
     if (!flb_float3(tp) || !flb_float3(tg) || (ts != FL_F32 && ts != FL_BF16))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s sgd_update_ex: p %s, g %s, state %s not supported", FLB_NAME,
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s sgd_update: p %s, g %s, state %s not supported", FLB_NAME,
                          fl_dtype_name(tp), fl_dtype_name(tg), fl_dtype_name(ts));
     FLB_RUN_S(be, FLB_K(sgd_update_ex)(p, tp, g, tg, buf, ts, n, lr, momentum, dampening, weight_decay, nesterov,
-                                       first_step, grad_scale, STREAM), "sgd_update_ex");
+                                       first_step, grad_scale, STREAM), "sgd_update");
     return FL_OK;
 }
 static fl_status flb_check_finite(const fl_backend *be, const void *x, fl_dtype t, size_t n, float inv_scale,
@@ -518,6 +504,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->gemm_widens16 = 1u << FL_F16; /* an F16 B is widened per call (the panels above); fl_cuda_gemm_widens16 */
     be->scratch_bytes = FLB_SCRATCH_BYTES;
     be->host_memory = FLB_HOST_MEMORY;
+    be->caps = FL_CAP_ASYNC | FL_CAP_COMPUTE_BF16 | (FLB_HOST_MEMORY ? FL_CAP_HOST_MEMORY : FL_CAP_DEVICE_MEMORY);
     be->set_compute_dtype = flb_set_compute_dtype;
     be->comm_create = flb_comm_create_be; /* several ranks: NCCL (or its CPU stand-in) on this stream */
     be->gemm = flb_gemm;
@@ -548,8 +535,6 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->zero = flb_zero;
     be->attention_decode = flb_attention_decode;
     be->convert = flb_convert;
-    be->adamw_update_ex = flb_adamw_update_ex;
-    be->sgd_update_ex = flb_sgd_update_ex;
     be->check_finite = flb_check_finite;
     be->adam8bit_update = flb_adam8bit_update;
     be->q4_matmul_forward = flb_q4_matmul_forward;
@@ -557,9 +542,6 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->lora_forward = flb_lora_forward;
     be->lora_backward = flb_lora_backward;
     be->accumulate16 = flb_accumulate16;
-    be->sumsq_ex = flb_sumsq_ex;
-    be->attention_forward_ex = flb_attention_forward_ex;
-    be->attention_backward_ex = flb_attention_backward_ex;
     be->set_scratch = flb_set_scratch;
     be->to_device = flb_to_device;
     be->to_host = flb_to_host;

@@ -44,32 +44,6 @@ static int flb_attn_tc(const fl_backend *be, const fl_attn_desc *a, const float 
     const flb_impl *im = FLB_IMPL(be);
     return im->compute == FL_BF16 && !im->attn_fp32 && fl_cu_attention_tc_supported(a, bias);
 }
-static void flb_attention_forward(const fl_backend *be, float *out, float *lse, const float *qkv, int B, int T, int NH,
-                                  int NKV, int HD) {
-    const fl_attn_desc a = fl_cu_attention_fused_desc(B, T, NH, NKV, HD);
-    int rc = qkv && NKV > 0 && flb_attn_tc(be, &a, NULL)
-                 ? FLB_K(attention_forward_tc)(&a, out, lse, qkv, qkv + (size_t)NH * HD, qkv + (size_t)(NH + NKV) * HD,
-                                               NULL, STREAM)
-                 : FLB_K(attention_forward)(out, lse, qkv, B, T, NH, NKV, HD, STREAM);
-    if (rc == FL_CU_ATTN_UNSUPPORTED) { /* as the CPU: outputs NaN (all-ones bytes), never silent garbage */
-        flb_nan_fill(be, out, (size_t)B * T * NH * HD);
-        flb_nan_fill(be, lse, (size_t)B * NH * T);
-    }
-    FLB_RUN(be, rc, "attention_forward");
-}
-static void flb_attention_backward(const fl_backend *be, float *dqkv, const float *dout, const float *qkv,
-                                   const float *out, const float *lse, int B, int T, int NH, int NKV, int HD) {
-    void *work = flb_work(be, fl_cu_attention_work_bytes(B, NH, T), "attention_backward");
-    if (!work) return;
-    const fl_attn_desc a = fl_cu_attention_fused_desc(B, T, NH, NKV, HD);
-    const size_t ko = (size_t)NH * HD, vo = (size_t)(NH + NKV) * HD;
-    int rc = qkv && dqkv && NKV > 0 && flb_attn_tc(be, &a, NULL)
-                 ? FLB_K(attention_backward_tc)(&a, dqkv, dqkv + ko, dqkv + vo, dout, qkv, qkv + ko, qkv + vo, NULL, out,
-                                                lse, work, STREAM)
-                 : FLB_K(attention_backward)(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD, work, STREAM);
-    if (rc == FL_CU_ATTN_UNSUPPORTED) flb_nan_fill(be, dqkv, (size_t)B * T * (NH + 2 * NKV) * HD);
-    FLB_RUN(be, rc, "attention_backward");
-}
 static void flb_attention_decode(const fl_backend *be, float *out, const float *q, const float *kcache,
                                  const float *vcache, int T, int NH, int NKV, int HD, size_t head_stride) {
     int rc = FLB_K(attention_decode)(out, q, kcache, vcache, T, NH, NKV, HD, head_stride, STREAM);
@@ -85,36 +59,47 @@ static fl_status flb_attn_status(const fl_backend *be, int rc, const char *op) {
     flb_launch(be, rc, op);
     return flb_sticky(be);
 }
-static fl_status flb_attention_forward_ex(const fl_backend *be, const fl_attn_desc *a, float *out, float *lse,
-                                          const float *q, const float *k, const float *v, const float *bias,
-                                          const uint8_t *kmask) {
+/* The fused-QKV causal shape (fl_attn_is_qkv) needs no kernel of its own here: the general
+ * kernels take its descriptor (the fused launchers of cu_kernels_attn.h build the same one). */
+static fl_status flb_attention_forward(const fl_backend *be, const fl_attn_desc *a, float *out, float *lse,
+                                       const float *q, const float *k, const float *v, const float *bias,
+                                       const uint8_t *kmask) {
     FL_TRY(flb_sticky(be));
-    FL_TRY(fl_attn_check_args("attention_forward_ex", a, FL_CU_ATTN_MAX_HD, "the CUDA kernels' tiles", out, lse, q, k,
-                              v, bias, NULL));
+    fl_status st = fl_attn_check_args("attention_forward", a, FL_CU_ATTN_MAX_HD, "the CUDA kernels' tiles", out, lse,
+                                      q, k, v, bias, NULL);
+    if (st == FL_ERR_UNSUPPORTED && out && lse && fl_attn_is_qkv(a, q, k, v, bias, kmask, NULL, NULL, NULL, NULL)) {
+        /* as the CPU: the fused shape's outputs NaN (all-ones bytes) on a refused head size */
+        flb_nan_fill(be, out, (size_t)a->B * a->Tq * a->ldo);
+        flb_nan_fill(be, lse, (size_t)a->B * a->NH * a->Tq);
+    }
+    FL_TRY(st);
     if (flb_attn_tc(be, a, bias))
         return flb_attn_status(be, FLB_K(attention_forward_tc)(a, out, lse, q, k, v, kmask, STREAM),
-                               "attention_forward_ex");
+                               "attention_forward");
     return flb_attn_status(be, FLB_K(attention_forward_ex)(a, out, lse, q, k, v, bias, kmask, STREAM),
-                           "attention_forward_ex");
+                           "attention_forward");
 }
-static fl_status flb_attention_backward_ex(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk,
+static fl_status flb_attention_backward(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk,
                                            float *dv, float *dbias, const float *dout, const float *q, const float *k,
                                            const float *v, const float *bias, const uint8_t *kmask, const float *out,
                                            const float *lse) {
     FL_TRY(flb_sticky(be));
-    FL_TRY(fl_attn_check_args("attention_backward_ex", a, FL_CU_ATTN_MAX_HD, "the CUDA kernels' tiles", out, lse, q,
-                              k, v, bias, dbias));
-    if (!dq || !dk || !dv || !dout) return fl_errorf(FL_ERR_INVALID, "attention_backward_ex: NULL gradient tensor");
-    void *work = flb_work(be, fl_cu_attention_work_bytes(a->B, a->NH, a->Tq), "attention_backward_ex");
+    fl_status st = fl_attn_check_args("attention_backward", a, FL_CU_ATTN_MAX_HD, "the CUDA kernels' tiles", out, lse,
+                                      q, k, v, bias, dbias);
+    if (st == FL_ERR_UNSUPPORTED && dq && fl_attn_is_qkv(a, q, k, v, bias, kmask, dq, dk, dv, dbias))
+        flb_nan_fill(be, dq, (size_t)a->B * a->Tq * a->ldq); /* NaN, as forward */
+    FL_TRY(st);
+    if (!dq || !dk || !dv || !dout) return fl_errorf(FL_ERR_INVALID, "attention_backward: NULL gradient tensor");
+    void *work = flb_work(be, fl_cu_attention_work_bytes(a->B, a->NH, a->Tq), "attention_backward");
     if (!work) return flb_sticky(be);
     if (flb_attn_tc(be, a, bias)) /* no bias: no dbias either (checked above) */
         return flb_attn_status(be,
                                FLB_K(attention_backward_tc)(a, dq, dk, dv, dout, q, k, v, kmask, out, lse, work, STREAM),
-                               "attention_backward_ex");
+                               "attention_backward");
     return flb_attn_status(be,
                            FLB_K(attention_backward_ex)(a, dq, dk, dv, dbias, dout, q, k, v, bias, kmask, out, lse,
                                                         work, STREAM),
-                           "attention_backward_ex");
+                           "attention_backward");
 }
 static fl_status flb_adam8bit_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg,
                                      const fl_adam8bit_state *st, float lr, float beta1, float beta2, float eps,

@@ -1,4 +1,5 @@
-/* CUDA build and device queries, and the --accelerator choice (include/fitllm/cuda.h).
+/* CUDA build and device queries (include/fitllm/cuda.h; the --accelerator choice that asks them:
+ * src/backend/accel.c).
  *
  * The answers come from the CUDA plugin (cu_loader.c), which is opened only after the NVIDIA
  * driver was found with a GPU: a machine without a driver or a GPU answers "no CUDA device"
@@ -55,30 +56,4 @@ void fl_cuda_describe(char *buf, size_t n) {
 size_t fl_cuda_device_memory(int device) {
     const fl_cuda_plugin *p = fl_cuda_plugin_try(NULL, 0);
     return p ? p->device_memory(device) : 0;
-}
-
-int fl_accel_parse(const char *s, fl_accel *out) {
-    if (!s) return -1;
-    if (!strcmp(s, "auto")) *out = FL_ACCEL_AUTO;
-    else if (!strcmp(s, "cpu")) *out = FL_ACCEL_CPU;
-    else if (!strcmp(s, "cuda")) *out = FL_ACCEL_CUDA;
-    else return -1;
-    return 0;
-}
-
-fl_status fl_accel_resolve(fl_accel want, fl_accel *use) {
-    *use = FL_ACCEL_CPU;
-    if (want == FL_ACCEL_CPU) return FL_OK;
-    char why[768];
-    int have = fl_cuda_built() && fl_cuda_device_count(why, sizeof why) > 0;
-    if (want == FL_ACCEL_AUTO) { /* the GPU when this build has CUDA and one is visible */
-        if (have) *use = FL_ACCEL_CUDA;
-        return FL_OK;
-    }
-    if (!fl_cuda_built())
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--accelerator cuda: this fitllm was built without CUDA (rebuild with "
-                                             "the CUDA toolkit installed: make build CUDA=1; or use --accelerator cpu)");
-    if (!have) return fl_errorf(FL_ERR_UNSUPPORTED, "--accelerator cuda: %s", why);
-    *use = FL_ACCEL_CUDA;
-    return FL_OK;
 }

@@ -17,7 +17,7 @@
 extern "C" {
 #endif
 
-/* Partial sums of sumsq_ex, at most (their count is a function of n, so the result does not depend
+/* Partial sums of sumsq, at most (their count is a function of n, so the result does not depend
  * on the device). 64 parts (the first version) streamed a 1.1B-parameter gradient at 80 GB/s on an
  * H100 (28 ms per step). */
 #define FL_CU_SUMSQ_PARTS 1024
@@ -31,7 +31,7 @@ extern "C" {
                          float grad_scale, int ignore_index, void *stream);                                    \
     int P##adamw_update(float *p, const float *g, float *m, float *v, size_t n, float lr, float beta1,          \
                         float beta2, float eps, float weight_decay, int step, float grad_scale, void *stream);  \
-    /* dtypes as the backend's adamw_update_ex; unsupported ones return -1 (checked on the host) */             \
+    /* dtypes as the backend's adamw_update; unsupported ones return -1 (checked on the host) */             \
     int P##adamw_update_ex(void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m, void *v, fl_dtype ts,     \
                            size_t n, float lr, float beta1, float beta2, float eps, float weight_decay, int step, \
                            float grad_scale, void *stream);                                                    \

@@ -73,7 +73,7 @@ static inline int fl_cu_attention_tc_supported(const fl_attn_desc *a, const floa
                                  const float *dout, const float *q, const float *k, const float *v,            \
                                  const float *bias, const uint8_t *kmask, const float *out, const float *lse,  \
                                  void *work, void *stream);                                                    \
-    /* tensor cores (bf16): attention_forward_ex / attention_backward_ex without bias and dbias */            \
+    /* tensor cores (bf16): the attention ops without bias and dbias */            \
     int P##attention_forward_tc(const fl_attn_desc *a, float *out, float *lse, const float *q, const float *k,  \
                                 const float *v, const uint8_t *kmask, void *stream);                           \
     int P##attention_backward_tc(const fl_attn_desc *a, float *dq, float *dk, float *dv, const float *dout,     \

@@ -19,13 +19,14 @@
 #include <string.h>
 
 #include "backend/cpu/cpu-impl.h"
-#include "backend/cuda/backend_cuda.h"
 #include "fitllm/backend.h"
 #include "fitllm/comm.h"
 
 typedef struct {
     uintptr_t next; /* the next fake address (one counter for every pool of this backend) */
-    int planned;    /* the backend it stands in for: 0 none (the registry's), 1 cpu, 2 cuda */
+    /* the supports_op of the backend it stands in for (fl_backend_facts); NULL: every op (the
+     * registry's null, or a backend whose facts do not say) */
+    int (*supports)(fl_op op, fl_dtype a, fl_dtype b, fl_dtype c);
     int mpi_scratch; /* its ranks' reductions take the MPI scratch (fl_null_backend_set_mpi_scratch) */
 } nul;
 
@@ -85,15 +86,6 @@ static void n_rope(const fl_backend *be, float *x, int B, int T, int nh, int HD,
                    const float *cos_t, const float *sin_t, int pos0) {
     (void)be; (void)x; (void)B; (void)T; (void)nh; (void)HD; (void)row_stride; (void)cos_t; (void)sin_t; (void)pos0;
 }
-static void n_attention_forward(const fl_backend *be, float *out, float *lse, const float *qkv, int B, int T, int NH,
-                                int NKV, int HD) {
-    (void)be; (void)out; (void)lse; (void)qkv; (void)B; (void)T; (void)NH; (void)NKV; (void)HD;
-}
-static void n_attention_backward(const fl_backend *be, float *dqkv, const float *dout, const float *qkv,
-                                 const float *out, const float *lse, int B, int T, int NH, int NKV, int HD) {
-    (void)be; (void)dqkv; (void)dout; (void)qkv; (void)out; (void)lse; (void)B; (void)T; (void)NH; (void)NKV;
-    (void)HD;
-}
 static void n_swiglu_forward(const fl_backend *be, float *out, const float *gu, int N, int F) {
     (void)be; (void)out; (void)gu; (void)N; (void)F;
 }
@@ -120,20 +112,6 @@ static void n_cross_entropy(const fl_backend *be, float *loss, float *dlogits, c
     (void)be; (void)loss; (void)dlogits; (void)logits; (void)targets; (void)N; (void)V; (void)grad_scale;
     (void)ignore_index;
 }
-static void n_adamw_update(const fl_backend *be, float *p, const float *g, float *m, float *v, size_t n, float lr,
-                           float beta1, float beta2, float eps, float wd, int step, float grad_scale) {
-    (void)be; (void)p; (void)g; (void)m; (void)v; (void)n; (void)lr; (void)beta1; (void)beta2; (void)eps; (void)wd;
-    (void)step; (void)grad_scale;
-}
-static void n_sgd_update(const fl_backend *be, float *p, const float *g, float *buf, size_t n, float lr,
-                         float momentum, float dampening, float wd, int nesterov, int first_step, float grad_scale) {
-    (void)be; (void)p; (void)g; (void)buf; (void)n; (void)lr; (void)momentum; (void)dampening; (void)wd;
-    (void)nesterov; (void)first_step; (void)grad_scale;
-}
-static double n_sumsq(const fl_backend *be, const float *x, size_t n) {
-    (void)be; (void)x; (void)n;
-    return 0.0;
-}
 static void n_scale(const fl_backend *be, float *x, size_t n, float s) { (void)be; (void)x; (void)n; (void)s; }
 static void n_zero(const fl_backend *be, void *x, size_t bytes) { (void)be; (void)x; (void)bytes; }
 static void n_attention_decode(const fl_backend *be, float *out, const float *q, const float *kcache,
@@ -145,14 +123,14 @@ static fl_status n_convert(const fl_backend *be, void *dst, fl_dtype dt, const v
     (void)be; (void)dst; (void)dt; (void)src; (void)st; (void)n;
     return FL_OK;
 }
-static fl_status n_adamw_update_ex(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m,
+static fl_status n_adamw_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m,
                                    void *v, fl_dtype ts, size_t n, float lr, float beta1, float beta2, float eps,
                                    float wd, int step, float grad_scale) {
     (void)be; (void)p; (void)tp; (void)g; (void)tg; (void)m; (void)v; (void)ts; (void)n; (void)lr; (void)beta1;
     (void)beta2; (void)eps; (void)wd; (void)step; (void)grad_scale;
     return FL_OK;
 }
-static fl_status n_sgd_update_ex(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf,
+static fl_status n_sgd_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf,
                                  fl_dtype ts, size_t n, float lr, float momentum, float dampening, float wd,
                                  int nesterov, int first_step, float grad_scale) {
     (void)be; (void)p; (void)tp; (void)g; (void)tg; (void)buf; (void)ts; (void)n; (void)lr; (void)momentum;
@@ -199,17 +177,17 @@ static fl_status n_accumulate16(const fl_backend *be, uint16_t *dst, fl_dtype t,
     (void)be; (void)dst; (void)t; (void)src; (void)n;
     return FL_OK;
 }
-static double n_sumsq_ex(const fl_backend *be, const void *x, fl_dtype t, size_t n) {
+static double n_sumsq(const fl_backend *be, const void *x, fl_dtype t, size_t n) {
     (void)be; (void)x; (void)t; (void)n;
     return 0.0;
 }
-static fl_status n_attention_forward_ex(const fl_backend *be, const fl_attn_desc *a, float *out, float *lse,
+static fl_status n_attention_forward(const fl_backend *be, const fl_attn_desc *a, float *out, float *lse,
                                         const float *q, const float *k, const float *v, const float *bias,
                                         const uint8_t *kmask) {
     (void)be; (void)a; (void)out; (void)lse; (void)q; (void)k; (void)v; (void)bias; (void)kmask;
     return FL_OK;
 }
-static fl_status n_attention_backward_ex(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk, float *dv,
+static fl_status n_attention_backward(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk, float *dv,
                                          float *dbias, const float *dout, const float *q, const float *k,
                                          const float *v, const float *bias, const uint8_t *kmask, const float *out,
                                          const float *lse) {
@@ -243,9 +221,7 @@ static fl_status n_sync(const fl_backend *be) {
  * registry's null (planned NULL) supports everything */
 static int n_supports_op(const fl_backend *be, fl_op op, fl_dtype a, fl_dtype b, fl_dtype c) {
     const nul *n = be->impl;
-    if (n->planned == 1) return fl_cpu_supports_op(be, op, a, b, c);
-    if (n->planned == 2) return fl_cuda_supports_op(op, a, b, c);
-    return 1;
+    return n->supports ? n->supports(op, a, b, c) : 1;
 }
 static fl_status n_rope_tables(const fl_backend *be, float *cos_t, float *sin_t, int maxT, int HD, float theta,
                                const fl_rope_scaling *scaling) {
@@ -267,25 +243,27 @@ void fl_null_backend_set_mpi_scratch(fl_backend *be, int on) {
 fl_status fl_null_backend_init_for(fl_backend *be, const char *planned) {
     if (!be) return fl_errorf(FL_ERR_INVALID, "fl_null_backend_init: NULL backend");
     memset(be, 0, sizeof *be);
-    const int cuda = planned && !strcmp(planned, "cuda");
-    /* standing in for the CPU: host memory, one pool (only fl_trainer_rehearse runs on this: code
-     * paths that write tensors through host pointers, a LoRA merge, a loader, would fault) */
-    const int cpu = planned && !strcmp(planned, "cpu");
-    if (planned && !cuda && !cpu)
-        return fl_errorf(FL_ERR_INVALID, "null backend: cannot stand in for '%s' (cpu or cuda)", planned);
+    /* the planned backend's facts (plan --accelerator cuda: the GPU's, without a GPU); none: the
+     * registry's null's. Standing in for host memory (the CPU): one pool (only fl_trainer_rehearse
+     * runs on this: code paths that write tensors through host pointers, a LoRA merge, a loader,
+     * would fault) */
+    fl_backend_facts f;
+    FL_TRY(fl_backend_facts_of(planned ? planned : "null", &f));
+    if (planned && (f.caps & FL_CAP_DISCARDS))
+        return fl_errorf(FL_ERR_INVALID, "null backend: cannot stand in for '%s' (itself)", planned);
     nul *n = calloc(1, sizeof *n);
     if (!n) return fl_errorf(FL_ERR_OOM, "null backend: out of host memory");
     n->next = NUL_BASE;
-    n->planned = cpu ? 1 : cuda ? 2 : 0;
+    n->supports = f.supports_op;
     be->name = "null"; /* the registry finds its free function by name (fl_backend_free) */
-    be->device = cuda ? FL_DEV_CUDA : FL_DEV_CPU;
+    be->device = f.device;
     be->n_threads = 1;
     be->gemm_name = "none";
-    /* the planned backend's facts (plan --accelerator cuda: the GPU's, without a GPU) */
-    be->gemm_widens16 = cuda ? fl_cuda_gemm_widens16() : fl_cpu_gemm_widens16();
-    be->scratch_bytes = cuda ? fl_cuda_scratch_bytes() : fl_cpu_scratch_bytes();
-    be->host_memory = cpu;
+    be->gemm_widens16 = f.gemm_widens16;
+    be->scratch_bytes = f.scratch_bytes;
+    be->host_memory = (f.caps & FL_CAP_HOST_MEMORY) != 0;
     be->discards = 1;
+    be->caps = (f.caps & FL_CAP_HOST_MEMORY) | FL_CAP_DISCARDS;
     be->impl = n;
     be->gemm = n_gemm;
     be->embedding_forward = n_embedding_forward;
@@ -315,8 +293,6 @@ fl_status fl_null_backend_init_for(fl_backend *be, const char *planned) {
     be->zero = n_zero;
     be->attention_decode = n_attention_decode;
     be->convert = n_convert;
-    be->adamw_update_ex = n_adamw_update_ex;
-    be->sgd_update_ex = n_sgd_update_ex;
     be->check_finite = n_check_finite;
     be->adam8bit_update = n_adam8bit_update;
     be->q4_matmul_forward = n_q4_matmul_forward;
@@ -324,9 +300,6 @@ fl_status fl_null_backend_init_for(fl_backend *be, const char *planned) {
     be->lora_forward = n_lora_forward;
     be->lora_backward = n_lora_backward;
     be->accumulate16 = n_accumulate16;
-    be->sumsq_ex = n_sumsq_ex;
-    be->attention_forward_ex = n_attention_forward_ex;
-    be->attention_backward_ex = n_attention_backward_ex;
     be->set_scratch = n_set_scratch;
     be->to_device = n_to_device;
     be->to_host = n_to_host;

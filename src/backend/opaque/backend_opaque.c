@@ -357,14 +357,6 @@ static void op_rope_backward(const fl_backend *be, float *dx, int B, int T, int 
                              const float *cos_t, const float *sin_t, int pos0) {
     OPV(IN->rope_backward(IN, dx, B, T, nh, HD, row_stride, cos_t, sin_t, pos0));
 }
-static void op_attention_forward(const fl_backend *be, float *out, float *lse, const float *qkv, int B, int T, int NH,
-                                 int NKV, int HD) {
-    OPV(IN->attention_forward(IN, out, lse, qkv, B, T, NH, NKV, HD));
-}
-static void op_attention_backward(const fl_backend *be, float *dqkv, const float *dout, const float *qkv,
-                                  const float *out, const float *lse, int B, int T, int NH, int NKV, int HD) {
-    OPV(IN->attention_backward(IN, dqkv, dout, qkv, out, lse, B, T, NH, NKV, HD));
-}
 static void op_swiglu_forward(const fl_backend *be, float *out, const float *gu, int N, int F) {
     OPV(IN->swiglu_forward(IN, out, gu, N, F));
 }
@@ -396,16 +388,6 @@ static void op_cross_entropy(const fl_backend *be, float *loss, float *dlogits, 
                              const int32_t *targets, int N, int V, float grad_scale, int ignore_index) {
     OPV(IN->cross_entropy(IN, loss, dlogits, logits, targets, N, V, grad_scale, ignore_index));
 }
-static void op_adamw_update(const fl_backend *be, float *p, const float *g, float *m, float *v, size_t n, float lr,
-                            float beta1, float beta2, float eps, float weight_decay, int step, float grad_scale) {
-    OPV(IN->adamw_update(IN, p, g, m, v, n, lr, beta1, beta2, eps, weight_decay, step, grad_scale));
-}
-static void op_sgd_update(const fl_backend *be, float *p, const float *g, float *buf, size_t n, float lr,
-                          float momentum, float dampening, float weight_decay, int nesterov, int first_step,
-                          float grad_scale) {
-    OPV(IN->sgd_update(IN, p, g, buf, n, lr, momentum, dampening, weight_decay, nesterov, first_step, grad_scale));
-}
-static double op_sumsq(const fl_backend *be, const float *x, size_t n) { OPR(double, IN->sumsq(IN, x, n)); }
 static void op_scale(const fl_backend *be, float *x, size_t n, float s) { OPV(IN->scale(IN, x, n, s)); }
 static void op_zero(const fl_backend *be, void *x, size_t bytes) { OPV(IN->zero(IN, x, bytes)); }
 static void op_attention_decode(const fl_backend *be, float *out, const float *q, const float *kcache,
@@ -415,16 +397,16 @@ static void op_attention_decode(const fl_backend *be, float *out, const float *q
 static fl_status op_convert(const fl_backend *be, void *dst, fl_dtype dt, const void *src, fl_dtype st, size_t n) {
     OPR(fl_status, IN->convert(IN, dst, dt, src, st, n));
 }
-static fl_status op_adamw_update_ex(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m,
+static fl_status op_adamw_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m,
                                     void *v, fl_dtype ts, size_t n, float lr, float beta1, float beta2, float eps,
                                     float weight_decay, int step, float grad_scale) {
     OPR(fl_status,
-        IN->adamw_update_ex(IN, p, tp, g, tg, m, v, ts, n, lr, beta1, beta2, eps, weight_decay, step, grad_scale));
+        IN->adamw_update(IN, p, tp, g, tg, m, v, ts, n, lr, beta1, beta2, eps, weight_decay, step, grad_scale));
 }
-static fl_status op_sgd_update_ex(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf,
+static fl_status op_sgd_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *buf,
                                   fl_dtype ts, size_t n, float lr, float momentum, float dampening,
                                   float weight_decay, int nesterov, int first_step, float grad_scale) {
-    OPR(fl_status, IN->sgd_update_ex(IN, p, tp, g, tg, buf, ts, n, lr, momentum, dampening, weight_decay, nesterov,
+    OPR(fl_status, IN->sgd_update(IN, p, tp, g, tg, buf, ts, n, lr, momentum, dampening, weight_decay, nesterov,
                                      first_step, grad_scale));
 }
 static fl_status op_check_finite(const fl_backend *be, const void *x, fl_dtype t, size_t n, float inv_scale,
@@ -458,19 +440,19 @@ static fl_status op_lora_backward(const fl_backend *be, float *dx, float *dA, fl
 static fl_status op_accumulate16(const fl_backend *be, uint16_t *dst, fl_dtype t, const float *src, size_t n) {
     OPR(fl_status, IN->accumulate16(IN, dst, t, src, n));
 }
-static double op_sumsq_ex(const fl_backend *be, const void *x, fl_dtype t, size_t n) {
-    OPR(double, IN->sumsq_ex(IN, x, t, n));
+static double op_sumsq(const fl_backend *be, const void *x, fl_dtype t, size_t n) {
+    OPR(double, IN->sumsq(IN, x, t, n));
 }
-static fl_status op_attention_forward_ex(const fl_backend *be, const fl_attn_desc *a, float *out, float *lse,
+static fl_status op_attention_forward(const fl_backend *be, const fl_attn_desc *a, float *out, float *lse,
                                          const float *q, const float *k, const float *v, const float *bias,
                                          const uint8_t *kmask) {
-    OPR(fl_status, IN->attention_forward_ex(IN, a, out, lse, q, k, v, bias, kmask));
+    OPR(fl_status, IN->attention_forward(IN, a, out, lse, q, k, v, bias, kmask));
 }
-static fl_status op_attention_backward_ex(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk, float *dv,
+static fl_status op_attention_backward(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk, float *dv,
                                           float *dbias, const float *dout, const float *q, const float *k,
                                           const float *v, const float *bias, const uint8_t *kmask, const float *out,
                                           const float *lse) {
-    OPR(fl_status, IN->attention_backward_ex(IN, a, dq, dk, dv, dbias, dout, q, k, v, bias, kmask, out, lse));
+    OPR(fl_status, IN->attention_backward(IN, a, dq, dk, dv, dbias, dout, q, k, v, bias, kmask, out, lse));
 }
 /* the scratch is lent per thread to the CPU ops: nothing to open */
 static void op_set_scratch(const fl_backend *be, void *p, size_t bytes) { IN->set_scratch(IN, p, bytes); }
@@ -534,6 +516,7 @@ fl_status fl_opaque_backend_init(fl_backend *be, int n_threads) {
     *be = o->cpu; /* names, thread count, GEMM facts: the CPU's */
     be->name = "opaque";
     be->host_memory = 0;
+    be->caps = 0; /* host memory the host cannot read: not FL_CAP_HOST_MEMORY */
     be->impl = o;
     be->gemm = op_gemm;
     be->embedding_forward = op_embedding_forward;
@@ -563,8 +546,6 @@ fl_status fl_opaque_backend_init(fl_backend *be, int n_threads) {
     be->zero = op_zero;
     be->attention_decode = op_attention_decode;
     be->convert = op_convert;
-    be->adamw_update_ex = op_adamw_update_ex;
-    be->sgd_update_ex = op_sgd_update_ex;
     be->check_finite = op_check_finite;
     be->adam8bit_update = op_adam8bit_update;
     be->q4_matmul_forward = op_q4_matmul_forward;
@@ -572,9 +553,6 @@ fl_status fl_opaque_backend_init(fl_backend *be, int n_threads) {
     be->lora_forward = op_lora_forward;
     be->lora_backward = op_lora_backward;
     be->accumulate16 = op_accumulate16;
-    be->sumsq_ex = op_sumsq_ex;
-    be->attention_forward_ex = op_attention_forward_ex;
-    be->attention_backward_ex = op_attention_backward_ex;
     be->set_scratch = op_set_scratch;
     be->to_device = op_to_device;
     be->to_host = op_to_host;

@@ -1,7 +1,9 @@
 /* General attention on the CPU: causal or bidirectional, self or cross (Tq != Tk),
  * grouped-query heads, an optional additive bias (NH, Tq, Tk) broadcast over the
  * batch (T5's relative positions) and an optional key padding mask (B, Tk).
- * Semantics and layout: include/fitllm/backend.h (fl_attn_desc, attention_forward_ex).
+ * Semantics and layout: include/fitllm/backend.h (fl_attn_desc, attention_forward). This file
+ * holds the backend's attention slots: the fused-QKV causal shape (fl_attn_is_qkv) goes to
+ * attention.c's kernels, every other to the general kernels here.
  *
  * Same flash-attention-2 scheme as attention.c (the fused-QKV causal op the decoder
  * uses), generalized:
@@ -168,12 +170,36 @@ static void fwd_item(const fl_attn_desc *a, float *out, float *lse, const float 
     }
 }
 
-fl_status fl_cpu_attention_forward_ex(const fl_backend *be, const fl_attn_desc *a, float *out /*(B,Tq,NH,HD) ldo*/,
-                                      float *lse /*(B,NH,Tq)*/, const float *q /*(B,Tq,NH,HD) ldq*/,
-                                      const float *k /*(B,Tk,NKV,HD) ldk*/, const float *v /*(B,Tk,NKV,HD) ldv*/,
-                                      const float *bias /*(NH,Tq,Tk) or NULL*/,
-                                      const uint8_t *kmask /*(B,Tk) or NULL*/) {
-    fl_status st = check_args("attention_forward_ex", a, out, lse, q, k, v, bias, NULL);
+static void fill_nan(float *x, size_t n) {
+    for (size_t i = 0; i < n; i++) x[i] = NAN;
+}
+
+fl_status fl_cpu_attention_forward(const fl_backend *be, const fl_attn_desc *a, float *out /*(B,Tq,NH,HD) ldo*/,
+                                   float *lse /*(B,NH,Tq)*/, const float *q /*(B,Tq,NH,HD) ldq*/,
+                                   const float *k /*(B,Tk,NKV,HD) ldk*/, const float *v /*(B,Tk,NKV,HD) ldv*/,
+                                   const float *bias /*(NH,Tq,Tk) or NULL*/, const uint8_t *kmask /*(B,Tk) or NULL*/) {
+    fl_status st = check_args("attention_forward", a, out, lse, q, k, v, bias, NULL);
+    const int qkv = fl_attn_is_qkv(a, q, k, v, bias, kmask, NULL, NULL, NULL, NULL);
+    if (st != FL_OK) {
+        /* the fused shape's outputs become NaN on a refused head size (the fused op's contract
+         * before the slots merged): a caller that drops the status still cannot read garbage */
+        if (qkv && st == FL_ERR_UNSUPPORTED && out && lse) {
+            fill_nan(out, (size_t)a->B * a->Tq * a->ldo);
+            fill_nan(lse, (size_t)a->B * a->NH * a->Tq);
+        }
+        return st;
+    }
+    if (qkv) { /* the decoder's fused QKV: its own kernel (attention.c), the bits it always gave */
+        fl_cpu_attn_qkv_forward(be, out, lse, q, a->B, a->Tq, a->NH, a->NKV, a->HD);
+        return FL_OK;
+    }
+    return fl_cpu_attn_general_forward(be, a, out, lse, q, k, v, bias, kmask);
+}
+
+fl_status fl_cpu_attn_general_forward(const fl_backend *be, const fl_attn_desc *a, float *out, float *lse,
+                                      const float *q, const float *k, const float *v, const float *bias,
+                                      const uint8_t *kmask) {
+    fl_status st = check_args("attention_forward", a, out, lse, q, k, v, bias, NULL);
     if (st != FL_OK) return st;
     const int nqt = (a->Tq + BQ - 1) / BQ, nitems = a->B * a->NH * nqt, nt = n_threads_for(be, a);
     /* dynamic: causal late query tiles do more work; an item's result does not depend on
@@ -391,20 +417,29 @@ static void q_item(const bw_ctx *c, int b0, int b1, int h, int q0) {
     }
 }
 
-fl_status fl_cpu_attention_backward_ex(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk, float *dv,
-                                       float *dbias /*(NH,Tq,Tk) or NULL*/, const float *dout, const float *q,
-                                       const float *k, const float *v, const float *bias, const uint8_t *kmask,
-                                       const float *out, const float *lse /*(B,NH,Tq)*/) {
-    return fl_cpu_attention_backward_ex_sched(be, a, dq, dk, dv, dbias, dout, q, k, v, bias, kmask, out, lse, -1);
+fl_status fl_cpu_attention_backward(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk, float *dv,
+                                    float *dbias /*(NH,Tq,Tk) or NULL*/, const float *dout, const float *q,
+                                    const float *k, const float *v, const float *bias, const uint8_t *kmask,
+                                    const float *out, const float *lse /*(B,NH,Tq)*/) {
+    const int qkv = fl_attn_is_qkv(a, q, k, v, bias, kmask, dq, dk, dv, dbias);
+    if (qkv && dout) {
+        fl_status st = check_args("attention_backward", a, out, lse, q, k, v, bias, dbias);
+        if (st == FL_ERR_UNSUPPORTED && dq) /* NaN, as forward */
+            fill_nan(dq, (size_t)a->B * a->Tq * a->ldq);
+        if (st != FL_OK || !dq) return st != FL_OK ? st : fl_errorf(FL_ERR_INVALID, "attention_backward: NULL dq");
+        fl_cpu_attn_qkv_backward_sched(be, dq, dout, q, out, lse, a->B, a->Tq, a->NH, a->NKV, a->HD, -1);
+        return FL_OK;
+    }
+    return fl_cpu_attn_general_backward_sched(be, a, dq, dk, dv, dbias, dout, q, k, v, bias, kmask, out, lse, -1);
 }
 
-fl_status fl_cpu_attention_backward_ex_sched(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk,
+fl_status fl_cpu_attn_general_backward_sched(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk,
                                              float *dv, float *dbias, const float *dout, const float *q,
                                              const float *k, const float *v, const float *bias,
                                              const uint8_t *kmask, const float *out, const float *lse, int split) {
-    fl_status st = check_args("attention_backward_ex", a, out, lse, q, k, v, bias, dbias);
+    fl_status st = check_args("attention_backward", a, out, lse, q, k, v, bias, dbias);
     if (st != FL_OK) return st;
-    if (!dq || !dk || !dv || !dout) return fl_errorf(FL_ERR_INVALID, "attention_backward_ex: NULL gradient tensor");
+    if (!dq || !dk || !dv || !dout) return fl_errorf(FL_ERR_INVALID, "attention_backward: NULL gradient tensor");
     const bw_ctx c = {a, q, k, v, bias, dout, out, lse, kmask, dq, dk, dv, dbias, a->NH / a->NKV};
     const int B = a->B, NH = a->NH, NKV = a->NKV, nt = n_threads_for(be, a);
     const int nkt = (a->Tk + BK - 1) / BK, nqt = (a->Tq + BQ - 1) / BQ;

@@ -1,0 +1,118 @@
+/* Private to src/train: the trainer's state and its phases, one file each (include/fitllm/trainer.h):
+ * set-up and tear-down (trainer_setup.c), evaluation and the sample (trainer_eval.c), what the run
+ * prints (trainer_out.c), checkpoints and divergence (trainer_ckpt.c), the step loop (trainer.c). */
+#ifndef FL_TRAINER_IMPL_H
+#define FL_TRAINER_IMPL_H
+
+#include <stdio.h>
+#include <time.h>
+
+#include "fitllm/generate.h"
+#include "fitllm/trainer.h"
+#include "dp.h"
+#include "metrics.h"
+
+/* The run's backend and memory tiers. */
+typedef struct {
+    fl_backend be;
+    int be_ok;
+    fl_mem_pool pool;
+    fl_mem_pool hpool;          /* host staging when the backend's memory is not host memory (pool.host) */
+    int pool_ok;
+    /* CPU offload (fl_cfg_offload): the host tier (the backend's host_pool_init, outside the device budget)
+     * and the backend the optimizer's update runs on (hbe: a CPU backend when the device's memory is not
+     * host memory; else the run's own) */
+    fl_mem_pool opool;
+    int opool_ok;
+    fl_mem_pool dpool;          /* NVMe offload (offload_optimizer_device nvme): the state's disk tier */
+    int dpool_ok;
+    fl_backend hbe;
+    int hbe_ok;
+    fl_optim_offload off;
+} trainer_hw;
+
+/* What the run reads: the tokenizer, the dataset and its loaders. */
+typedef struct {
+    fl_tokenizer *tok;
+    char tok_dir[FL_CFG_PATH];  /* where tokenizer files come from ("" = built-in) */
+    fl_dataset *data;
+    fl_loader *train, *val;
+} trainer_input;
+
+/* The step's buffers. G = accum x world: micro-batches of one optimizer step, all ranks. */
+typedef struct {
+    int32_t *ids, *tgt;         /* (accum, B, T_max) step buffers of this rank, OTHER */
+    fl_micro_batch *mbs;        /* (accum) this rank's micro-batches of the step */
+    long *mb_epoch;             /* (G) epoch each global micro-batch of the step was drawn from */
+    long long *mb_tokens;       /* (G) padded tokens of each global micro-batch */
+    double *mb_stats;           /* (2 G) loss sum and valid targets of each global micro-batch, rank-major */
+    double *mb_ms;              /* (accum) wall ms of this rank's micro-batches */
+} trainer_bufs;
+
+/* The shape of a step and the schedule. */
+typedef struct {
+    int accum, G, B, T;         /* G = accum x world */
+    long max_steps, warmup, steps_per_epoch;
+} trainer_sched;
+
+typedef struct {
+    const fl_run_config *cfg;
+    FILE *out;
+    int bar;
+    char notes[1024];           /* user settings the run could not take as given, one "note: ..." line each */
+    trainer_hw hw;
+    fl_model model;
+    fl_model_storage stg;       /* parameter storage of the precision policy */
+    int model_ok;
+    fl_optimizer opt;
+    trainer_input in;
+    fl_metrics metrics;
+    trainer_bufs buf;
+    fl_dp dp;                   /* data parallel: rank, world, communicator (see dp.h) */
+    trainer_sched sch;
+    fl_train_state st;
+} trainer;
+
+static inline double fl_tr_now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+/* ---- set-up and tear-down (trainer_setup.c) ---- */
+/* out_dir holds checkpoints or logs of a run */
+int fl_tr_dir_has_run(const char *dir);
+/* Tokenizer: the model folder's, an explicit tokenizer_dir, or the built-in bytes. */
+fl_status fl_tr_load_tokenizer(trainer *t);
+/* The dataset, the loaders, and (B, T): T the longest sample's inputs within max_seq_length. */
+fl_status fl_tr_load_data(trainer *t);
+/* accum, G, steps per epoch, max_steps, the warm-up. */
+void fl_tr_schedule(trainer *t);
+fl_status fl_tr_setup_model(trainer *t, const fl_precision *prec, const fl_model_config *given);
+fl_status fl_tr_setup_offload(trainer *t, const fl_strategy_choice *sc);
+fl_status fl_tr_setup_training(trainer *t, const fl_run_config *rcfg, const fl_strategy_choice *sc);
+void fl_tr_cleanup(trainer *t);
+void fl_tr_cleanup_keep_error(trainer *t, fl_status s);
+
+/* ---- evaluation (trainer_eval.c) ---- */
+fl_status fl_tr_validate(trainer *t, int max_iters, double *loss);
+fl_status fl_tr_sample_tokens(trainer *t, const int32_t *ids, int n, const int32_t *eos, int32_t *gen, int *n_out,
+                              fl_gen_callback cb, void *ud);
+fl_status fl_tr_generate_example(trainer *t);
+
+/* ---- output (trainer_out.c) ---- */
+void fl_tr_bar_clear(trainer *t);
+void fl_tr_bar_draw(trainer *t, long step, double eta);
+void fl_tr_print_box(trainer *t, const fl_trainer_result *r);
+void fl_tr_mem_values(const fl_mem_pool *p, fl_metrics_values *v);
+void fl_tr_print_header(trainer *t, fl_comm *comm, const fl_precision *prec, const fl_strategy_choice *sc);
+void fl_tr_print_memory(trainer *t);
+void fl_tr_val_row(trainer *t, double val_loss);
+
+/* ---- checkpoints and divergence (trainer_ckpt.c) ---- */
+fl_status fl_tr_diverged(const trainer *t, fl_status s, long step, long iter);
+fl_status fl_tr_check_weights(trainer *t);
+fl_status fl_tr_save_step(trainer *t, int lead, int rotate);
+fl_status fl_tr_resume(trainer *t, int *resumed);
+
+#endif

@@ -1,0 +1,80 @@
+/* The trainer's checkpoints, resume and divergence reports (src/train/trainer-impl.h). */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "trainer-impl.h"
+#include "fitllm/checkpoint.h"
+
+/* A diverged run (FL_ERR_NONFINITE from the step, the update or evaluation):
+ * say where, what to try, and which checkpoint is the last good one. */
+fl_status fl_tr_diverged(const trainer *t, fl_status s, long step, long iter) {
+    if (s != FL_ERR_NONFINITE) return s;
+    char what[1024], last[FL_CFG_PATH + 300], kept[FL_CFG_PATH + 400];
+    snprintf(what, sizeof what, "%s", fl_error_message());
+    if (fl_ckpt_find_latest(t->cfg->out_dir, last, sizeof last) == FL_OK) {
+        const char *base = strrchr(last, '/') ? strrchr(last, '/') + 1 : last;
+        long saved = -1;
+        if (sscanf(base, "step-%ld", &saved) == 1 && saved == step - 1 && iter > t->st.iter)
+            /* this step's forward read the weights of that checkpoint: they are the ones that diverged */
+            snprintf(kept, sizeof kept, "'%s' holds the weights this loss came from: resume from an earlier "
+                     "checkpoint with --resume <dir>", last);
+        else
+            snprintf(kept, sizeof kept, "the last good checkpoint, '%s', is kept", last);
+    } else
+        snprintf(kept, sizeof kept, "no checkpoint had been saved yet");
+    return fl_errorf(FL_ERR_NONFINITE,
+                     "training diverged at step %ld (iter %ld): %s; stopped without saving final/ (%s). "
+                     "hint: lower the learning rate (--optimizer.lr, now %g), clip gradients (--train.max_norm 1.0) "
+                     "or warm up longer (--train.lr_warmup_steps)",
+                     step, iter, what, kept, t->cfg->optimizer.lr);
+}
+
+/* Refuse to save weights an update has pushed to inf/NaN (a finite loss can
+ * still give a huge step): the last good checkpoint must not be rotated away. */
+fl_status fl_tr_check_weights(trainer *t) {
+    int found = 0;
+    if (t->dp.fsdp) FL_TRY(fl_fsdp_check_finite(&t->dp, &t->opt, &found)); /* every rank's shard */
+    else FL_TRY(t->hw.be.check_finite(&t->hw.be, t->opt.p, t->opt.pt, t->opt.n, 1.0f, &found));
+    if (found) return fl_errorf(FL_ERR_NONFINITE, "the weights hold inf/NaN after the update");
+    return FL_OK;
+}
+
+/* The step-* checkpoint of the current step (collective). rotate: delete the older ones beyond
+ * train.keep_checkpoints (not while the loss is above the divergence limit: they may be the last
+ * good ones). */
+fl_status fl_tr_save_step(trainer *t, int lead, int rotate) {
+    const fl_run_config *cfg = t->cfg;
+    char name[32];
+    snprintf(name, sizeof name, "step-%06ld", t->st.step);
+    fl_tr_bar_clear(t);
+    if (t->out) fprintf(t->out, "Saving checkpoint to '%s/%s'\n", cfg->out_dir, name);
+    fl_mem_set_phase(&t->hw.pool, "checkpoint");
+    FL_TRY(fl_tr_diverged(t, fl_tr_check_weights(t), t->st.step, t->st.iter));
+    /* the ranks hold the same weights (and, but under ZeRO, state): one writer, the single-process
+     * format; ZeRO's state chunks travel to rank 0 first (collective) */
+    FL_TRY(fl_dp_ckpt_save(&t->dp, lead, cfg->out_dir, name, &t->model, &t->opt, &t->st, cfg,
+                           t->in.tok_dir[0] ? t->in.tok_dir : NULL));
+    if (lead && rotate) fl_ckpt_rotate(cfg->out_dir, cfg->train.keep_checkpoints);
+    return FL_OK;
+}
+
+fl_status fl_tr_resume(trainer *t, int *resumed) {
+    const char *r = t->cfg->resume;
+    char path[FL_CFG_PATH + 300];
+    *resumed = 0;
+    if (!strcmp(r, "false")) return FL_OK;
+    if (!strcmp(r, "true") || !strcmp(r, "auto")) {
+        fl_status s = fl_ckpt_find_latest(t->cfg->out_dir, path, sizeof path);
+        if (s == FL_ERR_NOT_FOUND && !strcmp(r, "auto")) return FL_OK;
+        if (s != FL_OK) return fl_error_prefix(s, "--resume true");
+    } else {
+        snprintf(path, sizeof path, "%s", r);
+    }
+    FL_TRY(fl_dp_ckpt_load(&t->dp, path, &t->model, &t->opt, &t->st)); /* ZeRO: each rank keeps its chunk */
+    FL_TRY(fl_loader_set_state(t->in.train, &t->st.loader));
+    if (t->out) fprintf(t->out, "Resuming training from %s (step %ld, iter %ld)\n", path, t->st.step, t->st.iter);
+    *resumed = 1;
+    return FL_OK;
+}

@@ -1,0 +1,123 @@
+/* The trainer's evaluation: the validation loss and the sample (src/train/trainer-impl.h). */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "trainer-impl.h"
+#include "fitllm/generate.h"
+#include "fitllm/lora.h"
+#include "fitllm/tokenizer.h"
+
+fl_status fl_tr_validate(trainer *t, int max_iters, double *loss) {
+    *loss = NAN;
+    if (!t->in.val) return FL_OK;
+    fl_loader_state s0 = {t->cfg->seed, 0, 0};
+    FL_TRY(fl_loader_set_state(t->in.val, &s0));
+    long n = (long)fl_loader_batches_per_epoch(t->in.val);
+    if (max_iters < n) n = max_iters;
+    fl_model_lora_set_train(&t->model, 0);
+    double sum = 0;
+    long cnt = 0;
+    fl_mem_set_phase(&t->hw.pool, "validation");
+    fl_batch b;
+    for (long k = 0; k < n; k++) {
+        int ne;
+        FL_TRY(fl_loader_next(t->in.val, &b, &ne));
+        if (!fl_dp_mine(&t->dp, k)) continue; /* data parallel: each rank evaluates its share */
+        FL_TRY(fl_model_forward(&t->model, b.ids, b.targets, b.B, b.T, 0.0f, NULL));
+        sum += t->model.loss_sum;
+        cnt += t->model.n_valid;
+    }
+    /* FULL_SHARD: a forward gathers every unit from all ranks, so every rank runs as many; a rank
+     * without a batch in the last round runs the last one again and discards it */
+    if (t->dp.fsdp && n % t->dp.world && t->dp.rank >= n % t->dp.world)
+        FL_TRY(fl_model_forward(&t->model, b.ids, b.targets, b.B, b.T, 0.0f, NULL));
+    fl_model_lora_set_train(&t->model, 1);
+    double v[2] = {sum, (double)cnt};
+    FL_TRY(fl_dp_sum(&t->dp, v, 2));
+    sum = v[0];
+    cnt = (long)v[1];
+    /* token-weighted mean over the evaluated batches */
+    if (cnt > 0) *loss = sum / (double)cnt;
+    if (cnt > 0 && !isfinite(*loss)) return fl_errorf(FL_ERR_NONFINITE, "the validation loss is %s", isnan(*loss) ? "NaN" : "inf");
+    return FL_OK;
+}
+
+/* The evaluation sample's model part (generate_example's, and the planner's): the adapters in
+ * evaluation mode, a KV cache of n + eval.max_new_tokens positions, fl_generate at temperature
+ * 0.8 from the n prompt ids, the cache freed. eos: NULL or one id. cb, ud: fl_generate's. */
+fl_status fl_tr_sample_tokens(trainer *t, const int32_t *ids, int n, const int32_t *eos, int32_t *gen, int *n_out,
+                               fl_gen_callback cb, void *ud) {
+    const fl_run_config *c = t->cfg;
+    fl_kv_cache kv;
+    memset(&kv, 0, sizeof kv);
+    fl_model_lora_set_train(&t->model, 0);
+    fl_status s = fl_kv_cache_init(&kv, &t->model, n + c->eval.max_new_tokens);
+    if (s == FL_OK) {
+        fl_gen_params gp;
+        fl_gen_params_default(&gp);
+        gp.max_new_tokens = c->eval.max_new_tokens;
+        gp.temperature = 0.8f;
+        gp.seed = c->seed;
+        fl_gen_stop why;
+        s = fl_generate(&t->model, &kv, ids, n, &gp, eos, eos ? 1 : 0, gen, n_out, &why, cb, ud);
+        fl_kv_cache_free(&kv);
+    }
+    fl_model_lora_set_train(&t->model, 1);
+    return s;
+}
+
+/* LitGPT's generate_example: the fixed instruction through the prompt style,
+ * sampled at temperature 0.8, printed to show what the model has learned.
+ * Pretraining has no instructions: the prompt is the first FL_PRETRAIN_PROMPT_TOKENS
+ * tokens of the first validation text, and the model continues it. */
+fl_status fl_tr_generate_example(trainer *t) {
+    const fl_run_config *c = t->cfg;
+    if (!t->out || c->eval.max_new_tokens <= 0) return FL_OK;
+    if (t->dp.fsdp) { /* decoding token by token would gather every block for every token */
+        fprintf(t->out, "(sample generation skipped: the parameters are sharded (FULL_SHARD); generate from a "
+                "checkpoint with fitllm generate)\n");
+        return FL_OK;
+    }
+    const char *instruction = "Recommend a movie for me to watch during the weekend and explain the reason.";
+    char *prompt = NULL, *text = NULL;
+    int32_t *ids = NULL, *gen = NULL;
+    size_t n = 0, len = 0;
+    int n_out = 0;
+    int32_t eos = -1;
+    fl_status s = FL_OK;
+    if (c->command == FL_CMD_PRETRAIN && t->in.data && fl_data_count(t->in.data, FL_SPLIT_VAL) > 0) {
+        const fl_sample *sm = fl_data_get(t->in.data, FL_SPLIT_VAL, 0);
+        n = (size_t)(sm->len - 1 < FL_PRETRAIN_PROMPT_TOKENS ? sm->len - 1 : FL_PRETRAIN_PROMPT_TOKENS);
+        if (n < 1) n = 1;
+        ids = malloc(n * sizeof *ids);
+        if (!ids) s = fl_errorf(FL_ERR_OOM, "out of host memory");
+        else memcpy(ids, sm->ids, n * sizeof *ids);
+        size_t pl = 0;
+        if (s == FL_OK) s = fl_tok_decode(t->in.tok, ids, n, 1, &prompt, &pl);
+        instruction = prompt; /* printed before the continuation */
+    } else {
+        s = fl_data_format_prompt(c->data.prompt_style[0] ? c->data.prompt_style : "alpaca", instruction, "", &prompt);
+        if (s == FL_OK) s = fl_tok_encode(t->in.tok, prompt, strlen(prompt), -1, 0, &ids, &n);
+    }
+    int cap = (int)n + c->eval.max_new_tokens;
+    if (s == FL_OK && cap > t->model.cfg.max_seq) {
+        fprintf(t->out, "(sample generation skipped: prompt of %zu tokens + eval.max_new_tokens %d exceeds the "
+                "context of %d)\n", n, c->eval.max_new_tokens, t->model.cfg.max_seq);
+        goto out;
+    }
+    gen = malloc((size_t)c->eval.max_new_tokens * sizeof *gen);
+    if (s == FL_OK && !gen) s = fl_errorf(FL_ERR_OOM, "out of host memory");
+    if (s == FL_OK) eos = fl_tok_eos_id(t->in.tok);
+    if (s == FL_OK) s = fl_tr_sample_tokens(t, ids, (int)n, eos >= 0 ? &eos : NULL, gen, &n_out, NULL, NULL);
+    if (s == FL_OK) s = fl_tok_decode(t->in.tok, gen, (size_t)n_out, 1, &text, &len);
+    /* pretrain: the text prefix and its continuation read as one text */
+    if (s == FL_OK) fprintf(t->out, "%s%s%s\n", instruction, c->command == FL_CMD_PRETRAIN ? "" : "\n", text);
+out:
+    free(gen);
+    free(text);
+    free(ids);
+    free(prompt);
+    return s;
+}

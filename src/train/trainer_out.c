@@ -1,0 +1,181 @@
+/* What the trainer prints: the progress bar, the result box, the metrics' memory columns
+ * (src/train/trainer-impl.h). */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "trainer-impl.h"
+
+void fl_tr_bar_clear(trainer *t) {
+    if (t->bar && t->out) fputs("\r\033[K", t->out);
+}
+
+/* "1h02m", "3m05s", "42s" */
+static void fmt_duration(double s, char *buf, size_t n) {
+    long v = s > 0 ? (long)(s + 0.5) : 0;
+    if (v >= 3600) snprintf(buf, n, "%ldh%02ldm", v / 3600, v / 60 % 60);
+    else if (v >= 60) snprintf(buf, n, "%ldm%02lds", v / 60, v % 60);
+    else snprintf(buf, n, "%lds", v);
+}
+
+/* Remaining training time: the mean step time measured in this session times the steps
+ * left, capped by what train.max_time leaves. Evaluation and checkpoint time are not in
+ * it (they are not training time either). Returns -1 before anything was measured. */
+double fl_trainer_eta(double session_seconds, long session_steps, long steps_left, double max_time,
+                      double train_seconds) {
+    if (session_steps <= 0 || session_seconds <= 0) return -1;
+    double eta = session_seconds / (double)session_steps * (double)(steps_left > 0 ? steps_left : 0);
+    if (max_time > 0) {
+        double left = max_time - train_seconds;
+        if (left < eta) eta = left > 0 ? left : 0;
+    }
+    return eta;
+}
+
+void fl_tr_bar_draw(trainer *t, long step, double eta) {
+    if (!t->bar || !t->out) return;
+    int w = 30, fill = (int)(w * (double)step / (double)(t->sch.max_steps > 0 ? t->sch.max_steps : 1));
+    if (fill > w) fill = w;
+    char e[32] = "--";
+    if (eta >= 0) fmt_duration(eta, e, sizeof e);
+    fprintf(t->out, "\r[%.*s%*s] step %ld/%ld, ETA %s", fill, "##############################", w - fill, "", step,
+            t->sch.max_steps, e);
+    fflush(t->out);
+}
+
+void fl_tr_print_box(trainer *t, const fl_trainer_result *r) {
+    if (!t->out) return;
+    char b[32];
+    double secs = r->train_seconds > 0 ? r->train_seconds : 1e-9;
+    fprintf(t->out, "\n+-------------------------------------------------------------+\n");
+    fprintf(t->out, "| %-28s %30lld |\n", "input tokens (non-prompt)", r->tokens_real - r->tokens_prompt);
+    fprintf(t->out, "| %-28s %30lld |\n", "tokens with prompt", r->tokens_real);
+    fprintf(t->out, "| %-28s %30lld |\n", "total tokens with padding", r->tokens_padded);
+    fprintf(t->out, "| %-28s %28.2f s |\n", "training time", r->train_seconds);
+    fprintf(t->out, "| %-28s %30.1f |\n", "tokens/s (with prompt)", r->tokens_real / secs);
+    fprintf(t->out, "| %-28s %30.4f |\n", "TFLOP/s (model FLOPs)", t->st.flops / secs / 1e12);
+    for (int k = 0; k < FL_TAG_COUNT; k++) {
+        char lbl[40];
+        snprintf(lbl, sizeof lbl, "peak %s", fl_mem_tag_name((fl_mem_tag)k));
+        fprintf(t->out, "| %-28s %30s |\n", lbl, fl_fmt_bytes(r->peak[k], b, sizeof b));
+    }
+    fprintf(t->out, "| %-28s %30s |\n", "peak total", fl_fmt_bytes(r->peak_total, b, sizeof b));
+    if (r->offload) { /* CPU offload: the host tier beside the device */
+        fprintf(t->out, "| %-28s %30s |\n", "host tier (offload) OPTIM", fl_fmt_bytes(r->host_peak[FL_TAG_OPTIM], b, sizeof b));
+        fprintf(t->out, "| %-28s %30s |\n", "host tier (offload) total", fl_fmt_bytes(r->host_peak_total, b, sizeof b));
+    }
+    if (r->nvme)
+        fprintf(t->out, "| %-28s %30s |\n", "nvme tier (offload) OPTIM", fl_fmt_bytes(r->nvme_peak[FL_TAG_OPTIM], b, sizeof b));
+    if (t->dp.world > 1) {
+        /* in units of the whole model's trainable gradients (ZeRO's psi; under FULL_SHARD opt.n is
+         * this rank's shard), said in words: DDP's all-reduce sends 2 (N-1)/N of it */
+        size_t n_grad = t->dp.fsdp ? t->model.layout.numel : t->opt.n;
+        double psi = (double)n_grad * fl_dtype_size(t->opt.gt);
+        char g[32], line[96];
+        fprintf(t->out, "| %-28s %30s |\n", "sent per step (this rank)",
+                fl_fmt_bytes((size_t)r->comm_sent_last_step, b, sizeof b));
+        snprintf(line, sizeof line, "= %.2f x the model's gradients (%s)",
+                 psi > 0 ? (double)r->comm_sent_last_step / psi : 0.0, fl_fmt_bytes((size_t)psi, g, sizeof g));
+        fprintf(t->out, "| %59s |\n", line);
+    }
+    fprintf(t->out, "+-------------------------------------------------------------+\n");
+}
+
+void fl_tr_mem_values(const fl_mem_pool *p, fl_metrics_values *v) {
+    for (int k = 0; k < 6; k++) v->mem[k] = (double)p->cur[k];
+    v->mem_peak = (double)p->peak_total;
+    v->comm_sent = NAN;
+}
+
+/* The run's header: model, data, precision, batch and schedule, the notes, data parallelism. */
+void fl_tr_print_header(trainer *t, fl_comm *comm, const fl_precision *prec, const fl_strategy_choice *sc) {
+    const fl_run_config *cfg = t->cfg;
+    const fl_data_stats *ds = fl_data_get_stats(t->in.data);
+    if (!t->out) return;
+    fprintf(t->out, "model: %s, %zu parameters (%s); tokenizer: %s%s%s%s\n", t->model.cfg.name[0] ? t->model.cfg.name : "?",
+            t->model.layout.numel, cfg->checkpoint_dir[0] ? cfg->checkpoint_dir : cfg->model_name,
+            fl_tok_kind(t->in.tok), t->in.tok_dir[0] ? " from '" : " (built in: no tokenizer files with the model; "
+            "--tokenizer_dir gives one", t->in.tok_dir[0] ? t->in.tok_dir : "", t->in.tok_dir[0] ? "'" : ")");
+    fprintf(t->out, "data: %s, %zu train / %zu val samples, %zu truncated to max_seq_length; longest input %d\n",
+            fl_data_kind_name(cfg->data.kind), ds->n_samples[FL_SPLIT_TRAIN], ds->n_samples[FL_SPLIT_VAL],
+            ds->n_truncated, t->sch.T);
+    if (ds->val_source[0]) fprintf(t->out, "validation: %s\n", ds->val_source);
+    if (strcmp(cfg->logger_name, "csv") && strcmp(cfg->logger_name, "jsonl"))
+        fprintf(t->out, "logger_name %s: fitllm writes CSV metrics (%s/logs/metrics.csv); the %s logger is not "
+                "available in this build\n", cfg->logger_name, cfg->out_dir, cfg->logger_name);
+    fprintf(t->out, "precision %s%s\n", prec->name, t->model.act_ckpt ? ", activation checkpointing" : "");
+    char ranks[48] = "";
+    if (t->dp.world > 1) snprintf(ranks, sizeof ranks, " x %d ranks", t->dp.world);
+    fprintf(t->out, "micro_batch %d x accumulation %d%s = global batch %d; %ld steps/epoch, %ld steps, warmup %ld; "
+            "%s lr %g, min_lr %g\n",
+            t->sch.B, t->sch.accum, ranks, cfg->train.global_batch_size, t->sch.steps_per_epoch, t->sch.max_steps, t->sch.warmup,
+            fl_optim_name(cfg->optimizer.kind), cfg->optimizer.lr, cfg->train.min_lr);
+    fputs(t->notes, t->out);
+    if (t->dp.world > 1) {
+        char lb[300];
+        fprintf(t->out, "data parallel (%s, strategy %s): %d ranks over %s (%s); rank 0 reports; gradients summed "
+                "over the ranks %s (%s, deterministic rank order)%s\n",
+                fl_dp_stage_name(&t->dp), sc->desc, t->dp.world,
+                fl_comm_impl_name(comm), fl_launch_describe(&comm->launch, lb, sizeof lb),
+                t->dp.fsdp ? "unit by unit in every micro-batch" : "once per step",
+                t->dp.fsdp && t->dp.node ? "one reduce-scatter per unit within the node as its backward ends, then "
+                "an all-reduce of the piece across the nodes: each rank keeps its node's shard"
+                : t->dp.fsdp ? "one reduce-scatter per unit as its backward ends: each rank keeps its shard"
+                : t->dp.stage == 2 ? "one reduce-scatter: each rank keeps its chunk"
+                : t->model.lora ? "one all-reduce of the adapters"
+                               : "all-reduced block by block as the last micro-batch's backward ends each",
+                t->dp.fsdp ? "; each rank holds its shard of every unit's parameters, gradients and optimizer "
+                "state; a unit's parameters are all-gathered right before its forward and its backward (the next "
+                "unit's gather posted ahead, at most 2 blocks at once)"
+                : t->dp.stage ? "; each rank holds the optimizer state of its chunk of the parameters, updates it, "
+                "and the updated parameters are all-gathered" : "");
+    }
+    long bpe = (long)fl_loader_batches_per_epoch(t->in.train);
+    if (bpe < t->sch.G) /* the epoch counter then moves every few iterations, inside one step */
+        fprintf(t->out, "note: the training split is %ld micro-batch%s of %d, fewer than the %d of one optimizer "
+                "step: every step goes over it %.3g times (epochs are counted per micro-batch)\n",
+                bpe, bpe == 1 ? "" : "es", t->sch.B, t->sch.G, (double)t->sch.G / (double)bpe);
+}
+
+/* After the first step (not resumed): the memory report of the device pool, and of the host and nvme
+ * tiers under offload. */
+void fl_tr_print_memory(trainer *t) {
+    const fl_run_config *cfg = t->cfg;
+    fl_tr_bar_clear(t);
+    fprintf(t->out, "\n");
+    if (t->dp.world > 1 && !t->dp.stage)
+        fprintf(t->out, "memory of rank 0 (DDP: every rank holds the same; WORKSPACE includes the all-reduce's "
+                "scratch)\n");
+    else if (t->dp.fsdp)
+        fprintf(t->out, "memory of rank 0 (%s: PARAMS, GRADS and OPTIM hold its shard, %zu of %zu elements; "
+                "GATHER the units gathered at a time and their unreduced gradients; WORKSPACE includes the "
+                "reduction's scratch)\n", fl_dp_stage_name(&t->dp), t->opt.n, t->model.layout.numel);
+    else if (t->dp.world > 1)
+        fprintf(t->out, "memory of rank 0 (%s: OPTIM holds its chunk's state, %zu of %zu elements%s; WORKSPACE "
+                "includes the reduction's scratch)\n", fl_dp_stage_name(&t->dp), t->opt.s_len, t->opt.n,
+                t->dp.stage == 2 ? "; GRADS live after the reduction: its chunk" : "");
+    fl_mem_print_report(&t->hw.pool, t->out);
+    if (t->hw.opool_ok) {
+        fprintf(t->out, "\nhost tier (CPU offload: %s%s, outside the device's budget)\n",
+                t->hw.dpool_ok ? "the optimizer state is in the nvme tier below" : "the optimizer state",
+                t->opt.hp ? "; the update's staging of one piece" : "");
+        fl_mem_print_report(&t->hw.opool, t->out);
+    }
+    if (t->hw.dpool_ok) {
+        fprintf(t->out, "\nnvme tier (the optimizer state in files under '%s', paged through a few pieces of host "
+                "memory)\n", cfg->nvme_path[0] ? cfg->nvme_path : cfg->out_dir);
+        fl_mem_print_report(&t->hw.dpool, t->out);
+    }
+    fprintf(t->out, "\n");
+}
+
+/* A metrics row of a validation loss. */
+void fl_tr_val_row(trainer *t, double val_loss) {
+    fl_metrics_values mv = {t->st.iter, t->st.step, (long)t->st.loader.epoch, NAN, NAN, NAN, val_loss, NAN, -1, -1,
+                            {0}, 0, NAN};
+    fl_tr_mem_values(&t->hw.pool, &mv);
+    mv.tokens = t->st.tokens_padded;
+    mv.total_tokens = t->st.tokens_padded;
+    fl_metrics_row(&t->metrics, &mv);
+}

@@ -1,0 +1,387 @@
+/* The trainer's set-up and tear-down: model, tokenizer, data, schedule, gradients, optimizer,
+ * activations, the step's buffers (src/train/trainer-impl.h). */
+#include <dirent.h>
+#include <stdarg.h>
+#include <sys/stat.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "trainer-impl.h"
+#include "core/fs.h"
+#include "fitllm/io.h"
+#include "fitllm/lora.h"
+#include "fitllm/tokenizer.h"
+
+/* A setting the run adjusts is said, never changed without a word (printed with the run's header). */
+static void add_note(trainer *t, const char *fmt, ...) {
+    size_t o = strlen(t->notes);
+    if (o + 8 >= sizeof t->notes) return;
+    va_list ap;
+    va_start(ap, fmt);
+    o += (size_t)snprintf(t->notes + o, sizeof t->notes - o, "note: ");
+    if (o < sizeof t->notes) vsnprintf(t->notes + o, sizeof t->notes - o, fmt, ap);
+    va_end(ap);
+    o = strlen(t->notes);
+    if (o + 1 < sizeof t->notes) t->notes[o] = '\n', t->notes[o + 1] = 0;
+}
+
+int fl_tr_dir_has_run(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    struct dirent *e;
+    int found = 0;
+    while ((e = readdir(d)) != NULL)
+        if (!strncmp(e->d_name, "step-", 5) || !strcmp(e->d_name, "final") || !strcmp(e->d_name, "logs")) found = 1;
+    closedir(d);
+    return found;
+}
+
+static int exists(const char *p) {
+    struct stat st;
+    return stat(p, &st) == 0;
+}
+
+/* name is a whole item of the comma-separated list */
+static int list_has(const char *list, const char *name) {
+    const size_t n = strlen(name);
+    for (const char *q = list; *q;) {
+        if (!strncmp(q, name, n) && (q[n] == ',' || !q[n])) return 1;
+        const char *comma = strchr(q, ',');
+        if (!comma) break;
+        q = comma + 1;
+    }
+    return 0;
+}
+
+/* LitGPT's lora_* switches (or a PEFT target list) -> an fl_lora_config. */
+fl_status fl_trainer_lora_config(const fl_run_config *c, const fl_model_config *mc, fl_lora_config *lc) {
+    char t[256] = "";
+    const fl_lora_args *a = &c->lora;
+    if (a->target_modules[0]) {
+        snprintf(t, sizeof t, "%s", a->target_modules);
+    } else {
+        /* each switch's targets in the architecture's names (fl_arch_info.lora_switch), each module once, in
+         * switch order (GPT-2: q, k, v are all c_attn; PEFT's suffix match makes c_proj both projections) */
+        const fl_arch_info *ai = fl_arch_get(mc->arch);
+        const int on[5] = {a->query, a->key, a->value, a->projection, a->mlp};
+        size_t o = 0;
+#define ADD(name) o += (size_t)snprintf(t + o, sizeof t - o, "%s%s", o ? "," : "", name)
+        for (int k = 0; k < 5; k++) {
+            if (!on[k]) continue;
+            char list[128];
+            snprintf(list, sizeof list, "%s", ai->lora_switch[k]);
+            for (char *save = NULL, *name = strtok_r(list, ",", &save); name; name = strtok_r(NULL, ",", &save)) {
+                if (!list_has(t, name)) ADD(name);
+            }
+        }
+        if (a->head) ADD("lm_head");
+#undef ADD
+    }
+    if (!t[0]) return fl_errorf(FL_ERR_INVALID, "finetune_lora: no target modules (set lora_query/lora_value/... or lora_target_modules)");
+    return fl_lora_config_init(lc, mc, a->r, a->alpha, a->dropout, a->use_rslora, t);
+}
+
+/* The run's model. given (the planner's, fl_trainer_rehearse): that configuration, created and
+ * randomly initialized as a preset is (no weights read: the loader's allocations are the random
+ * init's, one 4-bit weight's fp32 staging at most). */
+static fl_status load_model(trainer *t, const fl_model_config *given) {
+    const fl_run_config *c = t->cfg;
+    fl_model_config mc;
+    const char *ck = c->checkpoint_dir;
+    int have_weights = 0;
+    int have_cfg = 0; /* pretrain: model_config fields, a config.json, or model_name */
+    if (!given && c->command == FL_CMD_PRETRAIN) FL_TRY(fl_cfg_model_config(c, &mc, &have_cfg));
+    if (given) {
+        FL_TRY(fl_model_init_ex(&t->model, given, &t->hw.be, &t->hw.pool, &t->stg));
+        t->model_ok = 1;
+        FL_TRY(fl_model_init_random_ex(&t->model, c->seed));
+    } else if (have_cfg) {
+        FL_TRY(fl_model_init_ex(&t->model, &mc, &t->hw.be, &t->hw.pool, &t->stg));
+        t->model_ok = 1;
+        FL_TRY(fl_model_init_random_ex(&t->model, c->seed));
+        if (ck[0]) { FL_TRY(fl_hf_load_weights(&t->model, ck)); have_weights = 1; }
+    } else if (ck[0] && !exists(ck)) {
+        /* A preset name: random init (for speed/memory experiments without weights). */
+        fl_status s = fl_preset_find(ck, &mc);
+        if (s != FL_OK) {
+            char why[1024]; /* fl_errorf must not read the message it is writing */
+            snprintf(why, sizeof why, "%s", fl_error_message());
+            return fl_errorf(FL_ERR_NOT_FOUND, "checkpoint_dir '%s' is neither a model folder nor a preset (%s)", ck,
+                             why);
+        }
+        FL_TRY(fl_model_init_ex(&t->model, &mc, &t->hw.be, &t->hw.pool, &t->stg));
+        t->model_ok = 1;
+        FL_TRY(fl_model_init_random_ex(&t->model, c->seed));
+    } else if (ck[0] && c->init_random) {
+        /* --init random: the folder's (or config.json's) shape, fresh weights */
+        char cp[FL_CFG_PATH + 16];
+        struct stat st;
+        if (stat(ck, &st) == 0 && S_ISDIR(st.st_mode)) snprintf(cp, sizeof cp, "%s/config.json", ck);
+        else snprintf(cp, sizeof cp, "%s", ck);
+        FL_TRY(fl_hf_load_config(cp, &mc));
+        FL_TRY(fl_model_init_ex(&t->model, &mc, &t->hw.be, &t->hw.pool, &t->stg));
+        t->model_ok = 1;
+        FL_TRY(fl_model_init_random_ex(&t->model, c->seed));
+    } else if (ck[0]) {
+        int loaded = 0;
+        FL_TRY(fl_model_load_auto_ex(&t->model, ck, &t->hw.be, &t->hw.pool, &t->stg, &loaded));
+        t->model_ok = 1;
+        have_weights = loaded;
+        if (!loaded) FL_TRY(fl_model_init_random_ex(&t->model, c->seed));
+    } else {
+        return fl_errorf(FL_ERR_INVALID, "no model: give checkpoint_dir%s",
+                         c->command == FL_CMD_PRETRAIN ? ", model_name or model_config" : "");
+    }
+    (void)have_weights;
+    if (c->train.tie_embeddings >= 0 && c->train.tie_embeddings != t->model.cfg.tie_embeddings)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "train.tie_embeddings=%d differs from the model's tie_word_embeddings=%d",
+                         c->train.tie_embeddings, t->model.cfg.tie_embeddings);
+    return FL_OK;
+}
+
+/* Tokenizer: the model folder's, an explicit tokenizer_dir, or the built-in bytes. */
+fl_status fl_tr_load_tokenizer(trainer *t) {
+    const fl_run_config *c = t->cfg;
+    const char *ck = c->checkpoint_dir;
+    const char *td = c->tokenizer_dir[0] ? c->tokenizer_dir : NULL;
+    char beside[FL_CFG_PATH];
+    if (!td && ck[0] && exists(ck)) {
+        struct stat st;
+        if (stat(ck, &st) == 0 && S_ISDIR(st.st_mode)) {
+            td = ck;
+        } else { /* a model file (llama2.c's stories260K.bin): the tokenizer beside it (tok512.bin) */
+            const char *slash = strrchr(ck, '/');
+            snprintf(beside, sizeof beside, "%.*s", slash ? (int)(slash - ck) : 1, slash ? (slash == ck ? "/" : ck) : ".");
+            if (fl_io_has_tokenizer(beside)) td = beside;
+        }
+    }
+    if (td) {
+        FL_TRY(fl_tok_load(&t->in.tok, td));
+        snprintf(t->in.tok_dir, sizeof t->in.tok_dir, "%s", td);
+    } else {
+        FL_TRY(fl_tok_builtin_bytes(&t->in.tok));
+    }
+    if (fl_tok_vocab_size(t->in.tok) > t->model.cfg.vocab_size)
+        return fl_errorf(FL_ERR_INVALID, "tokenizer (%s, %d ids%s%s%s) does not fit the model's vocab_size %d%s",
+                         fl_tok_kind(t->in.tok), fl_tok_vocab_size(t->in.tok), td ? ", from '" : "", td ? td : "",
+                         td ? "'" : "", t->model.cfg.vocab_size, td && td == beside ? "; give the model's with "
+                         "--tokenizer_dir" : "");
+    return FL_OK;
+}
+
+static int ds_truncated(const fl_dataset *d) { return fl_data_get_stats(d)->n_truncated > 0; }
+
+fl_status fl_tr_load_data(trainer *t) {
+    const fl_run_config *c = t->cfg;
+    fl_data_config dc = c->data;
+    dc.max_seq_length = c->train.max_seq_length;
+    /* LitGPT's pretrain cuts the token stream into blocks of the model's context
+     * (model.max_seq_length = block_size) unless train.max_seq_length says less */
+    if (dc.kind == FL_DATA_TEXTFILES && dc.max_seq_length <= 0) dc.max_seq_length = t->model.cfg.max_seq;
+    const int ctx = t->model.cfg.max_seq;
+    if (c->train.max_seq_length > ctx) {
+        /* LitGPT's pretrain: min(train.max_seq_length, block_size); longer blocks would only be cut */
+        if (dc.kind == FL_DATA_TEXTFILES) dc.max_seq_length = ctx;
+        add_note(t, "train.max_seq_length %d is more than the model's %d positions (its context): samples are cut to "
+                 "%d tokens", c->train.max_seq_length, ctx, ctx);
+    }
+    if (dc.kind == FL_DATA_ALPACA && !dc.json_path[0])
+        snprintf(dc.json_path, sizeof dc.json_path, "data/alpaca/alpaca_data_cleaned_archive.json");
+    FL_TRY(fl_data_load(&t->in.data, &dc, t->in.tok));
+    if (fl_data_count(t->in.data, FL_SPLIT_TRAIN) == 0) return fl_errorf(FL_ERR_INVALID, "the training split is empty");
+    /* Longest sample decides the activation arena (LitGPT sets model.max_seq_length the same way). */
+    int longest = 2;
+    for (int s = 0; s < FL_SPLIT_COUNT; s++)
+        for (size_t i = 0; i < fl_data_count(t->in.data, (fl_split)s); i++) {
+            int n = fl_data_get(t->in.data, (fl_split)s, i)->len;
+            if (n > longest) longest = n;
+        }
+    int T = longest - 1; /* inputs are the sample minus its last token */
+    if (c->train.max_seq_length > 0 && T > c->train.max_seq_length) T = c->train.max_seq_length;
+    if (T > t->model.cfg.max_seq) T = t->model.cfg.max_seq;
+    if (c->train.max_seq_length <= 0 && longest - 1 > ctx) /* null: the longest sample would decide */
+        add_note(t, "the longest sample has %d input tokens, more than the model's %d positions (its context): "
+                 "samples are cut to %d tokens (train.max_seq_length null)", longest - 1, ctx, ctx);
+    t->sch.T = T;
+    t->sch.B = c->train.micro_batch_size;
+    /* every target masked (an empty response with mask_prompt, responses cut away by
+     * max_seq_length): the loss is 0/0 and nothing would be learnt; say so before training */
+    size_t n_train = fl_data_count(t->in.data, FL_SPLIT_TRAIN), n_targets = 0;
+    for (size_t i = 0; i < n_train && !n_targets; i++) {
+        const fl_sample *sm = fl_data_get(t->in.data, FL_SPLIT_TRAIN, i);
+        for (int j = 1; j < sm->len && j <= T; j++) n_targets += sm->labels[j] != dc.ignore_index;
+    }
+    if (!n_targets)
+        return fl_errorf(FL_ERR_INVALID,
+                         "nothing to learn from: every target token of the %zu training samples is masked "
+                         "(ignore_index %d)%s; check data.mask_prompt, the responses of the dataset and "
+                         "train.max_seq_length", n_train, dc.ignore_index,
+                         ds_truncated(t->in.data) ? ", some after truncation to max_seq_length" : "");
+    FL_TRY(fl_loader_init(&t->in.train, t->in.data, FL_SPLIT_TRAIN, t->sch.B, T, c->seed, 1));
+    if (fl_data_count(t->in.data, FL_SPLIT_VAL) > 0) FL_TRY(fl_loader_init(&t->in.val, t->in.data, FL_SPLIT_VAL, t->sch.B, T, c->seed, 0));
+    return FL_OK;
+}
+
+void fl_tr_schedule(trainer *t) {
+    const fl_train_args *a = &t->cfg->train;
+    t->sch.accum = a->global_batch_size / (t->cfg->devices * t->cfg->num_nodes) / a->micro_batch_size;
+    t->sch.G = t->sch.accum * t->dp.world;
+    long bpe = (long)fl_loader_batches_per_epoch(t->in.train);
+    t->sch.steps_per_epoch = bpe / t->sch.G > 0 ? bpe / t->sch.G : 1;
+    long ms = -1;
+    if (a->epochs > 0) ms = a->epochs * t->sch.steps_per_epoch;
+    if (a->max_steps >= 0 && (ms < 0 || a->max_steps < ms)) ms = a->max_steps;
+    if (a->max_tokens > 0) {
+        long by_tokens = (long)((a->max_tokens + (long long)a->global_batch_size * t->sch.T - 1) /
+                                ((long long)a->global_batch_size * t->sch.T));
+        if (ms < 0 || by_tokens < ms) ms = by_tokens;
+    }
+    if (ms < 0) ms = t->sch.steps_per_epoch;
+    t->sch.max_steps = ms;
+    long w = 0;
+    if (a->lr_warmup_fraction >= 0) w = (long)ceil(a->lr_warmup_fraction * t->sch.steps_per_epoch);
+    else if (a->lr_warmup_steps > 0) w = a->lr_warmup_steps;
+    t->sch.warmup = w < ms ? w : ms;
+    if (w > ms)
+        add_note(t, "the warm-up of %ld steps (%s) is longer than the run's %ld steps: the learning rate rises over "
+                 "all %ld and never decays", w, a->lr_warmup_fraction >= 0 ? "train.lr_warmup_fraction" :
+                 "train.lr_warmup_steps", ms, ms);
+    if (bpe < t->sch.G)
+        add_note(t, "the training split has %ld micro-batches, fewer than the %d of one optimizer step: an epoch is "
+                 "counted as one step", bpe, t->sch.G);
+}
+
+fl_status fl_trainer_storage(const fl_run_config *c, const fl_precision *p, fl_model_storage *st) {
+    fl_model_storage_for(p, st);
+    if (c->command != FL_CMD_FINETUNE_LORA || !c->lora.quantize[0]) return FL_OK;
+    fl_q4_type qt;
+    FL_TRY(fl_q4_parse_mode(c->lora.quantize, &qt, &st->q4_double_quant));
+    st->quant4 = 1; /* QLoRA: the blocks' linear weights in 4 bits */
+    st->q4_type = qt;
+    return FL_OK;
+}
+
+/* ---- the pieces fl_trainer_run and fl_trainer_rehearse share ------------------------------
+ * The planner runs these same functions on the null backend (fl_trainer_rehearse): whatever
+ * they allocate is what the plan shows, so a change here is planned without touching plan.c. */
+
+/* "model load": the model (given: see load_model), its precision policy's compute copy, then
+ * the after_load snapshot (the weights alone). */
+fl_status fl_tr_setup_model(trainer *t, const fl_precision *prec, const fl_model_config *given) {
+    fl_mem_set_phase(&t->hw.pool, "model load");
+    FL_TRY(load_model(t, given));
+    FL_TRY(fl_model_set_precision(&t->model, prec));
+    fl_mem_snapshot(&t->hw.pool, "after_load");
+    return FL_OK;
+}
+
+/* CPU offload (ZeRO-Offload, --strategy deepspeed_stage_{1,2}_offload): the host tier, from the backend's
+ * host_pool_init (cuda: page-locked memory; null: counted fake addresses) without a budget, and the backend
+ * the update runs on: the run's own where its memory is host memory (cpu, ref, cuda-emu) or where it
+ * computes nothing (the planner's null), else a CPU backend with the run's threads. */
+fl_status fl_tr_setup_offload(trainer *t, const fl_strategy_choice *sc) {
+    if (!sc->offload) return FL_OK;
+    const fl_backend *be = &t->hw.be;
+    FL_TRY(be->host_pool_init ? be->host_pool_init(be, &t->hw.opool, "host (offload)", 0)
+                              : fl_mem_pool_init(&t->hw.opool, "host (offload)", 0));
+    t->hw.opool_ok = 1;
+    if (be->host_memory || be->discards) {
+        t->hw.off.be = be;
+    } else {
+        FL_TRY(fl_error_prefix(fl_cpu_backend_init(&t->hw.hbe, t->cfg->threads), "CPU offload: the host's optimizer"));
+        t->hw.hbe_ok = 1;
+        t->hw.off.be = &t->hw.hbe;
+    }
+    t->hw.off.pool = &t->hw.opool;
+    t->dp.offload = &t->hw.off;
+    if (strcmp(t->cfg->offload_device, "nvme")) return FL_OK;
+    /* NVMe (ZeRO-Infinity's offload_optimizer device nvme): the state in files under nvme_path (out_dir by
+     * default, made here: the files are unlinked at creation, so an OOM still leaves no files); the plan's
+     * null backend stands it in with its counted fake addresses */
+    if (be->discards) {
+        FL_TRY(be->host_pool_init(be, &t->hw.dpool, "nvme (offload)", 0));
+    } else {
+        const char *dir = t->cfg->nvme_path[0] ? t->cfg->nvme_path : t->cfg->out_dir;
+        if (!t->cfg->nvme_path[0]) FL_TRY(fl_fs_mkdir_p(dir));
+        FL_TRY(fl_mem_disk_pool_init(&t->hw.dpool, "nvme (offload)", dir));
+    }
+    t->hw.dpool_ok = 1;
+    t->hw.off.state_pool = &t->hw.dpool;
+    return FL_OK;
+}
+
+/* "setup": gradients (or the LoRA adapters), optimizer state, the activation arena for
+ * (t->sch.B, t->sch.T) and the step's buffers for t->sch.accum micro-batches (t->sch.G global). */
+fl_status fl_tr_setup_training(trainer *t, const fl_run_config *rcfg, const fl_strategy_choice *sc) {
+    const fl_run_config *cfg = t->cfg;
+    fl_mem_set_phase(&t->hw.pool, "setup");
+    if (cfg->command == FL_CMD_FINETUNE_LORA) {
+        /* adapters only: the base stays frozen and needs no gradient buffer */
+        fl_lora_config lc;
+        FL_TRY(fl_trainer_lora_config(cfg, &t->model.cfg, &lc));
+        FL_TRY(fl_model_lora_init(&t->model, &lc, cfg->seed));
+    } else {
+        FL_TRY(fl_fsdp_init(&t->dp, rcfg, &t->model)); /* FULL_SHARD: the gathered units' compute copy */
+        FL_TRY(fl_model_alloc_grads(&t->model));      /* (sharded: of the gradients) */
+    }
+    FL_TRY(fl_tr_setup_offload(t, sc));
+    FL_TRY(fl_dp_optim_init(&t->dp, rcfg, &t->opt, &t->model)); /* ZeRO: state for this rank's chunk only; offload:
+                                                                  * in the host tier */
+    FL_TRY(fl_dp_check(&t->dp, &t->opt));
+    if (t->opt.use_loss_scale && cfg->loss_scale_init > 0) t->opt.ls.scale = cfg->loss_scale_init;
+    t->model.act_ckpt = sc->act_ckpt; /* given, or LitGPT's default under auto's FSDP */
+    FL_TRY(fl_model_alloc_acts(&t->model, t->sch.B, t->sch.T));
+    size_t per = (size_t)t->sch.B * t->sch.T;
+    /* the step's token ids and targets: host memory (the loader writes them; the forward uploads) */
+    fl_status s = fl_mem_alloc(fl_mem_host_pool(&t->hw.pool), FL_TAG_OTHER, (size_t)t->sch.accum * per * sizeof(int32_t),
+                               (void **)&t->buf.ids);
+    if (s == FL_OK)
+        s = fl_mem_alloc(fl_mem_host_pool(&t->hw.pool), FL_TAG_OTHER, (size_t)t->sch.accum * per * sizeof(int32_t),
+                         (void **)&t->buf.tgt);
+    if (s != FL_OK) return fl_error_prefix(s, "the step's token ids and targets (%d x %d x %d)", t->sch.accum, t->sch.B, t->sch.T);
+    t->buf.mbs = calloc((size_t)t->sch.accum, sizeof *t->buf.mbs);
+    t->buf.mb_epoch = calloc((size_t)t->sch.G, sizeof *t->buf.mb_epoch);
+    t->buf.mb_tokens = calloc((size_t)t->sch.G, sizeof *t->buf.mb_tokens);
+    t->buf.mb_stats = calloc((size_t)t->sch.G * 2, sizeof *t->buf.mb_stats);
+    t->buf.mb_ms = calloc((size_t)t->sch.accum, sizeof *t->buf.mb_ms);
+    if (!t->buf.mbs || !t->buf.mb_epoch || !t->buf.mb_tokens || !t->buf.mb_stats || !t->buf.mb_ms)
+        return fl_errorf(FL_ERR_OOM, "out of host memory");
+    return FL_OK;
+}
+
+void fl_tr_cleanup(trainer *t) {
+    fl_metrics_close(&t->metrics);
+    if (t->hw.pool_ok) {
+        fl_mem_free(fl_mem_host_pool(&t->hw.pool), t->buf.ids);
+        fl_mem_free(fl_mem_host_pool(&t->hw.pool), t->buf.tgt);
+    }
+    free(t->buf.mbs);
+    free(t->buf.mb_epoch);
+    free(t->buf.mb_tokens);
+    free(t->buf.mb_stats);
+    free(t->buf.mb_ms);
+    fl_dp_done(&t->dp);
+    fl_loader_free(t->in.train);
+    fl_loader_free(t->in.val);
+    fl_data_free(t->in.data);
+    fl_tok_free(t->in.tok);
+    fl_fsdp_free(&t->dp);
+    fl_optim_free(&t->opt);
+    if (t->model_ok) fl_model_free(&t->model);
+    if (t->hw.pool_ok) fl_backend_pools_free(&t->hw.pool, &t->hw.hpool);
+    if (t->hw.dpool_ok) fl_mem_pool_free(&t->hw.dpool);
+    if (t->hw.opool_ok) fl_mem_pool_free(&t->hw.opool);
+    if (t->hw.hbe_ok) fl_cpu_backend_free(&t->hw.hbe);
+    if (t->hw.be_ok) fl_backend_free(&t->hw.be);
+}
+
+/* cleanup after a failure keeps the failure's message: tearing down what was in flight (FSDP's
+ * gathers on an aborted communicator) records errors of its own */
+void fl_tr_cleanup_keep_error(trainer *t, fl_status s) {
+    char *keep = s != FL_OK ? strdup(fl_error_message()) : NULL;
+    fl_tr_cleanup(t);
+    if (keep) fl_errorf(s, "%s", keep);
+    free(keep);
+}
