@@ -55,7 +55,7 @@ static void vs_mixed(const char *preset, int untie, fl_dtype dt) {
     fl_model a;
     FL_REQUIRE_OK(fl_model_init(&a, &c, &be, &pool));
     fl_model_init_random(&a, 5);
-    for (size_t i = 0; i < a.layout.numel; i++) a.params[i] = r16(dt, a.params[i]);
+    for (size_t i = 0; i < a.layout.numel; i++) fl_model_params_f32(&a)[i] = r16(dt, fl_model_params_f32(&a)[i]);
     FL_REQUIRE_OK(fl_model_set_precision(&a, fl_precision_get(mixed)));
     FL_REQUIRE_OK(fl_model_alloc_grads(&a));
     FL_REQUIRE_OK(fl_model_alloc_acts(&a, B, T));
@@ -69,15 +69,15 @@ static void vs_mixed(const char *preset, int untie, fl_dtype dt) {
     fl_model_storage st = {.param_dtype = dt};
     size_t p0 = pool.cur[FL_TAG_PARAMS], w0 = pool.cur[FL_TAG_WORKSPACE], g0 = pool.cur[FL_TAG_GRADS];
     FL_REQUIRE_OK(fl_model_init_ex(&b, &c, &be, &pool, &st));
-    FL_CHECK(b.params == NULL && b.p16 != NULL);
+    FL_CHECK(fl_model_params_f32(&b) == NULL && fl_model_params_16(&b) != NULL);
     FL_CHECK(pool.cur[FL_TAG_PARAMS] - p0 == b.layout.numel * 2);
     FL_CHECK(pool.cur[FL_TAG_WORKSPACE] - w0 == fl_sizing_pstage_elems(&c) * 4);
-    for (int i = 0; i < b.layout.n; i++) fl_model_write_param(&b, i, a.params + a.layout.params[i].offset);
+    for (int i = 0; i < b.layout.n; i++) fl_model_write_param(&b, i, fl_model_params_f32(&a) + a.layout.params[i].offset);
     FL_REQUIRE_OK(fl_model_set_precision(&b, fl_precision_get(truek)));
     FL_CHECK(fl_model_set_precision(&b, fl_precision_get(FL_PREC_32_TRUE)) == FL_ERR_INVALID); /* storage is fixed */
     FL_REQUIRE_OK(fl_model_set_precision(&b, fl_precision_get(truek)));
     FL_REQUIRE_OK(fl_model_alloc_grads(&b));
-    FL_CHECK(b.grads == NULL && b.g16 != NULL);
+    FL_CHECK(fl_model_grads_f32(&b) == NULL && fl_model_grads_16(&b) != NULL);
     FL_CHECK(pool.cur[FL_TAG_GRADS] - g0 == b.layout.numel * 2);
     FL_CHECK(pool.cur[FL_TAG_WORKSPACE] - w0 == (fl_sizing_pstage_elems(&c) + fl_sizing_gstage_elems(&c)) * 4);
     FL_REQUIRE_OK(fl_model_alloc_acts(&b, B, T));
@@ -92,8 +92,8 @@ static void vs_mixed(const char *preset, int untie, fl_dtype dt) {
     double worst_tied = 0;
     for (int i = 0; i < b.layout.n; i++) {
         const fl_param_info *p = &b.layout.params[i];
-        const float *g32 = a.grads + p->offset;
-        const uint16_t *g16 = b.g16 + p->offset;
+        const float *g32 = fl_model_grads_f32(&a) + p->offset;
+        const uint16_t *g16 = fl_model_grads_16(&b) + p->offset;
         double mx = 0;
         for (size_t k = 0; k < p->numel; k++) mx = fmax(mx, fabs(g32[k]));
         for (size_t k = 0; k < p->numel; k++) {
@@ -137,10 +137,10 @@ static void vs_mixed(const char *preset, int untie, fl_dtype dt) {
     fl_st_close(&sf);
     fl_model r16, r32;
     FL_REQUIRE_OK(fl_hf_load_model_ex(&r16, dir, &be, &pool, &st));
-    FL_CHECK(memcmp(r16.p16, b.p16, b.layout.numel * 2) == 0);
+    FL_CHECK(memcmp(fl_model_params_16(&r16), fl_model_params_16(&b), b.layout.numel * 2) == 0);
     FL_REQUIRE_OK(fl_hf_load_model(&r32, dir, &be, &pool));
     size_t bad = 0;
-    for (size_t i = 0; i < b.layout.numel; i++) bad += r32.params[i] != from16(dt, b.p16[i]);
+    for (size_t i = 0; i < b.layout.numel; i++) bad += fl_model_params_f32(&r32)[i] != from16(dt, fl_model_params_16(&b)[i]);
     FL_CHECK(bad == 0);
     fl_model_free(&r16);
     fl_model_free(&r32);
@@ -203,11 +203,11 @@ static void head_widened(const char *preset, fl_dtype dt) {
         for (size_t i = 0; i < (size_t)N * V; i++) /* B keeps fp32 dlogits: its GEMMs round them */
             dy[k][i] = dt == FL_BF16 && k ? r16(dt, m[k].acts->logits[i]) : m[k].acts->logits[i];
         memcpy(dx[k], m[k].acts->buf1, (size_t)N * C * sizeof(float));
-        memcpy(dw[k], m[k].grads + m[k].layout.params[fl_layout_find(&m[k].layout, "lm_head.weight")].offset, (size_t)V * C * sizeof(float));
+        memcpy(dw[k], fl_model_grads_f32(&m[k]) + m[k].layout.params[fl_layout_find(&m[k].layout, "lm_head.weight")].offset, (size_t)V * C * sizeof(float));
     }
     FL_CHECK(m[0].loss_sum == m[0].loss_sum && fabs(m[0].loss_sum - m[1].loss_sum) <= 1e-4 * fabs(m[1].loss_sum));
     /* the operands: head weight W (V, C) as the GEMMs read it, x = the 16-bit-rounded final norm output */
-    const float *W = m[1].params + m[1].layout.params[fl_layout_find(&m[1].layout, "lm_head.weight")].offset;
+    const float *W = fl_model_params_f32(&m[1]) + m[1].layout.params[fl_layout_find(&m[1].layout, "lm_head.weight")].offset;
     float *x = malloc((size_t)N * C * sizeof(float));
     size_t notround = 0;
     for (size_t i = 0; i < (size_t)N * C; i++) {
@@ -307,7 +307,7 @@ typedef struct {
     size_t kept, kept_bad; /* elements torch left unchanged (where checked) / of those, moved by ours */
 } after1_stats;
 
-/* Compare our bf16 parameters (m->p16) with after1.<name>. An element's scale is the
+/* Compare our bf16 parameters (fl_model_params_16(m)) with after1.<name>. An element's scale is the
  * largest of |before|, |torch's after| and lr, and u its bf16 ulp: it sizes the rounding
  * of every intermediate of the update. Bound: |ours - torch| <= slack + ulps * u.
  * Elements torch left bit-unchanged must be unchanged in ours too where must_keep is
@@ -325,7 +325,7 @@ static after1_stats cmp_after1(const fl_model *m, const fl_st_file *gt, const ui
         const float *ref = t->data;
         for (size_t k = 0; k < p->numel; k++) {
             size_t j = p->offset + k;
-            uint16_t tb = fl_f32_to_bf16(ref[k]), ob = m->p16[j];
+            uint16_t tb = fl_f32_to_bf16(ref[k]), ob = fl_model_params_16(m)[j];
             double before = fl_bf16_to_f32(p0[j]), ours = fl_bf16_to_f32(ob);
             double d = fabs(ours - ref[k]), u = bf16_ulp(fmax(fmax(fabs(before), fabs(ref[k])), lr));
             s.same += ob == tb;
@@ -354,7 +354,7 @@ FL_TEST(bf16_true_vs_pytorch_golden_llama) {
     fl_model m;
     fl_model_storage st = {.param_dtype = FL_BF16};
     FL_REQUIRE_OK(fl_hf_load_model_ex(&m, "tests/fixtures/golden-llama", &be, &pool, &st));
-    FL_REQUIRE(m.p16 != NULL && m.params == NULL);
+    FL_REQUIRE(fl_model_params_16(&m) != NULL && fl_model_params_f32(&m) == NULL);
     FL_REQUIRE_OK(fl_model_set_precision(&m, fl_precision_get(FL_PREC_BF16_TRUE)));
     fl_st_file g, gt;
     FL_REQUIRE_OK(fl_st_open(&g, "tests/fixtures/golden-llama/golden.safetensors"));
@@ -396,7 +396,7 @@ FL_TEST(bf16_true_vs_pytorch_golden_llama) {
         const fl_param_info *p = &m.layout.params[i];
         const fl_st_tensor *t = find_ref(&gt, "grad.", p->name);
         FL_REQUIRE(t != NULL && t->dtype == FL_F32 && t->end - t->begin == p->numel * 4);
-        for (size_t k = 0; k < p->numel; k++) gf[p->offset + k] = fl_bf16_to_f32(m.g16[p->offset + k]);
+        for (size_t k = 0; k < p->numel; k++) gf[p->offset + k] = fl_bf16_to_f32(fl_model_grads_16(&m)[p->offset + k]);
         double e = scaled_err(gf + p->offset, t->data, p->numel, &w);
         FL_CHECKF(e <= 3e-2, "bf16-true grad %s vs torch: %.3g at %zu", p->name, e, w);
         if (e > worst_g) { worst_g = e; worst_name = p->name; }
@@ -421,8 +421,8 @@ FL_TEST(bf16_true_vs_pytorch_golden_llama) {
     uint16_t *p0 = malloc(n * 2), *gours = malloc(n * 2);
     uint8_t *keep = calloc(n, 1);
     FL_REQUIRE(p0 && gours && keep);
-    memcpy(p0, m.p16, n * 2);
-    memcpy(gours, m.g16, n * 2);
+    memcpy(p0, fl_model_params_16(&m), n * 2);
+    memcpy(gours, fl_model_grads_16(&m), n * 2);
 
     /* (a) torch's own gradients (bf16, exact in the fixture) into our optimizer: isolates the
      * update. Per element, with u = one bf16 ulp of max(|before|, |after|, lr): ours rounds once
@@ -443,8 +443,8 @@ FL_TEST(bf16_true_vs_pytorch_golden_llama) {
         const float *tgr = find_ref(&gt, "grad.", p->name)->data;
         size_t inexact = 0;
         for (size_t k = 0; k < p->numel; k++) {
-            m.g16[p->offset + k] = fl_f32_to_bf16(tgr[k]);
-            inexact += fl_bf16_to_f32(m.g16[p->offset + k]) != tgr[k];
+            fl_model_grads_16(&m)[p->offset + k] = fl_f32_to_bf16(tgr[k]);
+            inexact += fl_bf16_to_f32(fl_model_grads_16(&m)[p->offset + k]) != tgr[k];
         }
         FL_CHECKF(inexact == 0, "fixture grad.%s is not bf16-exact (%zu elements)", p->name, inexact);
     }
@@ -469,8 +469,8 @@ FL_TEST(bf16_true_vs_pytorch_golden_llama) {
      * element within 2*lr + 3u, >= 90% bit-identical, <= 1700 beyond 1u; the elements that
      * must stay put stay put: the norm weights and the embedding rows with zero gradient in
      * both (the same rows: tokens absent from the batch). */
-    memcpy(m.p16, p0, n * 2);
-    memcpy(m.g16, gours, n * 2);
+    memcpy(fl_model_params_16(&m), p0, n * 2);
+    memcpy(fl_model_grads_16(&m), gours, n * 2);
     size_t zrows = 0;
     for (int i = 0; i < m.layout.n; i++) {
         const fl_param_info *p = &m.layout.params[i];

@@ -51,7 +51,7 @@ FL_TEST(f16_mixed_vs_pytorch_autocast_golden_llama) {
         snprintf(key, sizeof key, "grad.%s", p->name);
         const fl_st_tensor *t = fl_st_find(&r, key);
         FL_REQUIRE(t != NULL);
-        double e = scaled_err(m.grads + p->offset, t->data, p->numel);
+        double e = scaled_err(fl_model_grads_f32(&m) + p->offset, t->data, p->numel);
         if (e > worst) { worst = e; wn = p->name; }
     }
     /* measured: loss 5.595604 vs 5.595588 (2.9e-6 rel), logits 6.1e-4, worst gradient 1.6e-3 (layers.0 q_proj);
@@ -93,22 +93,22 @@ FL_TEST(f16_true_loss_scaling_skips_and_backs_off) {
     for (int i = 0; i < 64; i++) { ids[i] = (i * 37 + 5) % c.vocab_size; tg[i] = (i * 11 + 3) % c.vocab_size; }
     size_t bytes = m.layout.numel * 2;
     uint16_t *p0 = malloc(bytes);
-    memcpy(p0, m.p16, bytes);
+    memcpy(p0, fl_model_params_16(&m), bytes);
     /* a scale no fp16 gradient survives: skipped, weights untouched, scale halved */
     o.ls.scale = 0x1p40f;
     fl_step_result r;
     FL_REQUIRE_OK(fl_train_step(&m, &o, ids, tg, 2, 2, 16, 1e-3f, 0.0f, &r));
     FL_CHECK(r.skipped == 1 && o.step == 0 && o.ls.scale == 0x1p39f && o.ls.n_skipped == 1);
-    FL_CHECK(memcmp(p0, m.p16, bytes) == 0);
+    FL_CHECK(memcmp(p0, fl_model_params_16(&m), bytes) == 0);
     FL_CHECK(isnan(r.grad_norm));
     /* a workable scale: the update happens, gradients unscaled (the norm is the unscaled one) */
     o.ls.scale = 1024.0f;
     FL_REQUIRE_OK(fl_train_step(&m, &o, ids, tg, 2, 2, 16, 1e-3f, 0.0f, &r));
     FL_CHECK(r.skipped == 0 && o.step == 1 && o.ls.scale == 1024.0f && o.ls.growth_tracker == 1);
-    FL_CHECK(memcmp(p0, m.p16, bytes) != 0);
+    FL_CHECK(memcmp(p0, fl_model_params_16(&m), bytes) != 0);
     /* the norm of the unscaled gradients: the same step at scale 1024 and at 2048 agree */
     double n1 = r.grad_norm;
-    memcpy(m.p16, p0, bytes);
+    memcpy(fl_model_params_16(&m), p0, bytes);
     o.ls.scale = 2048.0f;
     FL_REQUIRE_OK(fl_train_step(&m, &o, ids, tg, 2, 2, 16, 1e-3f, 0.0f, &r));
     FL_CHECKF(fabs(r.grad_norm - n1) <= 1e-3 * n1, "unscaled norm %.6g at scale 2048 vs %.6g at 1024", r.grad_norm, n1);

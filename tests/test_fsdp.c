@@ -872,23 +872,23 @@ static fl_status lload_rank(fl_comm *c, int rank, void *ud) {
     if (s == FL_OK) s = lload_make(L, &m, &be, &pool, &stg);
     if (s != FL_OK) {
         snprintf(msg, 600, "load: %s", fl_error_message());
-    } else if (!m.pp || !dp.fsdp) {
+    } else if (!fl_model_provider(&m) || !dp.fsdp) {
         snprintf(msg, 600, "the model was not created sharded");
     } else {
         const fl_model *w = L->whole;
-        const size_t es = fl_dtype_size(m.store_dtype), sh = fl_fsdp_shard_numel(&m.layout, dp.world, rank);
-        const char *mine = m.params ? (const char *)m.params : (const char *)m.p16;
-        const char *all = w->params ? (const char *)w->params : (const char *)w->p16;
+        const size_t es = fl_dtype_size(fl_model_store_dtype(&m)), sh = fl_fsdp_shard_numel(&m.layout, dp.world, rank);
+        const char *mine = fl_model_params_f32(&m) ? (const char *)fl_model_params_f32(&m) : (const char *)fl_model_params_16(&m);
+        const char *all = fl_model_params_f32(w) ? (const char *)fl_model_params_f32(w) : (const char *)fl_model_params_16(w);
         size_t at = 0;
-        if (m.pp->numel != sh || pool.cur[FL_TAG_PARAMS] != sh * es || pool.peak[FL_TAG_PARAMS] != sh * es)
+        if (fl_model_provider(&m)->numel != sh || pool.cur[FL_TAG_PARAMS] != sh * es || pool.peak[FL_TAG_PARAMS] != sh * es)
             snprintf(msg, 600, "PARAMS now %zu, peak %zu, want the shard's %zu bytes (%zu elements)",
                      pool.cur[FL_TAG_PARAMS], pool.peak[FL_TAG_PARAMS], sh * es, sh);
         for (int g = 0; !msg[0] && g < m.layout.n_groups; g++) {
             size_t off, len, n = m.layout.group_offset[g + 1] - m.layout.group_offset[g];
             fl_comm_chunk(n, dp.world, rank, &off, &len);
-            if (m.pp->flat_off[g] != m.layout.group_offset[g] + off || m.pp->len[g] != len || m.pp->shard_off[g] != at)
-                snprintf(msg, 600, "unit %d: piece [%zu, +%zu) at %zu, want [%zu, +%zu) at %zu", g, m.pp->flat_off[g],
-                         m.pp->len[g], m.pp->shard_off[g], m.layout.group_offset[g] + off, len, at);
+            if (fl_model_provider(&m)->flat_off[g] != m.layout.group_offset[g] + off || fl_model_provider(&m)->len[g] != len || fl_model_provider(&m)->shard_off[g] != at)
+                snprintf(msg, 600, "unit %d: piece [%zu, +%zu) at %zu, want [%zu, +%zu) at %zu", g, fl_model_provider(&m)->flat_off[g],
+                         fl_model_provider(&m)->len[g], fl_model_provider(&m)->shard_off[g], m.layout.group_offset[g] + off, len, at);
             else if (memcmp(mine + at * es, all + (m.layout.group_offset[g] + off) * es, len * es))
                 snprintf(msg, 600, "unit %d: the piece's bytes differ from the whole load's", g);
             at += len;

@@ -161,7 +161,7 @@ static fl_status random_model(fl_model *m, fl_model_config c, const fl_backend *
     fl_test_rng r = {77};
     for (int i = 0; i < m->layout.n; i++) {
         fl_param_info *p = &m->layout.params[i];
-        float *x = m->params + p->offset;
+        float *x = fl_model_params_f32(m) + p->offset;
         if (p->ndim == 2) for (size_t k = 0; k < p->numel; k++) x[k] *= 6.0f;
         else if (strstr(p->name, "bias")) fl_test_fill(&r, x, p->numel, -0.1f, 0.1f);
         else fl_test_fill(&r, x, p->numel, 0.8f, 1.2f); /* norm weights */

@@ -624,7 +624,7 @@ static fl_model_config small_gpt2(void) {
 
 static void fill_random(fl_model *m, unsigned long long seed) {
     fl_test_rng r = {seed};
-    fl_test_fill(&r, m->params, m->layout.numel, -1.0f, 1.0f);
+    fl_test_fill(&r, fl_model_params_f32(m), m->layout.numel, -1.0f, 1.0f);
 }
 
 /* Write m's parameters (entries [lo,hi)) to a safetensors file, optionally
@@ -643,7 +643,7 @@ static fl_status write_subset(const fl_model *m, const char *path, int lo, int h
         t[n].name = nm;
         t[n].dtype = dt;
         t[n].src_dtype = FL_F32;
-        t[n].data = m->params + p->offset;
+        t[n].data = fl_model_params_f32(m) + p->offset;
         t[n].ndim = p->ndim;
         t[n].transpose2d = p->transposed_on_disk;
         t[n].shape[0] = p->transposed_on_disk ? p->shape[1] : p->shape[0];
@@ -678,7 +678,7 @@ static void roundtrip(fl_model_config cfg, unsigned long long seed) {
     FL_REQUIRE_OK(fl_hf_load_model(&m2, out, NULL, &pool));
     FL_CHECK(cfg_eq(&m.cfg, &m2.cfg));
     FL_REQUIRE(m2.layout.numel == m.layout.numel);
-    FL_CHECK(memcmp(m.params, m2.params, m.layout.numel * sizeof(float)) == 0);
+    FL_CHECK(memcmp(fl_model_params_f32(&m), fl_model_params_f32(&m2), m.layout.numel * sizeof(float)) == 0);
     /* metadata and the on-disk orientation */
     fl_st_file st;
     FL_REQUIRE_OK(fl_st_open(&st, pj(out, "model.safetensors")));
@@ -699,7 +699,7 @@ static void roundtrip(fl_model_config cfg, unsigned long long seed) {
     FL_REQUIRE_OK(fl_hf_save_model(&m, out));
     FL_CHECK(count_entries(out) == 2);
     FL_REQUIRE_OK(fl_hf_load_weights(&m2, out));
-    FL_CHECK(memcmp(m.params, m2.params, m.layout.numel * sizeof(float)) == 0);
+    FL_CHECK(memcmp(fl_model_params_f32(&m), fl_model_params_f32(&m2), m.layout.numel * sizeof(float)) == 0);
     fl_model_free(&m2);
     fl_model_free(&m);
     FL_CHECK(fl_mem_live_count(&pool) == 0);
@@ -737,7 +737,7 @@ FL_TEST(weights_errors) {
                                 {.name = "model.layers.0.extra.weight", .ndim = 1, .shape = {4}, .data = junk}};
     FL_REQUIRE_OK(write_subset(&m, st, 0, m.layout.n, NULL, NULL, FL_F32, ex, 1)); /* ignored buffer only: OK */
     FL_REQUIRE_OK(fl_hf_load_model(&m2, d, NULL, &pool));
-    FL_CHECK(memcmp(m.params, m2.params, m.layout.numel * sizeof(float)) == 0);
+    FL_CHECK(memcmp(fl_model_params_f32(&m), fl_model_params_f32(&m2), m.layout.numel * sizeof(float)) == 0);
     fl_model_free(&m2);
     FL_REQUIRE_OK(write_subset(&m, st, 0, m.layout.n, NULL, NULL, FL_F32, ex, 2));
     FL_CHECK(fl_hf_load_model(&m2, d, NULL, &pool) == FL_ERR_FORMAT);
@@ -762,21 +762,21 @@ FL_TEST(weights_errors) {
     FL_REQUIRE_OK(write_subset(&m, st, 0, m.layout.n, NULL, NULL, FL_BF16, NULL, 0));
     FL_REQUIRE_OK(fl_hf_load_model(&m2, d, NULL, &pool));
     int ok = 1;
-    for (size_t i = 0; i < m.layout.numel; i++) ok &= m2.params[i] == fl_bf16_to_f32(fl_f32_to_bf16(m.params[i]));
+    for (size_t i = 0; i < m.layout.numel; i++) ok &= fl_model_params_f32(&m2)[i] == fl_bf16_to_f32(fl_f32_to_bf16(fl_model_params_f32(&m)[i]));
     FL_CHECK(ok);
     fl_model_free(&m2);
     /* F16 too */
     FL_REQUIRE_OK(write_subset(&m, st, 0, m.layout.n, NULL, NULL, FL_F16, NULL, 0));
     FL_REQUIRE_OK(fl_hf_load_model(&m2, d, NULL, &pool));
     ok = 1;
-    for (size_t i = 0; i < m.layout.numel; i++) ok &= fabsf(m2.params[i] - m.params[i]) <= 1e-3f;
+    for (size_t i = 0; i < m.layout.numel; i++) ok &= fabsf(fl_model_params_f32(&m2)[i] - fl_model_params_f32(&m)[i]) <= 1e-3f;
     FL_CHECK(ok);
     fl_model_free(&m2);
     /* a NaN or inf weight (a diverged run's save) is refused, naming the tensor and the element,
      * in every dtype the loader reads */
     int k = fl_layout_find(&m.layout, "model.layers.1.self_attn.v_proj.weight");
     FL_REQUIRE(k >= 0);
-    float *w = m.params + m.layout.params[k].offset;
+    float *w = fl_model_params_f32(&m) + m.layout.params[k].offset;
     const fl_dtype dts[3] = {FL_F32, FL_BF16, FL_F16};
     for (int i = 0; i < 3; i++) {
         float keep = w[5];
@@ -816,7 +816,7 @@ FL_TEST(weights_sharded) {
     snprintf(idx + len, cap - len, "}}");
     FL_REQUIRE(write_text(pj(d, "model.safetensors.index.json"), idx) == 0);
     FL_REQUIRE_OK(fl_hf_load_model(&m2, d, NULL, &pool));
-    FL_CHECK(memcmp(m.params, m2.params, m.layout.numel * sizeof(float)) == 0);
+    FL_CHECK(memcmp(fl_model_params_f32(&m), fl_model_params_f32(&m2), m.layout.numel * sizeof(float)) == 0);
     fl_model_free(&m2);
     /* index pointing at the wrong shard */
     char *q = strstr(idx, "\"model.norm.weight\": \"model-00002");
@@ -855,7 +855,7 @@ FL_TEST(weights_gpt2_variants) {
         {.name = "h.1.attn.masked_bias", .ndim = 0, .data = mask}};
     FL_REQUIRE_OK(write_subset(&m, pj(d, "model.safetensors"), 0, m.layout.n, NULL, "transformer.", FL_F32, ex, 3));
     FL_REQUIRE_OK(fl_hf_load_model(&m2, d, NULL, &pool));
-    FL_CHECK(memcmp(m.params, m2.params, m.layout.numel * sizeof(float)) == 0);
+    FL_CHECK(memcmp(fl_model_params_f32(&m), fl_model_params_f32(&m2), m.layout.numel * sizeof(float)) == 0);
     fl_model_free(&m2);
     fl_model_free(&m);
     FL_CHECK(fl_mem_live_count(&pool) == 0);
@@ -994,10 +994,10 @@ FL_TEST(real_stories260K_bin_matches_hf) {
     for (int k = 0; k < a.layout.n; k++) {
         const fl_param_info *p = &a.layout.params[k];
         size_t worst = 0;
-        double e = fl_test_max_rel_err(a.params + p->offset, b.params + p->offset, p->numel, 1e-3, &worst);
+        double e = fl_test_max_rel_err(fl_model_params_f32(&a) + p->offset, fl_model_params_f32(&b) + p->offset, p->numel, 1e-3, &worst);
         FL_CHECKF(e <= 1e-6, "%s differs (rel err %g at %zu)", p->name, e, worst);
     }
-    FL_CHECK(memcmp(a.params, b.params, a.layout.numel * sizeof(float)) == 0);
+    FL_CHECK(memcmp(fl_model_params_f32(&a), fl_model_params_f32(&b), a.layout.numel * sizeof(float)) == 0);
     /* the check has teeth: HF q row 4 is Meta row 1 (head 0, pair 0, odd half) */
     FILE *f = fopen(fl_test_data_path("stories260K/stories260K.bin"), "rb");
     FL_REQUIRE(f);
@@ -1064,7 +1064,7 @@ FL_TEST(real_tiny_gpt2) {
     FL_REQUIRE_OK(fl_hf_save_model(&m, out));
     fl_model m2;
     FL_REQUIRE_OK(fl_hf_load_model(&m2, out, NULL, &pool));
-    FL_CHECK(memcmp(m.params, m2.params, m.layout.numel * sizeof(float)) == 0);
+    FL_CHECK(memcmp(fl_model_params_f32(&m), fl_model_params_f32(&m2), m.layout.numel * sizeof(float)) == 0);
     fl_model_free(&m2);
     fl_model_free(&m);
     FL_CHECK(fl_mem_live_count(&pool) == 0);
@@ -1121,7 +1121,7 @@ FL_TEST(weights_save_sharded_roundtrip) {
     FL_CHECK(f != NULL);
     if (f) fclose(f);
     FL_REQUIRE_OK(fl_hf_load_model(&b, dir, &be, &pool));
-    FL_CHECK(b.layout.numel == a.layout.numel && memcmp(a.params, b.params, a.layout.numel * 4) == 0);
+    FL_CHECK(b.layout.numel == a.layout.numel && memcmp(fl_model_params_f32(&a), fl_model_params_f32(&b), a.layout.numel * 4) == 0);
     fl_model_free(&a);
     fl_model_free(&b);
     fl_mem_pool_free(&pool);

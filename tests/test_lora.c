@@ -16,6 +16,7 @@
 #include "fitllm/peft.h"
 #include "fitllm/quant4.h"
 #include "model/model-impl.h"
+#include "lora/lora-impl.h"
 #include "test.h"
 
 #define CHECK_MSG(s) FL_CHECKF(strstr(fl_error_message(), (s)) != NULL, "message '%s' lacks '%s'", fl_error_message(), (s))
@@ -528,7 +529,7 @@ static void merged_vs_peft(const char *fixture, const char *base_dir, const char
     int *idx = NULL;
     FL_REQUIRE_OK(fl_peft_check_model(&a, &m.cfg, &m.layout, base_name, &idx));
     free(idx);
-    FL_REQUIRE_OK(fl_peft_merge_into(&a, &m.layout, m.params));
+    FL_REQUIRE_OK(fl_peft_merge_into(&a, &m.layout, fl_model_params_f32(&m)));
     fl_st_file g;
     snprintf(p, sizeof p, "%s/merged-ref.safetensors", fixture);
     FL_REQUIRE_OK(fl_st_open(&g, p));
@@ -539,7 +540,7 @@ static void merged_vs_peft(const char *fixture, const char *base_dir, const char
         int li = fl_layout_find(&m.layout, t->name);
         FL_REQUIRE(li >= 0);
         const fl_param_info *pi = &m.layout.params[li];
-        const float *ours = m.params + pi->offset, *ref = t->data;
+        const float *ours = fl_model_params_f32(&m) + pi->offset, *ref = t->data;
         int rows = (int)pi->shape[0], cols = (int)pi->shape[1], bad = 0;
         for (int rr = 0; rr < rows && !bad; rr++)
             for (int cc = 0; cc < cols; cc++) {

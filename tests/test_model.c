@@ -123,15 +123,15 @@ static void golden(const char *dir) {
         qkv_bias_run(&m, p, &lo, &hi);
         double run_max = p->offset >= lo && p->offset < hi ? run_grad_max(&m, &g, lo, hi, tmp) : 0;
         to_ours(tmp, t, p);
-        double ge = scaled_err(m.grads + p->offset, tmp, p->numel, &w);
+        double ge = scaled_err(fl_model_grads_f32(&m) + p->offset, tmp, p->numel, &w);
         if (run_max > 0) { /* a part of the fused q|k|v bias (OPT's separate k_proj.bias): the run's scale */
             double d = 0;
-            for (size_t k = 0; k < p->numel; k++) d = fmax(d, fabs((double)m.grads[p->offset + k] - tmp[k]));
+            for (size_t k = 0; k < p->numel; k++) d = fmax(d, fabs((double)fl_model_grads_f32(&m)[p->offset + k] - tmp[k]));
             ge = d / run_max;
         }
         if (ge > worst_grad) worst_grad = ge;
         FL_CHECKF(ge <= 1e-5, "%s: gradient of %s: error %.3g at %zu (ours %.9g, ref %.9g)", dir, p->name, ge, w,
-                  m.grads[p->offset + w], tmp[w]);
+                  fl_model_grads_f32(&m)[p->offset + w], tmp[w]);
         checked++;
     }
     FL_CHECK(checked == m.layout.n);
@@ -215,7 +215,7 @@ static void golden(const char *dir) {
         qkv_bias_run(&m, p, &lo, &hi);
         const size_t QD = (size_t)m.cfg.n_heads * m.cfg.head_dim, KVD = (size_t)m.cfg.n_kv_heads * m.cfg.head_dim;
         for (size_t k = 0; k < p->numel; k++) {
-            double d = fabs((double)m.params[p->offset + k] - ref64[k]);
+            double d = fabs((double)fl_model_params_f32(&m)[p->offset + k] - ref64[k]);
             total++;
             const size_t flat = p->offset + k;
             int noise = hi > lo && flat >= lo + QD && flat < lo + QD + KVD;
@@ -227,7 +227,7 @@ static void golden(const char *dir) {
             if (d > d_ours) { d_ours = d; wk_at[i] = k; }
             double dt = fabs((double)p32[k] - ref64[k]);
             if (dt > d_torch) d_torch = dt;
-            double dm = fabs((double)mm.params[p->offset + k] - ref64[k]);
+            double dm = fabs((double)fl_model_params_f32(&mm)[p->offset + k] - ref64[k]);
             if (dm > d_mut) d_mut = dm;
         }
         double sc = pmax > 0 ? pmax : 1;
@@ -298,7 +298,7 @@ FL_TEST(model_grad_accumulation_equals_large_batch) {
     double big_loss = m.loss_sum / nv;
     FL_REQUIRE_OK(fl_model_backward(&m));
     float *g1 = malloc(m.layout.numel * sizeof(float));
-    memcpy(g1, m.grads, m.layout.numel * sizeof(float));
+    memcpy(g1, fl_model_grads_f32(&m), m.layout.numel * sizeof(float));
     fl_model_zero_grads(&m);
     double ls = 0;
     for (int k = 0; k < 2; k++) {
@@ -308,7 +308,7 @@ FL_TEST(model_grad_accumulation_equals_large_batch) {
     }
     FL_CHECK(fabs(ls / nv - big_loss) <= 1e-6 * big_loss);
     size_t w;
-    double e = scaled_err(m.grads, g1, m.layout.numel, &w);
+    double e = scaled_err(fl_model_grads_f32(&m), g1, m.layout.numel, &w);
     FL_CHECKF(e <= 1e-6, "accumulated gradient differs: %.3g at %zu", e, w);
     free(g1);
     fl_model_free(&m);
@@ -426,7 +426,7 @@ static void ckpt_case(const char *preset) {
         FL_CHECKF(m.ckpt_recomputed == (k ? c.n_layers - 1 : 0), "%s: %d blocks recomputed", preset,
                   m.ckpt_recomputed);
         g[k] = malloc(m.layout.numel * sizeof(float));
-        memcpy(g[k], m.grads, m.layout.numel * sizeof(float));
+        memcpy(g[k], fl_model_grads_f32(&m), m.layout.numel * sizeof(float));
     }
     FL_CHECK(loss[0] == loss[1]);
     FL_CHECKF(memcmp(g[0], g[1], m.layout.numel * sizeof(float)) == 0, "%s: checkpointed gradients differ", preset);
@@ -477,7 +477,7 @@ FL_TEST(model_bf16_mixed_memory_and_accuracy) {
         FL_REQUIRE_OK(fl_model_forward(&m, ids->data, tg->data, 2, 40, 1.0f / 72, NULL));
         loss[k] = m.loss_sum / m.n_valid;
         FL_REQUIRE_OK(fl_model_backward(&m));
-        if (!k) memcpy(g32, m.grads, n * sizeof(float));
+        if (!k) memcpy(g32, fl_model_grads_f32(&m), n * sizeof(float));
     }
     FL_CHECKF(fabs(loss[1] - loss[0]) < 1e-2 * loss[0], "bf16-mixed loss %.6f vs fp32 %.6f", loss[1], loss[0]);
     /* against PyTorch's bf16-mixed (torch.autocast(cpu, bfloat16), tests/ref/make_golden_bf16.py):
@@ -500,7 +500,7 @@ FL_TEST(model_bf16_mixed_memory_and_accuracy) {
         const fl_param_info *p = &m.layout.params[i];
         const fl_st_tensor *t = find_ref(&gb, "grad.", p->name);
         FL_REQUIRE(t != NULL);
-        double e = scaled_err(m.grads + p->offset, t->data, p->numel, NULL);
+        double e = scaled_err(fl_model_grads_f32(&m) + p->offset, t->data, p->numel, NULL);
         if (e > worst_t) worst_t = e;
     }
     FL_CHECKF(worst_t <= 3e-2, "bf16-mixed gradients vs torch autocast: %.3g", worst_t);
@@ -510,7 +510,7 @@ FL_TEST(model_bf16_mixed_memory_and_accuracy) {
     double worst = 0;
     for (int i = 0; i < m.layout.n; i++) {
         const fl_param_info *p = &m.layout.params[i];
-        double e = scaled_err(m.grads + p->offset, g32 + p->offset, p->numel, NULL);
+        double e = scaled_err(fl_model_grads_f32(&m) + p->offset, g32 + p->offset, p->numel, NULL);
         if (e > worst) worst = e;
     }
     FL_CHECKF(worst < 2e-2, "bf16-mixed gradients differ from fp32 by %.3g (tensor-scaled)", worst);
@@ -628,14 +628,14 @@ static void acts16_grad_case(fl_model *m, const int32_t *ids, const int32_t *tg,
             FL_REQUIRE_OK(fl_model_forward(m, ids, tg, B, T, 1.0f / (B * T), NULL));
             loss[k] = m->loss_sum;
             FL_REQUIRE_OK(fl_model_backward(m));
-            if (!k) memcpy(g32, m->grads, n * sizeof(float));
+            if (!k) memcpy(g32, fl_model_grads_f32(m), n * sizeof(float));
         }
         FL_CHECKF(loss[0] == loss[1], "%s %s: 16-bit saved activations changed the forward", what, p.name);
         double worst = 0;
         const char *wn = "";
         for (int i = 0; i < m->layout.n; i++) {
             const fl_param_info *pi2 = &m->layout.params[i];
-            double e = scaled_err(m->grads + pi2->offset, g32 + pi2->offset, pi2->numel, NULL);
+            double e = scaled_err(fl_model_grads_f32(m) + pi2->offset, g32 + pi2->offset, pi2->numel, NULL);
             if (e > worst) { worst = e; wn = pi2->name; }
         }
         double bar = p.act_dtype == FL_BF16 ? 1.5e-2 : 2e-3;

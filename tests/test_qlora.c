@@ -16,6 +16,7 @@
 #include "fitllm/peft.h"
 #include "fitllm/quant4.h"
 #include "model/model-impl.h"
+#include "lora/lora-impl.h"
 #include "test.h"
 
 #define QREF "tests/fixtures/qlora-ref.safetensors"
@@ -175,7 +176,7 @@ FL_TEST(qlora_vs_bitsandbytes_peft) {
         char name[FL_PARAM_NAME_MAX + 8];
         snprintf(name, sizeof name, "deq.%s", f.layout.params[i].name);
         const fl_st_tensor *t = fl_st_find(&g, name);
-        if (t) memcpy(f.params + f.layout.params[i].offset, t->data, f.layout.params[i].numel * sizeof(float));
+        if (t) memcpy(fl_model_params_f32(&f) + f.layout.params[i].offset, t->data, f.layout.params[i].numel * sizeof(float));
     }
     FL_REQUIRE_OK(fl_model_alloc_acts(&f, B, T));
     FL_REQUIRE_OK(fl_model_forward(&f, ids->data, NULL, B, T, 0.0f, logits));
@@ -185,7 +186,7 @@ FL_TEST(qlora_vs_bitsandbytes_peft) {
     int *idx = NULL;
     FL_REQUIRE_OK(fl_peft_check_model(&a, &f.cfg, &f.layout, NULL, &idx));
     free(idx);
-    FL_REQUIRE_OK(fl_peft_merge_into(&a, &f.layout, f.params));
+    FL_REQUIRE_OK(fl_peft_merge_into(&a, &f.layout, fl_model_params_f32(&f)));
     fl_peft_free(&a);
     FL_REQUIRE_OK(fl_model_forward(&f, ids->data, NULL, B, T, 0.0f, logits));
     double e_lora32 = scaled_err(logits, ll->data, nl);

@@ -65,13 +65,13 @@ FL_TEST(torch_model_folders_load) {
         fl_status s = fl_hf_load_model(&m, dirs[i], NULL, &pool);
         FL_CHECKF(s == FL_OK, "%s: %s", dirs[i], fl_error_message());
         if (s != FL_OK) continue;
-        FL_CHECKF(m.layout.numel == ref.layout.numel && !memcmp(m.params, ref.params, ref.layout.numel * sizeof(float)),
+        FL_CHECKF(m.layout.numel == ref.layout.numel && !memcmp(fl_model_params_f32(&m), fl_model_params_f32(&ref), ref.layout.numel * sizeof(float)),
                   "%s: parameters differ from tiny-st", dirs[i]);
         fl_model_free(&m);
     }
     int loaded = 0;
     FL_REQUIRE_OK(fl_model_load_auto(&m, FX "tiny-lit", NULL, &pool, &loaded));
-    FL_CHECK(loaded && !memcmp(m.params, ref.params, ref.layout.numel * sizeof(float)));
+    FL_CHECK(loaded && !memcmp(fl_model_params_f32(&m), fl_model_params_f32(&ref), ref.layout.numel * sizeof(float)));
     fl_model_free(&m);
     /* LitGPT's own folder: model_config.yaml instead of config.json, the same model */
     loaded = 0;
@@ -79,7 +79,7 @@ FL_TEST(torch_model_folders_load) {
     FL_CHECK(loaded && m.cfg.n_layers == ref.cfg.n_layers && m.cfg.n_kv_heads == ref.cfg.n_kv_heads &&
              m.cfg.vocab_size == ref.cfg.vocab_size && m.cfg.ffn_dim == ref.cfg.ffn_dim && !m.cfg.tie_embeddings &&
              m.cfg.norm_eps == ref.cfg.norm_eps && m.cfg.rope_theta == ref.cfg.rope_theta);
-    FL_CHECK(m.layout.numel == ref.layout.numel && !memcmp(m.params, ref.params, ref.layout.numel * sizeof(float)));
+    FL_CHECK(m.layout.numel == ref.layout.numel && !memcmp(fl_model_params_f32(&m), fl_model_params_f32(&ref), ref.layout.numel * sizeof(float)));
     fl_model_free(&m);
     fl_model_free(&ref);
     FL_CHECK(fl_mem_live_count(&pool) == 0);

@@ -197,7 +197,7 @@ FL_TEST(trainer_e2e_loss_decreases_and_final_reloads) {
     FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
     fl_model m;
     FL_REQUIRE_OK(fl_hf_load_model(&m, res.final_dir, &be, &pool));
-    FL_CHECK(m.layout.numel == r.numel && memcmp(m.params, r.params, r.numel * 4) == 0);
+    FL_CHECK(m.layout.numel == r.numel && memcmp(fl_model_params_f32(&m), r.params, r.numel * 4) == 0);
     fl_model_free(&m);
     fl_mem_pool_free(&pool);
     fl_cpu_backend_free(&be);
@@ -571,10 +571,10 @@ FL_TEST(trainer_lora_trains_adapters_only) {
     fl_peft_adapter a;
     FL_REQUIRE_OK(fl_peft_load(ad, &a));
     FL_CHECK(a.n == 5 * mc.n_layers && a.cfg.lora.r == c.lora.r); /* q, v, gate, up, down */
-    FL_REQUIRE_OK(fl_peft_merge_into(&a, &base.layout, base.params));
+    FL_REQUIRE_OK(fl_peft_merge_into(&a, &base.layout, fl_model_params_f32(&base)));
     double md = 0;
     for (size_t i = 0; i < base.layout.numel; i++) {
-        double d = fabs((double)base.params[i] - fin.params[i]);
+        double d = fabs((double)fl_model_params_f32(&base)[i] - fl_model_params_f32(&fin)[i]);
         if (d > md) md = d;
     }
     FL_CHECKF(md <= 1e-6, "merged adapter differs from final/ by %.3g", md);
@@ -648,10 +648,10 @@ FL_TEST(trainer_lora_step_checkpoints_are_peft_adapters) {
     FL_REQUIRE_OK(fl_hf_load_model(&base, base_abs, &be, &pool));
     FL_REQUIRE_OK(fl_hf_load_model(&fin, res.final_dir, &be, &pool));
     double mx = 0, md = 0;
-    for (size_t i = 0; i < base.layout.numel; i++) mx = fmax(mx, fabs((double)base.params[i] - fin.params[i]));
+    for (size_t i = 0; i < base.layout.numel; i++) mx = fmax(mx, fabs((double)fl_model_params_f32(&base)[i] - fl_model_params_f32(&fin)[i]));
     FL_CHECKF(mx > 1e-4, "the adapters did not move the weights (max change %.3g)", mx);
-    FL_REQUIRE_OK(fl_peft_merge_into(&a, &base.layout, base.params));
-    for (size_t i = 0; i < base.layout.numel; i++) md = fmax(md, fabs((double)base.params[i] - fin.params[i]));
+    FL_REQUIRE_OK(fl_peft_merge_into(&a, &base.layout, fl_model_params_f32(&base)));
+    for (size_t i = 0; i < base.layout.numel; i++) md = fmax(md, fabs((double)fl_model_params_f32(&base)[i] - fl_model_params_f32(&fin)[i]));
     FL_CHECKF(md <= 1e-6, "step-000004's adapter merged into the base differs from final/ by %.3g", md);
     fl_peft_free(&a);
     fl_peft_free(&fa);
@@ -677,7 +677,7 @@ static void untied_stories(const char *dir) {
     for (int i = 0; i < un.layout.n; i++) {
         const fl_param_info *p = &un.layout.params[i];
         const char *src = strcmp(p->name, "lm_head.weight") ? p->name : "model.embed_tokens.weight";
-        memcpy(un.params + p->offset, fl_model_param(&tied, src), p->numel * sizeof(float));
+        memcpy(fl_model_params_f32(&un) + p->offset, fl_model_param(&tied, src), p->numel * sizeof(float));
     }
     FL_REQUIRE_OK(fl_hf_save_model(&un, dir));
     fl_model_free(&tied);
@@ -741,9 +741,9 @@ FL_TEST(trainer_lora_head_trains_adapters_only) {
     double hm = 0;
     for (size_t i = 0; i < V * C; i++) hm = fmax(hm, fabs((double)h0[i] - h1[i]));
     FL_CHECKF(hm > 1e-4, "final/ lm_head equals the base (%.3g)", hm);
-    FL_REQUIRE_OK(fl_peft_merge_into(&a, &bm.layout, bm.params));
+    FL_REQUIRE_OK(fl_peft_merge_into(&a, &bm.layout, fl_model_params_f32(&bm)));
     double md = 0;
-    for (size_t i = 0; i < bm.layout.numel; i++) md = fmax(md, fabs((double)bm.params[i] - fin.params[i]));
+    for (size_t i = 0; i < bm.layout.numel; i++) md = fmax(md, fabs((double)fl_model_params_f32(&bm)[i] - fl_model_params_f32(&fin)[i]));
     FL_CHECKF(md <= 1e-6, "merged adapter differs from final/ by %.3g", md);
     fl_peft_free(&a);
     fl_model_free(&bm);
@@ -806,14 +806,14 @@ FL_TEST(trainer_qlora_trains_adapters_on_4bit_base) {
     FL_REQUIRE_OK(fl_hf_load_model_ex(&q, fl_test_data_path("stories260K-hf"), &be, &pool, &st));
     FL_REQUIRE_OK(fl_hf_load_model(&fin, res.final_dir, &be, &pool));
     FL_REQUIRE_OK(fl_model_init(&deq, &q.cfg, &be, &pool));
-    for (int i = 0; i < q.layout.n; i++) fl_model_read_param(&q, i, deq.params + deq.layout.params[i].offset);
+    for (int i = 0; i < q.layout.n; i++) fl_model_read_param(&q, i, fl_model_params_f32(&deq) + deq.layout.params[i].offset);
     char ad[700];
     snprintf(ad, sizeof ad, "%s/adapter", res.final_dir);
     fl_peft_adapter a;
     FL_REQUIRE_OK(fl_peft_load(ad, &a));
-    FL_REQUIRE_OK(fl_peft_merge_into(&a, &deq.layout, deq.params));
+    FL_REQUIRE_OK(fl_peft_merge_into(&a, &deq.layout, fl_model_params_f32(&deq)));
     double md = 0;
-    for (size_t i = 0; i < deq.layout.numel; i++) md = fmax(md, fabs((double)deq.params[i] - fin.params[i]));
+    for (size_t i = 0; i < deq.layout.numel; i++) md = fmax(md, fabs((double)fl_model_params_f32(&deq)[i] - fl_model_params_f32(&fin)[i]));
     FL_CHECKF(md <= 1e-6, "QLoRA final/ differs from dequantized base + adapter by %.3g", md);
     fl_peft_free(&a);
     fl_model_free(&q);

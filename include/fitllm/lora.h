@@ -121,6 +121,18 @@ void fl_model_lora_set_train(fl_model *m, int train);
  * and are read back merged (fl_model_read_param, saving). The model is then for saving only:
  * fl_model_forward refuses (the attached adapters would be applied twice). */
 fl_status fl_model_lora_merge(fl_model *m);
+/* The adapters of a LoRA model as the optimizer and the checkpoints see them: one flat fp32 PARAMS
+ * buffer and its GRADS (numel elements each; the backend's memory), the modules, and each module j's
+ * A and B at element offsets off[2j] and off[2j+1]. Returns 0 (and *v zeroed) without LoRA. */
+typedef struct {
+    const fl_lora_config *cfg;
+    const fl_lora_module *mods;
+    int n_mods;
+    const size_t *off;
+    size_t numel;
+    float *params, *grads;
+} fl_lora_adapters;
+int fl_model_lora_adapters(const fl_model *m, fl_lora_adapters *v);
 /* Bytes of adapter activations for (B, T) (ACTS) and scratch (WORKSPACE). Block modules keep
  * h (B*T, r) [and xd (B*T, in) with dropout]; lm_head keeps them for one logits chunk of rows. */
 void fl_lora_sizing_acts(const fl_lora_config *cfg, const fl_lora_module *mods, int n_mods, int B, int T,

@@ -245,6 +245,7 @@ void fl_sizing_acts_ex(const fl_model_config *cfg, int B, int T, const fl_act_op
 /* ---- the model ----------------------------------------------------------- */
 
 typedef struct fl_acts fl_acts; /* private: pointers into the ACTS arena */
+typedef struct fl_param_store fl_param_store; /* private: src/model/store.h */
 
 /* How the parameters are stored, fixed when the model is created (so a bf16
  * model never exists in fp32, not even while loading). */
@@ -257,20 +258,21 @@ typedef struct {
     int q4_double_quant;  /* "-dq": double-quantized absmax */
     /* Sharded from the start (FSDP FULL_SHARD; set by src/train/fsdp.c's fl_fsdp_prepare, NULL
      * otherwise): fl_model_init_ex calls shard(shard_ud, m) IN PLACE of allocating the whole dense
-     * parameter buffer; it allocates this rank's shard into params / p16 and sets m->pp with its
-     * pieces, so the loaders and the random init fill only the shard (fl_model_param_piece) and no
+     * parameter buffer; it allocates this rank's shard and hands it with its provider (pieces) to
+     * fl_model_store_shard, which makes the parameter store an FSDP shard, so the loaders and the random init fill only the shard (fl_model_param_piece) and no
      * rank ever holds the whole model. (m is an fl_model *.) */
     fl_status (*shard)(void *shard_ud, void *m);
     void *shard_ud;
 } fl_model_storage;
 
-/* Sharded parameters (FSDP FULL_SHARD / ZeRO-3; set by src/train/fsdp.c, NULL otherwise). The
- * model's units are its layout groups (0 the embeddings, 1..L the blocks, L+1 the final norm and
- * lm_head); under sharding `params`/`p16` and `grads`/`g16` hold only this rank's shard of every
- * group (numel elements), and a group's whole parameters exist only while it is gathered:
- * fl_model_forward/backward ask for each group right before using it and give it back after, so
+/* Sharded parameters (FSDP FULL_SHARD / ZeRO-3; implemented by src/train/fsdp.c, wrapped by the
+ * parameter store's FSDP implementation, src/model/store_fsdp.c). The model's units are its layout
+ * groups (0 the embeddings, 1..L the blocks, L+1 the final norm and lm_head); under sharding the
+ * store's parameter and gradient buffers hold only this rank's shard of every group (numel
+ * elements), and a group's whole parameters exist only while it is gathered: fl_model_forward /
+ * backward ask the store for each group right before using it and give it back after, so
  * transformer.c stays one graph and the model never talks to other ranks. views[g] is what the
- * block lookups (blocks.c) read while group g is gathered: p its parameters (store dtype), wc
+ * store binds while group g is gathered: p its parameters (store dtype), wc
  * their compute-dtype copy (mixed policies) or NULL, g its gradient of this micro-batch (store
  * dtype) between grads_begin and grads_ready; NULL when absent. */
 typedef struct {
@@ -303,29 +305,10 @@ typedef struct {
     fl_param_layout layout;
     const fl_backend *be;
     fl_mem_pool *pool;
-    float *params;  /* (numel) PARAMS when the storage is fp32, else NULL */
-    float *grads;   /* (numel) GRADS (fp32 storage), NULL until fl_model_alloc_grads */
-    /* 16-bit storage (bf16-true, 16-true): the same flat layout in bf16/f16.
-     * Ops still read fp32: matmuls take the 16-bit weights directly; the 1-D
-     * parameters (norms, biases) of the group in use are widened into pstage;
-     * a group's gradients are computed in fp32 into gstage and then added into
-     * g16 (one rounding per group per micro-batch). Both stages: WORKSPACE. */
-    fl_dtype store_dtype;   /* FL_F32, FL_BF16 or FL_F16 */
-    uint16_t *p16;          /* (numel) PARAMS, 16-bit storage, else NULL */
-    uint16_t *g16;          /* (numel) GRADS, 16-bit storage, else NULL */
-    float *pstage;          /* (pstage_n) fp32 views of 1-D parameters */
-    float *gstage;          /* (gstage_n) fp32 gradients of one group */
-    size_t pstage_n, gstage_n;
-    /* 4-bit entries (QLoRA; fl_model_storage.quant4): the dense store (params or p16)
-     * then holds only the other entries, at soff[i]; q4[i].packed != NULL marks a
-     * quantized entry, bound into q4_mem (PARAMS). Without quantization soff is NULL
-     * and every entry is at its layout offset. */
-    fl_model_storage storage;
-    size_t *soff;           /* (layout.n) element offset in the dense store, or NULL */
-    size_t dense_numel;     /* elements of the dense store */
-    fl_q4_weight *q4;       /* (layout.n) or NULL */
-    void *q4_mem;
-    size_t q4_bytes;
+    /* the parameters, their gradients and every storage detail (dtype, 16-bit staging, 4-bit entries,
+     * the compute copy, a shard's provider): the parameter store, src/model/store.h. Outside the model
+     * reach it through the accessors below. */
+    fl_param_store *store;
     /* activation arena for (B,T), allocated by fl_model_alloc_acts */
     int B, T;
     fl_act_sizes sizes;
@@ -349,21 +332,93 @@ typedef struct {
     fl_dtype act_dtype;     /* storage of the saved activations of the current arena: prec.act_dtype when
                              * fl_model_alloc_acts ran (fl_model_set_precision re-sizes the arena) */
     fl_precision prec;      /* precision policy (fl_model_set_precision); zeroed = 32-true */
-    uint16_t *wcompute;     /* (numel) compute-dtype copy of params (mixed policies), PARAMS */
-    struct fl_lora_state *lora; /* LoRA adapters (fl_model_lora_init) or NULL: base frozen when set */
-    /* Data parallel (src/train/dp.c, bucketed reduction): when set, fl_model_backward calls it as
-     * each layout group's gradients [off, off + n) become final for this backward: the head group
-     * (final norm, lm_head), block L-1 ... 0, then the embeddings (group 0). NULL: not called. */
-    fl_status (*grad_ready)(void *ud, size_t off, size_t n);
-    void *grad_ready_ud;
-    fl_param_provider *pp;  /* sharded parameters (FSDP FULL_SHARD), see fl_param_provider; NULL: whole */
+    struct fl_lora_state *lora; /* LoRA's own state (src/lora: fl_model_lora_init), opaque to the model, or NULL */
+    struct fl_adapter_table *adapt; /* adapters attached to LINEAR ops (fl_model_adapters_begin) or NULL: when
+                                 * set, the base is frozen and the adapters are what trains */
 } fl_model;
 
-/* The storage of the flat layout, whichever dtype holds it (m->store_dtype: fp32 `params`/`grads`, or 16-bit
- * `p16`/`g16`; device memory on a device backend): code outside the model reaches the stores through these
- * rather than branching on which field is set. NULL: none (grads: nothing trains, or LoRA's own). */
-static inline void *fl_model_params_data(const fl_model *m) { return m->params ? (void *)m->params : (void *)m->p16; }
-static inline void *fl_model_grads_data(const fl_model *m) { return m->grads ? (void *)m->grads : (void *)m->g16; }
+/* ---- adapters on LINEAR ops: a graph rewrite --------------------------------------------------
+ * An adapter is a trainable branch attached to a LINEAR op of the block graph (or to the lm_head):
+ * the op runs its base product (any parameter store: dense, 16-bit, 4-bit), its bias, then each
+ * attached adapter adds its branch to the output; its backward runs the base's, then each adapter
+ * adds its input gradient and accumulates its own parameters' gradients. The model knows nothing
+ * else about them: src/lora implements LoRA through this interface (fl_model_lora_init does the
+ * rewrite), and QLoRA is the 4-bit store plus the same rewrite. */
+typedef struct fl_linear_adapter fl_linear_adapter;
+typedef struct {
+    /* y (N rows of ldy floats: the LINEAR's whole output) += the branch on x (N, the LINEAR's input);
+     * row_base: the first of these rows in the pass's batch (the head runs chunk by chunk; blocks 0) */
+    fl_status (*forward)(const fl_linear_adapter *a, const fl_backend *be, float *y, int ldy, const float *x, int N,
+                         int row_base);
+    /* after the base backward: dx (N, in) += the branch's input gradient (dx NULL: not needed); the
+     * adapter's own parameter gradients accumulate. dy: the LINEAR's whole output gradient (N, ldy) */
+    fl_status (*backward)(const fl_linear_adapter *a, const fl_backend *be, float *dx, const float *dy, int ldy,
+                          const float *x, int N, int row_base);
+} fl_linear_adapter_ops;
+struct fl_linear_adapter {
+    const fl_linear_adapter_ops *ops; /* an implementation embeds this first in its own adapter */
+};
+
+/* What the owner of a model's adapters does at the model level. */
+typedef struct {
+    float *grads;           /* the adapters' gradient buffer: zeroed by fl_model_zero_grads, its live bytes tracked */
+    size_t grads_numel;     /* fp32 elements */
+    size_t head_grad_bytes; /* of which the head adapters' (written inside a training forward) */
+    /* their activations for micro-batches of (B, T) (fl_model_alloc_acts), released with the arena */
+    fl_status (*alloc_acts)(fl_model *m, int B, int T);
+    void (*free_acts)(fl_model *m);
+    /* their activations' live bytes after a pass over (B, T) (saved: a training forward whose backward reads
+     * them); *buf gets their buffer (NULL: none) */
+    size_t (*live_acts)(const fl_model *m, int B, int T, int saved, const void **buf);
+    /* after fl_model_adapters_merged: a frozen 4-bit entry i as read (dst, dequantized) gets the merged branch */
+    void (*read_merged)(const fl_model *m, int i, float *dst);
+    /* the owner's state goes (fl_model_free, fl_model_detach_adapters) */
+    void (*release)(fl_model *m);
+} fl_adapter_hooks;
+/* The rewrite: fl_model_adapters_begin freezes the base and takes the owner's hooks (copied); then each
+ * fl_model_attach_adapter puts adapter a (owned by the caller, alive until release) on block `block`'s LINEAR
+ * `linear` (the block graph's linear index: 0 qkv, 1 o, 2 fc, 3 proj in the decoder block), or on the lm_head
+ * (block -1), after those attached before (their order is the order they run in). */
+fl_status fl_model_adapters_begin(fl_model *m, const fl_adapter_hooks *h);
+fl_status fl_model_attach_adapter(fl_model *m, int block, int linear, const fl_linear_adapter *a);
+/* The adapters were merged into the base weights: the model is then for saving only (fl_model_forward refuses;
+ * 4-bit entries read back merged through read_merged). */
+void fl_model_adapters_merged(fl_model *m);
+int fl_model_adapters_are_merged(const fl_model *m);
+/* Remove every adapter (their owner's release runs). */
+void fl_model_detach_adapters(fl_model *m);
+/* Rows of the (rows, V) logits chunk the head processes at once for N = B*T rows (fl_act_sizes.logits_chunk_rows;
+ * a head adapter's activations hold one chunk). */
+int fl_logits_chunk_rows(int vocab_size, int N);
+
+/* The storage of the flat layout, whichever dtype holds it (fl_model_store_dtype: fp32 or 16-bit; device memory
+ * on a device backend; under FSDP this rank's shard): code outside the model reaches the store through these
+ * rather than its fields. NULL: none (grads: nothing trains, or LoRA's own). The _f32 / _16 forms: the buffer
+ * when it has that width, else NULL. */
+void *fl_model_params_data(const fl_model *m);
+void *fl_model_grads_data(const fl_model *m);
+float *fl_model_params_f32(const fl_model *m);
+float *fl_model_grads_f32(const fl_model *m);
+uint16_t *fl_model_params_16(const fl_model *m);
+uint16_t *fl_model_grads_16(const fl_model *m);
+fl_dtype fl_model_store_dtype(const fl_model *m);
+/* Elements of the flat gradient / optimizer coordinates this model holds (sharded: this rank's shard). */
+size_t fl_model_store_numel(const fl_model *m);
+/* The model has 4-bit entries (QLoRA). */
+int fl_model_quant4(const fl_model *m);
+/* Sharded parameters: the provider (FSDP FULL_SHARD, set through fl_model_store_shard), else NULL. */
+const fl_param_provider *fl_model_provider(const fl_model *m);
+/* For fl_model_storage.shard: the dense store becomes this rank's `shard` (PARAMS, store dtype, pp->numel
+ * elements), its groups gathered through pp. _unshard: the provider goes (teardown). */
+void fl_model_store_shard(fl_model *m, void *shard, fl_param_provider *pp);
+void fl_model_store_unshard(fl_model *m);
+/* 16-bit storage's fp32 gradient staging (gstage: the largest group's elements; free between a group's
+ * backward and the next), or NULL. */
+float *fl_model_grad_stage(const fl_model *m);
+/* Data parallel (src/train/dp.c, bucketed reduction): fl_model_backward calls fn(ud, off, n) as each layout
+ * group's gradients [off, off + n) become final for this backward: the head group (final norm, lm_head), block
+ * L-1 ... 0, then the embeddings (group 0). fn NULL: not called. */
+void fl_model_set_grad_ready(fl_model *m, fl_status (*fn)(void *ud, size_t off, size_t n), void *ud);
 
 /* Create an empty model for cfg (validates cfg, builds the layout, allocates
  * PARAMS, uninitialized). */

@@ -34,7 +34,7 @@ static void fl_hf_fmt_shape(char *buf, size_t n, int ndim, const int64_t *shape)
     if (k < n) snprintf(buf + k, n - k, "]");
 }
 
-/* A sharded model (m->pp, FSDP FULL_SHARD): only this rank's piece of entry pi, its elements
+/* A sharded model (fl_model_provider, FSDP FULL_SHARD): only this rank's piece of entry pi, its elements
  * [k0, k1) (fl_model_param_piece), read from the mapped file: only those elements' bytes are
  * touched (a contiguous run; for a Conv1D weight stored transposed, the strided disk elements of the
  * piece's output rows). Checked and converted exactly as fl_hf_copy_tensor's whole-tensor paths do
@@ -108,7 +108,7 @@ static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s: tensor '%s': dtype %s cannot be loaded as a parameter (F32, BF16, F16)",
                          f->path, t->name, fl_dtype_name(t->dtype));
     int pi = (int)(p - m->layout.params);
-    if (m->pp) return fl_hf_copy_tensor_range(m, pi, f, t); /* sharded: this rank's piece alone */
+    if (fl_model_provider(m)) return fl_hf_copy_tensor_range(m, pi, f, t); /* sharded: this rank's piece alone */
     fl_dtype dt;
     void *dst = fl_model_param_data(m, pi, &dt);
     /* a 4-bit entry: read as fp32 into the pool's staging (fl_model_q4_staging), then quantized */

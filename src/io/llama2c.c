@@ -66,7 +66,7 @@ static fl_status fl_llama2c_put(fl_model *m, const char *path, const char *name,
     if (p->numel != numel)
         return fl_errorf(FL_ERR_INTERNAL, "%s: tensor '%s': layout has %zu elements, checkpoint %zu", path, name, p->numel, numel);
     fl_dtype dt;
-    if (m->pp) { /* sharded (FSDP FULL_SHARD): this rank's piece alone, fl_model_param_piece */
+    if (fl_model_provider(m)) { /* sharded (FSDP FULL_SHARD): this rank's piece alone, fl_model_param_piece */
         size_t k0, k1;
         char *dst = fl_model_param_piece(m, k, &k0, &k1, &dt);
         return dst ? fl_llama2c_put_range(m, path, name, dst, dt, src, k0, k1, permute_heads,

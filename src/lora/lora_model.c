@@ -1,9 +1,10 @@
-/* LoRA adapters on a model: storage, attachment to the linears, activations,
- * merge. The math is the backend's lora_forward / lora_backward ops. */
+/* LoRA adapters on a model: storage, the rewrite that attaches them to the model's LINEAR ops (as
+ * fl_linear_adapters: model.h), activations, merge. The math is the backend's lora_forward /
+ * lora_backward ops. Only the model's public header is used. */
 #include <stdlib.h>
 #include <string.h>
 
-#include "model/model-impl.h"
+#include "lora-impl.h"
 
 /* Which fl_linear of a block a module belongs to (0 qkv, 1 o, 2 fc, 3 proj: the block graph's linear
  * index), from the role of its weight's fused run (k, v, up carry no role: their run starts earlier). */
@@ -33,10 +34,43 @@ static void free_state(struct fl_lora_state *st, fl_mem_pool *pool) {
     free(st);
 }
 
-void fl_model_lora_free(fl_model *m) {
+/* ---- the adapter (model.h's fl_linear_adapter) --------------------------------------------- */
+
+/* fl_lora_dropout_keep(seed, i): z = seed + (i + 1) * G, so a seed advanced by row_base * in * G gives
+ * a head chunk the mask of rows row_base.. of the whole batch (independent of the chunking); each module's
+ * stream is offset by its index */
+static uint64_t slot_seed(const fl_lora_slot *a, int row_base) {
+    uint64_t s = a->st->seed + (uint64_t)row_base * (uint64_t)a->in * 0x9E3779B97F4A7C15ULL;
+    return s + (uint64_t)a->index * 0x100000001b3ULL;
+}
+
+/* y[:, row0:row0+out] += scaling * drop(x) A^T B^T */
+static fl_status slot_forward(const fl_linear_adapter *ad, const fl_backend *be, float *y, int ldy, const float *x,
+                              int N, int row_base) {
+    const fl_lora_slot *a = (const fl_lora_slot *)ad;
+    return be->lora_forward(be, y + a->row0, ldy, a->h, a->xd, x, a->A, a->B, N, a->in, a->out, a->r, a->scaling,
+                            a->dropout, slot_seed(a, row_base));
+}
+
+/* after the base dx: the branch's dx is added, dA and dB accumulate */
+static fl_status slot_backward(const fl_linear_adapter *ad, const fl_backend *be, float *dx, const float *dy, int ldy,
+                               const float *x, int N, int row_base) {
+    const fl_lora_slot *a = (const fl_lora_slot *)ad;
+    return be->lora_backward(be, dx, a->dA, a->dB, dy + a->row0, ldy, a->xd ? a->xd : x, a->h, a->A, a->B, N, a->in,
+                             a->out, a->r, a->scaling, a->dropout, slot_seed(a, row_base), a->st->work);
+}
+
+static const fl_linear_adapter_ops slot_ops = {slot_forward, slot_backward};
+
+/* the model's hooks (fl_adapter_hooks) */
+static void lora_release(fl_model *m) {
     free_state(m->lora, m->pool);
     m->lora = NULL;
 }
+static fl_status lora_alloc_acts(fl_model *m, int B, int T);
+static void lora_free_acts(fl_model *m);
+static size_t lora_live_acts(const fl_model *m, int B, int T, int saved, const void **buf);
+static void lora_add_merged(const fl_model *m, int i, float *dst);
 
 fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t seed) {
     struct fl_lora_state *st = calloc(1, sizeof *st);
@@ -96,17 +130,36 @@ fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t se
                 sl->scaling = st->scaling;
                 sl->dropout = cfg->dropout;
                 sl->index = j;
+                sl->base.ops = &slot_ops;
+                sl->st = st;
             }
             st->count[l * 4 + k] = n - st->first[l * 4 + k];
         }
     s = m->be->to_device(m->be, st->params, host, st->numel * sizeof(float));
     free(host);
+    /* the rewrite: each slot attached to its LINEAR (block l's linear k; the lm_head: block -1), in slot order */
+    fl_adapter_hooks h = {st->grads, st->numel, fl_lora_sizing_head_grads(&st->cfg, st->mods, st->n_mods),
+                          lora_alloc_acts, lora_free_acts, lora_live_acts, lora_add_merged, lora_release};
+    if (s == FL_OK) s = fl_model_adapters_begin(m, &h);
     if (s != FL_OK) {
         free_state(st, m->pool);
         return s;
     }
-    m->lora = st;
-    return FL_OK;
+    m->lora = st; /* released by the model (lora_release) from here on */
+    for (int l = 0; l <= L && s == FL_OK; l++)
+        for (int k = 0; k < (l < L ? 4 : 1) && s == FL_OK; k++)
+            for (int i = st->first[l * 4 + k]; i < st->first[l * 4 + k] + st->count[l * 4 + k] && s == FL_OK; i++)
+                s = fl_model_attach_adapter(m, l < L ? l : -1, k, &st->slots[i].base);
+    if (s != FL_OK) fl_model_detach_adapters(m);
+    return s;
+}
+
+int fl_model_lora_adapters(const fl_model *m, fl_lora_adapters *v) {
+    const struct fl_lora_state *st = m->lora;
+    memset(v, 0, sizeof *v);
+    if (!st) return 0;
+    *v = (fl_lora_adapters){&st->cfg, st->mods, st->n_mods, st->off, st->numel, st->params, st->grads};
+    return 1;
 }
 
 void fl_model_lora_set_seed(fl_model *m, uint64_t seed) {
@@ -117,31 +170,6 @@ void fl_model_lora_set_train(fl_model *m, int train) {
     struct fl_lora_state *st = m->lora;
     if (!st) return;
     for (int i = 0; i < st->n_mods; i++) st->slots[i].dropout = train ? st->cfg.dropout : 0.0f;
-}
-
-void fl_lora_attach(const fl_model *m, int l, int k, fl_linear *lin) {
-    const struct fl_lora_state *st = m->lora;
-    if (!st) return;
-    lin->n_lora = st->count[l * 4 + k];
-    lin->lora = lin->n_lora ? &st->slots[st->first[l * 4 + k]] : NULL;
-    lin->lora_work = st->work;
-    lin->lora_seed = st->seed;
-}
-
-int fl_lora_on_head(const fl_model *m) {
-    return m->lora && m->lora->count[m->cfg.n_layers * 4] > 0;
-}
-
-void fl_lora_attach_head(const fl_model *m, fl_linear *lin, int row0) {
-    const struct fl_lora_state *st = m->lora;
-    if (!st) return;
-    const int h = m->cfg.n_layers * 4;
-    lin->n_lora = st->count[h];
-    lin->lora = lin->n_lora ? &st->slots[st->first[h]] : NULL;
-    lin->lora_work = st->work;
-    /* fl_lora_dropout_keep(seed, i): z = seed + (i + 1) * G, so a seed advanced by row0 * in * G
-     * gives the chunk the mask of rows row0.. of the whole batch (independent of the chunking) */
-    lin->lora_seed = st->seed + (uint64_t)row0 * (uint64_t)lin->in * 0x9E3779B97F4A7C15ULL;
 }
 
 /* Rows of a module's h / xd for an arena of N rows: N for block linears, one logits chunk for
@@ -177,21 +205,22 @@ size_t fl_lora_sizing_head_grads(const fl_lora_config *cfg, const fl_lora_module
     return g * sizeof(float);
 }
 
-size_t fl_lora_live_acts(const fl_model *m, int B, int T, int saved, const void **buf) {
+static size_t lora_live_acts(const fl_model *m, int B, int T, int saved, const void **buf) {
     const struct fl_lora_state *st = m->lora;
     *buf = st ? st->acts : NULL;
     if (!st || !st->acts) return 0;
     return saved ? fl_lora_sizing_live_acts(&st->cfg, st->mods, st->n_mods, B, T) : 0;
 }
-fl_status fl_lora_alloc_acts(fl_model *m, int B, int T) {
+
+static fl_status lora_alloc_acts(fl_model *m, int B, int T) {
     struct fl_lora_state *st = m->lora;
     if (!st) return FL_OK;
-    fl_lora_free_acts(m);
+    lora_free_acts(m);
     size_t ab, wb;
     fl_lora_sizing_acts(&st->cfg, st->mods, st->n_mods, B, T, &ab, &wb);
     FL_TRY(fl_mem_alloc(m->pool, FL_TAG_ACTS, ab, (void **)&st->acts));
     fl_status s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, wb, (void **)&st->work);
-    if (s != FL_OK) { fl_lora_free_acts(m); return s; }
+    if (s != FL_OK) { lora_free_acts(m); return s; }
     size_t N = (size_t)B * T, o = 0;
     for (int i = 0; i < st->n_mods; i++) {
         fl_lora_slot *sl = &st->slots[i];
@@ -204,7 +233,7 @@ fl_status fl_lora_alloc_acts(fl_model *m, int B, int T) {
     return FL_OK;
 }
 
-void fl_lora_free_acts(fl_model *m) {
+static void lora_free_acts(fl_model *m) {
     if (!m->lora) return;
     fl_mem_free(m->pool, m->lora->acts);
     fl_mem_free(m->pool, m->lora->work);
@@ -225,12 +254,12 @@ fl_status fl_model_lora_merge(fl_model *m) {
         const fl_param_info *p = &m->layout.params[md->param_index];
         if (fl_model_param_is_q4(m, md->param_index)) continue; /* merged when read (fl_lora_add_merged) */
         /* 16-bit storage: merge in fp32, round once */
-        float *tmp = m->params && !dev ? NULL : malloc(p->numel * sizeof(float));
-        if (!tmp && (dev || !m->params)) {
+        float *tmp = fl_model_params_f32(m) && !dev ? NULL : malloc(p->numel * sizeof(float));
+        if (!tmp && (dev || !fl_model_params_f32(m))) {
             s = fl_errorf(FL_ERR_OOM, "merging LoRA into %s: out of host memory", p->name);
             break;
         }
-        float *w = tmp ? tmp : m->params + fl_model_store_off(m, md->param_index);
+        float *w = tmp ? tmp : fl_model_params_f32(m) + fl_model_store_off(m, md->param_index);
         if (tmp) fl_model_read_param(m, md->param_index, tmp);
         fl_lora_merge(w, md->in, ad + st->off[2 * j], ad + st->off[2 * j + 1], st->cfg.r, md->in, md->out,
                       st->scaling);
@@ -238,11 +267,14 @@ fl_status fl_model_lora_merge(fl_model *m) {
         free(tmp);
     }
     if (dev) free(ad);
-    if (s == FL_OK) st->merged = 1;
+    if (s == FL_OK) {
+        st->merged = 1;
+        fl_model_adapters_merged(m);
+    }
     return s;
 }
 
-void fl_lora_add_merged(const fl_model *m, int i, float *dst) {
+static void lora_add_merged(const fl_model *m, int i, float *dst) {
     const struct fl_lora_state *st = m->lora;
     if (!st || !st->merged) return;
     for (int j = 0; j < st->n_mods; j++) {

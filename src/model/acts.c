@@ -255,7 +255,7 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     /* bf16 weight-gradient GEMMs when the matmuls compute in bf16 and the weights train */
     int dw_bf16 = m->prec.name && m->prec.compute_dtype == FL_BF16 && fl_model_grads_data(m) != NULL;
     fl_dtype head_widen = fl_head_widen_dtype(m->prec.name ? m->prec.compute_dtype : FL_F32, m->be->gemm_widens16);
-    size_t bes = fl_model_backend_scratch(m->prec.name ? m->prec.compute_dtype : FL_F32, m->q4 != NULL,
+    size_t bes = fl_model_backend_scratch(m->prec.name ? m->prec.compute_dtype : FL_F32, fl_model_quant4(m),
                                           m->be->scratch_bytes);
     fl_act_opts ao = {m->act_ckpt, m->act_dtype, dw_bf16, head_widen, bes};
     fl_sizing_acts_ex(&m->cfg, B, T, &ao, &m->sizes);
@@ -291,8 +291,8 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     fl_mem_set_live(m->pool, m->work_arena, m->sizes.work_const_bytes); /* the RoPE tables */
     m->B = B;
     m->T = T;
-    s = fl_lora_alloc_acts(m, B, T);
-    if (s != FL_OK) { fl_model_free_acts(m); return fl_error_prefix(s, "allocating LoRA activations"); }
+    s = m->adapt && m->adapt->h.alloc_acts ? m->adapt->h.alloc_acts(m, B, T) : FL_OK;
+    if (s != FL_OK) { fl_model_free_acts(m); return fl_error_prefix(s, "allocating the adapters' activations"); }
     return FL_OK;
 }
 

@@ -65,7 +65,7 @@ fl_status fl_kv_cache_init(fl_kv_cache *kv, const fl_model *m, int max_T) {
     }
     if (s == FL_OK)
         s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, gs.step_bytes, (void **)&kv->step);
-    size_t bes = fl_model_backend_scratch(m->prec.name ? m->prec.compute_dtype : FL_F32, m->q4 != NULL,
+    size_t bes = fl_model_backend_scratch(m->prec.name ? m->prec.compute_dtype : FL_F32, fl_model_quant4(m),
                                           m->be->scratch_bytes);
     if (s == FL_OK && bes && !(m->acts && m->acts->be_scratch))
         s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, bes, &kv->be_scratch);
@@ -149,7 +149,7 @@ static fl_status forward_rows_impl(fl_model *m, fl_kv_cache *kv, const rows_scra
     fl_norm_forward(m, w->ln, w->mean, w->rstd, last, op.lnf_w, op.lnf_b, 1);
     fl_linear head = {.in = d.C, .out = d.V, .w = op.head};
     fl_linear_set_weight(m, &head, op.head_idx);
-    fl_lora_attach_head(m, &head, 0); /* an lm_head adapter (one row; dropout is off outside training) */
+    fl_model_bind_adapters(m, -1, 0, &head, 0); /* an lm_head adapter (one row; dropout is off outside training) */
     if (!kv->dlogits) return fl_linear_forward(be, logits, w->ln, &head, 1); // (V)
     FL_TRY(fl_linear_forward(be, kv->dlogits, w->ln, &head, 1)); /* device logits, to the caller's host buffer */
     return be->to_host(be, logits, kv->dlogits, (size_t)d.V * sizeof(float));

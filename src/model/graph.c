@@ -460,7 +460,7 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
 static int op_trains(const fl_block_params *bp, const fl_gop *o) {
     if (o->kind == FL_GOP_LINEAR) {
         const fl_linear *l = &bp->lin[o->p];
-        return l->dw || l->db || l->n_lora > 0;
+        return l->dw || l->db || l->n_adapters > 0;
     }
     return o->kind == FL_GOP_NORM && (bp->d_norm_w[o->p] || bp->d_norm_b[o->p]);
 }

@@ -22,10 +22,9 @@ fl_status fl_linear_forward_ex(const fl_backend *be, float *y, const float *x, c
                         lin->in, w, wt, lin->in, 0.0f, y, FL_F32, lin->out));
     }
     if (lin->b) be->bias_forward(be, y, lin->b, N, lin->out);
-    for (int k = 0; k < lin->n_lora; k++) { /* y[:, row0:row0+out] += scaling * drop(x) A^T B^T */
-        const fl_lora_slot *a = &lin->lora[k];
-        FL_TRY(be->lora_forward(be, y + a->row0, lin->out, a->h, a->xd, x, a->A, a->B, N, a->in, a->out, a->r,
-                                a->scaling, a->dropout, lin->lora_seed + (uint64_t)a->index * 0x100000001b3ULL));
+    for (int k = 0; k < lin->n_adapters; k++) { /* the adapters' branches (LoRA: y[:, rows] += scaling drop(x) A^T B^T) */
+        const fl_linear_adapter *a = lin->adapters[k];
+        FL_TRY(a->ops->forward(a, be, y, lin->out, x, N, lin->row_base));
     }
     return FL_OK;
 }
@@ -59,11 +58,9 @@ fl_status fl_linear_backward_ex(const fl_backend *be, float *dx, int dx_accumula
         FL_TRY(be->gemm(be, 1, 0, lin->out, lin->in, N, 1.0f, dy, FL_F32, lin->out, x, FL_F32, lin->in, 1.0f,
                         lin->dw, FL_F32, lin->in));
     if (lin->db) be->bias_backward(be, lin->db, dy, N, lin->out);
-    for (int k = 0; k < lin->n_lora; k++) { /* after the base dx: the LoRA branch adds to it */
-        const fl_lora_slot *a = &lin->lora[k];
-        FL_TRY(be->lora_backward(be, dx, a->dA, a->dB, dy + a->row0, lin->out, a->xd ? a->xd : x, a->h, a->A, a->B,
-                                 N, a->in, a->out, a->r, a->scaling, a->dropout,
-                                 lin->lora_seed + (uint64_t)a->index * 0x100000001b3ULL, lin->lora_work));
+    for (int k = 0; k < lin->n_adapters; k++) { /* after the base dx: each adapter's branch adds to it */
+        const fl_linear_adapter *a = lin->adapters[k];
+        FL_TRY(a->ops->backward(a, be, dx, dy, lin->out, x, N, lin->row_base));
     }
     return FL_OK;
 }

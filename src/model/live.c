@@ -19,18 +19,19 @@ int fl_model_live(const fl_model *m, fl_live_phase phase, fl_live_region *out) {
         fl_acts_live_bytes(m, B, T, train, &acts, &work);
         out[n++] = (fl_live_region){m->acts_arena, acts, 0};
         out[n++] = (fl_live_region){m->work_arena, work, 0};
-        size_t lb = fl_lora_live_acts(m, B, T, train && !m->act_ckpt, &lbuf);
+        lbuf = NULL;
+        size_t lb = m->adapt && m->adapt->h.live_acts ? m->adapt->h.live_acts(m, B, T, train && !m->act_ckpt, &lbuf) : 0;
         if (lbuf) out[n++] = (fl_live_region){lbuf, lb, 0};
     }
     if (!g) return n;
     if (phase == FL_LIVE_BACKWARD) {
         out[n++] = (fl_live_region){g, SIZE_MAX, 0}; /* every gradient holds the step's sum */
-    } else if (train && !m->pp) { /* the head's gradient (sharded: in its group's gathered buffer) */
+    } else if (train && !fl_model_provider(m)) { /* the head's gradient (sharded: in its group's gathered buffer) */
         fl_outer_params op;
         fl_get_outer(m, &op);
         fl_dims d = fl_model_dims(&m->cfg);
-        size_t hg = m->lora ? fl_lora_sizing_head_grads(&m->lora->cfg, m->lora->mods, m->lora->n_mods)
-                  : op.dhead ? (size_t)d.V * d.C * (m->g16 ? sizeof(uint16_t) : sizeof(float)) : 0;
+        size_t hg = m->adapt ? m->adapt->h.head_grad_bytes
+                  : op.dhead ? (size_t)d.V * d.C * (fl_model_grads_16(m) ? sizeof(uint16_t) : sizeof(float)) : 0;
         out[n++] = (fl_live_region){g, hg, 1};
     }
     return n;

@@ -2,7 +2,6 @@
 #ifndef FL_MODEL_IMPL_H
 #define FL_MODEL_IMPL_H
 
-#include "fitllm/lora.h"
 #include "fitllm/model.h"
 
 /* Per-layer views of the block graph's slots (graph.h), into m->acts_arena. N = B*T rows. */
@@ -75,9 +74,6 @@ static inline fl_dims fl_model_dims(const fl_model_config *c) {
     return d;
 }
 
-/* Rows of the (rows, V) logits chunk the head processes at once for N = B*T rows
- * (fl_act_sizes.logits_chunk_rows; LoRA on lm_head sizes its chunk buffers with it). */
-int fl_logits_chunk_rows(int vocab_size, int N);
 
 /* Release the activation arena and its views (safe when none). */
 void fl_model_free_acts(fl_model *m);
@@ -98,18 +94,6 @@ void fl_acts_live_bytes(const fl_model *m, int B, int T, int train, size_t *acts
 void *fl_model_grads_buffer(const fl_model *m);
 fl_status fl_acts_widen(fl_model *m, int l, int N);
 
-/* One LoRA adapter attached to a linear (possibly to a row slice of a fused
- * output: q/k/v of the fused QKV, gate/up of the fused 2F projection). */
-typedef struct {
-    const float *A, *B;   /* (r, in), (out, r) adapter parameters */
-    float *dA, *dB;       /* their gradients */
-    float *h;             /* (N, r) saved LoRA intermediate (ACTS); lm_head: (chunk rows, r) */
-    float *xd;            /* (N, in) dropped input (ACTS) when dropout > 0, else NULL; lm_head: (chunk rows, in) */
-    int row0, out, in, r; /* slice [row0, row0+out) of the linear's output */
-    float scaling, dropout;
-    int index;            /* module index: part of the dropout seed */
-} fl_lora_slot;
-
 /* A linear layer: weight (out, in) in HF orientation, optional bias, optional
  * gradients (NULL = frozen). LoRA and quantized bases become fields here so
  * the model code does not change. */
@@ -123,48 +107,25 @@ typedef struct {
     const float *b;   /* (out) or NULL */
     float *dw;        /* (out, in) or NULL */
     float *db;        /* (out) or NULL */
-    const fl_lora_slot *lora; /* adapters on this linear (n_lora), or NULL */
-    int n_lora;
-    float *lora_work; /* scratch for lora_backward */
+    const fl_linear_adapter *const *adapters; /* attached by the rewrite (n_adapters, run in order), or NULL */
+    int n_adapters;
+    int row_base;     /* the head: the chunk's first row in the batch (what the adapters' dropout masks follow) */
     void *xb16, *dyb16; /* bf16 scratch (N, in), (N, out): dW += bf16(dy)^T bf16(x), or NULL (fp32 dW) */
-    uint64_t lora_seed;
 } fl_linear;
 
-/* LoRA state of a model (fl_model_lora_init). */
-struct fl_lora_state {
-    fl_lora_config cfg;
-    float scaling;
-    fl_lora_module *mods;
-    int n_mods;
-    size_t *off;          /* (2 n_mods) element offsets of A_j, B_j in params/grads */
-    size_t numel;
-    float *params, *grads;/* PARAMS, GRADS */
-    fl_lora_slot *slots;  /* n_mods, grouped by (layer, linear kind), then lm_head's */
-    int *first, *count;   /* (L * 4 + 1): slots of layer l, kind k (0 qkv, 1 o, 2 fc, 3 proj); [L * 4]: lm_head */
-    float *acts;          /* h and xd of every slot for the arena's (B, T) (ACTS) */
-    float *work;          /* (N * (r + max in)) WORKSPACE */
-    int merged;           /* fl_model_lora_merge ran: 4-bit entries read back merged */
-    uint64_t seed;        /* dropout seed of the current micro-batch */
+/* The adapters attached to LINEAR ops (fl_model_attach_adapter): the owner's hooks and, per LINEAR
+ * (block l's linear p at l * FL_GRAPH_MAX_LINEARS + p, the head last), the adapters in attach order. */
+struct fl_adapter_table {
+    fl_adapter_hooks h;
+    int merged;
+    int n_keys;
+    const fl_linear_adapter ***list; /* (n_keys) */
+    int *count;                       /* (n_keys) */
 };
-
-/* After fl_model_lora_merge, a 4-bit entry stays quantized and its adapters are added when
- * it is read (dst = dequantized entry i, (out, in)): the merged weight without a second
- * rounding to 4 bits. No-op otherwise. */
-void fl_lora_add_merged(const fl_model *m, int i, float *dst);
-/* Attach the LoRA slots of layer l, kind k to lin (no-op without LoRA). */
-void fl_lora_attach(const fl_model *m, int l, int k, fl_linear *lin);
-/* Attach the lm_head adapter (if any) to the head linear. The head runs over chunks of rows:
- * its h/xd hold one chunk (fl_logits_chunk_rows rows). row0 = first row of the chunk in the
- * (B*T) batch: the dropout mask is the one of the whole batch (element index row0*in + i). */
-void fl_lora_attach_head(const fl_model *m, fl_linear *lin, int row0);
-int fl_lora_on_head(const fl_model *m); /* an adapter sits on lm_head */
-/* LoRA activations for (B, T) (called by fl_model_alloc_acts) and their release. */
-fl_status fl_lora_alloc_acts(fl_model *m, int B, int T);
-void fl_lora_free_acts(fl_model *m);
-/* LoRA activations' live bytes for (B, T) (saved: a training forward whose backward reads them); *buf gets
- * their buffer (NULL: none). */
-size_t fl_lora_live_acts(const fl_model *m, int B, int T, int saved, const void **buf);
-void fl_model_lora_free(fl_model *m);
+/* Bind the adapters of block l's LINEAR p (l -1: the head) to lin; row_base: the head chunk's first row. */
+void fl_model_bind_adapters(const fl_model *m, int l, int p, fl_linear *lin, int row_base);
+/* An adapter sits on the lm_head. */
+int fl_model_head_adapted(const fl_model *m);
 
 /* y (N,out) = x (N,in) @ W^T + b */
 fl_status fl_linear_forward(const fl_backend *be, float *y, const float *x, const fl_linear *lin, int N);
@@ -211,13 +172,8 @@ void fl_embed_forward(const fl_model *m, const fl_outer_params *op, float *out, 
 fl_status fl_embed_backward(fl_model *m, const fl_outer_params *op, const float *dout, const int32_t *ids, int B,
                             int T);
 
-/* 16-bit storage: a group's gradients are computed in fp32 into m->gstage
- * (zeroed by _begin over n elements; G() maps each entry to its offset within
- * its group) and added into m->g16 at element offset off by _flush. Both are
- * no-ops with fp32 storage. */
+/* Elements of layout group g (its gradients are staged and handed back per group: store.h). */
 size_t fl_group_numel(const fl_model *m, int g);
-void fl_grad_stage_begin(fl_model *m, size_t n);
-fl_status fl_grad_stage_flush(fl_model *m, size_t off, size_t n);
 /* Elements of the 1-D parameters of the final norm and head's group (the final norm's weight and bias). */
 size_t fl_outer_1d(const fl_model *m);
 /* Start of a block's 1-D parameter views in pstage (after the outer ones and one row). */

@@ -6,32 +6,12 @@
 #include <string.h>
 
 #include "model-impl.h"
+#include "store.h"
 
 /* ---- lifetime ------------------------------------------------------------ */
 
 fl_status fl_model_init(fl_model *m, const fl_model_config *cfg, const fl_backend *be, fl_mem_pool *pool) {
     return fl_model_init_ex(m, cfg, be, pool, NULL);
-}
-
-int fl_layout_entry_quantizable(const fl_param_layout *lay, int i) {
-    const fl_param_info *p = &lay->params[i];
-    return p->ndim == 2 && p->group >= 1 && p->group <= lay->n_groups - 2;
-}
-
-/* Storage plan: dense offsets and 4-bit bytes per entry (soff may be NULL: count only). */
-static size_t storage_plan(const fl_param_layout *lay, const fl_model_storage *st, size_t *soff, size_t *q4_bytes) {
-    size_t dense = 0, qb = 0;
-    for (int i = 0; i < lay->n; i++) {
-        if (st && st->quant4 && fl_layout_entry_quantizable(lay, i)) {
-            if (soff) soff[i] = (size_t)-1;
-            qb += fl_q4_bytes(lay->params[i].numel, st->q4_double_quant);
-        } else {
-            if (soff) soff[i] = dense;
-            dense += lay->params[i].numel;
-        }
-    }
-    if (q4_bytes) *q4_bytes = qb;
-    return dense;
 }
 
 void fl_sizing_param_split(const fl_model_config *cfg, const fl_model_storage *st, size_t *dense_numel,
@@ -41,7 +21,7 @@ void fl_sizing_param_split(const fl_model_config *cfg, const fl_model_storage *s
     if (!st || !st->quant4) return;
     fl_param_layout lay;
     if (fl_layout_build(&lay, cfg) != FL_OK) return;
-    *dense_numel = storage_plan(&lay, st, NULL, q4_bytes);
+    *dense_numel = fl_store_q4_plan(&lay, st, NULL, q4_bytes);
     fl_layout_free(&lay);
 }
 
@@ -59,7 +39,7 @@ size_t fl_sizing_q4_staging_elems(const fl_model_config *cfg, const fl_model_sto
 fl_status fl_model_q4_staging(fl_model *m, float **out) {
     *out = NULL;
     size_t mx = 0;
-    for (int i = 0; m->q4 && i < m->layout.n; i++)
+    for (int i = 0; m->store->q4 && i < m->layout.n; i++)
         if (fl_model_param_is_q4(m, i) && m->layout.params[i].numel > mx) mx = m->layout.params[i].numel;
     if (!mx) return FL_OK;
     fl_status s = fl_mem_alloc(fl_mem_host_pool(m->pool), FL_TAG_WORKSPACE, mx * sizeof(float), (void **)out);
@@ -78,96 +58,87 @@ fl_status fl_model_init_ex(fl_model *m, const fl_model_config *cfg, const fl_bac
     FL_TRY(fl_config_validate(&m->cfg));
     m->be = be;
     m->pool = pool;
-    m->store_dtype = st ? st->param_dtype : FL_F32;
-    if (st) m->storage = *st;
-    else m->storage.param_dtype = FL_F32;
-    if (m->store_dtype != FL_F32 && m->store_dtype != FL_BF16 && m->store_dtype != FL_F16)
-        return fl_errorf(FL_ERR_INVALID, "parameter storage must be F32, BF16 or F16 (got %s)",
-                         fl_dtype_name(m->store_dtype));
+    const fl_dtype dt = st ? st->param_dtype : FL_F32;
+    if (dt != FL_F32 && dt != FL_BF16 && dt != FL_F16)
+        return fl_errorf(FL_ERR_INVALID, "parameter storage must be F32, BF16 or F16 (got %s)", fl_dtype_name(dt));
     FL_TRY(fl_layout_build(&m->layout, &m->cfg)); /* fl_sizing_param_count measures this same layout */
-    fl_status s = FL_OK;
-    m->dense_numel = m->layout.numel;
-    if (m->storage.quant4) {
-        m->soff = malloc((size_t)m->layout.n * sizeof *m->soff);
-        m->q4 = calloc((size_t)m->layout.n, sizeof *m->q4);
-        if (!m->soff || !m->q4) s = fl_errorf(FL_ERR_OOM, "4-bit storage bookkeeping: out of host memory");
-        else m->dense_numel = storage_plan(&m->layout, &m->storage, m->soff, &m->q4_bytes);
-    }
-    if (s == FL_OK && m->storage.shard) { /* sharded from the start: the owner allocates this rank's shard */
-        if (m->store_dtype != FL_F32) m->pstage_n = fl_sizing_pstage_elems(&m->cfg);
-        s = m->storage.shard(m->storage.shard_ud, m);
-    } else if (s == FL_OK && m->store_dtype == FL_F32) {
-        s = fl_mem_alloc(pool, FL_TAG_PARAMS, m->dense_numel * sizeof(float), (void **)&m->params);
-    } else if (s == FL_OK) {
-        m->pstage_n = fl_sizing_pstage_elems(&m->cfg);
-        s = fl_mem_alloc(pool, FL_TAG_PARAMS, m->dense_numel * sizeof(uint16_t), (void **)&m->p16);
-    }
-    if (s == FL_OK && m->q4_bytes) s = fl_mem_alloc(pool, FL_TAG_PARAMS, m->q4_bytes, &m->q4_mem);
-    if (s == FL_OK && m->pstage_n)
-        s = fl_mem_alloc(pool, FL_TAG_WORKSPACE, m->pstage_n * sizeof(float), (void **)&m->pstage);
-    for (int i = 0, off = 0; s == FL_OK && m->q4 && i < m->layout.n; i++) {
-        const fl_param_info *p = &m->layout.params[i];
-        if (m->soff[i] != (size_t)-1) continue;
-        s = fl_q4_bind(&m->q4[i], (int)p->shape[0], (int)p->shape[1], (fl_q4_type)m->storage.q4_type,
-                       m->storage.q4_double_quant, (char *)m->q4_mem + off);
-        off += (int)fl_q4_bytes(p->numel, m->storage.q4_double_quant);
-    }
+    /* the store (its storage callback may make it a shard: fl_model_store_shard reads m->store) */
+    fl_status s = fl_store_create(&m->layout, &m->cfg, be, pool, st, m, &m->store);
     if (s != FL_OK) {
-        const fl_dtype dt = m->store_dtype;
-        const int q4 = m->storage.quant4;
-        fl_mem_free(pool, m->pstage);
-        fl_mem_free(pool, m->q4_mem);
-        fl_mem_free(pool, m->p16);
-        fl_mem_free(pool, m->params);
-        free(m->soff);
-        free(m->q4);
+        const int q4 = st && st->quant4;
         fl_layout_free(&m->layout);
         memset(m, 0, sizeof *m);
         return fl_error_prefix(s, "allocating parameters (%s%s)", fl_dtype_name(dt), q4 ? ", 4-bit linears" : "");
     }
-    m->prec = *fl_precision_get(m->store_dtype == FL_BF16 ? FL_PREC_BF16_TRUE
-                                : m->store_dtype == FL_F16 ? FL_PREC_16_TRUE
-                                                           : FL_PREC_32_TRUE);
+    m->prec = *fl_precision_get(dt == FL_BF16 ? FL_PREC_BF16_TRUE : dt == FL_F16 ? FL_PREC_16_TRUE : FL_PREC_32_TRUE);
+    m->store->compute_dtype = m->prec.compute_dtype;
     return FL_OK;
 }
 
-int fl_model_param_is_q4(const fl_model *m, int i) { return m->q4 && m->q4[i].packed != NULL; }
+/* ---- the store's accessors (model.h) ---- */
 
-size_t fl_model_store_off(const fl_model *m, int i) {
-    return m->soff ? m->soff[i] : m->layout.params[i].offset;
+/* (a model that failed to initialize, or was freed, has no store: NULL / defaults) */
+void *fl_model_params_data(const fl_model *m) {
+    const fl_param_store *s = m->store;
+    return !s ? NULL : s->params ? (void *)s->params : (void *)s->p16;
+}
+void *fl_model_grads_data(const fl_model *m) {
+    const fl_param_store *s = m->store;
+    return !s ? NULL : s->grads ? (void *)s->grads : (void *)s->g16;
+}
+float *fl_model_params_f32(const fl_model *m) { return m->store ? m->store->params : NULL; }
+float *fl_model_grads_f32(const fl_model *m) { return m->store ? m->store->grads : NULL; }
+uint16_t *fl_model_params_16(const fl_model *m) { return m->store ? m->store->p16 : NULL; }
+uint16_t *fl_model_grads_16(const fl_model *m) { return m->store ? m->store->g16 : NULL; }
+fl_dtype fl_model_store_dtype(const fl_model *m) { return m->store ? m->store->dtype : FL_F32; }
+size_t fl_model_store_numel(const fl_model *m) { return m->store ? m->store->numel : 0; }
+int fl_model_quant4(const fl_model *m) { return m->store && m->store->q4 != NULL; }
+const fl_param_provider *fl_model_provider(const fl_model *m) { return m->store ? m->store->pp : NULL; }
+void fl_model_store_shard(fl_model *m, void *shard, fl_param_provider *pp) { fl_store_make_shard(m->store, shard, pp); }
+void fl_model_store_unshard(fl_model *m) {
+    if (m->store) fl_store_make_whole(m->store);
+}
+float *fl_model_grad_stage(const fl_model *m) { return m->store ? m->store->gstage : NULL; }
+void fl_model_set_grad_ready(fl_model *m, fl_status (*fn)(void *ud, size_t off, size_t n), void *ud) {
+    m->store->grad_ready = fn;
+    m->store->grad_ready_ud = ud;
 }
 
+int fl_model_param_is_q4(const fl_model *m, int i) { return fl_store_is_q4(m->store, i); }
+
+size_t fl_model_store_off(const fl_model *m, int i) { return fl_store_off(m->store, i); }
+
 void *fl_model_param_data(const fl_model *m, int i, fl_dtype *dt) {
-    if (dt) *dt = m->store_dtype;
+    if (dt) *dt = m->store->dtype;
     if (fl_model_param_is_q4(m, i)) return NULL;
-    if (m->pp) return NULL; /* sharded (FSDP): no whole entry here; src/train/fsdp.c stages a whole copy */
-    size_t off = fl_model_store_off(m, i);
-    return m->params ? (void *)(m->params + off) : (void *)(m->p16 + off);
+    if (!m->store->ops->whole) return NULL; /* sharded (FSDP): no whole entry here; src/train/fsdp.c stages a whole copy */
+    return fl_store_param_at(m->store, fl_model_store_off(m, i));
 }
 
 void *fl_model_param_piece(const fl_model *m, int i, size_t *k0, size_t *k1, fl_dtype *dt) {
     const fl_param_info *p = &m->layout.params[i];
-    if (dt) *dt = m->store_dtype;
-    if (!m->pp || !m->pp->flat_off) {
+    const fl_param_provider *pp = m->store->pp;
+    if (dt) *dt = m->store->dtype;
+    if (!pp || !pp->flat_off) {
         *k0 = 0, *k1 = p->numel;
         return fl_model_param_data(m, i, dt);
     }
     const int g = p->group; /* the entry [p->offset, + numel) meets the piece [a, b) of its group */
-    const size_t a = m->pp->flat_off[g], b = a + m->pp->len[g];
+    const size_t a = pp->flat_off[g], b = a + pp->len[g];
     const size_t lo = p->offset > a ? p->offset : a, hi = p->offset + p->numel < b ? p->offset + p->numel : b;
     if (lo >= hi) {
         *k0 = *k1 = 0;
         return NULL;
     }
     *k0 = lo - p->offset, *k1 = hi - p->offset;
-    size_t at = m->pp->shard_off[g] + (lo - a);
-    return m->params ? (void *)(m->params + at) : (void *)(m->p16 + at);
+    size_t at = pp->shard_off[g] + (lo - a);
+    return m->store->params ? (void *)(m->store->params + at) : (void *)(m->store->p16 + at);
 }
 
 /* A 4-bit entry's buffer on a device whose memory is not host memory: a host copy (from the host
  * pool, one entry at a time) bound as *hw. NULL when out of host memory. */
 static void *q4_host_copy(const fl_model *m, int i, fl_q4_weight *hw) {
-    const fl_q4_weight *w = &m->q4[i];
+    const fl_q4_weight *w = &m->store->q4[i];
     size_t bytes = fl_q4_bytes(w->n, w->double_quant);
     void *blob = NULL;
     if (fl_mem_alloc(fl_mem_host_pool(m->pool), FL_TAG_WORKSPACE, bytes, &blob) != FL_OK) return NULL;
@@ -184,18 +155,19 @@ void fl_model_read_param(const fl_model *m, int i, float *dst) {
     if (fl_model_param_is_q4(m, i) && on_device(m)) { /* the 4-bit buffer to the host, dequantized there */
         fl_q4_weight hw;
         void *blob = q4_host_copy(m, i, &hw);
-        if (!blob || m->be->to_host(m->be, blob, m->q4[i].packed, fl_q4_bytes(hw.n, hw.double_quant)) != FL_OK) {
+        if (!blob || m->be->to_host(m->be, blob, m->store->q4[i].packed, fl_q4_bytes(hw.n, hw.double_quant)) != FL_OK) {
             memset(dst, 0, m->layout.params[i].numel * sizeof(float));
         } else {
             fl_q4_dequantize(&hw, dst, m->be->n_threads);
-            fl_lora_add_merged(m, i, dst);
+            if (fl_model_adapters_are_merged(m) && m->adapt->h.read_merged) m->adapt->h.read_merged(m, i, dst);
         }
         fl_mem_free(fl_mem_host_pool(m->pool), blob);
         return;
     }
     if (fl_model_param_is_q4(m, i)) {
-        fl_q4_dequantize(&m->q4[i], dst, m->be ? m->be->n_threads : 0);
-        fl_lora_add_merged(m, i, dst); /* after fl_model_lora_merge: the merged weight */
+        fl_q4_dequantize(&m->store->q4[i], dst, m->be ? m->be->n_threads : 0);
+        /* after the adapters were merged (fl_model_lora_merge): the merged weight */
+        if (fl_model_adapters_are_merged(m) && m->adapt->h.read_merged) m->adapt->h.read_merged(m, i, dst);
         return;
     }
     fl_dtype dt;
@@ -223,12 +195,12 @@ void fl_model_write_param(fl_model *m, int i, const float *src) {
         fl_q4_weight hw;
         void *blob = q4_host_copy(m, i, &hw);
         if (blob && fl_q4_quantize(&hw, src, m->be->n_threads) == FL_OK)
-            (void)m->be->to_device(m->be, m->q4[i].packed, blob, fl_q4_bytes(hw.n, hw.double_quant));
+            (void)m->be->to_device(m->be, m->store->q4[i].packed, blob, fl_q4_bytes(hw.n, hw.double_quant));
         fl_mem_free(fl_mem_host_pool(m->pool), blob);
         return;
     }
     if (fl_model_param_is_q4(m, i)) {
-        fl_q4_quantize(&m->q4[i], src, m->be ? m->be->n_threads : 0);
+        fl_q4_quantize(&m->store->q4[i], src, m->be ? m->be->n_threads : 0);
         return;
     }
     fl_dtype dt;
@@ -249,7 +221,7 @@ void fl_model_write_param(fl_model *m, int i, const float *src) {
 }
 
 void fl_model_free_acts(fl_model *m) {
-    fl_lora_free_acts(m);
+    if (m->adapt && m->adapt->h.free_acts) m->adapt->h.free_acts(m);
     fl_mem_free(m->pool, m->acts_arena);
     fl_mem_free(m->pool, m->work_arena);
     m->acts_arena = m->work_arena = NULL;
@@ -270,7 +242,7 @@ void fl_model_free_acts(fl_model *m) {
 static fl_status check_backend_ops(const fl_model *m, const fl_precision *p) {
     const fl_backend *be = m->be;
     if (!be) return FL_OK; /* a model without a backend (the I/O tools) runs no op */
-    const fl_dtype cd = p->compute_dtype, sd = m->store_dtype;
+    const fl_dtype cd = p->compute_dtype, sd = m->store->dtype;
     struct {
         fl_op op;
         fl_dtype a, b, c;
@@ -283,7 +255,7 @@ static fl_status check_backend_ops(const fl_model *m, const fl_precision *p) {
         {FL_OP_CONVERT, FL_F32, sd, FL_F32, sd != FL_F32},
         {FL_OP_ACCUMULATE16, sd, FL_F32, FL_F32, sd != FL_F32},   /* gradients added into 16-bit */
         {FL_OP_SUMSQ, sd, FL_F32, FL_F32, 1},                     /* the gradient norm */
-        {FL_OP_Q4_MATMUL, FL_F32, FL_F32, FL_F32, m->q4 != NULL}, /* QLoRA's 4-bit linears */
+        {FL_OP_Q4_MATMUL, FL_F32, FL_F32, FL_F32, m->store->q4 != NULL}, /* QLoRA's 4-bit linears */
     };
     for (size_t k = 0; k < sizeof need / sizeof need[0]; k++)
         if (need[k].needed && !be->supports_op(be, need[k].op, need[k].a, need[k].b, need[k].c))
@@ -298,21 +270,14 @@ fl_status fl_model_set_precision(fl_model *m, const fl_precision *p) {
         return fl_errorf(FL_ERR_UNSUPPORTED, "precision '%s' is not available yet in this build", p->name);
     fl_model_storage want;
     fl_model_storage_for(p, &want);
-    if (want.param_dtype != m->store_dtype)
+    if (want.param_dtype != m->store->dtype)
         return fl_errorf(FL_ERR_INVALID, "precision '%s' stores parameters in %s but this model was created with %s "
                          "storage (create it with fl_model_init_ex and fl_model_storage_for)",
-                         p->name, fl_dtype_name(want.param_dtype), fl_dtype_name(m->store_dtype));
+                         p->name, fl_dtype_name(want.param_dtype), fl_dtype_name(m->store->dtype));
     FL_TRY(check_backend_ops(m, p));
-    fl_mem_free(m->pool, m->wcompute);
-    m->wcompute = NULL;
     const fl_dtype old_compute = m->prec.name ? m->prec.compute_dtype : FL_F32;
     m->prec = *p;
-    if (p->compute_copy && !m->pp) { /* sharded: each gathered unit converts its own (src/train/fsdp.c) */
-        fl_status s = fl_mem_alloc(m->pool, FL_TAG_PARAMS, fl_precision_copy_bytes(p, m->dense_numel),
-                                   (void **)&m->wcompute);
-        if (s != FL_OK) return fl_error_prefix(s, "allocating the %s weight copy", p->name);
-        fl_model_sync_compute_copy(m);
-    }
+    FL_TRY(fl_store_set_compute(m->store, p));
     /* the saved activations' storage follows the policy: re-size an arena already allocated */
     /* ... and the workspace's compute-dtype parts (the widened head, the backend's scratch) */
     if (m->acts && (m->act_dtype != p->act_dtype || old_compute != p->compute_dtype)) {
@@ -322,71 +287,38 @@ fl_status fl_model_set_precision(fl_model *m, const fl_precision *p) {
     return FL_OK;
 }
 
-void fl_model_sync_compute_copy(fl_model *m) {
-    /* sharded: no whole copy (each gathered group converts its own, src/train/fsdp.c) */
-    if (m->wcompute && m->params && !m->pp)
-        m->be->convert(m->be, m->wcompute, m->prec.compute_dtype, m->params, FL_F32, m->dense_numel);
-}
+void fl_model_sync_compute_copy(fl_model *m) { fl_store_sync_compute(m->store); }
 
 void fl_model_free(fl_model *m) {
     if (!m->pool) return;
-    fl_mem_free(m->pool, m->wcompute);
     fl_model_free_acts(m);
-    fl_model_lora_free(m);
-    fl_mem_free(m->pool, m->grads);
-    fl_mem_free(m->pool, m->params);
-    fl_mem_free(m->pool, m->g16);
-    fl_mem_free(m->pool, m->gstage);
-    fl_mem_free(m->pool, m->pstage);
-    fl_mem_free(m->pool, m->p16);
-    fl_mem_free(m->pool, m->q4_mem);
-    free(m->soff);
-    free(m->q4);
+    fl_model_detach_adapters(m);
+    fl_store_destroy(m->store);
     fl_layout_free(&m->layout);
     memset(m, 0, sizeof *m);
 }
 
-fl_status fl_model_alloc_grads(fl_model *m) {
-    if (m->grads || m->g16) return FL_OK;
-    if (m->q4)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "the 4-bit base weights are frozen: QLoRA trains LoRA adapters only "
-                         "(fitllm finetune_lora --quantize ...)");
-    fl_status s;
-    const size_t n = m->pp ? m->pp->numel : m->layout.numel; /* sharded: this rank's shard */
-    if (m->store_dtype == FL_F32) {
-        s = fl_backend_calloc(m->be, m->pool, FL_TAG_GRADS, n * sizeof(float), (void **)&m->grads);
-    } else {
-        m->gstage_n = fl_sizing_gstage_elems(&m->cfg);
-        s = fl_backend_calloc(m->be, m->pool, FL_TAG_GRADS, n * sizeof(uint16_t), (void **)&m->g16);
-        if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, m->gstage_n * sizeof(float), (void **)&m->gstage);
-        if (s != FL_OK) {
-            fl_mem_free(m->pool, m->g16);
-            m->g16 = NULL;
-        }
-    }
-    return s == FL_OK ? s : fl_error_prefix(s, "allocating gradients (%s)", fl_dtype_name(m->store_dtype));
-}
+fl_status fl_model_alloc_grads(fl_model *m) { return fl_store_alloc_grads(m->store, &m->cfg); }
 
 void fl_model_zero_grads(fl_model *m) {
-    size_t n = m->pp ? m->pp->numel : m->layout.numel; /* sharded: this rank's shard */
-    if (m->grads) m->be->zero(m->be, m->grads, n * sizeof(float));
-    if (m->g16) m->be->zero(m->be, m->g16, n * sizeof(uint16_t));
-    if (m->pp && m->pp->zero_grads) m->pp->zero_grads(m->pp->ud);
-    if (m->lora) m->be->zero(m->be, m->lora->grads, m->lora->numel * sizeof(float));
+    fl_store_zero_grads(m->store);
+    if (m->adapt) m->be->zero(m->be, m->adapt->h.grads, m->adapt->h.grads_numel * sizeof(float));
 }
 
 void *fl_model_grads_buffer(const fl_model *m) {
-    return m->lora ? (void *)m->lora->grads : m->grads ? (void *)m->grads : (void *)m->g16;
+    return m->adapt ? (void *)m->adapt->h.grads : fl_model_grads_data(m);
 }
 
 float *fl_model_param(fl_model *m, const char *name) {
     int i = fl_layout_find(&m->layout, name);
-    return (i < 0 || !m->params || m->pp || fl_model_param_is_q4(m, i)) ? NULL : m->params + fl_model_store_off(m, i);
+    const fl_param_store *st = m->store;
+    return (i < 0 || !st->params || st->pp || fl_model_param_is_q4(m, i)) ? NULL : st->params + fl_model_store_off(m, i);
 }
 
 float *fl_model_grad(fl_model *m, const char *name) {
     int i = fl_layout_find(&m->layout, name);
-    return (i < 0 || !m->grads || m->pp) ? NULL : m->grads + m->layout.params[i].offset;
+    const fl_param_store *st = m->store;
+    return (i < 0 || !st->grads || st->pp) ? NULL : st->grads + m->layout.params[i].offset;
 }
 
 /* ---- random init ---------------------------------------------------------- */

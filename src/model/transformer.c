@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "model-impl.h"
+#include "store.h"
 
 static double now_ms(void) {
     struct timespec t;
@@ -37,25 +38,26 @@ static fl_status block_forward(fl_model *m, int l, int B, int T, unsigned *narro
     return fl_block_forward(m, g, &bp, m->acts->layer[l].s, &x);
 }
 
-/* Sharded parameters (m->pp, FSDP FULL_SHARD: see fl_param_provider): group g is gathered right
- * before use (the next one's gather posted ahead), given back after, and its gradient buffer
- * zeroed before its backward and reduced after. No-ops when the model holds every parameter. */
-#define PP_GATHER(g, next) do { if (m->pp) FL_TRY(m->pp->gather(m->pp->ud, (g), (next))); } while (0)
-#define PP_RELEASE(g) do { if (m->pp) m->pp->release(m->pp->ud, (g)); } while (0)
-#define PP_GRADS(g) do { if (m->pp) FL_TRY(m->pp->grads_begin(m->pp->ud, (g))); } while (0)
-#define PP_READY(g) do { if (m->pp) FL_TRY(m->pp->grads_ready(m->pp->ud, (g))); } while (0)
+/* The parameter store (store.h) around each layout group: gathered right before use (the next one's
+ * gather posted ahead), released after; its gradient buffer begun before its backward and handed back
+ * after (FSDP: reduce-scattered into the shard; data parallel: the bucket's hook). No-ops for a store
+ * that holds every parameter. */
+#define PP_GATHER(g, next) FL_TRY(fl_store_gather(m->store, (g), (next)))
+#define PP_RELEASE(g) fl_store_release(m->store, (g))
+#define PP_GRADS(g) FL_TRY(fl_store_grads_begin(m->store, (g)))
+#define PP_READY(g) FL_TRY(fl_store_grads_ready(m->store, (g)))
 
 static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *targets, int B, int T, float grad_scale,
                            float *logits_out) {
     const fl_backend *be = m->be;
     fl_acts *a = m->acts;
     if (!a) return fl_errorf(FL_ERR_INVALID, "fl_model_forward: activations not allocated (call fl_model_alloc_acts)");
-    if (m->lora && m->lora->merged) /* the adapters are in the weights now: running them again would double them */
+    if (fl_model_adapters_are_merged(m)) /* the adapters are in the weights now: running them again would double them */
         return fl_errorf(FL_ERR_INVALID, "fl_model_forward: the LoRA adapters were merged into the weights "
                                          "(fl_model_lora_merge); save the model and reload it to run it");
     if (B * T > m->B * m->T || T > m->T)
         return fl_errorf(FL_ERR_INVALID, "fl_model_forward: batch (%d,%d) exceeds the arena's (%d,%d)", B, T, m->B, m->T);
-    if (grad_scale > 0 && (!targets || (!fl_model_grads_data(m) && !m->lora)))
+    if (grad_scale > 0 && (!targets || (!fl_model_grads_data(m) && !m->adapt)))
         return fl_errorf(FL_ERR_INVALID, "fl_model_forward: training forward needs targets and gradient buffers");
     fl_dims d = fl_model_dims(&m->cfg);
     const int N = B * T;
@@ -95,7 +97,7 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
     /* checkpointing: the last block's activations are still in the shared buffer (the final norm
      * and the head write elsewhere), so the backward starts on them without a recompute */
     m->ckpt_last_live = m->act_ckpt && grad_scale > 0 && d.L > 0;
-    if (m->pp) { /* the head group, and in training its gradient buffer (tied: the embeddings' too) */
+    if (fl_store_sharded(m->store)) { /* the head group, and in training its gradient buffer (tied: the embeddings' too) */
         PP_GATHER(HG, -1);
         if (grad_scale > 0 && targets) {
             PP_GRADS(HG);
@@ -122,8 +124,8 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
     m->n_valid = 0;
     m->have_targets = targets != NULL;
     /* 16-bit storage: the head's gradient accumulates over the chunks in fp32, then is added once */
-    const int stage_head = grad_scale > 0 && targets && head.dw && m->g16;
-    if (stage_head) fl_grad_stage_begin(m, (size_t)d.V * d.C);
+    const int stage_head = grad_scale > 0 && targets && head.dw && m->store->g16;
+    if (stage_head) fl_store_stage_begin(m->store, (size_t)d.V * d.C);
     /* A 16-bit head on a backend whose 16-bit GEMM widens (fl_act_opts.head_widen): widen the
      * weight once here instead of in every chunk's GEMMs, then run fp32 GEMMs on the same
      * values: a BF16 head's GEMM operands are rounded to bf16 first (its chunk's rows into
@@ -131,7 +133,7 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
      * bf16 GEMM rounds an F32 A. An F16 GEMM does not round its F32 A, so nothing else changes.
      * Not with a LoRA adapter on lm_head (its branch reads the unrounded x and dy). */
     fl_linear hw = head;
-    const int wide = a->head_w && head.wc && head.wct == a->head_dt && head.n_q4 == 0 && !fl_lora_on_head(m);
+    const int wide = a->head_w && head.wc && head.wct == a->head_dt && head.n_q4 == 0 && !fl_model_head_adapted(m);
     const int round_bf16 = wide && a->head_dt == FL_BF16;
     if (wide) {
         FL_TRY(be->convert(be, a->head_w, FL_F32, head.wc, head.wct, (size_t)d.V * d.C)); // (V, C)
@@ -147,7 +149,7 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
             FL_TRY(be->convert(be, a->head_x, FL_F32, a->head_t16, FL_BF16, (size_t)rows * d.C));
             xr = a->head_x;
         }
-        fl_lora_attach_head(m, &head, r0); /* LoRA on lm_head: h / xd of this chunk, the batch's mask */
+        fl_model_bind_adapters(m, -1, 0, &head, r0); /* head adapters: this chunk, the batch's dropout mask */
         FL_TRY(fl_linear_forward(be, a->logits, xr, wide ? &hw : &head, rows)); // (rows, V)
         if (logits_out) FL_TRY(be->to_host(be, logits_out + (size_t)r0 * d.V, a->logits, (size_t)rows * d.V * sizeof(float)));
         if (!targets) continue;
@@ -161,7 +163,7 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
         }
         FL_TRY(fl_linear_backward(be, dlnf + (size_t)r0 * d.C, 0, a->logits, xr, wide ? &hw : &head, rows));
     }
-    if (stage_head) FL_TRY(fl_grad_stage_flush(m, op.head_off, (size_t)d.V * d.C));
+    if (stage_head) FL_TRY(fl_store_stage_flush(m->store, op.head_off, (size_t)d.V * d.C));
     if (!be->host_memory) FL_TRY(be->sync(be));
     m->ms_head = now_ms() - t_head;
     if (targets) { /* the per-token losses come to the host in slices (a device's arena is not host memory) */
@@ -189,9 +191,6 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
     return FL_OK;
 }
 
-/* data parallel: a group is final once flushed (fl_model.grad_ready) */
-#define GRAD_READY(g) \
-    do { if (m->grad_ready) FL_TRY(m->grad_ready(m->grad_ready_ud, m->layout.group_offset[g], fl_group_numel(m, g))); } while (0)
 
 /* The blocks' backward, L-1 down to 0: d res[L] in dres becomes d res[0]. */
 static fl_status blocks_backward(fl_model *m, int B, int T) {
@@ -203,7 +202,7 @@ static fl_status blocks_backward(fl_model *m, int B, int T) {
         PP_GATHER(l + 1, l >= 1 ? l : -1); /* the embeddings' weights are not read in backward */
         PP_GRADS(l + 1);
         const size_t gn = fl_group_numel(m, l + 1);
-        fl_grad_stage_begin(m, gn);
+        fl_store_stage_begin(m->store, gn);
         /* checkpointing: rebuild this block's activations from its saved input (it also rewrites
          * res[l+1] with identical values; backward no longer needs it). Block L-1's are still
          * there from the forward (the same ops in the same order: the same bits). */
@@ -220,13 +219,12 @@ static fl_status blocks_backward(fl_model *m, int B, int T) {
         fl_block_ctx x = train_ctx(m, B, T);
         if (a->act_dtype == FL_BF16) x.s16 = a->layer[l].s16;
         /* LoRA: the embeddings are frozen, so block 0's input gradient has no reader */
-        x.no_din = l == 0 && m->lora && !m->keep_block0_din;
+        x.no_din = l == 0 && m->adapt && !m->keep_block0_din;
         float *const gb[FL_GRAPH_MAX_GBUF] = {dres, buf1, buf2, a->gbuf_more[0], a->gbuf_more[1]};
         FL_TRY(fl_block_backward(m, a->graph, &bp, a->layer[l].s, gb, &x));
-        FL_TRY(fl_grad_stage_flush(m, m->layout.group_offset[l + 1], gn));
+        FL_TRY(fl_store_stage_flush(m->store, m->layout.group_offset[l + 1], gn));
         PP_RELEASE(l + 1);
         PP_READY(l + 1);
-        GRAD_READY(l + 1);
     }
     return FL_OK;
 }
@@ -248,22 +246,20 @@ static fl_status model_backward(fl_model *m) {
     m->ckpt_recomputed = 0;
     /* the final norm's parameters open the head group (16-bit storage: staged) */
     const size_t n_lnf = fl_outer_1d(m), head_group = m->layout.group_offset[d.L + 1];
-    fl_grad_stage_begin(m, n_lnf);
+    fl_store_stage_begin(m->store, n_lnf);
     fl_norm_backward(m, dres, op.dlnf_w, op.dlnf_b, buf1, a->res[d.L], op.lnf_w, a->lnf_mean, a->lnf_rstd, N);
-    FL_TRY(fl_grad_stage_flush(m, head_group, n_lnf));
+    FL_TRY(fl_store_stage_flush(m->store, head_group, n_lnf));
     /* the head's gradient was completed in forward */
     PP_RELEASE(HG);
     PP_READY(HG);
-    GRAD_READY(d.L + 1);
 
     FL_TRY(blocks_backward(m, B, T));
-    if (m->pp) { /* the embeddings' gradient buffer (tied: the head's, since the forward) */
+    if (fl_store_sharded(m->store)) { /* the embeddings' gradient buffer (tied: the head's, since the forward) */
         PP_GRADS(0);
         fl_get_outer(m, &op);
     }
     FL_TRY(fl_embed_backward(m, &op, dres, a->ids, B, T));
     PP_READY(0);
-    GRAD_READY(0);
     m->fwd_train = 0;
     return FL_OK;
 }
@@ -274,8 +270,9 @@ static fl_status model_backward(fl_model *m) {
 static float *enc_param(const fl_model *m, int g, int r, int grad) {
     const int i = r < 0 ? -1 : fl_layout_role(&m->layout, g, (fl_param_role)r);
     if (i < 0) return NULL;
-    if (grad) return m->grads ? m->grads + m->layout.params[i].offset : NULL;
-    return m->params + fl_model_store_off(m, i);
+    float *g = fl_model_grads_f32(m), *p = fl_model_params_f32(m);
+    if (grad) return g ? g + m->layout.params[i].offset : NULL;
+    return p + fl_model_store_off(m, i);
 }
 
 static fl_status encode_check(const fl_model *m, int B, int T) {
@@ -284,7 +281,8 @@ static fl_status encode_check(const fl_model *m, int B, int T) {
     if (!fl_model_graph_has(a->mgraph, FL_MOP_OUTPUT, 1))
         return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_encode: %s ends in an LM head (fl_model_forward)",
                          fl_arch_get(m->cfg.arch)->display);
-    if (!m->params || m->pp || m->lora || m->q4 || m->act_ckpt || a->act_dtype != FL_F32)
+    if (!fl_model_params_f32(m) || fl_model_provider(m) || m->adapt || fl_model_quant4(m) || m->act_ckpt ||
+        a->act_dtype != FL_F32)
         return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_encode: fp32 storage and activations only (no LoRA, sharding, "
                                              "4-bit weights or activation checkpointing yet)");
     if (B * T > m->B * m->T || T > m->T)
@@ -356,7 +354,7 @@ static fl_status model_encode(fl_model *m, const int32_t *ids, const int32_t *ty
 static fl_status model_encode_backward(fl_model *m, const float *dhidden) {
     const fl_backend *be = m->be;
     fl_acts *a = m->acts;
-    if (!a || !m->fwd_train || !m->grads)
+    if (!a || !m->fwd_train || !fl_model_grads_f32(m))
         return fl_errorf(FL_ERR_INVALID, "fl_model_encode_backward: needs a training encode and gradient buffers");
     fl_dims d = fl_model_dims(&m->cfg);
     const int B = m->fwd_B, T = m->fwd_T, N = B * T;

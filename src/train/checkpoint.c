@@ -10,7 +10,6 @@
 #include <unistd.h>
 
 #include "core/fs.h"
-#include "../model/model-impl.h"
 #include "fitllm/checkpoint.h"
 #include "fitllm/io.h"
 #include "fitllm/peft.h"
@@ -24,8 +23,9 @@
  * adapter_config.json names as base_model_name_or_path; an existing local folder is stored as
  * its absolute path, so merge_lora / generate / PEFT find it from any working directory. */
 fl_status fl_ckpt_save_adapter(const fl_model *m, const char *dir, const char *base_model) {
-    const struct fl_lora_state *st = m->lora;
-    if (!st) return fl_errorf(FL_ERR_INVALID, "%s: the model has no LoRA adapters to save", dir);
+    fl_lora_adapters ad, *st = &ad;
+    if (!fl_model_lora_adapters(m, st))
+        return fl_errorf(FL_ERR_INVALID, "%s: the model has no LoRA adapters to save", dir);
     fl_peft_module *mods = calloc((size_t)st->n_mods + 1, sizeof *mods);
     /* the adapters are device memory: one host copy of them (small: r x (in + out) per module) */
     float *host = malloc(st->numel * sizeof(float) + 1);
@@ -44,7 +44,7 @@ fl_status fl_ckpt_save_adapter(const fl_model *m, const char *dir, const char *b
     }
     fl_peft_config pc;
     memset(&pc, 0, sizeof pc);
-    pc.lora = st->cfg;
+    pc.lora = *st->cfg;
     char abs[PATH_MAX];
     const char *b = base_model && base_model[0] && realpath(base_model, abs) ? abs : base_model; /* else a preset */
     if (b && strlen(b) >= sizeof pc.base_model) {
@@ -121,8 +121,10 @@ static fl_status write_state(const char *dir, const fl_model *m, const fl_optimi
     int nt = 0;
     if (n_given < 0 || n_given > 4) return fl_errorf(FL_ERR_INVALID, "%s: %d state tensors", path, n_given);
     /* the trainable parameters: all of them, or the LoRA adapters (base frozen) */
-    int64_t n = (int64_t)(m->lora ? m->lora->numel : m->layout.numel);
-    if (m->lora) t[nt++] = (fl_st_write_tensor){"lora.params", FL_F32, 1, {n}, m->lora->params, FL_F32, 0, NULL, NULL, m->be, NULL};
+    fl_lora_adapters ad;
+    const int lora = fl_model_lora_adapters(m, &ad);
+    int64_t n = (int64_t)(lora ? ad.numel : m->layout.numel);
+    if (lora) t[nt++] = (fl_st_write_tensor){"lora.params", FL_F32, 1, {n}, ad.params, FL_F32, 0, NULL, NULL, m->be, NULL};
     fl_dtype sd = o ? o->cfg.state_dtype : FL_F32;
     fl_optim_state_src src[2]; /* NVMe offload: the state streams from its files, a slice at a time */
     const size_t es = fl_dtype_size(sd);
@@ -335,7 +337,9 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
     const char *fmt = meta(&f, "format"), *numel = meta(&f, "numel");
     if (!fmt || strcmp(fmt, "fitllm-training-state"))
         s = fl_errorf(FL_ERR_FORMAT, "%s: not a fitllm training state", p);
-    size_t tn = m->lora ? m->lora->numel : m->layout.numel;
+    fl_lora_adapters ad;
+    const int lora = fl_model_lora_adapters(m, &ad);
+    size_t tn = lora ? ad.numel : m->layout.numel;
     if (s == FL_OK && (!numel || strtoull(numel, NULL, 10) != tn))
         s = fl_errorf(FL_ERR_FORMAT, "%s: state is for %s trainable parameters, this run has %zu", p,
                       numel ? numel : "?", tn);
@@ -346,7 +350,7 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
         else if (fl_dtype_first_nonfinite(lt->data, FL_F32, tn) >= 0)
             s = fl_errorf(FL_ERR_FORMAT, "%s: tensor 'lora.params' holds a non-finite value (inf/NaN) at element %lld: "
                           "the checkpoint was saved from a diverged run", p, fl_dtype_first_nonfinite(lt->data, FL_F32, tn));
-        else s = m->be->to_device(m->be, m->lora->params, lt->data, tn * sizeof(float));
+        else s = m->be->to_device(m->be, ad.params, lt->data, tn * sizeof(float));
     }
     const char *opt = meta(&f, "optimizer");
     if (s == FL_OK && o && opt && strcmp(opt, fl_optim_name(o->cfg.kind)))
@@ -358,7 +362,8 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
         {"optimizer.exp_avg_sq", o ? o->v : NULL, tn * es, sd},
         {"optimizer.momentum_buffer", o ? o->buf : NULL, tn * es, sd},
         {"optimizer.state8", o ? o->state8 : NULL, o ? o->state8_bytes : 0, FL_U8}};
-    const int pieces8 = m->pp && !m->lora && o && o->state8; /* FULL_SHARD 8-bit: the file is the whole state */
+    const fl_param_provider *pp = fl_model_provider(m);
+    const int pieces8 = pp && !m->lora && o && o->state8; /* FULL_SHARD 8-bit: the file is the whole state */
     if (pieces8) want[3].bytes = fl_optim_state_bytes_layout(&o->cfg, &m->layout);
     /* ZeRO-1/2 8-bit (a chunk of the trainable elements): the file is the whole state too */
     const int zero8 = !pieces8 && o && o->state8 && (o->s_off != 0 || o->s_len != tn);
@@ -372,10 +377,10 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
                           want[i].name);
             break;
         }
-        if (m->pp && !m->lora && i < 3) { /* sharded (FSDP): this rank's pieces of the flat state, read alone */
+        if (pp && !m->lora && i < 3) { /* sharded (FSDP): this rank's pieces of the flat state, read alone */
             for (int g = 0; s == FL_OK && g < m->layout.n_groups; g++)
-                s = m->be->to_device(m->be, (char *)want[i].dst + m->pp->shard_off[g] * es,
-                                     (const char *)t->data + m->pp->flat_off[g] * es, m->pp->len[g] * es);
+                s = m->be->to_device(m->be, (char *)want[i].dst + pp->shard_off[g] * es,
+                                     (const char *)t->data + pp->flat_off[g] * es, pp->len[g] * es);
         } else if (i == 3 && zero8) { /* this rank's pieces, out of the mapped file (host memory) */
             s = fl_zero8_take(o, t->data);
         } else if (i == 3 && pieces8) { /* this rank's pieces of every tensor's state: assembled in host memory

@@ -6,7 +6,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../model/model-impl.h"
 #include "core/text.h"
 
 void fl_dp_init(fl_dp *dp, fl_comm *comm, fl_mem_pool *pool) {
@@ -155,8 +154,7 @@ void fl_dp_buckets_arm(fl_dp *dp, fl_optimizer *o, int last) {
     int on = last && dp->comm && fl_trainer_dp_bucketed(dp->world, dp->stage, m->lora != NULL) && fl_dp_check(dp, o) == FL_OK;
     dp->bk_o = on ? o : NULL;
     dp->bk_done = 0;
-    m->grad_ready = on ? bucket_ready : NULL;
-    m->grad_ready_ud = on ? dp : NULL;
+    fl_model_set_grad_ready(m, on ? bucket_ready : NULL, on ? dp : NULL);
 }
 
 fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o) {
@@ -165,7 +163,7 @@ fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o) {
     if (dp->fsdp) {
         /* FULL_SHARD: every unit was reduce-scattered into the shard as its backward ended */
     } else if (dp->bk_o) { /* bucketed: the last bucket (the embeddings) is still in flight */
-        o->model->grad_ready = NULL;
+        fl_model_set_grad_ready(o->model, NULL, NULL);
         dp->bk_o = NULL;
         FL_TRY(fl_error_prefix(fl_comm_wait(&dp->bk_req), "data parallel: reducing a gradient bucket"));
         if (dp->bk_done != o->n)

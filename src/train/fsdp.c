@@ -14,7 +14,7 @@
  * (unit) the same way.
  *
  * Load. The model is created sharded (fl_fsdp_prepare: the storage's shard callback allocates the
- * shard in place of the whole buffer and sets m->pp with the pieces); the loaders and the random
+ * shard in place of the whole buffer and makes the model's parameter store a shard with the pieces: fl_model_store_shard); the loaders and the random
  * init then fill only this rank's pieces (fl_model_param_piece), so no rank ever holds the whole
  * model and no collective runs at load.
  *
@@ -65,7 +65,6 @@
 #include "dp.h"
 #include "fitllm/checkpoint.h"
 #include "fitllm/io.h"
-#include "../model/model-impl.h"
 
 struct fl_fsdp {
     fl_dp *dp;
@@ -168,7 +167,7 @@ static fl_status pp_grads_ready(void *ud, int g) {
     struct fl_fsdp *f = ud;
     fl_model *m = f->m;
     if (!f->views[g].g) return fl_errorf(FL_ERR_INTERNAL, "FSDP: unit %d has no gradient to reduce", g);
-    fl_dtype gt = m->store_dtype;
+    fl_dtype gt = fl_model_store_dtype(m);
     char *dst = (char *)fl_model_grads_data(m) + f->loc[g] * f->es;
     size_t len = f->clen[g];
     fl_status s;
@@ -186,8 +185,9 @@ static fl_status pp_grads_ready(void *ud, int g) {
             if (gt == FL_F32) {
                 m->be->add(m->be, (float *)dst, (const float *)dst, tmp, len);
             } else { /* widened into the (free) fp32 gradient staging, added into the 16-bit shard */
-                s = m->be->convert(m->be, m->gstage, FL_F32, tmp, gt, len);
-                if (s == FL_OK) s = m->be->accumulate16(m->be, (uint16_t *)dst, gt, m->gstage, len);
+                float *gstage = fl_model_grad_stage(m);
+                s = m->be->convert(m->be, gstage, FL_F32, tmp, gt, len);
+                if (s == FL_OK) s = m->be->accumulate16(m->be, (uint16_t *)dst, gt, gstage, len);
             }
         }
         fl_mem_free(m->pool, tmp);
@@ -211,7 +211,7 @@ void fl_fsdp_free(fl_dp *dp) {
         pp_release(f, g);
         if (f->views && f->views[g].g) fl_mem_free(f->m->pool, f->views[g].g);
     }
-    if (f->m && f->m->pp == &f->pp) f->m->pp = NULL;
+    if (f->m && fl_model_provider(f->m) == &f->pp) fl_model_store_unshard(f->m);
     free(f->n), free(f->coff), free(f->clen), free(f->foff), free(f->loc), free(f->views), free(f->pbuf), free(f->cbuf);
     free(f->req), free(f->fresh);
     free(f);
@@ -246,9 +246,9 @@ static fl_status shard_model(void *ud, void *mp) {
         fl_fsdp_free(dp);
         return fl_errorf(FL_ERR_OOM, "FSDP bookkeeping: out of host memory");
     }
-    f->es = fl_dtype_size(m->store_dtype);
+    f->es = fl_dtype_size(fl_model_store_dtype(m));
     f->ces = 0; /* set by fl_fsdp_init once the precision policy is known */
-    f->word = m->store_dtype == FL_F32 ? FL_F32 : FL_BF16;
+    f->word = fl_model_store_dtype(m) == FL_F32 ? FL_F32 : FL_BF16;
     for (int g = 0; g < f->G; g++) {
         f->n[g] = m->layout.group_offset[g + 1] - m->layout.group_offset[g];
         fl_comm_chunk(f->n[g], fl_comm_size(f->sc), fl_comm_rank(f->sc), &f->coff[g], &f->clen[g]);
@@ -262,11 +262,9 @@ static fl_status shard_model(void *ud, void *mp) {
         fl_fsdp_free(dp);
         return fl_error_prefix(s, "FSDP: allocating this rank's parameter shard (%zu elements)", f->loc[f->G]);
     }
-    if (m->store_dtype == FL_F32) m->params = shard;
-    else m->p16 = shard;
     f->pp = (fl_param_provider){f,         f->loc[f->G],  f->views, pp_gather, pp_release, pp_grads_begin,
                                 pp_grads_ready, pp_zero_grads, f->foff, f->loc, f->clen};
-    m->pp = &f->pp;
+    fl_model_store_shard(m, shard, &f->pp);
     return FL_OK;
 }
 
@@ -315,7 +313,7 @@ fl_status fl_fsdp_init(fl_dp *dp, const fl_run_config *cfg, fl_model *m) {
     FL_TRY(fl_cfg_zero_stage(cfg->strategy, cfg->sharding_strategy, &stage));
     if (!dp->comm || dp->world < 2 || stage != 3 || m->lora) return FL_OK;
     struct fl_fsdp *f = dp->fsdp;
-    if (!f || m->pp != &f->pp)
+    if (!f || fl_model_provider(m) != &f->pp)
         return fl_errorf(FL_ERR_INTERNAL, "FSDP: the model was not created sharded (fl_fsdp_prepare's storage)");
     f->ces = m->prec.compute_copy ? fl_dtype_size(m->prec.compute_dtype) : 0; /* mixed: per gathered unit */
     return FL_OK;
@@ -459,7 +457,7 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
         for (int k = 0; k < L; k++) { /* model.safetensors: each entry in the storage dtype, as one process writes */
             const fl_param_info *p = &lay->params[k];
             ut[k] = (fl_dp_stream_tensor){&us[0], p->offset};
-            t[k] = (fl_st_write_tensor){.name = p->name, .dtype = m->store_dtype, .src_dtype = m->store_dtype,
+            t[k] = (fl_st_write_tensor){.name = p->name, .dtype = fl_model_store_dtype(m), .src_dtype = fl_model_store_dtype(m),
                                         .fill_range = fl_dp_stream_fill, .fill_ud = &ut[k]};
             fl_hf_tensor_shape(p, &t[k]);
         }
@@ -484,7 +482,7 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
 
 fl_status fl_fsdp_ckpt_load(fl_dp *dp, const char *dir, fl_model *m, fl_optimizer *o, fl_train_state *st) {
     (void)dp;
-    /* the model is sharded (m->pp): fl_ckpt_load reads this rank's pieces of the weights
+    /* the model is sharded (fl_model_provider): fl_ckpt_load reads this rank's pieces of the weights
      * (fl_hf_load_weights through fl_model_param_piece) and of the optimizer state straight from the
      * checkpoint's files, no whole staging */
     return fl_ckpt_load(dir, m, o, st);

@@ -5,7 +5,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../model/model-impl.h"
 #include "fitllm/comm.h"
 #include "fitllm/train.h"
 #include "dp.h"
@@ -29,7 +28,8 @@ size_t fl_optim_state_bytes_layout(const fl_optim_config *c, const fl_param_layo
 
 /* The trainable tensors: the layout's, or each LoRA adapter's A and B. */
 static fl_status trainable(fl_optimizer *o, fl_model *model) {
-    const struct fl_lora_state *st = model->lora;
+    fl_lora_adapters ad;
+    const fl_lora_adapters *st = fl_model_lora_adapters(model, &ad) ? &ad : NULL;
     int n = st ? 2 * st->n_mods : model->layout.n;
     o->t_off = calloc((size_t)n + 1, sizeof *o->t_off);
     o->t_n = calloc((size_t)n + 1, sizeof *o->t_n);
@@ -42,21 +42,21 @@ static fl_status trainable(fl_optimizer *o, fl_model *model) {
         o->n = st->numel;
         for (int j = 0; j < st->n_mods; j++) {
             o->t_off[2 * j] = st->off[2 * j];
-            o->t_n[2 * j] = (size_t)st->cfg.r * st->mods[j].in;
+            o->t_n[2 * j] = (size_t)st->cfg->r * st->mods[j].in;
             o->t_off[2 * j + 1] = st->off[2 * j + 1];
-            o->t_n[2 * j + 1] = (size_t)st->mods[j].out * st->cfg.r;
+            o->t_n[2 * j + 1] = (size_t)st->mods[j].out * st->cfg->r;
         }
     } else {
         o->p = fl_model_params_data(model);
         o->g = fl_model_grads_data(model);
-        o->pt = o->gt = model->store_dtype;
+        o->pt = o->gt = fl_model_store_dtype(model);
         o->n = model->layout.numel;
         for (int i = 0; i < n; i++) {
             o->t_off[i] = model->layout.params[i].offset;
             o->t_n[i] = model->layout.params[i].numel;
         }
-        if (model->pp) o->n = model->pp->numel; /* sharded (FSDP): the optimizer runs on this rank's shard */
-        if (model->pp && o->cfg.kind != FL_OPT_ADAMW8BIT) { /* one elementwise range (8-bit: per tensor, below) */
+        if (fl_model_provider(model)) o->n = fl_model_store_numel(model); /* sharded (FSDP): the optimizer runs on this rank's shard */
+        if (fl_model_provider(model) && o->cfg.kind != FL_OPT_ADAMW8BIT) { /* one elementwise range (8-bit: per tensor, below) */
             o->n_tensors = 1;
             o->t_off[0] = 0;
             o->t_n[0] = o->n;
@@ -367,7 +367,7 @@ done:
  * span for the state and one for the exchange. */
 static fl_status fsdp8_init(fl_optimizer *o, fl_model *model, int world, int rank) {
     const fl_param_layout *lay = &model->layout;
-    const fl_param_provider *pp = model->pp;
+    const fl_param_provider *pp = fl_model_provider(model);
     for (int g = 0; g < lay->n_groups; g++) { /* the model's shard is this world's and rank's */
         size_t f, cl, loc;
         fsdp_unit_piece(lay, g, world, rank, &f, &cl, &loc);
@@ -459,7 +459,7 @@ fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim
         return fl_errorf(FL_ERR_UNSUPPORTED, "CPU offload of AdamW8bit is not supported (its block-wise state is "
                          "already a quarter of AdamW's): use --optimizer AdamW or SGD with the offload, or AdamW8bit "
                          "with a strategy without offload");
-    if (off && model->pp && !model->lora)
+    if (off && fl_model_provider(model) && !model->lora)
         return fl_errorf(FL_ERR_UNSUPPORTED, "CPU offload of a sharded model (FULL_SHARD): parameter offload is not "
                          "implemented yet; use deepspeed_stage_2_offload");
     if (off && (!off->be || !off->pool)) return fl_errorf(FL_ERR_INVALID, "CPU offload: no host backend or host pool");
@@ -475,7 +475,7 @@ fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim
     o->use_loss_scale = model->prec.loss_scaling;
     fl_loss_scale_init(&o->ls);
     fl_status s = trainable(o, model);
-    const int sharded = model->pp && !model->lora; /* FULL_SHARD: the whole shard is this rank's */
+    const int sharded = fl_model_provider(model) && !model->lora; /* FULL_SHARD: the whole shard is this rank's */
     if (s == FL_OK) fl_comm_chunk(o->n, sharded ? 1 : world, sharded ? 0 : rank, &o->s_off, &o->s_len);
     /* the backend must implement the update for these dtypes: found here, not at the first step */
     if (s == FL_OK) {
@@ -595,9 +595,10 @@ static fl_status grad_sumsq(const fl_optimizer *o, double *out) {
 }
 
 double fl_grad_norm(const fl_model *m) {
-    size_t n = m->pp ? m->pp->numel : m->layout.numel; /* sharded: this rank's shard only */
-    if (m->lora) return sqrt(m->be->sumsq(m->be, m->lora->grads, FL_F32, m->lora->numel));
-    return sqrt(m->be->sumsq(m->be, fl_model_grads_data(m), m->store_dtype, n));
+    size_t n = fl_model_store_numel(m); /* sharded: this rank's shard only */
+    fl_lora_adapters ad;
+    if (fl_model_lora_adapters(m, &ad)) return sqrt(m->be->sumsq(m->be, ad.grads, FL_F32, ad.numel));
+    return sqrt(m->be->sumsq(m->be, fl_model_grads_data(m), fl_model_store_dtype(m), n));
 }
 
 /* AdamW / SGD on be over n elements of parameters p and gradients g (this rank's range, or one piece of

@@ -28,7 +28,6 @@
 #include "dp.h"
 #include "shard_ckpt.h"
 #include "fitllm/checkpoint.h"
-#include "../model/model-impl.h"
 
 const char *fl_dp_stage_name(const fl_dp *dp) {
     return dp->stage == 1 ? "ZeRO-1" : dp->stage == 2 ? "ZeRO-2" : dp->stage == 3 ? (dp->node ? "FSDP HYBRID_SHARD" : "ZeRO-3 (FSDP FULL_SHARD)") : "DDP";
@@ -57,7 +56,7 @@ fl_status fl_dp_optim_init(fl_dp *dp, const fl_run_config *cfg, fl_optimizer *o,
      * parameters) train as under ZeRO-2 (fl_fsdp_prepare shards full-model runs only) */
     if (dp->stage == 3 && !dp->fsdp) dp->stage = 2;
     dp->dist = (fl_optim_dist){dp->world, dp->rank, dp->stage, dp, dist_sum, dist_gather, dist_max};
-    /* ZeRO-3: the optimizer runs on this rank's shard (m->pp) as on a whole buffer (8-bit AdamW: its
+    /* ZeRO-3: the optimizer runs on this rank's shard (fl_model_provider) as on a whole buffer (8-bit AdamW: its
      * pieces of the tensors, placed by the shard group's size and this rank's place in it: HYBRID_SHARD
      * shards within the node) */
     const int sw = dp->stage == 3 && dp->node ? fl_comm_size(dp->node) : dp->world;

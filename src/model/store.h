@@ -1,0 +1,131 @@
+/* The parameter store: ONE interface through which every op that reads a weight (a LINEAR, a norm,
+ * the embeddings, the head) binds it, and through which the passes ask for a layout group's
+ * parameters and hand its gradient back. The model (transformer.c, generate.c, graph.c) sees only
+ * the bound views (fl_weight_view, fp32 pointers, gradient pointers), never which storage holds them.
+ *
+ * Implementations (src/model/store_*.c), chosen when the model is created:
+ *   - dense (store_dense.c): the flat layout in one buffer of fp32, bf16 or f16 (`params` / `p16`),
+ *     its gradients (`grads` / `g16`), a mixed policy's compute-dtype copy (`wcompute`), and for
+ *     16-bit storage the fp32 staging of 1-D parameters (`pstage`) and of one group's gradients
+ *     (`gstage`, added into g16 once per group and micro-batch);
+ *   - 4-bit (store_q4.c): the dense store with QLoRA's quantized entries (NF4/FP4 with their absmax,
+ *     `q4`, bound into `q4_mem`) beside it; the other entries sit at `soff[i]` of the dense buffer;
+ *   - FSDP shard (store_fsdp.c): the dense buffers hold this rank's shard; a group's whole parameters
+ *     (and its gradient buffer) exist only while gathered, through the fl_param_provider that
+ *     src/train/fsdp.c implements (the store, like the model, never talks to other ranks).
+ * Next (not built yet; see docs/ARCHITECTURE.md "Parameter store"): an offloaded store (the dense
+ * buffers in host memory or on NVMe, a group copied in by gather and out by release, gradients
+ * copied out by grads_ready) and a tensor-parallel shard (an entry's row or column slice bound as the
+ * whole weight of a narrower LINEAR, the graph's collective op summing the partial outputs).
+ *
+ * Offsets: "layout offsets" are the flat layout's (the gradient and optimizer coordinates); "store
+ * offsets" (fl_store_off) are where an entry sits in the dense buffer (equal without 4-bit entries). */
+#ifndef FL_MODEL_STORE_H
+#define FL_MODEL_STORE_H
+
+#include "fitllm/model.h"
+
+/* What an op reads for one weight entry: one of the stored data (fp32 `w`), its compute-dtype copy or
+ * the 16-bit stored weight (`wc`, dtype `wct`), or the 4-bit parts of a (fused) output in row order. */
+typedef struct {
+    const float *w;
+    const void *wc;
+    fl_dtype wct;
+    const fl_q4_weight *q4[3];
+    int n_q4;
+} fl_weight_view;
+
+typedef struct fl_param_store_ops {
+    const char *name; /* "dense", "fsdp": messages */
+    int whole;        /* holds every parameter (else a shard whose groups are gathered) */
+    /* the stored parameter at store offset so (store dtype); NULL while its group is not gathered */
+    void *(*param_at)(const fl_param_store *s, size_t so);
+    /* its compute-dtype copy (mixed precision), or NULL */
+    const void *(*compute_at)(const fl_param_store *s, size_t so);
+    /* the gradient at layout offset off in the store dtype: where an fp32 op accumulates, or where a
+     * 16-bit group's staged fp32 gradient is added; NULL: none (frozen, or its group has no buffer) */
+    void *(*grad_at)(const fl_param_store *s, size_t off);
+    /* group g's parameters are about to be read (waits for a gather posted ahead), `next`'s may be
+     * posted ahead (-1: none); release: done reading them */
+    fl_status (*gather)(fl_param_store *s, int g, int next);
+    void (*release)(fl_param_store *s, int g);
+    /* group g's gradient buffer for this micro-batch (zeroed) / its gradient is complete */
+    fl_status (*grads_begin)(fl_param_store *s, int g);
+    fl_status (*grads_ready)(fl_param_store *s, int g);
+    /* the start of an optimizer step: the next reductions replace the gradient instead of adding */
+    void (*zero_grads)(fl_param_store *s);
+} fl_param_store_ops;
+
+struct fl_param_store {
+    const fl_param_store_ops *ops;
+    const fl_param_layout *lay; /* the model's layout */
+    const fl_backend *be;
+    fl_mem_pool *pool;
+    fl_model_storage storage;   /* how it was created */
+    fl_dtype dtype;             /* of the dense store: FL_F32, FL_BF16 or FL_F16 */
+    fl_dtype compute_dtype;     /* of the compute copy and of the matmuls (the precision policy's) */
+    size_t numel;               /* elements of the flat gradient / optimizer coordinates held here (a shard's) */
+    float *params;              /* (dense_numel) PARAMS, fp32 storage, else NULL */
+    uint16_t *p16;              /* (dense_numel) PARAMS, 16-bit storage, else NULL */
+    float *grads;               /* (numel) GRADS, fp32 storage, NULL until fl_store_alloc_grads */
+    uint16_t *g16;              /* (numel) GRADS, 16-bit storage */
+    float *pstage, *gstage;     /* 16-bit storage: fp32 views of 1-D parameters, one group's gradients */
+    size_t pstage_n, gstage_n;
+    size_t *soff;               /* (lay->n) store offsets with 4-bit entries ((size_t)-1 for those), else NULL */
+    size_t dense_numel;         /* elements of the dense store */
+    fl_q4_weight *q4;           /* (lay->n) 4-bit entries (packed != NULL), or NULL */
+    void *q4_mem;               /* PARAMS */
+    size_t q4_bytes;
+    void *wcompute;             /* (dense_numel) compute-dtype copy (mixed policies), PARAMS, or NULL */
+    fl_param_provider *pp;      /* the FSDP store's provider */
+    /* data parallel (src/train/dp.c): called as each group's gradient becomes final (fl_store_grads_ready) */
+    fl_status (*grad_ready)(void *ud, size_t off, size_t n);
+    void *grad_ready_ud;
+};
+
+/* ---- lifetime (store_dense.c, store_q4.c) ---- */
+/* A store for lay with storage st (NULL: fp32): allocates the dense buffer (or calls st->shard, which
+ * makes it a shard: fl_store_make_shard), the 4-bit entries, the staging. *out NULL on error. */
+fl_status fl_store_create(const fl_param_layout *lay, const fl_model_config *cfg, const fl_backend *be,
+                          fl_mem_pool *pool, const fl_model_storage *st, void *model, fl_param_store **out);
+void fl_store_destroy(fl_param_store *s);
+fl_status fl_store_alloc_grads(fl_param_store *s, const fl_model_config *cfg);
+void fl_store_zero_grads(fl_param_store *s);
+/* The compute-dtype copy of a policy (allocated and filled for mixed policies on a whole store). */
+fl_status fl_store_set_compute(fl_param_store *s, const fl_precision *p);
+void fl_store_sync_compute(fl_param_store *s);
+/* 4-bit (store_q4.c): the storage plan (dense offsets, 4-bit bytes; soff may be NULL: count only), and
+ * binding the entries into q4_mem. */
+size_t fl_store_q4_plan(const fl_param_layout *lay, const fl_model_storage *st, size_t *soff, size_t *q4_bytes);
+fl_status fl_store_q4_bind(fl_param_store *s);
+/* The FSDP store (store_fsdp.c): the dense buffer becomes `shard`, groups come through pp. */
+void fl_store_make_shard(fl_param_store *s, void *shard, fl_param_provider *pp);
+void fl_store_make_whole(fl_param_store *s);
+extern const fl_param_store_ops fl_store_dense_ops, fl_store_fsdp_ops;
+
+/* ---- binding (store.c): what the passes call ---- */
+static inline int fl_store_is_q4(const fl_param_store *s, int i) { return s->q4 && s->q4[i].packed != NULL; }
+static inline size_t fl_store_off(const fl_param_store *s, int i) {
+    return s->soff ? s->soff[i] : s->lay->params[i].offset;
+}
+/* A shard: groups exist only between gather and release (FSDP). */
+static inline int fl_store_sharded(const fl_param_store *s) { return !s->ops->whole; }
+/* The layout group holding layout (or, sharded, store) offset off. */
+int fl_store_group_of(const fl_param_store *s, size_t off);
+/* The weight of entry wi for a LINEAR of `out` rows (a fused output's 4-bit parts are consecutive entries). */
+void fl_store_bind_weight(const fl_param_store *s, int wi, int out, fl_weight_view *v);
+/* fp32 view of 1-D entry i (-1: NULL): in place (fp32) or widened into the next pstage slot (*cur). */
+const float *fl_store_bind_1d(const fl_param_store *s, int i, float **cur);
+/* fp32 gradient of the entry at layout offset off (-1: NULL): in place (fp32) or its place in gstage (16-bit). */
+float *fl_store_grad(const fl_param_store *s, size_t off);
+/* 16-bit storage: gstage zeroed over n elements / added into the gradient at layout offset off (no-ops in fp32). */
+void fl_store_stage_begin(fl_param_store *s, size_t n);
+fl_status fl_store_stage_flush(fl_param_store *s, size_t off, size_t n);
+static inline void *fl_store_param_at(const fl_param_store *s, size_t so) { return s->ops->param_at(s, so); }
+static inline fl_status fl_store_gather(fl_param_store *s, int g, int next) { return s->ops->gather(s, g, next); }
+static inline void fl_store_release(fl_param_store *s, int g) { s->ops->release(s, g); }
+static inline fl_status fl_store_grads_begin(fl_param_store *s, int g) { return s->ops->grads_begin(s, g); }
+/* group g's gradient is final: the implementation's (FSDP: reduce-scatter), then the data-parallel hook */
+fl_status fl_store_grads_ready(fl_param_store *s, int g);
+
+#endif
