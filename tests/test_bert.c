@@ -54,7 +54,7 @@ static double loss_of(const float *h, const float *R, size_t n) {
 
 /* the gradient of entry p on the host (a device backend's, the opaque one's, memory is not host memory) */
 static const float *grad_host(const fl_model *m, const fl_param_info *p, float *buf) {
-    m->be->to_host(m->be, buf, m->grads + p->offset, p->numel * sizeof(float));
+    m->be->to_host(m->be, buf, fl_model_grads_f32(m) + p->offset, p->numel * sizeof(float));
     return buf;
 }
 
@@ -120,7 +120,7 @@ FL_TEST(bert_vs_transformers) {
     for (size_t j = 0; j < sizeof fd / sizeof fd[0]; j++) {
         const int i = fl_layout_role(&m.layout, fd[j].group, (fl_param_role)fd[j].role);
         FL_REQUIRE(i >= 0);
-        float *w = m.params + fl_model_store_off(&m, i) + fd[j].k, w0, wv;
+        float *w = fl_model_params_f32(&m) + fl_model_store_off(&m, i) + fd[j].k, w0, wv;
         FL_REQUIRE_OK(be.to_host(&be, &w0, w, sizeof w0));
         FL_REQUIRE(fd[j].k < m.layout.params[i].numel);
         const float step = 1e-2f, an = grad_host(&m, &m.layout.params[i], gh)[fd[j].k];

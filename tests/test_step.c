@@ -57,8 +57,8 @@ FL_TEST(step_run_context_outputs_and_failures) {
     size_t pb = a.m.layout.numel * sizeof(float);
     float *pa = malloc(pb), *pbb = malloc(pb);
     FL_REQUIRE(pa && pbb);
-    FL_REQUIRE_OK(a.be.to_host(&a.be, pa, a.m.params, pb));
-    FL_REQUIRE_OK(b.be.to_host(&b.be, pbb, b.m.params, pb));
+    FL_REQUIRE_OK(a.be.to_host(&a.be, pa, fl_model_params_f32(&a.m), pb));
+    FL_REQUIRE_OK(b.be.to_host(&b.be, pbb, fl_model_params_f32(&b.m), pb));
     FL_CHECK(memcmp(pa, pbb, pb) == 0);
     free(pa);
     free(pbb);

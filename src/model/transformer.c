@@ -270,9 +270,9 @@ static fl_status model_backward(fl_model *m) {
 static float *enc_param(const fl_model *m, int g, int r, int grad) {
     const int i = r < 0 ? -1 : fl_layout_role(&m->layout, g, (fl_param_role)r);
     if (i < 0) return NULL;
-    float *g = fl_model_grads_f32(m), *p = fl_model_params_f32(m);
-    if (grad) return g ? g + m->layout.params[i].offset : NULL;
-    return p + fl_model_store_off(m, i);
+    float *gr = fl_model_grads_f32(m), *pr = fl_model_params_f32(m);
+    if (grad) return gr ? gr + m->layout.params[i].offset : NULL;
+    return pr + fl_model_store_off(m, i);
 }
 
 static fl_status encode_check(const fl_model *m, int B, int T) {
