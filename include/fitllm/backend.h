@@ -21,8 +21,10 @@
 #ifndef FITLLM_BACKEND_H
 #define FITLLM_BACKEND_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "fitllm/adam8bit.h"
 #include "fitllm/cpu.h"
@@ -538,7 +540,23 @@ fl_status fl_attn_check_args(const char *op, const fl_attn_desc *a, int max_hd, 
 /* The descriptor of the decoder's causal self-attention over a fused QKV buffer (B, T,
  * (NH+2*NKV)*HD) with out (B, T, NH*HD): Tq = Tk = T, ldq = ldk = ldv = (NH+2*NKV)*HD, ldo =
  * NH*HD, scale 1/sqrt(HD), causal. */
-fl_attn_desc fl_attn_desc_qkv(int B, int T, int NH, int NKV, int HD);
+static inline fl_attn_desc fl_attn_desc_qkv(int B, int T, int NH, int NKV, int HD) {
+    fl_attn_desc a;
+    memset(&a, 0, sizeof a);
+    a.B = B;
+    a.Tq = a.Tk = T;
+    a.NH = NH;
+    a.NKV = NKV;
+    a.HD = HD;
+    a.ldq = a.ldk = a.ldv = (size_t)(NH + 2 * (NKV > 0 ? NKV : 0)) * (HD > 0 ? HD : 0);
+    a.ldo = (size_t)NH * (HD > 0 ? HD : 0);
+    /* the expression of the CPU's fused kernel and the CUDA kernels' fused descriptor: the same
+     * float, so fl_attn_is_qkv recognizes the shape and the bits stay those of the fused kernel
+     * (inline: the CUDA launchers build the same descriptor) */
+    a.scale = HD > 0 ? 1.0f / sqrtf((float)HD) : 1.0f;
+    a.causal = 1;
+    return a;
+}
 /* 1 when an attention call is exactly that fused shape: the descriptor of fl_attn_desc_qkv, k and
  * v the column ranges NH*HD and (NH+NKV)*HD of q's rows, no bias, no mask (backward: dk, dv the
  * same ranges of dq, no dbias; pass dq = NULL for forward). A backend with a kernel of its own for

@@ -31,24 +31,6 @@ fl_status fl_attn_check_args(const char *op, const fl_attn_desc *a, int max_hd, 
     return FL_OK;
 }
 
-
-fl_attn_desc fl_attn_desc_qkv(int B, int T, int NH, int NKV, int HD) {
-    fl_attn_desc a;
-    memset(&a, 0, sizeof a);
-    a.B = B;
-    a.Tq = a.Tk = T;
-    a.NH = NH;
-    a.NKV = NKV;
-    a.HD = HD;
-    a.ldq = a.ldk = a.ldv = (size_t)(NH + 2 * (NKV > 0 ? NKV : 0)) * (HD > 0 ? HD : 0);
-    a.ldo = (size_t)NH * (HD > 0 ? HD : 0);
-    /* the expression of the CPU's fused kernel and the CUDA kernels' fused descriptor: the same
-     * float, so fl_attn_is_qkv recognizes the shape and the bits stay those of the fused kernel */
-    a.scale = HD > 0 ? 1.0f / sqrtf((float)HD) : 1.0f;
-    a.causal = 1;
-    return a;
-}
-
 int fl_attn_is_qkv(const fl_attn_desc *a, const float *q, const float *k, const float *v, const float *bias,
                    const uint8_t *kmask, const float *dq, const float *dk, const float *dv, const float *dbias) {
     if (!a || bias || kmask || dbias || !q || a->HD <= 0 || a->NKV <= 0 || a->NH <= 0) return 0;

@@ -25,18 +25,7 @@ extern "C" {
 
 /* The fused op's views of qkv (B, T, (NH+2*NKV)*HD) as a causal self-attention descriptor. */
 static inline fl_attn_desc fl_cu_attention_fused_desc(int B, int T, int NH, int NKV, int HD) {
-    fl_attn_desc a;
-    memset(&a, 0, sizeof a);
-    a.B = B;
-    a.Tq = a.Tk = T;
-    a.NH = NH;
-    a.NKV = NKV;
-    a.HD = HD;
-    a.ldq = a.ldk = a.ldv = (size_t)(NH + 2 * (NKV > 0 ? NKV : 0)) * (HD > 0 ? HD : 0);
-    a.ldo = (size_t)NH * (HD > 0 ? HD : 0);
-    a.scale = HD > 0 ? 1.0f / sqrtf((float)HD) : 1.0f;
-    a.causal = 1;
-    return a;
+    return fl_attn_desc_qkv(B, T, NH, NKV, HD);
 }
 
 #define FL_CU_ATTN_MAX_HD 256 /* as the CPU's FL_CPU_ATTN_MAX_HD */
