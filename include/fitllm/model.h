@@ -55,6 +55,10 @@ typedef struct {
     int attention_bias;  /* biases on q,k,v,o (GPT-2: always) */
     int mlp_bias;        /* biases on fc/proj (GPT-2: always) */
     int type_vocab_size; /* token types (BERT's segment embeddings, role TYPE_EMBED); 0: none */
+    /* Tensor parallelism (src/model/tp.c, fitllm/tp.h): this config is rank tp_rank's slice of a model split
+     * over tp_size ranks (n_heads, n_kv_heads and ffn_dim are the rank's; head_dim and everything else the
+     * model's); 0 or 1: the whole model. Never read from or written to config.json. */
+    int tp_size, tp_rank;
 } fl_model_config;
 
 /* Fill derived defaults and validate (positive sizes, NH % NKV == 0, ...).
@@ -335,6 +339,8 @@ typedef struct {
     struct fl_lora_state *lora; /* LoRA's own state (src/lora: fl_model_lora_init), opaque to the model, or NULL */
     struct fl_adapter_table *adapt; /* adapters attached to LINEAR ops (fl_model_adapters_begin) or NULL: when
                                  * set, the base is frozen and the adapters are what trains */
+    struct fl_comm *tp_comm;    /* tensor parallel (cfg.tp_size > 1): the group the blocks' ALLREDUCE ops sum over
+                                 * (fl_model_set_tp; on the backend's memory); NULL: one rank */
 } fl_model;
 
 /* ---- adapters on LINEAR ops: a graph rewrite --------------------------------------------------
