@@ -37,11 +37,20 @@ static void tp_case(const char *dir, int N) {
     run_job(tp, N);
     if (!fl_test_failed()) {
         tp_check(one, tp, N, tp_check_cb);
-        /* each rank holds its slice: the split entries' share, the replicated ones whole */
-        for (int r = 0; r < N; r++)
-            FL_CHECKF(tp->params_bytes[r] < one->params_bytes[0] && tp->grads_bytes[r] < one->grads_bytes[0],
-                      "TP %d rank %d: parameters %zu and gradients %zu bytes, one process %zu and %zu", N, r,
-                      tp->params_bytes[r], tp->grads_bytes[r], one->params_bytes[0], one->grads_bytes[0]);
+        /* each rank holds its slice (the split entries' share, the replicated ones whole): measured = sized from
+         * the slice's config, for parameters, gradients, AdamW's state and the activation arena */
+        for (int r = 0; r < N; r++) {
+            FL_CHECKF(tp->params_bytes[r] == tp->sized_params[r] && tp->grads_bytes[r] == tp->sized_params[r] &&
+                          tp->optim_bytes[r] == tp->sized_optim[r] && tp->acts_bytes[r] == tp->sized_acts[r] &&
+                          tp->params_bytes[r] < one->params_bytes[0] && tp->acts_bytes[r] < one->acts_bytes[0],
+                      "TP %d rank %d: params %zu (sized %zu, one process %zu), grads %zu, optim %zu (%zu), acts %zu (%zu, "
+                      "one process %zu)", N, r, tp->params_bytes[r], tp->sized_params[r], one->params_bytes[0],
+                      tp->grads_bytes[r], tp->optim_bytes[r], tp->sized_optim[r], tp->acts_bytes[r], tp->sized_acts[r],
+                      one->acts_bytes[0]);
+        }
+        printf("      %s TP %d: rank 0 holds params %zu, optim %zu, acts %zu bytes (one process %zu, %zu, %zu)\n", dir, N,
+               tp->params_bytes[0], tp->optim_bytes[0], tp->acts_bytes[0], one->params_bytes[0], one->optim_bytes[0],
+               one->acts_bytes[0]);
         /* the check can fail: without the blocks' sums the first loss is far outside the bound */
         run_job(mut, N);
         const double d = fabs(mut->loss1 - one->loss1), bound = 4 * fmax(fabs(one->loss[0][0] - one->loss1), 1e-6);
@@ -61,6 +70,52 @@ FL_TEST(tp_gpt2_2_and_4_ranks) {
 FL_TEST(tp_opt_2_and_4_ranks) {
     tp_case("tests/fixtures/golden-opt", 2);
     tp_case("tests/fixtures/golden-opt", 4);
+}
+
+/* Clipping decides on the whole model's gradient norm (fl_tp_optim_attach): at every step the group's norm is
+ * the single process's within the norm of the difference of the two re-assembled step-1 gradients (|‖a‖ - ‖b‖|
+ * <= ‖a - b‖; later steps: 4x that), and with the norm at half the first step's every step clips; the losses
+ * stay within tp_ref.h's bound. A rank that fails ends every rank of the group (no hang). */
+FL_TEST(tp_clipping_and_a_failing_rank) {
+    const char *dir = "tests/fixtures/golden-gpt2";
+    const int N = 2;
+    tp_job *one = calloc(1, sizeof *one), *tp = calloc(1, sizeof *tp), *bad = calloc(1, sizeof *bad);
+    FL_REQUIRE(one && tp && bad);
+    fl_model_config c;
+    FL_REQUIRE_OK(fl_hf_load_config("tests/fixtures/golden-gpt2/config.json", &c));
+    FL_REQUIRE_OK(fl_config_validate(&c));
+    const size_t n = fl_sizing_param_count(&c);
+    tp_job *js[2] = {one, tp};
+    for (int k = 0; k < 2; k++) {
+        js[k]->dir = dir, js[k]->backend = fl_test_backend_name();
+        js[k]->grad = malloc(n * sizeof(float)), js[k]->params = malloc(n * sizeof(float));
+        FL_REQUIRE(js[k]->grad && js[k]->params);
+    }
+    run_job(one, 1); /* the first norm, unclipped */
+    one->max_norm = tp->max_norm = (float)(0.5 * one->norm[0]);
+    run_job(one, 1);
+    run_job(tp, N);
+    double dg = 0;
+    for (size_t i = 0; i < n; i++) dg += ((double)tp->grad[i] - one->grad[i]) * ((double)tp->grad[i] - one->grad[i]);
+    dg = sqrt(dg);
+    for (int k = 0; k < TP_STEPS; k++) {
+        const double d = fabs(tp->norm[k] - one->norm[k]), b = (k ? 4 : 1) * dg + 1e-12 * one->norm[k];
+        FL_CHECKF(d <= b && one->norm[k] > one->max_norm, "step %d: norm %.9g vs one process %.9g: %.3g over %.3g (max %.4g)",
+                  k + 1, tp->norm[k], one->norm[k], d, b, one->max_norm);
+        FL_CHECKF(fabs(tp->loss[0][k] - one->loss[0][k]) <= 4 * 2.65e-6, "step %d: loss %.9f vs %.9f", k + 1,
+                  tp->loss[0][k], one->loss[0][k]);
+    }
+    printf("      clipped at %.4g: norms within %.3g of one process (step 1 bound %.3g)\n", one->max_norm,
+           fabs(tp->norm[0] - one->norm[0]), dg);
+    /* rank 1 fails after its first forward: rank 0 must not wait for it */
+    bad->dir = dir, bad->backend = fl_test_backend_name(), bad->fail_rank = 1;
+    bad->grad = malloc(n * sizeof(float)), bad->params = malloc(n * sizeof(float));
+    fl_status s = fl_comm_threads_run(N, tp_rank_run, bad);
+    FL_CHECKF(s != FL_OK && bad->st[0] != FL_OK && bad->st[1] == FL_ERR_IO && strstr(bad->msg[1], "on purpose") &&
+                  strstr(bad->msg[0], "aborted"),
+              "a failing rank: rank 0 %d '%s', rank 1 %d '%s'", bad->st[0], bad->msg[0], bad->st[1], bad->msg[1]);
+    for (int k = 0; k < 2; k++) free(js[k]->grad), free(js[k]->params), free(js[k]);
+    free(bad->grad), free(bad->params), free(bad);
 }
 
 /* What does not split is refused naming --tensor_parallel and the dimension. */

@@ -36,14 +36,19 @@ typedef struct {
     const char *dir;     /* golden fixture folder */
     const char *backend; /* backend name ("cpu", "opaque", ...) */
     int mutant;          /* run the blocks without their sums (the check must fail) */
+    float max_norm;      /* gradient clipping (0: none, the fixture's steps) */
+    int fail_rank;       /* > 0: this rank fails after its first forward (a rank failure must end the group) */
     /* results */
     double loss[TP_MAX_RANKS][TP_STEPS];
     double loss1;         /* the first forward's loss (before any step) */
+    double norm[TP_STEPS];  /* rank 0: the gradient norm of each step (clipping) */
     float *grad, *params; /* rank 0: the step-1 gradient and the final parameters, whole layout */
     size_t numel;
     fl_model_config cfg;  /* the whole model's */
     size_t peak[TP_MAX_RANKS];  /* each rank's pool peak (bytes) */
-    size_t params_bytes[TP_MAX_RANKS], grads_bytes[TP_MAX_RANKS], optim_bytes[TP_MAX_RANKS];
+    /* each rank's slice, measured (its own pool's peaks) and sized from the slice's config */
+    size_t params_bytes[TP_MAX_RANKS], grads_bytes[TP_MAX_RANKS], optim_bytes[TP_MAX_RANKS], acts_bytes[TP_MAX_RANKS];
+    size_t sized_params[TP_MAX_RANKS], sized_optim[TP_MAX_RANKS], sized_acts[TP_MAX_RANKS];
     fl_status st[TP_MAX_RANKS];
     char msg[TP_MAX_RANKS][512];
 } tp_job;
@@ -57,23 +62,26 @@ static fl_status tp_rank_run(fl_comm *c, int rank, void *ud) {
     tp_job *j = ud;
     const int N = fl_comm_size(c);
     fl_backend be;
-    fl_mem_pool pool, host;
+    fl_mem_pool pool, host, ppool, phost; /* the whole model's (loading, re-assembly), the slice's */
     fl_model whole, part;
     fl_optimizer o;
     fl_st_file g;
     fl_comm *dev = NULL;
-    int be_ok = 0, pools_ok = 0, whole_ok = 0, part_ok = 0, o_ok = 0, g_ok = 0;
+    fl_tp_dist td;
+    int be_ok = 0, pools_ok = 0, ppools_ok = 0, whole_ok = 0, part_ok = 0, o_ok = 0, g_ok = 0;
     char path[600];
     fl_status s = FL_OK;
     TP_TRY(fl_backend_init_by_name(j->backend, &be, 1));
     be_ok = 1;
     TP_TRY(fl_backend_pools_init(&be, &pool, &host, j->backend, 0));
     pools_ok = 1;
+    TP_TRY(fl_backend_pools_init(&be, &ppool, &phost, j->backend, 0));
+    ppools_ok = 1;
     TP_TRY(fl_hf_load_model(&whole, j->dir, &be, &pool));
     whole_ok = 1;
     fl_model_config pc;
     TP_TRY(fl_tp_config(&whole.cfg, N, rank, &pc));
-    TP_TRY(fl_model_init(&part, &pc, &be, &pool));
+    TP_TRY(fl_model_init(&part, &pc, &be, &ppool));
     part_ok = 1;
     TP_TRY(fl_tp_scatter(&whole, &part));
     if (rank == 0) {
@@ -102,8 +110,12 @@ static fl_status tp_rank_run(fl_comm *c, int rank, void *ud) {
     TP_TRY(fl_model_alloc_acts(&part, B, T));
     fl_model_zero_grads(&part);
     TP_TRY(fl_model_forward(&part, ids->data, tg->data, B, T, 1.0f / (float)nvalid, NULL));
-    j->loss1 = part.loss_sum / (double)part.n_valid;
+    if (rank == 0) j->loss1 = part.loss_sum / (double)part.n_valid;
     if (j->mutant) goto out;
+    if (j->fail_rank > 0 && j->fail_rank == rank) {
+        s = fl_errorf(FL_ERR_IO, "rank %d fails on purpose", rank);
+        goto out;
+    }
     TP_TRY(fl_model_backward(&part));
     TP_TRY(fl_tp_gather(&part, c, rank == 0 ? &whole : NULL, 1));
     if (rank == 0) TP_TRY(be.to_host(&be, j->grad, fl_model_grads_f32(&whole), j->numel * sizeof(float)));
@@ -112,18 +124,26 @@ static fl_status tp_rank_run(fl_comm *c, int rank, void *ud) {
     oc.lr = 1e-3f, oc.beta1 = 0.9f, oc.beta2 = 0.95f, oc.eps = 1e-8f, oc.weight_decay = 0.1f;
     TP_TRY(fl_optim_init(&o, &part, &oc));
     o_ok = 1;
+    TP_TRY(fl_tp_optim_attach(&o, c, &td)); /* clipping on the whole model's norm */
     for (int k = 0; k < TP_STEPS; k++) {
         fl_step_result r;
-        TP_TRY(fl_train_step(&part, &o, ids->data, tg->data, 1, B, T, oc.lr, 0.0f, &r));
+        TP_TRY(fl_train_step(&part, &o, ids->data, tg->data, 1, B, T, oc.lr, j->max_norm, &r));
         j->loss[rank][k] = r.loss;
+        if (rank == 0) j->norm[k] = r.grad_norm;
     }
     TP_TRY(fl_tp_gather(&part, c, rank == 0 ? &whole : NULL, 0));
     if (rank == 0)
         for (int i = 0; i < whole.layout.n; i++) fl_model_read_param(&whole, i, j->params + whole.layout.params[i].offset);
-    j->peak[rank] = pool.peak_total;
-    j->params_bytes[rank] = pool.peak[FL_TAG_PARAMS];
-    j->grads_bytes[rank] = pool.peak[FL_TAG_GRADS];
-    j->optim_bytes[rank] = pool.peak[FL_TAG_OPTIM];
+    j->peak[rank] = ppool.peak_total;
+    j->params_bytes[rank] = ppool.peak[FL_TAG_PARAMS];
+    j->grads_bytes[rank] = ppool.peak[FL_TAG_GRADS];
+    j->optim_bytes[rank] = ppool.peak[FL_TAG_OPTIM];
+    j->acts_bytes[rank] = ppool.peak[FL_TAG_ACTS];
+    j->sized_params[rank] = fl_sizing_param_count(&pc) * sizeof(float);
+    j->sized_optim[rank] = fl_optim_state_bytes_layout(&oc, &part.layout);
+    fl_act_sizes as;
+    fl_sizing_acts(&pc, B, T, &as);
+    j->sized_acts[rank] = as.acts_bytes;
 out:
     if (s != FL_OK) snprintf(j->msg[rank], sizeof j->msg[rank], "%s", fl_error_message());
     j->st[rank] = s;
@@ -133,6 +153,7 @@ out:
     if (part_ok) fl_model_free(&part);
     if (whole_ok) fl_model_free(&whole);
     if (dev) fl_comm_destroy(dev);
+    if (ppools_ok) fl_backend_pools_free(&ppool, &phost);
     if (pools_ok) fl_backend_pools_free(&pool, &host);
     if (be_ok) fl_backend_free(&be);
     return s;

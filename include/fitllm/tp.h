@@ -19,6 +19,7 @@
 
 #include "fitllm/comm.h"
 #include "fitllm/model.h"
+#include "fitllm/train.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -53,6 +54,18 @@ fl_status fl_tp_scatter(const fl_model *whole, fl_model *part);
  * entry, split entries assembled from the ranks' slices (one entry's fp32 at a time in host memory).
  * grads: the gradients instead of the parameters (fp32 storage; whole's gradient buffer). */
 fl_status fl_tp_gather(fl_model *part, fl_comm *host_comm, fl_model *whole, int grads);
+
+/* The optimizer of a rank's slice (src/train/tp.c): clipping and fp16 overflow skips decide on the whole
+ * model's gradient (the split entries' squared norms of every rank summed in rank order, in double, over
+ * host_comm, the replicated entries counted once; an overflow on any rank), so every rank clips and skips
+ * alike and the replicated parameters stay the same bits. d is the caller's storage, alive while o is; o
+ * was made for the slice by fl_optim_init, without data-parallel hooks. */
+typedef struct {
+    fl_optim_dist dist;
+    fl_comm *comm;
+    const fl_model *m;
+} fl_tp_dist;
+fl_status fl_tp_optim_attach(fl_optimizer *o, fl_comm *host_comm, fl_tp_dist *d);
 
 #ifdef __cplusplus
 }

@@ -559,7 +559,10 @@ static const void *g_at(const fl_optimizer *o, size_t off) { return (const char 
 static fl_status found_inf(const fl_optimizer *o, float inv_scale, int *found) {
     *found = 0;
     const fl_backend *be = o->model->be;
-    if (!grads_sharded(o)) return be->check_finite(be, o->g, o->gt, o->n, inv_scale, found);
+    if (!grads_sharded(o)) {
+        FL_TRY(be->check_finite(be, o->g, o->gt, o->n, inv_scale, found));
+        return o->dist && o->dist->any ? o->dist->any(o->dist->ud, found) : FL_OK; /* tensor parallel */
+    }
     FL_TRY(be->check_finite(be, g_at(o, o->s_off), o->gt, o->s_len, inv_scale, found));
     double v = *found != 0;
     FL_TRY(o->dist->sum(o->dist->ud, &v, 1));
@@ -577,6 +580,7 @@ static double chunk_sumsq(const fl_optimizer *o, size_t off, size_t len) {
  * in double. DDP and ZeRO-1 hold every chunk and add them here; ZeRO-2 ranks hold one each and add
  * them with dist->sum (the same order): all three clip with the same bits. */
 static fl_status grad_sumsq(const fl_optimizer *o, double *out) {
+    if (o->dist && o->dist->grad_sumsq) return o->dist->grad_sumsq(o->dist->ud, o, out); /* tensor parallel */
     if (grads_sharded(o)) {
         double v = chunk_sumsq(o, o->s_off, o->s_len);
         FL_TRY(o->dist->sum(o->dist->ud, &v, 1));

@@ -48,6 +48,8 @@ static void scenario(fl_comm *c, const char *dir) {
     CHECK(mpi && alloc_job(mpi, dir, n), "out of memory");
     fl_status s = tp_rank_run(c, g_rank, mpi);
     CHECK(s == FL_OK, "%s TP %d over MPI, rank %d: %s", dir, N, g_rank, mpi->msg[g_rank]);
+    /* a rank that failed ends the job (the CLI's pattern: MPI_Abort; its peers may wait in a collective) */
+    if (s != FL_OK) fl_comm_abort(c, 1, mpi->msg[g_rank]);
     /* every rank's losses to rank 0, as bits (an all-gather moves bits) */
     double all[TP_MAX_RANKS][TP_STEPS];
     CHECK(fl_comm_all_gather(c, mpi->loss[g_rank], all, (size_t)N * TP_STEPS * 2, FL_F32) == FL_OK, "gathering losses");
