@@ -93,7 +93,7 @@ static fl_status tp_rank_run(fl_comm *c, int rank, void *ud) {
         whole_ok = 0;
     }
     /* memory the host cannot read: the blocks' sums run on the backend's own communicator */
-    if (N > 1 && !be.host_memory && be.comm_create) TP_TRY(be.comm_create(&be, c, &dev));
+    if (N > 1 && !fl_backend_host_memory(&be) && be.comm_create) TP_TRY(be.comm_create(&be, c, &dev));
     TP_TRY(fl_model_set_tp(&part, j->mutant ? NULL : dev ? dev : c));
     snprintf(path, sizeof path, "%s/golden.safetensors", j->dir);
     TP_TRY(fl_st_open(&g, path));
