@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "fitllm/io.h"
+#include "golden_ref.h"
 #include "fitllm/tp.h"
 #include "fitllm/train.h"
 
@@ -160,16 +161,7 @@ out:
 }
 #undef TP_TRY
 
-static const fl_st_tensor *tp_find(const fl_st_file *g, const char *prefix, const char *name) {
-    char key[256];
-    snprintf(key, sizeof key, "%s%s", prefix, name);
-    const fl_st_tensor *t = fl_st_find(g, key);
-    if (!t && !strncmp(name, "transformer.", 12)) {
-        snprintf(key, sizeof key, "%s%s", prefix, name + 12);
-        t = fl_st_find(g, key);
-    }
-    return t;
-}
+#define tp_find fl_golden_find
 
 /* reference tensor k (fp32, or fp64 when f64) of entry p into our orientation, as doubles */
 static void tp_ref_tensor(const fl_st_tensor *t, const fl_param_info *p, int f64, double *dst) {
