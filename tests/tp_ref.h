@@ -6,6 +6,8 @@
  *   - the loss at every step: within 4x the distance between two fp32 implementations of the same math (ours
  *     and PyTorch's, the fixture's losses5: what fp32 reduction order alone moves the loss by), at least 8 fp32
  *     roundings of the loss; every rank the same bits;
+ *   - generation through the slices (prefill, and decode with the KV cache): the last row's logits within the
+ *     golden test's 1e-5 of PyTorch's;
  *   - each re-assembled gradient tensor: within the golden test's bar to PyTorch's (1e-5 of the tensor's scale),
  *     as the single process is;
  *   - the parameters after the steps, against the float64 run (the anchor): each tensor's distance (scaled by
@@ -25,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fitllm/generate.h"
 #include "fitllm/io.h"
 #include "golden_ref.h"
 #include "fitllm/tp.h"
@@ -43,6 +46,8 @@ typedef struct {
     double loss[TP_MAX_RANKS][TP_STEPS];
     double loss1;         /* the first forward's loss (before any step) */
     double norm[TP_STEPS];  /* rank 0: the gradient norm of each step (clipping) */
+    double gen_err[2];      /* rank 0: prefill of the first sequence (all but its last token) and the decode of the
+                             * last one with the KV cache: the last row's logits against PyTorch's (scaled) */
     float *grad, *params; /* rank 0: the step-1 gradient and the final parameters, whole layout */
     size_t numel;
     fl_model_config cfg;  /* the whole model's */
@@ -107,6 +112,32 @@ static fl_status tp_rank_run(fl_comm *c, int rank, void *ud) {
     const int B = (int)ids->shape[0], T = (int)ids->shape[1];
     long nvalid = 0;
     for (int i = 0; i < B * T; i++) nvalid += ((const int32_t *)tg->data)[i] != FL_IGNORE_INDEX;
+    { /* generation through the slices, before any step: the fixture's logits of sequence 0's last row */
+        const fl_st_tensor *lg = fl_st_find(&g, "logits");
+        const int V = pc.vocab_size;
+        fl_kv_cache kv;
+        float *out = malloc((size_t)V * sizeof(float));
+        if (!lg || !out) {
+            free(out);
+            s = fl_errorf(FL_ERR_FORMAT, "%s: no logits", path);
+            goto out;
+        }
+        const float *ref = (const float *)lg->data + (size_t)(T - 1) * V;
+        s = fl_kv_cache_init(&kv, &part, T);
+        const int kv_ok = s == FL_OK;
+        for (int k = 0; s == FL_OK && k < 2; k++) {
+            fl_kv_cache_reset(&kv);
+            s = k == 0 ? fl_model_prefill(&part, &kv, ids->data, T, out)
+                       : fl_model_prefill(&part, &kv, ids->data, T - 1, NULL);
+            if (s == FL_OK && k == 1) s = fl_model_decode(&part, &kv, ((const int32_t *)ids->data)[T - 1], out);
+            double d = 0, sc = 0;
+            for (int v = 0; v < V; v++) d = fmax(d, fabs((double)out[v] - ref[v])), sc = fmax(sc, fabs(ref[v]));
+            if (rank == 0) j->gen_err[k] = d / sc;
+        }
+        if (kv_ok) fl_kv_cache_free(&kv);
+        free(out);
+        if (s != FL_OK) goto out;
+    }
     TP_TRY(fl_model_alloc_grads(&part));
     TP_TRY(fl_model_alloc_acts(&part, B, T));
     fl_model_zero_grads(&part);
@@ -217,6 +248,11 @@ static int tp_check(const tp_job *one, const tp_job *tp, int N, tp_check_fn chec
             TPC(memcmp(&tp->loss[r][k], &tp->loss[0][k], sizeof(double)) == 0, "%s TP %d: rank %d's step %d loss differs",
                 tp->dir, N, r, k + 1);
     }
+    for (int k = 0; k < 2; k++)
+        TPC(tp->gen_err[k] <= 1e-5, "%s TP %d: %s's last logits %.3g of their scale from PyTorch's (bar 1e-5)", tp->dir, N,
+            k ? "decode with the KV cache" : "prefill", tp->gen_err[k]);
+    printf("      %s TP %d: prefill / decode logits %.3g / %.3g of scale from PyTorch's (bar 1e-5)\n", tp->dir, N,
+           tp->gen_err[0], tp->gen_err[1]);
     printf("      %s TP %d: losses within %.3g of one process (bound 4 x %.3g: ours vs PyTorch fp32)\n", tp->dir, N, worst,
            noise);
     /* 2. gradients, tensor by tensor, and 3. the parameters after the steps against float64 */
