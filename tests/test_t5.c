@@ -1,0 +1,280 @@
+/* T5 (src/model/arch_t5.c, run by src/model/seq2seq.c) against transformers' T5ForConditionalGeneration:
+ * tests/fixtures/t5-tiny-relu (v1.0: ReLU, tied head, decoder output scaled by d_model^-0.5) and t5-tiny-gated
+ * (v1.1 / Flan: gated-GELU, untied lm_head) from tests/ref/make_t5_fixture.py: vocab 97, d_model 36, d_kv 10,
+ * 3 heads (inner 30), d_ff 52, 2 encoder + 3 decoder blocks, 8 buckets up to distance 20; B 2 x source 13 (the
+ * second's last 3 padded) x target 17 (the second's last 4 labels ignored).
+ *
+ * Tolerances. The reference is computed in float64 from the same fp32 weights; the fixture carries per tensor how
+ * far PyTorch's own fp32 run lands from it (noise.*: logits 3.1e-6 / 4.4e-6 on a scale of 4; gradients up to
+ * 1.2e-6). fitllm computes the same function in fp32 in other summation orders, so its error is of that order, not
+ * the same bits: each tensor must be within 8 x PyTorch's fp32 error plus 16 fp32 roundings of its scale (the
+ * floor where PyTorch happened to be nearly exact), as tests/test_bert.c. After 5 AdamW steps: the distance to the
+ * float64 run, scaled by the tensor's max, within 4 x PyTorch fp32's own (as tests/test_model.c's golden tests),
+ * elements with near-zero gradients held to Adam's bound only. Finite differences of the loss (in double over the
+ * fp32 forward) check the relative bias tables' gradients (their path: buckets -> bias -> every block's scores).
+ * Wrong ops are far outside: see t5_variants_are_distinct. */
+#include <float.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fitllm/io.h"
+#include "fitllm/model.h"
+#include "fitllm/train.h"
+#include "model/model-impl.h"
+#include "test.h"
+
+static const fl_st_tensor *ref_t(const fl_st_file *f, const char *pre, const char *name) {
+    char key[200];
+    snprintf(key, sizeof key, "%s%s", pre, name);
+    return fl_st_find(f, key);
+}
+
+static float f32_at(const fl_st_tensor *t) { return ((const float *)t->data)[0]; }
+
+static double bound(const fl_st_tensor *noise, double scale) { return 8.0 * f32_at(noise) + 16.0 * FLT_EPSILON * scale; }
+
+/* entry p's reference (HF orientation) in our orientation: a transposed-on-disk entry (the relative bias table,
+ * stored (NH, buckets)) is transposed */
+static void ours_from_ref(const fl_param_info *p, const fl_st_tensor *t, float *out) {
+    const float *r = t->data;
+    if (p->ndim == 2 && p->transposed_on_disk) {
+        for (int64_t i = 0; i < p->shape[0]; i++)
+            for (int64_t j = 0; j < p->shape[1]; j++) out[i * p->shape[1] + j] = r[j * p->shape[0] + i];
+    } else {
+        memcpy(out, r, p->numel * sizeof(float));
+    }
+}
+
+typedef struct {
+    fl_backend be;
+    fl_mem_pool pool, host;
+    fl_model m;
+    fl_st_file x;
+    const fl_st_tensor *src, *mask, *dec, *labels;
+    int B, Ts, Tt, n_valid;
+} t5_case;
+
+static fl_status open_case(t5_case *c, const char *dir) {
+    memset(c, 0, sizeof *c);
+    FL_TRY(fl_test_backend(&c->be, 2));
+    FL_TRY(fl_backend_pools_init(&c->be, &c->pool, &c->host, c->be.name, 0));
+    FL_TRY(fl_hf_load_model(&c->m, dir, &c->be, &c->pool));
+    char p[256];
+    snprintf(p, sizeof p, "%s/expected.safetensors", dir);
+    FL_TRY(fl_st_open(&c->x, p));
+    c->src = fl_st_find(&c->x, "src"), c->mask = fl_st_find(&c->x, "src_mask");
+    c->dec = fl_st_find(&c->x, "dec"), c->labels = fl_st_find(&c->x, "labels");
+    if (!c->src || !c->mask || !c->dec || !c->labels) return fl_errorf(FL_ERR_FORMAT, "%s: fixture incomplete", dir);
+    c->B = (int)c->src->shape[0], c->Ts = (int)c->src->shape[1], c->Tt = (int)c->dec->shape[1];
+    for (int i = 0; i < c->B * c->Tt; i++) c->n_valid += ((const int32_t *)c->labels->data)[i] != FL_IGNORE_INDEX;
+    FL_TRY(fl_model_alloc_grads(&c->m));
+    return fl_model_alloc_acts_s2s(&c->m, c->B, c->Ts, c->Tt);
+}
+
+static void close_case(t5_case *c) {
+    fl_st_close(&c->x);
+    fl_model_free(&c->m);
+    fl_backend_pools_free(&c->pool, &c->host);
+    fl_backend_free(&c->be);
+}
+
+/* the mean loss of a (training) forward */
+static fl_status forward(t5_case *c, float grad_scale, float *logits, double *loss) {
+    FL_TRY(fl_model_forward_s2s(&c->m, c->src->data, c->mask->data, c->dec->data, c->labels->data, c->B, c->Ts, c->Tt,
+                                grad_scale, logits));
+    *loss = c->m.loss_sum / (double)c->m.n_valid;
+    return FL_OK;
+}
+
+static const float *grad_host(const fl_model *m, const fl_param_info *p, float *buf) {
+    m->be->to_host(m->be, buf, fl_model_grads_f32(m) + p->offset, p->numel * sizeof(float));
+    return buf;
+}
+
+/* logits, loss, every gradient; then finite differences of the relative bias tables */
+static void check_pass(const char *dir) {
+    t5_case c;
+    FL_REQUIRE_OK(open_case(&c, dir));
+    fl_model *m = &c.m;
+    FL_CHECK(m->cfg.arch == FL_ARCH_T5 && c.n_valid == c.B * c.Tt - 4);
+    const size_t nl = (size_t)c.B * c.Tt * m->cfg.vocab_size;
+    float *lg = malloc(nl * sizeof(float)), *gh = malloc(m->layout.numel * sizeof(float)),
+          *rf = malloc(m->layout.numel * sizeof(float));
+    FL_REQUIRE(lg && gh && rf);
+    fl_model_zero_grads(m);
+    double loss;
+    FL_REQUIRE_OK(forward(&c, 1.0f / (float)c.n_valid, lg, &loss));
+    const fl_st_tensor *rl = fl_st_find(&c.x, "logits"), *nlg = fl_st_find(&c.x, "noise.logits");
+    const fl_st_tensor *rloss = fl_st_find(&c.x, "loss"), *nloss = fl_st_find(&c.x, "noise.loss");
+    FL_REQUIRE(rl && nlg && rloss && nloss && (size_t)(rl->end - rl->begin) == nl * 4);
+    double e = 0, sc = 0;
+    for (size_t i = 0; i < nl; i++) {
+        e = fmax(e, fabs((double)lg[i] - ((const float *)rl->data)[i]));
+        sc = fmax(sc, fabs(((const float *)rl->data)[i]));
+    }
+    FL_CHECKF(e <= bound(nlg, sc), "%s: logits error %.3g, bound %.3g", dir, e, bound(nlg, sc));
+    const double lref = ((const double *)rloss->data)[0], el = fabs(loss - lref);
+    FL_CHECKF(el <= bound(nloss, lref), "%s: loss %.9f vs %.9f", dir, loss, lref);
+    printf("      %s: logits error %.2g (PyTorch fp32 %.2g, bound %.2g), loss %.8f (ref %.8f)\n", dir, e, f32_at(nlg),
+           bound(nlg, sc), loss, lref);
+    FL_REQUIRE_OK(fl_model_backward_s2s(m));
+    double worst = 0;
+    int checked = 0;
+    for (int i = 0; i < m->layout.n; i++) {
+        const fl_param_info *p = &m->layout.params[i];
+        const fl_st_tensor *g = ref_t(&c.x, "grad.", p->name), *gn = ref_t(&c.x, "noise.", p->name);
+        FL_CHECKF(g && gn && (size_t)(g->end - g->begin) == p->numel * 4, "%s: reference gradient of %s", dir, p->name);
+        if (!g || !gn) continue;
+        ours_from_ref(p, g, rf);
+        grad_host(m, p, gh);
+        double ge = 0, s = 0;
+        for (size_t k = 0; k < p->numel; k++) ge = fmax(ge, fabs((double)gh[k] - rf[k])), s = fmax(s, fabs(rf[k]));
+        FL_CHECKF(ge <= bound(gn, s), "%s: gradient of %s: error %.3g, bound %.3g (PyTorch fp32 %.3g, scale %.3g)", dir,
+                  p->name, ge, bound(gn, s), f32_at(gn), s);
+        worst = fmax(worst, ge / bound(gn, s));
+        checked++;
+    }
+    FL_CHECK(checked == m->layout.n);
+    printf("      %s: %d gradients, worst error %.2f of its bound\n", dir, checked, worst);
+
+    /* central finite differences of a few relative bias entries (encoder and decoder tables): the loss has scale ~5
+     * and fp32 noise ~1e-6, so with a step of 1e-2 the quotient carries ~1e-4 of rounding and O(h^2 f''') of
+     * truncation (observed: at most 1.9e-4, on an entry whose step crosses a ReLU kink, else 3e-5): 3e-4 + 2e-2 |g|
+     * separates it from a wrong gradient (the entries are ~1e-2) */
+    for (int g0 = 0; g0 < 2; g0++) {
+        const int ti = fl_layout_role(&m->layout, 1 + (g0 ? m->cfg.n_layers : 0), FL_ROLE_REL_BIAS);
+        FL_REQUIRE(ti >= 0);
+        const fl_param_info *p = &m->layout.params[ti];
+        grad_host(m, p, gh);
+        const size_t ks[3] = {1, (size_t)m->cfg.rel_buckets + 2, p->numel - 1}; /* (head, bucket) (0,1) (1,2) (2,7) */
+        for (int j = 0; j < 3; j++) {
+            float *w = fl_model_params_f32(m) + fl_model_store_off(m, ti) + ks[j], w0, wv;
+            FL_REQUIRE_OK(c.be.to_host(&c.be, &w0, w, sizeof w0));
+            const float step = 1e-2f, an = gh[ks[j]];
+            double l[2];
+            for (int s = 0; s < 2; s++) {
+                wv = w0 + (s ? -step : step);
+                FL_REQUIRE_OK(c.be.to_device(&c.be, w, &wv, sizeof wv));
+                FL_REQUIRE_OK(forward(&c, 0, NULL, &l[s]));
+            }
+            FL_REQUIRE_OK(c.be.to_device(&c.be, w, &w0, sizeof w0));
+            const double num = (l[0] - l[1]) / (2.0 * step);
+            FL_CHECKF(fabs(num - an) <= 3e-4 + 2e-2 * fabs(an), "%s: finite difference of %s[%zu]: %.6g vs backward %.6g",
+                      dir, p->name, ks[j], num, an);
+            if (getenv("FL_TEST_VERBOSE")) printf("      fd %s[%zu]: %.6g vs %.6g\n", p->name, ks[j], num, (double)an);
+        }
+    }
+    free(lg), free(gh), free(rf);
+    close_case(&c);
+}
+
+FL_TEST(t5_relu_tied_vs_transformers) { check_pass("tests/fixtures/t5-tiny-relu"); }
+FL_TEST(t5_gated_untied_vs_transformers) { check_pass("tests/fixtures/t5-tiny-gated"); }
+
+/* 5 AdamW steps on the same batch (lr 1e-3, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on every parameter, as
+ * torch.optim.AdamW over model.parameters()): each step's loss against PyTorch fp32's, the weights after against the
+ * float64 run within 4 x PyTorch fp32's own distance to it (tests/test_model.c's golden rule: the distance of the
+ * worst element scaled by the tensor's max; elements with 0 < |grad| < 1e-4 x their tensor's max move by +-lr on
+ * noise in any precision and are held to Adam's bound only, at most 2% of them); the same steps at lr x 1.01 must
+ * land over 10x that bar, so the check can fail. (At lr 1e-2 the ReLU variant's trajectory is fragile: the CPU
+ * backend's GEMM rounding leaves the loss 3e-6 off PyTorch's at step 2 and 1e-3 off at step 5, the ref backend's
+ * stays within 4e-7, PyTorch fp32's within 1e-7 of float64: a ReLU unit near its kink; the gated variant tracks.) */
+/* 5 AdamW steps of c's model at lr (l5: PyTorch fp32's losses to check each step's against, or NULL) */
+static void adam_steps(t5_case *c, const char *dir, float lr, const fl_st_tensor *l5) {
+    fl_model *m = &c->m;
+    fl_optim_config oc;
+    fl_optim_config_default(&oc, FL_OPT_ADAMW);
+    oc.lr = lr, oc.beta1 = 0.9f, oc.beta2 = 0.95f, oc.eps = 1e-8f, oc.weight_decay = 0.1f;
+    fl_optimizer o;
+    FL_REQUIRE_OK(fl_optim_init(&o, m, &oc));
+    for (int k = 0; k < 5; k++) {
+        double loss;
+        fl_model_zero_grads(m);
+        FL_REQUIRE_OK(forward(c, 1.0f / (float)c->n_valid, NULL, &loss));
+        const double rl = l5 ? ((const float *)l5->data)[k] : loss;
+        FL_CHECKF(fabs(loss - rl) <= 1e-5 * fabs(rl), "%s: step %d loss %.8f vs PyTorch fp32 %.8f", dir, k + 1, loss, rl);
+        if (l5 && getenv("FL_TEST_VERBOSE")) printf("      step %d: loss %.9f, PyTorch fp32 %.9f\n", k + 1, loss, rl);
+        FL_REQUIRE_OK(fl_model_backward_s2s(m));
+        FL_REQUIRE_OK(fl_optim_step(&o, oc.lr, 0.0f, NULL));
+    }
+    fl_optim_free(&o);
+}
+
+/* tensor i's weights on the host */
+static void weights_host(t5_case *c, int i, float *w) {
+    const fl_param_info *p = &c->m.layout.params[i];
+    FL_REQUIRE_OK(c->be.to_host(&c->be, w, fl_model_params_f32(&c->m) + fl_model_store_off(&c->m, i),
+                                p->numel * sizeof(float)));
+}
+
+static void check_adam(const char *dir) {
+    t5_case c, cm; /* cm: the mutant, the same steps at lr x 1.01 (a wrong bias correction or schedule is worse) */
+    FL_REQUIRE_OK(open_case(&c, dir));
+    FL_REQUIRE_OK(open_case(&cm, dir));
+    fl_model *m = &c.m;
+    const fl_st_tensor *l5 = fl_st_find(&c.x, "loss5");
+    FL_REQUIRE(l5 && l5->shape[0] == 5);
+    const float lr = 1e-3f;
+    adam_steps(&c, dir, lr, l5);
+    adam_steps(&cm, dir, lr * 1.01f, NULL);
+    float *w = malloc(m->layout.numel * sizeof(float)), *g1 = malloc(m->layout.numel * sizeof(float)),
+          *p32 = malloc(m->layout.numel * sizeof(float));
+    double *r64 = malloc(m->layout.numel * sizeof(double)), *pe = calloc((size_t)m->layout.n, sizeof(double));
+    FL_REQUIRE(w && g1 && p32 && r64 && pe);
+    float *wm = malloc(m->layout.numel * sizeof(float));
+    FL_REQUIRE(wm);
+    double e_torch = 0, worst = 0, worst_mut = 0;
+    size_t excluded = 0, total = 0;
+    for (int i = 0; i < m->layout.n; i++) {
+        const fl_param_info *p = &m->layout.params[i];
+        const fl_st_tensor *t32 = ref_t(&c.x, "after5.", p->name), *t64 = ref_t(&c.x, "after5_f64.", p->name),
+                           *tg = ref_t(&c.x, "grad.", p->name);
+        FL_CHECKF(t32 && t64 && tg && t64->dtype == FL_F64, "%s: reference after5 / after5_f64 / grad of %s", dir, p->name);
+        if (!t32 || !t64 || !tg || t64->dtype != FL_F64) continue;
+        weights_host(&c, i, w);
+        weights_host(&cm, i, wm);
+        ours_from_ref(p, t32, p32);
+        ours_from_ref(p, tg, g1);
+        const double *d64 = t64->data;
+        for (size_t k = 0; k < p->numel; k++) { /* transposed as ours_from_ref */
+            size_t src = k;
+            if (p->ndim == 2 && p->transposed_on_disk) src = (k % p->shape[1]) * p->shape[0] + k / p->shape[1];
+            r64[k] = d64[src];
+        }
+        double gmax = 0, pmax = 0, d_ours = 0, d_torch = 0, d_mut = 0;
+        for (size_t k = 0; k < p->numel; k++) gmax = fmax(gmax, fabs(g1[k])), pmax = fmax(pmax, fabs(r64[k]));
+        for (size_t k = 0; k < p->numel; k++) {
+            const double d = fabs((double)w[k] - r64[k]);
+            total++;
+            if (g1[k] != 0.0f && fabs(g1[k]) < 1e-4 * gmax) {
+                excluded++;
+                FL_CHECKF(d <= 5 * lr * (1 + 0.1 * 5 * lr), "%s: %s[%zu] moved beyond Adam's bound", dir, p->name, k);
+                continue;
+            }
+            d_ours = fmax(d_ours, d);
+            d_torch = fmax(d_torch, fabs((double)p32[k] - r64[k]));
+            d_mut = fmax(d_mut, fabs((double)wm[k] - r64[k]));
+        }
+        const double sc = pmax > 0 ? pmax : 1;
+        pe[i] = d_ours / sc;
+        e_torch = fmax(e_torch, d_torch / sc);
+        worst = fmax(worst, pe[i]);
+        worst_mut = fmax(worst_mut, d_mut / sc);
+    }
+    FL_CHECKF(e_torch > 0, "%s: PyTorch fp32 is bit-identical to float64 after 5 steps (fixture broken?)", dir);
+    for (int i = 0; i < m->layout.n; i++)
+        FL_CHECKF(pe[i] <= 4 * e_torch, "%s: %s after 5 AdamW steps: distance to float64 %.3g, over 4x PyTorch fp32's %.3g",
+                  dir, m->layout.params[i].name, pe[i], e_torch);
+    FL_CHECKF(excluded * 50 <= total, "%s: %zu of %zu elements have near-zero gradients", dir, excluded, total);
+    FL_CHECKF(worst_mut > 10 * 4 * e_torch, "%s: lr off by 1%% lands at %.3g from float64, within 10x the bar %.3g", dir,
+              worst_mut, 4 * e_torch);
+    printf("      %s: after 5 AdamW steps, distance to float64: ours %.3g, PyTorch fp32 %.3g, lr off by 1%%: %.3g (%zu "
+           "of %zu elements held to Adam's bound only)\n", dir, worst, e_torch, worst_mut, excluded, total);
+    free(w), free(wm), free(g1), free(p32), free(r64), free(pe);
+    close_case(&cm);
+    close_case(&c);
+}
+
+FL_TEST(t5_relu_adamw_vs_transformers) { check_adam("tests/fixtures/t5-tiny-relu"); }
+FL_TEST(t5_gated_adamw_vs_transformers) { check_adam("tests/fixtures/t5-tiny-gated"); }
