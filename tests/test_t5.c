@@ -278,3 +278,132 @@ static void check_adam(const char *dir) {
 
 FL_TEST(t5_relu_adamw_vs_transformers) { check_adam("tests/fixtures/t5-tiny-relu"); }
 FL_TEST(t5_gated_adamw_vs_transformers) { check_adam("tests/fixtures/t5-tiny-gated"); }
+
+/* A wrong op is far outside the bounds above: the relu variant without its head scaling, and either variant with
+ * the source's padding mask ignored (the padded keys then take part in the encoder's and the cross-attention). */
+FL_TEST(t5_variants_are_distinct) {
+    const char *dirs[2] = {"tests/fixtures/t5-tiny-relu", "tests/fixtures/t5-tiny-gated"};
+    for (int v = 0; v < 2; v++) {
+        t5_case c;
+        FL_REQUIRE_OK(open_case(&c, dirs[v]));
+        const fl_st_tensor *rl = fl_st_find(&c.x, "logits");
+        const size_t nl = (size_t)c.B * c.Tt * c.m.cfg.vocab_size;
+        float *lg = malloc(nl * sizeof(float));
+        FL_REQUIRE(lg && rl);
+        for (int mut = 0; mut < 2; mut++) {
+            if (mut == 0 && v == 1) continue;
+            if (mut == 0) c.m.cfg.head_scale = 0;
+            FL_REQUIRE_OK(fl_model_forward_s2s(&c.m, c.src->data, mut == 1 ? NULL : c.mask->data, c.dec->data, NULL,
+                                               c.B, c.Ts, c.Tt, 0, lg));
+            c.m.cfg.head_scale = v == 0;
+            double e = 0;
+            for (size_t i = 0; i < nl; i++) e = fmax(e, fabs((double)lg[i] - ((const float *)rl->data)[i]));
+            FL_CHECKF(e > 0.1, "%s: %s moves the logits by only %.3g", dirs[v], mut ? "no mask" : "no head scaling", e);
+            printf("      %s: %s: logits off by %.2g\n", dirs[v], mut ? "mask ignored" : "head unscaled", e);
+        }
+        free(lg);
+        close_case(&c);
+    }
+}
+
+/* config.json's variants, the checks that mix them, presets, and the folder written back in the same names */
+static void write_text(const char *path, const char *text) {
+    FILE *f = fopen(path, "w");
+    FL_REQUIRE(f);
+    fputs(text, f);
+    fclose(f);
+}
+
+FL_TEST(t5_config_keys_and_refusals) {
+    fl_model_config c;
+    FL_REQUIRE_OK(fl_hf_load_config("tests/fixtures/t5-tiny-relu/config.json", &c));
+    FL_CHECK(c.arch == FL_ARCH_T5 && c.n_layers == 2 && c.n_dec_layers == 3 && c.head_dim == 10 && c.n_heads == 3 &&
+             c.ffn_dim == 52 && !c.ffn_gated && c.tie_embeddings && c.head_scale && c.rel_buckets == 8 &&
+             c.rel_max_dist == 20 && c.dec_start_id == 0 && c.eos_id == 1 && fabsf(c.norm_eps - 1e-6f) < 1e-12f);
+    FL_REQUIRE_OK(fl_hf_load_config("tests/fixtures/t5-tiny-gated/config.json", &c));
+    FL_CHECK(c.ffn_gated && !c.tie_embeddings && !c.head_scale);
+    const char *base = "\"model_type\": \"t5\", \"d_model\": 8, \"d_kv\": 4, \"d_ff\": 12, \"num_layers\": 1, "
+                       "\"num_heads\": 2, \"vocab_size\": 10";
+    const struct { const char *extra, *msg; fl_status st; } bad[] = {
+        {"\"feed_forward_proj\": \"gated-gelu\", \"is_gated_act\": false", "'is_gated_act' = false contradicts", FL_ERR_FORMAT},
+        {"\"feed_forward_proj\": \"relu\", \"is_gated_act\": true", "'is_gated_act' = true contradicts", FL_ERR_FORMAT},
+        {"\"feed_forward_proj\": \"gated-gelu\", \"dense_act_fn\": \"relu\"", "'dense_act_fn' = 'relu' contradicts",
+         FL_ERR_FORMAT},
+        {"\"feed_forward_proj\": \"gated-silu\"", "'feed_forward_proj' = 'gated-silu' is not supported", FL_ERR_UNSUPPORTED},
+        {"\"num_decoder_layers\": 0", "num_decoder_layers", FL_ERR_FORMAT},
+        {"\"relative_attention_num_buckets\": 1", "relative_attention_num_buckets", FL_ERR_FORMAT},
+    };
+    char path[512], text[1024];
+    snprintf(path, sizeof path, "%s/t5-bad.json", fl_test_tmpdir());
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        snprintf(text, sizeof text, "{%s, %s}", base, bad[i].extra);
+        write_text(path, text);
+        const fl_status s = fl_hf_load_config(path, &c);
+        FL_CHECKF(s == bad[i].st && strstr(fl_error_message(), bad[i].msg), "%s: got %d '%s'", bad[i].extra, (int)s,
+                  fl_error_message());
+    }
+    /* the presets: real shapes */
+    FL_REQUIRE_OK(fl_preset_find("google/flan-t5-xxl", &c));
+    FL_CHECK(c.arch == FL_ARCH_T5 && c.dim == 4096 && c.n_heads == 64 && c.ffn_dim == 10240 && c.n_layers == 24 &&
+             c.n_dec_layers == 24 && c.ffn_gated && !c.tie_embeddings);
+    FL_CHECKF(fl_sizing_param_count(&c) == 11135332352ull, "flan-t5-xxl: %zu parameters", fl_sizing_param_count(&c));
+    FL_REQUIRE_OK(fl_preset_find("google-t5/t5-small", &c));
+    FL_CHECKF(fl_sizing_param_count(&c) == 60506624ull, "t5-small: %zu parameters", fl_sizing_param_count(&c));
+    FL_REQUIRE_OK(fl_preset_find("t5-micro", &c));
+}
+
+/* a folder missing a relative bias table, and one whose FFN tensors are the other variant's, are refused naming the
+ * tensor; the model written back loads with the same loss */
+FL_TEST(t5_weights_refusals_and_round_trip) {
+    t5_case c;
+    FL_REQUIRE_OK(open_case(&c, "tests/fixtures/t5-tiny-relu"));
+    double l0, l1;
+    FL_REQUIRE_OK(forward(&c, 0, NULL, &l0));
+    char dir[512], p[1600];
+    snprintf(dir, sizeof dir, "%s/t5-saved", fl_test_tmpdir());
+    FL_REQUIRE_OK(fl_hf_save_model(&c.m, dir));
+    fl_model m2;
+    FL_REQUIRE_OK(fl_hf_load_model(&m2, dir, &c.be, &c.pool));
+    FL_CHECK(m2.cfg.head_scale && m2.cfg.tie_embeddings && !m2.cfg.ffn_gated && m2.cfg.n_dec_layers == 3);
+    fl_model_free(&c.m);
+    c.m = m2;
+    FL_REQUIRE_OK(fl_model_alloc_acts_s2s(&c.m, c.B, c.Ts, c.Tt));
+    FL_REQUIRE_OK(forward(&c, 0, NULL, &l1));
+    FL_CHECKF(l0 == l1, "saved and reloaded: loss %.9f vs %.9f", l1, l0);
+    /* the saved tensors minus the encoder's relative bias table */
+    fl_st_file f;
+    snprintf(p, sizeof p, "%s/model.safetensors", dir);
+    FL_REQUIRE_OK(fl_st_open(&f, p));
+    fl_st_write_tensor *t = calloc((size_t)f.n_tensors, sizeof *t);
+    FL_REQUIRE(t);
+    int n = 0;
+    for (int i = 0; i < f.n_tensors; i++) {
+        const fl_st_tensor *s = &f.tensors[i];
+        if (strstr(s->name, "encoder.block.0.layer.0.SelfAttention.relative_attention_bias")) continue;
+        t[n].name = s->name, t[n].dtype = s->dtype, t[n].src_dtype = s->dtype, t[n].ndim = s->ndim, t[n].data = s->data;
+        for (int d = 0; d < s->ndim; d++) t[n].shape[d] = s->shape[d];
+        n++;
+    }
+    char dir2[512];
+    snprintf(dir2, sizeof dir2, "%s/t5-nobias", fl_test_tmpdir());
+    snprintf(p, sizeof p, "mkdir -p %s && cp %s/config.json %s/", dir2, dir, dir2);
+    FL_REQUIRE(system(p) == 0);
+    snprintf(p, sizeof p, "%s/model.safetensors", dir2);
+    FL_REQUIRE_OK(fl_st_write(p, t, n, NULL, NULL, 0));
+    fl_model m3;
+    fl_status s = fl_hf_load_model(&m3, dir2, &c.be, &c.pool);
+    FL_CHECKF(s == FL_ERR_NOT_FOUND &&
+                  strstr(fl_error_message(), "'encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight'"),
+              "missing bias table: %d '%s'", (int)s, fl_error_message());
+    /* the relu folder read as the gated variant: wi is not a tensor of that model */
+    snprintf(p, sizeof p, "sed -i 's/\"feed_forward_proj\": \"relu\"/\"feed_forward_proj\": \"gated-gelu\"/; "
+                          "s/\"dense_act_fn\": \"relu\"/\"dense_act_fn\": \"gelu_new\"/; "
+                          "s/\"is_gated_act\": false/\"is_gated_act\": true/' %s/config.json", dir);
+    FL_REQUIRE(system(p) == 0);
+    s = fl_hf_load_model(&m3, dir, &c.be, &c.pool);
+    FL_CHECKF(s != FL_OK && strstr(fl_error_message(), "DenseReluDense.wi"), "gated config, relu tensors: %d '%s'", (int)s,
+              fl_error_message());
+    free(t);
+    fl_st_close(&f);
+    close_case(&c);
+}

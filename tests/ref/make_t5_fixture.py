@@ -11,11 +11,12 @@ Variants (odd sizes: vocab 97, d_model 36, d_kv 10, 3 heads (inner 30 != d_model
 decoder blocks, 8 buckets up to distance 20, dropout 0):
   t5-tiny-relu   T5 v1.0: feed_forward_proj "relu", tied head with the decoder output scaled by d_model^-0.5
   t5-tiny-gated  T5 v1.1 / Flan: "gated-gelu" (gelu_new), untied lm_head, no scaling
-transformers 5 ties lm_head to shared.weight for every T5 config (T5Config forces tie_word_embeddings and keeps
-only scale_decoder_outputs); the v1.1 checkpoints (flan-t5-*) carry their own lm_head.weight with
-tie_word_embeddings false, which is what fitllm reads: so the gated reference unties lm_head in memory (a
-parameter of its own) and the folder is written as those checkpoints are (config.json with
-tie_word_embeddings false, model.safetensors with lm_head.weight; save_pretrained would drop it).
+A T5Config built in memory by transformers 5 always ties lm_head to shared.weight (it keeps only
+scale_decoder_outputs from tie_word_embeddings); the v1.1 checkpoints (flan-t5-*) carry their own lm_head.weight
+with tie_word_embeddings false, and from_pretrained keeps it untied when the file's values differ. So the gated
+reference unties lm_head in memory (a parameter of its own) and the folder is written as those checkpoints are
+(config.json with tie_word_embeddings false, model.safetensors with lm_head.weight; save_pretrained would drop
+it); from_pretrained of that folder gives the fixture's loss (5.14351511 vs 5.14351509).
 
 Each folder gets config.json + model.safetensors and expected.safetensors:
   src (I32 B x Ts), src_mask (U8 B x Ts: sequence 1's last 3 source tokens padded, id 0), dec (I32 B x Tt: the
