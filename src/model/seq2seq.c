@@ -132,7 +132,7 @@ static size_t carve_work(const fl_model *m, struct fl_s2s_acts *a, char *base) {
     }
     a->chunk = fl_logits_chunk_rows(m->cfg.vocab_size, (int)(B * Tl));
     float *lg = TAKEF(&cv, (size_t)a->chunk * m->cfg.vocab_size), *ls = TAKEF(&cv, B * Tl);
-    int32_t *tg = m->be->host_memory ? NULL : take(&cv, B * Tl * sizeof(int32_t));
+    int32_t *tg = fl_backend_host_memory(m->be) ? NULL : take(&cv, B * Tl * sizeof(int32_t));
     if (base) a->kmask = km, a->dstream = ds, a->logits = lg, a->losses = ls, a->targets = tg;
     return cv.off;
 }
