@@ -44,8 +44,8 @@ expect loss_token_out_of_vocab 1 "outside the vocabulary" -- "$FITLLM" loss micr
 expect loss_not_a_model 1 "neither a file, a folder nor a model preset" -- "$FITLLM" loss no-such-model --tokens-file "$T/oov.txt"
 mkdir -p "$T/notmodel"
 expect loss_folder_without_config 1 "config.json" -- "$FITLLM" loss "$T/notmodel" --tokens-file "$T/oov.txt"
-printf '{"model_type": "t5", "hidden_size": 8}' > "$T/notmodel/config.json"
-expect loss_unknown_architecture 1 "t5" -- "$FITLLM" loss "$T/notmodel" --tokens-file "$T/oov.txt"
+printf '{"model_type": "mamba", "hidden_size": 8}' > "$T/notmodel/config.json"
+expect loss_unknown_architecture 1 "mamba" -- "$FITLLM" loss "$T/notmodel" --tokens-file "$T/oov.txt"
 expect bench_bad_option 2 "unknown option" -- "$FITLLM" bench-step micro --frobnicate 3
 expect bench_bad_number 2 "not an integer" -- "$FITLLM" bench-step micro --micro-batch x
 expect bench_oom_exit_3 3 "out of memory" -- "$FITLLM" bench-step tiny --micro-batch 2 --seq 64 --steps 1 --max-memory 64MB

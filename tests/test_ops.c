@@ -620,13 +620,13 @@ FL_TEST(ops_attention_nkv1_b1) { attn_case(1, 75, 4, 1, 16, 400); }
 
 /* ---- activations -------------------------------------------------------------------- */
 
-typedef struct { double *x; const float *R; int N, F; double *out; int gelu; } act_ctx; /* gelu 2: ReLU */
+typedef struct { double *x; const float *R; int N, F; double *out; int gelu; } act_ctx; /* gelu 2: ReLU, 3: GEGLU */
 static void act_ref(act_ctx *c) {
     if (c->gelu == 2) {
         for (int i = 0; i < c->N; i++) c->out[i] = c->x[i] > 0 ? c->x[i] : 0;
         return;
     }
-    if (c->gelu) {
+    if (c->gelu == 1) {
         for (int i = 0; i < c->N; i++) {
             double x = c->x[i];
             c->out[i] = 0.5 * x * (1 + tanh(sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
@@ -636,13 +636,14 @@ static void act_ref(act_ctx *c) {
     for (int n = 0; n < c->N; n++)
         for (int i = 0; i < c->F; i++) {
             double g = c->x[n * 2 * c->F + i], u = c->x[n * 2 * c->F + c->F + i];
-            c->out[n * c->F + i] = g / (1 + exp(-g)) * u;
+            c->out[n * c->F + i] = c->gelu == 3 ? 0.5 * g * (1 + tanh(sqrt(2 / M_PI) * (g + 0.044715 * g * g * g))) * u
+                                                : g / (1 + exp(-g)) * u;
         }
 }
 static double act_loss(void *p) {
     act_ctx *c = p;
     act_ref(c);
-    return dot_d(c->out, c->R, c->gelu ? (size_t)c->N : (size_t)c->N * c->F);
+    return dot_d(c->out, c->R, c->gelu == 1 || c->gelu == 2 ? (size_t)c->N : (size_t)c->N * c->F);
 }
 
 static void ops_swiglu_on(fl_backend be) {
@@ -663,6 +664,27 @@ static void ops_swiglu_on(fl_backend be) {
 FL_TEST(ops_swiglu) {
     fl_backend be;
     FL_FOR_EACH_BACKEND(be, 2) ops_swiglu_on(be);
+}
+
+/* GEGLU (T5 v1.1's gated-GELU) on fused [gate | lin] rows: against the float64 formula and finite differences */
+static void ops_geglu_on(fl_backend be) {
+    fl_test_rng r = {11};
+    const int N = 7, F = 13;
+    float *gu = fl_test_frand(&r, N * 2 * F, -4, 4), *R = fl_test_frand(&r, N * F, -1, 1), *out = malloc(N * F * 4);
+    gu[0] = -12.0f; gu[1] = 12.0f; gu[2] = 0.0f; /* saturated both ways, and 0 */
+    act_ctx c = {d_of(gu, N * 2 * F), R, N, F, malloc(8 * N * F), 3};
+    act_ref(&c);
+    float *want = f_of(c.out, N * F);
+    be.geglu_forward(&be, out, gu, N, F);
+    FL_CHECK(fl_test_allclose("geglu fwd", out, want, N * F, 1e-5, 1e-7));
+    float *dgu = fl_test_frand(&r, N * 2 * F, -1, 1), *pre = fl_test_fdup(dgu, N * 2 * F);
+    be.geglu_backward(&be, dgu, R, gu, N, F);
+    FD_CHECK("geglu dgu", dgu, pre, c.x, N * 2 * F, act_loss, &c, 0);
+    free(gu); free(R); free(out); free(c.x); free(c.out); free(want); free(dgu); free(pre);
+}
+FL_TEST(ops_geglu) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) ops_geglu_on(be);
 }
 
 static void ops_gelu_on(fl_backend be) {

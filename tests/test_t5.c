@@ -55,7 +55,7 @@ typedef struct {
     int B, Ts, Tt, n_valid;
 } t5_case;
 
-static fl_status open_case(t5_case *c, const char *dir) {
+static fl_status open_case_ex(t5_case *c, const char *dir, int ckpt) {
     memset(c, 0, sizeof *c);
     FL_TRY(fl_test_backend(&c->be, 2));
     FL_TRY(fl_backend_pools_init(&c->be, &c->pool, &c->host, c->be.name, 0));
@@ -69,8 +69,11 @@ static fl_status open_case(t5_case *c, const char *dir) {
     c->B = (int)c->src->shape[0], c->Ts = (int)c->src->shape[1], c->Tt = (int)c->dec->shape[1];
     for (int i = 0; i < c->B * c->Tt; i++) c->n_valid += ((const int32_t *)c->labels->data)[i] != FL_IGNORE_INDEX;
     FL_TRY(fl_model_alloc_grads(&c->m));
+    c->m.act_ckpt = ckpt;
     return fl_model_alloc_acts_s2s(&c->m, c->B, c->Ts, c->Tt);
 }
+
+static fl_status open_case(t5_case *c, const char *dir) { return open_case_ex(c, dir, 0); }
 
 static void close_case(t5_case *c) {
     fl_st_close(&c->x);
@@ -406,4 +409,30 @@ FL_TEST(t5_weights_refusals_and_round_trip) {
     free(t);
     fl_st_close(&f);
     close_case(&c);
+}
+
+/* Activation checkpointing on both stacks: each stack keeps its blocks' inputs and one block's slots, recomputed in
+ * the backward (all but each stack's last block): the same loss and every gradient bit for bit, in less ACTS. */
+FL_TEST(t5_checkpointing_same_bits) {
+    t5_case c[2];
+    for (int k = 0; k < 2; k++) FL_REQUIRE_OK(open_case_ex(&c[k], "tests/fixtures/t5-tiny-gated", k));
+    double loss[2];
+    float *g[2];
+    for (int k = 0; k < 2; k++) {
+        fl_model_zero_grads(&c[k].m);
+        FL_REQUIRE_OK(forward(&c[k], 1.0f / (float)c[k].n_valid, NULL, &loss[k]));
+        FL_REQUIRE_OK(fl_model_backward_s2s(&c[k].m));
+        g[k] = malloc(c[k].m.layout.numel * sizeof(float));
+        FL_REQUIRE(g[k]);
+        FL_REQUIRE_OK(c[k].be.to_host(&c[k].be, g[k], fl_model_grads_f32(&c[k].m), c[k].m.layout.numel * sizeof(float)));
+    }
+    const fl_model_config *cf = &c[1].m.cfg;
+    FL_CHECKF(c[1].m.ckpt_recomputed == cf->n_layers - 1 + cf->n_dec_layers - 1, "%d blocks recomputed",
+              c[1].m.ckpt_recomputed);
+    FL_CHECK(loss[0] == loss[1] && memcmp(g[0], g[1], c[0].m.layout.numel * sizeof(float)) == 0);
+    FL_CHECKF(c[1].m.sizes.acts_bytes < c[0].m.sizes.acts_bytes, "ACTS %zu with checkpointing, %zu without",
+              c[1].m.sizes.acts_bytes, c[0].m.sizes.acts_bytes);
+    printf("      ACTS %zu -> %zu bytes with checkpointing, gradients identical\n", c[0].m.sizes.acts_bytes,
+           c[1].m.sizes.acts_bytes);
+    for (int k = 0; k < 2; k++) free(g[k]), close_case(&c[k]);
 }

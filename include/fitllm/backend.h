@@ -183,8 +183,7 @@ struct fl_backend {
     void (*relu_forward)(const fl_backend *be, float *out /*(n)*/, const float *inp /*(n)*/, size_t n);
     void (*relu_backward)(const fl_backend *be, float *dinp /*(n)*/, const float *dout, const float *inp, size_t n);
     /* GEGLU (T5 v1.1's gated-GELU FFN) on the fused [wi_0 (F) | wi_1 (F)] rows: out = gelu_tanh(gate) * lin;
-     * backward accumulates (+=) as swiglu_backward. NULL on a backend without it (the CUDA one so far): the
-     * graph refuses the op by name. */
+     * backward accumulates (+=) as swiglu_backward. (A backend without it, NULL: the graph refuses the op by name.) */
     void (*geglu_forward)(const fl_backend *be, float *out /*(N,F)*/, const float *gu /*(N,2F)*/, int N, int F);
     void (*geglu_backward)(const fl_backend *be, float *dgu /*(N,2F)*/, const float *dout /*(N,F)*/,
                            const float *gu /*(N,2F)*/, int N, int F);

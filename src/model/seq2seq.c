@@ -10,7 +10,8 @@
  * and what is computed from it alone, B x Tk rows: the earlier stack's), its final norm's output and statistics
  * (ACTS); the relative bias (NH, T, T), its gradient and bucket indices, the ids, the key padding mask, d(stream)
  * of the earlier stack, the backward's gradient buffers (rows B x max(T) of the stacks), one logits chunk and the
- * per-token losses (WORKSPACE). fp32 storage and activations; what is not done is refused by name. */
+ * per-token losses (WORKSPACE). Activation checkpointing: one block's slots per stack, shared by its blocks and
+ * recomputed in the backward. fp32 storage and activations; what is not done is refused by name. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -86,12 +87,15 @@ static size_t carve_acts(const fl_model *m, struct fl_s2s_acts *a, char *base) {
             float *r = TAKEF(&cv, N * C);
             if (base) st->res[l] = r;
         }
+        /* activation checkpointing: one block's slots shared by the stack's blocks (recomputed in the backward) */
+        fl_layer_acts la;
         for (int l = 0; l < st->L; l++) {
-            fl_layer_acts la;
-            memset(&la, 0, sizeof la);
-            for (int k = 0; k < st->g.n_prod; k++) {
-                const int sl = st->g.prod[k];
-                la.s[sl] = TAKEF(&cv, B * (size_t)slot_T(a, s, sl, T) * (size_t)st->g.slot[sl].width);
+            if (l == 0 || !m->act_ckpt) {
+                memset(&la, 0, sizeof la);
+                for (int k = 0; k < st->g.n_prod; k++) {
+                    const int sl = st->g.prod[k];
+                    la.s[sl] = TAKEF(&cv, B * (size_t)slot_T(a, s, sl, T) * (size_t)st->g.slot[sl].width);
+                }
             }
             if (!base) continue;
             la.s[FL_GSLOT_IN] = st->res[l];
@@ -262,10 +266,10 @@ static fl_block_ctx stack_ctx(const struct fl_s2s_acts *a, int s, float *const *
 static fl_status check_model(const fl_model *m, const char *fn) {
     if (!m->acts || !m->acts->s2s)
         return fl_errorf(FL_ERR_INVALID, "%s: activations not allocated (call fl_model_alloc_acts_s2s)", fn);
-    if (!fl_model_params_f32(m) || fl_model_provider(m) || m->adapt || fl_model_quant4(m) || m->act_ckpt ||
+    if (!fl_model_params_f32(m) || fl_model_provider(m) || m->adapt || fl_model_quant4(m) ||
         (m->prec.name && m->prec.compute_copy))
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s: encoder-decoders run fp32 storage and compute only so far (no LoRA, "
-                         "16-bit or 4-bit weights, mixed precision, sharding or activation checkpointing yet)", fn);
+                         "16-bit or 4-bit weights, mixed precision or sharding yet)", fn);
     return FL_OK;
 }
 
@@ -412,6 +416,12 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, co
         fl_block_params bp;
         fl_get_block(m, &st->g, st->l0 + l, &bp);
         fl_block_ctx x = stack_ctx(a, s, dxs);
+        /* checkpointing: the block's slots again from its saved input (the last block's are still there: each stack
+         * has its own shared buffer, and the same ops in the same order give the same bits) */
+        if (m->act_ckpt && l < st->L - 1) {
+            FL_TRY(fl_block_forward(m, &st->g, &bp, st->layer[l].s, &x));
+            m->ckpt_recomputed++;
+        }
         x.dattn_bias = st->dbias;
         FL_TRY(fl_block_backward(m, &st->g, &bp, st->layer[l].s, a->gb, &x));
     }
@@ -429,6 +439,7 @@ fl_status fl_model_backward_s2s(fl_model *m) {
     fl_model_graph mg;
     fl_status s = fl_model_graph_build(&m->cfg, &mg);
     const int last = mg.n_stacks - 1, N = a->Bp * a->T[last];
+    m->ckpt_recomputed = 0;
     if (s == FL_OK && m->cfg.head_scale) /* d(norm out) = scale x d(head input) */
         m->be->scale(m->be, a->gb[1], (size_t)N * m->cfg.dim, 1.0f / sqrtf((float)m->cfg.dim));
     /* the last stack from the head's d(its norm's output); each earlier one from d(its output) the later left */
