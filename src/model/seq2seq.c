@@ -447,3 +447,47 @@ fl_status fl_model_backward_s2s(fl_model *m) {
     m->fwd_train = 0;
     return s;
 }
+
+/* ---- greedy decoding ------------------------------------------------------------------------ */
+
+fl_status fl_model_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, int max_new,
+                                int32_t *out, int *n_out) {
+    FL_TRY(check_model(m, "fl_model_generate_s2s"));
+    struct fl_s2s_acts *a = m->acts->s2s;
+    const int V = m->cfg.vocab_size;
+    *n_out = 0;
+    if (Ts <= 0 || Ts > a->st[0].Tmax || max_new <= 0 || max_new > a->st[1].Tmax)
+        return fl_errorf(FL_ERR_INVALID, "fl_model_generate_s2s: source %d and %d new tokens need an arena of source >= "
+                         "%d and target >= %d (it has %d, %d)", Ts, max_new, Ts, max_new, a->st[0].Tmax, a->st[1].Tmax);
+    for (int i = 0; i < Ts; i++)
+        if (src[i] < 0 || src[i] >= V)
+            return fl_errorf(FL_ERR_INVALID, "source token id %d at position %d is outside the vocabulary [0, %d)",
+                             src[i], i, V);
+    fl_model_graph mg;
+    FL_TRY(fl_model_graph_build(&m->cfg, &mg));
+    float *lg = malloc((size_t)max_new * V * sizeof(float));
+    if (!lg) return fl_errorf(FL_ERR_OOM, "fl_model_generate_s2s: logits: out of host memory");
+    a->Bp = 1;
+    a->T[0] = Ts;
+    a->kmask_on = src_mask != NULL;
+    m->fwd_train = 0;
+    fl_status s = src_mask ? m->be->to_device(m->be, a->kmask, src_mask, (size_t)Ts) : FL_OK;
+    if (s == FL_OK) s = stack_forward(m, &mg, 0, src, NULL, 0, NULL); /* the encoder, once */
+    int n = 0;
+    out[n++] = m->cfg.dec_start_id;
+    /* the decoder over its whole prefix for each token (no KV cache yet): the last row's argmax */
+    while (s == FL_OK && n <= max_new) {
+        a->T[1] = n;
+        s = stack_forward(m, &mg, mg.n_stacks - 1, out, NULL, 0, lg);
+        if (s != FL_OK) break;
+        const float *row = lg + (size_t)(n - 1) * V;
+        int best = 0;
+        for (int v = 1; v < V; v++)
+            if (row[v] > row[best]) best = v; /* the first of equal maxima, as torch.argmax */
+        out[n++] = best;
+        if (best == m->cfg.eos_id) break;
+    }
+    free(lg);
+    *n_out = n;
+    return s;
+}

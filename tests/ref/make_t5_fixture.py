@@ -25,7 +25,10 @@ Each folder gets config.json + model.safetensors and expected.safetensors:
   noise.logits / noise.loss / noise.<name> (F32 [1]: max |PyTorch fp32 - float64| of the same tensor: the fp32
   noise the C test anchors its tolerances on), after5.<name> (F32: PyTorch fp32 after 5 AdamW steps on the same
   batch, lr 1e-3, betas (0.9, 0.95), eps 1e-8, weight_decay 0.1), after5_f64.<name> (F64: the same in float64),
-  loss5 (F32 [5]: the fp32 run's loss before each step).
+  loss5 (F32 [5]: the fp32 run's loss before each step), gen0 / gen1 (I32: generate(do_sample=False,
+  max_new_tokens=12) of each source sequence with its mask, from the fp32 weights: the start token, then up to 12
+  tokens, eos included; use_cache=False: transformers 5.23 sizes the decoder's cache by num_layers, an IndexError
+  when num_decoder_layers is larger).
 Weights are redrawn larger than T5's init (unit-ish activations, a relative bias table of scale 1) so that
 attention is far from uniform and the bias, the mask and the scaling all move the result.
 """
@@ -40,6 +43,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 B, TS, TT = 2, 13, 17
 PAD_SRC, PAD_TGT = 3, 4
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
+MAX_NEW = 12
 
 
 def build(gated, seed):
@@ -138,10 +142,13 @@ def make(out_dir, gated, seed):
     a32, losses = adam5(m.float(), batch, torch.float32)
     m.load_state_dict({k: v.double() for k, v in state.items()})
     a64, _ = adam5(m, batch, torch.float64)
+    m.float().load_state_dict(state)  # greedy decoding of each sequence (its padding masked) from the fp32 weights
+    gen = [m.generate(input_ids=src[b:b + 1].long(), attention_mask=mask[b:b + 1].long(), max_new_tokens=MAX_NEW,
+                      do_sample=False, use_cache=False)[0].int() for b in range(B)]
     noise = lambda a, b: (a.double() - b).abs().max().float().reshape(1)
     out = {"src": src, "src_mask": mask, "dec": dec, "labels": labels, "logits": l64.float().contiguous(),
            "loss": s64.reshape(1), "noise.logits": noise(l32, l64), "noise.loss": noise(s32, s64),
-           "loss5": torch.tensor(losses, dtype=torch.float32)}
+           "loss5": torch.tensor(losses, dtype=torch.float32), "gen0": gen[0].contiguous(), "gen1": gen[1].contiguous()}
     for n in g64:
         out["grad." + n] = g64[n].float().contiguous()
         out["noise." + n] = noise(g32[n], g64[n])
@@ -150,7 +157,8 @@ def make(out_dir, gated, seed):
     save_file(out, os.path.join(out_dir, "expected.safetensors"))
     print(f"{out_dir}: loss {s64.item():.8f} (fp32 noise {noise(s32, s64).item():.3g}), logits noise "
           f"{noise(l32, l64).item():.3g} (scale {l64.abs().max().item():.3g}), {len(g64)} gradients, "
-          f"worst grad noise {max(noise(g32[n], g64[n]).item() for n in g64):.3g}")
+          f"worst grad noise {max(noise(g32[n], g64[n]).item() for n in g64):.3g}; greedy {gen[0].tolist()} "
+          f"{gen[1].tolist()}")
 
 
 def main():
