@@ -46,6 +46,13 @@ mkdir -p "$T/notmodel"
 expect loss_folder_without_config 1 "config.json" -- "$FITLLM" loss "$T/notmodel" --tokens-file "$T/oov.txt"
 printf '{"model_type": "mamba", "hidden_size": 8}' > "$T/notmodel/config.json"
 expect loss_unknown_architecture 1 "mamba" -- "$FITLLM" loss "$T/notmodel" --tokens-file "$T/oov.txt"
+# an encoder-decoder (T5): the target's loss given the source; transformers' T5ForConditionalGeneration(input_ids=
+# [5 17 33 2 90 41 7], labels=[12 44 3 1]).loss of the same folder is 5.189550
+echo "5 17 33 2 90 41 7" > "$T/t5src.txt"
+echo "12 44 3 1" > "$T/t5tgt.txt"
+expect loss_t5_target 0 "^loss 5\.18955[0-9]  ppl" -- "$FITLLM" loss tests/fixtures/t5-tiny-gated --tokens-file "$T/t5src.txt" --target-tokens-file "$T/t5tgt.txt"
+expect loss_t5_needs_target 1 "encoder-decoder: give the target with --target-tokens-file" -- "$FITLLM" loss tests/fixtures/t5-tiny-gated --tokens-file "$T/t5src.txt"
+expect loss_target_needs_s2s 1 "not an encoder-decoder" -- "$FITLLM" loss micro --tokens-file "$T/t5src.txt" --target-tokens-file "$T/t5tgt.txt"
 expect bench_bad_option 2 "unknown option" -- "$FITLLM" bench-step micro --frobnicate 3
 expect bench_bad_number 2 "not an integer" -- "$FITLLM" bench-step micro --micro-batch x
 expect bench_oom_exit_3 3 "out of memory" -- "$FITLLM" bench-step tiny --micro-batch 2 --seq 64 --steps 1 --max-memory 64MB
