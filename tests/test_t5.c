@@ -438,7 +438,8 @@ FL_TEST(t5_checkpointing_same_bits) {
 }
 
 /* Greedy decoding against transformers' generate(do_sample=False, max_new_tokens=12) of each source sequence (the
- * second with its padding masked): the same ids (the relu model's are degenerate repeats, the gated model's vary). */
+ * second with its padding masked), with the KV cache and without: the same ids (the relu model's are degenerate
+ * repeats, the gated model's vary: a wrong cache would part from them). */
 static void check_generate(const char *dir) {
     t5_case c;
     FL_REQUIRE_OK(open_case(&c, dir));
@@ -447,15 +448,17 @@ static void check_generate(const char *dir) {
         snprintf(key, sizeof key, "gen%d", b);
         const fl_st_tensor *g = fl_st_find(&c.x, key);
         FL_REQUIRE(g && g->ndim == 1);
-        int32_t out[32];
-        int n = 0;
-        FL_REQUIRE_OK(fl_model_generate_s2s(&c.m, (const int32_t *)c.src->data + b * c.Ts,
-                                            (const uint8_t *)c.mask->data + b * c.Ts, c.Ts, 12, out, &n));
-        FL_CHECKF(n == (int)g->shape[0] && memcmp(out, g->data, (size_t)n * 4) == 0, "%s: sequence %d: %d ids, want %d",
-                  dir, b, n, (int)g->shape[0]);
-        for (int i = 0; i < n && i < (int)g->shape[0]; i++)
-            FL_CHECKF(out[i] == ((const int32_t *)g->data)[i], "%s: sequence %d token %d: %d, want %d", dir, b, i, out[i],
-                      ((const int32_t *)g->data)[i]);
+        for (int cache = 0; cache < 2; cache++) {
+            int32_t out[32];
+            int n = 0;
+            FL_REQUIRE_OK(fl_model_generate_s2s(&c.m, (const int32_t *)c.src->data + b * c.Ts,
+                                                (const uint8_t *)c.mask->data + b * c.Ts, c.Ts, 12, cache, out, &n));
+            FL_CHECKF(n == (int)g->shape[0], "%s: sequence %d (cache %d): %d ids, want %d", dir, b, cache, n,
+                      (int)g->shape[0]);
+            for (int i = 0; i < n && i < (int)g->shape[0]; i++)
+                FL_CHECKF(out[i] == ((const int32_t *)g->data)[i], "%s: sequence %d (cache %d) token %d: %d, want %d", dir,
+                          b, cache, i, out[i], ((const int32_t *)g->data)[i]);
+        }
     }
     close_case(&c);
 }

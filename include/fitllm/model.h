@@ -537,10 +537,11 @@ fl_status fl_model_forward_s2s(fl_model *m, const int32_t *src_ids, const uint8_
 fl_status fl_model_backward_s2s(fl_model *m);
 /* Greedy decoding of one source sequence src (Ts tokens; src_mask (Ts) or NULL): the encoder once, then the decoder
  * token by token from the start token until eos or max_new tokens (as generate(do_sample=False)); out (max_new + 1)
- * gets the start token and the generated ids, *n_out their count. No KV cache yet: the decoder reruns its whole
- * prefix for each token. The arena must hold source >= Ts and target >= max_new. */
+ * gets the start token and the generated ids, *n_out their count. kv_cache: each token runs its row alone (the
+ * self-attention's keys and values of the earlier tokens kept, the cross-attention's computed once); 0: the
+ * decoder reruns its whole prefix (the reference). The arena must hold source >= Ts and target >= max_new. */
 fl_status fl_model_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, int max_new,
-                                int32_t *out, int *n_out);
+                                int kv_cache, int32_t *out, int *n_out);
 /* The model has two stacks (an encoder-decoder: fl_model_forward_s2s). */
 int fl_model_is_s2s(const fl_model_config *c);
 

@@ -362,6 +362,10 @@ static void attn_views(const fl_model *m, const fl_block_graph *g, const fl_gop 
         a->Tk = x->T;
         *k = *q + d.QD;
         a->ldk = a->ldv = a->ldq;
+        if (x->kv_rows > x->T) { /* incremental decoding: the keys from the slot's first row (causal: bottom-right) */
+            a->Tk = x->kv_rows;
+            *k -= (size_t)(x->kv_rows - x->T) * a->ldq;
+        }
     }
     *v = *k + d.KVD;
 }
@@ -384,6 +388,8 @@ static fl_status attn_forward(const fl_model *m, const fl_block_graph *g, const 
         return FL_OK;
     }
     if (x->kv) return fl_errorf(FL_ERR_UNSUPPORTED, "generation with a KV cache runs causal self-attention only");
+    if (x->kv_rows > x->T && x->B != 1)
+        return fl_errorf(FL_ERR_INVALID, "incremental decoding (kv_rows) runs one sequence (B %d)", x->B);
     fl_attn_desc a;
     float *q, *k, *v;
     attn_views(m, g, o, x, s, &a, &q, &k, &v);
@@ -438,6 +444,7 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
         case FL_GOP_NORM: fl_norm_forward(m, out, S(o->a1), S(o->a2), in, bp->norm_w[o->p], bp->norm_b[o->p], N); break;
         case FL_GOP_LINEAR: { // (N, wo)
             const fl_linear *lin = &bp->lin[o->p];
+            if (x->xs_ready && g->slot[o->in].kind == FL_GSLOT_XSTREAM) break; /* kept from an earlier pass */
             void *in16 = x->s16 && x->narrowed && lin->n_q4 == 0 && lin->wc && lin->wct == FL_BF16 &&
                                  final_after(g, i, o->in)
                              ? x->s16[o->in]

@@ -159,6 +159,12 @@ typedef struct {
     int Tk;                             /* ATTN CROSS: key rows per sequence (the XSTREAM slots' rows: B x Tk) */
     float *const *dxs;                  /* XSTREAM slot k's gradient (dxs[k], (B Tk, width), +=) */
     struct fl_comm *comm;               /* ALLREDUCE's communicator (NULL: one rank) */
+    /* incremental decoding through the general attention op (an encoder-decoder's decoder, B == 1): */
+    int kv_rows;                        /* > T: a self-attention's keys are the kv_rows rows of its q|k|v slot that end
+                                         * at this pass's (the slot a persistent buffer the earlier passes filled);
+                                         * 0: this pass's rows */
+    int xs_ready;                       /* LINEARs reading an XSTREAM slot are skipped: their output (the cross
+                                         * k|v) is kept from an earlier pass */
 } fl_block_ctx;
 
 /* s: the slots' buffers (s[FL_GSLOT_IN] the input rows, s[FL_GSLOT_OUT] where the output goes; may alias

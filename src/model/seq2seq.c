@@ -450,8 +450,54 @@ fl_status fl_model_backward_s2s(fl_model *m) {
 
 /* ---- greedy decoding ------------------------------------------------------------------------ */
 
+/* One decoder token with the cache (B = 1): row n-1 of the last stack, its blocks' per-row slots viewed at that row
+ * (the q|k|v slot's earlier rows are the cache the earlier steps wrote), the cross k|v kept from the first step; the
+ * logits of the row into lg (V). */
+static fl_status decode_step(fl_model *m, const fl_model_graph *mg, const int32_t *tok, int n, float *lg) {
+    const fl_backend *be = m->be;
+    struct fl_s2s_acts *a = m->acts->s2s;
+    const int s = mg->n_stacks - 1, C = m->cfg.dim, NH = m->cfg.n_heads, nb = m->cfg.rel_buckets;
+    s2s_stack *st = &a->st[s];
+    const size_t r = (size_t)n - 1;
+    fl_outer_params op;
+    fl_get_outer(m, &op);
+    FL_TRY(be->to_device(be, st->ids + r, tok, sizeof *tok));
+    fl_embed_forward(m, &op, st->res[0] + r * C, st->ids + r, tok, 1, 1, 0);
+    /* the bias row of query n-1: (NH, 1, n) */
+    int32_t *bk = malloc((size_t)n * sizeof *bk);
+    if (!bk) return fl_errorf(FL_ERR_OOM, "relative position buckets: out of host memory");
+    for (int j = 0; j < n; j++) bk[j] = rel_bucket(n - 1, j, 0, nb, m->cfg.rel_max_dist);
+    fl_status rc = be->to_device(be, st->buckets, bk, (size_t)n * sizeof *bk);
+    free(bk);
+    FL_TRY(rc);
+    const float *tab = fl_model_params_f32(m) + fl_model_store_off(m, fl_layout_role(&m->layout, st->l0 + 1, FL_ROLE_REL_BIAS));
+    for (int h = 0; h < NH; h++)
+        be->embedding_forward(be, st->bias + (size_t)h * n, st->buckets, tab + (size_t)h * nb, NULL, 1, n, 1);
+    for (int l = 0; l < st->L; l++) {
+        float *sv[FL_GRAPH_MAX_SLOTS];
+        for (int k = 0; k < st->g.n_slots; k++) /* row n-1 of the per-row slots; the stream's rows whole */
+            sv[k] = st->g.slot[k].xrows ? st->layer[l].s[k] : st->layer[l].s[k] + r * st->g.slot[k].width;
+        fl_block_params bp;
+        fl_get_block(m, &st->g, st->l0 + l, &bp);
+        fl_block_ctx x = {.B = 1, .T = 1, .attn_bias = st->bias, .Tk = a->T[s - 1], .kv_rows = n, .xs_ready = n > 1};
+        x.kmask = a->kmask_on ? a->kmask : NULL;
+        FL_TRY(fl_block_forward(m, &st->g, &bp, sv, &x));
+    }
+    const int G = m->layout.n_groups - 1;
+    int role = -1;
+    for (int i = 0; i < mg->n_ops; i++)
+        if (mg->op[i].stack == s && mg->op[i].kind == FL_MOP_NORM) role = mg->op[i].role_w;
+    float *no = st->nout + r * C;
+    fl_norm_forward(m, no, NULL, st->nrstd + r, st->res[st->L] + r * C, param_of(m, G, role, 0), NULL, 1);
+    if (m->cfg.head_scale) be->scale(be, no, (size_t)C, 1.0f / sqrtf((float)C));
+    fl_linear head = {.in = C, .out = m->cfg.vocab_size, .w = op.head};
+    fl_linear_set_weight(m, &head, op.head_idx);
+    FL_TRY(fl_linear_forward(be, a->logits, no, &head, 1));
+    return be->to_host(be, lg, a->logits, (size_t)m->cfg.vocab_size * sizeof(float));
+}
+
 fl_status fl_model_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, int max_new,
-                                int32_t *out, int *n_out) {
+                                int kv_cache, int32_t *out, int *n_out) {
     FL_TRY(check_model(m, "fl_model_generate_s2s"));
     struct fl_s2s_acts *a = m->acts->s2s;
     const int V = m->cfg.vocab_size;
@@ -463,6 +509,9 @@ fl_status fl_model_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *
         if (src[i] < 0 || src[i] >= V)
             return fl_errorf(FL_ERR_INVALID, "source token id %d at position %d is outside the vocabulary [0, %d)",
                              src[i], i, V);
+    if (kv_cache && m->act_ckpt) /* the blocks share one set of slots there: no room for each block's keys */
+        return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_generate_s2s: the KV cache needs an arena without activation "
+                         "checkpointing (or kv_cache 0)");
     fl_model_graph mg;
     FL_TRY(fl_model_graph_build(&m->cfg, &mg));
     float *lg = malloc((size_t)max_new * V * sizeof(float));
@@ -475,12 +524,18 @@ fl_status fl_model_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *
     if (s == FL_OK) s = stack_forward(m, &mg, 0, src, NULL, 0, NULL); /* the encoder, once */
     int n = 0;
     out[n++] = m->cfg.dec_start_id;
-    /* the decoder over its whole prefix for each token (no KV cache yet): the last row's argmax */
+    /* each token: with the cache the new row alone (its keys: the earlier rows' k, v kept in the blocks' q|k|v slots;
+     * the cross k|v from the first step), else the decoder over its whole prefix; the last row's argmax */
     while (s == FL_OK && n <= max_new) {
         a->T[1] = n;
-        s = stack_forward(m, &mg, mg.n_stacks - 1, out, NULL, 0, lg);
+        const float *row = lg;
+        if (kv_cache) {
+            s = decode_step(m, &mg, out + n - 1, n, lg);
+        } else {
+            s = stack_forward(m, &mg, mg.n_stacks - 1, out, NULL, 0, lg);
+            row = lg + (size_t)(n - 1) * V;
+        }
         if (s != FL_OK) break;
-        const float *row = lg + (size_t)(n - 1) * V;
         int best = 0;
         for (int v = 1; v < V; v++)
             if (row[v] > row[best]) best = v; /* the first of equal maxima, as torch.argmax */
