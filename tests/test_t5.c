@@ -444,7 +444,7 @@ static void check_generate(const char *dir) {
     t5_case c;
     FL_REQUIRE_OK(open_case(&c, dir));
     for (int b = 0; b < c.B; b++) {
-        char key[8];
+        char key[16];
         snprintf(key, sizeof key, "gen%d", b);
         const fl_st_tensor *g = fl_st_find(&c.x, key);
         FL_REQUIRE(g && g->ndim == 1);
@@ -465,3 +465,43 @@ static void check_generate(const char *dir) {
 
 FL_TEST(t5_relu_greedy_vs_generate) { check_generate("tests/fixtures/t5-tiny-relu"); }
 FL_TEST(t5_gated_greedy_vs_generate) { check_generate("tests/fixtures/t5-tiny-gated"); }
+
+/* Sharded folders (model.safetensors.index.json) load as one; bad input is refused by name: a source longer than
+ * the arena's limit, ids outside the vocabulary, a backward without a training forward. */
+FL_TEST(t5_sharded_and_bad_input) {
+    t5_case c;
+    FL_REQUIRE_OK(open_case(&c, "tests/fixtures/t5-tiny-gated"));
+    double l0, l1;
+    FL_REQUIRE_OK(forward(&c, 0, NULL, &l0));
+    char dir[512], p[600];
+    snprintf(dir, sizeof dir, "%s/t5-shards", fl_test_tmpdir());
+    fl_hf_set_max_shard_bytes(40000); /* ~7 shards of the 288 kB model */
+    FL_REQUIRE_OK(fl_hf_save_model(&c.m, dir));
+    fl_hf_set_max_shard_bytes(0);
+    snprintf(p, sizeof p, "%s/model.safetensors.index.json", dir);
+    FILE *f = fopen(p, "r");
+    FL_CHECKF(f != NULL, "no %s", p);
+    if (f) fclose(f);
+    fl_model m2;
+    FL_REQUIRE_OK(fl_hf_load_model(&m2, dir, &c.be, &c.pool));
+    fl_model_free(&c.m);
+    c.m = m2;
+    FL_REQUIRE_OK(fl_model_alloc_acts_s2s(&c.m, c.B, c.Ts, c.Tt));
+    FL_REQUIRE_OK(forward(&c, 0, NULL, &l1));
+    FL_CHECKF(l0 == l1, "sharded: loss %.9f vs %.9f", l1, l0);
+    /* a source longer than the arena's */
+    fl_status s = fl_model_forward_s2s(&c.m, c.src->data, NULL, c.dec->data, NULL, 1, c.Ts + 1, c.Tt, 0, NULL);
+    FL_CHECKF(s == FL_ERR_INVALID && strstr(fl_error_message(), "source 14"), "%d '%s'", (int)s, fl_error_message());
+    int32_t bad[13];
+    memcpy(bad, c.src->data, sizeof bad);
+    bad[4] = 97;
+    s = fl_model_forward_s2s(&c.m, bad, NULL, c.dec->data, NULL, 1, c.Ts, c.Tt, 0, NULL);
+    FL_CHECKF(s == FL_ERR_INVALID && strstr(fl_error_message(), "source token id 97 at position 4"), "'%s'",
+              fl_error_message());
+    s = fl_model_backward_s2s(&c.m);
+    FL_CHECKF(s == FL_ERR_INVALID && strstr(fl_error_message(), "training forward"), "'%s'", fl_error_message());
+    /* the decoder-only entry points refuse an encoder-decoder */
+    FL_CHECK(fl_model_forward(&c.m, c.src->data, NULL, 1, c.Ts, 0, NULL) == FL_ERR_UNSUPPORTED &&
+             strstr(fl_error_message(), "fl_model_forward_s2s"));
+    close_case(&c);
+}
