@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "fitllm/io.h"
+#include "fitllm/lora.h"
 #include "fitllm/model.h"
 #include "fitllm/train.h"
 #include "model/model-impl.h"
@@ -504,4 +505,79 @@ FL_TEST(t5_sharded_and_bad_input) {
     FL_CHECK(fl_model_forward(&c.m, c.src->data, NULL, 1, c.Ts, 0, NULL) == FL_ERR_UNSUPPORTED &&
              strstr(fl_error_message(), "fl_model_forward_s2s"));
     close_case(&c);
+}
+
+/* LoRA on every linear of the gated model under PEFT's T5 names (q, k, v, o match the self-attention of both
+ * stacks and the decoder's cross-attention, whose k and v are rows of the fused k|v of the encoder output), r 4,
+ * alpha 8, against PEFT 0.21.2 with the same A and B (tests/ref/make_t5_fixture.py, expected-lora.safetensors):
+ * logits, loss and every adapter gradient within the bounds of t5_*_vs_transformers (8 x PyTorch fp32's distance to
+ * float64 + 16 roundings of the scale); the base is frozen (no base gradients). */
+FL_TEST(t5_lora_vs_peft) {
+    const char *dir = "tests/fixtures/t5-tiny-gated";
+    fl_backend be;
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
+    fl_mem_pool pool, host;
+    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, be.name, 0));
+    fl_model m;
+    FL_REQUIRE_OK(fl_hf_load_model(&m, dir, &be, &pool));
+    fl_st_file x, y;
+    FL_REQUIRE_OK(fl_st_open(&x, "tests/fixtures/t5-tiny-gated/expected.safetensors"));
+    FL_REQUIRE_OK(fl_st_open(&y, "tests/fixtures/t5-tiny-gated/expected-lora.safetensors"));
+    fl_lora_config lc;
+    FL_REQUIRE_OK(fl_lora_config_init(&lc, &m.cfg, 4, 8.0f, 0.0f, 0, "q,k,v,o,wi_0,wi_1,wo"));
+    FL_REQUIRE_OK(fl_model_lora_init(&m, &lc, 1));
+    fl_lora_adapters v;
+    FL_REQUIRE(fl_model_lora_adapters(&m, &v));
+    FL_CHECKF(v.n_mods == 2 * 7 + 3 * 11, "%d modules", v.n_mods);
+    for (int j = 0; j < v.n_mods; j++) { /* PEFT's A and B */
+        const fl_st_tensor *A = ref_t(&y, "A.", v.mods[j].name), *Bt = ref_t(&y, "B.", v.mods[j].name);
+        FL_REQUIRE(A && Bt);
+        const size_t na = (size_t)v.cfg->r * v.mods[j].in, nb = (size_t)v.mods[j].out * v.cfg->r;
+        FL_REQUIRE((size_t)(A->end - A->begin) == na * 4 && (size_t)(Bt->end - Bt->begin) == nb * 4);
+        FL_REQUIRE_OK(be.to_device(&be, v.params + v.off[2 * j], A->data, na * 4));
+        FL_REQUIRE_OK(be.to_device(&be, v.params + v.off[2 * j + 1], Bt->data, nb * 4));
+    }
+    const fl_st_tensor *src = fl_st_find(&x, "src"), *mask = fl_st_find(&x, "src_mask"), *dec = fl_st_find(&x, "dec"),
+                       *lab = fl_st_find(&x, "labels");
+    FL_REQUIRE(src && mask && dec && lab);
+    const int B = (int)src->shape[0], Ts = (int)src->shape[1], Tt = (int)dec->shape[1];
+    FL_REQUIRE_OK(fl_model_alloc_acts_s2s(&m, B, Ts, Tt));
+    const size_t nl = (size_t)B * Tt * m.cfg.vocab_size;
+    float *lg = malloc(nl * sizeof(float)), *g = malloc(v.numel * sizeof(float));
+    FL_REQUIRE(lg && g);
+    FL_CHECK(fl_model_grads_f32(&m) == NULL); /* the base is frozen */
+    fl_model_zero_grads(&m);
+    FL_REQUIRE_OK(fl_model_forward_s2s(&m, src->data, mask->data, dec->data, lab->data, B, Ts, Tt, 1.0f / (B * Tt - 4), lg));
+    FL_REQUIRE_OK(fl_model_backward_s2s(&m));
+    const double loss = m.loss_sum / (double)m.n_valid, lref = ((const double *)fl_st_find(&y, "loss")->data)[0];
+    FL_CHECKF(fabs(loss - lref) <= bound(fl_st_find(&y, "noise.loss"), lref), "loss %.9f vs PEFT %.9f", loss, lref);
+    const fl_st_tensor *rl = fl_st_find(&y, "logits"), *nlg = fl_st_find(&y, "noise.logits");
+    double e = 0, sc = 0;
+    for (size_t i = 0; i < nl; i++)
+        e = fmax(e, fabs((double)lg[i] - ((const float *)rl->data)[i])), sc = fmax(sc, fabs(((const float *)rl->data)[i]));
+    FL_CHECKF(e <= bound(nlg, sc), "logits error %.3g, bound %.3g", e, bound(nlg, sc));
+    FL_REQUIRE_OK(be.to_host(&be, g, v.grads, v.numel * sizeof(float)));
+    double worst = 0;
+    for (int j = 0; j < v.n_mods; j++)
+        for (int ab = 0; ab < 2; ab++) {
+            char key[160];
+            snprintf(key, sizeof key, "noise.%s", ab ? "gB." : "gA.");
+            const fl_st_tensor *r = ref_t(&y, ab ? "gB." : "gA.", v.mods[j].name), *nz = ref_t(&y, key, v.mods[j].name);
+            FL_REQUIRE(r && nz);
+            const size_t n = (size_t)(r->end - r->begin) / 4;
+            const float *ours = g + v.off[2 * j + ab];
+            double ge = 0, s = 0;
+            for (size_t k = 0; k < n; k++)
+                ge = fmax(ge, fabs((double)ours[k] - ((const float *)r->data)[k])), s = fmax(s, fabs(((const float *)r->data)[k]));
+            FL_CHECKF(ge <= bound(nz, s), "%s of %s: error %.3g, bound %.3g", ab ? "dB" : "dA", v.mods[j].name, ge,
+                      bound(nz, s));
+            worst = fmax(worst, ge / bound(nz, s));
+        }
+    printf("      LoRA (%d modules): logits error %.2g (bound %.2g), loss %.8f (PEFT %.8f), %d gradients at worst %.2f of "
+           "their bounds\n", v.n_mods, e, bound(nlg, sc), loss, lref, 2 * v.n_mods, worst);
+    free(lg), free(g);
+    fl_st_close(&x), fl_st_close(&y);
+    fl_model_free(&m);
+    fl_backend_pools_free(&pool, &host);
+    fl_backend_free(&be);
 }

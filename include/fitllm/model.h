@@ -77,10 +77,14 @@ struct fl_block_graph_s; /* src/model/graph.h: the block graph and the model gra
 struct fl_model_graph_s;
 typedef struct {
     const char *target;   /* PEFT target module name ("q_proj", "c_attn") */
-    const char *fmt;      /* the module's HF name for block %d */
+    const char *fmt;      /* the module's HF name for block %d (of its stack) */
     int row0, rows;       /* its rows of the fused output (q|k|v, gate|up), and the fused output's rows */
+    int stack;            /* the stack whose blocks have it (an encoder-decoder: 0 encoder, 1 decoder; else 0) */
 } fl_arch_lora_module;
-#define FL_ARCH_MAX_LORA_MODULES 8
+#define FL_ARCH_MAX_LORA_MODULES 24
+/* LINEAR ops a block may have (the block graph's linear index: 0 qkv, 1 o, 2 fc, 3 proj; T5's decoder block adds
+ * 4 cross q, 5 cross k|v, 6 cross o): fl_model_attach_adapter's `linear` */
+#define FL_MODEL_BLOCK_LINEARS 8
 /* An architecture whose config.json is read from a table of keys (src/io/hf_config.c's generic parser)
  * instead of a parser of its own: the config keys of each field (NULL: not read; the field keeps 0 and
  * fl_config_validate's defaults apply). */

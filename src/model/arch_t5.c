@@ -90,6 +90,47 @@ static int layout(fl_layout_builder *b, const fl_model_config *c) {
     return err;
 }
 
+/* PEFT's module names: q, k, v, o of every attention (the encoder's and the decoder's self-attention, the decoder's
+ * cross-attention: its k, v rows of the fused k|v of the encoder output), wi (v1.0) or wi_0, wi_1 (v1.1), wo */
+static int lora_modules(const fl_model_config *c, fl_arch_lora_module out[FL_ARCH_MAX_LORA_MODULES]) {
+    const int C = c->dim, F = c->ffn_dim, QD = c->n_heads * c->head_dim;
+    int n = 0;
+#define M(t, f, r0, rows, st) out[n++] = (fl_arch_lora_module){t, f, r0, rows, st}
+    for (int st = 0; st < 2; st++) {
+        const char *const *nm = st ? (const char *const[]){"decoder.block.%d.layer.0.SelfAttention.q",
+                                                           "decoder.block.%d.layer.0.SelfAttention.k",
+                                                           "decoder.block.%d.layer.0.SelfAttention.v",
+                                                           "decoder.block.%d.layer.0.SelfAttention.o"}
+                                   : (const char *const[]){"encoder.block.%d.layer.0.SelfAttention.q",
+                                                           "encoder.block.%d.layer.0.SelfAttention.k",
+                                                           "encoder.block.%d.layer.0.SelfAttention.v",
+                                                           "encoder.block.%d.layer.0.SelfAttention.o"};
+        M("q", nm[0], 0, 3 * QD, st);
+        M("k", nm[1], QD, 3 * QD, st);
+        M("v", nm[2], 2 * QD, 3 * QD, st);
+        M("o", nm[3], 0, C, st);
+        if (st) {
+            M("q", "decoder.block.%d.layer.1.EncDecAttention.q", 0, QD, 1);
+            M("k", "decoder.block.%d.layer.1.EncDecAttention.k", 0, 2 * QD, 1);
+            M("v", "decoder.block.%d.layer.1.EncDecAttention.v", QD, 2 * QD, 1);
+            M("o", "decoder.block.%d.layer.1.EncDecAttention.o", 0, C, 1);
+        }
+        const char *wi0 = st ? "decoder.block.%d.layer.2.DenseReluDense.wi_0" : "encoder.block.%d.layer.1.DenseReluDense.wi_0";
+        const char *wi1 = st ? "decoder.block.%d.layer.2.DenseReluDense.wi_1" : "encoder.block.%d.layer.1.DenseReluDense.wi_1";
+        const char *wi = st ? "decoder.block.%d.layer.2.DenseReluDense.wi" : "encoder.block.%d.layer.1.DenseReluDense.wi";
+        const char *wo = st ? "decoder.block.%d.layer.2.DenseReluDense.wo" : "encoder.block.%d.layer.1.DenseReluDense.wo";
+        if (c->ffn_gated) {
+            M("wi_0", wi0, 0, 2 * F, st);
+            M("wi_1", wi1, F, 2 * F, st);
+        } else {
+            M("wi", wi, 0, F, st);
+        }
+        M("wo", wo, 0, C, st);
+    }
+#undef M
+    return n;
+}
+
 /* The self-attention sublayer: x -> norm -> q|k|v -> attention (+ the stack's relative bias, unscaled) -> o -> + x
  * (returns the sum's slot).
  * The FFN sublayer: h -> norm -> wi (| wi_1) -> relu | geglu -> wo -> + h. The slots in production order. */
@@ -184,6 +225,7 @@ const fl_arch_info fl_arch_t5 = {
     .lora_switch = {"q", "k", "v", "o", "wi,wi_0,wi_1,wo"},
     .check = check,
     .layout = layout,
+    .lora_modules = lora_modules,
     .block_graph = encoder_block,
     .block_graph2 = decoder_block,
     .model_graph = model_graph,

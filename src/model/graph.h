@@ -97,6 +97,7 @@ typedef struct {
 
 #define FL_GRAPH_MAX_NORMS 3   /* T5's decoder block: self-attention, cross-attention, FFN */
 #define FL_GRAPH_MAX_LINEARS 8 /* T5's decoder block: 7 (0 qkv, 1 o, 2 fc, 3 proj as the decoders', 4.. its own) */
+_Static_assert(FL_GRAPH_MAX_LINEARS == FL_MODEL_BLOCK_LINEARS, "the adapters' linear index (fitllm/model.h)");
 
 typedef struct fl_block_graph_s {
     int n_slots, n_ops;

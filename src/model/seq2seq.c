@@ -194,6 +194,12 @@ fl_status fl_model_alloc_acts_s2s(fl_model *m, int B, int Ts, int Tt) {
     carve_work(m, a, (char *)m->work_arena);
     m->B = B;
     m->T = Tt > Ts ? Tt : Ts;
+    /* the adapters' activations: rows of the longer stack (a cross k|v adapter sees the source's) */
+    s = m->adapt && m->adapt->h.alloc_acts ? m->adapt->h.alloc_acts(m, B, m->T) : FL_OK;
+    if (s != FL_OK) {
+        fl_model_free_acts(m);
+        return fl_error_prefix(s, "allocating the adapters' activations");
+    }
     return FL_OK;
 }
 
@@ -238,6 +244,7 @@ static fl_status relbias_forward(fl_model *m, s2s_stack *st, int T, int bidir) {
 }
 
 static void relbias_backward(fl_model *m, s2s_stack *st, int T) {
+    if (!fl_model_grads_f32(m)) return; /* the base is frozen (LoRA) */
     const int nb = m->cfg.rel_buckets, ti = fl_layout_role(&m->layout, st->l0 + 1, FL_ROLE_REL_BIAS);
     float *dtab = fl_model_grads_f32(m) + m->layout.params[ti].offset;
     for (int h = 0; h < m->cfg.n_heads; h++)
@@ -266,10 +273,12 @@ static fl_block_ctx stack_ctx(const struct fl_s2s_acts *a, int s, float *const *
 static fl_status check_model(const fl_model *m, const char *fn) {
     if (!m->acts || !m->acts->s2s)
         return fl_errorf(FL_ERR_INVALID, "%s: activations not allocated (call fl_model_alloc_acts_s2s)", fn);
-    if (!fl_model_params_f32(m) || fl_model_provider(m) || m->adapt || fl_model_quant4(m) ||
-        (m->prec.name && m->prec.compute_copy))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: encoder-decoders run fp32 storage and compute only so far (no LoRA, "
-                         "16-bit or 4-bit weights, mixed precision or sharding yet)", fn);
+    if (!fl_model_params_f32(m) || fl_model_provider(m) || fl_model_quant4(m) || (m->prec.name && m->prec.compute_copy))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: encoder-decoders run fp32 storage and compute only so far (no 16-bit "
+                         "or 4-bit weights, mixed precision or sharding yet)", fn);
+    if (fl_model_adapters_are_merged(m)) /* the adapters are in the weights: running them again would double them */
+        return fl_errorf(FL_ERR_INVALID, "%s: the LoRA adapters were merged into the weights; save the model and reload "
+                         "it to run it", fn);
     return FL_OK;
 }
 
@@ -292,6 +301,7 @@ static fl_status head_loss(fl_model *m, const int32_t *targets, int N, float gra
     for (int r0 = 0; r0 < N; r0 += a->chunk) {
         const int rows = N - r0 < a->chunk ? N - r0 : a->chunk;
         const float *xr = st->nout + (size_t)r0 * C;
+        fl_model_bind_adapters(m, -1, 0, &head, r0); /* head adapters: this chunk */
         FL_TRY(fl_linear_forward(be, a->logits, xr, &head, rows)); // (rows, V)
         if (logits_out) FL_TRY(be->to_host(be, logits_out + (size_t)r0 * V, a->logits, (size_t)rows * V * sizeof(float)));
         if (!targets) continue;
@@ -360,7 +370,7 @@ fl_status fl_model_forward_s2s(fl_model *m, const int32_t *src_ids, const uint8_
     if (B > a->B || Ts > a->st[0].Tmax || Tt > a->st[1].Tmax || B <= 0 || Ts <= 0 || Tt <= 0)
         return fl_errorf(FL_ERR_INVALID, "fl_model_forward_s2s: batch %d x source %d x target %d exceeds the arena's "
                          "(%d x %d x %d)", B, Ts, Tt, a->B, a->st[0].Tmax, a->st[1].Tmax);
-    if (grad_scale > 0 && (!targets || !fl_model_grads_f32(m)))
+    if (grad_scale > 0 && (!targets || (!fl_model_grads_f32(m) && !m->adapt)))
         return fl_errorf(FL_ERR_INVALID, "fl_model_forward_s2s: training forward needs targets and gradient buffers");
     const int V = m->cfg.vocab_size;
     const int32_t *ids[2] = {src_ids, dec_ids};
@@ -492,6 +502,7 @@ static fl_status decode_step(fl_model *m, const fl_model_graph *mg, const int32_
     if (m->cfg.head_scale) be->scale(be, no, (size_t)C, 1.0f / sqrtf((float)C));
     fl_linear head = {.in = C, .out = m->cfg.vocab_size, .w = op.head};
     fl_linear_set_weight(m, &head, op.head_idx);
+    fl_model_bind_adapters(m, -1, 0, &head, 0);
     FL_TRY(fl_linear_forward(be, a->logits, no, &head, 1));
     return be->to_host(be, lg, a->logits, (size_t)m->cfg.vocab_size * sizeof(float));
 }

@@ -4,7 +4,7 @@ transformers T5ForConditionalGeneration models of both variants saved as HF fold
 reproduce.
 
 Pinned versions (tests/ref/requirements.txt): torch 2.15.0, transformers 5.23.0, safetensors 0.8.0,
-numpy 2.4.6. Run from the repo root:
+numpy 2.4.6, peft 0.21.2. Run from the repo root:
     python tests/ref/make_t5_fixture.py [--out tests/fixtures]
 
 Variants (odd sizes: vocab 97, d_model 36, d_kv 10, 3 heads (inner 30 != d_model), d_ff 52, 2 encoder and 3
@@ -29,6 +29,7 @@ Each folder gets config.json + model.safetensors and expected.safetensors:
   max_new_tokens=12) of each source sequence with its mask, from the fp32 weights: the start token, then up to 12
   tokens, eos included; use_cache=False: transformers 5.23 sizes the decoder's cache by num_layers, an IndexError
   when num_decoder_layers is larger).
+And expected-lora.safetensors in t5-tiny-gated (make_lora: PEFT 0.21.2 LoRA on q, k, v, o, wi_0, wi_1, wo).
 Weights are redrawn larger than T5's init (unit-ish activations, a relative bias table of scale 1) so that
 attention is far from uniform and the bias, the mask and the scaling all move the result.
 """
@@ -161,12 +162,57 @@ def make(out_dir, gated, seed):
           f"{gen[1].tolist()}")
 
 
+LORA_TARGETS = ["q", "k", "v", "o", "wi_0", "wi_1", "wo"]
+
+
+def make_lora(out_dir, seed):
+    """LoRA on every linear of the gated model (PEFT's T5 names; "q" etc. match the self- and the cross-attention of
+    both stacks), r 4, alpha 8, no dropout, A and B drawn at random (B nonzero so that every path carries a
+    gradient): expected-lora.safetensors with A.<module>, B.<module> (F32, PEFT's shapes), logits, loss,
+    gA.<module> / gB.<module> (float64 gradients of the mean loss) and noise.* (PyTorch fp32's distance to them)."""
+    from peft import LoraConfig, get_peft_model
+    cfg, m = build(True, seed)
+    pm = get_peft_model(m, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS))
+    g = torch.Generator().manual_seed(seed + 3)
+    mods = {}
+    with torch.no_grad():
+        for name, mod in pm.named_modules():
+            if hasattr(mod, "lora_A") and "default" in mod.lora_A:
+                a, b = mod.lora_A["default"].weight, mod.lora_B["default"].weight
+                a.copy_(torch.randn(a.shape, generator=g) / a.shape[1] ** 0.5)
+                b.copy_(0.5 * torch.randn(b.shape, generator=g) / b.shape[1] ** 0.5)
+                mods[name.replace("base_model.model.", "")] = mod
+    x = dict(__import__("safetensors.torch", fromlist=["load_file"]).load_file(os.path.join(out_dir, "expected.safetensors")))
+    src, mask, dec, labels = x["src"], x["src_mask"], x["dec"], x["labels"]
+    res = {}
+    for dt in (torch.float32, torch.float64):
+        pm.to(dt)
+        pm.zero_grad()
+        o = pm(input_ids=src.long(), attention_mask=mask.long(), decoder_input_ids=dec.long(), labels=labels.long())
+        o.loss.backward()
+        res[dt] = (o.logits.detach(), o.loss.detach(),
+                   {n: (md.lora_A["default"].weight.grad.clone(), md.lora_B["default"].weight.grad.clone())
+                    for n, md in mods.items()})
+    (l32, s32, g32), (l64, s64, g64) = res[torch.float32], res[torch.float64]
+    noise = lambda a, b: (a.double() - b).abs().max().float().reshape(1)
+    out = {"logits": l64.float().contiguous(), "loss": s64.reshape(1), "noise.logits": noise(l32, l64),
+           "noise.loss": noise(s32, s64)}
+    for n, md in mods.items():
+        out["A." + n] = md.lora_A["default"].weight.detach().float().contiguous()
+        out["B." + n] = md.lora_B["default"].weight.detach().float().contiguous()
+        out["gA." + n], out["gB." + n] = g64[n][0].float().contiguous(), g64[n][1].float().contiguous()
+        out["noise.gA." + n], out["noise.gB." + n] = noise(g32[n][0], g64[n][0]), noise(g32[n][1], g64[n][1])
+    save_file(out, os.path.join(out_dir, "expected-lora.safetensors"))
+    print(f"{out_dir} LoRA ({len(mods)} modules): loss {s64.item():.8f}, logits noise {noise(l32, l64).item():.3g}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tests/fixtures")
     a = ap.parse_args()
     make(os.path.join(a.out, "t5-tiny-relu"), gated=False, seed=0)
     make(os.path.join(a.out, "t5-tiny-gated"), gated=True, seed=10)
+    make_lora(os.path.join(a.out, "t5-tiny-gated"), seed=10)
 
 
 if __name__ == "__main__":
