@@ -575,6 +575,19 @@ FL_TEST(t5_lora_vs_peft) {
         }
     printf("      LoRA (%d modules): logits error %.2g (bound %.2g), loss %.8f (PEFT %.8f), %d gradients at worst %.2f of "
            "their bounds\n", v.n_mods, e, bound(nlg, sc), loss, lref, 2 * v.n_mods, worst);
+    /* merged into the weights and saved, the folder gives the same loss (within fp32 roundings of W + s B A) */
+    FL_REQUIRE_OK(fl_model_lora_merge(&m));
+    FL_CHECK(fl_model_forward_s2s(&m, src->data, mask->data, dec->data, lab->data, B, Ts, Tt, 0, NULL) == FL_ERR_INVALID);
+    char sdir[512];
+    snprintf(sdir, sizeof sdir, "%s/t5-merged", fl_test_tmpdir());
+    FL_REQUIRE_OK(fl_hf_save_model(&m, sdir));
+    fl_model mm;
+    FL_REQUIRE_OK(fl_hf_load_model(&mm, sdir, &be, &pool));
+    FL_REQUIRE_OK(fl_model_alloc_acts_s2s(&mm, B, Ts, Tt));
+    FL_REQUIRE_OK(fl_model_forward_s2s(&mm, src->data, mask->data, dec->data, lab->data, B, Ts, Tt, 0, NULL));
+    const double lm = mm.loss_sum / (double)mm.n_valid;
+    FL_CHECKF(fabs(lm - lref) <= bound(fl_st_find(&y, "noise.loss"), lref), "merged: loss %.9f vs PEFT %.9f", lm, lref);
+    fl_model_free(&mm);
     free(lg), free(g);
     fl_st_close(&x), fl_st_close(&y);
     fl_model_free(&m);
