@@ -83,6 +83,23 @@ static void close_case(t5_case *c) {
     fl_backend_free(&c->be);
 }
 
+static fl_status forward(t5_case *c, float grad_scale, float *logits, double *loss);
+
+/* c's model saved into a fresh folder `name` (shards of at most `shard` bytes; 0: one file), loaded back in its place
+ * (the folder's path in dir) and its loss; the caller compares it with the loss before */
+static void save_reload(t5_case *c, const char *name, size_t shard, char *dir, size_t n, double *loss) {
+    snprintf(dir, n, "%s/%s", fl_test_tmpdir(), name);
+    fl_hf_set_max_shard_bytes(shard);
+    FL_REQUIRE_OK(fl_hf_save_model(&c->m, dir));
+    fl_hf_set_max_shard_bytes(0);
+    fl_model m2;
+    FL_REQUIRE_OK(fl_hf_load_model(&m2, dir, &c->be, &c->pool));
+    fl_model_free(&c->m);
+    c->m = m2;
+    FL_REQUIRE_OK(fl_model_alloc_acts_s2s(&c->m, c->B, c->Ts, c->Tt));
+    FL_REQUIRE_OK(forward(c, 0, NULL, loss));
+}
+
 /* the mean loss of a (training) forward */
 static fl_status forward(t5_case *c, float grad_scale, float *logits, double *loss) {
     FL_TRY(fl_model_forward_s2s(&c->m, c->src->data, c->mask->data, c->dec->data, c->labels->data, c->B, c->Ts, c->Tt,
@@ -364,15 +381,8 @@ FL_TEST(t5_weights_refusals_and_round_trip) {
     double l0, l1;
     FL_REQUIRE_OK(forward(&c, 0, NULL, &l0));
     char dir[512], p[1600];
-    snprintf(dir, sizeof dir, "%s/t5-saved", fl_test_tmpdir());
-    FL_REQUIRE_OK(fl_hf_save_model(&c.m, dir));
-    fl_model m2;
-    FL_REQUIRE_OK(fl_hf_load_model(&m2, dir, &c.be, &c.pool));
-    FL_CHECK(m2.cfg.head_scale && m2.cfg.tie_embeddings && !m2.cfg.ffn_gated && m2.cfg.n_dec_layers == 3);
-    fl_model_free(&c.m);
-    c.m = m2;
-    FL_REQUIRE_OK(fl_model_alloc_acts_s2s(&c.m, c.B, c.Ts, c.Tt));
-    FL_REQUIRE_OK(forward(&c, 0, NULL, &l1));
+    save_reload(&c, "t5-saved", 0, dir, sizeof dir, &l1);
+    FL_CHECK(c.m.cfg.head_scale && c.m.cfg.tie_embeddings && !c.m.cfg.ffn_gated && c.m.cfg.n_dec_layers == 3);
     FL_CHECKF(l0 == l1, "saved and reloaded: loss %.9f vs %.9f", l1, l0);
     /* the saved tensors minus the encoder's relative bias table */
     fl_st_file f;
@@ -475,20 +485,11 @@ FL_TEST(t5_sharded_and_bad_input) {
     double l0, l1;
     FL_REQUIRE_OK(forward(&c, 0, NULL, &l0));
     char dir[512], p[600];
-    snprintf(dir, sizeof dir, "%s/t5-shards", fl_test_tmpdir());
-    fl_hf_set_max_shard_bytes(40000); /* ~7 shards of the 288 kB model */
-    FL_REQUIRE_OK(fl_hf_save_model(&c.m, dir));
-    fl_hf_set_max_shard_bytes(0);
+    save_reload(&c, "t5-shards", 40000, dir, sizeof dir, &l1); /* ~7 shards of the 288 kB model */
     snprintf(p, sizeof p, "%s/model.safetensors.index.json", dir);
     FILE *f = fopen(p, "r");
     FL_CHECKF(f != NULL, "no %s", p);
     if (f) fclose(f);
-    fl_model m2;
-    FL_REQUIRE_OK(fl_hf_load_model(&m2, dir, &c.be, &c.pool));
-    fl_model_free(&c.m);
-    c.m = m2;
-    FL_REQUIRE_OK(fl_model_alloc_acts_s2s(&c.m, c.B, c.Ts, c.Tt));
-    FL_REQUIRE_OK(forward(&c, 0, NULL, &l1));
     FL_CHECKF(l0 == l1, "sharded: loss %.9f vs %.9f", l1, l0);
     /* a source longer than the arena's */
     fl_status s = fl_model_forward_s2s(&c.m, c.src->data, NULL, c.dec->data, NULL, 1, c.Ts + 1, c.Tt, 0, NULL);
