@@ -26,7 +26,7 @@
 #include "test.h"
 
 static const fl_st_tensor *ref_t(const fl_st_file *f, const char *pre, const char *name) {
-    char key[200];
+    char key[256];
     snprintf(key, sizeof key, "%s%s", pre, name);
     return fl_st_find(f, key);
 }
