@@ -10,8 +10,9 @@
 
 static void help(void) {
     printf("usage: fitllm tokenize <tokenizer> (--text STR | --file F | --decode \"ID ...\") [options]\n\n"
-           "  <tokenizer>        model folder (tokenizer.json, else tokenizer.model, else tok*.bin, plus\n"
-           "                     tokenizer_config.json / config.json for BOS/EOS), a tokenizer file,\n"
+           "  <tokenizer>        model folder (tokenizer.json, else tokenizer.model, else spiece.model\n"
+           "                     (T5), else tok*.bin, plus tokenizer_config.json / config.json for\n"
+           "                     BOS/EOS), a tokenizer file (BPE or SentencePiece Unigram),\n"
            "                     or \"bytes\" for the built-in byte tokenizer\n"
            "  --text STR         text to encode\n"
            "  --file F           encode the contents of file F (bytes as-is)\n"
