@@ -239,3 +239,42 @@ FL_TEST(tok_unigram_bad_inputs) {
     free(ids);
     fl_tok_free(t);
 }
+
+/* Lattice rules pinned with hand-made tokenizer.json models; every expectation was printed by HF
+ * tokenizers 0.23.3 (Tokenizer.from_str(...).encode(text).ids):
+ *   - the <unk> node scores min(all scores) - 10: with "a" at 9 the piece "xa" wins, at 11 <unk> + "a"
+ *     wins, and a <pad> entry at -2 lowers the min so that <unk> + "a" only ties and the earlier "xa" stays;
+ *   - ties keep the path found first ("ab" at -2 over "a" + "b" at -1 each);
+ *   - runs of unknown chars fuse into one <unk>; byte_fallback emits the UTF-8 bytes instead. */
+static void expect_uni(const char *vocab, int bf, const char *text, const int32_t *want, size_t nw) {
+    char json[12000];
+    snprintf(json, sizeof json, "{\"model\": {\"type\": \"Unigram\", \"unk_id\": 0, \"byte_fallback\": %s, \"vocab\": [%s]}}",
+             bf ? "true" : "false", vocab);
+    fl_tokenizer *t = NULL;
+    fl_status s = fl_tok_load(&t, write_tmp("hand.json", json, strlen(json)));
+    FL_CHECKF(s == FL_OK, "%s", fl_error_message());
+    if (s != FL_OK) return;
+    int32_t *ids = NULL;
+    size_t n = 0;
+    int ok = fl_tok_encode(t, text, strlen(text), 0, 0, &ids, &n) == FL_OK && n == nw && !memcmp(ids, want, nw * sizeof *ids);
+    if (!ok) {
+        fl_test_fail(__FILE__, __LINE__, "vocab [%.60s] text \"%s\"", vocab, text);
+        print_ids("got ", ids, n);
+        print_ids("want", want, nw);
+    }
+    free(ids);
+    fl_tok_free(t);
+}
+
+FL_TEST(tok_unigram_lattice_rules) {
+    expect_uni("[\"<unk>\", 0], [\"a\", 9], [\"xa\", -1]", 0, "xa", (const int32_t[]){2}, 1);
+    expect_uni("[\"<unk>\", 0], [\"a\", 11], [\"xa\", -1]", 0, "xa", (const int32_t[]){0, 1}, 2);
+    expect_uni("[\"<unk>\", 0], [\"a\", 11], [\"xa\", -1], [\"<pad>\", -2]", 0, "xa", (const int32_t[]){2}, 1);
+    expect_uni("[\"<unk>\", 0], [\"a\", -1], [\"b\", -1], [\"ab\", -2]", 0, "abab", (const int32_t[]){3, 3}, 2);
+    expect_uni("[\"<unk>\", 0], [\"a\", -1]", 0, "xya\xc3\xa9\xc3\xa9", (const int32_t[]){0, 1, 0}, 3);
+    char v[8000];
+    int o = snprintf(v, sizeof v, "[\"<unk>\", 0], [\"a\", -1]");
+    for (int i = 0; i < 256; i++) o += snprintf(v + o, sizeof v - (size_t)o, ", [\"<0x%02X>\", -5]", i);
+    expect_uni(v, 1, "a\xc3\xa9" "a", (const int32_t[]){1, 197, 171, 1}, 4);
+    expect_uni(v, 1, "axya", (const int32_t[]){1, 122, 123, 1}, 4);
+}
