@@ -135,6 +135,7 @@ struct fl_tokenizer {
     size_t cm_n;
     char *cm_str;
     size_t cm_str_n;
+    void *grapheme_re; /* HF Precompiled: PCRE2 \X (extended grapheme clusters) */
     /* SentencePiece .model normalizer */
     int spm_dummy_prefix, spm_remove_extra_ws, spm_escape_ws;
     /* added tokens, longest first */

@@ -32,6 +32,7 @@ void fl_tok_free(fl_tokenizer *t) {
     free(t->trie.piece);
     free(t->cm_units);
     free(t->cm_str);
+    if (t->grapheme_re) fl_tok_regex_free(t->grapheme_re);
     free(t->vocab.slot);
     free(t->merges.slot);
     for (int i = 0; i < t->n_norm; i++) free(t->norm[i].a), free(t->norm[i].b);

@@ -100,6 +100,7 @@ static fl_status add_norm(fl_tokenizer *t, const fl_json *j, const char *src) {
         FL_TRY(add_precompiled(t, j, src));
         if (!t->cm_units) return FL_OK; /* empty charsmap: identity */
         m.type = FL_NORM_PRECOMPILED;
+        FL_TRY(fl_tok_regex_compile("\\X", 2, src, &t->grapheme_re));
         m.a = jdup(""), m.b = jdup("");
     } else if (!strcmp(ty, "Strip")) {
         m.type = FL_NORM_STRIP;

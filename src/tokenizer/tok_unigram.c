@@ -18,7 +18,9 @@
  * darts-clone double array over UTF-8 sources whose values index NUL-terminated replacements;
  * at each position the longest source wins, else the char is copied (sentencepiece turns an
  * invalid byte into U+FFFD). */
+#define PCRE2_CODE_UNIT_WIDTH 8
 #include <math.h>
+#include <pcre2.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -64,8 +66,8 @@ fl_status fl_tok_charsmap_set(fl_tokenizer *t, const uint8_t *b, size_t n, const
     return FL_OK;
 }
 
-/* Longest charsmap source at s: returns its length (0 = none) and the replacement. */
-static size_t cm_match(const fl_tokenizer *t, const unsigned char *s, size_t n, const char **rep, size_t *rep_n) {
+/* Longest (first: shortest) charsmap source at s: returns its length (0 = none) and the replacement. */
+static size_t cm_match(const fl_tokenizer *t, const unsigned char *s, size_t n, int first, const char **rep, size_t *rep_n) {
     const uint32_t *a = t->cm_units;
     size_t N = t->cm_n, best = 0;
     if (!N) return 0;
@@ -83,6 +85,7 @@ static size_t cm_match(const fl_tokenizer *t, const unsigned char *s, size_t n, 
             if (v >= t->cm_str_n) break;
             best = i + 1;
             *rep = t->cm_str + v;
+            if (first) break;
         }
     }
 #undef CM_OFFSET
@@ -90,25 +93,44 @@ static size_t cm_match(const fl_tokenizer *t, const unsigned char *s, size_t n, 
     return best;
 }
 
+/* HF's Precompiled (spm_precompiled::normalize_string) goes by extended grapheme cluster, not by
+ * longest match: a cluster under 6 bytes whose *shortest* charsmap prefix matches is replaced whole
+ * by that prefix's replacement (the rest of the cluster is dropped); otherwise each char of the
+ * cluster is replaced by its shortest-prefix match, or kept. This differs from sentencepiece on
+ * combining sequences and Hangul jamo runs; both are followed exactly (clusters from PCRE2's \X;
+ * an invalid byte, which HF never sees, is its own cluster and kept). */
 int fl_tok_charsmap_normalize(const fl_tokenizer *t, const char *s, size_t n, fl_tok_buf *out) {
     const unsigned char *u = (const unsigned char *)s;
-    int bad = fl_tok_buf_put(out, "", 0);
+    pcre2_match_data *md = pcre2_match_data_create(1, NULL);
+    int bad = !md || fl_tok_buf_put(out, "", 0);
     for (size_t i = 0; i < n && !bad;) {
-        const char *rep;
-        size_t rn, m = cm_match(t, u + i, n - i, &rep, &rn);
-        if (m) bad = fl_tok_buf_put(out, rep, rn), i += m;
-        else {
-            size_t l = (size_t)fl_tok_utf8_len(u + i, n - i);
-            bad = fl_tok_buf_put(out, s + i, l), i += l;
+        size_t g = 1; /* cluster length */
+        int rc = pcre2_match((pcre2_code *)t->grapheme_re, (PCRE2_SPTR)s, n, i, PCRE2_ANCHORED, md, NULL);
+        if (rc > 0) {
+            PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
+            if (ov[1] > i) g = ov[1] - i;
         }
+        const char *rep;
+        size_t rn;
+        if (g < 6 && cm_match(t, u + i, g, 1, &rep, &rn)) {
+            bad = fl_tok_buf_put(out, rep, rn);
+        } else {
+            for (size_t k = i; k < i + g && !bad;) {
+                size_t l = (size_t)fl_tok_utf8_len(u + k, i + g - k);
+                bad = cm_match(t, u + k, l, 1, &rep, &rn) ? fl_tok_buf_put(out, rep, rn) : fl_tok_buf_put(out, s + k, l);
+                k += l;
+            }
+        }
+        i += g;
     }
+    pcre2_match_data_free(md);
     return bad;
 }
 
 /* sentencepiece's NormalizePrefix: the replacement of the longest source at s, else the char,
  * else (invalid UTF-8) U+FFFD for one byte. Returns bytes consumed. */
 static size_t spm_prefix(const fl_tokenizer *t, const unsigned char *s, size_t n, const char **rep, size_t *rn) {
-    size_t m = cm_match(t, s, n, rep, rn);
+    size_t m = cm_match(t, s, n, 0, rep, rn);
     if (m) return m;
     int l = fl_tok_utf8_len(s, n);
     if (l == 1 && s[0] >= 0x80) { *rep = "\xef\xbf\xbd"; *rn = 3; return 1; }
