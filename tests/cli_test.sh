@@ -137,6 +137,7 @@ expect finetune_missing_value 2 "option --train.max_steps needs a value" -- "$FI
 expect tokenize_t5_folder 0 "^63 46 9 153 123 499 1$" -- "$FITLLM" tokenize tests/fixtures/t5-tok --text "Hello  world <extra_id_0>"
 mkdir -p "$T/t5spm" && cp tests/fixtures/t5-tok/spiece.model "$T/t5spm/"
 expect tokenize_t5_spiece_only 0 "^63 46 9 153 123 499 1$" -- "$FITLLM" tokenize "$T/t5spm" --text "Hello  world <extra_id_0>"
+expect tokenize_t5_info 0 "kind spm-unigram, vocab 500, bos -1, eos 1, pad 0" -- "$FITLLM" tokenize "$T/t5spm" --text x --info
 expect tokenize_t5_decode 0 "^Hello world$" -- "$FITLLM" tokenize "$T/t5spm" --decode "63 46 9 153 123 499 1" --skip-special 1
 printf 'garbage' > "$T/t5spm/spiece.model"
 expect tokenize_t5_bad_spiece 1 "t5spm/spiece.model: " -- "$FITLLM" tokenize "$T/t5spm" --text x

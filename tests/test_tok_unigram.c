@@ -58,7 +58,7 @@ static void run_vectors(int form) {
     fl_status s = fl_tok_load(&t, form ? T5_DIR "/spiece.model" : T5_DIR "/tokenizer.json");
     if (s != FL_OK) { fl_json_free(root); FL_REQUIRE_OK(s); }
     FL_CHECK(!strcmp(fl_tok_kind(t), form ? "spm-unigram" : "unigram"));
-    FL_CHECK(fl_tok_vocab_size(t) == 500 && fl_tok_eos_id(t) == 1 && fl_tok_bos_id(t) == -1);
+    FL_CHECK(fl_tok_vocab_size(t) == 500 && fl_tok_eos_id(t) == 1 && fl_tok_bos_id(t) == -1 && fl_tok_pad_id(t) == 0);
     int n_hf = 0, n_sp = 0, n_dec = 0, ok_hf = 0, ok_sp = 0, ok_dec = 0;
     for (const fl_json *c = cases->child; c; c = c->next) {
         const fl_json *text = fl_json_get(c, "text"), *hf = fl_json_get(c, "hf_ids"), *sp = fl_json_get(c, "sp_ids");

@@ -145,8 +145,8 @@ struct fl_tokenizer {
     /* decoder chain; n_dec == 0 and dec_join_space: join tokens with ' ' (HF: no decoder) */
     fl_tok_dec *dec;
     int n_dec, dec_join_space;
-    /* BOS / EOS */
-    int bos_id, add_bos, add_eos;
+    /* BOS / EOS / PAD */
+    int bos_id, add_bos, add_eos, pad_id;
     int32_t eos_ids[8];
     int n_eos;
 };

@@ -153,6 +153,7 @@ fl_status fl_tok_decode(const fl_tokenizer *t, const int32_t *ids, size_t n, int
 int fl_tok_vocab_size(const fl_tokenizer *t) { return t ? t->n_vocab : 0; }
 int fl_tok_bos_id(const fl_tokenizer *t) { return t ? t->bos_id : -1; }
 int fl_tok_eos_id(const fl_tokenizer *t) { return t && t->n_eos ? t->eos_ids[0] : -1; }
+int fl_tok_pad_id(const fl_tokenizer *t) { return t ? t->pad_id : -1; }
 int fl_tok_is_eos(const fl_tokenizer *t, int32_t id) {
     for (int i = 0; t && i < t->n_eos; i++)
         if (t->eos_ids[i] == id) return 1;
@@ -218,7 +219,8 @@ static fl_status fl_tok_apply_side_files(fl_tokenizer *t, const char *dir) {
     snprintf(path, sizeof path, "%s/config.json", dir);
     if (fl_tok_is_file(path)) {
         FL_TRY(fl_json_parse_file(path, &j));
-        const fl_json *b = fl_json_get(j, "bos_token_id"), *e = fl_json_get(j, "eos_token_id");
+        const fl_json *b = fl_json_get(j, "bos_token_id"), *e = fl_json_get(j, "eos_token_id"), *pd = fl_json_get(j, "pad_token_id");
+        if (pd && pd->type == FL_JSON_NUMBER && pd->is_int && pd->i >= 0 && pd->i < t->n_vocab) t->pad_id = (int)pd->i;
         if (b && b->type == FL_JSON_NUMBER && b->is_int && b->i >= 0 && b->i < t->n_vocab) t->bos_id = (int)b->i;
         if (e && e->type == FL_JSON_NUMBER && e->is_int) fl_tok_add_eos(t, (int32_t)e->i, 1);
         if (e && e->type == FL_JSON_ARRAY) {
@@ -245,6 +247,9 @@ static fl_status fl_tok_apply_side_files(fl_tokenizer *t, const char *dir) {
             if (id >= 0) t->bos_id = id;
         } else if (isnull) t->bos_id = -1;
         const char *es = fl_tok_token_str(fl_json_get(j, "eos_token"), NULL);
+        const char *ps = fl_tok_token_str(fl_json_get(j, "pad_token"), NULL);
+        int32_t pid = ps ? fl_tok_lookup(t, ps, strlen(ps)) : -1;
+        if (pid >= 0) t->pad_id = pid;
         if (es) fl_tok_add_eos(t, fl_tok_lookup(t, es, strlen(es)), 1);
         const fl_json *ab = fl_json_get(j, "add_bos_token"), *ae = fl_json_get(j, "add_eos_token");
         if (ab && ab->type == FL_JSON_BOOL) t->add_bos = ab->b;

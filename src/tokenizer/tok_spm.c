@@ -111,7 +111,7 @@ static int pb_field(pb *r, uint32_t *field, int *wt, uint64_t *v, pb *sub) {
 }
 
 typedef struct {
-    int model_type, byte_fallback, unk_id, bos_id, eos_id;
+    int model_type, byte_fallback, unk_id, bos_id, eos_id, pad_id;
     int dummy_prefix, remove_ws, escape_ws;
     const uint8_t *name, *charsmap;
     size_t name_n, charsmap_n;
@@ -156,6 +156,7 @@ static fl_status spm_unigram(fl_tokenizer *t, const spm_spec *sp, const float *s
     t->spm_escape_ws = sp->escape_ws;
     t->bos_id = sp->bos_id >= 0 && sp->bos_id < np ? sp->bos_id : -1;
     if (sp->eos_id >= 0 && sp->eos_id < np) t->eos_ids[0] = sp->eos_id, t->n_eos = 1;
+    t->pad_id = sp->pad_id >= 0 && sp->pad_id < np ? sp->pad_id : -1;
     t->add_bos = 0;
     t->add_eos = t->n_eos > 0;
     return FL_OK;
@@ -188,7 +189,7 @@ fl_status fl_tok_spm_add_extra_ids(fl_tokenizer *t, int n) {
 
 fl_status fl_tok_load_spm_mem(fl_tokenizer **out, const uint8_t *data, size_t n, const char *src) {
     *out = NULL;
-    spm_spec sp = {1, 0, 0, 1, 2, 1, 1, 1, NULL, NULL, 0, 0};
+    spm_spec sp = {1, 0, 0, 1, 2, -1, 1, 1, 1, NULL, NULL, 0, 0};
     fl_tokenizer *t = fl_tok_new(FL_TOK_SPM);
     if (!t) return fl_errorf(FL_ERR_OOM, "%s: out of memory", src);
     fl_status s = FL_OK;
@@ -243,6 +244,7 @@ fl_status fl_tok_load_spm_mem(fl_tokenizer **out, const uint8_t *data, size_t n,
                 else if (g == 40) sp.unk_id = (int)(int64_t)x;
                 else if (g == 41) sp.bos_id = (int)(int64_t)x;
                 else if (g == 42) sp.eos_id = (int)(int64_t)x;
+                else if (g == 43) sp.pad_id = (int)(int64_t)x;
             }
         } else if (f == 3 && wt == 2) { /* NormalizerSpec */
             while (sub.p < sub.end) {
