@@ -132,6 +132,25 @@ FL_TEST(tok_unigram_folder_and_sentinels) {
     FL_REQUIRE_OK(fl_tok_decode(t, x, 3, 0, &d, &l));
     FL_CHECKF(!strcmp(d, "<extra_id_0></s><pad>"), "\"%s\"", d);
     free(d);
+    /* grapheme clusters longer than the 64-byte match window (HF ids from tokenizers 0.23.3) */
+    char txt[400];
+    static const int32_t w1[] = {12, 2, 54, 1}, w2[] = {31, 2, 239, 1}, w3[] = {7, 2, 1};
+    int o = snprintf(txt, sizeof txt, "a");
+    for (int i = 0; i < 50; i++) o += snprintf(txt + o, sizeof txt - (size_t)o, "\xcc\x81");
+    snprintf(txt + o, sizeof txt - (size_t)o, " b");
+    FL_REQUIRE_OK(fl_tok_encode(t, txt, strlen(txt), -1, -1, &ids, &n));
+    FL_CHECK(n == 4 && !memcmp(ids, w1, sizeof w1));
+    free(ids);
+    o = snprintf(txt, sizeof txt, "\xe2\x92\xbe");
+    for (int i = 0; i < 40; i++) o += snprintf(txt + o, sizeof txt - (size_t)o, "\xcc\x81");
+    snprintf(txt + o, sizeof txt - (size_t)o, "x");
+    FL_REQUIRE_OK(fl_tok_encode(t, txt, strlen(txt), -1, -1, &ids, &n));
+    FL_CHECK(n == 4 && !memcmp(ids, w2, sizeof w2));
+    free(ids);
+    for (int i = 0; i < 70; i++) memcpy(txt + 3 * i, "e\xcc\x81", 3);
+    FL_REQUIRE_OK(fl_tok_encode(t, txt, 210, -1, -1, &ids, &n));
+    FL_CHECK(n == 3 && !memcmp(ids, w3, sizeof w3));
+    free(ids);
     fl_tok_free(t);
     /* only spiece.model (+ tokenizer_config.json) in the folder */
     char dir[512], p[1200];

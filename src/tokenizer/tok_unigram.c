@@ -105,10 +105,14 @@ int fl_tok_charsmap_normalize(const fl_tokenizer *t, const char *s, size_t n, fl
     int bad = !md || fl_tok_buf_put(out, "", 0);
     for (size_t i = 0; i < n && !bad;) {
         size_t g = 1; /* cluster length */
-        int rc = pcre2_match((pcre2_code *)t->grapheme_re, (PCRE2_SPTR)s, n, i, PCRE2_ANCHORED, md, NULL);
-        if (rc > 0) {
+        /* match in a window (pcre2_match checks the UTF-8 of its whole subject on every call: a window
+         * keeps a long text linear); a cluster reaching the window's end is matched again in a wider one */
+        for (size_t w = 64;; w *= 4) {
+            size_t wn = n - i < w ? n - i : w;
+            int rc = pcre2_match((pcre2_code *)t->grapheme_re, (PCRE2_SPTR)(s + i), wn, 0, PCRE2_ANCHORED, md, NULL);
             PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
-            if (ov[1] > i) g = ov[1] - i;
+            if (rc > 0 && ov[1] > 0) g = ov[1];
+            if (rc <= 0 || ov[1] < wn || wn == n - i) break;
         }
         const char *rep;
         size_t rn;
