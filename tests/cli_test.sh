@@ -144,6 +144,14 @@ expect finetune_not_divisible 2 "not divisible" -- "$FITLLM" finetune_full micro
 expect finetune_negative_batch 2 "'-1' must be positive: an integer in \[1, " -- "$FITLLM" finetune_full micro --train.micro_batch_size -1 --out_dir "$T/x4"
 expect finetune_unknown_option_last 2 "unknown option 'bogus'" -- "$FITLLM" finetune_full micro --bogus
 expect finetune_missing_value 2 "option --train.max_steps needs a value" -- "$FITLLM" finetune_full micro --train.max_steps
+# T5 folders (issue 31): tokenizer.json (Unigram) and a folder with only spiece.model give HF's ids
+expect tokenize_t5_folder 0 "^63 46 9 153 123 499 1$" -- "$FITLLM" tokenize tests/fixtures/t5-tok --text "Hello  world <extra_id_0>"
+mkdir -p "$T/t5spm" && cp tests/fixtures/t5-tok/spiece.model "$T/t5spm/"
+expect tokenize_t5_spiece_only 0 "^63 46 9 153 123 499 1$" -- "$FITLLM" tokenize "$T/t5spm" --text "Hello  world <extra_id_0>"
+expect tokenize_t5_info 0 "kind spm-unigram, vocab 500, bos -1, eos 1, pad 0" -- "$FITLLM" tokenize "$T/t5spm" --text x --info
+expect tokenize_t5_decode 0 "^Hello world$" -- "$FITLLM" tokenize "$T/t5spm" --decode "63 46 9 153 123 499 1" --skip-special 1
+printf 'garbage' > "$T/t5spm/spiece.model"
+expect tokenize_t5_bad_spiece 1 "t5spm/spiece.model: " -- "$FITLLM" tokenize "$T/t5spm" --text x
 expect tokenize_decode_out_of_range 1 "token id 99999 \(position 2\) is outside the vocabulary of [0-9]+ ids" -- "$FITLLM" tokenize bytes --decode "65 99999"
 expect finetune_zero_batch 2 "must be positive" -- "$FITLLM" finetune_full micro --train.micro_batch_size 0 --out_dir "$T/x4"
 expect finetune_lora_ok 0 "Saved the PEFT adapter" -- "$FITLLM" finetune_lora micro --train.max_steps 3 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/lora" --quiet
