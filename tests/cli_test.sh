@@ -198,7 +198,15 @@ for pat in "--devices 2 x --num_nodes 2 asks for 4 ranks on 2 machines, .*hostfi
     expect ddp_nodes_without_launcher 2 "$pat" -- "${NOLAUNCH[@]}" "$FITLLM" finetune_full micro --devices 2 --num_nodes 2 --out_dir "$T/d1"
 done
 [ -e "$T/d1" ] && { echo "FAIL ddp_without_launcher_writes_nothing: $T/d1 exists"; fail=$((fail+1)); }
-expect zero_stage3_offload_not_yet 2 "strategy 'deepspeed_stage_3_offload' is not implemented yet \(parameter offload" -- "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload --out_dir "$T/d2"
+expect zero_stage3_offload_not_yet 2 "strategy 'deepspeed_stage_3_offload_nvme' is not implemented yet \(parameter offload" -- "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload_nvme --out_dir "$T/d2"
+expect fsdp_cpu_offload_not_yet 2 "strategy 'fsdp_cpu_offload' is not implemented yet \(parameter offload" -- "$FITLLM" finetune_full micro --strategy fsdp_cpu_offload --out_dir "$T/d2"
+# an option the strategy would not use is refused, never ignored (this ran plain ZeRO-3 before)
+expect zero3_offload_device_needs_offload 2 "offload_optimizer_device cpu offloads the optimizer .*strategy is 'deepspeed_stage_3'.*add _offload" -- \
+    "$FITLLM" finetune_full micro --strategy deepspeed_stage_3 --offload_optimizer_device cpu --out_dir "$T/d2"
+expect nvme_path_needs_nvme 2 "nvme_path '$T/nvme' is the folder of offload_optimizer_device nvme" -- \
+    "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload --nvme_path "$T/nvme" --out_dir "$T/d2"
+expect sharding_needs_fsdp 2 "fsdp.sharding_strategy FULL_SHARD applies to --strategy fsdp; this run's strategy is 'deepspeed_stage_2'" -- \
+    "$FITLLM" finetune_full micro --strategy deepspeed_stage_2 --fsdp.sharding_strategy FULL_SHARD --out_dir "$T/d2"
 # CPU offload (ZeRO-Offload): trains, reports the host tier beside the device's memory; the planner
 # prints the host tier's row and suggests it where the optimizer state does not fit; 8-bit AdamW refused
 expect offload_trains_with_host_tier 0 "host tier \(offload\) OPTIM +1\.98 MiB" -- "$FITLLM" finetune_full micro \
@@ -209,6 +217,13 @@ expect offload_8bit_refused 2 "CPU offload of AdamW8bit is not supported" -- "$F
 expect plan_offload_host_row 0 "^host \(offload\) +reserved +0 B +0 B +1\.98 MiB" -- "$FITLLM" plan micro --strategy deepspeed_stage_2_offload
 expect plan_suggests_offload 3 "cpu_offload +fits: --strategy deepspeed_stage_2_offload" -- "$FITLLM" plan open-llama-7b \
     --device-memory 80GB --train.micro_batch_size 1 --train.global_batch_size 1 --train.max_seq_length 1025 --accelerator cuda
+# ZeRO-3 with the optimizer offloaded: the rank's shard of the state in the host tier (half of micro's 1.98 MiB at 2
+# ranks); suggested under ZeRO-3 where the state is what does not fit
+expect plan_zero3_offload_host_row 0 "^host \(offload\) +reserved +0 B +0 B +1015\.75 KiB" -- "$FITLLM" plan micro \
+    --devices 2 --strategy deepspeed_stage_3_offload
+expect plan_suggests_zero3_offload 3 "cpu_offload +fits: --strategy deepspeed_stage_3_offload" -- "$FITLLM" plan open-llama-7b \
+    --devices 4 --strategy deepspeed_stage_3 --device-memory 25GiB --train.micro_batch_size 1 --train.global_batch_size 4 \
+    --train.max_seq_length 1025 --accelerator cuda
 # NVMe offload: the state in files under nvme_path (none left behind); a folder that cannot take them and nvme
 # without an offload strategy are refused, named
 mkdir -p "$T/nvme"

@@ -28,7 +28,6 @@ void fl_cfg_defaults(fl_run_config *c, fl_cmd_kind cmd) {
     c->num_nodes = 1;
     snprintf(c->strategy, sizeof c->strategy, "auto");
     snprintf(c->state_dict_type, sizeof c->state_dict_type, "full");
-    snprintf(c->offload_device, sizeof c->offload_device, "cpu");
     snprintf(c->resume, sizeof c->resume, "false");
     c->seed = cmd == FL_CMD_PRETRAIN ? 42 : 1337;
     snprintf(c->logger_name, sizeof c->logger_name, "csv");
@@ -72,10 +71,10 @@ static const fl_cfg_key k_keys[] = {
     {"precision", FL_CK_PRECISION, OFF(precision), "32-true | bf16-true | bf16-mixed | 16-true | 16-mixed"},
     {"devices", FL_CK_DEVICES, OFF(devices), "devices (ranks) per node, or auto (1 CPU device); > 1: data parallel over devices x num_nodes ranks"},
     {"num_nodes", FL_CK_POS, OFF(num_nodes), "number of nodes"},
-    {"strategy", FL_CK_STR32, OFF(strategy), "auto | ddp | deepspeed_stage_1 | deepspeed_stage_2 | deepspeed_stage_3 | deepspeed_stage_1_offload | deepspeed_stage_2_offload | fsdp (auto, as LitGPT: fsdp FULL_SHARD for finetune_full and pretrain, ddp over the adapters for adapter fine-tuning, on CPUs and GPUs; ZeRO-1/2 shard the optimizer state / gradients; ZeRO-3 = fsdp FULL_SHARD also the parameters, gathered block by block; *_offload: ZeRO-Offload, the optimizer state in host memory outside the device budget and the update on the host's cores, AdamW or SGD, one device or several)"},
+    {"strategy", FL_CK_STR32, OFF(strategy), "auto | ddp | deepspeed_stage_1 | deepspeed_stage_2 | deepspeed_stage_3 | deepspeed_stage_1_offload | deepspeed_stage_2_offload | deepspeed_stage_3_offload | fsdp (auto, as LitGPT: fsdp FULL_SHARD for finetune_full and pretrain, ddp over the adapters for adapter fine-tuning, on CPUs and GPUs; ZeRO-1/2 shard the optimizer state / gradients; ZeRO-3 = fsdp FULL_SHARD also the parameters, gathered block by block; *_offload: ZeRO-Offload, the optimizer state in host memory outside the device budget and the update on the host's cores, AdamW or SGD, one device or several; deepspeed_stage_3_offload: ZeRO-3 with the optimizer offloaded, the parameters' shards stay on the devices (Lightning's name also offloads the parameters: not built, see --offload_param_device); parameter offload (deepspeed_stage_3_offload_nvme, fsdp_cpu_offload) is refused)"},
     {"fsdp.sharding_strategy", FL_CK_STR32, OFF(sharding_strategy), "--strategy fsdp: FULL_SHARD (default; = ZeRO-3: parameters, gradients and optimizer state divided by the ranks) | SHARD_GRAD_OP (= ZeRO-2) | NO_SHARD (= ddp) | HYBRID_SHARD (FULL_SHARD within each node of --devices ranks, replicated across --num_nodes; pretrain's auto across nodes)"},
-    {"offload_optimizer_device", FL_CK_STR32, OFF(offload_device), "with --strategy deepspeed_stage_1_offload / _2_offload: cpu (default: the optimizer state in host memory) | nvme (ZeRO-Infinity's: in files under nvme_path, read and written piece by piece through a few pieces of host memory; for a host too small for the state)"},
-    {"nvme_path", FL_CK_PATH, OFF(nvme_path), "offload_optimizer_device nvme: the folder for the state files (default: out_dir); the files are unlinked at creation, so nothing is left behind"},
+    {"offload_optimizer_device", FL_CK_STR32, OFF(offload_device), "with --strategy deepspeed_stage_1_offload / _2_offload / _3_offload (refused with any other strategy): cpu (default: the optimizer state in host memory) | nvme (ZeRO-Infinity's: in files under nvme_path, read and written piece by piece through a few pieces of host memory; for a host too small for the state)"},
+    {"nvme_path", FL_CK_PATH, OFF(nvme_path), "offload_optimizer_device nvme (refused without it): the folder for the state files (default: out_dir); the files are unlinked at creation, so nothing is left behind"},
     {"fsdp.state_dict_type", FL_CK_STR32, OFF(state_dict_type), "checkpoints of every strategy: full (consolidated, one file set) | sharded (each rank writes its element ranges; resumable at any world size; fitllm merge_shards consolidates)"},
     {"resume", FL_CK_RESUME, OFF(resume), "false | true | auto | path to a checkpoint folder"},
     {"seed", FL_CK_U64, OFF(seed), "random seed"},
@@ -582,24 +581,25 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
  * else. */
 static fl_status not_yet(const char *what, const char *name) {
     return fl_errorf(FL_ERR_UNSUPPORTED, "%s '%s' is not implemented yet (parameter offload: the parameters on the host "
-                     "between uses); use deepspeed_stage_2_offload or deepspeed_stage_1_offload (the optimizer state "
-                     "and its update on the host), --strategy ddp, deepspeed_stage_1, deepspeed_stage_2, "
+                     "between uses); use deepspeed_stage_3_offload, deepspeed_stage_2_offload or deepspeed_stage_1_offload (the "
+                     "optimizer state and its update on the host), --strategy ddp, deepspeed_stage_1, deepspeed_stage_2, "
                      "deepspeed_stage_3, or fsdp with --fsdp.sharding_strategy NO_SHARD, SHARD_GRAD_OP, FULL_SHARD or "
                      "HYBRID_SHARD", what, name);
 }
 
 int fl_cfg_offload(const char *s) {
-    return s && (!strcmp(s, "deepspeed_stage_1_offload") || !strcmp(s, "deepspeed_stage_2_offload"));
+    return s && (!strcmp(s, "deepspeed_stage_1_offload") || !strcmp(s, "deepspeed_stage_2_offload") ||
+                 !strcmp(s, "deepspeed_stage_3_offload"));
 }
 
 fl_status fl_cfg_zero_stage(const char *s, const char *sharding, int *stage) {
-    static const char *later[] = {"deepspeed", "deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme",
+    static const char *later[] = {"deepspeed", "deepspeed_stage_3_offload_nvme",
                                   "fsdp_cpu_offload"};
     *stage = 0;
     if (!s[0] || !strcmp(s, "auto") || !strcmp(s, "ddp")) return FL_OK;
     if (!strcmp(s, "deepspeed_stage_1") || !strcmp(s, "deepspeed_stage_1_offload")) { *stage = 1; return FL_OK; }
     if (!strcmp(s, "deepspeed_stage_2") || !strcmp(s, "deepspeed_stage_2_offload")) { *stage = 2; return FL_OK; }
-    if (!strcmp(s, "deepspeed_stage_3")) { *stage = 3; return FL_OK; }
+    if (!strcmp(s, "deepspeed_stage_3") || !strcmp(s, "deepspeed_stage_3_offload")) { *stage = 3; return FL_OK; }
     if (!strcmp(s, "fsdp")) {
         /* Lightning's FSDPStrategy default is FULL_SHARD (ZeRO-3) */
         const char *ss = sharding && sharding[0] ? sharding : "FULL_SHARD";
@@ -618,7 +618,7 @@ fl_status fl_cfg_zero_stage(const char *s, const char *sharding, int *stage) {
     for (size_t i = 0; i < sizeof later / sizeof later[0]; i++)
         if (!strcmp(s, later[i])) return not_yet("strategy", s);
     return fl_errorf(FL_ERR_INVALID, "strategy '%s': unknown (auto, ddp, deepspeed_stage_1, deepspeed_stage_2, "
-                     "deepspeed_stage_3, deepspeed_stage_1_offload, deepspeed_stage_2_offload, fsdp)",
+                     "deepspeed_stage_3, deepspeed_stage_1_offload, deepspeed_stage_2_offload, deepspeed_stage_3_offload, fsdp)",
                      s);
 }
 
@@ -704,12 +704,26 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
         strcmp(c->sharding_strategy, "HYBRID_SHARD") && strcmp(c->sharding_strategy, "_HYBRID_SHARD_ZERO2"))
         return fl_errorf(FL_ERR_INVALID, "fsdp.sharding_strategy '%s': unknown (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, "
                          "HYBRID_SHARD)", c->sharding_strategy);
+    const char *strat = c->strategy[0] ? c->strategy : "auto";
+    if (c->sharding_strategy[0] && strcmp(strat, "fsdp") && (strcmp(strat, "auto") || c->devices * c->num_nodes > 1))
+        return fl_errorf(FL_ERR_INVALID, "fsdp.sharding_strategy %s applies to --strategy fsdp; this run's strategy is "
+                         "'%s'%s", c->sharding_strategy, strat,
+                         strcmp(strat, "auto") ? "" : " (auto picks its own sharding: give --strategy fsdp to choose it)");
     if (c->offload_device[0] && strcmp(c->offload_device, "cpu") && strcmp(c->offload_device, "nvme"))
         return fl_errorf(FL_ERR_INVALID, "offload_optimizer_device '%s': unknown (cpu or nvme)", c->offload_device);
-    if (!strcmp(c->offload_device, "nvme") && !fl_cfg_offload(c->strategy))
-        return fl_errorf(FL_ERR_INVALID, "offload_optimizer_device nvme offloads the optimizer of --strategy "
-                         "deepspeed_stage_2_offload or deepspeed_stage_1_offload; this run's strategy is '%s'",
-                         c->strategy[0] ? c->strategy : "auto");
+    /* an option the run would not use is refused, never ignored (--strategy deepspeed_stage_3
+     * --offload_optimizer_device cpu ran plain ZeRO-3 before) */
+    if (c->offload_device[0] && !fl_cfg_offload(c->strategy))
+        return fl_errorf(FL_ERR_INVALID, "offload_optimizer_device %s offloads the optimizer of --strategy "
+                         "deepspeed_stage_2_offload, deepspeed_stage_1_offload or deepspeed_stage_3_offload; this run's "
+                         "strategy is '%s', which keeps the optimizer state on the device%s", c->offload_device,
+                         c->strategy[0] ? c->strategy : "auto",
+                         !strncmp(c->strategy, "deepspeed_stage_", 16) && strlen(c->strategy) == 17
+                             ? " (add _offload to its name to offload it)" : "");
+    if (c->nvme_path[0] && strcmp(c->offload_device, "nvme"))
+        return fl_errorf(FL_ERR_INVALID, "nvme_path '%s' is the folder of offload_optimizer_device nvme's state files; "
+                         "this run does not offload to nvme (offload_optimizer_device %s)", c->nvme_path,
+                         c->offload_device[0] ? c->offload_device : "not given");
     if (strcmp(c->state_dict_type, "full") && strcmp(c->state_dict_type, "sharded"))
         return fl_errorf(FL_ERR_INVALID, "fsdp.state_dict_type '%s': unknown (full or sharded)", c->state_dict_type);
     if (!strcmp(c->state_dict_type, "sharded") && c->command == FL_CMD_FINETUNE_LORA)

@@ -467,16 +467,22 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
         a8.lr = oc->lr;
         sugg_variant(p, x, s, c, &a8, "--optimizer bnb.optim.AdamW8bit", "about 2 bytes of state per parameter instead of 8");
     }
-    /* 4b. CPU offload (ZeRO-Offload): the optimizer state off the device; AdamW and SGD with momentum, not
-     * under FULL_SHARD (parameter offload is not built) */
-    if (!fl_cfg_offload(c->strategy) && p->zero_stage != 3 &&
+    /* 4b. CPU offload (ZeRO-Offload): the optimizer state off the device; AdamW and SGD with momentum; under
+     * ZeRO-3 / FULL_SHARD deepspeed_stage_3_offload (the parameters' shards stay on the devices; not for
+     * HYBRID_SHARD, whose sharding no offload strategy has) */
+    const int z3 = p->zero_stage == 3;
+    if (!fl_cfg_offload(c->strategy) && !fl_cfg_hybrid_shard(c->strategy, c->sharding_strategy) &&
         (oc->kind == FL_OPT_ADAMW || (oc->kind == FL_OPT_SGD && oc->momentum != 0.0f)) && (s = sugg(p, "cpu_offload"))) {
         fl_run_config v = *c;
-        snprintf(v.strategy, sizeof v.strategy, "deepspeed_stage_2_offload");
+        const char *st = z3 ? "deepspeed_stage_3_offload" : "deepspeed_stage_2_offload";
+        snprintf(v.strategy, sizeof v.strategy, "%s", st);
+        v.sharding_strategy[0] = '\0';
         /* a CPU run's host tier is the same RAM as its "device": only files free it (the nvme tier) */
         if (!x->cuda) snprintf(v.offload_device, sizeof v.offload_device, "nvme");
-        sugg_variant(p, x, s, &v, oc, x->cuda ? "--strategy deepspeed_stage_2_offload"
-                     : "--strategy deepspeed_stage_2_offload --offload_optimizer_device nvme --nvme_path DIR",
+        char change[128];
+        snprintf(change, sizeof change, "--strategy %s%s", st,
+                 x->cuda ? "" : " --offload_optimizer_device nvme --nvme_path DIR");
+        sugg_variant(p, x, s, &v, oc, change,
                      x->cuda ? "the optimizer state in host memory and the update on the host's cores (slower: gradients "
                      "down and parameters up every step)" : "the optimizer state in files on a disk, paged through a few "
                      "pieces of RAM (slower: read and written every step)");

@@ -459,9 +459,6 @@ fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim
         return fl_errorf(FL_ERR_UNSUPPORTED, "CPU offload of AdamW8bit is not supported (its block-wise state is "
                          "already a quarter of AdamW's): use --optimizer AdamW or SGD with the offload, or AdamW8bit "
                          "with a strategy without offload");
-    if (off && fl_model_provider(model) && !model->lora)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "CPU offload of a sharded model (FULL_SHARD): parameter offload is not "
-                         "implemented yet; use deepspeed_stage_2_offload");
     if (off && (!off->be || !off->pool)) return fl_errorf(FL_ERR_INVALID, "CPU offload: no host backend or host pool");
     o->cfg = *cfg;
     o->model = model;
