@@ -224,6 +224,16 @@ expect plan_zero3_offload_host_row 0 "^host \(offload\) +reserved +0 B +0 B +101
 expect plan_suggests_zero3_offload 3 "cpu_offload +fits: --strategy deepspeed_stage_3_offload" -- "$FITLLM" plan open-llama-7b \
     --devices 4 --strategy deepspeed_stage_3 --device-memory 25GiB --train.micro_batch_size 1 --train.global_batch_size 4 \
     --train.max_seq_length 1025 --accelerator cuda
+# --bucket_size: ZeRO-2 offload of a 7B model at micro 4 over 4 MPI ranks planned a 19.99 GiB WORKSPACE peak (the
+# whole buffer's reduce-scatter scratch, 3/4 of 25.1 GiB of gradients); in buckets of 256 MiB (the default) 1.57 GiB
+expect plan_bucket_bounds_zero2_workspace 0 "^peak +reserved +25\.10 GiB +25\.10 GiB +0 B +64\.84 GiB +1\.57 GiB" -- \
+    "$FITLLM" plan open-llama-7b --devices 4 --strategy deepspeed_stage_2_offload --train.micro_batch_size 4
+expect plan_unbucketed_zero2_workspace 0 "^peak +reserved +25\.10 GiB +25\.10 GiB +0 B +64\.84 GiB +19\.99 GiB" -- \
+    "$FITLLM" plan open-llama-7b --devices 4 --strategy deepspeed_stage_2_offload --train.micro_batch_size 4 --bucket_size null
+expect plan_bucket_note 0 "gradient reductions in buckets of 1\.00 MiB \(--bucket_size\)" -- "$FITLLM" plan micro --devices 2 \
+    --strategy deepspeed_stage_2 --bucket_size 1MiB
+expect plan_bucket_json 0 '"zero_stage": 2, "bucket_size": 268435456' -- "$FITLLM" plan micro --devices 2 --strategy deepspeed_stage_2 --json
+expect bucket_size_bare_number 2 "bucket_size" -- "$FITLLM" finetune_full micro --bucket_size 4096 --out_dir "$T/d2"
 # NVMe offload: the state in files under nvme_path (none left behind); a folder that cannot take them and nvme
 # without an offload strategy are refused, named
 mkdir -p "$T/nvme"

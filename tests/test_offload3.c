@@ -219,7 +219,7 @@ static void o3_resume_case(int sc, o3side save, const char *sdt, const o3side *r
         o3job *r = o3_new(sc, resume[k].world, resume[k].strategy, "ck-resumed");
         r->cfg.train.global_batch_size = 12;
         r->cfg.train.max_steps = 4;
-        snprintf(r->cfg.resume, sizeof r->cfg.resume, "%s/step-000002", part->cfg.out_dir);
+        snprintf(r->cfg.resume, sizeof r->cfg.resume, "%.4000s/step-000002", part->cfg.out_dir);
         snprintf(r->cfg.out_dir, sizeof r->cfg.out_dir, "%s/offload3-ck-resumed-%d", fl_test_tmpdir(), k);
         if (o3_run(r, resume[k].world, backend) == FL_OK) {
             const zr_rec *x = &r->rec[0];
@@ -265,4 +265,37 @@ FL_TEST(offload3_checkpoints_resume_with_and_without_offload) {
      * without offload */
     const o3side r1[2] = {{D, 1}, {O, 1}};
     o3_resume_case(ZR_SGDM, (o3side){O, 3}, "full", r1, 2, "cpu");
+}
+
+/* The planner: device, host and nvme bytes of every rank, for every offload combination built
+ * (deepspeed_stage_{1,2,3}_offload x offload_optimizer_device cpu | nvme x 1, 2, 3 ranks; AdamW with
+ * clipping), equal to the measured: every tag's peak of each tier (the device's WORKSPACE aside: thread
+ * ranks take no MPI scratch, which the plan counts), every phase's reserved bytes. */
+FL_TEST(offload3_plan_equals_measured_for_every_tier_and_rank) {
+    char dir[700], mk[760];
+    snprintf(dir, sizeof dir, "%s/nvme-plan", fl_test_tmpdir());
+    snprintf(mk, sizeof mk, "mkdir -p '%s'", dir);
+    FL_REQUIRE(system(mk) == 0);
+    for (int stage = 1; stage <= 3; stage++)
+        for (int nvme = 0; nvme < 2; nvme++)
+            for (int world = 1; world <= 3; world++) {
+                char st[48], what[96];
+                snprintf(st, sizeof st, "deepspeed_stage_%d_offload", stage);
+                snprintf(what, sizeof what, "%s %s at %d ranks", st, nvme ? "nvme" : "cpu", world);
+                o3job *j = o3_new(ZR_ADAMW, world, st, nvme ? "plan-nvme" : "plan-cpu");
+                j->cfg.train.max_steps = 2;
+                if (nvme) {
+                    snprintf(j->cfg.offload_device, sizeof j->cfg.offload_device, "nvme");
+                    snprintf(j->cfg.nvme_path, sizeof j->cfg.nvme_path, "%s", dir);
+                }
+                if (o3_run(j, world, "cpu") == FL_OK) {
+                    for (int r = 0; r < world; r++)
+                        FL_CHECKF(j->res[r].offload && (nvme ? j->res[r].nvme_peak[FL_TAG_OPTIM] > 0
+                                                              : j->res[r].host_peak[FL_TAG_OPTIM] > 0),
+                                  "%s rank %d: no state in the %s tier", what, r, nvme ? "nvme" : "host");
+                    o3_check_plan(j, world, what);
+                }
+                o3_free(j);
+            }
+    FL_CHECKF(dir_empty(dir), "offload plans: files left in %s", dir);
 }

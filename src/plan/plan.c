@@ -569,6 +569,15 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
                 "whole", p->zero_stage, p->devices, p->rank,
              p->zero_stage == 2 ? "GRADS reserved in full (backward fills the flat buffer), live after the "
                                   "reduce-scatter: the chunk" : "gradients whole (all-reduced)");
+    p->bucket_size = c->bucket_size;
+    if (p->devices > 1) {
+        char bb[32];
+        if (c->bucket_size)
+            note(p, "gradient reductions in buckets of %s (--bucket_size): their WORKSPACE stays under twice it, "
+                    "whatever the model; the same bits", fl_fmt_bytes(c->bucket_size, bb, sizeof bb));
+        else
+            note(p, "gradient reductions unbucketed (--bucket_size null): their scratch grows with the model");
+    }
     if (sc.offload && !strcmp(c->offload_device, "nvme"))
         note(p, "NVMe offload: OPTIM is in the nvme tier (its row: files under nvme_path, paged through a few "
                 "pieces of host memory), outside the device budget%s", opts.cuda ? "; the host tier: one piece staged"
@@ -781,9 +790,9 @@ void fl_plan_write_json(const fl_plan *p, FILE *f) {
     fprintf(f, ", \"optimizer\": ");
     jstr(f, p->optimizer);
     fprintf(f, ", \"activation_checkpointing\": %s, \"eval_generation\": %s, \"devices\": %d, \"rank\": %d, "
-               "\"zero_stage\": %d},\n",
+               "\"zero_stage\": %d, \"bucket_size\": %zu},\n",
             p->act_ckpt ? "true" : "false", p->generation ? "true" : "false", p->devices > 0 ? p->devices : 1, p->rank,
-            p->zero_stage);
+            p->zero_stage, p->bucket_size);
     if (p->budget) fprintf(f, "  \"budget\": %zu,\n", p->budget);
     else fprintf(f, "  \"budget\": null,\n");
     fprintf(f, "  \"tags\": [");

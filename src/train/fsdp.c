@@ -173,13 +173,13 @@ static fl_status pp_grads_ready(void *ud, int g) {
     fl_status s;
     /* HYBRID: the node's sum of the piece, then the nodes' (all-reduce over the replica group, in place) */
     if (f->fresh[g]) { /* the step's first micro-batch: the reduced piece is the shard's gradient */
-        s = fl_comm_reduce_scatter(f->sc, f->views[g].g, dst, f->n[g], gt, FL_COMM_SUM);
+        s = fl_dp_reduce_scatter(f->sc, m->be, m->pool, f->views[g].g, dst, f->n[g], gt, f->dp->bucket);
         if (s == FL_OK && f->rc) s = fl_comm_all_reduce(f->rc, dst, dst, len, gt, FL_COMM_SUM);
         f->fresh[g] = 0;
     } else { /* later ones: reduced into scratch, then added (rounded once) */
         void *tmp = NULL;
         s = fl_mem_alloc(m->pool, FL_TAG_GATHER, len * f->es, &tmp);
-        if (s == FL_OK) s = fl_comm_reduce_scatter(f->sc, f->views[g].g, tmp, f->n[g], gt, FL_COMM_SUM);
+        if (s == FL_OK) s = fl_dp_reduce_scatter(f->sc, m->be, m->pool, f->views[g].g, tmp, f->n[g], gt, f->dp->bucket);
         if (s == FL_OK && f->rc) s = fl_comm_all_reduce(f->rc, tmp, tmp, len, gt, FL_COMM_SUM);
         if (s == FL_OK && len) {
             if (gt == FL_F32) {
