@@ -200,6 +200,8 @@ done
 [ -e "$T/d1" ] && { echo "FAIL ddp_without_launcher_writes_nothing: $T/d1 exists"; fail=$((fail+1)); }
 expect zero_stage3_offload_not_yet 2 "strategy 'deepspeed_stage_3_offload_nvme' is not implemented yet \(parameter offload" -- "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload_nvme --out_dir "$T/d2"
 expect fsdp_cpu_offload_not_yet 2 "strategy 'fsdp_cpu_offload' is not implemented yet \(parameter offload" -- "$FITLLM" finetune_full micro --strategy fsdp_cpu_offload --out_dir "$T/d2"
+expect offload_param_device_not_yet 2 "offload_param_device 'cpu': parameter offload .* is not implemented yet" -- \
+    "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload --offload_param_device cpu --out_dir "$T/d2"
 # an option the strategy would not use is refused, never ignored (this ran plain ZeRO-3 before)
 expect zero3_offload_device_needs_offload 2 "offload_optimizer_device cpu offloads the optimizer .*strategy is 'deepspeed_stage_3'.*add _offload" -- \
     "$FITLLM" finetune_full micro --strategy deepspeed_stage_3 --offload_optimizer_device cpu --out_dir "$T/d2"
@@ -224,6 +226,13 @@ expect plan_zero3_offload_host_row 0 "^host \(offload\) +reserved +0 B +0 B +101
 expect plan_suggests_zero3_offload 3 "cpu_offload +fits: --strategy deepspeed_stage_3_offload" -- "$FITLLM" plan open-llama-7b \
     --devices 4 --strategy deepspeed_stage_3 --device-memory 25GiB --train.micro_batch_size 1 --train.global_batch_size 4 \
     --train.max_seq_length 1025 --accelerator cuda
+# a disk that cannot take the state at set-up (a file-size limit stands in for a full disk): an I/O error naming
+# the folder, no OOM advice, no file left
+mkdir -p "$T/nvf"
+expect offload_nvme_full_disk 1 "NVMe offload: .* cannot reserve [0-9]+ bytes in '$T/nvf'.*free space there or give another --nvme_path" -- \
+    bash -c "ulimit -f 64; trap '' XFSZ; exec \"\$0\" \"\$@\"" "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload \
+    --offload_optimizer_device nvme --nvme_path "$T/nvf" --out_dir "$T/off6"
+[ -z "$(ls -A "$T/nvf")" ] || { echo "FAIL offload_nvme_full_disk_leaves_no_files: $(ls -A "$T/nvf")"; fail=$((fail+1)); }
 # --bucket_size: ZeRO-2 offload of a 7B model at micro 4 over 4 MPI ranks planned a 19.99 GiB WORKSPACE peak (the
 # whole buffer's reduce-scatter scratch, 3/4 of 25.1 GiB of gradients); in buckets of 256 MiB (the default) 1.57 GiB
 expect plan_bucket_bounds_zero2_workspace 0 "^peak +reserved +25\.10 GiB +25\.10 GiB +0 B +64\.84 GiB +1\.57 GiB" -- \

@@ -13,9 +13,11 @@
  * with offload and resumed with or without it, and the reverse, consolidated and sharded, at the same
  * and another world size: the bits of the same checkpoint resumed by the device-resident run (and, at
  * the same size, of the uninterrupted run). */
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #include "train/dp.h"
 #include "test.h"
@@ -298,4 +300,56 @@ FL_TEST(offload3_plan_equals_measured_for_every_tier_and_rank) {
                 o3_free(j);
             }
     FL_CHECKF(dir_empty(dir), "offload plans: files left in %s", dir);
+}
+
+/* Parameter offload is not built: refused by name, never ignored */
+FL_TEST(offload3_param_offload_refused) {
+    fl_run_config c;
+    char out[700];
+    snprintf(out, sizeof out, "%s/offload3-param", fl_test_tmpdir());
+    zr_config(&c, ZR_ADAMW, 2, 2, 1, "deepspeed_stage_3_offload", NULL, out);
+    FL_CHECK(fl_cfg_validate(&c) == FL_OK);
+    FL_CHECK(fl_cfg_set(&c, "offload_param_device", "none") == FL_OK && fl_cfg_validate(&c) == FL_OK);
+    FL_CHECK(fl_cfg_set(&c, "offload_param_device", "cpu") == FL_OK && fl_cfg_validate(&c) == FL_ERR_UNSUPPORTED &&
+             strstr(fl_error_message(), "parameter offload") && strstr(fl_error_message(), "not implemented yet"));
+    FL_CHECK(fl_cfg_set(&c, "offload_param_device", "nvme") == FL_OK && fl_cfg_validate(&c) == FL_ERR_UNSUPPORTED);
+    FL_CHECK(fl_cfg_set(&c, "offload_param_device", "gpu") == FL_OK && fl_cfg_validate(&c) == FL_ERR_INVALID);
+}
+
+/* Faults at set-up under ZeRO-3 nvme offload at 2 ranks: a folder that does not exist, and a disk that
+ * cannot take the state (here a file-size limit below the state's bytes: posix_fallocate fails as on a
+ * full disk). Every rank fails at set-up, before a step, with the folder named; no file is left. */
+FL_TEST(offload3_nvme_faults_at_setup_name_the_folder) {
+    o3job *j = o3_new(ZR_ADAMW, 2, "deepspeed_stage_3_offload", "nvme-missing");
+    snprintf(j->cfg.offload_device, sizeof j->cfg.offload_device, "nvme");
+    snprintf(j->cfg.nvme_path, sizeof j->cfg.nvme_path, "/nonexistent-fitllm-nvme3");
+    setenv("FITLLM_BACKEND", "cpu", 1);
+    fl_status s = fl_comm_threads_run(2, o3rank, j);
+    FL_CHECKF(s != FL_OK && strstr(fl_error_message(), "/nonexistent-fitllm-nvme3") &&
+              strstr(fl_error_message(), "nvme_path") && !j->rec[0].steps && !j->rec[1].steps,
+              "missing nvme folder: %s (%s), steps %ld", fl_status_name(s), fl_error_message(), j->rec[0].steps);
+    o3_free(j);
+    /* "full": files may not grow past 64 KiB (micro's AdamW state shard is ~500 KiB a rank) */
+    char dir[700], mk[760];
+    snprintf(dir, sizeof dir, "%s/nvme-full", fl_test_tmpdir());
+    snprintf(mk, sizeof mk, "mkdir -p '%s'", dir);
+    FL_REQUIRE(system(mk) == 0);
+    j = o3_new(ZR_ADAMW, 2, "deepspeed_stage_3_offload", "nvme-full");
+    snprintf(j->cfg.offload_device, sizeof j->cfg.offload_device, "nvme");
+    snprintf(j->cfg.nvme_path, sizeof j->cfg.nvme_path, "%s", dir);
+    struct rlimit old, lim;
+    FL_REQUIRE(getrlimit(RLIMIT_FSIZE, &old) == 0);
+    lim = old;
+    lim.rlim_cur = 64 << 10;
+    void (*prev)(int) = signal(SIGXFSZ, SIG_IGN); /* the call fails with EFBIG instead of a signal */
+    FL_REQUIRE(setrlimit(RLIMIT_FSIZE, &lim) == 0);
+    s = fl_comm_threads_run(2, o3rank, j);
+    setrlimit(RLIMIT_FSIZE, &old);
+    signal(SIGXFSZ, prev);
+    unsetenv("FITLLM_BACKEND");
+    FL_CHECKF(s != FL_OK && strstr(fl_error_message(), dir) && strstr(fl_error_message(), "cannot reserve") &&
+              !j->rec[0].steps && !j->rec[1].steps,
+              "full nvme folder: %s (%s), steps %ld", fl_status_name(s), fl_error_message(), j->rec[0].steps);
+    FL_CHECKF(dir_empty(dir), "full nvme folder: files left in %s", dir);
+    o3_free(j);
 }

@@ -88,6 +88,8 @@ typedef struct {
                                        * memory) or "nvme" (in files under nvme_path, paged through host memory);
                                        * refused with a strategy that does not offload */
     char nvme_path[FL_CFG_PATH];      /* nvme_path: the folder of the nvme state files ("": out_dir) */
+    char offload_param_device[32];    /* offload_param_device: "" / "none" (the parameters stay on the device); cpu and
+                                       * nvme (parameter offload) are refused: not built yet */
     size_t bucket_size;               /* bucket_size: bytes of one bucket of the data-parallel gradient reductions
                                        * (src/train/dp_bucket.c; default 256 MiB; 0 / null: one collective each) */
     char state_dict_type[32];         /* fsdp.state_dict_type: "full" (one consolidated checkpoint, the default) or

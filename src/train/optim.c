@@ -518,6 +518,16 @@ fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim
         s = fl_mem_alloc(o->home.hpool, FL_TAG_WORKSPACE, o->home.piece * fl_dtype_size(o->w.pt), &o->home.hp);
         if (s == FL_OK) s = fl_mem_alloc(o->home.hpool, FL_TAG_WORKSPACE, o->home.piece * fl_dtype_size(o->w.gt), &o->home.hg);
     }
+    if (s != FL_OK && o->home.disk && o->home.pool->raw_why && o->home.pool->raw_why(o->home.pool->raw_ud)[0]) {
+        /* the disk refused the state's files (missing space, a file-size limit): a disk fault, not a memory
+         * budget (no smaller micro batch helps) */
+        char why[512];
+        snprintf(why, sizeof why, "%s", o->home.pool->raw_why(o->home.pool->raw_ud));
+        fl_optim_free(o);
+        return fl_errorf(FL_ERR_IO, "allocating %s state (NVMe offload: %zu bytes of this rank's state in files under "
+                         "nvme_path): %s; free space there or give another --nvme_path", fl_optim_name(cfg->kind),
+                         bytes * (cfg->kind == FL_OPT_ADAMW ? 2 : 1), why);
+    }
     if (s != FL_OK) {
         fl_optim_free(o);
         return fl_error_prefix(s, "allocating %s state%s", fl_optim_name(cfg->kind), off ? " (CPU offload: host tier)" : "");
