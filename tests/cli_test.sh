@@ -217,7 +217,17 @@ for pat in "--devices 2 x --num_nodes 2 asks for 4 ranks on 2 machines, .*hostfi
     expect ddp_nodes_without_launcher 2 "$pat" -- "${NOLAUNCH[@]}" "$FITLLM" finetune_full micro --devices 2 --num_nodes 2 --out_dir "$T/d1"
 done
 [ -e "$T/d1" ] && { echo "FAIL ddp_without_launcher_writes_nothing: $T/d1 exists"; fail=$((fail+1)); }
-expect zero_stage3_offload_not_yet 2 "strategy 'deepspeed_stage_3_offload' is not implemented yet \(parameter offload" -- "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload --out_dir "$T/d2"
+expect zero_stage3_offload_not_yet 2 "strategy 'deepspeed_stage_3_offload_nvme' is not implemented yet \(parameter offload" -- "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload_nvme --out_dir "$T/d2"
+expect fsdp_cpu_offload_not_yet 2 "strategy 'fsdp_cpu_offload' is not implemented yet \(parameter offload" -- "$FITLLM" finetune_full micro --strategy fsdp_cpu_offload --out_dir "$T/d2"
+expect offload_param_device_not_yet 2 "offload_param_device 'cpu': parameter offload .* is not implemented yet" -- \
+    "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload --offload_param_device cpu --out_dir "$T/d2"
+# an option the strategy would not use is refused, never ignored (this ran plain ZeRO-3 before)
+expect zero3_offload_device_needs_offload 2 "offload_optimizer_device cpu offloads the optimizer .*strategy is 'deepspeed_stage_3'.*add _offload" -- \
+    "$FITLLM" finetune_full micro --strategy deepspeed_stage_3 --offload_optimizer_device cpu --out_dir "$T/d2"
+expect nvme_path_needs_nvme 2 "nvme_path '$T/nvme' is the folder of offload_optimizer_device nvme" -- \
+    "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload --nvme_path "$T/nvme" --out_dir "$T/d2"
+expect sharding_needs_fsdp 2 "fsdp.sharding_strategy FULL_SHARD applies to --strategy fsdp; this run's strategy is 'deepspeed_stage_2'" -- \
+    "$FITLLM" finetune_full micro --strategy deepspeed_stage_2 --fsdp.sharding_strategy FULL_SHARD --out_dir "$T/d2"
 # CPU offload (ZeRO-Offload): trains, reports the host tier beside the device's memory; the planner
 # prints the host tier's row and suggests it where the optimizer state does not fit; 8-bit AdamW refused
 expect offload_trains_with_host_tier 0 "host tier \(offload\) OPTIM +1\.98 MiB" -- "$FITLLM" finetune_full micro \
@@ -228,6 +238,30 @@ expect offload_8bit_refused 2 "CPU offload of AdamW8bit is not supported" -- "$F
 expect plan_offload_host_row 0 "^host \(offload\) +reserved +0 B +0 B +1\.98 MiB" -- "$FITLLM" plan micro --strategy deepspeed_stage_2_offload
 expect plan_suggests_offload 3 "cpu_offload +fits: --strategy deepspeed_stage_2_offload" -- "$FITLLM" plan open-llama-7b \
     --device-memory 80GB --train.micro_batch_size 1 --train.global_batch_size 1 --train.max_seq_length 1025 --accelerator cuda
+# ZeRO-3 with the optimizer offloaded: the rank's shard of the state in the host tier (half of micro's 1.98 MiB at 2
+# ranks); suggested under ZeRO-3 where the state is what does not fit
+expect plan_zero3_offload_host_row 0 "^host \(offload\) +reserved +0 B +0 B +1015\.75 KiB" -- "$FITLLM" plan micro \
+    --devices 2 --strategy deepspeed_stage_3_offload
+expect plan_suggests_zero3_offload 3 "cpu_offload +fits: --strategy deepspeed_stage_3_offload" -- "$FITLLM" plan open-llama-7b \
+    --devices 4 --strategy deepspeed_stage_3 --device-memory 25GiB --train.micro_batch_size 1 --train.global_batch_size 4 \
+    --train.max_seq_length 1025 --accelerator cuda
+# a disk that cannot take the state at set-up (a file-size limit stands in for a full disk): an I/O error naming
+# the folder, no OOM advice, no file left
+mkdir -p "$T/nvf"
+expect offload_nvme_full_disk 1 "NVMe offload: .* cannot reserve [0-9]+ bytes in '$T/nvf'.*free space there or give another --nvme_path" -- \
+    bash -c "ulimit -f 64; trap '' XFSZ; exec \"\$0\" \"\$@\"" "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload \
+    --offload_optimizer_device nvme --nvme_path "$T/nvf" --out_dir "$T/off6"
+[ -z "$(ls -A "$T/nvf")" ] || { echo "FAIL offload_nvme_full_disk_leaves_no_files: $(ls -A "$T/nvf")"; fail=$((fail+1)); }
+# --bucket_size: ZeRO-2 offload of a 7B model at micro 4 over 4 MPI ranks planned a 19.99 GiB WORKSPACE peak (the
+# whole buffer's reduce-scatter scratch, 3/4 of 25.1 GiB of gradients); in buckets of 256 MiB (the default) 1.57 GiB
+expect plan_bucket_bounds_zero2_workspace 0 "^peak +reserved +25\.10 GiB +25\.10 GiB +0 B +64\.84 GiB +1\.57 GiB" -- \
+    "$FITLLM" plan open-llama-7b --devices 4 --strategy deepspeed_stage_2_offload --train.micro_batch_size 4
+expect plan_unbucketed_zero2_workspace 0 "^peak +reserved +25\.10 GiB +25\.10 GiB +0 B +64\.84 GiB +19\.99 GiB" -- \
+    "$FITLLM" plan open-llama-7b --devices 4 --strategy deepspeed_stage_2_offload --train.micro_batch_size 4 --bucket_size null
+expect plan_bucket_note 0 "gradient reductions in buckets of 1\.00 MiB \(--bucket_size\)" -- "$FITLLM" plan micro --devices 2 \
+    --strategy deepspeed_stage_2 --bucket_size 1MiB
+expect plan_bucket_json 0 '"zero_stage": 2, "bucket_size": 268435456' -- "$FITLLM" plan micro --devices 2 --strategy deepspeed_stage_2 --json
+expect bucket_size_bare_number 2 "bucket_size" -- "$FITLLM" finetune_full micro --bucket_size 4096 --out_dir "$T/d2"
 # NVMe offload: the state in files under nvme_path (none left behind); a folder that cannot take them and nvme
 # without an offload strategy are refused, named
 mkdir -p "$T/nvme"
