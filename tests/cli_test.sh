@@ -453,6 +453,9 @@ expect null_backend_lora_run 0 "peak total" -- env FITLLM_BACKEND=null "$FITLLM"
 # ---- fitllm lab: the quick suite (make demo) with its verdicts, files and charts ----
 expect lab_bad_suite 2 "not quick, full, ci or fsdp" -- "$FITLLM" lab --suite huge
 expect lab_bad_only 2 "unknown experiment" -- "$FITLLM" lab --only nope --out_dir "$T/lab0"
+# a row the plan says OOM is decided by its plan (not trained); --run-oom trains it to the same refusal
+expect lab_oom_planned 0 "baseline +OOM .*ACTS 312.64 MiB requested, 232.75 MiB available \(planned; not run\)" -- "$FITLLM" lab --only baseline --out_dir "$T/lab-oom1"
+expect lab_run_oom 0 "baseline +OOM .*ACTS 312.64 MiB requested, 232.75 MiB available$" -- "$FITLLM" lab --only baseline --run-oom --out_dir "$T/lab-oom2"
 # --scale real (an 80 GB GPU's run; here only what needs no memory): a bad scale, the fsdp suite refused,
 # the 4-rank rows n/a naming the launch they need, the report saying which scale it is
 expect lab_bad_scale 2 "not lab or real" -- "$FITLLM" lab --scale huge

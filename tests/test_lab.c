@@ -273,3 +273,36 @@ FL_TEST(lab_fsdp_sweep_stops) {
     FL_CHECK(fl_lab_run(&o, NULL, &rep) == FL_ERR_INVALID && strstr(fl_error_message(), "b1-ckpt"));
     fl_lab_report_free(&rep);
 }
+
+/* A row the plan says OOM is decided by that plan (ran 0: no trainer, no model memory touched; at the real scale
+ * this skips the model's load and random init), and the verdict is the one the run reaches: with run_oom the same
+ * rows train until the allocator refuses the same allocation (tag, bytes requested, bytes in use, phase). */
+FL_TEST(lab_oom_rows_decided_by_plan) {
+    fl_lab_opts o;
+    fl_lab_opts_default(&o);
+    o.suite = "ci";
+    o.threads = 2;
+    o.only = "baseline,even-larger-b1,reduced-batch";
+    fl_lab_report planned, ran;
+    FL_REQUIRE_OK(fl_lab_run(&o, NULL, &planned));
+    o.run_oom = 1;
+    FL_REQUIRE_OK(fl_lab_run(&o, NULL, &ran));
+    FL_REQUIRE(planned.n == 3 && ran.n == 3 && planned.n_errors == 0 && ran.n_errors == 0);
+    for (int i = 0; i < 3; i++) {
+        const fl_lab_row *p = &planned.rows[i], *r = &ran.rows[i];
+        FL_CHECK(!strcmp(p->name, r->name) && p->verdict == r->verdict && r->ran == 1);
+        if (!strcmp(p->name, "reduced-batch")) {
+            FL_CHECK(p->ran == 1 && p->verdict == FL_LAB_FITS);
+            continue;
+        }
+        FL_CHECKF(p->verdict == FL_LAB_OOM && p->ran == 0 && strstr(p->note, "planned; not run"), "%s: %s ran %d",
+                  p->name, p->note, p->ran);
+        FL_CHECKF(p->oom.tag == r->oom.tag && p->oom.requested == r->oom.requested && p->oom.in_use == r->oom.in_use &&
+                      !strcmp(p->oom.phase, r->oom.phase) && p->peak_total == r->oom.in_use,
+                  "%s: plan %s %zu in use %zu, run %s %zu in use %zu", p->name, fl_mem_tag_name(p->oom.tag),
+                  p->oom.requested, p->oom.in_use, fl_mem_tag_name(r->oom.tag), r->oom.requested, r->oom.in_use);
+        FL_CHECK(p->steps == 0 && p->step_ms == 0);
+    }
+    fl_lab_report_free(&planned);
+    fl_lab_report_free(&ran);
+}

@@ -53,6 +53,10 @@ typedef struct {
     int real_scale;        /* 1: the real models (tinyllama-1.1b, open-llama-3b/7b) at T 1024 on an 80 GB budget,
                             * for an 80 GB GPU; the data-parallel rows are n/a (they need 4 devices); not with the
                             * fsdp suite */
+    int run_oom;           /* 1: also train the rows the plan says OOM, to see the allocator refuse them (the plan's
+                            * verdict is the run's: tests/test_plan.c); 0 (default): such a row is decided by its plan
+                            * before any model memory is touched (fl_lab_row.ran 0), so it costs the plan's < 1 s
+                            * instead of the model's load and random init */
 } fl_lab_opts;
 
 void fl_lab_opts_default(fl_lab_opts *o);
@@ -88,12 +92,14 @@ typedef struct {
     fl_mem_phase phases[FL_PLAN_MAX_PHASES];
     int n_phases;
     int phases_planned;        /* 1: phases come from the plan (the run did not fit) */
-    char time_note[96];        /* why a step costs more than the baseline's per sample ("" none) */
+    char time_note[256];       /* why a step costs more than the baseline's per sample ("" none) */
     int ranks;                 /* data-parallel rows (ddp, fsdp): ranks run as threads of this process, each with
                                 * its own pool and budget; memory and phases are rank 0's, tok/s the global
                                 * batch's; 1 otherwise */
     double tflops;             /* model FLOP/s of the step (fl_model_train_flops: 6 N per token + attention, no
                                 * recompute) in TFLOP/s, runs that fit */
+    int ran;                   /* 1: the row trained (its verdict and memory are the run's); 0: it did not (n/a, or OOM
+                                * decided by its plan: memory is what the plan had live at the failed allocation) */
     int largest;               /* fsdp sweep: 1 on the largest micro batch that fits for its checkpointing setting */
 } fl_lab_row;
 

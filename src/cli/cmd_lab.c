@@ -10,7 +10,7 @@
 
 static void help(void) {
     printf("usage: fitllm lab [--suite quick|full|fsdp] [--only name,name] [--out_dir DIR] [--threads N] [--steps N]\n"
-           "                  [--keep-runs] [--scale lab|real]\n\n"
+           "                  [--keep-runs] [--run-oom] [--scale lab|real]\n\n"
            "Runs the memory lab's sequence of experiments (baseline, reduced batch, gradient accumulation, LR\n"
            "scaling, bf16-true, bf16-mixed, larger models, SGD, 8-bit Adam, activation checkpointing, CPU offload,\n"
            "LoRA, QLoRA, DDP, FSDP, FSDP with a larger batch) on the lab's models scaled to this machine (lab-* presets) with a memory budget\n"
@@ -32,6 +32,9 @@ static void help(void) {
            "                    is visible, else the CPU; cuda is EXPERIMENTAL (single GPU; README)\n"
            "  --steps N         (default: the suite's)  optimizer steps per runnable experiment\n"
            "  --keep-runs       (default off)  keep each run's out_dir (logs/metrics.csv) under DIR/runs\n"
+           "  --run-oom         (default off)  also train the rows the plan says OOM, to see the allocator refuse\n"
+           "                    them; off: such a row is decided by its plan before any model memory is touched\n"
+           "                    (under a second; its note says \"planned; not run\")\n"
            "  --scale S         (default lab)  lab: the scaled models and budget above; real: the lab's real models\n"
            "                    (tinyllama-1.1b, open-llama-3b, open-llama-7b) at T = 1024 with an 80 GB budget, for\n"
            "                    an 80 GB GPU (--accelerator cuda; ~100 GB of host memory on the CPU); the 4-rank rows\n"
@@ -64,12 +67,13 @@ int fl_cmd_lab(int argc, char **argv) {
         else if (!strcmp(a, "--accelerator")) { int rc = fl_cli_accelerator(cmd, v); if (rc) return rc; i++; }
         else if (!strcmp(a, "--steps")) { if (fl_cli_int(cmd, a, v, 1, 256, &o.steps)) return FL_EXIT_USAGE; i++; }
         else if (!strcmp(a, "--keep-runs")) keep = 1;
+        else if (!strcmp(a, "--run-oom")) o.run_oom = 1;
         else if (!strcmp(a, "--scale")) {
             if (!v || (strcmp(v, "lab") && strcmp(v, "real"))) return fl_cli_usage(cmd, "--scale: '%s' is not lab or real", v ? v : "");
             o.real_scale = !strcmp(v, "real");
             i++;
         }
-        else return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--help", "--keep-runs", "--only", "--out_dir", "--scale", "--steps", "--suite", "--threads", NULL});
+        else return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--help", "--keep-runs", "--only", "--out_dir", "--run-oom", "--scale", "--steps", "--suite", "--threads", NULL});
     }
     char runs[4200];
     if (keep) {

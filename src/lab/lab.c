@@ -226,6 +226,7 @@ static void apply_row(fl_run_config *c, const lab_exp *e, const char *model, int
     c->eval.interval = 1 << 30;
     c->eval.max_new_tokens = 0;
     c->eval.final_validation = 0;
+    c->eval.initial_validation = 0;
     fl_optim_config_default(&c->optimizer, e->optim);
     c->optimizer.lr = 1e-3f * e->lr_mult;
     c->max_memory = budget; /* per rank: each rank's pool is one device */
@@ -348,8 +349,18 @@ static int pick_batch(const lab_exp *e, const fl_lab_report *rep, long steps, co
     return best;
 }
 
+/* An OOM verdict, the run's or (suffix " (planned; not run)") its plan's: the allocation that failed. */
+static void set_oom(fl_lab_row *r, const fl_mem_oom *oom, const char *suffix) {
+    char a[32], b[32];
+    r->verdict = FL_LAB_OOM;
+    r->oom = *oom;
+    snprintf(r->note, sizeof r->note, "OOM during %s: %s %s requested, %s available%s", oom->phase,
+             fl_mem_tag_name(oom->tag), fl_fmt_bytes(oom->requested, a, sizeof a),
+             fl_fmt_bytes(oom->budget > oom->in_use ? oom->budget - oom->in_use : 0, b, sizeof b), suffix);
+}
+
 static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, const char *run_dir, int threads,
-                    fl_lab_row *r) {
+                    int run_oom, fl_lab_row *r) {
     memset(r, 0, sizeof *r);
     lab_exp ex = *e0;
     const lab_exp *e = &ex;
@@ -432,6 +443,13 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
                 snprintf(r->note, sizeof r->note, "%s not available in this build: %s", e->technique, ts[i].note);
         goto done;
     }
+    if (r->planned == FL_PLAN_OOM && !run_oom) { /* the plan's verdict: no model memory touched, < 1 s */
+        memcpy(r->peak, p->oom.cur, sizeof r->peak);
+        r->peak_total = p->oom.in_use;
+        set_oom(r, &p->oom, " (planned; not run)");
+        goto done;
+    }
+    r->ran = 1;
     step_log log;
     memset(&log, 0, sizeof log);
     log.want = steps;
@@ -460,12 +478,7 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
                      fl_fmt_bytes(res.host_peak[FL_TAG_OPTIM], a, sizeof a), fl_fmt_bytes(res.host_peak_total, b, sizeof b));
         }
     } else if (s == FL_ERR_OOM) {
-        r->verdict = FL_LAB_OOM;
-        r->oom = res.oom;
-        char a[32], b[32];
-        snprintf(r->note, sizeof r->note, "OOM during %s: %s %s requested, %s available", res.oom.phase,
-                 fl_mem_tag_name(res.oom.tag), fl_fmt_bytes(res.oom.requested, a, sizeof a),
-                 fl_fmt_bytes(res.oom.budget > res.oom.in_use ? res.oom.budget - res.oom.in_use : 0, b, sizeof b));
+        set_oom(r, &res.oom, "");
     } else if (s == FL_ERR_UNSUPPORTED) {
         r->verdict = FL_LAB_NA;
         snprintf(r->note, sizeof r->note, "%s", fl_error_message());
@@ -612,7 +625,7 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
             if (o->only && *o->only ? !in_list(o->only, e->name) : stopped) continue;
         } else if (o->only && *o->only ? !in_list(o->only, e->name) : !(e->suites & bit)) continue;
         fl_lab_row *r = &rep->rows[rep->n++];
-        run_row(e, rep, steps, run_dir, o->threads, r);
+        run_row(e, rep, steps, run_dir, o->threads, o->run_oom, r);
         if (bit == SUITE_FSDP) { /* the sweep's reference is the plan: planned == measured */
             r->expected = r->planned == FL_PLAN_OOM ? FL_LAB_OOM : FL_LAB_FITS;
             snprintf(r->lab_step, sizeof r->lab_step, "GPT-2-XL 4x FSDP, micro batch %d, act ckpt %s", r->B,
