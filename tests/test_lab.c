@@ -346,3 +346,74 @@ FL_TEST(lab_random_init_independent_of_threads) {
         free(first);
     }
 }
+
+/* The report a student reads, from a report built here (no runs): the console table fits 120 columns, a long
+ * note and a long "extra time" note are wrapped, never cut (every word is there, in the console, report.md and
+ * step_time.png's script), several ranks show their peak as the min-max range, and phases.png names every
+ * experiment (a titled cell each). */
+FL_TEST(lab_report_wraps_notes_and_fits_120_columns) {
+    fl_lab_report rep;
+    memset(&rep, 0, sizeof rep);
+    FL_REQUIRE_OK(fl_lab_scale(&rep));
+    snprintf(rep.suite, sizeof rep.suite, "quick");
+    fl_lab_row rows[2];
+    memset(rows, 0, sizeof rows);
+    rep.rows = rows;
+    rep.n = 2;
+    static const char *names[2] = {"fsdp-larger-batch", "even-larger-b1"};
+    for (int i = 0; i < 2; i++) {
+        fl_lab_row *r = &rows[i];
+        snprintf(r->name, sizeof r->name, "%s", names[i]);
+        snprintf(r->model, sizeof r->model, "open-llama-13b");
+        snprintf(r->precision, sizeof r->precision, "bf16-mixed");
+        snprintf(r->optimizer, sizeof r->optimizer, "AdamW8bit");
+        r->B = 32, r->accum = 16, r->ranks = i ? 1 : 4;
+        r->verdict = r->expected = i ? FL_LAB_OOM : FL_LAB_FITS;
+        r->planned = i ? FL_PLAN_OOM : FL_PLAN_FITS;
+        r->peak_total = r->peak_min = (size_t)123456 << 20;
+        r->peak_max = i ? r->peak_min : (size_t)234567 << 20;
+        r->planned_peak = r->peak_max;
+        r->n_phases = 1;
+        snprintf(r->phases[0].name, sizeof r->phases[0].name, "after_load");
+        r->phases[0].cur_total = r->phases[0].live_total = r->peak_min;
+        r->step_ms = 123456.7, r->tok_s = 1234567, r->final_loss = 10.123;
+        snprintf(r->time_note, sizeof r->time_note, "larger model (open-llama-13b); its ranks share this machine's "
+                 "cores; recomputes every block's forward but the last in backward; micro batch 1 (small matmuls) ZZEND");
+        snprintf(r->note, sizeof r->note, "OOM during setup: OPTIM 100.47 MiB requested, 97.46 MiB available; a note "
+                 "long enough to need two lines of the console and more words after that to make three YYEND");
+    }
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *m = open_memstream(&buf, &len);
+    FL_REQUIRE(m != NULL);
+    fl_lab_print_table(&rep, m);
+    fclose(m);
+    int longest = 0, cur = 0;
+    for (const char *p = buf; *p; p++) {
+        if (*p == '\n') cur = 0;
+        else if (++cur > longest) longest = cur;
+    }
+    FL_CHECKF(longest <= 120, "a console line of %d columns", longest);
+    FL_CHECK(strstr(buf, "ZZEND") && strstr(buf, "YYEND") && strstr(buf, "123456-234567") && strstr(buf, "(small"));
+    free(buf);
+    char dir[600], p[700], line[8192];
+    snprintf(dir, sizeof dir, "%s/lab-report", fl_test_tmpdir());
+    FL_REQUIRE_OK(fl_lab_write(&rep, dir, NULL));
+    int md = 0, gp_time = 0, gp_titles = 0;
+    snprintf(p, sizeof p, "%s/report.md", dir);
+    FILE *f = fopen(p, "r");
+    FL_REQUIRE(f != NULL);
+    while (fgets(line, sizeof line, f)) md += (strstr(line, "ZZEND") != NULL) + (strstr(line, "YYEND") != NULL);
+    fclose(f);
+    snprintf(p, sizeof p, "%s/charts.gp", dir);
+    f = fopen(p, "r");
+    FL_REQUIRE(f != NULL);
+    while (fgets(line, sizeof line, f)) {
+        gp_time += !strncmp(line, "set label", 9) && strstr(line, "ZZEND") && strstr(line, "\\n");
+        gp_titles += !strncmp(line, "set title \"fsdp-larger-batch\"", 29) ||
+                     !strncmp(line, "set title \"even-larger-b1 (OOM, planned)\"", 41);
+    }
+    fclose(f);
+    FL_CHECKF(md >= 3 && gp_time == 1 && gp_titles == 2, "report.md %d, step_time label %d, phases titles %d", md,
+              gp_time, gp_titles);
+}

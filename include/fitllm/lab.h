@@ -98,6 +98,8 @@ typedef struct {
                                 * batch's; 1 otherwise */
     double tflops;             /* model FLOP/s of the step (fl_model_train_flops: 6 N per token + attention, no
                                 * recompute) in TFLOP/s, runs that fit */
+    size_t peak_min, peak_max; /* several ranks: the least and the most peak_total over the ranks (the course
+                                * reports every multi-GPU figure as such a range); one rank: peak_total */
     int ran;                   /* 1: the row trained (its verdict and memory are the run's); 0: it did not (n/a, or OOM
                                 * decided by its plan: memory is what the plan had live at the failed allocation) */
     int largest;               /* fsdp sweep: 1 on the largest micro batch that fits for its checkpointing setting */

@@ -310,8 +310,13 @@ static fl_status rank_main(fl_comm *comm, int rank, void *ud) {
 
 /* Train the row (one process, or its ranks as threads): rank 0's log and result, or those of the
  * rank whose own error ended the run (an OOM names that rank's allocation). */
-static fl_status train_row(const fl_run_config *c, int ranks, step_log *log, fl_trainer_result *res) {
-    if (ranks <= 1) return fl_trainer_run(c, NULL, 0, on_step, log, res);
+static fl_status train_row(const fl_run_config *c, int ranks, step_log *log, fl_trainer_result *res, size_t *pmin,
+                           size_t *pmax) {
+    if (ranks <= 1) {
+        fl_status s = fl_trainer_run(c, NULL, 0, on_step, log, res);
+        *pmin = *pmax = res->peak_total;
+        return s;
+    }
     ranks_run *x = calloc(1, sizeof *x);
     if (!x) return fl_errorf(FL_ERR_OOM, "out of host memory");
     x->cfg = c;
@@ -326,6 +331,11 @@ static fl_status train_row(const fl_run_config *c, int ranks, step_log *log, fl_
         if (x->st[r] == s) { pick = r; break; }
     *log = x->log[pick];
     *res = x->res[pick];
+    for (int r = 0; r < ranks; r++) { /* the peak's range over the ranks */
+        size_t pk = x->res[r].peak_total;
+        if (!r || pk < *pmin) *pmin = pk;
+        if (!r || pk > *pmax) *pmax = pk;
+    }
     free(x);
     return s;
 }
@@ -445,7 +455,7 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
     }
     if (r->planned == FL_PLAN_OOM && !run_oom) { /* the plan's verdict: no model memory touched, < 1 s */
         memcpy(r->peak, p->oom.cur, sizeof r->peak);
-        r->peak_total = p->oom.in_use;
+        r->peak_total = r->peak_min = r->peak_max = p->oom.in_use;
         set_oom(r, &p->oom, " (planned; not run)");
         goto done;
     }
@@ -455,7 +465,7 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
     log.want = steps;
     fl_trainer_result res;
     memset(&res, 0, sizeof res);
-    fl_status s = train_row(c, r->ranks, &log, &res);
+    fl_status s = train_row(c, r->ranks, &log, &res, &r->peak_min, &r->peak_max);
     memcpy(r->peak, res.peak, sizeof r->peak);
     r->peak_total = res.peak_total;
     if (s == FL_OK) {
