@@ -7,6 +7,7 @@
 
 #include "fitllm/json.h"
 #include "fitllm/lab.h"
+#include "lab/lab-impl.h"
 #include "test.h"
 
 FL_TEST(lab_scaling) {
@@ -185,7 +186,7 @@ FL_TEST(lab_fsdp_sweep) {
 #else
     fl_lab_report sc;
     memset(&sc, 0, sizeof sc);
-    FL_REQUIRE_OK(fl_lab_scale(&sc));
+    FL_REQUIRE_OK(fl_lab_scale(&sc)); /* the sweep at the lab's T (o.seq_len): activations dominate there */
     fl_model_config mc;
     FL_REQUIRE_OK(fl_preset_find("lab-gpt2-xl", &mc));
     fl_act_sizes full4, ck4;
@@ -199,6 +200,7 @@ FL_TEST(lab_fsdp_sweep) {
     fl_lab_opts_default(&o);
     o.suite = "fsdp";
     o.only = "b1,b4,b1-ckpt,b4-ckpt";
+    o.seq_len = sc.T;
     o.steps = 1;
     o.threads = 2;
     o.budget = full4.acts_bytes;
@@ -253,6 +255,7 @@ FL_TEST(lab_fsdp_sweep_stops) {
     o.suite = "fsdp";
     o.steps = 1;
     o.threads = 2;
+    o.precisions = "32-true"; /* the 16-mixed settings would add their own two rows */
     o.budget = (size_t)fl_sizing_param_count(&mc) * 4;
     fl_lab_report rep;
     FL_REQUIRE_OK(fl_lab_run(&o, NULL, &rep));
@@ -416,4 +419,63 @@ FL_TEST(lab_report_wraps_notes_and_fits_120_columns) {
     fclose(f);
     FL_CHECKF(md >= 3 && gp_time == 1 && gp_titles == 2, "report.md %d, step_time label %d, phases titles %d", md,
               gp_time, gp_titles);
+}
+
+/* `fitllm lab --suite fsdp` at its own settings (the course's benchmark: T 128 scaled, 16 GiB per rank scaled,
+ * 16-mixed): the AMP rows around each limit (1 step each). Verdicts asserted: batch 9 (the course's last) fits
+ * and 16 is OOM without checkpointing; with it 64 (the course's largest) fits and 128 is OOM, so checkpointing
+ * buys the larger batch, as in the course; every verdict is the plan's, OOM rows decided by it. Memory per rank is
+ * a range over the 4 ranks; MFU is TFLOP/s over the given peak; the course's figures ride along (batch 9 is its
+ * OOM). And fitllm at the course's real settings (the "real" plan: gpt2-xl, T 128, 16 GiB per rank) fits batch 9
+ * where PyTorch ran out, with room: its per-rank peak is below the course's batch-8 figure (14992 MB). */
+FL_TEST(lab_fsdp_course_settings) {
+#if defined(__SANITIZE_ADDRESS__)
+    fl_test_skip("the release pass runs it (make test time)");
+#else
+    fl_lab_opts o;
+    fl_lab_opts_default(&o);
+    o.suite = "fsdp";
+    o.only = "amp-b9,amp-b16,amp-b64-ckpt,amp-b128-ckpt";
+    o.steps = 1;
+    o.threads = 2;
+    o.peak_tflops = 2.0;
+    fl_lab_report rep, sc;
+    memset(&sc, 0, sizeof sc);
+    FL_REQUIRE_OK(fl_lab_scale_fsdp("gpt2-xl", &sc));
+    FL_REQUIRE_OK(fl_lab_run(&o, NULL, &rep));
+    FL_REQUIRE(rep.n == 4 && rep.n_errors == 0 && rep.sweep);
+    FL_CHECK(rep.T == sc.T && rep.ref_T == 128 && rep.ref_device == ((size_t)16 << 30) && rep.budget == sc.budget);
+    const fl_lab_row *b9 = row(&rep, "amp-b9"), *b16 = row(&rep, "amp-b16"), *c64 = row(&rep, "amp-b64-ckpt"),
+                     *c128 = row(&rep, "amp-b128-ckpt");
+    FL_REQUIRE(b9 && b16 && c64 && c128);
+    FL_CHECKF(b9->verdict == FL_LAB_FITS && b16->verdict == FL_LAB_OOM && c64->verdict == FL_LAB_FITS &&
+                  c128->verdict == FL_LAB_OOM,
+              "b9 %s b16 %s b64-ckpt %s b128-ckpt %s", fl_lab_verdict_name(b9->verdict),
+              fl_lab_verdict_name(b16->verdict), fl_lab_verdict_name(c64->verdict), fl_lab_verdict_name(c128->verdict));
+    FL_CHECK(b9->largest && c64->largest && !b16->ran && !c128->ran && b9->ran && c64->ran);
+    for (int i = 0; i < rep.n; i++) {
+        const fl_lab_row *r = &rep.rows[i];
+        FL_CHECKF(!strcmp(r->precision, "16-mixed") && r->ranks == 4 && r->prefetch && r->T == sc.T, "%s", r->name);
+        FL_CHECKF((r->planned == FL_PLAN_OOM) == (r->verdict == FL_LAB_OOM), "%s", r->name);
+        if (r->verdict != FL_LAB_FITS) continue;
+        FL_CHECKF(r->planned_peak == r->peak_total && r->peak_min <= r->peak_total && r->peak_total <= r->peak_max &&
+                      r->peak_max <= rep.budget, "%s: %zu in %zu-%zu", r->name, r->peak_total, r->peak_min, r->peak_max);
+        FL_CHECKF(fabs(r->mfu - r->tflops / 2.0) < 1e-12 && r->mfu > 0, "%s: mfu %g", r->name, r->mfu);
+    }
+    double mem, util, tf, it;
+    FL_CHECK(fl_lab_course_fsdp(&rep, b9, &mem, &util, &tf, &it) && mem == 0); /* the course: OOM */
+    FL_CHECK(fl_lab_course_fsdp(&rep, c64, &mem, &util, &tf, &it) && mem == 11490 && tf == 144.96); /* prefetch on */
+    FL_CHECKF(b9->ref_planned == FL_PLAN_FITS && (double)b9->ref_peak < 14992e6, "real-scale batch 9: %d, %zu",
+              b9->ref_planned, b9->ref_peak);
+    fl_lab_report_free(&rep);
+    /* a precision or model the suite does not have is refused by name */
+    o.only = NULL;
+    o.precisions = "bf16-true";
+    FL_CHECK(fl_lab_run(&o, NULL, &rep) == FL_ERR_INVALID && strstr(fl_error_message(), "bf16-true"));
+    fl_lab_report_free(&rep);
+    o.precisions = NULL;
+    o.model = "gpt2-huge";
+    FL_CHECK(fl_lab_run(&o, NULL, &rep) == FL_ERR_INVALID && strstr(fl_error_message(), "gpt2-huge"));
+    fl_lab_report_free(&rep);
+#endif
 }

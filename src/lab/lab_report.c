@@ -11,6 +11,7 @@
 
 #include "core/fs.h"
 #include "fitllm/lab.h"
+#include "lab-impl.h"
 
 /* Every tag, GATHER (FSDP's gathered units: the 4x FSDP row) last. */
 #define LAB_TAGS FL_TAG_COUNT
@@ -29,13 +30,13 @@ static double ms_per_sample(const fl_lab_row *r) {
     return r->step_ms / ((double)r->B * r->accum * (r->ranks > 1 ? r->ranks : 1));
 }
 
-static const char *plan_name(fl_plan_verdict v) {
+const char *fl_lab_plan_name(fl_plan_verdict v) {
     return v == FL_PLAN_FITS ? "fits" : v == FL_PLAN_OOM ? "OOM" : v == FL_PLAN_UNAVAILABLE ? "n/a" : "?";
 }
 
 /* text as lines of at most width columns (broken at spaces; a word longer than a line is split), the first
  * after prefix, the rest indented by indent spaces: notes are never cut. */
-static void wrap(FILE *f, const char *prefix, const char *text, int width, int indent) {
+void fl_lab_wrap(FILE *f, const char *prefix, const char *text, int width, int indent) {
     int col = fprintf(f, "%s", prefix), first = 1;
     const char *p = text;
     while (*p) {
@@ -98,32 +99,19 @@ void fl_lab_print_table(const fl_lab_report *rep, FILE *f) {
              "planned: the planner's peak for the whole run; budget %s per device; several ranks (BxAccxRanks): "
              "memory per rank, min-max over the ranks; ms/sample = ms per optimizer step / samples per step. Bytes "
              "per tag, phases and notes in full: report.md.)", fl_fmt_bytes(rep->budget, a, sizeof a));
-    wrap(f, "(", legend, 119, 1);
+    fl_lab_wrap(f, "(", legend, 119, 1);
     char prefix[64];
     for (int i = 0; i < rep->n; i++)
         if (rep->rows[i].verdict == FL_LAB_FITS && rep->rows[i].time_note[0]) {
             snprintf(prefix, sizeof prefix, "  %s: extra time per sample: ", rep->rows[i].name);
-            wrap(f, prefix, rep->rows[i].time_note, 120, 4);
+            fl_lab_wrap(f, prefix, rep->rows[i].time_note, 120, 4);
         }
     for (int i = 0; i < rep->n; i++)
         if (rep->rows[i].note[0]) {
             snprintf(prefix, sizeof prefix, "  %s: ", rep->rows[i].name);
-            wrap(f, prefix, rep->rows[i].note, 120, 4);
+            fl_lab_wrap(f, prefix, rep->rows[i].note, 120, 4);
         }
-    if (!rep->sweep) return;
-    for (int ck = 0; ck < 2; ck++) {
-        fprintf(f, "\nbatch-size sweep, activation checkpointing %s (per rank; * = the largest micro batch that fits):\n"
-                   "%6s %-7s %10s %10s %10s %9s %9s\n", ck ? "on" : "off", "micro", "verdict", "peak MiB", "planned",
-                "iter ms", "tok/s", "TFLOP/s");
-        for (int i = 0; i < rep->n; i++) {
-            const fl_lab_row *r = &rep->rows[i];
-            if (r->act_ckpt != ck) continue;
-            fprintf(f, "%5d%s %-7s %10.1f %10.1f", r->B, r->largest ? "*" : " ", fl_lab_verdict_name(r->verdict),
-                    MIB(r->peak_total), MIB(r->planned_peak));
-            if (r->verdict == FL_LAB_FITS) fprintf(f, " %10.1f %9.0f %9.4f\n", r->step_ms, r->tok_s, r->tflops);
-            else fprintf(f, " %10s %9s %9s\n", "-", "-", "-");
-        }
-    }
+    if (rep->sweep) fl_lab_sweep_print(rep, f);
 }
 
 /* ---- files ------------------------------------------------------------------------------ */
@@ -195,8 +183,8 @@ static fl_status write_csv(const fl_lab_report *rep, const char *dir) {
                 r->accum, r->T, r->precision, r->optimizer, r->act_ckpt, fl_lab_verdict_name(r->verdict),
                 fl_lab_verdict_name(r->expected), match(r));
         for (int t = 0; t < LAB_TAGS; t++) fprintf(f, ",%zu", r->peak[t]);
-        fprintf(f, ",%zu,%s,%zu,%s,%zu", r->peak_total, plan_name(r->planned), r->planned_peak,
-                plan_name(r->ref_planned), r->ref_peak);
+        fprintf(f, ",%zu,%s,%zu,%s,%zu", r->peak_total, fl_lab_plan_name(r->planned), r->planned_peak,
+                fl_lab_plan_name(r->ref_planned), r->ref_peak);
         if (r->verdict == FL_LAB_FITS) fprintf(f, ",%.3f,%.1f,%.5f", r->step_ms, r->tok_s, r->final_loss);
         else fprintf(f, ",,,");
         fprintf(f, ",%.2f,", r->wall_s);
@@ -269,7 +257,7 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
         for (int t = 0; t < LAB_TAGS; t++) fprintf(f, "\"%s\": %zu, ", fl_mem_tag_name((fl_mem_tag)t), r->peak[t]);
         fprintf(f, "\"total\": %zu}, \"planned_verdict\": \"%s\", \"planned_peak\": %zu, \"ref_planned_verdict\": "
                    "\"%s\", \"ref_planned_peak\": %zu, \"steps\": %ld, \"step_ms\": ",
-                r->peak_total, plan_name(r->planned), r->planned_peak, plan_name(r->ref_planned), r->ref_peak, r->steps);
+                r->peak_total, fl_lab_plan_name(r->planned), r->planned_peak, fl_lab_plan_name(r->ref_planned), r->ref_peak, r->steps);
         jnum(f, r->verdict == FL_LAB_FITS ? r->step_ms : NAN);
         fprintf(f, ", \"ms_per_sample\": ");
         jnum(f, r->verdict == FL_LAB_FITS ? ms_per_sample(r) : NAN);
@@ -281,6 +269,15 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
         jnum(f, r->verdict == FL_LAB_FITS ? r->tflops : NAN);
         fprintf(f, ", \"largest_fitting\": %s, \"peak_min\": %zu, \"peak_max\": %zu, \"ran\": %s",
                 r->largest ? "true" : "false", r->peak_min, r->peak_max, r->ran ? "true" : "false");
+        fprintf(f, ", \"mfu\": ");
+        jnum(f, r->mfu > 0 ? r->mfu : NAN);
+        fprintf(f, ", \"prefetch\": %s, \"course\": ", r->prefetch ? "true" : "false");
+        double cm, cu, ct, ci;
+        if (rep->sweep && fl_lab_course_fsdp(rep, r, &cm, &cu, &ct, &ci)) {
+            if (cm == 0) fprintf(f, "{\"verdict\": \"OOM\"}");
+            else fprintf(f, "{\"verdict\": \"fits\", \"memory_mb\": %g, \"gpu_util_pct\": %g, \"tflops\": %g, "
+                            "\"iteration_ms\": %g}", cm, cu, ct, ci);
+        } else fprintf(f, "null");
         fprintf(f, ", \"final_loss\": ");
         jnum(f, r->final_loss);
         fprintf(f, ", \"wall_s\": %.2f, \"note\": ", r->wall_s);
@@ -333,7 +330,7 @@ static const char *short_phase(const char *name) {
 typedef struct {
     const fl_lab_row *blk[64]; /* the experiments with phases, one phases.dat block each */
     int nblk, nfit;            /* blocks; runs that fit (step_time.dat) */
-    int sweep_idx[2], sweep_fit[2], n_blocks; /* sweep.dat's block per checkpointing setting, whether any fit */
+    int sweep_idx[4], sweep_fit[4], n_blocks; /* sweep.dat's block per setting (fl_lab_sweep_group), whether any fit */
 } chart_data;
 
 /* memory.dat, phases.dat, step_time.dat and (the fsdp suite) sweep.dat: 0 with why on failure. */
@@ -384,21 +381,7 @@ static int write_chart_data(const fl_lab_report *rep, const char *dir, char *why
     if (rep->sweep) { /* the fsdp suite: peak per rank and tok/s against the micro batch, one block per setting */
         f = open_out(dir, "sweep.dat", path, sizeof path);
         if (!f) { snprintf(why, wn, "cannot write %s", path); return 0; }
-        fprintf(f, "# micro_batch peak_MiB_per_rank (OOM: planned need) tokens_per_s (? = OOM); block 0: activation "
-                   "checkpointing off, block 1: on\n");
-        for (int ck = 0; ck < 2; ck++) {
-            for (int i = 0; i < rep->n; i++) {
-                const fl_lab_row *r = &rep->rows[i];
-                if (r->act_ckpt != ck || (r->verdict != FL_LAB_FITS && r->verdict != FL_LAB_OOM)) continue;
-                if (d->sweep_idx[ck] < 0) { /* gnuplot's index: blocks split by two blank lines */
-                    fprintf(f, "%s", d->n_blocks ? "\n\n" : "");
-                    d->sweep_idx[ck] = d->n_blocks++;
-                }
-                fprintf(f, "%d %.3f ", r->B, MIB(r->verdict == FL_LAB_FITS ? r->peak_total : r->planned_peak));
-                if (r->verdict == FL_LAB_FITS) fprintf(f, "%.1f\n", r->tok_s), d->sweep_fit[ck] = 1;
-                else fprintf(f, "?\n");
-            }
-        }
+        d->n_blocks = fl_lab_sweep_data(rep, f, d->sweep_idx, d->sweep_fit);
         fclose(f);
     }
     return 1;
@@ -537,33 +520,13 @@ static void write_chart_script(const fl_lab_report *rep, FILE *f, const chart_da
             k_tag_colour[2], k_tag_colour[3], k_tag_colour[4], k_tag_colour[5], k_tag_colour[6]);
     if (d->nblk) write_phases_script(rep, f, d);
     if (d->nfit) write_step_time_script(rep, f);
-    if (d->n_blocks) {
-        fprintf(f, "reset\nset terminal pngcairo size 1280,640 font 'sans,10'\nset output 'sweep.png'\n"
-                   "set title 'GPT-2-XL (lab-gpt2-xl) 4x FSDP FULL_SHARD: memory per rank and throughput vs micro "
-                   "batch (OOM points: planned need)' noenhanced\n"
-                   "set datafile missing '?'\nset logscale x 2\nset xlabel 'micro batch per rank'\n"
-                   "set ylabel 'peak MiB per rank'\nset y2label 'tokens/s (global batch)'\nset ytics nomirror\n"
-                   "set y2tics\nset grid\nset key outside right top\nset yrange [0:*]\nset y2range [0:*]\n"
-                   "set arrow 1 from graph 0, first %.3f to graph 1, first %.3f nohead lw 2 dt 2 lc rgb 'red'\nplot",
-                MIB(rep->budget), MIB(rep->budget));
-        int k = 0;
-        for (int ck = 0; ck < 2; ck++) {
-            if (d->sweep_idx[ck] < 0) continue;
-            const char *col = ck ? "#228833" : "#4477aa", *nm = ck ? "act ckpt" : "no ckpt";
-            fprintf(f, "%s 'sweep.dat' index %d using 1:2 with linespoints lw 2 lc rgb '%s' title 'memory, %s'",
-                    k++ ? "," : "", d->sweep_idx[ck], col, nm);
-            if (d->sweep_fit[ck]) /* gnuplot refuses an axis with no defined point */
-                fprintf(f, ", 'sweep.dat' index %d using 1:3 axes x1y2 with linespoints dt 2 lc rgb '%s' title "
-                           "'tok/s, %s'", d->sweep_idx[ck], col, nm);
-        }
-        fprintf(f, "\n");
-    }
+    if (d->n_blocks) fl_lab_sweep_script(rep, f, d->sweep_idx, d->sweep_fit);
 }
 
 static int write_charts(const fl_lab_report *rep, const char *dir, char *why, size_t wn) {
     char path[4200];
     if (strchr(dir, '\'') || strchr(dir, '"')) { snprintf(why, wn, "the output folder name has quotes"); return 0; }
-    chart_data cd = {.sweep_idx = {-1, -1}};
+    chart_data cd = {.sweep_idx = {-1, -1, -1, -1}};
     if (!write_chart_data(rep, dir, why, wn, &cd)) return 0;
     FILE *f = open_out(dir, "charts.gp", path, sizeof path);
     if (!f) { snprintf(why, wn, "cannot write %s", path); return 0; }
@@ -646,8 +609,8 @@ static void md_results(FILE *f, const fl_lab_report *rep) {
             fprintf(f, " - | - | - | - | - | - | - | - |");
         }
         if (r->planned == FL_PLAN_FITS || r->planned == FL_PLAN_OOM)
-            fprintf(f, " %.2f (%s) |", MIB(r->planned_peak), plan_name(r->planned));
-        else fprintf(f, " %s |", plan_name(r->planned));
+            fprintf(f, " %.2f (%s) |", MIB(r->planned_peak), fl_lab_plan_name(r->planned));
+        else fprintf(f, " %s |", fl_lab_plan_name(r->planned));
         if (r->verdict == FL_LAB_FITS)
             fprintf(f, " %.2f | %.0f | %.3f | %s |\n", ms_per_sample(r), r->tok_s, r->final_loss, r->time_note);
         else fprintf(f, " - | - | - | |\n");
@@ -670,45 +633,6 @@ static void md_results(FILE *f, const fl_lab_report *rep) {
                    "step's token buffers); its optimizer step covers 4x the samples.\n\n",
                 fl_fmt_bytes(ga->peak_total, a, sizeof a), fl_fmt_bytes(rb->peak_total, b, sizeof b),
                 100.0 * ((double)ga->peak_total / (double)rb->peak_total - 1.0));
-}
-
-/* report.md: the batch-size sweep (GPT-2-XL, FSDP on 4 ranks). */
-static void md_sweep(FILE *f, const fl_lab_report *rep, int charts) {
-    char a[32];
-    if (rep->sweep) {
-        fprintf(f, "## Batch-size sweep: GPT-2-XL with FSDP on 4 devices, at lab scale\n\n"
-                   "The course's benchmark trains GPT-2-XL with FSDP FULL_SHARD on 4 GPUs and sweeps the micro batch "
-                   "against memory, iteration time and TFLOP/s. Here: `lab-gpt2-xl` (gpt2-xl with every width / 16), "
-                   "4 ranks as threads sharing this machine's cores, each with the per-device budget %s; micro batch "
-                   "1, 2, 4, ... per rank until the planner says OOM (that row runs too and its OOM is a result). "
-                   "Memory per rank (rank 0) in MiB; OOM rows: what was live at the failure, the planned column what "
-                   "the run would need. Iteration = one optimizer step of the global batch (micro batch x 4 ranks); "
-                   "TFLOP/s = model FLOPs (6 x parameters per token + attention, no recompute) / iteration time. "
-                   "**Bold**: the largest micro batch that fits. The sweep has no lab verdict to match: the Results "
-                   "table's \"as in the lab\" compares the run with the plan's verdict.\n\n",
-                fl_fmt_bytes(rep->budget, a, sizeof a));
-        for (int ck = 0; ck < 2; ck++) {
-            fprintf(f, "### Activation checkpointing %s\n\n| micro batch | verdict | planned | PARAMS | GRADS | OPTIM | "
-                       "ACTS | WORKSPACE | GATHER | peak | planned peak | iteration ms | tok/s | TFLOP/s |\n|",
-                    ck ? "on" : "off");
-            for (int k = 0; k < 14; k++) fprintf(f, "---|");
-            fprintf(f, "\n");
-            for (int i = 0; i < rep->n; i++) {
-                const fl_lab_row *r = &rep->rows[i];
-                if (r->act_ckpt != ck) continue;
-                const char *bo = r->largest ? "**" : "";
-                fprintf(f, "| %s%d%s | %s | %s |", bo, r->B, bo, fl_lab_verdict_name(r->verdict), plan_name(r->planned));
-                static const fl_mem_tag tags[] = {FL_TAG_PARAMS, FL_TAG_GRADS, FL_TAG_OPTIM, FL_TAG_ACTS,
-                                                  FL_TAG_WORKSPACE, FL_TAG_GATHER};
-                for (size_t t = 0; t < sizeof tags / sizeof tags[0]; t++) fprintf(f, " %.2f |", MIB(r->peak[tags[t]]));
-                fprintf(f, " %s%.2f%s | %.2f |", bo, MIB(r->peak_total), bo, MIB(r->planned_peak));
-                if (r->verdict == FL_LAB_FITS) fprintf(f, " %.1f | %.0f | %.4f |\n", r->step_ms, r->tok_s, r->tflops);
-                else fprintf(f, " - | - | - |\n");
-            }
-            fprintf(f, "\n");
-        }
-        if (charts) fprintf(f, "![memory and tokens/s vs micro batch](sweep.png)\n\n");
-    }
 }
 
 /* report.md: reserved and live memory per phase of a step. */
@@ -755,13 +679,13 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
             cpu, cores, ram, os, rep->threads ? "fixed" : "all cores", rep->wall_s);
     md_scaling(f, rep);
     md_results(f, rep);
-    md_sweep(f, rep, charts);
+    if (rep->sweep) fl_lab_sweep_md(f, rep, charts);
     md_phases(f, rep, charts);
     fprintf(f, "## Real scale (planned with fitllm's sizing, 80 GB device, T=%d)\n\n| experiment | model | plan | "
                "planned peak |\n|---|---|---|---|\n", rep->ref_T);
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
-        fprintf(f, "| %s | %s | %s | %s |\n", r->name, r->ref_model, plan_name(r->ref_planned),
+        fprintf(f, "| %s | %s | %s | %s |\n", r->name, r->ref_model, fl_lab_plan_name(r->ref_planned),
                 r->ref_peak ? fl_fmt_bytes(r->ref_peak, a, sizeof a) : "-");
     }
     fprintf(f, "\n## Charts\n\n");
