@@ -70,14 +70,14 @@ int fl_test_backend_next(int *i, fl_backend *be, int n_threads) {
         const char *name = fl_backend_name(*i);
         fl_status st = fl_backend_init_by_name(name, be, n_threads);
         g_be_cur = name;
-        if (st == FL_OK && be->device == FL_DEV_CUDA && !be->host_memory) {
+        if (st == FL_OK && be->device == FL_DEV_CUDA && !fl_backend_host_memory(be)) {
             /* a GPU's memory: the op suite passes host buffers, so the real CUDA backend is checked
              * by `fitllm selftest --accelerator cuda` and fitllm_cuda_check instead (its code runs
              * here as "cuda-emu") */
             fl_backend_free(be);
             continue;
         }
-        if (st == FL_OK && be->discards) { /* the planner's null backend computes nothing (its table is
+        if (st == FL_OK && fl_backend_discards(be)) { /* the planner's null backend computes nothing (its table is
                                              * checked by ops_backend_vtables, its use by the plan tests) */
             fl_backend_free(be);
             continue;

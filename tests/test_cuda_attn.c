@@ -749,7 +749,7 @@ static void dispatch_case(const char *env, int HD, int use_bias) {
     float *bias = fl_test_frand(&rng, (size_t)NH * T * T, -1, 1);
     float *o1 = malloc(no * 4), *o2 = malloc(no * 4), *l1 = malloc(nl * 4), *l2 = malloc(nl * 4);
     float *g1 = calloc(nx, 4), *g2 = calloc(nx, 4), *work = malloc(nl * 4);
-    const fl_attn_desc a = fl_cu_attention_fused_desc(B, T, NH, NKV, HD);
+    const fl_attn_desc a = fl_attn_desc_qkv(B, T, NH, NKV, HD);
     const float *q = qkv, *k = qkv + NH * HD, *v = qkv + (NH + NKV) * HD;
     if (!use_bias) { /* the fused ops */
         fl_attention_qkv_forward(&be, o1, l1, qkv, B, T, NH, NKV, HD);

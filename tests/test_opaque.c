@@ -45,7 +45,7 @@ static int read_faults(const volatile float *p) {
 FL_TEST(opaque_memory_is_closed_outside_ops) {
     fl_backend be;
     FL_REQUIRE_OK(fl_backend_init_by_name("opaque", &be, 2));
-    FL_CHECK(!be.host_memory);
+    FL_CHECK(!fl_backend_host_memory(&be));
     fl_mem_pool pool, host;
     FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, "opaque", 0));
     FL_CHECK(pool.host == &host && fl_mem_host_pool(&pool) == &host);
@@ -80,7 +80,7 @@ FL_TEST(opaque_memory_is_closed_outside_ops) {
     /* host-memory backends keep one pool */
     FL_REQUIRE_OK(fl_backend_init_by_name("cpu", &be, 1));
     FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, "cpu", 0));
-    FL_CHECK(be.host_memory && pool.host == NULL && fl_mem_host_pool(&pool) == &pool);
+    FL_CHECK(fl_backend_host_memory(&be) && pool.host == NULL && fl_mem_host_pool(&pool) == &pool);
     fl_backend_pools_free(&pool, &host);
     fl_backend_free(&be);
 }

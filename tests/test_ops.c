@@ -1007,7 +1007,7 @@ FL_TEST(ops_backend_vtables) {
         for (size_t i = 0; i < nslots; i++) missing += slots[i] == NULL;
         FL_CHECKF(missing == 0, "null (%s): %d of %zu vtable slots are NULL", k ? stand_in[k] : "registry", missing,
                   nslots);
-        FL_CHECK(nb.discards && nb.host_memory == (k == 1) && nb.pool_init != NULL);
+        FL_CHECK(fl_backend_discards(&nb) && fl_backend_host_memory(&nb) == (k == 1) && nb.pool_init != NULL);
         /* a stand-in answers supports_op as the backend it stands in for (a plan refuses what that run
          * would refuse at set-up); the registry's says yes */
         long differ = 0;

@@ -62,8 +62,12 @@ const char *fl_op_name(fl_op op);
  * assume about a backend, asked instead of comparing its name. */
 enum {
     FL_CAP_HOST_MEMORY = 1u << 0,   /* its buffers are host memory (cpu, ref, cuda-emu): one pool may serve tensors and
-                                     * host staging (= fl_backend.host_memory) */
-    FL_CAP_DISCARDS = 1u << 1,      /* ops and copies do nothing (null; = fl_backend.discards) */
+                                     * host staging (fl_backend_host_memory) */
+    /* ops and copies do nothing: the null backend (the planner's, src/backend/null/): its pool hands out addresses
+     * nobody may touch, so host code may skip producing tensor bytes that nothing will read (the random init's
+     * values, a LoRA init's, a 4-bit quantization); it must still make every allocation it would make otherwise
+     * (that is what the planner measures). fl_backend_discards */
+    FL_CAP_DISCARDS = 1u << 1,
     FL_CAP_ASYNC = 1u << 2,         /* ops are queued on a stream in issue order; to_host and sync wait for them
                                      * (cuda, cuda-emu) */
     FL_CAP_DEVICE_MEMORY = 1u << 3, /* memory of its own, sized apart from the machine's RAM (cuda):
@@ -98,13 +102,8 @@ struct fl_backend {
                              * matmul), so a caller that reuses one such operand across calls may
                              * widen it once itself (the chunked lm_head: fl_act_opts.head_widen) */
     size_t scratch_bytes;   /* bytes of the op scratch the caller lends (set_scratch below; 0: none) */
-    unsigned caps;   /* FL_CAP_* flags (above); fl_backend_facts_of answers them without making the backend */
-    int host_memory; /* 1: the device's buffers are host memory (cpu, ref): code may share one pool for tensors and host staging */
-    /* 1: the null backend (the planner's, src/backend/null/): its ops and copies do nothing and its
-     * pool hands out addresses nobody may touch, so host code may skip producing tensor bytes that
-     * nothing will read (the random init's values, a LoRA init's, a 4-bit quantization); it must
-     * still make every allocation it would make otherwise (that is what the planner measures). */
-    int discards;
+    unsigned caps;   /* FL_CAP_* flags (above), the one place they live; fl_backend_facts_of answers them without
+                      * making the backend */
     /* Several ranks (data-parallel training): a communicator whose collectives take this backend's
      * device memory, made over the host communicator `host` (same ranks; collective over it: every
      * rank calls it at the same point). NULL slot, or *out = NULL: the host communicator's own
@@ -382,6 +381,12 @@ struct fl_backend {
     void *impl; /* backend-private state (last: the op slots from gemm to here are the whole table) */
 };
 
+/* The two capabilities model/ and train/ ask most. Host memory: the backend's buffers are host memory
+ * (cpu, ref, cuda-emu), so code may share one pool for tensors and host staging and read tensors
+ * directly. Discards: the planner's null backend (FL_CAP_DISCARDS above). */
+static inline int fl_backend_host_memory(const fl_backend *be) { return (be->caps & FL_CAP_HOST_MEMORY) != 0; }
+static inline int fl_backend_discards(const fl_backend *be) { return (be->caps & FL_CAP_DISCARDS) != 0; }
+
 /* First thing in main() of a program that runs the CPU backend (the CLI and the test runner
  * call it): make idle OpenMP workers sleep instead of spin. libgomp's default (neither
  * OMP_WAIT_POLICY nor GOMP_SPINCOUNT set) busy-waits 300,000 pause loops after every parallel
@@ -442,7 +447,7 @@ void fl_opaque_use_comm(int on);
  * dereferenced, so running the real set-up and training step on it costs no memory and little
  * time, while every allocation goes through the accounting pool as on the backend it stands in
  * for. `planned` names that backend, "cpu" or "cuda": its scratch_bytes, gemm_widens16 and
- * host_memory are copied (docs/ARCHITECTURE.md "Planner and lab"); "cpu" (host memory) is for
+ * host memory are copied (docs/ARCHITECTURE.md "Planner and lab"); "cpu" (host memory) is for
  * fl_trainer_rehearse only, whose code never writes tensors through host pointers. NULL (the
  * registry's "null", FITLLM_BACKEND=null): a device whose memory the host cannot read (any code
  * path runs on it, as on the opaque backend) with the CPU's scratch sizes. */
@@ -476,7 +481,7 @@ fl_status fl_backend_register(const char *name, const char *what, fl_status (*in
 void fl_backend_free(fl_backend *be);
 /* The pools of a run on `be`: tensors (parameters, gradients, optimizer state, activations, KV
  * cache) come from *dev, made by be->pool_init with the budget. A backend whose memory is host
- * memory (be->host_memory: cpu, ref) gets ONE pool, as before (*host unused, dev->host NULL);
+ * memory (fl_backend_host_memory: cpu, ref) gets ONE pool, as before (*host unused, dev->host NULL);
  * another gets a separate host pool *host (no budget) for host staging, linked as dev->host
  * (fl_mem_host_pool). Free with fl_backend_pools_free (dev first: the host pool outlives it). */
 fl_status fl_backend_pools_init(const fl_backend *be, fl_mem_pool *dev, fl_mem_pool *host, const char *name,

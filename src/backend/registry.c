@@ -170,7 +170,7 @@ fl_status fl_backend_pools_init(const fl_backend *be, fl_mem_pool *dev, fl_mem_p
     if (host) memset(host, 0, sizeof *host);
     /* a backend without pool_init is host memory (the default of the contract) */
     FL_TRY(be->pool_init ? be->pool_init(be, dev, name, budget) : fl_mem_pool_init(dev, name, budget));
-    if (be->discards && be->host_memory && host) {
+    if (fl_backend_discards(be) && fl_backend_host_memory(be) && host) {
         /* the null backend standing in for host memory: one pool's counters as on the CPU, but the
          * host staging that host code writes is real memory (a host pool charging dev's counters) */
         fl_status s = fl_mem_pool_init(host, name ? name : "pool", 0);
@@ -182,7 +182,7 @@ fl_status fl_backend_pools_init(const fl_backend *be, fl_mem_pool *dev, fl_mem_p
         dev->host = host;
         return FL_OK;
     }
-    if (be->host_memory || !host) return FL_OK;
+    if (fl_backend_host_memory(be) || !host) return FL_OK;
     char hn[32];
     snprintf(hn, sizeof hn, "%s host", name ? name : "pool");
     fl_status s = fl_mem_pool_init(host, hn, 0);

@@ -172,7 +172,7 @@ fl_status fl_cli_load_with_adapter(fl_model *m, const char *base, const char *ad
         int *idx = NULL;
         s = fl_peft_check_model(&a, &m->cfg, &m->layout, NULL, &idx);
         free(idx);
-        if (s == FL_OK && be->host_memory) s = fl_peft_merge_into(&a, &m->layout, fl_model_params_f32(m));
+        if (s == FL_OK && fl_backend_host_memory(be)) s = fl_peft_merge_into(&a, &m->layout, fl_model_params_f32(m));
         else if (s == FL_OK) s = merge_on_device(&a, m);
         if (s != FL_OK) fl_error_prefix(s, "%s", info->adapter);
         if (s != FL_OK) fl_model_free(m);

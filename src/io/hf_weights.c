@@ -151,7 +151,7 @@ static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl
                 memcpy((char *)dst + k0 * ds, cv, n * ds);
         }
         free(buf);
-    } else if (!q4src && m->be && !m->be->host_memory) {
+    } else if (!q4src && m->be && !fl_backend_host_memory(m->be)) {
         /* transposed into device memory: bands of output rows gathered on the host (each element
          * widened to fp32 and rounded to the storage dtype once, as below), copied in */
         size_t out = (size_t)p->shape[0], in = (size_t)p->shape[1];

@@ -40,7 +40,7 @@ static void fl_llama2c_put_rows(void *dst, fl_dtype dt, const float *src, int n_
 static fl_status fl_llama2c_put_range(fl_model *m, const char *path, const char *name, char *dst, fl_dtype dt,
                                       const float *src, size_t k0, size_t k1, int n_heads, size_t cols) {
     const size_t ds = fl_dtype_size(dt), hd = (size_t)m->cfg.head_dim, half = hd / 2;
-    const int dev = m->be && !m->be->host_memory;
+    const int dev = m->be && !fl_backend_host_memory(m->be);
     char *h = dev ? malloc((k1 - k0) * ds + 1) : dst;
     if (!h) return fl_errorf(FL_ERR_OOM, "%s: out of host memory loading '%s'", path, name);
     for (size_t a = k0; a < k1;) {
@@ -74,7 +74,7 @@ static fl_status fl_llama2c_put(fl_model *m, const char *path, const char *name,
                    : FL_OK;
     }
     void *data = fl_model_param_data(m, k, &dt);
-    if (data && m->be && !m->be->host_memory) { /* device storage: permuted on the host (one tensor), written in */
+    if (data && m->be && !fl_backend_host_memory(m->be)) { /* device storage: permuted on the host (one tensor), written in */
         float *tmp = malloc(numel * sizeof(float) + 1);
         if (!tmp) return fl_errorf(FL_ERR_OOM, "%s: out of host memory loading '%s'", path, name);
         fl_llama2c_put_rows(tmp, FL_F32, src, permute_heads, m->cfg.head_dim, (int)p->shape[1], numel);

@@ -116,7 +116,7 @@ fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t se
                 if (l < L ? (md->layer != l || linear_kind(&m->layout, md->param_index) != k) : md->layer >= 0) continue;
                 fl_lora_slot *sl = &st->slots[n++];
                 float *A = st->params + st->off[2 * j], *Bm = st->params + st->off[2 * j + 1];
-                if (!m->be->discards) /* the planner's null backend keeps no values */
+                if (!fl_backend_discards(m->be)) /* the planner's null backend keeps no values */
                     fl_lora_init_adapter(host + st->off[2 * j], host + st->off[2 * j + 1], cfg->r, md->in, md->out,
                                          seed + (uint64_t)j * 0x9e3779b97f4a7c15ULL);
                 sl->A = A;
@@ -245,7 +245,7 @@ fl_status fl_model_lora_merge(fl_model *m) {
     if (!st) return FL_OK;
     /* device memory (the backend's is not host memory): the adapters come to the host once and each
      * weight is merged in a host copy (fl_model_read_param / write_param); host memory: in place */
-    const int dev = m->be && !m->be->host_memory;
+    const int dev = m->be && !fl_backend_host_memory(m->be);
     float *ad = dev ? malloc(st->numel * sizeof(float) + 1) : st->params;
     if (!ad) return fl_errorf(FL_ERR_OOM, "merging LoRA: out of host memory");
     fl_status s = dev ? m->be->to_host(m->be, ad, st->params, st->numel * sizeof(float)) : FL_OK;
@@ -282,7 +282,7 @@ static void lora_add_merged(const fl_model *m, int i, float *dst) {
         if (md->param_index != i) continue;
         const float *A = st->params + st->off[2 * j], *B = st->params + st->off[2 * j + 1];
         float *ab = NULL;
-        if (m->be && !m->be->host_memory) { /* device memory: this module's A and B to the host */
+        if (m->be && !fl_backend_host_memory(m->be)) { /* device memory: this module's A and B to the host */
             size_t na = (size_t)st->cfg.r * md->in, nb = (size_t)md->out * st->cfg.r;
             ab = malloc((na + nb) * sizeof(float));
             if (!ab || m->be->to_host(m->be, ab, A, na * sizeof(float)) != FL_OK ||

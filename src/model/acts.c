@@ -284,7 +284,7 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
         s = m->be->rope_tables(m->be, a->rope_cos, a->rope_sin, T, m->cfg.head_dim, m->cfg.rope_theta,
                                &m->cfg.rope_scaling);
     if (s != FL_OK) { fl_model_free_acts(m); return fl_error_prefix(s, "the RoPE tables"); }
-    if (!m->be->host_memory) { /* the targets the cross-entropy op reads must be device memory too */
+    if (!fl_backend_host_memory(m->be)) { /* the targets the cross-entropy op reads must be device memory too */
         s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, (size_t)B * T * sizeof(int32_t), (void **)&a->targets);
         if (s != FL_OK) { fl_model_free_acts(m); return fl_error_prefix(s, "allocating the targets"); }
     }

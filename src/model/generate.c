@@ -69,7 +69,7 @@ fl_status fl_kv_cache_init(fl_kv_cache *kv, const fl_model *m, int max_T) {
                                           m->be->scratch_bytes);
     if (s == FL_OK && bes && !(m->acts && m->acts->be_scratch))
         s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, bes, &kv->be_scratch);
-    if (s == FL_OK && !m->be->host_memory) {
+    if (s == FL_OK && !fl_backend_host_memory(m->be)) {
         s = fl_mem_alloc(m->pool, FL_TAG_OTHER, (size_t)max_T * sizeof(int32_t), (void **)&kv->dids);
         if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, (size_t)d.V * sizeof(float), (void **)&kv->dlogits);
     }

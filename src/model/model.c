@@ -149,7 +149,7 @@ static void *q4_host_copy(const fl_model *m, int i, fl_q4_weight *hw) {
     return blob;
 }
 
-static int on_device(const fl_model *m) { return m->be && !m->be->host_memory; }
+static int on_device(const fl_model *m) { return m->be && !fl_backend_host_memory(m->be); }
 
 void fl_model_read_param(const fl_model *m, int i, float *dst) {
     if (fl_model_param_is_q4(m, i) && on_device(m)) { /* the 4-bit buffer to the host, dequantized there */
@@ -360,7 +360,7 @@ fl_status fl_model_init_random_ex(fl_model *m, uint64_t seed) {
      * staging (WORKSPACE, freed at the end; the planner counts it in "model load") */
     float *q4tmp = NULL;
     FL_TRY(fl_model_q4_staging(m, &q4tmp));
-    if (m->be && m->be->discards) { /* the planner's null backend: the same allocations, no values */
+    if (m->be && fl_backend_discards(m->be)) { /* the planner's null backend: the same allocations, no values */
         fl_mem_free(fl_mem_host_pool(m->pool), q4tmp);
         return FL_OK;
     }
@@ -369,7 +369,7 @@ fl_status fl_model_init_random_ex(fl_model *m, uint64_t seed) {
      * buffer (under the 1 MiB the allocation check allows outside the pool) */
     enum { SLICE = 16384, NS = 8, BLOCK = SLICE * NS };
     /* the backend's threads on the CPU; a device backend's count is its own (CUDA: 1): the host's cores then */
-    const int nt = m->be && m->be->host_memory && m->be->n_threads > 0 ? m->be->n_threads : fl_cpu_default_threads();
+    const int nt = m->be && fl_backend_host_memory(m->be) && m->be->n_threads > 0 ? m->be->n_threads : fl_cpu_default_threads();
     float *slice = malloc(BLOCK * sizeof(float) + BLOCK * sizeof(uint16_t));
     if (!slice) {
         fl_mem_free(fl_mem_host_pool(m->pool), q4tmp);

@@ -111,9 +111,9 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
      * In training the head's backward runs here too (dlogits overwrite the
      * logits chunk), leaving d(lnf) in buf1 for fl_model_backward; an lm_head
      * adapter gets its gradients here, chunk by chunk (the base head is frozen). */
-    /* an asynchronous device (!host_memory) runs behind the host: wait at the phase edges so the
+    /* an asynchronous device (not host memory) runs behind the host: wait at the phase edges so the
      * phase times are the device's */
-    if (!be->host_memory) FL_TRY(be->sync(be));
+    if (!fl_backend_host_memory(be)) FL_TRY(be->sync(be));
     const double t_head = now_ms(); /* the step's "head" phase (fl_step_result.ms_head) */
     const int R = m->sizes.logits_chunk_rows;
     fl_linear head = {.in = d.C, .out = d.V, .w = op.head, .dw = op.dhead};
@@ -164,7 +164,7 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
         FL_TRY(fl_linear_backward(be, dlnf + (size_t)r0 * d.C, 0, a->logits, xr, wide ? &hw : &head, rows));
     }
     if (stage_head) FL_TRY(fl_store_stage_flush(m->store, op.head_off, (size_t)d.V * d.C));
-    if (!be->host_memory) FL_TRY(be->sync(be));
+    if (!fl_backend_host_memory(be)) FL_TRY(be->sync(be));
     m->ms_head = now_ms() - t_head;
     if (targets) { /* the per-token losses come to the host in slices (a device's arena is not host memory) */
         float lbuf[1024];

@@ -517,7 +517,7 @@ fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim
     /* offload to a device the host cannot read: the staging of one piece of the parameters and gradients
      * (host tier, held for the run as DeepSpeed's pinned buffers) */
     if (s == FL_OK && off) o->piece = o->s_len < g_offload_piece ? o->s_len : g_offload_piece;
-    if (s == FL_OK && off && !model->be->host_memory) {
+    if (s == FL_OK && off && !fl_backend_host_memory(model->be)) {
         s = fl_mem_alloc(o->hpool, FL_TAG_WORKSPACE, o->piece * fl_dtype_size(o->pt), &o->hp);
         if (s == FL_OK) s = fl_mem_alloc(o->hpool, FL_TAG_WORKSPACE, o->piece * fl_dtype_size(o->gt), &o->hg);
     }

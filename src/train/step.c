@@ -50,7 +50,7 @@ static fl_status micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb, i
     FL_TRY(fl_model_backward(m));
     record_live(m, FL_LIVE_BACKWARD);
     if (k == 0) fl_mem_snapshot(pool, "after_bwd");
-    if (!m->be->host_memory) FL_TRY(m->be->sync(m->be)); /* an asynchronous device: its own time */
+    if (!fl_backend_host_memory(m->be)) FL_TRY(m->be->sync(m->be)); /* an asynchronous device: its own time */
     double c = now_ms();
     res->ms_fwd += b - a - m->ms_head;
     res->ms_head += m->ms_head;
@@ -67,7 +67,7 @@ static fl_status update(fl_model *m, fl_optimizer *o, float lr, float max_norm, 
     double norm = 0;
     FL_TRY(fl_optim_step(o, lr, max_norm, &norm));
     record_live(m, FL_LIVE_UPDATED); /* the gradients are consumed (or, skipped, discarded) */
-    if (!m->be->host_memory) FL_TRY(m->be->sync(m->be));
+    if (!fl_backend_host_memory(m->be)) FL_TRY(m->be->sync(m->be));
     fl_mem_snapshot(pool, "after_opt_step");
     res->grad_norm = norm;
     res->skipped = o->last_skipped;

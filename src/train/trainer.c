@@ -89,7 +89,7 @@ fl_status fl_trainer_rehearse_comm(const fl_run_config *cfg, const fl_model_conf
     if (s == FL_OK) s = fl_trainer_storage(cfg, &prec, &t.stg);
     if (s != FL_OK) goto done;
     t.hw.be = *be; /* borrowed (be_ok stays 0: the caller frees it) */
-    s = fl_backend_pools_init(&t.hw.be, &t.hw.pool, &t.hw.hpool, be->host_memory ? "cpu" : "cuda", budget);
+    s = fl_backend_pools_init(&t.hw.be, &t.hw.pool, &t.hw.hpool, fl_backend_host_memory(be) ? "cpu" : "cuda", budget);
     if (s != FL_OK) goto done;
     t.hw.pool_ok = 1;
     /* fl_trainer_run_comm's set-up sequence; its agreements are left out (they allocate nothing, and a
@@ -103,7 +103,7 @@ fl_status fl_trainer_rehearse_comm(const fl_run_config *cfg, const fl_model_conf
     fl_strategy_choice sc;
     /* the planned backend's choice: a GPU's under --accelerator cuda (the null communicator is a
      * device one on either) */
-    if (s == FL_OK) s = fl_cfg_resolve_strategy(cfg, !be->host_memory, &sc);
+    if (s == FL_OK) s = fl_cfg_resolve_strategy(cfg, !fl_backend_host_memory(be), &sc);
     fl_run_config rcfg = *cfg;
     if (s == FL_OK) {
         snprintf(rcfg.strategy, sizeof rcfg.strategy, "%s", sc.strategy);
@@ -216,7 +216,7 @@ static fl_status run_setup(trainer *t, fl_comm *comm, const fl_precision *prec, 
         AGREE();
         FL_TRY(fl_dp_device_comm(&t->dp, &t->hw.be));
     }
-    if (t->dp.world > 1 && !t->hw.be.host_memory && !t->dp.dev) /* the host communicator cannot read its memory */
+    if (t->dp.world > 1 && !fl_backend_host_memory(&t->hw.be) && !t->dp.dev) /* the host communicator cannot read its memory */
         return fl_errorf(FL_ERR_UNSUPPORTED, "data-parallel training on backend '%s' (whose memory the host cannot "
                          "read) needs a device-memory communicator, which this backend does not have; run one rank, or "
                          "--accelerator cpu", t->hw.be.name);
@@ -385,8 +385,8 @@ static fl_status call_hook(trainer *t, run_loop *L, double step_loss, long step_
     if (whole) {
         FL_TRY(fl_fsdp_whole_params(&t->dp, &hp, &pb));
     } else {
-        hp = t->hw.be.host_memory ? NULL : malloc(pb + 1);
-        if (!t->hw.be.host_memory && !hp) return fl_errorf(FL_ERR_OOM, "out of host memory");
+        hp = fl_backend_host_memory(&t->hw.be) ? NULL : malloc(pb + 1);
+        if (!fl_backend_host_memory(&t->hw.be) && !hp) return fl_errorf(FL_ERR_OOM, "out of host memory");
     }
     fl_status s = hp && !whole ? t->hw.be.to_host(&t->hw.be, hp, t->opt.p, pb) : FL_OK;
     if (s == FL_OK) {

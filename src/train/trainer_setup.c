@@ -287,7 +287,7 @@ fl_status fl_tr_setup_offload(trainer *t, const fl_strategy_choice *sc) {
     FL_TRY(be->host_pool_init ? be->host_pool_init(be, &t->hw.opool, "host (offload)", 0)
                               : fl_mem_pool_init(&t->hw.opool, "host (offload)", 0));
     t->hw.opool_ok = 1;
-    if (be->host_memory || be->discards) {
+    if (fl_backend_host_memory(be) || fl_backend_discards(be)) {
         t->hw.off.be = be;
     } else {
         FL_TRY(fl_error_prefix(fl_cpu_backend_init(&t->hw.hbe, t->cfg->threads), "CPU offload: the host's optimizer"));
@@ -300,7 +300,7 @@ fl_status fl_tr_setup_offload(trainer *t, const fl_strategy_choice *sc) {
     /* NVMe (ZeRO-Infinity's offload_optimizer device nvme): the state in files under nvme_path (out_dir by
      * default, made here: the files are unlinked at creation, so an OOM still leaves no files); the plan's
      * null backend stands it in with its counted fake addresses */
-    if (be->discards) {
+    if (fl_backend_discards(be)) {
         FL_TRY(be->host_pool_init(be, &t->hw.dpool, "nvme (offload)", 0));
     } else {
         const char *dir = t->cfg->nvme_path[0] ? t->cfg->nvme_path : t->cfg->out_dir;

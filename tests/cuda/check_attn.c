@@ -275,13 +275,13 @@ static void a_err_report(const char *op, a_err e, double tol) {
  * error left is P's and dS's rounding, <= 2^-8 of the |term| sums per element) */
 static int a_fwd(int tc, float *o, float *l, const float *x, int B, int T, int NH, int NKV, int HD) {
     if (!tc) return fl_cuk_attention_forward(o, l, x, B, T, NH, NKV, HD, NULL);
-    const fl_attn_desc a = fl_cu_attention_fused_desc(B, T, NH, NKV, HD);
+    const fl_attn_desc a = fl_attn_desc_qkv(B, T, NH, NKV, HD);
     return fl_cuk_attention_forward_tc(&a, o, l, x, x + (size_t)NH * HD, x + (size_t)(NH + NKV) * HD, NULL, NULL);
 }
 static int a_bwd(int tc, float *dx, const float *dout, const float *x, const float *o, const float *l, int B, int T,
                  int NH, int NKV, int HD, void *w) {
     if (!tc) return fl_cuk_attention_backward(dx, dout, x, o, l, B, T, NH, NKV, HD, w, NULL);
-    const fl_attn_desc a = fl_cu_attention_fused_desc(B, T, NH, NKV, HD);
+    const fl_attn_desc a = fl_attn_desc_qkv(B, T, NH, NKV, HD);
     const size_t ko = (size_t)NH * HD, vo = (size_t)(NH + NKV) * HD;
     return fl_cuk_attention_backward_tc(&a, dx, dx + ko, dx + vo, dout, x, x + ko, x + vo, NULL, o, l, w, NULL);
 }

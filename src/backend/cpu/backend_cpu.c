@@ -64,7 +64,6 @@ static void fill_ops(fl_backend *be) {
     be->rope_tables = fl_cpu_rope_tables;
     be->pool_init = fl_cpu_pool_init;
     be->host_pool_init = fl_cpu_pool_init;
-    be->host_memory = 1;
     be->caps = FL_CAP_HOST_MEMORY;
 }
 
@@ -93,7 +92,6 @@ fl_status fl_cpu_backend_init(fl_backend *be, int n_threads) {
     memset(be, 0, sizeof *be);
     be->name = "cpu";
     be->device = FL_DEV_CPU;
-    be->host_memory = 1;
     be->n_threads = n_threads > 0 ? n_threads : fl_cpu_default_threads();
     if (be->n_threads > FL_CPU_MAX_THREADS) be->n_threads = FL_CPU_MAX_THREADS;
     be->gemm_name = fl_cpu_gemm_library();
@@ -113,7 +111,6 @@ fl_status fl_ref_backend_init(fl_backend *be) {
     memset(be, 0, sizeof *be);
     be->name = "ref";
     be->device = FL_DEV_CPU;
-    be->host_memory = 1;
     be->n_threads = 1;
     be->gemm_name = "naive";
     be->gemm = fl_cpu_gemm_naive;

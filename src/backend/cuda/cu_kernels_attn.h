@@ -23,11 +23,6 @@
 extern "C" {
 #endif
 
-/* The fused op's views of qkv (B, T, (NH+2*NKV)*HD) as a causal self-attention descriptor. */
-static inline fl_attn_desc fl_cu_attention_fused_desc(int B, int T, int NH, int NKV, int HD) {
-    return fl_attn_desc_qkv(B, T, NH, NKV, HD);
-}
-
 #define FL_CU_ATTN_MAX_HD 256 /* as the CPU's FL_CPU_ATTN_MAX_HD */
 #define FL_CU_ATTN_UNSUPPORTED (-1)
 #define FL_CU_ATTN_INVALID (-2)

@@ -503,7 +503,6 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->gemm_name = FLB_GEMM_NAME;
     be->gemm_widens16 = 1u << FL_F16; /* an F16 B is widened per call (the panels above); fl_cuda_gemm_widens16 */
     be->scratch_bytes = FLB_SCRATCH_BYTES;
-    be->host_memory = FLB_HOST_MEMORY;
     be->caps = FL_CAP_ASYNC | FL_CAP_COMPUTE_BF16 | (FLB_HOST_MEMORY ? FL_CAP_HOST_MEMORY : FL_CAP_DEVICE_MEMORY);
     be->set_compute_dtype = flb_set_compute_dtype;
     be->comm_create = flb_comm_create_be; /* several ranks: NCCL (or its CPU stand-in) on this stream */

@@ -7,7 +7,7 @@
  * the accounting pool exactly as on the backend planned while a 70B plan costs no memory and
  * a few milliseconds. The facts that change what the model allocates are the planned
  * backend's: scratch_bytes (its op scratch), gemm_widens16 (the widened lm_head) and
- * host_memory (one pool for tensors and host staging, or a device pool beside a host one).
+ * host memory (FL_CAP_HOST_MEMORY: one pool for tensors and host staging, or a device pool beside a host one).
  *
  * What the host reads back is well defined: to_host writes zeros (losses of 0, a finite norm),
  * sumsq returns 0 and check_finite finds nothing, so the trainer's host logic (the loss, the
@@ -260,8 +260,6 @@ fl_status fl_null_backend_init_for(fl_backend *be, const char *planned) {
     be->gemm_name = "none";
     be->gemm_widens16 = f.gemm_widens16;
     be->scratch_bytes = f.scratch_bytes;
-    be->host_memory = (f.caps & FL_CAP_HOST_MEMORY) != 0;
-    be->discards = 1;
     be->caps = (f.caps & FL_CAP_HOST_MEMORY) | FL_CAP_DISCARDS;
     be->impl = n;
     be->gemm = n_gemm;

@@ -515,7 +515,6 @@ fl_status fl_opaque_backend_init(fl_backend *be, int n_threads) {
     opq_register(o);
     *be = o->cpu; /* names, thread count, GEMM facts: the CPU's */
     be->name = "opaque";
-    be->host_memory = 0;
     be->caps = 0; /* host memory the host cannot read: not FL_CAP_HOST_MEMORY */
     be->impl = o;
     be->gemm = op_gemm;

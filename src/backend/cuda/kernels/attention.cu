@@ -143,7 +143,7 @@ extern "C" int FL_CUK(attention_forward_ex)(const fl_attn_desc *a, float *out, f
 
 extern "C" int FL_CUK(attention_forward)(float *out, float *lse, const float *qkv, int B, int T, int NH, int NKV,
                                          int HD, void *stream) {
-    fl_attn_desc a = fl_cu_attention_fused_desc(B, T, NH, NKV, HD);
+    fl_attn_desc a = fl_attn_desc_qkv(B, T, NH, NKV, HD);
     if (!qkv || NKV <= 0 || HD <= 0) return HD > FL_CU_ATTN_MAX_HD ? FL_CU_ATTN_UNSUPPORTED : FL_CU_ATTN_INVALID;
     return FL_CUK(attention_forward_ex)(&a, out, lse, qkv, qkv + (size_t)NH * HD, qkv + (size_t)(NH + NKV) * HD,
                                         NULL, NULL, stream);

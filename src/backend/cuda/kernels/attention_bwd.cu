@@ -281,7 +281,7 @@ extern "C" int FL_CUK(attention_backward_ex)(const fl_attn_desc *a, float *dq, f
 extern "C" int FL_CUK(attention_backward)(float *dqkv, const float *dout, const float *qkv, const float *out,
                                           const float *lse, int B, int T, int NH, int NKV, int HD, void *work,
                                           void *stream) {
-    fl_attn_desc a = fl_cu_attention_fused_desc(B, T, NH, NKV, HD);
+    fl_attn_desc a = fl_attn_desc_qkv(B, T, NH, NKV, HD);
     if (!qkv || !dqkv || NKV <= 0 || HD <= 0) return HD > FL_CU_ATTN_MAX_HD ? FL_CU_ATTN_UNSUPPORTED : FL_CU_ATTN_INVALID;
     const size_t ko = (size_t)NH * HD, vo = (size_t)(NH + NKV) * HD;
     return FL_CUK(attention_backward_ex)(&a, dqkv, dqkv + ko, dqkv + vo, NULL, dout, qkv, qkv + ko, qkv + vo, NULL,
