@@ -3,7 +3,9 @@
  * memory of the reduced batch, the largest model OOM even at batch 1, SGD
  * fits), planned == measured on every row, and the files it writes.
  * tests/cli_test.sh runs the whole quick suite through the CLI. */
+#define _POSIX_C_SOURCE 200809L /* nanosleep, setenv, open_memstream */
 #include <sys/stat.h>
+#include <time.h>
 
 #include "fitllm/json.h"
 #include "fitllm/lab.h"
@@ -478,4 +480,43 @@ FL_TEST(lab_fsdp_course_settings) {
     FL_CHECK(fl_lab_run(&o, NULL, &rep) == FL_ERR_INVALID && strstr(fl_error_message(), "gpt2-huge"));
     fl_lab_report_free(&rep);
 #endif
+}
+
+/* GPU utilization through NVML, loaded at run time: without the library (FITLLM_NVML_LIB names one that does not
+ * exist) or with one lacking NVML's functions the probe says why (the report prints it); with an NVML stand-in
+ * (tests/nvml/fake_nvml.c: 10 % and 30 % alternately, 5 GiB used) the sampler's mean and standard deviation are
+ * those of its samples. */
+FL_TEST(lab_gpu_sampling_through_nvml) {
+    char why[200];
+    const char *old = getenv("FITLLM_NVML_LIB");
+    char saved[512] = "";
+    if (old) snprintf(saved, sizeof saved, "%s", old);
+    setenv("FITLLM_NVML_LIB", "/nonexistent/libnvidia-ml.so.1", 1);
+    FL_CHECKF(!fl_lab_nvml_probe(why, sizeof why) && strstr(why, "NVML not loaded (/nonexistent/libnvidia-ml.so.1"),
+              "%s", why);
+    FL_CHECK(fl_lab_gpu_start(10, why, sizeof why) == NULL && strstr(why, "not loaded"));
+    setenv("FITLLM_NVML_LIB", "libm.so.6", 1);
+    FL_CHECKF(!fl_lab_nvml_probe(why, sizeof why) && strstr(why, "lacks the functions"), "%s", why);
+#ifdef FL_FAKE_NVML
+    setenv("FITLLM_NVML_LIB", FL_FAKE_NVML, 1);
+    FL_CHECKF(fl_lab_nvml_probe(why, sizeof why), "%s", why);
+    lab_gpu *g = fl_lab_gpu_start(1, why, sizeof why);
+    FL_REQUIRE(g != NULL);
+    struct timespec ts = {0, 60 * 1000000L};
+    nanosleep(&ts, NULL);
+    fl_lab_row r;
+    memset(&r, 0, sizeof r);
+    fl_lab_gpu_stop(g, &r);
+    FL_CHECKF(r.gpu_samples >= 4, "%ld samples", r.gpu_samples);
+    /* n samples alternating 10, 30 (starting at 10): mean 20 (n even) or 20 - 20/n (odd); sample std ~ 10 */
+    const double n = (double)r.gpu_samples, mean = ((long)n % 2 ? 20 - 10 / n : 20);
+    FL_CHECKF(fabs(r.gpu_util_mean - mean) < 1e-9 && r.gpu_util_std > 9.9 && r.gpu_util_std < 11.6, "%g +- %g over %g",
+              r.gpu_util_mean, r.gpu_util_std, n);
+    FL_CHECK(r.gpu_mem_mean == (double)(5ULL << 30) && r.gpu_mem_std == 0);
+    char u[48], m[64];
+    fl_lab_gpu_cells(&r, u, sizeof u, m, sizeof m);
+    FL_CHECKF(!strcmp(m, "5.00 +- 0.00 GiB"), "%s", m);
+#endif
+    if (saved[0]) setenv("FITLLM_NVML_LIB", saved, 1);
+    else unsetenv("FITLLM_NVML_LIB");
 }

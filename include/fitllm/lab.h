@@ -109,6 +109,9 @@ typedef struct {
                                 * reports every multi-GPU figure as such a range); one rank: peak_total */
     int ran;                   /* 1: the row trained (its verdict and memory are the run's); 0: it did not (n/a, or OOM
                                 * decided by its plan: memory is what the plan had live at the failed allocation) */
+    long gpu_samples;          /* NVML samples of device 0 while the row trained (0: none: see fl_lab_report.gpu_note) */
+    double gpu_util_mean, gpu_util_std; /* GPU utilization %, mean and standard deviation over the samples */
+    double gpu_mem_mean, gpu_mem_std;   /* the device's used bytes (every process), mean and standard deviation */
     double mfu;                /* tflops / the device's peak at the row's precision (0: no peak known) */
     int prefetch;              /* fsdp rows: fsdp.backward_prefetch on */
     int largest;               /* fsdp sweep: 1 on the largest micro batch that fits for its checkpointing setting */
@@ -131,6 +134,7 @@ typedef struct {
     size_t capacity;           /* real scale: the memory of the device the rows run on (GPU memory, or the host's
                                 * RAM for the CPU); rows are n/a when it is below the budget */
     int no_prefetch;           /* fsdp suite: every row ran with --fsdp.backward_prefetch off */
+    char gpu_note[200];        /* how GPU utilization was sampled ("NVML, device 0, every 100 ms") or why not */
     char sweep_model[32];      /* fsdp suite: gpt2-xl or gpt2-xxl (the real model; the rows run its lab- preset at
                                 * lab scale) */
     double peak_tflops[2];     /* the peak used for MFU: [0] fp32 rows, [1] 16-bit rows (0: unknown) */

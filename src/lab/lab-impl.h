@@ -26,6 +26,7 @@ typedef struct {
 #define REF_SWEEP_T_PUBLIC 128 /* the course's FSDP benchmark's sequence length */
 
 const char *fl_lab_plan_name(fl_plan_verdict v);
+void fl_lab_gpu_cells(const fl_lab_row *r, char *u, size_t un, char *m, size_t mn); /* "mean +- std" or "-" */
 /* text in lines of at most width columns, the first after prefix, the rest indented (never cut) */
 void fl_lab_wrap(FILE *f, const char *prefix, const char *text, int width, int indent); /* "fits", "OOM", "n/a", "?" */
 /* lab_sweep.c: the fsdp suite's tables, chart data and script; a row's setting (2 x 16-bit + checkpointing) */
@@ -37,5 +38,12 @@ void fl_lab_sweep_script(const fl_lab_report *rep, FILE *f, const int idx[4], co
 /* The course's figures for a fsdp row (16-mixed; 0: none): memory MB (0: OOM), GPU util %, TFLOP/s, iteration ms */
 int fl_lab_course_fsdp(const fl_lab_report *rep, const fl_lab_row *r, double *mem_mb, double *util, double *tflops,
                        double *iter_ms);
+
+/* lab_gpu.c: GPU utilization and memory through NVML (dlopen). probe: 1 usable, else 0 and why. start: NULL
+ * (why) when NVML is absent; stop fills the row's gpu_* (mean, standard deviation, samples). */
+typedef struct lab_gpu lab_gpu;
+int fl_lab_nvml_probe(char *why, size_t n);
+lab_gpu *fl_lab_gpu_start(int period_ms, char *why, size_t wn);
+void fl_lab_gpu_stop(lab_gpu *g, fl_lab_row *r);
 
 #endif

@@ -517,7 +517,10 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
     log.want = steps;
     fl_trainer_result res;
     memset(&res, 0, sizeof res);
+    char why[200];
+    lab_gpu *gpu = !strncmp(rep->gpu_note, "NVML,", 5) ? fl_lab_gpu_start(100, why, sizeof why) : NULL;
     fl_status s = train_row(c, r->ranks, &log, &res, &r->peak_min, &r->peak_max);
+    fl_lab_gpu_stop(gpu, r);
     memcpy(r->peak, res.peak, sizeof r->peak);
     r->peak_total = res.peak_total;
     if (s == FL_OK) {
@@ -681,6 +684,14 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
     if (bit == SUITE_FSDP) FL_TRY(sweep_setup(o, rep, &precs));
     else FL_TRY(fl_lab_scale(rep));
     device_peak(o, rep);
+    if (backend_has(FL_CAP_DEVICE_MEMORY)) { /* GPU utilization: NVML when the driver's library is there */
+        char why[160];
+        if (fl_lab_nvml_probe(why, sizeof why))
+            snprintf(rep->gpu_note, sizeof rep->gpu_note, "NVML, device 0, every 100 ms while each row trains");
+        else snprintf(rep->gpu_note, sizeof rep->gpu_note, "not sampled: %s", why);
+    } else
+        snprintf(rep->gpu_note, sizeof rep->gpu_note, "not sampled: the %s backend runs on the CPU (no GPU)",
+                 fl_backend_default_name());
     if (o->real_scale) {
         rep->real_scale = 1;
         rep->capacity = fl_backend_memory_capacity(fl_backend_default_name());

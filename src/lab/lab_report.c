@@ -30,6 +30,17 @@ static double ms_per_sample(const fl_lab_row *r) {
     return r->step_ms / ((double)r->B * r->accum * (r->ranks > 1 ? r->ranks : 1));
 }
 
+/* A row's GPU utilization and memory, mean +- standard deviation over the NVML samples ("-" without). */
+void fl_lab_gpu_cells(const fl_lab_row *r, char *u, size_t un, char *m, size_t mn) {
+    if (r->gpu_samples <= 0) {
+        snprintf(u, un, "-");
+        snprintf(m, mn, "-");
+        return;
+    }
+    snprintf(u, un, "%.1f +- %.1f", r->gpu_util_mean, r->gpu_util_std);
+    snprintf(m, mn, "%.2f +- %.2f GiB", r->gpu_mem_mean / 1073741824.0, r->gpu_mem_std / 1073741824.0);
+}
+
 const char *fl_lab_plan_name(fl_plan_verdict v) {
     return v == FL_PLAN_FITS ? "fits" : v == FL_PLAN_OOM ? "OOM" : v == FL_PLAN_UNAVAILABLE ? "n/a" : "?";
 }
@@ -110,6 +121,16 @@ void fl_lab_print_table(const fl_lab_report *rep, FILE *f) {
         if (rep->rows[i].note[0]) {
             snprintf(prefix, sizeof prefix, "  %s: ", rep->rows[i].name);
             fl_lab_wrap(f, prefix, rep->rows[i].note, 120, 4);
+        }
+    char line[300];
+    snprintf(line, sizeof line, "%s", rep->gpu_note[0] ? rep->gpu_note : "not sampled");
+    fl_lab_wrap(f, "  GPU utilization: ", line, 120, 4);
+    for (int i = 0; i < rep->n; i++)
+        if (rep->rows[i].gpu_samples > 0) {
+            char gu[48], gm[64];
+            fl_lab_gpu_cells(&rep->rows[i], gu, sizeof gu, gm, sizeof gm);
+            fprintf(f, "    %s: GPU util %s %%, device memory %s (%ld samples)\n", rep->rows[i].name, gu, gm,
+                    rep->rows[i].gpu_samples);
         }
     if (rep->sweep) fl_lab_sweep_print(rep, f);
 }
@@ -239,6 +260,9 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
                "\"act_per_param_ref\": %.8g, \"act_per_param_lab\": %.8g},\n",
             rep->real_scale ? "real" : "lab", rep->budget, rep->ref_device, rep->param_ratio, rep->T, rep->ref_T,
             rep->act_ratio_ref, rep->act_ratio_lab);
+    fprintf(f, "  \"gpu_sampling\": ");
+    jstr(f, rep->gpu_note);
+    fprintf(f, ",\n");
     fprintf(f, "  \"wall_s\": %.2f,\n  \"sweep\": %s,\n  \"experiments\": [", rep->wall_s,
             rep->sweep ? "true" : "false");
     for (int i = 0; i < rep->n; i++) {
@@ -271,6 +295,12 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
                 r->largest ? "true" : "false", r->peak_min, r->peak_max, r->ran ? "true" : "false");
         fprintf(f, ", \"mfu\": ");
         jnum(f, r->mfu > 0 ? r->mfu : NAN);
+        fprintf(f, ", \"gpu\": ");
+        if (r->gpu_samples > 0)
+            fprintf(f, "{\"samples\": %ld, \"util_pct_mean\": %.3f, \"util_pct_std\": %.3f, \"memory_mean\": %.0f, "
+                       "\"memory_std\": %.0f}", r->gpu_samples, r->gpu_util_mean, r->gpu_util_std, r->gpu_mem_mean,
+                    r->gpu_mem_std);
+        else fprintf(f, "null");
         fprintf(f, ", \"prefetch\": %s, \"course\": ", r->prefetch ? "true" : "false");
         double cm, cu, ct, ci;
         if (rep->sweep && fl_lab_course_fsdp(rep, r, &cm, &cu, &ct, &ci)) {
@@ -590,8 +620,8 @@ static void md_results(FILE *f, const fl_lab_report *rep) {
     char a[32], b[32];
     fprintf(f, "## Results\n\n| experiment | lab's change | model | micro x acc | precision | optimizer | act ckpt | "
                "verdict | as in the lab | PARAMS | GRADS | OPTIM | ACTS | WORKSPACE | OTHER | GATHER | peak | planned | "
-               "ms/sample | tok/s | final loss | extra time per sample |\n|");
-    for (int k = 0; k < 22; k++) fprintf(f, "---|");
+               "ms/sample | tok/s | final loss | GPU util %% | GPU memory | extra time per sample |\n|");
+    for (int k = 0; k < 24; k++) fprintf(f, "---|");
     fprintf(f, "\n");
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
@@ -612,8 +642,12 @@ static void md_results(FILE *f, const fl_lab_report *rep) {
             fprintf(f, " %.2f (%s) |", MIB(r->planned_peak), fl_lab_plan_name(r->planned));
         else fprintf(f, " %s |", fl_lab_plan_name(r->planned));
         if (r->verdict == FL_LAB_FITS)
-            fprintf(f, " %.2f | %.0f | %.3f | %s |\n", ms_per_sample(r), r->tok_s, r->final_loss, r->time_note);
-        else fprintf(f, " - | - | - | |\n");
+        {
+            char gu[48], gm[64];
+            fl_lab_gpu_cells(r, gu, sizeof gu, gm, sizeof gm);
+            fprintf(f, " %.2f | %.0f | %.3f | %s | %s | %s |\n", ms_per_sample(r), r->tok_s, r->final_loss, gu, gm,
+                    r->time_note);
+        } else fprintf(f, " - | - | - | - | - | |\n");
     }
     fprintf(f, "\nMemory in MiB. For runs that fit: the all-time peak per tag and in total. For OOM rows: what was live "
                "when the allocation failed (the planned column is what the whole run would need). \"as in the lab\": "
@@ -677,6 +711,8 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
     fprintf(f, "# fitllm lab report (suite %s)\n\n", rep->suite);
     fprintf(f, "- date: %s\n- machine: %s, %ld cores, %.1f GiB RAM, %s\n- threads: %s\n- wall time: %.1f s\n\n", date,
             cpu, cores, ram, os, rep->threads ? "fixed" : "all cores", rep->wall_s);
+    fprintf(f, "- GPU utilization and memory (mean +- standard deviation): %s\n\n",
+            rep->gpu_note[0] ? rep->gpu_note : "not sampled");
     md_scaling(f, rep);
     md_results(f, rep);
     if (rep->sweep) fl_lab_sweep_md(f, rep, charts);

@@ -117,9 +117,9 @@ void fl_lab_sweep_md(FILE *f, const fl_lab_report *rep, int charts) {
         for (int i = 0; i < rep->n; i++) any |= fl_lab_sweep_group(&rep->rows[i]) == g;
         if (!any) continue;
         fprintf(f, "### %s\n\n| micro batch | verdict | planned | PARAMS | GRADS | OPTIM | ACTS | WORKSPACE | GATHER | "
-                   "peak (min-max) | planned peak | iteration ms | tok/s | TFLOP/s | MFU | real: plan | real: peak | "
+                   "peak (min-max) | planned peak | iteration ms | tok/s | TFLOP/s | MFU | GPU util %% | real: plan | real: peak | "
                    "course: memory MB | course: GPU util %% | course: TFLOP/s | course: iteration ms |\n|", group_name(g));
-        for (int k = 0; k < 21; k++) fprintf(f, "---|");
+        for (int k = 0; k < 22; k++) fprintf(f, "---|");
         fprintf(f, "\n");
         for (int i = 0; i < rep->n; i++) {
             const fl_lab_row *r = &rep->rows[i];
@@ -135,7 +135,10 @@ void fl_lab_sweep_md(FILE *f, const fl_lab_report *rep, int charts) {
                 fprintf(f, " %.1f | %.0f | %.4f |", r->step_ms, r->tok_s, r->tflops);
                 if (r->mfu > 0) fprintf(f, " %.2f%% |", 100 * r->mfu);
                 else fprintf(f, " - |");
-            } else fprintf(f, " - | - | - | - |");
+                char gu[48], gm[64];
+                fl_lab_gpu_cells(r, gu, sizeof gu, gm, sizeof gm);
+                fprintf(f, " %s |", gu);
+            } else fprintf(f, " - | - | - | - | - |");
             fprintf(f, " %s | %s |", fl_lab_plan_name(r->ref_planned), r->ref_peak ? fl_fmt_bytes(r->ref_peak, a, sizeof a) : "-");
             const course_row *c = course_of(rep, r);
             if (!c) fprintf(f, " | | | |\n");
