@@ -450,6 +450,8 @@ expect plan_predicts_eval_oom 3 "OUT OF MEMORY during validation \(eval_generate
 # (LoRA merge, checkpoint, sample) goes through the backend's copies and nothing faults; the bytes are zeros
 expect null_backend_lora_run 0 "peak total" -- env FITLLM_BACKEND=null "$FITLLM" finetune_lora micro "${TR[@]}" --out_dir "$T/null-lora"
 
+# a multi-rank run's summary gives the peak as the range over its ranks (the course's convention)
+expect ranks_peak_range 0 "peak total, ranks min - max +[0-9.]+ [KMG]iB - [0-9.]+ [KMG]iB" -- "$FITLLM" finetune_full micro --devices 2 --strategy fsdp --train.max_steps 1 --data Synthetic --out_dir "$T/ranks-range"
 # ---- fitllm lab: the quick suite (make demo) with its verdicts, files and charts ----
 expect lab_bad_suite 2 "not quick, full, ci or fsdp" -- "$FITLLM" lab --suite huge
 expect lab_bad_only 2 "unknown experiment" -- "$FITLLM" lab --only nope --out_dir "$T/lab0"
