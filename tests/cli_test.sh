@@ -456,7 +456,10 @@ expect ranks_peak_range 0 "peak total, ranks min - max +[0-9.]+ [KMG]iB - [0-9.]
 expect lab_bad_suite 2 "not quick, full, ci or fsdp" -- "$FITLLM" lab --suite huge
 expect lab_bad_only 2 "unknown experiment" -- "$FITLLM" lab --only nope --out_dir "$T/lab0"
 # a row the plan says OOM is decided by its plan (not trained); --run-oom trains it to the same refusal
-expect lab_oom_planned 0 "baseline +OOM .*ACTS 312.64 MiB requested, 232.75 MiB available \(planned; not run\)" -- "$FITLLM" lab --only baseline --out_dir "$T/lab-oom1"
+expect lab_oom_planned 0 "baseline: OOM during setup: ACTS 312.64 MiB requested, 232.75 MiB available \(planned; not run\)" -- "$FITLLM" lab --only baseline --out_dir "$T/lab-oom1"
+# the course's runs at its settings beside fitllm's plan: verdicts, its memory readings, why fitllm differs (bytes)
+expect lab_course_runs 0 "reduced-batch +tinyllama-1.1b +32-true +8x4 \\| fits +30.41 \\| fits +[0-9.]+ +-[0-9.]+%" -- "$FITLLM" lab --only baseline --out_dir "$T/lab-course"
+expect lab_course_report 0 "" -- bash -c "grep -q '^## The course.s runs beside fitllm.s plan' '$T/lab-course/report.md' && grep -q 'B x T x V x 4 = 32 x 511 x 32000 x 4 = 2.09 GB' '$T/lab-course/report.md' && grep -q '\"course_runs\"' '$T/lab-course/results.json'"
 expect lab_run_oom 0 "baseline +OOM .*ACTS 312.64 MiB requested, 232.75 MiB available$" -- "$FITLLM" lab --only baseline --run-oom --out_dir "$T/lab-oom2"
 # --scale real (an 80 GB GPU's run; here only what needs no memory): a bad scale, the fsdp suite refused,
 # the 4-rank rows n/a naming the launch they need, the report saying which scale it is

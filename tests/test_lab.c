@@ -520,3 +520,37 @@ FL_TEST(lab_gpu_sampling_through_nvml) {
     if (saved[0]) setenv("FITLLM_NVML_LIB", saved, 1);
     else unsetenv("FITLLM_NVML_LIB");
 }
+
+/* fitllm's plan of the course's runs at the course's settings (max_seq_length 512, 80e9 bytes, a CUDA device)
+ * against the course's table: the verdicts are the course's except the fp32 batch-32 baseline, which fitllm fits
+ * (documented: the row says why, with the bytes of the fp32 logits PyTorch keeps); the memory readings the course
+ * gives are matched within the stated tolerance, fitllm at -15% to +5% of the course (leaner: no fp32 logits, no
+ * caching allocator; a plan above the course's reading would be a fitllm regression). */
+FL_TEST(lab_course_table_planned) {
+    fl_lab_report rep;
+    memset(&rep, 0, sizeof rep);
+    FL_REQUIRE_OK(fl_lab_course_plans(&rep));
+    FL_REQUIRE(rep.n_course == 4);
+    int with_gb = 0;
+    for (int i = 0; i < rep.n_course; i++) {
+        const fl_lab_course *c = &rep.course[i];
+        FL_CHECKF(c->T == 511 && (c->planned == FL_PLAN_FITS || c->planned == FL_PLAN_OOM), "%s: T %d", c->name, c->T);
+        const int fits = c->planned == FL_PLAN_FITS;
+        if (!strcmp(c->name, "baseline")) {
+            FL_CHECKF(fits && c->course_verdict == FL_LAB_OOM && strstr(c->why, "fits where the course ran out") &&
+                          c->logits_bytes == 32.0 * 511 * 32000 * 4 && strstr(c->why, "2.09 GB"),
+                      "baseline: %s", c->why);
+            continue;
+        }
+        FL_CHECKF(fits == (c->course_verdict == FL_LAB_FITS), "%s: fitllm %s, the course %s", c->name,
+                  fl_lab_plan_name(c->planned), fl_lab_verdict_name(c->course_verdict));
+        if (c->course_gb > 0) {
+            const double r = (double)c->peak / 1e9 / c->course_gb;
+            FL_CHECKF(r >= 0.85 && r <= 1.05, "%s: fitllm %.2f GB, the course %.2f GB", c->name, c->peak / 1e9,
+                      c->course_gb);
+            FL_CHECK(r >= 0.95 || c->why[0]); /* leaner by more than 5%: the row says why */
+            with_gb++;
+        }
+    }
+    FL_CHECK(with_gb == 2);
+}

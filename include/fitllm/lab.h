@@ -117,6 +117,21 @@ typedef struct {
     int largest;               /* fsdp sweep: 1 on the largest micro batch that fits for its checkpointing setting */
 } fl_lab_row;
 
+/* One of the course's runs at its own settings (max_seq_length 512, its 80 GB GPU) beside fitllm's plan of it
+ * (src/lab/lab_course.c; quick and full suites). */
+typedef struct {
+    char name[32], step[96], model[32], precision[16];
+    int B, global, T;
+    fl_lab_verdict course_verdict; /* the course's */
+    double course_gb;          /* the course's memory reading in GB (1e9 bytes); 0: not known */
+    fl_plan_verdict planned;   /* fitllm's plan for a CUDA device of 80e9 bytes */
+    size_t peak, peak_tag[FL_TAG_COUNT];
+    double logits_bytes;       /* the fp32 logits PyTorch keeps for the micro batch (B x T x V x 4) */
+    char why[480];             /* where fitllm differs (verdict, or leaner by more than 5%): why, in bytes */
+} fl_lab_course;
+
+#define FL_LAB_MAX_COURSE 8
+
 typedef struct {
     char suite[16];
     fl_lab_row *rows;
@@ -134,6 +149,8 @@ typedef struct {
     size_t capacity;           /* real scale: the memory of the device the rows run on (GPU memory, or the host's
                                 * RAM for the CPU); rows are n/a when it is below the budget */
     int no_prefetch;           /* fsdp suite: every row ran with --fsdp.backward_prefetch off */
+    fl_lab_course course[FL_LAB_MAX_COURSE]; /* the course's runs beside fitllm's plans (quick, full suites) */
+    int n_course;
     char gpu_note[200];        /* how GPU utilization was sampled ("NVML, device 0, every 100 ms") or why not */
     char sweep_model[32];      /* fsdp suite: gpt2-xl or gpt2-xxl (the real model; the rows run its lab- preset at
                                 * lab scale) */
@@ -151,6 +168,8 @@ fl_status fl_lab_scale(fl_lab_report *rep);
  * params(model) and T = the length at which lab-<model>'s activations per parameter of a sample equal model's
  * at T 128. */
 fl_status fl_lab_scale_fsdp(const char *model, fl_lab_report *rep);
+/* Plan the course's runs at its settings into rep->course (what fl_lab_run does for the quick and full suites). */
+fl_status fl_lab_course_plans(fl_lab_report *rep);
 /* Run the suite; progress and the table go to out (may be NULL). Rows that
  * error are recorded (verdict error, note) and counted in rep->n_errors; the
  * call fails only on a bad suite / --only name or when the runs cannot start. */

@@ -39,6 +39,9 @@ void fl_lab_sweep_script(const fl_lab_report *rep, FILE *f, const int idx[4], co
 int fl_lab_course_fsdp(const fl_lab_report *rep, const fl_lab_row *r, double *mem_mb, double *util, double *tflops,
                        double *iter_ms);
 
+/* lab_course.c: the course's runs table, console and report.md */
+void fl_lab_course_print(const fl_lab_report *rep, FILE *f);
+void fl_lab_course_md(FILE *f, const fl_lab_report *rep);
 /* lab_gpu.c: GPU utilization and memory through NVML (dlopen). probe: 1 usable, else 0 and why. start: NULL
  * (why) when NVML is absent; stop fills the row's gpu_* (mean, standard deviation, samples). */
 typedef struct lab_gpu lab_gpu;

@@ -785,6 +785,7 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
         }
         if (best >= 0) rep->rows[best].largest = 1;
     }
+    if (bit == SUITE_QUICK || bit == SUITE_FULL) FL_TRY(fl_lab_course_plans(rep)); /* plans only: < 2 s */
     rep->wall_s = now_s() - t0;
     if (!o->run_dir) nftw(tmp, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
     return FL_OK;

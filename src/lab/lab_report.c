@@ -132,6 +132,7 @@ void fl_lab_print_table(const fl_lab_report *rep, FILE *f) {
             fprintf(f, "    %s: GPU util %s %%, device memory %s (%ld samples)\n", rep->rows[i].name, gu, gm,
                     rep->rows[i].gpu_samples);
         }
+    fl_lab_course_print(rep, f);
     if (rep->sweep) fl_lab_sweep_print(rep, f);
 }
 
@@ -323,6 +324,19 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
             fputc('}', f);
         }
         fprintf(f, "]}");
+    }
+    fprintf(f, "\n  ],\n  \"course_runs\": [");
+    for (int i = 0; i < rep->n_course; i++) { /* the course's runs beside fitllm's plans (lab_course.c) */
+        const fl_lab_course *c = &rep->course[i];
+        fprintf(f, "%s\n    {\"name\": \"%s\", \"model\": \"%s\", \"precision\": \"%s\", \"micro_batch_size\": %d, "
+                   "\"global_batch_size\": %d, \"seq_len\": %d, \"course_verdict\": \"%s\", \"course_gb\": ",
+                i ? "," : "", c->name, c->model, c->precision, c->B, c->global, c->T,
+                fl_lab_verdict_name(c->course_verdict));
+        jnum(f, c->course_gb > 0 ? c->course_gb : NAN);
+        fprintf(f, ", \"planned_verdict\": \"%s\", \"planned_peak\": %zu, \"pytorch_logits_bytes\": %.0f, \"why\": ",
+                fl_lab_plan_name(c->planned), c->peak, c->logits_bytes);
+        jstr(f, c->why);
+        fputc('}', f);
     }
     fprintf(f, "\n  ]\n}\n");
     if (fclose(f) != 0) return fl_errorf(FL_ERR_IO, "%s: write failed", path);
@@ -715,6 +729,7 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
             rep->gpu_note[0] ? rep->gpu_note : "not sampled");
     md_scaling(f, rep);
     md_results(f, rep);
+    fl_lab_course_md(f, rep);
     if (rep->sweep) fl_lab_sweep_md(f, rep, charts);
     md_phases(f, rep, charts);
     fprintf(f, "## Real scale (planned with fitllm's sizing, 80 GB device, T=%d)\n\n| experiment | model | plan | "
