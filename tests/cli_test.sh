@@ -452,6 +452,13 @@ expect null_backend_lora_run 0 "peak total" -- env FITLLM_BACKEND=null "$FITLLM"
 
 # a multi-rank run's summary gives the peak as the range over its ranks (the course's convention)
 expect ranks_peak_range 0 "peak total, ranks min - max +[0-9.]+ [KMG]iB - [0-9.]+ [KMG]iB" -- "$FITLLM" finetune_full micro --devices 2 --strategy fsdp --train.max_steps 1 --data Synthetic --out_dir "$T/ranks-range"
+# on a GPU the training summary adds NVML's utilization and memory (FITLLM_GPU_MONITOR=on forces it beside a CPU
+# run): without NVML it says why; with the tests' NVML stand-in (10 % and 30 % alternately, 5 GiB) the mean +- std
+expect gpu_monitor_absent 0 "GPU utilization: not sampled .NVML not loaded ./nonexistent/libnvidia-ml.so.1" -- env FITLLM_GPU_MONITOR=on FITLLM_NVML_LIB=/nonexistent/libnvidia-ml.so.1 "$FITLLM" finetune_full micro --devices 1 --train.max_steps 1 --data Synthetic --out_dir "$T/gpumon1"
+FAKE_NVML="$(dirname "$FITLLM")/libfitllm_fake_nvml.so"
+if [ -f "$FAKE_NVML" ]; then
+    expect gpu_monitor_nvml 0 "GPU utilization .NVML, device 0, [0-9]+ samples.: [123][0-9].[0-9] \\+- [0-9]+.[0-9] %, device memory used 5.00 \\+- 0.00 GiB" -- env FITLLM_GPU_MONITOR=on FITLLM_NVML_LIB="$(cd "$(dirname "$FAKE_NVML")" && pwd)/libfitllm_fake_nvml.so" "$FITLLM" finetune_full micro --devices 1 --train.max_steps 4 --data Synthetic --out_dir "$T/gpumon2"
+fi
 # ---- fitllm lab: the quick suite (make demo) with its verdicts, files and charts ----
 expect lab_bad_suite 2 "not quick, full, ci or fsdp" -- "$FITLLM" lab --suite huge
 expect lab_bad_only 2 "unknown experiment" -- "$FITLLM" lab --only nope --out_dir "$T/lab0"

@@ -492,15 +492,15 @@ FL_TEST(lab_gpu_sampling_through_nvml) {
     char saved[512] = "";
     if (old) snprintf(saved, sizeof saved, "%s", old);
     setenv("FITLLM_NVML_LIB", "/nonexistent/libnvidia-ml.so.1", 1);
-    FL_CHECKF(!fl_lab_nvml_probe(why, sizeof why) && strstr(why, "NVML not loaded (/nonexistent/libnvidia-ml.so.1"),
+    FL_CHECKF(!fl_gpu_monitor_probe(why, sizeof why) && strstr(why, "NVML not loaded (/nonexistent/libnvidia-ml.so.1"),
               "%s", why);
-    FL_CHECK(fl_lab_gpu_start(10, why, sizeof why) == NULL && strstr(why, "not loaded"));
+    FL_CHECK(fl_gpu_monitor_start(10, why, sizeof why) == NULL && strstr(why, "not loaded"));
     setenv("FITLLM_NVML_LIB", "libm.so.6", 1);
-    FL_CHECKF(!fl_lab_nvml_probe(why, sizeof why) && strstr(why, "lacks the functions"), "%s", why);
+    FL_CHECKF(!fl_gpu_monitor_probe(why, sizeof why) && strstr(why, "lacks the functions"), "%s", why);
 #ifdef FL_FAKE_NVML
     setenv("FITLLM_NVML_LIB", FL_FAKE_NVML, 1);
-    FL_CHECKF(fl_lab_nvml_probe(why, sizeof why), "%s", why);
-    lab_gpu *g = fl_lab_gpu_start(1, why, sizeof why);
+    FL_CHECKF(fl_gpu_monitor_probe(why, sizeof why), "%s", why);
+    fl_gpu_monitor *g = fl_gpu_monitor_start(1, why, sizeof why);
     FL_REQUIRE(g != NULL);
     struct timespec ts = {0, 60 * 1000000L};
     nanosleep(&ts, NULL);

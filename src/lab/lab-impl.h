@@ -42,11 +42,8 @@ int fl_lab_course_fsdp(const fl_lab_report *rep, const fl_lab_row *r, double *me
 /* lab_course.c: the course's runs table, console and report.md */
 void fl_lab_course_print(const fl_lab_report *rep, FILE *f);
 void fl_lab_course_md(FILE *f, const fl_lab_report *rep);
-/* lab_gpu.c: GPU utilization and memory through NVML (dlopen). probe: 1 usable, else 0 and why. start: NULL
- * (why) when NVML is absent; stop fills the row's gpu_* (mean, standard deviation, samples). */
-typedef struct lab_gpu lab_gpu;
-int fl_lab_nvml_probe(char *why, size_t n);
-lab_gpu *fl_lab_gpu_start(int period_ms, char *why, size_t wn);
-void fl_lab_gpu_stop(lab_gpu *g, fl_lab_row *r);
+/* lab_gpu.c: GPU utilization and memory through NVML (fitllm/gpu_monitor.h) */
+#include "fitllm/gpu_monitor.h"
+void fl_lab_gpu_stop(fl_gpu_monitor *g, fl_lab_row *r); /* fl_gpu_monitor_stop into the row's gpu_* */
 
 #endif

@@ -518,7 +518,7 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
     fl_trainer_result res;
     memset(&res, 0, sizeof res);
     char why[200];
-    lab_gpu *gpu = !strncmp(rep->gpu_note, "NVML,", 5) ? fl_lab_gpu_start(100, why, sizeof why) : NULL;
+    fl_gpu_monitor *gpu = !strncmp(rep->gpu_note, "NVML,", 5) ? fl_gpu_monitor_start(100, why, sizeof why) : NULL;
     fl_status s = train_row(c, r->ranks, &log, &res, &r->peak_min, &r->peak_max);
     fl_lab_gpu_stop(gpu, r);
     memcpy(r->peak, res.peak, sizeof r->peak);
@@ -686,7 +686,7 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
     device_peak(o, rep);
     if (backend_has(FL_CAP_DEVICE_MEMORY)) { /* GPU utilization: NVML when the driver's library is there */
         char why[160];
-        if (fl_lab_nvml_probe(why, sizeof why))
+        if (fl_gpu_monitor_probe(why, sizeof why))
             snprintf(rep->gpu_note, sizeof rep->gpu_note, "NVML, device 0, every 100 ms while each row trains");
         else snprintf(rep->gpu_note, sizeof rep->gpu_note, "not sampled: %s", why);
     } else

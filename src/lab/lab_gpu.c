@@ -1,8 +1,8 @@
-/* GPU utilization and memory while a lab row trains: NVML (libnvidia-ml.so.1, the driver's library), loaded at
- * run time with dlopen so fitllm neither links nor needs it; a thread samples device 0 every period and the row
- * gets the mean and standard deviation (the course watched nvtop). Absent library, symbols or device: the probe
- * says why and the report prints that instead of numbers. FITLLM_NVML_LIB names another library (tests: one that
- * does not exist). */
+/* GPU utilization and memory (include/fitllm/gpu_monitor.h): NVML (libnvidia-ml.so.1, the driver's library),
+ * loaded at run time with dlopen so fitllm neither links nor needs it; a thread samples device 0 every period and
+ * the caller gets the mean and standard deviation (a lab row, a training run's summary). Absent library, symbols
+ * or device: the probe says why and the report prints that instead of numbers. FITLLM_NVML_LIB names another
+ * library (tests: one that does not exist, one without NVML's functions, an NVML stand-in). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <math.h>
@@ -12,6 +12,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "fitllm/gpu_monitor.h"
 #include "lab-impl.h"
 
 typedef struct { unsigned gpu, memory; } nvml_util;              /* nvmlUtilization_t */
@@ -61,7 +62,7 @@ static void nvml_close(nvml *n) {
     dlclose(n->lib);
 }
 
-int fl_lab_nvml_probe(char *why, size_t n) {
+int fl_gpu_monitor_probe(char *why, size_t n) {
     nvml x;
     if (!nvml_open(&x, why, n)) return 0;
     nvml_close(&x);
@@ -69,7 +70,7 @@ int fl_lab_nvml_probe(char *why, size_t n) {
     return 1;
 }
 
-struct lab_gpu {
+struct fl_gpu_monitor {
     nvml n;
     pthread_t th;
     pthread_mutex_t mu;
@@ -79,7 +80,7 @@ struct lab_gpu {
 };
 
 static void *sampler(void *ud) {
-    lab_gpu *g = ud;
+    fl_gpu_monitor *g = ud;
     for (;;) {
         nvml_util u;
         nvml_mem m;
@@ -99,8 +100,8 @@ static void *sampler(void *ud) {
     }
 }
 
-lab_gpu *fl_lab_gpu_start(int period_ms, char *why, size_t wn) {
-    lab_gpu *g = calloc(1, sizeof *g);
+fl_gpu_monitor *fl_gpu_monitor_start(int period_ms, char *why, size_t wn) {
+    fl_gpu_monitor *g = calloc(1, sizeof *g);
     if (!g) { snprintf(why, wn, "out of host memory"); return NULL; }
     if (!nvml_open(&g->n, why, wn)) { free(g); return NULL; }
     g->period_ms = period_ms;
@@ -121,18 +122,27 @@ static double sd(double s, double ss, long n) {
     return v > 0 ? sqrt(v * n / (n - 1)) : 0;
 }
 
-void fl_lab_gpu_stop(lab_gpu *g, fl_lab_row *r) {
+void fl_gpu_monitor_stop(fl_gpu_monitor *g, fl_gpu_usage *u) {
+    memset(u, 0, sizeof *u);
     if (!g) return;
     pthread_mutex_lock(&g->mu);
     g->stop = 1;
     pthread_mutex_unlock(&g->mu);
     pthread_join(g->th, NULL);
-    r->gpu_samples = g->count;
+    u->samples = g->count;
     if (g->count > 0) {
-        r->gpu_util_mean = g->su / g->count, r->gpu_util_std = sd(g->su, g->suu, g->count);
-        r->gpu_mem_mean = g->sm / g->count, r->gpu_mem_std = sd(g->sm, g->smm, g->count);
+        u->util_mean = g->su / g->count, u->util_std = sd(g->su, g->suu, g->count);
+        u->mem_mean = g->sm / g->count, u->mem_std = sd(g->sm, g->smm, g->count);
     }
     nvml_close(&g->n);
     pthread_mutex_destroy(&g->mu);
     free(g);
+}
+
+void fl_lab_gpu_stop(fl_gpu_monitor *g, fl_lab_row *r) {
+    fl_gpu_usage u;
+    fl_gpu_monitor_stop(g, &u);
+    r->gpu_samples = u.samples;
+    r->gpu_util_mean = u.util_mean, r->gpu_util_std = u.util_std;
+    r->gpu_mem_mean = u.mem_mean, r->gpu_mem_std = u.mem_std;
 }
