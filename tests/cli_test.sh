@@ -503,13 +503,30 @@ expect plan_predicts_eval_oom 3 "OUT OF MEMORY during validation \(eval_generate
 # (LoRA merge, checkpoint, sample) goes through the backend's copies and nothing faults; the bytes are zeros
 expect null_backend_lora_run 0 "peak total" -- env FITLLM_BACKEND=null "$FITLLM" finetune_lora micro "${TR[@]}" --out_dir "$T/null-lora"
 
+# a multi-rank run's summary gives the peak as the range over its ranks (the course's convention)
+expect ranks_peak_range 0 "peak total, ranks min - max +[0-9.]+ [KMG]iB - [0-9.]+ [KMG]iB" -- "$FITLLM" finetune_full micro --devices 2 --strategy fsdp --train.max_steps 1 --data Synthetic --out_dir "$T/ranks-range"
+# on a GPU the training summary adds NVML's utilization and memory (FITLLM_GPU_MONITOR=on forces it beside a CPU
+# run): without NVML it says why; with the tests' NVML stand-in (10 % and 30 % alternately, 5 GiB) the mean +- std
+expect gpu_monitor_absent 0 "GPU utilization: not sampled .NVML not loaded ./nonexistent/libnvidia-ml.so.1" -- env FITLLM_GPU_MONITOR=on FITLLM_NVML_LIB=/nonexistent/libnvidia-ml.so.1 "$FITLLM" finetune_full micro --devices 1 --train.max_steps 1 --data Synthetic --out_dir "$T/gpumon1"
+FAKE_NVML="$(dirname "$FITLLM")/libfitllm_fake_nvml.so"
+if [ -f "$FAKE_NVML" ]; then
+    expect gpu_monitor_nvml 0 "GPU utilization .NVML, device 0, [0-9]+ samples.: [123][0-9].[0-9] \\+- [0-9]+.[0-9] %, device memory used 5.00 \\+- 0.00 GiB" -- env FITLLM_GPU_MONITOR=on FITLLM_NVML_LIB="$(cd "$(dirname "$FAKE_NVML")" && pwd)/libfitllm_fake_nvml.so" "$FITLLM" finetune_full micro --devices 1 --train.max_steps 4 --data Synthetic --out_dir "$T/gpumon2"
+fi
 # ---- fitllm lab: the quick suite (make demo) with its verdicts, files and charts ----
 expect lab_bad_suite 2 "not quick, full, ci or fsdp" -- "$FITLLM" lab --suite huge
 expect lab_bad_only 2 "unknown experiment" -- "$FITLLM" lab --only nope --out_dir "$T/lab0"
+# a row the plan says OOM is decided by its plan (not trained); --run-oom trains it to the same refusal
+expect lab_oom_planned 0 "baseline: OOM during setup: ACTS 312.64 MiB requested, 232.75 MiB available \(planned; not run\)" -- "$FITLLM" lab --only baseline --out_dir "$T/lab-oom1"
+# the course's runs at its settings beside fitllm's plan: verdicts, its memory readings, why fitllm differs (bytes)
+expect lab_course_runs 0 "reduced-batch +tinyllama-1.1b +32-true +8x4 \\| fits +30.41 \\| fits +[0-9.]+ +-[0-9.]+%" -- "$FITLLM" lab --only baseline --out_dir "$T/lab-course"
+expect lab_course_report 0 "" -- bash -c "grep -q '^## The course.s runs beside fitllm.s plan' '$T/lab-course/report.md' && grep -q 'B x T x V x 4 = 32 x 511 x 32000 x 4 = 2.09 GB' '$T/lab-course/report.md' && grep -q '\"course_runs\"' '$T/lab-course/results.json'"
+expect lab_run_oom 0 "baseline +OOM .*ACTS 312.64 MiB requested, 232.75 MiB available$" -- "$FITLLM" lab --only baseline --run-oom --out_dir "$T/lab-oom2"
 # --scale real (an 80 GB GPU's run; here only what needs no memory): a bad scale, the fsdp suite refused,
 # the 4-rank rows n/a naming the launch they need, the report saying which scale it is
 expect lab_bad_scale 2 "not lab or real" -- "$FITLLM" lab --scale huge
-expect lab_real_fsdp_suite 2 "the fsdp suite runs at lab scale only" -- "$FITLLM" lab --scale real --suite fsdp
+# the fsdp suite at the real scale (the course's 4 x 16 GiB): its rows need a device of 4 x 16 GiB (the ranks share it)
+# or mpirun; on a machine with less, n/a naming both, with the real-scale plan beside the course's figures
+expect lab_real_fsdp_suite 0 "amp-b9: at real scale the 4 ranks of 16.00 GiB each need one device" -- "$FITLLM" lab --scale real --suite fsdp --only amp-b9 --out_dir "$T/labrealf"
 expect lab_real_ranks_na 0 "ddp: at real scale the 4 ranks need 4 devices .mpirun -np 4 fitllm finetune_full tinyllama-1.1b --devices 4" -- "$FITLLM" lab --scale real --only ddp,fsdp --out_dir "$T/labreal"
 # a row that would run needs the 80 GB device: on a machine with less (this one's RAM), n/a naming both
 if [ "$(awk '/MemTotal/ {print $2}' /proc/meminfo)" -lt 78000000 ]; then
@@ -553,6 +570,13 @@ fi
 # suite is a usage error
 expect lab_fsdp_bad_only 2 "unknown experiment 'sgd' in suite fsdp" -- "$FITLLM" lab --suite fsdp --only sgd --out_dir "$T/labf0"
 expect lab_fsdp_rows 0 "batch-size sweep, activation checkpointing on" -- "$FITLLM" lab --suite fsdp --only b1,b1-ckpt --steps 1 --out_dir "$T/labf"
+expect lab_fsdp_bad_precision 2 "not 32-true or 16-mixed" -- "$FITLLM" lab --suite fsdp --precision bf16-true --out_dir "$T/labf1"
+expect lab_fsdp_bad_model 2 "not gpt2-xl or gpt2-xxl" -- "$FITLLM" lab --suite fsdp --model gpt2-huge --out_dir "$T/labf1"
+expect lab_fsdp_bad_prefetch 2 "is not on .BACKWARD_PRE, true. or off" -- "$FITLLM" lab --suite fsdp --fsdp.backward_prefetch maybe --out_dir "$T/labf1"
+expect lab_fsdp_bad_peak 2 "--peak-tflops: 'x' is not a positive number" -- "$FITLLM" lab --suite fsdp --peak-tflops x --out_dir "$T/labf1"
+# the course's AMP row with the course's figures beside it (batch 8: 14992 MB), prefetch off, MFU from the given peak
+expect lab_fsdp_amp_course 0 "    8\\* fits .* [0-9.]+% \\| fits +[0-9.]+ \\|  14992  88.1   36.80    1676" -- "$FITLLM" lab --suite fsdp --only amp-b8 --steps 1 --fsdp.backward_prefetch off --peak-tflops 1 --out_dir "$T/labf2"
+expect lab_fsdp_xxl 0 "suite fsdp: lab-gpt2-xxl" -- "$FITLLM" lab --suite fsdp --model gpt2-xxl --only amp-b8-ckpt --steps 1 --out_dir "$T/labf3"
 expect lab_fsdp_report 0 "" -- bash -c "grep -q '^## Batch-size sweep' '$T/labf/report.md' && grep -q '^| \*\*1\*\* | fits | fits |' '$T/labf/report.md' && test -s '$T/labf/sweep.dat' && grep -q \"'sweep.png'\" '$T/labf/charts.gp'"
 
 # PEFT LoRA adapters: merge_lora writes a merged HF folder; generate --adapter merges in memory

@@ -83,6 +83,9 @@ typedef struct {
     char strategy[32];                /* auto, ddp, deepspeed_stage_1, _2, _3, their _offload, fsdp (Lightning's names) */
     char sharding_strategy[32];       /* fsdp.sharding_strategy: "" (FULL_SHARD), FULL_SHARD, NO_SHARD, SHARD_GRAD_OP,
                                        * HYBRID_SHARD */
+    char backward_prefetch[32];       /* fsdp.backward_prefetch: "" / BACKWARD_PRE / true (default: in backward, the
+                                       * next unit's gather is posted while this one computes) or off / false
+                                       * (PyTorch's None: each unit gathered when its backward starts) */
     char offload_device[32];          /* offload_optimizer_device (Lightning's DeepSpeedStrategy argument): "" (not
                                        * given: cpu under an *_offload strategy), "cpu" (the offloaded state in host
                                        * memory) or "nvme" (in files under nvme_path, paged through host memory);
@@ -196,6 +199,8 @@ int fl_cfg_offload(const char *strategy);
 /* Whether strategy + sharding is HYBRID_SHARD: FULL_SHARD over the --devices ranks of each node
  * (ranks node*devices .. node*devices + devices-1), replicated across the --num_nodes nodes. */
 int fl_cfg_hybrid_shard(const char *strategy, const char *sharding);
+/* fsdp.backward_prefetch: 1 BACKWARD_PRE (the default, ""), 0 off, -1 not a known value. */
+int fl_cfg_backward_prefetch(const fl_run_config *c);
 /* fl_cfg_zero_stage with fsdp read as SHARD_GRAD_OP: whether the name is one fitllm runs. */
 fl_status fl_cfg_check_strategy(const char *strategy);
 

@@ -74,6 +74,7 @@ static const fl_cfg_key k_keys[] = {
     {"num_nodes", FL_CK_POS, OFF(num_nodes), "number of nodes"},
     {"strategy", FL_CK_STR32, OFF(strategy), "auto | ddp | deepspeed_stage_1 | deepspeed_stage_2 | deepspeed_stage_3 | deepspeed_stage_1_offload | deepspeed_stage_2_offload | deepspeed_stage_3_offload | fsdp (auto, as LitGPT: fsdp FULL_SHARD for finetune_full and pretrain, ddp over the adapters for adapter fine-tuning, on CPUs and GPUs; ZeRO-1/2 shard the optimizer state / gradients; ZeRO-3 = fsdp FULL_SHARD also the parameters, gathered block by block; *_offload: ZeRO-Offload, the optimizer state in host memory outside the device budget and the update on the host's cores, AdamW or SGD, one device or several; deepspeed_stage_3_offload: ZeRO-3 with the optimizer offloaded, the parameters' shards stay on the devices (Lightning's name also offloads the parameters: parameter offload is not built yet); parameter offload (deepspeed_stage_3_offload_nvme, fsdp_cpu_offload) is refused)"},
     {"fsdp.sharding_strategy", FL_CK_STR32, OFF(sharding_strategy), "--strategy fsdp: FULL_SHARD (default; = ZeRO-3: parameters, gradients and optimizer state divided by the ranks) | SHARD_GRAD_OP (= ZeRO-2) | NO_SHARD (= ddp) | HYBRID_SHARD (FULL_SHARD within each node of --devices ranks, replicated across --num_nodes; pretrain's auto across nodes)"},
+    {"fsdp.backward_prefetch", FL_CK_STR32, OFF(backward_prefetch), "--strategy fsdp FULL_SHARD / HYBRID_SHARD: BACKWARD_PRE or true (default: in backward the next unit's all-gather is posted while this one computes, PyTorch FSDP's default) | off or false (PyTorch's None: each unit gathered when its backward starts; less GATHER memory, no overlap)"},
     {"offload_optimizer_device", FL_CK_STR32, OFF(offload_device), "with --strategy deepspeed_stage_1_offload / _2_offload / _3_offload (refused with any other strategy): cpu (default: the optimizer state in host memory) | nvme (ZeRO-Infinity's: in files under nvme_path, read and written piece by piece through a few pieces of host memory; for a host too small for the state)"},
     {"nvme_path", FL_CK_PATH, OFF(nvme_path), "offload_optimizer_device nvme (refused without it): the folder for the state files (default: out_dir); the files are unlinked at creation, so nothing is left behind"},
     {"offload_param_device", FL_CK_STR32, OFF(offload_param_device), "none (default: the parameters, or their shards, on the device) | cpu | nvme: parameter offload (DeepSpeed's offload_param, Lightning's fsdp_cpu_offload): not implemented yet, refused"},
@@ -580,6 +581,13 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
     }
 }
 
+int fl_cfg_backward_prefetch(const fl_run_config *c) {
+    const char *v = c->backward_prefetch;
+    /* null (None, NONE, "") is the default here, as for every key: PyTorch's None (no prefetch) is "off" */
+    if (!v[0] || !strcmp(v, "BACKWARD_PRE") || !strcmp(v, "true") || !strcmp(v, "on")) return 1;
+    return !strcmp(v, "false") || !strcmp(v, "off") ? 0 : -1;
+}
+
 fl_status fl_cfg_validate(const fl_run_config *c) {
     const fl_train_args *t = &c->train;
     if (c->devices < 1 || c->num_nodes < 1)
@@ -596,6 +604,9 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
         return fl_errorf(FL_ERR_INVALID, "fsdp.sharding_strategy %s applies to --strategy fsdp; this run's strategy is "
                          "'%s'%s", c->sharding_strategy, strat,
                          strcmp(strat, "auto") ? "" : " (auto picks its own sharding: give --strategy fsdp to choose it)");
+    if (c->backward_prefetch[0] && fl_cfg_backward_prefetch(c) < 0)
+        return fl_errorf(FL_ERR_INVALID, "fsdp.backward_prefetch '%s': unknown (BACKWARD_PRE or true, the default; off or false)",
+                         c->backward_prefetch);
     if (c->offload_device[0] && strcmp(c->offload_device, "cpu") && strcmp(c->offload_device, "nvme"))
         return fl_errorf(FL_ERR_INVALID, "offload_optimizer_device '%s': unknown (cpu or nvme)", c->offload_device);
     /* an option the run would not use is refused, never ignored (--strategy deepspeed_stage_3

@@ -83,6 +83,7 @@ struct fl_fsdp {
     void **pbuf, **cbuf;    /* (G) gathered parameters (store dtype) and compute copy (mixed) */
     fl_comm_req **req;      /* (G) a gather in flight */
     int *fresh;             /* (G) the next reduction writes the shard's gradient (first micro-batch) */
+    int no_bwd_prefetch;    /* fsdp.backward_prefetch off (fl_fsdp_init): in backward no gather is posted ahead */
     int live_blocks;        /* blocks (units 1..L) whose parameters are gathered or in flight */
     size_t es, ces;         /* element bytes of the storage and of the compute copy (0: none) */
     fl_dtype word;          /* what the all-gather moves: F32, or 16-bit storage as BF16 words */
@@ -139,7 +140,9 @@ static fl_status pp_gather(void *ud, int g, int next) {
         f->views[g].p = f->pbuf[g];
         f->views[g].wc = f->cbuf[g];
     }
-    if (next >= 0 && next < f->G && !f->pbuf[next] && (!is_block(f, next) || f->live_blocks < FSDP_BLOCK_LIMIT))
+    /* backward walks the units down (next < g): without backward prefetch each is gathered when it is needed */
+    if (next >= 0 && next < f->G && !f->pbuf[next] && (!is_block(f, next) || f->live_blocks < FSDP_BLOCK_LIMIT) &&
+        (next > g || !f->no_bwd_prefetch))
         FL_TRY(post(f, next));
     return FL_OK;
 }
@@ -316,6 +319,7 @@ fl_status fl_fsdp_init(fl_dp *dp, const fl_run_config *cfg, fl_model *m) {
     if (!f || fl_model_provider(m) != &f->pp)
         return fl_errorf(FL_ERR_INTERNAL, "FSDP: the model was not created sharded (fl_fsdp_prepare's storage)");
     f->ces = m->prec.compute_copy ? fl_dtype_size(m->prec.compute_dtype) : 0; /* mixed: per gathered unit */
+    f->no_bwd_prefetch = fl_cfg_backward_prefetch(cfg) == 0;
     return FL_OK;
 }
 
