@@ -26,6 +26,13 @@ typedef struct {
           .n_heads = NH, .n_kv_heads = NH, .head_dim = C / NH, .max_seq = 1024, .norm_eps = 1e-5f,                   \
           .tie_embeddings = 1, .attention_bias = 1, .mlp_bias = 1}}
 
+/* T5: vocabulary 32128, d_kv 64, 32 buckets up to distance 128, eps 1e-6, pad 0 = decoder start, eos 1 */
+#define T5(nm, C, F, L, NH, GATED)                                                                                    \
+    {nm, {.arch = FL_ARCH_T5, .name = nm, .vocab_size = 32128, .dim = C, .ffn_dim = F, .n_layers = L,                 \
+          .n_dec_layers = L, .n_heads = NH, .n_kv_heads = NH, .head_dim = 64, .max_seq = 512, .norm_eps = 1e-6f,    \
+          .tie_embeddings = !(GATED), .head_scale = !(GATED), .ffn_gated = GATED, .rel_buckets = 32,                 \
+          .rel_max_dist = 128, .dec_start_id = 0, .pad_id = 0, .eos_id = 1}}
+
 #define OPT(nm, C, F, L, NH)                                                                                          \
     {nm, {.arch = FL_ARCH_OPT, .name = nm, .vocab_size = 50272, .dim = C, .ffn_dim = F, .n_layers = L, .n_heads = NH,  \
           .n_kv_heads = NH, .head_dim = C / NH, .max_seq = 2048, .norm_eps = 1e-5f, .tie_embeddings = 1,               \
@@ -56,6 +63,10 @@ static const preset k_presets[] = {
     {"lab-gpt2-xl", {.arch = FL_ARCH_GPT2, .name = "lab-gpt2-xl", .vocab_size = 3141, .dim = 100, .ffn_dim = 400,
                      .n_layers = 48, .n_heads = 5, .n_kv_heads = 5, .head_dim = 20, .max_seq = 1024, .norm_eps = 1e-5f,
                      .tie_embeddings = 1, .attention_bias = 1, .mlp_bias = 1}},
+    /* gpt2-xxl / 16 (`fitllm lab --suite fsdp --model gpt2-xxl`): 32 heads x 80 -> 8 x 20 */
+    {"lab-gpt2-xxl", {.arch = FL_ARCH_GPT2, .name = "lab-gpt2-xxl", .vocab_size = 3141, .dim = 160, .ffn_dim = 640,
+                      .n_layers = 32, .n_heads = 8, .n_kv_heads = 8, .head_dim = 20, .max_seq = 1024, .norm_eps = 1e-5f,
+                      .tie_embeddings = 1, .attention_bias = 1, .mlp_bias = 1}},
     LLAMA("tinyllama-1.1b", 32000, 2048, 5632, 22, 32, 4, 64, 2048, 1e-5f, 10000.0f, 0),
     LLAMA("open-llama-3b", 32000, 3200, 8640, 26, 32, 32, 100, 2048, 1e-6f, 10000.0f, 0),
     LLAMA("open-llama-7b", 32000, 4096, 11008, 32, 32, 32, 128, 2048, 1e-6f, 10000.0f, 0),
@@ -71,8 +82,21 @@ static const preset k_presets[] = {
     GPT2("gpt2-medium", 1024, 24, 16),
     GPT2("gpt2-large", 1280, 36, 20),
     GPT2("gpt2-xl", 1600, 48, 25),
+    /* the course's FSDP benchmark's "gpt2-xxl" (~3 B): its shape is not in the course's table; GPT-3 2.7B's
+     * (32 layers, width 2560, 32 heads) with GPT-2's vocabulary and context: 2.65 B parameters */
+    GPT2("gpt2-xxl", 2560, 32, 32),
     /* OPT (pre-norm sizes; OPT-350m's post-norm blocks and embedding projection are not supported);
      * opt-2.7b is BLIP-2's language model */
+    /* T5 v1.0 (ReLU, tied head) and Flan-T5 (gated-GELU, lm_head); t5-micro a Flan-T5 shape for CPU tests */
+    {"t5-micro", {.arch = FL_ARCH_T5, .name = "t5-micro", .vocab_size = 512, .dim = 64, .ffn_dim = 96, .n_layers = 2,
+                  .n_dec_layers = 2, .n_heads = 4, .n_kv_heads = 4, .head_dim = 16, .max_seq = 512, .norm_eps = 1e-6f,
+                  .ffn_gated = 1, .rel_buckets = 32, .rel_max_dist = 128, .dec_start_id = 0, .pad_id = 0, .eos_id = 1}},
+    T5("t5-small", 512, 2048, 6, 8, 0),
+    T5("flan-t5-small", 512, 1024, 8, 6, 1),
+    T5("flan-t5-base", 768, 2048, 12, 12, 1),
+    T5("flan-t5-large", 1024, 2816, 24, 16, 1),
+    T5("flan-t5-xl", 2048, 5120, 24, 32, 1),
+    T5("flan-t5-xxl", 4096, 10240, 24, 64, 1),
     OPT("opt-125m", 768, 3072, 12, 12),
     OPT("opt-1.3b", 2048, 8192, 24, 32),
     OPT("opt-2.7b", 2560, 10240, 32, 32),
@@ -83,6 +107,12 @@ static const preset k_presets[] = {
  * that recipes and command lines written for LitGPT name the same model here.
  * Matching ignores case; "org/name" and "name" both match. */
 static const struct { const char *alias, *preset; } k_aliases[] = {
+    {"google-t5/t5-small", "t5-small"},
+    {"google/flan-t5-small", "flan-t5-small"},
+    {"google/flan-t5-base", "flan-t5-base"},
+    {"google/flan-t5-large", "flan-t5-large"},
+    {"google/flan-t5-xl", "flan-t5-xl"},
+    {"google/flan-t5-xxl", "flan-t5-xxl"},
     {"facebook/opt-125m", "opt-125m"},
     {"facebook/opt-1.3b", "opt-1.3b"},
     {"facebook/opt-2.7b", "opt-2.7b"},

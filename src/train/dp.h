@@ -45,6 +45,7 @@ typedef struct fl_dp {
     const fl_backend *be;  /* the run's backend (NULL: host memory, memcpy): the checkpoint streams read device
                             * memory through its to_host, write it through to_device */
     const fl_optim_offload *offload; /* CPU offload (fl_cfg_offload): the optimizer's host backend and tier; NULL none */
+    size_t bucket;         /* --bucket_size: the gradient reductions' bucket bytes (0: one collective each; dp_bucket.c) */
 } fl_dp;
 
 /* A checkpoint writer's source for one optimizer state array arr of o (es-byte elements): t->data read
@@ -96,7 +97,7 @@ fl_status fl_dp_max(fl_dp *dp, float *v, size_t n);
 fl_status fl_optim_8bit_fsdp_copy(const fl_param_layout *lay, const size_t *a, const size_t *len, void *packed,
                                   void *full, int to_full);
 /* ZeRO-1/2 8-bit AdamW (zero.c): the single-process layout's bytes of o's tensors, and this rank's
- * pieces (o->p8_a / p8_n: whole blocks around its chunk) taken out of that layout `full` (a
+ * pieces (o->q8.p_a / p_n: whole blocks around its chunk) taken out of that layout `full` (a
  * checkpoint's optimizer.state8, mapped: no whole copy). Host memory. */
 size_t fl_zero8_full_bytes(const fl_optimizer *o);
 fl_status fl_zero8_take(fl_optimizer *o, const void *full);
@@ -105,13 +106,13 @@ fl_status fl_zero8_take(fl_optimizer *o, const void *full);
 fl_status fl_dp_check_config(fl_dp *dp, const fl_run_config *cfg);
 /* What data parallelism cannot run (gradient dtypes other than F32, BF16, F16), checked at set-up. */
 fl_status fl_dp_check(const fl_dp *dp, const fl_optimizer *o);
-/* Sum the trainable gradients (o->g, F32, BF16 or F16) over ranks in place: DDP and ZeRO-1 of the full
+/* Sum the trainable gradients (o->w.g, F32, BF16 or F16) over ranks in place: DDP and ZeRO-1 of the full
  * model wait for the last bucket (fl_dp_buckets_arm), with LoRA one all-reduce of the adapters
  * (every rank holds the whole sum), ZeRO-2 one reduce-scatter (each rank holds the sum of its chunk, in place at its offset;
  * the rest of the buffer is dead: GRADS live = the chunk's bytes, fl_dp_reduced_live). With several
  * ranks the step (fl_step_run) records the live bytes and the memory snapshot "after_reduce" next. */
 fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o);
-/* The bytes of the gradient buffer o->g still live after fl_dp_reduce_grads: ZeRO-2's chunk (and the
+/* The bytes of the gradient buffer o->w.g still live after fl_dp_reduce_grads: ZeRO-2's chunk (and the
  * 8-bit halo), else SIZE_MAX (all of it). */
 size_t fl_dp_reduced_live(const fl_dp *dp, const fl_optimizer *o);
 /* Bucketed reduction (DDP and ZeRO-1, full-model training): before the LAST micro-batch of a step
@@ -128,11 +129,23 @@ void fl_dp_buckets_arm(fl_dp *dp, fl_optimizer *o, int last);
  * chunk (FL_OPTIM_8BIT_HALO from each), 0 otherwise. */
 size_t fl_dp_zero2_halo(int world, int rank, const fl_optim_config *c);
 
+/* ---- bounded communication scratch (dp_bucket.c) --------------------------------------------- */
+
+/* dst[0..len(rank)) = the sum over comm's ranks of src[off(rank) .. +len(rank)) (fl_comm_chunk of n), as
+ * fl_comm_reduce_scatter, in strided buckets of at most `bucket` bytes when n's bytes exceed it (bucket 0:
+ * one collective). dst may be src + off(rank). Each element's bits are the unbucketed reduction's. The
+ * bucket's packing (WORKSPACE, fl_dp_rs_workspace bytes) comes from pool; be's copies move it. */
+fl_status fl_dp_reduce_scatter(fl_comm *comm, const fl_backend *be, fl_mem_pool *pool, const void *src, void *dst,
+                               size_t n, fl_dtype dt, size_t bucket);
+/* Whether fl_dp_reduce_scatter cuts n elements into buckets, and the packing it then holds. */
+int fl_dp_rs_bucketed(size_t n, int N, fl_dtype dt, size_t bucket);
+size_t fl_dp_rs_workspace(size_t n, int N, fl_dtype dt, size_t bucket);
+
 /* ---- ZeRO (src/train/zero.c) ---------------------------------------------------------------- */
 
 /* The optimizer of the run: the strategy's ZeRO stage (cfg->strategy, fsdp.sharding_strategy) is
  * read into dp->stage; stages 1 and 2 hold state for this rank's chunk only (fl_optim_init_shard),
- * and every stage gets the hooks (o->dist: the rank-ordered sum the clipping norm uses, the
+ * and every stage gets the hooks (o->shard.dist: the rank-ordered sum the clipping norm uses, the
  * all-gather of the updated parameters). */
 fl_status fl_dp_optim_init(fl_dp *dp, const fl_run_config *cfg, fl_optimizer *o, fl_model *m);
 /* Checkpoints in the single-process format at every stage. Save: under ZeRO the ranks' optimizer
@@ -181,7 +194,7 @@ void fl_fsdp_free(fl_dp *dp);
 /* The whole parameters (layout order, storage dtype) on every rank, gathered unit by unit into a
  * malloc'd host buffer (the step hook's view). Collective. */
 fl_status fl_fsdp_whole_params(fl_dp *dp, void **out, size_t *bytes);
-/* o->dist's sum under stage 3 (the clipping norm, loss scaling's verdict): over the shard group, so that
+/* o->shard.dist's sum under stage 3 (the clipping norm, loss scaling's verdict): over the shard group, so that
  * each distinct shard counts once (HYBRID_SHARD: the node; every node holds the same reduced shards),
  * rank order, the same bits on every rank. Else fl_dp_sum. */
 fl_status fl_fsdp_sum(fl_dp *dp, double *v, int n);

@@ -29,7 +29,7 @@ static fl_status tp_grad_sumsq(void *ud, const fl_optimizer *o, double *out) {
     for (int i = 0; i < m->layout.n; i++) {
         const fl_param_info *p = &m->layout.params[i];
         if (rank != 0 && fl_tp_entry_split(&m->layout, i) == FL_TP_REPLICATED) continue;
-        v += be->sumsq(be, (const char *)o->g + p->offset * fl_dtype_size(o->gt), o->gt, p->numel);
+        v += be->sumsq(be, (const char *)o->w.g + p->offset * fl_dtype_size(o->w.gt), o->w.gt, p->numel);
     }
     return fl_error_prefix(sum_ranks(d->comm, v, out), "tensor parallel: the gradient norm");
 }
@@ -43,8 +43,8 @@ static fl_status tp_any(void *ud, int *flag) {
 }
 
 fl_status fl_tp_optim_attach(fl_optimizer *o, fl_comm *host_comm, fl_tp_dist *d) {
-    if (o->dist) return fl_errorf(FL_ERR_UNSUPPORTED, "tensor parallel: the optimizer has data-parallel hooks already");
-    if (o->n != o->model->layout.numel || o->p != fl_model_params_data(o->model))
+    if (o->shard.dist) return fl_errorf(FL_ERR_UNSUPPORTED, "tensor parallel: the optimizer has data-parallel hooks already");
+    if (o->w.n != o->model->layout.numel || o->w.p != fl_model_params_data(o->model))
         return fl_errorf(FL_ERR_UNSUPPORTED, "tensor parallel: the optimizer must train the slice's parameters (not "
                          "LoRA adapters)");
     memset(d, 0, sizeof *d);
@@ -54,6 +54,6 @@ fl_status fl_tp_optim_attach(fl_optimizer *o, fl_comm *host_comm, fl_tp_dist *d)
     d->dist.ud = d;
     d->dist.grad_sumsq = tp_grad_sumsq;
     d->dist.any = tp_any;
-    o->dist = &d->dist;
+    o->shard.dist = &d->dist;
     return FL_OK;
 }
