@@ -218,3 +218,84 @@ FL_TEST(image_proc_config) {
     unlink(p);
     rmdir(dir);
 }
+
+static void put(const char *dir, const char *name, const char *text) {
+    char p[1100];
+    snprintf(p, sizeof p, "%s/%s", dir, name);
+    FILE *f = fopen(p, "w");
+    if (f) fputs(text, f), fclose(f);
+}
+
+FL_TEST(image_captions_formats_and_errors) {
+    char dir[] = "/tmp/fl_imgcap_XXXXXX";
+    FL_REQUIRE(mkdtemp(dir));
+    char p[512], sub[512];
+    snprintf(sub, sizeof sub, "%s/imgs", dir);
+    FL_REQUIRE(mkdir(sub, 0755) == 0);
+    put(sub, "a.png", "x");
+    put(sub, "b.jpg", "x");
+    put(sub, "c.jpg", "x");
+    /* JSON array, paths relative to the file */
+    put(dir, "d.json", "[{\"image\": \"imgs/a.png\", \"text\": \"a cat\"}, {\"image\": \"imgs/b.jpg\", \"text\": \"b\"}]");
+    fl_img_captions c;
+    snprintf(p, sizeof p, "%s/d.json", dir);
+    FL_REQUIRE_OK(fl_img_captions_load(p, &c));
+    FL_CHECK(c.n == 2 && strcmp(c.text[0], "a cat") == 0 && strstr(c.image[1], "/imgs/b.jpg"));
+    fl_img_captions_free(&c);
+    /* JSONL; blank lines skipped; errors name the file and the line */
+    put(dir, "d.jsonl", "{\"image\": \"imgs/a.png\", \"text\": \"one\"}\n\n{\"image\": \"imgs/c.jpg\", \"text\": \"two\"}\n");
+    snprintf(p, sizeof p, "%s/d.jsonl", dir);
+    FL_REQUIRE_OK(fl_img_captions_load(p, &c));
+    FL_CHECK(c.n == 2 && strcmp(c.text[1], "two") == 0);
+    fl_img_captions_free(&c);
+    put(dir, "bad1.jsonl", "{\"image\": \"imgs/a.png\", \"text\": \"one\"}\n{\"image\": \"imgs/zz.png\", \"text\": \"t\"}\n");
+    snprintf(p, sizeof p, "%s/bad1.jsonl", dir);
+    FL_CHECK(fl_img_captions_load(p, &c) == FL_ERR_NOT_FOUND && msg_has("bad1.jsonl: line 2") && msg_has("zz.png"));
+    put(dir, "bad2.jsonl", "{\"image\": \"imgs/a.png\"}\n");
+    snprintf(p, sizeof p, "%s/bad2.jsonl", dir);
+    FL_CHECK(fl_img_captions_load(p, &c) == FL_ERR_FORMAT && msg_has("bad2.jsonl: line 1") && msg_has("text"));
+    put(dir, "bad3.json", "[{\"text\": \"no image\"}]");
+    snprintf(p, sizeof p, "%s/bad3.json", dir);
+    FL_CHECK(fl_img_captions_load(p, &c) == FL_ERR_FORMAT && msg_has("record 1") && msg_has("image"));
+    put(dir, "empty.jsonl", "\n");
+    snprintf(p, sizeof p, "%s/empty.jsonl", dir);
+    FL_CHECK(fl_img_captions_load(p, &c) == FL_ERR_FORMAT && msg_has("no records"));
+    /* a folder: no captions file, then captions.tsv, then captions.jsonl (preferred) */
+    FL_CHECK(fl_img_captions_load(sub, &c) == FL_ERR_NOT_FOUND && msg_has("captions.tsv"));
+    put(sub, "captions.tsv", "a.png\ta red square\r\nb.jpg\tblue\n\nc.jpg\tgreen\n");
+    FL_REQUIRE_OK(fl_img_captions_load(sub, &c));
+    FL_CHECK(c.n == 3 && strcmp(c.text[0], "a red square") == 0 && strcmp(c.text[2], "green") == 0);
+    /* seeded shuffle: a permutation, the same for the same seed; then the limit */
+    fl_img_captions d;
+    FL_REQUIRE_OK(fl_img_captions_load(sub, &d));
+    fl_img_captions_shuffle(&c, 7);
+    fl_img_captions_shuffle(&d, 7);
+    int same = 1, found = 0;
+    for (size_t i = 0; i < 3; i++) {
+        same &= strcmp(c.text[i], d.text[i]) == 0;
+        found += strcmp(c.text[i], "blue") == 0;
+    }
+    FL_CHECK(same && found == 1);
+    fl_img_captions_limit(&c, 2);
+    FL_CHECK(c.n == 2);
+    fl_img_captions_limit(&c, 10);
+    FL_CHECK(c.n == 2);
+    fl_img_captions_free(&c);
+    fl_img_captions_free(&d);
+    put(sub, "captions.jsonl", "{\"file_name\": \"b.jpg\", \"text\": \"from jsonl\"}\n");
+    FL_REQUIRE_OK(fl_img_captions_load(sub, &c));
+    FL_CHECK(c.n == 1 && strcmp(c.text[0], "from jsonl") == 0);
+    fl_img_captions_free(&c);
+    put(sub, "captions.jsonl", "{\"file_name\": \"b.jpg\", \"text\": \"x\"}\n{\"file_name\": \"nope.jpg\", \"text\": \"y\"}\n");
+    FL_CHECK(fl_img_captions_load(sub, &c) == FL_ERR_NOT_FOUND && msg_has("captions.jsonl: line 2") &&
+             msg_has("nope.jpg"));
+    put(sub, "captions.jsonl", "");
+    snprintf(p, sizeof p, "%s/captions.jsonl", sub);
+    unlink(p);
+    put(sub, "captions.tsv", "a.png no tab\n");
+    FL_CHECK(fl_img_captions_load(sub, &c) == FL_ERR_FORMAT && msg_has("captions.tsv: line 1") && msg_has("tab"));
+    FL_CHECK(fl_img_captions_load("/nonexistent/caps.jsonl", &c) == FL_ERR_NOT_FOUND && msg_has("caps.jsonl"));
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    FL_CHECK(system(cmd) == 0);
+}

@@ -14,6 +14,7 @@
 #include <png.h>
 
 #include "fitllm/image.h"
+#include "image/image-impl.h"
 
 void fl_img_free(fl_img *im) {
     if (!im) return;
@@ -208,21 +209,22 @@ fl_status fl_img_decode(const void *data, size_t n, const char *source, fl_img *
     return fl_errorf(FL_ERR_FORMAT, "%s: not a JPEG or PNG image (%zu bytes; unknown signature)", source, n);
 }
 
-fl_status fl_img_load(const char *path, fl_img *out) {
-    memset(out, 0, sizeof *out);
+fl_status fl_img_read_file(const char *path, const char *what, uint8_t **data, size_t *size) {
+    *data = NULL;
+    *size = 0;
     FILE *f = fopen(path, "rb");
-    if (!f) return fl_errorf(errno == ENOENT ? FL_ERR_NOT_FOUND : FL_ERR_IO, "%s: cannot open image: %s", path,
+    if (!f) return fl_errorf(errno == ENOENT ? FL_ERR_NOT_FOUND : FL_ERR_IO, "%s: cannot open %s: %s", path, what,
                              strerror(errno));
     uint8_t *buf = NULL;
     size_t n = 0, cap = 0;
     for (;;) {
         if (n == cap) {
             cap = cap ? cap * 2 : 65536;
-            uint8_t *nb = realloc(buf, cap);
+            uint8_t *nb = realloc(buf, cap + 1);
             if (!nb) {
                 free(buf);
                 fclose(f);
-                return fl_errorf(FL_ERR_OOM, "%s: no memory to read the image", path);
+                return fl_errorf(FL_ERR_OOM, "%s: no memory to read the %s", path, what);
             }
             buf = nb;
         }
@@ -236,6 +238,17 @@ fl_status fl_img_load(const char *path, fl_img *out) {
         free(buf);
         return fl_errorf(FL_ERR_IO, "%s: read error", path);
     }
+    buf[n] = 0; /* room kept: text readers get a terminated string */
+    *data = buf;
+    *size = n;
+    return FL_OK;
+}
+
+fl_status fl_img_load(const char *path, fl_img *out) {
+    memset(out, 0, sizeof *out);
+    uint8_t *buf;
+    size_t n;
+    FL_TRY(fl_img_read_file(path, "image", &buf, &n));
     fl_status s = fl_img_decode(buf, n, path, out);
     free(buf);
     return s;
