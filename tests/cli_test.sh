@@ -44,8 +44,19 @@ expect loss_token_out_of_vocab 1 "outside the vocabulary" -- "$FITLLM" loss micr
 expect loss_not_a_model 1 "neither a file, a folder nor a model preset" -- "$FITLLM" loss no-such-model --tokens-file "$T/oov.txt"
 mkdir -p "$T/notmodel"
 expect loss_folder_without_config 1 "config.json" -- "$FITLLM" loss "$T/notmodel" --tokens-file "$T/oov.txt"
-printf '{"model_type": "t5", "hidden_size": 8}' > "$T/notmodel/config.json"
-expect loss_unknown_architecture 1 "t5" -- "$FITLLM" loss "$T/notmodel" --tokens-file "$T/oov.txt"
+printf '{"model_type": "mamba", "hidden_size": 8}' > "$T/notmodel/config.json"
+expect loss_unknown_architecture 1 "mamba" -- "$FITLLM" loss "$T/notmodel" --tokens-file "$T/oov.txt"
+# an encoder-decoder (T5): the target's loss given the source; transformers' T5ForConditionalGeneration(input_ids=
+# [5 17 33 2 90 41 7], labels=[12 44 3 1]).loss of the same folder is 5.189550
+echo "5 17 33 2 90 41 7" > "$T/t5src.txt"
+echo "12 44 3 1" > "$T/t5tgt.txt"
+expect loss_t5_target 0 "^loss 5\.18955[0-9]  ppl" -- "$FITLLM" loss tests/fixtures/t5-tiny-gated --tokens-file "$T/t5src.txt" --target-tokens-file "$T/t5tgt.txt"
+expect loss_t5_needs_target 1 "encoder-decoder: give the target with --target-tokens-file" -- "$FITLLM" loss tests/fixtures/t5-tiny-gated --tokens-file "$T/t5src.txt"
+expect loss_target_needs_s2s 1 "not an encoder-decoder" -- "$FITLLM" loss micro --tokens-file "$T/t5src.txt" --target-tokens-file "$T/t5tgt.txt"
+# greedy decoding of an encoder-decoder: the ids of transformers' generate(do_sample=False, max_new_tokens=12) for
+# the fixture's first source (tests/ref/make_t5_fixture.py: gen0)
+expect generate_t5_greedy 0 "^45 10 45 87 95 55 65 12 22 65 12 22$" -- "$FITLLM" generate tests/fixtures/t5-tiny-gated --prompt-ids "51 17 68 69 57 71 45 10 4 92 4 91 89" --max_new_tokens 12 --temperature 0
+expect generate_t5_sampling_refused 1 "generates greedily only" -- "$FITLLM" generate tests/fixtures/t5-tiny-gated --prompt-ids "1 2 3"
 expect bench_bad_option 2 "unknown option" -- "$FITLLM" bench-step micro --frobnicate 3
 expect bench_bad_number 2 "not an integer" -- "$FITLLM" bench-step micro --micro-batch x
 expect bench_oom_exit_3 3 "out of memory" -- "$FITLLM" bench-step tiny --micro-batch 2 --seq 64 --steps 1 --max-memory 64MB

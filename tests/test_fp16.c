@@ -88,28 +88,28 @@ FL_TEST(f16_true_loss_scaling_skips_and_backs_off) {
     fl_optim_config_default(&oc, FL_OPT_ADAMW);
     fl_optimizer o;
     FL_REQUIRE_OK(fl_optim_init(&o, &m, &oc));
-    FL_CHECK(o.use_loss_scale && o.ls.scale == 65536.0f);
+    FL_CHECK(o.amp.on && o.amp.ls.scale == 65536.0f);
     int32_t ids[64], tg[64];
     for (int i = 0; i < 64; i++) { ids[i] = (i * 37 + 5) % c.vocab_size; tg[i] = (i * 11 + 3) % c.vocab_size; }
     size_t bytes = m.layout.numel * 2;
     uint16_t *p0 = malloc(bytes);
     memcpy(p0, fl_model_params_16(&m), bytes);
     /* a scale no fp16 gradient survives: skipped, weights untouched, scale halved */
-    o.ls.scale = 0x1p40f;
+    o.amp.ls.scale = 0x1p40f;
     fl_step_result r;
     FL_REQUIRE_OK(fl_train_step(&m, &o, ids, tg, 2, 2, 16, 1e-3f, 0.0f, &r));
-    FL_CHECK(r.skipped == 1 && o.step == 0 && o.ls.scale == 0x1p39f && o.ls.n_skipped == 1);
+    FL_CHECK(r.skipped == 1 && o.step == 0 && o.amp.ls.scale == 0x1p39f && o.amp.ls.n_skipped == 1);
     FL_CHECK(memcmp(p0, fl_model_params_16(&m), bytes) == 0);
     FL_CHECK(isnan(r.grad_norm));
     /* a workable scale: the update happens, gradients unscaled (the norm is the unscaled one) */
-    o.ls.scale = 1024.0f;
+    o.amp.ls.scale = 1024.0f;
     FL_REQUIRE_OK(fl_train_step(&m, &o, ids, tg, 2, 2, 16, 1e-3f, 0.0f, &r));
-    FL_CHECK(r.skipped == 0 && o.step == 1 && o.ls.scale == 1024.0f && o.ls.growth_tracker == 1);
+    FL_CHECK(r.skipped == 0 && o.step == 1 && o.amp.ls.scale == 1024.0f && o.amp.ls.growth_tracker == 1);
     FL_CHECK(memcmp(p0, fl_model_params_16(&m), bytes) != 0);
     /* the norm of the unscaled gradients: the same step at scale 1024 and at 2048 agree */
     double n1 = r.grad_norm;
     memcpy(fl_model_params_16(&m), p0, bytes);
-    o.ls.scale = 2048.0f;
+    o.amp.ls.scale = 2048.0f;
     FL_REQUIRE_OK(fl_train_step(&m, &o, ids, tg, 2, 2, 16, 1e-3f, 0.0f, &r));
     FL_CHECKF(fabs(r.grad_norm - n1) <= 1e-3 * n1, "unscaled norm %.6g at scale 2048 vs %.6g at 1024", r.grad_norm, n1);
     printf("      16-true: overflow at 2^40 skipped (scale -> 2^39); clean steps at 1024/2048, grad norm %.5g / %.5g\n", n1,

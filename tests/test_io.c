@@ -526,11 +526,11 @@ FL_TEST(config_llama_and_errors) {
     FL_REQUIRE(write_text(p, buf) == 0);
     FL_CHECK(fl_hf_load_config(p, &c) == FL_ERR_FORMAT);
     CHECK_MSG("'tie_word_embeddings'");
-    /* unknown architecture (BERT was the example until it became one: src/model/arch_bert.c) */
-    FL_REQUIRE(write_text(p, "{\"model_type\": \"t5\", \"architectures\": [\"T5Model\"], \"hidden_size\": 8}") == 0);
+    /* unknown architecture (BERT, then T5 were the example until they became ones: src/model/arch_bert.c, arch_t5.c) */
+    FL_REQUIRE(write_text(p, "{\"model_type\": \"mamba\", \"architectures\": [\"MambaForCausalLM\"], \"hidden_size\": 8}") == 0);
     FL_CHECK(fl_hf_load_config(p, &c) == FL_ERR_UNSUPPORTED);
     CHECK_MSG(p);
-    CHECK_MSG("'t5'");
+    CHECK_MSG("'mamba'");
     /* invalid values are caught by validation */
     snprintf(buf, sizeof buf, LLAMA_CFG, "null", ", \"num_key_value_heads\": 3");
     FL_REQUIRE(write_text(p, buf) == 0);

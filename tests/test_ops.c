@@ -620,13 +620,13 @@ FL_TEST(ops_attention_nkv1_b1) { attn_case(1, 75, 4, 1, 16, 400); }
 
 /* ---- activations -------------------------------------------------------------------- */
 
-typedef struct { double *x; const float *R; int N, F; double *out; int gelu; } act_ctx; /* gelu 2: ReLU */
+typedef struct { double *x; const float *R; int N, F; double *out; int gelu; } act_ctx; /* gelu 2: ReLU, 3: GEGLU */
 static void act_ref(act_ctx *c) {
     if (c->gelu == 2) {
         for (int i = 0; i < c->N; i++) c->out[i] = c->x[i] > 0 ? c->x[i] : 0;
         return;
     }
-    if (c->gelu) {
+    if (c->gelu == 1) {
         for (int i = 0; i < c->N; i++) {
             double x = c->x[i];
             c->out[i] = 0.5 * x * (1 + tanh(sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
@@ -636,33 +636,42 @@ static void act_ref(act_ctx *c) {
     for (int n = 0; n < c->N; n++)
         for (int i = 0; i < c->F; i++) {
             double g = c->x[n * 2 * c->F + i], u = c->x[n * 2 * c->F + c->F + i];
-            c->out[n * c->F + i] = g / (1 + exp(-g)) * u;
+            c->out[n * c->F + i] = c->gelu == 3 ? 0.5 * g * (1 + tanh(sqrt(2 / M_PI) * (g + 0.044715 * g * g * g))) * u
+                                                : g / (1 + exp(-g)) * u;
         }
 }
 static double act_loss(void *p) {
     act_ctx *c = p;
     act_ref(c);
-    return dot_d(c->out, c->R, c->gelu ? (size_t)c->N : (size_t)c->N * c->F);
+    return dot_d(c->out, c->R, c->gelu == 1 || c->gelu == 2 ? (size_t)c->N : (size_t)c->N * c->F);
 }
 
-static void ops_swiglu_on(fl_backend be) {
-    fl_test_rng r = {8};
+/* SwiGLU (gelu 0) and GEGLU (gelu 3: T5 v1.1's gated-GELU) on fused [gate | up] rows: against the float64 formula
+ * and finite differences; saturated gates both ways */
+static void ops_glu_on(fl_backend be, int kind) {
+    fl_test_rng r = {kind ? 11u : 8u};
     const int N = 7, F = 13;
+    const char *nm = kind ? "geglu" : "swiglu";
     float *gu = fl_test_frand(&r, N * 2 * F, -4, 4), *R = fl_test_frand(&r, N * F, -1, 1), *out = malloc(N * F * 4);
-    gu[0] = -30.0f; gu[1] = 30.0f; /* saturated sigmoid */
-    act_ctx c = {d_of(gu, N * 2 * F), R, N, F, malloc(8 * N * F), 0};
+    gu[0] = kind ? -12.0f : -30.0f; gu[1] = kind ? 12.0f : 30.0f; /* saturated */
+    if (kind) gu[2] = 0.0f;
+    act_ctx c = {d_of(gu, N * 2 * F), R, N, F, malloc(8 * N * F), kind};
     act_ref(&c);
     float *want = f_of(c.out, N * F);
-    be.swiglu_forward(&be, out, gu, N, F);
-    FL_CHECK(fl_test_allclose("swiglu fwd", out, want, N * F, 1e-5, 1e-7));
+    (kind ? be.geglu_forward : be.swiglu_forward)(&be, out, gu, N, F);
+    FL_CHECKF(fl_test_allclose(kind ? "geglu fwd" : "swiglu fwd", out, want, N * F, 1e-5, 1e-7), "%s fwd", nm);
     float *dgu = fl_test_frand(&r, N * 2 * F, -1, 1), *pre = fl_test_fdup(dgu, N * 2 * F);
-    be.swiglu_backward(&be, dgu, R, gu, N, F);
-    FD_CHECK("swiglu dgu", dgu, pre, c.x, N * 2 * F, act_loss, &c, 0);
+    (kind ? be.geglu_backward : be.swiglu_backward)(&be, dgu, R, gu, N, F);
+    FD_CHECK(kind ? "geglu dgu" : "swiglu dgu", dgu, pre, c.x, N * 2 * F, act_loss, &c, 0);
     free(gu); free(R); free(out); free(c.x); free(c.out); free(want); free(dgu); free(pre);
 }
 FL_TEST(ops_swiglu) {
     fl_backend be;
-    FL_FOR_EACH_BACKEND(be, 2) ops_swiglu_on(be);
+    FL_FOR_EACH_BACKEND(be, 2) ops_glu_on(be, 0);
+}
+FL_TEST(ops_geglu) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) ops_glu_on(be, 3);
 }
 
 static void ops_gelu_on(fl_backend be) {

@@ -182,6 +182,11 @@ struct fl_backend {
      * threshold_backward: no gradient at inp == 0). */
     void (*relu_forward)(const fl_backend *be, float *out /*(n)*/, const float *inp /*(n)*/, size_t n);
     void (*relu_backward)(const fl_backend *be, float *dinp /*(n)*/, const float *dout, const float *inp, size_t n);
+    /* GEGLU (T5 v1.1's gated-GELU FFN) on the fused [wi_0 (F) | wi_1 (F)] rows: out = gelu_tanh(gate) * lin;
+     * backward accumulates (+=) as swiglu_backward. (A backend without it, NULL: the graph refuses the op by name.) */
+    void (*geglu_forward)(const fl_backend *be, float *out /*(N,F)*/, const float *gu /*(N,2F)*/, int N, int F);
+    void (*geglu_backward)(const fl_backend *be, float *dgu /*(N,2F)*/, const float *dout /*(N,F)*/,
+                           const float *gu /*(N,2F)*/, int N, int F);
 
     /* ---- elementwise / bias -------------------------------------------- */
     /* out = a + b (out may alias a or b). */

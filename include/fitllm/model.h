@@ -35,7 +35,7 @@
 extern "C" {
 #endif
 
-typedef enum { FL_ARCH_LLAMA = 0, FL_ARCH_GPT2, FL_ARCH_OPT, FL_ARCH_BERT, FL_ARCH_COUNT } fl_arch;
+typedef enum { FL_ARCH_LLAMA = 0, FL_ARCH_GPT2, FL_ARCH_OPT, FL_ARCH_BERT, FL_ARCH_T5, FL_ARCH_COUNT } fl_arch;
 
 typedef struct {
     fl_arch arch;
@@ -55,6 +55,12 @@ typedef struct {
     int attention_bias;  /* biases on q,k,v,o (GPT-2: always) */
     int mlp_bias;        /* biases on fc/proj (GPT-2: always) */
     int type_vocab_size; /* token types (BERT's segment embeddings, role TYPE_EMBED); 0: none */
+    /* encoder-decoder (T5): n_layers is the encoder's block count, n_dec_layers the decoder's (0: one stack) */
+    int n_dec_layers;
+    int rel_buckets, rel_max_dist; /* T5's bucketed relative position bias (buckets, max distance) */
+    int ffn_gated;       /* T5 v1.1 / Flan: gated-GELU FFN (wi_0 | wi_1 fused, GEGLU); 0: ReLU (v1.0) */
+    int head_scale;      /* T5 v1.0: the decoder output is scaled by dim^-0.5 before the (tied) head */
+    int dec_start_id, pad_id, eos_id; /* T5: decoder_start_token_id, pad_token_id, eos_token_id */
 } fl_model_config;
 
 /* Fill derived defaults and validate (positive sizes, NH % NKV == 0, ...).
@@ -71,10 +77,14 @@ struct fl_block_graph_s; /* src/model/graph.h: the block graph and the model gra
 struct fl_model_graph_s;
 typedef struct {
     const char *target;   /* PEFT target module name ("q_proj", "c_attn") */
-    const char *fmt;      /* the module's HF name for block %d */
+    const char *fmt;      /* the module's HF name for block %d (of its stack) */
     int row0, rows;       /* its rows of the fused output (q|k|v, gate|up), and the fused output's rows */
+    int stack;            /* the stack whose blocks have it (an encoder-decoder: 0 encoder, 1 decoder; else 0) */
 } fl_arch_lora_module;
-#define FL_ARCH_MAX_LORA_MODULES 8
+#define FL_ARCH_MAX_LORA_MODULES 24
+/* LINEAR ops a block may have (the block graph's linear index: 0 qkv, 1 o, 2 fc, 3 proj; T5's decoder block adds
+ * 4 cross q, 5 cross k|v, 6 cross o): fl_model_attach_adapter's `linear` */
+#define FL_MODEL_BLOCK_LINEARS 8
 /* An architecture whose config.json is read from a table of keys (src/io/hf_config.c's generic parser)
  * instead of a parser of its own: the config keys of each field (NULL: not read; the field keeps 0 and
  * fl_config_validate's defaults apply). */
@@ -114,12 +124,18 @@ typedef struct {
     /* its block, when it is not the pre-norm decoder block the flags above describe (src/model/graph.h:
      * fl_graph_slot, fl_graph_op; fl_block_graph_build checks and derives the rest), or NULL */
     void (*block_graph)(const fl_model_config *c, struct fl_block_graph_s *g);
+    /* a second stack's block (an encoder-decoder's decoder block, cross-attending to the first stack's output:
+     * cfg.n_dec_layers blocks after the first stack's), or NULL */
+    void (*block_graph2)(const fl_model_config *c, struct fl_block_graph_s *g);
     /* the model around the blocks, when it is not the decoder's (embeddings, blocks, final norm, LM head), or NULL */
     void (*model_graph)(const fl_model_config *c, struct fl_model_graph_s *mg);
     /* config.json by table (see fl_arch_hf_keys): the model_type values it answers to (NULL-terminated) and
      * its keys; NULL for the architectures hf_config.c parses with code of their own */
     const char *const *hf_model_types;
     const fl_arch_hf_keys *hf_keys;
+    /* HF tensor names that are copies of the token embedding (skipped on load after a shape check, as a tied
+     * lm_head.weight), and names transformers ignores on load; NULL-terminated, or NULL */
+    const char *const *hf_embed_aliases, *const *hf_ignored;
 } fl_arch_info;
 /* The descriptor of a (valid) architecture; NULL for a value outside fl_arch. */
 const fl_arch_info *fl_arch_get(fl_arch a);
@@ -141,6 +157,9 @@ typedef enum {
     FL_ROLE_O_B, FL_ROLE_FC_W, FL_ROLE_FC_B, FL_ROLE_PROJ_W, FL_ROLE_PROJ_B,
     /* outer, group 0: token-type embeddings and the embedding norm (BERT) */
     FL_ROLE_TYPE_EMBED, FL_ROLE_EMB_NORM_W, FL_ROLE_EMB_NORM_B,
+    /* encoder-decoder (T5): a stack's relative position bias table (its first block's group), the cross-attention's
+     * norm and linears (decoder blocks: q, the fused k|v of the encoder output, o), the encoder's final norm (last group) */
+    FL_ROLE_REL_BIAS, FL_ROLE_LN3_W, FL_ROLE_XQ_W, FL_ROLE_XKV_W, FL_ROLE_XO_W, FL_ROLE_NORM_E_W,
     FL_ROLE_COUNT
 } fl_param_role;
 
@@ -505,6 +524,30 @@ fl_status fl_model_encode(fl_model *m, const int32_t *ids, const int32_t *type_i
                           int train, float *hidden);
 /* Its backward from d(hidden) (B*T, C, host memory): every parameter gradient ACCUMULATES (+=). */
 fl_status fl_model_encode_backward(fl_model *m, const float *dhidden);
+
+/* Encoder-decoders (T5: src/model/seq2seq.c, the model graph's two stacks interpreted). The arena for B sequences
+ * of at most Ts source and Tt target tokens (fl_model_alloc_acts(m, B, T) of such a model: Ts = Tt = T). */
+fl_status fl_model_alloc_acts_s2s(fl_model *m, int B, int Ts, int Tt);
+/* The forward over src_ids (B, Ts) with its key padding mask src_mask ((B, Ts), nonzero = a token; NULL: all) and
+ * dec_ids (B, Tt) (the decoder input: the start token, then the target shifted right): the logits (B, Tt, V) into
+ * logits_out (host memory, may be NULL); with targets (B, Tt; FL_IGNORE_INDEX masks) the summed loss into
+ * m->loss_sum / m->n_valid as fl_model_forward, and with grad_scale > 0 the head's backward (d(loss)/d(logit)
+ * scaled by grad_scale) for fl_model_backward_s2s. fp32 storage and activations only so far (no LoRA, 16-bit,
+ * 4-bit, sharding or checkpointing: FL_ERR_UNSUPPORTED naming it). */
+fl_status fl_model_forward_s2s(fl_model *m, const int32_t *src_ids, const uint8_t *src_mask, const int32_t *dec_ids,
+                               const int32_t *targets, int B, int Ts, int Tt, float grad_scale, float *logits_out);
+/* Its backward: the decoder, the cross-attention's gradient into the encoder output, the encoder; every parameter
+ * gradient ACCUMULATES (+=). */
+fl_status fl_model_backward_s2s(fl_model *m);
+/* Greedy decoding of one source sequence src (Ts tokens; src_mask (Ts) or NULL): the encoder once, then the decoder
+ * token by token from the start token until eos or max_new tokens (as generate(do_sample=False)); out (max_new + 1)
+ * gets the start token and the generated ids, *n_out their count. kv_cache: each token runs its row alone (the
+ * self-attention's keys and values of the earlier tokens kept, the cross-attention's computed once); 0: the
+ * decoder reruns its whole prefix (the reference). The arena must hold source >= Ts and target >= max_new. */
+fl_status fl_model_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, int max_new,
+                                int kv_cache, int32_t *out, int *n_out);
+/* The model has two stacks (an encoder-decoder: fl_model_forward_s2s). */
+int fl_model_is_s2s(const fl_model_config *c);
 
 /* Live bytes (fl_mem_set_live: docs/ARCHITECTURE.md "Reserved and live memory") are a fact of a
  * training step's phases, which the step (src/train/step.c) records at each phase boundary from this

@@ -36,64 +36,90 @@ typedef struct fl_optim_dist {
     void *ud;
     /* v[0..n) := its sum over ranks, in rank order (the same bits on every rank) */
     fl_status (*sum)(void *ud, double *v, int n);
-    /* after this rank updated its range: every rank's range of o->p to every rank (stages 1 and 2) */
+    /* after this rank updated its range: every rank's range of o->w.p to every rank (stages 1 and 2) */
     fl_status (*gather)(void *ud, struct fl_optimizer *o);
     /* v[0..n) := its elementwise max over ranks (the same bits on every rank; 8-bit AdamW under
      * FULL_SHARD: the partial absmax of the blocks cut by a rank edge) */
     fl_status (*max)(void *ud, float *v, size_t n);
 } fl_optim_dist;
 
+/* What an optimizer trains: the model's flat parameters, or its LoRA adapters. */
+typedef struct {
+    void *p, *g;         /* the parameters and their gradients */
+    fl_dtype pt, gt;     /* their dtypes (BF16/F16 with 16-bit parameter storage) */
+    size_t n;
+    int n_tensors;       /* tensors of p, for per-tensor (8-bit) state */
+    size_t *t_off, *t_n; /* (n_tensors) element offset and size of each */
+} fl_optim_train;
+
+/* The per-element state (s_len elements each, OPTIM tag; fp32, or bf16 with bf16-true): AdamW's
+ * moments, SGD's momentum buffer (NULL when absent). */
+typedef struct {
+    float *m, *v;
+    float *buf;
+} fl_optim_state;
+
+/* 8-bit AdamW's block-wise state. */
+typedef struct {
+    void *state;              /* one OPTIM block bound per tensor into st */
+    size_t state_bytes;
+    fl_adam8bit_state *st;    /* (n_tensors) host bookkeeping */
+    size_t *p_a, *p_n;        /* (n_tensors) the piece of each tensor whose state st[i] holds
+                               * (fl_optim_8bit_piece; the whole tensor but under ZeRO) */
+    /* under FULL_SHARD (the model sharded, m->pp): t_off / t_n describe the layout's tensors, p_a / p_n
+     * each tensor's elements in this rank's piece of its unit (fl_optim_8bit_fsdp_piece, not widened: a
+     * block cut by a rank edge is split between the ranks, its codes each rank's part, its two absmax on
+     * both), p_s (n_tensors) where that piece lies in the shard; slot (2 x n_tensors) the exchange slot
+     * of the piece's first and last block when a rank edge cuts it, else -1; n_slots the cut blocks of
+     * the whole model; x (OPTIM, x_bytes) the exchange vector and the scratch of the first pass
+     * (fl_optim_8bit_fsdp_bytes) */
+    size_t *p_s;
+    int *slot;
+    int n_slots;
+    void *x;
+    size_t x_bytes;
+} fl_optim_q8;
+
+/* Dynamic loss scaling (fp16 policies: 16-mixed, 16-true): the step multiplies d(loss) by ls.scale;
+ * fl_optim_step checks the scaled gradients for inf/NaN, skips the update on overflow and otherwise
+ * unscales inside the update (torch.amp.GradScaler). */
+typedef struct {
+    int on;
+    fl_loss_scale ls;
+    int skipped; /* the last fl_optim_step skipped the update (overflow) */
+} fl_optim_amp;
+
+/* The range of p / g whose state this optimizer holds (m, v, buf: len elements) and which
+ * fl_optim_step updates: [0, n) except under ZeRO (fl_optim_init_shard); the data-parallel hooks. */
+typedef struct {
+    size_t off, len;
+    const fl_optim_dist *dist; /* NULL in one process */
+} fl_optim_shard;
+
+/* Where the state lives and the update runs: be's memory from pool (the model's backend and pool;
+ * under CPU offload, fl_optim_init_offload, the host backend and the host tier). Checkpoints read
+ * and write m, v and buf through be. */
+typedef struct {
+    const fl_backend *be;
+    struct fl_mem_pool *pool;
+    int disk;                  /* the state in a disk pool (NVMe offload): the update walks it piece by
+                                * piece, prefetching the next piece and releasing the last (fl_mem_disk_*) */
+    struct fl_mem_pool *hpool; /* the host tier the staging comes from */
+    void *hp, *hg;             /* offload on a device whose memory the host cannot read: one piece of the
+                                * parameters and of the gradients in the host tier (WORKSPACE), staged per update */
+    size_t piece;              /* the update's piece (staged or on disk), elements */
+} fl_optim_home;
+
 typedef struct fl_optimizer {
     fl_optim_config cfg;
     fl_model *model;
-    float *m, *v;   /* AdamW moments (numel each), OPTIM tag */
-    float *buf;     /* SGD momentum buffer or NULL */
-    void *state8;   /* 8-bit AdamW: one OPTIM block bound per tensor into st8 */
-    size_t state8_bytes;
-    fl_adam8bit_state *st8; /* (n_tensors) host bookkeeping */
-    int step;       /* updates done */
-    /* what it trains: the model's flat parameters, or its LoRA adapters; pt/gt
-     * their dtypes (BF16/F16 with 16-bit parameter storage) */
-    void *p, *g;
-    fl_dtype pt, gt;
-    size_t n;
-    int n_tensors;          /* tensors of p, for per-tensor (8-bit) state */
-    size_t *t_off, *t_n;    /* (n_tensors) element offset and size of each */
-    /* dynamic loss scaling (fp16 policies: 16-mixed, 16-true): the step multiplies d(loss)
-     * by ls.scale; fl_optim_step checks the scaled gradients for inf/NaN, skips the update
-     * on overflow and otherwise unscales inside the update (torch.amp.GradScaler) */
-    int use_loss_scale;
-    fl_loss_scale ls;
-    int last_skipped;       /* the last fl_optim_step skipped the update (overflow) */
-    /* the range of p / g whose state this optimizer holds (m, v, buf: s_len elements) and which
-     * fl_optim_step updates: [0, n) except under ZeRO (fl_optim_init_shard) */
-    size_t s_off, s_len;
-    const fl_optim_dist *dist; /* data-parallel hooks, NULL in one process */
-    size_t *p8_a, *p8_n;       /* 8-bit: (n_tensors) the piece of each tensor whose state st8[i] holds
-                                * (fl_optim_8bit_piece; the whole tensor but under ZeRO) */
-    /* 8-bit under FULL_SHARD (the model sharded, m->pp): t_off / t_n describe the layout's tensors,
-     * p8_a / p8_n each tensor's elements in this rank's piece of its unit (fl_optim_8bit_fsdp_piece,
-     * not widened: a block cut by a rank edge is split between the ranks, its codes each rank's part,
-     * its two absmax on both), p8_s (n_tensors) where that piece lies in the shard; p8_slot (2 x
-     * n_tensors) the exchange slot of the piece's first and last block when a rank edge cuts it, else
-     * -1; n_slots the cut blocks of the whole model; x8 (OPTIM, x8_bytes) the exchange vector and the
-     * scratch of the first pass (fl_optim_8bit_fsdp_bytes) */
-    size_t *p8_s;
-    int *p8_slot;
-    int n_slots;
-    void *x8;
-    size_t x8_bytes;
-    /* Where the state lives and the update runs: sbe's memory from spool (the model's backend and pool;
-     * under CPU offload, fl_optim_init_offload, the host backend and the host tier). Checkpoints read and
-     * write m, v and buf through sbe. */
-    const fl_backend *sbe;
-    struct fl_mem_pool *spool;
-    int disk;               /* the state in a disk pool (NVMe offload): the update walks it piece by piece,
-                             * prefetching the next piece and releasing the last (fl_mem_disk_*) */
-    struct fl_mem_pool *hpool; /* the host tier the staging comes from */
-    void *hp, *hg;          /* offload on a device whose memory the host cannot read: one piece of the
-                             * parameters and of the gradients in the host tier (WORKSPACE), staged per update */
-    size_t piece;           /* the update's piece (staged or on disk), elements */
+    int step;           /* updates done */
+    fl_optim_train w;   /* what it trains */
+    fl_optim_state st;  /* the per-element state */
+    fl_optim_q8 q8;     /* 8-bit AdamW's state */
+    fl_optim_amp amp;   /* loss scaling */
+    fl_optim_shard shard; /* the range it updates, the data-parallel hooks */
+    fl_optim_home home; /* where the state lives */
 } fl_optimizer;
 
 /* CPU offload (ZeRO-Offload; fl_cfg_offload): the host backend the update runs on (the model's own
@@ -168,7 +194,7 @@ double fl_grad_norm(const fl_model *model);
  * to that global norm (torch.nn.utils.clip_grad_norm_: coef = max_norm /
  * (norm + 1e-6), applied when < 1). *norm_out (may be NULL) gets the norm
  * before clipping. With loss scaling, an inf/NaN among the scaled gradients
- * skips the update (o->last_skipped = 1, *norm_out = NAN) and backs the scale
+ * skips the update (o->amp.skipped = 1, *norm_out = NAN) and backs the scale
  * off; otherwise the gradients are unscaled inside the update. */
 fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_out);
 

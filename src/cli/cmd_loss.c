@@ -1,4 +1,5 @@
-/* fitllm loss: mean next-token cross-entropy of a model on a token file. */
+/* fitllm loss: mean next-token cross-entropy of a model on a token file (an encoder-decoder: of a target given a
+ * source). */
 #include <errno.h>
 #include <math.h>
 #include <stdint.h>
@@ -10,21 +11,25 @@
 #include "fitllm/trainer.h"
 
 static void help(void) {
-    printf("usage: fitllm loss <model> --tokens-file ids.txt [--dump-logits out.f32] [--threads N]\n\n"
+    printf("usage: fitllm loss <model> --tokens-file ids.txt [--target-tokens-file tgt.txt] [--dump-logits out.f32]\n"
+           "                  [--threads N]\n\n"
            "  <model>              HF folder (config.json + safetensors or pytorch_model*.bin; or LitGPT's\n"
            "                       lit_model.pth), a Hugging Face repo id ORG/NAME (downloaded, `fitllm\n"
            "                       download --help`), llama2.c .bin, or preset name\n"
            "                       (presets are randomly initialized: --seed)\n"
-           "  --tokens-file FILE   whitespace-separated token ids (at least 2)\n"
+           "  --tokens-file FILE   whitespace-separated token ids (at least 2; an encoder-decoder's source: 1)\n"
+           "  --target-tokens-file FILE  an encoder-decoder (T5): the target's token ids (at least 1)\n"
            "  --dump-logits FILE   write the logits of positions 0..n-2 as little-endian float32, (n-1) x V\n"
            "  --threads N          CPU threads (default: all cores)\n"
            "  --accelerator A      auto|cpu|cuda (default auto: the GPU when this build has CUDA and one is\n"
            "                       visible, else the CPU). cuda is EXPERIMENTAL (single GPU; README)\n"
            "  --seed N             seed for presets (default 1337)\n\n"
-           "Prints the mean cross-entropy of tokens[1:] given tokens[:-1], and perplexity.\n");
+           "Prints the mean cross-entropy of tokens[1:] given tokens[:-1], and perplexity. An encoder-decoder\n"
+           "(T5): of the target given the source (labels = the target, decoder input = the decoder start\n"
+           "token of config.json, then the target but its last token); --dump-logits writes the target's rows.\n");
 }
 
-static fl_status read_tokens(const char *path, int32_t **out, int *n) {
+static fl_status read_tokens(const char *path, int min, int32_t **out, int *n) {
     FILE *f = fopen(path, "r");
     if (!f) return fl_errorf(FL_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
     int cap = 1024, k = 0;
@@ -48,25 +53,40 @@ static fl_status read_tokens(const char *path, int32_t **out, int *n) {
     }
     fclose(f);
     if (!ids) return fl_errorf(FL_ERR_OOM, "%s: out of host memory", path);
-    if (s == FL_OK && k < 2) s = fl_errorf(FL_ERR_FORMAT, "%s: needs at least 2 token ids, found %d", path, k);
+    if (s == FL_OK && k < min)
+        s = fl_errorf(FL_ERR_FORMAT, "%s: needs at least %d token id%s, found %d", path, min, min > 1 ? "s" : "", k);
     if (s != FL_OK) { free(ids); return s; }
     *out = ids;
     *n = k;
     return FL_OK;
 }
 
+/* An encoder-decoder's loss of tgt (nt ids) given src (ns): labels tgt, decoder input start + tgt[:-1]; the (nt, V)
+ * logits into logits (may be NULL). */
+static fl_status s2s_loss(fl_model *m, const int32_t *src, int ns, const int32_t *tgt, int nt, float *logits) {
+    int32_t *dec = malloc((size_t)nt * sizeof *dec);
+    if (!dec) return fl_errorf(FL_ERR_OOM, "decoder input: out of host memory");
+    dec[0] = m->cfg.dec_start_id;
+    memcpy(dec + 1, tgt, (size_t)(nt - 1) * sizeof *dec);
+    fl_status s = fl_model_alloc_acts_s2s(m, 1, ns, nt);
+    if (s == FL_OK) s = fl_model_forward_s2s(m, src, NULL, dec, tgt, 1, ns, nt, 0.0f, logits);
+    free(dec);
+    return s;
+}
+
 int fl_cmd_loss(int argc, char **argv) {
-    const char *cmd = "loss", *model_path = NULL, *tokens = NULL, *dump = NULL;
+    const char *cmd = "loss", *model_path = NULL, *tokens = NULL, *dump = NULL, *target = NULL;
     int threads = 0, seed = 1337;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) { help(); return 0; }
         else if (!strcmp(a, "--tokens-file") && i + 1 < argc) tokens = argv[++i];
+        else if (!strcmp(a, "--target-tokens-file") && i + 1 < argc) target = argv[++i];
         else if (!strcmp(a, "--dump-logits") && i + 1 < argc) dump = argv[++i];
         else if (!strcmp(a, "--threads")) { if (fl_cli_int(cmd, a, i + 1 < argc ? argv[++i] : NULL, 0, 1024, &threads)) return 2; }
         else if (!strcmp(a, "--accelerator")) { int rc = fl_cli_accelerator(cmd, i + 1 < argc ? argv[++i] : NULL); if (rc) return rc; }
         else if (!strcmp(a, "--seed")) { if (fl_cli_int(cmd, a, i + 1 < argc ? argv[++i] : NULL, 0, 1 << 30, &seed)) return 2; }
-        else if (a[0] == '-') return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--dump-logits", "--help", "--seed", "--threads", "--tokens-file", NULL});
+        else if (a[0] == '-') return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--dump-logits", "--help", "--seed", "--target-tokens-file", "--threads", "--tokens-file", NULL});
         else if (!model_path) model_path = a;
         else return fl_cli_usage(cmd, "unexpected argument '%s'", a);
     }
@@ -76,23 +96,33 @@ int fl_cmd_loss(int argc, char **argv) {
     fl_backend be;
     fl_mem_pool pool, hpool; /* tensors; host staging when the backend's memory is not host memory */
     fl_model m = {0};
-    int32_t *ids = NULL;
+    int32_t *ids = NULL, *tids = NULL;
     float *logits = NULL;
-    int n = 0, loaded = 0, rc = 0;
+    int n = 0, nt = 0, loaded = 0, rc = 0;
     fl_status s = fl_backend_init_by_name(fl_backend_default_name(), &be, threads);
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
     if ((s = fl_backend_pools_init(&be, &pool, &hpool, "cpu", 0)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
-    if ((s = read_tokens(tokens, &ids, &n)) != FL_OK) goto fail;
+    if ((s = read_tokens(tokens, target ? 1 : 2, &ids, &n)) != FL_OK) goto fail;
+    if (target && (s = read_tokens(target, 1, &tids, &nt)) != FL_OK) goto fail;
     if ((s = fl_cli_load_model(&m, model_path, 0, (uint64_t)seed, &be, &pool, &loaded)) != FL_OK) goto fail;
-    int T = n - 1;
-    if (T > m.cfg.max_seq) {
+    if (fl_model_is_s2s(&m.cfg) != (target != NULL)) {
+        s = fl_errorf(FL_ERR_INVALID, target ? "--target-tokens-file: %s is not an encoder-decoder (its loss is of "
+                                               "--tokens-file alone)"
+                                             : "%s is an encoder-decoder: give the target with --target-tokens-file "
+                                               "(--tokens-file is the source)", model_path);
+        goto fail;
+    }
+    int T = target ? nt : n - 1;
+    if (!target && T > m.cfg.max_seq) {
         s = fl_errorf(FL_ERR_INVALID, "%s: %d positions exceed the model's context of %d", tokens, T, m.cfg.max_seq);
         goto fail;
     }
-    if ((s = fl_model_alloc_acts(&m, 1, T)) != FL_OK) goto fail;
+    if (!target && (s = fl_model_alloc_acts(&m, 1, T)) != FL_OK) goto fail;
     if (dump && (s = fl_mem_alloc(fl_mem_host_pool(&pool), FL_TAG_OTHER, (size_t)T * m.cfg.vocab_size * sizeof(float), (void **)&logits)) != FL_OK)
         goto fail;
-    if ((s = fl_model_forward(&m, ids, ids + 1, 1, T, 0.0f, logits)) != FL_OK) goto fail;
+    if (target) s = s2s_loss(&m, ids, n, tids, nt, logits);
+    else s = fl_model_forward(&m, ids, ids + 1, 1, T, 0.0f, logits);
+    if (s != FL_OK) goto fail;
     double loss = m.loss_sum / (double)m.n_valid;
     printf("loss %.6f  ppl %.4f  tokens %d  model %s%s\n", loss, fl_trainer_perplexity(loss), T, model_path,
            loaded ? "" : " (random init)");
@@ -119,6 +149,7 @@ fail:
 done:
     fl_mem_free(fl_mem_host_pool(&pool), logits);
     free(ids);
+    free(tids);
     fl_model_free(&m);
     fl_backend_pools_free(&pool, &hpool);
     fl_backend_free(&be);

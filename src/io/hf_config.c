@@ -207,6 +207,64 @@ static fl_status fl_hf_parse_opt(const char *path, const fl_json *r, fl_model_co
     return FL_OK;
 }
 
+/* T5 (T5ForConditionalGeneration; fl_arch_t5, src/model/arch_t5.c). feed_forward_proj selects the variant: "relu"
+ * (v1.0) or "gated-gelu" (v1.1 / Flan: the tanh GELU, "gelu_new"); dense_act_fn and is_gated_act, which
+ * transformers derives from it, must agree with it when present. tie_word_embeddings (default true) ties the head
+ * and scales the decoder output by d_model^-0.5 (v1.0), unless scale_decoder_outputs (transformers 5) says
+ * otherwise; false: lm_head.weight, no scaling (v1.1). */
+static fl_status fl_hf_parse_t5(const char *path, const fl_json *r, fl_model_config *c) {
+    c->arch = FL_ARCH_T5;
+    snprintf(c->name, sizeof c->name, "t5");
+    const char *ff = NULL, *act = NULL;
+    FL_TRY(fl_hf_str(path, r, "feed_forward_proj", &ff));
+    if (!ff) ff = "relu";
+    if (strcmp(ff, "relu") == 0) c->ffn_gated = 0;
+    else if (strcmp(ff, "gated-gelu") == 0 || strcmp(ff, "gated-gelu_new") == 0) c->ffn_gated = 1;
+    else
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: key 'feed_forward_proj' = '%s' is not supported (relu, gated-gelu)",
+                         path, ff);
+    const char *want = c->ffn_gated ? "gelu_new" : "relu";
+    FL_TRY(fl_hf_str(path, r, "dense_act_fn", &act));
+    if (act && strcmp(act, want) != 0 && !(c->ffn_gated && strcmp(act, "gelu_pytorch_tanh") == 0))
+        return fl_errorf(FL_ERR_FORMAT, "%s: key 'dense_act_fn' = '%s' contradicts 'feed_forward_proj' = '%s' (which "
+                         "means %s)", path, act, ff, want);
+    int gated = c->ffn_gated;
+    FL_TRY(fl_hf_bool(path, r, "is_gated_act", c->ffn_gated, &gated));
+    if (gated != c->ffn_gated)
+        return fl_errorf(FL_ERR_FORMAT, "%s: key 'is_gated_act' = %s contradicts 'feed_forward_proj' = '%s'", path,
+                         gated ? "true" : "false", ff);
+    const int kv = 64, buckets = 32, maxd = 128, npos = 512, zero = 0, one = 1;
+    const float eps = 1e-6f;
+    FL_TRY(fl_hf_int(path, r, "d_model", NULL, &c->dim));
+    FL_TRY(fl_hf_int(path, r, "d_kv", &kv, &c->head_dim));
+    FL_TRY(fl_hf_int(path, r, "d_ff", NULL, &c->ffn_dim));
+    FL_TRY(fl_hf_int(path, r, "num_layers", NULL, &c->n_layers));
+    FL_TRY(fl_hf_int(path, r, "num_decoder_layers", &c->n_layers, &c->n_dec_layers));
+    FL_TRY(fl_hf_int(path, r, "num_heads", NULL, &c->n_heads));
+    c->n_kv_heads = c->n_heads;
+    FL_TRY(fl_hf_int(path, r, "relative_attention_num_buckets", &buckets, &c->rel_buckets));
+    FL_TRY(fl_hf_int(path, r, "relative_attention_max_distance", &maxd, &c->rel_max_dist));
+    FL_TRY(fl_hf_float(path, r, "layer_norm_epsilon", &eps, &c->norm_eps));
+    FL_TRY(fl_hf_int(path, r, "vocab_size", NULL, &c->vocab_size));
+    FL_TRY(fl_hf_int(path, r, "n_positions", &npos, &c->max_seq)); /* informational: relative positions have no table */
+    FL_TRY(fl_hf_bool(path, r, "tie_word_embeddings", 1, &c->tie_embeddings));
+    FL_TRY(fl_hf_bool(path, r, "scale_decoder_outputs", c->tie_embeddings, &c->head_scale));
+    FL_TRY(fl_hf_int(path, r, "pad_token_id", &zero, &c->pad_id));
+    FL_TRY(fl_hf_int(path, r, "decoder_start_token_id", &c->pad_id, &c->dec_start_id));
+    const fl_json *eos = fl_hf_key(r, "eos_token_id"); /* an id or a list of ids (the first) */
+    if (eos && eos->type == FL_JSON_ARRAY) {
+        const fl_json *e0 = eos->child;
+        if (!e0 || e0->type != FL_JSON_NUMBER || !e0->is_int || e0->i < 0 || e0->i > INT_MAX)
+            return fl_errorf(FL_ERR_FORMAT, "%s: key 'eos_token_id' must be an id or a non-empty list of ids", path);
+        c->eos_id = (int)e0->i;
+    } else {
+        FL_TRY(fl_hf_int(path, r, "eos_token_id", &one, &c->eos_id));
+    }
+    c->attention_bias = c->mlp_bias = 0;
+    c->rope_theta = 0.0f;
+    return FL_OK;
+}
+
 /* An architecture read from its descriptor's key table (fl_arch_hf_keys): nothing here changes per architecture. */
 static int fl_hf_in_list(const char *v, const char *const *list) {
     for (int i = 0; v && list && list[i]; i++)
@@ -265,7 +323,7 @@ fl_status fl_hf_load_config(const char *path, fl_model_config *cfg) {
     s = fl_hf_str(path, root, "model_type", &mt);
     if (s != FL_OK) goto done;
     int is_llama = mt ? strcmp(mt, "llama") == 0 : 0, is_gpt2 = mt ? strcmp(mt, "gpt2") == 0 : 0;
-    const int is_opt = mt ? strcmp(mt, "opt") == 0 : 0;
+    const int is_opt = mt ? strcmp(mt, "opt") == 0 : 0, is_t5 = mt ? strcmp(mt, "t5") == 0 : 0;
     if (!is_llama && !is_gpt2) { /* llama-compatible variants name the architecture */
         is_llama = fl_hf_arch_has(root, "LlamaForCausalLM");
         is_gpt2 = !is_llama && !mt && fl_hf_arch_has(root, "GPT2LMHeadModel");
@@ -281,8 +339,11 @@ fl_status fl_hf_load_config(const char *path, fl_model_config *cfg) {
         s = fl_hf_parse_gpt2(path, root, &c);
     else if (is_opt)
         s = fl_hf_parse_opt(path, root, &c);
+    else if (is_t5)
+        s = fl_hf_parse_t5(path, root, &c);
     else if (mt)
-        s = fl_errorf(FL_ERR_UNSUPPORTED, "%s: model_type '%s' is not supported (llama, gpt2, opt%s)", path, mt, fl_hf_keyed_names());
+        s = fl_errorf(FL_ERR_UNSUPPORTED, "%s: model_type '%s' is not supported (llama, gpt2, opt, t5%s)", path, mt,
+                      fl_hf_keyed_names());
     else
         s = fl_errorf(FL_ERR_FORMAT, "%s: missing key 'model_type' (and no known 'architectures')", path);
     if (s != FL_OK) goto done;
@@ -404,6 +465,42 @@ fl_status fl_hf_save_config(const char *path, const fl_model_config *c) {
                      "}\n",
                      c->dim, c->dim, c->ffn_dim, c->n_layers, c->n_heads, c->max_seq, c->vocab_size,
                      c->attention_bias ? "true" : "false", c->tie_embeddings ? "true" : "false");
+    } else if (c->arch == FL_ARCH_T5) {
+        char sc[64] = "";
+        if (c->head_scale != c->tie_embeddings) /* only transformers 5 writes it; the checkpoints' meaning otherwise */
+            snprintf(sc, sizeof sc, "  \"scale_decoder_outputs\": %s,\n", c->head_scale ? "true" : "false");
+        w = snprintf(buf, sizeof buf,
+                     "{\n"
+                     "  \"architectures\": [\"T5ForConditionalGeneration\"],\n"
+                     "  \"model_type\": \"t5\",\n"
+                     "  \"d_model\": %d,\n"
+                     "  \"d_kv\": %d,\n"
+                     "  \"d_ff\": %d,\n"
+                     "  \"num_layers\": %d,\n"
+                     "  \"num_decoder_layers\": %d,\n"
+                     "  \"num_heads\": %d,\n"
+                     "  \"relative_attention_num_buckets\": %d,\n"
+                     "  \"relative_attention_max_distance\": %d,\n"
+                     "  \"feed_forward_proj\": \"%s\",\n"
+                     "  \"dense_act_fn\": \"%s\",\n"
+                     "  \"is_gated_act\": %s,\n"
+                     "  \"layer_norm_epsilon\": %s,\n"
+                     "  \"vocab_size\": %d,\n"
+                     "  \"n_positions\": %d,\n"
+                     "  \"tie_word_embeddings\": %s,\n%s"
+                     "  \"decoder_start_token_id\": %d,\n"
+                     "  \"pad_token_id\": %d,\n"
+                     "  \"eos_token_id\": %d,\n"
+                     "  \"is_encoder_decoder\": true,\n"
+                     "  \"dropout_rate\": 0.1,\n"
+                     "  \"initializer_factor\": 1.0,\n"
+                     "  \"use_cache\": true,\n"
+                     "  \"torch_dtype\": \"float32\"\n"
+                     "}\n",
+                     c->dim, c->head_dim, c->ffn_dim, c->n_layers, c->n_dec_layers, c->n_heads, c->rel_buckets,
+                     c->rel_max_dist, c->ffn_gated ? "gated-gelu" : "relu", c->ffn_gated ? "gelu_new" : "relu",
+                     c->ffn_gated ? "true" : "false", eps, c->vocab_size, c->max_seq,
+                     c->tie_embeddings ? "true" : "false", sc, c->dec_start_id, c->pad_id, c->eos_id);
     } else {
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s: cannot write a config for architecture %d", path, (int)c->arch);
     }

@@ -28,6 +28,13 @@ static int fl_hf_is_ignored_buffer(const char *name) {
            fl_hf_ends_with(name, "rotary_emb.inv_freq");
 }
 
+/* name is in the NULL-terminated list (NULL: empty) */
+static int fl_hf_listed(const char *const *list, const char *name) {
+    for (int i = 0; list && list[i]; i++)
+        if (strcmp(list[i], name) == 0) return 1;
+    return 0;
+}
+
 static void fl_hf_fmt_shape(char *buf, size_t n, int ndim, const int64_t *shape) {
     size_t k = (size_t)snprintf(buf, n, "[");
     for (int d = 0; d < ndim && k < n; d++) k += (size_t)snprintf(buf + k, n - k, d ? ", %lld" : "%lld", (long long)shape[d]);
@@ -296,13 +303,15 @@ fl_status fl_hf_load_weights(fl_model *m, const char *dir) {
             const fl_st_tensor *t = &f->tensors[ti];
             int k = fl_layout_find(lay, t->name);
             if (k < 0) {
-                if (fl_hf_is_ignored_buffer(t->name)) continue;
-                if (m->cfg.tie_embeddings && strcmp(t->name, "lm_head.weight") == 0 && wte >= 0) {
+                const fl_arch_info *ai = fl_arch_get(m->cfg.arch);
+                if (fl_hf_is_ignored_buffer(t->name) || fl_hf_listed(ai->hf_ignored, t->name)) continue;
+                if (((m->cfg.tie_embeddings && strcmp(t->name, "lm_head.weight") == 0) ||
+                     fl_hf_listed(ai->hf_embed_aliases, t->name)) && wte >= 0) {
                     const fl_param_info *p = &lay->params[wte];
                     if (t->ndim != 2 || t->shape[0] != p->shape[0] || t->shape[1] != p->shape[1])
-                        s = fl_errorf(FL_ERR_FORMAT, "%s: tensor 'lm_head.weight' (tied to the embeddings) has a shape different from %s",
-                                      f->path, p->name);
-                    continue; /* tied: the embedding is the head */
+                        s = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s' (tied to the embeddings) has a shape different from %s",
+                                      f->path, t->name, p->name);
+                    continue; /* tied: the embedding is the head (or a copy of it) */
                 }
                 s = fl_errorf(FL_ERR_FORMAT, "%s: unexpected tensor '%s' (not a parameter of this %s model per config.json)",
                               f->path, t->name, fl_arch_get(m->cfg.arch)->display);

@@ -110,14 +110,16 @@ fl_status fl_lora_modules(const fl_lora_config *c, const fl_param_layout *lay, c
     *n_mods = 0;
     fl_arch_lora_module tab[FL_ARCH_MAX_LORA_MODULES];
     const int nt = fl_arch_get(mc->arch)->lora_modules(mc, tab); /* the architecture's block modules */
-    int cap = mc->n_layers * nt + 1, n = 0;
+    const int L = mc->n_layers + mc->n_dec_layers; /* every stack's blocks (an encoder-decoder's decoder's after) */
+    int cap = L * nt + 1, n = 0;
     fl_lora_module *m = calloc((size_t)cap, sizeof *m);
     if (!m) return fl_errorf(FL_ERR_OOM, "lora: module list");
-    for (int l = 0; l < mc->n_layers; l++)
+    for (int l = 0; l < L; l++)
         for (int t = 0; t < nt; t++) {
-            if (!has_target(c, tab[t].target)) continue;
+            const int stack = l >= mc->n_layers, l_in = stack ? l - mc->n_layers : l;
+            if (!has_target(c, tab[t].target) || tab[t].stack != stack) continue;
             fl_lora_module *e = &m[n];
-            snprintf(e->name, sizeof e->name, tab[t].fmt, l);
+            snprintf(e->name, sizeof e->name, tab[t].fmt, l_in);
             e->layer = l;
             e->fused_row0 = tab[t].row0;
             e->fused_rows = tab[t].rows;

@@ -16,6 +16,9 @@ static int linear_kind(const fl_param_layout *lay, int param_index) {
     case FL_ROLE_O_W: return 1;
     case FL_ROLE_FC_W: return 2;
     case FL_ROLE_PROJ_W: return 3;
+    case FL_ROLE_XQ_W: return 4; /* an encoder-decoder's cross-attention (T5's decoder block) */
+    case FL_ROLE_XKV_W: return 5;
+    case FL_ROLE_XO_W: return 6;
     default: return -1;
     }
 }
@@ -81,12 +84,12 @@ fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t se
     for (int j = 0; s == FL_OK && j < st->n_mods; j++)
         if (st->mods[j].layer >= 0 && linear_kind(&m->layout, st->mods[j].param_index) < 0)
             s = fl_errorf(FL_ERR_INTERNAL, "LoRA: module %s belongs to no linear of its block", st->mods[j].name);
-    int L = m->cfg.n_layers;
+    const int L = m->cfg.n_layers + m->cfg.n_dec_layers, K = FL_MODEL_BLOCK_LINEARS; /* blocks of every stack */
     if (s == FL_OK) {
         st->off = calloc((size_t)2 * st->n_mods + 1, sizeof *st->off);
         st->slots = calloc((size_t)st->n_mods + 1, sizeof *st->slots);
-        st->first = calloc((size_t)L * 4 + 1, sizeof *st->first);
-        st->count = calloc((size_t)L * 4 + 1, sizeof *st->count);
+        st->first = calloc((size_t)L * K + 1, sizeof *st->first);
+        st->count = calloc((size_t)L * K + 1, sizeof *st->count);
         if (!st->off || !st->slots || !st->first || !st->count) s = fl_errorf(FL_ERR_OOM, "LoRA: out of host memory");
     }
     if (s == FL_OK) {
@@ -106,11 +109,11 @@ fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t se
         free_state(st, m->pool);
         return fl_errorf(FL_ERR_OOM, "LoRA: out of host memory");
     }
-    /* slots grouped by (layer, kind), in module order inside a group; group L * 4 is lm_head (layer -1) */
+    /* slots grouped by (layer, kind), in module order inside a group; group L * K is lm_head (layer -1) */
     int n = 0;
     for (int l = 0; l <= L; l++)
-        for (int k = 0; k < (l < L ? 4 : 1); k++) {
-            st->first[l * 4 + k] = n;
+        for (int k = 0; k < (l < L ? K : 1); k++) {
+            st->first[l * K + k] = n;
             for (int j = 0; j < st->n_mods; j++) {
                 const fl_lora_module *md = &st->mods[j];
                 if (l < L ? (md->layer != l || linear_kind(&m->layout, md->param_index) != k) : md->layer >= 0) continue;
@@ -133,7 +136,7 @@ fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t se
                 sl->base.ops = &slot_ops;
                 sl->st = st;
             }
-            st->count[l * 4 + k] = n - st->first[l * 4 + k];
+            st->count[l * K + k] = n - st->first[l * K + k];
         }
     s = m->be->to_device(m->be, st->params, host, st->numel * sizeof(float));
     free(host);
@@ -147,8 +150,8 @@ fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t se
     }
     m->lora = st; /* released by the model (lora_release) from here on */
     for (int l = 0; l <= L && s == FL_OK; l++)
-        for (int k = 0; k < (l < L ? 4 : 1) && s == FL_OK; k++)
-            for (int i = st->first[l * 4 + k]; i < st->first[l * 4 + k] + st->count[l * 4 + k] && s == FL_OK; i++)
+        for (int k = 0; k < (l < L ? K : 1) && s == FL_OK; k++)
+            for (int i = st->first[l * K + k]; i < st->first[l * K + k] + st->count[l * K + k] && s == FL_OK; i++)
                 s = fl_model_attach_adapter(m, l < L ? l : -1, k, &st->slots[i].base);
     if (s != FL_OK) fl_model_detach_adapters(m);
     return s;

@@ -246,6 +246,7 @@ void fl_acts_live_bytes(const fl_model *m, int B, int T, int train, size_t *acts
 }
 
 fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
+    if (fl_model_is_s2s(&m->cfg)) return fl_model_alloc_acts_s2s(m, B, T, T); /* an encoder-decoder: seq2seq.c */
     if (B <= 0 || T <= 0) return fl_errorf(FL_ERR_INVALID, "micro-batch must be positive (B=%d, T=%d)", B, T);
     if (T > m->cfg.max_seq)
         return fl_errorf(FL_ERR_INVALID, "sequence length %d exceeds the model's max_position_embeddings %d", T,

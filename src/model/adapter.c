@@ -11,7 +11,7 @@ fl_status fl_model_adapters_begin(fl_model *m, const fl_adapter_hooks *h) {
     struct fl_adapter_table *t = calloc(1, sizeof *t);
     if (!t) return fl_errorf(FL_ERR_OOM, "adapters: out of host memory");
     t->h = *h;
-    t->n_keys = m->cfg.n_layers * FL_GRAPH_MAX_LINEARS + 1;
+    t->n_keys = (m->cfg.n_layers + m->cfg.n_dec_layers) * FL_GRAPH_MAX_LINEARS + 1; /* every stack's blocks */
     t->list = calloc((size_t)t->n_keys, sizeof *t->list);
     t->count = calloc((size_t)t->n_keys, sizeof *t->count);
     if (!t->list || !t->count) {
@@ -25,7 +25,7 @@ fl_status fl_model_adapters_begin(fl_model *m, const fl_adapter_hooks *h) {
 fl_status fl_model_attach_adapter(fl_model *m, int block, int linear, const fl_linear_adapter *a) {
     struct fl_adapter_table *t = m->adapt;
     if (!t) return fl_errorf(FL_ERR_INVALID, "fl_model_attach_adapter: no fl_model_adapters_begin");
-    if (block < -1 || block >= m->cfg.n_layers || (block >= 0 && (linear < 0 || linear >= FL_GRAPH_MAX_LINEARS)))
+    if (block < -1 || block >= m->cfg.n_layers + m->cfg.n_dec_layers || (block >= 0 && (linear < 0 || linear >= FL_GRAPH_MAX_LINEARS)))
         return fl_errorf(FL_ERR_INVALID, "fl_model_attach_adapter: no LINEAR %d in block %d", linear, block);
     const int k = block < 0 ? t->n_keys - 1 : block * FL_GRAPH_MAX_LINEARS + linear;
     const fl_linear_adapter **l = realloc(t->list[k], (size_t)(t->count[k] + 1) * sizeof *l);

@@ -278,6 +278,16 @@ fl_status fl_block_graph_build(const fl_model_config *c, fl_block_graph *g) {
     return fl_block_graph_finish(g);
 }
 
+fl_status fl_stack_graph_build(const fl_model_config *c, int stack, fl_block_graph *g) {
+    if (stack == 0) return fl_block_graph_build(c, g);
+    memset(g, 0, sizeof *g);
+    const fl_arch_info *ai = fl_arch_get(c->arch);
+    if (!ai || stack != 1 || !ai->block_graph2)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "no block graph for stack %d of architecture %d", stack, (int)c->arch);
+    ai->block_graph2(c, g);
+    return fl_block_graph_finish(g);
+}
+
 static size_t al16(size_t n) { return (n + 15) / 16 * 16; } /* 64-byte aligned views */
 
 size_t fl_block_rows_scratch(const fl_block_graph *g, int n, float *base, float **s) {
@@ -340,7 +350,7 @@ static void attn_views(const fl_model *m, const fl_block_graph *g, const fl_gop 
     memset(a, 0, sizeof *a);
     a->B = x->B, a->Tq = x->T, a->NH = d.NH, a->NKV = d.NKV, a->HD = d.HD;
     a->ldo = (size_t)g->slot[o->out].width;
-    a->scale = 1.0f / sqrtf((float)d.HD);
+    a->scale = o->attn_flags & FL_GATTN_NOSCALE ? 1.0f : 1.0f / sqrtf((float)d.HD);
     a->causal = o->attn == FL_ATTN_CAUSAL;
     *q = s[o->in];
     a->ldq = (size_t)g->slot[o->in].width;
@@ -352,6 +362,10 @@ static void attn_views(const fl_model *m, const fl_block_graph *g, const fl_gop 
         a->Tk = x->T;
         *k = *q + d.QD;
         a->ldk = a->ldv = a->ldq;
+        if (x->kv_rows > x->T) { /* incremental decoding: the keys from the slot's first row (causal: bottom-right) */
+            a->Tk = x->kv_rows;
+            *k -= (size_t)(x->kv_rows - x->T) * a->ldq;
+        }
     }
     *v = *k + d.KVD;
 }
@@ -374,6 +388,8 @@ static fl_status attn_forward(const fl_model *m, const fl_block_graph *g, const 
         return FL_OK;
     }
     if (x->kv) return fl_errorf(FL_ERR_UNSUPPORTED, "generation with a KV cache runs causal self-attention only");
+    if (x->kv_rows > x->T && x->B != 1)
+        return fl_errorf(FL_ERR_INVALID, "incremental decoding (kv_rows) runs one sequence (B %d)", x->B);
     fl_attn_desc a;
     float *q, *k, *v;
     attn_views(m, g, o, x, s, &a, &q, &k, &v);
@@ -428,6 +444,7 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
         case FL_GOP_NORM: fl_norm_forward(m, out, S(o->a1), S(o->a2), in, bp->norm_w[o->p], bp->norm_b[o->p], N); break;
         case FL_GOP_LINEAR: { // (N, wo)
             const fl_linear *lin = &bp->lin[o->p];
+            if (x->xs_ready && g->slot[o->in].kind == FL_GSLOT_XSTREAM) break; /* kept from an earlier pass */
             void *in16 = x->s16 && x->narrowed && lin->n_q4 == 0 && lin->wc && lin->wct == FL_BF16 &&
                                  final_after(g, i, o->in)
                              ? x->s16[o->in]
@@ -445,6 +462,11 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
         case FL_GOP_SWIGLU: be->swiglu_forward(be, out, in, N, (int)wo); break;
         case FL_GOP_GELU: be->gelu_forward(be, out, in, (size_t)N * wi); break;
         case FL_GOP_RELU: be->relu_forward(be, out, in, (size_t)N * wi); break;
+        case FL_GOP_GEGLU:
+            if (!be->geglu_forward)
+                return fl_errorf(FL_ERR_UNSUPPORTED, "backend %s has no geglu op (T5 v1.1's gated-GELU FFN)", be->name);
+            be->geglu_forward(be, out, in, N, (int)wo);
+            break;
         case FL_GOP_ALLREDUCE:
             if (o->p == FL_GAR_FWD) FL_TRY(allreduce(x->comm, out, (size_t)N * wo));
             break;
@@ -506,6 +528,7 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         case FL_GOP_SWIGLU: be->swiglu_backward(be, din, dout, s[o->in], N, (int)wo); break;
         case FL_GOP_GELU: be->gelu_backward(be, din, dout, s[o->in], (size_t)N * wi); break;
         case FL_GOP_RELU: be->relu_backward(be, din, dout, s[o->in], (size_t)N * wi); break;
+        case FL_GOP_GEGLU: be->geglu_backward(be, din, dout, s[o->in], N, (int)wo); break;
         case FL_GOP_ALLREDUCE:
             if (o->p == FL_GAR_BWD) FL_TRY(allreduce(x->comm, din, (size_t)N * wi));
             break;
@@ -526,12 +549,18 @@ void fl_model_graph_op(fl_model_graph *mg, fl_mop_kind kind, int role_w, int rol
     mg->op[mg->n_ops].kind = (uint8_t)kind;
     mg->op[mg->n_ops].role_w = (int8_t)role_w;
     mg->op[mg->n_ops].role_b = (int8_t)role_b;
+    mg->op[mg->n_ops].stack = (int8_t)mg->n_stacks;
     mg->n_ops++;
 }
 
+void fl_model_graph_stack(fl_model_graph *mg) { mg->n_stacks++; }
+
+/* (of the last stack: an encoder-decoder's decoder, whose end is the model's) */
 int fl_model_graph_has(const fl_model_graph *mg, fl_mop_kind kind, int where) {
     int side = -1;
+    const int last = mg->n_ops ? mg->op[mg->n_ops - 1].stack : 0;
     for (int i = 0; i < mg->n_ops; i++) {
+        if (mg->op[i].stack != last) continue;
         if (mg->op[i].kind == FL_MOP_BLOCKS) side = 1;
         else if (mg->op[i].kind == kind && (where == 0 || where == side)) return 1;
     }
@@ -550,12 +579,24 @@ fl_status fl_model_graph_build(const fl_model_config *c, fl_model_graph *mg) {
         fl_model_graph_op(mg, FL_MOP_NORM, FL_ROLE_NORM_F_W, FL_ROLE_NORM_F_B);
         fl_model_graph_op(mg, FL_MOP_HEAD_LM, -1, -1);
     }
-    int blocks = 0;
-    for (int i = 0; i < mg->n_ops; i++) blocks += mg->op[i].kind == FL_MOP_BLOCKS;
-    const int last = mg->n_ops ? mg->op[mg->n_ops - 1].kind : -1;
-    if (mg->n_ops >= FL_MODEL_GRAPH_MAX_OPS || blocks != 1 || mg->op[0].kind == FL_MOP_BLOCKS ||
-        (last != FL_MOP_HEAD_LM && last != FL_MOP_OUTPUT))
-        return fl_errorf(FL_ERR_INTERNAL, "model graph of %s: one BLOCKS after the embeddings, ending in a head or the "
-                         "output, at most %d ops", ai->name, FL_MODEL_GRAPH_MAX_OPS - 1);
+    /* every stack: one BLOCKS after its first op; the last ends in a head or the output, the others in the
+     * output (the stream the next stack reads) */
+    mg->n_stacks = mg->n_ops ? mg->op[mg->n_ops - 1].stack + 1 : 0;
+    int ok = mg->n_ops > 0 && mg->n_ops < FL_MODEL_GRAPH_MAX_OPS && mg->n_stacks <= FL_MODEL_GRAPH_MAX_STACKS;
+    for (int st = 0; ok && st < mg->n_stacks; st++) {
+        int blocks = 0, first = -1, end = -1;
+        for (int i = 0; i < mg->n_ops; i++) {
+            if (mg->op[i].stack != st) continue;
+            if (first < 0) first = i;
+            blocks += mg->op[i].kind == FL_MOP_BLOCKS;
+            end = mg->op[i].kind;
+        }
+        ok = first >= 0 && blocks == 1 && mg->op[first].kind != FL_MOP_BLOCKS &&
+             (end == FL_MOP_OUTPUT || (end == FL_MOP_HEAD_LM && st == mg->n_stacks - 1));
+    }
+    if (!ok)
+        return fl_errorf(FL_ERR_INTERNAL, "model graph of %s: per stack one BLOCKS after the embeddings, ending in the "
+                         "output (the last stack: or a head), at most %d ops and %d stacks", ai->name,
+                         FL_MODEL_GRAPH_MAX_OPS - 1, FL_MODEL_GRAPH_MAX_STACKS);
     return FL_OK;
 }

@@ -27,8 +27,8 @@
 #include "fitllm/generate.h"
 #include "fitllm/model.h"
 
-#define FL_GRAPH_MAX_SLOTS 16
-#define FL_GRAPH_MAX_OPS 16
+#define FL_GRAPH_MAX_SLOTS 24 /* T5's decoder block: 20 */
+#define FL_GRAPH_MAX_OPS 24
 _Static_assert(FL_GRAPH_MAX_SLOTS == sizeof(((fl_layer_acts *)0)->s) / sizeof(float *),
                "fl_layer_acts (model-impl.h) holds one view per slot");
 
@@ -69,6 +69,7 @@ typedef enum {
     FL_GOP_SWIGLU, /* out (N, F) = silu(in[:, :F]) * in[:, F:] */
     FL_GOP_GELU,   /* out = gelu_tanh(in) */
     FL_GOP_RELU,   /* out = max(in, 0) */
+    FL_GOP_GEGLU,  /* out (N, F) = gelu_tanh(in[:, :F]) * in[:, F:] (T5 v1.1's gated-GELU: wi_0 | wi_1 fused) */
     FL_GOP_ALLREDUCE, /* in place (in == out): sum over fl_block_ctx.comm's ranks; p = FL_GAR_FWD: in the forward
                        * (backward: identity; Megatron's g after a row-parallel linear), FL_GAR_BWD: in the backward
                        * (forward: identity; Megatron's f before a column-parallel one). No comm / one rank: no-op */
@@ -77,7 +78,8 @@ typedef enum {
 /* Attention kinds (fl_gop.attn). CAUSAL without bias or mask runs the fused causal kernels (the decoder's
  * path, unchanged); everything else the general op (attention_forward_ex, fl_attn_desc). */
 typedef enum { FL_ATTN_CAUSAL = 0, FL_ATTN_BIDIR, FL_ATTN_CROSS } fl_attn_kind;
-enum { FL_GATTN_BIAS = 1, FL_GATTN_MASK = 2 }; /* fl_gop.attn_flags: read fl_block_ctx.attn_bias / kmask */
+/* fl_gop.attn_flags: read fl_block_ctx.attn_bias / kmask; NOSCALE: scores q.k unscaled (T5), else q.k / sqrt(HD) */
+enum { FL_GATTN_BIAS = 1, FL_GATTN_MASK = 2, FL_GATTN_NOSCALE = 4 };
 enum { FL_GAR_FWD = 0, FL_GAR_BWD = 1 };       /* ALLREDUCE's direction (fl_gop.p) */
 
 typedef struct {
@@ -93,8 +95,9 @@ typedef struct {
     uint8_t acc2;        /* derived: the backward adds to d(in2) */
 } fl_gop;
 
-#define FL_GRAPH_MAX_NORMS 2
-#define FL_GRAPH_MAX_LINEARS 4
+#define FL_GRAPH_MAX_NORMS 3   /* T5's decoder block: self-attention, cross-attention, FFN */
+#define FL_GRAPH_MAX_LINEARS 8 /* T5's decoder block: 7 (0 qkv, 1 o, 2 fc, 3 proj as the decoders', 4.. its own) */
+_Static_assert(FL_GRAPH_MAX_LINEARS == FL_MODEL_BLOCK_LINEARS, "the adapters' linear index (fitllm/model.h)");
 
 typedef struct fl_block_graph_s {
     int n_slots, n_ops;
@@ -157,6 +160,12 @@ typedef struct {
     int Tk;                             /* ATTN CROSS: key rows per sequence (the XSTREAM slots' rows: B x Tk) */
     float *const *dxs;                  /* XSTREAM slot k's gradient (dxs[k], (B Tk, width), +=) */
     struct fl_comm *comm;               /* ALLREDUCE's communicator (NULL: one rank) */
+    /* incremental decoding through the general attention op (an encoder-decoder's decoder, B == 1): */
+    int kv_rows;                        /* > T: a self-attention's keys are the kv_rows rows of its q|k|v slot that end
+                                         * at this pass's (the slot a persistent buffer the earlier passes filled);
+                                         * 0: this pass's rows */
+    int xs_ready;                       /* LINEARs reading an XSTREAM slot are skipped: their output (the cross
+                                         * k|v) is kept from an earlier pass */
 } fl_block_ctx;
 
 /* s: the slots' buffers (s[FL_GSLOT_IN] the input rows, s[FL_GSLOT_OUT] where the output goes; may alias
@@ -185,19 +194,31 @@ typedef enum {
     FL_MOP_NORM,       /* the stream normalized in place (before BLOCKS: the embedding norm, saving its input) */
     FL_MOP_BLOCKS,     /* the L blocks (fl_block_graph) */
     FL_MOP_HEAD_LM,    /* the LM head and cross-entropy */
-    FL_MOP_OUTPUT,     /* the stream is the model's output (hidden states) */
+    FL_MOP_OUTPUT,     /* the stream is the model's output (hidden states); in a stack before the last: the stream
+                        * the next stack's blocks read (their XSTREAM slot: an encoder-decoder's encoder output) */
+    FL_MOP_RELBIAS,    /* the stack's relative position bias (NH, T, Tk) from its first block's table (role REL_BIAS,
+                        * T5's buckets: bidirectional in a stack before the last, causal in the last), added to every
+                        * block's self-attention scores; its gradient (summed over the blocks) back into the table */
 } fl_mop_kind;
 
-#define FL_MODEL_GRAPH_MAX_OPS 8
+#define FL_MODEL_GRAPH_MAX_OPS 12
+#define FL_MODEL_GRAPH_MAX_STACKS 2
 typedef struct fl_model_graph_s {
     int n_ops;
-    struct { uint8_t kind; int8_t role_w, role_b; } op[FL_MODEL_GRAPH_MAX_OPS]; /* NORM: its parameters' roles */
+    /* NORM: its parameters' roles; stack: which stack the op belongs to (0 the first; the ops of a stack are
+     * consecutive, each stack has one BLOCKS; stack s's blocks are the layout's groups after stack s-1's) */
+    struct { uint8_t kind; int8_t role_w, role_b, stack; } op[FL_MODEL_GRAPH_MAX_OPS];
+    int n_stacks;          /* derived (fl_model_graph_build) */
 } fl_model_graph;
 
 /* The model graph of a (validated) config's architecture (fl_arch_info.model_graph, else the decoder's). */
 fl_status fl_model_graph_build(const fl_model_config *c, fl_model_graph *mg);
-/* Builders (fl_arch_info.model_graph): append an op (role_w/role_b: a NORM's parameters, else -1). */
+/* Builders (fl_arch_info.model_graph): append an op (role_w/role_b: a NORM's parameters, else -1) to the current
+ * stack; fl_model_graph_stack starts the next stack (its ops follow). */
 void fl_model_graph_op(fl_model_graph *mg, fl_mop_kind kind, int role_w, int role_b);
+void fl_model_graph_stack(fl_model_graph *mg);
+/* The block graph of stack s (0: fl_arch_info.block_graph or the decoder block; 1: block_graph2). */
+fl_status fl_stack_graph_build(const fl_model_config *c, int stack, fl_block_graph *g);
 /* Has the model graph an op of this kind (before BLOCKS: where < 0, after: > 0, anywhere: 0)? */
 int fl_model_graph_has(const fl_model_graph *mg, fl_mop_kind kind, int where);
 

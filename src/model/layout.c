@@ -100,7 +100,7 @@ fl_status fl_layout_build(fl_param_layout *lay, const fl_model_config *c) {
     const fl_arch_info *ai = fl_arch_get(c->arch);
     if (!ai) return fl_errorf(FL_ERR_UNSUPPORTED, "layout: unknown architecture %d", (int)c->arch);
     fl_layout_builder b = {lay, 0, 0, 0};
-    const int L = c->n_layers;
+    const int L = c->n_layers + c->n_dec_layers; /* every stack's blocks (an encoder-decoder has two) */
     lay->n_groups = L + 2;
     lay->group_offset = calloc((size_t)lay->n_groups + 1, sizeof(size_t));
     if (!lay->group_offset) return fl_errorf(FL_ERR_OOM, "layout: out of host memory");
@@ -157,7 +157,7 @@ static int layout_sums_of(const fl_model_config *cin, layout_sums *o) {
     fl_model_config c = *cin;
     fl_param_layout lay;
     if (fl_config_validate(&c) != FL_OK || fl_layout_build(&lay, &c) != FL_OK) return -1;
-    const int L = c.n_layers;
+    const int L = lay.n_groups - 2;
     size_t *one_d = calloc((size_t)lay.n_groups, sizeof *one_d);
     if (!one_d) { fl_layout_free(&lay); return -1; }
     for (int i = 0; i < lay.n; i++)

@@ -6,9 +6,9 @@
 
 /* Per-layer views of the block graph's slots (graph.h), into m->acts_arena. N = B*T rows. */
 typedef struct {
-    float *s[16];      /* FL_GRAPH_MAX_SLOTS: each slot's (N, width) fp32 view; s[IN] = res[l], s[OUT] = res[l+1].
+    float *s[24];      /* FL_GRAPH_MAX_SLOTS: each slot's (N, width) fp32 view; s[IN] = res[l], s[OUT] = res[l+1].
                         * 16-bit saved activations: the WIDE slots alias ONE shared fp32 layer buffer */
-    void *s16[16];     /* 16-bit activations (fl_act_opts.act_dtype != F32, no checkpointing): this layer's copy of
+    void *s16[24];     /* 16-bit activations (fl_act_opts.act_dtype != F32, no checkpointing): this layer's copy of
                         * each WIDE slot in act_dtype; else NULL */
 } fl_layer_acts;
 
@@ -49,6 +49,7 @@ struct fl_acts {
     float *head_w;          /* (V, C) fp32 copy of the 16-bit head weight */
     float *head_x;          /* (chunk, C) BF16: the chunk's input rounded to bf16, held in fp32 */
     void *head_t16;         /* (chunk, max(V, C)) BF16: rounding scratch (aliases dyb16 when that exists) */
+    struct fl_s2s_acts *s2s; /* an encoder-decoder's stacks (seq2seq.c; then the views above are unused), or NULL */
     void *be_scratch;       /* the backend's scratch (fl_backend.scratch_bytes), lent to its ops in each
                              * forward and backward (fl_act_opts.backend_scratch), or NULL */
 };
@@ -75,6 +76,8 @@ static inline fl_dims fl_model_dims(const fl_model_config *c) {
 }
 
 
+/* An encoder-decoder's views (seq2seq.c), released with the arena (safe with NULL). */
+void fl_s2s_free(struct fl_s2s_acts *s);
 /* Release the activation arena and its views (safe when none). */
 void fl_model_free_acts(fl_model *m);
 /* fl_backend.set_compute_dtype around a model call (transformer.c): on = the precision's compute

@@ -227,6 +227,7 @@ void fl_model_free_acts(fl_model *m) {
     m->acts_arena = m->work_arena = NULL;
     if (m->acts) {
         fl_mem_free(m->pool, m->acts->targets);
+        fl_s2s_free(m->acts->s2s);
         free(m->acts->res);
         free(m->acts->layer);
         free((void *)m->acts->graph);

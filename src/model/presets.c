@@ -26,6 +26,13 @@ typedef struct {
           .n_heads = NH, .n_kv_heads = NH, .head_dim = C / NH, .max_seq = 1024, .norm_eps = 1e-5f,                   \
           .tie_embeddings = 1, .attention_bias = 1, .mlp_bias = 1}}
 
+/* T5: vocabulary 32128, d_kv 64, 32 buckets up to distance 128, eps 1e-6, pad 0 = decoder start, eos 1 */
+#define T5(nm, C, F, L, NH, GATED)                                                                                    \
+    {nm, {.arch = FL_ARCH_T5, .name = nm, .vocab_size = 32128, .dim = C, .ffn_dim = F, .n_layers = L,                 \
+          .n_dec_layers = L, .n_heads = NH, .n_kv_heads = NH, .head_dim = 64, .max_seq = 512, .norm_eps = 1e-6f,    \
+          .tie_embeddings = !(GATED), .head_scale = !(GATED), .ffn_gated = GATED, .rel_buckets = 32,                 \
+          .rel_max_dist = 128, .dec_start_id = 0, .pad_id = 0, .eos_id = 1}}
+
 #define OPT(nm, C, F, L, NH)                                                                                          \
     {nm, {.arch = FL_ARCH_OPT, .name = nm, .vocab_size = 50272, .dim = C, .ffn_dim = F, .n_layers = L, .n_heads = NH,  \
           .n_kv_heads = NH, .head_dim = C / NH, .max_seq = 2048, .norm_eps = 1e-5f, .tie_embeddings = 1,               \
@@ -73,6 +80,16 @@ static const preset k_presets[] = {
     GPT2("gpt2-xl", 1600, 48, 25),
     /* OPT (pre-norm sizes; OPT-350m's post-norm blocks and embedding projection are not supported);
      * opt-2.7b is BLIP-2's language model */
+    /* T5 v1.0 (ReLU, tied head) and Flan-T5 (gated-GELU, lm_head); t5-micro a Flan-T5 shape for CPU tests */
+    {"t5-micro", {.arch = FL_ARCH_T5, .name = "t5-micro", .vocab_size = 512, .dim = 64, .ffn_dim = 96, .n_layers = 2,
+                  .n_dec_layers = 2, .n_heads = 4, .n_kv_heads = 4, .head_dim = 16, .max_seq = 512, .norm_eps = 1e-6f,
+                  .ffn_gated = 1, .rel_buckets = 32, .rel_max_dist = 128, .dec_start_id = 0, .pad_id = 0, .eos_id = 1}},
+    T5("t5-small", 512, 2048, 6, 8, 0),
+    T5("flan-t5-small", 512, 1024, 8, 6, 1),
+    T5("flan-t5-base", 768, 2048, 12, 12, 1),
+    T5("flan-t5-large", 1024, 2816, 24, 16, 1),
+    T5("flan-t5-xl", 2048, 5120, 24, 32, 1),
+    T5("flan-t5-xxl", 4096, 10240, 24, 64, 1),
     OPT("opt-125m", 768, 3072, 12, 12),
     OPT("opt-1.3b", 2048, 8192, 24, 32),
     OPT("opt-2.7b", 2560, 10240, 32, 32),
@@ -83,6 +100,12 @@ static const preset k_presets[] = {
  * that recipes and command lines written for LitGPT name the same model here.
  * Matching ignores case; "org/name" and "name" both match. */
 static const struct { const char *alias, *preset; } k_aliases[] = {
+    {"google-t5/t5-small", "t5-small"},
+    {"google/flan-t5-small", "flan-t5-small"},
+    {"google/flan-t5-base", "flan-t5-base"},
+    {"google/flan-t5-large", "flan-t5-large"},
+    {"google/flan-t5-xl", "flan-t5-xl"},
+    {"google/flan-t5-xxl", "flan-t5-xxl"},
     {"facebook/opt-125m", "opt-125m"},
     {"facebook/opt-1.3b", "opt-1.3b"},
     {"facebook/opt-2.7b", "opt-2.7b"},

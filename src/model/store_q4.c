@@ -6,7 +6,8 @@
 
 int fl_layout_entry_quantizable(const fl_param_layout *lay, int i) {
     const fl_param_info *p = &lay->params[i];
-    return p->ndim == 2 && p->group >= 1 && p->group <= lay->n_groups - 2;
+    /* (not a relative position table: T5's, a lookup, not a linear's weight) */
+    return p->ndim == 2 && p->group >= 1 && p->group <= lay->n_groups - 2 && p->role != FL_ROLE_REL_BIAS;
 }
 
 size_t fl_store_q4_plan(const fl_param_layout *lay, const fl_model_storage *st, size_t *soff, size_t *q4_bytes) {

@@ -277,6 +277,9 @@ static float *enc_param(const fl_model *m, int g, int r, int grad) {
 
 static fl_status encode_check(const fl_model *m, int B, int T) {
     const fl_acts *a = m->acts;
+    if (fl_model_is_s2s(&m->cfg))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_encode: %s is an encoder-decoder (fl_model_forward_s2s)",
+                         fl_arch_get(m->cfg.arch)->display);
     if (!a) return fl_errorf(FL_ERR_INVALID, "fl_model_encode: activations not allocated (call fl_model_alloc_acts)");
     if (!fl_model_graph_has(a->mgraph, FL_MOP_OUTPUT, 1))
         return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_encode: %s ends in an LM head (fl_model_forward)",
@@ -406,6 +409,9 @@ void fl_model_tell_compute_dtype(const fl_model *m, int on) {
 
 fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targets, int B, int T, float grad_scale,
                            float *logits_out) {
+    if (fl_model_is_s2s(&m->cfg))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_forward: %s is an encoder-decoder (fl_model_forward_s2s)",
+                         fl_arch_get(m->cfg.arch)->display);
     if (m->acts && !fl_model_graph_has(m->acts->mgraph, FL_MOP_HEAD_LM, 1))
         return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_forward: %s has no LM head (an encoder: fl_model_encode)",
                          fl_arch_get(m->cfg.arch)->display);
@@ -418,6 +424,9 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
 }
 
 fl_status fl_model_backward(fl_model *m) {
+    if (fl_model_is_s2s(&m->cfg))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_backward: %s is an encoder-decoder (fl_model_backward_s2s)",
+                         fl_arch_get(m->cfg.arch)->display);
     lend_scratch(m, 1);
     fl_model_tell_compute_dtype(m, 1);
     fl_status s = model_backward(m);

@@ -84,9 +84,9 @@ static int state_meta(const char *format, const fl_optimizer *o, const fl_train_
     META("flops", "%.17g", st->flops);
     META("world_size", "%d", cfg ? cfg->devices * cfg->num_nodes : 1);
     META("numel", "%lld", (long long)numel);
-    if (o && o->use_loss_scale) { /* fp16 loss scaler: resumed exactly */
-        META("loss_scale", "%.9g", (double)o->ls.scale);
-        META("loss_scale_growth_tracker", "%d", o->ls.growth_tracker);
+    if (o && o->amp.on) { /* fp16 loss scaler: resumed exactly */
+        META("loss_scale", "%.9g", (double)o->amp.ls.scale);
+        META("loss_scale_growth_tracker", "%d", o->amp.ls.growth_tracker);
     }
 #undef META
     return k;
@@ -130,17 +130,17 @@ static fl_status write_state(const char *dir, const fl_model *m, const fl_optimi
     const size_t es = fl_dtype_size(sd);
     if (given) {
         for (int i = 0; i < n_given; i++) t[nt++] = given[i];
-    } else if (o && o->m) {
+    } else if (o && o->st.m) {
         t[nt] = (fl_st_write_tensor){"optimizer.exp_avg", sd, 1, {n}, NULL, sd, 0, NULL, NULL, NULL, NULL};
-        fl_optim_state_source(o, &t[nt++], o->m, es, &src[0]);
+        fl_optim_state_source(o, &t[nt++], o->st.m, es, &src[0]);
         t[nt] = (fl_st_write_tensor){"optimizer.exp_avg_sq", sd, 1, {n}, NULL, sd, 0, NULL, NULL, NULL, NULL};
-        fl_optim_state_source(o, &t[nt++], o->v, es, &src[1]);
-    } else if (o && o->buf) {
+        fl_optim_state_source(o, &t[nt++], o->st.v, es, &src[1]);
+    } else if (o && o->st.buf) {
         t[nt] = (fl_st_write_tensor){"optimizer.momentum_buffer", sd, 1, {n}, NULL, sd, 0, NULL, NULL, NULL, NULL};
-        fl_optim_state_source(o, &t[nt++], o->buf, es, &src[0]);
-    } else if (o && o->state8) {
+        fl_optim_state_source(o, &t[nt++], o->st.buf, es, &src[0]);
+    } else if (o && o->q8.state) {
         /* block-wise 8-bit state of every tensor, bound in layout order: one raw blob */
-        t[nt++] = (fl_st_write_tensor){"optimizer.state8", FL_U8, 1, {(int64_t)o->state8_bytes}, o->state8, FL_U8, 0, NULL, NULL, m->be, NULL};
+        t[nt++] = (fl_st_write_tensor){"optimizer.state8", FL_U8, 1, {(int64_t)o->q8.state_bytes}, o->q8.state, FL_U8, 0, NULL, NULL, m->be, NULL};
     }
     char v[STATE_META_MAX][64];
     const char *keys[STATE_META_MAX], *vals[STATE_META_MAX];
@@ -358,15 +358,15 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
     size_t es = o && o->cfg.state_dtype == FL_BF16 ? 2 : 4;
     fl_dtype sd = es == 2 ? FL_BF16 : FL_F32;
     struct { const char *name; void *dst; size_t bytes; fl_dtype dt; } want[4] = {
-        {"optimizer.exp_avg", o ? o->m : NULL, tn * es, sd},
-        {"optimizer.exp_avg_sq", o ? o->v : NULL, tn * es, sd},
-        {"optimizer.momentum_buffer", o ? o->buf : NULL, tn * es, sd},
-        {"optimizer.state8", o ? o->state8 : NULL, o ? o->state8_bytes : 0, FL_U8}};
+        {"optimizer.exp_avg", o ? o->st.m : NULL, tn * es, sd},
+        {"optimizer.exp_avg_sq", o ? o->st.v : NULL, tn * es, sd},
+        {"optimizer.momentum_buffer", o ? o->st.buf : NULL, tn * es, sd},
+        {"optimizer.state8", o ? o->q8.state : NULL, o ? o->q8.state_bytes : 0, FL_U8}};
     const fl_param_provider *pp = fl_model_provider(m);
-    const int pieces8 = pp && !m->lora && o && o->state8; /* FULL_SHARD 8-bit: the file is the whole state */
+    const int pieces8 = pp && !m->lora && o && o->q8.state; /* FULL_SHARD 8-bit: the file is the whole state */
     if (pieces8) want[3].bytes = fl_optim_state_bytes_layout(&o->cfg, &m->layout);
     /* ZeRO-1/2 8-bit (a chunk of the trainable elements): the file is the whole state too */
-    const int zero8 = !pieces8 && o && o->state8 && (o->s_off != 0 || o->s_len != tn);
+    const int zero8 = !pieces8 && o && o->q8.state && (o->shard.off != 0 || o->shard.len != tn);
     if (zero8) want[3].bytes = fl_zero8_full_bytes(o);
     for (int i = 0; s == FL_OK && i < 4; i++) {
         if (!want[i].dst) continue;
@@ -385,13 +385,13 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
             s = fl_zero8_take(o, t->data);
         } else if (i == 3 && pieces8) { /* this rank's pieces of every tensor's state: assembled in host memory
                                           * (outside the pool: I/O staging), then to the backend's */
-            void *h = calloc(1, o->state8_bytes + 4);
-            s = h ? fl_optim_8bit_fsdp_copy(&m->layout, o->p8_a, o->p8_n, h, (void *)t->data, 0)
+            void *h = calloc(1, o->q8.state_bytes + 4);
+            s = h ? fl_optim_8bit_fsdp_copy(&m->layout, o->q8.p_a, o->q8.p_n, h, (void *)t->data, 0)
                   : fl_errorf(FL_ERR_OOM, "%s: out of host memory", p);
-            if (s == FL_OK && o->state8_bytes) s = m->be->to_device(m->be, o->state8, h, o->state8_bytes);
+            if (s == FL_OK && o->q8.state_bytes) s = m->be->to_device(m->be, o->q8.state, h, o->q8.state_bytes);
             free(h);
-        } else if (i < 3 && (o->s_off != 0 || o->s_len != tn)) { /* ZeRO: this rank's chunk, read alone */
-            s = fl_optim_state_write(o, want[i].dst, (const char *)t->data + o->s_off * es, o->s_len * es);
+        } else if (i < 3 && (o->shard.off != 0 || o->shard.len != tn)) { /* ZeRO: this rank's chunk, read alone */
+            s = fl_optim_state_write(o, want[i].dst, (const char *)t->data + o->shard.off * es, o->shard.len * es);
         } else if (i < 3) { /* the state's memory (the device's; CPU offload: the host tier; NVMe: its files) */
             s = fl_optim_state_write(o, want[i].dst, t->data, want[i].bytes);
         } else {
@@ -424,9 +424,9 @@ fl_status fl_ckpt_read_state_meta(const fl_st_file *f, const char *p, fl_optimiz
         if ((x = meta(f, "train_seconds"))) st->train_seconds = strtod(x, NULL);
         if ((x = meta(f, "flops"))) st->flops = strtod(x, NULL);
         if (o) o->step = (int)strtol(meta(f, "optimizer_step"), NULL, 10);
-        if (o && o->use_loss_scale && (x = meta(f, "loss_scale"))) {
-            o->ls.scale = strtof(x, NULL);
-            if ((x = meta(f, "loss_scale_growth_tracker"))) o->ls.growth_tracker = (int)strtol(x, NULL, 10);
+        if (o && o->amp.on && (x = meta(f, "loss_scale"))) {
+            o->amp.ls.scale = strtof(x, NULL);
+            if ((x = meta(f, "loss_scale_growth_tracker"))) o->amp.ls.growth_tracker = (int)strtol(x, NULL, 10);
         }
     }
     return s;

@@ -85,7 +85,7 @@ static fl_status fetch8(fl_dp_stream *s, int i) {
         const size_t pb = piece_bytes8(tn, a, len);
         /* the owner's piece of device memory into host memory; the broadcast runs whatever came of it (every
          * rank takes part), then a failed copy is reported */
-        fl_status cs = r == c->me ? fl_dp_to_host(s->dp, c->stage, (const char *)c->o->state8 + c->own[i], pb) : FL_OK;
+        fl_status cs = r == c->me ? fl_dp_to_host(s->dp, c->stage, (const char *)c->o->q8.state + c->own[i], pb) : FL_OK;
         FL_TRY(fl_comm_broadcast(c->comm, c->stage, (pb + 1) / 2, FL_BF16, r)); /* bytes as 16-bit words */
         FL_TRY(cs);
         if (s->dp->rank == 0) FL_TRY(fl_optim_8bit_piece_to_full(tn, a, len, c->stage, s->buf));
@@ -97,7 +97,7 @@ fl_status fl_dp_stream8_init(fl_dp_stream *s, fl_dp_stream8 *c, fl_dp *dp, fl_co
                              const fl_optimizer *o, const fl_param_layout *lay) {
     memset(c, 0, sizeof *c);
     memset(s, 0, sizeof *s);
-    const int n = lay ? lay->n : o->n_tensors;
+    const int n = lay ? lay->n : o->w.n_tensors;
     c->comm = comm, c->world = world, c->me = me, c->skip = skip, c->n_t = n, c->o = o;
     c->t_n = calloc((size_t)n + 1, sizeof *c->t_n);
     c->a = calloc((size_t)n * world + 1, sizeof *c->a);
@@ -107,11 +107,11 @@ fl_status fl_dp_stream8_init(fl_dp_stream *s, fl_dp_stream8 *c, fl_dp *dp, fl_co
     if (!c->t_n || !c->a || !c->len || !c->own || !c->start) return fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory");
     size_t unit = 0, piece = 0, own = 0;
     for (int i = 0; i < n; i++) {
-        c->t_n[i] = lay ? lay->params[i].numel : o->t_n[i];
+        c->t_n[i] = lay ? lay->params[i].numel : o->w.t_n[i];
         for (int r = 0; r < world; r++) {
             size_t *a = &c->a[(size_t)r * n + i], *len = &c->len[(size_t)r * n + i], so;
             if (lay) fl_optim_8bit_fsdp_piece(lay, i, world, r, a, len, &so);
-            else fl_optim_8bit_piece(o->n, o->t_off[i], o->t_n[i], world, r, a, len);
+            else fl_optim_8bit_piece(o->w.n, o->w.t_off[i], o->w.t_n[i], world, r, a, len);
             const size_t pb = piece_bytes8(c->t_n[i], *a, *len);
             piece = pb > piece ? pb : piece;
             if (r == me) c->own[i] = own, own += pb;
@@ -120,8 +120,8 @@ fl_status fl_dp_stream8_init(fl_dp_stream *s, fl_dp_stream8 *c, fl_dp *dp, fl_co
         c->start[i + 1] = c->start[i] + tb;
         unit = tb > unit ? tb : unit;
     }
-    if (!skip && own != o->state8_bytes)
-        return fl_errorf(FL_ERR_INTERNAL, "checkpoint: 8-bit state of %zu bytes, its pieces make %zu", o->state8_bytes,
+    if (!skip && own != o->q8.state_bytes)
+        return fl_errorf(FL_ERR_INTERNAL, "checkpoint: 8-bit state of %zu bytes, its pieces make %zu", o->q8.state_bytes,
                          own);
     c->stage = malloc(piece + 8);
     char *buf = malloc(unit + 8);

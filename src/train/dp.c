@@ -99,9 +99,9 @@ fl_status fl_dp_max(fl_dp *dp, float *v, size_t n) {
 fl_status fl_dp_check(const fl_dp *dp, const fl_optimizer *o) {
     /* F16 (16-true) is reduced like BF16: in fp32, rounded once; a sum beyond fp16's range comes out
      * inf, which the loss scaler's check (after the reduction, on the reduced gradients) sees */
-    if (dp->comm && o->gt != FL_F32 && o->gt != FL_BF16 && o->gt != FL_F16)
+    if (dp->comm && o->w.gt != FL_F32 && o->w.gt != FL_BF16 && o->w.gt != FL_F16)
         return fl_errorf(FL_ERR_UNSUPPORTED, "data parallel: %s gradients cannot be reduced (F32, BF16 and F16 only)",
-                         fl_dtype_name(o->gt));
+                         fl_dtype_name(o->w.gt));
     /* ZeRO-1/2 and FULL_SHARD reach device memory through the device communicator (gathers, reductions)
      * and the backend's copies (the 8-bit halo, checkpoint streams): no stage is refused here */
     return FL_OK;
@@ -114,18 +114,18 @@ fl_status fl_dp_check(const fl_dp *dp, const fl_optimizer *o) {
  * gradients are the backend's memory: moved by its copies and the device communicator. */
 static fl_status halo_8bit(fl_dp *dp, fl_optimizer *o) {
     const fl_backend *be = o->model->be;
-    const size_t H = FL_OPTIM_8BIT_HALO, es = fl_dtype_size(o->gt), per = 2 * H;
-    char *g = o->g, *buf;
+    const size_t H = FL_OPTIM_8BIT_HALO, es = fl_dtype_size(o->w.gt), per = 2 * H;
+    char *g = o->w.g, *buf;
     FL_TRY(fl_mem_alloc(o->model->pool, FL_TAG_WORKSPACE, ((size_t)dp->world + 1) * per * es, (void **)&buf));
     char *mine = buf + (size_t)dp->world * per * es;
-    fl_status s = be->copy(be, mine, g + o->s_off * es, H * es);
-    if (s == FL_OK) s = be->copy(be, mine + H * es, g + (o->s_off + o->s_len - H) * es, H * es);
+    fl_status s = be->copy(be, mine, g + o->shard.off * es, H * es);
+    if (s == FL_OK) s = be->copy(be, mine + H * es, g + (o->shard.off + o->shard.len - H) * es, H * es);
     if (s == FL_OK)
         s = fl_comm_all_gather(fl_dp_dcomm(dp), mine, buf, (size_t)dp->world * per, es == 4 ? FL_F32 : FL_BF16);
     if (s == FL_OK && dp->rank > 0) /* the tail of rank - 1's chunk ends where ours starts */
-        s = be->copy(be, g + (o->s_off - H) * es, buf + ((size_t)(dp->rank - 1) * per + H) * es, H * es);
+        s = be->copy(be, g + (o->shard.off - H) * es, buf + ((size_t)(dp->rank - 1) * per + H) * es, H * es);
     if (s == FL_OK && dp->rank < dp->world - 1) /* the head of rank + 1's */
-        s = be->copy(be, g + (o->s_off + o->s_len) * es, buf + (size_t)(dp->rank + 1) * per * es, H * es);
+        s = be->copy(be, g + (o->shard.off + o->shard.len) * es, buf + (size_t)(dp->rank + 1) * per * es, H * es);
     fl_mem_free(o->model->pool, buf);
     return fl_error_prefix(s, "ZeRO-2: the 8-bit optimizer's neighbouring gradients");
 }
@@ -142,8 +142,8 @@ static fl_status bucket_ready(void *ud, size_t off, size_t n) {
     fl_optimizer *o = dp->bk_o;
     /* one bucket in flight: the previous one completes (and frees its scratch) first */
     FL_TRY(fl_error_prefix(fl_comm_wait(&dp->bk_req), "data parallel: reducing a gradient bucket"));
-    char *g = (char *)o->g + off * fl_dtype_size(o->gt);
-    FL_TRY(fl_error_prefix(fl_comm_iall_reduce(fl_dp_dcomm(dp), g, g, n, o->gt, FL_COMM_SUM, &dp->bk_req),
+    char *g = (char *)o->w.g + off * fl_dtype_size(o->w.gt);
+    FL_TRY(fl_error_prefix(fl_comm_iall_reduce(fl_dp_dcomm(dp), g, g, n, o->w.gt, FL_COMM_SUM, &dp->bk_req),
                            "data parallel: posting a gradient bucket (elements %zu..%zu)", off, off + n));
     dp->bk_done += n;
     return FL_OK;
@@ -166,19 +166,19 @@ fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o) {
         fl_model_set_grad_ready(o->model, NULL, NULL);
         dp->bk_o = NULL;
         FL_TRY(fl_error_prefix(fl_comm_wait(&dp->bk_req), "data parallel: reducing a gradient bucket"));
-        if (dp->bk_done != o->n)
+        if (dp->bk_done != o->w.n)
             return fl_errorf(FL_ERR_INTERNAL, "data parallel: the gradient buckets covered %zu of %zu elements",
-                             dp->bk_done, o->n);
+                             dp->bk_done, o->w.n);
     } else if (dp->stage == 2) {
         /* ZeRO-2: rank r receives the sum of its chunk only, in place at its offset; element i is
          * still x_0[i] + ... + x_{N-1}[i] in rank order, the all-reduce's bits */
-        size_t es = fl_dtype_size(o->gt);
-        FL_TRY(fl_error_prefix(fl_comm_reduce_scatter(fl_dp_dcomm(dp), o->g, (char *)o->g + o->s_off * es, o->n, o->gt,
+        size_t es = fl_dtype_size(o->w.gt);
+        FL_TRY(fl_error_prefix(fl_comm_reduce_scatter(fl_dp_dcomm(dp), o->w.g, (char *)o->w.g + o->shard.off * es, o->w.n, o->w.gt,
                                                       FL_COMM_SUM),
                                "ZeRO-2: reduce-scattering the gradients"));
         if (o->cfg.kind == FL_OPT_ADAMW8BIT) FL_TRY(halo_8bit(dp, o));
     } else { /* one all-reduce of the flat buffer (LoRA's adapters) */
-        FL_TRY(fl_error_prefix(fl_comm_all_reduce(fl_dp_dcomm(dp), o->g, o->g, o->n, o->gt, FL_COMM_SUM),
+        FL_TRY(fl_error_prefix(fl_comm_all_reduce(fl_dp_dcomm(dp), o->w.g, o->w.g, o->w.n, o->w.gt, FL_COMM_SUM),
                                "data parallel: reducing the gradients"));
     }
     return FL_OK;
@@ -187,7 +187,7 @@ fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o) {
 size_t fl_dp_reduced_live(const fl_dp *dp, const fl_optimizer *o) {
     if (!dp->comm || dp->fsdp || dp->stage != 2) return SIZE_MAX;
     /* ZeRO-2: what this rank still needs is its chunk (and the 8-bit halo) */
-    return (o->s_len + fl_dp_zero2_halo(dp->world, dp->rank, &o->cfg)) * fl_dtype_size(o->gt);
+    return (o->shard.len + fl_dp_zero2_halo(dp->world, dp->rank, &o->cfg)) * fl_dtype_size(o->w.gt);
 }
 
 fl_status fl_dp_broadcast_params(fl_dp *dp, fl_optimizer *o) {
@@ -195,8 +195,8 @@ fl_status fl_dp_broadcast_params(fl_dp *dp, fl_optimizer *o) {
      * resume gave every rank its pieces of the same checkpoint */
     if (!dp->comm || dp->fsdp) return FL_OK;
     /* a copy, no arithmetic: 16-bit storage (BF16 or F16) travels as BF16 words */
-    fl_dtype t = fl_dtype_size(o->pt) == 4 ? FL_F32 : FL_BF16;
-    FL_TRY(fl_error_prefix(fl_comm_broadcast(fl_dp_dcomm(dp), o->p, o->n, t, 0), "data parallel: broadcasting the parameters"));
+    fl_dtype t = fl_dtype_size(o->w.pt) == 4 ? FL_F32 : FL_BF16;
+    FL_TRY(fl_error_prefix(fl_comm_broadcast(fl_dp_dcomm(dp), o->w.p, o->w.n, t, 0), "data parallel: broadcasting the parameters"));
     if (!o->model->lora) fl_model_sync_compute_copy(o->model);
     return FL_OK;
 }

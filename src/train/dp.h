@@ -96,7 +96,7 @@ fl_status fl_dp_max(fl_dp *dp, float *v, size_t n);
 fl_status fl_optim_8bit_fsdp_copy(const fl_param_layout *lay, const size_t *a, const size_t *len, void *packed,
                                   void *full, int to_full);
 /* ZeRO-1/2 8-bit AdamW (zero.c): the single-process layout's bytes of o's tensors, and this rank's
- * pieces (o->p8_a / p8_n: whole blocks around its chunk) taken out of that layout `full` (a
+ * pieces (o->q8.p_a / p_n: whole blocks around its chunk) taken out of that layout `full` (a
  * checkpoint's optimizer.state8, mapped: no whole copy). Host memory. */
 size_t fl_zero8_full_bytes(const fl_optimizer *o);
 fl_status fl_zero8_take(fl_optimizer *o, const void *full);
@@ -105,13 +105,13 @@ fl_status fl_zero8_take(fl_optimizer *o, const void *full);
 fl_status fl_dp_check_config(fl_dp *dp, const fl_run_config *cfg);
 /* What data parallelism cannot run (gradient dtypes other than F32, BF16, F16), checked at set-up. */
 fl_status fl_dp_check(const fl_dp *dp, const fl_optimizer *o);
-/* Sum the trainable gradients (o->g, F32, BF16 or F16) over ranks in place: DDP and ZeRO-1 of the full
+/* Sum the trainable gradients (o->w.g, F32, BF16 or F16) over ranks in place: DDP and ZeRO-1 of the full
  * model wait for the last bucket (fl_dp_buckets_arm), with LoRA one all-reduce of the adapters
  * (every rank holds the whole sum), ZeRO-2 one reduce-scatter (each rank holds the sum of its chunk, in place at its offset;
  * the rest of the buffer is dead: GRADS live = the chunk's bytes, fl_dp_reduced_live). With several
  * ranks the step (fl_step_run) records the live bytes and the memory snapshot "after_reduce" next. */
 fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o);
-/* The bytes of the gradient buffer o->g still live after fl_dp_reduce_grads: ZeRO-2's chunk (and the
+/* The bytes of the gradient buffer o->w.g still live after fl_dp_reduce_grads: ZeRO-2's chunk (and the
  * 8-bit halo), else SIZE_MAX (all of it). */
 size_t fl_dp_reduced_live(const fl_dp *dp, const fl_optimizer *o);
 /* Bucketed reduction (DDP and ZeRO-1, full-model training): before the LAST micro-batch of a step
@@ -132,7 +132,7 @@ size_t fl_dp_zero2_halo(int world, int rank, const fl_optim_config *c);
 
 /* The optimizer of the run: the strategy's ZeRO stage (cfg->strategy, fsdp.sharding_strategy) is
  * read into dp->stage; stages 1 and 2 hold state for this rank's chunk only (fl_optim_init_shard),
- * and every stage gets the hooks (o->dist: the rank-ordered sum the clipping norm uses, the
+ * and every stage gets the hooks (o->shard.dist: the rank-ordered sum the clipping norm uses, the
  * all-gather of the updated parameters). */
 fl_status fl_dp_optim_init(fl_dp *dp, const fl_run_config *cfg, fl_optimizer *o, fl_model *m);
 /* Checkpoints in the single-process format at every stage. Save: under ZeRO the ranks' optimizer
@@ -181,7 +181,7 @@ void fl_fsdp_free(fl_dp *dp);
 /* The whole parameters (layout order, storage dtype) on every rank, gathered unit by unit into a
  * malloc'd host buffer (the step hook's view). Collective. */
 fl_status fl_fsdp_whole_params(fl_dp *dp, void **out, size_t *bytes);
-/* o->dist's sum under stage 3 (the clipping norm, loss scaling's verdict): over the shard group, so that
+/* o->shard.dist's sum under stage 3 (the clipping norm, loss scaling's verdict): over the shard group, so that
  * each distinct shard counts once (HYBRID_SHARD: the node; every node holds the same reduced shards),
  * rank order, the same bits on every rank. Else fl_dp_sum. */
 fl_status fl_fsdp_sum(fl_dp *dp, double *v, int n);

@@ -400,7 +400,7 @@ fl_status fl_fsdp_sum(fl_dp *dp, double *v, int n) {
 }
 
 fl_status fl_fsdp_check_finite(fl_dp *dp, const fl_optimizer *o, int *found) {
-    FL_TRY(o->model->be->check_finite(o->model->be, o->p, o->pt, o->n, 1.0f, found));
+    FL_TRY(o->model->be->check_finite(o->model->be, o->w.p, o->w.pt, o->w.n, 1.0f, found));
     double v = *found != 0; /* every rank decides alike */
     FL_TRY(fl_dp_sum(dp, &v, 1));
     *found = v > 0;
@@ -426,8 +426,8 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
     const int lead = dp->rank == 0, L = lay->n, other_node = f->rc && fl_comm_rank(f->rc) != 0;
     /* the arrays, in the order the writer reads them: the parameters, then the optimizer's state */
     const size_t ses = o ? state_es(o) : 4;
-    const void *arr[4] = {fl_model_params_data(m), o ? o->m : NULL,
-                          o ? o->v : NULL, o ? o->buf : NULL};
+    const void *arr[4] = {fl_model_params_data(m), o ? o->st.m : NULL,
+                          o ? o->st.v : NULL, o ? o->st.buf : NULL};
     const size_t aes[4] = {f->es, ses, ses, ses};
     const size_t wes = f->es > ses ? f->es : ses;
     char *buf = malloc(max_unit(f, f->n) * wes + 4);
@@ -444,7 +444,7 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
     memset(&u8, 0, sizeof u8);
     memset(&c8, 0, sizeof c8);
     fl_status s = !buf || !stage || (lead && (!t || !ut)) ? fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory") : FL_OK;
-    const int has8 = o && o->state8;
+    const int has8 = o && o->q8.state;
     if (s == FL_OK && has8)
         s = fl_dp_stream8_init(&u8, &c8, dp, f->hsc, fl_comm_size(f->hsc), fl_comm_rank(f->hsc), other_node, o, lay);
     s = fl_dp_agree(dp, s);

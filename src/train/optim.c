@@ -31,35 +31,35 @@ static fl_status trainable(fl_optimizer *o, fl_model *model) {
     fl_lora_adapters ad;
     const fl_lora_adapters *st = fl_model_lora_adapters(model, &ad) ? &ad : NULL;
     int n = st ? 2 * st->n_mods : model->layout.n;
-    o->t_off = calloc((size_t)n + 1, sizeof *o->t_off);
-    o->t_n = calloc((size_t)n + 1, sizeof *o->t_n);
-    if (!o->t_off || !o->t_n) return fl_errorf(FL_ERR_OOM, "optimizer bookkeeping: out of host memory");
-    o->n_tensors = n;
-    o->pt = o->gt = FL_F32;
+    o->w.t_off = calloc((size_t)n + 1, sizeof *o->w.t_off);
+    o->w.t_n = calloc((size_t)n + 1, sizeof *o->w.t_n);
+    if (!o->w.t_off || !o->w.t_n) return fl_errorf(FL_ERR_OOM, "optimizer bookkeeping: out of host memory");
+    o->w.n_tensors = n;
+    o->w.pt = o->w.gt = FL_F32;
     if (st) {
-        o->p = st->params;
-        o->g = st->grads;
-        o->n = st->numel;
+        o->w.p = st->params;
+        o->w.g = st->grads;
+        o->w.n = st->numel;
         for (int j = 0; j < st->n_mods; j++) {
-            o->t_off[2 * j] = st->off[2 * j];
-            o->t_n[2 * j] = (size_t)st->cfg->r * st->mods[j].in;
-            o->t_off[2 * j + 1] = st->off[2 * j + 1];
-            o->t_n[2 * j + 1] = (size_t)st->mods[j].out * st->cfg->r;
+            o->w.t_off[2 * j] = st->off[2 * j];
+            o->w.t_n[2 * j] = (size_t)st->cfg->r * st->mods[j].in;
+            o->w.t_off[2 * j + 1] = st->off[2 * j + 1];
+            o->w.t_n[2 * j + 1] = (size_t)st->mods[j].out * st->cfg->r;
         }
     } else {
-        o->p = fl_model_params_data(model);
-        o->g = fl_model_grads_data(model);
-        o->pt = o->gt = fl_model_store_dtype(model);
-        o->n = model->layout.numel;
+        o->w.p = fl_model_params_data(model);
+        o->w.g = fl_model_grads_data(model);
+        o->w.pt = o->w.gt = fl_model_store_dtype(model);
+        o->w.n = model->layout.numel;
         for (int i = 0; i < n; i++) {
-            o->t_off[i] = model->layout.params[i].offset;
-            o->t_n[i] = model->layout.params[i].numel;
+            o->w.t_off[i] = model->layout.params[i].offset;
+            o->w.t_n[i] = model->layout.params[i].numel;
         }
-        if (fl_model_provider(model)) o->n = fl_model_store_numel(model); /* sharded (FSDP): the optimizer runs on this rank's shard */
+        if (fl_model_provider(model)) o->w.n = fl_model_store_numel(model); /* sharded (FSDP): the optimizer runs on this rank's shard */
         if (fl_model_provider(model) && o->cfg.kind != FL_OPT_ADAMW8BIT) { /* one elementwise range (8-bit: per tensor, below) */
-            o->n_tensors = 1;
-            o->t_off[0] = 0;
-            o->t_n[0] = o->n;
+            o->w.n_tensors = 1;
+            o->w.t_off[0] = 0;
+            o->w.t_n[0] = o->w.n;
         }
     }
     return FL_OK;
@@ -258,8 +258,8 @@ fl_status fl_optim_8bit_piece_to_full(size_t tn, size_t a, size_t len, const voi
  * block; *off the view's first element in the piece; 0 when the view is empty. *slot: the exchange
  * slot (cut views). */
 static int piece_view(const fl_optimizer *o, int i, int k, fl_adam8bit_state *v, size_t *off, int *slot) {
-    const fl_adam8bit_state *w = &o->st8[i];
-    const size_t B = FL_ADAM8BIT_BLOCK, a = o->p8_a[i], len = o->p8_n[i], tn = o->t_n[i], e = a + len;
+    const fl_adam8bit_state *w = &o->q8.st[i];
+    const size_t B = FL_ADAM8BIT_BLOCK, a = o->q8.p_a[i], len = o->q8.p_n[i], tn = o->w.t_n[i], e = a + len;
     memset(v, 0, sizeof *v);
     *off = 0;
     *slot = -1;
@@ -279,11 +279,11 @@ static int piece_view(const fl_optimizer *o, int i, int k, fl_adam8bit_state *v,
     if (k == 0) {
         if (!cut0) return 0;
         x = a, y = h, bi = 0;
-        *slot = o->p8_slot[2 * i];
+        *slot = o->q8.slot[2 * i];
     } else if (k == 2) {
         if (!cut1) return 0;
         x = t0, y = e, bi = b1 - 1 - b0;
-        *slot = o->p8_slot[2 * i + 1];
+        *slot = o->q8.slot[2 * i + 1];
     } else {
         x = cut0 ? h : a, y = t0, bi = cut0;
         if (y <= x) return 0;
@@ -298,63 +298,63 @@ static int piece_view(const fl_optimizer *o, int i, int k, fl_adam8bit_state *v,
     return 1;
 }
 
-/* The state, the parameters, the gradients and the exchange scratch o->x8 are the backend's memory
+/* The state, the parameters, the gradients and the exchange scratch o->q8.x are the backend's memory
  * (device memory on a GPU): moved with its copies; the slots' maxima travel through a host array
  * (the exchange is a host-side all-gather) and back into x8, where the kernels read them as floors. */
 static fl_status fsdp8_step(fl_optimizer *o, float lr, float scale) {
     const fl_backend *be = o->model->be;
     const fl_optim_config *c = &o->cfg;
-    const size_t pes = fl_dtype_size(o->pt), ges = fl_dtype_size(o->gt), S = (size_t)o->n_slots;
-    float *part = o->x8; /* (2 S): max |m| then max v of each cut block (the floors pass 2 reads) */
-    char *sp = (char *)o->x8 + 2 * S * sizeof(float);
+    const size_t pes = fl_dtype_size(o->w.pt), ges = fl_dtype_size(o->w.gt), S = (size_t)o->q8.n_slots;
+    float *part = o->q8.x; /* (2 S): max |m| then max v of each cut block (the floors pass 2 reads) */
+    char *sp = (char *)o->q8.x + 2 * S * sizeof(float);
     uint8_t *sq = (uint8_t *)(sp + FL_ADAM8BIT_BLOCK * 4);
     float *sa = (float *)(sq + 2 * FL_ADAM8BIT_BLOCK);
     float *hpart = S ? malloc(2 * S * sizeof *hpart) : NULL; /* the slots in host memory */
     if (S && !hpart) return fl_errorf(FL_ERR_OOM, "8-bit AdamW (FULL_SHARD): out of host memory");
     fl_status s = FL_OK;
 #define UPDATE(pp, gg, st) \
-    be->adam8bit_update(be, pp, o->pt, gg, o->gt, st, lr, c->beta1, c->beta2, c->eps, c->weight_decay, o->step, scale)
+    be->adam8bit_update(be, pp, o->w.pt, gg, o->w.gt, st, lr, c->beta1, c->beta2, c->eps, c->weight_decay, o->step, scale)
 #define TRY8(x) do { if ((s = (x)) != FL_OK) goto done; } while (0)
     for (size_t k = 0; k < 2 * S; k++) hpart[k] = -3.40282347e+38f; /* no part here: the max's identity */
     /* pass 1: each cut part updated on a copy, for its absmax */
-    for (int i = 0; i < o->n_tensors; i++)
+    for (int i = 0; i < o->w.n_tensors; i++)
         for (int k = 0; k < 3; k += 2) {
             fl_adam8bit_state v, w;
             size_t off;
             int slot;
             if (!piece_view(o, i, k, &v, &off, &slot)) continue;
-            if (slot < 0 || slot >= o->n_slots || v.n >= FL_ADAM8BIT_BLOCK)
+            if (slot < 0 || slot >= o->q8.n_slots || v.n >= FL_ADAM8BIT_BLOCK)
                 TRY8(fl_errorf(FL_ERR_INTERNAL, "8-bit AdamW (FULL_SHARD): tensor %d's cut block has no slot", i));
-            size_t at = o->p8_s[i] + off;
-            TRY8(be->copy(be, sp, (const char *)o->p + at * pes, v.n * pes));
+            size_t at = o->q8.p_s[i] + off;
+            TRY8(be->copy(be, sp, (const char *)o->w.p + at * pes, v.n * pes));
             TRY8(be->copy(be, sq, v.q_m, v.n));
             TRY8(be->copy(be, sq + FL_ADAM8BIT_BLOCK, v.q_v, v.n));
             TRY8(be->copy(be, sa, v.absmax_m, sizeof(float)));
             TRY8(be->copy(be, sa + 1, v.absmax_v, sizeof(float)));
             w = v;
             w.q_m = sq, w.q_v = sq + FL_ADAM8BIT_BLOCK, w.absmax_m = sa, w.absmax_v = sa + 1;
-            TRY8(UPDATE(sp, (const char *)o->g + at * ges, &w));
+            TRY8(UPDATE(sp, (const char *)o->w.g + at * ges, &w));
             TRY8(be->to_host(be, &hpart[slot], sa, sizeof(float)));
             TRY8(be->to_host(be, &hpart[S + (size_t)slot], sa + 1, sizeof(float)));
         }
     /* the blocks' max over the ranks, then into x8 for the kernels */
     if (S) {
-        if (!o->dist || !o->dist->max)
+        if (!o->shard.dist || !o->shard.dist->max)
             TRY8(fl_errorf(FL_ERR_INTERNAL, "8-bit AdamW (FULL_SHARD): %zu cut blocks but no exchange", S));
-        TRY8(fl_error_prefix(o->dist->max(o->dist->ud, hpart, 2 * S), "8-bit AdamW (FULL_SHARD): the scales of the "
+        TRY8(fl_error_prefix(o->shard.dist->max(o->shard.dist->ud, hpart, 2 * S), "8-bit AdamW (FULL_SHARD): the scales of the "
                              "blocks cut by a rank edge"));
         TRY8(be->to_device(be, part, hpart, 2 * S * sizeof(float)));
     }
     /* pass 2: the update, cut parts floored at their block's max */
-    for (int i = 0; i < o->n_tensors; i++)
+    for (int i = 0; i < o->w.n_tensors; i++)
         for (int k = 0; k < 3; k++) {
             fl_adam8bit_state v;
             size_t off;
             int slot;
             if (!piece_view(o, i, k, &v, &off, &slot)) continue;
             if (k != 1) v.floor_m = &part[slot], v.floor_v = &part[S + (size_t)slot];
-            size_t at = o->p8_s[i] + off;
-            TRY8(UPDATE((char *)o->p + at * pes, (const char *)o->g + at * ges, &v));
+            size_t at = o->q8.p_s[i] + off;
+            TRY8(UPDATE((char *)o->w.p + at * pes, (const char *)o->w.g + at * ges, &v));
         }
 #undef UPDATE
 #undef TRY8
@@ -375,52 +375,52 @@ static fl_status fsdp8_init(fl_optimizer *o, fl_model *model, int world, int ran
             return fl_errorf(FL_ERR_INTERNAL, "8-bit AdamW (FULL_SHARD): unit %d of the model's shard is not rank %d of "
                              "%d's piece", g, rank, world);
     }
-    int n = o->n_tensors;
+    int n = o->w.n_tensors;
     int *edge = calloc((size_t)lay->n_groups * ((size_t)world + 1) + 1, sizeof *edge);
-    o->p8_s = calloc((size_t)n + 1, sizeof *o->p8_s);
-    o->p8_slot = calloc(2 * (size_t)n + 1, sizeof *o->p8_slot);
-    fl_status s = edge && o->p8_s && o->p8_slot ? FL_OK : fl_errorf(FL_ERR_OOM, "8-bit optimizer bookkeeping: out of "
+    o->q8.p_s = calloc((size_t)n + 1, sizeof *o->q8.p_s);
+    o->q8.slot = calloc(2 * (size_t)n + 1, sizeof *o->q8.slot);
+    fl_status s = edge && o->q8.p_s && o->q8.slot ? FL_OK : fl_errorf(FL_ERR_OOM, "8-bit optimizer bookkeeping: out of "
                                                                     "host memory");
-    if (s == FL_OK) o->n_slots = world > 1 ? fl_optim_8bit_fsdp_slots(lay, world, edge) : 0;
+    if (s == FL_OK) o->q8.n_slots = world > 1 ? fl_optim_8bit_fsdp_slots(lay, world, edge) : 0;
     for (int i = 0; s == FL_OK && i < n; i++) {
-        fl_optim_8bit_fsdp_piece(lay, i, world, rank, &o->p8_a[i], &o->p8_n[i], &o->p8_s[i]);
-        o->state8_bytes += fl_adam8bit_piece_bytes(o->t_n[i], o->p8_a[i], o->p8_n[i]);
+        fl_optim_8bit_fsdp_piece(lay, i, world, rank, &o->q8.p_a[i], &o->q8.p_n[i], &o->q8.p_s[i]);
+        o->q8.state_bytes += fl_adam8bit_piece_bytes(o->w.t_n[i], o->q8.p_a[i], o->q8.p_n[i]);
         /* a cut first block's part starts inside it (rank's edge) or ends inside it (the next rank's) */
-        const size_t B = FL_ADAM8BIT_BLOCK, a = o->p8_a[i], e = a + o->p8_n[i];
+        const size_t B = FL_ADAM8BIT_BLOCK, a = o->q8.p_a[i], e = a + o->q8.p_n[i];
         const int *es = edge ? edge + (size_t)lay->params[i].group * ((size_t)world + 1) : NULL;
-        o->p8_slot[2 * i] = a % B ? es[rank] : es[rank + 1];
-        o->p8_slot[2 * i + 1] = e % B ? es[rank + 1] : -1;
+        o->q8.slot[2 * i] = a % B ? es[rank] : es[rank + 1];
+        o->q8.slot[2 * i + 1] = e % B ? es[rank + 1] : -1;
     }
     free(edge);
-    if (s == FL_OK) s = fl_backend_calloc(model->be, model->pool, FL_TAG_OPTIM, o->state8_bytes, &o->state8);
+    if (s == FL_OK) s = fl_backend_calloc(model->be, model->pool, FL_TAG_OPTIM, o->q8.state_bytes, &o->q8.state);
     size_t off = 0;
     for (int i = 0; s == FL_OK && i < n; i++) {
-        bind_piece(&o->st8[i], o->t_n[i], o->p8_a[i], o->p8_n[i], (char *)o->state8 + off);
-        off += fl_adam8bit_piece_bytes(o->t_n[i], o->p8_a[i], o->p8_n[i]);
+        bind_piece(&o->q8.st[i], o->w.t_n[i], o->q8.p_a[i], o->q8.p_n[i], (char *)o->q8.state + off);
+        off += fl_adam8bit_piece_bytes(o->w.t_n[i], o->q8.p_a[i], o->q8.p_n[i]);
     }
-    o->x8_bytes = x8_bytes(o->n_slots);
-    if (s == FL_OK && o->x8_bytes) s = fl_backend_calloc(model->be, model->pool, FL_TAG_OPTIM, o->x8_bytes, &o->x8);
+    o->q8.x_bytes = x8_bytes(o->q8.n_slots);
+    if (s == FL_OK && o->q8.x_bytes) s = fl_backend_calloc(model->be, model->pool, FL_TAG_OPTIM, o->q8.x_bytes, &o->q8.x);
     return s;
 }
 
 #define STATE_SLICE ((size_t)16 << 20) /* bytes per slice of a state copy */
 
 fl_status fl_optim_state_read(const fl_optimizer *o, void *host, const void *state, size_t bytes) {
-    const fl_backend *be = o->sbe;
+    const fl_backend *be = o->home.be;
     for (size_t a = 0; a < bytes; a += STATE_SLICE) {
         const size_t n = bytes - a < STATE_SLICE ? bytes - a : STATE_SLICE;
         FL_TRY(be->to_host(be, (char *)host + a, (const char *)state + a, n));
-        if (o->disk) FL_TRY(fl_mem_disk_release(o->spool, (const char *)state + a, n));
+        if (o->home.disk) FL_TRY(fl_mem_disk_release(o->home.pool, (const char *)state + a, n));
     }
     return FL_OK;
 }
 
 fl_status fl_optim_state_write(const fl_optimizer *o, void *state, const void *host, size_t bytes) {
-    const fl_backend *be = o->sbe;
+    const fl_backend *be = o->home.be;
     for (size_t a = 0; a < bytes; a += STATE_SLICE) {
         const size_t n = bytes - a < STATE_SLICE ? bytes - a : STATE_SLICE;
         FL_TRY(be->to_device(be, (char *)state + a, (const char *)host + a, n));
-        if (o->disk) FL_TRY(fl_mem_disk_release(o->spool, (char *)state + a, n));
+        if (o->home.disk) FL_TRY(fl_mem_disk_release(o->home.pool, (char *)state + a, n));
     }
     return FL_OK;
 }
@@ -433,10 +433,10 @@ static fl_status state_fill(void *ud, void *dst, size_t off, size_t n) {
 void fl_optim_state_source(const fl_optimizer *o, fl_st_write_tensor *t, const void *arr, size_t es,
                            fl_optim_state_src *src) {
     *src = (fl_optim_state_src){o, arr, es};
-    t->data = o->disk ? NULL : arr;
-    t->be = o->disk ? NULL : o->sbe;
-    t->fill_range = o->disk ? state_fill : NULL;
-    t->fill_ud = o->disk ? src : NULL;
+    t->data = o->home.disk ? NULL : arr;
+    t->be = o->home.disk ? NULL : o->home.be;
+    t->fill_range = o->home.disk ? state_fill : NULL;
+    t->fill_ud = o->home.disk ? src : NULL;
 }
 
 static size_t g_offload_piece = (size_t)4 << 20;
@@ -465,61 +465,61 @@ fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim
     if (off && (!off->be || !off->pool)) return fl_errorf(FL_ERR_INVALID, "CPU offload: no host backend or host pool");
     o->cfg = *cfg;
     o->model = model;
-    o->sbe = off ? off->be : model->be;
-    o->spool = off ? (off->state_pool ? off->state_pool : off->pool) : model->pool;
-    o->hpool = off ? off->pool : NULL;
-    o->disk = off && off->state_pool;
+    o->home.be = off ? off->be : model->be;
+    o->home.pool = off ? (off->state_pool ? off->state_pool : off->pool) : model->pool;
+    o->home.hpool = off ? off->pool : NULL;
+    o->home.disk = off && off->state_pool;
     /* the precision policy fixes the state dtype of the full parameters (bf16-true: bf16);
      * LoRA adapters are fp32 under every policy */
     if (!model->lora && model->prec.optim_dtype == FL_BF16) o->cfg.state_dtype = FL_BF16;
-    o->use_loss_scale = model->prec.loss_scaling;
-    fl_loss_scale_init(&o->ls);
+    o->amp.on = model->prec.loss_scaling;
+    fl_loss_scale_init(&o->amp.ls);
     fl_status s = trainable(o, model);
     const int sharded = fl_model_provider(model) && !model->lora; /* FULL_SHARD: the whole shard is this rank's */
-    if (s == FL_OK) fl_comm_chunk(o->n, sharded ? 1 : world, sharded ? 0 : rank, &o->s_off, &o->s_len);
+    if (s == FL_OK) fl_comm_chunk(o->w.n, sharded ? 1 : world, sharded ? 0 : rank, &o->shard.off, &o->shard.len);
     /* the backend must implement the update for these dtypes: found here, not at the first step */
     if (s == FL_OK) {
-        const fl_backend *be = o->sbe; /* offload: the host's kernels run it */
+        const fl_backend *be = o->home.be; /* offload: the host's kernels run it */
         fl_op op = cfg->kind == FL_OPT_ADAMW ? FL_OP_ADAMW : cfg->kind == FL_OPT_SGD ? FL_OP_SGD : FL_OP_ADAM8BIT;
-        if (!be->supports_op(be, op, o->pt, o->gt, o->cfg.state_dtype))
+        if (!be->supports_op(be, op, o->w.pt, o->w.gt, o->cfg.state_dtype))
             s = fl_errorf(FL_ERR_UNSUPPORTED, "backend '%s' does not implement %s for parameters %s, gradients %s, state "
-                          "%s (optimizer set-up)", be->name, fl_op_name(op), fl_dtype_name(o->pt), fl_dtype_name(o->gt),
+                          "%s (optimizer set-up)", be->name, fl_op_name(op), fl_dtype_name(o->w.pt), fl_dtype_name(o->w.gt),
                           fl_dtype_name(o->cfg.state_dtype));
     }
-    size_t bytes = o->s_len * (o->cfg.state_dtype == FL_BF16 ? 2 : 4); /* this rank's range */
+    size_t bytes = o->shard.len * (o->cfg.state_dtype == FL_BF16 ? 2 : 4); /* this rank's range */
     if (s != FL_OK) {
     } else if (cfg->kind == FL_OPT_ADAMW) {
-        s = fl_backend_calloc(o->sbe, o->spool, FL_TAG_OPTIM, bytes, (void **)&o->m);
-        if (s == FL_OK) s = fl_backend_calloc(o->sbe, o->spool, FL_TAG_OPTIM, bytes, (void **)&o->v);
+        s = fl_backend_calloc(o->home.be, o->home.pool, FL_TAG_OPTIM, bytes, (void **)&o->st.m);
+        if (s == FL_OK) s = fl_backend_calloc(o->home.be, o->home.pool, FL_TAG_OPTIM, bytes, (void **)&o->st.v);
     } else if (cfg->kind == FL_OPT_SGD) {
-        if (cfg->momentum != 0.0f) s = fl_backend_calloc(o->sbe, o->spool, FL_TAG_OPTIM, bytes, (void **)&o->buf);
+        if (cfg->momentum != 0.0f) s = fl_backend_calloc(o->home.be, o->home.pool, FL_TAG_OPTIM, bytes, (void **)&o->st.buf);
     } else {
         /* 8-bit: one OPTIM allocation, bound tensor by tensor (zeroed = fresh state); under ZeRO
          * each tensor's piece (whole blocks) that meets this rank's chunk */
-        o->st8 = calloc((size_t)o->n_tensors + 1, sizeof *o->st8);
-        o->p8_a = calloc((size_t)o->n_tensors + 1, sizeof *o->p8_a);
-        o->p8_n = calloc((size_t)o->n_tensors + 1, sizeof *o->p8_n);
-        if (!o->st8 || !o->p8_a || !o->p8_n) s = fl_errorf(FL_ERR_OOM, "8-bit optimizer bookkeeping: out of host memory");
+        o->q8.st = calloc((size_t)o->w.n_tensors + 1, sizeof *o->q8.st);
+        o->q8.p_a = calloc((size_t)o->w.n_tensors + 1, sizeof *o->q8.p_a);
+        o->q8.p_n = calloc((size_t)o->w.n_tensors + 1, sizeof *o->q8.p_n);
+        if (!o->q8.st || !o->q8.p_a || !o->q8.p_n) s = fl_errorf(FL_ERR_OOM, "8-bit optimizer bookkeeping: out of host memory");
         if (s == FL_OK && sharded) s = fsdp8_init(o, model, world, rank);
-        for (int i = 0; s == FL_OK && !sharded && i < o->n_tensors; i++) {
-            fl_optim_8bit_piece(o->n, o->t_off[i], o->t_n[i], world, rank, &o->p8_a[i], &o->p8_n[i]);
-            o->state8_bytes += fl_adam8bit_state_bytes_ex(o->p8_n[i], fl_adam8bit_is_8bit(o->t_n[i]));
+        for (int i = 0; s == FL_OK && !sharded && i < o->w.n_tensors; i++) {
+            fl_optim_8bit_piece(o->w.n, o->w.t_off[i], o->w.t_n[i], world, rank, &o->q8.p_a[i], &o->q8.p_n[i]);
+            o->q8.state_bytes += fl_adam8bit_state_bytes_ex(o->q8.p_n[i], fl_adam8bit_is_8bit(o->w.t_n[i]));
         }
         if (s == FL_OK && !sharded)
-            s = fl_backend_calloc(model->be, model->pool, FL_TAG_OPTIM, o->state8_bytes, &o->state8);
+            s = fl_backend_calloc(model->be, model->pool, FL_TAG_OPTIM, o->q8.state_bytes, &o->q8.state);
         size_t off = 0;
-        for (int i = 0; s == FL_OK && !sharded && i < o->n_tensors; i++) {
-            int e8 = fl_adam8bit_is_8bit(o->t_n[i]);
-            s = fl_adam8bit_state_bind_ex(&o->st8[i], o->p8_n[i], e8, (char *)o->state8 + off);
-            off += fl_adam8bit_state_bytes_ex(o->p8_n[i], e8);
+        for (int i = 0; s == FL_OK && !sharded && i < o->w.n_tensors; i++) {
+            int e8 = fl_adam8bit_is_8bit(o->w.t_n[i]);
+            s = fl_adam8bit_state_bind_ex(&o->q8.st[i], o->q8.p_n[i], e8, (char *)o->q8.state + off);
+            off += fl_adam8bit_state_bytes_ex(o->q8.p_n[i], e8);
         }
     }
     /* offload to a device the host cannot read: the staging of one piece of the parameters and gradients
      * (host tier, held for the run as DeepSpeed's pinned buffers) */
-    if (s == FL_OK && off) o->piece = o->s_len < g_offload_piece ? o->s_len : g_offload_piece;
+    if (s == FL_OK && off) o->home.piece = o->shard.len < g_offload_piece ? o->shard.len : g_offload_piece;
     if (s == FL_OK && off && !fl_backend_host_memory(model->be)) {
-        s = fl_mem_alloc(o->hpool, FL_TAG_WORKSPACE, o->piece * fl_dtype_size(o->pt), &o->hp);
-        if (s == FL_OK) s = fl_mem_alloc(o->hpool, FL_TAG_WORKSPACE, o->piece * fl_dtype_size(o->gt), &o->hg);
+        s = fl_mem_alloc(o->home.hpool, FL_TAG_WORKSPACE, o->home.piece * fl_dtype_size(o->w.pt), &o->home.hp);
+        if (s == FL_OK) s = fl_mem_alloc(o->home.hpool, FL_TAG_WORKSPACE, o->home.piece * fl_dtype_size(o->w.gt), &o->home.hg);
     }
     if (s != FL_OK) {
         fl_optim_free(o);
@@ -530,39 +530,39 @@ fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim
 
 void fl_optim_free(fl_optimizer *o) {
     if (!o->model) return;
-    fl_mem_pool *sp = o->spool; /* the model's pool, or the offload tier's */
-    fl_mem_free(sp, o->m);
-    fl_mem_free(sp, o->v);
-    fl_mem_free(sp, o->buf);
-    fl_mem_free(o->hpool, o->hp);
-    fl_mem_free(o->hpool, o->hg);
-    fl_mem_free(o->model->pool, o->state8);
-    fl_mem_free(o->model->pool, o->x8);
-    free(o->p8_s);
-    free(o->p8_slot);
-    free(o->st8);
-    free(o->p8_a);
-    free(o->p8_n);
-    free(o->t_off);
-    free(o->t_n);
+    fl_mem_pool *sp = o->home.pool; /* the model's pool, or the offload tier's */
+    fl_mem_free(sp, o->st.m);
+    fl_mem_free(sp, o->st.v);
+    fl_mem_free(sp, o->st.buf);
+    fl_mem_free(o->home.hpool, o->home.hp);
+    fl_mem_free(o->home.hpool, o->home.hg);
+    fl_mem_free(o->model->pool, o->q8.state);
+    fl_mem_free(o->model->pool, o->q8.x);
+    free(o->q8.p_s);
+    free(o->q8.slot);
+    free(o->q8.st);
+    free(o->q8.p_a);
+    free(o->q8.p_n);
+    free(o->w.t_off);
+    free(o->w.t_n);
     memset(o, 0, sizeof *o);
 }
 
 /* Whether this rank holds only its range of the reduced gradients (ZeRO-2, and ZeRO-3 / FSDP whose
  * optimizer sees only the rank's shard: [s_off, s_off + s_len) is the whole of it). */
-static int grads_sharded(const fl_optimizer *o) { return o->dist && o->dist->stage >= 2; }
+static int grads_sharded(const fl_optimizer *o) { return o->shard.dist && o->shard.dist->stage >= 2; }
 
-static const void *g_at(const fl_optimizer *o, size_t off) { return (const char *)o->g + off * fl_dtype_size(o->gt); }
+static const void *g_at(const fl_optimizer *o, size_t off) { return (const char *)o->w.g + off * fl_dtype_size(o->w.gt); }
 
 /* Loss scaling: any inf/NaN among the scaled gradients (times inv_scale); under ZeRO-2 each rank
  * checks its range and the verdicts are summed, so every rank decides alike. */
 static fl_status found_inf(const fl_optimizer *o, float inv_scale, int *found) {
     *found = 0;
     const fl_backend *be = o->model->be;
-    if (!grads_sharded(o)) return be->check_finite(be, o->g, o->gt, o->n, inv_scale, found);
-    FL_TRY(be->check_finite(be, g_at(o, o->s_off), o->gt, o->s_len, inv_scale, found));
+    if (!grads_sharded(o)) return be->check_finite(be, o->w.g, o->w.gt, o->w.n, inv_scale, found);
+    FL_TRY(be->check_finite(be, g_at(o, o->shard.off), o->w.gt, o->shard.len, inv_scale, found));
     double v = *found != 0;
-    FL_TRY(o->dist->sum(o->dist->ud, &v, 1));
+    FL_TRY(o->shard.dist->sum(o->shard.dist->ud, &v, 1));
     *found = v > 0;
     return FL_OK;
 }
@@ -570,7 +570,7 @@ static fl_status found_inf(const fl_optimizer *o, float inv_scale, int *found) {
 static double chunk_sumsq(const fl_optimizer *o, size_t off, size_t len) {
     const fl_backend *be = o->model->be;
     if (!len) return 0.0;
-    return be->sumsq(be, g_at(o, off), o->gt, len);
+    return be->sumsq(be, g_at(o, off), o->w.gt, len);
 }
 
 /* The squared global gradient norm: the squared norms of the world's chunks summed in rank order
@@ -578,16 +578,16 @@ static double chunk_sumsq(const fl_optimizer *o, size_t off, size_t len) {
  * them with dist->sum (the same order): all three clip with the same bits. */
 static fl_status grad_sumsq(const fl_optimizer *o, double *out) {
     if (grads_sharded(o)) {
-        double v = chunk_sumsq(o, o->s_off, o->s_len);
-        FL_TRY(o->dist->sum(o->dist->ud, &v, 1));
+        double v = chunk_sumsq(o, o->shard.off, o->shard.len);
+        FL_TRY(o->shard.dist->sum(o->shard.dist->ud, &v, 1));
         *out = v;
         return FL_OK;
     }
-    int world = o->dist ? o->dist->world : 1;
+    int world = o->shard.dist ? o->shard.dist->world : 1;
     double acc = 0;
     for (int r = 0; r < world; r++) {
         size_t off, len;
-        fl_comm_chunk(o->n, world, r, &off, &len);
+        fl_comm_chunk(o->w.n, world, r, &off, &len);
         acc += chunk_sumsq(o, off, len);
     }
     *out = acc;
@@ -607,13 +607,13 @@ static fl_status update_range(const fl_optimizer *o, const fl_backend *be, void 
                               float lr, float scale) {
     const fl_optim_config *c = &o->cfg;
     const size_t ses = c->state_dtype == FL_BF16 ? 2 : 4;
-    void *m = o->m ? (char *)o->m + st * ses : NULL, *v = o->v ? (char *)o->v + st * ses : NULL;
-    void *buf = o->buf ? (char *)o->buf + st * ses : NULL;
+    void *m = o->st.m ? (char *)o->st.m + st * ses : NULL, *v = o->st.v ? (char *)o->st.v + st * ses : NULL;
+    void *buf = o->st.buf ? (char *)o->st.buf + st * ses : NULL;
     if (c->kind == FL_OPT_ADAMW)
-        return be->adamw_update(be, p, o->pt, g, o->gt, m, v, c->state_dtype, n, lr, c->beta1, c->beta2, c->eps,
+        return be->adamw_update(be, p, o->w.pt, g, o->w.gt, m, v, c->state_dtype, n, lr, c->beta1, c->beta2, c->eps,
                                 c->weight_decay, o->step, scale);
     if (c->kind == FL_OPT_SGD)
-        return be->sgd_update(be, p, o->pt, g, o->gt, buf, c->state_dtype, n, lr, c->momentum, c->dampening,
+        return be->sgd_update(be, p, o->w.pt, g, o->w.gt, buf, c->state_dtype, n, lr, c->momentum, c->dampening,
                               c->weight_decay, c->nesterov, o->step == 1, scale);
     return fl_errorf(FL_ERR_INTERNAL, "optimizer update: %s is not elementwise", fl_optim_name(c->kind));
 }
@@ -622,13 +622,13 @@ static fl_status update_range(const fl_optimizer *o, const fl_backend *be, void 
  * residency hints) */
 static fl_status state_range(const fl_optimizer *o, size_t a, size_t len, int what) {
     const size_t ses = o->cfg.state_dtype == FL_BF16 ? 2 : 4;
-    void *arr[3] = {o->m, o->v, o->buf};
+    void *arr[3] = {o->st.m, o->st.v, o->st.buf};
     for (int i = 0; i < 3; i++) {
         if (!arr[i] || !len) continue;
         const char *x = (const char *)arr[i] + a * ses;
-        if (what == 0) fl_mem_disk_prefetch(o->spool, x, len * ses);
-        else if (what == 1) fl_mem_disk_writeback(o->spool, x, len * ses);
-        else FL_TRY(fl_mem_disk_release(o->spool, x, len * ses));
+        if (what == 0) fl_mem_disk_prefetch(o->home.pool, x, len * ses);
+        else if (what == 1) fl_mem_disk_writeback(o->home.pool, x, len * ses);
+        else FL_TRY(fl_mem_disk_release(o->home.pool, x, len * ses));
     }
     return FL_OK;
 }
@@ -643,46 +643,46 @@ static fl_status state_range(const fl_optimizer *o, size_t a, size_t len, int wh
  *   holds about three pieces of the state while the disk reads and writes beside the update. */
 static fl_status offload_update(const fl_optimizer *o, float lr, float scale) {
     const fl_backend *be = o->model->be;
-    const size_t pes = fl_dtype_size(o->pt), ges = fl_dtype_size(o->gt), P = o->piece ? o->piece : o->s_len;
+    const size_t pes = fl_dtype_size(o->w.pt), ges = fl_dtype_size(o->w.gt), P = o->home.piece ? o->home.piece : o->shard.len;
     size_t prev = 0, prev_len = 0;
-    for (size_t a = 0; a < o->s_len; a += P) {
-        const size_t len = o->s_len - a < P ? o->s_len - a : P, at = o->s_off + a;
-        char *p = (char *)o->p + at * pes;
-        if (o->disk) {
+    for (size_t a = 0; a < o->shard.len; a += P) {
+        const size_t len = o->shard.len - a < P ? o->shard.len - a : P, at = o->shard.off + a;
+        char *p = (char *)o->w.p + at * pes;
+        if (o->home.disk) {
             if (a == 0) FL_TRY(state_range(o, a, len, 0));
-            FL_TRY(state_range(o, a + len, o->s_len - a - len < P ? o->s_len - a - len : P, 0));
+            FL_TRY(state_range(o, a + len, o->shard.len - a - len < P ? o->shard.len - a - len : P, 0));
         }
-        if (o->hp) {
-            FL_TRY(fl_error_prefix(be->to_host(be, o->hg, g_at(o, at), len * ges), "CPU offload: gradients to the host"));
-            FL_TRY(fl_error_prefix(be->to_host(be, o->hp, p, len * pes), "CPU offload: parameters to the host"));
-            FL_TRY(update_range(o, o->sbe, o->hp, o->hg, a, len, lr, scale));
-            FL_TRY(fl_error_prefix(be->to_device(be, p, o->hp, len * pes), "CPU offload: parameters to the device"));
+        if (o->home.hp) {
+            FL_TRY(fl_error_prefix(be->to_host(be, o->home.hg, g_at(o, at), len * ges), "CPU offload: gradients to the host"));
+            FL_TRY(fl_error_prefix(be->to_host(be, o->home.hp, p, len * pes), "CPU offload: parameters to the host"));
+            FL_TRY(update_range(o, o->home.be, o->home.hp, o->home.hg, a, len, lr, scale));
+            FL_TRY(fl_error_prefix(be->to_device(be, p, o->home.hp, len * pes), "CPU offload: parameters to the device"));
         } else { /* host memory: in place */
-            FL_TRY(update_range(o, o->sbe, p, g_at(o, at), a, len, lr, scale));
+            FL_TRY(update_range(o, o->home.be, p, g_at(o, at), a, len, lr, scale));
         }
-        if (o->disk) {
+        if (o->home.disk) {
             FL_TRY(state_range(o, a, len, 1));
             if (prev_len) FL_TRY(state_range(o, prev, prev_len, 2));
             prev = a, prev_len = len;
         }
     }
-    if (o->disk && prev_len) FL_TRY(state_range(o, prev, prev_len, 2));
-    return o->hp ? fl_error_prefix(be->sync(be), "CPU offload: the updated parameters") : FL_OK;
+    if (o->home.disk && prev_len) FL_TRY(state_range(o, prev, prev_len, 2));
+    return o->home.hp ? fl_error_prefix(be->sync(be), "CPU offload: the updated parameters") : FL_OK;
 }
 
 fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_out) {
     fl_model *m = o->model;
     const fl_backend *be = m->be;
-    if (!o->g) return fl_errorf(FL_ERR_INVALID, "optimizer step without gradient buffers");
+    if (!o->w.g) return fl_errorf(FL_ERR_INVALID, "optimizer step without gradient buffers");
     double norm = -1.0;
     float scale = 1.0f;
-    o->last_skipped = 0;
-    if (o->use_loss_scale) {
-        float inv = fl_loss_scale_inv(&o->ls);
+    o->amp.skipped = 0;
+    if (o->amp.on) {
+        float inv = fl_loss_scale_inv(&o->amp.ls);
         int found;
         FL_TRY(found_inf(o, inv, &found));
-        if (fl_loss_scale_update(&o->ls, found)) { /* overflow: no update, scale backed off */
-            o->last_skipped = 1;
+        if (fl_loss_scale_update(&o->amp.ls, found)) { /* overflow: no update, scale backed off */
+            o->amp.skipped = 1;
             if (norm_out) *norm_out = NAN;
             return FL_OK;
         }
@@ -704,26 +704,26 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
     const fl_optim_config *c = &o->cfg;
     /* this rank's range (everything but under ZeRO): elementwise updates, so a range updates
      * with the same arithmetic as the whole buffer does */
-    size_t n = o->s_len;
-    void *p = (char *)o->p + o->s_off * fl_dtype_size(o->pt), *g = (void *)g_at(o, o->s_off);
-    if (c->kind != FL_OPT_ADAMW8BIT && (o->hp || o->disk)) {
+    size_t n = o->shard.len;
+    void *p = (char *)o->w.p + o->shard.off * fl_dtype_size(o->w.pt), *g = (void *)g_at(o, o->shard.off);
+    if (c->kind != FL_OPT_ADAMW8BIT && (o->home.hp || o->home.disk)) {
         FL_TRY(offload_update(o, lr, scale));
     } else if (c->kind != FL_OPT_ADAMW8BIT) {
-        FL_TRY(update_range(o, o->sbe, p, g, 0, n, lr, scale)); /* offload on host memory: in place, host state */
-    } else if (o->p8_s) { /* FULL_SHARD: pieces of units, blocks cut by rank edges (above) */
+        FL_TRY(update_range(o, o->home.be, p, g, 0, n, lr, scale)); /* offload on host memory: in place, host state */
+    } else if (o->q8.p_s) { /* FULL_SHARD: pieces of units, blocks cut by rank edges (above) */
         FL_TRY(fsdp8_step(o, lr, scale));
     } else {
         /* block-wise state is per tensor, as bitsandbytes keeps it per parameter */
-        for (int i = 0; i < o->n_tensors; i++) {
-            if (!o->p8_n[i]) continue; /* ZeRO: not in this rank's chunk */
-            size_t off = o->t_off[i] + o->p8_a[i];
-            FL_TRY(be->adam8bit_update(be, (char *)o->p + off * fl_dtype_size(o->pt), o->pt,
-                                       (const char *)o->g + off * fl_dtype_size(o->gt), o->gt, &o->st8[i], lr, c->beta1,
+        for (int i = 0; i < o->w.n_tensors; i++) {
+            if (!o->q8.p_n[i]) continue; /* ZeRO: not in this rank's chunk */
+            size_t off = o->w.t_off[i] + o->q8.p_a[i];
+            FL_TRY(be->adam8bit_update(be, (char *)o->w.p + off * fl_dtype_size(o->w.pt), o->w.pt,
+                                       (const char *)o->w.g + off * fl_dtype_size(o->w.gt), o->w.gt, &o->q8.st[i], lr, c->beta1,
                                        c->beta2, c->eps, c->weight_decay, o->step, scale));
         }
     }
     /* ZeRO: every rank's updated range to every rank before anything reads the weights */
-    if (o->dist && o->dist->stage > 0 && o->dist->gather) FL_TRY(o->dist->gather(o->dist->ud, o));
+    if (o->shard.dist && o->shard.dist->stage > 0 && o->shard.dist->gather) FL_TRY(o->shard.dist->gather(o->shard.dist->ud, o));
     if (!m->lora) fl_model_sync_compute_copy(m); /* mixed precision: matmuls read the refreshed copy */
     return FL_OK;
 }

@@ -118,31 +118,31 @@ uint64_t fl_shard_fingerprint(const fl_param_layout *lay, size_t n) {
 }
 
 fl_status fl_shard_set_from_optim(fl_shard_set *s, const fl_model *m, const fl_optimizer *o) {
-    void *params = o->p;
-    size_t p_h0 = 0, p_hn = o->n;
+    void *params = o->w.p;
+    size_t p_h0 = 0, p_hn = o->w.n;
     memset(s, 0, sizeof *s);
     if (m->lora)
         return fl_errorf(FL_ERR_UNSUPPORTED, "sharded checkpoints hold full-model training (finetune_full, pretrain); "
                          "LoRA adapters are saved whole");
-    s->split_n = o->n;
+    s->split_n = o->w.n;
     s->be = m->be;
-    fl_status st = fl_shard_set_add(s, "params", o->pt, o->n, 0, 1, params, p_h0, p_hn);
+    fl_status st = fl_shard_set_add(s, "params", o->w.pt, o->w.n, 0, 1, params, p_h0, p_hn);
     fl_dtype sd = o->cfg.state_dtype;
-    if (st == FL_OK && o->m) {
-        st = fl_shard_set_add(s, "optimizer.exp_avg", sd, o->n, 0, 1, o->m, o->s_off, o->s_len);
+    if (st == FL_OK && o->st.m) {
+        st = fl_shard_set_add(s, "optimizer.exp_avg", sd, o->w.n, 0, 1, o->st.m, o->shard.off, o->shard.len);
         if (st == FL_OK) s->b[s->n - 1].opt = o; /* the state's memory (CPU offload: the host tier) */
-        if (st == FL_OK) st = fl_shard_set_add(s, "optimizer.exp_avg_sq", sd, o->n, 0, 1, o->v, o->s_off, o->s_len);
+        if (st == FL_OK) st = fl_shard_set_add(s, "optimizer.exp_avg_sq", sd, o->w.n, 0, 1, o->st.v, o->shard.off, o->shard.len);
         if (st == FL_OK) s->b[s->n - 1].opt = o;
-    } else if (st == FL_OK && o->buf) {
-        st = fl_shard_set_add(s, "optimizer.momentum_buffer", sd, o->n, 0, 1, o->buf, o->s_off, o->s_len);
+    } else if (st == FL_OK && o->st.buf) {
+        st = fl_shard_set_add(s, "optimizer.momentum_buffer", sd, o->w.n, 0, 1, o->st.buf, o->shard.off, o->shard.len);
         if (st == FL_OK) s->b[s->n - 1].opt = o;
-    } else if (st == FL_OK && o->state8) {
+    } else if (st == FL_OK && o->q8.state) {
         /* bitsandbytes' state per tensor: codes per element, one absmax per block of 256 from the
          * tensor's start (a block belongs to the owner of its first element), fp32 m/v for tensors
          * under 4096 elements; each rank holds its piece (whole blocks around its chunk) */
-        for (int i = 0; st == FL_OK && i < o->n_tensors; i++) {
-            const fl_adam8bit_state *a = &o->st8[i];
-            size_t tn = o->t_n[i], to = o->t_off[i], p0 = o->p8_a[i], pn = o->p8_n[i];
+        for (int i = 0; st == FL_OK && i < o->w.n_tensors; i++) {
+            const fl_adam8bit_state *a = &o->q8.st[i];
+            size_t tn = o->w.t_n[i], to = o->w.t_off[i], p0 = o->q8.p_a[i], pn = o->q8.p_n[i];
             char nm[FL_SHARD_NAME_MAX];
             const char *tname = i < m->layout.n ? m->layout.params[i].name : "?";
 #define ADD(suffix, dt, cnt, gran, ptr, h0, hn)                                                      \
@@ -170,7 +170,7 @@ fl_status fl_shard_set_from_optim(fl_shard_set *s, const fl_model *m, const fl_o
 fl_status fl_shard_set_from_fsdp(fl_shard_set *s, const fl_dp *dp, const fl_model *m, const fl_optimizer *o) {
     memset(s, 0, sizeof *s);
     const int G = m->layout.n_groups;
-    if (m->lora || (o->state8 && !o->p8_s) || o->s_off != 0 || o->s_len != o->n)
+    if (m->lora || (o->q8.state && !o->q8.p_s) || o->shard.off != 0 || o->shard.len != o->w.n)
         return fl_errorf(FL_ERR_INTERNAL, "sharded checkpoint under FULL_SHARD: full-model training on the shard only");
     size_t *foff = calloc((size_t)G + 1, sizeof *foff), *loc = calloc((size_t)G + 1, sizeof *loc),
            *len = calloc((size_t)G + 1, sizeof *len);
@@ -183,9 +183,9 @@ fl_status fl_shard_set_from_fsdp(fl_shard_set *s, const fl_dp *dp, const fl_mode
     s->own_held = 1;              /* each rank owns its pieces of every unit: they tile each buffer */
     s->be = m->be;
     /* every buffer is held alike: unit g's piece at loc[g] of the shard (params, m, v, momentum) */
-    void *bufs[3] = {o->p, o->m ? o->m : o->buf, o->m ? o->v : NULL};
-    const char *names[3] = {"params", o->m ? "optimizer.exp_avg" : "optimizer.momentum_buffer", "optimizer.exp_avg_sq"};
-    fl_dtype dts[3] = {o->pt, o->cfg.state_dtype, o->cfg.state_dtype};
+    void *bufs[3] = {o->w.p, o->st.m ? o->st.m : o->st.buf, o->st.m ? o->st.v : NULL};
+    const char *names[3] = {"params", o->st.m ? "optimizer.exp_avg" : "optimizer.momentum_buffer", "optimizer.exp_avg_sq"};
+    fl_dtype dts[3] = {o->w.pt, o->cfg.state_dtype, o->cfg.state_dtype};
     for (int k = 0; st == FL_OK && k < 3; k++) {
         if (!bufs[k]) continue;
         size_t es = fl_dtype_size(dts[k]);
@@ -198,9 +198,9 @@ fl_status fl_shard_set_from_fsdp(fl_shard_set *s, const fl_dp *dp, const fl_mode
      * this rank's piece [a, a + len) of the codes (fp32 m, v), the scales of the blocks it meets
      * (held), of those starting in it (owned: a cut block is written once, by its first element's
      * rank) */
-    for (int i = 0; st == FL_OK && o->state8 && i < o->n_tensors; i++) {
-        const fl_adam8bit_state *a = &o->st8[i];
-        const size_t tn = o->t_n[i], to = o->t_off[i], p0 = o->p8_a[i], pn = o->p8_n[i], B = FL_ADAM8BIT_BLOCK;
+    for (int i = 0; st == FL_OK && o->q8.state && i < o->w.n_tensors; i++) {
+        const fl_adam8bit_state *a = &o->q8.st[i];
+        const size_t tn = o->w.t_n[i], to = o->w.t_off[i], p0 = o->q8.p_a[i], pn = o->q8.p_n[i], B = FL_ADAM8BIT_BLOCK;
         char nm[FL_SHARD_NAME_MAX];
         const char *tname = m->layout.params[i].name;
 #define ADD(suffix, dt, cnt, gran, ptr, h0, hn)                                                      \

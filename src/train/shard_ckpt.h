@@ -83,7 +83,7 @@ fl_status fl_shard_set_add_pieces(fl_shard_set *s, const char *name, fl_dtype dt
 void fl_shard_set_free(fl_shard_set *s);
 /* The elements [*k0, *k1) of b that rank `rank` of `world` owns under the chunk rule. */
 void fl_shard_owned(const fl_shard_buf *b, size_t split_n, int world, int rank, size_t *k0, size_t *k1);
-/* An optimizer's buffers as it holds them: "params" (o->p, held whole) and its state (held
+/* An optimizer's buffers as it holds them: "params" (o->w.p, held whole) and its state (held
  * [s_off, s_off + s_len), or 8-bit AdamW's pieces per tensor). Full-model training only. */
 fl_status fl_shard_set_from_optim(fl_shard_set *s, const fl_model *m, const fl_optimizer *o);
 /* ZeRO-3 / FULL_SHARD (dp->fsdp): "params" and the optimizer state (AdamW m, v or SGD momentum;

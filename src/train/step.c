@@ -32,7 +32,7 @@ static fl_status micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb, i
     fl_mem_pool *pool = m->pool;
     if (step_valid <= 0) return fl_errorf(FL_ERR_INVALID, "training step has no target tokens (all are ignore_index)");
     float grad_scale = (float)(1.0 / (double)step_valid);
-    if (o && o->use_loss_scale) grad_scale *= fl_loss_scale_value(&o->ls); /* fp16: scaled loss */
+    if (o && o->amp.on) grad_scale *= fl_loss_scale_value(&o->amp.ls); /* fp16: scaled loss */
     double a = now_ms();
     if (k == 0) fl_mem_snapshot(pool, "before_fwd");
     fl_mem_set_phase(pool, "forward");
@@ -42,7 +42,7 @@ static fl_status micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb, i
     record_live(m, FL_LIVE_FORWARD);
     /* a diverged run: stop before its NaN reaches the weights. Under fp16 loss
      * scaling an overflow is expected now and then: the optimizer skips that update. */
-    if (!isfinite(m->loss_sum) && !(o && o->use_loss_scale))
+    if (!isfinite(m->loss_sum) && !(o && o->amp.on))
         return fl_errorf(FL_ERR_NONFINITE, "the loss is %s", isnan(m->loss_sum) ? "NaN" : m->loss_sum > 0 ? "+inf" : "-inf");
     if (k == 0) fl_mem_snapshot(pool, "after_fwd");
     double b = now_ms();
@@ -70,8 +70,8 @@ static fl_status update(fl_model *m, fl_optimizer *o, float lr, float max_norm, 
     if (!fl_backend_host_memory(m->be)) FL_TRY(m->be->sync(m->be));
     fl_mem_snapshot(pool, "after_opt_step");
     res->grad_norm = norm;
-    res->skipped = o->last_skipped;
-    res->loss_scale = o->use_loss_scale ? fl_loss_scale_value(&o->ls) : 0.0f;
+    res->skipped = o->amp.skipped;
+    res->loss_scale = o->amp.on ? fl_loss_scale_value(&o->amp.ls) : 0.0f;
     res->ms_opt += now_ms() - c;
     return FL_OK;
 }
@@ -83,7 +83,7 @@ static fl_status reduce(fl_model *m, fl_optimizer *o, struct fl_dp *dp) {
     FL_TRY(fl_dp_reduce_grads(dp, o));
     if (!dp->comm) return FL_OK;
     size_t live = fl_dp_reduced_live(dp, o);
-    if (live != SIZE_MAX) fl_mem_set_live(m->pool, o->g, live);
+    if (live != SIZE_MAX) fl_mem_set_live(m->pool, o->w.g, live);
     fl_mem_snapshot(m->pool, "after_reduce");
     return FL_OK;
 }

@@ -379,7 +379,7 @@ static fl_status evaluate(trainer *t, run_loop *L) {
  * else the shard). stop[0] := it asks to stop, stop[2] := for this step's checkpoint too. */
 static fl_status call_hook(trainer *t, run_loop *L, double step_loss, long step_valid, double *stop) {
     const fl_run_config *cfg = t->cfg;
-    size_t pb = t->opt.n * fl_dtype_size(t->opt.pt);
+    size_t pb = t->opt.w.n * fl_dtype_size(t->opt.w.pt);
     void *hp = NULL;
     const int whole = t->dp.fsdp && cfg->hook_whole_params;
     if (whole) {
@@ -388,9 +388,9 @@ static fl_status call_hook(trainer *t, run_loop *L, double step_loss, long step_
         hp = fl_backend_host_memory(&t->hw.be) ? NULL : malloc(pb + 1);
         if (!fl_backend_host_memory(&t->hw.be) && !hp) return fl_errorf(FL_ERR_OOM, "out of host memory");
     }
-    fl_status s = hp && !whole ? t->hw.be.to_host(&t->hw.be, hp, t->opt.p, pb) : FL_OK;
+    fl_status s = hp && !whole ? t->hw.be.to_host(&t->hw.be, hp, t->opt.w.p, pb) : FL_OK;
     if (s == FL_OK) {
-        int h = L->hook(L->hook_ud, t->st.step, step_valid ? step_loss / step_valid : NAN, hp ? hp : t->opt.p, pb);
+        int h = L->hook(L->hook_ud, t->st.step, step_valid ? step_loss / step_valid : NAN, hp ? hp : t->opt.w.p, pb);
         stop[0] = h > 0;
         stop[2] = h > 1;
     }
@@ -553,9 +553,9 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
     L.r.error_all_ranks = in_setup;
     free(L.window);
     if (t.hw.pool_ok) result_memory(&t, s, &L.r); /* also on failure: what was reached, and the OOM record */
-    if (t.opt.model && t.opt.use_loss_scale) {
-        L.r.loss_scale = t.opt.ls.scale;
-        L.r.skipped_steps = (long)t.opt.ls.n_skipped;
+    if (t.opt.model && t.opt.amp.on) {
+        L.r.loss_scale = t.opt.amp.ls.scale;
+        L.r.skipped_steps = (long)t.opt.amp.ls.n_skipped;
     }
     if (res) *res = L.r;
     fl_tr_cleanup_keep_error(&t, s);

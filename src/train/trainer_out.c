@@ -68,10 +68,10 @@ void fl_tr_print_box(trainer *t, const fl_trainer_result *r) {
     if (r->nvme)
         fprintf(t->out, "| %-28s %30s |\n", "nvme tier (offload) OPTIM", fl_fmt_bytes(r->nvme_peak[FL_TAG_OPTIM], b, sizeof b));
     if (t->dp.world > 1) {
-        /* in units of the whole model's trainable gradients (ZeRO's psi; under FULL_SHARD opt.n is
+        /* in units of the whole model's trainable gradients (ZeRO's psi; under FULL_SHARD opt.w.n is
          * this rank's shard), said in words: DDP's all-reduce sends 2 (N-1)/N of it */
-        size_t n_grad = t->dp.fsdp ? t->model.layout.numel : t->opt.n;
-        double psi = (double)n_grad * fl_dtype_size(t->opt.gt);
+        size_t n_grad = t->dp.fsdp ? t->model.layout.numel : t->opt.w.n;
+        double psi = (double)n_grad * fl_dtype_size(t->opt.w.gt);
         char g[32], line[96];
         fprintf(t->out, "| %-28s %30s |\n", "sent per step (this rank)",
                 fl_fmt_bytes((size_t)r->comm_sent_last_step, b, sizeof b));
@@ -150,16 +150,16 @@ void fl_tr_print_memory(trainer *t) {
     else if (t->dp.fsdp)
         fprintf(t->out, "memory of rank 0 (%s: PARAMS, GRADS and OPTIM hold its shard, %zu of %zu elements; "
                 "GATHER the units gathered at a time and their unreduced gradients; WORKSPACE includes the "
-                "reduction's scratch)\n", fl_dp_stage_name(&t->dp), t->opt.n, t->model.layout.numel);
+                "reduction's scratch)\n", fl_dp_stage_name(&t->dp), t->opt.w.n, t->model.layout.numel);
     else if (t->dp.world > 1)
         fprintf(t->out, "memory of rank 0 (%s: OPTIM holds its chunk's state, %zu of %zu elements%s; WORKSPACE "
-                "includes the reduction's scratch)\n", fl_dp_stage_name(&t->dp), t->opt.s_len, t->opt.n,
+                "includes the reduction's scratch)\n", fl_dp_stage_name(&t->dp), t->opt.shard.len, t->opt.w.n,
                 t->dp.stage == 2 ? "; GRADS live after the reduction: its chunk" : "");
     fl_mem_print_report(&t->hw.pool, t->out);
     if (t->hw.opool_ok) {
         fprintf(t->out, "\nhost tier (CPU offload: %s%s, outside the device's budget)\n",
                 t->hw.dpool_ok ? "the optimizer state is in the nvme tier below" : "the optimizer state",
-                t->opt.hp ? "; the update's staging of one piece" : "");
+                t->opt.home.hp ? "; the update's staging of one piece" : "");
         fl_mem_print_report(&t->hw.opool, t->out);
     }
     if (t->hw.dpool_ok) {

@@ -330,7 +330,7 @@ fl_status fl_tr_setup_training(trainer *t, const fl_run_config *rcfg, const fl_s
     FL_TRY(fl_dp_optim_init(&t->dp, rcfg, &t->opt, &t->model)); /* ZeRO: state for this rank's chunk only; offload:
                                                                   * in the host tier */
     FL_TRY(fl_dp_check(&t->dp, &t->opt));
-    if (t->opt.use_loss_scale && cfg->loss_scale_init > 0) t->opt.ls.scale = cfg->loss_scale_init;
+    if (t->opt.amp.on && cfg->loss_scale_init > 0) t->opt.amp.ls.scale = cfg->loss_scale_init;
     t->model.act_ckpt = sc->act_ckpt; /* given, or LitGPT's default under auto's FSDP */
     FL_TRY(fl_model_alloc_acts(&t->model, t->sch.B, t->sch.T));
     size_t per = (size_t)t->sch.B * t->sch.T;

@@ -43,8 +43,8 @@ static fl_dtype word_type(fl_dtype t) { return fl_dtype_size(t) == 4 ? FL_F32 : 
 static fl_status dist_gather(void *ud, fl_optimizer *o) {
     fl_dp *dp = ud;
     if (!dp->comm || dp->stage == 3) return FL_OK; /* FULL_SHARD: the parameters stay sharded */
-    size_t es = fl_dtype_size(o->pt);
-    return fl_error_prefix(fl_comm_all_gather(fl_dp_dcomm(dp), (char *)o->p + o->s_off * es, o->p, o->n, word_type(o->pt)),
+    size_t es = fl_dtype_size(o->w.pt);
+    return fl_error_prefix(fl_comm_all_gather(fl_dp_dcomm(dp), (char *)o->w.p + o->shard.off * es, o->w.p, o->w.n, word_type(o->w.pt)),
                            "%s: gathering the updated parameters", fl_dp_stage_name(dp));
 }
 
@@ -63,14 +63,14 @@ fl_status fl_dp_optim_init(fl_dp *dp, const fl_run_config *cfg, fl_optimizer *o,
     const int sr = dp->stage == 3 && dp->node ? fl_comm_rank(dp->node) : dp->rank;
     if (dp->stage >= 1) FL_TRY(fl_optim_init_offload(o, m, &cfg->optimizer, sw, sr, dp->offload));
     else FL_TRY(fl_optim_init_offload(o, m, &cfg->optimizer, 1, 0, dp->offload));
-    if (dp->stage == 2 && o->cfg.kind == FL_OPT_ADAMW8BIT && o->n / (size_t)dp->world < FL_OPTIM_8BIT_HALO) {
-        size_t n = o->n;
+    if (dp->stage == 2 && o->cfg.kind == FL_OPT_ADAMW8BIT && o->w.n / (size_t)dp->world < FL_OPTIM_8BIT_HALO) {
+        size_t n = o->w.n;
         fl_optim_free(o);
         return fl_errorf(FL_ERR_UNSUPPORTED, "ZeRO-2 with AdamW8bit needs at least %d trainable elements per rank "
                          "(a block of 256 reaches one neighbour only); %zu over %d ranks: use deepspeed_stage_1",
                          FL_OPTIM_8BIT_HALO, n, dp->world);
     }
-    if (dp->comm) o->dist = &dp->dist;
+    if (dp->comm) o->shard.dist = &dp->dist;
     return FL_OK;
 }
 
@@ -83,10 +83,10 @@ static size_t state_es(const fl_optimizer *o) { return o->cfg.state_dtype == FL_
 /* 8-bit AdamW: the bytes of rank r's state (its pieces, tensor by tensor: what it allocated) */
 static size_t packed_bytes(const fl_optimizer *o, int world, int r) {
     size_t total = 0;
-    for (int i = 0; i < o->n_tensors; i++) {
+    for (int i = 0; i < o->w.n_tensors; i++) {
         size_t a, len;
-        fl_optim_8bit_piece(o->n, o->t_off[i], o->t_n[i], world, r, &a, &len);
-        total += fl_adam8bit_state_bytes_ex(len, fl_adam8bit_is_8bit(o->t_n[i]));
+        fl_optim_8bit_piece(o->w.n, o->w.t_off[i], o->w.t_n[i], world, r, &a, &len);
+        total += fl_adam8bit_state_bytes_ex(len, fl_adam8bit_is_8bit(o->w.t_n[i]));
     }
     return total;
 }
@@ -95,10 +95,10 @@ static size_t packed_bytes(const fl_optimizer *o, int world, int r) {
  * that two ranks keep is written twice with the same bytes. */
 static fl_status unpack8(const fl_optimizer *o, int world, int r, void *packed, void *full, int to_full) {
     size_t po = 0, fo = 0;
-    for (int i = 0; i < o->n_tensors; i++) {
-        size_t a, len, tn = o->t_n[i];
+    for (int i = 0; i < o->w.n_tensors; i++) {
+        size_t a, len, tn = o->w.t_n[i];
         int e8 = fl_adam8bit_is_8bit(tn);
-        fl_optim_8bit_piece(o->n, o->t_off[i], tn, world, r, &a, &len);
+        fl_optim_8bit_piece(o->w.n, o->w.t_off[i], tn, world, r, &a, &len);
         fl_adam8bit_state ps, fs;
         FL_TRY(fl_adam8bit_state_bind_ex(&ps, len, e8, (char *)packed + po));
         FL_TRY(fl_adam8bit_state_bind(&fs, tn, (char *)full + fo));
@@ -124,14 +124,14 @@ static fl_status unpack8(const fl_optimizer *o, int world, int r, void *packed, 
 size_t fl_zero8_full_bytes(const fl_optimizer *o) { return packed_bytes(o, 1, 0); }
 
 fl_status fl_zero8_take(fl_optimizer *o, const void *full) {
-    if (!o->dist) return fl_errorf(FL_ERR_INTERNAL, "8-bit ZeRO state: no rank");
+    if (!o->shard.dist) return fl_errorf(FL_ERR_INTERNAL, "8-bit ZeRO state: no rank");
     /* the rank's pieces are assembled in host memory (its own state's bytes, outside the pool: checkpoint
      * I/O staging), then copied to the backend's memory */
     const fl_backend *be = o->model->be;
-    void *host = calloc(1, o->state8_bytes + 4);
+    void *host = calloc(1, o->q8.state_bytes + 4);
     if (!host) return fl_errorf(FL_ERR_OOM, "8-bit ZeRO state: out of host memory");
-    fl_status s = unpack8(o, o->dist->world, o->dist->rank, host, (void *)full, 0);
-    if (s == FL_OK && o->state8_bytes) s = be->to_device(be, o->state8, host, o->state8_bytes);
+    fl_status s = unpack8(o, o->shard.dist->world, o->shard.dist->rank, host, (void *)full, 0);
+    if (s == FL_OK && o->q8.state_bytes) s = be->to_device(be, o->q8.state, host, o->q8.state_bytes);
     free(host);
     return s;
 }
@@ -162,7 +162,7 @@ static fl_status zero_save_streamed(fl_dp *dp, int write, const char *out_dir, c
                                     const fl_optimizer *o, const fl_train_state *st, const fl_run_config *cfg,
                                     const char *tok_dir) {
     const int lead = dp->rank == 0;
-    const size_t es = state_es(o), n = o->n;
+    const size_t es = state_es(o), n = o->w.n;
     const size_t P = g_piece;
     int units = 0; /* pieces: each rank's chunk cut every P elements, in rank order (= element order) */
     for (int r = 0; r < dp->world; r++) {
@@ -186,25 +186,25 @@ static fl_status zero_save_streamed(fl_dp *dp, int write, const char *out_dir, c
     fl_dp_stream8 c8;
     memset(&u8, 0, sizeof u8);
     memset(&c8, 0, sizeof c8);
-    if (s == FL_OK && o->state8) s = fl_dp_stream8_init(&u8, &c8, dp, dp->comm, dp->world, dp->rank, 0, o, NULL);
+    if (s == FL_OK && o->q8.state) s = fl_dp_stream8_init(&u8, &c8, dp, dp->comm, dp->world, dp->rank, 0, o, NULL);
     s = fl_dp_agree(dp, s);
     if (s != FL_OK) {
         free(start), free(buf);
         fl_dp_stream8_free(&u8, &c8);
         return s;
     }
-    const void *arr[3] = {o->m, o->v, o->buf};
+    const void *arr[3] = {o->st.m, o->st.v, o->st.buf};
     fl_dp_stream us[3];
     for (int a = 0; a < 3; a++)
-        us[a] = (fl_dp_stream){dp, units, start, es, fetch_piece, arr[a], o->s_off, buf, 0, FL_OK, (void *)o};
+        us[a] = (fl_dp_stream){dp, units, start, es, fetch_piece, arr[a], o->shard.off, buf, 0, FL_OK, (void *)o};
     fl_dp_stream_tensor ut[4];
     fl_st_write_tensor t[4];
-    const int nt = fl_dp_stream_state_tensors(o, n, us, o->state8 ? &u8 : NULL, ut, t);
+    const int nt = fl_dp_stream_state_tensors(o, n, us, o->q8.state ? &u8 : NULL, ut, t);
     if (lead && write) s = fl_ckpt_save_streamed(out_dir, name, m, o, st, cfg, tok_dir, NULL, t, nt);
     fl_status g = FL_OK; /* every rank: every piece, in order (rank 0: those its writer did not ask for) */
     for (int a = 0; g == FL_OK && a < 3; a++)
         if (arr[a]) g = fl_dp_stream_drain(&us[a]);
-    if (g == FL_OK && o->state8) g = fl_dp_stream_drain(&u8);
+    if (g == FL_OK && o->q8.state) g = fl_dp_stream_drain(&u8);
     fl_dp_stream8_free(&u8, &c8);
     if (s == FL_OK) s = g;
     free(start);

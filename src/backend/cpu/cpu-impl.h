@@ -206,6 +206,8 @@ void fl_cpu_attention_decode(const fl_backend *be, float *out, const float *q, c
 /* ---- act.c -------------------------------------------------------------------- */
 void fl_cpu_swiglu_forward(const fl_backend *be, float *out, const float *gu, int N, int F);
 void fl_cpu_swiglu_backward(const fl_backend *be, float *dgu, const float *dout, const float *gu, int N, int F);
+void fl_cpu_geglu_forward(const fl_backend *be, float *out, const float *gu, int N, int F);
+void fl_cpu_geglu_backward(const fl_backend *be, float *dgu, const float *dout, const float *gu, int N, int F);
 void fl_cpu_gelu_forward(const fl_backend *be, float *out, const float *inp, size_t n);
 void fl_cpu_gelu_backward(const fl_backend *be, float *dinp, const float *dout, const float *inp, size_t n);
 void fl_cpu_relu_forward(const fl_backend *be, float *out, const float *inp, size_t n);

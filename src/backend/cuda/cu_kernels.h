@@ -47,6 +47,8 @@ extern "C" {
     int P##gelu_backward(float *dinp, const float *dout, const float *inp, size_t n, void *stream);             \
     int P##relu_forward(float *out, const float *inp, size_t n, void *stream);                                  \
     int P##relu_backward(float *dinp, const float *dout, const float *inp, size_t n, void *stream);             \
+    int P##geglu_forward(float *out, const float *gu, int N, int F, void *stream);                              \
+    int P##geglu_backward(float *dgu, const float *dout, const float *gu, int N, int F, void *stream);           \
     /* rope_forward (backward = 0) or rope_backward (1), in place */                                       \
     int P##rope(float *x, int B, int T, int nh, int HD, size_t row_stride, const float *cos_t,                  \
                 const float *sin_t, int pos0, int backward, void *stream);                                     \

@@ -249,6 +249,12 @@ static void flb_gelu_forward(const fl_backend *be, float *out, const float *inp,
 static void flb_gelu_backward(const fl_backend *be, float *dinp, const float *dout, const float *inp, size_t n) {
     FLB_RUN(be, FLB_K(gelu_backward)(dinp, dout, inp, n, STREAM), "gelu_backward");
 }
+static void flb_geglu_forward(const fl_backend *be, float *out, const float *gu, int N, int F) {
+    FLB_RUN(be, FLB_K(geglu_forward)(out, gu, N, F, STREAM), "geglu_forward");
+}
+static void flb_geglu_backward(const fl_backend *be, float *dgu, const float *dout, const float *gu, int N, int F) {
+    FLB_RUN(be, FLB_K(geglu_backward)(dgu, dout, gu, N, F, STREAM), "geglu_backward");
+}
 static void flb_relu_forward(const fl_backend *be, float *out, const float *inp, size_t n) {
     FLB_RUN(be, FLB_K(relu_forward)(out, inp, n, STREAM), "relu_forward");
 }
@@ -523,6 +529,8 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->gelu_backward = flb_gelu_backward;
     be->relu_forward = flb_relu_forward;
     be->relu_backward = flb_relu_backward;
+    be->geglu_forward = flb_geglu_forward;
+    be->geglu_backward = flb_geglu_backward;
     be->add = flb_add;
     be->bias_forward = flb_bias_forward;
     be->bias_backward = flb_bias_backward;

@@ -369,6 +369,12 @@ static void op_gelu_forward(const fl_backend *be, float *out, const float *inp, 
 static void op_gelu_backward(const fl_backend *be, float *dinp, const float *dout, const float *inp, size_t n) {
     OPV(IN->gelu_backward(IN, dinp, dout, inp, n));
 }
+static void op_geglu_forward(const fl_backend *be, float *out, const float *gu, int N, int F) {
+    OPV(IN->geglu_forward(IN, out, gu, N, F));
+}
+static void op_geglu_backward(const fl_backend *be, float *dgu, const float *dout, const float *gu, int N, int F) {
+    OPV(IN->geglu_backward(IN, dgu, dout, gu, N, F));
+}
 static void op_relu_forward(const fl_backend *be, float *out, const float *inp, size_t n) {
     OPV(IN->relu_forward(IN, out, inp, n));
 }
@@ -534,6 +540,8 @@ fl_status fl_opaque_backend_init(fl_backend *be, int n_threads) {
     be->gelu_backward = op_gelu_backward;
     be->relu_forward = op_relu_forward;
     be->relu_backward = op_relu_backward;
+    be->geglu_forward = op_geglu_forward;
+    be->geglu_backward = op_geglu_backward;
     be->add = op_add;
     be->bias_forward = op_bias_forward;
     be->bias_backward = op_bias_backward;

@@ -54,6 +54,28 @@ __global__ static void fl_cu_relu_bwd_k(float *dinp, const float *dout, const fl
         dinp[i] += inp[i] <= 0.0f ? 0.0f : dout[i];
 }
 
+/* GEGLU (T5 v1.1) on the fused [gate | lin] rows: gelu_tanh(gate) * lin, the CPU backend's formulas */
+__global__ static void fl_cu_geglu_fwd_k(float *out, const float *gu, int N, int F) {
+    size_t total = (size_t)N * F;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        size_t n = i / F, f = i % F;
+        float x = gu[n * 2 * F + f], u = gu[n * 2 * F + F + f], t = FL_CU_GELU_K * (x + FL_CU_GELU_A * x * x * x);
+        out[i] = x * fl_cu_sigmoidf(2.0f * t) * u;
+    }
+}
+
+__global__ static void fl_cu_geglu_bwd_k(float *dgu, const float *dout, const float *gu, int N, int F) {
+    size_t total = (size_t)N * F;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        size_t n = i / F, f = i % F;
+        float x = gu[n * 2 * F + f], u = gu[n * 2 * F + F + f], d = dout[i];
+        float t = FL_CU_GELU_K * (x + FL_CU_GELU_A * x * x * x), sg = fl_cu_sigmoidf(2.0f * t);
+        float dg = sg + 2.0f * x * sg * (1.0f - sg) * FL_CU_GELU_K * (1.0f + 3.0f * FL_CU_GELU_A * x * x);
+        dgu[n * 2 * F + f] += d * u * dg;
+        dgu[n * 2 * F + F + f] += d * x * sg;
+    }
+}
+
 static unsigned act_blocks(size_t n) {
     size_t b = (n + 255) / 256;
     return (unsigned)(b > 1024 ? 1024 : b ? b : 1);
@@ -88,5 +110,16 @@ extern "C" int FL_CUK(relu_forward)(float *out, const float *inp, size_t n, void
 extern "C" int FL_CUK(relu_backward)(float *dinp, const float *dout, const float *inp, size_t n, void *stream) {
     if (n == 0) return 0;
     FL_CU_LAUNCH(fl_cu_relu_bwd_k, dim3(act_blocks(n)), dim3(256), 0, (fl_cu_stream)stream, dinp, dout, inp, n);
+    return fl_cu_launch_error();
+}
+extern "C" int FL_CUK(geglu_forward)(float *out, const float *gu, int N, int F, void *stream) {
+    if (N <= 0 || F <= 0) return 0;
+    FL_CU_LAUNCH(fl_cu_geglu_fwd_k, dim3(act_blocks((size_t)N * F)), dim3(256), 0, (fl_cu_stream)stream, out, gu, N, F);
+    return fl_cu_launch_error();
+}
+extern "C" int FL_CUK(geglu_backward)(float *dgu, const float *dout, const float *gu, int N, int F, void *stream) {
+    if (N <= 0 || F <= 0) return 0;
+    FL_CU_LAUNCH(fl_cu_geglu_bwd_k, dim3(act_blocks((size_t)N * F)), dim3(256), 0, (fl_cu_stream)stream, dgu, dout, gu,
+                 N, F);
     return fl_cu_launch_error();
 }

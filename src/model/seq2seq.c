@@ -1,0 +1,559 @@
+/* The model graph interpreted over several stacks (graph.h fl_model_graph): an encoder-decoder's training passes.
+ * Each stack is its ops in order (EMBED, RELBIAS, BLOCKS, NORM, then OUTPUT: the stream the next stack's blocks
+ * read as their XSTREAM slot, or HEAD_LM: the chunked head and cross-entropy); the backward runs the stacks in
+ * reverse, the last stack's cross-attention gradients accumulating into d(the earlier stack's output), which then
+ * starts that stack's backward. The blocks are the block graph's executors (graph.c), one graph per stack.
+ * Written as the interpreter the decoder-only passes (transformer.c) are to be folded into (issue 29): nothing here
+ * knows T5 but the relative position buckets (T5's, the only RELBIAS there is).
+ *
+ * The arena: per stack its residual stream (L + 1 views of B x T rows), every block's saved slots (an XSTREAM's
+ * and what is computed from it alone, B x Tk rows: the earlier stack's), its final norm's output and statistics
+ * (ACTS); the relative bias (NH, T, T), its gradient and bucket indices, the ids, the key padding mask, d(stream)
+ * of the earlier stack, the backward's gradient buffers (rows B x max(T) of the stacks), one logits chunk and the
+ * per-token losses (WORKSPACE). Activation checkpointing: one block's slots per stack, shared by its blocks and
+ * recomputed in the backward. fp32 storage and activations; what is not done is refused by name. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model-impl.h"
+#include "store.h"
+
+typedef struct {
+    fl_block_graph g;
+    int L, l0;            /* blocks; the first one's index among all the model's blocks (layout group l0 + 1) */
+    int Tmax;             /* rows per sequence the arena holds */
+    int xslot;            /* the XSTREAM slot of its blocks (the earlier stack's output), -1 */
+    float **res;          /* L + 1 views (B Tmax, C) */
+    fl_layer_acts *layer; /* L */
+    float *nout, *nrstd;  /* the final norm's output (B Tmax, C) and rstd (B Tmax) */
+    float *bias, *dbias;  /* (NH, T, T) relative position bias and its gradient */
+    int32_t *buckets;     /* (T, T) bucket of each (query, key) (device memory) */
+    int32_t *ids;         /* (B T) (device memory) */
+} s2s_stack;
+
+struct fl_s2s_acts {
+    int B, n_stacks;      /* the arena's sequences; the stacks */
+    int Bp;               /* the last forward's sequences (<= B) */
+    s2s_stack st[FL_MODEL_GRAPH_MAX_STACKS];
+    int T[FL_MODEL_GRAPH_MAX_STACKS]; /* the last forward's rows per sequence */
+    uint8_t *kmask;       /* (B, T[0]) the first stack's key padding mask (device memory) */
+    int kmask_on;
+    float *dstream;       /* (B T[0], C) d(the first stack's output) */
+    float *gb[FL_GRAPH_MAX_GBUF]; /* the backward's gradient buffers, B x max Tmax rows; gb[1] also d(final norm out) */
+    float *logits, *losses;
+    int32_t *targets;     /* device copy when the backend's memory is not host memory, else NULL */
+    int chunk;            /* logits rows per chunk */
+};
+
+int fl_model_is_s2s(const fl_model_config *c) { return c->n_dec_layers > 0; }
+
+void fl_s2s_free(struct fl_s2s_acts *s) {
+    if (!s) return;
+    for (int k = 0; k < FL_MODEL_GRAPH_MAX_STACKS; k++) free(s->st[k].res), free(s->st[k].layer);
+    free(s);
+}
+
+/* ---- the arena ---------------------------------------------------------------------------- */
+
+typedef struct {
+    char *base;
+    size_t off;
+} carver;
+
+static void *take(carver *cv, size_t bytes) {
+    void *p = cv->base ? (void *)(cv->base + cv->off) : NULL;
+    cv->off += (bytes + 63) / 64 * 64;
+    return p;
+}
+#define TAKEF(cv, n) ((float *)take((cv), (size_t)(n) * sizeof(float)))
+
+/* Rows of slot k of stack s's blocks per sequence: its own T, or the earlier stack's for an XSTREAM and what is
+ * computed from it alone. */
+static int slot_T(const struct fl_s2s_acts *a, int s, int k, const int *T) {
+    return a->st[s].g.slot[k].xrows && s > 0 ? T[s - 1] : T[s];
+}
+
+/* ACTS: every stack's residual stream, saved slots and final norm (base NULL: count only). */
+static size_t carve_acts(const fl_model *m, struct fl_s2s_acts *a, char *base) {
+    carver cv = {base, 0};
+    const size_t C = (size_t)m->cfg.dim, B = (size_t)a->B;
+    int T[FL_MODEL_GRAPH_MAX_STACKS];
+    for (int s = 0; s < a->n_stacks; s++) T[s] = a->st[s].Tmax;
+    for (int s = 0; s < a->n_stacks; s++) {
+        s2s_stack *st = &a->st[s];
+        const size_t N = B * (size_t)st->Tmax;
+        for (int l = 0; l <= st->L; l++) {
+            float *r = TAKEF(&cv, N * C);
+            if (base) st->res[l] = r;
+        }
+        /* activation checkpointing: one block's slots shared by the stack's blocks (recomputed in the backward) */
+        fl_layer_acts la;
+        for (int l = 0; l < st->L; l++) {
+            if (l == 0 || !m->act_ckpt) {
+                memset(&la, 0, sizeof la);
+                for (int k = 0; k < st->g.n_prod; k++) {
+                    const int sl = st->g.prod[k];
+                    la.s[sl] = TAKEF(&cv, B * (size_t)slot_T(a, s, sl, T) * (size_t)st->g.slot[sl].width);
+                }
+            }
+            if (!base) continue;
+            la.s[FL_GSLOT_IN] = st->res[l];
+            la.s[FL_GSLOT_OUT] = st->res[l + 1];
+            st->layer[l] = la;
+        }
+        float *no = TAKEF(&cv, N * C), *nr = TAKEF(&cv, N);
+        if (base) st->nout = no, st->nrstd = nr;
+    }
+    /* the later stacks' blocks read the earlier stack's output */
+    for (int s = 1; base && s < a->n_stacks; s++)
+        for (int l = 0; a->st[s].xslot >= 0 && l < a->st[s].L; l++) a->st[s].layer[l].s[a->st[s].xslot] = a->st[s - 1].nout;
+    return cv.off;
+}
+
+/* WORKSPACE: relative biases, buckets, ids, mask, d(stream), gradient buffers, logits chunk, losses, targets. */
+static size_t carve_work(const fl_model *m, struct fl_s2s_acts *a, char *base) {
+    carver cv = {base, 0};
+    const size_t C = (size_t)m->cfg.dim, B = (size_t)a->B, NH = (size_t)m->cfg.n_heads;
+    int Tx = 0, width[FL_GRAPH_MAX_GBUF] = {0}, ngb = FL_N_GBUF;
+    for (int s = 0; s < a->n_stacks; s++) {
+        s2s_stack *st = &a->st[s];
+        const size_t T = (size_t)st->Tmax;
+        float *bi = TAKEF(&cv, NH * T * T), *db = TAKEF(&cv, NH * T * T);
+        int32_t *bk = take(&cv, T * T * sizeof(int32_t)), *ids = take(&cv, B * T * sizeof(int32_t));
+        if (base) st->bias = bi, st->dbias = db, st->buckets = bk, st->ids = ids;
+        if (st->Tmax > Tx) Tx = st->Tmax;
+        if (st->g.n_gbuf > ngb) ngb = st->g.n_gbuf;
+        for (int k = 0; k < st->g.n_gbuf; k++)
+            if (st->g.gbuf_width[k] > width[k]) width[k] = st->g.gbuf_width[k];
+    }
+    const size_t T0 = (size_t)a->st[0].Tmax, Tl = (size_t)a->st[a->n_stacks - 1].Tmax;
+    uint8_t *km = take(&cv, B * T0);
+    float *ds = TAKEF(&cv, B * T0 * C);
+    for (int k = 0; k < ngb; k++) { /* dres and buf1 (d(final norm out)) at least C wide */
+        float *g = TAKEF(&cv, B * (size_t)Tx * (size_t)(k < 2 && width[k] < (int)C ? (int)C : width[k]));
+        if (base) a->gb[k] = g;
+    }
+    a->chunk = fl_logits_chunk_rows(m->cfg.vocab_size, (int)(B * Tl));
+    float *lg = TAKEF(&cv, (size_t)a->chunk * m->cfg.vocab_size), *ls = TAKEF(&cv, B * Tl);
+    int32_t *tg = fl_backend_host_memory(m->be) ? NULL : take(&cv, B * Tl * sizeof(int32_t));
+    if (base) a->kmask = km, a->dstream = ds, a->logits = lg, a->losses = ls, a->targets = tg;
+    return cv.off;
+}
+
+fl_status fl_model_alloc_acts_s2s(fl_model *m, int B, int Ts, int Tt) {
+    if (!fl_model_is_s2s(&m->cfg))
+        return fl_errorf(FL_ERR_INVALID, "fl_model_alloc_acts_s2s: %s has one stack (fl_model_alloc_acts)",
+                         fl_arch_get(m->cfg.arch)->display);
+    if (B <= 0 || Ts <= 0 || Tt <= 0)
+        return fl_errorf(FL_ERR_INVALID, "micro-batch must be positive (B=%d, source %d, target %d)", B, Ts, Tt);
+    fl_model_free_acts(m);
+    fl_acts *acts = calloc(1, sizeof *acts);
+    struct fl_s2s_acts *a = calloc(1, sizeof *a);
+    if (!acts || !a) {
+        free(acts), free(a);
+        return fl_errorf(FL_ERR_OOM, "activation views: out of host memory");
+    }
+    acts->s2s = a;
+    acts->act_dtype = FL_F32;
+    m->acts = acts;
+    m->act_dtype = FL_F32;
+    a->B = B;
+    fl_model_graph mg;
+    fl_status s = fl_model_graph_build(&m->cfg, &mg);
+    a->n_stacks = mg.n_stacks;
+    const int Ls[2] = {m->cfg.n_layers, m->cfg.n_dec_layers}, Tm[2] = {Ts, Tt};
+    for (int k = 0; s == FL_OK && k < a->n_stacks; k++) {
+        s2s_stack *st = &a->st[k];
+        s = fl_stack_graph_build(&m->cfg, k, &st->g);
+        st->L = Ls[k];
+        st->l0 = k ? Ls[0] : 0;
+        st->Tmax = Tm[k];
+        st->xslot = -1;
+        for (int j = 0; j < st->g.n_slots; j++)
+            if (st->g.slot[j].kind == FL_GSLOT_XSTREAM) st->xslot = j;
+        st->res = calloc((size_t)st->L + 1, sizeof *st->res);
+        st->layer = calloc((size_t)st->L, sizeof *st->layer);
+        if (s == FL_OK && (!st->res || !st->layer)) s = fl_errorf(FL_ERR_OOM, "activation views: out of host memory");
+    }
+    if (s != FL_OK) {
+        fl_model_free_acts(m);
+        return s;
+    }
+    memset(&m->sizes, 0, sizeof m->sizes);
+    m->sizes.acts_bytes = carve_acts(m, a, NULL);
+    m->sizes.workspace_bytes = carve_work(m, a, NULL);
+    m->sizes.logits_chunk_rows = a->chunk;
+    s = fl_mem_alloc(m->pool, FL_TAG_ACTS, m->sizes.acts_bytes, (void **)&m->acts_arena);
+    if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, m->sizes.workspace_bytes, (void **)&m->work_arena);
+    if (s != FL_OK) {
+        fl_model_free_acts(m);
+        return fl_error_prefix(s, "allocating activations for B=%d, source %d, target %d", B, Ts, Tt);
+    }
+    carve_acts(m, a, (char *)m->acts_arena);
+    carve_work(m, a, (char *)m->work_arena);
+    m->B = B;
+    m->T = Tt > Ts ? Tt : Ts;
+    /* the adapters' activations: rows of the longer stack (a cross k|v adapter sees the source's) */
+    s = m->adapt && m->adapt->h.alloc_acts ? m->adapt->h.alloc_acts(m, B, m->T) : FL_OK;
+    if (s != FL_OK) {
+        fl_model_free_acts(m);
+        return fl_error_prefix(s, "allocating the adapters' activations");
+    }
+    return FL_OK;
+}
+
+/* ---- relative position bias (T5) ------------------------------------------------------------- */
+
+/* transformers' T5Attention._relative_position_bucket for key j and query i, in its float32 arithmetic:
+ * bidirectional (the encoder) halves the buckets between keys after and before the query; causal (the decoder)
+ * sees only keys before it. Small distances get a bucket each, larger ones logarithmic bins up to max_dist. */
+static int32_t rel_bucket(int i, int j, int bidir, int buckets, int max_dist) {
+    int rel = j - i, ret = 0, nb = buckets, n;
+    if (bidir) {
+        nb /= 2;
+        ret = rel > 0 ? nb : 0;
+        n = rel < 0 ? -rel : rel;
+    } else {
+        n = rel < 0 ? -rel : 0;
+    }
+    const int me = nb / 2;
+    if (n < me) return ret + n;
+    const float lg = logf((float)n / (float)me) / (float)log((double)max_dist / me) * (float)(nb - me);
+    int v = me + (int)lg;
+    return ret + (v < nb - 1 ? v : nb - 1);
+}
+
+/* bias (NH, T, T) = table (NH, buckets) at each (query, key)'s bucket: one embedding lookup of width 1 per head */
+static fl_status relbias_forward(fl_model *m, s2s_stack *st, int T, int bidir) {
+    const fl_backend *be = m->be;
+    const int nb = m->cfg.rel_buckets, NH = m->cfg.n_heads;
+    int32_t *bk = malloc((size_t)T * T * sizeof *bk);
+    if (!bk) return fl_errorf(FL_ERR_OOM, "relative position buckets: out of host memory");
+    for (int i = 0; i < T; i++)
+        for (int j = 0; j < T; j++) bk[(size_t)i * T + j] = rel_bucket(i, j, bidir, nb, m->cfg.rel_max_dist);
+    fl_status s = be->to_device(be, st->buckets, bk, (size_t)T * T * sizeof *bk);
+    free(bk);
+    FL_TRY(s);
+    const int ti = fl_layout_role(&m->layout, st->l0 + 1, FL_ROLE_REL_BIAS);
+    if (ti < 0) return fl_errorf(FL_ERR_INTERNAL, "stack of block %d has no relative_attention_bias", st->l0);
+    const float *tab = fl_model_params_f32(m) + fl_model_store_off(m, ti);
+    for (int h = 0; h < NH; h++)
+        be->embedding_forward(be, st->bias + (size_t)h * T * T, st->buckets, tab + (size_t)h * nb, NULL, 1, T * T, 1);
+    return FL_OK;
+}
+
+static void relbias_backward(fl_model *m, s2s_stack *st, int T) {
+    if (!fl_model_grads_f32(m)) return; /* the base is frozen (LoRA) */
+    const int nb = m->cfg.rel_buckets, ti = fl_layout_role(&m->layout, st->l0 + 1, FL_ROLE_REL_BIAS);
+    float *dtab = fl_model_grads_f32(m) + m->layout.params[ti].offset;
+    for (int h = 0; h < m->cfg.n_heads; h++)
+        m->be->embedding_backward(m->be, dtab + (size_t)h * nb, NULL, st->dbias + (size_t)h * T * T, st->buckets, 1,
+                                  T * T, 1);
+}
+
+/* ---- the passes --------------------------------------------------------------------------- */
+
+static float *param_of(const fl_model *m, int g, int role, int grad) {
+    const int i = role < 0 ? -1 : fl_layout_role(&m->layout, g, (fl_param_role)role);
+    if (i < 0) return NULL;
+    if (grad) return fl_model_grads_f32(m) ? fl_model_grads_f32(m) + m->layout.params[i].offset : NULL;
+    return fl_model_params_f32(m) + fl_model_store_off(m, i);
+}
+
+static fl_block_ctx stack_ctx(const struct fl_s2s_acts *a, int s, float *const *dxs) {
+    fl_block_ctx x = {.B = a->Bp, .T = a->T[s]};
+    x.kmask = a->kmask_on ? a->kmask : NULL; /* the first stack's keys: its self-attention's and the cross-attention's */
+    x.attn_bias = a->st[s].bias;
+    x.Tk = s > 0 ? a->T[s - 1] : a->T[s];
+    x.dxs = dxs;
+    return x;
+}
+
+static fl_status check_model(const fl_model *m, const char *fn) {
+    if (!m->acts || !m->acts->s2s)
+        return fl_errorf(FL_ERR_INVALID, "%s: activations not allocated (call fl_model_alloc_acts_s2s)", fn);
+    if (!fl_model_params_f32(m) || fl_model_provider(m) || fl_model_quant4(m) || (m->prec.name && m->prec.compute_copy))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: encoder-decoders run fp32 storage and compute only so far (no 16-bit "
+                         "or 4-bit weights, mixed precision or sharding yet)", fn);
+    if (fl_model_adapters_are_merged(m)) /* the adapters are in the weights: running them again would double them */
+        return fl_errorf(FL_ERR_INVALID, "%s: the LoRA adapters were merged into the weights; save the model and reload "
+                         "it to run it", fn);
+    return FL_OK;
+}
+
+/* The head and the loss over the last stack's final norm output, chunked over rows; in training its backward too,
+ * leaving d(the norm's output) in gb[1]. */
+static fl_status head_loss(fl_model *m, const int32_t *targets, int N, float grad_scale, float *logits_out) {
+    const fl_backend *be = m->be;
+    struct fl_s2s_acts *a = m->acts->s2s;
+    const s2s_stack *st = &a->st[a->n_stacks - 1];
+    const int C = m->cfg.dim, V = m->cfg.vocab_size, train = grad_scale > 0 && targets;
+    fl_outer_params op;
+    fl_get_outer(m, &op);
+    fl_linear head = {.in = C, .out = V, .w = op.head, .dw = op.dhead};
+    fl_linear_set_weight(m, &head, op.head_idx);
+    const int32_t *tg = targets;
+    if (targets && a->targets) {
+        FL_TRY(be->to_device(be, a->targets, targets, (size_t)N * sizeof *targets));
+        tg = a->targets;
+    }
+    for (int r0 = 0; r0 < N; r0 += a->chunk) {
+        const int rows = N - r0 < a->chunk ? N - r0 : a->chunk;
+        const float *xr = st->nout + (size_t)r0 * C;
+        fl_model_bind_adapters(m, -1, 0, &head, r0); /* head adapters: this chunk */
+        FL_TRY(fl_linear_forward(be, a->logits, xr, &head, rows)); // (rows, V)
+        if (logits_out) FL_TRY(be->to_host(be, logits_out + (size_t)r0 * V, a->logits, (size_t)rows * V * sizeof(float)));
+        if (!targets) continue;
+        be->cross_entropy(be, a->losses + r0, train ? a->logits : NULL, a->logits, tg + r0, rows, V, grad_scale,
+                          FL_IGNORE_INDEX);
+        if (train) FL_TRY(fl_linear_backward(be, a->gb[1] + (size_t)r0 * C, 0, a->logits, xr, &head, rows));
+    }
+    if (!targets) return FL_OK;
+    float *l = malloc((size_t)N * sizeof *l);
+    if (!l) return fl_errorf(FL_ERR_OOM, "losses: out of host memory");
+    fl_status s = be->to_host(be, l, a->losses, (size_t)N * sizeof *l);
+    for (int i = 0; s == FL_OK && i < N; i++)
+        if (targets[i] != FL_IGNORE_INDEX) {
+            m->loss_sum += l[i];
+            m->n_valid++;
+        }
+    free(l);
+    return s;
+}
+
+/* Stack s's model-graph ops, forward. */
+static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, const int32_t *ids, const int32_t *targets,
+                               float grad_scale, float *logits_out) {
+    const fl_backend *be = m->be;
+    struct fl_s2s_acts *a = m->acts->s2s;
+    s2s_stack *st = &a->st[s];
+    const int T = a->T[s], N = a->Bp * T, G = m->layout.n_groups - 1;
+    fl_outer_params op;
+    fl_get_outer(m, &op);
+    for (int i = 0; i < mg->n_ops; i++) {
+        if (mg->op[i].stack != s) continue;
+        switch ((fl_mop_kind)mg->op[i].kind) {
+        case FL_MOP_EMBED:
+            FL_TRY(be->to_device(be, st->ids, ids, (size_t)N * sizeof *ids));
+            fl_embed_forward(m, &op, st->res[0], st->ids, ids, a->Bp, T, 0);
+            break;
+        case FL_MOP_RELBIAS: FL_TRY(relbias_forward(m, st, T, s < mg->n_stacks - 1)); break;
+        case FL_MOP_BLOCKS:
+            for (int l = 0; l < st->L; l++) {
+                fl_block_params bp;
+                fl_get_block(m, &st->g, st->l0 + l, &bp);
+                fl_block_ctx x = stack_ctx(a, s, NULL);
+                FL_TRY(fl_block_forward(m, &st->g, &bp, st->layer[l].s, &x));
+            }
+            break;
+        case FL_MOP_NORM:
+            fl_norm_forward(m, st->nout, NULL, st->nrstd, st->res[st->L], param_of(m, G, mg->op[i].role_w, 0), NULL, N);
+            break;
+        case FL_MOP_OUTPUT: break; /* nout is the next stack's XSTREAM (bound when carved) */
+        case FL_MOP_HEAD_LM:
+            if (m->cfg.head_scale) be->scale(be, st->nout, (size_t)N * m->cfg.dim, 1.0f / sqrtf((float)m->cfg.dim));
+            FL_TRY(head_loss(m, targets, N, grad_scale, logits_out));
+            break;
+        default:
+            return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_forward_s2s: model graph op %d is not executed in a stack",
+                             mg->op[i].kind);
+        }
+    }
+    return FL_OK;
+}
+
+fl_status fl_model_forward_s2s(fl_model *m, const int32_t *src_ids, const uint8_t *src_mask, const int32_t *dec_ids,
+                               const int32_t *targets, int B, int Ts, int Tt, float grad_scale, float *logits_out) {
+    FL_TRY(check_model(m, "fl_model_forward_s2s"));
+    struct fl_s2s_acts *a = m->acts->s2s;
+    if (B > a->B || Ts > a->st[0].Tmax || Tt > a->st[1].Tmax || B <= 0 || Ts <= 0 || Tt <= 0)
+        return fl_errorf(FL_ERR_INVALID, "fl_model_forward_s2s: batch %d x source %d x target %d exceeds the arena's "
+                         "(%d x %d x %d)", B, Ts, Tt, a->B, a->st[0].Tmax, a->st[1].Tmax);
+    if (grad_scale > 0 && (!targets || (!fl_model_grads_f32(m) && !m->adapt)))
+        return fl_errorf(FL_ERR_INVALID, "fl_model_forward_s2s: training forward needs targets and gradient buffers");
+    const int V = m->cfg.vocab_size;
+    const int32_t *ids[2] = {src_ids, dec_ids};
+    const int T[2] = {Ts, Tt};
+    for (int s = 0; s < 2; s++)
+        for (int i = 0; i < B * T[s]; i++)
+            if (ids[s][i] < 0 || ids[s][i] >= V)
+                return fl_errorf(FL_ERR_INVALID, "%s token id %d at position %d is outside the vocabulary [0, %d)",
+                                 s ? "decoder input" : "source", ids[s][i], i, V);
+    for (int i = 0; targets && i < B * Tt; i++)
+        if (targets[i] != FL_IGNORE_INDEX && (targets[i] < 0 || targets[i] >= V))
+            return fl_errorf(FL_ERR_INVALID, "target id %d at position %d is outside the vocabulary [0, %d)", targets[i],
+                             i, V);
+    fl_model_graph mg;
+    FL_TRY(fl_model_graph_build(&m->cfg, &mg));
+    /* the arena's views are laid out for its maxima; a smaller pass uses them as contiguous (B, T) rows */
+    a->Bp = B;
+    a->T[0] = Ts, a->T[1] = Tt;
+    a->kmask_on = src_mask != NULL;
+    fl_status s = src_mask ? m->be->to_device(m->be, a->kmask, src_mask, (size_t)B * Ts) : FL_OK;
+    m->loss_sum = 0;
+    m->n_valid = 0;
+    m->have_targets = targets != NULL;
+    for (int k = 0; s == FL_OK && k < mg.n_stacks; k++)
+        s = stack_forward(m, &mg, k, ids[k], targets, grad_scale, logits_out);
+    m->fwd_B = B;
+    m->fwd_T = Tt;
+    m->fwd_train = s == FL_OK && grad_scale > 0;
+    return s;
+}
+
+/* Stack s's backward: d(its final norm's output) in dnout, into its parameters' gradients; the cross-attention's
+ * into d(the earlier stack's output) (a->dstream, zeroed here). */
+static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, const float *dnout) {
+    const fl_backend *be = m->be;
+    struct fl_s2s_acts *a = m->acts->s2s;
+    s2s_stack *st = &a->st[s];
+    const int T = a->T[s], N = a->Bp * T, C = m->cfg.dim, G = m->layout.n_groups - 1;
+    float *dres = a->gb[0];
+    int role_norm = -1;
+    for (int i = 0; i < mg->n_ops; i++)
+        if (mg->op[i].stack == s && mg->op[i].kind == FL_MOP_NORM) role_norm = mg->op[i].role_w;
+    be->zero(be, dres, (size_t)N * C * sizeof(float));
+    fl_norm_backward(m, dres, param_of(m, G, role_norm, 1), NULL, dnout, st->res[st->L], param_of(m, G, role_norm, 0),
+                     NULL, st->nrstd, N);
+    be->zero(be, st->dbias, (size_t)m->cfg.n_heads * T * T * sizeof(float));
+    float *dxs[FL_GRAPH_MAX_SLOTS] = {0};
+    if (st->xslot >= 0) {
+        dxs[st->xslot] = a->dstream;
+        be->zero(be, a->dstream, (size_t)a->Bp * a->T[s - 1] * C * sizeof(float));
+    }
+    for (int l = st->L - 1; l >= 0; l--) {
+        fl_block_params bp;
+        fl_get_block(m, &st->g, st->l0 + l, &bp);
+        fl_block_ctx x = stack_ctx(a, s, dxs);
+        /* checkpointing: the block's slots again from its saved input (the last block's are still there: each stack
+         * has its own shared buffer, and the same ops in the same order give the same bits) */
+        if (m->act_ckpt && l < st->L - 1) {
+            FL_TRY(fl_block_forward(m, &st->g, &bp, st->layer[l].s, &x));
+            m->ckpt_recomputed++;
+        }
+        x.dattn_bias = st->dbias;
+        FL_TRY(fl_block_backward(m, &st->g, &bp, st->layer[l].s, a->gb, &x));
+    }
+    relbias_backward(m, st, T);
+    fl_outer_params op;
+    fl_get_outer(m, &op);
+    return fl_embed_backward(m, &op, dres, st->ids, a->Bp, T);
+}
+
+fl_status fl_model_backward_s2s(fl_model *m) {
+    FL_TRY(check_model(m, "fl_model_backward_s2s"));
+    struct fl_s2s_acts *a = m->acts->s2s;
+    if (!m->fwd_train)
+        return fl_errorf(FL_ERR_INVALID, "fl_model_backward_s2s: needs a preceding training forward (grad_scale > 0)");
+    fl_model_graph mg;
+    fl_status s = fl_model_graph_build(&m->cfg, &mg);
+    const int last = mg.n_stacks - 1, N = a->Bp * a->T[last];
+    m->ckpt_recomputed = 0;
+    if (s == FL_OK && m->cfg.head_scale) /* d(norm out) = scale x d(head input) */
+        m->be->scale(m->be, a->gb[1], (size_t)N * m->cfg.dim, 1.0f / sqrtf((float)m->cfg.dim));
+    /* the last stack from the head's d(its norm's output); each earlier one from d(its output) the later left */
+    for (int k = last; s == FL_OK && k >= 0; k--) s = stack_backward(m, &mg, k, k == last ? a->gb[1] : a->dstream);
+    m->fwd_train = 0;
+    return s;
+}
+
+/* ---- greedy decoding ------------------------------------------------------------------------ */
+
+/* One decoder token with the cache (B = 1): row n-1 of the last stack, its blocks' per-row slots viewed at that row
+ * (the q|k|v slot's earlier rows are the cache the earlier steps wrote), the cross k|v kept from the first step; the
+ * logits of the row into lg (V). */
+static fl_status decode_step(fl_model *m, const fl_model_graph *mg, const int32_t *tok, int n, float *lg) {
+    const fl_backend *be = m->be;
+    struct fl_s2s_acts *a = m->acts->s2s;
+    const int s = mg->n_stacks - 1, C = m->cfg.dim, NH = m->cfg.n_heads, nb = m->cfg.rel_buckets;
+    s2s_stack *st = &a->st[s];
+    const size_t r = (size_t)n - 1;
+    fl_outer_params op;
+    fl_get_outer(m, &op);
+    FL_TRY(be->to_device(be, st->ids + r, tok, sizeof *tok));
+    fl_embed_forward(m, &op, st->res[0] + r * C, st->ids + r, tok, 1, 1, 0);
+    /* the bias row of query n-1: (NH, 1, n) */
+    int32_t *bk = malloc((size_t)n * sizeof *bk);
+    if (!bk) return fl_errorf(FL_ERR_OOM, "relative position buckets: out of host memory");
+    for (int j = 0; j < n; j++) bk[j] = rel_bucket(n - 1, j, 0, nb, m->cfg.rel_max_dist);
+    fl_status rc = be->to_device(be, st->buckets, bk, (size_t)n * sizeof *bk);
+    free(bk);
+    FL_TRY(rc);
+    const float *tab = fl_model_params_f32(m) + fl_model_store_off(m, fl_layout_role(&m->layout, st->l0 + 1, FL_ROLE_REL_BIAS));
+    for (int h = 0; h < NH; h++)
+        be->embedding_forward(be, st->bias + (size_t)h * n, st->buckets, tab + (size_t)h * nb, NULL, 1, n, 1);
+    for (int l = 0; l < st->L; l++) {
+        float *sv[FL_GRAPH_MAX_SLOTS];
+        for (int k = 0; k < st->g.n_slots; k++) /* row n-1 of the per-row slots; the stream's rows whole */
+            sv[k] = st->g.slot[k].xrows ? st->layer[l].s[k] : st->layer[l].s[k] + r * st->g.slot[k].width;
+        fl_block_params bp;
+        fl_get_block(m, &st->g, st->l0 + l, &bp);
+        fl_block_ctx x = {.B = 1, .T = 1, .attn_bias = st->bias, .Tk = a->T[s - 1], .kv_rows = n, .xs_ready = n > 1};
+        x.kmask = a->kmask_on ? a->kmask : NULL;
+        FL_TRY(fl_block_forward(m, &st->g, &bp, sv, &x));
+    }
+    const int G = m->layout.n_groups - 1;
+    int role = -1;
+    for (int i = 0; i < mg->n_ops; i++)
+        if (mg->op[i].stack == s && mg->op[i].kind == FL_MOP_NORM) role = mg->op[i].role_w;
+    float *no = st->nout + r * C;
+    fl_norm_forward(m, no, NULL, st->nrstd + r, st->res[st->L] + r * C, param_of(m, G, role, 0), NULL, 1);
+    if (m->cfg.head_scale) be->scale(be, no, (size_t)C, 1.0f / sqrtf((float)C));
+    fl_linear head = {.in = C, .out = m->cfg.vocab_size, .w = op.head};
+    fl_linear_set_weight(m, &head, op.head_idx);
+    fl_model_bind_adapters(m, -1, 0, &head, 0);
+    FL_TRY(fl_linear_forward(be, a->logits, no, &head, 1));
+    return be->to_host(be, lg, a->logits, (size_t)m->cfg.vocab_size * sizeof(float));
+}
+
+fl_status fl_model_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, int max_new,
+                                int kv_cache, int32_t *out, int *n_out) {
+    FL_TRY(check_model(m, "fl_model_generate_s2s"));
+    struct fl_s2s_acts *a = m->acts->s2s;
+    const int V = m->cfg.vocab_size;
+    *n_out = 0;
+    if (Ts <= 0 || Ts > a->st[0].Tmax || max_new <= 0 || max_new > a->st[1].Tmax)
+        return fl_errorf(FL_ERR_INVALID, "fl_model_generate_s2s: source %d and %d new tokens need an arena of source >= "
+                         "%d and target >= %d (it has %d, %d)", Ts, max_new, Ts, max_new, a->st[0].Tmax, a->st[1].Tmax);
+    for (int i = 0; i < Ts; i++)
+        if (src[i] < 0 || src[i] >= V)
+            return fl_errorf(FL_ERR_INVALID, "source token id %d at position %d is outside the vocabulary [0, %d)",
+                             src[i], i, V);
+    if (kv_cache && m->act_ckpt) /* the blocks share one set of slots there: no room for each block's keys */
+        return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_generate_s2s: the KV cache needs an arena without activation "
+                         "checkpointing (or kv_cache 0)");
+    fl_model_graph mg;
+    FL_TRY(fl_model_graph_build(&m->cfg, &mg));
+    float *lg = malloc((size_t)max_new * V * sizeof(float));
+    if (!lg) return fl_errorf(FL_ERR_OOM, "fl_model_generate_s2s: logits: out of host memory");
+    a->Bp = 1;
+    a->T[0] = Ts;
+    a->kmask_on = src_mask != NULL;
+    m->fwd_train = 0;
+    fl_status s = src_mask ? m->be->to_device(m->be, a->kmask, src_mask, (size_t)Ts) : FL_OK;
+    if (s == FL_OK) s = stack_forward(m, &mg, 0, src, NULL, 0, NULL); /* the encoder, once */
+    int n = 0;
+    out[n++] = m->cfg.dec_start_id;
+    /* each token: with the cache the new row alone (its keys: the earlier rows' k, v kept in the blocks' q|k|v slots;
+     * the cross k|v from the first step), else the decoder over its whole prefix; the last row's argmax */
+    while (s == FL_OK && n <= max_new) {
+        a->T[1] = n;
+        const float *row = lg;
+        if (kv_cache) {
+            s = decode_step(m, &mg, out + n - 1, n, lg);
+        } else {
+            s = stack_forward(m, &mg, mg.n_stacks - 1, out, NULL, 0, lg);
+            row = lg + (size_t)(n - 1) * V;
+        }
+        if (s != FL_OK) break;
+        int best = 0;
+        for (int v = 1; v < V; v++)
+            if (row[v] > row[best]) best = v; /* the first of equal maxima, as torch.argmax */
+        out[n++] = best;
+        if (best == m->cfg.eos_id) break;
+    }
+    free(lg);
+    *n_out = n;
+    return s;
+}
