@@ -229,7 +229,7 @@ static void put(const char *dir, const char *name, const char *text) {
 FL_TEST(image_captions_formats_and_errors) {
     char dir[] = "/tmp/fl_imgcap_XXXXXX";
     FL_REQUIRE(mkdtemp(dir));
-    char p[512], sub[512];
+    char p[1100], sub[512];
     snprintf(sub, sizeof sub, "%s/imgs", dir);
     FL_REQUIRE(mkdir(sub, 0755) == 0);
     put(sub, "a.png", "x");
