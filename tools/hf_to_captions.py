@@ -9,7 +9,8 @@ are, byte for byte, so fitllm decodes the same JPEG/PNG data PIL would). The sam
 
     python -c "import datasets,json,os,sys; d=datasets.load_from_disk(sys.argv[1]).cast_column('image',datasets.Image(decode=False)); os.makedirs(sys.argv[2],exist_ok=True); f=open(os.path.join(sys.argv[2],'captions.jsonl'),'w'); [(open(os.path.join(sys.argv[2],'%06d%s'%(i,os.path.splitext(r['image']['path'] or '.png')[1] or '.png')),'wb').write(r['image']['bytes']), f.write(json.dumps({'file_name':'%06d%s'%(i,os.path.splitext(r['image']['path'] or '.png')[1] or '.png'),'text':r['text']})+'\\n')) for i,r in enumerate(d)]" SAVED_DIR OUT_DIR
 
-(for a DatasetDict folder, add ['train'] after load_from_disk(...)).
+(for a DatasetDict folder, add ["train"] after load_from_disk(...)). Checked with datasets 5.2.0 /
+pyarrow 26.0.1: a DatasetDict of a JPEG and a PNG converts to the same bytes and captions either way.
 """
 import argparse
 import json
