@@ -1,7 +1,7 @@
 /* libFuzzer harness: arbitrary bytes as an instruction dataset file, parsed as
  * .json (default) or .jsonl (built with -DFL_FUZZ_JSONL), then split with
  * torch's random_split and tokenized into SFT samples with the built-in byte
- * tokenizer, then batched. Any crash, leak or sanitizer report is a bug: bad
+ * tokenizer, then batched; the same bytes also as seq2seq pairs (fl_s2s_*). Any crash, leak or sanitizer report is a bug: bad
  * input must come back as an fl_status. Build: fuzz/build.sh. */
 /* binaries built from this file (fuzz/harnesses.cmake reads these lines: name, then defines): */
 // fuzz-build: fuzz_json_dataset_json
@@ -53,5 +53,25 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         fl_data_free(d);
     }
     fl_data_records_free(&rs);
+    /* the same bytes as seq2seq pairs (issue 31): tokenize, limit, batch */
+    fl_s2s_config sc;
+    fl_s2s_config_default(&sc);
+    sc.max_source_length = (size & 4) ? 8 : 0;
+    sc.max_target_length = (size & 8) ? 4 : 0;
+    sc.strict = (int)((size >> 4) & 1);
+    fl_s2s_data *sd = NULL;
+    if (fl_s2s_load_mem(&sd, (const char *)data, size, SOURCE, &sc, g_tok) == FL_OK) {
+        fl_s2s_loader *sl = NULL;
+        if (fl_s2s_loader_init(&sl, sd, 2, 0, 0, 7, 1) == FL_OK) {
+            fl_s2s_batch b;
+            for (int i = 0; i < 3; i++) {
+                fl_s2s_loader_next(sl, &b, NULL);
+                for (int k = 0; k < b.B * b.Tt; k++)
+                    if (b.labels[k] != -100 && (b.labels[k] < 0 || b.labels[k] >= fl_tok_vocab_size(g_tok))) abort();
+            }
+            fl_s2s_loader_free(sl);
+        }
+        fl_s2s_free(sd);
+    }
     return 0;
 }

@@ -157,6 +157,14 @@ expect image_info_truncated 1 "trunc.jpg: truncated JPEG" -- "$FITLLM" image-inf
 expect image_info_dump_needs_processor 2 "--dump needs --processor" -- "$FITLLM" image-info "$IMG/one_1x1.png" --dump "$T/x"
 expect image_info_bad_processor 1 "preprocessor_config.json" -- "$FITLLM" image-info "$IMG/one_1x1.png" --processor "$T"
 expect image_info_help 0 "BlipImageProcessorPil" -- "$FITLLM" image-info --help
+# T5 folders (issue 31): tokenizer.json (Unigram) and a folder with only spiece.model give HF's ids
+expect tokenize_t5_folder 0 "^63 46 9 153 123 499 1$" -- "$FITLLM" tokenize tests/fixtures/t5-tok --text "Hello  world <extra_id_0>"
+mkdir -p "$T/t5spm" && cp tests/fixtures/t5-tok/spiece.model "$T/t5spm/"
+expect tokenize_t5_spiece_only 0 "^63 46 9 153 123 499 1$" -- "$FITLLM" tokenize "$T/t5spm" --text "Hello  world <extra_id_0>"
+expect tokenize_t5_info 0 "kind spm-unigram, vocab 500, bos -1, eos 1, pad 0" -- "$FITLLM" tokenize "$T/t5spm" --text x --info
+expect tokenize_t5_decode 0 "^Hello world$" -- "$FITLLM" tokenize "$T/t5spm" --decode "63 46 9 153 123 499 1" --skip-special 1
+printf 'garbage' > "$T/t5spm/spiece.model"
+expect tokenize_t5_bad_spiece 1 "t5spm/spiece.model: " -- "$FITLLM" tokenize "$T/t5spm" --text x
 expect tokenize_decode_out_of_range 1 "token id 99999 \(position 2\) is outside the vocabulary of [0-9]+ ids" -- "$FITLLM" tokenize bytes --decode "65 99999"
 expect finetune_zero_batch 2 "must be positive" -- "$FITLLM" finetune_full micro --train.micro_batch_size 0 --out_dir "$T/x4"
 expect finetune_lora_ok 0 "Saved the PEFT adapter" -- "$FITLLM" finetune_lora micro --train.max_steps 3 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/lora" --quiet
@@ -222,7 +230,17 @@ for pat in "--devices 2 x --num_nodes 2 asks for 4 ranks on 2 machines, .*hostfi
     expect ddp_nodes_without_launcher 2 "$pat" -- "${NOLAUNCH[@]}" "$FITLLM" finetune_full micro --devices 2 --num_nodes 2 --out_dir "$T/d1"
 done
 [ -e "$T/d1" ] && { echo "FAIL ddp_without_launcher_writes_nothing: $T/d1 exists"; fail=$((fail+1)); }
-expect zero_stage3_offload_not_yet 2 "strategy 'deepspeed_stage_3_offload' is not implemented yet \(parameter offload" -- "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload --out_dir "$T/d2"
+expect zero_stage3_offload_not_yet 2 "strategy 'deepspeed_stage_3_offload_nvme' is not implemented yet \(parameter offload" -- "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload_nvme --out_dir "$T/d2"
+expect fsdp_cpu_offload_not_yet 2 "strategy 'fsdp_cpu_offload' is not implemented yet \(parameter offload" -- "$FITLLM" finetune_full micro --strategy fsdp_cpu_offload --out_dir "$T/d2"
+expect offload_param_device_not_yet 2 "offload_param_device 'cpu': parameter offload .* is not implemented yet" -- \
+    "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload --offload_param_device cpu --out_dir "$T/d2"
+# an option the strategy would not use is refused, never ignored (this ran plain ZeRO-3 before)
+expect zero3_offload_device_needs_offload 2 "offload_optimizer_device cpu offloads the optimizer .*strategy is 'deepspeed_stage_3'.*add _offload" -- \
+    "$FITLLM" finetune_full micro --strategy deepspeed_stage_3 --offload_optimizer_device cpu --out_dir "$T/d2"
+expect nvme_path_needs_nvme 2 "nvme_path '$T/nvme' is the folder of offload_optimizer_device nvme" -- \
+    "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload --nvme_path "$T/nvme" --out_dir "$T/d2"
+expect sharding_needs_fsdp 2 "fsdp.sharding_strategy FULL_SHARD applies to --strategy fsdp; this run's strategy is 'deepspeed_stage_2'" -- \
+    "$FITLLM" finetune_full micro --strategy deepspeed_stage_2 --fsdp.sharding_strategy FULL_SHARD --out_dir "$T/d2"
 # CPU offload (ZeRO-Offload): trains, reports the host tier beside the device's memory; the planner
 # prints the host tier's row and suggests it where the optimizer state does not fit; 8-bit AdamW refused
 expect offload_trains_with_host_tier 0 "host tier \(offload\) OPTIM +1\.98 MiB" -- "$FITLLM" finetune_full micro \
@@ -233,6 +251,30 @@ expect offload_8bit_refused 2 "CPU offload of AdamW8bit is not supported" -- "$F
 expect plan_offload_host_row 0 "^host \(offload\) +reserved +0 B +0 B +1\.98 MiB" -- "$FITLLM" plan micro --strategy deepspeed_stage_2_offload
 expect plan_suggests_offload 3 "cpu_offload +fits: --strategy deepspeed_stage_2_offload" -- "$FITLLM" plan open-llama-7b \
     --device-memory 80GB --train.micro_batch_size 1 --train.global_batch_size 1 --train.max_seq_length 1025 --accelerator cuda
+# ZeRO-3 with the optimizer offloaded: the rank's shard of the state in the host tier (half of micro's 1.98 MiB at 2
+# ranks); suggested under ZeRO-3 where the state is what does not fit
+expect plan_zero3_offload_host_row 0 "^host \(offload\) +reserved +0 B +0 B +1015\.75 KiB" -- "$FITLLM" plan micro \
+    --devices 2 --strategy deepspeed_stage_3_offload
+expect plan_suggests_zero3_offload 3 "cpu_offload +fits: --strategy deepspeed_stage_3_offload" -- "$FITLLM" plan open-llama-7b \
+    --devices 4 --strategy deepspeed_stage_3 --device-memory 25GiB --train.micro_batch_size 1 --train.global_batch_size 4 \
+    --train.max_seq_length 1025 --accelerator cuda
+# a disk that cannot take the state at set-up (a file-size limit stands in for a full disk): an I/O error naming
+# the folder, no OOM advice, no file left
+mkdir -p "$T/nvf"
+expect offload_nvme_full_disk 1 "NVMe offload: .* cannot reserve [0-9]+ bytes in '$T/nvf'.*free space there or give another --nvme_path" -- \
+    bash -c "ulimit -f 64; trap '' XFSZ; exec \"\$0\" \"\$@\"" "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload \
+    --offload_optimizer_device nvme --nvme_path "$T/nvf" --out_dir "$T/off6"
+[ -z "$(ls -A "$T/nvf")" ] || { echo "FAIL offload_nvme_full_disk_leaves_no_files: $(ls -A "$T/nvf")"; fail=$((fail+1)); }
+# --bucket_size: ZeRO-2 offload of a 7B model at micro 4 over 4 MPI ranks planned a 19.99 GiB WORKSPACE peak (the
+# whole buffer's reduce-scatter scratch, 3/4 of 25.1 GiB of gradients); in buckets of 256 MiB (the default) 1.57 GiB
+expect plan_bucket_bounds_zero2_workspace 0 "^peak +reserved +25\.10 GiB +25\.10 GiB +0 B +64\.84 GiB +1\.57 GiB" -- \
+    "$FITLLM" plan open-llama-7b --devices 4 --strategy deepspeed_stage_2_offload --train.micro_batch_size 4
+expect plan_unbucketed_zero2_workspace 0 "^peak +reserved +25\.10 GiB +25\.10 GiB +0 B +64\.84 GiB +19\.99 GiB" -- \
+    "$FITLLM" plan open-llama-7b --devices 4 --strategy deepspeed_stage_2_offload --train.micro_batch_size 4 --bucket_size null
+expect plan_bucket_note 0 "gradient reductions in buckets of 1\.00 MiB \(--bucket_size\)" -- "$FITLLM" plan micro --devices 2 \
+    --strategy deepspeed_stage_2 --bucket_size 1MiB
+expect plan_bucket_json 0 '"zero_stage": 2, "bucket_size": 268435456' -- "$FITLLM" plan micro --devices 2 --strategy deepspeed_stage_2 --json
+expect bucket_size_bare_number 2 "bucket_size" -- "$FITLLM" finetune_full micro --bucket_size 4096 --out_dir "$T/d2"
 # NVMe offload: the state in files under nvme_path (none left behind); a folder that cannot take them and nvme
 # without an offload strategy are refused, named
 mkdir -p "$T/nvme"
@@ -474,13 +516,30 @@ expect plan_predicts_eval_oom 3 "OUT OF MEMORY during validation \(eval_generate
 # (LoRA merge, checkpoint, sample) goes through the backend's copies and nothing faults; the bytes are zeros
 expect null_backend_lora_run 0 "peak total" -- env FITLLM_BACKEND=null "$FITLLM" finetune_lora micro "${TR[@]}" --out_dir "$T/null-lora"
 
+# a multi-rank run's summary gives the peak as the range over its ranks (the course's convention)
+expect ranks_peak_range 0 "peak total, ranks min - max +[0-9.]+ [KMG]iB - [0-9.]+ [KMG]iB" -- "$FITLLM" finetune_full micro --devices 2 --strategy fsdp --train.max_steps 1 --data Synthetic --out_dir "$T/ranks-range"
+# on a GPU the training summary adds NVML's utilization and memory (FITLLM_GPU_MONITOR=on forces it beside a CPU
+# run): without NVML it says why; with the tests' NVML stand-in (10 % and 30 % alternately, 5 GiB) the mean +- std
+expect gpu_monitor_absent 0 "GPU utilization: not sampled .NVML not loaded ./nonexistent/libnvidia-ml.so.1" -- env FITLLM_GPU_MONITOR=on FITLLM_NVML_LIB=/nonexistent/libnvidia-ml.so.1 "$FITLLM" finetune_full micro --devices 1 --train.max_steps 1 --data Synthetic --out_dir "$T/gpumon1"
+FAKE_NVML="$(dirname "$FITLLM")/libfitllm_fake_nvml.so"
+if [ -f "$FAKE_NVML" ]; then
+    expect gpu_monitor_nvml 0 "GPU utilization .NVML, device 0, [0-9]+ samples.: [123][0-9].[0-9] \\+- [0-9]+.[0-9] %, device memory used 5.00 \\+- 0.00 GiB" -- env FITLLM_GPU_MONITOR=on FITLLM_NVML_LIB="$(cd "$(dirname "$FAKE_NVML")" && pwd)/libfitllm_fake_nvml.so" "$FITLLM" finetune_full micro --devices 1 --train.max_steps 4 --data Synthetic --out_dir "$T/gpumon2"
+fi
 # ---- fitllm lab: the quick suite (make demo) with its verdicts, files and charts ----
 expect lab_bad_suite 2 "not quick, full, ci or fsdp" -- "$FITLLM" lab --suite huge
 expect lab_bad_only 2 "unknown experiment" -- "$FITLLM" lab --only nope --out_dir "$T/lab0"
+# a row the plan says OOM is decided by its plan (not trained); --run-oom trains it to the same refusal
+expect lab_oom_planned 0 "baseline: OOM during setup: ACTS 312.64 MiB requested, 232.75 MiB available \(planned; not run\)" -- "$FITLLM" lab --only baseline --out_dir "$T/lab-oom1"
+# the course's runs at its settings beside fitllm's plan: verdicts, its memory readings, why fitllm differs (bytes)
+expect lab_course_runs 0 "reduced-batch +tinyllama-1.1b +32-true +8x4 \\| fits +30.41 \\| fits +[0-9.]+ +-[0-9.]+%" -- "$FITLLM" lab --only baseline --out_dir "$T/lab-course"
+expect lab_course_report 0 "" -- bash -c "grep -q '^## The course.s runs beside fitllm.s plan' '$T/lab-course/report.md' && grep -q 'B x T x V x 4 = 32 x 511 x 32000 x 4 = 2.09 GB' '$T/lab-course/report.md' && grep -q '\"course_runs\"' '$T/lab-course/results.json'"
+expect lab_run_oom 0 "baseline +OOM .*ACTS 312.64 MiB requested, 232.75 MiB available$" -- "$FITLLM" lab --only baseline --run-oom --out_dir "$T/lab-oom2"
 # --scale real (an 80 GB GPU's run; here only what needs no memory): a bad scale, the fsdp suite refused,
 # the 4-rank rows n/a naming the launch they need, the report saying which scale it is
 expect lab_bad_scale 2 "not lab or real" -- "$FITLLM" lab --scale huge
-expect lab_real_fsdp_suite 2 "the fsdp suite runs at lab scale only" -- "$FITLLM" lab --scale real --suite fsdp
+# the fsdp suite at the real scale (the course's 4 x 16 GiB): its rows need a device of 4 x 16 GiB (the ranks share it)
+# or mpirun; on a machine with less, n/a naming both, with the real-scale plan beside the course's figures
+expect lab_real_fsdp_suite 0 "amp-b9: at real scale the 4 ranks of 16.00 GiB each need one device" -- "$FITLLM" lab --scale real --suite fsdp --only amp-b9 --out_dir "$T/labrealf"
 expect lab_real_ranks_na 0 "ddp: at real scale the 4 ranks need 4 devices .mpirun -np 4 fitllm finetune_full tinyllama-1.1b --devices 4" -- "$FITLLM" lab --scale real --only ddp,fsdp --out_dir "$T/labreal"
 # a row that would run needs the 80 GB device: on a machine with less (this one's RAM), n/a naming both
 if [ "$(awk '/MemTotal/ {print $2}' /proc/meminfo)" -lt 78000000 ]; then
@@ -524,6 +583,13 @@ fi
 # suite is a usage error
 expect lab_fsdp_bad_only 2 "unknown experiment 'sgd' in suite fsdp" -- "$FITLLM" lab --suite fsdp --only sgd --out_dir "$T/labf0"
 expect lab_fsdp_rows 0 "batch-size sweep, activation checkpointing on" -- "$FITLLM" lab --suite fsdp --only b1,b1-ckpt --steps 1 --out_dir "$T/labf"
+expect lab_fsdp_bad_precision 2 "not 32-true or 16-mixed" -- "$FITLLM" lab --suite fsdp --precision bf16-true --out_dir "$T/labf1"
+expect lab_fsdp_bad_model 2 "not gpt2-xl or gpt2-xxl" -- "$FITLLM" lab --suite fsdp --model gpt2-huge --out_dir "$T/labf1"
+expect lab_fsdp_bad_prefetch 2 "is not on .BACKWARD_PRE, true. or off" -- "$FITLLM" lab --suite fsdp --fsdp.backward_prefetch maybe --out_dir "$T/labf1"
+expect lab_fsdp_bad_peak 2 "--peak-tflops: 'x' is not a positive number" -- "$FITLLM" lab --suite fsdp --peak-tflops x --out_dir "$T/labf1"
+# the course's AMP row with the course's figures beside it (batch 8: 14992 MB), prefetch off, MFU from the given peak
+expect lab_fsdp_amp_course 0 "    8\\* fits .* [0-9.]+% \\| fits +[0-9.]+ \\|  14992  88.1   36.80    1676" -- "$FITLLM" lab --suite fsdp --only amp-b8 --steps 1 --fsdp.backward_prefetch off --peak-tflops 1 --out_dir "$T/labf2"
+expect lab_fsdp_xxl 0 "suite fsdp: lab-gpt2-xxl" -- "$FITLLM" lab --suite fsdp --model gpt2-xxl --only amp-b8-ckpt --steps 1 --out_dir "$T/labf3"
 expect lab_fsdp_report 0 "" -- bash -c "grep -q '^## Batch-size sweep' '$T/labf/report.md' && grep -q '^| \*\*1\*\* | fits | fits |' '$T/labf/report.md' && test -s '$T/labf/sweep.dat' && grep -q \"'sweep.png'\" '$T/labf/charts.gp'"
 
 # PEFT LoRA adapters: merge_lora writes a merged HF folder; generate --adapter merges in memory

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The MPI implementation of fl_comm and DDP / ZeRO training under mpirun (run by `make test` and ctest):
-#   - DDP training at 2 and 4 ranks, ZeRO-1/2 at 2, 3 and 4 (16-true at 2) and FULL_SHARD (AdamW, 8-bit AdamW) at 2
+#   - DDP training at 2 and 4 ranks, ZeRO-1/2 at 2, 3 and 4 (16-true at 2) and FULL_SHARD (AdamW, 8-bit AdamW) at 2,
+#     ZeRO-3 with the optimizer offloaded (cpu, nvme) at 3 = the device-resident ZeRO-3 checkpoints
 #     against one process
 #     (tests/mpi/ddp_mpi_test.c), the CLI under mpirun (rank 0 reports and writes; its checkpoint
 #     resumes in one process; ZeRO's checkpoints equal DDP's; --devices mismatch), and started
@@ -162,6 +163,36 @@ if [ $zok = 1 ]; then
         ok "zero_checkpoint_resumes_in_one_process"
     else
         bad "zero_checkpoint_resumes_in_one_process" "exit $rc"
+    fi
+fi
+
+# ZeRO-3 with the optimizer offloaded (deepspeed_stage_3_offload: each rank's momentum shard in the host tier; nvme:
+# in files) at 3 MPI ranks: the checkpoints (step 2 and final) of the device-resident ZeRO-3 run byte for byte, the
+# host tier in rank 0's report; its step-2 checkpoint resumed by deepspeed_stage_3 (no offload) ends on the same bytes
+z3ok=1
+mkdir -p "$T/nv3"
+for st in deepspeed_stage_3 deepspeed_stage_3_offload nvme; do
+    if [ $st = nvme ]; then extra=(--strategy deepspeed_stage_3_offload --offload_optimizer_device nvme --nvme_path "$T/nv3")
+    else extra=(--strategy $st); fi
+    timeout 300 mpirun -np 3 "$FL" finetune_full "${ZARGS[@]}" "${extra[@]}" --out_dir "$T/z3-$st" >"$T/out" 2>&1 || { z3ok=0; bad "zero3_offload_cli_np3_$st" "exit $?"; }
+    [ $st = deepspeed_stage_3_offload ] && { grep -q "host tier (CPU offload: the optimizer state" "$T/out" || { z3ok=0; bad "zero3_offload_cli_np3" "no host tier in the report"; }; }
+done
+[ -z "$(ls -A "$T/nv3")" ] || { z3ok=0; bad "zero3_offload_nvme_leaves_no_files" "$(ls -A "$T/nv3")"; }
+if [ $z3ok = 1 ]; then
+    timeout 300 mpirun -np 3 "$FL" finetune_full "${ZARGS[@]}" --strategy deepspeed_stage_3 \
+        --resume "$T/z3-deepspeed_stage_3_offload/step-000002" --out_dir "$T/z3-res" >"$T/out" 2>&1 || z3ok=0
+    for st in deepspeed_stage_3_offload nvme; do
+        for ck in step-000002 final; do
+            cmp -s "$T/z3-deepspeed_stage_3/$ck/model.safetensors" "$T/z3-$st/$ck/model.safetensors" || z3ok=0
+            cmp -s <(tail -c 1040128 "$T/z3-deepspeed_stage_3/$ck/training_state.safetensors") \
+                   <(tail -c 1040128 "$T/z3-$st/$ck/training_state.safetensors") || z3ok=0
+        done
+    done
+    cmp -s "$T/z3-deepspeed_stage_3/final/model.safetensors" "$T/z3-res/final/model.safetensors" || z3ok=0
+    if [ $z3ok = 1 ]; then
+        ok "zero3_offload_cli_np3 (cpu and nvme checkpoints = ZeRO-3's, bit for bit; resumed without offload: the same)"
+    else
+        bad "zero3_offload_cli_np3" "checkpoints differ from the device-resident ZeRO-3 run's, or the resume failed"
     fi
 fi
 

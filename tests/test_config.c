@@ -539,8 +539,10 @@ FL_TEST(cfg_strategy_auto_resolution) {
     fl_strategy_choice sc;
     snprintf(c.strategy, sizeof c.strategy, "horovod");
     FL_CHECK(fl_cfg_resolve_strategy(&c, 0, &sc) == FL_ERR_INVALID);
-    snprintf(c.strategy, sizeof c.strategy, "deepspeed_stage_3_offload");
+    snprintf(c.strategy, sizeof c.strategy, "deepspeed_stage_3_offload_nvme"); /* parameter offload: not built */
     FL_CHECK(fl_cfg_resolve_strategy(&c, 0, &sc) == FL_ERR_UNSUPPORTED);
+    snprintf(c.strategy, sizeof c.strategy, "deepspeed_stage_3_offload"); /* ZeRO-3, the optimizer offloaded */
+    FL_CHECK(fl_cfg_resolve_strategy(&c, 0, &sc) == FL_OK && sc.stage == 3 && sc.offload);
 }
 
 /* issue 28: a warm-up fraction given alone replaces the default warm-up steps; both given is an

@@ -3,10 +3,13 @@
  * memory of the reduced batch, the largest model OOM even at batch 1, SGD
  * fits), planned == measured on every row, and the files it writes.
  * tests/cli_test.sh runs the whole quick suite through the CLI. */
+#define _POSIX_C_SOURCE 200809L /* nanosleep, setenv, open_memstream */
 #include <sys/stat.h>
+#include <time.h>
 
 #include "fitllm/json.h"
 #include "fitllm/lab.h"
+#include "lab/lab-impl.h"
 #include "test.h"
 
 FL_TEST(lab_scaling) {
@@ -185,7 +188,7 @@ FL_TEST(lab_fsdp_sweep) {
 #else
     fl_lab_report sc;
     memset(&sc, 0, sizeof sc);
-    FL_REQUIRE_OK(fl_lab_scale(&sc));
+    FL_REQUIRE_OK(fl_lab_scale(&sc)); /* the sweep at the lab's T (o.seq_len): activations dominate there */
     fl_model_config mc;
     FL_REQUIRE_OK(fl_preset_find("lab-gpt2-xl", &mc));
     fl_act_sizes full4, ck4;
@@ -199,6 +202,7 @@ FL_TEST(lab_fsdp_sweep) {
     fl_lab_opts_default(&o);
     o.suite = "fsdp";
     o.only = "b1,b4,b1-ckpt,b4-ckpt";
+    o.seq_len = sc.T;
     o.steps = 1;
     o.threads = 2;
     o.budget = full4.acts_bytes;
@@ -253,6 +257,7 @@ FL_TEST(lab_fsdp_sweep_stops) {
     o.suite = "fsdp";
     o.steps = 1;
     o.threads = 2;
+    o.precisions = "32-true"; /* the 16-mixed settings would add their own two rows */
     o.budget = (size_t)fl_sizing_param_count(&mc) * 4;
     fl_lab_report rep;
     FL_REQUIRE_OK(fl_lab_run(&o, NULL, &rep));
@@ -272,4 +277,280 @@ FL_TEST(lab_fsdp_sweep_stops) {
     o.only = "sgd";
     FL_CHECK(fl_lab_run(&o, NULL, &rep) == FL_ERR_INVALID && strstr(fl_error_message(), "b1-ckpt"));
     fl_lab_report_free(&rep);
+}
+
+/* A row the plan says OOM is decided by that plan (ran 0: no trainer, no model memory touched; at the real scale
+ * this skips the model's load and random init), and the verdict is the one the run reaches: with run_oom the same
+ * rows train until the allocator refuses the same allocation (tag, bytes requested, bytes in use, phase). */
+FL_TEST(lab_oom_rows_decided_by_plan) {
+    fl_lab_opts o;
+    fl_lab_opts_default(&o);
+    o.suite = "ci";
+    o.threads = 2;
+    o.only = "baseline,even-larger-b1,reduced-batch";
+    fl_lab_report planned, ran;
+    FL_REQUIRE_OK(fl_lab_run(&o, NULL, &planned));
+    o.run_oom = 1;
+    FL_REQUIRE_OK(fl_lab_run(&o, NULL, &ran));
+    FL_REQUIRE(planned.n == 3 && ran.n == 3 && planned.n_errors == 0 && ran.n_errors == 0);
+    for (int i = 0; i < 3; i++) {
+        const fl_lab_row *p = &planned.rows[i], *r = &ran.rows[i];
+        FL_CHECK(!strcmp(p->name, r->name) && p->verdict == r->verdict && r->ran == 1);
+        if (!strcmp(p->name, "reduced-batch")) {
+            FL_CHECK(p->ran == 1 && p->verdict == FL_LAB_FITS);
+            continue;
+        }
+        FL_CHECKF(p->verdict == FL_LAB_OOM && p->ran == 0 && strstr(p->note, "planned; not run"), "%s: %s ran %d",
+                  p->name, p->note, p->ran);
+        FL_CHECKF(p->oom.tag == r->oom.tag && p->oom.requested == r->oom.requested && p->oom.in_use == r->oom.in_use &&
+                      !strcmp(p->oom.phase, r->oom.phase) && p->peak_total == r->oom.in_use,
+                  "%s: plan %s %zu in use %zu, run %s %zu in use %zu", p->name, fl_mem_tag_name(p->oom.tag),
+                  p->oom.requested, p->oom.in_use, fl_mem_tag_name(r->oom.tag), r->oom.requested, r->oom.in_use);
+        FL_CHECK(p->steps == 0 && p->step_ms == 0);
+    }
+    fl_lab_report_free(&planned);
+    fl_lab_report_free(&ran);
+}
+
+/* The random init (every lab row's weights) splits each block of the stream over all of the backend's threads
+ * (more than 8 on a GPU machine's host); the values must not depend on the count: 1, 2, 13 and 16 threads give
+ * the same bytes, fp32 and bf16, over tensors of several blocks (an 8191 x 64 embedding, odd in blocks). */
+FL_TEST(lab_random_init_independent_of_threads) {
+    fl_model_config c;
+    FL_REQUIRE_OK(fl_preset_find("micro", &c));
+    c.vocab_size = 8191;
+    static const int nts[] = {1, 2, 13, 16};
+    for (int bf = 0; bf < 2; bf++) {
+        void *first = NULL;
+        size_t bytes = 0;
+        for (size_t k = 0; k < sizeof nts / sizeof nts[0]; k++) {
+            fl_backend be;
+            FL_REQUIRE_OK(fl_backend_init_by_name("cpu", &be, nts[k]));
+            fl_mem_pool pool;
+            FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
+            fl_model_storage st;
+            memset(&st, 0, sizeof st);
+            st.param_dtype = bf ? FL_BF16 : FL_F32;
+            fl_model m;
+            FL_REQUIRE_OK(fl_model_init_ex(&m, &c, &be, &pool, &st));
+            FL_REQUIRE_OK(fl_model_init_random_ex(&m, 1337));
+            size_t n = m.layout.numel * (bf ? 2 : 4);
+            if (!first) {
+                first = malloc(n);
+                FL_REQUIRE(first != NULL);
+                memcpy(first, fl_model_params_data(&m), n);
+                bytes = n;
+            } else {
+                FL_CHECKF(n == bytes && !memcmp(first, fl_model_params_data(&m), n), "%s, %d threads differ from 1",
+                          bf ? "bf16" : "fp32", nts[k]);
+            }
+            fl_model_free(&m);
+            fl_mem_pool_free(&pool);
+            fl_backend_free(&be);
+        }
+        free(first);
+    }
+}
+
+/* The report a student reads, from a report built here (no runs): the console table fits 120 columns, a long
+ * note and a long "extra time" note are wrapped, never cut (every word is there, in the console, report.md and
+ * step_time.png's script), several ranks show their peak as the min-max range, and phases.png names every
+ * experiment (a titled cell each). */
+FL_TEST(lab_report_wraps_notes_and_fits_120_columns) {
+    fl_lab_report rep;
+    memset(&rep, 0, sizeof rep);
+    FL_REQUIRE_OK(fl_lab_scale(&rep));
+    snprintf(rep.suite, sizeof rep.suite, "quick");
+    fl_lab_row rows[2];
+    memset(rows, 0, sizeof rows);
+    rep.rows = rows;
+    rep.n = 2;
+    static const char *names[2] = {"fsdp-larger-batch", "even-larger-b1"};
+    for (int i = 0; i < 2; i++) {
+        fl_lab_row *r = &rows[i];
+        snprintf(r->name, sizeof r->name, "%s", names[i]);
+        snprintf(r->model, sizeof r->model, "open-llama-13b");
+        snprintf(r->precision, sizeof r->precision, "bf16-mixed");
+        snprintf(r->optimizer, sizeof r->optimizer, "AdamW8bit");
+        r->B = 32, r->accum = 16, r->ranks = i ? 1 : 4;
+        r->verdict = r->expected = i ? FL_LAB_OOM : FL_LAB_FITS;
+        r->planned = i ? FL_PLAN_OOM : FL_PLAN_FITS;
+        r->peak_total = r->peak_min = (size_t)123456 << 20;
+        r->peak_max = i ? r->peak_min : (size_t)234567 << 20;
+        r->planned_peak = r->peak_max;
+        r->n_phases = 1;
+        snprintf(r->phases[0].name, sizeof r->phases[0].name, "after_load");
+        r->phases[0].cur_total = r->phases[0].live_total = r->peak_min;
+        r->step_ms = 123456.7, r->tok_s = 1234567, r->final_loss = 10.123;
+        snprintf(r->time_note, sizeof r->time_note, "larger model (open-llama-13b); its ranks share this machine's "
+                 "cores; recomputes every block's forward but the last in backward; micro batch 1 (small matmuls) ZZEND");
+        snprintf(r->note, sizeof r->note, "OOM during setup: OPTIM 100.47 MiB requested, 97.46 MiB available; a note "
+                 "long enough to need two lines of the console and more words after that to make three YYEND");
+    }
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *m = open_memstream(&buf, &len);
+    FL_REQUIRE(m != NULL);
+    fl_lab_print_table(&rep, m);
+    fclose(m);
+    int longest = 0, cur = 0;
+    for (const char *p = buf; *p; p++) {
+        if (*p == '\n') cur = 0;
+        else if (++cur > longest) longest = cur;
+    }
+    FL_CHECKF(longest <= 120, "a console line of %d columns", longest);
+    FL_CHECK(strstr(buf, "ZZEND") && strstr(buf, "YYEND") && strstr(buf, "123456-234567") && strstr(buf, "(small"));
+    free(buf);
+    char dir[600], p[700], line[8192];
+    snprintf(dir, sizeof dir, "%s/lab-report", fl_test_tmpdir());
+    FL_REQUIRE_OK(fl_lab_write(&rep, dir, NULL));
+    int md = 0, gp_time = 0, gp_titles = 0;
+    snprintf(p, sizeof p, "%s/report.md", dir);
+    FILE *f = fopen(p, "r");
+    FL_REQUIRE(f != NULL);
+    while (fgets(line, sizeof line, f)) md += (strstr(line, "ZZEND") != NULL) + (strstr(line, "YYEND") != NULL);
+    fclose(f);
+    snprintf(p, sizeof p, "%s/charts.gp", dir);
+    f = fopen(p, "r");
+    FL_REQUIRE(f != NULL);
+    while (fgets(line, sizeof line, f)) {
+        gp_time += !strncmp(line, "set label", 9) && strstr(line, "ZZEND") && strstr(line, "\\n");
+        gp_titles += !strncmp(line, "set title \"fsdp-larger-batch\"", 29) ||
+                     !strncmp(line, "set title \"even-larger-b1 (OOM, planned)\"", 41);
+    }
+    fclose(f);
+    FL_CHECKF(md >= 3 && gp_time == 1 && gp_titles == 2, "report.md %d, step_time label %d, phases titles %d", md,
+              gp_time, gp_titles);
+}
+
+/* `fitllm lab --suite fsdp` at its own settings (the course's benchmark: T 128 scaled, 16 GiB per rank scaled,
+ * 16-mixed): the AMP rows around each limit (1 step each). Verdicts asserted: batch 9 (the course's last) fits
+ * and 16 is OOM without checkpointing; with it 64 (the course's largest) fits and 128 is OOM, so checkpointing
+ * buys the larger batch, as in the course; every verdict is the plan's, OOM rows decided by it. Memory per rank is
+ * a range over the 4 ranks; MFU is TFLOP/s over the given peak; the course's figures ride along (batch 9 is its
+ * OOM). And fitllm at the course's real settings (the "real" plan: gpt2-xl, T 128, 16 GiB per rank) fits batch 9
+ * where PyTorch ran out, with room: its per-rank peak is below the course's batch-8 figure (14992 MB). */
+FL_TEST(lab_fsdp_course_settings) {
+#if defined(__SANITIZE_ADDRESS__)
+    fl_test_skip("the release pass runs it (make test time)");
+#else
+    fl_lab_opts o;
+    fl_lab_opts_default(&o);
+    o.suite = "fsdp";
+    o.only = "amp-b9,amp-b16,amp-b64-ckpt,amp-b128-ckpt";
+    o.steps = 1;
+    o.threads = 2;
+    o.peak_tflops = 2.0;
+    fl_lab_report rep, sc;
+    memset(&sc, 0, sizeof sc);
+    FL_REQUIRE_OK(fl_lab_scale_fsdp("gpt2-xl", &sc));
+    FL_REQUIRE_OK(fl_lab_run(&o, NULL, &rep));
+    FL_REQUIRE(rep.n == 4 && rep.n_errors == 0 && rep.sweep);
+    FL_CHECK(rep.T == sc.T && rep.ref_T == 128 && rep.ref_device == ((size_t)16 << 30) && rep.budget == sc.budget);
+    const fl_lab_row *b9 = row(&rep, "amp-b9"), *b16 = row(&rep, "amp-b16"), *c64 = row(&rep, "amp-b64-ckpt"),
+                     *c128 = row(&rep, "amp-b128-ckpt");
+    FL_REQUIRE(b9 && b16 && c64 && c128);
+    FL_CHECKF(b9->verdict == FL_LAB_FITS && b16->verdict == FL_LAB_OOM && c64->verdict == FL_LAB_FITS &&
+                  c128->verdict == FL_LAB_OOM,
+              "b9 %s b16 %s b64-ckpt %s b128-ckpt %s", fl_lab_verdict_name(b9->verdict),
+              fl_lab_verdict_name(b16->verdict), fl_lab_verdict_name(c64->verdict), fl_lab_verdict_name(c128->verdict));
+    FL_CHECK(b9->largest && c64->largest && !b16->ran && !c128->ran && b9->ran && c64->ran);
+    for (int i = 0; i < rep.n; i++) {
+        const fl_lab_row *r = &rep.rows[i];
+        FL_CHECKF(!strcmp(r->precision, "16-mixed") && r->ranks == 4 && r->prefetch && r->T == sc.T, "%s", r->name);
+        FL_CHECKF((r->planned == FL_PLAN_OOM) == (r->verdict == FL_LAB_OOM), "%s", r->name);
+        if (r->verdict != FL_LAB_FITS) continue;
+        FL_CHECKF(r->planned_peak == r->peak_total && r->peak_min <= r->peak_total && r->peak_total <= r->peak_max &&
+                      r->peak_max <= rep.budget, "%s: %zu in %zu-%zu", r->name, r->peak_total, r->peak_min, r->peak_max);
+        FL_CHECKF(fabs(r->mfu - r->tflops / 2.0) < 1e-12 && r->mfu > 0, "%s: mfu %g", r->name, r->mfu);
+    }
+    double mem, util, tf, it;
+    FL_CHECK(fl_lab_course_fsdp(&rep, b9, &mem, &util, &tf, &it) && mem == 0); /* the course: OOM */
+    FL_CHECK(fl_lab_course_fsdp(&rep, c64, &mem, &util, &tf, &it) && mem == 11490 && tf == 144.96); /* prefetch on */
+    FL_CHECKF(b9->ref_planned == FL_PLAN_FITS && (double)b9->ref_peak < 14992e6, "real-scale batch 9: %d, %zu",
+              b9->ref_planned, b9->ref_peak);
+    fl_lab_report_free(&rep);
+    /* a precision or model the suite does not have is refused by name */
+    o.only = NULL;
+    o.precisions = "bf16-true";
+    FL_CHECK(fl_lab_run(&o, NULL, &rep) == FL_ERR_INVALID && strstr(fl_error_message(), "bf16-true"));
+    fl_lab_report_free(&rep);
+    o.precisions = NULL;
+    o.model = "gpt2-huge";
+    FL_CHECK(fl_lab_run(&o, NULL, &rep) == FL_ERR_INVALID && strstr(fl_error_message(), "gpt2-huge"));
+    fl_lab_report_free(&rep);
+#endif
+}
+
+/* GPU utilization through NVML, loaded at run time: without the library (FITLLM_NVML_LIB names one that does not
+ * exist) or with one lacking NVML's functions the probe says why (the report prints it); with an NVML stand-in
+ * (tests/nvml/fake_nvml.c: 10 % and 30 % alternately, 5 GiB used) the sampler's mean and standard deviation are
+ * those of its samples. */
+FL_TEST(lab_gpu_sampling_through_nvml) {
+    char why[200];
+    const char *old = getenv("FITLLM_NVML_LIB");
+    char saved[512] = "";
+    if (old) snprintf(saved, sizeof saved, "%s", old);
+    setenv("FITLLM_NVML_LIB", "/nonexistent/libnvidia-ml.so.1", 1);
+    FL_CHECKF(!fl_gpu_monitor_probe(why, sizeof why) && strstr(why, "NVML not loaded (/nonexistent/libnvidia-ml.so.1"),
+              "%s", why);
+    FL_CHECK(fl_gpu_monitor_start(10, why, sizeof why) == NULL && strstr(why, "not loaded"));
+    setenv("FITLLM_NVML_LIB", "libm.so.6", 1);
+    FL_CHECKF(!fl_gpu_monitor_probe(why, sizeof why) && strstr(why, "lacks the functions"), "%s", why);
+#ifdef FL_FAKE_NVML
+    setenv("FITLLM_NVML_LIB", FL_FAKE_NVML, 1);
+    FL_CHECKF(fl_gpu_monitor_probe(why, sizeof why), "%s", why);
+    fl_gpu_monitor *g = fl_gpu_monitor_start(1, why, sizeof why);
+    FL_REQUIRE(g != NULL);
+    struct timespec ts = {0, 60 * 1000000L};
+    nanosleep(&ts, NULL);
+    fl_lab_row r;
+    memset(&r, 0, sizeof r);
+    fl_lab_gpu_stop(g, &r);
+    FL_CHECKF(r.gpu_samples >= 4, "%ld samples", r.gpu_samples);
+    /* n samples alternating 10, 30 (starting at 10): mean 20 (n even) or 20 - 20/n (odd); sample std ~ 10 */
+    const double n = (double)r.gpu_samples, mean = ((long)n % 2 ? 20 - 10 / n : 20);
+    FL_CHECKF(fabs(r.gpu_util_mean - mean) < 1e-9 && r.gpu_util_std > 9.9 && r.gpu_util_std < 11.6, "%g +- %g over %g",
+              r.gpu_util_mean, r.gpu_util_std, n);
+    FL_CHECK(r.gpu_mem_mean == (double)(5ULL << 30) && r.gpu_mem_std == 0);
+    char u[48], m[64];
+    fl_lab_gpu_cells(&r, u, sizeof u, m, sizeof m);
+    FL_CHECKF(!strcmp(m, "5.00 +- 0.00 GiB"), "%s", m);
+#endif
+    if (saved[0]) setenv("FITLLM_NVML_LIB", saved, 1);
+    else unsetenv("FITLLM_NVML_LIB");
+}
+
+/* fitllm's plan of the course's runs at the course's settings (max_seq_length 512, 80e9 bytes, a CUDA device)
+ * against the course's table: the verdicts are the course's except the fp32 batch-32 baseline, which fitllm fits
+ * (documented: the row says why, with the bytes of the fp32 logits PyTorch keeps); the memory readings the course
+ * gives are matched within the stated tolerance, fitllm at -15% to +5% of the course (leaner: no fp32 logits, no
+ * caching allocator; a plan above the course's reading would be a fitllm regression). */
+FL_TEST(lab_course_table_planned) {
+    fl_lab_report rep;
+    memset(&rep, 0, sizeof rep);
+    FL_REQUIRE_OK(fl_lab_course_plans(&rep));
+    FL_REQUIRE(rep.n_course == 4);
+    int with_gb = 0;
+    for (int i = 0; i < rep.n_course; i++) {
+        const fl_lab_course *c = &rep.course[i];
+        FL_CHECKF(c->T == 511 && (c->planned == FL_PLAN_FITS || c->planned == FL_PLAN_OOM), "%s: T %d", c->name, c->T);
+        const int fits = c->planned == FL_PLAN_FITS;
+        if (!strcmp(c->name, "baseline")) {
+            FL_CHECKF(fits && c->course_verdict == FL_LAB_OOM && strstr(c->why, "fits where the course ran out") &&
+                          c->logits_bytes == 32.0 * 511 * 32000 * 4 && strstr(c->why, "2.09 GB"),
+                      "baseline: %s", c->why);
+            continue;
+        }
+        FL_CHECKF(fits == (c->course_verdict == FL_LAB_FITS), "%s: fitllm %s, the course %s", c->name,
+                  fl_lab_plan_name(c->planned), fl_lab_verdict_name(c->course_verdict));
+        if (c->course_gb > 0) {
+            const double r = (double)c->peak / 1e9 / c->course_gb;
+            FL_CHECKF(r >= 0.85 && r <= 1.05, "%s: fitllm %.2f GB, the course %.2f GB", c->name, c->peak / 1e9,
+                      c->course_gb);
+            FL_CHECK(r >= 0.95 || c->why[0]); /* leaner by more than 5%: the row says why */
+            with_gb++;
+        }
+    }
+    FL_CHECK(with_gb == 2);
 }

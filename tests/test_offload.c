@@ -294,8 +294,29 @@ FL_TEST(offload_refuses_what_it_does_not_offload) {
     FL_CHECKF(s == FL_ERR_UNSUPPORTED && strstr(fl_error_message(), "CPU offload of AdamW8bit"), "8-bit AdamW with "
               "offload: %s (%s)", fl_status_name(s), fl_error_message());
     /* parameter offload (stage 3) is refused by name at the configuration, never run as something else */
-    FL_CHECK(fl_cfg_set(&c, "strategy", "deepspeed_stage_3_offload") == FL_OK && fl_cfg_validate(&c) == FL_ERR_UNSUPPORTED);
+    FL_CHECK(fl_cfg_set(&c, "strategy", "deepspeed_stage_3_offload_nvme") == FL_OK && fl_cfg_validate(&c) == FL_ERR_UNSUPPORTED);
     FL_CHECK(strstr(fl_error_message(), "parameter offload") != NULL);
+    FL_CHECK(fl_cfg_set(&c, "strategy", "fsdp_cpu_offload") == FL_OK && fl_cfg_validate(&c) == FL_ERR_UNSUPPORTED);
+    FL_CHECK(strstr(fl_error_message(), "parameter offload") != NULL);
+    /* an offload option the strategy would not use is refused, never ignored (deepspeed_stage_3 with
+     * offload_optimizer_device cpu ran plain ZeRO-3 before) */
+    FL_CHECK(fl_cfg_set(&c, "strategy", "deepspeed_stage_3") == FL_OK &&
+             fl_cfg_set(&c, "offload_optimizer_device", "cpu") == FL_OK && fl_cfg_validate(&c) == FL_ERR_INVALID);
+    FL_CHECKF(strstr(fl_error_message(), "'deepspeed_stage_3'") && strstr(fl_error_message(), "add _offload"), "%s",
+              fl_error_message());
+    FL_CHECK(fl_cfg_set(&c, "strategy", "deepspeed_stage_3_offload") == FL_OK && fl_cfg_validate(&c) == FL_OK);
+    FL_CHECK(fl_cfg_set(&c, "strategy", "fsdp") == FL_OK && fl_cfg_validate(&c) == FL_ERR_INVALID);
+    FL_CHECK(fl_cfg_set(&c, "offload_optimizer_device", "") == FL_OK && fl_cfg_validate(&c) == FL_OK);
+    FL_CHECK(fl_cfg_set(&c, "nvme_path", "/tmp") == FL_OK && fl_cfg_validate(&c) == FL_ERR_INVALID &&
+             strstr(fl_error_message(), "nvme_path '/tmp'"));
+    FL_CHECK(fl_cfg_set(&c, "strategy", "deepspeed_stage_3_offload") == FL_OK &&
+             fl_cfg_set(&c, "offload_optimizer_device", "nvme") == FL_OK && fl_cfg_validate(&c) == FL_OK);
+    FL_CHECK(fl_cfg_set(&c, "nvme_path", "") == FL_OK && fl_cfg_set(&c, "offload_optimizer_device", "") == FL_OK);
+    /* fsdp.sharding_strategy with a strategy that is not fsdp: refused */
+    FL_CHECK(fl_cfg_set(&c, "strategy", "deepspeed_stage_2") == FL_OK &&
+             fl_cfg_set(&c, "fsdp.sharding_strategy", "FULL_SHARD") == FL_OK && fl_cfg_validate(&c) == FL_ERR_INVALID &&
+             strstr(fl_error_message(), "applies to --strategy fsdp"));
+    FL_CHECK(fl_cfg_set(&c, "fsdp.sharding_strategy", "") == FL_OK && fl_cfg_validate(&c) == FL_OK);
     /* nvme needs an offload strategy; an unknown device is named */
     zr_config(&c, ZR_ADAMW, 1, 1, 1, "deepspeed_stage_2", NULL, out);
     FL_CHECK(fl_cfg_set(&c, "offload_optimizer_device", "nvme") == FL_OK && fl_cfg_validate(&c) == FL_ERR_INVALID &&

@@ -445,11 +445,12 @@ FL_TEST(tok_bad_inputs) {
     const char *cfg = "{}";
     expect_load_error(tmpfile_with("tokenizer_config.json", cfg, 2), FL_ERR_INVALID, "not a tokenizer");
     expect_load_error(tmpfile_with("x.txt", "hi", 2), FL_ERR_UNSUPPORTED, "x.txt");
-    /* SentencePiece: garbage, truncated real model, a UNIGRAM model */
+    /* SentencePiece: garbage, truncated real model, a WORD model (UNIGRAM is supported since issue 31:
+     * tests/test_tok_unigram.c; a UNIGRAM model without <unk> is refused there) */
     expect_load_error(tmpfile_with("garbage.model", "\xff\xff\xff", 3), FL_ERR_FORMAT, "garbage.model");
-    static const uint8_t unigram[] = {0x0a, 0x08, 0x0a, 0x01, 'a', 0x15, 0, 0, 0, 0, /* piece "a" score 0 */
-                                      0x12, 0x02, 0x18, 0x01};                         /* trainer_spec model_type=1 */
-    expect_load_error(tmpfile_with("uni.model", unigram, sizeof unigram), FL_ERR_UNSUPPORTED, "UNIGRAM");
+    static const uint8_t word[] = {0x0a, 0x08, 0x0a, 0x01, 'a', 0x15, 0, 0, 0, 0, /* piece "a" score 0 */
+                                   0x12, 0x02, 0x18, 0x03};                         /* trainer_spec model_type=3 */
+    expect_load_error(tmpfile_with("word.model", word, sizeof word), FL_ERR_UNSUPPORTED, "WORD");
     if (fl_test_data_dir()) {
         size_t n;
         char *m = slurp(fl_test_data_path("llama2-tokenizer/tokenizer.model"), &n);

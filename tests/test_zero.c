@@ -212,15 +212,18 @@ FL_TEST(zero_strategies_refused_clearly) {
     FL_CHECK(fl_cfg_zero_stage("fsdp", "_HYBRID_SHARD_ZERO2", &st) == FL_ERR_UNSUPPORTED);
     FL_CHECKF(strstr(fl_error_message(), "_HYBRID_SHARD_ZERO2") && strstr(fl_error_message(), "#14"), "%s",
               fl_error_message());
-    FL_CHECK(fl_cfg_zero_stage("deepspeed_stage_3_offload", NULL, &st) == FL_ERR_UNSUPPORTED);
-    FL_CHECKF(strstr(fl_error_message(), "deepspeed_stage_3_offload") && strstr(fl_error_message(), "not implemented yet"),
+    FL_CHECK(fl_cfg_zero_stage("deepspeed_stage_3_offload_nvme", NULL, &st) == FL_ERR_UNSUPPORTED);
+    FL_CHECKF(strstr(fl_error_message(), "deepspeed_stage_3_offload_nvme") && strstr(fl_error_message(), "not implemented yet"),
               "%s", fl_error_message());
     FL_CHECK(fl_cfg_zero_stage("fsdp_cpu_offload", NULL, &st) == FL_ERR_UNSUPPORTED);
     /* the optimizer offload (ZeRO-Offload) runs as its stage, the state on the host */
     FL_CHECK(fl_cfg_zero_stage("deepspeed_stage_2_offload", NULL, &st) == FL_OK && st == 2);
     FL_CHECK(fl_cfg_zero_stage("deepspeed_stage_1_offload", NULL, &st) == FL_OK && st == 1);
     FL_CHECK(fl_cfg_offload("deepspeed_stage_2_offload") && fl_cfg_offload("deepspeed_stage_1_offload") &&
-             !fl_cfg_offload("deepspeed_stage_2") && !fl_cfg_offload("deepspeed_stage_3_offload") && !fl_cfg_offload(""));
+             !fl_cfg_offload("deepspeed_stage_2") && !fl_cfg_offload("deepspeed_stage_3") && !fl_cfg_offload(""));
+    /* ZeRO-3 with the optimizer offloaded (the parameters' shards on the devices) */
+    FL_CHECK(fl_cfg_zero_stage("deepspeed_stage_3_offload", NULL, &st) == FL_OK && st == 3 &&
+             fl_cfg_offload("deepspeed_stage_3_offload"));
     FL_CHECK(fl_cfg_zero_stage("fsdp", "FULL_SHARDX", &st) == FL_ERR_INVALID);
     /* through the config keys (CLI and YAML recipes) */
     FL_CHECK(fl_cfg_set(&c, "strategy", "fsdp") == FL_OK && fl_cfg_validate(&c) == FL_OK);

@@ -80,13 +80,21 @@ typedef struct {
     char out_dir[FL_CFG_PATH];
     char precision[16];               /* "32-true", "bf16-true", "bf16-mixed", "16-mixed", ... */
     int devices, num_nodes;           /* ranks = devices x num_nodes (data parallel over MPI) */
-    char strategy[32];                /* auto, ddp, deepspeed_stage_1, deepspeed_stage_2, fsdp (Lightning's names) */
+    char strategy[32];                /* auto, ddp, deepspeed_stage_1, _2, _3, their _offload, fsdp (Lightning's names) */
     char sharding_strategy[32];       /* fsdp.sharding_strategy: "" (FULL_SHARD), FULL_SHARD, NO_SHARD, SHARD_GRAD_OP,
                                        * HYBRID_SHARD */
-    char offload_device[32];          /* offload_optimizer_device (Lightning's DeepSpeedStrategy argument): "cpu" (the
-                                       * default: the offloaded state in host memory) or "nvme" (in files under
-                                       * nvme_path, paged through host memory) */
+    char backward_prefetch[32];       /* fsdp.backward_prefetch: "" / BACKWARD_PRE / true (default: in backward, the
+                                       * next unit's gather is posted while this one computes) or off / false
+                                       * (PyTorch's None: each unit gathered when its backward starts) */
+    char offload_device[32];          /* offload_optimizer_device (Lightning's DeepSpeedStrategy argument): "" (not
+                                       * given: cpu under an *_offload strategy), "cpu" (the offloaded state in host
+                                       * memory) or "nvme" (in files under nvme_path, paged through host memory);
+                                       * refused with a strategy that does not offload */
     char nvme_path[FL_CFG_PATH];      /* nvme_path: the folder of the nvme state files ("": out_dir) */
+    char offload_param_device[32];    /* offload_param_device: "" / "none" (the parameters stay on the device); cpu and
+                                       * nvme (parameter offload) are refused: not built yet */
+    size_t bucket_size;               /* bucket_size: bytes of one bucket of the data-parallel gradient reductions
+                                       * (src/train/dp_bucket.c; default 256 MiB; 0 / null: one collective each) */
     char state_dict_type[32];         /* fsdp.state_dict_type: "full" (one consolidated checkpoint, the default) or
                                          "sharded" (each rank writes its element ranges; any strategy) */
     char resume[FL_CFG_PATH];         /* "false", "true", "auto" or a checkpoint folder */
@@ -178,18 +186,21 @@ fl_status fl_cfg_validate(const fl_run_config *c);
  * deepspeed_stage_1 -> 1 (optimizer state sharded), deepspeed_stage_2 and fsdp + SHARD_GRAD_OP -> 2
  * (also the reduced gradients), deepspeed_stage_3 and fsdp + FULL_SHARD (fsdp's default) -> 3 (also the
  * parameters: src/train/fsdp.c), fsdp + HYBRID_SHARD -> 3 (FULL_SHARD within each node, replicated
- * across nodes: fl_cfg_hybrid_shard); deepspeed_stage_1_offload -> 1 and deepspeed_stage_2_offload -> 2
- * with the optimizer offloaded (fl_cfg_offload). What is not built yet (_HYBRID_SHARD_ZERO2, parameter
- * offload: deepspeed_stage_3_offload, fsdp_cpu_offload) is FL_ERR_UNSUPPORTED, never mapped onto
+ * across nodes: fl_cfg_hybrid_shard); deepspeed_stage_1_offload -> 1, deepspeed_stage_2_offload -> 2 and
+ * deepspeed_stage_3_offload -> 3 with the optimizer offloaded (fl_cfg_offload; stage 3: the parameters' shards
+ * stay on the devices). What is not built yet (_HYBRID_SHARD_ZERO2, parameter offload:
+ * deepspeed_stage_3_offload_nvme, fsdp_cpu_offload) is FL_ERR_UNSUPPORTED, never mapped onto
  * something else; unknown names FL_ERR_INVALID. sharding may be NULL. */
 fl_status fl_cfg_zero_stage(const char *strategy, const char *sharding, int *stage);
 /* Whether the strategy offloads the optimizer (ZeRO-Offload: deepspeed_stage_1_offload,
- * deepspeed_stage_2_offload): its state lives in the backend's host tier (host_pool_init), outside
+ * deepspeed_stage_2_offload, deepspeed_stage_3_offload): its state lives in the backend's host tier (host_pool_init), outside
  * the device budget, and the update runs there on the host's cores (src/train/optim.c). */
 int fl_cfg_offload(const char *strategy);
 /* Whether strategy + sharding is HYBRID_SHARD: FULL_SHARD over the --devices ranks of each node
  * (ranks node*devices .. node*devices + devices-1), replicated across the --num_nodes nodes. */
 int fl_cfg_hybrid_shard(const char *strategy, const char *sharding);
+/* fsdp.backward_prefetch: 1 BACKWARD_PRE (the default, ""), 0 off, -1 not a known value. */
+int fl_cfg_backward_prefetch(const fl_run_config *c);
 /* fl_cfg_zero_stage with fsdp read as SHARD_GRAD_OP: whether the name is one fitllm runs. */
 fl_status fl_cfg_check_strategy(const char *strategy);
 

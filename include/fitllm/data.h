@@ -111,6 +111,72 @@ fl_status fl_loader_set_state(fl_loader *l, const fl_loader_state *s);
 /* Batches per epoch (ceil(n / B)). */
 size_t fl_loader_batches_per_epoch(const fl_loader *l);
 
+/* ---- seq2seq pairs (encoder-decoder models: T5) ------------------------------------------
+ * Records of a .json array or .jsonl file: "output" (the target text, a string) and "input"
+ * and/or "instruction" (strings; "input" may be null). The encoder text is the instruction, then
+ * "\n\n", then the input when both are non-empty; else whichever is present (LitGPT's
+ * instruction/input/output records therefore need no prompt template). Source and target are
+ * encoded without BOS and with EOS appended, as T5's tokenizer does. A sequence over its limit is
+ * cut to the limit keeping EOS last (HF's truncation=True) and counted in the stats, or, with
+ * strict, refused with an error naming the file and the record. */
+typedef struct {
+    int max_source_length; /* tokens including EOS; <= 0: no limit (default 512) */
+    int max_target_length; /* default 128 */
+    int strict;            /* 1: a record over a limit is an error; 0 (default): truncated and counted */
+} fl_s2s_config;
+
+void fl_s2s_config_default(fl_s2s_config *c);
+
+typedef struct {
+    size_t n_records;
+    size_t n_truncated_source, n_truncated_target; /* records cut to the limits (not strict) */
+    size_t n_blank;                               /* .jsonl blank lines skipped */
+    size_t n_source_tokens, n_target_tokens;      /* after truncation */
+} fl_s2s_stats;
+
+typedef struct fl_s2s_data fl_s2s_data; /* opaque: tokenized pairs */
+
+/* Read and tokenize path (.json or .jsonl). */
+fl_status fl_s2s_load(fl_s2s_data **out, const char *path, const fl_s2s_config *cfg, const fl_tokenizer *tok);
+/* The same from text in memory; source names it in errors and its suffix picks .json / .jsonl. */
+fl_status fl_s2s_load_mem(fl_s2s_data **out, const char *text, size_t n, const char *source, const fl_s2s_config *cfg,
+                          const fl_tokenizer *tok);
+void fl_s2s_free(fl_s2s_data *d);
+size_t fl_s2s_count(const fl_s2s_data *d);
+/* Pair i: views valid while d lives. */
+void fl_s2s_get(const fl_s2s_data *d, size_t i, const int32_t **src, int *n_src, const int32_t **tgt, int *n_tgt);
+const fl_s2s_stats *fl_s2s_get_stats(const fl_s2s_data *d);
+
+/* One padded micro-batch. src (B, Ts): source ids right-padded with pad_id to the longest source
+ * of the batch; src_mask (B, Ts): 1 = real token, 0 = pad; labels (B, Tt): target ids, padded with
+ * FL_IGNORE_INDEX; dec_in (B, Tt): decoder_start_token_id, then labels[:-1] with pad_id where the
+ * label is FL_IGNORE_INDEX (teacher forcing, HF's shift_tokens_right). */
+typedef struct {
+    int B, Ts, Tt;
+    int32_t *src;
+    uint8_t *src_mask;
+    int32_t *dec_in;
+    int32_t *labels;
+} fl_s2s_batch;
+
+/* Collate B (source, target) id sequences into a batch whose arrays are malloc'd (free with
+ * fl_s2s_batch_free). For callers that hold ids already (e.g. `loss --tokens-file`). */
+fl_status fl_s2s_collate(const int32_t *const *src, const int *n_src, const int32_t *const *tgt, const int *n_tgt, int B,
+                         int pad_id, int decoder_start_token_id, fl_s2s_batch *out);
+void fl_s2s_batch_free(fl_s2s_batch *b);
+
+/* Loader: micro-batches of B pairs; shuffled per epoch exactly as fl_loader (Fisher-Yates driven by
+ * splitmix64(seed, epoch)) when shuffle, else in order; the last batch of an epoch is the
+ * remainder. State (seed, epoch, pos) as fl_loader_state. */
+typedef struct fl_s2s_loader fl_s2s_loader;
+fl_status fl_s2s_loader_init(fl_s2s_loader **out, const fl_s2s_data *d, int B, int pad_id, int decoder_start_token_id,
+                             uint64_t seed, int shuffle);
+void fl_s2s_loader_free(fl_s2s_loader *l);
+/* Next batch (arrays valid until the next call); *new_epoch as fl_loader_next. */
+fl_status fl_s2s_loader_next(fl_s2s_loader *l, fl_s2s_batch *b, int *new_epoch);
+void fl_s2s_loader_get_state(const fl_s2s_loader *l, fl_loader_state *s);
+fl_status fl_s2s_loader_set_state(fl_s2s_loader *l, const fl_loader_state *s);
+
 #ifdef __cplusplus
 }
 #endif

@@ -35,16 +35,23 @@
 extern "C" {
 #endif
 
-#define FL_LAB_JSON_VERSION 1
+#define FL_LAB_JSON_VERSION 2 /* 2: peak_min, peak_max, ran, mfu, prefetch; the course's figures (fsdp) */
 
 typedef enum { FL_LAB_FITS = 0, FL_LAB_OOM, FL_LAB_NA, FL_LAB_ERROR, FL_LAB_VERDICT_COUNT } fl_lab_verdict;
 const char *fl_lab_verdict_name(fl_lab_verdict v); /* "fits", "OOM", "n/a", "error" */
 
 typedef struct {
     const char *suite;     /* "quick" (default), "full", "ci" (the unit tests' subset) or "fsdp" (the batch-size
-                            * sweep of the course's GPT-2-XL FSDP benchmark on lab-gpt2-xl, 4 ranks FULL_SHARD) */
-    const char *only;      /* comma-separated experiment names, NULL = all of the suite (fsdp: b<B> and
-                            * b<B>-ckpt, B a power of two <= 256) */
+                            * sweep of the course's GPT-2-XL FSDP benchmark, 4 ranks FULL_SHARD, T 128 scaled) */
+    const char *only;      /* comma-separated experiment names, NULL = all of the suite (fsdp: [amp-]b<B>[-ckpt],
+                            * B of the course's list 1 2 4 7 8 9, with checkpointing also 16 32 64; amp- = 16-mixed) */
+    const char *precisions; /* fsdp suite: comma-separated, of 32-true and 16-mixed (the course's AMP); NULL both */
+    const char *model;     /* fsdp suite: gpt2-xl (default) or gpt2-xxl (the course's ~3 B GPT); the lab scale runs
+                            * its lab- preset */
+    int seq_len;           /* fsdp suite at lab scale: T (0 = 128 scaled as the model, fl_lab_scale_fsdp) */
+    int no_backward_prefetch; /* fsdp suite: 1 = every row with --fsdp.backward_prefetch off (default on) */
+    double peak_tflops;    /* the device's peak TFLOP/s for MFU; 0 = a known GPU's by name (16-bit tensor or fp32
+                            * by the row's precision), none on a CPU */
     int threads;           /* 0 = all cores */
     int steps;             /* optimizer steps per runnable experiment; 0 = the suite's */
     const char *run_dir;   /* where the runs' out_dirs go (logs); NULL = a temporary folder, removed */
@@ -53,13 +60,17 @@ typedef struct {
     int real_scale;        /* 1: the real models (tinyllama-1.1b, open-llama-3b/7b) at T 1024 on an 80 GB budget,
                             * for an 80 GB GPU; the data-parallel rows are n/a (they need 4 devices); not with the
                             * fsdp suite */
+    int run_oom;           /* 1: also train the rows the plan says OOM, to see the allocator refuse them (the plan's
+                            * verdict is the run's: tests/test_plan.c); 0 (default): such a row is decided by its plan
+                            * before any model memory is touched (fl_lab_row.ran 0), so it costs the plan's < 1 s
+                            * instead of the model's load and random init */
 } fl_lab_opts;
 
 void fl_lab_opts_default(fl_lab_opts *o);
 
 typedef struct {
     char name[32];             /* "baseline" */
-    char lab_step[64];         /* the lab's change, e.g. "full fine-tune, fp32, batch 32" */
+    char lab_step[96];         /* the lab's change, e.g. "full fine-tune, fp32, batch 32" */
     char expect[64];           /* what the lab observes */
     char model[32], ref_model[32];
     int B, accum, T;
@@ -88,14 +99,38 @@ typedef struct {
     fl_mem_phase phases[FL_PLAN_MAX_PHASES];
     int n_phases;
     int phases_planned;        /* 1: phases come from the plan (the run did not fit) */
-    char time_note[96];        /* why a step costs more than the baseline's per sample ("" none) */
+    char time_note[256];       /* why a step costs more than the baseline's per sample ("" none) */
     int ranks;                 /* data-parallel rows (ddp, fsdp): ranks run as threads of this process, each with
                                 * its own pool and budget; memory and phases are rank 0's, tok/s the global
                                 * batch's; 1 otherwise */
     double tflops;             /* model FLOP/s of the step (fl_model_train_flops: 6 N per token + attention, no
                                 * recompute) in TFLOP/s, runs that fit */
+    size_t peak_min, peak_max; /* several ranks: the least and the most peak_total over the ranks (the course
+                                * reports every multi-GPU figure as such a range); one rank: peak_total */
+    int ran;                   /* 1: the row trained (its verdict and memory are the run's); 0: it did not (n/a, or OOM
+                                * decided by its plan: memory is what the plan had live at the failed allocation) */
+    long gpu_samples;          /* NVML samples of device 0 while the row trained (0: none: see fl_lab_report.gpu_note) */
+    double gpu_util_mean, gpu_util_std; /* GPU utilization %, mean and standard deviation over the samples */
+    double gpu_mem_mean, gpu_mem_std;   /* the device's used bytes (every process), mean and standard deviation */
+    double mfu;                /* tflops / the device's peak at the row's precision (0: no peak known) */
+    int prefetch;              /* fsdp rows: fsdp.backward_prefetch on */
     int largest;               /* fsdp sweep: 1 on the largest micro batch that fits for its checkpointing setting */
 } fl_lab_row;
+
+/* One of the course's runs at its own settings (max_seq_length 512, its 80 GB GPU) beside fitllm's plan of it
+ * (src/lab/lab_course.c; quick and full suites). */
+typedef struct {
+    char name[32], step[96], model[32], precision[16];
+    int B, global, T;
+    fl_lab_verdict course_verdict; /* the course's */
+    double course_gb;          /* the course's memory reading in GB (1e9 bytes); 0: not known */
+    fl_plan_verdict planned;   /* fitllm's plan for a CUDA device of 80e9 bytes */
+    size_t peak, peak_tag[FL_TAG_COUNT];
+    double logits_bytes;       /* the fp32 logits PyTorch keeps for the micro batch (B x T x V x 4) */
+    char why[480];             /* where fitllm differs (verdict, or leaner by more than 5%): why, in bytes */
+} fl_lab_course;
+
+#define FL_LAB_MAX_COURSE 8
 
 typedef struct {
     char suite[16];
@@ -113,6 +148,14 @@ typedef struct {
     int real_scale;            /* 1: rows ran the real models at ref_T on ref_device (fl_lab_opts.real_scale) */
     size_t capacity;           /* real scale: the memory of the device the rows run on (GPU memory, or the host's
                                 * RAM for the CPU); rows are n/a when it is below the budget */
+    int no_prefetch;           /* fsdp suite: every row ran with --fsdp.backward_prefetch off */
+    fl_lab_course course[FL_LAB_MAX_COURSE]; /* the course's runs beside fitllm's plans (quick, full suites) */
+    int n_course;
+    char gpu_note[200];        /* how GPU utilization was sampled ("NVML, device 0, every 100 ms") or why not */
+    char sweep_model[32];      /* fsdp suite: gpt2-xl or gpt2-xxl (the real model; the rows run its lab- preset at
+                                * lab scale) */
+    double peak_tflops[2];     /* the peak used for MFU: [0] fp32 rows, [1] 16-bit rows (0: unknown) */
+    char peak_source[96];      /* where the peak comes from ("--peak-tflops", "NVIDIA H100 ...: 989 / 67") */
     char text_dir[4200];       /* real scale: TextFiles folder of byte text the rows train on (every sample
                                 * ref_T + 1 tokens: Synthetic's records are ~200 tokens, so the run's T would be
                                 * theirs, not ref_T); "" at lab scale (Synthetic, whose samples are longer than T) */
@@ -120,6 +163,13 @@ typedef struct {
 
 /* The scaling alone (budget, T, ratios), without running anything. */
 fl_status fl_lab_scale(fl_lab_report *rep);
+/* The fsdp suite's scaling for model (gpt2-xl or gpt2-xxl, NULL gpt2-xl): the course's device (a 16 GB V100:
+ * 16 GiB per rank) and T 128 at the real scale (ref_device, ref_T); budget = 16 GiB x params(lab-<model>) /
+ * params(model) and T = the length at which lab-<model>'s activations per parameter of a sample equal model's
+ * at T 128. */
+fl_status fl_lab_scale_fsdp(const char *model, fl_lab_report *rep);
+/* Plan the course's runs at its settings into rep->course (what fl_lab_run does for the quick and full suites). */
+fl_status fl_lab_course_plans(fl_lab_report *rep);
 /* Run the suite; progress and the table go to out (may be NULL). Rows that
  * error are recorded (verdict error, note) and counted in rep->n_errors; the
  * call fails only on a bad suite / --only name or when the runs cannot start. */
@@ -132,8 +182,8 @@ void fl_lab_print_table(const fl_lab_report *rep, FILE *f);
  * its files relative to dir (re-run it with `cd dir && gnuplot charts.gp`). *charts_out = 1 when the PNGs were drawn;
  * a missing gnuplot is noted in report.md, not an error. */
 fl_status fl_lab_write(const fl_lab_report *rep, const char *dir, int *charts_out);
-/* Names of the experiments of a suite ("quick", "full", "ci", "fsdp": its candidate rows b1..b256,
- * b1-ckpt..b256-ckpt, run up to the first the plan says OOM), NULL-terminated; NULL if no such suite. */
+/* Names of the experiments of a suite ("quick", "full", "ci", "fsdp": its candidate rows [amp-]b<B>[-ckpt], run
+ * per setting up to the first the plan says OOM), NULL-terminated; NULL if no such suite. */
 const char *const *fl_lab_experiments(const char *suite);
 
 #ifdef __cplusplus

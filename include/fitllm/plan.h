@@ -104,6 +104,7 @@ typedef struct {
     int devices;               /* ranks (DDP: the plan is one rank's memory) */
     int rank, zero_stage;      /* the rank planned; ZeRO stage of the strategy (0: DDP or one process, 3: FSDP
                                 * FULL_SHARD; LoRA under FULL_SHARD: 2) */
+    size_t bucket_size;        /* --bucket_size: the gradient reductions' bucket bytes (0: one collective each) */
     char precision[16];
     char optimizer[24];        /* "AdamW", "SGD", "SGD+momentum" */
     int act_ckpt;

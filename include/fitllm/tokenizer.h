@@ -2,7 +2,8 @@
  *
  * Families: HF tokenizer.json BPE, byte-level (GPT-2: regex pre-tokenization,
  * byte-to-unicode map) and SentencePiece-style (metaspace, byte fallback
- * <0xNN>, merges by rank); SentencePiece tokenizer.model (protobuf); the
+ * <0xNN>, merges by rank); tokenizer.json Unigram (T5); SentencePiece
+ * tokenizer.model / spiece.model (protobuf; BPE or Unigram); the
  * llama2.c tokenizer .bin; and a built-in byte-level tokenizer (no files) for
  * demos and tests. BOS/EOS come from tokenizer_config.json / config.json.
  * The tokenizer is immutable after loading and safe to share across threads.
@@ -22,7 +23,7 @@ extern "C" {
 typedef struct fl_tokenizer fl_tokenizer; /* opaque */
 
 /* Load from a model folder (tokenizer.json preferred, else tokenizer.model, else
- * tokenizer.bin/tok*.bin; plus tokenizer_config.json / config.json /
+ * spiece.model, else tokenizer.bin/tok*.bin; plus tokenizer_config.json / config.json /
  * special_tokens_map.json for BOS/EOS) or from a single file (.json, .model,
  * llama2.c .bin). Errors name the file and what is wrong. */
 fl_status fl_tok_load(fl_tokenizer **out, const char *path);
@@ -53,7 +54,12 @@ int fl_tok_vocab_size(const fl_tokenizer *t);
 int fl_tok_bos_id(const fl_tokenizer *t);   /* -1 if none */
 int fl_tok_eos_id(const fl_tokenizer *t);   /* first EOS id, -1 if none */
 int fl_tok_is_eos(const fl_tokenizer *t, int32_t id); /* any of the EOS ids */
-const char *fl_tok_kind(const fl_tokenizer *t); /* "bpe-bytelevel", "bpe-sentencepiece", "spm-model", "llama2c", "bytes" */
+/* PAD: config.json pad_token_id, then special_tokens_map.json / tokenizer_config.json pad_token
+ * (later wins), or a SentencePiece .model's pad_id; -1 if none (T5: 0). */
+int fl_tok_pad_id(const fl_tokenizer *t);
+/* "bpe-bytelevel", "bpe-sentencepiece", "spm-model", "spm-unigram" (a Unigram .model), "unigram"
+ * (tokenizer.json Unigram), "llama2c", "bytes" */
+const char *fl_tok_kind(const fl_tokenizer *t);
 
 #ifdef __cplusplus
 }

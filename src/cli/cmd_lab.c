@@ -3,6 +3,7 @@
  * available" are results), 1 when one failed or the files could not be
  * written, 2 usage error. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cli.h"
@@ -10,7 +11,8 @@
 
 static void help(void) {
     printf("usage: fitllm lab [--suite quick|full|fsdp] [--only name,name] [--out_dir DIR] [--threads N] [--steps N]\n"
-           "                  [--keep-runs] [--scale lab|real]\n\n"
+           "                  [--keep-runs] [--run-oom] [--scale lab|real] [--peak-tflops X]\n"
+           "                  fsdp suite: [--model gpt2-xl|gpt2-xxl] [--precision LIST] [--fsdp.backward_prefetch on|off]\n\n"
            "Runs the memory lab's sequence of experiments (baseline, reduced batch, gradient accumulation, LR\n"
            "scaling, bf16-true, bf16-mixed, larger models, SGD, 8-bit Adam, activation checkpointing, CPU offload,\n"
            "LoRA, QLoRA, DDP, FSDP, FSDP with a larger batch) on the lab's models scaled to this machine (lab-* presets) with a memory budget\n"
@@ -18,24 +20,36 @@ static void help(void) {
            "results.json and PNG charts (gnuplot, optional). Rows for techniques this build lacks say n/a.\n\n"
            "  --suite NAME      (default quick)  quick: every experiment, 4 steps each (under a minute on 2 idle cores);\n"
            "                    full: 20 steps each; ci: the rows the unit tests assert, 2 steps;\n"
-           "                    fsdp: the course's GPT-2-XL FSDP benchmark at lab scale (lab-gpt2-xl, 4 ranks\n"
-           "                    FULL_SHARD): micro batch 1, 2, 4, ... with and without activation checkpointing,\n"
-           "                    each up to the first the plan says OOM; per-rank memory, iteration time, tok/s,\n"
-           "                    model TFLOP/s, the largest batch that fits marked; 2 steps each (a few minutes)\n"
+           "                    fsdp: the course's GPT-2-XL FSDP benchmark at its settings (4 ranks FULL_SHARD,\n"
+           "                    T 128 and 16 GiB per rank, both scaled at lab scale; 32-true and 16-mixed): micro\n"
+           "                    batch 1 2 4 7 8 9 without and with activation checkpointing (then 16 32 64, then\n"
+           "                    doubling), each setting up to the first the plan says OOM; per-rank memory as the\n"
+           "                    min-max over the ranks, iteration time, tok/s, TFLOP/s, MFU, the largest batch that\n"
+           "                    fits marked, the real-scale plan and the course's figures beside; 2 steps each\n"
            "  --only LIST       (default: the whole suite)  comma-separated experiment names:\n                   ");
     const char *const *n = fl_lab_experiments("quick");
     for (int i = 0; n[i]; i++) printf(" %s", n[i]);
-    printf("\n                    fsdp suite: b1 b2 b4 ... b256, b1-ckpt ... b256-ckpt\n"
+    printf("\n                    fsdp suite: b1 b2 b4 b7 b8 b9 b16 .. b128, b1-ckpt .. b512-ckpt (32-true),\n"
+           "                    amp-b1 .. amp-b512-ckpt (16-mixed)\n"
            "  --out_dir DIR     (default lab)  where the report, CSV, JSON and charts go\n"
            "  --threads N       (default 0 = all cores)  CPU threads\n"
            "  --accelerator A   (default auto)  auto|cpu|cuda; auto: the GPU when this build has CUDA and one\n"
            "                    is visible, else the CPU; cuda is EXPERIMENTAL (single GPU; README)\n"
            "  --steps N         (default: the suite's)  optimizer steps per runnable experiment\n"
            "  --keep-runs       (default off)  keep each run's out_dir (logs/metrics.csv) under DIR/runs\n"
+           "  --run-oom         (default off)  also train the rows the plan says OOM, to see the allocator refuse\n"
+           "                    them; off: such a row is decided by its plan before any model memory is touched\n"
+           "                    (under a second; its note says \"planned; not run\")\n"
            "  --scale S         (default lab)  lab: the scaled models and budget above; real: the lab's real models\n"
            "                    (tinyllama-1.1b, open-llama-3b, open-llama-7b) at T = 1024 with an 80 GB budget, for\n"
            "                    an 80 GB GPU (--accelerator cuda; ~100 GB of host memory on the CPU); the 4-rank rows\n"
-           "                    are n/a (they need 4 devices: mpirun); not with --suite fsdp\n\n"
+           "                    are n/a (they need 4 devices: mpirun); --suite fsdp: gpt2-xl at T 128, 16 GiB per\n"
+           "                    rank, its 4 ranks sharing one device of at least 64 GiB (else n/a)\n"
+           "  --peak-tflops X   (default: H100/H200/A100/V100 by name, none on a CPU)  the device's peak for MFU\n"
+           "  --model M         (default gpt2-xl)  fsdp suite: gpt2-xl or gpt2-xxl (the course's ~3 B GPT;\n"
+           "                    GPT-3 2.7B's shape, 2.65 B parameters)\n"
+           "  --precision LIST  (default 32-true,16-mixed)  fsdp suite: the precisions swept (16-mixed: the course's AMP)\n"
+           "  --fsdp.backward_prefetch on|off  (default on)  fsdp suite: the backward's next all-gather posted ahead\n\n"
            "exit codes: 0 every experiment ran (OOM and n/a are results), 1 an experiment failed or the files\n"
            "could not be written, 2 usage error\n");
 }
@@ -64,12 +78,36 @@ int fl_cmd_lab(int argc, char **argv) {
         else if (!strcmp(a, "--accelerator")) { int rc = fl_cli_accelerator(cmd, v); if (rc) return rc; i++; }
         else if (!strcmp(a, "--steps")) { if (fl_cli_int(cmd, a, v, 1, 256, &o.steps)) return FL_EXIT_USAGE; i++; }
         else if (!strcmp(a, "--keep-runs")) keep = 1;
+        else if (!strcmp(a, "--run-oom")) o.run_oom = 1;
+        else if (!strcmp(a, "--model")) {
+            if (!v || (strcmp(v, "gpt2-xl") && strcmp(v, "gpt2-xxl")))
+                return fl_cli_usage(cmd, "--model: '%s' is not gpt2-xl or gpt2-xxl (the fsdp suite's models)", v ? v : "");
+            o.model = v;
+            i++;
+        } else if (!strcmp(a, "--precision")) {
+            if (!v) return fl_cli_usage(cmd, "--precision needs 32-true, 16-mixed or both (comma-separated)");
+            o.precisions = v;
+            i++;
+        } else if (!strcmp(a, "--fsdp.backward_prefetch") || !strcmp(a, "--fsdp.backward-prefetch")) {
+            if (!v || (strcmp(v, "on") && strcmp(v, "off") && strcmp(v, "true") && strcmp(v, "false") &&
+                       strcmp(v, "BACKWARD_PRE")))
+                return fl_cli_usage(cmd, "--fsdp.backward_prefetch: '%s' is not on (BACKWARD_PRE, true) or off (false)",
+                                    v ? v : "");
+            o.no_backward_prefetch = !strcmp(v, "off") || !strcmp(v, "false");
+            i++;
+        } else if (!strcmp(a, "--peak-tflops")) {
+            char *end = NULL;
+            o.peak_tflops = v ? strtod(v, &end) : 0;
+            if (!v || !end || *end || !(o.peak_tflops > 0))
+                return fl_cli_usage(cmd, "--peak-tflops: '%s' is not a positive number", v ? v : "");
+            i++;
+        }
         else if (!strcmp(a, "--scale")) {
             if (!v || (strcmp(v, "lab") && strcmp(v, "real"))) return fl_cli_usage(cmd, "--scale: '%s' is not lab or real", v ? v : "");
             o.real_scale = !strcmp(v, "real");
             i++;
         }
-        else return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--help", "--keep-runs", "--only", "--out_dir", "--scale", "--steps", "--suite", "--threads", NULL});
+        else return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--help", "--fsdp.backward_prefetch", "--keep-runs", "--model", "--only", "--out_dir", "--peak-tflops", "--precision", "--run-oom", "--scale", "--steps", "--suite", "--threads", NULL});
     }
     char runs[4200];
     if (keep) {

@@ -10,8 +10,9 @@
 
 static void help(void) {
     printf("usage: fitllm tokenize <tokenizer> (--text STR | --file F | --decode \"ID ...\") [options]\n\n"
-           "  <tokenizer>        model folder (tokenizer.json, else tokenizer.model, else tok*.bin, plus\n"
-           "                     tokenizer_config.json / config.json for BOS/EOS), a tokenizer file,\n"
+           "  <tokenizer>        model folder (tokenizer.json, else tokenizer.model, else spiece.model\n"
+           "                     (T5), else tok*.bin, plus tokenizer_config.json / config.json for\n"
+           "                     BOS/EOS), a tokenizer file (BPE or SentencePiece Unigram),\n"
            "                     or \"bytes\" for the built-in byte tokenizer\n"
            "  --text STR         text to encode\n"
            "  --file F           encode the contents of file F (bytes as-is)\n"
@@ -19,7 +20,7 @@ static void help(void) {
            "  --bos 0|1          add BOS (default: the tokenizer's add_bos_token)\n"
            "  --eos 0|1          add EOS (default: the tokenizer's add_eos_token)\n"
            "  --skip-special 0|1 when decoding, drop special tokens (default 0)\n"
-           "  --info             print kind, vocab size, BOS/EOS ids to stderr\n\n"
+           "  --info             print kind, vocab size, BOS/EOS/PAD ids to stderr\n\n"
            "Encoding prints the ids space-separated on one line.\n");
 }
 
@@ -70,8 +71,8 @@ int fl_cmd_tokenize(int argc, char **argv) {
     fl_status s = !strcmp(path, "bytes") ? fl_tok_builtin_bytes(&t) : fl_tok_load(&t, path);
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
     if (info)
-        fprintf(stderr, "kind %s, vocab %d, bos %d, eos %d\n", fl_tok_kind(t), fl_tok_vocab_size(t), fl_tok_bos_id(t),
-                fl_tok_eos_id(t));
+        fprintf(stderr, "kind %s, vocab %d, bos %d, eos %d, pad %d\n", fl_tok_kind(t), fl_tok_vocab_size(t), fl_tok_bos_id(t),
+                fl_tok_eos_id(t), fl_tok_pad_id(t));
     int rc = 0;
     if (dec) {
         size_t n = 0, cap = 16;

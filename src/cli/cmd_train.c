@@ -9,6 +9,8 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "fitllm/backend.h"
+#include "fitllm/gpu_monitor.h"
 #include "fitllm/checkpoint.h"
 #include "fitllm/comm.h"
 #include "fitllm/config.h"
@@ -361,7 +363,24 @@ static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_co
     g_out_dir = cfg_in->out_dir;
     signals_begin(cfg.threads > 0 ? cfg.threads : fl_cpu_default_threads(), launched);
     fl_cli_faults_begin(cmd, &cfg, rank, world);
+    /* on a GPU, rank 0 samples its utilization and memory through NVML for the summary (the course's nvtop);
+     * FITLLM_GPU_MONITOR=off never, on always (the tests: an NVML stand-in beside a CPU run) */
+    char gpu_why[200] = "";
+    fl_backend_facts bf;
+    const char *gm = getenv("FITLLM_GPU_MONITOR");
+    const int on_gpu = rank == 0 && (gm && !strcmp(gm, "on") ? 1 : gm && !strcmp(gm, "off") ? 0
+                                     : fl_backend_facts_of(fl_backend_default_name(), &bf) == FL_OK &&
+                                           (bf.caps & FL_CAP_DEVICE_MEMORY));
+    fl_gpu_monitor *gpu = on_gpu ? fl_gpu_monitor_start(100, gpu_why, sizeof gpu_why) : NULL;
     fl_status s = fl_trainer_run_comm(&cfg, comm, stdout, bar, stop_if_interrupted, &cfg, &res);
+    fl_gpu_usage gu;
+    fl_gpu_monitor_stop(gpu, &gu);
+    if (on_gpu && s == FL_OK && !cfg.quiet) {
+        if (gu.samples > 0)
+            printf("GPU utilization (NVML, device 0, %ld samples): %.1f +- %.1f %%, device memory used %.2f +- %.2f GiB\n",
+                   gu.samples, gu.util_mean, gu.util_std, gu.mem_mean / 1073741824.0, gu.mem_std / 1073741824.0);
+        else printf("GPU utilization: not sampled (%s)\n", gpu_why[0] ? gpu_why : "no sample");
+    }
     fl_cli_faults_end();
     signals_end(launched);
     fflush(stdout); /* the log ends with its last whole line before any message */

@@ -28,7 +28,7 @@ void fl_cfg_defaults(fl_run_config *c, fl_cmd_kind cmd) {
     c->num_nodes = 1;
     snprintf(c->strategy, sizeof c->strategy, "auto");
     snprintf(c->state_dict_type, sizeof c->state_dict_type, "full");
-    snprintf(c->offload_device, sizeof c->offload_device, "cpu");
+    c->bucket_size = (size_t)256 << 20; /* between PyTorch DDP's 25 MB and Lightning DeepSpeed's 2e8 elements */
     snprintf(c->resume, sizeof c->resume, "false");
     c->seed = cmd == FL_CMD_PRETRAIN ? 42 : 1337;
     snprintf(c->logger_name, sizeof c->logger_name, "csv");
@@ -72,10 +72,13 @@ static const fl_cfg_key k_keys[] = {
     {"precision", FL_CK_PRECISION, OFF(precision), "32-true | bf16-true | bf16-mixed | 16-true | 16-mixed"},
     {"devices", FL_CK_DEVICES, OFF(devices), "devices (ranks) per node, or auto (1 CPU device); > 1: data parallel over devices x num_nodes ranks"},
     {"num_nodes", FL_CK_POS, OFF(num_nodes), "number of nodes"},
-    {"strategy", FL_CK_STR32, OFF(strategy), "auto | ddp | deepspeed_stage_1 | deepspeed_stage_2 | deepspeed_stage_3 | deepspeed_stage_1_offload | deepspeed_stage_2_offload | fsdp (auto, as LitGPT: fsdp FULL_SHARD for finetune_full and pretrain, ddp over the adapters for adapter fine-tuning, on CPUs and GPUs; ZeRO-1/2 shard the optimizer state / gradients; ZeRO-3 = fsdp FULL_SHARD also the parameters, gathered block by block; *_offload: ZeRO-Offload, the optimizer state in host memory outside the device budget and the update on the host's cores, AdamW or SGD, one device or several)"},
+    {"strategy", FL_CK_STR32, OFF(strategy), "auto | ddp | deepspeed_stage_1 | deepspeed_stage_2 | deepspeed_stage_3 | deepspeed_stage_1_offload | deepspeed_stage_2_offload | deepspeed_stage_3_offload | fsdp (auto, as LitGPT: fsdp FULL_SHARD for finetune_full and pretrain, ddp over the adapters for adapter fine-tuning, on CPUs and GPUs; ZeRO-1/2 shard the optimizer state / gradients; ZeRO-3 = fsdp FULL_SHARD also the parameters, gathered block by block; *_offload: ZeRO-Offload, the optimizer state in host memory outside the device budget and the update on the host's cores, AdamW or SGD, one device or several; deepspeed_stage_3_offload: ZeRO-3 with the optimizer offloaded, the parameters' shards stay on the devices (Lightning's name also offloads the parameters: parameter offload is not built yet); parameter offload (deepspeed_stage_3_offload_nvme, fsdp_cpu_offload) is refused)"},
     {"fsdp.sharding_strategy", FL_CK_STR32, OFF(sharding_strategy), "--strategy fsdp: FULL_SHARD (default; = ZeRO-3: parameters, gradients and optimizer state divided by the ranks) | SHARD_GRAD_OP (= ZeRO-2) | NO_SHARD (= ddp) | HYBRID_SHARD (FULL_SHARD within each node of --devices ranks, replicated across --num_nodes; pretrain's auto across nodes)"},
-    {"offload_optimizer_device", FL_CK_STR32, OFF(offload_device), "with --strategy deepspeed_stage_1_offload / _2_offload: cpu (default: the optimizer state in host memory) | nvme (ZeRO-Infinity's: in files under nvme_path, read and written piece by piece through a few pieces of host memory; for a host too small for the state)"},
-    {"nvme_path", FL_CK_PATH, OFF(nvme_path), "offload_optimizer_device nvme: the folder for the state files (default: out_dir); the files are unlinked at creation, so nothing is left behind"},
+    {"fsdp.backward_prefetch", FL_CK_STR32, OFF(backward_prefetch), "--strategy fsdp FULL_SHARD / HYBRID_SHARD: BACKWARD_PRE or true (default: in backward the next unit's all-gather is posted while this one computes, PyTorch FSDP's default) | off or false (PyTorch's None: each unit gathered when its backward starts; less GATHER memory, no overlap)"},
+    {"offload_optimizer_device", FL_CK_STR32, OFF(offload_device), "with --strategy deepspeed_stage_1_offload / _2_offload / _3_offload (refused with any other strategy): cpu (default: the optimizer state in host memory) | nvme (ZeRO-Infinity's: in files under nvme_path, read and written piece by piece through a few pieces of host memory; for a host too small for the state)"},
+    {"nvme_path", FL_CK_PATH, OFF(nvme_path), "offload_optimizer_device nvme (refused without it): the folder for the state files (default: out_dir); the files are unlinked at creation, so nothing is left behind"},
+    {"offload_param_device", FL_CK_STR32, OFF(offload_param_device), "none (default: the parameters, or their shards, on the device) | cpu | nvme: parameter offload (DeepSpeed's offload_param, Lightning's fsdp_cpu_offload): not implemented yet, refused"},
+    {"bucket_size", FL_CK_BYTES, OFF(bucket_size), "data parallel: the bytes of one bucket of the gradient reductions (ZeRO-2's reduce-scatter, FULL_SHARD's per unit, DDP/ZeRO-1's all-reduce per layer group; DeepSpeed's reduce_bucket_size in bytes): a reduction larger than it runs bucket by bucket, so its scratch (under twice the bucket) does not grow with the model; same bits at any size; null: one collective each"},
     {"fsdp.state_dict_type", FL_CK_STR32, OFF(state_dict_type), "checkpoints of every strategy: full (consolidated, one file set) | sharded (each rank writes its element ranges; resumable at any world size; fitllm merge_shards consolidates)"},
     {"resume", FL_CK_RESUME, OFF(resume), "false | true | auto | path to a checkpoint folder"},
     {"seed", FL_CK_U64, OFF(seed), "random seed"},
@@ -578,119 +581,11 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
     }
 }
 
-/* Lightning's and DeepSpeed's names for what is not built yet: refused, never mapped onto something
- * else. */
-static fl_status not_yet(const char *what, const char *name) {
-    return fl_errorf(FL_ERR_UNSUPPORTED, "%s '%s' is not implemented yet (parameter offload: the parameters on the host "
-                     "between uses); use deepspeed_stage_2_offload or deepspeed_stage_1_offload (the optimizer state "
-                     "and its update on the host), --strategy ddp, deepspeed_stage_1, deepspeed_stage_2, "
-                     "deepspeed_stage_3, or fsdp with --fsdp.sharding_strategy NO_SHARD, SHARD_GRAD_OP, FULL_SHARD or "
-                     "HYBRID_SHARD", what, name);
-}
-
-int fl_cfg_offload(const char *s) {
-    return s && (!strcmp(s, "deepspeed_stage_1_offload") || !strcmp(s, "deepspeed_stage_2_offload"));
-}
-
-fl_status fl_cfg_zero_stage(const char *s, const char *sharding, int *stage) {
-    static const char *later[] = {"deepspeed", "deepspeed_stage_3_offload", "deepspeed_stage_3_offload_nvme",
-                                  "fsdp_cpu_offload"};
-    *stage = 0;
-    if (!s[0] || !strcmp(s, "auto") || !strcmp(s, "ddp")) return FL_OK;
-    if (!strcmp(s, "deepspeed_stage_1") || !strcmp(s, "deepspeed_stage_1_offload")) { *stage = 1; return FL_OK; }
-    if (!strcmp(s, "deepspeed_stage_2") || !strcmp(s, "deepspeed_stage_2_offload")) { *stage = 2; return FL_OK; }
-    if (!strcmp(s, "deepspeed_stage_3")) { *stage = 3; return FL_OK; }
-    if (!strcmp(s, "fsdp")) {
-        /* Lightning's FSDPStrategy default is FULL_SHARD (ZeRO-3) */
-        const char *ss = sharding && sharding[0] ? sharding : "FULL_SHARD";
-        if (!strcmp(ss, "NO_SHARD")) return FL_OK;
-        if (!strcmp(ss, "SHARD_GRAD_OP")) { *stage = 2; return FL_OK; }
-        if (!strcmp(ss, "FULL_SHARD")) { *stage = 3; return FL_OK; }
-        /* FULL_SHARD within each node (--devices ranks), replicated across nodes: src/train/fsdp.c */
-        if (!strcmp(ss, "HYBRID_SHARD")) { *stage = 3; return FL_OK; }
-        if (!strcmp(ss, "_HYBRID_SHARD_ZERO2"))
-            return fl_errorf(FL_ERR_UNSUPPORTED, "fsdp.sharding_strategy '%s' is not implemented yet (issue #14: "
-                             "SHARD_GRAD_OP within a node, replicated across nodes); use HYBRID_SHARD (FULL_SHARD "
-                             "within a node) or SHARD_GRAD_OP over all ranks", ss);
-        return fl_errorf(FL_ERR_INVALID, "fsdp.sharding_strategy '%s': unknown (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, "
-                         "HYBRID_SHARD)", ss);
-    }
-    for (size_t i = 0; i < sizeof later / sizeof later[0]; i++)
-        if (!strcmp(s, later[i])) return not_yet("strategy", s);
-    return fl_errorf(FL_ERR_INVALID, "strategy '%s': unknown (auto, ddp, deepspeed_stage_1, deepspeed_stage_2, "
-                     "deepspeed_stage_3, deepspeed_stage_1_offload, deepspeed_stage_2_offload, fsdp)",
-                     s);
-}
-
-int fl_cfg_hybrid_shard(const char *strategy, const char *sharding) {
-    return strategy && !strcmp(strategy, "fsdp") && sharding && !strcmp(sharding, "HYBRID_SHARD");
-}
-
-fl_status fl_cfg_check_strategy(const char *s) {
-    int stage;
-    return fl_cfg_zero_stage(s, "SHARD_GRAD_OP", &stage);
-}
-
-/* Why FULL_SHARD would refuse this run (NULL: it runs it). The same refusals as fl_fsdp_refusal
- * (src/train/fsdp.c): none today, on host or device memory (a GPU communicator: FULL_SHARD gathers and
- * reduces through it, as LitGPT's FSDP on GPUs). tests/test_config.c checks that auto never picks
- * FULL_SHARD where an explicit fsdp is refused. */
-static const char *full_shard_refusal(const fl_run_config *c, int device_comm) {
-    (void)c, (void)device_comm;
-    return NULL;
-}
-
-static fl_status resolve_strategy(const fl_run_config *c, int device_comm, fl_strategy_choice *out) {
-    memset(out, 0, sizeof *out);
-    const int world = c->devices * c->num_nodes;
-    int stage = 0;
-    FL_TRY(fl_cfg_zero_stage(c->strategy, c->sharding_strategy, &stage));
-    const char *s = c->strategy[0] ? c->strategy : "auto";
-    if (strcmp(s, "auto") || world < 2) { /* given, or one process: as given */
-        snprintf(out->strategy, sizeof out->strategy, "%s", s);
-        snprintf(out->sharding, sizeof out->sharding, "%s", c->sharding_strategy);
-        snprintf(out->desc, sizeof out->desc, "%s", s);
-        out->stage = stage; /* one process: as fl_cfg_zero_stage (its users run one process unsharded) */
-        return FL_OK;
-    }
-    const char *why = c->command == FL_CMD_FINETUNE_LORA ? NULL : full_shard_refusal(c, device_comm);
-    if (c->command == FL_CMD_FINETUNE_LORA) {
-        snprintf(out->desc, sizeof out->desc, "auto: DDP over the adapters, as LitGPT's finetune_lora");
-    } else if (why) {
-        snprintf(out->desc, sizeof out->desc, "auto: DDP, since FULL_SHARD does not support %s yet", why);
-    } else {
-        snprintf(out->strategy, sizeof out->strategy, "fsdp");
-        /* pretrain across nodes: LitGPT's HYBRID_SHARD (FULL_SHARD within each node of --devices ranks,
-         * replicated across the nodes); on one node that is FULL_SHARD, which is what runs */
-        int hybrid = c->command == FL_CMD_PRETRAIN && c->num_nodes > 1;
-        snprintf(out->sharding, sizeof out->sharding, "%s", hybrid ? "HYBRID_SHARD" : "FULL_SHARD");
-        out->stage = 3;
-        if (c->command != FL_CMD_PRETRAIN)
-            snprintf(out->desc, sizeof out->desc, "auto: fsdp FULL_SHARD, as LitGPT's %s", fl_cfg_command_name(c->command));
-        else if (hybrid)
-            snprintf(out->desc, sizeof out->desc, "auto: fsdp HYBRID_SHARD, as LitGPT's pretrain (FULL_SHARD within "
-                     "each of the %d nodes of %d ranks, replicated across the nodes)", c->num_nodes, c->devices);
-        else
-            snprintf(out->desc, sizeof out->desc, "auto: fsdp FULL_SHARD, as LitGPT's pretrain (HYBRID_SHARD, on one "
-                     "node FULL_SHARD)");
-        return FL_OK;
-    }
-    snprintf(out->strategy, sizeof out->strategy, "ddp");
-    return FL_OK;
-}
-
-fl_status fl_cfg_resolve_strategy(const fl_run_config *c, int device_comm, fl_strategy_choice *out) {
-    FL_TRY(resolve_strategy(c, device_comm, out));
-    out->offload = fl_cfg_offload(c->strategy);
-    const int auto_fsdp = (!c->strategy[0] || !strcmp(c->strategy, "auto")) && !strcmp(out->strategy, "fsdp");
-    if (c->train.activation_checkpointing >= 0) {
-        out->act_ckpt = c->train.activation_checkpointing != 0;
-    } else if (auto_fsdp && c->command == FL_CMD_FINETUNE_FULL) { /* LitGPT: activation_checkpointing_policy={Block} */
-        out->act_ckpt = 1;
-        size_t n = strlen(out->desc);
-        snprintf(out->desc + n, sizeof out->desc - n, ", activation checkpointing per block");
-    }
-    return FL_OK;
+int fl_cfg_backward_prefetch(const fl_run_config *c) {
+    const char *v = c->backward_prefetch;
+    /* null (None, NONE, "") is the default here, as for every key: PyTorch's None (no prefetch) is "off" */
+    if (!v[0] || !strcmp(v, "BACKWARD_PRE") || !strcmp(v, "true") || !strcmp(v, "on")) return 1;
+    return !strcmp(v, "false") || !strcmp(v, "off") ? 0 : -1;
 }
 
 fl_status fl_cfg_validate(const fl_run_config *c) {
@@ -704,12 +599,36 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
         strcmp(c->sharding_strategy, "HYBRID_SHARD") && strcmp(c->sharding_strategy, "_HYBRID_SHARD_ZERO2"))
         return fl_errorf(FL_ERR_INVALID, "fsdp.sharding_strategy '%s': unknown (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, "
                          "HYBRID_SHARD)", c->sharding_strategy);
+    const char *strat = c->strategy[0] ? c->strategy : "auto";
+    if (c->sharding_strategy[0] && strcmp(strat, "fsdp") && (strcmp(strat, "auto") || c->devices * c->num_nodes > 1))
+        return fl_errorf(FL_ERR_INVALID, "fsdp.sharding_strategy %s applies to --strategy fsdp; this run's strategy is "
+                         "'%s'%s", c->sharding_strategy, strat,
+                         strcmp(strat, "auto") ? "" : " (auto picks its own sharding: give --strategy fsdp to choose it)");
+    if (c->backward_prefetch[0] && fl_cfg_backward_prefetch(c) < 0)
+        return fl_errorf(FL_ERR_INVALID, "fsdp.backward_prefetch '%s': unknown (BACKWARD_PRE or true, the default; off or false)",
+                         c->backward_prefetch);
     if (c->offload_device[0] && strcmp(c->offload_device, "cpu") && strcmp(c->offload_device, "nvme"))
         return fl_errorf(FL_ERR_INVALID, "offload_optimizer_device '%s': unknown (cpu or nvme)", c->offload_device);
-    if (!strcmp(c->offload_device, "nvme") && !fl_cfg_offload(c->strategy))
-        return fl_errorf(FL_ERR_INVALID, "offload_optimizer_device nvme offloads the optimizer of --strategy "
-                         "deepspeed_stage_2_offload or deepspeed_stage_1_offload; this run's strategy is '%s'",
-                         c->strategy[0] ? c->strategy : "auto");
+    /* an option the run would not use is refused, never ignored (--strategy deepspeed_stage_3
+     * --offload_optimizer_device cpu ran plain ZeRO-3 before) */
+    if (c->offload_device[0] && !fl_cfg_offload(c->strategy))
+        return fl_errorf(FL_ERR_INVALID, "offload_optimizer_device %s offloads the optimizer of --strategy "
+                         "deepspeed_stage_2_offload, deepspeed_stage_1_offload or deepspeed_stage_3_offload; this run's "
+                         "strategy is '%s', which keeps the optimizer state on the device%s", c->offload_device,
+                         c->strategy[0] ? c->strategy : "auto",
+                         !strncmp(c->strategy, "deepspeed_stage_", 16) && strlen(c->strategy) == 17
+                             ? " (add _offload to its name to offload it)" : "");
+    if (c->offload_param_device[0] && strcmp(c->offload_param_device, "none"))
+        return fl_errorf(strcmp(c->offload_param_device, "cpu") && strcmp(c->offload_param_device, "nvme")
+                             ? FL_ERR_INVALID : FL_ERR_UNSUPPORTED,
+                         "offload_param_device '%s': parameter offload (each rank's parameter shards in host memory or "
+                         "NVMe files, fetched ahead of each unit's use) is not implemented yet; the values are none, cpu "
+                         "and nvme, and deepspeed_stage_3_offload offloads the optimizer state with the parameters' "
+                         "shards on the device", c->offload_param_device);
+    if (c->nvme_path[0] && strcmp(c->offload_device, "nvme"))
+        return fl_errorf(FL_ERR_INVALID, "nvme_path '%s' is the folder of offload_optimizer_device nvme's state files; "
+                         "this run does not offload to nvme (offload_optimizer_device %s)", c->nvme_path,
+                         c->offload_device[0] ? c->offload_device : "not given");
     if (strcmp(c->state_dict_type, "full") && strcmp(c->state_dict_type, "sharded"))
         return fl_errorf(FL_ERR_INVALID, "fsdp.state_dict_type '%s': unknown (full or sharded)", c->state_dict_type);
     if (!strcmp(c->state_dict_type, "sharded") && c->command == FL_CMD_FINETUNE_LORA)

@@ -106,6 +106,9 @@ fl_status fl_data_build_synthetic(fl_dataset *d, const fl_data_config *cfg, cons
 /* Generate the synthetic records of one split (exposed for tests). */
 fl_status fl_data_synthetic_records(uint64_t seed, fl_split split, size_t n, fl_data_records *out);
 
+/* The loaders' order for one epoch: identity, or a Fisher-Yates shuffle driven by splitmix64(seed, epoch). */
+void fl_data_epoch_perm(uint64_t seed, int64_t epoch, int shuffle, size_t n, size_t *perm);
+
 /* ---- hashing and cache --------------------------------------------------------- */
 
 typedef struct {

@@ -60,19 +60,23 @@ void fl_loader_free(fl_loader *l) {
     free(l);
 }
 
-static void build_perm(fl_loader *l) {
-    for (size_t i = 0; i < l->n; i++) l->perm[i] = i;
-    if (l->shuffle) {
-        uint64_t st = l->seed ^ 0x6c6f616465720000ULL;
-        uint64_t e = (uint64_t)l->epoch;
+void fl_data_epoch_perm(uint64_t seed, int64_t epoch, int shuffle, size_t n, size_t *perm) {
+    for (size_t i = 0; i < n; i++) perm[i] = i;
+    if (shuffle) {
+        uint64_t st = seed ^ 0x6c6f616465720000ULL;
+        uint64_t e = (uint64_t)epoch;
         st = fl_data_splitmix64(&st) ^ (e * 0xd1b54a32d192ed03ULL);
-        for (size_t i = l->n; i > 1; i--) {
+        for (size_t i = n; i > 1; i--) {
             size_t j = (size_t)fl_data_rand_below(&st, i);
-            size_t t = l->perm[i - 1];
-            l->perm[i - 1] = l->perm[j];
-            l->perm[j] = t;
+            size_t t = perm[i - 1];
+            perm[i - 1] = perm[j];
+            perm[j] = t;
         }
     }
+}
+
+static void build_perm(fl_loader *l) {
+    fl_data_epoch_perm(l->seed, l->epoch, l->shuffle, l->n, l->perm);
     l->perm_epoch = l->epoch;
 }
 

@@ -21,4 +21,29 @@ typedef struct {
     int suites;               /* SUITE_* bits */
 } lab_exp;
 
+
+#define FL_LAB_MIB(x) ((double)(x) / 1048576.0)
+#define REF_SWEEP_T_PUBLIC 128 /* the course's FSDP benchmark's sequence length */
+
+const char *fl_lab_plan_name(fl_plan_verdict v);
+void fl_lab_gpu_cells(const fl_lab_row *r, char *u, size_t un, char *m, size_t mn); /* "mean +- std" or "-" */
+/* text in lines of at most width columns, the first after prefix, the rest indented (never cut) */
+void fl_lab_wrap(FILE *f, const char *prefix, const char *text, int width, int indent); /* "fits", "OOM", "n/a", "?" */
+/* lab_sweep.c: the fsdp suite's tables, chart data and script; a row's setting (2 x 16-bit + checkpointing) */
+int fl_lab_sweep_group(const fl_lab_row *r);
+void fl_lab_sweep_print(const fl_lab_report *rep, FILE *f);
+void fl_lab_sweep_md(FILE *f, const fl_lab_report *rep, int charts);
+int fl_lab_sweep_data(const fl_lab_report *rep, FILE *f, int idx[4], int fit[4]);
+void fl_lab_sweep_script(const fl_lab_report *rep, FILE *f, const int idx[4], const int fit[4]);
+/* The course's figures for a fsdp row (16-mixed; 0: none): memory MB (0: OOM), GPU util %, TFLOP/s, iteration ms */
+int fl_lab_course_fsdp(const fl_lab_report *rep, const fl_lab_row *r, double *mem_mb, double *util, double *tflops,
+                       double *iter_ms);
+
+/* lab_course.c: the course's runs table, console and report.md */
+void fl_lab_course_print(const fl_lab_report *rep, FILE *f);
+void fl_lab_course_md(FILE *f, const fl_lab_report *rep);
+/* lab_gpu.c: GPU utilization and memory through NVML (fitllm/gpu_monitor.h) */
+#include "fitllm/gpu_monitor.h"
+void fl_lab_gpu_stop(fl_gpu_monitor *g, fl_lab_row *r); /* fl_gpu_monitor_stop into the row's gpu_* */
+
 #endif

@@ -92,22 +92,45 @@ static int suite_bit(const char *s) {
     return 0;
 }
 
-/* ---- the fsdp suite: the course's GPT-2-XL FSDP benchmark at lab scale ----------------------
- * 4 ranks FULL_SHARD on lab-gpt2-xl (gpt2-xl / 16), micro batch 1, 2, 4, ... with and without
- * activation checkpointing; each setting stops at the first batch the planner says OOM (that row
- * runs too: its OOM is a result). The rows are named b<B> and b<B>-ckpt. */
-#define SWEEP_N 18 /* 2 x (1, 2, 4, ..., 256) */
+/* ---- the fsdp suite: the course's FSDP benchmark at its own settings -------------------------
+ * 4 ranks FULL_SHARD on gpt2-xl (or the course's ~3 B gpt2-xxl), T 128 (scaled at lab scale), the
+ * precisions 32-true and 16-mixed (the course's AMP), the course's micro batches 1 2 4 7 8 9 without
+ * activation checkpointing and with it (then also 16 32 64, the course's checkpointed list), and on
+ * by doubling (fitllm's activations are leaner than PyTorch's: the course's list alone would end
+ * before fitllm's limit); each (precision, checkpointing) setting stops at the first batch the
+ * planner says OOM (that row is a result). Names: b<B>, b<B>-ckpt (32-true), amp-b<B>,
+ * amp-b<B>-ckpt (16-mixed). */
+static const int k_sweep_b[] = {1, 2, 4, 7, 8, 9, 16, 32, 64, 128, 256, 512};
+#define SWEEP_B_PLAIN 10 /* without checkpointing: up to 128 */
+#define SWEEP_B_CKPT 12
+#define SWEEP_N (2 * (SWEEP_B_PLAIN + SWEEP_B_CKPT)) /* both precisions */
+#define REF_SWEEP_T 128
+#define REF_SWEEP_DEVICE ((size_t)16 << 30) /* the course's V100 16 GB */
+
+static const char *const k_sweep_prec[2] = {"32-true", "16-mixed"};
+
+/* candidate i: its precision (0/1), checkpointing and micro batch, in run order */
+static void sweep_cand(int i, int *prec, int *ck, int *B) {
+    const int per = SWEEP_B_PLAIN + SWEEP_B_CKPT;
+    *prec = i / per;
+    int j = i % per;
+    *ck = j >= SWEEP_B_PLAIN;
+    *B = k_sweep_b[*ck ? j - SWEEP_B_PLAIN : j];
+}
 
 static const char *sweep_name(int i) {
-    static char names[SWEEP_N][16];
-    int B = 1 << (i % (SWEEP_N / 2)), ck = i >= SWEEP_N / 2;
-    snprintf(names[i], sizeof names[i], "b%d%s", B, ck ? "-ckpt" : "");
+    static char names[SWEEP_N][24];
+    int prec, ck, B;
+    sweep_cand(i, &prec, &ck, &B);
+    snprintf(names[i], sizeof names[i], "%sb%d%s", prec ? "amp-" : "", B, ck ? "-ckpt" : "");
     return names[i];
 }
 
-static lab_exp sweep_exp(int B, int ck, const char *name) {
-    lab_exp e = {name, "GPT-2-XL, 4x FSDP FULL_SHARD", "the plan's verdict", "gpt2-xl", "lab-gpt2-xl", B, 4 * B, 1,
-                 "32-true", FL_OPT_ADAMW, ck, "fsdp", FL_LAB_FITS, SUITE_FSDP};
+static lab_exp sweep_exp(int i, const char *model, const char *lab_model) {
+    int prec, ck, B;
+    sweep_cand(i, &prec, &ck, &B);
+    lab_exp e = {sweep_name(i), "4x FSDP FULL_SHARD", "the plan's verdict", model, lab_model, B, 4 * B, 1,
+                 k_sweep_prec[prec], FL_OPT_ADAMW, ck, "fsdp", FL_LAB_FITS, SUITE_FSDP};
     return e;
 }
 
@@ -151,24 +174,37 @@ static double act_per_param(const fl_model_config *c, int T) {
     return (double)(a.acts_bytes + a.workspace_bytes) / (double)fl_sizing_param_count(c);
 }
 
-fl_status fl_lab_scale(fl_lab_report *rep) {
+/* budget and T of lab_model as device and ref_T relate to ref_model (see fl_lab_scale) */
+static fl_status scale_to(const char *ref_model, const char *lab_model, size_t device, int ref_T, fl_lab_report *rep) {
     fl_model_config ref, lab;
-    FL_TRY(fl_preset_find(REF_MODEL, &ref));
-    FL_TRY(fl_preset_find(LAB_MODEL, &lab));
-    rep->ref_device = REF_DEVICE;
-    rep->ref_T = REF_T;
+    FL_TRY(fl_preset_find(ref_model, &ref));
+    FL_TRY(fl_preset_find(lab_model, &lab));
+    rep->ref_device = device;
+    rep->ref_T = ref_T;
     rep->param_ratio = (double)fl_sizing_param_count(&lab) / (double)fl_sizing_param_count(&ref);
-    rep->budget = (size_t)llround((double)REF_DEVICE * rep->param_ratio);
-    rep->act_ratio_ref = act_per_param(&ref, REF_T);
+    rep->budget = (size_t)llround((double)device * rep->param_ratio);
+    rep->act_ratio_ref = act_per_param(&ref, ref_T);
     int best = 1;
     double bd = INFINITY;
-    for (int T = 1; T <= REF_T; T++) {
+    for (int T = 1; T <= ref_T; T++) {
         double d = fabs(act_per_param(&lab, T) - rep->act_ratio_ref);
         if (d < bd) { bd = d; best = T; }
     }
     rep->T = best;
     rep->act_ratio_lab = act_per_param(&lab, best);
     return FL_OK;
+}
+
+fl_status fl_lab_scale(fl_lab_report *rep) { return scale_to(REF_MODEL, LAB_MODEL, REF_DEVICE, REF_T, rep); }
+
+fl_status fl_lab_scale_fsdp(const char *model, fl_lab_report *rep) {
+    if (!model) model = "gpt2-xl";
+    if (strcmp(model, "gpt2-xl") && strcmp(model, "gpt2-xxl"))
+        return fl_errorf(FL_ERR_INVALID, "the fsdp suite's model '%s' is not gpt2-xl or gpt2-xxl", model);
+    char lab[40];
+    snprintf(lab, sizeof lab, "lab-%s", model);
+    snprintf(rep->sweep_model, sizeof rep->sweep_model, "%s", model);
+    return scale_to(model, lab, REF_SWEEP_DEVICE, REF_SWEEP_T, rep);
 }
 
 /* ---- one experiment ------------------------------------------------------------------- */
@@ -202,9 +238,14 @@ static const char *row_model(const lab_exp *e, const fl_lab_report *rep) {
     return rep->real_scale ? e->ref_model : e->lab_model;
 }
 
+/* The peak TFLOP/s for a row's MFU: 16-bit tensor cores for the 16-bit precisions, else fp32. */
+static double row_peak(const fl_lab_report *rep, const char *precision) {
+    return rep->peak_tflops[strcmp(precision, "32-true") != 0];
+}
+
 /* The config of a row: at lab scale (model, T) or at the real one. */
 static void apply_row(fl_run_config *c, const lab_exp *e, const char *model, int T, long steps, size_t budget,
-                      const char *out_dir, int threads, const char *text_dir) {
+                      const char *out_dir, int threads, const char *text_dir, int no_prefetch) {
     fl_cfg_defaults(c, FL_CMD_FINETUNE_FULL);
     snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "%s", model);
     snprintf(c->out_dir, sizeof c->out_dir, "%s", out_dir);
@@ -226,6 +267,7 @@ static void apply_row(fl_run_config *c, const lab_exp *e, const char *model, int
     c->eval.interval = 1 << 30;
     c->eval.max_new_tokens = 0;
     c->eval.final_validation = 0;
+    c->eval.initial_validation = 0;
     fl_optim_config_default(&c->optimizer, e->optim);
     c->optimizer.lr = 1e-3f * e->lr_mult;
     c->max_memory = budget; /* per rank: each rank's pool is one device */
@@ -238,6 +280,7 @@ static void apply_row(fl_run_config *c, const lab_exp *e, const char *model, int
         int all = threads > 0 ? threads : (int)(cores > 0 ? cores : 1);
         c->threads = all / ranks > 0 ? all / ranks : 1; /* the ranks share the cores */
     }
+    if (no_prefetch) snprintf(c->backward_prefetch, sizeof c->backward_prefetch, "off");
     c->overwrite = 1;
     c->seed = 1337;
     /* the lab's DeepSpeed ZeRO stage 2 offload: the optimizer state and its update on the host (one device) */
@@ -309,8 +352,13 @@ static fl_status rank_main(fl_comm *comm, int rank, void *ud) {
 
 /* Train the row (one process, or its ranks as threads): rank 0's log and result, or those of the
  * rank whose own error ended the run (an OOM names that rank's allocation). */
-static fl_status train_row(const fl_run_config *c, int ranks, step_log *log, fl_trainer_result *res) {
-    if (ranks <= 1) return fl_trainer_run(c, NULL, 0, on_step, log, res);
+static fl_status train_row(const fl_run_config *c, int ranks, step_log *log, fl_trainer_result *res, size_t *pmin,
+                           size_t *pmax) {
+    if (ranks <= 1) {
+        fl_status s = fl_trainer_run(c, NULL, 0, on_step, log, res);
+        *pmin = *pmax = res->peak_total;
+        return s;
+    }
     ranks_run *x = calloc(1, sizeof *x);
     if (!x) return fl_errorf(FL_ERR_OOM, "out of host memory");
     x->cfg = c;
@@ -325,6 +373,11 @@ static fl_status train_row(const fl_run_config *c, int ranks, step_log *log, fl_
         if (x->st[r] == s) { pick = r; break; }
     *log = x->log[pick];
     *res = x->res[pick];
+    for (int r = 0; r < ranks; r++) { /* the peak's range over the ranks */
+        size_t pk = x->res[r].peak_total;
+        if (!r || pk < *pmin) *pmin = pk;
+        if (!r || pk > *pmax) *pmax = pk;
+    }
     free(x);
     return s;
 }
@@ -338,7 +391,7 @@ static int pick_batch(const lab_exp *e, const fl_lab_report *rep, long steps, co
         lab_exp x = *e;
         x.B = B;
         x.global = B * exp_ranks(e);
-        apply_row(c, &x, row_model(&x, rep), rep->T, steps, rep->budget, out, threads, rep->text_dir);
+        apply_row(c, &x, row_model(&x, rep), rep->T, steps, rep->budget, out, threads, rep->text_dir, rep->no_prefetch);
         fl_plan_verdict v;
         size_t peak;
         plan_row(c, p, &v, &peak);
@@ -348,8 +401,18 @@ static int pick_batch(const lab_exp *e, const fl_lab_report *rep, long steps, co
     return best;
 }
 
+/* An OOM verdict, the run's or (suffix " (planned; not run)") its plan's: the allocation that failed. */
+static void set_oom(fl_lab_row *r, const fl_mem_oom *oom, const char *suffix) {
+    char a[32], b[32];
+    r->verdict = FL_LAB_OOM;
+    r->oom = *oom;
+    snprintf(r->note, sizeof r->note, "OOM during %s: %s %s requested, %s available%s", oom->phase,
+             fl_mem_tag_name(oom->tag), fl_fmt_bytes(oom->requested, a, sizeof a),
+             fl_fmt_bytes(oom->budget > oom->in_use ? oom->budget - oom->in_use : 0, b, sizeof b), suffix);
+}
+
 static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, const char *run_dir, int threads,
-                    fl_lab_row *r) {
+                    int run_oom, fl_lab_row *r) {
     memset(r, 0, sizeof *r);
     lab_exp ex = *e0;
     const lab_exp *e = &ex;
@@ -384,14 +447,14 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
     }
     r->B = e->B;
     r->accum = e->global / (e->B * r->ranks);
-    time_note(e, rep, r->time_note, sizeof r->time_note);
+    if (!rep->sweep) time_note(e, rep, r->time_note, sizeof r->time_note); /* the sweep's rows compare by batch */
     /* the real scale: the real model, T 1024, an 80 GB device (--scale real: the run's own plan, below) */
     if (!rep->real_scale) {
-        apply_row(c, e, e->ref_model, rep->ref_T, steps, rep->ref_device, out, threads, rep->text_dir);
+        apply_row(c, e, e->ref_model, rep->ref_T, steps, rep->ref_device, out, threads, rep->text_dir, rep->no_prefetch);
         plan_row(c, p, &r->ref_planned, &r->ref_peak);
     }
     /* the scale the row runs at */
-    apply_row(c, e, model, rep->T, steps, rep->budget, out, threads, rep->text_dir);
+    apply_row(c, e, model, rep->T, steps, rep->budget, out, threads, rep->text_dir, rep->no_prefetch);
     plan_row(c, p, &r->planned, &r->planned_peak);
     if (rep->real_scale) {
         r->ref_planned = r->planned;
@@ -403,14 +466,24 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
         memcpy(r->phases, p->phases, sizeof r->phases);
         r->phases_planned = 1;
     }
-    if (rep->real_scale && r->ranks > 1) { /* one process cannot stand in for 4 devices of 80 GB */
+    r->prefetch = !rep->no_prefetch;
+    if (rep->real_scale && r->ranks > 1 && rep->sweep && rep->capacity < (size_t)r->ranks * rep->budget) {
+        char a[32], b[32];
+        r->verdict = FL_LAB_NA;
+        snprintf(r->note, sizeof r->note, "at real scale the %d ranks of %s each need one device; the %s backend has %s "
+                 "(%d ranks share a GPU of at least %d x the budget through the staged communicator; or mpirun -np %d)",
+                 r->ranks, fl_fmt_bytes(rep->budget, a, sizeof a), fl_backend_default_name(),
+                 fl_fmt_bytes(rep->capacity, b, sizeof b), r->ranks, r->ranks, r->ranks);
+        goto done;
+    }
+    if (rep->real_scale && r->ranks > 1 && !rep->sweep) { /* one process cannot stand in for 4 devices of 80 GB */
         r->verdict = FL_LAB_NA;
         snprintf(r->note, sizeof r->note, "at real scale the %d ranks need %d devices (mpirun -np %d fitllm "
                  "finetune_full %s --devices %d ...); the lab's thread ranks would share this one", r->ranks, r->ranks,
                  r->ranks, e->ref_model, r->ranks);
         goto done;
     }
-    if (rep->real_scale && rep->capacity < rep->budget) { /* the pool would grow past the machine: refuse, not crash */
+    if (rep->real_scale && !rep->sweep && rep->capacity < rep->budget) { /* the pool would grow past the machine: refuse, not crash */
         char a[32], b[32];
         r->verdict = FL_LAB_NA;
         snprintf(r->note, sizeof r->note, "at real scale this row needs the %s device: the %s backend has %s (%s); run "
@@ -432,12 +505,22 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
                 snprintf(r->note, sizeof r->note, "%s not available in this build: %s", e->technique, ts[i].note);
         goto done;
     }
+    if (r->planned == FL_PLAN_OOM && !run_oom) { /* the plan's verdict: no model memory touched, < 1 s */
+        memcpy(r->peak, p->oom.cur, sizeof r->peak);
+        r->peak_total = r->peak_min = r->peak_max = p->oom.in_use;
+        set_oom(r, &p->oom, " (planned; not run)");
+        goto done;
+    }
+    r->ran = 1;
     step_log log;
     memset(&log, 0, sizeof log);
     log.want = steps;
     fl_trainer_result res;
     memset(&res, 0, sizeof res);
-    fl_status s = train_row(c, r->ranks, &log, &res);
+    char why[200];
+    fl_gpu_monitor *gpu = !strncmp(rep->gpu_note, "NVML,", 5) ? fl_gpu_monitor_start(100, why, sizeof why) : NULL;
+    fl_status s = train_row(c, r->ranks, &log, &res, &r->peak_min, &r->peak_max);
+    fl_lab_gpu_stop(gpu, r);
     memcpy(r->peak, res.peak, sizeof r->peak);
     r->peak_total = res.peak_total;
     if (s == FL_OK) {
@@ -454,18 +537,14 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
         fl_model_config mc; /* model FLOPs of the global batch (the MFU convention: no recompute) */
         if (r->step_ms > 0 && fl_preset_find(model, &mc) == FL_OK)
             r->tflops = fl_model_train_flops(&mc, e->B, rep->T) * (double)e->global / e->B / (r->step_ms / 1e3) / 1e12;
+        if (row_peak(rep, e->precision) > 0) r->mfu = r->tflops / row_peak(rep, e->precision);
         if (res.offload) { /* CPU offload: what the host tier took instead of the device */
             char a[32], b[32];
             snprintf(r->note, sizeof r->note, "host tier (outside the device budget): OPTIM %s, total %s",
                      fl_fmt_bytes(res.host_peak[FL_TAG_OPTIM], a, sizeof a), fl_fmt_bytes(res.host_peak_total, b, sizeof b));
         }
     } else if (s == FL_ERR_OOM) {
-        r->verdict = FL_LAB_OOM;
-        r->oom = res.oom;
-        char a[32], b[32];
-        snprintf(r->note, sizeof r->note, "OOM during %s: %s %s requested, %s available", res.oom.phase,
-                 fl_mem_tag_name(res.oom.tag), fl_fmt_bytes(res.oom.requested, a, sizeof a),
-                 fl_fmt_bytes(res.oom.budget > res.oom.in_use ? res.oom.budget - res.oom.in_use : 0, b, sizeof b));
+        set_oom(r, &res.oom, "");
     } else if (s == FL_ERR_UNSUPPORTED) {
         r->verdict = FL_LAB_NA;
         snprintf(r->note, sizeof r->note, "%s", fl_error_message());
@@ -530,6 +609,50 @@ static fl_status write_text_dir(const char *dir, int T, long steps, int max_glob
     return FL_OK;
 }
 
+/* The device's peak TFLOP/s for MFU: --peak-tflops, else a known GPU's by its name (dense, SXM: 16-bit tensor
+ * cores for 16-bit rows, the fp32 units for 32-true), else none (a CPU). */
+static void device_peak(const fl_lab_opts *o, fl_lab_report *rep) {
+    static const struct { const char *name; double t16, t32; } k_gpus[] = {
+        {"H200", 989.4, 66.9}, {"H100", 989.4, 66.9}, {"A100", 312.0, 19.5}, {"V100", 125.0, 15.7}};
+    if (o->peak_tflops > 0) {
+        rep->peak_tflops[0] = rep->peak_tflops[1] = o->peak_tflops;
+        snprintf(rep->peak_source, sizeof rep->peak_source, "--peak-tflops %g", o->peak_tflops);
+        return;
+    }
+    fl_backend_facts f;
+    char d[256] = "";
+    if (fl_backend_facts_of(fl_backend_default_name(), &f) != FL_OK || !f.describe) return;
+    f.describe(d, sizeof d);
+    for (size_t i = 0; i < sizeof k_gpus / sizeof k_gpus[0]; i++)
+        if (strstr(d, k_gpus[i].name)) {
+            rep->peak_tflops[0] = k_gpus[i].t32, rep->peak_tflops[1] = k_gpus[i].t16;
+            snprintf(rep->peak_source, sizeof rep->peak_source, "%s: %g (16-bit) / %g (fp32) TFLOP/s", k_gpus[i].name,
+                     k_gpus[i].t16, k_gpus[i].t32);
+            return;
+        }
+}
+
+/* The fsdp suite's settings: model, precisions (bits of k_sweep_prec), scale. */
+static fl_status sweep_setup(const fl_lab_opts *o, fl_lab_report *rep, int *precs) {
+    FL_TRY(fl_lab_scale_fsdp(o->model, rep));
+    *precs = 0;
+    char buf[128];
+    snprintf(buf, sizeof buf, "%s", o->precisions && *o->precisions ? o->precisions : "32-true,16-mixed");
+    for (char *t = strtok(buf, ","); t; t = strtok(NULL, ",")) {
+        int k = !strcmp(t, k_sweep_prec[0]) ? 0 : !strcmp(t, k_sweep_prec[1]) ? 1 : -1;
+        if (k < 0) return fl_errorf(FL_ERR_INVALID, "the fsdp suite's precision '%s' is not 32-true or 16-mixed", t);
+        *precs |= 1 << k;
+    }
+    if (o->seq_len > 0) rep->T = o->seq_len;
+    if (o->real_scale) { /* the course's device and T: 4 ranks of 16 GiB, here on one device or under mpirun */
+        rep->T = rep->ref_T;
+        rep->budget = rep->ref_device;
+        rep->param_ratio = 1.0;
+        rep->act_ratio_lab = rep->act_ratio_ref;
+    }
+    return FL_OK;
+}
+
 fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
     memset(rep, 0, sizeof *rep);
     int bit = suite_bit(o->suite);
@@ -556,13 +679,24 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
         }
     }
     snprintf(rep->suite, sizeof rep->suite, "%s", o->suite ? o->suite : "quick");
-    FL_TRY(fl_lab_scale(rep));
+    int precs = 0;
+    rep->no_prefetch = bit == SUITE_FSDP && o->no_backward_prefetch;
+    if (bit == SUITE_FSDP) FL_TRY(sweep_setup(o, rep, &precs));
+    else FL_TRY(fl_lab_scale(rep));
+    device_peak(o, rep);
+    if (backend_has(FL_CAP_DEVICE_MEMORY)) { /* GPU utilization: NVML when the driver's library is there */
+        char why[160];
+        if (fl_gpu_monitor_probe(why, sizeof why))
+            snprintf(rep->gpu_note, sizeof rep->gpu_note, "NVML, device 0, every 100 ms while each row trains");
+        else snprintf(rep->gpu_note, sizeof rep->gpu_note, "not sampled: %s", why);
+    } else
+        snprintf(rep->gpu_note, sizeof rep->gpu_note, "not sampled: the %s backend runs on the CPU (no GPU)",
+                 fl_backend_default_name());
     if (o->real_scale) {
-        if (bit == SUITE_FSDP)
-            return fl_errorf(FL_ERR_INVALID, "--scale real: the fsdp suite runs at lab scale only (its 4 ranks need 4 "
-                                             "devices at the real one)");
         rep->real_scale = 1;
         rep->capacity = fl_backend_memory_capacity(fl_backend_default_name());
+    }
+    if (o->real_scale && bit != SUITE_FSDP) {
         rep->T = rep->ref_T;
         rep->budget = rep->ref_device;
         rep->param_ratio = 1.0;
@@ -582,59 +716,76 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
     if (rep->real_scale) {
         int max_global = 1;
         for (int i = 0; i < N_EXPS; i++) max_global = k_exps[i].global > max_global ? k_exps[i].global : max_global;
+        if (rep->sweep) max_global = 4 * k_sweep_b[SWEEP_B_CKPT - 1];
         snprintf(rep->text_dir, sizeof rep->text_dir, "%s/real-scale-text", run_dir);
         FL_TRY(fl_error_prefix(write_text_dir(rep->text_dir, rep->T, steps, max_global), "lab --scale real: its data"));
     }
     rep->rows = calloc(N_EXPS > SWEEP_N ? N_EXPS : SWEEP_N, sizeof *rep->rows);
     if (!rep->rows) return fl_errorf(FL_ERR_OOM, "out of host memory");
     char a[32];
-    if (out && rep->real_scale) {
-        fprintf(out, "fitllm lab, suite %s, real scale: %s, open-llama-3b and open-llama-7b at T = %d, budget %s per "
-                     "device (80 GB), %ld steps per run\n",
-                rep->suite, REF_MODEL, rep->T, fl_fmt_bytes(rep->budget, a, sizeof a), steps);
-        fflush(out);
-    } else if (out) {
-        fprintf(out, "fitllm lab, suite %s: budget %s (80 GB x params(%s)/params(%s) = 80 GB x %.5f), T = %d "
-                     "(activations per parameter of one sample as %s at T = %d), %ld steps per run\n",
-                rep->suite, fl_fmt_bytes(rep->budget, a, sizeof a), LAB_MODEL, REF_MODEL, rep->param_ratio, rep->T,
-                REF_MODEL, REF_T, steps);
+    if (out) { /* the banner, wrapped at 120 columns */
+        char line[600];
+        if (rep->sweep)
+            snprintf(line, sizeof line, "suite fsdp: %s%s, 4 ranks FULL_SHARD, T = %d, budget %s per rank (%s), "
+                     "backward prefetch %s, %ld steps per run", rep->real_scale ? "" : "lab-", rep->sweep_model, rep->T,
+                     fl_fmt_bytes(rep->budget, a, sizeof a), rep->real_scale ? "the course's 16 GB V100"
+                     : "16 GiB scaled as the lab's model to the real one", rep->no_prefetch ? "off" : "on", steps);
+        else if (rep->real_scale)
+            snprintf(line, sizeof line, "suite %s, real scale: %s, open-llama-3b and open-llama-7b at T = %d, budget %s "
+                     "per device (80 GB), %ld steps per run", rep->suite, REF_MODEL, rep->T,
+                     fl_fmt_bytes(rep->budget, a, sizeof a), steps);
+        else
+            snprintf(line, sizeof line, "suite %s: budget %s (80 GB x params(%s)/params(%s) = 80 GB x %.5f), T = %d "
+                     "(activations per parameter of one sample as %s at T = %d), %ld steps per run", rep->suite,
+                     fl_fmt_bytes(rep->budget, a, sizeof a), LAB_MODEL, REF_MODEL, rep->param_ratio, rep->T, REF_MODEL,
+                     REF_T, steps);
+        fl_lab_wrap(out, "fitllm lab, ", line, 120, 4);
         fflush(out);
     }
     double t0 = now_s();
-    int n_cand = bit == SUITE_FSDP ? SWEEP_N : N_EXPS, stopped = 0;
+    int n_cand = bit == SUITE_FSDP ? SWEEP_N : N_EXPS, stopped = 0, group = -1;
+    char lab_model[40];
+    snprintf(lab_model, sizeof lab_model, "lab-%s", rep->sweep_model);
     for (int i = 0; i < n_cand; i++) {
         lab_exp sx;
         const lab_exp *e = &k_exps[i < N_EXPS ? i : 0];
         if (bit == SUITE_FSDP) {
-            if (i == SWEEP_N / 2) stopped = 0; /* the checkpointed half starts again at batch 1 */
-            sx = sweep_exp(1 << (i % (SWEEP_N / 2)), i >= SWEEP_N / 2, sweep_name(i));
+            int prec, ck, B;
+            sweep_cand(i, &prec, &ck, &B);
+            if (!(precs & (1 << prec))) continue;
+            if (group != 2 * prec + ck) stopped = 0, group = 2 * prec + ck; /* each setting starts at batch 1 */
+            sx = sweep_exp(i, rep->sweep_model, lab_model);
             e = &sx;
             if (o->only && *o->only ? !in_list(o->only, e->name) : stopped) continue;
         } else if (o->only && *o->only ? !in_list(o->only, e->name) : !(e->suites & bit)) continue;
         fl_lab_row *r = &rep->rows[rep->n++];
-        run_row(e, rep, steps, run_dir, o->threads, r);
+        run_row(e, rep, steps, run_dir, o->threads, o->run_oom, r);
         if (bit == SUITE_FSDP) { /* the sweep's reference is the plan: planned == measured */
             r->expected = r->planned == FL_PLAN_OOM ? FL_LAB_OOM : FL_LAB_FITS;
-            snprintf(r->lab_step, sizeof r->lab_step, "GPT-2-XL 4x FSDP, micro batch %d, act ckpt %s", r->B,
-                     r->act_ckpt ? "on" : "off");
+            snprintf(r->lab_step, sizeof r->lab_step, "%s 4x FSDP, %s, micro batch %d, act ckpt %s",
+                     rep->sweep_model, r->precision, r->B, r->act_ckpt ? "on" : "off");
             if (r->planned != FL_PLAN_FITS) stopped = 1;
         }
         if (r->verdict == FL_LAB_ERROR) rep->n_errors++;
         if (out) {
-            fprintf(out, "  %-17s %-6s %8.1f s  %s\n", r->name, fl_lab_verdict_name(r->verdict), r->wall_s,
-                    r->verdict == FL_LAB_FITS ? fl_fmt_bytes(r->peak_total, a, sizeof a) : r->note);
+            char pre[64];
+            snprintf(pre, sizeof pre, "  %-17s %-6s %8.1f s  ", r->name, fl_lab_verdict_name(r->verdict), r->wall_s);
+            fl_lab_wrap(out, pre, r->verdict == FL_LAB_FITS ? fl_fmt_bytes(r->peak_total, a, sizeof a) : r->note, 120, 6);
             fflush(out);
         }
     }
-    /* the largest micro batch that fits, per checkpointing setting */
-    for (int ck = 0; ck < 2; ck++) {
+    /* the largest micro batch that fits, per precision and checkpointing setting */
+    for (int g = 0; g < 4; g++) {
         int best = -1;
-        for (int i = 0; i < rep->n; i++)
-            if (rep->sweep && rep->rows[i].act_ckpt == ck && rep->rows[i].verdict == FL_LAB_FITS &&
-                (best < 0 || rep->rows[i].B > rep->rows[best].B))
+        for (int i = 0; i < rep->n; i++) {
+            const fl_lab_row *r = &rep->rows[i];
+            if (rep->sweep && r->act_ckpt == (g & 1) && !strcmp(r->precision, k_sweep_prec[g >> 1]) &&
+                r->verdict == FL_LAB_FITS && (best < 0 || r->B > rep->rows[best].B))
                 best = i;
+        }
         if (best >= 0) rep->rows[best].largest = 1;
     }
+    if (bit == SUITE_QUICK || bit == SUITE_FULL) FL_TRY(fl_lab_course_plans(rep)); /* plans only: < 2 s */
     rep->wall_s = now_s() - t0;
     if (!o->run_dir) nftw(tmp, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
     return FL_OK;

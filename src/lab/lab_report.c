@@ -11,6 +11,7 @@
 
 #include "core/fs.h"
 #include "fitllm/lab.h"
+#include "lab-impl.h"
 
 /* Every tag, GATHER (FSDP's gathered units: the 4x FSDP row) last. */
 #define LAB_TAGS FL_TAG_COUNT
@@ -29,58 +30,110 @@ static double ms_per_sample(const fl_lab_row *r) {
     return r->step_ms / ((double)r->B * r->accum * (r->ranks > 1 ? r->ranks : 1));
 }
 
-static const char *plan_name(fl_plan_verdict v) {
+/* A row's GPU utilization and memory, mean +- standard deviation over the NVML samples ("-" without). */
+void fl_lab_gpu_cells(const fl_lab_row *r, char *u, size_t un, char *m, size_t mn) {
+    if (r->gpu_samples <= 0) {
+        snprintf(u, un, "-");
+        snprintf(m, mn, "-");
+        return;
+    }
+    snprintf(u, un, "%.1f +- %.1f", r->gpu_util_mean, r->gpu_util_std);
+    snprintf(m, mn, "%.2f +- %.2f GiB", r->gpu_mem_mean / 1073741824.0, r->gpu_mem_std / 1073741824.0);
+}
+
+const char *fl_lab_plan_name(fl_plan_verdict v) {
     return v == FL_PLAN_FITS ? "fits" : v == FL_PLAN_OOM ? "OOM" : v == FL_PLAN_UNAVAILABLE ? "n/a" : "?";
 }
 
+/* text as lines of at most width columns (broken at spaces; a word longer than a line is split), the first
+ * after prefix, the rest indented by indent spaces: notes are never cut. */
+void fl_lab_wrap(FILE *f, const char *prefix, const char *text, int width, int indent) {
+    int col = fprintf(f, "%s", prefix), first = 1;
+    const char *p = text;
+    while (*p) {
+        while (*p == ' ') p++;
+        if (!*p) break;
+        int len = (int)strcspn(p, " ");
+        int room = width - col - (first ? 0 : 1);
+        if (len > room && !first) { /* next line */
+            fprintf(f, "\n%*s", indent, "");
+            col = indent;
+            first = 1;
+            room = width - col;
+        }
+        if (len > room) len = room > 8 ? room : len; /* a word wider than a line: split it */
+        col += fprintf(f, "%s%.*s", first ? "" : " ", len, p);
+        first = 0;
+        p += len;
+    }
+    fputc('\n', f);
+}
+
+/* MiB in at most 6 characters at lab and real scale (one decimal under 1000) */
+static void mib(char *b, size_t n, size_t x) {
+    double v = MIB(x);
+    snprintf(b, n, v < 1000 ? "%.1f" : "%.0f", v);
+}
+
+/* A row's peak: one rank's, or the min-max over its ranks ("141.9-150.2"). */
+static void peak_cell(const fl_lab_row *r, char *b, size_t n) {
+    char lo[16], hi[16];
+    mib(lo, sizeof lo, r->peak_total);
+    if (r->ranks > 1 && r->peak_max > r->peak_min) {
+        mib(lo, sizeof lo, r->peak_min);
+        mib(hi, sizeof hi, r->peak_max);
+        if (strcmp(lo, hi)) snprintf(b, n, "%s-%s", lo, hi);
+        else snprintf(b, n, "%s", lo);
+    } else snprintf(b, n, "%s", lo);
+}
+
+/* The console table: 120 columns (the bytes per tag, phases and notes in full are in report.md). */
 void fl_lab_print_table(const fl_lab_report *rep, FILE *f) {
     char a[32];
-    fprintf(f, "\n%-17s %-11s %-6s %-10s %-6s %-4s %-7s %-3s | %8s %8s %8s %8s %8s %6s %8s | %8s %8s %-5s | %9s %8s %7s\n",
-            "experiment", "model", "BxAcc", "precision", "optim", "ckpt", "verdict", "lab", "PARAMS", "GRADS", "OPTIM",
-            "ACTS", "WORKSP", "OTHER", "GATHER", "peak", "planned", "plan", "ms/sample", "tok/s", "loss");
+    fprintf(f, "\n%-17s %-14s %-7s %-10s %-9s %-7s %-3s %13s %7s %9s %7s %6s\n", "experiment", "model", "BxAcc",
+            "precision", "optim", "verdict", "lab", "peak MiB", "planned", "ms/sample", "tok/s", "loss");
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
-        char bx[16];
+        char bx[16], pk[32], pl[16] = "-";
         if (r->ranks > 1) snprintf(bx, sizeof bx, "%dx%dx%d", r->B, r->accum, r->ranks);
         else snprintf(bx, sizeof bx, "%dx%d", r->B, r->accum);
-        fprintf(f, "%-17s %-11s %-6s %-10s %-6s %-4s %-7s %-3s |", r->name, r->model, bx, r->precision, r->optimizer,
-                r->act_ckpt ? "on" : "off", fl_lab_verdict_name(r->verdict), match(r));
-        if (r->verdict == FL_LAB_FITS || r->verdict == FL_LAB_OOM) {
-            for (int t = 0; t < LAB_TAGS; t++) fprintf(f, t == FL_TAG_OTHER ? " %6.2f" : " %8.1f", MIB(r->peak[t]));
-            fprintf(f, " | %8.1f", MIB(r->peak_total));
-        } else {
-            fprintf(f, " %8s %8s %8s %8s %8s %6s %8s | %8s", "-", "-", "-", "-", "-", "-", "-", "-");
-        }
-        if (r->planned == FL_PLAN_FITS || r->planned == FL_PLAN_OOM) fprintf(f, " %8.1f", MIB(r->planned_peak));
-        else fprintf(f, " %8s", "-");
-        fprintf(f, " %-5s |", plan_name(r->planned));
-        if (r->verdict == FL_LAB_FITS) fprintf(f, " %9.2f %8.0f %7.3f\n", ms_per_sample(r), r->tok_s, r->final_loss);
-        else fprintf(f, " %9s %8s %7s\n", "-", "-", "-");
+        if (r->verdict == FL_LAB_FITS || r->verdict == FL_LAB_OOM) peak_cell(r, pk, sizeof pk);
+        else snprintf(pk, sizeof pk, "-");
+        if (r->planned == FL_PLAN_FITS || r->planned == FL_PLAN_OOM) mib(pl, sizeof pl, r->planned_peak);
+        fprintf(f, "%-17s %-14s %-7s %-10s %-9s %-7s %-3s %13s %7s", r->name, r->model, bx, r->precision, r->optimizer,
+                fl_lab_verdict_name(r->verdict), match(r), pk, pl);
+        if (r->verdict == FL_LAB_FITS) fprintf(f, " %9.2f %7.0f %6.3f\n", ms_per_sample(r), r->tok_s, r->final_loss);
+        else fprintf(f, " %9s %7s %6s\n", "-", "-", "-");
     }
-    fprintf(f, "(MiB; fits: all-time peak per tag and total; OOM: what was live when the allocation failed; "
-               "planned: the planner's peak for the whole run; budget %s; ms/sample = ms per optimizer step / "
-               "(micro batch x accumulation [x ranks]); several ranks: memory per rank (rank 0))\n",
-            fl_fmt_bytes(rep->budget, a, sizeof a));
+    char legend[600];
+    snprintf(legend, sizeof legend, "MiB; fits: the all-time peak; OOM: what was live when the allocation failed; "
+             "planned: the planner's peak for the whole run; budget %s per device; several ranks (BxAccxRanks): "
+             "memory per rank, min-max over the ranks; ms/sample = ms per optimizer step / samples per step. Bytes "
+             "per tag, phases and notes in full: report.md.)", fl_fmt_bytes(rep->budget, a, sizeof a));
+    fl_lab_wrap(f, "(", legend, 119, 1);
+    char prefix[64];
     for (int i = 0; i < rep->n; i++)
-        if (rep->rows[i].verdict == FL_LAB_FITS && rep->rows[i].time_note[0])
-            fprintf(f, "  %s: extra time per sample: %s\n", rep->rows[i].name, rep->rows[i].time_note);
-    for (int i = 0; i < rep->n; i++)
-        if (rep->rows[i].note[0])
-            fprintf(f, "  %s: %s\n", rep->rows[i].name, rep->rows[i].note);
-    if (!rep->sweep) return;
-    for (int ck = 0; ck < 2; ck++) {
-        fprintf(f, "\nbatch-size sweep, activation checkpointing %s (per rank; * = the largest micro batch that fits):\n"
-                   "%6s %-7s %10s %10s %10s %9s %9s\n", ck ? "on" : "off", "micro", "verdict", "peak MiB", "planned",
-                "iter ms", "tok/s", "TFLOP/s");
-        for (int i = 0; i < rep->n; i++) {
-            const fl_lab_row *r = &rep->rows[i];
-            if (r->act_ckpt != ck) continue;
-            fprintf(f, "%5d%s %-7s %10.1f %10.1f", r->B, r->largest ? "*" : " ", fl_lab_verdict_name(r->verdict),
-                    MIB(r->peak_total), MIB(r->planned_peak));
-            if (r->verdict == FL_LAB_FITS) fprintf(f, " %10.1f %9.0f %9.4f\n", r->step_ms, r->tok_s, r->tflops);
-            else fprintf(f, " %10s %9s %9s\n", "-", "-", "-");
+        if (rep->rows[i].verdict == FL_LAB_FITS && rep->rows[i].time_note[0]) {
+            snprintf(prefix, sizeof prefix, "  %s: extra time per sample: ", rep->rows[i].name);
+            fl_lab_wrap(f, prefix, rep->rows[i].time_note, 120, 4);
         }
-    }
+    for (int i = 0; i < rep->n; i++)
+        if (rep->rows[i].note[0]) {
+            snprintf(prefix, sizeof prefix, "  %s: ", rep->rows[i].name);
+            fl_lab_wrap(f, prefix, rep->rows[i].note, 120, 4);
+        }
+    char line[300];
+    snprintf(line, sizeof line, "%s", rep->gpu_note[0] ? rep->gpu_note : "not sampled");
+    fl_lab_wrap(f, "  GPU utilization: ", line, 120, 4);
+    for (int i = 0; i < rep->n; i++)
+        if (rep->rows[i].gpu_samples > 0) {
+            char gu[48], gm[64];
+            fl_lab_gpu_cells(&rep->rows[i], gu, sizeof gu, gm, sizeof gm);
+            fprintf(f, "    %s: GPU util %s %%, device memory %s (%ld samples)\n", rep->rows[i].name, gu, gm,
+                    rep->rows[i].gpu_samples);
+        }
+    fl_lab_course_print(rep, f);
+    if (rep->sweep) fl_lab_sweep_print(rep, f);
 }
 
 /* ---- files ------------------------------------------------------------------------------ */
@@ -145,21 +198,22 @@ static fl_status write_csv(const fl_lab_report *rep, const char *dir) {
     fprintf(f, "experiment,model,ref_model,micro_batch,accumulation,seq_len,precision,optimizer,act_ckpt,"
                "verdict,lab_verdict,matches_lab,peak_PARAMS,peak_GRADS,peak_OPTIM,peak_ACTS,peak_WORKSPACE,peak_OTHER,peak_GATHER,"
                "peak_total,planned_verdict,planned_peak,ref_planned_verdict,ref_planned_peak,step_ms,tok_s,final_loss,"
-               "wall_s,ms_per_sample,tflops,largest_fitting,lab_step,note,time_note\n");
+               "wall_s,ms_per_sample,tflops,largest_fitting,peak_min,peak_max,ranks,ran,lab_step,note,time_note\n");
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
         fprintf(f, "%s,%s,%s,%d,%d,%d,%s,%s,%d,%s,%s,%s", r->name, r->model, r->ref_model, r->B,
                 r->accum, r->T, r->precision, r->optimizer, r->act_ckpt, fl_lab_verdict_name(r->verdict),
                 fl_lab_verdict_name(r->expected), match(r));
         for (int t = 0; t < LAB_TAGS; t++) fprintf(f, ",%zu", r->peak[t]);
-        fprintf(f, ",%zu,%s,%zu,%s,%zu", r->peak_total, plan_name(r->planned), r->planned_peak,
-                plan_name(r->ref_planned), r->ref_peak);
+        fprintf(f, ",%zu,%s,%zu,%s,%zu", r->peak_total, fl_lab_plan_name(r->planned), r->planned_peak,
+                fl_lab_plan_name(r->ref_planned), r->ref_peak);
         if (r->verdict == FL_LAB_FITS) fprintf(f, ",%.3f,%.1f,%.5f", r->step_ms, r->tok_s, r->final_loss);
         else fprintf(f, ",,,");
         fprintf(f, ",%.2f,", r->wall_s);
         if (r->verdict == FL_LAB_FITS) fprintf(f, "%.4f,%.6f", ms_per_sample(r), r->tflops);
         else fputc(',', f);
-        fprintf(f, ",%d,\"%s\",\"", r->largest, r->lab_step);
+        fprintf(f, ",%d,%zu,%zu,%d,%d,\"%s\",\"", r->largest, r->peak_min, r->peak_max, r->ranks > 1 ? r->ranks : 1,
+                r->ran, r->lab_step);
         for (const char *p = r->note; *p; p++) fputs(*p == '"' ? "\"\"" : (char[2]){*p, 0}, f);
         fprintf(f, "\",\"%s\"\n", r->time_note);
     }
@@ -207,6 +261,9 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
                "\"act_per_param_ref\": %.8g, \"act_per_param_lab\": %.8g},\n",
             rep->real_scale ? "real" : "lab", rep->budget, rep->ref_device, rep->param_ratio, rep->T, rep->ref_T,
             rep->act_ratio_ref, rep->act_ratio_lab);
+    fprintf(f, "  \"gpu_sampling\": ");
+    jstr(f, rep->gpu_note);
+    fprintf(f, ",\n");
     fprintf(f, "  \"wall_s\": %.2f,\n  \"sweep\": %s,\n  \"experiments\": [", rep->wall_s,
             rep->sweep ? "true" : "false");
     for (int i = 0; i < rep->n; i++) {
@@ -225,7 +282,7 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
         for (int t = 0; t < LAB_TAGS; t++) fprintf(f, "\"%s\": %zu, ", fl_mem_tag_name((fl_mem_tag)t), r->peak[t]);
         fprintf(f, "\"total\": %zu}, \"planned_verdict\": \"%s\", \"planned_peak\": %zu, \"ref_planned_verdict\": "
                    "\"%s\", \"ref_planned_peak\": %zu, \"steps\": %ld, \"step_ms\": ",
-                r->peak_total, plan_name(r->planned), r->planned_peak, plan_name(r->ref_planned), r->ref_peak, r->steps);
+                r->peak_total, fl_lab_plan_name(r->planned), r->planned_peak, fl_lab_plan_name(r->ref_planned), r->ref_peak, r->steps);
         jnum(f, r->verdict == FL_LAB_FITS ? r->step_ms : NAN);
         fprintf(f, ", \"ms_per_sample\": ");
         jnum(f, r->verdict == FL_LAB_FITS ? ms_per_sample(r) : NAN);
@@ -235,7 +292,23 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
         jnum(f, r->verdict == FL_LAB_FITS ? r->tok_s : NAN);
         fprintf(f, ", \"tflops\": ");
         jnum(f, r->verdict == FL_LAB_FITS ? r->tflops : NAN);
-        fprintf(f, ", \"largest_fitting\": %s", r->largest ? "true" : "false");
+        fprintf(f, ", \"largest_fitting\": %s, \"peak_min\": %zu, \"peak_max\": %zu, \"ran\": %s",
+                r->largest ? "true" : "false", r->peak_min, r->peak_max, r->ran ? "true" : "false");
+        fprintf(f, ", \"mfu\": ");
+        jnum(f, r->mfu > 0 ? r->mfu : NAN);
+        fprintf(f, ", \"gpu\": ");
+        if (r->gpu_samples > 0)
+            fprintf(f, "{\"samples\": %ld, \"util_pct_mean\": %.3f, \"util_pct_std\": %.3f, \"memory_mean\": %.0f, "
+                       "\"memory_std\": %.0f}", r->gpu_samples, r->gpu_util_mean, r->gpu_util_std, r->gpu_mem_mean,
+                    r->gpu_mem_std);
+        else fprintf(f, "null");
+        fprintf(f, ", \"prefetch\": %s, \"course\": ", r->prefetch ? "true" : "false");
+        double cm, cu, ct, ci;
+        if (rep->sweep && fl_lab_course_fsdp(rep, r, &cm, &cu, &ct, &ci)) {
+            if (cm == 0) fprintf(f, "{\"verdict\": \"OOM\"}");
+            else fprintf(f, "{\"verdict\": \"fits\", \"memory_mb\": %g, \"gpu_util_pct\": %g, \"tflops\": %g, "
+                            "\"iteration_ms\": %g}", cm, cu, ct, ci);
+        } else fprintf(f, "null");
         fprintf(f, ", \"final_loss\": ");
         jnum(f, r->final_loss);
         fprintf(f, ", \"wall_s\": %.2f, \"note\": ", r->wall_s);
@@ -251,6 +324,19 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
             fputc('}', f);
         }
         fprintf(f, "]}");
+    }
+    fprintf(f, "\n  ],\n  \"course_runs\": [");
+    for (int i = 0; i < rep->n_course; i++) { /* the course's runs beside fitllm's plans (lab_course.c) */
+        const fl_lab_course *c = &rep->course[i];
+        fprintf(f, "%s\n    {\"name\": \"%s\", \"model\": \"%s\", \"precision\": \"%s\", \"micro_batch_size\": %d, "
+                   "\"global_batch_size\": %d, \"seq_len\": %d, \"course_verdict\": \"%s\", \"course_gb\": ",
+                i ? "," : "", c->name, c->model, c->precision, c->B, c->global, c->T,
+                fl_lab_verdict_name(c->course_verdict));
+        jnum(f, c->course_gb > 0 ? c->course_gb : NAN);
+        fprintf(f, ", \"planned_verdict\": \"%s\", \"planned_peak\": %zu, \"pytorch_logits_bytes\": %.0f, \"why\": ",
+                fl_lab_plan_name(c->planned), c->peak, c->logits_bytes);
+        jstr(f, c->why);
+        fputc('}', f);
     }
     fprintf(f, "\n  ]\n}\n");
     if (fclose(f) != 0) return fl_errorf(FL_ERR_IO, "%s: write failed", path);
@@ -276,8 +362,9 @@ static const char *k_tag_colour[LAB_TAGS] = {"#4477aa", "#ee6677", "#228833", "#
                                                    "#bbbbbb"};
 
 static const char *short_phase(const char *name) {
-    static const char *map[][2] = {{"after_load", "load"}, {"before_fwd", "pre-fwd"}, {"after_fwd", "fwd"},
-                                   {"after_bwd", "bwd"}, {"after_opt_step", "opt"}, {"eval_generate", "gen"}};
+    static const char *map[][2] = {{"after_load", "load"}, {"before_fwd", "pre"}, {"after_fwd", "fwd"},
+                                   {"after_bwd", "bwd"}, {"after_opt_step", "opt"}, {"eval_generate", "gen"},
+                                   {"after_reduce", "reduce"}};
     for (size_t i = 0; i < sizeof map / sizeof map[0]; i++)
         if (!strcmp(name, map[i][0])) return map[i][1];
     return name;
@@ -287,7 +374,7 @@ static const char *short_phase(const char *name) {
 typedef struct {
     const fl_lab_row *blk[64]; /* the experiments with phases, one phases.dat block each */
     int nblk, nfit;            /* blocks; runs that fit (step_time.dat) */
-    int sweep_idx[2], sweep_fit[2], n_blocks; /* sweep.dat's block per checkpointing setting, whether any fit */
+    int sweep_idx[4], sweep_fit[4], n_blocks; /* sweep.dat's block per setting (fl_lab_sweep_group), whether any fit */
 } chart_data;
 
 /* memory.dat, phases.dat, step_time.dat and (the fsdp suite) sweep.dat: 0 with why on failure. */
@@ -338,24 +425,124 @@ static int write_chart_data(const fl_lab_report *rep, const char *dir, char *why
     if (rep->sweep) { /* the fsdp suite: peak per rank and tok/s against the micro batch, one block per setting */
         f = open_out(dir, "sweep.dat", path, sizeof path);
         if (!f) { snprintf(why, wn, "cannot write %s", path); return 0; }
-        fprintf(f, "# micro_batch peak_MiB_per_rank (OOM: planned need) tokens_per_s (? = OOM); block 0: activation "
-                   "checkpointing off, block 1: on\n");
-        for (int ck = 0; ck < 2; ck++) {
-            for (int i = 0; i < rep->n; i++) {
-                const fl_lab_row *r = &rep->rows[i];
-                if (r->act_ckpt != ck || (r->verdict != FL_LAB_FITS && r->verdict != FL_LAB_OOM)) continue;
-                if (d->sweep_idx[ck] < 0) { /* gnuplot's index: blocks split by two blank lines */
-                    fprintf(f, "%s", d->n_blocks ? "\n\n" : "");
-                    d->sweep_idx[ck] = d->n_blocks++;
-                }
-                fprintf(f, "%d %.3f ", r->B, MIB(r->verdict == FL_LAB_FITS ? r->peak_total : r->planned_peak));
-                if (r->verdict == FL_LAB_FITS) fprintf(f, "%.1f\n", r->tok_s), d->sweep_fit[ck] = 1;
-                else fprintf(f, "?\n");
-            }
-        }
+        d->n_blocks = fl_lab_sweep_data(rep, f, d->sweep_idx, d->sweep_fit);
         fclose(f);
     }
     return 1;
+}
+
+/* A gnuplot double-quoted string: quotes and backslashes escaped. */
+static void gp_str(FILE *f, const char *s) {
+    fputc('"', f);
+    for (; *s; s++) {
+        if (*s == '"' || *s == '\\') fputc('\\', f);
+        fputc(*s, f);
+    }
+    fputc('"', f);
+}
+
+/* text broken into lines of at most width characters at spaces, joined by the two characters \ n (a line
+ * break inside a gnuplot double-quoted string): a chart's note is wrapped, never cut; quotes escaped */
+static void wrap_gp(const char *text, int width, char *out, size_t n) {
+    size_t o = 0;
+    int col = 0;
+    for (const char *p = text; *p && o + 4 < n;) {
+        while (*p == ' ') p++;
+        int len = (int)strcspn(p, " ");
+        if (!len) break;
+        if (col && col + 1 + len > width) {
+            out[o++] = '\\', out[o++] = 'n';
+            col = 0;
+        } else if (col) out[o++] = ' ', col++;
+        for (int k = 0; k < len && o + 4 < n; k++) {
+            if (p[k] == '"' || p[k] == '\\') out[o++] = '\\';
+            out[o++] = p[k];
+        }
+        col += len;
+        p += len;
+    }
+    out[o] = '\0';
+}
+
+/* phases.png: one small chart per experiment (its name as the title), 6 to a row, on one scale with the
+ * budget line, and the colours' key in the last cell: readable at a glance, where one long row of 18 groups
+ * of bars had no names under them. */
+static void write_phases_script(const fl_lab_report *rep, FILE *f, const chart_data *d) {
+    static const char *tags[LAB_TAGS] = {"PARAMS", "GRADS", "OPTIM", "ACTS", "WORKSPACE", "OTHER", "GATHER"};
+    const int cols = 6, rows = (d->nblk + 1 + cols - 1) / cols;
+    double ymax = MIB(rep->budget);
+    for (int b = 0; b < d->nblk; b++)
+        for (int k = 0; k < d->blk[b]->n_phases; k++)
+            if (MIB(d->blk[b]->phases[k].cur_total) > ymax) ymax = MIB(d->blk[b]->phases[k].cur_total);
+    fprintf(f, "reset\nset terminal pngcairo size %d,%d font 'sans,10'\nset output 'phases.png'\n"
+               "set multiplot layout %d,%d title \"Memory at each phase of a step (MiB; colours: live bytes by tag; "
+               "light grey: reserved but holding nothing still needed; red: the budget; OOM rows: planned)\\n"
+               "load: after the model load; pre: set-up done, before the forward; fwd, bwd: after the forward, the "
+               "backward; reduce: after the gradients' reduction (several ranks); opt: after the optimizer step\" "
+               "noenhanced\n"
+               "set style data histograms\nset style histogram rowstacked\nset style fill solid 0.85 border -1\n"
+               "set boxwidth 0.8\nset yrange [0:%.3f]\nset xtics norotate scale 0 font ',8'\nset ytics font ',8'\n"
+               "set grid ytics\nunset key\nset lmargin 7\nset rmargin 1\n"
+               "set arrow 1 from graph 0, first %.3f to graph 1, first %.3f nohead lw 2 dt 2 lc rgb 'red' front\n",
+            300 * cols, 250 * rows + 40, rows, cols, ymax * 1.05, MIB(rep->budget), MIB(rep->budget));
+    for (int b = 0; b < d->nblk; b++) {
+        const fl_lab_row *r = d->blk[b];
+        char t[96];
+        snprintf(t, sizeof t, "%s%s", r->name, r->verdict == FL_LAB_OOM ? " (OOM, planned)" : "");
+        fprintf(f, "set title ");
+        gp_str(f, t);
+        fprintf(f, " noenhanced font ',11'\nplot");
+        for (int k = 0; k < LAB_TAGS; k++)
+            fprintf(f, "%s 'phases.dat' index %d using %d%s lc rgb '%s'", k ? "," : "", b, k + 2, k ? "" : ":xtic(1)",
+                    k_tag_colour[k]);
+        fprintf(f, ", 'phases.dat' index %d using %d lc rgb '#dddddd'\n", b, LAB_TAGS + 2);
+    }
+    /* the key: its own cell */
+    fprintf(f, "unset title\nunset arrow 1\nunset border\nunset tics\nunset grid\nset xrange [0:1]\n"
+               "set yrange [0:1]\nset key center center vertical font ',11'\nplot");
+    for (int k = 0; k < LAB_TAGS; k++)
+        fprintf(f, "%s NaN with boxes title '%s' lc rgb '%s'", k ? "," : "", tags[k], k_tag_colour[k]);
+    fprintf(f, ", NaN with boxes title 'reserved, not live' lc rgb '#dddddd', NaN with lines lw 2 dt 2 lc rgb "
+               "'red' title 'budget'\n");
+    fprintf(f, "unset multiplot\n");
+}
+
+/* step_time.png: a bar per run that fits, its name on the axis and, beside the bar, why it costs more per
+ * sample than the baseline (wrapped to lines of 60 characters, never cut). */
+static void write_step_time_script(const fl_lab_report *rep, FILE *f) {
+    double xmax = 0;
+    int n = 0;
+    for (int i = 0; i < rep->n; i++)
+        if (rep->rows[i].verdict == FL_LAB_FITS) {
+            if (ms_per_sample(&rep->rows[i]) > xmax) xmax = ms_per_sample(&rep->rows[i]);
+            n++;
+        }
+    fprintf(f, "reset\nset terminal pngcairo size 1600,%d font 'sans,10'\nset output 'step_time.png'\n"
+               "set title 'Time per training sample (ms per optimizer step / samples per step; runs that fit; %s "
+               "threads); beside each bar: the work that makes the row slower' noenhanced\n"
+               "set grid xtics\nset xlabel 'ms per sample'\nset yrange [%d.6:-0.6]\n"
+               "set xrange [0:%.4f]\nset lmargin 20\nunset key\nset style fill solid 0.85 border -1\nset ytics (",
+            120 + 44 * n, rep->threads ? "fixed" : "all", n - 1, xmax > 0 ? xmax * 1.9 : 1);
+    int k = 0;
+    for (int i = 0; i < rep->n; i++)
+        if (rep->rows[i].verdict == FL_LAB_FITS) {
+            fprintf(f, "%s", k ? ", " : "");
+            gp_str(f, rep->rows[i].name);
+            fprintf(f, " %d", k++);
+        }
+    fprintf(f, ") scale 0 noenhanced\n");
+    k = 0;
+    for (int i = 0; i < rep->n; i++) {
+        const fl_lab_row *r = &rep->rows[i];
+        if (r->verdict != FL_LAB_FITS) continue;
+        char w[700];
+        wrap_gp(r->time_note, 60, w, sizeof w);
+        if (w[0])
+            fprintf(f, "set label %d \"%s\" at first %.4f, first %d left offset 1,0 font ',9' noenhanced\n", 10 + k, w,
+                    ms_per_sample(r), k);
+        k++;
+    }
+    fprintf(f, "plot 'step_time.dat' using (0.5*$2):0:(0.5*$2):(0.38) with boxxyerror lc rgb '#4477aa'\n");
 }
 
 /* charts.gp: the gnuplot script over the data files. */
@@ -375,66 +562,15 @@ static void write_chart_script(const fl_lab_report *rep, FILE *f, const chart_da
                "'WORKSPACE' lc rgb '%s', '' using 7 title 'OTHER' lc rgb '%s', '' using 8 title 'GATHER' lc rgb '%s'\n",
             MIB(rep->budget), MIB(rep->budget), MIB(rep->budget), MIB(rep->budget), k_tag_colour[0], k_tag_colour[1],
             k_tag_colour[2], k_tag_colour[3], k_tag_colour[4], k_tag_colour[5], k_tag_colour[6]);
-    if (d->nblk) {
-        fprintf(f, "set output 'phases.png'\nset terminal pngcairo size 1600,700 font 'sans,9'\n"
-                   "set title 'Live memory per phase of a step (colours: live by tag; grey: reserved but holding "
-                   "nothing still needed; OOM rows: planned)'\n"
-                   "set style histogram rowstacked title textcolor lt -1 offset 0,-1.5\n"
-                   "set xtics rotate by -90 scale 0 font ',7'\nset bmargin 7\n");
-        fprintf(f, "plot");
-        for (int bI = 0; bI < d->nblk; bI++) {
-            const fl_lab_row *r = d->blk[bI];
-            fprintf(f, "%s newhistogram \"%s%s\"", bI ? ", \\\n    " : "", r->name, r->verdict == FL_LAB_OOM ? " (OOM, planned)" : "");
-            static const char *tags[LAB_TAGS] = {"PARAMS", "GRADS", "OPTIM", "ACTS", "WORKSPACE", "OTHER", "GATHER"};
-            for (int t = 0; t < LAB_TAGS; t++) {
-                fprintf(f, ", 'phases.dat' index %d using %d%s", bI, t + 2, t == 0 ? ":xtic(1)" : "");
-                if (bI == 0) fprintf(f, " title '%s'", tags[t]);
-                else fprintf(f, " notitle");
-                fprintf(f, " lc rgb '%s'", k_tag_colour[t]);
-            }
-            fprintf(f, ", 'phases.dat' index %d using %d %s lc rgb '#dddddd'", bI, LAB_TAGS + 2,
-                    bI == 0 ? "title 'reserved, not live'" : "notitle");
-        }
-        fprintf(f, "\nset bmargin\n");
-    }
-    if (d->nfit)
-        fprintf(f, "unset arrow 1\nunset label 1\nset terminal pngcairo size 1600,640 font 'sans,9'\n"
-                   "set output 'step_time.png'\n"
-                   "set title 'Time per training sample (ms per optimizer step / samples per step; runs that fit; "
-                   "%s threads)'\n"
-                   "set xtics norotate font ',10'\nset grid noytics xtics\nset xlabel 'ms per sample'\n"
-                   "unset ylabel\nset yrange [-0.6:*] reverse\nset xrange [0:*]\nset lmargin 92\nunset key\n"
-                   "set style fill solid 0.85 border -1\n"
-                   "plot 'step_time.dat' using (0.5*$2):0:(0.5*$2):(0.38):yticlabels(1) with boxxyerror lc rgb "
-                   "'#4477aa'\n",
-                rep->threads ? "fixed" : "all");
-    if (d->n_blocks) {
-        fprintf(f, "reset\nset terminal pngcairo size 1280,640 font 'sans,10'\nset output 'sweep.png'\n"
-                   "set title 'GPT-2-XL (lab-gpt2-xl) 4x FSDP FULL_SHARD: memory per rank and throughput vs micro "
-                   "batch (OOM points: planned need)' noenhanced\n"
-                   "set datafile missing '?'\nset logscale x 2\nset xlabel 'micro batch per rank'\n"
-                   "set ylabel 'peak MiB per rank'\nset y2label 'tokens/s (global batch)'\nset ytics nomirror\n"
-                   "set y2tics\nset grid\nset key outside right top\nset yrange [0:*]\nset y2range [0:*]\n"
-                   "set arrow 1 from graph 0, first %.3f to graph 1, first %.3f nohead lw 2 dt 2 lc rgb 'red'\nplot",
-                MIB(rep->budget), MIB(rep->budget));
-        int k = 0;
-        for (int ck = 0; ck < 2; ck++) {
-            if (d->sweep_idx[ck] < 0) continue;
-            const char *col = ck ? "#228833" : "#4477aa", *nm = ck ? "act ckpt" : "no ckpt";
-            fprintf(f, "%s 'sweep.dat' index %d using 1:2 with linespoints lw 2 lc rgb '%s' title 'memory, %s'",
-                    k++ ? "," : "", d->sweep_idx[ck], col, nm);
-            if (d->sweep_fit[ck]) /* gnuplot refuses an axis with no defined point */
-                fprintf(f, ", 'sweep.dat' index %d using 1:3 axes x1y2 with linespoints dt 2 lc rgb '%s' title "
-                           "'tok/s, %s'", d->sweep_idx[ck], col, nm);
-        }
-        fprintf(f, "\n");
-    }
+    if (d->nblk) write_phases_script(rep, f, d);
+    if (d->nfit) write_step_time_script(rep, f);
+    if (d->n_blocks) fl_lab_sweep_script(rep, f, d->sweep_idx, d->sweep_fit);
 }
 
 static int write_charts(const fl_lab_report *rep, const char *dir, char *why, size_t wn) {
     char path[4200];
     if (strchr(dir, '\'') || strchr(dir, '"')) { snprintf(why, wn, "the output folder name has quotes"); return 0; }
-    chart_data cd = {.sweep_idx = {-1, -1}};
+    chart_data cd = {.sweep_idx = {-1, -1, -1, -1}};
     if (!write_chart_data(rep, dir, why, wn, &cd)) return 0;
     FILE *f = open_out(dir, "charts.gp", path, sizeof path);
     if (!f) { snprintf(why, wn, "cannot write %s", path); return 0; }
@@ -498,8 +634,8 @@ static void md_results(FILE *f, const fl_lab_report *rep) {
     char a[32], b[32];
     fprintf(f, "## Results\n\n| experiment | lab's change | model | micro x acc | precision | optimizer | act ckpt | "
                "verdict | as in the lab | PARAMS | GRADS | OPTIM | ACTS | WORKSPACE | OTHER | GATHER | peak | planned | "
-               "ms/sample | tok/s | final loss | extra time per sample |\n|");
-    for (int k = 0; k < 22; k++) fprintf(f, "---|");
+               "ms/sample | tok/s | final loss | GPU util %% | GPU memory | extra time per sample |\n|");
+    for (int k = 0; k < 24; k++) fprintf(f, "---|");
     fprintf(f, "\n");
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
@@ -510,20 +646,26 @@ static void md_results(FILE *f, const fl_lab_report *rep) {
                 match(r));
         if (r->verdict == FL_LAB_FITS || r->verdict == FL_LAB_OOM) {
             for (int t = 0; t < LAB_TAGS; t++) fprintf(f, " %.2f |", MIB(r->peak[t]));
-            fprintf(f, " %.2f |", MIB(r->peak_total));
+            if (r->ranks > 1 && r->peak_max > r->peak_min)
+                fprintf(f, " %.2f-%.2f |", MIB(r->peak_min), MIB(r->peak_max));
+            else fprintf(f, " %.2f |", MIB(r->peak_total));
         } else {
             fprintf(f, " - | - | - | - | - | - | - | - |");
         }
         if (r->planned == FL_PLAN_FITS || r->planned == FL_PLAN_OOM)
-            fprintf(f, " %.2f (%s) |", MIB(r->planned_peak), plan_name(r->planned));
-        else fprintf(f, " %s |", plan_name(r->planned));
+            fprintf(f, " %.2f (%s) |", MIB(r->planned_peak), fl_lab_plan_name(r->planned));
+        else fprintf(f, " %s |", fl_lab_plan_name(r->planned));
         if (r->verdict == FL_LAB_FITS)
-            fprintf(f, " %.2f | %.0f | %.3f | %s |\n", ms_per_sample(r), r->tok_s, r->final_loss, r->time_note);
-        else fprintf(f, " - | - | - | |\n");
+        {
+            char gu[48], gm[64];
+            fl_lab_gpu_cells(r, gu, sizeof gu, gm, sizeof gm);
+            fprintf(f, " %.2f | %.0f | %.3f | %s | %s | %s |\n", ms_per_sample(r), r->tok_s, r->final_loss, gu, gm,
+                    r->time_note);
+        } else fprintf(f, " - | - | - | - | - | |\n");
     }
     fprintf(f, "\nMemory in MiB. For runs that fit: the all-time peak per tag and in total. For OOM rows: what was live "
                "when the allocation failed (the planned column is what the whole run would need). \"as in the lab\": "
-               "whether the verdict is the lab's (%s). ms/sample = ms per optimizer step / (micro batch x accumulation): "
+               "whether the verdict is the lab's (%s). Several ranks: the bytes per tag are rank 0's, the peak the least-most over the ranks. ms/sample = ms per optimizer step / (micro batch x accumulation): "
                "rows with different samples per step compare per sample; \"extra time per sample\" names the work "
                "the row does beyond fp32 AdamW on lab-1b (its technique on this CPU, a larger model).\n\n", "OOM for baseline and the largest model, fits otherwise");
     int notes = 0;
@@ -539,45 +681,6 @@ static void md_results(FILE *f, const fl_lab_report *rep) {
                    "step's token buffers); its optimizer step covers 4x the samples.\n\n",
                 fl_fmt_bytes(ga->peak_total, a, sizeof a), fl_fmt_bytes(rb->peak_total, b, sizeof b),
                 100.0 * ((double)ga->peak_total / (double)rb->peak_total - 1.0));
-}
-
-/* report.md: the batch-size sweep (GPT-2-XL, FSDP on 4 ranks). */
-static void md_sweep(FILE *f, const fl_lab_report *rep, int charts) {
-    char a[32];
-    if (rep->sweep) {
-        fprintf(f, "## Batch-size sweep: GPT-2-XL with FSDP on 4 devices, at lab scale\n\n"
-                   "The course's benchmark trains GPT-2-XL with FSDP FULL_SHARD on 4 GPUs and sweeps the micro batch "
-                   "against memory, iteration time and TFLOP/s. Here: `lab-gpt2-xl` (gpt2-xl with every width / 16), "
-                   "4 ranks as threads sharing this machine's cores, each with the per-device budget %s; micro batch "
-                   "1, 2, 4, ... per rank until the planner says OOM (that row runs too and its OOM is a result). "
-                   "Memory per rank (rank 0) in MiB; OOM rows: what was live at the failure, the planned column what "
-                   "the run would need. Iteration = one optimizer step of the global batch (micro batch x 4 ranks); "
-                   "TFLOP/s = model FLOPs (6 x parameters per token + attention, no recompute) / iteration time. "
-                   "**Bold**: the largest micro batch that fits. The sweep has no lab verdict to match: the Results "
-                   "table's \"as in the lab\" compares the run with the plan's verdict.\n\n",
-                fl_fmt_bytes(rep->budget, a, sizeof a));
-        for (int ck = 0; ck < 2; ck++) {
-            fprintf(f, "### Activation checkpointing %s\n\n| micro batch | verdict | planned | PARAMS | GRADS | OPTIM | "
-                       "ACTS | WORKSPACE | GATHER | peak | planned peak | iteration ms | tok/s | TFLOP/s |\n|",
-                    ck ? "on" : "off");
-            for (int k = 0; k < 14; k++) fprintf(f, "---|");
-            fprintf(f, "\n");
-            for (int i = 0; i < rep->n; i++) {
-                const fl_lab_row *r = &rep->rows[i];
-                if (r->act_ckpt != ck) continue;
-                const char *bo = r->largest ? "**" : "";
-                fprintf(f, "| %s%d%s | %s | %s |", bo, r->B, bo, fl_lab_verdict_name(r->verdict), plan_name(r->planned));
-                static const fl_mem_tag tags[] = {FL_TAG_PARAMS, FL_TAG_GRADS, FL_TAG_OPTIM, FL_TAG_ACTS,
-                                                  FL_TAG_WORKSPACE, FL_TAG_GATHER};
-                for (size_t t = 0; t < sizeof tags / sizeof tags[0]; t++) fprintf(f, " %.2f |", MIB(r->peak[tags[t]]));
-                fprintf(f, " %s%.2f%s | %.2f |", bo, MIB(r->peak_total), bo, MIB(r->planned_peak));
-                if (r->verdict == FL_LAB_FITS) fprintf(f, " %.1f | %.0f | %.4f |\n", r->step_ms, r->tok_s, r->tflops);
-                else fprintf(f, " - | - | - |\n");
-            }
-            fprintf(f, "\n");
-        }
-        if (charts) fprintf(f, "![memory and tokens/s vs micro batch](sweep.png)\n\n");
-    }
 }
 
 /* report.md: reserved and live memory per phase of a step. */
@@ -622,15 +725,18 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
     fprintf(f, "# fitllm lab report (suite %s)\n\n", rep->suite);
     fprintf(f, "- date: %s\n- machine: %s, %ld cores, %.1f GiB RAM, %s\n- threads: %s\n- wall time: %.1f s\n\n", date,
             cpu, cores, ram, os, rep->threads ? "fixed" : "all cores", rep->wall_s);
+    fprintf(f, "- GPU utilization and memory (mean +- standard deviation): %s\n\n",
+            rep->gpu_note[0] ? rep->gpu_note : "not sampled");
     md_scaling(f, rep);
     md_results(f, rep);
-    md_sweep(f, rep, charts);
+    fl_lab_course_md(f, rep);
+    if (rep->sweep) fl_lab_sweep_md(f, rep, charts);
     md_phases(f, rep, charts);
     fprintf(f, "## Real scale (planned with fitllm's sizing, 80 GB device, T=%d)\n\n| experiment | model | plan | "
                "planned peak |\n|---|---|---|---|\n", rep->ref_T);
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
-        fprintf(f, "| %s | %s | %s | %s |\n", r->name, r->ref_model, plan_name(r->ref_planned),
+        fprintf(f, "| %s | %s | %s | %s |\n", r->name, r->ref_model, fl_lab_plan_name(r->ref_planned),
                 r->ref_peak ? fl_fmt_bytes(r->ref_peak, a, sizeof a) : "-");
     }
     fprintf(f, "\n## Charts\n\n");

@@ -77,7 +77,7 @@ static inline fl_dims fl_model_dims(const fl_model_config *c) {
 
 
 /* An encoder-decoder's views (seq2seq.c), released with the arena (safe with NULL). */
-void fl_s2s_free(struct fl_s2s_acts *s);
+void fl_s2s_acts_free(struct fl_s2s_acts *s);
 /* Release the activation arena and its views (safe when none). */
 void fl_model_free_acts(fl_model *m);
 /* fl_backend.set_compute_dtype around a model call (transformer.c): on = the precision's compute

@@ -227,7 +227,7 @@ void fl_model_free_acts(fl_model *m) {
     m->acts_arena = m->work_arena = NULL;
     if (m->acts) {
         fl_mem_free(m->pool, m->acts->targets);
-        fl_s2s_free(m->acts->s2s);
+        fl_s2s_acts_free(m->acts->s2s);
         free(m->acts->res);
         free(m->acts->layer);
         free((void *)m->acts->graph);
@@ -404,12 +404,15 @@ fl_status fl_model_init_random_ex(fl_model *m, uint64_t seed) {
             char *dst = fl_model_param_piece(m, i, &a, &b, &dt);
             const size_t a0 = a & ~(size_t)1, es = fl_dtype_size(dt);
             uint16_t *s16 = (uint16_t *)(slice + BLOCK);
-            for (size_t B0 = a0; B0 < b; B0 += BLOCK) { /* block [B0, B1): slices of SLICE, element lo.. kept */
+            /* a block in at least nt slices (more than NS threads, e.g. a GPU machine's host cores, all work);
+             * even lengths keep every slice's start on a pair of the stream */
+            const size_t sl = nt > NS ? ((size_t)BLOCK / (size_t)nt) & ~(size_t)1 : SLICE;
+            for (size_t B0 = a0; B0 < b; B0 += BLOCK) { /* block [B0, B1): slices of sl, element lo.. kept */
                 const size_t B1 = b - B0 < BLOCK ? b : B0 + BLOCK, lo = B0 > a ? B0 : a;
-                const long nsl = (long)((B1 - B0 + SLICE - 1) / SLICE);
+                const long nsl = (long)((B1 - B0 + sl - 1) / sl);
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && nsl > 1)
                 for (long q = 0; q < nsl; q++) {
-                    const size_t k0 = B0 + (size_t)q * SLICE, k1 = B1 - k0 < SLICE ? B1 : k0 + SLICE;
+                    const size_t k0 = B0 + (size_t)q * sl, k1 = B1 - k0 < sl ? B1 : k0 + sl;
                     uint64_t sq = kind == 2 ? s + (uint64_t)k0 * 0x9e3779b97f4a7c15ULL : s; /* pair k0/2's state */
                     init_fill(slice + (k0 - B0), k0, k1, p->numel, kind, sd, &sq);
                     if (dt != FL_F32) { /* [max(k0, lo), k1) into s16 at the same offset from lo */

@@ -48,7 +48,7 @@ struct fl_s2s_acts {
 
 int fl_model_is_s2s(const fl_model_config *c) { return c->n_dec_layers > 0; }
 
-void fl_s2s_free(struct fl_s2s_acts *s) {
+void fl_s2s_acts_free(struct fl_s2s_acts *s) {
     if (!s) return;
     for (int k = 0; k < FL_MODEL_GRAPH_MAX_STACKS; k++) free(s->st[k].res), free(s->st[k].layer);
     free(s);

@@ -467,16 +467,22 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
         a8.lr = oc->lr;
         sugg_variant(p, x, s, c, &a8, "--optimizer bnb.optim.AdamW8bit", "about 2 bytes of state per parameter instead of 8");
     }
-    /* 4b. CPU offload (ZeRO-Offload): the optimizer state off the device; AdamW and SGD with momentum, not
-     * under FULL_SHARD (parameter offload is not built) */
-    if (!fl_cfg_offload(c->strategy) && p->zero_stage != 3 &&
+    /* 4b. CPU offload (ZeRO-Offload): the optimizer state off the device; AdamW and SGD with momentum; under
+     * ZeRO-3 / FULL_SHARD deepspeed_stage_3_offload (the parameters' shards stay on the devices; not for
+     * HYBRID_SHARD, whose sharding no offload strategy has) */
+    const int z3 = p->zero_stage == 3;
+    if (!fl_cfg_offload(c->strategy) && !fl_cfg_hybrid_shard(c->strategy, c->sharding_strategy) &&
         (oc->kind == FL_OPT_ADAMW || (oc->kind == FL_OPT_SGD && oc->momentum != 0.0f)) && (s = sugg(p, "cpu_offload"))) {
         fl_run_config v = *c;
-        snprintf(v.strategy, sizeof v.strategy, "deepspeed_stage_2_offload");
+        const char *st = z3 ? "deepspeed_stage_3_offload" : "deepspeed_stage_2_offload";
+        snprintf(v.strategy, sizeof v.strategy, "%s", st);
+        v.sharding_strategy[0] = '\0';
         /* a CPU run's host tier is the same RAM as its "device": only files free it (the nvme tier) */
         if (!x->cuda) snprintf(v.offload_device, sizeof v.offload_device, "nvme");
-        sugg_variant(p, x, s, &v, oc, x->cuda ? "--strategy deepspeed_stage_2_offload"
-                     : "--strategy deepspeed_stage_2_offload --offload_optimizer_device nvme --nvme_path DIR",
+        char change[128];
+        snprintf(change, sizeof change, "--strategy %s%s", st,
+                 x->cuda ? "" : " --offload_optimizer_device nvme --nvme_path DIR");
+        sugg_variant(p, x, s, &v, oc, change,
                      x->cuda ? "the optimizer state in host memory and the update on the host's cores (slower: gradients "
                      "down and parameters up every step)" : "the optimizer state in files on a disk, paged through a few "
                      "pieces of RAM (slower: read and written every step)");
@@ -563,6 +569,15 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
                 "whole", p->zero_stage, p->devices, p->rank,
              p->zero_stage == 2 ? "GRADS reserved in full (backward fills the flat buffer), live after the "
                                   "reduce-scatter: the chunk" : "gradients whole (all-reduced)");
+    p->bucket_size = c->bucket_size;
+    if (p->devices > 1) {
+        char bb[32];
+        if (c->bucket_size)
+            note(p, "gradient reductions in buckets of %s (--bucket_size): their WORKSPACE stays under twice it, "
+                    "whatever the model; the same bits", fl_fmt_bytes(c->bucket_size, bb, sizeof bb));
+        else
+            note(p, "gradient reductions unbucketed (--bucket_size null): their scratch grows with the model");
+    }
     if (sc.offload && !strcmp(c->offload_device, "nvme"))
         note(p, "NVMe offload: OPTIM is in the nvme tier (its row: files under nvme_path, paged through a few "
                 "pieces of host memory), outside the device budget%s", opts.cuda ? "; the host tier: one piece staged"
@@ -775,9 +790,9 @@ void fl_plan_write_json(const fl_plan *p, FILE *f) {
     fprintf(f, ", \"optimizer\": ");
     jstr(f, p->optimizer);
     fprintf(f, ", \"activation_checkpointing\": %s, \"eval_generation\": %s, \"devices\": %d, \"rank\": %d, "
-               "\"zero_stage\": %d},\n",
+               "\"zero_stage\": %d, \"bucket_size\": %zu},\n",
             p->act_ckpt ? "true" : "false", p->generation ? "true" : "false", p->devices > 0 ? p->devices : 1, p->rank,
-            p->zero_stage);
+            p->zero_stage, p->bucket_size);
     if (p->budget) fprintf(f, "  \"budget\": %zu,\n", p->budget);
     else fprintf(f, "  \"budget\": null,\n");
     fprintf(f, "  \"tags\": [");

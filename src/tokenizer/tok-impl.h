@@ -62,13 +62,14 @@ typedef struct {
 } fl_tok_dec;
 
 /* ---- normalizer / pre-tokenizer steps ------------------------------------------------ */
-enum { FL_NORM_PREPEND, FL_NORM_REPLACE };
+enum { FL_NORM_PREPEND, FL_NORM_REPLACE, FL_NORM_PRECOMPILED, FL_NORM_STRIP };
 typedef struct {
     int type;
     char *a, *b; /* PREPEND: a; REPLACE: a -> b */
+    int left, right; /* STRIP */
 } fl_tok_norm;
 
-enum { FL_PRE_BYTELEVEL, FL_PRE_METASPACE, FL_PRE_SPLIT };
+enum { FL_PRE_BYTELEVEL, FL_PRE_METASPACE, FL_PRE_SPLIT, FL_PRE_WSPLIT };
 enum { FL_PREPEND_ALWAYS, FL_PREPEND_FIRST, FL_PREPEND_NEVER };
 typedef struct {
     int type;
@@ -78,6 +79,15 @@ typedef struct {
     void *re;                        /* BYTELEVEL (use_regex) / SPLIT: pcre2_code_8 */
     int invert;                      /* SPLIT: only false supported */
 } fl_tok_pre;
+
+/* Byte trie of the Unigram pieces: node 0 is the root; (node, byte) -> child in a hash. */
+typedef struct {
+    uint64_t *key; /* (uint64)node << 8 | byte; UINT64_MAX = empty */
+    int32_t *child;
+    uint32_t mask, n_edges;
+    int32_t *piece; /* per node: id of the piece ending here, -1 if none */
+    int32_t n_nodes, cap_nodes;
+} fl_tok_trie;
 
 typedef struct {
     char *s;
@@ -114,6 +124,18 @@ struct fl_tokenizer {
     int n_norm;
     fl_tok_pre *pre;
     int n_pre;
+    /* Unigram (SentencePiece): Viterbi over the trie instead of BPE */
+    int unigram, uni_f32;  /* uni_f32: sentencepiece sums path scores in float, HF in double */
+    double *uscore;        /* per model id < uni_n: lattice score (NaN: not in the lattice) */
+    int32_t uni_n;
+    double unk_score, max_score;
+    fl_tok_trie trie;
+    /* precompiled charsmap: darts-clone double array + NUL-terminated replacement strings */
+    uint32_t *cm_units;
+    size_t cm_n;
+    char *cm_str;
+    size_t cm_str_n;
+    void *grapheme_re; /* HF Precompiled: PCRE2 \X (extended grapheme clusters) */
     /* SentencePiece .model normalizer */
     int spm_dummy_prefix, spm_remove_extra_ws, spm_escape_ws;
     /* added tokens, longest first */
@@ -123,8 +145,8 @@ struct fl_tokenizer {
     /* decoder chain; n_dec == 0 and dec_join_space: join tokens with ' ' (HF: no decoder) */
     fl_tok_dec *dec;
     int n_dec, dec_join_space;
-    /* BOS / EOS */
-    int bos_id, add_bos, add_eos;
+    /* BOS / EOS / PAD */
+    int bos_id, add_bos, add_eos, pad_id;
     int32_t eos_ids[8];
     int n_eos;
 };
@@ -187,9 +209,31 @@ fl_status fl_tok_load_hf_json(fl_tokenizer **out, const fl_json *root, const cha
 fl_status fl_tok_load_hf_json_mem(fl_tokenizer **out, const char *text, size_t n, const char *src);
 fl_status fl_tok_load_spm(fl_tokenizer **out, const char *path);
 fl_status fl_tok_load_spm_mem(fl_tokenizer **out, const uint8_t *p, size_t n, const char *src);
+/* T5Tokenizer: n sentinel tokens <extra_id_{n-1}> .. <extra_id_0> after the pieces (UNIGRAM .model only). */
+fl_status fl_tok_spm_add_extra_ids(fl_tokenizer *t, int n);
 fl_status fl_tok_load_llama2c(fl_tokenizer **out, const char *path);
 /* Sort added tokens longest first and fill the first-byte filter. */
 void fl_tok_finish_added(fl_tokenizer *t);
+
+/* ---- Unigram (tok_unigram.c) ------------------------------------------------------------- */
+/* Take a SentencePiece precompiled charsmap blob (uint32 trie size, trie, strings); copies it. */
+fl_status fl_tok_charsmap_set(fl_tokenizer *t, const uint8_t *blob, size_t n, const char *src);
+/* HF Precompiled normalizer over a whole string; *out is appended to. */
+int fl_tok_charsmap_normalize(const fl_tokenizer *t, const char *s, size_t n, fl_tok_buf *out);
+/* After the vocabulary, scores and types are set: unk score, trie. hf: HF's rules (every piece in
+ * the lattice, min over all scores, double sums), else sentencepiece's (NORMAL + USER_DEFINED). */
+fl_status fl_tok_unigram_finish(fl_tokenizer *t, int hf, const char *src);
+/* Viterbi-segment one word (or, for sentencepiece, the whole normalized text); appends ids. */
+fl_status fl_tok_unigram_word(const fl_tokenizer *t, const char *s, size_t n, int32_t **ids, size_t *n_ids, size_t *cap);
+/* sentencepiece's normalizer (charsmap, dummy prefix, extra-whitespace removal, escaping) + Viterbi. */
+fl_status fl_tok_encode_spm_unigram(const fl_tokenizer *t, const char *s, size_t n, int32_t **ids, size_t *n_ids,
+                                    size_t *cap);
+/* tokenizer.json model "Unigram": vocab [[piece, score], ...], unk_id, byte_fallback. */
+fl_status fl_tok_load_unigram_vocab(fl_tokenizer *t, const fl_json *model, const char *src);
+/* Unicode White_Space (Rust char::is_whitespace). */
+int fl_tok_is_uspace(uint32_t cp);
+/* Decode the UTF-8 char at s (len from fl_tok_utf8_len; an invalid byte gives 0xFFFFFFFF). */
+uint32_t fl_tok_utf8_cp(const unsigned char *s, size_t n, int *len);
 
 /* ---- decoding (tok_decode.c) ------------------------------------------------------------- */
 fl_status fl_tok_decode_impl(const fl_tokenizer *t, const int32_t *ids, size_t n, int skip_special, char **text,

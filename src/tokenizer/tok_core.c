@@ -26,6 +26,13 @@ void fl_tok_free(fl_tokenizer *t) {
     free(t->len);
     free(t->type);
     free(t->score);
+    free(t->uscore);
+    free(t->trie.key);
+    free(t->trie.child);
+    free(t->trie.piece);
+    free(t->cm_units);
+    free(t->cm_str);
+    if (t->grapheme_re) fl_tok_regex_free(t->grapheme_re);
     free(t->vocab.slot);
     free(t->merges.slot);
     for (int i = 0; i < t->n_norm; i++) free(t->norm[i].a), free(t->norm[i].b);
@@ -121,7 +128,7 @@ fl_status fl_tok_encode(const fl_tokenizer *t, const char *text, size_t n, int b
     } else if (n) {
         if (!(w = fl_tok_work_new())) goto oom;
         fl_tok_enc_ctx c = {t, w, &out, &no, &cap};
-        if (t->kind == FL_TOK_BPE_BL || t->kind == FL_TOK_BPE_SP)
+        if (t->kind == FL_TOK_BPE_BL || t->kind == FL_TOK_BPE_SP || t->unigram)
             st = fl_tok_split_added(t, text, n, 0, fl_tok_enc_seg, &c, &out, &no, &cap);
         else st = fl_tok_enc_seg(&c, text, n, 1);
         fl_tok_work_free(w);
@@ -146,6 +153,7 @@ fl_status fl_tok_decode(const fl_tokenizer *t, const int32_t *ids, size_t n, int
 int fl_tok_vocab_size(const fl_tokenizer *t) { return t ? t->n_vocab : 0; }
 int fl_tok_bos_id(const fl_tokenizer *t) { return t ? t->bos_id : -1; }
 int fl_tok_eos_id(const fl_tokenizer *t) { return t && t->n_eos ? t->eos_ids[0] : -1; }
+int fl_tok_pad_id(const fl_tokenizer *t) { return t ? t->pad_id : -1; }
 int fl_tok_is_eos(const fl_tokenizer *t, int32_t id) {
     for (int i = 0; t && i < t->n_eos; i++)
         if (t->eos_ids[i] == id) return 1;
@@ -153,6 +161,7 @@ int fl_tok_is_eos(const fl_tokenizer *t, int32_t id) {
 }
 const char *fl_tok_kind(const fl_tokenizer *t) {
     static const char *names[] = {"bytes", "bpe-bytelevel", "bpe-sentencepiece", "spm-model", "llama2c"};
+    if (t && t->unigram) return t->kind == FL_TOK_SPM ? "spm-unigram" : "unigram";
     return t && t->kind >= 0 && t->kind <= FL_TOK_L2C ? names[t->kind] : "?";
 }
 
@@ -210,7 +219,8 @@ static fl_status fl_tok_apply_side_files(fl_tokenizer *t, const char *dir) {
     snprintf(path, sizeof path, "%s/config.json", dir);
     if (fl_tok_is_file(path)) {
         FL_TRY(fl_json_parse_file(path, &j));
-        const fl_json *b = fl_json_get(j, "bos_token_id"), *e = fl_json_get(j, "eos_token_id");
+        const fl_json *b = fl_json_get(j, "bos_token_id"), *e = fl_json_get(j, "eos_token_id"), *pd = fl_json_get(j, "pad_token_id");
+        if (pd && pd->type == FL_JSON_NUMBER && pd->is_int && pd->i >= 0 && pd->i < t->n_vocab) t->pad_id = (int)pd->i;
         if (b && b->type == FL_JSON_NUMBER && b->is_int && b->i >= 0 && b->i < t->n_vocab) t->bos_id = (int)b->i;
         if (e && e->type == FL_JSON_NUMBER && e->is_int) fl_tok_add_eos(t, (int32_t)e->i, 1);
         if (e && e->type == FL_JSON_ARRAY) {
@@ -237,6 +247,9 @@ static fl_status fl_tok_apply_side_files(fl_tokenizer *t, const char *dir) {
             if (id >= 0) t->bos_id = id;
         } else if (isnull) t->bos_id = -1;
         const char *es = fl_tok_token_str(fl_json_get(j, "eos_token"), NULL);
+        const char *ps = fl_tok_token_str(fl_json_get(j, "pad_token"), NULL);
+        int32_t pid = ps ? fl_tok_lookup(t, ps, strlen(ps)) : -1;
+        if (pid >= 0) t->pad_id = pid;
         if (es) fl_tok_add_eos(t, fl_tok_lookup(t, es, strlen(es)), 1);
         const fl_json *ab = fl_json_get(j, "add_bos_token"), *ae = fl_json_get(j, "add_eos_token");
         if (ab && ab->type == FL_JSON_BOOL) t->add_bos = ab->b;
@@ -245,6 +258,26 @@ static fl_status fl_tok_apply_side_files(fl_tokenizer *t, const char *dir) {
         j = NULL;
     }
     return FL_OK;
+}
+
+/* A Unigram .model loaded as T5Tokenizer loads spiece.model: tokenizer_config.json's "extra_ids"
+ * sentinels (default 100, as T5Tokenizer) follow the pieces. */
+static fl_status fl_tok_t5_extra_ids(fl_tokenizer *t, const char *dir) {
+    char path[4200];
+    int n = 100;
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    if (fl_tok_is_file(path)) {
+        fl_json *j = NULL;
+        FL_TRY(fl_json_parse_file(path, &j));
+        const fl_json *e = fl_json_get(j, "extra_ids");
+        if (e && (e->type != FL_JSON_NUMBER || !e->is_int || e->i < 0 || e->i > 10000)) {
+            fl_json_free(j);
+            return fl_errorf(FL_ERR_FORMAT, "%s: \"extra_ids\" must be an integer in [0, 10000]", path);
+        }
+        if (e) n = (int)e->i;
+        fl_json_free(j);
+    }
+    return fl_tok_spm_add_extra_ids(t, n);
 }
 
 /* ---- loading -------------------------------------------------------------------------- */
@@ -269,7 +302,7 @@ static fl_status fl_tok_load_file(fl_tokenizer **out, const char *path) {
     }
     if (fl_tok_ends_with(base, ".model")) return fl_tok_load_spm(out, path);
     if (fl_tok_ends_with(base, ".bin")) return fl_tok_load_llama2c(out, path);
-    return fl_errorf(FL_ERR_UNSUPPORTED, "%s: unknown tokenizer file type (expected tokenizer.json, tokenizer.model or a llama2.c tok*.bin)", path);
+    return fl_errorf(FL_ERR_UNSUPPORTED, "%s: unknown tokenizer file type (expected tokenizer.json, tokenizer.model, spiece.model or a llama2.c tok*.bin)", path);
 }
 
 fl_status fl_tok_load(fl_tokenizer **out, const char *path) {
@@ -279,9 +312,9 @@ fl_status fl_tok_load(fl_tokenizer **out, const char *path) {
     if (strlen(path) >= sizeof dir - 64) return fl_errorf(FL_ERR_INVALID, "%s: path too long", path);
     if (fl_tok_is_dir(path)) {
         snprintf(dir, sizeof dir, "%s", path);
-        static const char *cands[] = {"tokenizer.json", "tokenizer.model", "tokenizer.bin"};
+        static const char *cands[] = {"tokenizer.json", "tokenizer.model", "spiece.model", "tokenizer.bin"};
         file[0] = 0;
-        for (int i = 0; i < 3 && !file[0]; i++) {
+        for (int i = 0; i < 4 && !file[0]; i++) {
             snprintf(file, sizeof file, "%s/%s", dir, cands[i]);
             if (!fl_tok_is_file(file)) file[0] = 0;
         }
@@ -296,7 +329,7 @@ fl_status fl_tok_load(fl_tokenizer **out, const char *path) {
             if (d) closedir(d);
         }
         if (!file[0])
-            return fl_errorf(FL_ERR_NOT_FOUND, "%s: no tokenizer found (tokenizer.json, tokenizer.model or tok*.bin)", path);
+            return fl_errorf(FL_ERR_NOT_FOUND, "%s: no tokenizer found (tokenizer.json, tokenizer.model, spiece.model or tok*.bin)", path);
     } else {
         if (!fl_tok_is_file(path)) return fl_errorf(FL_ERR_NOT_FOUND, "%s: no such tokenizer file or folder", path);
         snprintf(file, sizeof file, "%s", path);
@@ -307,7 +340,8 @@ fl_status fl_tok_load(fl_tokenizer **out, const char *path) {
     }
     fl_tokenizer *t = NULL;
     FL_TRY(fl_tok_load_file(&t, file));
-    fl_status s = fl_tok_apply_side_files(t, dir);
+    fl_status s = t->unigram && t->kind == FL_TOK_SPM ? fl_tok_t5_extra_ids(t, dir) : FL_OK;
+    if (s == FL_OK) s = fl_tok_apply_side_files(t, dir);
     if (s != FL_OK) { fl_tok_free(t); return s; }
     *out = t;
     return FL_OK;

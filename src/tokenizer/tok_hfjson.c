@@ -1,5 +1,7 @@
 /* fitllm tokenizers: HF tokenizer.json loader (model type BPE).
  *
+ * model "Unigram" (T5): vocab [[piece, score], ...], unk_id, byte_fallback; normalizers
+ * Precompiled (base64 charsmap) and Strip; pre-tokenizer WhitespaceSplit.
  * Reads the vocabulary, merges (both "a b" strings and [a, b] pairs),
  * added_tokens, the normalizer (Prepend, Replace, Sequence), the
  * pre-tokenizer (ByteLevel, Metaspace, Split, Sequence), the decoder
@@ -41,6 +43,36 @@ static fl_status pattern_of(const fl_json *j, const char *src, const char *what,
     return fl_errorf(FL_ERR_FORMAT, "%s: %s: missing \"pattern\"", src, what);
 }
 
+/* Standard base64 (padding optional); -1 on a bad character. */
+static long b64_decode(const char *s, size_t n, uint8_t *out) {
+    uint32_t acc = 0;
+    int bits = 0;
+    long o = 0;
+    for (size_t i = 0; i < n && s[i] != '='; i++) {
+        char c = s[i];
+        int v = c >= 'A' && c <= 'Z' ? c - 'A' : c >= 'a' && c <= 'z' ? c - 'a' + 26 : c >= '0' && c <= '9' ? c - '0' + 52
+              : c == '+' ? 62 : c == '/' ? 63 : -1;
+        if (v < 0) return -1;
+        acc = acc << 6 | (uint32_t)v;
+        if ((bits += 6) >= 8) out[o++] = (uint8_t)(acc >> (bits -= 8));
+    }
+    return o;
+}
+
+static fl_status add_precompiled(fl_tokenizer *t, const fl_json *j, const char *src) {
+    const fl_json *cm = fl_json_get(j, "precompiled_charsmap");
+    if (cm && cm->type == FL_JSON_NULL) return FL_OK;
+    if (!cm || cm->type != FL_JSON_STRING) return fl_errorf(FL_ERR_FORMAT, "%s: Precompiled normalizer: \"precompiled_charsmap\" must be a base64 string", src);
+    if (t->cm_units) return fl_errorf(FL_ERR_UNSUPPORTED, "%s: more than one Precompiled normalizer is not supported", src);
+    uint8_t *b = malloc(cm->len / 4 * 3 + 4);
+    if (!b) return oom(src);
+    long n = b64_decode(cm->str, cm->len, b);
+    fl_status s = n < 0 ? fl_errorf(FL_ERR_FORMAT, "%s: Precompiled normalizer: precompiled_charsmap is not valid base64", src)
+                        : fl_tok_charsmap_set(t, b, (size_t)n, src);
+    free(b);
+    return s;
+}
+
 static fl_status add_norm(fl_tokenizer *t, const fl_json *j, const char *src) {
     const char *ty = jstr(j, "type");
     if (!ty) return fl_errorf(FL_ERR_FORMAT, "%s: normalizer without a \"type\"", src);
@@ -64,8 +96,18 @@ static fl_status add_norm(fl_tokenizer *t, const fl_json *j, const char *src) {
         m.type = FL_NORM_REPLACE;
         m.a = jdup(p);
         m.b = jdup(c);
+    } else if (!strcmp(ty, "Precompiled")) {
+        FL_TRY(add_precompiled(t, j, src));
+        if (!t->cm_units) return FL_OK; /* empty charsmap: identity */
+        m.type = FL_NORM_PRECOMPILED;
+        FL_TRY(fl_tok_regex_compile("\\X", 2, src, &t->grapheme_re));
+        m.a = jdup(""), m.b = jdup("");
+    } else if (!strcmp(ty, "Strip")) {
+        m.type = FL_NORM_STRIP;
+        m.left = jbool(j, "strip_left", 1), m.right = jbool(j, "strip_right", 1);
+        m.a = jdup(""), m.b = jdup("");
     } else
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: normalizer type \"%s\" is not supported (supported: Prepend, Replace, Sequence)", src, ty);
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: normalizer type \"%s\" is not supported (supported: Prepend, Replace, Precompiled, Strip, Sequence)", src, ty);
     fl_tok_norm *nn = realloc(t->norm, (size_t)(t->n_norm + 1) * sizeof *nn);
     if (!nn || !m.a || !m.b) { free(m.a); free(m.b); if (nn) t->norm = nn; return oom(src); }
     t->norm = nn;
@@ -92,7 +134,8 @@ static fl_status add_pre(fl_tokenizer *t, const fl_json *j, const char *src) {
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s: pre_tokenizer \"%s\" after ByteLevel is not supported", src, ty);
     fl_tok_pre p = {0};
     fl_status s = FL_OK;
-    if (!strcmp(ty, "ByteLevel")) {
+    if (!strcmp(ty, "WhitespaceSplit")) p.type = FL_PRE_WSPLIT;
+    else if (!strcmp(ty, "ByteLevel")) {
         p.type = FL_PRE_BYTELEVEL;
         p.add_prefix_space = jbool(j, "add_prefix_space", 0);
         p.use_regex = jbool(j, "use_regex", 1);
@@ -121,7 +164,7 @@ static fl_status add_pre(fl_tokenizer *t, const fl_json *j, const char *src) {
             free(q.p);
         }
     } else
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: pre_tokenizer type \"%s\" is not supported (supported: ByteLevel, Metaspace, Split, Sequence)", src, ty);
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: pre_tokenizer type \"%s\" is not supported (supported: ByteLevel, Metaspace, Split, WhitespaceSplit, Sequence)", src, ty);
     fl_tok_pre *np = s == FL_OK ? realloc(t->pre, (size_t)(t->n_pre + 1) * sizeof *np) : NULL;
     if (!np) {
         free(p.repl);
@@ -265,14 +308,68 @@ static void load_template(fl_tokenizer *t, const fl_json *pp) {
     t->add_eos = eos;
 }
 
+/* normalizer, pre_tokenizer, decoder */
+static fl_status load_pipeline(fl_tokenizer *t, const fl_json *root, const char *src) {
+    const fl_json *n = fl_json_get(root, "normalizer"), *p = fl_json_get(root, "pre_tokenizer"), *d = fl_json_get(root, "decoder");
+    if (n && n->type != FL_JSON_NULL) FL_TRY(add_norm(t, n, src));
+    if (p && p->type != FL_JSON_NULL) FL_TRY(add_pre(t, p, src));
+    if (d && d->type != FL_JSON_NULL) FL_TRY(add_dec(t, d, src));
+    if (!d || d->type == FL_JSON_NULL) t->dec_join_space = 1;
+    return FL_OK;
+}
+
+/* special added tokens, default BOS/EOS, TemplateProcessing */
+static void finish_common(fl_tokenizer *t, const fl_json *root) {
+    for (int i = 0; i < t->n_added; i++) {
+        if (t->added[i].special) t->type[t->added[i].id] = FL_SP_CONTROL;
+        if (!t->n_norm) t->added[i].normalized = 0; /* identical without a normalizer */
+    }
+    fl_tok_finish_added(t);
+    if (t->kind == FL_TOK_BPE_SP && !t->unigram) fl_tok_detect_ws_split(t, "\xe2\x96\x81");
+    /* defaults: LLaMA-style adds <s>; GPT-2 adds nothing; a TemplateProcessing post-processor decides */
+    int32_t bos = fl_tok_lookup(t, "<s>", 3), eos = fl_tok_lookup(t, "</s>", 4);
+    if (t->kind == FL_TOK_BPE_BL) bos = eos = fl_tok_lookup(t, "<|endoftext|>", 13);
+    t->bos_id = bos;
+    if (eos >= 0) t->eos_ids[0] = eos, t->n_eos = 1;
+    t->add_bos = t->kind == FL_TOK_BPE_SP && bos >= 0;
+    const fl_json *pp = fl_json_get(root, "post_processor");
+    if (pp && jstr(pp, "type") && !strcmp(jstr(pp, "type"), "TemplateProcessing")) load_template(t, pp);
+}
+
+/* model "Unigram" (T5): vocab [[piece, score], ...]; the rest of the file as for BPE. */
+static fl_status load_unigram(fl_tokenizer **out, const fl_json *root, const fl_json *model, const char *src) {
+    const fl_json *added = fl_json_get(root, "added_tokens"), *mv = fl_json_get(model, "vocab");
+    size_t n_def = (mv && mv->type == FL_JSON_ARRAY ? mv->len : 0) + (added && added->type == FL_JSON_ARRAY ? added->len : 0);
+    for (const fl_json *c = added && added->type == FL_JSON_ARRAY ? added->child : NULL; c; c = c->next) {
+        const fl_json *v = fl_json_get(c, "id");
+        if (v && v->type == FL_JSON_NUMBER && v->is_int && (uint64_t)v->i >= 2 * (uint64_t)n_def + 1024)
+            return fl_errorf(FL_ERR_FORMAT, "%s: added_tokens: token id %lld but only %zu tokens are defined (ids must be dense: "
+                             "below 2 x tokens + 1024)", src, (long long)v->i, n_def);
+    }
+    fl_tokenizer *t = fl_tok_new(FL_TOK_BPE_SP);
+    if (!t) return oom(src);
+    fl_status s = fl_tok_load_unigram_vocab(t, model, src);
+    if (s == FL_OK) s = load_added(t, added, src);
+    if (s == FL_OK) s = fl_tok_build_vocab_map(t, 0);
+    if (s == FL_OK) s = load_pipeline(t, root, src);
+    if (s == FL_OK) s = fl_tok_unigram_finish(t, 1, src);
+    if (s != FL_OK) { fl_tok_free(t); return s; }
+    fl_tok_find_byte_pieces(t);
+    finish_common(t, root);
+    *out = t;
+    return FL_OK;
+}
+
 fl_status fl_tok_load_hf_json(fl_tokenizer **out, const fl_json *root, const char *src) {
     *out = NULL;
     if (!root || root->type != FL_JSON_OBJECT) return fl_errorf(FL_ERR_FORMAT, "%s: expected a JSON object", src);
     const fl_json *model = fl_json_get(root, "model");
     if (!model || model->type != FL_JSON_OBJECT) return fl_errorf(FL_ERR_FORMAT, "%s: missing \"model\" object", src);
     const char *mt = jstr(model, "type");
-    if (mt && strcmp(mt, "BPE"))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: model type \"%s\" is not supported (only BPE)", src, mt);
+    int uni = mt && !strcmp(mt, "Unigram");
+    if (mt && strcmp(mt, "BPE") && !uni)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: model type \"%s\" is not supported (only BPE and Unigram)", src, mt);
+    if (uni) return load_unigram(out, root, model, src);
     const fl_json *vocab = fl_json_get(model, "vocab");
     if (!vocab || vocab->type != FL_JSON_OBJECT) return fl_errorf(FL_ERR_FORMAT, "%s: model.vocab must be an object", src);
     {
@@ -312,12 +409,8 @@ fl_status fl_tok_load_hf_json(fl_tokenizer **out, const fl_json *root, const cha
     if (s == FL_OK) s = load_merges(t, fl_json_get(model, "merges"), src);
     if (s == FL_OK) s = load_added(t, fl_json_get(root, "added_tokens"), src);
     if (s == FL_OK) s = fl_tok_build_vocab_map(t, 0);
-    const fl_json *n = fl_json_get(root, "normalizer"), *p = fl_json_get(root, "pre_tokenizer"), *d = fl_json_get(root, "decoder");
-    if (s == FL_OK && n && n->type != FL_JSON_NULL) s = add_norm(t, n, src);
-    if (s == FL_OK && p && p->type != FL_JSON_NULL) s = add_pre(t, p, src);
-    if (s == FL_OK && d && d->type != FL_JSON_NULL) s = add_dec(t, d, src);
+    if (s == FL_OK) s = load_pipeline(t, root, src);
     if (s != FL_OK) { fl_tok_free(t); return s; }
-    if (!d || d->type == FL_JSON_NULL) t->dec_join_space = 1;
     for (int i = 0; i < t->n_pre; i++)
         if (t->pre[i].type == FL_PRE_BYTELEVEL) t->kind = FL_TOK_BPE_BL;
     const char *unk = jstr(model, "unk_token");
@@ -327,20 +420,7 @@ fl_status fl_tok_load_hf_json(fl_tokenizer **out, const fl_json *root, const cha
     t->ignore_merges = jbool(model, "ignore_merges", 0);
     fl_tok_find_byte_pieces(t);
     if (t->kind == FL_TOK_BPE_BL) fl_tok_bytelevel_tables(t);
-    for (int i = 0; i < t->n_added; i++) {
-        if (t->added[i].special) t->type[t->added[i].id] = FL_SP_CONTROL;
-        if (!t->n_norm) t->added[i].normalized = 0; /* identical without a normalizer */
-    }
-    fl_tok_finish_added(t);
-    if (t->kind == FL_TOK_BPE_SP) fl_tok_detect_ws_split(t, "\xe2\x96\x81");
-    /* defaults: LLaMA-style adds <s>; GPT-2 adds nothing; a TemplateProcessing post-processor decides */
-    int32_t bos = fl_tok_lookup(t, "<s>", 3), eos = fl_tok_lookup(t, "</s>", 4);
-    if (t->kind == FL_TOK_BPE_BL) bos = eos = fl_tok_lookup(t, "<|endoftext|>", 13);
-    t->bos_id = bos;
-    if (eos >= 0) t->eos_ids[0] = eos, t->n_eos = 1;
-    t->add_bos = t->kind == FL_TOK_BPE_SP && bos >= 0;
-    const fl_json *pp = fl_json_get(root, "post_processor");
-    if (pp && jstr(pp, "type") && !strcmp(jstr(pp, "type"), "TemplateProcessing")) load_template(t, pp);
+    finish_common(t, root);
     *out = t;
     return FL_OK;
 }

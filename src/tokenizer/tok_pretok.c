@@ -89,8 +89,22 @@ static fl_status fl_tok_regex_split(fl_tok_ctx *c, int step, void *rev, const ch
 static fl_status fl_tok_pre_run(fl_tok_ctx *c, int step, const char *s, size_t n, int at0) {
     const fl_tokenizer *t = c->t;
     if (n == 0) return FL_OK;
-    if (step == t->n_pre) return fl_tok_bpe_text(t, c->w, s, n, c->ids, c->n_ids, c->cap);
+    if (step == t->n_pre)
+        return t->unigram ? fl_tok_unigram_word(t, s, n, c->ids, c->n_ids, c->cap) : fl_tok_bpe_text(t, c->w, s, n, c->ids, c->n_ids, c->cap);
     const fl_tok_pre *p = &t->pre[step];
+    if (p->type == FL_PRE_WSPLIT) { /* HF WhitespaceSplit: runs of non-whitespace (Unicode White_Space) */
+        size_t start = 0, i = 0;
+        while (i < n) {
+            int l;
+            uint32_t cp = fl_tok_utf8_cp((const unsigned char *)s + i, n - i, &l);
+            if (fl_tok_is_uspace(cp)) {
+                if (i > start) FL_TRY(fl_tok_pre_run(c, step + 1, s + start, i - start, at0 && start == 0));
+                start = i + (size_t)l;
+            }
+            i += (size_t)l;
+        }
+        return n > start ? fl_tok_pre_run(c, step + 1, s + start, n - start, at0 && start == 0) : FL_OK;
+    }
     if (p->type == FL_PRE_SPLIT) return fl_tok_regex_split(c, step, p->re, s, n, at0);
     if (p->type == FL_PRE_BYTELEVEL) {
         if (p->add_prefix_space && s[0] != ' ') {
@@ -147,7 +161,20 @@ static fl_status fl_tok_normalize(const fl_tokenizer *t, const char *s, size_t n
         const fl_tok_norm *m = &t->norm[k];
         fl_tok_buf b = {0};
         int bad = 0;
-        if (m->type == FL_NORM_PREPEND) {
+        if (m->type == FL_NORM_PRECOMPILED) bad = fl_tok_charsmap_normalize(t, a.p, a.n, &b);
+        else if (m->type == FL_NORM_STRIP) {
+            size_t i = 0, e = a.n;
+            int l;
+            while (m->left && i < e && fl_tok_is_uspace(fl_tok_utf8_cp((const unsigned char *)a.p + i, e - i, &l))) i += (size_t)l;
+            while (m->right && e > i) {
+                size_t k = e - 1; /* start of the last char */
+                while (k > i && ((unsigned char)a.p[k] & 0xC0) == 0x80 && e - k < 4) k--;
+                if (fl_tok_utf8_len((const unsigned char *)a.p + k, e - k) != (int)(e - k)) k = e - 1;
+                if (!fl_tok_is_uspace(fl_tok_utf8_cp((const unsigned char *)a.p + k, e - k, &l))) break;
+                e = k;
+            }
+            bad = fl_tok_buf_put(&b, a.p + i, e - i);
+        } else if (m->type == FL_NORM_PREPEND) {
             if (a.n) bad = fl_tok_buf_put(&b, m->a, strlen(m->a)) || fl_tok_buf_put(&b, a.p, a.n);
             else bad = fl_tok_buf_put(&b, "", 0);
         } else { /* REPLACE */
@@ -196,6 +223,7 @@ static fl_status fl_tok_encode_sp_model(const fl_tokenizer *t, fl_tok_work *w, c
 
 fl_status fl_tok_encode_segment(const fl_tokenizer *t, fl_tok_work *w, const char *s, size_t n, int first,
                                 int32_t **ids, size_t *n_ids, size_t *cap) {
+    if (t->kind == FL_TOK_SPM && t->unigram) return fl_tok_encode_spm_unigram(t, s, n, ids, n_ids, cap);
     if (t->kind == FL_TOK_SPM) return fl_tok_encode_sp_model(t, w, s, n, ids, n_ids, cap);
     if (t->kind == FL_TOK_L2C) {
         if (n == 0) return FL_OK;

@@ -111,17 +111,85 @@ static int pb_field(pb *r, uint32_t *field, int *wt, uint64_t *v, pb *sub) {
 }
 
 typedef struct {
-    int model_type, byte_fallback, unk_id, bos_id, eos_id;
+    int model_type, byte_fallback, unk_id, bos_id, eos_id, pad_id;
     int dummy_prefix, remove_ws, escape_ws;
     const uint8_t *name, *charsmap;
     size_t name_n, charsmap_n;
 } spm_spec;
 
+/* UNIGRAM (T5's spiece.model): the charsmap normalizer and Viterbi (tok_unigram.c); T5Tokenizer's
+ * conventions: no BOS, EOS appended, the control / unknown pieces (<pad>, </s>, <unk>) matched
+ * as special tokens in text (the extra ids are added by fl_tok_load). */
+static fl_status spm_unigram(fl_tokenizer *t, const spm_spec *sp, const float *scores, int32_t np, const char *src) {
+    t->unk_id = -1;
+    for (int32_t i = 0; i < np && t->unk_id < 0; i++)
+        if (t->type[i] == FL_SP_UNKNOWN) t->unk_id = i;
+    if (t->unk_id < 0) return fl_errorf(FL_ERR_FORMAT, "%s: UNIGRAM model without an UNKNOWN (<unk>) piece (sentencepiece requires one)", src);
+    if (!(t->uscore = malloc((size_t)np * sizeof *t->uscore))) return fl_errorf(FL_ERR_OOM, "%s: out of memory", src);
+    for (int32_t i = 0; i < np; i++) t->uscore[i] = scores[i];
+    t->uni_n = np;
+    FL_TRY(fl_tok_build_vocab_map(t, 1));
+    FL_TRY(fl_tok_charsmap_set(t, sp->charsmap, sp->charsmap_n, src));
+    FL_TRY(fl_tok_unigram_finish(t, 0, src));
+    FL_TRY(sp_decoder(t, sp->dummy_prefix, src));
+    int n_sp = 0;
+    for (int32_t i = 0; i < np; i++) n_sp += t->type[i] == FL_SP_CONTROL || t->type[i] == FL_SP_UNKNOWN;
+    if (!(t->added = calloc((size_t)n_sp + 1, sizeof *t->added))) return fl_errorf(FL_ERR_OOM, "%s: out of memory", src);
+    for (int32_t i = 0; i < np; i++) {
+        if (t->type[i] != FL_SP_CONTROL && t->type[i] != FL_SP_UNKNOWN) continue;
+        size_t pl;
+        const char *p = fl_tok_piece(t, i, &pl);
+        fl_tok_added *a = &t->added[t->n_added];
+        if (!pl) continue;
+        if (!(a->s = malloc(pl + 1))) return fl_errorf(FL_ERR_OOM, "%s: out of memory", src);
+        memcpy(a->s, p, pl + 1);
+        a->len = pl, a->id = i, a->special = 1;
+        t->n_added++;
+        t->type[i] = FL_SP_CONTROL; /* skipped by decode(skip_special), as HF skips <unk> */
+    }
+    fl_tok_finish_added(t);
+    t->byte_fallback = sp->byte_fallback;
+    t->fuse_unk = 1;
+    fl_tok_find_byte_pieces(t);
+    t->spm_dummy_prefix = sp->dummy_prefix;
+    t->spm_remove_extra_ws = sp->remove_ws;
+    t->spm_escape_ws = sp->escape_ws;
+    t->bos_id = sp->bos_id >= 0 && sp->bos_id < np ? sp->bos_id : -1;
+    if (sp->eos_id >= 0 && sp->eos_id < np) t->eos_ids[0] = sp->eos_id, t->n_eos = 1;
+    t->pad_id = sp->pad_id >= 0 && sp->pad_id < np ? sp->pad_id : -1;
+    t->add_bos = 0;
+    t->add_eos = t->n_eos > 0;
+    return FL_OK;
+}
+
+fl_status fl_tok_spm_add_extra_ids(fl_tokenizer *t, int n) {
+    if (!t->unigram || t->kind != FL_TOK_SPM || n <= 0) return FL_OK;
+    if (n > 10000) return fl_errorf(FL_ERR_INVALID, "tokenizer: extra_ids %d is implausible", n);
+    int32_t base = t->n_vocab;
+    fl_tok_added *na = realloc(t->added, (size_t)(t->n_added + n) * sizeof *na);
+    if (!na) return fl_errorf(FL_ERR_OOM, "tokenizer: out of memory");
+    t->added = na;
+    for (int k = 0; k < n; k++) { /* T5: <extra_id_0> is the last id */
+        char buf[32];
+        int l = snprintf(buf, sizeof buf, "<extra_id_%d>", n - 1 - k);
+        FL_TRY(fl_tok_set_piece(t, base + k, buf, (size_t)l));
+        t->type[base + k] = FL_SP_CONTROL;
+        fl_tok_added *a = &t->added[t->n_added];
+        memset(a, 0, sizeof *a);
+        if (!(a->s = malloc((size_t)l + 1))) return fl_errorf(FL_ERR_OOM, "tokenizer: out of memory");
+        memcpy(a->s, buf, (size_t)l + 1);
+        a->len = (size_t)l, a->id = base + k, a->special = 1;
+        t->n_added++;
+    }
+    fl_tok_finish_added(t);
+    return fl_tok_build_vocab_map(t, 1);
+}
+
 #define PB_BAD(what) fl_errorf(FL_ERR_FORMAT, "%s: malformed protobuf in %s (truncated or corrupt tokenizer.model)", src, what)
 
 fl_status fl_tok_load_spm_mem(fl_tokenizer **out, const uint8_t *data, size_t n, const char *src) {
     *out = NULL;
-    spm_spec sp = {1, 0, 0, 1, 2, 1, 1, 1, NULL, NULL, 0, 0};
+    spm_spec sp = {1, 0, 0, 1, 2, -1, 1, 1, 1, NULL, NULL, 0, 0};
     fl_tokenizer *t = fl_tok_new(FL_TOK_SPM);
     if (!t) return fl_errorf(FL_ERR_OOM, "%s: out of memory", src);
     fl_status s = FL_OK;
@@ -176,6 +244,7 @@ fl_status fl_tok_load_spm_mem(fl_tokenizer **out, const uint8_t *data, size_t n,
                 else if (g == 40) sp.unk_id = (int)(int64_t)x;
                 else if (g == 41) sp.bos_id = (int)(int64_t)x;
                 else if (g == 42) sp.eos_id = (int)(int64_t)x;
+                else if (g == 43) sp.pad_id = (int)(int64_t)x;
             }
         } else if (f == 3 && wt == 2) { /* NormalizerSpec */
             while (sub.p < sub.end) {
@@ -194,10 +263,17 @@ fl_status fl_tok_load_spm_mem(fl_tokenizer **out, const uint8_t *data, size_t n,
     }
     if (s == FL_OK && np == 0) s = fl_errorf(FL_ERR_FORMAT, "%s: no pieces (not a SentencePiece model?)", src);
     if (s == FL_OK && !have_trainer) s = fl_errorf(FL_ERR_FORMAT, "%s: no trainer_spec (not a SentencePiece model?)", src);
-    if (s == FL_OK && sp.model_type != 2) {
+    if (s == FL_OK && sp.model_type != 2 && sp.model_type != 1) {
         static const char *mt[] = {"?", "UNIGRAM", "BPE", "WORD", "CHAR"};
-        s = fl_errorf(FL_ERR_UNSUPPORTED, "%s: trainer_spec.model_type %s is not supported (only BPE)", src,
+        s = fl_errorf(FL_ERR_UNSUPPORTED, "%s: trainer_spec.model_type %s is not supported (only BPE and UNIGRAM)", src,
                       sp.model_type >= 1 && sp.model_type <= 4 ? mt[sp.model_type] : "unknown");
+    }
+    if (s == FL_OK && sp.model_type == 1) {
+        s = spm_unigram(t, &sp, scores, np, src);
+        free(scores);
+        if (s != FL_OK) { fl_tok_free(t); return s; }
+        *out = t;
+        return FL_OK;
     }
     if (s == FL_OK && sp.charsmap_n && !(sp.name_n == 8 && !memcmp(sp.name, "identity", 8)))
         s = fl_errorf(FL_ERR_UNSUPPORTED, "%s: normalizer_spec \"%.*s\" (a precompiled Unicode normalization) is not supported", src,

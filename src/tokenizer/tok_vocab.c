@@ -65,6 +65,7 @@ fl_tokenizer *fl_tok_new(int kind) {
     t->kind = kind;
     t->unk_id = -1;
     t->bos_id = -1;
+    t->pad_id = -1;
     t->add_bos = 0;
     for (int i = 0; i < 256; i++) t->byte_id[i] = -1, t->bl_id[i] = -1;
     return t;

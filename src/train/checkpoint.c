@@ -377,10 +377,11 @@ fl_status fl_ckpt_load(const char *dir, fl_model *m, fl_optimizer *o, fl_train_s
                           want[i].name);
             break;
         }
-        if (pp && !m->lora && i < 3) { /* sharded (FSDP): this rank's pieces of the flat state, read alone */
+        if (pp && !m->lora && i < 3) { /* sharded (FSDP): this rank's pieces of the flat state, read alone, into
+                                         * the state's memory (offload: the host tier, NVMe: its files) */
             for (int g = 0; s == FL_OK && g < m->layout.n_groups; g++)
-                s = m->be->to_device(m->be, (char *)want[i].dst + pp->shard_off[g] * es,
-                                     (const char *)t->data + pp->flat_off[g] * es, pp->len[g] * es);
+                s = fl_optim_state_write(o, (char *)want[i].dst + pp->shard_off[g] * es,
+                                         (const char *)t->data + pp->flat_off[g] * es, pp->len[g] * es);
         } else if (i == 3 && zero8) { /* this rank's pieces, out of the mapped file (host memory) */
             s = fl_zero8_take(o, t->data);
         } else if (i == 3 && pieces8) { /* this rank's pieces of every tensor's state: assembled in host memory

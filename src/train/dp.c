@@ -140,12 +140,17 @@ int fl_trainer_dp_bucketed(int world, int stage, int lora) { return world > 1 &&
 static fl_status bucket_ready(void *ud, size_t off, size_t n) {
     fl_dp *dp = ud;
     fl_optimizer *o = dp->bk_o;
-    /* one bucket in flight: the previous one completes (and frees its scratch) first */
-    FL_TRY(fl_error_prefix(fl_comm_wait(&dp->bk_req), "data parallel: reducing a gradient bucket"));
-    char *g = (char *)o->w.g + off * fl_dtype_size(o->w.gt);
-    FL_TRY(fl_error_prefix(fl_comm_iall_reduce(fl_dp_dcomm(dp), g, g, n, o->w.gt, FL_COMM_SUM, &dp->bk_req),
-                           "data parallel: posting a gradient bucket (elements %zu..%zu)", off, off + n));
-    dp->bk_done += n;
+    const size_t es = fl_dtype_size(o->w.gt), S = dp->bucket / es ? dp->bucket / es : n; /* --bucket_size */
+    /* a group larger than the bucket: consecutive slices (the same elementwise sums, dp_bucket.c) */
+    for (size_t a = 0; a < n; a += S) {
+        const size_t k = n - a < S ? n - a : S;
+        /* one bucket in flight: the previous one completes (and frees its scratch) first */
+        FL_TRY(fl_error_prefix(fl_comm_wait(&dp->bk_req), "data parallel: reducing a gradient bucket"));
+        char *g = (char *)o->w.g + (off + a) * es;
+        FL_TRY(fl_error_prefix(fl_comm_iall_reduce(fl_dp_dcomm(dp), g, g, k, o->w.gt, FL_COMM_SUM, &dp->bk_req),
+                               "data parallel: posting a gradient bucket (elements %zu..%zu)", off + a, off + a + k));
+        dp->bk_done += k;
+    }
     return FL_OK;
 }
 
@@ -173,8 +178,8 @@ fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o) {
         /* ZeRO-2: rank r receives the sum of its chunk only, in place at its offset; element i is
          * still x_0[i] + ... + x_{N-1}[i] in rank order, the all-reduce's bits */
         size_t es = fl_dtype_size(o->w.gt);
-        FL_TRY(fl_error_prefix(fl_comm_reduce_scatter(fl_dp_dcomm(dp), o->w.g, (char *)o->w.g + o->shard.off * es, o->w.n, o->w.gt,
-                                                      FL_COMM_SUM),
+        FL_TRY(fl_error_prefix(fl_dp_reduce_scatter(fl_dp_dcomm(dp), o->model->be, o->model->pool, o->w.g,
+                                                    (char *)o->w.g + o->shard.off * es, o->w.n, o->w.gt, dp->bucket),
                                "ZeRO-2: reduce-scattering the gradients"));
         if (o->cfg.kind == FL_OPT_ADAMW8BIT) FL_TRY(halo_8bit(dp, o));
     } else { /* one all-reduce of the flat buffer (LoRA's adapters) */

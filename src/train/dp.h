@@ -45,6 +45,7 @@ typedef struct fl_dp {
     const fl_backend *be;  /* the run's backend (NULL: host memory, memcpy): the checkpoint streams read device
                             * memory through its to_host, write it through to_device */
     const fl_optim_offload *offload; /* CPU offload (fl_cfg_offload): the optimizer's host backend and tier; NULL none */
+    size_t bucket;         /* --bucket_size: the gradient reductions' bucket bytes (0: one collective each; dp_bucket.c) */
 } fl_dp;
 
 /* A checkpoint writer's source for one optimizer state array arr of o (es-byte elements): t->data read
@@ -127,6 +128,18 @@ void fl_dp_buckets_arm(fl_dp *dp, fl_optimizer *o, int last);
 /* ZeRO-2 with 8-bit AdamW: the reduced gradients a rank fetches from its neighbours beyond its
  * chunk (FL_OPTIM_8BIT_HALO from each), 0 otherwise. */
 size_t fl_dp_zero2_halo(int world, int rank, const fl_optim_config *c);
+
+/* ---- bounded communication scratch (dp_bucket.c) --------------------------------------------- */
+
+/* dst[0..len(rank)) = the sum over comm's ranks of src[off(rank) .. +len(rank)) (fl_comm_chunk of n), as
+ * fl_comm_reduce_scatter, in strided buckets of at most `bucket` bytes when n's bytes exceed it (bucket 0:
+ * one collective). dst may be src + off(rank). Each element's bits are the unbucketed reduction's. The
+ * bucket's packing (WORKSPACE, fl_dp_rs_workspace bytes) comes from pool; be's copies move it. */
+fl_status fl_dp_reduce_scatter(fl_comm *comm, const fl_backend *be, fl_mem_pool *pool, const void *src, void *dst,
+                               size_t n, fl_dtype dt, size_t bucket);
+/* Whether fl_dp_reduce_scatter cuts n elements into buckets, and the packing it then holds. */
+int fl_dp_rs_bucketed(size_t n, int N, fl_dtype dt, size_t bucket);
+size_t fl_dp_rs_workspace(size_t n, int N, fl_dtype dt, size_t bucket);
 
 /* ---- ZeRO (src/train/zero.c) ---------------------------------------------------------------- */
 

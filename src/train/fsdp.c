@@ -83,6 +83,7 @@ struct fl_fsdp {
     void **pbuf, **cbuf;    /* (G) gathered parameters (store dtype) and compute copy (mixed) */
     fl_comm_req **req;      /* (G) a gather in flight */
     int *fresh;             /* (G) the next reduction writes the shard's gradient (first micro-batch) */
+    int no_bwd_prefetch;    /* fsdp.backward_prefetch off (fl_fsdp_init): in backward no gather is posted ahead */
     int live_blocks;        /* blocks (units 1..L) whose parameters are gathered or in flight */
     size_t es, ces;         /* element bytes of the storage and of the compute copy (0: none) */
     fl_dtype word;          /* what the all-gather moves: F32, or 16-bit storage as BF16 words */
@@ -139,7 +140,9 @@ static fl_status pp_gather(void *ud, int g, int next) {
         f->views[g].p = f->pbuf[g];
         f->views[g].wc = f->cbuf[g];
     }
-    if (next >= 0 && next < f->G && !f->pbuf[next] && (!is_block(f, next) || f->live_blocks < FSDP_BLOCK_LIMIT))
+    /* backward walks the units down (next < g): without backward prefetch each is gathered when it is needed */
+    if (next >= 0 && next < f->G && !f->pbuf[next] && (!is_block(f, next) || f->live_blocks < FSDP_BLOCK_LIMIT) &&
+        (next > g || !f->no_bwd_prefetch))
         FL_TRY(post(f, next));
     return FL_OK;
 }
@@ -173,13 +176,13 @@ static fl_status pp_grads_ready(void *ud, int g) {
     fl_status s;
     /* HYBRID: the node's sum of the piece, then the nodes' (all-reduce over the replica group, in place) */
     if (f->fresh[g]) { /* the step's first micro-batch: the reduced piece is the shard's gradient */
-        s = fl_comm_reduce_scatter(f->sc, f->views[g].g, dst, f->n[g], gt, FL_COMM_SUM);
+        s = fl_dp_reduce_scatter(f->sc, m->be, m->pool, f->views[g].g, dst, f->n[g], gt, f->dp->bucket);
         if (s == FL_OK && f->rc) s = fl_comm_all_reduce(f->rc, dst, dst, len, gt, FL_COMM_SUM);
         f->fresh[g] = 0;
     } else { /* later ones: reduced into scratch, then added (rounded once) */
         void *tmp = NULL;
         s = fl_mem_alloc(m->pool, FL_TAG_GATHER, len * f->es, &tmp);
-        if (s == FL_OK) s = fl_comm_reduce_scatter(f->sc, f->views[g].g, tmp, f->n[g], gt, FL_COMM_SUM);
+        if (s == FL_OK) s = fl_dp_reduce_scatter(f->sc, m->be, m->pool, f->views[g].g, tmp, f->n[g], gt, f->dp->bucket);
         if (s == FL_OK && f->rc) s = fl_comm_all_reduce(f->rc, tmp, tmp, len, gt, FL_COMM_SUM);
         if (s == FL_OK && len) {
             if (gt == FL_F32) {
@@ -316,6 +319,7 @@ fl_status fl_fsdp_init(fl_dp *dp, const fl_run_config *cfg, fl_model *m) {
     if (!f || fl_model_provider(m) != &f->pp)
         return fl_errorf(FL_ERR_INTERNAL, "FSDP: the model was not created sharded (fl_fsdp_prepare's storage)");
     f->ces = m->prec.compute_copy ? fl_dtype_size(m->prec.compute_dtype) : 0; /* mixed: per gathered unit */
+    f->no_bwd_prefetch = fl_cfg_backward_prefetch(cfg) == 0;
     return FL_OK;
 }
 
@@ -412,8 +416,19 @@ fl_status fl_fsdp_check_finite(fl_dp *dp, const fl_optimizer *o, int *found) {
  * array (the parameters, then each optimizer state) streams unit by unit, unit g all-gathered when
  * the writer first asks for an element of it. Host memory: one unit's buffer per rank (the
  * largest), never the whole model or state. */
+typedef struct {
+    void *stage;            /* the piece's host staging */
+    const fl_optimizer *o;  /* an optimizer state array: read through the state's memory (offload: the host
+                             * tier; NVMe: its files, released behind); NULL: the parameters (the backend's) */
+} unit_src;
+
 static fl_status fetch_unit(fl_dp_stream *u, int g) {
-    return gather_unit_host(u->dp, u->src, u->es, g, u->buf, u->ctx); /* ctx: the piece's host staging */
+    const unit_src *x = u->ctx;
+    if (!x->o) return gather_unit_host(u->dp, u->src, u->es, g, u->buf, x->stage);
+    struct fl_fsdp *f = u->dp->fsdp;
+    fl_status c = fl_optim_state_read(x->o, x->stage, (const char *)u->src + f->loc[g] * u->es, f->clen[g] * u->es);
+    fl_status s = fl_comm_all_gather(f->hsc, x->stage, u->buf, f->n[g], u->es == 4 ? FL_F32 : FL_BF16);
+    return c != FL_OK ? c : s;
 }
 
 static size_t state_es(const fl_optimizer *o) { return o->cfg.state_dtype == FL_BF16 ? 2 : 4; }
@@ -433,8 +448,9 @@ fl_status fl_fsdp_ckpt_save(fl_dp *dp, int write, const char *out_dir, const cha
     char *buf = malloc(max_unit(f, f->n) * wes + 4);
     char *stage = malloc(max_unit(f, f->clen) * wes + 4); /* this rank's piece of a unit, copied to the host */
     fl_dp_stream us[4];
+    unit_src xs[2] = {{stage, NULL}, {stage, o}};
     for (int a = 0; a < 4; a++)
-        us[a] = (fl_dp_stream){dp, f->G, lay->group_offset, aes[a], fetch_unit, arr[a], 0, buf, 0, FL_OK, stage};
+        us[a] = (fl_dp_stream){dp, f->G, lay->group_offset, aes[a], fetch_unit, arr[a], 0, buf, 0, FL_OK, &xs[a > 0]};
     fl_st_write_tensor *t = lead ? calloc((size_t)L + 4, sizeof *t) : NULL;
     fl_dp_stream_tensor *ut = lead ? calloc((size_t)L + 4, sizeof *ut) : NULL;
     /* 8-bit AdamW: the single-process layout streams tensor by tensor, each piece copied to the host and

@@ -459,9 +459,6 @@ fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim
         return fl_errorf(FL_ERR_UNSUPPORTED, "CPU offload of AdamW8bit is not supported (its block-wise state is "
                          "already a quarter of AdamW's): use --optimizer AdamW or SGD with the offload, or AdamW8bit "
                          "with a strategy without offload");
-    if (off && fl_model_provider(model) && !model->lora)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "CPU offload of a sharded model (FULL_SHARD): parameter offload is not "
-                         "implemented yet; use deepspeed_stage_2_offload");
     if (off && (!off->be || !off->pool)) return fl_errorf(FL_ERR_INVALID, "CPU offload: no host backend or host pool");
     o->cfg = *cfg;
     o->model = model;
@@ -520,6 +517,16 @@ fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim
     if (s == FL_OK && off && !fl_backend_host_memory(model->be)) {
         s = fl_mem_alloc(o->home.hpool, FL_TAG_WORKSPACE, o->home.piece * fl_dtype_size(o->w.pt), &o->home.hp);
         if (s == FL_OK) s = fl_mem_alloc(o->home.hpool, FL_TAG_WORKSPACE, o->home.piece * fl_dtype_size(o->w.gt), &o->home.hg);
+    }
+    if (s != FL_OK && o->home.disk && o->home.pool->raw_why && o->home.pool->raw_why(o->home.pool->raw_ud)[0]) {
+        /* the disk refused the state's files (missing space, a file-size limit): a disk fault, not a memory
+         * budget (no smaller micro batch helps) */
+        char why[512];
+        snprintf(why, sizeof why, "%s", o->home.pool->raw_why(o->home.pool->raw_ud));
+        fl_optim_free(o);
+        return fl_errorf(FL_ERR_IO, "allocating %s state (NVMe offload: %zu bytes of this rank's state in files under "
+                         "nvme_path): %s; free space there or give another --nvme_path", fl_optim_name(cfg->kind),
+                         bytes * (cfg->kind == FL_OPT_ADAMW ? 2 : 1), why);
     }
     if (s != FL_OK) {
         fl_optim_free(o);

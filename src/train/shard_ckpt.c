@@ -193,6 +193,7 @@ fl_status fl_shard_set_from_fsdp(fl_shard_set *s, const fl_dp *dp, const fl_mode
         for (int g = 0; g < G; g++)
             if (len[g]) pc[np++] = (fl_shard_piece){foff[g], len[g], (char *)bufs[k] + loc[g] * es};
         st = fl_shard_set_add_pieces(s, names[k], dts[k], s->split_n, 0, 1, pc, np);
+        if (st == FL_OK && k > 0) s->b[s->n - 1].opt = o; /* the state's memory (CPU offload: the host tier) */
     }
     /* 8-bit AdamW: per tensor, as fl_shard_set_from_optim names them (any strategy resumes them):
      * this rank's piece [a, a + len) of the codes (fp32 m, v), the scales of the blocks it meets

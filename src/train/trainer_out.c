@@ -44,7 +44,26 @@ void fl_tr_bar_draw(trainer *t, long step, double eta) {
     fflush(t->out);
 }
 
+/* Several ranks: the least and the most peak total over them (every rank calls this: a host collective). */
+static int peak_range(trainer *t, const fl_trainer_result *r, double *lo, double *hi) {
+    const int W = t->dp.world;
+    if (W < 2 || !t->dp.comm) return 0;
+    double *v = calloc((size_t)W, sizeof *v);
+    if (!v) return 0;
+    v[t->dp.rank] = (double)r->peak_total;
+    int ok = fl_dp_sum(&t->dp, v, W) == FL_OK;
+    *lo = *hi = v[0];
+    for (int k = 1; k < W; k++) {
+        if (v[k] < *lo) *lo = v[k];
+        if (v[k] > *hi) *hi = v[k];
+    }
+    free(v);
+    return ok;
+}
+
 void fl_tr_print_box(trainer *t, const fl_trainer_result *r) {
+    double lo = 0, hi = 0;
+    const int ranged = peak_range(t, r, &lo, &hi); /* before the non-leads return: collective */
     if (!t->out) return;
     char b[32];
     double secs = r->train_seconds > 0 ? r->train_seconds : 1e-9;
@@ -61,6 +80,11 @@ void fl_tr_print_box(trainer *t, const fl_trainer_result *r) {
         fprintf(t->out, "| %-28s %30s |\n", lbl, fl_fmt_bytes(r->peak[k], b, sizeof b));
     }
     fprintf(t->out, "| %-28s %30s |\n", "peak total", fl_fmt_bytes(r->peak_total, b, sizeof b));
+    if (ranged) { /* the course reports every multi-GPU figure as the range over the GPUs */
+        char c[32], line[80];
+        snprintf(line, sizeof line, "%s - %s", fl_fmt_bytes((size_t)lo, b, sizeof b), fl_fmt_bytes((size_t)hi, c, sizeof c));
+        fprintf(t->out, "| %-28s %30s |\n", "peak total, ranks min - max", line);
+    }
     if (r->offload) { /* CPU offload: the host tier beside the device */
         fprintf(t->out, "| %-28s %30s |\n", "host tier (offload) OPTIM", fl_fmt_bytes(r->host_peak[FL_TAG_OPTIM], b, sizeof b));
         fprintf(t->out, "| %-28s %30s |\n", "host tier (offload) total", fl_fmt_bytes(r->host_peak_total, b, sizeof b));

@@ -52,6 +52,7 @@ fl_status fl_dp_optim_init(fl_dp *dp, const fl_run_config *cfg, fl_optimizer *o,
     int stage = 0;
     FL_TRY(fl_cfg_zero_stage(cfg->strategy, cfg->sharding_strategy, &stage));
     dp->stage = dp->comm ? stage : 0; /* one process: every stage is the plain optimizer */
+    dp->bucket = cfg->bucket_size;    /* the gradient reductions' buckets (dp_bucket.c) */
     /* FULL_SHARD of LoRA: the frozen base stays whole on every rank and the adapters (the trainable
      * parameters) train as under ZeRO-2 (fl_fsdp_prepare shards full-model runs only) */
     if (dp->stage == 3 && !dp->fsdp) dp->stage = 2;

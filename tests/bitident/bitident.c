@@ -78,6 +78,9 @@ static const bi_case g_cases[] = {
     {"fsdp2-bf16true", 0, 2, "strategy=fsdp;precision=bf16-true", 0},
     {"ddp2-lora", 1, 2, "strategy=ddp;lora_mlp=true;lora_dropout=0.1", 0},
     {"offload-zero2-2-32true", 0, 2, "strategy=deepspeed_stage_2_offload", 0},
+    /* ZeRO-3 with the optimizer offloaded: the fingerprint of fsdp2-32true (the same math) */
+    {"offload-zero3-2-32true", 0, 2, "strategy=deepspeed_stage_3_offload", 0},
+    {"offload-zero3-2-bf16true", 0, 2, "strategy=deepspeed_stage_3_offload;precision=bf16-true", 0},
 };
 #define BI_N_CASES ((int)(sizeof g_cases / sizeof g_cases[0]))
 

@@ -253,6 +253,40 @@ static void accum1_memory(fl_comm *c, const char *tmp) {
     CHECK(fl_comm_barrier(c) == FL_OK, "barrier");
 }
 
+/* --bucket_size over MPI (src/train/dp_bucket.c): DDP's all-reduce slices, ZeRO-2's strided reduce-scatter
+ * and FULL_SHARD's per unit in buckets of 4000 bytes end on the unbucketed run's bits, and every rank's
+ * memory is the plan for it with buckets at every phase and every peak (the packing and MPI's scratch of
+ * one bucket at a time). */
+static void bucket_scenario(fl_comm *c, const char *tmp) {
+    int n = fl_comm_size(c);
+    static const char *strat[3] = {"ddp", "deepspeed_stage_2", "fsdp"};
+    for (int k = 0; k < 3; k++) {
+        zr_rec rec[2];
+        memset(rec, 0, sizeof rec);
+        fl_run_config cfg[2];
+        fl_trainer_result res[2];
+        fl_status s = FL_OK;
+        for (int b = 0; b < 2 && s == FL_OK; b++) {
+            char out[600];
+            snprintf(out, sizeof out, "%s/bk-%s-%d", tmp, strat[k], b);
+            zr_config(&cfg[b], ZR_SGDM, n, n, 1, strat[k], NULL, out);
+            cfg[b].train.max_steps = 3;
+            cfg[b].bucket_size = b ? 4000 : 0;
+            s = fl_trainer_run_comm(&cfg[b], c, NULL, 0, zr_record, &rec[b], &res[b]);
+            CHECK(s == FL_OK, "buckets, %s: %s", strat[k], fl_error_message());
+        }
+        if (s == FL_OK) {
+            CHECK(zr_same(&rec[1], &rec[0]), "%s over MPI in buckets of 4000 bytes: other bits than unbucketed", strat[k]);
+            char why[2048] = "";
+            int bad = zr_check_plan(&cfg[1], g_rank, &res[1], 1, why, sizeof why, 0);
+            CHECK(bad == 0, "%s in buckets: %s", strat[k], why);
+        }
+        zr_free(&rec[0]);
+        zr_free(&rec[1]);
+    }
+    CHECK(fl_comm_barrier(c) == FL_OK, "barrier");
+}
+
 /* FULL_SHARD over MPI (2 ranks: tests/mpi_test.sh): AdamW with clipping (and 8-bit AdamW with
  * clipping: its cut blocks' scales exchanged over MPI) against one process (the derived bounds), the
  * threads twin's bits, every rank ending with the same parameters, and each rank's memory equal to
@@ -379,6 +413,7 @@ int main(int argc, char **argv) {
     for (int sc = 0; sc < ZR_COUNT; sc++)
         if (sc != ZR_F16 || n == 2) zero_scenario(c, tmp, sc); /* 16-true: one case (make test time) */
     accum1_memory(c, tmp);
+    bucket_scenario(c, tmp);
     if (n == 2) fsdp_scenario(c, tmp, ZR_ADAMW);
     if (n == 2) fsdp_scenario(c, tmp, ZR_ADAMW8);
     if (n == 4) hybrid_scenario(c, tmp, 2), hybrid_scenario(c, tmp, 1);

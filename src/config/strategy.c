@@ -1,0 +1,121 @@
+/* The data-parallel strategy of a run: Lightning's strategy names to ZeRO stages and optimizer offload,
+ * and --strategy auto's resolution per command (LitGPT's defaults). Split from run_config.c. */
+#include <string.h>
+
+#include "config-impl.h"
+
+/* Lightning's and DeepSpeed's names for what is not built yet: refused, never mapped onto something
+ * else. */
+static fl_status not_yet(const char *what, const char *name) {
+    return fl_errorf(FL_ERR_UNSUPPORTED, "%s '%s' is not implemented yet (parameter offload: the parameters on the host "
+                     "between uses); use deepspeed_stage_3_offload, deepspeed_stage_2_offload or deepspeed_stage_1_offload (the "
+                     "optimizer state and its update on the host), --strategy ddp, deepspeed_stage_1, deepspeed_stage_2, "
+                     "deepspeed_stage_3, or fsdp with --fsdp.sharding_strategy NO_SHARD, SHARD_GRAD_OP, FULL_SHARD or "
+                     "HYBRID_SHARD", what, name);
+}
+
+int fl_cfg_offload(const char *s) {
+    return s && (!strcmp(s, "deepspeed_stage_1_offload") || !strcmp(s, "deepspeed_stage_2_offload") ||
+                 !strcmp(s, "deepspeed_stage_3_offload"));
+}
+
+fl_status fl_cfg_zero_stage(const char *s, const char *sharding, int *stage) {
+    static const char *later[] = {"deepspeed", "deepspeed_stage_3_offload_nvme",
+                                  "fsdp_cpu_offload"};
+    *stage = 0;
+    if (!s[0] || !strcmp(s, "auto") || !strcmp(s, "ddp")) return FL_OK;
+    if (!strcmp(s, "deepspeed_stage_1") || !strcmp(s, "deepspeed_stage_1_offload")) { *stage = 1; return FL_OK; }
+    if (!strcmp(s, "deepspeed_stage_2") || !strcmp(s, "deepspeed_stage_2_offload")) { *stage = 2; return FL_OK; }
+    if (!strcmp(s, "deepspeed_stage_3") || !strcmp(s, "deepspeed_stage_3_offload")) { *stage = 3; return FL_OK; }
+    if (!strcmp(s, "fsdp")) {
+        /* Lightning's FSDPStrategy default is FULL_SHARD (ZeRO-3) */
+        const char *ss = sharding && sharding[0] ? sharding : "FULL_SHARD";
+        if (!strcmp(ss, "NO_SHARD")) return FL_OK;
+        if (!strcmp(ss, "SHARD_GRAD_OP")) { *stage = 2; return FL_OK; }
+        if (!strcmp(ss, "FULL_SHARD")) { *stage = 3; return FL_OK; }
+        /* FULL_SHARD within each node (--devices ranks), replicated across nodes: src/train/fsdp.c */
+        if (!strcmp(ss, "HYBRID_SHARD")) { *stage = 3; return FL_OK; }
+        if (!strcmp(ss, "_HYBRID_SHARD_ZERO2"))
+            return fl_errorf(FL_ERR_UNSUPPORTED, "fsdp.sharding_strategy '%s' is not implemented yet (issue #14: "
+                             "SHARD_GRAD_OP within a node, replicated across nodes); use HYBRID_SHARD (FULL_SHARD "
+                             "within a node) or SHARD_GRAD_OP over all ranks", ss);
+        return fl_errorf(FL_ERR_INVALID, "fsdp.sharding_strategy '%s': unknown (NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, "
+                         "HYBRID_SHARD)", ss);
+    }
+    for (size_t i = 0; i < sizeof later / sizeof later[0]; i++)
+        if (!strcmp(s, later[i])) return not_yet("strategy", s);
+    return fl_errorf(FL_ERR_INVALID, "strategy '%s': unknown (auto, ddp, deepspeed_stage_1, deepspeed_stage_2, "
+                     "deepspeed_stage_3, deepspeed_stage_1_offload, deepspeed_stage_2_offload, deepspeed_stage_3_offload, fsdp)",
+                     s);
+}
+
+int fl_cfg_hybrid_shard(const char *strategy, const char *sharding) {
+    return strategy && !strcmp(strategy, "fsdp") && sharding && !strcmp(sharding, "HYBRID_SHARD");
+}
+
+fl_status fl_cfg_check_strategy(const char *s) {
+    int stage;
+    return fl_cfg_zero_stage(s, "SHARD_GRAD_OP", &stage);
+}
+
+/* Why FULL_SHARD would refuse this run (NULL: it runs it). The same refusals as fl_fsdp_refusal
+ * (src/train/fsdp.c): none today, on host or device memory (a GPU communicator: FULL_SHARD gathers and
+ * reduces through it, as LitGPT's FSDP on GPUs). tests/test_config.c checks that auto never picks
+ * FULL_SHARD where an explicit fsdp is refused. */
+static const char *full_shard_refusal(const fl_run_config *c, int device_comm) {
+    (void)c, (void)device_comm;
+    return NULL;
+}
+
+static fl_status resolve_strategy(const fl_run_config *c, int device_comm, fl_strategy_choice *out) {
+    memset(out, 0, sizeof *out);
+    const int world = c->devices * c->num_nodes;
+    int stage = 0;
+    FL_TRY(fl_cfg_zero_stage(c->strategy, c->sharding_strategy, &stage));
+    const char *s = c->strategy[0] ? c->strategy : "auto";
+    if (strcmp(s, "auto") || world < 2) { /* given, or one process: as given */
+        snprintf(out->strategy, sizeof out->strategy, "%s", s);
+        snprintf(out->sharding, sizeof out->sharding, "%s", c->sharding_strategy);
+        snprintf(out->desc, sizeof out->desc, "%s", s);
+        out->stage = stage; /* one process: as fl_cfg_zero_stage (its users run one process unsharded) */
+        return FL_OK;
+    }
+    const char *why = c->command == FL_CMD_FINETUNE_LORA ? NULL : full_shard_refusal(c, device_comm);
+    if (c->command == FL_CMD_FINETUNE_LORA) {
+        snprintf(out->desc, sizeof out->desc, "auto: DDP over the adapters, as LitGPT's finetune_lora");
+    } else if (why) {
+        snprintf(out->desc, sizeof out->desc, "auto: DDP, since FULL_SHARD does not support %s yet", why);
+    } else {
+        snprintf(out->strategy, sizeof out->strategy, "fsdp");
+        /* pretrain across nodes: LitGPT's HYBRID_SHARD (FULL_SHARD within each node of --devices ranks,
+         * replicated across the nodes); on one node that is FULL_SHARD, which is what runs */
+        int hybrid = c->command == FL_CMD_PRETRAIN && c->num_nodes > 1;
+        snprintf(out->sharding, sizeof out->sharding, "%s", hybrid ? "HYBRID_SHARD" : "FULL_SHARD");
+        out->stage = 3;
+        if (c->command != FL_CMD_PRETRAIN)
+            snprintf(out->desc, sizeof out->desc, "auto: fsdp FULL_SHARD, as LitGPT's %s", fl_cfg_command_name(c->command));
+        else if (hybrid)
+            snprintf(out->desc, sizeof out->desc, "auto: fsdp HYBRID_SHARD, as LitGPT's pretrain (FULL_SHARD within "
+                     "each of the %d nodes of %d ranks, replicated across the nodes)", c->num_nodes, c->devices);
+        else
+            snprintf(out->desc, sizeof out->desc, "auto: fsdp FULL_SHARD, as LitGPT's pretrain (HYBRID_SHARD, on one "
+                     "node FULL_SHARD)");
+        return FL_OK;
+    }
+    snprintf(out->strategy, sizeof out->strategy, "ddp");
+    return FL_OK;
+}
+
+fl_status fl_cfg_resolve_strategy(const fl_run_config *c, int device_comm, fl_strategy_choice *out) {
+    FL_TRY(resolve_strategy(c, device_comm, out));
+    out->offload = fl_cfg_offload(c->strategy);
+    const int auto_fsdp = (!c->strategy[0] || !strcmp(c->strategy, "auto")) && !strcmp(out->strategy, "fsdp");
+    if (c->train.activation_checkpointing >= 0) {
+        out->act_ckpt = c->train.activation_checkpointing != 0;
+    } else if (auto_fsdp && c->command == FL_CMD_FINETUNE_FULL) { /* LitGPT: activation_checkpointing_policy={Block} */
+        out->act_ckpt = 1;
+        size_t n = strlen(out->desc);
+        snprintf(out->desc + n, sizeof out->desc - n, ", activation checkpointing per block");
+    }
+    return FL_OK;
+}
