@@ -233,7 +233,14 @@ static void stop_now(int sig) {
     fprintf(stderr, "fitllm %s: stopped at once by %s; %s\n", g_cmd_name, fl_cli_signal_name(sig), where);
     fflush(stderr);
     signal(sig, SIG_DFL);
-    pthread_sigmask(SIG_UNBLOCK, &g_sig_set, NULL);
+    /* unblock this signal only: the training thread may be ending the run at this moment, and
+     * signals_end's SIGINT (sent to wake this thread) would otherwise be taken here by on_signal,
+     * which prints a second message and dies of SIGINT (exit 130 for a SIGTERM: the CLI case
+     * sigterm_twice failed so, about 1 run in 10 under load) */
+    sigset_t one;
+    sigemptyset(&one);
+    sigaddset(&one, sig);
+    pthread_sigmask(SIG_UNBLOCK, &one, NULL);
     raise(sig);
 }
 
