@@ -206,6 +206,9 @@ fl_status fl_tr_check_s2s(const trainer *t, const fl_precision *prec, const fl_s
     const fl_run_config *c = t->cfg;
     const char *m = t->model.cfg.name[0] ? t->model.cfg.name : "encoder-decoder";
     if (!fl_model_is_s2s(&t->model.cfg)) return FL_OK;
+    if (c->lora.quantize[0])
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--quantize %s (QLoRA): an encoder-decoder (%s) trains fp32 weights only "
+                         "so far", c->lora.quantize, m);
     if (strcmp(prec->name, "32-true"))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: an encoder-decoder (%s) trains in 32-true only so far",
                          prec->name, m);
