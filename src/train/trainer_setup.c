@@ -173,8 +173,8 @@ fl_status fl_tr_load_tokenizer(trainer *t) {
 
 static int ds_truncated(const fl_dataset *d) { return fl_data_get_stats(d)->n_truncated > 0; }
 
-/* An encoder-decoder's data: the pairs of data.json_path (fl_s2s_load, cut to 512 / 128 tokens as
- * HF's run_summarization defaults), tokenized by the model folder's tokenizer; the decoder starts
+/* An encoder-decoder's data: the pairs of data.json_path (fl_s2s_load, cut to data.max_source_length /
+ * max_target_length tokens: 512 / 128 as HF's run_summarization), tokenized by the model folder's tokenizer; the decoder starts
  * from config.json's decoder_start_token_id. (B, Ts, T): the longest source and target. */
 static fl_status load_data_s2s(trainer *t) {
     const fl_run_config *c = t->cfg;
@@ -184,6 +184,8 @@ static fl_status load_data_s2s(trainer *t) {
                          "not supported for it", t->model.cfg.name, fl_data_kind_name(c->data.kind));
     fl_s2s_config sc;
     fl_s2s_config_default(&sc);
+    sc.max_source_length = c->data.max_source_length;
+    sc.max_target_length = c->data.max_target_length;
     FL_TRY(fl_s2s_load(&t->in.s2s, c->data.json_path, &sc, t->in.tok));
     size_t n = fl_s2s_count(t->in.s2s);
     if (!n) return fl_errorf(FL_ERR_INVALID, "'%s' holds no pairs", c->data.json_path);
