@@ -181,6 +181,7 @@ expect t5_finetune_loss_back 0 "^loss [0-9.]+  ppl .* model .*t5run/final" -- "$
 expect t5_finetune_generate 0 "source \+ 5 new tokens \(greedy" -- "$FITLLM" generate "$T/t5run/final" --prompt "question: what is two plus two?" --max_new_tokens 5 --temperature 0
 expect t5_finetune_lora 0 "Saved the PEFT adapter" -- "$FITLLM" finetune_lora "${T5A[@]}" --out_dir "$T/t5lora" --lora_query true --lora_key true --lora_value true --lora_projection true --lora_mlp true
 expect t5_finetune_lora_targets 0 '"target_modules": \["q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo"\]' -- cat "$T/t5lora/final/adapter/adapter_config.json"
+expect t5_finetune_lora_task_type 0 '"task_type": "SEQ_2_SEQ_LM"' -- cat "$T/t5lora/final/adapter/adapter_config.json"
 expect t5_finetune_lora_generate 0 "source \+ 5 new tokens \(greedy" -- "$FITLLM" generate "$T/t5lora/final" --prompt "question: what colour is the sky?" --max_new_tokens 5 --temperature 0
 expect t5_finetune_truncates 0 "8 sources, 7 targets truncated\); longest source 8, target 4 tokens" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5trunc" --train.max_steps 1 --data.max_source_length 8 --data.max_target_length 4
 expect t5_finetune_refuses_bf16 2 "--precision bf16-true: an encoder-decoder \(t5\) trains in 32-true only" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x1" --precision bf16-true
