@@ -187,7 +187,8 @@ expect t5_finetune_truncates 0 "8 sources, 7 targets truncated\); longest source
 expect t5_finetune_refuses_bf16 2 "--precision bf16-true: an encoder-decoder \(t5\) trains in 32-true only" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x1" --precision bf16-true
 expect t5_finetune_refuses_qlora 2 "--quantize bnb.nf4 \(QLoRA\): an encoder-decoder" -- "$FITLLM" finetune_lora "${T5A[@]}" --out_dir "$T/t5x2" --quantize bnb.nf4 --precision bf16-true
 expect t5_finetune_refuses_synthetic 2 "trains on input/output pairs: give --data JSON.*--data Synthetic is not supported" -- "$FITLLM" finetune_full --checkpoint_dir "$T/t5m" --init random --out_dir "$T/t5x3"
-expect t5_finetune_refuses_act_ckpt 2 "train.activation_checkpointing: not supported for an encoder-decoder" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x4" --train.activation_checkpointing true
+expect t5_finetune_act_ckpt 0 "precision 32-true, activation checkpointing" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5ckpt" --train.activation_checkpointing true
+expect t5_finetune_act_ckpt_bitexact 0 "" -- cmp "$T/t5run/final/model.safetensors" "$T/t5ckpt/final/model.safetensors"
 expect t5_pretrain_refused 2 "pretrain: an encoder-decoder \(t5\) is fine-tuned only" -- "$FITLLM" pretrain --model_config "$T/t5m/config.json" --tokenizer_dir "$T/t5m" --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json --out_dir "$T/t5x5"
 # LitGPT recipes: a command-line value overrides the recipe's however it is spelled; names of models
 R=tests/fixtures/litgpt-recipes

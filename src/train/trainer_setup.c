@@ -220,9 +220,6 @@ fl_status fl_tr_check_s2s(const trainer *t, const fl_precision *prec, const fl_s
     if (sc->offload)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s (optimizer offload): not supported for an encoder-decoder "
                          "(%s) yet", c->strategy, m);
-    if (sc->act_ckpt)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "train.activation_checkpointing: not supported for an encoder-decoder "
-                         "(%s) yet", m);
     if (c->command == FL_CMD_PRETRAIN)
         return fl_errorf(FL_ERR_UNSUPPORTED, "pretrain: an encoder-decoder (%s) is fine-tuned only (finetune_full, "
                          "finetune_lora) so far", m);
