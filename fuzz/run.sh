@@ -44,6 +44,8 @@ fuzz_llama2c)            maxlen=8192;  seeds=fuzz/seeds-llama2c ;;
 fuzz_peft)               maxlen=8192;  seeds=fuzz/seeds-peft ;;
 fuzz_recipe_yaml)        maxlen=4096;  seeds=fuzz/seeds-recipe ;;
 fuzz_recipe_overrides)   maxlen=1024;  seeds=fuzz/seeds-overrides ;;
+fuzz_image_png)          maxlen=16384; seeds=fuzz/seeds-image-png ;;
+fuzz_image_jpeg)         maxlen=16384; seeds=fuzz/seeds-image-jpeg ;;
 *)  maxlen=${FUZZ_MAX_LEN:-8192}; seeds=
     for d in fuzz/seeds-$short fuzz/seeds-$name fuzz/seeds/$short; do [ -d "$d" ] && { seeds=$d; break; }; done
     [ -n "$seeds" ] || { seeds=$OUT/no-seeds; mkdir -p "$seeds"; echo "fuzz/run.sh: note: no fuzz/seeds-$short/ for $name" >&2; } ;;

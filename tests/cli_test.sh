@@ -144,6 +144,19 @@ expect finetune_not_divisible 2 "not divisible" -- "$FITLLM" finetune_full micro
 expect finetune_negative_batch 2 "'-1' must be positive: an integer in \[1, " -- "$FITLLM" finetune_full micro --train.micro_batch_size -1 --out_dir "$T/x4"
 expect finetune_unknown_option_last 2 "unknown option 'bogus'" -- "$FITLLM" finetune_full micro --bogus
 expect finetune_missing_value 2 "option --train.max_steps needs a value" -- "$FITLLM" finetune_full micro --train.max_steps
+# images (src/image): decode, the BLIP processor's pixel_values and its dump, bad files named
+IMG=tests/fixtures/images
+expect image_info_size 0 "rgba_37x53.png: 37 x 53 RGB" -- "$FITLLM" image-info "$IMG/rgba_37x53.png"
+expect image_info_pixel_values 0 "pixel_values: 3 x 30 x 40 float32 \(resize bicubic, rescale on, normalize on\).*fnv1a64 [0-9a-f]{16}" -- \
+    "$FITLLM" image-info "$IMG/prog_50x33.jpg" --processor "$IMG" --dump "$T/pv.f32"
+expect image_info_dump_size 0 "^14400$" -- stat -c %s "$T/pv.f32"
+expect image_info_missing 1 "nope.png: cannot open image" -- "$FITLLM" image-info "$T/nope.png"
+expect image_info_cmyk 1 "bad_cmyk_8x8.jpg: CMYK JPEG is not supported" -- "$FITLLM" image-info "$IMG/bad_cmyk_8x8.jpg"
+head -c 1000 "$IMG/rgb420_97x61.jpg" > "$T/trunc.jpg"
+expect image_info_truncated 1 "trunc.jpg: truncated JPEG" -- "$FITLLM" image-info "$T/trunc.jpg"
+expect image_info_dump_needs_processor 2 "--dump needs --processor" -- "$FITLLM" image-info "$IMG/one_1x1.png" --dump "$T/x"
+expect image_info_bad_processor 1 "preprocessor_config.json" -- "$FITLLM" image-info "$IMG/one_1x1.png" --processor "$T"
+expect image_info_help 0 "BlipImageProcessorPil" -- "$FITLLM" image-info --help
 # T5 folders (issue 31): tokenizer.json (Unigram) and a folder with only spiece.model give HF's ids
 expect tokenize_t5_folder 0 "^63 46 9 153 123 499 1$" -- "$FITLLM" tokenize tests/fixtures/t5-tok --text "Hello  world <extra_id_0>"
 mkdir -p "$T/t5spm" && cp tests/fixtures/t5-tok/spiece.model "$T/t5spm/"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The MPI implementation of fl_comm and DDP / ZeRO training under mpirun (run by `make test` and ctest):
+#   - tensor parallelism at 2 and 4 ranks (tests/mpi/tp_mpi_test.c) against one process, PyTorch and float64;
 #   - DDP training at 2 and 4 ranks, ZeRO-1/2 at 2, 3 and 4 (16-true at 2) and FULL_SHARD (AdamW, 8-bit AdamW) at 2,
 #     ZeRO-3 with the optimizer offloaded (cpu, nvme) at 3 = the device-resident ZeRO-3 checkpoints
 #     against one process
@@ -66,6 +67,19 @@ for np in 2 3 4; do
         grep "vs one process" "$T/out" | sed 's/^ */     /'
     else
         bad "ddp_training_np$np" "exit $rc"
+    fi
+done
+
+# tensor parallelism (tests/mpi/tp_mpi_test.c): the golden LLaMA (2 ranks), GPT-2 and OPT (2 and 4) sliced over
+# MPI ranks vs one process, PyTorch and float64 (tests/tp_ref.h), and the same group as threads (the same bits)
+TPB=$BUILD/fitllm_tp_mpi_test
+for np in 2 4; do
+    timeout 600 mpirun -np $np "$TPB" >"$T/out" 2>&1; rc=$?
+    if [ $rc -eq 0 ] && grep -q "tp mpi test: $np ranks, .* 0 failures" "$T/out"; then
+        ok "tp_training_np$np ($(grep -o '[0-9]* checks' "$T/out"))"
+        grep "TP $np: losses within" "$T/out" | sed 's/^ */     /'
+    else
+        bad "tp_training_np$np" "exit $rc"
     fi
 done
 

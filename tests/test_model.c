@@ -8,6 +8,7 @@
 #include "fitllm/json.h"
 #include "fitllm/model.h"
 #include "fitllm/train.h"
+#include "golden_ref.h"
 #include "test.h"
 
 /* Tensor-scale relative error: max|a-b| / max|ref|. Element-wise relative error
@@ -39,16 +40,7 @@ static void to_ours64(double *dst, const fl_st_tensor *t, const fl_param_info *p
     }
 }
 
-static const fl_st_tensor *find_ref(const fl_st_file *g, const char *prefix, const char *name) {
-    char key[256];
-    snprintf(key, sizeof key, "%s%s", prefix, name);
-    const fl_st_tensor *t = fl_st_find(g, key);
-    if (!t && !strncmp(name, "transformer.", 12)) {
-        snprintf(key, sizeof key, "%s%s", prefix, name + 12);
-        t = fl_st_find(g, key);
-    }
-    return t;
-}
+#define find_ref fl_golden_find
 
 /* The fused q|k|v bias run of layout entry p's group: [*lo, *hi) in flat offsets (empty without biases). The
  * key bias's exact gradient is 0 (softmax is invariant to a constant added to every score of a row): its

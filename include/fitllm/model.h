@@ -61,6 +61,10 @@ typedef struct {
     int ffn_gated;       /* T5 v1.1 / Flan: gated-GELU FFN (wi_0 | wi_1 fused, GEGLU); 0: ReLU (v1.0) */
     int head_scale;      /* T5 v1.0: the decoder output is scaled by dim^-0.5 before the (tied) head */
     int dec_start_id, pad_id, eos_id; /* T5: decoder_start_token_id, pad_token_id, eos_token_id */
+    /* Tensor parallelism (src/model/tp.c, fitllm/tp.h): this config is rank tp_rank's slice of a model split
+     * over tp_size ranks (n_heads, n_kv_heads and ffn_dim are the rank's; head_dim and everything else the
+     * model's); 0 or 1: the whole model. Never read from or written to config.json. */
+    int tp_size, tp_rank;
 } fl_model_config;
 
 /* Fill derived defaults and validate (positive sizes, NH % NKV == 0, ...).
@@ -354,6 +358,8 @@ typedef struct {
     struct fl_lora_state *lora; /* LoRA's own state (src/lora: fl_model_lora_init), opaque to the model, or NULL */
     struct fl_adapter_table *adapt; /* adapters attached to LINEAR ops (fl_model_adapters_begin) or NULL: when
                                  * set, the base is frozen and the adapters are what trains */
+    struct fl_comm *tp_comm;    /* tensor parallel (cfg.tp_size > 1): the group the blocks' ALLREDUCE ops sum over
+                                 * (fl_model_set_tp; on the backend's memory); NULL: one rank */
 } fl_model;
 
 /* ---- adapters on LINEAR ops: a graph rewrite --------------------------------------------------

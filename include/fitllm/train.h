@@ -41,6 +41,11 @@ typedef struct fl_optim_dist {
     /* v[0..n) := its elementwise max over ranks (the same bits on every rank; 8-bit AdamW under
      * FULL_SHARD: the partial absmax of the blocks cut by a rank edge) */
     fl_status (*max)(void *ud, float *v, size_t n);
+    /* tensor parallel (src/train/tp.c), else NULL: the squared norm of the WHOLE model's gradient (the ranks'
+     * split entries summed in rank order, the replicated ones once) and the fp16 overflow verdict of every rank,
+     * so each rank clips and skips alike */
+    fl_status (*grad_sumsq)(void *ud, const struct fl_optimizer *o, double *out);
+    fl_status (*any)(void *ud, int *flag);
 } fl_optim_dist;
 
 /* What an optimizer trains: the model's flat parameters, or its LoRA adapters. */

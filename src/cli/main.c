@@ -29,6 +29,7 @@
 #endif
 
 int fl_cmd_convert(int argc, char **argv); /* src/cli/cmd_convert.c */
+int fl_cmd_image_info(int argc, char **argv); /* src/cli/cmd_image.c */
 
 static const struct {
     const char *name;
@@ -47,6 +48,7 @@ static const struct {
     {"lab", fl_cmd_lab, "run the memory lab's experiments on scaled models; table, report, CSV/JSON, charts"},
     {"demo", fl_cmd_demo, "short real training run on a built-in model with synthetic data + memory report"},
     {"loss", fl_cmd_loss, "mean next-token cross-entropy of a model on token ids (optionally dump logits)"},
+    {"image-info", fl_cmd_image_info, "decode an image; with --processor, BLIP pixel_values shape and checksums"},
     {"tokenize", fl_cmd_tokenize, "encode text to token ids or decode ids to text (tokenizer.json/.model/llama2.c .bin)"},
     {"generate", fl_cmd_generate, "generate text from a prompt with a KV cache (greedy, temperature, top-k, top-p)"},
     {"selftest", fl_cmd_selftest, "check a backend's ops against the CPU backend (--accelerator cuda: the GPU; EXPERIMENTAL)"},

@@ -8,13 +8,14 @@ static fl_status check(fl_model_config *c) {
     c->attention_bias = 1;
     c->mlp_bias = 1;
     c->n_kv_heads = c->n_heads;
-    if (c->head_dim * c->n_heads != c->dim)
+    if (c->head_dim * c->n_heads * (c->tp_size > 1 ? c->tp_size : 1) != c->dim)
         return fl_errorf(FL_ERR_FORMAT, "model config: GPT-2 needs n_embd %d divisible by n_head %d", c->dim, c->n_heads);
     return FL_OK;
 }
 
 static int layout(fl_layout_builder *b, const fl_model_config *c) {
     const int C = c->dim, L = c->n_layers, V = c->vocab_size, F = c->ffn_dim;
+    const int QD = c->n_heads * c->head_dim; /* C, but a tensor-parallel rank's slice holds fewer heads */
     int err = 0;
 #define P(role, d0, d1, tr, ...) (err |= fl_layout_add(b, FL_ROLE_##role, d0, d1, tr, __VA_ARGS__))
     fl_layout_group(b, 0);
@@ -24,9 +25,9 @@ static int layout(fl_layout_builder *b, const fl_model_config *c) {
         fl_layout_group(b, l + 1);
         P(LN1_W, C, 0, 0, "transformer.h.%d.ln_1.weight", l);
         P(LN1_B, C, 0, 0, "transformer.h.%d.ln_1.bias", l);
-        P(QKV_W, 3 * C, C, 1, "transformer.h.%d.attn.c_attn.weight", l);
-        P(QKV_B, 3 * C, 0, 0, "transformer.h.%d.attn.c_attn.bias", l);
-        P(O_W, C, C, 1, "transformer.h.%d.attn.c_proj.weight", l);
+        P(QKV_W, 3 * QD, C, 1, "transformer.h.%d.attn.c_attn.weight", l);
+        P(QKV_B, 3 * QD, 0, 0, "transformer.h.%d.attn.c_attn.bias", l);
+        P(O_W, C, QD, 1, "transformer.h.%d.attn.c_proj.weight", l);
         P(O_B, C, 0, 0, "transformer.h.%d.attn.c_proj.bias", l);
         P(LN2_W, C, 0, 0, "transformer.h.%d.ln_2.weight", l);
         P(LN2_B, C, 0, 0, "transformer.h.%d.ln_2.bias", l);

@@ -11,7 +11,7 @@ static fl_status check(fl_model_config *c) {
     c->n_kv_heads = c->n_heads;
     if (c->attention_bias != c->mlp_bias)
         return fl_errorf(FL_ERR_FORMAT, "model config: OPT has one enable_bias for attention and MLP");
-    if (c->head_dim * c->n_heads != c->dim)
+    if (c->head_dim * c->n_heads * (c->tp_size > 1 ? c->tp_size : 1) != c->dim)
         return fl_errorf(FL_ERR_FORMAT, "model config: OPT needs hidden_size %d divisible by num_attention_heads %d",
                          c->dim, c->n_heads);
     return FL_OK;
@@ -19,6 +19,7 @@ static fl_status check(fl_model_config *c) {
 
 static int layout(fl_layout_builder *b, const fl_model_config *c) {
     const int C = c->dim, L = c->n_layers, V = c->vocab_size, F = c->ffn_dim, bias = c->attention_bias;
+    const int QD = c->n_heads * c->head_dim; /* C, but a tensor-parallel rank's slice holds fewer heads */
     int err = 0;
 #define P(role, d0, d1, ...) (err |= fl_layout_add(b, FL_ROLE_##role, d0, d1, 0, __VA_ARGS__))
     fl_layout_group(b, 0);
@@ -29,15 +30,15 @@ static int layout(fl_layout_builder *b, const fl_model_config *c) {
         P(LN1_W, C, 0, "model.decoder.layers.%d.self_attn_layer_norm.weight", l);
         P(LN1_B, C, 0, "model.decoder.layers.%d.self_attn_layer_norm.bias", l);
         /* q, k, v consecutive: together the fused (3C, C) matrix; their biases the fused (3C) bias */
-        P(QKV_W, C, C, "model.decoder.layers.%d.self_attn.q_proj.weight", l);
-        P(NONE, C, C, "model.decoder.layers.%d.self_attn.k_proj.weight", l);
-        P(NONE, C, C, "model.decoder.layers.%d.self_attn.v_proj.weight", l);
+        P(QKV_W, QD, C, "model.decoder.layers.%d.self_attn.q_proj.weight", l);
+        P(NONE, QD, C, "model.decoder.layers.%d.self_attn.k_proj.weight", l);
+        P(NONE, QD, C, "model.decoder.layers.%d.self_attn.v_proj.weight", l);
         if (bias) {
-            P(QKV_B, C, 0, "model.decoder.layers.%d.self_attn.q_proj.bias", l);
-            P(NONE, C, 0, "model.decoder.layers.%d.self_attn.k_proj.bias", l);
-            P(NONE, C, 0, "model.decoder.layers.%d.self_attn.v_proj.bias", l);
+            P(QKV_B, QD, 0, "model.decoder.layers.%d.self_attn.q_proj.bias", l);
+            P(NONE, QD, 0, "model.decoder.layers.%d.self_attn.k_proj.bias", l);
+            P(NONE, QD, 0, "model.decoder.layers.%d.self_attn.v_proj.bias", l);
         }
-        P(O_W, C, C, "model.decoder.layers.%d.self_attn.out_proj.weight", l);
+        P(O_W, C, QD, "model.decoder.layers.%d.self_attn.out_proj.weight", l);
         if (bias) P(O_B, C, 0, "model.decoder.layers.%d.self_attn.out_proj.bias", l);
         P(LN2_W, C, 0, "model.decoder.layers.%d.final_layer_norm.weight", l);
         P(LN2_B, C, 0, "model.decoder.layers.%d.final_layer_norm.bias", l);

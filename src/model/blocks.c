@@ -64,7 +64,11 @@ void fl_get_block(const fl_model *m, const fl_block_graph *gr, int l, fl_block_p
     for (int i = 0; i < gr->n_ops; i++) {
         const fl_gop *o = &gr->op[i];
         if (o->kind != FL_GOP_LINEAR) continue;
-        set_linear(m, &bp->lin[o->p], gr->slot[o->in].width, gr->slot[o->out].width, R(o->role_w), R(o->role_b), cur);
+        /* tensor parallel: a row-parallel linear's bias is added once, by rank 0, before the sum (graph_tp.c) */
+        const int bias_here = !(m->cfg.tp_size > 1 && m->cfg.tp_rank != 0 &&
+                                (o->role_w == FL_ROLE_O_W || o->role_w == FL_ROLE_PROJ_W));
+        set_linear(m, &bp->lin[o->p], gr->slot[o->in].width, gr->slot[o->out].width, R(o->role_w),
+                   bias_here ? R(o->role_b) : -1, cur);
         fl_model_bind_adapters(m, l, o->p, &bp->lin[o->p], 0); /* the adapters the rewrite attached to it */
     }
 #undef R

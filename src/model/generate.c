@@ -135,7 +135,8 @@ static fl_status forward_rows_impl(fl_model *m, fl_kv_cache *kv, const rows_scra
     fl_embed_forward(m, &op, x, dids, ids, 1, n, pos0);
     /* the block graph with the cache: attention appends K/V rows (after RoPE), then attends causally
      * within the n rows (prefill, pos0 == 0) or, for one row, to the cached positions 0..pos0 (decode) */
-    fl_block_ctx c = {.B = 1, .T = n, .pos0 = pos0, .rope_cos = kv->rope_cos, .rope_sin = kv->rope_sin, .kv = kv};
+    fl_block_ctx c = {.B = 1, .T = n, .pos0 = pos0, .rope_cos = kv->rope_cos, .rope_sin = kv->rope_sin, .kv = kv,
+                      .comm = m->tp_comm};
     for (int l = 0; l < d.L; l++) {
         fl_block_params bp;
         fl_get_block(m, &w->g, l, &bp);

@@ -275,6 +275,7 @@ fl_status fl_block_graph_build(const fl_model_config *c, fl_block_graph *g) {
     if (!ai) return fl_errorf(FL_ERR_UNSUPPORTED, "no block graph for architecture %d", (int)c->arch);
     if (ai->block_graph) ai->block_graph(c, g); /* its own block (BERT's post-norm encoder block) */
     else decoder_block(c, g);                  /* the pre-norm decoder block, by the descriptor's feature flags */
+    if (c->tp_size > 1) FL_TRY(fl_block_graph_tp(g)); /* a tensor-parallel rank's slice (graph_tp.c) */
     return fl_block_graph_finish(g);
 }
 

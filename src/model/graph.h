@@ -132,6 +132,9 @@ fl_gop *fl_graph_op(fl_block_graph *g, fl_gop_kind kind, int in, int out, int a1
  * the last norm's backward before the input's starts there), another residual path takes a free buffer
  * as an off-path slot does. Used by fl_block_graph_build. */
 fl_status fl_block_graph_finish(fl_block_graph *g);
+/* Tensor parallelism (graph_tp.c): the ALLREDUCE ops around the column- and row-parallel LINEARs of a rank's
+ * slice (before fl_block_graph_finish; fl_block_graph_build applies it when the config's tp_size > 1). */
+fl_status fl_block_graph_tp(fl_block_graph *g);
 
 /* Parameter and gradient pointers of one block, bound by the graph's NORM and LINEAR ops. */
 typedef struct fl_block_params {

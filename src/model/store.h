@@ -15,8 +15,9 @@
  *     src/train/fsdp.c implements (the store, like the model, never talks to other ranks).
  * Next (not built yet; see docs/ARCHITECTURE.md "Parameter store"): an offloaded store (the dense
  * buffers in host memory or on NVMe, a group copied in by gather and out by release, gradients
- * copied out by grads_ready) and a tensor-parallel shard (an entry's row or column slice bound as the
- * whole weight of a narrower LINEAR, the graph's collective op summing the partial outputs).
+ * copied out by grads_ready). The tensor-parallel shard (an entry's row or column slice bound as the
+ * whole weight of a narrower LINEAR, the graph's collective op summing the partial outputs) is built as
+ * the dense store of a slice's layout: fitllm/tp.h, docs/ARCHITECTURE.md "Tensor parallelism".
  *
  * Offsets: "layout offsets" are the flat layout's (the gradient and optimizer coordinates); "store
  * offsets" (fl_store_off) are where an entry sits in the dense buffer (equal without 4-bit entries). */

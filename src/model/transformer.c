@@ -20,6 +20,7 @@ static double now_ms(void) {
 static fl_block_ctx train_ctx(const fl_model *m, int B, int T) {
     fl_block_ctx x = {.B = B, .T = T, .rope_cos = m->acts->rope_cos, .rope_sin = m->acts->rope_sin};
     x.kmask = m->acts->kmask_on ? m->acts->kmask : NULL; /* an encoder's key padding mask */
+    x.comm = m->tp_comm; /* tensor parallel: the blocks' ALLREDUCE ops (graph_tp.c) */
     return x;
 }
 

@@ -566,7 +566,10 @@ static const void *g_at(const fl_optimizer *o, size_t off) { return (const char 
 static fl_status found_inf(const fl_optimizer *o, float inv_scale, int *found) {
     *found = 0;
     const fl_backend *be = o->model->be;
-    if (!grads_sharded(o)) return be->check_finite(be, o->w.g, o->w.gt, o->w.n, inv_scale, found);
+    if (!grads_sharded(o)) {
+        FL_TRY(be->check_finite(be, o->w.g, o->w.gt, o->w.n, inv_scale, found));
+        return o->shard.dist && o->shard.dist->any ? o->shard.dist->any(o->shard.dist->ud, found) : FL_OK; /* tensor parallel */
+    }
     FL_TRY(be->check_finite(be, g_at(o, o->shard.off), o->w.gt, o->shard.len, inv_scale, found));
     double v = *found != 0;
     FL_TRY(o->shard.dist->sum(o->shard.dist->ud, &v, 1));
@@ -584,6 +587,7 @@ static double chunk_sumsq(const fl_optimizer *o, size_t off, size_t len) {
  * in double. DDP and ZeRO-1 hold every chunk and add them here; ZeRO-2 ranks hold one each and add
  * them with dist->sum (the same order): all three clip with the same bits. */
 static fl_status grad_sumsq(const fl_optimizer *o, double *out) {
+    if (o->shard.dist && o->shard.dist->grad_sumsq) return o->shard.dist->grad_sumsq(o->shard.dist->ud, o, out); /* tensor parallel */
     if (grads_sharded(o)) {
         double v = chunk_sumsq(o, o->shard.off, o->shard.len);
         FL_TRY(o->shard.dist->sum(o->shard.dist->ud, &v, 1));

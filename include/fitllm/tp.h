@@ -1,0 +1,73 @@
+/* fitllm: tensor parallelism (Megatron-style column / row splits of each block's linears).
+ *
+ * A rank of a tensor-parallel group of N holds a model whose config is its slice of the whole one
+ * (fl_tp_config): n_heads / N query heads, n_kv_heads / N key/value heads, ffn_dim / N MLP columns;
+ * head_dim, hidden size, vocabulary, norms and embeddings are the whole model's. Its layout therefore
+ * has the whole model's entries, in the same order, under the same HF names, with the split entries
+ * narrower:
+ *   column-parallel (rank r keeps r's rows of each part): the fused q|k|v weight and bias (each of
+ *     q, k, v split by heads), gate|up or fc weight and bias;
+ *   row-parallel (rank r keeps r's columns): o_proj / c_proj / out_proj and down_proj / mlp.c_proj /
+ *     fc2 weights; their biases are whole on every rank and added by rank 0 alone (src/model/blocks.c);
+ *   replicated: norms, embeddings, the position table, lm_head.
+ * The block graph gets the ALLREDUCE ops that make the slices compute the whole block (graph_tp.c),
+ * over the group set with fl_model_set_tp. Everything replicated computes the same bits on every rank
+ * (its inputs and gradients are the same after the sums), so replicated parameters get the same
+ * gradients and updates everywhere without communication. See docs/ARCHITECTURE.md "Tensor parallelism". */
+#ifndef FITLLM_TP_H
+#define FITLLM_TP_H
+
+#include "fitllm/comm.h"
+#include "fitllm/model.h"
+#include "fitllm/train.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Rank `rank`'s slice of the (validated) whole config for a group of `size`. FL_ERR_UNSUPPORTED naming
+ * --tensor_parallel and the dimension when a split is not exact (heads, key/value heads, MLP width not
+ * divisible by size) or the architecture is not a decoder with these splits (BERT); size 1: a copy. */
+fl_status fl_tp_config(const fl_model_config *whole, int size, int rank, fl_model_config *out);
+
+/* The group the blocks' collectives run over (comm's size must be m->cfg.tp_size; on the backend's
+ * memory: a device communicator for a backend whose memory the host cannot read). NULL: detach. */
+fl_status fl_model_set_tp(fl_model *m, fl_comm *comm);
+
+/* How layout entry i is split (the same index in the whole and the slice's layouts). */
+typedef enum { FL_TP_REPLICATED = 0, FL_TP_COLUMN, FL_TP_ROW } fl_tp_split;
+fl_tp_split fl_tp_entry_split(const fl_param_layout *lay, int i);
+
+/* Element maps between entry i of the whole model (our (out, in) orientation, whole_cfg's dims) and
+ * rank r's slice of it (size ranks): take copies r's elements out of the whole entry, place puts them
+ * back. A replicated entry is copied whole. */
+void fl_tp_take(const fl_model_config *whole_cfg, const fl_param_layout *whole_lay, int i, int size, int r,
+                const float *whole, float *slice);
+void fl_tp_place(const fl_model_config *whole_cfg, const fl_param_layout *whole_lay, int i, int size, int r,
+                 const float *slice, float *whole);
+
+/* Fill the slice model `part` (fl_tp_config of whole's config) with its elements of `whole`'s parameters,
+ * entry by entry through fp32 (any storage of either). */
+fl_status fl_tp_scatter(const fl_model *whole, fl_model *part);
+/* The reverse, collective over host_comm (the tensor-parallel group on host memory, rank order = tp_rank):
+ * every rank passes its part; rank 0's `whole` (a model of the whole config; NULL elsewhere) receives every
+ * entry, split entries assembled from the ranks' slices (one entry's fp32 at a time in host memory).
+ * grads: the gradients instead of the parameters (fp32 storage; whole's gradient buffer). */
+fl_status fl_tp_gather(fl_model *part, fl_comm *host_comm, fl_model *whole, int grads);
+
+/* The optimizer of a rank's slice (src/train/tp.c): clipping and fp16 overflow skips decide on the whole
+ * model's gradient (the split entries' squared norms of every rank summed in rank order, in double, over
+ * host_comm, the replicated entries counted once; an overflow on any rank), so every rank clips and skips
+ * alike and the replicated parameters stay the same bits. d is the caller's storage, alive while o is; o
+ * was made for the slice by fl_optim_init, without data-parallel hooks. */
+typedef struct {
+    fl_optim_dist dist;
+    fl_comm *comm;
+    const fl_model *m;
+} fl_tp_dist;
+fl_status fl_tp_optim_attach(fl_optimizer *o, fl_comm *host_comm, fl_tp_dist *d);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

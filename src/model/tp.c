@@ -1,0 +1,175 @@
+/* Tensor parallelism: a rank's slice of the config, of each layout entry, and the copies between the
+ * whole model and the slices (fitllm/tp.h; the graph's part is graph_tp.c). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "fitllm/tp.h"
+#include "model-impl.h"
+
+fl_status fl_tp_config(const fl_model_config *whole, int size, int rank, fl_model_config *out) {
+    *out = *whole;
+    if (size < 1 || rank < 0 || rank >= size)
+        return fl_errorf(FL_ERR_INVALID, "--tensor_parallel %d: rank %d is outside the group", size, rank);
+    if (whole->tp_size > 1) return fl_errorf(FL_ERR_INVALID, "--tensor_parallel: the config is a slice already");
+    out->tp_size = out->tp_rank = 0;
+    if (size == 1) return FL_OK;
+    const fl_arch_info *ai = fl_arch_get(whole->arch);
+    if (!ai || ai->block_graph || ai->model_graph)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: %s is not split yet (LLaMA, GPT-2 and OPT are)", size,
+                         ai ? ai->display : "this architecture");
+    struct { int v; const char *what; } need[] = {{whole->n_heads, "attention heads (num_attention_heads)"},
+                                                  {whole->n_kv_heads, "key/value heads (num_key_value_heads)"},
+                                                  {whole->ffn_dim, "MLP width (intermediate_size)"}};
+    for (size_t k = 0; k < sizeof need / sizeof need[0]; k++)
+        if (need[k].v % size)
+            return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: the model's %d %s do not split evenly over %d "
+                             "ranks (use a tensor-parallel size that divides it)", size, need[k].v, need[k].what, size);
+    out->n_heads = whole->n_heads / size;
+    out->n_kv_heads = whole->n_kv_heads / size;
+    out->ffn_dim = whole->ffn_dim / size;
+    out->tp_size = size;
+    out->tp_rank = rank;
+    return fl_config_validate(out);
+}
+
+fl_status fl_model_set_tp(fl_model *m, fl_comm *comm) {
+    const int n = m->cfg.tp_size > 1 ? m->cfg.tp_size : 1;
+    if (comm && (fl_comm_size(comm) != n || (n > 1 && fl_comm_rank(comm) != m->cfg.tp_rank)))
+        return fl_errorf(FL_ERR_INVALID, "tensor parallel: a group of %d (rank %d) for a model sliced for %d (rank %d)",
+                         fl_comm_size(comm), fl_comm_rank(comm), n, m->cfg.tp_rank);
+    m->tp_comm = comm;
+    return FL_OK;
+}
+
+fl_tp_split fl_tp_entry_split(const fl_param_layout *lay, int i) {
+    int j = i; /* the entry that opens a fused run (k, v, up follow their role's entry with no role) */
+    while (j > 0 && lay->params[j].role == FL_ROLE_NONE && lay->params[j - 1].group == lay->params[i].group) j--;
+    switch (lay->params[j].role) {
+    case FL_ROLE_QKV_W: case FL_ROLE_QKV_B: case FL_ROLE_FC_W: case FL_ROLE_FC_B: return FL_TP_COLUMN;
+    case FL_ROLE_O_W: case FL_ROLE_PROJ_W: return FL_TP_ROW;
+    default: return FL_TP_REPLICATED;
+    }
+}
+
+/* The parts of a column-parallel entry that split separately (rows each): a fused q|k|v entry (GPT-2's
+ * c_attn) is q, k and v; a fused gate|up entry gate and up; else the entry is one part. */
+static int col_parts(const fl_model_config *c, const fl_param_info *p, int64_t parts[3]) {
+    fl_dims d = fl_model_dims(c);
+    const int64_t R = p->shape[0];
+    if ((p->role == FL_ROLE_QKV_W || p->role == FL_ROLE_QKV_B) && R == d.QKV && R != d.QD) {
+        parts[0] = d.QD, parts[1] = parts[2] = d.KVD;
+        return 3;
+    }
+    if ((p->role == FL_ROLE_FC_W || p->role == FL_ROLE_FC_B) && R == 2 * (int64_t)d.F) {
+        parts[0] = parts[1] = d.F;
+        return 2;
+    }
+    parts[0] = R;
+    return 1;
+}
+
+/* take (dir 0: whole -> slice) or place (dir 1: slice -> whole) rank r's elements of entry i */
+static void tp_map(const fl_model_config *c, const fl_param_layout *lay, int i, int size, int r, float *whole,
+                   float *slice, int dir) {
+    const fl_param_info *p = &lay->params[i];
+    const fl_tp_split sp = size > 1 ? fl_tp_entry_split(lay, i) : FL_TP_REPLICATED;
+    const size_t K = p->ndim == 2 ? (size_t)p->shape[1] : 1;
+#define MOVE(w, s, n) (dir ? memcpy((w), (s), (n) * sizeof(float)) : memcpy((s), (w), (n) * sizeof(float)))
+    if (sp == FL_TP_REPLICATED) {
+        MOVE(whole, slice, p->numel);
+    } else if (sp == FL_TP_COLUMN) {
+        int64_t parts[3];
+        const int np = col_parts(c, p, parts);
+        size_t base = 0, out = 0;
+        for (int k = 0; k < np; k++) {
+            const size_t rows = (size_t)parts[k] / (size_t)size;
+            MOVE(whole + (base + (size_t)r * rows) * K, slice + out * K, rows * K);
+            base += (size_t)parts[k];
+            out += rows;
+        }
+    } else { /* row-parallel: r's columns of every row */
+        const size_t R = (size_t)p->shape[0], kl = K / (size_t)size;
+        for (size_t row = 0; row < R; row++) MOVE(whole + row * K + (size_t)r * kl, slice + row * kl, kl);
+    }
+#undef MOVE
+}
+
+void fl_tp_take(const fl_model_config *c, const fl_param_layout *lay, int i, int size, int r, const float *whole,
+                float *slice) {
+    tp_map(c, lay, i, size, r, (float *)whole, slice, 0);
+}
+
+void fl_tp_place(const fl_model_config *c, const fl_param_layout *lay, int i, int size, int r, const float *slice,
+                 float *whole) {
+    tp_map(c, lay, i, size, r, whole, (float *)slice, 1);
+}
+
+static fl_status same_layout(const fl_model *whole, const fl_model *part) {
+    fl_model_config c;
+    FL_TRY(fl_tp_config(&whole->cfg, part->cfg.tp_size > 1 ? part->cfg.tp_size : 1, part->cfg.tp_rank, &c));
+    if (whole->layout.n != part->layout.n || c.n_heads != part->cfg.n_heads || c.ffn_dim != part->cfg.ffn_dim ||
+        c.dim != part->cfg.dim || c.n_layers != part->cfg.n_layers || c.vocab_size != part->cfg.vocab_size)
+        return fl_errorf(FL_ERR_INVALID, "tensor parallel: the slice's config is not rank %d's slice of the model",
+                         part->cfg.tp_rank);
+    return FL_OK;
+}
+
+/* the largest entry's elements */
+static size_t max_entry(const fl_param_layout *lay) {
+    size_t mx = 0;
+    for (int i = 0; i < lay->n; i++) mx = lay->params[i].numel > mx ? lay->params[i].numel : mx;
+    return mx;
+}
+
+fl_status fl_tp_scatter(const fl_model *whole, fl_model *part) {
+    FL_TRY(same_layout(whole, part));
+    const int size = part->cfg.tp_size > 1 ? part->cfg.tp_size : 1, r = part->cfg.tp_rank;
+    float *w = malloc(max_entry(&whole->layout) * sizeof(float)), *s = malloc(max_entry(&part->layout) * sizeof(float));
+    if (!w || !s) {
+        free(w), free(s);
+        return fl_errorf(FL_ERR_OOM, "tensor parallel: out of host memory staging one entry");
+    }
+    for (int i = 0; i < whole->layout.n; i++) {
+        fl_model_read_param(whole, i, w);
+        fl_tp_take(&whole->cfg, &whole->layout, i, size, r, w, s);
+        fl_model_write_param(part, i, s);
+    }
+    free(w), free(s);
+    return FL_OK;
+}
+
+fl_status fl_tp_gather(fl_model *part, fl_comm *host_comm, fl_model *whole, int grads) {
+    const int size = part->cfg.tp_size > 1 ? part->cfg.tp_size : 1, r = part->cfg.tp_rank;
+    if (fl_comm_size(host_comm) != size || fl_comm_rank(host_comm) != r)
+        return fl_errorf(FL_ERR_INVALID, "tensor parallel: gather over a group of %d (rank %d), the model is rank %d of %d",
+                         fl_comm_size(host_comm), fl_comm_rank(host_comm), r, size);
+    if (r == 0 && !whole) return fl_errorf(FL_ERR_INVALID, "tensor parallel: rank 0 gathers into a whole model");
+    if (whole) FL_TRY(same_layout(whole, part));
+    if (grads && (fl_model_store_dtype(part) != FL_F32 || !fl_model_grads_f32(part) ||
+                  (whole && !fl_model_grads_f32(whole))))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "tensor parallel: gathering gradients needs fp32 gradient buffers");
+    const size_t ns = max_entry(&part->layout);
+    float *s = malloc(ns * sizeof(float)), *all = malloc(ns * (size_t)size * sizeof(float));
+    float *w = whole ? malloc(max_entry(&whole->layout) * sizeof(float)) : NULL;
+    fl_status st = (!s || !all || (whole && !w)) ? fl_errorf(FL_ERR_OOM, "tensor parallel: out of host memory") : FL_OK;
+    for (int i = 0; st == FL_OK && i < part->layout.n; i++) {
+        const fl_param_info *p = &part->layout.params[i];
+        if (grads) {
+            FL_TRY(part->be->to_host(part->be, s, fl_model_grads_f32(part) + p->offset, p->numel * sizeof(float)));
+        } else {
+            fl_model_read_param(part, i, s);
+        }
+        const int split = size > 1 && fl_tp_entry_split(&part->layout, i) != FL_TP_REPLICATED;
+        if (split) st = fl_comm_all_gather(host_comm, s, all, p->numel * (size_t)size, FL_F32);
+        if (st != FL_OK || !whole) continue;
+        const fl_param_info *q = &whole->layout.params[i];
+        if (split)
+            for (int k = 0; k < size; k++) fl_tp_place(&whole->cfg, &whole->layout, i, size, k, all + (size_t)k * p->numel, w);
+        else
+            memcpy(w, s, p->numel * sizeof(float)); /* replicated: rank 0's (a row-parallel bias: only rank 0 adds it) */
+        if (grads) st = whole->be->to_device(whole->be, fl_model_grads_f32(whole) + q->offset, w, q->numel * sizeof(float));
+        else fl_model_write_param(whole, i, w);
+    }
+    free(s), free(all), free(w);
+    return st;
+}
