@@ -175,6 +175,34 @@ expect finetune_lora_bad_r 2 "lora_r must be positive" -- "$FITLLM" finetune_lor
 expect finetune_lora_bad_target 2 "valid" -- "$FITLLM" finetune_lora micro --lora_target_modules qq_proj --out_dir "$T/l4"
 expect finetune_lora_head_tied 2 "lm_head is tied to the input embeddings" -- "$FITLLM" finetune_lora micro --lora_head true --out_dir "$T/l5"
 expect finetune_precision_unknown 2 "16-mixed" -- "$FITLLM" finetune_full micro --precision 8-true --out_dir "$T/x5"
+# T5 training (issue 31 item 2): finetune_full / finetune_lora of an encoder-decoder on JSON input/output pairs
+# (tests/fixtures/t5-pairs/README.md): the loss falls, resume ends on the uninterrupted run's bits, the final folders
+# load back (loss, generate), LoRA with T5's module names merges; what is not supported is refused at set-up
+mkdir -p "$T/t5m" && cp tests/fixtures/t5-tok/spiece.model tests/fixtures/t5-tok/tokenizer.json tests/fixtures/t5-tok/tokenizer_config.json "$T/t5m/"
+sed 's/"vocab_size": 97/"vocab_size": 500/' tests/fixtures/t5-tiny-gated/config.json > "$T/t5m/config.json"
+T5A=(--checkpoint_dir "$T/t5m" --init random --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json
+     --train.max_steps 20 --train.epochs 100 --train.global_batch_size 4 --train.micro_batch_size 2 --train.log_interval 2
+     --optimizer.lr 3e-3 --train.lr_warmup_steps 2 --train.save_interval 10)
+expect t5_finetune_full 0 "source/target pairs from .*longest source 40, target 15 tokens" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5run"
+t5_losses=$(awk -F, 'NR > 1 && $4 != "" { print $4 }' "$T/t5run/logs/metrics.csv" 2>/dev/null)
+t5_first=$(head -1 <<<"$t5_losses"); t5_last=$(tail -1 <<<"$t5_losses")
+expect t5_finetune_loss_falls 0 "" -- awk -v a="$t5_first" -v b="$t5_last" 'BEGIN { exit !(a > 6.0 && b < a - 1.0) }'
+mkdir -p "$T/t5res" && cp -r "$T/t5run/step-000010" "$T/t5res/"
+expect t5_finetune_resume 0 "Resuming training from .*step-000010 \(step 10, iter 20\)" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5res" --resume auto
+expect t5_finetune_resume_bitexact 0 "" -- cmp "$T/t5run/final/model.safetensors" "$T/t5res/final/model.safetensors"
+expect t5_finetune_loss_back 0 "^loss [0-9.]+  ppl .* model .*t5run/final" -- "$FITLLM" loss "$T/t5run/final" --tokens-file "$T/t5src.txt" --target-tokens-file "$T/t5tgt.txt"
+expect t5_finetune_generate 0 "source \+ 5 new tokens \(greedy" -- "$FITLLM" generate "$T/t5run/final" --prompt "question: what is two plus two?" --max_new_tokens 5 --temperature 0
+expect t5_finetune_lora 0 "Saved the PEFT adapter" -- "$FITLLM" finetune_lora "${T5A[@]}" --out_dir "$T/t5lora" --lora_query true --lora_key true --lora_value true --lora_projection true --lora_mlp true
+expect t5_finetune_lora_targets 0 '"target_modules": \["q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo"\]' -- cat "$T/t5lora/final/adapter/adapter_config.json"
+expect t5_finetune_lora_task_type 0 '"task_type": "SEQ_2_SEQ_LM"' -- cat "$T/t5lora/final/adapter/adapter_config.json"
+expect t5_finetune_lora_generate 0 "source \+ 5 new tokens \(greedy" -- "$FITLLM" generate "$T/t5lora/final" --prompt "question: what colour is the sky?" --max_new_tokens 5 --temperature 0
+expect t5_finetune_truncates 0 "8 sources, 7 targets truncated\); longest source 8, target 4 tokens" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5trunc" --train.max_steps 1 --data.max_source_length 8 --data.max_target_length 4
+expect t5_finetune_refuses_bf16 2 "--precision bf16-true: an encoder-decoder \(t5\) trains in 32-true only" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x1" --precision bf16-true
+expect t5_finetune_refuses_qlora 2 "--quantize bnb.nf4 \(QLoRA\): an encoder-decoder" -- "$FITLLM" finetune_lora "${T5A[@]}" --out_dir "$T/t5x2" --quantize bnb.nf4 --precision bf16-true
+expect t5_finetune_refuses_synthetic 2 "trains on input/output pairs: give --data JSON.*--data Synthetic is not supported" -- "$FITLLM" finetune_full --checkpoint_dir "$T/t5m" --init random --out_dir "$T/t5x3"
+expect t5_finetune_act_ckpt 0 "precision 32-true, activation checkpointing" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5ckpt" --train.activation_checkpointing true
+expect t5_finetune_act_ckpt_bitexact 0 "" -- cmp "$T/t5run/final/model.safetensors" "$T/t5ckpt/final/model.safetensors"
+expect t5_pretrain_refused 2 "pretrain: an encoder-decoder \(t5\) is fine-tuned only" -- "$FITLLM" pretrain --model_config "$T/t5m/config.json" --tokenizer_dir "$T/t5m" --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json --out_dir "$T/t5x5"
 # LitGPT recipes: a command-line value overrides the recipe's however it is spelled; names of models
 R=tests/fixtures/litgpt-recipes
 expect plan_recipe_devices_space 0 "FITS" -- "$FITLLM" plan llama-2-7b --config "$R/finetune/llama-2-7b/full.yaml" --devices 1 --device-memory 80GB

@@ -44,7 +44,7 @@ FL_TEST(step_run_context_outputs_and_failures) {
     for (int i = 0; i < 64; i++) { ids[i] = (i * 37 + 5) % a.m.cfg.vocab_size; tg[i] = (i * 11 + 3) % a.m.cfg.vocab_size; }
     for (int i = 40; i < 48; i++) tg[i] = FL_IGNORE_INDEX;
     /* the context's per-micro-batch loss sums and counts add up to the step's; the same bits as fl_train_step */
-    fl_micro_batch mbs[2] = {{ids, tg, 2, 16}, {ids + 32, tg + 32, 2, 16}};
+    fl_micro_batch mbs[2] = {{.ids = ids, .targets = tg, .B = 2, .T = 16}, {.ids = ids + 32, .targets = tg + 32, .B = 2, .T = 16}};
     double stats[4], ms[2];
     fl_step_ctx c = {.mbs = mbs, .n_micro = 2, .step_valid = 56, .lr = 1e-3f, .max_norm = 1.0f, .mb_stats = stats,
                      .mb_ms = ms};

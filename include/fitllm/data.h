@@ -36,6 +36,8 @@ typedef struct {
     int max_seq_length;         /* samples longer are truncated (counted); -1 = no limit */
     int synthetic_train, synthetic_val; /* Synthetic sizes (defaults 2000 / 100) */
     char cache_dir[4096];       /* tokenized-dataset cache ("" = no cache) */
+    /* an encoder-decoder's pairs (fl_s2s_config): tokens incl. EOS, <= 0 no limit (defaults 512 / 128) */
+    int max_source_length, max_target_length;
 } fl_data_config;
 
 void fl_data_config_default(fl_data_config *c, fl_data_kind kind);

@@ -31,6 +31,7 @@ typedef struct {
     char base_model[1024];        /* base_model_name_or_path ("" = null) */
     int fan_in_fan_out;
     int inference_mode;
+    int seq2seq;       /* an encoder-decoder: task_type SEQ_2_SEQ_LM (else CAUSAL_LM) */
 } fl_peft_config;
 
 /* One adapted module, by its HF module path ("model.layers.0.self_attn.q_proj"). */

@@ -187,7 +187,7 @@ int fl_cmd_bench_step(int argc, char **argv) {
            c->n_kv_heads, c->ffn_dim, c->vocab_size, o.B, o.T, o.prec.name, fl_optim_name(o.okind), o.act_ckpt ? ", act-ckpt" : "", o.lora_r ? ", LoRA q,v" : "",
            be.n_threads, be.gemm_name);
     /* the step training runs (fl_step_run), in one process: one micro-batch, every target valid */
-    fl_micro_batch mb = {ids, tg, o.B, o.T};
+    fl_micro_batch mb = {.ids = ids, .targets = tg, .B = o.B, .T = o.T};
     fl_step_result res;
     for (int k = 0; k < o.warmup + o.steps; k++) {
         fl_step_ctx sc = {.mbs = &mb, .n_micro = 1, .step_valid = (long)N, .lr = o.lr, .max_norm = 1.0f};

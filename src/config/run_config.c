@@ -98,6 +98,8 @@ static const fl_cfg_key k_keys[] = {
     {"data.mask_prompt", FL_CK_BOOL, OFF(data.mask_prompt), "prompt tokens get ignore_index labels"},
     {"data.ignore_index", FL_CK_SINT, OFF(data.ignore_index), "label of masked tokens"},
     {"data.val_split_fraction", FL_CK_FLOAT, OFF(data.val_split_fraction), "fraction held out for validation (Alpaca/JSON; TextFiles with one train file)"},
+    {"data.max_source_length", FL_CK_SINT, OFF(data.max_source_length), "encoder-decoder (T5): source tokens kept, EOS included (cut as HF's truncation=True; <= 0: no limit)"},
+    {"data.max_target_length", FL_CK_SINT, OFF(data.max_target_length), "encoder-decoder (T5): target tokens kept, EOS included (<= 0: no limit)"},
     {"data.seed", FL_CK_U64, OFF(data.seed), "seed of the train/val split"},
     {"data.num_workers", FL_CK_IGNORED, 0, "accepted for LitGPT compatibility (data is tokenized once)"},
     {"data.n_train", FL_CK_INT, OFF(data.synthetic_train), "Synthetic: training samples"},

@@ -17,6 +17,8 @@ void fl_data_config_default(fl_data_config *c, fl_data_kind kind) {
     c->max_seq_length = -1;
     c->synthetic_train = 2000;
     c->synthetic_val = 100;
+    c->max_source_length = 512;
+    c->max_target_length = 128;
 }
 
 const char *fl_data_kind_name(fl_data_kind k) {

@@ -88,8 +88,8 @@ fl_status fl_peft_save(const char *dir, const fl_peft_config *cfg, const fl_peft
         k += snprintf(js + k, cap - k, "%s", i ? ", " : "");
         json_str(js, cap, &k, cfg->lora.targets[i]);
     }
-    k += snprintf(js + k, cap - k, "],\n  \"task_type\": \"CAUSAL_LM\",\n  \"use_rslora\": %s\n}\n",
-                  cfg->lora.use_rslora ? "true" : "false");
+    k += snprintf(js + k, cap - k, "],\n  \"task_type\": \"%s\",\n  \"use_rslora\": %s\n}\n",
+                  cfg->seq2seq ? "SEQ_2_SEQ_LM" : "CAUSAL_LM", cfg->lora.use_rslora ? "true" : "false");
     st = k < cap ? fl_fs_join(path, sizeof path, dir, "adapter_config.json")
                  : fl_errorf(FL_ERR_INTERNAL, "%s: adapter_config.json too long", dir);
     if (st == FL_OK) st = fl_fs_write_file_atomic(path, js, k);

@@ -55,6 +55,7 @@ fl_status fl_ckpt_save_adapter(const fl_model *m, const char *dir, const char *b
     if (b) memcpy(pc.base_model, b, strlen(b) + 1);
     pc.fan_in_fan_out = fl_arch_get(m->cfg.arch)->conv1d; /* PEFT's flag for GPT-2's Conv1D */
     pc.inference_mode = 1;
+    pc.seq2seq = fl_model_is_s2s(&m->cfg);
     fl_status s = fl_peft_save(dir, &pc, mods, st->n_mods);
     free(mods);
     free(host);

@@ -20,6 +20,7 @@ static double now_ms(void) {
 /* Live bytes are a fact of the step's phases: at each boundary the model says which of its
  * regions still hold data a later phase reads (fl_model_live), and the step records it in the pool. */
 static void record_live(fl_model *m, fl_live_phase ph) {
+    if (fl_model_is_s2s(&m->cfg)) return; /* an encoder-decoder's arena has no live map yet (its bytes stay reserved) */
     fl_live_region r[FL_MODEL_LIVE_MAX];
     int n = fl_model_live(m, ph, r);
     for (int i = 0; i < n; i++)
@@ -36,7 +37,9 @@ static fl_status micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb, i
     double a = now_ms();
     if (k == 0) fl_mem_snapshot(pool, "before_fwd");
     fl_mem_set_phase(pool, "forward");
-    FL_TRY(fl_model_forward(m, mb->ids, mb->targets, mb->B, mb->T, grad_scale, NULL));
+    if (mb->src) FL_TRY(fl_model_forward_s2s(m, mb->src, mb->src_mask, mb->ids, mb->targets, mb->B, mb->Ts, mb->T,
+                                             grad_scale, NULL));
+    else FL_TRY(fl_model_forward(m, mb->ids, mb->targets, mb->B, mb->T, grad_scale, NULL));
     *loss_sum = m->loss_sum;
     *n_valid = m->n_valid;
     record_live(m, FL_LIVE_FORWARD);
@@ -47,7 +50,7 @@ static fl_status micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb, i
     if (k == 0) fl_mem_snapshot(pool, "after_fwd");
     double b = now_ms();
     fl_mem_set_phase(pool, "backward");
-    FL_TRY(fl_model_backward(m));
+    FL_TRY(mb->src ? fl_model_backward_s2s(m) : fl_model_backward(m));
     record_live(m, FL_LIVE_BACKWARD);
     if (k == 0) fl_mem_snapshot(pool, "after_bwd");
     if (!fl_backend_host_memory(m->be)) FL_TRY(m->be->sync(m->be)); /* an asynchronous device: its own time */
@@ -145,7 +148,7 @@ fl_status fl_train_step(fl_model *m, fl_optimizer *o, const int32_t *ids, const 
     for (size_t i = 0; i < (size_t)n_micro * mb; i++) total += targets[i] != FL_IGNORE_INDEX;
     fl_micro_batch stack[ON_STACK], *mbs = n_micro <= ON_STACK ? stack : malloc((size_t)n_micro * sizeof *mbs);
     if (!mbs) return fl_errorf(FL_ERR_OOM, "out of host memory");
-    for (int k = 0; k < n_micro; k++) mbs[k] = (fl_micro_batch){ids + k * mb, targets + k * mb, B, T};
+    for (int k = 0; k < n_micro; k++) mbs[k] = (fl_micro_batch){.ids = ids + k * mb, .targets = targets + k * mb, .B = B, .T = T};
     fl_step_ctx c = {.mbs = mbs, .n_micro = n_micro, .step_valid = total, .lr = lr, .max_norm = max_norm};
     fl_status s = fl_step_run(m, o, &c, res);
     if (mbs != stack) free(mbs);

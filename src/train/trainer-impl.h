@@ -37,11 +37,16 @@ typedef struct {
     char tok_dir[FL_CFG_PATH];  /* where tokenizer files come from ("" = built-in) */
     fl_dataset *data;
     fl_loader *train, *val;
+    /* an encoder-decoder (fl_model_is_s2s): the source/target pairs and their loader instead */
+    fl_s2s_data *s2s;
+    fl_s2s_loader *s2s_train;
 } trainer_input;
 
 /* The step's buffers. G = accum x world: micro-batches of one optimizer step, all ranks. */
 typedef struct {
     int32_t *ids, *tgt;         /* (accum, B, T_max) step buffers of this rank, OTHER */
+    int32_t *src;               /* encoder-decoder: (accum, B, Ts) sources and their masks, OTHER */
+    uint8_t *src_mask;
     fl_micro_batch *mbs;        /* (accum) this rank's micro-batches of the step */
     long *mb_epoch;             /* (G) epoch each global micro-batch of the step was drawn from */
     long long *mb_tokens;       /* (G) padded tokens of each global micro-batch */
@@ -51,7 +56,8 @@ typedef struct {
 
 /* The shape of a step and the schedule. */
 typedef struct {
-    int accum, G, B, T;         /* G = accum x world */
+    int accum, G, B, T;         /* G = accum x world; encoder-decoder: T the longest target */
+    int Ts;                     /* encoder-decoder: the longest source (0: a decoder-only run) */
     long max_steps, warmup, steps_per_epoch;
 } trainer_sched;
 
@@ -86,6 +92,12 @@ int fl_tr_dir_has_run(const char *dir);
 fl_status fl_tr_load_tokenizer(trainer *t);
 /* The dataset, the loaders, and (B, T): T the longest sample's inputs within max_seq_length. */
 fl_status fl_tr_load_data(trainer *t);
+/* An encoder-decoder's run: what it does not support yet refused, naming the option. */
+fl_status fl_tr_check_s2s(const trainer *t, const fl_precision *prec, const fl_strategy_choice *sc);
+/* The training loader's micro-batches per epoch and its state (either loader). */
+size_t fl_tr_batches_per_epoch(const trainer *t);
+void fl_tr_loader_get_state(const trainer *t, fl_loader_state *s);
+fl_status fl_tr_loader_set_state(trainer *t, const fl_loader_state *s);
 /* accum, G, steps per epoch, max_steps, the warm-up. */
 void fl_tr_schedule(trainer *t);
 fl_status fl_tr_setup_model(trainer *t, const fl_precision *prec, const fl_model_config *given);

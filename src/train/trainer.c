@@ -122,7 +122,7 @@ fl_status fl_trainer_rehearse_comm(const fl_run_config *cfg, const fl_model_conf
     const size_t per = (size_t)B * T;
     memset(t.buf.ids, 0, (size_t)accum * per * sizeof *t.buf.ids);
     memset(t.buf.tgt, 0, (size_t)accum * per * sizeof *t.buf.tgt);
-    for (int k = 0; k < accum; k++) t.buf.mbs[k] = (fl_micro_batch){t.buf.ids + k * per, t.buf.tgt + k * per, B, T};
+    for (int k = 0; k < accum; k++) t.buf.mbs[k] = (fl_micro_batch){.ids = t.buf.ids + k * per, .targets = t.buf.tgt + k * per, .B = B, .T = T};
     fl_step_result sr;
     s = train_step(&t, 0, (long)(accum * per), cfg->optimizer.lr, &sr);
     if (s != FL_OK || gen_prompt <= 0) goto done;
@@ -229,6 +229,7 @@ static fl_status run_setup(trainer *t, fl_comm *comm, const fl_precision *prec, 
     snprintf(rcfg->sharding_strategy, sizeof rcfg->sharding_strategy, "%s", sc->sharding);
     FL_TRY(fl_fsdp_prepare(&t->dp, rcfg, prec, &t->stg)); /* FULL_SHARD: the model is created sharded */
     FL_TRY(fl_tr_setup_model(t, prec, NULL));
+    FL_TRY(fl_tr_check_s2s(t, prec, sc));
     FL_TRY(fl_tr_load_tokenizer(t));
     FL_TRY(fl_tr_load_data(t));
     fl_tr_schedule(t);
@@ -254,7 +255,38 @@ static fl_status run_setup(trainer *t, fl_comm *comm, const fl_precision *prec, 
 /* Fetch the step's G global micro-batches: every rank walks the whole stream (so the loader
  * position, token counters and the valid-target count are global everywhere) and keeps
  * j % world == rank in its slot j / world. *step_valid: the step's valid targets. */
+/* fetch_step for an encoder-decoder: the pairs' batches (one process: world 1). */
+static fl_status fetch_step_s2s(trainer *t, long *step_valid) {
+    const size_t per = (size_t)t->sch.B * t->sch.T, pers = (size_t)t->sch.B * t->sch.Ts;
+    *step_valid = 0;
+    for (int k = 0; k < t->sch.G; k++) {
+        fl_s2s_batch b;
+        int ne;
+        FL_TRY(fl_s2s_loader_next(t->in.s2s_train, &b, &ne));
+        fl_loader_state lk;
+        fl_s2s_loader_get_state(t->in.s2s_train, &lk);
+        t->buf.mb_epoch[k] = (long)lk.epoch;
+        long real = 0, valid = 0;
+        for (size_t i = 0; i < (size_t)b.B * b.Ts; i++) real += b.src_mask[i] != 0;
+        for (size_t i = 0; i < (size_t)b.B * b.Tt; i++) valid += b.labels[i] != FL_IGNORE_INDEX;
+        t->buf.mb_tokens[k] = (long long)b.B * (b.Ts + b.Tt);
+        *step_valid += valid;
+        t->st.tokens_real += real + valid;
+        t->st.tokens_prompt += real;
+        t->st.tokens_padded += t->buf.mb_tokens[k];
+        int32_t *di = t->buf.ids + (size_t)k * per, *dt = t->buf.tgt + (size_t)k * per, *ds = t->buf.src + (size_t)k * pers;
+        uint8_t *dm = t->buf.src_mask + (size_t)k * pers;
+        memcpy(di, b.dec_in, (size_t)b.B * b.Tt * sizeof *di);
+        memcpy(dt, b.labels, (size_t)b.B * b.Tt * sizeof *dt);
+        memcpy(ds, b.src, (size_t)b.B * b.Ts * sizeof *ds);
+        memcpy(dm, b.src_mask, (size_t)b.B * b.Ts);
+        t->buf.mbs[k] = (fl_micro_batch){.ids = di, .targets = dt, .B = b.B, .T = b.Tt, .src = ds, .src_mask = dm, .Ts = b.Ts};
+    }
+    return FL_OK;
+}
+
 static fl_status fetch_step(trainer *t, long *step_valid) {
+    if (t->in.s2s_train) return fetch_step_s2s(t, step_valid);
     const size_t per = (size_t)t->sch.B * t->sch.T;
     *step_valid = 0;
     for (int j = 0; j < t->sch.G; j++) {
@@ -275,7 +307,7 @@ static fl_status fetch_step(trainer *t, long *step_valid) {
         int32_t *di = t->buf.ids + (size_t)k * per, *dt = t->buf.tgt + (size_t)k * per;
         memcpy(di, b.ids, (size_t)b.B * b.T * sizeof *di);
         memcpy(dt, b.targets, (size_t)b.B * b.T * sizeof *dt);
-        t->buf.mbs[k] = (fl_micro_batch){di, dt, b.B, b.T};
+        t->buf.mbs[k] = (fl_micro_batch){.ids = di, .targets = dt, .B = b.B, .T = b.T};
     }
     return FL_OK;
 }
@@ -428,7 +460,7 @@ static fl_status decide_stop(trainer *t, run_loop *L, double step_loss, long ste
 static fl_status loop_step(trainer *t, run_loop *L, int *brk) {
     const fl_run_config *cfg = t->cfg;
     fl_loader_state ls;
-    fl_loader_get_state(t->in.train, &ls);
+    fl_tr_loader_get_state(t, &ls);
     if ((cfg->train.epochs > 0 && ls.epoch >= cfg->train.epochs) ||
         (cfg->train.max_tokens > 0 && t->st.tokens_real >= cfg->train.max_tokens)) {
         *brk = 1;
@@ -446,7 +478,7 @@ static fl_status loop_step(trainer *t, run_loop *L, int *brk) {
     FL_TRY(log_iterations(t, L, lr, tokens0, sent0, &step_loss));
     FL_TRY(check_step(t, L, &sr, step_loss, step_valid));
     t->st.step++;
-    fl_loader_get_state(t->in.train, &t->st.loader);
+    fl_tr_loader_get_state(t, &t->st.loader);
     t->st.train_seconds = fl_tr_now_s() - L->t_start;
     if (t->st.step == 1 && t->out && !L->resumed) fl_tr_print_memory(t);
     if (t->st.step % cfg->eval.interval == 0 && t->in.val) FL_TRY(evaluate(t, L));

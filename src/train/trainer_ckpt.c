@@ -73,7 +73,7 @@ fl_status fl_tr_resume(trainer *t, int *resumed) {
         snprintf(path, sizeof path, "%s", r);
     }
     FL_TRY(fl_dp_ckpt_load(&t->dp, path, &t->model, &t->opt, &t->st)); /* ZeRO: each rank keeps its chunk */
-    FL_TRY(fl_loader_set_state(t->in.train, &t->st.loader));
+    FL_TRY(fl_tr_loader_set_state(t, &t->st.loader));
     if (t->out) fprintf(t->out, "Resuming training from %s (step %ld, iter %ld)\n", path, t->st.step, t->st.iter);
     *resumed = 1;
     return FL_OK;

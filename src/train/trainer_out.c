@@ -115,16 +115,23 @@ void fl_tr_mem_values(const fl_mem_pool *p, fl_metrics_values *v) {
 /* The run's header: model, data, precision, batch and schedule, the notes, data parallelism. */
 void fl_tr_print_header(trainer *t, fl_comm *comm, const fl_precision *prec, const fl_strategy_choice *sc) {
     const fl_run_config *cfg = t->cfg;
-    const fl_data_stats *ds = fl_data_get_stats(t->in.data);
     if (!t->out) return;
     fprintf(t->out, "model: %s, %zu parameters (%s); tokenizer: %s%s%s%s\n", t->model.cfg.name[0] ? t->model.cfg.name : "?",
             t->model.layout.numel, cfg->checkpoint_dir[0] ? cfg->checkpoint_dir : cfg->model_name,
             fl_tok_kind(t->in.tok), t->in.tok_dir[0] ? " from '" : " (built in: no tokenizer files with the model; "
             "--tokenizer_dir gives one", t->in.tok_dir[0] ? t->in.tok_dir : "", t->in.tok_dir[0] ? "'" : ")");
-    fprintf(t->out, "data: %s, %zu train / %zu val samples, %zu truncated to max_seq_length; longest input %d\n",
-            fl_data_kind_name(cfg->data.kind), ds->n_samples[FL_SPLIT_TRAIN], ds->n_samples[FL_SPLIT_VAL],
-            ds->n_truncated, t->sch.T);
-    if (ds->val_source[0]) fprintf(t->out, "validation: %s\n", ds->val_source);
+    if (t->in.s2s) {
+        const fl_s2s_stats *ss = fl_s2s_get_stats(t->in.s2s);
+        fprintf(t->out, "data: %zu source/target pairs from '%s' (%zu sources, %zu targets truncated); longest source "
+                "%d, target %d tokens; no validation split\n", ss->n_records, cfg->data.json_path,
+                ss->n_truncated_source, ss->n_truncated_target, t->sch.Ts, t->sch.T);
+    } else {
+        const fl_data_stats *ds = fl_data_get_stats(t->in.data);
+        fprintf(t->out, "data: %s, %zu train / %zu val samples, %zu truncated to max_seq_length; longest input %d\n",
+                fl_data_kind_name(cfg->data.kind), ds->n_samples[FL_SPLIT_TRAIN], ds->n_samples[FL_SPLIT_VAL],
+                ds->n_truncated, t->sch.T);
+        if (ds->val_source[0]) fprintf(t->out, "validation: %s\n", ds->val_source);
+    }
     if (strcmp(cfg->logger_name, "csv") && strcmp(cfg->logger_name, "jsonl"))
         fprintf(t->out, "logger_name %s: fitllm writes CSV metrics (%s/logs/metrics.csv); the %s logger is not "
                 "available in this build\n", cfg->logger_name, cfg->out_dir, cfg->logger_name);
@@ -155,7 +162,7 @@ void fl_tr_print_header(trainer *t, fl_comm *comm, const fl_precision *prec, con
                 : t->dp.stage ? "; each rank holds the optimizer state of its chunk of the parameters, updates it, "
                 "and the updated parameters are all-gathered" : "");
     }
-    long bpe = (long)fl_loader_batches_per_epoch(t->in.train);
+    long bpe = (long)fl_tr_batches_per_epoch(t);
     if (bpe < t->sch.G) /* the epoch counter then moves every few iterations, inside one step */
         fprintf(t->out, "note: the training split is %ld micro-batch%s of %d, fewer than the %d of one optimizer "
                 "step: every step goes over it %.3g times (epochs are counted per micro-batch)\n",

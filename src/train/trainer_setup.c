@@ -173,8 +173,76 @@ fl_status fl_tr_load_tokenizer(trainer *t) {
 
 static int ds_truncated(const fl_dataset *d) { return fl_data_get_stats(d)->n_truncated > 0; }
 
+/* An encoder-decoder's data: the pairs of data.json_path (fl_s2s_load, cut to data.max_source_length /
+ * max_target_length tokens: 512 / 128 as HF's run_summarization), tokenized by the model folder's tokenizer; the decoder starts
+ * from config.json's decoder_start_token_id. (B, Ts, T): the longest source and target. */
+static fl_status load_data_s2s(trainer *t) {
+    const fl_run_config *c = t->cfg;
+    if (c->data.kind != FL_DATA_JSON || !c->data.json_path[0])
+        return fl_errorf(FL_ERR_UNSUPPORTED, "an encoder-decoder (%s) trains on input/output pairs: give --data JSON "
+                         "--data.json_path FILE (.json or .jsonl records with \"input\" and \"output\"); --data %s is "
+                         "not supported for it", t->model.cfg.name, fl_data_kind_name(c->data.kind));
+    fl_s2s_config sc;
+    fl_s2s_config_default(&sc);
+    sc.max_source_length = c->data.max_source_length;
+    sc.max_target_length = c->data.max_target_length;
+    FL_TRY(fl_s2s_load(&t->in.s2s, c->data.json_path, &sc, t->in.tok));
+    size_t n = fl_s2s_count(t->in.s2s);
+    if (!n) return fl_errorf(FL_ERR_INVALID, "'%s' holds no pairs", c->data.json_path);
+    int ls = 1, lt = 1;
+    for (size_t i = 0; i < n; i++) {
+        const int32_t *a, *b;
+        int na, nb;
+        fl_s2s_get(t->in.s2s, i, &a, &na, &b, &nb);
+        if (na > ls) ls = na;
+        if (nb > lt) lt = nb;
+    }
+    t->sch.B = c->train.micro_batch_size;
+    t->sch.Ts = ls;
+    t->sch.T = lt;
+    int pad = t->model.cfg.pad_id, start = t->model.cfg.dec_start_id;
+    return fl_s2s_loader_init(&t->in.s2s_train, t->in.s2s, t->sch.B, pad, start, c->seed, 1);
+}
+
+fl_status fl_tr_check_s2s(const trainer *t, const fl_precision *prec, const fl_strategy_choice *sc) {
+    const fl_run_config *c = t->cfg;
+    const char *m = t->model.cfg.name[0] ? t->model.cfg.name : "encoder-decoder";
+    if (!fl_model_is_s2s(&t->model.cfg)) return FL_OK;
+    if (c->lora.quantize[0])
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--quantize %s (QLoRA): an encoder-decoder (%s) trains fp32 weights only "
+                         "so far", c->lora.quantize, m);
+    if (strcmp(prec->name, "32-true"))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: an encoder-decoder (%s) trains in 32-true only so far",
+                         prec->name, m);
+    if (t->dp.world > 1)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%d ranks (--devices/--num_nodes, --strategy %s): an encoder-decoder (%s) "
+                         "trains in one process only so far", t->dp.world, c->strategy, m);
+    if (sc->offload)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s (optimizer offload): not supported for an encoder-decoder "
+                         "(%s) yet", c->strategy, m);
+    if (c->command == FL_CMD_PRETRAIN)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "pretrain: an encoder-decoder (%s) is fine-tuned only (finetune_full, "
+                         "finetune_lora) so far", m);
+    return FL_OK;
+}
+
+size_t fl_tr_batches_per_epoch(const trainer *t) {
+    if (t->in.s2s) return (fl_s2s_count(t->in.s2s) + (size_t)t->sch.B - 1) / (size_t)t->sch.B;
+    return fl_loader_batches_per_epoch(t->in.train);
+}
+
+void fl_tr_loader_get_state(const trainer *t, fl_loader_state *s) {
+    if (t->in.s2s_train) fl_s2s_loader_get_state(t->in.s2s_train, s);
+    else fl_loader_get_state(t->in.train, s);
+}
+
+fl_status fl_tr_loader_set_state(trainer *t, const fl_loader_state *s) {
+    return t->in.s2s_train ? fl_s2s_loader_set_state(t->in.s2s_train, s) : fl_loader_set_state(t->in.train, s);
+}
+
 fl_status fl_tr_load_data(trainer *t) {
     const fl_run_config *c = t->cfg;
+    if (fl_model_is_s2s(&t->model.cfg)) return load_data_s2s(t);
     fl_data_config dc = c->data;
     dc.max_seq_length = c->train.max_seq_length;
     /* LitGPT's pretrain cuts the token stream into blocks of the model's context
@@ -228,7 +296,7 @@ void fl_tr_schedule(trainer *t) {
     const fl_train_args *a = &t->cfg->train;
     t->sch.accum = a->global_batch_size / (t->cfg->devices * t->cfg->num_nodes) / a->micro_batch_size;
     t->sch.G = t->sch.accum * t->dp.world;
-    long bpe = (long)fl_loader_batches_per_epoch(t->in.train);
+    long bpe = (long)fl_tr_batches_per_epoch(t);
     t->sch.steps_per_epoch = bpe / t->sch.G > 0 ? bpe / t->sch.G : 1;
     long ms = -1;
     if (a->epochs > 0) ms = a->epochs * t->sch.steps_per_epoch;
@@ -332,7 +400,15 @@ fl_status fl_tr_setup_training(trainer *t, const fl_run_config *rcfg, const fl_s
     FL_TRY(fl_dp_check(&t->dp, &t->opt));
     if (t->opt.amp.on && cfg->loss_scale_init > 0) t->opt.amp.ls.scale = cfg->loss_scale_init;
     t->model.act_ckpt = sc->act_ckpt; /* given, or LitGPT's default under auto's FSDP */
-    FL_TRY(fl_model_alloc_acts(&t->model, t->sch.B, t->sch.T));
+    if (t->sch.Ts) {
+        FL_TRY(fl_model_alloc_acts_s2s(&t->model, t->sch.B, t->sch.Ts, t->sch.T));
+        size_t ps = (size_t)t->sch.accum * t->sch.B * t->sch.Ts;
+        fl_status s = fl_mem_alloc(fl_mem_host_pool(&t->hw.pool), FL_TAG_OTHER, ps * sizeof(int32_t), (void **)&t->buf.src);
+        if (s == FL_OK) s = fl_mem_alloc(fl_mem_host_pool(&t->hw.pool), FL_TAG_OTHER, ps, (void **)&t->buf.src_mask);
+        if (s != FL_OK) return fl_error_prefix(s, "the step's sources (%d x %d x %d)", t->sch.accum, t->sch.B, t->sch.Ts);
+    } else {
+        FL_TRY(fl_model_alloc_acts(&t->model, t->sch.B, t->sch.T));
+    }
     size_t per = (size_t)t->sch.B * t->sch.T;
     /* the step's token ids and targets: host memory (the loader writes them; the forward uploads) */
     fl_status s = fl_mem_alloc(fl_mem_host_pool(&t->hw.pool), FL_TAG_OTHER, (size_t)t->sch.accum * per * sizeof(int32_t),
@@ -356,6 +432,8 @@ void fl_tr_cleanup(trainer *t) {
     if (t->hw.pool_ok) {
         fl_mem_free(fl_mem_host_pool(&t->hw.pool), t->buf.ids);
         fl_mem_free(fl_mem_host_pool(&t->hw.pool), t->buf.tgt);
+        fl_mem_free(fl_mem_host_pool(&t->hw.pool), t->buf.src);
+        fl_mem_free(fl_mem_host_pool(&t->hw.pool), t->buf.src_mask);
     }
     free(t->buf.mbs);
     free(t->buf.mb_epoch);
@@ -366,6 +444,8 @@ void fl_tr_cleanup(trainer *t) {
     fl_loader_free(t->in.train);
     fl_loader_free(t->in.val);
     fl_data_free(t->in.data);
+    fl_s2s_loader_free(t->in.s2s_train);
+    fl_s2s_free(t->in.s2s);
     fl_tok_free(t->in.tok);
     fl_fsdp_free(&t->dp);
     fl_optim_free(&t->opt);
