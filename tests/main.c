@@ -413,6 +413,21 @@ int main(int argc, char **argv) {
     return failed ? 1 : 0;
 }
 
+char *fl_test_slurp(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    char *b = NULL;
+    long sz = fseek(f, 0, SEEK_END) == 0 ? ftell(f) : -1;
+    if (sz >= 0 && fseek(f, 0, SEEK_SET) == 0) b = malloc((size_t)sz + 1);
+    if (b && fread(b, 1, (size_t)sz, f) != (size_t)sz) {
+        free(b);
+        b = NULL;
+    }
+    fclose(f);
+    if (b) b[sz] = 0, *len = (size_t)sz;
+    return b;
+}
+
 unsigned char *fl_test_st_data(const char *path, size_t *len) {
     FILE *f = fopen(path, "rb");
     if (!f) return NULL;

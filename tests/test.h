@@ -31,6 +31,9 @@ const char *fl_test_tmpdir(void);
 /* The tensor data of a safetensors file (after the 8-byte length and the JSON header), malloc'd; NULL if the
  * file cannot be read. Checkpoints of two runs compare on it (their headers differ: wall times). */
 unsigned char *fl_test_st_data(const char *path, size_t *len);
+/* A whole file, malloc'd with a terminating NUL after its *len bytes; NULL (and *len untouched) if it
+ * cannot be read. */
+char *fl_test_slurp(const char *path, size_t *len);
 
 /* ---- backends ---------------------------------------------------------------------------
  * "The test backend" of tests that are not about one backend's ops (models, trainer, LoRA,

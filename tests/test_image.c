@@ -20,24 +20,12 @@ static const char *const k_good[] = {
 };
 #define N_GOOD (sizeof k_good / sizeof k_good[0])
 
-static void *read_all(const char *path, size_t *n) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long sz = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    void *b = malloc(sz > 0 ? (size_t)sz : 1);
-    *n = fread(b, 1, (size_t)sz, f);
-    fclose(f);
-    return b;
-}
-
 static void *fixture(const char *img, const char *ext, size_t *n) {
     char p[512];
     snprintf(p, sizeof p, IMG_DIR "/%s", img);
     char *dot = strrchr(p, '.');
     snprintf(dot, sizeof p - (dot - p), "%s", ext);
-    return read_all(p, n);
+    return fl_test_slurp(p, n);
 }
 
 /* Decoding = PIL's decoding (libjpeg-turbo on both sides: ISLOW DCT, fancy upsampling; libpng
@@ -142,7 +130,7 @@ FL_TEST(image_bad_inputs) {
         char p[512];
         snprintf(p, sizeof p, IMG_DIR "/%s", files[f]);
         size_t n = 0;
-        uint8_t *b = read_all(p, &n);
+        uint8_t *b = fl_test_slurp(p, &n);
         FL_REQUIRE(b && n > 100);
         int errs = 0;
         for (size_t cut = 1; cut < n; cut += 1 + cut / 16) {
@@ -167,7 +155,7 @@ FL_TEST(image_bad_inputs) {
 /* A 20000x20000 header is refused by the pixel limit before any pixel is decoded. */
 FL_TEST(image_pixel_limit) {
     size_t n = 0;
-    uint8_t *b = read_all(IMG_DIR "/rgb_13x7.png", &n);
+    uint8_t *b = fl_test_slurp(IMG_DIR "/rgb_13x7.png", &n);
     FL_REQUIRE(b && n > 33);
     /* IHDR width/height at bytes 16..23; the chunk CRC then mismatches, so fix it: libpng checks it */
     uint8_t *c = b + 16;
@@ -184,7 +172,7 @@ FL_TEST(image_pixel_limit) {
              msg_has("20000x20000") && msg_has("limit"));
     free(b);
     /* JPEG: SOF0 height/width */
-    b = read_all(IMG_DIR "/rgb444_41x29.jpg", &n);
+    b = fl_test_slurp(IMG_DIR "/rgb444_41x29.jpg", &n);
     FL_REQUIRE(b);
     for (size_t i = 2; i + 9 < n; i++)
         if (b[i] == 0xff && b[i + 1] == 0xc0) {

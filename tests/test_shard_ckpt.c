@@ -88,22 +88,9 @@ static int same_from(const zr_rec *a, const zr_rec *b, int from) {
            !memcmp(a->loss + from, b->loss + from, (size_t)(a->steps - from) * sizeof(double));
 }
 
-static unsigned char *read_all(const char *path, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    unsigned char *d = n >= 0 ? malloc((size_t)n + 1) : NULL;
-    if (d && fread(d, 1, (size_t)n, f) != (size_t)n) { free(d); d = NULL; }
-    fclose(f);
-    *len = (size_t)n;
-    return d;
-}
-
 static int same_file(const char *a, const char *b) {
     size_t la = 0, lb = 0;
-    unsigned char *da = read_all(a, &la), *db = read_all(b, &lb);
+    unsigned char *da = (unsigned char *)fl_test_slurp(a, &la), *db = (unsigned char *)fl_test_slurp(b, &lb);
     int ok = da && db && la == lb && !memcmp(da, db, la);
     free(da);
     free(db);

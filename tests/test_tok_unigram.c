@@ -173,19 +173,6 @@ FL_TEST(tok_unigram_folder_and_sentinels) {
     fl_tok_free(t);
 }
 
-static char *slurp(const char *path, size_t *n) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long sz = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *b = malloc((size_t)sz + 1);
-    if (b && fread(b, 1, (size_t)sz, f) != (size_t)sz) { free(b); b = NULL; }
-    fclose(f);
-    if (b) b[sz] = 0, *n = (size_t)sz;
-    return b;
-}
-
 static const char *write_tmp(const char *name, const void *data, size_t n) {
     static char p[512];
     snprintf(p, sizeof p, "%s/%s", fl_test_tmpdir(), name);
@@ -204,7 +191,7 @@ static void expect_error(const char *path, const char *needle) {
 
 FL_TEST(tok_unigram_bad_inputs) {
     size_t n;
-    char *m = slurp(T5_DIR "/spiece.model", &n);
+    char *m = fl_test_slurp(T5_DIR "/spiece.model", &n);
     FL_REQUIRE(m);
     expect_error(write_tmp("t5trunc.model", m, n / 2), "t5trunc.model");
     for (size_t cut = 5; cut < n; cut = cut * 2 + 3) { /* never a crash, never a success at any cut */

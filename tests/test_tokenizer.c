@@ -13,19 +13,6 @@
 #include "test.h"
 #include "tokenizer/tok-impl.h"
 
-static char *slurp(const char *path, size_t *n) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long sz = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *b = malloc((size_t)sz + 1);
-    if (b && fread(b, 1, (size_t)sz, f) != (size_t)sz) { free(b); b = NULL; }
-    fclose(f);
-    if (b) b[sz] = 0, *n = (size_t)sz;
-    return b;
-}
-
 static void write_file(const char *path, const void *data, size_t n) {
     FILE *f = fopen(path, "wb");
     if (f) { fwrite(data, 1, n, f); fclose(f); }
@@ -47,9 +34,9 @@ static int load_vectors(vectors *v, const char *name) {
     size_t ni, no;
     memset(v, 0, sizeof *v);
     snprintf(rel, sizeof rel, "tokenizer-vectors/%s.inp", name);
-    v->buf_inp = slurp(fl_test_data_path(rel), &ni);
+    v->buf_inp = fl_test_slurp(fl_test_data_path(rel), &ni);
     snprintf(rel, sizeof rel, "tokenizer-vectors/%s.out", name);
-    v->buf_out = slurp(fl_test_data_path(rel), &no);
+    v->buf_out = fl_test_slurp(fl_test_data_path(rel), &no);
     if (!v->buf_inp || !v->buf_out) return -1;
     static const char sep[] = "\n__ggml_vocab_test__\n";
     char *p = v->buf_inp, *end = v->buf_inp + ni;
@@ -231,7 +218,7 @@ FL_TEST(tok_llama2c_bin_matches_json) {
     FL_CHECK(fl_tok_vocab_size(a) == 512 && fl_tok_vocab_size(b) == 512);
     FL_CHECK(fl_tok_bos_id(a) == 1 && fl_tok_eos_id(a) == 2);
     size_t n;
-    char *text = slurp(fl_test_data_path("text/tinystories-val-prefix.txt"), &n);
+    char *text = fl_test_slurp(fl_test_data_path("text/tinystories-val-prefix.txt"), &n);
     FL_REQUIRE(text);
     /* line by line over the first 200 lines, then one 20 KB chunk */
     char *p = text;
@@ -384,7 +371,7 @@ FL_TEST(tok_bos_eos_config) {
     const char *dir = fl_test_tmpdir();
     char p[512], q[512];
     size_t sn;
-    char *seed = slurp("fuzz/seeds-tok/sp.json", &sn);
+    char *seed = fl_test_slurp("fuzz/seeds-tok/sp.json", &sn);
     FL_REQUIRE(seed);
     snprintf(p, sizeof p, "%s/tokenizer.json", dir);
     write_file(p, seed, sn);
@@ -453,7 +440,7 @@ FL_TEST(tok_bad_inputs) {
     expect_load_error(tmpfile_with("word.model", word, sizeof word), FL_ERR_UNSUPPORTED, "WORD");
     if (fl_test_data_dir()) {
         size_t n;
-        char *m = slurp(fl_test_data_path("llama2-tokenizer/tokenizer.model"), &n);
+        char *m = fl_test_slurp(fl_test_data_path("llama2-tokenizer/tokenizer.model"), &n);
         FL_REQUIRE(m);
         expect_load_error(tmpfile_with("trunc.model", m, 1001), FL_ERR_FORMAT, "trunc.model");
         for (size_t cut = 7; cut < 20000; cut = cut * 3 + 1) { /* never a crash at any cut */
@@ -462,7 +449,7 @@ FL_TEST(tok_bad_inputs) {
             FL_CHECK(s != FL_OK && t == NULL);
         }
         free(m);
-        char *b = slurp(fl_test_data_path("stories260K/tok512.bin"), &n);
+        char *b = fl_test_slurp(fl_test_data_path("stories260K/tok512.bin"), &n);
         FL_REQUIRE(b);
         expect_load_error(tmpfile_with("tok_trunc.bin", b, n - 3), FL_ERR_FORMAT, "tok_trunc.bin");
         expect_load_error(tmpfile_with("tok_tiny.bin", b, 2), FL_ERR_FORMAT, "tok_tiny.bin");
@@ -480,7 +467,7 @@ FL_TEST(tok_ws_split_exact) {
     FL_SKIP_IF_NO_DATA();
     const char *paths[] = {"llama2-tokenizer/tokenizer.json", "llama2-tokenizer/tokenizer.model", "stories260K/tok512.bin"};
     size_t n;
-    char *text = slurp(fl_test_data_path("text/tinyshakespeare.txt"), &n);
+    char *text = fl_test_slurp(fl_test_data_path("text/tinyshakespeare.txt"), &n);
     FL_REQUIRE(text);
     size_t len = n < 60000 ? n : 60000;
     for (int k = 0; k < 3; k++) {
