@@ -349,8 +349,8 @@ typedef struct {
     int ckpt_recomputed;    /* act_ckpt: blocks the last backward recomputed (L - 1) */
     int keep_block0_din;    /* tests: run block 0's input-gradient ops under LoRA too (nothing reads their
                              * result: the embeddings are frozen; by default they are skipped) */
-    double ms_head;         /* last forward: wall ms of the head + loss (lm_head chunks, cross-entropy and,
-                             * in training, the head's backward), included in the forward's time */
+    double ms_head;         /* an encoder-decoder's last forward (seq2seq.c): wall ms of its head + loss; a decoder-only
+                             * model's head is a phase the step times itself (fl_model_forward_head) */
     int act_ckpt;           /* activation checkpointing (set before fl_model_alloc_acts) */
     fl_dtype act_dtype;     /* storage of the saved activations of the current arena: prec.act_dtype when
                              * fl_model_alloc_acts ran (fl_model_set_precision re-sizes the arena) */
@@ -516,6 +516,12 @@ float *fl_model_grad(fl_model *m, const char *name);
  * fl_model_backward. B,T must not exceed the arena's. */
 fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targets, int B, int T,
                            float grad_scale, float *logits_out);
+/* fl_model_forward in its two phases, as the training step times them (src/train/step.c): the model up to the
+ * head's input (the embeddings, the blocks, the final norm), then the head and the loss (the chunked lm_head,
+ * cross-entropy and, in training, the head's backward) with the targets and grad_scale of the first call. */
+fl_status fl_model_forward_body(fl_model *m, const int32_t *ids, const int32_t *targets, int B, int T,
+                                float grad_scale);
+fl_status fl_model_forward_head(fl_model *m, float *logits_out);
 /* Backward through all blocks and embeddings after a forward with grad_scale
  * > 0; ACCUMULATES into m->grads (so micro-batches accumulate). */
 fl_status fl_model_backward(fl_model *m);

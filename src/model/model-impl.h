@@ -49,10 +49,14 @@ struct fl_acts {
     float *head_w;          /* (V, C) fp32 copy of the 16-bit head weight */
     float *head_x;          /* (chunk, C) BF16: the chunk's input rounded to bf16, held in fp32 */
     void *head_t16;         /* (chunk, max(V, C)) BF16: rounding scratch (aliases dyb16 when that exists) */
+    /* the forward in progress between fl_model_forward_body and fl_model_forward_head */
+    struct fl_fwd_pass { const int32_t *targets; float grad_scale; int B, T, open; } fwd;
     struct fl_s2s_acts *s2s; /* an encoder-decoder's stacks (seq2seq.c; then the views above are unused), or NULL */
     void *be_scratch;       /* the backend's scratch (fl_backend.scratch_bytes), lent to its ops in each
                              * forward and backward (fl_act_opts.backend_scratch), or NULL */
 };
+
+typedef struct fl_fwd_pass fl_fwd_pass;
 
 /* Widths derived from the config. */
 typedef struct {
