@@ -19,7 +19,8 @@ static fl_status sum_ranks(fl_comm *c, double v, double *out) {
 }
 
 /* the squared norm of the whole model's gradient: each rank's split entries, and rank 0's replicated ones (the
- * same bits on every rank; a row-parallel bias trains on rank 0 alone) */
+ * same bits on every rank; a row-parallel bias trains on rank 0 alone). Under DDP on the data-parallel axis
+ * every rank of it holds the same reduced gradient: the tensor-parallel group's sum is the whole norm. */
 static fl_status tp_grad_sumsq(void *ud, const fl_optimizer *o, double *out) {
     const fl_tp_dist *d = ud;
     const fl_model *m = d->m;
@@ -42,8 +43,25 @@ static fl_status tp_any(void *ud, int *flag) {
     return FL_OK;
 }
 
+/* the data-parallel hooks (DDP on the other axis of the grid) under tensor parallelism's */
+static fl_status inner_sum(void *ud, double *v, int n) {
+    const fl_optim_dist *in = ((fl_tp_dist *)ud)->inner;
+    return in->sum(in->ud, v, n);
+}
+static fl_status inner_gather(void *ud, fl_optimizer *o) {
+    const fl_optim_dist *in = ((fl_tp_dist *)ud)->inner;
+    return in->gather ? in->gather(in->ud, o) : FL_OK;
+}
+static fl_status inner_max(void *ud, float *v, size_t n) {
+    const fl_optim_dist *in = ((fl_tp_dist *)ud)->inner;
+    return in->max(in->ud, v, n);
+}
+
 fl_status fl_tp_optim_attach(fl_optimizer *o, fl_comm *host_comm, fl_tp_dist *d) {
-    if (o->shard.dist) return fl_errorf(FL_ERR_UNSUPPORTED, "tensor parallel: the optimizer has data-parallel hooks already");
+    const fl_optim_dist *in = o->shard.dist;
+    if (in && (in->stage != 0 || in->grad_sumsq))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "tensor parallel: the data-parallel axis runs DDP only so far (its "
+                         "optimizer is sharded: stage %d)", in->stage);
     if (o->w.n != o->model->layout.numel || o->w.p != fl_model_params_data(o->model))
         return fl_errorf(FL_ERR_UNSUPPORTED, "tensor parallel: the optimizer must train the slice's parameters (not "
                          "LoRA adapters)");
@@ -52,6 +70,11 @@ fl_status fl_tp_optim_attach(fl_optimizer *o, fl_comm *host_comm, fl_tp_dist *d)
     d->m = o->model;
     d->dist.world = 1; /* the data is not split: every rank of the group trains the same batch */
     d->dist.ud = d;
+    if (in) { /* DDP over the data-parallel axis: its ranks and sums, the norm and verdicts over the group */
+        d->inner = in;
+        d->dist.world = in->world, d->dist.rank = in->rank, d->dist.stage = 0;
+        d->dist.sum = inner_sum, d->dist.gather = inner_gather, d->dist.max = inner_max;
+    }
     d->dist.grad_sumsq = tp_grad_sumsq;
     d->dist.any = tp_any;
     o->shard.dist = &d->dist;

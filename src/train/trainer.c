@@ -178,11 +178,12 @@ typedef struct {
 static fl_status run_checks(trainer *t, fl_comm *comm, fl_precision *prec) {
     const fl_run_config *cfg = t->cfg;
     FL_TRY(fl_cfg_validate(cfg));
-    if (cfg->devices * cfg->num_nodes != t->dp.world)
+    const int ranks = t->dp.world * (t->tp.size > 1 ? t->tp.size : 1); /* the grid: data x tensor parallel */
+    if (cfg->devices * cfg->num_nodes != ranks)
         return fl_errorf(FL_ERR_INVALID, "devices x num_nodes = %d x %d = %d ranks, but this run has %d (%s): give "
                          "--devices %d, or launch %d ranks (mpirun -np %d)", cfg->devices, cfg->num_nodes,
-                         cfg->devices * cfg->num_nodes, t->dp.world, comm ? fl_comm_impl_name(comm) : "no communicator",
-                         t->dp.world, cfg->devices * cfg->num_nodes, cfg->devices * cfg->num_nodes);
+                         cfg->devices * cfg->num_nodes, ranks, comm ? fl_comm_impl_name(comm) : "no communicator",
+                         ranks, cfg->devices * cfg->num_nodes, cfg->devices * cfg->num_nodes);
     FL_TRY(fl_precision_find(cfg->precision, prec));
     if (!prec->available)
         return fl_errorf(FL_ERR_UNSUPPORTED, "precision '%s' is not available yet in this build", cfg->precision);
@@ -227,6 +228,7 @@ static fl_status run_setup(trainer *t, fl_comm *comm, const fl_precision *prec, 
     *rcfg = *cfg;
     snprintf(rcfg->strategy, sizeof rcfg->strategy, "%s", sc->strategy);
     snprintf(rcfg->sharding_strategy, sizeof rcfg->sharding_strategy, "%s", sc->sharding);
+    FL_TRY(fl_tr_tp_check(t, sc));
     FL_TRY(fl_fsdp_prepare(&t->dp, rcfg, prec, &t->stg)); /* FULL_SHARD: the model is created sharded */
     FL_TRY(fl_tr_setup_model(t, prec, NULL));
     FL_TRY(fl_tr_check_s2s(t, prec, sc));
@@ -236,6 +238,7 @@ static fl_status run_setup(trainer *t, fl_comm *comm, const fl_precision *prec, 
     fl_mem_set_phase(&t->hw.pool, "setup");
     if (cfg->command != FL_CMD_FINETUNE_LORA) AGREE(); /* every rank has its model (FULL_SHARD: its shard) before the gradients */
     FL_TRY(fl_tr_setup_training(t, rcfg, sc));
+    FL_TRY(fl_tr_tp_attach(t)); /* tensor parallel: the clipping norm and overflow verdicts over the group */
     AGREE(); /* every rank holds its model, data and buffers; nothing was written yet */
     if (lead) {
         FL_TRY(fl_fs_mkdir_p(cfg->out_dir));
@@ -512,8 +515,9 @@ static fl_status finish(trainer *t, run_loop *L) {
     fl_mem_set_phase(&t->hw.pool, "checkpoint");
     FL_TRY(fl_tr_diverged(t, fl_tr_check_weights(t), t->st.step, t->st.iter));
     if (t->model.lora && L->lead) FL_TRY(fl_model_lora_merge(&t->model));
-    FL_TRY(fl_dp_ckpt_save(&t->dp, L->lead, cfg->out_dir, "final", &t->model, t->model.lora ? NULL : &t->opt,
-                           t->model.lora ? NULL : &t->st, cfg, t->in.tok_dir[0] ? t->in.tok_dir : NULL));
+    if (t->tp.size > 1) FL_TRY(fl_tr_tp_save(t, L->lead, "final", &t->opt, &t->st));
+    else FL_TRY(fl_dp_ckpt_save(&t->dp, L->lead, cfg->out_dir, "final", &t->model, t->model.lora ? NULL : &t->opt,
+                                t->model.lora ? NULL : &t->st, cfg, t->in.tok_dir[0] ? t->in.tok_dir : NULL));
     snprintf(r->final_dir, sizeof r->final_dir, "%s/final", cfg->out_dir);
     /* fl_ckpt_save wrote final/adapter (the PEFT adapter) with final/ */
     if (t->model.lora && L->lead && t->out) fprintf(t->out, "Saved the PEFT adapter to '%s/adapter'\n", r->final_dir);
@@ -554,9 +558,15 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
                               void *hook_ud, fl_trainer_result *res) {
     trainer t;
     trainer_begin(&t, cfg, comm);
+    fl_comm *world = comm;
+    fl_status s = fl_tr_tp_begin(&t, world, &comm); /* tensor parallel: comm := the data-parallel axis */
+    if (s != FL_OK) {
+        fl_tr_tp_end(&t);
+        return s;
+    }
     run_loop L;
     memset(&L, 0, sizeof L);
-    L.lead = t.dp.rank == 0; /* only rank 0 prints, logs and writes checkpoints */
+    L.lead = fl_tr_tp_lead(&t); /* only rank 0 prints, logs and writes checkpoints */
     L.val_loss = NAN;
     L.val_step = -1;
     L.hook = hook;
@@ -568,20 +578,24 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
     L.r.error_all_ranks = 1; /* the checks before set-up fail alike on every rank */
     if (res) *res = L.r;
     fl_precision prec;
-    fl_status s = run_checks(&t, comm, &prec);
-    if (s != FL_OK) return s;
+    s = run_checks(&t, world, &prec);
+    if (s != FL_OK) {
+        fl_tr_tp_end(&t);
+        return s;
+    }
     fl_strategy_choice sc;
     fl_run_config rcfg;
     int agreed = 0, in_setup = 1;
     s = run_setup(&t, comm, &prec, &sc, &rcfg, L.lead, &L.resumed, &agreed);
     if (s == FL_OK) {
         in_setup = 0;
-        fl_tr_print_header(&t, comm, &prec, &sc);
+        fl_tr_print_header(&t, world, &prec, &sc);
         s = run_loop_all(&t, &L);
     }
     if (s != FL_OK && in_setup && !agreed) s = fl_dp_agree(&t.dp, s); /* meet the others' next agreement */
     /* no agreement follows: peers that are threads would wait in their next collective */
     if (s != FL_OK && !in_setup && t.dp.comm) fl_comm_release_peers(fl_dp_dcomm(&t.dp), fl_error_message());
+    if (s != FL_OK && !in_setup && t.tp.world) fl_comm_release_peers(t.tp.world, fl_error_message());
     L.r.error_all_ranks = in_setup;
     free(L.window);
     if (t.hw.pool_ok) result_memory(&t, s, &L.r); /* also on failure: what was reached, and the OOM record */

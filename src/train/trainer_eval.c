@@ -74,9 +74,11 @@ fl_status fl_tr_sample_tokens(trainer *t, const int32_t *ids, int n, const int32
  * tokens of the first validation text, and the model continues it. */
 fl_status fl_tr_generate_example(trainer *t) {
     const fl_run_config *c = t->cfg;
-    if (!t->out || c->eval.max_new_tokens <= 0) return FL_OK;
+    /* tensor parallel: the lead's group decodes with it (its blocks' sums), silently */
+    FILE *fo = t->out;
+    if ((!fo && !(t->tp.size > 1 && t->dp.rank == 0)) || c->eval.max_new_tokens <= 0) return FL_OK;
     if (t->dp.fsdp) { /* decoding token by token would gather every block for every token */
-        fprintf(t->out, "(sample generation skipped: the parameters are sharded (FULL_SHARD); generate from a "
+        if (fo) fprintf(fo, "(sample generation skipped: the parameters are sharded (FULL_SHARD); generate from a "
                 "checkpoint with fitllm generate)\n");
         return FL_OK;
     }
@@ -103,7 +105,7 @@ fl_status fl_tr_generate_example(trainer *t) {
     }
     int cap = (int)n + c->eval.max_new_tokens;
     if (s == FL_OK && cap > t->model.cfg.max_seq) {
-        fprintf(t->out, "(sample generation skipped: prompt of %zu tokens + eval.max_new_tokens %d exceeds the "
+        if (fo) fprintf(fo, "(sample generation skipped: prompt of %zu tokens + eval.max_new_tokens %d exceeds the "
                 "context of %d)\n", n, c->eval.max_new_tokens, t->model.cfg.max_seq);
         goto out;
     }
@@ -113,7 +115,7 @@ fl_status fl_tr_generate_example(trainer *t) {
     if (s == FL_OK) s = fl_tr_sample_tokens(t, ids, (int)n, eos >= 0 ? &eos : NULL, gen, &n_out, NULL, NULL);
     if (s == FL_OK) s = fl_tok_decode(t->in.tok, gen, (size_t)n_out, 1, &text, &len);
     /* pretrain: the text prefix and its continuation read as one text */
-    if (s == FL_OK) fprintf(t->out, "%s%s%s\n", instruction, c->command == FL_CMD_PRETRAIN ? "" : "\n", text);
+    if (s == FL_OK && fo) fprintf(fo, "%s%s%s\n", instruction, c->command == FL_CMD_PRETRAIN ? "" : "\n", text);
 out:
     free(gen);
     free(text);

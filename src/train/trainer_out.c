@@ -117,7 +117,8 @@ void fl_tr_print_header(trainer *t, fl_comm *comm, const fl_precision *prec, con
     const fl_run_config *cfg = t->cfg;
     if (!t->out) return;
     fprintf(t->out, "model: %s, %zu parameters (%s); tokenizer: %s%s%s%s\n", t->model.cfg.name[0] ? t->model.cfg.name : "?",
-            t->model.layout.numel, cfg->checkpoint_dir[0] ? cfg->checkpoint_dir : cfg->model_name,
+            t->tp.size > 1 ? t->tp.whole_numel : t->model.layout.numel,
+            cfg->checkpoint_dir[0] ? cfg->checkpoint_dir : cfg->model_name,
             fl_tok_kind(t->in.tok), t->in.tok_dir[0] ? " from '" : " (built in: no tokenizer files with the model; "
             "--tokenizer_dir gives one", t->in.tok_dir[0] ? t->in.tok_dir : "", t->in.tok_dir[0] ? "'" : ")");
     if (t->in.s2s) {
@@ -162,6 +163,7 @@ void fl_tr_print_header(trainer *t, fl_comm *comm, const fl_precision *prec, con
                 : t->dp.stage ? "; each rank holds the optimizer state of its chunk of the parameters, updates it, "
                 "and the updated parameters are all-gathered" : "");
     }
+    fl_tr_tp_print(t, comm);
     long bpe = (long)fl_tr_batches_per_epoch(t);
     if (bpe < t->sch.G) /* the epoch counter then moves every few iterations, inside one step */
         fprintf(t->out, "note: the training split is %ld micro-batch%s of %d, fewer than the %d of one optimizer "
@@ -175,7 +177,12 @@ void fl_tr_print_memory(trainer *t) {
     const fl_run_config *cfg = t->cfg;
     fl_tr_bar_clear(t);
     fprintf(t->out, "\n");
-    if (t->dp.world > 1 && !t->dp.stage)
+    if (t->tp.size > 1)
+        fprintf(t->out, "memory of rank 0 (tensor parallel %d%s: PARAMS, GRADS and OPTIM hold its slice, %zu of %zu "
+                "parameters; ACTS its heads' and MLP columns' activations; the whole model was loaded outside the "
+                "pool and freed)\n", t->tp.size, t->dp.world > 1 ? " x DDP" : "", t->model.layout.numel,
+                t->tp.whole_numel);
+    else if (t->dp.world > 1 && !t->dp.stage)
         fprintf(t->out, "memory of rank 0 (DDP: every rank holds the same; WORKSPACE includes the all-reduce's "
                 "scratch)\n");
     else if (t->dp.fsdp)

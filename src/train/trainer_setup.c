@@ -86,7 +86,7 @@ fl_status fl_trainer_lora_config(const fl_run_config *c, const fl_model_config *
 /* The run's model. given (the planner's, fl_trainer_rehearse): that configuration, created and
  * randomly initialized as a preset is (no weights read: the loader's allocations are the random
  * init's, one 4-bit weight's fp32 staging at most). */
-static fl_status load_model(trainer *t, const fl_model_config *given) {
+fl_status fl_tr_load_model(trainer *t, const fl_model_config *given, fl_model *m, fl_mem_pool *pool, int *ok) {
     const fl_run_config *c = t->cfg;
     fl_model_config mc;
     const char *ck = c->checkpoint_dir;
@@ -94,14 +94,14 @@ static fl_status load_model(trainer *t, const fl_model_config *given) {
     int have_cfg = 0; /* pretrain: model_config fields, a config.json, or model_name */
     if (!given && c->command == FL_CMD_PRETRAIN) FL_TRY(fl_cfg_model_config(c, &mc, &have_cfg));
     if (given) {
-        FL_TRY(fl_model_init_ex(&t->model, given, &t->hw.be, &t->hw.pool, &t->stg));
-        t->model_ok = 1;
-        FL_TRY(fl_model_init_random_ex(&t->model, c->seed));
+        FL_TRY(fl_model_init_ex(m, given, &t->hw.be, pool, &t->stg));
+        *ok = 1;
+        FL_TRY(fl_model_init_random_ex(m, c->seed));
     } else if (have_cfg) {
-        FL_TRY(fl_model_init_ex(&t->model, &mc, &t->hw.be, &t->hw.pool, &t->stg));
-        t->model_ok = 1;
-        FL_TRY(fl_model_init_random_ex(&t->model, c->seed));
-        if (ck[0]) { FL_TRY(fl_hf_load_weights(&t->model, ck)); have_weights = 1; }
+        FL_TRY(fl_model_init_ex(m, &mc, &t->hw.be, pool, &t->stg));
+        *ok = 1;
+        FL_TRY(fl_model_init_random_ex(m, c->seed));
+        if (ck[0]) { FL_TRY(fl_hf_load_weights(m, ck)); have_weights = 1; }
     } else if (ck[0] && !exists(ck)) {
         /* A preset name: random init (for speed/memory experiments without weights). */
         fl_status s = fl_preset_find(ck, &mc);
@@ -111,9 +111,9 @@ static fl_status load_model(trainer *t, const fl_model_config *given) {
             return fl_errorf(FL_ERR_NOT_FOUND, "checkpoint_dir '%s' is neither a model folder nor a preset (%s)", ck,
                              why);
         }
-        FL_TRY(fl_model_init_ex(&t->model, &mc, &t->hw.be, &t->hw.pool, &t->stg));
-        t->model_ok = 1;
-        FL_TRY(fl_model_init_random_ex(&t->model, c->seed));
+        FL_TRY(fl_model_init_ex(m, &mc, &t->hw.be, pool, &t->stg));
+        *ok = 1;
+        FL_TRY(fl_model_init_random_ex(m, c->seed));
     } else if (ck[0] && c->init_random) {
         /* --init random: the folder's (or config.json's) shape, fresh weights */
         char cp[FL_CFG_PATH + 16];
@@ -121,23 +121,23 @@ static fl_status load_model(trainer *t, const fl_model_config *given) {
         if (stat(ck, &st) == 0 && S_ISDIR(st.st_mode)) snprintf(cp, sizeof cp, "%s/config.json", ck);
         else snprintf(cp, sizeof cp, "%s", ck);
         FL_TRY(fl_hf_load_config(cp, &mc));
-        FL_TRY(fl_model_init_ex(&t->model, &mc, &t->hw.be, &t->hw.pool, &t->stg));
-        t->model_ok = 1;
-        FL_TRY(fl_model_init_random_ex(&t->model, c->seed));
+        FL_TRY(fl_model_init_ex(m, &mc, &t->hw.be, pool, &t->stg));
+        *ok = 1;
+        FL_TRY(fl_model_init_random_ex(m, c->seed));
     } else if (ck[0]) {
         int loaded = 0;
-        FL_TRY(fl_model_load_auto_ex(&t->model, ck, &t->hw.be, &t->hw.pool, &t->stg, &loaded));
-        t->model_ok = 1;
+        FL_TRY(fl_model_load_auto_ex(m, ck, &t->hw.be, pool, &t->stg, &loaded));
+        *ok = 1;
         have_weights = loaded;
-        if (!loaded) FL_TRY(fl_model_init_random_ex(&t->model, c->seed));
+        if (!loaded) FL_TRY(fl_model_init_random_ex(m, c->seed));
     } else {
         return fl_errorf(FL_ERR_INVALID, "no model: give checkpoint_dir%s",
                          c->command == FL_CMD_PRETRAIN ? ", model_name or model_config" : "");
     }
     (void)have_weights;
-    if (c->train.tie_embeddings >= 0 && c->train.tie_embeddings != t->model.cfg.tie_embeddings)
+    if (c->train.tie_embeddings >= 0 && c->train.tie_embeddings != m->cfg.tie_embeddings)
         return fl_errorf(FL_ERR_UNSUPPORTED, "train.tie_embeddings=%d differs from the model's tie_word_embeddings=%d",
-                         c->train.tie_embeddings, t->model.cfg.tie_embeddings);
+                         c->train.tie_embeddings, m->cfg.tie_embeddings);
     return FL_OK;
 }
 
@@ -294,7 +294,7 @@ fl_status fl_tr_load_data(trainer *t) {
 
 void fl_tr_schedule(trainer *t) {
     const fl_train_args *a = &t->cfg->train;
-    t->sch.accum = a->global_batch_size / (t->cfg->devices * t->cfg->num_nodes) / a->micro_batch_size;
+    t->sch.accum = a->global_batch_size / fl_cfg_dp_ranks(t->cfg) / a->micro_batch_size;
     t->sch.G = t->sch.accum * t->dp.world;
     long bpe = (long)fl_tr_batches_per_epoch(t);
     t->sch.steps_per_epoch = bpe / t->sch.G > 0 ? bpe / t->sch.G : 1;
@@ -339,7 +339,8 @@ fl_status fl_trainer_storage(const fl_run_config *c, const fl_precision *p, fl_m
  * the after_load snapshot (the weights alone). */
 fl_status fl_tr_setup_model(trainer *t, const fl_precision *prec, const fl_model_config *given) {
     fl_mem_set_phase(&t->hw.pool, "model load");
-    FL_TRY(load_model(t, given));
+    if (t->tp.size > 1) FL_TRY(fl_tr_tp_load(t, given)); /* the whole model outside the pool, then the slice */
+    else FL_TRY(fl_tr_load_model(t, given, &t->model, &t->hw.pool, &t->model_ok));
     FL_TRY(fl_model_set_precision(&t->model, prec));
     fl_mem_snapshot(&t->hw.pool, "after_load");
     return FL_OK;
@@ -455,6 +456,7 @@ void fl_tr_cleanup(trainer *t) {
     if (t->hw.opool_ok) fl_mem_pool_free(&t->hw.opool);
     if (t->hw.hbe_ok) fl_cpu_backend_free(&t->hw.hbe);
     if (t->hw.be_ok) fl_backend_free(&t->hw.be);
+    fl_tr_tp_end(t); /* after fl_dp_done: the data-parallel axis is its communicator */
 }
 
 /* cleanup after a failure keeps the failure's message: tearing down what was in flight (FSDP's
