@@ -157,6 +157,9 @@ fl_status fl_tr_tp_attach(trainer *t);
 fl_status fl_tr_tp_save(trainer *t, int lead, const char *name, const fl_optimizer *o, const fl_train_state *st);
 fl_status fl_tr_tp_ckpt_load(trainer *t, const char *path);
 void fl_tr_tp_end(trainer *t);
+/* v[0..n) summed over every rank of the grid (fl_dp_sum over the whole grid; without tensor parallelism the
+ * data-parallel ranks): the run's stop decisions, which every rank must take alike. */
+fl_status fl_tr_sum_all(trainer *t, double *v, int n);
 /* The run header's line (the lead). */
 void fl_tr_tp_print(const trainer *t, fl_comm *world);
 /* The model of load_model (trainer_setup.c) into m from pool (*ok: m is to be freed). */

@@ -441,7 +441,7 @@ static fl_status decide_stop(trainer *t, run_loop *L, double step_loss, long ste
     const fl_run_config *cfg = t->cfg;
     double stop[3] = {0, cfg->train.max_time > 0 && t->st.train_seconds >= cfg->train.max_time, 0};
     if (L->hook) FL_TRY(call_hook(t, L, step_loss, step_valid, stop));
-    FL_TRY(fl_dp_sum(&t->dp, stop, 3));
+    FL_TRY(fl_tr_sum_all(t, stop, 3)); /* tensor parallel: a group's ranks time their steps apart */
     if (stop[0] > 0) {
         /* not while the loss is above the divergence limit: that checkpoint would be a bad one */
         if (stop[2] > 0 && !saved && !fl_trainer_diverge_suspect(&L->dv)) FL_TRY(fl_tr_save_step(t, L->lead, 1));

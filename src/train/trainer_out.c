@@ -46,12 +46,13 @@ void fl_tr_bar_draw(trainer *t, long step, double eta) {
 
 /* Several ranks: the least and the most peak total over them (every rank calls this: a host collective). */
 static int peak_range(trainer *t, const fl_trainer_result *r, double *lo, double *hi) {
-    const int W = t->dp.world;
-    if (W < 2 || !t->dp.comm) return 0;
+    /* tensor parallel: over the whole grid */
+    const int W = t->tp.world ? fl_comm_size(t->tp.world) : t->dp.world;
+    if (W < 2 || (!t->dp.comm && !t->tp.world)) return 0;
     double *v = calloc((size_t)W, sizeof *v);
     if (!v) return 0;
-    v[t->dp.rank] = (double)r->peak_total;
-    int ok = fl_dp_sum(&t->dp, v, W) == FL_OK;
+    v[t->tp.world ? fl_comm_rank(t->tp.world) : t->dp.rank] = (double)r->peak_total;
+    int ok = fl_tr_sum_all(t, v, W) == FL_OK;
     *lo = *hi = v[0];
     for (int k = 1; k < W; k++) {
         if (v[k] < *lo) *lo = v[k];

@@ -141,7 +141,7 @@ static int state_arrays(const fl_optimizer *o, void *arr[3]) {
     return 3;
 }
 
-fl_status fl_tr_tp_save(trainer *t, int lead, const char *name, const fl_optimizer *o, const fl_train_state *st) {
+static fl_status tp_save(trainer *t, int lead, const char *name, const fl_optimizer *o, const fl_train_state *st) {
     if (t->dp.rank != 0) return FL_OK; /* DDP: every data-parallel group holds the same; the first gathers */
     const fl_run_config *c = t->cfg;
     tp_whole w;
@@ -167,6 +167,19 @@ fl_status fl_tr_tp_save(trainer *t, int lead, const char *name, const fl_optimiz
         s = fl_ckpt_save(c->out_dir, name, &w.m, o ? &w.o : NULL, st, c, t->in.tok_dir[0] ? t->in.tok_dir : NULL);
     whole_free(&w);
     return s;
+}
+
+fl_status fl_tr_tp_save(trainer *t, int lead, const char *name, const fl_optimizer *o, const fl_train_state *st) {
+    /* a failed gather or write fails every rank of the grid at once (as ZeRO's streamed saves do) */
+    return fl_dp_agree(&t->dp, tp_save(t, lead, name, o, st));
+}
+
+fl_status fl_tr_sum_all(trainer *t, double *v, int n) {
+    if (!t->tp.world) return fl_dp_sum(&t->dp, v, n);
+    fl_dp g;
+    memset(&g, 0, sizeof g);
+    fl_dp_init(&g, t->tp.world, NULL);
+    return fl_dp_sum(&g, v, n);
 }
 
 fl_status fl_tr_tp_ckpt_load(trainer *t, const char *path) {
