@@ -23,7 +23,15 @@
 #include "fitllm/comm.h"
 #include "fitllm/io.h"
 #include "fitllm/model.h"
+#include "fitllm/comm_nccl.h"
 #include "test.h"
+
+/* The runs take FITLLM_TEST_BACKEND's backend (the trainer reads FITLLM_BACKEND); forced: that one. On a backend
+ * whose memory the host cannot read (opaque, cuda-emu) the blocks' sums and DDP's go through its device
+ * communicator, the NCCL stand-in over the threads. */
+static const char *g_forced;
+static void backend_on(void) { setenv("FITLLM_BACKEND", g_forced ? g_forced : fl_test_backend_name(), 1); }
+static void backend_off(void) { unsetenv("FITLLM_BACKEND"); }
 
 typedef struct {
     fl_run_config cfg[4];
@@ -40,12 +48,21 @@ static fl_status tp_rank(fl_comm *c, int rank, void *ud) {
     return s;
 }
 
+static int g_small; /* the emulator's cut-down run */
+
 /* scenario sc over dp groups x tp ranks (out: its out_dir) */
 static void tp_config(fl_run_config *c, int sc, int dp, int tp, const char *out) {
     dr_config(c, sc, dp, dp * tp, 1, 1, out);
     c->tensor_parallel = tp;
     c->train.save_interval = 1; /* step 1's state: the gradient of step 1 */
     c->train.keep_checkpoints = 0;
+    if (!g_small) return;
+    snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "gpt2-micro"); /* 2 layers: fewer emulated launches */
+    c->train.max_steps = 2;
+    c->train.max_seq_length = 8;
+    c->train.save_interval = 0;
+    c->eval.interval = 100;
+    c->eval.final_validation = 0;
 }
 
 /* max over the elements of tensor [off, off + n) of the flat state arrays a and b: |a - b| and |b| */
@@ -120,7 +137,10 @@ static void scenario(int sc, int dp, int tp) {
     snprintf(out, sizeof out, "%s/%s-dp%d-tp%d", fl_test_tmpdir(), dr_names[sc], dp, tp);
     for (int r = 0; r < W; r++) tp_config(&j->cfg[r], sc, dp, tp, out);
     const long steps = j->cfg[0].train.max_steps;
+    backend_on();
+    const unsigned long calls0 = fl_nccl_standin_calls();
     fl_status s = fl_comm_threads_run(W, tp_rank, j);
+    const unsigned long calls = fl_nccl_standin_calls() - calls0;
     FL_CHECKF(s == FL_OK, "%s at DP %d x TP %d: %s", dr_names[sc], dp, tp, j->msg[0][0] ? j->msg[0] : fl_error_message());
     for (int r = 1; r < W && s == FL_OK; r++)
         FL_CHECKF(!memcmp(j->rec[r].loss, j->rec[0].loss, sizeof j->rec[0].loss), "%s: rank %d's losses differ from "
@@ -131,11 +151,15 @@ static void scenario(int sc, int dp, int tp) {
     tp_config(&c, sc, dp, 1, ref_out);
     c.devices = 1;
     if (s == FL_OK) FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, dr_record, &ref, NULL));
+    backend_off();
+    if (g_forced) /* the blocks' sums went through the stand-in: 4 per block and micro-batch at least */
+        FL_CHECKF(calls >= (unsigned long)(4 * steps), "%s on %s: only %lu collectives through the NCCL stand-in",
+                  dr_names[sc], g_forced, calls);
     if (s == FL_OK) {
         const double lr = dr_loss_rel(&j->rec[0], &ref, steps);
         FL_CHECKF(lr <= 1e-6, "%s at DP %d x TP %d vs one process: step losses differ by %.3g relative", dr_names[sc],
                   dp, tp, lr);
-        if (sc == DR_ADAMW) check_grads(out, ref_out, dr_names[sc]);
+        if (sc == DR_ADAMW && j->cfg[0].train.save_interval == 1) check_grads(out, ref_out, dr_names[sc]);
         dr_rec a = {0}, b = {0};
         final_params(out, &a);
         final_params(ref_out, &b);
@@ -162,6 +186,30 @@ FL_TEST(tp_train_threads_adamw_matches_one_process) {
 
 FL_TEST(tp_train_threads_sgd_matches_one_process) { scenario(DR_SGD, 1, 4); }
 
+/* The same on the opaque backend (its memory unreadable by the host): the blocks' all-reduces and DDP's go
+ * through the NCCL stand-in, whatever FITLLM_TEST_BACKEND says. */
+FL_TEST(tp_train_nccl_standin_opaque) {
+    g_forced = "opaque";
+    scenario(DR_ADAMW, 2, 2);
+    g_forced = NULL;
+}
+
+/* The CUDA backend's code over the emulator, 2 TP ranks through the NCCL stand-in (slow: 1 step of a 2-layer
+ * GPT-2, as test_ddp_nccl.c). */
+FL_TEST(tp_train_nccl_standin_cuda_emu) {
+#if defined(FL_HAVE_CUDA_EMU) && defined(__SANITIZE_ADDRESS__)
+    fl_test_skip("the release pass runs it (emulated kernels under ASan are slow)");
+#elif defined(FL_HAVE_CUDA_EMU)
+    g_small = 1;
+    g_forced = "cuda-emu";
+    scenario(DR_SGD, 1, 2);
+    g_forced = NULL;
+    g_small = 0;
+#else
+    fl_test_skip("no CUDA emulator in this build");
+#endif
+}
+
 /* A checkpoint of TP 2 resumes in one process and at TP 4; one process's resumes at TP 2: every resumed run's
  * later step losses within 1e-6 of the uninterrupted TP 2 run's (the state is consolidated: any size reads it). */
 FL_TEST(tp_train_threads_checkpoints_resume_at_any_size) {
@@ -170,6 +218,7 @@ FL_TEST(tp_train_threads_checkpoints_resume_at_any_size) {
     FL_REQUIRE(j != NULL);
     snprintf(out, sizeof out, "%s/tp-resume-2", fl_test_tmpdir());
     for (int r = 0; r < 2; r++) tp_config(&j->cfg[r], DR_ADAMW, 1, 2, out);
+    backend_on();
     FL_REQUIRE_OK(fl_comm_threads_run(2, tp_rank, j));
     dr_rec full = j->rec[0];
     memset(&j->rec[0], 0, sizeof j->rec[0]);
@@ -202,6 +251,7 @@ FL_TEST(tp_train_threads_checkpoints_resume_at_any_size) {
             from_step = 5;
         }
     }
+    backend_off();
     for (int r = 0; r < 4; r++) dr_free(&j->rec[r]);
     dr_free(&full);
     free(j);
