@@ -23,6 +23,7 @@
 #include "fitllm/comm.h"
 #include "fitllm/io.h"
 #include "fitllm/model.h"
+#include "fitllm/plan.h"
 #include "fitllm/comm_nccl.h"
 #include "test.h"
 
@@ -38,11 +39,12 @@ typedef struct {
     dr_rec rec[4];
     fl_status st[4];
     char msg[4][600];
+    fl_trainer_result res[4];
 } tp_job;
 
 static fl_status tp_rank(fl_comm *c, int rank, void *ud) {
     tp_job *j = ud;
-    fl_status s = fl_trainer_run_comm(&j->cfg[rank], c, NULL, 0, dr_record, &j->rec[rank], NULL);
+    fl_status s = fl_trainer_run_comm(&j->cfg[rank], c, NULL, 0, dr_record, &j->rec[rank], &j->res[rank]);
     j->st[rank] = s;
     snprintf(j->msg[rank], sizeof j->msg[rank], "%s", s != FL_OK ? fl_error_message() : "");
     return s;
@@ -208,6 +210,53 @@ FL_TEST(tp_train_nccl_standin_cuda_emu) {
 #else
     fl_test_skip("no CUDA emulator in this build");
 #endif
+}
+
+/* plan per rank = measured: every rank of TP 2 and of DP 2 x TP 2, each tag's peak and the total (the slice's
+ * parameters, gradients, optimizer state, activations, the step's workspace; the ranks are threads: no MPI
+ * scratch, comm_threads). On the cpu backend, whose plan this is (a device backend's host staging is planned with
+ * --accelerator cuda). */
+FL_TEST(tp_train_threads_plan_equals_measured) {
+    const int grids[2][2] = {{1, 2}, {2, 2}};
+    g_forced = "cpu";
+    for (int g = 0; g < 2; g++) {
+        const int dp = grids[g][0], tp = grids[g][1], W = dp * tp;
+        tp_job *j = calloc(1, sizeof *j);
+        FL_REQUIRE(j != NULL);
+        char out[700];
+        snprintf(out, sizeof out, "%s/tp-plan-%d-%d", fl_test_tmpdir(), dp, tp);
+        for (int r = 0; r < W; r++) {
+            tp_config(&j->cfg[r], DR_SGD, dp, tp, out);
+            j->cfg[r].train.max_steps = 1;
+        }
+        backend_on();
+        fl_status s = fl_comm_threads_run(W, tp_rank, j);
+        backend_off();
+        FL_CHECKF(s == FL_OK, "DP %d x TP %d: %s", dp, tp, j->msg[0]);
+        for (int r = 0; r < W && s == FL_OK; r++) {
+            fl_plan_opts po;
+            fl_plan_opts_default(&po);
+            po.no_suggestions = 1;
+            po.generation = 0;
+            po.comm_threads = 1;
+            po.rank = r;
+            fl_plan *pl = calloc(1, sizeof *pl);
+            FL_REQUIRE(pl != NULL);
+            FL_REQUIRE_OK(fl_plan_run(&j->cfg[r], &po, pl));
+            for (int k = 0; k < FL_TAG_COUNT; k++)
+                FL_CHECKF(pl->peak[k] == j->res[r].peak[k], "DP %d x TP %d rank %d: tag %s planned %zu, measured %zu", dp,
+                          tp, r, fl_mem_tag_name((fl_mem_tag)k), pl->peak[k], j->res[r].peak[k]);
+            FL_CHECKF(pl->peak_total == j->res[r].peak_total, "DP %d x TP %d rank %d: peak planned %zu, measured %zu",
+                      dp, tp, r, pl->peak_total, j->res[r].peak_total);
+            if (getenv("FL_TEST_VERBOSE") && r == 0)
+                printf("    DP %d x TP %d rank 0: planned = measured = %zu bytes (PARAMS %zu)\n", dp, tp,
+                       pl->peak_total, pl->peak[FL_TAG_PARAMS]);
+            free(pl);
+        }
+        for (int r = 0; r < 4; r++) dr_free(&j->rec[r]);
+        free(j);
+    }
+    g_forced = NULL;
 }
 
 /* A checkpoint of TP 2 resumes in one process and at TP 4; one process's resumes at TP 2: every resumed run's

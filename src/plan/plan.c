@@ -548,7 +548,13 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
         const char *why = fl_fsdp_refusal(c, fl_precision_find(c->precision, &fp) == FL_OK ? &fp : NULL);
         if (why) return fl_errorf(FL_ERR_UNSUPPORTED, "%s", why);
     }
-    if (p->devices > 1 && !p->zero_stage)
+    if (c->tensor_parallel > 1)
+        note(p, "tensor parallel %d%s: rank %d's memory: its slice of the model (1/%d of the attention heads, key/value "
+                "heads and MLP columns; norms, embeddings and the head whole), its gradients and optimizer state, its "
+                "heads' activations; the whole model the run loads and slices, and the checkpoints' gathered copy, "
+                "are outside the pool (host staging)", c->tensor_parallel, fl_cfg_dp_ranks(c) > 1 ? " x DDP" : "",
+             p->rank, c->tensor_parallel);
+    else if (p->devices > 1 && !p->zero_stage)
         note(p, "data parallel (DDP) over %d ranks: the memory of ONE rank (every rank holds the whole model, its "
                 "gradients and optimizer state)%s", p->devices,
              opts.comm_threads ? "; the ranks are threads of one process: no all-reduce scratch"
@@ -615,7 +621,7 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     }
     p->T = x.T;
     p->B = c->train.micro_batch_size;
-    p->global_batch = c->train.global_batch_size / (c->devices * c->num_nodes);
+    p->global_batch = c->train.global_batch_size / fl_cfg_dp_ranks(c); /* per data-parallel rank */
     p->accum = p->global_batch / p->B;
     snprintf(p->precision, sizeof p->precision, "%s", c->precision);
     snprintf(p->optimizer, sizeof p->optimizer, "%s%s", fl_optim_name(c->optimizer.kind),

@@ -81,6 +81,11 @@ fl_status fl_trainer_rehearse_comm(const fl_run_config *cfg, const fl_model_conf
     fl_trainer_result r;
     memset(&r, 0, sizeof r);
     r.val_loss = NAN;
+    fl_status s0 = fl_tr_tp_begin(&t, comm, &comm); /* tensor parallel: comm := the data-parallel axis */
+    if (s0 != FL_OK) {
+        fl_tr_tp_end(&t);
+        return s0;
+    }
     int32_t *prompt = NULL, *gen = NULL;
     fl_precision prec;
     fl_status s = fl_precision_find(cfg->precision, &prec);
@@ -110,12 +115,14 @@ fl_status fl_trainer_rehearse_comm(const fl_run_config *cfg, const fl_model_conf
         snprintf(rcfg.sharding_strategy, sizeof rcfg.sharding_strategy, "%s", sc.sharding);
         s = fl_fsdp_prepare(&t.dp, &rcfg, &prec, &t.stg);
     }
+    if (s == FL_OK) s = fl_tr_tp_check(&t, &sc);
     if (s == FL_OK) s = fl_tr_setup_model(&t, &prec, mc);
     t.sch.B = B;
     t.sch.T = T;
     t.sch.accum = accum;
     t.sch.G = accum * t.dp.world;
     if (s == FL_OK) s = fl_tr_setup_training(&t, &rcfg, &sc);
+    if (s == FL_OK) s = fl_tr_tp_attach(&t);
     if (s == FL_OK) s = fl_dp_broadcast_params(&t.dp, &t.opt); /* rank 0's weights everywhere, as DDP starts */
     if (s != FL_OK) goto done;
     /* a step of token 0 everywhere, every target valid (the values do not matter: nothing computes) */
@@ -142,6 +149,7 @@ done:
     /* several ranks: a failure anywhere (this rank's OOM under its budget) breaks the group, so the
      * others' next collective fails at once instead of waiting for this rank */
     if (s != FL_OK && t.dp.comm) fl_comm_release_peers(fl_dp_dcomm(&t.dp), fl_error_message());
+    if (s != FL_OK && t.tp.world) fl_comm_release_peers(t.tp.world, fl_error_message());
     if (t.hw.pool_ok) result_memory(&t, s, &r);
     if (res) *res = r;
     free(prompt);

@@ -103,9 +103,21 @@ static fl_status whole_make(trainer *t, tp_whole *w, const fl_optimizer *o) {
     return FL_OK;
 }
 
+static fl_status attach_group(trainer *t);
+
 fl_status fl_tr_tp_load(trainer *t, const fl_model_config *given) {
     tp_whole w;
-    fl_status s = whole_pools(t, &w);
+    fl_status s;
+    if (fl_backend_discards(&t->hw.be)) { /* the planner's rehearsal: the slice of the given shape, no whole copy */
+        fl_model_config pc;
+        FL_TRY(fl_tp_config(given, t->tp.size, t->tp.rank, &pc));
+        t->tp.whole = *given;
+        FL_TRY(fl_model_init_ex(&t->model, &pc, &t->hw.be, &t->hw.pool, &t->stg));
+        t->model_ok = 1;
+        FL_TRY(fl_model_init_random_ex(&t->model, t->cfg->seed));
+        return attach_group(t);
+    }
+    s = whole_pools(t, &w);
     if (s == FL_OK) s = fl_tr_load_model(t, given, &w.m, &w.pool, &w.m_ok);
     fl_model_config pc;
     if (s == FL_OK) s = fl_tp_config(&w.m.cfg, t->tp.size, t->tp.rank, &pc);
@@ -120,6 +132,10 @@ fl_status fl_tr_tp_load(trainer *t, const fl_model_config *given) {
     }
     whole_free(&w);
     if (s != FL_OK) return s;
+    return attach_group(t);
+}
+
+static fl_status attach_group(trainer *t) {
     /* the blocks' sums run on the backend's memory: its device communicator over the group where it has one */
     if (t->hw.be.comm_create)
         FL_TRY(fl_error_prefix(t->hw.be.comm_create(&t->hw.be, t->tp.grp, &t->tp.dgrp), "--tensor_parallel %d: the %s "
