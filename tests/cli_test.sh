@@ -299,7 +299,7 @@ expect tp_not_dividing_devices 2 "tensor_parallel 2 does not divide devices x nu
     "$FITLLM" finetune_full micro --tensor_parallel 2 --out_dir "$T/tp1"
 expect tp_plan_heads_not_divisible 2 "--tensor_parallel 3: the model's 8 attention heads \(num_attention_heads\) do not split evenly over 3 ranks" -- \
     "$FITLLM" plan micro --devices 3 --tensor_parallel 3
-expect tp_plan_zero_refused 1 "--tensor_parallel 2 with --strategy deepspeed_stage_2: the data-parallel axis \(2 groups\) runs DDP only so far" -- \
+expect tp_plan_zero_refused 2 "--tensor_parallel 2 with --strategy deepspeed_stage_2: the data-parallel axis \(2 groups\) runs DDP only so far" -- \
     "$FITLLM" plan micro --devices 4 --tensor_parallel 2 --strategy deepspeed_stage_2
 expect tp_plan_slice 0 "^after_load +reserved +573\.25 KiB" -- "$FITLLM" plan micro --devices 4 --tensor_parallel 2 --strategy ddp
 # --bucket_size: ZeRO-2 offload of a 7B model at micro 4 over 4 MPI ranks planned a 19.99 GiB WORKSPACE peak (the

@@ -139,8 +139,9 @@ void fl_tr_print_memory(trainer *t);
 void fl_tr_val_row(trainer *t, double val_loss);
 
 /* ---- tensor parallelism (trainer_tp.c) ---- */
-/* Split world into the grid's axes (collective; tensor_parallel 1: *dp_comm = world, nothing split). */
-fl_status fl_tr_tp_begin(trainer *t, fl_comm *world, fl_comm **dp_comm);
+/* Split world into the grid's axes (collective; tensor_parallel 1: *dp_comm = world, nothing split), after the
+ * refusals every rank makes alike (fl_tr_tp_check's; given: the planner's model shape, its split). */
+fl_status fl_tr_tp_begin(trainer *t, fl_comm *world, const fl_model_config *given, fl_comm **dp_comm);
 /* Whether this rank leads the run (prints, logs, writes checkpoints): the grid's rank 0. */
 int fl_tr_tp_lead(const trainer *t);
 /* What tensor parallelism does not combine with yet (refused naming the option), before the model loads. */

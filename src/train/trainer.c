@@ -81,7 +81,7 @@ fl_status fl_trainer_rehearse_comm(const fl_run_config *cfg, const fl_model_conf
     fl_trainer_result r;
     memset(&r, 0, sizeof r);
     r.val_loss = NAN;
-    fl_status s0 = fl_tr_tp_begin(&t, comm, &comm); /* tensor parallel: comm := the data-parallel axis */
+    fl_status s0 = fl_tr_tp_begin(&t, comm, mc, &comm); /* tensor parallel: comm := the data-parallel axis */
     if (s0 != FL_OK) {
         fl_tr_tp_end(&t);
         return s0;
@@ -567,7 +567,7 @@ fl_status fl_trainer_run_comm(const fl_run_config *cfg, fl_comm *comm, FILE *out
     trainer t;
     trainer_begin(&t, cfg, comm);
     fl_comm *world = comm;
-    fl_status s = fl_tr_tp_begin(&t, world, &comm); /* tensor parallel: comm := the data-parallel axis */
+    fl_status s = fl_tr_tp_begin(&t, world, NULL, &comm); /* tensor parallel: comm := the data-parallel axis */
     if (s != FL_OK) {
         fl_tr_tp_end(&t);
         return s;

@@ -13,7 +13,9 @@
 #include "trainer-impl.h"
 #include "fitllm/checkpoint.h"
 
-fl_status fl_tr_tp_begin(trainer *t, fl_comm *world, fl_comm **dp_comm) {
+static fl_status tp_check(const fl_run_config *c, int n, int dp_world, const fl_strategy_choice *sc);
+
+fl_status fl_tr_tp_begin(trainer *t, fl_comm *world, const fl_model_config *given, fl_comm **dp_comm) {
     const int n = t->cfg->tensor_parallel > 1 ? t->cfg->tensor_parallel : 1;
     *dp_comm = world;
     t->tp.size = 1;
@@ -22,6 +24,13 @@ fl_status fl_tr_tp_begin(trainer *t, fl_comm *world, fl_comm **dp_comm) {
     if (W % n)
         return fl_errorf(FL_ERR_INVALID, "--tensor_parallel %d: this run has %d rank%s, not a multiple of it (launch "
                          "data-parallel groups x %d ranks: --devices %d, %d, ...)", n, W, W == 1 ? "" : "s", n, n, 2 * n);
+    /* what every rank refuses alike, before any collective: each returns its own error (with threads, one
+     * that failed later would otherwise see a peer's release) */
+    fl_strategy_choice sc;
+    FL_TRY(fl_cfg_resolve_strategy(t->cfg, 0, &sc));
+    FL_TRY(tp_check(t->cfg, n, W / n, &sc));
+    fl_model_config pc;
+    if (given) FL_TRY(fl_tp_config(given, n, 0, &pc)); /* the planner's shape */
     FL_TRY(fl_error_prefix(fl_comm_split(world, w / n, w, &t->tp.grp), "--tensor_parallel %d: the group", n));
     FL_TRY(fl_error_prefix(fl_comm_split(world, w % n, w, &t->tp.dpc), "--tensor_parallel %d: the data-parallel axis", n));
     t->tp.size = n;
@@ -45,16 +54,17 @@ void fl_tr_tp_end(trainer *t) {
 }
 
 fl_status fl_tr_tp_check(const trainer *t, const fl_strategy_choice *sc) {
-    const fl_run_config *c = t->cfg;
-    const int n = t->tp.size;
-    if (n <= 1) return FL_OK;
+    return t->tp.size <= 1 ? FL_OK : tp_check(t->cfg, t->tp.size, t->dp.world, sc);
+}
+
+static fl_status tp_check(const fl_run_config *c, int n, int dp_world, const fl_strategy_choice *sc) {
     if (c->command == FL_CMD_FINETUNE_LORA)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: finetune_lora is not split yet (LoRA's adapters "
                          "on the split linears); finetune_full and pretrain are", n);
-    if (t->dp.world > 1 && (sc->stage != 0 || strcmp(sc->strategy, "ddp")))
+    if (dp_world > 1 && (sc->stage != 0 || strcmp(sc->strategy, "ddp")))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with --strategy %s%s%s: the data-parallel axis (%d "
                          "groups) runs DDP only so far (give --strategy ddp)", n, c->strategy,
-                         sc->sharding[0] ? " " : "", sc->sharding, t->dp.world);
+                         sc->sharding[0] ? " " : "", sc->sharding, dp_world);
     if (sc->offload)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with --strategy %s: optimizer offload is not "
                          "combined with tensor parallelism yet", n, c->strategy);
