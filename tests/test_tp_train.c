@@ -51,11 +51,13 @@ static fl_status tp_rank(fl_comm *c, int rank, void *ud) {
 }
 
 static int g_small; /* the emulator's cut-down run */
+static const char *g_strategy; /* the data axis's (NULL: ddp) */
 
 /* scenario sc over dp groups x tp ranks (out: its out_dir) */
 static void tp_config(fl_run_config *c, int sc, int dp, int tp, const char *out) {
     dr_config(c, sc, dp, dp * tp, 1, 1, out);
     c->tensor_parallel = tp;
+    if (g_strategy && tp > 1) snprintf(c->strategy, sizeof c->strategy, "%s", g_strategy);
     c->train.save_interval = 1; /* step 1's state: the gradient of step 1 */
     c->train.keep_checkpoints = 0;
     if (!g_small) return;
@@ -188,6 +190,18 @@ FL_TEST(tp_train_threads_adamw_matches_one_process) {
 
 FL_TEST(tp_train_threads_sgd_matches_one_process) { scenario(DR_SGD, 1, 4); }
 
+/* ZeRO-1 and ZeRO-2 on the data axis of DP 2 x TP 2: each rank's optimizer state is its chunk of its slice's
+ * (the consolidated checkpoint all-gathers the chunks over the axis, then the slices over the group); ZeRO-2's
+ * norm and overflow verdict sum the chunks over the axis, then the group. */
+FL_TEST(tp_train_threads_zero_on_the_data_axis) {
+    g_strategy = "deepspeed_stage_1";
+    scenario(DR_ADAMW, 2, 2);
+    g_strategy = "deepspeed_stage_2";
+    scenario(DR_ADAMW, 2, 2);
+    scenario(DR_SGD, 2, 2);
+    g_strategy = NULL;
+}
+
 /* The same on the opaque backend (its memory unreadable by the host): the blocks' all-reduces and DDP's go
  * through the NCCL stand-in, whatever FITLLM_TEST_BACKEND says. */
 FL_TEST(tp_train_nccl_standin_opaque) {
@@ -217,16 +231,17 @@ FL_TEST(tp_train_nccl_standin_cuda_emu) {
  * scratch, comm_threads). On the cpu backend, whose plan this is (a device backend's host staging is planned with
  * --accelerator cuda). */
 FL_TEST(tp_train_threads_plan_equals_measured) {
-    const int grids[2][2] = {{1, 2}, {2, 2}};
+    const int grids[3][2] = {{1, 2}, {2, 2}, {2, 2}};
     g_forced = "cpu";
-    for (int g = 0; g < 2; g++) {
+    for (int g = 0; g < 3; g++) {
         const int dp = grids[g][0], tp = grids[g][1], W = dp * tp;
+        g_strategy = g == 2 ? "deepspeed_stage_2" : NULL; /* OPTIM: the chunk's state */
         tp_job *j = calloc(1, sizeof *j);
         FL_REQUIRE(j != NULL);
         char out[700];
         snprintf(out, sizeof out, "%s/tp-plan-%d-%d", fl_test_tmpdir(), dp, tp);
         for (int r = 0; r < W; r++) {
-            tp_config(&j->cfg[r], DR_SGD, dp, tp, out);
+            tp_config(&j->cfg[r], DR_ADAMW, dp, tp, out); /* AdamW: OPTIM, ZeRO's chunk */
             j->cfg[r].train.max_steps = 1;
         }
         backend_on();
@@ -249,18 +264,20 @@ FL_TEST(tp_train_threads_plan_equals_measured) {
             FL_CHECKF(pl->peak_total == j->res[r].peak_total, "DP %d x TP %d rank %d: peak planned %zu, measured %zu",
                       dp, tp, r, pl->peak_total, j->res[r].peak_total);
             if (getenv("FL_TEST_VERBOSE") && r == 0)
-                printf("    DP %d x TP %d rank 0: planned = measured = %zu bytes (PARAMS %zu)\n", dp, tp,
-                       pl->peak_total, pl->peak[FL_TAG_PARAMS]);
+                printf("    DP %d x TP %d %s rank 0: planned = measured = %zu bytes (PARAMS %zu, OPTIM %zu)\n", dp, tp,
+                       g_strategy ? g_strategy : "ddp", pl->peak_total, pl->peak[FL_TAG_PARAMS], pl->peak[FL_TAG_OPTIM]);
             free(pl);
         }
         for (int r = 0; r < 4; r++) dr_free(&j->rec[r]);
         free(j);
     }
     g_forced = NULL;
+    g_strategy = NULL;
 }
 
-/* A checkpoint of TP 2 resumes in one process and at TP 4; one process's resumes at TP 2: every resumed run's
- * later step losses within 1e-6 of the uninterrupted TP 2 run's (the state is consolidated: any size reads it). */
+/* A checkpoint of TP 2 resumes in one process and at TP 4; one process's resumes at TP 2 and at DP 2 x TP 2 under
+ * ZeRO-2 (each rank keeping its chunk of its slice's state): every resumed run's later step losses within 1e-6
+ * of the uninterrupted TP 2 run's (the state is consolidated: any grid reads it). */
 FL_TEST(tp_train_threads_checkpoints_resume_at_any_size) {
     char out[700], from[800];
     tp_job *j = calloc(1, sizeof *j);
@@ -273,20 +290,23 @@ FL_TEST(tp_train_threads_checkpoints_resume_at_any_size) {
     memset(&j->rec[0], 0, sizeof j->rec[0]);
     const long steps = j->cfg[0].train.max_steps;
     snprintf(from, sizeof from, "%s/step-000004", out);
-    const int sizes[3] = {1, 4, 2};
+    const int sizes[4] = {1, 4, 2, 2};
     long from_step = 4;
-    for (int k = 0; k < 3; k++) {
-        const int tp = sizes[k];
+    for (int k = 0; k < 4; k++) {
+        const int tp = sizes[k], dp = k == 3 ? 2 : 1; /* the last: DP 2 x TP 2 under ZeRO-2 */
+        g_strategy = k == 3 ? "deepspeed_stage_2" : NULL;
         char o2[760];
-        snprintf(o2, sizeof o2, "%s-r%d", out, tp);
+        snprintf(o2, sizeof o2, "%s-r%d-%d", out, tp, dp);
         for (int r = 0; r < 4; r++) {
             tp_config(&j->cfg[r], DR_ADAMW, 1, tp, o2);
+            j->cfg[r].devices = dp * tp; /* DP 2: micro-batches 2 x accumulation 2 per group, the same global batch */
+            j->cfg[r].train.global_batch_size = 4;
             snprintf(j->cfg[r].resume, sizeof j->cfg[r].resume, "%s", from);
             dr_free(&j->rec[r]);
         }
         fl_status s = tp == 1 ? fl_trainer_run(&j->cfg[0], NULL, 0, dr_record, &j->rec[0], NULL)
-                              : fl_comm_threads_run(tp, tp_rank, j);
-        FL_CHECKF(s == FL_OK, "resumed at TP %d: %s", tp, fl_error_message());
+                              : fl_comm_threads_run(dp * tp, tp_rank, j);
+        FL_CHECKF(s == FL_OK, "resumed at DP %d x TP %d: %s", dp, tp, j->msg[0][0] ? j->msg[0] : fl_error_message());
         double w = 0;
         for (long st = from_step; st < steps; st++) {
             const double r = fabs(j->rec[0].loss[st] - full.loss[st]) / fabs(full.loss[st]);
@@ -294,12 +314,13 @@ FL_TEST(tp_train_threads_checkpoints_resume_at_any_size) {
         }
         FL_CHECKF(s != FL_OK || (j->rec[0].steps == steps && w <= 1e-6), "resumed at TP %d from '%s': steps %ld, later "
                   "losses differ by %.3g relative from the uninterrupted TP 2 run", tp, from, j->rec[0].steps, w);
-        if (getenv("FL_TEST_VERBOSE")) printf("    resumed at TP %d: later losses within %.3g relative\n", tp, w);
-        if (tp == 4) { /* the last one resumes one process's checkpoint at TP 2 */
-            snprintf(from, sizeof from, "%s-r1/step-000005", out);
+        if (getenv("FL_TEST_VERBOSE")) printf("    resumed at DP %d x TP %d: later losses within %.3g relative\n", dp, tp, w);
+        if (tp == 4) { /* the next ones resume one process's checkpoint at TP 2, and at DP 2 x TP 2 */
+            snprintf(from, sizeof from, "%s-r1-1/step-000005", out);
             from_step = 5;
         }
     }
+    g_strategy = NULL;
     backend_off();
     for (int r = 0; r < 4; r++) dr_free(&j->rec[r]);
     dr_free(&full);
@@ -333,7 +354,7 @@ static void e_lora(fl_run_config *c) {
 }
 static void e_zero(fl_run_config *c) {
     c->tensor_parallel = 2;
-    snprintf(c->strategy, sizeof c->strategy, "deepspeed_stage_2");
+    snprintf(c->strategy, sizeof c->strategy, "deepspeed_stage_3");
     c->train.global_batch_size = 8;
 }
 static void e_grid(fl_run_config *c) {
@@ -350,7 +371,7 @@ FL_TEST(tp_train_threads_refusals) {
     /* micro: 8 attention heads, 4 key/value heads: 3 ranks do not split them */
     expect_refusal(3, e_heads, "--tensor_parallel 3", "num_attention_heads");
     expect_refusal(2, e_lora, "--tensor_parallel 2", "finetune_lora");
-    expect_refusal(4, e_zero, "DDP only", "deepspeed_stage_2");
+    expect_refusal(4, e_zero, "not ZeRO-3", "deepspeed_stage_3");
     expect_refusal(3, e_grid, "--tensor_parallel 2: this run has 3 ranks, not a multiple", NULL);
     expect_refusal(2, e_8bit, "AdamW8bit", NULL);
     expect_refusal(2, e_rank, "rank 1 of 2", "different configurations");

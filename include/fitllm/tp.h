@@ -55,7 +55,8 @@ fl_status fl_tp_scatter(const fl_model *whole, fl_model *part);
  * grads: the gradients instead of the parameters (fp32 storage; whole's gradient buffer). */
 fl_status fl_tp_gather(fl_model *part, fl_comm *host_comm, fl_model *whole, int grads);
 /* The same for an array of one element per parameter at the layout's offsets (optimizer state: F32 or BF16,
- * src in src_be's memory, dst in dst_be's; dst NULL but on rank 0), collective over host_comm. */
+ * src in src_be's memory, dst in dst_be's, a NULL backend: host memory; dst NULL but on rank 0), collective
+ * over host_comm. */
 fl_status fl_tp_gather_array(fl_model *part, fl_comm *host_comm, const fl_backend *src_be, const void *src,
                              fl_model *whole, const fl_backend *dst_be, void *dst, fl_dtype dt);
 /* The reverse without communication: part's elements of the whole array src into part's array dst. */

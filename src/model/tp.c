@@ -156,7 +156,8 @@ static fl_status io_read(const tp_io *x, int i, float *out) {
     }
     if (x->kind == 1) return x->m->be->to_host(x->m->be, out, fl_model_grads_f32(x->m) + p->offset, p->numel * sizeof(float));
     const size_t es = fl_dtype_size(x->dt);
-    FL_TRY(x->be->to_host(x->be, out, (const char *)x->arr + p->offset * es, p->numel * es));
+    if (x->be) FL_TRY(x->be->to_host(x->be, out, (const char *)x->arr + p->offset * es, p->numel * es));
+    else memcpy(out, (const char *)x->arr + p->offset * es, p->numel * es); /* host memory */
     if (x->dt == FL_BF16) /* widened in place, from the end */
         for (size_t k = p->numel; k-- > 0;) out[k] = fl_bf16_to_f32(((const uint16_t *)out)[k]);
     return FL_OK;
@@ -172,6 +173,10 @@ static fl_status io_write(const tp_io *x, int i, float *in) {
     const size_t es = fl_dtype_size(x->dt);
     if (x->dt == FL_BF16) /* narrowed in place (exact: the values came from BF16) */
         for (size_t k = 0; k < p->numel; k++) ((uint16_t *)in)[k] = fl_f32_to_bf16(in[k]);
+    if (!x->be) {
+        memcpy((char *)x->arr + p->offset * es, in, p->numel * es);
+        return FL_OK;
+    }
     return x->be->to_device(x->be, (char *)x->arr + p->offset * es, in, p->numel * es);
 }
 

@@ -552,7 +552,8 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
         note(p, "tensor parallel %d%s: rank %d's memory: its slice of the model (1/%d of the attention heads, key/value "
                 "heads and MLP columns; norms, embeddings and the head whole), its gradients and optimizer state, its "
                 "heads' activations; the whole model the run loads and slices, and the checkpoints' gathered copy, "
-                "are outside the pool (host staging)", c->tensor_parallel, fl_cfg_dp_ranks(c) > 1 ? " x DDP" : "",
+                "are outside the pool (host staging)", c->tensor_parallel, fl_cfg_dp_ranks(c) > 1 ? (p->zero_stage == 1 ? " x ZeRO-1"
+                : p->zero_stage == 2 ? " x ZeRO-2" : " x DDP") : "",
              p->rank, c->tensor_parallel);
     else if (p->devices > 1 && !p->zero_stage)
         note(p, "data parallel (DDP) over %d ranks: the memory of ONE rank (every rank holds the whole model, its "

@@ -179,10 +179,10 @@ void fl_tr_print_memory(trainer *t) {
     fl_tr_bar_clear(t);
     fprintf(t->out, "\n");
     if (t->tp.size > 1)
-        fprintf(t->out, "memory of rank 0 (tensor parallel %d%s: PARAMS, GRADS and OPTIM hold its slice, %zu of %zu "
-                "parameters; ACTS its heads' and MLP columns' activations; the whole model was loaded outside the "
-                "pool and freed)\n", t->tp.size, t->dp.world > 1 ? " x DDP" : "", t->model.layout.numel,
-                t->tp.whole_numel);
+        fprintf(t->out, "memory of rank 0 (tensor parallel %d%s%s: PARAMS, GRADS and OPTIM hold its slice, %zu of %zu "
+                "parameters%s; ACTS its heads' and MLP columns' activations; the whole model was loaded outside the "
+                "pool and freed)\n", t->tp.size, t->dp.world > 1 ? " x " : "", t->dp.world > 1 ? fl_dp_stage_name(&t->dp) : "",
+                t->model.layout.numel, t->tp.whole_numel, t->dp.stage ? " (OPTIM: its chunk's state)" : "");
     else if (t->dp.world > 1 && !t->dp.stage)
         fprintf(t->out, "memory of rank 0 (DDP: every rank holds the same; WORKSPACE includes the all-reduce's "
                 "scratch)\n");

@@ -61,10 +61,11 @@ static fl_status tp_check(const fl_run_config *c, int n, int dp_world, const fl_
     if (c->command == FL_CMD_FINETUNE_LORA)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: finetune_lora is not split yet (LoRA's adapters "
                          "on the split linears); finetune_full and pretrain are", n);
-    if (dp_world > 1 && (sc->stage != 0 || strcmp(sc->strategy, "ddp")))
+    if (dp_world > 1 && sc->stage > 2)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with --strategy %s%s%s: the data-parallel axis (%d "
-                         "groups) runs DDP only so far (give --strategy ddp)", n, c->strategy,
-                         sc->sharding[0] ? " " : "", sc->sharding, dp_world);
+                         "groups) runs DDP, ZeRO-1 or ZeRO-2 so far, not ZeRO-3 / FSDP FULL_SHARD (give --strategy ddp, "
+                         "deepspeed_stage_1 or deepspeed_stage_2)", n, c->strategy, sc->sharding[0] ? " " : "",
+                         sc->sharding, dp_world);
     if (sc->offload)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with --strategy %s: optimizer offload is not "
                          "combined with tensor parallelism yet", n, c->strategy);
@@ -167,23 +168,53 @@ static int state_arrays(const fl_optimizer *o, void *arr[3]) {
     return 3;
 }
 
+/* ZeRO-1/2 on the data axis: a rank holds state for its chunk [off, off + len) of the slice's elements alone */
+static int state_chunked(const fl_optimizer *o) { return o->shard.off != 0 || o->shard.len != o->w.n; }
+
+/* The slice's whole state array arr of o into host memory *full (malloc'd): ZeRO's chunks all-gathered over the
+ * data axis (collective over it), else a copy. */
+static fl_status state_whole(trainer *t, const fl_optimizer *o, const void *arr, fl_dtype dt, void **full) {
+    const size_t es = fl_dtype_size(dt), n = o->w.n, len = o->shard.len;
+    char *h = malloc(n * es + 4), *c = state_chunked(o) ? malloc(len * es + 4) : NULL;
+    fl_status s = h && (c || !state_chunked(o)) ? FL_OK : fl_errorf(FL_ERR_OOM, "tensor parallel checkpoint: out of "
+                                                                          "host memory staging the optimizer state");
+    if (s == FL_OK) s = fl_optim_state_read(o, c ? c : h, arr, (c ? len : n) * es);
+    if (s == FL_OK && c) /* a copy of bits: BF16 travels as BF16 words */
+        s = fl_comm_all_gather(t->tp.dpc, c, h, n, dt == FL_F32 ? FL_F32 : FL_BF16);
+    free(c);
+    if (s != FL_OK) free(h), h = NULL;
+    *full = h;
+    return s;
+}
+
 static fl_status tp_save(trainer *t, int lead, const char *name, const fl_optimizer *o, const fl_train_state *st) {
-    if (t->dp.rank != 0) return FL_OK; /* DDP: every data-parallel group holds the same; the first gathers */
     const fl_run_config *c = t->cfg;
+    const fl_dtype dt = o && o->cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
+    void *full[3] = {NULL, NULL, NULL}, *src[3] = {NULL, NULL, NULL};
+    fl_status s = FL_OK;
+    if (o) state_arrays(o, src);
+    /* ZeRO: every rank of the axis gives its chunks first (the same arrays in the same order on every rank) */
+    for (int a = 0; a < 3 && o && state_chunked(o); a++)
+        if (src[a] && s == FL_OK) s = state_whole(t, o, src[a], dt, &full[a]);
+    if (t->dp.rank != 0 || s != FL_OK) { /* DDP / ZeRO: the first data-parallel group gathers and writes */
+        for (int a = 0; a < 3; a++) free(full[a]);
+        return s;
+    }
     tp_whole w;
     memset(&w, 0, sizeof w);
-    fl_status s = t->tp.rank == 0 ? whole_make(t, &w, o) : FL_OK;
+    s = t->tp.rank == 0 ? whole_make(t, &w, o) : FL_OK;
     /* a failed staging on rank 0 still runs the group's gathers (their sums are then dropped) */
     fl_model *wm = s == FL_OK && t->tp.rank == 0 ? &w.m : NULL;
     fl_status g = fl_tp_gather(&t->model, t->tp.grp, wm, 0);
-    void *src[3], *dst[3] = {NULL, NULL, NULL};
+    void *dst[3] = {NULL, NULL, NULL};
     if (o) {
-        state_arrays(o, src);
         if (wm) state_arrays(&w.o, dst);
-        const fl_dtype dt = o->cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
         for (int a = 0; a < 3 && g == FL_OK; a++)
-            if (src[a]) g = fl_tp_gather_array(&t->model, t->tp.grp, o->home.be, src[a], wm, wm ? w.o.home.be : NULL, dst[a], dt);
+            if (src[a])
+                g = fl_tp_gather_array(&t->model, t->tp.grp, full[a] ? NULL : o->home.be, full[a] ? full[a] : src[a], wm,
+                                       wm ? w.o.home.be : NULL, dst[a], dt);
     }
+    for (int a = 0; a < 3; a++) free(full[a]);
     if (s == FL_OK) s = g;
     if (s == FL_OK && wm && o) {
         w.o.step = o->step;
@@ -217,8 +248,17 @@ fl_status fl_tr_tp_ckpt_load(trainer *t, const char *path) {
     state_arrays(&w.o, src);
     state_arrays(&t->opt, dst);
     const fl_dtype dt = t->opt.cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
-    for (int a = 0; a < 3 && s == FL_OK; a++)
-        if (src[a] && dst[a]) s = fl_tp_scatter_array(&w.m, w.o.home.be, src[a], &t->model, t->opt.home.be, dst[a], dt);
+    const fl_optimizer *o = &t->opt;
+    const size_t es = fl_dtype_size(dt);
+    /* ZeRO on the data axis: the slice's whole array in host memory, then this rank's chunk */
+    char *h = state_chunked(o) ? malloc(o->w.n * es + 4) : NULL;
+    if (s == FL_OK && state_chunked(o) && !h) s = fl_errorf(FL_ERR_OOM, "tensor parallel resume: out of host memory");
+    for (int a = 0; a < 3 && s == FL_OK; a++) {
+        if (!src[a] || !dst[a]) continue;
+        s = fl_tp_scatter_array(&w.m, w.o.home.be, src[a], &t->model, h ? NULL : o->home.be, h ? h : dst[a], dt);
+        if (s == FL_OK && h) s = o->home.be->to_device(o->home.be, dst[a], h + o->shard.off * es, o->shard.len * es);
+    }
+    free(h);
     if (s == FL_OK) {
         t->opt.step = w.o.step;
         t->opt.amp.ls = w.o.amp.ls;
