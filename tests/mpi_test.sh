@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The MPI implementation of fl_comm and DDP / ZeRO training under mpirun (run by `make test` and ctest):
 #   - tensor parallelism at 2 and 4 ranks (tests/mpi/tp_mpi_test.c) against one process, PyTorch and float64;
-#     through the CLI (--tensor_parallel): TP 2, TP 4 and DP 2 x TP 2 against one process's losses, the
+#     through the CLI (--tensor_parallel): TP 2, TP 4 and DP 2 x TP 2 (DDP, ZeRO-2) against one process's losses, the
 #     consolidated checkpoint resumed at TP 1 and 4, a killed rank ending the grid;
 #   - DDP training at 2 and 4 ranks, ZeRO-1/2 at 2, 3 and 4 (16-true at 2) and FULL_SHARD (AdamW, 8-bit AdamW) at 2,
 #     ZeRO-3 with the optimizer offloaded (cpu, nvme) at 3 = the device-resident ZeRO-3 checkpoints
@@ -393,25 +393,25 @@ loss_col() { awk -F, -v a="${2:-1}" 'NR > 1 && $4 != "" && $1 >= a { print $1, $
 loss_rel() { join <(loss_col "$1" "${3:-1}") <(loss_col "$2" "${3:-1}") | awk -v n="$(loss_col "$1" "${3:-1}" | wc -l)" '
     { r = ($2 - $3) / $3; if (r < 0) r = -r; if (r > w) w = r; k++ } END { if (k < n || k == 0) w = 2; printf "%.3g", w }'; }
 timeout 300 "$FL" finetune_full "${TARGS[@]}" --out_dir "$T/tp-one" >"$T/out" 2>&1 || bad "tp_cli_one_process" "exit $?"
-for grid in "2 2" "4 2" "4 4"; do
+for grid in "2 2 ddp" "4 2 ddp" "4 4 ddp" "4 2 deepspeed_stage_2"; do
     set -- $grid
-    timeout 300 mpirun -np $1 "$FL" finetune_full "${TARGS[@]}" --devices $1 --tensor_parallel $2 --strategy ddp \
-        --out_dir "$T/tp$1-$2" >"$T/out" 2>&1; rc=$?
-    w=$(loss_rel "$T/tp$1-$2" "$T/tp-one" 2>/dev/null)
+    timeout 300 mpirun -np $1 "$FL" finetune_full "${TARGS[@]}" --devices $1 --tensor_parallel $2 --strategy $3 \
+        --out_dir "$T/tp$1-$2-$3" >"$T/out" 2>&1; rc=$?
+    w=$(loss_rel "$T/tp$1-$2-$3" "$T/tp-one" 2>/dev/null)
     if [ $rc -eq 0 ] && [ "$(grep -c "Saved the final model" "$T/out")" = 1 ] \
         && grep -q "^tensor parallel: $2 ranks per group x $(($1 / $2)) data-parallel group" "$T/out" \
-        && grep -q "^model: micro, 260032 parameters" "$T/out" && [ -f "$T/tp$1-$2/final/model.safetensors" ] \
+        && grep -q "^model: micro, 260032 parameters" "$T/out" && [ -f "$T/tp$1-$2-$3/final/model.safetensors" ] \
         && awk -v w="$w" 'BEGIN { exit !(w <= 1e-6) }'; then
-        ok "tp_cli_np$1_tp$2 (losses within $w of one process)"
+        ok "tp_cli_np$1_tp$2_$3 (losses within $w of one process)"
     else
-        bad "tp_cli_np$1_tp$2" "exit $rc, losses within '$w'"
+        bad "tp_cli_np$1_tp$2_$3" "exit $rc, losses within '$w'"
     fi
 done
-timeout 300 "$FL" finetune_full "${TARGS[@]}" --resume "$T/tp2-2/step-000002" --out_dir "$T/tp-r1" >"$T/out" 2>&1; rc=$?
-w=$(loss_rel "$T/tp-r1" "$T/tp2-2" 12 2>/dev/null) # resumed at iteration 8
+timeout 300 "$FL" finetune_full "${TARGS[@]}" --resume "$T/tp2-2-ddp/step-000002" --out_dir "$T/tp-r1" >"$T/out" 2>&1; rc=$?
+w=$(loss_rel "$T/tp-r1" "$T/tp2-2-ddp" 12 2>/dev/null) # resumed at iteration 8
 timeout 300 mpirun -np 4 "$FL" finetune_full "${TARGS[@]}" --devices 4 --tensor_parallel 4 \
-    --resume "$T/tp2-2/step-000002" --out_dir "$T/tp-r4" >>"$T/out" 2>&1 || rc=$?
-w4=$(loss_rel "$T/tp-r4" "$T/tp2-2" 12 2>/dev/null)
+    --resume "$T/tp2-2-ddp/step-000002" --out_dir "$T/tp-r4" >>"$T/out" 2>&1 || rc=$?
+w4=$(loss_rel "$T/tp-r4" "$T/tp2-2-ddp" 12 2>/dev/null)
 if [ $rc -eq 0 ] && [ "$(grep -c "Resuming training from .*step-000002 (step 2, iter 8)" "$T/out")" = 2 ] \
     && awk -v a="$w" -v b="$w4" 'BEGIN { exit !(a <= 1e-6 && b <= 1e-6) }'; then
     ok "tp_cli_checkpoint_resumes_at_tp1_and_tp4 (later losses within $w and $w4)"
