@@ -200,6 +200,16 @@ expect t5_finetune_truncates 0 "8 sources, 7 targets truncated\); longest source
 expect t5_finetune_refuses_bf16 2 "--precision bf16-true: an encoder-decoder \(t5\) trains in 32-true only" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x1" --precision bf16-true
 expect t5_finetune_refuses_qlora 2 "--quantize bnb.nf4 \(QLoRA\): an encoder-decoder" -- "$FITLLM" finetune_lora "${T5A[@]}" --out_dir "$T/t5x2" --quantize bnb.nf4 --precision bf16-true
 expect t5_finetune_refuses_synthetic 2 "trains on input/output pairs: give --data JSON.*--data Synthetic is not supported" -- "$FITLLM" finetune_full --checkpoint_dir "$T/t5m" --init random --out_dir "$T/t5x3"
+# T5 memory (issue 31 item 4): plan sizes the source (--seq-len, else data.max_source_length) and the target
+# (--target-len, else data.max_target_length), planned = measured per tag (tests/test_plan.c plan_equals_runtime_t5);
+# a shorter source is suggested when it does not fit; bench-step times a T5 step with a source of --source-seq
+expect plan_t5_lengths 0 "source 8, target 4, precision 32-true" -- "$FITLLM" plan "$T/t5m" --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json --data.max_source_length 8 --data.max_target_length 4
+expect plan_t5_len_options 0 "global batch 16, source 64, target 16," -- "$FITLLM" plan t5-small --seq-len 64 --target-len 16
+expect plan_t5_needs_source 2 "an encoder-decoder \(t5-small\) needs a source length: give --seq-len or --data.max_source_length" -- "$FITLLM" plan t5-small --data.max_source_length 0
+expect plan_t5_suggests_source 3 "max_seq_length +fits: --data.max_source_length 881 " -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB
+expect plan_t5_refused_variant 3 "bf16-true +not with this run: .*trains in 32-true only" -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB
+expect bench_step_t5 0 "t5, 238592 params, L=2\+2 C=64 .*B=2 source 24 target 16, 32-true" -- "$FITLLM" bench-step t5-micro --micro-batch 2 --seq 16 --source-seq 24 --steps 2 --warmup 1 --threads 2
+expect bench_step_source_seq_decoder_only 1 "--source-seq: micro is not an encoder-decoder" -- "$FITLLM" bench-step micro --source-seq 4 --steps 1
 expect t5_finetune_act_ckpt 0 "precision 32-true, activation checkpointing" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5ckpt" --train.activation_checkpointing true
 expect t5_finetune_act_ckpt_bitexact 0 "" -- cmp "$T/t5run/final/model.safetensors" "$T/t5ckpt/final/model.safetensors"
 expect t5_pretrain_refused 2 "pretrain: an encoder-decoder \(t5\) is fine-tuned only" -- "$FITLLM" pretrain --model_config "$T/t5m/config.json" --tokenizer_dir "$T/t5m" --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json --out_dir "$T/t5x5"

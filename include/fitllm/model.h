@@ -580,6 +580,10 @@ int fl_model_live(const fl_model *m, fl_live_phase phase, fl_live_region *out);
 /* FLOPs of one training step (forward + backward) for B*T tokens: 6 * N_matmul
  * * tokens + attention, the figure MFU is based on. */
 double fl_model_train_flops(const fl_model_config *cfg, int B, int T);
+/* The same for an encoder-decoder's step of B pairs of Ts source and Tt target tokens: 6 x (the encoder's
+ * linears x source tokens + the decoder's, the head's x target tokens + the cross-attention's k|v x source
+ * tokens) + the attention (bidirectional in the encoder, causal in the decoder, the cross-attention Tt x Ts). */
+double fl_model_train_flops_s2s(const fl_model_config *cfg, int B, int Ts, int Tt);
 
 #ifdef __cplusplus
 }

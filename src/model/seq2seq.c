@@ -15,9 +15,11 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "model-impl.h"
 #include "store.h"
+#include "fitllm/lora.h"
 
 typedef struct {
     fl_block_graph g;
@@ -203,6 +205,58 @@ fl_status fl_model_alloc_acts_s2s(fl_model *m, int B, int Ts, int Tt) {
     return FL_OK;
 }
 
+/* Live bytes after the last pass (fl_acts_live_bytes of an encoder-decoder), counted at that pass's (B, T) of each
+ * stack without the arena's alignment. After a training forward (train): what the backward reads. ACTS: every
+ * stack's residual stream (L + 1 views: the blocks' inputs, the final norm's), its blocks' saved slots (under
+ * checkpointing the last block's, which the backward reuses without recomputing them), its final norm's rstd and,
+ * where a later stack reads it (the encoder's output: the cross-attention's k|v), that norm's output. WORKSPACE:
+ * every stack's relative bias (the attention backward re-forms its probabilities with it), bucket indices (the
+ * table's gradient) and ids (the embedding's), the key padding mask, and d(the last norm's output) the head left
+ * in gb[1]. Otherwise nothing: there are no constant tables (the bias is rebuilt by every forward). */
+void fl_s2s_live_bytes(const fl_model *m, int train, size_t *acts, size_t *work) {
+    const struct fl_s2s_acts *a = m->acts->s2s;
+    const size_t C = (size_t)m->cfg.dim, B = (size_t)a->Bp, NH = (size_t)m->cfg.n_heads, f = sizeof(float);
+    size_t ac = 0, wk = 0;
+    for (int s = 0; train && s < a->n_stacks; s++) {
+        const s2s_stack *st = &a->st[s];
+        const size_t T = (size_t)a->T[s], N = B * T;
+        size_t blk = 0;
+        for (int k = 0; k < st->g.n_prod; k++) {
+            const int sl = st->g.prod[k];
+            blk += B * (size_t)slot_T(a, s, sl, a->T) * (size_t)st->g.slot[sl].width;
+        }
+        ac += ((size_t)st->L + 1) * N * C + (st->L > 0 ? (m->act_ckpt ? 1 : (size_t)st->L) : 0) * blk + N;
+        if (s + 1 < a->n_stacks && a->st[s + 1].xslot >= 0) ac += N * C;
+        wk += NH * T * T * f + T * T * sizeof(int32_t) + N * sizeof(int32_t);
+    }
+    if (train) wk += (a->kmask_on ? B * (size_t)a->T[0] : 0) + B * (size_t)a->T[a->n_stacks - 1] * C * f;
+    *acts = ac * f;
+    *work = wk;
+}
+
+/* The LoRA adapters' live activations after the last pass (training forward: train): each block module's h (and,
+ * with dropout, its dropped input) at its rows: the source's in the encoder and for the cross-attention's k|v (it
+ * reads the encoder output), the target's elsewhere; under checkpointing only the last block of each stack's
+ * (the others are recomputed before their backward reads them). The head's run inside the forward: none. */
+size_t fl_s2s_adapter_live_bytes(const fl_model *m, int train) {
+    fl_lora_adapters v;
+    if (!train || !m->acts || !m->acts->s2s || !fl_model_lora_adapters(m, &v)) return 0;
+    const struct fl_s2s_acts *a = m->acts->s2s;
+    const int Le = a->st[0].L, Lall = Le + (a->n_stacks > 1 ? a->st[1].L : 0);
+    size_t n = 0;
+    for (int j = 0; j < v.n_mods; j++) {
+        const fl_lora_module *md = &v.mods[j];
+        if (md->layer < 0) continue;
+        if (m->act_ckpt && md->layer != Le - 1 && md->layer != Lall - 1) continue;
+        int p = md->param_index; /* k, v of a fused run carry no role: the run's first entry has it */
+        while (p > 0 && m->layout.params[p].role == FL_ROLE_NONE) p--;
+        const int src_rows = md->layer < Le || m->layout.params[p].role == FL_ROLE_XKV_W;
+        const size_t rows = (size_t)a->Bp * (size_t)a->T[src_rows ? 0 : a->n_stacks - 1];
+        n += rows * ((size_t)v.cfg->r + (v.cfg->dropout > 0 ? (size_t)md->in : 0));
+    }
+    return n * sizeof(float);
+}
+
 /* ---- relative position bias (T5) ------------------------------------------------------------- */
 
 /* transformers' T5Attention._relative_position_bucket for key j and query i, in its float32 arithmetic:
@@ -322,6 +376,12 @@ static fl_status head_loss(fl_model *m, const int32_t *targets, int N, float gra
     return s;
 }
 
+static double now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+}
+
 /* Stack s's model-graph ops, forward. */
 static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, const int32_t *ids, const int32_t *targets,
                                float grad_scale, float *logits_out) {
@@ -351,10 +411,13 @@ static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, con
             fl_norm_forward(m, st->nout, NULL, st->nrstd, st->res[st->L], param_of(m, G, mg->op[i].role_w, 0), NULL, N);
             break;
         case FL_MOP_OUTPUT: break; /* nout is the next stack's XSTREAM (bound when carved) */
-        case FL_MOP_HEAD_LM:
+        case FL_MOP_HEAD_LM: {
+            const double t0 = now_ms(); /* the step's "head" phase (fl_step_result.ms_head) */
             if (m->cfg.head_scale) be->scale(be, st->nout, (size_t)N * m->cfg.dim, 1.0f / sqrtf((float)m->cfg.dim));
             FL_TRY(head_loss(m, targets, N, grad_scale, logits_out));
+            m->ms_head = now_ms() - t0;
             break;
+        }
         default:
             return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_forward_s2s: model graph op %d is not executed in a stack",
                              mg->op[i].kind);
@@ -393,6 +456,7 @@ fl_status fl_model_forward_s2s(fl_model *m, const int32_t *src_ids, const uint8_
     fl_status s = src_mask ? m->be->to_device(m->be, a->kmask, src_mask, (size_t)B * Ts) : FL_OK;
     m->loss_sum = 0;
     m->n_valid = 0;
+    m->ms_head = 0;
     m->have_targets = targets != NULL;
     for (int k = 0; s == FL_OK && k < mg.n_stacks; k++)
         s = stack_forward(m, &mg, k, ids[k], targets, grad_scale, logits_out);

@@ -111,8 +111,14 @@ fl_status fl_trainer_rehearse_comm(const fl_run_config *cfg, const fl_model_conf
         s = fl_fsdp_prepare(&t.dp, &rcfg, &prec, &t.stg);
     }
     if (s == FL_OK) s = fl_tr_setup_model(&t, &prec, mc);
+    if (s == FL_OK) s = fl_tr_check_s2s(&t, &prec, &sc);
+    /* an encoder-decoder: sources of data.max_source_length tokens (the planner's source length), targets of T */
+    const int s2s = s == FL_OK && fl_model_is_s2s(&t.model.cfg), Ts = s2s ? cfg->data.max_source_length : 0;
+    if (s2s && Ts <= 0)
+        s = fl_errorf(FL_ERR_INVALID, "rehearsing an encoder-decoder needs a source length (data.max_source_length)");
     t.sch.B = B;
     t.sch.T = T;
+    t.sch.Ts = Ts;
     t.sch.accum = accum;
     t.sch.G = accum * t.dp.world;
     if (s == FL_OK) s = fl_tr_setup_training(&t, &rcfg, &sc);
@@ -123,9 +129,13 @@ fl_status fl_trainer_rehearse_comm(const fl_run_config *cfg, const fl_model_conf
     memset(t.buf.ids, 0, (size_t)accum * per * sizeof *t.buf.ids);
     memset(t.buf.tgt, 0, (size_t)accum * per * sizeof *t.buf.tgt);
     for (int k = 0; k < accum; k++) t.buf.mbs[k] = (fl_micro_batch){.ids = t.buf.ids + k * per, .targets = t.buf.tgt + k * per, .B = B, .T = T};
+    const size_t pers = (size_t)B * Ts; /* an encoder-decoder's sources: token 0, no padding */
+    if (s2s) memset(t.buf.src, 0, (size_t)accum * pers * sizeof *t.buf.src), memset(t.buf.src_mask, 1, (size_t)accum * pers);
+    for (int k = 0; s2s && k < accum; k++)
+        t.buf.mbs[k].src = t.buf.src + k * pers, t.buf.mbs[k].src_mask = t.buf.src_mask + k * pers, t.buf.mbs[k].Ts = Ts;
     fl_step_result sr;
     s = train_step(&t, 0, (long)(accum * per), cfg->optimizer.lr, &sr);
-    if (s != FL_OK || gen_prompt <= 0) goto done;
+    if (s != FL_OK || gen_prompt <= 0 || s2s) goto done; /* an encoder-decoder run has no evaluation yet */
     /* the evaluation (validate, then generate_example): one forward without gradients, then the
      * sample, snapshotted at its first token ("eval_generate": the KV cache, the decode scratch,
      * the sampler and its logits held) */
