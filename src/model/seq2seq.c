@@ -44,6 +44,7 @@ struct fl_s2s_acts {
     float *dstream;       /* (B T[0], C) d(the first stack's output) */
     float *gb[FL_GRAPH_MAX_GBUF]; /* the backward's gradient buffers, B x max Tmax rows; gb[1] also d(final norm out) */
     float *logits, *losses;
+    void *be_scratch;     /* the backend's op scratch (bf16 matmuls, 4-bit weights), lent for each pass, or NULL */
     int32_t *targets;     /* device copy when the backend's memory is not host memory, else NULL */
     int chunk;            /* logits rows per chunk */
 };
@@ -139,7 +140,10 @@ static size_t carve_work(const fl_model *m, struct fl_s2s_acts *a, char *base) {
     a->chunk = fl_logits_chunk_rows(m->cfg.vocab_size, (int)(B * Tl));
     float *lg = TAKEF(&cv, (size_t)a->chunk * m->cfg.vocab_size), *ls = TAKEF(&cv, B * Tl);
     int32_t *tg = fl_backend_host_memory(m->be) ? NULL : take(&cv, B * Tl * sizeof(int32_t));
-    if (base) a->kmask = km, a->dstream = ds, a->logits = lg, a->losses = ls, a->targets = tg;
+    const size_t bes = fl_model_backend_scratch(m->prec.name ? m->prec.compute_dtype : FL_F32, fl_model_quant4(m),
+                                                m->be->scratch_bytes);
+    void *sc = bes ? take(&cv, bes) : NULL;
+    if (base) a->kmask = km, a->dstream = ds, a->logits = lg, a->losses = ls, a->targets = tg, a->be_scratch = sc;
     return cv.off;
 }
 
@@ -327,9 +331,10 @@ static fl_block_ctx stack_ctx(const struct fl_s2s_acts *a, int s, float *const *
 static fl_status check_model(const fl_model *m, const char *fn) {
     if (!m->acts || !m->acts->s2s)
         return fl_errorf(FL_ERR_INVALID, "%s: activations not allocated (call fl_model_alloc_acts_s2s)", fn);
-    if (!fl_model_params_f32(m) || fl_model_provider(m) || fl_model_quant4(m) || (m->prec.name && m->prec.compute_copy))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: encoder-decoders run fp32 storage and compute only so far (no 16-bit "
-                         "or 4-bit weights, mixed precision or sharding yet)", fn);
+    if (!fl_model_params_f32(m) || fl_model_provider(m)) /* fp32 storage, whole (mixed precision's bf16 copy and 4-bit
+                                                          * block linears: through fl_linear_set_weight) */
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: encoder-decoders run fp32 storage only so far (no 16-bit weights or "
+                         "sharding yet)", fn);
     if (fl_model_adapters_are_merged(m)) /* the adapters are in the weights: running them again would double them */
         return fl_errorf(FL_ERR_INVALID, "%s: the LoRA adapters were merged into the weights; save the model and reload "
                          "it to run it", fn);
@@ -426,8 +431,8 @@ static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, con
     return FL_OK;
 }
 
-fl_status fl_model_forward_s2s(fl_model *m, const int32_t *src_ids, const uint8_t *src_mask, const int32_t *dec_ids,
-                               const int32_t *targets, int B, int Ts, int Tt, float grad_scale, float *logits_out) {
+static fl_status s2s_forward(fl_model *m, const int32_t *src_ids, const uint8_t *src_mask, const int32_t *dec_ids,
+                             const int32_t *targets, int B, int Ts, int Tt, float grad_scale, float *logits_out) {
     FL_TRY(check_model(m, "fl_model_forward_s2s"));
     struct fl_s2s_acts *a = m->acts->s2s;
     if (B > a->B || Ts > a->st[0].Tmax || Tt > a->st[1].Tmax || B <= 0 || Ts <= 0 || Tt <= 0)
@@ -505,7 +510,7 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, co
     return fl_embed_backward(m, &op, dres, st->ids, a->Bp, T);
 }
 
-fl_status fl_model_backward_s2s(fl_model *m) {
+static fl_status s2s_backward(fl_model *m) {
     FL_TRY(check_model(m, "fl_model_backward_s2s"));
     struct fl_s2s_acts *a = m->acts->s2s;
     if (!m->fwd_train)
@@ -571,8 +576,8 @@ static fl_status decode_step(fl_model *m, const fl_model_graph *mg, const int32_
     return be->to_host(be, lg, a->logits, (size_t)m->cfg.vocab_size * sizeof(float));
 }
 
-fl_status fl_model_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, int max_new,
-                                int kv_cache, int32_t *out, int *n_out) {
+static fl_status s2s_generate(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, int max_new,
+                              int kv_cache, int32_t *out, int *n_out) {
     FL_TRY(check_model(m, "fl_model_generate_s2s"));
     struct fl_s2s_acts *a = m->acts->s2s;
     const int V = m->cfg.vocab_size;
@@ -619,5 +624,36 @@ fl_status fl_model_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *
     }
     free(lg);
     *n_out = n;
+    return s;
+}
+
+/* ---- the passes with the backend's scratch lent and the compute dtype told (as transformer.c's) ---------- */
+
+static void s2s_lend(const fl_model *m, int on) {
+    const void *sc = m->acts && m->acts->s2s ? m->acts->s2s->be_scratch : NULL;
+    if (sc) m->be->set_scratch(m->be, on ? (void *)sc : NULL, on ? m->be->scratch_bytes : 0);
+    fl_model_tell_compute_dtype(m, on);
+}
+
+fl_status fl_model_forward_s2s(fl_model *m, const int32_t *src_ids, const uint8_t *src_mask, const int32_t *dec_ids,
+                               const int32_t *targets, int B, int Ts, int Tt, float grad_scale, float *logits_out) {
+    s2s_lend(m, 1);
+    fl_status s = s2s_forward(m, src_ids, src_mask, dec_ids, targets, B, Ts, Tt, grad_scale, logits_out);
+    s2s_lend(m, 0);
+    return s;
+}
+
+fl_status fl_model_backward_s2s(fl_model *m) {
+    s2s_lend(m, 1);
+    fl_status s = s2s_backward(m);
+    s2s_lend(m, 0);
+    return s;
+}
+
+fl_status fl_model_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, int max_new,
+                                int kv_cache, int32_t *out, int *n_out) {
+    s2s_lend(m, 1);
+    fl_status s = s2s_generate(m, src, src_mask, Ts, max_new, kv_cache, out, n_out);
+    s2s_lend(m, 0);
     return s;
 }

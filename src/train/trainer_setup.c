@@ -208,12 +208,20 @@ fl_status fl_tr_check_s2s(const trainer *t, const fl_precision *prec, const fl_s
     const fl_run_config *c = t->cfg;
     const char *m = t->model.cfg.name[0] ? t->model.cfg.name : "encoder-decoder";
     if (!fl_model_is_s2s(&t->model.cfg)) return FL_OK;
-    if (c->lora.quantize[0])
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--quantize %s (QLoRA): an encoder-decoder (%s) trains fp32 weights only "
-                         "so far", c->lora.quantize, m);
-    if (strcmp(prec->name, "32-true"))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: an encoder-decoder (%s) trains in 32-true only so far",
+    if (c->lora.quantize[0] && strcmp(prec->name, "32-true"))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--quantize %s (QLoRA): an encoder-decoder (%s) runs QLoRA in 32-true only "
+                         "so far (the 4-bit base linears, the rest fp32; got --precision %s)", c->lora.quantize, m,
+                         prec->name);
+    /* fp16 (16-true, 16-mixed): T5 is known to overflow fp16's range (transformers clamps its hidden states under
+     * fp16; Flan-T5 was trained in bf16): refused rather than left to skip steps under loss scaling. bf16-true (16-bit
+     * storage) needs staged 16-bit parameters in the encoder-decoder passes, which they do not have yet. */
+    if (prec->param_dtype == FL_F16 || prec->compute_dtype == FL_F16)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: T5 is known to overflow fp16's range (65504; transformers "
+                         "clamps its hidden states under fp16); an encoder-decoder (%s) trains in 32-true or bf16-mixed",
                          prec->name, m);
+    if (strcmp(prec->name, "32-true") && strcmp(prec->name, "bf16-mixed"))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: an encoder-decoder (%s) trains in 32-true or bf16-mixed "
+                         "only so far (16-bit storage is not there yet)", prec->name, m);
     if (t->dp.world > 1)
         return fl_errorf(FL_ERR_UNSUPPORTED, "%d ranks (--devices/--num_nodes, --strategy %s): an encoder-decoder (%s) "
                          "trains in one process only so far", t->dp.world, c->strategy, m);
