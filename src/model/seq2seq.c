@@ -485,6 +485,11 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, co
     be->zero(be, dres, (size_t)N * C * sizeof(float));
     fl_norm_backward(m, dres, param_of(m, G, role_norm, 1), NULL, dnout, st->res[st->L], param_of(m, G, role_norm, 0),
                      NULL, st->nrstd, N);
+    /* data parallel: each layout group's gradient handed on as it becomes final (fl_store_grads_ready; its bucket
+     * hook): the final norms and head's group once the first stack's norm is done (the stacks run backward in
+     * reverse), each block's after its backward (the first block's after the relative bias table it holds), the
+     * shared embedding's after the first stack's embedding */
+    if (s == 0) FL_TRY(fl_store_grads_ready(m->store, G));
     be->zero(be, st->dbias, (size_t)m->cfg.n_heads * T * T * sizeof(float));
     float *dxs[FL_GRAPH_MAX_SLOTS] = {0};
     if (st->xslot >= 0) {
@@ -503,11 +508,14 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, co
         }
         x.dattn_bias = st->dbias;
         FL_TRY(fl_block_backward(m, &st->g, &bp, st->layer[l].s, a->gb, &x));
+        if (l > 0) FL_TRY(fl_store_grads_ready(m->store, st->l0 + l + 1));
     }
     relbias_backward(m, st, T);
+    if (st->L > 0) FL_TRY(fl_store_grads_ready(m->store, st->l0 + 1));
     fl_outer_params op;
     fl_get_outer(m, &op);
-    return fl_embed_backward(m, &op, dres, st->ids, a->Bp, T);
+    FL_TRY(fl_embed_backward(m, &op, dres, st->ids, a->Bp, T));
+    return s == 0 ? fl_store_grads_ready(m->store, 0) : FL_OK;
 }
 
 static fl_status s2s_backward(fl_model *m) {

@@ -265,25 +265,29 @@ static fl_status run_setup(trainer *t, fl_comm *comm, const fl_precision *prec, 
 /* Fetch the step's G global micro-batches: every rank walks the whole stream (so the loader
  * position, token counters and the valid-target count are global everywhere) and keeps
  * j % world == rank in its slot j / world. *step_valid: the step's valid targets. */
-/* fetch_step for an encoder-decoder: the pairs' batches (one process: world 1). */
+/* fetch_step for an encoder-decoder: the pairs' batches, global micro-batch j kept by rank j % world in its slot
+ * j / world (as fetch_step). */
 static fl_status fetch_step_s2s(trainer *t, long *step_valid) {
     const size_t per = (size_t)t->sch.B * t->sch.T, pers = (size_t)t->sch.B * t->sch.Ts;
     *step_valid = 0;
-    for (int k = 0; k < t->sch.G; k++) {
+    for (int j = 0; j < t->sch.G; j++) {
         fl_s2s_batch b;
         int ne;
         FL_TRY(fl_s2s_loader_next(t->in.s2s_train, &b, &ne));
         fl_loader_state lk;
         fl_s2s_loader_get_state(t->in.s2s_train, &lk);
-        t->buf.mb_epoch[k] = (long)lk.epoch;
+        t->buf.mb_epoch[j] = (long)lk.epoch;
         long real = 0, valid = 0;
         for (size_t i = 0; i < (size_t)b.B * b.Ts; i++) real += b.src_mask[i] != 0;
         for (size_t i = 0; i < (size_t)b.B * b.Tt; i++) valid += b.labels[i] != FL_IGNORE_INDEX;
-        t->buf.mb_tokens[k] = (long long)b.B * (b.Ts + b.Tt);
+        t->buf.mb_tokens[j] = (long long)b.B * (b.Ts + b.Tt);
         *step_valid += valid;
         t->st.tokens_real += real + valid;
         t->st.tokens_prompt += real;
-        t->st.tokens_padded += t->buf.mb_tokens[k];
+        t->st.tokens_padded += t->buf.mb_tokens[j];
+        t->st.flops += fl_model_train_flops_s2s(&t->model.cfg, b.B, b.Ts, b.Tt);
+        if (!fl_dp_mine(&t->dp, j)) continue;
+        const int k = j / t->dp.world;
         int32_t *di = t->buf.ids + (size_t)k * per, *dt = t->buf.tgt + (size_t)k * per, *ds = t->buf.src + (size_t)k * pers;
         uint8_t *dm = t->buf.src_mask + (size_t)k * pers;
         memcpy(di, b.dec_in, (size_t)b.B * b.Tt * sizeof *di);
