@@ -56,7 +56,10 @@ expect loss_target_needs_s2s 1 "not an encoder-decoder" -- "$FITLLM" loss micro 
 # greedy decoding of an encoder-decoder: the ids of transformers' generate(do_sample=False, max_new_tokens=12) for
 # the fixture's first source (tests/ref/make_t5_fixture.py: gen0)
 expect generate_t5_greedy 0 "^45 10 45 87 95 55 65 12 22 65 12 22$" -- "$FITLLM" generate tests/fixtures/t5-tiny-gated --prompt-ids "51 17 68 69 57 71 45 10 4 92 4 91 89" --max_new_tokens 12 --temperature 0
-expect generate_t5_sampling_refused 1 "generates greedily only" -- "$FITLLM" generate tests/fixtures/t5-tiny-gated --prompt-ids "1 2 3"
+# sampling (issue 31 item 4; tests/test_t5_sample.c: seeded, the first token's distribution = the logits' softmax):
+# top-k 1 is greedy at any temperature; a seed is named in the report
+expect generate_t5_topk1_is_greedy 0 "^45 10 45 87 95 55 65 12 22 65 12 22$" -- "$FITLLM" generate tests/fixtures/t5-tiny-gated --prompt-ids "51 17 68 69 57 71 45 10 4 92 4 91 89" --max_new_tokens 12 --temperature 1.5 --top_k 1
+expect generate_t5_sampling 0 "12 new tokens \(temperature 0.8, top_k 50, top_p 0.9, seed 5, stop" -- "$FITLLM" generate tests/fixtures/t5-tiny-gated --prompt-ids "51 17 68 69 57 71 45 10 4 92 4 91 89" --max_new_tokens 12 --top_p 0.9 --seed 5
 expect bench_bad_option 2 "unknown option" -- "$FITLLM" bench-step micro --frobnicate 3
 expect bench_bad_number 2 "not an integer" -- "$FITLLM" bench-step micro --micro-batch x
 expect bench_oom_exit_3 3 "out of memory" -- "$FITLLM" bench-step tiny --micro-batch 2 --seq 64 --steps 1 --max-memory 64MB
@@ -194,6 +197,13 @@ expect t5_finetune_loss_back 0 "^loss [0-9.]+  ppl .* model .*t5run/final" -- "$
 expect t5_finetune_generate 0 "source \+ 5 new tokens \(greedy" -- "$FITLLM" generate "$T/t5run/final" --prompt "question: what is two plus two?" --max_new_tokens 5 --temperature 0
 expect t5_finetune_lora 0 "Saved the PEFT adapter" -- "$FITLLM" finetune_lora "${T5A[@]}" --out_dir "$T/t5lora" --lora_query true --lora_key true --lora_value true --lora_projection true --lora_mlp true
 expect t5_finetune_lora_targets 0 '"target_modules": \["q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo"\]' -- cat "$T/t5lora/final/adapter/adapter_config.json"
+# a LoRA run (dropout 0.1: its masks are seeded by the global micro-batch) resumed from step 10 ends on the
+# uninterrupted run's adapter bits
+T5L=("${T5A[@]}" --lora_query true --lora_value true --lora_mlp true --lora_dropout 0.1)
+expect t5_lora_dropout_run 0 "Saved the PEFT adapter" -- "$FITLLM" finetune_lora "${T5L[@]}" --out_dir "$T/t5lr"
+mkdir -p "$T/t5lr2" && cp -r "$T/t5lr/step-000010" "$T/t5lr2/"
+expect t5_lora_resume 0 "Resuming training from .*step-000010 \(step 10, iter 20\)" -- "$FITLLM" finetune_lora "${T5L[@]}" --out_dir "$T/t5lr2" --resume auto
+expect t5_lora_resume_bitexact 0 "" -- cmp "$T/t5lr/final/adapter/adapter_model.safetensors" "$T/t5lr2/final/adapter/adapter_model.safetensors"
 expect t5_finetune_lora_task_type 0 '"task_type": "SEQ_2_SEQ_LM"' -- cat "$T/t5lora/final/adapter/adapter_config.json"
 expect t5_finetune_lora_generate 0 "source \+ 5 new tokens \(greedy" -- "$FITLLM" generate "$T/t5lora/final" --prompt "question: what colour is the sky?" --max_new_tokens 5 --temperature 0
 expect t5_finetune_truncates 0 "8 sources, 7 targets truncated\); longest source 8, target 4 tokens" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5trunc" --train.max_steps 1 --data.max_source_length 8 --data.max_target_length 4

@@ -19,6 +19,7 @@
 
 #include "model-impl.h"
 #include "store.h"
+#include "fitllm/generate.h"
 #include "fitllm/lora.h"
 
 typedef struct {
@@ -585,7 +586,7 @@ static fl_status decode_step(fl_model *m, const fl_model_graph *mg, const int32_
 }
 
 static fl_status s2s_generate(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, int max_new,
-                              int kv_cache, int32_t *out, int *n_out) {
+                              int kv_cache, fl_sampler *sp, int32_t *out, int *n_out) {
     FL_TRY(check_model(m, "fl_model_generate_s2s"));
     struct fl_s2s_acts *a = m->acts->s2s;
     const int V = m->cfg.vocab_size;
@@ -613,10 +614,11 @@ static fl_status s2s_generate(fl_model *m, const int32_t *src, const uint8_t *sr
     int n = 0;
     out[n++] = m->cfg.dec_start_id;
     /* each token: with the cache the new row alone (its keys: the earlier rows' k, v kept in the blocks' q|k|v slots;
-     * the cross k|v from the first step), else the decoder over its whole prefix; the last row's argmax */
+     * the cross k|v from the first step), else the decoder over its whole prefix; the last row's argmax, or the
+     * sampler's choice */
     while (s == FL_OK && n <= max_new) {
         a->T[1] = n;
-        const float *row = lg;
+        float *row = lg;
         if (kv_cache) {
             s = decode_step(m, &mg, out + n - 1, n, lg);
         } else {
@@ -625,8 +627,10 @@ static fl_status s2s_generate(fl_model *m, const int32_t *src, const uint8_t *sr
         }
         if (s != FL_OK) break;
         int best = 0;
-        for (int v = 1; v < V; v++)
-            if (row[v] > row[best]) best = v; /* the first of equal maxima, as torch.argmax */
+        if (sp) best = fl_sampler_sample(sp, row);
+        else
+            for (int v = 1; v < V; v++)
+                if (row[v] > row[best]) best = v; /* the first of equal maxima, as torch.argmax */
         out[n++] = best;
         if (best == m->cfg.eos_id) break;
     }
@@ -661,7 +665,20 @@ fl_status fl_model_backward_s2s(fl_model *m) {
 fl_status fl_model_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, int max_new,
                                 int kv_cache, int32_t *out, int *n_out) {
     s2s_lend(m, 1);
-    fl_status s = s2s_generate(m, src, src_mask, Ts, max_new, kv_cache, out, n_out);
+    fl_status s = s2s_generate(m, src, src_mask, Ts, max_new, kv_cache, NULL, out, n_out);
     s2s_lend(m, 0);
+    return s;
+}
+
+fl_status fl_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, const fl_gen_params *gp,
+                          int32_t *out, int *n_out) {
+    *n_out = 0;
+    FL_TRY(fl_gen_params_validate(gp));
+    fl_sampler sp;
+    FL_TRY(fl_sampler_init(&sp, m->pool, m->cfg.vocab_size, gp));
+    s2s_lend(m, 1);
+    fl_status s = s2s_generate(m, src, src_mask, Ts, gp->max_new_tokens, !m->act_ckpt, &sp, out, n_out);
+    s2s_lend(m, 0);
+    fl_sampler_free(&sp);
     return s;
 }
