@@ -227,6 +227,11 @@ done
 expect t5_finetune_qlora_loads 0 "source \+ 3 new tokens \(greedy" -- "$FITLLM" generate "$T/t5qlora/final" --prompt "question: what colour is the sky?" --max_new_tokens 3 --temperature 0
 expect t5_finetune_refuses_fp16 2 "--precision 16-mixed: T5 is known to overflow fp16's range" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x4" --precision 16-mixed
 expect t5_finetune_refuses_qlora_bf16 2 "QLoRA in 32-true only so far .*got --precision bf16-true" -- "$FITLLM" finetune_lora "${T5A[@]}" --out_dir "$T/t5x5" --quantize bnb.nf4 --precision bf16-true
+# a validation split (data.val_split_fraction: LitGPT's random_split, tests/test_s2s.c against torch): the val loss
+# at each evaluation, the final evaluation, val_loss in the metrics
+expect t5_finetune_val_split 0 "8 source/target pairs .*; 6 train / 2 val pairs \(data.val_split_fraction 0.25\)" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5val" --data.val_split_fraction 0.25 --eval.interval 5 --overwrite true
+expect t5_finetune_val_metrics 0 "" -- awk -F, 'NR > 1 && $9 != "" { n++; l = $9 } END { exit !(n == 4 && l > 4 && l < 6.2) }' "$T/t5val/logs/metrics.csv"
+expect t5_finetune_val_final 0 "^Final evaluation \| val loss: [0-9.]+ \| val ppl" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5val2" --data.val_split_fraction 0.25 --train.max_steps 3 --eval.interval 2
 # T5 memory (issue 31 item 4): plan sizes the source (--seq-len, else data.max_source_length) and the target
 # (--target-len, else data.max_target_length), planned = measured per tag (tests/test_plan.c plan_equals_runtime_t5);
 # a shorter source is suggested when it does not fit; bench-step times a T5 step with a source of --source-seq

@@ -495,7 +495,7 @@ static fl_status loop_step(trainer *t, run_loop *L, int *brk) {
     fl_tr_loader_get_state(t, &t->st.loader);
     t->st.train_seconds = fl_tr_now_s() - L->t_start;
     if (t->st.step == 1 && t->out && !L->resumed) fl_tr_print_memory(t);
-    if (t->st.step % cfg->eval.interval == 0 && t->in.val) FL_TRY(evaluate(t, L));
+    if (t->st.step % cfg->eval.interval == 0 && fl_tr_has_val(t)) FL_TRY(evaluate(t, L));
     const int saved = cfg->train.save_interval > 0 && t->st.step % cfg->train.save_interval == 0;
     if (saved) FL_TRY(fl_tr_save_step(t, L->lead, !fl_trainer_diverge_suspect(&L->dv)));
     FL_TRY(decide_stop(t, L, step_loss, step_valid, saved, brk));
@@ -512,9 +512,9 @@ static fl_status loop_step(trainer *t, run_loop *L, int *brk) {
 static fl_status finish(trainer *t, run_loop *L) {
     const fl_run_config *cfg = t->cfg;
     fl_trainer_result *r = &L->r;
-    long n_val = t->in.val ? (long)fl_loader_batches_per_epoch(t->in.val) : 0;
+    long n_val = fl_tr_val_batches(t);
     int have_final = L->val_step == t->st.step && cfg->eval.max_iters >= n_val;
-    if (cfg->eval.final_validation && t->in.val) {
+    if (cfg->eval.final_validation && fl_tr_has_val(t)) {
         if (!have_final) FL_TRY(fl_tr_diverged(t, fl_tr_validate(t, (int)n_val, &L->val_loss), t->st.step, t->st.iter));
         r->val_loss = L->val_loss;
         if (t->out) fprintf(t->out, "Final evaluation | val loss: %.3f | val ppl: %.3f\n", L->val_loss,

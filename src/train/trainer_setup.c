@@ -186,21 +186,34 @@ static fl_status load_data_s2s(trainer *t) {
     fl_s2s_config_default(&sc);
     sc.max_source_length = c->data.max_source_length;
     sc.max_target_length = c->data.max_target_length;
-    FL_TRY(fl_s2s_load(&t->in.s2s, c->data.json_path, &sc, t->in.tok));
-    size_t n = fl_s2s_count(t->in.s2s);
-    if (!n) return fl_errorf(FL_ERR_INVALID, "'%s' holds no pairs", c->data.json_path);
-    int ls = 1, lt = 1;
+    fl_s2s_data *all = NULL;
+    FL_TRY(fl_s2s_load(&all, c->data.json_path, &sc, t->in.tok));
+    size_t n = fl_s2s_count(all);
+    if (!n) {
+        fl_s2s_free(all);
+        return fl_errorf(FL_ERR_INVALID, "'%s' holds no pairs", c->data.json_path);
+    }
+    int ls = 1, lt = 1; /* the arena: the longest of either split (validation runs in it too) */
     for (size_t i = 0; i < n; i++) {
         const int32_t *a, *b;
         int na, nb;
-        fl_s2s_get(t->in.s2s, i, &a, &na, &b, &nb);
+        fl_s2s_get(all, i, &a, &na, &b, &nb);
         if (na > ls) ls = na;
         if (nb > lt) lt = nb;
     }
+    /* the validation split: LitGPT's random_split of the file (fl_s2s_split), as the decoder-only JSON data */
+    fl_status s = fl_s2s_split(all, c->data.val_split_fraction, c->seed, &t->in.s2s, &t->in.s2s_vdata);
+    fl_s2s_free(all);
+    FL_TRY(s);
+    if (!fl_s2s_count(t->in.s2s))
+        return fl_errorf(FL_ERR_INVALID, "'%s': data.val_split_fraction %g leaves no training pairs of %zu",
+                         c->data.json_path, (double)c->data.val_split_fraction, n);
     t->sch.B = c->train.micro_batch_size;
     t->sch.Ts = ls;
     t->sch.T = lt;
     int pad = t->model.cfg.pad_id, start = t->model.cfg.dec_start_id;
+    if (fl_s2s_count(t->in.s2s_vdata))
+        FL_TRY(fl_s2s_loader_init(&t->in.s2s_val, t->in.s2s_vdata, t->sch.B, pad, start, c->seed, 0));
     return fl_s2s_loader_init(&t->in.s2s_train, t->in.s2s, t->sch.B, pad, start, c->seed, 1);
 }
 
@@ -457,7 +470,9 @@ void fl_tr_cleanup(trainer *t) {
     fl_loader_free(t->in.val);
     fl_data_free(t->in.data);
     fl_s2s_loader_free(t->in.s2s_train);
+    fl_s2s_loader_free(t->in.s2s_val);
     fl_s2s_free(t->in.s2s);
+    fl_s2s_free(t->in.s2s_vdata);
     fl_tok_free(t->in.tok);
     fl_fsdp_free(&t->dp);
     fl_optim_free(&t->opt);
