@@ -115,11 +115,6 @@ fl_status fl_tr_sample_tokens(trainer *t, const int32_t *ids, int n, const int32
 fl_status fl_tr_generate_example(trainer *t) {
     const fl_run_config *c = t->cfg;
     if (!t->out || c->eval.max_new_tokens <= 0) return FL_OK;
-    if (t->in.s2s) { /* not built for the encoder-decoders yet (fitllm generate samples them) */
-        fprintf(t->out, "(sample generation skipped: an encoder-decoder has no sample at evaluation yet; generate "
-                "from a checkpoint with fitllm generate)\n");
-        return FL_OK;
-    }
     if (t->dp.fsdp) { /* decoding token by token would gather every block for every token */
         fprintf(t->out, "(sample generation skipped: the parameters are sharded (FULL_SHARD); generate from a "
                 "checkpoint with fitllm generate)\n");
