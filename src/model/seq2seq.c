@@ -52,6 +52,12 @@ struct fl_s2s_acts {
 
 int fl_model_is_s2s(const fl_model_config *c) { return c->n_dec_layers > 0; }
 
+static double now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+}
+
 void fl_s2s_acts_free(struct fl_s2s_acts *s) {
     if (!s) return;
     for (int k = 0; k < FL_MODEL_GRAPH_MAX_STACKS; k++) free(s->st[k].res), free(s->st[k].layer);
@@ -380,12 +386,6 @@ static fl_status head_loss(fl_model *m, const int32_t *targets, int N, float gra
         }
     free(l);
     return s;
-}
-
-static double now_ms(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
 }
 
 /* Stack s's model-graph ops, forward. */
