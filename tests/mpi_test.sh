@@ -488,6 +488,13 @@ grep -E "^(ok|FAIL|SKIP)" "$T/out"
 if [ $rc -eq 0 ] && grep -q "^SKIP" "$T/out"; then skip=$((skip+1))
 elif [ $rc -eq 0 ]; then pass=$((pass+1)); else bad "netns_two_nodes" "exit $rc"; fi
 
+# T5, an encoder-decoder, over 2 ranks (tests/mpi_t5_test.sh: DDP against one process, ZeRO-1/2 and ZeRO-2 offload
+# against DDP, rank 0's peaks against the plan)
+"$(dirname "$0")/mpi_t5_test.sh" "$BUILD" >"$T/out" 2>&1; rc=$?
+grep -E "^(ok|FAIL|     )" "$T/out"
+pass=$((pass + $(grep -c '^ok' "$T/out"))); fail=$((fail + $(grep -c '^FAIL' "$T/out")))
+[ $rc -eq 0 ] || [ "$(grep -c '^FAIL' "$T/out")" -gt 0 ] || bad "mpi_t5" "exit $rc"
+
 echo
 echo "MPI tests: $pass passed, $fail failed, $skip skipped"
 [ $fail -eq 0 ]

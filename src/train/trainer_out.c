@@ -124,9 +124,14 @@ void fl_tr_print_header(trainer *t, fl_comm *comm, const fl_precision *prec, con
             "--tokenizer_dir gives one", t->in.tok_dir[0] ? t->in.tok_dir : "", t->in.tok_dir[0] ? "'" : ")");
     if (t->in.s2s) {
         const fl_s2s_stats *ss = fl_s2s_get_stats(t->in.s2s);
+        const size_t nv = fl_s2s_count(t->in.s2s_vdata);
         fprintf(t->out, "data: %zu source/target pairs from '%s' (%zu sources, %zu targets truncated); longest source "
-                "%d, target %d tokens; no validation split\n", ss->n_records, cfg->data.json_path,
-                ss->n_truncated_source, ss->n_truncated_target, t->sch.Ts, t->sch.T);
+                "%d, target %d tokens; ", ss->n_records + nv, cfg->data.json_path, ss->n_truncated_source,
+                ss->n_truncated_target, t->sch.Ts, t->sch.T);
+        if (nv) fprintf(t->out, "%zu train / %zu val pairs (data.val_split_fraction %g)\n", ss->n_records, nv,
+                        (double)cfg->data.val_split_fraction);
+        else fprintf(t->out, "no validation split (data.val_split_fraction %g of %zu pairs is none)\n",
+                     (double)cfg->data.val_split_fraction, ss->n_records);
     } else {
         const fl_data_stats *ds = fl_data_get_stats(t->in.data);
         fprintf(t->out, "data: %s, %zu train / %zu val samples, %zu truncated to max_seq_length; longest input %d\n",
