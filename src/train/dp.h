@@ -46,6 +46,15 @@ typedef struct fl_dp {
                             * memory through its to_host, write it through to_device */
     const fl_optim_offload *offload; /* CPU offload (fl_cfg_offload): the optimizer's host backend and tier; NULL none */
     size_t bucket;         /* --bucket_size: the gradient reductions' bucket bytes (0: one collective each; dp_bucket.c) */
+    /* parameter offload (fl_cfg_param_offload; the trainer sets it before fl_fsdp_prepare): the tier the shards of
+     * the parameters and gradients live in (pool: the host tier or the NVMe disk pool; disk: it is the disk pool),
+     * the host backend of its memory, the host tier (scratch of the gradients' way down) and the prefetch depth
+     * (--offload_prefetch). pool NULL: the shards on the device. With it FULL_SHARD runs at one rank too. */
+    struct {
+        const fl_backend *be;
+        fl_mem_pool *pool, *host;
+        int disk, prefetch;
+    } ptier;
 } fl_dp;
 
 /* A checkpoint writer's source for one optimizer state array arr of o (es-byte elements): t->data read

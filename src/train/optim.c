@@ -466,6 +466,7 @@ fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim
     o->home.pool = off ? (off->state_pool ? off->state_pool : off->pool) : model->pool;
     o->home.hpool = off ? off->pool : NULL;
     o->home.disk = off && off->state_pool;
+    o->home.params_host = off && off->params_host;
     /* the precision policy fixes the state dtype of the full parameters (bf16-true: bf16);
      * LoRA adapters are fp32 under every policy */
     if (!model->lora && model->prec.optim_dtype == FL_BF16) o->cfg.state_dtype = FL_BF16;
@@ -514,7 +515,7 @@ fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim
     /* offload to a device the host cannot read: the staging of one piece of the parameters and gradients
      * (host tier, held for the run as DeepSpeed's pinned buffers) */
     if (s == FL_OK && off) o->home.piece = o->shard.len < g_offload_piece ? o->shard.len : g_offload_piece;
-    if (s == FL_OK && off && !fl_backend_host_memory(model->be)) {
+    if (s == FL_OK && off && !off->params_host && !fl_backend_host_memory(model->be)) {
         s = fl_mem_alloc(o->home.hpool, FL_TAG_WORKSPACE, o->home.piece * fl_dtype_size(o->w.pt), &o->home.hp);
         if (s == FL_OK) s = fl_mem_alloc(o->home.hpool, FL_TAG_WORKSPACE, o->home.piece * fl_dtype_size(o->w.gt), &o->home.hg);
     }
@@ -561,11 +562,14 @@ static int grads_sharded(const fl_optimizer *o) { return o->shard.dist && o->sha
 
 static const void *g_at(const fl_optimizer *o, size_t off) { return (const char *)o->w.g + off * fl_dtype_size(o->w.gt); }
 
+/* the backend whose memory holds the gradients: the model's, or under parameter offload the host's */
+static const fl_backend *grads_be(const fl_optimizer *o) { return o->home.params_host ? o->home.be : o->model->be; }
+
 /* Loss scaling: any inf/NaN among the scaled gradients (times inv_scale); under ZeRO-2 each rank
  * checks its range and the verdicts are summed, so every rank decides alike. */
 static fl_status found_inf(const fl_optimizer *o, float inv_scale, int *found) {
     *found = 0;
-    const fl_backend *be = o->model->be;
+    const fl_backend *be = grads_be(o);
     if (!grads_sharded(o)) {
         FL_TRY(be->check_finite(be, o->w.g, o->w.gt, o->w.n, inv_scale, found));
         return o->shard.dist && o->shard.dist->any ? o->shard.dist->any(o->shard.dist->ud, found) : FL_OK; /* tensor parallel */
@@ -578,7 +582,7 @@ static fl_status found_inf(const fl_optimizer *o, float inv_scale, int *found) {
 }
 
 static double chunk_sumsq(const fl_optimizer *o, size_t off, size_t len) {
-    const fl_backend *be = o->model->be;
+    const fl_backend *be = grads_be(o);
     if (!len) return 0.0;
     return be->sumsq(be, g_at(o, off), o->w.gt, len);
 }
