@@ -269,6 +269,11 @@ expect zero3_offload_nvme_trains 0 "nvme tier \(offload\) PARAMS +1015\.75 KiB" 
     --strategy deepspeed_stage_3_offload_nvme --nvme_path "$T/poffn" --train.max_steps 2 --train.global_batch_size 2 \
     --train.micro_batch_size 2 --train.max_seq_length 32 --out_dir "$T/poff2"
 [ -z "$(ls -A "$T/poffn")" ] || { echo "FAIL zero3_offload_nvme_leaves_no_file: $(ls "$T/poffn")"; fail=$((fail+1)); }
+# the disk failing a write-back mid-run (an injected ENOSPC): exit 1, the error and the last committed checkpoint named
+expect zero3_offload_nvme_disk_fails_mid_run 1 "No space left on device \(injected.*the last committed checkpoint is '$T/poff3/step-0000(06|08|10)'" -- \
+    env FITLLM_TEST_NVME_FAIL_AFTER=300 "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload_nvme \
+    --train.max_steps 12 --train.save_interval 2 --train.global_batch_size 2 --train.micro_batch_size 2 \
+    --train.max_seq_length 32 --out_dir "$T/poff3"
 expect offload_param_device_needs_zero3_offload 2 "offload_param_device cpu offloads ZeRO-3's parameter shards.*strategy is 'deepspeed_stage_3'" -- \
     "$FITLLM" finetune_full micro --strategy deepspeed_stage_3 --offload_param_device cpu --out_dir "$T/d2"
 # an option the strategy would not use is refused, never ignored (this ran plain ZeRO-3 before)

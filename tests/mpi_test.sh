@@ -210,6 +210,35 @@ if [ $z3ok = 1 ]; then
     fi
 fi
 
+# Parameter offload (fsdp_cpu_offload: the parameter and gradient shards in the host tier; deepspeed_stage_3_offload_nvme:
+# in files) at 1, 2 and 3 MPI ranks: the checkpoints (step 2 and final) of the device-resident ZeRO-3 run at the same
+# size byte for byte (one rank: the one-process run's); the tier in rank 0's report; no file left
+pok=1
+mkdir -p "$T/pnv"
+for np in 1 2 3; do
+    for st in deepspeed_stage_3 fsdp_cpu_offload deepspeed_stage_3_offload_nvme; do
+        extra=(--strategy $st); [ $st = deepspeed_stage_3_offload_nvme ] && extra+=(--nvme_path "$T/pnv")
+        timeout 300 mpirun -np $np "$FL" finetune_full "${ZARGS[@]}" --devices $np --train.global_batch_size 12 "${extra[@]}" \
+            --out_dir "$T/p$np-$st" \
+            >"$T/out" 2>&1 || { pok=0; bad "param_offload_cli_np${np}_$st" "exit $?"; }
+        [ $st = fsdp_cpu_offload ] && { grep -q "host tier (offload) PARAMS" "$T/out" || { pok=0; bad "param_offload_cli_np$np" "no host-tier PARAMS in the report"; }; }
+    done
+    base="$T/p$np-deepspeed_stage_3"
+    for st in fsdp_cpu_offload deepspeed_stage_3_offload_nvme; do
+        for ck in step-000002 final; do
+            cmp -s "$base/$ck/model.safetensors" "$T/p$np-$st/$ck/model.safetensors" || pok=0
+            cmp -s <(tail -c 1040128 "$base/$ck/training_state.safetensors") \
+                   <(tail -c 1040128 "$T/p$np-$st/$ck/training_state.safetensors") || pok=0
+        done
+    done
+done
+[ -z "$(ls -A "$T/pnv")" ] || { pok=0; bad "param_offload_nvme_leaves_no_files" "$(ls -A "$T/pnv")"; }
+if [ $pok = 1 ]; then
+    ok "param_offload_cli_np123 (host and nvme parameter offload checkpoints = the device-resident ZeRO-3's, bit for bit)"
+else
+    bad "param_offload_cli_np123" "checkpoints differ from the device-resident run's, or a run failed"
+fi
+
 # sharded checkpoints (--fsdp.state_dict_type sharded) through the CLI: saved by ZeRO-2 at 3 ranks (each rank writes
 # its ranges; no model.safetensors in a step checkpoint), resumed by ZeRO-1 at 2 ranks: the bits of the 2-rank resume
 # of the FULL checkpoint of the same run (final weights and momentum); merge_shards (offline, no mpirun) writes the

@@ -12,9 +12,11 @@
  * holds no PARAMS, GRADS or OPTIM; the tier holds the device run's PARAMS and GRADS (the shard's); the plan
  * of every tier equals the measured. Checkpoints: saved with parameter offload and resumed without it and
  * the reverse, consolidated and sharded; a stop and resume ends on the uninterrupted run's bits. */
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #include "train/dp.h"
 #include "test.h"
@@ -259,4 +261,105 @@ FL_TEST(poff_config_accepts_and_refuses) {
     fl_cfg_defaults(&l, FL_CMD_FINETUNE_LORA);
     FL_CHECK(fl_cfg_set(&l, "strategy", "fsdp_cpu_offload") == FL_OK && fl_cfg_validate(&l) == FL_ERR_UNSUPPORTED &&
              strstr(fl_error_message(), "finetune_lora"));
+}
+
+/* The planner: where ZeRO-3's shards do not fit the device, parameter offload is suggested with its planned
+ * peak, which is the parameter-offloaded run's own plan (GPU: host tier; CPU: NVMe files, its host being its
+ * "device"); one process likewise */
+FL_TEST(poff_plan_suggests_parameter_offload) {
+    for (int cuda = 0; cuda <= 1; cuda++)
+        for (int world = 1; world <= 2; world++) {
+            fl_run_config c;
+            char out[700], what[96];
+            snprintf(out, sizeof out, "%s/poff-plan", fl_test_tmpdir());
+            snprintf(what, sizeof what, "%s plan at %d ranks", cuda ? "cuda" : "cpu", world);
+            zr_config(&c, ZR_ADAMW, world, world, 1, "deepspeed_stage_3", NULL, out);
+            fl_run_config v = c; /* the suggested run */
+            snprintf(v.strategy, sizeof v.strategy, "deepspeed_stage_3_offload");
+            snprintf(v.offload_param_device, sizeof v.offload_param_device, "%s", cuda ? "cpu" : "nvme");
+            if (!cuda) snprintf(v.offload_device, sizeof v.offload_device, "nvme");
+            fl_plan *a = calloc(1, sizeof *a), *b = calloc(1, sizeof *b);
+            FL_REQUIRE(a && b);
+            fl_plan_opts po;
+            fl_plan_opts_default(&po);
+            po.no_suggestions = 1;
+            po.generation = 0;
+            po.cuda = cuda;
+            if (fl_plan_run(&c, &po, a) == FL_OK && fl_plan_run(&v, &po, b) == FL_OK) {
+                FL_CHECKF(b->peak_total < a->peak_total && b->peak[FL_TAG_PARAMS] == 0 &&
+                              (cuda ? b->host_peak : b->nvme_peak)[FL_TAG_PARAMS] == a->peak[FL_TAG_PARAMS],
+                          "%s: parameter offload's peak %zu (PARAMS %zu), ZeRO-3's %zu", what, b->peak_total,
+                          b->peak[FL_TAG_PARAMS], a->peak_total);
+                po.no_suggestions = 0;
+                po.device_memory = (a->peak_total + b->peak_total) / 2; /* ZeRO-3's shards do not fit */
+                fl_plan *s = calloc(1, sizeof *s);
+                FL_REQUIRE(s);
+                FL_CHECKF(fl_plan_run(&c, &po, s) == FL_OK && s->verdict == FL_PLAN_OOM, "%s: %s", what, fl_error_message());
+                int found = 0;
+                for (int i = 0; i < s->n_sugg; i++)
+                    if (!strcmp(s->sugg[i].technique, "param_offload")) {
+                        found = 1;
+                        FL_CHECKF(s->sugg[i].fits == 1 && s->sugg[i].peak == b->peak_total &&
+                                      strstr(s->sugg[i].change, cuda ? "--offload_param_device cpu" : "--offload_param_device nvme"),
+                                  "%s: param_offload suggestion fits %d peak %zu (its plan %zu) '%s'", what,
+                                  s->sugg[i].fits, s->sugg[i].peak, b->peak_total, s->sugg[i].change);
+                    }
+                FL_CHECKF(found, "%s: no param_offload suggestion", what);
+                free(s);
+            } else {
+                FL_CHECKF(0, "%s: %s", what, fl_error_message());
+            }
+            free(a);
+            free(b);
+        }
+}
+
+/* Faults with the parameters on NVMe: a folder that does not exist or cannot take the shards at set-up (a
+ * file-size limit stands in for a full disk), and the disk failing a write-back in the middle of the run (an
+ * injected ENOSPC): each ends with its error naming the folder, no file left; the mid-run failure after a
+ * committed checkpoint, which resumes to the uninterrupted run's bits. */
+FL_TEST(poff_nvme_faults_end_cleanly) {
+    /* the folder does not exist */
+    pojob *j = po_new(ZR_ADAMW, 2, "deepspeed_stage_3_offload", "nvme", "fault-missing");
+    snprintf(j->cfg.nvme_path, sizeof j->cfg.nvme_path, "%s/poff-no-such-folder", fl_test_tmpdir());
+    setenv("FITLLM_BACKEND", "cpu", 1);
+    fl_status s = fl_comm_threads_run(2, porank, j);
+    FL_CHECKF(s == FL_ERR_INVALID && strstr(fl_error_message(), "poff-no-such-folder") && !j->rec[0].steps,
+              "missing nvme folder: %s (%s)", fl_status_name(s), fl_error_message());
+    po_free(j);
+    /* the disk cannot take the parameter shards (64 KiB file-size limit; the shard is ~500 KiB) */
+    j = po_new(ZR_ADAMW, 2, "deepspeed_stage_3_offload", "nvme", "fault-full");
+    struct rlimit old, lim;
+    FL_REQUIRE(getrlimit(RLIMIT_FSIZE, &old) == 0);
+    lim = old;
+    lim.rlim_cur = 64 << 10;
+    void (*prev)(int) = signal(SIGXFSZ, SIG_IGN); /* the call fails with EFBIG instead of a signal */
+    FL_REQUIRE(setrlimit(RLIMIT_FSIZE, &lim) == 0);
+    s = fl_comm_threads_run(2, porank, j);
+    setrlimit(RLIMIT_FSIZE, &old);
+    signal(SIGXFSZ, prev);
+    FL_CHECKF(s == FL_ERR_IO && strstr(fl_error_message(), "parameter offload (NVMe)") &&
+                  strstr(fl_error_message(), "parameter shard") && strstr(fl_error_message(), j->cfg.nvme_path) &&
+                  !j->rec[0].steps,
+              "full nvme folder: %s (%s)", fl_status_name(s), fl_error_message());
+    FL_CHECKF(po_dir_empty(j->cfg.nvme_path), "full nvme folder: files left in %s", j->cfg.nvme_path);
+    po_free(j);
+    /* a write-back fails in the middle of the run, after step 2's checkpoint */
+    j = po_new(ZR_ADAMW, 2, "deepspeed_stage_3_offload_nvme", "nvme", "fault-mid");
+    j->cfg.train.save_interval = 2;
+    j->cfg.train.max_steps = 12;
+    setenv("FITLLM_TEST_NVME_FAIL_AFTER", "400", 1); /* each rank's 401st write-back fails (step 7 or so) */
+    s = fl_comm_threads_run(2, porank, j);
+    unsetenv("FITLLM_TEST_NVME_FAIL_AFTER");
+    char last[800];
+    snprintf(last, sizeof last, "%s/step-000002/COMMITTED", j->cfg.out_dir);
+    FILE *f = fopen(last, "r");
+    FL_CHECKF(s == FL_ERR_IO && strstr(fl_error_message(), "injected") && strstr(fl_error_message(), j->cfg.nvme_path) &&
+                  f != NULL && j->rec[0].steps >= 2 && j->rec[0].steps < 12,
+              "nvme write failure mid-run: %s (%s), steps %ld, step 2 committed %d", fl_status_name(s),
+              fl_error_message(), j->rec[0].steps, f != NULL);
+    if (f) fclose(f);
+    FL_CHECKF(po_dir_empty(j->cfg.nvme_path), "nvme write failure: files left in %s", j->cfg.nvme_path);
+    unsetenv("FITLLM_BACKEND");
+    po_free(j);
 }

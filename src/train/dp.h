@@ -188,6 +188,9 @@ fl_status fl_dp_agree(fl_dp *dp, fl_status mine);
  * (fl_model_param_piece): no rank ever holds the whole model, and no collective runs at load.
  * Run before the model is created (stg: fl_trainer_storage's). No-op otherwise. */
 fl_status fl_fsdp_prepare(fl_dp *dp, const fl_run_config *cfg, const fl_precision *prec, fl_model_storage *stg);
+/* Parameter offload on NVMe: a failed allocation s of the tier that its disk refused (no space, a file-size limit)
+ * as an I/O error naming the folder's reason and this rank's bytes of `what` ("parameter", "gradient"); else s. */
+fl_status fl_fsdp_tier_fault(const fl_dp *dp, fl_status s, const char *what, size_t bytes);
 /* After fl_model_set_precision, before fl_model_alloc_grads (which then allocates the shard) and
  * the optimizer (which then sees the shard): the gathered units' compute copy of mixed policies
  * (no whole copy exists). FL_ERR_INTERNAL when stage 3 applies but the model was not created

@@ -379,15 +379,26 @@ static fl_status shard_model(void *ud, void *mp) {
     fl_status s = f->tbe ? fl_backend_calloc(f->tbe, f->tpool, FL_TAG_PARAMS, f->loc[f->G] * f->es, &shard)
                          : fl_mem_alloc(m->pool, FL_TAG_PARAMS, f->loc[f->G] * f->es, &shard);
     if (s != FL_OK) {
+        const size_t n = f->loc[f->G];
         fl_fsdp_free(dp);
-        return fl_error_prefix(s, "FSDP: allocating this rank's parameter shard (%zu elements%s)", f->loc[f->G],
-                               !f->tbe ? "" : dp->ptier.disk ? ", parameter offload: NVMe files" : ", parameter offload: host tier");
+        s = fl_fsdp_tier_fault(dp, s, "parameter", n * fl_dtype_size(fl_model_store_dtype(m)));
+        return fl_error_prefix(s, "FSDP: allocating this rank's parameter shard (%zu elements%s)", n,
+                               !dp->ptier.pool ? "" : dp->ptier.disk ? ", parameter offload: NVMe files" : ", parameter offload: host tier");
     }
     f->pp = (fl_param_provider){f,         f->loc[f->G],  f->views, pp_gather, pp_release, pp_grads_begin,
                                 pp_grads_ready, pp_zero_grads, f->foff, f->loc, f->clen};
     if (f->tbe) fl_model_store_offload(m, shard, &f->pp, f->tbe, f->tpool);
     else fl_model_store_shard(m, shard, &f->pp);
     return FL_OK;
+}
+
+fl_status fl_fsdp_tier_fault(const fl_dp *dp, fl_status s, const char *what, size_t bytes) {
+    const fl_mem_pool *p = dp->ptier.pool;
+    if (s == FL_OK || !dp->ptier.disk || !p || !p->raw_why || !p->raw_why(p->raw_ud)[0]) return s;
+    char why[512];
+    snprintf(why, sizeof why, "%s", p->raw_why(p->raw_ud));
+    return fl_errorf(FL_ERR_IO, "parameter offload (NVMe): %zu bytes of this rank's %s shard in files under nvme_path: "
+                     "%s; free space there or give another --nvme_path", bytes, what, why);
 }
 
 fl_status fl_fsdp_prepare(fl_dp *dp, const fl_run_config *cfg, const fl_precision *prec, fl_model_storage *stg) {

@@ -401,7 +401,9 @@ fl_status fl_tr_setup_training(trainer *t, const fl_run_config *rcfg, const fl_s
         FL_TRY(fl_model_lora_init(&t->model, &lc, cfg->seed));
     } else {
         FL_TRY(fl_fsdp_init(&t->dp, rcfg, &t->model)); /* FULL_SHARD: the gathered units' compute copy */
-        FL_TRY(fl_model_alloc_grads(&t->model));      /* (sharded: of the gradients) */
+        /* (sharded: of the gradients; parameter offload on NVMe: a disk that refuses them is an I/O error) */
+        FL_TRY(fl_fsdp_tier_fault(&t->dp, fl_model_alloc_grads(&t->model), "gradient",
+                                  fl_model_store_numel(&t->model) * fl_dtype_size(fl_model_store_dtype(&t->model))));
     }
     FL_TRY(fl_tr_setup_offload(t, sc));
     FL_TRY(fl_dp_optim_init(&t->dp, rcfg, &t->opt, &t->model)); /* ZeRO: state for this rank's chunk only; offload:
