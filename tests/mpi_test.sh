@@ -407,6 +407,37 @@ else
     fi
 fi
 
+# a rank killed during a parameter fetch (parameter offload on NVMe, after step 2's checkpoint was committed): rank 1
+# is held inside its next fetch (FITLLM_TEST_FETCH_HOLD: the file names the rank; it writes its pid to FILE.held and
+# waits there), then SIGKILLed; the job ends within seconds, non-zero, the launcher names the rank, rank 0 the last
+# committed checkpoint; the NVMe folder keeps no file
+mkdir -p "$T/pdie-nv"
+"${SELF_ENV[@]}" FITLLM_TEST_FETCH_HOLD="$T/hold" "$FL" finetune_full "${ARGS[@]}" --strategy deepspeed_stage_3_offload_nvme \
+    --nvme_path "$T/pdie-nv" --train.max_steps 100000 --train.epochs 100000 --devices 2 --out_dir "$T/pdie" >"$T/out" 2>&1 &
+job=$!
+for _ in $(seq 600); do [ -f "$T/pdie/step-000002/COMMITTED" ] && break; sleep 0.1; done
+echo 1 >"$T/hold"
+for _ in $(seq 600); do [ -s "$T/hold.held" ] && break; sleep 0.1; done
+r1=$(cat "$T/hold.held" 2>/dev/null)
+if [ -z "$r1" ]; then
+    kill "$job" 2>/dev/null; wait "$job"
+    bad "param_offload_dead_rank_names_checkpoint" "rank 1 was not held in a fetch"
+else
+    t0=$(now); kill -9 "$r1"
+    for _ in $(seq 600); do kill -0 "$job" 2>/dev/null || break; sleep 0.1; done
+    kill -0 "$job" 2>/dev/null && kill -9 "$job"
+    wait "$job"; rc=$?; t1=$(now)
+    secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+    last=$(sed -n "s/.*rank 0 of 2: ended by the launcher .*the last committed checkpoint is '\([^']*\)' (to continue from it, run the same command with --resume auto).*/\1/p" "$T/out")
+    if [ $rc -ne 0 ] && awk -v s="$secs" 'BEGIN { exit !(s <= 20) }' && grep -q "rank 1 .* exited on signal 9" "$T/out" \
+        && [ -n "$last" ] && [ -f "$last/COMMITTED" ] && case "$last" in "$T/pdie/step-"*) true ;; *) false ;; esac \
+        && [ -z "$(ls -A "$T/pdie-nv")" ]; then
+        ok "param_offload_dead_rank_names_checkpoint (exit $rc in $secs s; ${last#$T/pdie/})"
+    else
+        bad "param_offload_dead_rank_names_checkpoint" "exit $rc in $secs s, checkpoint named: '$last', nvme files: $(ls -A "$T/pdie-nv" | wc -l)"
+    fi
+fi
+
 # faults: every rank ends promptly, non-zero, and the output names the rank at fault
 fault() {
     local name=$1 mode=$2 pat=$3

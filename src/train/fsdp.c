@@ -59,8 +59,11 @@
  * The clipping norm sums each distinct shard once: over the node (fl_fsdp_sum), not over the
  * replicas. Checkpoints: consolidated ones are gathered within node 0 (rank 0 writes); sharded
  * ones are written by node 0's ranks (shard_ckpt.c). HYBRID on one node is FULL_SHARD (no split). */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "dp.h"
 #include "fitllm/checkpoint.h"
@@ -121,6 +124,24 @@ const char *fl_fsdp_refusal(const fl_run_config *cfg, const fl_precision *p) {
 
 /* ---- the provider (model-side hooks) -------------------------------------------------------- */
 
+/* The tests' hold in a parameter fetch (tests/mpi_test.sh: a rank killed during one): with
+ * FITLLM_TEST_FETCH_HOLD=FILE, once FILE exists and holds this rank's number, the rank's next fetch writes its pid
+ * to FILE.held and waits there until the process ends. */
+static void test_fetch_hold(const struct fl_fsdp *f) {
+    const char *path = getenv("FITLLM_TEST_FETCH_HOLD");
+    FILE *in = path && path[0] ? fopen(path, "r") : NULL;
+    int r = -1;
+    if (!in) return;
+    if (fscanf(in, "%d", &r) != 1) r = -1;
+    fclose(in);
+    if (r != f->dp->rank) return;
+    char held[4200];
+    snprintf(held, sizeof held, "%s.held", path);
+    FILE *out = fopen(held, "w");
+    if (out) fprintf(out, "%ld\n", (long)getpid()), fclose(out);
+    for (;;) nanosleep(&(struct timespec){0, 100000000L}, NULL);
+}
+
 static fl_status post(struct fl_fsdp *f, int g) {
     fl_model *m = f->m;
     FL_TRY(fl_mem_alloc(m->pool, FL_TAG_GATHER, f->n[g] * f->es, &f->pbuf[g]));
@@ -136,6 +157,7 @@ static fl_status post(struct fl_fsdp *f, int g) {
     const char *shard = (const char *)fl_model_params_data(m);
     const void *src = shard + f->loc[g] * f->es;
     if (f->tbe) { /* parameter offload: the piece comes up from the host tier (NVMe: read from its file) */
+        test_fetch_hold(f);
         if (!f->sc) /* one rank: the piece is the unit */
             return fl_error_prefix(m->be->to_device(m->be, f->pbuf[g], src, f->n[g] * f->es),
                                    "parameter offload: fetching unit %d (%zu elements) from the host", g, f->n[g]);
