@@ -183,6 +183,14 @@ fi
 # ZeRO-3 with the optimizer offloaded (deepspeed_stage_3_offload: each rank's momentum shard in the host tier; nvme:
 # in files) at 3 MPI ranks: the checkpoints (step 2 and final) of the device-resident ZeRO-3 run byte for byte, the
 # host tier in rank 0's report; its step-2 checkpoint resumed by deepspeed_stage_3 (no offload) ends on the same bytes
+# the weights and the momentum (the data section's tail) of two runs' step-2 and final checkpoints, byte for byte
+same_ckpts() {
+    local ck
+    for ck in step-000002 final; do
+        cmp -s "$1/$ck/model.safetensors" "$2/$ck/model.safetensors" || return 1
+        cmp -s <(tail -c 1040128 "$1/$ck/training_state.safetensors") <(tail -c 1040128 "$2/$ck/training_state.safetensors") || return 1
+    done
+}
 z3ok=1
 mkdir -p "$T/nv3"
 for st in deepspeed_stage_3 deepspeed_stage_3_offload nvme; do
@@ -195,13 +203,7 @@ done
 if [ $z3ok = 1 ]; then
     timeout 300 mpirun -np 3 "$FL" finetune_full "${ZARGS[@]}" --strategy deepspeed_stage_3 \
         --resume "$T/z3-deepspeed_stage_3_offload/step-000002" --out_dir "$T/z3-res" >"$T/out" 2>&1 || z3ok=0
-    for st in deepspeed_stage_3_offload nvme; do
-        for ck in step-000002 final; do
-            cmp -s "$T/z3-deepspeed_stage_3/$ck/model.safetensors" "$T/z3-$st/$ck/model.safetensors" || z3ok=0
-            cmp -s <(tail -c 1040128 "$T/z3-deepspeed_stage_3/$ck/training_state.safetensors") \
-                   <(tail -c 1040128 "$T/z3-$st/$ck/training_state.safetensors") || z3ok=0
-        done
-    done
+    for st in deepspeed_stage_3_offload nvme; do same_ckpts "$T/z3-deepspeed_stage_3" "$T/z3-$st" || z3ok=0; done
     cmp -s "$T/z3-deepspeed_stage_3/final/model.safetensors" "$T/z3-res/final/model.safetensors" || z3ok=0
     if [ $z3ok = 1 ]; then
         ok "zero3_offload_cli_np3 (cpu and nvme checkpoints = ZeRO-3's, bit for bit; resumed without offload: the same)"
@@ -224,13 +226,7 @@ for np in 1 2 3; do
         [ $st = fsdp_cpu_offload ] && { grep -q "host tier (offload) PARAMS" "$T/out" || { pok=0; bad "param_offload_cli_np$np" "no host-tier PARAMS in the report"; }; }
     done
     base="$T/p$np-deepspeed_stage_3"
-    for st in fsdp_cpu_offload deepspeed_stage_3_offload_nvme; do
-        for ck in step-000002 final; do
-            cmp -s "$base/$ck/model.safetensors" "$T/p$np-$st/$ck/model.safetensors" || pok=0
-            cmp -s <(tail -c 1040128 "$base/$ck/training_state.safetensors") \
-                   <(tail -c 1040128 "$T/p$np-$st/$ck/training_state.safetensors") || pok=0
-        done
-    done
+    for st in fsdp_cpu_offload deepspeed_stage_3_offload_nvme; do same_ckpts "$base" "$T/p$np-$st" || pok=0; done
 done
 [ -z "$(ls -A "$T/pnv")" ] || { pok=0; bad "param_offload_nvme_leaves_no_files" "$(ls -A "$T/pnv")"; }
 if [ $pok = 1 ]; then

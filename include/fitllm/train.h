@@ -115,6 +115,8 @@ typedef struct {
     size_t piece;              /* the update's piece (staged or on disk), elements */
     int params_host;           /* parameter offload: the parameters and gradients it updates are in the host tier
                                 * (or NVMe files): the norm, the overflow check and the update run on be, in place */
+    struct fl_mem_pool *ppool; /* parameter offload on NVMe: their disk pool (the update reads ahead and drops their
+                                * pieces as it does the state's), else NULL */
 } fl_optim_home;
 
 typedef struct fl_optimizer {
@@ -139,6 +141,7 @@ typedef struct {
                                      * stand-in); NULL: the state in pool */
     int params_host;                /* parameter offload (fl_cfg_param_offload): the model's parameter and gradient
                                      * shards are host memory (the host tier or NVMe files) that be updates in place */
+    struct fl_mem_pool *param_pool; /* parameter offload on NVMe: the shards' disk pool, else NULL */
 } fl_optim_offload;
 
 /* Optimizer over the model's trainable parameters: all of them, or only the
