@@ -300,10 +300,24 @@ for pat in "--devices 2 x --num_nodes 2 asks for 4 ranks on 2 machines, .*hostfi
     expect ddp_nodes_without_launcher 2 "$pat" -- "${NOLAUNCH[@]}" "$FITLLM" finetune_full micro --devices 2 --num_nodes 2 --out_dir "$T/d1"
 done
 [ -e "$T/d1" ] && { echo "FAIL ddp_without_launcher_writes_nothing: $T/d1 exists"; fail=$((fail+1)); }
-expect zero_stage3_offload_not_yet 2 "strategy 'deepspeed_stage_3_offload_nvme' is not implemented yet \(parameter offload" -- "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload_nvme --out_dir "$T/d2"
-expect fsdp_cpu_offload_not_yet 2 "strategy 'fsdp_cpu_offload' is not implemented yet \(parameter offload" -- "$FITLLM" finetune_full micro --strategy fsdp_cpu_offload --out_dir "$T/d2"
-expect offload_param_device_not_yet 2 "offload_param_device 'cpu': parameter offload .* is not implemented yet" -- \
-    "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload --offload_param_device cpu --out_dir "$T/d2"
+# parameter offload (issue 34 item 2): the shards of the parameters and gradients in the host tier or NVMe files;
+# the memory report says so; refused with a strategy that keeps stage 3's optimizer on the device
+expect deepspeed_not_yet 2 "strategy 'deepspeed' is not implemented yet" -- "$FITLLM" finetune_full micro --strategy deepspeed --out_dir "$T/d2"
+expect fsdp_cpu_offload_trains 0 "host tier \(offload\) PARAMS +1015\.75 KiB" -- "$FITLLM" finetune_full micro \
+    --strategy fsdp_cpu_offload --train.max_steps 2 --train.global_batch_size 2 --train.micro_batch_size 2 \
+    --train.max_seq_length 32 --out_dir "$T/poff1"
+mkdir -p "$T/poffn"
+expect zero3_offload_nvme_trains 0 "nvme tier \(offload\) PARAMS +1015\.75 KiB" -- "$FITLLM" finetune_full micro \
+    --strategy deepspeed_stage_3_offload_nvme --nvme_path "$T/poffn" --train.max_steps 2 --train.global_batch_size 2 \
+    --train.micro_batch_size 2 --train.max_seq_length 32 --out_dir "$T/poff2"
+[ -z "$(ls -A "$T/poffn")" ] || { echo "FAIL zero3_offload_nvme_leaves_no_file: $(ls "$T/poffn")"; fail=$((fail+1)); }
+# the disk failing a write-back mid-run (an injected ENOSPC): exit 1, the error and the last committed checkpoint named
+expect zero3_offload_nvme_disk_fails_mid_run 1 "No space left on device \(injected.*the last committed checkpoint is '$T/poff3/step-0000(06|08|10)'" -- \
+    env FITLLM_TEST_NVME_FAIL_AFTER=300 "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload_nvme \
+    --train.max_steps 12 --train.save_interval 2 --train.global_batch_size 2 --train.micro_batch_size 2 \
+    --train.max_seq_length 32 --out_dir "$T/poff3"
+expect offload_param_device_needs_zero3_offload 2 "offload_param_device cpu offloads ZeRO-3's parameter shards.*strategy is 'deepspeed_stage_3'" -- \
+    "$FITLLM" finetune_full micro --strategy deepspeed_stage_3 --offload_param_device cpu --out_dir "$T/d2"
 # an option the strategy would not use is refused, never ignored (this ran plain ZeRO-3 before)
 expect zero3_offload_device_needs_offload 2 "offload_optimizer_device cpu offloads the optimizer .*strategy is 'deepspeed_stage_3'.*add _offload" -- \
     "$FITLLM" finetune_full micro --strategy deepspeed_stage_3 --offload_optimizer_device cpu --out_dir "$T/d2"

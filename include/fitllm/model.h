@@ -433,10 +433,18 @@ size_t fl_model_store_numel(const fl_model *m);
 int fl_model_quant4(const fl_model *m);
 /* Sharded parameters: the provider (FSDP FULL_SHARD, set through fl_model_store_shard), else NULL. */
 const fl_param_provider *fl_model_provider(const fl_model *m);
+/* The backend whose memory holds the stored parameters and gradients (fl_model_params_data, the pieces of
+ * fl_model_param_piece): the model's, or under parameter offload the host tier's. Loaders, the random init
+ * and checkpoints copy through it. */
+const fl_backend *fl_model_params_be(const fl_model *m);
 /* For fl_model_storage.shard: the dense store becomes this rank's `shard` (PARAMS, store dtype, pp->numel
  * elements), its groups gathered through pp. _unshard: the provider goes (teardown). */
 void fl_model_store_shard(fl_model *m, void *shard, fl_param_provider *pp);
 void fl_model_store_unshard(fl_model *m);
+/* Parameter offload: as fl_model_store_shard, the shard (and the gradients' shard, fl_model_alloc_grads) in
+ * tier_pool, host memory of tier_be (the offloaded store, src/model/store_offload.c). */
+void fl_model_store_offload(fl_model *m, void *shard, fl_param_provider *pp, const fl_backend *tier_be,
+                            fl_mem_pool *tier_pool);
 /* 16-bit storage's fp32 gradient staging (gstage: the largest group's elements; free between a group's
  * backward and the next), or NULL. */
 float *fl_model_grad_stage(const fl_model *m);
