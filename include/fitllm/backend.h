@@ -118,6 +118,16 @@ struct fl_backend {
      * it around each forward / backward / generation call and puts back FL_F32 after, so ops
      * called outside a model (tests, selftest) keep the fp32 contract. */
     void (*set_compute_dtype)(const fl_backend *be, fl_dtype t);
+    /* The accelerator's name as its driver reports it ("NVIDIA H100 80GB HBM3"; cuda-emu: "CUDA emulator"),
+     * which MFU's peak table is looked up by (fitllm/perf.h); NULL for the CPU backends (no MFU printed). */
+    const char *device_name;
+    /* Profiling markers (bench-step --profile, fitllm/perf.h): mark records marker i (0 <= i <
+     * FL_PROF_MAX_MARKS) on the backend's queue after the ops queued so far (a CUDA event; the emulator, whose
+     * launches are synchronous, reads the host clock); mark_ms gives the milliseconds from marker i to marker j
+     * once both completed (it waits for j). NULL slots: the profiler syncs around each op and reads the host
+     * clock (cpu, ref, opaque). */
+    fl_status (*mark)(const fl_backend *be, int i);
+    fl_status (*mark_ms)(const fl_backend *be, int i, int j, float *ms);
 
     /* ---- matmul ---------------------------------------------------------
      * C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C, row-major, with

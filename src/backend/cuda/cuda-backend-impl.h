@@ -13,6 +13,8 @@
  *   flb_dev_alloc/free, flb_host_alloc/free (page-locked host memory), flb_h2d/d2h/d2d/memset, flb_stream_new/sync/free, flb_last_error
  *   flb_gemm_fn                 fl_cu_gemm_cublaslt / fl_cu_gemm_standin
  *   flb_comm_create(be,stream,..) the device communicator of several ranks (NCCL / its stand-in; staged)
+ *   flb_device_name(buf, n)     the device's name (cudaDeviceProp.name; the emulator's own)
+ *   flb_mark_new/record/ms/free profiling markers (CUDA events; the emulator: host clock readings)
  *   FLB_PANEL_BYTES, FLB_LT_WS_BYTES   scratch layout (see scratch below)
  *
  * Errors: CUDA reports kernel failures asynchronously, and many ops of the table return void.
@@ -42,6 +44,7 @@
 #include "backend/cuda/cu_kernels_be.h"
 #include "fitllm/backend.h"
 #include "fitllm/lora.h"
+#include "fitllm/perf.h"
 
 /* + 256: the lent region is re-aligned to 256 bytes (cuBLASLt's workspace, the panels) */
 #define FLB_SCRATCH_BYTES ((size_t)FLB_LT_WS_BYTES + (size_t)FLB_PANEL_BYTES + (size_t)FLB_WORK_BYTES + 256)
@@ -56,6 +59,8 @@ typedef struct {
     int attn_fp32;         /* FITLLM_CUDA_ATTN=fp32: the fp32 attention kernels whatever the dtype */
     fl_status err;         /* sticky: the first failure */
     char errmsg[384];
+    char devname[256];     /* be->device_name */
+    void **marks;          /* FL_PROF_MAX_MARKS markers, made on first use (profiling only) */
 } flb_impl;
 
 #define FLB_IMPL(be) ((flb_impl *)(be)->impl)
@@ -390,6 +395,30 @@ static fl_status flb_lora_backward(const fl_backend *be, float *dx, float *dA, f
     return FL_OK;
 }
 
+/* ============================== profiling markers ============================== */
+
+/* Marker i recorded on the stream (made on first use: a profiled step needs ~2 per op). */
+static fl_status flb_mark(const fl_backend *be, int i) {
+    flb_impl *im = FLB_IMPL(be);
+    if (i < 0 || i >= FL_PROF_MAX_MARKS)
+        return fl_errorf(FL_ERR_INVALID, "%s mark: marker %d outside [0, %d)", FLB_NAME, i, FL_PROF_MAX_MARKS);
+    if (!im->marks && !(im->marks = (void **)calloc(FL_PROF_MAX_MARKS, sizeof *im->marks)))
+        return fl_errorf(FL_ERR_OOM, "%s mark: out of host memory", FLB_NAME);
+    if (!im->marks[i] && flb_mark_new(&im->marks[i]))
+        return fl_errorf(FL_ERR_IO, "%s mark: cannot create marker %d", FLB_NAME, i);
+    if (flb_mark_record(im->marks[i], STREAM)) return fl_errorf(FL_ERR_IO, "%s mark: recording marker %d failed", FLB_NAME, i);
+    return FL_OK;
+}
+static fl_status flb_mark_ms(const fl_backend *be, int i, int j, float *ms) {
+    flb_impl *im = FLB_IMPL(be);
+    *ms = 0;
+    if (!im->marks || i < 0 || j < 0 || i >= FL_PROF_MAX_MARKS || j >= FL_PROF_MAX_MARKS || !im->marks[i] || !im->marks[j])
+        return fl_errorf(FL_ERR_INVALID, "%s mark_ms: markers %d and %d were not recorded", FLB_NAME, i, j);
+    if (flb_mark_elapsed(im->marks[i], im->marks[j], ms))
+        return fl_errorf(FL_ERR_IO, "%s mark_ms: reading markers %d and %d failed", FLB_NAME, i, j);
+    return FL_OK;
+}
+
 /* ============================== memory and the rest ============================== */
 
 static void flb_set_scratch(const fl_backend *be, void *p, size_t bytes) {
@@ -503,6 +532,10 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     }
     im->attn_fp32 = ea && !strcmp(ea, "fp32");
     im->compute = FL_F32;
+    flb_device_name(im->devname, sizeof im->devname);
+    be->device_name = im->devname;
+    be->mark = flb_mark;
+    be->mark_ms = flb_mark_ms;
     be->name = FLB_NAME;
     be->device = FL_DEV_CUDA;
     be->n_threads = 1;
@@ -567,6 +600,10 @@ void FLB_PREFIX(backend_free)(fl_backend *be) {
     flb_stream_sync(im->stream);
     if (im->own_scratch) flb_dev_free(im->own_scratch);
     if (im->scalars) flb_dev_free(im->scalars);
+    if (im->marks)
+        for (int i = 0; i < FL_PROF_MAX_MARKS; i++)
+            if (im->marks[i]) flb_mark_free(im->marks[i]);
+    free(im->marks);
     flb_device_free(im->stream, &im->blas);
     free(im);
     memset(be, 0, sizeof *be);
