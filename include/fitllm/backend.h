@@ -161,6 +161,15 @@ struct fl_backend {
     void (*rmsnorm_backward)(const fl_backend *be, float *dinp /*(N,C)*/, float *dw /*(C) or NULL*/,
                              const float *dout /*(N,C)*/, const float *inp /*(N,C)*/, const float *w /*(C)*/,
                              const float *rstd /*(N)*/, int N, int C);
+    /* The residual add fused with the next RMSNorm (issue 30 item 4): res = a + b (res may be a or b), then
+     * out = rmsnorm(res) * w with rstd as rmsnorm_forward's. t is the dtype of res, out, a and b (F32; other
+     * dtypes UNSUPPORTED, for bf16 activations later); C is the row width (res and out contiguous). The CPU's
+     * is add + rmsnorm_forward (the same bits as the two ops); CUDA's one pass with 128-bit loads. The
+     * backward needs no fused op: the residual's gradient passes through the add and rmsnorm_backward
+     * accumulates into it. */
+    fl_status (*add_rmsnorm_forward)(const fl_backend *be, void *res /*(N,C)*/, void *out /*(N,C)*/, float *rstd /*(N)*/,
+                                     const void *a /*(N,C)*/, const void *b /*(N,C)*/, const float *w /*(C)*/,
+                                     fl_dtype t, int N, int C, float eps);
     void (*layernorm_forward)(const fl_backend *be, float *out /*(N,C)*/, float *mean /*(N)*/, float *rstd /*(N)*/,
                               const float *inp /*(N,C)*/, const float *w /*(C)*/, const float *b /*(C) or NULL*/,
                               int N, int C, float eps);
@@ -551,6 +560,10 @@ fl_status fl_accel_resolve(fl_accel want, fl_accel *use);
 /* The registry's backend for a resolved accelerator: "cpu" or "cuda" (auto: "cpu"). */
 const char *fl_accel_backend(fl_accel a);
 
+/* add_rmsnorm_forward composed of be's add and rmsnorm_forward (the CPU backends' implementation: the same
+ * bits as the two ops called in turn). */
+fl_status fl_backend_add_rmsnorm_composed(const fl_backend *be, void *res, void *out, float *rstd, const void *a,
+                                          const void *b, const float *w, fl_dtype t, int N, int C, float eps);
 /* The checks of attention_forward / attention_backward's arguments (shape, NH % NKV, row
  * strides, NULL tensors, dbias without bias, scale): FL_ERR_INVALID naming the field, or
  * FL_ERR_UNSUPPORTED for HD > max_hd (why_max says whose limit). Every backend calls it first. */

@@ -21,7 +21,7 @@
     X(attention_forward, FL_PROF_ATTN) X(attention_backward, FL_PROF_ATTN) X(attention_decode, FL_PROF_ATTN)            \
     X(rope_forward, FL_PROF_ATTN) X(rope_backward, FL_PROF_ATTN)                                                       \
     X(rmsnorm_forward, FL_PROF_NORM) X(rmsnorm_backward, FL_PROF_NORM) X(layernorm_forward, FL_PROF_NORM)              \
-    X(layernorm_backward, FL_PROF_NORM)                                                                                \
+    X(layernorm_backward, FL_PROF_NORM) X(add_rmsnorm_forward, FL_PROF_NORM)                                           \
     X(swiglu_forward, FL_PROF_ELEM) X(swiglu_backward, FL_PROF_ELEM) X(gelu_forward, FL_PROF_ELEM)                     \
     X(gelu_backward, FL_PROF_ELEM) X(relu_forward, FL_PROF_ELEM) X(relu_backward, FL_PROF_ELEM)                        \
     X(geglu_forward, FL_PROF_ELEM) X(geglu_backward, FL_PROF_ELEM) X(add, FL_PROF_ELEM) X(bias_forward, FL_PROF_ELEM)  \
@@ -163,6 +163,10 @@ WRAP_V(rmsnorm_forward, 0, (BE, float *out, float *rstd, const float *inp, const
 WRAP_V(rmsnorm_backward, 0,
        (BE, float *dinp, float *dw, const float *dout, const float *inp, const float *w, const float *rstd, int N, int C),
        (be, dinp, dw, dout, inp, w, rstd, N, C))
+WRAP_S(add_rmsnorm_forward, 0,
+       (BE, void *res, void *out, float *rstd, const void *a, const void *b, const float *w, fl_dtype t, int N, int C,
+        float eps),
+       (be, res, out, rstd, a, b, w, t, N, C, eps))
 WRAP_V(layernorm_forward, 0,
        (BE, float *out, float *mean, float *rstd, const float *inp, const float *w, const float *b, int N, int C,
         float eps),

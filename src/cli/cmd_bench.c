@@ -201,7 +201,8 @@ int fl_cmd_bench_step(int argc, char **argv) {
     fl_step_result res;
     for (int k = 0; k < o.warmup + o.steps; k++) {
         if (o.profile && k == o.warmup && (s = fl_profiler_attach(&be, &prof)) != FL_OK) goto fail;
-        fl_step_ctx sc = {.mbs = &mb, .n_micro = 1, .step_valid = (long)N, .lr = o.lr, .max_norm = 1.0f};
+        fl_step_ctx sc = {.mbs = &mb, .n_micro = 1, .step_valid = (long)N, .lr = o.lr, .max_norm = 1.0f,
+                          .phase_times = 1};
         if ((s = fl_step_run(&m, &opt, &sc, &res)) != FL_OK) goto fail;
         if (prof && (s = fl_profiler_collect(prof)) != FL_OK) goto fail;
         if (k >= o.warmup) {

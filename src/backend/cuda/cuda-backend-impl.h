@@ -61,6 +61,7 @@ typedef struct {
     char errmsg[384];
     char devname[256];     /* be->device_name */
     void **marks;          /* FL_PROF_MAX_MARKS markers, made on first use (profiling only) */
+    fl_cu_counters count;  /* host round trips (FLB_PREFIX(backend_counters)) */
 } flb_impl;
 
 #define FLB_IMPL(be) ((flb_impl *)(be)->impl)
@@ -221,6 +222,17 @@ static void flb_rmsnorm_forward(const fl_backend *be, float *out, float *rstd, c
                                 int C, float eps) {
     FLB_RUN(be, FLB_K(rmsnorm_forward)(out, rstd, inp, w, N, C, eps, STREAM), "rmsnorm_forward");
 }
+static fl_status flb_add_rmsnorm_forward(const fl_backend *be, void *res, void *out, float *rstd, const void *a,
+                                         const void *b, const float *w, fl_dtype t, int N, int C, float eps) {
+    FL_TRY(flb_sticky(be));
+    if (t != FL_F32)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s add_rmsnorm_forward: %s activations not supported", FLB_NAME,
+                         fl_dtype_name(t));
+    if (N < 0 || C <= 0) return fl_errorf(FL_ERR_INVALID, "%s add_rmsnorm_forward: bad shape %d x %d", FLB_NAME, N, C);
+    FLB_RUN_S(be, FLB_K(add_rmsnorm_forward)((float *)res, (float *)out, rstd, (const float *)a, (const float *)b, w, N,
+                                             C, eps, STREAM), "add_rmsnorm_forward");
+    return FL_OK;
+}
 static void flb_rmsnorm_backward(const fl_backend *be, float *dinp, float *dw, const float *dout, const float *inp,
                                  const float *w, const float *rstd, int N, int C) {
     FLB_RUN(be, FLB_K(rmsnorm_backward)(dinp, dw, dout, inp, w, rstd, N, C, STREAM), "rmsnorm_backward");
@@ -285,6 +297,7 @@ static double flb_sumsq(const fl_backend *be, const void *x, fl_dtype t, size_t 
     flb_impl *im = FLB_IMPL(be);
     double r = 0;
     if (FLB_RUN(be, FLB_K(sumsq_ex)(im->scalars, im->scalars + 1, x, t, n, STREAM), op)) return NAN;
+    im->count.d2h++;
     if (flb_d2h(&r, im->scalars, sizeof r, im->stream)) {
         flb_set_error(be, FL_ERR_IO, op, "copying the result to the host failed");
         return NAN;
@@ -334,6 +347,8 @@ static fl_status flb_check_finite(const fl_backend *be, const void *x, fl_dtype 
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s check_finite: %s not supported", FLB_NAME, fl_dtype_name(t));
     flb_impl *im = FLB_IMPL(be);
     int *dflag = (int *)(im->scalars + 1 + FL_CU_SUMSQ_PARTS), h = *found_inf ? 1 : 0;
+    im->count.h2d++;
+    im->count.d2h++;
     if (flb_h2d(dflag, &h, sizeof h, im->stream)) return fl_errorf(FL_ERR_IO, "%s check_finite: copy failed", FLB_NAME);
     FLB_RUN_S(be, FLB_K(check_finite)(x, t, n, inv_scale, dflag, STREAM), "check_finite");
     if (flb_d2h(&h, dflag, sizeof h, im->stream)) return fl_errorf(FL_ERR_IO, "%s check_finite: copy failed", FLB_NAME);
@@ -428,12 +443,14 @@ static void flb_set_scratch(const fl_backend *be, void *p, size_t bytes) {
 static void flb_set_compute_dtype(const fl_backend *be, fl_dtype t) { FLB_IMPL(be)->compute = t; }
 static fl_status flb_to_device(const fl_backend *be, void *dst, const void *src, size_t bytes) {
     FL_TRY(flb_sticky(be));
+    FLB_IMPL(be)->count.h2d += bytes > 0;
     if (bytes && flb_h2d(dst, src, bytes, STREAM))
         return fl_errorf(FL_ERR_IO, "%s to_device: copy of %zu bytes failed", FLB_NAME, bytes);
     return FL_OK;
 }
 static fl_status flb_to_host(const fl_backend *be, void *dst, const void *src, size_t bytes) {
     FL_TRY(flb_sticky(be));
+    FLB_IMPL(be)->count.d2h += bytes > 0;
     if (bytes && flb_d2h(dst, src, bytes, STREAM))
         return fl_errorf(FL_ERR_IO, "%s to_host: copy of %zu bytes failed", FLB_NAME, bytes);
     return flb_sticky(be);
@@ -445,6 +462,7 @@ static fl_status flb_copy(const fl_backend *be, void *dst, const void *src, size
     return FL_OK;
 }
 static fl_status flb_sync(const fl_backend *be) {
+    FLB_IMPL(be)->count.sync++;
     int rc = flb_stream_sync(STREAM);
     if (rc) flb_set_error(be, FL_ERR_IO, "sync", flb_last_error(rc));
     return flb_sticky(be);
@@ -550,6 +568,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->embedding_backward = flb_embedding_backward;
     be->rmsnorm_forward = flb_rmsnorm_forward;
     be->rmsnorm_backward = flb_rmsnorm_backward;
+    be->add_rmsnorm_forward = flb_add_rmsnorm_forward;
     be->layernorm_forward = flb_layernorm_forward;
     be->layernorm_backward = flb_layernorm_backward;
     be->rope_forward = flb_rope_forward;
@@ -611,3 +630,7 @@ void FLB_PREFIX(backend_free)(fl_backend *be) {
 
 /* The backend's own error state (tests; fl_backend has no slot for it): FL_OK, or the sticky error. */
 fl_status FLB_PREFIX(backend_error)(const fl_backend *be) { return flb_sticky(be); }
+
+/* The host round trips so far (tests: issue 30 item 5's count per step): a copy to the host waits for the
+ * stream, and so does sync. */
+void FLB_PREFIX(backend_counters)(const fl_backend *be, fl_cu_counters *out) { *out = FLB_IMPL(be)->count; }

@@ -14,7 +14,10 @@
 
 #define FLB_NAME "cuda-emu"
 #define FLB_GEMM_NAME "cublaslt-standin"
-#define FLB_HOST_MEMORY 1
+/* host memory unless a test asked for the GPU's split (fl_cuemu_set_host_memory(0)) */
+static int g_host_memory = 1;
+void fl_cuemu_set_host_memory(int on) { g_host_memory = on; }
+#define FLB_HOST_MEMORY g_host_memory
 #define FLB_K(name) fl_cuemu_##name
 #define FLB_PREFIX(name) fl_cuemu_##name
 #define FLB_LT_WS_BYTES 0u

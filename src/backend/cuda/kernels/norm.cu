@@ -31,6 +31,52 @@ __global__ static void fl_cu_rmsnorm_fwd_k(float *out, float *rstd, const float 
     if (threadIdx.x == 0 && rstd) rstd[row] = r;
 }
 
+/* The residual add fused with the next RMSNorm (add_rmsnorm_forward): res = a + b, out = res * r * w, one
+ * pass over the row with the sum of squares, then the row again from res (each thread reads back what it
+ * wrote: no barrier needed besides the reduction's; res may alias a or b, each element being read before
+ * it is written by the same thread). vec: C % 4 == 0 and every pointer 16-byte aligned, 4 elements per
+ * 128-bit access. */
+__global__ static void fl_cu_add_rmsnorm_fwd_k(float *res, float *out, float *rstd, const float *a, const float *b,
+                                               const float *w, int C, float eps, int vec) {
+    __shared__ float buf[32];
+    const size_t row = blockIdx.x;
+    const float *pa = a + row * C, *pb = b + row * C;
+    float *pr = res + row * C, *po = out + row * C;
+    float ss = 0.0f;
+    if (vec) {
+        for (int c = 4 * (int)threadIdx.x; c < C; c += 4 * (int)blockDim.x) {
+            float x[4], y[4];
+            fl_cu_ld4(pa + c, x);
+            fl_cu_ld4(pb + c, y);
+            for (int k = 0; k < 4; k++) {
+                x[k] += y[k];
+                ss += x[k] * x[k];
+            }
+            fl_cu_st4(pr + c, x);
+        }
+    } else {
+        for (int c = threadIdx.x; c < C; c += blockDim.x) {
+            float v = pa[c] + pb[c];
+            pr[c] = v;
+            ss += v * v;
+        }
+    }
+    ss = fl_cu_block_sum(ss, buf);
+    const float r = 1.0f / sqrtf(ss / (float)C + eps);
+    if (vec) {
+        for (int c = 4 * (int)threadIdx.x; c < C; c += 4 * (int)blockDim.x) {
+            float x[4], g[4];
+            fl_cu_ld4(pr + c, x);
+            fl_cu_ld4(w + c, g);
+            for (int k = 0; k < 4; k++) x[k] = x[k] * r * g[k];
+            fl_cu_st4(po + c, x);
+        }
+    } else {
+        for (int c = threadIdx.x; c < C; c += blockDim.x) po[c] = pr[c] * r * w[c];
+    }
+    if (threadIdx.x == 0 && rstd) rstd[row] = r;
+}
+
 /* dx += r * (dy*w - x*r * mean(dy*w * x*r)) */
 __global__ static void fl_cu_rmsnorm_bwd_dx_k(float *dinp, const float *dout, const float *inp, const float *w,
                                        const float *rstd, int C) {
@@ -110,6 +156,15 @@ extern "C" int FL_CUK(rmsnorm_forward)(float *out, float *rstd, const float *inp
     if (N <= 0 || C <= 0) return 0;
     FL_CU_LAUNCH(fl_cu_rmsnorm_fwd_k, dim3((unsigned)N), dim3(row_threads(C)), 0, (fl_cu_stream)stream, out, rstd,
                  inp, w, C, eps);
+    return fl_cu_launch_error();
+}
+
+extern "C" int FL_CUK(add_rmsnorm_forward)(float *res, float *out, float *rstd, const float *a, const float *b,
+                                           const float *w, int N, int C, float eps, void *stream) {
+    if (N <= 0 || C <= 0) return 0;
+    const int vec = C % 4 == 0 && fl_cu_aligned16(res, out, a, b, w);
+    FL_CU_LAUNCH(fl_cu_add_rmsnorm_fwd_k, dim3((unsigned)N), dim3(row_threads(vec ? C / 4 : C)), 0,
+                 (fl_cu_stream)stream, res, out, rstd, a, b, w, C, eps, vec);
     return fl_cu_launch_error();
 }
 
