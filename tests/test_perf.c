@@ -165,6 +165,10 @@ static void profile_case(const char *name) {
         FL_CHECKF(fl_profiler_group_calls(p, need[i]) > 0 && fl_profiler_group_ms(p, need[i]) > 0,
                   "%s: group %s: %ld calls, %g ms", a.be.name, fl_prof_group_name(need[i]),
                   fl_profiler_group_calls(p, need[i]), fl_profiler_group_ms(p, need[i]));
+    /* the optimizer: one multi-tensor update launch (every parameter in one flat buffer) and one gradient norm
+     * per step (issue 30 item 4's "one AdamW launch per step"), 2 steps */
+    FL_CHECKF(fl_profiler_group_calls(p, FL_PROF_OPTIM) == 2 * 2, "%s: %ld optimizer ops in 2 steps", a.be.name,
+              fl_profiler_group_calls(p, FL_PROF_OPTIM));
     const double sum = fl_profiler_total_ms(p);
     /* the ops are inside the step: never more than it (1% + 0.5 ms for the clocks' placement); the host
      * work between them (graph bookkeeping, the wrappers) is small next to them (the emulator's kernels are
