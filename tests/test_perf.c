@@ -184,7 +184,8 @@ static void profile_case(const char *name) {
     FL_REQUIRE(f);
     fl_profiler_print(p, 2, step_ms / 2, f);
     fclose(f);
-    FL_CHECKF(strstr(buf, "PROFILE gemm_ms=") && strstr(buf, "attention_backward") && strstr(buf, "adamw_update"), "%s",
+    FL_CHECKF(strstr(buf, "PROFILE gemm_ms=") && strstr(buf, "attention_backward") && strstr(buf, "adamw_update") &&
+                  strstr(buf, "GEMM shapes"), "%s",
               buf);
     free(buf);
     fl_profiler_reset(p);

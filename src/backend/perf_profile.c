@@ -40,8 +40,18 @@ static const fl_prof_group k_op_group[OP_COUNT] = {PROF_OPS(PROF_GROUP)};
 
 typedef struct {
     int op;
-    int m0; /* its first marker (m0 + 1 the second) */
+    int m0;    /* its first marker (m0 + 1 the second) */
+    int shape; /* a GEMM's row of the shape table, else -1 */
 } pending;
+
+/* GEMMs by shape (issue 30 item 3 compares each with cuBLASLt's own rate for it) */
+#define PROF_SHAPES 64
+typedef struct {
+    int ta, tb, M, N, K;
+    fl_dtype tA, tB, tC;
+    double ms;
+    long calls;
+} gemm_shape;
 
 struct fl_profiler {
     fl_backend *be;
@@ -53,6 +63,9 @@ struct fl_profiler {
     double ms[OP_COUNT], flops[OP_COUNT];
     long calls[OP_COUNT];
     fl_status err; /* the first marker failure (reported by collect) */
+    gemm_shape shapes[PROF_SHAPES];
+    int n_shapes;
+    int cur_shape; /* the GEMM being closed (prof_out), else -1 */
 };
 
 /* The profilers attached now (a handful at most: one per backend object). */
@@ -95,11 +108,27 @@ static void prof_out(fl_profiler *p, int timed, int op, double flops) {
         if (s != FL_OK && p->err == FL_OK) p->err = s;
         p->pend[p->n_pending].op = op;
         p->pend[p->n_pending].m0 = 2 * p->n_pending;
+        p->pend[p->n_pending].shape = p->cur_shape;
         p->n_pending++;
     } else {
         if (p->orig.sync) (void)p->orig.sync(p->be);
-        p->ms[op] += now_ms() - p->t0;
+        const double dt = now_ms() - p->t0;
+        p->ms[op] += dt;
+        if (p->cur_shape >= 0) p->shapes[p->cur_shape].ms += dt;
     }
+    if (p->cur_shape >= 0) p->shapes[p->cur_shape].calls++;
+}
+
+/* The shape table's row of a GEMM (a new one while there is room; -1 when full). */
+static int shape_of(fl_profiler *p, int ta, int tb, int M, int N, int K, fl_dtype tA, fl_dtype tB, fl_dtype tC) {
+    for (int i = 0; i < p->n_shapes; i++) {
+        const gemm_shape *g = &p->shapes[i];
+        if (g->ta == ta && g->tb == tb && g->M == M && g->N == N && g->K == K && g->tA == tA && g->tB == tB && g->tC == tC)
+            return i;
+    }
+    if (p->n_shapes == PROF_SHAPES) return -1;
+    p->shapes[p->n_shapes] = (gemm_shape){ta, tb, M, N, K, tA, tB, tC, 0.0, 0};
+    return p->n_shapes++;
 }
 
 /* A wrapper: V for void slots, S for fl_status ones; FL the op's FLOPs (an expression of its arguments). */
@@ -127,10 +156,16 @@ static double attn_flops(const fl_attn_desc *a) {
     return a->causal ? f / 2 : f;
 }
 
-WRAP_S(gemm, 2.0 * M * N * K,
-       (BE, int ta, int tb, int M, int N, int K, float alpha, const void *A, fl_dtype tA, int lda, const void *B,
-        fl_dtype tB, int ldb, float beta, void *C, fl_dtype tC, int ldc),
-       (be, ta, tb, M, N, K, alpha, A, tA, lda, B, tB, ldb, beta, C, tC, ldc))
+static fl_status w_gemm(BE, int ta, int tb, int M, int N, int K, float alpha, const void *A, fl_dtype tA, int lda,
+                        const void *B, fl_dtype tB, int ldb, float beta, void *C, fl_dtype tC, int ldc) {
+    fl_profiler *p = prof_of(be);
+    int tm = prof_in(p);
+    fl_status s = p->orig.gemm(be, ta, tb, M, N, K, alpha, A, tA, lda, B, tB, ldb, beta, C, tC, ldc);
+    p->cur_shape = tm ? shape_of(p, ta, tb, M, N, K, tA, tB, tC) : -1;
+    prof_out(p, tm, OP_gemm, 2.0 * M * N * K);
+    p->cur_shape = -1;
+    return s;
+}
 WRAP_S(lora_forward, 2.0 * N * r * ((double)in + out),
        (BE, float *y, int ldy, float *h, float *xd, const float *x, const float *A, const float *B, int N, int in,
         int out, int r, float scaling, float dropout, uint64_t seed),
@@ -241,6 +276,7 @@ fl_status fl_profiler_attach(fl_backend *be, fl_profiler **out) {
     if (!p) return fl_errorf(FL_ERR_OOM, "profiler: out of host memory");
     p->be = be;
     p->orig = *be;
+    p->cur_shape = -1;
     g_prof[slot] = p;
 #define PROF_INSTALL(op, g) be->op = w_##op;
     PROF_OPS(PROF_INSTALL)
@@ -265,6 +301,7 @@ fl_status fl_profiler_collect(fl_profiler *p) {
         fl_status e = p->orig.mark_ms(p->be, p->pend[i].m0, p->pend[i].m0 + 1, &ms);
         if (e != FL_OK && s == FL_OK) s = e;
         if (e == FL_OK) p->ms[p->pend[i].op] += ms;
+        if (e == FL_OK && p->pend[i].shape >= 0) p->shapes[p->pend[i].shape].ms += ms;
     }
     p->n_pending = 0;
     p->err = FL_OK;
@@ -275,6 +312,7 @@ void fl_profiler_reset(fl_profiler *p) {
     memset(p->ms, 0, sizeof p->ms);
     memset(p->flops, 0, sizeof p->flops);
     memset(p->calls, 0, sizeof p->calls);
+    p->n_shapes = 0;
 }
 
 double fl_profiler_group_ms(const fl_profiler *p, fl_prof_group g) {
@@ -296,6 +334,29 @@ double fl_profiler_total_ms(const fl_profiler *p) {
     double t = 0;
     for (int g = 0; g < FL_PROF_GROUPS; g++) t += fl_profiler_group_ms(p, (fl_prof_group)g);
     return t;
+}
+
+static int shape_cmp(const void *a, const void *b) {
+    double x = ((const gemm_shape *)a)->ms, y = ((const gemm_shape *)b)->ms;
+    return (x < y) - (x > y);
+}
+/* The GEMM shapes by time (a step's, k = 1 / steps), the slowest first. */
+static void gemm_shape_table(const fl_profiler *p, double k, FILE *f) {
+    if (!p->n_shapes) return;
+    gemm_shape sh[PROF_SHAPES];
+    memcpy(sh, p->shapes, (size_t)p->n_shapes * sizeof sh[0]);
+    qsort(sh, (size_t)p->n_shapes, sizeof sh[0], shape_cmp);
+    fprintf(f, "  GEMM shapes (row-major C(M,N) = op(A) op(B), K inner; the slowest first):\n");
+    fprintf(f, "    %6s %6s %6s %2s %2s %-14s %8s %10s %10s\n", "M", "N", "K", "tA", "tB", "A,B->C", "calls", "ms/step",
+            "TFLOP/s");
+    for (int i = 0; i < p->n_shapes; i++) {
+        const gemm_shape *g = &sh[i];
+        char ty[40];
+        snprintf(ty, sizeof ty, "%s,%s->%s", fl_dtype_name(g->tA), fl_dtype_name(g->tB), fl_dtype_name(g->tC));
+        fprintf(f, "    %6d %6d %6d %2d %2d %-14s %8.0f %10.3f", g->M, g->N, g->K, g->ta, g->tb, ty, g->calls * k, g->ms * k);
+        if (g->ms > 0) fprintf(f, " %10.2f", 2.0 * g->M * g->N * (double)g->K * g->calls / (g->ms * 1e-3) / 1e12);
+        fputc('\n', f);
+    }
 }
 
 void fl_profiler_print(const fl_profiler *p, int steps, double step_ms, FILE *f) {
@@ -322,6 +383,7 @@ void fl_profiler_print(const fl_profiler *p, int steps, double step_ms, FILE *f)
     }
     fprintf(f, "  %-22s %10.3f %6.1f%%   (the rest of the step: host work and gaps between ops)\n", "sum of ops", tot,
             step_ms > 0 ? 100.0 * tot / step_ms : 0.0);
+    gemm_shape_table(p, k, f);
     fprintf(f, "PROFILE");
     static const char *const key[FL_PROF_GROUPS] = {"gemm", "attn", "norm", "elem", "loss", "optim", "copy"};
     for (int g = 0; g < FL_PROF_GROUPS; g++) fprintf(f, " %s_ms=%.3f", key[g], fl_profiler_group_ms(p, (fl_prof_group)g) * k);
