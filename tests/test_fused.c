@@ -128,3 +128,42 @@ FL_TEST(fused_act_vectorized_paths) {
     }
     fl_cpu_backend_free(&cpu);
 }
+
+/* RMSNorm forward and the input gradient at widths where CUDA takes the 128-bit path (C % 4 == 0, aligned) and,
+ * the same data one float off, the element path: against the float64 forward (test_ops.c's norm tolerance) and
+ * the CPU backend's accumulated dx (fitllm_cuda_check's bound for a reordered fp32 row reduction). */
+static void rms_case(fl_backend *be, fl_backend *cpu, int N, int C, int off) {
+    fl_test_rng r = {(unsigned long long)(N * 5 + C + off)};
+    const size_t n = (size_t)N * C;
+    float *x = fl_test_frand(&r, n, -2, 2), *w = fl_test_frand(&r, (size_t)C, 0.5f, 1.5f);
+    float *dy = fl_test_frand(&r, n, -1, 1), *g0 = fl_test_frand(&r, n, -1, 1);
+    float *wout = malloc(n * 4), *wr = malloc((size_t)N * 4), *zero = calloc(n, 4), *tmp = malloc(n * 4);
+    add_rmsnorm_ref(x, zero, w, N, C, 1e-5, tmp, wout, wr); /* x + 0 = x */
+    fbuf bx = fb_new(x, n, off), bw = fb_new(w, (size_t)C, off), bo = fb_new(zero, n, off), bdy = fb_new(dy, n, off);
+    fbuf bdx = fb_new(g0, n, off);
+    float *rstd = malloc((size_t)N * 4), *cdx = malloc(n * 4), *crs = malloc((size_t)N * 4), *cout = malloc(n * 4);
+    be->rmsnorm_forward(be, bo.p, rstd, bx.p, bw.p, N, C, 1e-5f);
+    be->rmsnorm_backward(be, bdx.p, NULL, bdy.p, bx.p, bw.p, rstd, N, C);
+    memcpy(cdx, g0, n * 4);
+    cpu->rmsnorm_forward(cpu, cout, crs, x, w, N, C, 1e-5f);
+    cpu->rmsnorm_backward(cpu, cdx, NULL, dy, x, w, crs, N, C);
+    FL_CHECKF(fl_test_allclose("rmsnorm out", bo.p, wout, n, 1e-5, 1e-6), "[backend %s] N %d C %d off %d", be->name, N,
+              C, off);
+    FL_CHECK(fl_test_allclose("rmsnorm rstd", rstd, wr, (size_t)N, 1e-5, 0));
+    FL_CHECKF(fl_test_allclose("rmsnorm dx", bdx.p, cdx, n, 2e-4, 2e-5), "[backend %s] N %d C %d off %d", be->name, N, C,
+              off);
+    free(bx.base); free(bw.base); free(bo.base); free(bdy.base); free(bdx.base);
+    free(x); free(w); free(dy); free(g0); free(wout); free(wr); free(zero); free(tmp); free(rstd); free(cdx); free(crs);
+    free(cout);
+}
+
+FL_TEST(fused_rmsnorm_vectorized_paths) {
+    static const int shapes[][2] = {{3, 4}, {7, 64}, {5, 260}, {2, 1028}, {3, 2052}, {4, 13}};
+    fl_backend cpu, be;
+    FL_REQUIRE_OK(fl_cpu_backend_init(&cpu, 2));
+    FL_FOR_EACH_BACKEND(be, 2) {
+        for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
+            for (int off = 0; off < 2; off++) rms_case(&be, &cpu, shapes[i][0], shapes[i][1], off);
+    }
+    fl_cpu_backend_free(&cpu);
+}
