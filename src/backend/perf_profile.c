@@ -74,12 +74,17 @@ static fl_profiler *g_prof[PROF_MAX];
 
 /* The profiler of a wrapped table: by address, else (a copy of the table, as the trainer's borrowed backend)
  * by the backend's private state. */
-static fl_profiler *prof_of(const fl_backend *be) {
+static fl_profiler *prof_find(const fl_backend *be) {
     for (int i = 0; i < PROF_MAX; i++)
         if (g_prof[i] && g_prof[i]->be == be) return g_prof[i];
     for (int i = 0; i < PROF_MAX; i++)
         if (g_prof[i] && be->impl && g_prof[i]->be->impl == be->impl) return g_prof[i];
-    abort(); /* a wrapper is installed only with its profiler, and a copy keeps the impl of its original */
+    return NULL;
+}
+static fl_profiler *prof_of(const fl_backend *be) {
+    fl_profiler *p = prof_find(be);
+    if (!p) abort(); /* not reached: a wrapper is installed only with its profiler, and a copy keeps its impl */
+    return p;
 }
 
 static double now_ms(void) {
@@ -271,7 +276,7 @@ const char *fl_prof_group_name(fl_prof_group g) {
 
 fl_status fl_profiler_attach(fl_backend *be, fl_profiler **out) {
     *out = NULL;
-    if (prof_of(be)) return fl_errorf(FL_ERR_INVALID, "profiler: backend '%s' is already profiled", be->name);
+    if (prof_find(be)) return fl_errorf(FL_ERR_INVALID, "profiler: backend '%s' is already profiled", be->name);
     int slot = -1;
     for (int i = 0; i < PROF_MAX && slot < 0; i++)
         if (!g_prof[i]) slot = i;
