@@ -9,6 +9,9 @@
 #include "fitllm/backend.h"
 #include "test.h"
 
+/* 64-byte aligned memory (aligned_alloc wants a size that is a multiple of the alignment) */
+static void *al64(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+
 /* res = a + b, out = rmsnorm(res) * w, in float64 from the fp32 inputs (res rounded to fp32 first, as the op) */
 static void add_rmsnorm_ref(const float *a, const float *b, const float *w, int N, int C, double eps, float *res,
                             float *out, float *rstd) {
@@ -29,8 +32,8 @@ static void add_rmsnorm_case(fl_backend *be, int N, int C, int misalign, int ali
     const float eps = 1e-5f;
     const size_t n = (size_t)N * C, off = misalign ? 1 : 0;
     /* 64-byte aligned blocks, the tensors at +off floats (off 1: every row pointer misaligned) */
-    float *ba = aligned_alloc(64, (n + 16) * 4), *bb = aligned_alloc(64, (n + 16) * 4), *bres = aligned_alloc(64, (n + 16) * 4);
-    float *bout = aligned_alloc(64, (n + 16) * 4), *rstd = malloc((size_t)N * 4);
+    float *ba = al64((n + 16) * 4), *bb = al64((n + 16) * 4), *bres = al64((n + 16) * 4);
+    float *bout = al64((n + 16) * 4), *rstd = malloc((size_t)N * 4);
     float *x = fl_test_frand(&r, n, -2, 2), *y = fl_test_frand(&r, n, -2, 2), *w = fl_test_frand(&r, (size_t)C, 0.5f, 1.5f);
     FL_REQUIRE(ba && bb && bres && bout && rstd && x && y && w);
     float *a = ba + off, *b = bb + off, *res = alias ? a : bres + off, *out = bout + off;
@@ -78,7 +81,7 @@ typedef struct {
 } fbuf;
 static fbuf fb_new(const float *src, size_t n, int off) {
     fbuf b;
-    b.base = aligned_alloc(64, (n + 16) * 4);
+    b.base = al64((n + 16) * 4);
     b.p = b.base + off;
     memcpy(b.p, src, n * 4);
     return b;
