@@ -19,6 +19,21 @@ static unsigned row_threads(int C) {
     return t > 256u ? 256u : (t ? t : 32u);
 }
 
+/* o = x * r * w over a row (the calling thread's columns; vec: 4 at a time, 128-bit accesses) */
+FL_CU_DEV void rms_scale_row(float *o, const float *x, const float *w, float r, int C, int vec) {
+    if (vec) {
+        for (int c = 4 * (int)threadIdx.x; c < C; c += 4 * (int)blockDim.x) {
+            float v[4], g[4];
+            fl_cu_ld4(x + c, v);
+            fl_cu_ld4(w + c, g);
+            for (int k = 0; k < 4; k++) v[k] = v[k] * r * g[k];
+            fl_cu_st4(o + c, v);
+        }
+    } else {
+        for (int c = threadIdx.x; c < C; c += blockDim.x) o[c] = x[c] * r * w[c];
+    }
+}
+
 /* vec (C % 4 == 0, the pointers 16-byte aligned): 4 consecutive columns per thread and 128-bit accesses */
 __global__ static void fl_cu_rmsnorm_fwd_k(float *out, float *rstd, const float *inp, const float *w, int C, float eps,
                                            int vec) {
@@ -38,17 +53,7 @@ __global__ static void fl_cu_rmsnorm_fwd_k(float *out, float *rstd, const float 
     }
     ss = fl_cu_block_sum(ss, buf);
     float r = 1.0f / sqrtf(ss / (float)C + eps); /* not rsqrtf: approximate on the GPU */
-    if (vec) {
-        for (int c = 4 * (int)threadIdx.x; c < C; c += 4 * (int)blockDim.x) {
-            float v[4], g[4];
-            fl_cu_ld4(x + c, v);
-            fl_cu_ld4(w + c, g);
-            for (int k = 0; k < 4; k++) v[k] = v[k] * r * g[k];
-            fl_cu_st4(o + c, v);
-        }
-    } else {
-        for (int c = threadIdx.x; c < C; c += blockDim.x) o[c] = x[c] * r * w[c];
-    }
+    rms_scale_row(o, x, w, r, C, vec);
     if (threadIdx.x == 0 && rstd) rstd[row] = r;
 }
 
@@ -84,17 +89,7 @@ __global__ static void fl_cu_add_rmsnorm_fwd_k(float *res, float *out, float *rs
     }
     ss = fl_cu_block_sum(ss, buf);
     const float r = 1.0f / sqrtf(ss / (float)C + eps);
-    if (vec) {
-        for (int c = 4 * (int)threadIdx.x; c < C; c += 4 * (int)blockDim.x) {
-            float x[4], g[4];
-            fl_cu_ld4(pr + c, x);
-            fl_cu_ld4(w + c, g);
-            for (int k = 0; k < 4; k++) x[k] = x[k] * r * g[k];
-            fl_cu_st4(po + c, x);
-        }
-    } else {
-        for (int c = threadIdx.x; c < C; c += blockDim.x) po[c] = pr[c] * r * w[c];
-    }
+    rms_scale_row(po, pr, w, r, C, vec);
     if (threadIdx.x == 0 && rstd) rstd[row] = r;
 }
 
