@@ -65,6 +65,10 @@ expect bench_bad_number 2 "not an integer" -- "$FITLLM" bench-step micro --micro
 expect bench_oom_exit_3 3 "out of memory" -- "$FITLLM" bench-step tiny --micro-batch 2 --seq 64 --steps 1 --max-memory 64MB
 expect bench_ok 0 "RESULT impl=fitllm .* fwd_ms=[0-9.]+ head_ms=[0-9.]+ bwd_ms=[0-9.]+ opt_ms=[0-9.]+" -- \
     "$FITLLM" bench-step micro --micro-batch 2 --seq 32 --steps 2 --warmup 0
+# --profile: every backend op of the timed steps, grouped; the groups' sum is inside the step's time (the CPU has
+# no device name: no MFU line; MFU's table and the CUDA path are tests/test_perf.c's)
+expect bench_profile 0 "PROFILE gemm_ms=[0-9.]+ attn_ms=[0-9.]+ norm_ms=[0-9.]+ elem_ms=[0-9.]+ loss_ms=[0-9.]+ optim_ms=[0-9.]+ copy_ms=[0-9.]+ sum_ms" -- \
+    "$FITLLM" bench-step micro --micro-batch 2 --seq 32 --steps 2 --warmup 1 --profile
 # --accelerator (EXPERIMENTAL CUDA backend): auto runs on the GPU when the build has CUDA and one is
 # visible (here: none, so the CPU); cpu runs on the CPU; cuda without a build or device is refused
 # with the reason

@@ -351,6 +351,8 @@ typedef struct {
                              * result: the embeddings are frozen; by default they are skipped) */
     double ms_head;         /* last forward: wall ms of the head + loss (lm_head chunks, cross-entropy and,
                              * in training, the head's backward), included in the forward's time */
+    int phase_sync;         /* an asynchronous device: synchronize around the head so ms_head is its time
+                             * (fl_step_ctx.phase_times sets it; 0: no sync) */
     int act_ckpt;           /* activation checkpointing (set before fl_model_alloc_acts) */
     fl_dtype act_dtype;     /* storage of the saved activations of the current arena: prec.act_dtype when
                              * fl_model_alloc_acts ran (fl_model_set_precision re-sizes the arena) */

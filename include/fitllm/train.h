@@ -258,6 +258,12 @@ typedef struct {
     double *mb_stats;          /* (2 n_micro) or NULL: each micro-batch's loss sum and valid targets */
     double *mb_ms;             /* (n_micro) or NULL: each micro-batch's wall ms, the last one's with the update */
     int failed_k;              /* out, on failure: the micro-batch that failed, n_micro the update; else -1 */
+    /* 1: an asynchronous device (FL_CAP_ASYNC without host memory: a GPU) is synchronized at the phase edges,
+     * so ms_fwd / ms_head / ms_bwd / ms_opt are the device's times (bench-step). 0: no synchronization inside
+     * the step (issue 30 item 5: the trainer), the host only waits where a value must reach it (the loss, the
+     * gradient norm); the phase times are then the host's enqueue times and ms_total ends when the last op
+     * was queued (a run's total time is exact all the same: the next step's loss read waits for this one) */
+    int phase_times;
 } fl_step_ctx;
 /* res (may be NULL): the loss (local micro-batches' summed loss / step_valid), phase timings, the
  * update's norm / skip / loss scale. */

@@ -459,7 +459,20 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
         }
         case FL_GOP_ROPE: rope(m, in, 0, x, wi); break;
         case FL_GOP_ATTN: FL_TRY(attn_forward(m, g, o, s, x)); break;
-        case FL_GOP_ADD: be->add(be, out, out, in, (size_t)N * wo); break;
+        case FL_GOP_ADD: {
+            /* a residual add straight into an RMSNorm of its sum: one fused op (issue 30 item 4; the CPU's is the
+             * two ops, the same bits) */
+            const fl_gop *nx = i + 1 < g->n_ops ? &g->op[i + 1] : NULL;
+            if (nx && nx->kind == FL_GOP_NORM && nx->in == o->out && !fl_arch_get(m->cfg.arch)->layernorm &&
+                wo == (size_t)m->cfg.dim && rows(g, nx->in, x) == N) {
+                FL_TRY(be->add_rmsnorm_forward(be, out, s[nx->out], S(nx->a2), out, in, bp->norm_w[nx->p], FL_F32, N,
+                                               m->cfg.dim, m->cfg.norm_eps));
+                i++; /* the norm is done */
+                break;
+            }
+            be->add(be, out, out, in, (size_t)N * wo);
+            break;
+        }
         case FL_GOP_SWIGLU: be->swiglu_forward(be, out, in, N, (int)wo); break;
         case FL_GOP_GELU: be->gelu_forward(be, out, in, (size_t)N * wi); break;
         case FL_GOP_RELU: be->relu_forward(be, out, in, (size_t)N * wi); break;

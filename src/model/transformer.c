@@ -4,6 +4,7 @@
  * Activations live in the arena carved from the same graph (acts.c; fp32, or the wide ones stored
  * in 16 bits between forward and backward: fl_act_opts). */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -114,7 +115,7 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
      * adapter gets its gradients here, chunk by chunk (the base head is frozen). */
     /* an asynchronous device (not host memory) runs behind the host: wait at the phase edges so the
      * phase times are the device's */
-    if (!fl_backend_host_memory(be)) FL_TRY(be->sync(be));
+    if (m->phase_sync && !fl_backend_host_memory(be)) FL_TRY(be->sync(be));
     const double t_head = now_ms(); /* the step's "head" phase (fl_step_result.ms_head) */
     const int R = m->sizes.logits_chunk_rows;
     fl_linear head = {.in = d.C, .out = d.V, .w = op.head, .dw = op.dhead};
@@ -165,22 +166,35 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
         FL_TRY(fl_linear_backward(be, dlnf + (size_t)r0 * d.C, 0, a->logits, xr, wide ? &hw : &head, rows));
     }
     if (stage_head) FL_TRY(fl_store_stage_flush(m->store, op.head_off, (size_t)d.V * d.C));
-    if (!fl_backend_host_memory(be)) FL_TRY(be->sync(be));
+    if (m->phase_sync && !fl_backend_host_memory(be)) FL_TRY(be->sync(be));
     m->ms_head = now_ms() - t_head;
-    if (targets) { /* the per-token losses come to the host in slices (a device's arena is not host memory) */
-        float lbuf[1024];
-        for (int i0 = 0; i0 < N; i0 += 1024) {
-            int n = N - i0 < 1024 ? N - i0 : 1024;
-            FL_TRY(be->to_host(be, lbuf, a->losses + i0, (size_t)n * sizeof(float)));
+    if (targets) { /* the per-token losses come to the host in slices (a device's arena is not host memory); on a
+                    * device in one copy (each copy waits for the device: issue 30 item 5) */
+        float lstack[1024], *lheap = NULL, *lbuf = lstack;
+        int slice = 1024;
+        if (N > slice && !fl_backend_host_memory(be) && (lheap = malloc((size_t)N * sizeof *lheap))) {
+            lbuf = lheap;
+            slice = N;
+        }
+        for (int i0 = 0; i0 < N; i0 += slice) {
+            int n = N - i0 < slice ? N - i0 : slice;
+            fl_status ls = be->to_host(be, lbuf, a->losses + i0, (size_t)n * sizeof(float));
+            if (ls != FL_OK) {
+                free(lheap);
+                return ls;
+            }
             for (int i = i0; i < i0 + n; i++)
                 if (targets[i] != FL_IGNORE_INDEX) {
-                    if (targets[i] < 0 || targets[i] >= d.V)
+                    if (targets[i] < 0 || targets[i] >= d.V) {
+                        free(lheap);
                         return fl_errorf(FL_ERR_INVALID, "target id %d at position %d is outside the vocabulary [0, %d)",
                                          targets[i], i, d.V);
+                    }
                     m->loss_sum += lbuf[i - i0];
                     m->n_valid++;
                 }
         }
+        free(lheap);
     }
     m->fwd_B = B;
     m->fwd_T = T;

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fitllm/perf.h"
 #include "trainer-impl.h"
 
 void fl_tr_bar_clear(trainer *t) {
@@ -75,6 +76,17 @@ void fl_tr_print_box(trainer *t, const fl_trainer_result *r) {
     fprintf(t->out, "| %-28s %28.2f s |\n", "training time", r->train_seconds);
     fprintf(t->out, "| %-28s %30.1f |\n", "tokens/s (with prompt)", r->tokens_real / secs);
     fprintf(t->out, "| %-28s %30.4f |\n", "TFLOP/s (model FLOPs)", t->st.flops / secs / 1e12);
+    fl_gpu_peak pk;
+    if (t->hw.be_ok && fl_backend_peak(&t->hw.be, &pk)) {
+        /* a GPU run: MFU against the device's dense 16-bit peak (fitllm/perf.h), or why there is none */
+        char v[64];
+        if (pk.tflops > 0)
+            snprintf(v, sizeof v, "%.1f%% of %.0f (%.28s)", 100.0 * t->st.flops / secs / 1e12 / pk.tflops, pk.tflops,
+                     pk.model);
+        else
+            snprintf(v, sizeof v, "unknown GPU (FITLLM_PEAK_TFLOPS)");
+        fprintf(t->out, "| %-28s %30s |\n", "MFU (dense 16-bit peak)", v);
+    }
     for (int k = 0; k < FL_TAG_COUNT; k++) {
         char lbl[40];
         snprintf(lbl, sizeof lbl, "peak %s", fl_mem_tag_name((fl_mem_tag)k));

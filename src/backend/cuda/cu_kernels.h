@@ -25,6 +25,10 @@ extern "C" {
 #define FL_CU_DECLARE_KERNELS(P)                                                                              \
     int P##rmsnorm_forward(float *out, float *rstd, const float *inp, const float *w, int N, int C, float eps,  \
                            void *stream);                                                                      \
+    /* add_rmsnorm_forward (F32): res = a + b, out = rmsnorm(res) * w; 128-bit accesses when C % 4 == 0 and   \
+     * every pointer is 16-byte aligned */                                                                   \
+    int P##add_rmsnorm_forward(float *res, float *out, float *rstd, const float *a, const float *b,             \
+                               const float *w, int N, int C, float eps, void *stream);                         \
     int P##rmsnorm_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w,        \
                             const float *rstd, int N, int C, void *stream);                                    \
     int P##cross_entropy(float *loss, float *dlogits, const float *logits, const int32_t *targets, int N, int V, \

@@ -336,6 +336,10 @@ static void op_rmsnorm_forward(const fl_backend *be, float *out, float *rstd, co
                                int C, float eps) {
     OPV(IN->rmsnorm_forward(IN, out, rstd, inp, w, N, C, eps));
 }
+static fl_status op_add_rmsnorm_forward(const fl_backend *be, void *res, void *out, float *rstd, const void *a,
+                                        const void *b, const float *w, fl_dtype t, int N, int C, float eps) {
+    OPR(fl_status, IN->add_rmsnorm_forward(IN, res, out, rstd, a, b, w, t, N, C, eps));
+}
 static void op_rmsnorm_backward(const fl_backend *be, float *dinp, float *dw, const float *dout, const float *inp,
                                 const float *w, const float *rstd, int N, int C) {
     OPV(IN->rmsnorm_backward(IN, dinp, dw, dout, inp, w, rstd, N, C));
@@ -528,6 +532,7 @@ fl_status fl_opaque_backend_init(fl_backend *be, int n_threads) {
     be->embedding_backward = op_embedding_backward;
     be->rmsnorm_forward = op_rmsnorm_forward;
     be->rmsnorm_backward = op_rmsnorm_backward;
+    be->add_rmsnorm_forward = op_add_rmsnorm_forward;
     be->layernorm_forward = op_layernorm_forward;
     be->layernorm_backward = op_layernorm_backward;
     be->rope_forward = op_rope_forward;
