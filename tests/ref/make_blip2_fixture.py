@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""Fixture for fitllm's BLIP-2 (src/model/arch_blip2.c, src/model/blip2.c, tests/test_blip2.c): a tiny random
+transformers Blip2ForConditionalGeneration (OPT language model) saved as an HF folder, and what fitllm must reproduce.
+
+Pinned versions (tests/ref/requirements.txt): torch 2.15.0, transformers 5.23.0, safetensors 0.8.0, numpy 2.4.6.
+Run from the repo root:
+    python tests/ref/make_blip2_fixture.py [--out tests/fixtures]
+
+Sizes (odd on purpose): vision hidden 24, 3 heads, MLP 40, 2 blocks, 12x12 images of 4x4 patches (9 patches + the
+class token); Q-Former hidden 20, 2 heads, MLP 36, 3 blocks, cross-attention every 2 (blocks 0 and 2) to the
+24-wide image features, 5 query tokens; OPT vocab 103, hidden 28, 4 heads, MLP 44, 2 blocks; image_token_index 100.
+hidden_act of the vision tower and the Q-Former is gelu_pytorch_tanh: the real checkpoints' exact-erf "gelu" is not
+an op of fitllm yet (refused by name). Dropout 0.
+
+blip2-tiny-opt/: config.json, model.safetensors (transformers 5's names: the vision qkv bias is one fused (3C)
+tensor) and expected.safetensors:
+  pixels (F32 B x 3 x 12 x 12), ids (I32 B x T: 5 image tokens, then the caption: BOS and 6 tokens; sequence 1's
+  last 2 are padding id 1), labels (I32 B x 7: the caption, sequence 1's last 2 = -100), image_embeds (F32: the
+  vision tower's output, float64 run rounded), query_output (F32: the Q-Former's), logits (F32 B x T x V), loss
+  (F64 [1]), grad.<name> (F32: the float64 gradients of the mean loss), noise.<x> (F32 [1]: max |PyTorch fp32 -
+  float64| of the same tensor: the fp32 noise the C test's tolerances are anchored on), gen0 / gen1 (I32:
+  generate(do_sample=False, max_new_tokens=8) of each image from the fp32 weights: the tokens after the 5 image
+  placeholders and BOS, eos included), genp0 (I32: the same for image 0 with the prompt ids 17 29 31 after BOS).
+Weights are redrawn larger than the init (unit-ish activations) so that attention is far from uniform.
+"""
+import argparse
+import json
+import os
+
+import torch
+from safetensors.torch import save_file
+from transformers import Blip2Config, Blip2ForConditionalGeneration, OPTConfig
+
+B, NQ, TC, PAD = 2, 5, 7, 2
+IMG_TOK, MAX_NEW = 100, 8
+PROMPT = [17, 29, 31]
+
+
+def build(seed):
+    vc = dict(hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=3, image_size=12,
+              patch_size=4, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6, qkv_bias=True, attention_dropout=0.0)
+    qc = dict(hidden_size=20, num_hidden_layers=3, num_attention_heads=2, intermediate_size=36,
+              cross_attention_frequency=2, encoder_hidden_size=24, hidden_act="gelu_pytorch_tanh",
+              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, layer_norm_eps=1e-12)
+    tc = OPTConfig(vocab_size=103, hidden_size=28, num_attention_heads=4, ffn_dim=44, num_hidden_layers=2,
+                   max_position_embeddings=64, word_embed_proj_dim=28, dropout=0.0, attention_dropout=0.0,
+                   bos_token_id=2, eos_token_id=2, pad_token_id=1)
+    cfg = Blip2Config(vision_config=vc, qformer_config=qc, text_config=tc.to_dict(), num_query_tokens=NQ,
+                      image_token_index=IMG_TOK)
+    cfg._attn_implementation = "eager"
+    for sub in (cfg.vision_config, cfg.qformer_config, cfg.text_config):
+        sub._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    m = Blip2ForConditionalGeneration(cfg).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if "norm" in name.lower() and name.endswith("weight"):
+                p.copy_(1.0 + 0.2 * r)
+            elif p.ndim == 1 or name.endswith("bias"):
+                p.copy_(0.2 * r)
+            elif name in ("query_tokens", "vision_model.embeddings.class_embedding",
+                          "vision_model.embeddings.position_embedding"):
+                p.copy_(r)
+            elif "embed_" in name:  # OPT's tied token table and positions: logits of a few units
+                p.copy_(0.3 * r)
+            elif p.ndim == 4:  # the patch convolution (C, 3, p, p)
+                p.copy_(r / (p[0].numel()) ** 0.5)
+            else:  # (out, in) linears
+                p.copy_(r / p.shape[1] ** 0.5)
+    return cfg, m
+
+
+def params(m):
+    return [(n, p) for n, p in m.named_parameters() if n != "language_model.lm_head.weight"]
+
+
+def run(m, batch, dtype):
+    m = m.to(dtype)
+    m.zero_grad()
+    pixels, ids, labels = batch
+    out = m(pixel_values=pixels.to(dtype), input_ids=ids.long())
+    # Blip2ForConditionalGeneration's own loss (logits[:, -labels:], then ForCausalLMLoss's shift) fails in 5.23 on
+    # a view of the sliced logits; the same formula written out: the caption's positions predict caption[1:]
+    lg = out.logits[:, -labels.shape[1]:-1, :]
+    out.loss = torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), labels[:, 1:].reshape(-1).long(),
+                                                 ignore_index=-100)
+    out.loss.backward()
+    with torch.no_grad():
+        img = m.vision_model(pixel_values=pixels.to(dtype)).last_hidden_state
+        q = m.qformer(query_embeds=m.query_tokens.expand(B, -1, -1), encoder_hidden_states=img).last_hidden_state
+    grads = {n: p.grad.detach().clone() for n, p in params(m)}
+    return out.logits.detach(), out.loss.detach(), grads, img, q
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="tests/fixtures")
+    a = ap.parse_args()
+    out_dir = os.path.join(a.out, "blip2-tiny-opt")
+    os.makedirs(out_dir, exist_ok=True)
+    cfg, m = build(0)
+    m.save_pretrained(out_dir)
+    g = torch.Generator().manual_seed(7)
+    pixels = torch.randn(B, 3, 12, 12, generator=g)
+    cap = torch.randint(3, IMG_TOK, (B, TC), generator=g, dtype=torch.int32)
+    cap[:, 0] = 2  # BOS
+    cap[1, TC - PAD:] = 1  # padding
+    labels = cap.clone()
+    labels[1, TC - PAD:] = -100
+    ids = torch.cat([torch.full((B, NQ), IMG_TOK, dtype=torch.int32), cap], dim=1)
+    batch = (pixels, ids, labels)
+    state = {n: p.detach().clone() for n, p in m.state_dict().items()}
+    l32, s32, g32, i32, q32 = run(m, batch, torch.float32)
+    l64, s64, g64, i64, q64 = run(m, batch, torch.float64)
+    m.float().load_state_dict(state)
+    gen = []
+    for b in range(B):
+        o = m.generate(pixel_values=pixels[b:b + 1], max_new_tokens=MAX_NEW, do_sample=False)[0]
+        gen.append(o[NQ + 1:].int())
+    pids = torch.tensor([[IMG_TOK] * NQ + [2] + PROMPT])
+    o = m.generate(pixel_values=pixels[:1], input_ids=pids, max_new_tokens=MAX_NEW, do_sample=False)[0]
+    genp = o[pids.shape[1]:].int()
+    noise = lambda x, y: (x.double() - y).abs().max().float().reshape(1)
+    out = {"pixels": pixels.contiguous(), "ids": ids, "labels": labels, "logits": l64.float().contiguous(),
+           "loss": s64.reshape(1), "noise.logits": noise(l32, l64), "noise.loss": noise(s32, s64),
+           "image_embeds": i64.float().contiguous(), "noise.image_embeds": noise(i32, i64),
+           "query_output": q64.float().contiguous(), "noise.query_output": noise(q32, q64),
+           "gen0": gen[0].contiguous(), "gen1": gen[1].contiguous(), "genp0": genp.contiguous()}
+    for n in g64:
+        out["grad." + n] = g64[n].float().contiguous()
+        out["noise." + n] = noise(g32[n], g64[n])
+    save_file(out, os.path.join(out_dir, "expected.safetensors"))
+    print(f"{out_dir}: loss {s64.item():.8f} (fp32 noise {noise(s32, s64).item():.3g}), logits noise "
+          f"{noise(l32, l64).item():.3g} (scale {l64.abs().max().item():.3g}), {len(g64)} gradients, worst grad "
+          f"noise {max(noise(g32[n], g64[n]).item() for n in g64):.3g}; greedy {gen[0].tolist()} {gen[1].tolist()} "
+          f"prompt {genp.tolist()}")
+
+
+if __name__ == "__main__":
+    main()
