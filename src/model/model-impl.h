@@ -189,4 +189,10 @@ void fl_norm_forward(const fl_model *m, float *out, float *mean, float *rstd, co
 void fl_norm_backward(const fl_model *m, float *dx, float *dw, float *db, const float *dout, const float *x,
                       const float *w, const float *mean, const float *rstd, int N);
 
+/* BLIP-2 (arch_blip2.c): does Q-Former block l cross-attend to the image features; a Q-Former block's graph with or
+ * without the cross-attention (the stack alternates them, so src/model/blip2.c builds both). */
+int fl_blip2_has_xattn(const fl_model_config *c, int l);
+struct fl_block_graph_s;
+void fl_blip2_qformer_block(const fl_model_config *c, int xattn, struct fl_block_graph_s *g);
+
 #endif

@@ -1,0 +1,540 @@
+/* BLIP-2's passes (fitllm/blip2.h): the three parts' model graphs interpreted in order, vision tower -> Q-Former ->
+ * language model, and back. The ops around the blocks:
+ *
+ *   PATCH    res[0] (B, P + 1, Cv): row 0 the class token, row 1 + p the patch p's pixels (3 p p, arranged on the
+ *            host: the convolution with stride = kernel is a matrix product) @ W^T + b; the learned positions added.
+ *            Backward: dW, db from the patch rows' gradient, d(class token) and d(positions) summed over the batch.
+ *   QUERIES  nin (B, NQ, Cq): the learned query tokens for every image (backward: summed over the batch), then the
+ *            embedding LayerNorm into res[0].
+ *   EMBED    the language model's token and position embeddings; the rows of the image placeholders (or the rows in
+ *            front) are the projected queries + their position instead (backward: their gradient goes to the
+ *            projection, never to the placeholder's token row; the positions get all rows').
+ *
+ * The blocks are the block graph's executors (graph.c); the Q-Former's cross-attention blocks read the vision
+ * tower's output as their XSTREAM slot and accumulate its gradient. Every op is a backend call (copies, adds, the
+ * linears), so each backend runs BLIP-2 with the kernels it has. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "blip2-impl.h"
+#include "store.h"
+
+typedef struct {
+    char *base;
+    size_t off;
+} carver;
+
+static void *take(carver *cv, size_t bytes) {
+    void *p = cv->base ? (void *)(cv->base + cv->off) : NULL;
+    cv->off += (bytes + 63) / 64 * 64;
+    return p;
+}
+#define TAKEF(cv, n) ((float *)take((cv), (size_t)(n) * sizeof(float)))
+
+static int npatch(const fl_blip2 *b) { return b->cfg.vision.max_seq - 1; }
+
+/* ACTS: per part its residual stream, every block's saved slots, its norm's buffers. */
+static size_t carve_acts(fl_blip2 *b, char *base) {
+    carver cv = {base, 0};
+    const size_t B = (size_t)b->B, T0 = (size_t)b->st[0].T;
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        fl_b2_stack *st = &b->st[k];
+        const size_t C = (size_t)b->part[k].cfg.dim, N = B * (size_t)st->T;
+        for (int l = 0; l <= st->L; l++) {
+            float *r = TAKEF(&cv, N * C);
+            if (base) st->res[l] = r;
+        }
+        for (int l = 0; l < st->L; l++) {
+            const fl_block_graph *g = &st->g[k == FL_BLIP2_QFORMER && fl_blip2_has_xattn(&b->part[k].cfg, l)];
+            fl_layer_acts la;
+            memset(&la, 0, sizeof la);
+            for (int j = 0; j < g->n_prod; j++) {
+                const int sl = g->prod[j];
+                if (g->slot[sl].kind == FL_GSLOT_XSTREAM) continue;
+                la.s[sl] = TAKEF(&cv, (g->slot[sl].xrows ? B * T0 : N) * (size_t)g->slot[sl].width);
+            }
+            if (!base) continue;
+            la.s[FL_GSLOT_IN] = st->res[l];
+            la.s[FL_GSLOT_OUT] = st->res[l + 1];
+            if (g == &st->g[1] && st->xslot >= 0) la.s[st->xslot] = b->st[0].nout; /* the image features */
+            st->layer[l] = la;
+        }
+        float *ni = k == FL_BLIP2_QFORMER ? TAKEF(&cv, N * C) : NULL;
+        float *no = TAKEF(&cv, N * C), *nm = TAKEF(&cv, N), *nr = TAKEF(&cv, N);
+        if (base) st->nin = ni, st->nout = no, st->nmean = nm, st->nrstd = nr;
+    }
+    return cv.off;
+}
+
+/* WORKSPACE: the patches, the projected queries, d(image features), the gradient buffers, a logits chunk, ids. */
+static size_t carve_work(fl_blip2 *b, char *base) {
+    carver cv = {base, 0};
+    const size_t B = (size_t)b->B, P = (size_t)npatch(b), p = (size_t)b->cfg.vision.patch_size;
+    const size_t Cv = (size_t)b->cfg.vision.dim, Ct = (size_t)b->cfg.text.dim, NQ = (size_t)b->cfg.n_queries;
+    float *pa = TAKEF(&cv, B * P * 3 * p * p), *pe = TAKEF(&cv, B * P * Cv);
+    float *qp = TAKEF(&cv, B * NQ * Ct), *dqp = TAKEF(&cv, B * NQ * Ct), *di = TAKEF(&cv, B * (P + 1) * Cv);
+    int rows = 0, width[FL_GRAPH_MAX_GBUF] = {0}, ngb = FL_N_GBUF;
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        const fl_b2_stack *st = &b->st[k];
+        if (st->T > rows) rows = st->T;
+        for (int j = 0; j < 2; j++) {
+            const fl_block_graph *g = &st->g[j];
+            if (g->n_gbuf > ngb) ngb = g->n_gbuf;
+            for (int i = 0; i < g->n_gbuf; i++)
+                if (g->gbuf_width[i] > width[i]) width[i] = g->gbuf_width[i];
+        }
+        const int C = b->part[k].cfg.dim;
+        for (int i = 0; i < 2; i++) /* dres and d(norm out) at least C wide; buf1 also the patch rows' gradient */
+            if (width[i] < C) width[i] = C;
+    }
+    for (int i = 0; i < ngb; i++) {
+        float *g = TAKEF(&cv, B * (size_t)rows * (size_t)width[i]);
+        if (base) b->gb[i] = g;
+    }
+    const size_t NL = B * (size_t)b->TL, V = (size_t)b->cfg.text.vocab_size;
+    b->chunk = fl_logits_chunk_rows((int)V, (int)NL);
+    float *lg = TAKEF(&cv, (size_t)b->chunk * V), *ls = TAKEF(&cv, NL);
+    int32_t *ids = take(&cv, NL * sizeof(int32_t));
+    int32_t *tg = fl_backend_host_memory(b->be) ? NULL : take(&cv, NL * sizeof(int32_t));
+    if (base) {
+        b->patches = pa, b->pe = pe, b->qproj = qp, b->dqproj = dqp, b->dimg = di, b->n_gb = ngb;
+        b->logits = lg, b->losses = ls, b->ids = ids, b->dtargets = tg;
+    }
+    return cv.off;
+}
+
+void fl_blip2_free_acts(fl_blip2 *b) {
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        free(b->st[k].res), free(b->st[k].layer);
+        b->st[k].res = NULL, b->st[k].layer = NULL;
+    }
+    if (b->acts) fl_mem_free(b->pool, b->acts);
+    if (b->work) fl_mem_free(b->pool, b->work);
+    free(b->hids), free(b->qrow);
+    b->acts = b->work = NULL, b->hids = NULL, b->qrow = NULL;
+    b->B = 0;
+}
+
+fl_status fl_blip2_alloc_acts(fl_blip2 *b, int B, int T) {
+    if (B <= 0 || T <= 0) return fl_errorf(FL_ERR_INVALID, "BLIP-2: micro-batch must be positive (B=%d, T=%d)", B, T);
+    const int NQ = b->cfg.n_queries, TL = b->cfg.image_token >= 0 ? T : T + NQ;
+    if (TL > b->cfg.text.max_seq)
+        return fl_errorf(FL_ERR_INVALID, "BLIP-2: %d language-model rows exceed its max_position_embeddings %d", TL,
+                         b->cfg.text.max_seq);
+    fl_blip2_free_acts(b);
+    b->B = B, b->T = T, b->TL = TL;
+    const int Ts[FL_BLIP2_PARTS] = {b->cfg.vision.max_seq, NQ, TL};
+    fl_status s = FL_OK;
+    for (int k = 0; s == FL_OK && k < FL_BLIP2_PARTS; k++) {
+        fl_b2_stack *st = &b->st[k];
+        memset(st->g, 0, sizeof st->g);
+        st->L = b->part[k].cfg.n_layers;
+        st->T = Ts[k];
+        st->xslot = -1;
+        s = fl_block_graph_build(&b->part[k].cfg, &st->g[0]);
+        if (s == FL_OK && k == FL_BLIP2_QFORMER) { /* the block with the cross-attention */
+            fl_blip2_qformer_block(&b->part[k].cfg, 1, &st->g[1]);
+            s = fl_block_graph_finish(&st->g[1]);
+            for (int j = 0; j < st->g[1].n_slots; j++)
+                if (st->g[1].slot[j].kind == FL_GSLOT_XSTREAM) st->xslot = j;
+        }
+        st->res = calloc((size_t)st->L + 1, sizeof *st->res);
+        st->layer = calloc((size_t)st->L, sizeof *st->layer);
+        if (s == FL_OK && (!st->res || !st->layer)) s = fl_errorf(FL_ERR_OOM, "BLIP-2 activation views: out of memory");
+    }
+    b->hids = malloc((size_t)B * TL * sizeof *b->hids);
+    b->qrow = malloc((size_t)B * NQ * sizeof *b->qrow);
+    if (s == FL_OK && (!b->hids || !b->qrow)) s = fl_errorf(FL_ERR_OOM, "BLIP-2: out of host memory");
+    if (s == FL_OK) s = fl_mem_alloc(b->pool, FL_TAG_ACTS, carve_acts(b, NULL), &b->acts);
+    if (s == FL_OK) s = fl_mem_alloc(b->pool, FL_TAG_WORKSPACE, carve_work(b, NULL), &b->work);
+    if (s != FL_OK) {
+        fl_blip2_free_acts(b);
+        return fl_error_prefix(s, "BLIP-2 activations for B=%d, T=%d", B, T);
+    }
+    carve_acts(b, b->acts);
+    carve_work(b, b->work);
+    return FL_OK;
+}
+
+/* ---- helpers ------------------------------------------------------------------------------------ */
+
+/* fp32 parameter / gradient of part m's entry of role r in group g (NULL if absent or no gradients) */
+static float *prm(const fl_model *m, int g, int r, int grad) {
+    const int i = fl_layout_role(&m->layout, g, (fl_param_role)r);
+    if (i < 0) return NULL;
+    if (grad) return fl_model_grads_f32(m) ? fl_model_grads_f32(m) + m->layout.params[i].offset : NULL;
+    return fl_model_params_f32(m) + fl_model_store_off(m, i);
+}
+
+/* A linear of the parts' outer groups (the patch embedding, the language projection). */
+static fl_linear outer_linear(const fl_model *m, int g, int rw, int rb) {
+    const int wi = fl_layout_role(&m->layout, g, (fl_param_role)rw);
+    fl_linear lin = {.in = (int)m->layout.params[wi].shape[1], .out = (int)m->layout.params[wi].shape[0]};
+    fl_linear_set_weight(m, &lin, wi);
+    lin.b = prm(m, g, rb, 0);
+    lin.dw = prm(m, g, rw, 1);
+    lin.db = prm(m, g, rb, 1);
+    return lin;
+}
+
+static const fl_block_graph *graph_of(const fl_blip2 *b, int k, int l) {
+    return &b->st[k].g[k == FL_BLIP2_QFORMER && fl_blip2_has_xattn(&b->part[k].cfg, l)];
+}
+
+static fl_block_ctx ctx_of(const fl_blip2 *b, int k, float *const *dxs) {
+    fl_block_ctx x = {.B = b->Bp, .T = b->st[k].T};
+    x.Tk = b->st[0].T;
+    x.dxs = dxs;
+    return x;
+}
+
+/* ---- the ops around the blocks --------------------------------------------------------------------- */
+
+/* The pixels (B, 3, S, S) patch by patch: row (b, p) holds channel, kernel row, kernel column of patch p in the
+ * convolution weight's order; then res[0]. */
+static fl_status patch_forward(fl_blip2 *b, const float *pixels) {
+    const fl_backend *be = b->be;
+    const fl_model *m = &b->part[0];
+    const int S = m->cfg.image_size, ps = m->cfg.patch_size, G = S / ps, P = G * G, K = 3 * ps * ps, C = m->cfg.dim;
+    const int T0 = P + 1, B = b->Bp;
+    float *h = malloc((size_t)B * P * K * sizeof *h);
+    if (!h) return fl_errorf(FL_ERR_OOM, "BLIP-2 patches: out of host memory");
+    for (int n = 0; n < B; n++)
+        for (int gy = 0; gy < G; gy++)
+            for (int gx = 0; gx < G; gx++) {
+                float *row = h + ((size_t)n * P + (size_t)gy * G + gx) * K;
+                for (int ch = 0; ch < 3; ch++)
+                    for (int y = 0; y < ps; y++)
+                        memcpy(row + (ch * ps + y) * ps,
+                               pixels + (((size_t)n * 3 + ch) * S + (size_t)gy * ps + y) * S + (size_t)gx * ps,
+                               (size_t)ps * sizeof *row);
+            }
+    fl_status s = be->to_device(be, b->patches, h, (size_t)B * P * K * sizeof *h);
+    free(h);
+    FL_TRY(s);
+    fl_linear lin = outer_linear(m, 0, FL_ROLE_PATCH_W, FL_ROLE_PATCH_B);
+    FL_TRY(fl_linear_forward(be, b->pe, b->patches, &lin, B * P)); // (B P, C)
+    const float *cls = prm(m, 0, FL_ROLE_CLS_EMBED, 0), *pos = prm(m, 0, FL_ROLE_POS_EMBED, 0);
+    float *r0 = b->st[0].res[0];
+    for (int n = 0; n < B; n++) {
+        float *r = r0 + (size_t)n * T0 * C;
+        FL_TRY(be->copy(be, r, cls, (size_t)C * sizeof(float)));
+        FL_TRY(be->copy(be, r + C, b->pe + (size_t)n * P * C, (size_t)P * C * sizeof(float)));
+        be->add(be, r, r, pos, (size_t)T0 * C);
+    }
+    return FL_OK;
+}
+
+/* d res[0] in dres: the patch linear's dW, db (its rows' gradient gathered into gb[1]), the class token's and the
+ * positions' gradients summed over the batch. */
+static fl_status patch_backward(fl_blip2 *b, const float *dres) {
+    const fl_backend *be = b->be;
+    const fl_model *m = &b->part[0];
+    const int C = m->cfg.dim, P = npatch(b), T0 = P + 1, B = b->Bp;
+    float *dcls = prm(m, 0, FL_ROLE_CLS_EMBED, 1), *dpos = prm(m, 0, FL_ROLE_POS_EMBED, 1), *dpe = b->gb[1];
+    for (int n = 0; n < B; n++) {
+        const float *d = dres + (size_t)n * T0 * C;
+        be->add(be, dcls, dcls, d, (size_t)C);
+        be->add(be, dpos, dpos, d, (size_t)T0 * C);
+        FL_TRY(be->copy(be, dpe + (size_t)n * P * C, d + C, (size_t)P * C * sizeof(float)));
+    }
+    fl_linear lin = outer_linear(m, 0, FL_ROLE_PATCH_W, FL_ROLE_PATCH_B);
+    return fl_linear_backward(be, NULL, 0, dpe, b->patches, &lin, B * P);
+}
+
+/* The learned queries for every image, then the Q-Former's embedding LayerNorm into res[0]. */
+static fl_status queries_forward(fl_blip2 *b) {
+    const fl_backend *be = b->be;
+    const fl_model *m = &b->part[1];
+    fl_b2_stack *st = &b->st[1];
+    const size_t n = (size_t)st->T * m->cfg.dim;
+    const float *q = prm(m, 0, FL_ROLE_QUERY_EMBED, 0);
+    for (int i = 0; i < b->Bp; i++) FL_TRY(be->copy(be, st->nin + i * n, q, n * sizeof(float)));
+    fl_norm_forward(m, st->res[0], st->nmean, st->nrstd, st->nin, prm(m, 0, FL_ROLE_EMB_NORM_W, 0),
+                    prm(m, 0, FL_ROLE_EMB_NORM_B, 0), b->Bp * st->T);
+    return FL_OK;
+}
+
+static void queries_backward(fl_blip2 *b, const float *dres) {
+    const fl_backend *be = b->be;
+    fl_model *m = &b->part[1];
+    fl_b2_stack *st = &b->st[1];
+    const size_t n = (size_t)st->T * m->cfg.dim;
+    float *din = b->gb[1];
+    be->zero(be, din, (size_t)b->Bp * n * sizeof(float));
+    fl_norm_backward(m, din, prm(m, 0, FL_ROLE_EMB_NORM_W, 1), prm(m, 0, FL_ROLE_EMB_NORM_B, 1), dres, st->nin,
+                     prm(m, 0, FL_ROLE_EMB_NORM_W, 0), st->nmean, st->nrstd, b->Bp * st->T);
+    float *dq = prm(m, 0, FL_ROLE_QUERY_EMBED, 1);
+    for (int i = 0; i < b->Bp; i++) be->add(be, dq, dq, din + i * n, n);
+}
+
+/* The language model's embeddings, the projected queries in their rows (+ the rows' positions). */
+static fl_status embed_forward(fl_blip2 *b) {
+    const fl_backend *be = b->be;
+    const fl_model *m = &b->part[2];
+    const int C = m->cfg.dim, TL = b->st[2].T, NQ = b->cfg.n_queries;
+    fl_outer_params op;
+    fl_get_outer(m, &op);
+    FL_TRY(be->to_device(be, b->ids, b->hids, (size_t)b->Bp * TL * sizeof(int32_t)));
+    float *r0 = b->st[2].res[0];
+    fl_embed_forward(m, &op, r0, b->ids, b->hids, b->Bp, TL, 0);
+    for (int i = 0; i < b->Bp * NQ; i++) {
+        const int row = b->qrow[i], t = row % TL;
+        float *r = r0 + (size_t)row * C;
+        FL_TRY(be->copy(be, r, b->qproj + (size_t)i * C, (size_t)C * sizeof(float)));
+        be->add(be, r, r, op.wpe + (size_t)t * C, (size_t)C);
+    }
+    return FL_OK;
+}
+
+/* d res[0] (overwritten): the query rows' gradient to dqproj and their positions', the rest to the embeddings. */
+static fl_status embed_backward(fl_blip2 *b, float *dres) {
+    const fl_backend *be = b->be;
+    fl_model *m = &b->part[2];
+    const int C = m->cfg.dim, TL = b->st[2].T, NQ = b->cfg.n_queries;
+    fl_outer_params op;
+    fl_get_outer(m, &op);
+    for (int i = 0; i < b->Bp * NQ; i++) {
+        const int row = b->qrow[i], t = row % TL;
+        float *d = dres + (size_t)row * C;
+        FL_TRY(be->copy(be, b->dqproj + (size_t)i * C, d, (size_t)C * sizeof(float)));
+        if (op.dwpe) be->add(be, op.dwpe + (size_t)t * C, op.dwpe + (size_t)t * C, d, (size_t)C);
+        be->zero(be, d, (size_t)C * sizeof(float));
+    }
+    return fl_embed_backward(m, &op, dres, b->ids, b->Bp, TL);
+}
+
+/* ---- the passes ------------------------------------------------------------------------------------ */
+
+static fl_status blocks_forward(fl_blip2 *b, int k) {
+    fl_b2_stack *st = &b->st[k];
+    for (int l = 0; l < st->L; l++) {
+        const fl_block_graph *g = graph_of(b, k, l);
+        fl_block_params bp;
+        fl_get_block(&b->part[k], g, l, &bp);
+        fl_block_ctx x = ctx_of(b, k, NULL);
+        FL_TRY(fl_block_forward(&b->part[k], g, &bp, st->layer[l].s, &x));
+    }
+    return FL_OK;
+}
+
+/* gb[0] holds d(the stack's last residual rows) on entry and d(res[0]) on return. */
+static fl_status blocks_backward(fl_blip2 *b, int k) {
+    fl_b2_stack *st = &b->st[k];
+    float *dxs[FL_GRAPH_MAX_SLOTS] = {0};
+    if (st->xslot >= 0) {
+        dxs[st->xslot] = b->dimg;
+        b->be->zero(b->be, b->dimg, (size_t)b->Bp * b->st[0].T * b->cfg.vision.dim * sizeof(float));
+    }
+    for (int l = st->L - 1; l >= 0; l--) {
+        const fl_block_graph *g = graph_of(b, k, l);
+        fl_block_params bp;
+        fl_get_block(&b->part[k], g, l, &bp);
+        fl_block_ctx x = ctx_of(b, k, dxs);
+        FL_TRY(fl_block_backward(&b->part[k], g, &bp, st->layer[l].s, b->gb, &x));
+    }
+    return FL_OK;
+}
+
+/* The head and the loss over the language model's final norm output, chunked; in training its backward too,
+ * leaving d(the norm's output) in gb[1]. */
+static fl_status head_loss(fl_blip2 *b, const int32_t *targets, float grad_scale, float *logits_out) {
+    const fl_backend *be = b->be;
+    fl_model *m = &b->part[2];
+    const int C = m->cfg.dim, V = m->cfg.vocab_size, N = b->Bp * b->st[2].T, train = grad_scale > 0 && targets;
+    fl_outer_params op;
+    fl_get_outer(m, &op);
+    fl_linear head = {.in = C, .out = V, .w = op.head, .dw = op.dhead};
+    fl_linear_set_weight(m, &head, op.head_idx);
+    const int32_t *tg = targets;
+    if (targets && b->dtargets) {
+        FL_TRY(be->to_device(be, b->dtargets, targets, (size_t)N * sizeof *targets));
+        tg = b->dtargets;
+    }
+    for (int r0 = 0; r0 < N; r0 += b->chunk) {
+        const int rows = N - r0 < b->chunk ? N - r0 : b->chunk;
+        const float *xr = b->st[2].nout + (size_t)r0 * C;
+        FL_TRY(fl_linear_forward(be, b->logits, xr, &head, rows));
+        if (logits_out) FL_TRY(be->to_host(be, logits_out + (size_t)r0 * V, b->logits, (size_t)rows * V * sizeof(float)));
+        if (!targets) continue;
+        be->cross_entropy(be, b->losses + r0, train ? b->logits : NULL, b->logits, tg + r0, rows, V, grad_scale,
+                          FL_IGNORE_INDEX);
+        if (train) FL_TRY(fl_linear_backward(be, b->gb[1] + (size_t)r0 * C, 0, b->logits, xr, &head, rows));
+    }
+    if (!targets) return FL_OK;
+    float *l = malloc((size_t)N * sizeof *l);
+    if (!l) return fl_errorf(FL_ERR_OOM, "BLIP-2 losses: out of host memory");
+    fl_status s = be->to_host(be, l, b->losses, (size_t)N * sizeof *l);
+    for (int i = 0; s == FL_OK && i < N; i++)
+        if (targets[i] != FL_IGNORE_INDEX) b->loss_sum += l[i], b->n_valid++;
+    free(l);
+    return s;
+}
+
+/* Part k's model graph, forward. */
+static fl_status part_forward(fl_blip2 *b, int k, const float *pixels, const int32_t *targets, float grad_scale,
+                              float *logits_out) {
+    fl_model *m = &b->part[k];
+    fl_b2_stack *st = &b->st[k];
+    fl_model_graph mg;
+    FL_TRY(fl_model_graph_build(&m->cfg, &mg));
+    const int G = m->layout.n_groups - 1, N = b->Bp * st->T;
+    int after = 0;
+    for (int i = 0; i < mg.n_ops; i++) {
+        switch ((fl_mop_kind)mg.op[i].kind) {
+        case FL_MOP_PATCH: FL_TRY(patch_forward(b, pixels)); break;
+        case FL_MOP_QUERIES: FL_TRY(queries_forward(b)); break;
+        case FL_MOP_EMBED: FL_TRY(embed_forward(b)); break;
+        case FL_MOP_NORM:
+            if (after) /* the final norm; QUERIES ran the embedding norm already */
+                fl_norm_forward(m, st->nout, st->nmean, st->nrstd, st->res[st->L], prm(m, G, mg.op[i].role_w, 0),
+                                prm(m, G, mg.op[i].role_b, 0), N);
+            break;
+        case FL_MOP_BLOCKS:
+            FL_TRY(blocks_forward(b, k));
+            after = 1;
+            break;
+        case FL_MOP_OUTPUT: break; /* nout (or res[L] without a final norm) is what the next part reads */
+        case FL_MOP_HEAD_LM: FL_TRY(head_loss(b, targets, grad_scale, logits_out)); break;
+        default:
+            return fl_errorf(FL_ERR_UNSUPPORTED, "BLIP-2 %s: model graph op %d is not executed here",
+                             fl_arch_get(m->cfg.arch)->display, mg.op[i].kind);
+        }
+    }
+    return FL_OK;
+}
+
+/* The Q-Former's output (its last residual rows) through the language projection into qproj. */
+static fl_status project_forward(fl_blip2 *b) {
+    const fl_model *m = &b->part[1];
+    fl_linear lin = outer_linear(m, m->layout.n_groups - 1, FL_ROLE_LMPROJ_W, FL_ROLE_LMPROJ_B);
+    return fl_linear_forward(b->be, b->qproj, b->st[1].res[b->st[1].L], &lin, b->Bp * b->st[1].T);
+}
+
+/* The language model's ids with the queries' rows: the placeholders in order, or NQ rows in front (id 0, replaced). */
+static fl_status place_queries(fl_blip2 *b, const int32_t *ids, int B, int T) {
+    const int NQ = b->cfg.n_queries, TL = b->st[2].T, V = b->cfg.text.vocab_size, it = b->cfg.image_token;
+    for (int n = 0; n < B; n++) {
+        int q = 0;
+        for (int t = 0; t < TL; t++) {
+            const int pre = it < 0 && t < NQ, id = pre ? 0 : ids[(size_t)n * T + t - (it < 0 ? NQ : 0)];
+            if (id < 0 || id >= V)
+                return fl_errorf(FL_ERR_INVALID, "token id %d at position %d of sequence %d is outside the vocabulary "
+                                 "[0, %d)", id, t, n, V);
+            if (pre || id == it) {
+                if (q == NQ)
+                    return fl_errorf(FL_ERR_INVALID, "sequence %d has more than num_query_tokens = %d image tokens (id "
+                                     "%d)", n, NQ, it);
+                b->qrow[n * NQ + q++] = n * TL + t;
+            }
+            b->hids[(size_t)n * TL + t] = id;
+        }
+        if (q != NQ)
+            return fl_errorf(FL_ERR_INVALID, "sequence %d has %d image tokens (id %d), not num_query_tokens = %d", n, q,
+                             it, NQ);
+    }
+    return FL_OK;
+}
+
+fl_status fl_blip2_forward(fl_blip2 *b, const float *pixels, const int32_t *ids, const int32_t *targets, int B, int T,
+                           float grad_scale, float *logits_out, float *loss) {
+    if (!b->acts) return fl_errorf(FL_ERR_INVALID, "fl_blip2_forward: activations not allocated (fl_blip2_alloc_acts)");
+    if (B <= 0 || T <= 0 || B > b->B || T != b->T)
+        return fl_errorf(FL_ERR_INVALID, "fl_blip2_forward: batch %d x %d does not fit the arena's %d x %d", B, T, b->B,
+                         b->T);
+    for (int k = 0; k < FL_BLIP2_PARTS; k++)
+        if (!fl_model_params_f32(&b->part[k]) || fl_model_provider(&b->part[k]) || fl_model_quant4(&b->part[k]))
+            return fl_errorf(FL_ERR_UNSUPPORTED, "BLIP-2 runs fp32 storage only so far");
+    if (grad_scale > 0 && (!targets || !fl_model_grads_f32(&b->part[0])))
+        return fl_errorf(FL_ERR_INVALID, "fl_blip2_forward: a training forward needs targets and gradient buffers");
+    b->Bp = B;
+    b->Tp = T;
+    b->fwd_train = 0;
+    b->loss_sum = 0;
+    b->n_valid = 0;
+    FL_TRY(place_queries(b, ids, B, T));
+    int32_t *tg = NULL;
+    if (targets && b->cfg.image_token < 0) { /* the prepended rows have no label */
+        const int NQ = b->cfg.n_queries, TL = b->st[2].T;
+        tg = malloc((size_t)B * TL * sizeof *tg);
+        if (!tg) return fl_errorf(FL_ERR_OOM, "BLIP-2 targets: out of host memory");
+        for (int n = 0; n < B; n++)
+            for (int t = 0; t < TL; t++) tg[n * TL + t] = t < NQ ? FL_IGNORE_INDEX : targets[n * T + t - NQ];
+        targets = tg;
+    }
+    fl_status s = part_forward(b, FL_BLIP2_VISION, pixels, NULL, 0, NULL);
+    if (s == FL_OK) s = part_forward(b, FL_BLIP2_QFORMER, NULL, NULL, 0, NULL);
+    if (s == FL_OK) s = project_forward(b);
+    if (s == FL_OK) s = part_forward(b, FL_BLIP2_TEXT, NULL, targets, grad_scale, logits_out);
+    free(tg);
+    if (s != FL_OK) return s;
+    if (loss) *loss = b->n_valid ? (float)(b->loss_sum / b->n_valid) : 0.0f;
+    b->fwd_train = grad_scale > 0;
+    return FL_OK;
+}
+
+fl_status fl_blip2_backward(fl_blip2 *b) {
+    if (!b->fwd_train) return fl_errorf(FL_ERR_INVALID, "fl_blip2_backward: needs a preceding training forward");
+    const fl_backend *be = b->be;
+    b->fwd_train = 0;
+    /* the language model: d(final norm out) in gb[1] from the head */
+    fl_model *lm = &b->part[2], *qf = &b->part[1], *vm = &b->part[0];
+    fl_b2_stack *st = &b->st[2];
+    int G = lm->layout.n_groups - 1, N = b->Bp * st->T;
+    be->zero(be, b->gb[0], (size_t)N * lm->cfg.dim * sizeof(float));
+    fl_norm_backward(lm, b->gb[0], prm(lm, G, FL_ROLE_NORM_F_W, 1), prm(lm, G, FL_ROLE_NORM_F_B, 1), b->gb[1],
+                     st->res[st->L], prm(lm, G, FL_ROLE_NORM_F_W, 0), st->nmean, st->nrstd, N);
+    FL_TRY(blocks_backward(b, FL_BLIP2_TEXT));
+    FL_TRY(embed_backward(b, b->gb[0]));
+    /* the projection: d(Q-Former output) into gb[0] */
+    G = qf->layout.n_groups - 1;
+    fl_linear proj = outer_linear(qf, G, FL_ROLE_LMPROJ_W, FL_ROLE_LMPROJ_B);
+    FL_TRY(fl_linear_backward(be, b->gb[0], 0, b->dqproj, b->st[1].res[b->st[1].L], &proj, b->Bp * b->st[1].T));
+    FL_TRY(blocks_backward(b, FL_BLIP2_QFORMER)); /* d(image features) into dimg */
+    queries_backward(b, b->gb[0]);
+    /* the vision tower from d(its output) */
+    st = &b->st[0];
+    G = vm->layout.n_groups - 1;
+    N = b->Bp * st->T;
+    be->zero(be, b->gb[0], (size_t)N * vm->cfg.dim * sizeof(float));
+    fl_norm_backward(vm, b->gb[0], prm(vm, G, FL_ROLE_NORM_F_W, 1), prm(vm, G, FL_ROLE_NORM_F_B, 1), b->dimg,
+                     st->res[st->L], prm(vm, G, FL_ROLE_NORM_F_W, 0), st->nmean, st->nrstd, N);
+    FL_TRY(blocks_backward(b, FL_BLIP2_VISION));
+    return patch_backward(b, b->gb[0]);
+}
+
+/* ---- greedy captioning ------------------------------------------------------------------------------ */
+
+fl_status fl_blip2_generate(fl_blip2 *b, const float *pixels, const int32_t *prompt, int n_prompt, int max_new,
+                            int32_t *out, int *n_out) {
+    *n_out = 0;
+    if (max_new <= 0 || n_prompt < 0) return fl_errorf(FL_ERR_INVALID, "fl_blip2_generate: max_new must be positive");
+    const int NQ = b->cfg.n_queries, it = b->cfg.image_token, V = b->cfg.text.vocab_size;
+    const int head = (it >= 0 ? NQ : 0) + 1 + n_prompt, total = head + max_new;
+    int32_t *ids = malloc((size_t)total * sizeof *ids);
+    float *lg = malloc((size_t)(total + NQ) * V * sizeof *lg);
+    if (!ids || !lg) {
+        free(ids), free(lg);
+        return fl_errorf(FL_ERR_OOM, "fl_blip2_generate: out of host memory");
+    }
+    int n = 0;
+    for (int i = 0; it >= 0 && i < NQ; i++) ids[n++] = it;
+    ids[n++] = b->cfg.bos_id;
+    for (int i = 0; i < n_prompt; i++) ids[n++] = prompt[i];
+    fl_status s = FL_OK;
+    /* no cache yet: the whole sequence again for every token (the image parts included) */
+    while (s == FL_OK && *n_out < max_new) {
+        s = fl_blip2_alloc_acts(b, 1, n);
+        if (s == FL_OK) s = fl_blip2_forward(b, pixels, ids, NULL, 1, n, 0, lg, NULL);
+        if (s != FL_OK) break;
+        const float *row = lg + (size_t)(b->TL - 1) * V;
+        int best = 0;
+        for (int v = 1; v < V; v++)
+            if (row[v] > row[best]) best = v; /* the first of equal maxima, as torch.argmax */
+        out[(*n_out)++] = best;
+        ids[n++] = best;
+        if (best == b->cfg.eos_id) break;
+    }
+    free(ids), free(lg);
+    return s;
+}
