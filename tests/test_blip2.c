@@ -10,11 +10,13 @@
  * loss check the new ops' gradients (the class token, a position, the patch weight, a query token) independently of
  * the reference. */
 #include <float.h>
+#include <stdio.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "fitllm/blip2.h"
+#include "core/fs.h"
 #include "fitllm/io.h"
 #include "model/blip2-impl.h"
 #include "test.h"
@@ -147,4 +149,153 @@ FL_TEST(blip2_opt_vs_transformers) {
     printf("      %d gradients, worst error %.2f of its bound\n", checked, worst);
     free(lg);
     close_case(&c);
+}
+
+/* Greedy captions = transformers' generate(do_sample=False, max_new_tokens=8) of each image, and of image 0 with a
+ * prompt after BOS. */
+FL_TEST(blip2_generate_vs_transformers) {
+    b2_case c;
+    FL_REQUIRE_OK(open_case(&c));
+    const size_t img = (size_t)3 * 12 * 12;
+    static const char *const keys[] = {"gen0", "gen1", "genp0"};
+    const int32_t prompt[] = {17, 29, 31};
+    for (int k = 0; k < 3; k++) {
+        const fl_st_tensor *r = fl_st_find(&c.x, keys[k]);
+        FL_REQUIRE(r);
+        int32_t out[8];
+        int n = 0;
+        FL_REQUIRE_OK(fl_blip2_generate(c.b, (const float *)c.pixels->data + (k == 1 ? img : 0), k == 2 ? prompt : NULL,
+                                        k == 2 ? 3 : 0, 8, out, &n));
+        const int nr = (int)r->shape[0];
+        int same = n == nr;
+        for (int i = 0; same && i < n; i++) same = out[i] == ((const int32_t *)r->data)[i];
+        FL_CHECKF(same, "%s: %d tokens, first %d (reference %d tokens, first %d)", keys[k], n, n ? out[0] : -1, nr,
+                  nr ? ((const int32_t *)r->data)[0] : -1);
+    }
+    close_case(&c);
+}
+
+/* Central finite differences of the loss (in double over the fp32 forward) for the new ops' parameters: the class
+ * token, a position row the patches read, the patch weight and bias, a query token, the language projection, and
+ * the language model's position of a query row (its gradient comes from the injected rows). Loss ~5.4, fp32 noise
+ * ~1e-6, step 1e-2: the quotient carries ~1e-4 of rounding plus O(h^2) truncation; 3e-4 + 2e-2 |g| separates it
+ * from a wrong gradient (these entries' gradients are ~1e-3 to 1e-1). */
+FL_TEST(blip2_new_ops_finite_differences) {
+    b2_case c;
+    FL_REQUIRE_OK(open_case(&c));
+    fl_blip2 *b = c.b;
+    fl_blip2_zero_grads(b);
+    float loss;
+    FL_REQUIRE_OK(forward(&c, 1.0f / (float)c.n_valid, NULL, &loss));
+    FL_REQUIRE_OK(fl_blip2_backward(b));
+    const struct { int part, group, role; size_t k; } at[] = {
+        {0, 0, FL_ROLE_CLS_EMBED, 5},       {0, 0, FL_ROLE_POS_EMBED, 3 * 24 + 7}, {0, 0, FL_ROLE_PATCH_W, 17},
+        {0, 0, FL_ROLE_PATCH_B, 2},         {1, 0, FL_ROLE_QUERY_EMBED, 2 * 20 + 3}, {1, 4, FL_ROLE_LMPROJ_W, 33},
+        {1, 4, FL_ROLE_LMPROJ_B, 4},        {2, 0, FL_ROLE_POS_EMBED, (2 + 3) * 28 + 1},
+    };
+    for (size_t j = 0; j < sizeof at / sizeof at[0]; j++) {
+        fl_model *m = fl_blip2_part(b, at[j].part);
+        const int ti = fl_layout_role(&m->layout, at[j].group, (fl_param_role)at[j].role);
+        FL_REQUIRE(ti >= 0 && at[j].k < m->layout.params[ti].numel);
+        float an, w0, wv;
+        FL_REQUIRE_OK(c.be.to_host(&c.be, &an, fl_model_grads_f32(m) + m->layout.params[ti].offset + at[j].k, 4));
+        float *w = fl_model_params_f32(m) + fl_model_store_off(m, ti) + at[j].k;
+        FL_REQUIRE_OK(c.be.to_host(&c.be, &w0, w, sizeof w0));
+        const float step = 1e-2f;
+        double l[2];
+        for (int s = 0; s < 2; s++) {
+            wv = w0 + (s ? -step : step);
+            FL_REQUIRE_OK(c.be.to_device(&c.be, w, &wv, sizeof wv));
+            float ls;
+            FL_REQUIRE_OK(forward(&c, 0, NULL, &ls));
+            l[s] = ls;
+        }
+        FL_REQUIRE_OK(c.be.to_device(&c.be, w, &w0, sizeof w0));
+        const double num = (l[0] - l[1]) / (2.0 * step);
+        FL_CHECKF(fabs(num - an) <= 3e-4 + 2e-2 * fabs(an) && fabs(an) > 1e-4, "%s[%zu]: finite difference %.6g vs "
+                  "backward %.6g", m->layout.params[ti].name, at[j].k, num, (double)an);
+        if (getenv("FL_TEST_VERBOSE")) printf("      fd %s[%zu]: %.6g vs %.6g\n", m->layout.params[ti].name, at[j].k, num,
+                                              (double)an);
+    }
+    close_case(&c);
+}
+
+static void write_file(const char *path, const void *data, size_t n) {
+    FILE *f = fopen(path, "wb");
+    FL_REQUIRE(f);
+    FL_REQUIRE(fwrite(data, 1, n, f) == n);
+    fclose(f);
+}
+
+/* the fixture folder with config.json's `from` replaced by `to` (the weights as they are) */
+static const char *bad_folder(const char *from, const char *to) {
+    static char dir[512];
+    char path[600];
+    snprintf(dir, sizeof dir, "%s/blip2-bad", fl_test_tmpdir());
+    FL_REQUIRE_OK(fl_fs_mkdir_p(dir));
+    size_t n, nc;
+    char *w = fl_test_slurp(FIX "/model.safetensors", &n), *cfg = fl_test_slurp(FIX "/config.json", &nc);
+    FL_REQUIRE(w && cfg);
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    write_file(path, w, n);
+    char *hit = strstr(cfg, from);
+    FL_REQUIRE(hit);
+    char *out = malloc(strlen(cfg) + strlen(to) + 1);
+    FL_REQUIRE(out);
+    sprintf(out, "%.*s%s%s", (int)(hit - cfg), cfg, to, hit + strlen(from));
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    write_file(path, out, strlen(out));
+    free(w), free(cfg), free(out);
+    return dir;
+}
+
+/* inconsistent config keys, missing and unexpected tensors, ids without the right placeholders: refused by name */
+FL_TEST(blip2_refusals) {
+    fl_backend be;
+    fl_mem_pool pool, host;
+    FL_REQUIRE_OK(fl_test_backend(&be, 1));
+    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, be.name, 0));
+    const struct { const char *from, *to, *msg; } bad[] = {
+        {"\"encoder_hidden_size\": 24", "\"encoder_hidden_size\": 26", "qformer_config.encoder_hidden_size' = 26"},
+        {"\"hidden_act\": \"gelu_pytorch_tanh\",\n    \"hidden_size\": 24", "\"hidden_act\": \"gelu\",\n    \"hidden_size\": 24",
+         "'vision_config.hidden_act' = 'gelu'"},
+        {"\"image_token_index\": 100", "\"image_token_index\": 103", "'image_token_index' = 103"},
+        {"\"use_decoder_only_language_model\": true", "\"use_decoder_only_language_model\": false",
+         "use_decoder_only_language_model"},
+        {"\"patch_size\": 4", "\"patch_size\": 5", "vision_model.embeddings.patch_embedding.weight"},
+        {"\"num_hidden_layers\": 3", "\"num_hidden_layers\": 4", "'qformer.encoder.layer.3.attention.attention.query.weight' "
+         "not found"},
+        {"\"num_hidden_layers\": 3", "\"num_hidden_layers\": 2", "unexpected tensor 'qformer.encoder.layer.2."},
+        {"\"cross_attention_frequency\": 2", "\"cross_attention_frequency\": 1", "'qformer.encoder.layer.1.crossattention"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        fl_blip2 *b = NULL;
+        const fl_status s = fl_blip2_load(&b, bad_folder(bad[i].from, bad[i].to), &be, &pool);
+        FL_CHECKF(s != FL_OK && strstr(fl_error_message(), bad[i].msg), "%s: got %d '%s'", bad[i].to, (int)s,
+                  fl_error_message());
+        fl_blip2_free(b);
+    }
+    /* the language model's ids need exactly num_query_tokens placeholders */
+    fl_blip2 *b = NULL;
+    FL_REQUIRE_OK(fl_blip2_load(&b, FIX, &be, &pool));
+    FL_REQUIRE_OK(fl_blip2_alloc_acts(b, 1, 6));
+    float px[3 * 12 * 12] = {0};
+    const int32_t four[6] = {100, 100, 100, 100, 2, 7}, bad_id[6] = {100, 100, 100, 100, 100, 103};
+    FL_CHECK(fl_blip2_forward(b, px, four, NULL, 1, 6, 0, NULL, NULL) == FL_ERR_INVALID &&
+             strstr(fl_error_message(), "4 image tokens (id 100), not num_query_tokens = 5"));
+    FL_CHECK(fl_blip2_forward(b, px, bad_id, NULL, 1, 6, 0, NULL, NULL) == FL_ERR_INVALID &&
+             strstr(fl_error_message(), "token id 103"));
+    FL_CHECK(fl_blip2_backward(b) == FL_ERR_INVALID);
+    fl_blip2_free(b);
+    /* presets: the real shapes (parameter counts as transformers' Blip2ForConditionalGeneration, the tied head once) */
+    fl_blip2_config c;
+    FL_REQUIRE_OK(fl_blip2_preset("Salesforce/blip2-opt-2.7b", &c));
+    FL_CHECK(c.vision.dim == 1408 && c.vision.n_layers == 39 && c.vision.max_seq == 257 && c.qformer.n_layers == 12 &&
+             c.n_queries == 32 && c.text.dim == 2560 && c.image_token == 50265);
+    /* transformers' count on the meta device (Blip2Config defaults with OPT-2.7b's text_config): 3,744,679,936 */
+    FL_CHECKF(fl_blip2_param_count(&c) == 3744679936ull, "blip2-opt-2.7b: %zu parameters", fl_blip2_param_count(&c));
+    FL_CHECK(fl_blip2_preset("blip2-flan-t5-xl", &c) == FL_ERR_UNSUPPORTED);
+    FL_CHECK(fl_blip2_preset("blip2-nope", &c) == FL_ERR_NOT_FOUND);
+    fl_backend_pools_free(&pool, &host);
+    fl_backend_free(&be);
 }
