@@ -21,6 +21,10 @@ tensor) and expected.safetensors:
   float64| of the same tensor: the fp32 noise the C test's tolerances are anchored on), gen0 / gen1 (I32:
   generate(do_sample=False, max_new_tokens=8) of each image from the fp32 weights: the tokens after the 5 image
   placeholders and BOS, eos included), genp0 (I32: the same for image 0 with the prompt ids 17 29 31 after BOS).
+And for the CLI (tests/cli_test.sh): preprocessor_config.json (BlipImageProcessor at 12x12, bicubic, CLIP's mean and
+std) and expected-cli.json: the loss of the caption ids CLI_CAPTION for tests/fixtures/images/palette_45x31.png (the
+processor's pixel_values, 5 placeholders then the caption; the mean cross-entropy of caption[1:]) and the greedy
+caption of that image (generate(do_sample=False, max_new_tokens=8): the new ids).
 Weights are redrawn larger than the init (unit-ish activations) so that attention is far from uniform.
 """
 import argparse
@@ -94,6 +98,26 @@ def run(m, batch, dtype):
     return out.logits.detach(), out.loss.detach(), grads, img, q
 
 
+CLI_IMAGE = "tests/fixtures/images/palette_45x31.png"
+CLI_CAPTION = [2, 45, 17, 88, 9, 61]
+
+
+def make_cli(m, out_dir):
+    from PIL import Image
+    from transformers import BlipImageProcessor
+    proc = BlipImageProcessor(size={"height": 12, "width": 12})
+    proc.save_pretrained(out_dir)
+    pv = proc(images=Image.open(CLI_IMAGE), return_tensors="pt")["pixel_values"].float()
+    ids = torch.tensor([[IMG_TOK] * NQ + CLI_CAPTION])
+    with torch.no_grad():
+        lg = m(pixel_values=pv, input_ids=ids).logits[0, NQ:-1]
+        loss = torch.nn.functional.cross_entropy(lg, torch.tensor(CLI_CAPTION[1:])).item()
+        gen = m.generate(pixel_values=pv, max_new_tokens=MAX_NEW, do_sample=False)[0][NQ + 1:].tolist()
+    with open(os.path.join(out_dir, "expected-cli.json"), "w") as f:
+        json.dump({"image": CLI_IMAGE, "caption": CLI_CAPTION, "loss": loss, "generate": gen}, f, indent=1)
+    print(f"CLI: loss {loss:.6f}, greedy {gen}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tests/fixtures")
@@ -119,6 +143,7 @@ def main():
     for b in range(B):
         o = m.generate(pixel_values=pixels[b:b + 1], max_new_tokens=MAX_NEW, do_sample=False)[0]
         gen.append(o[NQ + 1:].int())
+    make_cli(m, out_dir)
     pids = torch.tensor([[IMG_TOK] * NQ + [2] + PROMPT])
     o = m.generate(pixel_values=pixels[:1], input_ids=pids, max_new_tokens=MAX_NEW, do_sample=False)[0]
     genp = o[pids.shape[1]:].int()
