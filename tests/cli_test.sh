@@ -158,10 +158,10 @@ expect image_info_dump_needs_processor 2 "--dump needs --processor" -- "$FITLLM"
 expect image_info_bad_processor 1 "preprocessor_config.json" -- "$FITLLM" image-info "$IMG/one_1x1.png" --processor "$T"
 expect image_info_help 0 "BlipImageProcessorPil" -- "$FITLLM" image-info --help
 # BLIP-2 (issue 32 items 1 and 4): loss of a caption after the image's query tokens and greedy captioning against
-# transformers (tests/fixtures/blip2-tiny-opt/expected-cli.json: loss 5.63708496, generate 32 x 8); bad input named
+# transformers (tests/fixtures/blip2-tiny-opt/expected-cli.json: loss 5.6369219, generate 32 x 8); bad input named
 B2=tests/fixtures/blip2-tiny-opt
 printf '2 45 17 88 9 61\n' > "$T/cap.txt"
-expect blip2_loss_image 0 "loss 5\.6370(8[0-9]|9[0-9])  ppl [0-9.]+  tokens 5  image" -- "$FITLLM" loss "$B2" --image "$IMG/palette_45x31.png" --tokens-file "$T/cap.txt"
+expect blip2_loss_image 0 "loss 5\.6369(0[7-9]|[12][0-9]|3[0-7])  ppl [0-9.]+  tokens 5  image" -- "$FITLLM" loss "$B2" --image "$IMG/palette_45x31.png" --tokens-file "$T/cap.txt"
 expect blip2_generate_image 0 "^32 32 32 32 32 32 32 32$" -- "$FITLLM" generate "$B2" --image "$IMG/palette_45x31.png" --max_new_tokens 8
 expect blip2_loss_needs_image 1 "model_type 'blip-2' is a composite" -- "$FITLLM" loss "$B2" --tokens-file "$T/cap.txt"
 expect blip2_loss_missing_image 1 "nope.png: cannot open image" -- "$FITLLM" loss "$B2" --image "$T/nope.png" --tokens-file "$T/cap.txt"

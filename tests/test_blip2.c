@@ -257,8 +257,8 @@ FL_TEST(blip2_refusals) {
     FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, be.name, 0));
     const struct { const char *from, *to, *msg; } bad[] = {
         {"\"encoder_hidden_size\": 24", "\"encoder_hidden_size\": 26", "qformer_config.encoder_hidden_size' = 26"},
-        {"\"hidden_act\": \"gelu_pytorch_tanh\",\n    \"hidden_size\": 24", "\"hidden_act\": \"gelu\",\n    \"hidden_size\": 24",
-         "'vision_config.hidden_act' = 'gelu'"},
+        {"\"hidden_act\": \"gelu\",\n    \"hidden_size\": 24", "\"hidden_act\": \"quick_gelu\",\n    \"hidden_size\": 24",
+         "'vision_config.hidden_act' = 'quick_gelu' is not supported"},
         {"\"image_token_index\": 100", "\"image_token_index\": 103", "'image_token_index' = 103"},
         {"\"use_decoder_only_language_model\": true", "\"use_decoder_only_language_model\": false",
          "use_decoder_only_language_model"},

@@ -75,6 +75,7 @@ typedef struct {
      * projection's output width (the language model's hidden size) */
     int image_size, patch_size;
     int n_queries, xattn_dim, xattn_every, proj_dim;
+    int gelu_exact; /* BLIP-2's parts: the MLP's GELU is the exact erf one (hidden_act "gelu"), else the tanh one */
 } fl_model_config;
 
 /* Fill derived defaults and validate (positive sizes, NH % NKV == 0, ...).

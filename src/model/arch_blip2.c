@@ -10,9 +10,9 @@
  *                 to the image features (an XSTREAM of B x (patches + 1) rows, encoder_hidden_size wide), the query FFN
  *                 (intermediate_query, output_query); the language projection lives in its last group
  *
- * Names are the checkpoint's (vision_model., query_tokens, qformer., language_projection.). hidden_act: the tanh
- * GELU ("gelu_pytorch_tanh", "gelu_new"); the checkpoints' exact "gelu" is refused by name by the loader until it
- * is an op. */
+ * Names are the checkpoint's (vision_model., query_tokens, qformer., language_projection.). hidden_act: the exact
+ * GELU ("gelu", transformers' default and the checkpoints': FL_GOP_GELU_ERF, cfg.gelu_exact) or the tanh one
+ * ("gelu_pytorch_tanh", "gelu_new"). */
 #include "model-impl.h"
 
 static const char *const vis_targets[] = {"qkv", "projection", "fc1", "fc2", NULL};
@@ -180,7 +180,7 @@ static void vis_block(const fl_model_config *c, fl_block_graph *g) {
     fl_graph_op(g, FL_GOP_ADD, X, mid, -1, -1, -1, -1, -1);
     fl_graph_op(g, FL_GOP_NORM, mid, ln2, m2, r2, 1, FL_ROLE_LN2_W, FL_ROLE_LN2_B);
     fl_graph_op(g, FL_GOP_LINEAR, ln2, fc, -1, -1, 2, FL_ROLE_FC_W, FL_ROLE_FC_B);
-    fl_graph_op(g, FL_GOP_GELU, fc, act, -1, -1, -1, -1, -1);
+    fl_graph_op(g, c->gelu_exact ? FL_GOP_GELU_ERF : FL_GOP_GELU, fc, act, -1, -1, -1, -1, -1);
     fl_graph_op(g, FL_GOP_LINEAR, act, OUT, -1, -1, 3, FL_ROLE_PROJ_W, FL_ROLE_PROJ_B);
     fl_graph_op(g, FL_GOP_ADD, mid, OUT, -1, -1, -1, -1, -1);
     g->n_norms = 2;
@@ -227,7 +227,7 @@ void fl_blip2_qformer_block(const fl_model_config *c, int xattn, fl_block_graph 
     const int h2 = fl_graph_slot(g, "h2", C, FL_GSLOT_WIDE, 1);
     const int om = fl_graph_slot(g, "out_mean", 1, FL_GSLOT_STAT, 0), orr = fl_graph_slot(g, "out_rstd", 1, FL_GSLOT_STAT, 0);
     fl_graph_op(g, FL_GOP_LINEAR, a, fc, -1, -1, 2, FL_ROLE_FC_W, FL_ROLE_FC_B);
-    fl_graph_op(g, FL_GOP_GELU, fc, act, -1, -1, -1, -1, -1);
+    fl_graph_op(g, c->gelu_exact ? FL_GOP_GELU_ERF : FL_GOP_GELU, fc, act, -1, -1, -1, -1, -1);
     fl_graph_op(g, FL_GOP_LINEAR, act, h2, -1, -1, 3, FL_ROLE_PROJ_W, FL_ROLE_PROJ_B);
     fl_graph_op(g, FL_GOP_ADD, a, h2, -1, -1, -1, -1, -1);
     fl_graph_op(g, FL_GOP_NORM, h2, OUT, om, orr, 1, FL_ROLE_LN2_W, FL_ROLE_LN2_B);

@@ -45,14 +45,14 @@ static fl_status cfg_bool(const char *path, const fl_json *o, const char *sec, c
     return FL_OK;
 }
 
-/* hidden_act: the tanh GELU is an op; transformers' default "gelu" (exact erf) is not yet */
-static fl_status cfg_act(const char *path, const fl_json *o, const char *sec) {
+/* hidden_act: the exact GELU ("gelu", transformers' default) or the tanh one */
+static fl_status cfg_act(const char *path, const fl_json *o, const char *sec, int *exact) {
     const fl_json *j = o ? fl_json_get(o, "hidden_act") : NULL;
     const char *a = j && j->type == FL_JSON_STRING ? j->str : "gelu";
-    if (strcmp(a, "gelu_pytorch_tanh") && strcmp(a, "gelu_new"))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: key '%shidden_act' = '%s'%s is not supported (gelu_pytorch_tanh, "
-                         "gelu_new: the exact-erf GELU is not an op of fitllm yet)", path, sec, a,
-                         j ? "" : " (absent: transformers' default)");
+    *exact = strcmp(a, "gelu") == 0;
+    if (!*exact && strcmp(a, "gelu_pytorch_tanh") && strcmp(a, "gelu_new"))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: key '%shidden_act' = '%s' is not supported (gelu, gelu_pytorch_tanh, "
+                         "gelu_new)", path, sec, a);
     return FL_OK;
 }
 
@@ -65,7 +65,7 @@ static fl_status part_common(const char *path, const fl_json *o, const char *sec
     FL_TRY(cfg_int(path, o, sec, "num_attention_heads", heads, &c->n_heads));
     FL_TRY(cfg_num(path, o, sec, "layer_norm_eps", eps, &c->norm_eps));
     c->vocab_size = 1; /* no token table: the parts read pixels and learned queries */
-    return cfg_act(path, o, sec);
+    return cfg_act(path, o, sec, &c->gelu_exact);
 }
 
 /* Fill the parts' derived fields and validate them (errors name the part). */
@@ -178,9 +178,11 @@ fl_status fl_blip2_preset(const char *name, fl_blip2_config *c) {
         FL_TRY(fl_preset_find(p->text, &c->text));
         fl_model_config *v = &c->vision, *q = &c->qformer;
         *v = (fl_model_config){.dim = p->vdim, .ffn_dim = p->vffn, .n_layers = p->vlayers, .n_heads = p->vheads,
-                               .image_size = p->image, .patch_size = p->patch, .norm_eps = 1e-6f, .vocab_size = 1};
+                               .image_size = p->image, .patch_size = p->patch, .norm_eps = 1e-6f, .vocab_size = 1,
+                               .gelu_exact = 1};
         *q = (fl_model_config){.dim = p->qdim, .ffn_dim = p->qffn, .n_layers = p->qlayers, .n_heads = p->qheads,
-                               .xattn_every = 2, .xattn_dim = p->vdim, .norm_eps = 1e-12f, .vocab_size = 1};
+                               .xattn_every = 2, .xattn_dim = p->vdim, .norm_eps = 1e-12f, .vocab_size = 1,
+                               .gelu_exact = 1};
         c->n_queries = p->nq;
         c->bos_id = c->eos_id = 2; /* OPT's */
         c->image_token = p->image_token >= 0 ? p->image_token : c->text.vocab_size - 1;

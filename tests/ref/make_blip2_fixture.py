@@ -9,8 +9,8 @@ Run from the repo root:
 Sizes (odd on purpose): vision hidden 24, 3 heads, MLP 40, 2 blocks, 12x12 images of 4x4 patches (9 patches + the
 class token); Q-Former hidden 20, 2 heads, MLP 36, 3 blocks, cross-attention every 2 (blocks 0 and 2) to the
 24-wide image features, 5 query tokens; OPT vocab 103, hidden 28, 4 heads, MLP 44, 2 blocks; image_token_index 100.
-hidden_act of the vision tower and the Q-Former is gelu_pytorch_tanh: the real checkpoints' exact-erf "gelu" is not
-an op of fitllm yet (refused by name). Dropout 0.
+hidden_act: the vision tower's "gelu" (the exact erf GELU, as the checkpoints), the Q-Former's "gelu_pytorch_tanh"
+(both ops covered). Dropout 0.
 
 blip2-tiny-opt/: config.json, model.safetensors (transformers 5's names: the vision qkv bias is one fused (3C)
 tensor) and expected.safetensors:
@@ -42,7 +42,7 @@ PROMPT = [17, 29, 31]
 
 def build(seed):
     vc = dict(hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=3, image_size=12,
-              patch_size=4, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6, qkv_bias=True, attention_dropout=0.0)
+              patch_size=4, hidden_act="gelu", layer_norm_eps=1e-6, qkv_bias=True, attention_dropout=0.0)
     qc = dict(hidden_size=20, num_hidden_layers=3, num_attention_heads=2, intermediate_size=36,
               cross_attention_frequency=2, encoder_hidden_size=24, hidden_act="gelu_pytorch_tanh",
               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, layer_norm_eps=1e-12)
