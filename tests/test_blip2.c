@@ -294,7 +294,15 @@ FL_TEST(blip2_refusals) {
              c.n_queries == 32 && c.text.dim == 2560 && c.image_token == 50265);
     /* transformers' count on the meta device (Blip2Config defaults with OPT-2.7b's text_config): 3,744,679,936 */
     FL_CHECKF(fl_blip2_param_count(&c) == 3744679936ull, "blip2-opt-2.7b: %zu parameters", fl_blip2_param_count(&c));
-    FL_CHECK(fl_blip2_preset("blip2-flan-t5-xl", &c) == FL_ERR_UNSUPPORTED);
+    /* the Flan-T5 variants: transformers' count on the meta device (3,876,648,448 and 12,098,000,384) ties lm_head to
+     * the shared table, as an in-memory T5Config always does in transformers 5; the checkpoints carry their own
+     * lm_head (vocab 32128 x d_model more) */
+    FL_REQUIRE_OK(fl_blip2_preset("Salesforce/blip2-flan-t5-xl", &c));
+    FL_CHECKF(fl_blip2_param_count(&c) == 3876648448ull + 32128ull * 2048, "blip2-flan-t5-xl: %zu",
+              fl_blip2_param_count(&c));
+    FL_REQUIRE_OK(fl_blip2_preset("blip2-flan-t5-xxl", &c));
+    FL_CHECKF(fl_blip2_param_count(&c) == 12098000384ull + 32128ull * 4096 && c.text.arch == FL_ARCH_T5 &&
+              c.image_token == 32100, "blip2-flan-t5-xxl: %zu", fl_blip2_param_count(&c));
     FL_CHECK(fl_blip2_preset("blip2-nope", &c) == FL_ERR_NOT_FOUND);
     fl_backend_pools_free(&pool, &host);
     fl_backend_free(&be);

@@ -86,9 +86,9 @@ static fl_status finish_config(const char *src, fl_blip2_config *c) {
     if (c->image_token >= c->text.vocab_size)
         return fl_errorf(FL_ERR_FORMAT, "%s: key 'image_token_index' = %d is outside the language model's vocabulary "
                          "(%d)", src, c->image_token, c->text.vocab_size);
-    if (c->text.arch != FL_ARCH_OPT)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: the language model is %s: BLIP-2 runs OPT so far (the Flan-T5 "
-                         "variant is not built yet)", src, fl_arch_get(c->text.arch)->display);
+    if (c->text.arch != FL_ARCH_OPT && c->text.arch != FL_ARCH_T5)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: the language model is %s: BLIP-2 has OPT or T5", src,
+                         fl_arch_get(c->text.arch)->display);
     fl_status s = fl_config_validate(v);
     if (s != FL_OK) return fl_error_prefix(s, "%s: vision_config", src);
     s = fl_config_validate(q);
@@ -104,9 +104,6 @@ static fl_status parse_config(const char *path, const fl_json *r, fl_blip2_confi
                          path);
     int dec_only = 1, qkv_bias = 1, text_in = 0;
     FL_TRY(cfg_bool(path, r, "", "use_decoder_only_language_model", 1, &dec_only));
-    if (!dec_only)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: key 'use_decoder_only_language_model' = false (the Flan-T5 variant) is "
-                         "not built yet", path);
     FL_TRY(cfg_int(path, r, "", "num_query_tokens", 32, &c->n_queries));
     FL_TRY(cfg_int(path, r, "", "image_token_index", -1, &c->image_token));
     const fl_json *vj = fl_json_get(r, "vision_config"), *qj = fl_json_get(r, "qformer_config");
@@ -131,6 +128,9 @@ static fl_status parse_config(const char *path, const fl_json *r, fl_blip2_confi
     FL_TRY(cfg_int(path, tj, "text_config.", "eos_token_id", 2, &c->eos_id));
     fl_status s = fl_hf_config_from_json(path, tj, &c->text);
     if (s != FL_OK) return fl_error_prefix(s, "text_config");
+    if (dec_only != !fl_model_is_s2s(&c->text))
+        return fl_errorf(FL_ERR_FORMAT, "%s: key 'use_decoder_only_language_model' = %s contradicts text_config's %s", path,
+                         dec_only ? "true" : "false", fl_arch_get(c->text.arch)->display);
     return finish_config(path, c);
 }
 
@@ -165,12 +165,14 @@ typedef struct {
 static const blip2_preset presets[] = {
     {"blip2-opt-2.7b", "Salesforce/blip2-opt-2.7b", "opt-2.7b", 1408, 6144, 39, 16, 224, 14, 768, 3072, 12, 12, 32, 50265},
     {"blip2-opt-6.7b", "Salesforce/blip2-opt-6.7b", "opt-6.7b", 1408, 6144, 39, 16, 224, 14, 768, 3072, 12, 12, 32, 50265},
+    {"blip2-flan-t5-xl", "Salesforce/blip2-flan-t5-xl", "flan-t5-xl", 1408, 6144, 39, 16, 224, 14, 768, 3072, 12, 12, 32,
+     32100},
+    {"blip2-flan-t5-xxl", "Salesforce/blip2-flan-t5-xxl", "flan-t5-xxl", 1408, 6144, 39, 16, 224, 14, 768, 3072, 12, 12,
+     32, 32100},
     {"blip2-micro", NULL, "opt-micro", 64, 128, 2, 4, 32, 8, 48, 96, 2, 4, 8, -1},
 };
 
 fl_status fl_blip2_preset(const char *name, fl_blip2_config *c) {
-    if (strstr(name, "blip2-flan-t5"))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "preset '%s': the BLIP-2 Flan-T5 variant is not built yet", name);
     for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++) {
         const blip2_preset *p = &presets[i];
         if (strcmp(name, p->name) && !(p->alias && strcmp(name, p->alias) == 0)) continue;
@@ -184,11 +186,13 @@ fl_status fl_blip2_preset(const char *name, fl_blip2_config *c) {
                                .xattn_every = 2, .xattn_dim = p->vdim, .norm_eps = 1e-12f, .vocab_size = 1,
                                .gelu_exact = 1};
         c->n_queries = p->nq;
-        c->bos_id = c->eos_id = 2; /* OPT's */
+        c->bos_id = c->eos_id = 2; /* OPT's; T5: no BOS, EOS 1 */
+        if (c->text.arch == FL_ARCH_T5) c->bos_id = -1, c->eos_id = c->text.eos_id;
         c->image_token = p->image_token >= 0 ? p->image_token : c->text.vocab_size - 1;
         return finish_config(name, c);
     }
-    return fl_errorf(FL_ERR_NOT_FOUND, "no BLIP-2 preset '%s' (blip2-opt-2.7b, blip2-opt-6.7b, blip2-micro)", name);
+    return fl_errorf(FL_ERR_NOT_FOUND, "no BLIP-2 preset '%s' (blip2-opt-2.7b, blip2-opt-6.7b, blip2-flan-t5-xl, "
+                     "blip2-flan-t5-xxl, blip2-micro)", name);
 }
 
 size_t fl_blip2_param_count(const fl_blip2_config *c) {
@@ -319,6 +323,12 @@ static fl_status load_part(fl_model *m, const st_set *f, const char *prefix, con
     return s;
 }
 
+static int listed(const char *const *list, const char *name) {
+    for (int i = 0; list && list[i]; i++)
+        if (strcmp(list[i], name) == 0) return 1;
+    return 0;
+}
+
 /* A file tensor nobody reads is an error (a config that does not describe the files). */
 static fl_status check_unexpected(fl_blip2 *b, const st_set *f, const char *dir) {
     for (int i = 0; i < f->n; i++)
@@ -326,9 +336,10 @@ static fl_status check_unexpected(fl_blip2 *b, const st_set *f, const char *dir)
             const char *n = f->files[i].tensors[j].name;
             if (fl_layout_find(&b->part[0].layout, n) >= 0 || fl_layout_find(&b->part[1].layout, n) >= 0) continue;
             const size_t np = strlen("language_model.");
+            const fl_arch_info *ta = fl_arch_get(b->cfg.text.arch);
             if (strncmp(n, "language_model.", np) == 0 &&
-                (fl_layout_find(&b->part[2].layout, n + np) >= 0 ||
-                 (b->cfg.text.tie_embeddings && strcmp(n + np, "lm_head.weight") == 0)))
+                (fl_layout_find(&b->part[2].layout, n + np) >= 0 || listed(ta->hf_embed_aliases, n + np) ||
+                 listed(ta->hf_ignored, n + np) || (b->cfg.text.tie_embeddings && strcmp(n + np, "lm_head.weight") == 0)))
                 continue;
             const size_t ln = strlen(n);
             if (strncmp(n, "vision_model.", 13) == 0 && ln > 7 &&

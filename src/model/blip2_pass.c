@@ -117,6 +117,9 @@ void fl_blip2_free_acts(fl_blip2 *b) {
 
 fl_status fl_blip2_alloc_acts(fl_blip2 *b, int B, int T) {
     if (B <= 0 || T <= 0) return fl_errorf(FL_ERR_INVALID, "BLIP-2: micro-batch must be positive (B=%d, T=%d)", B, T);
+    if (fl_model_is_s2s(&b->cfg.text))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "BLIP-2 with %s: the Flan-T5 variant's passes are not built yet",
+                         fl_arch_get(b->cfg.text.arch)->display);
     const int NQ = b->cfg.n_queries, TL = b->cfg.image_token >= 0 ? T : T + NQ;
     if (TL > b->cfg.text.max_seq)
         return fl_errorf(FL_ERR_INVALID, "BLIP-2: %d language-model rows exceed its max_position_embeddings %d", TL,
