@@ -307,3 +307,86 @@ FL_TEST(blip2_refusals) {
     fl_backend_pools_free(&pool, &host);
     fl_backend_free(&be);
 }
+
+/* The Flan-T5 variant (tests/fixtures/blip2-tiny-t5: the same image parts, T5 v1.1 gated-GELU with its own lm_head;
+ * B 2 x source 9 (5 placeholders, 4 prompt ids) x target 6, the second's last 2 labels ignored): logits, T5's loss,
+ * all 169 gradients (the relative bias tables' stored transposed), greedy decoding = generate(do_sample=False). */
+FL_TEST(blip2_t5_vs_transformers) {
+    fl_backend be;
+    fl_mem_pool pool, host;
+    fl_blip2 *b = NULL;
+    fl_st_file x;
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
+    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, be.name, 0));
+    FL_REQUIRE_OK(fl_blip2_load(&b, "tests/fixtures/blip2-tiny-t5", &be, &pool));
+    FL_REQUIRE_OK(fl_st_open(&x, "tests/fixtures/blip2-tiny-t5/expected.safetensors"));
+    const fl_st_tensor *px = fl_st_find(&x, "pixels"), *ids = fl_st_find(&x, "ids"), *dec = fl_st_find(&x, "dec");
+    const fl_st_tensor *lab = fl_st_find(&x, "labels"), *rl = fl_st_find(&x, "logits"), *nlg = fl_st_find(&x, "noise.logits");
+    const fl_st_tensor *rloss = fl_st_find(&x, "loss"), *nloss = fl_st_find(&x, "noise.loss"), *g0 = fl_st_find(&x, "gen0");
+    FL_REQUIRE(px && ids && dec && lab && rl && nlg && rloss && nloss && g0);
+    const int B = (int)ids->shape[0], Ts = (int)ids->shape[1], Tt = (int)lab->shape[1], V = b->cfg.text.vocab_size;
+    int nv = 0;
+    for (int i = 0; i < B * Tt; i++) nv += ((const int32_t *)lab->data)[i] != FL_IGNORE_INDEX;
+    FL_CHECK(fl_blip2_alloc_acts(b, B, Ts) == FL_ERR_INVALID); /* an encoder-decoder: the _s2s arena */
+    FL_REQUIRE_OK(fl_blip2_alloc_grads(b));
+    FL_REQUIRE_OK(fl_blip2_alloc_acts_s2s(b, B, Ts, Tt));
+    float *lg = malloc((size_t)B * Tt * V * sizeof *lg), loss;
+    FL_REQUIRE(lg);
+    FL_REQUIRE_OK(fl_blip2_forward_s2s(b, px->data, ids->data, dec->data, lab->data, B, Ts, Tt, 1.0f / (float)nv, lg,
+                                       &loss));
+    double e = 0, sc = 0;
+    for (size_t i = 0; i < (size_t)B * Tt * V; i++) {
+        e = fmax(e, fabs((double)lg[i] - ((const float *)rl->data)[i]));
+        sc = fmax(sc, fabs(((const float *)rl->data)[i]));
+    }
+    const double lref = ((const double *)rloss->data)[0];
+    FL_CHECKF(e <= bound(nlg, sc), "logits error %.3g, bound %.3g", e, bound(nlg, sc));
+    FL_CHECKF(fabs(loss - lref) <= bound(nloss, lref), "loss %.9f vs %.9f", (double)loss, lref);
+    printf("      T5 variant: logits error %.2g (PyTorch fp32 %.2g, bound %.2g), loss %.8f (ref %.8f)\n", e,
+           f32_at(nlg), bound(nlg, sc), (double)loss, lref);
+    FL_REQUIRE_OK(fl_blip2_backward(b));
+    double worst = 0;
+    int checked = 0;
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        const fl_model *m = fl_blip2_part(b, k);
+        for (int i = 0; i < m->layout.n; i++) {
+            const fl_param_info *p = &m->layout.params[i];
+            char gk[200], nk[200];
+            snprintf(gk, sizeof gk, "grad.%s%s", k == 2 ? "language_model." : "", p->name);
+            snprintf(nk, sizeof nk, "noise.%s", gk + 5);
+            const fl_st_tensor *g = fl_st_find(&x, gk), *gn = fl_st_find(&x, nk);
+            FL_CHECKF(g && gn && (size_t)(g->end - g->begin) == p->numel * 4, "reference gradient of %s", gk);
+            if (!g || !gn) continue;
+            float *ours = malloc(p->numel * sizeof *ours), *ref = malloc(p->numel * sizeof *ref);
+            FL_REQUIRE(ours && ref);
+            be.to_host(&be, ours, fl_model_grads_f32(m) + p->offset, p->numel * sizeof *ours);
+            const float *r = g->data;
+            for (size_t j = 0; j < p->numel; j++) /* the file's (buckets, heads) against our (heads, buckets) */
+                ref[j] = p->ndim == 2 && p->transposed_on_disk
+                             ? r[(j % p->shape[1]) * p->shape[0] + j / p->shape[1]]
+                             : r[j];
+            double ge = 0, s = 0;
+            for (size_t j = 0; j < p->numel; j++) ge = fmax(ge, fabs((double)ours[j] - ref[j])), s = fmax(s, fabs(ref[j]));
+            FL_CHECKF(ge <= bound(gn, s), "gradient of %s: error %.3g, bound %.3g", gk + 5, ge, bound(gn, s));
+            worst = fmax(worst, ge / bound(gn, s));
+            checked++;
+            free(ours), free(ref);
+        }
+    }
+    FL_CHECK(checked == 169);
+    printf("      T5 variant: %d gradients, worst error %.2f of its bound\n", checked, worst);
+    /* greedy decoding of image 0 with its source ids (placeholders, prompt) */
+    int32_t out[16];
+    int n = 0;
+    const int np = Ts - b->cfg.n_queries;
+    FL_REQUIRE_OK(fl_blip2_generate(b, px->data, (const int32_t *)ids->data + b->cfg.n_queries, np, 6, out, &n));
+    int same = n == (int)g0->shape[0];
+    for (int i = 0; same && i < n; i++) same = out[i] == ((const int32_t *)g0->data)[i];
+    FL_CHECKF(same, "T5 variant greedy: %d tokens, first %d (reference %d, first %d)", n, n ? out[0] : -1,
+              (int)g0->shape[0], ((const int32_t *)g0->data)[0]);
+    free(lg);
+    fl_st_close(&x);
+    fl_blip2_free(b);
+    fl_backend_pools_free(&pool, &host);
+    fl_backend_free(&be);
+}

@@ -63,10 +63,18 @@ fl_status fl_blip2_alloc_acts(fl_blip2 *b, int B, int T);
  * targets (NULL: not wanted). */
 fl_status fl_blip2_forward(fl_blip2 *b, const float *pixels, const int32_t *ids, const int32_t *targets, int B, int T,
                            float grad_scale, float *logits_out, float *loss);
+/* The Flan-T5 variant (an encoder-decoder language model): the arena for B images, Ts source ids (the
+ * placeholders and the prompt) and Tt decoder rows; dec (B, Tt) the decoder's input (the start token, then the labels
+ * but the last), targets (B, Tt) the labels (FL_IGNORE_INDEX: none); logits_out (B, Tt, V); *loss T5's mean. */
+fl_status fl_blip2_alloc_acts_s2s(fl_blip2 *b, int B, int Ts, int Tt);
+fl_status fl_blip2_forward_s2s(fl_blip2 *b, const float *pixels, const int32_t *ids, const int32_t *dec,
+                               const int32_t *targets, int B, int Ts, int Tt, float grad_scale, float *logits_out,
+                               float *loss);
 /* Every part's gradients (+=) from the last training forward. */
 fl_status fl_blip2_backward(fl_blip2 *b);
-/* Greedy captioning of one image: the language model's input is the placeholders (or nothing), BOS, then the
- * prompt's ids; up to max_new tokens (stopping after EOS) into out, their count in *n_out. */
+/* Greedy captioning of one image: the language model's input (the Flan-T5 variant's source) is the placeholders (or
+ * nothing), BOS (OPT), then the prompt's ids; up to max_new tokens (stopping after EOS) into out, their count in
+ * *n_out. */
 fl_status fl_blip2_generate(fl_blip2 *b, const float *pixels, const int32_t *prompt, int n_prompt, int max_new,
                             int32_t *out, int *n_out);
 

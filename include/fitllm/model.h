@@ -376,6 +376,11 @@ typedef struct {
                                  * set, the base is frozen and the adapters are what trains */
     struct fl_comm *tp_comm;    /* tensor parallel (cfg.tp_size > 1): the group the blocks' ALLREDUCE ops sum over
                                  * (fl_model_set_tp; on the backend's memory); NULL: one rank */
+    /* An encoder-decoder's source rows supplied by the caller (BLIP-2's projected queries in place of the
+     * image placeholders, fitllm/blip2.h): after the first stack's embedding, row rows[i] of the (B Ts) rows is
+     * src[i] (n rows of C, device memory); the backward moves their gradient into dsrc and none reaches the
+     * token table. n 0: none. */
+    struct { const int *rows; int n; const float *src; float *dsrc; } emb_inject;
 } fl_model;
 
 /* ---- adapters on LINEAR ops: a graph rewrite --------------------------------------------------

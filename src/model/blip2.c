@@ -124,10 +124,11 @@ static fl_status parse_config(const char *path, const fl_json *r, fl_blip2_confi
     if (text_in)
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s: key 'qformer_config.use_qformer_text_input' = true (the Q-Former's text "
                          "FFN) is not supported", path);
-    FL_TRY(cfg_int(path, tj, "text_config.", "bos_token_id", 2, &c->bos_id));
-    FL_TRY(cfg_int(path, tj, "text_config.", "eos_token_id", 2, &c->eos_id));
     fl_status s = fl_hf_config_from_json(path, tj, &c->text);
     if (s != FL_OK) return fl_error_prefix(s, "text_config");
+    const int t5 = fl_model_is_s2s(&c->text); /* T5 has no BOS (its source goes as it is), EOS 1 */
+    FL_TRY(cfg_int(path, tj, "text_config.", "bos_token_id", t5 ? -1 : 2, &c->bos_id));
+    FL_TRY(cfg_int(path, tj, "text_config.", "eos_token_id", t5 ? 1 : 2, &c->eos_id));
     if (dec_only != !fl_model_is_s2s(&c->text))
         return fl_errorf(FL_ERR_FORMAT, "%s: key 'use_decoder_only_language_model' = %s contradicts text_config's %s", path,
                          dec_only ? "true" : "false", fl_arch_get(c->text.arch)->display);
@@ -253,6 +254,8 @@ static const fl_st_tensor *find_tensor(const st_set *f, const char *name) {
  * queries), a 4-D convolution weight (C, 3, p, p) as its (C, 3 p p) matrix. */
 static int shape_ok(const fl_st_tensor *t, const fl_param_info *p) {
     int nd = t->ndim, d0 = 0;
+    if (p->ndim == 2 && p->transposed_on_disk) /* stored (d1, d0) on disk (T5's relative bias tables) */
+        return nd == 2 && t->shape[0] == p->shape[1] && t->shape[1] == p->shape[0];
     while (nd > p->ndim && t->shape[d0] == 1 && nd > 1) d0++, nd--;
     if (p->ndim == 2 && nd == 4)
         return t->shape[d0] == p->shape[0] && t->shape[d0 + 1] * t->shape[d0 + 2] * t->shape[d0 + 3] == p->shape[1];
@@ -297,6 +300,17 @@ static fl_status load_split_qkv_bias(const st_set *f, const fl_param_info *p, fl
     return read_f32(v, buf + 2 * C, C, dir);
 }
 
+/* (r, c) row-major -> (c, r), in place through a copy */
+static fl_status transpose(float *a, int64_t r, int64_t c) {
+    float *t = malloc((size_t)(r * c) * sizeof *t);
+    if (!t) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    for (int64_t i = 0; i < r; i++)
+        for (int64_t j = 0; j < c; j++) t[j * r + i] = a[i * c + j];
+    memcpy(a, t, (size_t)(r * c) * sizeof *t);
+    free(t);
+    return FL_OK;
+}
+
 /* Every entry of part k from the files (names with prefix), checked by shape. */
 static fl_status load_part(fl_model *m, const st_set *f, const char *prefix, const char *dir) {
     const fl_param_layout *lay = &m->layout;
@@ -317,6 +331,7 @@ static fl_status load_part(fl_model *m, const st_set *f, const char *prefix, con
                           "expected)", dir, name, (long long)p->shape[0], (long long)(p->ndim == 2 ? p->shape[1] : 1));
         else
             s = read_f32(t, buf, p->numel, dir);
+        if (s == FL_OK && p->ndim == 2 && p->transposed_on_disk) s = transpose(buf, p->shape[1], p->shape[0]);
         if (s == FL_OK) fl_model_write_param(m, i, buf);
         free(buf);
     }

@@ -32,12 +32,14 @@ static void *take(carver *cv, size_t bytes) {
 #define TAKEF(cv, n) ((float *)take((cv), (size_t)(n) * sizeof(float)))
 
 static int npatch(const fl_blip2 *b) { return b->cfg.vision.max_seq - 1; }
+/* The parts this arena runs: an encoder-decoder language model runs in its own (seq2seq.c) */
+static int parts_here(const fl_blip2 *b) { return fl_model_is_s2s(&b->cfg.text) ? 2 : 3; }
 
 /* ACTS: per part its residual stream, every block's saved slots, its norm's buffers. */
 static size_t carve_acts(fl_blip2 *b, char *base) {
     carver cv = {base, 0};
     const size_t B = (size_t)b->B, T0 = (size_t)b->st[0].T;
-    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+    for (int k = 0; k < parts_here(b); k++) {
         fl_b2_stack *st = &b->st[k];
         const size_t C = (size_t)b->part[k].cfg.dim, N = B * (size_t)st->T;
         for (int l = 0; l <= st->L; l++) {
@@ -74,7 +76,7 @@ static size_t carve_work(fl_blip2 *b, char *base) {
     float *pa = TAKEF(&cv, B * P * 3 * p * p), *pe = TAKEF(&cv, B * P * Cv);
     float *qp = TAKEF(&cv, B * NQ * Ct), *dqp = TAKEF(&cv, B * NQ * Ct), *di = TAKEF(&cv, B * (P + 1) * Cv);
     int rows = 0, width[FL_GRAPH_MAX_GBUF] = {0}, ngb = FL_N_GBUF;
-    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+    for (int k = 0; k < parts_here(b); k++) {
         const fl_b2_stack *st = &b->st[k];
         if (st->T > rows) rows = st->T;
         for (int j = 0; j < 2; j++) {
@@ -91,8 +93,8 @@ static size_t carve_work(fl_blip2 *b, char *base) {
         float *g = TAKEF(&cv, B * (size_t)rows * (size_t)width[i]);
         if (base) b->gb[i] = g;
     }
-    const size_t NL = B * (size_t)b->TL, V = (size_t)b->cfg.text.vocab_size;
-    b->chunk = fl_logits_chunk_rows((int)V, (int)NL);
+    const size_t NL = parts_here(b) == 3 ? B * (size_t)b->TL : 0, V = (size_t)b->cfg.text.vocab_size;
+    b->chunk = NL ? fl_logits_chunk_rows((int)V, (int)NL) : 0;
     float *lg = TAKEF(&cv, (size_t)b->chunk * V), *ls = TAKEF(&cv, NL);
     int32_t *ids = take(&cv, NL * sizeof(int32_t));
     int32_t *tg = fl_backend_host_memory(b->be) ? NULL : take(&cv, NL * sizeof(int32_t));
@@ -115,20 +117,20 @@ void fl_blip2_free_acts(fl_blip2 *b) {
     b->B = 0;
 }
 
-fl_status fl_blip2_alloc_acts(fl_blip2 *b, int B, int T) {
-    if (B <= 0 || T <= 0) return fl_errorf(FL_ERR_INVALID, "BLIP-2: micro-batch must be positive (B=%d, T=%d)", B, T);
-    if (fl_model_is_s2s(&b->cfg.text))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "BLIP-2 with %s: the Flan-T5 variant's passes are not built yet",
-                         fl_arch_get(b->cfg.text.arch)->display);
+/* The arena for B images, T language-model ids (an encoder-decoder's source) and Tt target rows (0: one stack). */
+static fl_status alloc_parts(fl_blip2 *b, int B, int T, int Tt) {
+    if (B <= 0 || T <= 0 || Tt < 0)
+        return fl_errorf(FL_ERR_INVALID, "BLIP-2: micro-batch must be positive (B=%d, T=%d)", B, T);
     const int NQ = b->cfg.n_queries, TL = b->cfg.image_token >= 0 ? T : T + NQ;
-    if (TL > b->cfg.text.max_seq)
+    if (Tt == 0 && TL > b->cfg.text.max_seq)
         return fl_errorf(FL_ERR_INVALID, "BLIP-2: %d language-model rows exceed its max_position_embeddings %d", TL,
                          b->cfg.text.max_seq);
     fl_blip2_free_acts(b);
     b->B = B, b->T = T, b->TL = TL;
     const int Ts[FL_BLIP2_PARTS] = {b->cfg.vision.max_seq, NQ, TL};
     fl_status s = FL_OK;
-    for (int k = 0; s == FL_OK && k < FL_BLIP2_PARTS; k++) {
+    b->st[2].T = TL;
+    for (int k = 0; s == FL_OK && k < parts_here(b); k++) {
         fl_b2_stack *st = &b->st[k];
         memset(st->g, 0, sizeof st->g);
         st->L = b->part[k].cfg.n_layers;
@@ -156,7 +158,26 @@ fl_status fl_blip2_alloc_acts(fl_blip2 *b, int B, int T) {
     }
     carve_acts(b, b->acts);
     carve_work(b, b->work);
-    return FL_OK;
+    if (Tt > 0) { /* the encoder-decoder's own arena */
+        s = fl_model_alloc_acts_s2s(&b->part[2], B, TL, Tt);
+        if (s != FL_OK) fl_blip2_free_acts(b);
+    }
+    return s;
+}
+
+fl_status fl_blip2_alloc_acts(fl_blip2 *b, int B, int T) {
+    if (fl_model_is_s2s(&b->cfg.text))
+        return fl_errorf(FL_ERR_INVALID, "BLIP-2 with %s: an encoder-decoder (fl_blip2_alloc_acts_s2s)",
+                         fl_arch_get(b->cfg.text.arch)->display);
+    return alloc_parts(b, B, T, 0);
+}
+
+fl_status fl_blip2_alloc_acts_s2s(fl_blip2 *b, int B, int Ts, int Tt) {
+    if (!fl_model_is_s2s(&b->cfg.text))
+        return fl_errorf(FL_ERR_INVALID, "BLIP-2 with %s: one stack (fl_blip2_alloc_acts)",
+                         fl_arch_get(b->cfg.text.arch)->display);
+    if (Tt <= 0) return fl_errorf(FL_ERR_INVALID, "BLIP-2: target rows must be positive (got %d)", Tt);
+    return alloc_parts(b, B, Ts, Tt);
 }
 
 /* ---- helpers ------------------------------------------------------------------------------------ */
@@ -439,23 +460,35 @@ static fl_status place_queries(fl_blip2 *b, const int32_t *ids, int B, int T) {
     return FL_OK;
 }
 
-fl_status fl_blip2_forward(fl_blip2 *b, const float *pixels, const int32_t *ids, const int32_t *targets, int B, int T,
-                           float grad_scale, float *logits_out, float *loss) {
-    if (!b->acts) return fl_errorf(FL_ERR_INVALID, "fl_blip2_forward: activations not allocated (fl_blip2_alloc_acts)");
+/* The image parts: checks, the queries' rows among the language model's, the vision tower, the Q-Former and the
+ * projection (qproj). */
+static fl_status front(fl_blip2 *b, const char *fn, const float *pixels, const int32_t *ids, const int32_t *targets,
+                       int B, int T, float grad_scale) {
+    if (!b->acts) return fl_errorf(FL_ERR_INVALID, "%s: activations not allocated (fl_blip2_alloc_acts)", fn);
     if (B <= 0 || T <= 0 || B > b->B || T != b->T)
-        return fl_errorf(FL_ERR_INVALID, "fl_blip2_forward: batch %d x %d does not fit the arena's %d x %d", B, T, b->B,
-                         b->T);
+        return fl_errorf(FL_ERR_INVALID, "%s: batch %d x %d does not fit the arena's %d x %d", fn, B, T, b->B, b->T);
     for (int k = 0; k < FL_BLIP2_PARTS; k++)
         if (!fl_model_params_f32(&b->part[k]) || fl_model_provider(&b->part[k]) || fl_model_quant4(&b->part[k]))
             return fl_errorf(FL_ERR_UNSUPPORTED, "BLIP-2 runs fp32 storage only so far");
     if (grad_scale > 0 && (!targets || !fl_model_grads_f32(&b->part[0])))
-        return fl_errorf(FL_ERR_INVALID, "fl_blip2_forward: a training forward needs targets and gradient buffers");
+        return fl_errorf(FL_ERR_INVALID, "%s: a training forward needs targets and gradient buffers", fn);
     b->Bp = B;
     b->Tp = T;
     b->fwd_train = 0;
     b->loss_sum = 0;
     b->n_valid = 0;
     FL_TRY(place_queries(b, ids, B, T));
+    FL_TRY(part_forward(b, FL_BLIP2_VISION, pixels, NULL, 0, NULL));
+    FL_TRY(part_forward(b, FL_BLIP2_QFORMER, NULL, NULL, 0, NULL));
+    return project_forward(b);
+}
+
+fl_status fl_blip2_forward(fl_blip2 *b, const float *pixels, const int32_t *ids, const int32_t *targets, int B, int T,
+                           float grad_scale, float *logits_out, float *loss) {
+    if (fl_model_is_s2s(&b->cfg.text))
+        return fl_errorf(FL_ERR_INVALID, "fl_blip2_forward: the language model is an encoder-decoder "
+                         "(fl_blip2_forward_s2s)");
+    FL_TRY(front(b, "fl_blip2_forward", pixels, ids, targets, B, T, grad_scale));
     int32_t *tg = NULL;
     if (targets && b->cfg.image_token < 0) { /* the prepended rows have no label */
         const int NQ = b->cfg.n_queries, TL = b->st[2].T;
@@ -465,13 +498,33 @@ fl_status fl_blip2_forward(fl_blip2 *b, const float *pixels, const int32_t *ids,
             for (int t = 0; t < TL; t++) tg[n * TL + t] = t < NQ ? FL_IGNORE_INDEX : targets[n * T + t - NQ];
         targets = tg;
     }
-    fl_status s = part_forward(b, FL_BLIP2_VISION, pixels, NULL, 0, NULL);
-    if (s == FL_OK) s = part_forward(b, FL_BLIP2_QFORMER, NULL, NULL, 0, NULL);
-    if (s == FL_OK) s = project_forward(b);
-    if (s == FL_OK) s = part_forward(b, FL_BLIP2_TEXT, NULL, targets, grad_scale, logits_out);
+    fl_status s = part_forward(b, FL_BLIP2_TEXT, NULL, targets, grad_scale, logits_out);
     free(tg);
     if (s != FL_OK) return s;
     if (loss) *loss = b->n_valid ? (float)(b->loss_sum / b->n_valid) : 0.0f;
+    b->fwd_train = grad_scale > 0;
+    return FL_OK;
+}
+
+/* The encoder-decoder's source rows of the queries come from qproj (its backward leaves their gradient in dqproj). */
+static void set_inject(fl_blip2 *b) {
+    fl_model *lm = &b->part[2];
+    lm->emb_inject.rows = b->qrow;
+    lm->emb_inject.n = b->Bp * b->cfg.n_queries;
+    lm->emb_inject.src = b->qproj;
+    lm->emb_inject.dsrc = b->dqproj;
+}
+
+fl_status fl_blip2_forward_s2s(fl_blip2 *b, const float *pixels, const int32_t *ids, const int32_t *dec,
+                               const int32_t *targets, int B, int Ts, int Tt, float grad_scale, float *logits_out,
+                               float *loss) {
+    if (!fl_model_is_s2s(&b->cfg.text))
+        return fl_errorf(FL_ERR_INVALID, "fl_blip2_forward_s2s: the language model has one stack (fl_blip2_forward)");
+    FL_TRY(front(b, "fl_blip2_forward_s2s", pixels, ids, targets, B, Ts, grad_scale));
+    fl_model *lm = &b->part[2];
+    set_inject(b);
+    FL_TRY(fl_model_forward_s2s(lm, b->hids, NULL, dec, targets, B, b->st[2].T, Tt, grad_scale, logits_out));
+    if (loss) *loss = lm->n_valid ? (float)(lm->loss_sum / (double)lm->n_valid) : 0.0f;
     b->fwd_train = grad_scale > 0;
     return FL_OK;
 }
@@ -484,11 +537,15 @@ fl_status fl_blip2_backward(fl_blip2 *b) {
     fl_model *lm = &b->part[2], *qf = &b->part[1], *vm = &b->part[0];
     fl_b2_stack *st = &b->st[2];
     int G = lm->layout.n_groups - 1, N = b->Bp * st->T;
-    be->zero(be, b->gb[0], (size_t)N * lm->cfg.dim * sizeof(float));
-    fl_norm_backward(lm, b->gb[0], prm(lm, G, FL_ROLE_NORM_F_W, 1), prm(lm, G, FL_ROLE_NORM_F_B, 1), b->gb[1],
-                     st->res[st->L], prm(lm, G, FL_ROLE_NORM_F_W, 0), st->nmean, st->nrstd, N);
-    FL_TRY(blocks_backward(b, FL_BLIP2_TEXT));
-    FL_TRY(embed_backward(b, b->gb[0]));
+    if (fl_model_is_s2s(&lm->cfg)) { /* its own passes; the queries' rows' gradient in dqproj */
+        FL_TRY(fl_model_backward_s2s(lm));
+    } else {
+        be->zero(be, b->gb[0], (size_t)N * lm->cfg.dim * sizeof(float));
+        fl_norm_backward(lm, b->gb[0], prm(lm, G, FL_ROLE_NORM_F_W, 1), prm(lm, G, FL_ROLE_NORM_F_B, 1), b->gb[1],
+                         st->res[st->L], prm(lm, G, FL_ROLE_NORM_F_W, 0), st->nmean, st->nrstd, N);
+        FL_TRY(blocks_backward(b, FL_BLIP2_TEXT));
+        FL_TRY(embed_backward(b, b->gb[0]));
+    }
     /* the projection: d(Q-Former output) into gb[0] */
     G = qf->layout.n_groups - 1;
     fl_linear proj = outer_linear(qf, G, FL_ROLE_LMPROJ_W, FL_ROLE_LMPROJ_B);
@@ -508,6 +565,24 @@ fl_status fl_blip2_backward(fl_blip2 *b) {
 
 /* ---- greedy captioning ------------------------------------------------------------------------------ */
 
+/* The Flan-T5 variant: the source (placeholders, prompt) through the encoder once, greedy decoding with the cache;
+ * the new ids after the decoder's start token. */
+static fl_status gen_s2s(fl_blip2 *b, const float *pixels, const int32_t *src, int ns, int max_new, int32_t *out,
+                         int *n_out) {
+    int32_t *o = malloc(((size_t)max_new + 1) * sizeof *o);
+    if (!o) return fl_errorf(FL_ERR_OOM, "fl_blip2_generate: out of host memory");
+    int n = 0;
+    fl_status s = fl_blip2_alloc_acts_s2s(b, 1, ns, max_new);
+    if (s == FL_OK) s = front(b, "fl_blip2_generate", pixels, src, NULL, 1, ns, 0);
+    if (s == FL_OK) {
+        set_inject(b);
+        s = fl_model_generate_s2s(&b->part[2], b->hids, NULL, ns, max_new, 1, o, &n);
+    }
+    for (int i = 1; s == FL_OK && i < n; i++) out[(*n_out)++] = o[i];
+    free(o);
+    return s;
+}
+
 fl_status fl_blip2_generate(fl_blip2 *b, const float *pixels, const int32_t *prompt, int n_prompt, int max_new,
                             int32_t *out, int *n_out) {
     *n_out = 0;
@@ -522,9 +597,15 @@ fl_status fl_blip2_generate(fl_blip2 *b, const float *pixels, const int32_t *pro
     }
     int n = 0;
     for (int i = 0; it >= 0 && i < NQ; i++) ids[n++] = it;
-    ids[n++] = b->cfg.bos_id;
+    if (b->cfg.bos_id >= 0) ids[n++] = b->cfg.bos_id;
     for (int i = 0; i < n_prompt; i++) ids[n++] = prompt[i];
     fl_status s = FL_OK;
+    if (fl_model_is_s2s(&b->cfg.text)) { /* the source once, then the decoder's cache */
+        free(lg);
+        s = gen_s2s(b, pixels, ids, n, max_new, out, n_out);
+        free(ids);
+        return s;
+    }
     /* no cache yet: the whole sequence again for every token (the image parts included) */
     while (s == FL_OK && *n_out < max_new) {
         s = fl_blip2_alloc_acts(b, 1, n);

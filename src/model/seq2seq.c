@@ -252,6 +252,23 @@ static void relbias_backward(fl_model *m, s2s_stack *st, int T) {
                                   T * T, 1);
 }
 
+/* ---- rows from the caller (fl_model.emb_inject: BLIP-2's queries) ----------------------------------- */
+
+static fl_status inject_rows(fl_model *m, float *res0, float *dres0) {
+    const fl_backend *be = m->be;
+    const size_t C = (size_t)m->cfg.dim;
+    for (int i = 0; i < m->emb_inject.n; i++) {
+        float *r = (dres0 ? dres0 : res0) + (size_t)m->emb_inject.rows[i] * C;
+        if (!dres0) {
+            FL_TRY(be->copy(be, r, m->emb_inject.src + i * C, C * sizeof(float)));
+            continue;
+        }
+        FL_TRY(be->copy(be, m->emb_inject.dsrc + i * C, r, C * sizeof(float)));
+        be->zero(be, r, C * sizeof(float));
+    }
+    return FL_OK;
+}
+
 /* ---- the passes --------------------------------------------------------------------------- */
 
 static float *param_of(const fl_model *m, int g, int role, int grad) {
@@ -337,6 +354,7 @@ static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, con
         case FL_MOP_EMBED:
             FL_TRY(be->to_device(be, st->ids, ids, (size_t)N * sizeof *ids));
             fl_embed_forward(m, &op, st->res[0], st->ids, ids, a->Bp, T, 0);
+            if (s == 0) FL_TRY(inject_rows(m, st->res[0], NULL));
             break;
         case FL_MOP_RELBIAS: FL_TRY(relbias_forward(m, st, T, s < mg->n_stacks - 1)); break;
         case FL_MOP_BLOCKS:
@@ -438,6 +456,7 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, co
     relbias_backward(m, st, T);
     fl_outer_params op;
     fl_get_outer(m, &op);
+    if (s == 0) FL_TRY(inject_rows(m, NULL, dres));
     return fl_embed_backward(m, &op, dres, st->ids, a->Bp, T);
 }
 

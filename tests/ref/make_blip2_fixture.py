@@ -118,6 +118,93 @@ def make_cli(m, out_dir):
     print(f"CLI: loss {loss:.6f}, greedy {gen}")
 
 
+TS, TT, T5_IMG = 9, 6, 96
+
+
+def make_t5(out_dir, seed=20):
+    """blip2-tiny-t5/: the Flan-T5 variant (text_config: T5 gated-GELU, vocab 97, d_model 36, d_kv 10, 3 heads, d_ff
+    52, 2 encoder + 3 decoder blocks, 8 buckets up to distance 20, lm_head of its own as the checkpoints;
+    image_token_index 96), the same vision tower and Q-Former sizes. expected.safetensors: pixels, ids (B x 9: 5
+    placeholders then 4 prompt ids), labels (B x 6, the second's last 2 = -100), dec (the labels shifted right with
+    the start token 0, -100 -> pad 0), logits (B x 6 x V), loss (T5's mean cross-entropy), grad.* and noise.* as for
+    OPT; gen0 (I32: generate(do_sample=False, max_new_tokens=6) of image 0 with its ids: the decoder's ids after the
+    start token)."""
+    from transformers import T5Config
+    os.makedirs(out_dir, exist_ok=True)
+    vc = dict(hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=3, image_size=12,
+              patch_size=4, hidden_act="gelu", layer_norm_eps=1e-6, qkv_bias=True, attention_dropout=0.0)
+    qc = dict(hidden_size=20, num_hidden_layers=3, num_attention_heads=2, intermediate_size=36,
+              cross_attention_frequency=2, encoder_hidden_size=24, hidden_act="gelu_pytorch_tanh",
+              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, layer_norm_eps=1e-12)
+    tc = T5Config(vocab_size=97, d_model=36, d_kv=10, d_ff=52, num_layers=2, num_decoder_layers=3, num_heads=3,
+                  relative_attention_num_buckets=8, relative_attention_max_distance=20, dropout_rate=0.0,
+                  layer_norm_epsilon=1e-6, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+                  feed_forward_proj="gated-gelu", tie_word_embeddings=False)
+    cfg = Blip2Config(vision_config=vc, qformer_config=qc, text_config=tc.to_dict(), num_query_tokens=NQ,
+                      image_token_index=T5_IMG)
+    cfg._attn_implementation = "eager"
+    for sub in (cfg.vision_config, cfg.qformer_config, cfg.text_config):
+        sub._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    m = Blip2ForConditionalGeneration(cfg).eval()
+    lm = m.language_model
+    lm.lm_head.weight = torch.nn.Parameter(torch.empty(tc.vocab_size, tc.d_model))  # its own, as flan-t5's
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if ("norm" in name.lower() and name.endswith("weight")) or "layer_norm" in name:
+                p.copy_(1.0 + 0.2 * r)
+            elif "relative_attention_bias" in name:
+                p.copy_(r)
+            elif p.ndim == 1 or name.endswith("bias"):
+                p.copy_(0.2 * r)
+            elif name in ("query_tokens", "vision_model.embeddings.class_embedding",
+                          "vision_model.embeddings.position_embedding", "language_model.shared.weight"):
+                p.copy_(r)
+            elif p.ndim == 4:
+                p.copy_(r / (p[0].numel()) ** 0.5)
+            else:
+                p.copy_(r / p.shape[1] ** 0.5)
+    prm = [(n, p) for n, p in m.named_parameters()]
+    save_file({n: p.detach().contiguous() for n, p in prm}, os.path.join(out_dir, "model.safetensors"),
+              metadata={"format": "pt"})
+    d = cfg.to_dict()
+    d["text_config"]["tie_word_embeddings"] = False
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(d, f, indent=2)
+    g = torch.Generator().manual_seed(seed + 7)
+    pixels = torch.randn(B, 3, 12, 12, generator=g)
+    prompt = torch.randint(2, T5_IMG, (B, TS - NQ), generator=g, dtype=torch.int32)
+    ids = torch.cat([torch.full((B, NQ), T5_IMG, dtype=torch.int32), prompt], dim=1)
+    labels = torch.randint(2, T5_IMG, (B, TT), generator=g, dtype=torch.int32)
+    labels[1, TT - 2:] = -100
+    dec = lm._shift_right(labels.long()).int()
+    state = {n: p.detach().clone() for n, p in m.state_dict().items()}
+    res = {}
+    for dt in (torch.float32, torch.float64):
+        m.to(dt)
+        m.zero_grad()
+        o = m(pixel_values=pixels.to(dt), input_ids=ids.long(), labels=labels.long())
+        o.loss.backward()
+        res[dt] = (o.logits.detach(), o.loss.detach(), {n: p.grad.detach().clone() for n, p in prm})
+    (l32, s32, g32), (l64, s64, g64) = res[torch.float32], res[torch.float64]
+    m.float().load_state_dict(state)
+    gen = m.generate(pixel_values=pixels[:1], input_ids=ids[:1].long(), max_new_tokens=TT, do_sample=False,
+                     use_cache=False)[0]  # 5.23 sizes the cache by num_layers (fewer than the decoder blocks)
+    gen = gen[1:].int() if gen[0] == 0 else gen.int()
+    noise = lambda x, y: (x.double() - y).abs().max().float().reshape(1)
+    out = {"pixels": pixels.contiguous(), "ids": ids, "labels": labels, "dec": dec, "logits": l64.float().contiguous(),
+           "loss": s64.reshape(1), "noise.logits": noise(l32, l64), "noise.loss": noise(s32, s64),
+           "gen0": gen.contiguous()}
+    for n in g64:
+        out["grad." + n] = g64[n].float().contiguous()
+        out["noise." + n] = noise(g32[n], g64[n])
+    save_file(out, os.path.join(out_dir, "expected.safetensors"))
+    print(f"{out_dir}: loss {s64.item():.8f} (fp32 noise {noise(s32, s64).item():.3g}), logits noise "
+          f"{noise(l32, l64).item():.3g}, {len(g64)} gradients; greedy {gen.tolist()}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="tests/fixtures")
@@ -161,6 +248,7 @@ def main():
           f"{noise(l32, l64).item():.3g} (scale {l64.abs().max().item():.3g}), {len(g64)} gradients, worst grad "
           f"noise {max(noise(g32[n], g64[n]).item() for n in g64):.3g}; greedy {gen[0].tolist()} {gen[1].tolist()} "
           f"prompt {genp.tolist()}")
+    make_t5(os.path.join(a.out, "blip2-tiny-t5"))
 
 
 if __name__ == "__main__":
