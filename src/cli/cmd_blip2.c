@@ -40,14 +40,36 @@ static fl_status open_blip2(const char *dir, const char *image, const fl_backend
     return FL_OK;
 }
 
+/* The Flan-T5 variant: the loss of tgt (nt ids) given the image and src (the placeholders first) */
+static fl_status loss_s2s(fl_blip2 *b, const float *px, const int32_t *src, int ns, const int32_t *tgt, int nt,
+                          float *loss) {
+    const fl_blip2_config *c = fl_blip2_get_config(b);
+    const int NQ = c->image_token >= 0 ? c->n_queries : 0, Ts = NQ + ns;
+    int32_t *ids = malloc((size_t)Ts * sizeof *ids), *dec = malloc((size_t)nt * sizeof *dec);
+    fl_status s = ids && dec ? FL_OK : fl_errorf(FL_ERR_OOM, "out of host memory");
+    for (int t = 0; s == FL_OK && t < Ts; t++) ids[t] = t < NQ ? c->image_token : src[t - NQ];
+    for (int t = 0; s == FL_OK && t < nt; t++) dec[t] = t ? tgt[t - 1] : c->text.dec_start_id;
+    if (s == FL_OK) s = fl_blip2_alloc_acts_s2s(b, 1, Ts, nt);
+    if (s == FL_OK) s = fl_blip2_forward_s2s(b, px, ids, dec, tgt, 1, Ts, nt, 0, NULL, loss);
+    free(ids), free(dec);
+    return s;
+}
+
 int fl_cli_blip2_loss(const char *cmd, const char *dir, const char *image, const int32_t *caption, int n,
-                      const fl_backend *be, fl_mem_pool *pool) {
+                      const int32_t *tgt, int nt, const fl_backend *be, fl_mem_pool *pool) {
     fl_blip2 *b = NULL;
     float *px = NULL, loss = 0;
     int32_t *ids = NULL, *tg = NULL;
     fl_status s = open_blip2(dir, image, be, pool, &b, &px);
-    if (s == FL_OK && n < 2) s = fl_errorf(FL_ERR_FORMAT, "--tokens-file: a caption needs at least 2 token ids");
-    if (s == FL_OK) {
+    const int s2s = b && fl_model_is_s2s(&fl_blip2_get_config(b)->text);
+    if (s == FL_OK && s2s != (tgt != NULL))
+        s = fl_errorf(FL_ERR_INVALID, s2s ? "%s: the Flan-T5 variant: give the target with --target-tokens-file "
+                                            "(--tokens-file is the source after the query tokens)"
+                                          : "--target-tokens-file: %s has a decoder-only language model (its loss is "
+                                            "of --tokens-file alone)", dir);
+    if (s == FL_OK && s2s) s = loss_s2s(b, px, caption, n, tgt, nt, &loss);
+    else if (s == FL_OK && n < 2) s = fl_errorf(FL_ERR_FORMAT, "--tokens-file: a caption needs at least 2 token ids");
+    if (s == FL_OK && !s2s) {
         const fl_blip2_config *c = fl_blip2_get_config(b);
         const int NQ = c->image_token >= 0 ? c->n_queries : 0, T = NQ + n;
         ids = malloc((size_t)T * sizeof *ids);
@@ -63,8 +85,8 @@ int fl_cli_blip2_loss(const char *cmd, const char *dir, const char *image, const
     }
     int rc = 0;
     if (s == FL_OK)
-        printf("loss %.6f  ppl %.4f  tokens %d  image %s  model %s\n", (double)loss, fl_trainer_perplexity(loss), n - 1,
-               image, dir);
+        printf("loss %.6f  ppl %.4f  tokens %d  image %s  model %s\n", (double)loss, fl_trainer_perplexity(loss),
+               s2s ? nt : n - 1, image, dir);
     else
         rc = fl_cli_fail(cmd, s, pool);
     free(ids), free(tg), free(px);

@@ -21,7 +21,9 @@ static void help(void) {
            "  --target-tokens-file FILE  an encoder-decoder (T5): the target's token ids (at least 1)\n"
            "  --image FILE         a BLIP-2 folder (model_type blip-2): the image (JPEG / PNG, preprocessed by the\n"
            "                       folder's preprocessor_config.json); --tokens-file is the caption (BOS first):\n"
-           "                       the mean cross-entropy of caption[1:] after the query tokens\n"
+           "                       the mean cross-entropy of caption[1:] after the query tokens; the Flan-T5\n"
+           "                       variant: --tokens-file is the source after the query tokens, the loss is\n"
+           "                       of --target-tokens-file's ids\n"
            "  --dump-logits FILE   write the logits of positions 0..n-2 as little-endian float32, (n-1) x V\n"
            "  --threads N          CPU threads (default: all cores)\n"
            "  --accelerator A      auto|cpu|cuda (default auto: the GPU when this build has CUDA and one is\n"
@@ -107,16 +109,15 @@ int fl_cmd_loss(int argc, char **argv) {
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
     if ((s = fl_backend_pools_init(&be, &pool, &hpool, "cpu", 0)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
     if ((s = read_tokens(tokens, target ? 1 : 2, &ids, &n)) != FL_OK) goto fail;
-    if (image && (target || dump)) {
-        s = fl_errorf(FL_ERR_INVALID, "--image: %s is not built for BLIP-2 yet (the OPT variant: --tokens-file alone)",
-                      target ? "--target-tokens-file" : "--dump-logits");
+    if (target && (s = read_tokens(target, 1, &tids, &nt)) != FL_OK) goto fail;
+    if (image && dump) {
+        s = fl_errorf(FL_ERR_INVALID, "--image: --dump-logits is not built for BLIP-2 yet");
         goto fail;
     }
     if (image) {
-        rc = fl_cli_blip2_loss(cmd, model_path, image, ids, n, &be, &pool);
+        rc = fl_cli_blip2_loss(cmd, model_path, image, ids, n, tids, nt, &be, &pool);
         goto done;
     }
-    if (target && (s = read_tokens(target, 1, &tids, &nt)) != FL_OK) goto fail;
     if ((s = fl_cli_load_model(&m, model_path, 0, (uint64_t)seed, &be, &pool, &loaded)) != FL_OK) goto fail;
     if (fl_model_is_s2s(&m.cfg) != (target != NULL)) {
         s = fl_errorf(FL_ERR_INVALID, target ? "--target-tokens-file: %s is not an encoder-decoder (its loss is of "

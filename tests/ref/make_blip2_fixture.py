@@ -119,6 +119,7 @@ def make_cli(m, out_dir):
 
 
 TS, TT, T5_IMG = 9, 6, 96
+CLI_T5_SRC, CLI_T5_TGT = [17, 29], [45, 17, 88, 1]
 
 
 def make_t5(out_dir, seed=20):
@@ -128,7 +129,8 @@ def make_t5(out_dir, seed=20):
     placeholders then 4 prompt ids), labels (B x 6, the second's last 2 = -100), dec (the labels shifted right with
     the start token 0, -100 -> pad 0), logits (B x 6 x V), loss (T5's mean cross-entropy), grad.* and noise.* as for
     OPT; gen0 (I32: generate(do_sample=False, max_new_tokens=6) of image 0 with its ids: the decoder's ids after the
-    start token)."""
+    start token). And preprocessor_config.json, expected-cli.json: the loss of CLI_T5_TGT given CLI_IMAGE and the
+    source CLI_T5_SRC (after the placeholders), and the greedy decoding of that source."""
     from transformers import T5Config
     os.makedirs(out_dir, exist_ok=True)
     vc = dict(hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=3, image_size=12,
@@ -203,6 +205,21 @@ def make_t5(out_dir, seed=20):
     save_file(out, os.path.join(out_dir, "expected.safetensors"))
     print(f"{out_dir}: loss {s64.item():.8f} (fp32 noise {noise(s32, s64).item():.3g}), logits noise "
           f"{noise(l32, l64).item():.3g}, {len(g64)} gradients; greedy {gen.tolist()}")
+    # the CLI: the loss of a target given the image and a source (placeholders + CLI_T5_SRC), and the greedy decoding
+    from PIL import Image
+    from transformers import BlipImageProcessor
+    proc = BlipImageProcessor(size={"height": 12, "width": 12})
+    proc.save_pretrained(out_dir)
+    pv = proc(images=Image.open(CLI_IMAGE), return_tensors="pt")["pixel_values"].float()
+    src = torch.tensor([[T5_IMG] * NQ + CLI_T5_SRC])
+    with torch.no_grad():
+        cl = m(pixel_values=pv, input_ids=src, labels=torch.tensor([CLI_T5_TGT])).loss.item()
+        cg = m.generate(pixel_values=pv, input_ids=src, max_new_tokens=6, do_sample=False, use_cache=False)[0]
+    cg = (cg[1:] if cg[0] == 0 else cg).tolist()
+    with open(os.path.join(out_dir, "expected-cli.json"), "w") as f:
+        json.dump({"image": CLI_IMAGE, "source": CLI_T5_SRC, "target": CLI_T5_TGT, "loss": cl, "generate": cg}, f,
+                  indent=1)
+    print(f"CLI (T5): loss {cl:.6f}, greedy {cg}")
 
 
 def main():
