@@ -73,18 +73,57 @@ static fl_status forward(b2_case *c, float grad_scale, float *logits, float *los
     return fl_blip2_forward(c->b, c->pixels->data, c->ids->data, c->targets, c->B, c->T, grad_scale, logits, loss);
 }
 
-/* max |ours - ref| of n floats (ours on the device) and the reference's scale */
-static double dev_err(const fl_backend *be, const float *dev, const fl_st_tensor *r, size_t n, double *scale) {
-    float *h = malloc(n * sizeof *h);
-    be->to_host(be, h, dev, n * sizeof *h);
+/* max |ours - ref| of n floats (ours on the host) and the reference's scale */
+static double host_err(const float *h, const fl_st_tensor *r, size_t n, double *scale) {
     double e = 0, s = 0;
     for (size_t i = 0; i < n; i++) {
         e = fmax(e, fabs((double)h[i] - ((const float *)r->data)[i]));
         s = fmax(s, fabs(((const float *)r->data)[i]));
     }
-    free(h);
     *scale = s;
     return e;
+}
+
+/* the same with ours on the device */
+static double dev_err(const fl_backend *be, const float *dev, const fl_st_tensor *r, size_t n, double *scale) {
+    float *h = malloc(n * sizeof *h);
+    be->to_host(be, h, dev, n * sizeof *h);
+    const double e = host_err(h, r, n, scale);
+    free(h);
+    return e;
+}
+
+/* Every part's gradient against the fixture's grad.<HF name> (the language model's under language_model.; an entry
+ * stored transposed, T5's relative bias tables, compared in the file's orientation), within its bound; returns how
+ * many were checked, *worst the largest error over its bound. */
+static int check_grads(fl_blip2 *b, const fl_backend *be, const fl_st_file *x, double *worst) {
+    int checked = 0;
+    *worst = 0;
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        const fl_model *m = fl_blip2_part(b, k);
+        for (int i = 0; i < m->layout.n; i++) {
+            const fl_param_info *p = &m->layout.params[i];
+            char gk[200], nk[200];
+            snprintf(gk, sizeof gk, "grad.%s%s", k == FL_BLIP2_TEXT ? "language_model." : "", p->name);
+            snprintf(nk, sizeof nk, "noise.%s", gk + 5);
+            const fl_st_tensor *g = fl_st_find(x, gk), *gn = fl_st_find(x, nk);
+            FL_CHECKF(g && gn && (size_t)(g->end - g->begin) == p->numel * 4, "reference gradient of %s", gk);
+            if (!g || !gn) continue;
+            float *h = malloc(p->numel * sizeof *h), *t = malloc(p->numel * sizeof *t);
+            FL_REQUIRE(h && t);
+            be->to_host(be, h, fl_model_grads_f32(m) + p->offset, p->numel * sizeof *h);
+            const int64_t r = p->shape[0], c = p->ndim == 2 ? p->shape[1] : 1;
+            for (int64_t a = 0; a < r; a++) /* ours (r, c) as the file's (c, r) */
+                for (int64_t j = 0; p->ndim == 2 && p->transposed_on_disk && j < c; j++) t[j * r + a] = h[a * c + j];
+            double sc, ge = host_err(p->ndim == 2 && p->transposed_on_disk ? t : h, g, p->numel, &sc);
+            FL_CHECKF(ge <= bound(gn, sc), "gradient of %s: error %.3g, bound %.3g (PyTorch fp32 %.3g, scale %.3g)",
+                      gk + 5, ge, bound(gn, sc), f32_at(gn), sc);
+            *worst = fmax(*worst, ge / bound(gn, sc));
+            checked++;
+            free(h), free(t);
+        }
+    }
+    return checked;
 }
 
 static void check_stage(b2_case *c, const char *name, const float *dev, size_t n) {
@@ -113,38 +152,17 @@ FL_TEST(blip2_opt_vs_transformers) {
     const fl_st_tensor *rl = fl_st_find(&c.x, "logits"), *nlg = fl_st_find(&c.x, "noise.logits");
     const fl_st_tensor *rloss = fl_st_find(&c.x, "loss"), *nloss = fl_st_find(&c.x, "noise.loss");
     FL_REQUIRE(rl && nlg && rloss && nloss && (size_t)(rl->end - rl->begin) == nl * 4);
-    double e = 0, sc = 0;
-    for (size_t i = 0; i < nl; i++) {
-        e = fmax(e, fabs((double)lg[i] - ((const float *)rl->data)[i]));
-        sc = fmax(sc, fabs(((const float *)rl->data)[i]));
-    }
+    double sc, e = host_err(lg, rl, nl, &sc);
     FL_CHECKF(e <= bound(nlg, sc), "logits error %.3g, bound %.3g", e, bound(nlg, sc));
     const double lref = ((const double *)rloss->data)[0];
     FL_CHECKF(fabs(loss - lref) <= bound(nloss, lref), "loss %.9f vs %.9f", (double)loss, lref);
     printf("      logits error %.2g (PyTorch fp32 %.2g, bound %.2g), loss %.8f (ref %.8f)\n", e, f32_at(nlg),
            bound(nlg, sc), (double)loss, lref);
     FL_REQUIRE_OK(fl_blip2_backward(b));
-    double worst = 0;
-    int checked = 0, total = 0;
-    static const char *const pre[FL_BLIP2_PARTS] = {"grad.", "grad.", "grad.language_model."};
-    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
-        const fl_model *m = fl_blip2_part(b, k);
-        total += m->layout.n;
-        for (int i = 0; i < m->layout.n; i++) {
-            const fl_param_info *p = &m->layout.params[i];
-            char gk[160], nk[200];
-            snprintf(gk, sizeof gk, "%s%s", pre[k], p->name);
-            snprintf(nk, sizeof nk, "noise.%s", gk + 5);
-            const fl_st_tensor *g = fl_st_find(&c.x, gk), *gn = fl_st_find(&c.x, nk);
-            FL_CHECKF(g && gn && (size_t)(g->end - g->begin) == p->numel * 4, "reference gradient of %s", gk);
-            if (!g || !gn) continue;
-            double s, ge = dev_err(&c.be, fl_model_grads_f32(m) + p->offset, g, p->numel, &s);
-            FL_CHECKF(ge <= bound(gn, s), "gradient of %s: error %.3g, bound %.3g (PyTorch fp32 %.3g, scale %.3g)",
-                      gk + 5, ge, bound(gn, s), f32_at(gn), s);
-            worst = fmax(worst, ge / bound(gn, s));
-            checked++;
-        }
-    }
+    double worst;
+    const int checked = check_grads(b, &c.be, &c.x, &worst);
+    int total = 0;
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) total += fl_blip2_part(b, k)->layout.n;
     FL_CHECK(checked == total && total == 139);
     printf("      %d gradients, worst error %.2f of its bound\n", checked, worst);
     free(lg);
@@ -334,45 +352,15 @@ FL_TEST(blip2_t5_vs_transformers) {
     FL_REQUIRE(lg);
     FL_REQUIRE_OK(fl_blip2_forward_s2s(b, px->data, ids->data, dec->data, lab->data, B, Ts, Tt, 1.0f / (float)nv, lg,
                                        &loss));
-    double e = 0, sc = 0;
-    for (size_t i = 0; i < (size_t)B * Tt * V; i++) {
-        e = fmax(e, fabs((double)lg[i] - ((const float *)rl->data)[i]));
-        sc = fmax(sc, fabs(((const float *)rl->data)[i]));
-    }
+    double sc, e = host_err(lg, rl, (size_t)B * Tt * V, &sc);
     const double lref = ((const double *)rloss->data)[0];
     FL_CHECKF(e <= bound(nlg, sc), "logits error %.3g, bound %.3g", e, bound(nlg, sc));
     FL_CHECKF(fabs(loss - lref) <= bound(nloss, lref), "loss %.9f vs %.9f", (double)loss, lref);
     printf("      T5 variant: logits error %.2g (PyTorch fp32 %.2g, bound %.2g), loss %.8f (ref %.8f)\n", e,
            f32_at(nlg), bound(nlg, sc), (double)loss, lref);
     FL_REQUIRE_OK(fl_blip2_backward(b));
-    double worst = 0;
-    int checked = 0;
-    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
-        const fl_model *m = fl_blip2_part(b, k);
-        for (int i = 0; i < m->layout.n; i++) {
-            const fl_param_info *p = &m->layout.params[i];
-            char gk[200], nk[200];
-            snprintf(gk, sizeof gk, "grad.%s%s", k == 2 ? "language_model." : "", p->name);
-            snprintf(nk, sizeof nk, "noise.%s", gk + 5);
-            const fl_st_tensor *g = fl_st_find(&x, gk), *gn = fl_st_find(&x, nk);
-            FL_CHECKF(g && gn && (size_t)(g->end - g->begin) == p->numel * 4, "reference gradient of %s", gk);
-            if (!g || !gn) continue;
-            float *ours = malloc(p->numel * sizeof *ours), *ref = malloc(p->numel * sizeof *ref);
-            FL_REQUIRE(ours && ref);
-            be.to_host(&be, ours, fl_model_grads_f32(m) + p->offset, p->numel * sizeof *ours);
-            const float *r = g->data;
-            for (size_t j = 0; j < p->numel; j++) /* the file's (buckets, heads) against our (heads, buckets) */
-                ref[j] = p->ndim == 2 && p->transposed_on_disk
-                             ? r[(j % p->shape[1]) * p->shape[0] + j / p->shape[1]]
-                             : r[j];
-            double ge = 0, s = 0;
-            for (size_t j = 0; j < p->numel; j++) ge = fmax(ge, fabs((double)ours[j] - ref[j])), s = fmax(s, fabs(ref[j]));
-            FL_CHECKF(ge <= bound(gn, s), "gradient of %s: error %.3g, bound %.3g", gk + 5, ge, bound(gn, s));
-            worst = fmax(worst, ge / bound(gn, s));
-            checked++;
-            free(ours), free(ref);
-        }
-    }
+    double worst;
+    const int checked = check_grads(b, &be, &x, &worst);
     FL_CHECK(checked == 169);
     printf("      T5 variant: %d gradients, worst error %.2f of its bound\n", checked, worst);
     /* greedy decoding of image 0 with its source ids (placeholders, prompt) */

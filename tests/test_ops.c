@@ -678,24 +678,40 @@ FL_TEST(ops_geglu) {
     FL_FOR_EACH_BACKEND(be, 2) ops_glu_on(be, 3);
 }
 
-static void ops_gelu_on(fl_backend be) {
-    fl_test_rng r = {9};
+/* The tanh GELU (exact 0) and the exact one (BLIP-2's "gelu"): against the float64 formula and finite differences,
+ * saturated both ways and at 0; the two ops are told apart (they differ by up to ~1e-3 near x = -2) */
+static void ops_gelu_on(fl_backend be, int exact) {
+    fl_test_rng r = {exact ? 12u : 9u};
     const int n = 101;
+    const char *nm = exact ? "gelu_erf" : "gelu";
     float *x = fl_test_frand(&r, n, -5, 5), *R = fl_test_frand(&r, n, -1, 1), *out = malloc(n * 4);
     x[0] = 0.0f; x[1] = 1e-3f; x[2] = -12.0f; x[3] = 12.0f;
-    act_ctx c = {d_of(x, n), R, n, 0, malloc(8 * n), 1};
+    act_ctx c = {d_of(x, n), R, n, 0, malloc(8 * n), exact ? 4 : 1};
     act_ref(&c);
     float *want = f_of(c.out, n);
-    be.gelu_forward(&be, out, x, n);
-    FL_CHECK(fl_test_allclose("gelu fwd", out, want, n, 1e-5, 1e-7));
+    (exact ? be.gelu_erf_forward : be.gelu_forward)(&be, out, x, n);
+    FL_CHECKF(fl_test_allclose(exact ? "gelu_erf fwd" : "gelu fwd", out, want, n, exact ? 1e-6 : 1e-5, 1e-7), "%s fwd",
+              nm);
     float *dx = fl_test_frand(&r, n, -1, 1), *pre = fl_test_fdup(dx, n);
-    be.gelu_backward(&be, dx, R, x, n);
-    FD_CHECK("gelu dinp", dx, pre, c.x, n, act_loss, &c, 0);
+    (exact ? be.gelu_erf_backward : be.gelu_backward)(&be, dx, R, x, n);
+    FD_CHECK(exact ? "gelu_erf dinp" : "gelu dinp", dx, pre, c.x, n, act_loss, &c, 0);
+    if (exact) {
+        float *other = malloc(n * 4);
+        be.gelu_forward(&be, other, x, n);
+        double d = 0;
+        for (int i = 0; i < n; i++) d = fmax(d, fabs((double)other[i] - out[i]));
+        FL_CHECKF(d > 1e-4, "%s: exact and tanh GELU differ by %g only", be.name, d);
+        free(other);
+    }
     free(x); free(R); free(out); free(c.x); free(c.out); free(want); free(dx); free(pre);
 }
 FL_TEST(ops_gelu) {
     fl_backend be;
-    FL_FOR_EACH_BACKEND(be, 2) ops_gelu_on(be);
+    FL_FOR_EACH_BACKEND(be, 2) ops_gelu_on(be, 0);
+}
+FL_TEST(ops_gelu_erf) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) ops_gelu_on(be, 1);
 }
 
 /* ReLU: exact forward; backward against finite differences away from the kink (|x| >= 0.05 >> the step),
@@ -724,34 +740,6 @@ static void ops_relu_on(fl_backend be) {
 FL_TEST(ops_relu) {
     fl_backend be;
     FL_FOR_EACH_BACKEND(be, 2) ops_relu_on(be);
-}
-
-/* The exact GELU (BLIP-2's "gelu"): against the float64 formula (fp32 erf: a few ulps) and finite differences,
- * saturated both ways and at 0 */
-static void ops_gelu_erf_on(fl_backend be) {
-    fl_test_rng r = {12};
-    const int n = 101;
-    float *x = fl_test_frand(&r, n, -5, 5), *R = fl_test_frand(&r, n, -1, 1), *out = malloc(n * 4);
-    x[0] = 0.0f; x[1] = 1e-3f; x[2] = -12.0f; x[3] = 12.0f;
-    act_ctx c = {d_of(x, n), R, n, 0, malloc(8 * n), 4};
-    act_ref(&c);
-    float *want = f_of(c.out, n);
-    be.gelu_erf_forward(&be, out, x, n);
-    FL_CHECKF(fl_test_allclose("gelu_erf fwd", out, want, n, 1e-6, 1e-7), "%s: gelu_erf forward", be.name);
-    float *dx = fl_test_frand(&r, n, -1, 1), *pre = fl_test_fdup(dx, n);
-    be.gelu_erf_backward(&be, dx, R, x, n);
-    FD_CHECK("gelu_erf dinp", dx, pre, c.x, n, act_loss, &c, 0);
-    /* the tanh GELU differs by up to ~1e-3 (x near -2): the two ops are told apart */
-    float *tanh_out = malloc(n * 4);
-    be.gelu_forward(&be, tanh_out, x, n);
-    double d = 0;
-    for (int i = 0; i < n; i++) d = fmax(d, fabs((double)tanh_out[i] - out[i]));
-    FL_CHECKF(d > 1e-4, "%s: exact and tanh GELU differ by %g only", be.name, d);
-    free(x); free(R); free(out); free(c.x); free(c.out); free(want); free(dx); free(pre); free(tanh_out);
-}
-FL_TEST(ops_gelu_erf) {
-    fl_backend be;
-    FL_FOR_EACH_BACKEND(be, 2) ops_gelu_erf_on(be);
 }
 
 /* ---- elementwise / bias / reductions --------------------------------------------------- */

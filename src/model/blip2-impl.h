@@ -37,7 +37,8 @@ struct fl_blip2 {
     int32_t *hids;           /* host (B TL): the last forward's ids */
     int *qrow;               /* host (B NQ): the language-model row of each query */
     /* the last forward */
-    int Bp, Tp, fwd_train, n_valid;
+    int Bp, Tp, fwd_train;
+    long n_valid;
     double loss_sum;
 };
 

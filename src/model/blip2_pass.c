@@ -19,17 +19,7 @@
 #include "blip2-impl.h"
 #include "store.h"
 
-typedef struct {
-    char *base;
-    size_t off;
-} carver;
-
-static void *take(carver *cv, size_t bytes) {
-    void *p = cv->base ? (void *)(cv->base + cv->off) : NULL;
-    cv->off += (bytes + 63) / 64 * 64;
-    return p;
-}
-#define TAKEF(cv, n) ((float *)take((cv), (size_t)(n) * sizeof(float)))
+#define TAKEF(cv, n) ((float *)fl_carve((cv), (size_t)(n) * sizeof(float)))
 
 static int npatch(const fl_blip2 *b) { return b->cfg.vision.max_seq - 1; }
 /* The parts this arena runs: an encoder-decoder language model runs in its own (seq2seq.c) */
@@ -37,7 +27,7 @@ static int parts_here(const fl_blip2 *b) { return fl_model_is_s2s(&b->cfg.text) 
 
 /* ACTS: per part its residual stream, every block's saved slots, its norm's buffers. */
 static size_t carve_acts(fl_blip2 *b, char *base) {
-    carver cv = {base, 0};
+    fl_carver cv = {base, 0};
     const size_t B = (size_t)b->B, T0 = (size_t)b->st[0].T;
     for (int k = 0; k < parts_here(b); k++) {
         fl_b2_stack *st = &b->st[k];
@@ -70,7 +60,7 @@ static size_t carve_acts(fl_blip2 *b, char *base) {
 
 /* WORKSPACE: the patches, the projected queries, d(image features), the gradient buffers, a logits chunk, ids. */
 static size_t carve_work(fl_blip2 *b, char *base) {
-    carver cv = {base, 0};
+    fl_carver cv = {base, 0};
     const size_t B = (size_t)b->B, P = (size_t)npatch(b), p = (size_t)b->cfg.vision.patch_size;
     const size_t Cv = (size_t)b->cfg.vision.dim, Ct = (size_t)b->cfg.text.dim, NQ = (size_t)b->cfg.n_queries;
     float *pa = TAKEF(&cv, B * P * 3 * p * p), *pe = TAKEF(&cv, B * P * Cv);
@@ -96,8 +86,8 @@ static size_t carve_work(fl_blip2 *b, char *base) {
     const size_t NL = parts_here(b) == 3 ? B * (size_t)b->TL : 0, V = (size_t)b->cfg.text.vocab_size;
     b->chunk = NL ? fl_logits_chunk_rows((int)V, (int)NL) : 0;
     float *lg = TAKEF(&cv, (size_t)b->chunk * V), *ls = TAKEF(&cv, NL);
-    int32_t *ids = take(&cv, NL * sizeof(int32_t));
-    int32_t *tg = fl_backend_host_memory(b->be) ? NULL : take(&cv, NL * sizeof(int32_t));
+    int32_t *ids = fl_carve(&cv, NL * sizeof(int32_t));
+    int32_t *tg = fl_backend_host_memory(b->be) ? NULL : fl_carve(&cv, NL * sizeof(int32_t));
     if (base) {
         b->patches = pa, b->pe = pe, b->qproj = qp, b->dqproj = dqp, b->dimg = di, b->n_gb = ngb;
         b->logits = lg, b->losses = ls, b->ids = ids, b->dtargets = tg;
@@ -360,39 +350,11 @@ static fl_status blocks_backward(fl_blip2 *b, int k) {
     return FL_OK;
 }
 
-/* The head and the loss over the language model's final norm output, chunked; in training its backward too,
- * leaving d(the norm's output) in gb[1]. */
+/* The head and the loss over the language model's final norm output (d(its input) in gb[1] in training). */
 static fl_status head_loss(fl_blip2 *b, const int32_t *targets, float grad_scale, float *logits_out) {
-    const fl_backend *be = b->be;
-    fl_model *m = &b->part[2];
-    const int C = m->cfg.dim, V = m->cfg.vocab_size, N = b->Bp * b->st[2].T, train = grad_scale > 0 && targets;
-    fl_outer_params op;
-    fl_get_outer(m, &op);
-    fl_linear head = {.in = C, .out = V, .w = op.head, .dw = op.dhead};
-    fl_linear_set_weight(m, &head, op.head_idx);
-    const int32_t *tg = targets;
-    if (targets && b->dtargets) {
-        FL_TRY(be->to_device(be, b->dtargets, targets, (size_t)N * sizeof *targets));
-        tg = b->dtargets;
-    }
-    for (int r0 = 0; r0 < N; r0 += b->chunk) {
-        const int rows = N - r0 < b->chunk ? N - r0 : b->chunk;
-        const float *xr = b->st[2].nout + (size_t)r0 * C;
-        FL_TRY(fl_linear_forward(be, b->logits, xr, &head, rows));
-        if (logits_out) FL_TRY(be->to_host(be, logits_out + (size_t)r0 * V, b->logits, (size_t)rows * V * sizeof(float)));
-        if (!targets) continue;
-        be->cross_entropy(be, b->losses + r0, train ? b->logits : NULL, b->logits, tg + r0, rows, V, grad_scale,
-                          FL_IGNORE_INDEX);
-        if (train) FL_TRY(fl_linear_backward(be, b->gb[1] + (size_t)r0 * C, 0, b->logits, xr, &head, rows));
-    }
-    if (!targets) return FL_OK;
-    float *l = malloc((size_t)N * sizeof *l);
-    if (!l) return fl_errorf(FL_ERR_OOM, "BLIP-2 losses: out of host memory");
-    fl_status s = be->to_host(be, l, b->losses, (size_t)N * sizeof *l);
-    for (int i = 0; s == FL_OK && i < N; i++)
-        if (targets[i] != FL_IGNORE_INDEX) b->loss_sum += l[i], b->n_valid++;
-    free(l);
-    return s;
+    const fl_head_bufs h = {b->st[2].nout, b->gb[1], b->logits, b->losses, b->dtargets, b->chunk};
+    return fl_head_loss(&b->part[2], &h, targets, b->Bp * b->st[2].T, grad_scale, logits_out, &b->loss_sum,
+                        &b->n_valid);
 }
 
 /* Part k's model graph, forward. */

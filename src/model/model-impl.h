@@ -195,4 +195,27 @@ int fl_blip2_has_xattn(const fl_model_config *c, int l);
 struct fl_block_graph_s;
 void fl_blip2_qformer_block(const fl_model_config *c, int xattn, struct fl_block_graph_s *g);
 
+/* The chunked LM head + cross-entropy (head.c) over x (N, C): logits / losses (chunk x V, N) scratch, dtargets a device
+ * copy of the targets or NULL (host memory), dx (N, C) d(x) in training (grad_scale > 0 with targets); the valid
+ * targets' losses summed into *loss_sum, counted in *n_valid. */
+typedef struct {
+    const float *x;
+    float *dx, *logits, *losses;
+    int32_t *dtargets;
+    int chunk;
+} fl_head_bufs;
+fl_status fl_head_loss(fl_model *m, const fl_head_bufs *h, const int32_t *targets, int N, float grad_scale,
+                       float *logits_out, double *loss_sum, long *n_valid);
+
+/* An arena's views carved from one allocation (base NULL: count only), 64-byte aligned. */
+typedef struct {
+    char *base;
+    size_t off;
+} fl_carver;
+static inline void *fl_carve(fl_carver *cv, size_t bytes) {
+    void *p = cv->base ? (void *)(cv->base + cv->off) : NULL;
+    cv->off += (bytes + 63) / 64 * 64;
+    return p;
+}
+
 #endif

@@ -302,41 +302,9 @@ static fl_status check_model(const fl_model *m, const char *fn) {
 /* The head and the loss over the last stack's final norm output, chunked over rows; in training its backward too,
  * leaving d(the norm's output) in gb[1]. */
 static fl_status head_loss(fl_model *m, const int32_t *targets, int N, float grad_scale, float *logits_out) {
-    const fl_backend *be = m->be;
     struct fl_s2s_acts *a = m->acts->s2s;
-    const s2s_stack *st = &a->st[a->n_stacks - 1];
-    const int C = m->cfg.dim, V = m->cfg.vocab_size, train = grad_scale > 0 && targets;
-    fl_outer_params op;
-    fl_get_outer(m, &op);
-    fl_linear head = {.in = C, .out = V, .w = op.head, .dw = op.dhead};
-    fl_linear_set_weight(m, &head, op.head_idx);
-    const int32_t *tg = targets;
-    if (targets && a->targets) {
-        FL_TRY(be->to_device(be, a->targets, targets, (size_t)N * sizeof *targets));
-        tg = a->targets;
-    }
-    for (int r0 = 0; r0 < N; r0 += a->chunk) {
-        const int rows = N - r0 < a->chunk ? N - r0 : a->chunk;
-        const float *xr = st->nout + (size_t)r0 * C;
-        fl_model_bind_adapters(m, -1, 0, &head, r0); /* head adapters: this chunk */
-        FL_TRY(fl_linear_forward(be, a->logits, xr, &head, rows)); // (rows, V)
-        if (logits_out) FL_TRY(be->to_host(be, logits_out + (size_t)r0 * V, a->logits, (size_t)rows * V * sizeof(float)));
-        if (!targets) continue;
-        be->cross_entropy(be, a->losses + r0, train ? a->logits : NULL, a->logits, tg + r0, rows, V, grad_scale,
-                          FL_IGNORE_INDEX);
-        if (train) FL_TRY(fl_linear_backward(be, a->gb[1] + (size_t)r0 * C, 0, a->logits, xr, &head, rows));
-    }
-    if (!targets) return FL_OK;
-    float *l = malloc((size_t)N * sizeof *l);
-    if (!l) return fl_errorf(FL_ERR_OOM, "losses: out of host memory");
-    fl_status s = be->to_host(be, l, a->losses, (size_t)N * sizeof *l);
-    for (int i = 0; s == FL_OK && i < N; i++)
-        if (targets[i] != FL_IGNORE_INDEX) {
-            m->loss_sum += l[i];
-            m->n_valid++;
-        }
-    free(l);
-    return s;
+    const fl_head_bufs h = {a->st[a->n_stacks - 1].nout, a->gb[1], a->logits, a->losses, a->targets, a->chunk};
+    return fl_head_loss(m, &h, targets, N, grad_scale, logits_out, &m->loss_sum, &m->n_valid);
 }
 
 /* Stack s's model-graph ops, forward. */

@@ -40,6 +40,32 @@ IMG_TOK, MAX_NEW = 100, 8
 PROMPT = [17, 29, 31]
 
 
+def redraw(m, seed):
+    """every parameter redrawn (in named_parameters' order, one generator): norms 1 + 0.2 r, T5's relative bias tables
+    r, other 1-D tensors and biases 0.2 r, the queries, class token, ViT positions and T5's shared table r, OPT's
+    tied token table and positions 0.3 r (logits of a few units), the patch convolution and the linears r / sqrt(in)"""
+    g = torch.Generator().manual_seed(seed)
+    unit = ("query_tokens", "vision_model.embeddings.class_embedding", "vision_model.embeddings.position_embedding",
+            "language_model.shared.weight")
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if "norm" in name.lower() and name.endswith("weight"):
+                p.copy_(1.0 + 0.2 * r)
+            elif "relative_attention_bias" in name:
+                p.copy_(r)
+            elif p.ndim == 1 or name.endswith("bias"):
+                p.copy_(0.2 * r)
+            elif name in unit:
+                p.copy_(r)
+            elif "embed_" in name:
+                p.copy_(0.3 * r)
+            elif p.ndim == 4:  # the patch convolution (C, 3, p, p)
+                p.copy_(r / (p[0].numel()) ** 0.5)
+            else:  # (out, in) linears
+                p.copy_(r / p.shape[1] ** 0.5)
+
+
 def build(seed):
     vc = dict(hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=3, image_size=12,
               patch_size=4, hidden_act="gelu", layer_norm_eps=1e-6, qkv_bias=True, attention_dropout=0.0)
@@ -56,23 +82,7 @@ def build(seed):
         sub._attn_implementation = "eager"
     torch.manual_seed(seed)
     m = Blip2ForConditionalGeneration(cfg).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            if "norm" in name.lower() and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * r)
-            elif p.ndim == 1 or name.endswith("bias"):
-                p.copy_(0.2 * r)
-            elif name in ("query_tokens", "vision_model.embeddings.class_embedding",
-                          "vision_model.embeddings.position_embedding"):
-                p.copy_(r)
-            elif "embed_" in name:  # OPT's tied token table and positions: logits of a few units
-                p.copy_(0.3 * r)
-            elif p.ndim == 4:  # the patch convolution (C, 3, p, p)
-                p.copy_(r / (p[0].numel()) ** 0.5)
-            else:  # (out, in) linears
-                p.copy_(r / p.shape[1] ** 0.5)
+    redraw(m, seed + 1)
     return cfg, m
 
 
@@ -151,23 +161,7 @@ def make_t5(out_dir, seed=20):
     m = Blip2ForConditionalGeneration(cfg).eval()
     lm = m.language_model
     lm.lm_head.weight = torch.nn.Parameter(torch.empty(tc.vocab_size, tc.d_model))  # its own, as flan-t5's
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            if ("norm" in name.lower() and name.endswith("weight")) or "layer_norm" in name:
-                p.copy_(1.0 + 0.2 * r)
-            elif "relative_attention_bias" in name:
-                p.copy_(r)
-            elif p.ndim == 1 or name.endswith("bias"):
-                p.copy_(0.2 * r)
-            elif name in ("query_tokens", "vision_model.embeddings.class_embedding",
-                          "vision_model.embeddings.position_embedding", "language_model.shared.weight"):
-                p.copy_(r)
-            elif p.ndim == 4:
-                p.copy_(r / (p[0].numel()) ** 0.5)
-            else:
-                p.copy_(r / p.shape[1] ** 0.5)
+    redraw(m, seed + 1)
     prm = [(n, p) for n, p in m.named_parameters()]
     save_file({n: p.detach().contiguous() for n, p in prm}, os.path.join(out_dir, "model.safetensors"),
               metadata={"format": "pt"})
