@@ -40,6 +40,14 @@ IMG_TOK, MAX_NEW = 100, 8
 PROMPT = [17, 29, 31]
 
 
+# the image parts of both fixtures
+VC = dict(hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=3, image_size=12, patch_size=4,
+          hidden_act="gelu", layer_norm_eps=1e-6, qkv_bias=True, attention_dropout=0.0)
+QC = dict(hidden_size=20, num_hidden_layers=3, num_attention_heads=2, intermediate_size=36, cross_attention_frequency=2,
+          encoder_hidden_size=24, hidden_act="gelu_pytorch_tanh", hidden_dropout_prob=0.0,
+          attention_probs_dropout_prob=0.0, layer_norm_eps=1e-12)
+
+
 def redraw(m, seed):
     """every parameter redrawn (in named_parameters' order, one generator): norms 1 + 0.2 r, T5's relative bias tables
     r, other 1-D tensors and biases 0.2 r, the queries, class token, ViT positions and T5's shared table r, OPT's
@@ -67,15 +75,10 @@ def redraw(m, seed):
 
 
 def build(seed):
-    vc = dict(hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=3, image_size=12,
-              patch_size=4, hidden_act="gelu", layer_norm_eps=1e-6, qkv_bias=True, attention_dropout=0.0)
-    qc = dict(hidden_size=20, num_hidden_layers=3, num_attention_heads=2, intermediate_size=36,
-              cross_attention_frequency=2, encoder_hidden_size=24, hidden_act="gelu_pytorch_tanh",
-              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, layer_norm_eps=1e-12)
     tc = OPTConfig(vocab_size=103, hidden_size=28, num_attention_heads=4, ffn_dim=44, num_hidden_layers=2,
                    max_position_embeddings=64, word_embed_proj_dim=28, dropout=0.0, attention_dropout=0.0,
                    bos_token_id=2, eos_token_id=2, pad_token_id=1)
-    cfg = Blip2Config(vision_config=vc, qformer_config=qc, text_config=tc.to_dict(), num_query_tokens=NQ,
+    cfg = Blip2Config(vision_config=VC, qformer_config=QC, text_config=tc.to_dict(), num_query_tokens=NQ,
                       image_token_index=IMG_TOK)
     cfg._attn_implementation = "eager"
     for sub in (cfg.vision_config, cfg.qformer_config, cfg.text_config):
@@ -143,16 +146,11 @@ def make_t5(out_dir, seed=20):
     source CLI_T5_SRC (after the placeholders), and the greedy decoding of that source."""
     from transformers import T5Config
     os.makedirs(out_dir, exist_ok=True)
-    vc = dict(hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=3, image_size=12,
-              patch_size=4, hidden_act="gelu", layer_norm_eps=1e-6, qkv_bias=True, attention_dropout=0.0)
-    qc = dict(hidden_size=20, num_hidden_layers=3, num_attention_heads=2, intermediate_size=36,
-              cross_attention_frequency=2, encoder_hidden_size=24, hidden_act="gelu_pytorch_tanh",
-              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, layer_norm_eps=1e-12)
     tc = T5Config(vocab_size=97, d_model=36, d_kv=10, d_ff=52, num_layers=2, num_decoder_layers=3, num_heads=3,
                   relative_attention_num_buckets=8, relative_attention_max_distance=20, dropout_rate=0.0,
                   layer_norm_epsilon=1e-6, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
                   feed_forward_proj="gated-gelu", tie_word_embeddings=False)
-    cfg = Blip2Config(vision_config=vc, qformer_config=qc, text_config=tc.to_dict(), num_query_tokens=NQ,
+    cfg = Blip2Config(vision_config=VC, qformer_config=QC, text_config=tc.to_dict(), num_query_tokens=NQ,
                       image_token_index=T5_IMG)
     cfg._attn_implementation = "eager"
     for sub in (cfg.vision_config, cfg.qformer_config, cfg.text_config):
