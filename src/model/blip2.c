@@ -265,22 +265,40 @@ static int shape_ok(const fl_st_tensor *t, const fl_param_info *p) {
     return 1;
 }
 
-static fl_status read_f32(const fl_st_tensor *t, float *dst, size_t n, const char *file) {
+/* n elements of t from element k0 as float32 into dst (host), refusing a non-finite value by name */
+static fl_status read_f32(const fl_st_tensor *t, size_t k0, float *dst, size_t n, const char *file) {
     if (t->dtype != FL_F32 && t->dtype != FL_BF16 && t->dtype != FL_F16 && t->dtype != FL_F64)
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s: tensor '%s': dtype %s cannot be loaded (F32, BF16, F16)", file, t->name,
                          fl_dtype_name(t->dtype));
     const size_t es = fl_dtype_size(t->dtype);
     void *tmp = malloc(n > 0 ? n * es : 1);
     if (!tmp) return fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", file, t->name);
-    memcpy(tmp, t->data, n * es); /* the file does not promise alignment */
+    memcpy(tmp, (const char *)t->data + k0 * es, n * es); /* the file does not promise alignment */
     long long bad = fl_dtype_first_nonfinite(tmp, t->dtype, n);
     fl_status s = FL_OK;
     if (bad >= 0)
         s = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s' holds a non-finite value (inf/NaN) at element %lld", file, t->name,
-                      bad);
+                      bad + (long long)k0);
     else if (fl_convert(dst, FL_F32, tmp, t->dtype, n))
         s = fl_errorf(FL_ERR_INTERNAL, "%s: tensor '%s': conversion failed", file, t->name);
     free(tmp);
+    return s;
+}
+
+/* A tensor in its entry's orientation into the (fp32, device) store in fixed slices: no whole-tensor copy */
+static fl_status copy_slices(fl_model *m, int i, const fl_st_tensor *t, const char *file) {
+    enum { SLICE = 1 << 16 };
+    fl_dtype dt;
+    float *dst = fl_model_param_data(m, i, &dt), *buf = malloc(SLICE * sizeof *buf);
+    fl_status s = buf ? FL_OK : fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", file, t->name);
+    if (s == FL_OK && (!dst || dt != FL_F32)) s = fl_errorf(FL_ERR_INTERNAL, "BLIP-2: fp32 storage expected");
+    const size_t numel = m->layout.params[i].numel;
+    for (size_t k = 0; s == FL_OK && k < numel; k += SLICE) {
+        const size_t n = numel - k < SLICE ? numel - k : SLICE;
+        s = read_f32(t, k, buf, n, file);
+        if (s == FL_OK) s = m->be->to_device(m->be, dst + k, buf, n * sizeof *buf);
+    }
+    free(buf);
     return s;
 }
 
@@ -296,8 +314,8 @@ static fl_status load_split_qkv_bias(const st_set *f, const fl_param_info *p, fl
     if (q->ndim != 1 || q->shape[0] != (int64_t)C || v->ndim != 1 || v->shape[0] != (int64_t)C)
         return fl_errorf(FL_ERR_FORMAT, "%s: tensors '%s' / '%s' must have shape [%zu]", dir, qn, vn, C);
     memset(buf + C, 0, C * sizeof *buf);
-    FL_TRY(read_f32(q, buf, C, dir));
-    return read_f32(v, buf + 2 * C, C, dir);
+    FL_TRY(read_f32(q, 0, buf, C, dir));
+    return read_f32(v, 0, buf + 2 * C, C, dir);
 }
 
 /* (r, c) row-major -> (c, r), in place through a copy */
@@ -319,19 +337,21 @@ static fl_status load_part(fl_model *m, const st_set *f, const char *prefix, con
         const fl_param_info *p = &lay->params[i];
         char name[FL_PARAM_NAME_MAX + 32];
         snprintf(name, sizeof name, "%s%s", prefix, p->name);
-        float *buf = malloc(p->numel * sizeof *buf);
-        if (!buf) return fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", dir, name);
         const fl_st_tensor *t = find_tensor(f, name);
-        if (!t && m->cfg.arch == FL_ARCH_BLIP2_VISION && strstr(name, "qkv.bias"))
-            s = load_split_qkv_bias(f, p, buf, dir);
-        else if (!t)
-            s = fl_errorf(FL_ERR_NOT_FOUND, "%s: tensor '%s' not found in the model files", dir, name);
-        else if (!shape_ok(t, p))
-            s = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s' has a shape that does not match config.json (%lld x %lld "
-                          "expected)", dir, name, (long long)p->shape[0], (long long)(p->ndim == 2 ? p->shape[1] : 1));
-        else
-            s = read_f32(t, buf, p->numel, dir);
-        if (s == FL_OK && p->ndim == 2 && p->transposed_on_disk) s = transpose(buf, p->shape[1], p->shape[0]);
+        const int split = !t && m->cfg.arch == FL_ARCH_BLIP2_VISION && strstr(name, "qkv.bias") != NULL;
+        if (!t && !split) return fl_errorf(FL_ERR_NOT_FOUND, "%s: tensor '%s' not found in the model files", dir, name);
+        if (t && !shape_ok(t, p))
+            return fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s' has a shape that does not match config.json (%lld x %lld "
+                             "expected)", dir, name, (long long)p->shape[0], (long long)(p->ndim == 2 ? p->shape[1] : 1));
+        const int tr = p->ndim == 2 && p->transposed_on_disk;
+        if (!split && !tr) { /* the common case, slice by slice */
+            s = copy_slices(m, i, t, dir);
+            continue;
+        }
+        float *buf = malloc(p->numel * sizeof *buf); /* small: a (3C) bias, a relative bias table */
+        if (!buf) return fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", dir, name);
+        s = split ? load_split_qkv_bias(f, p, buf, dir) : read_f32(t, 0, buf, p->numel, dir);
+        if (s == FL_OK && tr) s = transpose(buf, p->shape[1], p->shape[0]);
         if (s == FL_OK) fl_model_write_param(m, i, buf);
         free(buf);
     }

@@ -211,8 +211,9 @@ static fl_status patch_forward(fl_blip2 *b, const float *pixels) {
     const fl_model *m = &b->part[0];
     const int S = m->cfg.image_size, ps = m->cfg.patch_size, G = S / ps, P = G * G, K = 3 * ps * ps, C = m->cfg.dim;
     const int T0 = P + 1, B = b->Bp;
-    float *h = malloc((size_t)B * P * K * sizeof *h);
-    if (!h) return fl_errorf(FL_ERR_OOM, "BLIP-2 patches: out of host memory");
+    fl_mem_pool *hp = fl_mem_host_pool(b->pool); /* (B P, 3 p p): megabytes at real sizes */
+    float *h = NULL;
+    FL_TRY(fl_mem_alloc(hp, FL_TAG_OTHER, (size_t)B * P * K * sizeof *h, (void **)&h));
     for (int n = 0; n < B; n++)
         for (int gy = 0; gy < G; gy++)
             for (int gx = 0; gx < G; gx++) {
@@ -224,7 +225,7 @@ static fl_status patch_forward(fl_blip2 *b, const float *pixels) {
                                (size_t)ps * sizeof *row);
             }
     fl_status s = be->to_device(be, b->patches, h, (size_t)B * P * K * sizeof *h);
-    free(h);
+    fl_mem_free(hp, h);
     FL_TRY(s);
     fl_linear lin = outer_linear(m, 0, FL_ROLE_PATCH_W, FL_ROLE_PATCH_B);
     FL_TRY(fl_linear_forward(be, b->pe, b->patches, &lin, B * P)); // (B P, C)
@@ -552,7 +553,7 @@ fl_status fl_blip2_generate(fl_blip2 *b, const float *pixels, const int32_t *pro
     const int NQ = b->cfg.n_queries, it = b->cfg.image_token, V = b->cfg.text.vocab_size;
     const int head = (it >= 0 ? NQ : 0) + 1 + n_prompt, total = head + max_new;
     int32_t *ids = malloc((size_t)total * sizeof *ids);
-    float *lg = malloc((size_t)(total + NQ) * V * sizeof *lg);
+    float *lg = malloc((size_t)V * sizeof *lg); /* the last row's logits */
     if (!ids || !lg) {
         free(ids), free(lg);
         return fl_errorf(FL_ERR_OOM, "fl_blip2_generate: out of host memory");
@@ -568,15 +569,17 @@ fl_status fl_blip2_generate(fl_blip2 *b, const float *pixels, const int32_t *pro
         free(ids);
         return s;
     }
-    /* no cache yet: the whole sequence again for every token (the image parts included) */
+    /* no cache yet: the whole sequence again for every token (the image parts included); the head's last chunk
+     * stays in the logits buffer, its last row is the next token's */
     while (s == FL_OK && *n_out < max_new) {
         s = fl_blip2_alloc_acts(b, 1, n);
-        if (s == FL_OK) s = fl_blip2_forward(b, pixels, ids, NULL, 1, n, 0, lg, NULL);
+        if (s == FL_OK) s = fl_blip2_forward(b, pixels, ids, NULL, 1, n, 0, NULL, NULL);
+        const int N = b->TL, last = N - 1 - (N - 1) / b->chunk * b->chunk;
+        if (s == FL_OK) s = b->be->to_host(b->be, lg, b->logits + (size_t)last * V, (size_t)V * sizeof *lg);
         if (s != FL_OK) break;
-        const float *row = lg + (size_t)(b->TL - 1) * V;
         int best = 0;
         for (int v = 1; v < V; v++)
-            if (row[v] > row[best]) best = v; /* the first of equal maxima, as torch.argmax */
+            if (lg[v] > lg[best]) best = v; /* the first of equal maxima, as torch.argmax */
         out[(*n_out)++] = best;
         ids[n++] = best;
         if (best == b->cfg.eos_id) break;
