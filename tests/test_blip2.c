@@ -378,3 +378,42 @@ FL_TEST(blip2_t5_vs_transformers) {
     fl_backend_pools_free(&pool, &host);
     fl_backend_free(&be);
 }
+
+/* A config without image_token_index (the layout before transformers 5): the queries go in front of the ids. The
+ * language model then sees the same rows as with the placeholders, so the logits and the loss are the same bits,
+ * and so are the gradients of the image parts. */
+FL_TEST(blip2_prepended_queries_same_bits) {
+    b2_case c;
+    FL_REQUIRE_OK(open_case(&c));
+    const int V = c.b->cfg.text.vocab_size, NQ = c.b->cfg.n_queries, TC = c.T - NQ;
+    float *l1 = malloc((size_t)c.B * c.T * V * sizeof *l1), *l2 = malloc((size_t)c.B * c.T * V * sizeof *l2), a, bl;
+    FL_REQUIRE(l1 && l2);
+    FL_REQUIRE_OK(forward(&c, 1.0f / (float)c.n_valid, l1, &a));
+    FL_REQUIRE_OK(fl_blip2_backward(c.b));
+    fl_model *q1 = fl_blip2_part(c.b, FL_BLIP2_QFORMER);
+    float g1;
+    FL_REQUIRE_OK(c.be.to_host(&c.be, &g1, fl_model_grads_f32(q1) + 7, sizeof g1));
+    fl_blip2 *b = NULL;
+    FL_REQUIRE_OK(fl_blip2_load(&b, bad_folder("\"image_token_index\": 100", "\"image_token_index\": null"), &c.be,
+                                &c.pool));
+    FL_CHECK(b->cfg.image_token == -1);
+    FL_REQUIRE_OK(fl_blip2_alloc_grads(b));
+    FL_REQUIRE_OK(fl_blip2_alloc_acts(b, c.B, TC));
+    int32_t *ids = malloc((size_t)c.B * TC * sizeof *ids), *tg = malloc((size_t)c.B * TC * sizeof *tg);
+    FL_REQUIRE(ids && tg);
+    for (int n = 0; n < c.B; n++)
+        for (int t = 0; t < TC; t++) {
+            ids[n * TC + t] = ((const int32_t *)c.ids->data)[n * c.T + NQ + t];
+            tg[n * TC + t] = c.targets[n * c.T + NQ + t];
+        }
+    FL_REQUIRE_OK(fl_blip2_forward(b, c.pixels->data, ids, tg, c.B, TC, 1.0f / (float)c.n_valid, l2, &bl));
+    FL_CHECKF(a == bl && memcmp(l1, l2, (size_t)c.B * c.T * V * sizeof *l1) == 0, "loss %.9g vs %.9g", (double)a,
+              (double)bl);
+    FL_REQUIRE_OK(fl_blip2_backward(b));
+    float g2;
+    FL_REQUIRE_OK(c.be.to_host(&c.be, &g2, fl_model_grads_f32(fl_blip2_part(b, FL_BLIP2_QFORMER)) + 7, sizeof g2));
+    FL_CHECKF(g1 == g2 && g1 != 0, "query_tokens gradient %.9g vs %.9g", (double)g1, (double)g2);
+    free(ids), free(tg), free(l1), free(l2);
+    fl_blip2_free(b);
+    close_case(&c);
+}
