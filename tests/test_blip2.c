@@ -18,6 +18,7 @@
 #include "fitllm/blip2.h"
 #include "core/fs.h"
 #include "fitllm/io.h"
+#include "fitllm/train.h"
 #include "model/blip2-impl.h"
 #include "test.h"
 
@@ -415,5 +416,98 @@ FL_TEST(blip2_prepended_queries_same_bits) {
     FL_CHECKF(g1 == g2 && g1 != 0, "query_tokens gradient %.9g vs %.9g", (double)g1, (double)g2);
     free(ids), free(tg), free(l1), free(l2);
     fl_blip2_free(b);
+    close_case(&c);
+}
+
+/* 5 AdamW steps of every part at lr (one optimizer per part, the same hyperparameters, as torch.optim.AdamW over
+ * model.parameters()); l5: PyTorch fp32's losses to check each step's against, or NULL */
+static void adam_steps(b2_case *c, float lr, const fl_st_tensor *l5) {
+    fl_optim_config oc;
+    fl_optim_config_default(&oc, FL_OPT_ADAMW);
+    oc.lr = lr, oc.beta1 = 0.9f, oc.beta2 = 0.95f, oc.eps = 1e-8f, oc.weight_decay = 0.1f;
+    fl_optimizer o[FL_BLIP2_PARTS];
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) FL_REQUIRE_OK(fl_optim_init(&o[k], fl_blip2_part(c->b, k), &oc));
+    for (int s = 0; s < 5; s++) {
+        float loss;
+        fl_blip2_zero_grads(c->b);
+        FL_REQUIRE_OK(forward(c, 1.0f / (float)c->n_valid, NULL, &loss));
+        const double rl = l5 ? ((const float *)l5->data)[s] : loss;
+        FL_CHECKF(fabs(loss - rl) <= 1e-5 * fabs(rl), "step %d loss %.8f vs PyTorch fp32 %.8f", s + 1, (double)loss, rl);
+        FL_REQUIRE_OK(fl_blip2_backward(c->b));
+        for (int k = 0; k < FL_BLIP2_PARTS; k++) FL_REQUIRE_OK(fl_optim_step(&o[k], oc.lr, 0.0f, NULL));
+    }
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) fl_optim_free(&o[k]);
+}
+
+/* The weights after 5 AdamW steps against the float64 run, within 4 x PyTorch fp32's own distance to it (the golden
+ * rule of tests/test_t5.c: the worst element's distance scaled by its tensor's max; elements whose gradient is noise,
+ * 0 < |grad| < 1e-4 x their tensor's max or < 10 x PyTorch fp32's error on that gradient, such as every key bias
+ * (softmax ignores a shift shared by all keys: mathematically zero, rounding in any precision), move by +-lr with
+ * the noise's sign and are held to Adam's bound only, at most 10% of them: OPT's 54 position rows past the 12 used
+ * have no gradient at all, 1512 of the 41284 elements); the same steps at lr x 1.01 land over 10x the
+ * bar, so the check can fail. Training of the whole model through the library: every part's optimizer. */
+FL_TEST(blip2_adamw_vs_transformers) {
+    b2_case c, cm;
+    FL_REQUIRE_OK(open_case(&c));
+    FL_REQUIRE_OK(open_case(&cm));
+    const fl_st_tensor *l5 = fl_st_find(&c.x, "loss5");
+    FL_REQUIRE(l5 && l5->shape[0] == 5);
+    const float lr = 1e-3f;
+    adam_steps(&c, lr, l5);
+    adam_steps(&cm, lr * 1.01f, NULL);
+    double e_torch = 0, worst = 0, worst_mut = 0, pe_max[FL_BLIP2_PARTS] = {0};
+    size_t excluded = 0, total = 0;
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        fl_model *m = fl_blip2_part(c.b, k), *mm = fl_blip2_part(cm.b, k);
+        for (int i = 0; i < m->layout.n; i++) {
+            const fl_param_info *p = &m->layout.params[i];
+            char key[4][200];
+            static const char *const pre[4] = {"after5.", "after5_f64.", "grad.", "noise."};
+            for (int j = 0; j < 4; j++)
+                snprintf(key[j], sizeof key[j], "%s%s%s", pre[j], k == FL_BLIP2_TEXT ? "language_model." : "", p->name);
+            const fl_st_tensor *t32 = fl_st_find(&c.x, key[0]), *t64 = fl_st_find(&c.x, key[1]);
+            const fl_st_tensor *tg = fl_st_find(&c.x, key[2]), *tn = fl_st_find(&c.x, key[3]);
+            FL_CHECKF(t32 && t64 && tg && tn && t64->dtype == FL_F64, "reference after5 / after5_f64 / grad of %s",
+                      p->name);
+            if (!t32 || !t64 || !tg || !tn || t64->dtype != FL_F64) continue;
+            const double gnoise = f32_at(tn); /* PyTorch fp32's error on this gradient */
+            float *w = malloc(p->numel * 4), *wm = malloc(p->numel * 4);
+            FL_REQUIRE(w && wm);
+            FL_REQUIRE_OK(c.be.to_host(&c.be, w, fl_model_params_f32(m) + fl_model_store_off(m, i), p->numel * 4));
+            FL_REQUIRE_OK(cm.be.to_host(&cm.be, wm, fl_model_params_f32(mm) + fl_model_store_off(mm, i), p->numel * 4));
+            const float *p32 = t32->data, *g1 = tg->data;
+            const double *r64 = t64->data;
+            double gmax = 0, pmax = 0, d_ours = 0, d_torch = 0, d_mut = 0;
+            for (size_t j = 0; j < p->numel; j++) gmax = fmax(gmax, fabs(g1[j])), pmax = fmax(pmax, fabs(r64[j]));
+            for (size_t j = 0; j < p->numel; j++) {
+                const double d = fabs((double)w[j] - r64[j]);
+                total++;
+                if ((g1[j] != 0.0f && fabs(g1[j]) < 1e-4 * gmax) || fabs(g1[j]) < 10 * gnoise) {
+                    excluded++;
+                    FL_CHECKF(d <= 5 * lr * (1 + 0.1 * 5 * lr), "%s[%zu] moved beyond Adam's bound", p->name, j);
+                    continue;
+                }
+                d_ours = fmax(d_ours, d);
+                d_torch = fmax(d_torch, fabs((double)p32[j] - r64[j]));
+                d_mut = fmax(d_mut, fabs((double)wm[j] - r64[j]));
+            }
+            const double sc = pmax > 0 ? pmax : 1;
+            e_torch = fmax(e_torch, d_torch / sc);
+            pe_max[k] = fmax(pe_max[k], d_ours / sc);
+            worst = fmax(worst, d_ours / sc);
+            worst_mut = fmax(worst_mut, d_mut / sc);
+            free(w), free(wm);
+        }
+    }
+    FL_CHECKF(e_torch > 0, "PyTorch fp32 is bit-identical to float64 after 5 steps (fixture broken?)");
+    for (int k = 0; k < FL_BLIP2_PARTS; k++)
+        FL_CHECKF(pe_max[k] <= 4 * e_torch, "part %d after 5 AdamW steps: distance to float64 %.3g, over 4x PyTorch "
+                  "fp32's %.3g", k, pe_max[k], e_torch);
+    FL_CHECKF(excluded * 10 <= total, "%zu of %zu elements have near-zero gradients", excluded, total);
+    FL_CHECKF(worst_mut > 10 * 4 * e_torch, "lr off by 1%% lands at %.3g from float64, within 10x the bar %.3g",
+              worst_mut, 4 * e_torch);
+    printf("      after 5 AdamW steps, distance to float64: ours %.3g, PyTorch fp32 %.3g, lr off by 1%%: %.3g (%zu of "
+           "%zu elements held to Adam's bound only)\n", worst, e_torch, worst_mut, excluded, total);
+    close_case(&cm);
     close_case(&c);
 }

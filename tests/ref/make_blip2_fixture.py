@@ -20,7 +20,10 @@ tensor) and expected.safetensors:
   (F64 [1]), grad.<name> (F32: the float64 gradients of the mean loss), noise.<x> (F32 [1]: max |PyTorch fp32 -
   float64| of the same tensor: the fp32 noise the C test's tolerances are anchored on), gen0 / gen1 (I32:
   generate(do_sample=False, max_new_tokens=8) of each image from the fp32 weights: the tokens after the 5 image
-  placeholders and BOS, eos included), genp0 (I32: the same for image 0 with the prompt ids 17 29 31 after BOS).
+  placeholders and BOS, eos included), genp0 (I32: the same for image 0 with the prompt ids 17 29 31 after BOS),
+  loss5 (F32 [5]: PyTorch fp32's loss before each of 5 AdamW steps on the batch, lr 1e-3, betas (0.9, 0.95), eps 1e-8,
+  weight decay 0.1, every parameter), after5.<name> (F32: PyTorch fp32's weights after them), after5_f64.<name> (F64:
+  the same in float64).
 And for the CLI (tests/cli_test.sh): preprocessor_config.json (BlipImageProcessor at 12x12, bicubic, CLIP's mean and
 std) and expected-cli.json: the loss of the caption ids CLI_CAPTION for tests/fixtures/images/palette_45x31.png (the
 processor's pixel_values, 5 placeholders then the caption; the mean cross-entropy of caption[1:]) and the greedy
@@ -93,16 +96,37 @@ def params(m):
     return [(n, p) for n, p in m.named_parameters() if n != "language_model.lm_head.weight"]
 
 
+def opt_forward(m, batch, dtype):
+    """logits and the caption loss: Blip2ForConditionalGeneration's own loss (logits[:, -labels:], then
+    ForCausalLMLoss's shift) fails in 5.23 on a view of the sliced logits; the same formula written out: the caption's
+    positions predict caption[1:]"""
+    pixels, ids, labels = batch
+    out = m(pixel_values=pixels.to(dtype), input_ids=ids.long())
+    lg = out.logits[:, -labels.shape[1]:-1, :]
+    out.loss = torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), labels[:, 1:].reshape(-1).long(),
+                                                 ignore_index=-100)
+    return out
+
+
+def adam5(m, batch, dtype):
+    """5 AdamW steps on the batch over every parameter (lr 1e-3, betas (0.9, 0.95), eps 1e-8, weight decay 0.1)"""
+    m = m.to(dtype)
+    opt = torch.optim.AdamW([p for _, p in params(m)], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    losses = []
+    for _ in range(5):
+        opt.zero_grad()
+        out = opt_forward(m, batch, dtype)
+        out.loss.backward()
+        losses.append(out.loss.item())
+        opt.step()
+    return {n: p.detach().clone() for n, p in params(m)}, losses
+
+
 def run(m, batch, dtype):
     m = m.to(dtype)
     m.zero_grad()
     pixels, ids, labels = batch
-    out = m(pixel_values=pixels.to(dtype), input_ids=ids.long())
-    # Blip2ForConditionalGeneration's own loss (logits[:, -labels:], then ForCausalLMLoss's shift) fails in 5.23 on
-    # a view of the sliced logits; the same formula written out: the caption's positions predict caption[1:]
-    lg = out.logits[:, -labels.shape[1]:-1, :]
-    out.loss = torch.nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), labels[:, 1:].reshape(-1).long(),
-                                                 ignore_index=-100)
+    out = opt_forward(m, batch, dtype)
     out.loss.backward()
     with torch.no_grad():
         img = m.vision_model(pixel_values=pixels.to(dtype)).last_hidden_state
@@ -235,6 +259,10 @@ def main():
     l32, s32, g32, i32, q32 = run(m, batch, torch.float32)
     l64, s64, g64, i64, q64 = run(m, batch, torch.float64)
     m.float().load_state_dict(state)
+    a32, loss5 = adam5(m, batch, torch.float32)
+    m.load_state_dict({k: v.double() for k, v in state.items()})
+    a64, _ = adam5(m, batch, torch.float64)
+    m.float().load_state_dict(state)
     gen = []
     for b in range(B):
         o = m.generate(pixel_values=pixels[b:b + 1], max_new_tokens=MAX_NEW, do_sample=False)[0]
@@ -249,9 +277,12 @@ def main():
            "image_embeds": i64.float().contiguous(), "noise.image_embeds": noise(i32, i64),
            "query_output": q64.float().contiguous(), "noise.query_output": noise(q32, q64),
            "gen0": gen[0].contiguous(), "gen1": gen[1].contiguous(), "genp0": genp.contiguous()}
+    out["loss5"] = torch.tensor(loss5, dtype=torch.float32)
     for n in g64:
         out["grad." + n] = g64[n].float().contiguous()
         out["noise." + n] = noise(g32[n], g64[n])
+        out["after5." + n] = a32[n].float().contiguous()
+        out["after5_f64." + n] = a64[n].double().contiguous()
     save_file(out, os.path.join(out_dir, "expected.safetensors"))
     print(f"{out_dir}: loss {s64.item():.8f} (fp32 noise {noise(s32, s64).item():.3g}), logits noise "
           f"{noise(l32, l64).item():.3g} (scale {l64.abs().max().item():.3g}), {len(g64)} gradients, worst grad "
