@@ -164,6 +164,26 @@ expect image_info_truncated 1 "trunc.jpg: truncated JPEG" -- "$FITLLM" image-inf
 expect image_info_dump_needs_processor 2 "--dump needs --processor" -- "$FITLLM" image-info "$IMG/one_1x1.png" --dump "$T/x"
 expect image_info_bad_processor 1 "preprocessor_config.json" -- "$FITLLM" image-info "$IMG/one_1x1.png" --processor "$T"
 expect image_info_help 0 "BlipImageProcessorPil" -- "$FITLLM" image-info --help
+# BLIP-2 (issue 32 items 1 and 4): loss of a caption after the image's query tokens and greedy captioning against
+# transformers (tests/fixtures/blip2-tiny-opt/expected-cli.json: loss 5.6369219, generate 32 x 8); bad input named
+B2=tests/fixtures/blip2-tiny-opt
+printf '2 45 17 88 9 61\n' > "$T/cap.txt"
+expect blip2_loss_image 0 "loss 5\.6369(0[7-9]|[12][0-9]|3[0-7])  ppl [0-9.]+  tokens 5  image" -- "$FITLLM" loss "$B2" --image "$IMG/palette_45x31.png" --tokens-file "$T/cap.txt"
+expect blip2_generate_image 0 "^32 32 32 32 32 32 32 32$" -- "$FITLLM" generate "$B2" --image "$IMG/palette_45x31.png" --max_new_tokens 8
+expect blip2_loss_needs_image 1 "model_type 'blip-2' is a composite" -- "$FITLLM" loss "$B2" --tokens-file "$T/cap.txt"
+expect blip2_loss_missing_image 1 "nope.png: cannot open image" -- "$FITLLM" loss "$B2" --image "$T/nope.png" --tokens-file "$T/cap.txt"
+expect blip2_loss_cmyk 1 "bad_cmyk_8x8.jpg: CMYK JPEG is not supported" -- "$FITLLM" loss "$B2" --image "$IMG/bad_cmyk_8x8.jpg" --tokens-file "$T/cap.txt"
+expect blip2_image_not_blip2 1 "--image: .* is not a BLIP-2 folder" -- "$FITLLM" loss tests/fixtures/golden-opt --image "$IMG/one_1x1.png" --tokens-file "$T/cap.txt"
+expect blip2_generate_prompt_needs_tokenizer 1 "no tokenizer found" -- "$FITLLM" generate "$B2" --image "$IMG/one_1x1.png" --prompt "a photo of"
+expect blip2_generate_sampling 1 "captioning is greedy only" -- "$FITLLM" generate "$B2" --image "$IMG/one_1x1.png" --temperature 0.7
+B2T=tests/fixtures/blip2-tiny-t5
+printf '17 29\n' > "$T/t5src.txt"; printf '45 17 88 1\n' > "$T/t5tgt.txt"
+expect blip2_t5_loss_image 0 "loss 4\.5621(3[4-9]|[45][0-9]|6[0-4])  ppl [0-9.]+  tokens 4  image" -- "$FITLLM" loss "$B2T" --image "$IMG/palette_45x31.png" --tokens-file "$T/t5src.txt" --target-tokens-file "$T/t5tgt.txt"
+expect blip2_t5_generate_image 0 "^95 19 59 19 73 19$" -- "$FITLLM" generate "$B2T" --image "$IMG/palette_45x31.png" --prompt-ids "17 29" --max_new_tokens 6
+expect blip2_t5_loss_needs_target 1 "give the target with --target-tokens-file" -- "$FITLLM" loss "$B2T" --image "$IMG/palette_45x31.png" --tokens-file "$T/t5src.txt"
+expect blip2_opt_loss_no_target 1 "has a decoder-only language model" -- "$FITLLM" loss "$B2" --image "$IMG/palette_45x31.png" --tokens-file "$T/cap.txt" --target-tokens-file "$T/t5tgt.txt"
+mkdir -p "$T/b2np" && cp "$B2/config.json" "$B2/model.safetensors" "$T/b2np/"
+expect blip2_no_processor 1 "no preprocessor_config.json" -- "$FITLLM" loss "$T/b2np" --image "$IMG/one_1x1.png" --tokens-file "$T/cap.txt"
 # T5 folders (issue 31): tokenizer.json (Unigram) and a folder with only spiece.model give HF's ids
 expect tokenize_t5_folder 0 "^63 46 9 153 123 499 1$" -- "$FITLLM" tokenize tests/fixtures/t5-tok --text "Hello  world <extra_id_0>"
 mkdir -p "$T/t5spm" && cp tests/fixtures/t5-tok/spiece.model "$T/t5spm/"

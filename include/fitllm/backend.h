@@ -201,6 +201,10 @@ struct fl_backend {
      * threshold_backward: no gradient at inp == 0). */
     void (*relu_forward)(const fl_backend *be, float *out /*(n)*/, const float *inp /*(n)*/, size_t n);
     void (*relu_backward)(const fl_backend *be, float *dinp /*(n)*/, const float *dout, const float *inp, size_t n);
+    /* The exact GELU, x (1 + erf(x / sqrt 2)) / 2 (transformers' "gelu": BLIP-2's vision tower and Q-Former);
+     * backward: dinp += dout (Phi(x) + x phi(x)) */
+    void (*gelu_erf_forward)(const fl_backend *be, float *out /*(n)*/, const float *inp /*(n)*/, size_t n);
+    void (*gelu_erf_backward)(const fl_backend *be, float *dinp /*(n)*/, const float *dout, const float *inp, size_t n);
     /* GEGLU (T5 v1.1's gated-GELU FFN) on the fused [wi_0 (F) | wi_1 (F)] rows: out = gelu_tanh(gate) * lin;
      * backward accumulates (+=) as swiglu_backward. (A backend without it, NULL: the graph refuses the op by name.) */
     void (*geglu_forward)(const fl_backend *be, float *out /*(N,F)*/, const float *gu /*(N,2F)*/, int N, int F);

@@ -35,7 +35,11 @@
 extern "C" {
 #endif
 
-typedef enum { FL_ARCH_LLAMA = 0, FL_ARCH_GPT2, FL_ARCH_OPT, FL_ARCH_BERT, FL_ARCH_T5, FL_ARCH_COUNT } fl_arch;
+/* FL_ARCH_BLIP2_VISION / _QFORMER: BLIP-2's vision tower and Q-Former, parts of the composite fl_blip2 (fitllm/blip2.h) */
+typedef enum {
+    FL_ARCH_LLAMA = 0, FL_ARCH_GPT2, FL_ARCH_OPT, FL_ARCH_BERT, FL_ARCH_T5, FL_ARCH_BLIP2_VISION, FL_ARCH_BLIP2_QFORMER,
+    FL_ARCH_COUNT
+} fl_arch;
 
 typedef struct {
     fl_arch arch;
@@ -65,6 +69,13 @@ typedef struct {
      * over tp_size ranks (n_heads, n_kv_heads and ffn_dim are the rank's; head_dim and everything else the
      * model's); 0 or 1: the whole model. Never read from or written to config.json. */
     int tp_size, tp_rank;
+    /* BLIP-2's parts (fitllm/blip2.h; 0 elsewhere): the vision tower's image_size and patch_size (max_seq = the patches
+     * + the class token); the Q-Former's num_query_tokens (= max_seq), its cross-attention's key width
+     * (encoder_hidden_size) and frequency (a cross-attention in blocks 0, every, 2 every, ...), and the language
+     * projection's output width (the language model's hidden size) */
+    int image_size, patch_size;
+    int n_queries, xattn_dim, xattn_every, proj_dim;
+    int gelu_exact; /* BLIP-2's parts: the MLP's GELU is the exact erf one (hidden_act "gelu"), else the tanh one */
 } fl_model_config;
 
 /* Fill derived defaults and validate (positive sizes, NH % NKV == 0, ...).
@@ -164,6 +175,11 @@ typedef enum {
     /* encoder-decoder (T5): a stack's relative position bias table (its first block's group), the cross-attention's
      * norm and linears (decoder blocks: q, the fused k|v of the encoder output, o), the encoder's final norm (last group) */
     FL_ROLE_REL_BIAS, FL_ROLE_LN3_W, FL_ROLE_XQ_W, FL_ROLE_XKV_W, FL_ROLE_XO_W, FL_ROLE_NORM_E_W,
+    /* BLIP-2: the patch embedding (a (C, 3 p p) matrix: the convolution's weight flattened) and its bias, the class
+     * token, the Q-Former's learned queries (group 0); the cross-attention's biases and norm bias (Q-Former blocks);
+     * the language projection (the Q-Former's last group) */
+    FL_ROLE_PATCH_W, FL_ROLE_PATCH_B, FL_ROLE_CLS_EMBED, FL_ROLE_QUERY_EMBED, FL_ROLE_LN3_B, FL_ROLE_XQ_B,
+    FL_ROLE_XKV_B, FL_ROLE_XO_B, FL_ROLE_LMPROJ_W, FL_ROLE_LMPROJ_B,
     FL_ROLE_COUNT
 } fl_param_role;
 
@@ -362,6 +378,11 @@ typedef struct {
                                  * set, the base is frozen and the adapters are what trains */
     struct fl_comm *tp_comm;    /* tensor parallel (cfg.tp_size > 1): the group the blocks' ALLREDUCE ops sum over
                                  * (fl_model_set_tp; on the backend's memory); NULL: one rank */
+    /* An encoder-decoder's source rows supplied by the caller (BLIP-2's projected queries in place of the
+     * image placeholders, fitllm/blip2.h): after the first stack's embedding, row rows[i] of the (B Ts) rows is
+     * src[i] (n rows of C, device memory); the backward moves their gradient into dsrc and none reaches the
+     * token table. n 0: none. */
+    struct { const int *rows; int n; const float *src; float *dsrc; } emb_inject;
 } fl_model;
 
 /* ---- adapters on LINEAR ops: a graph rewrite --------------------------------------------------

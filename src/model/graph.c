@@ -476,6 +476,7 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
         case FL_GOP_SWIGLU: be->swiglu_forward(be, out, in, N, (int)wo); break;
         case FL_GOP_GELU: be->gelu_forward(be, out, in, (size_t)N * wi); break;
         case FL_GOP_RELU: be->relu_forward(be, out, in, (size_t)N * wi); break;
+        case FL_GOP_GELU_ERF: be->gelu_erf_forward(be, out, in, (size_t)N * wi); break;
         case FL_GOP_GEGLU:
             if (!be->geglu_forward)
                 return fl_errorf(FL_ERR_UNSUPPORTED, "backend %s has no geglu op (T5 v1.1's gated-GELU FFN)", be->name);
@@ -542,6 +543,7 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         case FL_GOP_SWIGLU: be->swiglu_backward(be, din, dout, s[o->in], N, (int)wo); break;
         case FL_GOP_GELU: be->gelu_backward(be, din, dout, s[o->in], (size_t)N * wi); break;
         case FL_GOP_RELU: be->relu_backward(be, din, dout, s[o->in], (size_t)N * wi); break;
+        case FL_GOP_GELU_ERF: be->gelu_erf_backward(be, din, dout, s[o->in], (size_t)N * wi); break;
         case FL_GOP_GEGLU: be->geglu_backward(be, din, dout, s[o->in], N, (int)wo); break;
         case FL_GOP_ALLREDUCE:
             if (o->p == FL_GAR_BWD) FL_TRY(allreduce(x->comm, din, (size_t)N * wi));

@@ -73,6 +73,7 @@ typedef enum {
     FL_GOP_ALLREDUCE, /* in place (in == out): sum over fl_block_ctx.comm's ranks; p = FL_GAR_FWD: in the forward
                        * (backward: identity; Megatron's g after a row-parallel linear), FL_GAR_BWD: in the backward
                        * (forward: identity; Megatron's f before a column-parallel one). No comm / one rank: no-op */
+    FL_GOP_GELU_ERF, /* out = the exact GELU, in (1 + erf(in / sqrt 2)) / 2 (BLIP-2's vision tower and Q-Former) */
 } fl_gop_kind;
 
 /* Attention kinds (fl_gop.attn). CAUSAL without bias or mask runs the fused causal kernels (the decoder's

@@ -193,4 +193,33 @@ void fl_norm_forward(const fl_model *m, float *out, float *mean, float *rstd, co
 void fl_norm_backward(const fl_model *m, float *dx, float *dw, float *db, const float *dout, const float *x,
                       const float *w, const float *mean, const float *rstd, int N);
 
+/* BLIP-2 (arch_blip2.c): does Q-Former block l cross-attend to the image features; a Q-Former block's graph with or
+ * without the cross-attention (the stack alternates them, so src/model/blip2.c builds both). */
+int fl_blip2_has_xattn(const fl_model_config *c, int l);
+struct fl_block_graph_s;
+void fl_blip2_qformer_block(const fl_model_config *c, int xattn, struct fl_block_graph_s *g);
+
+/* The chunked LM head + cross-entropy (head.c) over x (N, C): logits / losses (chunk x V, N) scratch, dtargets a device
+ * copy of the targets or NULL (host memory), dx (N, C) d(x) in training (grad_scale > 0 with targets); the valid
+ * targets' losses summed into *loss_sum, counted in *n_valid. */
+typedef struct {
+    const float *x;
+    float *dx, *logits, *losses;
+    int32_t *dtargets;
+    int chunk;
+} fl_head_bufs;
+fl_status fl_head_loss(fl_model *m, const fl_head_bufs *h, const int32_t *targets, int N, float grad_scale,
+                       float *logits_out, double *loss_sum, long *n_valid);
+
+/* An arena's views carved from one allocation (base NULL: count only), 64-byte aligned. */
+typedef struct {
+    char *base;
+    size_t off;
+} fl_carver;
+static inline void *fl_carve(fl_carver *cv, size_t bytes) {
+    void *p = cv->base ? (void *)(cv->base + cv->off) : NULL;
+    cv->off += (bytes + 63) / 64 * 64;
+    return p;
+}
+
 #endif

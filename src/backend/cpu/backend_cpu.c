@@ -38,6 +38,8 @@ static void fill_ops(fl_backend *be) {
     be->gelu_backward = fl_cpu_gelu_backward;
     be->relu_forward = fl_cpu_relu_forward;
     be->relu_backward = fl_cpu_relu_backward;
+    be->gelu_erf_forward = fl_cpu_gelu_erf_forward;
+    be->gelu_erf_backward = fl_cpu_gelu_erf_backward;
     be->geglu_forward = fl_cpu_geglu_forward;
     be->geglu_backward = fl_cpu_geglu_backward;
     be->add = fl_cpu_add;

@@ -51,6 +51,8 @@ extern "C" {
     int P##gelu_backward(float *dinp, const float *dout, const float *inp, size_t n, void *stream);             \
     int P##relu_forward(float *out, const float *inp, size_t n, void *stream);                                  \
     int P##relu_backward(float *dinp, const float *dout, const float *inp, size_t n, void *stream);             \
+    int P##gelu_erf_forward(float *out, const float *inp, size_t n, void *stream);                              \
+    int P##gelu_erf_backward(float *dinp, const float *dout, const float *inp, size_t n, void *stream);         \
     int P##geglu_forward(float *out, const float *gu, int N, int F, void *stream);                              \
     int P##geglu_backward(float *dgu, const float *dout, const float *gu, int N, int F, void *stream);           \
     /* rope_forward (backward = 0) or rope_backward (1), in place */                                       \

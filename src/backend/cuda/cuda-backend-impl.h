@@ -278,6 +278,12 @@ static void flb_relu_forward(const fl_backend *be, float *out, const float *inp,
 static void flb_relu_backward(const fl_backend *be, float *dinp, const float *dout, const float *inp, size_t n) {
     FLB_RUN(be, FLB_K(relu_backward)(dinp, dout, inp, n, STREAM), "relu_backward");
 }
+static void flb_gelu_erf_forward(const fl_backend *be, float *out, const float *inp, size_t n) {
+    FLB_RUN(be, FLB_K(gelu_erf_forward)(out, inp, n, STREAM), "gelu_erf_forward");
+}
+static void flb_gelu_erf_backward(const fl_backend *be, float *dinp, const float *dout, const float *inp, size_t n) {
+    FLB_RUN(be, FLB_K(gelu_erf_backward)(dinp, dout, inp, n, STREAM), "gelu_erf_backward");
+}
 static void flb_add(const fl_backend *be, float *out, const float *a, const float *b, size_t n) {
     FLB_RUN(be, FLB_K(add)(out, a, b, n, STREAM), "add");
 }
@@ -581,6 +587,8 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->gelu_backward = flb_gelu_backward;
     be->relu_forward = flb_relu_forward;
     be->relu_backward = flb_relu_backward;
+    be->gelu_erf_forward = flb_gelu_erf_forward;
+    be->gelu_erf_backward = flb_gelu_erf_backward;
     be->geglu_forward = flb_geglu_forward;
     be->geglu_backward = flb_geglu_backward;
     be->add = flb_add;

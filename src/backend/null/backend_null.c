@@ -285,6 +285,8 @@ fl_status fl_null_backend_init_for(fl_backend *be, const char *planned) {
     be->gelu_backward = n_gelu_backward;
     be->relu_forward = n_gelu_forward; /* the same signature, the same nothing */
     be->relu_backward = n_gelu_backward;
+    be->gelu_erf_forward = n_gelu_forward;
+    be->gelu_erf_backward = n_gelu_backward;
     be->geglu_forward = n_swiglu_forward; /* the same signature, the same nothing */
     be->geglu_backward = n_swiglu_backward;
     be->add = n_add;

@@ -385,6 +385,12 @@ static void op_relu_forward(const fl_backend *be, float *out, const float *inp, 
 static void op_relu_backward(const fl_backend *be, float *dinp, const float *dout, const float *inp, size_t n) {
     OPV(IN->relu_backward(IN, dinp, dout, inp, n));
 }
+static void op_gelu_erf_forward(const fl_backend *be, float *out, const float *inp, size_t n) {
+    OPV(IN->gelu_erf_forward(IN, out, inp, n));
+}
+static void op_gelu_erf_backward(const fl_backend *be, float *dinp, const float *dout, const float *inp, size_t n) {
+    OPV(IN->gelu_erf_backward(IN, dinp, dout, inp, n));
+}
 static void op_add(const fl_backend *be, float *out, const float *a, const float *b, size_t n) {
     OPV(IN->add(IN, out, a, b, n));
 }
@@ -545,6 +551,8 @@ fl_status fl_opaque_backend_init(fl_backend *be, int n_threads) {
     be->gelu_backward = op_gelu_backward;
     be->relu_forward = op_relu_forward;
     be->relu_backward = op_relu_backward;
+    be->gelu_erf_forward = op_gelu_erf_forward;
+    be->gelu_erf_backward = op_gelu_erf_backward;
     be->geglu_forward = op_geglu_forward;
     be->geglu_backward = op_geglu_backward;
     be->add = op_add;

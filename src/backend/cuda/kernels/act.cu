@@ -119,6 +119,19 @@ __global__ static void fl_cu_relu_bwd_k(float *dinp, const float *dout, const fl
         dinp[i] += inp[i] <= 0.0f ? 0.0f : dout[i];
 }
 
+/* The exact GELU (transformers' "gelu"), the CPU backend's formulas */
+__global__ static void fl_cu_gelu_erf_fwd_k(float *out, const float *inp, size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        out[i] = inp[i] * 0.5f * (1.0f + erff(inp[i] * 0.70710678118654752f));
+}
+
+__global__ static void fl_cu_gelu_erf_bwd_k(float *dinp, const float *dout, const float *inp, size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const float x = inp[i], cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752f));
+        dinp[i] += dout[i] * (cdf + x * expf(-0.5f * x * x) * 0.39894228040143268f);
+    }
+}
+
 /* GEGLU (T5 v1.1) on the fused [gate | lin] rows: gelu_tanh(gate) * lin, the CPU backend's formulas */
 __global__ static void fl_cu_geglu_fwd_k(float *out, const float *gu, int N, int F) {
     size_t total = (size_t)N * F;
@@ -182,6 +195,16 @@ extern "C" int FL_CUK(relu_forward)(float *out, const float *inp, size_t n, void
 extern "C" int FL_CUK(relu_backward)(float *dinp, const float *dout, const float *inp, size_t n, void *stream) {
     if (n == 0) return 0;
     FL_CU_LAUNCH(fl_cu_relu_bwd_k, dim3(act_blocks(n)), dim3(256), 0, (fl_cu_stream)stream, dinp, dout, inp, n);
+    return fl_cu_launch_error();
+}
+extern "C" int FL_CUK(gelu_erf_forward)(float *out, const float *inp, size_t n, void *stream) {
+    if (n == 0) return 0;
+    FL_CU_LAUNCH(fl_cu_gelu_erf_fwd_k, dim3(act_blocks(n)), dim3(256), 0, (fl_cu_stream)stream, out, inp, n);
+    return fl_cu_launch_error();
+}
+extern "C" int FL_CUK(gelu_erf_backward)(float *dinp, const float *dout, const float *inp, size_t n, void *stream) {
+    if (n == 0) return 0;
+    FL_CU_LAUNCH(fl_cu_gelu_erf_bwd_k, dim3(act_blocks(n)), dim3(256), 0, (fl_cu_stream)stream, dinp, dout, inp, n);
     return fl_cu_launch_error();
 }
 extern "C" int FL_CUK(geglu_forward)(float *out, const float *gu, int N, int F, void *stream) {
