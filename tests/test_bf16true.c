@@ -17,6 +17,7 @@
 #include "fitllm/model.h"
 #include "fitllm/train.h"
 #include "model/model-impl.h"
+#include "model/graph.h"
 #include "test.h"
 
 static void fill_ids(int32_t *ids, int32_t *tg, int n, int V, uint64_t s) {
@@ -519,3 +520,74 @@ FL_TEST(bf16_true_vs_pytorch_golden_llama) {
     fl_mem_pool_free(&pool);
     fl_cpu_backend_free(&be);
 }
+
+/* bf16-true's loss trajectory against 32-true's from the same (bf16-exact) weights: what a bf16-true step stores is
+ * bf16 (issue 30: the residual stream, every block's slots, the weights, gradients and AdamW state), 32-true keeps
+ * everything fp32. Bound per step k (first order in the unit roundoff u = 2^-9): the forward rounds R = 1 + L x ops
+ * stored values on the way from the ids to the logits, each a relative change of at most u, and every optimizer
+ * step rounds each weight tensor once more (M = the layout's tensors, relative u each, so step k adds k M
+ * roundings); a relative change e of the logits moves a token's cross-entropy lse(z) - z_t by at most 2 e max|z|:
+ * |loss16_k - loss32_k| <= 2 u max|z| (R + k M). (The update's own bf16 state enters at second order: AdamW's step
+ * is lr-sized, far below the weights' u |w| rounding.) The bound is loose by design; the loss drifting away from the
+ * fp32 run (a stored value read before it is written, a missed widening) breaks it at once. */
+static void trajectory_vs_fp32(const char *preset) {
+    fl_model_config c;
+    FL_REQUIRE_OK(fl_preset_find(preset, &c));
+    fl_backend be;
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
+    fl_mem_pool pool;
+    FL_REQUIRE_OK(fl_mem_pool_init(&pool, "cpu", 0));
+    enum { B = 2, T = 24, N = B * T, K = 8 };
+    fl_model a, b;
+    FL_REQUIRE_OK(fl_model_init(&a, &c, &be, &pool));
+    fl_model_init_random(&a, 11);
+    for (size_t i = 0; i < a.layout.numel; i++) fl_model_params_f32(&a)[i] = r16(FL_BF16, fl_model_params_f32(&a)[i]);
+    fl_model_storage st = {.param_dtype = FL_BF16};
+    FL_REQUIRE_OK(fl_model_init_ex(&b, &c, &be, &pool, &st));
+    for (int i = 0; i < b.layout.n; i++) fl_model_write_param(&b, i, fl_model_params_f32(&a) + a.layout.params[i].offset);
+    FL_REQUIRE_OK(fl_model_set_precision(&b, fl_precision_get(FL_PREC_BF16_TRUE)));
+    fl_model *ms[2] = {&a, &b};
+    fl_optimizer o[2];
+    fl_optim_config oc;
+    fl_optim_config_default(&oc, FL_OPT_ADAMW);
+    for (int k = 0; k < 2; k++) {
+        FL_REQUIRE_OK(fl_model_alloc_grads(ms[k]));
+        FL_REQUIRE_OK(fl_model_alloc_acts(ms[k], B, T));
+        FL_REQUIRE_OK(fl_optim_init(&o[k], ms[k], &oc));
+    }
+    FL_CHECK(b.acts->res16 != NULL && a.acts->res16 == NULL);
+    fl_block_graph bg;
+    FL_REQUIRE_OK(fl_block_graph_build(&c, &bg));
+    const double u = ldexp(1.0, -9), R = 1 + (double)c.n_layers * bg.n_ops, M = a.layout.n;
+    float *lg = malloc((size_t)N * c.vocab_size * sizeof(float));
+    FL_REQUIRE(lg != NULL);
+    double worst = 0, worst_frac = 0;
+    int32_t ids[N], tg[N];
+    for (int s = 0; s < K; s++) {
+        fill_ids(ids, tg, N, c.vocab_size, 1000 + (uint64_t)s);
+        FL_REQUIRE_OK(fl_model_forward(&a, ids, NULL, B, T, 0.0f, lg)); /* max|z| of the fp32 run's logits */
+        double zmax = 0;
+        for (size_t i = 0; i < (size_t)N * c.vocab_size; i++) zmax = fmax(zmax, fabs(lg[i]));
+        fl_step_result r[2];
+        for (int k = 0; k < 2; k++) FL_REQUIRE_OK(fl_train_step(ms[k], &o[k], ids, tg, 1, B, T, 1e-3f, 1.0f, &r[k]));
+        const double d = fabs(r[1].loss - r[0].loss), bound = 2 * u * zmax * (R + s * M);
+        FL_CHECKF(d <= bound, "%s step %d: bf16-true loss %.7f, 32-true %.7f: %.3g apart, bound %.3g", preset, s,
+                  r[1].loss, r[0].loss, d, bound);
+        if (s == 0) FL_CHECKF(d > 0, "%s: bf16-true's first loss equals 32-true's (nothing rounded?)", preset);
+        worst = fmax(worst, d);
+        worst_frac = fmax(worst_frac, d / bound);
+    }
+    printf("      %s: %d steps, bf16-true vs 32-true losses at most %.3g apart (%.2g of the bound)\n", preset, K, worst,
+           worst_frac);
+    free(lg);
+    for (int k = 0; k < 2; k++) {
+        fl_optim_free(&o[k]);
+        fl_model_free(ms[k]);
+    }
+    FL_CHECK(pool.cur_total == 0);
+    fl_mem_pool_free(&pool);
+    fl_cpu_backend_free(&be);
+}
+
+FL_TEST(bf16_true_trajectory_vs_fp32_llama) { trajectory_vs_fp32("micro"); }
+FL_TEST(bf16_true_trajectory_vs_fp32_gpt2) { trajectory_vs_fp32("gpt2-micro"); }

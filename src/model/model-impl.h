@@ -9,13 +9,16 @@ typedef struct {
     float *s[24];      /* FL_GRAPH_MAX_SLOTS: each slot's (N, width) fp32 view; s[IN] = res[l], s[OUT] = res[l+1].
                         * 16-bit saved activations: the WIDE slots alias ONE shared fp32 layer buffer */
     void *s16[24];     /* 16-bit activations (fl_act_opts.act_dtype != F32, no checkpointing): this layer's copy of
-                        * each WIDE slot in act_dtype; else NULL */
+                        * each WIDE slot in act_dtype; else NULL. bf16 stored: also s16[IN] = res16[l],
+                        * s16[OUT] = res16[l+1], and with checkpointing the one recomputed block's copies */
 } fl_layer_acts;
 
 struct fl_acts {
     int L;
     fl_dtype act_dtype;     /* storage of the saved activations (F32: in place, no conversion) */
-    float **res;            /* L+1 views (N, C): res[l] = input of block l; res[L] = final residual */
+    float **res;            /* L+1 views (N, C): res[l] = input of block l; res[L] = final residual (bf16 stored:
+                             * fp32 WORKSPACE views of what res16 holds, two buffers alternating) */
+    void **res16;           /* bf16 stored (act_dtype BF16): the L+1 residual rows in bf16 (ACTS), else NULL */
     fl_layer_acts *layer;   /* L */
     const struct fl_block_graph_s *graph; /* the block graph the views follow (m->acts owns it) */
     const struct fl_model_graph_s *mgraph; /* the model graph around the blocks (m->acts owns it) */
@@ -96,6 +99,9 @@ void fl_acts_live_bytes(const fl_model *m, int B, int T, int train, size_t *acts
 /* The gradient buffer (the trained parameters' or the LoRA adapters'), NULL without one. */
 void *fl_model_grads_buffer(const fl_model *m);
 fl_status fl_acts_widen(fl_model *m, int l, int N);
+/* bf16 stored: residual rows res[l] (N rows, written by the embeddings) stored in res16[l], and the fp32 view
+ * rounded to the same values (no-op otherwise). */
+fl_status fl_acts_store_stream(fl_model *m, int l, int N);
 
 /* A linear layer: weight (out, in) in HF orientation, optional bias, optional
  * gradients (NULL = frozen). LoRA and quantized bases become fields here so
