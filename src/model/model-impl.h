@@ -86,11 +86,11 @@ void fl_model_free_acts(fl_model *m);
 /* fl_backend.set_compute_dtype around a model call (transformer.c): on = the precision's compute
  * dtype, off = FL_F32 (no-op for backends without the slot). */
 void fl_model_tell_compute_dtype(const fl_model *m, int on);
-/* 16-bit saved activations (no-ops when a->act_dtype is F32 or under checkpointing):
- * round block l's saved activations (N rows) from the shared fp32 layer buffer into its
- * 16-bit region after its forward (but for the slots in `done`, bit k: slot k, which the block's
- * forward rounded already as bf16 GEMM operands: fl_block_ctx.narrowed) / widen them back before
- * its backward. */
+/* 16-bit saved activations (no-ops when a->act_dtype is F32; fp16 under checkpointing too):
+ * fp16: round block l's saved activations (N rows) from the shared fp32 layer buffer into its
+ * 16-bit region after its forward (but for the slots in `done`, bit k: slot k) / widen them back
+ * before its backward. bf16 stored: narrowing is the block's own (fl_block_ctx.store16); widening
+ * rebuilds block l's fp32 views from its stored input and (without checkpointing) slots. */
 fl_status fl_acts_narrow(fl_model *m, int l, int N, unsigned done);
 /* Live bytes (fl_mem_set_live) of the ACTS (*acts) and WORKSPACE (*work) arenas after a pass over
  * (B, T): train = a training forward (what the backward reads), else none but the constant tables.
