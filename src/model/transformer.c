@@ -32,7 +32,7 @@ static fl_status block_forward(fl_model *m, int l, int B, int T) {
     fl_block_params bp;
     fl_get_block(m, g, l, &bp);
     fl_block_ctx x = train_ctx(m, B, T);
-    if (m->acts->res16) { /* bf16 stored: every slot the block writes, as it writes it */
+    if (m->acts->res16) { /* bf16 stored: every slot the block writes, after its last writer */
         x.s16 = m->acts->layer[l].s16;
         x.store16 = 1;
     }
@@ -204,12 +204,12 @@ static fl_status blocks_backward(fl_model *m, int B, int T) {
         PP_GRADS(l + 1);
         const size_t gn = fl_group_numel(m, l + 1);
         fl_store_stage_begin(m->store, gn);
-        /* checkpointing: rebuild this block's activations from its saved input (it also rewrites
-         * res[l+1] with identical values; backward no longer needs it). Block L-1's are still
-         * there from the forward (the same ops in the same order: the same bits). */
         /* 16-bit saved activations: widen this block's back into the shared fp32 buffer (bf16 stored: its
          * input too, which a recompute starts from) */
         FL_TRY(fl_acts_widen(m, l, N));
+        /* checkpointing: rebuild this block's activations from its saved input (it also rewrites
+         * res[l+1] with identical values; backward no longer needs it). Block L-1's are still
+         * there from the forward (the same ops in the same order: the same bits). */
         if (m->act_ckpt && !(l == d.L - 1 && m->ckpt_last_live)) {
             FL_TRY(block_forward(m, l, B, T));
             m->ckpt_recomputed++;
