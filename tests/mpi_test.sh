@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The MPI implementation of fl_comm and DDP / ZeRO training under mpirun (run by `make test` and ctest):
 #   - tensor parallelism at 2 and 4 ranks (tests/mpi/tp_mpi_test.c) against one process, PyTorch and float64;
+#     through the CLI (--tensor_parallel): TP 2, TP 4 and DP 2 x TP 2 (DDP, ZeRO-2) against one process's losses, the
+#     consolidated checkpoint resumed at TP 1 and 4, a killed rank ending the grid;
 #   - DDP training at 2 and 4 ranks, ZeRO-1/2 at 2, 3 and 4 (16-true at 2) and FULL_SHARD (AdamW, 8-bit AdamW) at 2,
 #     ZeRO-3 with the optimizer offloaded (cpu, nvme) at 3 = the device-resident ZeRO-3 checkpoints
 #     against one process
@@ -378,6 +380,74 @@ else
     fi
 fi
 
+# tensor parallelism through the CLI (--tensor_parallel; tests/test_tp_train.c has the bounds' reasons): TP 2 at 2
+# ranks and the grid DP 2 x TP 2 at 4 ranks train one process's losses within 1e-6 relative at every step
+# (metrics.csv), rank 0 alone reports; the consolidated step-2 checkpoint of TP 2 resumes in one process and at
+# TP 4, each continuing the TP 2 run's losses within 1e-6
+TARGS=(micro --data.n_train 51 --data.n_val 7 --train.micro_batch_size 2 --train.global_batch_size 8
+       --train.max_steps 4 --train.save_interval 2 --train.max_seq_length 48 --eval.max_new_tokens 4 --threads 1)
+# the logged loss (a running mean over a step's G = 4 iterations) from iteration $2 on: a resumed run's window
+# starts empty, so its rows compare from a whole window after the resume point
+loss_col() { awk -F, -v a="${2:-1}" 'NR > 1 && $4 != "" && $1 >= a { print $1, $4 }' "$1/logs/metrics.csv"; }
+# worst relative difference of the losses of the iterations both logs have (2: an iteration missing)
+loss_rel() { join <(loss_col "$1" "${3:-1}") <(loss_col "$2" "${3:-1}") | awk -v n="$(loss_col "$1" "${3:-1}" | wc -l)" '
+    { r = ($2 - $3) / $3; if (r < 0) r = -r; if (r > w) w = r; k++ } END { if (k < n || k == 0) w = 2; printf "%.3g", w }'; }
+timeout 300 "$FL" finetune_full "${TARGS[@]}" --out_dir "$T/tp-one" >"$T/out" 2>&1 || bad "tp_cli_one_process" "exit $?"
+for grid in "2 2 ddp" "4 2 ddp" "4 4 ddp" "4 2 deepspeed_stage_2"; do
+    set -- $grid
+    timeout 300 mpirun -np $1 "$FL" finetune_full "${TARGS[@]}" --devices $1 --tensor_parallel $2 --strategy $3 \
+        --out_dir "$T/tp$1-$2-$3" >"$T/out" 2>&1; rc=$?
+    w=$(loss_rel "$T/tp$1-$2-$3" "$T/tp-one" 2>/dev/null)
+    if [ $rc -eq 0 ] && [ "$(grep -c "Saved the final model" "$T/out")" = 1 ] \
+        && grep -q "^tensor parallel: $2 ranks per group x $(($1 / $2)) data-parallel group" "$T/out" \
+        && grep -q "^model: micro, 260032 parameters" "$T/out" && [ -f "$T/tp$1-$2-$3/final/model.safetensors" ] \
+        && awk -v w="$w" 'BEGIN { exit !(w <= 1e-6) }'; then
+        ok "tp_cli_np$1_tp$2_$3 (losses within $w of one process)"
+    else
+        bad "tp_cli_np$1_tp$2_$3" "exit $rc, losses within '$w'"
+    fi
+done
+timeout 300 "$FL" finetune_full "${TARGS[@]}" --resume "$T/tp2-2-ddp/step-000002" --out_dir "$T/tp-r1" >"$T/out" 2>&1; rc=$?
+w=$(loss_rel "$T/tp-r1" "$T/tp2-2-ddp" 12 2>/dev/null) # resumed at iteration 8
+timeout 300 mpirun -np 4 "$FL" finetune_full "${TARGS[@]}" --devices 4 --tensor_parallel 4 \
+    --resume "$T/tp2-2-ddp/step-000002" --out_dir "$T/tp-r4" >>"$T/out" 2>&1 || rc=$?
+w4=$(loss_rel "$T/tp-r4" "$T/tp2-2-ddp" 12 2>/dev/null)
+if [ $rc -eq 0 ] && [ "$(grep -c "Resuming training from .*step-000002 (step 2, iter 8)" "$T/out")" = 2 ] \
+    && awk -v a="$w" -v b="$w4" 'BEGIN { exit !(a <= 1e-6 && b <= 1e-6) }'; then
+    ok "tp_cli_checkpoint_resumes_at_tp1_and_tp4 (later losses within $w and $w4)"
+else
+    bad "tp_cli_checkpoint_resumes_at_tp1_and_tp4" "exit $rc, losses within '$w' / '$w4'"
+fi
+# a rank of the grid killed during training (rank 3: the second tensor-parallel rank of data-parallel group 1):
+# the whole job ends within seconds, non-zero, the launcher naming the rank
+timeout 300 mpirun -np 4 "$FL" finetune_full "${TARGS[@]}" --devices 4 --tensor_parallel 2 --strategy ddp \
+    --train.max_steps 100000 --train.epochs 100000 --out_dir "$T/tp-die" >"$T/out" 2>&1 &
+job=$!
+for _ in $(seq 600); do [ -f "$T/tp-die/step-000002/COMMITTED" ] && break; sleep 0.1; done
+r3=""
+for st in /proc/[0-9]*/status; do
+    p=${st#/proc/}; p=${p%/status}
+    pp=$(awk '/^PPid:/ { print $2 }' "$st" 2>/dev/null); gp="" # timeout -> mpirun -> rank
+    [ -n "$pp" ] && gp=$(awk '/^PPid:/ { print $2 }' "/proc/$pp/status" 2>/dev/null)
+    [ "$pp" = "$job" ] || [ "$gp" = "$job" ] || continue
+    tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=3 && r3=$p
+done
+if [ -z "$r3" ]; then
+    kill "$job" 2>/dev/null; wait "$job"
+    bad "tp_dead_rank_ends_the_grid" "rank 3 not found"
+else
+    t0=$(now); kill -9 "$r3"
+    for _ in $(seq 600); do kill -0 "$job" 2>/dev/null || break; sleep 0.1; done
+    kill -0 "$job" 2>/dev/null && kill -9 "$job"
+    wait "$job"; rc=$?; t1=$(now)
+    secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+    if [ $rc -ne 0 ] && awk -v s="$secs" 'BEGIN { exit !(s <= 20) }' && grep -q "rank 3 .* exited on signal 9" "$T/out"; then
+        ok "tp_dead_rank_ends_the_grid (exit $rc in $secs s)"
+    else
+        bad "tp_dead_rank_ends_the_grid" "exit $rc in $secs s"
+    fi
+fi
+
 # faults: every rank ends promptly, non-zero, and the output names the rank at fault
 fault() {
     local name=$1 mode=$2 pat=$3
@@ -417,6 +487,13 @@ if [ $rc -ne 0 ] && grep -q "says rank 1 of 2 but MPI .* sees rank 0 of 1: .*use
 grep -E "^(ok|FAIL|SKIP)" "$T/out"
 if [ $rc -eq 0 ] && grep -q "^SKIP" "$T/out"; then skip=$((skip+1))
 elif [ $rc -eq 0 ]; then pass=$((pass+1)); else bad "netns_two_nodes" "exit $rc"; fi
+
+# T5, an encoder-decoder, over 2 ranks (tests/mpi_t5_test.sh: DDP against one process, ZeRO-1/2 and ZeRO-2 offload
+# against DDP, rank 0's peaks against the plan)
+"$(dirname "$0")/mpi_t5_test.sh" "$BUILD" >"$T/out" 2>&1; rc=$?
+grep -E "^(ok|FAIL|     )" "$T/out"
+pass=$((pass + $(grep -c '^ok' "$T/out"))); fail=$((fail + $(grep -c '^FAIL' "$T/out")))
+[ $rc -eq 0 ] || [ "$(grep -c '^FAIL' "$T/out")" -gt 0 ] || bad "mpi_t5" "exit $rc"
 
 echo
 echo "MPI tests: $pass passed, $fail failed, $skip skipped"

@@ -80,6 +80,8 @@ typedef struct {
     char out_dir[FL_CFG_PATH];
     char precision[16];               /* "32-true", "bf16-true", "bf16-mixed", "16-mixed", ... */
     int devices, num_nodes;           /* ranks = devices x num_nodes (data parallel over MPI) */
+    int tensor_parallel;              /* tensor_parallel: ranks per tensor-parallel group (1: none); the ranks are
+                                       * (devices x num_nodes / tensor_parallel) data-parallel groups of it */
     char strategy[32];                /* auto, ddp, deepspeed_stage_1, _2, _3, their _offload, fsdp (Lightning's names) */
     char sharding_strategy[32];       /* fsdp.sharding_strategy: "" (FULL_SHARD), FULL_SHARD, NO_SHARD, SHARD_GRAD_OP,
                                        * HYBRID_SHARD */
@@ -192,6 +194,8 @@ fl_status fl_cfg_validate(const fl_run_config *c);
  * deepspeed_stage_3_offload_nvme, fsdp_cpu_offload) is FL_ERR_UNSUPPORTED, never mapped onto
  * something else; unknown names FL_ERR_INVALID. sharding may be NULL. */
 fl_status fl_cfg_zero_stage(const char *strategy, const char *sharding, int *stage);
+/* The data-parallel ranks of the run: devices x num_nodes / tensor_parallel (the grid's other axis). */
+int fl_cfg_dp_ranks(const fl_run_config *c);
 /* Whether the strategy offloads the optimizer (ZeRO-Offload: deepspeed_stage_1_offload,
  * deepspeed_stage_2_offload, deepspeed_stage_3_offload): its state lives in the backend's host tier (host_pool_init), outside
  * the device budget, and the update runs there on the host's cores (src/train/optim.c). */

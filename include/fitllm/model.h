@@ -543,12 +543,13 @@ fl_status fl_model_alloc_acts_s2s(fl_model *m, int B, int Ts, int Tt);
  * dec_ids (B, Tt) (the decoder input: the start token, then the target shifted right): the logits (B, Tt, V) into
  * logits_out (host memory, may be NULL); with targets (B, Tt; FL_IGNORE_INDEX masks) the summed loss into
  * m->loss_sum / m->n_valid as fl_model_forward, and with grad_scale > 0 the head's backward (d(loss)/d(logit)
- * scaled by grad_scale) for fl_model_backward_s2s. fp32 storage and activations only so far (no LoRA, 16-bit,
- * 4-bit, sharding or checkpointing: FL_ERR_UNSUPPORTED naming it). */
+ * scaled by grad_scale) for fl_model_backward_s2s. fp32 storage and saved activations (LoRA, activation
+ * checkpointing, a mixed policy's bf16 weight copy and 4-bit block linears run; 16-bit storage and a sharded store:
+ * FL_ERR_UNSUPPORTED naming it). */
 fl_status fl_model_forward_s2s(fl_model *m, const int32_t *src_ids, const uint8_t *src_mask, const int32_t *dec_ids,
                                const int32_t *targets, int B, int Ts, int Tt, float grad_scale, float *logits_out);
 /* Its backward: the decoder, the cross-attention's gradient into the encoder output, the encoder; every parameter
- * gradient ACCUMULATES (+=). */
+ * gradient ACCUMULATES (+=); each layout group's is handed on as it becomes final (the data-parallel bucket hook). */
 fl_status fl_model_backward_s2s(fl_model *m);
 /* Greedy decoding of one source sequence src (Ts tokens; src_mask (Ts) or NULL): the encoder once, then the decoder
  * token by token from the start token until eos or max_new tokens (as generate(do_sample=False)); out (max_new + 1)
@@ -585,6 +586,10 @@ int fl_model_live(const fl_model *m, fl_live_phase phase, fl_live_region *out);
 /* FLOPs of one training step (forward + backward) for B*T tokens: 6 * N_matmul
  * * tokens + attention, the figure MFU is based on. */
 double fl_model_train_flops(const fl_model_config *cfg, int B, int T);
+/* The same for an encoder-decoder's step of B pairs of Ts source and Tt target tokens: 6 x (the encoder's
+ * linears x source tokens + the decoder's, the head's x target tokens + the cross-attention's k|v x source
+ * tokens) + the attention (bidirectional in the encoder, causal in the decoder, the cross-attention Tt x Ts). */
+double fl_model_train_flops_s2s(const fl_model_config *cfg, int B, int Ts, int Tt);
 
 #ifdef __cplusplus
 }

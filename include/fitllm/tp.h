@@ -54,16 +54,26 @@ fl_status fl_tp_scatter(const fl_model *whole, fl_model *part);
  * entry, split entries assembled from the ranks' slices (one entry's fp32 at a time in host memory).
  * grads: the gradients instead of the parameters (fp32 storage; whole's gradient buffer). */
 fl_status fl_tp_gather(fl_model *part, fl_comm *host_comm, fl_model *whole, int grads);
+/* The same for an array of one element per parameter at the layout's offsets (optimizer state: F32 or BF16,
+ * src in src_be's memory, dst in dst_be's, a NULL backend: host memory; dst NULL but on rank 0), collective
+ * over host_comm. */
+fl_status fl_tp_gather_array(fl_model *part, fl_comm *host_comm, const fl_backend *src_be, const void *src,
+                             fl_model *whole, const fl_backend *dst_be, void *dst, fl_dtype dt);
+/* The reverse without communication: part's elements of the whole array src into part's array dst. */
+fl_status fl_tp_scatter_array(fl_model *whole, const fl_backend *src_be, const void *src, fl_model *part,
+                              const fl_backend *dst_be, void *dst, fl_dtype dt);
 
 /* The optimizer of a rank's slice (src/train/tp.c): clipping and fp16 overflow skips decide on the whole
  * model's gradient (the split entries' squared norms of every rank summed in rank order, in double, over
  * host_comm, the replicated entries counted once; an overflow on any rank), so every rank clips and skips
  * alike and the replicated parameters stay the same bits. d is the caller's storage, alive while o is; o
- * was made for the slice by fl_optim_init, without data-parallel hooks. */
+ * was made for the slice by fl_optim_init, without data-parallel hooks or with DDP's (the grid's data-parallel
+ * axis: kept for its sums; ZeRO's sharded hooks are refused). */
 typedef struct {
     fl_optim_dist dist;
     fl_comm *comm;
     const fl_model *m;
+    const fl_optim_dist *inner; /* DDP's hooks on the data-parallel axis (o's before the attach), or NULL */
 } fl_tp_dist;
 fl_status fl_tp_optim_attach(fl_optimizer *o, fl_comm *host_comm, fl_tp_dist *d);
 

@@ -53,8 +53,9 @@ static void help(void) {
            "stdout as it is generated; timing (ms/token) goes to stderr. Dashes work too (--max-new-tokens).\n"
            "A <model> that names nothing is exit 2: \"no such folder: PATH\", or neither a folder nor a preset\n"
            "(with the nearest preset names).\n"
-           "An encoder-decoder (T5): the prompt is the source, decoded greedily (--temperature 0; sampling is\n"
-           "not built for it yet) with the decoder's KV cache; the generated ids (or text) print at the end.\n",
+           "An encoder-decoder (T5): the prompt is the source, decoded with the decoder's KV cache, greedily\n"
+           "(--temperature 0) or sampled (--temperature, --top_k, --top_p, --seed); the generated ids (or text)\n"
+           "print at the end.\n",
            DEFAULT_PROMPT, d.max_new_tokens, d.temperature, d.top_k, d.top_p, (unsigned long long)d.seed);
 }
 
@@ -322,19 +323,17 @@ static int parse_opts(int argc, char **argv, const char *cmd, gen_opts *o) {
     return -1;
 }
 
-/* An encoder-decoder (T5): greedy decoding of the prompt as the source (src/model/seq2seq.c); sampling is not built
- * for it yet. Prints the generated ids (or, with a tokenizer, their text), without the decoder's start token. */
+/* An encoder-decoder (T5): the prompt as the source, decoded greedily (--temperature 0) or sampled (temperature,
+ * top-k, top-p, seed: fl_generate_s2s). Prints the generated ids (or, with a tokenizer, their text), without the
+ * decoder's start token. */
 static fl_status s2s_generate(fl_model *m, const int32_t *ids, int n_ids, const fl_gen_params *gp, const fl_tokenizer *tok) {
-    if (gp->temperature != 0.0f)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--temperature %g: an encoder-decoder (%s) generates greedily only so far "
-                         "(--temperature 0)", (double)gp->temperature, fl_arch_get(m->cfg.arch)->display);
     if (gp->max_new_tokens <= 0) return fl_errorf(FL_ERR_INVALID, "--max_new_tokens must be positive");
     int32_t *out = malloc(((size_t)gp->max_new_tokens + 1) * sizeof *out);
     if (!out) return fl_errorf(FL_ERR_OOM, "out of host memory");
     int n = 0;
     double t0 = fl_cli_now_ms();
     fl_status s = fl_model_alloc_acts_s2s(m, 1, n_ids, gp->max_new_tokens);
-    if (s == FL_OK) s = fl_model_generate_s2s(m, ids, NULL, n_ids, gp->max_new_tokens, 1, out, &n);
+    if (s == FL_OK) s = fl_generate_s2s(m, ids, NULL, n_ids, gp, out, &n);
     double t1 = fl_cli_now_ms();
     if (s == FL_OK && tok) {
         char *text = NULL;
@@ -346,8 +345,12 @@ static fl_status s2s_generate(fl_model *m, const int32_t *ids, int n_ids, const 
         for (int i = 1; i < n; i++) printf(i > 1 ? " %d" : "%d", (int)out[i]);
         printf("\n");
     }
+    char how[96];
+    if (gp->temperature == 0.0f) snprintf(how, sizeof how, "greedy");
+    else snprintf(how, sizeof how, "temperature %g, top_k %d, top_p %g, seed %llu", (double)gp->temperature, gp->top_k,
+                  (double)gp->top_p, (unsigned long long)gp->seed);
     if (s == FL_OK)
-        fprintf(stderr, "%d source + %d new tokens (greedy, stop: %s); %.1f ms\n", n_ids, n - 1,
+        fprintf(stderr, "%d source + %d new tokens (%s, stop: %s); %.1f ms\n", n_ids, n - 1, how,
                 out[n - 1] == m->cfg.eos_id ? "EOS" : "max_new_tokens", t1 - t0);
     free(out);
     return s;

@@ -26,6 +26,7 @@ void fl_cfg_defaults(fl_run_config *c, fl_cmd_kind cmd) {
     snprintf(c->precision, sizeof c->precision, "32-true");
     c->devices = 1;
     c->num_nodes = 1;
+    c->tensor_parallel = 1;
     snprintf(c->strategy, sizeof c->strategy, "auto");
     snprintf(c->state_dict_type, sizeof c->state_dict_type, "full");
     c->bucket_size = (size_t)256 << 20; /* between PyTorch DDP's 25 MB and Lightning DeepSpeed's 2e8 elements */
@@ -72,6 +73,7 @@ static const fl_cfg_key k_keys[] = {
     {"precision", FL_CK_PRECISION, OFF(precision), "32-true | bf16-true | bf16-mixed | 16-true | 16-mixed"},
     {"devices", FL_CK_DEVICES, OFF(devices), "devices (ranks) per node, or auto (1 CPU device); > 1: data parallel over devices x num_nodes ranks"},
     {"num_nodes", FL_CK_POS, OFF(num_nodes), "number of nodes"},
+    {"tensor_parallel", FL_CK_POS, OFF(tensor_parallel), "ranks per tensor-parallel group (Megatron-style: attention heads and MLP columns split over them; finetune_full and pretrain of LLaMA, GPT-2, OPT; checkpoints consolidated, resumable at any size); devices x num_nodes = data-parallel groups x tensor_parallel (DDP, ZeRO-1 or ZeRO-2 on the data-parallel axis); default 1"},
     {"strategy", FL_CK_STR32, OFF(strategy), "auto | ddp | deepspeed_stage_1 | deepspeed_stage_2 | deepspeed_stage_3 | deepspeed_stage_1_offload | deepspeed_stage_2_offload | deepspeed_stage_3_offload | fsdp (auto, as LitGPT: fsdp FULL_SHARD for finetune_full and pretrain, ddp over the adapters for adapter fine-tuning, on CPUs and GPUs; ZeRO-1/2 shard the optimizer state / gradients; ZeRO-3 = fsdp FULL_SHARD also the parameters, gathered block by block; *_offload: ZeRO-Offload, the optimizer state in host memory outside the device budget and the update on the host's cores, AdamW or SGD, one device or several; deepspeed_stage_3_offload: ZeRO-3 with the optimizer offloaded, the parameters' shards stay on the devices (Lightning's name also offloads the parameters: parameter offload is not built yet); parameter offload (deepspeed_stage_3_offload_nvme, fsdp_cpu_offload) is refused)"},
     {"fsdp.sharding_strategy", FL_CK_STR32, OFF(sharding_strategy), "--strategy fsdp: FULL_SHARD (default; = ZeRO-3: parameters, gradients and optimizer state divided by the ranks) | SHARD_GRAD_OP (= ZeRO-2) | NO_SHARD (= ddp) | HYBRID_SHARD (FULL_SHARD within each node of --devices ranks, replicated across --num_nodes; pretrain's auto across nodes)"},
     {"fsdp.backward_prefetch", FL_CK_STR32, OFF(backward_prefetch), "--strategy fsdp FULL_SHARD / HYBRID_SHARD: BACKWARD_PRE or true (default: in backward the next unit's all-gather is posted while this one computes, PyTorch FSDP's default) | off or false (PyTorch's None: each unit gathered when its backward starts; less GATHER memory, no overlap)"},
@@ -583,6 +585,11 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
     }
 }
 
+int fl_cfg_dp_ranks(const fl_run_config *c) {
+    const int tp = c->tensor_parallel > 1 ? c->tensor_parallel : 1;
+    return c->devices * c->num_nodes / tp > 0 ? c->devices * c->num_nodes / tp : 1;
+}
+
 int fl_cfg_backward_prefetch(const fl_run_config *c) {
     const char *v = c->backward_prefetch;
     /* null (None, NONE, "") is the default here, as for every key: PyTorch's None (no prefetch) is "off" */
@@ -639,11 +646,17 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
                          "pretrain (use full)");
     if (t->micro_batch_size <= 0) return fl_errorf(FL_ERR_INVALID, "train.micro_batch_size must be positive");
     if (t->global_batch_size <= 0) return fl_errorf(FL_ERR_INVALID, "train.global_batch_size must be positive");
-    int per_rank = t->global_batch_size / (c->devices * c->num_nodes);
-    if (t->global_batch_size % (c->devices * c->num_nodes) || per_rank % t->micro_batch_size)
+    if ((c->devices * c->num_nodes) % c->tensor_parallel)
+        return fl_errorf(FL_ERR_INVALID, "tensor_parallel %d does not divide devices x num_nodes = %d ranks (the ranks "
+                         "are data-parallel groups of tensor_parallel ranks each)", c->tensor_parallel,
+                         c->devices * c->num_nodes);
+    const int dpr = fl_cfg_dp_ranks(c);
+    int per_rank = t->global_batch_size / dpr;
+    if (t->global_batch_size % dpr || per_rank % t->micro_batch_size)
         return fl_errorf(FL_ERR_INVALID,
-                         "train.global_batch_size %d is not divisible by devices x micro_batch_size = %d x %d",
-                         t->global_batch_size, c->devices * c->num_nodes, t->micro_batch_size);
+                         "train.global_batch_size %d is not divisible by %s x micro_batch_size = %d x %d",
+                         t->global_batch_size, c->tensor_parallel > 1 ? "data-parallel ranks" : "devices", dpr,
+                         t->micro_batch_size);
     if (t->log_interval <= 0) return fl_errorf(FL_ERR_INVALID, "train.log_interval must be positive");
     if (t->lr_warmup_fraction >= 0 && t->lr_warmup_steps > 0)
         return fl_errorf(FL_ERR_INVALID, "train.lr_warmup_fraction %g and train.lr_warmup_steps %d are both given: "
@@ -867,6 +880,7 @@ void fl_cfg_write_yaml(const fl_run_config *c, FILE *f) {
         const fl_cfg_key *k = &k_keys[i];
         if (!dumped(k) || !key_applies(k, c->command)) continue;
         if (strchr(k->name, '.')) continue; /* written with its group */
+        if (!strcmp(k->name, "tensor_parallel") && c->tensor_parallel == 1) continue; /* only when given */
         if (k->type == FL_CK_MODEL_CONFIG && c->n_model_fields) {
             write_model_fields(c, f);
             continue;

@@ -63,13 +63,13 @@ fl_status fl_cfg_check_strategy(const char *s) {
  * reduces through it, as LitGPT's FSDP on GPUs). tests/test_config.c checks that auto never picks
  * FULL_SHARD where an explicit fsdp is refused. */
 static const char *full_shard_refusal(const fl_run_config *c, int device_comm) {
-    (void)c, (void)device_comm;
-    return NULL;
+    (void)device_comm;
+    return c->tensor_parallel > 1 ? "--tensor_parallel" : NULL;
 }
 
 static fl_status resolve_strategy(const fl_run_config *c, int device_comm, fl_strategy_choice *out) {
     memset(out, 0, sizeof *out);
-    const int world = c->devices * c->num_nodes;
+    const int world = fl_cfg_dp_ranks(c); /* the data-parallel axis (tensor parallel splits the model, not the data) */
     int stage = 0;
     FL_TRY(fl_cfg_zero_stage(c->strategy, c->sharding_strategy, &stage));
     const char *s = c->strategy[0] ? c->strategy : "auto";

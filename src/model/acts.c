@@ -296,6 +296,10 @@ void fl_sizing_acts_ex(const fl_model_config *cfg_in, int B, int T, const fl_act
  * (fl_sizing_acts_ex at its T) are these for a batch of the arena's shape. */
 void fl_acts_live_bytes(const fl_model *m, int B, int T, int train, size_t *acts, size_t *work) {
     size_t saved = 0, handoff = 0, constant = 0;
+    if (m->acts->s2s) { /* an encoder-decoder: its stacks' passes (seq2seq.c) */
+        fl_s2s_live_bytes(m, train, acts, work);
+        return;
+    }
     if (train) {
         carve_acts(&m->cfg, m->acts->graph, m->acts->mgraph, B, T, m->act_ckpt, m->act_dtype, NULL, NULL, &saved);
         carve_work(&m->cfg, m->acts->graph, m->acts->mgraph, B, T, 0, FL_F32, 0, FL_F32, 0, NULL, NULL, &handoff,

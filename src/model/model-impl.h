@@ -81,6 +81,10 @@ static inline fl_dims fl_model_dims(const fl_model_config *c) {
 
 /* An encoder-decoder's views (seq2seq.c), released with the arena (safe with NULL). */
 void fl_s2s_acts_free(struct fl_s2s_acts *s);
+/* An encoder-decoder's live bytes after its last pass (seq2seq.c; fl_acts_live_bytes and fl_model_live use them):
+ * the ACTS / WORKSPACE arenas', and the LoRA adapters' activations. */
+void fl_s2s_live_bytes(const fl_model *m, int train, size_t *acts, size_t *work);
+size_t fl_s2s_adapter_live_bytes(const fl_model *m, int train);
 /* Release the activation arena and its views (safe when none). */
 void fl_model_free_acts(fl_model *m);
 /* fl_backend.set_compute_dtype around a model call (transformer.c): on = the precision's compute

@@ -452,3 +452,13 @@ double fl_model_train_flops(const fl_model_config *c, int B, int T) {
     double attn = 3.0 * 2.0 * 2.0 * (double)B * T * T * d.QD * d.L / 2.0;
     return 6.0 * nmat * tokens + attn;
 }
+
+double fl_model_train_flops_s2s(const fl_model_config *c, int B, int Ts, int Tt) {
+    const double C = c->dim, QD = (double)c->n_heads * c->head_dim, F = c->ffn_dim, FCW = c->ffn_gated ? 2 * F : F;
+    const double Le = c->n_layers, Ld = c->n_dec_layers, ns = (double)B * Ts, nt = (double)B * Tt;
+    const double self = 3 * QD * C + C * QD, ffn = FCW * C + C * F, xq_o = 2 * QD * C, xkv = 2 * QD * C;
+    const double mat = Le * (self + ffn) * ns + (Ld * (self + xq_o + ffn) + (double)c->vocab_size * C) * nt + Ld * xkv * ns;
+    /* QK^T and PV: 2 x 2 x rows x keys x QD per layer forward, x3 for forward + backward */
+    const double attn = 12.0 * QD * (Le * ns * Ts + Ld * nt * Tt / 2.0 + Ld * nt * Ts);
+    return 6.0 * mat + attn;
+}

@@ -138,38 +138,110 @@ fl_status fl_tp_scatter(const fl_model *whole, fl_model *part) {
     return FL_OK;
 }
 
-fl_status fl_tp_gather(fl_model *part, fl_comm *host_comm, fl_model *whole, int grads) {
+/* One entry's elements as fp32 in host memory, read from or written to a model's parameters, gradients
+ * or a flat array of the layout's offsets (optimizer state: F32 or BF16 in a backend's memory). */
+typedef struct {
+    fl_model *m;
+    int kind;            /* 0 parameters, 1 gradients (fp32), 2 the array */
+    const fl_backend *be;
+    void *arr;
+    fl_dtype dt;
+} tp_io;
+
+static fl_status io_read(const tp_io *x, int i, float *out) {
+    const fl_param_info *p = &x->m->layout.params[i];
+    if (x->kind == 0) {
+        fl_model_read_param(x->m, i, out);
+        return FL_OK;
+    }
+    if (x->kind == 1) return x->m->be->to_host(x->m->be, out, fl_model_grads_f32(x->m) + p->offset, p->numel * sizeof(float));
+    const size_t es = fl_dtype_size(x->dt);
+    if (x->be) FL_TRY(x->be->to_host(x->be, out, (const char *)x->arr + p->offset * es, p->numel * es));
+    else memcpy(out, (const char *)x->arr + p->offset * es, p->numel * es); /* host memory */
+    if (x->dt == FL_BF16) /* widened in place, from the end */
+        for (size_t k = p->numel; k-- > 0;) out[k] = fl_bf16_to_f32(((const uint16_t *)out)[k]);
+    return FL_OK;
+}
+
+static fl_status io_write(const tp_io *x, int i, float *in) {
+    const fl_param_info *p = &x->m->layout.params[i];
+    if (x->kind == 0) {
+        fl_model_write_param(x->m, i, in);
+        return FL_OK;
+    }
+    if (x->kind == 1) return x->m->be->to_device(x->m->be, fl_model_grads_f32(x->m) + p->offset, in, p->numel * sizeof(float));
+    const size_t es = fl_dtype_size(x->dt);
+    if (x->dt == FL_BF16) /* narrowed in place (exact: the values came from BF16) */
+        for (size_t k = 0; k < p->numel; k++) ((uint16_t *)in)[k] = fl_f32_to_bf16(in[k]);
+    if (!x->be) {
+        memcpy((char *)x->arr + p->offset * es, in, p->numel * es);
+        return FL_OK;
+    }
+    return x->be->to_device(x->be, (char *)x->arr + p->offset * es, in, p->numel * es);
+}
+
+/* rank 0's whole (wr) receives every entry of the ranks' parts (rd), split entries assembled */
+static fl_status gather_entries(fl_model *part, fl_comm *host_comm, fl_model *whole, const tp_io *rd, const tp_io *wr) {
     const int size = part->cfg.tp_size > 1 ? part->cfg.tp_size : 1, r = part->cfg.tp_rank;
     if (fl_comm_size(host_comm) != size || fl_comm_rank(host_comm) != r)
         return fl_errorf(FL_ERR_INVALID, "tensor parallel: gather over a group of %d (rank %d), the model is rank %d of %d",
                          fl_comm_size(host_comm), fl_comm_rank(host_comm), r, size);
     if (r == 0 && !whole) return fl_errorf(FL_ERR_INVALID, "tensor parallel: rank 0 gathers into a whole model");
     if (whole) FL_TRY(same_layout(whole, part));
-    if (grads && (fl_model_store_dtype(part) != FL_F32 || !fl_model_grads_f32(part) ||
-                  (whole && !fl_model_grads_f32(whole))))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "tensor parallel: gathering gradients needs fp32 gradient buffers");
     const size_t ns = max_entry(&part->layout);
     float *s = malloc(ns * sizeof(float)), *all = malloc(ns * (size_t)size * sizeof(float));
     float *w = whole ? malloc(max_entry(&whole->layout) * sizeof(float)) : NULL;
     fl_status st = (!s || !all || (whole && !w)) ? fl_errorf(FL_ERR_OOM, "tensor parallel: out of host memory") : FL_OK;
     for (int i = 0; st == FL_OK && i < part->layout.n; i++) {
         const fl_param_info *p = &part->layout.params[i];
-        if (grads) {
-            FL_TRY(part->be->to_host(part->be, s, fl_model_grads_f32(part) + p->offset, p->numel * sizeof(float)));
-        } else {
-            fl_model_read_param(part, i, s);
-        }
+        st = io_read(rd, i, s);
         const int split = size > 1 && fl_tp_entry_split(&part->layout, i) != FL_TP_REPLICATED;
-        if (split) st = fl_comm_all_gather(host_comm, s, all, p->numel * (size_t)size, FL_F32);
+        if (st == FL_OK && split) st = fl_comm_all_gather(host_comm, s, all, p->numel * (size_t)size, FL_F32);
         if (st != FL_OK || !whole) continue;
-        const fl_param_info *q = &whole->layout.params[i];
         if (split)
             for (int k = 0; k < size; k++) fl_tp_place(&whole->cfg, &whole->layout, i, size, k, all + (size_t)k * p->numel, w);
         else
             memcpy(w, s, p->numel * sizeof(float)); /* replicated: rank 0's (a row-parallel bias: only rank 0 adds it) */
-        if (grads) st = whole->be->to_device(whole->be, fl_model_grads_f32(whole) + q->offset, w, q->numel * sizeof(float));
-        else fl_model_write_param(whole, i, w);
+        st = io_write(wr, i, w);
     }
     free(s), free(all), free(w);
+    return st;
+}
+
+fl_status fl_tp_gather(fl_model *part, fl_comm *host_comm, fl_model *whole, int grads) {
+    if (grads && (fl_model_store_dtype(part) != FL_F32 || !fl_model_grads_f32(part) ||
+                  (whole && !fl_model_grads_f32(whole))))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "tensor parallel: gathering gradients needs fp32 gradient buffers");
+    const tp_io rd = {part, grads ? 1 : 0, NULL, NULL, FL_F32}, wr = {whole, grads ? 1 : 0, NULL, NULL, FL_F32};
+    return gather_entries(part, host_comm, whole, &rd, &wr);
+}
+
+static fl_status state_dtype(fl_dtype dt) {
+    return dt == FL_F32 || dt == FL_BF16 ? FL_OK : fl_errorf(FL_ERR_UNSUPPORTED, "tensor parallel: optimizer state "
+                                                                 "of %s (F32 or BF16 only)", fl_dtype_name(dt));
+}
+
+fl_status fl_tp_gather_array(fl_model *part, fl_comm *host_comm, const fl_backend *src_be, const void *src,
+                             fl_model *whole, const fl_backend *dst_be, void *dst, fl_dtype dt) {
+    FL_TRY(state_dtype(dt));
+    const tp_io rd = {part, 2, src_be, (void *)src, dt}, wr = {whole, 2, dst_be, dst, dt};
+    return gather_entries(part, host_comm, whole, &rd, &wr);
+}
+
+fl_status fl_tp_scatter_array(fl_model *whole, const fl_backend *src_be, const void *src, fl_model *part,
+                              const fl_backend *dst_be, void *dst, fl_dtype dt) {
+    FL_TRY(state_dtype(dt));
+    FL_TRY(same_layout(whole, part));
+    const int size = part->cfg.tp_size > 1 ? part->cfg.tp_size : 1, r = part->cfg.tp_rank;
+    const tp_io rd = {whole, 2, src_be, (void *)src, dt}, wr = {part, 2, dst_be, dst, dt};
+    float *w = malloc(max_entry(&whole->layout) * sizeof(float)), *s = malloc(max_entry(&part->layout) * sizeof(float));
+    fl_status st = w && s ? FL_OK : fl_errorf(FL_ERR_OOM, "tensor parallel: out of host memory staging one entry");
+    for (int i = 0; st == FL_OK && i < whole->layout.n; i++) {
+        st = io_read(&rd, i, w);
+        if (st != FL_OK) break;
+        fl_tp_take(&whole->cfg, &whole->layout, i, size, r, w, s);
+        st = io_write(&wr, i, s);
+    }
+    free(w), free(s);
     return st;
 }

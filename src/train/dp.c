@@ -213,17 +213,19 @@ fl_status fl_dp_broadcast_params(fl_dp *dp, fl_optimizer *o) {
  * every rank's message instead cost N x 1 KiB per rank at each agreement: at 4096 thread ranks (a
  * plan rehearsing them in one process) 16 GiB at once. */
 fl_status fl_dp_agree(fl_dp *dp, fl_status mine) {
-    if (!dp->comm) return mine;
-    float *all = calloc((size_t)dp->world + 1, sizeof(float));
+    fl_comm *c = dp->grid ? dp->grid : dp->comm;
+    if (!c) return mine;
+    const int world = fl_comm_size(c);
+    float *all = calloc((size_t)world + 1, sizeof(float));
     if (!all) return fl_errorf(FL_ERR_OOM, "data parallel: out of host memory");
     int32_t st = (int32_t)mine;
-    memcpy(all + dp->world, &st, sizeof st); /* the send word */
+    memcpy(all + world, &st, sizeof st); /* the send word */
     char mine_msg[AGREE_MSG_WORDS * sizeof(float)];
     snprintf(mine_msg, sizeof mine_msg, "%s", mine != FL_OK ? fl_error_message() : "");
-    fl_status s = fl_comm_all_gather(dp->comm, all + dp->world, all, (size_t)dp->world, FL_F32);
+    fl_status s = fl_comm_all_gather(c, all + world, all, (size_t)world, FL_F32);
     int bad = -1;
     int32_t v = FL_OK;
-    for (int r = 0; s == FL_OK && r < dp->world && bad < 0; r++) {
+    for (int r = 0; s == FL_OK && r < world && bad < 0; r++) {
         memcpy(&v, all + r, sizeof v);
         if (v != FL_OK) bad = r;
     }
@@ -231,16 +233,17 @@ fl_status fl_dp_agree(fl_dp *dp, fl_status mine) {
     if (s != FL_OK || bad < 0) return s;
     float words[AGREE_MSG_WORDS];
     memcpy(words, mine_msg, sizeof words); /* significant on the failing rank only */
-    s = fl_comm_broadcast(dp->comm, words, AGREE_MSG_WORDS, FL_F32, bad);
+    s = fl_comm_broadcast(c, words, AGREE_MSG_WORDS, FL_F32, bad);
     if (s != FL_OK) return s;
     char msg[AGREE_MSG_WORDS * sizeof(float)];
     memcpy(msg, words, sizeof msg);
     msg[sizeof msg - 1] = 0;
-    return fl_errorf((fl_status)v, "rank %d of %d: %s", bad, dp->world, msg);
+    return fl_errorf((fl_status)v, "rank %d of %d: %s", bad, world, msg);
 }
 
 fl_status fl_dp_check_config(fl_dp *dp, const fl_run_config *cfg) {
-    if (!dp->comm) return FL_OK;
+    fl_comm *c = dp->grid ? dp->grid : dp->comm;
+    if (!c) return FL_OK;
     char *mine = NULL;
     size_t len = 0;
     FILE *f = open_memstream(&mine, &len);
@@ -249,17 +252,17 @@ fl_status fl_dp_check_config(fl_dp *dp, const fl_run_config *cfg) {
     fclose(f);
     /* rank 0's length, then its text (as 2-byte words: a broadcast copies bits) */
     float lw = (float)len; /* exact below 2^24 */
-    fl_status s = fl_comm_broadcast(dp->comm, &lw, 1, FL_F32, 0);
+    fl_status s = fl_comm_broadcast(c, &lw, 1, FL_F32, 0);
     size_t n0 = (size_t)lw, words = (n0 + 2) / 2;
     char *root = s == FL_OK ? calloc(words, 2) : NULL;
     if (s == FL_OK && !root) s = fl_errorf(FL_ERR_OOM, "data parallel: out of host memory");
-    if (s == FL_OK && dp->rank == 0) memcpy(root, mine, len);
-    if (s == FL_OK) s = fl_comm_broadcast(dp->comm, root, words, FL_BF16, 0);
+    if (s == FL_OK && fl_comm_rank(c) == 0) memcpy(root, mine, len);
+    if (s == FL_OK) s = fl_comm_broadcast(c, root, words, FL_BF16, 0);
     if (s == FL_OK && (n0 != len || memcmp(root, mine, len))) {
         char here[200], there[200];
         fl_text_first_diff(mine, root, here, there, sizeof here);
         s = fl_errorf(FL_ERR_INVALID, "the ranks were started with different configurations: rank %d has '%s' where "
-                      "rank 0 has '%s' (every rank must run the same command line and recipe)", dp->rank, here, there);
+                      "rank 0 has '%s' (every rank must run the same command line and recipe)", fl_comm_rank(c), here, there);
     }
     free(root);
     free(mine);

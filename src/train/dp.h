@@ -46,6 +46,8 @@ typedef struct fl_dp {
                             * memory through its to_host, write it through to_device */
     const fl_optim_offload *offload; /* CPU offload (fl_cfg_offload): the optimizer's host backend and tier; NULL none */
     size_t bucket;         /* --bucket_size: the gradient reductions' bucket bytes (0: one collective each; dp_bucket.c) */
+    fl_comm *grid;         /* tensor parallel: the whole grid (comm is its data-parallel axis), over which the set-up's
+                            * agreements and the configuration check run; NULL: comm */
 } fl_dp;
 
 /* A checkpoint writer's source for one optimizer state array arr of o (es-byte elements): t->data read

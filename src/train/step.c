@@ -20,7 +20,6 @@ static double now_ms(void) {
 /* Live bytes are a fact of the step's phases: at each boundary the model says which of its
  * regions still hold data a later phase reads (fl_model_live), and the step records it in the pool. */
 static void record_live(fl_model *m, fl_live_phase ph) {
-    if (fl_model_is_s2s(&m->cfg)) return; /* an encoder-decoder's arena has no live map yet (its bytes stay reserved) */
     fl_live_region r[FL_MODEL_LIVE_MAX];
     int n = fl_model_live(m, ph, r);
     for (int i = 0; i < n; i++)

@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "fitllm/generate.h"
+#include "fitllm/tp.h"
 #include "fitllm/trainer.h"
 #include "dp.h"
 #include "metrics.h"
@@ -38,8 +39,8 @@ typedef struct {
     fl_dataset *data;
     fl_loader *train, *val;
     /* an encoder-decoder (fl_model_is_s2s): the source/target pairs and their loader instead */
-    fl_s2s_data *s2s;
-    fl_s2s_loader *s2s_train;
+    fl_s2s_data *s2s, *s2s_vdata; /* the training pairs; the validation pairs (data.val_split_fraction), or NULL */
+    fl_s2s_loader *s2s_train, *s2s_val;
 } trainer_input;
 
 /* The step's buffers. G = accum x world: micro-batches of one optimizer step, all ranks. */
@@ -61,6 +62,21 @@ typedef struct {
     long max_steps, warmup, steps_per_epoch;
 } trainer_sched;
 
+/* Tensor parallelism (--tensor_parallel N > 1, trainer_tp.c): the grid of devices x num_nodes ranks is
+ * (ranks / N) data-parallel groups of N consecutive ranks; each rank trains its slice of the model
+ * (fl_tp_config) with its group, and the run's fl_dp is the data-parallel axis (the ranks of one tensor-
+ * parallel rank across the groups). */
+typedef struct {
+    int size, rank;             /* the group's size (1: no tensor parallelism) and this rank's place in it */
+    fl_comm *world;             /* the whole grid (borrowed): set-up agreements, the lead */
+    fl_comm *grp, *dgrp;        /* the tensor-parallel group (owned): on host memory; the backend's device
+                                 * communicator over it (NULL: grp reads the backend's memory) */
+    fl_comm *dpc;               /* the data-parallel axis (owned; t->dp's communicator) */
+    fl_model_config whole;      /* the whole model's config (checkpoints) */
+    size_t whole_numel;         /* and its parameters */
+    fl_tp_dist dist;            /* the optimizer's hooks over the group */
+} trainer_tp;
+
 typedef struct {
     const fl_run_config *cfg;
     FILE *out;
@@ -75,6 +91,7 @@ typedef struct {
     fl_metrics metrics;
     trainer_bufs buf;
     fl_dp dp;                   /* data parallel: rank, world, communicator (see dp.h) */
+    trainer_tp tp;              /* tensor parallel (size 1: none) */
     trainer_sched sch;
     fl_train_state st;
 } trainer;
@@ -108,6 +125,9 @@ void fl_tr_cleanup_keep_error(trainer *t, fl_status s);
 
 /* ---- evaluation (trainer_eval.c) ---- */
 fl_status fl_tr_validate(trainer *t, int max_iters, double *loss);
+/* The run has a validation split (the decoder-only loader's, or an encoder-decoder's pairs); its batches. */
+int fl_tr_has_val(const trainer *t);
+long fl_tr_val_batches(const trainer *t);
 fl_status fl_tr_sample_tokens(trainer *t, const int32_t *ids, int n, const int32_t *eos, int32_t *gen, int *n_out,
                               fl_gen_callback cb, void *ud);
 fl_status fl_tr_generate_example(trainer *t);
@@ -120,6 +140,34 @@ void fl_tr_mem_values(const fl_mem_pool *p, fl_metrics_values *v);
 void fl_tr_print_header(trainer *t, fl_comm *comm, const fl_precision *prec, const fl_strategy_choice *sc);
 void fl_tr_print_memory(trainer *t);
 void fl_tr_val_row(trainer *t, double val_loss);
+
+/* ---- tensor parallelism (trainer_tp.c) ---- */
+/* Split world into the grid's axes (collective; tensor_parallel 1: *dp_comm = world, nothing split), after the
+ * refusals every rank makes alike (fl_tr_tp_check's; given: the planner's model shape, its split). */
+fl_status fl_tr_tp_begin(trainer *t, fl_comm *world, const fl_model_config *given, fl_comm **dp_comm);
+/* Whether this rank leads the run (prints, logs, writes checkpoints): the grid's rank 0. */
+int fl_tr_tp_lead(const trainer *t);
+/* What tensor parallelism does not combine with yet (refused naming the option), before the model loads. */
+fl_status fl_tr_tp_check(const trainer *t, const fl_strategy_choice *sc);
+/* The model: the whole one loaded into a pool of its own (outside the budget), this rank's slice made in the
+ * run's pool and filled, the whole one freed; the group attached (fl_model_set_tp). */
+fl_status fl_tr_tp_load(trainer *t, const fl_model_config *given);
+/* After the optimizer: its hooks over the group (fl_tp_optim_attach). */
+fl_status fl_tr_tp_attach(trainer *t);
+/* Consolidated checkpoints: the whole model and optimizer state gathered on the lead (host staging outside
+ * the pool), written as one process writes them (collective over the first data-parallel group's tensor-
+ * parallel group); the load reads the whole checkpoint (any tensor-parallel size wrote it) and takes the
+ * slice. o NULL: the weights alone. */
+fl_status fl_tr_tp_save(trainer *t, int lead, const char *name, const fl_optimizer *o, const fl_train_state *st);
+fl_status fl_tr_tp_ckpt_load(trainer *t, const char *path);
+void fl_tr_tp_end(trainer *t);
+/* v[0..n) summed over every rank of the grid (fl_dp_sum over the whole grid; without tensor parallelism the
+ * data-parallel ranks): the run's stop decisions, which every rank must take alike. */
+fl_status fl_tr_sum_all(trainer *t, double *v, int n);
+/* The run header's line (the lead). */
+void fl_tr_tp_print(const trainer *t, fl_comm *world);
+/* The model of load_model (trainer_setup.c) into m from pool (*ok: m is to be freed). */
+fl_status fl_tr_load_model(trainer *t, const fl_model_config *given, fl_model *m, fl_mem_pool *pool, int *ok);
 
 /* ---- checkpoints and divergence (trainer_ckpt.c) ---- */
 fl_status fl_tr_diverged(const trainer *t, fl_status s, long step, long iter);

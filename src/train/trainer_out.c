@@ -46,12 +46,13 @@ void fl_tr_bar_draw(trainer *t, long step, double eta) {
 
 /* Several ranks: the least and the most peak total over them (every rank calls this: a host collective). */
 static int peak_range(trainer *t, const fl_trainer_result *r, double *lo, double *hi) {
-    const int W = t->dp.world;
-    if (W < 2 || !t->dp.comm) return 0;
+    /* tensor parallel: over the whole grid */
+    const int W = t->tp.world ? fl_comm_size(t->tp.world) : t->dp.world;
+    if (W < 2 || (!t->dp.comm && !t->tp.world)) return 0;
     double *v = calloc((size_t)W, sizeof *v);
     if (!v) return 0;
-    v[t->dp.rank] = (double)r->peak_total;
-    int ok = fl_dp_sum(&t->dp, v, W) == FL_OK;
+    v[t->tp.world ? fl_comm_rank(t->tp.world) : t->dp.rank] = (double)r->peak_total;
+    int ok = fl_tr_sum_all(t, v, W) == FL_OK;
     *lo = *hi = v[0];
     for (int k = 1; k < W; k++) {
         if (v[k] < *lo) *lo = v[k];
@@ -117,14 +118,20 @@ void fl_tr_print_header(trainer *t, fl_comm *comm, const fl_precision *prec, con
     const fl_run_config *cfg = t->cfg;
     if (!t->out) return;
     fprintf(t->out, "model: %s, %zu parameters (%s); tokenizer: %s%s%s%s\n", t->model.cfg.name[0] ? t->model.cfg.name : "?",
-            t->model.layout.numel, cfg->checkpoint_dir[0] ? cfg->checkpoint_dir : cfg->model_name,
+            t->tp.size > 1 ? t->tp.whole_numel : t->model.layout.numel,
+            cfg->checkpoint_dir[0] ? cfg->checkpoint_dir : cfg->model_name,
             fl_tok_kind(t->in.tok), t->in.tok_dir[0] ? " from '" : " (built in: no tokenizer files with the model; "
             "--tokenizer_dir gives one", t->in.tok_dir[0] ? t->in.tok_dir : "", t->in.tok_dir[0] ? "'" : ")");
     if (t->in.s2s) {
         const fl_s2s_stats *ss = fl_s2s_get_stats(t->in.s2s);
+        const size_t nv = fl_s2s_count(t->in.s2s_vdata);
         fprintf(t->out, "data: %zu source/target pairs from '%s' (%zu sources, %zu targets truncated); longest source "
-                "%d, target %d tokens; no validation split\n", ss->n_records, cfg->data.json_path,
-                ss->n_truncated_source, ss->n_truncated_target, t->sch.Ts, t->sch.T);
+                "%d, target %d tokens; ", ss->n_records + nv, cfg->data.json_path, ss->n_truncated_source,
+                ss->n_truncated_target, t->sch.Ts, t->sch.T);
+        if (nv) fprintf(t->out, "%zu train / %zu val pairs (data.val_split_fraction %g)\n", ss->n_records, nv,
+                        (double)cfg->data.val_split_fraction);
+        else fprintf(t->out, "no validation split (data.val_split_fraction %g of %zu pairs is none)\n",
+                     (double)cfg->data.val_split_fraction, ss->n_records);
     } else {
         const fl_data_stats *ds = fl_data_get_stats(t->in.data);
         fprintf(t->out, "data: %s, %zu train / %zu val samples, %zu truncated to max_seq_length; longest input %d\n",
@@ -162,6 +169,7 @@ void fl_tr_print_header(trainer *t, fl_comm *comm, const fl_precision *prec, con
                 : t->dp.stage ? "; each rank holds the optimizer state of its chunk of the parameters, updates it, "
                 "and the updated parameters are all-gathered" : "");
     }
+    fl_tr_tp_print(t, comm);
     long bpe = (long)fl_tr_batches_per_epoch(t);
     if (bpe < t->sch.G) /* the epoch counter then moves every few iterations, inside one step */
         fprintf(t->out, "note: the training split is %ld micro-batch%s of %d, fewer than the %d of one optimizer "
@@ -175,7 +183,12 @@ void fl_tr_print_memory(trainer *t) {
     const fl_run_config *cfg = t->cfg;
     fl_tr_bar_clear(t);
     fprintf(t->out, "\n");
-    if (t->dp.world > 1 && !t->dp.stage)
+    if (t->tp.size > 1)
+        fprintf(t->out, "memory of rank 0 (tensor parallel %d%s%s: PARAMS, GRADS and OPTIM hold its slice, %zu of %zu "
+                "parameters%s; ACTS its heads' and MLP columns' activations; the whole model was loaded outside the "
+                "pool and freed)\n", t->tp.size, t->dp.world > 1 ? " x " : "", t->dp.world > 1 ? fl_dp_stage_name(&t->dp) : "",
+                t->model.layout.numel, t->tp.whole_numel, t->dp.stage ? " (OPTIM: its chunk's state)" : "");
+    else if (t->dp.world > 1 && !t->dp.stage)
         fprintf(t->out, "memory of rank 0 (DDP: every rank holds the same; WORKSPACE includes the all-reduce's "
                 "scratch)\n");
     else if (t->dp.fsdp)

@@ -86,7 +86,7 @@ fl_status fl_trainer_lora_config(const fl_run_config *c, const fl_model_config *
 /* The run's model. given (the planner's, fl_trainer_rehearse): that configuration, created and
  * randomly initialized as a preset is (no weights read: the loader's allocations are the random
  * init's, one 4-bit weight's fp32 staging at most). */
-static fl_status load_model(trainer *t, const fl_model_config *given) {
+fl_status fl_tr_load_model(trainer *t, const fl_model_config *given, fl_model *m, fl_mem_pool *pool, int *ok) {
     const fl_run_config *c = t->cfg;
     fl_model_config mc;
     const char *ck = c->checkpoint_dir;
@@ -94,14 +94,14 @@ static fl_status load_model(trainer *t, const fl_model_config *given) {
     int have_cfg = 0; /* pretrain: model_config fields, a config.json, or model_name */
     if (!given && c->command == FL_CMD_PRETRAIN) FL_TRY(fl_cfg_model_config(c, &mc, &have_cfg));
     if (given) {
-        FL_TRY(fl_model_init_ex(&t->model, given, &t->hw.be, &t->hw.pool, &t->stg));
-        t->model_ok = 1;
-        FL_TRY(fl_model_init_random_ex(&t->model, c->seed));
+        FL_TRY(fl_model_init_ex(m, given, &t->hw.be, pool, &t->stg));
+        *ok = 1;
+        FL_TRY(fl_model_init_random_ex(m, c->seed));
     } else if (have_cfg) {
-        FL_TRY(fl_model_init_ex(&t->model, &mc, &t->hw.be, &t->hw.pool, &t->stg));
-        t->model_ok = 1;
-        FL_TRY(fl_model_init_random_ex(&t->model, c->seed));
-        if (ck[0]) { FL_TRY(fl_hf_load_weights(&t->model, ck)); have_weights = 1; }
+        FL_TRY(fl_model_init_ex(m, &mc, &t->hw.be, pool, &t->stg));
+        *ok = 1;
+        FL_TRY(fl_model_init_random_ex(m, c->seed));
+        if (ck[0]) { FL_TRY(fl_hf_load_weights(m, ck)); have_weights = 1; }
     } else if (ck[0] && !exists(ck)) {
         /* A preset name: random init (for speed/memory experiments without weights). */
         fl_status s = fl_preset_find(ck, &mc);
@@ -111,9 +111,9 @@ static fl_status load_model(trainer *t, const fl_model_config *given) {
             return fl_errorf(FL_ERR_NOT_FOUND, "checkpoint_dir '%s' is neither a model folder nor a preset (%s)", ck,
                              why);
         }
-        FL_TRY(fl_model_init_ex(&t->model, &mc, &t->hw.be, &t->hw.pool, &t->stg));
-        t->model_ok = 1;
-        FL_TRY(fl_model_init_random_ex(&t->model, c->seed));
+        FL_TRY(fl_model_init_ex(m, &mc, &t->hw.be, pool, &t->stg));
+        *ok = 1;
+        FL_TRY(fl_model_init_random_ex(m, c->seed));
     } else if (ck[0] && c->init_random) {
         /* --init random: the folder's (or config.json's) shape, fresh weights */
         char cp[FL_CFG_PATH + 16];
@@ -121,23 +121,23 @@ static fl_status load_model(trainer *t, const fl_model_config *given) {
         if (stat(ck, &st) == 0 && S_ISDIR(st.st_mode)) snprintf(cp, sizeof cp, "%s/config.json", ck);
         else snprintf(cp, sizeof cp, "%s", ck);
         FL_TRY(fl_hf_load_config(cp, &mc));
-        FL_TRY(fl_model_init_ex(&t->model, &mc, &t->hw.be, &t->hw.pool, &t->stg));
-        t->model_ok = 1;
-        FL_TRY(fl_model_init_random_ex(&t->model, c->seed));
+        FL_TRY(fl_model_init_ex(m, &mc, &t->hw.be, pool, &t->stg));
+        *ok = 1;
+        FL_TRY(fl_model_init_random_ex(m, c->seed));
     } else if (ck[0]) {
         int loaded = 0;
-        FL_TRY(fl_model_load_auto_ex(&t->model, ck, &t->hw.be, &t->hw.pool, &t->stg, &loaded));
-        t->model_ok = 1;
+        FL_TRY(fl_model_load_auto_ex(m, ck, &t->hw.be, pool, &t->stg, &loaded));
+        *ok = 1;
         have_weights = loaded;
-        if (!loaded) FL_TRY(fl_model_init_random_ex(&t->model, c->seed));
+        if (!loaded) FL_TRY(fl_model_init_random_ex(m, c->seed));
     } else {
         return fl_errorf(FL_ERR_INVALID, "no model: give checkpoint_dir%s",
                          c->command == FL_CMD_PRETRAIN ? ", model_name or model_config" : "");
     }
     (void)have_weights;
-    if (c->train.tie_embeddings >= 0 && c->train.tie_embeddings != t->model.cfg.tie_embeddings)
+    if (c->train.tie_embeddings >= 0 && c->train.tie_embeddings != m->cfg.tie_embeddings)
         return fl_errorf(FL_ERR_UNSUPPORTED, "train.tie_embeddings=%d differs from the model's tie_word_embeddings=%d",
-                         c->train.tie_embeddings, t->model.cfg.tie_embeddings);
+                         c->train.tie_embeddings, m->cfg.tie_embeddings);
     return FL_OK;
 }
 
@@ -186,21 +186,34 @@ static fl_status load_data_s2s(trainer *t) {
     fl_s2s_config_default(&sc);
     sc.max_source_length = c->data.max_source_length;
     sc.max_target_length = c->data.max_target_length;
-    FL_TRY(fl_s2s_load(&t->in.s2s, c->data.json_path, &sc, t->in.tok));
-    size_t n = fl_s2s_count(t->in.s2s);
-    if (!n) return fl_errorf(FL_ERR_INVALID, "'%s' holds no pairs", c->data.json_path);
-    int ls = 1, lt = 1;
+    fl_s2s_data *all = NULL;
+    FL_TRY(fl_s2s_load(&all, c->data.json_path, &sc, t->in.tok));
+    size_t n = fl_s2s_count(all);
+    if (!n) {
+        fl_s2s_free(all);
+        return fl_errorf(FL_ERR_INVALID, "'%s' holds no pairs", c->data.json_path);
+    }
+    int ls = 1, lt = 1; /* the arena: the longest of either split (validation runs in it too) */
     for (size_t i = 0; i < n; i++) {
         const int32_t *a, *b;
         int na, nb;
-        fl_s2s_get(t->in.s2s, i, &a, &na, &b, &nb);
+        fl_s2s_get(all, i, &a, &na, &b, &nb);
         if (na > ls) ls = na;
         if (nb > lt) lt = nb;
     }
+    /* the validation split: LitGPT's random_split of the file (fl_s2s_split), as the decoder-only JSON data */
+    fl_status s = fl_s2s_split(all, c->data.val_split_fraction, c->seed, &t->in.s2s, &t->in.s2s_vdata);
+    fl_s2s_free(all);
+    FL_TRY(s);
+    if (!fl_s2s_count(t->in.s2s))
+        return fl_errorf(FL_ERR_INVALID, "'%s': data.val_split_fraction %g leaves no training pairs of %zu",
+                         c->data.json_path, (double)c->data.val_split_fraction, n);
     t->sch.B = c->train.micro_batch_size;
     t->sch.Ts = ls;
     t->sch.T = lt;
     int pad = t->model.cfg.pad_id, start = t->model.cfg.dec_start_id;
+    if (fl_s2s_count(t->in.s2s_vdata))
+        FL_TRY(fl_s2s_loader_init(&t->in.s2s_val, t->in.s2s_vdata, t->sch.B, pad, start, c->seed, 0));
     return fl_s2s_loader_init(&t->in.s2s_train, t->in.s2s, t->sch.B, pad, start, c->seed, 1);
 }
 
@@ -208,18 +221,30 @@ fl_status fl_tr_check_s2s(const trainer *t, const fl_precision *prec, const fl_s
     const fl_run_config *c = t->cfg;
     const char *m = t->model.cfg.name[0] ? t->model.cfg.name : "encoder-decoder";
     if (!fl_model_is_s2s(&t->model.cfg)) return FL_OK;
-    if (c->lora.quantize[0])
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--quantize %s (QLoRA): an encoder-decoder (%s) trains fp32 weights only "
-                         "so far", c->lora.quantize, m);
-    if (strcmp(prec->name, "32-true"))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: an encoder-decoder (%s) trains in 32-true only so far",
+    if (c->lora.quantize[0] && strcmp(prec->name, "32-true"))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--quantize %s (QLoRA): an encoder-decoder (%s) runs QLoRA in 32-true only "
+                         "so far (the 4-bit base linears, the rest fp32; got --precision %s)", c->lora.quantize, m,
+                         prec->name);
+    /* fp16 (16-true, 16-mixed): T5 is known to overflow fp16's range (transformers clamps its hidden states under
+     * fp16; Flan-T5 was trained in bf16): refused rather than left to skip steps under loss scaling. bf16-true (16-bit
+     * storage) needs staged 16-bit parameters in the encoder-decoder passes, which they do not have yet. */
+    if (prec->param_dtype == FL_F16 || prec->compute_dtype == FL_F16)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: T5 is known to overflow fp16's range (65504; transformers "
+                         "clamps its hidden states under fp16); an encoder-decoder (%s) trains in 32-true or bf16-mixed",
                          prec->name, m);
-    if (t->dp.world > 1)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%d ranks (--devices/--num_nodes, --strategy %s): an encoder-decoder (%s) "
-                         "trains in one process only so far", t->dp.world, c->strategy, m);
-    if (sc->offload)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s (optimizer offload): not supported for an encoder-decoder "
-                         "(%s) yet", c->strategy, m);
+    if (strcmp(prec->name, "32-true") && strcmp(prec->name, "bf16-mixed"))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: an encoder-decoder (%s) trains in 32-true or bf16-mixed "
+                         "only so far (16-bit storage is not there yet)", prec->name, m);
+    /* several ranks: DDP and ZeRO-1/2 (with the optimizer offloaded too) keep the whole model on every rank; the
+     * sharded stores (FULL_SHARD / ZeRO-3) need the passes to gather each group, which they do not do yet */
+    const int sharded = sc->stage >= 3 && c->command != FL_CMD_FINETUNE_LORA; /* LoRA: the adapters' ZeRO-2 */
+    if (t->dp.world > 1 && sharded)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%d ranks with --strategy %s (%s: parameters sharded): an encoder-decoder "
+                         "(%s) trains with ddp, deepspeed_stage_1, deepspeed_stage_2 or deepspeed_stage_2_offload only "
+                         "so far (give --strategy)", t->dp.world, c->strategy, sc->desc, m);
+    if (sc->offload && sharded)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s (ZeRO-3 offload): not supported for an encoder-decoder (%s) "
+                         "yet (deepspeed_stage_2_offload is)", c->strategy, m);
     if (c->command == FL_CMD_PRETRAIN)
         return fl_errorf(FL_ERR_UNSUPPORTED, "pretrain: an encoder-decoder (%s) is fine-tuned only (finetune_full, "
                          "finetune_lora) so far", m);
@@ -294,7 +319,7 @@ fl_status fl_tr_load_data(trainer *t) {
 
 void fl_tr_schedule(trainer *t) {
     const fl_train_args *a = &t->cfg->train;
-    t->sch.accum = a->global_batch_size / (t->cfg->devices * t->cfg->num_nodes) / a->micro_batch_size;
+    t->sch.accum = a->global_batch_size / fl_cfg_dp_ranks(t->cfg) / a->micro_batch_size;
     t->sch.G = t->sch.accum * t->dp.world;
     long bpe = (long)fl_tr_batches_per_epoch(t);
     t->sch.steps_per_epoch = bpe / t->sch.G > 0 ? bpe / t->sch.G : 1;
@@ -339,7 +364,8 @@ fl_status fl_trainer_storage(const fl_run_config *c, const fl_precision *p, fl_m
  * the after_load snapshot (the weights alone). */
 fl_status fl_tr_setup_model(trainer *t, const fl_precision *prec, const fl_model_config *given) {
     fl_mem_set_phase(&t->hw.pool, "model load");
-    FL_TRY(load_model(t, given));
+    if (t->tp.size > 1) FL_TRY(fl_tr_tp_load(t, given)); /* the whole model outside the pool, then the slice */
+    else FL_TRY(fl_tr_load_model(t, given, &t->model, &t->hw.pool, &t->model_ok));
     FL_TRY(fl_model_set_precision(&t->model, prec));
     fl_mem_snapshot(&t->hw.pool, "after_load");
     return FL_OK;
@@ -445,7 +471,9 @@ void fl_tr_cleanup(trainer *t) {
     fl_loader_free(t->in.val);
     fl_data_free(t->in.data);
     fl_s2s_loader_free(t->in.s2s_train);
+    fl_s2s_loader_free(t->in.s2s_val);
     fl_s2s_free(t->in.s2s);
+    fl_s2s_free(t->in.s2s_vdata);
     fl_tok_free(t->in.tok);
     fl_fsdp_free(&t->dp);
     fl_optim_free(&t->opt);
@@ -455,6 +483,7 @@ void fl_tr_cleanup(trainer *t) {
     if (t->hw.opool_ok) fl_mem_pool_free(&t->hw.opool);
     if (t->hw.hbe_ok) fl_cpu_backend_free(&t->hw.hbe);
     if (t->hw.be_ok) fl_backend_free(&t->hw.be);
+    fl_tr_tp_end(t); /* after fl_dp_done: the data-parallel axis is its communicator */
 }
 
 /* cleanup after a failure keeps the failure's message: tearing down what was in flight (FSDP's

@@ -1,0 +1,280 @@
+/* The trainer's tensor parallelism (--tensor_parallel N; src/train/trainer-impl.h, docs/ARCHITECTURE.md
+ * "Tensor parallelism"): the grid, the slice of the model, the optimizer's hooks, consolidated checkpoints.
+ *
+ * The grid. World rank w is rank w % N of tensor-parallel group w / N, and rank w / N of data-parallel
+ * axis w % N: the N ranks of a group train the same micro-batches (the data is split over the groups,
+ * as DDP splits it over ranks), so the trainer's data-parallel context (t->dp) is the axis and every
+ * loop, loss and log works unchanged over it. Set-up agreements run over the whole grid (fl_dp.grid), so a
+ * rank that fails anywhere stops every rank. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "trainer-impl.h"
+#include "fitllm/checkpoint.h"
+
+static fl_status tp_check(const fl_run_config *c, int n, int dp_world, const fl_strategy_choice *sc);
+
+fl_status fl_tr_tp_begin(trainer *t, fl_comm *world, const fl_model_config *given, fl_comm **dp_comm) {
+    const int n = t->cfg->tensor_parallel > 1 ? t->cfg->tensor_parallel : 1;
+    *dp_comm = world;
+    t->tp.size = 1;
+    if (n == 1) return FL_OK;
+    const int W = world ? fl_comm_size(world) : 1, w = world ? fl_comm_rank(world) : 0;
+    if (W % n)
+        return fl_errorf(FL_ERR_INVALID, "--tensor_parallel %d: this run has %d rank%s, not a multiple of it (launch "
+                         "data-parallel groups x %d ranks: --devices %d, %d, ...)", n, W, W == 1 ? "" : "s", n, n, 2 * n);
+    /* what every rank refuses alike, before any collective: each returns its own error (with threads, one
+     * that failed later would otherwise see a peer's release) */
+    fl_strategy_choice sc;
+    FL_TRY(fl_cfg_resolve_strategy(t->cfg, 0, &sc));
+    FL_TRY(tp_check(t->cfg, n, W / n, &sc));
+    fl_model_config pc;
+    if (given) FL_TRY(fl_tp_config(given, n, 0, &pc)); /* the planner's shape */
+    FL_TRY(fl_error_prefix(fl_comm_split(world, w / n, w, &t->tp.grp), "--tensor_parallel %d: the group", n));
+    FL_TRY(fl_error_prefix(fl_comm_split(world, w % n, w, &t->tp.dpc), "--tensor_parallel %d: the data-parallel axis", n));
+    t->tp.size = n;
+    t->tp.rank = w % n;
+    t->tp.world = world;
+    fl_dp_init(&t->dp, t->tp.dpc, NULL);
+    t->dp.grid = world;
+    *dp_comm = t->tp.dpc;
+    return FL_OK;
+}
+
+int fl_tr_tp_lead(const trainer *t) {
+    return t->tp.world ? fl_comm_rank(t->tp.world) == 0 : t->dp.rank == 0;
+}
+
+void fl_tr_tp_end(trainer *t) {
+    fl_comm_destroy(t->tp.dgrp); /* split over grp: first */
+    fl_comm_destroy(t->tp.grp);
+    fl_comm_destroy(t->tp.dpc);
+    t->tp.dgrp = t->tp.grp = t->tp.dpc = NULL;
+}
+
+fl_status fl_tr_tp_check(const trainer *t, const fl_strategy_choice *sc) {
+    return t->tp.size <= 1 ? FL_OK : tp_check(t->cfg, t->tp.size, t->dp.world, sc);
+}
+
+static fl_status tp_check(const fl_run_config *c, int n, int dp_world, const fl_strategy_choice *sc) {
+    if (c->command == FL_CMD_FINETUNE_LORA)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: finetune_lora is not split yet (LoRA's adapters "
+                         "on the split linears); finetune_full and pretrain are", n);
+    if (dp_world > 1 && sc->stage > 2)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with --strategy %s%s%s: the data-parallel axis (%d "
+                         "groups) runs DDP, ZeRO-1 or ZeRO-2 so far, not ZeRO-3 / FSDP FULL_SHARD (give --strategy ddp, "
+                         "deepspeed_stage_1 or deepspeed_stage_2)", n, c->strategy, sc->sharding[0] ? " " : "",
+                         sc->sharding, dp_world);
+    if (sc->offload)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with --strategy %s: optimizer offload is not "
+                         "combined with tensor parallelism yet", n, c->strategy);
+    if (c->optimizer.kind == FL_OPT_ADAMW8BIT)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: AdamW8bit's block-wise state is not split yet "
+                         "(AdamW and SGD are)", n);
+    if (!strcmp(c->state_dict_type, "sharded"))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: fsdp.state_dict_type sharded is not written yet "
+                         "(full: consolidated, resumable at any tensor-parallel size)", n);
+    return FL_OK;
+}
+
+/* A whole model of t->tp.whole in its own pools (outside the run's budget: checkpoint I/O staging). */
+typedef struct {
+    fl_mem_pool pool, hpool;
+    int pool_ok;
+    fl_model m;
+    int m_ok;
+    fl_optimizer o;
+    int o_ok;
+} tp_whole;
+
+static void whole_free(tp_whole *w) {
+    if (w->o_ok) fl_optim_free(&w->o);
+    if (w->m_ok) fl_model_free(&w->m);
+    if (w->pool_ok) fl_backend_pools_free(&w->pool, &w->hpool);
+    memset(w, 0, sizeof *w);
+}
+
+static fl_status whole_pools(trainer *t, tp_whole *w) {
+    memset(w, 0, sizeof *w);
+    FL_TRY(fl_backend_pools_init(&t->hw.be, &w->pool, &w->hpool, "tensor parallel (whole model)", 0));
+    w->pool_ok = 1;
+    return FL_OK;
+}
+
+/* the whole model, created (no weights) with the run's storage, and its optimizer when o is given */
+static fl_status whole_make(trainer *t, tp_whole *w, const fl_optimizer *o) {
+    FL_TRY(whole_pools(t, w));
+    FL_TRY(fl_model_init_ex(&w->m, &t->tp.whole, &t->hw.be, &w->pool, &t->stg));
+    w->m_ok = 1;
+    if (!o) return FL_OK;
+    FL_TRY(fl_model_set_precision(&w->m, &t->model.prec)); /* the state's dtype and loss scaling follow it */
+    FL_TRY(fl_optim_init(&w->o, &w->m, &o->cfg));
+    w->o_ok = 1;
+    return FL_OK;
+}
+
+static fl_status attach_group(trainer *t);
+
+fl_status fl_tr_tp_load(trainer *t, const fl_model_config *given) {
+    tp_whole w;
+    fl_status s;
+    if (fl_backend_discards(&t->hw.be)) { /* the planner's rehearsal: the slice of the given shape, no whole copy */
+        fl_model_config pc;
+        FL_TRY(fl_tp_config(given, t->tp.size, t->tp.rank, &pc));
+        t->tp.whole = *given;
+        FL_TRY(fl_model_init_ex(&t->model, &pc, &t->hw.be, &t->hw.pool, &t->stg));
+        t->model_ok = 1;
+        FL_TRY(fl_model_init_random_ex(&t->model, t->cfg->seed));
+        return attach_group(t);
+    }
+    s = whole_pools(t, &w);
+    if (s == FL_OK) s = fl_tr_load_model(t, given, &w.m, &w.pool, &w.m_ok);
+    fl_model_config pc;
+    if (s == FL_OK) s = fl_tp_config(&w.m.cfg, t->tp.size, t->tp.rank, &pc);
+    if (s == FL_OK) {
+        t->tp.whole = w.m.cfg;
+        t->tp.whole_numel = w.m.layout.numel;
+        s = fl_model_init_ex(&t->model, &pc, &t->hw.be, &t->hw.pool, &t->stg);
+    }
+    if (s == FL_OK) {
+        t->model_ok = 1;
+        s = fl_tp_scatter(&w.m, &t->model);
+    }
+    whole_free(&w);
+    if (s != FL_OK) return s;
+    return attach_group(t);
+}
+
+static fl_status attach_group(trainer *t) {
+    /* the blocks' sums run on the backend's memory: its device communicator over the group where it has one */
+    if (t->hw.be.comm_create)
+        FL_TRY(fl_error_prefix(t->hw.be.comm_create(&t->hw.be, t->tp.grp, &t->tp.dgrp), "--tensor_parallel %d: the %s "
+                               "backend's communicator", t->tp.size, t->hw.be.name));
+    else if (!fl_backend_host_memory(&t->hw.be))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d on backend '%s' (whose memory the host cannot read) "
+                         "needs a device-memory communicator, which it does not have", t->tp.size, t->hw.be.name);
+    return fl_model_set_tp(&t->model, t->tp.dgrp ? t->tp.dgrp : t->tp.grp);
+}
+
+fl_status fl_tr_tp_attach(trainer *t) {
+    if (t->tp.size <= 1) return FL_OK;
+    return fl_tp_optim_attach(&t->opt, t->tp.grp, &t->tp.dist);
+}
+
+/* the optimizer's state arrays (AdamW's m, v; SGD's momentum) */
+static int state_arrays(const fl_optimizer *o, void *arr[3]) {
+    arr[0] = o->st.m, arr[1] = o->st.v, arr[2] = o->st.buf;
+    return 3;
+}
+
+/* ZeRO-1/2 on the data axis: a rank holds state for its chunk [off, off + len) of the slice's elements alone */
+static int state_chunked(const fl_optimizer *o) { return o->shard.off != 0 || o->shard.len != o->w.n; }
+
+/* The slice's whole state array arr of o into host memory *full (malloc'd): ZeRO's chunks all-gathered over the
+ * data axis (collective over it), else a copy. */
+static fl_status state_whole(trainer *t, const fl_optimizer *o, const void *arr, fl_dtype dt, void **full) {
+    const size_t es = fl_dtype_size(dt), n = o->w.n, len = o->shard.len;
+    char *h = malloc(n * es + 4), *c = state_chunked(o) ? malloc(len * es + 4) : NULL;
+    fl_status s = h && (c || !state_chunked(o)) ? FL_OK : fl_errorf(FL_ERR_OOM, "tensor parallel checkpoint: out of "
+                                                                          "host memory staging the optimizer state");
+    if (s == FL_OK) s = fl_optim_state_read(o, c ? c : h, arr, (c ? len : n) * es);
+    if (s == FL_OK && c) /* a copy of bits: BF16 travels as BF16 words */
+        s = fl_comm_all_gather(t->tp.dpc, c, h, n, dt == FL_F32 ? FL_F32 : FL_BF16);
+    free(c);
+    if (s != FL_OK) free(h), h = NULL;
+    *full = h;
+    return s;
+}
+
+static fl_status tp_save(trainer *t, int lead, const char *name, const fl_optimizer *o, const fl_train_state *st) {
+    const fl_run_config *c = t->cfg;
+    const fl_dtype dt = o && o->cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
+    void *full[3] = {NULL, NULL, NULL}, *src[3] = {NULL, NULL, NULL};
+    fl_status s = FL_OK;
+    if (o) state_arrays(o, src);
+    /* ZeRO: every rank of the axis gives its chunks first (the same arrays in the same order on every rank) */
+    for (int a = 0; a < 3 && o && state_chunked(o); a++)
+        if (src[a] && s == FL_OK) s = state_whole(t, o, src[a], dt, &full[a]);
+    if (t->dp.rank != 0 || s != FL_OK) { /* DDP / ZeRO: the first data-parallel group gathers and writes */
+        for (int a = 0; a < 3; a++) free(full[a]);
+        return s;
+    }
+    tp_whole w;
+    memset(&w, 0, sizeof w);
+    s = t->tp.rank == 0 ? whole_make(t, &w, o) : FL_OK;
+    /* a failed staging on rank 0 still runs the group's gathers (their sums are then dropped) */
+    fl_model *wm = s == FL_OK && t->tp.rank == 0 ? &w.m : NULL;
+    fl_status g = fl_tp_gather(&t->model, t->tp.grp, wm, 0);
+    void *dst[3] = {NULL, NULL, NULL};
+    if (o) {
+        if (wm) state_arrays(&w.o, dst);
+        for (int a = 0; a < 3 && g == FL_OK; a++)
+            if (src[a])
+                g = fl_tp_gather_array(&t->model, t->tp.grp, full[a] ? NULL : o->home.be, full[a] ? full[a] : src[a], wm,
+                                       wm ? w.o.home.be : NULL, dst[a], dt);
+    }
+    for (int a = 0; a < 3; a++) free(full[a]);
+    if (s == FL_OK) s = g;
+    if (s == FL_OK && wm && o) {
+        w.o.step = o->step;
+        w.o.amp = o->amp; /* the loss scale */
+    }
+    if (s == FL_OK && lead)
+        s = fl_ckpt_save(c->out_dir, name, &w.m, o ? &w.o : NULL, st, c, t->in.tok_dir[0] ? t->in.tok_dir : NULL);
+    whole_free(&w);
+    return s;
+}
+
+fl_status fl_tr_tp_save(trainer *t, int lead, const char *name, const fl_optimizer *o, const fl_train_state *st) {
+    /* a failed gather or write fails every rank of the grid at once (as ZeRO's streamed saves do) */
+    return fl_dp_agree(&t->dp, tp_save(t, lead, name, o, st));
+}
+
+fl_status fl_tr_sum_all(trainer *t, double *v, int n) {
+    if (!t->tp.world) return fl_dp_sum(&t->dp, v, n);
+    fl_dp g;
+    memset(&g, 0, sizeof g);
+    fl_dp_init(&g, t->tp.world, NULL);
+    return fl_dp_sum(&g, v, n);
+}
+
+fl_status fl_tr_tp_ckpt_load(trainer *t, const char *path) {
+    tp_whole w;
+    fl_status s = whole_make(t, &w, &t->opt);
+    if (s == FL_OK) s = fl_ckpt_load(path, &w.m, &w.o, &t->st);
+    if (s == FL_OK) s = fl_tp_scatter(&w.m, &t->model);
+    void *src[3], *dst[3];
+    state_arrays(&w.o, src);
+    state_arrays(&t->opt, dst);
+    const fl_dtype dt = t->opt.cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
+    const fl_optimizer *o = &t->opt;
+    const size_t es = fl_dtype_size(dt);
+    /* ZeRO on the data axis: the slice's whole array in host memory, then this rank's chunk */
+    char *h = state_chunked(o) ? malloc(o->w.n * es + 4) : NULL;
+    if (s == FL_OK && state_chunked(o) && !h) s = fl_errorf(FL_ERR_OOM, "tensor parallel resume: out of host memory");
+    for (int a = 0; a < 3 && s == FL_OK; a++) {
+        if (!src[a] || !dst[a]) continue;
+        s = fl_tp_scatter_array(&w.m, w.o.home.be, src[a], &t->model, h ? NULL : o->home.be, h ? h : dst[a], dt);
+        if (s == FL_OK && h) s = o->home.be->to_device(o->home.be, dst[a], h + o->shard.off * es, o->shard.len * es);
+    }
+    free(h);
+    if (s == FL_OK) {
+        t->opt.step = w.o.step;
+        t->opt.amp.ls = w.o.amp.ls;
+    }
+    whole_free(&w);
+    return s;
+}
+
+void fl_tr_tp_print(const trainer *t, fl_comm *world) {
+    if (t->tp.size <= 1 || !t->out) return;
+    const fl_model_config *w = &t->tp.whole, *p = &t->model.cfg;
+    fprintf(t->out, "tensor parallel: %d ranks per group x %d data-parallel group%s over %s; each rank holds %d of the "
+            "%d attention heads, %d of the %d key/value heads and %d of the %d MLP columns (QKV and gate/up "
+            "column-parallel, O and down row-parallel: %zu of the %zu parameters); norms, embeddings and the head "
+            "replicated; 2 all-reduces of (B T, C) per block forward and 2 backward; the group of rank 0 reports and "
+            "writes consolidated checkpoints\n", t->tp.size, t->dp.world, t->dp.world == 1 ? "" : "s",
+            fl_comm_impl_name(world), p->n_heads, w->n_heads, p->n_kv_heads, w->n_kv_heads, p->ffn_dim, w->ffn_dim,
+            t->model.layout.numel, t->tp.whole_numel);
+}

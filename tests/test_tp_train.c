@@ -1,0 +1,412 @@
+/* --tensor_parallel in the trainer (src/train/trainer_tp.c) with the ranks as threads of this process:
+ * tensor parallel 2 and the grid of 2 data-parallel groups x 2 against one process training the same
+ * global batch (tests/ddp_ref.h's scenarios), the consolidated checkpoints, their resumes at another size,
+ * the refusals and a failing rank. tests/mpi_test.sh runs the CLI under mpirun.
+ *
+ * Bounds. The library slice's tests (tests/test_tp.c, tests/tp_ref.h) anchor one step of TP against
+ * PyTorch's fp32 and float64; here the whole loop (data, accumulation, clipping, the optimizer, the
+ * checkpoints) runs through the trainer:
+ *   - the step loss at every step within 1e-6 relative of one process (ddp_ref.h's bar; a TP rank sums
+ *     the same per-head and per-column contributions as one process, grouped by rank: reassociation
+ *     only). A missing all-reduce is off by 1e-4 .. 1e-2 from the first step (tp_ref.h);
+ *   - step 1's gradient, tensor by tensor, re-assembled: the consolidated checkpoint's AdamW exp_avg after
+ *     one step is (1 - beta1) g_1 (clipped alike: the norm is the whole model's), within 1e-5 of the
+ *     tensor's largest |g| (the golden test's bar, tp_ref.h);
+ *   - the final parameters, re-assembled, within ddp_ref.h's AdamW bound of one process (derived for ANY
+ *     two gradient sequences: weak on purpose; the losses are the strong check);
+ *   - every rank of a group reports the same losses (the replicated loss is every rank's). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ddp_ref.h"
+#include "fitllm/comm.h"
+#include "fitllm/io.h"
+#include "fitllm/model.h"
+#include "fitllm/plan.h"
+#include "fitllm/comm_nccl.h"
+#include "test.h"
+
+/* The runs take FITLLM_TEST_BACKEND's backend (the trainer reads FITLLM_BACKEND); forced: that one. On a backend
+ * whose memory the host cannot read (opaque, cuda-emu) the blocks' sums and DDP's go through its device
+ * communicator, the NCCL stand-in over the threads. */
+static const char *g_forced;
+static void backend_on(void) { setenv("FITLLM_BACKEND", g_forced ? g_forced : fl_test_backend_name(), 1); }
+static void backend_off(void) { unsetenv("FITLLM_BACKEND"); }
+
+typedef struct {
+    fl_run_config cfg[4];
+    dr_rec rec[4];
+    fl_status st[4];
+    char msg[4][600];
+    fl_trainer_result res[4];
+} tp_job;
+
+static fl_status tp_rank(fl_comm *c, int rank, void *ud) {
+    tp_job *j = ud;
+    fl_status s = fl_trainer_run_comm(&j->cfg[rank], c, NULL, 0, dr_record, &j->rec[rank], &j->res[rank]);
+    j->st[rank] = s;
+    snprintf(j->msg[rank], sizeof j->msg[rank], "%s", s != FL_OK ? fl_error_message() : "");
+    return s;
+}
+
+static int g_small; /* the emulator's cut-down run */
+static const char *g_strategy; /* the data axis's (NULL: ddp) */
+
+/* scenario sc over dp groups x tp ranks (out: its out_dir) */
+static void tp_config(fl_run_config *c, int sc, int dp, int tp, const char *out) {
+    dr_config(c, sc, dp, dp * tp, 1, 1, out);
+    c->tensor_parallel = tp;
+    if (g_strategy && tp > 1) snprintf(c->strategy, sizeof c->strategy, "%s", g_strategy);
+    c->train.save_interval = 1; /* step 1's state: the gradient of step 1 */
+    c->train.keep_checkpoints = 0;
+    if (!g_small) return;
+    snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "gpt2-micro"); /* 2 layers: fewer emulated launches */
+    c->train.max_steps = 2;
+    c->train.max_seq_length = 8;
+    c->train.save_interval = 0;
+    c->eval.interval = 100;
+    c->eval.final_validation = 0;
+}
+
+/* max over the elements of tensor [off, off + n) of the flat state arrays a and b: |a - b| and |b| */
+static void span_diff(const float *a, const float *b, size_t off, size_t n, double *d, double *mx) {
+    *d = *mx = 0;
+    for (size_t i = off; i < off + n; i++) {
+        double e = fabs((double)a[i] - b[i]);
+        if (e > *d) *d = e;
+        if (fabs(b[i]) > *mx) *mx = fabs(b[i]);
+    }
+}
+
+/* the consolidated step-1 checkpoints' exp_avg, tensor by tensor (the layout of the whole micro model) */
+static void check_grads(const char *tp_dir, const char *one_dir, const char *what) {
+    char pa[800], pb[800];
+    snprintf(pa, sizeof pa, "%s/step-000001/training_state.safetensors", tp_dir);
+    snprintf(pb, sizeof pb, "%s/step-000001/training_state.safetensors", one_dir);
+    fl_st_file a, b;
+    FL_REQUIRE_OK(fl_st_open(&a, pa));
+    fl_status s = fl_st_open(&b, pb);
+    FL_REQUIRE_OK(s);
+    const fl_st_tensor *ta = fl_st_find(&a, "optimizer.exp_avg"), *tb = fl_st_find(&b, "optimizer.exp_avg");
+    fl_model_config mc;
+    fl_param_layout lay;
+    FL_REQUIRE_OK(fl_preset_find("micro", &mc));
+    FL_REQUIRE_OK(fl_layout_build(&lay, &mc));
+    FL_CHECKF(ta && tb && ta->dtype == FL_F32 && ta->end - ta->begin == lay.numel * 4 && tb->end - tb->begin == ta->end - ta->begin,
+              "%s: the step-1 checkpoints' exp_avg", what);
+    double worst = 0;
+    const char *at = "";
+    for (int i = 0; ta && tb && i < lay.n && ta->end - ta->begin == lay.numel * 4; i++) {
+        double d, mx;
+        span_diff(ta->data, tb->data, lay.params[i].offset, lay.params[i].numel, &d, &mx);
+        const double rel = d / (mx > 0 ? mx : 1);
+        FL_CHECKF(rel <= 1e-5, "%s: step 1's gradient of %s re-assembled differs by %.3g of its scale", what,
+                  lay.params[i].name, rel);
+        if (rel > worst) worst = rel, at = lay.params[i].name;
+    }
+    if (getenv("FL_TEST_VERBOSE")) printf("    %s: step-1 gradients within %.3g of scale (%s)\n", what, worst, at);
+    fl_layout_free(&lay);
+    fl_st_close(&a);
+    fl_st_close(&b);
+}
+
+/* the final/ weights of a run (model.safetensors, fp32) as a dr_rec's params */
+static void final_params(const char *dir, dr_rec *r) {
+    char p[800];
+    snprintf(p, sizeof p, "%s/final", dir);
+    fl_model m;
+    fl_backend be;
+    fl_mem_pool pool;
+    FL_REQUIRE_OK(fl_backend_init_by_name("cpu", &be, 1));
+    FL_REQUIRE_OK(fl_mem_pool_init(&pool, "test", 0));
+    int loaded = 0;
+    FL_REQUIRE_OK(fl_model_load_auto(&m, p, &be, &pool, &loaded));
+    FL_CHECK(loaded);
+    free(r->params);
+    r->numel = m.layout.numel;
+    r->params = malloc(r->numel * sizeof(float));
+    FL_REQUIRE(r->params != NULL);
+    for (int i = 0; i < m.layout.n; i++) fl_model_read_param(&m, i, r->params + m.layout.params[i].offset);
+    fl_model_free(&m);
+    fl_mem_pool_free(&pool);
+    fl_backend_free(&be);
+}
+
+static void scenario(int sc, int dp, int tp) {
+    char out[700], ref_out[700];
+    tp_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    const int W = dp * tp;
+    snprintf(out, sizeof out, "%s/%s-dp%d-tp%d", fl_test_tmpdir(), dr_names[sc], dp, tp);
+    for (int r = 0; r < W; r++) tp_config(&j->cfg[r], sc, dp, tp, out);
+    const long steps = j->cfg[0].train.max_steps;
+    backend_on();
+    const unsigned long calls0 = fl_nccl_standin_calls();
+    fl_status s = fl_comm_threads_run(W, tp_rank, j);
+    const unsigned long calls = fl_nccl_standin_calls() - calls0;
+    FL_CHECKF(s == FL_OK, "%s at DP %d x TP %d: %s", dr_names[sc], dp, tp, j->msg[0][0] ? j->msg[0] : fl_error_message());
+    for (int r = 1; r < W && s == FL_OK; r++)
+        FL_CHECKF(!memcmp(j->rec[r].loss, j->rec[0].loss, sizeof j->rec[0].loss), "%s: rank %d's losses differ from "
+                  "rank 0's", dr_names[sc], r);
+    fl_run_config c;
+    dr_rec ref = {0};
+    snprintf(ref_out, sizeof ref_out, "%s/%s-one-dp%d", fl_test_tmpdir(), dr_names[sc], dp);
+    tp_config(&c, sc, dp, 1, ref_out);
+    c.devices = 1;
+    if (s == FL_OK) FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, dr_record, &ref, NULL));
+    backend_off();
+    if (g_forced) /* the blocks' sums went through the stand-in: 4 per block and micro-batch at least */
+        FL_CHECKF(calls >= (unsigned long)(4 * steps), "%s on %s: only %lu collectives through the NCCL stand-in",
+                  dr_names[sc], g_forced, calls);
+    if (s == FL_OK) {
+        const double lr = dr_loss_rel(&j->rec[0], &ref, steps);
+        FL_CHECKF(lr <= 1e-6, "%s at DP %d x TP %d vs one process: step losses differ by %.3g relative", dr_names[sc],
+                  dp, tp, lr);
+        if (sc == DR_ADAMW && j->cfg[0].train.save_interval == 1) check_grads(out, ref_out, dr_names[sc]);
+        dr_rec a = {0}, b = {0};
+        final_params(out, &a);
+        final_params(ref_out, &b);
+        a.steps = b.steps = steps;
+        memcpy(a.loss, j->rec[0].loss, sizeof a.loss);
+        memcpy(b.loss, ref.loss, sizeof b.loss);
+        char why[1024];
+        /* no control pair: the AdamW bound alone (SGD: 4 ulp per step, as reassociation of a plain update) */
+        const int bad = dr_compare(&a, &b, 0, dr_floor(&c), steps, why, sizeof why);
+        FL_CHECKF(bad == 0, "%s at DP %d x TP %d: %s", dr_names[sc], dp, tp, why);
+        if (getenv("FL_TEST_VERBOSE")) printf("    %s at DP %d x TP %d: %s\n", dr_names[sc], dp, tp, why);
+        dr_free(&a);
+        dr_free(&b);
+    }
+    for (int r = 0; r < 4; r++) dr_free(&j->rec[r]);
+    dr_free(&ref);
+    free(j);
+}
+
+FL_TEST(tp_train_threads_adamw_matches_one_process) {
+    scenario(DR_ADAMW, 1, 2);
+    scenario(DR_ADAMW, 2, 2);
+}
+
+FL_TEST(tp_train_threads_sgd_matches_one_process) { scenario(DR_SGD, 1, 4); }
+
+/* ZeRO-1 and ZeRO-2 on the data axis of DP 2 x TP 2: each rank's optimizer state is its chunk of its slice's
+ * (the consolidated checkpoint all-gathers the chunks over the axis, then the slices over the group); ZeRO-2's
+ * norm and overflow verdict sum the chunks over the axis, then the group. */
+FL_TEST(tp_train_threads_zero_on_the_data_axis) {
+    g_strategy = "deepspeed_stage_1";
+    scenario(DR_ADAMW, 2, 2);
+    g_strategy = "deepspeed_stage_2";
+    scenario(DR_ADAMW, 2, 2);
+    scenario(DR_SGD, 2, 2);
+    g_strategy = NULL;
+}
+
+/* The same on the opaque backend (its memory unreadable by the host): the blocks' all-reduces and DDP's go
+ * through the NCCL stand-in, whatever FITLLM_TEST_BACKEND says. */
+FL_TEST(tp_train_nccl_standin_opaque) {
+    g_forced = "opaque";
+    scenario(DR_ADAMW, 2, 2);
+    g_forced = NULL;
+}
+
+/* The CUDA backend's code over the emulator, 2 TP ranks through the NCCL stand-in (slow: 1 step of a 2-layer
+ * GPT-2, as test_ddp_nccl.c). */
+FL_TEST(tp_train_nccl_standin_cuda_emu) {
+#if defined(FL_HAVE_CUDA_EMU) && defined(__SANITIZE_ADDRESS__)
+    fl_test_skip("the release pass runs it (emulated kernels under ASan are slow)");
+#elif defined(FL_HAVE_CUDA_EMU)
+    g_small = 1;
+    g_forced = "cuda-emu";
+    scenario(DR_SGD, 1, 2);
+    g_forced = NULL;
+    g_small = 0;
+#else
+    fl_test_skip("no CUDA emulator in this build");
+#endif
+}
+
+/* plan per rank = measured: every rank of TP 2 and of DP 2 x TP 2, each tag's peak and the total (the slice's
+ * parameters, gradients, optimizer state, activations, the step's workspace; the ranks are threads: no MPI
+ * scratch, comm_threads). On the cpu backend, whose plan this is (a device backend's host staging is planned with
+ * --accelerator cuda). */
+FL_TEST(tp_train_threads_plan_equals_measured) {
+    const int grids[3][2] = {{1, 2}, {2, 2}, {2, 2}};
+    g_forced = "cpu";
+    for (int g = 0; g < 3; g++) {
+        const int dp = grids[g][0], tp = grids[g][1], W = dp * tp;
+        g_strategy = g == 2 ? "deepspeed_stage_2" : NULL; /* OPTIM: the chunk's state */
+        tp_job *j = calloc(1, sizeof *j);
+        FL_REQUIRE(j != NULL);
+        char out[700];
+        snprintf(out, sizeof out, "%s/tp-plan-%d-%d", fl_test_tmpdir(), dp, tp);
+        for (int r = 0; r < W; r++) {
+            tp_config(&j->cfg[r], DR_ADAMW, dp, tp, out); /* AdamW: OPTIM, ZeRO's chunk */
+            j->cfg[r].train.max_steps = 1;
+        }
+        backend_on();
+        fl_status s = fl_comm_threads_run(W, tp_rank, j);
+        backend_off();
+        FL_CHECKF(s == FL_OK, "DP %d x TP %d: %s", dp, tp, j->msg[0]);
+        for (int r = 0; r < W && s == FL_OK; r++) {
+            fl_plan_opts po;
+            fl_plan_opts_default(&po);
+            po.no_suggestions = 1;
+            po.generation = 0;
+            po.comm_threads = 1;
+            po.rank = r;
+            fl_plan *pl = calloc(1, sizeof *pl);
+            FL_REQUIRE(pl != NULL);
+            FL_REQUIRE_OK(fl_plan_run(&j->cfg[r], &po, pl));
+            for (int k = 0; k < FL_TAG_COUNT; k++)
+                FL_CHECKF(pl->peak[k] == j->res[r].peak[k], "DP %d x TP %d rank %d: tag %s planned %zu, measured %zu", dp,
+                          tp, r, fl_mem_tag_name((fl_mem_tag)k), pl->peak[k], j->res[r].peak[k]);
+            FL_CHECKF(pl->peak_total == j->res[r].peak_total, "DP %d x TP %d rank %d: peak planned %zu, measured %zu",
+                      dp, tp, r, pl->peak_total, j->res[r].peak_total);
+            if (getenv("FL_TEST_VERBOSE") && r == 0)
+                printf("    DP %d x TP %d %s rank 0: planned = measured = %zu bytes (PARAMS %zu, OPTIM %zu)\n", dp, tp,
+                       g_strategy ? g_strategy : "ddp", pl->peak_total, pl->peak[FL_TAG_PARAMS], pl->peak[FL_TAG_OPTIM]);
+            free(pl);
+        }
+        for (int r = 0; r < 4; r++) dr_free(&j->rec[r]);
+        free(j);
+    }
+    g_forced = NULL;
+    g_strategy = NULL;
+}
+
+/* A checkpoint of TP 2 resumes in one process and at TP 4; one process's resumes at TP 2 and at DP 2 x TP 2 under
+ * ZeRO-2 (each rank keeping its chunk of its slice's state): every resumed run's later step losses within 1e-6
+ * of the uninterrupted TP 2 run's (the state is consolidated: any grid reads it). */
+FL_TEST(tp_train_threads_checkpoints_resume_at_any_size) {
+    char out[700], from[800];
+    tp_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    snprintf(out, sizeof out, "%s/tp-resume-2", fl_test_tmpdir());
+    for (int r = 0; r < 2; r++) tp_config(&j->cfg[r], DR_ADAMW, 1, 2, out);
+    backend_on();
+    FL_REQUIRE_OK(fl_comm_threads_run(2, tp_rank, j));
+    dr_rec full = j->rec[0];
+    memset(&j->rec[0], 0, sizeof j->rec[0]);
+    const long steps = j->cfg[0].train.max_steps;
+    snprintf(from, sizeof from, "%s/step-000004", out);
+    const int sizes[4] = {1, 4, 2, 2};
+    long from_step = 4;
+    for (int k = 0; k < 4; k++) {
+        const int tp = sizes[k], dp = k == 3 ? 2 : 1; /* the last: DP 2 x TP 2 under ZeRO-2 */
+        g_strategy = k == 3 ? "deepspeed_stage_2" : NULL;
+        char o2[760];
+        snprintf(o2, sizeof o2, "%s-r%d-%d", out, tp, dp);
+        for (int r = 0; r < 4; r++) {
+            tp_config(&j->cfg[r], DR_ADAMW, 1, tp, o2);
+            j->cfg[r].devices = dp * tp; /* DP 2: micro-batches 2 x accumulation 2 per group, the same global batch */
+            j->cfg[r].train.global_batch_size = 4;
+            snprintf(j->cfg[r].resume, sizeof j->cfg[r].resume, "%s", from);
+            dr_free(&j->rec[r]);
+        }
+        fl_status s = tp == 1 ? fl_trainer_run(&j->cfg[0], NULL, 0, dr_record, &j->rec[0], NULL)
+                              : fl_comm_threads_run(dp * tp, tp_rank, j);
+        FL_CHECKF(s == FL_OK, "resumed at DP %d x TP %d: %s", dp, tp, j->msg[0][0] ? j->msg[0] : fl_error_message());
+        double w = 0;
+        for (long st = from_step; st < steps; st++) {
+            const double r = fabs(j->rec[0].loss[st] - full.loss[st]) / fabs(full.loss[st]);
+            if (!(r <= w)) w = r;
+        }
+        FL_CHECKF(s != FL_OK || (j->rec[0].steps == steps && w <= 1e-6), "resumed at TP %d from '%s': steps %ld, later "
+                  "losses differ by %.3g relative from the uninterrupted TP 2 run", tp, from, j->rec[0].steps, w);
+        if (getenv("FL_TEST_VERBOSE")) printf("    resumed at DP %d x TP %d: later losses within %.3g relative\n", dp, tp, w);
+        if (tp == 4) { /* the next ones resume one process's checkpoint at TP 2, and at DP 2 x TP 2 */
+            snprintf(from, sizeof from, "%s-r1-1/step-000005", out);
+            from_step = 5;
+        }
+    }
+    g_strategy = NULL;
+    backend_off();
+    for (int r = 0; r < 4; r++) dr_free(&j->rec[r]);
+    dr_free(&full);
+    free(j);
+}
+
+/* What is refused, on every rank, naming the option and the dimension. */
+static void expect_refusal(int W, void (*edit)(fl_run_config *), const char *a, const char *b) {
+    tp_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    char out[700];
+    snprintf(out, sizeof out, "%s/tp-refused", fl_test_tmpdir());
+    for (int r = 0; r < W; r++) {
+        tp_config(&j->cfg[r], DR_ADAMW, 1, W, out);
+        j->cfg[r].resume[0] = 0;
+        snprintf(j->cfg[r].resume, sizeof j->cfg[r].resume, "false");
+        j->cfg[r].overwrite = 1;
+        edit(&j->cfg[r]);
+    }
+    FL_CHECK(fl_comm_threads_run(W, tp_rank, j) != FL_OK);
+    for (int r = 0; r < W; r++)
+        FL_CHECKF(j->st[r] != FL_OK && strstr(j->msg[r], a) && (!b || strstr(j->msg[r], b)), "rank %d: '%s' (wanted "
+                  "'%s' and '%s')", r, j->msg[r], a, b ? b : "");
+    free(j);
+}
+
+static void e_heads(fl_run_config *c) { (void)c; }
+static void e_lora(fl_run_config *c) {
+    c->command = FL_CMD_FINETUNE_LORA;
+    c->lora.r = 4;
+}
+static void e_zero(fl_run_config *c) {
+    c->tensor_parallel = 2;
+    snprintf(c->strategy, sizeof c->strategy, "deepspeed_stage_3");
+    c->train.global_batch_size = 8;
+}
+static void e_grid(fl_run_config *c) {
+    c->tensor_parallel = 2;
+    c->devices = 3;
+}
+static void e_8bit(fl_run_config *c) { fl_optim_config_default(&c->optimizer, FL_OPT_ADAMW8BIT); }
+static int g_edits;
+static void e_rank(fl_run_config *c) { /* rank 1 alone was given another command line */
+    if (g_edits++ % 2) c->train.max_steps = 3;
+}
+
+FL_TEST(tp_train_threads_refusals) {
+    /* micro: 8 attention heads, 4 key/value heads: 3 ranks do not split them */
+    expect_refusal(3, e_heads, "--tensor_parallel 3", "num_attention_heads");
+    expect_refusal(2, e_lora, "--tensor_parallel 2", "finetune_lora");
+    expect_refusal(4, e_zero, "not ZeRO-3", "deepspeed_stage_3");
+    expect_refusal(3, e_grid, "--tensor_parallel 2: this run has 3 ranks, not a multiple", NULL);
+    expect_refusal(2, e_8bit, "AdamW8bit", NULL);
+    expect_refusal(2, e_rank, "rank 1 of 2", "different configurations");
+}
+
+/* A rank that fails after set-up ends its whole grid: the lead's last checkpoint write fails (disk full,
+ * injected) in the final save, and every rank of the 2 x 2 grid returns that failure, naming rank 0 (the save's
+ * agreement); no rank reports success. */
+FL_TEST(tp_train_threads_failing_rank_stops_the_grid) {
+    tp_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    char out[700];
+    for (int pass = 0; pass < 2; pass++) {
+        snprintf(out, sizeof out, "%s/tp-fail%d", fl_test_tmpdir(), pass);
+        for (int r = 0; r < 4; r++) {
+            tp_config(&j->cfg[r], DR_ADAMW, 2, 2, out);
+            j->cfg[r].train.max_steps = 3;
+            dr_free(&j->rec[r]);
+        }
+        static long writes;
+        const long big = 1000000;
+        fl_io_fail_writes_after(pass ? writes - 1 : big); /* pass 1: the run's last write fails */
+        fl_status s = fl_comm_threads_run(4, tp_rank, j);
+        const long left = fl_io_writes_left();
+        fl_io_fail_writes_after(-1);
+        if (!pass) {
+            FL_REQUIRE_OK(s);
+            writes = big - left;
+            continue;
+        }
+        FL_CHECK(s != FL_OK);
+        for (int r = 0; r < 4; r++)
+            FL_CHECKF(j->st[r] != FL_OK && strstr(j->msg[r], "rank 0 of 4") && j->rec[r].steps == 3,
+                      "rank %d (%ld steps): '%s'", r, j->rec[r].steps, j->msg[r]);
+    }
+    for (int r = 0; r < 4; r++) dr_free(&j->rec[r]);
+    free(j);
+}
