@@ -248,14 +248,19 @@ void fl_sizing_acts(const fl_model_config *cfg, int B, int T, fl_act_sizes *out)
 typedef struct {
     int act_ckpt; /* activation checkpointing: keep only each block's input (L+1 residuals)
                    * plus ONE block's activations, recomputed in backward */
-    fl_dtype act_dtype; /* storage of the saved activations (fl_precision.act_dtype; FL_F32 = 0 default).
-                   * BF16 / F16 without act_ckpt: every block computes in ONE shared fp32 layer
+    fl_dtype act_dtype; /* storage of the activations (fl_precision.act_dtype; FL_F32 = 0 default).
+                   * BF16 (bf16-true, bf16-mixed): stored end to end in bf16: the residual stream
+                   * res[0..L] and every block slot, rounded as each op writes it (the forward reads
+                   * what is stored); ACTS keeps the bf16 rows and the fp32 per-row statistics (norm
+                   * mean/rstd, attention lse), the fp32 views the ops compute in are WORKSPACE;
+                   * with act_ckpt only the bf16 residual rows are saved.
+                   * F16 without act_ckpt: every block computes in ONE shared fp32 layer
                    * buffer; after its forward, its (N, width) activations (ln1, qkv, att,
                    * res_mid, ln2, fc, act) are rounded (RNE) into a per-layer 16-bit region and
                    * widened back into the shared buffer before its backward. The residual
                    * stream res[0..L], the final norm's output and the small per-row
-                   * statistics (norm mean/rstd, attention lse) stay fp32. Ignored with act_ckpt
-                   * (only the fp32 residuals are saved there). */
+                   * statistics stay fp32. Ignored with act_ckpt (only the fp32 residuals are
+                   * saved there). */
     int dw_bf16;  /* bf16 weight-gradient GEMMs (bf16 compute policies with trainable weights): a
                    * WORKSPACE scratch of N x max(C, QD, F) bf16 holds the layer input rounded to
                    * bf16, and dW = dy^T x runs bf16 x bf16 with fp32 accumulation into the fp32

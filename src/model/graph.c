@@ -332,8 +332,8 @@ static fl_status kv_append(const fl_model *m, const float *qkv, const fl_block_c
     return FL_OK;
 }
 
-/* Slot k holds its final values once op i has read it: no later op writes it (an output, or
- * RoPE's in-place rotation). */
+/* Slot k holds its final values once op i has run: no later op writes it (an output, or RoPE's / ALLREDUCE's
+ * in-place change). */
 static int final_after(const fl_block_graph *g, int i, int k) {
     for (int j = i + 1; j < g->n_ops; j++)
         if (g->op[j].out == k || (modifies(&g->op[j]) && g->op[j].in == k)) return 0;
@@ -342,6 +342,20 @@ static int final_after(const fl_block_graph *g, int i, int k) {
 
 /* Rows of slot k in this pass: the block's B x T, or B x Tk for a stream from outside and what is computed from it. */
 static int rows(const fl_block_graph *g, int k, const fl_block_ctx *x) { return x->B * (g->slot[k].xrows ? x->Tk : x->T); }
+
+/* bf16 activations stored end to end (fl_block_ctx.store16): slot k, just written for the last time in the
+ * block, is stored in bf16 (its s16 copy) and the fp32 view the later ops read holds the same value (round on
+ * store, widen on load: the CPU backend computes in fp32, what it keeps is bf16). A slot written by several ops
+ * (a LINEAR's output then RoPE, or the residual add) is stored once, after the last: the ops between act as one
+ * fused kernel (bias + residual epilogue, RoPE in the attention's input preparation) that keeps its
+ * intermediate in registers. Statistics stay fp32. */
+static fl_status store16(const fl_backend *be, const fl_block_graph *g, int k, float *const *s, const fl_block_ctx *x) {
+    const uint8_t kind = g->slot[k].kind;
+    if ((kind != FL_GSLOT_WIDE && kind != FL_GSLOT_STREAM) || !x->s16[k]) return FL_OK;
+    const size_t n = (size_t)rows(g, k, x) * g->slot[k].width;
+    FL_TRY(be->convert(be, x->s16[k], FL_BF16, s[k], FL_F32, n));
+    return be->convert(be, s[k], FL_F32, x->s16[k], FL_BF16, n);
+}
 
 /* The general attention op's shape and q/k/v views for an ATTN op that is not the fused causal one:
  * self-attention over the fused q|k|v rows, or cross-attention of q rows to fused k|v rows. */
@@ -446,14 +460,12 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
         case FL_GOP_LINEAR: { // (N, wo)
             const fl_linear *lin = &bp->lin[o->p];
             if (x->xs_ready && g->slot[o->in].kind == FL_GSLOT_XSTREAM) break; /* kept from an earlier pass */
-            void *in16 = x->s16 && x->narrowed && lin->n_q4 == 0 && lin->wc && lin->wct == FL_BF16 &&
-                                 final_after(g, i, o->in)
-                             ? x->s16[o->in]
-                             : NULL;
-            if (in16) { /* the saved copy, rounded now, is the GEMM's bf16 operand */
-                FL_TRY(be->convert(be, in16, FL_BF16, in, FL_F32, (size_t)N * wi));
-                *x->narrowed |= 1u << o->in;
-            }
+            /* stored in bf16: the input's copy is the GEMM's bf16 operand (a BF16 weight rounds an F32 x to it);
+             * a slot still to be changed by a later op is not stored yet (the GEMM rounds the fp32 view itself) */
+            const void *in16 = x->store16 && lin->n_q4 == 0 && lin->wc && lin->wct == FL_BF16 &&
+                                       final_after(g, i, o->in)
+                                   ? x->s16[o->in]
+                                   : NULL;
             FL_TRY(fl_linear_forward_ex(be, out, in, in16, lin, N));
             break;
         }
@@ -486,6 +498,7 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
             if (o->p == FL_GAR_FWD) FL_TRY(allreduce(x->comm, out, (size_t)N * wo));
             break;
         }
+        if (x->store16 && final_after(g, i, o->out)) FL_TRY(store16(be, g, o->out, s, x)); /* ROPE: in place */
     }
     return FL_OK;
 #undef S

@@ -28,14 +28,14 @@ static fl_block_ctx train_ctx(const fl_model *m, int B, int T) {
 /* One block forward: res[l] (N, C) -> res[l+1] (N, C), saving the block's activations in its
  * slots (the block graph, graph.c). Used by the forward pass and, with activation checkpointing,
  * again in backward (same ops, same order: bit-identical). */
-static fl_status block_forward(fl_model *m, int l, int B, int T, unsigned *narrowed) {
+static fl_status block_forward(fl_model *m, int l, int B, int T) {
     const fl_block_graph *g = m->acts->graph;
     fl_block_params bp;
     fl_get_block(m, g, l, &bp);
     fl_block_ctx x = train_ctx(m, B, T);
-    if (narrowed && m->acts->act_dtype == FL_BF16) { /* 16-bit saved activations: the BF16 GEMMs' inputs */
+    if (m->acts->res16) { /* bf16 stored: every slot the block writes, after its last writer */
         x.s16 = m->acts->layer[l].s16;
-        x.narrowed = narrowed;
+        x.store16 = 1;
     }
     return fl_block_forward(m, g, &bp, m->acts->layer[l].s, &x);
 }
@@ -76,6 +76,7 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
     fl_outer_params op;
     fl_get_outer(m, &op);
     fl_embed_forward(m, &op, a->res[0], a->ids, ids, B, T, 0);
+    FL_TRY(fl_acts_store_stream(m, 0, N));
     if (!tied) PP_RELEASE(0);
     const int32_t *tg = targets; /* what cross_entropy reads: device memory on a device backend */
     if (targets && a->targets) {
@@ -91,9 +92,8 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
     m->ckpt_last_live = 0;
     for (int l = 0; l < d.L; l++) {
         PP_GATHER(l + 1, l + 2 <= d.L ? l + 2 : HG);
-        unsigned done = 0; /* the slots the block rounded into their 16-bit copies itself */
-        FL_TRY(block_forward(m, l, B, T, grad_scale > 0 ? &done : NULL));
-        if (grad_scale > 0) FL_TRY(fl_acts_narrow(m, l, N, done));
+        FL_TRY(block_forward(m, l, B, T));
+        if (grad_scale > 0) FL_TRY(fl_acts_narrow(m, l, N, 0));
         PP_RELEASE(l + 1);
     }
     /* checkpointing: the last block's activations are still in the shared buffer (the final norm
@@ -218,16 +218,17 @@ static fl_status blocks_backward(fl_model *m, int B, int T) {
         PP_GRADS(l + 1);
         const size_t gn = fl_group_numel(m, l + 1);
         fl_store_stage_begin(m->store, gn);
+        /* 16-bit saved activations: widen this block's back into the shared fp32 buffer (bf16 stored: its
+         * input too, which a recompute starts from) */
+        FL_TRY(fl_acts_widen(m, l, N));
         /* checkpointing: rebuild this block's activations from its saved input (it also rewrites
          * res[l+1] with identical values; backward no longer needs it). Block L-1's are still
          * there from the forward (the same ops in the same order: the same bits). */
         if (m->act_ckpt && !(l == d.L - 1 && m->ckpt_last_live)) {
-            FL_TRY(block_forward(m, l, B, T, NULL));
+            FL_TRY(block_forward(m, l, B, T));
             m->ckpt_recomputed++;
         }
         m->ckpt_last_live = 0;
-        /* 16-bit saved activations: widen this block's back into the shared fp32 buffer */
-        FL_TRY(fl_acts_widen(m, l, N));
         /* the block's ops in reverse (graph.c): d res[l+1] in dres becomes d res[l] */
         fl_block_params bp;
         fl_get_block(m, a->graph, l, &bp);
@@ -354,7 +355,7 @@ static fl_status model_encode(fl_model *m, const int32_t *ids, const int32_t *ty
     a->kmask_on = kmask != NULL;
     if (kmask) FL_TRY(be->to_device(be, a->kmask, kmask, (size_t)N));
     FL_TRY(encode_embed(m, ids, B, T));
-    for (int l = 0; l < d.L; l++) FL_TRY(block_forward(m, l, B, T, NULL));
+    for (int l = 0; l < d.L; l++) FL_TRY(block_forward(m, l, B, T));
     const float *out = a->res[d.L];
     if (fl_model_graph_has(a->mgraph, FL_MOP_NORM, 1)) { /* a final norm (the decoders' kind of output) */
         fl_outer_params op;
