@@ -473,8 +473,9 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
         case FL_GOP_ATTN: FL_TRY(attn_forward(m, g, o, s, x)); break;
         case FL_GOP_ADD: {
             /* a residual add straight into an RMSNorm of its sum: one fused op (issue 30 item 4; the CPU's is the
-             * two ops, the same bits) */
-            const fl_gop *nx = i + 1 < g->n_ops ? &g->op[i + 1] : NULL;
+             * two ops, the same bits). Not when bf16 is stored (store16): the sum must be rounded to bf16 before
+             * the norm reads it, and the fused op has no bf16 variant yet. */
+            const fl_gop *nx = i + 1 < g->n_ops && !x->store16 ? &g->op[i + 1] : NULL;
             if (nx && nx->kind == FL_GOP_NORM && nx->in == o->out && !fl_arch_get(m->cfg.arch)->layernorm &&
                 wo == (size_t)m->cfg.dim && rows(g, nx->in, x) == N) {
                 FL_TRY(be->add_rmsnorm_forward(be, out, s[nx->out], S(nx->a2), out, in, bp->norm_w[nx->p], FL_F32, N,
