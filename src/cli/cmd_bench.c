@@ -9,6 +9,7 @@
 
 #include "cli.h"
 #include "fitllm/lora.h"
+#include "fitllm/perf.h"
 
 static void help(void) {
     printf("usage: fitllm bench-step <model> [options]\n\n"
@@ -33,13 +34,19 @@ static void help(void) {
            "  --lora R              LoRA fine-tuning: rank R, alpha 2R, on q_proj,v_proj (base frozen)\n"
            "  --quantize MODE       with --lora: QLoRA, block linears in 4 bits (bnb.nf4, bnb.nf4-dq, bnb.fp4,\n"
            "                        bnb.fp4-dq)\n"
-           "  --seed N              init/data seed (default 1337)\n\n"
+           "  --seed N              init/data seed (default 1337)\n"
+           "  --profile             time every backend op of the timed steps (CUDA events on a GPU, the host clock\n"
+           "                        with a sync around each op elsewhere) and print them grouped as GEMM /\n"
+           "                        attention / norm / elementwise / embedding+loss / optimizer / copies, with the\n"
+           "                        GEMMs' and attention's TFLOP/s; ends with a PROFILE line\n\n"
            "Phases per step: fwd = embedding + blocks + final norm; head = lm_head + cross-entropy + the\n"
            "head's backward (computed chunk by chunk inside the forward); bwd = backward of the blocks and\n"
-           "embedding; opt = gradient norm + optimizer update. Output ends with a machine-readable line\n"
-           "(phase fields: medians over the timed steps):\n"
+           "embedding; opt = gradient norm + optimizer update. On a GPU, MFU = model FLOPs per step / step time /\n"
+           "the GPU's dense bf16 peak (fp16 on V100/T4) from a table by the device's name; FITLLM_PEAK_TFLOPS=X\n"
+           "gives the peak of a GPU the table lacks. Output ends with a machine-readable line (phase fields:\n"
+           "medians over the timed steps; mfu: a fraction, -1 when unknown, absent on the CPU):\n"
            "RESULT impl=fitllm shape=<model> median_ms=.. tok_s=.. gflops=.. peak_rss_mb=.. fwd_ms=.. head_ms=..\n"
-           "       bwd_ms=.. opt_ms=..\n");
+           "       bwd_ms=.. opt_ms=.. [mfu=..]\n");
 }
 
 static int cmp_double(const void *a, const void *b) {
@@ -64,7 +71,7 @@ typedef struct {
     fl_optim_kind okind;
     fl_precision prec;
     fl_q4_type q4t;
-    int q4dq, quant;
+    int q4dq, quant, profile;
 } bench_opts;
 
 /* The command line into o: -1 to run, else the exit code (help, a usage error). */
@@ -91,6 +98,8 @@ static int parse_opts(int argc, char **argv, const char *cmd, bench_opts *o) {
             i++;
         } else if (!strcmp(a, "--act-ckpt")) {
             o->act_ckpt = 1;
+        } else if (!strcmp(a, "--profile")) {
+            o->profile = 1;
         } else if (!strcmp(a, "--preset")) {
             if (!v) return fl_cli_usage(cmd, "--preset needs a name");
             o->model_path = v; i++;
@@ -115,7 +124,7 @@ static int parse_opts(int argc, char **argv, const char *cmd, bench_opts *o) {
                 return fl_cli_usage(cmd, "--max-memory: %s", fl_bytes_refusal(v, why, sizeof why));
             }
             i++;
-        } else if (a[0] == '-') return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--act-ckpt", "--help", "--init", "--lora", "--lr", "--max-memory", "--micro-batch", "--optimizer", "--precision", "--preset", "--quantize", "--seed", "--seq", "--source-seq", "--steps", "--threads", "--warmup", NULL});
+        } else if (a[0] == '-') return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--act-ckpt", "--help", "--init", "--lora", "--lr", "--max-memory", "--micro-batch", "--optimizer", "--precision", "--preset", "--profile", "--quantize", "--seed", "--seq", "--source-seq", "--steps", "--threads", "--warmup", NULL});
         else if (!o->model_path) o->model_path = a;
         else return fl_cli_usage(cmd, "unexpected argument '%s'", a);
     }
@@ -139,6 +148,7 @@ int fl_cmd_bench_step(int argc, char **argv) {
     int32_t *ids = NULL, *tg = NULL, *src = NULL;
     uint8_t *smask = NULL;
     double *times = NULL;
+    fl_profiler *prof = NULL; /* --profile: attached for the timed steps */
     int loaded = 0, rc = 0;
     fl_status s = fl_backend_init_by_name(fl_backend_default_name(), &be, o.threads);
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
@@ -214,8 +224,11 @@ int fl_cmd_bench_step(int argc, char **argv) {
     fl_micro_batch mb = {.ids = ids, .targets = tg, .B = o.B, .T = o.T, .src = src, .src_mask = smask, .Ts = Ts};
     fl_step_result res;
     for (int k = 0; k < o.warmup + o.steps; k++) {
-        fl_step_ctx sc = {.mbs = &mb, .n_micro = 1, .step_valid = (long)N, .lr = o.lr, .max_norm = 1.0f};
+        if (o.profile && k == o.warmup && (s = fl_profiler_attach(&be, &prof)) != FL_OK) goto fail;
+        fl_step_ctx sc = {.mbs = &mb, .n_micro = 1, .step_valid = (long)N, .lr = o.lr, .max_norm = 1.0f,
+                          .phase_times = 1};
         if ((s = fl_step_run(&m, &opt, &sc, &res)) != FL_OK) goto fail;
+        if (prof && (s = fl_profiler_collect(prof)) != FL_OK) goto fail;
         if (k >= o.warmup) {
             const double ph[PH_COUNT] = {res.ms_total, res.ms_fwd, res.ms_head, res.ms_bwd, res.ms_opt};
             for (int p = 0; p < PH_COUNT; p++) times[(size_t)p * o.steps + (k - o.warmup)] = ph[p];
@@ -230,16 +243,29 @@ int fl_cmd_bench_step(int argc, char **argv) {
     double toks = (double)(N + Ns) / (med / 1e3), gflops = flops / (med / 1e3) / 1e9; /* source tokens too */
     printf("\nmedian %.1f ms/step over %d steps, %.0f tok/s, %.1f GFLOP/s (%.2f GFLOP/step)\n", med, o.steps, toks,
            gflops, flops / 1e9);
-    printf("median per phase: forward %.1f ms, head+loss %.1f ms, backward %.1f ms, optimizer %.1f ms\n\n",
+    printf("median per phase: forward %.1f ms, head+loss %.1f ms, backward %.1f ms, optimizer %.1f ms\n",
            mph[PH_FWD], mph[PH_HEAD], mph[PH_BWD], mph[PH_OPT]);
+    char mline[320], mfield[48] = "";
+    double mfu = -1;
+    if (fl_mfu_line(&be, gflops / 1e3, mline, sizeof mline, &mfu)) {
+        printf("%s\n", mline);
+        snprintf(mfield, sizeof mfield, " mfu=%.4f", mfu);
+    }
+    printf("\n");
+    if (prof) {
+        fl_profiler_print(prof, o.steps, med, stdout);
+        printf("\n");
+    }
     fl_mem_print_report(&pool, stdout);
     printf("\nRESULT impl=fitllm shape=%s median_ms=%.2f tok_s=%.1f gflops=%.2f peak_rss_mb=%.1f fwd_ms=%.2f head_ms=%.2f "
-           "bwd_ms=%.2f opt_ms=%.2f\n",
-           o.model_path, med, toks, gflops, fl_cli_peak_rss_mb(), mph[PH_FWD], mph[PH_HEAD], mph[PH_BWD], mph[PH_OPT]);
+           "bwd_ms=%.2f opt_ms=%.2f%s\n",
+           o.model_path, med, toks, gflops, fl_cli_peak_rss_mb(), mph[PH_FWD], mph[PH_HEAD], mph[PH_BWD], mph[PH_OPT],
+           mfield);
     goto done;
 fail:
     rc = fl_cli_fail(cmd, s, &pool);
 done:
+    fl_profiler_detach(prof);
     free(times);
     fl_mem_free(fl_mem_host_pool(&pool), ids);
     fl_mem_free(fl_mem_host_pool(&pool), tg);

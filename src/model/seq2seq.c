@@ -317,6 +317,23 @@ static void relbias_backward(fl_model *m, s2s_stack *st, int T) {
                                   T * T, 1);
 }
 
+/* ---- rows from the caller (fl_model.emb_inject: BLIP-2's queries) ----------------------------------- */
+
+static fl_status inject_rows(fl_model *m, float *res0, float *dres0) {
+    const fl_backend *be = m->be;
+    const size_t C = (size_t)m->cfg.dim;
+    for (int i = 0; i < m->emb_inject.n; i++) {
+        float *r = (dres0 ? dres0 : res0) + (size_t)m->emb_inject.rows[i] * C;
+        if (!dres0) {
+            FL_TRY(be->copy(be, r, m->emb_inject.src + i * C, C * sizeof(float)));
+            continue;
+        }
+        FL_TRY(be->copy(be, m->emb_inject.dsrc + i * C, r, C * sizeof(float)));
+        be->zero(be, r, C * sizeof(float));
+    }
+    return FL_OK;
+}
+
 /* ---- the passes --------------------------------------------------------------------------- */
 
 static float *param_of(const fl_model *m, int g, int role, int grad) {
@@ -351,41 +368,9 @@ static fl_status check_model(const fl_model *m, const char *fn) {
 /* The head and the loss over the last stack's final norm output, chunked over rows; in training its backward too,
  * leaving d(the norm's output) in gb[1]. */
 static fl_status head_loss(fl_model *m, const int32_t *targets, int N, float grad_scale, float *logits_out) {
-    const fl_backend *be = m->be;
     struct fl_s2s_acts *a = m->acts->s2s;
-    const s2s_stack *st = &a->st[a->n_stacks - 1];
-    const int C = m->cfg.dim, V = m->cfg.vocab_size, train = grad_scale > 0 && targets;
-    fl_outer_params op;
-    fl_get_outer(m, &op);
-    fl_linear head = {.in = C, .out = V, .w = op.head, .dw = op.dhead};
-    fl_linear_set_weight(m, &head, op.head_idx);
-    const int32_t *tg = targets;
-    if (targets && a->targets) {
-        FL_TRY(be->to_device(be, a->targets, targets, (size_t)N * sizeof *targets));
-        tg = a->targets;
-    }
-    for (int r0 = 0; r0 < N; r0 += a->chunk) {
-        const int rows = N - r0 < a->chunk ? N - r0 : a->chunk;
-        const float *xr = st->nout + (size_t)r0 * C;
-        fl_model_bind_adapters(m, -1, 0, &head, r0); /* head adapters: this chunk */
-        FL_TRY(fl_linear_forward(be, a->logits, xr, &head, rows)); // (rows, V)
-        if (logits_out) FL_TRY(be->to_host(be, logits_out + (size_t)r0 * V, a->logits, (size_t)rows * V * sizeof(float)));
-        if (!targets) continue;
-        be->cross_entropy(be, a->losses + r0, train ? a->logits : NULL, a->logits, tg + r0, rows, V, grad_scale,
-                          FL_IGNORE_INDEX);
-        if (train) FL_TRY(fl_linear_backward(be, a->gb[1] + (size_t)r0 * C, 0, a->logits, xr, &head, rows));
-    }
-    if (!targets) return FL_OK;
-    float *l = malloc((size_t)N * sizeof *l);
-    if (!l) return fl_errorf(FL_ERR_OOM, "losses: out of host memory");
-    fl_status s = be->to_host(be, l, a->losses, (size_t)N * sizeof *l);
-    for (int i = 0; s == FL_OK && i < N; i++)
-        if (targets[i] != FL_IGNORE_INDEX) {
-            m->loss_sum += l[i];
-            m->n_valid++;
-        }
-    free(l);
-    return s;
+    const fl_head_bufs h = {a->st[a->n_stacks - 1].nout, a->gb[1], a->logits, a->losses, a->targets, a->chunk};
+    return fl_head_loss(m, &h, targets, N, grad_scale, logits_out, &m->loss_sum, &m->n_valid);
 }
 
 /* Stack s's model-graph ops, forward. */
@@ -403,6 +388,7 @@ static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, con
         case FL_MOP_EMBED:
             FL_TRY(be->to_device(be, st->ids, ids, (size_t)N * sizeof *ids));
             fl_embed_forward(m, &op, st->res[0], st->ids, ids, a->Bp, T, 0);
+            if (s == 0) FL_TRY(inject_rows(m, st->res[0], NULL));
             break;
         case FL_MOP_RELBIAS: FL_TRY(relbias_forward(m, st, T, s < mg->n_stacks - 1)); break;
         case FL_MOP_BLOCKS:
@@ -515,6 +501,7 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, co
     if (st->L > 0) FL_TRY(fl_store_grads_ready(m->store, st->l0 + 1));
     fl_outer_params op;
     fl_get_outer(m, &op);
+    if (s == 0) FL_TRY(inject_rows(m, NULL, dres));
     FL_TRY(fl_embed_backward(m, &op, dres, st->ids, a->Bp, T));
     return s == 0 ? fl_store_grads_ready(m->store, 0) : FL_OK;
 }

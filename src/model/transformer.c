@@ -7,6 +7,7 @@
  * and closed around each layout group: group 0 the embeddings, 1..L the blocks, L+1 the final norm and the head.
  * An encoder-decoder's two stacks run in seq2seq.c. */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "model-impl.h"
@@ -31,14 +32,14 @@ static fl_block_ctx train_ctx(const fl_model *m, int B, int T) {
 /* One block forward: res[l] (N, C) -> res[l+1] (N, C), saving the block's activations in its
  * slots (the block graph, graph.c). Used by the forward pass and, with activation checkpointing,
  * again in backward (same ops, same order: bit-identical). */
-static fl_status block_forward(fl_model *m, int l, int B, int T, unsigned *narrowed) {
+static fl_status block_forward(fl_model *m, int l, int B, int T) {
     const fl_block_graph *g = m->acts->graph;
     fl_block_params bp;
     fl_get_block(m, g, l, &bp);
     fl_block_ctx x = train_ctx(m, B, T);
-    if (narrowed && m->acts->act_dtype == FL_BF16) { /* 16-bit saved activations: the BF16 GEMMs' inputs */
+    if (m->acts->res16) { /* bf16 stored: every slot the block writes, after its last writer */
         x.s16 = m->acts->layer[l].s16;
-        x.narrowed = narrowed;
+        x.store16 = 1;
     }
     return fl_block_forward(m, g, &bp, m->acts->layer[l].s, &x);
 }
@@ -99,11 +100,11 @@ static fl_status blocks_forward(fl_model *m, const pass *p, fl_outer_params *op)
     const int L = m->cfg.n_layers, HG = L + 1, N = p->B * p->T;
     if (!m->cfg.tie_embeddings) PP_RELEASE(0); /* tied: the head reads the embeddings again */
     m->ckpt_last_live = 0;
+    FL_TRY(fl_acts_store_stream(m, 0, N)); /* bf16 stored: the stream the blocks read, as stored */
     for (int l = 0; l < L; l++) {
         PP_GATHER(l + 1, l + 2 <= L ? l + 2 : HG);
-        unsigned done = 0; /* the slots the block rounded into their 16-bit copies itself */
-        FL_TRY(block_forward(m, l, p->B, p->T, p->train ? &done : NULL));
-        if (p->train) FL_TRY(fl_acts_narrow(m, l, N, done));
+        FL_TRY(block_forward(m, l, p->B, p->T));
+        if (p->train) FL_TRY(fl_acts_narrow(m, l, N, 0));
         PP_RELEASE(l + 1);
     }
     /* checkpointing: the last block's activations are still in the shared buffer (the final norm and the head
@@ -225,23 +226,34 @@ static fl_status head_loss(fl_model *m, const pass *p, float *logits_out) {
     return FL_OK;
 }
 
-/* The per-token losses come to the host in slices (a device's arena is not host memory): m->loss_sum, n_valid. */
+/* The per-token losses come to the host in slices (a device's arena is not host memory), on a device in one copy
+ * per micro-batch (each copy waits for the device: issue 30 item 5): m->loss_sum, n_valid. */
 static fl_status sum_losses(fl_model *m, const int32_t *targets, int N) {
+    const fl_backend *be = m->be;
     const int V = m->cfg.vocab_size;
-    float lbuf[1024];
-    for (int i0 = 0; i0 < N; i0 += 1024) {
-        int n = N - i0 < 1024 ? N - i0 : 1024;
-        FL_TRY(m->be->to_host(m->be, lbuf, m->acts->losses + i0, (size_t)n * sizeof(float)));
-        for (int i = i0; i < i0 + n; i++)
+    float lstack[1024], *lheap = NULL, *lbuf = lstack;
+    int slice = 1024;
+    if (N > slice && !fl_backend_host_memory(be) && (lheap = malloc((size_t)N * sizeof *lheap))) {
+        lbuf = lheap;
+        slice = N;
+    }
+    fl_status s = FL_OK;
+    for (int i0 = 0; s == FL_OK && i0 < N; i0 += slice) {
+        int n = N - i0 < slice ? N - i0 : slice;
+        s = be->to_host(be, lbuf, m->acts->losses + i0, (size_t)n * sizeof(float));
+        for (int i = i0; s == FL_OK && i < i0 + n; i++)
             if (targets[i] != FL_IGNORE_INDEX) {
                 if (targets[i] < 0 || targets[i] >= V)
-                    return fl_errorf(FL_ERR_INVALID, "target id %d at position %d is outside the vocabulary [0, %d)",
-                                     targets[i], i, V);
-                m->loss_sum += lbuf[i - i0];
-                m->n_valid++;
+                    s = fl_errorf(FL_ERR_INVALID, "target id %d at position %d is outside the vocabulary [0, %d)",
+                                  targets[i], i, V);
+                else {
+                    m->loss_sum += lbuf[i - i0];
+                    m->n_valid++;
+                }
             }
     }
-    return FL_OK;
+    free(lheap);
+    return s;
 }
 
 /* The table's end: HEAD_LM (the loss) or OUTPUT (the last hidden states (N, C), the final norm's when there is
@@ -279,16 +291,17 @@ static fl_status blocks_backward(fl_model *m, int B, int T) {
         PP_GRADS(l + 1);
         const size_t gn = fl_group_numel(m, l + 1);
         fl_store_stage_begin(m->store, gn);
+        /* 16-bit saved activations: widen this block's back into the shared fp32 buffer (bf16 stored: its input too,
+         * which a recompute starts from, so before it) */
+        FL_TRY(fl_acts_widen(m, l, N));
         /* checkpointing: rebuild this block's activations from its saved input (it also rewrites res[l+1] with
          * identical values; backward no longer needs it). Block L-1's are still there from the forward (the same
          * ops in the same order: the same bits). */
         if (m->act_ckpt && !(l == L - 1 && m->ckpt_last_live)) {
-            FL_TRY(block_forward(m, l, B, T, NULL));
+            FL_TRY(block_forward(m, l, B, T));
             m->ckpt_recomputed++;
         }
         m->ckpt_last_live = 0;
-        /* 16-bit saved activations: widen this block's back into the shared fp32 buffer */
-        FL_TRY(fl_acts_widen(m, l, N));
         /* the block's ops in reverse (graph.c): d res[l+1] in dres becomes d res[l] */
         fl_block_params bp;
         fl_get_block(m, a->graph, l, &bp);

@@ -45,6 +45,8 @@ static const fl_plan_technique k_tech[] = {
     {"lora", 1, "fitllm finetune_lora", "adapters only: the base needs no gradients or optimizer state"},
     {"qlora", 1, "fitllm finetune_lora --quantize bnb.nf4-dq", "LoRA on bitsandbytes NF4/FP4 4-bit base weights"},
     {"cpu_offload", 1, "--strategy deepspeed_stage_2_offload", "ZeRO-Offload: the optimizer state in host memory, the update on the host's cores"},
+    {"param_offload", 1, "--strategy deepspeed_stage_3_offload --offload_param_device cpu",
+     "ZeRO-3 with the parameters' and gradients' shards in host memory (or NVMe files), each unit fetched ahead of its use"},
     {"ddp", 1, "mpirun -np N fitllm ... --devices N (--strategy ddp)", "each rank holds everything; the lab runs its ranks as threads of one process"},
     {"fsdp", 1, "mpirun -np N fitllm ... --devices N --strategy fsdp", "FULL_SHARD / ZeRO-3: parameters, gradients and optimizer state divided by the ranks, units gathered block by block"},
 };
@@ -502,6 +504,26 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
                      "down and parameters up every step)" : "the optimizer state in files on a disk, paged through a few "
                      "pieces of RAM (slower: read and written every step)");
     }
+    /* 4c. parameter offload: where even ZeRO-3's shards (or one process's whole model) do not fit the device, the
+     * shards of the parameters and gradients go to the host (a CPU run: to files, its host being its "device") with
+     * the optimizer; full-model training only (LoRA's frozen base stays whole) */
+    if (c->command != FL_CMD_FINETUNE_LORA && !fl_cfg_param_offload(c) &&
+        !fl_cfg_hybrid_shard(c->strategy, c->sharding_strategy) && (p->devices == 1 || z3) &&
+        oc->kind != FL_OPT_ADAMW8BIT && (s = sugg(p, "param_offload"))) {
+        fl_run_config v = *c;
+        snprintf(v.strategy, sizeof v.strategy, "deepspeed_stage_3_offload");
+        v.sharding_strategy[0] = '\0';
+        snprintf(v.offload_param_device, sizeof v.offload_param_device, "%s", x->cuda ? "cpu" : "nvme");
+        if (!x->cuda) snprintf(v.offload_device, sizeof v.offload_device, "nvme");
+        sugg_variant(p, x, s, &v, oc,
+                     x->cuda ? "--strategy deepspeed_stage_3_offload --offload_param_device cpu"
+                             : "--strategy deepspeed_stage_3_offload --offload_param_device nvme --offload_optimizer_device "
+                               "nvme --nvme_path DIR",
+                     x->cuda ? "the parameters' and gradients' shards and the optimizer in host memory, each unit copied "
+                               "to the device ahead of its use (slower: every unit crosses PCIe twice per step)"
+                             : "the parameters, gradients and optimizer state in files on a disk, each unit read ahead "
+                               "of its use (slower: the disk is read and written every step)");
+    }
     if (c->command != FL_CMD_FINETUNE_LORA && (s = sugg(p, "lora"))) {
         fl_run_config v = *c;
         fl_run_config d;
@@ -617,7 +639,12 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
         else
             note(p, "gradient reductions unbucketed (--bucket_size null): their scratch grows with the model");
     }
-    if (sc.offload && !strcmp(c->offload_device, "nvme"))
+    if (sc.param_offload)
+        note(p, "parameter offload (offload_param_device %s): PARAMS and GRADS are this rank's shards in the %s tier "
+                "(outside the device budget); GATHER holds the units fetched to the device at a time%s",
+             sc.param_offload == 2 ? "nvme" : "cpu", sc.param_offload == 2 ? "nvme" : "host",
+             opts.cuda ? " and each unit's piece staged before its all-gather" : "");
+    if (sc.offload && fl_cfg_offload_nvme(c))
         note(p, "NVMe offload: OPTIM is in the nvme tier (its row: files under nvme_path, paged through a few "
                 "pieces of host memory), outside the device budget%s", opts.cuda ? "; the host tier: one piece staged"
                                                                                  : "");
@@ -669,8 +696,8 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     if (gen < 0)
         gen = c->eval.max_new_tokens > 0 && has_val_split(c) &&
               (c->train.max_steps < 0 || c->train.max_steps >= c->eval.interval);
-    if (gen && fsdp) {
-        note(p, "no eval sample generation: the trainer skips it under FULL_SHARD");
+    if (gen && (fsdp || sc.param_offload)) { /* parameter offload: FULL_SHARD's provider at one rank too */
+        note(p, "no eval sample generation: the trainer skips it under FULL_SHARD%s", sc.param_offload ? " and parameter offload" : "");
         gen = 0;
     }
     if (gen && x.Ts) {

@@ -26,10 +26,11 @@ static void record_live(fl_model *m, fl_live_phase ph) {
         if (!r[i].at_least || r[i].bytes > fl_mem_live_of(m->pool, r[i].ptr)) fl_mem_set_live(m->pool, r[i].ptr, r[i].bytes);
 }
 
-/* An asynchronous device (not host memory) runs behind the host: wait at the phase edges so the phase times are
- * the device's. */
+/* An asynchronous device (not host memory) runs behind the host: when the phase times are asked for
+ * (fl_step_ctx.phase_times -> m->phase_sync), wait at the phase edges so they are the device's; otherwise no
+ * synchronization inside a step (issue 30 item 5). */
 static fl_status sync_device(const fl_model *m) {
-    return fl_backend_host_memory(m->be) ? FL_OK : m->be->sync(m->be);
+    return !m->phase_sync || fl_backend_host_memory(m->be) ? FL_OK : m->be->sync(m->be);
 }
 
 /* Forward + backward of micro-batch k (grad scale 1/step_valid); gradients accumulate. */
@@ -110,6 +111,7 @@ fl_status fl_step_run(fl_model *m, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
     const int world = c->dp ? c->dp->world : 1, rank = c->dp ? c->dp->rank : 0;
     double t0 = now_ms(), loss_sum = 0;
     c->failed_k = -1;
+    m->phase_sync = c->phase_times;
     fl_model_zero_grads(m);
     record_live(m, FL_LIVE_ZEROED);
     /* every target of the step masked: nothing to learn, no forward and no update (c->skip_empty) */

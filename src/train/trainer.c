@@ -113,7 +113,8 @@ fl_status fl_trainer_rehearse_comm(const fl_run_config *cfg, const fl_model_conf
     if (s == FL_OK) {
         snprintf(rcfg.strategy, sizeof rcfg.strategy, "%s", sc.strategy);
         snprintf(rcfg.sharding_strategy, sizeof rcfg.sharding_strategy, "%s", sc.sharding);
-        s = fl_fsdp_prepare(&t.dp, &rcfg, &prec, &t.stg);
+        s = fl_tr_setup_offload(&t, &sc); /* parameter offload: the tiers exist before the model */
+        if (s == FL_OK) s = fl_fsdp_prepare(&t.dp, &rcfg, &prec, &t.stg);
     }
     if (s == FL_OK) s = fl_tr_tp_check(&t, &sc);
     if (s == FL_OK) s = fl_tr_setup_model(&t, &prec, mc);
@@ -247,6 +248,7 @@ static fl_status run_setup(trainer *t, fl_comm *comm, const fl_precision *prec, 
     snprintf(rcfg->strategy, sizeof rcfg->strategy, "%s", sc->strategy);
     snprintf(rcfg->sharding_strategy, sizeof rcfg->sharding_strategy, "%s", sc->sharding);
     FL_TRY(fl_tr_tp_check(t, sc));
+    FL_TRY(fl_tr_setup_offload(t, sc)); /* the host / NVMe tiers, before the model (parameter offload's shards) */
     FL_TRY(fl_fsdp_prepare(&t->dp, rcfg, prec, &t->stg)); /* FULL_SHARD: the model is created sharded */
     FL_TRY(fl_tr_setup_model(t, prec, NULL));
     FL_TRY(fl_tr_check_s2s(t, prec, sc));

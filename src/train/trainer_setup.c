@@ -376,7 +376,7 @@ fl_status fl_tr_setup_model(trainer *t, const fl_precision *prec, const fl_model
  * the update runs on: the run's own where its memory is host memory (cpu, ref, cuda-emu) or where it
  * computes nothing (the planner's null), else a CPU backend with the run's threads. */
 fl_status fl_tr_setup_offload(trainer *t, const fl_strategy_choice *sc) {
-    if (!sc->offload) return FL_OK;
+    if (!sc->offload || t->hw.opool_ok) return FL_OK; /* parameter offload makes it before the model: once */
     const fl_backend *be = &t->hw.be;
     FL_TRY(be->host_pool_init ? be->host_pool_init(be, &t->hw.opool, "host (offload)", 0)
                               : fl_mem_pool_init(&t->hw.opool, "host (offload)", 0));
@@ -390,19 +390,29 @@ fl_status fl_tr_setup_offload(trainer *t, const fl_strategy_choice *sc) {
     }
     t->hw.off.pool = &t->hw.opool;
     t->dp.offload = &t->hw.off;
-    if (strcmp(t->cfg->offload_device, "nvme")) return FL_OK;
-    /* NVMe (ZeRO-Infinity's offload_optimizer device nvme): the state in files under nvme_path (out_dir by
-     * default, made here: the files are unlinked at creation, so an OOM still leaves no files); the plan's
-     * null backend stands it in with its counted fake addresses */
-    if (fl_backend_discards(be)) {
-        FL_TRY(be->host_pool_init(be, &t->hw.dpool, "nvme (offload)", 0));
-    } else {
-        const char *dir = t->cfg->nvme_path[0] ? t->cfg->nvme_path : t->cfg->out_dir;
-        if (!t->cfg->nvme_path[0]) FL_TRY(fl_fs_mkdir_p(dir));
-        FL_TRY(fl_mem_disk_pool_init(&t->hw.dpool, "nvme (offload)", dir));
+    if (fl_cfg_offload_nvme(t->cfg) || sc->param_offload == 2) {
+        /* NVMe (ZeRO-Infinity's offload_optimizer / offload_param device nvme): files under nvme_path (out_dir by
+         * default, made here: the files are unlinked at creation, so an OOM still leaves no files); the plan's
+         * null backend stands it in with its counted fake addresses */
+        if (fl_backend_discards(be)) {
+            FL_TRY(be->host_pool_init(be, &t->hw.dpool, "nvme (offload)", 0));
+        } else {
+            const char *dir = t->cfg->nvme_path[0] ? t->cfg->nvme_path : t->cfg->out_dir;
+            if (!t->cfg->nvme_path[0]) FL_TRY(fl_fs_mkdir_p(dir));
+            FL_TRY(fl_mem_disk_pool_init(&t->hw.dpool, "nvme (offload)", dir));
+        }
+        t->hw.dpool_ok = 1;
+        if (fl_cfg_offload_nvme(t->cfg)) t->hw.off.state_pool = &t->hw.dpool;
     }
-    t->hw.dpool_ok = 1;
-    t->hw.off.state_pool = &t->hw.dpool;
+    if (sc->param_offload) { /* the shards of the parameters and gradients in the tier, updated there in place */
+        t->hw.off.params_host = 1;
+        t->dp.ptier.be = t->hw.off.be;
+        t->dp.ptier.pool = sc->param_offload == 2 ? &t->hw.dpool : &t->hw.opool;
+        t->dp.ptier.host = &t->hw.opool;
+        t->dp.ptier.disk = sc->param_offload == 2 && !fl_backend_discards(be);
+        t->dp.ptier.prefetch = t->cfg->offload_prefetch;
+        if (t->dp.ptier.disk) t->hw.off.param_pool = &t->hw.dpool; /* the update drops their pieces behind it */
+    }
     return FL_OK;
 }
 
@@ -418,7 +428,9 @@ fl_status fl_tr_setup_training(trainer *t, const fl_run_config *rcfg, const fl_s
         FL_TRY(fl_model_lora_init(&t->model, &lc, cfg->seed));
     } else {
         FL_TRY(fl_fsdp_init(&t->dp, rcfg, &t->model)); /* FULL_SHARD: the gathered units' compute copy */
-        FL_TRY(fl_model_alloc_grads(&t->model));      /* (sharded: of the gradients) */
+        /* (sharded: of the gradients; parameter offload on NVMe: a disk that refuses them is an I/O error) */
+        FL_TRY(fl_fsdp_tier_fault(&t->dp, fl_model_alloc_grads(&t->model), "gradient",
+                                  fl_model_store_numel(&t->model) * fl_dtype_size(fl_model_store_dtype(&t->model))));
     }
     FL_TRY(fl_tr_setup_offload(t, sc));
     FL_TRY(fl_dp_optim_init(&t->dp, rcfg, &t->opt, &t->model)); /* ZeRO: state for this rank's chunk only; offload:
