@@ -19,7 +19,7 @@ FUZZ_DEB_PKGS := clang libclang-rt-dev libomp-dev
 FITLLM_DATA ?= ../shared/data
 export FITLLM_DATA
 
-.PHONY: all setup build test test-fast asan demo bench bitident clean help fuzz fuzz-build fuzz-smoke
+.PHONY: all setup build test test-fast asan demo bench bench-t5 bitident clean help fuzz fuzz-build fuzz-smoke
 
 all: build
 
@@ -29,6 +29,7 @@ help:
 	@echo "make build  - configure and build into $(BUILD)/ (CUDA=1: with the CUDA plugin, even without a GPU here)"
 	@echo "make asan   - build with ASan/UBSan and run the whole suite under it"
 	@echo "make bench  - fitllm vs PyTorch training-step benchmark (needs a torch virtualenv)"
+	@echo "make bench-t5 - a t5-small training step, fitllm vs transformers' T5ForConditionalGeneration (torch venv)"
 	@echo "make fuzz   - libFuzzer (clang) on every input parser, FUZZ_TIME s each (default 600), FUZZ_JOBS at a time"
 	@echo "make fuzz-smoke - the same, 30 s each"
 	@echo "make bitident BASE=DIR - does this build train bit for bit like the build in DIR (tests/bitident)"
@@ -92,6 +93,10 @@ demo: build
 
 bench: build
 	bench/run_bench_step.sh
+
+# issue 31: fitllm's T5 step against transformers' (docs/BENCHMARKS.md); not part of make test
+bench-t5: build
+	bench/run_bench_t5.sh
 
 # Does this build train bit-identically to another one (BASE=its build folder)? tests/bitident/README.md
 bitident: build

@@ -185,6 +185,14 @@ fi
 # ZeRO-3 with the optimizer offloaded (deepspeed_stage_3_offload: each rank's momentum shard in the host tier; nvme:
 # in files) at 3 MPI ranks: the checkpoints (step 2 and final) of the device-resident ZeRO-3 run byte for byte, the
 # host tier in rank 0's report; its step-2 checkpoint resumed by deepspeed_stage_3 (no offload) ends on the same bytes
+# the weights and the momentum (the data section's tail) of two runs' step-2 and final checkpoints, byte for byte
+same_ckpts() {
+    local ck
+    for ck in step-000002 final; do
+        cmp -s "$1/$ck/model.safetensors" "$2/$ck/model.safetensors" || return 1
+        cmp -s <(tail -c 1040128 "$1/$ck/training_state.safetensors") <(tail -c 1040128 "$2/$ck/training_state.safetensors") || return 1
+    done
+}
 z3ok=1
 mkdir -p "$T/nv3"
 for st in deepspeed_stage_3 deepspeed_stage_3_offload nvme; do
@@ -197,19 +205,36 @@ done
 if [ $z3ok = 1 ]; then
     timeout 300 mpirun -np 3 "$FL" finetune_full "${ZARGS[@]}" --strategy deepspeed_stage_3 \
         --resume "$T/z3-deepspeed_stage_3_offload/step-000002" --out_dir "$T/z3-res" >"$T/out" 2>&1 || z3ok=0
-    for st in deepspeed_stage_3_offload nvme; do
-        for ck in step-000002 final; do
-            cmp -s "$T/z3-deepspeed_stage_3/$ck/model.safetensors" "$T/z3-$st/$ck/model.safetensors" || z3ok=0
-            cmp -s <(tail -c 1040128 "$T/z3-deepspeed_stage_3/$ck/training_state.safetensors") \
-                   <(tail -c 1040128 "$T/z3-$st/$ck/training_state.safetensors") || z3ok=0
-        done
-    done
+    for st in deepspeed_stage_3_offload nvme; do same_ckpts "$T/z3-deepspeed_stage_3" "$T/z3-$st" || z3ok=0; done
     cmp -s "$T/z3-deepspeed_stage_3/final/model.safetensors" "$T/z3-res/final/model.safetensors" || z3ok=0
     if [ $z3ok = 1 ]; then
         ok "zero3_offload_cli_np3 (cpu and nvme checkpoints = ZeRO-3's, bit for bit; resumed without offload: the same)"
     else
         bad "zero3_offload_cli_np3" "checkpoints differ from the device-resident ZeRO-3 run's, or the resume failed"
     fi
+fi
+
+# Parameter offload (fsdp_cpu_offload: the parameter and gradient shards in the host tier; deepspeed_stage_3_offload_nvme:
+# in files) at 1, 2 and 3 MPI ranks: the checkpoints (step 2 and final) of the device-resident ZeRO-3 run at the same
+# size byte for byte (one rank: the one-process run's); the tier in rank 0's report; no file left
+pok=1
+mkdir -p "$T/pnv"
+for np in 1 2 3; do
+    for st in deepspeed_stage_3 fsdp_cpu_offload deepspeed_stage_3_offload_nvme; do
+        extra=(--strategy $st); [ $st = deepspeed_stage_3_offload_nvme ] && extra+=(--nvme_path "$T/pnv")
+        timeout 300 mpirun -np $np "$FL" finetune_full "${ZARGS[@]}" --devices $np --train.global_batch_size 12 "${extra[@]}" \
+            --out_dir "$T/p$np-$st" \
+            >"$T/out" 2>&1 || { pok=0; bad "param_offload_cli_np${np}_$st" "exit $?"; }
+        [ $st = fsdp_cpu_offload ] && { grep -q "host tier (offload) PARAMS" "$T/out" || { pok=0; bad "param_offload_cli_np$np" "no host-tier PARAMS in the report"; }; }
+    done
+    base="$T/p$np-deepspeed_stage_3"
+    for st in fsdp_cpu_offload deepspeed_stage_3_offload_nvme; do same_ckpts "$base" "$T/p$np-$st" || pok=0; done
+done
+[ -z "$(ls -A "$T/pnv")" ] || { pok=0; bad "param_offload_nvme_leaves_no_files" "$(ls -A "$T/pnv")"; }
+if [ $pok = 1 ]; then
+    ok "param_offload_cli_np123 (host and nvme parameter offload checkpoints = the device-resident ZeRO-3's, bit for bit)"
+else
+    bad "param_offload_cli_np123" "checkpoints differ from the device-resident run's, or a run failed"
 fi
 
 # sharded checkpoints (--fsdp.state_dict_type sharded) through the CLI: saved by ZeRO-2 at 3 ranks (each rank writes
@@ -380,6 +405,37 @@ else
     fi
 fi
 
+# a rank killed during a parameter fetch (parameter offload on NVMe, after step 2's checkpoint was committed): rank 1
+# is held inside its next fetch (FITLLM_TEST_FETCH_HOLD: the file names the rank; it writes its pid to FILE.held and
+# waits there), then SIGKILLed; the job ends within seconds, non-zero, the launcher names the rank, rank 0 the last
+# committed checkpoint; the NVMe folder keeps no file
+mkdir -p "$T/pdie-nv"
+"${SELF_ENV[@]}" FITLLM_TEST_FETCH_HOLD="$T/hold" "$FL" finetune_full "${ARGS[@]}" --strategy deepspeed_stage_3_offload_nvme \
+    --nvme_path "$T/pdie-nv" --train.max_steps 100000 --train.epochs 100000 --devices 2 --out_dir "$T/pdie" >"$T/out" 2>&1 &
+job=$!
+for _ in $(seq 600); do [ -f "$T/pdie/step-000002/COMMITTED" ] && break; sleep 0.1; done
+echo 1 >"$T/hold"
+for _ in $(seq 600); do [ -s "$T/hold.held" ] && break; sleep 0.1; done
+r1=$(cat "$T/hold.held" 2>/dev/null)
+if [ -z "$r1" ]; then
+    kill "$job" 2>/dev/null; wait "$job"
+    bad "param_offload_dead_rank_names_checkpoint" "rank 1 was not held in a fetch"
+else
+    t0=$(now); kill -9 "$r1"
+    for _ in $(seq 600); do kill -0 "$job" 2>/dev/null || break; sleep 0.1; done
+    kill -0 "$job" 2>/dev/null && kill -9 "$job"
+    wait "$job"; rc=$?; t1=$(now)
+    secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+    last=$(sed -n "s/.*rank 0 of 2: ended by the launcher .*the last committed checkpoint is '\([^']*\)' (to continue from it, run the same command with --resume auto).*/\1/p" "$T/out")
+    if [ $rc -ne 0 ] && awk -v s="$secs" 'BEGIN { exit !(s <= 20) }' && grep -q "rank 1 .* exited on signal 9" "$T/out" \
+        && [ -n "$last" ] && [ -f "$last/COMMITTED" ] && case "$last" in "$T/pdie/step-"*) true ;; *) false ;; esac \
+        && [ -z "$(ls -A "$T/pdie-nv")" ]; then
+        ok "param_offload_dead_rank_names_checkpoint (exit $rc in $secs s; ${last#$T/pdie/})"
+    else
+        bad "param_offload_dead_rank_names_checkpoint" "exit $rc in $secs s, checkpoint named: '$last', nvme files: $(ls -A "$T/pdie-nv" | wc -l)"
+    fi
+fi
+
 # tensor parallelism through the CLI (--tensor_parallel; tests/test_tp_train.c has the bounds' reasons): TP 2 at 2
 # ranks and the grid DP 2 x TP 2 at 4 ranks train one process's losses within 1e-6 relative at every step
 # (metrics.csv), rank 0 alone reports; the consolidated step-2 checkpoint of TP 2 resumes in one process and at
@@ -487,6 +543,13 @@ if [ $rc -ne 0 ] && grep -q "says rank 1 of 2 but MPI .* sees rank 0 of 1: .*use
 grep -E "^(ok|FAIL|SKIP)" "$T/out"
 if [ $rc -eq 0 ] && grep -q "^SKIP" "$T/out"; then skip=$((skip+1))
 elif [ $rc -eq 0 ]; then pass=$((pass+1)); else bad "netns_two_nodes" "exit $rc"; fi
+
+# T5, an encoder-decoder, over 2 ranks (tests/mpi_t5_test.sh: DDP against one process, ZeRO-1/2 and ZeRO-2 offload
+# against DDP, rank 0's peaks against the plan)
+"$(dirname "$0")/mpi_t5_test.sh" "$BUILD" >"$T/out" 2>&1; rc=$?
+grep -E "^(ok|FAIL|     )" "$T/out"
+pass=$((pass + $(grep -c '^ok' "$T/out"))); fail=$((fail + $(grep -c '^FAIL' "$T/out")))
+[ $rc -eq 0 ] || [ "$(grep -c '^FAIL' "$T/out")" -gt 0 ] || bad "mpi_t5" "exit $rc"
 
 echo
 echo "MPI tests: $pass passed, $fail failed, $skip skipped"

@@ -539,7 +539,9 @@ FL_TEST(cfg_strategy_auto_resolution) {
     fl_strategy_choice sc;
     snprintf(c.strategy, sizeof c.strategy, "horovod");
     FL_CHECK(fl_cfg_resolve_strategy(&c, 0, &sc) == FL_ERR_INVALID);
-    snprintf(c.strategy, sizeof c.strategy, "deepspeed_stage_3_offload_nvme"); /* parameter offload: not built */
+    snprintf(c.strategy, sizeof c.strategy, "deepspeed_stage_3_offload_nvme"); /* parameter offload (issue 34) */
+    FL_CHECK(fl_cfg_resolve_strategy(&c, 0, &sc) == FL_OK && sc.stage == 3 && sc.offload && sc.param_offload == 2);
+    snprintf(c.strategy, sizeof c.strategy, "deepspeed"); /* a DeepSpeed JSON: not built */
     FL_CHECK(fl_cfg_resolve_strategy(&c, 0, &sc) == FL_ERR_UNSUPPORTED);
     snprintf(c.strategy, sizeof c.strategy, "deepspeed_stage_3_offload"); /* ZeRO-3, the optimizer offloaded */
     FL_CHECK(fl_cfg_resolve_strategy(&c, 0, &sc) == FL_OK && sc.stage == 3 && sc.offload);

@@ -133,7 +133,8 @@ FL_TEST(ddp_threads_devices_must_match_ranks) {
     FL_CHECK(fl_cfg_validate(&c) == FL_ERR_UNSUPPORTED);
     FL_CHECKF(strstr(fl_error_message(), "#14") != NULL, "%s", fl_error_message());
     FL_CHECK(fl_cfg_set(&c, "fsdp.sharding_strategy", "") == FL_OK);
-    FL_CHECK(fl_cfg_set(&c, "strategy", "fsdp_cpu_offload") == FL_OK && fl_cfg_validate(&c) == FL_ERR_UNSUPPORTED);
+    FL_CHECK(fl_cfg_set(&c, "strategy", "deepspeed") == FL_OK && fl_cfg_validate(&c) == FL_ERR_UNSUPPORTED);
+    FL_CHECK(fl_cfg_set(&c, "strategy", "fsdp_cpu_offload") == FL_OK && fl_cfg_validate(&c) == FL_OK); /* issue 34 */
     FL_CHECK(fl_cfg_set(&c, "strategy", "ddp") == FL_OK && fl_cfg_validate(&c) == FL_OK);
     FL_CHECK(fl_cfg_set(&c, "strategy", "horovod") == FL_OK && fl_cfg_validate(&c) == FL_ERR_INVALID);
     free(j);

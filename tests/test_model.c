@@ -9,6 +9,8 @@
 #include "fitllm/model.h"
 #include "fitllm/train.h"
 #include "golden_ref.h"
+#include "model/model-impl.h"
+#include "model/graph.h"
 #include "test.h"
 
 /* Tensor-scale relative error: max|a-b| / max|ref|. Element-wise relative error
@@ -523,10 +525,11 @@ FL_TEST(model_bf16_mixed_memory_and_accuracy) {
 
 static size_t al64(size_t b) { return (b + 63) / 64 * 64; }
 
-/* The 16-bit policies save the (N, width) activations of every block in 16 bits: ACTS =
+/* The fp16 policies save the (N, width) activations of every block in 16 bits: ACTS =
  * the fp32 arena minus L-1 fp32 copies of them (one shared fp32 layer buffer stays) plus
- * L 16-bit copies, exactly; the runtime allocates what the sizing says; checkpointing is
- * unchanged (only fp32 residuals are saved). */
+ * L 16-bit copies, exactly. The bf16 policies store everything in bf16 (the residual rows
+ * too, also with checkpointing), the fp32 compute views in WORKSPACE. The runtime allocates
+ * what the sizing says. */
 static void acts16_sizing_case(const char *preset) {
     fl_model_config c;
     FL_REQUIRE_OK(fl_preset_find(preset, &c));
@@ -553,11 +556,23 @@ static void acts16_sizing_case(const char *preset) {
         wide16 += al64(N * w[k] * 2);
     }
     size_t want = s32.acts_bytes - (size_t)(L - 1) * wide32 + (size_t)L * wide16;
-    FL_CHECKF(s16.acts_bytes == want && h16.acts_bytes == want, "%s: 16-bit ACTS %zu / %zu, formula %zu", preset,
-              s16.acts_bytes, h16.acts_bytes, want);
-    FL_CHECK(s16.per_layer_acts_bytes == s32.per_layer_acts_bytes - wide32 + wide16);
-    FL_CHECK(s16.workspace_bytes == s32.workspace_bytes && s16.logits_chunk_rows == s32.logits_chunk_rows);
-    FL_CHECK(ck16.acts_bytes == ck32.acts_bytes); /* checkpointing: nothing changes */
+    FL_CHECKF(h16.acts_bytes == want, "%s: fp16 ACTS %zu, formula %zu", preset, h16.acts_bytes, want);
+    FL_CHECK(h16.per_layer_acts_bytes == s32.per_layer_acts_bytes - wide32 + wide16);
+    FL_CHECK(h16.workspace_bytes == s32.workspace_bytes && h16.logits_chunk_rows == s32.logits_chunk_rows);
+    /* bf16 stored end to end: the residual rows in bf16 too; ACTS keeps only bf16 rows and fp32 statistics,
+     * the fp32 views the ops compute in (two residual buffers, one block's WIDE slots, the final norm's
+     * output; checkpointing: the recomputed block's statistics and bf16 copies too) are WORKSPACE */
+    const size_t r32 = al64(N * C * 4), r16 = al64(N * C * 2);
+    const size_t stat = s32.per_layer_acts_bytes - r32 - wide32; /* one block's fp32 statistics */
+    want = s32.acts_bytes - (size_t)(L + 1) * (r32 - r16) - (size_t)L * (wide32 - wide16) - r32;
+    FL_CHECKF(s16.acts_bytes == want, "%s: bf16 ACTS %zu, formula %zu", preset, s16.acts_bytes, want);
+    FL_CHECK(s16.per_layer_acts_bytes == r16 + stat + wide16);
+    FL_CHECKF(s16.workspace_bytes == s32.workspace_bytes + 3 * r32 + wide32 && s16.logits_chunk_rows == s32.logits_chunk_rows,
+              "%s: bf16 WORKSPACE %zu, formula %zu", preset, s16.workspace_bytes, s32.workspace_bytes + 3 * r32 + wide32);
+    const size_t want_ck = ck32.acts_bytes - (size_t)(L + 1) * (r32 - r16) - (stat + wide32) - r32;
+    FL_CHECKF(ck16.acts_bytes == want_ck, "%s: bf16 checkpointed ACTS %zu, formula %zu", preset, ck16.acts_bytes, want_ck);
+    FL_CHECK(ck16.workspace_bytes == ck32.workspace_bytes + 3 * r32 + wide32 + stat + wide16);
+    FL_CHECK(ck16.per_layer_acts_bytes == r16);
     /* the runtime: bf16-true storage allocates exactly the 16-bit arena; switching the policy of an
      * fp32 model re-sizes an arena already allocated */
     fl_backend be;
@@ -573,7 +588,7 @@ static void acts16_sizing_case(const char *preset) {
     FL_CHECK(pool.cur[FL_TAG_ACTS] == s16.acts_bytes);
     m.act_ckpt = 1;
     FL_REQUIRE_OK(fl_model_alloc_acts(&m, B, T));
-    FL_CHECK(pool.cur[FL_TAG_ACTS] == ck32.acts_bytes);
+    FL_CHECK(pool.cur[FL_TAG_ACTS] == ck16.acts_bytes);
     fl_model_free(&m);
     FL_REQUIRE_OK(fl_model_init(&m, &c, &be, &pool));
     FL_REQUIRE_OK(fl_model_alloc_acts(&m, B, T));
@@ -596,12 +611,18 @@ FL_TEST(model_acts16_sizing_exact) {
     acts16_sizing_case("tiny");
 }
 
-/* Same weights (the policy's 16-bit compute copy), fp32 vs 16-bit saved activations: the
- * forward computes in fp32 either way (identical loss), the backward reads the rounded
- * activations. Measured worst tensor-scaled gradient differences (2 threads, x86-64):
- * golden-llama bf16 0.0062, fp16 0.00069; gpt2-micro bf16 0.0046, fp16 0.00025; bars 1.5e-2
- * (bf16: 8-bit mantissa, 2^-9 relative rounding) and 2e-3 (fp16: 11-bit, 8x finer), ~2.5-3x the
- * worst measurement. */
+/* Same weights (the policy's 16-bit compute copy), fp32 vs 16-bit activations.
+ * fp16 (saved only): the forward computes in fp32 either way (identical loss), the backward reads the
+ * rounded activations. Measured worst tensor-scaled gradient differences (2 threads, x86-64): golden-llama
+ * fp16 0.00069, gpt2-micro 0.00025; bar 2e-3 (11-bit mantissa), ~3x the worst measurement.
+ * bf16 (stored end to end, by design since issue 30: every op's output rounded as it is stored, so the
+ * forward changes too): the mean loss within the first-order bound of R roundings of relative size
+ * u = 2^-9 on the way from the ids to the logits (the embedding, then every stored slot a block writes:
+ * R = 1 + L x the block's ops), each at most a relative R u change of the logits, which moves a token's
+ * cross-entropy (lse(z) - z_t) by at most 2 R u max|z|. Gradients within twice PyTorch bf16-true's own
+ * distance to fp32 on golden-llama (1.9e-2 worst tensor, tests/ref/README.md): the precision's noise.
+ * Measured: mean loss 2.2e-5 apart (bound 9.6e-2) and worst gradient 0.011 on golden-llama, 2.1e-4
+ * (8.7e-2) and 0.0078 on gpt2-micro. */
 static void acts16_grad_case(fl_model *m, const int32_t *ids, const int32_t *tg, int B, int T, const char *what) {
     const size_t n = m->layout.numel;
     float *g32 = malloc(n * sizeof(float));
@@ -609,7 +630,9 @@ static void acts16_grad_case(fl_model *m, const int32_t *ids, const int32_t *tg,
     for (int pi = 0; pi < 2; pi++) {
         fl_precision p = *fl_precision_get(pols[pi]), p32 = p;
         p32.act_dtype = FL_F32;
-        double loss[2];
+        double loss[2], zmax = 0;
+        float *lg = malloc((size_t)B * T * m->cfg.vocab_size * sizeof(float));
+        FL_REQUIRE(lg != NULL);
         for (int k = 0; k < 2; k++) {
             FL_REQUIRE_OK(fl_model_set_precision(m, k ? &p : &p32));
             fl_act_sizes sz;
@@ -617,12 +640,25 @@ static void acts16_grad_case(fl_model *m, const int32_t *ids, const int32_t *tg,
             fl_sizing_acts_ex(&m->cfg, B, T, &ao, &sz);
             FL_CHECK(m->pool->cur[FL_TAG_ACTS] == sz.acts_bytes);
             fl_model_zero_grads(m);
-            FL_REQUIRE_OK(fl_model_forward(m, ids, tg, B, T, 1.0f / (B * T), NULL));
+            FL_REQUIRE_OK(fl_model_forward(m, ids, tg, B, T, 1.0f / (B * T), k ? NULL : lg));
             loss[k] = m->loss_sum;
+            for (size_t i = 0; !k && i < (size_t)B * T * m->cfg.vocab_size; i++) zmax = fmax(zmax, fabs(lg[i]));
             FL_REQUIRE_OK(fl_model_backward(m));
             if (!k) memcpy(g32, fl_model_grads_f32(m), n * sizeof(float));
         }
-        FL_CHECKF(loss[0] == loss[1], "%s %s: 16-bit saved activations changed the forward", what, p.name);
+        free(lg);
+        if (p.act_dtype == FL_BF16) {
+            fl_block_graph bg;
+            FL_REQUIRE_OK(fl_block_graph_build(&m->cfg, &bg));
+            const double R = 1 + (double)m->cfg.n_layers * bg.n_ops, u = ldexp(1.0, -9);
+            const double dl = fabs(loss[0] - loss[1]) / m->n_valid, bound = 2 * R * u * zmax;
+            FL_CHECKF(dl <= bound && dl > 0, "%s %s: bf16 stored activations moved the mean loss by %.3g (bound %.3g)",
+                      what, p.name, dl, bound);
+            printf("      %s %s: bf16 stored vs fp32 activations, mean loss %.3g apart (bound %.3g)\n", what, p.name, dl,
+                   bound);
+        } else {
+            FL_CHECKF(loss[0] == loss[1], "%s %s: 16-bit saved activations changed the forward", what, p.name);
+        }
         double worst = 0;
         const char *wn = "";
         for (int i = 0; i < m->layout.n; i++) {
@@ -630,7 +666,7 @@ static void acts16_grad_case(fl_model *m, const int32_t *ids, const int32_t *tg,
             double e = scaled_err(fl_model_grads_f32(m) + pi2->offset, g32 + pi2->offset, pi2->numel, NULL);
             if (e > worst) { worst = e; wn = pi2->name; }
         }
-        double bar = p.act_dtype == FL_BF16 ? 1.5e-2 : 2e-3;
+        double bar = p.act_dtype == FL_BF16 ? 2 * 1.9e-2 : 2e-3;
         FL_CHECKF(worst <= bar && worst > 0, "%s %s: gradients with %s activations vs fp32 activations: %.3g (%s)",
                   what, p.name, fl_dtype_name(p.act_dtype), worst, wn);
         printf("      %s %s: %s saved activations vs fp32, worst gradient err %.2g (%s)\n", what, p.name,

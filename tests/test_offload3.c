@@ -302,17 +302,16 @@ FL_TEST(offload3_plan_equals_measured_for_every_tier_and_rank) {
     FL_CHECKF(dir_empty(dir), "offload plans: files left in %s", dir);
 }
 
-/* Parameter offload is not built: refused by name, never ignored */
-FL_TEST(offload3_param_offload_refused) {
+/* Parameter offload (built: tests/test_poff.c) takes none, cpu and nvme with ZeRO-3 offload; other values refused */
+FL_TEST(offload3_param_offload_values) {
     fl_run_config c;
     char out[700];
     snprintf(out, sizeof out, "%s/offload3-param", fl_test_tmpdir());
     zr_config(&c, ZR_ADAMW, 2, 2, 1, "deepspeed_stage_3_offload", NULL, out);
     FL_CHECK(fl_cfg_validate(&c) == FL_OK);
     FL_CHECK(fl_cfg_set(&c, "offload_param_device", "none") == FL_OK && fl_cfg_validate(&c) == FL_OK);
-    FL_CHECK(fl_cfg_set(&c, "offload_param_device", "cpu") == FL_OK && fl_cfg_validate(&c) == FL_ERR_UNSUPPORTED &&
-             strstr(fl_error_message(), "parameter offload") && strstr(fl_error_message(), "not implemented yet"));
-    FL_CHECK(fl_cfg_set(&c, "offload_param_device", "nvme") == FL_OK && fl_cfg_validate(&c) == FL_ERR_UNSUPPORTED);
+    FL_CHECK(fl_cfg_set(&c, "offload_param_device", "cpu") == FL_OK && fl_cfg_validate(&c) == FL_OK);
+    FL_CHECK(fl_cfg_set(&c, "offload_param_device", "nvme") == FL_OK && fl_cfg_validate(&c) == FL_OK);
     FL_CHECK(fl_cfg_set(&c, "offload_param_device", "gpu") == FL_OK && fl_cfg_validate(&c) == FL_ERR_INVALID);
 }
 

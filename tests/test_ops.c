@@ -620,8 +620,12 @@ FL_TEST(ops_attention_nkv1_b1) { attn_case(1, 75, 4, 1, 16, 400); }
 
 /* ---- activations -------------------------------------------------------------------- */
 
-typedef struct { double *x; const float *R; int N, F; double *out; int gelu; } act_ctx; /* gelu 2: ReLU, 3: GEGLU */
+typedef struct { double *x; const float *R; int N, F; double *out; int gelu; } act_ctx; /* gelu 2: ReLU, 3: GEGLU, 4: erf */
 static void act_ref(act_ctx *c) {
+    if (c->gelu == 4) { /* the exact GELU */
+        for (int i = 0; i < c->N; i++) c->out[i] = 0.5 * c->x[i] * (1 + erf(c->x[i] / sqrt(2.0)));
+        return;
+    }
     if (c->gelu == 2) {
         for (int i = 0; i < c->N; i++) c->out[i] = c->x[i] > 0 ? c->x[i] : 0;
         return;
@@ -643,7 +647,7 @@ static void act_ref(act_ctx *c) {
 static double act_loss(void *p) {
     act_ctx *c = p;
     act_ref(c);
-    return dot_d(c->out, c->R, c->gelu == 1 || c->gelu == 2 ? (size_t)c->N : (size_t)c->N * c->F);
+    return dot_d(c->out, c->R, c->gelu == 1 || c->gelu == 2 || c->gelu == 4 ? (size_t)c->N : (size_t)c->N * c->F);
 }
 
 /* SwiGLU (gelu 0) and GEGLU (gelu 3: T5 v1.1's gated-GELU) on fused [gate | up] rows: against the float64 formula
@@ -674,24 +678,40 @@ FL_TEST(ops_geglu) {
     FL_FOR_EACH_BACKEND(be, 2) ops_glu_on(be, 3);
 }
 
-static void ops_gelu_on(fl_backend be) {
-    fl_test_rng r = {9};
+/* The tanh GELU (exact 0) and the exact one (BLIP-2's "gelu"): against the float64 formula and finite differences,
+ * saturated both ways and at 0; the two ops are told apart (they differ by up to ~1e-3 near x = -2) */
+static void ops_gelu_on(fl_backend be, int exact) {
+    fl_test_rng r = {exact ? 12u : 9u};
     const int n = 101;
+    const char *nm = exact ? "gelu_erf" : "gelu";
     float *x = fl_test_frand(&r, n, -5, 5), *R = fl_test_frand(&r, n, -1, 1), *out = malloc(n * 4);
     x[0] = 0.0f; x[1] = 1e-3f; x[2] = -12.0f; x[3] = 12.0f;
-    act_ctx c = {d_of(x, n), R, n, 0, malloc(8 * n), 1};
+    act_ctx c = {d_of(x, n), R, n, 0, malloc(8 * n), exact ? 4 : 1};
     act_ref(&c);
     float *want = f_of(c.out, n);
-    be.gelu_forward(&be, out, x, n);
-    FL_CHECK(fl_test_allclose("gelu fwd", out, want, n, 1e-5, 1e-7));
+    (exact ? be.gelu_erf_forward : be.gelu_forward)(&be, out, x, n);
+    FL_CHECKF(fl_test_allclose(exact ? "gelu_erf fwd" : "gelu fwd", out, want, n, exact ? 1e-6 : 1e-5, 1e-7), "%s fwd",
+              nm);
     float *dx = fl_test_frand(&r, n, -1, 1), *pre = fl_test_fdup(dx, n);
-    be.gelu_backward(&be, dx, R, x, n);
-    FD_CHECK("gelu dinp", dx, pre, c.x, n, act_loss, &c, 0);
+    (exact ? be.gelu_erf_backward : be.gelu_backward)(&be, dx, R, x, n);
+    FD_CHECK(exact ? "gelu_erf dinp" : "gelu dinp", dx, pre, c.x, n, act_loss, &c, 0);
+    if (exact) {
+        float *other = malloc(n * 4);
+        be.gelu_forward(&be, other, x, n);
+        double d = 0;
+        for (int i = 0; i < n; i++) d = fmax(d, fabs((double)other[i] - out[i]));
+        FL_CHECKF(d > 1e-4, "%s: exact and tanh GELU differ by %g only", be.name, d);
+        free(other);
+    }
     free(x); free(R); free(out); free(c.x); free(c.out); free(want); free(dx); free(pre);
 }
 FL_TEST(ops_gelu) {
     fl_backend be;
-    FL_FOR_EACH_BACKEND(be, 2) ops_gelu_on(be);
+    FL_FOR_EACH_BACKEND(be, 2) ops_gelu_on(be, 0);
+}
+FL_TEST(ops_gelu_erf) {
+    fl_backend be;
+    FL_FOR_EACH_BACKEND(be, 2) ops_gelu_on(be, 1);
 }
 
 /* ReLU: exact forward; backward against finite differences away from the kink (|x| >= 0.05 >> the step),

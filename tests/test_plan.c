@@ -2,7 +2,9 @@
  * trainer allocates (PARAMS, GRADS, OPTIM exactly, the peak within 3% — in
  * practice exactly), the planned verdict and first failing allocation equal
  * the trainer's under a budget, and the --json document's schema. */
+#include <errno.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/stat.h>
 
 #include "fitllm/io.h"
@@ -536,4 +538,123 @@ FL_TEST(plan_equals_runtime_generation_large_vocab) {
         check_phases(&pl, &r, ck ? "v32k ckpt" : "v32k");
     }
     fclose(devnull);
+}
+
+/* ---- an encoder-decoder (T5, issue 31 item 4) ------------------------------------------------ */
+
+/* A T5 folder at `dir` with tests/fixtures/<fixture>'s config.json at vocabulary 500 and the t5-tok Unigram
+ * tokenizer (as the CLI suite's T5 training cases); weights: --init random. */
+static void t5_folder(const char *dir, const char *fixture) {
+    char p[700];
+    FL_REQUIRE(mkdir(dir, 0755) == 0 || errno == EEXIST);
+    static const char *tok[] = {"spiece.model", "tokenizer.json", "tokenizer_config.json"};
+    for (int i = 0; i < 4; i++) {
+        size_t n = 0;
+        if (i < 3) snprintf(p, sizeof p, "tests/fixtures/t5-tok/%s", tok[i]);
+        else snprintf(p, sizeof p, "tests/fixtures/%s/config.json", fixture);
+        char *s = fl_test_slurp(p, &n);
+        FL_REQUIRE(s != NULL);
+        char *v = i == 3 ? strstr(s, "\"vocab_size\": 97") : NULL;
+        if (i == 3) FL_REQUIRE(v != NULL);
+        snprintf(p, sizeof p, "%s/%s", dir, i < 3 ? tok[i] : "config.json");
+        FILE *f = fopen(p, "wb");
+        FL_REQUIRE(f != NULL);
+        if (v) fprintf(f, "%.*s\"vocab_size\": 500%s", (int)(v - s), s, v + 16);
+        else fwrite(s, 1, n, f);
+        fclose(f);
+        free(s);
+    }
+}
+
+/* A 1-step T5 run on tests/fixtures/t5-pairs cut to sources of 8 and targets of 4 tokens (every pair is longer:
+ * the trainer's arena is then exactly the plan's limits). */
+static void t5_cfg(fl_run_config *c, const char *model, const char *out, int B, int lora) {
+    fl_cfg_defaults(c, lora ? FL_CMD_FINETUNE_LORA : FL_CMD_FINETUNE_FULL);
+    snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "%s", model);
+    snprintf(c->out_dir, sizeof c->out_dir, "%s", out);
+    c->init_random = 1;
+    c->data.kind = FL_DATA_JSON;
+    snprintf(c->data.json_path, sizeof c->data.json_path, "tests/fixtures/t5-pairs/pairs.json");
+    c->data.max_source_length = 8;
+    c->data.max_target_length = 4;
+    c->train.global_batch_size = 2;
+    c->train.micro_batch_size = B;
+    c->train.max_steps = 1;
+    c->train.lr_warmup_steps = 0;
+    c->train.save_interval = 0;
+    c->eval.max_new_tokens = 0;
+    c->eval.final_validation = 0;
+    c->threads = 2;
+    c->overwrite = 1;
+}
+
+/* T5 (both variants: v1.0's tied, scaled head; Flan's gated FFN and untied head): plan == measured per tag and
+ * phase (reserved and live) for finetune_full (AdamW, SGD + momentum, bf16-mixed with 8-bit AdamW: its fp32 saved
+ * activations and the backend's op scratch) and finetune_lora (with dropout; QLoRA on NF4), with and without
+ * activation checkpointing, micro-batch 1 and 2; and the live activations against a count written from the
+ * shapes: after the training forward the backward reads, at Ts = 8 source and Tt = 4 target rows, each stack's
+ * residual stream (L + 1), its blocks' slots (ln rstd, q|k|v, attention out, lse per head, the sublayer sums,
+ * the FFN's wi and activation; the decoder's cross-attention: its norm, q, k|v at the source's rows, out and
+ * lse) or, checkpointed, the last block's, each final norm's rstd and the encoder's output; the workspace hands
+ * over each stack's relative bias (NH, T, T), buckets (T, T) and ids, the source's padding mask and d(the
+ * decoder's norm output). */
+FL_TEST(plan_equals_runtime_t5) {
+    static const char *fx[] = {"t5-tiny-relu", "t5-tiny-gated"};
+    int runs = 0;
+    for (int v = 0; v < 2; v++) {
+        char model[600];
+        snprintf(model, sizeof model, "%s/t5m%d", fl_test_tmpdir(), v);
+        t5_folder(model, fx[v]);
+        for (int mode = 0; mode < 5; mode++) /* full AdamW, SGD + momentum, LoRA (dropout), bf16-mixed AdamW8bit, QLoRA */
+            for (int ck = 0; ck < 2; ck++)
+                for (int B = 1; B <= 2; B++) {
+                    fl_run_config c;
+                    char out[700], w[96];
+                    snprintf(out, sizeof out, "%s/t5r%d%d%d%d", fl_test_tmpdir(), v, mode, ck, B);
+                    t5_cfg(&c, model, out, B, mode == 2 || mode == 4);
+                    c.train.activation_checkpointing = ck;
+                    if (mode == 1) {
+                        fl_optim_config_default(&c.optimizer, FL_OPT_SGD);
+                        c.optimizer.momentum = 0.9f;
+                    }
+                    if (mode == 2) c.lora.dropout = 0.1f, c.lora.mlp = 1, c.lora.key = 1;
+                    if (mode == 3) {
+                        FL_REQUIRE_OK(fl_cfg_set(&c, "optimizer", "bnb.optim.AdamW8bit"));
+                        FL_REQUIRE_OK(fl_cfg_set(&c, "precision", "bf16-mixed"));
+                    }
+                    if (mode == 4) snprintf(c.lora.quantize, sizeof c.lora.quantize, "bnb.nf4-dq"), c.lora.mlp = 1;
+                    snprintf(w, sizeof w, "%s mode %d ckpt %d B %d", fx[v], mode, ck, B);
+                    fl_plan pl;
+                    fl_plan_opts o;
+                    fl_plan_opts_default(&o);
+                    FL_REQUIRE_OK(fl_plan_run(&c, &o, &pl));
+                    FL_CHECK(pl.verdict == FL_PLAN_FITS && pl.Ts == 8 && pl.T == 4 && !pl.generation);
+                    fl_trainer_result r;
+                    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, stop_now, NULL, &r));
+                    for (int t = 0; t < FL_TAG_COUNT; t++)
+                        FL_CHECKF(pl.peak[t] == r.peak[t], "%s: %s planned %zu, measured %zu", w,
+                                  fl_mem_tag_name((fl_mem_tag)t), pl.peak[t], r.peak[t]);
+                    check_phases(&pl, &r, w);
+                    runs++;
+                    if (mode == 2 || mode == 4) continue; /* the adapters' activations: planned == measured above */
+                    const fl_mem_phase *af = NULL;
+                    for (int i = 0; i < r.n_phases; i++)
+                        if (!strcmp(r.phases[i].name, "after_fwd")) af = &r.phases[i];
+                    FL_REQUIRE(af != NULL);
+                    const fl_model_config *mc = &pl.model;
+                    const size_t Ns = (size_t)B * 8, Nt = (size_t)B * 4, C = mc->dim, NH = mc->n_heads;
+                    const size_t QD = NH * mc->head_dim, F = mc->ffn_dim, fc = mc->ffn_gated ? 2 * F : F;
+                    const size_t Le = mc->n_layers, Ld = mc->n_dec_layers;
+                    const size_t ffn = C + 1 + fc + F, self = C + 1 + 3 * QD + QD + NH + C;
+                    const size_t enc = Ns * (self + ffn), dec = Nt * (self + (C + 1 + QD + QD + NH + C) + ffn) + Ns * 2 * QD;
+                    const size_t acts = Ns * ((Le + 1) * C + 1 + C) + Nt * ((Ld + 1) * C + 1) +
+                                        (ck ? 1 : Le) * enc + (ck ? 1 : Ld) * dec;
+                    FL_CHECKF(af->live[FL_TAG_ACTS] == acts * 4, "%s: ACTS live %zu, shapes give %zu", w,
+                              af->live[FL_TAG_ACTS], acts * 4);
+                    const size_t work = (NH * 64 + 64 + Ns) * 4 + (NH * 16 + 16 + Nt) * 4 + Ns + Nt * C * 4;
+                    FL_CHECKF(af->live[FL_TAG_WORKSPACE] == work, "%s: WORKSPACE live %zu, shapes give %zu", w,
+                              af->live[FL_TAG_WORKSPACE], work);
+                }
+    }
+    FL_CHECK(runs == 40);
 }

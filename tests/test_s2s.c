@@ -217,3 +217,48 @@ FL_TEST(s2s_t5_tokenizer) {
     fl_s2s_free(d);
     fl_tok_free(tok);
 }
+
+/* The validation split (fl_s2s_split) against torch: random_split(range(8), [0.75, 0.25],
+ * generator=torch.Generator().manual_seed(42)) gives train [6, 3, 0, 7, 2, 1] and val [4, 5] (torch 2.15.0); at 0.05
+ * the val split is empty and the training pairs keep the file's order. Records are told apart by their output byte. */
+FL_TEST(s2s_split_as_torch_random_split) {
+    fl_tokenizer *tok = NULL;
+    FL_REQUIRE_OK(fl_tok_builtin_bytes(&tok));
+    char text[512];
+    size_t n = (size_t)snprintf(text, sizeof text, "[");
+    for (int i = 0; i < 8; i++)
+        n += (size_t)snprintf(text + n, sizeof text - n, "%s{\"input\": \"in%d\", \"output\": \"%c\"}", i ? ", " : "", i,
+                              'a' + i);
+    n += (size_t)snprintf(text + n, sizeof text - n, "]");
+    fl_s2s_config c;
+    fl_s2s_config_default(&c);
+    c.max_source_length = 3; /* "in0" + EOS: 4 tokens, cut: every record counts as truncated */
+    fl_s2s_data *d = NULL, *tr = NULL, *va = NULL;
+    FL_REQUIRE_OK(fl_s2s_load_mem(&d, text, n, "eight.json", &c, tok));
+    FL_REQUIRE_OK(fl_s2s_split(d, 0.25f, 42, &tr, &va));
+    static const int want_tr[] = {6, 3, 0, 7, 2, 1}, want_va[] = {4, 5};
+    FL_CHECK(fl_s2s_count(tr) == 6 && fl_s2s_count(va) == 2);
+    const int32_t *s, *t;
+    int ns, nt;
+    for (size_t i = 0; i < fl_s2s_count(tr); i++) {
+        fl_s2s_get(tr, i, &s, &ns, &t, &nt);
+        FL_CHECKF(nt == 2 && t[0] == 'a' + want_tr[i], "train pair %zu: output %c, torch %c", i, t[0], 'a' + want_tr[i]);
+    }
+    for (size_t i = 0; i < fl_s2s_count(va); i++) {
+        fl_s2s_get(va, i, &s, &ns, &t, &nt);
+        FL_CHECKF(nt == 2 && t[0] == 'a' + want_va[i], "val pair %zu: output %c, torch %c", i, t[0], 'a' + want_va[i]);
+    }
+    FL_CHECK(fl_s2s_get_stats(tr)->n_records == 6 && fl_s2s_get_stats(tr)->n_truncated_source == 8 &&
+             fl_s2s_get_stats(va)->n_records == 2);
+    fl_s2s_free(tr), fl_s2s_free(va);
+    FL_REQUIRE_OK(fl_s2s_split(d, 0.05f, 42, &tr, &va));
+    FL_CHECK(fl_s2s_count(tr) == 8 && fl_s2s_count(va) == 0);
+    for (size_t i = 0; i < fl_s2s_count(tr); i++) {
+        fl_s2s_get(tr, i, &s, &ns, &t, &nt);
+        FL_CHECK(t[0] == 'a' + (int)i);
+    }
+    fl_s2s_free(tr), fl_s2s_free(va);
+    FL_CHECK(fl_s2s_split(d, 1.5f, 42, &tr, &va) == FL_ERR_INVALID && !tr && !va);
+    fl_s2s_free(d);
+    fl_tok_free(tok);
+}

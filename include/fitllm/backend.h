@@ -118,6 +118,16 @@ struct fl_backend {
      * it around each forward / backward / generation call and puts back FL_F32 after, so ops
      * called outside a model (tests, selftest) keep the fp32 contract. */
     void (*set_compute_dtype)(const fl_backend *be, fl_dtype t);
+    /* The accelerator's name as its driver reports it ("NVIDIA H100 80GB HBM3"; cuda-emu: "CUDA emulator"),
+     * which MFU's peak table is looked up by (fitllm/perf.h); NULL for the CPU backends (no MFU printed). */
+    const char *device_name;
+    /* Profiling markers (bench-step --profile, fitllm/perf.h): mark records marker i (0 <= i <
+     * FL_PROF_MAX_MARKS) on the backend's queue after the ops queued so far (a CUDA event; the emulator, whose
+     * launches are synchronous, reads the host clock); mark_ms gives the milliseconds from marker i to marker j
+     * once both completed (it waits for j). NULL slots: the profiler syncs around each op and reads the host
+     * clock (cpu, ref, opaque). */
+    fl_status (*mark)(const fl_backend *be, int i);
+    fl_status (*mark_ms)(const fl_backend *be, int i, int j, float *ms);
 
     /* ---- matmul ---------------------------------------------------------
      * C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C, row-major, with
@@ -151,6 +161,15 @@ struct fl_backend {
     void (*rmsnorm_backward)(const fl_backend *be, float *dinp /*(N,C)*/, float *dw /*(C) or NULL*/,
                              const float *dout /*(N,C)*/, const float *inp /*(N,C)*/, const float *w /*(C)*/,
                              const float *rstd /*(N)*/, int N, int C);
+    /* The residual add fused with the next RMSNorm (issue 30 item 4): res = a + b (res may be a or b), then
+     * out = rmsnorm(res) * w with rstd as rmsnorm_forward's. t is the dtype of res, out, a and b (F32; other
+     * dtypes UNSUPPORTED, for bf16 activations later); C is the row width (res and out contiguous). The CPU's
+     * is add + rmsnorm_forward (the same bits as the two ops); CUDA's one pass with 128-bit loads. The
+     * backward needs no fused op: the residual's gradient passes through the add and rmsnorm_backward
+     * accumulates into it. */
+    fl_status (*add_rmsnorm_forward)(const fl_backend *be, void *res /*(N,C)*/, void *out /*(N,C)*/, float *rstd /*(N)*/,
+                                     const void *a /*(N,C)*/, const void *b /*(N,C)*/, const float *w /*(C)*/,
+                                     fl_dtype t, int N, int C, float eps);
     void (*layernorm_forward)(const fl_backend *be, float *out /*(N,C)*/, float *mean /*(N)*/, float *rstd /*(N)*/,
                               const float *inp /*(N,C)*/, const float *w /*(C)*/, const float *b /*(C) or NULL*/,
                               int N, int C, float eps);
@@ -182,6 +201,10 @@ struct fl_backend {
      * threshold_backward: no gradient at inp == 0). */
     void (*relu_forward)(const fl_backend *be, float *out /*(n)*/, const float *inp /*(n)*/, size_t n);
     void (*relu_backward)(const fl_backend *be, float *dinp /*(n)*/, const float *dout, const float *inp, size_t n);
+    /* The exact GELU, x (1 + erf(x / sqrt 2)) / 2 (transformers' "gelu": BLIP-2's vision tower and Q-Former);
+     * backward: dinp += dout (Phi(x) + x phi(x)) */
+    void (*gelu_erf_forward)(const fl_backend *be, float *out /*(n)*/, const float *inp /*(n)*/, size_t n);
+    void (*gelu_erf_backward)(const fl_backend *be, float *dinp /*(n)*/, const float *dout, const float *inp, size_t n);
     /* GEGLU (T5 v1.1's gated-GELU FFN) on the fused [wi_0 (F) | wi_1 (F)] rows: out = gelu_tanh(gate) * lin;
      * backward accumulates (+=) as swiglu_backward. (A backend without it, NULL: the graph refuses the op by name.) */
     void (*geglu_forward)(const fl_backend *be, float *out /*(N,F)*/, const float *gu /*(N,2F)*/, int N, int F);
@@ -541,6 +564,10 @@ fl_status fl_accel_resolve(fl_accel want, fl_accel *use);
 /* The registry's backend for a resolved accelerator: "cpu" or "cuda" (auto: "cpu"). */
 const char *fl_accel_backend(fl_accel a);
 
+/* add_rmsnorm_forward composed of be's add and rmsnorm_forward (the CPU backends' implementation: the same
+ * bits as the two ops called in turn). */
+fl_status fl_backend_add_rmsnorm_composed(const fl_backend *be, void *res, void *out, float *rstd, const void *a,
+                                          const void *b, const float *w, fl_dtype t, int N, int C, float eps);
 /* The checks of attention_forward / attention_backward's arguments (shape, NH % NKV, row
  * strides, NULL tensors, dbias without bias, scale): FL_ERR_INVALID naming the field, or
  * FL_ERR_UNSUPPORTED for HD > max_hd (why_max says whose limit). Every backend calls it first. */

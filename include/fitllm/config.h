@@ -93,8 +93,13 @@ typedef struct {
                                        * memory) or "nvme" (in files under nvme_path, paged through host memory);
                                        * refused with a strategy that does not offload */
     char nvme_path[FL_CFG_PATH];      /* nvme_path: the folder of the nvme state files ("": out_dir) */
-    char offload_param_device[32];    /* offload_param_device: "" / "none" (the parameters stay on the device); cpu and
-                                       * nvme (parameter offload) are refused: not built yet */
+    char offload_param_device[32];    /* offload_param_device: "" (the strategy's: cpu for fsdp_cpu_offload, nvme for
+                                       * deepspeed_stage_3_offload_nvme, else none) / "none" (the parameters stay on the
+                                       * device) / cpu / nvme (parameter offload: each rank's parameter and gradient
+                                       * shards in the host tier or in files under nvme_path; ZeRO-3 with the optimizer
+                                       * offloaded only, fl_cfg_param_offload) */
+    int offload_prefetch;             /* offload_prefetch: parameter offload's fetch depth (units ahead; default 1, 0:
+                                       * each unit when needed) */
     size_t bucket_size;               /* bucket_size: bytes of one bucket of the data-parallel gradient reductions
                                        * (src/train/dp_bucket.c; default 256 MiB; 0 / null: one collective each) */
     char state_dict_type[32];         /* fsdp.state_dict_type: "full" (one consolidated checkpoint, the default) or
@@ -190,9 +195,10 @@ fl_status fl_cfg_validate(const fl_run_config *c);
  * parameters: src/train/fsdp.c), fsdp + HYBRID_SHARD -> 3 (FULL_SHARD within each node, replicated
  * across nodes: fl_cfg_hybrid_shard); deepspeed_stage_1_offload -> 1, deepspeed_stage_2_offload -> 2 and
  * deepspeed_stage_3_offload -> 3 with the optimizer offloaded (fl_cfg_offload; stage 3: the parameters' shards
- * stay on the devices). What is not built yet (_HYBRID_SHARD_ZERO2, parameter offload:
- * deepspeed_stage_3_offload_nvme, fsdp_cpu_offload) is FL_ERR_UNSUPPORTED, never mapped onto
- * something else; unknown names FL_ERR_INVALID. sharding may be NULL. */
+ * stay on the devices), fsdp_cpu_offload and deepspeed_stage_3_offload_nvme -> 3 with the optimizer and the
+ * parameters offloaded (fl_cfg_param_offload). What is not built yet (_HYBRID_SHARD_ZERO2, a DeepSpeed JSON
+ * `deepspeed`) is FL_ERR_UNSUPPORTED, never mapped onto something else; unknown names FL_ERR_INVALID.
+ * sharding may be NULL. */
 fl_status fl_cfg_zero_stage(const char *strategy, const char *sharding, int *stage);
 /* The data-parallel ranks of the run: devices x num_nodes / tensor_parallel (the grid's other axis). */
 int fl_cfg_dp_ranks(const fl_run_config *c);
@@ -200,6 +206,13 @@ int fl_cfg_dp_ranks(const fl_run_config *c);
  * deepspeed_stage_2_offload, deepspeed_stage_3_offload): its state lives in the backend's host tier (host_pool_init), outside
  * the device budget, and the update runs there on the host's cores (src/train/optim.c). */
 int fl_cfg_offload(const char *strategy);
+/* Parameter offload (ZeRO-3 only): 0 none, 1 the parameters' (and gradients') shards in the host tier, 2 in NVMe
+ * files. offload_param_device when given, else the strategy's (fsdp_cpu_offload: 1,
+ * deepspeed_stage_3_offload_nvme: 2). */
+int fl_cfg_param_offload(const fl_run_config *c);
+/* Whether the offloaded optimizer state goes to NVMe files: offload_optimizer_device nvme, or not given under
+ * deepspeed_stage_3_offload_nvme. */
+int fl_cfg_offload_nvme(const fl_run_config *c);
 /* Whether strategy + sharding is HYBRID_SHARD: FULL_SHARD over the --devices ranks of each node
  * (ranks node*devices .. node*devices + devices-1), replicated across the --num_nodes nodes. */
 int fl_cfg_hybrid_shard(const char *strategy, const char *sharding);
@@ -220,6 +233,7 @@ typedef struct {
                         * on where auto picks FSDP for finetune_full (LitGPT's finetune/full.py wraps each Block
                         * with activation_checkpointing_policy={Block} when it shards), else off */
     int offload;       /* the optimizer offloaded to the host (fl_cfg_offload) */
+    int param_offload; /* the parameters' shards offloaded: 0 no, 1 host tier, 2 NVMe (fl_cfg_param_offload) */
 } fl_strategy_choice;
 /* --strategy auto (the default) per command as LitGPT does, for devices x num_nodes ranks:
  * finetune_full -> FSDP FULL_SHARD; pretrain -> LitGPT's HYBRID_SHARD (num_nodes > 1; on one node

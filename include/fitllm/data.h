@@ -148,6 +148,11 @@ size_t fl_s2s_count(const fl_s2s_data *d);
 /* Pair i: views valid while d lives. */
 void fl_s2s_get(const fl_s2s_data *d, size_t i, const int32_t **src, int *n_src, const int32_t **tgt, int *n_tgt);
 const fl_s2s_stats *fl_s2s_get_stats(const fl_s2s_data *d);
+/* LitGPT's split of one JSON file (random_split with torch.Generator().manual_seed(seed), as the decoder-only JSON
+ * data): the pairs in torch.randperm(n) order, the first n_train of them *train (the lengths as random_split's: floors,
+ * the remainder round-robin from train), the rest *val; when that leaves no validation pairs, *train keeps d's order
+ * (either may be empty; both new, fl_s2s_free). The training split keeps d's truncation and blank-line counts. */
+fl_status fl_s2s_split(const fl_s2s_data *d, float val_fraction, uint64_t seed, fl_s2s_data **train, fl_s2s_data **val);
 
 /* One padded micro-batch. src (B, Ts): source ids right-padded with pad_id to the longest source
  * of the batch; src_mask (B, Ts): 1 = real token, 0 = pad; labels (B, Tt): target ids, padded with

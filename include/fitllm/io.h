@@ -97,6 +97,9 @@ fl_status fl_st_write(const char *path, const fl_st_write_tensor *t, int n, cons
  * also mistral-free llama variants; GPT-2: model_type "gpt2"). Unknown
  * architecture, missing or mistyped keys give FL_ERR_FORMAT naming file and key. */
 fl_status fl_hf_load_config(const char *config_json_path, fl_model_config *cfg);
+/* The same from a parsed object (a composite's text_config; path: for messages). */
+struct fl_json;
+fl_status fl_hf_config_from_json(const char *path, const struct fl_json *obj, fl_model_config *cfg);
 /* Write config.json for cfg. */
 fl_status fl_hf_save_config(const char *path, const fl_model_config *cfg);
 

@@ -35,7 +35,11 @@
 extern "C" {
 #endif
 
-typedef enum { FL_ARCH_LLAMA = 0, FL_ARCH_GPT2, FL_ARCH_OPT, FL_ARCH_BERT, FL_ARCH_T5, FL_ARCH_COUNT } fl_arch;
+/* FL_ARCH_BLIP2_VISION / _QFORMER: BLIP-2's vision tower and Q-Former, parts of the composite fl_blip2 (fitllm/blip2.h) */
+typedef enum {
+    FL_ARCH_LLAMA = 0, FL_ARCH_GPT2, FL_ARCH_OPT, FL_ARCH_BERT, FL_ARCH_T5, FL_ARCH_BLIP2_VISION, FL_ARCH_BLIP2_QFORMER,
+    FL_ARCH_COUNT
+} fl_arch;
 
 typedef struct {
     fl_arch arch;
@@ -65,6 +69,13 @@ typedef struct {
      * over tp_size ranks (n_heads, n_kv_heads and ffn_dim are the rank's; head_dim and everything else the
      * model's); 0 or 1: the whole model. Never read from or written to config.json. */
     int tp_size, tp_rank;
+    /* BLIP-2's parts (fitllm/blip2.h; 0 elsewhere): the vision tower's image_size and patch_size (max_seq = the patches
+     * + the class token); the Q-Former's num_query_tokens (= max_seq), its cross-attention's key width
+     * (encoder_hidden_size) and frequency (a cross-attention in blocks 0, every, 2 every, ...), and the language
+     * projection's output width (the language model's hidden size) */
+    int image_size, patch_size;
+    int n_queries, xattn_dim, xattn_every, proj_dim;
+    int gelu_exact; /* BLIP-2's parts: the MLP's GELU is the exact erf one (hidden_act "gelu"), else the tanh one */
 } fl_model_config;
 
 /* Fill derived defaults and validate (positive sizes, NH % NKV == 0, ...).
@@ -164,6 +175,11 @@ typedef enum {
     /* encoder-decoder (T5): a stack's relative position bias table (its first block's group), the cross-attention's
      * norm and linears (decoder blocks: q, the fused k|v of the encoder output, o), the encoder's final norm (last group) */
     FL_ROLE_REL_BIAS, FL_ROLE_LN3_W, FL_ROLE_XQ_W, FL_ROLE_XKV_W, FL_ROLE_XO_W, FL_ROLE_NORM_E_W,
+    /* BLIP-2: the patch embedding (a (C, 3 p p) matrix: the convolution's weight flattened) and its bias, the class
+     * token, the Q-Former's learned queries (group 0); the cross-attention's biases and norm bias (Q-Former blocks);
+     * the language projection (the Q-Former's last group) */
+    FL_ROLE_PATCH_W, FL_ROLE_PATCH_B, FL_ROLE_CLS_EMBED, FL_ROLE_QUERY_EMBED, FL_ROLE_LN3_B, FL_ROLE_XQ_B,
+    FL_ROLE_XKV_B, FL_ROLE_XO_B, FL_ROLE_LMPROJ_W, FL_ROLE_LMPROJ_B,
     FL_ROLE_COUNT
 } fl_param_role;
 
@@ -232,14 +248,19 @@ void fl_sizing_acts(const fl_model_config *cfg, int B, int T, fl_act_sizes *out)
 typedef struct {
     int act_ckpt; /* activation checkpointing: keep only each block's input (L+1 residuals)
                    * plus ONE block's activations, recomputed in backward */
-    fl_dtype act_dtype; /* storage of the saved activations (fl_precision.act_dtype; FL_F32 = 0 default).
-                   * BF16 / F16 without act_ckpt: every block computes in ONE shared fp32 layer
+    fl_dtype act_dtype; /* storage of the activations (fl_precision.act_dtype; FL_F32 = 0 default).
+                   * BF16 (bf16-true, bf16-mixed): stored end to end in bf16: the residual stream
+                   * res[0..L] and every block slot, rounded as each op writes it (the forward reads
+                   * what is stored); ACTS keeps the bf16 rows and the fp32 per-row statistics (norm
+                   * mean/rstd, attention lse), the fp32 views the ops compute in are WORKSPACE;
+                   * with act_ckpt only the bf16 residual rows are saved.
+                   * F16 without act_ckpt: every block computes in ONE shared fp32 layer
                    * buffer; after its forward, its (N, width) activations (ln1, qkv, att,
                    * res_mid, ln2, fc, act) are rounded (RNE) into a per-layer 16-bit region and
                    * widened back into the shared buffer before its backward. The residual
                    * stream res[0..L], the final norm's output and the small per-row
-                   * statistics (norm mean/rstd, attention lse) stay fp32. Ignored with act_ckpt
-                   * (only the fp32 residuals are saved there). */
+                   * statistics stay fp32. Ignored with act_ckpt (only the fp32 residuals are
+                   * saved there). */
     int dw_bf16;  /* bf16 weight-gradient GEMMs (bf16 compute policies with trainable weights): a
                    * WORKSPACE scratch of N x max(C, QD, F) bf16 holds the layer input rounded to
                    * bf16, and dW = dy^T x runs bf16 x bf16 with fp32 accumulation into the fp32
@@ -351,6 +372,8 @@ typedef struct {
                              * result: the embeddings are frozen; by default they are skipped) */
     double ms_head;         /* last forward: wall ms of the head + loss (lm_head chunks, cross-entropy and,
                              * in training, the head's backward), included in the forward's time */
+    int phase_sync;         /* an asynchronous device: synchronize around the head so ms_head is its time
+                             * (fl_step_ctx.phase_times sets it; 0: no sync) */
     int act_ckpt;           /* activation checkpointing (set before fl_model_alloc_acts) */
     fl_dtype act_dtype;     /* storage of the saved activations of the current arena: prec.act_dtype when
                              * fl_model_alloc_acts ran (fl_model_set_precision re-sizes the arena) */
@@ -360,6 +383,11 @@ typedef struct {
                                  * set, the base is frozen and the adapters are what trains */
     struct fl_comm *tp_comm;    /* tensor parallel (cfg.tp_size > 1): the group the blocks' ALLREDUCE ops sum over
                                  * (fl_model_set_tp; on the backend's memory); NULL: one rank */
+    /* An encoder-decoder's source rows supplied by the caller (BLIP-2's projected queries in place of the
+     * image placeholders, fitllm/blip2.h): after the first stack's embedding, row rows[i] of the (B Ts) rows is
+     * src[i] (n rows of C, device memory); the backward moves their gradient into dsrc and none reaches the
+     * token table. n 0: none. */
+    struct { const int *rows; int n; const float *src; float *dsrc; } emb_inject;
 } fl_model;
 
 /* ---- adapters on LINEAR ops: a graph rewrite --------------------------------------------------
@@ -433,10 +461,18 @@ size_t fl_model_store_numel(const fl_model *m);
 int fl_model_quant4(const fl_model *m);
 /* Sharded parameters: the provider (FSDP FULL_SHARD, set through fl_model_store_shard), else NULL. */
 const fl_param_provider *fl_model_provider(const fl_model *m);
+/* The backend whose memory holds the stored parameters and gradients (fl_model_params_data, the pieces of
+ * fl_model_param_piece): the model's, or under parameter offload the host tier's. Loaders, the random init
+ * and checkpoints copy through it. */
+const fl_backend *fl_model_params_be(const fl_model *m);
 /* For fl_model_storage.shard: the dense store becomes this rank's `shard` (PARAMS, store dtype, pp->numel
  * elements), its groups gathered through pp. _unshard: the provider goes (teardown). */
 void fl_model_store_shard(fl_model *m, void *shard, fl_param_provider *pp);
 void fl_model_store_unshard(fl_model *m);
+/* Parameter offload: as fl_model_store_shard, the shard (and the gradients' shard, fl_model_alloc_grads) in
+ * tier_pool, host memory of tier_be (the offloaded store, src/model/store_offload.c). */
+void fl_model_store_offload(fl_model *m, void *shard, fl_param_provider *pp, const fl_backend *tier_be,
+                            fl_mem_pool *tier_pool);
 /* 16-bit storage's fp32 gradient staging (gstage: the largest group's elements; free between a group's
  * backward and the next), or NULL. */
 float *fl_model_grad_stage(const fl_model *m);
@@ -538,12 +574,13 @@ fl_status fl_model_alloc_acts_s2s(fl_model *m, int B, int Ts, int Tt);
  * dec_ids (B, Tt) (the decoder input: the start token, then the target shifted right): the logits (B, Tt, V) into
  * logits_out (host memory, may be NULL); with targets (B, Tt; FL_IGNORE_INDEX masks) the summed loss into
  * m->loss_sum / m->n_valid as fl_model_forward, and with grad_scale > 0 the head's backward (d(loss)/d(logit)
- * scaled by grad_scale) for fl_model_backward_s2s. fp32 storage and activations only so far (no LoRA, 16-bit,
- * 4-bit, sharding or checkpointing: FL_ERR_UNSUPPORTED naming it). */
+ * scaled by grad_scale) for fl_model_backward_s2s. fp32 storage and saved activations (LoRA, activation
+ * checkpointing, a mixed policy's bf16 weight copy and 4-bit block linears run; 16-bit storage and a sharded store:
+ * FL_ERR_UNSUPPORTED naming it). */
 fl_status fl_model_forward_s2s(fl_model *m, const int32_t *src_ids, const uint8_t *src_mask, const int32_t *dec_ids,
                                const int32_t *targets, int B, int Ts, int Tt, float grad_scale, float *logits_out);
 /* Its backward: the decoder, the cross-attention's gradient into the encoder output, the encoder; every parameter
- * gradient ACCUMULATES (+=). */
+ * gradient ACCUMULATES (+=); each layout group's is handed on as it becomes final (the data-parallel bucket hook). */
 fl_status fl_model_backward_s2s(fl_model *m);
 /* Greedy decoding of one source sequence src (Ts tokens; src_mask (Ts) or NULL): the encoder once, then the decoder
  * token by token from the start token until eos or max_new tokens (as generate(do_sample=False)); out (max_new + 1)
@@ -580,6 +617,10 @@ int fl_model_live(const fl_model *m, fl_live_phase phase, fl_live_region *out);
 /* FLOPs of one training step (forward + backward) for B*T tokens: 6 * N_matmul
  * * tokens + attention, the figure MFU is based on. */
 double fl_model_train_flops(const fl_model_config *cfg, int B, int T);
+/* The same for an encoder-decoder's step of B pairs of Ts source and Tt target tokens: 6 x (the encoder's
+ * linears x source tokens + the decoder's, the head's x target tokens + the cross-attention's k|v x source
+ * tokens) + the attention (bidirectional in the encoder, causal in the decoder, the cross-attention Tt x Ts). */
+double fl_model_train_flops_s2s(const fl_model_config *cfg, int B, int Ts, int Tt);
 
 #ifdef __cplusplus
 }

@@ -22,7 +22,9 @@
  * capped by train.max_seq_length and the model context. The planner does not
  * read the data; it takes T = train.max_seq_length (or the model context when
  * that is null), an upper bound, unless opts.seq_len says otherwise, and says
- * so in the notes.
+ * so in the notes. An encoder-decoder (T5) has two lengths: the source (opts.seq_len, else
+ * data.max_source_length) and the target (opts.target_len, else data.max_target_length), both the
+ * trainer's upper bounds (it sizes for the longest source and target, cut to those limits).
  *
  * Nothing here prints except fl_plan_print / fl_plan_write_json, which write
  * to the FILE* they are given.
@@ -68,7 +70,9 @@ int fl_plan_technique_available(const char *name);
 typedef struct {
     size_t device_memory;  /* budget in bytes; 0: the config's max_memory; both 0: no budget */
     int devices;           /* > 1: plan one rank of a DDP run over this many ranks (0, 1: the config's) */
-    int seq_len;           /* > 0: plan for this T instead of max_seq_length / the context */
+    int seq_len;           /* > 0: plan for this T instead of max_seq_length / the context (an encoder-decoder: the
+                            * source length instead of data.max_source_length) */
+    int target_len;        /* an encoder-decoder: > 0 plan for this target length instead of data.max_target_length */
     int generation;        /* -1 auto (as the CLI run would), 0 off, 1 on */
     int no_suggestions;    /* skip the suggestion search (used by the search itself) */
     int rank;              /* ZeRO / FSDP: plan this rank (ZeRO's chunks differ by one element at most, FULL_SHARD's
@@ -100,7 +104,8 @@ typedef struct {
     fl_model_config model;
     char model_source[64];     /* "preset", "config.json" */
     size_t n_params;
-    int B, accum, global_batch, T; /* per rank: global_batch = the run's / devices */
+    int B, accum, global_batch, T; /* per rank: global_batch = the run's / devices; T (an encoder-decoder: the target's) */
+    int Ts;                    /* an encoder-decoder: the source length planned; 0 otherwise */
     int devices;               /* ranks (DDP: the plan is one rank's memory) */
     int rank, zero_stage;      /* the rank planned; ZeRO stage of the strategy (0: DDP or one process, 3: FSDP
                                 * FULL_SHARD; LoRA under FULL_SHARD: 2) */

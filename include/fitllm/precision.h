@@ -10,8 +10,10 @@
  *
  * On the CPU, activations and elementwise ops (norms, attention, activations,
  * cross-entropy) compute in fp32 under every policy, but the 16-bit policies
- * STORE the activations saved for backward in act_dtype (bf16 / fp16: half
- * of ACTS; widened back to fp32 block by block in backward). The saving of the mixed
+ * STORE activations in act_dtype: the bf16 policies everything a step stores (the
+ * residual stream and every block's slots, rounded as each op writes them: half of
+ * ACTS; fp32 only for norm / attention statistics and the loss), the fp16 ones the
+ * activations saved for backward (widened back to fp32 block by block). The saving of the mixed
  * policy is otherwise speed (bf16 GEMMs with avx512_bf16 / oneDNN), at the cost of the
  * bf16 weight copy in PARAMS. bf16-true halves PARAMS, GRADS and OPTIM: the
  * flat buffers are bf16; a group's gradients are computed in fp32 into a

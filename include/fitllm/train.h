@@ -113,6 +113,10 @@ typedef struct {
     void *hp, *hg;             /* offload on a device whose memory the host cannot read: one piece of the
                                 * parameters and of the gradients in the host tier (WORKSPACE), staged per update */
     size_t piece;              /* the update's piece (staged or on disk), elements */
+    int params_host;           /* parameter offload: the parameters and gradients it updates are in the host tier
+                                * (or NVMe files): the norm, the overflow check and the update run on be, in place */
+    struct fl_mem_pool *ppool; /* parameter offload on NVMe: their disk pool (the update reads ahead and drops their
+                                * pieces as it does the state's), else NULL */
 } fl_optim_home;
 
 typedef struct fl_optimizer {
@@ -135,6 +139,9 @@ typedef struct {
     struct fl_mem_pool *pool;
     struct fl_mem_pool *state_pool; /* NVMe offload: the state's disk pool (fl_mem_disk_pool_init, or a plan's
                                      * stand-in); NULL: the state in pool */
+    int params_host;                /* parameter offload (fl_cfg_param_offload): the model's parameter and gradient
+                                     * shards are host memory (the host tier or NVMe files) that be updates in place */
+    struct fl_mem_pool *param_pool; /* parameter offload on NVMe: the shards' disk pool, else NULL */
 } fl_optim_offload;
 
 /* Optimizer over the model's trainable parameters: all of them, or only the
@@ -251,6 +258,12 @@ typedef struct {
     double *mb_stats;          /* (2 n_micro) or NULL: each micro-batch's loss sum and valid targets */
     double *mb_ms;             /* (n_micro) or NULL: each micro-batch's wall ms, the last one's with the update */
     int failed_k;              /* out, on failure: the micro-batch that failed, n_micro the update; else -1 */
+    /* 1: an asynchronous device (FL_CAP_ASYNC without host memory: a GPU) is synchronized at the phase edges,
+     * so ms_fwd / ms_head / ms_bwd / ms_opt are the device's times (bench-step). 0: no synchronization inside
+     * the step (issue 30 item 5: the trainer), the host only waits where a value must reach it (the loss, the
+     * gradient norm); the phase times are then the host's enqueue times and ms_total ends when the last op
+     * was queued (a run's total time is exact all the same: the next step's loss read waits for this one) */
+    int phase_times;
 } fl_step_ctx;
 /* res (may be NULL): the loss (local micro-batches' summed loss / step_valid), phase timings, the
  * update's norm / skip / loss scale. */

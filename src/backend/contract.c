@@ -6,6 +6,18 @@
 
 #include "fitllm/backend.h"
 
+fl_status fl_backend_add_rmsnorm_composed(const fl_backend *be, void *res, void *out, float *rstd, const void *a,
+                                          const void *b, const float *w, fl_dtype t, int N, int C, float eps) {
+    if (t != FL_F32)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s add_rmsnorm_forward: %s activations not supported", be->name,
+                         fl_dtype_name(t));
+    if (N < 0 || C <= 0) return fl_errorf(FL_ERR_INVALID, "%s add_rmsnorm_forward: bad shape %d x %d", be->name, N, C);
+    if (N == 0) return FL_OK;
+    be->add(be, (float *)res, (const float *)a, (const float *)b, (size_t)N * C);
+    be->rmsnorm_forward(be, (float *)out, rstd, (const float *)res, w, N, C, eps);
+    return FL_OK;
+}
+
 const char *fl_op_name(fl_op op) {
     static const char *const names[FL_OP_COUNT] = {"gemm",       "convert",   "adamw_update", "sgd_update",
                                                     "adam8bit_update", "accumulate16", "sumsq", "q4_matmul"};

@@ -148,4 +148,13 @@ void fl_cli_own_random_note(void);
 void fl_cli_preset_weights_hint(const char *name, char *buf, size_t n);
 int fl_cmd_download(int argc, char **argv);
 
+/* BLIP-2 with --image (cmd_blip2.c): `fitllm loss` of a caption's ids (the mean cross-entropy of caption[1:] after
+ * the query tokens; the Flan-T5 variant: of tgt given the source) and greedy captioning (prompt text with the folder's tokenizer, or ids); exit codes as the
+ * commands'. */
+int fl_cli_blip2_loss(const char *cmd, const char *dir, const char *image, const int32_t *caption, int n,
+                      const int32_t *tgt, int nt, const fl_backend *be, fl_mem_pool *pool);
+int fl_cli_blip2_generate(const char *cmd, const char *dir, const char *image, const char *prompt,
+                          const int32_t *prompt_ids, int n_prompt_ids, int max_new, float temperature,
+                          const fl_backend *be, fl_mem_pool *pool);
+
 #endif

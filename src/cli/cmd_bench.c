@@ -9,6 +9,7 @@
 
 #include "cli.h"
 #include "fitllm/lora.h"
+#include "fitllm/perf.h"
 
 static void help(void) {
     printf("usage: fitllm bench-step <model> [options]\n\n"
@@ -17,7 +18,8 @@ static void help(void) {
            "                        llama2.c .bin (--preset NAME is the same as a preset positional)\n"
            "  --init random         ignore stored weights, initialize randomly (presets always are)\n"
            "  --micro-batch B       sequences per step (default 4)\n"
-           "  --seq T               tokens per sequence (default 256)\n"
+           "  --seq T               tokens per sequence (default 256; an encoder-decoder: the target's)\n"
+           "  --source-seq T        an encoder-decoder (T5): source tokens per sequence (default: --seq)\n"
            "  --steps N             timed steps (default 10)\n"
            "  --warmup N            untimed steps first (default 2)\n"
            "  --optimizer NAME      AdamW (default) or SGD\n"
@@ -32,13 +34,19 @@ static void help(void) {
            "  --lora R              LoRA fine-tuning: rank R, alpha 2R, on q_proj,v_proj (base frozen)\n"
            "  --quantize MODE       with --lora: QLoRA, block linears in 4 bits (bnb.nf4, bnb.nf4-dq, bnb.fp4,\n"
            "                        bnb.fp4-dq)\n"
-           "  --seed N              init/data seed (default 1337)\n\n"
+           "  --seed N              init/data seed (default 1337)\n"
+           "  --profile             time every backend op of the timed steps (CUDA events on a GPU, the host clock\n"
+           "                        with a sync around each op elsewhere) and print them grouped as GEMM /\n"
+           "                        attention / norm / elementwise / embedding+loss / optimizer / copies, with the\n"
+           "                        GEMMs' and attention's TFLOP/s; ends with a PROFILE line\n\n"
            "Phases per step: fwd = embedding + blocks + final norm; head = lm_head + cross-entropy + the\n"
            "head's backward (computed chunk by chunk inside the forward); bwd = backward of the blocks and\n"
-           "embedding; opt = gradient norm + optimizer update. Output ends with a machine-readable line\n"
-           "(phase fields: medians over the timed steps):\n"
+           "embedding; opt = gradient norm + optimizer update. On a GPU, MFU = model FLOPs per step / step time /\n"
+           "the GPU's dense bf16 peak (fp16 on V100/T4) from a table by the device's name; FITLLM_PEAK_TFLOPS=X\n"
+           "gives the peak of a GPU the table lacks. Output ends with a machine-readable line (phase fields:\n"
+           "medians over the timed steps; mfu: a fraction, -1 when unknown, absent on the CPU):\n"
            "RESULT impl=fitllm shape=<model> median_ms=.. tok_s=.. gflops=.. peak_rss_mb=.. fwd_ms=.. head_ms=..\n"
-           "       bwd_ms=.. opt_ms=..\n");
+           "       bwd_ms=.. opt_ms=.. [mfu=..]\n");
 }
 
 static int cmp_double(const void *a, const void *b) {
@@ -57,13 +65,13 @@ enum { PH_TOTAL, PH_FWD, PH_HEAD, PH_BWD, PH_OPT, PH_COUNT };
 /* bench-step's options. */
 typedef struct {
     const char *model_path;
-    int B, T, steps, warmup, threads, seed, random_init, act_ckpt, lora_r;
+    int B, T, Ts, steps, warmup, threads, seed, random_init, act_ckpt, lora_r;
     float lr;
     size_t budget;
     fl_optim_kind okind;
     fl_precision prec;
     fl_q4_type q4t;
-    int q4dq, quant;
+    int q4dq, quant, profile;
 } bench_opts;
 
 /* The command line into o: -1 to run, else the exit code (help, a usage error). */
@@ -90,11 +98,14 @@ static int parse_opts(int argc, char **argv, const char *cmd, bench_opts *o) {
             i++;
         } else if (!strcmp(a, "--act-ckpt")) {
             o->act_ckpt = 1;
+        } else if (!strcmp(a, "--profile")) {
+            o->profile = 1;
         } else if (!strcmp(a, "--preset")) {
             if (!v) return fl_cli_usage(cmd, "--preset needs a name");
             o->model_path = v; i++;
         } else if (!strcmp(a, "--micro-batch")) { if (fl_cli_int(cmd, a, v, 1, 1 << 20, &o->B)) return 2; i++; }
         else if (!strcmp(a, "--seq")) { if (fl_cli_int(cmd, a, v, 1, 1 << 24, &o->T)) return 2; i++; }
+        else if (!strcmp(a, "--source-seq")) { if (fl_cli_int(cmd, a, v, 1, 1 << 24, &o->Ts)) return 2; i++; }
         else if (!strcmp(a, "--steps")) { if (fl_cli_int(cmd, a, v, 1, 1 << 20, &o->steps)) return 2; i++; }
         else if (!strcmp(a, "--warmup")) { if (fl_cli_int(cmd, a, v, 0, 1 << 20, &o->warmup)) return 2; i++; }
         else if (!strcmp(a, "--threads")) { if (fl_cli_int(cmd, a, v, 0, 1024, &o->threads)) return 2; i++; }
@@ -113,7 +124,7 @@ static int parse_opts(int argc, char **argv, const char *cmd, bench_opts *o) {
                 return fl_cli_usage(cmd, "--max-memory: %s", fl_bytes_refusal(v, why, sizeof why));
             }
             i++;
-        } else if (a[0] == '-') return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--act-ckpt", "--help", "--init", "--lora", "--lr", "--max-memory", "--micro-batch", "--optimizer", "--precision", "--preset", "--quantize", "--seed", "--seq", "--steps", "--threads", "--warmup", NULL});
+        } else if (a[0] == '-') return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--act-ckpt", "--help", "--init", "--lora", "--lr", "--max-memory", "--micro-batch", "--optimizer", "--precision", "--preset", "--profile", "--quantize", "--seed", "--seq", "--source-seq", "--steps", "--threads", "--warmup", NULL});
         else if (!o->model_path) o->model_path = a;
         else return fl_cli_usage(cmd, "unexpected argument '%s'", a);
     }
@@ -134,8 +145,10 @@ int fl_cmd_bench_step(int argc, char **argv) {
     fl_mem_pool pool, hpool; /* tensors; host staging when the backend's memory is not host memory */
     fl_model m = {0};
     fl_optimizer opt = {0};
-    int32_t *ids = NULL, *tg = NULL;
+    int32_t *ids = NULL, *tg = NULL, *src = NULL;
+    uint8_t *smask = NULL;
     double *times = NULL;
+    fl_profiler *prof = NULL; /* --profile: attached for the timed steps */
     int loaded = 0, rc = 0;
     fl_status s = fl_backend_init_by_name(fl_backend_default_name(), &be, o.threads);
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
@@ -165,10 +178,17 @@ int fl_cmd_bench_step(int argc, char **argv) {
     if (o.okind == FL_OPT_ADAMW) oc.weight_decay = 0.1f;
     if ((s = fl_optim_init(&opt, &m, &oc)) != FL_OK) goto fail;
     m.act_ckpt = o.act_ckpt;
-    if ((s = fl_model_alloc_acts(&m, o.B, o.T)) != FL_OK) goto fail;
-    size_t N = (size_t)o.B * o.T;
+    const int s2s = fl_model_is_s2s(&m.cfg), Ts = s2s ? (o.Ts ? o.Ts : o.T) : 0; /* an encoder-decoder's source */
+    if (!s2s && o.Ts) {
+        s = fl_errorf(FL_ERR_INVALID, "--source-seq: %s is not an encoder-decoder (it has no source)", o.model_path);
+        goto fail;
+    }
+    if ((s = s2s ? fl_model_alloc_acts_s2s(&m, o.B, Ts, o.T) : fl_model_alloc_acts(&m, o.B, o.T)) != FL_OK) goto fail;
+    size_t N = (size_t)o.B * o.T, Ns = (size_t)o.B * Ts;
     if ((s = fl_mem_alloc(fl_mem_host_pool(&pool), FL_TAG_OTHER, N * sizeof *ids, (void **)&ids)) != FL_OK) goto fail;
     if ((s = fl_mem_alloc(fl_mem_host_pool(&pool), FL_TAG_OTHER, N * sizeof *tg, (void **)&tg)) != FL_OK) goto fail;
+    if (s2s && (s = fl_mem_alloc(fl_mem_host_pool(&pool), FL_TAG_OTHER, Ns * (sizeof *src + 1), (void **)&src)) != FL_OK)
+        goto fail;
     times = calloc((size_t)o.steps * PH_COUNT, sizeof *times); /* (PH_COUNT, o.steps) */
     if (!times) {
         s = fl_errorf(FL_ERR_OOM, "bench-step: no memory for %d step timings", o.steps);
@@ -180,18 +200,35 @@ int fl_cmd_bench_step(int argc, char **argv) {
         ids[i] = (int32_t)(r % (uint64_t)m.cfg.vocab_size);
     }
     for (size_t i = 0; i < N; i++) tg[i] = (i + 1) % o.T ? ids[i + 1] : ids[i - o.T + 1];
+    if (s2s) { /* random sources, unpadded; the decoder reads the start token, then the targets but their last */
+        smask = (uint8_t *)(src + Ns);
+        for (size_t i = 0; i < Ns; i++) {
+            r ^= r << 13; r ^= r >> 7; r ^= r << 17;
+            src[i] = (int32_t)(r % (uint64_t)m.cfg.vocab_size);
+            smask[i] = 1;
+        }
+        for (size_t i = N; i-- > 0;) ids[i] = i % o.T ? tg[i - 1] : m.cfg.dec_start_id;
+    }
 
     const fl_model_config *c = &m.cfg;
-    printf("bench-step: %s (%s, %zu params, L=%d C=%d NH=%d NKV=%d F=%d V=%d), B=%d T=%d, %s, %s%s%s, %d threads, gemm=%s\n",
-           o.model_path, fl_arch_get(c->arch)->name, m.layout.numel, c->n_layers, c->dim, c->n_heads,
-           c->n_kv_heads, c->ffn_dim, c->vocab_size, o.B, o.T, o.prec.name, fl_optim_name(o.okind), o.act_ckpt ? ", act-ckpt" : "", o.lora_r ? ", LoRA q,v" : "",
+    char shape[64], lay[32];
+    if (s2s) snprintf(shape, sizeof shape, "B=%d source %d target %d", o.B, Ts, o.T);
+    else snprintf(shape, sizeof shape, "B=%d T=%d", o.B, o.T);
+    if (s2s) snprintf(lay, sizeof lay, "L=%d+%d", c->n_layers, c->n_dec_layers);
+    else snprintf(lay, sizeof lay, "L=%d", c->n_layers);
+    printf("bench-step: %s (%s, %zu params, %s C=%d NH=%d NKV=%d F=%d V=%d), %s, %s, %s%s%s, %d threads, gemm=%s\n",
+           o.model_path, fl_arch_get(c->arch)->name, m.layout.numel, lay, c->dim, c->n_heads,
+           c->n_kv_heads, c->ffn_dim, c->vocab_size, shape, o.prec.name, fl_optim_name(o.okind), o.act_ckpt ? ", act-ckpt" : "", o.lora_r ? ", LoRA q,v" : "",
            be.n_threads, be.gemm_name);
     /* the step training runs (fl_step_run), in one process: one micro-batch, every target valid */
-    fl_micro_batch mb = {.ids = ids, .targets = tg, .B = o.B, .T = o.T};
+    fl_micro_batch mb = {.ids = ids, .targets = tg, .B = o.B, .T = o.T, .src = src, .src_mask = smask, .Ts = Ts};
     fl_step_result res;
     for (int k = 0; k < o.warmup + o.steps; k++) {
-        fl_step_ctx sc = {.mbs = &mb, .n_micro = 1, .step_valid = (long)N, .lr = o.lr, .max_norm = 1.0f};
+        if (o.profile && k == o.warmup && (s = fl_profiler_attach(&be, &prof)) != FL_OK) goto fail;
+        fl_step_ctx sc = {.mbs = &mb, .n_micro = 1, .step_valid = (long)N, .lr = o.lr, .max_norm = 1.0f,
+                          .phase_times = 1};
         if ((s = fl_step_run(&m, &opt, &sc, &res)) != FL_OK) goto fail;
+        if (prof && (s = fl_profiler_collect(prof)) != FL_OK) goto fail;
         if (k >= o.warmup) {
             const double ph[PH_COUNT] = {res.ms_total, res.ms_fwd, res.ms_head, res.ms_bwd, res.ms_opt};
             for (int p = 0; p < PH_COUNT; p++) times[(size_t)p * o.steps + (k - o.warmup)] = ph[p];
@@ -202,23 +239,37 @@ int fl_cmd_bench_step(int argc, char **argv) {
     double mph[PH_COUNT];
     for (int p = 0; p < PH_COUNT; p++) mph[p] = median(times + (size_t)p * o.steps, o.steps);
     double med = mph[PH_TOTAL];
-    double flops = fl_model_train_flops(c, o.B, o.T);
-    double toks = (double)N / (med / 1e3), gflops = flops / (med / 1e3) / 1e9;
+    double flops = s2s ? fl_model_train_flops_s2s(c, o.B, Ts, o.T) : fl_model_train_flops(c, o.B, o.T);
+    double toks = (double)(N + Ns) / (med / 1e3), gflops = flops / (med / 1e3) / 1e9; /* source tokens too */
     printf("\nmedian %.1f ms/step over %d steps, %.0f tok/s, %.1f GFLOP/s (%.2f GFLOP/step)\n", med, o.steps, toks,
            gflops, flops / 1e9);
-    printf("median per phase: forward %.1f ms, head+loss %.1f ms, backward %.1f ms, optimizer %.1f ms\n\n",
+    printf("median per phase: forward %.1f ms, head+loss %.1f ms, backward %.1f ms, optimizer %.1f ms\n",
            mph[PH_FWD], mph[PH_HEAD], mph[PH_BWD], mph[PH_OPT]);
+    char mline[320], mfield[48] = "";
+    double mfu = -1;
+    if (fl_mfu_line(&be, gflops / 1e3, mline, sizeof mline, &mfu)) {
+        printf("%s\n", mline);
+        snprintf(mfield, sizeof mfield, " mfu=%.4f", mfu);
+    }
+    printf("\n");
+    if (prof) {
+        fl_profiler_print(prof, o.steps, med, stdout);
+        printf("\n");
+    }
     fl_mem_print_report(&pool, stdout);
     printf("\nRESULT impl=fitllm shape=%s median_ms=%.2f tok_s=%.1f gflops=%.2f peak_rss_mb=%.1f fwd_ms=%.2f head_ms=%.2f "
-           "bwd_ms=%.2f opt_ms=%.2f\n",
-           o.model_path, med, toks, gflops, fl_cli_peak_rss_mb(), mph[PH_FWD], mph[PH_HEAD], mph[PH_BWD], mph[PH_OPT]);
+           "bwd_ms=%.2f opt_ms=%.2f%s\n",
+           o.model_path, med, toks, gflops, fl_cli_peak_rss_mb(), mph[PH_FWD], mph[PH_HEAD], mph[PH_BWD], mph[PH_OPT],
+           mfield);
     goto done;
 fail:
     rc = fl_cli_fail(cmd, s, &pool);
 done:
+    fl_profiler_detach(prof);
     free(times);
     fl_mem_free(fl_mem_host_pool(&pool), ids);
     fl_mem_free(fl_mem_host_pool(&pool), tg);
+    fl_mem_free(fl_mem_host_pool(&pool), src);
     fl_optim_free(&opt);
     fl_model_free(&m);
     fl_backend_pools_free(&pool, &hpool);

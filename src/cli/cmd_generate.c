@@ -53,8 +53,12 @@ static void help(void) {
            "stdout as it is generated; timing (ms/token) goes to stderr. Dashes work too (--max-new-tokens).\n"
            "A <model> that names nothing is exit 2: \"no such folder: PATH\", or neither a folder nor a preset\n"
            "(with the nearest preset names).\n"
-           "An encoder-decoder (T5): the prompt is the source, decoded greedily (--temperature 0; sampling is\n"
-           "not built for it yet) with the decoder's KV cache; the generated ids (or text) print at the end.\n",
+           "--image FILE: <model> is a BLIP-2 folder (model_type blip-2): the image (JPEG / PNG, preprocessed\n"
+           "by its preprocessor_config.json) is captioned greedily (the default here), after --prompt's text (its\n"
+           "tokenizer) or --prompt-ids when given; the new ids (or, with a tokenizer, their text) print at the end.\n"
+           "An encoder-decoder (T5): the prompt is the source, decoded with the decoder's KV cache, greedily\n"
+           "(--temperature 0) or sampled (--temperature, --top_k, --top_p, --seed); the generated ids (or text)\n"
+           "print at the end.\n",
            DEFAULT_PROMPT, d.max_new_tokens, d.temperature, d.top_k, d.top_p, (unsigned long long)d.seed);
 }
 
@@ -279,8 +283,8 @@ static int opt(const char *a, const char *under) {
 
 /* generate's options. */
 typedef struct {
-    const char *model_path, *prompt, *prompt_ids, *tok_path, *adapter;
-    int threads, seed;
+    const char *model_path, *prompt, *prompt_ids, *tok_path, *adapter, *image;
+    int threads, seed, temp_given;
     fl_gen_params gp;
     char named[FL_CLI_PATH], tok_named[FL_CLI_PATH]; /* Hugging Face repo ids: their downloaded folders */
 } gen_opts;
@@ -295,17 +299,18 @@ static int parse_opts(int argc, char **argv, const char *cmd, gen_opts *o) {
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) { help(); return 0; }
         else if (opt(a, "--prompt") && v) { o->prompt = v; i++; }
         else if (opt(a, "--prompt_ids") && v) { o->prompt_ids = v; i++; }
+        else if (opt(a, "--image") && v) { o->image = v; i++; }
         else if (opt(a, "--tokenizer") && v) { o->tok_path = v; i++; }
         else if (opt(a, "--adapter") && v) { o->adapter = v; i++; }
         else if (opt(a, "--max_new_tokens")) { if (fl_cli_int(cmd, a, v, 0, 1 << 30, &o->gp.max_new_tokens)) return 2; i++; }
         else if (opt(a, "--top_k")) { if (fl_cli_int(cmd, a, v, 0, 1 << 30, &o->gp.top_k)) return 2; i++; }
-        else if (opt(a, "--temperature")) { if (fl_cli_float(cmd, a, v, &o->gp.temperature)) return 2; i++; }
+        else if (opt(a, "--temperature")) { if (fl_cli_float(cmd, a, v, &o->gp.temperature)) return 2; i++; o->temp_given = 1; }
         else if (opt(a, "--top_p")) { if (fl_cli_float(cmd, a, v, &o->gp.top_p)) return 2; i++; }
         else if (opt(a, "--seed")) { if (fl_cli_int(cmd, a, v, 0, 1 << 30, &o->seed)) return 2; i++; }
         else if (opt(a, "--threads")) { if (fl_cli_int(cmd, a, v, 0, 1024, &o->threads)) return 2; i++; }
         else if (opt(a, "--accelerator")) { int rc = fl_cli_accelerator(cmd, v); if (rc) return rc; i++; }
         else if (a[0] == '-')
-            return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--adapter", "--help", "--max_new_tokens",
+            return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--adapter", "--help", "--image", "--max_new_tokens",
                                                                          "--prompt", "--prompt_ids", "--seed", "--temperature",
                                                                          "--threads", "--tokenizer", "--top_k", "--top_p", NULL});
         else if (!o->model_path) o->model_path = a;
@@ -318,23 +323,21 @@ static int parse_opts(int argc, char **argv, const char *cmd, gen_opts *o) {
     if (o->prompt && o->prompt_ids) return fl_cli_usage(cmd, "give --prompt or --prompt-ids, not both");
     if (o->seed >= 0) o->gp.seed = (uint64_t)o->seed;
     if (fl_gen_params_validate(&o->gp) != FL_OK) return fl_cli_usage(cmd, "%s", fl_error_message());
-    if (!o->prompt_ids && !o->prompt) o->prompt = DEFAULT_PROMPT;
+    if (!o->prompt_ids && !o->prompt && !o->image) o->prompt = DEFAULT_PROMPT;
     return -1;
 }
 
-/* An encoder-decoder (T5): greedy decoding of the prompt as the source (src/model/seq2seq.c); sampling is not built
- * for it yet. Prints the generated ids (or, with a tokenizer, their text), without the decoder's start token. */
+/* An encoder-decoder (T5): the prompt as the source, decoded greedily (--temperature 0) or sampled (temperature,
+ * top-k, top-p, seed: fl_generate_s2s). Prints the generated ids (or, with a tokenizer, their text), without the
+ * decoder's start token. */
 static fl_status s2s_generate(fl_model *m, const int32_t *ids, int n_ids, const fl_gen_params *gp, const fl_tokenizer *tok) {
-    if (gp->temperature != 0.0f)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--temperature %g: an encoder-decoder (%s) generates greedily only so far "
-                         "(--temperature 0)", (double)gp->temperature, fl_arch_get(m->cfg.arch)->display);
     if (gp->max_new_tokens <= 0) return fl_errorf(FL_ERR_INVALID, "--max_new_tokens must be positive");
     int32_t *out = malloc(((size_t)gp->max_new_tokens + 1) * sizeof *out);
     if (!out) return fl_errorf(FL_ERR_OOM, "out of host memory");
     int n = 0;
     double t0 = fl_cli_now_ms();
     fl_status s = fl_model_alloc_acts_s2s(m, 1, n_ids, gp->max_new_tokens);
-    if (s == FL_OK) s = fl_model_generate_s2s(m, ids, NULL, n_ids, gp->max_new_tokens, 1, out, &n);
+    if (s == FL_OK) s = fl_generate_s2s(m, ids, NULL, n_ids, gp, out, &n);
     double t1 = fl_cli_now_ms();
     if (s == FL_OK && tok) {
         char *text = NULL;
@@ -346,11 +349,35 @@ static fl_status s2s_generate(fl_model *m, const int32_t *ids, int n_ids, const 
         for (int i = 1; i < n; i++) printf(i > 1 ? " %d" : "%d", (int)out[i]);
         printf("\n");
     }
+    char how[96];
+    if (gp->temperature == 0.0f) snprintf(how, sizeof how, "greedy");
+    else snprintf(how, sizeof how, "temperature %g, top_k %d, top_p %g, seed %llu", (double)gp->temperature, gp->top_k,
+                  (double)gp->top_p, (unsigned long long)gp->seed);
     if (s == FL_OK)
-        fprintf(stderr, "%d source + %d new tokens (greedy, stop: %s); %.1f ms\n", n_ids, n - 1,
+        fprintf(stderr, "%d source + %d new tokens (%s, stop: %s); %.1f ms\n", n_ids, n - 1, how,
                 out[n - 1] == m->cfg.eos_id ? "EOS" : "max_new_tokens", t1 - t0);
     free(out);
     return s;
+}
+
+/* --image: a BLIP-2 folder captions the image (greedy), after the prompt when one is given */
+static int image_generate(const char *cmd, const gen_opts *o) {
+    if (o->adapter) return fl_cli_usage(cmd, "--image does not take --adapter yet");
+    fl_backend be;
+    fl_mem_pool pool, hpool;
+    int32_t *ids = NULL;
+    int n = 0;
+    fl_status s = fl_backend_init_by_name(fl_backend_default_name(), &be, o->threads);
+    if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
+    if ((s = fl_backend_pools_init(&be, &pool, &hpool, "cpu", 0)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
+    int rc = o->prompt_ids && (s = parse_ids(o->prompt_ids, &ids, &n)) != FL_OK
+                 ? fl_cli_fail(cmd, s, &pool)
+                 : fl_cli_blip2_generate(cmd, o->model_path, o->image, o->prompt, ids, n, o->gp.max_new_tokens,
+                                         o->temp_given ? o->gp.temperature : 0.0f, &be, &pool);
+    free(ids);
+    fl_backend_pools_free(&pool, &hpool);
+    fl_backend_free(&be);
+    return rc;
 }
 
 int fl_cmd_generate(int argc, char **argv) {
@@ -358,6 +385,7 @@ int fl_cmd_generate(int argc, char **argv) {
     gen_opts o;
     int prc = parse_opts(argc, argv, cmd, &o);
     if (prc >= 0) return prc;
+    if (o.image) return image_generate(cmd, &o);
     gen_model gm;
     if (resolve_model(o.model_path, &gm) != FL_OK) {
         fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());

@@ -12,13 +12,18 @@
 
 static void help(void) {
     printf("usage: fitllm loss <model> --tokens-file ids.txt [--target-tokens-file tgt.txt] [--dump-logits out.f32]\n"
-           "                  [--threads N]\n\n"
+           "                  [--image FILE] [--threads N]\n\n"
            "  <model>              HF folder (config.json + safetensors or pytorch_model*.bin; or LitGPT's\n"
            "                       lit_model.pth), a Hugging Face repo id ORG/NAME (downloaded, `fitllm\n"
            "                       download --help`), llama2.c .bin, or preset name\n"
            "                       (presets are randomly initialized: --seed)\n"
            "  --tokens-file FILE   whitespace-separated token ids (at least 2; an encoder-decoder's source: 1)\n"
            "  --target-tokens-file FILE  an encoder-decoder (T5): the target's token ids (at least 1)\n"
+           "  --image FILE         a BLIP-2 folder (model_type blip-2): the image (JPEG / PNG, preprocessed by the\n"
+           "                       folder's preprocessor_config.json); --tokens-file is the caption (BOS first):\n"
+           "                       the mean cross-entropy of caption[1:] after the query tokens; the Flan-T5\n"
+           "                       variant: --tokens-file is the source after the query tokens, the loss is\n"
+           "                       of --target-tokens-file's ids\n"
            "  --dump-logits FILE   write the logits of positions 0..n-2 as little-endian float32, (n-1) x V\n"
            "  --threads N          CPU threads (default: all cores)\n"
            "  --accelerator A      auto|cpu|cuda (default auto: the GPU when this build has CUDA and one is\n"
@@ -75,7 +80,7 @@ static fl_status s2s_loss(fl_model *m, const int32_t *src, int ns, const int32_t
 }
 
 int fl_cmd_loss(int argc, char **argv) {
-    const char *cmd = "loss", *model_path = NULL, *tokens = NULL, *dump = NULL, *target = NULL;
+    const char *cmd = "loss", *model_path = NULL, *tokens = NULL, *dump = NULL, *target = NULL, *image = NULL;
     int threads = 0, seed = 1337;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -83,10 +88,11 @@ int fl_cmd_loss(int argc, char **argv) {
         else if (!strcmp(a, "--tokens-file") && i + 1 < argc) tokens = argv[++i];
         else if (!strcmp(a, "--target-tokens-file") && i + 1 < argc) target = argv[++i];
         else if (!strcmp(a, "--dump-logits") && i + 1 < argc) dump = argv[++i];
+        else if (!strcmp(a, "--image") && i + 1 < argc) image = argv[++i];
         else if (!strcmp(a, "--threads")) { if (fl_cli_int(cmd, a, i + 1 < argc ? argv[++i] : NULL, 0, 1024, &threads)) return 2; }
         else if (!strcmp(a, "--accelerator")) { int rc = fl_cli_accelerator(cmd, i + 1 < argc ? argv[++i] : NULL); if (rc) return rc; }
         else if (!strcmp(a, "--seed")) { if (fl_cli_int(cmd, a, i + 1 < argc ? argv[++i] : NULL, 0, 1 << 30, &seed)) return 2; }
-        else if (a[0] == '-') return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--dump-logits", "--help", "--seed", "--target-tokens-file", "--threads", "--tokens-file", NULL});
+        else if (a[0] == '-') return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--dump-logits", "--help", "--image", "--seed", "--target-tokens-file", "--threads", "--tokens-file", NULL});
         else if (!model_path) model_path = a;
         else return fl_cli_usage(cmd, "unexpected argument '%s'", a);
     }
@@ -104,6 +110,14 @@ int fl_cmd_loss(int argc, char **argv) {
     if ((s = fl_backend_pools_init(&be, &pool, &hpool, "cpu", 0)) != FL_OK) return fl_cli_fail(cmd, s, NULL);
     if ((s = read_tokens(tokens, target ? 1 : 2, &ids, &n)) != FL_OK) goto fail;
     if (target && (s = read_tokens(target, 1, &tids, &nt)) != FL_OK) goto fail;
+    if (image && dump) {
+        s = fl_errorf(FL_ERR_INVALID, "--image: --dump-logits is not built for BLIP-2 yet");
+        goto fail;
+    }
+    if (image) {
+        rc = fl_cli_blip2_loss(cmd, model_path, image, ids, n, tids, nt, &be, &pool);
+        goto done;
+    }
     if ((s = fl_cli_load_model(&m, model_path, 0, (uint64_t)seed, &be, &pool, &loaded)) != FL_OK) goto fail;
     if (fl_model_is_s2s(&m.cfg) != (target != NULL)) {
         s = fl_errorf(FL_ERR_INVALID, target ? "--target-tokens-file: %s is not an encoder-decoder (its loss is of "

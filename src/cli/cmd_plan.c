@@ -13,6 +13,7 @@
 typedef struct {
     size_t device_memory;
     int devices, seq_len, json, generation;
+    int target_len;
     int lora;
     int rank;
     int cuda;
@@ -21,7 +22,8 @@ typedef struct {
 static void help(const char *cmd, fl_cmd_kind kind) {
     (void)kind;
     printf("usage: fitllm %s <checkpoint_dir | ORG/NAME | preset> [--config recipe.yaml] [--<option> VALUE ...]\n"
-           "          [--device-memory SIZE] [--devices 1] [--rank 0] [--seq-len T] [--generation auto|on|off] [--json]\n\n",
+           "          [--device-memory SIZE] [--devices 1] [--rank 0] [--seq-len T] [--target-len T] [--generation auto|on|off]\n"
+           "          [--json]\n\n",
            cmd);
     printf("Predicts the bytes per tag (PARAMS, GRADS, OPTIM, ACTS, WORKSPACE, OTHER) at each phase of a\n"
            "training step of `fitllm finetune_full` with the same arguments, reserved (allocated) and live\n"
@@ -47,7 +49,9 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "                                 element more)\n"
            "  --seq-len T                    (default: train.max_seq_length - 1, else the model context)  T to plan\n"
            "                                 for (the trainer uses the longest sample - 1, samples cut to\n"
-           "                                 max_seq_length)\n"
+           "                                 max_seq_length); an encoder-decoder (T5): the source length (default\n"
+           "                                 data.max_source_length)\n"
+           "  --target-len T                 (default data.max_target_length)  an encoder-decoder's target length\n"
            "  --generation auto|on|off       (default auto)  include the sample generated at each evaluation\n"
            "                                 (auto: eval.max_new_tokens > 0, a validation split, and\n"
            "                                 train.max_steps unset or >= eval.interval)\n"
@@ -99,6 +103,11 @@ static int extra(void *ud, int argc, char **argv, int *i) {
         (*i)++;
         return 1;
     }
+    if (!strcmp(arg, "--target-len")) {
+        if (fl_cli_int("plan", arg, v, 1, 1 << 24, &a->target_len)) return -1;
+        (*i)++;
+        return 1;
+    }
     if (!strcmp(arg, "--generation")) {
         if (v && !strcmp(v, "auto")) a->generation = -1;
         else if (v && !strcmp(v, "on")) a->generation = 1;
@@ -112,7 +121,7 @@ static int extra(void *ud, int argc, char **argv, int *i) {
 
 int fl_cmd_plan(int argc, char **argv) {
     const char *cmd = "plan";
-    plan_args a = {0, 1, 0, 0, -1, 0, 0, 0};
+    plan_args a = {0, 1, 0, 0, -1, 0, 0, 0, 0};
     fl_run_config cfg;
     /* --lora first: the LoRA options (and a YAML recipe's) are only accepted for a finetune_lora plan */
     fl_cmd_kind kind = FL_CMD_FINETUNE_FULL;
@@ -125,6 +134,7 @@ int fl_cmd_plan(int argc, char **argv) {
     o.device_memory = a.device_memory;
     o.devices = cfg.devices; /* --devices is the training option (merged with a recipe's devices:) */
     o.seq_len = a.seq_len;
+    o.target_len = a.target_len;
     o.rank = a.rank;
     o.cuda = a.cuda;
     o.generation = a.generation;

@@ -29,6 +29,7 @@ void fl_cfg_defaults(fl_run_config *c, fl_cmd_kind cmd) {
     c->tensor_parallel = 1;
     snprintf(c->strategy, sizeof c->strategy, "auto");
     snprintf(c->state_dict_type, sizeof c->state_dict_type, "full");
+    c->offload_prefetch = 1; /* the next unit, as FSDP's gather */
     c->bucket_size = (size_t)256 << 20; /* between PyTorch DDP's 25 MB and Lightning DeepSpeed's 2e8 elements */
     snprintf(c->resume, sizeof c->resume, "false");
     c->seed = cmd == FL_CMD_PRETRAIN ? 42 : 1337;
@@ -74,12 +75,13 @@ static const fl_cfg_key k_keys[] = {
     {"devices", FL_CK_DEVICES, OFF(devices), "devices (ranks) per node, or auto (1 CPU device); > 1: data parallel over devices x num_nodes ranks"},
     {"num_nodes", FL_CK_POS, OFF(num_nodes), "number of nodes"},
     {"tensor_parallel", FL_CK_POS, OFF(tensor_parallel), "ranks per tensor-parallel group (Megatron-style: attention heads and MLP columns split over them; finetune_full and pretrain of LLaMA, GPT-2, OPT; checkpoints consolidated, resumable at any size); devices x num_nodes = data-parallel groups x tensor_parallel (DDP, ZeRO-1 or ZeRO-2 on the data-parallel axis); default 1"},
-    {"strategy", FL_CK_STR32, OFF(strategy), "auto | ddp | deepspeed_stage_1 | deepspeed_stage_2 | deepspeed_stage_3 | deepspeed_stage_1_offload | deepspeed_stage_2_offload | deepspeed_stage_3_offload | fsdp (auto, as LitGPT: fsdp FULL_SHARD for finetune_full and pretrain, ddp over the adapters for adapter fine-tuning, on CPUs and GPUs; ZeRO-1/2 shard the optimizer state / gradients; ZeRO-3 = fsdp FULL_SHARD also the parameters, gathered block by block; *_offload: ZeRO-Offload, the optimizer state in host memory outside the device budget and the update on the host's cores, AdamW or SGD, one device or several; deepspeed_stage_3_offload: ZeRO-3 with the optimizer offloaded, the parameters' shards stay on the devices (Lightning's name also offloads the parameters: parameter offload is not built yet); parameter offload (deepspeed_stage_3_offload_nvme, fsdp_cpu_offload) is refused)"},
+    {"strategy", FL_CK_STR32, OFF(strategy), "auto | ddp | deepspeed_stage_1 | deepspeed_stage_2 | deepspeed_stage_3 | deepspeed_stage_1_offload | deepspeed_stage_2_offload | deepspeed_stage_3_offload | deepspeed_stage_3_offload_nvme | fsdp | fsdp_cpu_offload (auto, as LitGPT: fsdp FULL_SHARD for finetune_full and pretrain, ddp over the adapters for adapter fine-tuning, on CPUs and GPUs; ZeRO-1/2 shard the optimizer state / gradients; ZeRO-3 = fsdp FULL_SHARD also the parameters, gathered block by block; *_offload: ZeRO-Offload, the optimizer state in host memory outside the device budget and the update on the host's cores, AdamW or SGD, one device or several; deepspeed_stage_3_offload: ZeRO-3 with the optimizer offloaded, the parameters' shards on the devices unless --offload_param_device cpu|nvme; fsdp_cpu_offload: FULL_SHARD with the parameters' and gradients' shards and the optimizer in host memory (Lightning's FSDP cpu_offload); deepspeed_stage_3_offload_nvme: ZeRO-3 with the parameters and the optimizer state in NVMe files under nvme_path (ZeRO-Infinity); one process or several)"},
     {"fsdp.sharding_strategy", FL_CK_STR32, OFF(sharding_strategy), "--strategy fsdp: FULL_SHARD (default; = ZeRO-3: parameters, gradients and optimizer state divided by the ranks) | SHARD_GRAD_OP (= ZeRO-2) | NO_SHARD (= ddp) | HYBRID_SHARD (FULL_SHARD within each node of --devices ranks, replicated across --num_nodes; pretrain's auto across nodes)"},
     {"fsdp.backward_prefetch", FL_CK_STR32, OFF(backward_prefetch), "--strategy fsdp FULL_SHARD / HYBRID_SHARD: BACKWARD_PRE or true (default: in backward the next unit's all-gather is posted while this one computes, PyTorch FSDP's default) | off or false (PyTorch's None: each unit gathered when its backward starts; less GATHER memory, no overlap)"},
     {"offload_optimizer_device", FL_CK_STR32, OFF(offload_device), "with --strategy deepspeed_stage_1_offload / _2_offload / _3_offload (refused with any other strategy): cpu (default: the optimizer state in host memory) | nvme (ZeRO-Infinity's: in files under nvme_path, read and written piece by piece through a few pieces of host memory; for a host too small for the state)"},
-    {"nvme_path", FL_CK_PATH, OFF(nvme_path), "offload_optimizer_device nvme (refused without it): the folder for the state files (default: out_dir); the files are unlinked at creation, so nothing is left behind"},
-    {"offload_param_device", FL_CK_STR32, OFF(offload_param_device), "none (default: the parameters, or their shards, on the device) | cpu | nvme: parameter offload (DeepSpeed's offload_param, Lightning's fsdp_cpu_offload): not implemented yet, refused"},
+    {"nvme_path", FL_CK_PATH, OFF(nvme_path), "offload_optimizer_device nvme or offload_param_device nvme (refused without them): the folder for the state and parameter files (default: out_dir); the files are unlinked at creation, so nothing is left behind"},
+    {"offload_param_device", FL_CK_STR32, OFF(offload_param_device), "none (default, but cpu under fsdp_cpu_offload and nvme under deepspeed_stage_3_offload_nvme: the parameters' shards on the device) | cpu | nvme: parameter offload (DeepSpeed's offload_param, Lightning's fsdp_cpu_offload), with the ZeRO-3 offload strategies only: each rank's parameter and gradient shards live in host memory (cpu) or in files under nvme_path (nvme), each unit is copied to the device ahead of its forward and backward and dropped after, its gradient reduced and sent back to the host shard; the update runs on the host. Same bits as the device-resident run"},
+    {"offload_prefetch", FL_CK_INT, OFF(offload_prefetch), "parameter offload (offload_param_device cpu|nvme): how far ahead units are fetched; 1 (default): the next unit's copy to the device and its all-gather are posted while this one computes, in forward and backward (FSDP's prefetch), and on nvme its piece is read from the files ahead; N > 1: on nvme the next N units' pieces are read ahead; 0: each unit fetched when it is needed (least device memory, no overlap). Same bits at any depth"},
     {"bucket_size", FL_CK_BYTES, OFF(bucket_size), "data parallel: the bytes of one bucket of the gradient reductions (ZeRO-2's reduce-scatter, FULL_SHARD's per unit, DDP/ZeRO-1's all-reduce per layer group; DeepSpeed's reduce_bucket_size in bytes): a reduction larger than it runs bucket by bucket, so its scratch (under twice the bucket) does not grow with the model; same bits at any size; null: one collective each"},
     {"fsdp.state_dict_type", FL_CK_STR32, OFF(state_dict_type), "checkpoints of every strategy: full (consolidated, one file set) | sharded (each rank writes its element ranges; resumable at any world size; fitllm merge_shards consolidates)"},
     {"resume", FL_CK_RESUME, OFF(resume), "false | true | auto | path to a checkpoint folder"},
@@ -627,17 +629,32 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
                          c->strategy[0] ? c->strategy : "auto",
                          !strncmp(c->strategy, "deepspeed_stage_", 16) && strlen(c->strategy) == 17
                              ? " (add _offload to its name to offload it)" : "");
-    if (c->offload_param_device[0] && strcmp(c->offload_param_device, "none"))
-        return fl_errorf(strcmp(c->offload_param_device, "cpu") && strcmp(c->offload_param_device, "nvme")
-                             ? FL_ERR_INVALID : FL_ERR_UNSUPPORTED,
-                         "offload_param_device '%s': parameter offload (each rank's parameter shards in host memory or "
-                         "NVMe files, fetched ahead of each unit's use) is not implemented yet; the values are none, cpu "
-                         "and nvme, and deepspeed_stage_3_offload offloads the optimizer state with the parameters' "
-                         "shards on the device", c->offload_param_device);
-    if (c->nvme_path[0] && strcmp(c->offload_device, "nvme"))
-        return fl_errorf(FL_ERR_INVALID, "nvme_path '%s' is the folder of offload_optimizer_device nvme's state files; "
-                         "this run does not offload to nvme (offload_optimizer_device %s)", c->nvme_path,
-                         c->offload_device[0] ? c->offload_device : "not given");
+    if (c->offload_param_device[0] && strcmp(c->offload_param_device, "none") && strcmp(c->offload_param_device, "cpu") &&
+        strcmp(c->offload_param_device, "nvme"))
+        return fl_errorf(FL_ERR_INVALID, "offload_param_device '%s': unknown (none, cpu or nvme)", c->offload_param_device);
+    const int poff = fl_cfg_param_offload(c);
+    if (c->offload_prefetch < 0)
+        return fl_errorf(FL_ERR_INVALID, "offload_prefetch %d: the units fetched ahead must be 0 or more", c->offload_prefetch);
+    int stage = 0;
+    FL_TRY(fl_cfg_zero_stage(c->strategy, c->sharding_strategy, &stage));
+    /* parameter offload moves ZeRO-3's shards; the update then runs where they live (the host), so the
+     * optimizer must be offloaded too (DeepSpeed's offload_param is a stage-3 option; Lightning's
+     * fsdp_cpu_offload offloads both) */
+    if (poff && (stage != 3 || !fl_cfg_offload(c->strategy)))
+        return fl_errorf(FL_ERR_INVALID, "offload_param_device %s offloads ZeRO-3's parameter shards, with the optimizer "
+                         "on the host: use --strategy deepspeed_stage_3_offload, fsdp_cpu_offload or "
+                         "deepspeed_stage_3_offload_nvme; this run's strategy is '%s'", c->offload_param_device,
+                         c->strategy[0] ? c->strategy : "auto");
+    if (poff && c->command == FL_CMD_FINETUNE_LORA)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "parameter offload (offload_param_device %s, --strategy %s) shards and "
+                         "offloads the full model's parameters; finetune_lora keeps the frozen base whole on every rank "
+                         "and trains its adapters as ZeRO-2: use deepspeed_stage_2_offload or finetune_full",
+                         poff == 2 ? "nvme" : "cpu", c->strategy);
+    if (c->nvme_path[0] && !fl_cfg_offload_nvme(c) && poff != 2)
+        return fl_errorf(FL_ERR_INVALID, "nvme_path '%s' is the folder of offload_optimizer_device nvme's state files and of "
+                         "offload_param_device nvme's parameter files; this run offloads nothing to nvme (offload_optimizer_device "
+                         "%s, offload_param_device %s)", c->nvme_path,
+                         c->offload_device[0] ? c->offload_device : "not given", poff == 1 ? "cpu" : "none");
     if (strcmp(c->state_dict_type, "full") && strcmp(c->state_dict_type, "sharded"))
         return fl_errorf(FL_ERR_INVALID, "fsdp.state_dict_type '%s': unknown (full or sharded)", c->state_dict_type);
     if (!strcmp(c->state_dict_type, "sharded") && c->command == FL_CMD_FINETUNE_LORA)

@@ -7,26 +7,48 @@
 /* Lightning's and DeepSpeed's names for what is not built yet: refused, never mapped onto something
  * else. */
 static fl_status not_yet(const char *what, const char *name) {
-    return fl_errorf(FL_ERR_UNSUPPORTED, "%s '%s' is not implemented yet (parameter offload: the parameters on the host "
-                     "between uses); use deepspeed_stage_3_offload, deepspeed_stage_2_offload or deepspeed_stage_1_offload (the "
-                     "optimizer state and its update on the host), --strategy ddp, deepspeed_stage_1, deepspeed_stage_2, "
+    return fl_errorf(FL_ERR_UNSUPPORTED, "%s '%s' is not implemented yet (a DeepSpeed JSON configuration); use "
+                     "deepspeed_stage_3_offload, deepspeed_stage_2_offload or deepspeed_stage_1_offload (the "
+                     "optimizer state and its update on the host), fsdp_cpu_offload or deepspeed_stage_3_offload_nvme "
+                     "(the parameters too), --strategy ddp, deepspeed_stage_1, deepspeed_stage_2, "
                      "deepspeed_stage_3, or fsdp with --fsdp.sharding_strategy NO_SHARD, SHARD_GRAD_OP, FULL_SHARD or "
                      "HYBRID_SHARD", what, name);
 }
 
+/* Lightning's names that offload the parameters as well: fsdp_cpu_offload (FSDP's CPUOffload(offload_params=True):
+ * the parameters' and gradients' shards and the optimizer on the host) and deepspeed_stage_3_offload_nvme
+ * (ZeRO-Infinity: parameters and optimizer state on NVMe) */
+static int param_offload_name(const char *s) {
+    return s && (!strcmp(s, "fsdp_cpu_offload") || !strcmp(s, "deepspeed_stage_3_offload_nvme"));
+}
+
 int fl_cfg_offload(const char *s) {
     return s && (!strcmp(s, "deepspeed_stage_1_offload") || !strcmp(s, "deepspeed_stage_2_offload") ||
-                 !strcmp(s, "deepspeed_stage_3_offload"));
+                 !strcmp(s, "deepspeed_stage_3_offload") || param_offload_name(s));
+}
+
+int fl_cfg_param_offload(const fl_run_config *c) {
+    const char *d = c->offload_param_device;
+    if (d[0] && strcmp(d, "none")) return !strcmp(d, "nvme") ? 2 : 1;
+    if (d[0]) return 0; /* none given explicitly */
+    return !strcmp(c->strategy, "fsdp_cpu_offload") ? 1 : !strcmp(c->strategy, "deepspeed_stage_3_offload_nvme") ? 2 : 0;
+}
+
+int fl_cfg_offload_nvme(const fl_run_config *c) {
+    if (c->offload_device[0]) return !strcmp(c->offload_device, "nvme");
+    return !strcmp(c->strategy, "deepspeed_stage_3_offload_nvme");
 }
 
 fl_status fl_cfg_zero_stage(const char *s, const char *sharding, int *stage) {
-    static const char *later[] = {"deepspeed", "deepspeed_stage_3_offload_nvme",
-                                  "fsdp_cpu_offload"};
+    static const char *later[] = {"deepspeed"};
     *stage = 0;
     if (!s[0] || !strcmp(s, "auto") || !strcmp(s, "ddp")) return FL_OK;
     if (!strcmp(s, "deepspeed_stage_1") || !strcmp(s, "deepspeed_stage_1_offload")) { *stage = 1; return FL_OK; }
     if (!strcmp(s, "deepspeed_stage_2") || !strcmp(s, "deepspeed_stage_2_offload")) { *stage = 2; return FL_OK; }
-    if (!strcmp(s, "deepspeed_stage_3") || !strcmp(s, "deepspeed_stage_3_offload")) { *stage = 3; return FL_OK; }
+    if (!strcmp(s, "deepspeed_stage_3") || !strcmp(s, "deepspeed_stage_3_offload") || param_offload_name(s)) {
+        *stage = 3;
+        return FL_OK;
+    }
     if (!strcmp(s, "fsdp")) {
         /* Lightning's FSDPStrategy default is FULL_SHARD (ZeRO-3) */
         const char *ss = sharding && sharding[0] ? sharding : "FULL_SHARD";
@@ -45,7 +67,8 @@ fl_status fl_cfg_zero_stage(const char *s, const char *sharding, int *stage) {
     for (size_t i = 0; i < sizeof later / sizeof later[0]; i++)
         if (!strcmp(s, later[i])) return not_yet("strategy", s);
     return fl_errorf(FL_ERR_INVALID, "strategy '%s': unknown (auto, ddp, deepspeed_stage_1, deepspeed_stage_2, "
-                     "deepspeed_stage_3, deepspeed_stage_1_offload, deepspeed_stage_2_offload, deepspeed_stage_3_offload, fsdp)",
+                     "deepspeed_stage_3, deepspeed_stage_1_offload, deepspeed_stage_2_offload, deepspeed_stage_3_offload, "
+                     "deepspeed_stage_3_offload_nvme, fsdp, fsdp_cpu_offload)",
                      s);
 }
 
@@ -109,6 +132,7 @@ static fl_status resolve_strategy(const fl_run_config *c, int device_comm, fl_st
 fl_status fl_cfg_resolve_strategy(const fl_run_config *c, int device_comm, fl_strategy_choice *out) {
     FL_TRY(resolve_strategy(c, device_comm, out));
     out->offload = fl_cfg_offload(c->strategy);
+    out->param_offload = fl_cfg_param_offload(c);
     const int auto_fsdp = (!c->strategy[0] || !strcmp(c->strategy, "auto")) && !strcmp(out->strategy, "fsdp");
     if (c->train.activation_checkpointing >= 0) {
         out->act_ckpt = c->train.activation_checkpointing != 0;

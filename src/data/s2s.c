@@ -124,6 +124,36 @@ static fl_status push_pair(fl_s2s_data *d, const int32_t *s, size_t ns, const in
     return FL_OK;
 }
 
+fl_status fl_s2s_split(const fl_s2s_data *d, float val_fraction, uint64_t seed, fl_s2s_data **train, fl_s2s_data **val) {
+    *train = *val = NULL;
+    if (!(val_fraction >= 0.0f && val_fraction <= 1.0f))
+        return fl_errorf(FL_ERR_INVALID, "val_split_fraction %g is not in [0, 1]", (double)val_fraction);
+    size_t nt, nv, *perm = NULL;
+    fl_data_split_lengths(d->n, val_fraction, &nt, &nv);
+    FL_TRY(fl_data_torch_randperm(seed, d->n, &perm));
+    fl_s2s_data *o[2] = {calloc(1, sizeof **train), calloc(1, sizeof **val)};
+    fl_status s = o[0] && o[1] ? FL_OK : s2s_oom();
+    /* LitGPT's random_split: the first n_train of the permutation; no validation pairs: the file's order (what a run
+     * without a split trained on before there was one; the loader shuffles per epoch either way) */
+    for (size_t i = 0; s == FL_OK && i < d->n; i++) {
+        const size_t k = nv ? perm[i] : i;
+        s = push_pair(o[i >= nt], d->tok + d->off[k], (size_t)d->ns[k], d->tok + d->off[k] + d->ns[k], (size_t)d->nt[k]);
+    }
+    free(perm);
+    if (s != FL_OK) {
+        fl_s2s_free(o[0]), fl_s2s_free(o[1]);
+        return s;
+    }
+    for (int k = 0; k < 2; k++) { /* the loading's counts stay with the training split; each its own records */
+        const fl_s2s_stats tok = o[k]->stats;
+        o[k]->stats = k ? (fl_s2s_stats){0} : d->stats;
+        o[k]->stats.n_records = o[k]->n;
+        o[k]->stats.n_source_tokens = tok.n_source_tokens, o[k]->stats.n_target_tokens = tok.n_target_tokens;
+    }
+    *train = o[0], *val = o[1];
+    return FL_OK;
+}
+
 /* One record: validate, join the encoder text, tokenize, limit, store. */
 static fl_status add_record(fl_s2s_data *d, const fl_json *o, const char *where, const fl_s2s_config *cfg, const fl_tokenizer *tok) {
     if (o->type != FL_JSON_OBJECT)

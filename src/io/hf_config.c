@@ -309,19 +309,15 @@ static fl_status fl_hf_parse_keys(const char *path, const fl_json *r, fl_arch a,
     return FL_OK;
 }
 
-fl_status fl_hf_load_config(const char *path, fl_model_config *cfg) {
-    fl_json *root = NULL;
-    FL_TRY(fl_json_parse_file(path, &root));
+/* One config object (the whole config.json, or a composite's text_config) by its model_type, validated. */
+fl_status fl_hf_config_from_json(const char *path, const fl_json *root, fl_model_config *cfg) {
     fl_status s = FL_OK;
     fl_model_config c;
     memset(&c, 0, sizeof c);
-    if (root->type != FL_JSON_OBJECT) {
-        s = fl_errorf(FL_ERR_FORMAT, "%s: top level must be a JSON object (got %s)", path, fl_hf_type_name(root));
-        goto done;
-    }
+    if (root->type != FL_JSON_OBJECT)
+        return fl_errorf(FL_ERR_FORMAT, "%s: top level must be a JSON object (got %s)", path, fl_hf_type_name(root));
     const char *mt = NULL;
-    s = fl_hf_str(path, root, "model_type", &mt);
-    if (s != FL_OK) goto done;
+    FL_TRY(fl_hf_str(path, root, "model_type", &mt));
     int is_llama = mt ? strcmp(mt, "llama") == 0 : 0, is_gpt2 = mt ? strcmp(mt, "gpt2") == 0 : 0;
     const int is_opt = mt ? strcmp(mt, "opt") == 0 : 0, is_t5 = mt ? strcmp(mt, "t5") == 0 : 0;
     if (!is_llama && !is_gpt2) { /* llama-compatible variants name the architecture */
@@ -341,19 +337,25 @@ fl_status fl_hf_load_config(const char *path, fl_model_config *cfg) {
         s = fl_hf_parse_opt(path, root, &c);
     else if (is_t5)
         s = fl_hf_parse_t5(path, root, &c);
+    else if (mt && strcmp(mt, "blip-2") == 0)
+        s = fl_errorf(FL_ERR_UNSUPPORTED, "%s: model_type 'blip-2' is a composite (vision tower, Q-Former, language "
+                      "model): load it as BLIP-2 (fl_blip2_load; fitllm loss/generate with --image)", path);
     else if (mt)
         s = fl_errorf(FL_ERR_UNSUPPORTED, "%s: model_type '%s' is not supported (llama, gpt2, opt, t5%s)", path, mt,
                       fl_hf_keyed_names());
     else
         s = fl_errorf(FL_ERR_FORMAT, "%s: missing key 'model_type' (and no known 'architectures')", path);
-    if (s != FL_OK) goto done;
+    if (s != FL_OK) return s;
     s = fl_config_validate(&c);
-    if (s != FL_OK) {
-        fl_error_prefix(s, "%s", path);
-        goto done;
-    }
+    if (s != FL_OK) return fl_error_prefix(s, "%s", path);
     *cfg = c;
-done:
+    return FL_OK;
+}
+
+fl_status fl_hf_load_config(const char *path, fl_model_config *cfg) {
+    fl_json *root = NULL;
+    FL_TRY(fl_json_parse_file(path, &root));
+    fl_status s = fl_hf_config_from_json(path, root, cfg);
     fl_json_free(root);
     return s;
 }

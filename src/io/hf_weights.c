@@ -86,7 +86,8 @@ static fl_status fl_hf_copy_tensor_range(fl_model *m, int pi, const fl_st_file *
             s = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s' holds a non-finite value (inf/NaN) at element %lld: the "
                           "file is corrupt or was saved from a diverged run", f->path, t->name, bad);
         } else if (s == FL_OK) {
-            if (m->be) s = m->be->to_device(m->be, dst + (a - k0) * ds, cv, n * ds);
+            const fl_backend *pbe = fl_model_params_be(m); /* parameter offload: the host tier's */
+            if (pbe) s = pbe->to_device(pbe, dst + (a - k0) * ds, cv, n * ds);
             else memcpy(dst + (a - k0) * ds, cv, n * ds); /* a model without a backend: host memory */
         }
     }
@@ -153,7 +154,7 @@ static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl
             else if (q4src)
                 memcpy((char *)dst + k0 * ds, cv, n * ds);
             else if (m->be)
-                s = m->be->to_device(m->be, (char *)dst + k0 * ds, cv, n * ds);
+                s = fl_model_params_be(m)->to_device(fl_model_params_be(m), (char *)dst + k0 * ds, cv, n * ds);
             else /* a model without a backend (the I/O tools): host memory */
                 memcpy((char *)dst + k0 * ds, cv, n * ds);
         }
@@ -176,7 +177,7 @@ static fl_status fl_hf_copy_tensor(fl_model *m, const fl_param_info *p, const fl
                 }
                 fl_convert(cv + (o - o0) * in * ds, dt, row, FL_F32, in);
             }
-            s = m->be->to_device(m->be, (char *)dst + o0 * in * ds, cv, nb * in * ds);
+            s = fl_model_params_be(m)->to_device(fl_model_params_be(m), (char *)dst + o0 * in * ds, cv, nb * in * ds);
         }
         free(row);
         free(cv);

@@ -26,6 +26,8 @@ typedef struct {
     disk_file *f;
     int n, cap;
     char why[4400]; /* the last failure, for the pool's OOM message */
+    long fail_after; /* fault injection (FITLLM_TEST_NVME_FAIL_AFTER): releases left before one fails as a full
+                      * disk would, -1 off */
 } disk_ud;
 
 static size_t page_size(void) {
@@ -104,6 +106,10 @@ fl_status fl_mem_disk_pool_init(fl_mem_pool *p, const char *name, const char *di
         return fl_errorf(FL_ERR_INVALID, "nvme offload: nvme_path '%.64s...' is too long", dir);
     }
     snprintf(d->dir, sizeof d->dir, "%s", dir);
+    /* the tests' stand-in for a disk that fills while the run goes on (the files are reserved at set-up, so a
+     * real one fails only through an I/O error of the device): the write-back after N releases fails */
+    const char *fa = getenv("FITLLM_TEST_NVME_FAIL_AFTER");
+    d->fail_after = fa && fa[0] ? atol(fa) : -1;
     /* the folder takes a file: a clear error now rather than at the optimizer's first allocation */
     void *probe = disk_alloc(1, d);
     if (!probe) {
@@ -157,9 +163,13 @@ fl_status fl_mem_disk_release(fl_mem_pool *p, const void *ptr, size_t bytes) {
     /* inward: a page shared with a neighbouring piece stays (the neighbour may be in use) */
     const disk_file *f = find(p, ptr, bytes, 1, &lo, &hi);
     if (!f) return FL_OK;
+    disk_ud *d = p->raw_ud;
+    if (d->fail_after == 0)
+        return fl_errorf(FL_ERR_IO, "nvme offload: writing back to its file in '%s': %s (injected: "
+                         "FITLLM_TEST_NVME_FAIL_AFTER)", d->dir, strerror(ENOSPC));
+    if (d->fail_after > 0) d->fail_after--;
     if (msync((void *)lo, hi - lo, MS_SYNC) != 0)
-        return fl_errorf(FL_ERR_IO, "nvme offload: writing the optimizer state back to its file in '%s': %s",
-                         ((const disk_ud *)p->raw_ud)->dir, strerror(errno));
+        return fl_errorf(FL_ERR_IO, "nvme offload: writing back to its file in '%s': %s", d->dir, strerror(errno));
     (void)madvise((void *)lo, hi - lo, MADV_DONTNEED);
     (void)posix_fadvise(f->fd, (off_t)(lo - (uintptr_t)f->base), (off_t)(hi - lo), POSIX_FADV_DONTNEED);
     return FL_OK;

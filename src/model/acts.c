@@ -43,26 +43,33 @@ static int logits_chunk_rows(const fl_model_config *c, int N) { return fl_logits
 /* Layouts (N = B*T rows), the block's slots in the graph's production order (g->prod):
  *   fp32 (default):  res[0..L] | L x {the block's slots, all fp32} | lnf
  *   act_ckpt:        res[0..L] | ONE shared fp32 block buffer           | lnf
- *   16-bit saved:    res[0..L] | ONE shared fp32 buffer of the WIDE slots |
- *                    L x {fp32 STAT slots (norm mean/rstd, lse), 16-bit copies of the WIDE slots} | lnf */
+ *   fp16 saved:      res[0..L] | ONE shared fp32 buffer of the WIDE slots |
+ *                    L x {fp32 STAT slots (norm mean/rstd, lse), 16-bit copies of the WIDE slots} | lnf
+ *   bf16 stored (act_dtype BF16: what the step stores is bf16, fp32 only for the statistics):
+ *                    bf16 res[0..L] | L x {fp32 STAT slots, bf16 WIDE slots} (none with act_ckpt) | lnf statistics;
+ *                    the fp32 views the CPU's ops compute in are WORKSPACE scratch (carve_work16). */
 static size_t carve_acts(const fl_model_config *c, const fl_block_graph *g, const fl_model_graph *mg, int B, int T,
                          int ckpt, fl_dtype adt, char *base, fl_acts *a, size_t *saved) {
     fl_dims d = fl_model_dims(c);
     size_t N = (size_t)B * T;
     int ln = fl_arch_get(c->arch)->layernorm; /* LayerNorm keeps the mean too */
-    int a16 = !ckpt && adt != FL_F32;
+    const int b16 = adt == FL_BF16, a16 = !ckpt && adt != FL_F32;
     carver cv = {base, 0, 1, 0};
     /* what backward reads: the residual stream (block inputs, res[L] for the final norm) ... */
-    float **res = a ? a->res : NULL;
     for (int l = 0; l <= d.L; l++) {
-        float *r = carve(&cv, N * d.C);
-        if (res) res[l] = r;
+        if (b16) {
+            void *r = carve_bytes(&cv, N * d.C * sizeof(uint16_t));
+            if (a) a->res16[l] = r;
+        } else {
+            float *r = carve(&cv, N * d.C);
+            if (a) a->res[l] = r;
+        }
     }
     fl_layer_acts sh; /* the views every block shares (16-bit: the WIDE slots; checkpointing: all) */
     memset(&sh, 0, sizeof sh);
     if (a16) {
-        cv.keep = 0; /* the shared fp32 buffer: the block being computed; backward widens into it */
-        for (int k = 0; d.L > 0 && k < g->n_prod; k++)
+        cv.keep = 0; /* fp16: the shared fp32 buffer, the block being computed; backward widens into it */
+        for (int k = 0; !b16 && d.L > 0 && k < g->n_prod; k++)
             if (g->slot[g->prod[k]].kind == FL_GSLOT_WIDE) sh.s[g->prod[k]] = carve(&cv, N * g->slot[g->prod[k]].width);
         size_t es = fl_dtype_size(adt);
         cv.keep = 1; /* ... every block's statistics and 16-bit copies ... */
@@ -75,7 +82,7 @@ static size_t carve_acts(const fl_model_config *c, const fl_block_graph *g, cons
                     la.s16[g->prod[k]] = carve_bytes(&cv, N * g->slot[g->prod[k]].width * es);
             if (a) a->layer[l] = la;
         }
-    } else {
+    } else if (!b16) {
         /* checkpointing: one block buffer shared by all blocks (backward recomputes it: not kept) */
         cv.keep = !ckpt; /* ... every block's activations ... */
         for (int l = 0; l < (ckpt ? (d.L > 0 ? 1 : 0) : d.L); l++) {
@@ -88,17 +95,12 @@ static size_t carve_acts(const fl_model_config *c, const fl_block_graph *g, cons
             }
         }
     }
-    if (a) /* the residual stream: block l reads res[l], writes res[l+1] */
-        for (int l = 0; l < d.L; l++) {
-            a->layer[l].s[FL_GSLOT_IN] = a->res[l];
-            a->layer[l].s[FL_GSLOT_OUT] = a->res[l + 1];
-        }
     /* ... and the final norm's statistics; its output only feeds the head, whose backward
-     * runs inside the forward */
+     * runs inside the forward (bf16 stored: an fp32 WORKSPACE view the head's GEMM rounds) */
     float *lnf = NULL, *lnf_mean = NULL, *lnf_rstd = NULL;
     if (fl_model_graph_has(mg, FL_MOP_NORM, 1)) {
         cv.keep = 0;
-        lnf = carve(&cv, N * d.C);
+        lnf = b16 ? NULL : carve(&cv, N * d.C);
         cv.keep = 1;
         lnf_mean = ln ? carve(&cv, N) : NULL;
         lnf_rstd = carve(&cv, N);
@@ -111,18 +113,65 @@ static size_t carve_acts(const fl_model_config *c, const fl_block_graph *g, cons
         emb_rstd = carve(&cv, N);
     }
     if (saved) *saved = cv.saved;
-    if (a) { a->lnf = lnf; a->lnf_mean = lnf_mean; a->lnf_rstd = lnf_rstd; a->act_dtype = a16 ? adt : FL_F32; }
+    if (a) { a->lnf_mean = lnf_mean; a->lnf_rstd = lnf_rstd; a->act_dtype = b16 || a16 ? adt : FL_F32; }
+    if (a && !b16) a->lnf = lnf;
     if (a) { a->emb_x = emb_x; a->emb_mean = emb_mean; a->emb_rstd = emb_rstd; }
     return cv.off;
 }
 
-/* 16-bit saved activations: block l's WIDE slots between the shared fp32 buffer and its 16-bit copies. */
+/* bf16 stored: the fp32 views the ops compute in, WORKSPACE scratch (nothing in them outlives a block's
+ * pass but res[L], read by the final norm's backward; the backward widens each block's stored bf16
+ * into them again): the residual stream's two rows buffers (block l reads res[l] = io[l % 2] and writes
+ * io[(l+1) % 2]), the WIDE slots, with checkpointing also the statistics and bf16 copies of the one block
+ * being recomputed, and the final norm's output. */
+static void carve_work16(carver *cv, const fl_model_config *c, const fl_block_graph *g, int B, int T, int ckpt,
+                         fl_acts *a) {
+    fl_dims d = fl_model_dims(c);
+    const size_t N = (size_t)B * T;
+    float *io[2] = {carve(cv, N * d.C), carve(cv, N * d.C)};
+    fl_layer_acts sh;
+    memset(&sh, 0, sizeof sh);
+    for (int k = 0; d.L > 0 && k < g->n_prod; k++) {
+        const fl_gslot *sl = &g->slot[g->prod[k]];
+        if (sl->kind == FL_GSLOT_WIDE) sh.s[g->prod[k]] = carve(cv, N * sl->width);
+        if (ckpt && sl->kind == FL_GSLOT_STAT) sh.s[g->prod[k]] = carve(cv, N * sl->width);
+        if (ckpt && sl->kind == FL_GSLOT_WIDE) sh.s16[g->prod[k]] = carve_bytes(cv, N * sl->width * sizeof(uint16_t));
+    }
+    float *lnf = carve(cv, N * d.C);
+    if (!a) return;
+    for (int l = 0; l <= d.L; l++) a->res[l] = io[l % 2];
+    for (int l = 0; l < d.L; l++)
+        for (int k = 0; k < g->n_prod; k++) {
+            const int sl = g->prod[k];
+            if (g->slot[sl].kind == FL_GSLOT_WIDE) a->layer[l].s[sl] = sh.s[sl];
+            if (ckpt) { a->layer[l].s[sl] = sh.s[sl]; a->layer[l].s16[sl] = sh.s16[sl]; }
+        }
+    a->lnf = lnf;
+}
+
+/* The residual stream in the block views: block l reads res[l], writes res[l+1] (bf16 stored: and their copies). */
+static void wire_stream(fl_acts *a) {
+    for (int l = 0; l < a->L; l++) {
+        a->layer[l].s[FL_GSLOT_IN] = a->res[l];
+        a->layer[l].s[FL_GSLOT_OUT] = a->res[l + 1];
+        a->layer[l].s16[FL_GSLOT_IN] = a->res16 ? a->res16[l] : NULL;
+        a->layer[l].s16[FL_GSLOT_OUT] = a->res16 ? a->res16[l + 1] : NULL;
+    }
+}
+
+/* 16-bit saved activations: block l's WIDE slots between the shared fp32 buffer and its 16-bit copies.
+ * bf16 stored: the block rounds each slot as it writes it (fl_block_ctx.store16), so nothing is left to narrow;
+ * widening rebuilds its fp32 views from what is stored, the input always, the WIDE slots unless checkpointing
+ * recomputes them (from that input: widened before the recompute). */
 static fl_status convert_saved(fl_model *m, int l, int N, int narrow, unsigned done) {
     fl_acts *a = m->acts;
     if (!a || a->act_dtype == FL_F32) return FL_OK;
+    if (a->res16 && narrow) return FL_OK;
     const fl_block_graph *g = a->graph;
     fl_layer_acts *la = &a->layer[l];
     const fl_backend *be = m->be;
+    if (a->res16) FL_TRY(be->convert(be, la->s[FL_GSLOT_IN], FL_F32, la->s16[FL_GSLOT_IN], FL_BF16, (size_t)N * m->cfg.dim));
+    if (a->res16 && m->act_ckpt) return FL_OK;
     for (int k = 0; k < g->n_prod; k++) {
         int sl = g->prod[k];
         if (g->slot[sl].kind != FL_GSLOT_WIDE || (done >> sl & 1u)) continue;
@@ -136,6 +185,15 @@ static fl_status convert_saved(fl_model *m, int l, int N, int narrow, unsigned d
 fl_status fl_acts_narrow(fl_model *m, int l, int N, unsigned done) { return convert_saved(m, l, N, 1, done); }
 fl_status fl_acts_widen(fl_model *m, int l, int N) { return convert_saved(m, l, N, 0, 0); }
 
+fl_status fl_acts_store_stream(fl_model *m, int l, int N) {
+    fl_acts *a = m->acts;
+    if (!a || !a->res16) return FL_OK;
+    const fl_backend *be = m->be;
+    const size_t n = (size_t)N * m->cfg.dim;
+    FL_TRY(be->convert(be, a->res16[l], FL_BF16, a->res[l], FL_F32, n));
+    return be->convert(be, a->res[l], FL_F32, a->res16[l], FL_BF16, n);
+}
+
 static size_t imax(size_t a, size_t b) { return a > b ? a : b; }
 
 /* Workspace live bytes: *handoff = what a training forward leaves for the backward (d(lnf),
@@ -143,7 +201,7 @@ static size_t imax(size_t a, size_t b) { return a > b ? a : b; }
  * once, read by every pass). Everything else is scratch within one pass (the widened head and
  * the backend's scratch too). */
 static size_t carve_work(const fl_model_config *c, const fl_block_graph *g, const fl_model_graph *mg, int B, int T,
-                         int dw_bf16,
+                         int ckpt, fl_dtype adt, int dw_bf16,
                          fl_dtype head_widen, size_t be_scratch, char *base, fl_acts *a, size_t *handoff,
                          size_t *constant) {
     fl_dims d = fl_model_dims(c);
@@ -177,6 +235,7 @@ static size_t carve_work(const fl_model_config *c, const fl_block_graph *g, cons
     /* an encoder's inputs beside the ids: token types and the key padding mask */
     const int enc = fl_model_graph_has(mg, FL_MOP_OUTPUT, 1);
     void *types = enc ? carve_bytes(&cv, N * sizeof(int32_t)) : NULL, *kmask = enc ? carve_bytes(&cv, N) : NULL;
+    if (adt == FL_BF16) carve_work16(&cv, c, g, B, T, ckpt, a);
     if (a) {
         a->type_ids = types;
         a->kmask = kmask;
@@ -221,7 +280,7 @@ void fl_sizing_acts_ex(const fl_model_config *cfg_in, int B, int T, const fl_act
         fl_model_graph_build(&c, &mg) != FL_OK)
         return;
     out->acts_bytes = carve_acts(&c, &g, &mg, B, T, ckpt, adt, NULL, NULL, &out->acts_saved_bytes);
-    out->workspace_bytes = carve_work(&c, &g, &mg, B, T, opts && opts->dw_bf16, opts ? opts->head_widen : FL_F32,
+    out->workspace_bytes = carve_work(&c, &g, &mg, B, T, ckpt, adt, opts && opts->dw_bf16, opts ? opts->head_widen : FL_F32,
                                       opts ? opts->backend_scratch : 0, NULL, NULL, &out->work_handoff_bytes,
                                       &out->work_const_bytes);
     /* per layer: the difference between L and L-1 layers */
@@ -237,9 +296,14 @@ void fl_sizing_acts_ex(const fl_model_config *cfg_in, int B, int T, const fl_act
  * (fl_sizing_acts_ex at its T) are these for a batch of the arena's shape. */
 void fl_acts_live_bytes(const fl_model *m, int B, int T, int train, size_t *acts, size_t *work) {
     size_t saved = 0, handoff = 0, constant = 0;
+    if (m->acts->s2s) { /* an encoder-decoder: its stacks' passes (seq2seq.c) */
+        fl_s2s_live_bytes(m, train, acts, work);
+        return;
+    }
     if (train) {
         carve_acts(&m->cfg, m->acts->graph, m->acts->mgraph, B, T, m->act_ckpt, m->act_dtype, NULL, NULL, &saved);
-        carve_work(&m->cfg, m->acts->graph, m->acts->mgraph, B, T, 0, FL_F32, 0, NULL, NULL, &handoff, &constant);
+        carve_work(&m->cfg, m->acts->graph, m->acts->mgraph, B, T, 0, FL_F32, 0, FL_F32, 0, NULL, NULL, &handoff,
+                   &constant);
     }
     *acts = saved;
     *work = handoff + m->sizes.work_const_bytes;
@@ -265,6 +329,7 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     a->L = m->cfg.n_layers;
     a->res = calloc((size_t)a->L + 1, sizeof *a->res);
     a->layer = calloc((size_t)a->L, sizeof *a->layer);
+    if (m->act_dtype == FL_BF16) a->res16 = calloc((size_t)a->L + 1, sizeof *a->res16);
     /* one allocation, freed through a->graph (model.c's fl_model_free_acts) */
     struct graphs { fl_block_graph g; fl_model_graph mg; } *both = calloc(1, sizeof *both);
     fl_block_graph *g = both ? &both->g : NULL;
@@ -272,7 +337,7 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     a->graph = g;
     a->mgraph = mg;
     m->acts = a;
-    if (!a->res || !a->layer || !both) { fl_model_free_acts(m); return fl_errorf(FL_ERR_OOM, "activation views: out of host memory"); }
+    if (!a->res || !a->layer || !both || (m->act_dtype == FL_BF16 && !a->res16)) { fl_model_free_acts(m); return fl_errorf(FL_ERR_OOM, "activation views: out of host memory"); }
     fl_status s = fl_block_graph_build(&m->cfg, g);
     if (s == FL_OK) s = fl_model_graph_build(&m->cfg, mg);
     if (s != FL_OK) { fl_model_free_acts(m); return s; }
@@ -280,7 +345,9 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     if (s == FL_OK) s = fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, m->sizes.workspace_bytes, (void **)&m->work_arena);
     if (s != FL_OK) { fl_model_free_acts(m); return fl_error_prefix(s, "allocating activations for B=%d T=%d", B, T); }
     carve_acts(&m->cfg, g, mg, B, T, m->act_ckpt, m->act_dtype, (char *)m->acts_arena, a, NULL);
-    carve_work(&m->cfg, g, mg, B, T, dw_bf16, head_widen, bes, (char *)m->work_arena, a, NULL, NULL);
+    carve_work(&m->cfg, g, mg, B, T, m->act_ckpt, m->act_dtype, dw_bf16, head_widen, bes, (char *)m->work_arena, a,
+               NULL, NULL);
+    wire_stream(a);
     if (fl_arch_get(m->cfg.arch)->rope)
         s = m->be->rope_tables(m->be, a->rope_cos, a->rope_sin, T, m->cfg.head_dim, m->cfg.rope_theta,
                                &m->cfg.rope_scaling);

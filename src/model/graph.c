@@ -332,8 +332,8 @@ static fl_status kv_append(const fl_model *m, const float *qkv, const fl_block_c
     return FL_OK;
 }
 
-/* Slot k holds its final values once op i has read it: no later op writes it (an output, or
- * RoPE's in-place rotation). */
+/* Slot k holds its final values once op i has run: no later op writes it (an output, or RoPE's / ALLREDUCE's
+ * in-place change). */
 static int final_after(const fl_block_graph *g, int i, int k) {
     for (int j = i + 1; j < g->n_ops; j++)
         if (g->op[j].out == k || (modifies(&g->op[j]) && g->op[j].in == k)) return 0;
@@ -342,6 +342,20 @@ static int final_after(const fl_block_graph *g, int i, int k) {
 
 /* Rows of slot k in this pass: the block's B x T, or B x Tk for a stream from outside and what is computed from it. */
 static int rows(const fl_block_graph *g, int k, const fl_block_ctx *x) { return x->B * (g->slot[k].xrows ? x->Tk : x->T); }
+
+/* bf16 activations stored end to end (fl_block_ctx.store16): slot k, just written for the last time in the
+ * block, is stored in bf16 (its s16 copy) and the fp32 view the later ops read holds the same value (round on
+ * store, widen on load: the CPU backend computes in fp32, what it keeps is bf16). A slot written by several ops
+ * (a LINEAR's output then RoPE, or the residual add) is stored once, after the last: the ops between act as one
+ * fused kernel (bias + residual epilogue, RoPE in the attention's input preparation) that keeps its
+ * intermediate in registers. Statistics stay fp32. */
+static fl_status store16(const fl_backend *be, const fl_block_graph *g, int k, float *const *s, const fl_block_ctx *x) {
+    const uint8_t kind = g->slot[k].kind;
+    if ((kind != FL_GSLOT_WIDE && kind != FL_GSLOT_STREAM) || !x->s16[k]) return FL_OK;
+    const size_t n = (size_t)rows(g, k, x) * g->slot[k].width;
+    FL_TRY(be->convert(be, x->s16[k], FL_BF16, s[k], FL_F32, n));
+    return be->convert(be, s[k], FL_F32, x->s16[k], FL_BF16, n);
+}
 
 /* The general attention op's shape and q/k/v views for an ATTN op that is not the fused causal one:
  * self-attention over the fused q|k|v rows, or cross-attention of q rows to fused k|v rows. */
@@ -446,23 +460,36 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
         case FL_GOP_LINEAR: { // (N, wo)
             const fl_linear *lin = &bp->lin[o->p];
             if (x->xs_ready && g->slot[o->in].kind == FL_GSLOT_XSTREAM) break; /* kept from an earlier pass */
-            void *in16 = x->s16 && x->narrowed && lin->n_q4 == 0 && lin->wc && lin->wct == FL_BF16 &&
-                                 final_after(g, i, o->in)
-                             ? x->s16[o->in]
-                             : NULL;
-            if (in16) { /* the saved copy, rounded now, is the GEMM's bf16 operand */
-                FL_TRY(be->convert(be, in16, FL_BF16, in, FL_F32, (size_t)N * wi));
-                *x->narrowed |= 1u << o->in;
-            }
+            /* stored in bf16: the input's copy is the GEMM's bf16 operand (a BF16 weight rounds an F32 x to it);
+             * a slot still to be changed by a later op is not stored yet (the GEMM rounds the fp32 view itself) */
+            const void *in16 = x->store16 && lin->n_q4 == 0 && lin->wc && lin->wct == FL_BF16 &&
+                                       final_after(g, i, o->in)
+                                   ? x->s16[o->in]
+                                   : NULL;
             FL_TRY(fl_linear_forward_ex(be, out, in, in16, lin, N));
             break;
         }
         case FL_GOP_ROPE: rope(m, in, 0, x, wi); break;
         case FL_GOP_ATTN: FL_TRY(attn_forward(m, g, o, s, x)); break;
-        case FL_GOP_ADD: be->add(be, out, out, in, (size_t)N * wo); break;
+        case FL_GOP_ADD: {
+            /* a residual add straight into an RMSNorm of its sum: one fused op (issue 30 item 4; the CPU's is the
+             * two ops, the same bits). Not when bf16 is stored (store16): the sum must be rounded to bf16 before
+             * the norm reads it, and the fused op has no bf16 variant yet. */
+            const fl_gop *nx = i + 1 < g->n_ops && !x->store16 ? &g->op[i + 1] : NULL;
+            if (nx && nx->kind == FL_GOP_NORM && nx->in == o->out && !fl_arch_get(m->cfg.arch)->layernorm &&
+                wo == (size_t)m->cfg.dim && rows(g, nx->in, x) == N) {
+                FL_TRY(be->add_rmsnorm_forward(be, out, s[nx->out], S(nx->a2), out, in, bp->norm_w[nx->p], FL_F32, N,
+                                               m->cfg.dim, m->cfg.norm_eps));
+                i++; /* the norm is done */
+                break;
+            }
+            be->add(be, out, out, in, (size_t)N * wo);
+            break;
+        }
         case FL_GOP_SWIGLU: be->swiglu_forward(be, out, in, N, (int)wo); break;
         case FL_GOP_GELU: be->gelu_forward(be, out, in, (size_t)N * wi); break;
         case FL_GOP_RELU: be->relu_forward(be, out, in, (size_t)N * wi); break;
+        case FL_GOP_GELU_ERF: be->gelu_erf_forward(be, out, in, (size_t)N * wi); break;
         case FL_GOP_GEGLU:
             if (!be->geglu_forward)
                 return fl_errorf(FL_ERR_UNSUPPORTED, "backend %s has no geglu op (T5 v1.1's gated-GELU FFN)", be->name);
@@ -472,6 +499,7 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
             if (o->p == FL_GAR_FWD) FL_TRY(allreduce(x->comm, out, (size_t)N * wo));
             break;
         }
+        if (x->store16 && final_after(g, i, o->out)) FL_TRY(store16(be, g, o->out, s, x)); /* ROPE: in place */
     }
     return FL_OK;
 #undef S
@@ -529,6 +557,7 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         case FL_GOP_SWIGLU: be->swiglu_backward(be, din, dout, s[o->in], N, (int)wo); break;
         case FL_GOP_GELU: be->gelu_backward(be, din, dout, s[o->in], (size_t)N * wi); break;
         case FL_GOP_RELU: be->relu_backward(be, din, dout, s[o->in], (size_t)N * wi); break;
+        case FL_GOP_GELU_ERF: be->gelu_erf_backward(be, din, dout, s[o->in], (size_t)N * wi); break;
         case FL_GOP_GEGLU: be->geglu_backward(be, din, dout, s[o->in], N, (int)wo); break;
         case FL_GOP_ALLREDUCE:
             if (o->p == FL_GAR_BWD) FL_TRY(allreduce(x->comm, din, (size_t)N * wi));

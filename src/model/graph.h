@@ -73,6 +73,7 @@ typedef enum {
     FL_GOP_ALLREDUCE, /* in place (in == out): sum over fl_block_ctx.comm's ranks; p = FL_GAR_FWD: in the forward
                        * (backward: identity; Megatron's g after a row-parallel linear), FL_GAR_BWD: in the backward
                        * (forward: identity; Megatron's f before a column-parallel one). No comm / one rank: no-op */
+    FL_GOP_GELU_ERF, /* out = the exact GELU, in (1 + erf(in / sqrt 2)) / 2 (BLIP-2's vision tower and Q-Former) */
 } fl_gop_kind;
 
 /* Attention kinds (fl_gop.attn). CAUSAL without bias or mask runs the fused causal kernels (the decoder's
@@ -150,11 +151,13 @@ typedef struct {
     fl_kv_cache *kv;                    /* generation (B == 1): ATTN appends its K/V rows to the cache and, for
                                          * one row, attends to positions 0..pos0 of it; NULL: training */
     int layer;                          /* the cache's layer */
-    void *const *s16;                   /* BF16 saved activations: each WIDE slot's bf16 copy (fl_layer_acts.s16).
+    void *const *s16;                   /* bf16 activations (fl_layer_acts.s16): each stored slot's bf16 copy, or NULL.
                                          * Backward: a LINEAR's bf16 weight-gradient GEMM reads it as its rounded
-                                         * input (the same bits). Forward (with narrowed): a LINEAR with a BF16
-                                         * weight rounds its input there and its GEMM reads that copy. NULL: none */
-    unsigned *narrowed;                 /* forward with s16: bit k set when the block rounded slot k into s16 */
+                                         * input (the same bits as rounding the fp32 view) */
+    int store16;                        /* forward with s16: every WIDE and stream slot is stored in bf16 after the
+                                         * last op that writes it (its s16 copy) and its fp32 view rounded to the
+                                         * same value, so later ops read what is stored; a LINEAR with a BF16
+                                         * weight reads its (stored) input's copy as the GEMM's operand */
     int no_din;                         /* backward: nothing reads d(input) (block 0 under LoRA: the embeddings
                                          * are frozen), so ops whose gradient only flows there are skipped */
     const uint8_t *kmask;               /* ATTN with FL_GATTN_MASK: (B, Tk) key padding mask, nonzero = attend */

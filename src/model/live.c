@@ -21,6 +21,7 @@ int fl_model_live(const fl_model *m, fl_live_phase phase, fl_live_region *out) {
         out[n++] = (fl_live_region){m->work_arena, work, 0};
         lbuf = NULL;
         size_t lb = m->adapt && m->adapt->h.live_acts ? m->adapt->h.live_acts(m, B, T, train && !m->act_ckpt, &lbuf) : 0;
+        if (m->acts->s2s) lb = fl_s2s_adapter_live_bytes(m, train); /* its rows differ by stack */
         if (lbuf) out[n++] = (fl_live_region){lbuf, lb, 0};
     }
     if (!g) return n;

@@ -9,13 +9,16 @@ typedef struct {
     float *s[24];      /* FL_GRAPH_MAX_SLOTS: each slot's (N, width) fp32 view; s[IN] = res[l], s[OUT] = res[l+1].
                         * 16-bit saved activations: the WIDE slots alias ONE shared fp32 layer buffer */
     void *s16[24];     /* 16-bit activations (fl_act_opts.act_dtype != F32, no checkpointing): this layer's copy of
-                        * each WIDE slot in act_dtype; else NULL */
+                        * each WIDE slot in act_dtype; else NULL. bf16 stored: also s16[IN] = res16[l],
+                        * s16[OUT] = res16[l+1], and with checkpointing the one recomputed block's copies */
 } fl_layer_acts;
 
 struct fl_acts {
     int L;
     fl_dtype act_dtype;     /* storage of the saved activations (F32: in place, no conversion) */
-    float **res;            /* L+1 views (N, C): res[l] = input of block l; res[L] = final residual */
+    float **res;            /* L+1 views (N, C): res[l] = input of block l; res[L] = final residual (bf16 stored:
+                             * fp32 WORKSPACE views of what res16 holds, two buffers alternating) */
+    void **res16;           /* bf16 stored (act_dtype BF16): the L+1 residual rows in bf16 (ACTS), else NULL */
     fl_layer_acts *layer;   /* L */
     const struct fl_block_graph_s *graph; /* the block graph the views follow (m->acts owns it) */
     const struct fl_model_graph_s *mgraph; /* the model graph around the blocks (m->acts owns it) */
@@ -78,16 +81,20 @@ static inline fl_dims fl_model_dims(const fl_model_config *c) {
 
 /* An encoder-decoder's views (seq2seq.c), released with the arena (safe with NULL). */
 void fl_s2s_acts_free(struct fl_s2s_acts *s);
+/* An encoder-decoder's live bytes after its last pass (seq2seq.c; fl_acts_live_bytes and fl_model_live use them):
+ * the ACTS / WORKSPACE arenas', and the LoRA adapters' activations. */
+void fl_s2s_live_bytes(const fl_model *m, int train, size_t *acts, size_t *work);
+size_t fl_s2s_adapter_live_bytes(const fl_model *m, int train);
 /* Release the activation arena and its views (safe when none). */
 void fl_model_free_acts(fl_model *m);
 /* fl_backend.set_compute_dtype around a model call (transformer.c): on = the precision's compute
  * dtype, off = FL_F32 (no-op for backends without the slot). */
 void fl_model_tell_compute_dtype(const fl_model *m, int on);
-/* 16-bit saved activations (no-ops when a->act_dtype is F32 or under checkpointing):
- * round block l's saved activations (N rows) from the shared fp32 layer buffer into its
- * 16-bit region after its forward (but for the slots in `done`, bit k: slot k, which the block's
- * forward rounded already as bf16 GEMM operands: fl_block_ctx.narrowed) / widen them back before
- * its backward. */
+/* 16-bit saved activations (no-ops when a->act_dtype is F32; fp16 under checkpointing too):
+ * fp16: round block l's saved activations (N rows) from the shared fp32 layer buffer into its
+ * 16-bit region after its forward (but for the slots in `done`, bit k: slot k) / widen them back
+ * before its backward. bf16 stored: narrowing is the block's own (fl_block_ctx.store16); widening
+ * rebuilds block l's fp32 views from its stored input and (without checkpointing) slots. */
 fl_status fl_acts_narrow(fl_model *m, int l, int N, unsigned done);
 /* Live bytes (fl_mem_set_live) of the ACTS (*acts) and WORKSPACE (*work) arenas after a pass over
  * (B, T): train = a training forward (what the backward reads), else none but the constant tables.
@@ -96,6 +103,9 @@ void fl_acts_live_bytes(const fl_model *m, int B, int T, int train, size_t *acts
 /* The gradient buffer (the trained parameters' or the LoRA adapters'), NULL without one. */
 void *fl_model_grads_buffer(const fl_model *m);
 fl_status fl_acts_widen(fl_model *m, int l, int N);
+/* bf16 stored: residual rows res[l] (N rows, written by the embeddings) stored in res16[l], and the fp32 view
+ * rounded to the same values (no-op otherwise). */
+fl_status fl_acts_store_stream(fl_model *m, int l, int N);
 
 /* A linear layer: weight (out, in) in HF orientation, optional bias, optional
  * gradients (NULL = frozen). LoRA and quantized bases become fields here so
@@ -188,5 +198,34 @@ void fl_norm_forward(const fl_model *m, float *out, float *mean, float *rstd, co
                      const float *b, int N);
 void fl_norm_backward(const fl_model *m, float *dx, float *dw, float *db, const float *dout, const float *x,
                       const float *w, const float *mean, const float *rstd, int N);
+
+/* BLIP-2 (arch_blip2.c): does Q-Former block l cross-attend to the image features; a Q-Former block's graph with or
+ * without the cross-attention (the stack alternates them, so src/model/blip2.c builds both). */
+int fl_blip2_has_xattn(const fl_model_config *c, int l);
+struct fl_block_graph_s;
+void fl_blip2_qformer_block(const fl_model_config *c, int xattn, struct fl_block_graph_s *g);
+
+/* The chunked LM head + cross-entropy (head.c) over x (N, C): logits / losses (chunk x V, N) scratch, dtargets a device
+ * copy of the targets or NULL (host memory), dx (N, C) d(x) in training (grad_scale > 0 with targets); the valid
+ * targets' losses summed into *loss_sum, counted in *n_valid. */
+typedef struct {
+    const float *x;
+    float *dx, *logits, *losses;
+    int32_t *dtargets;
+    int chunk;
+} fl_head_bufs;
+fl_status fl_head_loss(fl_model *m, const fl_head_bufs *h, const int32_t *targets, int N, float grad_scale,
+                       float *logits_out, double *loss_sum, long *n_valid);
+
+/* An arena's views carved from one allocation (base NULL: count only), 64-byte aligned. */
+typedef struct {
+    char *base;
+    size_t off;
+} fl_carver;
+static inline void *fl_carve(fl_carver *cv, size_t bytes) {
+    void *p = cv->base ? (void *)(cv->base + cv->off) : NULL;
+    cv->off += (bytes + 63) / 64 * 64;
+    return p;
+}
 
 #endif

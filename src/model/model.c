@@ -94,7 +94,12 @@ fl_dtype fl_model_store_dtype(const fl_model *m) { return m->store ? m->store->d
 size_t fl_model_store_numel(const fl_model *m) { return m->store ? m->store->numel : 0; }
 int fl_model_quant4(const fl_model *m) { return m->store && m->store->q4 != NULL; }
 const fl_param_provider *fl_model_provider(const fl_model *m) { return m->store ? m->store->pp : NULL; }
+const fl_backend *fl_model_params_be(const fl_model *m) { return m->store ? fl_store_buf_be(m->store) : m->be; }
 void fl_model_store_shard(fl_model *m, void *shard, fl_param_provider *pp) { fl_store_make_shard(m->store, shard, pp); }
+void fl_model_store_offload(fl_model *m, void *shard, fl_param_provider *pp, const fl_backend *tier_be,
+                            fl_mem_pool *tier_pool) {
+    fl_store_make_offloaded(m->store, shard, pp, tier_be, tier_pool);
+}
 void fl_model_store_unshard(fl_model *m) {
     if (m->store) fl_store_make_whole(m->store);
 }
@@ -229,6 +234,7 @@ void fl_model_free_acts(fl_model *m) {
         fl_mem_free(m->pool, m->acts->targets);
         fl_s2s_acts_free(m->acts->s2s);
         free(m->acts->res);
+        free(m->acts->res16);
         free(m->acts->layer);
         free((void *)m->acts->graph);
         free(m->acts);
@@ -423,7 +429,8 @@ fl_status fl_model_init_random_ex(fl_model *m, uint64_t seed) {
                 const void *h = dt != FL_F32 ? (const void *)s16 : (const void *)(slice + (lo - B0));
                 size_t nb = (B1 - lo) * es;
                 fl_status st = FL_OK;
-                if (m->be) st = m->be->to_device(m->be, dst + (lo - a) * es, h, nb);
+                const fl_backend *pbe = fl_model_params_be(m); /* parameter offload: the host tier's */
+                if (pbe) st = pbe->to_device(pbe, dst + (lo - a) * es, h, nb);
                 else memcpy(dst + (lo - a) * es, h, nb); /* no backend: host memory */
                 if (st != FL_OK) {
                     free(slice);
@@ -450,4 +457,14 @@ double fl_model_train_flops(const fl_model_config *c, int B, int T) {
      * causal mask; x3 for forward+backward. */
     double attn = 3.0 * 2.0 * 2.0 * (double)B * T * T * d.QD * d.L / 2.0;
     return 6.0 * nmat * tokens + attn;
+}
+
+double fl_model_train_flops_s2s(const fl_model_config *c, int B, int Ts, int Tt) {
+    const double C = c->dim, QD = (double)c->n_heads * c->head_dim, F = c->ffn_dim, FCW = c->ffn_gated ? 2 * F : F;
+    const double Le = c->n_layers, Ld = c->n_dec_layers, ns = (double)B * Ts, nt = (double)B * Tt;
+    const double self = 3 * QD * C + C * QD, ffn = FCW * C + C * F, xq_o = 2 * QD * C, xkv = 2 * QD * C;
+    const double mat = Le * (self + ffn) * ns + (Ld * (self + xq_o + ffn) + (double)c->vocab_size * C) * nt + Ld * xkv * ns;
+    /* QK^T and PV: 2 x 2 x rows x keys x QD per layer forward, x3 for forward + backward */
+    const double attn = 12.0 * QD * (Le * ns * Ts + Ld * nt * Tt / 2.0 + Ld * nt * Ts);
+    return 6.0 * mat + attn;
 }

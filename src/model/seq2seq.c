@@ -15,9 +15,12 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "model-impl.h"
 #include "store.h"
+#include "fitllm/generate.h"
+#include "fitllm/lora.h"
 
 typedef struct {
     fl_block_graph g;
@@ -42,11 +45,18 @@ struct fl_s2s_acts {
     float *dstream;       /* (B T[0], C) d(the first stack's output) */
     float *gb[FL_GRAPH_MAX_GBUF]; /* the backward's gradient buffers, B x max Tmax rows; gb[1] also d(final norm out) */
     float *logits, *losses;
+    void *be_scratch;     /* the backend's op scratch (bf16 matmuls, 4-bit weights), lent for each pass, or NULL */
     int32_t *targets;     /* device copy when the backend's memory is not host memory, else NULL */
     int chunk;            /* logits rows per chunk */
 };
 
 int fl_model_is_s2s(const fl_model_config *c) { return c->n_dec_layers > 0; }
+
+static double now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+}
 
 void fl_s2s_acts_free(struct fl_s2s_acts *s) {
     if (!s) return;
@@ -137,7 +147,10 @@ static size_t carve_work(const fl_model *m, struct fl_s2s_acts *a, char *base) {
     a->chunk = fl_logits_chunk_rows(m->cfg.vocab_size, (int)(B * Tl));
     float *lg = TAKEF(&cv, (size_t)a->chunk * m->cfg.vocab_size), *ls = TAKEF(&cv, B * Tl);
     int32_t *tg = fl_backend_host_memory(m->be) ? NULL : take(&cv, B * Tl * sizeof(int32_t));
-    if (base) a->kmask = km, a->dstream = ds, a->logits = lg, a->losses = ls, a->targets = tg;
+    const size_t bes = fl_model_backend_scratch(m->prec.name ? m->prec.compute_dtype : FL_F32, fl_model_quant4(m),
+                                                m->be->scratch_bytes);
+    void *sc = bes ? take(&cv, bes) : NULL;
+    if (base) a->kmask = km, a->dstream = ds, a->logits = lg, a->losses = ls, a->targets = tg, a->be_scratch = sc;
     return cv.off;
 }
 
@@ -203,6 +216,58 @@ fl_status fl_model_alloc_acts_s2s(fl_model *m, int B, int Ts, int Tt) {
     return FL_OK;
 }
 
+/* Live bytes after the last pass (fl_acts_live_bytes of an encoder-decoder), counted at that pass's (B, T) of each
+ * stack without the arena's alignment. After a training forward (train): what the backward reads. ACTS: every
+ * stack's residual stream (L + 1 views: the blocks' inputs, the final norm's), its blocks' saved slots (under
+ * checkpointing the last block's, which the backward reuses without recomputing them), its final norm's rstd and,
+ * where a later stack reads it (the encoder's output: the cross-attention's k|v), that norm's output. WORKSPACE:
+ * every stack's relative bias (the attention backward re-forms its probabilities with it), bucket indices (the
+ * table's gradient) and ids (the embedding's), the key padding mask, and d(the last norm's output) the head left
+ * in gb[1]. Otherwise nothing: there are no constant tables (the bias is rebuilt by every forward). */
+void fl_s2s_live_bytes(const fl_model *m, int train, size_t *acts, size_t *work) {
+    const struct fl_s2s_acts *a = m->acts->s2s;
+    const size_t C = (size_t)m->cfg.dim, B = (size_t)a->Bp, NH = (size_t)m->cfg.n_heads, f = sizeof(float);
+    size_t ac = 0, wk = 0;
+    for (int s = 0; train && s < a->n_stacks; s++) {
+        const s2s_stack *st = &a->st[s];
+        const size_t T = (size_t)a->T[s], N = B * T;
+        size_t blk = 0;
+        for (int k = 0; k < st->g.n_prod; k++) {
+            const int sl = st->g.prod[k];
+            blk += B * (size_t)slot_T(a, s, sl, a->T) * (size_t)st->g.slot[sl].width;
+        }
+        ac += ((size_t)st->L + 1) * N * C + (st->L > 0 ? (m->act_ckpt ? 1 : (size_t)st->L) : 0) * blk + N;
+        if (s + 1 < a->n_stacks && a->st[s + 1].xslot >= 0) ac += N * C;
+        wk += NH * T * T * f + T * T * sizeof(int32_t) + N * sizeof(int32_t);
+    }
+    if (train) wk += (a->kmask_on ? B * (size_t)a->T[0] : 0) + B * (size_t)a->T[a->n_stacks - 1] * C * f;
+    *acts = ac * f;
+    *work = wk;
+}
+
+/* The LoRA adapters' live activations after the last pass (training forward: train): each block module's h (and,
+ * with dropout, its dropped input) at its rows: the source's in the encoder and for the cross-attention's k|v (it
+ * reads the encoder output), the target's elsewhere; under checkpointing only the last block of each stack's
+ * (the others are recomputed before their backward reads them). The head's run inside the forward: none. */
+size_t fl_s2s_adapter_live_bytes(const fl_model *m, int train) {
+    fl_lora_adapters v;
+    if (!train || !m->acts || !m->acts->s2s || !fl_model_lora_adapters(m, &v)) return 0;
+    const struct fl_s2s_acts *a = m->acts->s2s;
+    const int Le = a->st[0].L, Lall = Le + (a->n_stacks > 1 ? a->st[1].L : 0);
+    size_t n = 0;
+    for (int j = 0; j < v.n_mods; j++) {
+        const fl_lora_module *md = &v.mods[j];
+        if (md->layer < 0) continue;
+        if (m->act_ckpt && md->layer != Le - 1 && md->layer != Lall - 1) continue;
+        int p = md->param_index; /* k, v of a fused run carry no role: the run's first entry has it */
+        while (p > 0 && m->layout.params[p].role == FL_ROLE_NONE) p--;
+        const int src_rows = md->layer < Le || m->layout.params[p].role == FL_ROLE_XKV_W;
+        const size_t rows = (size_t)a->Bp * (size_t)a->T[src_rows ? 0 : a->n_stacks - 1];
+        n += rows * ((size_t)v.cfg->r + (v.cfg->dropout > 0 ? (size_t)md->in : 0));
+    }
+    return n * sizeof(float);
+}
+
 /* ---- relative position bias (T5) ------------------------------------------------------------- */
 
 /* transformers' T5Attention._relative_position_bucket for key j and query i, in its float32 arithmetic:
@@ -252,6 +317,23 @@ static void relbias_backward(fl_model *m, s2s_stack *st, int T) {
                                   T * T, 1);
 }
 
+/* ---- rows from the caller (fl_model.emb_inject: BLIP-2's queries) ----------------------------------- */
+
+static fl_status inject_rows(fl_model *m, float *res0, float *dres0) {
+    const fl_backend *be = m->be;
+    const size_t C = (size_t)m->cfg.dim;
+    for (int i = 0; i < m->emb_inject.n; i++) {
+        float *r = (dres0 ? dres0 : res0) + (size_t)m->emb_inject.rows[i] * C;
+        if (!dres0) {
+            FL_TRY(be->copy(be, r, m->emb_inject.src + i * C, C * sizeof(float)));
+            continue;
+        }
+        FL_TRY(be->copy(be, m->emb_inject.dsrc + i * C, r, C * sizeof(float)));
+        be->zero(be, r, C * sizeof(float));
+    }
+    return FL_OK;
+}
+
 /* ---- the passes --------------------------------------------------------------------------- */
 
 static float *param_of(const fl_model *m, int g, int role, int grad) {
@@ -273,9 +355,10 @@ static fl_block_ctx stack_ctx(const struct fl_s2s_acts *a, int s, float *const *
 static fl_status check_model(const fl_model *m, const char *fn) {
     if (!m->acts || !m->acts->s2s)
         return fl_errorf(FL_ERR_INVALID, "%s: activations not allocated (call fl_model_alloc_acts_s2s)", fn);
-    if (!fl_model_params_f32(m) || fl_model_provider(m) || fl_model_quant4(m) || (m->prec.name && m->prec.compute_copy))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: encoder-decoders run fp32 storage and compute only so far (no 16-bit "
-                         "or 4-bit weights, mixed precision or sharding yet)", fn);
+    if (!fl_model_params_f32(m) || fl_model_provider(m)) /* fp32 storage, whole (mixed precision's bf16 copy and 4-bit
+                                                          * block linears: through fl_linear_set_weight) */
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: encoder-decoders run fp32 storage only so far (no 16-bit weights or "
+                         "sharding yet)", fn);
     if (fl_model_adapters_are_merged(m)) /* the adapters are in the weights: running them again would double them */
         return fl_errorf(FL_ERR_INVALID, "%s: the LoRA adapters were merged into the weights; save the model and reload "
                          "it to run it", fn);
@@ -285,41 +368,9 @@ static fl_status check_model(const fl_model *m, const char *fn) {
 /* The head and the loss over the last stack's final norm output, chunked over rows; in training its backward too,
  * leaving d(the norm's output) in gb[1]. */
 static fl_status head_loss(fl_model *m, const int32_t *targets, int N, float grad_scale, float *logits_out) {
-    const fl_backend *be = m->be;
     struct fl_s2s_acts *a = m->acts->s2s;
-    const s2s_stack *st = &a->st[a->n_stacks - 1];
-    const int C = m->cfg.dim, V = m->cfg.vocab_size, train = grad_scale > 0 && targets;
-    fl_outer_params op;
-    fl_get_outer(m, &op);
-    fl_linear head = {.in = C, .out = V, .w = op.head, .dw = op.dhead};
-    fl_linear_set_weight(m, &head, op.head_idx);
-    const int32_t *tg = targets;
-    if (targets && a->targets) {
-        FL_TRY(be->to_device(be, a->targets, targets, (size_t)N * sizeof *targets));
-        tg = a->targets;
-    }
-    for (int r0 = 0; r0 < N; r0 += a->chunk) {
-        const int rows = N - r0 < a->chunk ? N - r0 : a->chunk;
-        const float *xr = st->nout + (size_t)r0 * C;
-        fl_model_bind_adapters(m, -1, 0, &head, r0); /* head adapters: this chunk */
-        FL_TRY(fl_linear_forward(be, a->logits, xr, &head, rows)); // (rows, V)
-        if (logits_out) FL_TRY(be->to_host(be, logits_out + (size_t)r0 * V, a->logits, (size_t)rows * V * sizeof(float)));
-        if (!targets) continue;
-        be->cross_entropy(be, a->losses + r0, train ? a->logits : NULL, a->logits, tg + r0, rows, V, grad_scale,
-                          FL_IGNORE_INDEX);
-        if (train) FL_TRY(fl_linear_backward(be, a->gb[1] + (size_t)r0 * C, 0, a->logits, xr, &head, rows));
-    }
-    if (!targets) return FL_OK;
-    float *l = malloc((size_t)N * sizeof *l);
-    if (!l) return fl_errorf(FL_ERR_OOM, "losses: out of host memory");
-    fl_status s = be->to_host(be, l, a->losses, (size_t)N * sizeof *l);
-    for (int i = 0; s == FL_OK && i < N; i++)
-        if (targets[i] != FL_IGNORE_INDEX) {
-            m->loss_sum += l[i];
-            m->n_valid++;
-        }
-    free(l);
-    return s;
+    const fl_head_bufs h = {a->st[a->n_stacks - 1].nout, a->gb[1], a->logits, a->losses, a->targets, a->chunk};
+    return fl_head_loss(m, &h, targets, N, grad_scale, logits_out, &m->loss_sum, &m->n_valid);
 }
 
 /* Stack s's model-graph ops, forward. */
@@ -337,6 +388,7 @@ static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, con
         case FL_MOP_EMBED:
             FL_TRY(be->to_device(be, st->ids, ids, (size_t)N * sizeof *ids));
             fl_embed_forward(m, &op, st->res[0], st->ids, ids, a->Bp, T, 0);
+            if (s == 0) FL_TRY(inject_rows(m, st->res[0], NULL));
             break;
         case FL_MOP_RELBIAS: FL_TRY(relbias_forward(m, st, T, s < mg->n_stacks - 1)); break;
         case FL_MOP_BLOCKS:
@@ -351,10 +403,13 @@ static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, con
             fl_norm_forward(m, st->nout, NULL, st->nrstd, st->res[st->L], param_of(m, G, mg->op[i].role_w, 0), NULL, N);
             break;
         case FL_MOP_OUTPUT: break; /* nout is the next stack's XSTREAM (bound when carved) */
-        case FL_MOP_HEAD_LM:
+        case FL_MOP_HEAD_LM: {
+            const double t0 = now_ms(); /* the step's "head" phase (fl_step_result.ms_head) */
             if (m->cfg.head_scale) be->scale(be, st->nout, (size_t)N * m->cfg.dim, 1.0f / sqrtf((float)m->cfg.dim));
             FL_TRY(head_loss(m, targets, N, grad_scale, logits_out));
+            m->ms_head = now_ms() - t0;
             break;
+        }
         default:
             return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_forward_s2s: model graph op %d is not executed in a stack",
                              mg->op[i].kind);
@@ -363,8 +418,8 @@ static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, con
     return FL_OK;
 }
 
-fl_status fl_model_forward_s2s(fl_model *m, const int32_t *src_ids, const uint8_t *src_mask, const int32_t *dec_ids,
-                               const int32_t *targets, int B, int Ts, int Tt, float grad_scale, float *logits_out) {
+static fl_status s2s_forward(fl_model *m, const int32_t *src_ids, const uint8_t *src_mask, const int32_t *dec_ids,
+                             const int32_t *targets, int B, int Ts, int Tt, float grad_scale, float *logits_out) {
     FL_TRY(check_model(m, "fl_model_forward_s2s"));
     struct fl_s2s_acts *a = m->acts->s2s;
     if (B > a->B || Ts > a->st[0].Tmax || Tt > a->st[1].Tmax || B <= 0 || Ts <= 0 || Tt <= 0)
@@ -393,6 +448,7 @@ fl_status fl_model_forward_s2s(fl_model *m, const int32_t *src_ids, const uint8_
     fl_status s = src_mask ? m->be->to_device(m->be, a->kmask, src_mask, (size_t)B * Ts) : FL_OK;
     m->loss_sum = 0;
     m->n_valid = 0;
+    m->ms_head = 0;
     m->have_targets = targets != NULL;
     for (int k = 0; s == FL_OK && k < mg.n_stacks; k++)
         s = stack_forward(m, &mg, k, ids[k], targets, grad_scale, logits_out);
@@ -416,6 +472,11 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, co
     be->zero(be, dres, (size_t)N * C * sizeof(float));
     fl_norm_backward(m, dres, param_of(m, G, role_norm, 1), NULL, dnout, st->res[st->L], param_of(m, G, role_norm, 0),
                      NULL, st->nrstd, N);
+    /* data parallel: each layout group's gradient handed on as it becomes final (fl_store_grads_ready; its bucket
+     * hook): the final norms and head's group once the first stack's norm is done (the stacks run backward in
+     * reverse), each block's after its backward (the first block's after the relative bias table it holds), the
+     * shared embedding's after the first stack's embedding */
+    if (s == 0) FL_TRY(fl_store_grads_ready(m->store, G));
     be->zero(be, st->dbias, (size_t)m->cfg.n_heads * T * T * sizeof(float));
     float *dxs[FL_GRAPH_MAX_SLOTS] = {0};
     if (st->xslot >= 0) {
@@ -434,14 +495,18 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, co
         }
         x.dattn_bias = st->dbias;
         FL_TRY(fl_block_backward(m, &st->g, &bp, st->layer[l].s, a->gb, &x));
+        if (l > 0) FL_TRY(fl_store_grads_ready(m->store, st->l0 + l + 1));
     }
     relbias_backward(m, st, T);
+    if (st->L > 0) FL_TRY(fl_store_grads_ready(m->store, st->l0 + 1));
     fl_outer_params op;
     fl_get_outer(m, &op);
-    return fl_embed_backward(m, &op, dres, st->ids, a->Bp, T);
+    if (s == 0) FL_TRY(inject_rows(m, NULL, dres));
+    FL_TRY(fl_embed_backward(m, &op, dres, st->ids, a->Bp, T));
+    return s == 0 ? fl_store_grads_ready(m->store, 0) : FL_OK;
 }
 
-fl_status fl_model_backward_s2s(fl_model *m) {
+static fl_status s2s_backward(fl_model *m) {
     FL_TRY(check_model(m, "fl_model_backward_s2s"));
     struct fl_s2s_acts *a = m->acts->s2s;
     if (!m->fwd_train)
@@ -507,8 +572,8 @@ static fl_status decode_step(fl_model *m, const fl_model_graph *mg, const int32_
     return be->to_host(be, lg, a->logits, (size_t)m->cfg.vocab_size * sizeof(float));
 }
 
-fl_status fl_model_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, int max_new,
-                                int kv_cache, int32_t *out, int *n_out) {
+static fl_status s2s_generate(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, int max_new,
+                              int kv_cache, fl_sampler *sp, int32_t *out, int *n_out) {
     FL_TRY(check_model(m, "fl_model_generate_s2s"));
     struct fl_s2s_acts *a = m->acts->s2s;
     const int V = m->cfg.vocab_size;
@@ -536,10 +601,11 @@ fl_status fl_model_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *
     int n = 0;
     out[n++] = m->cfg.dec_start_id;
     /* each token: with the cache the new row alone (its keys: the earlier rows' k, v kept in the blocks' q|k|v slots;
-     * the cross k|v from the first step), else the decoder over its whole prefix; the last row's argmax */
+     * the cross k|v from the first step), else the decoder over its whole prefix; the last row's argmax, or the
+     * sampler's choice */
     while (s == FL_OK && n <= max_new) {
         a->T[1] = n;
-        const float *row = lg;
+        float *row = lg;
         if (kv_cache) {
             s = decode_step(m, &mg, out + n - 1, n, lg);
         } else {
@@ -548,12 +614,58 @@ fl_status fl_model_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *
         }
         if (s != FL_OK) break;
         int best = 0;
-        for (int v = 1; v < V; v++)
-            if (row[v] > row[best]) best = v; /* the first of equal maxima, as torch.argmax */
+        if (sp) best = fl_sampler_sample(sp, row);
+        else
+            for (int v = 1; v < V; v++)
+                if (row[v] > row[best]) best = v; /* the first of equal maxima, as torch.argmax */
         out[n++] = best;
         if (best == m->cfg.eos_id) break;
     }
     free(lg);
     *n_out = n;
+    return s;
+}
+
+/* ---- the passes with the backend's scratch lent and the compute dtype told (as transformer.c's) ---------- */
+
+static void s2s_lend(const fl_model *m, int on) {
+    const void *sc = m->acts && m->acts->s2s ? m->acts->s2s->be_scratch : NULL;
+    if (sc) m->be->set_scratch(m->be, on ? (void *)sc : NULL, on ? m->be->scratch_bytes : 0);
+    fl_model_tell_compute_dtype(m, on);
+}
+
+fl_status fl_model_forward_s2s(fl_model *m, const int32_t *src_ids, const uint8_t *src_mask, const int32_t *dec_ids,
+                               const int32_t *targets, int B, int Ts, int Tt, float grad_scale, float *logits_out) {
+    s2s_lend(m, 1);
+    fl_status s = s2s_forward(m, src_ids, src_mask, dec_ids, targets, B, Ts, Tt, grad_scale, logits_out);
+    s2s_lend(m, 0);
+    return s;
+}
+
+fl_status fl_model_backward_s2s(fl_model *m) {
+    s2s_lend(m, 1);
+    fl_status s = s2s_backward(m);
+    s2s_lend(m, 0);
+    return s;
+}
+
+fl_status fl_model_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, int max_new,
+                                int kv_cache, int32_t *out, int *n_out) {
+    s2s_lend(m, 1);
+    fl_status s = s2s_generate(m, src, src_mask, Ts, max_new, kv_cache, NULL, out, n_out);
+    s2s_lend(m, 0);
+    return s;
+}
+
+fl_status fl_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, const fl_gen_params *gp,
+                          int32_t *out, int *n_out) {
+    *n_out = 0;
+    FL_TRY(fl_gen_params_validate(gp));
+    fl_sampler sp;
+    FL_TRY(fl_sampler_init(&sp, m->pool, m->cfg.vocab_size, gp));
+    s2s_lend(m, 1);
+    fl_status s = s2s_generate(m, src, src_mask, Ts, gp->max_new_tokens, !m->act_ckpt, &sp, out, n_out);
+    s2s_lend(m, 0);
+    fl_sampler_free(&sp);
     return s;
 }

@@ -13,9 +13,11 @@
  *   - FSDP shard (store_fsdp.c): the dense buffers hold this rank's shard; a group's whole parameters
  *     (and its gradient buffer) exist only while gathered, through the fl_param_provider that
  *     src/train/fsdp.c implements (the store, like the model, never talks to other ranks).
- * Next (not built yet; see docs/ARCHITECTURE.md "Parameter store"): an offloaded store (the dense
- * buffers in host memory or on NVMe, a group copied in by gather and out by release, gradients
- * copied out by grads_ready). The tensor-parallel shard (an entry's row or column slice bound as the
+ *   - offloaded (store_offload.c; parameter offload, --offload_param_device cpu|nvme): the FSDP store
+ *     whose shard and gradient shard live in a host tier (`tpool`, `tbe`: host memory or NVMe files)
+ *     instead of the device pool; the provider copies a group's piece to the device in gather and its
+ *     reduced gradient back in grads_ready (src/train/fsdp.c). At one rank the shard is the whole model.
+ * The tensor-parallel shard (an entry's row or column slice bound as the
  * whole weight of a narrower LINEAR, the graph's collective op summing the partial outputs) is built as
  * the dense store of a slice's layout: fitllm/tp.h, docs/ARCHITECTURE.md "Tensor parallelism".
  *
@@ -79,6 +81,8 @@ struct fl_param_store {
     size_t q4_bytes;
     void *wcompute;             /* (dense_numel) compute-dtype copy (mixed policies), PARAMS, or NULL */
     fl_param_provider *pp;      /* the FSDP store's provider */
+    fl_mem_pool *tpool;         /* offloaded store: the pool of params / p16 / grads / g16 (host tier or NVMe), else NULL */
+    const fl_backend *tbe;      /* the backend whose memory tpool's is (the host's) */
     /* data parallel (src/train/dp.c): called as each group's gradient becomes final (fl_store_grads_ready) */
     fl_status (*grad_ready)(void *ud, size_t off, size_t n);
     void *grad_ready_ud;
@@ -102,7 +106,23 @@ fl_status fl_store_q4_bind(fl_param_store *s);
 /* The FSDP store (store_fsdp.c): the dense buffer becomes `shard`, groups come through pp. */
 void fl_store_make_shard(fl_param_store *s, void *shard, fl_param_provider *pp);
 void fl_store_make_whole(fl_param_store *s);
-extern const fl_param_store_ops fl_store_dense_ops, fl_store_fsdp_ops;
+/* The offloaded store (store_offload.c): as make_shard, with the shard (and later the gradients) in tier_pool,
+ * host memory of tier_be. */
+void fl_store_make_offloaded(fl_param_store *s, void *shard, fl_param_provider *pp, const fl_backend *tier_be,
+                             fl_mem_pool *tier_pool);
+/* the provider's view-based table entries, shared by the FSDP and offloaded stores (store_fsdp.c) */
+void *fl_store_pp_param_at(const fl_param_store *s, size_t so);
+const void *fl_store_pp_compute_at(const fl_param_store *s, size_t so);
+void *fl_store_pp_grad_at(const fl_param_store *s, size_t off);
+fl_status fl_store_pp_gather(fl_param_store *s, int g, int next);
+void fl_store_pp_release(fl_param_store *s, int g);
+fl_status fl_store_pp_grads_begin(fl_param_store *s, int g);
+fl_status fl_store_pp_grads_ready(fl_param_store *s, int g);
+void fl_store_pp_zero_grads(fl_param_store *s);
+/* where the parameter and gradient buffers live: the tier's pool and backend (offloaded), else the store's */
+static inline fl_mem_pool *fl_store_buf_pool(const fl_param_store *s) { return s->tpool ? s->tpool : s->pool; }
+static inline const fl_backend *fl_store_buf_be(const fl_param_store *s) { return s->tbe ? s->tbe : s->be; }
+extern const fl_param_store_ops fl_store_dense_ops, fl_store_fsdp_ops, fl_store_offload_ops;
 
 /* ---- binding (store.c): what the passes call ---- */
 static inline int fl_store_is_q4(const fl_param_store *s, int i) { return s->q4 && s->q4[i].packed != NULL; }

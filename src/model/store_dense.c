@@ -31,13 +31,14 @@ const fl_param_store_ops fl_store_dense_ops = {
 };
 
 static void free_buffers(fl_param_store *s) {
+    fl_mem_pool *bp = fl_store_buf_pool(s); /* offloaded: the host tier's */
     fl_mem_free(s->pool, s->wcompute);
-    fl_mem_free(s->pool, s->grads);
-    fl_mem_free(s->pool, s->params);
-    fl_mem_free(s->pool, s->g16);
+    fl_mem_free(bp, s->grads);
+    fl_mem_free(bp, s->params);
+    fl_mem_free(bp, s->g16);
     fl_mem_free(s->pool, s->gstage);
     fl_mem_free(s->pool, s->pstage);
-    fl_mem_free(s->pool, s->p16);
+    fl_mem_free(bp, s->p16);
     fl_mem_free(s->pool, s->q4_mem);
     free(s->soff);
     free(s->q4);
@@ -98,14 +99,16 @@ fl_status fl_store_alloc_grads(fl_param_store *s, const fl_model_config *cfg) {
                          "(fitllm finetune_lora --quantize ...)");
     fl_status st;
     const size_t n = s->numel; /* sharded: this rank's shard */
+    const fl_backend *bbe = fl_store_buf_be(s); /* offloaded: the gradient shard in the host tier */
+    fl_mem_pool *bp = fl_store_buf_pool(s);
     if (s->dtype == FL_F32) {
-        st = fl_backend_calloc(s->be, s->pool, FL_TAG_GRADS, n * sizeof(float), (void **)&s->grads);
+        st = fl_backend_calloc(bbe, bp, FL_TAG_GRADS, n * sizeof(float), (void **)&s->grads);
     } else {
         s->gstage_n = fl_sizing_gstage_elems(cfg);
-        st = fl_backend_calloc(s->be, s->pool, FL_TAG_GRADS, n * sizeof(uint16_t), (void **)&s->g16);
+        st = fl_backend_calloc(bbe, bp, FL_TAG_GRADS, n * sizeof(uint16_t), (void **)&s->g16);
         if (st == FL_OK) st = fl_mem_alloc(s->pool, FL_TAG_WORKSPACE, s->gstage_n * sizeof(float), (void **)&s->gstage);
         if (st != FL_OK) {
-            fl_mem_free(s->pool, s->g16);
+            fl_mem_free(bp, s->g16);
             s->g16 = NULL;
         }
     }
@@ -113,8 +116,10 @@ fl_status fl_store_alloc_grads(fl_param_store *s, const fl_model_config *cfg) {
 }
 
 void fl_store_zero_grads(fl_param_store *s) {
-    if (s->grads) s->be->zero(s->be, s->grads, s->numel * sizeof(float));
-    if (s->g16) s->be->zero(s->be, s->g16, s->numel * sizeof(uint16_t));
+    /* offloaded: not zeroed (every unit's first reduction of the step writes its piece of the host shard,
+     * FSDP's `fresh`), so an NVMe tier's gradient pages are not touched for nothing */
+    if (s->grads && !s->tpool) s->be->zero(s->be, s->grads, s->numel * sizeof(float));
+    if (s->g16 && !s->tpool) s->be->zero(s->be, s->g16, s->numel * sizeof(uint16_t));
     s->ops->zero_grads(s);
 }
 

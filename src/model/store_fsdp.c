@@ -10,29 +10,29 @@ static void *view_at(const fl_param_store *s, void *v, size_t off, size_t es) {
     return v ? (char *)v + (off - s->lay->group_offset[fl_store_group_of(s, off)]) * es : NULL;
 }
 
-static void *fsdp_param_at(const fl_param_store *s, size_t so) {
+void *fl_store_pp_param_at(const fl_param_store *s, size_t so) {
     return view_at(s, s->pp->views[fl_store_group_of(s, so)].p, so, fl_dtype_size(s->dtype));
 }
 
-static const void *fsdp_compute_at(const fl_param_store *s, size_t so) {
+const void *fl_store_pp_compute_at(const fl_param_store *s, size_t so) {
     return view_at(s, s->pp->views[fl_store_group_of(s, so)].wc, so, fl_dtype_size(s->compute_dtype));
 }
 
-static void *fsdp_grad_at(const fl_param_store *s, size_t off) {
+void *fl_store_pp_grad_at(const fl_param_store *s, size_t off) {
     return view_at(s, s->pp->views[fl_store_group_of(s, off)].g, off, fl_dtype_size(s->dtype));
 }
 
-static fl_status fsdp_gather(fl_param_store *s, int g, int next) { return s->pp->gather(s->pp->ud, g, next); }
-static void fsdp_release(fl_param_store *s, int g) { s->pp->release(s->pp->ud, g); }
-static fl_status fsdp_grads_begin(fl_param_store *s, int g) { return s->pp->grads_begin(s->pp->ud, g); }
-static fl_status fsdp_grads_ready(fl_param_store *s, int g) { return s->pp->grads_ready(s->pp->ud, g); }
-static void fsdp_zero_grads(fl_param_store *s) {
+fl_status fl_store_pp_gather(fl_param_store *s, int g, int next) { return s->pp->gather(s->pp->ud, g, next); }
+void fl_store_pp_release(fl_param_store *s, int g) { s->pp->release(s->pp->ud, g); }
+fl_status fl_store_pp_grads_begin(fl_param_store *s, int g) { return s->pp->grads_begin(s->pp->ud, g); }
+fl_status fl_store_pp_grads_ready(fl_param_store *s, int g) { return s->pp->grads_ready(s->pp->ud, g); }
+void fl_store_pp_zero_grads(fl_param_store *s) {
     if (s->pp->zero_grads) s->pp->zero_grads(s->pp->ud);
 }
 
 const fl_param_store_ops fl_store_fsdp_ops = {
-    "fsdp", 0, fsdp_param_at, fsdp_compute_at, fsdp_grad_at, fsdp_gather, fsdp_release, fsdp_grads_begin,
-    fsdp_grads_ready, fsdp_zero_grads,
+    "fsdp", 0, fl_store_pp_param_at, fl_store_pp_compute_at, fl_store_pp_grad_at, fl_store_pp_gather,
+    fl_store_pp_release, fl_store_pp_grads_begin, fl_store_pp_grads_ready, fl_store_pp_zero_grads,
 };
 
 void fl_store_make_shard(fl_param_store *s, void *shard, fl_param_provider *pp) {
@@ -44,7 +44,7 @@ void fl_store_make_shard(fl_param_store *s, void *shard, fl_param_provider *pp) 
 }
 
 void fl_store_make_whole(fl_param_store *s) {
-    s->pp = NULL;
+    s->pp = NULL; /* an offloaded store keeps tpool: its buffers go back there */
     s->numel = s->lay->numel;
     s->ops = &fl_store_dense_ops;
 }

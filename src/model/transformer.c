@@ -4,6 +4,7 @@
  * Activations live in the arena carved from the same graph (acts.c; fp32, or the wide ones stored
  * in 16 bits between forward and backward: fl_act_opts). */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -27,14 +28,14 @@ static fl_block_ctx train_ctx(const fl_model *m, int B, int T) {
 /* One block forward: res[l] (N, C) -> res[l+1] (N, C), saving the block's activations in its
  * slots (the block graph, graph.c). Used by the forward pass and, with activation checkpointing,
  * again in backward (same ops, same order: bit-identical). */
-static fl_status block_forward(fl_model *m, int l, int B, int T, unsigned *narrowed) {
+static fl_status block_forward(fl_model *m, int l, int B, int T) {
     const fl_block_graph *g = m->acts->graph;
     fl_block_params bp;
     fl_get_block(m, g, l, &bp);
     fl_block_ctx x = train_ctx(m, B, T);
-    if (narrowed && m->acts->act_dtype == FL_BF16) { /* 16-bit saved activations: the BF16 GEMMs' inputs */
+    if (m->acts->res16) { /* bf16 stored: every slot the block writes, after its last writer */
         x.s16 = m->acts->layer[l].s16;
-        x.narrowed = narrowed;
+        x.store16 = 1;
     }
     return fl_block_forward(m, g, &bp, m->acts->layer[l].s, &x);
 }
@@ -75,6 +76,7 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
     fl_outer_params op;
     fl_get_outer(m, &op);
     fl_embed_forward(m, &op, a->res[0], a->ids, ids, B, T, 0);
+    FL_TRY(fl_acts_store_stream(m, 0, N));
     if (!tied) PP_RELEASE(0);
     const int32_t *tg = targets; /* what cross_entropy reads: device memory on a device backend */
     if (targets && a->targets) {
@@ -90,9 +92,8 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
     m->ckpt_last_live = 0;
     for (int l = 0; l < d.L; l++) {
         PP_GATHER(l + 1, l + 2 <= d.L ? l + 2 : HG);
-        unsigned done = 0; /* the slots the block rounded into their 16-bit copies itself */
-        FL_TRY(block_forward(m, l, B, T, grad_scale > 0 ? &done : NULL));
-        if (grad_scale > 0) FL_TRY(fl_acts_narrow(m, l, N, done));
+        FL_TRY(block_forward(m, l, B, T));
+        if (grad_scale > 0) FL_TRY(fl_acts_narrow(m, l, N, 0));
         PP_RELEASE(l + 1);
     }
     /* checkpointing: the last block's activations are still in the shared buffer (the final norm
@@ -114,7 +115,7 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
      * adapter gets its gradients here, chunk by chunk (the base head is frozen). */
     /* an asynchronous device (not host memory) runs behind the host: wait at the phase edges so the
      * phase times are the device's */
-    if (!fl_backend_host_memory(be)) FL_TRY(be->sync(be));
+    if (m->phase_sync && !fl_backend_host_memory(be)) FL_TRY(be->sync(be));
     const double t_head = now_ms(); /* the step's "head" phase (fl_step_result.ms_head) */
     const int R = m->sizes.logits_chunk_rows;
     fl_linear head = {.in = d.C, .out = d.V, .w = op.head, .dw = op.dhead};
@@ -165,22 +166,35 @@ static fl_status model_forward(fl_model *m, const int32_t *ids, const int32_t *t
         FL_TRY(fl_linear_backward(be, dlnf + (size_t)r0 * d.C, 0, a->logits, xr, wide ? &hw : &head, rows));
     }
     if (stage_head) FL_TRY(fl_store_stage_flush(m->store, op.head_off, (size_t)d.V * d.C));
-    if (!fl_backend_host_memory(be)) FL_TRY(be->sync(be));
+    if (m->phase_sync && !fl_backend_host_memory(be)) FL_TRY(be->sync(be));
     m->ms_head = now_ms() - t_head;
-    if (targets) { /* the per-token losses come to the host in slices (a device's arena is not host memory) */
-        float lbuf[1024];
-        for (int i0 = 0; i0 < N; i0 += 1024) {
-            int n = N - i0 < 1024 ? N - i0 : 1024;
-            FL_TRY(be->to_host(be, lbuf, a->losses + i0, (size_t)n * sizeof(float)));
+    if (targets) { /* the per-token losses come to the host in slices (a device's arena is not host memory); on a
+                    * device in one copy (each copy waits for the device: issue 30 item 5) */
+        float lstack[1024], *lheap = NULL, *lbuf = lstack;
+        int slice = 1024;
+        if (N > slice && !fl_backend_host_memory(be) && (lheap = malloc((size_t)N * sizeof *lheap))) {
+            lbuf = lheap;
+            slice = N;
+        }
+        for (int i0 = 0; i0 < N; i0 += slice) {
+            int n = N - i0 < slice ? N - i0 : slice;
+            fl_status ls = be->to_host(be, lbuf, a->losses + i0, (size_t)n * sizeof(float));
+            if (ls != FL_OK) {
+                free(lheap);
+                return ls;
+            }
             for (int i = i0; i < i0 + n; i++)
                 if (targets[i] != FL_IGNORE_INDEX) {
-                    if (targets[i] < 0 || targets[i] >= d.V)
+                    if (targets[i] < 0 || targets[i] >= d.V) {
+                        free(lheap);
                         return fl_errorf(FL_ERR_INVALID, "target id %d at position %d is outside the vocabulary [0, %d)",
                                          targets[i], i, d.V);
+                    }
                     m->loss_sum += lbuf[i - i0];
                     m->n_valid++;
                 }
         }
+        free(lheap);
     }
     m->fwd_B = B;
     m->fwd_T = T;
@@ -204,16 +218,17 @@ static fl_status blocks_backward(fl_model *m, int B, int T) {
         PP_GRADS(l + 1);
         const size_t gn = fl_group_numel(m, l + 1);
         fl_store_stage_begin(m->store, gn);
+        /* 16-bit saved activations: widen this block's back into the shared fp32 buffer (bf16 stored: its
+         * input too, which a recompute starts from) */
+        FL_TRY(fl_acts_widen(m, l, N));
         /* checkpointing: rebuild this block's activations from its saved input (it also rewrites
          * res[l+1] with identical values; backward no longer needs it). Block L-1's are still
          * there from the forward (the same ops in the same order: the same bits). */
         if (m->act_ckpt && !(l == d.L - 1 && m->ckpt_last_live)) {
-            FL_TRY(block_forward(m, l, B, T, NULL));
+            FL_TRY(block_forward(m, l, B, T));
             m->ckpt_recomputed++;
         }
         m->ckpt_last_live = 0;
-        /* 16-bit saved activations: widen this block's back into the shared fp32 buffer */
-        FL_TRY(fl_acts_widen(m, l, N));
         /* the block's ops in reverse (graph.c): d res[l+1] in dres becomes d res[l] */
         fl_block_params bp;
         fl_get_block(m, a->graph, l, &bp);
@@ -340,7 +355,7 @@ static fl_status model_encode(fl_model *m, const int32_t *ids, const int32_t *ty
     a->kmask_on = kmask != NULL;
     if (kmask) FL_TRY(be->to_device(be, a->kmask, kmask, (size_t)N));
     FL_TRY(encode_embed(m, ids, B, T));
-    for (int l = 0; l < d.L; l++) FL_TRY(block_forward(m, l, B, T, NULL));
+    for (int l = 0; l < d.L; l++) FL_TRY(block_forward(m, l, B, T));
     const float *out = a->res[d.L];
     if (fl_model_graph_has(a->mgraph, FL_MOP_NORM, 1)) { /* a final norm (the decoders' kind of output) */
         fl_outer_params op;

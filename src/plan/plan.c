@@ -45,6 +45,8 @@ static const fl_plan_technique k_tech[] = {
     {"lora", 1, "fitllm finetune_lora", "adapters only: the base needs no gradients or optimizer state"},
     {"qlora", 1, "fitllm finetune_lora --quantize bnb.nf4-dq", "LoRA on bitsandbytes NF4/FP4 4-bit base weights"},
     {"cpu_offload", 1, "--strategy deepspeed_stage_2_offload", "ZeRO-Offload: the optimizer state in host memory, the update on the host's cores"},
+    {"param_offload", 1, "--strategy deepspeed_stage_3_offload --offload_param_device cpu",
+     "ZeRO-3 with the parameters' and gradients' shards in host memory (or NVMe files), each unit fetched ahead of its use"},
     {"ddp", 1, "mpirun -np N fitllm ... --devices N (--strategy ddp)", "each rank holds everything; the lab runs its ranks as threads of one process"},
     {"fsdp", 1, "mpirun -np N fitllm ... --devices N --strategy fsdp", "FULL_SHARD / ZeRO-3: parameters, gradients and optimizer state divided by the ranks, units gathered block by block"},
 };
@@ -175,6 +177,7 @@ typedef struct {
     fl_model_config mc;
     fl_status *err;      /* where a run that failed for another reason than memory says so (may be NULL) */
     int T;
+    int Ts;              /* an encoder-decoder: source rows (T: the target's); 0 otherwise */
     int gen;             /* sample generation at evaluation */
     int n_prompt, cap;   /* its prompt tokens and KV capacity */
     int rank;            /* the rank planned (ZeRO: ranks differ by their chunk) */
@@ -192,8 +195,8 @@ static const char *k_steps_dp[] = {"after_load", "before_fwd", "after_fwd", "aft
 /* The plan's verdict from a rehearsal's status s and record r (s's message is this thread's). */
 static int rehearsal_result(const plan_ctx *x, fl_status s, const fl_trainer_result *r, int ranks, size_t budget,
                             fl_plan *out, size_t *peak_total) {
-    if (s == FL_ERR_UNSUPPORTED) /* the stand-in asked the planned backend's supports_op */
-        s = fl_error_prefix(s, "the %s backend refuses this run at set-up (the plan's null backend stands in for it)",
+    if (s == FL_ERR_UNSUPPORTED) /* the trainer refuses it, or the stand-in asked the planned backend's supports_op */
+        s = fl_error_prefix(s, "refused at set-up (on the plan's null backend standing in for the %s backend)",
                             x->cuda ? "cuda" : "cpu");
     const int oom = s == FL_ERR_OOM && r->oom.valid;
     if (s != FL_OK && !oom && x->err && *x->err == FL_OK) *x->err = s; /* not a memory verdict: an error */
@@ -235,6 +238,8 @@ static fl_status rehearse_on_null(const plan_ctx *x, const fl_run_config *v, fl_
     fl_backend be;
     FL_TRY(fl_null_backend_init_for(&be, x->cuda ? "cuda" : "cpu"));
     fl_null_backend_set_mpi_scratch(&be, !x->comm_threads && !x->cuda); /* several CPU ranks over mpirun */
+    fl_run_config vs; /* an encoder-decoder: the rehearsal's sources are data.max_source_length tokens long */
+    if (x->Ts) vs = *v, vs.data.max_source_length = x->Ts, v = &vs;
     fl_status s = fl_trainer_rehearse_comm(v, &x->mc, &be, comm, budget, B, x->T, accum, x->gen ? x->n_prompt : 0, r);
     fl_null_backend_free(&be);
     return s;
@@ -364,10 +369,18 @@ static int adam8bit_takes(const plan_ctx *x, const fl_run_config *c, char *why, 
 static void sugg_variant(fl_plan *p, const plan_ctx *x, fl_plan_suggestion *s, const fl_run_config *v,
                          const fl_optim_config *oc, const char *change, const char *note) {
     size_t peak = 0;
-    s->fits = simulate(x, v, oc, p->B, p->accum, p->budget, NULL, NULL);
+    fl_status err = FL_OK;
+    plan_ctx y = *x;
+    y.err = &err; /* a variant the run refuses (not for memory): said so, with the refusal */
+    s->fits = simulate(&y, v, oc, p->B, p->accum, p->budget, NULL, NULL);
+    snprintf(s->change, sizeof s->change, "%s", change);
+    if (err != FL_OK) {
+        s->fits = -1;
+        snprintf(s->note, sizeof s->note, "%s", fl_error_message());
+        return;
+    }
     simulate(x, v, oc, p->B, p->accum, 0, NULL, &peak);
     s->peak = peak;
-    snprintf(s->change, sizeof s->change, "%s", change);
     snprintf(s->note, sizeof s->note, "%s", note);
 }
 
@@ -394,21 +407,25 @@ static void suggest_shape(fl_plan *p, const plan_ctx *x, const fl_run_config *c)
     /* 2. shorter sequences at this micro batch */
     if ((s = sugg(p, "max_seq_length"))) {
         plan_ctx y = *x;
-        int lo = 0, hi = x->T - 1; /* largest T' < T that fits */
+        int *len = x->Ts ? &y.Ts : &y.T; /* an encoder-decoder: shorter sources */
+        int lo = 0, hi = *len - 1; /* largest T' < T that fits */
         while (lo < hi) {
             int mid = (lo + hi + 1) / 2;
-            y.T = mid;
+            *len = mid;
             if (simulate(&y, c, oc, p->B, p->accum, budget, NULL, NULL)) lo = mid;
             else hi = mid - 1;
         }
         if (lo >= 1) {
-            y.T = lo;
+            *len = lo;
             simulate(&y, c, oc, p->B, p->accum, 0, NULL, &peak);
             s->fits = 1;
             s->peak = peak;
-            /* the trainer's T is max_seq_length - 1 (inputs are a sample minus its last token) */
-            snprintf(s->change, sizeof s->change, "--train.max_seq_length %d", lo + 1);
-            snprintf(s->note, sizeof s->note, "samples longer than %d tokens are truncated", lo + 1);
+            /* the trainer's T is max_seq_length - 1 (inputs are a sample minus its last token); a source is cut to
+             * max_source_length tokens */
+            if (x->Ts) snprintf(s->change, sizeof s->change, "--data.max_source_length %d", lo);
+            else snprintf(s->change, sizeof s->change, "--train.max_seq_length %d", lo + 1);
+            snprintf(s->note, sizeof s->note, "%s longer than %d tokens are truncated", x->Ts ? "sources" : "samples",
+                     x->Ts ? lo : lo + 1);
         } else {
             s->fits = 0;
             snprintf(s->note, sizeof s->note, "no sequence length fits at micro_batch_size %d", p->B);
@@ -487,6 +504,26 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
                      "down and parameters up every step)" : "the optimizer state in files on a disk, paged through a few "
                      "pieces of RAM (slower: read and written every step)");
     }
+    /* 4c. parameter offload: where even ZeRO-3's shards (or one process's whole model) do not fit the device, the
+     * shards of the parameters and gradients go to the host (a CPU run: to files, its host being its "device") with
+     * the optimizer; full-model training only (LoRA's frozen base stays whole) */
+    if (c->command != FL_CMD_FINETUNE_LORA && !fl_cfg_param_offload(c) &&
+        !fl_cfg_hybrid_shard(c->strategy, c->sharding_strategy) && (p->devices == 1 || z3) &&
+        oc->kind != FL_OPT_ADAMW8BIT && (s = sugg(p, "param_offload"))) {
+        fl_run_config v = *c;
+        snprintf(v.strategy, sizeof v.strategy, "deepspeed_stage_3_offload");
+        v.sharding_strategy[0] = '\0';
+        snprintf(v.offload_param_device, sizeof v.offload_param_device, "%s", x->cuda ? "cpu" : "nvme");
+        if (!x->cuda) snprintf(v.offload_device, sizeof v.offload_device, "nvme");
+        sugg_variant(p, x, s, &v, oc,
+                     x->cuda ? "--strategy deepspeed_stage_3_offload --offload_param_device cpu"
+                             : "--strategy deepspeed_stage_3_offload --offload_param_device nvme --offload_optimizer_device "
+                               "nvme --nvme_path DIR",
+                     x->cuda ? "the parameters' and gradients' shards and the optimizer in host memory, each unit copied "
+                               "to the device ahead of its use (slower: every unit crosses PCIe twice per step)"
+                             : "the parameters, gradients and optimizer state in files on a disk, each unit read ahead "
+                               "of its use (slower: the disk is read and written every step)");
+    }
     if (c->command != FL_CMD_FINETUNE_LORA && (s = sugg(p, "lora"))) {
         fl_run_config v = *c;
         fl_run_config d;
@@ -518,6 +555,23 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
         const fl_plan_technique *t = tech(later[i]);
         if (t && !t->available && (s = sugg(p, later[i]))) snprintf(s->change, sizeof s->change, "%s", t->how);
     }
+}
+
+/* An encoder-decoder's two lengths: the source's (--seq-len, else data.max_source_length) and the target's
+ * (--target-len, else data.max_target_length); the trainer sizes for the longest pair cut to those limits. */
+static fl_status s2s_lengths(const fl_run_config *c, const fl_plan_opts *o, plan_ctx *x, fl_plan *p) {
+    x->Ts = o->seq_len > 0 ? o->seq_len : c->data.max_source_length;
+    x->T = o->target_len > 0 ? o->target_len : c->data.max_target_length;
+    if (x->Ts <= 0 || x->T <= 0)
+        return fl_errorf(FL_ERR_INVALID, "plan: an encoder-decoder (%s) needs a %s length: give %s (data.%s is no "
+                         "limit)", x->mc.name, x->Ts <= 0 ? "source" : "target",
+                         x->Ts <= 0 ? "--seq-len or --data.max_source_length" : "--target-len or --data.max_target_length",
+                         x->Ts <= 0 ? "max_source_length" : "max_target_length");
+    note(p, "source %d tokens (%s), target %d (%s): the trainer sizes activations for the longest source and target, "
+            "cut to data.max_source_length / max_target_length, so shorter pairs need less", x->Ts,
+         o->seq_len > 0 ? "--seq-len" : "data.max_source_length", x->T,
+         o->target_len > 0 ? "--target-len" : "data.max_target_length");
+    return FL_OK;
 }
 
 fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_plan *p) {
@@ -585,7 +639,12 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
         else
             note(p, "gradient reductions unbucketed (--bucket_size null): their scratch grows with the model");
     }
-    if (sc.offload && !strcmp(c->offload_device, "nvme"))
+    if (sc.param_offload)
+        note(p, "parameter offload (offload_param_device %s): PARAMS and GRADS are this rank's shards in the %s tier "
+                "(outside the device budget); GATHER holds the units fetched to the device at a time%s",
+             sc.param_offload == 2 ? "nvme" : "cpu", sc.param_offload == 2 ? "nvme" : "host",
+             opts.cuda ? " and each unit's piece staged before its all-gather" : "");
+    if (sc.offload && fl_cfg_offload_nvme(c))
         note(p, "NVMe offload: OPTIM is in the nvme tier (its row: files under nvme_path, paged through a few "
                 "pieces of host memory), outside the device budget%s", opts.cuda ? "; the host tier: one piece staged"
                                                                                  : "");
@@ -605,7 +664,9 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     p->n_params = fl_sizing_param_count(&x.mc);
     const int ctx = x.mc.max_seq;
     /* T: the trainer's min(longest sample - 1, max_seq_length, context) without the data */
-    if (opts.seq_len > 0) {
+    if (fl_model_is_s2s(&x.mc)) {
+        FL_TRY(s2s_lengths(c, &opts, &x, p));
+    } else if (opts.seq_len > 0) {
         x.T = opts.seq_len < ctx ? opts.seq_len : ctx;
         note(p, "T = %d from --seq-len%s", x.T, opts.seq_len > ctx ? " (capped by the model context)" : "");
     } else if (c->train.max_seq_length > 0) {
@@ -621,6 +682,7 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
                 "time; this is the upper bound (set --train.max_seq_length to plan for less)", x.T);
     }
     p->T = x.T;
+    p->Ts = x.Ts;
     p->B = c->train.micro_batch_size;
     p->global_batch = c->train.global_batch_size / fl_cfg_dp_ranks(c); /* per data-parallel rank */
     p->accum = p->global_batch / p->B;
@@ -634,8 +696,12 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     if (gen < 0)
         gen = c->eval.max_new_tokens > 0 && has_val_split(c) &&
               (c->train.max_steps < 0 || c->train.max_steps >= c->eval.interval);
-    if (gen && fsdp) {
-        note(p, "no eval sample generation: the trainer skips it under FULL_SHARD");
+    if (gen && (fsdp || sc.param_offload)) { /* parameter offload: FULL_SHARD's provider at one rank too */
+        note(p, "no eval sample generation: the trainer skips it under FULL_SHARD%s", sc.param_offload ? " and parameter offload" : "");
+        gen = 0;
+    }
+    if (gen && x.Ts) {
+        note(p, "no evaluation: an encoder-decoder run has no validation split or sample generation yet");
         gen = 0;
     }
     if (gen && c->eval.max_new_tokens > 0) {
@@ -692,13 +758,19 @@ static void row(FILE *f, const char *name, const char *kind, const size_t *b, si
 
 void fl_plan_print(const fl_plan *p, FILE *f) {
     char a[32], b[32], d[32];
-    fprintf(f, "model: %s (%s), %zu parameters; %s, L=%d C=%d F=%d heads %d/%d, vocab %d, context %d\n",
+    char lay[32];
+    if (p->model.n_dec_layers) snprintf(lay, sizeof lay, "L=%d+%d", p->model.n_layers, p->model.n_dec_layers);
+    else snprintf(lay, sizeof lay, "L=%d", p->model.n_layers);
+    fprintf(f, "model: %s (%s), %zu parameters; %s, %s C=%d F=%d heads %d/%d, vocab %d, context %d\n",
             p->model.name[0] ? p->model.name : "?", p->model_source, p->n_params,
-            fl_arch_get(p->model.arch)->display, p->model.n_layers, p->model.dim, p->model.ffn_dim,
+            fl_arch_get(p->model.arch)->display, lay, p->model.dim, p->model.ffn_dim,
             p->model.n_heads, p->model.n_kv_heads, p->model.vocab_size, p->model.max_seq);
-    fprintf(f, "run: micro_batch %d x accumulation %d = global batch %d, T=%d, precision %s, %s, activation "
+    char len[64];
+    if (p->Ts) snprintf(len, sizeof len, "source %d, target %d", p->Ts, p->T);
+    else snprintf(len, sizeof len, "T=%d", p->T);
+    fprintf(f, "run: micro_batch %d x accumulation %d = global batch %d, %s, precision %s, %s, activation "
                "checkpointing %s, eval sample generation %s\n",
-            p->B, p->accum, p->global_batch, p->T, p->precision, p->optimizer, p->act_ckpt ? "on" : "off",
+            p->B, p->accum, p->global_batch, len, p->precision, p->optimizer, p->act_ckpt ? "on" : "off",
             p->generation ? "on" : "off");
     for (int i = 0; i < p->n_notes; i++) fprintf(f, "note: %s\n", p->notes[i]);
     if (p->verdict == FL_PLAN_UNAVAILABLE) {
@@ -791,8 +863,10 @@ void fl_plan_write_json(const fl_plan *p, FILE *f) {
             fl_arch_get(p->model.arch)->name, p->n_params, p->model.vocab_size, p->model.dim,
             p->model.n_layers, p->model.n_heads, p->model.n_kv_heads, p->model.ffn_dim, p->model.max_seq);
     fprintf(f, "  \"config\": {\"micro_batch_size\": %d, \"accumulation\": %d, \"global_batch_size\": %d, "
-               "\"seq_len\": %d, \"precision\": ",
+               "\"seq_len\": %d, ",
             p->B, p->accum, p->global_batch, p->T);
+    if (p->Ts) fprintf(f, "\"source_len\": %d, \"precision\": ", p->Ts); /* an encoder-decoder: seq_len is the target's */
+    else fprintf(f, "\"source_len\": null, \"precision\": ");
     jstr(f, p->precision);
     fprintf(f, ", \"optimizer\": ");
     jstr(f, p->optimizer);

@@ -48,6 +48,15 @@ typedef struct fl_dp {
     size_t bucket;         /* --bucket_size: the gradient reductions' bucket bytes (0: one collective each; dp_bucket.c) */
     fl_comm *grid;         /* tensor parallel: the whole grid (comm is its data-parallel axis), over which the set-up's
                             * agreements and the configuration check run; NULL: comm */
+    /* parameter offload (fl_cfg_param_offload; the trainer sets it before fl_fsdp_prepare): the tier the shards of
+     * the parameters and gradients live in (pool: the host tier or the NVMe disk pool; disk: it is the disk pool),
+     * the host backend of its memory, the host tier (scratch of the gradients' way down) and the prefetch depth
+     * (--offload_prefetch). pool NULL: the shards on the device. With it FULL_SHARD runs at one rank too. */
+    struct {
+        const fl_backend *be;
+        fl_mem_pool *pool, *host;
+        int disk, prefetch;
+    } ptier;
 } fl_dp;
 
 /* A checkpoint writer's source for one optimizer state array arr of o (es-byte elements): t->data read
@@ -181,6 +190,9 @@ fl_status fl_dp_agree(fl_dp *dp, fl_status mine);
  * (fl_model_param_piece): no rank ever holds the whole model, and no collective runs at load.
  * Run before the model is created (stg: fl_trainer_storage's). No-op otherwise. */
 fl_status fl_fsdp_prepare(fl_dp *dp, const fl_run_config *cfg, const fl_precision *prec, fl_model_storage *stg);
+/* Parameter offload on NVMe: a failed allocation s of the tier that its disk refused (no space, a file-size limit)
+ * as an I/O error naming the folder's reason and this rank's bytes of `what` ("parameter", "gradient"); else s. */
+fl_status fl_fsdp_tier_fault(const fl_dp *dp, fl_status s, const char *what, size_t bytes);
 /* After fl_model_set_precision, before fl_model_alloc_grads (which then allocates the shard) and
  * the optimizer (which then sees the shard): the gathered units' compute copy of mixed policies
  * (no whole copy exists). FL_ERR_INTERNAL when stage 3 applies but the model was not created

@@ -59,8 +59,11 @@
  * The clipping norm sums each distinct shard once: over the node (fl_fsdp_sum), not over the
  * replicas. Checkpoints: consolidated ones are gathered within node 0 (rank 0 writes); sharded
  * ones are written by node 0's ranks (shard_ckpt.c). HYBRID on one node is FULL_SHARD (no split). */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "dp.h"
 #include "fitllm/checkpoint.h"
@@ -87,6 +90,15 @@ struct fl_fsdp {
     int live_blocks;        /* blocks (units 1..L) whose parameters are gathered or in flight */
     size_t es, ces;         /* element bytes of the storage and of the compute copy (0: none) */
     fl_dtype word;          /* what the all-gather moves: F32, or 16-bit storage as BF16 words */
+    /* parameter offload (dp->ptier): the shards of the parameters and gradients are host memory of tbe (tpool: the
+     * host tier or NVMe files); sc NULL: one rank (a unit's gather is the copy of the whole unit up, its reduction
+     * the copy down) */
+    const fl_backend *tbe;
+    fl_mem_pool *tpool;
+    int staged;             /* the shard group's communicator takes device buffers only: each piece goes up into
+                             * sbuf[g] first (GATHER) and is all-gathered from there */
+    void **sbuf;            /* (G) */
+    fl_comm *own;           /* one rank: the host shard group of the checkpoint streams (a single communicator) */
 };
 
 #define FSDP_BLOCK_LIMIT 2 /* limit_all_gathers: blocks gathered at once */
@@ -112,6 +124,24 @@ const char *fl_fsdp_refusal(const fl_run_config *cfg, const fl_precision *p) {
 
 /* ---- the provider (model-side hooks) -------------------------------------------------------- */
 
+/* The tests' hold in a parameter fetch (tests/mpi_test.sh: a rank killed during one): with
+ * FITLLM_TEST_FETCH_HOLD=FILE, once FILE exists and holds this rank's number, the rank's next fetch writes its pid
+ * to FILE.held and waits there until the process ends. */
+static void test_fetch_hold(const struct fl_fsdp *f) {
+    const char *path = getenv("FITLLM_TEST_FETCH_HOLD");
+    FILE *in = path && path[0] ? fopen(path, "r") : NULL;
+    int r = -1;
+    if (!in) return;
+    if (fscanf(in, "%d", &r) != 1) r = -1;
+    fclose(in);
+    if (r != f->dp->rank) return;
+    char held[4200];
+    snprintf(held, sizeof held, "%s.held", path);
+    FILE *out = fopen(held, "w");
+    if (out) fprintf(out, "%ld\n", (long)getpid()), fclose(out);
+    for (;;) nanosleep(&(struct timespec){0, 100000000L}, NULL);
+}
+
 static fl_status post(struct fl_fsdp *f, int g) {
     fl_model *m = f->m;
     FL_TRY(fl_mem_alloc(m->pool, FL_TAG_GATHER, f->n[g] * f->es, &f->pbuf[g]));
@@ -125,24 +155,63 @@ static fl_status post(struct fl_fsdp *f, int g) {
     }
     if (is_block(f, g)) f->live_blocks++;
     const char *shard = (const char *)fl_model_params_data(m);
-    return fl_error_prefix(fl_comm_iall_gather(f->sc, shard + f->loc[g] * f->es, f->pbuf[g], f->n[g], f->word,
-                                               &f->req[g]),
+    const void *src = shard + f->loc[g] * f->es;
+    if (f->tbe) { /* parameter offload: the piece comes up from the host tier (NVMe: read from its file) */
+        test_fetch_hold(f);
+        if (!f->sc) /* one rank: the piece is the unit */
+            return fl_error_prefix(m->be->to_device(m->be, f->pbuf[g], src, f->n[g] * f->es),
+                                   "parameter offload: fetching unit %d (%zu elements) from the host", g, f->n[g]);
+        if (f->staged) {
+            FL_TRY(fl_mem_alloc(m->pool, FL_TAG_GATHER, f->clen[g] * f->es, &f->sbuf[g]));
+            FL_TRY(fl_error_prefix(m->be->to_device(m->be, f->sbuf[g], src, f->clen[g] * f->es),
+                                   "parameter offload: fetching unit %d's piece (%zu elements) from the host", g,
+                                   f->clen[g]));
+            src = f->sbuf[g];
+        }
+    }
+    return fl_error_prefix(fl_comm_iall_gather(f->sc, src, f->pbuf[g], f->n[g], f->word, &f->req[g]),
                            "FSDP: gathering unit %d (%zu elements)", g, f->n[g]);
+}
+
+/* Parameter offload on NVMe: unit g's piece of the shard leaves the process's memory once it is on the device
+ * (written back when the update dirtied it); the next `prefetch` units' pieces are read ahead. */
+static fl_status tier_done(struct fl_fsdp *f, int g) {
+    if (!f->tbe || !f->dp->ptier.disk) return FL_OK;
+    const char *shard = (const char *)fl_model_params_data(f->m);
+    return fl_error_prefix(fl_mem_disk_release(f->tpool, shard + f->loc[g] * f->es, f->clen[g] * f->es),
+                           "parameter offload: unit %d", g);
+}
+
+static void tier_read_ahead(struct fl_fsdp *f, int g, int next) {
+    if (!f->tbe || !f->dp->ptier.disk || next < 0) return;
+    const char *shard = (const char *)fl_model_params_data(f->m);
+    const int d = next > g ? 1 : -1;
+    for (int k = 0, u = next; k < f->dp->ptier.prefetch && u >= 0 && u < f->G; k++, u += d)
+        fl_mem_disk_prefetch(f->tpool, shard + f->loc[u] * f->es, f->clen[u] * f->es);
+}
+
+static void free_stage(struct fl_fsdp *f, int g) {
+    if (f->sbuf && f->sbuf[g]) fl_mem_free(f->m->pool, f->sbuf[g]);
+    if (f->sbuf) f->sbuf[g] = NULL;
 }
 
 static fl_status pp_gather(void *ud, int g, int next) {
     struct fl_fsdp *f = ud;
     fl_model *m = f->m;
     if (!f->pbuf[g]) FL_TRY(post(f, g));
-    if (f->req[g]) { /* it arrives: the parameters, then (mixed) the copy the matmuls read */
-        FL_TRY(fl_error_prefix(fl_comm_wait(&f->req[g]), "FSDP: gathering unit %d", g));
+    if (!f->views[g].p) { /* it arrives: the parameters, then (mixed) the copy the matmuls read */
+        if (f->req[g]) FL_TRY(fl_error_prefix(fl_comm_wait(&f->req[g]), "FSDP: gathering unit %d", g));
+        free_stage(f, g);
+        FL_TRY(tier_done(f, g));
         if (f->ces) FL_TRY(m->be->convert(m->be, f->cbuf[g], m->prec.compute_dtype, f->pbuf[g], FL_F32, f->n[g]));
         f->views[g].p = f->pbuf[g];
         f->views[g].wc = f->cbuf[g];
     }
-    /* backward walks the units down (next < g): without backward prefetch each is gathered when it is needed */
+    /* backward walks the units down (next < g): without backward prefetch each is gathered when it is needed;
+     * parameter offload with --offload_prefetch 0: nothing is fetched ahead in either direction */
+    tier_read_ahead(f, g, next);
     if (next >= 0 && next < f->G && !f->pbuf[next] && (!is_block(f, next) || f->live_blocks < FSDP_BLOCK_LIMIT) &&
-        (next > g || !f->no_bwd_prefetch))
+        (next > g || !f->no_bwd_prefetch) && (!f->tbe || f->dp->ptier.prefetch > 0))
         FL_TRY(post(f, next));
     return FL_OK;
 }
@@ -151,6 +220,7 @@ static void pp_release(void *ud, int g) {
     struct fl_fsdp *f = ud;
     if (!f->pbuf[g]) return;
     if (f->req[g]) (void)fl_comm_wait(&f->req[g]); /* posted, never used: it must land before the buffer goes */
+    free_stage(f, g);
     fl_mem_free(f->m->pool, f->cbuf[g]);
     fl_mem_free(f->m->pool, f->pbuf[g]);
     f->cbuf[g] = f->pbuf[g] = NULL;
@@ -162,8 +232,46 @@ static fl_status pp_grads_begin(void *ud, int g) {
     struct fl_fsdp *f = ud;
     if (f->views[g].g) return FL_OK;
     FL_TRY(fl_mem_alloc(f->m->pool, FL_TAG_GATHER, f->n[g] * f->es, &f->views[g].g));
+    if (f->tbe && !f->sc && !f->fresh[g]) {
+        /* parameter offload at one rank, a later micro-batch of the step: the unit's gradient so far comes up and
+         * the ops accumulate into it, as they do into a whole model's gradient buffer (the one-process run's
+         * arithmetic, hence its bits; grads_ready copies it back down) */
+        const char *src = (const char *)fl_model_grads_data(f->m) + f->loc[g] * f->es;
+        fl_status s = f->m->be->to_device(f->m->be, f->views[g].g, src, f->n[g] * f->es);
+        if (s == FL_OK && f->dp->ptier.disk) s = fl_mem_disk_release(f->tpool, src, f->n[g] * f->es);
+        return fl_error_prefix(s, "parameter offload: unit %d's gradient so far to the device", g);
+    }
     f->m->be->zero(f->m->be, f->views[g].g, f->n[g] * f->es);
     return FL_OK;
+}
+
+/* Parameter offload: the rank's reduced piece `red` (device memory, len elements of gt) down into the host
+ * gradient shard dst: the step's first micro-batch copies it, later ones add it on the host's kernels with the
+ * device run's arithmetic (fp32: one add; 16-bit: widened on the device into gstage, added into the 16-bit shard
+ * rounded once), through host-tier scratch. NVMe: the piece's pages are written back and dropped after. */
+static fl_status grads_down(struct fl_fsdp *f, int g, const void *red, char *dst, size_t len, fl_dtype gt) {
+    fl_model *m = f->m;
+    const fl_backend *be = m->be, *hb = f->tbe;
+    fl_status s = FL_OK;
+    if (f->fresh[g]) {
+        s = be->to_host(be, dst, red, len * f->es);
+    } else if (len) {
+        fl_mem_pool *hp = f->dp->ptier.host;
+        void *h = NULL;
+        s = fl_mem_alloc(hp, FL_TAG_WORKSPACE, len * sizeof(float), &h);
+        if (s == FL_OK && gt == FL_F32) {
+            s = be->to_host(be, h, red, len * sizeof(float));
+            if (s == FL_OK) hb->add(hb, (float *)dst, (const float *)dst, h, len);
+        } else if (s == FL_OK) {
+            float *gstage = fl_model_grad_stage(m);
+            s = be->convert(be, gstage, FL_F32, red, gt, len);
+            if (s == FL_OK) s = be->to_host(be, h, gstage, len * sizeof(float));
+            if (s == FL_OK) s = hb->accumulate16(hb, (uint16_t *)dst, gt, h, len);
+        }
+        fl_mem_free(hp, h);
+    }
+    if (s == FL_OK && f->dp->ptier.disk) s = fl_mem_disk_release(f->tpool, dst, len * f->es);
+    return fl_error_prefix(s, "parameter offload: unit %d's gradient piece to the host", g);
 }
 
 static fl_status pp_grads_ready(void *ud, int g) {
@@ -174,8 +282,21 @@ static fl_status pp_grads_ready(void *ud, int g) {
     char *dst = (char *)fl_model_grads_data(m) + f->loc[g] * f->es;
     size_t len = f->clen[g];
     fl_status s;
-    /* HYBRID: the node's sum of the piece, then the nodes' (all-reduce over the replica group, in place) */
-    if (f->fresh[g]) { /* the step's first micro-batch: the reduced piece is the shard's gradient */
+    if (f->tbe && !f->sc) { /* parameter offload at one rank: the unit's gradient (accumulated over the step's
+                             * micro-batches on the device, pp_grads_begin) replaces the host's */
+        s = m->be->to_host(m->be, dst, f->views[g].g, len * f->es);
+        if (s == FL_OK && f->dp->ptier.disk) s = fl_mem_disk_release(f->tpool, dst, len * f->es);
+        f->fresh[g] = 0;
+    } else if (f->tbe) { /* reduced into device scratch (HYBRID: then over the nodes), then down to the host */
+        void *tmp = NULL;
+        s = fl_mem_alloc(m->pool, FL_TAG_GATHER, len * f->es, &tmp);
+        if (s == FL_OK) s = fl_dp_reduce_scatter(f->sc, m->be, m->pool, f->views[g].g, tmp, f->n[g], gt, f->dp->bucket);
+        if (s == FL_OK && f->rc) s = fl_comm_all_reduce(f->rc, tmp, tmp, len, gt, FL_COMM_SUM);
+        if (s == FL_OK) s = grads_down(f, g, tmp, dst, len, gt);
+        f->fresh[g] = 0;
+        fl_mem_free(m->pool, tmp);
+    } else if (f->fresh[g]) { /* the step's first micro-batch: the reduced piece is the shard's gradient */
+        /* HYBRID: the node's sum of the piece, then the nodes' (all-reduce over the replica group, in place) */
         s = fl_dp_reduce_scatter(f->sc, m->be, m->pool, f->views[g].g, dst, f->n[g], gt, f->dp->bucket);
         if (s == FL_OK && f->rc) s = fl_comm_all_reduce(f->rc, dst, dst, len, gt, FL_COMM_SUM);
         f->fresh[g] = 0;
@@ -216,7 +337,8 @@ void fl_fsdp_free(fl_dp *dp) {
     }
     if (f->m && fl_model_provider(f->m) == &f->pp) fl_model_store_unshard(f->m);
     free(f->n), free(f->coff), free(f->clen), free(f->foff), free(f->loc), free(f->views), free(f->pbuf), free(f->cbuf);
-    free(f->req), free(f->fresh);
+    free(f->req), free(f->fresh), free(f->sbuf);
+    fl_comm_destroy(f->own);
     free(f);
     dp->fsdp = NULL;
 }
@@ -236,6 +358,21 @@ static fl_status shard_model(void *ud, void *mp) {
     f->hsc = dp->node ? dp->node : dp->comm;
     f->sc = dp->dev ? (dp->dnode ? dp->dnode : dp->dev) : f->hsc;
     f->rc = dp->dev ? dp->drep : dp->rep;
+    if (!dp->comm) { /* parameter offload at one rank: no collective moves a unit; the checkpoint streams' host
+                      * shard group is a single communicator (its all-gather a copy of host memory) */
+        fl_status c = fl_comm_init_single(&f->own);
+        if (c != FL_OK) {
+            fl_fsdp_free(dp);
+            return c;
+        }
+        f->hsc = f->own;
+        f->sc = NULL;
+    }
+    f->tbe = dp->ptier.be;
+    f->tpool = dp->ptier.pool;
+    /* a device communicator (NCCL) takes device buffers only; the plan's null one takes anything, and stages
+     * as the backend it stands in for would: a GPU's (host memory 0), not a CPU's */
+    f->staged = f->tbe && f->sc && dp->dev && (!fl_backend_discards(m->be) || !fl_backend_host_memory(m->be));
     f->m = m;
     f->G = m->layout.n_groups;
     size_t G = (size_t)f->G + 1;
@@ -243,9 +380,9 @@ static fl_status shard_model(void *ud, void *mp) {
     f->foff = calloc(G, sizeof *f->foff);
     f->loc = calloc(G, sizeof *f->loc), f->views = calloc(G, sizeof *f->views);
     f->pbuf = calloc(G, sizeof *f->pbuf), f->cbuf = calloc(G, sizeof *f->cbuf), f->req = calloc(G, sizeof *f->req);
-    f->fresh = calloc(G, sizeof *f->fresh);
+    f->fresh = calloc(G, sizeof *f->fresh), f->sbuf = calloc(G, sizeof *f->sbuf);
     if (!f->n || !f->coff || !f->clen || !f->foff || !f->loc || !f->views || !f->pbuf || !f->cbuf || !f->req ||
-        !f->fresh) {
+        !f->fresh || !f->sbuf) {
         fl_fsdp_free(dp);
         return fl_errorf(FL_ERR_OOM, "FSDP bookkeeping: out of host memory");
     }
@@ -254,31 +391,47 @@ static fl_status shard_model(void *ud, void *mp) {
     f->word = fl_model_store_dtype(m) == FL_F32 ? FL_F32 : FL_BF16;
     for (int g = 0; g < f->G; g++) {
         f->n[g] = m->layout.group_offset[g + 1] - m->layout.group_offset[g];
-        fl_comm_chunk(f->n[g], fl_comm_size(f->sc), fl_comm_rank(f->sc), &f->coff[g], &f->clen[g]);
+        fl_comm_chunk(f->n[g], fl_comm_size(f->hsc), fl_comm_rank(f->hsc), &f->coff[g], &f->clen[g]);
         f->foff[g] = m->layout.group_offset[g] + f->coff[g];
         f->loc[g + 1] = f->loc[g] + f->clen[g];
         f->fresh[g] = 1;
     }
     void *shard = NULL;
-    fl_status s = fl_mem_alloc(m->pool, FL_TAG_PARAMS, f->loc[f->G] * f->es, &shard);
+    /* parameter offload: in the host tier or the NVMe files (a disk's fresh pages read as zeros) */
+    fl_status s = f->tbe ? fl_backend_calloc(f->tbe, f->tpool, FL_TAG_PARAMS, f->loc[f->G] * f->es, &shard)
+                         : fl_mem_alloc(m->pool, FL_TAG_PARAMS, f->loc[f->G] * f->es, &shard);
     if (s != FL_OK) {
+        const size_t n = f->loc[f->G];
         fl_fsdp_free(dp);
-        return fl_error_prefix(s, "FSDP: allocating this rank's parameter shard (%zu elements)", f->loc[f->G]);
+        s = fl_fsdp_tier_fault(dp, s, "parameter", n * fl_dtype_size(fl_model_store_dtype(m)));
+        return fl_error_prefix(s, "FSDP: allocating this rank's parameter shard (%zu elements%s)", n,
+                               !dp->ptier.pool ? "" : dp->ptier.disk ? ", parameter offload: NVMe files" : ", parameter offload: host tier");
     }
     f->pp = (fl_param_provider){f,         f->loc[f->G],  f->views, pp_gather, pp_release, pp_grads_begin,
                                 pp_grads_ready, pp_zero_grads, f->foff, f->loc, f->clen};
-    fl_model_store_shard(m, shard, &f->pp);
+    if (f->tbe) fl_model_store_offload(m, shard, &f->pp, f->tbe, f->tpool);
+    else fl_model_store_shard(m, shard, &f->pp);
     return FL_OK;
+}
+
+fl_status fl_fsdp_tier_fault(const fl_dp *dp, fl_status s, const char *what, size_t bytes) {
+    const fl_mem_pool *p = dp->ptier.pool;
+    if (s == FL_OK || !dp->ptier.disk || !p || !p->raw_why || !p->raw_why(p->raw_ud)[0]) return s;
+    char why[512];
+    snprintf(why, sizeof why, "%s", p->raw_why(p->raw_ud));
+    return fl_errorf(FL_ERR_IO, "parameter offload (NVMe): %zu bytes of this rank's %s shard in files under nvme_path: "
+                     "%s; free space there or give another --nvme_path", bytes, what, why);
 }
 
 fl_status fl_fsdp_prepare(fl_dp *dp, const fl_run_config *cfg, const fl_precision *prec, fl_model_storage *stg) {
     int stage = 0;
     FL_TRY(fl_cfg_zero_stage(cfg->strategy, cfg->sharding_strategy, &stage));
-    if (!dp->comm || dp->world < 2 || stage != 3 || cfg->command == FL_CMD_FINETUNE_LORA) return FL_OK;
+    /* one process: unsharded, except under parameter offload (the whole model is the rank's shard, in the tier) */
+    if ((!dp->comm && !dp->ptier.pool) || stage != 3 || cfg->command == FL_CMD_FINETUNE_LORA) return FL_OK;
     const char *why = fl_fsdp_refusal(cfg, prec);
     if (why) return fl_errorf(FL_ERR_UNSUPPORTED, "%s", why);
     if (stg->quant4) return fl_errorf(FL_ERR_UNSUPPORTED, "FULL_SHARD of a 4-bit model: QLoRA trains adapters only");
-    if (fl_cfg_hybrid_shard(cfg->strategy, cfg->sharding_strategy) && cfg->num_nodes > 1 && !dp->node) {
+    if (dp->comm && fl_cfg_hybrid_shard(cfg->strategy, cfg->sharding_strategy) && cfg->num_nodes > 1 && !dp->node) {
         /* HYBRID_SHARD: the nodes and the replica groups (collective; every rank agrees first, so a rank
          * that failed earlier in set-up is not left alone in the split) */
         if (cfg->devices * cfg->num_nodes != dp->world)
@@ -314,7 +467,7 @@ fl_status fl_fsdp_prepare(fl_dp *dp, const fl_run_config *cfg, const fl_precisio
 fl_status fl_fsdp_init(fl_dp *dp, const fl_run_config *cfg, fl_model *m) {
     int stage = 0;
     FL_TRY(fl_cfg_zero_stage(cfg->strategy, cfg->sharding_strategy, &stage));
-    if (!dp->comm || dp->world < 2 || stage != 3 || m->lora) return FL_OK;
+    if ((!dp->comm && !dp->ptier.pool) || stage != 3 || m->lora) return FL_OK;
     struct fl_fsdp *f = dp->fsdp;
     if (!f || fl_model_provider(m) != &f->pp)
         return fl_errorf(FL_ERR_INTERNAL, "FSDP: the model was not created sharded (fl_fsdp_prepare's storage)");
@@ -345,7 +498,10 @@ int fl_fsdp_ranges(const fl_dp *dp, size_t *flat_off, size_t *shard_off, size_t 
  * the host shard group. Every rank of the group calls it; a failed copy still takes part. */
 static fl_status gather_unit_host(fl_dp *dp, const void *shard, size_t es, int g, void *dst, void *stage) {
     struct fl_fsdp *f = dp->fsdp;
-    fl_status c = fl_dp_to_host(dp, stage, (const char *)shard + f->loc[g] * es, f->clen[g] * es);
+    const char *piece = (const char *)shard + f->loc[g] * es;
+    /* parameter offload: the shard is host memory of the tier's backend (NVMe: its pages dropped once copied) */
+    fl_status c = f->tbe ? f->tbe->to_host(f->tbe, stage, piece, f->clen[g] * es) : fl_dp_to_host(dp, stage, piece, f->clen[g] * es);
+    if (c == FL_OK && f->tbe && dp->ptier.disk) c = fl_mem_disk_release(f->tpool, piece, f->clen[g] * es);
     fl_status s = fl_comm_all_gather(f->hsc, stage, dst, f->n[g], es == 4 ? FL_F32 : FL_BF16); /* HYBRID: in the node */
     return c != FL_OK ? c : s;
 }
@@ -404,7 +560,8 @@ fl_status fl_fsdp_sum(fl_dp *dp, double *v, int n) {
 }
 
 fl_status fl_fsdp_check_finite(fl_dp *dp, const fl_optimizer *o, int *found) {
-    FL_TRY(o->model->be->check_finite(o->model->be, o->w.p, o->w.pt, o->w.n, 1.0f, found));
+    const fl_backend *be = o->home.params_host ? o->home.be : o->model->be; /* parameter offload: the host's */
+    FL_TRY(be->check_finite(be, o->w.p, o->w.pt, o->w.n, 1.0f, found));
     double v = *found != 0; /* every rank decides alike */
     FL_TRY(fl_dp_sum(dp, &v, 1));
     *found = v > 0;

@@ -466,6 +466,8 @@ fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim
     o->home.pool = off ? (off->state_pool ? off->state_pool : off->pool) : model->pool;
     o->home.hpool = off ? off->pool : NULL;
     o->home.disk = off && off->state_pool;
+    o->home.params_host = off && off->params_host;
+    o->home.ppool = off && off->params_host ? off->param_pool : NULL;
     /* the precision policy fixes the state dtype of the full parameters (bf16-true: bf16);
      * LoRA adapters are fp32 under every policy */
     if (!model->lora && model->prec.optim_dtype == FL_BF16) o->cfg.state_dtype = FL_BF16;
@@ -514,7 +516,7 @@ fl_status fl_optim_init_offload(fl_optimizer *o, fl_model *model, const fl_optim
     /* offload to a device the host cannot read: the staging of one piece of the parameters and gradients
      * (host tier, held for the run as DeepSpeed's pinned buffers) */
     if (s == FL_OK && off) o->home.piece = o->shard.len < g_offload_piece ? o->shard.len : g_offload_piece;
-    if (s == FL_OK && off && !fl_backend_host_memory(model->be)) {
+    if (s == FL_OK && off && !off->params_host && !fl_backend_host_memory(model->be)) {
         s = fl_mem_alloc(o->home.hpool, FL_TAG_WORKSPACE, o->home.piece * fl_dtype_size(o->w.pt), &o->home.hp);
         if (s == FL_OK) s = fl_mem_alloc(o->home.hpool, FL_TAG_WORKSPACE, o->home.piece * fl_dtype_size(o->w.gt), &o->home.hg);
     }
@@ -561,11 +563,14 @@ static int grads_sharded(const fl_optimizer *o) { return o->shard.dist && o->sha
 
 static const void *g_at(const fl_optimizer *o, size_t off) { return (const char *)o->w.g + off * fl_dtype_size(o->w.gt); }
 
+/* the backend whose memory holds the gradients: the model's, or under parameter offload the host's */
+static const fl_backend *grads_be(const fl_optimizer *o) { return o->home.params_host ? o->home.be : o->model->be; }
+
 /* Loss scaling: any inf/NaN among the scaled gradients (times inv_scale); under ZeRO-2 each rank
  * checks its range and the verdicts are summed, so every rank decides alike. */
 static fl_status found_inf(const fl_optimizer *o, float inv_scale, int *found) {
     *found = 0;
-    const fl_backend *be = o->model->be;
+    const fl_backend *be = grads_be(o);
     if (!grads_sharded(o)) {
         FL_TRY(be->check_finite(be, o->w.g, o->w.gt, o->w.n, inv_scale, found));
         return o->shard.dist && o->shard.dist->any ? o->shard.dist->any(o->shard.dist->ud, found) : FL_OK; /* tensor parallel */
@@ -578,7 +583,7 @@ static fl_status found_inf(const fl_optimizer *o, float inv_scale, int *found) {
 }
 
 static double chunk_sumsq(const fl_optimizer *o, size_t off, size_t len) {
-    const fl_backend *be = o->model->be;
+    const fl_backend *be = grads_be(o);
     if (!len) return 0.0;
     return be->sumsq(be, g_at(o, off), o->w.gt, len);
 }
@@ -633,13 +638,18 @@ static fl_status update_range(const fl_optimizer *o, const fl_backend *be, void 
  * residency hints) */
 static fl_status state_range(const fl_optimizer *o, size_t a, size_t len, int what) {
     const size_t ses = o->cfg.state_dtype == FL_BF16 ? 2 : 4;
-    void *arr[3] = {o->st.m, o->st.v, o->st.buf};
-    for (int i = 0; i < 3; i++) {
+    const size_t at = o->shard.off + a, pes = fl_dtype_size(o->w.pt), ges = fl_dtype_size(o->w.gt);
+    /* the state's arrays in its pool; parameter offload on NVMe: the parameters and gradients in theirs */
+    const void *arr[5] = {o->st.m, o->st.v, o->st.buf, o->home.ppool ? (const char *)o->w.p + at * pes : NULL,
+                          o->home.ppool ? g_at(o, at) : NULL};
+    for (int i = 0; i < 5; i++) {
         if (!arr[i] || !len) continue;
-        const char *x = (const char *)arr[i] + a * ses;
-        if (what == 0) fl_mem_disk_prefetch(o->home.pool, x, len * ses);
-        else if (what == 1) fl_mem_disk_writeback(o->home.pool, x, len * ses);
-        else FL_TRY(fl_mem_disk_release(o->home.pool, x, len * ses));
+        fl_mem_pool *pool = i < 3 ? o->home.pool : o->home.ppool;
+        const size_t es = i < 3 ? ses : i == 3 ? pes : ges, off = i < 3 ? a * ses : 0;
+        const char *x = (const char *)arr[i] + off;
+        if (what == 0) fl_mem_disk_prefetch(pool, x, len * es);
+        else if (what == 1) fl_mem_disk_writeback(pool, x, len * es);
+        else FL_TRY(fl_mem_disk_release(pool, x, len * es));
     }
     return FL_OK;
 }
@@ -659,7 +669,7 @@ static fl_status offload_update(const fl_optimizer *o, float lr, float scale) {
     for (size_t a = 0; a < o->shard.len; a += P) {
         const size_t len = o->shard.len - a < P ? o->shard.len - a : P, at = o->shard.off + a;
         char *p = (char *)o->w.p + at * pes;
-        if (o->home.disk) {
+        if (o->home.disk || o->home.ppool) {
             if (a == 0) FL_TRY(state_range(o, a, len, 0));
             FL_TRY(state_range(o, a + len, o->shard.len - a - len < P ? o->shard.len - a - len : P, 0));
         }
@@ -671,13 +681,13 @@ static fl_status offload_update(const fl_optimizer *o, float lr, float scale) {
         } else { /* host memory: in place */
             FL_TRY(update_range(o, o->home.be, p, g_at(o, at), a, len, lr, scale));
         }
-        if (o->home.disk) {
+        if (o->home.disk || o->home.ppool) {
             FL_TRY(state_range(o, a, len, 1));
             if (prev_len) FL_TRY(state_range(o, prev, prev_len, 2));
             prev = a, prev_len = len;
         }
     }
-    if (o->home.disk && prev_len) FL_TRY(state_range(o, prev, prev_len, 2));
+    if ((o->home.disk || o->home.ppool) && prev_len) FL_TRY(state_range(o, prev, prev_len, 2));
     return o->home.hp ? fl_error_prefix(be->sync(be), "CPU offload: the updated parameters") : FL_OK;
 }
 
@@ -717,7 +727,7 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
      * with the same arithmetic as the whole buffer does */
     size_t n = o->shard.len;
     void *p = (char *)o->w.p + o->shard.off * fl_dtype_size(o->w.pt), *g = (void *)g_at(o, o->shard.off);
-    if (c->kind != FL_OPT_ADAMW8BIT && (o->home.hp || o->home.disk)) {
+    if (c->kind != FL_OPT_ADAMW8BIT && (o->home.hp || o->home.disk || o->home.ppool)) {
         FL_TRY(offload_update(o, lr, scale));
     } else if (c->kind != FL_OPT_ADAMW8BIT) {
         FL_TRY(update_range(o, o->home.be, p, g, 0, n, lr, scale)); /* offload on host memory: in place, host state */

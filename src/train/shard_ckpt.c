@@ -125,7 +125,7 @@ fl_status fl_shard_set_from_optim(fl_shard_set *s, const fl_model *m, const fl_o
         return fl_errorf(FL_ERR_UNSUPPORTED, "sharded checkpoints hold full-model training (finetune_full, pretrain); "
                          "LoRA adapters are saved whole");
     s->split_n = o->w.n;
-    s->be = m->be;
+    s->be = fl_model_params_be(m); /* the parameters' memory (parameter offload: the host tier's) */
     fl_status st = fl_shard_set_add(s, "params", o->w.pt, o->w.n, 0, 1, params, p_h0, p_hn);
     fl_dtype sd = o->cfg.state_dtype;
     if (st == FL_OK && o->st.m) {
@@ -181,7 +181,7 @@ fl_status fl_shard_set_from_fsdp(fl_shard_set *s, const fl_dp *dp, const fl_mode
         st = fl_errorf(FL_ERR_INTERNAL, "sharded checkpoint under FULL_SHARD: %d units, the layout has %d groups", units, G);
     s->split_n = m->layout.numel; /* the whole model's elements: the pieces are whole-model offsets */
     s->own_held = 1;              /* each rank owns its pieces of every unit: they tile each buffer */
-    s->be = m->be;
+    s->be = fl_model_params_be(m); /* the parameters' memory (parameter offload: the host tier's) */
     /* every buffer is held alike: unit g's piece at loc[g] of the shard (params, m, v, momentum) */
     void *bufs[3] = {o->w.p, o->st.m ? o->st.m : o->st.buf, o->st.m ? o->st.v : NULL};
     const char *names[3] = {"params", o->st.m ? "optimizer.exp_avg" : "optimizer.momentum_buffer", "optimizer.exp_avg_sq"};

@@ -20,7 +20,6 @@ static double now_ms(void) {
 /* Live bytes are a fact of the step's phases: at each boundary the model says which of its
  * regions still hold data a later phase reads (fl_model_live), and the step records it in the pool. */
 static void record_live(fl_model *m, fl_live_phase ph) {
-    if (fl_model_is_s2s(&m->cfg)) return; /* an encoder-decoder's arena has no live map yet (its bytes stay reserved) */
     fl_live_region r[FL_MODEL_LIVE_MAX];
     int n = fl_model_live(m, ph, r);
     for (int i = 0; i < n; i++)
@@ -53,7 +52,7 @@ static fl_status micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb, i
     FL_TRY(mb->src ? fl_model_backward_s2s(m) : fl_model_backward(m));
     record_live(m, FL_LIVE_BACKWARD);
     if (k == 0) fl_mem_snapshot(pool, "after_bwd");
-    if (!fl_backend_host_memory(m->be)) FL_TRY(m->be->sync(m->be)); /* an asynchronous device: its own time */
+    if (m->phase_sync && !fl_backend_host_memory(m->be)) FL_TRY(m->be->sync(m->be)); /* an asynchronous device: its own time */
     double c = now_ms();
     res->ms_fwd += b - a - m->ms_head;
     res->ms_head += m->ms_head;
@@ -70,7 +69,7 @@ static fl_status update(fl_model *m, fl_optimizer *o, float lr, float max_norm, 
     double norm = 0;
     FL_TRY(fl_optim_step(o, lr, max_norm, &norm));
     record_live(m, FL_LIVE_UPDATED); /* the gradients are consumed (or, skipped, discarded) */
-    if (!fl_backend_host_memory(m->be)) FL_TRY(m->be->sync(m->be));
+    if (m->phase_sync && !fl_backend_host_memory(m->be)) FL_TRY(m->be->sync(m->be));
     fl_mem_snapshot(pool, "after_opt_step");
     res->grad_norm = norm;
     res->skipped = o->amp.skipped;
@@ -96,6 +95,7 @@ fl_status fl_step_run(fl_model *m, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
     const int world = c->dp ? c->dp->world : 1, rank = c->dp ? c->dp->rank : 0;
     double t0 = now_ms(), loss_sum = 0;
     c->failed_k = -1;
+    m->phase_sync = c->phase_times;
     fl_model_zero_grads(m);
     record_live(m, FL_LIVE_ZEROED);
     /* every target of the step masked: nothing to learn, no forward and no update (c->skip_empty) */

@@ -39,8 +39,8 @@ typedef struct {
     fl_dataset *data;
     fl_loader *train, *val;
     /* an encoder-decoder (fl_model_is_s2s): the source/target pairs and their loader instead */
-    fl_s2s_data *s2s;
-    fl_s2s_loader *s2s_train;
+    fl_s2s_data *s2s, *s2s_vdata; /* the training pairs; the validation pairs (data.val_split_fraction), or NULL */
+    fl_s2s_loader *s2s_train, *s2s_val;
 } trainer_input;
 
 /* The step's buffers. G = accum x world: micro-batches of one optimizer step, all ranks. */
@@ -125,6 +125,9 @@ void fl_tr_cleanup_keep_error(trainer *t, fl_status s);
 
 /* ---- evaluation (trainer_eval.c) ---- */
 fl_status fl_tr_validate(trainer *t, int max_iters, double *loss);
+/* The run has a validation split (the decoder-only loader's, or an encoder-decoder's pairs); its batches. */
+int fl_tr_has_val(const trainer *t);
+long fl_tr_val_batches(const trainer *t);
 fl_status fl_tr_sample_tokens(trainer *t, const int32_t *ids, int n, const int32_t *eos, int32_t *gen, int *n_out,
                               fl_gen_callback cb, void *ud);
 fl_status fl_tr_generate_example(trainer *t);

@@ -113,12 +113,19 @@ fl_status fl_trainer_rehearse_comm(const fl_run_config *cfg, const fl_model_conf
     if (s == FL_OK) {
         snprintf(rcfg.strategy, sizeof rcfg.strategy, "%s", sc.strategy);
         snprintf(rcfg.sharding_strategy, sizeof rcfg.sharding_strategy, "%s", sc.sharding);
-        s = fl_fsdp_prepare(&t.dp, &rcfg, &prec, &t.stg);
+        s = fl_tr_setup_offload(&t, &sc); /* parameter offload: the tiers exist before the model */
+        if (s == FL_OK) s = fl_fsdp_prepare(&t.dp, &rcfg, &prec, &t.stg);
     }
     if (s == FL_OK) s = fl_tr_tp_check(&t, &sc);
     if (s == FL_OK) s = fl_tr_setup_model(&t, &prec, mc);
+    if (s == FL_OK) s = fl_tr_check_s2s(&t, &prec, &sc);
+    /* an encoder-decoder: sources of data.max_source_length tokens (the planner's source length), targets of T */
+    const int s2s = s == FL_OK && fl_model_is_s2s(&t.model.cfg), Ts = s2s ? cfg->data.max_source_length : 0;
+    if (s2s && Ts <= 0)
+        s = fl_errorf(FL_ERR_INVALID, "rehearsing an encoder-decoder needs a source length (data.max_source_length)");
     t.sch.B = B;
     t.sch.T = T;
+    t.sch.Ts = Ts;
     t.sch.accum = accum;
     t.sch.G = accum * t.dp.world;
     if (s == FL_OK) s = fl_tr_setup_training(&t, &rcfg, &sc);
@@ -130,9 +137,13 @@ fl_status fl_trainer_rehearse_comm(const fl_run_config *cfg, const fl_model_conf
     memset(t.buf.ids, 0, (size_t)accum * per * sizeof *t.buf.ids);
     memset(t.buf.tgt, 0, (size_t)accum * per * sizeof *t.buf.tgt);
     for (int k = 0; k < accum; k++) t.buf.mbs[k] = (fl_micro_batch){.ids = t.buf.ids + k * per, .targets = t.buf.tgt + k * per, .B = B, .T = T};
+    const size_t pers = (size_t)B * Ts; /* an encoder-decoder's sources: token 0, no padding */
+    if (s2s) memset(t.buf.src, 0, (size_t)accum * pers * sizeof *t.buf.src), memset(t.buf.src_mask, 1, (size_t)accum * pers);
+    for (int k = 0; s2s && k < accum; k++)
+        t.buf.mbs[k].src = t.buf.src + k * pers, t.buf.mbs[k].src_mask = t.buf.src_mask + k * pers, t.buf.mbs[k].Ts = Ts;
     fl_step_result sr;
     s = train_step(&t, 0, (long)(accum * per), cfg->optimizer.lr, &sr);
-    if (s != FL_OK || gen_prompt <= 0) goto done;
+    if (s != FL_OK || gen_prompt <= 0 || s2s) goto done; /* an encoder-decoder run has no evaluation yet */
     /* the evaluation (validate, then generate_example): one forward without gradients, then the
      * sample, snapshotted at its first token ("eval_generate": the KV cache, the decode scratch,
      * the sampler and its logits held) */
@@ -237,6 +248,7 @@ static fl_status run_setup(trainer *t, fl_comm *comm, const fl_precision *prec, 
     snprintf(rcfg->strategy, sizeof rcfg->strategy, "%s", sc->strategy);
     snprintf(rcfg->sharding_strategy, sizeof rcfg->sharding_strategy, "%s", sc->sharding);
     FL_TRY(fl_tr_tp_check(t, sc));
+    FL_TRY(fl_tr_setup_offload(t, sc)); /* the host / NVMe tiers, before the model (parameter offload's shards) */
     FL_TRY(fl_fsdp_prepare(&t->dp, rcfg, prec, &t->stg)); /* FULL_SHARD: the model is created sharded */
     FL_TRY(fl_tr_setup_model(t, prec, NULL));
     FL_TRY(fl_tr_check_s2s(t, prec, sc));
@@ -266,25 +278,29 @@ static fl_status run_setup(trainer *t, fl_comm *comm, const fl_precision *prec, 
 /* Fetch the step's G global micro-batches: every rank walks the whole stream (so the loader
  * position, token counters and the valid-target count are global everywhere) and keeps
  * j % world == rank in its slot j / world. *step_valid: the step's valid targets. */
-/* fetch_step for an encoder-decoder: the pairs' batches (one process: world 1). */
+/* fetch_step for an encoder-decoder: the pairs' batches, global micro-batch j kept by rank j % world in its slot
+ * j / world (as fetch_step). */
 static fl_status fetch_step_s2s(trainer *t, long *step_valid) {
     const size_t per = (size_t)t->sch.B * t->sch.T, pers = (size_t)t->sch.B * t->sch.Ts;
     *step_valid = 0;
-    for (int k = 0; k < t->sch.G; k++) {
+    for (int j = 0; j < t->sch.G; j++) {
         fl_s2s_batch b;
         int ne;
         FL_TRY(fl_s2s_loader_next(t->in.s2s_train, &b, &ne));
         fl_loader_state lk;
         fl_s2s_loader_get_state(t->in.s2s_train, &lk);
-        t->buf.mb_epoch[k] = (long)lk.epoch;
+        t->buf.mb_epoch[j] = (long)lk.epoch;
         long real = 0, valid = 0;
         for (size_t i = 0; i < (size_t)b.B * b.Ts; i++) real += b.src_mask[i] != 0;
         for (size_t i = 0; i < (size_t)b.B * b.Tt; i++) valid += b.labels[i] != FL_IGNORE_INDEX;
-        t->buf.mb_tokens[k] = (long long)b.B * (b.Ts + b.Tt);
+        t->buf.mb_tokens[j] = (long long)b.B * (b.Ts + b.Tt);
         *step_valid += valid;
         t->st.tokens_real += real + valid;
         t->st.tokens_prompt += real;
-        t->st.tokens_padded += t->buf.mb_tokens[k];
+        t->st.tokens_padded += t->buf.mb_tokens[j];
+        t->st.flops += fl_model_train_flops_s2s(&t->model.cfg, b.B, b.Ts, b.Tt);
+        if (!fl_dp_mine(&t->dp, j)) continue;
+        const int k = j / t->dp.world;
         int32_t *di = t->buf.ids + (size_t)k * per, *dt = t->buf.tgt + (size_t)k * per, *ds = t->buf.src + (size_t)k * pers;
         uint8_t *dm = t->buf.src_mask + (size_t)k * pers;
         memcpy(di, b.dec_in, (size_t)b.B * b.Tt * sizeof *di);
@@ -406,7 +422,10 @@ static fl_status evaluate(trainer *t, run_loop *L) {
     double e0 = fl_tr_now_s();
     FL_TRY(fl_tr_diverged(t, fl_tr_validate(t, cfg->eval.max_iters, &L->val_loss), t->st.step, t->st.iter));
     fl_tr_bar_clear(t);
-    FL_TRY(fl_tr_generate_example(t));
+    if (!t->in.s2s) FL_TRY(fl_tr_generate_example(t));
+    else if (t->out && cfg->eval.max_new_tokens > 0) /* not built for the encoder-decoders yet */
+        fprintf(t->out, "(sample generation skipped: an encoder-decoder has no sample at evaluation yet; generate "
+                "from a checkpoint with fitllm generate)\n");
     if (t->out)
         fprintf(t->out, "iter %ld: val loss %.4f, val time: %.2f ms\n", t->st.iter, L->val_loss, (fl_tr_now_s() - e0) * 1e3);
     if (cfg->train.divergence_check && fl_trainer_diverge_val(&L->dv, t->st.step, L->val_loss))
@@ -492,7 +511,7 @@ static fl_status loop_step(trainer *t, run_loop *L, int *brk) {
     fl_tr_loader_get_state(t, &t->st.loader);
     t->st.train_seconds = fl_tr_now_s() - L->t_start;
     if (t->st.step == 1 && t->out && !L->resumed) fl_tr_print_memory(t);
-    if (t->st.step % cfg->eval.interval == 0 && t->in.val) FL_TRY(evaluate(t, L));
+    if (t->st.step % cfg->eval.interval == 0 && fl_tr_has_val(t)) FL_TRY(evaluate(t, L));
     const int saved = cfg->train.save_interval > 0 && t->st.step % cfg->train.save_interval == 0;
     if (saved) FL_TRY(fl_tr_save_step(t, L->lead, !fl_trainer_diverge_suspect(&L->dv)));
     FL_TRY(decide_stop(t, L, step_loss, step_valid, saved, brk));
@@ -509,9 +528,9 @@ static fl_status loop_step(trainer *t, run_loop *L, int *brk) {
 static fl_status finish(trainer *t, run_loop *L) {
     const fl_run_config *cfg = t->cfg;
     fl_trainer_result *r = &L->r;
-    long n_val = t->in.val ? (long)fl_loader_batches_per_epoch(t->in.val) : 0;
+    long n_val = fl_tr_val_batches(t);
     int have_final = L->val_step == t->st.step && cfg->eval.max_iters >= n_val;
-    if (cfg->eval.final_validation && t->in.val) {
+    if (cfg->eval.final_validation && fl_tr_has_val(t)) {
         if (!have_final) FL_TRY(fl_tr_diverged(t, fl_tr_validate(t, (int)n_val, &L->val_loss), t->st.step, t->st.iter));
         r->val_loss = L->val_loss;
         if (t->out) fprintf(t->out, "Final evaluation | val loss: %.3f | val ppl: %.3f\n", L->val_loss,

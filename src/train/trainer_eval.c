@@ -9,8 +9,48 @@
 #include "fitllm/lora.h"
 #include "fitllm/tokenizer.h"
 
+int fl_tr_has_val(const trainer *t) { return t->in.val || t->in.s2s_val; }
+
+long fl_tr_val_batches(const trainer *t) {
+    if (t->in.s2s_val) return (long)((fl_s2s_count(t->in.s2s_vdata) + (size_t)t->sch.B - 1) / (size_t)t->sch.B);
+    return t->in.val ? (long)fl_loader_batches_per_epoch(t->in.val) : 0;
+}
+
+/* An encoder-decoder's validation: the pairs' batches in order, each rank its share (as fl_tr_validate); *sum, *cnt
+ * this rank's summed loss and valid targets. */
+static fl_status validate_s2s(trainer *t, long n, double *sum, long *cnt) {
+    fl_loader_state s0 = {t->cfg->seed, 0, 0};
+    FL_TRY(fl_s2s_loader_set_state(t->in.s2s_val, &s0));
+    for (long k = 0; k < n; k++) {
+        fl_s2s_batch b;
+        int ne;
+        FL_TRY(fl_s2s_loader_next(t->in.s2s_val, &b, &ne));
+        if (!fl_dp_mine(&t->dp, k)) continue;
+        FL_TRY(fl_model_forward_s2s(&t->model, b.src, b.src_mask, b.dec_in, b.labels, b.B, b.Ts, b.Tt, 0.0f, NULL));
+        *sum += t->model.loss_sum;
+        *cnt += t->model.n_valid;
+    }
+    return FL_OK;
+}
+
 fl_status fl_tr_validate(trainer *t, int max_iters, double *loss) {
     *loss = NAN;
+    if (t->in.s2s_val) {
+        long n = fl_tr_val_batches(t), cnt = 0;
+        if (max_iters < n) n = max_iters;
+        double sum = 0;
+        fl_model_lora_set_train(&t->model, 0);
+        fl_mem_set_phase(&t->hw.pool, "validation");
+        fl_status s = validate_s2s(t, n, &sum, &cnt);
+        fl_model_lora_set_train(&t->model, 1);
+        FL_TRY(s);
+        double v[2] = {sum, (double)cnt};
+        FL_TRY(fl_dp_sum(&t->dp, v, 2));
+        if (v[1] > 0) *loss = v[0] / v[1];
+        if (v[1] > 0 && !isfinite(*loss))
+            return fl_errorf(FL_ERR_NONFINITE, "the validation loss is %s", isnan(*loss) ? "NaN" : "inf");
+        return FL_OK;
+    }
     if (!t->in.val) return FL_OK;
     fl_loader_state s0 = {t->cfg->seed, 0, 0};
     FL_TRY(fl_loader_set_state(t->in.val, &s0));

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fitllm/perf.h"
 #include "trainer-impl.h"
 
 void fl_tr_bar_clear(trainer *t) {
@@ -75,6 +76,17 @@ void fl_tr_print_box(trainer *t, const fl_trainer_result *r) {
     fprintf(t->out, "| %-28s %28.2f s |\n", "training time", r->train_seconds);
     fprintf(t->out, "| %-28s %30.1f |\n", "tokens/s (with prompt)", r->tokens_real / secs);
     fprintf(t->out, "| %-28s %30.4f |\n", "TFLOP/s (model FLOPs)", t->st.flops / secs / 1e12);
+    fl_gpu_peak pk;
+    if (t->hw.be_ok && fl_backend_peak(&t->hw.be, &pk)) {
+        /* a GPU run: MFU against the device's dense 16-bit peak (fitllm/perf.h), or why there is none */
+        char v[64];
+        if (pk.tflops > 0)
+            snprintf(v, sizeof v, "%.1f%% of %.0f (%.28s)", 100.0 * t->st.flops / secs / 1e12 / pk.tflops, pk.tflops,
+                     pk.model);
+        else
+            snprintf(v, sizeof v, "unknown GPU (FITLLM_PEAK_TFLOPS)");
+        fprintf(t->out, "| %-28s %30s |\n", "MFU (dense 16-bit peak)", v);
+    }
     for (int k = 0; k < FL_TAG_COUNT; k++) {
         char lbl[40];
         snprintf(lbl, sizeof lbl, "peak %s", fl_mem_tag_name((fl_mem_tag)k));
@@ -86,9 +98,17 @@ void fl_tr_print_box(trainer *t, const fl_trainer_result *r) {
         snprintf(line, sizeof line, "%s - %s", fl_fmt_bytes((size_t)lo, b, sizeof b), fl_fmt_bytes((size_t)hi, c, sizeof c));
         fprintf(t->out, "| %-28s %30s |\n", "peak total, ranks min - max", line);
     }
+    if (r->offload && t->dp.ptier.pool && !t->dp.ptier.disk) { /* parameter offload: the shards in the host tier */
+        fprintf(t->out, "| %-28s %30s |\n", "host tier (offload) PARAMS", fl_fmt_bytes(r->host_peak[FL_TAG_PARAMS], b, sizeof b));
+        fprintf(t->out, "| %-28s %30s |\n", "host tier (offload) GRADS", fl_fmt_bytes(r->host_peak[FL_TAG_GRADS], b, sizeof b));
+    }
     if (r->offload) { /* CPU offload: the host tier beside the device */
         fprintf(t->out, "| %-28s %30s |\n", "host tier (offload) OPTIM", fl_fmt_bytes(r->host_peak[FL_TAG_OPTIM], b, sizeof b));
         fprintf(t->out, "| %-28s %30s |\n", "host tier (offload) total", fl_fmt_bytes(r->host_peak_total, b, sizeof b));
+    }
+    if (r->nvme && t->dp.ptier.disk) { /* parameter offload on nvme */
+        fprintf(t->out, "| %-28s %30s |\n", "nvme tier (offload) PARAMS", fl_fmt_bytes(r->nvme_peak[FL_TAG_PARAMS], b, sizeof b));
+        fprintf(t->out, "| %-28s %30s |\n", "nvme tier (offload) GRADS", fl_fmt_bytes(r->nvme_peak[FL_TAG_GRADS], b, sizeof b));
     }
     if (r->nvme)
         fprintf(t->out, "| %-28s %30s |\n", "nvme tier (offload) OPTIM", fl_fmt_bytes(r->nvme_peak[FL_TAG_OPTIM], b, sizeof b));
@@ -124,9 +144,14 @@ void fl_tr_print_header(trainer *t, fl_comm *comm, const fl_precision *prec, con
             "--tokenizer_dir gives one", t->in.tok_dir[0] ? t->in.tok_dir : "", t->in.tok_dir[0] ? "'" : ")");
     if (t->in.s2s) {
         const fl_s2s_stats *ss = fl_s2s_get_stats(t->in.s2s);
+        const size_t nv = fl_s2s_count(t->in.s2s_vdata);
         fprintf(t->out, "data: %zu source/target pairs from '%s' (%zu sources, %zu targets truncated); longest source "
-                "%d, target %d tokens; no validation split\n", ss->n_records, cfg->data.json_path,
-                ss->n_truncated_source, ss->n_truncated_target, t->sch.Ts, t->sch.T);
+                "%d, target %d tokens; ", ss->n_records + nv, cfg->data.json_path, ss->n_truncated_source,
+                ss->n_truncated_target, t->sch.Ts, t->sch.T);
+        if (nv) fprintf(t->out, "%zu train / %zu val pairs (data.val_split_fraction %g)\n", ss->n_records, nv,
+                        (double)cfg->data.val_split_fraction);
+        else fprintf(t->out, "no validation split (data.val_split_fraction %g of %zu pairs is none)\n",
+                     (double)cfg->data.val_split_fraction, ss->n_records);
     } else {
         const fl_data_stats *ds = fl_data_get_stats(t->in.data);
         fprintf(t->out, "data: %s, %zu train / %zu val samples, %zu truncated to max_seq_length; longest input %d\n",
@@ -186,6 +211,10 @@ void fl_tr_print_memory(trainer *t) {
     else if (t->dp.world > 1 && !t->dp.stage)
         fprintf(t->out, "memory of rank 0 (DDP: every rank holds the same; WORKSPACE includes the all-reduce's "
                 "scratch)\n");
+    else if (t->dp.fsdp && t->dp.ptier.pool)
+        fprintf(t->out, "memory of rank 0 (ZeRO-3 with parameter offload: its shard, %zu of %zu elements, of PARAMS "
+                "and GRADS in the %s tier below, of OPTIM in the offload tier; GATHER the units fetched and gathered at "
+                "a time and their unreduced gradients)\n", t->opt.w.n, t->model.layout.numel, t->dp.ptier.disk ? "nvme" : "host");
     else if (t->dp.fsdp)
         fprintf(t->out, "memory of rank 0 (%s: PARAMS, GRADS and OPTIM hold its shard, %zu of %zu elements; "
                 "GATHER the units gathered at a time and their unreduced gradients; WORKSPACE includes the "
@@ -196,14 +225,16 @@ void fl_tr_print_memory(trainer *t) {
                 t->dp.stage == 2 ? "; GRADS live after the reduction: its chunk" : "");
     fl_mem_print_report(&t->hw.pool, t->out);
     if (t->hw.opool_ok) {
-        fprintf(t->out, "\nhost tier (CPU offload: %s%s, outside the device's budget)\n",
-                t->hw.dpool_ok ? "the optimizer state is in the nvme tier below" : "the optimizer state",
-                t->opt.home.hp ? "; the update's staging of one piece" : "");
+        fprintf(t->out, "\nhost tier (CPU offload: %s%s%s, outside the device's budget)\n",
+                t->hw.off.state_pool ? "the optimizer state is in the nvme tier below" : "the optimizer state",
+                t->opt.home.hp ? "; the update's staging of one piece" : "",
+                !t->dp.ptier.pool ? "" : t->dp.ptier.disk ? "; the gradients' way down" : "; the parameters' and gradients' shards");
         fl_mem_print_report(&t->hw.opool, t->out);
     }
     if (t->hw.dpool_ok) {
-        fprintf(t->out, "\nnvme tier (the optimizer state in files under '%s', paged through a few pieces of host "
-                "memory)\n", cfg->nvme_path[0] ? cfg->nvme_path : cfg->out_dir);
+        fprintf(t->out, "\nnvme tier (%s in files under '%s', paged through a few pieces of host memory)\n",
+                !t->dp.ptier.disk ? "the optimizer state" : t->hw.off.state_pool ? "the parameters' and gradients' shards and the optimizer state"
+                : "the parameters' and gradients' shards", cfg->nvme_path[0] ? cfg->nvme_path : cfg->out_dir);
         fl_mem_print_report(&t->hw.dpool, t->out);
     }
     fprintf(t->out, "\n");

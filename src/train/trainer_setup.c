@@ -186,21 +186,34 @@ static fl_status load_data_s2s(trainer *t) {
     fl_s2s_config_default(&sc);
     sc.max_source_length = c->data.max_source_length;
     sc.max_target_length = c->data.max_target_length;
-    FL_TRY(fl_s2s_load(&t->in.s2s, c->data.json_path, &sc, t->in.tok));
-    size_t n = fl_s2s_count(t->in.s2s);
-    if (!n) return fl_errorf(FL_ERR_INVALID, "'%s' holds no pairs", c->data.json_path);
-    int ls = 1, lt = 1;
+    fl_s2s_data *all = NULL;
+    FL_TRY(fl_s2s_load(&all, c->data.json_path, &sc, t->in.tok));
+    size_t n = fl_s2s_count(all);
+    if (!n) {
+        fl_s2s_free(all);
+        return fl_errorf(FL_ERR_INVALID, "'%s' holds no pairs", c->data.json_path);
+    }
+    int ls = 1, lt = 1; /* the arena: the longest of either split (validation runs in it too) */
     for (size_t i = 0; i < n; i++) {
         const int32_t *a, *b;
         int na, nb;
-        fl_s2s_get(t->in.s2s, i, &a, &na, &b, &nb);
+        fl_s2s_get(all, i, &a, &na, &b, &nb);
         if (na > ls) ls = na;
         if (nb > lt) lt = nb;
     }
+    /* the validation split: LitGPT's random_split of the file (fl_s2s_split), as the decoder-only JSON data */
+    fl_status s = fl_s2s_split(all, c->data.val_split_fraction, c->seed, &t->in.s2s, &t->in.s2s_vdata);
+    fl_s2s_free(all);
+    FL_TRY(s);
+    if (!fl_s2s_count(t->in.s2s))
+        return fl_errorf(FL_ERR_INVALID, "'%s': data.val_split_fraction %g leaves no training pairs of %zu",
+                         c->data.json_path, (double)c->data.val_split_fraction, n);
     t->sch.B = c->train.micro_batch_size;
     t->sch.Ts = ls;
     t->sch.T = lt;
     int pad = t->model.cfg.pad_id, start = t->model.cfg.dec_start_id;
+    if (fl_s2s_count(t->in.s2s_vdata))
+        FL_TRY(fl_s2s_loader_init(&t->in.s2s_val, t->in.s2s_vdata, t->sch.B, pad, start, c->seed, 0));
     return fl_s2s_loader_init(&t->in.s2s_train, t->in.s2s, t->sch.B, pad, start, c->seed, 1);
 }
 
@@ -208,18 +221,30 @@ fl_status fl_tr_check_s2s(const trainer *t, const fl_precision *prec, const fl_s
     const fl_run_config *c = t->cfg;
     const char *m = t->model.cfg.name[0] ? t->model.cfg.name : "encoder-decoder";
     if (!fl_model_is_s2s(&t->model.cfg)) return FL_OK;
-    if (c->lora.quantize[0])
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--quantize %s (QLoRA): an encoder-decoder (%s) trains fp32 weights only "
-                         "so far", c->lora.quantize, m);
-    if (strcmp(prec->name, "32-true"))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: an encoder-decoder (%s) trains in 32-true only so far",
+    if (c->lora.quantize[0] && strcmp(prec->name, "32-true"))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--quantize %s (QLoRA): an encoder-decoder (%s) runs QLoRA in 32-true only "
+                         "so far (the 4-bit base linears, the rest fp32; got --precision %s)", c->lora.quantize, m,
+                         prec->name);
+    /* fp16 (16-true, 16-mixed): T5 is known to overflow fp16's range (transformers clamps its hidden states under
+     * fp16; Flan-T5 was trained in bf16): refused rather than left to skip steps under loss scaling. bf16-true (16-bit
+     * storage) needs staged 16-bit parameters in the encoder-decoder passes, which they do not have yet. */
+    if (prec->param_dtype == FL_F16 || prec->compute_dtype == FL_F16)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: T5 is known to overflow fp16's range (65504; transformers "
+                         "clamps its hidden states under fp16); an encoder-decoder (%s) trains in 32-true or bf16-mixed",
                          prec->name, m);
-    if (t->dp.world > 1)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%d ranks (--devices/--num_nodes, --strategy %s): an encoder-decoder (%s) "
-                         "trains in one process only so far", t->dp.world, c->strategy, m);
-    if (sc->offload)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s (optimizer offload): not supported for an encoder-decoder "
-                         "(%s) yet", c->strategy, m);
+    if (strcmp(prec->name, "32-true") && strcmp(prec->name, "bf16-mixed"))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: an encoder-decoder (%s) trains in 32-true or bf16-mixed "
+                         "only so far (16-bit storage is not there yet)", prec->name, m);
+    /* several ranks: DDP and ZeRO-1/2 (with the optimizer offloaded too) keep the whole model on every rank; the
+     * sharded stores (FULL_SHARD / ZeRO-3) need the passes to gather each group, which they do not do yet */
+    const int sharded = sc->stage >= 3 && c->command != FL_CMD_FINETUNE_LORA; /* LoRA: the adapters' ZeRO-2 */
+    if (t->dp.world > 1 && sharded)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%d ranks with --strategy %s (%s: parameters sharded): an encoder-decoder "
+                         "(%s) trains with ddp, deepspeed_stage_1, deepspeed_stage_2 or deepspeed_stage_2_offload only "
+                         "so far (give --strategy)", t->dp.world, c->strategy, sc->desc, m);
+    if (sc->offload && sharded)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s (ZeRO-3 offload): not supported for an encoder-decoder (%s) "
+                         "yet (deepspeed_stage_2_offload is)", c->strategy, m);
     if (c->command == FL_CMD_PRETRAIN)
         return fl_errorf(FL_ERR_UNSUPPORTED, "pretrain: an encoder-decoder (%s) is fine-tuned only (finetune_full, "
                          "finetune_lora) so far", m);
@@ -351,7 +376,7 @@ fl_status fl_tr_setup_model(trainer *t, const fl_precision *prec, const fl_model
  * the update runs on: the run's own where its memory is host memory (cpu, ref, cuda-emu) or where it
  * computes nothing (the planner's null), else a CPU backend with the run's threads. */
 fl_status fl_tr_setup_offload(trainer *t, const fl_strategy_choice *sc) {
-    if (!sc->offload) return FL_OK;
+    if (!sc->offload || t->hw.opool_ok) return FL_OK; /* parameter offload makes it before the model: once */
     const fl_backend *be = &t->hw.be;
     FL_TRY(be->host_pool_init ? be->host_pool_init(be, &t->hw.opool, "host (offload)", 0)
                               : fl_mem_pool_init(&t->hw.opool, "host (offload)", 0));
@@ -365,19 +390,29 @@ fl_status fl_tr_setup_offload(trainer *t, const fl_strategy_choice *sc) {
     }
     t->hw.off.pool = &t->hw.opool;
     t->dp.offload = &t->hw.off;
-    if (strcmp(t->cfg->offload_device, "nvme")) return FL_OK;
-    /* NVMe (ZeRO-Infinity's offload_optimizer device nvme): the state in files under nvme_path (out_dir by
-     * default, made here: the files are unlinked at creation, so an OOM still leaves no files); the plan's
-     * null backend stands it in with its counted fake addresses */
-    if (fl_backend_discards(be)) {
-        FL_TRY(be->host_pool_init(be, &t->hw.dpool, "nvme (offload)", 0));
-    } else {
-        const char *dir = t->cfg->nvme_path[0] ? t->cfg->nvme_path : t->cfg->out_dir;
-        if (!t->cfg->nvme_path[0]) FL_TRY(fl_fs_mkdir_p(dir));
-        FL_TRY(fl_mem_disk_pool_init(&t->hw.dpool, "nvme (offload)", dir));
+    if (fl_cfg_offload_nvme(t->cfg) || sc->param_offload == 2) {
+        /* NVMe (ZeRO-Infinity's offload_optimizer / offload_param device nvme): files under nvme_path (out_dir by
+         * default, made here: the files are unlinked at creation, so an OOM still leaves no files); the plan's
+         * null backend stands it in with its counted fake addresses */
+        if (fl_backend_discards(be)) {
+            FL_TRY(be->host_pool_init(be, &t->hw.dpool, "nvme (offload)", 0));
+        } else {
+            const char *dir = t->cfg->nvme_path[0] ? t->cfg->nvme_path : t->cfg->out_dir;
+            if (!t->cfg->nvme_path[0]) FL_TRY(fl_fs_mkdir_p(dir));
+            FL_TRY(fl_mem_disk_pool_init(&t->hw.dpool, "nvme (offload)", dir));
+        }
+        t->hw.dpool_ok = 1;
+        if (fl_cfg_offload_nvme(t->cfg)) t->hw.off.state_pool = &t->hw.dpool;
     }
-    t->hw.dpool_ok = 1;
-    t->hw.off.state_pool = &t->hw.dpool;
+    if (sc->param_offload) { /* the shards of the parameters and gradients in the tier, updated there in place */
+        t->hw.off.params_host = 1;
+        t->dp.ptier.be = t->hw.off.be;
+        t->dp.ptier.pool = sc->param_offload == 2 ? &t->hw.dpool : &t->hw.opool;
+        t->dp.ptier.host = &t->hw.opool;
+        t->dp.ptier.disk = sc->param_offload == 2 && !fl_backend_discards(be);
+        t->dp.ptier.prefetch = t->cfg->offload_prefetch;
+        if (t->dp.ptier.disk) t->hw.off.param_pool = &t->hw.dpool; /* the update drops their pieces behind it */
+    }
     return FL_OK;
 }
 
@@ -393,7 +428,9 @@ fl_status fl_tr_setup_training(trainer *t, const fl_run_config *rcfg, const fl_s
         FL_TRY(fl_model_lora_init(&t->model, &lc, cfg->seed));
     } else {
         FL_TRY(fl_fsdp_init(&t->dp, rcfg, &t->model)); /* FULL_SHARD: the gathered units' compute copy */
-        FL_TRY(fl_model_alloc_grads(&t->model));      /* (sharded: of the gradients) */
+        /* (sharded: of the gradients; parameter offload on NVMe: a disk that refuses them is an I/O error) */
+        FL_TRY(fl_fsdp_tier_fault(&t->dp, fl_model_alloc_grads(&t->model), "gradient",
+                                  fl_model_store_numel(&t->model) * fl_dtype_size(fl_model_store_dtype(&t->model))));
     }
     FL_TRY(fl_tr_setup_offload(t, sc));
     FL_TRY(fl_dp_optim_init(&t->dp, rcfg, &t->opt, &t->model)); /* ZeRO: state for this rank's chunk only; offload:
@@ -446,7 +483,9 @@ void fl_tr_cleanup(trainer *t) {
     fl_loader_free(t->in.val);
     fl_data_free(t->in.data);
     fl_s2s_loader_free(t->in.s2s_train);
+    fl_s2s_loader_free(t->in.s2s_val);
     fl_s2s_free(t->in.s2s);
+    fl_s2s_free(t->in.s2s_vdata);
     fl_tok_free(t->in.tok);
     fl_fsdp_free(&t->dp);
     fl_optim_free(&t->opt);

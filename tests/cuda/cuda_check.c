@@ -21,6 +21,7 @@ int fl_cuda_check_attn(void); /* check_attn.c: the attention kernels */
 static int g_fail;
 
 int fl_cuda_check_more(void); /* tests/cuda/check_more.c: the cu_kernels_train.h kernels */
+int fl_cuda_check_fused(void); /* tests/cuda/check_fused.c: issue 30 item 4's fused and 128-bit kernels */
 
 static void *dev_copy(const void *h, size_t bytes) {
     void *d = NULL;
@@ -224,6 +225,7 @@ int main(void) {
     check_gemm();
     g_fail += fl_cuda_check_attn();
     g_fail += fl_cuda_check_more();
+    g_fail += fl_cuda_check_fused();
     printf("%s\n", g_fail ? "FAILED" : "all ok");
     return g_fail ? 1 : 0;
 }

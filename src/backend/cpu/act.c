@@ -51,6 +51,23 @@ void fl_cpu_gelu_forward(const fl_backend *be, float *out /*(n)*/, const float *
     }
 }
 
+/* The exact GELU in float as PyTorch's CPU kernel writes it: x * 0.5 * (1 + erf(x * M_SQRT1_2)); backward with
+ * the normal density, exp(-x^2 / 2) / sqrt(2 pi). */
+void fl_cpu_gelu_erf_forward(const fl_backend *be, float *out /*(n)*/, const float *inp /*(n)*/, size_t n) {
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if (n >= FL_CPU_PAR_MIN)
+    for (size_t i = 0; i < n; i++) out[i] = inp[i] * 0.5f * (1.0f + erff(inp[i] * 0.70710678118654752f));
+}
+
+void fl_cpu_gelu_erf_backward(const fl_backend *be, float *dinp /*(n)*/, const float *dout /*(n)*/,
+                              const float *inp /*(n)*/, size_t n) {
+#pragma omp parallel for num_threads(be->n_threads) schedule(static) if (n >= FL_CPU_PAR_MIN)
+    for (size_t i = 0; i < n; i++) {
+        const float x = inp[i], cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752f));
+        const float pdf = expf(-0.5f * x * x) * 0.39894228040143268f;
+        dinp[i] += dout[i] * (cdf + x * pdf);
+    }
+}
+
 void fl_cpu_relu_forward(const fl_backend *be, float *out /*(n)*/, const float *inp /*(n)*/, size_t n) {
     /* FL_VECTORIZE: relu_fwd */
 #pragma omp parallel for simd num_threads(be->n_threads) schedule(static) if (n >= FL_CPU_PAR_MIN)

@@ -25,6 +25,7 @@ static void fill_ops(fl_backend *be) {
     be->embedding_backward = fl_cpu_embedding_backward;
     be->rmsnorm_forward = fl_cpu_rmsnorm_forward;
     be->rmsnorm_backward = fl_cpu_rmsnorm_backward;
+    be->add_rmsnorm_forward = fl_backend_add_rmsnorm_composed;
     be->layernorm_forward = fl_cpu_layernorm_forward;
     be->layernorm_backward = fl_cpu_layernorm_backward;
     be->rope_forward = fl_cpu_rope_forward;
@@ -37,6 +38,8 @@ static void fill_ops(fl_backend *be) {
     be->gelu_backward = fl_cpu_gelu_backward;
     be->relu_forward = fl_cpu_relu_forward;
     be->relu_backward = fl_cpu_relu_backward;
+    be->gelu_erf_forward = fl_cpu_gelu_erf_forward;
+    be->gelu_erf_backward = fl_cpu_gelu_erf_backward;
     be->geglu_forward = fl_cpu_geglu_forward;
     be->geglu_backward = fl_cpu_geglu_backward;
     be->add = fl_cpu_add;

@@ -212,6 +212,8 @@ void fl_cpu_gelu_forward(const fl_backend *be, float *out, const float *inp, siz
 void fl_cpu_gelu_backward(const fl_backend *be, float *dinp, const float *dout, const float *inp, size_t n);
 void fl_cpu_relu_forward(const fl_backend *be, float *out, const float *inp, size_t n);
 void fl_cpu_relu_backward(const fl_backend *be, float *dinp, const float *dout, const float *inp, size_t n);
+void fl_cpu_gelu_erf_forward(const fl_backend *be, float *out, const float *inp, size_t n);
+void fl_cpu_gelu_erf_backward(const fl_backend *be, float *dinp, const float *dout, const float *inp, size_t n);
 
 /* ---- elementwise.c -------------------------------------------------------------- */
 void fl_cpu_add(const fl_backend *be, float *out, const float *a, const float *b, size_t n);

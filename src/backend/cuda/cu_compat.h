@@ -42,9 +42,20 @@ FL_CU_DEV float fl_cu_f16_to_f32(uint16_t h) { return __half2float(__ushort_as_h
 FL_CU_DEV uint16_t fl_cu_f32_to_f16(float f) { return __half_as_ushort(__float2half_rn(f)); }
 FL_CU_DEV uint32_t fl_cu_float_bits(float f) { return __float_as_uint(f); }
 FL_CU_DEV float fl_cu_bits_float(uint32_t u) { return __uint_as_float(u); }
+/* 4 consecutive floats at a 16-byte aligned address: one 128-bit load / store */
+FL_CU_DEV void fl_cu_ld4(const float *p, float *v) {
+    const float4 t = *reinterpret_cast<const float4 *>(p);
+    v[0] = t.x;
+    v[1] = t.y;
+    v[2] = t.z;
+    v[3] = t.w;
+}
+FL_CU_DEV void fl_cu_st4(float *p, const float *v) { *reinterpret_cast<float4 *>(p) = make_float4(v[0], v[1], v[2], v[3]); }
 
 #else /* ======================= host C++ compiler: the emulator ======================= */
 #include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
 
 #include "backend/cuda/emu/cu_emu.h"
 #include "fitllm/dtype.h"
@@ -123,7 +134,26 @@ FL_CU_DEV float fl_cu_f16_to_f32(uint16_t h) { return fl_f16_to_f32(h); }
 FL_CU_DEV uint16_t fl_cu_f32_to_f16(float f) { return fl_f32_to_f16(f); }
 FL_CU_DEV uint32_t fl_cu_float_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 FL_CU_DEV float fl_cu_bits_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+/* The 128-bit accesses: a misaligned address faults on the GPU, so the emulator stops there too. */
+FL_CU_DEV void fl_cu_check16(const void *p) {
+    if ((uintptr_t)p & 15u) {
+        fprintf(stderr, "cuda emulator: 128-bit access at %p, not 16-byte aligned (a GPU faults)\n", p);
+        abort();
+    }
+}
+FL_CU_DEV void fl_cu_ld4(const float *p, float *v) {
+    fl_cu_check16(p);
+    memcpy(v, p, 4 * sizeof(float));
+}
+FL_CU_DEV void fl_cu_st4(float *p, const float *v) {
+    fl_cu_check16(p);
+    memcpy(p, v, 4 * sizeof(float));
+}
 #endif
+/* 1 when every pointer is 16-byte aligned (NULL counts as aligned): the 128-bit paths may run. */
+static inline int fl_cu_aligned16(const void *a, const void *b, const void *c, const void *d, const void *e) {
+    return (((uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)d | (uintptr_t)e) & 15u) == 0;
+}
 
 /* ---- shared by both worlds ---------------------------------------------------------------- */
 #define FL_CU_FULL_MASK 0xffffffffu

@@ -25,6 +25,10 @@ extern "C" {
 #define FL_CU_DECLARE_KERNELS(P)                                                                              \
     int P##rmsnorm_forward(float *out, float *rstd, const float *inp, const float *w, int N, int C, float eps,  \
                            void *stream);                                                                      \
+    /* add_rmsnorm_forward (F32): res = a + b, out = rmsnorm(res) * w; 128-bit accesses when C % 4 == 0 and   \
+     * every pointer is 16-byte aligned */                                                                   \
+    int P##add_rmsnorm_forward(float *res, float *out, float *rstd, const float *a, const float *b,             \
+                               const float *w, int N, int C, float eps, void *stream);                         \
     int P##rmsnorm_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w,        \
                             const float *rstd, int N, int C, void *stream);                                    \
     int P##cross_entropy(float *loss, float *dlogits, const float *logits, const int32_t *targets, int N, int V, \
@@ -47,6 +51,8 @@ extern "C" {
     int P##gelu_backward(float *dinp, const float *dout, const float *inp, size_t n, void *stream);             \
     int P##relu_forward(float *out, const float *inp, size_t n, void *stream);                                  \
     int P##relu_backward(float *dinp, const float *dout, const float *inp, size_t n, void *stream);             \
+    int P##gelu_erf_forward(float *out, const float *inp, size_t n, void *stream);                              \
+    int P##gelu_erf_backward(float *dinp, const float *dout, const float *inp, size_t n, void *stream);         \
     int P##geglu_forward(float *out, const float *gu, int N, int F, void *stream);                              \
     int P##geglu_backward(float *dgu, const float *dout, const float *gu, int N, int F, void *stream);           \
     /* rope_forward (backward = 0) or rope_backward (1), in place */                                       \

@@ -13,6 +13,8 @@
  *   flb_dev_alloc/free, flb_host_alloc/free (page-locked host memory), flb_h2d/d2h/d2d/memset, flb_stream_new/sync/free, flb_last_error
  *   flb_gemm_fn                 fl_cu_gemm_cublaslt / fl_cu_gemm_standin
  *   flb_comm_create(be,stream,..) the device communicator of several ranks (NCCL / its stand-in; staged)
+ *   flb_device_name(buf, n)     the device's name (cudaDeviceProp.name; the emulator's own)
+ *   flb_mark_new/record/ms/free profiling markers (CUDA events; the emulator: host clock readings)
  *   FLB_PANEL_BYTES, FLB_LT_WS_BYTES   scratch layout (see scratch below)
  *
  * Errors: CUDA reports kernel failures asynchronously, and many ops of the table return void.
@@ -42,6 +44,7 @@
 #include "backend/cuda/cu_kernels_be.h"
 #include "fitllm/backend.h"
 #include "fitllm/lora.h"
+#include "fitllm/perf.h"
 
 /* + 256: the lent region is re-aligned to 256 bytes (cuBLASLt's workspace, the panels) */
 #define FLB_SCRATCH_BYTES ((size_t)FLB_LT_WS_BYTES + (size_t)FLB_PANEL_BYTES + (size_t)FLB_WORK_BYTES + 256)
@@ -56,6 +59,9 @@ typedef struct {
     int attn_fp32;         /* FITLLM_CUDA_ATTN=fp32: the fp32 attention kernels whatever the dtype */
     fl_status err;         /* sticky: the first failure */
     char errmsg[384];
+    char devname[256];     /* be->device_name */
+    void **marks;          /* FL_PROF_MAX_MARKS markers, made on first use (profiling only) */
+    fl_cu_counters count;  /* host round trips (FLB_PREFIX(backend_counters)) */
 } flb_impl;
 
 #define FLB_IMPL(be) ((flb_impl *)(be)->impl)
@@ -216,6 +222,17 @@ static void flb_rmsnorm_forward(const fl_backend *be, float *out, float *rstd, c
                                 int C, float eps) {
     FLB_RUN(be, FLB_K(rmsnorm_forward)(out, rstd, inp, w, N, C, eps, STREAM), "rmsnorm_forward");
 }
+static fl_status flb_add_rmsnorm_forward(const fl_backend *be, void *res, void *out, float *rstd, const void *a,
+                                         const void *b, const float *w, fl_dtype t, int N, int C, float eps) {
+    FL_TRY(flb_sticky(be));
+    if (t != FL_F32)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s add_rmsnorm_forward: %s activations not supported", FLB_NAME,
+                         fl_dtype_name(t));
+    if (N < 0 || C <= 0) return fl_errorf(FL_ERR_INVALID, "%s add_rmsnorm_forward: bad shape %d x %d", FLB_NAME, N, C);
+    FLB_RUN_S(be, FLB_K(add_rmsnorm_forward)((float *)res, (float *)out, rstd, (const float *)a, (const float *)b, w, N,
+                                             C, eps, STREAM), "add_rmsnorm_forward");
+    return FL_OK;
+}
 static void flb_rmsnorm_backward(const fl_backend *be, float *dinp, float *dw, const float *dout, const float *inp,
                                  const float *w, const float *rstd, int N, int C) {
     FLB_RUN(be, FLB_K(rmsnorm_backward)(dinp, dw, dout, inp, w, rstd, N, C, STREAM), "rmsnorm_backward");
@@ -261,6 +278,12 @@ static void flb_relu_forward(const fl_backend *be, float *out, const float *inp,
 static void flb_relu_backward(const fl_backend *be, float *dinp, const float *dout, const float *inp, size_t n) {
     FLB_RUN(be, FLB_K(relu_backward)(dinp, dout, inp, n, STREAM), "relu_backward");
 }
+static void flb_gelu_erf_forward(const fl_backend *be, float *out, const float *inp, size_t n) {
+    FLB_RUN(be, FLB_K(gelu_erf_forward)(out, inp, n, STREAM), "gelu_erf_forward");
+}
+static void flb_gelu_erf_backward(const fl_backend *be, float *dinp, const float *dout, const float *inp, size_t n) {
+    FLB_RUN(be, FLB_K(gelu_erf_backward)(dinp, dout, inp, n, STREAM), "gelu_erf_backward");
+}
 static void flb_add(const fl_backend *be, float *out, const float *a, const float *b, size_t n) {
     FLB_RUN(be, FLB_K(add)(out, a, b, n, STREAM), "add");
 }
@@ -280,6 +303,7 @@ static double flb_sumsq(const fl_backend *be, const void *x, fl_dtype t, size_t 
     flb_impl *im = FLB_IMPL(be);
     double r = 0;
     if (FLB_RUN(be, FLB_K(sumsq_ex)(im->scalars, im->scalars + 1, x, t, n, STREAM), op)) return NAN;
+    im->count.d2h++;
     if (flb_d2h(&r, im->scalars, sizeof r, im->stream)) {
         flb_set_error(be, FL_ERR_IO, op, "copying the result to the host failed");
         return NAN;
@@ -329,6 +353,8 @@ static fl_status flb_check_finite(const fl_backend *be, const void *x, fl_dtype 
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s check_finite: %s not supported", FLB_NAME, fl_dtype_name(t));
     flb_impl *im = FLB_IMPL(be);
     int *dflag = (int *)(im->scalars + 1 + FL_CU_SUMSQ_PARTS), h = *found_inf ? 1 : 0;
+    im->count.h2d++;
+    im->count.d2h++;
     if (flb_h2d(dflag, &h, sizeof h, im->stream)) return fl_errorf(FL_ERR_IO, "%s check_finite: copy failed", FLB_NAME);
     FLB_RUN_S(be, FLB_K(check_finite)(x, t, n, inv_scale, dflag, STREAM), "check_finite");
     if (flb_d2h(&h, dflag, sizeof h, im->stream)) return fl_errorf(FL_ERR_IO, "%s check_finite: copy failed", FLB_NAME);
@@ -390,6 +416,30 @@ static fl_status flb_lora_backward(const fl_backend *be, float *dx, float *dA, f
     return FL_OK;
 }
 
+/* ============================== profiling markers ============================== */
+
+/* Marker i recorded on the stream (made on first use: a profiled step needs ~2 per op). */
+static fl_status flb_mark(const fl_backend *be, int i) {
+    flb_impl *im = FLB_IMPL(be);
+    if (i < 0 || i >= FL_PROF_MAX_MARKS)
+        return fl_errorf(FL_ERR_INVALID, "%s mark: marker %d outside [0, %d)", FLB_NAME, i, FL_PROF_MAX_MARKS);
+    if (!im->marks && !(im->marks = (void **)calloc(FL_PROF_MAX_MARKS, sizeof *im->marks)))
+        return fl_errorf(FL_ERR_OOM, "%s mark: out of host memory", FLB_NAME);
+    if (!im->marks[i] && flb_mark_new(&im->marks[i]))
+        return fl_errorf(FL_ERR_IO, "%s mark: cannot create marker %d", FLB_NAME, i);
+    if (flb_mark_record(im->marks[i], STREAM)) return fl_errorf(FL_ERR_IO, "%s mark: recording marker %d failed", FLB_NAME, i);
+    return FL_OK;
+}
+static fl_status flb_mark_ms(const fl_backend *be, int i, int j, float *ms) {
+    flb_impl *im = FLB_IMPL(be);
+    *ms = 0;
+    if (!im->marks || i < 0 || j < 0 || i >= FL_PROF_MAX_MARKS || j >= FL_PROF_MAX_MARKS || !im->marks[i] || !im->marks[j])
+        return fl_errorf(FL_ERR_INVALID, "%s mark_ms: markers %d and %d were not recorded", FLB_NAME, i, j);
+    if (flb_mark_elapsed(im->marks[i], im->marks[j], ms))
+        return fl_errorf(FL_ERR_IO, "%s mark_ms: reading markers %d and %d failed", FLB_NAME, i, j);
+    return FL_OK;
+}
+
 /* ============================== memory and the rest ============================== */
 
 static void flb_set_scratch(const fl_backend *be, void *p, size_t bytes) {
@@ -399,12 +449,14 @@ static void flb_set_scratch(const fl_backend *be, void *p, size_t bytes) {
 static void flb_set_compute_dtype(const fl_backend *be, fl_dtype t) { FLB_IMPL(be)->compute = t; }
 static fl_status flb_to_device(const fl_backend *be, void *dst, const void *src, size_t bytes) {
     FL_TRY(flb_sticky(be));
+    FLB_IMPL(be)->count.h2d += bytes > 0;
     if (bytes && flb_h2d(dst, src, bytes, STREAM))
         return fl_errorf(FL_ERR_IO, "%s to_device: copy of %zu bytes failed", FLB_NAME, bytes);
     return FL_OK;
 }
 static fl_status flb_to_host(const fl_backend *be, void *dst, const void *src, size_t bytes) {
     FL_TRY(flb_sticky(be));
+    FLB_IMPL(be)->count.d2h += bytes > 0;
     if (bytes && flb_d2h(dst, src, bytes, STREAM))
         return fl_errorf(FL_ERR_IO, "%s to_host: copy of %zu bytes failed", FLB_NAME, bytes);
     return flb_sticky(be);
@@ -416,6 +468,7 @@ static fl_status flb_copy(const fl_backend *be, void *dst, const void *src, size
     return FL_OK;
 }
 static fl_status flb_sync(const fl_backend *be) {
+    FLB_IMPL(be)->count.sync++;
     int rc = flb_stream_sync(STREAM);
     if (rc) flb_set_error(be, FL_ERR_IO, "sync", flb_last_error(rc));
     return flb_sticky(be);
@@ -503,6 +556,10 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     }
     im->attn_fp32 = ea && !strcmp(ea, "fp32");
     im->compute = FL_F32;
+    flb_device_name(im->devname, sizeof im->devname);
+    be->device_name = im->devname;
+    be->mark = flb_mark;
+    be->mark_ms = flb_mark_ms;
     be->name = FLB_NAME;
     be->device = FL_DEV_CUDA;
     be->n_threads = 1;
@@ -517,6 +574,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->embedding_backward = flb_embedding_backward;
     be->rmsnorm_forward = flb_rmsnorm_forward;
     be->rmsnorm_backward = flb_rmsnorm_backward;
+    be->add_rmsnorm_forward = flb_add_rmsnorm_forward;
     be->layernorm_forward = flb_layernorm_forward;
     be->layernorm_backward = flb_layernorm_backward;
     be->rope_forward = flb_rope_forward;
@@ -529,6 +587,8 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->gelu_backward = flb_gelu_backward;
     be->relu_forward = flb_relu_forward;
     be->relu_backward = flb_relu_backward;
+    be->gelu_erf_forward = flb_gelu_erf_forward;
+    be->gelu_erf_backward = flb_gelu_erf_backward;
     be->geglu_forward = flb_geglu_forward;
     be->geglu_backward = flb_geglu_backward;
     be->add = flb_add;
@@ -567,6 +627,10 @@ void FLB_PREFIX(backend_free)(fl_backend *be) {
     flb_stream_sync(im->stream);
     if (im->own_scratch) flb_dev_free(im->own_scratch);
     if (im->scalars) flb_dev_free(im->scalars);
+    if (im->marks)
+        for (int i = 0; i < FL_PROF_MAX_MARKS; i++)
+            if (im->marks[i]) flb_mark_free(im->marks[i]);
+    free(im->marks);
     flb_device_free(im->stream, &im->blas);
     free(im);
     memset(be, 0, sizeof *be);
@@ -574,3 +638,7 @@ void FLB_PREFIX(backend_free)(fl_backend *be) {
 
 /* The backend's own error state (tests; fl_backend has no slot for it): FL_OK, or the sticky error. */
 fl_status FLB_PREFIX(backend_error)(const fl_backend *be) { return flb_sticky(be); }
+
+/* The host round trips so far (tests: issue 30 item 5's count per step): a copy to the host waits for the
+ * stream, and so does sync. */
+void FLB_PREFIX(backend_counters)(const fl_backend *be, fl_cu_counters *out) { *out = FLB_IMPL(be)->count; }

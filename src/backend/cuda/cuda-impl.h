@@ -34,6 +34,19 @@ fl_status fl_cuemu_backend_error(const fl_backend *be);
  * host communicator used directly (tests compare the two). Not thread-safe: set before the ranks start. */
 void fl_cuemu_use_nccl(int on);
 
+/* What the backend made the host wait for, since it was made: sync calls, copies to the host (each waits
+ * for the stream: sumsq's and check_finite's results, to_host), copies from the host (to_device,
+ * check_finite's flag; from pageable memory the CUDA runtime stages them before returning). */
+typedef struct {
+    long sync, d2h, h2d;
+} fl_cu_counters;
+void fl_cuemu_backend_counters(const fl_backend *be, fl_cu_counters *out);
+/* cuda-emu made after fl_cuemu_set_host_memory(0) states the real GPU's capabilities (FL_CAP_DEVICE_MEMORY, not
+ * FL_CAP_HOST_MEMORY), so the model and trainer take the GPU's paths (host staging pool, ids copied, the phase
+ * syncs) over the emulator's host memory; 1 (default) = host memory. Set before fl_backend_init_by_name. */
+void fl_cuemu_set_host_memory(int on);
+void fl_cudart_backend_counters(const fl_backend *be, fl_cu_counters *out);
+
 #ifdef __cplusplus
 }
 #endif

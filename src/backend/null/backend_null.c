@@ -71,6 +71,11 @@ static void n_rmsnorm_backward(const fl_backend *be, float *dinp, float *dw, con
                                const float *w, const float *rstd, int N, int C) {
     (void)be; (void)dinp; (void)dw; (void)dout; (void)inp; (void)w; (void)rstd; (void)N; (void)C;
 }
+static fl_status n_add_rmsnorm_forward(const fl_backend *be, void *res, void *out, float *rstd, const void *a,
+                                       const void *b, const float *w, fl_dtype t, int N, int C, float eps) {
+    (void)be; (void)res; (void)out; (void)rstd; (void)a; (void)b; (void)w; (void)t; (void)N; (void)C; (void)eps;
+    return FL_OK;
+}
 static void n_layernorm_forward(const fl_backend *be, float *out, float *mean, float *rstd, const float *inp,
                                 const float *w, const float *b, int N, int C, float eps) {
     (void)be; (void)out; (void)mean; (void)rstd; (void)inp; (void)w; (void)b; (void)N; (void)C; (void)eps;
@@ -267,6 +272,7 @@ fl_status fl_null_backend_init_for(fl_backend *be, const char *planned) {
     be->embedding_backward = n_embedding_backward;
     be->rmsnorm_forward = n_rmsnorm_forward;
     be->rmsnorm_backward = n_rmsnorm_backward;
+    be->add_rmsnorm_forward = n_add_rmsnorm_forward;
     be->layernorm_forward = n_layernorm_forward;
     be->layernorm_backward = n_layernorm_backward;
     be->rope_forward = n_rope;
@@ -279,6 +285,8 @@ fl_status fl_null_backend_init_for(fl_backend *be, const char *planned) {
     be->gelu_backward = n_gelu_backward;
     be->relu_forward = n_gelu_forward; /* the same signature, the same nothing */
     be->relu_backward = n_gelu_backward;
+    be->gelu_erf_forward = n_gelu_forward;
+    be->gelu_erf_backward = n_gelu_backward;
     be->geglu_forward = n_swiglu_forward; /* the same signature, the same nothing */
     be->geglu_backward = n_swiglu_backward;
     be->add = n_add;

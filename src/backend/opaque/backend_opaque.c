@@ -336,6 +336,10 @@ static void op_rmsnorm_forward(const fl_backend *be, float *out, float *rstd, co
                                int C, float eps) {
     OPV(IN->rmsnorm_forward(IN, out, rstd, inp, w, N, C, eps));
 }
+static fl_status op_add_rmsnorm_forward(const fl_backend *be, void *res, void *out, float *rstd, const void *a,
+                                        const void *b, const float *w, fl_dtype t, int N, int C, float eps) {
+    OPR(fl_status, IN->add_rmsnorm_forward(IN, res, out, rstd, a, b, w, t, N, C, eps));
+}
 static void op_rmsnorm_backward(const fl_backend *be, float *dinp, float *dw, const float *dout, const float *inp,
                                 const float *w, const float *rstd, int N, int C) {
     OPV(IN->rmsnorm_backward(IN, dinp, dw, dout, inp, w, rstd, N, C));
@@ -380,6 +384,12 @@ static void op_relu_forward(const fl_backend *be, float *out, const float *inp, 
 }
 static void op_relu_backward(const fl_backend *be, float *dinp, const float *dout, const float *inp, size_t n) {
     OPV(IN->relu_backward(IN, dinp, dout, inp, n));
+}
+static void op_gelu_erf_forward(const fl_backend *be, float *out, const float *inp, size_t n) {
+    OPV(IN->gelu_erf_forward(IN, out, inp, n));
+}
+static void op_gelu_erf_backward(const fl_backend *be, float *dinp, const float *dout, const float *inp, size_t n) {
+    OPV(IN->gelu_erf_backward(IN, dinp, dout, inp, n));
 }
 static void op_add(const fl_backend *be, float *out, const float *a, const float *b, size_t n) {
     OPV(IN->add(IN, out, a, b, n));
@@ -528,6 +538,7 @@ fl_status fl_opaque_backend_init(fl_backend *be, int n_threads) {
     be->embedding_backward = op_embedding_backward;
     be->rmsnorm_forward = op_rmsnorm_forward;
     be->rmsnorm_backward = op_rmsnorm_backward;
+    be->add_rmsnorm_forward = op_add_rmsnorm_forward;
     be->layernorm_forward = op_layernorm_forward;
     be->layernorm_backward = op_layernorm_backward;
     be->rope_forward = op_rope_forward;
@@ -540,6 +551,8 @@ fl_status fl_opaque_backend_init(fl_backend *be, int n_threads) {
     be->gelu_backward = op_gelu_backward;
     be->relu_forward = op_relu_forward;
     be->relu_backward = op_relu_backward;
+    be->gelu_erf_forward = op_gelu_erf_forward;
+    be->gelu_erf_backward = op_gelu_erf_backward;
     be->geglu_forward = op_geglu_forward;
     be->geglu_backward = op_geglu_backward;
     be->add = op_add;

@@ -2,8 +2,10 @@
  * cuBLASLt stand-in and host memory. Linked into the test programs only (fitllm_cuemu), where
  * tests/main.c registers it, so the op suite runs the CUDA backend's own code on any machine.
  * The scratch panels are small on purpose (64 KiB): the test shapes then cross panel edges. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "backend/cuda/cuda-impl.h"
 #include "backend/cuda/cu_gemm.h"
@@ -12,7 +14,10 @@
 
 #define FLB_NAME "cuda-emu"
 #define FLB_GEMM_NAME "cublaslt-standin"
-#define FLB_HOST_MEMORY 1
+/* host memory unless a test asked for the GPU's split (fl_cuemu_set_host_memory(0)) */
+static int g_host_memory = 1;
+void fl_cuemu_set_host_memory(int on) { g_host_memory = on; }
+#define FLB_HOST_MEMORY g_host_memory
 #define FLB_K(name) fl_cuemu_##name
 #define FLB_PREFIX(name) fl_cuemu_##name
 #define FLB_LT_WS_BYTES 0u
@@ -45,6 +50,24 @@ static const char *flb_last_error(int rc) {
     const char *e = fl_cu_emu_error();
     return e ? e : "emulator error";
 }
+static void flb_device_name(char *buf, size_t n) { snprintf(buf, n, "CUDA emulator"); }
+/* markers: the launches are synchronous, so the host clock at the record is the queue's time */
+static int flb_mark_new(void **ev) {
+    *ev = malloc(sizeof(double));
+    return *ev ? 0 : 1;
+}
+static int flb_mark_record(void *ev, void *s) {
+    (void)s;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    *(double *)ev = (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+    return 0;
+}
+static int flb_mark_elapsed(void *a, void *b, float *ms) {
+    *ms = (float)(*(double *)b - *(double *)a);
+    return 0;
+}
+static void flb_mark_free(void *ev) { free(ev); }
 static fl_status flb_device_init(void **stream, fl_cu_blas *blas) {
     *stream = NULL;
     memset(blas, 0, sizeof *blas);

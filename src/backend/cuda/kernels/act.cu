@@ -1,6 +1,7 @@
 /* SwiGLU (LLaMA, fused gate/up rows) and the tanh GELU (GPT-2 "gelu_new"), forward and backward,
  * the CPU backend's formulas (act.c: GELU through sigmoid(2u), no 1 + tanh cancellation).
- * Elementwise, grid-stride. */
+ * Elementwise, grid-stride; SwiGLU and GELU with 128-bit loads and stores where the widths and pointers allow
+ * (issue 30 item 4: the same bits as one element per thread). */
 #include "backend/cuda/cu_compat.h"
 #include "backend/cuda/cu_kernels.h"
 
@@ -9,38 +10,102 @@
 
 FL_CU_DEV float fl_cu_sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-__global__ static void fl_cu_swiglu_fwd_k(float *out, const float *gu, int N, int F) {
+/* The per-element formulas (one place: the scalar and the 128-bit paths give the same bits). */
+FL_CU_DEV float swiglu_f(float g, float u) { return g * fl_cu_sigmoidf(g) * u; }
+FL_CU_DEV void swiglu_b(float g, float u, float d, float *dg, float *du) {
+    float sg = fl_cu_sigmoidf(g);
+    *dg += d * u * sg * (1.0f + g * (1.0f - sg));
+    *du += d * g * sg;
+}
+FL_CU_DEV float gelu_f(float x) {
+    float u = FL_CU_GELU_K * (x + FL_CU_GELU_A * x * x * x);
+    return x * fl_cu_sigmoidf(2.0f * u);
+}
+FL_CU_DEV float gelu_grad(float x) {
+    float u = FL_CU_GELU_K * (x + FL_CU_GELU_A * x * x * x), sg = fl_cu_sigmoidf(2.0f * u);
+    return sg + 2.0f * x * sg * (1.0f - sg) * FL_CU_GELU_K * (1.0f + 3.0f * FL_CU_GELU_A * x * x);
+}
+
+/* SwiGLU over (N, 2F) [gate | up] rows. vec (F % 4 == 0, the pointers 16-byte aligned): a thread takes 4
+ * consecutive columns with 128-bit loads and stores; else one element. Grid-stride either way. */
+__global__ static void fl_cu_swiglu_fwd_k(float *out, const float *gu, int N, int F, int vec) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    if (vec) {
+        const size_t F4 = (size_t)F / 4, total = (size_t)N * F4;
+        for (size_t q = (size_t)blockIdx.x * blockDim.x + threadIdx.x; q < total; q += stride) {
+            size_t n = q / F4, f = 4 * (q % F4);
+            float g[4], u[4], o[4];
+            fl_cu_ld4(gu + n * 2 * F + f, g);
+            fl_cu_ld4(gu + n * 2 * F + F + f, u);
+            for (int k = 0; k < 4; k++) o[k] = swiglu_f(g[k], u[k]);
+            fl_cu_st4(out + n * F + f, o);
+        }
+        return;
+    }
     size_t total = (size_t)N * F;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
         size_t n = i / F, f = i % F;
-        float g = gu[n * 2 * F + f], u = gu[n * 2 * F + F + f];
-        out[i] = g * fl_cu_sigmoidf(g) * u;
+        out[i] = swiglu_f(gu[n * 2 * F + f], gu[n * 2 * F + F + f]);
     }
 }
 
-__global__ static void fl_cu_swiglu_bwd_k(float *dgu, const float *dout, const float *gu, int N, int F) {
+__global__ static void fl_cu_swiglu_bwd_k(float *dgu, const float *dout, const float *gu, int N, int F, int vec) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    if (vec) {
+        const size_t F4 = (size_t)F / 4, total = (size_t)N * F4;
+        for (size_t q = (size_t)blockIdx.x * blockDim.x + threadIdx.x; q < total; q += stride) {
+            size_t n = q / F4, f = 4 * (q % F4);
+            float g[4], u[4], d[4], dg[4], du[4];
+            fl_cu_ld4(gu + n * 2 * F + f, g);
+            fl_cu_ld4(gu + n * 2 * F + F + f, u);
+            fl_cu_ld4(dout + n * F + f, d);
+            fl_cu_ld4(dgu + n * 2 * F + f, dg);
+            fl_cu_ld4(dgu + n * 2 * F + F + f, du);
+            for (int k = 0; k < 4; k++) swiglu_b(g[k], u[k], d[k], &dg[k], &du[k]);
+            fl_cu_st4(dgu + n * 2 * F + f, dg);
+            fl_cu_st4(dgu + n * 2 * F + F + f, du);
+        }
+        return;
+    }
     size_t total = (size_t)N * F;
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
         size_t n = i / F, f = i % F;
-        float g = gu[n * 2 * F + f], u = gu[n * 2 * F + F + f], d = dout[i], sg = fl_cu_sigmoidf(g);
-        dgu[n * 2 * F + f] += d * u * sg * (1.0f + g * (1.0f - sg));
-        dgu[n * 2 * F + F + f] += d * g * sg;
+        swiglu_b(gu[n * 2 * F + f], gu[n * 2 * F + F + f], dout[i], &dgu[n * 2 * F + f], &dgu[n * 2 * F + F + f]);
     }
 }
 
-__global__ static void fl_cu_gelu_fwd_k(float *out, const float *inp, size_t n) {
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float x = inp[i], u = FL_CU_GELU_K * (x + FL_CU_GELU_A * x * x * x);
-        out[i] = x * fl_cu_sigmoidf(2.0f * u);
+/* GELU over n elements: vec (the pointers 16-byte aligned): the first n / 4 quads with 128-bit accesses,
+ * then the tail (< 4) one by one. */
+__global__ static void fl_cu_gelu_fwd_k(float *out, const float *inp, size_t n, int vec) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x, t0 = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    size_t i0 = 0;
+    if (vec) {
+        for (size_t q = t0; q < n / 4; q += stride) {
+            float x[4];
+            fl_cu_ld4(inp + 4 * q, x);
+            for (int k = 0; k < 4; k++) x[k] = gelu_f(x[k]);
+            fl_cu_st4(out + 4 * q, x);
+        }
+        i0 = n / 4 * 4;
     }
+    for (size_t i = i0 + t0; i < n; i += stride) out[i] = gelu_f(inp[i]);
 }
 
-__global__ static void fl_cu_gelu_bwd_k(float *dinp, const float *dout, const float *inp, size_t n) {
-    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float x = inp[i], u = FL_CU_GELU_K * (x + FL_CU_GELU_A * x * x * x), sg = fl_cu_sigmoidf(2.0f * u);
-        float g = sg + 2.0f * x * sg * (1.0f - sg) * FL_CU_GELU_K * (1.0f + 3.0f * FL_CU_GELU_A * x * x);
-        dinp[i] += g * dout[i];
+__global__ static void fl_cu_gelu_bwd_k(float *dinp, const float *dout, const float *inp, size_t n, int vec) {
+    const size_t stride = (size_t)gridDim.x * blockDim.x, t0 = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    size_t i0 = 0;
+    if (vec) {
+        for (size_t q = t0; q < n / 4; q += stride) {
+            float x[4], d[4], g[4];
+            fl_cu_ld4(inp + 4 * q, x);
+            fl_cu_ld4(dout + 4 * q, d);
+            fl_cu_ld4(dinp + 4 * q, g);
+            for (int k = 0; k < 4; k++) g[k] += gelu_grad(x[k]) * d[k];
+            fl_cu_st4(dinp + 4 * q, g);
+        }
+        i0 = n / 4 * 4;
     }
+    for (size_t i = i0 + t0; i < n; i += stride) dinp[i] += gelu_grad(inp[i]) * dout[i];
 }
 
 /* ReLU (OPT), the CPU backend's rules: a NaN passes, no gradient at 0 (threshold_backward) */
@@ -52,6 +117,19 @@ __global__ static void fl_cu_relu_fwd_k(float *out, const float *inp, size_t n) 
 __global__ static void fl_cu_relu_bwd_k(float *dinp, const float *dout, const float *inp, size_t n) {
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
         dinp[i] += inp[i] <= 0.0f ? 0.0f : dout[i];
+}
+
+/* The exact GELU (transformers' "gelu"), the CPU backend's formulas */
+__global__ static void fl_cu_gelu_erf_fwd_k(float *out, const float *inp, size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        out[i] = inp[i] * 0.5f * (1.0f + erff(inp[i] * 0.70710678118654752f));
+}
+
+__global__ static void fl_cu_gelu_erf_bwd_k(float *dinp, const float *dout, const float *inp, size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        const float x = inp[i], cdf = 0.5f * (1.0f + erff(x * 0.70710678118654752f));
+        dinp[i] += dout[i] * (cdf + x * expf(-0.5f * x * x) * 0.39894228040143268f);
+    }
 }
 
 /* GEGLU (T5 v1.1) on the fused [gate | lin] rows: gelu_tanh(gate) * lin, the CPU backend's formulas */
@@ -83,23 +161,30 @@ static unsigned act_blocks(size_t n) {
 
 extern "C" int FL_CUK(swiglu_forward)(float *out, const float *gu, int N, int F, void *stream) {
     if (N <= 0 || F <= 0) return 0;
-    FL_CU_LAUNCH(fl_cu_swiglu_fwd_k, dim3(act_blocks((size_t)N * F)), dim3(256), 0, (fl_cu_stream)stream, out, gu, N, F);
+    const int vec = F % 4 == 0 && fl_cu_aligned16(out, gu, NULL, NULL, NULL);
+    FL_CU_LAUNCH(fl_cu_swiglu_fwd_k, dim3(act_blocks((size_t)N * F / (vec ? 4 : 1))), dim3(256), 0, (fl_cu_stream)stream,
+                 out, gu, N, F, vec);
     return fl_cu_launch_error();
 }
 extern "C" int FL_CUK(swiglu_backward)(float *dgu, const float *dout, const float *gu, int N, int F, void *stream) {
     if (N <= 0 || F <= 0) return 0;
-    FL_CU_LAUNCH(fl_cu_swiglu_bwd_k, dim3(act_blocks((size_t)N * F)), dim3(256), 0, (fl_cu_stream)stream, dgu, dout, gu,
-                 N, F);
+    const int vec = F % 4 == 0 && fl_cu_aligned16(dgu, dout, gu, NULL, NULL);
+    FL_CU_LAUNCH(fl_cu_swiglu_bwd_k, dim3(act_blocks((size_t)N * F / (vec ? 4 : 1))), dim3(256), 0, (fl_cu_stream)stream,
+                 dgu, dout, gu, N, F, vec);
     return fl_cu_launch_error();
 }
 extern "C" int FL_CUK(gelu_forward)(float *out, const float *inp, size_t n, void *stream) {
     if (n == 0) return 0;
-    FL_CU_LAUNCH(fl_cu_gelu_fwd_k, dim3(act_blocks(n)), dim3(256), 0, (fl_cu_stream)stream, out, inp, n);
+    const int vec = fl_cu_aligned16(out, inp, NULL, NULL, NULL);
+    FL_CU_LAUNCH(fl_cu_gelu_fwd_k, dim3(act_blocks(vec ? (n + 3) / 4 : n)), dim3(256), 0, (fl_cu_stream)stream, out, inp,
+                 n, vec);
     return fl_cu_launch_error();
 }
 extern "C" int FL_CUK(gelu_backward)(float *dinp, const float *dout, const float *inp, size_t n, void *stream) {
     if (n == 0) return 0;
-    FL_CU_LAUNCH(fl_cu_gelu_bwd_k, dim3(act_blocks(n)), dim3(256), 0, (fl_cu_stream)stream, dinp, dout, inp, n);
+    const int vec = fl_cu_aligned16(dinp, dout, inp, NULL, NULL);
+    FL_CU_LAUNCH(fl_cu_gelu_bwd_k, dim3(act_blocks(vec ? (n + 3) / 4 : n)), dim3(256), 0, (fl_cu_stream)stream, dinp,
+                 dout, inp, n, vec);
     return fl_cu_launch_error();
 }
 extern "C" int FL_CUK(relu_forward)(float *out, const float *inp, size_t n, void *stream) {
@@ -110,6 +195,16 @@ extern "C" int FL_CUK(relu_forward)(float *out, const float *inp, size_t n, void
 extern "C" int FL_CUK(relu_backward)(float *dinp, const float *dout, const float *inp, size_t n, void *stream) {
     if (n == 0) return 0;
     FL_CU_LAUNCH(fl_cu_relu_bwd_k, dim3(act_blocks(n)), dim3(256), 0, (fl_cu_stream)stream, dinp, dout, inp, n);
+    return fl_cu_launch_error();
+}
+extern "C" int FL_CUK(gelu_erf_forward)(float *out, const float *inp, size_t n, void *stream) {
+    if (n == 0) return 0;
+    FL_CU_LAUNCH(fl_cu_gelu_erf_fwd_k, dim3(act_blocks(n)), dim3(256), 0, (fl_cu_stream)stream, out, inp, n);
+    return fl_cu_launch_error();
+}
+extern "C" int FL_CUK(gelu_erf_backward)(float *dinp, const float *dout, const float *inp, size_t n, void *stream) {
+    if (n == 0) return 0;
+    FL_CU_LAUNCH(fl_cu_gelu_erf_bwd_k, dim3(act_blocks(n)), dim3(256), 0, (fl_cu_stream)stream, dinp, dout, inp, n);
     return fl_cu_launch_error();
 }
 extern "C" int FL_CUK(geglu_forward)(float *out, const float *gu, int N, int F, void *stream) {

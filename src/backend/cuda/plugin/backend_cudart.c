@@ -83,6 +83,33 @@ static fl_status flb_pick_device(int count) {
     return FL_OK;
 }
 
+static void flb_device_name(char *buf, size_t n) {
+    int d = 0;
+    struct cudaDeviceProp p;
+    if (cudaGetDevice(&d) != cudaSuccess || cudaGetDeviceProperties(&p, d) != cudaSuccess) {
+        (void)cudaGetLastError();
+        snprintf(buf, n, "unknown CUDA device");
+        return;
+    }
+    snprintf(buf, n, "%s", p.name);
+}
+/* profiling markers: CUDA events (timing enabled) on the backend's stream */
+static int flb_mark_new(void **ev) {
+    cudaEvent_t e;
+    if (cudaEventCreate(&e) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 1;
+    }
+    *ev = (void *)e;
+    return 0;
+}
+static int flb_mark_record(void *ev, void *s) { return (int)cudaEventRecord((cudaEvent_t)ev, (cudaStream_t)s); }
+static int flb_mark_elapsed(void *a, void *b, float *ms) {
+    cudaError_t e = cudaEventSynchronize((cudaEvent_t)b);
+    if (e == cudaSuccess) e = cudaEventElapsedTime(ms, (cudaEvent_t)a, (cudaEvent_t)b);
+    return (int)e;
+}
+static void flb_mark_free(void *ev) { cudaEventDestroy((cudaEvent_t)ev); }
 static fl_status flb_device_init(void **stream, fl_cu_blas *blas) {
     char why[256];
     int count = fl_cudart_device_count(why, sizeof why);

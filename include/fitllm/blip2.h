@@ -1,0 +1,85 @@
+/* fitllm: BLIP-2 (transformers' Blip2ForConditionalGeneration, the OPT language model), a composite of three models:
+ *
+ *   pixels (B, 3, H, W) -> vision tower (PATCH, pre-LayerNorm ViT blocks, post_layernorm) -> image features
+ *   query tokens -> Q-Former (LayerNorm, post-LayerNorm BERT-style blocks cross-attending to the image features every
+ *   cross_attention_frequency blocks) -> language projection -> the language model's input rows: they replace the
+ *   image_token_index placeholders of the ids (transformers 5), or come before the ids when the config has none
+ *   -> OPT decoder -> logits, the mean next-token cross-entropy.
+ *
+ * Each part is an fl_model (its own config, layout, parameter store and gradients: fl_blip2_part), the vision tower
+ * and the Q-Former being architectures of their own (FL_ARCH_BLIP2_VISION / _QFORMER, src/model/arch_blip2.c; the
+ * query tokens and the language projection are the Q-Former's); src/model/blip2*.c runs the three as one forward and
+ * backward over an arena of its own. fp32 storage and activations, one process (what is not done is refused by
+ * name). docs/ARCHITECTURE.md "BLIP-2". */
+#ifndef FITLLM_BLIP2_H
+#define FITLLM_BLIP2_H
+
+#include "fitllm/model.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+    fl_model_config vision, qformer, text; /* the parts (the Q-Former's carries num_query_tokens, the projection) */
+    int image_token;                       /* image_token_index; -1: none (the queries are prepended) */
+    int n_queries;                         /* num_query_tokens */
+    int bos_id, eos_id;                    /* the language model's text_config bos_token_id, eos_token_id (OPT: 2) */
+} fl_blip2_config;
+
+typedef struct fl_blip2 fl_blip2;
+enum { FL_BLIP2_VISION = 0, FL_BLIP2_QFORMER = 1, FL_BLIP2_TEXT = 2, FL_BLIP2_PARTS = 3 };
+
+/* config.json of a Blip2ForConditionalGeneration folder (transformers' defaults for absent keys); errors name the
+ * key (vision_config.hidden_act, qformer_config.encoder_hidden_size, ...). */
+fl_status fl_blip2_config_load(const char *config_json_path, fl_blip2_config *c);
+/* Presets with the real shapes: blip2-opt-2.7b, blip2-opt-6.7b (also Salesforce/...), the CPU-sized blip2-micro;
+ * FL_ERR_NOT_FOUND for other names (the Flan-T5 variants are named as not built yet). */
+fl_status fl_blip2_preset(const char *name, fl_blip2_config *c);
+/* Is this a BLIP-2 folder (config.json with model_type "blip-2")? */
+int fl_blip2_is_folder(const char *dir);
+
+/* A model of this config (random weights when seed != 0, else zeros), or loaded from an HF folder (config.json,
+ * model.safetensors or its sharded index): every tensor is checked by name and shape, a missing or unexpected one
+ * refused by name. */
+fl_status fl_blip2_create(fl_blip2 **out, const fl_blip2_config *c, const fl_backend *be, fl_mem_pool *pool,
+                          uint64_t seed);
+fl_status fl_blip2_load(fl_blip2 **out, const char *dir, const fl_backend *be, fl_mem_pool *pool);
+void fl_blip2_free(fl_blip2 *b);
+const fl_blip2_config *fl_blip2_get_config(const fl_blip2 *b);
+fl_model *fl_blip2_part(fl_blip2 *b, int part);
+size_t fl_blip2_param_count(const fl_blip2_config *c);
+
+fl_status fl_blip2_alloc_grads(fl_blip2 *b);
+void fl_blip2_zero_grads(fl_blip2 *b);
+/* The arena for B images and T language-model ids per sequence. */
+fl_status fl_blip2_alloc_acts(fl_blip2 *b, int B, int T);
+
+/* pixels (B, 3, image_size, image_size) float32 (the processor's pixel_values), ids (B, T): the language model's
+ * input (with image_token: num_query_tokens placeholders per sequence, replaced in order by the projected queries;
+ * without: the queries go first, the logits then have T + num_query_tokens rows per sequence), targets (B, T) or
+ * NULL: the label of each id's position (the next token; FL_IGNORE_INDEX: none). grad_scale > 0: a training forward
+ * (the head's backward runs here). logits_out (B, rows, V) or NULL. *loss: the mean cross-entropy of the valid
+ * targets (NULL: not wanted). */
+fl_status fl_blip2_forward(fl_blip2 *b, const float *pixels, const int32_t *ids, const int32_t *targets, int B, int T,
+                           float grad_scale, float *logits_out, float *loss);
+/* The Flan-T5 variant (an encoder-decoder language model): the arena for B images, Ts source ids (the
+ * placeholders and the prompt) and Tt decoder rows; dec (B, Tt) the decoder's input (the start token, then the labels
+ * but the last), targets (B, Tt) the labels (FL_IGNORE_INDEX: none); logits_out (B, Tt, V); *loss T5's mean. */
+fl_status fl_blip2_alloc_acts_s2s(fl_blip2 *b, int B, int Ts, int Tt);
+fl_status fl_blip2_forward_s2s(fl_blip2 *b, const float *pixels, const int32_t *ids, const int32_t *dec,
+                               const int32_t *targets, int B, int Ts, int Tt, float grad_scale, float *logits_out,
+                               float *loss);
+/* Every part's gradients (+=) from the last training forward. */
+fl_status fl_blip2_backward(fl_blip2 *b);
+/* Greedy captioning of one image: the language model's input (the Flan-T5 variant's source) is the placeholders (or
+ * nothing), BOS (OPT), then the prompt's ids; up to max_new tokens (stopping after EOS) into out, their count in
+ * *n_out. */
+fl_status fl_blip2_generate(fl_blip2 *b, const float *pixels, const int32_t *prompt, int n_prompt, int max_new,
+                            int32_t *out, int *n_out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,419 @@
+/* BLIP-2 (fitllm/blip2.h): its config.json, presets, the three parts' creation and the loader of an HF folder. The
+ * passes are src/model/blip2_pass.c. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "blip2-impl.h"
+#include "core/fs.h"
+#include "fitllm/io.h"
+#include "fitllm/json.h"
+#include "fitllm/torch_ckpt.h"
+
+/* ---- config.json ------------------------------------------------------------------------------ */
+
+/* A sub-config's integer / number / string key (absent or null: def; path.key named in errors). */
+static fl_status cfg_int(const char *path, const fl_json *o, const char *sec, const char *key, int def, int *out) {
+    const fl_json *j = o ? fl_json_get(o, key) : NULL;
+    if (!j || j->type == FL_JSON_NULL) {
+        *out = def;
+        return FL_OK;
+    }
+    if (j->type != FL_JSON_NUMBER || !j->is_int || j->i < -1 || j->i > (1 << 30))
+        return fl_errorf(FL_ERR_FORMAT, "%s: key '%s%s' must be a non-negative integer", path, sec, key);
+    *out = (int)j->i;
+    return FL_OK;
+}
+
+static fl_status cfg_num(const char *path, const fl_json *o, const char *sec, const char *key, float def, float *out) {
+    const fl_json *j = o ? fl_json_get(o, key) : NULL;
+    if (!j || j->type == FL_JSON_NULL) {
+        *out = def;
+        return FL_OK;
+    }
+    if (j->type != FL_JSON_NUMBER) return fl_errorf(FL_ERR_FORMAT, "%s: key '%s%s' must be a number", path, sec, key);
+    *out = (float)j->num;
+    return FL_OK;
+}
+
+static fl_status cfg_bool(const char *path, const fl_json *o, const char *sec, const char *key, int def, int *out) {
+    const fl_json *j = o ? fl_json_get(o, key) : NULL;
+    *out = def;
+    if (!j || j->type == FL_JSON_NULL) return FL_OK;
+    if (j->type != FL_JSON_BOOL) return fl_errorf(FL_ERR_FORMAT, "%s: key '%s%s' must be true or false", path, sec, key);
+    *out = j->b;
+    return FL_OK;
+}
+
+/* hidden_act: the exact GELU ("gelu", transformers' default) or the tanh one */
+static fl_status cfg_act(const char *path, const fl_json *o, const char *sec, int *exact) {
+    const fl_json *j = o ? fl_json_get(o, "hidden_act") : NULL;
+    const char *a = j && j->type == FL_JSON_STRING ? j->str : "gelu";
+    *exact = strcmp(a, "gelu") == 0;
+    if (!*exact && strcmp(a, "gelu_pytorch_tanh") && strcmp(a, "gelu_new"))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: key '%shidden_act' = '%s' is not supported (gelu, gelu_pytorch_tanh, "
+                         "gelu_new)", path, sec, a);
+    return FL_OK;
+}
+
+/* The parts' shared fields: transformers' Blip2VisionConfig / Blip2QFormerConfig defaults for absent keys. */
+static fl_status part_common(const char *path, const fl_json *o, const char *sec, fl_model_config *c, int dim, int ffn,
+                             int layers, int heads, float eps) {
+    FL_TRY(cfg_int(path, o, sec, "hidden_size", dim, &c->dim));
+    FL_TRY(cfg_int(path, o, sec, "intermediate_size", ffn, &c->ffn_dim));
+    FL_TRY(cfg_int(path, o, sec, "num_hidden_layers", layers, &c->n_layers));
+    FL_TRY(cfg_int(path, o, sec, "num_attention_heads", heads, &c->n_heads));
+    FL_TRY(cfg_num(path, o, sec, "layer_norm_eps", eps, &c->norm_eps));
+    c->vocab_size = 1; /* no token table: the parts read pixels and learned queries */
+    return cfg_act(path, o, sec, &c->gelu_exact);
+}
+
+/* Fill the parts' derived fields and validate them (errors name the part). */
+static fl_status finish_config(const char *src, fl_blip2_config *c) {
+    fl_model_config *v = &c->vision, *q = &c->qformer;
+    v->arch = FL_ARCH_BLIP2_VISION;
+    q->arch = FL_ARCH_BLIP2_QFORMER;
+    snprintf(v->name, sizeof v->name, "blip2-vision");
+    snprintf(q->name, sizeof q->name, "blip2-qformer");
+    const int g = v->patch_size > 0 ? v->image_size / v->patch_size : 0;
+    v->max_seq = g * g + 1;
+    q->n_queries = q->max_seq = c->n_queries;
+    q->proj_dim = c->text.dim;
+    if (q->xattn_dim != v->dim)
+        return fl_errorf(FL_ERR_FORMAT, "%s: key 'qformer_config.encoder_hidden_size' = %d differs from "
+                         "'vision_config.hidden_size' = %d (the Q-Former cross-attends to the image features)", src,
+                         q->xattn_dim, v->dim);
+    if (c->image_token >= c->text.vocab_size)
+        return fl_errorf(FL_ERR_FORMAT, "%s: key 'image_token_index' = %d is outside the language model's vocabulary "
+                         "(%d)", src, c->image_token, c->text.vocab_size);
+    if (c->text.arch != FL_ARCH_OPT && c->text.arch != FL_ARCH_T5)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: the language model is %s: BLIP-2 has OPT or T5", src,
+                         fl_arch_get(c->text.arch)->display);
+    fl_status s = fl_config_validate(v);
+    if (s != FL_OK) return fl_error_prefix(s, "%s: vision_config", src);
+    s = fl_config_validate(q);
+    if (s != FL_OK) return fl_error_prefix(s, "%s: qformer_config", src);
+    return FL_OK;
+}
+
+static fl_status parse_config(const char *path, const fl_json *r, fl_blip2_config *c) {
+    memset(c, 0, sizeof *c);
+    const fl_json *mt = fl_json_get(r, "model_type");
+    if (!mt || mt->type != FL_JSON_STRING || strcmp(mt->str, "blip-2") != 0)
+        return fl_errorf(FL_ERR_FORMAT, "%s: key 'model_type' must be 'blip-2' (a Blip2ForConditionalGeneration folder)",
+                         path);
+    int dec_only = 1, qkv_bias = 1, text_in = 0;
+    FL_TRY(cfg_bool(path, r, "", "use_decoder_only_language_model", 1, &dec_only));
+    FL_TRY(cfg_int(path, r, "", "num_query_tokens", 32, &c->n_queries));
+    FL_TRY(cfg_int(path, r, "", "image_token_index", -1, &c->image_token));
+    const fl_json *vj = fl_json_get(r, "vision_config"), *qj = fl_json_get(r, "qformer_config");
+    const fl_json *tj = fl_json_get(r, "text_config");
+    if (!tj || tj->type != FL_JSON_OBJECT)
+        return fl_errorf(FL_ERR_FORMAT, "%s: missing key 'text_config' (the language model's config)", path);
+    fl_model_config *v = &c->vision, *q = &c->qformer;
+    FL_TRY(part_common(path, vj, "vision_config.", v, 1408, 6144, 39, 16, 1e-6f));
+    FL_TRY(cfg_int(path, vj, "vision_config.", "image_size", 224, &v->image_size));
+    FL_TRY(cfg_int(path, vj, "vision_config.", "patch_size", 14, &v->patch_size));
+    FL_TRY(cfg_bool(path, vj, "vision_config.", "qkv_bias", 1, &qkv_bias));
+    if (!qkv_bias)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: key 'vision_config.qkv_bias' = false is not supported", path);
+    FL_TRY(part_common(path, qj, "qformer_config.", q, 768, 3072, 12, 12, 1e-12f));
+    FL_TRY(cfg_int(path, qj, "qformer_config.", "cross_attention_frequency", 2, &q->xattn_every));
+    FL_TRY(cfg_int(path, qj, "qformer_config.", "encoder_hidden_size", 1408, &q->xattn_dim));
+    FL_TRY(cfg_bool(path, qj, "qformer_config.", "use_qformer_text_input", 0, &text_in));
+    if (text_in)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: key 'qformer_config.use_qformer_text_input' = true (the Q-Former's text "
+                         "FFN) is not supported", path);
+    fl_status s = fl_hf_config_from_json(path, tj, &c->text);
+    if (s != FL_OK) return fl_error_prefix(s, "text_config");
+    const int t5 = fl_model_is_s2s(&c->text); /* T5 has no BOS (its source goes as it is), EOS 1 */
+    FL_TRY(cfg_int(path, tj, "text_config.", "bos_token_id", t5 ? -1 : 2, &c->bos_id));
+    FL_TRY(cfg_int(path, tj, "text_config.", "eos_token_id", t5 ? 1 : 2, &c->eos_id));
+    if (dec_only != !fl_model_is_s2s(&c->text))
+        return fl_errorf(FL_ERR_FORMAT, "%s: key 'use_decoder_only_language_model' = %s contradicts text_config's %s", path,
+                         dec_only ? "true" : "false", fl_arch_get(c->text.arch)->display);
+    return finish_config(path, c);
+}
+
+fl_status fl_blip2_config_load(const char *path, fl_blip2_config *c) {
+    fl_json *root = NULL;
+    FL_TRY(fl_json_parse_file(path, &root));
+    fl_status s = root->type == FL_JSON_OBJECT ? parse_config(path, root, c)
+                                               : fl_errorf(FL_ERR_FORMAT, "%s: top level must be a JSON object", path);
+    fl_json_free(root);
+    return s;
+}
+
+int fl_blip2_is_folder(const char *dir) {
+    char path[4096];
+    if (fl_fs_join(path, sizeof path, dir, "config.json") != FL_OK || !fl_fs_is_file(path)) return 0;
+    fl_json *root = NULL;
+    if (fl_json_parse_file(path, &root) != FL_OK) return 0;
+    const fl_json *mt = fl_json_get(root, "model_type");
+    const int yes = mt && mt->type == FL_JSON_STRING && strcmp(mt->str, "blip-2") == 0;
+    fl_json_free(root);
+    return yes;
+}
+
+/* ---- presets ---------------------------------------------------------------------------------- */
+
+typedef struct {
+    const char *name, *alias, *text; /* text: the language model's preset */
+    int vdim, vffn, vlayers, vheads, image, patch;
+    int qdim, qffn, qlayers, qheads, nq, image_token; /* image_token -1: the vocabulary's last id */
+} blip2_preset;
+
+static const blip2_preset presets[] = {
+    {"blip2-opt-2.7b", "Salesforce/blip2-opt-2.7b", "opt-2.7b", 1408, 6144, 39, 16, 224, 14, 768, 3072, 12, 12, 32, 50265},
+    {"blip2-opt-6.7b", "Salesforce/blip2-opt-6.7b", "opt-6.7b", 1408, 6144, 39, 16, 224, 14, 768, 3072, 12, 12, 32, 50265},
+    {"blip2-flan-t5-xl", "Salesforce/blip2-flan-t5-xl", "flan-t5-xl", 1408, 6144, 39, 16, 224, 14, 768, 3072, 12, 12, 32,
+     32100},
+    {"blip2-flan-t5-xxl", "Salesforce/blip2-flan-t5-xxl", "flan-t5-xxl", 1408, 6144, 39, 16, 224, 14, 768, 3072, 12, 12,
+     32, 32100},
+    {"blip2-micro", NULL, "opt-micro", 64, 128, 2, 4, 32, 8, 48, 96, 2, 4, 8, -1},
+};
+
+fl_status fl_blip2_preset(const char *name, fl_blip2_config *c) {
+    for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++) {
+        const blip2_preset *p = &presets[i];
+        if (strcmp(name, p->name) && !(p->alias && strcmp(name, p->alias) == 0)) continue;
+        memset(c, 0, sizeof *c);
+        FL_TRY(fl_preset_find(p->text, &c->text));
+        fl_model_config *v = &c->vision, *q = &c->qformer;
+        *v = (fl_model_config){.dim = p->vdim, .ffn_dim = p->vffn, .n_layers = p->vlayers, .n_heads = p->vheads,
+                               .image_size = p->image, .patch_size = p->patch, .norm_eps = 1e-6f, .vocab_size = 1,
+                               .gelu_exact = 1};
+        *q = (fl_model_config){.dim = p->qdim, .ffn_dim = p->qffn, .n_layers = p->qlayers, .n_heads = p->qheads,
+                               .xattn_every = 2, .xattn_dim = p->vdim, .norm_eps = 1e-12f, .vocab_size = 1,
+                               .gelu_exact = 1};
+        c->n_queries = p->nq;
+        c->bos_id = c->eos_id = 2; /* OPT's; T5: no BOS, EOS 1 */
+        if (c->text.arch == FL_ARCH_T5) c->bos_id = -1, c->eos_id = c->text.eos_id;
+        c->image_token = p->image_token >= 0 ? p->image_token : c->text.vocab_size - 1;
+        return finish_config(name, c);
+    }
+    return fl_errorf(FL_ERR_NOT_FOUND, "no BLIP-2 preset '%s' (blip2-opt-2.7b, blip2-opt-6.7b, blip2-flan-t5-xl, "
+                     "blip2-flan-t5-xxl, blip2-micro)", name);
+}
+
+size_t fl_blip2_param_count(const fl_blip2_config *c) {
+    return fl_sizing_param_count(&c->vision) + fl_sizing_param_count(&c->qformer) + fl_sizing_param_count(&c->text);
+}
+
+/* ---- the parts -------------------------------------------------------------------------------- */
+
+const fl_blip2_config *fl_blip2_get_config(const fl_blip2 *b) { return &b->cfg; }
+fl_model *fl_blip2_part(fl_blip2 *b, int part) { return part >= 0 && part < FL_BLIP2_PARTS ? &b->part[part] : NULL; }
+
+void fl_blip2_free(fl_blip2 *b) {
+    if (!b) return;
+    fl_blip2_free_acts(b);
+    for (int k = 0; k < FL_BLIP2_PARTS; k++)
+        if (b->part[k].store) fl_model_free(&b->part[k]);
+    free(b);
+}
+
+fl_status fl_blip2_create(fl_blip2 **out, const fl_blip2_config *c, const fl_backend *be, fl_mem_pool *pool,
+                          uint64_t seed) {
+    *out = NULL;
+    fl_blip2 *b = calloc(1, sizeof *b);
+    if (!b) return fl_errorf(FL_ERR_OOM, "BLIP-2: out of host memory");
+    b->cfg = *c;
+    b->be = be;
+    b->pool = pool;
+    const fl_model_config *pc[FL_BLIP2_PARTS] = {&c->vision, &c->qformer, &c->text};
+    static const char *const what[FL_BLIP2_PARTS] = {"vision tower", "Q-Former", "language model"};
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        fl_status s = fl_model_init(&b->part[k], pc[k], be, pool);
+        if (s != FL_OK) {
+            fl_blip2_free(b);
+            return fl_error_prefix(s, "BLIP-2 %s", what[k]);
+        }
+        if (seed) fl_model_init_random(&b->part[k], seed + (uint64_t)k);
+    }
+    *out = b;
+    return FL_OK;
+}
+
+/* ---- loading ---------------------------------------------------------------------------------- */
+
+typedef struct {
+    fl_st_file *files;
+    int n;
+} st_set;
+
+static const fl_st_tensor *find_tensor(const st_set *f, const char *name) {
+    for (int i = 0; i < f->n; i++) {
+        const fl_st_tensor *t = fl_st_find(&f->files[i], name);
+        if (t) return t;
+    }
+    return NULL;
+}
+
+/* The file's shape against the entry's: leading 1s dropped ((1, 1, C) class token, (1, P, C) positions, (1, NQ, C)
+ * queries), a 4-D convolution weight (C, 3, p, p) as its (C, 3 p p) matrix. */
+static int shape_ok(const fl_st_tensor *t, const fl_param_info *p) {
+    int nd = t->ndim, d0 = 0;
+    if (p->ndim == 2 && p->transposed_on_disk) /* stored (d1, d0) on disk (T5's relative bias tables) */
+        return nd == 2 && t->shape[0] == p->shape[1] && t->shape[1] == p->shape[0];
+    while (nd > p->ndim && t->shape[d0] == 1 && nd > 1) d0++, nd--;
+    if (p->ndim == 2 && nd == 4)
+        return t->shape[d0] == p->shape[0] && t->shape[d0 + 1] * t->shape[d0 + 2] * t->shape[d0 + 3] == p->shape[1];
+    if (nd != p->ndim) return 0;
+    for (int d = 0; d < nd; d++)
+        if (t->shape[d0 + d] != p->shape[d]) return 0;
+    return 1;
+}
+
+/* n elements of t from element k0 as float32 into dst (host), refusing a non-finite value by name */
+static fl_status read_f32(const fl_st_tensor *t, size_t k0, float *dst, size_t n, const char *file) {
+    if (t->dtype != FL_F32 && t->dtype != FL_BF16 && t->dtype != FL_F16 && t->dtype != FL_F64)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: tensor '%s': dtype %s cannot be loaded (F32, BF16, F16)", file, t->name,
+                         fl_dtype_name(t->dtype));
+    const size_t es = fl_dtype_size(t->dtype);
+    void *tmp = malloc(n > 0 ? n * es : 1);
+    if (!tmp) return fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", file, t->name);
+    memcpy(tmp, (const char *)t->data + k0 * es, n * es); /* the file does not promise alignment */
+    long long bad = fl_dtype_first_nonfinite(tmp, t->dtype, n);
+    fl_status s = FL_OK;
+    if (bad >= 0)
+        s = fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s' holds a non-finite value (inf/NaN) at element %lld", file, t->name,
+                      bad + (long long)k0);
+    else if (fl_convert(dst, FL_F32, tmp, t->dtype, n))
+        s = fl_errorf(FL_ERR_INTERNAL, "%s: tensor '%s': conversion failed", file, t->name);
+    free(tmp);
+    return s;
+}
+
+/* A tensor in its entry's orientation into the (fp32, device) store in fixed slices: no whole-tensor copy */
+static fl_status copy_slices(fl_model *m, int i, const fl_st_tensor *t, const char *file) {
+    enum { SLICE = 1 << 16 };
+    fl_dtype dt;
+    float *dst = fl_model_param_data(m, i, &dt), *buf = malloc(SLICE * sizeof *buf);
+    fl_status s = buf ? FL_OK : fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", file, t->name);
+    if (s == FL_OK && (!dst || dt != FL_F32)) s = fl_errorf(FL_ERR_INTERNAL, "BLIP-2: fp32 storage expected");
+    const size_t numel = m->layout.params[i].numel;
+    for (size_t k = 0; s == FL_OK && k < numel; k += SLICE) {
+        const size_t n = numel - k < SLICE ? numel - k : SLICE;
+        s = read_f32(t, k, buf, n, file);
+        if (s == FL_OK) s = m->be->to_device(m->be, dst + k, buf, n * sizeof *buf);
+    }
+    free(buf);
+    return s;
+}
+
+/* The vision qkv bias of files written before transformers 5: q_bias and v_bias, the k part zero. */
+static fl_status load_split_qkv_bias(const st_set *f, const fl_param_info *p, float *buf, const char *dir) {
+    char qn[FL_PARAM_NAME_MAX + 8], vn[FL_PARAM_NAME_MAX + 8];
+    const size_t C = (size_t)p->shape[0] / 3, stem = strlen(p->name) - strlen("qkv.bias");
+    snprintf(qn, sizeof qn, "%.*sq_bias", (int)stem, p->name);
+    snprintf(vn, sizeof vn, "%.*sv_bias", (int)stem, p->name);
+    const fl_st_tensor *q = find_tensor(f, qn), *v = find_tensor(f, vn);
+    if (!q || !v) return fl_errorf(FL_ERR_NOT_FOUND, "%s: tensor '%s' (or '%s' and '%s') not found in the model files",
+                                   dir, p->name, qn, vn);
+    if (q->ndim != 1 || q->shape[0] != (int64_t)C || v->ndim != 1 || v->shape[0] != (int64_t)C)
+        return fl_errorf(FL_ERR_FORMAT, "%s: tensors '%s' / '%s' must have shape [%zu]", dir, qn, vn, C);
+    memset(buf + C, 0, C * sizeof *buf);
+    FL_TRY(read_f32(q, 0, buf, C, dir));
+    return read_f32(v, 0, buf + 2 * C, C, dir);
+}
+
+/* (r, c) row-major -> (c, r), in place through a copy */
+static fl_status transpose(float *a, int64_t r, int64_t c) {
+    float *t = malloc((size_t)(r * c) * sizeof *t);
+    if (!t) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    for (int64_t i = 0; i < r; i++)
+        for (int64_t j = 0; j < c; j++) t[j * r + i] = a[i * c + j];
+    memcpy(a, t, (size_t)(r * c) * sizeof *t);
+    free(t);
+    return FL_OK;
+}
+
+/* Every entry of part k from the files (names with prefix), checked by shape. */
+static fl_status load_part(fl_model *m, const st_set *f, const char *prefix, const char *dir) {
+    const fl_param_layout *lay = &m->layout;
+    fl_status s = FL_OK;
+    for (int i = 0; i < lay->n && s == FL_OK; i++) {
+        const fl_param_info *p = &lay->params[i];
+        char name[FL_PARAM_NAME_MAX + 32];
+        snprintf(name, sizeof name, "%s%s", prefix, p->name);
+        const fl_st_tensor *t = find_tensor(f, name);
+        const int split = !t && m->cfg.arch == FL_ARCH_BLIP2_VISION && strstr(name, "qkv.bias") != NULL;
+        if (!t && !split) return fl_errorf(FL_ERR_NOT_FOUND, "%s: tensor '%s' not found in the model files", dir, name);
+        if (t && !shape_ok(t, p))
+            return fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s' has a shape that does not match config.json (%lld x %lld "
+                             "expected)", dir, name, (long long)p->shape[0], (long long)(p->ndim == 2 ? p->shape[1] : 1));
+        const int tr = p->ndim == 2 && p->transposed_on_disk;
+        if (!split && !tr) { /* the common case, slice by slice */
+            s = copy_slices(m, i, t, dir);
+            continue;
+        }
+        float *buf = malloc(p->numel * sizeof *buf); /* small: a (3C) bias, a relative bias table */
+        if (!buf) return fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", dir, name);
+        s = split ? load_split_qkv_bias(f, p, buf, dir) : read_f32(t, 0, buf, p->numel, dir);
+        if (s == FL_OK && tr) s = transpose(buf, p->shape[1], p->shape[0]);
+        if (s == FL_OK) fl_model_write_param(m, i, buf);
+        free(buf);
+    }
+    return s;
+}
+
+static int listed(const char *const *list, const char *name) {
+    for (int i = 0; list && list[i]; i++)
+        if (strcmp(list[i], name) == 0) return 1;
+    return 0;
+}
+
+/* A file tensor nobody reads is an error (a config that does not describe the files). */
+static fl_status check_unexpected(fl_blip2 *b, const st_set *f, const char *dir) {
+    for (int i = 0; i < f->n; i++)
+        for (int j = 0; j < f->files[i].n_tensors; j++) {
+            const char *n = f->files[i].tensors[j].name;
+            if (fl_layout_find(&b->part[0].layout, n) >= 0 || fl_layout_find(&b->part[1].layout, n) >= 0) continue;
+            const size_t np = strlen("language_model.");
+            const fl_arch_info *ta = fl_arch_get(b->cfg.text.arch);
+            if (strncmp(n, "language_model.", np) == 0 &&
+                (fl_layout_find(&b->part[2].layout, n + np) >= 0 || listed(ta->hf_embed_aliases, n + np) ||
+                 listed(ta->hf_ignored, n + np) || (b->cfg.text.tie_embeddings && strcmp(n + np, "lm_head.weight") == 0)))
+                continue;
+            const size_t ln = strlen(n);
+            if (strncmp(n, "vision_model.", 13) == 0 && ln > 7 &&
+                (strcmp(n + ln - 7, ".q_bias") == 0 || strcmp(n + ln - 7, ".v_bias") == 0))
+                continue;
+            return fl_errorf(FL_ERR_FORMAT, "%s: unexpected tensor '%s' (not a parameter of this BLIP-2 model per "
+                             "config.json)", f->files[i].path, n);
+        }
+    return FL_OK;
+}
+
+fl_status fl_blip2_load(fl_blip2 **out, const char *dir, const fl_backend *be, fl_mem_pool *pool) {
+    char path[4096];
+    *out = NULL;
+    FL_TRY(fl_fs_join(path, sizeof path, dir, "config.json"));
+    fl_blip2_config c;
+    FL_TRY(fl_blip2_config_load(path, &c));
+    st_set f = {0};
+    FL_TRY(fl_hf_open_weight_files(dir, &c.text, &f.files, &f.n));
+    fl_blip2 *b = NULL;
+    fl_status s = fl_blip2_create(&b, &c, be, pool, 0);
+    if (s == FL_OK) s = check_unexpected(b, &f, dir);
+    if (s == FL_OK) s = load_part(&b->part[0], &f, "", dir);
+    if (s == FL_OK) s = load_part(&b->part[1], &f, "", dir);
+    if (s == FL_OK) s = load_part(&b->part[2], &f, "language_model.", dir);
+    fl_hf_close_weight_files(f.files, f.n);
+    if (s != FL_OK) {
+        fl_blip2_free(b);
+        return s;
+    }
+    *out = b;
+    return FL_OK;
+}
+
+fl_status fl_blip2_alloc_grads(fl_blip2 *b) {
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) FL_TRY(fl_model_alloc_grads(&b->part[k]));
+    return FL_OK;
+}
+
+void fl_blip2_zero_grads(fl_blip2 *b) {
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) fl_model_zero_grads(&b->part[k]);
+}

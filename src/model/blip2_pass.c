@@ -1,0 +1,589 @@
+/* BLIP-2's passes (fitllm/blip2.h): the three parts' model graphs interpreted in order, vision tower -> Q-Former ->
+ * language model, and back. The ops around the blocks:
+ *
+ *   PATCH    res[0] (B, P + 1, Cv): row 0 the class token, row 1 + p the patch p's pixels (3 p p, arranged on the
+ *            host: the convolution with stride = kernel is a matrix product) @ W^T + b; the learned positions added.
+ *            Backward: dW, db from the patch rows' gradient, d(class token) and d(positions) summed over the batch.
+ *   QUERIES  nin (B, NQ, Cq): the learned query tokens for every image (backward: summed over the batch), then the
+ *            embedding LayerNorm into res[0].
+ *   EMBED    the language model's token and position embeddings; the rows of the image placeholders (or the rows in
+ *            front) are the projected queries + their position instead (backward: their gradient goes to the
+ *            projection, never to the placeholder's token row; the positions get all rows').
+ *
+ * The blocks are the block graph's executors (graph.c); the Q-Former's cross-attention blocks read the vision
+ * tower's output as their XSTREAM slot and accumulate its gradient. Every op is a backend call (copies, adds, the
+ * linears), so each backend runs BLIP-2 with the kernels it has. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "blip2-impl.h"
+#include "store.h"
+
+#define TAKEF(cv, n) ((float *)fl_carve((cv), (size_t)(n) * sizeof(float)))
+
+static int npatch(const fl_blip2 *b) { return b->cfg.vision.max_seq - 1; }
+/* The parts this arena runs: an encoder-decoder language model runs in its own (seq2seq.c) */
+static int parts_here(const fl_blip2 *b) { return fl_model_is_s2s(&b->cfg.text) ? 2 : 3; }
+
+/* ACTS: per part its residual stream, every block's saved slots, its norm's buffers. */
+static size_t carve_acts(fl_blip2 *b, char *base) {
+    fl_carver cv = {base, 0};
+    const size_t B = (size_t)b->B, T0 = (size_t)b->st[0].T;
+    for (int k = 0; k < parts_here(b); k++) {
+        fl_b2_stack *st = &b->st[k];
+        const size_t C = (size_t)b->part[k].cfg.dim, N = B * (size_t)st->T;
+        for (int l = 0; l <= st->L; l++) {
+            float *r = TAKEF(&cv, N * C);
+            if (base) st->res[l] = r;
+        }
+        for (int l = 0; l < st->L; l++) {
+            const fl_block_graph *g = &st->g[k == FL_BLIP2_QFORMER && fl_blip2_has_xattn(&b->part[k].cfg, l)];
+            fl_layer_acts la;
+            memset(&la, 0, sizeof la);
+            for (int j = 0; j < g->n_prod; j++) {
+                const int sl = g->prod[j];
+                if (g->slot[sl].kind == FL_GSLOT_XSTREAM) continue;
+                la.s[sl] = TAKEF(&cv, (g->slot[sl].xrows ? B * T0 : N) * (size_t)g->slot[sl].width);
+            }
+            if (!base) continue;
+            la.s[FL_GSLOT_IN] = st->res[l];
+            la.s[FL_GSLOT_OUT] = st->res[l + 1];
+            if (g == &st->g[1] && st->xslot >= 0) la.s[st->xslot] = b->st[0].nout; /* the image features */
+            st->layer[l] = la;
+        }
+        float *ni = k == FL_BLIP2_QFORMER ? TAKEF(&cv, N * C) : NULL;
+        float *no = TAKEF(&cv, N * C), *nm = TAKEF(&cv, N), *nr = TAKEF(&cv, N);
+        if (base) st->nin = ni, st->nout = no, st->nmean = nm, st->nrstd = nr;
+    }
+    return cv.off;
+}
+
+/* WORKSPACE: the patches, the projected queries, d(image features), the gradient buffers, a logits chunk, ids. */
+static size_t carve_work(fl_blip2 *b, char *base) {
+    fl_carver cv = {base, 0};
+    const size_t B = (size_t)b->B, P = (size_t)npatch(b), p = (size_t)b->cfg.vision.patch_size;
+    const size_t Cv = (size_t)b->cfg.vision.dim, Ct = (size_t)b->cfg.text.dim, NQ = (size_t)b->cfg.n_queries;
+    float *pa = TAKEF(&cv, B * P * 3 * p * p), *pe = TAKEF(&cv, B * P * Cv);
+    float *qp = TAKEF(&cv, B * NQ * Ct), *dqp = TAKEF(&cv, B * NQ * Ct), *di = TAKEF(&cv, B * (P + 1) * Cv);
+    int rows = 0, width[FL_GRAPH_MAX_GBUF] = {0}, ngb = FL_N_GBUF;
+    for (int k = 0; k < parts_here(b); k++) {
+        const fl_b2_stack *st = &b->st[k];
+        if (st->T > rows) rows = st->T;
+        for (int j = 0; j < 2; j++) {
+            const fl_block_graph *g = &st->g[j];
+            if (g->n_gbuf > ngb) ngb = g->n_gbuf;
+            for (int i = 0; i < g->n_gbuf; i++)
+                if (g->gbuf_width[i] > width[i]) width[i] = g->gbuf_width[i];
+        }
+        const int C = b->part[k].cfg.dim;
+        for (int i = 0; i < 2; i++) /* dres and d(norm out) at least C wide; buf1 also the patch rows' gradient */
+            if (width[i] < C) width[i] = C;
+    }
+    for (int i = 0; i < ngb; i++) {
+        float *g = TAKEF(&cv, B * (size_t)rows * (size_t)width[i]);
+        if (base) b->gb[i] = g;
+    }
+    const size_t NL = parts_here(b) == 3 ? B * (size_t)b->TL : 0, V = (size_t)b->cfg.text.vocab_size;
+    b->chunk = NL ? fl_logits_chunk_rows((int)V, (int)NL) : 0;
+    float *lg = TAKEF(&cv, (size_t)b->chunk * V), *ls = TAKEF(&cv, NL);
+    int32_t *ids = fl_carve(&cv, NL * sizeof(int32_t));
+    int32_t *tg = fl_backend_host_memory(b->be) ? NULL : fl_carve(&cv, NL * sizeof(int32_t));
+    if (base) {
+        b->patches = pa, b->pe = pe, b->qproj = qp, b->dqproj = dqp, b->dimg = di, b->n_gb = ngb;
+        b->logits = lg, b->losses = ls, b->ids = ids, b->dtargets = tg;
+    }
+    return cv.off;
+}
+
+void fl_blip2_free_acts(fl_blip2 *b) {
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        free(b->st[k].res), free(b->st[k].layer);
+        b->st[k].res = NULL, b->st[k].layer = NULL;
+    }
+    if (b->acts) fl_mem_free(b->pool, b->acts);
+    if (b->work) fl_mem_free(b->pool, b->work);
+    free(b->hids), free(b->qrow);
+    b->acts = b->work = NULL, b->hids = NULL, b->qrow = NULL;
+    b->B = 0;
+}
+
+/* The arena for B images, T language-model ids (an encoder-decoder's source) and Tt target rows (0: one stack). */
+static fl_status alloc_parts(fl_blip2 *b, int B, int T, int Tt) {
+    if (B <= 0 || T <= 0 || Tt < 0)
+        return fl_errorf(FL_ERR_INVALID, "BLIP-2: micro-batch must be positive (B=%d, T=%d)", B, T);
+    const int NQ = b->cfg.n_queries, TL = b->cfg.image_token >= 0 ? T : T + NQ;
+    if (Tt == 0 && TL > b->cfg.text.max_seq)
+        return fl_errorf(FL_ERR_INVALID, "BLIP-2: %d language-model rows exceed its max_position_embeddings %d", TL,
+                         b->cfg.text.max_seq);
+    fl_blip2_free_acts(b);
+    b->B = B, b->T = T, b->TL = TL;
+    const int Ts[FL_BLIP2_PARTS] = {b->cfg.vision.max_seq, NQ, TL};
+    fl_status s = FL_OK;
+    b->st[2].T = TL;
+    for (int k = 0; s == FL_OK && k < parts_here(b); k++) {
+        fl_b2_stack *st = &b->st[k];
+        memset(st->g, 0, sizeof st->g);
+        st->L = b->part[k].cfg.n_layers;
+        st->T = Ts[k];
+        st->xslot = -1;
+        s = fl_block_graph_build(&b->part[k].cfg, &st->g[0]);
+        if (s == FL_OK && k == FL_BLIP2_QFORMER) { /* the block with the cross-attention */
+            fl_blip2_qformer_block(&b->part[k].cfg, 1, &st->g[1]);
+            s = fl_block_graph_finish(&st->g[1]);
+            for (int j = 0; j < st->g[1].n_slots; j++)
+                if (st->g[1].slot[j].kind == FL_GSLOT_XSTREAM) st->xslot = j;
+        }
+        st->res = calloc((size_t)st->L + 1, sizeof *st->res);
+        st->layer = calloc((size_t)st->L, sizeof *st->layer);
+        if (s == FL_OK && (!st->res || !st->layer)) s = fl_errorf(FL_ERR_OOM, "BLIP-2 activation views: out of memory");
+    }
+    b->hids = malloc((size_t)B * TL * sizeof *b->hids);
+    b->qrow = malloc((size_t)B * NQ * sizeof *b->qrow);
+    if (s == FL_OK && (!b->hids || !b->qrow)) s = fl_errorf(FL_ERR_OOM, "BLIP-2: out of host memory");
+    if (s == FL_OK) s = fl_mem_alloc(b->pool, FL_TAG_ACTS, carve_acts(b, NULL), &b->acts);
+    if (s == FL_OK) s = fl_mem_alloc(b->pool, FL_TAG_WORKSPACE, carve_work(b, NULL), &b->work);
+    if (s != FL_OK) {
+        fl_blip2_free_acts(b);
+        return fl_error_prefix(s, "BLIP-2 activations for B=%d, T=%d", B, T);
+    }
+    carve_acts(b, b->acts);
+    carve_work(b, b->work);
+    if (Tt > 0) { /* the encoder-decoder's own arena */
+        s = fl_model_alloc_acts_s2s(&b->part[2], B, TL, Tt);
+        if (s != FL_OK) fl_blip2_free_acts(b);
+    }
+    return s;
+}
+
+fl_status fl_blip2_alloc_acts(fl_blip2 *b, int B, int T) {
+    if (fl_model_is_s2s(&b->cfg.text))
+        return fl_errorf(FL_ERR_INVALID, "BLIP-2 with %s: an encoder-decoder (fl_blip2_alloc_acts_s2s)",
+                         fl_arch_get(b->cfg.text.arch)->display);
+    return alloc_parts(b, B, T, 0);
+}
+
+fl_status fl_blip2_alloc_acts_s2s(fl_blip2 *b, int B, int Ts, int Tt) {
+    if (!fl_model_is_s2s(&b->cfg.text))
+        return fl_errorf(FL_ERR_INVALID, "BLIP-2 with %s: one stack (fl_blip2_alloc_acts)",
+                         fl_arch_get(b->cfg.text.arch)->display);
+    if (Tt <= 0) return fl_errorf(FL_ERR_INVALID, "BLIP-2: target rows must be positive (got %d)", Tt);
+    return alloc_parts(b, B, Ts, Tt);
+}
+
+/* ---- helpers ------------------------------------------------------------------------------------ */
+
+/* fp32 parameter / gradient of part m's entry of role r in group g (NULL if absent or no gradients) */
+static float *prm(const fl_model *m, int g, int r, int grad) {
+    const int i = fl_layout_role(&m->layout, g, (fl_param_role)r);
+    if (i < 0) return NULL;
+    if (grad) return fl_model_grads_f32(m) ? fl_model_grads_f32(m) + m->layout.params[i].offset : NULL;
+    return fl_model_params_f32(m) + fl_model_store_off(m, i);
+}
+
+/* A linear of the parts' outer groups (the patch embedding, the language projection). */
+static fl_linear outer_linear(const fl_model *m, int g, int rw, int rb) {
+    const int wi = fl_layout_role(&m->layout, g, (fl_param_role)rw);
+    fl_linear lin = {.in = (int)m->layout.params[wi].shape[1], .out = (int)m->layout.params[wi].shape[0]};
+    fl_linear_set_weight(m, &lin, wi);
+    lin.b = prm(m, g, rb, 0);
+    lin.dw = prm(m, g, rw, 1);
+    lin.db = prm(m, g, rb, 1);
+    return lin;
+}
+
+static const fl_block_graph *graph_of(const fl_blip2 *b, int k, int l) {
+    return &b->st[k].g[k == FL_BLIP2_QFORMER && fl_blip2_has_xattn(&b->part[k].cfg, l)];
+}
+
+static fl_block_ctx ctx_of(const fl_blip2 *b, int k, float *const *dxs) {
+    fl_block_ctx x = {.B = b->Bp, .T = b->st[k].T};
+    x.Tk = b->st[0].T;
+    x.dxs = dxs;
+    return x;
+}
+
+/* ---- the ops around the blocks --------------------------------------------------------------------- */
+
+/* The pixels (B, 3, S, S) patch by patch: row (b, p) holds channel, kernel row, kernel column of patch p in the
+ * convolution weight's order; then res[0]. */
+static fl_status patch_forward(fl_blip2 *b, const float *pixels) {
+    const fl_backend *be = b->be;
+    const fl_model *m = &b->part[0];
+    const int S = m->cfg.image_size, ps = m->cfg.patch_size, G = S / ps, P = G * G, K = 3 * ps * ps, C = m->cfg.dim;
+    const int T0 = P + 1, B = b->Bp;
+    fl_mem_pool *hp = fl_mem_host_pool(b->pool); /* (B P, 3 p p): megabytes at real sizes */
+    float *h = NULL;
+    FL_TRY(fl_mem_alloc(hp, FL_TAG_OTHER, (size_t)B * P * K * sizeof *h, (void **)&h));
+    for (int n = 0; n < B; n++)
+        for (int gy = 0; gy < G; gy++)
+            for (int gx = 0; gx < G; gx++) {
+                float *row = h + ((size_t)n * P + (size_t)gy * G + gx) * K;
+                for (int ch = 0; ch < 3; ch++)
+                    for (int y = 0; y < ps; y++)
+                        memcpy(row + (ch * ps + y) * ps,
+                               pixels + (((size_t)n * 3 + ch) * S + (size_t)gy * ps + y) * S + (size_t)gx * ps,
+                               (size_t)ps * sizeof *row);
+            }
+    fl_status s = be->to_device(be, b->patches, h, (size_t)B * P * K * sizeof *h);
+    fl_mem_free(hp, h);
+    FL_TRY(s);
+    fl_linear lin = outer_linear(m, 0, FL_ROLE_PATCH_W, FL_ROLE_PATCH_B);
+    FL_TRY(fl_linear_forward(be, b->pe, b->patches, &lin, B * P)); // (B P, C)
+    const float *cls = prm(m, 0, FL_ROLE_CLS_EMBED, 0), *pos = prm(m, 0, FL_ROLE_POS_EMBED, 0);
+    float *r0 = b->st[0].res[0];
+    for (int n = 0; n < B; n++) {
+        float *r = r0 + (size_t)n * T0 * C;
+        FL_TRY(be->copy(be, r, cls, (size_t)C * sizeof(float)));
+        FL_TRY(be->copy(be, r + C, b->pe + (size_t)n * P * C, (size_t)P * C * sizeof(float)));
+        be->add(be, r, r, pos, (size_t)T0 * C);
+    }
+    return FL_OK;
+}
+
+/* d res[0] in dres: the patch linear's dW, db (its rows' gradient gathered into gb[1]), the class token's and the
+ * positions' gradients summed over the batch. */
+static fl_status patch_backward(fl_blip2 *b, const float *dres) {
+    const fl_backend *be = b->be;
+    const fl_model *m = &b->part[0];
+    const int C = m->cfg.dim, P = npatch(b), T0 = P + 1, B = b->Bp;
+    float *dcls = prm(m, 0, FL_ROLE_CLS_EMBED, 1), *dpos = prm(m, 0, FL_ROLE_POS_EMBED, 1), *dpe = b->gb[1];
+    for (int n = 0; n < B; n++) {
+        const float *d = dres + (size_t)n * T0 * C;
+        be->add(be, dcls, dcls, d, (size_t)C);
+        be->add(be, dpos, dpos, d, (size_t)T0 * C);
+        FL_TRY(be->copy(be, dpe + (size_t)n * P * C, d + C, (size_t)P * C * sizeof(float)));
+    }
+    fl_linear lin = outer_linear(m, 0, FL_ROLE_PATCH_W, FL_ROLE_PATCH_B);
+    return fl_linear_backward(be, NULL, 0, dpe, b->patches, &lin, B * P);
+}
+
+/* The learned queries for every image, then the Q-Former's embedding LayerNorm into res[0]. */
+static fl_status queries_forward(fl_blip2 *b) {
+    const fl_backend *be = b->be;
+    const fl_model *m = &b->part[1];
+    fl_b2_stack *st = &b->st[1];
+    const size_t n = (size_t)st->T * m->cfg.dim;
+    const float *q = prm(m, 0, FL_ROLE_QUERY_EMBED, 0);
+    for (int i = 0; i < b->Bp; i++) FL_TRY(be->copy(be, st->nin + i * n, q, n * sizeof(float)));
+    fl_norm_forward(m, st->res[0], st->nmean, st->nrstd, st->nin, prm(m, 0, FL_ROLE_EMB_NORM_W, 0),
+                    prm(m, 0, FL_ROLE_EMB_NORM_B, 0), b->Bp * st->T);
+    return FL_OK;
+}
+
+static void queries_backward(fl_blip2 *b, const float *dres) {
+    const fl_backend *be = b->be;
+    fl_model *m = &b->part[1];
+    fl_b2_stack *st = &b->st[1];
+    const size_t n = (size_t)st->T * m->cfg.dim;
+    float *din = b->gb[1];
+    be->zero(be, din, (size_t)b->Bp * n * sizeof(float));
+    fl_norm_backward(m, din, prm(m, 0, FL_ROLE_EMB_NORM_W, 1), prm(m, 0, FL_ROLE_EMB_NORM_B, 1), dres, st->nin,
+                     prm(m, 0, FL_ROLE_EMB_NORM_W, 0), st->nmean, st->nrstd, b->Bp * st->T);
+    float *dq = prm(m, 0, FL_ROLE_QUERY_EMBED, 1);
+    for (int i = 0; i < b->Bp; i++) be->add(be, dq, dq, din + i * n, n);
+}
+
+/* The language model's embeddings, the projected queries in their rows (+ the rows' positions). */
+static fl_status embed_forward(fl_blip2 *b) {
+    const fl_backend *be = b->be;
+    const fl_model *m = &b->part[2];
+    const int C = m->cfg.dim, TL = b->st[2].T, NQ = b->cfg.n_queries;
+    fl_outer_params op;
+    fl_get_outer(m, &op);
+    FL_TRY(be->to_device(be, b->ids, b->hids, (size_t)b->Bp * TL * sizeof(int32_t)));
+    float *r0 = b->st[2].res[0];
+    fl_embed_forward(m, &op, r0, b->ids, b->hids, b->Bp, TL, 0);
+    for (int i = 0; i < b->Bp * NQ; i++) {
+        const int row = b->qrow[i], t = row % TL;
+        float *r = r0 + (size_t)row * C;
+        FL_TRY(be->copy(be, r, b->qproj + (size_t)i * C, (size_t)C * sizeof(float)));
+        be->add(be, r, r, op.wpe + (size_t)t * C, (size_t)C);
+    }
+    return FL_OK;
+}
+
+/* d res[0] (overwritten): the query rows' gradient to dqproj and their positions', the rest to the embeddings. */
+static fl_status embed_backward(fl_blip2 *b, float *dres) {
+    const fl_backend *be = b->be;
+    fl_model *m = &b->part[2];
+    const int C = m->cfg.dim, TL = b->st[2].T, NQ = b->cfg.n_queries;
+    fl_outer_params op;
+    fl_get_outer(m, &op);
+    for (int i = 0; i < b->Bp * NQ; i++) {
+        const int row = b->qrow[i], t = row % TL;
+        float *d = dres + (size_t)row * C;
+        FL_TRY(be->copy(be, b->dqproj + (size_t)i * C, d, (size_t)C * sizeof(float)));
+        if (op.dwpe) be->add(be, op.dwpe + (size_t)t * C, op.dwpe + (size_t)t * C, d, (size_t)C);
+        be->zero(be, d, (size_t)C * sizeof(float));
+    }
+    return fl_embed_backward(m, &op, dres, b->ids, b->Bp, TL);
+}
+
+/* ---- the passes ------------------------------------------------------------------------------------ */
+
+static fl_status blocks_forward(fl_blip2 *b, int k) {
+    fl_b2_stack *st = &b->st[k];
+    for (int l = 0; l < st->L; l++) {
+        const fl_block_graph *g = graph_of(b, k, l);
+        fl_block_params bp;
+        fl_get_block(&b->part[k], g, l, &bp);
+        fl_block_ctx x = ctx_of(b, k, NULL);
+        FL_TRY(fl_block_forward(&b->part[k], g, &bp, st->layer[l].s, &x));
+    }
+    return FL_OK;
+}
+
+/* gb[0] holds d(the stack's last residual rows) on entry and d(res[0]) on return. */
+static fl_status blocks_backward(fl_blip2 *b, int k) {
+    fl_b2_stack *st = &b->st[k];
+    float *dxs[FL_GRAPH_MAX_SLOTS] = {0};
+    if (st->xslot >= 0) {
+        dxs[st->xslot] = b->dimg;
+        b->be->zero(b->be, b->dimg, (size_t)b->Bp * b->st[0].T * b->cfg.vision.dim * sizeof(float));
+    }
+    for (int l = st->L - 1; l >= 0; l--) {
+        const fl_block_graph *g = graph_of(b, k, l);
+        fl_block_params bp;
+        fl_get_block(&b->part[k], g, l, &bp);
+        fl_block_ctx x = ctx_of(b, k, dxs);
+        FL_TRY(fl_block_backward(&b->part[k], g, &bp, st->layer[l].s, b->gb, &x));
+    }
+    return FL_OK;
+}
+
+/* The head and the loss over the language model's final norm output (d(its input) in gb[1] in training). */
+static fl_status head_loss(fl_blip2 *b, const int32_t *targets, float grad_scale, float *logits_out) {
+    const fl_head_bufs h = {b->st[2].nout, b->gb[1], b->logits, b->losses, b->dtargets, b->chunk};
+    return fl_head_loss(&b->part[2], &h, targets, b->Bp * b->st[2].T, grad_scale, logits_out, &b->loss_sum,
+                        &b->n_valid);
+}
+
+/* Part k's model graph, forward. */
+static fl_status part_forward(fl_blip2 *b, int k, const float *pixels, const int32_t *targets, float grad_scale,
+                              float *logits_out) {
+    fl_model *m = &b->part[k];
+    fl_b2_stack *st = &b->st[k];
+    fl_model_graph mg;
+    FL_TRY(fl_model_graph_build(&m->cfg, &mg));
+    const int G = m->layout.n_groups - 1, N = b->Bp * st->T;
+    int after = 0;
+    for (int i = 0; i < mg.n_ops; i++) {
+        switch ((fl_mop_kind)mg.op[i].kind) {
+        case FL_MOP_PATCH: FL_TRY(patch_forward(b, pixels)); break;
+        case FL_MOP_QUERIES: FL_TRY(queries_forward(b)); break;
+        case FL_MOP_EMBED: FL_TRY(embed_forward(b)); break;
+        case FL_MOP_NORM:
+            if (after) /* the final norm; QUERIES ran the embedding norm already */
+                fl_norm_forward(m, st->nout, st->nmean, st->nrstd, st->res[st->L], prm(m, G, mg.op[i].role_w, 0),
+                                prm(m, G, mg.op[i].role_b, 0), N);
+            break;
+        case FL_MOP_BLOCKS:
+            FL_TRY(blocks_forward(b, k));
+            after = 1;
+            break;
+        case FL_MOP_OUTPUT: break; /* nout (or res[L] without a final norm) is what the next part reads */
+        case FL_MOP_HEAD_LM: FL_TRY(head_loss(b, targets, grad_scale, logits_out)); break;
+        default:
+            return fl_errorf(FL_ERR_UNSUPPORTED, "BLIP-2 %s: model graph op %d is not executed here",
+                             fl_arch_get(m->cfg.arch)->display, mg.op[i].kind);
+        }
+    }
+    return FL_OK;
+}
+
+/* The Q-Former's output (its last residual rows) through the language projection into qproj. */
+static fl_status project_forward(fl_blip2 *b) {
+    const fl_model *m = &b->part[1];
+    fl_linear lin = outer_linear(m, m->layout.n_groups - 1, FL_ROLE_LMPROJ_W, FL_ROLE_LMPROJ_B);
+    return fl_linear_forward(b->be, b->qproj, b->st[1].res[b->st[1].L], &lin, b->Bp * b->st[1].T);
+}
+
+/* The language model's ids with the queries' rows: the placeholders in order, or NQ rows in front (id 0, replaced). */
+static fl_status place_queries(fl_blip2 *b, const int32_t *ids, int B, int T) {
+    const int NQ = b->cfg.n_queries, TL = b->st[2].T, V = b->cfg.text.vocab_size, it = b->cfg.image_token;
+    for (int n = 0; n < B; n++) {
+        int q = 0;
+        for (int t = 0; t < TL; t++) {
+            const int pre = it < 0 && t < NQ, id = pre ? 0 : ids[(size_t)n * T + t - (it < 0 ? NQ : 0)];
+            if (id < 0 || id >= V)
+                return fl_errorf(FL_ERR_INVALID, "token id %d at position %d of sequence %d is outside the vocabulary "
+                                 "[0, %d)", id, t, n, V);
+            if (pre || id == it) {
+                if (q == NQ)
+                    return fl_errorf(FL_ERR_INVALID, "sequence %d has more than num_query_tokens = %d image tokens (id "
+                                     "%d)", n, NQ, it);
+                b->qrow[n * NQ + q++] = n * TL + t;
+            }
+            b->hids[(size_t)n * TL + t] = id;
+        }
+        if (q != NQ)
+            return fl_errorf(FL_ERR_INVALID, "sequence %d has %d image tokens (id %d), not num_query_tokens = %d", n, q,
+                             it, NQ);
+    }
+    return FL_OK;
+}
+
+/* The image parts: checks, the queries' rows among the language model's, the vision tower, the Q-Former and the
+ * projection (qproj). */
+static fl_status front(fl_blip2 *b, const char *fn, const float *pixels, const int32_t *ids, const int32_t *targets,
+                       int B, int T, float grad_scale) {
+    if (!b->acts) return fl_errorf(FL_ERR_INVALID, "%s: activations not allocated (fl_blip2_alloc_acts)", fn);
+    if (B <= 0 || T <= 0 || B > b->B || T != b->T)
+        return fl_errorf(FL_ERR_INVALID, "%s: batch %d x %d does not fit the arena's %d x %d", fn, B, T, b->B, b->T);
+    for (int k = 0; k < FL_BLIP2_PARTS; k++)
+        if (!fl_model_params_f32(&b->part[k]) || fl_model_provider(&b->part[k]) || fl_model_quant4(&b->part[k]))
+            return fl_errorf(FL_ERR_UNSUPPORTED, "BLIP-2 runs fp32 storage only so far");
+    if (grad_scale > 0 && (!targets || !fl_model_grads_f32(&b->part[0])))
+        return fl_errorf(FL_ERR_INVALID, "%s: a training forward needs targets and gradient buffers", fn);
+    b->Bp = B;
+    b->Tp = T;
+    b->fwd_train = 0;
+    b->loss_sum = 0;
+    b->n_valid = 0;
+    FL_TRY(place_queries(b, ids, B, T));
+    FL_TRY(part_forward(b, FL_BLIP2_VISION, pixels, NULL, 0, NULL));
+    FL_TRY(part_forward(b, FL_BLIP2_QFORMER, NULL, NULL, 0, NULL));
+    return project_forward(b);
+}
+
+fl_status fl_blip2_forward(fl_blip2 *b, const float *pixels, const int32_t *ids, const int32_t *targets, int B, int T,
+                           float grad_scale, float *logits_out, float *loss) {
+    if (fl_model_is_s2s(&b->cfg.text))
+        return fl_errorf(FL_ERR_INVALID, "fl_blip2_forward: the language model is an encoder-decoder "
+                         "(fl_blip2_forward_s2s)");
+    FL_TRY(front(b, "fl_blip2_forward", pixels, ids, targets, B, T, grad_scale));
+    int32_t *tg = NULL;
+    if (targets && b->cfg.image_token < 0) { /* the prepended rows have no label */
+        const int NQ = b->cfg.n_queries, TL = b->st[2].T;
+        tg = malloc((size_t)B * TL * sizeof *tg);
+        if (!tg) return fl_errorf(FL_ERR_OOM, "BLIP-2 targets: out of host memory");
+        for (int n = 0; n < B; n++)
+            for (int t = 0; t < TL; t++) tg[n * TL + t] = t < NQ ? FL_IGNORE_INDEX : targets[n * T + t - NQ];
+        targets = tg;
+    }
+    fl_status s = part_forward(b, FL_BLIP2_TEXT, NULL, targets, grad_scale, logits_out);
+    free(tg);
+    if (s != FL_OK) return s;
+    if (loss) *loss = b->n_valid ? (float)(b->loss_sum / b->n_valid) : 0.0f;
+    b->fwd_train = grad_scale > 0;
+    return FL_OK;
+}
+
+/* The encoder-decoder's source rows of the queries come from qproj (its backward leaves their gradient in dqproj). */
+static void set_inject(fl_blip2 *b) {
+    fl_model *lm = &b->part[2];
+    lm->emb_inject.rows = b->qrow;
+    lm->emb_inject.n = b->Bp * b->cfg.n_queries;
+    lm->emb_inject.src = b->qproj;
+    lm->emb_inject.dsrc = b->dqproj;
+}
+
+fl_status fl_blip2_forward_s2s(fl_blip2 *b, const float *pixels, const int32_t *ids, const int32_t *dec,
+                               const int32_t *targets, int B, int Ts, int Tt, float grad_scale, float *logits_out,
+                               float *loss) {
+    if (!fl_model_is_s2s(&b->cfg.text))
+        return fl_errorf(FL_ERR_INVALID, "fl_blip2_forward_s2s: the language model has one stack (fl_blip2_forward)");
+    FL_TRY(front(b, "fl_blip2_forward_s2s", pixels, ids, targets, B, Ts, grad_scale));
+    fl_model *lm = &b->part[2];
+    set_inject(b);
+    FL_TRY(fl_model_forward_s2s(lm, b->hids, NULL, dec, targets, B, b->st[2].T, Tt, grad_scale, logits_out));
+    if (loss) *loss = lm->n_valid ? (float)(lm->loss_sum / (double)lm->n_valid) : 0.0f;
+    b->fwd_train = grad_scale > 0;
+    return FL_OK;
+}
+
+fl_status fl_blip2_backward(fl_blip2 *b) {
+    if (!b->fwd_train) return fl_errorf(FL_ERR_INVALID, "fl_blip2_backward: needs a preceding training forward");
+    const fl_backend *be = b->be;
+    b->fwd_train = 0;
+    /* the language model: d(final norm out) in gb[1] from the head */
+    fl_model *lm = &b->part[2], *qf = &b->part[1], *vm = &b->part[0];
+    fl_b2_stack *st = &b->st[2];
+    int G = lm->layout.n_groups - 1, N = b->Bp * st->T;
+    if (fl_model_is_s2s(&lm->cfg)) { /* its own passes; the queries' rows' gradient in dqproj */
+        FL_TRY(fl_model_backward_s2s(lm));
+    } else {
+        be->zero(be, b->gb[0], (size_t)N * lm->cfg.dim * sizeof(float));
+        fl_norm_backward(lm, b->gb[0], prm(lm, G, FL_ROLE_NORM_F_W, 1), prm(lm, G, FL_ROLE_NORM_F_B, 1), b->gb[1],
+                         st->res[st->L], prm(lm, G, FL_ROLE_NORM_F_W, 0), st->nmean, st->nrstd, N);
+        FL_TRY(blocks_backward(b, FL_BLIP2_TEXT));
+        FL_TRY(embed_backward(b, b->gb[0]));
+    }
+    /* the projection: d(Q-Former output) into gb[0] */
+    G = qf->layout.n_groups - 1;
+    fl_linear proj = outer_linear(qf, G, FL_ROLE_LMPROJ_W, FL_ROLE_LMPROJ_B);
+    FL_TRY(fl_linear_backward(be, b->gb[0], 0, b->dqproj, b->st[1].res[b->st[1].L], &proj, b->Bp * b->st[1].T));
+    FL_TRY(blocks_backward(b, FL_BLIP2_QFORMER)); /* d(image features) into dimg */
+    queries_backward(b, b->gb[0]);
+    /* the vision tower from d(its output) */
+    st = &b->st[0];
+    G = vm->layout.n_groups - 1;
+    N = b->Bp * st->T;
+    be->zero(be, b->gb[0], (size_t)N * vm->cfg.dim * sizeof(float));
+    fl_norm_backward(vm, b->gb[0], prm(vm, G, FL_ROLE_NORM_F_W, 1), prm(vm, G, FL_ROLE_NORM_F_B, 1), b->dimg,
+                     st->res[st->L], prm(vm, G, FL_ROLE_NORM_F_W, 0), st->nmean, st->nrstd, N);
+    FL_TRY(blocks_backward(b, FL_BLIP2_VISION));
+    return patch_backward(b, b->gb[0]);
+}
+
+/* ---- greedy captioning ------------------------------------------------------------------------------ */
+
+/* The Flan-T5 variant: the source (placeholders, prompt) through the encoder once, greedy decoding with the cache;
+ * the new ids after the decoder's start token. */
+static fl_status gen_s2s(fl_blip2 *b, const float *pixels, const int32_t *src, int ns, int max_new, int32_t *out,
+                         int *n_out) {
+    int32_t *o = malloc(((size_t)max_new + 1) * sizeof *o);
+    if (!o) return fl_errorf(FL_ERR_OOM, "fl_blip2_generate: out of host memory");
+    int n = 0;
+    fl_status s = fl_blip2_alloc_acts_s2s(b, 1, ns, max_new);
+    if (s == FL_OK) s = front(b, "fl_blip2_generate", pixels, src, NULL, 1, ns, 0);
+    if (s == FL_OK) {
+        set_inject(b);
+        s = fl_model_generate_s2s(&b->part[2], b->hids, NULL, ns, max_new, 1, o, &n);
+    }
+    for (int i = 1; s == FL_OK && i < n; i++) out[(*n_out)++] = o[i];
+    free(o);
+    return s;
+}
+
+fl_status fl_blip2_generate(fl_blip2 *b, const float *pixels, const int32_t *prompt, int n_prompt, int max_new,
+                            int32_t *out, int *n_out) {
+    *n_out = 0;
+    if (max_new <= 0 || n_prompt < 0) return fl_errorf(FL_ERR_INVALID, "fl_blip2_generate: max_new must be positive");
+    const int NQ = b->cfg.n_queries, it = b->cfg.image_token, V = b->cfg.text.vocab_size;
+    const int head = (it >= 0 ? NQ : 0) + 1 + n_prompt, total = head + max_new;
+    int32_t *ids = malloc((size_t)total * sizeof *ids);
+    float *lg = malloc((size_t)V * sizeof *lg); /* the last row's logits */
+    if (!ids || !lg) {
+        free(ids), free(lg);
+        return fl_errorf(FL_ERR_OOM, "fl_blip2_generate: out of host memory");
+    }
+    int n = 0;
+    for (int i = 0; it >= 0 && i < NQ; i++) ids[n++] = it;
+    if (b->cfg.bos_id >= 0) ids[n++] = b->cfg.bos_id;
+    for (int i = 0; i < n_prompt; i++) ids[n++] = prompt[i];
+    fl_status s = FL_OK;
+    if (fl_model_is_s2s(&b->cfg.text)) { /* the source once, then the decoder's cache */
+        free(lg);
+        s = gen_s2s(b, pixels, ids, n, max_new, out, n_out);
+        free(ids);
+        return s;
+    }
+    /* no cache yet: the whole sequence again for every token (the image parts included); the head's last chunk
+     * stays in the logits buffer, its last row is the next token's */
+    while (s == FL_OK && *n_out < max_new) {
+        s = fl_blip2_alloc_acts(b, 1, n);
+        if (s == FL_OK) s = fl_blip2_forward(b, pixels, ids, NULL, 1, n, 0, NULL, NULL);
+        const int N = b->TL, last = N - 1 - (N - 1) / b->chunk * b->chunk;
+        if (s == FL_OK) s = b->be->to_host(b->be, lg, b->logits + (size_t)last * V, (size_t)V * sizeof *lg);
+        if (s != FL_OK) break;
+        int best = 0;
+        for (int v = 1; v < V; v++)
+            if (lg[v] > lg[best]) best = v; /* the first of equal maxima, as torch.argmax */
+        out[(*n_out)++] = best;
+        ids[n++] = best;
+        if (best == b->cfg.eos_id) break;
+    }
+    free(ids), free(lg);
+    return s;
+}

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Issue 30's speed measurements on a lent GPU, in one command of under 5 minutes (the device's time is short):
+#   tests/cuda/perf_session.sh [bin-dir]          (default .gpupack/bin, made here by tools/gpu_pack.sh; or a
+#                                                  CUDA build folder with fitllm, libfitllm_cuda.so, fitllm_cuda_check)
+# Writes to $OUT (default /tmp/fitllm-perf-out) and prints the summary:
+#   1. fitllm_cuda_check, the fused / 128-bit kernels part (tests/cuda/check_fused.c): GPU vs emulator, and
+#      add+RMSNorm fused vs add + rmsnorm, SwiGLU 128-bit vs element path at TinyLlama's shapes (~1 min);
+#   2. bench-step tinyllama-1.1b bf16-true B 4 T 2048 (5 steps after 2 warm-ups): the step, its MFU (the GPU's
+#      dense bf16 peak from the table), then the same with --profile (per-op times by group, CUDA events);
+#   3. the same for LoRA r 8 (q, v);
+#   4. a 6-step finetune_full of the `small` preset on Synthetic data: the trainer's summary with its MFU row.
+# Each step has its own timeout. Compare with docs/BENCHMARKS.md "GPU" (H100: 356 ms, 15.7% MFU at 58c0c5e's
+# kernels; the issue's H200: 302 ms, 18.5%).
+set -u
+BIN=${1:-.gpupack/bin}
+OUT=${OUT:-/tmp/fitllm-perf-out}
+mkdir -p "$OUT"
+F=$BIN/fitllm
+[ -x "$F" ] || { echo "perf_session: $F missing (tools/gpu_pack.sh here first, or name a CUDA build folder)"; exit 1; }
+if [ -f .gpupack/libs.tar.xz ] && [ "$BIN" = .gpupack/bin ]; then # the pack's libraries the machine lacks
+    LIB=$(mktemp -d /tmp/fitllm-libs-XXXXXX)
+    tar -xJf .gpupack/libs.tar.xz -C "$LIB"
+    for f in "$LIB"/*; do if ldconfig -p | grep -q "/$(basename "$f")\$"; then rm -f "$f"; fi; done
+    export LD_LIBRARY_PATH="$LIB:/usr/local/cuda/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader; "$F" --version | grep -i cuda; } \
+    | tee "$OUT/env.txt"
+
+echo "== 1. fused and 128-bit kernels (fitllm_cuda_check)"
+if [ -x "$BIN/fitllm_cuda_check" ]; then
+    timeout 150 "$BIN/fitllm_cuda_check" >"$OUT/cuda_check.log" 2>&1
+    echo "fitllm_cuda_check exit $?" >>"$OUT/cuda_check.log"
+    grep -E "add_rmsnorm|swiglu|add\+rmsnorm|FAIL|all ok|FAILED|exit" "$OUT/cuda_check.log"
+else
+    echo "  (fitllm_cuda_check not in $BIN)"
+fi
+
+bench() { # name timeout args...
+    local name=$1 t=$2; shift 2
+    timeout "$t" "$F" bench-step tinyllama-1.1b --accelerator cuda --precision bf16-true --micro-batch 4 --seq 2048 \
+        --steps 5 --warmup 2 "$@" >"$OUT/$name.log" 2>&1
+    echo "bench-step $name exit $?" >>"$OUT/$name.log"
+    grep -E "^median|^MFU|^RESULT|exit" "$OUT/$name.log"
+}
+echo "== 2. TinyLlama-1.1B full bf16-true, B 4, T 2048"
+bench full 60
+bench full-profile 60 --profile
+sed -n '/^profile/,/^PROFILE/p' "$OUT/full-profile.log"
+echo "== 3. LoRA r 8"
+bench lora 60 --lora 8
+echo "== 4. the trainer's summary (small preset, Synthetic data, 6 steps)"
+timeout 60 "$F" finetune_full small --accelerator cuda --precision bf16-true --data Synthetic --train.max_steps 6 \
+    --train.global_batch_size 8 --train.micro_batch_size 8 --train.max_seq_length 1024 --train.save_interval 100 \
+    --eval.interval 100 --train.log_interval 1 --overwrite true --out_dir "$OUT/small-run" >"$OUT/train.log" 2>&1
+echo "finetune_full exit $?" >>"$OUT/train.log"
+grep -E "TFLOP/s|MFU|exit" "$OUT/train.log"
