@@ -118,8 +118,14 @@ fl_status fl_tr_generate_example(trainer *t) {
     FILE *fo = t->out;
     if ((!fo && !(t->tp.size > 1 && t->dp.rank == 0)) || c->eval.max_new_tokens <= 0) return FL_OK;
     if (t->dp.fsdp) { /* decoding token by token would gather every block for every token */
-        if (fo) fprintf(fo, "(sample generation skipped: the parameters are sharded (FULL_SHARD); generate from a "
-                "checkpoint with fitllm generate)\n");
+        if (fo && t->dp.ptier.pool) /* parameter offload: every token would read the whole model from the tier */
+            fprintf(fo, "(sample generation skipped: parameter offload (offload_param_device %s): each new token would "
+                    "fetch every unit of the model from the %s; generate from a checkpoint with fitllm generate, or "
+                    "set eval.max_new_tokens 0 to leave this out)\n", t->dp.ptier.disk ? "nvme" : "cpu",
+                    t->dp.ptier.disk ? "NVMe files" : "host tier");
+        else if (fo)
+            fprintf(fo, "(sample generation skipped: the parameters are sharded (FULL_SHARD); generate from a "
+                    "checkpoint with fitllm generate)\n");
         return FL_OK;
     }
     const char *instruction = "Recommend a movie for me to watch during the weekend and explain the reason.";
