@@ -340,6 +340,19 @@ expect zero3_offload_nvme_disk_fails_mid_run 1 "No space left on device \(inject
     env FITLLM_TEST_NVME_FAIL_AFTER=300 "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload_nvme \
     --train.max_steps 12 --train.save_interval 2 --train.global_batch_size 2 --train.micro_batch_size 2 \
     --train.max_seq_length 32 --out_dir "$T/poff3"
+# the eval sample is skipped under parameter offload with its own reason (issue 34 item 4)
+expect poff_eval_sample_skipped_by_name 0 "sample generation skipped: parameter offload \(offload_param_device cpu\): each new token would fetch every unit" -- \
+    "$FITLLM" finetune_full micro --strategy fsdp_cpu_offload --train.max_steps 1 --train.global_batch_size 2 \
+    --train.micro_batch_size 2 --train.max_seq_length 32 --eval.interval 1 --eval.max_new_tokens 5 --out_dir "$T/poff4"
+# the largest model that fits a machine: this one (23 GiB RAM, 60 GB disk), fp32 AdamW: 3B with everything on NVMe
+expect plan_largest 0 "largest model that fits: open-llama-3b \(3.43 B parameters\), --strategy deepspeed_stage_3_offload_nvme" -- \
+    "$FITLLM" plan --largest tiny --host-memory 23GiB --disk 60GB --train.micro_batch_size 1 --train.max_seq_length 17
+expect plan_largest_gpu 0 "open-llama-13b +13.02 B parameters: fits --strategy deepspeed_stage_3_offload --offload_param_device cpu" -- \
+    "$FITLLM" plan --largest tiny --accelerator cuda --device-memory 24GB --host-memory 128GB --precision bf16-true \
+    --train.micro_batch_size 1 --train.max_seq_length 512
+expect plan_largest_none 3 "largest model that fits: none of the presets" -- "$FITLLM" plan --largest tiny --host-memory 1GB --disk 1GB
+expect plan_largest_needs_host_memory 2 "a CPU machine needs its host memory \(--host-memory SIZE\)" -- "$FITLLM" plan --largest tiny
+expect plan_largest_bad_disk 2 "--disk" -- "$FITLLM" plan --largest tiny --host-memory 8GB --disk lots
 expect offload_param_device_needs_zero3_offload 2 "offload_param_device cpu offloads ZeRO-3's parameter shards.*strategy is 'deepspeed_stage_3'" -- \
     "$FITLLM" finetune_full micro --strategy deepspeed_stage_3 --offload_param_device cpu --out_dir "$T/d2"
 # an option the strategy would not use is refused, never ignored (this ran plain ZeRO-3 before)
