@@ -140,7 +140,7 @@ void fl_lab_course_print(const fl_lab_report *rep, FILE *f) {
     if (!rep->n_course) return;
     fprintf(f, "\nthe course's runs (its 80 GB GPU, max_seq_length 512; the offload rows: the device their step names) "
                "beside fitllm's plan of the same run:\n"
-               "%-16s %-16s %-10s %7s | %-7s %9s | %-7s %9s %7s\n", "run", "model", "precision", "BxAcc", "course",
+               "%-17s %-16s %-10s %7s | %-7s %9s | %-7s %9s %7s\n", "run", "model", "precision", "BxAcc", "course",
             "GB", "fitllm", "GB", "diff");
     for (int i = 0; i < rep->n_course; i++) {
         const fl_lab_course *c = &rep->course[i];
@@ -149,7 +149,7 @@ void fl_lab_course_print(const fl_lab_report *rep, FILE *f) {
         if (c->course_gb > 0) snprintf(gb, sizeof gb, "%.2f", c->course_gb);
         if (c->course_gb > 0 && c->planned == FL_PLAN_FITS)
             snprintf(d, sizeof d, "%+.1f%%", 100.0 * ((double)c->peak / 1e9 / c->course_gb - 1));
-        fprintf(f, "%-16s %-16s %-10s %7s | %-7s %9s | %-7s %9.2f %7s\n", c->name, c->model, c->precision, bx,
+        fprintf(f, "%-17s %-16s %-10s %7s | %-7s %9s | %-7s %9.2f %7s\n", c->name, c->model, c->precision, bx,
                 fl_lab_verdict_name(c->course_verdict), gb, fl_lab_plan_name(c->planned), (double)c->peak / 1e9, d);
     }
     char pre[64];

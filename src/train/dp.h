@@ -75,6 +75,7 @@ typedef struct fl_fetch_job {
 fl_status fl_fetch_start(fl_fetch **out);
 void fl_fetch_post(fl_fetch *w, fl_fetch_job *j, void *dst, const void *src, size_t bytes);
 void fl_fetch_wait(fl_fetch *w, fl_fetch_job *j);
+int fl_fetch_posted(fl_fetch *w, const fl_fetch_job *j); /* posted and not yet waited for */
 void fl_fetch_stop(fl_fetch *w); /* runs the queued jobs, then joins */
 unsigned long fl_fetch_count(void); /* jobs done so far by every worker of the process */
 

@@ -89,6 +89,13 @@ void fl_fetch_wait(fl_fetch *w, fl_fetch_job *j) {
     pthread_mutex_unlock(&w->mu);
 }
 
+int fl_fetch_posted(fl_fetch *w, const fl_fetch_job *j) {
+    pthread_mutex_lock(&w->mu); /* the worker writes the state: read it under the lock */
+    const int posted = j->state != 0;
+    pthread_mutex_unlock(&w->mu);
+    return posted;
+}
+
 void fl_fetch_stop(fl_fetch *w) {
     if (!w) return;
     pthread_mutex_lock(&w->mu);

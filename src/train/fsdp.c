@@ -253,7 +253,7 @@ static fl_status pp_gather(void *ud, int g, int next) {
     if (!f->pbuf[g]) FL_TRY(post(f, g));
     if (!f->views[g].p) { /* it arrives: the parameters, then (mixed) the copy the matmuls read */
         if (f->req[g]) FL_TRY(fl_error_prefix(fl_comm_wait(&f->req[g]), "FSDP: gathering unit %d", g));
-        if (f->fw && f->job[g].state) FL_TRY(arrive(f, g));
+        if (f->fw && fl_fetch_posted(f->fw, &f->job[g])) FL_TRY(arrive(f, g));
         free_stage(f, g);
         FL_TRY(tier_done(f, g));
         if (f->ces) FL_TRY(m->be->convert(m->be, f->cbuf[g], m->prec.compute_dtype, f->pbuf[g], FL_F32, f->n[g]));
