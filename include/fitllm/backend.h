@@ -150,6 +150,10 @@ struct fl_backend {
     void (*embedding_forward)(const fl_backend *be, float *out /*(B,T,C)*/, const int32_t *ids /*(B,T)*/,
                               const float *wte /*(V,C)*/, const float *wpe /*(maxT,C) or NULL*/, int B, int T,
                               int C);
+    /* Optional (NULL: the caller widens row by row): the same over a 16-bit table, wte and wpe
+     * (NULL or) of dt in {BF16, F16}, each element widened exactly and the rows added in fp32. */
+    void (*embedding_forward16)(const fl_backend *be, float *out, const int32_t *ids, const void *wte,
+                                const void *wpe, fl_dtype dt, int B, int T, int C);
     void (*embedding_backward)(const fl_backend *be, float *dwte /*(V,C) or NULL*/, float *dwpe /*(maxT,C) or NULL*/,
                                const float *dout /*(B,T,C)*/, const int32_t *ids /*(B,T)*/, int B, int T, int C);
 

@@ -571,6 +571,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->comm_create = flb_comm_create_be; /* several ranks: NCCL (or its CPU stand-in) on this stream */
     be->gemm = flb_gemm;
     be->embedding_forward = flb_embedding_forward;
+    be->embedding_forward16 = flb_embedding_forward16;
     be->embedding_backward = flb_embedding_backward;
     be->rmsnorm_forward = flb_rmsnorm_forward;
     be->rmsnorm_backward = flb_rmsnorm_backward;
