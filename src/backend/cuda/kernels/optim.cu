@@ -116,7 +116,7 @@ extern "C" int FL_CUK(adamw_update)(float *p, const float *g, float *m, float *v
 extern "C" int FL_CUK(convert)(void *dst, fl_dtype dt, const void *src, fl_dtype st, size_t n, void *stream) {
     if (!float_type(dt) || !float_type(st)) return -1;
     if (n == 0) return 0;
-#ifdef FL_CU_EMULATED
+#if FL_CU_EMULATED
     fl_cu_emu_convert_launches++;
 #endif
     FL_CU_LAUNCH(fl_cu_convert_k, dim3(ew_blocks(n)), dim3(256), 0, (fl_cu_stream)stream, dst, (int)dt, src, (int)st, n);
