@@ -118,6 +118,30 @@ static void embedding16_case(fl_dtype dt, int B, int T, int C, int V, int with_w
     free(ids); free(wte); free(wpe); free(wte16); free(wpe16); free(out); free(cout);
 }
 
+/* round16: the 16-bit copy = the CPU's rounding, the fp32 view = its exact widening (odd n: a
+ * partial warp and block; n > one grid stride) */
+static void round16_case(fl_dtype dt, size_t n) {
+    fl_test_rng r = {n * 3 + dt};
+    float *x = fl_test_frand(&r, n, -300, 300), *want = malloc(n * 4), *got = malloc(n * 4);
+    uint16_t *w16 = malloc(n * 2), *g16 = malloc(n * 2);
+    FL_REQUIRE_OK(fl_convert(w16, dt, x, FL_F32, n));
+    FL_REQUIRE_OK(fl_convert(want, FL_F32, w16, dt, n));
+    memcpy(got, x, n * 4);
+    memset(g16, 0xff, n * 2);
+    EMU_OK(fl_cuemu_round16(g16, dt, got, n, NULL));
+    FL_CHECKF(memcmp(g16, w16, n * 2) == 0 && memcmp(got, want, n * 4) == 0, "round16 %s n=%zu: not the CPU's bits",
+              fl_dtype_name(dt), n);
+    FL_CHECK(fl_cuemu_round16(g16, FL_F32, got, n, NULL) != 0);
+    free(x); free(want); free(got); free(w16); free(g16);
+}
+
+FL_TEST(cuda_more_round16) {
+    round16_case(FL_BF16, 1);
+    round16_case(FL_BF16, 37);
+    round16_case(FL_F16, 1000);
+    round16_case(FL_BF16, 70001);
+}
+
 FL_TEST(cuda_more_embedding16) {
     embedding16_case(FL_BF16, 3, 7, 37, 11, 1);  /* partial warp of columns */
     embedding16_case(FL_BF16, 2, 5, 13, 1, 0);   /* one id, no positions (LLaMA) */

@@ -283,6 +283,9 @@ struct fl_backend {
     /* dst(n, dt) = src(n, st) for dt, st in {F32, BF16, F16} (any pair; same type = copy).
      * BF16 <-> F16 goes through f32 (exact widening, one RNE rounding). Parallel. */
     fl_status (*convert)(const fl_backend *be, void *dst, fl_dtype dt, const void *src, fl_dtype st, size_t n);
+    /* Optional (NULL: convert there and back): dst (dt BF16/F16) = round(x) and x = widen(dst) in one
+     * pass, a stored 16-bit activation whose fp32 view must hold the stored value (graph.c's store16). */
+    fl_status (*round16)(const fl_backend *be, void *dst, fl_dtype dt, float *x, size_t n);
 
     /* Loss scaling: sets *found_inf = 1 if any x[i] * inv_scale (computed in fp32, x widened from
      * t in {F32, BF16, F16}) is inf or NaN; otherwise leaves *found_inf unchanged, so calls over
