@@ -128,6 +128,15 @@ struct fl_backend {
      * clock (cpu, ref, opaque). */
     fl_status (*mark)(const fl_backend *be, int i);
     fl_status (*mark_ms)(const fl_backend *be, int i, int j, float *ms);
+    /* Optional 16-bit storage ops (NULL slots: cpu, ref, opaque, null; the caller converts instead; cuda and
+     * cuda-emu fill them so a bf16 step launches no per-row / narrow-then-widen conversions, issue 30 item 1).
+     * embedding_forward16: embedding_forward (below) over a 16-bit table, wte and wpe (NULL or) of dt in
+     * {BF16, F16}, each element widened exactly and the position row added in fp32 (the fallback's bits).
+     * round16: dst (dt BF16/F16) = round(x) and x = widen(dst) in one pass, a stored 16-bit activation whose
+     * fp32 view must hold the stored value (graph.c's store16, acts.c's residual rows). */
+    void (*embedding_forward16)(const fl_backend *be, float *out, const int32_t *ids, const void *wte,
+                                const void *wpe, fl_dtype dt, int B, int T, int C);
+    fl_status (*round16)(const fl_backend *be, void *dst, fl_dtype dt, float *x, size_t n);
 
     /* ---- matmul ---------------------------------------------------------
      * C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C, row-major, with
@@ -150,10 +159,6 @@ struct fl_backend {
     void (*embedding_forward)(const fl_backend *be, float *out /*(B,T,C)*/, const int32_t *ids /*(B,T)*/,
                               const float *wte /*(V,C)*/, const float *wpe /*(maxT,C) or NULL*/, int B, int T,
                               int C);
-    /* Optional (NULL: the caller widens row by row): the same over a 16-bit table, wte and wpe
-     * (NULL or) of dt in {BF16, F16}, each element widened exactly and the rows added in fp32. */
-    void (*embedding_forward16)(const fl_backend *be, float *out, const int32_t *ids, const void *wte,
-                                const void *wpe, fl_dtype dt, int B, int T, int C);
     void (*embedding_backward)(const fl_backend *be, float *dwte /*(V,C) or NULL*/, float *dwpe /*(maxT,C) or NULL*/,
                                const float *dout /*(B,T,C)*/, const int32_t *ids /*(B,T)*/, int B, int T, int C);
 
@@ -283,9 +288,6 @@ struct fl_backend {
     /* dst(n, dt) = src(n, st) for dt, st in {F32, BF16, F16} (any pair; same type = copy).
      * BF16 <-> F16 goes through f32 (exact widening, one RNE rounding). Parallel. */
     fl_status (*convert)(const fl_backend *be, void *dst, fl_dtype dt, const void *src, fl_dtype st, size_t n);
-    /* Optional (NULL: convert there and back): dst (dt BF16/F16) = round(x) and x = widen(dst) in one
-     * pass, a stored 16-bit activation whose fp32 view must hold the stored value (graph.c's store16). */
-    fl_status (*round16)(const fl_backend *be, void *dst, fl_dtype dt, float *x, size_t n);
 
     /* Loss scaling: sets *found_inf = 1 if any x[i] * inv_scale (computed in fp32, x widened from
      * t in {F32, BF16, F16}) is inf or NaN; otherwise leaves *found_inf unchanged, so calls over
