@@ -231,6 +231,14 @@ expect t5_lora_resume_bitexact 0 "" -- cmp "$T/t5lr/final/adapter/adapter_model.
 expect t5_finetune_lora_task_type 0 '"task_type": "SEQ_2_SEQ_LM"' -- cat "$T/t5lora/final/adapter/adapter_config.json"
 expect t5_finetune_lora_generate 0 "source \+ 5 new tokens \(greedy" -- "$FITLLM" generate "$T/t5lora/final" --prompt "question: what colour is the sky?" --max_new_tokens 5 --temperature 0
 expect t5_finetune_truncates 0 "8 sources, 7 targets truncated\); longest source 8, target 4 tokens" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5trunc" --train.max_steps 1 --data.max_source_length 8 --data.max_target_length 4
+# the evaluation sample of an encoder-decoder: the instruction as the source, sampled at temperature 0.8 inside the
+# training arena; the final evaluation's sample is `fitllm generate` on the final weights with the run's seed (1337),
+# a sample past the arena is skipped naming the sizes, and the weights equal those of that run (the sample trains nothing)
+T5E=("${T5A[@]}" --train.max_steps 4 --train.save_interval 0 --data.val_split_fraction 0.25 --eval.interval 2)
+t5_sample=$("$FITLLM" finetune_full "${T5E[@]}" --eval.max_new_tokens 5 --out_dir "$T/t5ev" 2>&1 | grep -A1 "^Recommend a movie" | tail -1)
+expect t5_eval_sample_is_generate 0 "" -- bash -c '[ -n "$1" ] && [ "$1" = "$("$2" generate "$3" --prompt "Recommend a movie for me to watch during the weekend and explain the reason." --max_new_tokens 5 --temperature 0.8 --seed 1337 2>/dev/null)" ]' _ "$t5_sample" "$FITLLM" "$T/t5ev/final"
+expect t5_eval_sample_skipped 0 "sample generation skipped: a source of [0-9]+ tokens and eval.max_new_tokens 50 do not fit the training arena's source 40 / target 15 tokens" -- "$FITLLM" finetune_full "${T5E[@]}" --eval.max_new_tokens 50 --out_dir "$T/t5ev2"
+expect t5_eval_sample_trains_nothing 0 "" -- cmp "$T/t5ev/final/model.safetensors" "$T/t5ev2/final/model.safetensors"
 expect t5_finetune_refuses_bf16 2 "--precision bf16-true: an encoder-decoder \(t5\) trains in 32-true or bf16-mixed only so far" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x1" --precision bf16-true
 expect t5_finetune_refuses_qlora 2 "--quantize bnb.nf4 \(QLoRA\): an encoder-decoder" -- "$FITLLM" finetune_lora "${T5A[@]}" --out_dir "$T/t5x2" --quantize bnb.nf4 --precision bf16-true
 expect t5_finetune_refuses_synthetic 2 "trains on input/output pairs: give --data JSON.*--data Synthetic is not supported" -- "$FITLLM" finetune_full --checkpoint_dir "$T/t5m" --init random --out_dir "$T/t5x3"
