@@ -130,6 +130,12 @@ else echo "skip version_rss: no /usr/bin/time, or an NVIDIA driver here"; skip=$
 expect selftest_bad_backend 1 "unknown backend 'nope'" -- "$FITLLM" selftest --backend nope
 # plan for a GPU without one: the CUDA backend's op scratch (80 MiB) in WORKSPACE
 expect plan_cuda 0 "peak +reserved" -- "$FITLLM" plan micro --accelerator cuda --precision bf16-true --train.micro_batch_size 1
+# issue 33: Synthetic samples with lengths drawn from Alpaca's measured table; plan sizes T for the longest draw
+# (tests/test_lengths.c: quantiles within the DKW bound, planned == measured), a bad table names file and line
+expect plan_data_lengths 0 "T = 402: the longest of the 2000 \+ 100 samples whose lengths are drawn from recipes/data/alpaca-lengths.tsv \(seed 42; median 118, max 406" -- "$FITLLM" plan micro --data.lengths recipes/data/alpaca-lengths.tsv --train.max_seq_length 512
+printf '0\t10\n0.5\tabc\n1\t20\n' > "$T/bad-lengths.tsv"
+expect plan_data_lengths_bad 1 "data.lengths: .*/bad-lengths.tsv:2: quantile 0.5 has no length" -- "$FITLLM" plan micro --data.lengths "$T/bad-lengths.tsv"
+expect train_data_lengths_bad 1 "data.lengths: .*/bad-lengths.tsv:2: quantile 0.5 has no length" -- "$FITLLM" finetune_full micro --data.lengths "$T/bad-lengths.tsv" --out_dir "$T/badlen" --train.max_steps 1
 # Idle OpenMP workers sleep by default (fl_cpu_process_init re-executes with OMP_WAIT_POLICY=passive);
 # an explicit choice of the user stands. libgomp prints its settings with OMP_DISPLAY_ENV (the last
 # block is the one of the process that runs).

@@ -35,6 +35,7 @@ typedef struct {
     uint64_t seed;              /* default 42 */
     int max_seq_length;         /* samples longer are truncated (counted); -1 = no limit */
     int synthetic_train, synthetic_val; /* Synthetic sizes (defaults 2000 / 100) */
+    char lengths[4096];         /* Synthetic: a length table (fitllm/lengths.h); "" = the built-in tasks */
     char cache_dir[4096];       /* tokenized-dataset cache ("" = no cache) */
     /* an encoder-decoder's pairs (fl_s2s_config): tokens incl. EOS, <= 0 no limit (defaults 512 / 128) */
     int max_source_length, max_target_length;

@@ -110,6 +110,7 @@ static const fl_cfg_key k_keys[] = {
     {"data.num_workers", FL_CK_IGNORED, 0, "accepted for LitGPT compatibility (data is tokenized once)"},
     {"data.n_train", FL_CK_INT, OFF(data.synthetic_train), "Synthetic: training samples"},
     {"data.n_val", FL_CK_INT, OFF(data.synthetic_val), "Synthetic: validation samples"},
+    {"data.lengths", FL_CK_PATH, OFF(data.lengths), "Synthetic: sample lengths drawn from this quantile table (e.g. recipes/data/alpaca-lengths.tsv: Alpaca's measured lengths), cut to train.max_seq_length; tokens random letters, every one a target"},
     {"data.cache_dir", FL_CK_PATH, OFF(data.cache_dir), "tokenized-dataset cache folder"},
     {"train.save_interval", FL_CK_INT_OPT0, OFF(train.save_interval), "optimizer steps between checkpoints"},
     {"train.log_interval", FL_CK_POS, OFF(train.log_interval), "iterations between log lines"},
@@ -309,6 +310,7 @@ static fl_status set_data_kind(fl_run_config *c, const char *v) {
         memcpy(c->data.train_data_path, old.train_data_path, sizeof old.train_data_path);
         memcpy(c->data.val_data_path, old.val_data_path, sizeof old.val_data_path);
         memcpy(c->data.cache_dir, old.cache_dir, sizeof old.cache_dir);
+        memcpy(c->data.lengths, old.lengths, sizeof old.lengths);
     }
     if (k == FL_DATA_ALPACA && !strcmp(name, "Alpaca2k")) c->data.val_split_fraction = 0.05f;
     return FL_OK;

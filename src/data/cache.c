@@ -16,6 +16,7 @@
 #include <sys/stat.h>
 
 #include "data-impl.h"
+#include "fitllm/lengths.h"
 #include "core/fs.h"
 
 #define CACHE_MAGIC 0x3143415441444c46ULL /* "FLDATAC1" in little-endian bytes */
@@ -134,6 +135,16 @@ fl_status fl_data_cache_key(const fl_data_config *cfg, const fl_tokenizer *tok, 
     fl_data_hash_u64(&h, (uint64_t)(int64_t)cfg->max_seq_length);
     fl_data_hash_u64(&h, (uint64_t)(int64_t)cfg->synthetic_train);
     fl_data_hash_u64(&h, (uint64_t)(int64_t)cfg->synthetic_val);
+    if (cfg->lengths[0]) { /* the table's content decides the samples */
+        fl_lengths t;
+        FL_TRY(fl_error_prefix(fl_lengths_load(cfg->lengths, &t), "data.lengths"));
+        for (int i = 0; i < t.n; i++) {
+            uint64_t qb;
+            memcpy(&qb, &t.q[i], 8);
+            fl_data_hash_u64(&h, qb);
+            fl_data_hash_u64(&h, (uint64_t)t.len[i]);
+        }
+    }
     fl_data_hash_u64(&h, tf[0]);
     fl_data_hash_u64(&h, tf[1]);
     fl_data_hash_u64(&h, fs->n);

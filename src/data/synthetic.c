@@ -13,6 +13,8 @@
 #include <string.h>
 
 #include "data-impl.h"
+#include "fitllm/lengths.h"
+#include "fitllm/tokenizer.h"
 
 static void rand_letters(uint64_t *st, char *o, int n) {
     for (int i = 0; i < n; i++) o[i] = (char)('a' + fl_data_rand_below(st, 26));
@@ -63,7 +65,37 @@ fl_status fl_data_synthetic_records(uint64_t seed, fl_split split, size_t n, fl_
     return FL_OK;
 }
 
+/* data.lengths: sample i of a split is fl_lengths_draw(seed, split, i) tokens (cut to max_seq_length, as a
+ * record would be) of random letters, every token a target. The lengths are what matters (memory, time:
+ * the trainer sizes activations for the longest, the loader pads each micro batch to its longest), and
+ * `fitllm plan` draws the same ones. */
+static fl_status build_lengths(fl_dataset *d, const fl_data_config *cfg, const fl_tokenizer *tok) {
+    fl_lengths t;
+    FL_TRY(fl_error_prefix(fl_lengths_load(cfg->lengths, &t), "data.lengths"));
+    int32_t *pool = NULL;
+    size_t np = 0;
+    FL_TRY(fl_tok_encode(tok, "abcdefghijklmnopqrstuvwxyz", 26, 0, 0, &pool, &np));
+    if (np == 0) { free(pool); return fl_errorf(FL_ERR_INVALID, "data.lengths: the tokenizer encodes no letters"); }
+    int cap = t.len[t.n - 1];
+    int32_t *buf = malloc((size_t)cap * sizeof *buf);
+    fl_status s = buf ? FL_OK : fl_errorf(FL_ERR_OOM, "data.lengths: out of memory");
+    for (int sp = 0; sp < FL_SPLIT_COUNT && s == FL_OK; sp++) {
+        size_t n = (size_t)(sp == FL_SPLIT_TRAIN ? cfg->synthetic_train : cfg->synthetic_val);
+        uint64_t st = cfg->seed * 0x9e3779b97f4a7c15ULL + ((uint64_t)sp + 1) * 0xd1b54a32d192ed03ULL;
+        for (size_t i = 0; i < n && s == FL_OK; i++) {
+            int len = fl_lengths_draw(&t, cfg->seed, sp, i);
+            if (cfg->max_seq_length > 0 && len > cfg->max_seq_length) len = cfg->max_seq_length, d->stats.n_truncated++;
+            for (int k = 0; k < len; k++) buf[k] = pool[fl_data_rand_below(&st, np)];
+            s = fl_data_split_push(&d->split[sp], buf, buf, len, 0);
+        }
+    }
+    free(buf);
+    free(pool);
+    return s;
+}
+
 fl_status fl_data_build_synthetic(fl_dataset *d, const fl_data_config *cfg, const fl_tokenizer *tok) {
+    if (cfg->lengths[0]) return build_lengths(d, cfg, tok);
     fl_status s = FL_OK;
     for (int sp = 0; sp < FL_SPLIT_COUNT && s == FL_OK; sp++) {
         fl_data_records rs = {0};

@@ -25,6 +25,7 @@
 #include "fitllm/generate.h"
 #include "fitllm/io.h"
 #include "fitllm/plan.h"
+#include "fitllm/lengths.h"
 #include "backend/cuda/cuda-impl.h"
 #include "fitllm/trainer.h"
 #include "fitllm/lora.h"
@@ -574,6 +575,22 @@ static fl_status s2s_lengths(const fl_run_config *c, const fl_plan_opts *o, plan
     return FL_OK;
 }
 
+/* data.lengths: the Synthetic samples' lengths are drawn from a table by (seed, split, index); draw the same
+ * ones and size T for the longest, as the trainer does (exact: no assumption about the data left). */
+static fl_status drawn_lengths(const fl_run_config *c, int ctx, plan_ctx *x, fl_plan *p) {
+    fl_lengths t;
+    FL_TRY(fl_error_prefix(fl_lengths_load(c->data.lengths, &t), "data.lengths"));
+    int longest = fl_lengths_longest(&t, c->data.seed, (size_t)c->data.synthetic_train, (size_t)c->data.synthetic_val,
+                                     c->train.max_seq_length);
+    x->T = longest - 1 < ctx ? longest - 1 : ctx;
+    if (x->T < 1) x->T = 1;
+    note(p, "T = %d: the longest of the %d + %d samples whose lengths are drawn from %s (seed %llu; median %d, max "
+            "%d tokens%s), minus its last token%s", x->T, c->data.synthetic_train, c->data.synthetic_val,
+         c->data.lengths, (unsigned long long)c->data.seed, fl_lengths_at(&t, 0.5), t.len[t.n - 1],
+         c->train.max_seq_length > 0 ? ", cut to train.max_seq_length" : "", longest - 1 > ctx ? ", capped by the model context" : "");
+    return FL_OK;
+}
+
 fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_plan *p) {
     fl_plan_opts opts;
     if (opts_in) opts = *opts_in;
@@ -669,6 +686,8 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     } else if (opts.seq_len > 0) {
         x.T = opts.seq_len < ctx ? opts.seq_len : ctx;
         note(p, "T = %d from --seq-len%s", x.T, opts.seq_len > ctx ? " (capped by the model context)" : "");
+    } else if (c->data.kind == FL_DATA_SYNTHETIC && c->data.lengths[0]) {
+        FL_TRY(drawn_lengths(c, ctx, &x, p));
     } else if (c->train.max_seq_length > 0) {
         /* samples are cut to max_seq_length tokens; inputs are a sample minus its last token */
         int msl = c->train.max_seq_length > 1 ? c->train.max_seq_length - 1 : 1;
