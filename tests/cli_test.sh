@@ -692,7 +692,12 @@ if [ "$(awk '/MemTotal/ {print $2}' /proc/meminfo)" -lt 78000000 ]; then
 fi
 # the real scale's data: a TextFiles folder whose samples are T + 1 = 1025 tokens (byte text), enough for the
 # largest global batch (32) x steps (1) + 16 samples; a run on it has T = min(1024, the model's context)
-expect lab_real_text_data 0 "" -- bash -c "'$FITLLM' lab --scale real --only ddp --steps 1 --keep-runs --out_dir '$T/labreal4' >/dev/null && \
+# issue 33: the real scale draws Alpaca's lengths (recipes/data/alpaca-lengths.tsv); --lengths fixed keeps every
+# sample T + 1 = 1025 tokens of byte text (the two tests below)
+expect lab_real_lengths 0 "sample lengths drawn from\s+recipes/data/alpaca-lengths.tsv \(median 118, p95 320, max 406 tokens\), cut to max_seq_length 512" -- bash -c "'$FITLLM' lab --scale real --only reduced-batch --out_dir '$T/labrealL' | tr '\n' ' '"
+expect lab_real_lengths_T 0 "^reduced-batch,tinyllama-1.1b,tinyllama-1.1b,8,1,325," -- cat "$T/labrealL/results.csv"
+expect lab_real_lengths_bad 1 "lab --lengths: .*/bad-lengths.tsv:2: quantile 0.5 has no length" -- "$FITLLM" lab --scale real --only reduced-batch --lengths "$T/bad-lengths.tsv" --out_dir "$T/labrealB"
+expect lab_real_text_data 0 "" -- bash -c "'$FITLLM' lab --scale real --only ddp --steps 1 --lengths fixed --keep-runs --out_dir '$T/labreal4' >/dev/null && \
     test \$(stat -c %s '$T/labreal4/runs/real-scale-text/1-train.txt') -ge 49200 && test -s '$T/labreal4/runs/real-scale-text/0-val.txt'"
 expect lab_real_text_T 0 "longest input 512" -- "$FITLLM" finetune_full micro --data TextFiles \
     --data.train_data_path "$T/labreal4/runs/real-scale-text" --train.max_seq_length 1025 --train.max_steps 1 \

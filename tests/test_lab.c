@@ -565,3 +565,59 @@ FL_TEST(lab_course_table_planned) {
     }
     FL_CHECK(with_gb == 2 && offload == 2);
 }
+
+/* issue 33: the real scale at the course's settings: each row's samples have lengths drawn from Alpaca's table, cut
+ * to max_seq_length 512; the row's T is its longest draw - 1 and its planned peak is the plan of the same run built
+ * here (fl_plan_run on a config with data.lengths: planned == measured there, tests/test_lengths.c). "fixed" keeps
+ * the old T 1024; a bad table is refused naming file and line. Plans only (the real rows need 80 GB). */
+FL_TEST(lab_real_scale_drawn_lengths) {
+    fl_lab_opts o;
+    fl_lab_opts_default(&o);
+    o.real_scale = 1;
+    o.only = "reduced-batch,larger-model";
+    o.steps = 4;
+    fl_lab_report rep;
+    FL_REQUIRE_OK(fl_lab_run(&o, NULL, &rep));
+    FL_REQUIRE(rep.n == 2);
+    FL_CHECK(!strcmp(rep.lengths, "recipes/data/alpaca-lengths.tsv") && rep.max_seq_length == 512);
+    fl_lengths t;
+    FL_REQUIRE_OK(fl_lengths_load("recipes/data/alpaca-lengths.tsv", &t));
+    for (int i = 0; i < rep.n; i++) {
+        const fl_lab_row *r = &rep.rows[i];
+        const int global = r->B * r->accum, n_train = global * 4 + 8;
+        int longest = fl_lengths_longest(&t, 42, (size_t)n_train, 2, 512);
+        FL_CHECKF(r->T == longest - 1 && r->T < 406, "%s: T %d, longest draw of %d + 2 samples %d", r->name, r->T,
+                  n_train, longest);
+        fl_run_config c;
+        fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
+        snprintf(c.checkpoint_dir, sizeof c.checkpoint_dir, "%s", r->model);
+        snprintf(c.precision, sizeof c.precision, "%s", r->precision);
+        c.data.kind = FL_DATA_SYNTHETIC;
+        snprintf(c.data.lengths, sizeof c.data.lengths, "%s", "recipes/data/alpaca-lengths.tsv");
+        c.data.synthetic_train = n_train;
+        c.data.synthetic_val = 2;
+        c.train.global_batch_size = global;
+        c.train.micro_batch_size = r->B;
+        c.train.max_seq_length = 512;
+        c.max_memory = 80000000000ULL;
+        fl_optim_config_default(&c.optimizer, FL_OPT_ADAMW);
+        fl_plan p;
+        fl_plan_opts po;
+        fl_plan_opts_default(&po);
+        po.generation = 0;
+        po.no_suggestions = 1;
+        po.comm_threads = 1;
+        FL_REQUIRE_OK(fl_plan_run(&c, &po, &p));
+        FL_CHECKF(p.T == r->T && p.peak_total == r->planned_peak, "%s: lab T %d planned %zu, plan T %d peak %zu",
+                  r->name, r->T, r->planned_peak, p.T, p.peak_total);
+    }
+    fl_lab_report_free(&rep);
+    o.lengths = "fixed";
+    FL_REQUIRE_OK(fl_lab_run(&o, NULL, &rep));
+    FL_CHECK(rep.n == 2 && !rep.lengths[0] && rep.rows[0].T == 1024);
+    fl_lab_report_free(&rep);
+    o.lengths = "/nonexistent/lengths.tsv";
+    FL_CHECK(fl_lab_run(&o, NULL, &rep) == FL_ERR_NOT_FOUND);
+    FL_CHECK(strstr(fl_error_message(), "lab --lengths: /nonexistent/lengths.tsv: cannot open the length table"));
+    fl_lab_report_free(&rep);
+}

@@ -27,6 +27,7 @@
 
 #include <stdio.h>
 
+#include "fitllm/lengths.h"
 #include "fitllm/mem.h"
 #include "fitllm/plan.h"
 #include "fitllm/status.h"
@@ -60,6 +61,10 @@ typedef struct {
     int real_scale;        /* 1: the real models (tinyllama-1.1b, open-llama-3b/7b) at T 1024 on an 80 GB budget,
                             * for an 80 GB GPU; the data-parallel rows are n/a (they need 4 devices); not with the
                             * fsdp suite */
+    const char *lengths;   /* real scale, quick/full suites: the sample-length table the rows draw their samples'
+                            * lengths from (Synthetic data.lengths, cut to the course's max_seq_length 512); NULL =
+                            * recipes/data/alpaca-lengths.tsv, looked up from the working directory, then from the
+                            * executable's folder's parent; "fixed" = every sample T + 1 = 1025 tokens (byte text) */
     int run_oom;           /* 1: also train the rows the plan says OOM, to see the allocator refuse them (the plan's
                             * verdict is the run's: tests/test_plan.c); 0 (default): such a row is decided by its plan
                             * before any model memory is touched (fl_lab_row.ran 0), so it costs the plan's < 1 s
@@ -163,6 +168,10 @@ typedef struct {
                                 * lab scale) */
     double peak_tflops[2];     /* the peak used for MFU: [0] fp32 rows, [1] 16-bit rows (0: unknown) */
     char peak_source[96];      /* where the peak comes from ("--peak-tflops", "NVIDIA H100 ...: 989 / 67") */
+    char lengths[4096];        /* real scale (quick, full): the table the rows' sample lengths are drawn from ("" =
+                                * fixed lengths, text_dir); each row's T is then its plan's (the longest draw - 1) */
+    fl_lengths table;          /* its content (lengths[0] != 0) */
+    int max_seq_length;        /* with lengths: the samples are cut to this (the course's recipes: 512) */
     char text_dir[4200];       /* real scale: TextFiles folder of byte text the rows train on (every sample
                                 * ref_T + 1 tokens: Synthetic's records are ~200 tokens, so the run's T would be
                                 * theirs, not ref_T); "" at lab scale (Synthetic, whose samples are longer than T) */

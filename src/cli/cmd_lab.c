@@ -11,7 +11,7 @@
 
 static void help(void) {
     printf("usage: fitllm lab [--suite quick|full|fsdp] [--only name,name] [--out_dir DIR] [--threads N] [--steps N]\n"
-           "                  [--keep-runs] [--run-oom] [--scale lab|real] [--peak-tflops X]\n"
+           "                  [--keep-runs] [--run-oom] [--scale lab|real] [--lengths TABLE|fixed] [--peak-tflops X]\n"
            "                  fsdp suite: [--model gpt2-xl|gpt2-xxl] [--precision LIST] [--fsdp.backward_prefetch on|off]\n\n"
            "Runs the memory lab's sequence of experiments (baseline, reduced batch, gradient accumulation, LR\n"
            "scaling, bf16-true, bf16-mixed, larger models, SGD, 8-bit Adam, activation checkpointing, CPU offload,\n"
@@ -41,10 +41,16 @@ static void help(void) {
            "                    them; off: such a row is decided by its plan before any model memory is touched\n"
            "                    (under a second; its note says \"planned; not run\")\n"
            "  --scale S         (default lab)  lab: the scaled models and budget above; real: the lab's real models\n"
-           "                    (tinyllama-1.1b, open-llama-3b, open-llama-7b) at T = 1024 with an 80 GB budget, for\n"
+           "                    (tinyllama-1.1b, open-llama-3b, open-llama-7b) at the course's settings (sample lengths\n"
+           "                    drawn from --lengths, cut to max_seq_length 512) with an 80 GB budget, for\n"
            "                    an 80 GB GPU (--accelerator cuda; ~100 GB of host memory on the CPU); the 4-rank rows\n"
            "                    are n/a (they need 4 devices: mpirun); --suite fsdp: gpt2-xl at T 128, 16 GiB per\n"
            "                    rank, its 4 ranks sharing one device of at least 64 GiB (else n/a)\n"
+           "  --lengths TABLE   (default recipes/data/alpaca-lengths.tsv, from the working directory or beside the\n"
+           "                    build folder)  --scale real, quick/full: the sample-length quantile table the rows\n"
+           "                    draw from (Alpaca's measured lengths: median 118, p95 320, max 406 tokens); each\n"
+           "                    micro batch is padded to its longest sample, no packing; fixed: every sample 1025\n"
+           "                    tokens (T = 1024)\n"
            "  --peak-tflops X   (default: H100/H200/A100/V100 by name, none on a CPU)  the device's peak for MFU\n"
            "  --model M         (default gpt2-xl)  fsdp suite: gpt2-xl or gpt2-xxl (the course's ~3 B GPT;\n"
            "                    GPT-3 2.7B's shape, 2.65 B parameters)\n"
@@ -78,6 +84,11 @@ int fl_cmd_lab(int argc, char **argv) {
         else if (!strcmp(a, "--accelerator")) { int rc = fl_cli_accelerator(cmd, v); if (rc) return rc; i++; }
         else if (!strcmp(a, "--steps")) { if (fl_cli_int(cmd, a, v, 1, 256, &o.steps)) return FL_EXIT_USAGE; i++; }
         else if (!strcmp(a, "--keep-runs")) keep = 1;
+        else if (!strcmp(a, "--lengths")) {
+            if (!v || !*v) return fl_cli_usage(cmd, "--lengths needs a length table (quantile<TAB>length lines) or fixed");
+            o.lengths = v;
+            i++;
+        }
         else if (!strcmp(a, "--run-oom")) o.run_oom = 1;
         else if (!strcmp(a, "--model")) {
             if (!v || (strcmp(v, "gpt2-xl") && strcmp(v, "gpt2-xxl")))
@@ -107,7 +118,7 @@ int fl_cmd_lab(int argc, char **argv) {
             o.real_scale = !strcmp(v, "real");
             i++;
         }
-        else return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--help", "--fsdp.backward_prefetch", "--keep-runs", "--model", "--only", "--out_dir", "--peak-tflops", "--precision", "--run-oom", "--scale", "--steps", "--suite", "--threads", NULL});
+        else return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--help", "--fsdp.backward_prefetch", "--keep-runs", "--lengths", "--model", "--only", "--out_dir", "--peak-tflops", "--precision", "--run-oom", "--scale", "--steps", "--suite", "--threads", NULL});
     }
     char runs[4200];
     if (keep) {

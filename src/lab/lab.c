@@ -167,6 +167,7 @@ void fl_lab_opts_default(fl_lab_opts *o) {
 #define LAB_MODEL "lab-1b"
 #define REF_DEVICE ((size_t)80000000000ULL) /* 80 GB */
 #define REF_T 1024
+#define COURSE_MAX_SEQ_LENGTH 512 /* the course's recipes (LitGPT config_hub: Alpaca2k, max_seq_length 512) */
 
 static double act_per_param(const fl_model_config *c, int T) {
     fl_act_sizes a;
@@ -245,7 +246,9 @@ static double row_peak(const fl_lab_report *rep, const char *precision) {
 
 /* The config of a row: at lab scale (model, T) or at the real one. */
 static void apply_row(fl_run_config *c, const lab_exp *e, const char *model, int T, long steps, size_t budget,
-                      const char *out_dir, int threads, const char *text_dir, int no_prefetch) {
+                      const char *out_dir, int threads, const fl_lab_report *rep) {
+    const char *text_dir = rep->text_dir;
+    const int no_prefetch = rep->no_prefetch;
     fl_cfg_defaults(c, FL_CMD_FINETUNE_FULL);
     snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "%s", model);
     snprintf(c->out_dir, sizeof c->out_dir, "%s", out_dir);
@@ -261,6 +264,11 @@ static void apply_row(fl_run_config *c, const lab_exp *e, const char *model, int
     c->train.micro_batch_size = e->B;
     c->train.max_steps = (int)steps;
     c->train.max_seq_length = T + 1; /* every synthetic sample is longer: the trainer's T is exactly T */
+    if (rep->lengths[0]) { /* real scale at the course's settings: Alpaca's lengths, cut to its max_seq_length */
+        c->data.kind = FL_DATA_SYNTHETIC;
+        snprintf(c->data.lengths, sizeof c->data.lengths, "%s", rep->lengths);
+        c->train.max_seq_length = rep->max_seq_length;
+    }
     c->train.lr_warmup_steps = 0;
     c->train.save_interval = 0;
     c->train.activation_checkpointing = e->act_ckpt;
@@ -391,7 +399,7 @@ static int pick_batch(const lab_exp *e, const fl_lab_report *rep, long steps, co
         lab_exp x = *e;
         x.B = B;
         x.global = B * exp_ranks(e);
-        apply_row(c, &x, row_model(&x, rep), rep->T, steps, rep->budget, out, threads, rep->text_dir, rep->no_prefetch);
+        apply_row(c, &x, row_model(&x, rep), rep->T, steps, rep->budget, out, threads, rep);
         fl_plan_verdict v;
         size_t peak;
         plan_row(c, p, &v, &peak);
@@ -409,6 +417,17 @@ static void set_oom(fl_lab_row *r, const fl_mem_oom *oom, const char *suffix) {
     snprintf(r->note, sizeof r->note, "OOM during %s: %s %s requested, %s available%s", oom->phase,
              fl_mem_tag_name(oom->tag), fl_fmt_bytes(oom->requested, a, sizeof a),
              fl_fmt_bytes(oom->budget > oom->in_use ? oom->budget - oom->in_use : 0, b, sizeof b), suffix);
+}
+
+/* Drawn lengths: the mean input length (sample - 1) of the row's training samples, cut as the trainer cuts them. */
+static double mean_input(const fl_lab_report *rep, const fl_run_config *c) {
+    double sum = 0;
+    int n = c->data.synthetic_train;
+    for (int i = 0; i < n; i++) {
+        int l = fl_lengths_draw(&rep->table, c->data.seed, 0, (uint64_t)i);
+        sum += (c->train.max_seq_length > 0 && l > c->train.max_seq_length ? c->train.max_seq_length : l) - 1;
+    }
+    return n > 0 ? sum / n : 0;
 }
 
 static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, const char *run_dir, int threads,
@@ -450,12 +469,14 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
     if (!rep->sweep) time_note(e, rep, r->time_note, sizeof r->time_note); /* the sweep's rows compare by batch */
     /* the real scale: the real model, T 1024, an 80 GB device (--scale real: the run's own plan, below) */
     if (!rep->real_scale) {
-        apply_row(c, e, e->ref_model, rep->ref_T, steps, rep->ref_device, out, threads, rep->text_dir, rep->no_prefetch);
+        apply_row(c, e, e->ref_model, rep->ref_T, steps, rep->ref_device, out, threads, rep);
         plan_row(c, p, &r->ref_planned, &r->ref_peak);
     }
     /* the scale the row runs at */
-    apply_row(c, e, model, rep->T, steps, rep->budget, out, threads, rep->text_dir, rep->no_prefetch);
+    apply_row(c, e, model, rep->T, steps, rep->budget, out, threads, rep);
     plan_row(c, p, &r->planned, &r->planned_peak);
+    if (rep->lengths[0] && (r->planned == FL_PLAN_OOM || r->planned == FL_PLAN_FITS))
+        r->T = p->T; /* drawn lengths: the trainer's T is the longest draw - 1, as the plan says */
     if (rep->real_scale) {
         r->ref_planned = r->planned;
         r->ref_peak = r->planned_peak;
@@ -532,11 +553,13 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
         r->final_loss = log.last_loss;
         if (log.steps >= 2) r->step_ms = 1e3 * (log.t[log.steps - 1] - log.t[0]) / (double)(log.steps - 1);
         else r->step_ms = 1e3 * res.train_seconds;
-        double tokens_per_step = (double)e->global * rep->T; /* several ranks: the global batch */
+        /* several ranks: the global batch; drawn lengths: the samples' own tokens, no padding (their mean) */
+        double Tm = rep->lengths[0] ? mean_input(rep, c) : rep->T;
+        double tokens_per_step = (double)e->global * Tm;
         r->tok_s = r->step_ms > 0 ? tokens_per_step / (r->step_ms / 1e3) : 0;
         fl_model_config mc; /* model FLOPs of the global batch (the MFU convention: no recompute) */
         if (r->step_ms > 0 && fl_preset_find(model, &mc) == FL_OK)
-            r->tflops = fl_model_train_flops(&mc, e->B, rep->T) * (double)e->global / e->B / (r->step_ms / 1e3) / 1e12;
+            r->tflops = fl_model_train_flops(&mc, e->B, (int)(Tm + 0.5)) * (double)e->global / e->B / (r->step_ms / 1e3) / 1e12;
         if (row_peak(rep, e->precision) > 0) r->mfu = r->tflops / row_peak(rep, e->precision);
         if (res.offload) { /* CPU offload: what the host tier took instead of the device */
             char a[32], b[32];
@@ -606,6 +629,30 @@ static fl_status write_text_dir(const char *dir, int T, long steps, int max_glob
         }
         if (fclose(fp) != 0) return fl_errorf(FL_ERR_IO, "%s: write failed", path);
     }
+    return FL_OK;
+}
+
+/* The real scale's sample lengths (quick, full suites): --lengths, else the bundled Alpaca table found from the
+ * working directory or next to the executable (build/fitllm -> recipes/ beside build/), else fixed lengths, said. */
+static fl_status real_lengths(const fl_lab_opts *o, fl_lab_report *rep) {
+    static const char *rel = "recipes/data/alpaca-lengths.tsv";
+    char path[4096] = "", exe[2048];
+    if (o->lengths && !strcmp(o->lengths, "fixed")) return FL_OK;
+    if (o->lengths && *o->lengths) snprintf(path, sizeof path, "%s", o->lengths);
+    else if (access(rel, R_OK) == 0) snprintf(path, sizeof path, "%s", rel);
+    else {
+        ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+        char *slash = n > 0 ? (exe[n] = '\0', strrchr(exe, '/')) : NULL;
+        if (slash) {
+            *slash = '\0';
+            snprintf(path, sizeof path, "%s/../%s", exe, rel);
+            if (access(path, R_OK) != 0) path[0] = '\0';
+        }
+    }
+    if (!path[0]) return FL_OK; /* the banner says: fixed lengths */
+    FL_TRY(fl_error_prefix(fl_lengths_load(path, &rep->table), "lab --lengths"));
+    snprintf(rep->lengths, sizeof rep->lengths, "%s", path);
+    rep->max_seq_length = COURSE_MAX_SEQ_LENGTH;
     return FL_OK;
 }
 
@@ -713,7 +760,8 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
         if (!mkdtemp(tmp)) return fl_errorf(FL_ERR_IO, "cannot create a temporary folder for the runs");
         run_dir = tmp;
     }
-    if (rep->real_scale) {
+    if (rep->real_scale && !rep->sweep) FL_TRY(real_lengths(o, rep));
+    if (rep->real_scale && !rep->lengths[0]) {
         int max_global = 1;
         for (int i = 0; i < N_EXPS; i++) max_global = k_exps[i].global > max_global ? k_exps[i].global : max_global;
         if (rep->sweep) max_global = 4 * k_sweep_b[SWEEP_B_CKPT - 1];
@@ -724,16 +772,24 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
     if (!rep->rows) return fl_errorf(FL_ERR_OOM, "out of host memory");
     char a[32];
     if (out) { /* the banner, wrapped at 120 columns */
-        char line[600];
+        char line[900];
         if (rep->sweep)
             snprintf(line, sizeof line, "suite fsdp: %s%s, 4 ranks FULL_SHARD, T = %d, budget %s per rank (%s), "
                      "backward prefetch %s, %ld steps per run", rep->real_scale ? "" : "lab-", rep->sweep_model, rep->T,
                      fl_fmt_bytes(rep->budget, a, sizeof a), rep->real_scale ? "the course's 16 GB V100"
                      : "16 GiB scaled as the lab's model to the real one", rep->no_prefetch ? "off" : "on", steps);
-        else if (rep->real_scale)
-            snprintf(line, sizeof line, "suite %s, real scale: %s, open-llama-3b and open-llama-7b at T = %d, budget %s "
-                     "per device (80 GB), %ld steps per run", rep->suite, REF_MODEL, rep->T,
+        else if (rep->real_scale && rep->lengths[0])
+            snprintf(line, sizeof line, "suite %s, real scale: %s, open-llama-3b and open-llama-7b; sample lengths "
+                     "drawn from %s (median %d, p95 %d, max %d tokens), cut to max_seq_length %d, no packing, each "
+                     "micro batch padded to its longest (T = the row's longest sample - 1); budget %s per device (80 "
+                     "GB), %ld steps per run", rep->suite, REF_MODEL, rep->lengths, fl_lengths_at(&rep->table, 0.5),
+                     fl_lengths_at(&rep->table, 0.95), rep->table.len[rep->table.n - 1], rep->max_seq_length,
                      fl_fmt_bytes(rep->budget, a, sizeof a), steps);
+        else if (rep->real_scale)
+            snprintf(line, sizeof line, "suite %s, real scale: %s, open-llama-3b and open-llama-7b at T = %d (every "
+                     "sample %d tokens: %s), budget %s per device (80 GB), %ld steps per run", rep->suite, REF_MODEL,
+                     rep->T, rep->T + 1, o->lengths && !strcmp(o->lengths, "fixed") ? "--lengths fixed"
+                     : "recipes/data/alpaca-lengths.tsv not found; give --lengths", fl_fmt_bytes(rep->budget, a, sizeof a), steps);
         else
             snprintf(line, sizeof line, "suite %s: budget %s (80 GB x params(%s)/params(%s) = 80 GB x %.5f), T = %d "
                      "(activations per parameter of one sample as %s at T = %d), %ld steps per run", rep->suite,

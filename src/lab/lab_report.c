@@ -258,9 +258,13 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
     jstr(f, os);
     fprintf(f, "},\n  \"scaling\": {\"scale\": \"%s\", \"budget\": %zu, \"ref_device\": %zu, \"ref_model\": \"tinyllama-1.1b\", "
                "\"lab_model\": \"lab-1b\", \"param_ratio\": %.8g, \"seq_len\": %d, \"ref_seq_len\": %d, "
-               "\"act_per_param_ref\": %.8g, \"act_per_param_lab\": %.8g},\n",
+               "\"act_per_param_ref\": %.8g, \"act_per_param_lab\": %.8g, \"lengths\": ",
             rep->real_scale ? "real" : "lab", rep->budget, rep->ref_device, rep->param_ratio, rep->T, rep->ref_T,
             rep->act_ratio_ref, rep->act_ratio_lab);
+    if (rep->lengths[0]) { /* real scale: the drawn lengths (each row's seq_len is its longest - 1) */
+        jstr(f, rep->lengths);
+        fprintf(f, ", \"max_seq_length\": %d},\n", rep->max_seq_length);
+    } else fprintf(f, "null},\n");
     fprintf(f, "  \"gpu_sampling\": ");
     jstr(f, rep->gpu_note);
     fprintf(f, ",\n");
@@ -603,7 +607,21 @@ static const fl_lab_row *row_named(const fl_lab_report *rep, const char *name) {
 /* report.md: how the lab is scaled to this machine (and the real scale, when asked). */
 static void md_scaling(FILE *f, const fl_lab_report *rep) {
     char a[32];
-    if (rep->real_scale)
+    if (rep->real_scale && rep->lengths[0])
+        fprintf(f, "## Scale: real (`--scale real`)\n\n"
+                   "Every row ran the lab's real model (tinyllama-1.1b, open-llama-3b, open-llama-7b; random init) at the "
+                   "course's settings: Synthetic samples whose lengths are drawn from `%s` (Alpaca's measured lengths: "
+                   "median %d, p95 %d, max %d tokens; `data.lengths`, deterministic per seed), cut to max_seq_length %d, "
+                   "no packing, each micro batch padded to its longest sample (LitGPT's SFT collate). A row's T (the "
+                   "`seq_len` column of results.csv) is its longest drawn sample - 1, which sizes the activations; the "
+                   "plan draws the same lengths, so `planned` is the run's peak. tok/s counts the samples' own tokens "
+                   "(their mean length - 1), not padding. Budget %s per device (the lab's 80 GB GPU), on the backend "
+                   "named in the run (`--accelerator`). The data-parallel rows are n/a: their 4 ranks need 4 devices "
+                   "(`mpirun -np 4`). The sections below describe the lab-scale defaults, which this report does not "
+                   "use.\n\n",
+                rep->lengths, fl_lengths_at(&rep->table, 0.5), fl_lengths_at(&rep->table, 0.95),
+                rep->table.len[rep->table.n - 1], rep->max_seq_length, fl_fmt_bytes(rep->budget, a, sizeof a));
+    else if (rep->real_scale)
         fprintf(f, "## Scale: real (`--scale real`)\n\n"
                    "Every row ran the lab's real model (tinyllama-1.1b, open-llama-3b, open-llama-7b; random init, "
                    "Synthetic data) at T = %d with a budget of %s per device (the lab's 80 GB GPU), on the backend "
@@ -737,8 +755,12 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
     fl_lab_course_md(f, rep);
     if (rep->sweep) fl_lab_sweep_md(f, rep, charts);
     md_phases(f, rep, charts);
-    fprintf(f, "## Real scale (planned with fitllm's sizing, 80 GB device, T=%d)\n\n| experiment | model | plan | "
-               "planned peak |\n|---|---|---|---|\n", rep->ref_T);
+    if (rep->lengths[0])
+        fprintf(f, "## Real scale (planned with fitllm's sizing, 80 GB device, lengths drawn from `%s`: each row's T in "
+                   "results.csv)\n\n| experiment | model | plan | planned peak |\n|---|---|---|---|\n", rep->lengths);
+    else
+        fprintf(f, "## Real scale (planned with fitllm's sizing, 80 GB device, T=%d)\n\n| experiment | model | plan | "
+                   "planned peak |\n|---|---|---|---|\n", rep->ref_T);
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
         fprintf(f, "| %s | %s | %s | %s |\n", r->name, r->ref_model, fl_lab_plan_name(r->ref_planned),
