@@ -3,7 +3,8 @@
  * (--strategy deepspeed_stage_3_offload_nvme), for a few steps; per step the wall time and the disk traffic the
  * process caused (/proc/self/io read_bytes / write_bytes), then the peak RSS (getrusage) and the tiers' bytes.
  * The step hook stops the run after the last step, so no checkpoint is written (as the lab does).
- * Usage: poff_demo CONFIG_JSON NVME_DIR [STEPS=2] [T=16] [OUT_DIR=NVME_DIR/out] */
+ * Usage: poff_demo CONFIG_JSON NVME_DIR [STEPS=2] [T=16] [OUT_DIR=/tmp/poff-demo-out] [OVERLAP=true]
+ * (OVERLAP: --offload_overlap, the fetch worker thread; false: the copies on the model's thread). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -60,7 +61,7 @@ static int hook(void *ud, long step, double loss, const void *params, size_t byt
 
 int main(int argc, char **argv) {
     if (argc < 3) {
-        fprintf(stderr, "usage: %s CONFIG_JSON NVME_DIR [STEPS] [T] [OUT_DIR]\n", argv[0]);
+        fprintf(stderr, "usage: %s CONFIG_JSON NVME_DIR [STEPS] [T] [OUT_DIR] [OVERLAP true|false]\n", argv[0]);
         return 2;
     }
     demo d = {.steps = argc > 3 ? atol(argv[3]) : 2};
@@ -74,7 +75,8 @@ int main(int argc, char **argv) {
                            {"train.global_batch_size", "1"}, {"train.max_seq_length", seq}, {"train.max_steps", "1000"},
                            {"eval.interval", "100000"}, {"eval.initial_validation", "false"},
                            {"eval.final_validation", "false"}, {"eval.max_new_tokens", "0"},
-                           {"strategy", "deepspeed_stage_3_offload_nvme"}, {"nvme_path", argv[2]}, {"out_dir", out}};
+                           {"strategy", "deepspeed_stage_3_offload_nvme"}, {"nvme_path", argv[2]}, {"out_dir", out},
+                           {"overwrite", "true"}, {"offload_overlap", argc > 6 ? argv[6] : "true"}};
     for (size_t i = 0; i < sizeof kv / sizeof kv[0]; i++)
         if (fl_cfg_set(&c, kv[i][0], kv[i][1]) != FL_OK) {
             fprintf(stderr, "%s: %s\n", kv[i][0], fl_error_message());

@@ -231,6 +231,14 @@ expect t5_lora_resume_bitexact 0 "" -- cmp "$T/t5lr/final/adapter/adapter_model.
 expect t5_finetune_lora_task_type 0 '"task_type": "SEQ_2_SEQ_LM"' -- cat "$T/t5lora/final/adapter/adapter_config.json"
 expect t5_finetune_lora_generate 0 "source \+ 5 new tokens \(greedy" -- "$FITLLM" generate "$T/t5lora/final" --prompt "question: what colour is the sky?" --max_new_tokens 5 --temperature 0
 expect t5_finetune_truncates 0 "8 sources, 7 targets truncated\); longest source 8, target 4 tokens" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5trunc" --train.max_steps 1 --data.max_source_length 8 --data.max_target_length 4
+# the evaluation sample of an encoder-decoder: the instruction as the source, sampled at temperature 0.8 inside the
+# training arena; the final evaluation's sample is `fitllm generate` on the final weights with the run's seed (1337),
+# a sample past the arena is skipped naming the sizes, and the weights equal those of that run (the sample trains nothing)
+T5E=("${T5A[@]}" --train.max_steps 4 --train.save_interval 0 --data.val_split_fraction 0.25 --eval.interval 2)
+t5_sample=$("$FITLLM" finetune_full "${T5E[@]}" --eval.max_new_tokens 5 --out_dir "$T/t5ev" 2>&1 | grep -A1 "^Recommend a movie" | tail -1)
+expect t5_eval_sample_is_generate 0 "" -- bash -c '[ -n "$1" ] && [ "$1" = "$("$2" generate "$3" --prompt "Recommend a movie for me to watch during the weekend and explain the reason." --max_new_tokens 5 --temperature 0.8 --seed 1337 2>/dev/null)" ]' _ "$t5_sample" "$FITLLM" "$T/t5ev/final"
+expect t5_eval_sample_skipped 0 "sample generation skipped: a source of [0-9]+ tokens and eval.max_new_tokens 50 do not fit the training arena's source 40 / target 15 tokens" -- "$FITLLM" finetune_full "${T5E[@]}" --eval.max_new_tokens 50 --out_dir "$T/t5ev2"
+expect t5_eval_sample_trains_nothing 0 "" -- cmp "$T/t5ev/final/model.safetensors" "$T/t5ev2/final/model.safetensors"
 expect t5_finetune_refuses_bf16 2 "--precision bf16-true: an encoder-decoder \(t5\) trains in 32-true or bf16-mixed only so far" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x1" --precision bf16-true
 expect t5_finetune_refuses_qlora 2 "--quantize bnb.nf4 \(QLoRA\): an encoder-decoder" -- "$FITLLM" finetune_lora "${T5A[@]}" --out_dir "$T/t5x2" --quantize bnb.nf4 --precision bf16-true
 expect t5_finetune_refuses_synthetic 2 "trains on input/output pairs: give --data JSON.*--data Synthetic is not supported" -- "$FITLLM" finetune_full --checkpoint_dir "$T/t5m" --init random --out_dir "$T/t5x3"
@@ -340,6 +348,19 @@ expect zero3_offload_nvme_disk_fails_mid_run 1 "No space left on device \(inject
     env FITLLM_TEST_NVME_FAIL_AFTER=300 "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload_nvme \
     --train.max_steps 12 --train.save_interval 2 --train.global_batch_size 2 --train.micro_batch_size 2 \
     --train.max_seq_length 32 --out_dir "$T/poff3"
+# the eval sample is skipped under parameter offload with its own reason (issue 34 item 4)
+expect poff_eval_sample_skipped_by_name 0 "sample generation skipped: parameter offload \(offload_param_device cpu\): each new token would fetch every unit" -- \
+    "$FITLLM" finetune_full micro --strategy fsdp_cpu_offload --train.max_steps 1 --train.global_batch_size 2 \
+    --train.micro_batch_size 2 --train.max_seq_length 32 --eval.interval 1 --eval.max_new_tokens 5 --out_dir "$T/poff4"
+# the largest model that fits a machine: this one (23 GiB RAM, 60 GB disk), fp32 AdamW: 3B with everything on NVMe
+expect plan_largest 0 "largest model that fits: open-llama-3b \(3.43 B parameters\), --strategy deepspeed_stage_3_offload_nvme" -- \
+    "$FITLLM" plan --largest tiny --host-memory 23GiB --disk 60GB --train.micro_batch_size 1 --train.max_seq_length 17
+expect plan_largest_gpu 0 "open-llama-13b +13.02 B parameters: fits --strategy deepspeed_stage_3_offload --offload_param_device cpu" -- \
+    "$FITLLM" plan --largest tiny --accelerator cuda --device-memory 24GB --host-memory 128GB --precision bf16-true \
+    --train.micro_batch_size 1 --train.max_seq_length 512
+expect plan_largest_none 3 "largest model that fits: none of the presets" -- "$FITLLM" plan --largest tiny --host-memory 1GB --disk 1GB
+expect plan_largest_needs_host_memory 2 "a CPU machine needs its host memory \(--host-memory SIZE\)" -- "$FITLLM" plan --largest tiny
+expect plan_largest_bad_disk 2 "--disk" -- "$FITLLM" plan --largest tiny --host-memory 8GB --disk lots
 expect offload_param_device_needs_zero3_offload 2 "offload_param_device cpu offloads ZeRO-3's parameter shards.*strategy is 'deepspeed_stage_3'" -- \
     "$FITLLM" finetune_full micro --strategy deepspeed_stage_3 --offload_param_device cpu --out_dir "$T/d2"
 # an option the strategy would not use is refused, never ignored (this ran plain ZeRO-3 before)

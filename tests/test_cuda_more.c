@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "fitllm/backend.h"
+#include "fitllm/dtype.h"
 #include "fitllm/lora.h"
 #include "test.h"
 
@@ -87,6 +88,65 @@ static void embedding_case(int B, int T, int C, int V, int with_wpe) {
     for (int k = 0; k < 2; k++) { free(dwte[k]); free(dwpe[k]); }
     free(only); free(ids); free(wte); free(wpe); free(out); free(cout); free(dout); free(dwte0); free(dwpe0);
     free(cdwte); free(cdwpe); free(work);
+}
+
+/* embedding_forward16 (16-bit table, one launch): the CPU's widen-then-add bits (the exact
+ * widening of each row, then the one fp32 add of the position row) */
+static void embedding16_case(fl_dtype dt, int B, int T, int C, int V, int with_wpe) {
+    fl_backend be = cpu2();
+    fl_test_rng r = {(uint64_t)(B * 131 + T * 7 + C + dt)};
+    const int N = B * T;
+    const size_t nc = (size_t)N * C;
+    int32_t *ids = malloc(N * sizeof(int32_t));
+    for (int n = 0; n < N; n++) ids[n] = (int32_t)(fl_test_rng_u64(&r) % (uint64_t)V);
+    float *wte = fl_test_frand(&r, (size_t)V * C, -1, 1), *wpe = fl_test_frand(&r, (size_t)T * C, -1, 1);
+    uint16_t *wte16 = malloc((size_t)V * C * 2), *wpe16 = malloc((size_t)T * C * 2);
+    FL_REQUIRE_OK(fl_convert(wte16, dt, wte, FL_F32, (size_t)V * C));
+    FL_REQUIRE_OK(fl_convert(wpe16, dt, wpe, FL_F32, (size_t)T * C));
+    FL_REQUIRE_OK(fl_convert(wte, FL_F32, wte16, dt, (size_t)V * C)); /* the widened tables */
+    FL_REQUIRE_OK(fl_convert(wpe, FL_F32, wpe16, dt, (size_t)T * C));
+    float *out = malloc(nc * 4), *cout = malloc(nc * 4);
+    be.embedding_forward(&be, cout, ids, wte, with_wpe ? wpe : NULL, B, T, C);
+    for (int k = 0; k < 2; k++) {
+        fl_cu_emu_set_seed(k_seeds[k]);
+        memset(out, 0xff, nc * 4);
+        EMU_OK(fl_cuemu_embedding_forward16(out, ids, wte16, with_wpe ? wpe16 : NULL, dt, B, T, C, NULL));
+        FL_CHECKF(memcmp(out, cout, nc * 4) == 0, "embedding_forward16 (%s B=%d T=%d C=%d wpe=%d): not the CPU's bits",
+                  fl_dtype_name(dt), B, T, C, with_wpe);
+    }
+    FL_CHECK(fl_cuemu_embedding_forward16(out, ids, wte, NULL, FL_F32, B, T, C, NULL) != 0); /* 16-bit tables only */
+    free(ids); free(wte); free(wpe); free(wte16); free(wpe16); free(out); free(cout);
+}
+
+/* round16: the 16-bit copy = the CPU's rounding, the fp32 view = its exact widening (odd n: a
+ * partial warp and block; n > one grid stride) */
+static void round16_case(fl_dtype dt, size_t n) {
+    fl_test_rng r = {n * 3 + dt};
+    float *x = fl_test_frand(&r, n, -300, 300), *want = malloc(n * 4), *got = malloc(n * 4);
+    uint16_t *w16 = malloc(n * 2), *g16 = malloc(n * 2);
+    FL_REQUIRE_OK(fl_convert(w16, dt, x, FL_F32, n));
+    FL_REQUIRE_OK(fl_convert(want, FL_F32, w16, dt, n));
+    memcpy(got, x, n * 4);
+    memset(g16, 0xff, n * 2);
+    EMU_OK(fl_cuemu_round16(g16, dt, got, n, NULL));
+    FL_CHECKF(memcmp(g16, w16, n * 2) == 0 && memcmp(got, want, n * 4) == 0, "round16 %s n=%zu: not the CPU's bits",
+              fl_dtype_name(dt), n);
+    FL_CHECK(fl_cuemu_round16(g16, FL_F32, got, n, NULL) != 0);
+    free(x); free(want); free(got); free(w16); free(g16);
+}
+
+FL_TEST(cuda_more_round16) {
+    round16_case(FL_BF16, 1);
+    round16_case(FL_BF16, 37);
+    round16_case(FL_F16, 1000);
+    round16_case(FL_BF16, 70001);
+}
+
+FL_TEST(cuda_more_embedding16) {
+    embedding16_case(FL_BF16, 3, 7, 37, 11, 1);  /* partial warp of columns */
+    embedding16_case(FL_BF16, 2, 5, 13, 1, 0);   /* one id, no positions (LLaMA) */
+    embedding16_case(FL_F16, 4, 75, 300, 17, 1); /* two 256-column slices, fp16 */
+    embedding16_case(FL_F16, 1, 3, 5, 4, 0);
 }
 
 FL_TEST(cuda_more_embedding) {

@@ -164,6 +164,44 @@ FL_TEST(poff_prefetch_depth_keeps_the_bits) {
     }
 }
 
+/* --offload_overlap: the worker thread copies each unit fetched ahead out of the tier while the unit before it
+ * computes; the copy-on-post run (overlap off) is the anchor: the same bits at 1, 2 and 3 ranks, on cpu (host
+ * tier and NVMe, with the plan of every tier = measured), opaque (the worker fills host staging, copied up at
+ * arrival) and the CUDA emulator; and the worker did the copies (its job count grows by at least a unit per
+ * step and rank). */
+static void po_overlap(const char *backend, int sc, int world, const char *strategy, long steps, int plan) {
+    char what[160];
+    snprintf(what, sizeof what, "%s %s at %d ranks, %s: offload_overlap on against off", backend, zr_names[sc], world,
+             strategy);
+    pojob *a = po_new(sc, world, strategy, "", "ov-on"), *b = po_new(sc, world, strategy, "", "ov-off");
+    b->cfg.offload_overlap = 0;
+    if (steps) a->cfg.train.max_steps = b->cfg.train.max_steps = steps;
+    const unsigned long n0 = fl_fetch_count();
+    if (po_run(a, world, backend) == FL_OK) {
+        const unsigned long n1 = fl_fetch_count();
+        FL_CHECKF(n1 - n0 >= (unsigned long)(world * a->rec[0].steps), "%s: the worker copied %lu units", what, n1 - n0);
+        if (po_run(b, world, backend) == FL_OK) {
+            FL_CHECKF(fl_fetch_count() == n1, "%s: the worker ran with offload_overlap false", what);
+            for (int r = 0; r < world; r++)
+                FL_CHECKF(zr_same(&a->rec[r], &b->rec[r]), "%s rank %d: the parameters or losses differ", what, r);
+            if (plan) po_check_plan(a, world, what);
+        }
+    }
+    if (a->cfg.nvme_path[0]) FL_CHECKF(po_dir_empty(a->cfg.nvme_path), "%s: files left in %s", what, a->cfg.nvme_path);
+    po_free(a);
+    po_free(b);
+}
+
+FL_TEST(poff_overlap_keeps_the_bits) {
+    for (int world = 1; world <= 3; world++) po_overlap("cpu", ZR_ADAMW, world, "deepspeed_stage_3_offload_nvme", 0, 1);
+    po_overlap("cpu", ZR_SGDM, 2, "fsdp_cpu_offload", 0, 1);
+    po_overlap("cpu", ZR_BF16, 3, "fsdp_cpu_offload", 0, 1);
+    for (int world = 1; world <= 3; world++) po_overlap("opaque", ZR_ADAMW, world, "fsdp_cpu_offload", 3, 0);
+    po_overlap("opaque", ZR_BF16, 2, "deepspeed_stage_3_offload_nvme", 3, 0);
+    po_overlap("cuda-emu", ZR_ADAMW, 1, "fsdp_cpu_offload", 2, 0);
+    po_overlap("cuda-emu", ZR_ADAMW, 2, "deepspeed_stage_3_offload_nvme", 2, 0);
+}
+
 /* opaque: every unit's piece goes up through the backend's copies and the gathers and reductions through
  * the device communicator (the NCCL stand-in at 2 and 3 ranks); the CUDA emulator likewise (slow: small) */
 FL_TEST(poff_opaque_same_bits) {
@@ -364,4 +402,43 @@ FL_TEST(poff_nvme_faults_end_cleanly) {
     FL_CHECKF(po_dir_empty(j->cfg.nvme_path), "nvme write failure: files left in %s", j->cfg.nvme_path);
     unsetenv("FITLLM_BACKEND");
     po_free(j);
+}
+
+/* `fitllm plan --largest` (fl_plan_largest): this machine (one CPU, 23 GiB of RAM, 60 GB of disk) trains
+ * OpenLLaMA-3B fp32 AdamW only with everything on NVMe (its 16 bytes per parameter: 4 parameters + 4 gradients + 8
+ * state, the files' bytes, checked against the model's count), not 7B (more than the disk); one 24 GB GPU with
+ * 128 GB of host RAM trains 13B in bf16-true with the parameters offloaded to the host, which a 24 GB host cannot
+ * hold (it then needs NVMe); a CPU machine without its RAM given is refused by name. */
+FL_TEST(poff_plan_largest_model_that_fits) {
+    fl_run_config c;
+    fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
+    c.data.kind = FL_DATA_SYNTHETIC;
+    c.train.micro_batch_size = 1;
+    c.train.global_batch_size = 1;
+    c.train.max_seq_length = 17;
+    fl_plan_fit *f = calloc(1, sizeof *f);
+    FL_REQUIRE(f);
+    fl_plan_machine cpu = {0, (size_t)23 << 30, 60000000000ULL, 1, 0, 0};
+    FL_REQUIRE_OK(fl_plan_largest(&c, &cpu, f));
+    FL_REQUIRE(f->n == 4 && f->best == 1);
+    const fl_plan_fit_row *r = &f->rows[1];
+    FL_CHECKF(!strcmp(r->model, "open-llama-3b") && strstr(r->how, "deepspeed_stage_3_offload_nvme") &&
+                  r->nvme_peak == 16 * r->n_params && r->device_peak < ((size_t)2 << 30),
+              "%s: %s, nvme %zu for %zu parameters, device %zu", r->model, r->how, r->nvme_peak, r->n_params,
+              r->device_peak);
+    FL_CHECK(f->rows[0].fits && !strcmp(f->rows[0].how, "as given") && !f->rows[2].fits &&
+             f->rows[2].nvme_peak == 16 * f->rows[2].n_params && f->rows[2].nvme_peak > cpu.disk);
+    snprintf(c.precision, sizeof c.precision, "bf16-true");
+    c.train.max_seq_length = 512;
+    fl_plan_machine gpu = {24000000000ULL, (size_t)128 << 30, 0, 1, 1, 0};
+    FL_REQUIRE_OK(fl_plan_largest(&c, &gpu, f));
+    FL_CHECKF(f->best == 3 && strstr(f->rows[3].how, "--offload_param_device cpu") &&
+                  f->rows[3].host_peak <= gpu.host_memory && f->rows[3].device_peak <= gpu.device_memory,
+              "13B on a 24 GB GPU: %s", f->rows[3].how);
+    gpu.host_memory = (size_t)24 << 30;
+    FL_REQUIRE_OK(fl_plan_largest(&c, &gpu, f));
+    FL_CHECKF(f->best == 3 && strstr(f->rows[3].how, "nvme"), "13B with 24 GiB of host RAM: %s", f->rows[3].how);
+    fl_plan_machine bad = {0, 0, 0, 1, 0, 0};
+    FL_CHECK(fl_plan_largest(&c, &bad, f) == FL_ERR_INVALID && strstr(fl_error_message(), "--host-memory"));
+    free(f);
 }

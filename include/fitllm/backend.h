@@ -128,6 +128,15 @@ struct fl_backend {
      * clock (cpu, ref, opaque). */
     fl_status (*mark)(const fl_backend *be, int i);
     fl_status (*mark_ms)(const fl_backend *be, int i, int j, float *ms);
+    /* Optional 16-bit storage ops (NULL slots: cpu, ref, opaque, null; the caller converts instead; cuda and
+     * cuda-emu fill them so a bf16 step launches no per-row / narrow-then-widen conversions, issue 30 item 1).
+     * embedding_forward16: embedding_forward (below) over a 16-bit table, wte and wpe (NULL or) of dt in
+     * {BF16, F16}, each element widened exactly and the position row added in fp32 (the fallback's bits).
+     * round16: dst (dt BF16/F16) = round(x) and x = widen(dst) in one pass, a stored 16-bit activation whose
+     * fp32 view must hold the stored value (graph.c's store16, acts.c's residual rows). */
+    void (*embedding_forward16)(const fl_backend *be, float *out, const int32_t *ids, const void *wte,
+                                const void *wpe, fl_dtype dt, int B, int T, int C);
+    fl_status (*round16)(const fl_backend *be, void *dst, fl_dtype dt, float *x, size_t n);
 
     /* ---- matmul ---------------------------------------------------------
      * C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C, row-major, with

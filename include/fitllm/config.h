@@ -100,6 +100,9 @@ typedef struct {
                                        * offloaded only, fl_cfg_param_offload) */
     int offload_prefetch;             /* offload_prefetch: parameter offload's fetch depth (units ahead; default 1, 0:
                                        * each unit when needed) */
+    int offload_overlap;              /* offload_overlap: parameter offload's fetches ahead copied out of the tier by a
+                                       * worker thread while the unit before computes (default 1; 0: by the model's
+                                       * thread when posted). Same bits either way */
     size_t bucket_size;               /* bucket_size: bytes of one bucket of the data-parallel gradient reductions
                                        * (src/train/dp_bucket.c; default 256 MiB; 0 / null: one collective each) */
     char state_dict_type[32];         /* fsdp.state_dict_type: "full" (one consolidated checkpoint, the default) or

@@ -128,6 +128,13 @@ typedef struct {
     size_t peak, peak_tag[FL_TAG_COUNT];
     double logits_bytes;       /* the fp32 logits PyTorch keeps for the micro batch (B x T x V x 4) */
     char why[480];             /* where fitllm differs (verdict, or leaner by more than 5%): why, in bytes */
+    int devices;               /* ranks (1: one GPU) */
+    double device_gb;          /* each device's memory, GB (the course's 80; the textbook's GPT-2-XL: 24) */
+    int offload;               /* ZeRO-3 with the optimizer and the parameters in host memory (issue 34) */
+    size_t host_peak;          /* offload: the host tier's planned peak per rank */
+    fl_plan_verdict plain;     /* offload: the same run with everything on the device (deepspeed_stage_3) */
+    size_t plain_peak;
+    char note[320];            /* offload: the device / host split and the plain run's verdict */
 } fl_lab_course;
 
 #define FL_LAB_MAX_COURSE 8

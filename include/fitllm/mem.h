@@ -153,6 +153,9 @@ fl_status fl_mem_disk_pool_init(fl_mem_pool *p, const char *name, const char *di
 void fl_mem_disk_prefetch(fl_mem_pool *p, const void *ptr, size_t bytes);
 void fl_mem_disk_writeback(fl_mem_pool *p, const void *ptr, size_t bytes);
 fl_status fl_mem_disk_release(fl_mem_pool *p, const void *ptr, size_t bytes);
+/* release outside a training step (a fill at load: written whole, then dropped, so loading a tier larger than
+ * the RAM holds one tensor's pages at a time); the tests' injected write failure does not count it */
+fl_status fl_mem_disk_flush(fl_mem_pool *p, const void *ptr, size_t bytes);
 
 /* Allocate `bytes` (may be 0: returns a unique non-NULL pointer) tagged `tag`.
  * On failure *out = NULL and FL_ERR_OOM with a message naming tag, request,

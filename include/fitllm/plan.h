@@ -149,6 +149,35 @@ typedef struct {
  * (preset name, HF folder with config.json, or a config.json file). */
 fl_status fl_plan_run(const fl_run_config *cfg, const fl_plan_opts *opts, fl_plan *out);
 
+/* "The largest model that fits" a machine (src/plan/plan_fit.c; `fitllm plan --largest`): the LLaMA presets from
+ * 1.1 B to 13 B, each planned with the run's options (precision, batch, T, optimizer), as given, then with ZeRO-3
+ * and the optimizer in host memory, then the parameters too, then both on NVMe; the first that fits is its row. A
+ * variant fits when the device's plan does and the machine's host RAM and disk hold devices x the rank's host and
+ * NVMe tiers (a CPU: the device is the RAM, the budget RAM / devices, and the host tier is the same RAM). */
+typedef struct {
+    size_t device_memory;  /* each device's memory (cuda); ignored on a CPU */
+    size_t host_memory;    /* the host's RAM (required on a CPU; 0 on a GPU machine: not limited) */
+    size_t disk;           /* the NVMe folder's free bytes (0: not limited) */
+    int devices;           /* ranks on the machine (0, 1: one) */
+    int cuda;              /* 1: GPUs (the device pool is theirs), 0: CPU ranks */
+    int seq_len;           /* > 0: T to plan for (else the run's) */
+} fl_plan_machine;
+typedef struct {
+    char model[32];
+    size_t n_params;
+    int fits;
+    char how[160];         /* "as given" or the options of the first variant that fits */
+    size_t device_peak, host_peak, nvme_peak; /* that variant's, per rank (none fits: the last tried) */
+    int device_fits;       /* the last variant planned fits the device (none fits: then a tier is the limit) */
+} fl_plan_fit_row;
+typedef struct {
+    fl_plan_fit_row rows[8];
+    int n;
+    int best;              /* index of the largest that fits; -1 none */
+} fl_plan_fit;
+fl_status fl_plan_largest(const fl_run_config *cfg, const fl_plan_machine *mc, fl_plan_fit *out);
+void fl_plan_fit_print(const fl_plan_fit *f, const fl_plan_machine *mc, FILE *out);
+
 /* Human report: summary, the phase table (as the runtime's memory report),
  * the verdict, the largest micro batch, suggestions. */
 void fl_plan_print(const fl_plan *p, FILE *f);

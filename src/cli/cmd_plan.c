@@ -17,6 +17,8 @@ typedef struct {
     int lora;
     int rank;
     int cuda;
+    int largest;               /* --largest: the largest preset that fits the machine (fl_plan_largest) */
+    size_t host_memory, disk;  /* --host-memory, --disk: the machine's (--largest) */
 } plan_args;
 
 static void help(const char *cmd, fl_cmd_kind kind) {
@@ -56,6 +58,14 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "                                 (auto: eval.max_new_tokens > 0, a validation split, and\n"
            "                                 train.max_steps unset or >= eval.interval)\n"
            "  --lora                         (default off)  plan `fitllm finetune_lora` (lora_* options apply)\n"
+           "  --largest                      (default off)  the largest model that fits this machine instead of\n"
+           "                                 the table: the LLaMA presets 1.1B to 13B with the run's options, each\n"
+           "                                 as given, then ZeRO-3 with the optimizer, then also the parameters, in\n"
+           "                                 host memory, then both on NVMe (the first that fits is named); with\n"
+           "                                 --devices, --device-memory (GPUs, --accelerator cuda), --host-memory,\n"
+           "                                 --disk; exit 0 when one fits, 3 when none does\n"
+           "  --host-memory SIZE             (--largest)  the host's RAM (a CPU machine: its \"device\"; required there)\n"
+           "  --disk SIZE                    (--largest, default not limited)  the NVMe folder's free space\n"
            "  --json                         (default off)  machine-readable output (schema version %d,\n"
            "                                 docs/ARCHITECTURE.md \"Planner and lab\")\n\n"
            "training options (as finetune_full, or finetune_lora with --lora: lora_*, use_rslora and quantize\n"
@@ -72,6 +82,19 @@ static int extra(void *ud, int argc, char **argv, int *i) {
     const char *v = *i + 1 < argc ? argv[*i + 1] : NULL;
     if (!strcmp(arg, "--json")) { a->json = 1; return 1; }
     if (!strcmp(arg, "--lora")) { a->lora = 1; return 1; }
+    if (!strcmp(arg, "--largest")) { a->largest = 1; return 1; }
+    if (!strcmp(arg, "--host-memory") || !strcmp(arg, "--disk")) {
+        size_t *dst = arg[2] == 'h' ? &a->host_memory : &a->disk;
+        if (!v || fl_parse_bytes(v, dst) || *dst == 0) {
+            char why[300];
+            if (v && fl_parse_bytes(v, dst) == 0) snprintf(why, sizeof why, "'%s' is no memory at all", v);
+            else fl_bytes_refusal(v, why, sizeof why);
+            fl_cli_usage("plan", "%s: %s", arg, why);
+            return -1;
+        }
+        (*i)++;
+        return 1;
+    }
     if (!strcmp(arg, "--device-memory") || !strcmp(arg, "--device_memory")) {
         if (!v || fl_parse_bytes(v, &a->device_memory) || a->device_memory == 0) {
             char why[300];
@@ -119,9 +142,24 @@ static int extra(void *ud, int argc, char **argv, int *i) {
     return 0;
 }
 
+static int largest(const fl_run_config *cfg, const plan_args *a) {
+    fl_plan_machine mc = {a->device_memory, a->host_memory, a->disk, cfg->devices, a->cuda, a->seq_len};
+    fl_plan_fit *f = malloc(sizeof *f);
+    fl_status s = f ? fl_plan_largest(cfg, &mc, f) : fl_errorf(FL_ERR_OOM, "out of host memory");
+    if (s != FL_OK) {
+        free(f);
+        fprintf(stderr, "fitllm plan: error: %s\n", fl_error_message());
+        return s == FL_ERR_INVALID || s == FL_ERR_UNSUPPORTED ? FL_EXIT_USAGE : FL_EXIT_RUNTIME;
+    }
+    fl_plan_fit_print(f, &mc, stdout);
+    int rc = f->best >= 0 ? FL_EXIT_OK : FL_EXIT_OOM;
+    free(f);
+    return rc;
+}
+
 int fl_cmd_plan(int argc, char **argv) {
     const char *cmd = "plan";
-    plan_args a = {0, 1, 0, 0, -1, 0, 0, 0, 0};
+    plan_args a = {0, 1, 0, 0, -1, 0, 0, 0, 0, 0, 0, 0};
     fl_run_config cfg;
     /* --lora first: the LoRA options (and a YAML recipe's) are only accepted for a finetune_lora plan */
     fl_cmd_kind kind = FL_CMD_FINETUNE_FULL;
@@ -138,6 +176,7 @@ int fl_cmd_plan(int argc, char **argv) {
     o.rank = a.rank;
     o.cuda = a.cuda;
     o.generation = a.generation;
+    if (a.largest) return largest(&cfg, &a);
     fl_plan *p = malloc(sizeof *p);
     if (!p) return fl_cli_fail(cmd, fl_errorf(FL_ERR_OOM, "out of host memory"), NULL);
     fl_status s = fl_plan_run(&cfg, &o, p);

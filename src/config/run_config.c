@@ -30,6 +30,7 @@ void fl_cfg_defaults(fl_run_config *c, fl_cmd_kind cmd) {
     snprintf(c->strategy, sizeof c->strategy, "auto");
     snprintf(c->state_dict_type, sizeof c->state_dict_type, "full");
     c->offload_prefetch = 1; /* the next unit, as FSDP's gather */
+    c->offload_overlap = 1;
     c->bucket_size = (size_t)256 << 20; /* between PyTorch DDP's 25 MB and Lightning DeepSpeed's 2e8 elements */
     snprintf(c->resume, sizeof c->resume, "false");
     c->seed = cmd == FL_CMD_PRETRAIN ? 42 : 1337;
@@ -82,6 +83,7 @@ static const fl_cfg_key k_keys[] = {
     {"nvme_path", FL_CK_PATH, OFF(nvme_path), "offload_optimizer_device nvme or offload_param_device nvme (refused without them): the folder for the state and parameter files (default: out_dir); the files are unlinked at creation, so nothing is left behind"},
     {"offload_param_device", FL_CK_STR32, OFF(offload_param_device), "none (default, but cpu under fsdp_cpu_offload and nvme under deepspeed_stage_3_offload_nvme: the parameters' shards on the device) | cpu | nvme: parameter offload (DeepSpeed's offload_param, Lightning's fsdp_cpu_offload), with the ZeRO-3 offload strategies only: each rank's parameter and gradient shards live in host memory (cpu) or in files under nvme_path (nvme), each unit is copied to the device ahead of its forward and backward and dropped after, its gradient reduced and sent back to the host shard; the update runs on the host. Same bits as the device-resident run"},
     {"offload_prefetch", FL_CK_INT, OFF(offload_prefetch), "parameter offload (offload_param_device cpu|nvme): how far ahead units are fetched; 1 (default): the next unit's copy to the device and its all-gather are posted while this one computes, in forward and backward (FSDP's prefetch), and on nvme its piece is read from the files ahead; N > 1: on nvme the next N units' pieces are read ahead; 0: each unit fetched when it is needed (least device memory, no overlap). Same bits at any depth"},
+    {"offload_overlap", FL_CK_BOOL, OFF(offload_overlap), "parameter offload with offload_prefetch >= 1: true (default): a worker thread copies each unit fetched ahead out of the host tier or the NVMe files while the unit before it computes (on a GPU into page-locked staging, then up: EXPERIMENTAL); false: the copy runs on the model's thread when the unit is posted. Same bits either way"},
     {"bucket_size", FL_CK_BYTES, OFF(bucket_size), "data parallel: the bytes of one bucket of the gradient reductions (ZeRO-2's reduce-scatter, FULL_SHARD's per unit, DDP/ZeRO-1's all-reduce per layer group; DeepSpeed's reduce_bucket_size in bytes): a reduction larger than it runs bucket by bucket, so its scratch (under twice the bucket) does not grow with the model; same bits at any size; null: one collective each"},
     {"fsdp.state_dict_type", FL_CK_STR32, OFF(state_dict_type), "checkpoints of every strategy: full (consolidated, one file set) | sharded (each rank writes its element ranges; resumable at any world size; fitllm merge_shards consolidates)"},
     {"resume", FL_CK_RESUME, OFF(resume), "false | true | auto | path to a checkpoint folder"},

@@ -336,6 +336,11 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
         fprintf(f, ", \"planned_verdict\": \"%s\", \"planned_peak\": %zu, \"pytorch_logits_bytes\": %.0f, \"why\": ",
                 fl_lab_plan_name(c->planned), c->peak, c->logits_bytes);
         jstr(f, c->why);
+        fprintf(f, ", \"devices\": %d, \"device_gb\": %.0f, \"offload\": %s", c->devices, c->device_gb,
+                c->offload ? "true" : "false");
+        if (c->offload)
+            fprintf(f, ", \"host_peak\": %zu, \"device_only_verdict\": \"%s\", \"device_only_peak\": %zu",
+                    c->host_peak, fl_lab_plan_name(c->plain), c->plain_peak);
         fputc('}', f);
     }
     fprintf(f, "\n  ]\n}\n");

@@ -190,6 +190,7 @@ fl_status fl_acts_store_stream(fl_model *m, int l, int N) {
     if (!a || !a->res16) return FL_OK;
     const fl_backend *be = m->be;
     const size_t n = (size_t)N * m->cfg.dim;
+    if (be->round16) return be->round16(be, a->res16[l], FL_BF16, a->res[l], n); /* one kernel */
     FL_TRY(be->convert(be, a->res16[l], FL_BF16, a->res[l], FL_F32, n));
     return be->convert(be, a->res[l], FL_F32, a->res16[l], FL_BF16, n);
 }

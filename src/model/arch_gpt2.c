@@ -48,10 +48,10 @@ static int layout(fl_layout_builder *b, const fl_model_config *c) {
 static int lora_modules(const fl_model_config *c, fl_arch_lora_module out[FL_ARCH_MAX_LORA_MODULES]) {
     const int C = c->dim, F = c->ffn_dim;
     const fl_arch_lora_module t[] = {
-        {"c_attn", "transformer.h.%d.attn.c_attn", 0, 3 * C},
-        {"c_proj", "transformer.h.%d.attn.c_proj", 0, C},
-        {"c_fc", "transformer.h.%d.mlp.c_fc", 0, F},
-        {"c_proj", "transformer.h.%d.mlp.c_proj", 0, C},
+        {"c_attn", "transformer.h.%d.attn.c_attn", 0, 3 * C, 0},
+        {"c_proj", "transformer.h.%d.attn.c_proj", 0, C, 0},
+        {"c_fc", "transformer.h.%d.mlp.c_fc", 0, F, 0},
+        {"c_proj", "transformer.h.%d.mlp.c_proj", 0, C, 0},
     };
     const int n = (int)(sizeof t / sizeof t[0]);
     for (int i = 0; i < n; i++) out[i] = t[i];

@@ -353,6 +353,7 @@ static fl_status store16(const fl_backend *be, const fl_block_graph *g, int k, f
     const uint8_t kind = g->slot[k].kind;
     if ((kind != FL_GSLOT_WIDE && kind != FL_GSLOT_STREAM) || !x->s16[k]) return FL_OK;
     const size_t n = (size_t)rows(g, k, x) * g->slot[k].width;
+    if (be->round16) return be->round16(be, x->s16[k], FL_BF16, s[k], n); /* one kernel */
     FL_TRY(be->convert(be, x->s16[k], FL_BF16, s[k], FL_F32, n));
     return be->convert(be, s[k], FL_F32, x->s16[k], FL_BF16, n);
 }

@@ -51,13 +51,33 @@ typedef struct fl_dp {
     /* parameter offload (fl_cfg_param_offload; the trainer sets it before fl_fsdp_prepare): the tier the shards of
      * the parameters and gradients live in (pool: the host tier or the NVMe disk pool; disk: it is the disk pool),
      * the host backend of its memory, the host tier (scratch of the gradients' way down) and the prefetch depth
-     * (--offload_prefetch). pool NULL: the shards on the device. With it FULL_SHARD runs at one rank too. */
+     * (--offload_prefetch). pool NULL: the shards on the device. With it FULL_SHARD runs at one rank too.
+     * overlap (--offload_overlap): a fetch posted ahead is copied out of the tier by a worker thread (fetch.c)
+     * while the unit before it computes. */
     struct {
         const fl_backend *be;
         fl_mem_pool *pool, *host;
-        int disk, prefetch;
+        int disk, prefetch, overlap;
     } ptier;
 } fl_dp;
+
+/* The parameter-offload fetch worker (fetch.c): one thread copying units' pieces out of the tier in post order.
+ * A job belongs to its caller from fl_fetch_post until fl_fetch_wait returns (state 0 idle, 1 queued or running,
+ * 2 done); waiting for an idle job returns at once. */
+typedef struct fl_fetch fl_fetch;
+typedef struct fl_fetch_job {
+    void *dst;
+    const void *src;
+    size_t bytes;
+    int state;
+    struct fl_fetch_job *next;
+} fl_fetch_job;
+fl_status fl_fetch_start(fl_fetch **out);
+void fl_fetch_post(fl_fetch *w, fl_fetch_job *j, void *dst, const void *src, size_t bytes);
+void fl_fetch_wait(fl_fetch *w, fl_fetch_job *j);
+int fl_fetch_posted(fl_fetch *w, const fl_fetch_job *j); /* posted and not yet waited for */
+void fl_fetch_stop(fl_fetch *w); /* runs the queued jobs, then joins */
+unsigned long fl_fetch_count(void); /* jobs done so far by every worker of the process */
 
 /* A checkpoint writer's source for one optimizer state array arr of o (es-byte elements): t->data read
  * through the state's backend, or in an NVMe tier a fill_range producer that streams it from its files a

@@ -99,6 +99,13 @@ struct fl_fsdp {
                              * sbuf[g] first (GATHER) and is all-gathered from there */
     void **sbuf;            /* (G) */
     fl_comm *own;           /* one rank: the host shard group of the checkpoint streams (a single communicator) */
+    /* --offload_overlap (fetch.c): the worker copying a posted unit's piece (one rank: the unit) out of the tier
+     * while the unit before it computes; direct: straight into device memory (a host-memory backend), else into
+     * host-tier staging hslot[g] (page-locked on a GPU) that goes up when the unit arrives */
+    fl_fetch *fw;
+    fl_fetch_job *job;      /* (G) */
+    void **hslot;           /* (G) */
+    int direct;
 };
 
 #define FSDP_BLOCK_LIMIT 2 /* limit_all_gathers: blocks gathered at once */
@@ -142,6 +149,48 @@ static void test_fetch_hold(const struct fl_fsdp *f) {
     for (;;) nanosleep(&(struct timespec){0, 100000000L}, NULL);
 }
 
+/* --offload_overlap: unit g's piece (one rank: the unit) is copied out of the tier by the worker, straight into
+ * the buffer the gather reads on a host-memory backend, else into host-tier staging; the rest (the copy up from
+ * the staging, several ranks' all-gather) happens when the unit arrives (arrive). The planner's null backend takes
+ * the same allocations and copies nothing (its addresses are counted, not memory). */
+static fl_status post_async(struct fl_fsdp *f, int g, const void *src) {
+    fl_model *m = f->m;
+    const size_t bytes = (f->sc ? f->clen[g] : f->n[g]) * f->es;
+    void *dst = f->pbuf[g];
+    if (!f->direct) {
+        FL_TRY(fl_mem_alloc(f->dp->ptier.host, FL_TAG_WORKSPACE, bytes, &f->hslot[g]));
+        dst = f->hslot[g];
+    } else if (f->sc) {
+        FL_TRY(fl_mem_alloc(m->pool, FL_TAG_GATHER, bytes, &f->sbuf[g]));
+        dst = f->sbuf[g];
+    }
+    fl_fetch_post(f->fw, &f->job[g], dst, src, fl_backend_discards(m->be) ? 0 : bytes);
+    return FL_OK;
+}
+
+/* The worker's copy of unit g has landed (waited for): up from the staging, then (several ranks) the all-gather of
+ * the pieces, blocking: the collective runs in unit order on every rank, as the posts do. */
+static fl_status arrive(struct fl_fsdp *f, int g) {
+    fl_model *m = f->m;
+    fl_fetch_wait(f->fw, &f->job[g]);
+    const size_t bytes = (f->sc ? f->clen[g] : f->n[g]) * f->es;
+    fl_status s = FL_OK;
+    if (f->hslot[g]) {
+        void *dst = f->pbuf[g];
+        if (f->sc) {
+            s = fl_mem_alloc(m->pool, FL_TAG_GATHER, bytes, &f->sbuf[g]);
+            dst = f->sbuf[g];
+        }
+        if (s == FL_OK) s = m->be->to_device(m->be, dst, f->hslot[g], bytes);
+        /* a queued copy (a GPU's stream) must have read the staging before it is freed and reused */
+        if (s == FL_OK && (m->be->caps & FL_CAP_ASYNC)) s = m->be->sync(m->be);
+        fl_mem_free(f->dp->ptier.host, f->hslot[g]);
+        f->hslot[g] = NULL;
+    }
+    if (s == FL_OK && f->sc) s = fl_comm_all_gather(f->sc, f->sbuf[g], f->pbuf[g], f->n[g], f->word);
+    return fl_error_prefix(s, "parameter offload: fetching unit %d (%zu elements)", g, f->n[g]);
+}
+
 static fl_status post(struct fl_fsdp *f, int g) {
     fl_model *m = f->m;
     FL_TRY(fl_mem_alloc(m->pool, FL_TAG_GATHER, f->n[g] * f->es, &f->pbuf[g]));
@@ -158,6 +207,7 @@ static fl_status post(struct fl_fsdp *f, int g) {
     const void *src = shard + f->loc[g] * f->es;
     if (f->tbe) { /* parameter offload: the piece comes up from the host tier (NVMe: read from its file) */
         test_fetch_hold(f);
+        if (f->fw) return post_async(f, g, src);
         if (!f->sc) /* one rank: the piece is the unit */
             return fl_error_prefix(m->be->to_device(m->be, f->pbuf[g], src, f->n[g] * f->es),
                                    "parameter offload: fetching unit %d (%zu elements) from the host", g, f->n[g]);
@@ -193,6 +243,8 @@ static void tier_read_ahead(struct fl_fsdp *f, int g, int next) {
 static void free_stage(struct fl_fsdp *f, int g) {
     if (f->sbuf && f->sbuf[g]) fl_mem_free(f->m->pool, f->sbuf[g]);
     if (f->sbuf) f->sbuf[g] = NULL;
+    if (f->hslot && f->hslot[g]) fl_mem_free(f->dp->ptier.host, f->hslot[g]);
+    if (f->hslot) f->hslot[g] = NULL;
 }
 
 static fl_status pp_gather(void *ud, int g, int next) {
@@ -201,6 +253,7 @@ static fl_status pp_gather(void *ud, int g, int next) {
     if (!f->pbuf[g]) FL_TRY(post(f, g));
     if (!f->views[g].p) { /* it arrives: the parameters, then (mixed) the copy the matmuls read */
         if (f->req[g]) FL_TRY(fl_error_prefix(fl_comm_wait(&f->req[g]), "FSDP: gathering unit %d", g));
+        if (f->fw && fl_fetch_posted(f->fw, &f->job[g])) FL_TRY(arrive(f, g));
         free_stage(f, g);
         FL_TRY(tier_done(f, g));
         if (f->ces) FL_TRY(m->be->convert(m->be, f->cbuf[g], m->prec.compute_dtype, f->pbuf[g], FL_F32, f->n[g]));
@@ -220,6 +273,7 @@ static void pp_release(void *ud, int g) {
     struct fl_fsdp *f = ud;
     if (!f->pbuf[g]) return;
     if (f->req[g]) (void)fl_comm_wait(&f->req[g]); /* posted, never used: it must land before the buffer goes */
+    if (f->fw) fl_fetch_wait(f->fw, &f->job[g]);
     free_stage(f, g);
     fl_mem_free(f->m->pool, f->cbuf[g]);
     fl_mem_free(f->m->pool, f->pbuf[g]);
@@ -335,9 +389,10 @@ void fl_fsdp_free(fl_dp *dp) {
         pp_release(f, g);
         if (f->views && f->views[g].g) fl_mem_free(f->m->pool, f->views[g].g);
     }
+    fl_fetch_stop(f->fw);
     if (f->m && fl_model_provider(f->m) == &f->pp) fl_model_store_unshard(f->m);
     free(f->n), free(f->coff), free(f->clen), free(f->foff), free(f->loc), free(f->views), free(f->pbuf), free(f->cbuf);
-    free(f->req), free(f->fresh), free(f->sbuf);
+    free(f->req), free(f->fresh), free(f->sbuf), free(f->job), free(f->hslot);
     fl_comm_destroy(f->own);
     free(f);
     dp->fsdp = NULL;
@@ -381,8 +436,9 @@ static fl_status shard_model(void *ud, void *mp) {
     f->loc = calloc(G, sizeof *f->loc), f->views = calloc(G, sizeof *f->views);
     f->pbuf = calloc(G, sizeof *f->pbuf), f->cbuf = calloc(G, sizeof *f->cbuf), f->req = calloc(G, sizeof *f->req);
     f->fresh = calloc(G, sizeof *f->fresh), f->sbuf = calloc(G, sizeof *f->sbuf);
+    f->job = calloc(G, sizeof *f->job), f->hslot = calloc(G, sizeof *f->hslot);
     if (!f->n || !f->coff || !f->clen || !f->foff || !f->loc || !f->views || !f->pbuf || !f->cbuf || !f->req ||
-        !f->fresh || !f->sbuf) {
+        !f->fresh || !f->sbuf || !f->job || !f->hslot) {
         fl_fsdp_free(dp);
         return fl_errorf(FL_ERR_OOM, "FSDP bookkeeping: out of host memory");
     }
@@ -473,6 +529,9 @@ fl_status fl_fsdp_init(fl_dp *dp, const fl_run_config *cfg, fl_model *m) {
         return fl_errorf(FL_ERR_INTERNAL, "FSDP: the model was not created sharded (fl_fsdp_prepare's storage)");
     f->ces = m->prec.compute_copy ? fl_dtype_size(m->prec.compute_dtype) : 0; /* mixed: per gathered unit */
     f->no_bwd_prefetch = fl_cfg_backward_prefetch(cfg) == 0;
+    /* --offload_overlap: only where something is fetched ahead (prefetch 0 waits for each unit when it is needed) */
+    f->direct = fl_backend_host_memory(m->be);
+    if (f->tbe && dp->ptier.overlap && dp->ptier.prefetch > 0 && !f->fw) FL_TRY(fl_fetch_start(&f->fw));
     return FL_OK;
 }
 

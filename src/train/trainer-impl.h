@@ -131,6 +131,7 @@ long fl_tr_val_batches(const trainer *t);
 fl_status fl_tr_sample_tokens(trainer *t, const int32_t *ids, int n, const int32_t *eos, int32_t *gen, int *n_out,
                               fl_gen_callback cb, void *ud);
 fl_status fl_tr_generate_example(trainer *t);
+fl_status fl_tr_generate_example_s2s(trainer *t); /* an encoder-decoder's, in the training arena */
 
 /* ---- output (trainer_out.c) ---- */
 void fl_tr_bar_clear(trainer *t);

@@ -422,10 +422,7 @@ static fl_status evaluate(trainer *t, run_loop *L) {
     double e0 = fl_tr_now_s();
     FL_TRY(fl_tr_diverged(t, fl_tr_validate(t, cfg->eval.max_iters, &L->val_loss), t->st.step, t->st.iter));
     fl_tr_bar_clear(t);
-    if (!t->in.s2s) FL_TRY(fl_tr_generate_example(t));
-    else if (t->out && cfg->eval.max_new_tokens > 0) /* not built for the encoder-decoders yet */
-        fprintf(t->out, "(sample generation skipped: an encoder-decoder has no sample at evaluation yet; generate "
-                "from a checkpoint with fitllm generate)\n");
+    FL_TRY(t->in.s2s ? fl_tr_generate_example_s2s(t) : fl_tr_generate_example(t));
     if (t->out)
         fprintf(t->out, "iter %ld: val loss %.4f, val time: %.2f ms\n", t->st.iter, L->val_loss, (fl_tr_now_s() - e0) * 1e3);
     if (cfg->train.divergence_check && fl_trainer_diverge_val(&L->dv, t->st.step, L->val_loss))

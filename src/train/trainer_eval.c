@@ -118,8 +118,14 @@ fl_status fl_tr_generate_example(trainer *t) {
     FILE *fo = t->out;
     if ((!fo && !(t->tp.size > 1 && t->dp.rank == 0)) || c->eval.max_new_tokens <= 0) return FL_OK;
     if (t->dp.fsdp) { /* decoding token by token would gather every block for every token */
-        if (fo) fprintf(fo, "(sample generation skipped: the parameters are sharded (FULL_SHARD); generate from a "
-                "checkpoint with fitllm generate)\n");
+        if (fo && t->dp.ptier.pool) /* parameter offload: every token would read the whole model from the tier */
+            fprintf(fo, "(sample generation skipped: parameter offload (offload_param_device %s): each new token would "
+                    "fetch every unit of the model from the %s; generate from a checkpoint with fitllm generate, or "
+                    "set eval.max_new_tokens 0 to leave this out)\n", t->dp.ptier.disk ? "nvme" : "cpu",
+                    t->dp.ptier.disk ? "NVMe files" : "host tier");
+        else if (fo)
+            fprintf(fo, "(sample generation skipped: the parameters are sharded (FULL_SHARD); generate from a "
+                    "checkpoint with fitllm generate)\n");
         return FL_OK;
     }
     const char *instruction = "Recommend a movie for me to watch during the weekend and explain the reason.";
@@ -161,5 +167,45 @@ out:
     free(text);
     free(ids);
     free(prompt);
+    return s;
+}
+
+/* The evaluation sample of an encoder-decoder (T5): the fixed instruction as the source, the decoder sampled at
+ * temperature 0.8 (fl_generate_s2s) inside the training arena (B >= 1 row, source >= n, target >= max_new_tokens),
+ * so no second arena is allocated; a source or eval.max_new_tokens past the arena is skipped with a line. */
+fl_status fl_tr_generate_example_s2s(trainer *t) {
+    const fl_run_config *c = t->cfg;
+    FILE *fo = t->out;
+    if (!fo || c->eval.max_new_tokens <= 0) return FL_OK;
+    const char *instruction = "Recommend a movie for me to watch during the weekend and explain the reason.";
+    int32_t *ids = NULL, *gen = NULL;
+    size_t n = 0, len = 0;
+    char *text = NULL;
+    int n_out = 0;
+    fl_status s = fl_tok_encode(t->in.tok, instruction, strlen(instruction), -1, 0, &ids, &n);
+    if (s == FL_OK && ((int)n > t->sch.Ts || c->eval.max_new_tokens > t->sch.T)) {
+        fprintf(fo, "(sample generation skipped: a source of %zu tokens and eval.max_new_tokens %d do not fit the "
+                "training arena's source %d / target %d tokens)\n", n, c->eval.max_new_tokens, t->sch.Ts, t->sch.T);
+        goto out;
+    }
+    gen = malloc(((size_t)c->eval.max_new_tokens + 1) * sizeof *gen);
+    if (s == FL_OK && !gen) s = fl_errorf(FL_ERR_OOM, "out of host memory");
+    if (s == FL_OK) {
+        fl_gen_params gp;
+        fl_gen_params_default(&gp);
+        gp.max_new_tokens = c->eval.max_new_tokens;
+        gp.temperature = 0.8f;
+        gp.seed = c->seed;
+        fl_model_lora_set_train(&t->model, 0);
+        s = fl_generate_s2s(&t->model, ids, NULL, (int)n, &gp, gen, &n_out);
+        fl_model_lora_set_train(&t->model, 1);
+    }
+    /* gen[0] is the decoder's start token */
+    if (s == FL_OK) s = fl_tok_decode(t->in.tok, gen + 1, (size_t)(n_out - 1), 1, &text, &len);
+    if (s == FL_OK) fprintf(fo, "%s\n%.*s\n", instruction, (int)len, text);
+out:
+    free(text);
+    free(gen);
+    free(ids);
     return s;
 }

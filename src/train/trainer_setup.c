@@ -411,6 +411,7 @@ fl_status fl_tr_setup_offload(trainer *t, const fl_strategy_choice *sc) {
         t->dp.ptier.host = &t->hw.opool;
         t->dp.ptier.disk = sc->param_offload == 2 && !fl_backend_discards(be);
         t->dp.ptier.prefetch = t->cfg->offload_prefetch;
+        t->dp.ptier.overlap = t->cfg->offload_overlap;
         if (t->dp.ptier.disk) t->hw.off.param_pool = &t->hw.dpool; /* the update drops their pieces behind it */
     }
     return FL_OK;

@@ -41,6 +41,8 @@ extern "C" {
                            float grad_scale, void *stream);                                                    \
     /* F32/BF16/F16, any pair; -1 for other dtypes */                                                          \
     int P##convert(void *dst, fl_dtype dt, const void *src, fl_dtype st, size_t n, void *stream);               \
+    /* dst (dt BF16/F16) = round(x), then x = widen(dst): a stored slot and its equal fp32 view */             \
+    int P##round16(void *dst, fl_dtype dt, float *x, size_t n, void *stream);                                  \
     int P##layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *w,            \
                              const float *b, int N, int C, float eps, void *stream);                           \
     int P##layernorm_backward(float *dinp, float *dw, float *db, const float *dout, const float *inp,            \

@@ -324,6 +324,13 @@ static fl_status flb_convert(const fl_backend *be, void *dst, fl_dtype dt, const
     FLB_RUN_S(be, FLB_K(convert)(dst, dt, src, st, n, STREAM), "convert");
     return FL_OK;
 }
+static fl_status flb_round16(const fl_backend *be, void *dst, fl_dtype dt, float *x, size_t n) {
+    FL_TRY(flb_sticky(be));
+    if (dt != FL_BF16 && dt != FL_F16)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s round16: %s is not a 16-bit type", FLB_NAME, fl_dtype_name(dt));
+    FLB_RUN_S(be, FLB_K(round16)(dst, dt, x, n, STREAM), "round16");
+    return FL_OK;
+}
 static fl_status flb_adamw_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m,
                                      void *v, fl_dtype ts, size_t n, float lr, float beta1, float beta2, float eps,
                                      float weight_decay, int step, float grad_scale) {
@@ -571,6 +578,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->comm_create = flb_comm_create_be; /* several ranks: NCCL (or its CPU stand-in) on this stream */
     be->gemm = flb_gemm;
     be->embedding_forward = flb_embedding_forward;
+    be->embedding_forward16 = flb_embedding_forward16;
     be->embedding_backward = flb_embedding_backward;
     be->rmsnorm_forward = flb_rmsnorm_forward;
     be->rmsnorm_backward = flb_rmsnorm_backward;
@@ -602,6 +610,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->zero = flb_zero;
     be->attention_decode = flb_attention_decode;
     be->convert = flb_convert;
+    be->round16 = flb_round16;
     be->check_finite = flb_check_finite;
     be->adam8bit_update = flb_adam8bit_update;
     be->q4_matmul_forward = flb_q4_matmul_forward;

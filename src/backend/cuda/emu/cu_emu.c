@@ -379,3 +379,5 @@ void fl_cu_emu_launch(fl_cu_emu_dim grid, fl_cu_emu_dim block, size_t dyn_smem, 
     free(f);
     free(e);
 }
+
+unsigned long fl_cu_emu_convert_launches, fl_cu_emu_convert2d_launches;

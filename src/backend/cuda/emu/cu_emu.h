@@ -60,6 +60,11 @@ void fl_cu_emu_clear_error(void);
 /* Fiber context switches on this OS thread so far (a test asserts a barrier switches). */
 uint64_t fl_cu_emu_switches(void);
 
+/* Convert-kernel launches since the process started (convert: 1-D, convert2d: the GEMM's
+ * widen/narrow panels), counted by the kernels' host entry points under the emulator only: the
+ * bf16-step test (tests/test_cuda_model.c) measures how many a bf16 training step still pays. */
+extern unsigned long fl_cu_emu_convert_launches, fl_cu_emu_convert2d_launches;
+
 #ifdef __cplusplus
 }
 #endif

@@ -38,6 +38,9 @@ extern "C" int FL_CUK(convert2d)(void *dst, fl_dtype dt, size_t ldd, const void 
                                  int cols, void *stream) {
     if (!ftype(dt) || !ftype(st) || rows < 0 || cols < 0) return -1;
     if (!rows || !cols) return 0;
+#if FL_CU_EMULATED
+    fl_cu_emu_convert2d_launches++;
+#endif
     dim3 grid((unsigned)((cols + 255) / 256), (unsigned)(rows < 65535 ? rows : 65535));
     FL_CU_LAUNCH(fl_cu_convert2d_k, grid, dim3(256), 0, (fl_cu_stream)stream, dst, (int)dt, ldd, src, (int)st, lds,
                  rows, cols);
