@@ -87,6 +87,16 @@ fl_status fl_tr_validate(trainer *t, int max_iters, double *loss) {
 /* The evaluation sample's model part (generate_example's, and the planner's): the adapters in
  * evaluation mode, a KV cache of n + eval.max_new_tokens positions, fl_generate at temperature
  * 0.8 from the n prompt ids, the cache freed. eos: NULL or one id. cb, ud: fl_generate's. */
+/* the evaluation sample's sampling settings (decoder-only and encoder-decoder alike) */
+static fl_gen_params eval_gen_params(const fl_run_config *c) {
+    fl_gen_params gp;
+    fl_gen_params_default(&gp);
+    gp.max_new_tokens = c->eval.max_new_tokens;
+    gp.temperature = 0.8f;
+    gp.seed = c->seed;
+    return gp;
+}
+
 fl_status fl_tr_sample_tokens(trainer *t, const int32_t *ids, int n, const int32_t *eos, int32_t *gen, int *n_out,
                                fl_gen_callback cb, void *ud) {
     const fl_run_config *c = t->cfg;
@@ -95,11 +105,7 @@ fl_status fl_tr_sample_tokens(trainer *t, const int32_t *ids, int n, const int32
     fl_model_lora_set_train(&t->model, 0);
     fl_status s = fl_kv_cache_init(&kv, &t->model, n + c->eval.max_new_tokens);
     if (s == FL_OK) {
-        fl_gen_params gp;
-        fl_gen_params_default(&gp);
-        gp.max_new_tokens = c->eval.max_new_tokens;
-        gp.temperature = 0.8f;
-        gp.seed = c->seed;
+        fl_gen_params gp = eval_gen_params(c);
         fl_gen_stop why;
         s = fl_generate(&t->model, &kv, ids, n, &gp, eos, eos ? 1 : 0, gen, n_out, &why, cb, ud);
         fl_kv_cache_free(&kv);
@@ -191,11 +197,7 @@ fl_status fl_tr_generate_example_s2s(trainer *t) {
     gen = malloc(((size_t)c->eval.max_new_tokens + 1) * sizeof *gen);
     if (s == FL_OK && !gen) s = fl_errorf(FL_ERR_OOM, "out of host memory");
     if (s == FL_OK) {
-        fl_gen_params gp;
-        fl_gen_params_default(&gp);
-        gp.max_new_tokens = c->eval.max_new_tokens;
-        gp.temperature = 0.8f;
-        gp.seed = c->seed;
+        fl_gen_params gp = eval_gen_params(c);
         fl_model_lora_set_train(&t->model, 0);
         s = fl_generate_s2s(&t->model, ids, NULL, (int)n, &gp, gen, &n_out);
         fl_model_lora_set_train(&t->model, 1);
