@@ -141,7 +141,7 @@ fl_status fl_embed_forward(const fl_model *m, const fl_outer_params *op, float *
     if (be->embedding_forward16 && (m->store->dtype == FL_BF16 || m->store->dtype == FL_F16)) { /* one launch, not one convert per token (+ one per position row) */
         const void *wpe = op->wpe_off != (size_t)-1 ? paddr(m, op->wpe_off + (size_t)pos0 * C) : NULL;
         be->embedding_forward16(be, out, dids, paddr(m, op->wte_off), wpe, m->store->dtype, B, T, C);
-        return;
+        return FL_OK;
     }
     float *row = m->store->pstage + fl_pstage_block_start(m) - C; /* one fp32 row */
     for (int b = 0; b < B; b++)
