@@ -177,6 +177,16 @@ typedef struct {
                                 * theirs, not ref_T); "" at lab scale (Synthetic, whose samples are longer than T) */
 } fl_lab_report;
 
+/* `--peer pytorch`: what PyTorch (HF LlamaForCausalLM, sdpa, torch.optim.AdamW) allocates for one step, bytes.
+ * params, grads, optim, saved (autograd's saved tensors) and logits are fitted byte for byte to measurements
+ * (tests/ref/pytorch_alloc.py); transient and peak are modelled (src/lab/lab_peer.c). */
+typedef struct {
+    size_t params, grads, optim, saved, logits, transient, peak;
+} fl_lab_peer;
+/* LLaMA shapes, 32-true or bf16-true, AdamW (else FL_ERR_UNSUPPORTED naming what is not modelled). */
+fl_status fl_lab_peer_pytorch(const fl_model_config *mc, size_t n_params, int B, int T, const char *precision,
+                              fl_lab_peer *out);
+
 /* The scaling alone (budget, T, ratios), without running anything. */
 fl_status fl_lab_scale(fl_lab_report *rep);
 /* The fsdp suite's scaling for model (gpt2-xl or gpt2-xxl, NULL gpt2-xl): the course's device (a 16 GB V100:
