@@ -680,6 +680,11 @@ expect lab_oom_planned 0 "baseline: OOM during setup: ACTS 312.64 MiB requested,
 # the course's runs at its settings beside fitllm's plan: verdicts, its memory readings, why fitllm differs (bytes)
 expect lab_course_runs 0 "reduced-batch +tinyllama-1.1b +32-true +8x4 \\| fits +30.41 \\| fits +[0-9.]+ +-[0-9.]+%" -- "$FITLLM" lab --only baseline --out_dir "$T/lab-course"
 expect lab_course_report 0 "" -- bash -c "grep -q '^## The course.s runs beside fitllm.s plan' '$T/lab-course/report.md' && grep -q 'B x T x V x 4 = 32 x 511 x 32000 x 4 = 2.09 GB' '$T/lab-course/report.md' && grep -q '\"course_runs\"' '$T/lab-course/results.json'"
+# issue 33: --peer pytorch: PyTorch's allocation of the course's runs beside fitllm's plan (measured categories,
+# modelled peak: tests/test_lab.c lab_peer_pytorch_matches_torch), as ratios, in the console, report.md and JSON
+expect lab_peer_pytorch 0 "reduced-batch +29.59 +14.82 +1.57 \| +28.71 +0.970 \| +30.41 +0.973" -- "$FITLLM" lab --only baseline --peer pytorch --out_dir "$T/lab-peer"
+expect lab_peer_pytorch_files 0 "" -- bash -c "grep -q '^### PyTorch beside fitllm' '$T/lab-peer/report.md' && grep -q '\"pytorch\": {\"params\"' '$T/lab-peer/results.json'"
+expect lab_peer_bad 2 "--peer: 'tensorflow' is not pytorch" -- "$FITLLM" lab --peer tensorflow
 expect lab_run_oom 0 "baseline +OOM .*ACTS 312.64 MiB requested, 232.75 MiB available$" -- "$FITLLM" lab --only baseline --run-oom --out_dir "$T/lab-oom2"
 # --scale real (an 80 GB GPU's run; here only what needs no memory): a bad scale, the fsdp suite refused,
 # the 4-rank rows n/a naming the launch they need, the report saying which scale it is

@@ -630,7 +630,8 @@ static long long jint(const fl_json *o, const char *k) {
 /* --peer pytorch: the allocation model reproduces what tests/ref/pytorch_alloc.py measured with torch (HF
  * LlamaForCausalLM, sdpa, AdamW), byte for byte per category, at 8 shapes (GQA, 1-3 layers, fp32 and bf16); and
  * applied to the course's TinyLlama fp32 micro-batch-8 run (T 511) it lands within 5% of the course's measured
- * 30.41 GB (the peak is modelled: stated tolerance). Mixed precision is refused, naming it. */
+ * 30.41 GB, and OpenLLaMA-7B bf16-true micro 4 within 5% of its 69.71 GB (the peak is modelled: stated tolerance).
+ * Mixed precision is refused, naming it. */
 FL_TEST(lab_peer_pytorch_matches_torch) {
     fl_json *j = NULL;
     FL_REQUIRE_OK(fl_json_parse_file("tests/fixtures/pytorch-alloc.json", &j));
@@ -663,6 +664,11 @@ FL_TEST(lab_peer_pytorch_matches_torch) {
     FL_REQUIRE_OK(fl_lab_peer_pytorch(&tl, fl_sizing_param_count(&tl), 8, 511, "32-true", &p));
     FL_CHECKF(fabs(p.peak / 30.41e9 - 1) < 0.05, "TinyLlama fp32 micro 8: modelled %.2f GB, the course measured 30.41",
               p.peak / 1e9);
+    fl_model_config ol;
+    FL_REQUIRE_OK(fl_preset_find("open-llama-7b", &ol));
+    FL_REQUIRE_OK(fl_lab_peer_pytorch(&ol, fl_sizing_param_count(&ol), 4, 511, "bf16-true", &p));
+    FL_CHECKF(fabs(p.peak / 69.71e9 - 1) < 0.05, "OpenLLaMA-7B bf16-true micro 4: modelled %.2f GB, the course measured "
+              "69.71", p.peak / 1e9);
     FL_CHECK(fl_lab_peer_pytorch(&tl, 1, 1, 1, "bf16-mixed", &p) == FL_ERR_UNSUPPORTED &&
              strstr(fl_error_message(), "precision bf16-mixed is not modelled"));
 }

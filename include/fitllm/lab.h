@@ -41,6 +41,14 @@ extern "C" {
 typedef enum { FL_LAB_FITS = 0, FL_LAB_OOM, FL_LAB_NA, FL_LAB_ERROR, FL_LAB_VERDICT_COUNT } fl_lab_verdict;
 const char *fl_lab_verdict_name(fl_lab_verdict v); /* "fits", "OOM", "n/a", "error" */
 
+/* `--peer pytorch`: what PyTorch (HF LlamaForCausalLM, sdpa, torch.optim.AdamW) allocates for one step, bytes.
+ * params, grads, optim, saved (autograd's saved tensors) and logits are fitted byte for byte to measurements
+ * (tests/ref/pytorch_alloc.py); transient and peak are modelled (src/lab/lab_peer.c). */
+typedef struct {
+    size_t params, grads, optim, saved, logits, transient, step_temp, peak;
+} fl_lab_peer;
+
+
 typedef struct {
     const char *suite;     /* "quick" (default), "full", "ci" (the unit tests' subset) or "fsdp" (the batch-size
                             * sweep of the course's GPT-2-XL FSDP benchmark, 4 ranks FULL_SHARD, T 128 scaled) */
@@ -65,6 +73,8 @@ typedef struct {
                             * lengths from (Synthetic data.lengths, cut to the course's max_seq_length 512); NULL =
                             * recipes/data/alpaca-lengths.tsv, looked up from the working directory, then from the
                             * executable's folder's parent; "fixed" = every sample T + 1 = 1025 tokens (byte text) */
+    const char *peer;      /* "pytorch": beside each of the course's runs, what PyTorch would allocate
+                            * (fl_lab_peer_pytorch); NULL: none */
     int run_oom;           /* 1: also train the rows the plan says OOM, to see the allocator refuse them (the plan's
                             * verdict is the run's: tests/test_plan.c); 0 (default): such a row is decided by its plan
                             * before any model memory is touched (fl_lab_row.ran 0), so it costs the plan's < 1 s
@@ -140,6 +150,9 @@ typedef struct {
     fl_plan_verdict plain;     /* offload: the same run with everything on the device (deepspeed_stage_3) */
     size_t plain_peak;
     char note[320];            /* offload: the device / host split and the plain run's verdict */
+    int peer_ok;               /* --peer pytorch: 1 = peer holds PyTorch's modelled allocation of the same run */
+    fl_lab_peer peer;
+    char peer_note[200];       /* --peer pytorch, not modelled: why */
 } fl_lab_course;
 
 #define FL_LAB_MAX_COURSE 8
@@ -163,6 +176,7 @@ typedef struct {
     int no_prefetch;           /* fsdp suite: every row ran with --fsdp.backward_prefetch off */
     fl_lab_course course[FL_LAB_MAX_COURSE]; /* the course's runs beside fitllm's plans (quick, full suites) */
     int n_course;
+    int peer_pytorch;          /* --peer pytorch: the course's runs carry PyTorch's modelled allocation */
     char gpu_note[200];        /* how GPU utilization was sampled ("NVML, device 0, every 100 ms") or why not */
     char sweep_model[32];      /* fsdp suite: gpt2-xl or gpt2-xxl (the real model; the rows run its lab- preset at
                                 * lab scale) */
@@ -177,12 +191,6 @@ typedef struct {
                                 * theirs, not ref_T); "" at lab scale (Synthetic, whose samples are longer than T) */
 } fl_lab_report;
 
-/* `--peer pytorch`: what PyTorch (HF LlamaForCausalLM, sdpa, torch.optim.AdamW) allocates for one step, bytes.
- * params, grads, optim, saved (autograd's saved tensors) and logits are fitted byte for byte to measurements
- * (tests/ref/pytorch_alloc.py); transient and peak are modelled (src/lab/lab_peer.c). */
-typedef struct {
-    size_t params, grads, optim, saved, logits, transient, peak;
-} fl_lab_peer;
 /* LLaMA shapes, 32-true or bf16-true, AdamW (else FL_ERR_UNSUPPORTED naming what is not modelled). */
 fl_status fl_lab_peer_pytorch(const fl_model_config *mc, size_t n_params, int B, int T, const char *precision,
                               fl_lab_peer *out);

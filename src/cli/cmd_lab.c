@@ -11,7 +11,8 @@
 
 static void help(void) {
     printf("usage: fitllm lab [--suite quick|full|fsdp] [--only name,name] [--out_dir DIR] [--threads N] [--steps N]\n"
-           "                  [--keep-runs] [--run-oom] [--scale lab|real] [--lengths TABLE|fixed] [--peak-tflops X]\n"
+           "                  [--keep-runs] [--run-oom] [--scale lab|real] [--lengths TABLE|fixed] [--peer pytorch]\n"
+           "                  [--peak-tflops X]\n"
            "                  fsdp suite: [--model gpt2-xl|gpt2-xxl] [--precision LIST] [--fsdp.backward_prefetch on|off]\n\n"
            "Runs the memory lab's sequence of experiments (baseline, reduced batch, gradient accumulation, LR\n"
            "scaling, bf16-true, bf16-mixed, larger models, SGD, 8-bit Adam, activation checkpointing, CPU offload,\n"
@@ -51,6 +52,10 @@ static void help(void) {
            "                    draw from (Alpaca's measured lengths: median 118, p95 320, max 406 tokens); each\n"
            "                    micro batch is padded to its longest sample, no packing; fixed: every sample 1025\n"
            "                    tokens (T = 1024)\n"
+           "  --peer pytorch    (default off)  quick/full: beside each of the course's runs, what PyTorch (HF\n"
+           "                    Llama, sdpa, AdamW) would allocate: parameters, gradients, AdamW state, saved\n"
+           "                    tensors and logits as measured with torch (tests/ref/pytorch_alloc.py), the peak\n"
+           "                    modelled; fitllm / PyTorch and PyTorch / the course's reading as ratios\n"
            "  --peak-tflops X   (default: H100/H200/A100/V100 by name, none on a CPU)  the device's peak for MFU\n"
            "  --model M         (default gpt2-xl)  fsdp suite: gpt2-xl or gpt2-xxl (the course's ~3 B GPT;\n"
            "                    GPT-3 2.7B's shape, 2.65 B parameters)\n"
@@ -84,7 +89,11 @@ int fl_cmd_lab(int argc, char **argv) {
         else if (!strcmp(a, "--accelerator")) { int rc = fl_cli_accelerator(cmd, v); if (rc) return rc; i++; }
         else if (!strcmp(a, "--steps")) { if (fl_cli_int(cmd, a, v, 1, 256, &o.steps)) return FL_EXIT_USAGE; i++; }
         else if (!strcmp(a, "--keep-runs")) keep = 1;
-        else if (!strcmp(a, "--lengths")) {
+        else if (!strcmp(a, "--peer")) {
+            if (!v || strcmp(v, "pytorch")) return fl_cli_usage(cmd, "--peer: '%s' is not pytorch", v ? v : "");
+            o.peer = v;
+            i++;
+        } else if (!strcmp(a, "--lengths")) {
             if (!v || !*v) return fl_cli_usage(cmd, "--lengths needs a length table (quantile<TAB>length lines) or fixed");
             o.lengths = v;
             i++;
@@ -118,7 +127,7 @@ int fl_cmd_lab(int argc, char **argv) {
             o.real_scale = !strcmp(v, "real");
             i++;
         }
-        else return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--help", "--fsdp.backward_prefetch", "--keep-runs", "--lengths", "--model", "--only", "--out_dir", "--peak-tflops", "--precision", "--run-oom", "--scale", "--steps", "--suite", "--threads", NULL});
+        else return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--help", "--fsdp.backward_prefetch", "--keep-runs", "--lengths", "--model", "--peer", "--only", "--out_dir", "--peak-tflops", "--precision", "--run-oom", "--scale", "--steps", "--suite", "--threads", NULL});
     }
     char runs[4200];
     if (keep) {

@@ -725,6 +725,8 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
             }
         }
     }
+    if (o->peer && strcmp(o->peer, "pytorch"))
+        return fl_errorf(FL_ERR_INVALID, "--peer: '%s' is not pytorch (the one peer modelled)", o->peer);
     snprintf(rep->suite, sizeof rep->suite, "%s", o->suite ? o->suite : "quick");
     int precs = 0;
     rep->no_prefetch = bit == SUITE_FSDP && o->no_backward_prefetch;
@@ -841,6 +843,7 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
         }
         if (best >= 0) rep->rows[best].largest = 1;
     }
+    rep->peer_pytorch = o->peer != NULL;
     if (bit == SUITE_QUICK || bit == SUITE_FULL) FL_TRY(fl_lab_course_plans(rep)); /* plans only: < 2 s */
     rep->wall_s = now_s() - t0;
     if (!o->run_dir) nftw(tmp, rm_entry, 16, FTW_DEPTH | FTW_PHYS);

@@ -51,8 +51,8 @@ static void why_differs(fl_lab_course *c, const fl_model_config *mc) {
     if (!verdict_differs && !leaner) return;
     snprintf(c->why, sizeof c->why, "%s: fitllm's peak %s (ACTS %s, WORKSPACE %s); PyTorch keeps the micro batch's "
              "fp32 logits, B x T x V x 4 = %d x %d x %d x 4 = %.2f GB, and their gradient (as much again), where "
-             "fitllm's chunked head holds a chunk in WORKSPACE; the rest (sdpa's saved tensors, the caching "
-             "allocator's rounding) is not modelled (--peer pytorch: not done)",
+             "fitllm's chunked head holds a chunk in WORKSPACE; PyTorch's whole allocation of the run, category by "
+             "category: --peer pytorch",
              verdict_differs ? "fitllm fits where the course ran out of memory" : "fitllm is leaner",
              fl_fmt_bytes(c->peak, a, sizeof a), fl_fmt_bytes(c->peak_tag[FL_TAG_ACTS], b, sizeof b),
              fl_fmt_bytes(c->peak_tag[FL_TAG_WORKSPACE], w, sizeof w), c->B, COURSE_T - 1, mc->vocab_size, logits / 1e9);
@@ -122,6 +122,13 @@ fl_status fl_lab_course_plans(fl_lab_report *rep) {
         c->host_peak = p->host_peak_total;
         memcpy(c->peak_tag, p->peak, sizeof c->peak_tag);
         why_differs(c, &p->model);
+        if (rep->peer_pytorch) { /* PyTorch's allocation of the same run, one device (the model's scope) */
+            if (e->devices > 1 || e->offload)
+                snprintf(c->peer_note, sizeof c->peer_note, "not modelled: %s", e->offload ? "ZeRO-3 offload" : "several devices");
+            else if (fl_lab_peer_pytorch(&p->model, p->n_params, c->B, c->T, c->precision, &c->peer) == FL_OK)
+                c->peer_ok = 1;
+            else snprintf(c->peer_note, sizeof c->peer_note, "%s", fl_error_message());
+        }
         if (e->offload) {
             s = plan_course(e, 1, cfg, p);
             if (s != FL_OK) break;
@@ -133,6 +140,32 @@ fl_status fl_lab_course_plans(fl_lab_report *rep) {
     free(cfg);
     free(p);
     return s;
+}
+
+/* --peer pytorch in the console: PyTorch's modelled allocation of each course run beside fitllm's plan, as ratios. */
+static void peer_print(const fl_lab_report *rep, FILE *f) {
+    fl_lab_wrap(f, "", "\nPyTorch beside fitllm (--peer pytorch). MEASURED with torch on the CPU and reproduced byte for "
+                "byte (tests/ref/pytorch_alloc.py): parameters, gradients, AdamW state, autograd's saved tensors, "
+                "logits. MODELLED: which are live at once (the peak), the logits' gradients and AdamW's step temporary; not counted: the "
+                "caching allocator's rounding and fragmentation, the CUDA context. GB = 1e9 bytes:", 120, 0);
+    fprintf(f, "%-17s %9s %8s %8s | %9s %8s | %9s %9s\n", "run", "pytorch", "saved", "logits", "fitllm", "fl/pt",
+            "course", "pt/course");
+    for (int i = 0; i < rep->n_course; i++) {
+        const fl_lab_course *c = &rep->course[i];
+        if (!c->peer_ok) {
+            fprintf(f, "%-17s %s\n", c->name, c->peer_note);
+            continue;
+        }
+        char cg[16] = "-", r[16] = "-";
+        if (c->course_gb > 0) {
+            snprintf(cg, sizeof cg, "%.2f", c->course_gb);
+            snprintf(r, sizeof r, "%.3f", (double)c->peer.peak / 1e9 / c->course_gb);
+        }
+        fprintf(f, "%-17s %9.2f %8.2f %8.2f | %9.2f %8.3f | %9s %9s%s\n", c->name, c->peer.peak / 1e9,
+                c->peer.saved / 1e9, (c->peer.logits + c->peer.transient) / 1e9, (double)c->peak / 1e9,
+                (double)c->peak / (double)c->peer.peak, cg, r,
+                (double)c->peer.peak > c->device_gb * 1e9 ? "  (PyTorch: OOM)" : "");
+    }
 }
 
 /* The console's course table (120 columns) and report.md's. */
@@ -152,6 +185,7 @@ void fl_lab_course_print(const fl_lab_report *rep, FILE *f) {
         fprintf(f, "%-17s %-16s %-10s %7s | %-7s %9s | %-7s %9.2f %7s\n", c->name, c->model, c->precision, bx,
                 fl_lab_verdict_name(c->course_verdict), gb, fl_lab_plan_name(c->planned), (double)c->peak / 1e9, d);
     }
+    if (rep->peer_pytorch) peer_print(rep, f);
     char pre[64];
     for (int i = 0; i < rep->n_course; i++) {
         snprintf(pre, sizeof pre, "  %s: ", rep->course[i].name);
@@ -185,6 +219,32 @@ void fl_lab_course_md(FILE *f, const fl_lab_report *rep) {
         static const fl_mem_tag tags[] = {FL_TAG_PARAMS, FL_TAG_GRADS, FL_TAG_OPTIM, FL_TAG_ACTS, FL_TAG_WORKSPACE};
         for (size_t t = 0; t < sizeof tags / sizeof tags[0]; t++) fprintf(f, " %.2f |", (double)c->peak_tag[tags[t]] / 1e9);
         fprintf(f, " %s%s%s |\n", c->why, c->why[0] && c->note[0] ? "; " : "", c->note);
+    }
+    fprintf(f, "\n");
+    if (!rep->peer_pytorch) return;
+    fprintf(f, "### PyTorch beside fitllm (`--peer pytorch`)\n\nWhat PyTorch (HF LlamaForCausalLM, sdpa, "
+               "torch.optim.AdamW) would allocate for each run, from `fl_lab_peer_pytorch` (src/lab/lab_peer.c). "
+               "**Measured** (tests/ref/pytorch_alloc.py with torch 2.15.0 / transformers 5.23.0 on the CPU, "
+               "reproduced byte for byte at 8 small shapes, tests/fixtures/pytorch-alloc.json): parameters, gradients, "
+               "AdamW state, the tensors autograd saves in the forward, the returned logits. **Modelled**: the peak "
+               "(the larger of the start of backward: parameters + state + saved + logits + their fp32 and model-dtype "
+               "gradients; its end: parameters + state + gradients + logits; the optimizer step: parameters + state + "
+               "gradients + foreach AdamW's parameter-sized sqrt(exp_avg_sq) temporary) and the logits' gradients. **Not "
+               "counted**: the CUDA caching allocator's rounding and fragmentation, the CUDA context. GB = 1e9 bytes.\n\n"
+               "| run | PyTorch: peak GB | params | grads | AdamW state | saved | logits + grads | fitllm: GB | fitllm / "
+               "PyTorch | course: GB | PyTorch / course |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for (int i = 0; i < rep->n_course; i++) {
+        const fl_lab_course *c = &rep->course[i];
+        if (!c->peer_ok) {
+            fprintf(f, "| %s | %s | | | | | | %.2f | | | |\n", c->name, c->peer_note, (double)c->peak / 1e9);
+            continue;
+        }
+        const fl_lab_peer *q = &c->peer;
+        fprintf(f, "| %s | %.2f%s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.3f |", c->name, q->peak / 1e9,
+                (double)q->peak > c->device_gb * 1e9 ? " (OOM)" : "", q->params / 1e9, q->grads / 1e9, q->optim / 1e9,
+                q->saved / 1e9, (q->logits + q->transient) / 1e9, (double)c->peak / 1e9, (double)c->peak / (double)q->peak);
+        if (c->course_gb > 0) fprintf(f, " %.2f | %.3f |\n", c->course_gb, q->peak / 1e9 / c->course_gb);
+        else fprintf(f, " - | - |\n");
     }
     fprintf(f, "\n");
 }

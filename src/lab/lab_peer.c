@@ -2,8 +2,8 @@
  * fitllm's plan. MEASURED (tests/ref/pytorch_alloc.py, HF LlamaForCausalLM with sdpa, torch.optim.AdamW; fixture
  * tests/fixtures/pytorch-alloc.json, reproduced byte for byte by fl_lab_peer_pytorch in tests/test_lab.c): the
  * parameters, gradients and AdamW state, the storages autograd saves in the forward, and the returned logits.
- * MODELLED (no GPU here): which of them are live at once (the peak) and the backward's transient logits
- * gradients; the CUDA caching allocator's rounding (512-byte blocks, segments) and fragmentation are not counted. */
+ * MODELLED (no GPU here): which of them are live at once (the peak), the backward's transient logits
+ * gradients and the optimizer step's parameter-sized temporary; the CUDA caching allocator's rounding (512-byte blocks, segments) and fragmentation are not counted. */
 #include <string.h>
 
 #include "lab-impl.h"
@@ -44,6 +44,11 @@ fl_status fl_lab_peer_pytorch(const fl_model_config *mc, size_t n_params, int B,
      * gradients, the saved tensors freed) */
     size_t start = out->params + out->optim + out->saved + out->logits + out->transient;
     size_t end = out->params + out->optim + out->grads + out->logits;
+    /* modelled: AdamW's step (foreach, the default on a GPU) takes sqrt(exp_avg_sq) of every tensor at once, one
+     * parameter-sized temporary beside the gradients and the state */
+    out->step_temp = n_params * e;
+    size_t step = out->params + out->optim + out->grads + out->step_temp;
     out->peak = start > end ? start : end;
+    if (step > out->peak) out->peak = step;
     return FL_OK;
 }

@@ -345,6 +345,11 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
         if (c->offload)
             fprintf(f, ", \"host_peak\": %zu, \"device_only_verdict\": \"%s\", \"device_only_peak\": %zu",
                     c->host_peak, fl_lab_plan_name(c->plain), c->plain_peak);
+        if (c->peer_ok) /* --peer pytorch: measured categories, modelled peak (src/lab/lab_peer.c) */
+            fprintf(f, ", \"pytorch\": {\"params\": %zu, \"grads\": %zu, \"optim\": %zu, \"saved\": %zu, "
+                       "\"logits\": %zu, \"transient\": %zu, \"step_temp\": %zu, \"peak\": %zu}", c->peer.params,
+                    c->peer.grads, c->peer.optim, c->peer.saved, c->peer.logits, c->peer.transient, c->peer.step_temp,
+                    c->peer.peak);
         fputc('}', f);
     }
     fprintf(f, "\n  ]\n}\n");
