@@ -259,6 +259,15 @@ done
 expect t5_finetune_qlora_loads 0 "source \+ 3 new tokens \(greedy" -- "$FITLLM" generate "$T/t5qlora/final" --prompt "question: what colour is the sky?" --max_new_tokens 3 --temperature 0
 expect t5_finetune_refuses_fp16 2 "--precision 16-mixed: T5 is known to overflow fp16's range" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x4" --precision 16-mixed
 expect t5_finetune_refuses_qlora_bf16 2 "QLoRA in 32-true only so far .*got --precision bf16-true" -- "$FITLLM" finetune_lora "${T5A[@]}" --out_dir "$T/t5x5" --quantize bnb.nf4 --precision bf16-true
+# ZeRO-3 with the optimizer (and the parameters) offloaded: refused in one process too (the offloaded parameter store
+# is not gathered by the encoder-decoder passes), exit 2 and the strategy named, before any step or folder
+for st in deepspeed_stage_3_offload fsdp_cpu_offload; do
+    expect "t5_finetune_refuses_${st}" 2 "--strategy $st \(ZeRO-3 offload\): not supported for an encoder-decoder \(t5\) yet \(deepspeed_stage_2_offload is\)" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x6" --strategy $st
+done
+expect t5_finetune_refuses_zero3_poff 2 "--strategy deepspeed_stage_3_offload \(ZeRO-3 offload\): not supported for an encoder-decoder" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x6" --strategy deepspeed_stage_3_offload --offload_param_device cpu
+mkdir -p "$T/t5nv"
+expect t5_finetune_refuses_zero3_nvme 2 "--strategy deepspeed_stage_3_offload_nvme \(ZeRO-3 offload\): not supported for an encoder-decoder" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x6" --strategy deepspeed_stage_3_offload_nvme --nvme_path "$T/t5nv"
+expect t5_refused_run_leaves_no_folder 1 "" -- test -e "$T/t5x6/final"
 # a validation split (data.val_split_fraction: LitGPT's random_split, tests/test_s2s.c against torch): the val loss
 # at each evaluation, the final evaluation, val_loss in the metrics
 expect t5_finetune_val_split 0 "8 source/target pairs .*; 6 train / 2 val pairs \(data.val_split_fraction 0.25\)" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5val" --data.val_split_fraction 0.25 --eval.interval 5 --overwrite true
