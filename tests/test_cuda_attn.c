@@ -766,8 +766,9 @@ FL_TEST(cuda_attn_tc_unsupported) {
 }
 
 /* The backend's dispatch: "cuda-emu" runs the tensor-core kernels for a bf16 compute dtype and a
- * shape they take, the fp32 kernels otherwise (F32, a bias, HD 24) and whenever
- * FITLLM_CUDA_ATTN=fp32; bits equal to the direct launches say which ran. */
+ * shape they take (the FlashAttention-2-structured _fa2 ones by default and with
+ * FITLLM_CUDA_ATTN=own, the _tc ones with =legacy), the fp32 kernels otherwise (F32, a bias,
+ * HD 24) and whenever FITLLM_CUDA_ATTN=fp32; bits equal to the direct launches say which ran. */
 static int same(const float *x, const float *y, size_t n) { return !memcmp(x, y, n * sizeof(float)); }
 
 static void dispatch_case(const char *env, int HD, int use_bias) {
@@ -780,6 +781,9 @@ static void dispatch_case(const char *env, int HD, int use_bias) {
     FL_CHECK(be.set_compute_dtype != NULL);
     be.set_compute_dtype(&be, FL_BF16);
     const int expect_tc = !(env && !strcmp(env, "fp32")) && (HD == 64 || HD == 128) && !use_bias;
+    const int legacy = env && !strcmp(env, "legacy");
+    tc_fwd_fn fwd = legacy ? fl_cuemu_attention_forward_tc : fl_cuemu_attention_forward_fa2;
+    tc_bwd_fn bwd = legacy ? fl_cuemu_attention_backward_tc : fl_cuemu_attention_backward_fa2;
     const int B = 1, T = 9, NH = 2, NKV = 1, W = (NH + 2 * NKV) * HD, OW = NH * HD;
     const size_t nx = (size_t)B * T * W, no = (size_t)B * T * OW, nl = (size_t)B * NH * T;
     fl_test_rng rng = {(unsigned long long)(HD + use_bias)};
@@ -794,9 +798,8 @@ static void dispatch_case(const char *env, int HD, int use_bias) {
         fl_attention_qkv_backward(&be, g1, dout, qkv, o1, l1, B, T, NH, NKV, HD);
         FL_CHECK(be.sync(&be) == FL_OK);
         if (expect_tc) {
-            FL_CHECK(fl_cuemu_attention_forward_tc(&a, o2, l2, q, k, v, NULL, NULL) == 0);
-            FL_CHECK(fl_cuemu_attention_backward_tc(&a, g2, g2 + OW, g2 + OW + NKV * HD, dout, q, k, v, NULL, o2, l2,
-                                                    work, NULL) == 0);
+            FL_CHECK(fwd(&a, o2, l2, q, k, v, NULL, NULL) == 0);
+            FL_CHECK(bwd(&a, g2, g2 + OW, g2 + OW + NKV * HD, dout, q, k, v, NULL, o2, l2, work, NULL) == 0);
         } else {
             FL_CHECK(fl_cuemu_attention_forward(o2, l2, qkv, B, T, NH, NKV, HD, NULL) == 0);
             FL_CHECK(fl_cuemu_attention_backward(g2, dout, qkv, o2, l2, B, T, NH, NKV, HD, work, NULL) == 0);
@@ -810,7 +813,7 @@ static void dispatch_case(const char *env, int HD, int use_bias) {
                                                 o2, l2, work, NULL) == 0);
     }
     FL_CHECKF(same(o1, o2, no) && same(l1, l2, nl) && same(g1, g2, nx), "dispatch env %s HD %d bias %d: expected the %s "
-              "kernels", env ? env : "(unset)", HD, use_bias, expect_tc ? "tensor-core" : "fp32");
+              "kernels", env ? env : "(unset)", HD, use_bias, expect_tc ? (legacy ? "legacy tensor-core" : "fa2") : "fp32");
     if (expect_tc) { /* and back to F32: the fp32 kernels */
         be.set_compute_dtype(&be, FL_F32);
         fl_attention_qkv_forward(&be, o1, l1, qkv, B, T, NH, NKV, HD);
@@ -826,6 +829,10 @@ static void dispatch_case(const char *env, int HD, int use_bias) {
 FL_TEST(cuda_attn_tc_dispatch) {
     dispatch_case(NULL, 64, 0);
     dispatch_case("auto", 128, 0);
+    dispatch_case("own", 64, 0);
+    dispatch_case("legacy", 64, 0);
+    dispatch_case("legacy", 128, 0);
+    dispatch_case("legacy", 64, 1);
     dispatch_case(NULL, 24, 0);
     dispatch_case(NULL, 64, 1);
     dispatch_case("fp32", 64, 0);
@@ -894,12 +901,15 @@ static void model_loss(const char *env, int record, double *loss) {
 }
 
 FL_TEST(cuda_attn_tc_model) {
-    double tc = NAN, fp = NAN;
+    double tc = NAN, fp = NAN, lg = NAN;
     model_loss(NULL, 1, &tc);
     model_loss("fp32", 0, &fp);
-    printf("      bf16-mixed loss sum: %.9g (tensor cores) vs %.9g (fp32 attention)\n", tc, fp);
-    FL_CHECK(isfinite(tc) && isfinite(fp));
+    model_loss("legacy", 0, &lg);
+    printf("      bf16-mixed loss sum: %.9g (fa2 tensor cores), %.9g (legacy tensor cores) vs %.9g (fp32 attention)\n",
+           tc, lg, fp);
+    FL_CHECK(isfinite(tc) && isfinite(fp) && isfinite(lg));
     FL_CHECK(tc != fp);
+    FL_CHECK(lg != fp);
 }
 
 #else
