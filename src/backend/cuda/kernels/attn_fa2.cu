@@ -48,7 +48,9 @@ template <int D> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
     /* m-tile mt of the warp: rows w0 + 16 mt ..; lane rows r[mt][0] = .. + g, r[mt][1] = .. + g + 8 */
     const int w0 = warp * 16 * MT;
     int lim[MT][2], mend[MT];
+    FL_CU_UNROLL
     for (int mt = 0; mt < MT; mt++) {
+        FL_CU_UNROLL
         for (int x = 0; x < 2; x++) {
             const int r = w0 + 16 * mt + g + 8 * x;
             lim[mt][x] = r < qn ? fl_cu_attn_key_limit(p, q0 + r) : 0;
@@ -59,10 +61,13 @@ template <int D> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
     const int kend = qn > 0 ? fl_cu_attn_key_limit(p, q0 + qn - 1) : 0;
     const float sl2 = p.scale * FL_CU_LOG2E; /* scores in log2 units: exp2f */
     float m_[MT][2], l_[MT][2], o[MT][DT][4];
+    FL_CU_UNROLL
     for (int mt = 0; mt < MT; mt++) {
         m_[mt][0] = m_[mt][1] = -INFINITY;
         l_[mt][0] = l_[mt][1] = 0.0f;
+        FL_CU_UNROLL
         for (int dt = 0; dt < DT; dt++)
+            FL_CU_UNROLL
             for (int i = 0; i < 4; i++) o[mt][dt][i] = 0.0f;
     }
     const float *K = p.k + (size_t)b * p.Tk * p.ldk + (size_t)kvh * D;
@@ -77,15 +82,22 @@ template <int D> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
         __syncthreads(); /* also: Qs written (first tile) */
         if (k0 >= mend[0] && k0 >= mend[MT - 1]) continue; /* no row of this warp sees the tile */
         float s[MT][NT][4];
+        FL_CU_UNROLL
         for (int mt = 0; mt < MT; mt++)
+            FL_CU_UNROLL
             for (int nt = 0; nt < NT; nt++)
+                FL_CU_UNROLL
                 for (int i = 0; i < 4; i++) s[mt][nt][i] = 0.0f;
+        FL_CU_UNROLL
         for (int kk = 0; kk < DK; kk++) {
             uint32_t qa[MT][4];
+            FL_CU_UNROLL
             for (int mt = 0; mt < MT; mt++) fl_cu_ldm_a(qa[mt], Qs, P, w0 + 16 * mt, kk * 16);
+            FL_CU_UNROLL
             for (int np = 0; np < NT / 2; np++) {
                 uint32_t bf[4];
                 fl_cu_ldm_b(bf, Ks, P, np * 16, kk * 16);
+                FL_CU_UNROLL
                 for (int mt = 0; mt < MT; mt++) {
                     if (k0 >= mend[mt]) continue; /* warp-uniform */
                     fl_cu_mma_bf16_16816(s[mt][2 * np], qa[mt], bf, s[mt][2 * np]);
@@ -94,9 +106,12 @@ template <int D> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
             }
         }
         uint32_t pa[MT][PK][4];
+        FL_CU_UNROLL
         for (int mt = 0; mt < MT; mt++) {
             float mx[2] = {-INFINITY, -INFINITY};
+            FL_CU_UNROLL
             for (int nt = 0; nt < NT; nt++)
+                FL_CU_UNROLL
                 for (int i = 0; i < 4; i++) {
                     const int j = nt * 8 + 2 * tq + (i & 1), x = i >> 1;
                     const int vis = km[j] && k0 + j < lim[mt][x];
@@ -104,6 +119,7 @@ template <int D> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
                     mx[x] = fmaxf(mx[x], s[mt][nt][i]);
                 }
             float c[2], ps[2] = {0.0f, 0.0f};
+            FL_CU_UNROLL
             for (int x = 0; x < 2; x++) {
                 for (int off = 1; off < 4; off <<= 1) mx[x] = fmaxf(mx[x], __shfl_xor_sync(FL_CU_FULL_MASK, mx[x], off));
                 const float mn = fmaxf(m_[mt][x], mx[x]);
@@ -111,22 +127,31 @@ template <int D> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
                 c[x] = mn == -INFINITY ? 1.0f : exp2f(m_[mt][x] - mn);
                 m_[mt][x] = mn;
             }
+            FL_CU_UNROLL
             for (int nt = 0; nt < NT; nt++)
+                FL_CU_UNROLL
                 for (int i = 0; i < 4; i++) {
                     const int x = i >> 1;
                     const float pv = s[mt][nt][i] == -INFINITY ? 0.0f : exp2f(s[mt][nt][i] - m_[mt][x]);
                     s[mt][nt][i] = pv;
                     ps[x] += pv;
                 }
+            FL_CU_UNROLL
             for (int x = 0; x < 2; x++) l_[mt][x] = l_[mt][x] * c[x] + ps[x];
+            FL_CU_UNROLL
             for (int dt = 0; dt < DT; dt++)
+                FL_CU_UNROLL
                 for (int i = 0; i < 4; i++) o[mt][dt][i] *= c[i >> 1];
+            FL_CU_UNROLL
             for (int kk = 0; kk < PK; kk++) fl_cu_tc_acc_to_a(pa[mt][kk], s[mt][2 * kk], s[mt][2 * kk + 1]);
         }
+        FL_CU_UNROLL
         for (int kk = 0; kk < PK; kk++)
+            FL_CU_UNROLL
             for (int dp = 0; dp < DT / 2; dp++) {
                 uint32_t bf[4];
                 fl_cu_ldm_bt(bf, Vs, P, dp * 16, kk * 16);
+                FL_CU_UNROLL
                 for (int mt = 0; mt < MT; mt++) {
                     if (k0 >= mend[mt]) continue;
                     fl_cu_mma_bf16_16816(o[mt][2 * dp], pa[mt][kk], bf, o[mt][2 * dp]);
@@ -136,13 +161,16 @@ template <int D> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
     }
     float *O = p.o + ((size_t)b * p.Tq + q0) * p.ldo + (size_t)h * D;
     float *L = p.l + ((size_t)b * p.NH + h) * p.Tq + q0;
+    FL_CU_UNROLL
     for (int mt = 0; mt < MT; mt++)
+        FL_CU_UNROLL
         for (int x = 0; x < 2; x++) {
             float l = l_[mt][x]; /* each lane holds a partial l of its own columns: the row's 4 lanes sum */
             for (int off = 1; off < 4; off <<= 1) l += __shfl_xor_sync(FL_CU_FULL_MASK, l, off);
             const int r = w0 + 16 * mt + g + 8 * x;
             if (r >= qn) continue;
             const float inv = l > 0.0f ? 1.0f / l : 0.0f; /* no visible key: 0 */
+            FL_CU_UNROLL
             for (int dt = 0; dt < DT; dt++) {
                 const int d = dt * 8 + 2 * tq;
                 O[(size_t)r * p.ldo + d] = o[mt][dt][2 * x] * inv;
@@ -162,11 +190,15 @@ FL_CU_DEV void fl_cu_fa_dq_tile(const fl_cu_attn_p &p, const uint16_t *dSs, cons
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
     const int mq = warp / WPM, n0 = (warp % WPM) * NTW * 8;
     float acc[NTW][4];
+    FL_CU_UNROLL
     for (int nt = 0; nt < NTW; nt++)
+        FL_CU_UNROLL
         for (int i = 0; i < 4; i++) acc[nt][i] = 0.0f;
+    FL_CU_UNROLL
     for (int kk = 0; kk < BK / 16; kk++) {
         uint32_t a[4];
         fl_cu_ldm_at(a, dSs, SP, mq * 16, kk * 16);
+        FL_CU_UNROLL
         for (int np = 0; np < NTW / 2; np++) {
             uint32_t bf[4];
             fl_cu_ldm_bt(bf, Ks, P, n0 + np * 16, kk * 16);
@@ -174,7 +206,9 @@ FL_CU_DEV void fl_cu_fa_dq_tile(const fl_cu_attn_p &p, const uint16_t *dSs, cons
             fl_cu_mma_bf16_16816(acc[2 * np + 1], a, bf + 2, acc[2 * np + 1]);
         }
     }
+    FL_CU_UNROLL
     for (int nt = 0; nt < NTW; nt++)
+        FL_CU_UNROLL
         for (int i = 0; i < 4; i++) {
             const int r = mq * 16 + g + 8 * (i >> 1), d = n0 + nt * 8 + 2 * tq + (i & 1);
             if (r < rn) fl_cu_atomic_add(dQ + (size_t)r * p.ldq + d, p.scale * acc[nt][i]);
@@ -205,7 +239,9 @@ template <int D> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
     const int wfirst = fl_cu_attn_first_row(p, k0 + kw); /* the first row that sees any of them */
     const float sl2 = p.scale * FL_CU_LOG2E;
     float ak[DT][4], av[DT][4];
+    FL_CU_UNROLL
     for (int dt = 0; dt < DT; dt++)
+        FL_CU_UNROLL
         for (int i = 0; i < 4; i++) ak[dt][i] = av[dt][i] = 0.0f;
     const int tstart = fl_cu_attn_first_row(p, k0);
     for (int h = kvh * p.rep; h < (kvh + 1) * p.rep; h++) {
@@ -222,15 +258,19 @@ template <int D> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
             }
             __syncthreads();
             float s[NQ][4], dp[NQ][4];
+            FL_CU_UNROLL
             for (int nt = 0; nt < NQ; nt++)
+                FL_CU_UNROLL
                 for (int i = 0; i < 4; i++) s[nt][i] = dp[nt][i] = 0.0f;
             /* warp-uniform: keys past the tile end, or no row of the tile sees them: dS^T = 0 */
             const int active = kw < kn && t0 + rn > wfirst;
             if (active) {
+                FL_CU_UNROLL
                 for (int kk = 0; kk < DK; kk++) { /* S^T = K Q^T, dP^T = V dO^T */
                     uint32_t ka[4], va[4];
                     fl_cu_ldm_a(ka, Ks, P, kw, kk * 16);
                     fl_cu_ldm_a(va, Vs, P, kw, kk * 16);
+                    FL_CU_UNROLL
                     for (int np = 0; np < NQ / 2; np++) {
                         uint32_t bf[4];
                         fl_cu_ldm_b(bf, Qs, P, np * 16, kk * 16);
@@ -242,7 +282,9 @@ template <int D> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
                     }
                 }
                 /* element i of n-tile nt: key j0 (i < 2) or j1, query row nt*8 + 2tq + (i & 1) */
+                FL_CU_UNROLL
                 for (int nt = 0; nt < NQ; nt++)
+                    FL_CU_UNROLL
                     for (int i = 0; i < 4; i++) {
                         const int r = nt * 8 + 2 * tq + (i & 1), j = i < 2 ? j0 : j1;
                         float pv = 0.0f, ds = 0.0f;
@@ -253,10 +295,12 @@ template <int D> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
                         s[nt][i] = pv;
                         dp[nt][i] = ds;
                     }
+                FL_CU_UNROLL
                 for (int kk = 0; kk < QK; kk++) { /* dV += P^T dO, dK += dS^T Q */
                     uint32_t pa[4], da[4];
                     fl_cu_tc_acc_to_a(pa, s[2 * kk], s[2 * kk + 1]);
                     fl_cu_tc_acc_to_a(da, dp[2 * kk], dp[2 * kk + 1]);
+                    FL_CU_UNROLL
                     for (int np = 0; np < DT / 2; np++) {
                         uint32_t bf[4];
                         fl_cu_ldm_bt(bf, Gs, P, np * 16, kk * 16);
@@ -269,6 +313,7 @@ template <int D> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
                 }
             }
             /* dS^T (bf16, as the A operand above) to shared memory: rows j0 / j1, query pairs */
+            FL_CU_UNROLL
             for (int nt = 0; nt < NQ; nt++) {
                 const int c = nt * 8 + 2 * tq;
                 *reinterpret_cast<uint32_t *>(dSs + j0 * SP + c) = fl_cu_pack_bf16(dp[nt][0], dp[nt][1]);
@@ -280,8 +325,10 @@ template <int D> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
     }
     float *dK = p.dk + ((size_t)b * p.Tk + k0) * p.ldk + (size_t)kvh * D;
     float *dV = p.dv + ((size_t)b * p.Tk + k0) * p.ldv + (size_t)kvh * D;
+    FL_CU_UNROLL
     for (int dt = 0; dt < DT; dt++) {
         const int d = dt * 8 + 2 * tq;
+        FL_CU_UNROLL
         for (int i = 0; i < 4; i++) {
             const int j = i < 2 ? j0 : j1;
             if (j >= kn) continue;

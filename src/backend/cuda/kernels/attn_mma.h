@@ -6,6 +6,13 @@
 
 #include "backend/cuda/cu_mma.h"
 
+/* Fully unrolled loops over register arrays (a dynamically indexed array goes to local memory) */
+#ifdef __CUDACC__
+#define FL_CU_UNROLL _Pragma("unroll")
+#else
+#define FL_CU_UNROLL
+#endif
+
 #define FL_CU_TC_THREADS 128
 #define FL_CU_LOG2E 1.4426950408889634f
 #define FL_CU_LN2 0.6931471805599453f
