@@ -15,6 +15,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "comm_p2p_ref.h"
 #include "comm_ref.h"
 #include "fitllm/comm.h"
 #include "fitllm/mem.h"
@@ -275,6 +276,11 @@ int main(int argc, char **argv) {
     check_large(c);
     check_pool(c);
     check_split(c);
+    if (n > 1) { /* point to point: the cases the threads implementation passes (tests/comm_p2p_ref.h) */
+        char err[512] = "";
+        int pf = cp_exercise(c, err, sizeof err);
+        CHECK(pf == 0, "point to point: %d failures: %s", pf, err);
+    }
     /* everyone's verdict: the maximum of the failure counts */
     float f = (float)g_fails, fmax = 0, chk = (float)g_checks, csum = 0;
     if (fl_comm_all_reduce(c, &f, &fmax, 1, FL_F32, FL_COMM_MAX) != FL_OK ||
