@@ -130,9 +130,10 @@ static fl_status head_logits(fl_model *m, fl_kv_cache *kv, const rows_scratch *w
     fl_linear head = {.in = d.C, .out = d.V, .w = op->head};
     fl_linear_set_weight(m, &head, op->head_idx);
     fl_model_bind_adapters(m, -1, 0, &head, 0); /* an lm_head adapter (one row; dropout is off outside training) */
-    if (!kv->dlogits) return fl_linear_forward(be, logits, w->ln, &head, 1); // (V)
-    FL_TRY(fl_linear_forward(be, kv->dlogits, w->ln, &head, 1)); /* device logits, to the caller's host buffer */
-    return be->to_host(be, logits, kv->dlogits, (size_t)d.V * sizeof(float));
+    if (!kv->dlogits && !fl_tp_vocab_split(m)) return fl_linear_forward(be, logits, w->ln, &head, 1); // (V)
+    float *dl = kv->dlogits ? kv->dlogits : logits; /* tensor parallel on host memory: the slice, then gathered */
+    FL_TRY(fl_linear_forward(be, dl, w->ln, &head, 1)); /* device logits, to the caller's host buffer */
+    return fl_head_logits_out(m, logits, dl, 1);
 }
 
 static fl_status forward_rows_impl(fl_model *m, fl_kv_cache *kv, const rows_scratch *w, const int32_t *ids, int n,
@@ -153,7 +154,7 @@ static fl_status forward_rows_impl(fl_model *m, fl_kv_cache *kv, const rows_scra
     const int L = d.L, HG = L + 1, head = logits != NULL, tied = m->cfg.tie_embeddings;
     FL_TRY(fl_store_gather(m->store, 0, L > 0 ? 1 : head ? HG : -1));
     fl_get_outer(m, &op);
-    fl_embed_forward(m, &op, x, dids, ids, 1, n, pos0);
+    FL_TRY(fl_embed_forward(m, &op, x, dids, ids, 1, n, pos0));
     if (!(tied && head)) fl_store_release(m->store, 0);
     /* the block graph with the cache: attention appends K/V rows (after RoPE), then attends causally
      * within the n rows (prefill, pos0 == 0) or, for one row, to the cached positions 0..pos0 (decode) */
