@@ -366,10 +366,30 @@ expect zero3_offload_nvme_disk_fails_mid_run 1 "No space left on device \(inject
     env FITLLM_TEST_NVME_FAIL_AFTER=300 "$FITLLM" finetune_full micro --strategy deepspeed_stage_3_offload_nvme \
     --train.max_steps 12 --train.save_interval 2 --train.global_batch_size 2 --train.micro_batch_size 2 \
     --train.max_seq_length 32 --out_dir "$T/poff3"
-# the eval sample is skipped under parameter offload with its own reason (issue 34 item 4)
-expect poff_eval_sample_skipped_by_name 0 "sample generation skipped: parameter offload \(offload_param_device cpu\): each new token would fetch every unit" -- \
-    "$FITLLM" finetune_full micro --strategy fsdp_cpu_offload --train.max_steps 1 --train.global_batch_size 2 \
-    --train.micro_batch_size 2 --train.max_seq_length 32 --eval.interval 1 --eval.max_new_tokens 5 --out_dir "$T/poff4"
+# the eval sample under parameter offload (host tier and NVMe files): the units fetched one by one for every decoded
+# token, as training fetches them; the same weights (final checkpoints byte for byte) decode the same samples, both
+# evaluations' text byte for byte, as the device-resident one-process run's (its dense generation path); not skipped
+POFFE=(micro --train.max_steps 2 --train.global_batch_size 2 --train.micro_batch_size 2 --train.max_seq_length 32
+       --eval.interval 1 --eval.max_new_tokens 8 --threads 1)
+poff_samples() { "$FITLLM" finetune_full "${POFFE[@]}" "$@" 2>&1 | grep -a -A1 "^Recommend a movie"; }
+mkdir -p "$T/poff4n"
+poff_s0=$(poff_samples --out_dir "$T/poff4a")
+for st in fsdp_cpu_offload deepspeed_stage_3_offload_nvme; do
+    extra=(); [ $st = deepspeed_stage_3_offload_nvme ] && extra=(--nvme_path "$T/poff4n")
+    # (two samples, each a prompt line and a non-empty continuation)
+    expect "poff_eval_sample_${st}" 0 "" -- bash -c '[ "$(grep -a -c "^Recommend a movie" <<<"$1")" = 2 ] \
+        && [ "$(grep -a -v -c -e "^Recommend a movie" -e "^--\$" -e "^\$" <<<"$1")" = 2 ] \
+        && [ "$1" = "$2" ] && cmp "$3/final/model.safetensors" "$4/final/model.safetensors"' _ "$poff_s0" \
+        "$(poff_samples --strategy $st "${extra[@]}" --out_dir "$T/poff4-$st")" "$T/poff4a" "$T/poff4-$st"
+done
+[ -z "$(ls -A "$T/poff4n")" ] || { echo "FAIL poff_eval_sample_leaves_no_file: $(ls "$T/poff4n")"; fail=$((fail+1)); }
+# its memory is planned: the sample's phase is this run's peak, and the plan's peak is the budget it runs in (one byte
+# less: out of memory in the evaluation)
+need=$("$FITLLM" plan "${POFFE[@]}" --strategy fsdp_cpu_offload --json | grep -o '"peak": {[^}]*}' | grep -o '"total": [0-9]*' | grep -o '[0-9]*$')
+expect poff_eval_sample_plan_fits 0 "Saved the final model" -- "$FITLLM" finetune_full "${POFFE[@]}" --strategy fsdp_cpu_offload \
+    --out_dir "$T/poff5" --max-memory "${need}B"
+expect poff_eval_sample_plan_exact 3 "out of memory during validation" -- "$FITLLM" finetune_full "${POFFE[@]}" \
+    --strategy fsdp_cpu_offload --out_dir "$T/poff6" --max-memory "$((need - 1))B"
 # the largest model that fits a machine: this one (23 GiB RAM, 60 GB disk), fp32 AdamW: 3B with everything on NVMe
 expect plan_largest 0 "largest model that fits: open-llama-3b \(3.43 B parameters\), --strategy deepspeed_stage_3_offload_nvme" -- \
     "$FITLLM" plan --largest tiny --host-memory 23GiB --disk 60GB --train.micro_batch_size 1 --train.max_seq_length 17
