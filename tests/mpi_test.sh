@@ -47,6 +47,24 @@ trap 'rm -rf "$T"' EXIT
 ok()  { echo "ok   $1"; pass=$((pass+1)); }
 bad() { echo "FAIL $1: $2"; sed 's/^/     /' "$T/out" | tail -15; fail=$((fail+1)); }
 now() { date +%s.%N; }
+# run_case NAME SECS CMD...: runs CMD under `timeout SECS` (SIGKILL 15 s after that) with its output in $T/out; sets
+# rc to CMD's own exit status, captured at once (`cmd || { x=0; bad ... "exit $?"; }` read the assignment's 0). On
+# failure reports NAME as FAIL, naming a time-out as one (124/137: still running at SECS), and returns 1.
+run_case() {
+    local name=$1 secs=$2 t0 took
+    shift 2
+    t0=$(now)
+    timeout -k 15 "$secs" "$@" >"$T/out" 2>&1
+    rc=$?
+    [ $rc -eq 0 ] && return 0
+    took=$(awk -v a="$t0" -v b="$(now)" 'BEGIN { printf "%.0f", b - a }')
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+        bad "$name" "timed out: still running at the ${secs} s limit (exit $rc after $took s; a loaded disk or machine?)"
+    else
+        bad "$name" "exit $rc after $took s"
+    fi
+    return 1
+}
 
 for np in 2 4; do
     timeout 600 mpirun -np $np "$BIN" >"$T/out" 2>&1; rc=$?
@@ -151,13 +169,13 @@ ZARGS=(micro --data.n_train 51 --data.n_val 7 --train.micro_batch_size 2 --train
        --optimizer.class_path SGD --optimizer.momentum 0.9 --optimizer.lr 0.05)
 zok=1
 # (DDP's 3 ranks start themselves: more ranks than cores here, so also Open MPI's oversubscription)
-timeout 300 "${SELF_ENV[@]}" "$FL" finetune_full "${ZARGS[@]}" --strategy ddp --out_dir "$T/z-ddp" >"$T/out" 2>&1 || { zok=0; bad "zero_cli_np3_ddp" "exit $?"; }
+run_case "zero_cli_np3_ddp" 300 "${SELF_ENV[@]}" "$FL" finetune_full "${ZARGS[@]}" --strategy ddp --out_dir "$T/z-ddp" || zok=0
 want_over=""; [ "$(nproc)" -lt 3 ] && want_over=" .*--oversubscribe"
 grep -q -- "^fitllm: starting 3 ranks: [^ ]*mpirun -np 3$want_over" "$T/out" || { zok=0; bad "zero_cli_np3_ddp" "no self-launch line"; }
 # (deepspeed_stage_2_offload: the momentum in the host tier, streamed from there into the checkpoint; first, so the
 # report checked below is ZeRO-2's)
 for st in deepspeed_stage_2_offload deepspeed_stage_1 deepspeed_stage_2; do
-    timeout 300 mpirun -np 3 "$FL" finetune_full "${ZARGS[@]}" --strategy $st --out_dir "$T/z-$st" >"$T/out" 2>&1 || { zok=0; bad "zero_cli_np3_$st" "exit $?"; }
+    run_case "zero_cli_np3_$st" 300 mpirun -np 3 "$FL" finetune_full "${ZARGS[@]}" --strategy $st --out_dir "$T/z-$st" || zok=0
 done
 if [ $zok = 1 ]; then
     zsame=1
@@ -198,7 +216,7 @@ mkdir -p "$T/nv3"
 for st in deepspeed_stage_3 deepspeed_stage_3_offload nvme; do
     if [ $st = nvme ]; then extra=(--strategy deepspeed_stage_3_offload --offload_optimizer_device nvme --nvme_path "$T/nv3")
     else extra=(--strategy $st); fi
-    timeout 300 mpirun -np 3 "$FL" finetune_full "${ZARGS[@]}" "${extra[@]}" --out_dir "$T/z3-$st" >"$T/out" 2>&1 || { z3ok=0; bad "zero3_offload_cli_np3_$st" "exit $?"; }
+    run_case "zero3_offload_cli_np3_$st" 300 mpirun -np 3 "$FL" finetune_full "${ZARGS[@]}" "${extra[@]}" --out_dir "$T/z3-$st" || z3ok=0
     [ $st = deepspeed_stage_3_offload ] && { grep -q "host tier (CPU offload: the optimizer state" "$T/out" || { z3ok=0; bad "zero3_offload_cli_np3" "no host tier in the report"; }; }
 done
 [ -z "$(ls -A "$T/nv3")" ] || { z3ok=0; bad "zero3_offload_nvme_leaves_no_files" "$(ls -A "$T/nv3")"; }
@@ -222,9 +240,10 @@ mkdir -p "$T/pnv"
 for np in 1 2 3; do
     for st in deepspeed_stage_3 fsdp_cpu_offload deepspeed_stage_3_offload_nvme; do
         extra=(--strategy $st); [ $st = deepspeed_stage_3_offload_nvme ] && extra+=(--nvme_path "$T/pnv")
-        timeout 300 mpirun -np $np "$FL" finetune_full "${ZARGS[@]}" --devices $np --train.global_batch_size 12 "${extra[@]}" \
-            --out_dir "$T/p$np-$st" \
-            >"$T/out" 2>&1 || { pok=0; bad "param_offload_cli_np${np}_$st" "exit $?"; }
+        # (about 5 s alone; the NVMe runs msync each piece they drop, so another job's disk traffic stretches them:
+        # a generous limit, and a time-out reported as one)
+        run_case "param_offload_cli_np${np}_$st" 600 mpirun -np $np "$FL" finetune_full "${ZARGS[@]}" --devices $np \
+            --train.global_batch_size 12 "${extra[@]}" --out_dir "$T/p$np-$st" || { pok=0; continue; }
         [ $st = fsdp_cpu_offload ] && { grep -q "host tier (offload) PARAMS" "$T/out" || { pok=0; bad "param_offload_cli_np$np" "no host-tier PARAMS in the report"; }; }
     done
     base="$T/p$np-deepspeed_stage_3"
@@ -237,6 +256,29 @@ else
     bad "param_offload_cli_np123" "checkpoints differ from the device-resident run's, or a run failed"
 fi
 
+# the eval sample under sharded parameters at 3 ranks (every rank decodes in step: each token's units are gathered
+# from all of them; rank 0 prints): device-resident ZeRO-3 and NVMe parameter offload print, at both evaluations,
+# DDP's text byte for byte (rank 0's dense generation; SGD without clipping at accumulation 1: the same final weights,
+# checked), and leave no file
+gok=1
+mkdir -p "$T/gnv"
+for st in ddp deepspeed_stage_3 deepspeed_stage_3_offload_nvme; do
+    extra=(--strategy $st); [ $st = deepspeed_stage_3_offload_nvme ] && extra+=(--nvme_path "$T/gnv")
+    run_case "sharded_eval_sample_np3_$st" 600 mpirun -np 3 "$FL" finetune_full "${ZARGS[@]}" --eval.interval 2 \
+        --eval.max_new_tokens 8 "${extra[@]}" --out_dir "$T/g-$st" || { gok=0; continue; }
+    grep -a -A1 "^Recommend a movie" "$T/out" >"$T/g-$st.txt"
+done
+if [ $gok = 1 ] && [ "$(grep -a -c "^Recommend a movie" "$T/g-ddp.txt")" = 2 ] \
+    && [ "$(grep -a -v -c -e "^Recommend a movie" -e "^--$" -e "^$" "$T/g-ddp.txt")" = 2 ] \
+    && cmp -s "$T/g-ddp/final/model.safetensors" "$T/g-deepspeed_stage_3_offload_nvme/final/model.safetensors" \
+    && cmp -s "$T/g-ddp.txt" "$T/g-deepspeed_stage_3.txt" && cmp -s "$T/g-ddp.txt" "$T/g-deepspeed_stage_3_offload_nvme.txt" \
+    && [ -z "$(ls -A "$T/gnv")" ]; then
+    ok "sharded_eval_sample_np3 (ZeRO-3 and NVMe parameter offload: 2 samples = DDP's, byte for byte)"
+elif [ $gok = 1 ]; then
+    bad "sharded_eval_sample_np3" "samples or weights differ from DDP's, or missing: '$(cat -v "$T/g-ddp.txt")' vs $(:
+        )'$(cat -v "$T/g-deepspeed_stage_3_offload_nvme.txt")', nvme files: $(ls -A "$T/gnv" | wc -l)"
+fi
+
 # sharded checkpoints (--fsdp.state_dict_type sharded) through the CLI: saved by ZeRO-2 at 3 ranks (each rank writes
 # its ranges; no model.safetensors in a step checkpoint), resumed by ZeRO-1 at 2 ranks: the bits of the 2-rank resume
 # of the FULL checkpoint of the same run (final weights and momentum); merge_shards (offline, no mpirun) writes the
@@ -244,8 +286,8 @@ fi
 SARGS=("${ZARGS[@]}" --train.global_batch_size 12 --devices 3 --strategy deepspeed_stage_2)
 RARGS=("${ZARGS[@]}" --train.global_batch_size 12 --devices 2 --strategy deepspeed_stage_1)
 sok=1
-timeout 300 mpirun -np 3 "$FL" finetune_full "${SARGS[@]}" --fsdp.state_dict_type sharded --out_dir "$T/sh3" >"$T/out" 2>&1 || { sok=0; bad "sharded_save_np3" "exit $?"; }
-timeout 300 mpirun -np 3 "$FL" finetune_full "${SARGS[@]}" --out_dir "$T/fu3" >"$T/out" 2>&1 || { sok=0; bad "sharded_full_twin_np3" "exit $?"; }
+run_case "sharded_save_np3" 300 mpirun -np 3 "$FL" finetune_full "${SARGS[@]}" --fsdp.state_dict_type sharded --out_dir "$T/sh3" || sok=0
+run_case "sharded_full_twin_np3" 300 mpirun -np 3 "$FL" finetune_full "${SARGS[@]}" --out_dir "$T/fu3" || sok=0
 if [ $sok = 1 ]; then
     S2="$T/sh3/step-000002"
     if [ "$(ls "$S2"/shard-0000?-of-00003.safetensors | wc -l)" = 3 ] && [ ! -e "$S2/model.safetensors" ] && [ -f "$S2/COMMITTED" ]; then
@@ -295,9 +337,9 @@ HARGS=(micro --data.n_train 51 --data.n_val 7 --data.prompt_style default --trai
        --eval.max_new_tokens 0 --threads 1 --devices 1 --num_nodes 2
        --optimizer.class_path SGD --optimizer.momentum 0.9 --optimizer.lr 0.05)
 hok=1
-timeout 300 mpirun -np 2 "$FL" finetune_full "${HARGS[@]}" --strategy ddp --out_dir "$T/hy-ddp" >"$T/out" 2>&1 || { hok=0; bad "hybrid_cli_np2_ddp" "exit $?"; }
-timeout 300 mpirun -np 2 "$FL" finetune_full "${HARGS[@]}" --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD \
-    --out_dir "$T/hy" >"$T/out" 2>&1 || { hok=0; bad "hybrid_cli_np2" "exit $?"; }
+run_case "hybrid_cli_np2_ddp" 300 mpirun -np 2 "$FL" finetune_full "${HARGS[@]}" --strategy ddp --out_dir "$T/hy-ddp" || hok=0
+run_case "hybrid_cli_np2" 300 mpirun -np 2 "$FL" finetune_full "${HARGS[@]}" --strategy fsdp --fsdp.sharding_strategy HYBRID_SHARD \
+    --out_dir "$T/hy" || hok=0
 if [ $hok = 1 ]; then
     hsame=1
     for ck in step-000002 final; do

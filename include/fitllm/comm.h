@@ -142,6 +142,10 @@ typedef struct fl_comm_vtable {
     /* See fl_comm_release_peers; NULL: the implementation's ranks are processes, whose exit ends the
      * job through the launcher (mpi), or there are no peers (single). */
     int (*release_peers)(fl_comm *c, const char *msg);
+    /* Point to point (see fl_comm_send / fl_comm_recv; arguments validated; bytes may be 0). NULL: the
+     * implementation has none (single: no peer; staged, null, nccl: not yet). */
+    fl_status (*send)(fl_comm *c, const void *buf, size_t bytes, int peer, int tag);
+    fl_status (*recv)(fl_comm *c, void *buf, size_t bytes, int peer, int tag);
 } fl_comm_vtable;
 
 /* Traffic of one rank since its communicator was created, counted by the dispatch layer on every
@@ -155,6 +159,7 @@ typedef struct {
     unsigned long long sent, received;
     unsigned long long calls[FL_COLL_COUNT];
     unsigned long long buffer_bytes[FL_COLL_COUNT];
+    unsigned long long p2p_sends, p2p_recvs; /* fl_comm_send / fl_comm_recv calls (their bytes are in sent / received) */
 } fl_comm_traffic;
 
 struct fl_comm {
@@ -265,6 +270,20 @@ fl_status fl_comm_all_gather(fl_comm *c, const void *send, void *recv, size_t co
 /* buf[0..count) = root's buf on every rank. */
 fl_status fl_comm_broadcast(fl_comm *c, void *buf, size_t count, fl_dtype dt, int root);
 fl_status fl_comm_barrier(fl_comm *c);
+
+/* ---- point to point (pipeline parallelism's activations and gradients) ------------------------ */
+
+/* Tags: 0 <= tag < FL_COMM_TAG_LIMIT. Messages from one rank to another with one tag arrive in the order sent. */
+#define FL_COMM_TAG_LIMIT 256
+/* Send count elements of dt (any dtype: the bits travel unchanged) to rank peer (!= this rank). Buffered: returns as
+ * soon as buf may be reused, never waiting for the receiver to call fl_comm_recv (the implementation keeps a copy
+ * until it is received), so a schedule whose every receive has its send issued before it or by a rank that does
+ * not wait on this one cannot deadlock. count 0 sends an empty message (it still has to be received). */
+fl_status fl_comm_send(fl_comm *c, const void *buf, size_t count, fl_dtype dt, int peer, int tag);
+/* Receive the oldest message from peer with tag into buf (count elements of dt). Blocks until it arrives,
+ * progressing this rank's outstanding collectives meanwhile. A message of another size is an error naming both
+ * sizes (threads: the group breaks, as for mismatched collectives). */
+fl_status fl_comm_recv(fl_comm *c, void *buf, size_t count, fl_dtype dt, int peer, int tag);
 
 /* ---- asynchronous forms -------------------------------------------------------------------- */
 

@@ -331,6 +331,47 @@ fl_status fl_comm_barrier(fl_comm *c) {
     return c->vt->barrier(c);
 }
 
+/* ---- point to point ------------------------------------------------------------------------ */
+
+static fl_status check_p2p(fl_comm *c, const char *op, const void *buf, size_t count, fl_dtype dt, int peer, int tag,
+                           char *what, size_t wn) {
+    if (!c) return fl_errorf(FL_ERR_INVALID, "comm: %s on a NULL communicator", op);
+    const int dt_ok = dt >= 0 && dt < FL_DTYPE_COUNT && fl_dtype_size(dt) > 0;
+    snprintf(what, wn, "%s(count %zu, %s, %s rank %d, tag %d)", op, count, dt_ok ? fl_dtype_name(dt) : "?",
+             op[0] == 's' ? "to" : "from", peer, tag);
+    if (!dt_ok) return fl_comm_fail(c, FL_ERR_UNSUPPORTED, what, "dtype %d has no element size", (int)dt);
+    if (peer < 0 || peer >= c->size || peer == c->rank)
+        return fl_comm_fail(c, FL_ERR_INVALID, what, "peer %d is not another rank of the %d", peer, c->size);
+    if (tag < 0 || tag >= FL_COMM_TAG_LIMIT)
+        return fl_comm_fail(c, FL_ERR_INVALID, what, "tag %d outside [0, %d)", tag, FL_COMM_TAG_LIMIT);
+    if (count > (size_t)PTRDIFF_MAX / 8) return fl_comm_fail(c, FL_ERR_INVALID, what, "count too large");
+    if (count && !buf) return fl_comm_fail(c, FL_ERR_INVALID, what, "NULL buffer");
+    if (!(op[0] == 's' ? (void *)c->vt->send : (void *)c->vt->recv))
+        return fl_comm_fail(c, FL_ERR_UNSUPPORTED, what, "the %s implementation has no point-to-point messages",
+                            c->vt->name);
+    return FL_OK;
+}
+
+fl_status fl_comm_send(fl_comm *c, const void *buf, size_t count, fl_dtype dt, int peer, int tag) {
+    char what[160];
+    FL_TRY(check_p2p(c, "send", buf, count, dt, peer, tag, what, sizeof what));
+    const size_t bytes = count * fl_dtype_size(dt);
+    FL_TRY(c->vt->send(c, buf, bytes, peer, tag));
+    c->traffic.sent += bytes;
+    c->traffic.p2p_sends++;
+    return FL_OK;
+}
+
+fl_status fl_comm_recv(fl_comm *c, void *buf, size_t count, fl_dtype dt, int peer, int tag) {
+    char what[160];
+    FL_TRY(check_p2p(c, "recv", buf, count, dt, peer, tag, what, sizeof what));
+    const size_t bytes = count * fl_dtype_size(dt);
+    FL_TRY(c->vt->recv(c, buf, bytes, peer, tag));
+    c->traffic.received += bytes;
+    c->traffic.p2p_recvs++;
+    return FL_OK;
+}
+
 fl_status fl_comm_split_members(fl_comm *c, int color, int key, int *new_rank, int *new_size, int **members) {
     *members = NULL;
     int32_t *all = malloc(((size_t)c->size * 2 + 2) * sizeof *all);

@@ -44,7 +44,15 @@ typedef struct mreq {
     char errmsg[512]; /* err's message, kept: other requests may overwrite the thread's */
 } mreq;
 
+/* A buffered point-to-point send: our copy of the data until MPI has sent it. */
+typedef struct msend {
+    struct msend *next;
+    int nreq;
+    MPI_Request reqs[];
+} msend;
+
 typedef struct {
+    msend *sends; /* buffered sends in flight (their data follows reqs) */
     MPI_Comm comm;
     int owns_init; /* fl_comm_init called MPI_Init: fl_comm_destroy finalizes */
     unsigned long long seq;
@@ -373,6 +381,13 @@ static void m_abort(fl_comm *c, int code, const char *msg) {
 static void m_destroy(fl_comm *c) {
     mcomm *m = c->impl;
     while (m->head) release(c, m->head);
+    while (m->sends) { /* sent, maybe never received (a failed job): MPI completes or drops them */
+        msend *x = m->sends;
+        m->sends = x->next;
+        for (int i = 0; i < x->nreq; i++)
+            if (x->reqs[i] != MPI_REQUEST_NULL) MPI_Request_free(&x->reqs[i]);
+        free(x);
+    }
     MPI_Comm_free(&m->comm);
     if (m->owns_init) {
         int fin = 0;
@@ -384,6 +399,97 @@ static void m_destroy(fl_comm *c) {
 }
 
 static fl_status m_split(fl_comm *c, int color, int key, fl_comm **out);
+
+/* ---- point to point: tags P2P_TAG + tag (the collectives' are below 32000); messages of more than PIECE bytes go
+ * as pieces of one tag, which MPI keeps in order; an empty message is one message of 0 bytes ------------------- */
+
+#define P2P_TAG 32000
+
+static int pieces(size_t bytes) { return bytes ? (int)((bytes + PIECE - 1) / PIECE) : 1; }
+
+/* Free the buffered sends MPI has finished with. */
+static fl_status reap_sends(fl_comm *c) {
+    mcomm *m = c->impl;
+    for (msend **p = &m->sends; *p;) {
+        int flag = 0, rc = MPI_Testall((*p)->nreq, (*p)->reqs, &flag, MPI_STATUSES_IGNORE);
+        if (rc != MPI_SUCCESS) return mpi_fail(c, "send", "MPI_Testall", rc);
+        if (!flag) {
+            p = &(*p)->next;
+            continue;
+        }
+        msend *x = *p;
+        *p = x->next;
+        free(x);
+    }
+    return FL_OK;
+}
+
+static fl_status m_send(fl_comm *c, const void *buf, size_t bytes, int peer, int tag) {
+    mcomm *m = c->impl;
+    char what[128];
+    snprintf(what, sizeof what, "send(%zu bytes to rank %d, tag %d)", bytes, peer, tag);
+    FL_TRY(reap_sends(c));
+    const int np = pieces(bytes);
+    const size_t head = sizeof(msend) + (size_t)np * sizeof(MPI_Request);
+    msend *x = malloc(head + bytes);
+    if (!x) return fl_comm_fail(c, FL_ERR_OOM, what, "out of host memory for the message's copy");
+    unsigned char *data = (unsigned char *)x + head;
+    if (bytes) memcpy(data, buf, bytes);
+    x->nreq = 0;
+    for (int i = 0; i < np; i++) {
+        size_t o = (size_t)i * PIECE, b = bytes - o < PIECE ? bytes - o : PIECE;
+        int rc = MPI_Isend(data + o, (int)b, MPI_BYTE, peer, P2P_TAG + tag, m->comm, &x->reqs[i]);
+        if (rc != MPI_SUCCESS) {
+            x->next = m->sends; /* the pieces already posted still read the copy */
+            m->sends = x;
+            return mpi_fail(c, what, "MPI_Isend", rc);
+        }
+        x->nreq++;
+    }
+    x->next = m->sends;
+    m->sends = x;
+    return FL_OK;
+}
+
+static fl_status m_recv(fl_comm *c, void *buf, size_t bytes, int peer, int tag) {
+    mcomm *m = c->impl;
+    char what[128];
+    snprintf(what, sizeof what, "recv(%zu bytes from rank %d, tag %d)", bytes, peer, tag);
+    const int np = pieces(bytes);
+    MPI_Request one[4], *q = np <= 4 ? one : malloc((size_t)np * sizeof *q);
+    MPI_Status sst[4], *st = np <= 4 ? sst : malloc((size_t)np * sizeof *st);
+    fl_status s = q && st ? FL_OK : fl_comm_fail(c, FL_ERR_OOM, what, "out of host memory");
+    int posted = 0, rc = MPI_SUCCESS;
+    for (; s == FL_OK && posted < np; posted++) {
+        size_t o = (size_t)posted * PIECE, b = bytes - o < PIECE ? bytes - o : PIECE;
+        rc = MPI_Irecv((char *)buf + o, (int)b, MPI_BYTE, peer, P2P_TAG + tag, m->comm, &q[posted]);
+        if (rc != MPI_SUCCESS) s = mpi_fail(c, what, "MPI_Irecv", rc);
+    }
+    /* poll: our outstanding collectives and buffered sends must move while we wait (a peer may wait on them) */
+    long idle = 0;
+    for (int flag = 0; s == FL_OK && !flag;) {
+        rc = MPI_Testall(np, q, &flag, st);
+        if (rc != MPI_SUCCESS) s = mpi_fail(c, what, "MPI_Testall", rc); /* a longer message: MPI_ERR_TRUNCATE */
+        if (s != FL_OK || flag) break;
+        progress_all(c);
+        s = reap_sends(c);
+        if (++idle > 200) {
+            struct timespec ts = {0, idle > 2000 ? 200000 : 20000};
+            nanosleep(&ts, NULL);
+        }
+    }
+    for (int i = 0; s == FL_OK && i < np; i++) {
+        int got = 0;
+        size_t b = bytes - (size_t)i * PIECE < PIECE ? bytes - (size_t)i * PIECE : PIECE;
+        MPI_Get_count(&st[i], MPI_BYTE, &got);
+        if ((size_t)got != b)
+            s = fl_comm_fail(c, FL_ERR_INVALID, what, "rank %d sent a message of another size (piece %d: %d bytes, "
+                             "expected %zu)", peer, i, got, b);
+    }
+    if (q != one) free(q);
+    if (st != sst) free(st);
+    return s;
+}
 
 static const fl_comm_vtable k_mpi = {
     .name = "mpi",
@@ -397,6 +503,8 @@ static const fl_comm_vtable k_mpi = {
     .abort = m_abort,
     .destroy = m_destroy,
     .split = m_split,
+    .send = m_send,
+    .recv = m_recv,
 };
 
 /* local_rank / local_size of c: its ranks on this node (MPI's shared-memory split). */

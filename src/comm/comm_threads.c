@@ -53,9 +53,18 @@ typedef struct {
     void **recv;       /* [n] */
 } slot;
 
+/* A point-to-point message in flight: the sender's copy, until the receiver takes it. */
+typedef struct msg {
+    int src, dst, tag;
+    size_t bytes;
+    struct msg *next;
+    unsigned char data[];
+} msg;
+
 typedef struct {
     int n;
     double timeout_s;
+    msg *mail; /* every rank's messages in flight, oldest first */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     slot slots[SLOTS];
@@ -377,6 +386,11 @@ static int t_release(fl_comm *c, const char *msg) {
 }
 
 static void group_free(group *g) {
+    while (g->mail) { /* sent, never received (a rank failed) */
+        msg *x = g->mail;
+        g->mail = x->next;
+        free(x);
+    }
     for (int i = 0; i < SLOTS; i++) {
         free(g->slots[i].send);
         free(g->slots[i].recv);
@@ -452,6 +466,69 @@ static void t_destroy(fl_comm *c) {
     free(c);
 }
 
+/* ---- point to point: a mailbox per group (the sender's copy waits there for its receiver) ---- */
+
+static fl_status t_send(fl_comm *c, const void *buf, size_t bytes, int peer, int tag) {
+    group *g = ((tcomm *)c->impl)->g;
+    msg *x = malloc(sizeof *x + bytes);
+    if (!x) return fl_errorf(FL_ERR_OOM, "comm threads: rank %d of %d: send(%zu bytes to rank %d, tag %d): out of host "
+                             "memory", c->rank, c->size, bytes, peer, tag);
+    *x = (msg){c->rank, peer, tag, bytes, NULL};
+    if (bytes) memcpy(x->data, buf, bytes);
+    pthread_mutex_lock(&g->mu);
+    family_sync(g);
+    if (g->broken) {
+        pthread_mutex_unlock(&g->mu);
+        free(x);
+        return fl_errorf(FL_ERR_IO, "comm threads: rank %d of %d: send(%zu bytes to rank %d, tag %d): %s", c->rank,
+                         c->size, bytes, peer, tag, g->why);
+    }
+    msg **p = &g->mail;
+    while (*p) p = &(*p)->next;
+    *p = x;
+    pthread_cond_broadcast(&g->cv);
+    pthread_mutex_unlock(&g->mu);
+    return FL_OK;
+}
+
+typedef struct {
+    int src, tag;
+    msg **at; /* set by cond_mail: the link to the oldest match */
+} mail_key;
+
+static int cond_mail(fl_comm *c, void *arg) {
+    mail_key *k = arg;
+    for (msg **p = &((tcomm *)c->impl)->g->mail; *p; p = &(*p)->next)
+        if ((*p)->dst == c->rank && (*p)->src == k->src && (*p)->tag == k->tag) {
+            k->at = p;
+            return 1;
+        }
+    return 0;
+}
+
+static fl_status t_recv(fl_comm *c, void *buf, size_t bytes, int peer, int tag) {
+    group *g = ((tcomm *)c->impl)->g;
+    char what[128];
+    snprintf(what, sizeof what, "recv(%zu bytes from rank %d, tag %d)", bytes, peer, tag);
+    mail_key k = {peer, tag, NULL};
+    pthread_mutex_lock(&g->mu);
+    fl_status st = wait_until(c, cond_mail, &k, what, NULL);
+    msg *x = NULL;
+    if (st == FL_OK) {
+        x = *k.at;
+        *k.at = x->next;
+        if (x->bytes != bytes) {
+            break_group(g, "rank %d sent %zu bytes (tag %d) where rank %d receives %zu", peer, x->bytes, tag, c->rank,
+                        bytes);
+            st = fl_comm_fail(c, FL_ERR_INVALID, what, "%s", g->why);
+        }
+    }
+    pthread_mutex_unlock(&g->mu);
+    if (st == FL_OK && bytes) memcpy(buf, x->data, bytes);
+    free(x);
+    return st;
+}
+
 static const fl_comm_vtable k_threads = {
     .name = "threads",
     .iall_reduce = t_all_reduce,
@@ -465,6 +542,8 @@ static const fl_comm_vtable k_threads = {
     .release_peers = t_release,
     .destroy = t_destroy,
     .split = t_split,
+    .send = t_send,
+    .recv = t_recv,
 };
 
 /* One rank's handle on g as rank r (its reference was counted in group_new). */

@@ -8,6 +8,7 @@
 
 #include "fitllm/generate.h"
 #include "model-impl.h"
+#include "store.h"
 
 /* ---- scratch for a forward over n rows ------------------------------------
  * The block graph's slots, sharing buffers by liveness (fl_block_rows_scratch: the blocks run in place,
@@ -120,41 +121,61 @@ static fl_status forward_rows(fl_model *m, fl_kv_cache *kv, const rows_scratch *
     return s;
 }
 
+/* the final norm and the head on the last row only: logits (V) into the caller's host buffer */
+static fl_status head_logits(fl_model *m, fl_kv_cache *kv, const rows_scratch *w, const fl_outer_params *op,
+                             const float *last, float *logits) {
+    const fl_backend *be = m->be;
+    fl_dims d = fl_model_dims(&m->cfg);
+    fl_norm_forward(m, w->ln, w->mean, w->rstd, last, op->lnf_w, op->lnf_b, 1);
+    fl_linear head = {.in = d.C, .out = d.V, .w = op->head};
+    fl_linear_set_weight(m, &head, op->head_idx);
+    fl_model_bind_adapters(m, -1, 0, &head, 0); /* an lm_head adapter (one row; dropout is off outside training) */
+    if (!kv->dlogits && !fl_tp_vocab_split(m)) return fl_linear_forward(be, logits, w->ln, &head, 1); // (V)
+    float *dl = kv->dlogits ? kv->dlogits : logits; /* tensor parallel on host memory: the slice, then gathered */
+    FL_TRY(fl_linear_forward(be, dl, w->ln, &head, 1)); /* device logits, to the caller's host buffer */
+    return fl_head_logits_out(m, logits, dl, 1);
+}
+
 static fl_status forward_rows_impl(fl_model *m, fl_kv_cache *kv, const rows_scratch *w, const int32_t *ids, int n,
                                    int pos0, float *logits) {
     const fl_backend *be = m->be;
     fl_dims d = fl_model_dims(&m->cfg);
     fl_outer_params op;
-    fl_get_outer(m, &op);
     const int32_t *dids = ids; /* host memory: the op reads the caller's ids */
     if (kv->dids) {
         FL_TRY(be->to_device(be, kv->dids, ids, (size_t)n * sizeof *ids));
         dids = kv->dids;
     }
     float *x = w->s[FL_GSLOT_IN]; // (n, C): every block's input and output (fl_block_rows_scratch)
+    /* sharded parameters (FSDP / ZeRO-3, parameter offload): each unit fetched right before use, the next one's
+     * fetch posted ahead, released after, in the training forward's order (transformer.c): the embeddings (kept
+     * for the head when tied), the blocks, the head group; only with logits wanted is the head fetched at all.
+     * Every rank of the shard group runs this in step (the gathers are collectives). A whole store: no-ops. */
+    const int L = d.L, HG = L + 1, head = logits != NULL, tied = m->cfg.tie_embeddings;
+    FL_TRY(fl_store_gather(m->store, 0, L > 0 ? 1 : head ? HG : -1));
+    fl_get_outer(m, &op);
     FL_TRY(fl_embed_forward(m, &op, x, dids, ids, 1, n, pos0));
+    if (!(tied && head)) fl_store_release(m->store, 0);
     /* the block graph with the cache: attention appends K/V rows (after RoPE), then attends causally
      * within the n rows (prefill, pos0 == 0) or, for one row, to the cached positions 0..pos0 (decode) */
     fl_block_ctx c = {.B = 1, .T = n, .pos0 = pos0, .rope_cos = kv->rope_cos, .rope_sin = kv->rope_sin, .kv = kv,
                       .comm = m->tp_comm};
-    for (int l = 0; l < d.L; l++) {
+    for (int l = 0; l < L; l++) {
+        FL_TRY(fl_store_gather(m->store, l + 1, l + 2 <= L ? l + 2 : head ? HG : -1));
         fl_block_params bp;
         fl_get_block(m, &w->g, l, &bp);
         c.layer = l;
         FL_TRY(fl_block_forward(m, &w->g, &bp, w->s, &c));
+        fl_store_release(m->store, l + 1);
     }
     kv->pos = pos0 + n;
-    if (!logits) return FL_OK;
-    /* final norm and head on the last row only */
-    const float *last = x + (size_t)(n - 1) * d.C;
-    fl_norm_forward(m, w->ln, w->mean, w->rstd, last, op.lnf_w, op.lnf_b, 1);
-    fl_linear head = {.in = d.C, .out = d.V, .w = op.head};
-    fl_linear_set_weight(m, &head, op.head_idx);
-    fl_model_bind_adapters(m, -1, 0, &head, 0); /* an lm_head adapter (one row; dropout is off outside training) */
-    if (!kv->dlogits && !fl_tp_vocab_split(m)) return fl_linear_forward(be, logits, w->ln, &head, 1); // (V)
-    float *dl = kv->dlogits ? kv->dlogits : logits; /* tensor parallel on host memory: the slice, then gathered */
-    FL_TRY(fl_linear_forward(be, dl, w->ln, &head, 1)); /* device logits, to the caller's host buffer */
-    return fl_head_logits_out(m, logits, dl, 1);
+    if (!head) return FL_OK;
+    FL_TRY(fl_store_gather(m->store, HG, -1));
+    fl_get_outer(m, &op); /* sharded: the head group's views exist from here */
+    fl_status s = head_logits(m, kv, w, &op, x + (size_t)(n - 1) * d.C, logits);
+    fl_store_release(m->store, HG);
+    if (tied) fl_store_release(m->store, 0);
+    return s;
 }
 
 static fl_status check_ids(const fl_model *m, const fl_kv_cache *kv, const int32_t *ids, int n) {

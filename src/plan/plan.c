@@ -715,10 +715,6 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     if (gen < 0)
         gen = c->eval.max_new_tokens > 0 && has_val_split(c) &&
               (c->train.max_steps < 0 || c->train.max_steps >= c->eval.interval);
-    if (gen && (fsdp || sc.param_offload)) { /* parameter offload: FULL_SHARD's provider at one rank too */
-        note(p, "no eval sample generation: the trainer skips it under FULL_SHARD%s", sc.param_offload ? " and parameter offload" : "");
-        gen = 0;
-    }
     if (gen && x.Ts) {
         note(p, "no evaluation: an encoder-decoder run has no validation split or sample generation yet");
         gen = 0;

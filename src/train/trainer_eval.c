@@ -122,18 +122,17 @@ fl_status fl_tr_generate_example(trainer *t) {
     const fl_run_config *c = t->cfg;
     /* tensor parallel: the lead's group decodes with it (its blocks' sums), silently */
     FILE *fo = t->out;
-    if ((!fo && !(t->tp.size > 1 && t->dp.rank == 0)) || c->eval.max_new_tokens <= 0) return FL_OK;
-    if (t->dp.fsdp) { /* decoding token by token would gather every block for every token */
-        if (fo && t->dp.ptier.pool) /* parameter offload: every token would read the whole model from the tier */
-            fprintf(fo, "(sample generation skipped: parameter offload (offload_param_device %s): each new token would "
-                    "fetch every unit of the model from the %s; generate from a checkpoint with fitllm generate, or "
-                    "set eval.max_new_tokens 0 to leave this out)\n", t->dp.ptier.disk ? "nvme" : "cpu",
-                    t->dp.ptier.disk ? "NVMe files" : "host tier");
-        else if (fo)
-            fprintf(fo, "(sample generation skipped: the parameters are sharded (FULL_SHARD); generate from a "
-                    "checkpoint with fitllm generate)\n");
-        return FL_OK;
+    if (c->eval.max_new_tokens <= 0) return FL_OK;
+    int lead = fo || (t->tp.size > 1 && t->dp.rank == 0);
+    if (t->dp.fsdp && t->dp.world > 1) {
+        /* sharded parameters (FULL_SHARD / ZeRO-3, parameter offload): every unit the decoding reads is gathered
+         * from all ranks, so they all decode in step when one prints (the same gathered bits, the same sampler
+         * seed: the same tokens, the same stop), silently but for the one with the output */
+        double v = lead;
+        FL_TRY(fl_dp_sum(&t->dp, &v, 1));
+        lead = v > 0;
     }
+    if (!lead) return FL_OK;
     const char *instruction = "Recommend a movie for me to watch during the weekend and explain the reason.";
     char *prompt = NULL, *text = NULL;
     int32_t *ids = NULL, *gen = NULL;

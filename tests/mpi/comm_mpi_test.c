@@ -15,7 +15,9 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "comm_p2p_ref.h"
 #include "comm_ref.h"
+#include "pp_toy_ref.h"
 #include "fitllm/comm.h"
 #include "fitllm/mem.h"
 
@@ -238,6 +240,28 @@ static void check_split(fl_comm *c) {
     fl_comm_destroy(p);
 }
 
+/* the toy pipeline of tests/pp_toy_ref.h with one stage per process: this stage's gradient rows and (last stage)
+ * the losses equal the single process's bit for bit, under both schedules */
+static void check_pipeline(fl_comm *c) {
+    static toy T;
+    float ref_grad[TL][TD], ref_loss[TM];
+    const int n = fl_comm_size(c), r = fl_comm_rank(c);
+    int first[TL + 1];
+    if (n > TL || fl_pp_split(TL, NULL, n, first) != FL_OK) return;
+    for (int k = 0; k < FL_PP_SCHEDULE_COUNT; k++) {
+        toy_init(&T);
+        toy_single(&T, ref_grad, ref_loss);
+        T.kind = (fl_pp_schedule)k;
+        T.S = n;
+        fl_status s = toy_rank(c, r, &T);
+        CHECK(s == FL_OK, "pipeline %s: %s", fl_pp_schedule_name(k), fl_error_message());
+        const size_t rows = (size_t)(first[r + 1] - first[r]) * sizeof T.grad[0];
+        CHECK(!memcmp(T.grad[first[r]], ref_grad[first[r]], rows), "pipeline %s: stage %d's gradients differ",
+              fl_pp_schedule_name(k), r);
+        if (r == n - 1) CHECK(!memcmp(T.loss, ref_loss, sizeof ref_loss), "pipeline %s: losses differ", fl_pp_schedule_name(k));
+    }
+}
+
 int main(int argc, char **argv) {
     const char *mode = argc > 1 ? argv[1] : "check";
     fl_comm *c;
@@ -275,6 +299,12 @@ int main(int argc, char **argv) {
     check_large(c);
     check_pool(c);
     check_split(c);
+    if (n > 1) { /* point to point: the cases the threads implementation passes (tests/comm_p2p_ref.h) */
+        char err[512] = "";
+        int pf = cp_exercise(c, err, sizeof err);
+        CHECK(pf == 0, "point to point: %d failures: %s", pf, err);
+        check_pipeline(c);
+    }
     /* everyone's verdict: the maximum of the failure counts */
     float f = (float)g_fails, fmax = 0, chk = (float)g_checks, csum = 0;
     if (fl_comm_all_reduce(c, &f, &fmax, 1, FL_F32, FL_COMM_MAX) != FL_OK ||
