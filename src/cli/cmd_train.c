@@ -10,6 +10,7 @@
 
 #include "cli.h"
 #include "fitllm/backend.h"
+#include "fitllm/blip2.h"
 #include "fitllm/gpu_monitor.h"
 #include "fitllm/checkpoint.h"
 #include "fitllm/comm.h"
@@ -342,6 +343,8 @@ static int run(const char *cmd, fl_cmd_kind kind, int argc, char **argv) {
     if (rc) return rc < 0 ? 0 : rc;
     /* a rank of fitllm's launcher: its stop request may come while MPI starts; kept for the first step */
     if (getenv("FITLLM_LAUNCHED")) signal(SIGUSR2, on_signal);
+    /* a BLIP-2 folder: image-caption fine-tuning, its own loop (cmd_blip2_train.c) */
+    if (kind != FL_CMD_PRETRAIN && fl_blip2_is_folder(cfg.checkpoint_dir)) return fl_cli_blip2_train(cmd, &cfg);
     fl_comm *comm = NULL;
     if ((rc = join_ranks(cmd, &cfg, argc, argv, &comm)) != 0) return rc < 0 ? 0 : rc;
     if (!comm || fl_comm_rank(comm) == 0) fl_cli_note_run_weights(cmd, &cfg); /* the first line, when it applies */
