@@ -193,3 +193,38 @@ FL_TEST(blip2_save_reload_same_bits) {
     free(l1), free(l2);
     close_tc(&c);
 }
+
+/* Greedy captioning with the KV cache (the image parts once, the projected queries injected into the prefill, one
+ * decode step per token) against the whole sequence through fl_blip2_forward again for every token (the path it
+ * replaced), 24 tokens for each image of the fixture: the same ids. (`blip2_generate_vs_transformers` holds the
+ * first 8 to transformers' generate.) */
+FL_TEST(blip2_generate_cache_equals_full_forward) {
+    tc c;
+    open_tc(&c, 0);
+    const int V = c.b->cfg.text.vocab_size, NQ = c.b->cfg.n_queries, S = c.b->cfg.vision.image_size, MAX = 24;
+    int32_t ids[64], out[32];
+    float *lg = malloc((size_t)(NQ + 1 + MAX) * V * sizeof *lg);
+    FL_REQUIRE(lg);
+    for (int img = 0; img < c.B; img++) {
+        const float *px = c.px + (size_t)img * 3 * S * S;
+        int n = 0;
+        FL_REQUIRE_OK(fl_blip2_generate(c.b, px, NULL, 0, MAX, out, &n));
+        int T = 0;
+        for (int i = 0; i < NQ; i++) ids[T++] = c.b->cfg.image_token;
+        ids[T++] = c.b->cfg.bos_id;
+        int same = n > 0, k = 0;
+        for (; same && k < n; k++) {
+            FL_REQUIRE_OK(fl_blip2_alloc_acts(c.b, 1, T));
+            FL_REQUIRE_OK(fl_blip2_forward(c.b, px, ids, NULL, 1, T, 0, lg, NULL));
+            const float *last = lg + (size_t)(T - 1) * V;
+            int best = 0;
+            for (int v = 1; v < V; v++)
+                if (last[v] > last[best]) best = v;
+            same = best == out[k];
+            ids[T++] = best;
+        }
+        FL_CHECKF(same && (n == MAX || out[n - 1] == c.b->cfg.eos_id), "image %d: token %d of %d differs", img, k, n);
+    }
+    free(lg);
+    close_tc(&c);
+}

@@ -55,6 +55,12 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "  the run as a NaN does: exit 1, no final/, the last good checkpoint named. Perplexities above\n"
            "  e^%.0f print as inf.\n", FL_DIVERGE_ALPHA, FL_DIVERGE_WINDOW, FL_DIVERGE_MARGIN, FL_DIVERGE_MARGIN,
            FL_PPL_MAX_LOSS);
+    if (kind != FL_CMD_PRETRAIN)
+        printf("\n  BLIP-2 folders (model_type blip-2, OPT language model): image-caption fine-tuning with --data JSON\n"
+               "  --data.json_path CAPTIONS (.json/.jsonl {\"image\", \"text\"} records, or an image folder with\n"
+               "  captions.jsonl, captions.tsv or NAME.txt beside each image; token ids when the folder has no tokenizer);\n"
+               "  --blip2.train vision,qformer,lm picks the parts that train (vision frozen by default; finetune_lora: LoRA\n"
+               "  on lm). fp32 (32-true), one process; final/ is an HF BLIP-2 folder (+ adapter/ under LoRA).\n");
     printf("\nexit codes: 0 ok, 1 runtime error, 2 usage or config error, 3 out of memory, 130 SIGINT, 143 SIGTERM,\n"
            "138 SIGUSR1\n");
 }

@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "blip2-impl.h"
+#include "fitllm/generate.h"
 #include "store.h"
 
 #define TAKEF(cv, n) ((float *)fl_carve((cv), (size_t)(n) * sizeof(float)))
@@ -591,21 +592,28 @@ fl_status fl_blip2_generate(fl_blip2 *b, const float *pixels, const int32_t *pro
         free(ids);
         return s;
     }
-    /* no cache yet: the whole sequence again for every token (the image parts included); the head's last chunk
-     * stays in the logits buffer, its last row is the next token's */
+    /* the image parts once, then the language model with its KV cache: the prefill takes the projected queries in
+     * their rows (fl_model.emb_inject), each new token one decode step */
+    fl_model *lm = &b->part[2];
+    fl_kv_cache kv;
+    memset(&kv, 0, sizeof kv);
+    s = fl_blip2_alloc_acts(b, 1, n);
+    if (s == FL_OK) s = front(b, "fl_blip2_generate", pixels, ids, NULL, 1, n, 0);
+    if (s == FL_OK) s = fl_kv_cache_init(&kv, lm, b->TL + max_new);
+    if (s == FL_OK) {
+        lm->emb_inject.rows = b->qrow, lm->emb_inject.n = NQ, lm->emb_inject.src = b->qproj, lm->emb_inject.dsrc = NULL;
+        s = fl_model_prefill(lm, &kv, b->hids, b->TL, lg);
+        lm->emb_inject.n = 0;
+    }
     while (s == FL_OK && *n_out < max_new) {
-        s = fl_blip2_alloc_acts(b, 1, n);
-        if (s == FL_OK) s = fl_blip2_forward(b, pixels, ids, NULL, 1, n, 0, NULL, NULL);
-        const int N = b->TL, last = N - 1 - (N - 1) / b->chunk * b->chunk;
-        if (s == FL_OK) s = b->be->to_host(b->be, lg, b->logits + (size_t)last * V, (size_t)V * sizeof *lg);
-        if (s != FL_OK) break;
         int best = 0;
         for (int v = 1; v < V; v++)
             if (lg[v] > lg[best]) best = v; /* the first of equal maxima, as torch.argmax */
         out[(*n_out)++] = best;
-        ids[n++] = best;
-        if (best == b->cfg.eos_id) break;
+        if (best == b->cfg.eos_id || *n_out == max_new) break;
+        s = fl_model_decode(lm, &kv, best, lg);
     }
+    fl_kv_cache_free(&kv);
     free(ids), free(lg);
     return s;
 }
