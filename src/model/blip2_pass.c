@@ -304,7 +304,7 @@ static fl_status embed_forward(fl_blip2 *b) {
     fl_get_outer(m, &op);
     FL_TRY(be->to_device(be, b->ids, b->hids, (size_t)b->Bp * TL * sizeof(int32_t)));
     float *r0 = b->st[2].res[0];
-    fl_embed_forward(m, &op, r0, b->ids, b->hids, b->Bp, TL, 0);
+    FL_TRY(fl_embed_forward(m, &op, r0, b->ids, b->hids, b->Bp, TL, 0));
     for (int i = 0; i < b->Bp * NQ; i++) {
         const int row = b->qrow[i], t = row % TL;
         float *r = r0 + (size_t)row * C;
