@@ -219,6 +219,19 @@ printf 'a red square\n' > "$T/b2bad/rgb_13x7.txt"
 expect blip2_finetune_text_without_tokenizer 1 "caption of .*rgb_13x7.png: the checkpoint has no tokenizer" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --data.json_path "$T/b2bad" --out_dir "$T/b2x"
 head -c 300 "$IMG/rgb420_97x61.jpg" > "$T/b2bad/rgb_13x7.jpg"; rm "$T/b2bad/rgb_13x7.png"; printf '5 6\n' > "$T/b2bad/rgb_13x7.txt"
 expect blip2_finetune_truncated_image 1 "rgb_13x7.jpg: corrupt JPEG" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --data.json_path "$T/b2bad" --out_dir "$T/b2x"
+# the Flan-T5 variant (labels = the caption + EOS, the decoder's input shifted from the start token): the loss falls,
+# the folder reloads lower; LoRA on q, v (the lab's); the image parts alone are refused (T5 trains its lm)
+b2out=$("$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --out_dir "$T/b2t5" 2>&1); rc=$?
+l1=$(sed -n 's/^step 1\/8 loss \([0-9.]*\).*/\1/p' <<<"$b2out"); l8=$(sed -n 's/^step 8\/8 loss \([0-9.]*\).*/\1/p' <<<"$b2out")
+printf '17 29\n' > "$T/b2t5src.txt"; printf '3 41 9 11 1\n' > "$T/b2t5tgt.txt"
+lb=$("$FITLLM" loss tests/fixtures/blip2-tiny-t5 --image "$IMG/palette_45x31.png" --tokens-file "$T/b2t5src.txt" --target-tokens-file "$T/b2t5tgt.txt" 2>&1 | sed -n 's/^loss \([0-9.]*\).*/\1/p')
+lf=$("$FITLLM" loss "$T/b2t5/final" --image "$IMG/palette_45x31.png" --tokens-file "$T/b2t5src.txt" --target-tokens-file "$T/b2t5tgt.txt" 2>&1 | sed -n 's/^loss \([0-9.]*\).*/\1/p')
+if [ $rc -eq 0 ] && [ -n "$l8" ] && [ -n "$lf" ] && awk -v a="$l1" -v b="$l8" -v c="$lb" -v d="$lf" 'BEGIN{exit !(b < a - 0.3 && d < c - 0.3)}'; then
+    echo "ok   blip2_t5_finetune_full (steps $l1 -> $l8, reloaded $lb -> $lf)"; pass=$((pass+1))
+else echo "FAIL blip2_t5_finetune_full: rc $rc, steps $l1 -> $l8, reloaded $lb -> $lf"; echo "$b2out" | tail -3; fail=$((fail+1)); fi
+expect blip2_t5_finetune_lora 0 "saved .*b2t5l/final" -- "$FITLLM" finetune_lora tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --lora_r 4 --out_dir "$T/b2t5l"
+expect blip2_t5_lora_adapter 0 '"task_type": "SEQ_2_SEQ_LM"' -- cat "$T/b2t5l/final/adapter/adapter_config.json"
+expect blip2_t5_finetune_needs_lm 2 "the Flan-T5 variant trains its language model" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --blip2.train qformer --out_dir "$T/b2x"
 printf '{"image": "one_1x1.png", "caption": "3 4"}\n{"image": "one_1x1.png"}\n' > "$T/b2bad/c.jsonl"
 expect blip2_finetune_jsonl_key 1 'c.jsonl: line 2: key "text" \(or "caption"\): missing' -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --data.json_path "$T/b2bad/c.jsonl" --out_dir "$T/b2x"
 # T5 folders (issue 31): tokenizer.json (Unigram) and a folder with only spiece.model give HF's ids

@@ -2,7 +2,8 @@
  * fitllm/image.h). The captions (--data JSON --data.json_path FILE|FOLDER: fl_img_captions_load's layouts) are
  * tokenized with the folder's tokenizer, or read as token ids when it has none; each micro-batch's images go through
  * the folder's preprocessor_config.json. --blip2.train names the parts that train (the vision tower is frozen by
- * default); finetune_lora puts LoRA adapters on the language model. One process, fp32 (32-true), AdamW / SGD: the
+ * default); finetune_lora puts LoRA adapters on the language model (OPT, or the Flan-T5 variant's encoder-decoder:
+ * the caption + EOS its labels). One process, fp32 (32-true), AdamW / SGD: the
  * rest is refused by name. The final folder is an HF BLIP-2 folder (the trained weights, LoRA merged) that
  * `fitllm loss/generate --image` and transformers load, plus the PEFT adapter of the language model under LoRA. */
 #include <ctype.h>
@@ -105,9 +106,9 @@ static fl_status tokenize_all(b2run *r) {
     const char *dir = r->cfg->checkpoint_dir;
     fl_tokenizer *tok = NULL;
     if (fl_io_has_tokenizer(dir)) FL_TRY(fl_tok_load(&tok, dir));
-    const int NQ = bc->image_token >= 0 ? bc->n_queries : 0;
+    const int NQ = bc->image_token >= 0 ? bc->n_queries : 0, s2s = fl_model_is_s2s(&bc->text);
     int maxlen = r->cfg->data.max_seq_length > 0 ? r->cfg->data.max_seq_length : 50;
-    if (maxlen > bc->text.max_seq - NQ) maxlen = bc->text.max_seq - NQ;
+    if (!s2s && maxlen > bc->text.max_seq - NQ) maxlen = bc->text.max_seq - NQ;
     r->ids = calloc(r->caps.n, sizeof *r->ids);
     r->n_ids = calloc(r->caps.n, sizeof *r->n_ids);
     fl_status s = r->ids && r->n_ids ? FL_OK : fl_errorf(FL_ERR_OOM, "out of host memory");
@@ -116,15 +117,22 @@ static fl_status tokenize_all(b2run *r) {
         size_t n = 0;
         s = tok ? fl_tok_encode(tok, r->caps.text[i], strlen(r->caps.text[i]), 0, 0, &raw, &n)
                 : parse_ids(r->caps.text[i], bc->text.vocab_size, r->caps.image[i], &raw, &n);
-        const int bos = bc->bos_id >= 0 && !(n && raw[0] == bc->bos_id);
-        int32_t *ids = s == FL_OK ? malloc((n + 1) * sizeof *ids) : NULL;
+        /* OPT: BOS first; T5: the target ends with EOS (kept when the caption is cut, as the tokenizer's truncation) */
+        const int bos = !s2s && bc->bos_id >= 0 && !(n && raw[0] == bc->bos_id);
+        const int eos = s2s && !(n && raw[n - 1] == bc->eos_id);
+        int32_t *ids = s == FL_OK ? malloc((n + 2) * sizeof *ids) : NULL;
         if (s == FL_OK && !ids) s = fl_errorf(FL_ERR_OOM, "out of host memory");
         size_t k = 0;
         if (ids && bos) ids[k++] = bc->bos_id;
         for (size_t j = 0; ids && j < n; j++) ids[k++] = raw[j];
+        if (ids && eos) ids[k++] = bc->eos_id;
         free(raw);
-        if (s == FL_OK && k < 2) s = fl_errorf(FL_ERR_FORMAT, "caption of %s: fewer than 2 tokens with BOS", r->caps.image[i]);
-        if (s == FL_OK && (int)k > maxlen) k = (size_t)maxlen;
+        if (s == FL_OK && k < 2) s = fl_errorf(FL_ERR_FORMAT, "caption of %s: fewer than 2 tokens with %s", r->caps.image[i],
+                                               s2s ? "EOS" : "BOS");
+        if (s == FL_OK && (int)k > maxlen) {
+            k = (size_t)maxlen;
+            if (s2s) ids[k - 1] = bc->eos_id;
+        }
         for (size_t j = 0; s == FL_OK && j < k; j++)
             if (ids[j] == bc->image_token)
                 s = fl_errorf(FL_ERR_FORMAT, "caption of %s holds the image token id %d", r->caps.image[i], bc->image_token);
@@ -144,8 +152,9 @@ static fl_status make_batch(b2run *r, const size_t *order, size_t i0, int B, flo
     int L = 0;
     for (int n = 0; n < B; n++)
         if (r->n_ids[order[i0 + n]] > L) L = r->n_ids[order[i0 + n]];
-    *T = NQ + L;
-    *ids = malloc((size_t)B * *T * sizeof **ids);
+    const int s2s = fl_model_is_s2s(&bc->text);
+    *T = s2s ? L : NQ + L; /* T5: the decoder's rows; the source is the placeholders (NQ) */
+    *ids = malloc((size_t)B * (*T + NQ) * sizeof **ids);
     *tg = malloc((size_t)B * *T * sizeof **tg);
     if (!*ids || !*tg) return fl_errorf(FL_ERR_OOM, "out of host memory");
     *n_valid = 0;
@@ -154,7 +163,15 @@ static fl_status make_batch(b2run *r, const size_t *order, size_t i0, int B, flo
         const size_t rec = order[i0 + n];
         const int32_t *c = r->ids[rec];
         const int nc = r->n_ids[rec];
-        for (int t = 0; t < *T; t++) {
+        /* T5 (the labels are the caption: dec = the start token, then the labels but the last; after ids' B x T
+         * decoder rows come the B x NQ source rows) */
+        for (int t = 0; s2s && t < *T; t++) {
+            (*ids)[n * *T + t] = t == 0 ? bc->text.dec_start_id : t - 1 < nc ? c[t - 1] : pad;
+            (*tg)[n * *T + t] = t < nc ? c[t] : FL_IGNORE_INDEX;
+            *n_valid += t < nc;
+        }
+        for (int t = 0; s2s && t < NQ; t++) (*ids)[(size_t)B * *T + n * NQ + t] = bc->image_token;
+        for (int t = 0; !s2s && t < *T; t++) {
             const int j = t - NQ;
             (*ids)[n * *T + t] = t < NQ ? bc->image_token : j < nc ? c[j] : pad;
             const int lab = j >= 0 && j + 1 < nc;
@@ -198,6 +215,7 @@ static fl_status save_adapter(b2run *r, const char *dir) {
     memset(&pc, 0, sizeof pc);
     pc.lora = *ad.cfg;
     pc.inference_mode = 1;
+    pc.seq2seq = fl_model_is_s2s(&lm->cfg);
     char abs[4096]; /* an absolute path: PEFT and merge_lora find the base from anywhere */
     const char *base = realpath(r->cfg->checkpoint_dir, abs) ? abs : r->cfg->checkpoint_dir;
     if (s == FL_OK && strlen(base) >= sizeof pc.base_model)
@@ -215,9 +233,13 @@ static fl_status setup(b2run *r) {
     FL_TRY(fl_backend_init_by_name(fl_backend_default_name(), &r->be, c->threads));
     FL_TRY(fl_backend_pools_init(&r->be, &r->pool, &r->hpool, r->be.name, c->max_memory));
     FL_TRY(fl_blip2_load(&r->b, c->checkpoint_dir, &r->be, &r->pool));
-    if (fl_model_is_s2s(&fl_blip2_get_config(r->b)->text))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: fine-tuning the Flan-T5 variant is not built yet (the OPT one is)",
-                         c->checkpoint_dir);
+    const fl_blip2_config *bc = fl_blip2_get_config(r->b);
+    if (fl_model_is_s2s(&bc->text) && !(r->parts & (1 << FL_BLIP2_TEXT)))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "blip2.train %s: the Flan-T5 variant trains its language model (lm, or "
+                         "LoRA on it under finetune_lora) so far", c->blip2_train);
+    if (fl_model_is_s2s(&bc->text) && bc->image_token < 0)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: the Flan-T5 variant without image_token_index is not built for "
+                         "fine-tuning", c->checkpoint_dir);
     FL_TRY(fl_img_proc_load(c->checkpoint_dir, &r->proc));
     FL_TRY(fl_img_captions_load(c->data.json_path, &r->caps));
     fl_img_captions_shuffle(&r->caps, c->seed);
@@ -274,7 +296,8 @@ static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, 
             reorder(p->order, r->caps.n, r->cfg->seed + (uint64_t)p->epoch);
         }
         starts[a] = p->pos;
-        for (int n = 0; n < B; n++) vsum += r->n_ids[p->order[p->pos + (size_t)n]] - 1;
+        const int s2s = fl_model_is_s2s(&fl_blip2_get_config(r->b)->text);
+        for (int n = 0; n < B; n++) vsum += r->n_ids[p->order[p->pos + (size_t)n]] - (s2s ? 0 : 1);
         p->pos += (size_t)B;
     }
     for (int a = 0; s == FL_OK && a < accum; a++) {
@@ -284,8 +307,15 @@ static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, 
         float l = 0;
         s = make_batch(r, p->order, starts[a], B, px, &ids, &tg, &T, &n_valid);
         fl_model_lora_set_seed(fl_blip2_part(r->b, FL_BLIP2_TEXT), r->cfg->seed * 1000003u + (uint64_t)it * accum + a);
-        if (s == FL_OK) s = fl_blip2_alloc_acts(r->b, B, T);
-        if (s == FL_OK) s = fl_blip2_forward(r->b, px, ids, tg, B, T, 1.0f / (float)vsum, NULL, &l);
+        const int NQ = bc->n_queries;
+        if (s == FL_OK && fl_model_is_s2s(&bc->text)) {
+            s = fl_blip2_alloc_acts_s2s(r->b, B, NQ, T);
+            if (s == FL_OK)
+                s = fl_blip2_forward_s2s(r->b, px, ids + (size_t)B * T, ids, tg, B, NQ, T, 1.0f / (float)vsum, NULL, &l);
+        } else if (s == FL_OK) {
+            s = fl_blip2_alloc_acts(r->b, B, T);
+            if (s == FL_OK) s = fl_blip2_forward(r->b, px, ids, tg, B, T, 1.0f / (float)vsum, NULL, &l);
+        }
         if (s == FL_OK) s = fl_blip2_backward(r->b);
         lsum += (double)l * (double)n_valid;
         free(ids), free(tg);

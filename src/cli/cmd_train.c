@@ -56,7 +56,7 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "  e^%.0f print as inf.\n", FL_DIVERGE_ALPHA, FL_DIVERGE_WINDOW, FL_DIVERGE_MARGIN, FL_DIVERGE_MARGIN,
            FL_PPL_MAX_LOSS);
     if (kind != FL_CMD_PRETRAIN)
-        printf("\n  BLIP-2 folders (model_type blip-2, OPT language model): image-caption fine-tuning with --data JSON\n"
+        printf("\n  BLIP-2 folders (model_type blip-2, OPT or Flan-T5): image-caption fine-tuning with --data JSON\n"
                "  --data.json_path CAPTIONS (.json/.jsonl {\"image\", \"text\"} records, or an image folder with\n"
                "  captions.jsonl, captions.tsv or NAME.txt beside each image; token ids when the folder has no tokenizer);\n"
                "  --blip2.train vision,qformer,lm picks the parts that train (vision frozen by default; finetune_lora: LoRA\n"
