@@ -210,6 +210,7 @@ expect blip2_finetune_lora 0 "saved .*b2lora/final \(weights with the LoRA adapt
 expect blip2_lora_adapter 0 '"r": 4' -- cat "$T/b2lora/final/adapter/adapter_config.json"
 expect blip2_lora_reloads 0 "^loss [0-9.]+  ppl" -- "$FITLLM" loss "$T/b2lora/final" --image "$IMG/palette_45x31.png" --tokens-file "$T/b2cap.txt"
 expect blip2_finetune_vision_too 0 "trains vision qformer lm" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps 1 --blip2.train vision,qformer,lm --out_dir "$T/b2vis"
+expect blip2_finetune_memory_by_part 0 "memory by part \(MiB\): vision PARAMS 0\.0[0-9]+ GRADS 0\.000 OPTIM 0\.000; qformer PARAMS [0-9.]+ GRADS 0\.0[1-9][0-9]* OPTIM" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps 1 --out_dir "$T/b2mem"
 expect blip2_finetune_bad_part 2 "blip2.train: unknown part 'text'" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --blip2.train text --out_dir "$T/b2x"
 expect blip2_finetune_precision 2 "--precision bf16-true: BLIP-2 fine-tuning runs 32-true only" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --precision bf16-true --out_dir "$T/b2x"
 expect blip2_finetune_needs_captions 2 "trains on image captions: --data JSON --data.json_path" -- "$FITLLM" finetune_full "$B2" --out_dir "$T/b2x"

@@ -341,6 +341,25 @@ static fl_status save_final(b2run *r, const char *dir) {
     return fl_blip2_save(r->b, r->cfg->checkpoint_dir, dir);
 }
 
+/* The memory of the run: the pool's report (bytes per tag at the snapshots: after set-up, after step 1, at the end)
+ * and PARAMS / GRADS / OPTIM by part (ACTS is one arena for the three parts). */
+static void memory_report(b2run *r) {
+    static const char *const name[FL_BLIP2_PARTS] = {"vision", "qformer", "lm"};
+    printf("memory by part (MiB):");
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        const fl_model *m = fl_blip2_part(r->b, k);
+        fl_lora_adapters ad;
+        const int lora = fl_model_lora_adapters(m, &ad);
+        const size_t pb = m->layout.numel * sizeof(float) + (lora ? ad.numel * sizeof(float) : 0);
+        const size_t gb = fl_model_grads_f32(m) ? m->layout.numel * sizeof(float) : lora ? ad.numel * sizeof(float) : 0;
+        const size_t ob = r->has_opt[k] ? fl_optim_state_bytes(&r->opt[k].cfg, r->opt[k].w.n) : 0;
+        printf("%s %s PARAMS %.3f GRADS %.3f OPTIM %.3f%s", k ? ";" : "", name[k], pb / 1048576.0, gb / 1048576.0,
+               ob / 1048576.0, lora ? " (LoRA)" : "");
+    }
+    printf("\n");
+    fl_mem_print_report(&r->pool, stdout);
+}
+
 static fl_status train(b2run *r) {
     const fl_run_config *c = r->cfg;
     const int B = c->train.micro_batch_size > 0 ? c->train.micro_batch_size : 1;
@@ -367,14 +386,18 @@ static fl_status train(b2run *r) {
            r->parts & (1 << FL_BLIP2_TEXT) ? (r->lora ? "lm(LoRA)" : "lm") : "", "", trained,
            r->parts & (1 << FL_BLIP2_VISION) ? "trained" : "frozen");
     fl_status s = FL_OK;
+    fl_mem_snapshot(&r->pool, "set-up");
     for (long it = 0; s == FL_OK && it < max_steps; it++) {
         const double lr = fl_lr_schedule(c->optimizer.lr, c->train.min_lr, it, warm, max_steps);
         double loss = 0;
         s = step(r, &p, B, accum, it, lr, &loss);
+        if (it == 0) fl_mem_snapshot(&r->pool, "step 1");
         if (s == FL_OK && (it % (c->train.log_interval > 0 ? c->train.log_interval : 1) == 0 || it + 1 == max_steps))
             printf("step %ld/%ld loss %.6f lr %.3g\n", it + 1, max_steps, loss, lr);
     }
     if (s == FL_OK && p.epoch_n) printf("epoch %ld average loss %.4f\n", p.epoch + 1, p.epoch_sum / (double)p.epoch_n);
+    if (s == FL_OK) fl_mem_snapshot(&r->pool, "end");
+    if (s == FL_OK && !c->quiet) memory_report(r);
     free(p.order);
     char dir[4096];
     if (s == FL_OK) s = fl_fs_join(dir, sizeof dir, c->out_dir, "final");
