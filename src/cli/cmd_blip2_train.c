@@ -8,6 +8,7 @@
  * `fitllm loss/generate --image` and transformers load, plus the PEFT adapter of the language model under LoRA. */
 #include <ctype.h>
 #include <limits.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -279,6 +280,27 @@ typedef struct {
     long epoch_n;
 } b2pos;
 
+/* clip_grad_norm_ over every trained part's gradients at once (the norm over all of them, in double; coef =
+ * max_norm / (norm + 1e-6) when below 1), before the parts' updates. */
+static fl_status clip_all(b2run *r, float max_norm) {
+    double ss = 0;
+    for (int k = 0; k < FL_BLIP2_PARTS; k++)
+        if (r->has_opt[k]) {
+            const double n = fl_grad_norm(fl_blip2_part(r->b, k));
+            ss += n * n;
+        }
+    const float coef = max_norm / (float)(sqrt(ss) + 1e-6);
+    if (!(coef < 1.0f)) return FL_OK;
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        if (!r->has_opt[k]) continue;
+        fl_model *m = fl_blip2_part(r->b, k);
+        fl_lora_adapters ad;
+        if (fl_model_lora_adapters(m, &ad)) r->be.scale(&r->be, ad.grads, ad.numel, coef);
+        else r->be.scale(&r->be, fl_model_grads_f32(m), m->layout.numel, coef);
+    }
+    return FL_OK;
+}
+
 /* One optimizer step over `accum` micro-batches of B records (an epoch's tail that does not fill one is dropped). */
 static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, double *loss) {
     const fl_blip2_config *bc = fl_blip2_get_config(r->b);
@@ -320,8 +342,9 @@ static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, 
         lsum += (double)l * (double)n_valid;
         free(ids), free(tg);
     }
+    if (s == FL_OK && r->cfg->train.max_norm > 0) s = clip_all(r, r->cfg->train.max_norm);
     for (int k = 0; s == FL_OK && k < FL_BLIP2_PARTS; k++)
-        if (r->has_opt[k]) s = fl_optim_step(&r->opt[k], (float)lr, r->cfg->train.max_norm, NULL);
+        if (r->has_opt[k]) s = fl_optim_step(&r->opt[k], (float)lr, 0.0f, NULL);
     free(px), free(starts);
     *loss = vsum ? lsum / (double)vsum : 0;
     p->epoch_sum += lsum;

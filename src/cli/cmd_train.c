@@ -59,8 +59,10 @@ static void help(const char *cmd, fl_cmd_kind kind) {
         printf("\n  BLIP-2 folders (model_type blip-2, OPT or Flan-T5): image-caption fine-tuning with --data JSON\n"
                "  --data.json_path CAPTIONS (.json/.jsonl {\"image\", \"text\"} records, or an image folder with\n"
                "  captions.jsonl, captions.tsv or NAME.txt beside each image; token ids when the folder has no tokenizer);\n"
-               "  --blip2.train vision,qformer,lm picks the parts that train (vision frozen by default; finetune_lora: LoRA\n"
-               "  on lm). fp32 (32-true), one process; final/ is an HF BLIP-2 folder (+ adapter/ under LoRA).\n");
+               "  --blip2.train vision,qformer,lm picks the parts that train (vision frozen by default%s).\n"
+               "  fp32 (32-true), one process; final/ is an HF BLIP-2 folder%s.\n",
+               kind == FL_CMD_FINETUNE_LORA ? "; default lm: LoRA on the language model" : "",
+               kind == FL_CMD_FINETUNE_LORA ? " (LoRA merged) + adapter/ (PEFT)" : "");
     printf("\nexit codes: 0 ok, 1 runtime error, 2 usage or config error, 3 out of memory, 130 SIGINT, 143 SIGTERM,\n"
            "138 SIGUSR1\n");
 }
