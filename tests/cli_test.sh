@@ -190,6 +190,57 @@ expect blip2_t5_loss_needs_target 1 "give the target with --target-tokens-file" 
 expect blip2_opt_loss_no_target 1 "has a decoder-only language model" -- "$FITLLM" loss "$B2" --image "$IMG/palette_45x31.png" --tokens-file "$T/cap.txt" --target-tokens-file "$T/t5tgt.txt"
 mkdir -p "$T/b2np" && cp "$B2/config.json" "$B2/model.safetensors" "$T/b2np/"
 expect blip2_no_processor 1 "no preprocessor_config.json" -- "$FITLLM" loss "$T/b2np" --image "$IMG/one_1x1.png" --tokens-file "$T/cap.txt"
+# BLIP-2 image-caption fine-tuning (issue 32 item 3, src/cli/cmd_blip2_train.c): the 14 shipped test images, each
+# with a NAME.txt caption of token ids (the fixture has no tokenizer); 8 AdamW steps of micro batch 2 on the Q-Former
+# and the language model (vision frozen). The loss falls (step 8 below step 1 by > 0.5 nats), the saved folder
+# reloads with a lower caption loss than the base (transformers loads it and gives the same loss:
+# tests/ref/blip2_finetune_check.py); LoRA writes the merged folder and the PEFT adapter (PEFT's loss = fitllm's)
+mkdir -p "$T/b2caps"; k=0
+for f in "$IMG"/*.png "$IMG"/*.jpg; do
+    case "$f" in *bad_*) continue ;; esac
+    k=$((k+1)); cp "$f" "$T/b2caps/"; b=$(basename "$f"); printf '%d %d 9 11 %d\n' $((k*3)) $((k+40)) $((k*2+20)) > "$T/b2caps/${b%.*}.txt"
+done
+printf '2 3 41 9 11 22\n' > "$T/b2cap.txt"
+B2RUN=(--data JSON --data.json_path "$T/b2caps" --train.max_steps 8 --train.micro_batch_size 2 --train.global_batch_size 2 --optimizer.lr 0.003 --train.lr_warmup_steps 0)
+b2out=$("$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --out_dir "$T/b2full" 2>&1); rc=$?
+l1=$(sed -n 's/^step 1\/8 loss \([0-9.]*\).*/\1/p' <<<"$b2out"); l8=$(sed -n 's/^step 8\/8 loss \([0-9.]*\).*/\1/p' <<<"$b2out")
+if [ $rc -eq 0 ] && [ -n "$l1" ] && [ -n "$l8" ] && awk -v a="$l1" -v b="$l8" 'BEGIN{exit !(b < a - 0.5)}' && grep -q "vision tower frozen" <<<"$b2out" && grep -q "^epoch 1 average loss" <<<"$b2out"; then
+    echo "ok   blip2_finetune_full_loss_falls ($l1 -> $l8)"; pass=$((pass+1))
+else echo "FAIL blip2_finetune_full_loss_falls: rc $rc, $l1 -> $l8"; echo "$b2out" | tail -5; fail=$((fail+1)); fi
+lb=$("$FITLLM" loss "$B2" --image "$IMG/palette_45x31.png" --tokens-file "$T/b2cap.txt" 2>&1 | sed -n 's/^loss \([0-9.]*\).*/\1/p')
+lf=$("$FITLLM" loss "$T/b2full/final" --image "$IMG/palette_45x31.png" --tokens-file "$T/b2cap.txt" 2>&1 | sed -n 's/^loss \([0-9.]*\).*/\1/p')
+if [ -n "$lb" ] && [ -n "$lf" ] && awk -v a="$lb" -v b="$lf" 'BEGIN{exit !(b < a - 0.5)}'; then
+    echo "ok   blip2_finetune_full_reloads ($lb -> $lf)"; pass=$((pass+1))
+else echo "FAIL blip2_finetune_full_reloads: base '$lb', trained '$lf'"; fail=$((fail+1)); fi
+expect blip2_finetune_lora 0 "saved .*b2lora/final \(weights with the LoRA adapters merged; adapter/: PEFT\)" -- "$FITLLM" finetune_lora "$B2" "${B2RUN[@]}" --optimizer.lr 0.02 --lora_r 4 --out_dir "$T/b2lora"
+expect blip2_lora_adapter 0 '"r": 4' -- cat "$T/b2lora/final/adapter/adapter_config.json"
+expect blip2_lora_reloads 0 "^loss [0-9.]+  ppl" -- "$FITLLM" loss "$T/b2lora/final" --image "$IMG/palette_45x31.png" --tokens-file "$T/b2cap.txt"
+expect blip2_finetune_vision_too 0 "trains vision qformer lm" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps 1 --blip2.train vision,qformer,lm --out_dir "$T/b2vis"
+expect blip2_finetune_memory_by_part 0 "memory by part \(MiB\): vision PARAMS 0\.0[0-9]+ GRADS 0\.000 OPTIM 0\.000; qformer PARAMS [0-9.]+ GRADS 0\.0[1-9][0-9]* OPTIM" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps 1 --out_dir "$T/b2mem"
+expect blip2_finetune_bad_part 2 "blip2.train: unknown part 'text'" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --blip2.train text --out_dir "$T/b2x"
+expect blip2_finetune_precision 2 "--precision bf16-true: BLIP-2 fine-tuning runs 32-true only" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --precision bf16-true --out_dir "$T/b2x"
+expect blip2_finetune_needs_captions 2 "trains on image captions: --data JSON --data.json_path" -- "$FITLLM" finetune_full "$B2" --out_dir "$T/b2x"
+mkdir -p "$T/b2bad" && cp "$IMG/one_1x1.png" "$IMG/rgb_13x7.png" "$T/b2bad/" && printf '3 4\n' > "$T/b2bad/one_1x1.txt"
+expect blip2_finetune_missing_txt 2 "rgb_13x7.png has no caption file rgb_13x7.txt" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --data.json_path "$T/b2bad" --out_dir "$T/b2x"
+printf 'a red square\n' > "$T/b2bad/rgb_13x7.txt"
+expect blip2_finetune_text_without_tokenizer 1 "caption of .*rgb_13x7.png: the checkpoint has no tokenizer" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --data.json_path "$T/b2bad" --out_dir "$T/b2x"
+head -c 300 "$IMG/rgb420_97x61.jpg" > "$T/b2bad/rgb_13x7.jpg"; rm "$T/b2bad/rgb_13x7.png"; printf '5 6\n' > "$T/b2bad/rgb_13x7.txt"
+expect blip2_finetune_truncated_image 1 "rgb_13x7.jpg: corrupt JPEG" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --data.json_path "$T/b2bad" --out_dir "$T/b2x"
+# the Flan-T5 variant (labels = the caption + EOS, the decoder's input shifted from the start token): the loss falls,
+# the folder reloads lower; LoRA on q, v (the lab's); the image parts alone are refused (T5 trains its lm)
+b2out=$("$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --out_dir "$T/b2t5" 2>&1); rc=$?
+l1=$(sed -n 's/^step 1\/8 loss \([0-9.]*\).*/\1/p' <<<"$b2out"); l8=$(sed -n 's/^step 8\/8 loss \([0-9.]*\).*/\1/p' <<<"$b2out")
+printf '17 29\n' > "$T/b2t5src.txt"; printf '3 41 9 11 1\n' > "$T/b2t5tgt.txt"
+lb=$("$FITLLM" loss tests/fixtures/blip2-tiny-t5 --image "$IMG/palette_45x31.png" --tokens-file "$T/b2t5src.txt" --target-tokens-file "$T/b2t5tgt.txt" 2>&1 | sed -n 's/^loss \([0-9.]*\).*/\1/p')
+lf=$("$FITLLM" loss "$T/b2t5/final" --image "$IMG/palette_45x31.png" --tokens-file "$T/b2t5src.txt" --target-tokens-file "$T/b2t5tgt.txt" 2>&1 | sed -n 's/^loss \([0-9.]*\).*/\1/p')
+if [ $rc -eq 0 ] && [ -n "$l8" ] && [ -n "$lf" ] && awk -v a="$l1" -v b="$l8" -v c="$lb" -v d="$lf" 'BEGIN{exit !(b < a - 0.3 && d < c - 0.3)}'; then
+    echo "ok   blip2_t5_finetune_full (steps $l1 -> $l8, reloaded $lb -> $lf)"; pass=$((pass+1))
+else echo "FAIL blip2_t5_finetune_full: rc $rc, steps $l1 -> $l8, reloaded $lb -> $lf"; echo "$b2out" | tail -3; fail=$((fail+1)); fi
+expect blip2_t5_finetune_lora 0 "saved .*b2t5l/final" -- "$FITLLM" finetune_lora tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --lora_r 4 --out_dir "$T/b2t5l"
+expect blip2_t5_lora_adapter 0 '"task_type": "SEQ_2_SEQ_LM"' -- cat "$T/b2t5l/final/adapter/adapter_config.json"
+expect blip2_t5_finetune_needs_lm 2 "the Flan-T5 variant trains its language model" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --blip2.train qformer --out_dir "$T/b2x"
+printf '{"image": "one_1x1.png", "caption": "3 4"}\n{"image": "one_1x1.png"}\n' > "$T/b2bad/c.jsonl"
+expect blip2_finetune_jsonl_key 1 'c.jsonl: line 2: key "text" \(or "caption"\): missing' -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --data.json_path "$T/b2bad/c.jsonl" --out_dir "$T/b2x"
 # T5 folders (issue 31): tokenizer.json (Unigram) and a folder with only spiece.model give HF's ids
 expect tokenize_t5_folder 0 "^63 46 9 153 123 499 1$" -- "$FITLLM" tokenize tests/fixtures/t5-tok --text "Hello  world <extra_id_0>"
 mkdir -p "$T/t5spm" && cp tests/fixtures/t5-tok/spiece.model "$T/t5spm/"

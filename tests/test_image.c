@@ -283,6 +283,35 @@ FL_TEST(image_captions_formats_and_errors) {
     put(sub, "captions.tsv", "a.png no tab\n");
     FL_CHECK(fl_img_captions_load(sub, &c) == FL_ERR_FORMAT && msg_has("captions.tsv: line 1") && msg_has("tab"));
     FL_CHECK(fl_img_captions_load("/nonexistent/caps.jsonl", &c) == FL_ERR_NOT_FOUND && msg_has("caps.jsonl"));
+    /* "caption" for "text"; a key of the wrong type or an empty caption is named with its line */
+    put(dir, "cap.jsonl", "{\"image\": \"imgs/a.png\", \"caption\": \"via caption\"}\n");
+    snprintf(p, sizeof p, "%s/cap.jsonl", dir);
+    FL_REQUIRE_OK(fl_img_captions_load(p, &c));
+    FL_CHECK(c.n == 1 && strcmp(c.text[0], "via caption") == 0);
+    fl_img_captions_free(&c);
+    put(dir, "cap.jsonl", "{\"image\": \"imgs/a.png\", \"caption\": \"x\"}\n{\"image\": 3, \"caption\": \"y\"}\n");
+    FL_CHECK(fl_img_captions_load(p, &c) == FL_ERR_FORMAT && msg_has("cap.jsonl: line 2") && msg_has("\"image\"") &&
+             msg_has("not a string"));
+    put(dir, "cap.jsonl", "{\"image\": \"imgs/a.png\", \"caption\": 7}\n");
+    FL_CHECK(fl_img_captions_load(p, &c) == FL_ERR_FORMAT && msg_has("cap.jsonl: line 1") && msg_has("\"caption\")"));
+    put(dir, "cap.jsonl", "{\"image\": \"imgs/a.png\", \"text\": \"\"}\n");
+    FL_CHECK(fl_img_captions_load(p, &c) == FL_ERR_FORMAT && msg_has("line 1") && msg_has("empty caption"));
+    /* a folder of images with NAME.txt captions beside them (name order); a missing or empty .txt is named */
+    snprintf(p, sizeof p, "%s/captions.tsv", sub);
+    unlink(p);
+    FL_CHECK(fl_img_captions_load(sub, &c) == FL_ERR_NOT_FOUND && msg_has("a.png has no caption file a.txt"));
+    put(sub, "c.txt", "green\n");
+    put(sub, "a.txt", "a red square\r\n");
+    put(sub, "b.txt", "blue");
+    FL_REQUIRE_OK(fl_img_captions_load(sub, &c));
+    FL_CHECK(c.n == 3 && strcmp(c.text[0], "a red square") == 0 && strcmp(c.text[1], "blue") == 0 &&
+             strstr(c.image[2], "imgs/c.jpg"));
+    fl_img_captions_free(&c);
+    put(sub, "b.txt", " \n");
+    FL_CHECK(fl_img_captions_load(sub, &c) == FL_ERR_FORMAT && msg_has("b.txt: empty caption"));
+    snprintf(p, sizeof p, "%s/empty_dir", dir);
+    FL_REQUIRE(mkdir(p, 0755) == 0);
+    FL_CHECK(fl_img_captions_load(p, &c) == FL_ERR_NOT_FOUND && msg_has("NAME.txt"));
     char cmd[600];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
     FL_CHECK(system(cmd) == 0);

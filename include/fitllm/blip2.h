@@ -51,6 +51,14 @@ fl_model *fl_blip2_part(fl_blip2 *b, int part);
 size_t fl_blip2_param_count(const fl_blip2_config *c);
 
 fl_status fl_blip2_alloc_grads(fl_blip2 *b);
+/* Gradient buffers for the parts in the mask (1 << FL_BLIP2_VISION | ...) only: the others are frozen (their backward
+ * is skipped where nothing before them trains; dX still flows through a frozen language model to the Q-Former). A
+ * part with LoRA adapters (fl_model_lora_init on fl_blip2_part) trains them with its base frozen. */
+fl_status fl_blip2_alloc_grads_parts(fl_blip2 *b, int parts);
+/* An HF folder of the model as it is now (LoRA adapters merged: fl_model_lora_merge first): model.safetensors under
+ * the names fl_blip2_load reads (each tensor in src_dir's own shape), src_dir's config.json,
+ * preprocessor_config.json and tokenizer files copied. */
+fl_status fl_blip2_save(const fl_blip2 *b, const char *src_dir, const char *dst_dir);
 void fl_blip2_zero_grads(fl_blip2 *b);
 /* The arena for B images and T language-model ids per sequence. */
 fl_status fl_blip2_alloc_acts(fl_blip2 *b, int B, int T);

@@ -129,6 +129,7 @@ typedef struct {
     int threads;                      /* 0 = all cores */
     int quiet;
     int overwrite;
+    char blip2_train[32];             /* blip2.train: a BLIP-2 checkpoint's parts that train ("" = the command's default) */
     /* library callers (no option): the step hook's parameters under FSDP FULL_SHARD: 0 this rank's
      * shard (fl_step_hook), 1 the whole parameters, gathered unit by unit for it (a collective and a
      * whole host copy on every rank each step: tests) */

@@ -69,7 +69,11 @@ fl_status fl_img_preprocess_alloc(const fl_img_proc *p, const fl_img *im, float 
  *     such object per line); PATH relative to the file's folder (absolute paths kept);
  *   - a folder holding captions.jsonl ({"file_name" or "image": NAME, "text": CAPTION} per line,
  *     the Hugging Face imagefolder metadata layout) or captions.tsv (NAME<TAB>CAPTION per line),
- *     names relative to the folder.
+ *     names relative to the folder; without either, every .jpg/.jpeg/.png with its caption in a
+ *     text file of the same stem beside it (a.jpg + a.txt; name order; a missing or empty .txt is
+ *     an error naming it).
+ *   "caption" is accepted for "text"; an empty caption, or a key of the wrong type, is refused
+ *   naming the file, the line (record) and the key.
  * Every named image must exist (checked at load: the error names the captions file, the record
  * and the image). Hugging Face save_to_disk folders: tools/hf_to_captions.py converts. */
 typedef struct {

@@ -406,7 +406,8 @@ typedef struct {
     /* An encoder-decoder's source rows supplied by the caller (BLIP-2's projected queries in place of the
      * image placeholders, fitllm/blip2.h): after the first stack's embedding, row rows[i] of the (B Ts) rows is
      * src[i] (n rows of C, device memory); the backward moves their gradient into dsrc and none reaches the
-     * token table. n 0: none. */
+     * token table. A decoder-only model's fl_model_prefill (one sequence) takes them the same way, plus the row's
+     * learned position (BLIP-2's OPT captioning with the KV cache). n 0: none. */
     struct { const int *rows; int n; const float *src; float *dsrc; } emb_inject;
 } fl_model;
 

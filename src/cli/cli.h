@@ -151,6 +151,8 @@ int fl_cmd_download(int argc, char **argv);
 /* BLIP-2 with --image (cmd_blip2.c): `fitllm loss` of a caption's ids (the mean cross-entropy of caption[1:] after
  * the query tokens; the Flan-T5 variant: of tgt given the source) and greedy captioning (prompt text with the folder's tokenizer, or ids); exit codes as the
  * commands'. */
+/* finetune_full / finetune_lora on a BLIP-2 folder (cmd_blip2_train.c): image-caption fine-tuning; the exit code. */
+int fl_cli_blip2_train(const char *cmd, const fl_run_config *cfg);
 int fl_cli_blip2_loss(const char *cmd, const char *dir, const char *image, const int32_t *caption, int n,
                       const int32_t *tgt, int nt, const fl_backend *be, fl_mem_pool *pool);
 int fl_cli_blip2_generate(const char *cmd, const char *dir, const char *image, const char *prompt,

@@ -10,6 +10,7 @@
 
 #include "cli.h"
 #include "fitllm/backend.h"
+#include "fitllm/blip2.h"
 #include "fitllm/gpu_monitor.h"
 #include "fitllm/checkpoint.h"
 #include "fitllm/comm.h"
@@ -54,6 +55,14 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "  the run as a NaN does: exit 1, no final/, the last good checkpoint named. Perplexities above\n"
            "  e^%.0f print as inf.\n", FL_DIVERGE_ALPHA, FL_DIVERGE_WINDOW, FL_DIVERGE_MARGIN, FL_DIVERGE_MARGIN,
            FL_PPL_MAX_LOSS);
+    if (kind != FL_CMD_PRETRAIN)
+        printf("\n  BLIP-2 folders (model_type blip-2, OPT or Flan-T5): image-caption fine-tuning with --data JSON\n"
+               "  --data.json_path CAPTIONS (.json/.jsonl {\"image\", \"text\"} records, or an image folder with\n"
+               "  captions.jsonl, captions.tsv or NAME.txt beside each image; token ids when the folder has no tokenizer);\n"
+               "  --blip2.train vision,qformer,lm picks the parts that train (vision frozen by default%s).\n"
+               "  fp32 (32-true), one process; final/ is an HF BLIP-2 folder%s.\n",
+               kind == FL_CMD_FINETUNE_LORA ? "; default lm: LoRA on the language model" : "",
+               kind == FL_CMD_FINETUNE_LORA ? " (LoRA merged) + adapter/ (PEFT)" : "");
     printf("\nexit codes: 0 ok, 1 runtime error, 2 usage or config error, 3 out of memory, 130 SIGINT, 143 SIGTERM,\n"
            "138 SIGUSR1\n");
 }
@@ -342,6 +351,8 @@ static int run(const char *cmd, fl_cmd_kind kind, int argc, char **argv) {
     if (rc) return rc < 0 ? 0 : rc;
     /* a rank of fitllm's launcher: its stop request may come while MPI starts; kept for the first step */
     if (getenv("FITLLM_LAUNCHED")) signal(SIGUSR2, on_signal);
+    /* a BLIP-2 folder: image-caption fine-tuning, its own loop (cmd_blip2_train.c) */
+    if (kind != FL_CMD_PRETRAIN && fl_blip2_is_folder(cfg.checkpoint_dir)) return fl_cli_blip2_train(cmd, &cfg);
     fl_comm *comm = NULL;
     if ((rc = join_ranks(cmd, &cfg, argc, argv, &comm)) != 0) return rc < 0 ? 0 : rc;
     if (!comm || fl_comm_rank(comm) == 0) fl_cli_note_run_weights(cmd, &cfg); /* the first line, when it applies */

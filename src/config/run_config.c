@@ -179,6 +179,7 @@ static const fl_cfg_key k_keys[] = {
     {"threads", FL_CK_INT, OFF(threads), "CPU threads, 0 = all cores (fitllm)"},
     {"quiet", FL_CK_BOOL, OFF(quiet), "no progress bar (fitllm)"},
     {"overwrite", FL_CK_BOOL, OFF(overwrite), "reuse an out_dir that holds another run (fitllm)"},
+    {"blip2.train", FL_CK_STR32, OFF(blip2_train), "a BLIP-2 checkpoint's parts that train: vision, qformer (with the query tokens and the language projection), lm, comma-separated (default qformer,lm; adapter fine-tuning: lm, its adapters; the vision tower frozen) (fitllm)"},
 };
 #undef OFF
 #define N_KEYS (sizeof k_keys / sizeof k_keys[0])

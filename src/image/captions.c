@@ -4,6 +4,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
+#include <strings.h>
 #include <sys/stat.h>
 
 #include "fitllm/image.h"
@@ -61,10 +63,15 @@ static fl_status add_json(fl_img_captions *c, size_t *cap, const char *dir, cons
     const fl_json *im = fl_json_get(o, "image");
     if (!im) im = fl_json_get(o, "file_name");
     const fl_json *tx = fl_json_get(o, "text");
+    if (!tx) tx = fl_json_get(o, "caption");
     if (!im || im->type != FL_JSON_STRING)
-        return fl_errorf(FL_ERR_FORMAT, "%s: %s %zu: no \"image\" (or \"file_name\") string", src, unit, rec);
+        return fl_errorf(FL_ERR_FORMAT, "%s: %s %zu: key \"image\" (or \"file_name\"): %s", src, unit, rec,
+                         im ? "not a string" : "missing");
     if (!tx || tx->type != FL_JSON_STRING)
-        return fl_errorf(FL_ERR_FORMAT, "%s: %s %zu: no \"text\" string (the caption)", src, unit, rec);
+        return fl_errorf(FL_ERR_FORMAT, "%s: %s %zu: key \"text\" (or \"caption\"): %s (the caption)", src, unit,
+                         rec, tx ? "not a string" : "missing");
+    if (tx->len == 0) return fl_errorf(FL_ERR_FORMAT, "%s: %s %zu: key \"%s\": empty caption", src, unit, rec,
+                                       fl_json_get(o, "text") ? "text" : "caption");
     return add(c, cap, dir, im->str, im->len, tx->str, tx->len, src, unit, rec);
 }
 
@@ -116,6 +123,62 @@ static int ends_with(const char *s, const char *suf) {
     return a >= b && strcmp(s + a - b, suf) == 0;
 }
 
+static int is_image_name(const char *n) {
+    const char *dot = strrchr(n, '.');
+    return dot && n[0] != '.' && (!strcasecmp(dot, ".jpg") || !strcasecmp(dot, ".jpeg") || !strcasecmp(dot, ".png"));
+}
+
+static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+/* A folder of images, each with its caption in a text file of the same stem (a.jpg + a.txt), in name order. An
+ * image without its .txt, or an empty one, is an error naming the file. Returns FL_ERR_NOT_FOUND (nothing set) when
+ * *none: the folder holds no image at all (FL_OK returned, nothing loaded). */
+static fl_status load_txt_folder(const char *dir, fl_img_captions *out, int *none) {
+    *none = 0;
+    DIR *d = opendir(dir);
+    if (!d) return fl_errorf(FL_ERR_IO, "%s: cannot read the folder", dir);
+    char **names = NULL;
+    size_t n = 0, cap = 0;
+    fl_status s = FL_OK;
+    for (struct dirent *e; s == FL_OK && (e = readdir(d));) {
+        if (!is_image_name(e->d_name)) continue;
+        if (n == cap) {
+            char **nn = realloc(names, (cap = cap ? 2 * cap : 64) * sizeof *nn);
+            if (!nn) s = fl_errorf(FL_ERR_OOM, "%s: out of memory", dir);
+            else names = nn;
+        }
+        if (s == FL_OK && !(names[n++] = strdup(e->d_name))) s = fl_errorf(FL_ERR_OOM, "%s: out of memory", dir), n--;
+    }
+    closedir(d);
+    if (s == FL_OK && n == 0) *none = 1;
+    if (s == FL_OK) qsort(names, n, sizeof *names, cmp_str);
+    size_t ocap = 0;
+    for (size_t i = 0; s == FL_OK && i < n; i++) {
+        char txt[4096];
+        const size_t stem = (size_t)(strrchr(names[i], '.') - names[i]);
+        snprintf(txt, sizeof txt, "%s/%.*s.txt", dir, (int)stem, names[i]);
+        struct stat st;
+        if (stat(txt, &st) != 0) {
+            s = fl_errorf(FL_ERR_NOT_FOUND, "%s: image %s has no caption file %.*s.txt (an image folder holds "
+                          "captions.jsonl, captions.tsv, or a NAME.txt caption beside each image)", dir, names[i],
+                          (int)stem, names[i]);
+            break;
+        }
+        uint8_t *buf = NULL;
+        size_t len = 0;
+        s = fl_img_read_file(txt, "caption file", &buf, &len);
+        while (s == FL_OK && len && strchr(" \t\r\n", buf[len - 1])) len--; /* the file's final newline */
+        if (s == FL_OK && len == 0) s = fl_errorf(FL_ERR_FORMAT, "%s: empty caption", txt);
+        if (s == FL_OK && memchr(buf, 0, len)) s = fl_errorf(FL_ERR_FORMAT, "%s: NUL byte in the caption", txt);
+        if (s == FL_OK) s = add(out, &ocap, dir, names[i], strlen(names[i]), (const char *)buf, len, txt, "line", 1);
+        free(buf);
+    }
+    for (size_t i = 0; i < n; i++) free(names[i]);
+    free(names);
+    if (s != FL_OK) fl_img_captions_free(out);
+    return s;
+}
+
 fl_status fl_img_captions_load(const char *path, fl_img_captions *out) {
     memset(out, 0, sizeof *out);
     struct stat st;
@@ -129,9 +192,15 @@ fl_status fl_img_captions_load(const char *path, fl_img_captions *out) {
         if (stat(file, &st) != 0) {
             snprintf(file, sizeof file, "%s/captions.tsv", path);
             kind = 2;
-            if (stat(file, &st) != 0)
-                return fl_errorf(FL_ERR_NOT_FOUND, "%s: an image folder needs captions.jsonl or captions.tsv "
-                                 "(Hugging Face save_to_disk folders: convert with tools/hf_to_captions.py)", path);
+            if (stat(file, &st) != 0) {
+                int none;
+                fl_status s = load_txt_folder(path, out, &none);
+                if (s == FL_OK && none)
+                    return fl_errorf(FL_ERR_NOT_FOUND, "%s: an image folder needs captions.jsonl, captions.tsv or a "
+                                     "NAME.txt caption beside each image (Hugging Face save_to_disk folders: convert "
+                                     "with tools/hf_to_captions.py)", path);
+                return s;
+            }
         }
     } else {
         snprintf(file, sizeof file, "%s", path);

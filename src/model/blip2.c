@@ -417,3 +417,82 @@ fl_status fl_blip2_alloc_grads(fl_blip2 *b) {
 void fl_blip2_zero_grads(fl_blip2 *b) {
     for (int k = 0; k < FL_BLIP2_PARTS; k++) fl_model_zero_grads(&b->part[k]);
 }
+
+fl_status fl_blip2_alloc_grads_parts(fl_blip2 *b, int parts) {
+    for (int k = 0; k < FL_BLIP2_PARTS; k++)
+        if (parts & (1 << k)) FL_TRY(fl_model_alloc_grads(&b->part[k]));
+    return FL_OK;
+}
+
+/* ---- saving ----------------------------------------------------------------------------------- */
+
+typedef struct {
+    const fl_model *m;
+    int i;
+} save_src;
+
+static fl_status save_fill(void *ud, float *dst) {
+    const save_src *p = ud;
+    fl_model_read_param(p->m, p->i, dst); /* LoRA-merged after fl_model_lora_merge */
+    return FL_OK;
+}
+
+/* A small file of src_dir copied to dst_dir (absent: nothing). */
+static fl_status copy_small(const char *src_dir, const char *dst_dir, const char *name) {
+    char a[4096], d[4096];
+    FL_TRY(fl_fs_join(a, sizeof a, src_dir, name));
+    FL_TRY(fl_fs_join(d, sizeof d, dst_dir, name));
+    if (!fl_fs_is_file(a)) return FL_OK;
+    char *buf = NULL;
+    size_t n = 0;
+    FL_TRY(fl_fs_read_file(a, (size_t)64 << 20, &buf, &n));
+    fl_status s = fl_fs_write_file_atomic(d, buf, n);
+    free(buf);
+    return s;
+}
+
+fl_status fl_blip2_save(const fl_blip2 *b, const char *src_dir, const char *dst_dir) {
+    FL_TRY(fl_fs_mkdir_p(dst_dir));
+    st_set f = {0};
+    FL_TRY(fl_hf_open_weight_files(src_dir, &b->cfg.text, &f.files, &f.n));
+    const int n = b->part[0].layout.n + b->part[1].layout.n + b->part[2].layout.n;
+    fl_st_write_tensor *t = calloc((size_t)n + 1, sizeof *t);
+    save_src *src = calloc((size_t)n + 1, sizeof *src);
+    char(*names)[FL_PARAM_NAME_MAX + 32] = calloc((size_t)n + 1, sizeof *names);
+    fl_status s = t && src && names ? FL_OK : fl_errorf(FL_ERR_OOM, "saving BLIP-2: out of host memory");
+    int nt = 0;
+    for (int k = 0; s == FL_OK && k < FL_BLIP2_PARTS; k++) {
+        const fl_model *m = &b->part[k];
+        for (int i = 0; i < m->layout.n; i++, nt++) {
+            const fl_param_info *p = &m->layout.params[i];
+            snprintf(names[nt], sizeof names[0], "%s%s", k == FL_BLIP2_TEXT ? "language_model." : "", p->name);
+            fl_st_write_tensor *e = &t[nt];
+            e->name = names[nt];
+            e->dtype = e->src_dtype = FL_F32;
+            fl_hf_tensor_shape(p, e);
+            /* the file's own shape where the source holds it ((1, 1, C) class token, the 4-D convolution weight) */
+            const fl_st_tensor *o = find_tensor(&f, names[nt]);
+            size_t on = 1;
+            for (int d = 0; o && d < o->ndim; d++) on *= (size_t)o->shape[d];
+            if (o && on == p->numel && !e->transpose2d && o->ndim <= 8) {
+                e->ndim = o->ndim;
+                for (int d = 0; d < o->ndim; d++) e->shape[d] = o->shape[d];
+            }
+            src[nt] = (save_src){m, i};
+            e->fill = save_fill;
+            e->fill_ud = &src[nt];
+        }
+    }
+    fl_hf_close_weight_files(f.files, f.n);
+    char path[4096];
+    if (s == FL_OK) s = fl_fs_join(path, sizeof path, dst_dir, "model.safetensors");
+    const char *mk[] = {"format"}, *mv[] = {"pt"};
+    if (s == FL_OK) s = fl_st_write(path, t, nt, mk, mv, 1);
+    free(t), free(src), free(names);
+    static const char *const small[] = {"config.json", "preprocessor_config.json", "generation_config.json",
+                                        "processor_config.json"};
+    for (size_t i = 0; s == FL_OK && i < sizeof small / sizeof small[0]; i++) s = copy_small(src_dir, dst_dir, small[i]);
+    int nc = 0;
+    if (s == FL_OK && fl_io_has_tokenizer(src_dir)) s = fl_io_copy_tokenizer_files(src_dir, dst_dir, &nc);
+    return s == FL_OK ? FL_OK : fl_error_prefix(s, "saving BLIP-2 to %s", dst_dir);
+}

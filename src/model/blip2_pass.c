@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "blip2-impl.h"
+#include "fitllm/generate.h"
 #include "store.h"
 
 #define TAKEF(cv, n) ((float *)fl_carve((cv), (size_t)(n) * sizeof(float)))
@@ -96,6 +97,9 @@ static size_t carve_work(fl_blip2 *b, char *base) {
 }
 
 void fl_blip2_free_acts(fl_blip2 *b) {
+    for (int k = 0; k < FL_BLIP2_PARTS; k++)
+        if (b->part[k].adapt && b->part[k].adapt->h.free_acts && !fl_model_is_s2s(&b->part[k].cfg))
+            b->part[k].adapt->h.free_acts(&b->part[k]);
     for (int k = 0; k < FL_BLIP2_PARTS; k++) {
         free(b->st[k].res), free(b->st[k].layer);
         b->st[k].res = NULL, b->st[k].layer = NULL;
@@ -148,6 +152,14 @@ static fl_status alloc_parts(fl_blip2 *b, int B, int T, int Tt) {
     }
     carve_acts(b, b->acts);
     carve_work(b, b->work);
+    for (int k = 0; s == FL_OK && k < parts_here(b); k++) { /* LoRA adapters' activations, per part's rows */
+        fl_model *m = &b->part[k];
+        if (m->adapt && m->adapt->h.alloc_acts) s = m->adapt->h.alloc_acts(m, B, b->st[k].T);
+    }
+    if (s != FL_OK) {
+        fl_blip2_free_acts(b);
+        return fl_error_prefix(s, "BLIP-2 LoRA activations for B=%d, T=%d", B, T);
+    }
     if (Tt > 0) { /* the encoder-decoder's own arena */
         s = fl_model_alloc_acts_s2s(&b->part[2], B, TL, Tt);
         if (s != FL_OK) fl_blip2_free_acts(b);
@@ -280,7 +292,7 @@ static void queries_backward(fl_blip2 *b, const float *dres) {
     fl_norm_backward(m, din, prm(m, 0, FL_ROLE_EMB_NORM_W, 1), prm(m, 0, FL_ROLE_EMB_NORM_B, 1), dres, st->nin,
                      prm(m, 0, FL_ROLE_EMB_NORM_W, 0), st->nmean, st->nrstd, b->Bp * st->T);
     float *dq = prm(m, 0, FL_ROLE_QUERY_EMBED, 1);
-    for (int i = 0; i < b->Bp; i++) be->add(be, dq, dq, din + i * n, n);
+    for (int i = 0; dq && i < b->Bp; i++) be->add(be, dq, dq, din + i * n, n);
 }
 
 /* The language model's embeddings, the projected queries in their rows (+ the rows' positions). */
@@ -292,7 +304,7 @@ static fl_status embed_forward(fl_blip2 *b) {
     fl_get_outer(m, &op);
     FL_TRY(be->to_device(be, b->ids, b->hids, (size_t)b->Bp * TL * sizeof(int32_t)));
     float *r0 = b->st[2].res[0];
-    fl_embed_forward(m, &op, r0, b->ids, b->hids, b->Bp, TL, 0);
+    FL_TRY(fl_embed_forward(m, &op, r0, b->ids, b->hids, b->Bp, TL, 0));
     for (int i = 0; i < b->Bp * NQ; i++) {
         const int row = b->qrow[i], t = row % TL;
         float *r = r0 + (size_t)row * C;
@@ -316,7 +328,8 @@ static fl_status embed_backward(fl_blip2 *b, float *dres) {
         if (op.dwpe) be->add(be, op.dwpe + (size_t)t * C, op.dwpe + (size_t)t * C, d, (size_t)C);
         be->zero(be, d, (size_t)C * sizeof(float));
     }
-    return fl_embed_backward(m, &op, dres, b->ids, b->Bp, TL);
+    /* a frozen language model (the Q-Former trains through it): no table to update */
+    return fl_model_grads_f32(m) ? fl_embed_backward(m, &op, dres, b->ids, b->Bp, TL) : FL_OK;
 }
 
 /* ---- the passes ------------------------------------------------------------------------------------ */
@@ -423,6 +436,9 @@ static fl_status place_queries(fl_blip2 *b, const int32_t *ids, int B, int T) {
     return FL_OK;
 }
 
+/* Part m has something to train: its gradient buffers, or LoRA adapters (the base frozen). */
+static int part_trains(const fl_model *m) { return fl_model_grads_f32(m) != NULL || m->adapt != NULL; }
+
 /* The image parts: checks, the queries' rows among the language model's, the vision tower, the Q-Former and the
  * projection (qproj). */
 static fl_status front(fl_blip2 *b, const char *fn, const float *pixels, const int32_t *ids, const int32_t *targets,
@@ -433,8 +449,11 @@ static fl_status front(fl_blip2 *b, const char *fn, const float *pixels, const i
     for (int k = 0; k < FL_BLIP2_PARTS; k++)
         if (!fl_model_params_f32(&b->part[k]) || fl_model_provider(&b->part[k]) || fl_model_quant4(&b->part[k]))
             return fl_errorf(FL_ERR_UNSUPPORTED, "BLIP-2 runs fp32 storage only so far");
-    if (grad_scale > 0 && (!targets || !fl_model_grads_f32(&b->part[0])))
-        return fl_errorf(FL_ERR_INVALID, "%s: a training forward needs targets and gradient buffers", fn);
+    int any = 0;
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) any |= part_trains(&b->part[k]);
+    if (grad_scale > 0 && (!targets || !any))
+        return fl_errorf(FL_ERR_INVALID, "%s: a training forward needs targets and a part that trains (gradient "
+                         "buffers or LoRA adapters: fl_blip2_alloc_grads / fl_blip2_alloc_grads_parts)", fn);
     b->Bp = B;
     b->Tp = T;
     b->fwd_train = 0;
@@ -509,12 +528,16 @@ fl_status fl_blip2_backward(fl_blip2 *b) {
         FL_TRY(blocks_backward(b, FL_BLIP2_TEXT));
         FL_TRY(embed_backward(b, b->gb[0]));
     }
+    /* the image parts only as far back as something trains: a frozen vision tower (the default of a fine-tuning run)
+     * ends the pass after the Q-Former, a frozen Q-Former too after the language model */
+    if (!part_trains(qf) && !part_trains(vm)) return FL_OK;
     /* the projection: d(Q-Former output) into gb[0] */
     G = qf->layout.n_groups - 1;
     fl_linear proj = outer_linear(qf, G, FL_ROLE_LMPROJ_W, FL_ROLE_LMPROJ_B);
     FL_TRY(fl_linear_backward(be, b->gb[0], 0, b->dqproj, b->st[1].res[b->st[1].L], &proj, b->Bp * b->st[1].T));
     FL_TRY(blocks_backward(b, FL_BLIP2_QFORMER)); /* d(image features) into dimg */
     queries_backward(b, b->gb[0]);
+    if (!part_trains(vm)) return FL_OK;
     /* the vision tower from d(its output) */
     st = &b->st[0];
     G = vm->layout.n_groups - 1;
@@ -569,21 +592,28 @@ fl_status fl_blip2_generate(fl_blip2 *b, const float *pixels, const int32_t *pro
         free(ids);
         return s;
     }
-    /* no cache yet: the whole sequence again for every token (the image parts included); the head's last chunk
-     * stays in the logits buffer, its last row is the next token's */
+    /* the image parts once, then the language model with its KV cache: the prefill takes the projected queries in
+     * their rows (fl_model.emb_inject), each new token one decode step */
+    fl_model *lm = &b->part[2];
+    fl_kv_cache kv;
+    memset(&kv, 0, sizeof kv);
+    s = fl_blip2_alloc_acts(b, 1, n);
+    if (s == FL_OK) s = front(b, "fl_blip2_generate", pixels, ids, NULL, 1, n, 0);
+    if (s == FL_OK) s = fl_kv_cache_init(&kv, lm, b->TL + max_new);
+    if (s == FL_OK) {
+        lm->emb_inject.rows = b->qrow, lm->emb_inject.n = NQ, lm->emb_inject.src = b->qproj, lm->emb_inject.dsrc = NULL;
+        s = fl_model_prefill(lm, &kv, b->hids, b->TL, lg);
+        lm->emb_inject.n = 0;
+    }
     while (s == FL_OK && *n_out < max_new) {
-        s = fl_blip2_alloc_acts(b, 1, n);
-        if (s == FL_OK) s = fl_blip2_forward(b, pixels, ids, NULL, 1, n, 0, NULL, NULL);
-        const int N = b->TL, last = N - 1 - (N - 1) / b->chunk * b->chunk;
-        if (s == FL_OK) s = b->be->to_host(b->be, lg, b->logits + (size_t)last * V, (size_t)V * sizeof *lg);
-        if (s != FL_OK) break;
         int best = 0;
         for (int v = 1; v < V; v++)
             if (lg[v] > lg[best]) best = v; /* the first of equal maxima, as torch.argmax */
         out[(*n_out)++] = best;
-        ids[n++] = best;
-        if (best == b->cfg.eos_id) break;
+        if (best == b->cfg.eos_id || *n_out == max_new) break;
+        s = fl_model_decode(lm, &kv, best, lg);
     }
+    fl_kv_cache_free(&kv);
     free(ids), free(lg);
     return s;
 }

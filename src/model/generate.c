@@ -155,6 +155,15 @@ static fl_status forward_rows_impl(fl_model *m, fl_kv_cache *kv, const rows_scra
     FL_TRY(fl_store_gather(m->store, 0, L > 0 ? 1 : head ? HG : -1));
     fl_get_outer(m, &op);
     FL_TRY(fl_embed_forward(m, &op, x, dids, ids, 1, n, pos0));
+    /* rows the caller supplies (fl_model.emb_inject: BLIP-2's projected queries) in a prefill: the row + its
+     * position, as the training forward's embedding (blip2_pass.c) */
+    for (int i = 0; pos0 == 0 && i < m->emb_inject.n; i++) {
+        const int t = m->emb_inject.rows[i];
+        if (t < 0 || t >= n) return fl_errorf(FL_ERR_INVALID, "injected row %d outside the prefill's %d rows", t, n);
+        float *r = x + (size_t)t * d.C;
+        FL_TRY(be->copy(be, r, m->emb_inject.src + (size_t)i * d.C, (size_t)d.C * sizeof(float)));
+        if (op.wpe) be->add(be, r, r, op.wpe + (size_t)t * d.C, (size_t)d.C);
+    }
     if (!(tied && head)) fl_store_release(m->store, 0);
     /* the block graph with the cache: attention appends K/V rows (after RoPE), then attends causally
      * within the n rows (prefill, pos0 == 0) or, for one row, to the cached positions 0..pos0 (decode) */

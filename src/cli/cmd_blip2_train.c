@@ -1,0 +1,454 @@
+/* `fitllm finetune_full` / `finetune_lora` on a BLIP-2 folder: image-caption fine-tuning (fitllm/blip2.h,
+ * fitllm/image.h). The captions (--data JSON --data.json_path FILE|FOLDER: fl_img_captions_load's layouts) are
+ * tokenized with the folder's tokenizer, or read as token ids when it has none; each micro-batch's images go through
+ * the folder's preprocessor_config.json. --blip2.train names the parts that train (the vision tower is frozen by
+ * default); finetune_lora puts LoRA adapters on the language model (OPT, or the Flan-T5 variant's encoder-decoder:
+ * the caption + EOS its labels). One process, fp32 (32-true), AdamW / SGD: the
+ * rest is refused by name. The final folder is an HF BLIP-2 folder (the trained weights, LoRA merged) that
+ * `fitllm loss/generate --image` and transformers load, plus the PEFT adapter of the language model under LoRA. */
+#include <ctype.h>
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "core/fs.h"
+#include "fitllm/blip2.h"
+#include "fitllm/image.h"
+#include "fitllm/io.h"
+#include "fitllm/lora.h"
+#include "fitllm/peft.h"
+#include "fitllm/tokenizer.h"
+#include "fitllm/train.h"
+#include "fitllm/trainer.h"
+
+typedef struct {
+    const fl_run_config *cfg;
+    int lora;                /* finetune_lora: adapters on the language model */
+    int parts;               /* 1 << FL_BLIP2_* of the parts that train */
+    fl_backend be;
+    fl_mem_pool pool, hpool;
+    fl_blip2 *b;
+    fl_img_proc proc;
+    fl_img_captions caps;
+    int32_t **ids;           /* per record: the caption's ids (BOS first when the language model has one) */
+    int *n_ids;
+    fl_optimizer opt[FL_BLIP2_PARTS];
+    int has_opt[FL_BLIP2_PARTS];
+} b2run;
+
+/* --blip2.train: "vision,qformer,lm" (any subset, at least one); "" the command's default. */
+static fl_status parse_parts(const char *s, int lora, int *parts) {
+    if (!s[0]) s = lora ? "lm" : "qformer,lm";
+    *parts = 0;
+    char buf[64];
+    snprintf(buf, sizeof buf, "%s", s);
+    for (char *save = NULL, *w = strtok_r(buf, ", ", &save); w; w = strtok_r(NULL, ", ", &save)) {
+        const int k = !strcmp(w, "vision") ? FL_BLIP2_VISION : !strcmp(w, "qformer") ? FL_BLIP2_QFORMER
+                      : !strcmp(w, "lm") ? FL_BLIP2_TEXT : -1;
+        if (k < 0) return fl_errorf(FL_ERR_INVALID, "blip2.train: unknown part '%s' (vision, qformer, lm)", w);
+        *parts |= 1 << k;
+    }
+    if (!*parts) return fl_errorf(FL_ERR_INVALID, "blip2.train: no part to train (vision, qformer, lm)");
+    return FL_OK;
+}
+
+/* What this first slice runs; the rest refused by name. */
+static fl_status check_run(const fl_run_config *c) {
+    if (c->devices * c->num_nodes > 1 || c->tensor_parallel > 1)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "BLIP-2 fine-tuning runs in one process so far (--devices 1)");
+    if (strcmp(c->precision, "32-true"))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: BLIP-2 fine-tuning runs 32-true only so far", c->precision);
+    if (strcmp(c->strategy, "auto"))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s: BLIP-2 fine-tuning runs one process without offload so far "
+                         "(--strategy auto)", c->strategy);
+    if (c->lora.quantize[0])
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--quantize %s: QLoRA on BLIP-2 is not built yet", c->lora.quantize);
+    if (c->resume[0] && strcmp(c->resume, "false"))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--resume %s: BLIP-2 runs do not resume yet", c->resume);
+    if (c->optimizer.kind == FL_OPT_ADAMW8BIT)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--optimizer AdamW8bit: BLIP-2 runs AdamW or SGD so far");
+    if (c->data.kind != FL_DATA_JSON || !c->data.json_path[0])
+        return fl_errorf(FL_ERR_INVALID, "a BLIP-2 checkpoint trains on image captions: --data JSON --data.json_path "
+                         "CAPTIONS (a .json/.jsonl of {\"image\", \"text\"} records, or an image folder)");
+    return FL_OK;
+}
+
+/* A caption without a tokenizer: whitespace-separated token ids in [0, V). */
+static fl_status parse_ids(const char *text, int V, const char *image, int32_t **out, size_t *n) {
+    size_t cap = 16;
+    *n = 0;
+    *out = malloc(cap * sizeof **out);
+    if (!*out) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    for (const char *p = text; *p;) {
+        while (isspace((unsigned char)*p)) p++;
+        if (!*p) break;
+        char *end;
+        const long v = strtol(p, &end, 10);
+        if (end == p || (*end && !isspace((unsigned char)*end)) || v < 0 || v >= V)
+            return fl_errorf(FL_ERR_FORMAT, "caption of %s: the checkpoint has no tokenizer, so a caption is token ids "
+                             "in [0, %d) separated by spaces (got '%s')", image, V, text);
+        if (*n == cap) {
+            int32_t *nb = realloc(*out, (cap *= 2) * sizeof *nb);
+            if (!nb) return fl_errorf(FL_ERR_OOM, "out of host memory");
+            *out = nb;
+        }
+        (*out)[(*n)++] = (int32_t)v;
+        p = end;
+    }
+    return FL_OK;
+}
+
+/* Every caption to ids: BOS (the language model's, OPT) first, cut to data.max_seq_length (default 50, the lab's). */
+static fl_status tokenize_all(b2run *r) {
+    const fl_blip2_config *bc = fl_blip2_get_config(r->b);
+    const char *dir = r->cfg->checkpoint_dir;
+    fl_tokenizer *tok = NULL;
+    if (fl_io_has_tokenizer(dir)) FL_TRY(fl_tok_load(&tok, dir));
+    const int NQ = bc->image_token >= 0 ? bc->n_queries : 0, s2s = fl_model_is_s2s(&bc->text);
+    int maxlen = r->cfg->data.max_seq_length > 0 ? r->cfg->data.max_seq_length : 50;
+    if (!s2s && maxlen > bc->text.max_seq - NQ) maxlen = bc->text.max_seq - NQ;
+    r->ids = calloc(r->caps.n, sizeof *r->ids);
+    r->n_ids = calloc(r->caps.n, sizeof *r->n_ids);
+    fl_status s = r->ids && r->n_ids ? FL_OK : fl_errorf(FL_ERR_OOM, "out of host memory");
+    for (size_t i = 0; s == FL_OK && i < r->caps.n; i++) {
+        int32_t *raw = NULL;
+        size_t n = 0;
+        s = tok ? fl_tok_encode(tok, r->caps.text[i], strlen(r->caps.text[i]), 0, 0, &raw, &n)
+                : parse_ids(r->caps.text[i], bc->text.vocab_size, r->caps.image[i], &raw, &n);
+        /* OPT: BOS first; T5: the target ends with EOS (kept when the caption is cut, as the tokenizer's truncation) */
+        const int bos = !s2s && bc->bos_id >= 0 && !(n && raw[0] == bc->bos_id);
+        const int eos = s2s && !(n && raw[n - 1] == bc->eos_id);
+        int32_t *ids = s == FL_OK ? malloc((n + 2) * sizeof *ids) : NULL;
+        if (s == FL_OK && !ids) s = fl_errorf(FL_ERR_OOM, "out of host memory");
+        size_t k = 0;
+        if (ids && bos) ids[k++] = bc->bos_id;
+        for (size_t j = 0; ids && j < n; j++) ids[k++] = raw[j];
+        if (ids && eos) ids[k++] = bc->eos_id;
+        free(raw);
+        if (s == FL_OK && k < 2) s = fl_errorf(FL_ERR_FORMAT, "caption of %s: fewer than 2 tokens with %s", r->caps.image[i],
+                                               s2s ? "EOS" : "BOS");
+        if (s == FL_OK && (int)k > maxlen) {
+            k = (size_t)maxlen;
+            if (s2s) ids[k - 1] = bc->eos_id;
+        }
+        for (size_t j = 0; s == FL_OK && j < k; j++)
+            if (ids[j] == bc->image_token)
+                s = fl_errorf(FL_ERR_FORMAT, "caption of %s holds the image token id %d", r->caps.image[i], bc->image_token);
+        r->ids[i] = ids;
+        r->n_ids[i] = (int)k;
+    }
+    if (tok) fl_tok_free(tok);
+    return s;
+}
+
+/* Micro-batch of records [i0, i0 + B): pixels, the ids (the placeholders, the caption, padded to the longest with the
+ * language model's pad id) and the targets (row of caption token j predicts token j + 1). Returns the valid count. */
+static fl_status make_batch(b2run *r, const size_t *order, size_t i0, int B, float *px, int32_t **ids, int32_t **tg,
+                            int *T, long *n_valid) {
+    const fl_blip2_config *bc = fl_blip2_get_config(r->b);
+    const int NQ = bc->image_token >= 0 ? bc->n_queries : 0, S = bc->vision.image_size;
+    int L = 0;
+    for (int n = 0; n < B; n++)
+        if (r->n_ids[order[i0 + n]] > L) L = r->n_ids[order[i0 + n]];
+    const int s2s = fl_model_is_s2s(&bc->text);
+    *T = s2s ? L : NQ + L; /* T5: the decoder's rows; the source is the placeholders (NQ) */
+    *ids = malloc((size_t)B * (*T + NQ) * sizeof **ids);
+    *tg = malloc((size_t)B * *T * sizeof **tg);
+    if (!*ids || !*tg) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    *n_valid = 0;
+    const int pad = bc->text.pad_id >= 0 ? bc->text.pad_id : 0;
+    for (int n = 0; n < B; n++) {
+        const size_t rec = order[i0 + n];
+        const int32_t *c = r->ids[rec];
+        const int nc = r->n_ids[rec];
+        /* T5 (the labels are the caption: dec = the start token, then the labels but the last; after ids' B x T
+         * decoder rows come the B x NQ source rows) */
+        for (int t = 0; s2s && t < *T; t++) {
+            (*ids)[n * *T + t] = t == 0 ? bc->text.dec_start_id : t - 1 < nc ? c[t - 1] : pad;
+            (*tg)[n * *T + t] = t < nc ? c[t] : FL_IGNORE_INDEX;
+            *n_valid += t < nc;
+        }
+        for (int t = 0; s2s && t < NQ; t++) (*ids)[(size_t)B * *T + n * NQ + t] = bc->image_token;
+        for (int t = 0; !s2s && t < *T; t++) {
+            const int j = t - NQ;
+            (*ids)[n * *T + t] = t < NQ ? bc->image_token : j < nc ? c[j] : pad;
+            const int lab = j >= 0 && j + 1 < nc;
+            (*tg)[n * *T + t] = lab ? c[j + 1] : FL_IGNORE_INDEX;
+            *n_valid += lab;
+        }
+        fl_img im;
+        FL_TRY(fl_img_load(r->caps.image[rec], &im));
+        int h = 0, w = 0;
+        fl_status s = fl_img_preprocess(&r->proc, &im, px + (size_t)n * 3 * S * S, &h, &w);
+        fl_img_free(&im);
+        FL_TRY(s);
+        if (h != S || w != S)
+            return fl_errorf(FL_ERR_FORMAT, "%s: the processor makes %dx%d pixel_values, the vision tower reads %dx%d",
+                             r->caps.image[rec], w, h, S, S);
+    }
+    return FL_OK;
+}
+
+/* The language model's adapters as PEFT saves them on Blip2ForConditionalGeneration (language_model.<module>). */
+static fl_status save_adapter(b2run *r, const char *dir) {
+    fl_model *lm = fl_blip2_part(r->b, FL_BLIP2_TEXT);
+    fl_lora_adapters ad;
+    if (!fl_model_lora_adapters(lm, &ad)) return FL_OK;
+    fl_peft_module *mods = calloc((size_t)ad.n_mods + 1, sizeof *mods);
+    float *host = malloc(ad.numel * sizeof(float) + 1);
+    fl_status s = mods && host ? lm->be->to_host(lm->be, host, ad.params, ad.numel * sizeof(float))
+                               : fl_errorf(FL_ERR_OOM, "out of host memory");
+    for (int j = 0; s == FL_OK && j < ad.n_mods; j++) {
+        static const char pre[] = "language_model.";
+        if (strlen(ad.mods[j].name) + sizeof pre > sizeof mods[j].name) {
+            s = fl_errorf(FL_ERR_INVALID, "LoRA module name too long for the adapter file: %s", ad.mods[j].name);
+            break;
+        }
+        memcpy(mods[j].name, pre, sizeof pre - 1);
+        memcpy(mods[j].name + sizeof pre - 1, ad.mods[j].name, strlen(ad.mods[j].name) + 1);
+        mods[j].in = ad.mods[j].in, mods[j].out = ad.mods[j].out;
+        mods[j].A = host + ad.off[2 * j], mods[j].B = host + ad.off[2 * j + 1];
+    }
+    fl_peft_config pc;
+    memset(&pc, 0, sizeof pc);
+    pc.lora = *ad.cfg;
+    pc.inference_mode = 1;
+    pc.seq2seq = fl_model_is_s2s(&lm->cfg);
+    char abs[4096]; /* an absolute path: PEFT and merge_lora find the base from anywhere */
+    const char *base = realpath(r->cfg->checkpoint_dir, abs) ? abs : r->cfg->checkpoint_dir;
+    if (s == FL_OK && strlen(base) >= sizeof pc.base_model)
+        s = fl_errorf(FL_ERR_INVALID, "base model path too long for adapter_config.json: %s", base);
+    else memcpy(pc.base_model, base, strlen(base) + 1);
+    if (s == FL_OK) s = fl_peft_save(dir, &pc, mods, ad.n_mods);
+    free(mods), free(host);
+    return s;
+}
+
+static fl_status setup(b2run *r) {
+    const fl_run_config *c = r->cfg;
+    FL_TRY(check_run(c));
+    FL_TRY(parse_parts(c->blip2_train, r->lora, &r->parts));
+    FL_TRY(fl_backend_init_by_name(fl_backend_default_name(), &r->be, c->threads));
+    FL_TRY(fl_backend_pools_init(&r->be, &r->pool, &r->hpool, r->be.name, c->max_memory));
+    FL_TRY(fl_blip2_load(&r->b, c->checkpoint_dir, &r->be, &r->pool));
+    const fl_blip2_config *bc = fl_blip2_get_config(r->b);
+    if (fl_model_is_s2s(&bc->text) && !(r->parts & (1 << FL_BLIP2_TEXT)))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "blip2.train %s: the Flan-T5 variant trains its language model (lm, or "
+                         "LoRA on it under finetune_lora) so far", c->blip2_train);
+    if (fl_model_is_s2s(&bc->text) && bc->image_token < 0)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: the Flan-T5 variant without image_token_index is not built for "
+                         "fine-tuning", c->checkpoint_dir);
+    FL_TRY(fl_img_proc_load(c->checkpoint_dir, &r->proc));
+    FL_TRY(fl_img_captions_load(c->data.json_path, &r->caps));
+    fl_img_captions_shuffle(&r->caps, c->seed);
+    FL_TRY(tokenize_all(r));
+    int grads = r->parts & ~(r->lora ? 1 << FL_BLIP2_TEXT : 0);
+    FL_TRY(fl_blip2_alloc_grads_parts(r->b, grads));
+    if (r->lora && (r->parts & (1 << FL_BLIP2_TEXT))) {
+        fl_model *lm = fl_blip2_part(r->b, FL_BLIP2_TEXT);
+        fl_lora_config lc;
+        FL_TRY(fl_trainer_lora_config(c, &lm->cfg, &lc));
+        FL_TRY(fl_model_lora_init(lm, &lc, c->seed));
+    }
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        if (!(r->parts & (1 << k))) continue;
+        FL_TRY(fl_optim_init(&r->opt[k], fl_blip2_part(r->b, k), &c->optimizer));
+        r->has_opt[k] = 1;
+    }
+    return FL_OK;
+}
+
+/* A new epoch's order of the records: a splitmix64 Fisher-Yates seeded by the run's seed and the epoch. */
+static void reorder(size_t *order, size_t n, uint64_t seed) {
+    uint64_t x = seed;
+    for (size_t i = n; i > 1; i--) {
+        uint64_t z = (x += 0x9e3779b97f4a7c15ULL);
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+        const size_t j = (size_t)((z ^ (z >> 31)) % i), t = order[i - 1];
+        order[i - 1] = order[j], order[j] = t;
+    }
+}
+
+typedef struct {
+    size_t *order, pos;
+    long epoch;
+    double epoch_sum;
+    long epoch_n;
+} b2pos;
+
+/* clip_grad_norm_ over every trained part's gradients at once (the norm over all of them, in double; coef =
+ * max_norm / (norm + 1e-6) when below 1), before the parts' updates. */
+static fl_status clip_all(b2run *r, float max_norm) {
+    double ss = 0;
+    for (int k = 0; k < FL_BLIP2_PARTS; k++)
+        if (r->has_opt[k]) {
+            const double n = fl_grad_norm(fl_blip2_part(r->b, k));
+            ss += n * n;
+        }
+    const float coef = max_norm / (float)(sqrt(ss) + 1e-6);
+    if (!(coef < 1.0f)) return FL_OK;
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        if (!r->has_opt[k]) continue;
+        fl_model *m = fl_blip2_part(r->b, k);
+        fl_lora_adapters ad;
+        if (fl_model_lora_adapters(m, &ad)) r->be.scale(&r->be, ad.grads, ad.numel, coef);
+        else r->be.scale(&r->be, fl_model_grads_f32(m), m->layout.numel, coef);
+    }
+    return FL_OK;
+}
+
+/* One optimizer step over `accum` micro-batches of B records (an epoch's tail that does not fill one is dropped). */
+static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, double *loss) {
+    const fl_blip2_config *bc = fl_blip2_get_config(r->b);
+    const int S = bc->vision.image_size;
+    float *px = malloc((size_t)B * 3 * S * S * sizeof *px);
+    size_t *starts = malloc((size_t)accum * sizeof *starts);
+    fl_status s = px && starts ? FL_OK : fl_errorf(FL_ERR_OOM, "out of host memory");
+    fl_blip2_zero_grads(r->b);
+    double lsum = 0;
+    long vsum = 0; /* the step's valid targets: each micro-batch is scaled by 1 / vsum (one big batch) */
+    for (int a = 0; s == FL_OK && a < accum; a++) {
+        if (p->pos + (size_t)B > r->caps.n) {
+            if (p->epoch_n) printf("epoch %ld average loss %.4f\n", p->epoch + 1, p->epoch_sum / (double)p->epoch_n);
+            p->epoch++, p->pos = 0, p->epoch_sum = 0, p->epoch_n = 0;
+            reorder(p->order, r->caps.n, r->cfg->seed + (uint64_t)p->epoch);
+        }
+        starts[a] = p->pos;
+        const int s2s = fl_model_is_s2s(&fl_blip2_get_config(r->b)->text);
+        for (int n = 0; n < B; n++) vsum += r->n_ids[p->order[p->pos + (size_t)n]] - (s2s ? 0 : 1);
+        p->pos += (size_t)B;
+    }
+    for (int a = 0; s == FL_OK && a < accum; a++) {
+        int32_t *ids = NULL, *tg = NULL;
+        int T = 0;
+        long n_valid = 0;
+        float l = 0;
+        s = make_batch(r, p->order, starts[a], B, px, &ids, &tg, &T, &n_valid);
+        fl_model_lora_set_seed(fl_blip2_part(r->b, FL_BLIP2_TEXT), r->cfg->seed * 1000003u + (uint64_t)it * accum + a);
+        const int NQ = bc->n_queries;
+        if (s == FL_OK && fl_model_is_s2s(&bc->text)) {
+            s = fl_blip2_alloc_acts_s2s(r->b, B, NQ, T);
+            if (s == FL_OK)
+                s = fl_blip2_forward_s2s(r->b, px, ids + (size_t)B * T, ids, tg, B, NQ, T, 1.0f / (float)vsum, NULL, &l);
+        } else if (s == FL_OK) {
+            s = fl_blip2_alloc_acts(r->b, B, T);
+            if (s == FL_OK) s = fl_blip2_forward(r->b, px, ids, tg, B, T, 1.0f / (float)vsum, NULL, &l);
+        }
+        if (s == FL_OK) s = fl_blip2_backward(r->b);
+        lsum += (double)l * (double)n_valid;
+        free(ids), free(tg);
+    }
+    if (s == FL_OK && r->cfg->train.max_norm > 0) s = clip_all(r, r->cfg->train.max_norm);
+    for (int k = 0; s == FL_OK && k < FL_BLIP2_PARTS; k++)
+        if (r->has_opt[k]) s = fl_optim_step(&r->opt[k], (float)lr, 0.0f, NULL);
+    free(px), free(starts);
+    *loss = vsum ? lsum / (double)vsum : 0;
+    p->epoch_sum += lsum;
+    p->epoch_n += vsum;
+    return s;
+}
+
+static fl_status save_final(b2run *r, const char *dir) {
+    fl_model *lm = fl_blip2_part(r->b, FL_BLIP2_TEXT);
+    FL_TRY(fl_fs_mkdir_p(dir));
+    if (lm->adapt) {
+        char ad[4096];
+        FL_TRY(fl_fs_join(ad, sizeof ad, dir, "adapter"));
+        FL_TRY(save_adapter(r, ad));
+        FL_TRY(fl_model_lora_merge(lm)); /* the folder's weights: the adapters merged */
+    }
+    return fl_blip2_save(r->b, r->cfg->checkpoint_dir, dir);
+}
+
+/* The memory of the run: the pool's report (bytes per tag at the snapshots: after set-up, after step 1, at the end)
+ * and PARAMS / GRADS / OPTIM by part (ACTS is one arena for the three parts). */
+static void memory_report(b2run *r) {
+    static const char *const name[FL_BLIP2_PARTS] = {"vision", "qformer", "lm"};
+    printf("memory by part (MiB):");
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        const fl_model *m = fl_blip2_part(r->b, k);
+        fl_lora_adapters ad;
+        const int lora = fl_model_lora_adapters(m, &ad);
+        const size_t pb = m->layout.numel * sizeof(float) + (lora ? ad.numel * sizeof(float) : 0);
+        const size_t gb = fl_model_grads_f32(m) ? m->layout.numel * sizeof(float) : lora ? ad.numel * sizeof(float) : 0;
+        const size_t ob = r->has_opt[k] ? fl_optim_state_bytes(&r->opt[k].cfg, r->opt[k].w.n) : 0;
+        printf("%s %s PARAMS %.3f GRADS %.3f OPTIM %.3f%s", k ? ";" : "", name[k], pb / 1048576.0, gb / 1048576.0,
+               ob / 1048576.0, lora ? " (LoRA)" : "");
+    }
+    printf("\n");
+    fl_mem_print_report(&r->pool, stdout);
+}
+
+static fl_status train(b2run *r) {
+    const fl_run_config *c = r->cfg;
+    const int B = c->train.micro_batch_size > 0 ? c->train.micro_batch_size : 1;
+    const int gb = c->train.global_batch_size > 0 ? c->train.global_batch_size : B;
+    if (gb % B) return fl_errorf(FL_ERR_INVALID, "train.global_batch_size %d is not a multiple of micro_batch_size %d",
+                                 gb, B);
+    const int accum = gb / B;
+    if ((size_t)B > r->caps.n)
+        return fl_errorf(FL_ERR_INVALID, "%s: %zu records, fewer than micro_batch_size %d", c->data.json_path,
+                         r->caps.n, B);
+    const long per_epoch = (long)(r->caps.n / (size_t)B / (size_t)accum);
+    long max_steps = c->train.max_steps > 0 ? c->train.max_steps
+                     : (c->train.epochs > 0 ? c->train.epochs : 1) * (per_epoch > 0 ? per_epoch : 1);
+    const long warm = c->train.lr_warmup_steps > 0 ? c->train.lr_warmup_steps : 0;
+    b2pos p = {.order = malloc(r->caps.n * sizeof(size_t))};
+    if (!p.order) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    for (size_t i = 0; i < r->caps.n; i++) p.order[i] = i;
+    size_t trained = 0;
+    for (int k = 0; k < FL_BLIP2_PARTS; k++)
+        if (r->has_opt[k]) trained += r->opt[k].w.n;
+    printf("BLIP-2 image-caption fine-tuning: %zu records, micro batch %d x %d accumulated, %ld steps; trains %s%s%s"
+           "%s (%zu parameters), vision tower %s\n", r->caps.n, B, accum, max_steps,
+           r->parts & (1 << FL_BLIP2_VISION) ? "vision " : "", r->parts & (1 << FL_BLIP2_QFORMER) ? "qformer " : "",
+           r->parts & (1 << FL_BLIP2_TEXT) ? (r->lora ? "lm(LoRA)" : "lm") : "", "", trained,
+           r->parts & (1 << FL_BLIP2_VISION) ? "trained" : "frozen");
+    fl_status s = FL_OK;
+    fl_mem_snapshot(&r->pool, "set-up");
+    for (long it = 0; s == FL_OK && it < max_steps; it++) {
+        const double lr = fl_lr_schedule(c->optimizer.lr, c->train.min_lr, it, warm, max_steps);
+        double loss = 0;
+        s = step(r, &p, B, accum, it, lr, &loss);
+        if (it == 0) fl_mem_snapshot(&r->pool, "step 1");
+        if (s == FL_OK && (it % (c->train.log_interval > 0 ? c->train.log_interval : 1) == 0 || it + 1 == max_steps))
+            printf("step %ld/%ld loss %.6f lr %.3g\n", it + 1, max_steps, loss, lr);
+    }
+    if (s == FL_OK && p.epoch_n) printf("epoch %ld average loss %.4f\n", p.epoch + 1, p.epoch_sum / (double)p.epoch_n);
+    if (s == FL_OK) fl_mem_snapshot(&r->pool, "end");
+    if (s == FL_OK && !c->quiet) memory_report(r);
+    free(p.order);
+    char dir[4096];
+    if (s == FL_OK) s = fl_fs_join(dir, sizeof dir, c->out_dir, "final");
+    if (s == FL_OK) s = save_final(r, dir);
+    if (s == FL_OK) printf("saved %s%s\n", dir, r->lora ? " (weights with the LoRA adapters merged; adapter/: PEFT)" : "");
+    return s;
+}
+
+int fl_cli_blip2_train(const char *cmd, const fl_run_config *cfg) {
+    b2run r;
+    memset(&r, 0, sizeof r);
+    r.cfg = cfg;
+    r.lora = cfg->command == FL_CMD_FINETUNE_LORA;
+    fl_status s = setup(&r);
+    if (s == FL_OK) s = train(&r);
+    /* the training commands' exit codes: configuration problems (bad values, a missing file, what is not built) 2 */
+    const int rc = s == FL_OK ? 0 : s == FL_ERR_INVALID || s == FL_ERR_NOT_FOUND || s == FL_ERR_UNSUPPORTED
+                                        ? (fl_cli_fail(cmd, s, NULL), FL_EXIT_USAGE)
+                                        : fl_cli_fail(cmd, s, r.b ? &r.pool : NULL);
+    for (int k = 0; k < FL_BLIP2_PARTS; k++)
+        if (r.has_opt[k]) fl_optim_free(&r.opt[k]);
+    for (size_t i = 0; r.ids && i < r.caps.n; i++) free(r.ids[i]);
+    free(r.ids), free(r.n_ids);
+    fl_img_captions_free(&r.caps);
+    fl_blip2_free(r.b);
+    if (r.be.name) {
+        fl_backend_pools_free(&r.pool, &r.hpool);
+        fl_backend_free(&r.be);
+    }
+    return rc;
+}

@@ -1,0 +1,230 @@
+/* BLIP-2 training pieces under the fine-tuning command (src/cli/cmd_blip2_train.c): frozen parts
+ * (fl_blip2_alloc_grads_parts: the trained parts' gradients are the bits of a run where every part trains), LoRA on
+ * the language model (the identity at PEFT's init; the adapters' gradients against central finite differences of the
+ * loss) and fl_blip2_save (the folder reloads to the same logits, bit for bit). The fixture is
+ * tests/fixtures/blip2-tiny-opt (tests/ref/make_blip2_fixture.py). */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/fs.h"
+#include "fitllm/blip2.h"
+#include "fitllm/io.h"
+#include "fitllm/lora.h"
+#include "model/blip2-impl.h"
+#include "test.h"
+
+#define FIX "tests/fixtures/blip2-tiny-opt"
+
+typedef struct {
+    fl_backend be;
+    fl_mem_pool pool, host;
+    fl_blip2 *b;
+    fl_st_file x;
+    const float *px;
+    const int32_t *ids;
+    int B, T, n_valid;
+    int32_t *tg;
+} tc;
+
+/* the fixture's batch (5 placeholders + a caption of 7; row NQ + i predicts caption[i + 1]); grads for `parts` */
+static void open_tc(tc *c, int parts) {
+    memset(c, 0, sizeof *c);
+    FL_REQUIRE_OK(fl_test_backend(&c->be, 2));
+    FL_REQUIRE_OK(fl_backend_pools_init(&c->be, &c->pool, &c->host, c->be.name, 0));
+    FL_REQUIRE_OK(fl_blip2_load(&c->b, FIX, &c->be, &c->pool));
+    FL_REQUIRE_OK(fl_st_open(&c->x, FIX "/expected.safetensors"));
+    const fl_st_tensor *px = fl_st_find(&c->x, "pixels"), *ids = fl_st_find(&c->x, "ids"), *lab = fl_st_find(&c->x, "labels");
+    FL_REQUIRE(px && ids && lab);
+    c->px = px->data, c->ids = ids->data;
+    c->B = (int)ids->shape[0], c->T = (int)ids->shape[1];
+    const int TC = (int)lab->shape[1], NQ = c->T - TC;
+    c->tg = malloc((size_t)c->B * c->T * sizeof *c->tg);
+    FL_REQUIRE(c->tg);
+    for (int b = 0; b < c->B; b++)
+        for (int t = 0; t < c->T; t++) {
+            const int i = t - NQ, v = i >= 0 && i + 1 < TC ? ((const int32_t *)lab->data)[b * TC + i + 1] : FL_IGNORE_INDEX;
+            c->tg[b * c->T + t] = v;
+            c->n_valid += v != FL_IGNORE_INDEX;
+        }
+    FL_REQUIRE_OK(fl_blip2_alloc_grads_parts(c->b, parts));
+}
+
+static void close_tc(tc *c) {
+    free(c->tg);
+    fl_st_close(&c->x);
+    fl_blip2_free(c->b);
+    fl_backend_pools_free(&c->pool, &c->host);
+    fl_backend_free(&c->be);
+}
+
+static void train_fwd_bwd(tc *c, float *loss) {
+    FL_REQUIRE_OK(fl_blip2_alloc_acts(c->b, c->B, c->T));
+    fl_blip2_zero_grads(c->b);
+    FL_REQUIRE_OK(fl_blip2_forward(c->b, c->px, c->ids, c->tg, c->B, c->T, 1.0f / (float)c->n_valid, NULL, loss));
+    FL_REQUIRE_OK(fl_blip2_backward(c->b));
+}
+
+/* part k's gradients on the host (numel floats, malloc'd) */
+static void grads_of(tc *c, int k, size_t *n, float **out) {
+    fl_model *m = fl_blip2_part(c->b, k);
+    *n = m->layout.numel;
+    float *h = *out = malloc(*n * sizeof *h);
+    FL_REQUIRE(h && fl_model_grads_f32(m));
+    FL_REQUIRE_OK(c->be.to_host(&c->be, h, fl_model_grads_f32(m), *n * sizeof *h));
+}
+
+/* A frozen vision tower (the fine-tuning default) and a frozen Q-Former: the parts that train get the same gradient
+ * bits as when every part trains (the skipped backward only ever fed the frozen parts); no part at all is refused. */
+FL_TEST(blip2_frozen_parts_same_grads) {
+    tc all, two, lm;
+    open_tc(&all, 7);
+    open_tc(&two, 1 << FL_BLIP2_QFORMER | 1 << FL_BLIP2_TEXT);
+    open_tc(&lm, 1 << FL_BLIP2_TEXT);
+    float la, l2, l1;
+    train_fwd_bwd(&all, &la), train_fwd_bwd(&two, &l2), train_fwd_bwd(&lm, &l1);
+    FL_CHECKF(la == l2 && la == l1, "loss %.9g / %.9g / %.9g", (double)la, (double)l2, (double)l1);
+    FL_CHECK(fl_model_grads_f32(fl_blip2_part(two.b, FL_BLIP2_VISION)) == NULL);
+    for (int k = FL_BLIP2_QFORMER; k <= FL_BLIP2_TEXT; k++) {
+        size_t n, n2;
+        float *g, *g2;
+        grads_of(&all, k, &n, &g), grads_of(&two, k, &n2, &g2);
+        double mx = 0;
+        for (size_t i = 0; i < n; i++) mx = fmax(mx, fabs(g[i]));
+        FL_CHECKF(n == n2 && memcmp(g, g2, n * sizeof *g) == 0 && mx > 0, "part %d: gradients differ with the vision "
+                  "tower frozen", k);
+        if (k == FL_BLIP2_TEXT) {
+            float *g1;
+            grads_of(&lm, k, &n2, &g1);
+            FL_CHECKF(memcmp(g, g1, n * sizeof *g) == 0, "the language model's gradients differ with the image parts frozen");
+            free(g1);
+        }
+        free(g), free(g2);
+    }
+    close_tc(&all), close_tc(&two), close_tc(&lm);
+    tc none;
+    open_tc(&none, 0);
+    FL_REQUIRE_OK(fl_blip2_alloc_acts(none.b, none.B, none.T));
+    FL_CHECK(fl_blip2_forward(none.b, none.px, none.ids, none.tg, none.B, none.T, 1.0f, NULL, NULL) == FL_ERR_INVALID &&
+             strstr(fl_error_message(), "a part that trains"));
+    close_tc(&none);
+}
+
+static void loss_only(tc *c, float *loss) {
+    FL_REQUIRE_OK(fl_blip2_forward(c->b, c->px, c->ids, c->tg, c->B, c->T, 0, NULL, loss));
+}
+
+/* LoRA (q_proj, v_proj, r 4, no dropout) on the language model with the image parts frozen: at PEFT's init (B = 0) the
+ * loss is the base's bits; after B is set, d(loss)/d(adapter element) equals central finite differences (double
+ * steps of 1e-2 on fp32: 3e-4 + 2% as tests/test_blip2.c's), A and B of both modules, both layers. */
+FL_TEST(blip2_lora_language_model) {
+    tc c;
+    open_tc(&c, 0);
+    fl_model *lm = fl_blip2_part(c.b, FL_BLIP2_TEXT);
+    fl_lora_config lc;
+    FL_REQUIRE_OK(fl_lora_config_init(&lc, &lm->cfg, 4, 8.0f, 0.0f, 0, "q_proj,v_proj"));
+    FL_REQUIRE_OK(fl_blip2_alloc_acts(c.b, c.B, c.T));
+    float base, l0, tl;
+    loss_only(&c, &base);
+    FL_REQUIRE_OK(fl_model_lora_init(lm, &lc, 11));
+    FL_REQUIRE_OK(fl_blip2_alloc_acts(c.b, c.B, c.T)); /* the adapters' activations too */
+    loss_only(&c, &l0);
+    FL_CHECKF(l0 == base, "LoRA at init changes the loss");
+    fl_lora_adapters ad;
+    FL_REQUIRE(fl_model_lora_adapters(lm, &ad) && ad.n_mods == 4);
+    float *h = malloc(ad.numel * sizeof *h), *g = malloc(ad.numel * sizeof *g);
+    FL_REQUIRE(h && g);
+    FL_REQUIRE_OK(c.be.to_host(&c.be, h, ad.params, ad.numel * sizeof *h));
+    for (size_t i = 0; i < ad.numel; i++) /* B away from zero, so A gets a gradient too */
+        if (i >= ad.off[1] && (i < ad.off[2] || (i >= ad.off[3] && i < ad.off[4]) || (i >= ad.off[5] && i < ad.off[6]) ||
+                               i >= ad.off[7]))
+            h[i] = 0.05f * (float)((int)(i * 7 % 11) - 5);
+    FL_REQUIRE_OK(c.be.to_device(&c.be, ad.params, h, ad.numel * sizeof *h));
+    train_fwd_bwd(&c, &tl);
+    FL_REQUIRE_OK(c.be.to_host(&c.be, g, ad.grads, ad.numel * sizeof *g));
+    int checked = 0;
+    for (int j = 0; j < 2 * ad.n_mods; j++) {
+        const size_t at = ad.off[j] + 3; /* an element of A_j / B_j */
+        const float w0 = h[at], step = 1e-2f;
+        float l[2];
+        for (int sgn = 0; sgn < 2; sgn++) {
+            h[at] = w0 + (sgn ? -step : step);
+            FL_REQUIRE_OK(c.be.to_device(&c.be, ad.params, h, ad.numel * sizeof *h));
+            loss_only(&c, &l[sgn]);
+        }
+        h[at] = w0;
+        FL_REQUIRE_OK(c.be.to_device(&c.be, ad.params, h, ad.numel * sizeof *h));
+        const double num = ((double)l[0] - l[1]) / (2.0 * step), an = g[at];
+        FL_CHECKF(fabs(num - an) <= 3e-4 + 2e-2 * fabs(an) && fabs(an) > 1e-4, "%s %c[3]: finite difference %.6g vs "
+                  "backward %.6g", ad.mods[j / 2].name, j % 2 ? 'B' : 'A', num, an);
+        checked++;
+    }
+    FL_CHECK(checked == 8);
+    free(h), free(g);
+    close_tc(&c);
+}
+
+/* fl_blip2_save then fl_blip2_load: the same logits, bit for bit (after a change to the weights, so a save of the
+ * source files would fail it). */
+FL_TEST(blip2_save_reload_same_bits) {
+    tc c;
+    open_tc(&c, 7);
+    fl_model *q = fl_blip2_part(c.b, FL_BLIP2_QFORMER);
+    float v = 0.25f;
+    FL_REQUIRE_OK(c.be.to_device(&c.be, fl_model_params_f32(q) + 5, &v, sizeof v));
+    const size_t NL = (size_t)c.B * c.T * c.b->cfg.text.vocab_size;
+    float *l1 = malloc(NL * sizeof *l1), *l2 = malloc(NL * sizeof *l2), a, b2;
+    FL_REQUIRE(l1 && l2);
+    FL_REQUIRE_OK(fl_blip2_alloc_acts(c.b, c.B, c.T));
+    FL_REQUIRE_OK(fl_blip2_forward(c.b, c.px, c.ids, c.tg, c.B, c.T, 0, l1, &a));
+    char dir[600];
+    snprintf(dir, sizeof dir, "%s/blip2-saved", fl_test_tmpdir());
+    FL_REQUIRE_OK(fl_blip2_save(c.b, FIX, dir));
+    fl_blip2 *r = NULL;
+    FL_REQUIRE_OK(fl_blip2_load(&r, dir, &c.be, &c.pool));
+    FL_REQUIRE_OK(fl_blip2_alloc_acts(r, c.B, c.T));
+    FL_REQUIRE_OK(fl_blip2_forward(r, c.px, c.ids, c.tg, c.B, c.T, 0, l2, &b2));
+    FL_CHECKF(a == b2 && memcmp(l1, l2, NL * sizeof *l1) == 0, "reloaded loss %.9g vs %.9g", (double)b2, (double)a);
+    char pp[700];
+    snprintf(pp, sizeof pp, "%s/preprocessor_config.json", dir);
+    FL_CHECK(fl_fs_is_file(pp));
+    fl_blip2_free(r);
+    free(l1), free(l2);
+    close_tc(&c);
+}
+
+/* Greedy captioning with the KV cache (the image parts once, the projected queries injected into the prefill, one
+ * decode step per token) against the whole sequence through fl_blip2_forward again for every token (the path it
+ * replaced), 24 tokens for each image of the fixture: the same ids. (`blip2_generate_vs_transformers` holds the
+ * first 8 to transformers' generate.) */
+FL_TEST(blip2_generate_cache_equals_full_forward) {
+    tc c;
+    open_tc(&c, 0);
+    const int V = c.b->cfg.text.vocab_size, NQ = c.b->cfg.n_queries, S = c.b->cfg.vision.image_size, MAX = 24;
+    int32_t ids[64], out[32];
+    float *lg = malloc((size_t)(NQ + 1 + MAX) * V * sizeof *lg);
+    FL_REQUIRE(lg);
+    for (int img = 0; img < c.B; img++) {
+        const float *px = c.px + (size_t)img * 3 * S * S;
+        int n = 0;
+        FL_REQUIRE_OK(fl_blip2_generate(c.b, px, NULL, 0, MAX, out, &n));
+        int T = 0;
+        for (int i = 0; i < NQ; i++) ids[T++] = c.b->cfg.image_token;
+        ids[T++] = c.b->cfg.bos_id;
+        int same = n > 0, k = 0;
+        for (; same && k < n; k++) {
+            FL_REQUIRE_OK(fl_blip2_alloc_acts(c.b, 1, T));
+            FL_REQUIRE_OK(fl_blip2_forward(c.b, px, ids, NULL, 1, T, 0, lg, NULL));
+            const float *last = lg + (size_t)(T - 1) * V;
+            int best = 0;
+            for (int v = 1; v < V; v++)
+                if (last[v] > last[best]) best = v;
+            same = best == out[k];
+            ids[T++] = best;
+        }
+        FL_CHECKF(same && (n == MAX || out[n - 1] == c.b->cfg.eos_id), "image %d: token %d of %d differs", img, k, n);
+    }
+    free(lg);
+    close_tc(&c);
+}
