@@ -7,7 +7,6 @@
 #include <string.h>
 #include <time.h>
 
-#include "fitllm/lora.h"
 #include "fitllm/train.h"
 #include "dp.h"
 
@@ -21,9 +20,7 @@ static double now_ms(void) {
  * regions still hold data a later phase reads (fl_model_live), and the step records it in the pool. */
 static void record_live(fl_model *m, fl_live_phase ph) {
     fl_live_region r[FL_MODEL_LIVE_MAX];
-    int n = fl_model_live(m, ph, r);
-    for (int i = 0; i < n; i++)
-        if (!r[i].at_least || r[i].bytes > fl_mem_live_of(m->pool, r[i].ptr)) fl_mem_set_live(m->pool, r[i].ptr, r[i].bytes);
+    fl_mem_record_live(m->pool, r, fl_model_live(m, ph, r));
 }
 
 /* An asynchronous device (not host memory) runs behind the host: when the phase times are asked for
@@ -40,21 +37,20 @@ static fl_status micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb, i
     if (step_valid <= 0) return fl_errorf(FL_ERR_INVALID, "training step has no target tokens (all are ignore_index)");
     float grad_scale = (float)(1.0 / (double)step_valid);
     if (o && o->amp.on) grad_scale *= fl_loss_scale_value(&o->amp.ls); /* fp16: scaled loss */
-    double a = now_ms(), h = a, hb = a;
+    double a = now_ms();
     if (k == 0) fl_mem_snapshot(pool, "before_fwd");
     fl_mem_set_phase(pool, "forward");
-    if (mb->src) {
-        FL_TRY(fl_model_forward_s2s(m, mb->src, mb->src_mask, mb->ids, mb->targets, mb->B, mb->Ts, mb->T, grad_scale,
-                                    NULL));
-        hb = h + m->ms_head; /* its head runs inside its forward (seq2seq.c times it) */
-    } else { /* the head (lm_head + cross-entropy + its backward, chunk by chunk) timed as its own phase */
+    if (mb->src) /* an encoder-decoder: its two stacks, up to the head's input */
+        FL_TRY(fl_model_forward_s2s_body(m, mb->src, mb->src_mask, mb->ids, mb->targets, mb->B, mb->Ts, mb->T,
+                                         grad_scale));
+    else
         FL_TRY(fl_model_forward_body(m, mb->ids, mb->targets, mb->B, mb->T, grad_scale));
-        FL_TRY(sync_device(m));
-        h = now_ms();
-        FL_TRY(fl_model_forward_head(m, NULL));
-        FL_TRY(sync_device(m));
-        hb = now_ms();
-    }
+    /* the head (lm_head + cross-entropy + its backward, chunk by chunk) timed as its own phase */
+    FL_TRY(sync_device(m));
+    const double h = now_ms();
+    FL_TRY(fl_model_forward_head(m, NULL));
+    FL_TRY(sync_device(m));
+    const double hb = now_ms();
     *loss_sum = m->loss_sum;
     *n_valid = m->n_valid;
     record_live(m, FL_LIVE_FORWARD);
@@ -65,7 +61,7 @@ static fl_status micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb, i
     if (k == 0) fl_mem_snapshot(pool, "after_fwd");
     double b = now_ms();
     fl_mem_set_phase(pool, "backward");
-    FL_TRY(mb->src ? fl_model_backward_s2s(m) : fl_model_backward(m));
+    FL_TRY(fl_model_backward(m)); /* either kind: an encoder-decoder's runs its stacks backward */
     record_live(m, FL_LIVE_BACKWARD);
     if (k == 0) fl_mem_snapshot(pool, "after_bwd");
     FL_TRY(sync_device(m));
@@ -122,7 +118,7 @@ fl_status fl_step_run(fl_model *m, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
         if (learn) {
             if (c->seeded) /* LoRA dropout masks depend on (seed, global micro-batch) only: a resumed run, and any
                             * world size, draws the same */
-                fl_model_lora_set_seed(m, c->seed + (uint64_t)(c->iter0 + (long)k * world + rank));
+                fl_model_adapters_seed(m, c->seed + (uint64_t)(c->iter0 + (long)k * world + rank));
             if (c->dp) fl_dp_buckets_arm(c->dp, o, k == c->n_micro - 1); /* the last backward reduces block by block */
             fl_status s = micro(m, o, &c->mbs[k], k, c->step_valid, &ls_k, &nv_k, &r);
             if (s != FL_OK) {
