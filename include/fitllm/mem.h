@@ -176,9 +176,12 @@ typedef struct {
     size_t bytes;
     int at_least;
 } fl_mem_live_region;
-/* What a phase leaves live, recorded at its boundary (src/train/step.c: the regions fl_model_live gives):
- * fl_mem_set_live for each region (an at_least one only when that raises it). */
+/* What a phase leaves live, recorded at its boundary (the regions fl_model_live gives): fl_mem_set_live for each
+ * region (an at_least one only when that raises it). */
 void fl_mem_record_live(fl_mem_pool *p, const fl_mem_live_region *r, int n);
+/* A phase boundary of a training step (src/train/step.c), in this order: the n regions' live bytes
+ * (fl_mem_record_live), the snapshot `tag` (NULL: none), the label of the phase that follows (`next`, NULL: kept). */
+void fl_mem_phase_edge(fl_mem_pool *p, const fl_mem_live_region *r, int n, const char *tag, const char *next);
 /* Bytes recorded for a live pointer (0 if unknown). */
 size_t fl_mem_size_of(const fl_mem_pool *p, const void *ptr);
 
