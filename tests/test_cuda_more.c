@@ -24,6 +24,7 @@
 #include "test.h"
 
 #ifdef FL_HAVE_CUDA_EMU
+#include "backend/cuda/cu_kernels.h"
 #include "backend/cuda/cu_kernels_train.h"
 #include "backend/cuda/emu/cu_emu.h"
 
