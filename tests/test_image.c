@@ -130,7 +130,7 @@ FL_TEST(image_bad_inputs) {
         char p[512];
         snprintf(p, sizeof p, IMG_DIR "/%s", files[f]);
         size_t n = 0;
-        uint8_t *b = fl_test_slurp(p, &n);
+        uint8_t *b = (uint8_t *)fl_test_slurp(p, &n);
         FL_REQUIRE(b && n > 100);
         int errs = 0;
         for (size_t cut = 1; cut < n; cut += 1 + cut / 16) {
@@ -155,7 +155,7 @@ FL_TEST(image_bad_inputs) {
 /* A 20000x20000 header is refused by the pixel limit before any pixel is decoded. */
 FL_TEST(image_pixel_limit) {
     size_t n = 0;
-    uint8_t *b = fl_test_slurp(IMG_DIR "/rgb_13x7.png", &n);
+    uint8_t *b = (uint8_t *)fl_test_slurp(IMG_DIR "/rgb_13x7.png", &n);
     FL_REQUIRE(b && n > 33);
     /* IHDR width/height at bytes 16..23; the chunk CRC then mismatches, so fix it: libpng checks it */
     uint8_t *c = b + 16;
@@ -172,7 +172,7 @@ FL_TEST(image_pixel_limit) {
              msg_has("20000x20000") && msg_has("limit"));
     free(b);
     /* JPEG: SOF0 height/width */
-    b = fl_test_slurp(IMG_DIR "/rgb444_41x29.jpg", &n);
+    b = (uint8_t *)fl_test_slurp(IMG_DIR "/rgb444_41x29.jpg", &n);
     FL_REQUIRE(b);
     for (size_t i = 2; i + 9 < n; i++)
         if (b[i] == 0xff && b[i + 1] == 0xc0) {

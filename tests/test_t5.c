@@ -448,6 +448,43 @@ FL_TEST(t5_checkpointing_same_bits) {
     for (int k = 0; k < 2; k++) free(g[k]), close_case(&c[k]);
 }
 
+/* The training step's two forward phases (src/train/step.c): fl_model_forward_s2s_body then fl_model_forward_head,
+ * and the one backward fl_model_backward, give the bits of fl_model_forward_s2s + fl_model_backward_s2s (logits,
+ * loss, every gradient); the head without a body before it, or twice, is refused. */
+FL_TEST(t5_step_phases_same_bits) {
+    t5_case c;
+    FL_REQUIRE_OK(open_case(&c, "tests/fixtures/t5-tiny-gated"));
+    fl_model *m = &c.m;
+    const size_t nl = (size_t)c.B * c.Tt * m->cfg.vocab_size, np = m->layout.numel;
+    float *lg[2] = {malloc(nl * sizeof(float)), malloc(nl * sizeof(float))};
+    float *g[2] = {malloc(np * sizeof(float)), malloc(np * sizeof(float))};
+    FL_REQUIRE(lg[0] && lg[1] && g[0] && g[1]);
+    double loss[2];
+    const float gs = 1.0f / (float)c.n_valid;
+    FL_CHECK(fl_model_forward_head(m, NULL) == FL_ERR_INVALID && strstr(fl_error_message(), "fl_model_forward_s2s_body"));
+    for (int k = 0; k < 2; k++) {
+        fl_model_zero_grads(m);
+        if (k == 0) {
+            FL_REQUIRE_OK(fl_model_forward_s2s(m, c.src->data, c.mask->data, c.dec->data, c.labels->data, c.B, c.Ts,
+                                               c.Tt, gs, lg[k]));
+            FL_REQUIRE_OK(fl_model_backward_s2s(m));
+        } else {
+            FL_REQUIRE_OK(fl_model_forward_s2s_body(m, c.src->data, c.mask->data, c.dec->data, c.labels->data, c.B,
+                                                    c.Ts, c.Tt, gs));
+            FL_CHECK(fl_model_backward(m) == FL_ERR_INVALID); /* its head has not run: no training forward yet */
+            FL_REQUIRE_OK(fl_model_forward_head(m, lg[k]));
+            FL_CHECK(fl_model_forward_head(m, NULL) == FL_ERR_INVALID); /* one head per body */
+            FL_REQUIRE_OK(fl_model_backward(m));
+        }
+        loss[k] = m->loss_sum;
+        FL_REQUIRE_OK(c.be.to_host(&c.be, g[k], fl_model_grads_f32(m), np * sizeof(float)));
+    }
+    FL_CHECKF(loss[0] == loss[1], "loss %.9g (one call) vs %.9g (two phases)", loss[0], loss[1]);
+    FL_CHECK(memcmp(lg[0], lg[1], nl * sizeof(float)) == 0 && memcmp(g[0], g[1], np * sizeof(float)) == 0);
+    for (int k = 0; k < 2; k++) free(lg[k]), free(g[k]);
+    close_case(&c);
+}
+
 /* Greedy decoding against transformers' generate(do_sample=False, max_new_tokens=12) of each source sequence (the
  * second with its padding masked), with the KV cache and without: the same ids (the relu model's are degenerate
  * repeats, the gated model's vary: a wrong cache would part from them). */

@@ -169,6 +169,19 @@ void fl_mem_free(fl_mem_pool *p, void *ptr);
 void fl_mem_set_live(fl_mem_pool *p, const void *ptr, size_t bytes);
 /* Live bytes recorded for ptr (0 if unknown). */
 size_t fl_mem_live_of(const fl_mem_pool *p, const void *ptr);
+/* One allocation and the bytes of it live after a phase of a training step (SIZE_MAX: all of it; at_least:
+ * raise it to that, never lower it: accumulation may hold all of it already). */
+typedef struct {
+    const void *ptr;
+    size_t bytes;
+    int at_least;
+} fl_mem_live_region;
+/* What a phase leaves live, recorded at its boundary (the regions fl_model_live gives): fl_mem_set_live for each
+ * region (an at_least one only when that raises it). */
+void fl_mem_record_live(fl_mem_pool *p, const fl_mem_live_region *r, int n);
+/* A phase boundary of a training step (src/train/step.c), in this order: the n regions' live bytes
+ * (fl_mem_record_live), the snapshot `tag` (NULL: none), the label of the phase that follows (`next`, NULL: kept). */
+void fl_mem_phase_edge(fl_mem_pool *p, const fl_mem_live_region *r, int n, const char *tag, const char *next);
 /* Bytes recorded for a live pointer (0 if unknown). */
 size_t fl_mem_size_of(const fl_mem_pool *p, const void *ptr);
 

@@ -386,8 +386,6 @@ typedef struct {
     int ckpt_recomputed;    /* act_ckpt: blocks the last backward recomputed (L - 1) */
     int keep_block0_din;    /* tests: run block 0's input-gradient ops under LoRA too (nothing reads their
                              * result: the embeddings are frozen; by default they are skipped) */
-    double ms_head;         /* an encoder-decoder's last forward (seq2seq.c): wall ms of its head + loss; a decoder-only
-                             * model's head is a phase the step times itself (fl_model_forward_head) */
     int phase_sync;         /* an asynchronous device: synchronize at the step's phase edges (around the head, after
                              * the backward and the update) so the phase times are its own (fl_step_ctx.phase_times
                              * sets it; 0: no sync inside a step) */
@@ -441,9 +439,11 @@ typedef struct {
     /* their activations for micro-batches of (B, T) (fl_model_alloc_acts), released with the arena */
     fl_status (*alloc_acts)(fl_model *m, int B, int T);
     void (*free_acts)(fl_model *m);
-    /* their activations' live bytes after a pass over (B, T) (saved: a training forward whose backward reads
-     * them); *buf gets their buffer (NULL: none) */
-    size_t (*live_acts)(const fl_model *m, int B, int T, int saved, const void **buf);
+    /* their activations' live bytes after the model's last pass (train: a training forward; each adapted
+     * module's rows from fl_model_adapter_live_rows); *buf gets their buffer (NULL: none) */
+    size_t (*live_acts)(const fl_model *m, int train, const void **buf);
+    /* the seed of the step's random draws (LoRA dropout) for the next micro-batch (fl_model_adapters_seed) */
+    void (*seed)(fl_model *m, uint64_t seed);
     /* after fl_model_adapters_merged: a frozen 4-bit entry i as read (dst, dequantized) gets the merged branch */
     void (*read_merged)(const fl_model *m, int i, float *dst);
     /* the owner's state goes (fl_model_free, fl_model_detach_adapters) */
@@ -455,6 +455,14 @@ typedef struct {
  * (block -1), after those attached before (their order is the order they run in). */
 fl_status fl_model_adapters_begin(fl_model *m, const fl_adapter_hooks *h);
 fl_status fl_model_attach_adapter(fl_model *m, int block, int linear, const fl_linear_adapter *a);
+/* The seed of the adapters' random draws for the next micro-batch (the training step: src/train/step.c; a no-op
+ * without adapters or a seed hook). */
+void fl_model_adapters_seed(fl_model *m, uint64_t seed);
+/* Rows of the input of the adapted LINEAR at `param_index` (the weight's index in m->layout) of block `layer` that
+ * an adapter's saved activations hold after the model's last pass (train: a training forward whose backward reads
+ * them; otherwise 0): B*T of that pass (an encoder-decoder: of the stack whose rows the LINEAR reads), 0 for the
+ * head (it runs chunk by chunk inside the forward) and, under checkpointing, for the recomputed blocks. */
+size_t fl_model_adapter_live_rows(const fl_model *m, int layer, int param_index, int train);
 /* The adapters were merged into the base weights: the model is then for saving only (fl_model_forward refuses;
  * 4-bit entries read back merged through read_merged). */
 void fl_model_adapters_merged(fl_model *m);
@@ -578,9 +586,10 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
  * cross-entropy and, in training, the head's backward) with the targets and grad_scale of the first call. */
 fl_status fl_model_forward_body(fl_model *m, const int32_t *ids, const int32_t *targets, int B, int T,
                                 float grad_scale);
+/* The head of the forward fl_model_forward_body or, of an encoder-decoder, fl_model_forward_s2s_body began. */
 fl_status fl_model_forward_head(fl_model *m, float *logits_out);
 /* Backward through all blocks and embeddings after a forward with grad_scale
- * > 0; ACCUMULATES into m->grads (so micro-batches accumulate). */
+ * > 0; ACCUMULATES into m->grads (so micro-batches accumulate). An encoder-decoder: fl_model_backward_s2s. */
 fl_status fl_model_backward(fl_model *m);
 
 /* Encoders (an architecture whose model graph ends in its hidden states, as BERT's: src/model/graph.h
@@ -606,6 +615,12 @@ fl_status fl_model_alloc_acts_s2s(fl_model *m, int B, int Ts, int Tt);
  * FL_ERR_UNSUPPORTED naming it). */
 fl_status fl_model_forward_s2s(fl_model *m, const int32_t *src_ids, const uint8_t *src_mask, const int32_t *dec_ids,
                                const int32_t *targets, int B, int Ts, int Tt, float grad_scale, float *logits_out);
+/* fl_model_forward_s2s in the two phases of the training step (as fl_model_forward_body / fl_model_forward_head):
+ * the stacks up to the head's input, then fl_model_forward_head runs the head and the loss (and in training the
+ * head's backward) with the targets and grad_scale given here. */
+fl_status fl_model_forward_s2s_body(fl_model *m, const int32_t *src_ids, const uint8_t *src_mask,
+                                    const int32_t *dec_ids, const int32_t *targets, int B, int Ts, int Tt,
+                                    float grad_scale);
 /* Its backward: the decoder, the cross-attention's gradient into the encoder output, the encoder; every parameter
  * gradient ACCUMULATES (+=); each layout group's is handed on as it becomes final (the data-parallel bucket hook). */
 fl_status fl_model_backward_s2s(fl_model *m);
@@ -629,13 +644,8 @@ typedef enum {
     FL_LIVE_BACKWARD, /* after the backward: the saved activations are consumed, every gradient holds the step's sum */
     FL_LIVE_UPDATED   /* after the optimizer update: the gradients are consumed (or, skipped, discarded) */
 } fl_live_phase;
-/* One region of the model's memory and the bytes of it live after the phase (SIZE_MAX: all of it;
- * at_least: raise it to that, never lower it: accumulation may hold all of it already). */
-typedef struct {
-    const void *ptr;
-    size_t bytes;
-    int at_least;
-} fl_live_region;
+/* One region of the model's memory and the bytes of it live after the phase (fitllm/mem.h: the pool records it). */
+typedef fl_mem_live_region fl_live_region;
 #define FL_MODEL_LIVE_MAX 4
 /* The regions whose live bytes `phase` sets, into out (FL_MODEL_LIVE_MAX); returns their count. The
  * pass's (B, T) are the last forward's. */

@@ -229,7 +229,7 @@ typedef struct {
     const int32_t *ids;      /* (B, T) */
     const int32_t *targets;  /* (B, T) */
     int B, T;
-    /* an encoder-decoder's micro-batch (src non-NULL: fl_model_forward_s2s): ids are the decoder's
+    /* an encoder-decoder's micro-batch (src non-NULL: fl_model_forward_s2s_body): ids are the decoder's
      * input (B, T), targets its labels; src (B, Ts) the source, src_mask (B, Ts) its key mask */
     const int32_t *src;
     const uint8_t *src_mask;

@@ -72,7 +72,8 @@ static void lora_release(fl_model *m) {
 }
 static fl_status lora_alloc_acts(fl_model *m, int B, int T);
 static void lora_free_acts(fl_model *m);
-static size_t lora_live_acts(const fl_model *m, int B, int T, int saved, const void **buf);
+static size_t lora_live_acts(const fl_model *m, int train, const void **buf);
+static void lora_seed(fl_model *m, uint64_t seed);
 static void lora_add_merged(const fl_model *m, int i, float *dst);
 
 fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t seed) {
@@ -142,7 +143,7 @@ fl_status fl_model_lora_init(fl_model *m, const fl_lora_config *cfg, uint64_t se
     free(host);
     /* the rewrite: each slot attached to its LINEAR (block l's linear k; the lm_head: block -1), in slot order */
     fl_adapter_hooks h = {st->grads, st->numel, fl_lora_sizing_head_grads(&st->cfg, st->mods, st->n_mods),
-                          lora_alloc_acts, lora_free_acts, lora_live_acts, lora_add_merged, lora_release};
+                          lora_alloc_acts, lora_free_acts, lora_live_acts, lora_seed, lora_add_merged, lora_release};
     if (s == FL_OK) s = fl_model_adapters_begin(m, &h);
     if (s != FL_OK) {
         free_state(st, m->pool);
@@ -208,12 +209,21 @@ size_t fl_lora_sizing_head_grads(const fl_lora_config *cfg, const fl_lora_module
     return g * sizeof(float);
 }
 
-static size_t lora_live_acts(const fl_model *m, int B, int T, int saved, const void **buf) {
+/* Each block module's h (and, with dropout, its dropped input) at the rows the model says it saved. */
+static size_t lora_live_acts(const fl_model *m, int train, const void **buf) {
     const struct fl_lora_state *st = m->lora;
     *buf = st ? st->acts : NULL;
     if (!st || !st->acts) return 0;
-    return saved ? fl_lora_sizing_live_acts(&st->cfg, st->mods, st->n_mods, B, T) : 0;
+    size_t n = 0;
+    for (int j = 0; j < st->n_mods; j++) {
+        const fl_lora_module *md = &st->mods[j];
+        n += fl_model_adapter_live_rows(m, md->layer, md->param_index, train) *
+             ((size_t)st->cfg.r + (st->cfg.dropout > 0 ? (size_t)md->in : 0));
+    }
+    return n * sizeof(float);
 }
+
+static void lora_seed(fl_model *m, uint64_t seed) { fl_model_lora_set_seed(m, seed); }
 
 static fl_status lora_alloc_acts(fl_model *m, int B, int T) {
     struct fl_lora_state *st = m->lora;

@@ -204,6 +204,17 @@ size_t fl_mem_live_of(const fl_mem_pool *p, const void *ptr) {
     return e ? e->live : 0;
 }
 
+void fl_mem_record_live(fl_mem_pool *p, const fl_mem_live_region *r, int n) {
+    for (int i = 0; i < n; i++)
+        if (!r[i].at_least || r[i].bytes > fl_mem_live_of(p, r[i].ptr)) fl_mem_set_live(p, r[i].ptr, r[i].bytes);
+}
+
+void fl_mem_phase_edge(fl_mem_pool *p, const fl_mem_live_region *r, int n, const char *tag, const char *next) {
+    fl_mem_record_live(p, r, n);
+    if (tag) fl_mem_snapshot(p, tag);
+    if (next) fl_mem_set_phase(p, next);
+}
+
 size_t fl_mem_size_of(const fl_mem_pool *p, const void *ptr) {
     const fl_mem_entry *e = ptr ? find_slot(p, ptr) : NULL;
     return e ? e->bytes : 0;

@@ -1,5 +1,7 @@
 /* The activation arena: its layout (carving, from the block graph's slots: graph.c), its size
- * (shared with the planner through fl_sizing_acts) and its allocation. */
+ * (shared with the planner through fl_sizing_acts), its allocation, and what of the model's memory a
+ * training step's phase leaves live (fl_model_live: the one query the step records from). */
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -308,6 +310,45 @@ void fl_acts_live_bytes(const fl_model *m, int B, int T, int train, size_t *acts
     }
     *acts = saved;
     *work = handoff + m->sizes.work_const_bytes;
+}
+
+/* What the model holds live after each phase of a training step (fitllm/model.h): the step records it at the phase
+ * boundary (fl_mem_record_live); forward and backward set no live bytes. */
+int fl_model_live(const fl_model *m, fl_live_phase phase, fl_live_region *out) {
+    int n = 0;
+    void *g = fl_model_grads_buffer(m);
+    if (phase == FL_LIVE_ZEROED || phase == FL_LIVE_UPDATED) { /* zeros, or consumed: nothing accumulated */
+        if (g) out[n++] = (fl_live_region){g, 0, 0};
+        return n;
+    }
+    const int train = phase == FL_LIVE_FORWARD && m->fwd_train;
+    if (m->acts) {
+        size_t acts, work;
+        const void *lbuf = NULL;
+        fl_acts_live_bytes(m, m->fwd_B, m->fwd_T, train, &acts, &work);
+        out[n++] = (fl_live_region){m->acts_arena, acts, 0};
+        out[n++] = (fl_live_region){m->work_arena, work, 0};
+        size_t lb = m->adapt && m->adapt->h.live_acts ? m->adapt->h.live_acts(m, train, &lbuf) : 0;
+        if (lbuf) out[n++] = (fl_live_region){lbuf, lb, 0};
+    }
+    if (!g) return n;
+    if (phase == FL_LIVE_BACKWARD) {
+        out[n++] = (fl_live_region){g, SIZE_MAX, 0}; /* every gradient holds the step's sum */
+    } else if (train && !fl_model_provider(m)) { /* the head's gradient (sharded: in its group's gathered buffer) */
+        fl_outer_params op;
+        fl_get_outer(m, &op);
+        fl_dims d = fl_model_dims(&m->cfg);
+        size_t hg = m->adapt ? m->adapt->h.head_grad_bytes
+                  : op.dhead ? (size_t)d.V * d.C * (fl_model_grads_16(m) ? sizeof(uint16_t) : sizeof(float)) : 0;
+        out[n++] = (fl_live_region){g, hg, 1};
+    }
+    return n;
+}
+
+size_t fl_model_adapter_live_rows(const fl_model *m, int layer, int param_index, int train) {
+    if (!train || layer < 0 || !m->acts) return 0; /* the head's run chunk by chunk inside the forward */
+    if (m->acts->s2s) return fl_s2s_adapter_live_rows(m, layer, param_index);
+    return m->act_ckpt ? 0 : (size_t)m->fwd_B * (size_t)m->fwd_T; /* checkpointed: recomputed before the backward */
 }
 
 fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {

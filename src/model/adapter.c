@@ -60,4 +60,8 @@ void fl_model_bind_adapters(const fl_model *m, int l, int p, fl_linear *lin, int
     lin->row_base = row_base;
 }
 
+void fl_model_adapters_seed(fl_model *m, uint64_t seed) {
+    if (m->adapt && m->adapt->h.seed) m->adapt->h.seed(m, seed);
+}
+
 int fl_model_head_adapted(const fl_model *m) { return m->adapt && m->adapt->count[m->adapt->n_keys - 1] > 0; }

@@ -85,10 +85,12 @@ static inline fl_dims fl_model_dims(const fl_model_config *c) {
 
 /* An encoder-decoder's views (seq2seq.c), released with the arena (safe with NULL). */
 void fl_s2s_acts_free(struct fl_s2s_acts *s);
+/* fl_model_forward_head of an encoder-decoder: the head deferred by fl_model_forward_s2s_body (seq2seq.c). */
+fl_status fl_s2s_forward_head(fl_model *m, float *logits_out);
 /* An encoder-decoder's live bytes after its last pass (seq2seq.c; fl_acts_live_bytes and fl_model_live use them):
- * the ACTS / WORKSPACE arenas', and the LoRA adapters' activations. */
+ * the ACTS / WORKSPACE arenas', and the rows an adapted LINEAR's adapters save (fl_model_adapter_live_rows). */
 void fl_s2s_live_bytes(const fl_model *m, int train, size_t *acts, size_t *work);
-size_t fl_s2s_adapter_live_bytes(const fl_model *m, int train);
+size_t fl_s2s_adapter_live_rows(const fl_model *m, int layer, int param_index);
 /* Release the activation arena and its views (safe when none). */
 void fl_model_free_acts(fl_model *m);
 /* fl_backend.set_compute_dtype around a model call (transformer.c): on = the precision's compute
@@ -102,7 +104,7 @@ void fl_model_tell_compute_dtype(const fl_model *m, int on);
 fl_status fl_acts_narrow(fl_model *m, int l, int N, unsigned done);
 /* Live bytes (fl_mem_set_live) of the ACTS (*acts) and WORKSPACE (*work) arenas after a pass over
  * (B, T): train = a training forward (what the backward reads), else none but the constant tables.
- * fl_model_live (live.c) puts them together with the gradients' and the LoRA activations'. */
+ * fl_model_live (acts.c) puts them together with the gradients' and the LoRA activations'. */
 void fl_acts_live_bytes(const fl_model *m, int B, int T, int train, size_t *acts, size_t *work);
 /* The gradient buffer (the trained parameters' or the LoRA adapters'), NULL without one. */
 void *fl_model_grads_buffer(const fl_model *m);

@@ -20,7 +20,6 @@
 #include "model-impl.h"
 #include "store.h"
 #include "fitllm/generate.h"
-#include "fitllm/lora.h"
 
 typedef struct {
     fl_block_graph g;
@@ -48,15 +47,12 @@ struct fl_s2s_acts {
     void *be_scratch;     /* the backend's op scratch (bf16 matmuls, 4-bit weights), lent for each pass, or NULL */
     int32_t *targets;     /* device copy when the backend's memory is not host memory, else NULL */
     int chunk;            /* logits rows per chunk */
+    /* the training forward in progress between fl_model_forward_s2s_body and fl_model_forward_head: the last stack
+     * stopped at its HEAD_LM op (defer set by the body), the head's targets, grad_scale and rows */
+    struct { const int32_t *targets; float grad_scale; int N, defer, open; } head;
 };
 
 int fl_model_is_s2s(const fl_model_config *c) { return c->n_dec_layers > 0; }
-
-static double now_ms(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
-}
 
 void fl_s2s_acts_free(struct fl_s2s_acts *s) {
     if (!s) return;
@@ -245,27 +241,18 @@ void fl_s2s_live_bytes(const fl_model *m, int train, size_t *acts, size_t *work)
     *work = wk;
 }
 
-/* The LoRA adapters' live activations after the last pass (training forward: train): each block module's h (and,
- * with dropout, its dropped input) at its rows: the source's in the encoder and for the cross-attention's k|v (it
- * reads the encoder output), the target's elsewhere; under checkpointing only the last block of each stack's
- * (the others are recomputed before their backward reads them). The head's run inside the forward: none. */
-size_t fl_s2s_adapter_live_bytes(const fl_model *m, int train) {
-    fl_lora_adapters v;
-    if (!train || !m->acts || !m->acts->s2s || !fl_model_lora_adapters(m, &v)) return 0;
+/* The rows an adapter on the LINEAR at param_index of block `layer` saves in a training forward (its h and, with
+ * dropout, its dropped input; fl_model_adapter_live_rows): the source's in the encoder and for the cross-attention's
+ * k|v (it reads the encoder output), the target's elsewhere; under checkpointing only the last block of each
+ * stack's (the others are recomputed before their backward reads them). */
+size_t fl_s2s_adapter_live_rows(const fl_model *m, int layer, int param_index) {
     const struct fl_s2s_acts *a = m->acts->s2s;
     const int Le = a->st[0].L, Lall = Le + (a->n_stacks > 1 ? a->st[1].L : 0);
-    size_t n = 0;
-    for (int j = 0; j < v.n_mods; j++) {
-        const fl_lora_module *md = &v.mods[j];
-        if (md->layer < 0) continue;
-        if (m->act_ckpt && md->layer != Le - 1 && md->layer != Lall - 1) continue;
-        int p = md->param_index; /* k, v of a fused run carry no role: the run's first entry has it */
-        while (p > 0 && m->layout.params[p].role == FL_ROLE_NONE) p--;
-        const int src_rows = md->layer < Le || m->layout.params[p].role == FL_ROLE_XKV_W;
-        const size_t rows = (size_t)a->Bp * (size_t)a->T[src_rows ? 0 : a->n_stacks - 1];
-        n += rows * ((size_t)v.cfg->r + (v.cfg->dropout > 0 ? (size_t)md->in : 0));
-    }
-    return n * sizeof(float);
+    if (m->act_ckpt && layer != Le - 1 && layer != Lall - 1) return 0;
+    int p = param_index; /* k, v of a fused run carry no role: the run's first entry has it */
+    while (p > 0 && m->layout.params[p].role == FL_ROLE_NONE) p--;
+    const int src_rows = layer < Le || m->layout.params[p].role == FL_ROLE_XKV_W;
+    return (size_t)a->Bp * (size_t)a->T[src_rows ? 0 : a->n_stacks - 1];
 }
 
 /* ---- relative position bias (T5) ------------------------------------------------------------- */
@@ -399,12 +386,22 @@ static fl_status check_model(const fl_model *m, const char *fn) {
     return FL_OK;
 }
 
-/* The head and the loss over the last stack's final norm output, chunked over rows; in training its backward too,
- * leaving d(the norm's output) in gb[1]. */
-static fl_status head_loss(fl_model *m, const int32_t *targets, int N, float grad_scale, float *logits_out) {
+/* The head and the loss over the last stack's final norm output (scaled by 1/sqrt(C) first where the config says:
+ * T5's tied head), chunked over rows; in training its backward too, leaving d(the norm's output) in gb[1]. */
+static fl_status head_run(fl_model *m, const int32_t *targets, int N, float grad_scale, float *logits_out) {
     struct fl_s2s_acts *a = m->acts->s2s;
-    const fl_head_bufs h = {a->st[a->n_stacks - 1].nout, a->gb[1], a->logits, a->losses, a->targets, a->chunk};
-    return fl_head_loss(m, &h, targets, N, grad_scale, logits_out, &m->loss_sum, &m->n_valid);
+    float *x = a->st[a->n_stacks - 1].nout;
+    if (m->cfg.head_scale) m->be->scale(m->be, x, (size_t)N * m->cfg.dim, 1.0f / sqrtf((float)m->cfg.dim));
+    const fl_head_bufs h = {x, a->gb[1], a->logits, a->losses, a->targets, a->chunk};
+    /* 16-bit storage: the head's gradient staged alone, added into its 16-bit gradient after */
+    fl_outer_params op;
+    fl_get_outer(m, &op);
+    const size_t head_n = (size_t)m->cfg.vocab_size * m->cfg.dim;
+    const int stage_head = grad_scale > 0 && targets && op.dhead && m->store->g16;
+    if (stage_head) fl_store_stage_begin(m->store, head_n);
+    FL_TRY(fl_head_loss(m, &h, targets, N, grad_scale, logits_out, &m->loss_sum, &m->n_valid));
+    if (stage_head) FL_TRY(fl_store_stage_flush(m->store, op.head_off, head_n));
+    return FL_OK;
 }
 
 /* Stack s's model-graph ops, forward. */
@@ -437,18 +434,13 @@ static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, con
             fl_norm_forward(m, st->nout, NULL, st->nrstd, st->res[st->L], param_of(m, G, mg->op[i].role_w, 0), NULL, N);
             break;
         case FL_MOP_OUTPUT: break; /* nout is the next stack's XSTREAM (bound when carved) */
-        case FL_MOP_HEAD_LM: {
-            const double t0 = now_ms(); /* the step's "head" phase (fl_step_result.ms_head) */
-            if (m->cfg.head_scale) be->scale(be, st->nout, (size_t)N * m->cfg.dim, 1.0f / sqrtf((float)m->cfg.dim));
-            /* 16-bit storage: the head's gradient staged alone, added into its 16-bit gradient after */
-            const int stage_head = grad_scale > 0 && targets && op.dhead && m->store->g16;
-            if (stage_head) fl_store_stage_begin(m->store, (size_t)m->cfg.vocab_size * m->cfg.dim);
-            FL_TRY(head_loss(m, targets, N, grad_scale, logits_out));
-            if (stage_head)
-                FL_TRY(fl_store_stage_flush(m->store, op.head_off, (size_t)m->cfg.vocab_size * m->cfg.dim));
-            m->ms_head = now_ms() - t0;
+        case FL_MOP_HEAD_LM:
+            if (a->head.defer) { /* the step's "head" phase: fl_model_forward_head runs it (s2s_head) */
+                a->head.targets = targets, a->head.grad_scale = grad_scale, a->head.N = N, a->head.open = 1;
+                break;
+            }
+            FL_TRY(head_run(m, targets, N, grad_scale, logits_out));
             break;
-        }
         default:
             return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_forward_s2s: model graph op %d is not executed in a stack",
                              mg->op[i].kind);
@@ -457,10 +449,13 @@ static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, con
     return FL_OK;
 }
 
+/* defer: stop before the head (fl_model_forward_s2s_body; fl_model_forward_head runs it). */
 static fl_status s2s_forward(fl_model *m, const int32_t *src_ids, const uint8_t *src_mask, const int32_t *dec_ids,
-                             const int32_t *targets, int B, int Ts, int Tt, float grad_scale, float *logits_out) {
+                             const int32_t *targets, int B, int Ts, int Tt, float grad_scale, float *logits_out,
+                             int defer) {
     FL_TRY(check_model(m, "fl_model_forward_s2s"));
     struct fl_s2s_acts *a = m->acts->s2s;
+    a->head.open = 0;
     if (B > a->B || Ts > a->st[0].Tmax || Tt > a->st[1].Tmax || B <= 0 || Ts <= 0 || Tt <= 0)
         return fl_errorf(FL_ERR_INVALID, "fl_model_forward_s2s: batch %d x source %d x target %d exceeds the arena's "
                          "(%d x %d x %d)", B, Ts, Tt, a->B, a->st[0].Tmax, a->st[1].Tmax);
@@ -487,13 +482,15 @@ static fl_status s2s_forward(fl_model *m, const int32_t *src_ids, const uint8_t 
     fl_status s = src_mask ? m->be->to_device(m->be, a->kmask, src_mask, (size_t)B * Ts) : FL_OK;
     m->loss_sum = 0;
     m->n_valid = 0;
-    m->ms_head = 0;
     m->have_targets = targets != NULL;
+    a->head.defer = defer;
     for (int k = 0; s == FL_OK && k < mg.n_stacks; k++)
         s = stack_forward(m, &mg, k, ids[k], targets, grad_scale, logits_out);
+    a->head.defer = 0;
+    if (s != FL_OK) a->head.open = 0;
     m->fwd_B = B;
     m->fwd_T = Tt;
-    m->fwd_train = s == FL_OK && grad_scale > 0;
+    m->fwd_train = s == FL_OK && grad_scale > 0 && !defer; /* deferred: once its head has run */
     return s;
 }
 
@@ -680,8 +677,29 @@ static void s2s_lend(const fl_model *m, int on) {
 fl_status fl_model_forward_s2s(fl_model *m, const int32_t *src_ids, const uint8_t *src_mask, const int32_t *dec_ids,
                                const int32_t *targets, int B, int Ts, int Tt, float grad_scale, float *logits_out) {
     s2s_lend(m, 1);
-    fl_status s = s2s_forward(m, src_ids, src_mask, dec_ids, targets, B, Ts, Tt, grad_scale, logits_out);
+    fl_status s = s2s_forward(m, src_ids, src_mask, dec_ids, targets, B, Ts, Tt, grad_scale, logits_out, 0);
     s2s_lend(m, 0);
+    return s;
+}
+
+fl_status fl_model_forward_s2s_body(fl_model *m, const int32_t *src_ids, const uint8_t *src_mask,
+                                    const int32_t *dec_ids, const int32_t *targets, int B, int Ts, int Tt,
+                                    float grad_scale) {
+    s2s_lend(m, 1);
+    fl_status s = s2s_forward(m, src_ids, src_mask, dec_ids, targets, B, Ts, Tt, grad_scale, NULL, 1);
+    s2s_lend(m, 0);
+    return s;
+}
+
+fl_status fl_s2s_forward_head(fl_model *m, float *logits_out) {
+    struct fl_s2s_acts *a = m->acts->s2s;
+    if (!a->head.open)
+        return fl_errorf(FL_ERR_INVALID, "fl_model_forward_head: needs a preceding fl_model_forward_s2s_body");
+    a->head.open = 0;
+    s2s_lend(m, 1);
+    fl_status s = head_run(m, a->head.targets, a->head.N, a->head.grad_scale, logits_out);
+    s2s_lend(m, 0);
+    m->fwd_train = s == FL_OK && a->head.grad_scale > 0;
     return s;
 }
 

@@ -438,6 +438,7 @@ fl_status fl_model_forward_body(fl_model *m, const int32_t *ids, const int32_t *
 }
 
 fl_status fl_model_forward_head(fl_model *m, float *logits_out) {
+    if (m->acts && m->acts->s2s) return fl_s2s_forward_head(m, logits_out); /* after fl_model_forward_s2s_body */
     around(m, 1, 1);
     fl_status s = lm_head(m, logits_out);
     around(m, 0, 1);
@@ -454,9 +455,7 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
 }
 
 fl_status fl_model_backward(fl_model *m) {
-    if (fl_model_is_s2s(&m->cfg))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_backward: %s is an encoder-decoder (fl_model_backward_s2s)",
-                         fl_arch_get(m->cfg.arch)->display);
+    if (fl_model_is_s2s(&m->cfg)) return fl_model_backward_s2s(m); /* the step's one backward */
     if (!m->acts || !m->fwd_train || end_op(m->acts->mgraph) != FL_MOP_HEAD_LM)
         return fl_errorf(FL_ERR_INVALID, "fl_model_backward: needs a preceding training forward (grad_scale > 0)");
     around(m, 1, 1);

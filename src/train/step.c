@@ -7,7 +7,6 @@
 #include <string.h>
 #include <time.h>
 
-#include "fitllm/lora.h"
 #include "fitllm/train.h"
 #include "dp.h"
 
@@ -17,13 +16,13 @@ static double now_ms(void) {
     return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
 }
 
-/* Live bytes are a fact of the step's phases: at each boundary the model says which of its
- * regions still hold data a later phase reads (fl_model_live), and the step records it in the pool. */
-static void record_live(fl_model *m, fl_live_phase ph) {
+/* A phase boundary, one call into the pool (fl_mem_phase_edge). Live bytes are a fact of the step's phases: the
+ * model says which of its regions still hold data a later phase reads after phase ph (fl_model_live; ph < 0:
+ * nothing to record), the pool records them, takes the snapshot `tag` (NULL: none) and labels the next phase
+ * (NULL: kept). */
+static void edge(fl_model *m, int ph, const char *tag, const char *next) {
     fl_live_region r[FL_MODEL_LIVE_MAX];
-    int n = fl_model_live(m, ph, r);
-    for (int i = 0; i < n; i++)
-        if (!r[i].at_least || r[i].bytes > fl_mem_live_of(m->pool, r[i].ptr)) fl_mem_set_live(m->pool, r[i].ptr, r[i].bytes);
+    fl_mem_phase_edge(m->pool, r, ph < 0 ? 0 : fl_model_live(m, (fl_live_phase)ph, r), tag, next);
 }
 
 /* An asynchronous device (not host memory) runs behind the host: when the phase times are asked for
@@ -36,38 +35,33 @@ static fl_status sync_device(const fl_model *m) {
 /* Forward + backward of micro-batch k (grad scale 1/step_valid); gradients accumulate. */
 static fl_status micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb, int k, long step_valid,
                        double *loss_sum, long *n_valid, fl_step_result *res) {
-    fl_mem_pool *pool = m->pool;
     if (step_valid <= 0) return fl_errorf(FL_ERR_INVALID, "training step has no target tokens (all are ignore_index)");
     float grad_scale = (float)(1.0 / (double)step_valid);
     if (o && o->amp.on) grad_scale *= fl_loss_scale_value(&o->amp.ls); /* fp16: scaled loss */
-    double a = now_ms(), h = a, hb = a;
-    if (k == 0) fl_mem_snapshot(pool, "before_fwd");
-    fl_mem_set_phase(pool, "forward");
-    if (mb->src) {
-        FL_TRY(fl_model_forward_s2s(m, mb->src, mb->src_mask, mb->ids, mb->targets, mb->B, mb->Ts, mb->T, grad_scale,
-                                    NULL));
-        hb = h + m->ms_head; /* its head runs inside its forward (seq2seq.c times it) */
-    } else { /* the head (lm_head + cross-entropy + its backward, chunk by chunk) timed as its own phase */
+    double a = now_ms();
+    edge(m, -1, k == 0 ? "before_fwd" : NULL, "forward");
+    if (mb->src) /* an encoder-decoder: its two stacks, up to the head's input */
+        FL_TRY(fl_model_forward_s2s_body(m, mb->src, mb->src_mask, mb->ids, mb->targets, mb->B, mb->Ts, mb->T,
+                                         grad_scale));
+    else
         FL_TRY(fl_model_forward_body(m, mb->ids, mb->targets, mb->B, mb->T, grad_scale));
-        FL_TRY(sync_device(m));
-        h = now_ms();
-        FL_TRY(fl_model_forward_head(m, NULL));
-        FL_TRY(sync_device(m));
-        hb = now_ms();
-    }
+    /* the head (lm_head + cross-entropy + its backward, chunk by chunk) timed as its own phase */
+    FL_TRY(sync_device(m));
+    const double h = now_ms();
+    FL_TRY(fl_model_forward_head(m, NULL));
+    FL_TRY(sync_device(m));
+    const double hb = now_ms();
     *loss_sum = m->loss_sum;
     *n_valid = m->n_valid;
-    record_live(m, FL_LIVE_FORWARD);
     /* a diverged run: stop before its NaN reaches the weights. Under fp16 loss
      * scaling an overflow is expected now and then: the optimizer skips that update. */
-    if (!isfinite(m->loss_sum) && !(o && o->amp.on))
+    const int diverged = !isfinite(m->loss_sum) && !(o && o->amp.on);
+    edge(m, FL_LIVE_FORWARD, k == 0 && !diverged ? "after_fwd" : NULL, diverged ? NULL : "backward");
+    if (diverged)
         return fl_errorf(FL_ERR_NONFINITE, "the loss is %s", isnan(m->loss_sum) ? "NaN" : m->loss_sum > 0 ? "+inf" : "-inf");
-    if (k == 0) fl_mem_snapshot(pool, "after_fwd");
     double b = now_ms();
-    fl_mem_set_phase(pool, "backward");
-    FL_TRY(mb->src ? fl_model_backward_s2s(m) : fl_model_backward(m));
-    record_live(m, FL_LIVE_BACKWARD);
-    if (k == 0) fl_mem_snapshot(pool, "after_bwd");
+    FL_TRY(fl_model_backward(m)); /* either kind: an encoder-decoder's runs its stacks backward */
+    edge(m, FL_LIVE_BACKWARD, k == 0 ? "after_bwd" : NULL, NULL);
     FL_TRY(sync_device(m));
     double c = now_ms();
     res->ms_fwd += b - a - (hb - h);
@@ -79,14 +73,13 @@ static fl_status micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb, i
 /* The optimizer update that ends a step: phase "optimizer step", fl_optim_step, the after_opt_step
  * snapshot, res's grad_norm / skipped / loss_scale / ms_opt. */
 static fl_status update(fl_model *m, fl_optimizer *o, float lr, float max_norm, fl_step_result *res) {
-    fl_mem_pool *pool = m->pool;
     double c = now_ms();
-    fl_mem_set_phase(pool, "optimizer step");
+    edge(m, -1, NULL, "optimizer step");
     double norm = 0;
     FL_TRY(fl_optim_step(o, lr, max_norm, &norm));
-    record_live(m, FL_LIVE_UPDATED); /* the gradients are consumed (or, skipped, discarded) */
+    edge(m, FL_LIVE_UPDATED, NULL, NULL); /* the gradients are consumed (or, skipped, discarded) */
     FL_TRY(sync_device(m));
-    fl_mem_snapshot(pool, "after_opt_step");
+    edge(m, -1, "after_opt_step", NULL);
     res->grad_norm = norm;
     res->skipped = o->amp.skipped;
     res->loss_scale = o->amp.on ? fl_loss_scale_value(&o->amp.ls) : 0.0f;
@@ -100,9 +93,8 @@ static fl_status reduce(fl_model *m, fl_optimizer *o, struct fl_dp *dp) {
     if (!dp) return FL_OK;
     FL_TRY(fl_dp_reduce_grads(dp, o));
     if (!dp->comm) return FL_OK;
-    size_t live = fl_dp_reduced_live(dp, o);
-    if (live != SIZE_MAX) fl_mem_set_live(m->pool, o->w.g, live);
-    fl_mem_snapshot(m->pool, "after_reduce");
+    const fl_live_region r = {o->w.g, fl_dp_reduced_live(dp, o), 0}; /* SIZE_MAX: nothing to say */
+    fl_mem_phase_edge(m->pool, &r, r.bytes != SIZE_MAX, "after_reduce", NULL);
     return FL_OK;
 }
 
@@ -113,7 +105,7 @@ fl_status fl_step_run(fl_model *m, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
     c->failed_k = -1;
     m->phase_sync = c->phase_times;
     fl_model_zero_grads(m);
-    record_live(m, FL_LIVE_ZEROED);
+    edge(m, FL_LIVE_ZEROED, NULL, NULL);
     /* every target of the step masked: nothing to learn, no forward and no update (c->skip_empty) */
     const int learn = c->step_valid > 0 || !c->skip_empty;
     for (int k = 0; k < c->n_micro; k++) {
@@ -122,7 +114,7 @@ fl_status fl_step_run(fl_model *m, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
         if (learn) {
             if (c->seeded) /* LoRA dropout masks depend on (seed, global micro-batch) only: a resumed run, and any
                             * world size, draws the same */
-                fl_model_lora_set_seed(m, c->seed + (uint64_t)(c->iter0 + (long)k * world + rank));
+                fl_model_adapters_seed(m, c->seed + (uint64_t)(c->iter0 + (long)k * world + rank));
             if (c->dp) fl_dp_buckets_arm(c->dp, o, k == c->n_micro - 1); /* the last backward reduces block by block */
             fl_status s = micro(m, o, &c->mbs[k], k, c->step_valid, &ls_k, &nv_k, &r);
             if (s != FL_OK) {

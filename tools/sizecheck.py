@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""The code style's size limits, checked (docs/ARCHITECTURE.md "One model core"; issue 29 item 6).
+
+Lists the C files of src/ and include/ (and, with --all, tests/ and bench/) over --file-lines lines (default 1000) and
+their functions over --func-lines lines (default 150: the style says "under ~150"), a function counted from the line
+of its name to its closing brace. Exit 1 when something is over, 0 otherwise.
+
+Usage: tools/sizecheck.py [--root DIR] [--file-lines N] [--func-lines N] [--all]
+Needs only Python 3; comments, strings and preprocessor lines are blanked (lines kept) before the braces are matched.
+"""
+import argparse
+import importlib.util
+import os
+import re
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+spec = importlib.util.spec_from_file_location("callpath", os.path.join(HERE, "callpath.py"))
+callpath = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(callpath)
+
+DEF = re.compile(r"(\w+)\s*\(")
+KEYWORDS = callpath.KEYWORDS | {"FL_TEST"}
+
+
+def blank(text):
+    """Comments, string/char literals and preprocessor lines (with their continuations) blanked, lines kept."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        c = text[i]
+        if text.startswith("//", i):
+            j = text.find("\n", i)
+            i = n if j < 0 else j
+        elif text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            out.append(" " + "\n" * text.count("\n", i, j))
+            i = j
+        elif c in "\"'":
+            j = i + 1
+            while j < n and text[j] != c and text[j] != "\n":
+                j += 2 if text[j] == "\\" else 1
+            out.append(c + c)
+            i = j + 1
+        else:
+            out.append(c)
+            i += 1
+    lines, pp = [], False
+    for l in "".join(out).split("\n"):
+        if pp or l.lstrip().startswith("#"):
+            pp = l.rstrip().endswith("\\")
+            l = ""
+        lines.append(l)
+    return "\n".join(lines)
+
+
+def functions(text):
+    """(name, first line, last line) of each top-level function definition (a name, its parameters, a brace)."""
+    out, depth, i, n = [], 0, 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+        elif depth == 0:
+            m = DEF.match(text, i)
+            if m and (i == 0 or not (text[i - 1].isalnum() or text[i - 1] == "_")):
+                end = callpath.match_paren(text, m.end() - 1)
+                k = end
+                while k < n and text[k] in " \t\n":
+                    k += 1
+                if k < n and text[k] == "{" and m.group(1) not in callpath.KEYWORDS:
+                    d = 0
+                    for j in range(k, n):
+                        if text[j] == "{":
+                            d += 1
+                        elif text[j] == "}":
+                            d -= 1
+                            if d == 0:
+                                break
+                    name = m.group(1)
+                    if name == "FL_TEST":  # a test: named by its argument
+                        name = text[m.end():end - 1].strip()
+                    out.append((name, text.count("\n", 0, i) + 1, text.count("\n", 0, j) + 1))
+                    i = j + 1
+                    continue
+                i = m.end()
+                continue
+        i += 1
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--root", default=os.path.join(HERE, ".."))
+    ap.add_argument("--file-lines", type=int, default=1000)
+    ap.add_argument("--func-lines", type=int, default=150)
+    ap.add_argument("--all", action="store_true", help="tests/ and bench/ too")
+    a = ap.parse_args()
+    over = 0
+    tops = ("src", "include") + (("tests", "bench") if a.all else ())
+    for top in tops:
+        for d, _, files in sorted(os.walk(os.path.join(a.root, top))):
+            for f in sorted(files):
+                if not f.endswith((".c", ".h", ".cu", ".cuh")):
+                    continue
+                path = os.path.join(d, f)
+                rel = os.path.relpath(path, a.root)
+                raw = open(path, errors="replace").read()
+                nl = raw.count("\n")
+                if nl > a.file_lines:
+                    print(f"{rel}: {nl} lines (file limit {a.file_lines})")
+                    over += 1
+                for name, first, last in functions(blank(raw)):
+                    if last - first + 1 > a.func_lines:
+                        print(f"{rel}:{first}: {name}: {last - first + 1} lines (function limit {a.func_lines})")
+                        over += 1
+    print(f"sizecheck: {over} over the limits ({', '.join(tops)})")
+    return 1 if over else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
