@@ -239,16 +239,18 @@ t5_sample=$("$FITLLM" finetune_full "${T5E[@]}" --eval.max_new_tokens 5 --out_di
 expect t5_eval_sample_is_generate 0 "" -- bash -c '[ -n "$1" ] && [ "$1" = "$("$2" generate "$3" --prompt "Recommend a movie for me to watch during the weekend and explain the reason." --max_new_tokens 5 --temperature 0.8 --seed 1337 2>/dev/null)" ]' _ "$t5_sample" "$FITLLM" "$T/t5ev/final"
 expect t5_eval_sample_skipped 0 "sample generation skipped: a source of [0-9]+ tokens and eval.max_new_tokens 50 do not fit the training arena's source 40 / target 15 tokens" -- "$FITLLM" finetune_full "${T5E[@]}" --eval.max_new_tokens 50 --out_dir "$T/t5ev2"
 expect t5_eval_sample_trains_nothing 0 "" -- cmp "$T/t5ev/final/model.safetensors" "$T/t5ev2/final/model.safetensors"
-expect t5_finetune_refuses_bf16 2 "--precision bf16-true: an encoder-decoder \(t5\) trains in 32-true or bf16-mixed only so far" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x1" --precision bf16-true
+expect t5_finetune_refuses_16true 2 "--precision 16-true: T5 is known to overflow fp16's range" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x1" --precision 16-true
 expect t5_finetune_refuses_qlora 2 "--quantize bnb.nf4 \(QLoRA\): an encoder-decoder" -- "$FITLLM" finetune_lora "${T5A[@]}" --out_dir "$T/t5x2" --quantize bnb.nf4 --precision bf16-true
 expect t5_finetune_refuses_synthetic 2 "trains on input/output pairs: give --data JSON.*--data Synthetic is not supported" -- "$FITLLM" finetune_full --checkpoint_dir "$T/t5m" --init random --out_dir "$T/t5x3"
 # T5 precisions and optimizers (issue 31 item 2): bf16-mixed (tests/test_t5_prec.c: within 2 x PyTorch autocast's
 # bf16 error), 8-bit AdamW, QLoRA on NF4 (the dequantized model's logits and adapter gradients) train and the loss
-# falls; fp16 is refused naming the overflow, bf16-true (16-bit storage) naming what is missing
+# falls; bf16-true (bf16 storage: tests/test_t5_bf16true.c, the bf16-mixed pass's bits and bf16(its gradients)) too,
+# its peaks per tag = plan's; fp16 is refused naming the overflow
 T5Q=(--train.max_steps 12 --train.save_interval 0 --overwrite true)
-for v in bf16mixed adam8bit qlora; do
+for v in bf16mixed bf16true adam8bit qlora; do
     case $v in
         bf16mixed) cmd=finetune_full; extra=(--precision bf16-mixed) ;;
+        bf16true) cmd=finetune_full; extra=(--precision bf16-true) ;;
         adam8bit) cmd=finetune_full; extra=(--optimizer bnb.optim.AdamW8bit) ;;
         qlora) cmd=finetune_lora; extra=(--quantize bnb.nf4-dq --lora_mlp true --optimizer.lr 1e-2) ;;
     esac
@@ -256,9 +258,24 @@ for v in bf16mixed adam8bit qlora; do
     l=$(awk -F, 'NR > 1 && $4 != "" { print $4 }' "$T/t5$v/logs/metrics.csv" 2>/dev/null)
     expect "t5_finetune_${v}_loss_falls" 0 "" -- awk -v a="$(head -1 <<<"$l")" -v b="$(tail -1 <<<"$l")" 'BEGIN { exit !(a > 6.0 && b < a - 0.3) }'
 done
+t5_planned=$("$FITLLM" plan "${T5A[@]}" --precision bf16-true --data.max_source_length 40 --data.max_target_length 15 2>/dev/null |
+             awk '/^peak +reserved/ { for (i = 3; i <= 16; i += 2) printf "%s %s,", $i, $(i + 1) }')
+"$FITLLM" finetune_full "${T5A[@]}" "${T5Q[@]}" --train.max_steps 2 --precision bf16-true --out_dir "$T/t5bp" >"$T/t5bp.log" 2>&1
+t5_measured=$(awk '/^\| peak (PARAMS|GRADS|OPTIM|ACTS|WORKSPACE|OTHER|GATHER) / { printf "%s %s,", $4, $5 }' "$T/t5bp.log")
+expect t5_bf16true_peaks_equal_plan 0 "" -- bash -c '[ -n "$1" ] && [ "$1" = "$2" ] || { echo "planned $1 measured $2"; exit 1; }' _ "$t5_planned" "$t5_measured"
+expect t5_bf16true_stores_bf16 0 '"dtype":"BF16"' -- bash -c 'head -c 300 "$1" | tr -d "\\0"' _ "$T/t5bf16true/final/model.safetensors"
 expect t5_finetune_qlora_loads 0 "source \+ 3 new tokens \(greedy" -- "$FITLLM" generate "$T/t5qlora/final" --prompt "question: what colour is the sky?" --max_new_tokens 3 --temperature 0
 expect t5_finetune_refuses_fp16 2 "--precision 16-mixed: T5 is known to overflow fp16's range" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x4" --precision 16-mixed
 expect t5_finetune_refuses_qlora_bf16 2 "QLoRA in 32-true only so far .*got --precision bf16-true" -- "$FITLLM" finetune_lora "${T5A[@]}" --out_dir "$T/t5x5" --quantize bnb.nf4 --precision bf16-true
+# ZeRO-3 with the optimizer (and the parameters) offloaded: refused in one process too (the offloaded parameter store
+# is not gathered by the encoder-decoder passes), exit 2 and the strategy named, before any step or folder
+for st in deepspeed_stage_3_offload fsdp_cpu_offload; do
+    expect "t5_finetune_refuses_${st}" 2 "--strategy $st \(ZeRO-3 offload\): not supported for an encoder-decoder \(t5\) yet \(deepspeed_stage_2_offload is\)" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x6" --strategy $st
+done
+expect t5_finetune_refuses_zero3_poff 2 "--strategy deepspeed_stage_3_offload \(ZeRO-3 offload\): not supported for an encoder-decoder" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x6" --strategy deepspeed_stage_3_offload --offload_param_device cpu
+mkdir -p "$T/t5nv"
+expect t5_finetune_refuses_zero3_nvme 2 "--strategy deepspeed_stage_3_offload_nvme \(ZeRO-3 offload\): not supported for an encoder-decoder" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x6" --strategy deepspeed_stage_3_offload_nvme --nvme_path "$T/t5nv"
+expect t5_refused_run_leaves_no_folder 1 "" -- test -e "$T/t5x6/final"
 # a validation split (data.val_split_fraction: LitGPT's random_split, tests/test_s2s.c against torch): the val loss
 # at each evaluation, the final evaluation, val_loss in the metrics
 expect t5_finetune_val_split 0 "8 source/target pairs .*; 6 train / 2 val pairs \(data.val_split_fraction 0.25\)" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5val" --data.val_split_fraction 0.25 --eval.interval 5 --overwrite true
@@ -271,7 +288,8 @@ expect plan_t5_lengths 0 "source 8, target 4, precision 32-true" -- "$FITLLM" pl
 expect plan_t5_len_options 0 "global batch 16, source 64, target 16," -- "$FITLLM" plan t5-small --seq-len 64 --target-len 16
 expect plan_t5_needs_source 2 "an encoder-decoder \(t5-small\) needs a source length: give --seq-len or --data.max_source_length" -- "$FITLLM" plan t5-small --data.max_source_length 0
 expect plan_t5_suggests_source 3 "max_seq_length +fits: --data.max_source_length 881 " -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB
-expect plan_t5_refused_variant 3 "bf16-true +not with this run: .*trains in 32-true or bf16-mixed only" -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB
+expect plan_t5_bf16true_variant 3 "bf16-true +does not fit: bf16 parameters" -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB
+expect plan_t5_refused_variant 3 "param_offload +not with this run: .*ZeRO-3 offload\): not supported for an encoder-decoder" -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB
 expect bench_step_t5 0 "t5, 238592 params, L=2\+2 C=64 .*B=2 source 24 target 16, 32-true" -- "$FITLLM" bench-step t5-micro --micro-batch 2 --seq 16 --source-seq 24 --steps 2 --warmup 1 --threads 2
 expect bench_step_source_seq_decoder_only 1 "--source-seq: micro is not an encoder-decoder" -- "$FITLLM" bench-step micro --source-seq 4 --steps 1
 expect t5_finetune_act_ckpt 0 "precision 32-true, activation checkpointing" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5ckpt" --train.activation_checkpointing true
@@ -402,7 +420,10 @@ expect tp_plan_heads_not_divisible 2 "--tensor_parallel 3: the model's 8 attenti
     "$FITLLM" plan micro --devices 3 --tensor_parallel 3
 expect tp_plan_zero3_refused 2 "--tensor_parallel 2 with --strategy deepspeed_stage_3: the data-parallel axis \(2 groups\) runs DDP, ZeRO-1 or ZeRO-2 so far" -- \
     "$FITLLM" plan micro --devices 4 --tensor_parallel 2 --strategy deepspeed_stage_3
-expect tp_plan_slice 0 "^after_load +reserved +573\.25 KiB" -- "$FITLLM" plan micro --devices 4 --tensor_parallel 2 --strategy ddp
+# micro (V 512, C 64, F 172, 5 layers, 8 / 4 heads of 8, tied) at TP 2, by hand: embeddings 256 x 64 (vocabulary
+# slice) + 5 x (2 x 64 norms + q 32 x 64 + k, v 16 x 64 + o 64 x 32 + gate, up 86 x 64 + down 64 x 86) + 64 =
+# 130368 floats = 509.25 KiB (573.25 KiB with the embeddings whole)
+expect tp_plan_slice 0 "^after_load +reserved +509\.25 KiB" -- "$FITLLM" plan micro --devices 4 --tensor_parallel 2 --strategy ddp
 # --bucket_size: ZeRO-2 offload of a 7B model at micro 4 over 4 MPI ranks planned a 19.99 GiB WORKSPACE peak (the
 # whole buffer's reduce-scatter scratch, 3/4 of 25.1 GiB of gradients); in buckets of 256 MiB (the default) 1.57 GiB
 expect plan_bucket_bounds_zero2_workspace 0 "^peak +reserved +25\.10 GiB +25\.10 GiB +0 B +64\.84 GiB +1\.57 GiB" -- \

@@ -456,6 +456,7 @@ for grid in "2 2 ddp" "4 2 ddp" "4 4 ddp" "4 2 deepspeed_stage_2"; do
     w=$(loss_rel "$T/tp$1-$2-$3" "$T/tp-one" 2>/dev/null)
     if [ $rc -eq 0 ] && [ "$(grep -c "Saved the final model" "$T/out")" = 1 ] \
         && grep -q "^tensor parallel: $2 ranks per group x $(($1 / $2)) data-parallel group" "$T/out" \
+        && grep -q "lm_head vocabulary-parallel ($((512 / $2)) of the 512 rows" "$T/out" \
         && grep -q "^model: micro, 260032 parameters" "$T/out" && [ -f "$T/tp$1-$2-$3/final/model.safetensors" ] \
         && awk -v w="$w" 'BEGIN { exit !(w <= 1e-6) }'; then
         ok "tp_cli_np$1_tp$2_$3 (losses within $w of one process)"

@@ -91,6 +91,20 @@ int fl_test_backend_emulated(const fl_backend *be);
     do {                                                                             \
         if (!(cond)) { fl_test_fail(__FILE__, __LINE__, "required: %s", #cond); return; } \
     } while (0)
+/* The same in a helper that returns a value: `ret` on failure (a bare return there is an error, -Werror=return-type) */
+#define FL_REQUIRE_R(cond, ret)                                                      \
+    do {                                                                             \
+        if (!(cond)) { fl_test_fail(__FILE__, __LINE__, "required: %s", #cond); return ret; } \
+    } while (0)
+#define FL_REQUIRE_OK_R(expr, ret)                                                   \
+    do {                                                                             \
+        fl_status s_ = (expr);                                                       \
+        if (s_ != FL_OK) {                                                           \
+            fl_test_fail(__FILE__, __LINE__, "%s -> %s: %s", #expr, fl_status_name(s_), \
+                         fl_error_message());                                        \
+            return ret;                                                              \
+        }                                                                            \
+    } while (0)
 #define FL_REQUIRE_OK(expr)                                                          \
     do {                                                                             \
         fl_status s_ = (expr);                                                       \

@@ -111,7 +111,7 @@ static int check_grads(fl_blip2 *b, const fl_backend *be, const fl_st_file *x, d
             FL_CHECKF(g && gn && (size_t)(g->end - g->begin) == p->numel * 4, "reference gradient of %s", gk);
             if (!g || !gn) continue;
             float *h = malloc(p->numel * sizeof *h), *t = malloc(p->numel * sizeof *t);
-            FL_REQUIRE(h && t);
+            FL_REQUIRE_R(h && t, checked);
             be->to_host(be, h, fl_model_grads_f32(m) + p->offset, p->numel * sizeof *h);
             const int64_t r = p->shape[0], c = p->ndim == 2 ? p->shape[1] : 1;
             for (int64_t a = 0; a < r; a++) /* ours (r, c) as the file's (c, r) */
@@ -251,16 +251,16 @@ static const char *bad_folder(const char *from, const char *to) {
     static char dir[512];
     char path[600];
     snprintf(dir, sizeof dir, "%s/blip2-bad", fl_test_tmpdir());
-    FL_REQUIRE_OK(fl_fs_mkdir_p(dir));
+    FL_REQUIRE_OK_R(fl_fs_mkdir_p(dir), NULL);
     size_t n, nc;
     char *w = fl_test_slurp(FIX "/model.safetensors", &n), *cfg = fl_test_slurp(FIX "/config.json", &nc);
-    FL_REQUIRE(w && cfg);
+    FL_REQUIRE_R(w && cfg, NULL);
     snprintf(path, sizeof path, "%s/model.safetensors", dir);
     write_file(path, w, n);
     char *hit = strstr(cfg, from);
-    FL_REQUIRE(hit);
+    FL_REQUIRE_R(hit, NULL);
     char *out = malloc(strlen(cfg) + strlen(to) + 1);
-    FL_REQUIRE(out);
+    FL_REQUIRE_R(out, NULL);
     sprintf(out, "%.*s%s%s", (int)(hit - cfg), cfg, to, hit + strlen(from));
     snprintf(path, sizeof path, "%s/config.json", dir);
     write_file(path, out, strlen(out));

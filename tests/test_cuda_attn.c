@@ -565,13 +565,26 @@ typedef struct {
     int B, Tq, Tk, NH, NKV, HD, causal, mask, strided, exact_in;
 } tc_case;
 
+/* The kernels under test: the tensor-core (_tc, "legacy") or the FlashAttention-2-structured
+ * (_fa2, "own") launchers; the same semantics, roundings and bound, except that _fa2 adds dq's
+ * contribution of each 64-key block into dq separately: one more fp32 rounding of the running
+ * sum per key block, within nkb u (|dq0| + M) (the partial sums never exceed |dq0| + M). */
+typedef int (*tc_fwd_fn)(const fl_attn_desc *, float *, float *, const float *, const float *, const float *,
+                         const uint8_t *, void *);
+typedef int (*tc_bwd_fn)(const fl_attn_desc *, float *, float *, float *, const float *, const float *,
+                         const float *, const float *, const uint8_t *, const float *, const float *, void *, void *);
+static tc_fwd_fn g_tc_fwd = fl_cuemu_attention_forward_tc;
+static tc_bwd_fn g_tc_bwd = fl_cuemu_attention_backward_tc;
+static double g_dq_adds; /* key blocks adding into dq separately (0: one add) */
+
 static int check_b16(const char *what, const float *got, const float *pre, size_t rows, size_t row, size_t ld,
                      const double *want, const double *M, double fM, const double *M2, double fM2, double *worst) {
     for (size_t r = 0; r < rows; r++)
         for (size_t c = 0; c < row; c++) {
             const size_t gi = r * ld + c, wi = r * row + c;
             const double x = got[gi], p0 = pre ? pre[gi] : 0.0, err = fabs(x - p0 - want[wi]);
-            const double tol = fM * M[wi] + (M2 ? fM2 * M2[wi] : 0.0) + 4 * U32 * (fabs(x) + fabs(p0));
+            const double tol = fM * M[wi] + (M2 ? fM2 * M2[wi] : 0.0) + 4 * U32 * (fabs(x) + fabs(p0)) +
+                               g_dq_adds * U32 * (fabs(p0) + M[wi]);
             if (!(err <= tol)) {
                 fprintf(stderr, "  %s: [%zu,%zu] got %.9g want %.9g (err %.3g > bound %.3g)\n", what, r, c, x - p0,
                         want[wi], err, tol);
@@ -584,7 +597,8 @@ static int check_b16(const char *what, const float *got, const float *pre, size_
 
 static void tc_run(const tc_case *cs) {
     char name[160];
-    snprintf(name, sizeof name, "tc B%d Tq%d Tk%d NH%d/%d HD%d%s%s%s%s", cs->B, cs->Tq, cs->Tk, cs->NH, cs->NKV, cs->HD,
+    snprintf(name, sizeof name, "%s B%d Tq%d Tk%d NH%d/%d HD%d%s%s%s%s",
+             g_tc_fwd == fl_cuemu_attention_forward_tc ? "tc" : "fa2", cs->B, cs->Tq, cs->Tk, cs->NH, cs->NKV, cs->HD,
              cs->causal ? " causal" : "", cs->mask ? " kmask" : "", cs->strided ? " strided" : "",
              cs->exact_in ? " bf16-inputs" : " fp32-inputs");
     fl_test_rng rng = {(unsigned long long)(cs->Tq * 131 + cs->Tk * 7 + cs->HD + cs->NKV * 1000 + cs->exact_in)};
@@ -633,9 +647,9 @@ static void tc_run(const tc_case *cs) {
     float *out1 = fl_test_frand(&rng, no, 7, 8), *out2 = fl_test_fdup(out1, no), *out0 = fl_test_fdup(out1, no);
     float *lse1 = malloc(nl * 4), *lse2 = malloc(nl * 4);
     fl_cu_emu_set_seed(k_seed_a);
-    int rc = emu_call(fl_cuemu_attention_forward_tc(&a, out1, lse1, q, k, v, kmask, NULL), name);
+    int rc = emu_call(g_tc_fwd(&a, out1, lse1, q, k, v, kmask, NULL), name);
     fl_cu_emu_set_seed(k_seed_b);
-    rc |= emu_call(fl_cuemu_attention_forward_tc(&a, out2, lse2, q, k, v, kmask, NULL), name);
+    rc |= emu_call(g_tc_fwd(&a, out2, lse2, q, k, v, kmask, NULL), name);
     FL_CHECKF(rc == 0, "%s: forward launcher -> %d", name, rc);
     FL_CHECKF(!memcmp(out1, out2, no * 4) && !memcmp(lse1, lse2, nl * 4), "%s: forward bits differ between runs", name);
     const size_t rows = (size_t)a.B * a.Tq, krows = (size_t)a.B * a.Tk;
@@ -664,13 +678,15 @@ static void tc_run(const tc_case *cs) {
     float *dq2 = fl_test_fdup(dq0, nq), *dk2 = fl_test_fdup(dk0, nk), *dv2 = fl_test_fdup(dv0, nv);
     float *work = malloc(nl * 4 + 4);
     fl_cu_emu_set_seed(k_seed_a);
-    rc = emu_call(fl_cuemu_attention_backward_tc(&a, dq1, dk1, dv1, dout, q, k, v, kmask, out1, lse1, work, NULL), name);
+    rc = emu_call(g_tc_bwd(&a, dq1, dk1, dv1, dout, q, k, v, kmask, out1, lse1, work, NULL), name);
     fl_cu_emu_set_seed(k_seed_b);
-    rc |= emu_call(fl_cuemu_attention_backward_tc(&a, dq2, dk2, dv2, dout, q, k, v, kmask, out1, lse1, work, NULL), name);
+    rc |= emu_call(g_tc_bwd(&a, dq2, dk2, dv2, dout, q, k, v, kmask, out1, lse1, work, NULL), name);
     FL_CHECKF(rc == 0, "%s: backward launcher -> %d", name, rc);
     FL_CHECKF(!memcmp(dq1, dq2, nq * 4) && !memcmp(dk1, dk2, nk * 4) && !memcmp(dv1, dv2, nv * 4),
               "%s: backward bits differ between runs", name);
+    g_dq_adds = g_tc_bwd == fl_cuemu_attention_backward_tc ? 0.0 : (a.Tk + 63) / 64;
     FL_CHECKF(check_b16("tc dq vs float64", dq1, dq0, rows, wq, a.ldq, R.dq, R.Mq, fqk, R.Mq2, fqk2, &wdq), "%s: dq", name);
+    g_dq_adds = 0;
     FL_CHECKF(check_b16("tc dk vs float64", dk1, dk0, krows, wk, a.ldk, R.dk, R.Mk, fqk, R.Mk2, fqk2, &wdk), "%s: dk", name);
     FL_CHECKF(check_b16("tc dv vs float64", dv1, dv0, krows, wk, a.ldv, R.dv, R.Mv, fv, NULL, 0, &wdv), "%s: dv", name);
     pad_ok = 1;
@@ -687,13 +703,15 @@ static void tc_run(const tc_case *cs) {
         float *o3 = fl_test_fdup(out0, no), *l3 = malloc(nl * 4);
         float *dq3 = fl_test_fdup(dq0, nq), *dk3 = fl_test_fdup(dk0, nk), *dv3 = fl_test_fdup(dv0, nv);
         rc = emu_call(fl_cuemu_attention_forward_ex(&a, o3, l3, q, k, v, NULL, kmask, NULL), name);
-        rc |= emu_call(fl_cuemu_attention_backward_tc(&a, dq3, dk3, dv3, dout, q, k, v, kmask, o3, l3, work, NULL), name);
+        rc |= emu_call(g_tc_bwd(&a, dq3, dk3, dv3, dout, q, k, v, kmask, o3, l3, work, NULL), name);
         FL_CHECK(rc == 0);
         double w3 = 0;
+        g_dq_adds = g_tc_bwd == fl_cuemu_attention_backward_tc ? 0.0 : (a.Tk + 63) / 64;
         FL_CHECKF(check_b16("tc dq after fp32 fwd", dq3, dq0, rows, wq, a.ldq, R.dq, R.Mq, fqk, R.Mq2, fqk2, &w3) &&
                       check_b16("tc dk after fp32 fwd", dk3, dk0, krows, wk, a.ldk, R.dk, R.Mk, fqk, R.Mk2, fqk2, &w3) &&
                       check_b16("tc dv after fp32 fwd", dv3, dv0, krows, wk, a.ldv, R.dv, R.Mv, fv, NULL, 0, &w3),
                   "%s: backward after the fp32 forward", name);
+        g_dq_adds = 0;
         free(o3), free(l3), free(dq3), free(dk3), free(dv3);
     }
     free(q), free(k), free(v), free(dout), free(kmask);
@@ -714,6 +732,26 @@ FL_TEST(cuda_attn_tc) {
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) tc_run(&cases[i]);
 }
 
+/* The FlashAttention-2-structured kernels: the cases above, and 2 query tiles of the HD-64 forward
+ * (128 rows), several 64-key blocks adding into dq, odd lengths, Tq != Tk, GQA 4:1. */
+FL_TEST(cuda_attn_fa2) {
+    const tc_case cases[] = {
+        {2, 33, 33, 4, 2, 64, 1, 0, 1, 1},   /* causal self, GQA, strided views */
+        {1, 70, 7, 2, 2, 64, 1, 0, 0, 1},    /* causal Tq > Tk: rows t < 63 see nothing */
+        {2, 7, 70, 2, 1, 64, 0, 1, 1, 1},    /* cross, kmask (b = 1 all padding), 2 key blocks */
+        {1, 40, 40, 2, 1, 128, 1, 1, 0, 1},  /* HD 128: 32-row backward tiles, warps split dQ's dims */
+        {1, 33, 33, 2, 2, 64, 1, 0, 0, 0},   /* fp32 inputs: their rounding inside the bound */
+        {1, 131, 131, 4, 1, 64, 1, 0, 0, 1}, /* 2 forward tiles of 128, 3 key blocks, GQA 4:1 */
+        {1, 77, 131, 2, 1, 128, 1, 0, 1, 1}, /* HD 128 causal Tq < Tk, odd lengths, 3 key blocks */
+        {1, 131, 67, 2, 2, 64, 0, 0, 0, 1},  /* non-causal, odd lengths */
+    };
+    g_tc_fwd = fl_cuemu_attention_forward_fa2;
+    g_tc_bwd = fl_cuemu_attention_backward_fa2;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) tc_run(&cases[i]);
+    g_tc_fwd = fl_cuemu_attention_forward_tc;
+    g_tc_bwd = fl_cuemu_attention_backward_tc;
+}
+
 FL_TEST(cuda_attn_tc_unsupported) {
     float x[64] = {0}, work[16];
     fl_attn_desc a = {1, 3, 3, 2, 2, 80, 160, 160, 160, 160, 0.1f, 1};
@@ -728,8 +766,9 @@ FL_TEST(cuda_attn_tc_unsupported) {
 }
 
 /* The backend's dispatch: "cuda-emu" runs the tensor-core kernels for a bf16 compute dtype and a
- * shape they take, the fp32 kernels otherwise (F32, a bias, HD 24) and whenever
- * FITLLM_CUDA_ATTN=fp32; bits equal to the direct launches say which ran. */
+ * shape they take (the FlashAttention-2-structured _fa2 ones by default and with
+ * FITLLM_CUDA_ATTN=own, the _tc ones with =legacy), the fp32 kernels otherwise (F32, a bias,
+ * HD 24) and whenever FITLLM_CUDA_ATTN=fp32; bits equal to the direct launches say which ran. */
 static int same(const float *x, const float *y, size_t n) { return !memcmp(x, y, n * sizeof(float)); }
 
 static void dispatch_case(const char *env, int HD, int use_bias) {
@@ -742,6 +781,9 @@ static void dispatch_case(const char *env, int HD, int use_bias) {
     FL_CHECK(be.set_compute_dtype != NULL);
     be.set_compute_dtype(&be, FL_BF16);
     const int expect_tc = !(env && !strcmp(env, "fp32")) && (HD == 64 || HD == 128) && !use_bias;
+    const int legacy = env && !strcmp(env, "legacy");
+    tc_fwd_fn fwd = legacy ? fl_cuemu_attention_forward_tc : fl_cuemu_attention_forward_fa2;
+    tc_bwd_fn bwd = legacy ? fl_cuemu_attention_backward_tc : fl_cuemu_attention_backward_fa2;
     const int B = 1, T = 9, NH = 2, NKV = 1, W = (NH + 2 * NKV) * HD, OW = NH * HD;
     const size_t nx = (size_t)B * T * W, no = (size_t)B * T * OW, nl = (size_t)B * NH * T;
     fl_test_rng rng = {(unsigned long long)(HD + use_bias)};
@@ -756,9 +798,8 @@ static void dispatch_case(const char *env, int HD, int use_bias) {
         fl_attention_qkv_backward(&be, g1, dout, qkv, o1, l1, B, T, NH, NKV, HD);
         FL_CHECK(be.sync(&be) == FL_OK);
         if (expect_tc) {
-            FL_CHECK(fl_cuemu_attention_forward_tc(&a, o2, l2, q, k, v, NULL, NULL) == 0);
-            FL_CHECK(fl_cuemu_attention_backward_tc(&a, g2, g2 + OW, g2 + OW + NKV * HD, dout, q, k, v, NULL, o2, l2,
-                                                    work, NULL) == 0);
+            FL_CHECK(fwd(&a, o2, l2, q, k, v, NULL, NULL) == 0);
+            FL_CHECK(bwd(&a, g2, g2 + OW, g2 + OW + NKV * HD, dout, q, k, v, NULL, o2, l2, work, NULL) == 0);
         } else {
             FL_CHECK(fl_cuemu_attention_forward(o2, l2, qkv, B, T, NH, NKV, HD, NULL) == 0);
             FL_CHECK(fl_cuemu_attention_backward(g2, dout, qkv, o2, l2, B, T, NH, NKV, HD, work, NULL) == 0);
@@ -772,7 +813,7 @@ static void dispatch_case(const char *env, int HD, int use_bias) {
                                                 o2, l2, work, NULL) == 0);
     }
     FL_CHECKF(same(o1, o2, no) && same(l1, l2, nl) && same(g1, g2, nx), "dispatch env %s HD %d bias %d: expected the %s "
-              "kernels", env ? env : "(unset)", HD, use_bias, expect_tc ? "tensor-core" : "fp32");
+              "kernels", env ? env : "(unset)", HD, use_bias, expect_tc ? (legacy ? "legacy tensor-core" : "fa2") : "fp32");
     if (expect_tc) { /* and back to F32: the fp32 kernels */
         be.set_compute_dtype(&be, FL_F32);
         fl_attention_qkv_forward(&be, o1, l1, qkv, B, T, NH, NKV, HD);
@@ -788,6 +829,10 @@ static void dispatch_case(const char *env, int HD, int use_bias) {
 FL_TEST(cuda_attn_tc_dispatch) {
     dispatch_case(NULL, 64, 0);
     dispatch_case("auto", 128, 0);
+    dispatch_case("own", 64, 0);
+    dispatch_case("legacy", 64, 0);
+    dispatch_case("legacy", 128, 0);
+    dispatch_case("legacy", 64, 1);
     dispatch_case(NULL, 24, 0);
     dispatch_case(NULL, 64, 1);
     dispatch_case("fp32", 64, 0);
@@ -856,12 +901,15 @@ static void model_loss(const char *env, int record, double *loss) {
 }
 
 FL_TEST(cuda_attn_tc_model) {
-    double tc = NAN, fp = NAN;
+    double tc = NAN, fp = NAN, lg = NAN;
     model_loss(NULL, 1, &tc);
     model_loss("fp32", 0, &fp);
-    printf("      bf16-mixed loss sum: %.9g (tensor cores) vs %.9g (fp32 attention)\n", tc, fp);
-    FL_CHECK(isfinite(tc) && isfinite(fp));
+    model_loss("legacy", 0, &lg);
+    printf("      bf16-mixed loss sum: %.9g (fa2 tensor cores), %.9g (legacy tensor cores) vs %.9g (fp32 attention)\n",
+           tc, lg, fp);
+    FL_CHECK(isfinite(tc) && isfinite(fp) && isfinite(lg));
     FL_CHECK(tc != fp);
+    FL_CHECK(lg != fp);
 }
 
 #else

@@ -526,6 +526,15 @@ FL_TEST(config_llama_and_errors) {
     FL_REQUIRE(write_text(p, buf) == 0);
     FL_CHECK(fl_hf_load_config(p, &c) == FL_ERR_FORMAT);
     CHECK_MSG("'tie_word_embeddings'");
+    /* a number a float cannot hold (found by fuzz_hf_config: it loaded as inf and saved as the non-JSON "inf") */
+    snprintf(buf, sizeof buf, LLAMA_CFG, "null", "");
+    char *e = strstr(buf, "1e-06");
+    FL_REQUIRE(e != NULL);
+    memcpy(e, "1e105", 5);
+    FL_REQUIRE(write_text(p, buf) == 0);
+    FL_CHECK(fl_hf_load_config(p, &c) == FL_ERR_FORMAT);
+    CHECK_MSG(p);
+    CHECK_MSG("'rms_norm_eps' = 1e+105 is outside the range of a float");
     /* unknown architecture (BERT, then T5 were the example until they became ones: src/model/arch_bert.c, arch_t5.c) */
     FL_REQUIRE(write_text(p, "{\"model_type\": \"mamba\", \"architectures\": [\"MambaForCausalLM\"], \"hidden_size\": 8}") == 0);
     FL_CHECK(fl_hf_load_config(p, &c) == FL_ERR_UNSUPPORTED);

@@ -74,27 +74,27 @@ typedef struct {
 
 static int rig_init_prec(perf_rig *r, const char *name, const char *prec, int B, int T) {
     fl_model_config c;
-    FL_REQUIRE_OK(fl_preset_find("micro", &c));
+    FL_REQUIRE_OK_R(fl_preset_find("micro", &c), 0);
     fl_status s = name ? fl_backend_init_by_name(name, &r->be, 2) : fl_test_backend(&r->be, 2);
     if (s != FL_OK) return 0;
-    FL_REQUIRE_OK(fl_backend_pools_init(&r->be, &r->pool, &r->hpool, r->be.name, 0));
+    FL_REQUIRE_OK_R(fl_backend_pools_init(&r->be, &r->pool, &r->hpool, r->be.name, 0), 0);
     if (prec) {
         fl_precision p;
         fl_model_storage stg;
-        FL_REQUIRE_OK(fl_precision_find(prec, &p));
+        FL_REQUIRE_OK_R(fl_precision_find(prec, &p), 0);
         fl_model_storage_for(&p, &stg);
-        FL_REQUIRE_OK(fl_model_init_ex(&r->m, &c, &r->be, &r->pool, &stg));
+        FL_REQUIRE_OK_R(fl_model_init_ex(&r->m, &c, &r->be, &r->pool, &stg), 0);
         fl_model_init_random(&r->m, 7);
-        FL_REQUIRE_OK(fl_model_set_precision(&r->m, &p));
+        FL_REQUIRE_OK_R(fl_model_set_precision(&r->m, &p), 0);
     } else {
-        FL_REQUIRE_OK(fl_model_init(&r->m, &c, &r->be, &r->pool));
+        FL_REQUIRE_OK_R(fl_model_init(&r->m, &c, &r->be, &r->pool), 0);
         fl_model_init_random(&r->m, 7);
     }
-    FL_REQUIRE_OK(fl_model_alloc_grads(&r->m));
-    FL_REQUIRE_OK(fl_model_alloc_acts(&r->m, B, T));
+    FL_REQUIRE_OK_R(fl_model_alloc_grads(&r->m), 0);
+    FL_REQUIRE_OK_R(fl_model_alloc_acts(&r->m, B, T), 0);
     fl_optim_config oc;
     fl_optim_config_default(&oc, FL_OPT_ADAMW);
-    FL_REQUIRE_OK(fl_optim_init(&r->o, &r->m, &oc));
+    FL_REQUIRE_OK_R(fl_optim_init(&r->o, &r->m, &oc), 0);
     return 1;
 }
 static int rig_init(perf_rig *r, const char *name, int B, int T) { return rig_init_prec(r, name, NULL, B, T); }
@@ -224,7 +224,7 @@ static fl_cu_counters step_counts(const char *prec, int n_micro, float max_norm,
     fl_cuemu_set_host_memory(0); /* the GPU's paths: host staging, ids copied, what waits for the device */
     const int made = rig_init_prec(&r, "cuda-emu", prec, B, T);
     fl_cuemu_set_host_memory(1);
-    FL_REQUIRE(made && !fl_backend_host_memory(&r.be));
+    FL_REQUIRE_R(made && !fl_backend_host_memory(&r.be), (fl_cu_counters){0});
     int32_t ids[4 * 32], tg[4 * 32];
     for (int i = 0; i < 4 * 32; i++) {
         ids[i] = (i * 37 + 5) % r.m.cfg.vocab_size;

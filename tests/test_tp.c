@@ -1,7 +1,7 @@
 /* Tensor parallelism (src/model/tp.c, graph_tp.c) with the ranks as threads: tests/tp_ref.h's scenarios on the
- * golden fixtures (LLaMA with GQA at 2 ranks, GPT-2 and OPT at 2 and 4) against one process, PyTorch and the
- * float64 run; the slices' memory; the refusals. The same scenarios run under mpirun in
- * tests/mpi/tp_mpi_test.c. */
+ * golden fixtures (LLaMA with GQA at 2 ranks, GPT-2 and OPT at 2 and 4; their 257 tokens split into uneven
+ * vocabulary slices: 128 / 129 rows, 64 x 3 / 65) against one process, PyTorch and the float64 run; the slices'
+ * memory; the refusals. The same scenarios run under mpirun in tests/mpi/tp_mpi_test.c. */
 #include "fitllm/backend.h"
 #include "test.h"
 #include "tp_ref.h"
@@ -57,6 +57,28 @@ static void tp_case(const char *dir, int N) {
         FL_CHECKF(d > 100 * 8 * ldexp(fabs(one->loss1), -24), "%s TP %d without the sums: loss %.7f, one process %.7f",
                   dir, N, mut->loss1, one->loss1);
         printf("      %s TP %d without the blocks' sums: first loss off by %.3g (%.3g)\n", dir, N, d, bound);
+        /* the vocabulary slices cover the vocabulary; without the cross-entropy's combined row statistics (the
+         * blocks summed) the loss is off */
+        fl_model_config sl;
+        int rows = 0, lo, at = 0;
+        for (int r = 0; r < N; r++) {
+            FL_REQUIRE_OK(fl_tp_config(&c, N, r, &sl));
+            rows = fl_config_vocab_rows(&sl, &lo);
+            FL_CHECKF(lo == at && rows >= c.vocab_size / N && rows <= c.vocab_size / N + 1, "%s TP %d rank %d: "
+                      "vocabulary rows [%d, %d)", dir, N, r, lo, lo + rows);
+            at = lo + rows;
+        }
+        FL_CHECKF(at == c.vocab_size, "%s TP %d: the slices end at row %d of %d", dir, N, at, c.vocab_size);
+        {
+            memset(mut, 0, sizeof *mut);
+            mut->dir = dir, mut->backend = bn, mut->mutant = 2;
+            run_job(mut, N);
+            const double dv = fabs(mut->loss1 - one->loss1);
+            FL_CHECKF(dv > 100 * 8 * ldexp(fabs(one->loss1), -24), "%s TP %d without the head's statistics: loss "
+                      "%.7f, one process %.7f", dir, N, mut->loss1, one->loss1);
+            printf("      %s TP %d: vocabulary slices of %d .. %d rows; without their combined statistics the first "
+                   "loss is off by %.3g\n", dir, N, c.vocab_size / N, rows, dv);
+        }
     }
     free(one->grad), free(one->params), free(tp->grad), free(tp->params);
     free(one), free(tp), free(mut);
@@ -71,7 +93,6 @@ FL_TEST(tp_opt_2_and_4_ranks) {
     tp_case("tests/fixtures/golden-opt", 2);
     tp_case("tests/fixtures/golden-opt", 4);
 }
-
 /* Clipping decides on the whole model's gradient norm (fl_tp_optim_attach): at every step the group's norm is
  * the single process's within the norm of the difference of the two re-assembled step-1 gradients (|‖a‖ - ‖b‖|
  * <= ‖a - b‖; later steps: 4x that), and with the norm at half the first step's every step clips; the losses

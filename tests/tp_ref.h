@@ -39,7 +39,7 @@
 typedef struct {
     const char *dir;     /* golden fixture folder */
     const char *backend; /* backend name ("cpu", "opaque", ...) */
-    int mutant;          /* run the blocks without their sums (the check must fail) */
+    int mutant;          /* 1: run the blocks without their sums, 2: the head without its (the check must fail) */
     float max_norm;      /* gradient clipping (0: none, the fixture's steps) */
     int fail_rank;       /* > 0: this rank fails after its first forward (a rank failure must end the group) */
     /* results */
@@ -100,7 +100,8 @@ static fl_status tp_rank_run(fl_comm *c, int rank, void *ud) {
     }
     /* memory the host cannot read: the blocks' sums run on the backend's own communicator */
     if (N > 1 && !fl_backend_host_memory(&be) && be.comm_create) TP_TRY(be.comm_create(&be, c, &dev));
-    TP_TRY(fl_model_set_tp(&part, j->mutant ? NULL : dev ? dev : c));
+    TP_TRY(fl_model_set_tp(&part, j->mutant == 1 ? NULL : dev ? dev : c));
+    TP_TRY(fl_model_set_tp_host(&part, j->mutant ? NULL : c)); /* mutant 2: the blocks' sums, not the head's */
     snprintf(path, sizeof path, "%s/golden.safetensors", j->dir);
     TP_TRY(fl_st_open(&g, path));
     g_ok = 1;

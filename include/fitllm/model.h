@@ -67,7 +67,9 @@ typedef struct {
     int dec_start_id, pad_id, eos_id; /* T5: decoder_start_token_id, pad_token_id, eos_token_id */
     /* Tensor parallelism (src/model/tp.c, fitllm/tp.h): this config is rank tp_rank's slice of a model split
      * over tp_size ranks (n_heads, n_kv_heads and ffn_dim are the rank's; head_dim and everything else the
-     * model's); 0 or 1: the whole model. Never read from or written to config.json. */
+     * model's); 0 or 1: the whole model. Never read from or written to config.json. The token embeddings and
+     * lm_head are vocabulary-parallel too: the rank holds rows [tp_rank V / tp_size, (tp_rank + 1) V / tp_size)
+     * (fl_config_vocab_rows); vocab_size stays the model's. */
     int tp_size, tp_rank;
     /* BLIP-2's parts (fitllm/blip2.h; 0 elsewhere): the vision tower's image_size and patch_size (max_seq = the patches
      * + the class token); the Q-Former's num_query_tokens (= max_seq), its cross-attention's key width
@@ -77,6 +79,20 @@ typedef struct {
     int n_queries, xattn_dim, xattn_every, proj_dim;
     int gelu_exact; /* BLIP-2's parts: the MLP's GELU is the exact erf one (hidden_act "gelu"), else the tanh one */
 } fl_model_config;
+
+/* The token-embedding / lm_head rows a config holds: a tensor-parallel slice (tp_size > 1) holds rows
+ * [tp_rank V / tp_size, (tp_rank + 1) V / tp_size) of the whole table (the first at *lo; sizes differ by at most
+ * one row when tp_size does not divide V); else the whole vocabulary, lo 0. */
+static inline int fl_config_vocab_rows(const fl_model_config *c, int *lo) {
+    if (c->tp_size <= 1) {
+        if (lo) *lo = 0;
+        return c->vocab_size;
+    }
+    const int a = (int)((long long)c->tp_rank * c->vocab_size / c->tp_size);
+    const int b = (int)((long long)(c->tp_rank + 1) * c->vocab_size / c->tp_size);
+    if (lo) *lo = a;
+    return b - a;
+}
 
 /* Fill derived defaults and validate (positive sizes, NH % NKV == 0, ...).
  * Errors name the offending key. */
@@ -384,6 +400,9 @@ typedef struct {
                                  * set, the base is frozen and the adapters are what trains */
     struct fl_comm *tp_comm;    /* tensor parallel (cfg.tp_size > 1): the group the blocks' ALLREDUCE ops sum over
                                  * (fl_model_set_tp; on the backend's memory); NULL: one rank */
+    struct fl_comm *tp_host;    /* the same group on host memory (the vocabulary-parallel cross-entropy's row
+                                 * statistics, gathered logits): tp_comm on a host-memory backend, else
+                                 * fl_model_set_tp_host's */
     /* An encoder-decoder's source rows supplied by the caller (BLIP-2's projected queries in place of the
      * image placeholders, fitllm/blip2.h): after the first stack's embedding, row rows[i] of the (B Ts) rows is
      * src[i] (n rows of C, device memory); the backward moves their gradient into dsrc and none reaches the

@@ -9,7 +9,10 @@
  *     q, k, v split by heads), gate|up or fc weight and bias;
  *   row-parallel (rank r keeps r's columns): o_proj / c_proj / out_proj and down_proj / mlp.c_proj /
  *     fc2 weights; their biases are whole on every rank and added by rank 0 alone (src/model/blocks.c);
- *   replicated: norms, embeddings, the position table, lm_head.
+ *   vocabulary-parallel (rank r keeps rows [r V / N, (r + 1) V / N)): the token embeddings, lm_head; the
+ *     embedding's rows are summed over the group and the cross-entropy combines the ranks' row statistics
+ *     (src/model/tp_vocab.c);
+ *   replicated: norms, the position table.
  * The block graph gets the ALLREDUCE ops that make the slices compute the whole block (graph_tp.c),
  * over the group set with fl_model_set_tp. Everything replicated computes the same bits on every rank
  * (its inputs and gradients are the same after the sums), so replicated parameters get the same
@@ -33,9 +36,15 @@ fl_status fl_tp_config(const fl_model_config *whole, int size, int rank, fl_mode
 /* The group the blocks' collectives run over (comm's size must be m->cfg.tp_size; on the backend's
  * memory: a device communicator for a backend whose memory the host cannot read). NULL: detach. */
 fl_status fl_model_set_tp(fl_model *m, fl_comm *comm);
+/* The same group on host memory (src/model/tp_vocab.c): the vocabulary-parallel cross-entropy's row statistics
+ * and gathered logits go through it. fl_model_set_tp sets it to comm on a backend with host memory; a device
+ * communicator's caller passes the host group it was made from. NULL: no sums (a test's broken group). */
+fl_status fl_model_set_tp_host(fl_model *m, fl_comm *host);
 
 /* How layout entry i is split (the same index in the whole and the slice's layouts). */
-typedef enum { FL_TP_REPLICATED = 0, FL_TP_COLUMN, FL_TP_ROW } fl_tp_split;
+typedef enum { FL_TP_REPLICATED = 0, FL_TP_COLUMN, FL_TP_ROW, FL_TP_VOCAB } fl_tp_split;
+/* FL_TP_VOCAB: the token embeddings and lm_head, rank r keeps rows [r V / N, (r + 1) V / N) (fl_config_vocab_rows;
+ * the ranks' row counts differ by at most one when N does not divide V). */
 fl_tp_split fl_tp_entry_split(const fl_param_layout *lay, int i);
 
 /* Element maps between entry i of the whole model (our (out, in) orientation, whole_cfg's dims) and

@@ -131,6 +131,10 @@ static void usage(FILE *f) {
                "               (one GPU; `fitllm selftest --accelerator cuda` checks it against the CPU)\n");
     fprintf(f, "\n  FITLLM_BACKEND=opaque (environment; a testing aid): run on the test backend whose tensor memory the\n"
                "               host cannot read outside its ops (same results as the CPU; default: cpu)\n");
+    fprintf(f, "\n  FITLLM_CUDA_ATTN=own|legacy|fp32 (environment): a bf16 run's attention on the GPU at head size 64 or\n"
+               "               128: own (default) = FlashAttention-2-structured kernels, EXPERIMENTAL (checked on the\n"
+               "               CUDA emulator, not yet timed on a GPU); legacy = the earlier tensor-core kernels; fp32 =\n"
+               "               the fp32 kernels\n");
     fprintf(f, "\nexit codes: 0 ok, 1 runtime error, 2 usage error, 3 out of memory\n");
 }
 

@@ -5,6 +5,7 @@
 #include "core/fs.h"
 
 #include <limits.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,6 +46,9 @@ static fl_status fl_hf_float(const char *path, const fl_json *o, const char *key
     if (j->type != FL_JSON_NUMBER)
         return fl_errorf(FL_ERR_FORMAT, "%s: key '%s' must be a number (got %s)", path, key, fl_hf_type_name(j));
     *out = (float)j->num;
+    /* 1e105 parses as a double but is inf as a float, and inf would be written back as a non-JSON token */
+    if (!isfinite(*out))
+        return fl_errorf(FL_ERR_FORMAT, "%s: key '%s' = %g is outside the range of a float", path, key, j->num);
     return FL_OK;
 }
 

@@ -14,7 +14,7 @@ static fl_status check(fl_model_config *c) {
 }
 
 static int layout(fl_layout_builder *b, const fl_model_config *c) {
-    const int C = c->dim, L = c->n_layers, V = c->vocab_size, F = c->ffn_dim;
+    const int C = c->dim, L = c->n_layers, V = fl_config_vocab_rows(c, NULL), F = c->ffn_dim;
     const int QD = c->n_heads * c->head_dim; /* C, but a tensor-parallel rank's slice holds fewer heads */
     int err = 0;
 #define P(role, d0, d1, tr, ...) (err |= fl_layout_add(b, FL_ROLE_##role, d0, d1, tr, __VA_ARGS__))

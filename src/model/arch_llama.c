@@ -6,7 +6,7 @@ static const char *const targets[] = {"q_proj", "k_proj", "v_proj", "o_proj", "g
                                       "up_proj", "down_proj", "lm_head", NULL};
 
 static int layout(fl_layout_builder *b, const fl_model_config *c) {
-    const int C = c->dim, L = c->n_layers, V = c->vocab_size, F = c->ffn_dim;
+    const int C = c->dim, L = c->n_layers, V = fl_config_vocab_rows(c, NULL), F = c->ffn_dim;
     const int QD = c->n_heads * c->head_dim, KVD = c->n_kv_heads * c->head_dim;
     int err = 0;
 #define P(role, d0, d1, ...) (err |= fl_layout_add(b, FL_ROLE_##role, d0, d1, 0, __VA_ARGS__))

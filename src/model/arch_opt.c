@@ -18,7 +18,7 @@ static fl_status check(fl_model_config *c) {
 }
 
 static int layout(fl_layout_builder *b, const fl_model_config *c) {
-    const int C = c->dim, L = c->n_layers, V = c->vocab_size, F = c->ffn_dim, bias = c->attention_bias;
+    const int C = c->dim, L = c->n_layers, V = fl_config_vocab_rows(c, NULL), F = c->ffn_dim, bias = c->attention_bias;
     const int QD = c->n_heads * c->head_dim; /* C, but a tensor-parallel rank's slice holds fewer heads */
     int err = 0;
 #define P(role, d0, d1, ...) (err |= fl_layout_add(b, FL_ROLE_##role, d0, d1, 0, __VA_ARGS__))
@@ -58,12 +58,12 @@ static int layout(fl_layout_builder *b, const fl_model_config *c) {
 static int lora_modules(const fl_model_config *c, fl_arch_lora_module out[FL_ARCH_MAX_LORA_MODULES]) {
     const int C = c->dim, F = c->ffn_dim;
     const fl_arch_lora_module t[] = {
-        {"q_proj", "model.decoder.layers.%d.self_attn.q_proj", 0, 3 * C},
-        {"k_proj", "model.decoder.layers.%d.self_attn.k_proj", C, 3 * C},
-        {"v_proj", "model.decoder.layers.%d.self_attn.v_proj", 2 * C, 3 * C},
-        {"out_proj", "model.decoder.layers.%d.self_attn.out_proj", 0, C},
-        {"fc1", "model.decoder.layers.%d.fc1", 0, F},
-        {"fc2", "model.decoder.layers.%d.fc2", 0, C},
+        {"q_proj", "model.decoder.layers.%d.self_attn.q_proj", 0, 3 * C, 0},
+        {"k_proj", "model.decoder.layers.%d.self_attn.k_proj", C, 3 * C, 0},
+        {"v_proj", "model.decoder.layers.%d.self_attn.v_proj", 2 * C, 3 * C, 0},
+        {"out_proj", "model.decoder.layers.%d.self_attn.out_proj", 0, C, 0},
+        {"fc1", "model.decoder.layers.%d.fc1", 0, F, 0},
+        {"fc2", "model.decoder.layers.%d.fc2", 0, C, 0},
     };
     const int n = (int)(sizeof t / sizeof t[0]);
     for (int i = 0; i < n; i++) out[i] = t[i];

@@ -160,18 +160,19 @@ void fl_get_outer(const fl_model *m, fl_outer_params *o) {
 
 /* out (n, C) = wte[ids] (+ wpe[pos0 ..]) for one sequence of n rows at position pos0,
  * or (B, T) rows (pos0 = 0) */
-void fl_embed_forward(const fl_model *m, const fl_outer_params *op, float *out, const int32_t *dids,
-                      const int32_t *ids, int B, int T, int pos0) {
+fl_status fl_embed_forward(const fl_model *m, const fl_outer_params *op, float *out, const int32_t *dids,
+                           const int32_t *ids, int B, int T, int pos0) {
     const fl_backend *be = m->be;
     const int C = m->cfg.dim;
+    if (fl_tp_vocab_split(m)) return fl_tp_embed_forward(m, op, out, ids, B, T, pos0);
     if (m->store->dtype == FL_F32) {
         be->embedding_forward(be, out, dids, op->wte, op->wpe ? op->wpe + (size_t)pos0 * C : NULL, B, T, C);
-        return;
+        return FL_OK;
     }
     if (be->embedding_forward16 && (m->store->dtype == FL_BF16 || m->store->dtype == FL_F16)) { /* one launch, not one convert per token (+ one per position row) */
         const void *wpe = op->wpe_off != (size_t)-1 ? paddr(m, op->wpe_off + (size_t)pos0 * C) : NULL;
         be->embedding_forward16(be, out, dids, paddr(m, op->wte_off), wpe, m->store->dtype, B, T, C);
-        return;
+        return FL_OK;
     }
     float *row = m->store->pstage + fl_pstage_block_start(m) - C; /* one fp32 row */
     for (int b = 0; b < B; b++)
@@ -183,18 +184,22 @@ void fl_embed_forward(const fl_model *m, const fl_outer_params *op, float *out, 
                 be->add(be, o, o, row, C);
             }
         }
+    return FL_OK;
 }
 
 /* Embedding backward into the gradients (fp32: in place; 16-bit: through gstage, group 0). */
 fl_status fl_embed_backward(fl_model *m, const fl_outer_params *op, const float *dout, const int32_t *ids, int B,
                             int T) {
     const fl_backend *be = m->be;
+    const int tpv = fl_tp_vocab_split(m);
     if (!m->store->g16) {
+        if (tpv) return fl_tp_embed_backward(m, op, dout, ids, B, T);
         be->embedding_backward(be, op->dwte, op->dwpe, dout, ids, B, T, m->cfg.dim);
         return FL_OK;
     }
     size_t n0 = fl_group_numel(m, 0);
     fl_store_stage_begin(m->store, n0);
-    be->embedding_backward(be, op->dwte, op->dwpe, dout, ids, B, T, m->cfg.dim);
+    if (tpv) FL_TRY(fl_tp_embed_backward(m, op, dout, ids, B, T));
+    else be->embedding_backward(be, op->dwte, op->dwpe, dout, ids, B, T, m->cfg.dim);
     return fl_store_stage_flush(m->store, m->layout.group_offset[0], n0);
 }

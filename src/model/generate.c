@@ -132,7 +132,7 @@ static fl_status forward_rows_impl(fl_model *m, fl_kv_cache *kv, const rows_scra
         dids = kv->dids;
     }
     float *x = w->s[FL_GSLOT_IN]; // (n, C): every block's input and output (fl_block_rows_scratch)
-    fl_embed_forward(m, &op, x, dids, ids, 1, n, pos0);
+    FL_TRY(fl_embed_forward(m, &op, x, dids, ids, 1, n, pos0));
     /* the block graph with the cache: attention appends K/V rows (after RoPE), then attends causally
      * within the n rows (prefill, pos0 == 0) or, for one row, to the cached positions 0..pos0 (decode) */
     fl_block_ctx c = {.B = 1, .T = n, .pos0 = pos0, .rope_cos = kv->rope_cos, .rope_sin = kv->rope_sin, .kv = kv,
@@ -151,9 +151,10 @@ static fl_status forward_rows_impl(fl_model *m, fl_kv_cache *kv, const rows_scra
     fl_linear head = {.in = d.C, .out = d.V, .w = op.head};
     fl_linear_set_weight(m, &head, op.head_idx);
     fl_model_bind_adapters(m, -1, 0, &head, 0); /* an lm_head adapter (one row; dropout is off outside training) */
-    if (!kv->dlogits) return fl_linear_forward(be, logits, w->ln, &head, 1); // (V)
-    FL_TRY(fl_linear_forward(be, kv->dlogits, w->ln, &head, 1)); /* device logits, to the caller's host buffer */
-    return be->to_host(be, logits, kv->dlogits, (size_t)d.V * sizeof(float));
+    if (!kv->dlogits && !fl_tp_vocab_split(m)) return fl_linear_forward(be, logits, w->ln, &head, 1); // (V)
+    float *dl = kv->dlogits ? kv->dlogits : logits; /* tensor parallel on host memory: the slice, then gathered */
+    FL_TRY(fl_linear_forward(be, dl, w->ln, &head, 1)); /* device logits, to the caller's host buffer */
+    return fl_head_logits_out(m, logits, dl, 1);
 }
 
 static fl_status check_ids(const fl_model *m, const fl_kv_cache *kv, const int32_t *ids, int n) {

@@ -77,7 +77,7 @@ static inline fl_dims fl_model_dims(const fl_model_config *c) {
     d.QKV = d.QD + 2 * d.KVD;
     d.F = c->ffn_dim;
     d.FCW = fl_arch_get(c->arch)->glu ? 2 * d.F : d.F;
-    d.V = c->vocab_size;
+    d.V = fl_config_vocab_rows(c, NULL); /* tensor parallel: the vocabulary slice */
     d.L = c->n_layers;
     return d;
 }
@@ -186,10 +186,29 @@ void fl_get_outer(const fl_model *m, fl_outer_params *o);
  * gradients through gstage). out is (B, T, C); positions start at pos0. */
 /* dids: the ids in device memory (what the embedding op reads), ids: the same on the host (the
  * 16-bit path indexes rows with them). */
-void fl_embed_forward(const fl_model *m, const fl_outer_params *op, float *out, const int32_t *dids,
-                      const int32_t *ids, int B, int T, int pos0);
+fl_status fl_embed_forward(const fl_model *m, const fl_outer_params *op, float *out, const int32_t *dids,
+                           const int32_t *ids, int B, int T, int pos0);
 fl_status fl_embed_backward(fl_model *m, const fl_outer_params *op, const float *dout, const int32_t *ids, int B,
                             int T);
+
+/* Tensor parallelism's vocabulary split (tp_vocab.c): whether m holds a vocabulary slice; the embedding
+ * (forward: host ids; backward: device ids), the cross-entropy of a (rows, V/N) logits chunk (host targets;
+ * dlogits may alias logits), the sum of d(the head's input) over the group, the whole logits gathered on the
+ * host (out (rows, V); part the rank's (rows, V/N) in device memory, may alias out on a host-memory backend). */
+int fl_tp_vocab_split(const fl_model *m);
+fl_status fl_tp_embed_forward(const fl_model *m, const fl_outer_params *op, float *out, const int32_t *ids, int B,
+                              int T, int pos0);
+fl_status fl_tp_embed_backward(fl_model *m, const fl_outer_params *op, const float *dout, const int32_t *dids, int B,
+                               int T);
+fl_status fl_tp_cross_entropy(fl_model *m, float *loss, float *dlogits, const float *logits, const int32_t *targets,
+                              int rows, float grad_scale);
+fl_status fl_tp_head_dx_sum(fl_model *m, float *dx, int N);
+fl_status fl_tp_logits_out(fl_model *m, float *out, const float *part, int rows);
+/* The head's chunk of `rows` rows either way (the backend's cross-entropy on device targets, or the slices'
+ * on the host targets; the logits to the caller's host rows of the whole vocabulary). */
+fl_status fl_head_cross_entropy(fl_model *m, float *loss, float *dlogits, const float *logits, const int32_t *dtargets,
+                                const int32_t *targets, int rows, float grad_scale);
+fl_status fl_head_logits_out(fl_model *m, float *out, const float *logits, int rows);
 
 /* Elements of layout group g (its gradients are staged and handed back per group: store.h). */
 size_t fl_group_numel(const fl_model *m, int g);

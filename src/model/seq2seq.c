@@ -289,6 +289,8 @@ static int32_t rel_bucket(int i, int j, int bidir, int buckets, int max_dist) {
     return ret + (v < nb - 1 ? v : nb - 1);
 }
 
+static fl_status relbias_table(const fl_model *m, const s2s_stack *st, int grad, float **tab);
+
 /* bias (NH, T, T) = table (NH, buckets) at each (query, key)'s bucket: one embedding lookup of width 1 per head */
 static fl_status relbias_forward(fl_model *m, s2s_stack *st, int T, int bidir) {
     const fl_backend *be = m->be;
@@ -300,18 +302,17 @@ static fl_status relbias_forward(fl_model *m, s2s_stack *st, int T, int bidir) {
     fl_status s = be->to_device(be, st->buckets, bk, (size_t)T * T * sizeof *bk);
     free(bk);
     FL_TRY(s);
-    const int ti = fl_layout_role(&m->layout, st->l0 + 1, FL_ROLE_REL_BIAS);
-    if (ti < 0) return fl_errorf(FL_ERR_INTERNAL, "stack of block %d has no relative_attention_bias", st->l0);
-    const float *tab = fl_model_params_f32(m) + fl_model_store_off(m, ti);
+    float *tab;
+    FL_TRY(relbias_table(m, st, 0, &tab));
     for (int h = 0; h < NH; h++)
         be->embedding_forward(be, st->bias + (size_t)h * T * T, st->buckets, tab + (size_t)h * nb, NULL, 1, T * T, 1);
     return FL_OK;
 }
 
 static void relbias_backward(fl_model *m, s2s_stack *st, int T) {
-    if (!fl_model_grads_f32(m)) return; /* the base is frozen (LoRA) */
-    const int nb = m->cfg.rel_buckets, ti = fl_layout_role(&m->layout, st->l0 + 1, FL_ROLE_REL_BIAS);
-    float *dtab = fl_model_grads_f32(m) + m->layout.params[ti].offset;
+    float *dtab = NULL;
+    if (relbias_table(m, st, 1, &dtab) != FL_OK || !dtab) return; /* the base is frozen (LoRA) */
+    const int nb = m->cfg.rel_buckets;
     for (int h = 0; h < m->cfg.n_heads; h++)
         m->be->embedding_backward(m->be, dtab + (size_t)h * nb, NULL, st->dbias + (size_t)h * T * T, st->buckets, 1,
                                   T * T, 1);
@@ -336,11 +337,42 @@ static fl_status inject_rows(fl_model *m, float *res0, float *dres0) {
 
 /* ---- the passes --------------------------------------------------------------------------- */
 
-static float *param_of(const fl_model *m, int g, int role, int grad) {
+/* entry (g, role)'s fp32 parameter or gradient. 16-bit storage: the parameter widened into the store's pstage at
+ * `at` (overwritten by the next binding there: bind right before use), the gradient in the open stage of its group
+ * (fl_store_stage_begin / _flush around its writer); NULL without gradients (LoRA's frozen base) */
+static float *param_at(const fl_model *m, int g, int role, int grad, size_t at) {
     const int i = role < 0 ? -1 : fl_layout_role(&m->layout, g, (fl_param_role)role);
     if (i < 0) return NULL;
-    if (grad) return fl_model_grads_f32(m) ? fl_model_grads_f32(m) + m->layout.params[i].offset : NULL;
-    return fl_model_params_f32(m) + fl_model_store_off(m, i);
+    const fl_param_store *st = m->store;
+    if (grad) {
+        if (st->dtype != FL_F32) return st->g16 ? fl_store_grad(st, m->layout.params[i].offset) : NULL;
+        return fl_model_grads_f32(m) ? fl_model_grads_f32(m) + m->layout.params[i].offset : NULL;
+    }
+    if (st->dtype == FL_F32) return fl_model_params_f32(m) + fl_model_store_off(m, i);
+    float *cur = st->pstage + at;
+    return (float *)fl_store_bind_1d(st, i, &cur);
+}
+
+static float *param_of(const fl_model *m, int g, int role, int grad) { return param_at(m, g, role, grad, 0); }
+
+/* 16-bit storage: stage s's gradients of layout group g in the store's fp32 stage (no-ops with fp32 storage) */
+static void stage_open(const fl_model *m, int g) { fl_store_stage_begin(m->store, fl_group_numel(m, g)); }
+static fl_status stage_close(const fl_model *m, int g) {
+    return fl_store_stage_flush(m->store, m->layout.group_offset[g], fl_group_numel(m, g));
+}
+
+/* the stack's relative bias table (NH, buckets) as fp32: 16-bit storage widens it into the pstage's block region
+ * (free before the blocks bind theirs) */
+static fl_status relbias_table(const fl_model *m, const s2s_stack *st, int grad, float **tab) {
+    const int ti = fl_layout_role(&m->layout, st->l0 + 1, FL_ROLE_REL_BIAS);
+    if (ti < 0) return fl_errorf(FL_ERR_INTERNAL, "stack of block %d has no relative_attention_bias", st->l0);
+    const size_t at = fl_pstage_block_start(m);
+    if (!grad && m->store->dtype != FL_F32 && at + m->layout.params[ti].numel > m->store->pstage_n)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s (%zu values) does not fit the 16-bit storage's staging of a block's "
+                         "1-D parameters (%zu)", m->layout.params[ti].name, m->layout.params[ti].numel,
+                         m->store->pstage_n - at);
+    *tab = param_at(m, st->l0 + 1, FL_ROLE_REL_BIAS, grad, at);
+    return FL_OK;
 }
 
 static fl_block_ctx stack_ctx(const struct fl_s2s_acts *a, int s, float *const *dxs) {
@@ -355,10 +387,12 @@ static fl_block_ctx stack_ctx(const struct fl_s2s_acts *a, int s, float *const *
 static fl_status check_model(const fl_model *m, const char *fn) {
     if (!m->acts || !m->acts->s2s)
         return fl_errorf(FL_ERR_INVALID, "%s: activations not allocated (call fl_model_alloc_acts_s2s)", fn);
-    if (!fl_model_params_f32(m) || fl_model_provider(m)) /* fp32 storage, whole (mixed precision's bf16 copy and 4-bit
-                                                          * block linears: through fl_linear_set_weight) */
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: encoder-decoders run fp32 storage only so far (no 16-bit weights or "
-                         "sharding yet)", fn);
+    /* whole stores: fp32 (mixed precision's bf16 copy and 4-bit block linears through fl_linear_set_weight) or
+     * 16-bit (its 1-D parameters and relative bias tables widened into the pstage, each group's gradients staged) */
+    const int whole16 = m->store && m->store->dtype != FL_F32 && !fl_store_sharded(m->store) && m->store->pstage;
+    if ((!fl_model_params_f32(m) && !whole16) || fl_model_provider(m))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: encoder-decoders run whole fp32 or 16-bit storage only so far (no "
+                         "sharding or parameter offload yet)", fn);
     if (fl_model_adapters_are_merged(m)) /* the adapters are in the weights: running them again would double them */
         return fl_errorf(FL_ERR_INVALID, "%s: the LoRA adapters were merged into the weights; save the model and reload "
                          "it to run it", fn);
@@ -406,7 +440,12 @@ static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, con
         case FL_MOP_HEAD_LM: {
             const double t0 = now_ms(); /* the step's "head" phase (fl_step_result.ms_head) */
             if (m->cfg.head_scale) be->scale(be, st->nout, (size_t)N * m->cfg.dim, 1.0f / sqrtf((float)m->cfg.dim));
+            /* 16-bit storage: the head's gradient staged alone, added into its 16-bit gradient after */
+            const int stage_head = grad_scale > 0 && targets && op.dhead && m->store->g16;
+            if (stage_head) fl_store_stage_begin(m->store, (size_t)m->cfg.vocab_size * m->cfg.dim);
             FL_TRY(head_loss(m, targets, N, grad_scale, logits_out));
+            if (stage_head)
+                FL_TRY(fl_store_stage_flush(m->store, op.head_off, (size_t)m->cfg.vocab_size * m->cfg.dim));
             m->ms_head = now_ms() - t0;
             break;
         }
@@ -425,7 +464,7 @@ static fl_status s2s_forward(fl_model *m, const int32_t *src_ids, const uint8_t 
     if (B > a->B || Ts > a->st[0].Tmax || Tt > a->st[1].Tmax || B <= 0 || Ts <= 0 || Tt <= 0)
         return fl_errorf(FL_ERR_INVALID, "fl_model_forward_s2s: batch %d x source %d x target %d exceeds the arena's "
                          "(%d x %d x %d)", B, Ts, Tt, a->B, a->st[0].Tmax, a->st[1].Tmax);
-    if (grad_scale > 0 && (!targets || (!fl_model_grads_f32(m) && !m->adapt)))
+    if (grad_scale > 0 && (!targets || (!fl_model_grads_f32(m) && !fl_model_grads_16(m) && !m->adapt)))
         return fl_errorf(FL_ERR_INVALID, "fl_model_forward_s2s: training forward needs targets and gradient buffers");
     const int V = m->cfg.vocab_size;
     const int32_t *ids[2] = {src_ids, dec_ids};
@@ -470,8 +509,10 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, co
     for (int i = 0; i < mg->n_ops; i++)
         if (mg->op[i].stack == s && mg->op[i].kind == FL_MOP_NORM) role_norm = mg->op[i].role_w;
     be->zero(be, dres, (size_t)N * C * sizeof(float));
+    stage_open(m, G);
     fl_norm_backward(m, dres, param_of(m, G, role_norm, 1), NULL, dnout, st->res[st->L], param_of(m, G, role_norm, 0),
                      NULL, st->nrstd, N);
+    FL_TRY(stage_close(m, G));
     /* data parallel: each layout group's gradient handed on as it becomes final (fl_store_grads_ready; its bucket
      * hook): the final norms and head's group once the first stack's norm is done (the stacks run backward in
      * reverse), each block's after its backward (the first block's after the relative bias table it holds), the
@@ -494,11 +535,12 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, co
             m->ckpt_recomputed++;
         }
         x.dattn_bias = st->dbias;
+        stage_open(m, st->l0 + l + 1);
         FL_TRY(fl_block_backward(m, &st->g, &bp, st->layer[l].s, a->gb, &x));
-        if (l > 0) FL_TRY(fl_store_grads_ready(m->store, st->l0 + l + 1));
+        if (l == 0) relbias_backward(m, st, T); /* the first block's group holds the table; dbias is complete */
+        FL_TRY(stage_close(m, st->l0 + l + 1));
+        FL_TRY(fl_store_grads_ready(m->store, st->l0 + l + 1));
     }
-    relbias_backward(m, st, T);
-    if (st->L > 0) FL_TRY(fl_store_grads_ready(m->store, st->l0 + 1));
     fl_outer_params op;
     fl_get_outer(m, &op);
     if (s == 0) FL_TRY(inject_rows(m, NULL, dres));
@@ -545,7 +587,8 @@ static fl_status decode_step(fl_model *m, const fl_model_graph *mg, const int32_
     fl_status rc = be->to_device(be, st->buckets, bk, (size_t)n * sizeof *bk);
     free(bk);
     FL_TRY(rc);
-    const float *tab = fl_model_params_f32(m) + fl_model_store_off(m, fl_layout_role(&m->layout, st->l0 + 1, FL_ROLE_REL_BIAS));
+    float *tab;
+    FL_TRY(relbias_table(m, st, 0, &tab));
     for (int h = 0; h < NH; h++)
         be->embedding_forward(be, st->bias + (size_t)h * n, st->buckets, tab + (size_t)h * nb, NULL, 1, n, 1);
     for (int l = 0; l < st->L; l++) {

@@ -20,6 +20,9 @@ fl_status fl_tp_config(const fl_model_config *whole, int size, int rank, fl_mode
     struct { int v; const char *what; } need[] = {{whole->n_heads, "attention heads (num_attention_heads)"},
                                                   {whole->n_kv_heads, "key/value heads (num_key_value_heads)"},
                                                   {whole->ffn_dim, "MLP width (intermediate_size)"}};
+    if (whole->vocab_size < size)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: the model's %d-token vocabulary (vocab_size) has "
+                         "fewer rows than ranks to split it over", size, whole->vocab_size);
     for (size_t k = 0; k < sizeof need / sizeof need[0]; k++)
         if (need[k].v % size)
             return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: the model's %d %s do not split evenly over %d "
@@ -38,6 +41,8 @@ fl_status fl_model_set_tp(fl_model *m, fl_comm *comm) {
         return fl_errorf(FL_ERR_INVALID, "tensor parallel: a group of %d (rank %d) for a model sliced for %d (rank %d)",
                          fl_comm_size(comm), fl_comm_rank(comm), n, m->cfg.tp_rank);
     m->tp_comm = comm;
+    m->tp_host = fl_backend_host_memory(m->be) ? comm : m->tp_host;
+    if (!comm) m->tp_host = NULL;
     return FL_OK;
 }
 
@@ -47,8 +52,16 @@ fl_tp_split fl_tp_entry_split(const fl_param_layout *lay, int i) {
     switch (lay->params[j].role) {
     case FL_ROLE_QKV_W: case FL_ROLE_QKV_B: case FL_ROLE_FC_W: case FL_ROLE_FC_B: return FL_TP_COLUMN;
     case FL_ROLE_O_W: case FL_ROLE_PROJ_W: return FL_TP_ROW;
+    case FL_ROLE_EMBED: case FL_ROLE_HEAD: return FL_TP_VOCAB;
     default: return FL_TP_REPLICATED;
     }
+}
+
+/* rank r's first row and row count of a vocabulary entry of V rows split over size ranks (fl_config_vocab_rows) */
+static size_t vocab_part(size_t V, int size, int r, size_t *n) {
+    const size_t a = (size_t)r * V / (size_t)size, b = (size_t)(r + 1) * V / (size_t)size;
+    *n = b - a;
+    return a;
 }
 
 /* The parts of a column-parallel entry that split separately (rows each): a fused q|k|v entry (GPT-2's
@@ -77,6 +90,10 @@ static void tp_map(const fl_model_config *c, const fl_param_layout *lay, int i, 
 #define MOVE(w, s, n) (dir ? memcpy((w), (s), (n) * sizeof(float)) : memcpy((s), (w), (n) * sizeof(float)))
     if (sp == FL_TP_REPLICATED) {
         MOVE(whole, slice, p->numel);
+    } else if (sp == FL_TP_VOCAB) { /* r's rows [r V / size, (r + 1) V / size) */
+        size_t rows;
+        const size_t r0 = vocab_part((size_t)p->shape[0], size, r, &rows);
+        MOVE(whole + r0 * K, slice, rows * K);
     } else if (sp == FL_TP_COLUMN) {
         int64_t parts[3];
         const int np = col_parts(c, p, parts);
@@ -188,18 +205,23 @@ static fl_status gather_entries(fl_model *part, fl_comm *host_comm, fl_model *wh
                          fl_comm_size(host_comm), fl_comm_rank(host_comm), r, size);
     if (r == 0 && !whole) return fl_errorf(FL_ERR_INVALID, "tensor parallel: rank 0 gathers into a whole model");
     if (whole) FL_TRY(same_layout(whole, part));
-    const size_t ns = max_entry(&part->layout);
+    /* an entry's per-rank count in the all-gather: its numel; a vocabulary entry's the largest rank's (padded) */
+    const size_t vpad = ((size_t)part->cfg.vocab_size + (size_t)size - 1) / (size_t)size * (size_t)part->cfg.dim;
+    const size_t ns = max_entry(&part->layout) > vpad ? max_entry(&part->layout) : vpad;
     float *s = malloc(ns * sizeof(float)), *all = malloc(ns * (size_t)size * sizeof(float));
     float *w = whole ? malloc(max_entry(&whole->layout) * sizeof(float)) : NULL;
     fl_status st = (!s || !all || (whole && !w)) ? fl_errorf(FL_ERR_OOM, "tensor parallel: out of host memory") : FL_OK;
     for (int i = 0; st == FL_OK && i < part->layout.n; i++) {
         const fl_param_info *p = &part->layout.params[i];
         st = io_read(rd, i, s);
-        const int split = size > 1 && fl_tp_entry_split(&part->layout, i) != FL_TP_REPLICATED;
-        if (st == FL_OK && split) st = fl_comm_all_gather(host_comm, s, all, p->numel * (size_t)size, FL_F32);
+        const fl_tp_split sp = size > 1 ? fl_tp_entry_split(&part->layout, i) : FL_TP_REPLICATED;
+        const int split = sp != FL_TP_REPLICATED;
+        const size_t cnt = sp == FL_TP_VOCAB ? vpad : p->numel;
+        if (st == FL_OK && cnt > p->numel) memset(s + p->numel, 0, (cnt - p->numel) * sizeof(float)); /* padding */
+        if (st == FL_OK && split) st = fl_comm_all_gather(host_comm, s, all, cnt * (size_t)size, FL_F32);
         if (st != FL_OK || !whole) continue;
         if (split)
-            for (int k = 0; k < size; k++) fl_tp_place(&whole->cfg, &whole->layout, i, size, k, all + (size_t)k * p->numel, w);
+            for (int k = 0; k < size; k++) fl_tp_place(&whole->cfg, &whole->layout, i, size, k, all + (size_t)k * cnt, w);
         else
             memcpy(w, s, p->numel * sizeof(float)); /* replicated: rank 0's (a row-parallel bias: only rank 0 adds it) */
         st = io_write(wr, i, w);

@@ -143,7 +143,7 @@ static fl_status forward_body(fl_model *m, const pass *p) {
     for (int i = 0; i < mg->n_ops; i++) {
         const int rw = mg->op[i].role_w, rb = mg->op[i].role_b;
         switch ((fl_mop_kind)mg->op[i].kind) {
-        case FL_MOP_EMBED: fl_embed_forward(m, &op, e, a->ids, p->ids, B, T, 0); break;
+        case FL_MOP_EMBED: FL_TRY(fl_embed_forward(m, &op, e, a->ids, p->ids, B, T, 0)); break;
         case FL_MOP_EMBED_TYPE: /* through buf1 (N, C) */
             be->embedding_forward(be, a->buf1, a->type_ids, role_param(m, 0, FL_ROLE_TYPE_EMBED, 0), NULL, B, T, C);
             be->add(be, e, e, a->buf1, (size_t)N * C);
@@ -213,10 +213,10 @@ static fl_status head_loss(fl_model *m, const pass *p, float *logits_out) {
         }
         fl_model_bind_adapters(m, -1, 0, &head, r0); /* head adapters: this chunk, the batch's dropout mask */
         FL_TRY(fl_linear_forward(be, a->logits, xr, wide ? &hw : &head, rows)); // (rows, V)
-        if (logits_out) FL_TRY(be->to_host(be, logits_out + (size_t)r0 * d.V, a->logits, (size_t)rows * d.V * sizeof(float)));
+        if (logits_out) FL_TRY(fl_head_logits_out(m, logits_out + (size_t)r0 * m->cfg.vocab_size, a->logits, rows));
         if (!p->targets) continue;
-        be->cross_entropy(be, a->losses + r0, train ? a->logits : NULL, a->logits, tg + r0, rows, d.V, p->grad_scale,
-                          FL_IGNORE_INDEX);
+        FL_TRY(fl_head_cross_entropy(m, a->losses + r0, train ? a->logits : NULL, a->logits, tg + r0, p->targets + r0,
+                                     rows, p->grad_scale)); /* tensor parallel: over the group's vocabulary slices */
         if (!train) continue;
         if (round_bf16) { /* dlogits (rows, V) -> bf16 -> fp32, in place */
             FL_TRY(be->convert(be, a->head_t16, FL_BF16, a->logits, FL_F32, (size_t)rows * d.V));
@@ -224,6 +224,7 @@ static fl_status head_loss(fl_model *m, const pass *p, float *logits_out) {
         }
         FL_TRY(fl_linear_backward(be, dlnf + (size_t)r0 * d.C, 0, a->logits, xr, wide ? &hw : &head, rows));
     }
+    if (train && p->targets) FL_TRY(fl_tp_head_dx_sum(m, dlnf, N)); /* a vocabulary slice's part of d(lnf) */
     if (stage_head) FL_TRY(fl_store_stage_flush(m->store, op.head_off, (size_t)d.V * d.C));
     return FL_OK;
 }

@@ -226,15 +226,15 @@ fl_status fl_tr_check_s2s(const trainer *t, const fl_precision *prec, const fl_s
                          "so far (the 4-bit base linears, the rest fp32; got --precision %s)", c->lora.quantize, m,
                          prec->name);
     /* fp16 (16-true, 16-mixed): T5 is known to overflow fp16's range (transformers clamps its hidden states under
-     * fp16; Flan-T5 was trained in bf16): refused rather than left to skip steps under loss scaling. bf16-true (16-bit
-     * storage) needs staged 16-bit parameters in the encoder-decoder passes, which they do not have yet. */
+     * fp16; Flan-T5 was trained in bf16): refused rather than left to skip steps under loss scaling. bf16-true
+     * stores the parameters in bf16 (seq2seq.c stages them); the encoder-decoder arena keeps fp32 saved activations. */
     if (prec->param_dtype == FL_F16 || prec->compute_dtype == FL_F16)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: T5 is known to overflow fp16's range (65504; transformers "
-                         "clamps its hidden states under fp16); an encoder-decoder (%s) trains in 32-true or bf16-mixed",
+                         "clamps its hidden states under fp16); an encoder-decoder (%s) trains in 32-true, bf16-mixed or bf16-true",
                          prec->name, m);
-    if (strcmp(prec->name, "32-true") && strcmp(prec->name, "bf16-mixed"))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: an encoder-decoder (%s) trains in 32-true or bf16-mixed "
-                         "only so far (16-bit storage is not there yet)", prec->name, m);
+    if (strcmp(prec->name, "32-true") && strcmp(prec->name, "bf16-mixed") && strcmp(prec->name, "bf16-true"))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: an encoder-decoder (%s) trains in 32-true, bf16-mixed or "
+                         "bf16-true only so far", prec->name, m);
     /* several ranks: DDP and ZeRO-1/2 (with the optimizer offloaded too) keep the whole model on every rank; the
      * sharded stores (FULL_SHARD / ZeRO-3) need the passes to gather each group, which they do not do yet */
     const int sharded = sc->stage >= 3 && c->command != FL_CMD_FINETUNE_LORA; /* LoRA: the adapters' ZeRO-2 */

@@ -154,7 +154,8 @@ static fl_status attach_group(trainer *t) {
     else if (!fl_backend_host_memory(&t->hw.be))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d on backend '%s' (whose memory the host cannot read) "
                          "needs a device-memory communicator, which it does not have", t->tp.size, t->hw.be.name);
-    return fl_model_set_tp(&t->model, t->tp.dgrp ? t->tp.dgrp : t->tp.grp);
+    FL_TRY(fl_model_set_tp(&t->model, t->tp.dgrp ? t->tp.dgrp : t->tp.grp));
+    return fl_model_set_tp_host(&t->model, t->tp.grp); /* the vocabulary slices' cross-entropy statistics */
 }
 
 fl_status fl_tr_tp_attach(trainer *t) {
@@ -270,11 +271,14 @@ fl_status fl_tr_tp_ckpt_load(trainer *t, const char *path) {
 void fl_tr_tp_print(const trainer *t, fl_comm *world) {
     if (t->tp.size <= 1 || !t->out) return;
     const fl_model_config *w = &t->tp.whole, *p = &t->model.cfg;
+    const int vr = fl_config_vocab_rows(p, NULL); /* rank 0's: V / N rounded down */
     fprintf(t->out, "tensor parallel: %d ranks per group x %d data-parallel group%s over %s; each rank holds %d of the "
             "%d attention heads, %d of the %d key/value heads and %d of the %d MLP columns (QKV and gate/up "
-            "column-parallel, O and down row-parallel: %zu of the %zu parameters); norms, embeddings and the head "
-            "replicated; 2 all-reduces of (B T, C) per block forward and 2 backward; the group of rank 0 reports and "
-            "writes consolidated checkpoints\n", t->tp.size, t->dp.world, t->dp.world == 1 ? "" : "s",
-            fl_comm_impl_name(world), p->n_heads, w->n_heads, p->n_kv_heads, w->n_kv_heads, p->ffn_dim, w->ffn_dim,
-            t->model.layout.numel, t->tp.whole_numel);
+            "column-parallel, O and down row-parallel; the token embeddings and lm_head vocabulary-parallel (%d of the %d "
+            "rows; the cross-entropy combines the ranks' row statistics): %zu of the %zu parameters); norms replicated; "
+            "2 all-reduces of (B T, C) per block forward and 2 backward; the group of rank 0 reports and writes "
+            "consolidated checkpoints\n",
+            t->tp.size, t->dp.world, t->dp.world == 1 ? "" : "s", fl_comm_impl_name(world), p->n_heads, w->n_heads,
+            p->n_kv_heads, w->n_kv_heads, p->ffn_dim, w->ffn_dim, vr, w->vocab_size, t->model.layout.numel,
+            t->tp.whole_numel);
 }

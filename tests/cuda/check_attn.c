@@ -211,9 +211,9 @@ static void check_mma(void) {
  * by an ulp (the mma's order, the device exp2f) can round to the neighbouring bf16: differences
  * of up to 2^-8 of a term, so 1e-2 relative plus 2e-3 of the largest value (a layout or masking
  * error is 1e-1 or more). kmask with b = 1's key 0 hidden. */
-static void check_tc_ex(int B, int Tq, int Tk, int NH, int NKV, int HD, int causal, int use_mask) {
+static void check_tc_ex(int fa2, int B, int Tq, int Tk, int NH, int NKV, int HD, int causal, int use_mask) {
     char nm[96], op[128];
-    snprintf(nm, sizeof nm, "attn_tc B%d Tq%d Tk%d %d/%d HD%d%s%s", B, Tq, Tk, NH, NKV, HD, causal ? " c" : "",
+    snprintf(nm, sizeof nm, "attn_%s B%d Tq%d Tk%d %d/%d HD%d%s%s", fa2 ? "fa2" : "tc", B, Tq, Tk, NH, NKV, HD, causal ? " c" : "",
              use_mask ? " m" : "");
     unsigned s = (unsigned)(Tq * 37 + Tk + HD);
     fl_attn_desc a = {B, Tq, Tk, NH, NKV, HD, (size_t)NH * HD + 2, (size_t)NKV * HD + 4, (size_t)NKV * HD,
@@ -230,15 +230,17 @@ static void check_tc_ex(int B, int Tq, int Tk, int NH, int NKV, int HD, int caus
     }
     float *out = malloc(no * 4), *lse = malloc(nl * 4), *work = malloc(fl_cu_attention_work_bytes(B, NH, Tq));
     float *dq = calloc(nq, 4), *dk = calloc(nk, 4), *dv = calloc(nv, 4);
-    int rc = fl_cuemu_attention_forward_tc(&a, out, lse, q, k, v, mask, NULL);
-    rc |= fl_cuemu_attention_backward_tc(&a, dq, dk, dv, dout, q, k, v, mask, out, lse, work, NULL);
+    int rc = (fa2 ? fl_cuemu_attention_forward_fa2 : fl_cuemu_attention_forward_tc)(&a, out, lse, q, k, v, mask, NULL);
+    rc |= (fa2 ? fl_cuemu_attention_backward_fa2 : fl_cuemu_attention_backward_tc)(&a, dq, dk, dv, dout, q, k, v, mask,
+                                                                                 out, lse, work, NULL);
     float *gq = a_dev(q, nq * 4), *gk = a_dev(k, nk * 4), *gv = a_dev(v, nv * 4), *gdo = a_dev(dout, no * 4);
     float *go = a_dev(NULL, no * 4), *gl = a_dev(NULL, nl * 4), *gw = a_dev(NULL, fl_cu_attention_work_bytes(B, NH, Tq));
     uint8_t *gm = mask ? a_dev(mask, (size_t)B * Tk) : NULL;
     float *gdq = a_dev(NULL, nq * 4), *gdk = a_dev(NULL, nk * 4), *gdv = a_dev(NULL, nv * 4);
     cudaMemset(gdq, 0, nq * 4), cudaMemset(gdk, 0, nk * 4), cudaMemset(gdv, 0, nv * 4);
-    rc |= fl_cuk_attention_forward_tc(&a, go, gl, gq, gk, gv, gm, NULL);
-    rc |= fl_cuk_attention_backward_tc(&a, gdq, gdk, gdv, gdo, gq, gk, gv, gm, go, gl, gw, NULL);
+    rc |= (fa2 ? fl_cuk_attention_forward_fa2 : fl_cuk_attention_forward_tc)(&a, go, gl, gq, gk, gv, gm, NULL);
+    rc |= (fa2 ? fl_cuk_attention_backward_fa2 : fl_cuk_attention_backward_tc)(&a, gdq, gdk, gdv, gdo, gq, gk, gv, gm,
+                                                                             go, gl, gw, NULL);
     if (rc || cudaDeviceSynchronize() != cudaSuccess) {
         printf("%-40s FAIL (launch: %d, %s)\n", nm, rc, cudaGetErrorString(cudaGetLastError()));
         a_fail++;
@@ -271,19 +273,20 @@ static void a_err_report(const char *op, a_err e, double tol) {
     if (!ok) a_fail++;
 }
 
-/* the fused ops, fp32 or tensor-core kernels (tc: inputs rounded to bf16 first, so that the bf16
- * error left is P's and dS's rounding, <= 2^-8 of the |term| sums per element) */
+/* the fused ops, fp32 (tc 0) or tensor-core kernels (tc 1: attention_tc.cu, 2: attn_fa2.cu; inputs
+ * rounded to bf16 first, so that the bf16 error left is P's and dS's rounding, <= 2^-8 of the
+ * |term| sums per element) */
 static int a_fwd(int tc, float *o, float *l, const float *x, int B, int T, int NH, int NKV, int HD) {
     if (!tc) return fl_cuk_attention_forward(o, l, x, B, T, NH, NKV, HD, NULL);
     const fl_attn_desc a = fl_attn_desc_qkv(B, T, NH, NKV, HD);
-    return fl_cuk_attention_forward_tc(&a, o, l, x, x + (size_t)NH * HD, x + (size_t)(NH + NKV) * HD, NULL, NULL);
+    return (tc == 2 ? fl_cuk_attention_forward_fa2 : fl_cuk_attention_forward_tc)(&a, o, l, x, x + (size_t)NH * HD, x + (size_t)(NH + NKV) * HD, NULL, NULL);
 }
 static int a_bwd(int tc, float *dx, const float *dout, const float *x, const float *o, const float *l, int B, int T,
                  int NH, int NKV, int HD, void *w) {
     if (!tc) return fl_cuk_attention_backward(dx, dout, x, o, l, B, T, NH, NKV, HD, w, NULL);
     const fl_attn_desc a = fl_attn_desc_qkv(B, T, NH, NKV, HD);
     const size_t ko = (size_t)NH * HD, vo = (size_t)(NH + NKV) * HD;
-    return fl_cuk_attention_backward_tc(&a, dx, dx + ko, dx + vo, dout, x, x + ko, x + vo, NULL, o, l, w, NULL);
+    return (tc == 2 ? fl_cuk_attention_backward_fa2 : fl_cuk_attention_backward_tc)(&a, dx, dx + ko, dx + vo, dout, x, x + ko, x + vo, NULL, o, l, w, NULL);
 }
 static void a_round_bf16(float *x, size_t n) {
     for (size_t i = 0; i < n; i++) x[i] = fl_bf16_to_f32(fl_f32_to_bf16(x[i]));
@@ -291,7 +294,7 @@ static void a_round_bf16(float *x, size_t n) {
 
 static void check_large(int B, int T, int NH, int NKV, int HD, int tc) {
     char nm[96], op[128];
-    snprintf(nm, sizeof nm, "attn%s B%d T%d %d/%d HD%d", tc ? "_tc" : "", B, T, NH, NKV, HD);
+    snprintf(nm, sizeof nm, "attn%s B%d T%d %d/%d HD%d", tc == 2 ? "_fa2" : tc ? "_tc" : "", B, T, NH, NKV, HD);
     unsigned s = (unsigned)(T + NKV * 7 + HD);
     const size_t W = (size_t)(NH + 2 * NKV) * HD, OW = (size_t)NH * HD;
     const size_t nx = (size_t)B * T * W, no = (size_t)B * T * OW, nl = (size_t)B * NH * T;
@@ -315,8 +318,14 @@ static void check_large(int B, int T, int NH, int NKV, int HD, int tc) {
     {
         float *out = malloc(no * 4), *lse = malloc(nl * 4), *dx = malloc(nx * 4), *dx2 = malloc(nx * 4);
         a_host(out, go, no * 4), a_host(lse, gl, nl * 4), a_host(dx, gdx, nx * 4), a_host(dx2, gdx2, nx * 4);
-        snprintf(op, sizeof op, "%s backward bits", nm);
+        snprintf(op, sizeof op, "%s backward bits%s", nm, tc == 2 ? " (dk, dv; dq adds atomically)" : "");
+        if (tc == 2) /* the fa2 backward's dq: atomic adds in a varying order */
+            for (size_t r = 0; r < (size_t)B * T; r++) {
+                memset(dx + r * W, 0, OW * 4);
+                memset(dx2 + r * W, 0, OW * 4);
+            }
         a_bits(op, dx, dx2, nx * 4);
+        if (tc == 2) a_host(dx, gdx, nx * 4);
         /* float64 slice: batch b = B-1, kv head g = NKV-1 and its query heads */
         const int b = B - 1, g = NKV - 1, rep = NH / NKV;
         const double scale = 1.0 / sqrt((double)HD);
@@ -428,28 +437,34 @@ int fl_cuda_check_attn(void) {
     check_decode(1, 6, 2, 64);
     check_decode(77, 8, 2, 128);
     check_decode(300, 4, 4, 256);
-    for (int tc = 0; tc < 2; tc++) {
+    for (int tc = 0; tc < 3; tc++) {
         check_large(2, 1024, 16, 4, 64, tc);
         check_large(2, 1024, 16, 16, 64, tc);
         check_large(2, 1024, 16, 4, 128, tc);
         check_large(2, 1024, 16, 16, 128, tc);
     }
     check_mma();
-    check_tc_ex(2, 33, 33, 6, 2, 64, 1, 1);
-    check_tc_ex(2, 70, 70, 4, 4, 64, 1, 0);
-    check_tc_ex(2, 37, 150, 6, 2, 64, 0, 1);
-    check_tc_ex(2, 150, 29, 4, 2, 128, 1, 1);
-    check_tc_ex(1, 100, 100, 2, 1, 128, 0, 0);
+    for (int fa2 = 0; fa2 < 2; fa2++) {
+        check_tc_ex(fa2, 2, 33, 33, 6, 2, 64, 1, 1);
+        check_tc_ex(fa2, 2, 70, 70, 4, 4, 64, 1, 0);
+        check_tc_ex(fa2, 2, 37, 150, 6, 2, 64, 0, 1);
+        check_tc_ex(fa2, 2, 150, 29, 4, 2, 128, 1, 1);
+        check_tc_ex(fa2, 1, 100, 100, 2, 1, 128, 0, 0);
+        check_tc_ex(fa2, 1, 200, 200, 4, 1, 64, 1, 0);
+    }
     const int Ts[2] = {1024, 2048}, kv[2] = {32, 8};
     for (int i = 0; i < 2; i++)
         for (int j = 0; j < 2; j++)
-            for (int tc = 0; tc < 2; tc++) {
+            for (int tc = 0; tc < 3; tc++) {
                 printf("attention time B 2 T %d NH 32 NKV %d HD 64 (causal, %s):\n", Ts[i], kv[j],
-                       tc ? "bf16 tensor cores" : "fp32");
+                       tc == 2 ? "bf16 tensor cores, fa2 (own)" : tc ? "bf16 tensor cores, tc (legacy)" : "fp32");
                 time_attn(2, Ts[i], 32, kv[j], 64, tc);
             }
-    printf("attention time B 2 T 2048 NH 16 NKV 16 HD 128 (causal, bf16 tensor cores):\n");
-    time_attn(2, 2048, 16, 16, 128, 1);
+    for (int tc = 1; tc < 3; tc++) {
+        printf("attention time B 2 T 2048 NH 16 NKV 16 HD 128 (causal, bf16 tensor cores, %s):\n",
+               tc == 2 ? "fa2 (own)" : "tc (legacy)");
+        time_attn(2, 2048, 16, 16, 128, tc);
+    }
     return a_fail;
 }
 

@@ -1,6 +1,7 @@
 /* Tensor parallelism with the ranks as MPI processes (run by tests/mpi_test.sh under mpirun -np 2 and 4):
  *   fitllm_tp_mpi_test
- * tests/tp_ref.h's scenarios (the golden LLaMA with GQA at 2 ranks, GPT-2 and OPT at 2 and 4): every rank runs
+ * tests/tp_ref.h's scenarios (the golden LLaMA with GQA at 2 ranks, GPT-2 and OPT at 2 and 4; their 257 tokens as
+ * uneven vocabulary slices): every rank runs
  * its slice over MPI; rank 0 then runs the single process and the same group as threads in its own process,
  * checks tp_ref.h's bounds and that MPI gave the threads' bits (losses of every rank, the re-assembled
  * gradient and parameters: fl_comm's MPI and threads implementations are bit-exact twins).

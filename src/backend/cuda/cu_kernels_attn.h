@@ -8,7 +8,8 @@
  * Returns 0, the CUDA error of a launch (emulator: 1 with fl_cu_emu_error() set), or
  * FL_CU_ATTN_UNSUPPORTED (HD > FL_CU_ATTN_MAX_HD) / FL_CU_ATTN_INVALID (bad shape, stride or
  * NULL; a grid dimension over 65535) checked on the host before anything runs: on an error
- * nothing is written. fp32 only; deterministic (no atomics; the same bits every run). */
+ * nothing is written. fp32 in and out; deterministic (the same bits every run) except the _fa2
+ * backward's dq (atomic adds across key blocks). */
 #ifndef FL_CU_KERNELS_ATTN_H
 #define FL_CU_KERNELS_ATTN_H
 
@@ -63,6 +64,13 @@ static inline int fl_cu_attention_tc_supported(const fl_attn_desc *a, const floa
     int P##attention_backward_tc(const fl_attn_desc *a, float *dq, float *dk, float *dv, const float *dout,     \
                                  const float *q, const float *k, const float *v, const uint8_t *kmask,         \
                                  const float *out, const float *lse, void *work, void *stream);                \
+    /* FlashAttention-2-structured tensor-core kernels (kernels/attn_fa2.cu; EXPERIMENTAL): the _tc     \
+     * semantics and shapes; the backward's dq adds run in a varying order on a GPU (atomics) */          \
+    int P##attention_forward_fa2(const fl_attn_desc *a, float *out, float *lse, const float *q, const float *k, \
+                                 const float *v, const uint8_t *kmask, void *stream);                          \
+    int P##attention_backward_fa2(const fl_attn_desc *a, float *dq, float *dk, float *dv, const float *dout,    \
+                                  const float *q, const float *k, const float *v, const uint8_t *kmask,        \
+                                  const float *out, const float *lse, void *work, void *stream);               \
     /* one warp: d (16x8) = a (16x16) b (16x8) + c through fl_cu_mma_bf16_16816 (row-major, bf16 a, b) */     \
     int P##mma_bf16_check(float *d, const uint16_t *a, const uint16_t *b, const float *c, void *stream);
 

@@ -56,7 +56,7 @@ typedef struct {
     void *own_scratch;     /* allocated on first use when nothing is lent */
     double *scalars;       /* device: [0] sumsq result, [1..PARTS] partials; int flag after */
     fl_dtype compute;      /* set_compute_dtype: FL_BF16 = tensor-core attention where it applies */
-    int attn_fp32;         /* FITLLM_CUDA_ATTN=fp32: the fp32 attention kernels whatever the dtype */
+    int attn;              /* FITLLM_CUDA_ATTN: FLB_ATTN_OWN (auto), _LEGACY or _FP32 (cuda-work-ops-impl.h) */
     fl_status err;         /* sticky: the first failure */
     char errmsg[384];
     char devname[256];     /* be->device_name */
@@ -571,15 +571,16 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
                          (2 + FL_CU_SUMSQ_PARTS) * sizeof(double));
     }
     const char *ea = getenv("FITLLM_CUDA_ATTN");
-    if (ea && *ea && strcmp(ea, "auto") && strcmp(ea, "fp32")) {
+    im->attn = flb_attn_choice(ea);
+    if (im->attn < 0) {
         flb_dev_free(im->scalars);
         flb_device_free(im->stream, &im->blas);
         free(im);
         be->impl = NULL;
-        return fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_ATTN=%s: expected 'auto' (tensor-core attention in "
-                         "bf16 runs) or 'fp32' (the fp32 kernels always)", FLB_NAME, ea);
+        return fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_ATTN=%s: expected 'auto' or 'own' (bf16 runs: "
+                         "the FlashAttention-2-structured kernels, experimental), 'legacy' (bf16 runs: the earlier "
+                         "tensor-core kernels) or 'fp32' (the fp32 kernels always)", FLB_NAME, ea);
     }
-    im->attn_fp32 = ea && !strcmp(ea, "fp32");
     im->compute = FL_F32;
     flb_device_name(im->devname, sizeof im->devname);
     be->device_name = im->devname;

@@ -43,11 +43,23 @@ static void flb_embedding_backward(const fl_backend *be, float *dwte, float *dwp
     }
     FLB_RUN(be, FLB_K(embedding_backward)(dwte, dwpe, dout, ids, B, T, C, work, STREAM), "embedding_backward");
 }
-/* The tensor-core kernels (kernels/attention_tc.cu) for a bf16 run's attention of a shape they
- * take (HD 64 / 128, no bias), unless FITLLM_CUDA_ATTN=fp32; else the fp32 kernels. */
+/* FITLLM_CUDA_ATTN (read at init; -1: not a known value): which tensor-core kernels a bf16 run's
+ * attention of a shape they take (HD 64 / 128, no bias) gets: the FlashAttention-2-structured ones
+ * (kernels/attn_fa2.cu; "own", the default; experimental: not yet timed on a GPU), the earlier ones
+ * (kernels/attention_tc.cu; "legacy"), or none ("fp32": the fp32 kernels whatever the dtype). Other
+ * shapes and fp32 runs take the fp32 kernels. */
+enum { FLB_ATTN_OWN = 0, FLB_ATTN_LEGACY = 1, FLB_ATTN_FP32 = 2 };
+static int flb_attn_choice(const char *env) {
+    if (!env || !*env || !strcmp(env, "auto") || !strcmp(env, "own")) return FLB_ATTN_OWN;
+    if (!strcmp(env, "legacy")) return FLB_ATTN_LEGACY;
+    if (!strcmp(env, "fp32")) return FLB_ATTN_FP32;
+    return -1;
+}
+/* 0: the fp32 kernels; else the FLB_ATTN_* + 1 of the tensor-core kernels to run */
 static int flb_attn_tc(const fl_backend *be, const fl_attn_desc *a, const float *bias) {
     const flb_impl *im = FLB_IMPL(be);
-    return im->compute == FL_BF16 && !im->attn_fp32 && fl_cu_attention_tc_supported(a, bias);
+    if (im->compute != FL_BF16 || im->attn == FLB_ATTN_FP32 || !fl_cu_attention_tc_supported(a, bias)) return 0;
+    return im->attn + 1;
 }
 static void flb_attention_decode(const fl_backend *be, float *out, const float *q, const float *kcache,
                                  const float *vcache, int T, int NH, int NKV, int HD, size_t head_stride) {
@@ -78,7 +90,11 @@ static fl_status flb_attention_forward(const fl_backend *be, const fl_attn_desc 
         flb_nan_fill(be, lse, (size_t)a->B * a->NH * a->Tq);
     }
     FL_TRY(st);
-    if (flb_attn_tc(be, a, bias))
+    const int tc = flb_attn_tc(be, a, bias);
+    if (tc == FLB_ATTN_OWN + 1)
+        return flb_attn_status(be, FLB_K(attention_forward_fa2)(a, out, lse, q, k, v, kmask, STREAM),
+                               "attention_forward");
+    if (tc)
         return flb_attn_status(be, FLB_K(attention_forward_tc)(a, out, lse, q, k, v, kmask, STREAM),
                                "attention_forward");
     return flb_attn_status(be, FLB_K(attention_forward_ex)(a, out, lse, q, k, v, bias, kmask, STREAM),
@@ -97,7 +113,13 @@ static fl_status flb_attention_backward(const fl_backend *be, const fl_attn_desc
     if (!dq || !dk || !dv || !dout) return fl_errorf(FL_ERR_INVALID, "attention_backward: NULL gradient tensor");
     void *work = flb_work(be, fl_cu_attention_work_bytes(a->B, a->NH, a->Tq), "attention_backward");
     if (!work) return flb_sticky(be);
-    if (flb_attn_tc(be, a, bias)) /* no bias: no dbias either (checked above) */
+    const int tc = flb_attn_tc(be, a, bias); /* no bias: no dbias either (checked above) */
+    if (tc == FLB_ATTN_OWN + 1)
+        return flb_attn_status(be,
+                               FLB_K(attention_backward_fa2)(a, dq, dk, dv, dout, q, k, v, kmask, out, lse, work,
+                                                             STREAM),
+                               "attention_backward");
+    if (tc)
         return flb_attn_status(be,
                                FLB_K(attention_backward_tc)(a, dq, dk, dv, dout, q, k, v, kmask, out, lse, work, STREAM),
                                "attention_backward");

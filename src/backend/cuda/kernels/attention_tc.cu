@@ -28,10 +28,7 @@
  * as in the fp32 backward. */
 #include "backend/cuda/cu_mma.h"
 #include "backend/cuda/kernels/attn_common.h"
-
-#define FL_CU_TC_THREADS 128
-#define FL_CU_LOG2E 1.4426950408889634f
-#define FL_CU_LN2 0.6931471805599453f
+#include "backend/cuda/kernels/attn_mma.h"
 
 /* Tile shapes per head dimension D. PAD: bf16 elements added to each shared-memory row (a row of
  * n elements + 8 is n/2 + 4 words: the 8 row groups x 4 lanes of a fragment read fall in 32
@@ -43,56 +40,6 @@ template <> struct fl_cu_tc_cfg<64> {
 template <> struct fl_cu_tc_cfg<128> {
     enum { D = 128, FBK = 64, KBQ = 32, QBK = 32 };
 };
-#define FL_CU_TC_PAD 8
-
-/* Two consecutive fp32 elements of row r (0 past n rows) packed as bf16. */
-FL_CU_DEV uint32_t fl_cu_tc_ld2(const float *base, size_t ld, int r, int n, int c) {
-    if (r >= n) return 0u;
-    const float *x = base + (size_t)r * ld + c;
-    return fl_cu_pack_bf16(x[0], x[1]);
-}
-
-/* dst (R rows, pitch P elements; NULL: none) <- bf16 of rows 0..n-1 of a (rows, D) fp32 view,
- * rows >= n zero; and, when dt is given, the transpose (D rows of pitch PT) likewise. Consecutive threads take
- * consecutive column pairs (coalesced reads). */
-template <int D, int R>
-FL_CU_DEV void fl_cu_tc_load(uint16_t *dst, int P, uint16_t *dt, int PT, const float *src, size_t ld, int n) {
-    for (int i = threadIdx.x; i < R * D / 2; i += FL_CU_TC_THREADS) {
-        const int r = i / (D / 2), c = 2 * (i % (D / 2));
-        const uint32_t w = fl_cu_tc_ld2(src, ld, r, n, c);
-        if (dst) *reinterpret_cast<uint32_t *>(dst + r * P + c) = w;
-        if (dt) {
-            dt[c * PT + r] = (uint16_t)(w & 0xffffu);
-            dt[(c + 1) * PT + r] = (uint16_t)(w >> 16);
-        }
-    }
-}
-
-/* The A fragment of rows row0..row0+15, columns k0..k0+15 of a row-major bf16 tile (pitch P). */
-FL_CU_DEV void fl_cu_tc_frag_a(uint32_t a[4], const uint16_t *s, int P, int row0, int k0) {
-    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-    const uint16_t *r0 = s + (row0 + g) * P + k0 + 2 * t, *r1 = r0 + 8 * P;
-    a[0] = *reinterpret_cast<const uint32_t *>(r0);
-    a[1] = *reinterpret_cast<const uint32_t *>(r1);
-    a[2] = *reinterpret_cast<const uint32_t *>(r0 + 8);
-    a[3] = *reinterpret_cast<const uint32_t *>(r1 + 8);
-}
-/* The B fragment (k = k0..k0+15, n = n0..n0+7) of B[k][n] = s[n][k], s row-major (pitch P). */
-FL_CU_DEV void fl_cu_tc_frag_b(uint32_t b[2], const uint16_t *s, int P, int n0, int k0) {
-    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
-    const uint16_t *r = s + (n0 + g) * P + k0 + 2 * t;
-    b[0] = *reinterpret_cast<const uint32_t *>(r);
-    b[1] = *reinterpret_cast<const uint32_t *>(r + 8);
-}
-/* The A fragment of k-step kk of an accumulator tile x[n-tile][4] (16 rows x 8 per n-tile):
- * n-tiles 2kk and 2kk+1 rounded to bf16 (the PTX C layout is the A layout, two n-tiles wide). */
-FL_CU_DEV void fl_cu_tc_acc_to_a(uint32_t a[4], const float x0[4], const float x1[4]) {
-    a[0] = fl_cu_pack_bf16(x0[0], x0[1]);
-    a[1] = fl_cu_pack_bf16(x0[2], x0[3]);
-    a[2] = fl_cu_pack_bf16(x1[0], x1[1]);
-    a[3] = fl_cu_pack_bf16(x1[2], x1[3]);
-}
-
 /* ---- forward ---------------------------------------------------------------------------------- */
 
 template <int D> __global__ static void fl_cu_tc_fwd_k(fl_cu_attn_p p) {

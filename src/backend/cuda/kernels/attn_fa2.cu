@@ -1,0 +1,402 @@
+/* FlashAttention-2-structured tensor-core attention ("own" kernels, FITLLM_CUDA_ATTN=own, the
+ * default for bf16 runs): the semantics and roundings of attention_tc.cu (bf16 operands Q, K, V,
+ * P, dO, dS; fp32 scores, online softmax, lse, accumulators), HD 64 and 128, no bias.
+ * EXPERIMENTAL: verified under the CUDA emulator and compiled for sm_90; not yet timed on a GPU.
+ *
+ * What differs from attention_tc.cu (the "legacy" tensor-core kernels):
+ *  - every fragment comes from row-major bf16 tiles through ldmatrix (x4: one instruction per A
+ *    fragment or per two B fragments), the transposed operands (V in O = P V; Q, dO in dK, dV;
+ *    K in dQ) through ldmatrix.trans: no transposed shared-memory copies;
+ *  - forward, HD 64: 128 query rows per block, 2 m-tiles per warp sharing each K / V fragment;
+ *  - backward in one pass (FlashAttention-2's split): block = (64 keys, kv head, batch), warp per
+ *    16 keys; per query head of the group and query tile, S^T and dP^T by mma, P^T and dS^T once,
+ *    dV += P^T dO and dK += dS^T Q in registers, dS^T to shared memory, then the block's dQ
+ *    contribution dS K by mma (warps split over query rows / dims) added to dq with atomicAdd.
+ *    5 matmuls per tile pair instead of the legacy 7. dK / dV have one owner each (same bits
+ *    every run); dq's fp32 adds across key blocks run in a varying order on a GPU (bits may
+ *    differ run to run, as FlashAttention-2's and PyTorch's); the emulator runs blocks in order.
+ * Causal: query tiles before a key block's first visible row are never visited, key tiles past a
+ * block's last visible key never loaded; a warp whose rows (keys) see nothing of a tile skips its
+ * products. D = dO.O by fl_cu_attn_dsum_k (attn_common.h), from the fp32 out. */
+#include "backend/cuda/kernels/attn_common.h"
+#include "backend/cuda/kernels/attn_mma.h"
+
+/* BQ: forward query rows per block (MT m-tiles per warp); BBQ: backward query-tile rows. */
+template <int D_> struct fl_cu_fa_cfg;
+template <> struct fl_cu_fa_cfg<64> {
+    enum { D = 64, BQ = 128, MT = 2, BK = 64, BBQ = 64 };
+};
+template <> struct fl_cu_fa_cfg<128> {
+    enum { D = 128, BQ = 64, MT = 1, BK = 64, BBQ = 32 };
+};
+
+/* ---- forward ---------------------------------------------------------------------------------- */
+
+template <int D> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
+    enum { BQ = fl_cu_fa_cfg<D>::BQ, MT = fl_cu_fa_cfg<D>::MT, BK = fl_cu_fa_cfg<D>::BK, P = D + FL_CU_TC_PAD,
+           NT = BK / 8, DT = D / 8, DK = D / 16, PK = BK / 16 };
+    FL_CU_DYN_SMEM(uint16_t, sm);
+    uint16_t *Qs = sm;           // (BQ, P) the query tile
+    uint16_t *Ks = Qs + BQ * P;  // (BK, P) keys
+    uint16_t *Vs = Ks + BK * P;  // (BK, P) values (row-major: ldmatrix.trans gives P V's B fragments)
+    __shared__ int km[BK];       // key exists and is not padding
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+    const int qt = (int)gridDim.x - 1 - (int)blockIdx.x; /* causal: the heaviest tiles start first */
+    const int h = blockIdx.y, b = blockIdx.z, kvh = h / p.rep;
+    const int q0 = qt * BQ, qn = p.Tq - q0 < BQ ? p.Tq - q0 : BQ;
+    fl_cu_tc_load<D, BQ>(Qs, P, NULL, 0, p.q + ((size_t)b * p.Tq + q0) * p.ldq + (size_t)h * D, p.ldq, qn);
+    /* m-tile mt of the warp: rows w0 + 16 mt ..; lane rows r[mt][0] = .. + g, r[mt][1] = .. + g + 8 */
+    const int w0 = warp * 16 * MT;
+    int lim[MT][2], mend[MT];
+    FL_CU_UNROLL
+    for (int mt = 0; mt < MT; mt++) {
+        FL_CU_UNROLL
+        for (int x = 0; x < 2; x++) {
+            const int r = w0 + 16 * mt + g + 8 * x;
+            lim[mt][x] = r < qn ? fl_cu_attn_key_limit(p, q0 + r) : 0;
+        }
+        const int first = w0 + 16 * mt, last = first + 15 < qn ? first + 15 : qn - 1;
+        mend[mt] = last >= first ? fl_cu_attn_key_limit(p, q0 + last) : 0; /* keys the m-tile sees */
+    }
+    const int kend = qn > 0 ? fl_cu_attn_key_limit(p, q0 + qn - 1) : 0;
+    const float sl2 = p.scale * FL_CU_LOG2E; /* scores in log2 units: exp2f */
+    float m_[MT][2], l_[MT][2], o[MT][DT][4];
+    FL_CU_UNROLL
+    for (int mt = 0; mt < MT; mt++) {
+        m_[mt][0] = m_[mt][1] = -INFINITY;
+        l_[mt][0] = l_[mt][1] = 0.0f;
+        FL_CU_UNROLL
+        for (int dt = 0; dt < DT; dt++)
+            FL_CU_UNROLL
+            for (int i = 0; i < 4; i++) o[mt][dt][i] = 0.0f;
+    }
+    const float *K = p.k + (size_t)b * p.Tk * p.ldk + (size_t)kvh * D;
+    const float *V = p.v + (size_t)b * p.Tk * p.ldv + (size_t)kvh * D;
+    for (int k0 = 0; k0 < kend; k0 += BK) {
+        const int kn = kend - k0 < BK ? kend - k0 : BK;
+        __syncthreads(); /* the previous tile's Ks / Vs are read */
+        fl_cu_tc_load<D, BK>(Ks, P, NULL, 0, K + (size_t)k0 * p.ldk, p.ldk, kn);
+        fl_cu_tc_load<D, BK>(Vs, P, NULL, 0, V + (size_t)k0 * p.ldv, p.ldv, kn);
+        for (int j = threadIdx.x; j < BK; j += FL_CU_TC_THREADS)
+            km[j] = j < kn && (!p.kmask || p.kmask[(size_t)b * p.Tk + k0 + j]);
+        __syncthreads(); /* also: Qs written (first tile) */
+        if (k0 >= mend[0] && k0 >= mend[MT - 1]) continue; /* no row of this warp sees the tile */
+        float s[MT][NT][4];
+        FL_CU_UNROLL
+        for (int mt = 0; mt < MT; mt++)
+            FL_CU_UNROLL
+            for (int nt = 0; nt < NT; nt++)
+                FL_CU_UNROLL
+                for (int i = 0; i < 4; i++) s[mt][nt][i] = 0.0f;
+        FL_CU_UNROLL
+        for (int kk = 0; kk < DK; kk++) {
+            uint32_t qa[MT][4];
+            FL_CU_UNROLL
+            for (int mt = 0; mt < MT; mt++) fl_cu_ldm_a(qa[mt], Qs, P, w0 + 16 * mt, kk * 16);
+            FL_CU_UNROLL
+            for (int np = 0; np < NT / 2; np++) {
+                uint32_t bf[4];
+                fl_cu_ldm_b(bf, Ks, P, np * 16, kk * 16);
+                FL_CU_UNROLL
+                for (int mt = 0; mt < MT; mt++) {
+                    if (k0 >= mend[mt]) continue; /* warp-uniform */
+                    fl_cu_mma_bf16_16816(s[mt][2 * np], qa[mt], bf, s[mt][2 * np]);
+                    fl_cu_mma_bf16_16816(s[mt][2 * np + 1], qa[mt], bf + 2, s[mt][2 * np + 1]);
+                }
+            }
+        }
+        uint32_t pa[MT][PK][4];
+        FL_CU_UNROLL
+        for (int mt = 0; mt < MT; mt++) {
+            float mx[2] = {-INFINITY, -INFINITY};
+            FL_CU_UNROLL
+            for (int nt = 0; nt < NT; nt++)
+                FL_CU_UNROLL
+                for (int i = 0; i < 4; i++) {
+                    const int j = nt * 8 + 2 * tq + (i & 1), x = i >> 1;
+                    const int vis = km[j] && k0 + j < lim[mt][x];
+                    s[mt][nt][i] = vis ? s[mt][nt][i] * sl2 : -INFINITY;
+                    mx[x] = fmaxf(mx[x], s[mt][nt][i]);
+                }
+            float c[2], ps[2] = {0.0f, 0.0f};
+            FL_CU_UNROLL
+            for (int x = 0; x < 2; x++) {
+                for (int off = 1; off < 4; off <<= 1) mx[x] = fmaxf(mx[x], __shfl_xor_sync(FL_CU_FULL_MASK, mx[x], off));
+                const float mn = fmaxf(m_[mt][x], mx[x]);
+                /* nothing visible yet: the state stays (m = -inf, l = 0, o = 0) */
+                c[x] = mn == -INFINITY ? 1.0f : exp2f(m_[mt][x] - mn);
+                m_[mt][x] = mn;
+            }
+            FL_CU_UNROLL
+            for (int nt = 0; nt < NT; nt++)
+                FL_CU_UNROLL
+                for (int i = 0; i < 4; i++) {
+                    const int x = i >> 1;
+                    const float pv = s[mt][nt][i] == -INFINITY ? 0.0f : exp2f(s[mt][nt][i] - m_[mt][x]);
+                    s[mt][nt][i] = pv;
+                    ps[x] += pv;
+                }
+            FL_CU_UNROLL
+            for (int x = 0; x < 2; x++) l_[mt][x] = l_[mt][x] * c[x] + ps[x];
+            FL_CU_UNROLL
+            for (int dt = 0; dt < DT; dt++)
+                FL_CU_UNROLL
+                for (int i = 0; i < 4; i++) o[mt][dt][i] *= c[i >> 1];
+            FL_CU_UNROLL
+            for (int kk = 0; kk < PK; kk++) fl_cu_tc_acc_to_a(pa[mt][kk], s[mt][2 * kk], s[mt][2 * kk + 1]);
+        }
+        FL_CU_UNROLL
+        for (int kk = 0; kk < PK; kk++)
+            FL_CU_UNROLL
+            for (int dp = 0; dp < DT / 2; dp++) {
+                uint32_t bf[4];
+                fl_cu_ldm_bt(bf, Vs, P, dp * 16, kk * 16);
+                FL_CU_UNROLL
+                for (int mt = 0; mt < MT; mt++) {
+                    if (k0 >= mend[mt]) continue;
+                    fl_cu_mma_bf16_16816(o[mt][2 * dp], pa[mt][kk], bf, o[mt][2 * dp]);
+                    fl_cu_mma_bf16_16816(o[mt][2 * dp + 1], pa[mt][kk], bf + 2, o[mt][2 * dp + 1]);
+                }
+            }
+    }
+    float *O = p.o + ((size_t)b * p.Tq + q0) * p.ldo + (size_t)h * D;
+    float *L = p.l + ((size_t)b * p.NH + h) * p.Tq + q0;
+    FL_CU_UNROLL
+    for (int mt = 0; mt < MT; mt++)
+        FL_CU_UNROLL
+        for (int x = 0; x < 2; x++) {
+            float l = l_[mt][x]; /* each lane holds a partial l of its own columns: the row's 4 lanes sum */
+            for (int off = 1; off < 4; off <<= 1) l += __shfl_xor_sync(FL_CU_FULL_MASK, l, off);
+            const int r = w0 + 16 * mt + g + 8 * x;
+            if (r >= qn) continue;
+            const float inv = l > 0.0f ? 1.0f / l : 0.0f; /* no visible key: 0 */
+            FL_CU_UNROLL
+            for (int dt = 0; dt < DT; dt++) {
+                const int d = dt * 8 + 2 * tq;
+                O[(size_t)r * p.ldo + d] = o[mt][dt][2 * x] * inv;
+                O[(size_t)r * p.ldo + d + 1] = o[mt][dt][2 * x + 1] * inv;
+            }
+            if (tq == 0) L[r] = l > 0.0f ? m_[mt][x] * FL_CU_LN2 + logf(l) : -INFINITY;
+        }
+}
+
+/* ---- backward: one pass, dQ by atomic adds ---------------------------------------------------- */
+
+/* The block's dQ contribution of one query tile: dS (in dSs as (keys, queries) row-major) times K,
+ * warps split over the tile's m-tiles and, when there are fewer than 4, over the dims. */
+template <int D, int BQ, int BK>
+FL_CU_DEV void fl_cu_fa_dq_tile(const fl_cu_attn_p &p, const uint16_t *dSs, const uint16_t *Ks, float *dQ, int rn) {
+    enum { P = D + FL_CU_TC_PAD, SP = BQ + FL_CU_TC_PAD, MQ = BQ / 16, WPM = 4 / MQ, NTW = D / 8 / WPM };
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+    const int mq = warp / WPM, n0 = (warp % WPM) * NTW * 8;
+    float acc[NTW][4];
+    FL_CU_UNROLL
+    for (int nt = 0; nt < NTW; nt++)
+        FL_CU_UNROLL
+        for (int i = 0; i < 4; i++) acc[nt][i] = 0.0f;
+    FL_CU_UNROLL
+    for (int kk = 0; kk < BK / 16; kk++) {
+        uint32_t a[4];
+        fl_cu_ldm_at(a, dSs, SP, mq * 16, kk * 16);
+        FL_CU_UNROLL
+        for (int np = 0; np < NTW / 2; np++) {
+            uint32_t bf[4];
+            fl_cu_ldm_bt(bf, Ks, P, n0 + np * 16, kk * 16);
+            fl_cu_mma_bf16_16816(acc[2 * np], a, bf, acc[2 * np]);
+            fl_cu_mma_bf16_16816(acc[2 * np + 1], a, bf + 2, acc[2 * np + 1]);
+        }
+    }
+    FL_CU_UNROLL
+    for (int nt = 0; nt < NTW; nt++)
+        FL_CU_UNROLL
+        for (int i = 0; i < 4; i++) {
+            const int r = mq * 16 + g + 8 * (i >> 1), d = n0 + nt * 8 + 2 * tq + (i & 1);
+            if (r < rn) fl_cu_atomic_add(dQ + (size_t)r * p.ldq + d, p.scale * acc[nt][i]);
+        }
+}
+
+template <int D> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
+    enum { BK = 64, BQ = fl_cu_fa_cfg<D>::BBQ, P = D + FL_CU_TC_PAD, SP = BQ + FL_CU_TC_PAD, NQ = BQ / 8, DT = D / 8,
+           DK = D / 16, QK = BQ / 16 };
+    FL_CU_DYN_SMEM(uint16_t, sm);
+    uint16_t *Ks = sm;           // (BK, P) keys
+    uint16_t *Vs = Ks + BK * P;  // (BK, P) values
+    uint16_t *Qs = Vs + BK * P;  // (BQ, P) the query tile
+    uint16_t *Gs = Qs + BQ * P;  // (BQ, P) its dO
+    uint16_t *dSs = Gs + BQ * P; // (BK, SP) dS^T: keys x query rows
+    __shared__ float Ls[BQ], Ds[BQ]; // lse (log2 units), D of the tile's rows
+    __shared__ int lims[BQ];         // one past each row's last visible key (0: padding row)
+    __shared__ int km[BK];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+    const int kvh = blockIdx.y, b = blockIdx.z;
+    const int k0 = blockIdx.x * BK, kn = p.Tk - k0 < BK ? p.Tk - k0 : BK;
+    fl_cu_tc_load<D, BK>(Ks, P, NULL, 0, p.k + ((size_t)b * p.Tk + k0) * p.ldk + (size_t)kvh * D, p.ldk, kn);
+    fl_cu_tc_load<D, BK>(Vs, P, NULL, 0, p.v + ((size_t)b * p.Tk + k0) * p.ldv + (size_t)kvh * D, p.ldv, kn);
+    for (int j = threadIdx.x; j < BK; j += FL_CU_TC_THREADS)
+        km[j] = j < kn && (!p.kmask || p.kmask[(size_t)b * p.Tk + k0 + j]);
+    const int kw = warp * 16; /* the warp's keys kw..kw+15 of the tile */
+    const int j0 = kw + g, j1 = j0 + 8;
+    const int wfirst = fl_cu_attn_first_row(p, k0 + kw); /* the first row that sees any of them */
+    const float sl2 = p.scale * FL_CU_LOG2E;
+    float ak[DT][4], av[DT][4];
+    FL_CU_UNROLL
+    for (int dt = 0; dt < DT; dt++)
+        FL_CU_UNROLL
+        for (int i = 0; i < 4; i++) ak[dt][i] = av[dt][i] = 0.0f;
+    const int tstart = fl_cu_attn_first_row(p, k0);
+    for (int h = kvh * p.rep; h < (kvh + 1) * p.rep; h++) {
+        for (int t0 = tstart; t0 < p.Tq; t0 += BQ) {
+            const int rn = p.Tq - t0 < BQ ? p.Tq - t0 : BQ;
+            __syncthreads(); /* the previous tile's Qs / Gs / dSs / Ls / Ds are read */
+            fl_cu_tc_load<D, BQ>(Qs, P, NULL, 0, p.q + ((size_t)b * p.Tq + t0) * p.ldq + (size_t)h * D, p.ldq, rn);
+            fl_cu_tc_load<D, BQ>(Gs, P, NULL, 0, p.dout + ((size_t)b * p.Tq + t0) * p.ldo + (size_t)h * D, p.ldo, rn);
+            for (int r = threadIdx.x; r < BQ; r += FL_CU_TC_THREADS) {
+                const size_t row = ((size_t)b * p.NH + h) * p.Tq + t0 + r;
+                Ls[r] = r < rn ? p.lse[row] * FL_CU_LOG2E : 0.0f;
+                Ds[r] = r < rn ? p.Dsum[row] : 0.0f;
+                lims[r] = r < rn ? fl_cu_attn_key_limit(p, t0 + r) : 0;
+            }
+            __syncthreads();
+            float s[NQ][4], dp[NQ][4];
+            FL_CU_UNROLL
+            for (int nt = 0; nt < NQ; nt++)
+                FL_CU_UNROLL
+                for (int i = 0; i < 4; i++) s[nt][i] = dp[nt][i] = 0.0f;
+            /* warp-uniform: keys past the tile end, or no row of the tile sees them: dS^T = 0 */
+            const int active = kw < kn && t0 + rn > wfirst;
+            if (active) {
+                FL_CU_UNROLL
+                for (int kk = 0; kk < DK; kk++) { /* S^T = K Q^T, dP^T = V dO^T */
+                    uint32_t ka[4], va[4];
+                    fl_cu_ldm_a(ka, Ks, P, kw, kk * 16);
+                    fl_cu_ldm_a(va, Vs, P, kw, kk * 16);
+                    FL_CU_UNROLL
+                    for (int np = 0; np < NQ / 2; np++) {
+                        uint32_t bf[4];
+                        fl_cu_ldm_b(bf, Qs, P, np * 16, kk * 16);
+                        fl_cu_mma_bf16_16816(s[2 * np], ka, bf, s[2 * np]);
+                        fl_cu_mma_bf16_16816(s[2 * np + 1], ka, bf + 2, s[2 * np + 1]);
+                        fl_cu_ldm_b(bf, Gs, P, np * 16, kk * 16);
+                        fl_cu_mma_bf16_16816(dp[2 * np], va, bf, dp[2 * np]);
+                        fl_cu_mma_bf16_16816(dp[2 * np + 1], va, bf + 2, dp[2 * np + 1]);
+                    }
+                }
+                /* element i of n-tile nt: key j0 (i < 2) or j1, query row nt*8 + 2tq + (i & 1) */
+                FL_CU_UNROLL
+                for (int nt = 0; nt < NQ; nt++)
+                    FL_CU_UNROLL
+                    for (int i = 0; i < 4; i++) {
+                        const int r = nt * 8 + 2 * tq + (i & 1), j = i < 2 ? j0 : j1;
+                        float pv = 0.0f, ds = 0.0f;
+                        if (km[j] && k0 + j < lims[r]) {
+                            pv = exp2f(s[nt][i] * sl2 - Ls[r]);
+                            ds = pv * (dp[nt][i] - Ds[r]);
+                        }
+                        s[nt][i] = pv;
+                        dp[nt][i] = ds;
+                    }
+                FL_CU_UNROLL
+                for (int kk = 0; kk < QK; kk++) { /* dV += P^T dO, dK += dS^T Q */
+                    uint32_t pa[4], da[4];
+                    fl_cu_tc_acc_to_a(pa, s[2 * kk], s[2 * kk + 1]);
+                    fl_cu_tc_acc_to_a(da, dp[2 * kk], dp[2 * kk + 1]);
+                    FL_CU_UNROLL
+                    for (int np = 0; np < DT / 2; np++) {
+                        uint32_t bf[4];
+                        fl_cu_ldm_bt(bf, Gs, P, np * 16, kk * 16);
+                        fl_cu_mma_bf16_16816(av[2 * np], pa, bf, av[2 * np]);
+                        fl_cu_mma_bf16_16816(av[2 * np + 1], pa, bf + 2, av[2 * np + 1]);
+                        fl_cu_ldm_bt(bf, Qs, P, np * 16, kk * 16);
+                        fl_cu_mma_bf16_16816(ak[2 * np], da, bf, ak[2 * np]);
+                        fl_cu_mma_bf16_16816(ak[2 * np + 1], da, bf + 2, ak[2 * np + 1]);
+                    }
+                }
+            }
+            /* dS^T (bf16, as the A operand above) to shared memory: rows j0 / j1, query pairs */
+            FL_CU_UNROLL
+            for (int nt = 0; nt < NQ; nt++) {
+                const int c = nt * 8 + 2 * tq;
+                *reinterpret_cast<uint32_t *>(dSs + j0 * SP + c) = fl_cu_pack_bf16(dp[nt][0], dp[nt][1]);
+                *reinterpret_cast<uint32_t *>(dSs + j1 * SP + c) = fl_cu_pack_bf16(dp[nt][2], dp[nt][3]);
+            }
+            __syncthreads(); /* dS^T of every warp */
+            fl_cu_fa_dq_tile<D, BQ, BK>(p, dSs, Ks, p.dq + ((size_t)b * p.Tq + t0) * p.ldq + (size_t)h * D, rn);
+        }
+    }
+    float *dK = p.dk + ((size_t)b * p.Tk + k0) * p.ldk + (size_t)kvh * D;
+    float *dV = p.dv + ((size_t)b * p.Tk + k0) * p.ldv + (size_t)kvh * D;
+    FL_CU_UNROLL
+    for (int dt = 0; dt < DT; dt++) {
+        const int d = dt * 8 + 2 * tq;
+        FL_CU_UNROLL
+        for (int i = 0; i < 4; i++) {
+            const int j = i < 2 ? j0 : j1;
+            if (j >= kn) continue;
+            dK[(size_t)j * p.ldk + d + (i & 1)] += p.scale * ak[dt][i];
+            dV[(size_t)j * p.ldv + d + (i & 1)] += av[dt][i];
+        }
+    }
+}
+
+/* ---- launchers -------------------------------------------------------------------------------- */
+
+template <int D> static int fl_cu_fa_fwd_launch(const fl_cu_attn_p &p, void *stream) {
+    enum { BQ = fl_cu_fa_cfg<D>::BQ, BK = fl_cu_fa_cfg<D>::BK, P = D + FL_CU_TC_PAD };
+    const size_t smem = 2 * ((size_t)BQ * P + 2 * (size_t)BK * P);
+    if (FL_CU_ATTN_SMEM_OPTIN(fl_cu_fa_fwd_k<D>, smem)) return fl_cu_launch_error();
+    dim3 grid((unsigned)((p.Tq + BQ - 1) / BQ), (unsigned)p.NH, (unsigned)p.B);
+    FL_CU_LAUNCH(fl_cu_fa_fwd_k<D>, grid, dim3(FL_CU_TC_THREADS), smem, (fl_cu_stream)stream, p);
+    return fl_cu_launch_error();
+}
+
+template <int D> static int fl_cu_fa_bwd_launch(const fl_cu_attn_p &p, void *stream) {
+    enum { BQ = fl_cu_fa_cfg<D>::BBQ, P = D + FL_CU_TC_PAD };
+    int rc = fl_cu_attn_dsum_launch(p, stream);
+    if (rc || p.Tk == 0) return rc;
+    const size_t smem = 2 * (2 * (size_t)64 * P + 2 * (size_t)BQ * P + (size_t)64 * (BQ + FL_CU_TC_PAD));
+    if (FL_CU_ATTN_SMEM_OPTIN(fl_cu_fa_bwd_k<D>, smem)) return fl_cu_launch_error();
+    dim3 grid((unsigned)((p.Tk + 63) / 64), (unsigned)p.NKV, (unsigned)p.B);
+    FL_CU_LAUNCH(fl_cu_fa_bwd_k<D>, grid, dim3(FL_CU_TC_THREADS), smem, (fl_cu_stream)stream, p);
+    return fl_cu_launch_error();
+}
+
+extern "C" int FL_CUK(attention_forward_fa2)(const fl_attn_desc *a, float *out, float *lse, const float *q,
+                                             const float *k, const float *v, const uint8_t *kmask, void *stream) {
+    int rc = fl_cu_attn_check(a, out, lse, q, k, v, NULL, NULL);
+    if (rc) return rc;
+    if (!fl_cu_attention_tc_supported(a, NULL)) return FL_CU_ATTN_UNSUPPORTED;
+    if (a->B == 0 || a->Tq == 0) return 0;
+    fl_cu_attn_p p = fl_cu_attn_params(a);
+    p.q = q;
+    p.k = k;
+    p.v = v;
+    p.kmask = kmask;
+    p.o = out;
+    p.l = lse;
+    return a->HD == 64 ? fl_cu_fa_fwd_launch<64>(p, stream) : fl_cu_fa_fwd_launch<128>(p, stream);
+}
+
+extern "C" int FL_CUK(attention_backward_fa2)(const fl_attn_desc *a, float *dq, float *dk, float *dv,
+                                              const float *dout, const float *q, const float *k, const float *v,
+                                              const uint8_t *kmask, const float *out, const float *lse, void *work,
+                                              void *stream) {
+    int rc = fl_cu_attn_check(a, out, lse, q, k, v, NULL, NULL);
+    if (rc) return rc;
+    if (!dq || !dk || !dv || !dout) return FL_CU_ATTN_INVALID;
+    if (!fl_cu_attention_tc_supported(a, NULL)) return FL_CU_ATTN_UNSUPPORTED;
+    if (a->B == 0 || a->Tq == 0) return 0;
+    if (!work) return FL_CU_ATTN_INVALID;
+    fl_cu_attn_p p = fl_cu_attn_params(a);
+    p.q = q;
+    p.k = k;
+    p.v = v;
+    p.kmask = kmask;
+    p.dout = dout;
+    p.out = out;
+    p.lse = lse;
+    p.dq = dq;
+    p.dk = dk;
+    p.dv = dv;
+    p.Dsum = (float *)work;
+    return a->HD == 64 ? fl_cu_fa_bwd_launch<64>(p, stream) : fl_cu_fa_bwd_launch<128>(p, stream);
+}

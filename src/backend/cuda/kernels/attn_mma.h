@@ -1,0 +1,129 @@
+/* Private to the tensor-core attention kernels (kernels/attention_tc.cu, kernels/attn_fa2.cu):
+ * the fragment helpers over bf16 shared-memory tiles, ldmatrix and a float atomic add, in both
+ * worlds of cu_compat.h (include after cu_mma.h). Fragment layouts: cu_mma.h. */
+#ifndef FL_CU_ATTN_MMA_H
+#define FL_CU_ATTN_MMA_H
+
+#include "backend/cuda/cu_mma.h"
+
+/* Fully unrolled loops over register arrays (a dynamically indexed array goes to local memory) */
+#ifdef __CUDACC__
+#define FL_CU_UNROLL _Pragma("unroll")
+#else
+#define FL_CU_UNROLL
+#endif
+
+#define FL_CU_TC_THREADS 128
+#define FL_CU_LOG2E 1.4426950408889634f
+#define FL_CU_LN2 0.6931471805599453f
+
+#define FL_CU_TC_PAD 8
+
+/* Two consecutive fp32 elements of row r (0 past n rows) packed as bf16. */
+FL_CU_DEV uint32_t fl_cu_tc_ld2(const float *base, size_t ld, int r, int n, int c) {
+    if (r >= n) return 0u;
+    const float *x = base + (size_t)r * ld + c;
+    return fl_cu_pack_bf16(x[0], x[1]);
+}
+
+/* dst (R rows, pitch P elements; NULL: none) <- bf16 of rows 0..n-1 of a (rows, D) fp32 view,
+ * rows >= n zero; and, when dt is given, the transpose (D rows of pitch PT) likewise. Consecutive threads take
+ * consecutive column pairs (coalesced reads). */
+template <int D, int R>
+FL_CU_DEV void fl_cu_tc_load(uint16_t *dst, int P, uint16_t *dt, int PT, const float *src, size_t ld, int n) {
+    for (int i = threadIdx.x; i < R * D / 2; i += FL_CU_TC_THREADS) {
+        const int r = i / (D / 2), c = 2 * (i % (D / 2));
+        const uint32_t w = fl_cu_tc_ld2(src, ld, r, n, c);
+        if (dst) *reinterpret_cast<uint32_t *>(dst + r * P + c) = w;
+        if (dt) {
+            dt[c * PT + r] = (uint16_t)(w & 0xffffu);
+            dt[(c + 1) * PT + r] = (uint16_t)(w >> 16);
+        }
+    }
+}
+
+/* The A fragment of rows row0..row0+15, columns k0..k0+15 of a row-major bf16 tile (pitch P). */
+FL_CU_DEV void fl_cu_tc_frag_a(uint32_t a[4], const uint16_t *s, int P, int row0, int k0) {
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    const uint16_t *r0 = s + (row0 + g) * P + k0 + 2 * t, *r1 = r0 + 8 * P;
+    a[0] = *reinterpret_cast<const uint32_t *>(r0);
+    a[1] = *reinterpret_cast<const uint32_t *>(r1);
+    a[2] = *reinterpret_cast<const uint32_t *>(r0 + 8);
+    a[3] = *reinterpret_cast<const uint32_t *>(r1 + 8);
+}
+/* The B fragment (k = k0..k0+15, n = n0..n0+7) of B[k][n] = s[n][k], s row-major (pitch P). */
+FL_CU_DEV void fl_cu_tc_frag_b(uint32_t b[2], const uint16_t *s, int P, int n0, int k0) {
+    const int g = (threadIdx.x & 31) >> 2, t = threadIdx.x & 3;
+    const uint16_t *r = s + (n0 + g) * P + k0 + 2 * t;
+    b[0] = *reinterpret_cast<const uint32_t *>(r);
+    b[1] = *reinterpret_cast<const uint32_t *>(r + 8);
+}
+/* The A fragment of k-step kk of an accumulator tile x[n-tile][4] (16 rows x 8 per n-tile):
+ * n-tiles 2kk and 2kk+1 rounded to bf16 (the PTX C layout is the A layout, two n-tiles wide). */
+FL_CU_DEV void fl_cu_tc_acc_to_a(uint32_t a[4], const float x0[4], const float x1[4]) {
+    a[0] = fl_cu_pack_bf16(x0[0], x0[1]);
+    a[1] = fl_cu_pack_bf16(x0[2], x0[3]);
+    a[2] = fl_cu_pack_bf16(x1[0], x1[1]);
+    a[3] = fl_cu_pack_bf16(x1[2], x1[3]);
+}
+
+
+/* ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lane l gives the address of row l % 8 of
+ * 8x8 matrix l / 8 (16 bytes, 16-byte aligned); register j of lane l receives matrix j's
+ * elements (row l/4, columns 2(l%4), 2(l%4)+1), or with .trans (rows 2(l%4), 2(l%4)+1, column
+ * l/4). So (g = lane/4, t = lane%4, r = lane%8, m = lane/8), for a bf16 tile of pitch P:
+ *   A fragment, rows r0.., k-columns k0.. of a row-major (m, k) tile:  row r0 + r + 8(m&1),
+ *     column k0 + 8(m>>1)                                                 (fl_cu_ldm_a)
+ *   A fragment from a (k, m) row-major tile (A transposed), .trans:      row k0 + r + 8(m>>1),
+ *     column m0 + 8(m&1)                                                  (fl_cu_ldm_at)
+ *   B fragments of two n-tiles n0, n0+8 (registers 0,1 / 2,3) from a row-major (n, k) tile:
+ *     row n0 + r + 8(m>>1), column k0 + 8(m&1)                            (fl_cu_ldm_b)
+ *   the same from a row-major (k, n) tile, .trans: row k0 + r + 8(m&1), column n0 + 8(m>>1)
+ *                                                                         (fl_cu_ldm_bt)
+ * The emulator gathers the 32 addresses (one warp phase) and reads the elements as above. */
+#ifdef __CUDACC__
+FL_CU_DEV void fl_cu_ldm_x4(uint32_t r[4], const uint16_t *row, int trans) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(row);
+    if (trans)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(a));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(a));
+}
+/* dq accumulation across key blocks (FlashAttention-2's): the order of the adds varies per run */
+FL_CU_DEV void fl_cu_atomic_add(float *p, float v) { atomicAdd(p, v); }
+#else
+FL_CU_DEV void fl_cu_ldm_x4(uint32_t r[4], const uint16_t *row, int trans) {
+    const uint16_t *all[32];
+    fl_cu_check16(row);
+    fl_cu_emu_warp_gather(&row, sizeof row, all);
+    const int lane = fl_cu_emu_lane(), g = lane >> 2, t = lane & 3;
+    for (int j = 0; j < 4; j++) {
+        const uint16_t lo = trans ? all[8 * j + 2 * t][g] : all[8 * j + g][2 * t];
+        const uint16_t hi = trans ? all[8 * j + 2 * t + 1][g] : all[8 * j + g][2 * t + 1];
+        r[j] = (uint32_t)lo | ((uint32_t)hi << 16);
+    }
+}
+/* the blocks of a launch run one after another and fibers switch only at barriers: a plain add */
+FL_CU_DEV void fl_cu_atomic_add(float *p, float v) { *p += v; }
+#endif
+FL_CU_DEV void fl_cu_ldm_a(uint32_t a[4], const uint16_t *s, int P, int r0, int k0) {
+    const int l = threadIdx.x & 31, m = l >> 3;
+    fl_cu_ldm_x4(a, s + (r0 + (l & 7) + 8 * (m & 1)) * P + k0 + 8 * (m >> 1), 0);
+}
+FL_CU_DEV void fl_cu_ldm_at(uint32_t a[4], const uint16_t *s, int P, int m0, int k0) {
+    const int l = threadIdx.x & 31, m = l >> 3;
+    fl_cu_ldm_x4(a, s + (k0 + (l & 7) + 8 * (m >> 1)) * P + m0 + 8 * (m & 1), 1);
+}
+FL_CU_DEV void fl_cu_ldm_b(uint32_t b[4], const uint16_t *s, int P, int n0, int k0) {
+    const int l = threadIdx.x & 31, m = l >> 3;
+    fl_cu_ldm_x4(b, s + (n0 + (l & 7) + 8 * (m >> 1)) * P + k0 + 8 * (m & 1), 0);
+}
+FL_CU_DEV void fl_cu_ldm_bt(uint32_t b[4], const uint16_t *s, int P, int n0, int k0) {
+    const int l = threadIdx.x & 31, m = l >> 3;
+    fl_cu_ldm_x4(b, s + (k0 + (l & 7) + 8 * (m & 1)) * P + n0 + 8 * (m >> 1), 1);
+}
+#endif

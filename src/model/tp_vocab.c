@@ -1,0 +1,183 @@
+/* Tensor parallelism's vocabulary split (fitllm/tp.h, docs/ARCHITECTURE.md "Tensor parallelism"): rank r of a
+ * group of N holds rows [r V/N, (r + 1) V/N) of the token embeddings and of lm_head (fl_config_vocab_rows; the
+ * ranks' counts differ by at most one row when N does not divide V). The embedding looks up the rows it owns (zero elsewhere) and the group sums them: one
+ * non-zero term per element, so the sum is exact and every rank holds the single process's bits. The head computes
+ * its (rows, V/N) logits chunk; the cross-entropy combines the ranks' row statistics (max, sum of exponentials,
+ * the target's logit from its owner) so the whole logits never exist on a rank; d(the head's input) is the group's
+ * sum of the ranks' parts. The statistics are a few numbers per row: they go through the host (tp_host). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fitllm/comm.h"
+#include "fitllm/tp.h"
+#include "model-impl.h"
+#include "store.h"
+
+int fl_tp_vocab_split(const fl_model *m) { return m->cfg.tp_size > 1; }
+
+fl_status fl_model_set_tp_host(fl_model *m, fl_comm *host) {
+    const int n = m->cfg.tp_size > 1 ? m->cfg.tp_size : 1;
+    if (host && (fl_comm_size(host) != n || (n > 1 && fl_comm_rank(host) != m->cfg.tp_rank)))
+        return fl_errorf(FL_ERR_INVALID, "tensor parallel: a host group of %d (rank %d) for a model sliced for %d "
+                         "(rank %d)", fl_comm_size(host), fl_comm_rank(host), n, m->cfg.tp_rank);
+    m->tp_host = host;
+    return FL_OK;
+}
+
+/* out (B T, C) = the owned rows of wte[ids] (zero for the others), summed over the group, (+ wpe[pos0 + t]) */
+fl_status fl_tp_embed_forward(const fl_model *m, const fl_outer_params *op, float *out, const int32_t *ids, int B,
+                              int T, int pos0) {
+    const fl_backend *be = m->be;
+    const int C = m->cfg.dim, N = B * T, f32 = m->store->dtype == FL_F32;
+    int lo;
+    const int n = fl_config_vocab_rows(&m->cfg, &lo);
+    for (int r = 0; r < N; r++) {
+        float *o = out + (size_t)r * C;
+        const int id = ids[r] - lo;
+        if (id < 0 || id >= n) be->zero(be, o, (size_t)C * sizeof(float));
+        else if (f32) FL_TRY(be->copy(be, o, op->wte + (size_t)id * C, (size_t)C * sizeof(float)));
+        else FL_TRY(be->convert(be, o, FL_F32, fl_store_param_at(m->store, op->wte_off + (size_t)id * C),
+                                m->store->dtype, C));
+    }
+    if (m->tp_comm && fl_comm_size(m->tp_comm) > 1)
+        FL_TRY(fl_error_prefix(fl_comm_all_reduce(m->tp_comm, out, out, (size_t)N * C, FL_F32, FL_COMM_SUM),
+                               "tensor parallel: the vocabulary-parallel embedding"));
+    if (op->wpe_off == (size_t)-1) return FL_OK;
+    float *row = f32 ? NULL : m->store->pstage + fl_pstage_block_start(m) - C; /* one fp32 row */
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            float *o = out + ((size_t)b * T + t) * C;
+            const float *p = op->wpe ? op->wpe + (size_t)(pos0 + t) * C : row;
+            if (!f32)
+                FL_TRY(be->convert(be, row, FL_F32, fl_store_param_at(m->store, op->wpe_off + (size_t)(pos0 + t) * C),
+                                   m->store->dtype, C));
+            be->add(be, o, o, p, C); /* (e + 0 + ...) + p: the single process's e + p */
+        }
+    return FL_OK;
+}
+
+/* d(the owned rows of wte) += dout's rows, in row order (the single process's order per element); d(wpe) whole */
+fl_status fl_tp_embed_backward(fl_model *m, const fl_outer_params *op, const float *dout, const int32_t *dids, int B,
+                               int T) {
+    const fl_backend *be = m->be;
+    const int C = m->cfg.dim, N = B * T;
+    int lo;
+    const int n = fl_config_vocab_rows(&m->cfg, &lo);
+    if (op->dwte) {
+        int32_t *ids = malloc((size_t)N * sizeof *ids);
+        if (!ids) return fl_errorf(FL_ERR_OOM, "tensor parallel: out of host memory for the embedding's ids");
+        fl_status s = be->to_host(be, ids, dids, (size_t)N * sizeof *ids);
+        for (int r = 0; s == FL_OK && r < N; r++) {
+            const int id = ids[r] - lo;
+            if (id >= 0 && id < n) be->add(be, op->dwte + (size_t)id * C, op->dwte + (size_t)id * C, dout + (size_t)r * C, C);
+        }
+        free(ids);
+        FL_TRY(s);
+    }
+    if (op->dwpe) be->embedding_backward(be, NULL, op->dwpe, dout, dids, B, T, C);
+    return FL_OK;
+}
+
+/* The vocabulary-parallel cross-entropy of `rows` rows: logits (rows, n) this rank's columns (device memory),
+ * targets on the host (whole-vocabulary ids). Each rank's row statistics (its max m, sum of exp(l - m) in double, the
+ * target's logit where it owns it) are all-gathered as bits and combined in rank order, so every rank computes the
+ * same lse = M + log(S) and loss = lse - l[target] (the fp32 kernel's formula); dlogits (may alias logits) =
+ * grad_scale (softmax - onehot) on the rank's columns. Ignored targets: loss 0, no gradient. */
+fl_status fl_tp_cross_entropy(fl_model *m, float *loss, float *dlogits, const float *logits, const int32_t *targets,
+                              int rows, float grad_scale) {
+    const fl_backend *be = m->be;
+    const int P = m->cfg.tp_size, me = m->cfg.tp_rank;
+    int lo;
+    const int n = fl_config_vocab_rows(&m->cfg, &lo);
+    float *h = malloc((size_t)rows * n * sizeof *h), *l = malloc((size_t)rows * sizeof *l);
+    double *mine = malloc((size_t)rows * 3 * sizeof *mine), *all = malloc((size_t)P * rows * 3 * sizeof *all);
+    fl_status s = h && l && mine && all ? FL_OK : fl_errorf(FL_ERR_OOM, "tensor parallel: out of host memory for the "
+                                                            "cross-entropy's logits chunk");
+    if (s == FL_OK) s = be->to_host(be, h, logits, (size_t)rows * n * sizeof *h);
+    for (int i = 0; s == FL_OK && i < rows; i++) {
+        const float *x = h + (size_t)i * n;
+        float mx = -INFINITY;
+        for (int v = 0; v < n; v++) mx = x[v] > mx ? x[v] : mx;
+        double sum = 0;
+        for (int v = 0; v < n; v++) sum += exp((double)x[v] - mx);
+        const int t = targets[i] - lo;
+        mine[3 * i] = mx, mine[3 * i + 1] = sum, mine[3 * i + 2] = t >= 0 && t < n ? x[t] : 0;
+    }
+    if (s == FL_OK && m->tp_host)
+        s = fl_error_prefix(fl_comm_all_gather(m->tp_host, mine, all, (size_t)P * rows * 6, FL_F32),
+                            "tensor parallel: the cross-entropy's row statistics");
+    else if (s == FL_OK) /* no group (a test's rank without the sums): the other ranks' terms are missing */
+        for (int k = 0; k < P; k++)
+            for (int i = 0; i < rows; i++) {
+                double *a = all + ((size_t)k * rows + i) * 3;
+                if (k == me) memcpy(a, mine + 3 * i, 3 * sizeof *a);
+                else a[0] = -INFINITY, a[1] = a[2] = 0;
+            }
+    for (int i = 0; s == FL_OK && i < rows; i++) {
+        const int tg = targets[i];
+        float *dx = h + (size_t)i * n;
+        if (tg == FL_IGNORE_INDEX) {
+            l[i] = 0;
+            memset(dx, 0, (size_t)n * sizeof *dx);
+            continue;
+        }
+        double M = -INFINITY, S = 0;
+        for (int k = 0; k < P; k++) M = all[((size_t)k * rows + i) * 3] > M ? all[((size_t)k * rows + i) * 3] : M;
+        for (int k = 0; k < P; k++) S += all[((size_t)k * rows + i) * 3 + 1] * exp(all[((size_t)k * rows + i) * 3] - M);
+        int owner = -1; /* out of range: sum_losses names it */
+        for (int k = 0; k < P; k++)
+            if (tg >= (int)((long long)k * m->cfg.vocab_size / P) && tg < (int)((long long)(k + 1) * m->cfg.vocab_size / P))
+                owner = k;
+        const float lse = (float)M + (float)log(S), xt = owner >= 0 ? (float)all[((size_t)owner * rows + i) * 3 + 2] : 0;
+        l[i] = lse - xt;
+        if (!dlogits) continue;
+        for (int v = 0; v < n; v++) dx[v] = grad_scale * (float)exp((double)dx[v] - lse);
+        if (owner == me) dx[tg - lo] -= grad_scale;
+    }
+    if (s == FL_OK) s = be->to_device(be, loss, l, (size_t)rows * sizeof *l);
+    if (s == FL_OK && dlogits) s = be->to_device(be, dlogits, h, (size_t)rows * n * sizeof *h);
+    free(h), free(l), free(mine), free(all);
+    return s;
+}
+
+/* d(the head's input) (N, C): the group's sum of the ranks' parts (each rank's head sees its columns only) */
+fl_status fl_tp_head_dx_sum(fl_model *m, float *dx, int N) {
+    if (!fl_tp_vocab_split(m) || !m->tp_comm || fl_comm_size(m->tp_comm) <= 1) return FL_OK;
+    return fl_error_prefix(fl_comm_all_reduce(m->tp_comm, dx, dx, (size_t)N * m->cfg.dim, FL_F32, FL_COMM_SUM),
+                           "tensor parallel: the vocabulary-parallel head's input gradient");
+}
+
+/* The whole (rows, V) logits on the host of every rank from the ranks' (rows, n) column slices (device memory; it
+ * may be out's start on a host-memory backend): each rank's columns in place, zeros elsewhere, summed over the
+ * group (one non-zero term per element: exact). */
+fl_status fl_tp_logits_out(fl_model *m, float *out, const float *part, int rows) {
+    const fl_backend *be = m->be;
+    const int V = m->cfg.vocab_size;
+    int lo;
+    const int n = fl_config_vocab_rows(&m->cfg, &lo);
+    float *h = malloc((size_t)rows * n * sizeof *h);
+    if (!h) return fl_errorf(FL_ERR_OOM, "tensor parallel: out of host memory for the logits");
+    fl_status s = be->to_host(be, h, part, (size_t)rows * n * sizeof *h);
+    if (s == FL_OK) {
+        memset(out, 0, (size_t)rows * V * sizeof *out);
+        for (int i = 0; i < rows; i++) memcpy(out + (size_t)i * V + lo, h + (size_t)i * n, (size_t)n * sizeof *h);
+        if (m->tp_host)
+            s = fl_error_prefix(fl_comm_all_reduce(m->tp_host, out, out, (size_t)rows * V, FL_F32, FL_COMM_SUM),
+                                "tensor parallel: gathering the logits");
+    }
+    free(h);
+    return s;
+}
+
+fl_status fl_head_cross_entropy(fl_model *m, float *loss, float *dlogits, const float *logits, const int32_t *dtargets,
+                                const int32_t *targets, int rows, float grad_scale) {
+    if (fl_tp_vocab_split(m)) return fl_tp_cross_entropy(m, loss, dlogits, logits, targets, rows, grad_scale);
+    m->be->cross_entropy(m->be, loss, dlogits, logits, dtargets, rows, m->cfg.vocab_size, grad_scale, FL_IGNORE_INDEX);
+    return FL_OK;
+}
+
+fl_status fl_head_logits_out(fl_model *m, float *out, const float *logits, int rows) {
+    if (fl_tp_vocab_split(m)) return fl_tp_logits_out(m, out, logits, rows);
+    return m->be->to_host(m->be, out, logits, (size_t)rows * m->cfg.vocab_size * sizeof(float));
+}
