@@ -136,11 +136,116 @@ static void round16_case(fl_dtype dt, size_t n) {
     free(x); free(want); free(got); free(w16); free(g16);
 }
 
+/* convert_many: each segment the bits of one convert (bf16/fp16 <-> fp32, segments of different lengths:
+ * empty, a partial block, more than one grid stride), the bytes after each segment untouched; too many
+ * segments refused */
+static void convert_many_case(fl_dtype dt, fl_dtype st) {
+    enum { K = 5 };
+    const size_t len[K] = {37, 0, 1, 300001, 256};
+    void *dst[K], *want[K];
+    const void *src[K];
+    fl_test_rng r = {(uint64_t)(dt * 7 + st)};
+    const size_t ds = dt == FL_F32 ? 4 : 2, ss = st == FL_F32 ? 4 : 2;
+    for (int k = 0; k < K; k++) {
+        float *f = fl_test_frand(&r, len[k] + 1, -100, 100);
+        void *x = malloc((len[k] + 1) * ss);
+        FL_REQUIRE_OK(fl_convert(x, st, f, FL_F32, len[k] + 1));
+        src[k] = x;
+        want[k] = malloc((len[k] + 1) * ds);
+        dst[k] = malloc((len[k] + 1) * ds);
+        memset(want[k], 0x5a, (len[k] + 1) * ds);
+        memset(dst[k], 0x5a, (len[k] + 1) * ds);
+        EMU_OK(fl_cuemu_convert(want[k], dt, x, st, len[k], NULL));
+        free(f);
+    }
+    EMU_OK(fl_cuemu_convert_many(K, dst, dt, src, st, len, NULL));
+    for (int k = 0; k < K; k++)
+        FL_CHECKF(memcmp(dst[k], want[k], (len[k] + 1) * ds) == 0, "convert_many %s <- %s segment %d (%zu): not convert's bytes",
+                  fl_dtype_name(dt), fl_dtype_name(st), k, len[k]);
+    void *many_d[FL_CU_CONVERT_MANY_MAX + 1];
+    const void *many_s[FL_CU_CONVERT_MANY_MAX + 1];
+    size_t many_n[FL_CU_CONVERT_MANY_MAX + 1] = {0};
+    for (int k = 0; k <= FL_CU_CONVERT_MANY_MAX; k++) many_d[k] = dst[0], many_s[k] = src[0];
+    FL_CHECK(fl_cuemu_convert_many(FL_CU_CONVERT_MANY_MAX + 1, many_d, dt, many_s, st, many_n, NULL) != 0);
+    for (int k = 0; k < K; k++) {
+        free((void *)src[k]);
+        free(dst[k]);
+        free(want[k]);
+    }
+}
+
+FL_TEST(cuda_more_convert_many) {
+    convert_many_case(FL_F32, FL_BF16); /* the widening before a block's backward */
+    convert_many_case(FL_BF16, FL_F32);
+    convert_many_case(FL_F32, FL_F16);
+}
+
 FL_TEST(cuda_more_round16) {
     round16_case(FL_BF16, 1);
     round16_case(FL_BF16, 37);
     round16_case(FL_F16, 1000);
     round16_case(FL_BF16, 70001);
+}
+
+/* rmsnorm_forward_w16 / rmsnorm_backward_w16 (the norm weight read in 16 bits): the bits of the fp32-weight
+ * kernels over the exactly widened weight (those are checked against float64 and the CPU in test_ops.c
+ * under cuda-emu), forward (out, rstd) and backward (dx and dw accumulating into nonzero buffers); x
+ * offset by off floats (off 1: the scalar path at C % 4 == 0). */
+static void rmsnorm_w16_case(fl_dtype dt, int N, int C, int off) {
+    fl_test_rng r = {(uint64_t)(N * 977 + C * 13 + off + dt)};
+    const size_t nc = (size_t)N * C;
+    float *xb = fl_test_frand(&r, nc + 4, -2, 2), *x = xb + off, *w = fl_test_frand(&r, (size_t)C, 0.5f, 1.5f);
+    float *dy = fl_test_frand(&r, nc, -1, 1), *dx0 = fl_test_frand(&r, nc, -1, 1), *dw0 = fl_test_frand(&r, (size_t)C, -1, 1);
+    uint16_t *w16 = malloc((size_t)C * 2);
+    FL_REQUIRE_OK(fl_convert(w16, dt, w, FL_F32, (size_t)C));
+    FL_REQUIRE_OK(fl_convert(w, FL_F32, w16, dt, (size_t)C)); /* the widened weight */
+    float *o1 = malloc(nc * 4), *o2 = malloc(nc * 4), *r1 = malloc((size_t)N * 4), *r2 = malloc((size_t)N * 4);
+    float *dx1 = dup_bytes(dx0, nc * 4), *dx2 = dup_bytes(dx0, nc * 4);
+    float *dw1 = dup_bytes(dw0, (size_t)C * 4), *dw2 = dup_bytes(dw0, (size_t)C * 4);
+    EMU_OK(fl_cuemu_rmsnorm_forward(o1, r1, x, w, N, C, 1e-5f, NULL));
+    EMU_OK(fl_cuemu_rmsnorm_backward(dx1, dw1, dy, x, w, r1, N, C, NULL));
+    for (int k = 0; k < 2; k++) {
+        fl_cu_emu_set_seed(k_seeds[k]);
+        memset(o2, 0xff, nc * 4);
+        memcpy(dx2, dx0, nc * 4);
+        memcpy(dw2, dw0, (size_t)C * 4);
+        EMU_OK(fl_cuemu_rmsnorm_forward_w16(o2, NULL, r2, x, w16, dt, N, C, 1e-5f, NULL));
+        EMU_OK(fl_cuemu_rmsnorm_backward_w16(dx2, dw2, dy, x, w16, dt, r2, N, C, NULL));
+        FL_CHECKF(!memcmp(o1, o2, nc * 4) && !memcmp(r1, r2, (size_t)N * 4) && !memcmp(dx1, dx2, nc * 4) &&
+                      !memcmp(dw1, dw2, (size_t)C * 4),
+                  "rmsnorm w16 (%s N=%d C=%d off=%d): not the fp32-weight kernels' bits", fl_dtype_name(dt), N, C, off);
+    }
+    /* and the forward against float64 with the widened weight, at test_ops.c's RMSNorm tolerance */
+    float *want = malloc(nc * 4);
+    for (int n = 0; n < N; n++) {
+        double ss = 0;
+        for (int c = 0; c < C; c++) ss += (double)x[(size_t)n * C + c] * x[(size_t)n * C + c];
+        const double rr = 1.0 / sqrt(ss / C + 1e-5);
+        for (int c = 0; c < C; c++) want[(size_t)n * C + c] = (float)(x[(size_t)n * C + c] * rr * w[c]);
+    }
+    FL_CHECK(fl_test_allclose("rmsnorm w16 out", o2, want, nc, 1e-5, 1e-6));
+    free(want);
+    /* out16: the bf16 copy = the CPU's rounding of the output, the fp32 output its exact widening (round16's bits) */
+    uint16_t *c16 = malloc(nc * 2), *g16 = malloc(nc * 2);
+    float *o3 = malloc(nc * 4);
+    FL_REQUIRE_OK(fl_convert(c16, FL_BF16, o1, FL_F32, nc));
+    FL_REQUIRE_OK(fl_convert(o1, FL_F32, c16, FL_BF16, nc));
+    memset(g16, 0xff, nc * 2);
+    EMU_OK(fl_cuemu_rmsnorm_forward_w16(o3, g16, r2, x, w16, dt, N, C, 1e-5f, NULL));
+    FL_CHECKF(!memcmp(g16, c16, nc * 2) && !memcmp(o3, o1, nc * 4), "rmsnorm w16 (%s N=%d C=%d off=%d): out16 not the rounded output",
+              fl_dtype_name(dt), N, C, off);
+    free(c16); free(g16); free(o3);
+    FL_CHECK(fl_cuemu_rmsnorm_forward_w16(o2, NULL, r2, x, w, FL_F32, N, C, 1e-5f, NULL) != 0); /* 16-bit weights only */
+    free(xb); free(w); free(dy); free(dx0); free(dw0); free(w16); free(o1); free(o2); free(r1); free(r2);
+    free(dx1); free(dx2); free(dw1); free(dw2);
+}
+
+FL_TEST(cuda_more_rmsnorm_w16) {
+    rmsnorm_w16_case(FL_BF16, 5, 64, 0);   /* 128-bit path, 16 threads */
+    rmsnorm_w16_case(FL_BF16, 5, 64, 1);   /* misaligned x: the scalar path */
+    rmsnorm_w16_case(FL_F16, 3, 37, 0);    /* odd C: partial warp */
+    rmsnorm_w16_case(FL_BF16, 130, 300, 0); /* 75 threads; N > 128: two row groups in the dw column sum */
+    rmsnorm_w16_case(FL_F16, 2, 1030, 0);  /* C / 4 > 256: several column steps per thread */
 }
 
 FL_TEST(cuda_more_embedding16) {

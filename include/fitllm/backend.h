@@ -39,6 +39,8 @@ extern "C" {
 #endif
 
 #define FL_IGNORE_INDEX (-100)
+/* Segments one fl_backend.convert_many call takes at most. */
+#define FL_CONVERT_MANY_MAX 16
 
 typedef struct fl_backend fl_backend;
 struct fl_comm; /* fitllm/comm.h */
@@ -137,6 +139,19 @@ struct fl_backend {
     void (*embedding_forward16)(const fl_backend *be, float *out, const int32_t *ids, const void *wte,
                                 const void *wpe, fl_dtype dt, int B, int T, int C);
     fl_status (*round16)(const fl_backend *be, void *dst, fl_dtype dt, float *x, size_t n);
+    /* Optional (NULL: one convert per segment): count <= FL_CONVERT_MANY_MAX conversions dst[k] (len[k], dt)
+     * = src[k] (len[k], st), convert's bits, in one launch (a block's saved 16-bit activations widened before
+     * its backward: acts.c). */
+    fl_status (*convert_many)(const fl_backend *be, int count, void *const *dst, fl_dtype dt,
+                              const void *const *src, fl_dtype st, const size_t *len);
+    /* Optional (NULL: the caller widens w to fp32 first, one convert launch per norm and pass): rmsnorm_forward /
+     * rmsnorm_backward (below) over a 16-bit weight, w of wt in {BF16, F16} (bf16/fp16 storage), each
+     * element widened exactly in the kernel: the bits of widening first. out16 (NULL or (N,C) bf16): the output stored in bf16 too, out
+     * then holding its exact widening (round16's bits: a bf16-stored slot without the round16 launch). */
+    void (*rmsnorm_forward_w16)(const fl_backend *be, float *out, void *out16, float *rstd, const float *inp,
+                                const void *w, fl_dtype wt, int N, int C, float eps);
+    void (*rmsnorm_backward_w16)(const fl_backend *be, float *dinp, float *dw, const float *dout, const float *inp,
+                                 const void *w, fl_dtype wt, const float *rstd, int N, int C);
 
     /* ---- matmul ---------------------------------------------------------
      * C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C, row-major, with

@@ -172,15 +172,24 @@ static fl_status convert_saved(fl_model *m, int l, int N, int narrow, unsigned d
     const fl_block_graph *g = a->graph;
     fl_layer_acts *la = &a->layer[l];
     const fl_backend *be = m->be;
-    if (a->res16) FL_TRY(be->convert(be, la->s[FL_GSLOT_IN], FL_F32, la->s16[FL_GSLOT_IN], FL_BF16, (size_t)N * m->cfg.dim));
-    if (a->res16 && m->act_ckpt) return FL_OK;
-    for (int k = 0; k < g->n_prod; k++) {
+    /* the list of conversions (dst, src, len): one convert_many launch where the backend has it */
+    void *dst[FL_GRAPH_MAX_SLOTS + 1];
+    const void *src[FL_GRAPH_MAX_SLOTS + 1];
+    size_t len[FL_GRAPH_MAX_SLOTS + 1];
+    int cnt = 0;
+    if (a->res16) { /* bf16 stored: widen (narrow returned above) */
+        dst[cnt] = la->s[FL_GSLOT_IN], src[cnt] = la->s16[FL_GSLOT_IN], len[cnt++] = (size_t)N * m->cfg.dim;
+    }
+    for (int k = 0; k < g->n_prod && !(a->res16 && m->act_ckpt); k++) {
         int sl = g->prod[k];
         if (g->slot[sl].kind != FL_GSLOT_WIDE || (done >> sl & 1u)) continue;
-        size_t n = (size_t)N * g->slot[sl].width;
-        if (narrow) FL_TRY(be->convert(be, la->s16[sl], a->act_dtype, la->s[sl], FL_F32, n));
-        else FL_TRY(be->convert(be, la->s[sl], FL_F32, la->s16[sl], a->act_dtype, n));
+        dst[cnt] = narrow ? (void *)la->s16[sl] : (void *)la->s[sl];
+        src[cnt] = narrow ? (const void *)la->s[sl] : (const void *)la->s16[sl];
+        len[cnt++] = (size_t)N * g->slot[sl].width;
     }
+    const fl_dtype dt = narrow ? a->act_dtype : FL_F32, st = narrow ? FL_F32 : a->act_dtype;
+    if (be->convert_many && cnt > 1 && cnt <= FL_CONVERT_MANY_MAX) return be->convert_many(be, cnt, dst, dt, src, st, len);
+    for (int k = 0; k < cnt; k++) FL_TRY(be->convert(be, dst[k], dt, src[k], st, len[k]));
     return FL_OK;
 }
 

@@ -48,6 +48,20 @@ size_t fl_group_numel(const fl_model *m, int g) {
     return m->layout.group_offset[g + 1] - m->layout.group_offset[g];
 }
 
+/* A norm weight (layout entry i) as the norm kernels read it: the stored 16-bit values when the storage is
+ * 16-bit, the architecture's norm is RMSNorm and the backend's RMSNorm reads a 16-bit weight (*wt = the
+ * storage dtype: no widening launch per norm and pass); else its fp32 view (fl_store_bind_1d, *wt = F32). */
+static const void *norm_weight(const fl_model *m, int i, float **cur, fl_dtype *wt) {
+    const fl_param_store *s = m->store;
+    if (i >= 0 && s->dtype != FL_F32 && m->be->rmsnorm_forward_w16 && m->be->rmsnorm_backward_w16 &&
+        !fl_arch_get(m->cfg.arch)->layernorm) {
+        *wt = s->dtype;
+        return s->ops->param_at(s, fl_store_off(s, i)); /* NULL: a shard whose group is not gathered */
+    }
+    *wt = FL_F32;
+    return P1(m, i, cur);
+}
+
 void fl_get_block(const fl_model *m, const fl_block_graph *gr, int l, fl_block_params *bp) {
     memset(bp, 0, sizeof *bp);
     float *cur0 = m->store->pstage ? m->store->pstage + fl_pstage_block_start(m) : NULL, **cur = &cur0;
@@ -58,7 +72,8 @@ void fl_get_block(const fl_model *m, const fl_block_graph *gr, int l, fl_block_p
     for (int i = 0; i < gr->n_ops; i++) {
         const fl_gop *o = &gr->op[i];
         if (o->kind != FL_GOP_NORM) continue;
-        bp->norm_w[o->p] = P1(m, R(o->role_w), cur); bp->d_norm_w[o->p] = G(m, loff(m, R(o->role_w)));
+        bp->norm_w[o->p] = norm_weight(m, R(o->role_w), cur, &bp->norm_wt); /* the same wt for every norm */
+        bp->d_norm_w[o->p] = G(m, loff(m, R(o->role_w)));
         bp->norm_b[o->p] = P1(m, R(o->role_b), cur); bp->d_norm_b[o->p] = G(m, loff(m, R(o->role_b)));
     }
     for (int i = 0; i < gr->n_ops; i++) {
@@ -74,18 +89,34 @@ void fl_get_block(const fl_model *m, const fl_block_graph *gr, int l, fl_block_p
 #undef R
 }
 
-void fl_norm_forward(const fl_model *m, float *out, float *mean, float *rstd, const float *x, const float *w,
-                     const float *b, int N) {
+int fl_norm_forward_t(const fl_model *m, float *out, void *out16, float *mean, float *rstd, const float *x,
+                      const void *w, fl_dtype wt, const float *b, int N) {
     const fl_backend *be = m->be;
+    if (wt != FL_F32) { /* norm_weight's 16-bit binding */
+        be->rmsnorm_forward_w16(be, out, out16, rstd, x, w, wt, N, m->cfg.dim, m->cfg.norm_eps);
+        return out16 != NULL;
+    }
     if (fl_arch_get(m->cfg.arch)->layernorm) be->layernorm_forward(be, out, mean, rstd, x, w, b, N, m->cfg.dim, m->cfg.norm_eps);
     else be->rmsnorm_forward(be, out, rstd, x, w, N, m->cfg.dim, m->cfg.norm_eps);
+    return 0;
+}
+
+void fl_norm_backward_t(const fl_model *m, float *dx, float *dw, float *db, const float *dout, const float *x,
+                        const void *w, fl_dtype wt, const float *mean, const float *rstd, int N) {
+    const fl_backend *be = m->be;
+    if (wt != FL_F32) be->rmsnorm_backward_w16(be, dx, dw, dout, x, w, wt, rstd, N, m->cfg.dim);
+    else if (fl_arch_get(m->cfg.arch)->layernorm) be->layernorm_backward(be, dx, dw, db, dout, x, w, mean, rstd, N, m->cfg.dim);
+    else be->rmsnorm_backward(be, dx, dw, dout, x, w, rstd, N, m->cfg.dim);
+}
+
+void fl_norm_forward(const fl_model *m, float *out, float *mean, float *rstd, const float *x, const float *w,
+                     const float *b, int N) {
+    fl_norm_forward_t(m, out, NULL, mean, rstd, x, w, FL_F32, b, N);
 }
 
 void fl_norm_backward(const fl_model *m, float *dx, float *dw, float *db, const float *dout, const float *x,
                       const float *w, const float *mean, const float *rstd, int N) {
-    const fl_backend *be = m->be;
-    if (fl_arch_get(m->cfg.arch)->layernorm) be->layernorm_backward(be, dx, dw, db, dout, x, w, mean, rstd, N, m->cfg.dim);
-    else be->rmsnorm_backward(be, dx, dw, dout, x, w, rstd, N, m->cfg.dim);
+    fl_norm_backward_t(m, dx, dw, db, dout, x, w, FL_F32, mean, rstd, N);
 }
 
 size_t fl_outer_1d(const fl_model *m) {
@@ -119,7 +150,7 @@ void fl_get_outer(const fl_model *m, fl_outer_params *o) {
     o->dwte = G(m, wte);
     o->wpe = (f32 && iwpe >= 0) ? paddr(m, o->wpe_off) : NULL;
     o->dwpe = G(m, wpe);
-    o->lnf_w = P1(m, ilw, cur); o->dlnf_w = G(m, loff(m, ilw));
+    o->lnf_w = norm_weight(m, ilw, cur, &o->lnf_wt); o->dlnf_w = G(m, loff(m, ilw));
     o->lnf_b = P1(m, ilb, cur); o->dlnf_b = G(m, loff(m, ilb));
     o->head = f32 && ihd >= 0 ? paddr(m, fl_model_store_off(m, ihd)) : NULL; /* an encoder has none */
     o->dhead = f32 ? G(m, hd) : m->store->g16 ? m->store->gstage : NULL; /* 16-bit: the head is staged alone */

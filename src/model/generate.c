@@ -126,7 +126,7 @@ static fl_status head_logits(fl_model *m, fl_kv_cache *kv, const rows_scratch *w
                              const float *last, float *logits) {
     const fl_backend *be = m->be;
     fl_dims d = fl_model_dims(&m->cfg);
-    fl_norm_forward(m, w->ln, w->mean, w->rstd, last, op->lnf_w, op->lnf_b, 1);
+    (void)fl_norm_forward_t(m, w->ln, NULL, w->mean, w->rstd, last, op->lnf_w, op->lnf_wt, op->lnf_b, 1);
     fl_linear head = {.in = d.C, .out = d.V, .w = op->head};
     fl_linear_set_weight(m, &head, op->head_idx);
     fl_model_bind_adapters(m, -1, 0, &head, 0); /* an lm_head adapter (one row; dropout is off outside training) */

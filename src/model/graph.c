@@ -349,9 +349,12 @@ static int rows(const fl_block_graph *g, int k, const fl_block_ctx *x) { return 
  * (a LINEAR's output then RoPE, or the residual add) is stored once, after the last: the ops between act as one
  * fused kernel (bias + residual epilogue, RoPE in the attention's input preparation) that keeps its
  * intermediate in registers. Statistics stay fp32. */
-static fl_status store16(const fl_backend *be, const fl_block_graph *g, int k, float *const *s, const fl_block_ctx *x) {
+static int stored16(const fl_block_graph *g, int k, const fl_block_ctx *x) {
     const uint8_t kind = g->slot[k].kind;
-    if ((kind != FL_GSLOT_WIDE && kind != FL_GSLOT_STREAM) || !x->s16[k]) return FL_OK;
+    return (kind == FL_GSLOT_WIDE || kind == FL_GSLOT_STREAM) && x->s16[k];
+}
+static fl_status store16(const fl_backend *be, const fl_block_graph *g, int k, float *const *s, const fl_block_ctx *x) {
+    if (!stored16(g, k, x)) return FL_OK;
     const size_t n = (size_t)rows(g, k, x) * g->slot[k].width;
     if (be->round16) return be->round16(be, x->s16[k], FL_BF16, s[k], n); /* one kernel */
     FL_TRY(be->convert(be, x->s16[k], FL_BF16, s[k], FL_F32, n));
@@ -456,8 +459,15 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
         float *in = s[o->in], *out = s[o->out];
         const int N = rows(g, o->in, x);
         const size_t wi = (size_t)g->slot[o->in].width, wo = (size_t)g->slot[o->out].width;
+        const int last = x->store16 && final_after(g, i, o->out); /* the output is stored in bf16 after this op */
+        int done16 = 0; /* the op wrote that bf16 copy itself */
         switch ((fl_gop_kind)o->kind) {
-        case FL_GOP_NORM: fl_norm_forward(m, out, S(o->a1), S(o->a2), in, bp->norm_w[o->p], bp->norm_b[o->p], N); break;
+        case FL_GOP_NORM: {
+            void *o16 = last && stored16(g, o->out, x) ? x->s16[o->out] : NULL;
+            done16 = fl_norm_forward_t(m, out, o16, S(o->a1), S(o->a2), in, bp->norm_w[o->p], bp->norm_wt,
+                                       bp->norm_b[o->p], N);
+            break;
+        }
         case FL_GOP_LINEAR: { // (N, wo)
             const fl_linear *lin = &bp->lin[o->p];
             if (x->xs_ready && g->slot[o->in].kind == FL_GSLOT_XSTREAM) break; /* kept from an earlier pass */
@@ -478,6 +488,7 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
              * the norm reads it, and the fused op has no bf16 variant yet. */
             const fl_gop *nx = i + 1 < g->n_ops && !x->store16 ? &g->op[i + 1] : NULL;
             if (nx && nx->kind == FL_GOP_NORM && nx->in == o->out && !fl_arch_get(m->cfg.arch)->layernorm &&
+                bp->norm_wt == FL_F32 &&
                 wo == (size_t)m->cfg.dim && rows(g, nx->in, x) == N) {
                 FL_TRY(be->add_rmsnorm_forward(be, out, s[nx->out], S(nx->a2), out, in, bp->norm_w[nx->p], FL_F32, N,
                                                m->cfg.dim, m->cfg.norm_eps));
@@ -500,7 +511,7 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
             if (o->p == FL_GAR_FWD) FL_TRY(allreduce(x->comm, out, (size_t)N * wo));
             break;
         }
-        if (x->store16 && final_after(g, i, o->out)) FL_TRY(store16(be, g, o->out, s, x)); /* ROPE: in place */
+        if (last && !done16) FL_TRY(store16(be, g, o->out, s, x)); /* ROPE: in place */
     }
     return FL_OK;
 #undef S
@@ -546,8 +557,8 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         if (!o->acc && o->kind != FL_GOP_LINEAR && !modifies(o)) be->zero(be, din, (size_t)N * wi * sizeof(float));
         switch ((fl_gop_kind)o->kind) {
         case FL_GOP_NORM:
-            fl_norm_backward(m, din, bp->d_norm_w[o->p], bp->d_norm_b[o->p], dout, s[o->in], bp->norm_w[o->p], S(o->a1),
-                             S(o->a2), N);
+            fl_norm_backward_t(m, din, bp->d_norm_w[o->p], bp->d_norm_b[o->p], dout, s[o->in], bp->norm_w[o->p],
+                               bp->norm_wt, S(o->a1), S(o->a2), N);
             break;
         case FL_GOP_LINEAR:
             FL_TRY(fl_linear_backward_ex(be, din, o->acc, dout, s[o->in], x->s16 ? x->s16[o->in] : NULL,

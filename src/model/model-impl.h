@@ -167,7 +167,9 @@ fl_status fl_linear_backward_ex(const fl_backend *be, float *dx, int dx_accumula
 
 /* Embeddings, final norm and head (head == wte when tied). */
 typedef struct {
-    const float *wte, *wpe, *lnf_w, *lnf_b, *head;
+    const float *wte, *wpe, *lnf_b, *head;
+    const void *lnf_w; /* of lnf_wt (as fl_block_params.norm_w) */
+    fl_dtype lnf_wt;
     float *dwte, *dwpe, *dlnf_w, *dlnf_b, *dhead;
     size_t head_off;  /* layout (gradient) offset of the head weight */
     int head_idx;     /* its layout entry (fl_linear_set_weight) */
@@ -223,6 +225,13 @@ void fl_norm_forward(const fl_model *m, float *out, float *mean, float *rstd, co
                      const float *b, int N);
 void fl_norm_backward(const fl_model *m, float *dx, float *dw, float *db, const float *dout, const float *x,
                       const float *w, const float *mean, const float *rstd, int N);
+/* The same with the weight w of wt: F32, or BF16/F16 as blocks.c's norm_weight binds it (RMSNorm on a backend
+ * with rmsnorm_*_w16: the kernel widens it, no convert launch); with a 16-bit w, out16 (NULL or) the output's
+ * bf16 copy (out its widening: a stored slot, no round16). Returns whether out16 was written. */
+int fl_norm_forward_t(const fl_model *m, float *out, void *out16, float *mean, float *rstd, const float *x,
+                      const void *w, fl_dtype wt, const float *b, int N);
+void fl_norm_backward_t(const fl_model *m, float *dx, float *dw, float *db, const float *dout, const float *x,
+                        const void *w, fl_dtype wt, const float *mean, const float *rstd, int N);
 
 /* BLIP-2 (arch_blip2.c): does Q-Former block l cross-attend to the image features; a Q-Former block's graph with or
  * without the cross-attention (the stack alternates them, so src/model/blip2.c builds both). */

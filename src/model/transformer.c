@@ -152,7 +152,9 @@ static fl_status forward_body(fl_model *m, const pass *p) {
             if (!after)
                 fl_norm_forward(m, a->res[0], a->emb_mean, a->emb_rstd, e, role_param(m, 0, rw, 0),
                                 role_param(m, 0, rb, 0), N);
-            else fl_norm_forward(m, a->lnf, a->lnf_mean, a->lnf_rstd, a->res[L], op.lnf_w, op.lnf_b, N);
+            else
+                (void)fl_norm_forward_t(m, a->lnf, NULL, a->lnf_mean, a->lnf_rstd, a->res[L], op.lnf_w, op.lnf_wt,
+                                        op.lnf_b, N);
             break;
         case FL_MOP_BLOCKS:
             FL_TRY(blocks_forward(m, p, &op));
@@ -337,7 +339,8 @@ static fl_status run_backward(fl_model *m, const float *dhidden) {
         /* the final norm's parameters open the head group (16-bit storage: staged) */
         const size_t n_lnf = fl_outer_1d(m);
         fl_store_stage_begin(m->store, n_lnf);
-        fl_norm_backward(m, a->dres, op.dlnf_w, op.dlnf_b, a->buf1, a->res[L], op.lnf_w, a->lnf_mean, a->lnf_rstd, N);
+        fl_norm_backward_t(m, a->dres, op.dlnf_w, op.dlnf_b, a->buf1, a->res[L], op.lnf_w, op.lnf_wt, a->lnf_mean,
+                           a->lnf_rstd, N);
         FL_TRY(fl_store_stage_flush(m->store, m->layout.group_offset[HG], n_lnf));
     } else {
         FL_TRY(be->to_device(be, a->dres, dhidden, nc * sizeof(float)));

@@ -21,6 +21,8 @@ extern "C" {
  * on the device). 64 parts (the first version) streamed a 1.1B-parameter gradient at 80 GB/s on an
  * H100 (28 ms per step). */
 #define FL_CU_SUMSQ_PARTS 1024
+/* Segments one convert_many launch takes (backend.h's FL_CONVERT_MANY_MAX) */
+#define FL_CU_CONVERT_MANY_MAX 16
 
 #define FL_CU_DECLARE_KERNELS(P)                                                                              \
     int P##rmsnorm_forward(float *out, float *rstd, const float *inp, const float *w, int N, int C, float eps,  \
@@ -31,6 +33,12 @@ extern "C" {
                                const float *w, int N, int C, float eps, void *stream);                         \
     int P##rmsnorm_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w,        \
                             const float *rstd, int N, int C, void *stream);                                    \
+    /* the same two over a 16-bit weight (wt BF16/F16; -1 otherwise), widened exactly in the kernel; out16    \
+     * (NULL or) the output's bf16 copy, out then its exact widening (round16's bits) */                      \
+    int P##rmsnorm_forward_w16(float *out, void *out16, float *rstd, const float *inp, const void *w,           \
+                               fl_dtype wt, int N, int C, float eps, void *stream);                            \
+    int P##rmsnorm_backward_w16(float *dinp, float *dw, const float *dout, const float *inp, const void *w,     \
+                                fl_dtype wt, const float *rstd, int N, int C, void *stream);                   \
     int P##cross_entropy(float *loss, float *dlogits, const float *logits, const int32_t *targets, int N, int V, \
                          float grad_scale, int ignore_index, void *stream);                                    \
     int P##adamw_update(float *p, const float *g, float *m, float *v, size_t n, float lr, float beta1,          \
@@ -41,6 +49,9 @@ extern "C" {
                            float grad_scale, void *stream);                                                    \
     /* F32/BF16/F16, any pair; -1 for other dtypes */                                                          \
     int P##convert(void *dst, fl_dtype dt, const void *src, fl_dtype st, size_t n, void *stream);               \
+    /* count <= FL_CU_CONVERT_MANY_MAX segments dst[k] (n[k], dt) = src[k] (n[k], st) in one launch */          \
+    int P##convert_many(int count, void *const *dst, fl_dtype dt, const void *const *src, fl_dtype st,          \
+                        const size_t *n, void *stream);                                                        \
     /* dst (dt BF16/F16) = round(x), then x = widen(dst): a stored slot and its equal fp32 view */             \
     int P##round16(void *dst, fl_dtype dt, float *x, size_t n, void *stream);                                  \
     int P##layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *w,            \

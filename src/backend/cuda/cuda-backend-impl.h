@@ -237,6 +237,14 @@ static void flb_rmsnorm_backward(const fl_backend *be, float *dinp, float *dw, c
                                  const float *w, const float *rstd, int N, int C) {
     FLB_RUN(be, FLB_K(rmsnorm_backward)(dinp, dw, dout, inp, w, rstd, N, C, STREAM), "rmsnorm_backward");
 }
+static void flb_rmsnorm_forward_w16(const fl_backend *be, float *out, void *out16, float *rstd, const float *inp,
+                                    const void *w, fl_dtype wt, int N, int C, float eps) {
+    FLB_RUN(be, FLB_K(rmsnorm_forward_w16)(out, out16, rstd, inp, w, wt, N, C, eps, STREAM), "rmsnorm_forward_w16");
+}
+static void flb_rmsnorm_backward_w16(const fl_backend *be, float *dinp, float *dw, const float *dout,
+                                     const float *inp, const void *w, fl_dtype wt, const float *rstd, int N, int C) {
+    FLB_RUN(be, FLB_K(rmsnorm_backward_w16)(dinp, dw, dout, inp, w, wt, rstd, N, C, STREAM), "rmsnorm_backward_w16");
+}
 static void flb_layernorm_forward(const fl_backend *be, float *out, float *mean, float *rstd, const float *inp,
                                   const float *w, const float *b, int N, int C, float eps) {
     FLB_RUN(be, FLB_K(layernorm_forward)(out, mean, rstd, inp, w, b, N, C, eps, STREAM), "layernorm_forward");
@@ -329,6 +337,16 @@ static fl_status flb_round16(const fl_backend *be, void *dst, fl_dtype dt, float
     if (dt != FL_BF16 && dt != FL_F16)
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s round16: %s is not a 16-bit type", FLB_NAME, fl_dtype_name(dt));
     FLB_RUN_S(be, FLB_K(round16)(dst, dt, x, n, STREAM), "round16");
+    return FL_OK;
+}
+_Static_assert(FL_CU_CONVERT_MANY_MAX == FL_CONVERT_MANY_MAX, "convert_many: the kernel's segment list");
+static fl_status flb_convert_many(const fl_backend *be, int count, void *const *dst, fl_dtype dt,
+                                  const void *const *src, fl_dtype st, const size_t *len) {
+    FL_TRY(flb_sticky(be));
+    if (count < 0 || count > FL_CONVERT_MANY_MAX)
+        return fl_errorf(FL_ERR_INVALID, "%s convert_many: %d segments (at most %d)", FLB_NAME, count,
+                         FL_CONVERT_MANY_MAX);
+    FLB_RUN_S(be, FLB_K(convert_many)(count, dst, dt, src, st, len, STREAM), "convert_many");
     return FL_OK;
 }
 static fl_status flb_adamw_update(const fl_backend *be, void *p, fl_dtype tp, const void *g, fl_dtype tg, void *m,
@@ -583,6 +601,8 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->embedding_backward = flb_embedding_backward;
     be->rmsnorm_forward = flb_rmsnorm_forward;
     be->rmsnorm_backward = flb_rmsnorm_backward;
+    be->rmsnorm_forward_w16 = flb_rmsnorm_forward_w16;
+    be->rmsnorm_backward_w16 = flb_rmsnorm_backward_w16;
     be->add_rmsnorm_forward = flb_add_rmsnorm_forward;
     be->layernorm_forward = flb_layernorm_forward;
     be->layernorm_backward = flb_layernorm_backward;
@@ -612,6 +632,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->attention_decode = flb_attention_decode;
     be->convert = flb_convert;
     be->round16 = flb_round16;
+    be->convert_many = flb_convert_many;
     be->check_finite = flb_check_finite;
     be->adam8bit_update = flb_adam8bit_update;
     be->q4_matmul_forward = flb_q4_matmul_forward;

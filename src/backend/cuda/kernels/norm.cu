@@ -19,24 +19,48 @@ static unsigned row_threads(int C) {
     return t > 256u ? 256u : (t ? t : 32u);
 }
 
-/* o = x * r * w over a row (the calling thread's columns; vec: 4 at a time, 128-bit accesses) */
-FL_CU_DEV void rms_scale_row(float *o, const float *x, const float *w, float r, int C, int vec) {
+/* The norm weight's element c, w of wt in {F32, BF16, F16}: a 16-bit weight (bf16/fp16 storage) widened
+ * exactly in the kernel, the bits of widening the row first (the convert launch per norm per pass it replaces) */
+FL_CU_DEV float nw(const void *w, int wt, int c) {
+    if (wt == (int)FL_BF16) return fl_cu_bf16_to_f32(((const uint16_t *)w)[c]);
+    if (wt == (int)FL_F16) return fl_cu_f16_to_f32(((const uint16_t *)w)[c]);
+    return ((const float *)w)[c];
+}
+/* four of them from c (fp32: one 128-bit load; 16-bit: four loads, the alignment check leaves w out) */
+FL_CU_DEV void nw4(const void *w, int wt, int c, float *g) {
+    if (wt == (int)FL_F32) {
+        fl_cu_ld4((const float *)w + c, g);
+    } else {
+        for (int k = 0; k < 4; k++) g[k] = nw(w, wt, c + k);
+    }
+}
+
+/* A bf16-stored output (o16 != NULL): o16 = bf16(v) and the fp32 view o = widen(o16), round16's bits */
+FL_CU_DEV float out16(uint16_t *o16, int c, float v) {
+    if (!o16) return v;
+    o16[c] = fl_cu_f32_to_bf16(v);
+    return fl_cu_bf16_to_f32(o16[c]);
+}
+
+/* o = x * r * w over a row (the calling thread's columns; vec: 4 at a time, 128-bit accesses); o16: the
+ * row's bf16 copy too (NULL: none) */
+FL_CU_DEV void rms_scale_row(float *o, uint16_t *o16, const float *x, const void *w, int wt, float r, int C, int vec) {
     if (vec) {
         for (int c = 4 * (int)threadIdx.x; c < C; c += 4 * (int)blockDim.x) {
             float v[4], g[4];
             fl_cu_ld4(x + c, v);
-            fl_cu_ld4(w + c, g);
-            for (int k = 0; k < 4; k++) v[k] = v[k] * r * g[k];
+            nw4(w, wt, c, g);
+            for (int k = 0; k < 4; k++) v[k] = out16(o16, c + k, v[k] * r * g[k]);
             fl_cu_st4(o + c, v);
         }
     } else {
-        for (int c = threadIdx.x; c < C; c += blockDim.x) o[c] = x[c] * r * w[c];
+        for (int c = threadIdx.x; c < C; c += blockDim.x) o[c] = out16(o16, c, x[c] * r * nw(w, wt, c));
     }
 }
 
 /* vec (C % 4 == 0, the pointers 16-byte aligned): 4 consecutive columns per thread and 128-bit accesses */
-__global__ static void fl_cu_rmsnorm_fwd_k(float *out, float *rstd, const float *inp, const float *w, int C, float eps,
-                                           int vec) {
+__global__ static void fl_cu_rmsnorm_fwd_k(float *out, uint16_t *out16, float *rstd, const float *inp, const void *w,
+                                           int wt, int C, float eps, int vec) {
     __shared__ float buf[32];
     size_t row = blockIdx.x;
     const float *x = inp + row * C;
@@ -53,7 +77,7 @@ __global__ static void fl_cu_rmsnorm_fwd_k(float *out, float *rstd, const float 
     }
     ss = fl_cu_block_sum(ss, buf);
     float r = 1.0f / sqrtf(ss / (float)C + eps); /* not rsqrtf: approximate on the GPU */
-    rms_scale_row(o, x, w, r, C, vec);
+    rms_scale_row(o, out16 ? out16 + row * C : NULL, x, w, wt, r, C, vec);
     if (threadIdx.x == 0 && rstd) rstd[row] = r;
 }
 
@@ -89,13 +113,13 @@ __global__ static void fl_cu_add_rmsnorm_fwd_k(float *res, float *out, float *rs
     }
     ss = fl_cu_block_sum(ss, buf);
     const float r = 1.0f / sqrtf(ss / (float)C + eps);
-    rms_scale_row(po, pr, w, r, C, vec);
+    rms_scale_row(po, NULL, pr, w, (int)FL_F32, r, C, vec);
     if (threadIdx.x == 0 && rstd) rstd[row] = r;
 }
 
 /* dx += r * (dy*w - x*r * mean(dy*w * x*r)) */
-__global__ static void fl_cu_rmsnorm_bwd_dx_k(float *dinp, const float *dout, const float *inp, const float *w,
-                                       const float *rstd, int C, int vec) {
+__global__ static void fl_cu_rmsnorm_bwd_dx_k(float *dinp, const float *dout, const float *inp, const void *w, int wt,
+                                              const float *rstd, int C, int vec) {
     __shared__ float buf[32];
     size_t row = blockIdx.x;
     const float *x = inp + row * C, *dy = dout + row * C;
@@ -106,11 +130,11 @@ __global__ static void fl_cu_rmsnorm_bwd_dx_k(float *dinp, const float *dout, co
             float xv[4], dv[4], g[4];
             fl_cu_ld4(x + c, xv);
             fl_cu_ld4(dy + c, dv);
-            fl_cu_ld4(w + c, g);
+            nw4(w, wt, c, g);
             for (int k = 0; k < 4; k++) dot += (dv[k] * g[k]) * (xv[k] * r);
         }
     } else {
-        for (int c = threadIdx.x; c < C; c += blockDim.x) dot += (dy[c] * w[c]) * (x[c] * r);
+        for (int c = threadIdx.x; c < C; c += blockDim.x) dot += (dy[c] * nw(w, wt, c)) * (x[c] * r);
     }
     float mdot = fl_cu_block_sum(dot, buf) / (float)C;
     if (vec) {
@@ -118,13 +142,13 @@ __global__ static void fl_cu_rmsnorm_bwd_dx_k(float *dinp, const float *dout, co
             float xv[4], dv[4], g[4], o[4];
             fl_cu_ld4(x + c, xv);
             fl_cu_ld4(dy + c, dv);
-            fl_cu_ld4(w + c, g);
+            nw4(w, wt, c, g);
             fl_cu_ld4(dx + c, o);
             for (int k = 0; k < 4; k++) o[k] += r * (dv[k] * g[k] - xv[k] * r * mdot);
             fl_cu_st4(dx + c, o);
         }
     } else {
-        for (int c = threadIdx.x; c < C; c += blockDim.x) dx[c] += r * (dy[c] * w[c] - x[c] * r * mdot);
+        for (int c = threadIdx.x; c < C; c += blockDim.x) dx[c] += r * (dy[c] * nw(w, wt, c) - x[c] * r * mdot);
     }
 }
 
@@ -189,13 +213,23 @@ static unsigned cs_threads(int N) {
     return (unsigned)(G * FL_CU_CS_COLS);
 }
 
+/* wt F32 (rmsnorm_forward) or BF16/F16 (rmsnorm_forward_w16, out16 NULL or the bf16 copy) */
+static int rmsnorm_fwd(float *out, void *out16, float *rstd, const float *inp, const void *w, fl_dtype wt, int N, int C,
+                       float eps, void *stream) {
+    if (N <= 0 || C <= 0) return 0;
+    const int vec = C % 4 == 0 && fl_cu_aligned16(out, inp, wt == FL_F32 ? w : NULL, NULL, NULL);
+    FL_CU_LAUNCH(fl_cu_rmsnorm_fwd_k, dim3((unsigned)N), dim3(row_threads(vec ? C / 4 : C)), 0, (fl_cu_stream)stream,
+                 out, (uint16_t *)out16, rstd, inp, w, (int)wt, C, eps, vec);
+    return fl_cu_launch_error();
+}
 extern "C" int FL_CUK(rmsnorm_forward)(float *out, float *rstd, const float *inp, const float *w, int N, int C,
                                        float eps, void *stream) {
-    if (N <= 0 || C <= 0) return 0;
-    const int vec = C % 4 == 0 && fl_cu_aligned16(out, inp, w, NULL, NULL);
-    FL_CU_LAUNCH(fl_cu_rmsnorm_fwd_k, dim3((unsigned)N), dim3(row_threads(vec ? C / 4 : C)), 0, (fl_cu_stream)stream,
-                 out, rstd, inp, w, C, eps, vec);
-    return fl_cu_launch_error();
+    return rmsnorm_fwd(out, NULL, rstd, inp, w, FL_F32, N, C, eps, stream);
+}
+extern "C" int FL_CUK(rmsnorm_forward_w16)(float *out, void *out16, float *rstd, const float *inp, const void *w,
+                                           fl_dtype wt, int N, int C, float eps, void *stream) {
+    if (wt != FL_BF16 && wt != FL_F16) return -1;
+    return rmsnorm_fwd(out, out16, rstd, inp, w, wt, N, C, eps, stream);
 }
 
 extern "C" int FL_CUK(add_rmsnorm_forward)(float *res, float *out, float *rstd, const float *a, const float *b,
@@ -207,17 +241,26 @@ extern "C" int FL_CUK(add_rmsnorm_forward)(float *res, float *out, float *rstd, 
     return fl_cu_launch_error();
 }
 
-extern "C" int FL_CUK(rmsnorm_backward)(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
-                                        const float *rstd, int N, int C, void *stream) {
+static int rmsnorm_bwd(float *dinp, float *dw, const float *dout, const float *inp, const void *w, fl_dtype wt,
+                       const float *rstd, int N, int C, void *stream) {
     if (N <= 0 || C <= 0) return 0;
-    const int vec = C % 4 == 0 && fl_cu_aligned16(dinp, dout, inp, w, NULL);
+    const int vec = C % 4 == 0 && fl_cu_aligned16(dinp, dout, inp, wt == FL_F32 ? w : NULL, NULL);
     if (dinp)
         FL_CU_LAUNCH(fl_cu_rmsnorm_bwd_dx_k, dim3((unsigned)N), dim3(row_threads(vec ? C / 4 : C)), 0,
-                     (fl_cu_stream)stream, dinp, dout, inp, w, rstd, C, vec);
+                     (fl_cu_stream)stream, dinp, dout, inp, w, (int)wt, rstd, C, vec);
     if (dw)
         FL_CU_LAUNCH(fl_cu_colsum_k, dim3(colsum_blocks(C)), dim3(cs_threads(N)), 0,
                      (fl_cu_stream)stream, dw, (float *)NULL, dout, inp, (const float *)NULL, rstd, N, C);
     return fl_cu_launch_error();
+}
+extern "C" int FL_CUK(rmsnorm_backward)(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
+                                        const float *rstd, int N, int C, void *stream) {
+    return rmsnorm_bwd(dinp, dw, dout, inp, w, FL_F32, rstd, N, C, stream);
+}
+extern "C" int FL_CUK(rmsnorm_backward_w16)(float *dinp, float *dw, const float *dout, const float *inp, const void *w,
+                                            fl_dtype wt, const float *rstd, int N, int C, void *stream) {
+    if (wt != FL_BF16 && wt != FL_F16) return -1;
+    return rmsnorm_bwd(dinp, dw, dout, inp, w, wt, rstd, N, C, stream);
 }
 
 /* ---- LayerNorm (GPT-2): two block sums per row (mean, then the two-pass variance) ---------------- */

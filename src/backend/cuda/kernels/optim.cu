@@ -4,6 +4,7 @@
  * operation order per element. The GPU may contract a*b+c into an FMA (nvcc's default), so its
  * bits can differ from the CPU's by an ulp; the op tests compare against float64 references. */
 #include <math.h>
+#include <string.h>
 
 #include "backend/cuda/cu_compat.h"
 #include "backend/cuda/cu_kernels.h"
@@ -131,6 +132,40 @@ extern "C" int FL_CUK(round16)(void *dst, fl_dtype dt, float *x, size_t n, void 
 #endif
     FL_CU_LAUNCH(fl_cu_round16_k, dim3(ew_blocks(n)), dim3(256), 0, (fl_cu_stream)stream, (uint16_t *)dst, (int)dt, x,
                  n);
+    return fl_cu_launch_error();
+}
+
+/* convert_many: segment blockIdx.y of the list (passed by value: no device copy of the list), each element
+ * as convert's (the same load and store: the same bits) */
+typedef struct {
+    void *dst[FL_CU_CONVERT_MANY_MAX];
+    const void *src[FL_CU_CONVERT_MANY_MAX];
+    size_t n[FL_CU_CONVERT_MANY_MAX];
+} fl_cu_segs;
+__global__ static void fl_cu_convert_many_k(fl_cu_segs s, int dt, int st) {
+    const size_t S = (size_t)gridDim.x * blockDim.x, n = s.n[blockIdx.y];
+    void *dst = s.dst[blockIdx.y];
+    const void *src = s.src[blockIdx.y];
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += S)
+        fl_cu_store(dst, dt, i, fl_cu_load(src, st, i));
+}
+
+extern "C" int FL_CUK(convert_many)(int count, void *const *dst, fl_dtype dt, const void *const *src, fl_dtype st,
+                                    const size_t *n, void *stream) {
+    if (!float_type(dt) || !float_type(st) || count < 0 || count > FL_CU_CONVERT_MANY_MAX) return -1;
+    fl_cu_segs s;
+    memset(&s, 0, sizeof s);
+    size_t most = 0;
+    for (int k = 0; k < count; k++) {
+        s.dst[k] = dst[k], s.src[k] = src[k], s.n[k] = n[k];
+        if (n[k] > most) most = n[k];
+    }
+    if (most == 0) return 0;
+#if FL_CU_EMULATED
+    fl_cu_emu_convert_launches++; /* one conversion kernel for the whole list */
+#endif
+    FL_CU_LAUNCH(fl_cu_convert_many_k, dim3(ew_blocks(most), (unsigned)count), dim3(256), 0, (fl_cu_stream)stream, s,
+                 (int)dt, (int)st);
     return fl_cu_launch_error();
 }
 
