@@ -595,7 +595,11 @@ ls "$T/sns"/step-* >/dev/null 2>&1 && { echo "FAIL sigterm_no_save_no_checkpoint
 # a second signal stops at once (long steps: 128 micro-batches, so it lands within the step), naming the checkpoint
 start_run sigterm_twice "$FITLLM" finetune_full micro --train.max_steps 100000 --train.global_batch_size 256 \
     --train.micro_batch_size 2 --eval.max_new_tokens 0 --train.save_interval 1 --out_dir "$T/s2x"
-wait_for "$T/s2x/logs/metrics.csv" "^[0-9]+,2,"; kill -TERM $BG
+# the first signal must land inside step 3, not in step 2's checkpoint save after its metrics row (that stops
+# after step 2 with no step left for the second signal): wait for step 2's commit, then into the long step
+wait_for "$T/s2x/logs/metrics.csv" "^[0-9]+,2,"
+for _ in $(seq 300); do [ -e "$T/s2x/step-000002/COMMITTED" ] && break; sleep 0.1; done
+sleep 0.5; kill -TERM $BG
 wait_for "$T/sigterm_twice.err" "SIGTERM: stopping after this step"; kill -TERM $BG
 stopped sigterm_twice 143 "stopped at once by SIGTERM; the last committed checkpoint is '.*/step-0+[1-9]'"
 # --devices 2: the launcher stays, forwards the stop to the ranks and exits as one process would

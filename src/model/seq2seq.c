@@ -723,7 +723,7 @@ fl_status fl_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *src_ma
     *n_out = 0;
     FL_TRY(fl_gen_params_validate(gp));
     fl_sampler sp;
-    FL_TRY(fl_sampler_init(&sp, m->pool, m->cfg.vocab_size, gp));
+    FL_TRY(fl_sampler_init(&sp, fl_mem_host_pool(m->pool), m->cfg.vocab_size, gp));
     s2s_lend(m, 1);
     fl_status s = s2s_generate(m, src, src_mask, Ts, gp->max_new_tokens, !m->act_ckpt, &sp, out, n_out);
     s2s_lend(m, 0);
