@@ -50,7 +50,7 @@ static double brute(int n, const double *cost, int S, int from, int s) {
 }
 
 FL_TEST(pp_split_balanced) {
-    int first[9];
+    int first[11]; /* stages + 1 entries, stages up to 10 below */
     FL_REQUIRE_OK(fl_pp_split(7, NULL, 3, first));
     FL_CHECKF(first[0] == 0 && first[1] == 1 && first[2] == 4 && first[3] == 7, "%d %d %d %d", first[0], first[1],
               first[2], first[3]);

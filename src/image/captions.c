@@ -151,7 +151,7 @@ static fl_status load_txt_folder(const char *dir, fl_img_captions *out, int *non
     }
     closedir(d);
     if (s == FL_OK && n == 0) *none = 1;
-    if (s == FL_OK) qsort(names, n, sizeof *names, cmp_str);
+    if (s == FL_OK && n > 1) qsort(names, n, sizeof *names, cmp_str); /* names is NULL when n is 0 */
     size_t ocap = 0;
     for (size_t i = 0; s == FL_OK && i < n; i++) {
         char txt[4096];
