@@ -43,8 +43,9 @@ def layer_of(path):
     return 3
 
 
-def strip(text):
-    """Comments and string/char literals out (lengths kept), continuation lines joined."""
+def strip(text, keep_lines=False):
+    """Comments and string/char literals out (lengths kept), continuation lines joined; keep_lines: every newline
+    kept instead (a block comment's too; a literal ends at its line's end) and continuations left as they are."""
     out, i, n = [], 0, len(text)
     while i < n:
         c = text[i]
@@ -53,18 +54,20 @@ def strip(text):
             i = n if j < 0 else j
         elif text.startswith("/*", i):
             j = text.find("*/", i + 2)
-            i = n if j < 0 else j + 2
-            out.append(" ")
+            j = n if j < 0 else j + 2
+            out.append(" " + ("\n" * text.count("\n", i, j) if keep_lines else ""))
+            i = j
         elif c in "\"'":
             j = i + 1
-            while j < n and text[j] != c:
+            while j < n and text[j] != c and not (keep_lines and text[j] == "\n"):
                 j += 2 if text[j] == "\\" else 1
             out.append(c + c)
             i = j + 1
         else:
             out.append(c)
             i += 1
-    return "".join(out).replace("\\\n", " ")
+    s = "".join(out)
+    return s if keep_lines else s.replace("\\\n", " ")
 
 
 def match_paren(s, i):

@@ -25,28 +25,9 @@ KEYWORDS = callpath.KEYWORDS | {"FL_TEST"}
 
 def blank(text):
     """Comments, string/char literals and preprocessor lines (with their continuations) blanked, lines kept."""
-    out, i, n = [], 0, len(text)
-    while i < n:
-        c = text[i]
-        if text.startswith("//", i):
-            j = text.find("\n", i)
-            i = n if j < 0 else j
-        elif text.startswith("/*", i):
-            j = text.find("*/", i + 2)
-            j = n if j < 0 else j + 2
-            out.append(" " + "\n" * text.count("\n", i, j))
-            i = j
-        elif c in "\"'":
-            j = i + 1
-            while j < n and text[j] != c and text[j] != "\n":
-                j += 2 if text[j] == "\\" else 1
-            out.append(c + c)
-            i = j + 1
-        else:
-            out.append(c)
-            i += 1
+    out = callpath.strip(text, keep_lines=True)
     lines, pp = [], False
-    for l in "".join(out).split("\n"):
+    for l in out.split("\n"):
         if pp or l.lstrip().startswith("#"):
             pp = l.rstrip().endswith("\\")
             l = ""
