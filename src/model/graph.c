@@ -361,6 +361,27 @@ static fl_status store16(const fl_backend *be, const fl_block_graph *g, int k, f
     return be->convert(be, s[k], FL_F32, x->s16[k], FL_BF16, n);
 }
 
+/* bf16 stored, fused (issue 30 item 1): ops that write their stored output's bf16 copy themselves where the
+ * backend has the optional variant (act_forward16, add16, rope_forward16: the fp32 op's value, then round16's
+ * bits), and a plain linear feeding an activation stored by the GEMM in bf16 only (fl_linear_forward16), its fp32
+ * view filled by that activation, its one reader. Backends without them (cpu, ref, opaque): the fp32 op, then
+ * store16. */
+static int act16_kind(uint8_t k) {
+    return k == FL_GOP_SWIGLU ? FL_ACT16_SWIGLU : k == FL_GOP_GELU ? FL_ACT16_GELU : k == FL_GOP_RELU ? FL_ACT16_RELU : -1;
+}
+/* no op after op j reads slot k */
+static int unread_after(const fl_block_graph *g, int j, int k) {
+    for (int i = j + 1; i < g->n_ops; i++)
+        if (g->op[i].in == k || (cross(&g->op[i]) && g->op[i].in2 == k)) return 0;
+    return 1;
+}
+/* op i is a LINEAR whose output only op i + 1 reads, an activation with a bf16 input variant */
+static int gemm_to_act16(const fl_backend *be, const fl_block_graph *g, int i) {
+    const fl_gop *o = &g->op[i], *nx = i + 1 < g->n_ops ? &g->op[i + 1] : NULL;
+    return be->act_forward16 && nx && act16_kind(nx->kind) >= 0 && nx->in == o->out &&
+           g->slot[o->out].kind == FL_GSLOT_WIDE && unread_after(g, i + 1, o->out);
+}
+
 /* The general attention op's shape and q/k/v views for an ATTN op that is not the fused causal one:
  * self-attention over the fused q|k|v rows, or cross-attention of q rows to fused k|v rows. */
 static void attn_views(const fl_model *m, const fl_block_graph *g, const fl_gop *o, const fl_block_ctx *x,
@@ -453,6 +474,7 @@ static fl_status allreduce(struct fl_comm *c, float *p, size_t n) {
 fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
                            const fl_block_ctx *x) {
     const fl_backend *be = m->be;
+    int pend16 = -1; /* a slot stored in bf16 only so far (gemm_to_act16) */
 #define S(k) ((k) >= 0 ? s[k] : NULL)
     for (int i = 0; i < g->n_ops; i++) {
         const fl_gop *o = &g->op[i];
@@ -460,10 +482,17 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
         const int N = rows(g, o->in, x);
         const size_t wi = (size_t)g->slot[o->in].width, wo = (size_t)g->slot[o->out].width;
         const int last = x->store16 && final_after(g, i, o->out); /* the output is stored in bf16 after this op */
+        void *o16 = last && stored16(g, o->out, x) ? x->s16[o->out] : NULL; /* its bf16 copy */
         int done16 = 0; /* the op wrote that bf16 copy itself */
+        if (act16_kind(o->kind) >= 0 && be->act_forward16 && (o16 || pend16 == o->in)) {
+            const void *in16 = pend16 == o->in ? x->s16[o->in] : NULL; /* its fp32 view is filled here */
+            FL_TRY(be->act_forward16(be, act16_kind(o->kind), out, o16, in, in16, N,
+                                     o->kind == FL_GOP_SWIGLU ? (int)wo : (int)wi));
+            pend16 = -1;
+            continue;
+        }
         switch ((fl_gop_kind)o->kind) {
         case FL_GOP_NORM: {
-            void *o16 = last && stored16(g, o->out, x) ? x->s16[o->out] : NULL;
             done16 = fl_norm_forward_t(m, out, o16, S(o->a1), S(o->a2), in, bp->norm_w[o->p], bp->norm_wt,
                                        bp->norm_b[o->p], N);
             break;
@@ -477,10 +506,24 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
                                        final_after(g, i, o->in)
                                    ? x->s16[o->in]
                                    : NULL;
+            if (o16 && in16 && fl_linear_plain16(lin) && gemm_to_act16(be, g, i)) { /* bf16 only: see act16_kind */
+                FL_TRY(fl_linear_forward16(be, o16, in16, lin, N));
+                pend16 = o->out, done16 = 1;
+                break;
+            }
             FL_TRY(fl_linear_forward_ex(be, out, in, in16, lin, N));
             break;
         }
-        case FL_GOP_ROPE: rope(m, in, 0, x, wi); break;
+        case FL_GOP_ROPE: {
+            fl_dims d = fl_model_dims(&m->cfg);
+            if (o16 && be->rope_forward16 && d.QD == d.NH * d.HD) { /* the q and k heads are consecutive */
+                FL_TRY(be->rope_forward16(be, in, o16, x->B, x->T, d.NH + d.NKV, d.HD, (int)wi, x->rope_cos,
+                                          x->rope_sin, x->pos0));
+                done16 = 1;
+            } else
+                rope(m, in, 0, x, wi);
+            break;
+        }
         case FL_GOP_ATTN: FL_TRY(attn_forward(m, g, o, s, x)); break;
         case FL_GOP_ADD: {
             /* a residual add straight into an RMSNorm of its sum: one fused op (issue 30 item 4; the CPU's is the
@@ -495,7 +538,11 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
                 i++; /* the norm is done */
                 break;
             }
-            be->add(be, out, out, in, (size_t)N * wo);
+            if (o16 && be->add16) {
+                FL_TRY(be->add16(be, out, o16, out, in, (size_t)N * wo));
+                done16 = 1;
+            } else
+                be->add(be, out, out, in, (size_t)N * wo);
             break;
         }
         case FL_GOP_SWIGLU: be->swiglu_forward(be, out, in, N, (int)wo); break;

@@ -29,6 +29,17 @@ fl_status fl_linear_forward_ex(const fl_backend *be, float *y, const float *x, c
     return FL_OK;
 }
 
+int fl_linear_plain16(const fl_linear *lin) {
+    return lin->n_q4 == 0 && lin->wc && lin->wct == FL_BF16 && !lin->b && lin->n_adapters == 0;
+}
+
+fl_status fl_linear_forward16(const fl_backend *be, void *y16, const void *x16, const fl_linear *lin, int N) {
+    if (!fl_linear_plain16(lin) || !x16)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "a bf16-output linear takes a bf16 input and weight, no bias or adapter");
+    return be->gemm(be, 0, 1, N, lin->out, lin->in, 1.0f, x16, FL_BF16, lin->in, lin->wc, FL_BF16, lin->in, 0.0f, y16,
+                    FL_BF16, lin->out);
+}
+
 fl_status fl_linear_backward(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, const float *x,
                              const fl_linear *lin, int N) {
     return fl_linear_backward_ex(be, dx, dx_accumulate, dy, x, NULL, lin, N);
