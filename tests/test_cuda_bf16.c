@@ -1,5 +1,6 @@
 /* The CUDA kernels that write a bf16-stored activation themselves (issue 30 item 1: act_forward16, add16,
- * rope_forward16; backend.h), under the CPU emulator. Anchors:
+ * rope_forward16, and the backward halves act_backward16 / rope_backward16 that leave a bf16 copy of the
+ * gradient for the next LINEAR; backend.h), under the CPU emulator. Anchors:
  *   - bits: each is the fp32 kernel of the same op (checked against float64 and the CPU backend in
  *     test_cuda_emu.c / test_ops.c) followed by round16 (checked against the CPU's RNE in test_cuda_more.c):
  *     the bf16 copy must be that rounding bit for bit and the fp32 view its exact widening; with a bf16-only
@@ -178,6 +179,18 @@ static void rope16_case(int B, int T, int nh, int HD, int tail, int pos0) {
     }
     /* |x0 c| + |x1 s| <= 2 * 3: two products and a sum rounded in fp32, 3 * 2^-24 * 6 */
     FL_CHECK(near64("rope_forward16", got, w64, n, 3 * 6 * ldexp(1, -24)));
+    /* the backward: rope_backward's bits in dx (unrounded) and their bf16 copy over the whole rows */
+    memcpy(want, x, n * 4);
+    EMU_OK(fl_cuemu_rope(want, B, T, nh, HD, (size_t)width, cs, sn, pos0, 1, NULL));
+    FL_REQUIRE_OK(fl_convert(w16, FL_BF16, want, FL_F32, n));
+    for (int k = 0; k < 2; k++) {
+        fl_cu_emu_set_seed(k_seeds[k]);
+        memcpy(got, x, n * 4);
+        memset(g16, 0xff, n * 2);
+        EMU_OK(fl_cuemu_rope_backward16(got, g16, B, T, nh, HD, width, cs, sn, pos0, NULL));
+        FL_CHECKF(!memcmp(got, want, n * 4) && !memcmp(g16, w16, n * 2),
+                  "rope_backward16 B=%d T=%d nh=%d HD=%d tail=%d: not rope_backward + its bf16 copy", B, T, nh, HD, tail);
+    }
     FL_CHECK(fl_cuemu_rope_forward16(got, g16, B, T, nh, HD + 1, width, cs, sn, pos0, NULL) != 0); /* odd HD */
     FL_CHECK(fl_cuemu_rope_forward16(got, g16, B, T, nh + 1, HD, nh * HD, cs, sn, pos0, NULL) != 0); /* too narrow */
     free(x); free(cs); free(sn); free(want); free(got); free(w16); free(g16); free(w64);
@@ -188,8 +201,43 @@ FL_TEST(cuda_bf16_rope_forward16) {
     rope16_case(1, 7, 2, 6, 0, 0);     /* no tail */
     rope16_case(3, 33, 12, 64, 256, 0); /* head size 64, several blocks */
 }
+
+/* act_backward16: din += the fp32 backward's terms (accumulating into a nonzero din) and din16 = RNE(din), din
+ * itself unrounded: the bits of the fp32 kernel followed by a convert */
+static void act16_bwd_case(int kind, int N, int F) {
+    const int W = kind == FL_CU_ACT16_SWIGLU ? 2 * F : F;
+    const size_t ni = (size_t)N * W, no = (size_t)N * F;
+    fl_test_rng r = {(uint64_t)(kind * 7919 + N * 13 + F)};
+    float *x = fl_test_frand(&r, ni, -6, 6), *dy = fl_test_frand(&r, no, -1, 1), *d0 = fl_test_frand(&r, ni, -1, 1);
+    float *want = malloc(ni * 4), *got = malloc(ni * 4);
+    uint16_t *w16 = malloc(ni * 2), *g16 = malloc(ni * 2);
+    memcpy(want, d0, ni * 4);
+    if (kind == FL_CU_ACT16_SWIGLU) EMU_OK(fl_cuemu_swiglu_backward(want, dy, x, N, F, NULL));
+    else if (kind == FL_CU_ACT16_GELU) EMU_OK(fl_cuemu_gelu_backward(want, dy, x, no, NULL));
+    else EMU_OK(fl_cuemu_relu_backward(want, dy, x, no, NULL));
+    FL_REQUIRE_OK(fl_convert(w16, FL_BF16, want, FL_F32, ni));
+    for (int k = 0; k < 2; k++) {
+        fl_cu_emu_set_seed(k_seeds[k]);
+        memcpy(got, d0, ni * 4);
+        memset(g16, 0xff, ni * 2);
+        EMU_OK(fl_cuemu_act_backward16(kind, got, g16, dy, x, N, F, NULL));
+        FL_CHECKF(!memcmp(got, want, ni * 4) && !memcmp(g16, w16, ni * 2),
+                  "act_backward16 kind %d N=%d F=%d: not the fp32 backward + its bf16 copy", kind, N, F);
+    }
+    FL_CHECK(fl_cuemu_act_backward16(kind, got, NULL, dy, x, N, F, NULL) != 0); /* the copy is the point */
+    free(x); free(dy); free(d0); free(want); free(got); free(w16); free(g16);
+}
+
+FL_TEST(cuda_bf16_act_backward16) {
+    act16_bwd_case(FL_CU_ACT16_SWIGLU, 3, 37);
+    act16_bwd_case(FL_CU_ACT16_SWIGLU, 2, 60001); /* more than one grid stride */
+    act16_bwd_case(FL_CU_ACT16_GELU, 130, 300);
+    act16_bwd_case(FL_CU_ACT16_RELU, 7, 33);
+    act16_bwd_case(FL_CU_ACT16_SWIGLU, 1, 1);
+}
 #else
 FL_TEST(cuda_bf16_act_forward16) { fl_test_skip("no CUDA emulator in this build"); }
 FL_TEST(cuda_bf16_add16) { fl_test_skip("no CUDA emulator in this build"); }
 FL_TEST(cuda_bf16_rope_forward16) { fl_test_skip("no CUDA emulator in this build"); }
+FL_TEST(cuda_bf16_act_backward16) { fl_test_skip("no CUDA emulator in this build"); }
 #endif

@@ -169,6 +169,16 @@ struct fl_backend {
     fl_status (*add16)(const fl_backend *be, float *out, void *out16, const float *a, const float *b, size_t n);
     fl_status (*rope_forward16)(const fl_backend *be, float *x, void *x16, int B, int T, int nh, int HD, int width,
                                 const float *cos_t, const float *sin_t, int pos0);
+    /* Optional backward halves (NULL: the fp32 op, then the LINEAR below rounds its dy with a convert): the fp32
+     * op's gradient, and a bf16 copy of it (RNE) in d16, the gradient itself NOT rounded: the dy16 operand of
+     * the LINEAR that made the op's input (graph.c hands it that LINEAR's dyb16 scratch).
+     * act_backward16: swiglu_backward / gelu_backward / relu_backward by kind (din += ..., shapes as
+     * act_forward16), then din16 = bf16(din). rope_backward16: rope_backward over rows as rope_forward16's,
+     * then dx16 (B T, width) = bf16(dx), every element of the rows. */
+    fl_status (*act_backward16)(const fl_backend *be, int kind, float *din, void *din16, const float *dout,
+                                const float *in, int N, int F);
+    fl_status (*rope_backward16)(const fl_backend *be, float *dx, void *dx16, int B, int T, int nh, int HD, int width,
+                                 const float *cos_t, const float *sin_t, int pos0);
 
     /* ---- matmul ---------------------------------------------------------
      * C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C, row-major, with

@@ -471,6 +471,17 @@ static fl_status allreduce(struct fl_comm *c, float *p, size_t n) {
     return fl_comm_all_reduce(c, p, p, n, FL_F32, FL_COMM_SUM);
 }
 
+/* Backward, bf16 compute (issue 30 item 1): op i (an activation or ROPE) is the last to write d(in) and op i - 1,
+ * next in the backward's order, is the LINEAR that made in and reads its dy in bf16: op i writes that copy into
+ * the linear's dyb16 as it writes d(in) (act_backward16 / rope_backward16), and the linear skips its convert.
+ * NULL: no such pair, or the backend lacks the op (cpu, ref, opaque). */
+static void *dy16_for(const fl_backend *be, const fl_block_graph *g, const fl_block_params *bp, int i) {
+    const fl_gop *o = &g->op[i], *pv = i > 0 ? &g->op[i - 1] : NULL;
+    if (!pv || pv->kind != FL_GOP_LINEAR || pv->out != o->in || !fl_linear_wants_dy16(&bp->lin[pv->p])) return NULL;
+    const int ok = (act16_kind(o->kind) >= 0 && be->act_backward16) || (o->kind == FL_GOP_ROPE && be->rope_backward16);
+    return ok ? bp->lin[pv->p].dyb16 : NULL;
+}
+
 fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
                            const fl_block_ctx *x) {
     const fl_backend *be = m->be;
@@ -588,10 +599,13 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
                             float *const *gb, const fl_block_ctx *x) {
     const fl_backend *be = m->be;
     const unsigned need = x->no_din ? grads_needed(g, bp) : ~0u;
+    int dy16_ready = 0; /* the next op's (a LINEAR's) dy already in its dyb16 (dy16_for) */
 #define S(k) ((k) >= 0 ? s[k] : NULL)
     for (int i = g->n_ops - 1; i >= 0; i--) {
         const fl_gop *o = &g->op[i];
         const fl_gslot *si = &g->slot[o->in], *so = &g->slot[o->out];
+        const int ready = dy16_ready; /* this op's dout was rounded into its dyb16 by the op before (dy16_for) */
+        dy16_ready = 0;
         if (o->kind == FL_GOP_ADD) continue; /* both sides on one residual path: d(in) += d(out) is the identity */
         /* nothing reads d(in): only an op that trains runs (a LINEAR without its dx) */
         const int need_in = need >> o->in & 1u;
@@ -602,16 +616,33 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         /* ops whose backward accumulates into d(in): a gradient not started yet starts from zero (a
          * LINEAR overwrites it instead; o->acc: the residual path, or another reader's part already there) */
         if (!o->acc && o->kind != FL_GOP_LINEAR && !modifies(o)) be->zero(be, din, (size_t)N * wi * sizeof(float));
+        /* the LINEAR next in this order made in and reads d(in) in bf16: this op writes that copy (dy16) */
+        void *dy16 = dy16_for(be, g, bp, i);
+        if (dy16 && act16_kind(o->kind) >= 0) {
+            FL_TRY(be->act_backward16(be, act16_kind(o->kind), din, dy16, dout, s[o->in], N,
+                                      o->kind == FL_GOP_SWIGLU ? (int)wo : (int)wi));
+            dy16_ready = 1;
+            continue;
+        }
         switch ((fl_gop_kind)o->kind) {
         case FL_GOP_NORM:
             fl_norm_backward_t(m, din, bp->d_norm_w[o->p], bp->d_norm_b[o->p], dout, s[o->in], bp->norm_w[o->p],
                                bp->norm_wt, S(o->a1), S(o->a2), N);
             break;
         case FL_GOP_LINEAR:
-            FL_TRY(fl_linear_backward_ex(be, din, o->acc, dout, s[o->in], x->s16 ? x->s16[o->in] : NULL,
-                                         &bp->lin[o->p], N));
+            FL_TRY(fl_linear_backward_dy16(be, din, o->acc, dout, ready, s[o->in], x->s16 ? x->s16[o->in] : NULL,
+                                           &bp->lin[o->p], N));
             break;
-        case FL_GOP_ROPE: rope(m, din, 1, x, wi); break;
+        case FL_GOP_ROPE: {
+            fl_dims d = fl_model_dims(&m->cfg);
+            if (dy16 && d.QD == d.NH * d.HD) {
+                FL_TRY(be->rope_backward16(be, din, dy16, x->B, x->T, d.NH + d.NKV, d.HD, (int)wi, x->rope_cos,
+                                           x->rope_sin, x->pos0));
+                dy16_ready = 1;
+            } else
+                rope(m, din, 1, x, wi);
+            break;
+        }
         case FL_GOP_ATTN: FL_TRY(attn_backward(m, g, o, s, gb, x, din, dout)); break;
         case FL_GOP_SWIGLU: be->swiglu_backward(be, din, dout, s[o->in], N, (int)wo); break;
         case FL_GOP_GELU: be->gelu_backward(be, din, dout, s[o->in], (size_t)N * wi); break;

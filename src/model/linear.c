@@ -47,12 +47,20 @@ fl_status fl_linear_backward(const fl_backend *be, float *dx, int dx_accumulate,
 
 fl_status fl_linear_backward_ex(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, const float *x,
                                 const void *x16, const fl_linear *lin, int N) {
+    return fl_linear_backward_dy16(be, dx, dx_accumulate, dy, 0, x, x16, lin, N);
+}
+
+int fl_linear_wants_dy16(const fl_linear *lin) { return lin->dw && lin->xb16; }
+
+fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, int dy16_ready,
+                                  const float *x, const void *x16, const fl_linear *lin, int N) {
     const void *w = lin->wc ? lin->wc : (const void *)lin->w;
     fl_dtype wt = lin->wc ? lin->wct : FL_F32;
     /* bf16 compute with a trainable weight (lin->xb16 set only with a BF16 weight): dy rounded to bf16
-     * once, here; the dx GEMM reads that copy, the same operand its own rounding of an F32 dy gives */
-    const int dy16 = lin->dw && lin->xb16;
-    if (dy16) FL_TRY(be->convert(be, lin->dyb16, FL_BF16, dy, FL_F32, (size_t)N * lin->out));
+     * once, here (or by the op that made dy: dy16_ready); the dx GEMM reads that copy, the same operand its own
+     * rounding of an F32 dy gives */
+    const int dy16 = fl_linear_wants_dy16(lin);
+    if (dy16 && !dy16_ready) FL_TRY(be->convert(be, lin->dyb16, FL_BF16, dy, FL_F32, (size_t)N * lin->out));
     if (dx && lin->n_q4) { /* dx (N,in) = sum over parts of dy[:, rows] @ deq(W_part) */
         for (int k = 0, r0 = 0; k < lin->n_q4; r0 += lin->q4[k]->rows, k++)
             FL_TRY(be->q4_matmul_backward(be, dx, dy + r0, lin->out, lin->q4[k], N,

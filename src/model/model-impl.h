@@ -165,6 +165,11 @@ fl_status fl_linear_forward16(const fl_backend *be, void *y16, const void *x16, 
  * instead of rounding x itself (lin->xb16 set). */
 fl_status fl_linear_backward_ex(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, const float *x,
                                 const void *x16, const fl_linear *lin, int N);
+/* The same, where the op that made dy may have written its bf16 copy into lin->dyb16 already (dy16_ready: the
+ * convert is skipped; fl_linear_wants_dy16 says whether the linear reads that copy). */
+int fl_linear_wants_dy16(const fl_linear *lin);
+fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, int dy16_ready,
+                                  const float *x, const void *x16, const fl_linear *lin, int N);
 
 #include "graph.h"
 

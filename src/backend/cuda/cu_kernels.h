@@ -63,6 +63,10 @@ extern "C" {
     int P##add16(float *out, void *out16, const float *a, const float *b, size_t n, void *stream);              \
     int P##rope_forward16(float *x, void *x16, int B, int T, int nh, int HD, int width, const float *cos_t,     \
                           const float *sin_t, int pos0, void *stream);                                         \
+    int P##act_backward16(int kind, float *din, void *din16, const float *dout, const float *in, int N, int F,   \
+                          void *stream);                                                                       \
+    int P##rope_backward16(float *dx, void *dx16, int B, int T, int nh, int HD, int width, const float *cos_t,  \
+                           const float *sin_t, int pos0, void *stream);                                        \
     int P##layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *w,            \
                              const float *b, int N, int C, float eps, void *stream);                           \
     int P##layernorm_backward(float *dinp, float *dw, float *db, const float *dout, const float *inp,            \
