@@ -241,6 +241,36 @@ expect blip2_t5_lora_adapter 0 '"task_type": "SEQ_2_SEQ_LM"' -- cat "$T/b2t5l/fi
 expect blip2_t5_finetune_needs_lm 2 "the Flan-T5 variant trains its language model" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --blip2.train qformer --out_dir "$T/b2x"
 printf '{"image": "one_1x1.png", "caption": "3 4"}\n{"image": "one_1x1.png"}\n' > "$T/b2bad/c.jsonl"
 expect blip2_finetune_jsonl_key 1 'c.jsonl: line 2: key "text" \(or "caption"\): missing' -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --data.json_path "$T/b2bad/c.jsonl" --out_dir "$T/b2x"
+# BLIP-2 memory (issue 32 item 5, src/cli/cmd_blip2_plan.c): plan runs the fine-tuning's own set-up and first step on
+# the null backend, so with captions cut to train.max_seq_length (every micro-batch that long) each phase's reserved
+# and live bytes per tag and the peak equal the run's memory report, for both variants: full, LoRA, the vision tower
+# trained too, SGD with momentum, gradient accumulation
+for m in "$B2" tests/fixtures/blip2-tiny-t5; do
+    for v in full lora vis sgd accum; do
+        case $v in
+            full) c=finetune_full; x=() ;; lora) c=finetune_lora; x=(--lora_r 4) ;;
+            vis) c=finetune_full; x=(--blip2.train vision,qformer,lm) ;;
+            sgd) c=finetune_full; x=(--optimizer SGD --optimizer.momentum 0.9) ;;
+            accum) c=finetune_full; x=(--train.micro_batch_size 3 --train.global_batch_size 6) ;;
+        esac
+        px=(); [ $c = finetune_lora ] && px=(--lora)
+        planned=$("$FITLLM" plan "$m" "${B2RUN[@]}" --train.max_seq_length 4 "${x[@]}" "${px[@]}" 2>&1 | awk '/^(after_|before_)/ { print; getline; print } /^peak/')
+        measured=$("$FITLLM" $c "$m" "${B2RUN[@]}" --train.max_seq_length 4 --train.max_steps 2 "${x[@]}" --out_dir "$T/b2pm" 2>&1 | awk '/^(after_|before_)/ { print; getline; print } /^peak/')
+        expect "blip2_plan_equals_measured_${m##*-}_$v" 0 "" -- bash -c '[ "$(grep -c . <<<"$1")" = 11 ] && [ "$1" = "$2" ] || { echo "planned:"; echo "$1"; echo "measured:"; echo "$2"; exit 1; }' _ "$planned" "$measured"
+    done
+done
+# the lab's real shapes anywhere: blip2-opt-2.7b at micro batch 8 fits 80 GB (16 is the largest micro-batch of a global
+# 64), 64 at once is out of memory in its activations (the course's baseline 64/1 32-true OOM); refusals name the option
+expect blip2_plan_opt27b_fits 0 "largest micro_batch_size that fits: 16 \(accumulation 4 for global batch 64\)" -- "$FITLLM" plan blip2-opt-2.7b --device-memory 80GB --train.micro_batch_size 8 --train.global_batch_size 64
+expect blip2_plan_opt27b_64_oom 3 "OUT OF MEMORY during setup \(before_fwd\): ACTS for BLIP-2 activations for B=64" -- "$FITLLM" plan Salesforce/blip2-opt-2.7b --device-memory 80GB --train.micro_batch_size 64 --train.global_batch_size 64
+expect blip2_plan_json 0 '"source": "BLIP-2 preset"' -- "$FITLLM" plan blip2-micro --json
+expect blip2_plan_refuses_devices 2 "--devices 2: BLIP-2 fine-tuning runs in one process so far" -- "$FITLLM" plan "$B2" --devices 2
+expect blip2_plan_refuses_target_len 2 "--target-len: a BLIP-2 plan sizes the caption with --seq-len" -- "$FITLLM" plan blip2-micro --target-len 8
+expect blip2_plan_seq_len 0 "captions of 7 tokens" -- "$FITLLM" plan "$B2" --seq-len 7
+# bench-step times fine-tuning steps on random pixels and captions (the folder's weights, or a preset's random ones)
+expect blip2_bench_step 0 "^RESULT impl=fitllm shape=.*blip2-tiny-opt median_ms=[0-9.]+ tok_s=[0-9.]+ images_s=" -- "$FITLLM" bench-step "$B2" --micro-batch 2 --seq 6 --steps 2 --warmup 1
+expect blip2_bench_step_t5_lora 0 "trains lm \(LoRA\)" -- "$FITLLM" bench-step tests/fixtures/blip2-tiny-t5 --micro-batch 2 --seq 6 --steps 1 --warmup 0 --lora 4
+expect blip2_bench_step_refuses_act_ckpt 2 "--act-ckpt: BLIP-2 steps run 32-true without activation checkpointing" -- "$FITLLM" bench-step blip2-micro --act-ckpt
 # T5 folders (issue 31): tokenizer.json (Unigram) and a folder with only spiece.model give HF's ids
 expect tokenize_t5_folder 0 "^63 46 9 153 123 499 1$" -- "$FITLLM" tokenize tests/fixtures/t5-tok --text "Hello  world <extra_id_0>"
 mkdir -p "$T/t5spm" && cp tests/fixtures/t5-tok/spiece.model "$T/t5spm/"

@@ -35,8 +35,16 @@ typedef struct {
     fl_img_captions caps;
     int32_t **ids;           /* per record: the caption's ids (BOS first when the language model has one) */
     int *n_ids;
+    size_t n_rec;            /* records (the captions', or the synthetic ones) */
     fl_optimizer opt[FL_BLIP2_PARTS];
     int has_opt[FL_BLIP2_PARTS];
+    /* plan / bench-step: no data read */
+    const fl_blip2_config *given; /* a preset's (or config.json's) shape instead of the folder's weights */
+    const fl_backend *borrowed;   /* the backend to run on (plan: the null backend), else the run's own */
+    int synth;                    /* > 0: every caption this many tokens, random ids and pixels (no data read) */
+    size_t budget;                /* the pool's (plan --device-memory); 0: the run's max_memory */
+    uint64_t rng;
+    int pools_ok;
 } b2run;
 
 /* --blip2.train: "vision,qformer,lm" (any subset, at least one); "" the command's default. */
@@ -56,7 +64,7 @@ static fl_status parse_parts(const char *s, int lora, int *parts) {
 }
 
 /* What this first slice runs; the rest refused by name. */
-static fl_status check_run(const fl_run_config *c) {
+static fl_status check_run(const fl_run_config *c, int synth) {
     if (c->devices * c->num_nodes > 1 || c->tensor_parallel > 1)
         return fl_errorf(FL_ERR_UNSUPPORTED, "BLIP-2 fine-tuning runs in one process so far (--devices 1)");
     if (strcmp(c->precision, "32-true"))
@@ -70,7 +78,7 @@ static fl_status check_run(const fl_run_config *c) {
         return fl_errorf(FL_ERR_UNSUPPORTED, "--resume %s: BLIP-2 runs do not resume yet", c->resume);
     if (c->optimizer.kind == FL_OPT_ADAMW8BIT)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--optimizer AdamW8bit: BLIP-2 runs AdamW or SGD so far");
-    if (c->data.kind != FL_DATA_JSON || !c->data.json_path[0])
+    if (!synth && (c->data.kind != FL_DATA_JSON || !c->data.json_path[0]))
         return fl_errorf(FL_ERR_INVALID, "a BLIP-2 checkpoint trains on image captions: --data JSON --data.json_path "
                          "CAPTIONS (a .json/.jsonl of {\"image\", \"text\"} records, or an image folder)");
     return FL_OK;
@@ -101,19 +109,20 @@ static fl_status parse_ids(const char *text, int V, const char *image, int32_t *
     return FL_OK;
 }
 
-/* Every caption to ids: BOS (the language model's, OPT) first, cut to data.max_seq_length (default 50, the lab's). */
+/* Every caption to ids: BOS (the language model's, OPT) first, cut to train.max_seq_length (default 50, the lab's). */
 static fl_status tokenize_all(b2run *r) {
     const fl_blip2_config *bc = fl_blip2_get_config(r->b);
     const char *dir = r->cfg->checkpoint_dir;
     fl_tokenizer *tok = NULL;
     if (fl_io_has_tokenizer(dir)) FL_TRY(fl_tok_load(&tok, dir));
     const int NQ = bc->image_token >= 0 ? bc->n_queries : 0, s2s = fl_model_is_s2s(&bc->text);
-    int maxlen = r->cfg->data.max_seq_length > 0 ? r->cfg->data.max_seq_length : 50;
+    int maxlen = r->cfg->train.max_seq_length > 0 ? r->cfg->train.max_seq_length : 50;
     if (!s2s && maxlen > bc->text.max_seq - NQ) maxlen = bc->text.max_seq - NQ;
-    r->ids = calloc(r->caps.n, sizeof *r->ids);
-    r->n_ids = calloc(r->caps.n, sizeof *r->n_ids);
+    r->n_rec = r->caps.n;
+    r->ids = calloc(r->n_rec, sizeof *r->ids);
+    r->n_ids = calloc(r->n_rec, sizeof *r->n_ids);
     fl_status s = r->ids && r->n_ids ? FL_OK : fl_errorf(FL_ERR_OOM, "out of host memory");
-    for (size_t i = 0; s == FL_OK && i < r->caps.n; i++) {
+    for (size_t i = 0; s == FL_OK && i < r->n_rec; i++) {
         int32_t *raw = NULL;
         size_t n = 0;
         s = tok ? fl_tok_encode(tok, r->caps.text[i], strlen(r->caps.text[i]), 0, 0, &raw, &n)
@@ -142,6 +151,36 @@ static fl_status tokenize_all(b2run *r) {
     }
     if (tok) fl_tok_free(tok);
     return s;
+}
+
+static uint64_t next_rng(uint64_t *x) {
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+/* plan / bench-step: n records of synth tokens each (BOS first for OPT, EOS last for T5; random ids in between, never
+ * the image token): every micro-batch is synth tokens long, as the longest caption cut to train.max_seq_length. */
+static fl_status synth_all(b2run *r, size_t n) {
+    const fl_blip2_config *bc = fl_blip2_get_config(r->b);
+    const int s2s = fl_model_is_s2s(&bc->text), L = r->synth, V = bc->text.vocab_size;
+    r->n_rec = n;
+    r->ids = calloc(n, sizeof *r->ids);
+    r->n_ids = calloc(n, sizeof *r->n_ids);
+    if (!r->ids || !r->n_ids) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    for (size_t i = 0; i < n; i++) {
+        if (!(r->ids[i] = malloc((size_t)L * sizeof(int32_t)))) return fl_errorf(FL_ERR_OOM, "out of host memory");
+        for (int j = 0; j < L; j++) {
+            int32_t v = (int32_t)(next_rng(&r->rng) % (uint64_t)V);
+            if (v == bc->image_token) v = (v + 1) % V;
+            r->ids[i][j] = v;
+        }
+        if (!s2s && bc->bos_id >= 0) r->ids[i][0] = bc->bos_id;
+        if (s2s) r->ids[i][L - 1] = bc->eos_id;
+        r->n_ids[i] = L;
+    }
+    return FL_OK;
 }
 
 /* Micro-batch of records [i0, i0 + B): pixels, the ids (the placeholders, the caption, padded to the longest with the
@@ -178,6 +217,11 @@ static fl_status make_batch(b2run *r, const size_t *order, size_t i0, int B, flo
             const int lab = j >= 0 && j + 1 < nc;
             (*tg)[n * *T + t] = lab ? c[j + 1] : FL_IGNORE_INDEX;
             *n_valid += lab;
+        }
+        if (r->synth) { /* random pixels in the processor's range */
+            for (size_t k = 0; k < (size_t)3 * S * S; k++)
+                px[(size_t)n * 3 * S * S + k] = (float)(next_rng(&r->rng) >> 40) / (float)(1 << 23) - 1.0f;
+            continue;
         }
         fl_img im;
         FL_TRY(fl_img_load(r->caps.image[rec], &im));
@@ -227,13 +271,33 @@ static fl_status save_adapter(b2run *r, const char *dir) {
     return s;
 }
 
+/* The micro-batch size and the accumulation of a run (what the loop and the plan both read). */
+static fl_status batch_shape(const fl_run_config *c, int *B, int *accum) {
+    *B = c->train.micro_batch_size > 0 ? c->train.micro_batch_size : 1;
+    const int gb = c->train.global_batch_size > 0 ? c->train.global_batch_size : *B;
+    if (gb % *B) return fl_errorf(FL_ERR_INVALID, "train.global_batch_size %d is not a multiple of micro_batch_size %d",
+                                  gb, *B);
+    *accum = gb / *B;
+    return FL_OK;
+}
+
+/* The model (the folder's weights, or a shape with no weights read: plan, bench-step), then the data, gradients,
+ * adapters and optimizer state, in the order the memory report shows them (after_load is the weights alone). */
 static fl_status setup(b2run *r) {
     const fl_run_config *c = r->cfg;
-    FL_TRY(check_run(c));
+    FL_TRY(check_run(c, r->synth));
     FL_TRY(parse_parts(c->blip2_train, r->lora, &r->parts));
-    FL_TRY(fl_backend_init_by_name(fl_backend_default_name(), &r->be, c->threads));
-    FL_TRY(fl_backend_pools_init(&r->be, &r->pool, &r->hpool, r->be.name, c->max_memory));
-    FL_TRY(fl_blip2_load(&r->b, c->checkpoint_dir, &r->be, &r->pool));
+    if (r->borrowed) r->be = *r->borrowed;
+    else FL_TRY(fl_backend_init_by_name(fl_backend_default_name(), &r->be, c->threads));
+    FL_TRY(fl_backend_pools_init(&r->be, &r->pool, &r->hpool, fl_backend_host_memory(&r->be) ? "cpu" : r->be.name,
+                                 r->budget ? r->budget : c->max_memory));
+    r->pools_ok = 1;
+    fl_mem_set_phase(&r->pool, "model load");
+    /* a shape without weights: zeros on the plan's null backend (nothing computes), else random (bench-step) */
+    if (r->given) FL_TRY(fl_blip2_create(&r->b, r->given, &r->be, &r->pool, r->borrowed ? 0 : c->seed | 1));
+    else FL_TRY(fl_blip2_load(&r->b, c->checkpoint_dir, &r->be, &r->pool));
+    fl_mem_snapshot(&r->pool, "after_load");
+    fl_mem_set_phase(&r->pool, "setup");
     const fl_blip2_config *bc = fl_blip2_get_config(r->b);
     if (fl_model_is_s2s(&bc->text) && !(r->parts & (1 << FL_BLIP2_TEXT)))
         return fl_errorf(FL_ERR_UNSUPPORTED, "blip2.train %s: the Flan-T5 variant trains its language model (lm, or "
@@ -241,10 +305,17 @@ static fl_status setup(b2run *r) {
     if (fl_model_is_s2s(&bc->text) && bc->image_token < 0)
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s: the Flan-T5 variant without image_token_index is not built for "
                          "fine-tuning", c->checkpoint_dir);
-    FL_TRY(fl_img_proc_load(c->checkpoint_dir, &r->proc));
-    FL_TRY(fl_img_captions_load(c->data.json_path, &r->caps));
-    fl_img_captions_shuffle(&r->caps, c->seed);
-    FL_TRY(tokenize_all(r));
+    if (r->synth) {
+        int B = 1, accum = 1;
+        FL_TRY(batch_shape(c, &B, &accum));
+        r->rng = c->seed;
+        FL_TRY(synth_all(r, (size_t)B * (size_t)accum));
+    } else {
+        FL_TRY(fl_img_proc_load(c->checkpoint_dir, &r->proc));
+        FL_TRY(fl_img_captions_load(c->data.json_path, &r->caps));
+        fl_img_captions_shuffle(&r->caps, c->seed);
+        FL_TRY(tokenize_all(r));
+    }
     int grads = r->parts & ~(r->lora ? 1 << FL_BLIP2_TEXT : 0);
     FL_TRY(fl_blip2_alloc_grads_parts(r->b, grads));
     if (r->lora && (r->parts & (1 << FL_BLIP2_TEXT))) {
@@ -265,10 +336,7 @@ static fl_status setup(b2run *r) {
 static void reorder(size_t *order, size_t n, uint64_t seed) {
     uint64_t x = seed;
     for (size_t i = n; i > 1; i--) {
-        uint64_t z = (x += 0x9e3779b97f4a7c15ULL);
-        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-        z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-        const size_t j = (size_t)((z ^ (z >> 31)) % i), t = order[i - 1];
+        const size_t j = (size_t)(next_rng(&x) % i), t = order[i - 1];
         order[i - 1] = order[j], order[j] = t;
     }
 }
@@ -301,8 +369,10 @@ static fl_status clip_all(b2run *r, float max_norm) {
     return FL_OK;
 }
 
-/* One optimizer step over `accum` micro-batches of B records (an epoch's tail that does not fill one is dropped). */
-static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, double *loss) {
+/* One optimizer step over `accum` micro-batches of B records (an epoch's tail that does not fill one is dropped).
+ * snap: the memory snapshots of the session's first step (before_fwd once the first micro-batch's arena exists,
+ * after_fwd after its forward, after_bwd after the last backward, after_opt_step), the phases plan rehearses. */
+static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, int snap, double *loss) {
     const fl_blip2_config *bc = fl_blip2_get_config(r->b);
     const int S = bc->vision.image_size;
     float *px = malloc((size_t)B * 3 * S * S * sizeof *px);
@@ -312,10 +382,10 @@ static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, 
     double lsum = 0;
     long vsum = 0; /* the step's valid targets: each micro-batch is scaled by 1 / vsum (one big batch) */
     for (int a = 0; s == FL_OK && a < accum; a++) {
-        if (p->pos + (size_t)B > r->caps.n) {
-            if (p->epoch_n) printf("epoch %ld average loss %.4f\n", p->epoch + 1, p->epoch_sum / (double)p->epoch_n);
+        if (p->pos + (size_t)B > r->n_rec) {
+            if (p->epoch_n && !r->synth) printf("epoch %ld average loss %.4f\n", p->epoch + 1, p->epoch_sum / (double)p->epoch_n);
             p->epoch++, p->pos = 0, p->epoch_sum = 0, p->epoch_n = 0;
-            reorder(p->order, r->caps.n, r->cfg->seed + (uint64_t)p->epoch);
+            reorder(p->order, r->n_rec, r->cfg->seed + (uint64_t)p->epoch);
         }
         starts[a] = p->pos;
         const int s2s = fl_model_is_s2s(&fl_blip2_get_config(r->b)->text);
@@ -332,19 +402,24 @@ static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, 
         const int NQ = bc->n_queries;
         if (s == FL_OK && fl_model_is_s2s(&bc->text)) {
             s = fl_blip2_alloc_acts_s2s(r->b, B, NQ, T);
+            if (s == FL_OK && snap && a == 0) fl_mem_snapshot(&r->pool, "before_fwd");
             if (s == FL_OK)
                 s = fl_blip2_forward_s2s(r->b, px, ids + (size_t)B * T, ids, tg, B, NQ, T, 1.0f / (float)vsum, NULL, &l);
         } else if (s == FL_OK) {
             s = fl_blip2_alloc_acts(r->b, B, T);
+            if (s == FL_OK && snap && a == 0) fl_mem_snapshot(&r->pool, "before_fwd");
             if (s == FL_OK) s = fl_blip2_forward(r->b, px, ids, tg, B, T, 1.0f / (float)vsum, NULL, &l);
         }
+        if (s == FL_OK && snap && a == 0) fl_mem_snapshot(&r->pool, "after_fwd");
         if (s == FL_OK) s = fl_blip2_backward(r->b);
+        if (s == FL_OK && snap && a == accum - 1) fl_mem_snapshot(&r->pool, "after_bwd");
         lsum += (double)l * (double)n_valid;
         free(ids), free(tg);
     }
     if (s == FL_OK && r->cfg->train.max_norm > 0) s = clip_all(r, r->cfg->train.max_norm);
     for (int k = 0; s == FL_OK && k < FL_BLIP2_PARTS; k++)
         if (r->has_opt[k]) s = fl_optim_step(&r->opt[k], (float)lr, 0.0f, NULL);
+    if (s == FL_OK && snap) fl_mem_snapshot(&r->pool, "after_opt_step");
     free(px), free(starts);
     *loss = vsum ? lsum / (double)vsum : 0;
     p->epoch_sum += lsum;
@@ -383,38 +458,37 @@ static void memory_report(b2run *r) {
     fl_mem_print_report(&r->pool, stdout);
 }
 
+static size_t trained_count(const b2run *r) {
+    size_t n = 0;
+    for (int k = 0; k < FL_BLIP2_PARTS; k++)
+        if (r->has_opt[k]) n += r->opt[k].w.n;
+    return n;
+}
+
 static fl_status train(b2run *r) {
     const fl_run_config *c = r->cfg;
-    const int B = c->train.micro_batch_size > 0 ? c->train.micro_batch_size : 1;
-    const int gb = c->train.global_batch_size > 0 ? c->train.global_batch_size : B;
-    if (gb % B) return fl_errorf(FL_ERR_INVALID, "train.global_batch_size %d is not a multiple of micro_batch_size %d",
-                                 gb, B);
-    const int accum = gb / B;
-    if ((size_t)B > r->caps.n)
+    int B = 1, accum = 1;
+    FL_TRY(batch_shape(c, &B, &accum));
+    if ((size_t)B > r->n_rec)
         return fl_errorf(FL_ERR_INVALID, "%s: %zu records, fewer than micro_batch_size %d", c->data.json_path,
-                         r->caps.n, B);
-    const long per_epoch = (long)(r->caps.n / (size_t)B / (size_t)accum);
+                         r->n_rec, B);
+    const long per_epoch = (long)(r->n_rec / (size_t)B / (size_t)accum);
     long max_steps = c->train.max_steps > 0 ? c->train.max_steps
                      : (c->train.epochs > 0 ? c->train.epochs : 1) * (per_epoch > 0 ? per_epoch : 1);
     const long warm = c->train.lr_warmup_steps > 0 ? c->train.lr_warmup_steps : 0;
-    b2pos p = {.order = malloc(r->caps.n * sizeof(size_t))};
+    b2pos p = {.order = malloc(r->n_rec * sizeof(size_t))};
     if (!p.order) return fl_errorf(FL_ERR_OOM, "out of host memory");
-    for (size_t i = 0; i < r->caps.n; i++) p.order[i] = i;
-    size_t trained = 0;
-    for (int k = 0; k < FL_BLIP2_PARTS; k++)
-        if (r->has_opt[k]) trained += r->opt[k].w.n;
+    for (size_t i = 0; i < r->n_rec; i++) p.order[i] = i;
     printf("BLIP-2 image-caption fine-tuning: %zu records, micro batch %d x %d accumulated, %ld steps; trains %s%s%s"
-           "%s (%zu parameters), vision tower %s\n", r->caps.n, B, accum, max_steps,
+           "%s (%zu parameters), vision tower %s\n", r->n_rec, B, accum, max_steps,
            r->parts & (1 << FL_BLIP2_VISION) ? "vision " : "", r->parts & (1 << FL_BLIP2_QFORMER) ? "qformer " : "",
-           r->parts & (1 << FL_BLIP2_TEXT) ? (r->lora ? "lm(LoRA)" : "lm") : "", "", trained,
+           r->parts & (1 << FL_BLIP2_TEXT) ? (r->lora ? "lm(LoRA)" : "lm") : "", "", trained_count(r),
            r->parts & (1 << FL_BLIP2_VISION) ? "trained" : "frozen");
     fl_status s = FL_OK;
-    fl_mem_snapshot(&r->pool, "set-up");
     for (long it = 0; s == FL_OK && it < max_steps; it++) {
         const double lr = fl_lr_schedule(c->optimizer.lr, c->train.min_lr, it, warm, max_steps);
         double loss = 0;
-        s = step(r, &p, B, accum, it, lr, &loss);
-        if (it == 0) fl_mem_snapshot(&r->pool, "step 1");
+        s = step(r, &p, B, accum, it, lr, it == 0, &loss);
         if (s == FL_OK && (it % (c->train.log_interval > 0 ? c->train.log_interval : 1) == 0 || it + 1 == max_steps))
             printf("step %ld/%ld loss %.6f lr %.3g\n", it + 1, max_steps, loss, lr);
     }
@@ -429,6 +503,17 @@ static fl_status train(b2run *r) {
     return s;
 }
 
+static void close_run(b2run *r) {
+    for (int k = 0; k < FL_BLIP2_PARTS; k++)
+        if (r->has_opt[k]) fl_optim_free(&r->opt[k]);
+    for (size_t i = 0; r->ids && i < r->n_rec; i++) free(r->ids[i]);
+    free(r->ids), free(r->n_ids);
+    fl_img_captions_free(&r->caps);
+    fl_blip2_free(r->b);
+    if (r->pools_ok) fl_backend_pools_free(&r->pool, &r->hpool);
+    if (r->be.name && !r->borrowed) fl_backend_free(&r->be);
+}
+
 int fl_cli_blip2_train(const char *cmd, const fl_run_config *cfg) {
     b2run r;
     memset(&r, 0, sizeof r);
@@ -440,15 +525,40 @@ int fl_cli_blip2_train(const char *cmd, const fl_run_config *cfg) {
     const int rc = s == FL_OK ? 0 : s == FL_ERR_INVALID || s == FL_ERR_NOT_FOUND || s == FL_ERR_UNSUPPORTED
                                         ? (fl_cli_fail(cmd, s, NULL), FL_EXIT_USAGE)
                                         : fl_cli_fail(cmd, s, r.b ? &r.pool : NULL);
-    for (int k = 0; k < FL_BLIP2_PARTS; k++)
-        if (r.has_opt[k]) fl_optim_free(&r.opt[k]);
-    for (size_t i = 0; r.ids && i < r.caps.n; i++) free(r.ids[i]);
-    free(r.ids), free(r.n_ids);
-    fl_img_captions_free(&r.caps);
-    fl_blip2_free(r.b);
-    if (r.be.name) {
-        fl_backend_pools_free(&r.pool, &r.hpool);
-        fl_backend_free(&r.be);
-    }
+    close_run(&r);
     return rc;
+}
+
+fl_status fl_cli_blip2_rehearse(const fl_run_config *cfg, const fl_blip2_config *given, const fl_backend *be,
+                                size_t budget, int L, fl_cli_b2_rec *rec) {
+    b2run r;
+    memset(&r, 0, sizeof r);
+    r.cfg = cfg;
+    r.lora = cfg->command == FL_CMD_FINETUNE_LORA;
+    r.given = given, r.borrowed = be, r.budget = budget, r.synth = L;
+    fl_status s = L >= 2 ? setup(&r) : fl_errorf(FL_ERR_INVALID, "BLIP-2: a caption of %d tokens (at least 2)", L);
+    int B = 1, accum = 1;
+    if (s == FL_OK) s = batch_shape(cfg, &B, &accum);
+    rec->trained = s == FL_OK ? trained_count(&r) : 0;
+    b2pos p = {.order = s == FL_OK ? malloc(r.n_rec * sizeof(size_t)) : NULL};
+    if (s == FL_OK && !p.order) s = fl_errorf(FL_ERR_OOM, "out of host memory");
+    for (size_t i = 0; p.order && i < r.n_rec; i++) p.order[i] = i;
+    for (int it = 0; s == FL_OK && it < rec->steps; it++) {
+        const double t0 = fl_cli_now_ms();
+        double loss = 0;
+        s = step(&r, &p, B, accum, it, cfg->optimizer.lr, it == 0, &loss);
+        if (rec->ms) rec->ms[it] = fl_cli_now_ms() - t0;
+        if (rec->loss) rec->loss[it] = loss;
+    }
+    free(p.order);
+    if (r.pools_ok) {
+        rec->n_phases = r.pool.n_phases < 8 ? r.pool.n_phases : 8;
+        memcpy(rec->phases, r.pool.phases, (size_t)rec->n_phases * sizeof *rec->phases);
+        memcpy(rec->peak, r.pool.peak, sizeof rec->peak);
+        rec->peak_total = r.pool.peak_total;
+        rec->oom = r.pool.oom;
+        if (s == FL_OK && rec->report) fl_mem_print_report(&r.pool, rec->report);
+    }
+    close_run(&r);
+    return s;
 }

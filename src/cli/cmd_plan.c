@@ -178,6 +178,14 @@ int fl_cmd_plan(int argc, char **argv) {
     o.cuda = a.cuda;
     o.generation = a.generation;
     if (a.largest) return largest(&cfg, &a);
+    if (fl_cli_is_blip2(cfg.checkpoint_dir)) { /* image-caption fine-tuning: its own loop (cmd_blip2_plan.c) */
+        if (a.target_len || a.rank || a.generation >= 0) {
+            fprintf(stderr, "fitllm plan: error: %s: a BLIP-2 plan sizes the caption with --seq-len (no --target-len, "
+                    "--rank or --generation)\n", a.target_len ? "--target-len" : a.rank ? "--rank" : "--generation");
+            return FL_EXIT_USAGE;
+        }
+        return fl_cli_blip2_plan(&cfg, a.device_memory, a.seq_len, a.json, a.cuda);
+    }
     fl_plan *p = malloc(sizeof *p);
     if (!p) return fl_cli_fail(cmd, fl_errorf(FL_ERR_OOM, "out of host memory"), NULL);
     fl_status s = fl_plan_run(&cfg, &o, p);
