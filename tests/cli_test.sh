@@ -218,7 +218,15 @@ expect blip2_lora_reloads 0 "^loss [0-9.]+  ppl" -- "$FITLLM" loss "$T/b2lora/fi
 expect blip2_finetune_vision_too 0 "trains vision qformer lm" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps 1 --blip2.train vision,qformer,lm --out_dir "$T/b2vis"
 expect blip2_finetune_memory_by_part 0 "memory by part \(MiB\): vision PARAMS 0\.0[0-9]+ GRADS 0\.000 OPTIM 0\.000; qformer PARAMS [0-9.]+ GRADS 0\.0[1-9][0-9]* OPTIM" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps 1 --out_dir "$T/b2mem"
 expect blip2_finetune_bad_part 2 "blip2.train: unknown part 'text'" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --blip2.train text --out_dir "$T/b2x"
-expect blip2_finetune_precision 2 "--precision bf16-true: BLIP-2 fine-tuning runs 32-true only" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --precision bf16-true --out_dir "$T/b2x"
+expect blip2_finetune_precision 2 "--precision bf16-true: BLIP-2 fine-tuning runs 32-true and bf16-mixed only" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --precision bf16-true --out_dir "$T/b2x"
+expect blip2_finetune_precision_16mixed 2 "--precision 16-mixed: BLIP-2 fine-tuning runs 32-true and bf16-mixed only" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --precision 16-mixed --out_dir "$T/b2x"
+# bf16-mixed (tests/test_blip2_prec.c: within 2 x PyTorch autocast's bf16 error of the float64 run): the loss falls as
+# under 32-true (step 8 below step 1 by > 0.5 nats), both variants
+for m in "$B2" tests/fixtures/blip2-tiny-t5; do
+    b2out=$("$FITLLM" finetune_full "$m" "${B2RUN[@]}" --precision bf16-mixed --out_dir "$T/b2bm" 2>&1); rc=$?
+    l1=$(sed -n 's/^step 1\/8 loss \([0-9.]*\).*/\1/p' <<<"$b2out"); l8=$(sed -n 's/^step 8\/8 loss \([0-9.]*\).*/\1/p' <<<"$b2out")
+    expect "blip2_finetune_bf16_mixed_${m##*-}" 0 "" -- awk -v rc=$rc -v a="$l1" -v b="$l8" 'BEGIN { exit !(rc == 0 && a > 3 && b < a - 0.5) }'
+done
 expect blip2_finetune_needs_captions 2 "trains on image captions: --data JSON --data.json_path" -- "$FITLLM" finetune_full "$B2" --out_dir "$T/b2x"
 mkdir -p "$T/b2bad" && cp "$IMG/one_1x1.png" "$IMG/rgb_13x7.png" "$T/b2bad/" && printf '3 4\n' > "$T/b2bad/one_1x1.txt"
 expect blip2_finetune_missing_txt 2 "rgb_13x7.png has no caption file rgb_13x7.txt" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --data.json_path "$T/b2bad" --out_dir "$T/b2x"
@@ -244,11 +252,12 @@ expect blip2_finetune_jsonl_key 1 'c.jsonl: line 2: key "text" \(or "caption"\):
 # BLIP-2 memory (issue 32 item 5, src/cli/cmd_blip2_plan.c): plan runs the fine-tuning's own set-up and first step on
 # the null backend, so with captions cut to train.max_seq_length (every micro-batch that long) each phase's reserved
 # and live bytes per tag and the peak equal the run's memory report, for both variants: full, LoRA, the vision tower
-# trained too, SGD with momentum, gradient accumulation
+# trained too, SGD with momentum, gradient accumulation, bf16-mixed
 for m in "$B2" tests/fixtures/blip2-tiny-t5; do
-    for v in full lora vis sgd accum; do
+    for v in full lora vis sgd accum mixed; do
         case $v in
             full) c=finetune_full; x=() ;; lora) c=finetune_lora; x=(--lora_r 4) ;;
+            mixed) c=finetune_full; x=(--precision bf16-mixed) ;;
             vis) c=finetune_full; x=(--blip2.train vision,qformer,lm) ;;
             sgd) c=finetune_full; x=(--optimizer SGD --optimizer.momentum 0.9) ;;
             accum) c=finetune_full; x=(--train.micro_batch_size 3 --train.global_batch_size 6) ;;

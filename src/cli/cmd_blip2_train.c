@@ -3,7 +3,7 @@
  * tokenized with the folder's tokenizer, or read as token ids when it has none; each micro-batch's images go through
  * the folder's preprocessor_config.json. --blip2.train names the parts that train (the vision tower is frozen by
  * default); finetune_lora puts LoRA adapters on the language model (OPT, or the Flan-T5 variant's encoder-decoder:
- * the caption + EOS its labels). One process, fp32 (32-true), AdamW / SGD: the
+ * the caption + EOS its labels). One process, 32-true or bf16-mixed, AdamW / SGD: the
  * rest is refused by name. The final folder is an HF BLIP-2 folder (the trained weights, LoRA merged) that
  * `fitllm loss/generate --image` and transformers load, plus the PEFT adapter of the language model under LoRA. */
 #include <ctype.h>
@@ -67,8 +67,9 @@ static fl_status parse_parts(const char *s, int lora, int *parts) {
 static fl_status check_run(const fl_run_config *c, int synth) {
     if (c->devices * c->num_nodes > 1 || c->tensor_parallel > 1)
         return fl_errorf(FL_ERR_UNSUPPORTED, "BLIP-2 fine-tuning runs in one process so far (--devices 1)");
-    if (strcmp(c->precision, "32-true"))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: BLIP-2 fine-tuning runs 32-true only so far", c->precision);
+    if (strcmp(c->precision, "32-true") && strcmp(c->precision, "bf16-mixed"))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: BLIP-2 fine-tuning runs 32-true and bf16-mixed only so far",
+                         c->precision);
     if (strcmp(c->strategy, "auto"))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s: BLIP-2 fine-tuning runs one process without offload so far "
                          "(--strategy auto)", c->strategy);
@@ -298,6 +299,9 @@ static fl_status setup(b2run *r) {
     else FL_TRY(fl_blip2_load(&r->b, c->checkpoint_dir, &r->be, &r->pool));
     fl_mem_snapshot(&r->pool, "after_load");
     fl_mem_set_phase(&r->pool, "setup");
+    fl_precision prec;
+    FL_TRY(fl_precision_find(c->precision, &prec));
+    FL_TRY(fl_blip2_set_precision(r->b, &prec)); /* bf16-mixed: the parts' bf16 weight copies */
     const fl_blip2_config *bc = fl_blip2_get_config(r->b);
     if (fl_model_is_s2s(&bc->text) && !(r->parts & (1 << FL_BLIP2_TEXT)))
         return fl_errorf(FL_ERR_UNSUPPORTED, "blip2.train %s: the Flan-T5 variant trains its language model (lm, or "
