@@ -268,6 +268,38 @@ for m in "$B2" tests/fixtures/blip2-tiny-t5; do
         expect "blip2_plan_equals_measured_${m##*-}_$v" 0 "" -- bash -c '[ "$(grep -c . <<<"$1")" = 11 ] && [ "$1" = "$2" ] || { echo "planned:"; echo "$1"; echo "measured:"; echo "$2"; exit 1; }' _ "$planned" "$measured"
     done
 done
+# step checkpoints and resume (train.save_interval, --resume PATH|true|auto): out_dir/step-N is an HF BLIP-2 folder
+# (under LoRA the PEFT adapter) + training_state.safetensors + COMMITTED; a run resumed from step 3 gives steps 4-6
+# and the final weights of the uninterrupted run bit for bit (OPT and T5 x full AdamW with clipping, LoRA with
+# dropout, bf16-mixed, SGD + momentum, the vision tower trained); a checkpoint of another run is refused by name
+for m in "$B2" tests/fixtures/blip2-tiny-t5; do
+    for v in full lora mixed sgd vis; do
+        case $v in
+            full) c=finetune_full; x=(--train.max_norm 1.0) ;; lora) c=finetune_lora; x=(--lora_r 4 --lora_dropout 0.1) ;;
+            mixed) c=finetune_full; x=(--precision bf16-mixed) ;; sgd) c=finetune_full; x=(--optimizer SGD --optimizer.momentum 0.9) ;;
+            vis) c=finetune_full; x=(--blip2.train vision,qformer,lm) ;;
+        esac
+        RR=("${B2RUN[@]}" --train.max_steps 6 --train.global_batch_size 4 "${x[@]}")
+        rm -rf "$T/b2ra" "$T/b2rb"
+        a=$("$FITLLM" $c "$m" "${RR[@]}" --train.save_interval 3 --out_dir "$T/b2ra" 2>&1 | grep '^step [4-6]/')
+        b=$("$FITLLM" $c "$m" "${RR[@]}" --resume "$T/b2ra/step-000003" --out_dir "$T/b2rb" 2>&1 | grep '^step [4-6]/')
+        expect "blip2_resume_bit_identical_${m##*-}_$v" 0 "" -- bash -c '[ "$(grep -c . <<<"$1")" = 3 ] && [ "$1" = "$2" ] && cmp "$3/final/model.safetensors" "$4/final/model.safetensors" && { [ ! -d "$3/final/adapter" ] || cmp "$3/final/adapter/adapter_model.safetensors" "$4/final/adapter/adapter_model.safetensors"; } || { echo "$1 / $2"; exit 1; }' _ "$a" "$b" "$T/b2ra" "$T/b2rb"
+    done
+done
+expect blip2_step_checkpoint_loads 0 "^loss [0-9.]+  ppl" -- "$FITLLM" loss "$T/b2ra/step-000003" --image "$IMG/palette_45x31.png" --tokens-file "$T/t5src.txt" --target-tokens-file "$T/t5tgt.txt"
+expect blip2_resume_true_newest 0 "Resuming training from .*b2ra/step-000006 \(step 6\)" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --train.max_steps 6 --train.global_batch_size 4 --blip2.train vision,qformer,lm --resume true --out_dir "$T/b2ra"
+expect blip2_resume_other_parts 2 "training_state.safetensors: saved by a run training other parts \(blip2.train or LoRA changed\)" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --resume "$T/b2ra/step-000003" --out_dir "$T/b2x"
+expect blip2_resume_other_optimizer 2 "saved with optimizer AdamW, this run uses SGD" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --blip2.train vision,qformer,lm --optimizer SGD --resume "$T/b2ra/step-000003" --out_dir "$T/b2x"
+expect blip2_resume_other_data 2 "saved with 14 training records, this run has 11 \(data changed\)" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --blip2.train vision,qformer,lm --data.val_split_fraction 0.25 --resume "$T/b2ra/step-000003" --out_dir "$T/b2x"
+expect blip2_resume_not_committed 2 "--resume .*b2ra/final: not a committed checkpoint \(no COMMITTED file\)" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --resume "$T/b2ra/final" --out_dir "$T/b2x"
+expect blip2_resume_true_none 2 "--resume true: .*b2none: no such output folder" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --resume true --out_dir "$T/b2none"
+expect blip2_resume_auto_none 0 "^step 8/8 loss" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --resume auto --out_dir "$T/b2none"
+# validation (data.val_split_fraction: the last floor(n f) shuffled records, random_split's lengths): the val loss every
+# eval.interval steps and the final evaluation; the training split is what resume checks
+b2out=$("$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --data.val_split_fraction 0.25 --eval.interval 2 --out_dir "$T/b2val" 2>&1)
+expect blip2_val_split 0 "^11 train / 3 val records \(data.val_split_fraction 0.25\)" -- printf '%s\n' "$b2out"
+expect blip2_val_every_interval 0 "" -- bash -c '[ "$(grep -cE "^step [246] val loss [0-9.]+$" <<<"$1")" = 3 ]' _ "$b2out"
+expect blip2_val_final 0 "^Final evaluation \| val loss: [0-9.]+ \| val ppl: [0-9.]+" -- printf '%s\n' "$b2out"
 # the lab's real shapes anywhere: blip2-opt-2.7b at micro batch 8 fits 80 GB (16 is the largest micro-batch of a global
 # 64), 64 at once is out of memory in its activations (the course's baseline 64/1 32-true OOM); refusals name the option
 expect blip2_plan_opt27b_fits 0 "largest micro_batch_size that fits: 16 \(accumulation 4 for global batch 64\)" -- "$FITLLM" plan blip2-opt-2.7b --device-memory 80GB --train.micro_batch_size 8 --train.global_batch_size 64

@@ -16,6 +16,7 @@
 #include "cli.h"
 #include "core/fs.h"
 #include "fitllm/blip2.h"
+#include "fitllm/checkpoint.h"
 #include "fitllm/image.h"
 #include "fitllm/io.h"
 #include "fitllm/lora.h"
@@ -35,7 +36,8 @@ typedef struct {
     fl_img_captions caps;
     int32_t **ids;           /* per record: the caption's ids (BOS first when the language model has one) */
     int *n_ids;
-    size_t n_rec;            /* records (the captions', or the synthetic ones) */
+    size_t n_rec;            /* training records (the captions', or the synthetic ones) */
+    size_t n_val;            /* validation records: ids[n_rec, n_rec + n_val) (data.val_split_fraction) */
     fl_optimizer opt[FL_BLIP2_PARTS];
     int has_opt[FL_BLIP2_PARTS];
     /* plan / bench-step: no data read */
@@ -75,8 +77,6 @@ static fl_status check_run(const fl_run_config *c, int synth) {
                          "(--strategy auto)", c->strategy);
     if (c->lora.quantize[0])
         return fl_errorf(FL_ERR_UNSUPPORTED, "--quantize %s: QLoRA on BLIP-2 is not built yet", c->lora.quantize);
-    if (c->resume[0] && strcmp(c->resume, "false"))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--resume %s: BLIP-2 runs do not resume yet", c->resume);
     if (c->optimizer.kind == FL_OPT_ADAMW8BIT)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--optimizer AdamW8bit: BLIP-2 runs AdamW or SGD so far");
     if (!synth && (c->data.kind != FL_DATA_JSON || !c->data.json_path[0]))
@@ -272,6 +272,50 @@ static fl_status save_adapter(b2run *r, const char *dir) {
     return s;
 }
 
+/* data.val_split_fraction f of the (seeded, shuffled) records validate: the last floor(n f) of them, the lengths as
+ * torch's random_split computes them (floors, the remainder round-robin from the training split). */
+static void split_val(b2run *r) {
+    const double f = r->cfg->data.val_split_fraction;
+    const size_t n = r->n_rec;
+    if (f <= 0 || n < 2) return;
+    size_t tr = (size_t)((double)n * (1.0 - f)), va = (size_t)((double)n * f);
+    for (size_t i = 0; tr + va < n; i++) *(i % 2 ? &va : &tr) += 1;
+    r->n_rec = tr, r->n_val = va;
+}
+
+/* The mean loss over the validation records (micro-batches of B, at most eval.max_iters of them), no gradients,
+ * LoRA dropout off. */
+static fl_status validate(b2run *r, int B, double *loss) {
+    const fl_blip2_config *bc = fl_blip2_get_config(r->b);
+    const int S = bc->vision.image_size, NQ = bc->n_queries, s2s = fl_model_is_s2s(&bc->text);
+    size_t *ord = malloc(r->n_val * sizeof *ord);
+    float *px = malloc((size_t)B * 3 * S * S * sizeof *px);
+    fl_status s = ord && px ? FL_OK : fl_errorf(FL_ERR_OOM, "out of host memory");
+    for (size_t i = 0; ord && i < r->n_val; i++) ord[i] = r->n_rec + i;
+    fl_model *lm = fl_blip2_part(r->b, FL_BLIP2_TEXT);
+    fl_model_lora_set_train(lm, 0);
+    double sum = 0;
+    long nv = 0;
+    for (size_t i0 = 0; s == FL_OK && i0 < r->n_val && i0 / (size_t)B < (size_t)r->cfg->eval.max_iters; i0 += (size_t)B) {
+        const int b = r->n_val - i0 < (size_t)B ? (int)(r->n_val - i0) : B;
+        int32_t *ids = NULL, *tg = NULL;
+        int T = 0;
+        long n = 0;
+        float l = 0;
+        s = make_batch(r, ord, i0, b, px, &ids, &tg, &T, &n);
+        if (s == FL_OK) s = s2s ? fl_blip2_alloc_acts_s2s(r->b, b, NQ, T) : fl_blip2_alloc_acts(r->b, b, T);
+        if (s == FL_OK)
+            s = s2s ? fl_blip2_forward_s2s(r->b, px, ids + (size_t)b * T, ids, tg, b, NQ, T, 0.0f, NULL, &l)
+                    : fl_blip2_forward(r->b, px, ids, tg, b, T, 0.0f, NULL, &l);
+        sum += (double)l * (double)n, nv += n;
+        free(ids), free(tg);
+    }
+    fl_model_lora_set_train(lm, 1);
+    free(ord), free(px);
+    *loss = nv ? sum / (double)nv : 0;
+    return s;
+}
+
 /* The micro-batch size and the accumulation of a run (what the loop and the plan both read). */
 static fl_status batch_shape(const fl_run_config *c, int *B, int *accum) {
     *B = c->train.micro_batch_size > 0 ? c->train.micro_batch_size : 1;
@@ -319,6 +363,7 @@ static fl_status setup(b2run *r) {
         FL_TRY(fl_img_captions_load(c->data.json_path, &r->caps));
         fl_img_captions_shuffle(&r->caps, c->seed);
         FL_TRY(tokenize_all(r));
+        split_val(r);
     }
     int grads = r->parts & ~(r->lora ? 1 << FL_BLIP2_TEXT : 0);
     FL_TRY(fl_blip2_alloc_grads_parts(r->b, grads));
@@ -350,6 +395,7 @@ typedef struct {
     long epoch;
     double epoch_sum;
     long epoch_n;
+    long step; /* optimizer steps done */
 } b2pos;
 
 /* clip_grad_norm_ over every trained part's gradients at once (the norm over all of them, in double; coef =
@@ -462,6 +508,171 @@ static void memory_report(b2run *r) {
     fl_mem_print_report(&r->pool, stdout);
 }
 
+/* ---- step checkpoints and resume -------------------------------------------------------------------- */
+
+static const char *const k_part[FL_BLIP2_PARTS] = {"vision", "qformer", "lm"};
+#define B2_STATE "training_state.safetensors"
+#define B2_FORMAT "fitllm-blip2-training-state"
+
+/* training_state.safetensors: each trained part's parameters (its LoRA adapters under LoRA) and optimizer state, the
+ * epoch's record order; the metadata the position in the data, the step and the run's shape (checked on resume). */
+static fl_status write_state(b2run *r, const b2pos *p, const char *path) {
+    fl_st_write_tensor t[4 * FL_BLIP2_PARTS + 1];
+    char names[4 * FL_BLIP2_PARTS][48];
+    int nt = 0;
+    int64_t *order = malloc(r->n_rec * sizeof *order + 1);
+    if (!order) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    for (size_t i = 0; i < r->n_rec; i++) order[i] = (int64_t)p->order[i];
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        if (!r->has_opt[k]) continue;
+        const fl_optimizer *o = &r->opt[k];
+        const void *src[4] = {o->w.p, o->st.m, o->st.v, o->st.buf};
+        static const char *const what[4] = {"params", "exp_avg", "exp_avg_sq", "momentum_buffer"};
+        for (int j = 0; j < 4; j++) {
+            if (!src[j]) continue;
+            snprintf(names[nt], sizeof names[nt], "%s.%s", k_part[k], what[j]);
+            t[nt] = (fl_st_write_tensor){.name = names[nt], .dtype = FL_F32, .ndim = 1, .shape = {(int64_t)o->w.n},
+                                         .data = src[j], .src_dtype = FL_F32, .be = &r->be};
+            nt++;
+        }
+    }
+    t[nt++] = (fl_st_write_tensor){.name = "order", .dtype = FL_I64, .ndim = 1, .shape = {(int64_t)r->n_rec},
+                                   .data = order, .src_dtype = FL_I64};
+    char v[10][64];
+    snprintf(v[0], sizeof v[0], "%s", B2_FORMAT);
+    snprintf(v[1], sizeof v[1], "%ld", p->step);
+    snprintf(v[2], sizeof v[2], "%ld", p->epoch);
+    snprintf(v[3], sizeof v[3], "%zu", p->pos);
+    snprintf(v[4], sizeof v[4], "%a", p->epoch_sum); /* exact */
+    snprintf(v[5], sizeof v[5], "%ld", p->epoch_n);
+    snprintf(v[6], sizeof v[6], "%d", r->parts | (r->lora ? 8 : 0));
+    snprintf(v[7], sizeof v[7], "%zu", r->n_rec);
+    snprintf(v[8], sizeof v[8], "%s", fl_optim_name(r->cfg->optimizer.kind));
+    int ostep = 0;
+    for (int k = 0; k < FL_BLIP2_PARTS; k++)
+        if (r->has_opt[k]) ostep = r->opt[k].step;
+    snprintf(v[9], sizeof v[9], "%d", ostep);
+    static const char *const keys[10] = {"format", "step", "epoch", "pos", "epoch_sum", "epoch_n", "parts", "records",
+                                         "optimizer", "optimizer_step"};
+    const char *vals[10];
+    for (int i = 0; i < 10; i++) vals[i] = v[i];
+    fl_status s = fl_st_write(path, t, nt, keys, vals, 10);
+    free(order);
+    return s;
+}
+
+/* out_dir/step-NNNNNN: the model as an HF BLIP-2 folder (under LoRA the PEFT adapter of the language model), the
+ * training state, then COMMITTED: built in .tmp-step-NNNNNN, renamed into place (what --resume true picks:
+ * fl_ckpt_find_latest), the newest train.keep_checkpoints kept. */
+static fl_status save_step(b2run *r, const b2pos *p) {
+    char name[40], tmp[4096], dst[4096], path[4200];
+    snprintf(name, sizeof name, "step-%06ld", p->step);
+    FL_TRY(fl_fs_join(dst, sizeof dst, r->cfg->out_dir, name));
+    snprintf(tmp, sizeof tmp, "%s/.tmp-%s", r->cfg->out_dir, name);
+    fl_fs_remove_dir(tmp);
+    fl_status s = fl_fs_mkdir_p(tmp);
+    if (s == FL_OK) s = fl_blip2_part(r->b, FL_BLIP2_TEXT)->adapt ? save_adapter(r, tmp)
+                                                                  : fl_blip2_save(r->b, r->cfg->checkpoint_dir, tmp);
+    if (s == FL_OK) s = fl_fs_join(path, sizeof path, tmp, B2_STATE);
+    if (s == FL_OK) s = write_state(r, p, path);
+    if (s == FL_OK) {
+        fl_fs_sync_dir(tmp);
+        fl_fs_remove_dir(dst); /* a run writing into an out_dir that has this step already */
+        if (rename(tmp, dst) != 0) s = fl_errorf(FL_ERR_IO, "%s: cannot rename %s into place", dst, tmp);
+    }
+    if (s == FL_OK) {
+        fl_fs_sync_dir(r->cfg->out_dir);
+        snprintf(path, sizeof path, "%s/COMMITTED", dst);
+        s = fl_fs_write_file_atomic(path, "fitllm checkpoint v1\n", 21);
+    }
+    if (s != FL_OK) {
+        fl_fs_remove_dir(tmp);
+        return fl_error_prefix(s, "saving checkpoint %s", dst);
+    }
+    if (r->cfg->train.keep_checkpoints > 0) fl_ckpt_rotate(r->cfg->out_dir, r->cfg->train.keep_checkpoints);
+    printf("saved checkpoint %s\n", dst);
+    return FL_OK;
+}
+
+static const char *meta_of(const fl_st_file *f, const char *key) {
+    for (int i = 0; i < f->n_meta; i++)
+        if (!strcmp(f->meta_keys[i], key)) return f->meta_vals[i];
+    return "";
+}
+
+/* A tensor of the state into device memory (an optimizer's state through it: fl_optim_state_write). */
+static fl_status load_tensor(b2run *r, const fl_st_file *f, const char *path, const char *name, void *dst, size_t n,
+                             fl_dtype dt, const fl_optimizer *o) {
+    const fl_st_tensor *t = fl_st_find(f, name);
+    const size_t es = dt == FL_I64 ? 8 : 4;
+    if (!t || t->dtype != dt || t->end - t->begin != n * es)
+        return fl_errorf(FL_ERR_FORMAT, "%s: tensor %s is %s (this run has %zu elements of it: another run's "
+                         "checkpoint?)", path, name, t ? "of another size or dtype" : "missing", n);
+    if (!dst) return FL_OK;
+    return o ? fl_optim_state_write(o, dst, t->data, n * es) : r->be.to_device(&r->be, dst, t->data, n * es);
+}
+
+/* --resume true|auto (the newest committed step-* in out_dir; auto: none is a fresh start) or a checkpoint folder:
+ * the trained parts' parameters and optimizer state, the data position; the run's shape must be the checkpoint's. */
+static fl_status resume(b2run *r, b2pos *p, int *resumed) {
+    const char *rs = r->cfg->resume;
+    char dir[4096], path[4200];
+    *resumed = 0;
+    if (!rs[0] || !strcmp(rs, "false")) return FL_OK;
+    if (!strcmp(rs, "true") || !strcmp(rs, "auto")) {
+        fl_status s = fl_ckpt_find_latest(r->cfg->out_dir, dir, sizeof dir);
+        if (s == FL_ERR_NOT_FOUND && !strcmp(rs, "auto")) return FL_OK;
+        if (s != FL_OK) return fl_error_prefix(s, "--resume %s", rs);
+    } else {
+        snprintf(dir, sizeof dir, "%s", rs);
+    }
+    if (!fl_ckpt_is_committed(dir))
+        return fl_errorf(FL_ERR_NOT_FOUND, "--resume %s: not a committed checkpoint (no COMMITTED file)", dir);
+    FL_TRY(fl_fs_join(path, sizeof path, dir, B2_STATE));
+    fl_st_file f;
+    FL_TRY(fl_error_prefix(fl_st_open(&f, path), "--resume"));
+    char want[32];
+    snprintf(want, sizeof want, "%d", r->parts | (r->lora ? 8 : 0));
+    fl_status s = FL_OK;
+    if (strcmp(meta_of(&f, "format"), B2_FORMAT))
+        s = fl_errorf(FL_ERR_FORMAT, "%s: not a BLIP-2 training state (format '%s')", path, meta_of(&f, "format"));
+    else if (strcmp(meta_of(&f, "parts"), want))
+        s = fl_errorf(FL_ERR_INVALID, "%s: saved by a run training other parts (blip2.train or LoRA changed)", path);
+    else if (strtoull(meta_of(&f, "records"), NULL, 10) != r->n_rec)
+        s = fl_errorf(FL_ERR_INVALID, "%s: saved with %s training records, this run has %zu (data changed)", path,
+                      meta_of(&f, "records"), r->n_rec);
+    else if (strcmp(meta_of(&f, "optimizer"), fl_optim_name(r->cfg->optimizer.kind)))
+        s = fl_errorf(FL_ERR_INVALID, "%s: saved with optimizer %s, this run uses %s", path, meta_of(&f, "optimizer"),
+                      fl_optim_name(r->cfg->optimizer.kind));
+    for (int k = 0; s == FL_OK && k < FL_BLIP2_PARTS; k++) {
+        if (!r->has_opt[k]) continue;
+        fl_optimizer *o = &r->opt[k];
+        void *dst[4] = {o->w.p, o->st.m, o->st.v, o->st.buf};
+        static const char *const what[4] = {"params", "exp_avg", "exp_avg_sq", "momentum_buffer"};
+        for (int j = 0; s == FL_OK && j < 4; j++) {
+            char name[48];
+            snprintf(name, sizeof name, "%s.%s", k_part[k], what[j]);
+            if (dst[j]) s = load_tensor(r, &f, path, name, dst[j], o->w.n, FL_F32, j ? o : NULL);
+        }
+        o->step = atoi(meta_of(&f, "optimizer_step"));
+        fl_model_sync_compute_copy(fl_blip2_part(r->b, k)); /* bf16-mixed: the copy of the restored weights */
+    }
+    if (s == FL_OK) s = load_tensor(r, &f, path, "order", NULL, r->n_rec, FL_I64, NULL);
+    if (s == FL_OK) {
+        const int64_t *ord = fl_st_find(&f, "order")->data;
+        for (size_t i = 0; i < r->n_rec; i++) p->order[i] = (size_t)ord[i];
+        p->step = atol(meta_of(&f, "step"));
+        p->epoch = atol(meta_of(&f, "epoch"));
+        p->pos = (size_t)strtoull(meta_of(&f, "pos"), NULL, 10);
+        p->epoch_sum = strtod(meta_of(&f, "epoch_sum"), NULL);
+        p->epoch_n = atol(meta_of(&f, "epoch_n"));
+        printf("Resuming training from %s (step %ld)\n", dir, p->step);
+        *resumed = 1;
+    }
+    fl_st_close(&f);
+    return s;
+}
+
 static size_t trained_count(const b2run *r) {
     size_t n = 0;
     for (int k = 0; k < FL_BLIP2_PARTS; k++)
@@ -474,7 +685,7 @@ static fl_status train(b2run *r) {
     int B = 1, accum = 1;
     FL_TRY(batch_shape(c, &B, &accum));
     if ((size_t)B > r->n_rec)
-        return fl_errorf(FL_ERR_INVALID, "%s: %zu records, fewer than micro_batch_size %d", c->data.json_path,
+        return fl_errorf(FL_ERR_INVALID, "%s: %zu training records, fewer than micro_batch_size %d", c->data.json_path,
                          r->n_rec, B);
     const long per_epoch = (long)(r->n_rec / (size_t)B / (size_t)accum);
     long max_steps = c->train.max_steps > 0 ? c->train.max_steps
@@ -488,15 +699,31 @@ static fl_status train(b2run *r) {
            r->parts & (1 << FL_BLIP2_VISION) ? "vision " : "", r->parts & (1 << FL_BLIP2_QFORMER) ? "qformer " : "",
            r->parts & (1 << FL_BLIP2_TEXT) ? (r->lora ? "lm(LoRA)" : "lm") : "", "", trained_count(r),
            r->parts & (1 << FL_BLIP2_VISION) ? "trained" : "frozen");
-    fl_status s = FL_OK;
-    for (long it = 0; s == FL_OK && it < max_steps; it++) {
+    if (r->n_val)
+        printf("%zu train / %zu val records (data.val_split_fraction %g)\n", r->n_rec, r->n_val,
+               (double)c->data.val_split_fraction);
+    int resumed = 0;
+    fl_status s = resume(r, &p, &resumed);
+    const long first = p.step;
+    for (long it = p.step; s == FL_OK && it < max_steps; it++) {
         const double lr = fl_lr_schedule(c->optimizer.lr, c->train.min_lr, it, warm, max_steps);
-        double loss = 0;
-        s = step(r, &p, B, accum, it, lr, it == 0, &loss);
+        double loss = 0, vl = 0;
+        s = step(r, &p, B, accum, it, lr, it == first, &loss);
+        p.step = it + 1;
         if (s == FL_OK && (it % (c->train.log_interval > 0 ? c->train.log_interval : 1) == 0 || it + 1 == max_steps))
             printf("step %ld/%ld loss %.6f lr %.3g\n", it + 1, max_steps, loss, lr);
+        if (s == FL_OK && r->n_val && p.step % c->eval.interval == 0 && p.step < max_steps) {
+            s = validate(r, B, &vl);
+            if (s == FL_OK) printf("step %ld val loss %.6f\n", p.step, vl);
+        }
+        if (s == FL_OK && c->train.save_interval > 0 && p.step % c->train.save_interval == 0) s = save_step(r, &p);
     }
     if (s == FL_OK && p.epoch_n) printf("epoch %ld average loss %.4f\n", p.epoch + 1, p.epoch_sum / (double)p.epoch_n);
+    if (s == FL_OK && r->n_val && c->eval.final_validation) {
+        double vl = 0;
+        s = validate(r, B, &vl);
+        if (s == FL_OK) printf("Final evaluation | val loss: %.3f | val ppl: %.3f\n", vl, exp(vl));
+    }
     if (s == FL_OK) fl_mem_snapshot(&r->pool, "end");
     if (s == FL_OK && !c->quiet) memory_report(r);
     free(p.order);
@@ -510,7 +737,7 @@ static fl_status train(b2run *r) {
 static void close_run(b2run *r) {
     for (int k = 0; k < FL_BLIP2_PARTS; k++)
         if (r->has_opt[k]) fl_optim_free(&r->opt[k]);
-    for (size_t i = 0; r->ids && i < r->n_rec; i++) free(r->ids[i]);
+    for (size_t i = 0; r->ids && i < r->n_rec + r->n_val; i++) free(r->ids[i]);
     free(r->ids), free(r->n_ids);
     fl_img_captions_free(&r->caps);
     fl_blip2_free(r->b);

@@ -60,8 +60,11 @@ static void help(const char *cmd, fl_cmd_kind kind) {
                "  --data.json_path CAPTIONS (.json/.jsonl {\"image\", \"text\"} records, or an image folder with\n"
                "  captions.jsonl, captions.tsv or NAME.txt beside each image; token ids when the folder has no tokenizer);\n"
                "  --blip2.train vision,qformer,lm picks the parts that train (vision frozen by default%s).\n"
-               "  Captions cut to train.max_seq_length tokens (default 50). 32-true or bf16-mixed, one process; final/ is\n"
-               "  an HF BLIP-2 folder%s. `fitllm plan` and `bench-step` take BLIP-2 folders and presets too.\n",
+               "  Captions cut to train.max_seq_length tokens (default 50). 32-true or bf16-mixed, one process; final/\n"
+               "  is an HF BLIP-2 folder%s; step-N/ (train.save_interval) one too (the language model's adapter\n"
+               "  under LoRA) with the training state, which --resume continues from bit-exactly;\n"
+               "  data.val_split_fraction holds out validation captions. `fitllm plan` and `bench-step` take BLIP-2\n"
+               "  folders and presets too.\n",
                kind == FL_CMD_FINETUNE_LORA ? "; default lm: LoRA on the language model" : "",
                kind == FL_CMD_FINETUNE_LORA ? " (LoRA merged) + adapter/ (PEFT)" : "");
     printf("\nexit codes: 0 ok, 1 runtime error, 2 usage or config error, 3 out of memory, 130 SIGINT, 143 SIGTERM,\n"
