@@ -152,8 +152,9 @@ int fl_cmd_download(int argc, char **argv);
 /* BLIP-2 with --image (cmd_blip2.c): `fitllm loss` of a caption's ids (the mean cross-entropy of caption[1:] after
  * the query tokens; the Flan-T5 variant: of tgt given the source) and greedy captioning (prompt text with the folder's tokenizer, or ids); exit codes as the
  * commands'. */
-/* finetune_full / finetune_lora on a BLIP-2 folder (cmd_blip2_train.c): image-caption fine-tuning; the exit code. */
-int fl_cli_blip2_train(const char *cmd, const fl_run_config *cfg);
+/* finetune_full / finetune_lora on a BLIP-2 folder (cmd_blip2_train.c): image-caption fine-tuning, in one process
+ * (comm NULL) or DDP over comm's ranks; the exit code. */
+int fl_cli_blip2_train(const char *cmd, const fl_run_config *cfg, fl_comm *comm);
 /* The fine-tuning's own set-up and `steps` steps of synthetic captions, L tokens each (random ids and pixels, no data
  * read), on `be` (plan: the null backend) with a pool of `budget` bytes (0: the run's max_memory); given: the shape
  * (NULL: cfg->checkpoint_dir's folder, weights read). rec gets the pool's snapshots and peaks (and its OOM record),

@@ -3,12 +3,13 @@
  * tokenized with the folder's tokenizer, or read as token ids when it has none; each micro-batch's images go through
  * the folder's preprocessor_config.json. --blip2.train names the parts that train (the vision tower is frozen by
  * default); finetune_lora puts LoRA adapters on the language model (OPT, or the Flan-T5 variant's encoder-decoder:
- * the caption + EOS its labels). One process, 32-true or bf16-mixed, AdamW / SGD: the
- * rest is refused by name. The final folder is an HF BLIP-2 folder (the trained weights, LoRA merged) that
+ * the caption + EOS its labels). One process or DDP over a communicator's ranks, 32-true or bf16-mixed, AdamW / SGD:
+ * the rest is refused by name. Step checkpoints, --resume, a validation split. The final folder is an HF BLIP-2 folder (the trained weights, LoRA merged) that
  * `fitllm loss/generate --image` and transformers load, plus the PEFT adapter of the language model under LoRA. */
 #include <ctype.h>
 #include <limits.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,6 +48,8 @@ typedef struct {
     size_t budget;                /* the pool's (plan --device-memory); 0: the run's max_memory */
     uint64_t rng;
     int pools_ok;
+    fl_comm *comm;                /* DDP over several ranks (NULL: one process) */
+    int rank, world;
 } b2run;
 
 /* --blip2.train: "vision,qformer,lm" (any subset, at least one); "" the command's default. */
@@ -67,14 +70,15 @@ static fl_status parse_parts(const char *s, int lora, int *parts) {
 
 /* What this first slice runs; the rest refused by name. */
 static fl_status check_run(const fl_run_config *c, int synth) {
-    if (c->devices * c->num_nodes > 1 || c->tensor_parallel > 1)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "BLIP-2 fine-tuning runs in one process so far (--devices 1)");
+    if (c->tensor_parallel > 1)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: BLIP-2 fine-tuning runs data-parallel (DDP) only so far",
+                         c->tensor_parallel);
     if (strcmp(c->precision, "32-true") && strcmp(c->precision, "bf16-mixed"))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: BLIP-2 fine-tuning runs 32-true and bf16-mixed only so far",
                          c->precision);
-    if (strcmp(c->strategy, "auto"))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s: BLIP-2 fine-tuning runs one process without offload so far "
-                         "(--strategy auto)", c->strategy);
+    if (strcmp(c->strategy, "auto") && strcmp(c->strategy, "ddp"))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s: BLIP-2 fine-tuning runs one process or DDP over several "
+                         "(--strategy auto or ddp) so far", c->strategy);
     if (c->lora.quantize[0])
         return fl_errorf(FL_ERR_UNSUPPORTED, "--quantize %s: QLoRA on BLIP-2 is not built yet", c->lora.quantize);
     if (c->optimizer.kind == FL_OPT_ADAMW8BIT)
@@ -419,58 +423,78 @@ static fl_status clip_all(b2run *r, float max_norm) {
     return FL_OK;
 }
 
+/* What the run prints: rank 0's lines only (DDP) */
+static void say(const b2run *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void say(const b2run *r, const char *fmt, ...) {
+    if (r->rank) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vprintf(fmt, ap);
+    va_end(ap);
+}
+
+/* DDP: every trained part's gradients (the adapters' under LoRA) and the micro-batches' losses (each known to one
+ * rank, 0 on the others: their sum is exact) summed over the ranks, so every rank updates the same weights. */
+static fl_status reduce(b2run *r, float *ml, int accum) {
+    for (int k = 0; k < FL_BLIP2_PARTS; k++)
+        if (r->has_opt[k])
+            FL_TRY(fl_comm_all_reduce(r->comm, r->opt[k].w.g, r->opt[k].w.g, r->opt[k].w.n, FL_F32, FL_COMM_SUM));
+    return fl_comm_all_reduce(r->comm, ml, ml, (size_t)accum, FL_F32, FL_COMM_SUM);
+}
+
 /* One optimizer step over `accum` micro-batches of B records (an epoch's tail that does not fill one is dropped).
  * snap: the memory snapshots of the session's first step (before_fwd once the first micro-batch's arena exists,
  * after_fwd after its forward, after_bwd after the last backward, after_opt_step), the phases plan rehearses. */
 static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, int snap, double *loss) {
     const fl_blip2_config *bc = fl_blip2_get_config(r->b);
-    const int S = bc->vision.image_size;
+    const int S = bc->vision.image_size, s2s = fl_model_is_s2s(&bc->text), NQ = bc->n_queries;
     float *px = malloc((size_t)B * 3 * S * S * sizeof *px);
     size_t *starts = malloc((size_t)accum * sizeof *starts);
-    fl_status s = px && starts ? FL_OK : fl_errorf(FL_ERR_OOM, "out of host memory");
+    long *mv = calloc((size_t)accum, sizeof *mv);  /* each micro-batch's valid targets (every rank knows them) */
+    float *ml = calloc((size_t)accum, sizeof *ml); /* its mean loss, 0 where another rank ran it */
+    fl_status s = px && starts && mv && ml ? FL_OK : fl_errorf(FL_ERR_OOM, "out of host memory");
     fl_blip2_zero_grads(r->b);
     double lsum = 0;
     long vsum = 0; /* the step's valid targets: each micro-batch is scaled by 1 / vsum (one big batch) */
     for (int a = 0; s == FL_OK && a < accum; a++) {
         if (p->pos + (size_t)B > r->n_rec) {
-            if (p->epoch_n && !r->synth) printf("epoch %ld average loss %.4f\n", p->epoch + 1, p->epoch_sum / (double)p->epoch_n);
+            if (p->epoch_n && !r->synth && !r->rank)
+                printf("epoch %ld average loss %.4f\n", p->epoch + 1, p->epoch_sum / (double)p->epoch_n);
             p->epoch++, p->pos = 0, p->epoch_sum = 0, p->epoch_n = 0;
             reorder(p->order, r->n_rec, r->cfg->seed + (uint64_t)p->epoch);
         }
         starts[a] = p->pos;
-        const int s2s = fl_model_is_s2s(&fl_blip2_get_config(r->b)->text);
-        for (int n = 0; n < B; n++) vsum += r->n_ids[p->order[p->pos + (size_t)n]] - (s2s ? 0 : 1);
+        for (int n = 0; n < B; n++) mv[a] += r->n_ids[p->order[p->pos + (size_t)n]] - (s2s ? 0 : 1);
+        vsum += mv[a];
         p->pos += (size_t)B;
     }
-    for (int a = 0; s == FL_OK && a < accum; a++) {
+    /* several ranks (DDP): micro-batch a is rank a % world's; the gradients and losses summed over the ranks after */
+    const int w = r->world > 1 ? r->world : 1, mine = r->rank, last = accum - 1 - (accum - 1 - mine) % w;
+    for (int a = mine; s == FL_OK && a < accum; a += w) {
         int32_t *ids = NULL, *tg = NULL;
         int T = 0;
         long n_valid = 0;
         float l = 0;
         s = make_batch(r, p->order, starts[a], B, px, &ids, &tg, &T, &n_valid);
         fl_model_lora_set_seed(fl_blip2_part(r->b, FL_BLIP2_TEXT), r->cfg->seed * 1000003u + (uint64_t)it * accum + a);
-        const int NQ = bc->n_queries;
-        if (s == FL_OK && fl_model_is_s2s(&bc->text)) {
-            s = fl_blip2_alloc_acts_s2s(r->b, B, NQ, T);
-            if (s == FL_OK && snap && a == 0) fl_mem_snapshot(&r->pool, "before_fwd");
-            if (s == FL_OK)
-                s = fl_blip2_forward_s2s(r->b, px, ids + (size_t)B * T, ids, tg, B, NQ, T, 1.0f / (float)vsum, NULL, &l);
-        } else if (s == FL_OK) {
-            s = fl_blip2_alloc_acts(r->b, B, T);
-            if (s == FL_OK && snap && a == 0) fl_mem_snapshot(&r->pool, "before_fwd");
-            if (s == FL_OK) s = fl_blip2_forward(r->b, px, ids, tg, B, T, 1.0f / (float)vsum, NULL, &l);
-        }
-        if (s == FL_OK && snap && a == 0) fl_mem_snapshot(&r->pool, "after_fwd");
+        if (s == FL_OK) s = s2s ? fl_blip2_alloc_acts_s2s(r->b, B, NQ, T) : fl_blip2_alloc_acts(r->b, B, T);
+        if (s == FL_OK && snap && a == mine) fl_mem_snapshot(&r->pool, "before_fwd");
+        if (s == FL_OK)
+            s = s2s ? fl_blip2_forward_s2s(r->b, px, ids + (size_t)B * T, ids, tg, B, NQ, T, 1.0f / (float)vsum, NULL, &l)
+                    : fl_blip2_forward(r->b, px, ids, tg, B, T, 1.0f / (float)vsum, NULL, &l);
+        if (s == FL_OK && snap && a == mine) fl_mem_snapshot(&r->pool, "after_fwd");
         if (s == FL_OK) s = fl_blip2_backward(r->b);
-        if (s == FL_OK && snap && a == accum - 1) fl_mem_snapshot(&r->pool, "after_bwd");
-        lsum += (double)l * (double)n_valid;
+        if (s == FL_OK && snap && a == last) fl_mem_snapshot(&r->pool, "after_bwd");
+        ml[a] = l;
         free(ids), free(tg);
     }
+    if (s == FL_OK && w > 1) s = reduce(r, ml, accum);
+    for (int a = 0; a < accum; a++) lsum += (double)ml[a] * (double)mv[a];
     if (s == FL_OK && r->cfg->train.max_norm > 0) s = clip_all(r, r->cfg->train.max_norm);
     for (int k = 0; s == FL_OK && k < FL_BLIP2_PARTS; k++)
         if (r->has_opt[k]) s = fl_optim_step(&r->opt[k], (float)lr, 0.0f, NULL);
     if (s == FL_OK && snap) fl_mem_snapshot(&r->pool, "after_opt_step");
-    free(px), free(starts);
+    free(px), free(starts), free(mv), free(ml);
     *loss = vsum ? lsum / (double)vsum : 0;
     p->epoch_sum += lsum;
     p->epoch_n += vsum;
@@ -590,7 +614,7 @@ static fl_status save_step(b2run *r, const b2pos *p) {
         return fl_error_prefix(s, "saving checkpoint %s", dst);
     }
     if (r->cfg->train.keep_checkpoints > 0) fl_ckpt_rotate(r->cfg->out_dir, r->cfg->train.keep_checkpoints);
-    printf("saved checkpoint %s\n", dst);
+    say(r, "saved checkpoint %s\n", dst);
     return FL_OK;
 }
 
@@ -666,7 +690,7 @@ static fl_status resume(b2run *r, b2pos *p, int *resumed) {
         p->pos = (size_t)strtoull(meta_of(&f, "pos"), NULL, 10);
         p->epoch_sum = strtod(meta_of(&f, "epoch_sum"), NULL);
         p->epoch_n = atol(meta_of(&f, "epoch_n"));
-        printf("Resuming training from %s (step %ld)\n", dir, p->step);
+        say(r, "Resuming training from %s (step %ld)\n", dir, p->step);
         *resumed = 1;
     }
     fl_st_close(&f);
@@ -687,6 +711,9 @@ static fl_status train(b2run *r) {
     if ((size_t)B > r->n_rec)
         return fl_errorf(FL_ERR_INVALID, "%s: %zu training records, fewer than micro_batch_size %d", c->data.json_path,
                          r->n_rec, B);
+    if (accum % (r->world > 1 ? r->world : 1))
+        return fl_errorf(FL_ERR_INVALID, "train.global_batch_size %d: %d micro-batches of %d per step do not split over "
+                         "%d ranks", B * accum, accum, B, r->world);
     const long per_epoch = (long)(r->n_rec / (size_t)B / (size_t)accum);
     long max_steps = c->train.max_steps > 0 ? c->train.max_steps
                      : (c->train.epochs > 0 ? c->train.epochs : 1) * (per_epoch > 0 ? per_epoch : 1);
@@ -694,13 +721,15 @@ static fl_status train(b2run *r) {
     b2pos p = {.order = malloc(r->n_rec * sizeof(size_t))};
     if (!p.order) return fl_errorf(FL_ERR_OOM, "out of host memory");
     for (size_t i = 0; i < r->n_rec; i++) p.order[i] = i;
-    printf("BLIP-2 image-caption fine-tuning: %zu records, micro batch %d x %d accumulated, %ld steps; trains %s%s%s"
-           "%s (%zu parameters), vision tower %s\n", r->n_rec, B, accum, max_steps,
+    char ranks[48] = "";
+    if (r->world > 1) snprintf(ranks, sizeof ranks, " over %d ranks (DDP)", r->world);
+    say(r, "BLIP-2 image-caption fine-tuning: %zu records, micro batch %d x %d accumulated%s, %ld steps; trains %s%s%s"
+           "%s (%zu parameters), vision tower %s\n", r->n_rec, B, accum / (r->world > 1 ? r->world : 1), ranks, max_steps,
            r->parts & (1 << FL_BLIP2_VISION) ? "vision " : "", r->parts & (1 << FL_BLIP2_QFORMER) ? "qformer " : "",
            r->parts & (1 << FL_BLIP2_TEXT) ? (r->lora ? "lm(LoRA)" : "lm") : "", "", trained_count(r),
            r->parts & (1 << FL_BLIP2_VISION) ? "trained" : "frozen");
     if (r->n_val)
-        printf("%zu train / %zu val records (data.val_split_fraction %g)\n", r->n_rec, r->n_val,
+        say(r, "%zu train / %zu val records (data.val_split_fraction %g)\n", r->n_rec, r->n_val,
                (double)c->data.val_split_fraction);
     int resumed = 0;
     fl_status s = resume(r, &p, &resumed);
@@ -711,26 +740,27 @@ static fl_status train(b2run *r) {
         s = step(r, &p, B, accum, it, lr, it == first, &loss);
         p.step = it + 1;
         if (s == FL_OK && (it % (c->train.log_interval > 0 ? c->train.log_interval : 1) == 0 || it + 1 == max_steps))
-            printf("step %ld/%ld loss %.6f lr %.3g\n", it + 1, max_steps, loss, lr);
+            say(r, "step %ld/%ld loss %.6f lr %.3g\n", it + 1, max_steps, loss, lr);
         if (s == FL_OK && r->n_val && p.step % c->eval.interval == 0 && p.step < max_steps) {
             s = validate(r, B, &vl);
-            if (s == FL_OK) printf("step %ld val loss %.6f\n", p.step, vl);
+            if (s == FL_OK) say(r, "step %ld val loss %.6f\n", p.step, vl);
         }
-        if (s == FL_OK && c->train.save_interval > 0 && p.step % c->train.save_interval == 0) s = save_step(r, &p);
+        if (s == FL_OK && c->train.save_interval > 0 && p.step % c->train.save_interval == 0 && !r->rank)
+            s = save_step(r, &p); /* DDP: rank 0 writes (every rank holds the same weights) */
     }
-    if (s == FL_OK && p.epoch_n) printf("epoch %ld average loss %.4f\n", p.epoch + 1, p.epoch_sum / (double)p.epoch_n);
+    if (s == FL_OK && p.epoch_n) say(r, "epoch %ld average loss %.4f\n", p.epoch + 1, p.epoch_sum / (double)p.epoch_n);
     if (s == FL_OK && r->n_val && c->eval.final_validation) {
         double vl = 0;
         s = validate(r, B, &vl);
-        if (s == FL_OK) printf("Final evaluation | val loss: %.3f | val ppl: %.3f\n", vl, exp(vl));
+        if (s == FL_OK) say(r, "Final evaluation | val loss: %.3f | val ppl: %.3f\n", vl, exp(vl));
     }
     if (s == FL_OK) fl_mem_snapshot(&r->pool, "end");
-    if (s == FL_OK && !c->quiet) memory_report(r);
+    if (s == FL_OK && !c->quiet && !r->rank) memory_report(r);
     free(p.order);
     char dir[4096];
-    if (s == FL_OK) s = fl_fs_join(dir, sizeof dir, c->out_dir, "final");
-    if (s == FL_OK) s = save_final(r, dir);
-    if (s == FL_OK) printf("saved %s%s\n", dir, r->lora ? " (weights with the LoRA adapters merged; adapter/: PEFT)" : "");
+    if (s == FL_OK && !r->rank) s = fl_fs_join(dir, sizeof dir, c->out_dir, "final");
+    if (s == FL_OK && !r->rank) s = save_final(r, dir);
+    if (s == FL_OK) say(r, "saved %s%s\n", dir, r->lora ? " (weights with the LoRA adapters merged; adapter/: PEFT)" : "");
     return s;
 }
 
@@ -745,17 +775,26 @@ static void close_run(b2run *r) {
     if (r->be.name && !r->borrowed) fl_backend_free(&r->be);
 }
 
-int fl_cli_blip2_train(const char *cmd, const fl_run_config *cfg) {
+int fl_cli_blip2_train(const char *cmd, const fl_run_config *cfg, fl_comm *comm) {
     b2run r;
     memset(&r, 0, sizeof r);
     r.cfg = cfg;
     r.lora = cfg->command == FL_CMD_FINETUNE_LORA;
+    r.comm = comm, r.rank = comm ? fl_comm_rank(comm) : 0, r.world = comm ? fl_comm_size(comm) : 1;
     fl_status s = setup(&r);
     if (s == FL_OK) s = train(&r);
-    /* the training commands' exit codes: configuration problems (bad values, a missing file, what is not built) 2 */
-    const int rc = s == FL_OK ? 0 : s == FL_ERR_INVALID || s == FL_ERR_NOT_FOUND || s == FL_ERR_UNSUPPORTED
-                                        ? (fl_cli_fail(cmd, s, NULL), FL_EXIT_USAGE)
-                                        : fl_cli_fail(cmd, s, r.b ? &r.pool : NULL);
+    /* the training commands' exit codes: configuration problems (bad values, a missing file, what is not built) 2.
+     * DDP: every rank fails the same way at set-up (rank 0 says so); a rank's own failure in a step (an image it
+     * read) ends the job (fl_comm_abort names the rank), as the others wait in the next reduction */
+    const int usage = s == FL_ERR_INVALID || s == FL_ERR_NOT_FOUND || s == FL_ERR_UNSUPPORTED;
+    int rc = 0;
+    if (s != FL_OK && r.world > 1 && r.rank) {
+        rc = usage ? FL_EXIT_USAGE : FL_EXIT_RUNTIME;
+        if (!usage) fl_comm_abort(comm, rc, fl_error_message());
+    } else if (s != FL_OK) {
+        rc = usage ? (fl_cli_fail(cmd, s, NULL), FL_EXIT_USAGE) : fl_cli_fail(cmd, s, r.b ? &r.pool : NULL);
+        if (r.world > 1 && !usage) fl_comm_abort(comm, rc, fl_error_message());
+    }
     close_run(&r);
     return rc;
 }
