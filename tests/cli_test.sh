@@ -305,7 +305,8 @@ expect blip2_val_final 0 "^Final evaluation \| val loss: [0-9.]+ \| val ppl: [0-
 expect blip2_plan_opt27b_fits 0 "largest micro_batch_size that fits: 16 \(accumulation 4 for global batch 64\)" -- "$FITLLM" plan blip2-opt-2.7b --device-memory 80GB --train.micro_batch_size 8 --train.global_batch_size 64
 expect blip2_plan_opt27b_64_oom 3 "OUT OF MEMORY during setup \(before_fwd\): ACTS for BLIP-2 activations for B=64" -- "$FITLLM" plan Salesforce/blip2-opt-2.7b --device-memory 80GB --train.micro_batch_size 64 --train.global_batch_size 64
 expect blip2_plan_json 0 '"source": "BLIP-2 preset"' -- "$FITLLM" plan blip2-micro --json
-expect blip2_plan_refuses_devices 2 "--devices 2: BLIP-2 fine-tuning runs in one process so far" -- "$FITLLM" plan "$B2" --devices 2
+expect blip2_plan_refuses_fsdp 2 "--strategy fsdp: BLIP-2 fine-tuning runs one process or DDP over several" -- "$FITLLM" plan "$B2" --devices 2 --strategy fsdp
+expect blip2_plan_ddp_rank 0 "DDP over 2 ranks: each rank holds the whole model" -- "$FITLLM" plan "$B2" --devices 2
 expect blip2_plan_refuses_target_len 2 "--target-len: a BLIP-2 plan sizes the caption with --seq-len" -- "$FITLLM" plan blip2-micro --target-len 8
 expect blip2_plan_seq_len 0 "captions of 7 tokens" -- "$FITLLM" plan "$B2" --seq-len 7
 # bench-step times fine-tuning steps on random pixels and captions (the folder's weights, or a preset's random ones)

@@ -8,6 +8,7 @@
 #     variants; rank 0 alone prints and writes;
 #   - started without a launcher (--devices 2: fitllm runs mpirun itself): the explicit run's losses;
 #   - DDP's step checkpoint resumes in one process (its weights are one process's: the same training state);
+#   - rank 0's memory report = `plan --devices 2` (every phase, reserved and live per tag);
 #   - what DDP does not run is refused on every rank, exit 2, naming the option; a corrupt image read by one rank ends
 #     the job non-zero within seconds, naming the file.
 # Usage: tests/mpi_blip2_test.sh [build-dir]; skips (exit 0) without MPI or mpirun.
@@ -68,6 +69,13 @@ if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000003 (step 3)" "$T/
     paste -d' ' <(printf '%s\n' "$a") <(printf '%s\n' "$b") | awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 1e-5 * $1) bad = 1 } END { exit bad }'; then
     ok "blip2_ddp_checkpoint_resumes_in_one_process"
 else bad "blip2_ddp_checkpoint_resumes_in_one_process" "exit $rc"; fi
+# rank 0's memory report (every phase's reserved and live bytes per tag, the peak) = `plan --devices 2`
+PR=(--data JSON --data.json_path "$T/caps" --train.max_steps 2 --train.micro_batch_size 2 --train.global_batch_size 8 --train.max_seq_length 4 --threads 1)
+planned=$("$FL" plan tests/fixtures/blip2-tiny-opt "${PR[@]}" --devices 2 2>&1 | awk '/^(after_|before_)/ { print; getline; print } /^peak/')
+timeout 300 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${PR[@]}" --devices 2 --out_dir "$T/pm" >"$T/out" 2>&1; rc=$?
+measured=$(awk '/^(after_|before_)/ { print; getline; print } /^peak/' "$T/out")
+if [ $rc -eq 0 ] && [ "$(grep -c . <<<"$planned")" = 11 ] && [ "$planned" = "$measured" ]; then ok "blip2_ddp_rank0_peaks_equal_plan"
+else printf 'planned:\n%s\n' "$planned" >>"$T/out"; bad "blip2_ddp_rank0_peaks_equal_plan" "exit $rc"; fi
 # refusals: every rank refuses the same way, exit 2, the option named once
 for st in deepspeed_stage_2 fsdp; do
     timeout 120 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --devices 2 --strategy $st --out_dir "$T/x" >"$T/out" 2>&1; rc=$?

@@ -113,14 +113,25 @@ int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_le
     const char *src = "";
     fl_status s = resolve(cfg->checkpoint_dir, &bc, &src);
     int B = 1, accum = 1;
-    if (s == FL_OK && cfg->devices * cfg->num_nodes > 1)
-        s = fl_errorf(FL_ERR_UNSUPPORTED, "--devices %d: BLIP-2 fine-tuning runs in one process so far (--devices 1)",
-                      cfg->devices * cfg->num_nodes);
+    const int world = cfg->devices * cfg->num_nodes;
+    fl_run_config one = *cfg; /* DDP: one rank's run is one process with its share of the step's micro-batches */
     if (s == FL_OK) {
         B = cfg->train.micro_batch_size > 0 ? cfg->train.micro_batch_size : 1;
         const int gb = cfg->train.global_batch_size > 0 ? cfg->train.global_batch_size : B;
-        accum = gb % B ? 1 : gb / B;
+        if (gb % (B * world))
+            s = fl_errorf(FL_ERR_INVALID, "train.global_batch_size %d is not divisible by devices x micro_batch_size = "
+                          "%d x %d", gb, world, B);
+        accum = gb / (B * world);
+        one.devices = one.num_nodes = 1;
+        one.train.global_batch_size = B * accum;
     }
+    if (s == FL_OK && world > 1 && strcmp(cfg->strategy, "auto") && strcmp(cfg->strategy, "ddp"))
+        s = fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s: BLIP-2 fine-tuning runs one process or DDP over several "
+                      "(--strategy auto or ddp) so far", cfg->strategy);
+    if (s == FL_OK && cfg->tensor_parallel > 1)
+        s = fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: BLIP-2 fine-tuning runs data-parallel (DDP) only so far",
+                      cfg->tensor_parallel);
+    cfg = &one;
     fl_plan *p = s == FL_OK ? calloc(1, sizeof *p) : NULL;
     if (s == FL_OK && !p) s = fl_errorf(FL_ERR_OOM, "out of host memory");
     if (s != FL_OK) {
@@ -129,6 +140,12 @@ int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_le
     }
     const int L = caption_len(cfg, &bc, seq_len);
     describe(p, cfg, &bc, src, L, B, accum);
+    if (world > 1) {
+        p->devices = world;
+        note(p, "DDP over %d ranks: each rank holds the whole model, its gradients and optimizer state and runs %d of "
+                "the step's %d micro-batches (this plan is one rank's; the reductions' MPI scratch is outside the pool)",
+             world, accum, accum * world);
+    }
     p->budget = device_memory ? device_memory : cfg->max_memory;
     fl_cli_b2_rec rec;
     int fits = rehearse(cfg, &bc, cuda, 0, L, &rec, &s); /* what the run needs */
