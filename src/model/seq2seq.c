@@ -331,16 +331,36 @@ static float *param_at(const fl_model *m, int g, int role, int grad, size_t at) 
     const int i = role < 0 ? -1 : fl_layout_role(&m->layout, g, (fl_param_role)role);
     if (i < 0) return NULL;
     const fl_param_store *st = m->store;
-    if (grad) {
+    if (grad) { /* fp32: in place (sharded: the gathered group's gradient view); 16-bit: the group's stage */
         if (st->dtype != FL_F32) return st->g16 ? fl_store_grad(st, m->layout.params[i].offset) : NULL;
-        return fl_model_grads_f32(m) ? fl_model_grads_f32(m) + m->layout.params[i].offset : NULL;
+        return fl_model_grads_f32(m) ? fl_store_grad(st, m->layout.params[i].offset) : NULL;
     }
-    if (st->dtype == FL_F32) return fl_model_params_f32(m) + fl_model_store_off(m, i);
+    if (st->dtype == FL_F32) return fl_store_param_at(st, fl_model_store_off(m, i));
     float *cur = st->pstage + at;
     return (float *)fl_store_bind_1d(st, i, &cur);
 }
 
 static float *param_of(const fl_model *m, int g, int role, int grad) { return param_at(m, g, role, grad, 0); }
+
+/* The parameter store around each layout group (store.h; no-ops for a whole store), as transformer.c's: FSDP /
+ * ZeRO-3 units are the layout groups, a block of either stack each; the root units, the shared embedding (group 0)
+ * and the final norms with the head (group G), stay gathered for the whole pass (PyTorch keeps its root unit, which
+ * both stacks and the tied head read); a block is gathered around its forward and again around its backward (the
+ * next one's gather posted ahead, across the stacks too), its gradient reduced when its backward ends. */
+static fl_status roots_gather(fl_model *m) {
+    const int G = m->layout.n_groups - 1;
+    FL_TRY(fl_store_gather(m->store, 0, G));
+    return fl_store_gather(m->store, G, G > 1 ? 1 : -1);
+}
+static void roots_release(fl_model *m) {
+    fl_store_release(m->store, 0);
+    fl_store_release(m->store, m->layout.n_groups - 1);
+}
+/* block group g (1 .. G-1) in a forward: the next block's gather posted ahead (the decoder's first after the
+ * encoder's last) */
+static fl_status block_gather(fl_model *m, int g) {
+    return fl_store_gather(m->store, g, g + 1 < m->layout.n_groups - 1 ? g + 1 : -1);
+}
 
 /* 16-bit storage: stage s's gradients of layout group g in the store's fp32 stage (no-ops with fp32 storage) */
 static void stage_open(const fl_model *m, int g) { fl_store_stage_begin(m->store, fl_group_numel(m, g)); }
@@ -374,12 +394,12 @@ static fl_block_ctx stack_ctx(const struct fl_s2s_acts *a, int s, float *const *
 static fl_status check_model(const fl_model *m, const char *fn) {
     if (!m->acts || !m->acts->s2s)
         return fl_errorf(FL_ERR_INVALID, "%s: activations not allocated (call fl_model_alloc_acts_s2s)", fn);
-    /* whole stores: fp32 (mixed precision's bf16 copy and 4-bit block linears through fl_linear_set_weight) or
-     * 16-bit (its 1-D parameters and relative bias tables widened into the pstage, each group's gradients staged) */
-    const int whole16 = m->store && m->store->dtype != FL_F32 && !fl_store_sharded(m->store) && m->store->pstage;
-    if ((!fl_model_params_f32(m) && !whole16) || fl_model_provider(m))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: encoder-decoders run whole fp32 or 16-bit storage only so far (no "
-                         "sharding or parameter offload yet)", fn);
+    /* fp32 stores (mixed precision's bf16 copy and 4-bit block linears through fl_linear_set_weight) or 16-bit
+     * ones (their 1-D parameters and relative bias tables widened into the pstage, each group's gradients staged);
+     * sharded ones (FSDP / ZeRO-3, parameter offload) the same around each gathered group */
+    const int st16 = m->store && m->store->dtype != FL_F32 && m->store->pstage;
+    if (!fl_model_params_f32(m) && !st16)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: encoder-decoders run fp32 or 16-bit storage only", fn);
     if (fl_model_adapters_are_merged(m)) /* the adapters are in the weights: running them again would double them */
         return fl_errorf(FL_ERR_INVALID, "%s: the LoRA adapters were merged into the weights; save the model and reload "
                          "it to run it", fn);
@@ -393,6 +413,10 @@ static fl_status head_run(fl_model *m, const int32_t *targets, int N, float grad
     float *x = a->st[a->n_stacks - 1].nout;
     if (m->cfg.head_scale) m->be->scale(m->be, x, (size_t)N * m->cfg.dim, 1.0f / sqrtf((float)m->cfg.dim));
     const fl_head_bufs h = {x, a->gb[1], a->logits, a->losses, a->targets, a->chunk};
+    if (grad_scale > 0 && targets) { /* sharded: the root units' gradient buffers, open until the backward ends */
+        FL_TRY(fl_store_grads_begin(m->store, m->layout.n_groups - 1));
+        FL_TRY(fl_store_grads_begin(m->store, 0));
+    }
     /* 16-bit storage: the head's gradient staged alone, added into its 16-bit gradient after */
     fl_outer_params op;
     fl_get_outer(m, &op);
@@ -421,13 +445,18 @@ static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, con
             fl_embed_forward(m, &op, st->res[0], st->ids, ids, a->Bp, T, 0);
             if (s == 0) FL_TRY(inject_rows(m, st->res[0], NULL));
             break;
-        case FL_MOP_RELBIAS: FL_TRY(relbias_forward(m, st, T, s < mg->n_stacks - 1)); break;
+        case FL_MOP_RELBIAS: /* the table is in the stack's first block's group */
+            FL_TRY(block_gather(m, st->l0 + 1));
+            FL_TRY(relbias_forward(m, st, T, s < mg->n_stacks - 1));
+            break;
         case FL_MOP_BLOCKS:
             for (int l = 0; l < st->L; l++) {
+                FL_TRY(block_gather(m, st->l0 + l + 1));
                 fl_block_params bp;
                 fl_get_block(m, &st->g, st->l0 + l, &bp);
                 fl_block_ctx x = stack_ctx(a, s, NULL);
                 FL_TRY(fl_block_forward(m, &st->g, &bp, st->layer[l].s, &x));
+                fl_store_release(m->store, st->l0 + l + 1);
             }
             break;
         case FL_MOP_NORM:
@@ -484,9 +513,11 @@ static fl_status s2s_forward(fl_model *m, const int32_t *src_ids, const uint8_t 
     m->n_valid = 0;
     m->have_targets = targets != NULL;
     a->head.defer = defer;
+    if (s == FL_OK) s = roots_gather(m);
     for (int k = 0; s == FL_OK && k < mg.n_stacks; k++)
         s = stack_forward(m, &mg, k, ids[k], targets, grad_scale, logits_out);
     a->head.defer = 0;
+    if (s != FL_OK || (grad_scale <= 0 && !defer)) roots_release(m); /* training: kept for the backward */
     if (s != FL_OK) a->head.open = 0;
     m->fwd_B = B;
     m->fwd_T = Tt;
@@ -510,6 +541,7 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, co
     fl_norm_backward(m, dres, param_of(m, G, role_norm, 1), NULL, dnout, st->res[st->L], param_of(m, G, role_norm, 0),
                      NULL, st->nrstd, N);
     FL_TRY(stage_close(m, G));
+    if (s == 0) fl_store_release(m->store, G);
     /* data parallel: each layout group's gradient handed on as it becomes final (fl_store_grads_ready; its bucket
      * hook): the final norms and head's group once the first stack's norm is done (the stacks run backward in
      * reverse), each block's after its backward (the first block's after the relative bias table it holds), the
@@ -522,6 +554,9 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, co
         be->zero(be, a->dstream, (size_t)a->Bp * a->T[s - 1] * C * sizeof(float));
     }
     for (int l = st->L - 1; l >= 0; l--) {
+        const int g = st->l0 + l + 1;
+        FL_TRY(fl_store_gather(m->store, g, g > 1 ? g - 1 : -1)); /* the block before's gather posted ahead */
+        FL_TRY(fl_store_grads_begin(m->store, g));
         fl_block_params bp;
         fl_get_block(m, &st->g, st->l0 + l, &bp);
         fl_block_ctx x = stack_ctx(a, s, dxs);
@@ -535,13 +570,15 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, co
         stage_open(m, st->l0 + l + 1);
         FL_TRY(fl_block_backward(m, &st->g, &bp, st->layer[l].s, a->gb, &x));
         if (l == 0) relbias_backward(m, st, T); /* the first block's group holds the table; dbias is complete */
-        FL_TRY(stage_close(m, st->l0 + l + 1));
-        FL_TRY(fl_store_grads_ready(m->store, st->l0 + l + 1));
+        FL_TRY(stage_close(m, g));
+        fl_store_release(m->store, g);
+        FL_TRY(fl_store_grads_ready(m->store, g));
     }
     fl_outer_params op;
     fl_get_outer(m, &op);
     if (s == 0) FL_TRY(inject_rows(m, NULL, dres));
     FL_TRY(fl_embed_backward(m, &op, dres, st->ids, a->Bp, T));
+    if (s == 0) fl_store_release(m->store, 0);
     return s == 0 ? fl_store_grads_ready(m->store, 0) : FL_OK;
 }
 
@@ -585,6 +622,7 @@ static fl_status decode_step(fl_model *m, const fl_model_graph *mg, const int32_
     free(bk);
     FL_TRY(rc);
     float *tab;
+    FL_TRY(block_gather(m, st->l0 + 1));
     FL_TRY(relbias_table(m, st, 0, &tab));
     for (int h = 0; h < NH; h++)
         be->embedding_forward(be, st->bias + (size_t)h * n, st->buckets, tab + (size_t)h * nb, NULL, 1, n, 1);
@@ -592,11 +630,13 @@ static fl_status decode_step(fl_model *m, const fl_model_graph *mg, const int32_
         float *sv[FL_GRAPH_MAX_SLOTS];
         for (int k = 0; k < st->g.n_slots; k++) /* row n-1 of the per-row slots; the stream's rows whole */
             sv[k] = st->g.slot[k].xrows ? st->layer[l].s[k] : st->layer[l].s[k] + r * st->g.slot[k].width;
+        FL_TRY(block_gather(m, st->l0 + l + 1));
         fl_block_params bp;
         fl_get_block(m, &st->g, st->l0 + l, &bp);
         fl_block_ctx x = {.B = 1, .T = 1, .attn_bias = st->bias, .Tk = a->T[s - 1], .kv_rows = n, .xs_ready = n > 1};
         x.kmask = a->kmask_on ? a->kmask : NULL;
         FL_TRY(fl_block_forward(m, &st->g, &bp, sv, &x));
+        fl_store_release(m->store, st->l0 + l + 1);
     }
     const int G = m->layout.n_groups - 1;
     int role = -1;
@@ -637,6 +677,7 @@ static fl_status s2s_generate(fl_model *m, const int32_t *src, const uint8_t *sr
     a->kmask_on = src_mask != NULL;
     m->fwd_train = 0;
     fl_status s = src_mask ? m->be->to_device(m->be, a->kmask, src_mask, (size_t)Ts) : FL_OK;
+    if (s == FL_OK) s = roots_gather(m); /* sharded: every rank decodes in step, each block gathered per token */
     if (s == FL_OK) s = stack_forward(m, &mg, 0, src, NULL, 0, NULL); /* the encoder, once */
     int n = 0;
     out[n++] = m->cfg.dec_start_id;
@@ -662,6 +703,7 @@ static fl_status s2s_generate(fl_model *m, const int32_t *src, const uint8_t *sr
         if (best == m->cfg.eos_id) break;
     }
     free(lg);
+    roots_release(m);
     *n_out = n;
     return s;
 }
@@ -698,6 +740,7 @@ fl_status fl_s2s_forward_head(fl_model *m, float *logits_out) {
     a->head.open = 0;
     s2s_lend(m, 1);
     fl_status s = head_run(m, a->head.targets, a->head.N, a->head.grad_scale, logits_out);
+    if (s != FL_OK || a->head.grad_scale <= 0) roots_release(m);
     s2s_lend(m, 0);
     m->fwd_train = s == FL_OK && a->head.grad_scale > 0;
     return s;
