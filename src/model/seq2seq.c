@@ -36,6 +36,7 @@ typedef struct {
 
 struct fl_s2s_acts {
     int B, n_stacks;      /* the arena's sequences; the stacks */
+    fl_dtype act16;       /* the WIDE slots saved in this 16-bit dtype (a bf16 policy without checkpointing), else 0 */
     int Bp;               /* the last forward's sequences (<= B) */
     s2s_stack st[FL_MODEL_GRAPH_MAX_STACKS];
     int T[FL_MODEL_GRAPH_MAX_STACKS]; /* the last forward's rows per sequence */
@@ -93,14 +94,24 @@ static size_t carve_acts(const fl_model *m, struct fl_s2s_acts *a, char *base) {
             float *r = TAKEF(&cv, N * C);
             if (base) st->res[l] = r;
         }
-        /* activation checkpointing: one block's slots shared by the stack's blocks (recomputed in the backward) */
-        fl_layer_acts la;
+        /* activation checkpointing: one block's slots shared by the stack's blocks (recomputed in the backward).
+         * 16-bit saved (a->act16): one fp32 buffer of the WIDE slots shared by the stack's blocks (the block being
+         * computed; the backward widens into it), every block's STAT slots in fp32 and WIDE slots in 16 bits */
+        fl_layer_acts la, sh;
+        memset(&sh, 0, sizeof sh);
+        for (int k = 0; a->act16 && st->L > 0 && k < st->g.n_prod; k++) {
+            const int sl = st->g.prod[k];
+            if (st->g.slot[sl].kind == FL_GSLOT_WIDE)
+                sh.s[sl] = TAKEF(&cv, B * (size_t)slot_T(a, s, sl, T) * (size_t)st->g.slot[sl].width);
+        }
         for (int l = 0; l < st->L; l++) {
             if (l == 0 || !m->act_ckpt) {
-                memset(&la, 0, sizeof la);
+                la = sh;
                 for (int k = 0; k < st->g.n_prod; k++) {
                     const int sl = st->g.prod[k];
-                    la.s[sl] = TAKEF(&cv, B * (size_t)slot_T(a, s, sl, T) * (size_t)st->g.slot[sl].width);
+                    const size_t n = B * (size_t)slot_T(a, s, sl, T) * (size_t)st->g.slot[sl].width;
+                    if (a->act16 && st->g.slot[sl].kind == FL_GSLOT_WIDE) la.s16[sl] = take(&cv, n * sizeof(uint16_t));
+                    else la.s[sl] = TAKEF(&cv, n);
                 }
             }
             if (!base) continue;
@@ -164,9 +175,12 @@ fl_status fl_model_alloc_acts_s2s(fl_model *m, int B, int Ts, int Tt) {
         return fl_errorf(FL_ERR_OOM, "activation views: out of host memory");
     }
     acts->s2s = a;
-    acts->act_dtype = FL_F32;
+    /* the bf16 policies save the blocks' WIDE slots in bf16 (not with checkpointing, which saves the stream only) */
+    const fl_dtype adt = m->prec.name ? m->prec.act_dtype : FL_F32;
+    a->act16 = adt != FL_F32 && !m->act_ckpt ? adt : (fl_dtype)0;
+    acts->act_dtype = a->act16 ? adt : FL_F32;
     m->acts = acts;
-    m->act_dtype = FL_F32;
+    m->act_dtype = acts->act_dtype;
     a->B = B;
     fl_model_graph mg;
     fl_status s = fl_model_graph_build(&m->cfg, &mg);
@@ -227,17 +241,20 @@ void fl_s2s_live_bytes(const fl_model *m, int train, size_t *acts, size_t *work)
     for (int s = 0; train && s < a->n_stacks; s++) {
         const s2s_stack *st = &a->st[s];
         const size_t T = (size_t)a->T[s], N = B * T;
-        size_t blk = 0;
+        size_t blk = 0, blk16 = 0; /* a block's saved fp32 elements, 16-bit ones */
         for (int k = 0; k < st->g.n_prod; k++) {
             const int sl = st->g.prod[k];
-            blk += B * (size_t)slot_T(a, s, sl, a->T) * (size_t)st->g.slot[sl].width;
+            const size_t n = B * (size_t)slot_T(a, s, sl, a->T) * (size_t)st->g.slot[sl].width;
+            if (a->act16 && st->g.slot[sl].kind == FL_GSLOT_WIDE) blk16 += n;
+            else blk += n;
         }
-        ac += ((size_t)st->L + 1) * N * C + (st->L > 0 ? (m->act_ckpt ? 1 : (size_t)st->L) : 0) * blk + N;
-        if (s + 1 < a->n_stacks && a->st[s + 1].xslot >= 0) ac += N * C;
+        const size_t nb = st->L > 0 ? (m->act_ckpt ? 1 : (size_t)st->L) : 0;
+        ac += (((size_t)st->L + 1) * N * C + nb * blk + N) * f + nb * blk16 * sizeof(uint16_t);
+        if (s + 1 < a->n_stacks && a->st[s + 1].xslot >= 0) ac += N * C * f;
         wk += NH * T * T * f + T * T * sizeof(int32_t) + N * sizeof(int32_t);
     }
     if (train) wk += (a->kmask_on ? B * (size_t)a->T[0] : 0) + B * (size_t)a->T[a->n_stacks - 1] * C * f;
-    *acts = ac * f;
+    *acts = ac;
     *work = wk;
 }
 
@@ -391,6 +408,23 @@ static fl_block_ctx stack_ctx(const struct fl_s2s_acts *a, int s, float *const *
     return x;
 }
 
+/* 16-bit saved activations: block l of stack st's WIDE slots from the shared fp32 buffer into its 16-bit copies
+ * (narrow, after its training forward) or back (before its backward); no-ops otherwise */
+static fl_status saved16(const fl_model *m, const s2s_stack *st, int l, int narrow) {
+    const struct fl_s2s_acts *a = m->acts->s2s;
+    if (!a->act16) return FL_OK;
+    const int s = (int)(st - a->st);
+    const fl_layer_acts *la = &st->layer[l];
+    for (int k = 0; k < st->g.n_prod; k++) {
+        const int sl = st->g.prod[k];
+        if (st->g.slot[sl].kind != FL_GSLOT_WIDE) continue;
+        const size_t n = (size_t)a->Bp * (size_t)slot_T(a, s, sl, a->T) * (size_t)st->g.slot[sl].width;
+        if (narrow) FL_TRY(m->be->convert(m->be, la->s16[sl], a->act16, la->s[sl], FL_F32, n));
+        else FL_TRY(m->be->convert(m->be, la->s[sl], FL_F32, la->s16[sl], a->act16, n));
+    }
+    return FL_OK;
+}
+
 static fl_status check_model(const fl_model *m, const char *fn) {
     if (!m->acts || !m->acts->s2s)
         return fl_errorf(FL_ERR_INVALID, "%s: activations not allocated (call fl_model_alloc_acts_s2s)", fn);
@@ -456,6 +490,7 @@ static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, con
                 fl_get_block(m, &st->g, st->l0 + l, &bp);
                 fl_block_ctx x = stack_ctx(a, s, NULL);
                 FL_TRY(fl_block_forward(m, &st->g, &bp, st->layer[l].s, &x));
+                if (grad_scale > 0) FL_TRY(saved16(m, st, l, 1));
                 fl_store_release(m->store, st->l0 + l + 1);
             }
             break;
@@ -566,6 +601,7 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, co
             FL_TRY(fl_block_forward(m, &st->g, &bp, st->layer[l].s, &x));
             m->ckpt_recomputed++;
         }
+        FL_TRY(saved16(m, st, l, 0));
         x.dattn_bias = st->dbias;
         stage_open(m, st->l0 + l + 1);
         FL_TRY(fl_block_backward(m, &st->g, &bp, st->layer[l].s, a->gb, &x));
@@ -665,6 +701,9 @@ static fl_status s2s_generate(fl_model *m, const int32_t *src, const uint8_t *sr
         if (src[i] < 0 || src[i] >= V)
             return fl_errorf(FL_ERR_INVALID, "source token id %d at position %d is outside the vocabulary [0, %d)",
                              src[i], i, V);
+    /* 16-bit saved activations: the blocks share one fp32 buffer of the WIDE slots (q|k|v among them), so the decoder
+     * reruns its prefix for each token (the cache's ids: the same computation on the same keys) */
+    if (a->act16) kv_cache = 0;
     if (kv_cache && m->act_ckpt) /* the blocks share one set of slots there: no room for each block's keys */
         return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_generate_s2s: the KV cache needs an arena without activation "
                          "checkpointing (or kv_cache 0)");
