@@ -71,6 +71,10 @@ static inline int fl_cu_attention_tc_supported(const fl_attn_desc *a, const floa
     int P##attention_backward_fa2(const fl_attn_desc *a, float *dq, float *dk, float *dv, const float *dout,    \
                                   const float *q, const float *k, const float *v, const uint8_t *kmask,        \
                                   const float *out, const float *lse, void *work, void *stream);               \
+    /* dst (rows, cols; fp32, row stride ldd) += src (rows, cols; bf16 or fp16, row stride lds): cuDNN's      \
+     * 16-bit attention gradients into the fp32 ones (kernels/attn_cudnn.cu) */                           \
+    int P##attention_acc2d(float *dst, size_t ldd, const uint16_t *src, fl_dtype st, size_t lds, int rows,     \
+                           int cols, void *stream);                                                         \
     /* one warp: d (16x8) = a (16x16) b (16x8) + c through fl_cu_mma_bf16_16816 (row-major, bf16 a, b) */     \
     int P##mma_bf16_check(float *d, const uint16_t *a, const uint16_t *b, const float *c, void *stream);
 
