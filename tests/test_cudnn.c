@@ -314,3 +314,24 @@ FL_TEST(cudnn_acc2d_kernel) {
     free(dst), free(want), free(src);
 }
 #endif
+
+#ifdef FL_HAVE_CUDA_EMU
+#include "fitllm/selftest.h"
+/* `selftest`'s attention section on the emulator: cuDNN not available (said, not a failure), the own
+ * and legacy kernels within the bf16 bound of float64 */
+FL_TEST(cudnn_selftest_choices_emu) {
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    fl_selftest_result r;
+    setenv("FITLLM_CUDA_ATTN", "fp32", 1); /* put back after */
+    FL_REQUIRE_OK(fl_selftest_attention_choices("cuda-emu", 1, f, &r));
+    fclose(f);
+    FL_CHECK(!strcmp(getenv("FITLLM_CUDA_ATTN"), "fp32"));
+    unsetenv("FITLLM_CUDA_ATTN");
+    FL_CHECKF(r.n_cases == 4 && r.n_fail == 0, "%d cases, %d failed:\n%s", r.n_cases, r.n_fail, buf);
+    FL_CHECKF(strstr(buf, "cudnn  not available") && strstr(buf, "attention own    B1 T40") &&
+                  strstr(buf, "attention legacy B1 T33"), "%s", buf);
+    free(buf);
+}
+#endif
