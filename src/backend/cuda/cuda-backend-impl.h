@@ -57,6 +57,7 @@ typedef struct {
     double *scalars;       /* device: [0] sumsq result, [1..PARTS] partials; int flag after */
     fl_dtype compute;      /* set_compute_dtype: FL_BF16 = tensor-core attention where it applies */
     int attn;              /* FITLLM_CUDA_ATTN: fl_cudnn_attn_choice (cudnn-impl.h; cuda-work-ops-impl.h) */
+    int det;               /* FITLLM_CUDA_DETERMINISTIC=1: the fa2 backward's dq in key-block order, no cuDNN backward */
     struct flb_cudnn *dnn; /* cuDNN's attention (the plugin, when it loaded: cuda-cudnn-impl.h), else NULL */
     fl_status err;         /* sticky: the first failure */
     char errmsg[384];
@@ -573,6 +574,8 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     }
     const char *ea = getenv("FITLLM_CUDA_ATTN");
     im->attn = fl_cudnn_attn_parse(ea);
+    const char *ed = getenv("FITLLM_CUDA_DETERMINISTIC");
+    im->det = ed && *ed && strcmp(ed, "0") != 0;
     s = im->attn < 0 ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_ATTN=%s: expected 'auto' (cuDNN's fused "
                                  "attention where it loads and takes the shape, else 'own'), 'cudnn' (cuDNN, "
                                  "experimental), 'own' (bf16 runs: the FlashAttention-2-structured kernels, "

@@ -154,7 +154,8 @@ static int flb_cudnn_backward(const fl_backend *be, const fl_attn_desc *a, float
                               const float *dout, const float *q, const float *k, const float *v, const float *bias,
                               const uint8_t *kmask, const float *out, const float *lse, void *work, fl_status *st) {
     flb_impl *im = FLB_IMPL(be);
-    if (!im->dnn || im->compute != FL_BF16 || fl_cudnn_sdpa_refuse(a, bias, kmask)) return 0;
+    /* FITLLM_CUDA_DETERMINISTIC: the own backward, whose dq adds run in a fixed order */
+    if (!im->dnn || im->det || im->compute != FL_BF16 || fl_cudnn_sdpa_refuse(a, bias, kmask)) return 0;
     fl_cudnn_sdpa_layout L;
     fl_cudnn_sdpa_layout_of(a, FL_BF16, &L);
     fl_cudnn_plan *p = flb_dnn_plan(im, &L, 1);

@@ -118,8 +118,8 @@ static fl_status flb_attention_backward(const fl_backend *be, const fl_attn_desc
         return st;
     if (tc == FLB_ATTN_OWN + 1)
         return flb_attn_status(be,
-                               FLB_K(attention_backward_fa2)(a, dq, dk, dv, dout, q, k, v, kmask, out, lse, work,
-                                                             STREAM),
+                               FLB_K(attention_backward_fa2_ex)(a, dq, dk, dv, dout, q, k, v, kmask, out, lse, work,
+                                                                FLB_IMPL(be)->det, STREAM),
                                "attention_backward");
     if (tc)
         return flb_attn_status(be,
