@@ -137,6 +137,8 @@ static void usage(FILE *f) {
                "               file), else own, said once; cudnn = require it; own = FlashAttention-2-structured\n"
                "               kernels, EXPERIMENTAL (checked on the CUDA emulator, not yet timed on a GPU); legacy =\n"
                "               the earlier tensor-core kernels; fp32 = the fp32 kernels. `fitllm selftest` compares them\n");
+    fprintf(f, "\n  FITLLM_CUDA_DETERMINISTIC=1 (environment): the own attention backward adds dq across key blocks in a\n"
+               "               fixed order (the same bits every run, somewhat slower; cuDNN's backward is then not used)\n");
     fprintf(f, "\nexit codes: 0 ok, 1 runtime error, 2 usage error, 3 out of memory\n");
 }
 
