@@ -21,16 +21,10 @@
 #ifdef FL_HAVE_CUDA_EMU
 #include "backend/cuda/cu_kernels.h"
 #include "backend/cuda/emu/cu_emu.h"
+#include "cuda_emu_test.h"
 
 static const uint64_t k_seeds[] = {0x51ed5eedull, 0xc0ffee11ull};
 
-#define EMU_OK(call)                                                                                   \
-    do {                                                                                               \
-        fl_cu_emu_clear_error();                                                                       \
-        int rc_ = (call);                                                                              \
-        FL_CHECKF(rc_ == 0 && !fl_cu_emu_error(), "%s -> %d (%s)", #call, rc_,                          \
-                  fl_cu_emu_error() ? fl_cu_emu_error() : "no emulator error");                        \
-    } while (0)
 
 /* want16 = RNE(y), y = its widening (what round16 leaves) */
 static void round_ref(float *y, uint16_t *want16, size_t n) {
@@ -141,6 +135,22 @@ FL_TEST(cuda_bf16_add16) {
     add16_case(300001);
 }
 
+/* rope_forward16 / rope_backward16 (bwd) from x under both seeds: got and g16 equal want and w16 bit for bit */
+static void rope16_same(int bwd, const float *x, float *got, uint16_t *g16, const float *want, const uint16_t *w16,
+                        int B, int T, int nh, int HD, int width, const float *cs, const float *sn, int pos0) {
+    const size_t n = (size_t)B * T * width;
+    for (int k = 0; k < 2; k++) {
+        fl_cu_emu_set_seed(k_seeds[k]);
+        memcpy(got, x, n * 4);
+        memset(g16, 0xff, n * 2);
+        if (bwd) EMU_OK(fl_cuemu_rope_backward16(got, g16, B, T, nh, HD, width, cs, sn, pos0, NULL));
+        else EMU_OK(fl_cuemu_rope_forward16(got, g16, B, T, nh, HD, width, cs, sn, pos0, NULL));
+        FL_CHECKF(!memcmp(got, want, n * 4) && !memcmp(g16, w16, n * 2),
+                  "rope_%s16 B=%d T=%d nh=%d HD=%d width=%d: not the fp32 rope + its bf16 copy (forward: x rounded)",
+                  bwd ? "backward" : "forward", B, T, nh, HD, width);
+    }
+}
+
 /* rope_forward16 over fused q|k|v rows: nh rotated heads of HD, then tail floats stored only */
 static void rope16_case(int B, int T, int nh, int HD, int tail, int pos0) {
     const int width = nh * HD + tail, H = HD / 2, maxT = pos0 + T;
@@ -169,28 +179,14 @@ static void rope16_case(int B, int T, int nh, int HD, int tail, int pos0) {
             }
     }
     round_ref(want, w16, n);
-    for (int k = 0; k < 2; k++) {
-        fl_cu_emu_set_seed(k_seeds[k]);
-        memcpy(got, x, n * 4);
-        memset(g16, 0xff, n * 2);
-        EMU_OK(fl_cuemu_rope_forward16(got, g16, B, T, nh, HD, width, cs, sn, pos0, NULL));
-        FL_CHECKF(!memcmp(got, want, n * 4) && !memcmp(g16, w16, n * 2),
-                  "rope_forward16 B=%d T=%d nh=%d HD=%d tail=%d: not rope + round16", B, T, nh, HD, tail);
-    }
+    rope16_same(0, x, got, g16, want, w16, B, T, nh, HD, width, cs, sn, pos0);
     /* |x0 c| + |x1 s| <= 2 * 3: two products and a sum rounded in fp32, 3 * 2^-24 * 6 */
     FL_CHECK(near64("rope_forward16", got, w64, n, 3 * 6 * ldexp(1, -24)));
     /* the backward: rope_backward's bits in dx (unrounded) and their bf16 copy over the whole rows */
     memcpy(want, x, n * 4);
     EMU_OK(fl_cuemu_rope(want, B, T, nh, HD, (size_t)width, cs, sn, pos0, 1, NULL));
     FL_REQUIRE_OK(fl_convert(w16, FL_BF16, want, FL_F32, n));
-    for (int k = 0; k < 2; k++) {
-        fl_cu_emu_set_seed(k_seeds[k]);
-        memcpy(got, x, n * 4);
-        memset(g16, 0xff, n * 2);
-        EMU_OK(fl_cuemu_rope_backward16(got, g16, B, T, nh, HD, width, cs, sn, pos0, NULL));
-        FL_CHECKF(!memcmp(got, want, n * 4) && !memcmp(g16, w16, n * 2),
-                  "rope_backward16 B=%d T=%d nh=%d HD=%d tail=%d: not rope_backward + its bf16 copy", B, T, nh, HD, tail);
-    }
+    rope16_same(1, x, got, g16, want, w16, B, T, nh, HD, width, cs, sn, pos0);
     FL_CHECK(fl_cuemu_rope_forward16(got, g16, B, T, nh, HD + 1, width, cs, sn, pos0, NULL) != 0); /* odd HD */
     FL_CHECK(fl_cuemu_rope_forward16(got, g16, B, T, nh + 1, HD, nh * HD, cs, sn, pos0, NULL) != 0); /* too narrow */
     free(x); free(cs); free(sn); free(want); free(got); free(w16); free(g16); free(w64);

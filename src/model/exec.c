@@ -20,13 +20,23 @@
 
 /* ---- running ------------------------------------------------------------------------------ */
 
-static void rope(const fl_model *m, float *x, int bwd, const fl_block_ctx *c, size_t row) {
+/* x16 (NULL or): the q|k|v rows' bf16 copy, written in the same pass where the backend has the variant (forward:
+ * stored, x rounded too; backward: the next LINEAR's dy, x not rounded; issue 30 item 1): *done16 = 1. */
+static fl_status rope(const fl_model *m, float *x, void *x16, int *done16, int bwd, const fl_block_ctx *c,
+                      size_t row) {
     const fl_backend *be = m->be;
     fl_dims d = fl_model_dims(&m->cfg);
+    fl_status (*f16)(const fl_backend *, float *, void *, int, int, int, int, int, const float *, const float *, int) =
+        bwd ? be->rope_backward16 : be->rope_forward16;
+    if (x16 && f16 && d.QD == d.NH * d.HD) { /* the q and k heads are consecutive: one pass over the rows */
+        *done16 = 1;
+        return f16(be, x, x16, c->B, c->T, d.NH + d.NKV, d.HD, (int)row, c->rope_cos, c->rope_sin, c->pos0);
+    }
     void (*f)(const fl_backend *, float *, int, int, int, int, size_t, const float *, const float *, int) =
         bwd ? be->rope_backward : be->rope_forward;
     f(be, x, c->B, c->T, d.NH, d.HD, row, c->rope_cos, c->rope_sin, c->pos0);        /* q heads */
     f(be, x + d.QD, c->B, c->T, d.NKV, d.HD, row, c->rope_cos, c->rope_sin, c->pos0); /* k heads */
+    return FL_OK;
 }
 
 /* Generation: append the rows' K and V (after RoPE) to the layer's cache, (NKV, max_T, HD) per layer. */
@@ -241,16 +251,7 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
             FL_TRY(fl_linear_forward_ex(be, out, in, in16, lin, N));
             break;
         }
-        case FL_GOP_ROPE: {
-            fl_dims d = fl_model_dims(&m->cfg);
-            if (o16 && be->rope_forward16 && d.QD == d.NH * d.HD) { /* the q and k heads are consecutive */
-                FL_TRY(be->rope_forward16(be, in, o16, x->B, x->T, d.NH + d.NKV, d.HD, (int)wi, x->rope_cos,
-                                          x->rope_sin, x->pos0));
-                done16 = 1;
-            } else
-                rope(m, in, 0, x, wi);
-            break;
-        }
+        case FL_GOP_ROPE: FL_TRY(rope(m, in, o16, &done16, 0, x, wi)); break;
         case FL_GOP_ATTN: FL_TRY(attn_forward(m, g, o, s, x)); break;
         case FL_GOP_ADD: {
             /* a residual add straight into an RMSNorm of its sum: one fused op (issue 30 item 4; the CPU's is the
@@ -349,16 +350,7 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
             FL_TRY(fl_linear_backward_dy16(be, din, o->acc, dout, ready, s[o->in], x->s16 ? x->s16[o->in] : NULL,
                                            &bp->lin[o->p], N));
             break;
-        case FL_GOP_ROPE: {
-            fl_dims d = fl_model_dims(&m->cfg);
-            if (dy16 && d.QD == d.NH * d.HD) {
-                FL_TRY(be->rope_backward16(be, din, dy16, x->B, x->T, d.NH + d.NKV, d.HD, (int)wi, x->rope_cos,
-                                           x->rope_sin, x->pos0));
-                dy16_ready = 1;
-            } else
-                rope(m, din, 1, x, wi);
-            break;
-        }
+        case FL_GOP_ROPE: FL_TRY(rope(m, din, dy16, &dy16_ready, 1, x, wi)); break;
         case FL_GOP_ATTN: FL_TRY(attn_backward(m, g, o, s, gb, x, din, dout)); break;
         case FL_GOP_SWIGLU: be->swiglu_backward(be, din, dout, s[o->in], N, (int)wo); break;
         case FL_GOP_GELU: be->gelu_backward(be, din, dout, s[o->in], (size_t)N * wi); break;
