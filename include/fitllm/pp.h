@@ -57,6 +57,7 @@ fl_status fl_pp_stage_config(const fl_model_config *whole, int first, int last, 
 /* The whole layout's entry of the stage's entry i (-1: none), and whether the stage trains entry i. */
 int fl_pp_stage_entry(const fl_param_layout *whole, const fl_param_layout *stage, int first, int i);
 int fl_pp_stage_owns(const fl_model *stage, int i);
+int fl_pp_layout_owns(const fl_param_layout *stage, int in, int out, int i); /* the same, of a stage's layout */
 /* The stage's parameters copied out of a model of the whole config (fp32 through the host, entry by entry). */
 fl_status fl_pp_stage_take(const fl_model *whole, fl_model *stage, int first);
 /* in: the blocks' input comes from the previous stage; out: the forward ends after the blocks. A model that ties
@@ -103,6 +104,9 @@ fl_status fl_pp_optim_attach(fl_pp *p, fl_optimizer *o);
  * first, the targets on the last are what is read); the losses come back on every stage (c->mb_stats, res->loss). A
  * non-finite loss (no loss scaling) fails every stage after the schedule, before the update (c->failed_k). */
 fl_status fl_pp_step_run(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, fl_step_result *res);
+/* An inference forward with targets through the stages (validation): every stage's m->loss_sum and m->n_valid
+ * are the last stage's afterwards. */
+fl_status fl_pp_eval(fl_pp *p, const int32_t *ids, const int32_t *targets, int B, int T);
 
 #ifdef __cplusplus
 }

@@ -50,13 +50,15 @@ int fl_pp_stage_entry(const fl_param_layout *whole, const fl_param_layout *stage
     return j < whole->n && whole->params[j].numel == stage->params[i].numel ? j : -1;
 }
 
-int fl_pp_stage_owns(const fl_model *m, int i) {
+int fl_pp_layout_owns(const fl_param_layout *lay, int in, int out, int i) {
     int k;
-    const int g = entry_group(&m->layout, i, &k);
-    if (g == 0) return !m->stage.in;
-    if (g == m->layout.n_groups - 1) return !m->stage.out;
+    const int g = entry_group(lay, i, &k);
+    if (g == 0) return !in;
+    if (g == lay->n_groups - 1) return !out;
     return 1;
 }
+
+int fl_pp_stage_owns(const fl_model *m, int i) { return fl_pp_layout_owns(&m->layout, m->stage.in, m->stage.out, i); }
 
 fl_status fl_pp_stage_take(const fl_model *whole, fl_model *stage, int first) {
     size_t most = 0;

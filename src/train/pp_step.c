@@ -267,3 +267,23 @@ fl_status fl_pp_step_run(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
     if (res) *res = rs;
     return FL_OK;
 }
+
+fl_status fl_pp_eval(fl_pp *p, const int32_t *ids, const int32_t *targets, int B, int T) {
+    fl_model *m = p->m;
+    const size_t n = (size_t)B * T * m->cfg.dim;
+    if (n > p->hx_n) return fl_errorf(FL_ERR_INVALID, "pipeline: batch (%d, %d) exceeds the stage's arena", B, T);
+    if (p->stage > 0) {
+        FL_TRY(fl_comm_recv(p->comm, p->hx, n, FL_F32, p->stage - 1, TAG_ACT));
+        FL_TRY(fl_model_stage_input(m, p->hx, B, T));
+    }
+    FL_TRY(fl_model_forward(m, ids, targets, B, T, 0.0f, NULL));
+    if (p->stage < p->stages - 1) {
+        FL_TRY(fl_model_stage_output(m, p->hx));
+        FL_TRY(fl_comm_send(p->comm, p->hx, n, FL_F32, p->stage + 1, TAG_ACT));
+    }
+    double v[2] = {m->loss_sum, (double)m->n_valid};
+    FL_TRY(fl_comm_broadcast(p->comm, v, 4, FL_F32, p->stages - 1));
+    m->loss_sum = v[0];
+    m->n_valid = (long)v[1];
+    return FL_OK;
+}

@@ -26,7 +26,7 @@ static fl_status train_step(trainer *t, long iter0, long step_valid, float lr, f
                      .max_norm = cfg->train.max_norm, .dp = &t->dp, .seeded = 1,
                      .seed = cfg->seed * 0x9e3779b97f4a7c15ULL, .iter0 = iter0,
                      .mb_stats = t->buf.mb_stats + (size_t)t->dp.rank * 2 * t->sch.accum, .mb_ms = t->buf.mb_ms};
-    fl_status s = fl_step_run(&t->model, &t->opt, &c, sr);
+    fl_status s = t->pp.size > 1 ? fl_pp_step_run(&t->pp.rt, &t->opt, &c, sr) : fl_step_run(&t->model, &t->opt, &c, sr);
     if (s == FL_OK) return s;
     long it = c.failed_k < t->sch.accum ? iter0 + (long)c.failed_k * t->dp.world + t->dp.rank + 1 : iter0 + t->sch.G;
     return fl_tr_diverged(t, s, t->st.step + 1, it);
@@ -197,7 +197,7 @@ typedef struct {
 static fl_status run_checks(trainer *t, fl_comm *comm, fl_precision *prec) {
     const fl_run_config *cfg = t->cfg;
     FL_TRY(fl_cfg_validate(cfg));
-    const int ranks = t->dp.world * (t->tp.size > 1 ? t->tp.size : 1); /* the grid: data x tensor parallel */
+    const int ranks = t->dp.world * (t->tp.size > 1 ? t->tp.size : 1) * (t->pp.size > 1 ? t->pp.size : 1); /* the grid */
     if (cfg->devices * cfg->num_nodes != ranks)
         return fl_errorf(FL_ERR_INVALID, "devices x num_nodes = %d x %d = %d ranks, but this run has %d (%s): give "
                          "--devices %d, or launch %d ranks (mpirun -np %d)", cfg->devices, cfg->num_nodes,
@@ -540,6 +540,7 @@ static fl_status finish(trainer *t, run_loop *L) {
     FL_TRY(fl_tr_diverged(t, fl_tr_check_weights(t), t->st.step, t->st.iter));
     if (t->model.lora && L->lead) FL_TRY(fl_model_lora_merge(&t->model));
     if (t->tp.size > 1) FL_TRY(fl_tr_tp_save(t, L->lead, "final", &t->opt, &t->st));
+    else if (t->pp.size > 1) FL_TRY(fl_tr_pp_save(t, L->lead, "final", &t->opt, &t->st));
     else FL_TRY(fl_dp_ckpt_save(&t->dp, L->lead, cfg->out_dir, "final", &t->model, t->model.lora ? NULL : &t->opt,
                                 t->model.lora ? NULL : &t->st, cfg, t->in.tok_dir[0] ? t->in.tok_dir : NULL));
     snprintf(r->final_dir, sizeof r->final_dir, "%s/final", cfg->out_dir);
