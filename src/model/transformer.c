@@ -352,7 +352,9 @@ static fl_status run_backward(fl_model *m, const float *dhidden) {
     PP_RELEASE(HG);
     PP_READY(HG);
     FL_TRY(blocks_backward(m, B, T)); // d res[0] in dres
-    if (m->stage.in) { /* a later pipeline stage: d res[0] goes to the previous one (fl_model_stage_dinput) */
+    if (m->stage.in) { /* a later pipeline stage: d res[0] goes to the previous one (fl_model_stage_dinput); the
+                        * embeddings' gradients (none here) are ready as they are */
+        PP_READY(0);
         m->fwd_train = 0;
         return FL_OK;
     }
