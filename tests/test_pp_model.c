@@ -12,6 +12,7 @@
 #include "fitllm/comm.h"
 #include "fitllm/model.h"
 #include "fitllm/pp.h"
+#include "fitllm/precision.h"
 #include "fitllm/train.h"
 #include "test.h"
 
@@ -21,6 +22,7 @@ typedef struct {
     fl_model_config cfg;
     float max_norm;
     fl_pp_schedule kind;
+    int prec, act_ckpt;      /* precision (fl_precision_kind; 0: 32-true), activation checkpointing */
     int32_t ids[PM][PB * PT], tg[PM][PB * PT];
     double loss[8][PSTEPS];  /* per stage */
     int peak[8], want_peak[8];
@@ -57,6 +59,20 @@ static fl_status run_steps(fl_model *m, fl_optimizer *o, fl_pp *p, pp_case *c, d
     return FL_OK;
 }
 
+/* a model of cfg with c's precision's storage; then, with its weights in place, the policy and checkpointing */
+static fl_status make_model(const pp_case *c, const fl_model_config *cfg, const fl_backend *be, fl_mem_pool *pool,
+                            fl_model *m) {
+    fl_model_storage st;
+    fl_model_storage_for(fl_precision_get((fl_precision_kind)c->prec), &st);
+    return fl_model_init_ex(m, cfg, be, pool, &st);
+}
+
+static fl_status policy(const pp_case *c, fl_model *m) {
+    FL_TRY(fl_model_set_precision(m, fl_precision_get((fl_precision_kind)c->prec)));
+    m->act_ckpt = c->act_ckpt;
+    return FL_OK;
+}
+
 /* one process */
 static void single(pp_case *c, double *loss, float **params) {
     fl_backend be;
@@ -65,8 +81,9 @@ static void single(pp_case *c, double *loss, float **params) {
     fl_optimizer o;
     FL_REQUIRE_OK(fl_test_backend(&be, 1));
     FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &hpool, be.name, 0));
-    FL_REQUIRE_OK(fl_model_init(&m, &c->cfg, &be, &pool));
+    FL_REQUIRE_OK(make_model(c, &c->cfg, &be, &pool, &m));
     fl_model_init_random(&m, 7);
+    FL_REQUIRE_OK(policy(c, &m));
     FL_REQUIRE_OK(fl_model_alloc_grads(&m));
     FL_REQUIRE_OK(fl_model_alloc_acts(&m, PB, PT));
     fl_optim_config oc;
@@ -94,11 +111,12 @@ static fl_status stage_rank(fl_comm *comm, int s, void *ud) {
     fl_model_config sc;
     FL_TRY(fl_test_backend(&be, 1));
     FL_TRY(fl_backend_pools_init(&be, &pool, &hpool, be.name, 0));
-    FL_TRY(fl_model_init(&whole, &c->cfg, &be, &pool));
+    FL_TRY(make_model(c, &c->cfg, &be, &pool, &whole));
     fl_model_init_random(&whole, 7);
     FL_TRY(fl_pp_stage_config(&c->cfg, c->first[s], c->first[s + 1], &sc));
-    FL_TRY(fl_model_init(&m, &sc, &be, &pool));
+    FL_TRY(make_model(c, &sc, &be, &pool, &m));
     FL_TRY(fl_pp_stage_take(&whole, &m, c->first[s]));
+    FL_TRY(policy(c, &m));
     FL_TRY(fl_model_alloc_grads(&m));
     FL_TRY(fl_model_alloc_acts(&m, PB, PT));
     fl_optim_config oc;
@@ -142,8 +160,9 @@ static void check_pipeline(pp_case *c, int S, int exact, const double *want, con
             const double d = fabs(c->loss[s][st] - want[st]) / fabs(want[st]);
             if (d > worst) worst = d;
             if (exact || st == 0) /* the first step's loss precedes any update: the same bits in every case */
-                FL_CHECKF(c->loss[s][st] == want[st], "%s S %d stage %d step %d: loss %.9g, one process %.9g",
-                          fl_pp_schedule_name(c->kind), S, s, st, c->loss[s][st], want[st]);
+                FL_CHECKF(c->loss[s][st] == want[st], "%s S %d (%s%s) stage %d step %d: loss %.9g, one process %.9g",
+                          fl_pp_schedule_name(c->kind), S, fl_precision_get((fl_precision_kind)c->prec)->name,
+                          c->act_ckpt ? ", checkpointing" : "", s, st, c->loss[s][st], want[st]);
         }
     FL_CHECKF(worst <= 1e-6, "%s S %d: losses %.3g relative from one process's", fl_pp_schedule_name(c->kind), S, worst);
     for (int s = 0; s < S; s++)
@@ -174,6 +193,28 @@ FL_TEST(pp_model_untied_equals_single_process) {
             check_pipeline(&c, S, 1, want, wp);
         }
     free(wp);
+}
+
+/* activation checkpointing (the block recomputed from the stashed input; the last block's kept activations stashed
+ * with the rest) and the 16-bit policies (bf16-mixed's compute copy, bf16-true's bf16 storage and saved activations):
+ * the same bits as one process under each */
+FL_TEST(pp_model_ckpt_and_precisions_equal_single_process) {
+    static pp_case c;
+    const int precs[3] = {FL_PREC_32_TRUE, FL_PREC_BF16_MIXED, FL_PREC_BF16_TRUE};
+    for (int v = 0; v < 6; v++) { /* each precision under both schedules, checkpointing in half of them */
+        memset(&c, 0, sizeof c);
+        FL_REQUIRE_OK(fl_preset_find("micro", &c.cfg));
+        c.cfg.tie_embeddings = 0;
+        c.prec = precs[v / 2];
+        c.act_ckpt = (v / 2 + v % 2) % 2;
+        case_data(&c);
+        double want[PSTEPS];
+        float *wp = NULL;
+        single(&c, want, &wp);
+        c.kind = v % 2 ? FL_PP_GPIPE : FL_PP_1F1B;
+        check_pipeline(&c, 3, 1, want, wp);
+        free(wp);
+    }
 }
 
 FL_TEST(pp_model_tied_and_clipped_within_noise) {

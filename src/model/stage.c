@@ -77,6 +77,7 @@ fl_status fl_pp_stage_take(const fl_model *whole, fl_model *stage, int first) {
         fl_model_write_param(stage, i, w);
     }
     free(w);
+    fl_model_sync_compute_copy(stage); /* bf16-mixed: the copy the matmuls read */
     return FL_OK;
 }
 
@@ -114,7 +115,7 @@ fl_status fl_model_stage_dinput(const fl_model *m, float *dx, int B, int T) {
 
 struct fl_stage_stash {
     void *acts, *ids, *dlnf;  /* the model's memory: the ACTS arena, the token ids, d(lnf) (the last stage) */
-    int fwd_B, fwd_T, fwd_train, ckpt_last_live;
+    int fwd_B, fwd_T, fwd_train;
 };
 
 size_t fl_model_stage_stash_bytes(const fl_model *m) {
@@ -154,7 +155,7 @@ fl_status fl_model_stage_stash_save(fl_model *m, fl_stage_stash *s) {
     FL_TRY(be->copy(be, s->acts, m->acts_arena, m->sizes.acts_bytes));
     FL_TRY(be->copy(be, s->ids, m->acts->ids, N * sizeof(int32_t)));
     if (s->dlnf) FL_TRY(be->copy(be, s->dlnf, m->acts->buf1, N * m->cfg.dim * sizeof(float)));
-    s->fwd_B = m->fwd_B, s->fwd_T = m->fwd_T, s->fwd_train = m->fwd_train, s->ckpt_last_live = m->ckpt_last_live;
+    s->fwd_B = m->fwd_B, s->fwd_T = m->fwd_T, s->fwd_train = m->fwd_train;
     return FL_OK;
 }
 
@@ -164,6 +165,14 @@ fl_status fl_model_stage_stash_restore(fl_model *m, const fl_stage_stash *s) {
     FL_TRY(be->copy(be, m->acts_arena, s->acts, m->sizes.acts_bytes));
     FL_TRY(be->copy(be, m->acts->ids, s->ids, N * sizeof(int32_t)));
     if (s->dlnf) FL_TRY(be->copy(be, m->acts->buf1, s->dlnf, N * m->cfg.dim * sizeof(float)));
-    m->fwd_B = s->fwd_B, m->fwd_T = s->fwd_T, m->fwd_train = s->fwd_train, m->ckpt_last_live = s->ckpt_last_live;
+    /* checkpointing: the last block's kept activations may live outside the arena (16-bit saved activations: the
+     * shared fp32 buffer, which later forwards overwrote): it is recomputed from its saved input instead, the same
+     * ops in the same order (the same bits) */
+    m->fwd_B = s->fwd_B, m->fwd_T = s->fwd_T, m->fwd_train = s->fwd_train, m->ckpt_last_live = 0;
+    /* bf16 stored residuals: the final norm's backward reads res[L]'s fp32 view (WORKSPACE, which later forwards
+     * overwrote), which held res16[L]'s values exactly (fl_acts_store_stream rounds the view too) */
+    const int L = m->cfg.n_layers;
+    if (m->acts->res16 && !m->stage.out)
+        FL_TRY(be->convert(be, m->acts->res[L], FL_F32, m->acts->res16[L], FL_BF16, N * m->cfg.dim));
     return FL_OK;
 }
