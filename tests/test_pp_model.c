@@ -25,7 +25,7 @@ typedef struct {
     int prec, act_ckpt;      /* precision (fl_precision_kind; 0: 32-true), activation checkpointing */
     int32_t ids[PM][PB * PT], tg[PM][PB * PT];
     double loss[8][PSTEPS];  /* per stage */
-    int peak[8], want_peak[8];
+    int peak[8], want_peak[8], slots[8];
     float *params[8];        /* per stage: its fp32 parameters after the run (malloc'd) */
     size_t numel[8];
     int first[9];
@@ -126,6 +126,7 @@ static fl_status stage_rank(fl_comm *comm, int s, void *ud) {
     FL_TRY(fl_pp_optim_attach(&p, &o));
     FL_TRY(run_steps(&m, &o, &p, c, c->loss[s]));
     c->peak[s] = p.peak_in_flight;
+    c->slots[s] = p.n_stash;
     fl_pp_op ops[2 * PM];
     FL_TRY(fl_pp_schedule_ops(c->kind, S, s, PM, ops));
     c->want_peak[s] = fl_pp_in_flight(ops, 2 * PM);
@@ -166,8 +167,9 @@ static void check_pipeline(pp_case *c, int S, int exact, const double *want, con
         }
     FL_CHECKF(worst <= 1e-6, "%s S %d: losses %.3g relative from one process's", fl_pp_schedule_name(c->kind), S, worst);
     for (int s = 0; s < S; s++)
-        FL_CHECKF(c->peak[s] == c->want_peak[s], "%s S %d stage %d: %d micro-batches in flight, pp.h says %d",
-                  fl_pp_schedule_name(c->kind), S, s, c->peak[s], c->want_peak[s]);
+        FL_CHECKF(c->peak[s] == c->want_peak[s] && c->slots[s] == c->want_peak[s] - 1, "%s S %d stage %d: %d "
+                  "micro-batches in flight in the arena and %d stash slots, pp.h says %d in flight",
+                  fl_pp_schedule_name(c->kind), S, s, c->peak[s], c->slots[s], c->want_peak[s]);
     size_t diff = 0;
     for (size_t k = 0; exact && k < c->numel[0]; k++) {
         float v = 0;

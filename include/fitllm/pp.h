@@ -79,6 +79,9 @@ fl_status fl_model_stage_stash_new(fl_model *m, fl_stage_stash **out);
 void fl_model_stage_stash_free(fl_model *m, fl_stage_stash *s);
 fl_status fl_model_stage_stash_save(fl_model *m, fl_stage_stash *s);
 fl_status fl_model_stage_stash_restore(fl_model *m, const fl_stage_stash *s);
+/* The arena's micro-batch and the stash's exchanged (through scratch, the backend's memory, of scratch_bytes): a
+ * schedule that needs another micro-batch's activations back parks the current one in the slot it frees. */
+fl_status fl_model_stage_stash_swap(fl_model *m, fl_stage_stash *s, void *scratch, size_t scratch_bytes);
 
 /* ---- the pipelined step (src/train/pp_step.c) ---- */
 typedef struct {
@@ -90,6 +93,8 @@ typedef struct {
     int n_stash;
     int peak_in_flight;        /* the most micro-batches whose forward ran and backward did not, measured */
     float *hx;                 /* host staging of one micro-batch's (B T, C) stream */
+    void *swap;                /* the stash swap's scratch (WORKSPACE of the model's pool) */
+    size_t swap_bytes;
     size_t hx_n;
     fl_optim_dist dist;        /* the optimizer's hooks: the clipping norm and overflow verdict over the stages */
     const fl_optim_dist *inner; /* the data-parallel axis' (DDP), or NULL */

@@ -159,20 +159,49 @@ fl_status fl_model_stage_stash_save(fl_model *m, fl_stage_stash *s) {
     return FL_OK;
 }
 
+/* after a restore or swap: what the backward reads outside the stash. Checkpointing: the last block's kept
+ * activations may live outside the arena (16-bit saved activations: the shared fp32 buffer, which later forwards
+ * overwrote): it is recomputed from its saved input instead, the same ops in the same order (the same bits). bf16
+ * stored residuals: the final norm's backward reads res[L]'s fp32 view (WORKSPACE, also overwritten), which held
+ * res16[L]'s values exactly (fl_acts_store_stream rounds the view too). */
+static fl_status after_restore(fl_model *m) {
+    const int L = m->cfg.n_layers;
+    m->ckpt_last_live = 0;
+    if (m->acts->res16 && !m->stage.out)
+        FL_TRY(m->be->convert(m->be, m->acts->res[L], FL_F32, m->acts->res16[L], FL_BF16,
+                              (size_t)m->fwd_B * m->fwd_T * m->cfg.dim));
+    return FL_OK;
+}
+
 fl_status fl_model_stage_stash_restore(fl_model *m, const fl_stage_stash *s) {
     const fl_backend *be = m->be;
     const size_t N = (size_t)s->fwd_B * s->fwd_T;
     FL_TRY(be->copy(be, m->acts_arena, s->acts, m->sizes.acts_bytes));
     FL_TRY(be->copy(be, m->acts->ids, s->ids, N * sizeof(int32_t)));
     if (s->dlnf) FL_TRY(be->copy(be, m->acts->buf1, s->dlnf, N * m->cfg.dim * sizeof(float)));
-    /* checkpointing: the last block's kept activations may live outside the arena (16-bit saved activations: the
-     * shared fp32 buffer, which later forwards overwrote): it is recomputed from its saved input instead, the same
-     * ops in the same order (the same bits) */
-    m->fwd_B = s->fwd_B, m->fwd_T = s->fwd_T, m->fwd_train = s->fwd_train, m->ckpt_last_live = 0;
-    /* bf16 stored residuals: the final norm's backward reads res[L]'s fp32 view (WORKSPACE, which later forwards
-     * overwrote), which held res16[L]'s values exactly (fl_acts_store_stream rounds the view too) */
-    const int L = m->cfg.n_layers;
-    if (m->acts->res16 && !m->stage.out)
-        FL_TRY(be->convert(be, m->acts->res[L], FL_F32, m->acts->res16[L], FL_BF16, N * m->cfg.dim));
+    m->fwd_B = s->fwd_B, m->fwd_T = s->fwd_T, m->fwd_train = s->fwd_train;
+    return after_restore(m);
+}
+
+/* a[0..n) <-> b[0..n) through scratch (the backend's memory) of sb bytes */
+static fl_status swap_bytes(const fl_backend *be, void *a, void *b, size_t n, void *scratch, size_t sb) {
+    for (size_t o = 0; o < n; o += sb) {
+        const size_t k = n - o < sb ? n - o : sb;
+        FL_TRY(be->copy(be, scratch, (char *)a + o, k));
+        FL_TRY(be->copy(be, (char *)a + o, (char *)b + o, k));
+        FL_TRY(be->copy(be, (char *)b + o, scratch, k));
+    }
     return FL_OK;
+}
+
+fl_status fl_model_stage_stash_swap(fl_model *m, fl_stage_stash *s, void *scratch, size_t scratch_bytes) {
+    const fl_backend *be = m->be;
+    const size_t N = (size_t)m->B * m->T; /* the arena's rows: both shapes fit */
+    FL_TRY(swap_bytes(be, m->acts_arena, s->acts, m->sizes.acts_bytes, scratch, scratch_bytes));
+    FL_TRY(swap_bytes(be, m->acts->ids, s->ids, N * sizeof(int32_t), scratch, scratch_bytes));
+    if (s->dlnf) FL_TRY(swap_bytes(be, m->acts->buf1, s->dlnf, N * m->cfg.dim * sizeof(float), scratch, scratch_bytes));
+    const int B = m->fwd_B, T = m->fwd_T, tr = m->fwd_train;
+    m->fwd_B = s->fwd_B, m->fwd_T = s->fwd_T, m->fwd_train = s->fwd_train;
+    s->fwd_B = B, s->fwd_T = T, s->fwd_train = tr;
+    return after_restore(m);
 }

@@ -18,6 +18,7 @@ void fl_pp_free(fl_pp *p) {
     for (int i = 0; i < p->n_stash; i++) fl_model_stage_stash_free(p->m, p->stash[i]);
     free(p->stash);
     free(p->hx);
+    if (p->swap) fl_mem_free(p->m->pool, p->swap);
     memset(p, 0, sizeof *p);
 }
 
@@ -32,6 +33,9 @@ fl_status fl_pp_init(fl_pp *p, fl_model *m, fl_comm *comm, fl_pp_schedule kind) 
     p->hx_n = (size_t)m->B * m->T * m->cfg.dim;
     p->hx = malloc(p->hx_n * sizeof *p->hx + 1);
     if (!p->hx) return fl_errorf(FL_ERR_OOM, "pipeline stage %d: out of host memory for the stream's staging", p->stage);
+    const size_t chunk = (size_t)1 << 20;
+    p->swap_bytes = m->sizes.acts_bytes < chunk ? m->sizes.acts_bytes : chunk;
+    if (p->stages > 1) FL_TRY(fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, p->swap_bytes, &p->swap));
     return FL_OK;
 }
 
@@ -154,9 +158,11 @@ static fl_status bwd(run *r, int k) {
     fl_model *m = p->m;
     const fl_micro_batch *mb = &r->c->mbs[k];
     const size_t n = (size_t)mb->B * mb->T * m->cfg.dim;
-    if (r->live != k) {
-        if (r->live >= 0) FL_TRY(park(p, r->live, r->slot_of));
-        FL_TRY(fl_model_stage_stash_restore(m, p->stash[r->slot_of[k]]));
+    if (r->live != k) { /* k back from its slot; the arena's micro-batch (if any) into that slot */
+        const int slot = r->slot_of[k];
+        if (r->live >= 0) FL_TRY(fl_model_stage_stash_swap(m, p->stash[slot], p->swap, p->swap_bytes));
+        else FL_TRY(fl_model_stage_stash_restore(m, p->stash[slot]));
+        if (r->live >= 0) r->slot_of[r->live] = slot;
         r->slot_of[k] = -1;
         r->live = k;
     }
@@ -238,7 +244,12 @@ fl_status fl_pp_step_run(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
     if (s == FL_OK) s = fl_pp_schedule_ops(p->kind, p->stages, p->stage, M, ops);
     if (s == FL_OK) {
         fl_model_zero_grads(p->m);
+        /* the phases of a pipelined step: its schedule (forwards and backwards interleaved), the update; snapshots
+         * before, after the schedule (the micro-batches in flight at its peak) and after the update */
+        fl_mem_snapshot(p->m->pool, "before_fwd");
+        fl_mem_set_phase(p->m->pool, "pipeline schedule");
         s = schedule(&r, ops, 2 * M);
+        if (s == FL_OK) fl_mem_snapshot(p->m->pool, "after_bwd");
     }
     /* the losses to every stage (doubles as pairs of F32 words: the bits travel) */
     if (s == FL_OK) s = fl_comm_broadcast(p->comm, stats, (size_t)4 * M, FL_F32, p->stages - 1);
@@ -254,7 +265,9 @@ fl_status fl_pp_step_run(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
     if (s == FL_OK && c->dp) s = fl_dp_reduce_grads(c->dp, o);
     if (s == FL_OK) s = tied_sum(p, o);
     double norm = 0;
+    if (s == FL_OK) fl_mem_set_phase(p->m->pool, "optimizer step");
     if (s == FL_OK) s = fl_optim_step(o, c->lr, c->max_norm, &norm);
+    if (s == FL_OK) fl_mem_snapshot(p->m->pool, "after_opt_step");
     if (s != FL_OK && c->failed_k < 0) c->failed_k = M;
     free(ops);
     free(stats);

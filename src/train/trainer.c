@@ -149,8 +149,10 @@ fl_status fl_trainer_rehearse_comm(const fl_run_config *cfg, const fl_model_conf
      * the sampler and its logits held) */
     fl_mem_set_phase(&t.hw.pool, "validation");
     fl_model_lora_set_train(&t.model, 0);
-    s = fl_model_forward(&t.model, t.buf.ids, t.buf.tgt, B, T, 0.0f, NULL);
+    s = t.pp.size > 1 ? fl_pp_eval(&t.pp.rt, t.buf.ids, t.buf.tgt, B, T) /* the stages in turn; no sample */
+                      : fl_model_forward(&t.model, t.buf.ids, t.buf.tgt, B, T, 0.0f, NULL);
     fl_model_lora_set_train(&t.model, 1);
+    if (t.pp.size > 1) goto done;
     prompt = calloc((size_t)gen_prompt, sizeof *prompt);
     gen = malloc(((size_t)cfg->eval.max_new_tokens + 1) * sizeof *gen);
     if (s == FL_OK && (!prompt || !gen)) s = fl_errorf(FL_ERR_OOM, "out of host memory");

@@ -74,24 +74,38 @@ void fl_tr_pp_end(trainer *t) {
     t->pp.grp = t->pp.dpc = NULL;
 }
 
+/* this stage's blocks [first, last) of a model of n_layers (the balanced split) */
+static fl_status stage_range(trainer *t, int n_layers) {
+    int first[65];
+    if (t->pp.size > 64) return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: at most 64 stages", t->pp.size);
+    FL_TRY(fl_pp_split(n_layers, NULL, t->pp.size, first));
+    t->pp.first = first[t->pp.stage];
+    t->pp.last = first[t->pp.stage + 1];
+    return FL_OK;
+}
+
+/* the planner's rehearsal: the stage of the given shape made directly (no whole copy: it is outside the pool) */
+static fl_status plan_stage(trainer *t, const fl_model_config *given) {
+    fl_model_config sc;
+    FL_TRY(stage_range(t, given->n_layers));
+    FL_TRY(fl_pp_stage_config(given, t->pp.first, t->pp.last, &sc));
+    t->pp.whole = *given;
+    FL_TRY(fl_model_init_ex(&t->model, &sc, &t->hw.be, &t->hw.pool, &t->stg));
+    t->model_ok = 1;
+    fl_model_init_random_ex(&t->model, t->cfg->seed);
+    return FL_OK;
+}
+
 fl_status fl_tr_pp_load(trainer *t, const fl_model_config *given) {
-    if (fl_backend_discards(&t->hw.be))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: the plan per stage is not built yet",
-                         t->pp.size);
+    if (fl_backend_discards(&t->hw.be)) return plan_stage(t, given);
     tp_whole w;
     memset(&w, 0, sizeof w);
     fl_status s = fl_backend_pools_init(&t->hw.be, &w.pool, &w.hpool, "pipeline parallel (whole model)", 0);
     w.pool_ok = s == FL_OK;
     if (s == FL_OK) s = fl_tr_load_model(t, given, &w.m, &w.pool, &w.m_ok);
-    int first[65];
-    if (s == FL_OK && t->pp.size > 64) s = fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: at most 64 stages", t->pp.size);
-    if (s == FL_OK) s = fl_pp_split(w.m.cfg.n_layers, NULL, t->pp.size, first);
+    if (s == FL_OK) s = stage_range(t, w.m.cfg.n_layers);
     fl_model_config sc;
-    if (s == FL_OK) {
-        t->pp.first = first[t->pp.stage];
-        t->pp.last = first[t->pp.stage + 1];
-        s = fl_pp_stage_config(&w.m.cfg, t->pp.first, t->pp.last, &sc);
-    }
+    if (s == FL_OK) s = fl_pp_stage_config(&w.m.cfg, t->pp.first, t->pp.last, &sc);
     if (s == FL_OK) {
         t->pp.whole = w.m.cfg;
         t->pp.whole_numel = w.m.layout.numel;
