@@ -558,6 +558,8 @@ pp_refused pp_lora_refused "--pipeline_parallel 2: finetune_lora is not pipeline
     --pipeline_parallel 2 --out_dir "$T/pp-x2"
 pp_refused pp_zero2_refused "--pipeline_parallel 2 with --strategy deepspeed_stage_2: the data-parallel axis runs DDP only" 4 \
     finetune_full micro --devices 4 --pipeline_parallel 2 --strategy deepspeed_stage_2 --out_dir "$T/pp-x3"
+pp_refused pp_t5_refused "--pipeline_parallel: T5 is not split into stages" 2 finetune_full t5-micro --devices 2 \
+    --pipeline_parallel 2 --out_dir "$T/pp-x5"
 pp_refused pp_offload_refused "--pipeline_parallel 2 with --strategy deepspeed_stage_2_offload: offload is not combined" 2 \
     finetune_full micro --devices 2 --pipeline_parallel 2 --strategy deepspeed_stage_2_offload --out_dir "$T/pp-x4"
 

@@ -20,16 +20,30 @@
  * bench-step times): iter0: global micro-batches before this step; step_valid: the valid targets
  * of the whole step (0: nothing to learn, no update). (loss sum, valid) per micro-batch go to this
  * rank's slots of t->buf.mb_stats. A diverged micro-batch or update is said with its step and iteration. */
-static fl_status train_step(trainer *t, long iter0, long step_valid, float lr, fl_step_result *sr) {
+static fl_step_ctx step_ctx(trainer *t, long iter0, long step_valid, float lr) {
     const fl_run_config *cfg = t->cfg;
-    fl_step_ctx c = {.mbs = t->buf.mbs, .n_micro = t->sch.accum, .step_valid = step_valid, .skip_empty = 1, .lr = lr,
-                     .max_norm = cfg->train.max_norm, .dp = &t->dp, .seeded = 1,
-                     .seed = cfg->seed * 0x9e3779b97f4a7c15ULL, .iter0 = iter0,
-                     .mb_stats = t->buf.mb_stats + (size_t)t->dp.rank * 2 * t->sch.accum, .mb_ms = t->buf.mb_ms};
-    fl_status s = t->pp.size > 1 ? fl_pp_step_run(&t->pp.rt, &t->opt, &c, sr) : fl_step_run(&t->model, &t->opt, &c, sr);
+    return (fl_step_ctx){.mbs = t->buf.mbs, .n_micro = t->sch.accum, .step_valid = step_valid, .skip_empty = 1, .lr = lr,
+                         .max_norm = cfg->train.max_norm, .dp = &t->dp, .seeded = 1,
+                         .seed = cfg->seed * 0x9e3779b97f4a7c15ULL, .iter0 = iter0,
+                         .mb_stats = t->buf.mb_stats + (size_t)t->dp.rank * 2 * t->sch.accum, .mb_ms = t->buf.mb_ms};
+}
+
+static fl_status step_failed(const trainer *t, fl_status s, const fl_step_ctx *c, long iter0) {
     if (s == FL_OK) return s;
-    long it = c.failed_k < t->sch.accum ? iter0 + (long)c.failed_k * t->dp.world + t->dp.rank + 1 : iter0 + t->sch.G;
+    long it = c->failed_k < t->sch.accum ? iter0 + (long)c->failed_k * t->dp.world + t->dp.rank + 1 : iter0 + t->sch.G;
     return fl_tr_diverged(t, s, t->st.step + 1, it);
+}
+
+static fl_status train_step(trainer *t, long iter0, long step_valid, float lr, fl_step_result *sr) {
+    fl_step_ctx c = step_ctx(t, iter0, step_valid, lr);
+    return step_failed(t, fl_step_run(&t->model, &t->opt, &c, sr), &c, iter0);
+}
+
+/* The same step as this rank's stage of a pipeline (--pipeline_parallel; fl_pp_step_run, src/train/pp_step.c): its
+ * own path (tools/callpath.py --func train_step_pp), so train_step's count stays the one-stack step's. */
+static fl_status train_step_pp(trainer *t, long iter0, long step_valid, float lr, fl_step_result *sr) {
+    fl_step_ctx c = step_ctx(t, iter0, step_valid, lr);
+    return step_failed(t, fl_pp_step_run(&t->pp.rt, &t->opt, &c, sr), &c, iter0);
 }
 
 /* The pool's memory record into r: the all-time peaks, the snapshots, and on FL_ERR_OOM the
@@ -142,7 +156,7 @@ fl_status fl_trainer_rehearse_comm(const fl_run_config *cfg, const fl_model_conf
     for (int k = 0; s2s && k < accum; k++)
         t.buf.mbs[k].src = t.buf.src + k * pers, t.buf.mbs[k].src_mask = t.buf.src_mask + k * pers, t.buf.mbs[k].Ts = Ts;
     fl_step_result sr;
-    s = train_step(&t, 0, (long)(accum * per), cfg->optimizer.lr, &sr);
+    s = (t.pp.size > 1 ? train_step_pp : train_step)(&t, 0, (long)(accum * per), cfg->optimizer.lr, &sr);
     if (s != FL_OK || gen_prompt <= 0 || s2s) goto done; /* an encoder-decoder run has no evaluation yet */
     /* the evaluation (validate, then generate_example): one forward without gradients, then the
      * sample, snapshotted at its first token ("eval_generate": the KV cache, the decode scratch,
@@ -503,7 +517,7 @@ static fl_status loop_step(trainer *t, run_loop *L, int *brk) {
     const unsigned long long sent0 = fl_dp_sent(&t->dp); /* this rank's traffic before the step: the step's bytes go to the log */
     double step_loss;
     fl_step_result sr;
-    FL_TRY(train_step(t, iter0, step_valid, lr, &sr));
+    FL_TRY((t->pp.size > 1 ? train_step_pp : train_step)(t, iter0, step_valid, lr, &sr));
     FL_TRY(log_iterations(t, L, lr, tokens0, sent0, &step_loss));
     FL_TRY(check_step(t, L, &sr, step_loss, step_valid));
     t->st.step++;
