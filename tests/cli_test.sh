@@ -578,6 +578,15 @@ expect tp_plan_zero3_refused 2 "--tensor_parallel 2 with --strategy deepspeed_st
 # slice) + 5 x (2 x 64 norms + q 32 x 64 + k, v 16 x 64 + o 64 x 32 + gate, up 86 x 64 + down 64 x 86) + 64 =
 # 130368 floats = 509.25 KiB (573.25 KiB with the embeddings whole)
 expect tp_plan_slice 0 "^after_load +reserved +509\.25 KiB" -- "$FITLLM" plan micro --devices 4 --tensor_parallel 2 --strategy ddp
+# --pipeline_parallel (EXPERIMENTAL; the runs: tests/mpi_test.sh, tests/test_pp_train.c): a grid it does not divide, an
+# unknown schedule, the plan of one stage, the help's label
+expect pp_not_dividing_devices 2 "--pipeline_parallel 2 does not divide devices x num_nodes = 1 ranks" -- \
+    "$FITLLM" finetune_full micro --pipeline_parallel 2 --out_dir "$T/pp1"
+expect pp_unknown_schedule 2 "--pipeline_schedule 'interleaved': expected gpipe or 1f1b" -- \
+    "$FITLLM" finetune_full micro --devices 2 --pipeline_parallel 2 --pipeline_schedule interleaved --out_dir "$T/pp2"
+expect pp_plan_stage 0 "pipeline parallel 2 \(EXPERIMENTAL, schedule 1f1b\): rank 1 is stage 1" -- \
+    "$FITLLM" plan micro --devices 2 --pipeline_parallel 2 --rank 1
+expect pp_help_experimental 0 "pipeline_parallel.*EXPERIMENTAL" -- "$FITLLM" finetune_full --help
 # --bucket_size: ZeRO-2 offload of a 7B model at micro 4 over 4 MPI ranks planned a 19.99 GiB WORKSPACE peak (the
 # whole buffer's reduce-scatter scratch, 3/4 of 25.1 GiB of gradients); in buckets of 256 MiB (the default) 1.57 GiB
 expect plan_bucket_bounds_zero2_workspace 0 "^peak +reserved +25\.10 GiB +25\.10 GiB +0 B +64\.84 GiB +1\.57 GiB" -- \

@@ -721,7 +721,15 @@ static void strategy_notes(fl_plan *p, const fl_run_config *c, const fl_strategy
                            int fsdp) {
     const fl_strategy_choice sc = *scp;
     const fl_plan_opts opts = *o;
-    if (c->tensor_parallel > 1)
+    if (c->pipeline_parallel > 1)
+        note(p, "pipeline parallel %d (EXPERIMENTAL, schedule %s)%s: rank %d is stage %d: its contiguous range of the "
+                "blocks (balanced by count), a copy of the embeddings and head (run and trained on the first / last stage "
+                "only), their gradients and optimizer state, and the activations of the micro-batches it keeps in flight "
+                "(the arena's one and a stash per further one: 1F1B at most min(stages - stage, micro-batches), GPipe all); "
+                "the whole model the run loads, and the checkpoints' gathered copy, are outside the pool; no sample "
+                "generation", c->pipeline_parallel, c->pipeline_schedule, fl_cfg_dp_ranks(c) > 1 ? " x DDP" : "", p->rank,
+             p->rank % c->pipeline_parallel);
+    else if (c->tensor_parallel > 1)
         note(p, "tensor parallel %d%s: rank %d's memory: its slice of the model (1/%d of the attention heads, key/value "
                 "heads and MLP columns; norms, embeddings and the head whole), its gradients and optimizer state, its "
                 "heads' activations; the whole model the run loads and slices, and the checkpoints' gathered copy, "

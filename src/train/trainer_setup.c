@@ -359,6 +359,7 @@ fl_status fl_trainer_storage(const fl_run_config *c, const fl_precision *p, fl_m
 fl_status fl_tr_setup_model(trainer *t, const fl_precision *prec, const fl_model_config *given) {
     fl_mem_set_phase(&t->hw.pool, "model load");
     if (t->tp.size > 1) FL_TRY(fl_tr_tp_load(t, given)); /* the whole model outside the pool, then the slice */
+    else if (t->pp.size > 1) FL_TRY(fl_tr_pp_load(t, given)); /* the same, then the stage's blocks */
     else FL_TRY(fl_tr_load_model(t, given, &t->model, &t->hw.pool, &t->model_ok));
     FL_TRY(fl_model_set_precision(&t->model, prec));
     fl_mem_snapshot(&t->hw.pool, "after_load");
@@ -484,6 +485,8 @@ void fl_tr_cleanup(trainer *t) {
     fl_tok_free(t->in.tok);
     fl_fsdp_free(&t->dp);
     fl_optim_free(&t->opt);
+    if (t->pp.rt_ok) fl_pp_free(&t->pp.rt); /* its stash is in the model's pool */
+    t->pp.rt_ok = 0;
     if (t->model_ok) fl_model_free(&t->model);
     if (t->hw.pool_ok) fl_backend_pools_free(&t->hw.pool, &t->hw.hpool);
     if (t->hw.dpool_ok) fl_mem_pool_free(&t->hw.dpool);
