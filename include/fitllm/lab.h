@@ -150,6 +150,13 @@ typedef struct {
     double mfu;                /* tflops / the device's peak at the row's precision (0: no peak known) */
     int prefetch;              /* fsdp rows: fsdp.backward_prefetch on */
     int largest;               /* fsdp sweep: 1 on the largest micro batch that fits for its checkpointing setting */
+    /* --peer pytorch: what PyTorch would need for the row at the real scale (the real model, the real plan's T and
+     * the row's micro batch, per rank), fl_lab_peer_pytorch_setup; peer_note: what of it is measured / modelled, or
+     * why it is not modelled */
+    int peer_ok;
+    fl_lab_peer peer;
+    int peer_T;
+    char peer_note[256];
 } fl_lab_row;
 
 /* One of the course's runs at its own settings (max_seq_length 512, its 80 GB GPU) beside fitllm's plan of it

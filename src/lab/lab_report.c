@@ -132,6 +132,7 @@ void fl_lab_print_table(const fl_lab_report *rep, FILE *f) {
             fprintf(f, "    %s: GPU util %s %%, device memory %s (%ld samples)\n", rep->rows[i].name, gu, gm,
                     rep->rows[i].gpu_samples);
         }
+    fl_lab_peer_rows_print(rep, f);
     fl_lab_course_print(rep, f);
     if (rep->sweep) fl_lab_sweep_print(rep, f);
 }
@@ -313,6 +314,13 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
             else fprintf(f, "{\"verdict\": \"fits\", \"memory_mb\": %g, \"gpu_util_pct\": %g, \"tflops\": %g, "
                             "\"iteration_ms\": %g}", cm, cu, ct, ci);
         } else fprintf(f, "null");
+        if (r->peer_ok || r->peer_note[0]) { /* --peer pytorch at the real scale (lab_peer_rows.c) */
+            fprintf(f, ", \"pytorch\": ");
+            if (r->peer_ok) fl_lab_peer_json(f, &r->peer);
+            else fprintf(f, "null");
+            fprintf(f, ", \"pytorch_seq_len\": %d, \"pytorch_basis\": ", r->peer_T);
+            jstr(f, r->peer_note);
+        }
         fprintf(f, ", \"final_loss\": ");
         jnum(f, r->final_loss);
         fprintf(f, ", \"wall_s\": %.2f, \"note\": ", r->wall_s);
@@ -345,11 +353,10 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
         if (c->offload)
             fprintf(f, ", \"host_peak\": %zu, \"device_only_verdict\": \"%s\", \"device_only_peak\": %zu",
                     c->host_peak, fl_lab_plan_name(c->plain), c->plain_peak);
-        if (c->peer_ok) /* --peer pytorch: measured categories, modelled peak (src/lab/lab_peer.c) */
-            fprintf(f, ", \"pytorch\": {\"params\": %zu, \"grads\": %zu, \"optim\": %zu, \"saved\": %zu, "
-                       "\"logits\": %zu, \"transient\": %zu, \"step_temp\": %zu, \"peak\": %zu}", c->peer.params,
-                    c->peer.grads, c->peer.optim, c->peer.saved, c->peer.logits, c->peer.transient, c->peer.step_temp,
-                    c->peer.peak);
+        if (c->peer_ok) { /* --peer pytorch: measured categories, modelled peak (src/lab/lab_peer.c) */
+            fprintf(f, ", \"pytorch\": ");
+            fl_lab_peer_json(f, &c->peer);
+        }
         fputc('}', f);
     }
     fprintf(f, "\n  ]\n}\n");
@@ -757,6 +764,7 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
             rep->gpu_note[0] ? rep->gpu_note : "not sampled");
     md_scaling(f, rep);
     md_results(f, rep);
+    fl_lab_peer_rows_md(f, rep);
     fl_lab_course_md(f, rep);
     if (rep->sweep) fl_lab_sweep_md(f, rep, charts);
     md_phases(f, rep, charts);
