@@ -784,6 +784,10 @@ expect lab_peer_bad 2 "--peer: 'tensorflow' is not pytorch" -- "$FITLLM" lab --p
 expect lab_peer_rows 0 "qlora +open-llama-7b +1024 +14.39 fits +\| +[0-9.]+ fits +[0-9.]+ .*measured: 32-true, adamw, QLoRA NF4 r16; modelled: the peak, the dequantized weight, CUDA's dropout mask" -- bash -c "'$FITLLM' lab --only qlora --steps 1 --peer pytorch --out_dir '$T/lab-peer-rows' | tr '\n' ' '"
 expect lab_peer_rows_files 0 "" -- bash -c "grep -q '^### PyTorch would need' '$T/lab-peer-rows/report.md' && grep -q '\"pytorch_basis\": \"measured: 32-true, adamw, QLoRA NF4 r16' '$T/lab-peer-rows/results.json'"
 expect lab_peer_rows_real 0 "ddp +tinyllama-1.1b +[0-9]+ +[0-9.]+ fits .*modelled: the peak, DDP's gradient buckets" -- bash -c "'$FITLLM' lab --scale real --only ddp --peer pytorch --out_dir '$T/lab-peer-real' | tr '\n' ' '"
+# --plan-only: no row trains, the real scale's verdicts are the plans' (seconds); where the plan differs from the
+# course's table the row says why (the baseline fits: PyTorch's fp32 logits, its modelled peak at T 511)
+expect lab_plan_only 0 "--plan-only: no row +trained.* baseline \(the course's run\): fitllm fits where the course ran out of memory: .* at T 511" -- bash -c "'$FITLLM' lab --scale real --plan-only --only baseline,reduced-batch --out_dir '$T/lab-plan-only' | tr '\n' ' '"
+expect lab_plan_only_json 0 "" -- bash -c "grep -q '\"course_why\": \"fitllm is leaner than the course' '$T/lab-plan-only/results.json' && grep -q '\"course_gb\": 30.41' '$T/lab-plan-only/results.json'"
 expect lab_run_oom 0 "baseline +OOM .*ACTS 312.64 MiB requested, 232.75 MiB available$" -- "$FITLLM" lab --only baseline --run-oom --out_dir "$T/lab-oom2"
 # --scale real (an 80 GB GPU's run; here only what needs no memory): a bad scale, the fsdp suite refused,
 # the 4-rank rows n/a naming the launch they need, the report saying which scale it is

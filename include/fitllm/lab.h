@@ -99,6 +99,8 @@ typedef struct {
                             * verdict is the run's: tests/test_plan.c); 0 (default): such a row is decided by its plan
                             * before any model memory is touched (fl_lab_row.ran 0), so it costs the plan's < 1 s
                             * instead of the model's load and random init */
+    int plan_only;         /* 1: no row trains: each row's verdict and memory are its plan's (seconds for the whole
+                            * suite at any scale; `--plan-only`) */
 } fl_lab_opts;
 
 void fl_lab_opts_default(fl_lab_opts *o);
@@ -157,6 +159,10 @@ typedef struct {
     fl_lab_peer peer;
     int peer_T;
     char peer_note[256];
+    /* real scale (quick, full): the course's memory reading of the same run (GB, 0: none) and, where the row's plan
+     * differs from the course (verdict, or leaner by more than 5%), why in bytes (fl_lab_row_course_diff) */
+    double course_gb;
+    char course_why[640];
 } fl_lab_row;
 
 /* One of the course's runs at its own settings (max_seq_length 512, its 80 GB GPU) beside fitllm's plan of it
@@ -198,6 +204,7 @@ typedef struct {
     int n_errors;
     int sweep;                 /* 1: the fsdp suite (report.md gets the sweep tables, sweep.png) */
     int real_scale;            /* 1: rows ran the real models at ref_T on ref_device (fl_lab_opts.real_scale) */
+    int plan_only;             /* fl_lab_opts.plan_only: the rows' verdicts are their plans' */
     size_t capacity;           /* real scale: the memory of the device the rows run on (GPU memory, or the host's
                                 * RAM for the CPU); rows are n/a when it is below the budget */
     int no_prefetch;           /* fsdp suite: every row ran with --fsdp.backward_prefetch off */

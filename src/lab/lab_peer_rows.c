@@ -116,3 +116,43 @@ void fl_lab_peer_json(FILE *f, const fl_lab_peer *q) {
                "\"peak\": %zu}", q->params, q->quant, q->grads, q->optim, q->saved, q->logits, q->transient,
             q->step_temp, q->recompute, q->comm, q->host, q->peak);
 }
+
+/* The course's memory reading of a lab row's run (GB; 0: none): TinyLlama fp32 at micro batch 8 (x 4), 30.41 GB. */
+static double course_gb(const lab_exp *e) {
+    return e->B == 8 && !strcmp(e->ref_model, "tinyllama-1.1b") && !strcmp(e->precision, "32-true") &&
+                   !e->act_ckpt && !e->technique[0] ? 30.41 : 0;
+}
+
+/* PyTorch's modelled peak of the row's run at T (0: not modelled). */
+static double peer_gb(const lab_exp *e, int ranks, const fl_plan *p, int T) {
+    fl_lab_peer_setup u;
+    fl_lab_peer q;
+    row_setup(e, ranks, T, &u);
+    if (fl_lab_peer_pytorch_setup(&p->model, fl_sizing_param_count(&p->model), &u, &q) != FL_OK) return 0;
+    return q.peak / 1e9;
+}
+
+void fl_lab_row_course_diff(const lab_exp *e, const fl_plan *p, fl_lab_row *r) {
+    r->course_gb = course_gb(e);
+    const int fits = p->verdict == FL_PLAN_FITS, course_fits = e->expected == FL_LAB_FITS;
+    const int leaner = r->course_gb > 0 && fits && p->peak_total < 0.95 * r->course_gb * 1e9;
+    if (fits == course_fits && !leaner) return;
+    char a[32], w[32], pt[256] = "";
+    const double here = peer_gb(e, r->ranks, p, p->T), at511 = peer_gb(e, r->ranks, p, 511);
+    if (here > 0)
+        snprintf(pt, sizeof pt, "; PyTorch's modelled peak (--peer pytorch) %.2f GB at this T, %.2f GB at T 511 (the "
+                 "course's longest padded batch), before its CUDA context and caching allocator", here, at511);
+    const double logits = (double)e->B * p->T * p->model.vocab_size * 4.0;
+    char head[96];
+    if (fits != course_fits)
+        snprintf(head, sizeof head, "%s", fits ? "fitllm fits where the course ran out of memory" :
+                 "fitllm runs out of memory where the course fit");
+    else
+        snprintf(head, sizeof head, "fitllm is leaner than the course's %.2f GB by %.1f%%", r->course_gb,
+                 100.0 * (1.0 - p->peak_total / 1e9 / r->course_gb));
+    snprintf(r->course_why, sizeof r->course_why, "%s: fitllm plans %.2f GB at T %d (ACTS %s, WORKSPACE %s); PyTorch "
+             "keeps the micro batch's fp32 logits, B x T x V x 4 = %d x %d x %d x 4 = %.2f GB, and their gradients, "
+             "where fitllm's chunked head holds a chunk%s", head, p->peak_total / 1e9, p->T,
+             fl_fmt_bytes(p->peak[FL_TAG_ACTS], a, sizeof a), fl_fmt_bytes(p->peak[FL_TAG_WORKSPACE], w, sizeof w),
+             e->B, p->T, p->model.vocab_size, logits / 1e9, pt);
+}
