@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cli.h"
 #include "fitllm/lab.h"
@@ -154,8 +155,16 @@ int fl_cmd_lab(int argc, char **argv) {
         fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
         return FL_EXIT_RUNTIME;
     }
+    char pngs[128] = ""; /* the charts gnuplot drew (step_time.png needs a row that trained; sweep.png the fsdp suite) */
+    static const char *const k_png[] = {"memory.png", "phases.png", "step_time.png", "sweep.png"};
+    for (size_t i = 0; charts && i < sizeof k_png / sizeof k_png[0]; i++) {
+        char path[FL_CFG_PATH + 32];
+        snprintf(path, sizeof path, "%s/%s", out_dir, k_png[i]);
+        if (access(path, R_OK) == 0)
+            snprintf(pngs + strlen(pngs), sizeof pngs - strlen(pngs), ", %s", k_png[i]);
+    }
     printf("\nwrote %s/report.md, results.csv, results.json%s (%.1f s)\n", out_dir,
-           charts ? ", memory.png, step_time.png" : " (no charts: see report.md)", rep.wall_s);
+           charts ? pngs : " (no charts: see report.md)", rep.wall_s);
     int errors = rep.n_errors;
     fl_lab_report_free(&rep);
     if (errors) {
