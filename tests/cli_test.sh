@@ -864,6 +864,16 @@ expect lab_course_report 0 "" -- bash -c "grep -q '^## The course.s runs beside 
 expect lab_peer_pytorch 0 "reduced-batch +29.59 +14.82 +1.57 \| +28.71 +0.970 \| +30.41 +0.973" -- "$FITLLM" lab --only baseline --peer pytorch --out_dir "$T/lab-peer"
 expect lab_peer_pytorch_files 0 "" -- bash -c "grep -q '^### PyTorch beside fitllm' '$T/lab-peer/report.md' && grep -q '\"pytorch\": {\"params\"' '$T/lab-peer/results.json'"
 expect lab_peer_bad 2 "--peer: 'tensorflow' is not pytorch" -- "$FITLLM" lab --peer tensorflow
+# --peer pytorch for the lab's own rows at the real scale: QLoRA (PEFT + bitsandbytes NF4, measured categories;
+# modelled: the peak, the dequantized weight, CUDA's dropout mask) on open-llama-7b at T 1024; at --scale real the
+# 4-rank rows (n/a on one device) still get PyTorch's per-rank figure (DDP's buckets modelled)
+expect lab_peer_rows 0 "qlora +open-llama-7b +1024 +14.39 fits +\| +[0-9.]+ fits +[0-9.]+ .*measured: 32-true, adamw, QLoRA NF4 r16; modelled: the peak, the dequantized weight, CUDA's dropout mask" -- bash -c "'$FITLLM' lab --only qlora --steps 1 --peer pytorch --out_dir '$T/lab-peer-rows' | tr '\n' ' '"
+expect lab_peer_rows_files 0 "" -- bash -c "grep -q '^### PyTorch would need' '$T/lab-peer-rows/report.md' && grep -q '\"pytorch_basis\": \"measured: 32-true, adamw, QLoRA NF4 r16' '$T/lab-peer-rows/results.json'"
+expect lab_peer_rows_real 0 "ddp +tinyllama-1.1b +[0-9]+ +[0-9.]+ fits .*modelled: the peak, DDP's gradient buckets" -- bash -c "'$FITLLM' lab --scale real --only ddp --peer pytorch --out_dir '$T/lab-peer-real' | tr '\n' ' '"
+# --plan-only: no row trains, the real scale's verdicts are the plans' (seconds); where the plan differs from the
+# course's table the row says why (the baseline fits: PyTorch's fp32 logits, its modelled peak at T 511)
+expect lab_plan_only 0 "--plan-only: no row +trained.* baseline \(the course's run\): fitllm fits where the course ran out of memory: .* at T 511" -- bash -c "'$FITLLM' lab --scale real --plan-only --only baseline,reduced-batch --out_dir '$T/lab-plan-only' | tr '\n' ' '"
+expect lab_plan_only_json 0 "" -- bash -c "grep -q '\"course_why\": \"fitllm is leaner than the course' '$T/lab-plan-only/results.json' && grep -q '\"course_gb\": 30.41' '$T/lab-plan-only/results.json'"
 expect lab_run_oom 0 "baseline +OOM .*ACTS 312.64 MiB requested, 232.75 MiB available$" -- "$FITLLM" lab --only baseline --run-oom --out_dir "$T/lab-oom2"
 # --scale real (an 80 GB GPU's run; here only what needs no memory): a bad scale, the fsdp suite refused,
 # the 4-rank rows n/a naming the launch they need, the report saying which scale it is
