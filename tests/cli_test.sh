@@ -418,6 +418,9 @@ expect t5_finetune_val_final 0 "^Final evaluation \| val loss: [0-9.]+ \| val pp
 # (--target-len, else data.max_target_length), planned = measured per tag (tests/test_plan.c plan_equals_runtime_t5);
 # a shorter source is suggested when it does not fit; bench-step times a T5 step with a source of --source-seq
 expect plan_t5_lengths 0 "source 8, target 4, precision 32-true" -- "$FITLLM" plan "$T/t5m" --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json --data.max_source_length 8 --data.max_target_length 4
+# train.max_seq_length (LitGPT's sample limit) caps the source in training and in the plan alike
+expect t5_finetune_max_seq_length_caps_source 0 "\(8 sources, 0 targets truncated\); longest source 8, target 15 tokens" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5msl" --train.max_steps 1 --train.max_seq_length 8
+expect plan_t5_max_seq_length_caps_source 0 "source 8 tokens \(train.max_seq_length\), target 4" -- "$FITLLM" plan "$T/t5m" --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json --train.max_seq_length 8 --data.max_target_length 4
 expect plan_t5_len_options 0 "global batch 16, source 64, target 16," -- "$FITLLM" plan t5-small --seq-len 64 --target-len 16
 expect plan_t5_needs_source 2 "an encoder-decoder \(t5-small\) needs a source length: give --seq-len or --data.max_source_length" -- "$FITLLM" plan t5-small --data.max_source_length 0
 expect plan_t5_suggests_source 3 "max_seq_length +fits: --data.max_source_length 881 " -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB

@@ -558,10 +558,12 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
     }
 }
 
-/* An encoder-decoder's two lengths: the source's (--seq-len, else data.max_source_length) and the target's
+/* An encoder-decoder's two lengths: the source's (--seq-len, else data.max_source_length capped by
+ * train.max_seq_length) and the target's
  * (--target-len, else data.max_target_length); the trainer sizes for the longest pair cut to those limits. */
 static fl_status s2s_lengths(const fl_run_config *c, const fl_plan_opts *o, plan_ctx *x, fl_plan *p) {
-    x->Ts = o->seq_len > 0 ? o->seq_len : c->data.max_source_length;
+    const int lim = fl_s2s_source_limit(c->data.max_source_length, c->train.max_seq_length); /* the trainer's */
+    x->Ts = o->seq_len > 0 ? o->seq_len : lim;
     x->T = o->target_len > 0 ? o->target_len : c->data.max_target_length;
     if (x->Ts <= 0 || x->T <= 0)
         return fl_errorf(FL_ERR_INVALID, "plan: an encoder-decoder (%s) needs a %s length: give %s (data.%s is no "
@@ -570,7 +572,7 @@ static fl_status s2s_lengths(const fl_run_config *c, const fl_plan_opts *o, plan
                          x->Ts <= 0 ? "max_source_length" : "max_target_length");
     note(p, "source %d tokens (%s), target %d (%s): the trainer sizes activations for the longest source and target, "
             "cut to data.max_source_length / max_target_length, so shorter pairs need less", x->Ts,
-         o->seq_len > 0 ? "--seq-len" : "data.max_source_length", x->T,
+         o->seq_len > 0 ? "--seq-len" : lim != c->data.max_source_length ? "train.max_seq_length" : "data.max_source_length", x->T,
          o->target_len > 0 ? "--target-len" : "data.max_target_length");
     return FL_OK;
 }
