@@ -268,6 +268,10 @@ for m in "$B2" tests/fixtures/blip2-tiny-t5; do
         expect "blip2_plan_equals_measured_${m##*-}_$v" 0 "" -- bash -c '[ "$(grep -c . <<<"$1")" = 11 ] && [ "$1" = "$2" ] || { echo "planned:"; echo "$1"; echo "measured:"; echo "$2"; exit 1; }' _ "$planned" "$measured"
     done
 done
+# ACTS by part (the first step's arena: each part's residual stream, saved slots and norms, the adapters' share): the
+# four add up to the after_fwd row's ACTS (KiB; the parts printed in MiB to 3 decimals)
+b2out=$("$FITLLM" finetune_lora "$B2" "${B2RUN[@]}" --train.max_steps 1 --lora_r 4 --out_dir "$T/b2ap" 2>&1)
+expect blip2_acts_by_part_sum 0 "" -- bash -c 'a=$(sed -n "s/^activations by part.*: vision ACTS \([0-9.]*\); qformer ACTS \([0-9.]*\); lm ACTS \([0-9.]*\); LoRA adapters ACTS \([0-9.]*\)$/\1 \2 \3 \4/p" <<<"$1"); t=$(awk "/^after_fwd/ && \$10 == \"KiB\" { print \$9 }" <<<"$1"); awk -v a="$a" -v t="$t" "BEGIN { n = split(a, v, \" \"); s = 0; for (i = 1; i <= n; i++) s += v[i] * 1024; d = s - t; exit !(n == 4 && v[1] > 0 && v[4] > 0 && d < 2.1 && d > -2.1) }"' _ "$b2out"
 # step checkpoints and resume (train.save_interval, --resume PATH|true|auto): out_dir/step-N is an HF BLIP-2 folder
 # (under LoRA the PEFT adapter) + training_state.safetensors + COMMITTED; a run resumed from step 3 gives steps 4-6
 # and the final weights of the uninterrupted run bit for bit (OPT and T5 x full AdamW with clipping, LoRA with
@@ -312,7 +316,9 @@ expect blip2_plan_seq_len 0 "captions of 7 tokens" -- "$FITLLM" plan "$B2" --seq
 # bench-step times fine-tuning steps on random pixels and captions (the folder's weights, or a preset's random ones)
 expect blip2_bench_step 0 "^RESULT impl=fitllm shape=.*blip2-tiny-opt median_ms=[0-9.]+ tok_s=[0-9.]+ images_s=" -- "$FITLLM" bench-step "$B2" --micro-batch 2 --seq 6 --steps 2 --warmup 1
 expect blip2_bench_step_t5_lora 0 "trains lm \(LoRA\)" -- "$FITLLM" bench-step tests/fixtures/blip2-tiny-t5 --micro-batch 2 --seq 6 --steps 1 --warmup 0 --lora 4
-expect blip2_bench_step_refuses_act_ckpt 2 "--act-ckpt: BLIP-2 steps run 32-true without activation checkpointing" -- "$FITLLM" bench-step blip2-micro --act-ckpt
+expect blip2_bench_step_refuses_act_ckpt 2 "--act-ckpt: BLIP-2 steps run 32-true or bf16-mixed without activation checkpointing" -- "$FITLLM" bench-step blip2-micro --act-ckpt
+expect blip2_bench_step_refuses_bf16_true 2 "--precision: BLIP-2 steps run 32-true or bf16-mixed" -- "$FITLLM" bench-step blip2-micro --precision bf16-true
+expect blip2_bench_step_bf16_mixed 0 "bf16-mixed, AdamW" -- "$FITLLM" bench-step blip2-micro --micro-batch 1 --seq 4 --steps 1 --warmup 0 --precision bf16-mixed
 # T5 folders (issue 31): tokenizer.json (Unigram) and a folder with only spiece.model give HF's ids
 expect tokenize_t5_folder 0 "^63 46 9 153 123 499 1$" -- "$FITLLM" tokenize tests/fixtures/t5-tok --text "Hello  world <extra_id_0>"
 mkdir -p "$T/t5spm" && cp tests/fixtures/t5-tok/spiece.model "$T/t5spm/"

@@ -181,6 +181,7 @@ typedef struct {
     int B, L, steps, warmup, threads, seed, lora_r, sgd, random_init;
     float lr;
     size_t budget;
+    const char *precision; /* 32-true or bf16-mixed */
 } fl_cli_b2_bench;
 int fl_cli_blip2_bench(const fl_cli_b2_bench *o);
 int fl_cli_blip2_loss(const char *cmd, const char *dir, const char *image, const int32_t *caption, int n,

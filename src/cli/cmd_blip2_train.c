@@ -49,6 +49,7 @@ typedef struct {
     uint64_t rng;
     int pools_ok;
     fl_comm *comm;                /* DDP over several ranks (NULL: one process) */
+    size_t acts_part[FL_BLIP2_PARTS], acts_total; /* ACTS by part and in all at the first step's after_fwd */
     int rank, world;
 } b2run;
 
@@ -482,7 +483,11 @@ static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, 
         if (s == FL_OK)
             s = s2s ? fl_blip2_forward_s2s(r->b, px, ids + (size_t)B * T, ids, tg, B, NQ, T, 1.0f / (float)vsum, NULL, &l)
                     : fl_blip2_forward(r->b, px, ids, tg, B, T, 1.0f / (float)vsum, NULL, &l);
-        if (s == FL_OK && snap && a == mine) fl_mem_snapshot(&r->pool, "after_fwd");
+        if (s == FL_OK && snap && a == mine) {
+            fl_mem_snapshot(&r->pool, "after_fwd");
+            for (int k = 0; k < FL_BLIP2_PARTS; k++) r->acts_part[k] = fl_blip2_acts_bytes(r->b, k);
+            r->acts_total = r->pool.cur[FL_TAG_ACTS];
+        }
         if (s == FL_OK) s = fl_blip2_backward(r->b);
         if (s == FL_OK && snap && a == last) fl_mem_snapshot(&r->pool, "after_bwd");
         ml[a] = l;
@@ -522,13 +527,21 @@ static void memory_report(b2run *r) {
         const fl_model *m = fl_blip2_part(r->b, k);
         fl_lora_adapters ad;
         const int lora = fl_model_lora_adapters(m, &ad);
-        const size_t pb = m->layout.numel * sizeof(float) + (lora ? ad.numel * sizeof(float) : 0);
+        const size_t pb = m->layout.numel * sizeof(float) + (lora ? ad.numel * sizeof(float) : 0) +
+                          (m->prec.name ? fl_precision_copy_bytes(&m->prec, m->layout.numel) : 0); /* bf16-mixed copy */
         const size_t gb = fl_model_grads_f32(m) ? m->layout.numel * sizeof(float) : lora ? ad.numel * sizeof(float) : 0;
         const size_t ob = r->has_opt[k] ? fl_optim_state_bytes(&r->opt[k].cfg, r->opt[k].w.n) : 0;
         printf("%s %s PARAMS %.3f GRADS %.3f OPTIM %.3f%s", k ? ";" : "", name[k], pb / 1048576.0, gb / 1048576.0,
                ob / 1048576.0, lora ? " (LoRA)" : "");
     }
     printf("\n");
+    size_t parts = 0;
+    printf("activations by part (MiB, the first step's arena):");
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        printf("%s %s ACTS %.3f", k ? ";" : "", name[k], r->acts_part[k] / 1048576.0);
+        parts += r->acts_part[k];
+    }
+    printf("; LoRA adapters ACTS %.3f\n", (r->acts_total > parts ? r->acts_total - parts : 0) / 1048576.0);
     fl_mem_print_report(&r->pool, stdout);
 }
 
