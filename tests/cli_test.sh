@@ -272,6 +272,11 @@ done
 # four add up to the after_fwd row's ACTS (KiB; the parts printed in MiB to 3 decimals)
 b2out=$("$FITLLM" finetune_lora "$B2" "${B2RUN[@]}" --train.max_steps 1 --lora_r 4 --out_dir "$T/b2ap" 2>&1)
 expect blip2_acts_by_part_sum 0 "" -- bash -c 'a=$(sed -n "s/^activations by part.*: vision ACTS \([0-9.]*\); qformer ACTS \([0-9.]*\); lm ACTS \([0-9.]*\); LoRA adapters ACTS \([0-9.]*\)$/\1 \2 \3 \4/p" <<<"$1"); t=$(awk "/^after_fwd/ && \$10 == \"KiB\" { print \$9 }" <<<"$1"); awk -v a="$a" -v t="$t" "BEGIN { n = split(a, v, \" \"); s = 0; for (i = 1; i <= n; i++) s += v[i] * 1024; d = s - t; exit !(n == 4 && v[1] > 0 && v[4] > 0 && d < 2.1 && d > -2.1) }"' _ "$b2out"
+# train.memory_snapshot_interval N: the course's per-phase memory lines (allocated, the peak so far, per tag) at the
+# four phases of steps 1, 2 and every N-th (8 steps, N 3: steps 1, 2, 3, 6 = 16 lines); off by default
+b2out=$("$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps 6 --train.memory_snapshot_interval 3 --out_dir "$T/b2ms" 2>&1)
+expect blip2_memory_snapshot_interval 0 "" -- bash -c '[ "$(grep -cE "^memory step [1236] (before_fwd|after_fwd|after_bwd|after_opt_step) +allocated [0-9.]+ KiB, peak [0-9.]+ KiB: PARAMS" <<<"$1")" = 16 ] && [ "$(grep -c "^memory step" <<<"$1")" = 16 ]' _ "$b2out"
+expect blip2_memory_snapshot_off 1 "" -- grep -q "^memory step" <<<"$("$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps 2 --out_dir "$T/b2ms2" 2>&1)"
 # step checkpoints and resume (train.save_interval, --resume PATH|true|auto): out_dir/step-N is an HF BLIP-2 folder
 # (under LoRA the PEFT adapter) + training_state.safetensors + COMMITTED; a run resumed from step 3 gives steps 4-6
 # and the final weights of the uninterrupted run bit for bit (OPT and T5 x full AdamW with clipping, LoRA with

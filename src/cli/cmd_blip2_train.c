@@ -50,6 +50,7 @@ typedef struct {
     int pools_ok;
     fl_comm *comm;                /* DDP over several ranks (NULL: one process) */
     size_t acts_part[FL_BLIP2_PARTS], acts_total; /* ACTS by part and in all at the first step's after_fwd */
+    int snapline;                 /* this step prints the per-phase lines (train.memory_snapshot_interval) */
     int rank, world;
 } b2run;
 
@@ -446,6 +447,18 @@ static fl_status reduce(b2run *r, float *ml, int accum) {
 /* One optimizer step over `accum` micro-batches of B records (an epoch's tail that does not fill one is dropped).
  * snap: the memory snapshots of the session's first step (before_fwd once the first micro-batch's arena exists,
  * after_fwd after its forward, after_bwd after the last backward, after_opt_step), the phases plan rehearses. */
+/* train.memory_snapshot_interval: the course's per-phase line (allocated now and the peak so far, per tag and in all;
+ * this pool reserves what it allocates, so reserved = allocated) */
+static void phase_line(b2run *r, long step, const char *phase) {
+    if (!r->snapline || r->rank) return;
+    char a[32], pk[32];
+    printf("memory step %ld %-14s allocated %s, peak %s:", step, phase, fl_fmt_bytes(r->pool.cur_total, a, sizeof a),
+           fl_fmt_bytes(r->pool.peak_total, pk, sizeof pk));
+    for (int t = 0; t < FL_TAG_COUNT; t++)
+        if (r->pool.cur[t]) printf(" %s %s", fl_mem_tag_name((fl_mem_tag)t), fl_fmt_bytes(r->pool.cur[t], a, sizeof a));
+    printf("\n");
+}
+
 static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, int snap, double *loss) {
     const fl_blip2_config *bc = fl_blip2_get_config(r->b);
     const int S = bc->vision.image_size, s2s = fl_model_is_s2s(&bc->text), NQ = bc->n_queries;
@@ -480,9 +493,11 @@ static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, 
         fl_model_lora_set_seed(fl_blip2_part(r->b, FL_BLIP2_TEXT), r->cfg->seed * 1000003u + (uint64_t)it * accum + a);
         if (s == FL_OK) s = s2s ? fl_blip2_alloc_acts_s2s(r->b, B, NQ, T) : fl_blip2_alloc_acts(r->b, B, T);
         if (s == FL_OK && snap && a == mine) fl_mem_snapshot(&r->pool, "before_fwd");
+        if (s == FL_OK && a == mine) phase_line(r, it + 1, "before_fwd");
         if (s == FL_OK)
             s = s2s ? fl_blip2_forward_s2s(r->b, px, ids + (size_t)B * T, ids, tg, B, NQ, T, 1.0f / (float)vsum, NULL, &l)
                     : fl_blip2_forward(r->b, px, ids, tg, B, T, 1.0f / (float)vsum, NULL, &l);
+        if (s == FL_OK && a == mine) phase_line(r, it + 1, "after_fwd");
         if (s == FL_OK && snap && a == mine) {
             fl_mem_snapshot(&r->pool, "after_fwd");
             for (int k = 0; k < FL_BLIP2_PARTS; k++) r->acts_part[k] = fl_blip2_acts_bytes(r->b, k);
@@ -490,6 +505,7 @@ static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, 
         }
         if (s == FL_OK) s = fl_blip2_backward(r->b);
         if (s == FL_OK && snap && a == last) fl_mem_snapshot(&r->pool, "after_bwd");
+        if (s == FL_OK && a == last) phase_line(r, it + 1, "after_bwd");
         ml[a] = l;
         free(ids), free(tg);
     }
@@ -499,6 +515,7 @@ static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, 
     for (int k = 0; s == FL_OK && k < FL_BLIP2_PARTS; k++)
         if (r->has_opt[k]) s = fl_optim_step(&r->opt[k], (float)lr, 0.0f, NULL);
     if (s == FL_OK && snap) fl_mem_snapshot(&r->pool, "after_opt_step");
+    if (s == FL_OK) phase_line(r, it + 1, "after_opt_step");
     free(px), free(starts), free(mv), free(ml);
     *loss = vsum ? lsum / (double)vsum : 0;
     p->epoch_sum += lsum;
@@ -750,6 +767,8 @@ static fl_status train(b2run *r) {
     for (long it = p.step; s == FL_OK && it < max_steps; it++) {
         const double lr = fl_lr_schedule(c->optimizer.lr, c->train.min_lr, it, warm, max_steps);
         double loss = 0, vl = 0;
+        const int every = c->train.memory_snapshot_interval;
+        r->snapline = every > 0 && (it < 2 || (it + 1) % every == 0); /* steps 1, 2 and every N-th */
         s = step(r, &p, B, accum, it, lr, it == first, &loss);
         p.step = it + 1;
         if (s == FL_OK && (it % (c->train.log_interval > 0 ? c->train.log_interval : 1) == 0 || it + 1 == max_steps))
