@@ -219,6 +219,19 @@ expect blip2_finetune_vision_too 0 "trains vision qformer lm" -- "$FITLLM" finet
 expect blip2_finetune_memory_by_part 0 "memory by part \(MiB\): vision PARAMS 0\.0[0-9]+ GRADS 0\.000 OPTIM 0\.000; qformer PARAMS [0-9.]+ GRADS 0\.0[1-9][0-9]* OPTIM" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps 1 --out_dir "$T/b2mem"
 expect blip2_finetune_bad_part 2 "blip2.train: unknown part 'text'" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --blip2.train text --out_dir "$T/b2x"
 expect blip2_finetune_precision 2 "--precision bf16-true: BLIP-2 fine-tuning runs 32-true and bf16-mixed only" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --precision bf16-true --out_dir "$T/b2x"
+# what the loop does not do is refused by name, exit 2, no folder written
+for v in "--train.activation_checkpointing true|--train.activation_checkpointing true: BLIP-2 fine-tuning keeps every activation" \
+         "--train.max_time 60|--train.max_time: BLIP-2 fine-tuning stops at train.max_steps" \
+         "--train.max_tokens 1000|--train.max_tokens: BLIP-2 fine-tuning stops at train.max_steps" \
+         "--train.lr_warmup_fraction 0.1|--train.lr_warmup_fraction: BLIP-2 fine-tuning warms up over" \
+         "--eval.initial_validation true|--eval.initial_validation true: BLIP-2 fine-tuning validates every" \
+         "--optimizer bnb.optim.AdamW8bit|--optimizer AdamW8bit: BLIP-2 runs AdamW or SGD so far" \
+         "--strategy deepspeed_stage_2_offload|--strategy deepspeed_stage_2_offload: BLIP-2 fine-tuning runs one process or DDP"; do
+    read -r -a opt <<<"${v%%|*}"
+    expect "blip2_finetune_refuses_${opt[0]#--}" 2 "${v#*|}" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" "${opt[@]}" --out_dir "$T/b2ref"
+done
+expect blip2_finetune_refuses_qlora 2 "--quantize bnb.nf4: QLoRA on BLIP-2 is not built yet" -- "$FITLLM" finetune_lora "$B2" "${B2RUN[@]}" --quantize bnb.nf4 --out_dir "$T/b2ref"
+expect blip2_refused_runs_write_nothing 1 "" -- test -e "$T/b2ref"
 expect blip2_finetune_precision_16mixed 2 "--precision 16-mixed: BLIP-2 fine-tuning runs 32-true and bf16-mixed only" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --precision 16-mixed --out_dir "$T/b2x"
 # bf16-mixed (tests/test_blip2_prec.c: within 2 x PyTorch autocast's bf16 error of the float64 run): the loss falls as
 # under 32-true (step 8 below step 1 by > 0.5 nats), both variants

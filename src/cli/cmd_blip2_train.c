@@ -81,6 +81,19 @@ static fl_status check_run(const fl_run_config *c, int synth) {
     if (strcmp(c->strategy, "auto") && strcmp(c->strategy, "ddp"))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s: BLIP-2 fine-tuning runs one process or DDP over several "
                          "(--strategy auto or ddp) so far", c->strategy);
+    /* what the trainer does that this loop does not: refused rather than ignored */
+    if (c->train.activation_checkpointing == 1)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--train.activation_checkpointing true: BLIP-2 fine-tuning keeps every "
+                         "activation so far");
+    if (c->train.max_time > 0 || c->train.max_tokens > 0)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--train.%s: BLIP-2 fine-tuning stops at train.max_steps or "
+                         "train.epochs so far", c->train.max_time > 0 ? "max_time" : "max_tokens");
+    if (c->train.lr_warmup_fraction >= 0)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--train.lr_warmup_fraction: BLIP-2 fine-tuning warms up over "
+                         "train.lr_warmup_steps");
+    if (c->eval.initial_validation)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--eval.initial_validation true: BLIP-2 fine-tuning validates every "
+                         "eval.interval steps and at the end");
     if (c->lora.quantize[0])
         return fl_errorf(FL_ERR_UNSUPPORTED, "--quantize %s: QLoRA on BLIP-2 is not built yet", c->lora.quantize);
     if (c->optimizer.kind == FL_OPT_ADAMW8BIT)
