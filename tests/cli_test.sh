@@ -698,6 +698,17 @@ for _ in $(seq 300); do [ -e "$T/s2x/step-000002/COMMITTED" ] && break; sleep 0.
 sleep 0.5; kill -TERM $BG
 wait_for "$T/sigterm_twice.err" "SIGTERM: stopping after this step"; kill -TERM $BG
 stopped sigterm_twice 143 "stopped at once by SIGTERM; the last committed checkpoint is '.*/step-0+[1-9]'"
+# BLIP-2 fine-tuning under a stop signal (its own loop, the trainer's handler): after the step, that step's checkpoint
+# committed (train.save_on_signal), exit 143, no final/; --resume auto goes on from it; save_on_signal false: none
+start_run blip2_sigterm "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps 100000 --train.save_interval 1000000 --out_dir "$T/b2sig"
+wait_for "$T/blip2_sigterm.log" "^step 3/100000 " && kill -TERM $BG
+stopped blip2_sigterm 143 "stopped by SIGTERM after step [0-9]+; the last checkpoint is '.*/b2sig/step-0+[1-9][0-9]*': to continue, run the same command with --resume auto"
+b2s=$(ls -d "$T/b2sig"/step-* 2>/dev/null | head -1); b2s=$((10#${b2s##*step-}))
+expect blip2_sigterm_no_final 1 "" -- test -e "$T/b2sig/final"
+expect blip2_sigterm_resumes 0 "^step $((b2s + 2))/$((b2s + 2)) loss" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps $((b2s + 2)) --train.save_interval 1000000 --resume auto --out_dir "$T/b2sig"
+start_run blip2_sigterm_no_save "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps 100000 --train.save_interval 1000000 --train.save_on_signal false --out_dir "$T/b2sns"
+wait_for "$T/blip2_sigterm_no_save.log" "^step 3/100000 " && kill -TERM $BG
+stopped blip2_sigterm_no_save 143 "stopped by SIGTERM after step [0-9]+, before any checkpoint was committed \(train.save_interval 1000000, train.save_on_signal false\)"
 # --devices 2: the launcher stays, forwards the stop to the ranks and exits as one process would
 if "$FITLLM" --version | grep -q "comm: *MPI (Open MPI" && command -v mpirun >/dev/null; then
     MPIENV=("${NOLAUNCH[@]}" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1)

@@ -9,6 +9,7 @@
 #include <ctype.h>
 #include <limits.h>
 #include <math.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -51,6 +52,8 @@ typedef struct {
     fl_comm *comm;                /* DDP over several ranks (NULL: one process) */
     size_t acts_part[FL_BLIP2_PARTS], acts_total; /* ACTS by part and in all at the first step's after_fwd */
     int snapline;                 /* this step prints the per-phase lines (train.memory_snapshot_interval) */
+    int stopped;                  /* the signal that stopped the run after a step (its checkpoint committed) */
+    long steps_done;
     int rank, world;
 } b2run;
 
@@ -448,6 +451,15 @@ static void say(const b2run *r, const char *fmt, ...) {
     va_end(ap);
 }
 
+/* A stop signal (SIGINT, SIGTERM, SIGUSR1: after this step; the CLI's handler) into r->stopped; DDP: any rank's
+ * stops every rank at the same step. */
+static fl_status stop_signal(b2run *r) {
+    float sig = (float)fl_cli_interrupted();
+    if (r->world > 1) FL_TRY(fl_comm_all_reduce(r->comm, &sig, &sig, 1, FL_F32, FL_COMM_MAX));
+    r->stopped = (int)sig;
+    return FL_OK;
+}
+
 /* DDP: every trained part's gradients (the adapters' under LoRA) and the micro-batches' losses (each known to one
  * rank, 0 on the others: their sum is exact) summed over the ranks, so every rank updates the same weights. */
 static fl_status reduce(b2run *r, float *ml, int accum) {
@@ -784,14 +796,23 @@ static fl_status train(b2run *r) {
         r->snapline = every > 0 && (it < 2 || (it + 1) % every == 0); /* steps 1, 2 and every N-th */
         s = step(r, &p, B, accum, it, lr, it == first, &loss);
         p.step = it + 1;
+        r->steps_done = p.step;
         if (s == FL_OK && (it % (c->train.log_interval > 0 ? c->train.log_interval : 1) == 0 || it + 1 == max_steps))
             say(r, "step %ld/%ld loss %.6f lr %.3g\n", it + 1, max_steps, loss, lr);
         if (s == FL_OK && r->n_val && p.step % c->eval.interval == 0 && p.step < max_steps) {
             s = validate(r, B, &vl);
             if (s == FL_OK) say(r, "step %ld val loss %.6f\n", p.step, vl);
         }
-        if (s == FL_OK && c->train.save_interval > 0 && p.step % c->train.save_interval == 0 && !r->rank)
-            s = save_step(r, &p); /* DDP: rank 0 writes (every rank holds the same weights) */
+        const int saved = c->train.save_interval > 0 && p.step % c->train.save_interval == 0;
+        if (s == FL_OK && saved && !r->rank) s = save_step(r, &p); /* DDP: rank 0 writes (every rank: the same weights) */
+        if (s == FL_OK && p.step < max_steps && (s = stop_signal(r)) == FL_OK && r->stopped) {
+            if (c->train.save_on_signal && !saved && !r->rank) s = save_step(r, &p);
+            break;
+        }
+    }
+    if (r->stopped) { /* no final evaluation or folder: the run goes on from its checkpoint (--resume auto) */
+        free(p.order);
+        return s;
     }
     if (s == FL_OK && p.epoch_n) say(r, "epoch %ld average loss %.4f\n", p.epoch + 1, p.epoch_sum / (double)p.epoch_n);
     if (s == FL_OK && r->n_val && c->eval.final_validation) {
@@ -820,6 +841,27 @@ static void close_run(b2run *r) {
     if (r->be.name && !r->borrowed) fl_backend_free(&r->be);
 }
 
+/* Stopped by a signal: rank 0 names the checkpoint to continue from; the exit status the shell's for a process killed
+ * by it (130 SIGINT, 143 SIGTERM, 138 SIGUSR1), 0 for fitllm's launcher's request (it reports itself). */
+static int stopped_message(const b2run *r, const char *cmd) {
+    const int sig = r->stopped;
+    if (sig == SIGUSR2) return 0;
+    char last[4400];
+    if (!r->rank) {
+        fflush(stdout);
+        if (fl_ckpt_find_latest(r->cfg->out_dir, last, sizeof last) == FL_OK)
+            fprintf(stderr, "fitllm %s: stopped by %s after step %ld; the last checkpoint is '%s': to continue, run the "
+                    "same command with --resume auto (out_dir '%s')\n", cmd, fl_cli_signal_name(sig), r->steps_done,
+                    last, r->cfg->out_dir);
+        else
+            fprintf(stderr, "fitllm %s: stopped by %s after step %ld, before any checkpoint was committed "
+                    "(train.save_interval %d, train.save_on_signal %s): nothing to resume from\n", cmd,
+                    fl_cli_signal_name(sig), r->steps_done, r->cfg->train.save_interval,
+                    r->cfg->train.save_on_signal ? "true" : "false");
+    }
+    return 128 + sig;
+}
+
 int fl_cli_blip2_train(const char *cmd, const fl_run_config *cfg, fl_comm *comm) {
     b2run r;
     memset(&r, 0, sizeof r);
@@ -840,6 +882,7 @@ int fl_cli_blip2_train(const char *cmd, const fl_run_config *cfg, fl_comm *comm)
         rc = usage ? (fl_cli_fail(cmd, s, NULL), FL_EXIT_USAGE) : fl_cli_fail(cmd, s, r.b ? &r.pool : NULL);
         if (r.world > 1 && !usage) fl_comm_abort(comm, rc, fl_error_message());
     }
+    if (s == FL_OK && r.stopped) rc = stopped_message(&r, cmd);
     close_run(&r);
     return rc;
 }
