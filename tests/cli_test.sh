@@ -420,15 +420,19 @@ expect t5_bf16true_stores_bf16 0 '"dtype":"BF16"' -- bash -c 'head -c 300 "$1" |
 expect t5_finetune_qlora_loads 0 "source \+ 3 new tokens \(greedy" -- "$FITLLM" generate "$T/t5qlora/final" --prompt "question: what colour is the sky?" --max_new_tokens 3 --temperature 0
 expect t5_finetune_refuses_fp16 2 "--precision 16-mixed: T5 is known to overflow fp16's range" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x4" --precision 16-mixed
 expect t5_finetune_refuses_qlora_bf16 2 "QLoRA in 32-true only so far .*got --precision bf16-true" -- "$FITLLM" finetune_lora "${T5A[@]}" --out_dir "$T/t5x5" --quantize bnb.nf4 --precision bf16-true
-# ZeRO-3 with the optimizer (and the parameters) offloaded: refused in one process too (the offloaded parameter store
-# is not gathered by the encoder-decoder passes), exit 2 and the strategy named, before any step or folder
-for st in deepspeed_stage_3_offload fsdp_cpu_offload; do
-    expect "t5_finetune_refuses_${st}" 2 "--strategy $st \(ZeRO-3 offload\): not supported for an encoder-decoder \(t5\) yet \(deepspeed_stage_2_offload is\)" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x6" --strategy $st
-done
-expect t5_finetune_refuses_zero3_poff 2 "--strategy deepspeed_stage_3_offload \(ZeRO-3 offload\): not supported for an encoder-decoder" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x6" --strategy deepspeed_stage_3_offload --offload_param_device cpu
+# ZeRO-3 with the optimizer and the parameters offloaded (the sharded store gathered by the encoder-decoder passes
+# unit by unit; one process: each unit copied up from the host tier / NVMe files and its gradient back): the plain
+# run's weights bit for bit
 mkdir -p "$T/t5nv"
-expect t5_finetune_refuses_zero3_nvme 2 "--strategy deepspeed_stage_3_offload_nvme \(ZeRO-3 offload\): not supported for an encoder-decoder" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x6" --strategy deepspeed_stage_3_offload_nvme --nvme_path "$T/t5nv"
-expect t5_refused_run_leaves_no_folder 1 "" -- test -e "$T/t5x6/final"
+for st in deepspeed_stage_3_offload fsdp_cpu_offload deepspeed_stage_3_offload_nvme; do
+    extra=(); [ $st = deepspeed_stage_3_offload_nvme ] && extra=(--nvme_path "$T/t5nv")
+    expect "t5_finetune_${st}" 0 "Saved|saved" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5-$st" --strategy $st "${extra[@]}"
+    expect "t5_finetune_${st}_bitexact" 0 "" -- cmp "$T/t5run/final/model.safetensors" "$T/t5-$st/final/model.safetensors"
+done
+expect t5_finetune_zero3_poff_cpu 0 "Saved|saved" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x6" --strategy deepspeed_stage_3_offload --offload_param_device cpu
+expect t5_finetune_zero3_poff_cpu_bitexact 0 "" -- cmp "$T/t5run/final/model.safetensors" "$T/t5x6/final/model.safetensors"
+expect t5_refuses_fp16_no_folder 2 "--precision 16-true: T5 is known to overflow" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x7" --precision 16-true
+expect t5_refused_run_leaves_no_folder 1 "" -- test -e "$T/t5x7/final"
 # a validation split (data.val_split_fraction: LitGPT's random_split, tests/test_s2s.c against torch): the val loss
 # at each evaluation, the final evaluation, val_loss in the metrics
 expect t5_finetune_val_split 0 "8 source/target pairs .*; 6 train / 2 val pairs \(data.val_split_fraction 0.25\)" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5val" --data.val_split_fraction 0.25 --eval.interval 5 --overwrite true
@@ -442,7 +446,8 @@ expect plan_t5_len_options 0 "global batch 16, source 64, target 16," -- "$FITLL
 expect plan_t5_needs_source 2 "an encoder-decoder \(t5-small\) needs a source length: give --seq-len or --data.max_source_length" -- "$FITLLM" plan t5-small --data.max_source_length 0
 expect plan_t5_suggests_source 3 "max_seq_length +fits: --data.max_source_length 881 " -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB
 expect plan_t5_bf16true_variant 3 "bf16-true +does not fit: bf16 parameters" -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB
-expect plan_t5_refused_variant 3 "param_offload +not with this run: .*ZeRO-3 offload\): not supported for an encoder-decoder" -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB
+expect plan_t5_refused_variant 3 "qlora +not with this run: .*QLoRA\): an encoder-decoder \(t5-small\) runs QLoRA in 32-true only" -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB --precision bf16-mixed
+expect plan_t5_param_offload_variant 3 "param_offload +does not fit: the parameters, gradients and optimizer state in files" -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB
 expect bench_step_t5 0 "t5, 238592 params, L=2\+2 C=64 .*B=2 source 24 target 16, 32-true" -- "$FITLLM" bench-step t5-micro --micro-batch 2 --seq 16 --source-seq 24 --steps 2 --warmup 1 --threads 2
 expect bench_step_source_seq_decoder_only 1 "--source-seq: micro is not an encoder-decoder" -- "$FITLLM" bench-step micro --source-seq 4 --steps 1
 expect t5_finetune_act_ckpt 0 "precision 32-true, activation checkpointing" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5ckpt" --train.activation_checkpointing true
