@@ -54,6 +54,8 @@ typedef struct {
     int save_on_signal;       /* fitllm: a stop by SIGINT/SIGTERM/SIGUSR1 commits a checkpoint of the step (default 1) */
     int divergence_check;     /* fitllm: stop a run whose loss stays above ln(vocab) + margin (default 1;
                                * fl_diverge in src/train/divergence.h) */
+    int memory_snapshot_interval; /* fitllm, BLIP-2 fine-tuning: the memory at the four phases of steps 1, 2 and every
+                                   * N-th step printed as the course does (0 = off) */
 } fl_train_args;
 
 typedef struct {

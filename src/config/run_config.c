@@ -136,6 +136,7 @@ static const fl_cfg_key k_keys[] = {
     {"train.beta2", FL_CK_FLOAT, OFF(optimizer.beta2), "(older LitGPT recipes) AdamW beta2"},
     {"train.activation_checkpointing", FL_CK_BOOL_OPT, OFF(train.activation_checkpointing), "recompute blocks in backward (null: on where --strategy auto shards finetune_full over several devices, as LitGPT's FSDP; off otherwise)"},
     {"train.keep_checkpoints", FL_CK_INT, OFF(train.keep_checkpoints), "keep only the newest N step-* checkpoints, 0 = all (fitllm)"},
+    {"train.memory_snapshot_interval", FL_CK_INT, OFF(train.memory_snapshot_interval), "BLIP-2 fine-tuning: print the memory (allocated and its peak so far, per tag) at the four phases of steps 1, 2 and every N-th step, 0 = off (fitllm)"},
     {"train.save_on_signal", FL_CK_BOOL, OFF(train.save_on_signal), "on SIGINT (Ctrl-C), SIGTERM or SIGUSR1: finish the step, commit a step-* checkpoint, then stop (fitllm)"},
     {"train.divergence_check", FL_CK_BOOL, OFF(train.divergence_check), "stop with exit 1, no final/, when the loss stays above a uniform guess's ln(vocab_size) + 2 (20 steps of the smoothed training loss, or a validation) after warm-up (fitllm)"},
     {"eval.interval", FL_CK_POS, OFF(eval.interval), "optimizer steps between evaluations"},
@@ -701,6 +702,9 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
     if (t->epochs == 0) return fl_errorf(FL_ERR_INVALID, "train.epochs must be positive or null");
     if (t->max_time != -1 && !(t->max_time > 0))
         return fl_errorf(FL_ERR_INVALID, "train.max_time must be a positive number of seconds or null");
+    if (c->train.memory_snapshot_interval < 0)
+        return fl_errorf(FL_ERR_INVALID, "train.memory_snapshot_interval %d: give 0 (off) or the steps between snapshots",
+                         c->train.memory_snapshot_interval);
     if (c->eval.interval <= 0) return fl_errorf(FL_ERR_INVALID, "eval.interval must be positive");
     if (c->eval.max_iters <= 0) return fl_errorf(FL_ERR_INVALID, "eval.max_iters must be positive");
     if (!(c->optimizer.lr > 0)) return fl_errorf(FL_ERR_INVALID, "optimizer.lr must be positive");

@@ -215,17 +215,7 @@ static int rehearsal_result(const plan_ctx *x, fl_status s, const fl_trainer_res
             memcpy(out->nvme_peak, r->nvme_peak, sizeof out->nvme_peak);
             out->nvme_peak_total = r->nvme_peak_total;
         } else if (oom) {
-            /* what failed, as the allocation site says it: the message up to the pool's own words */
-            const char *m = fl_error_message(), *e = strstr(m, "out of memory on ");
-            size_t n = e ? (size_t)(e - m) : strlen(m);
-            while (n && (m[n - 1] == ' ' || m[n - 1] == ':')) n--;
-            if (n) snprintf(out->oom_what, sizeof out->oom_what, "%.*s", (int)n, m);
-            else snprintf(out->oom_what, sizeof out->oom_what, "%s buffer", fl_mem_tag_name(r->oom.tag));
-            out->oom = r->oom;
-            const char *const *steps = ranks > 1 ? k_steps_dp : k_steps;
-            const int ns = ranks > 1 ? (int)(sizeof k_steps_dp / sizeof *k_steps_dp)
-                                     : (int)(sizeof k_steps / sizeof *k_steps);
-            snprintf(out->oom_step, sizeof out->oom_step, "%s", steps[r->n_phases < ns ? r->n_phases : ns - 1]);
+            fl_plan_set_oom(out, &r->oom, r->n_phases, ranks);
         }
     }
     return s == FL_OK;
@@ -319,13 +309,26 @@ static int simulate(const plan_ctx *x, const fl_run_config *c, const fl_optim_co
 
 /* ---- the plan -------------------------------------------------------------------------- */
 
-static void note(fl_plan *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void note(fl_plan *p, const char *fmt, ...) {
+void fl_plan_note(fl_plan *p, const char *fmt, ...) {
     if (p->n_notes >= FL_PLAN_MAX_NOTES) return;
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(p->notes[p->n_notes++], sizeof p->notes[0], fmt, ap);
     va_end(ap);
+}
+#define note(...) fl_plan_note(__VA_ARGS__) /* this file's short name for it */
+
+void fl_plan_set_oom(fl_plan *p, const fl_mem_oom *oom, int n_phases, int ranks) {
+    /* what failed, as the allocation site says it (this thread's message): up to the pool's own words */
+    const char *m = fl_error_message(), *e = strstr(m, "out of memory on ");
+    size_t n = e ? (size_t)(e - m) : strlen(m);
+    while (n && (m[n - 1] == ' ' || m[n - 1] == ':')) n--;
+    if (n) snprintf(p->oom_what, sizeof p->oom_what, "%.*s", (int)n, m);
+    else snprintf(p->oom_what, sizeof p->oom_what, "%s buffer", fl_mem_tag_name(oom->tag));
+    p->oom = *oom;
+    const char *const *steps = ranks > 1 ? k_steps_dp : k_steps;
+    const int ns = ranks > 1 ? (int)(sizeof k_steps_dp / sizeof *k_steps_dp) : (int)(sizeof k_steps / sizeof *k_steps);
+    snprintf(p->oom_step, sizeof p->oom_step, "%s", steps[n_phases < ns ? n_phases : ns - 1]);
 }
 
 static fl_plan_suggestion *sugg(fl_plan *p, const char *technique) {
