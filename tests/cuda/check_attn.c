@@ -296,7 +296,7 @@ static void a_round_bf16(float *x, size_t n) {
 }
 
 static void check_large(int B, int T, int NH, int NKV, int HD, int tc) {
-    char nm[96], op[128];
+    char nm[96], op[160];
     snprintf(nm, sizeof nm, "attn%s B%d T%d %d/%d HD%d", tc == 3 ? "_fa2det" : tc == 2 ? "_fa2" : tc ? "_tc" : "", B,
              T, NH, NKV, HD);
     unsigned s = (unsigned)(T + NKV * 7 + HD);
