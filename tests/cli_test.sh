@@ -442,6 +442,9 @@ expect t5_finetune_val_final 0 "^Final evaluation \| val loss: [0-9.]+ \| val pp
 # (--target-len, else data.max_target_length), planned = measured per tag (tests/test_plan.c plan_equals_runtime_t5);
 # a shorter source is suggested when it does not fit; bench-step times a T5 step with a source of --source-seq
 expect plan_t5_lengths 0 "source 8, target 4, precision 32-true" -- "$FITLLM" plan "$T/t5m" --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json --data.max_source_length 8 --data.max_target_length 4
+# train.max_seq_length (LitGPT's sample limit) caps the source in training and in the plan alike
+expect t5_finetune_max_seq_length_caps_source 0 "\(8 sources, 0 targets truncated\); longest source 8, target 15 tokens" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5msl" --train.max_steps 1 --train.max_seq_length 8
+expect plan_t5_max_seq_length_caps_source 0 "source 8 tokens \(train.max_seq_length\), target 4" -- "$FITLLM" plan "$T/t5m" --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json --train.max_seq_length 8 --data.max_target_length 4
 expect plan_t5_len_options 0 "global batch 16, source 64, target 16," -- "$FITLLM" plan t5-small --seq-len 64 --target-len 16
 expect plan_t5_needs_source 2 "an encoder-decoder \(t5-small\) needs a source length: give --seq-len or --data.max_source_length" -- "$FITLLM" plan t5-small --data.max_source_length 0
 expect plan_t5_suggests_source 3 "max_seq_length +fits: --data.max_source_length 881 " -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB
@@ -602,6 +605,15 @@ expect tp_plan_zero3_refused 2 "--tensor_parallel 2 with --strategy deepspeed_st
 # slice) + 5 x (2 x 64 norms + q 32 x 64 + k, v 16 x 64 + o 64 x 32 + gate, up 86 x 64 + down 64 x 86) + 64 =
 # 130368 floats = 509.25 KiB (573.25 KiB with the embeddings whole)
 expect tp_plan_slice 0 "^after_load +reserved +509\.25 KiB" -- "$FITLLM" plan micro --devices 4 --tensor_parallel 2 --strategy ddp
+# --pipeline_parallel (EXPERIMENTAL; the runs: tests/mpi_test.sh, tests/test_pp_train.c): a grid it does not divide, an
+# unknown schedule, the plan of one stage, the help's label
+expect pp_not_dividing_devices 2 "--pipeline_parallel 2 does not divide devices x num_nodes = 1 ranks" -- \
+    "$FITLLM" finetune_full micro --pipeline_parallel 2 --out_dir "$T/pp1"
+expect pp_unknown_schedule 2 "--pipeline_schedule 'interleaved': expected gpipe or 1f1b" -- \
+    "$FITLLM" finetune_full micro --devices 2 --pipeline_parallel 2 --pipeline_schedule interleaved --out_dir "$T/pp2"
+expect pp_plan_stage 0 "pipeline parallel 2 \(EXPERIMENTAL, schedule 1f1b\): rank 1 is stage 1" -- \
+    "$FITLLM" plan micro --devices 2 --pipeline_parallel 2 --rank 1
+expect pp_help_experimental 0 "pipeline_parallel.*EXPERIMENTAL" -- "$FITLLM" finetune_full --help
 # --bucket_size: ZeRO-2 offload of a 7B model at micro 4 over 4 MPI ranks planned a 19.99 GiB WORKSPACE peak (the
 # whole buffer's reduce-scatter scratch, 3/4 of 25.1 GiB of gradients); in buckets of 256 MiB (the default) 1.57 GiB
 expect plan_bucket_bounds_zero2_workspace 0 "^peak +reserved +25\.10 GiB +25\.10 GiB +0 B +64\.84 GiB +1\.57 GiB" -- \
@@ -890,6 +902,16 @@ expect lab_course_report 0 "" -- bash -c "grep -q '^## The course.s runs beside 
 expect lab_peer_pytorch 0 "reduced-batch +29.59 +14.82 +1.57 \| +28.71 +0.970 \| +30.41 +0.973" -- "$FITLLM" lab --only baseline --peer pytorch --out_dir "$T/lab-peer"
 expect lab_peer_pytorch_files 0 "" -- bash -c "grep -q '^### PyTorch beside fitllm' '$T/lab-peer/report.md' && grep -q '\"pytorch\": {\"params\"' '$T/lab-peer/results.json'"
 expect lab_peer_bad 2 "--peer: 'tensorflow' is not pytorch" -- "$FITLLM" lab --peer tensorflow
+# --peer pytorch for the lab's own rows at the real scale: QLoRA (PEFT + bitsandbytes NF4, measured categories;
+# modelled: the peak, the dequantized weight, CUDA's dropout mask) on open-llama-7b at T 1024; at --scale real the
+# 4-rank rows (n/a on one device) still get PyTorch's per-rank figure (DDP's buckets modelled)
+expect lab_peer_rows 0 "qlora +open-llama-7b +1024 +14.39 fits +\| +[0-9.]+ fits +[0-9.]+ .*measured: 32-true, adamw, QLoRA NF4 r16; modelled: the peak, the dequantized weight, CUDA's dropout mask" -- bash -c "'$FITLLM' lab --only qlora --steps 1 --peer pytorch --out_dir '$T/lab-peer-rows' | tr '\n' ' '"
+expect lab_peer_rows_files 0 "" -- bash -c "grep -q '^### PyTorch would need' '$T/lab-peer-rows/report.md' && grep -q '\"pytorch_basis\": \"measured: 32-true, adamw, QLoRA NF4 r16' '$T/lab-peer-rows/results.json'"
+expect lab_peer_rows_real 0 "ddp +tinyllama-1.1b +[0-9]+ +[0-9.]+ fits .*modelled: the peak, DDP's gradient buckets" -- bash -c "'$FITLLM' lab --scale real --only ddp --peer pytorch --out_dir '$T/lab-peer-real' | tr '\n' ' '"
+# --plan-only: no row trains, the real scale's verdicts are the plans' (seconds); where the plan differs from the
+# course's table the row says why (the baseline fits: PyTorch's fp32 logits, its modelled peak at T 511)
+expect lab_plan_only 0 "--plan-only: no row +trained.* baseline \(the course's run\): fitllm fits where the course ran out of memory: .* at T 511" -- bash -c "'$FITLLM' lab --scale real --plan-only --only baseline,reduced-batch --out_dir '$T/lab-plan-only' | tr '\n' ' '"
+expect lab_plan_only_json 0 "" -- bash -c "grep -q '\"course_why\": \"fitllm is leaner than the course' '$T/lab-plan-only/results.json' && grep -q '\"course_gb\": 30.41' '$T/lab-plan-only/results.json'"
 expect lab_run_oom 0 "baseline +OOM .*ACTS 312.64 MiB requested, 232.75 MiB available$" -- "$FITLLM" lab --only baseline --run-oom --out_dir "$T/lab-oom2"
 # --scale real (an 80 GB GPU's run; here only what needs no memory): a bad scale, the fsdp suite refused,
 # the 4-rank rows n/a naming the launch they need, the report saying which scale it is

@@ -84,6 +84,9 @@ typedef struct {
     int devices, num_nodes;           /* ranks = devices x num_nodes (data parallel over MPI) */
     int tensor_parallel;              /* tensor_parallel: ranks per tensor-parallel group (1: none); the ranks are
                                        * (devices x num_nodes / tensor_parallel) data-parallel groups of it */
+    int pipeline_parallel;            /* pipeline_parallel: stages per pipeline (1: none; EXPERIMENTAL), each a
+                                       * contiguous block range; (devices x num_nodes / pipeline_parallel) pipelines */
+    char pipeline_schedule[32];       /* gpipe | 1f1b (default) */
     char strategy[32];                /* auto, ddp, deepspeed_stage_1, _2, _3, their _offload, fsdp (Lightning's names) */
     char sharding_strategy[32];       /* fsdp.sharding_strategy: "" (FULL_SHARD), FULL_SHARD, NO_SHARD, SHARD_GRAD_OP,
                                        * HYBRID_SHARD */

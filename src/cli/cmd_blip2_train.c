@@ -647,7 +647,9 @@ static fl_status save_step(b2run *r, const b2pos *p) {
     char name[40], tmp[4096], dst[4096], path[4200];
     snprintf(name, sizeof name, "step-%06ld", p->step);
     FL_TRY(fl_fs_join(dst, sizeof dst, r->cfg->out_dir, name));
-    snprintf(tmp, sizeof tmp, "%s/.tmp-%s", r->cfg->out_dir, name);
+    char tname[48];
+    snprintf(tname, sizeof tname, ".tmp-%s", name);
+    FL_TRY(fl_fs_join(tmp, sizeof tmp, r->cfg->out_dir, tname)); /* a too-long out_dir is refused, not cut */
     fl_fs_remove_dir(tmp);
     fl_status s = fl_fs_mkdir_p(tmp);
     if (s == FL_OK) s = fl_blip2_part(r->b, FL_BLIP2_TEXT)->adapt ? save_adapter(r, tmp)

@@ -417,9 +417,10 @@ static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_co
          * it ends the job, naming the rank (the others may be waiting for it in a collective) */
         if (res.error_all_ranks && rank != 0) return code;
         if (!res.error_all_ranks) {
-            char msg[1200 + FL_CFG_PATH * 3], where[FL_CFG_PATH * 2];
+            char msg[1200 + FL_CFG_PATH * 3], where[FL_CFG_PATH * 2], err[1024];
+            snprintf(err, sizeof err, "%s", fl_error_message()); /* before the checkpoint scan sets another */
             fl_cli_last_checkpoint(cfg.out_dir, where, sizeof where);
-            snprintf(msg, sizeof msg, "fitllm %s: error: %s; %s", cmd, fl_error_message(), where);
+            snprintf(msg, sizeof msg, "fitllm %s: error: %s; %s", cmd, err, where);
             fl_comm_abort(comm, code, msg); /* MPI: does not return */
         }
     }

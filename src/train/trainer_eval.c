@@ -69,7 +69,8 @@ fl_status fl_tr_validate(trainer *t, int max_iters, double *loss) {
         int ne;
         FL_TRY(fl_loader_next(t->in.val, &b, &ne));
         if (!fl_dp_mine(&t->dp, k)) continue; /* data parallel: each rank evaluates its share */
-        FL_TRY(fl_model_forward(&t->model, b.ids, b.targets, b.B, b.T, 0.0f, NULL));
+        if (t->pp.size > 1) FL_TRY(fl_pp_eval(&t->pp.rt, b.ids, b.targets, b.B, b.T)); /* the stages in turn */
+        else FL_TRY(fl_model_forward(&t->model, b.ids, b.targets, b.B, b.T, 0.0f, NULL));
         sum += t->model.loss_sum;
         cnt += t->model.n_valid;
     }
@@ -126,7 +127,7 @@ fl_status fl_tr_generate_example(trainer *t) {
     const fl_run_config *c = t->cfg;
     /* tensor parallel: the lead's group decodes with it (its blocks' sums), silently */
     FILE *fo = t->out;
-    if (c->eval.max_new_tokens <= 0) return FL_OK;
+    if (c->eval.max_new_tokens <= 0 || t->pp.size > 1) return FL_OK; /* pipelined decoding: not built */
     int lead = fo || (t->tp.size > 1 && t->dp.rank == 0);
     if (t->dp.fsdp && t->dp.world > 1) {
         /* sharded parameters (FULL_SHARD / ZeRO-3, parameter offload): every unit the decoding reads is gathered
