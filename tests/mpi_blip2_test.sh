@@ -86,6 +86,10 @@ done
 timeout 120 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --devices 2 --train.global_batch_size 6 --out_dir "$T/x" >"$T/out" 2>&1; rc=$?
 if [ $rc -eq 2 ] && grep -q "train.global_batch_size 6 is not divisible by devices x micro_batch_size = 2 x 2" "$T/out"; then
     ok "blip2_ddp_refuses_uneven_split"; else bad "blip2_ddp_refuses_uneven_split" "exit $rc"; fi
+# a set-up error every rank hits (an unknown part): the ranks agree, every one returns, rank 0 says it once, exit 2
+timeout 120 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --devices 2 --blip2.train text --out_dir "$T/x" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 2 ] && [ "$(grep -c "blip2.train: unknown part 'text'" "$T/out")" = 1 ]; then
+    ok "blip2_ddp_setup_error_said_once"; else bad "blip2_ddp_setup_error_said_once" "exit $rc"; fi
 # a corrupt image read by one rank: the job ends, non-zero, within the timeout, naming the file
 mkdir -p "$T/bad" && cp "$IMG/one_1x1.png" "$IMG/rgb_13x7.png" "$T/bad/" && printf '3 4 5\n' > "$T/bad/one_1x1.txt"
 head -c 300 "$IMG/rgb420_97x61.jpg" > "$T/bad/zz.jpg"; printf '5 6 7\n' > "$T/bad/zz.txt"; printf '7 8 9\n' > "$T/bad/rgb_13x7.txt"

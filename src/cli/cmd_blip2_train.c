@@ -864,25 +864,46 @@ static int stopped_message(const b2run *r, const char *cmd) {
     return 128 + sig;
 }
 
+/* DDP: the ranks' set-up agreed on (a MAX all-reduce of {failed, rank 0 failed}), so that a rank whose set-up failed
+ * alone (a file it could not read) does not leave the others waiting in the first reduction: every rank returns, the
+ * failed ones say why (rank 0 for all when it failed too), rank 0 that another failed. *quiet: this rank says nothing. */
+static fl_status agree_setup(b2run *r, fl_status s, int *quiet) {
+    *quiet = 0;
+    if (r->world <= 1) return s;
+    float v[2] = {s != FL_OK ? 1.0f : 0.0f, !r->rank && s != FL_OK ? 1.0f : 0.0f};
+    fl_status c = fl_comm_all_reduce(r->comm, v, v, 2, FL_F32, FL_COMM_MAX);
+    if (s != FL_OK) {
+        *quiet = r->rank && v[1] > 0;
+        return s;
+    }
+    if (c != FL_OK) return c;
+    if (v[0] > 0) {
+        *quiet = r->rank != 0;
+        return fl_errorf(FL_ERR_INVALID, "another rank's set-up failed (its message above)");
+    }
+    return FL_OK;
+}
+
 int fl_cli_blip2_train(const char *cmd, const fl_run_config *cfg, fl_comm *comm) {
     b2run r;
     memset(&r, 0, sizeof r);
     r.cfg = cfg;
     r.lora = cfg->command == FL_CMD_FINETUNE_LORA;
     r.comm = comm, r.rank = comm ? fl_comm_rank(comm) : 0, r.world = comm ? fl_comm_size(comm) : 1;
-    fl_status s = setup(&r);
+    int quiet = 0;
+    fl_status s = agree_setup(&r, setup(&r), &quiet);
+    const int set_up = s == FL_OK;
     if (s == FL_OK) s = train(&r);
     /* the training commands' exit codes: configuration problems (bad values, a missing file, what is not built) 2.
-     * DDP: every rank fails the same way at set-up (rank 0 says so); a rank's own failure in a step (an image it
-     * read) ends the job (fl_comm_abort names the rank), as the others wait in the next reduction */
+     * DDP: a failure in training (an image one rank read) ends the job (fl_comm_abort names the rank: the others
+     * wait in the next reduction); one every rank hits the same way before any reduction (a refused --resume) is
+     * rank 0's to say */
     const int usage = s == FL_ERR_INVALID || s == FL_ERR_NOT_FOUND || s == FL_ERR_UNSUPPORTED;
     int rc = 0;
-    if (s != FL_OK && r.world > 1 && r.rank) {
-        rc = usage ? FL_EXIT_USAGE : FL_EXIT_RUNTIME;
-        if (!usage) fl_comm_abort(comm, rc, fl_error_message());
-    } else if (s != FL_OK) {
-        rc = usage ? (fl_cli_fail(cmd, s, NULL), FL_EXIT_USAGE) : fl_cli_fail(cmd, s, r.b ? &r.pool : NULL);
-        if (r.world > 1 && !usage) fl_comm_abort(comm, rc, fl_error_message());
+    if (s != FL_OK) {
+        rc = usage ? FL_EXIT_USAGE : s == FL_ERR_OOM ? FL_EXIT_OOM : FL_EXIT_RUNTIME;
+        if (!quiet && (!r.rank || !set_up || !usage)) fl_cli_fail(cmd, s, r.b && !usage ? &r.pool : NULL);
+        if (r.world > 1 && set_up && !usage) fl_comm_abort(comm, rc, fl_error_message());
     }
     if (s == FL_OK && r.stopped) rc = stopped_message(&r, cmd);
     close_run(&r);
