@@ -285,6 +285,53 @@ FL_TEST(poff_fetch_worker_runs_functions_in_order) {
     fl_fetch_stop(w);
 }
 
+/* Sharded generation: the evaluation sample under parameter offload at 2 thread ranks decodes in step (each token
+ * gathers the units from both ranks); the ranks' picks are compared after each token. Agreeing ranks run through;
+ * a rank whose sampler went apart (FITLLM_TEST_SAMPLE_SEED_SKEW=1: rank 1 samples with seed + 1) ends the run on
+ * every rank with an error naming that rank and the step, not a hang in mismatched collectives. */
+static FILE *g_po_out; /* rank 0's output (the sample is decoded where a rank prints) */
+
+static fl_status porank_out(fl_comm *c, int rank, void *ud) {
+    pojob *j = ud;
+    poarg a = {j, rank};
+    j->st[rank] = fl_trainer_run_comm(&j->cfg, c, rank == 0 ? g_po_out : NULL, 0, po_hook, &a, &j->res[rank]);
+    return j->st[rank];
+}
+
+FL_TEST(poff_sharded_sample_ranks_must_agree) {
+    for (int skew = 0; skew <= 1; skew++) {
+        g_po_out = tmpfile();
+        FL_REQUIRE(g_po_out);
+        pojob *j = po_new(ZR_SGDM, 2, "fsdp_cpu_offload", "", skew ? "agree-skew" : "agree");
+        j->cfg.train.max_steps = 2;
+        j->cfg.eval.interval = 2;
+        j->cfg.eval.max_new_tokens = 8;
+        j->cfg.eval.final_validation = 0;
+        if (skew) setenv("FITLLM_TEST_SAMPLE_SEED_SKEW", "1", 1);
+        setenv("FITLLM_BACKEND", "cpu", 1);
+        fl_status s = fl_comm_threads_run(2, porank_out, j);
+        unsetenv("FITLLM_BACKEND");
+        unsetenv("FITLLM_TEST_SAMPLE_SEED_SKEW");
+        char text[65536];
+        rewind(g_po_out);
+        const size_t got = fread(text, 1, sizeof text - 1, g_po_out);
+        text[got] = 0;
+        fclose(g_po_out);
+        if (!skew) {
+            FL_CHECKF(s == FL_OK && j->rec[0].steps == 2 && strstr(text, "Recommend a movie"),
+                      "agreeing ranks: %s (%s), sample printed %d", fl_status_name(s), fl_error_message(),
+                      strstr(text, "Recommend a movie") != NULL);
+        } else {
+            /* (a rank still inside the last gather when the other ends may see the broken group instead) */
+            FL_CHECKF(s == FL_ERR_INTERNAL && j->st[0] != FL_OK && j->st[1] != FL_OK &&
+                          strstr(fl_error_message(), "sharded generation (the evaluation sample after step 2): rank 1 picked"),
+                      "ranks sampling apart: %s / %s (%s)", fl_status_name(j->st[0]), fl_status_name(j->st[1]),
+                      fl_error_message());
+        }
+        po_free(j);
+    }
+}
+
 /* opaque: every unit's piece goes up through the backend's copies and the gathers and reductions through
  * the device communicator (the NCCL stand-in at 2 and 3 ranks); the CUDA emulator likewise (slow: small) */
 FL_TEST(poff_opaque_same_bits) {
