@@ -20,7 +20,8 @@
 #     configurations, model files or fitllm builds refuse at start-up naming the difference;
 #   - torchrun-style variables without mpirun, srun without an MPI plugin, another MPI's launcher:
 #     refused, naming what to run instead;
-#   - two nodes: one rank in each of two network namespaces over TCP (tests/netns_test.sh).
+#   - two nodes: one rank in each of two network namespaces over TCP (tests/netns_test.sh);
+#   - BLIP-2 fine-tuning under DDP (tests/mpi_blip2_test.sh).
 # Skips (exit 0, with the reason) when the build has no MPI or mpirun is missing.
 # Usage: tests/mpi_test.sh [build-dir]
 set -u
@@ -597,6 +598,13 @@ if [ $rc -ne 0 ] && grep -q "says rank 1 of 2 but MPI .* sees rank 0 of 1: .*use
 grep -E "^(ok|FAIL|SKIP)" "$T/out"
 if [ $rc -eq 0 ] && grep -q "^SKIP" "$T/out"; then skip=$((skip+1))
 elif [ $rc -eq 0 ]; then pass=$((pass+1)); else bad "netns_two_nodes" "exit $rc"; fi
+
+# BLIP-2 image-caption fine-tuning over 2 ranks (tests/mpi_blip2_test.sh: DDP against one process, OPT and Flan-T5,
+# full and LoRA; the self-started launcher; DDP's checkpoint resumed in one process; refusals; a rank's corrupt image)
+"$(dirname "$0")/mpi_blip2_test.sh" "$BUILD" >"$T/out" 2>&1; rc=$?
+grep -E "^(ok|FAIL|     )" "$T/out"
+pass=$((pass + $(grep -c '^ok' "$T/out"))); fail=$((fail + $(grep -c '^FAIL' "$T/out")))
+[ $rc -eq 0 ] || [ "$(grep -c '^FAIL' "$T/out")" -gt 0 ] || bad "mpi_blip2" "exit $rc"
 
 # T5, an encoder-decoder, over 2 ranks (tests/mpi_t5_test.sh: DDP against one process, ZeRO-1/2 and ZeRO-2 offload
 # against DDP, rank 0's peaks against the plan)

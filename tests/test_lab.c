@@ -4,6 +4,7 @@
  * fits), planned == measured on every row, and the files it writes.
  * tests/cli_test.sh runs the whole quick suite through the CLI. */
 #define _POSIX_C_SOURCE 200809L /* nanosleep, setenv, open_memstream */
+#include <dlfcn.h>
 #include <sys/stat.h>
 #include <time.h>
 
@@ -502,8 +503,16 @@ FL_TEST(lab_gpu_sampling_through_nvml) {
     FL_CHECKF(fl_gpu_monitor_probe(why, sizeof why), "%s", why);
     fl_gpu_monitor *g = fl_gpu_monitor_start(1, why, sizeof why);
     FL_REQUIRE(g != NULL);
-    struct timespec ts = {0, 60 * 1000000L};
-    nanosleep(&ts, NULL);
+    /* wait for at least 4 samples (up to 20 s on a loaded machine), asked of the stand-in itself: dlopen of the
+     * path the monitor loaded gives the same library, so its counter is the one the sampler advances */
+    void *lib = dlopen(FL_FAKE_NVML, RTLD_NOW);
+    int (*ncalls)(void) = lib ? (int (*)(void))dlsym(lib, "fake_nvml_calls") : NULL;
+    FL_CHECK(ncalls != NULL);
+    const int first = ncalls ? ncalls() : 0;
+    for (int i = 0; i < 2000 && ncalls && ncalls() - first < 4; i++) {
+        struct timespec ts = {0, 10 * 1000000L};
+        nanosleep(&ts, NULL);
+    }
     fl_lab_row r;
     memset(&r, 0, sizeof r);
     fl_lab_gpu_stop(g, &r);
@@ -516,6 +525,7 @@ FL_TEST(lab_gpu_sampling_through_nvml) {
     char u[48], m[64];
     fl_lab_gpu_cells(&r, u, sizeof u, m, sizeof m);
     FL_CHECKF(!strcmp(m, "5.00 +- 0.00 GiB"), "%s", m);
+    if (lib) dlclose(lib);
 #endif
     if (saved[0]) setenv("FITLLM_NVML_LIB", saved, 1);
     else unsetenv("FITLLM_NVML_LIB");

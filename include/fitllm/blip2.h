@@ -9,7 +9,8 @@
  * Each part is an fl_model (its own config, layout, parameter store and gradients: fl_blip2_part), the vision tower
  * and the Q-Former being architectures of their own (FL_ARCH_BLIP2_VISION / _QFORMER, src/model/arch_blip2.c; the
  * query tokens and the language projection are the Q-Former's); src/model/blip2*.c runs the three as one forward and
- * backward over an arena of its own. fp32 storage and activations, one process (what is not done is refused by
+ * backward over an arena of its own. fp32 storage and activations (bf16-mixed: each part's bf16 weight copy in the
+ * matmuls), one process (what is not done is refused by
  * name). docs/ARCHITECTURE.md "BLIP-2". */
 #ifndef FITLLM_BLIP2_H
 #define FITLLM_BLIP2_H
@@ -50,6 +51,11 @@ const fl_blip2_config *fl_blip2_get_config(const fl_blip2 *b);
 fl_model *fl_blip2_part(fl_blip2 *b, int part);
 size_t fl_blip2_param_count(const fl_blip2_config *c);
 
+/* The precision policy of every part (after loading, before the activations): 32-true, or bf16-mixed (fp32 master
+ * weights, a bf16 copy the matmuls read with fp32 accumulation, as PyTorch's autocast; the image parts' and the OPT
+ * stack's activations stay fp32, the Flan-T5 language model's arena stores them in bf16 as its trainer does). Policies
+ * with 16-bit storage or loss scaling are refused by name. */
+fl_status fl_blip2_set_precision(fl_blip2 *b, const fl_precision *p);
 fl_status fl_blip2_alloc_grads(fl_blip2 *b);
 /* Gradient buffers for the parts in the mask (1 << FL_BLIP2_VISION | ...) only: the others are frozen (their backward
  * is skipped where nothing before them trains; dX still flows through a frozen language model to the Q-Former). A

@@ -13,12 +13,13 @@
 
 static void help(void) {
     printf("usage: fitllm bench-step <model> [options]\n\n"
-           "  <model>               preset name (tiny, small, tinyllama-1.1b, ...), HF folder, a downloaded Hugging\n"
+           "  <model>               preset name (tiny, small, tinyllama-1.1b, blip2-opt-2.7b, ...), HF folder, a downloaded Hugging\n"
            "                        Face repo id ORG/NAME (`fitllm download --help`), config.json or\n"
            "                        llama2.c .bin (--preset NAME is the same as a preset positional)\n"
            "  --init random         ignore stored weights, initialize randomly (presets always are)\n"
            "  --micro-batch B       sequences per step (default 4)\n"
-           "  --seq T               tokens per sequence (default 256; an encoder-decoder: the target's)\n"
+           "  --seq T               tokens per sequence (default 256; an encoder-decoder: the target's; BLIP-2: the\n"
+           "                        caption's tokens, after the image's query rows)\n"
            "  --source-seq T        an encoder-decoder (T5): source tokens per sequence (default: --seq)\n"
            "  --steps N             timed steps (default 10)\n"
            "  --warmup N            untimed steps first (default 2)\n"
@@ -136,11 +137,24 @@ static int parse_opts(int argc, char **argv, const char *cmd, bench_opts *o) {
     return -1;
 }
 
+/* A BLIP-2 folder or preset: image-caption fine-tuning's steps (cmd_blip2_plan.c); --seq is the caption's tokens. */
+static int blip2(const bench_opts *o, const char *cmd) {
+    const char *no = o->act_ckpt ? "--act-ckpt" : o->quant ? "--quantize" : o->Ts ? "--source-seq" : o->profile ? "--profile"
+                     : strcmp(o->prec.name, "32-true") ? "--precision" : NULL;
+    if (no) return fl_cli_usage(cmd, "%s: BLIP-2 steps run 32-true without activation checkpointing, quantization or "
+                                "the op profile so far", no);
+    fl_cli_b2_bench b = {.model = o->model_path, .B = o->B, .L = o->T, .steps = o->steps, .warmup = o->warmup,
+                         .threads = o->threads, .seed = o->seed, .lora_r = o->lora_r, .sgd = o->okind == FL_OPT_SGD,
+                         .random_init = o->random_init, .lr = o->lr, .budget = o->budget};
+    return fl_cli_blip2_bench(&b);
+}
+
 int fl_cmd_bench_step(int argc, char **argv) {
     const char *cmd = "bench-step";
     bench_opts o;
     int prc = parse_opts(argc, argv, cmd, &o);
     if (prc >= 0) return prc;
+    if (fl_cli_is_blip2(o.model_path)) return blip2(&o, cmd);
     fl_backend be;
     fl_mem_pool pool, hpool; /* tensors; host staging when the backend's memory is not host memory */
     fl_model m = {0};

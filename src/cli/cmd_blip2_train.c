@@ -3,12 +3,13 @@
  * tokenized with the folder's tokenizer, or read as token ids when it has none; each micro-batch's images go through
  * the folder's preprocessor_config.json. --blip2.train names the parts that train (the vision tower is frozen by
  * default); finetune_lora puts LoRA adapters on the language model (OPT, or the Flan-T5 variant's encoder-decoder:
- * the caption + EOS its labels). One process, fp32 (32-true), AdamW / SGD: the
- * rest is refused by name. The final folder is an HF BLIP-2 folder (the trained weights, LoRA merged) that
+ * the caption + EOS its labels). One process or DDP over a communicator's ranks, 32-true or bf16-mixed, AdamW / SGD:
+ * the rest is refused by name. Step checkpoints, --resume, a validation split. The final folder is an HF BLIP-2 folder (the trained weights, LoRA merged) that
  * `fitllm loss/generate --image` and transformers load, plus the PEFT adapter of the language model under LoRA. */
 #include <ctype.h>
 #include <limits.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,6 +17,7 @@
 #include "cli.h"
 #include "core/fs.h"
 #include "fitllm/blip2.h"
+#include "fitllm/checkpoint.h"
 #include "fitllm/image.h"
 #include "fitllm/io.h"
 #include "fitllm/lora.h"
@@ -35,8 +37,19 @@ typedef struct {
     fl_img_captions caps;
     int32_t **ids;           /* per record: the caption's ids (BOS first when the language model has one) */
     int *n_ids;
+    size_t n_rec;            /* training records (the captions', or the synthetic ones) */
+    size_t n_val;            /* validation records: ids[n_rec, n_rec + n_val) (data.val_split_fraction) */
     fl_optimizer opt[FL_BLIP2_PARTS];
     int has_opt[FL_BLIP2_PARTS];
+    /* plan / bench-step: no data read */
+    const fl_blip2_config *given; /* a preset's (or config.json's) shape instead of the folder's weights */
+    const fl_backend *borrowed;   /* the backend to run on (plan: the null backend), else the run's own */
+    int synth;                    /* > 0: every caption this many tokens, random ids and pixels (no data read) */
+    size_t budget;                /* the pool's (plan --device-memory); 0: the run's max_memory */
+    uint64_t rng;
+    int pools_ok;
+    fl_comm *comm;                /* DDP over several ranks (NULL: one process) */
+    int rank, world;
 } b2run;
 
 /* --blip2.train: "vision,qformer,lm" (any subset, at least one); "" the command's default. */
@@ -56,21 +69,21 @@ static fl_status parse_parts(const char *s, int lora, int *parts) {
 }
 
 /* What this first slice runs; the rest refused by name. */
-static fl_status check_run(const fl_run_config *c) {
-    if (c->devices * c->num_nodes > 1 || c->tensor_parallel > 1)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "BLIP-2 fine-tuning runs in one process so far (--devices 1)");
-    if (strcmp(c->precision, "32-true"))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: BLIP-2 fine-tuning runs 32-true only so far", c->precision);
-    if (strcmp(c->strategy, "auto"))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s: BLIP-2 fine-tuning runs one process without offload so far "
-                         "(--strategy auto)", c->strategy);
+static fl_status check_run(const fl_run_config *c, int synth) {
+    if (c->tensor_parallel > 1)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: BLIP-2 fine-tuning runs data-parallel (DDP) only so far",
+                         c->tensor_parallel);
+    if (strcmp(c->precision, "32-true") && strcmp(c->precision, "bf16-mixed"))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: BLIP-2 fine-tuning runs 32-true and bf16-mixed only so far",
+                         c->precision);
+    if (strcmp(c->strategy, "auto") && strcmp(c->strategy, "ddp"))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s: BLIP-2 fine-tuning runs one process or DDP over several "
+                         "(--strategy auto or ddp) so far", c->strategy);
     if (c->lora.quantize[0])
         return fl_errorf(FL_ERR_UNSUPPORTED, "--quantize %s: QLoRA on BLIP-2 is not built yet", c->lora.quantize);
-    if (c->resume[0] && strcmp(c->resume, "false"))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--resume %s: BLIP-2 runs do not resume yet", c->resume);
     if (c->optimizer.kind == FL_OPT_ADAMW8BIT)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--optimizer AdamW8bit: BLIP-2 runs AdamW or SGD so far");
-    if (c->data.kind != FL_DATA_JSON || !c->data.json_path[0])
+    if (!synth && (c->data.kind != FL_DATA_JSON || !c->data.json_path[0]))
         return fl_errorf(FL_ERR_INVALID, "a BLIP-2 checkpoint trains on image captions: --data JSON --data.json_path "
                          "CAPTIONS (a .json/.jsonl of {\"image\", \"text\"} records, or an image folder)");
     return FL_OK;
@@ -101,19 +114,20 @@ static fl_status parse_ids(const char *text, int V, const char *image, int32_t *
     return FL_OK;
 }
 
-/* Every caption to ids: BOS (the language model's, OPT) first, cut to data.max_seq_length (default 50, the lab's). */
+/* Every caption to ids: BOS (the language model's, OPT) first, cut to train.max_seq_length (default 50, the lab's). */
 static fl_status tokenize_all(b2run *r) {
     const fl_blip2_config *bc = fl_blip2_get_config(r->b);
     const char *dir = r->cfg->checkpoint_dir;
     fl_tokenizer *tok = NULL;
     if (fl_io_has_tokenizer(dir)) FL_TRY(fl_tok_load(&tok, dir));
     const int NQ = bc->image_token >= 0 ? bc->n_queries : 0, s2s = fl_model_is_s2s(&bc->text);
-    int maxlen = r->cfg->data.max_seq_length > 0 ? r->cfg->data.max_seq_length : 50;
+    int maxlen = r->cfg->train.max_seq_length > 0 ? r->cfg->train.max_seq_length : 50;
     if (!s2s && maxlen > bc->text.max_seq - NQ) maxlen = bc->text.max_seq - NQ;
-    r->ids = calloc(r->caps.n, sizeof *r->ids);
-    r->n_ids = calloc(r->caps.n, sizeof *r->n_ids);
+    r->n_rec = r->caps.n;
+    r->ids = calloc(r->n_rec, sizeof *r->ids);
+    r->n_ids = calloc(r->n_rec, sizeof *r->n_ids);
     fl_status s = r->ids && r->n_ids ? FL_OK : fl_errorf(FL_ERR_OOM, "out of host memory");
-    for (size_t i = 0; s == FL_OK && i < r->caps.n; i++) {
+    for (size_t i = 0; s == FL_OK && i < r->n_rec; i++) {
         int32_t *raw = NULL;
         size_t n = 0;
         s = tok ? fl_tok_encode(tok, r->caps.text[i], strlen(r->caps.text[i]), 0, 0, &raw, &n)
@@ -142,6 +156,36 @@ static fl_status tokenize_all(b2run *r) {
     }
     if (tok) fl_tok_free(tok);
     return s;
+}
+
+static uint64_t next_rng(uint64_t *x) {
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+/* plan / bench-step: n records of synth tokens each (BOS first for OPT, EOS last for T5; random ids in between, never
+ * the image token): every micro-batch is synth tokens long, as the longest caption cut to train.max_seq_length. */
+static fl_status synth_all(b2run *r, size_t n) {
+    const fl_blip2_config *bc = fl_blip2_get_config(r->b);
+    const int s2s = fl_model_is_s2s(&bc->text), L = r->synth, V = bc->text.vocab_size;
+    r->n_rec = n;
+    r->ids = calloc(n, sizeof *r->ids);
+    r->n_ids = calloc(n, sizeof *r->n_ids);
+    if (!r->ids || !r->n_ids) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    for (size_t i = 0; i < n; i++) {
+        if (!(r->ids[i] = malloc((size_t)L * sizeof(int32_t)))) return fl_errorf(FL_ERR_OOM, "out of host memory");
+        for (int j = 0; j < L; j++) {
+            int32_t v = (int32_t)(next_rng(&r->rng) % (uint64_t)V);
+            if (v == bc->image_token) v = (v + 1) % V;
+            r->ids[i][j] = v;
+        }
+        if (!s2s && bc->bos_id >= 0) r->ids[i][0] = bc->bos_id;
+        if (s2s) r->ids[i][L - 1] = bc->eos_id;
+        r->n_ids[i] = L;
+    }
+    return FL_OK;
 }
 
 /* Micro-batch of records [i0, i0 + B): pixels, the ids (the placeholders, the caption, padded to the longest with the
@@ -178,6 +222,11 @@ static fl_status make_batch(b2run *r, const size_t *order, size_t i0, int B, flo
             const int lab = j >= 0 && j + 1 < nc;
             (*tg)[n * *T + t] = lab ? c[j + 1] : FL_IGNORE_INDEX;
             *n_valid += lab;
+        }
+        if (r->synth) { /* random pixels in the processor's range */
+            for (size_t k = 0; k < (size_t)3 * S * S; k++)
+                px[(size_t)n * 3 * S * S + k] = (float)(next_rng(&r->rng) >> 40) / (float)(1 << 23) - 1.0f;
+            continue;
         }
         fl_img im;
         FL_TRY(fl_img_load(r->caps.image[rec], &im));
@@ -227,13 +276,80 @@ static fl_status save_adapter(b2run *r, const char *dir) {
     return s;
 }
 
+/* data.val_split_fraction f of the (seeded, shuffled) records validate: the last floor(n f) of them, the lengths as
+ * torch's random_split computes them (floors, the remainder round-robin from the training split). */
+static void split_val(b2run *r) {
+    const double f = r->cfg->data.val_split_fraction;
+    const size_t n = r->n_rec;
+    if (f <= 0 || n < 2) return;
+    size_t tr = (size_t)((double)n * (1.0 - f)), va = (size_t)((double)n * f);
+    for (size_t i = 0; tr + va < n; i++) *(i % 2 ? &va : &tr) += 1;
+    r->n_rec = tr, r->n_val = va;
+}
+
+/* The mean loss over the validation records (micro-batches of B, at most eval.max_iters of them), no gradients,
+ * LoRA dropout off. */
+static fl_status validate(b2run *r, int B, double *loss) {
+    const fl_blip2_config *bc = fl_blip2_get_config(r->b);
+    const int S = bc->vision.image_size, NQ = bc->n_queries, s2s = fl_model_is_s2s(&bc->text);
+    size_t *ord = malloc(r->n_val * sizeof *ord);
+    float *px = malloc((size_t)B * 3 * S * S * sizeof *px);
+    fl_status s = ord && px ? FL_OK : fl_errorf(FL_ERR_OOM, "out of host memory");
+    for (size_t i = 0; ord && i < r->n_val; i++) ord[i] = r->n_rec + i;
+    fl_model *lm = fl_blip2_part(r->b, FL_BLIP2_TEXT);
+    fl_model_lora_set_train(lm, 0);
+    double sum = 0;
+    long nv = 0;
+    for (size_t i0 = 0; s == FL_OK && i0 < r->n_val && i0 / (size_t)B < (size_t)r->cfg->eval.max_iters; i0 += (size_t)B) {
+        const int b = r->n_val - i0 < (size_t)B ? (int)(r->n_val - i0) : B;
+        int32_t *ids = NULL, *tg = NULL;
+        int T = 0;
+        long n = 0;
+        float l = 0;
+        s = make_batch(r, ord, i0, b, px, &ids, &tg, &T, &n);
+        if (s == FL_OK) s = s2s ? fl_blip2_alloc_acts_s2s(r->b, b, NQ, T) : fl_blip2_alloc_acts(r->b, b, T);
+        if (s == FL_OK)
+            s = s2s ? fl_blip2_forward_s2s(r->b, px, ids + (size_t)b * T, ids, tg, b, NQ, T, 0.0f, NULL, &l)
+                    : fl_blip2_forward(r->b, px, ids, tg, b, T, 0.0f, NULL, &l);
+        sum += (double)l * (double)n, nv += n;
+        free(ids), free(tg);
+    }
+    fl_model_lora_set_train(lm, 1);
+    free(ord), free(px);
+    *loss = nv ? sum / (double)nv : 0;
+    return s;
+}
+
+/* The micro-batch size and the accumulation of a run (what the loop and the plan both read). */
+static fl_status batch_shape(const fl_run_config *c, int *B, int *accum) {
+    *B = c->train.micro_batch_size > 0 ? c->train.micro_batch_size : 1;
+    const int gb = c->train.global_batch_size > 0 ? c->train.global_batch_size : *B;
+    if (gb % *B) return fl_errorf(FL_ERR_INVALID, "train.global_batch_size %d is not a multiple of micro_batch_size %d",
+                                  gb, *B);
+    *accum = gb / *B;
+    return FL_OK;
+}
+
+/* The model (the folder's weights, or a shape with no weights read: plan, bench-step), then the data, gradients,
+ * adapters and optimizer state, in the order the memory report shows them (after_load is the weights alone). */
 static fl_status setup(b2run *r) {
     const fl_run_config *c = r->cfg;
-    FL_TRY(check_run(c));
+    FL_TRY(check_run(c, r->synth));
     FL_TRY(parse_parts(c->blip2_train, r->lora, &r->parts));
-    FL_TRY(fl_backend_init_by_name(fl_backend_default_name(), &r->be, c->threads));
-    FL_TRY(fl_backend_pools_init(&r->be, &r->pool, &r->hpool, r->be.name, c->max_memory));
-    FL_TRY(fl_blip2_load(&r->b, c->checkpoint_dir, &r->be, &r->pool));
+    if (r->borrowed) r->be = *r->borrowed;
+    else FL_TRY(fl_backend_init_by_name(fl_backend_default_name(), &r->be, c->threads));
+    FL_TRY(fl_backend_pools_init(&r->be, &r->pool, &r->hpool, fl_backend_host_memory(&r->be) ? "cpu" : r->be.name,
+                                 r->budget ? r->budget : c->max_memory));
+    r->pools_ok = 1;
+    fl_mem_set_phase(&r->pool, "model load");
+    /* a shape without weights: zeros on the plan's null backend (nothing computes), else random (bench-step) */
+    if (r->given) FL_TRY(fl_blip2_create(&r->b, r->given, &r->be, &r->pool, r->borrowed ? 0 : c->seed | 1));
+    else FL_TRY(fl_blip2_load(&r->b, c->checkpoint_dir, &r->be, &r->pool));
+    fl_mem_snapshot(&r->pool, "after_load");
+    fl_mem_set_phase(&r->pool, "setup");
+    fl_precision prec;
+    FL_TRY(fl_precision_find(c->precision, &prec));
+    FL_TRY(fl_blip2_set_precision(r->b, &prec)); /* bf16-mixed: the parts' bf16 weight copies */
     const fl_blip2_config *bc = fl_blip2_get_config(r->b);
     if (fl_model_is_s2s(&bc->text) && !(r->parts & (1 << FL_BLIP2_TEXT)))
         return fl_errorf(FL_ERR_UNSUPPORTED, "blip2.train %s: the Flan-T5 variant trains its language model (lm, or "
@@ -241,10 +357,18 @@ static fl_status setup(b2run *r) {
     if (fl_model_is_s2s(&bc->text) && bc->image_token < 0)
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s: the Flan-T5 variant without image_token_index is not built for "
                          "fine-tuning", c->checkpoint_dir);
-    FL_TRY(fl_img_proc_load(c->checkpoint_dir, &r->proc));
-    FL_TRY(fl_img_captions_load(c->data.json_path, &r->caps));
-    fl_img_captions_shuffle(&r->caps, c->seed);
-    FL_TRY(tokenize_all(r));
+    if (r->synth) {
+        int B = 1, accum = 1;
+        FL_TRY(batch_shape(c, &B, &accum));
+        r->rng = c->seed;
+        FL_TRY(synth_all(r, (size_t)B * (size_t)accum));
+    } else {
+        FL_TRY(fl_img_proc_load(c->checkpoint_dir, &r->proc));
+        FL_TRY(fl_img_captions_load(c->data.json_path, &r->caps));
+        fl_img_captions_shuffle(&r->caps, c->seed);
+        FL_TRY(tokenize_all(r));
+        split_val(r);
+    }
     int grads = r->parts & ~(r->lora ? 1 << FL_BLIP2_TEXT : 0);
     FL_TRY(fl_blip2_alloc_grads_parts(r->b, grads));
     if (r->lora && (r->parts & (1 << FL_BLIP2_TEXT))) {
@@ -265,10 +389,7 @@ static fl_status setup(b2run *r) {
 static void reorder(size_t *order, size_t n, uint64_t seed) {
     uint64_t x = seed;
     for (size_t i = n; i > 1; i--) {
-        uint64_t z = (x += 0x9e3779b97f4a7c15ULL);
-        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-        z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-        const size_t j = (size_t)((z ^ (z >> 31)) % i), t = order[i - 1];
+        const size_t j = (size_t)(next_rng(&x) % i), t = order[i - 1];
         order[i - 1] = order[j], order[j] = t;
     }
 }
@@ -278,6 +399,7 @@ typedef struct {
     long epoch;
     double epoch_sum;
     long epoch_n;
+    long step; /* optimizer steps done */
 } b2pos;
 
 /* clip_grad_norm_ over every trained part's gradients at once (the norm over all of them, in double; coef =
@@ -301,51 +423,78 @@ static fl_status clip_all(b2run *r, float max_norm) {
     return FL_OK;
 }
 
-/* One optimizer step over `accum` micro-batches of B records (an epoch's tail that does not fill one is dropped). */
-static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, double *loss) {
+/* What the run prints: rank 0's lines only (DDP) */
+static void say(const b2run *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void say(const b2run *r, const char *fmt, ...) {
+    if (r->rank) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vprintf(fmt, ap);
+    va_end(ap);
+}
+
+/* DDP: every trained part's gradients (the adapters' under LoRA) and the micro-batches' losses (each known to one
+ * rank, 0 on the others: their sum is exact) summed over the ranks, so every rank updates the same weights. */
+static fl_status reduce(b2run *r, float *ml, int accum) {
+    for (int k = 0; k < FL_BLIP2_PARTS; k++)
+        if (r->has_opt[k])
+            FL_TRY(fl_comm_all_reduce(r->comm, r->opt[k].w.g, r->opt[k].w.g, r->opt[k].w.n, FL_F32, FL_COMM_SUM));
+    return fl_comm_all_reduce(r->comm, ml, ml, (size_t)accum, FL_F32, FL_COMM_SUM);
+}
+
+/* One optimizer step over `accum` micro-batches of B records (an epoch's tail that does not fill one is dropped).
+ * snap: the memory snapshots of the session's first step (before_fwd once the first micro-batch's arena exists,
+ * after_fwd after its forward, after_bwd after the last backward, after_opt_step), the phases plan rehearses. */
+static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, int snap, double *loss) {
     const fl_blip2_config *bc = fl_blip2_get_config(r->b);
-    const int S = bc->vision.image_size;
+    const int S = bc->vision.image_size, s2s = fl_model_is_s2s(&bc->text), NQ = bc->n_queries;
     float *px = malloc((size_t)B * 3 * S * S * sizeof *px);
     size_t *starts = malloc((size_t)accum * sizeof *starts);
-    fl_status s = px && starts ? FL_OK : fl_errorf(FL_ERR_OOM, "out of host memory");
+    long *mv = calloc((size_t)accum, sizeof *mv);  /* each micro-batch's valid targets (every rank knows them) */
+    float *ml = calloc((size_t)accum, sizeof *ml); /* its mean loss, 0 where another rank ran it */
+    fl_status s = px && starts && mv && ml ? FL_OK : fl_errorf(FL_ERR_OOM, "out of host memory");
     fl_blip2_zero_grads(r->b);
     double lsum = 0;
     long vsum = 0; /* the step's valid targets: each micro-batch is scaled by 1 / vsum (one big batch) */
     for (int a = 0; s == FL_OK && a < accum; a++) {
-        if (p->pos + (size_t)B > r->caps.n) {
-            if (p->epoch_n) printf("epoch %ld average loss %.4f\n", p->epoch + 1, p->epoch_sum / (double)p->epoch_n);
+        if (p->pos + (size_t)B > r->n_rec) {
+            if (p->epoch_n && !r->synth && !r->rank)
+                printf("epoch %ld average loss %.4f\n", p->epoch + 1, p->epoch_sum / (double)p->epoch_n);
             p->epoch++, p->pos = 0, p->epoch_sum = 0, p->epoch_n = 0;
-            reorder(p->order, r->caps.n, r->cfg->seed + (uint64_t)p->epoch);
+            reorder(p->order, r->n_rec, r->cfg->seed + (uint64_t)p->epoch);
         }
         starts[a] = p->pos;
-        const int s2s = fl_model_is_s2s(&fl_blip2_get_config(r->b)->text);
-        for (int n = 0; n < B; n++) vsum += r->n_ids[p->order[p->pos + (size_t)n]] - (s2s ? 0 : 1);
+        for (int n = 0; n < B; n++) mv[a] += r->n_ids[p->order[p->pos + (size_t)n]] - (s2s ? 0 : 1);
+        vsum += mv[a];
         p->pos += (size_t)B;
     }
-    for (int a = 0; s == FL_OK && a < accum; a++) {
+    /* several ranks (DDP): micro-batch a is rank a % world's; the gradients and losses summed over the ranks after */
+    const int w = r->world > 1 ? r->world : 1, mine = r->rank, last = accum - 1 - (accum - 1 - mine) % w;
+    for (int a = mine; s == FL_OK && a < accum; a += w) {
         int32_t *ids = NULL, *tg = NULL;
         int T = 0;
         long n_valid = 0;
         float l = 0;
         s = make_batch(r, p->order, starts[a], B, px, &ids, &tg, &T, &n_valid);
         fl_model_lora_set_seed(fl_blip2_part(r->b, FL_BLIP2_TEXT), r->cfg->seed * 1000003u + (uint64_t)it * accum + a);
-        const int NQ = bc->n_queries;
-        if (s == FL_OK && fl_model_is_s2s(&bc->text)) {
-            s = fl_blip2_alloc_acts_s2s(r->b, B, NQ, T);
-            if (s == FL_OK)
-                s = fl_blip2_forward_s2s(r->b, px, ids + (size_t)B * T, ids, tg, B, NQ, T, 1.0f / (float)vsum, NULL, &l);
-        } else if (s == FL_OK) {
-            s = fl_blip2_alloc_acts(r->b, B, T);
-            if (s == FL_OK) s = fl_blip2_forward(r->b, px, ids, tg, B, T, 1.0f / (float)vsum, NULL, &l);
-        }
+        if (s == FL_OK) s = s2s ? fl_blip2_alloc_acts_s2s(r->b, B, NQ, T) : fl_blip2_alloc_acts(r->b, B, T);
+        if (s == FL_OK && snap && a == mine) fl_mem_snapshot(&r->pool, "before_fwd");
+        if (s == FL_OK)
+            s = s2s ? fl_blip2_forward_s2s(r->b, px, ids + (size_t)B * T, ids, tg, B, NQ, T, 1.0f / (float)vsum, NULL, &l)
+                    : fl_blip2_forward(r->b, px, ids, tg, B, T, 1.0f / (float)vsum, NULL, &l);
+        if (s == FL_OK && snap && a == mine) fl_mem_snapshot(&r->pool, "after_fwd");
         if (s == FL_OK) s = fl_blip2_backward(r->b);
-        lsum += (double)l * (double)n_valid;
+        if (s == FL_OK && snap && a == last) fl_mem_snapshot(&r->pool, "after_bwd");
+        ml[a] = l;
         free(ids), free(tg);
     }
+    if (s == FL_OK && w > 1) s = reduce(r, ml, accum);
+    for (int a = 0; a < accum; a++) lsum += (double)ml[a] * (double)mv[a];
     if (s == FL_OK && r->cfg->train.max_norm > 0) s = clip_all(r, r->cfg->train.max_norm);
     for (int k = 0; s == FL_OK && k < FL_BLIP2_PARTS; k++)
         if (r->has_opt[k]) s = fl_optim_step(&r->opt[k], (float)lr, 0.0f, NULL);
-    free(px), free(starts);
+    if (s == FL_OK && snap) fl_mem_snapshot(&r->pool, "after_opt_step");
+    free(px), free(starts), free(mv), free(ml);
     *loss = vsum ? lsum / (double)vsum : 0;
     p->epoch_sum += lsum;
     p->epoch_n += vsum;
@@ -383,72 +532,305 @@ static void memory_report(b2run *r) {
     fl_mem_print_report(&r->pool, stdout);
 }
 
-static fl_status train(b2run *r) {
-    const fl_run_config *c = r->cfg;
-    const int B = c->train.micro_batch_size > 0 ? c->train.micro_batch_size : 1;
-    const int gb = c->train.global_batch_size > 0 ? c->train.global_batch_size : B;
-    if (gb % B) return fl_errorf(FL_ERR_INVALID, "train.global_batch_size %d is not a multiple of micro_batch_size %d",
-                                 gb, B);
-    const int accum = gb / B;
-    if ((size_t)B > r->caps.n)
-        return fl_errorf(FL_ERR_INVALID, "%s: %zu records, fewer than micro_batch_size %d", c->data.json_path,
-                         r->caps.n, B);
-    const long per_epoch = (long)(r->caps.n / (size_t)B / (size_t)accum);
-    long max_steps = c->train.max_steps > 0 ? c->train.max_steps
-                     : (c->train.epochs > 0 ? c->train.epochs : 1) * (per_epoch > 0 ? per_epoch : 1);
-    const long warm = c->train.lr_warmup_steps > 0 ? c->train.lr_warmup_steps : 0;
-    b2pos p = {.order = malloc(r->caps.n * sizeof(size_t))};
-    if (!p.order) return fl_errorf(FL_ERR_OOM, "out of host memory");
-    for (size_t i = 0; i < r->caps.n; i++) p.order[i] = i;
-    size_t trained = 0;
-    for (int k = 0; k < FL_BLIP2_PARTS; k++)
-        if (r->has_opt[k]) trained += r->opt[k].w.n;
-    printf("BLIP-2 image-caption fine-tuning: %zu records, micro batch %d x %d accumulated, %ld steps; trains %s%s%s"
-           "%s (%zu parameters), vision tower %s\n", r->caps.n, B, accum, max_steps,
-           r->parts & (1 << FL_BLIP2_VISION) ? "vision " : "", r->parts & (1 << FL_BLIP2_QFORMER) ? "qformer " : "",
-           r->parts & (1 << FL_BLIP2_TEXT) ? (r->lora ? "lm(LoRA)" : "lm") : "", "", trained,
-           r->parts & (1 << FL_BLIP2_VISION) ? "trained" : "frozen");
-    fl_status s = FL_OK;
-    fl_mem_snapshot(&r->pool, "set-up");
-    for (long it = 0; s == FL_OK && it < max_steps; it++) {
-        const double lr = fl_lr_schedule(c->optimizer.lr, c->train.min_lr, it, warm, max_steps);
-        double loss = 0;
-        s = step(r, &p, B, accum, it, lr, &loss);
-        if (it == 0) fl_mem_snapshot(&r->pool, "step 1");
-        if (s == FL_OK && (it % (c->train.log_interval > 0 ? c->train.log_interval : 1) == 0 || it + 1 == max_steps))
-            printf("step %ld/%ld loss %.6f lr %.3g\n", it + 1, max_steps, loss, lr);
+/* ---- step checkpoints and resume -------------------------------------------------------------------- */
+
+static const char *const k_part[FL_BLIP2_PARTS] = {"vision", "qformer", "lm"};
+#define B2_STATE "training_state.safetensors"
+#define B2_FORMAT "fitllm-blip2-training-state"
+
+/* training_state.safetensors: each trained part's parameters (its LoRA adapters under LoRA) and optimizer state, the
+ * epoch's record order; the metadata the position in the data, the step and the run's shape (checked on resume). */
+static fl_status write_state(b2run *r, const b2pos *p, const char *path) {
+    fl_st_write_tensor t[4 * FL_BLIP2_PARTS + 1];
+    char names[4 * FL_BLIP2_PARTS][48];
+    int nt = 0;
+    int64_t *order = malloc(r->n_rec * sizeof *order + 1);
+    if (!order) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    for (size_t i = 0; i < r->n_rec; i++) order[i] = (int64_t)p->order[i];
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        if (!r->has_opt[k]) continue;
+        const fl_optimizer *o = &r->opt[k];
+        const void *src[4] = {o->w.p, o->st.m, o->st.v, o->st.buf};
+        static const char *const what[4] = {"params", "exp_avg", "exp_avg_sq", "momentum_buffer"};
+        for (int j = 0; j < 4; j++) {
+            if (!src[j]) continue;
+            snprintf(names[nt], sizeof names[nt], "%s.%s", k_part[k], what[j]);
+            t[nt] = (fl_st_write_tensor){.name = names[nt], .dtype = FL_F32, .ndim = 1, .shape = {(int64_t)o->w.n},
+                                         .data = src[j], .src_dtype = FL_F32, .be = &r->be};
+            nt++;
+        }
     }
-    if (s == FL_OK && p.epoch_n) printf("epoch %ld average loss %.4f\n", p.epoch + 1, p.epoch_sum / (double)p.epoch_n);
-    if (s == FL_OK) fl_mem_snapshot(&r->pool, "end");
-    if (s == FL_OK && !c->quiet) memory_report(r);
-    free(p.order);
-    char dir[4096];
-    if (s == FL_OK) s = fl_fs_join(dir, sizeof dir, c->out_dir, "final");
-    if (s == FL_OK) s = save_final(r, dir);
-    if (s == FL_OK) printf("saved %s%s\n", dir, r->lora ? " (weights with the LoRA adapters merged; adapter/: PEFT)" : "");
+    t[nt++] = (fl_st_write_tensor){.name = "order", .dtype = FL_I64, .ndim = 1, .shape = {(int64_t)r->n_rec},
+                                   .data = order, .src_dtype = FL_I64};
+    char v[10][64];
+    snprintf(v[0], sizeof v[0], "%s", B2_FORMAT);
+    snprintf(v[1], sizeof v[1], "%ld", p->step);
+    snprintf(v[2], sizeof v[2], "%ld", p->epoch);
+    snprintf(v[3], sizeof v[3], "%zu", p->pos);
+    snprintf(v[4], sizeof v[4], "%a", p->epoch_sum); /* exact */
+    snprintf(v[5], sizeof v[5], "%ld", p->epoch_n);
+    snprintf(v[6], sizeof v[6], "%d", r->parts | (r->lora ? 8 : 0));
+    snprintf(v[7], sizeof v[7], "%zu", r->n_rec);
+    snprintf(v[8], sizeof v[8], "%s", fl_optim_name(r->cfg->optimizer.kind));
+    int ostep = 0;
+    for (int k = 0; k < FL_BLIP2_PARTS; k++)
+        if (r->has_opt[k]) ostep = r->opt[k].step;
+    snprintf(v[9], sizeof v[9], "%d", ostep);
+    static const char *const keys[10] = {"format", "step", "epoch", "pos", "epoch_sum", "epoch_n", "parts", "records",
+                                         "optimizer", "optimizer_step"};
+    const char *vals[10];
+    for (int i = 0; i < 10; i++) vals[i] = v[i];
+    fl_status s = fl_st_write(path, t, nt, keys, vals, 10);
+    free(order);
     return s;
 }
 
-int fl_cli_blip2_train(const char *cmd, const fl_run_config *cfg) {
+/* out_dir/step-NNNNNN: the model as an HF BLIP-2 folder (under LoRA the PEFT adapter of the language model), the
+ * training state, then COMMITTED: built in .tmp-step-NNNNNN, renamed into place (what --resume true picks:
+ * fl_ckpt_find_latest), the newest train.keep_checkpoints kept. */
+static fl_status save_step(b2run *r, const b2pos *p) {
+    char name[40], tmp[4096], dst[4096], path[4200];
+    snprintf(name, sizeof name, "step-%06ld", p->step);
+    FL_TRY(fl_fs_join(dst, sizeof dst, r->cfg->out_dir, name));
+    char tname[48];
+    snprintf(tname, sizeof tname, ".tmp-%s", name);
+    FL_TRY(fl_fs_join(tmp, sizeof tmp, r->cfg->out_dir, tname)); /* a too-long out_dir is refused, not cut */
+    fl_fs_remove_dir(tmp);
+    fl_status s = fl_fs_mkdir_p(tmp);
+    if (s == FL_OK) s = fl_blip2_part(r->b, FL_BLIP2_TEXT)->adapt ? save_adapter(r, tmp)
+                                                                  : fl_blip2_save(r->b, r->cfg->checkpoint_dir, tmp);
+    if (s == FL_OK) s = fl_fs_join(path, sizeof path, tmp, B2_STATE);
+    if (s == FL_OK) s = write_state(r, p, path);
+    if (s == FL_OK) {
+        fl_fs_sync_dir(tmp);
+        fl_fs_remove_dir(dst); /* a run writing into an out_dir that has this step already */
+        if (rename(tmp, dst) != 0) s = fl_errorf(FL_ERR_IO, "%s: cannot rename %s into place", dst, tmp);
+    }
+    if (s == FL_OK) {
+        fl_fs_sync_dir(r->cfg->out_dir);
+        snprintf(path, sizeof path, "%s/COMMITTED", dst);
+        s = fl_fs_write_file_atomic(path, "fitllm checkpoint v1\n", 21);
+    }
+    if (s != FL_OK) {
+        fl_fs_remove_dir(tmp);
+        return fl_error_prefix(s, "saving checkpoint %s", dst);
+    }
+    if (r->cfg->train.keep_checkpoints > 0) fl_ckpt_rotate(r->cfg->out_dir, r->cfg->train.keep_checkpoints);
+    say(r, "saved checkpoint %s\n", dst);
+    return FL_OK;
+}
+
+static const char *meta_of(const fl_st_file *f, const char *key) {
+    for (int i = 0; i < f->n_meta; i++)
+        if (!strcmp(f->meta_keys[i], key)) return f->meta_vals[i];
+    return "";
+}
+
+/* A tensor of the state into device memory (an optimizer's state through it: fl_optim_state_write). */
+static fl_status load_tensor(b2run *r, const fl_st_file *f, const char *path, const char *name, void *dst, size_t n,
+                             fl_dtype dt, const fl_optimizer *o) {
+    const fl_st_tensor *t = fl_st_find(f, name);
+    const size_t es = dt == FL_I64 ? 8 : 4;
+    if (!t || t->dtype != dt || t->end - t->begin != n * es)
+        return fl_errorf(FL_ERR_FORMAT, "%s: tensor %s is %s (this run has %zu elements of it: another run's "
+                         "checkpoint?)", path, name, t ? "of another size or dtype" : "missing", n);
+    if (!dst) return FL_OK;
+    return o ? fl_optim_state_write(o, dst, t->data, n * es) : r->be.to_device(&r->be, dst, t->data, n * es);
+}
+
+/* --resume true|auto (the newest committed step-* in out_dir; auto: none is a fresh start) or a checkpoint folder:
+ * the trained parts' parameters and optimizer state, the data position; the run's shape must be the checkpoint's. */
+static fl_status resume(b2run *r, b2pos *p, int *resumed) {
+    const char *rs = r->cfg->resume;
+    char dir[4096], path[4200];
+    *resumed = 0;
+    if (!rs[0] || !strcmp(rs, "false")) return FL_OK;
+    if (!strcmp(rs, "true") || !strcmp(rs, "auto")) {
+        fl_status s = fl_ckpt_find_latest(r->cfg->out_dir, dir, sizeof dir);
+        if (s == FL_ERR_NOT_FOUND && !strcmp(rs, "auto")) return FL_OK;
+        if (s != FL_OK) return fl_error_prefix(s, "--resume %s", rs);
+    } else {
+        snprintf(dir, sizeof dir, "%s", rs);
+    }
+    if (!fl_ckpt_is_committed(dir))
+        return fl_errorf(FL_ERR_NOT_FOUND, "--resume %s: not a committed checkpoint (no COMMITTED file)", dir);
+    FL_TRY(fl_fs_join(path, sizeof path, dir, B2_STATE));
+    fl_st_file f;
+    FL_TRY(fl_error_prefix(fl_st_open(&f, path), "--resume"));
+    char want[32];
+    snprintf(want, sizeof want, "%d", r->parts | (r->lora ? 8 : 0));
+    fl_status s = FL_OK;
+    if (strcmp(meta_of(&f, "format"), B2_FORMAT))
+        s = fl_errorf(FL_ERR_FORMAT, "%s: not a BLIP-2 training state (format '%s')", path, meta_of(&f, "format"));
+    else if (strcmp(meta_of(&f, "parts"), want))
+        s = fl_errorf(FL_ERR_INVALID, "%s: saved by a run training other parts (blip2.train or LoRA changed)", path);
+    else if (strtoull(meta_of(&f, "records"), NULL, 10) != r->n_rec)
+        s = fl_errorf(FL_ERR_INVALID, "%s: saved with %s training records, this run has %zu (data changed)", path,
+                      meta_of(&f, "records"), r->n_rec);
+    else if (strcmp(meta_of(&f, "optimizer"), fl_optim_name(r->cfg->optimizer.kind)))
+        s = fl_errorf(FL_ERR_INVALID, "%s: saved with optimizer %s, this run uses %s", path, meta_of(&f, "optimizer"),
+                      fl_optim_name(r->cfg->optimizer.kind));
+    for (int k = 0; s == FL_OK && k < FL_BLIP2_PARTS; k++) {
+        if (!r->has_opt[k]) continue;
+        fl_optimizer *o = &r->opt[k];
+        void *dst[4] = {o->w.p, o->st.m, o->st.v, o->st.buf};
+        static const char *const what[4] = {"params", "exp_avg", "exp_avg_sq", "momentum_buffer"};
+        for (int j = 0; s == FL_OK && j < 4; j++) {
+            char name[48];
+            snprintf(name, sizeof name, "%s.%s", k_part[k], what[j]);
+            if (dst[j]) s = load_tensor(r, &f, path, name, dst[j], o->w.n, FL_F32, j ? o : NULL);
+        }
+        o->step = atoi(meta_of(&f, "optimizer_step"));
+        fl_model_sync_compute_copy(fl_blip2_part(r->b, k)); /* bf16-mixed: the copy of the restored weights */
+    }
+    if (s == FL_OK) s = load_tensor(r, &f, path, "order", NULL, r->n_rec, FL_I64, NULL);
+    if (s == FL_OK) {
+        const int64_t *ord = fl_st_find(&f, "order")->data;
+        for (size_t i = 0; i < r->n_rec; i++) p->order[i] = (size_t)ord[i];
+        p->step = atol(meta_of(&f, "step"));
+        p->epoch = atol(meta_of(&f, "epoch"));
+        p->pos = (size_t)strtoull(meta_of(&f, "pos"), NULL, 10);
+        p->epoch_sum = strtod(meta_of(&f, "epoch_sum"), NULL);
+        p->epoch_n = atol(meta_of(&f, "epoch_n"));
+        say(r, "Resuming training from %s (step %ld)\n", dir, p->step);
+        *resumed = 1;
+    }
+    fl_st_close(&f);
+    return s;
+}
+
+static size_t trained_count(const b2run *r) {
+    size_t n = 0;
+    for (int k = 0; k < FL_BLIP2_PARTS; k++)
+        if (r->has_opt[k]) n += r->opt[k].w.n;
+    return n;
+}
+
+static fl_status train(b2run *r) {
+    const fl_run_config *c = r->cfg;
+    int B = 1, accum = 1;
+    FL_TRY(batch_shape(c, &B, &accum));
+    if ((size_t)B > r->n_rec)
+        return fl_errorf(FL_ERR_INVALID, "%s: %zu training records, fewer than micro_batch_size %d", c->data.json_path,
+                         r->n_rec, B);
+    if (accum % (r->world > 1 ? r->world : 1))
+        return fl_errorf(FL_ERR_INVALID, "train.global_batch_size %d: %d micro-batches of %d per step do not split over "
+                         "%d ranks", B * accum, accum, B, r->world);
+    const long per_epoch = (long)(r->n_rec / (size_t)B / (size_t)accum);
+    long max_steps = c->train.max_steps > 0 ? c->train.max_steps
+                     : (c->train.epochs > 0 ? c->train.epochs : 1) * (per_epoch > 0 ? per_epoch : 1);
+    const long warm = c->train.lr_warmup_steps > 0 ? c->train.lr_warmup_steps : 0;
+    b2pos p = {.order = malloc(r->n_rec * sizeof(size_t))};
+    if (!p.order) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    for (size_t i = 0; i < r->n_rec; i++) p.order[i] = i;
+    char ranks[48] = "";
+    if (r->world > 1) snprintf(ranks, sizeof ranks, " over %d ranks (DDP)", r->world);
+    say(r, "BLIP-2 image-caption fine-tuning: %zu records, micro batch %d x %d accumulated%s, %ld steps; trains %s%s%s"
+           "%s (%zu parameters), vision tower %s\n", r->n_rec, B, accum / (r->world > 1 ? r->world : 1), ranks, max_steps,
+           r->parts & (1 << FL_BLIP2_VISION) ? "vision " : "", r->parts & (1 << FL_BLIP2_QFORMER) ? "qformer " : "",
+           r->parts & (1 << FL_BLIP2_TEXT) ? (r->lora ? "lm(LoRA)" : "lm") : "", "", trained_count(r),
+           r->parts & (1 << FL_BLIP2_VISION) ? "trained" : "frozen");
+    if (r->n_val)
+        say(r, "%zu train / %zu val records (data.val_split_fraction %g)\n", r->n_rec, r->n_val,
+               (double)c->data.val_split_fraction);
+    int resumed = 0;
+    fl_status s = resume(r, &p, &resumed);
+    const long first = p.step;
+    for (long it = p.step; s == FL_OK && it < max_steps; it++) {
+        const double lr = fl_lr_schedule(c->optimizer.lr, c->train.min_lr, it, warm, max_steps);
+        double loss = 0, vl = 0;
+        s = step(r, &p, B, accum, it, lr, it == first, &loss);
+        p.step = it + 1;
+        if (s == FL_OK && (it % (c->train.log_interval > 0 ? c->train.log_interval : 1) == 0 || it + 1 == max_steps))
+            say(r, "step %ld/%ld loss %.6f lr %.3g\n", it + 1, max_steps, loss, lr);
+        if (s == FL_OK && r->n_val && p.step % c->eval.interval == 0 && p.step < max_steps) {
+            s = validate(r, B, &vl);
+            if (s == FL_OK) say(r, "step %ld val loss %.6f\n", p.step, vl);
+        }
+        if (s == FL_OK && c->train.save_interval > 0 && p.step % c->train.save_interval == 0 && !r->rank)
+            s = save_step(r, &p); /* DDP: rank 0 writes (every rank holds the same weights) */
+    }
+    if (s == FL_OK && p.epoch_n) say(r, "epoch %ld average loss %.4f\n", p.epoch + 1, p.epoch_sum / (double)p.epoch_n);
+    if (s == FL_OK && r->n_val && c->eval.final_validation) {
+        double vl = 0;
+        s = validate(r, B, &vl);
+        if (s == FL_OK) say(r, "Final evaluation | val loss: %.3f | val ppl: %.3f\n", vl, exp(vl));
+    }
+    if (s == FL_OK) fl_mem_snapshot(&r->pool, "end");
+    if (s == FL_OK && !c->quiet && !r->rank) memory_report(r);
+    free(p.order);
+    char dir[4096];
+    if (s == FL_OK && !r->rank) s = fl_fs_join(dir, sizeof dir, c->out_dir, "final");
+    if (s == FL_OK && !r->rank) s = save_final(r, dir);
+    if (s == FL_OK) say(r, "saved %s%s\n", dir, r->lora ? " (weights with the LoRA adapters merged; adapter/: PEFT)" : "");
+    return s;
+}
+
+static void close_run(b2run *r) {
+    for (int k = 0; k < FL_BLIP2_PARTS; k++)
+        if (r->has_opt[k]) fl_optim_free(&r->opt[k]);
+    for (size_t i = 0; r->ids && i < r->n_rec + r->n_val; i++) free(r->ids[i]);
+    free(r->ids), free(r->n_ids);
+    fl_img_captions_free(&r->caps);
+    fl_blip2_free(r->b);
+    if (r->pools_ok) fl_backend_pools_free(&r->pool, &r->hpool);
+    if (r->be.name && !r->borrowed) fl_backend_free(&r->be);
+}
+
+int fl_cli_blip2_train(const char *cmd, const fl_run_config *cfg, fl_comm *comm) {
     b2run r;
     memset(&r, 0, sizeof r);
     r.cfg = cfg;
     r.lora = cfg->command == FL_CMD_FINETUNE_LORA;
+    r.comm = comm, r.rank = comm ? fl_comm_rank(comm) : 0, r.world = comm ? fl_comm_size(comm) : 1;
     fl_status s = setup(&r);
     if (s == FL_OK) s = train(&r);
-    /* the training commands' exit codes: configuration problems (bad values, a missing file, what is not built) 2 */
-    const int rc = s == FL_OK ? 0 : s == FL_ERR_INVALID || s == FL_ERR_NOT_FOUND || s == FL_ERR_UNSUPPORTED
-                                        ? (fl_cli_fail(cmd, s, NULL), FL_EXIT_USAGE)
-                                        : fl_cli_fail(cmd, s, r.b ? &r.pool : NULL);
-    for (int k = 0; k < FL_BLIP2_PARTS; k++)
-        if (r.has_opt[k]) fl_optim_free(&r.opt[k]);
-    for (size_t i = 0; r.ids && i < r.caps.n; i++) free(r.ids[i]);
-    free(r.ids), free(r.n_ids);
-    fl_img_captions_free(&r.caps);
-    fl_blip2_free(r.b);
-    if (r.be.name) {
-        fl_backend_pools_free(&r.pool, &r.hpool);
-        fl_backend_free(&r.be);
+    /* the training commands' exit codes: configuration problems (bad values, a missing file, what is not built) 2.
+     * DDP: every rank fails the same way at set-up (rank 0 says so); a rank's own failure in a step (an image it
+     * read) ends the job (fl_comm_abort names the rank), as the others wait in the next reduction */
+    const int usage = s == FL_ERR_INVALID || s == FL_ERR_NOT_FOUND || s == FL_ERR_UNSUPPORTED;
+    int rc = 0;
+    if (s != FL_OK && r.world > 1 && r.rank) {
+        rc = usage ? FL_EXIT_USAGE : FL_EXIT_RUNTIME;
+        if (!usage) fl_comm_abort(comm, rc, fl_error_message());
+    } else if (s != FL_OK) {
+        rc = usage ? (fl_cli_fail(cmd, s, NULL), FL_EXIT_USAGE) : fl_cli_fail(cmd, s, r.b ? &r.pool : NULL);
+        if (r.world > 1 && !usage) fl_comm_abort(comm, rc, fl_error_message());
     }
+    close_run(&r);
     return rc;
+}
+
+fl_status fl_cli_blip2_rehearse(const fl_run_config *cfg, const fl_blip2_config *given, const fl_backend *be,
+                                size_t budget, int L, fl_cli_b2_rec *rec) {
+    b2run r;
+    memset(&r, 0, sizeof r);
+    r.cfg = cfg;
+    r.lora = cfg->command == FL_CMD_FINETUNE_LORA;
+    r.given = given, r.borrowed = be, r.budget = budget, r.synth = L;
+    fl_status s = L >= 2 ? setup(&r) : fl_errorf(FL_ERR_INVALID, "BLIP-2: a caption of %d tokens (at least 2)", L);
+    int B = 1, accum = 1;
+    if (s == FL_OK) s = batch_shape(cfg, &B, &accum);
+    rec->trained = s == FL_OK ? trained_count(&r) : 0;
+    b2pos p = {.order = s == FL_OK ? malloc(r.n_rec * sizeof(size_t)) : NULL};
+    if (s == FL_OK && !p.order) s = fl_errorf(FL_ERR_OOM, "out of host memory");
+    for (size_t i = 0; p.order && i < r.n_rec; i++) p.order[i] = i;
+    for (int it = 0; s == FL_OK && it < rec->steps; it++) {
+        const double t0 = fl_cli_now_ms();
+        double loss = 0;
+        s = step(&r, &p, B, accum, it, cfg->optimizer.lr, it == 0, &loss);
+        if (rec->ms) rec->ms[it] = fl_cli_now_ms() - t0;
+        if (rec->loss) rec->loss[it] = loss;
+    }
+    free(p.order);
+    if (r.pools_ok) {
+        rec->n_phases = r.pool.n_phases < 8 ? r.pool.n_phases : 8;
+        memcpy(rec->phases, r.pool.phases, (size_t)rec->n_phases * sizeof *rec->phases);
+        memcpy(rec->peak, r.pool.peak, sizeof rec->peak);
+        rec->peak_total = r.pool.peak_total;
+        rec->oom = r.pool.oom;
+        if (s == FL_OK && rec->report) fl_mem_print_report(&r.pool, rec->report);
+    }
+    close_run(&r);
+    return s;
 }

@@ -32,7 +32,9 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "(holding data a later phase still reads), the peak, whether it fits the\n"
            "device, the largest micro_batch_size that fits, and what to try when it does not. No memory is\n"
            "touched and nothing computes: the trainer's own set-up and step run on a null backend whose ops\n"
-           "do nothing (several ranks: every rank's set-up and step run as threads, their collectives moving nothing).\n\n"
+           "do nothing (several ranks: every rank's set-up and step run as threads, their collectives moving nothing).\n"
+           "A BLIP-2 folder or preset (blip2-opt-2.7b, blip2-flan-t5-xxl, Salesforce/...): its image-caption\n"
+           "fine-tuning's set-up and step on captions of --seq-len tokens (else train.max_seq_length, else 50).\n\n"
            "plan options:\n"
            "  --device-memory SIZE           (default: --max_memory, else none)  device memory, e.g. 80GB, 24GiB\n"
            "  --devices N|auto               (default 1)  ranks of a data-parallel run: plans one rank's memory\n"
@@ -178,6 +180,14 @@ int fl_cmd_plan(int argc, char **argv) {
     o.cuda = a.cuda;
     o.generation = a.generation;
     if (a.largest) return largest(&cfg, &a);
+    if (fl_cli_is_blip2(cfg.checkpoint_dir)) { /* image-caption fine-tuning: its own loop (cmd_blip2_plan.c) */
+        if (a.target_len || a.rank || a.generation >= 0) {
+            fprintf(stderr, "fitllm plan: error: %s: a BLIP-2 plan sizes the caption with --seq-len (no --target-len, "
+                    "--rank or --generation)\n", a.target_len ? "--target-len" : a.rank ? "--rank" : "--generation");
+            return FL_EXIT_USAGE;
+        }
+        return fl_cli_blip2_plan(&cfg, a.device_memory, a.seq_len, a.json, a.cuda);
+    }
     fl_plan *p = malloc(sizeof *p);
     if (!p) return fl_cli_fail(cmd, fl_errorf(FL_ERR_OOM, "out of host memory"), NULL);
     fl_status s = fl_plan_run(&cfg, &o, p);

@@ -60,7 +60,12 @@ static void help(const char *cmd, fl_cmd_kind kind) {
                "  --data.json_path CAPTIONS (.json/.jsonl {\"image\", \"text\"} records, or an image folder with\n"
                "  captions.jsonl, captions.tsv or NAME.txt beside each image; token ids when the folder has no tokenizer);\n"
                "  --blip2.train vision,qformer,lm picks the parts that train (vision frozen by default%s).\n"
-               "  fp32 (32-true), one process; final/ is an HF BLIP-2 folder%s.\n",
+               "  Captions cut to train.max_seq_length tokens (default 50). 32-true or bf16-mixed, one process or DDP\n"
+               "  (--devices N, --strategy auto|ddp); final/\n"
+               "  is an HF BLIP-2 folder%s; step-N/ (train.save_interval) one too (the language model's adapter\n"
+               "  under LoRA) with the training state, which --resume continues from bit-exactly;\n"
+               "  data.val_split_fraction holds out validation captions. `fitllm plan` and `bench-step` take BLIP-2\n"
+               "  folders and presets too.\n",
                kind == FL_CMD_FINETUNE_LORA ? "; default lm: LoRA on the language model" : "",
                kind == FL_CMD_FINETUNE_LORA ? " (LoRA merged) + adapter/ (PEFT)" : "");
     printf("\nexit codes: 0 ok, 1 runtime error, 2 usage or config error, 3 out of memory, 130 SIGINT, 143 SIGTERM,\n"
@@ -352,15 +357,15 @@ static int run(const char *cmd, fl_cmd_kind kind, int argc, char **argv) {
     /* a rank of fitllm's launcher: its stop request may come while MPI starts; kept for the first step */
     if (getenv("FITLLM_LAUNCHED")) signal(SIGUSR2, on_signal);
     /* a BLIP-2 folder: image-caption fine-tuning, its own loop (cmd_blip2_train.c) */
-    if (kind != FL_CMD_PRETRAIN && fl_blip2_is_folder(cfg.checkpoint_dir)) return fl_cli_blip2_train(cmd, &cfg);
+    const int blip2 = kind != FL_CMD_PRETRAIN && fl_blip2_is_folder(cfg.checkpoint_dir);
     fl_comm *comm = NULL;
     if ((rc = join_ranks(cmd, &cfg, argc, argv, &comm)) != 0) return rc < 0 ? 0 : rc;
-    if (!comm || fl_comm_rank(comm) == 0) fl_cli_note_run_weights(cmd, &cfg); /* the first line, when it applies */
+    if (!blip2 && (!comm || fl_comm_rank(comm) == 0)) fl_cli_note_run_weights(cmd, &cfg); /* the first line */
     if (comm && (rc = fl_cli_check_ranks(cmd, &cfg, comm)) != 0) {
         fl_comm_destroy(comm);
         return rc;
     }
-    rc = train(cmd, kind, &cfg, comm);
+    rc = blip2 ? fl_cli_blip2_train(cmd, &cfg, comm) : train(cmd, kind, &cfg, comm);
     fl_comm_destroy(comm);
     return rc;
 }

@@ -56,6 +56,11 @@ fl_status fl_cli_resolve_model(const char *cmd, const char *name, char *out, siz
     }
     char why[2048]; /* copied: fl_errorf rewrites the message it would read */
     snprintf(why, sizeof why, "%s", fl_error_message());
+    fl_blip2_config bc; /* plan: a BLIP-2 preset's repo id (Salesforce/blip2-opt-2.7b) is its shape */
+    if (shape_ok && fl_blip2_preset(name, &bc) == FL_OK) {
+        snprintf(out, n, "%s", name);
+        return FL_OK;
+    }
     fl_model_config mc;
     char repo[256];
     int preset = fl_hub_repo_of(name, repo, sizeof repo) && fl_preset_find(repo, &mc) == FL_OK;

@@ -409,6 +409,17 @@ fl_status fl_blip2_load(fl_blip2 **out, const char *dir, const fl_backend *be, f
     return FL_OK;
 }
 
+fl_status fl_blip2_set_precision(fl_blip2 *b, const fl_precision *p) {
+    if (p->param_dtype != FL_F32 || p->loss_scaling)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: BLIP-2 runs 32-true and bf16-mixed so far (%s)", p->name,
+                         p->loss_scaling ? "no loss scaling" : "its parts are stored in fp32");
+    if (b->acts) return fl_errorf(FL_ERR_INVALID, "fl_blip2_set_precision: before the activations (fl_blip2_alloc_acts)");
+    static const char *const what[FL_BLIP2_PARTS] = {"vision tower", "Q-Former", "language model"};
+    for (int k = 0; k < FL_BLIP2_PARTS; k++)
+        FL_TRY(fl_error_prefix(fl_model_set_precision(&b->part[k], p), "BLIP-2 %s", what[k]));
+    return FL_OK;
+}
+
 fl_status fl_blip2_alloc_grads(fl_blip2 *b) {
     for (int k = 0; k < FL_BLIP2_PARTS; k++) FL_TRY(fl_model_alloc_grads(&b->part[k]));
     return FL_OK;

@@ -248,6 +248,11 @@ typedef struct {
     int32_t *dtargets;
     int chunk;
 } fl_head_bufs;
+/* One stack's HEAD_LM over the final norm's output (m->acts->lnf, N rows): logits chunk by chunk (logits_out: to
+ * the host), with targets the per-token losses, in training (grad_scale > 0) the head's backward too, leaving
+ * d(lnf) in buf1; fl_lm_sum_losses then adds the valid targets' losses into m->loss_sum / n_valid (exec.c). */
+fl_status fl_lm_head_loss(fl_model *m, const int32_t *targets, int N, float grad_scale, float *logits_out);
+fl_status fl_lm_sum_losses(fl_model *m, const int32_t *targets, int N);
 fl_status fl_head_loss(fl_model *m, const fl_head_bufs *h, const int32_t *targets, int N, float grad_scale,
                        float *logits_out, double *loss_sum, long *n_valid);
 

@@ -36,6 +36,7 @@ typedef struct {
 
 struct fl_s2s_acts {
     int B, n_stacks;      /* the arena's sequences; the stacks */
+    fl_dtype act16;       /* the WIDE slots saved in this 16-bit dtype (a bf16 policy without checkpointing), else 0 */
     int Bp;               /* the last forward's sequences (<= B) */
     s2s_stack st[FL_MODEL_GRAPH_MAX_STACKS];
     int T[FL_MODEL_GRAPH_MAX_STACKS]; /* the last forward's rows per sequence */
@@ -93,14 +94,24 @@ static size_t carve_acts(const fl_model *m, struct fl_s2s_acts *a, char *base) {
             float *r = TAKEF(&cv, N * C);
             if (base) st->res[l] = r;
         }
-        /* activation checkpointing: one block's slots shared by the stack's blocks (recomputed in the backward) */
-        fl_layer_acts la;
+        /* activation checkpointing: one block's slots shared by the stack's blocks (recomputed in the backward).
+         * 16-bit saved (a->act16): one fp32 buffer of the WIDE slots shared by the stack's blocks (the block being
+         * computed; the backward widens into it), every block's STAT slots in fp32 and WIDE slots in 16 bits */
+        fl_layer_acts la, sh;
+        memset(&sh, 0, sizeof sh);
+        for (int k = 0; a->act16 && st->L > 0 && k < st->g.n_prod; k++) {
+            const int sl = st->g.prod[k];
+            if (st->g.slot[sl].kind == FL_GSLOT_WIDE)
+                sh.s[sl] = TAKEF(&cv, B * (size_t)slot_T(a, s, sl, T) * (size_t)st->g.slot[sl].width);
+        }
         for (int l = 0; l < st->L; l++) {
             if (l == 0 || !m->act_ckpt) {
-                memset(&la, 0, sizeof la);
+                la = sh;
                 for (int k = 0; k < st->g.n_prod; k++) {
                     const int sl = st->g.prod[k];
-                    la.s[sl] = TAKEF(&cv, B * (size_t)slot_T(a, s, sl, T) * (size_t)st->g.slot[sl].width);
+                    const size_t n = B * (size_t)slot_T(a, s, sl, T) * (size_t)st->g.slot[sl].width;
+                    if (a->act16 && st->g.slot[sl].kind == FL_GSLOT_WIDE) la.s16[sl] = take(&cv, n * sizeof(uint16_t));
+                    else la.s[sl] = TAKEF(&cv, n);
                 }
             }
             if (!base) continue;
@@ -164,9 +175,12 @@ fl_status fl_model_alloc_acts_s2s(fl_model *m, int B, int Ts, int Tt) {
         return fl_errorf(FL_ERR_OOM, "activation views: out of host memory");
     }
     acts->s2s = a;
-    acts->act_dtype = FL_F32;
+    /* the bf16 policies save the blocks' WIDE slots in bf16 (not with checkpointing, which saves the stream only) */
+    const fl_dtype adt = m->prec.name ? m->prec.act_dtype : FL_F32;
+    a->act16 = adt != FL_F32 && !m->act_ckpt ? adt : (fl_dtype)0;
+    acts->act_dtype = a->act16 ? adt : FL_F32;
     m->acts = acts;
-    m->act_dtype = FL_F32;
+    m->act_dtype = acts->act_dtype;
     a->B = B;
     fl_model_graph mg;
     fl_status s = fl_model_graph_build(&m->cfg, &mg);
@@ -227,17 +241,20 @@ void fl_s2s_live_bytes(const fl_model *m, int train, size_t *acts, size_t *work)
     for (int s = 0; train && s < a->n_stacks; s++) {
         const s2s_stack *st = &a->st[s];
         const size_t T = (size_t)a->T[s], N = B * T;
-        size_t blk = 0;
+        size_t blk = 0, blk16 = 0; /* a block's saved fp32 elements, 16-bit ones */
         for (int k = 0; k < st->g.n_prod; k++) {
             const int sl = st->g.prod[k];
-            blk += B * (size_t)slot_T(a, s, sl, a->T) * (size_t)st->g.slot[sl].width;
+            const size_t n = B * (size_t)slot_T(a, s, sl, a->T) * (size_t)st->g.slot[sl].width;
+            if (a->act16 && st->g.slot[sl].kind == FL_GSLOT_WIDE) blk16 += n;
+            else blk += n;
         }
-        ac += ((size_t)st->L + 1) * N * C + (st->L > 0 ? (m->act_ckpt ? 1 : (size_t)st->L) : 0) * blk + N;
-        if (s + 1 < a->n_stacks && a->st[s + 1].xslot >= 0) ac += N * C;
+        const size_t nb = st->L > 0 ? (m->act_ckpt ? 1 : (size_t)st->L) : 0;
+        ac += (((size_t)st->L + 1) * N * C + nb * blk + N) * f + nb * blk16 * sizeof(uint16_t);
+        if (s + 1 < a->n_stacks && a->st[s + 1].xslot >= 0) ac += N * C * f;
         wk += NH * T * T * f + T * T * sizeof(int32_t) + N * sizeof(int32_t);
     }
     if (train) wk += (a->kmask_on ? B * (size_t)a->T[0] : 0) + B * (size_t)a->T[a->n_stacks - 1] * C * f;
-    *acts = ac * f;
+    *acts = ac;
     *work = wk;
 }
 
@@ -331,16 +348,36 @@ static float *param_at(const fl_model *m, int g, int role, int grad, size_t at) 
     const int i = role < 0 ? -1 : fl_layout_role(&m->layout, g, (fl_param_role)role);
     if (i < 0) return NULL;
     const fl_param_store *st = m->store;
-    if (grad) {
+    if (grad) { /* fp32: in place (sharded: the gathered group's gradient view); 16-bit: the group's stage */
         if (st->dtype != FL_F32) return st->g16 ? fl_store_grad(st, m->layout.params[i].offset) : NULL;
-        return fl_model_grads_f32(m) ? fl_model_grads_f32(m) + m->layout.params[i].offset : NULL;
+        return fl_model_grads_f32(m) ? fl_store_grad(st, m->layout.params[i].offset) : NULL;
     }
-    if (st->dtype == FL_F32) return fl_model_params_f32(m) + fl_model_store_off(m, i);
+    if (st->dtype == FL_F32) return fl_store_param_at(st, fl_model_store_off(m, i));
     float *cur = st->pstage + at;
     return (float *)fl_store_bind_1d(st, i, &cur);
 }
 
 static float *param_of(const fl_model *m, int g, int role, int grad) { return param_at(m, g, role, grad, 0); }
+
+/* The parameter store around each layout group (store.h; no-ops for a whole store), as transformer.c's: FSDP /
+ * ZeRO-3 units are the layout groups, a block of either stack each; the root units, the shared embedding (group 0)
+ * and the final norms with the head (group G), stay gathered for the whole pass (PyTorch keeps its root unit, which
+ * both stacks and the tied head read); a block is gathered around its forward and again around its backward (the
+ * next one's gather posted ahead, across the stacks too), its gradient reduced when its backward ends. */
+static fl_status roots_gather(fl_model *m) {
+    const int G = m->layout.n_groups - 1;
+    FL_TRY(fl_store_gather(m->store, 0, G));
+    return fl_store_gather(m->store, G, G > 1 ? 1 : -1);
+}
+static void roots_release(fl_model *m) {
+    fl_store_release(m->store, 0);
+    fl_store_release(m->store, m->layout.n_groups - 1);
+}
+/* block group g (1 .. G-1) in a forward: the next block's gather posted ahead (the decoder's first after the
+ * encoder's last) */
+static fl_status block_gather(fl_model *m, int g) {
+    return fl_store_gather(m->store, g, g + 1 < m->layout.n_groups - 1 ? g + 1 : -1);
+}
 
 /* 16-bit storage: stage s's gradients of layout group g in the store's fp32 stage (no-ops with fp32 storage) */
 static void stage_open(const fl_model *m, int g) { fl_store_stage_begin(m->store, fl_group_numel(m, g)); }
@@ -371,15 +408,32 @@ static fl_block_ctx stack_ctx(const struct fl_s2s_acts *a, int s, float *const *
     return x;
 }
 
+/* 16-bit saved activations: block l of stack st's WIDE slots from the shared fp32 buffer into its 16-bit copies
+ * (narrow, after its training forward) or back (before its backward); no-ops otherwise */
+static fl_status saved16(const fl_model *m, const s2s_stack *st, int l, int narrow) {
+    const struct fl_s2s_acts *a = m->acts->s2s;
+    if (!a->act16) return FL_OK;
+    const int s = (int)(st - a->st);
+    const fl_layer_acts *la = &st->layer[l];
+    for (int k = 0; k < st->g.n_prod; k++) {
+        const int sl = st->g.prod[k];
+        if (st->g.slot[sl].kind != FL_GSLOT_WIDE) continue;
+        const size_t n = (size_t)a->Bp * (size_t)slot_T(a, s, sl, a->T) * (size_t)st->g.slot[sl].width;
+        if (narrow) FL_TRY(m->be->convert(m->be, la->s16[sl], a->act16, la->s[sl], FL_F32, n));
+        else FL_TRY(m->be->convert(m->be, la->s[sl], FL_F32, la->s16[sl], a->act16, n));
+    }
+    return FL_OK;
+}
+
 static fl_status check_model(const fl_model *m, const char *fn) {
     if (!m->acts || !m->acts->s2s)
         return fl_errorf(FL_ERR_INVALID, "%s: activations not allocated (call fl_model_alloc_acts_s2s)", fn);
-    /* whole stores: fp32 (mixed precision's bf16 copy and 4-bit block linears through fl_linear_set_weight) or
-     * 16-bit (its 1-D parameters and relative bias tables widened into the pstage, each group's gradients staged) */
-    const int whole16 = m->store && m->store->dtype != FL_F32 && !fl_store_sharded(m->store) && m->store->pstage;
-    if ((!fl_model_params_f32(m) && !whole16) || fl_model_provider(m))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: encoder-decoders run whole fp32 or 16-bit storage only so far (no "
-                         "sharding or parameter offload yet)", fn);
+    /* fp32 stores (mixed precision's bf16 copy and 4-bit block linears through fl_linear_set_weight) or 16-bit
+     * ones (their 1-D parameters and relative bias tables widened into the pstage, each group's gradients staged);
+     * sharded ones (FSDP / ZeRO-3, parameter offload) the same around each gathered group */
+    const int st16 = m->store && m->store->dtype != FL_F32 && m->store->pstage;
+    if (!fl_model_params_f32(m) && !st16)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s: encoder-decoders run fp32 or 16-bit storage only", fn);
     if (fl_model_adapters_are_merged(m)) /* the adapters are in the weights: running them again would double them */
         return fl_errorf(FL_ERR_INVALID, "%s: the LoRA adapters were merged into the weights; save the model and reload "
                          "it to run it", fn);
@@ -393,6 +447,10 @@ static fl_status head_run(fl_model *m, const int32_t *targets, int N, float grad
     float *x = a->st[a->n_stacks - 1].nout;
     if (m->cfg.head_scale) m->be->scale(m->be, x, (size_t)N * m->cfg.dim, 1.0f / sqrtf((float)m->cfg.dim));
     const fl_head_bufs h = {x, a->gb[1], a->logits, a->losses, a->targets, a->chunk};
+    if (grad_scale > 0 && targets) { /* sharded: the root units' gradient buffers, open until the backward ends */
+        FL_TRY(fl_store_grads_begin(m->store, m->layout.n_groups - 1));
+        FL_TRY(fl_store_grads_begin(m->store, 0));
+    }
     /* 16-bit storage: the head's gradient staged alone, added into its 16-bit gradient after */
     fl_outer_params op;
     fl_get_outer(m, &op);
@@ -421,13 +479,19 @@ static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, con
             fl_embed_forward(m, &op, st->res[0], st->ids, ids, a->Bp, T, 0);
             if (s == 0) FL_TRY(inject_rows(m, st->res[0], NULL));
             break;
-        case FL_MOP_RELBIAS: FL_TRY(relbias_forward(m, st, T, s < mg->n_stacks - 1)); break;
+        case FL_MOP_RELBIAS: /* the table is in the stack's first block's group */
+            FL_TRY(block_gather(m, st->l0 + 1));
+            FL_TRY(relbias_forward(m, st, T, s < mg->n_stacks - 1));
+            break;
         case FL_MOP_BLOCKS:
             for (int l = 0; l < st->L; l++) {
+                FL_TRY(block_gather(m, st->l0 + l + 1));
                 fl_block_params bp;
                 fl_get_block(m, &st->g, st->l0 + l, &bp);
                 fl_block_ctx x = stack_ctx(a, s, NULL);
                 FL_TRY(fl_block_forward(m, &st->g, &bp, st->layer[l].s, &x));
+                if (grad_scale > 0) FL_TRY(saved16(m, st, l, 1));
+                fl_store_release(m->store, st->l0 + l + 1);
             }
             break;
         case FL_MOP_NORM:
@@ -484,9 +548,11 @@ static fl_status s2s_forward(fl_model *m, const int32_t *src_ids, const uint8_t 
     m->n_valid = 0;
     m->have_targets = targets != NULL;
     a->head.defer = defer;
+    if (s == FL_OK) s = roots_gather(m);
     for (int k = 0; s == FL_OK && k < mg.n_stacks; k++)
         s = stack_forward(m, &mg, k, ids[k], targets, grad_scale, logits_out);
     a->head.defer = 0;
+    if (s != FL_OK || (grad_scale <= 0 && !defer)) roots_release(m); /* training: kept for the backward */
     if (s != FL_OK) a->head.open = 0;
     m->fwd_B = B;
     m->fwd_T = Tt;
@@ -510,6 +576,7 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, co
     fl_norm_backward(m, dres, param_of(m, G, role_norm, 1), NULL, dnout, st->res[st->L], param_of(m, G, role_norm, 0),
                      NULL, st->nrstd, N);
     FL_TRY(stage_close(m, G));
+    if (s == 0) fl_store_release(m->store, G);
     /* data parallel: each layout group's gradient handed on as it becomes final (fl_store_grads_ready; its bucket
      * hook): the final norms and head's group once the first stack's norm is done (the stacks run backward in
      * reverse), each block's after its backward (the first block's after the relative bias table it holds), the
@@ -522,6 +589,9 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, co
         be->zero(be, a->dstream, (size_t)a->Bp * a->T[s - 1] * C * sizeof(float));
     }
     for (int l = st->L - 1; l >= 0; l--) {
+        const int g = st->l0 + l + 1;
+        FL_TRY(fl_store_gather(m->store, g, g > 1 ? g - 1 : -1)); /* the block before's gather posted ahead */
+        FL_TRY(fl_store_grads_begin(m->store, g));
         fl_block_params bp;
         fl_get_block(m, &st->g, st->l0 + l, &bp);
         fl_block_ctx x = stack_ctx(a, s, dxs);
@@ -531,17 +601,20 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, co
             FL_TRY(fl_block_forward(m, &st->g, &bp, st->layer[l].s, &x));
             m->ckpt_recomputed++;
         }
+        FL_TRY(saved16(m, st, l, 0));
         x.dattn_bias = st->dbias;
         stage_open(m, st->l0 + l + 1);
         FL_TRY(fl_block_backward(m, &st->g, &bp, st->layer[l].s, a->gb, &x));
         if (l == 0) relbias_backward(m, st, T); /* the first block's group holds the table; dbias is complete */
-        FL_TRY(stage_close(m, st->l0 + l + 1));
-        FL_TRY(fl_store_grads_ready(m->store, st->l0 + l + 1));
+        FL_TRY(stage_close(m, g));
+        fl_store_release(m->store, g);
+        FL_TRY(fl_store_grads_ready(m->store, g));
     }
     fl_outer_params op;
     fl_get_outer(m, &op);
     if (s == 0) FL_TRY(inject_rows(m, NULL, dres));
     FL_TRY(fl_embed_backward(m, &op, dres, st->ids, a->Bp, T));
+    if (s == 0) fl_store_release(m->store, 0);
     return s == 0 ? fl_store_grads_ready(m->store, 0) : FL_OK;
 }
 
@@ -585,6 +658,7 @@ static fl_status decode_step(fl_model *m, const fl_model_graph *mg, const int32_
     free(bk);
     FL_TRY(rc);
     float *tab;
+    FL_TRY(block_gather(m, st->l0 + 1));
     FL_TRY(relbias_table(m, st, 0, &tab));
     for (int h = 0; h < NH; h++)
         be->embedding_forward(be, st->bias + (size_t)h * n, st->buckets, tab + (size_t)h * nb, NULL, 1, n, 1);
@@ -592,11 +666,13 @@ static fl_status decode_step(fl_model *m, const fl_model_graph *mg, const int32_
         float *sv[FL_GRAPH_MAX_SLOTS];
         for (int k = 0; k < st->g.n_slots; k++) /* row n-1 of the per-row slots; the stream's rows whole */
             sv[k] = st->g.slot[k].xrows ? st->layer[l].s[k] : st->layer[l].s[k] + r * st->g.slot[k].width;
+        FL_TRY(block_gather(m, st->l0 + l + 1));
         fl_block_params bp;
         fl_get_block(m, &st->g, st->l0 + l, &bp);
         fl_block_ctx x = {.B = 1, .T = 1, .attn_bias = st->bias, .Tk = a->T[s - 1], .kv_rows = n, .xs_ready = n > 1};
         x.kmask = a->kmask_on ? a->kmask : NULL;
         FL_TRY(fl_block_forward(m, &st->g, &bp, sv, &x));
+        fl_store_release(m->store, st->l0 + l + 1);
     }
     const int G = m->layout.n_groups - 1;
     int role = -1;
@@ -625,6 +701,9 @@ static fl_status s2s_generate(fl_model *m, const int32_t *src, const uint8_t *sr
         if (src[i] < 0 || src[i] >= V)
             return fl_errorf(FL_ERR_INVALID, "source token id %d at position %d is outside the vocabulary [0, %d)",
                              src[i], i, V);
+    /* 16-bit saved activations: the blocks share one fp32 buffer of the WIDE slots (q|k|v among them), so the decoder
+     * reruns its prefix for each token (the cache's ids: the same computation on the same keys) */
+    if (a->act16) kv_cache = 0;
     if (kv_cache && m->act_ckpt) /* the blocks share one set of slots there: no room for each block's keys */
         return fl_errorf(FL_ERR_UNSUPPORTED, "fl_model_generate_s2s: the KV cache needs an arena without activation "
                          "checkpointing (or kv_cache 0)");
@@ -637,6 +716,7 @@ static fl_status s2s_generate(fl_model *m, const int32_t *src, const uint8_t *sr
     a->kmask_on = src_mask != NULL;
     m->fwd_train = 0;
     fl_status s = src_mask ? m->be->to_device(m->be, a->kmask, src_mask, (size_t)Ts) : FL_OK;
+    if (s == FL_OK) s = roots_gather(m); /* sharded: every rank decodes in step, each block gathered per token */
     if (s == FL_OK) s = stack_forward(m, &mg, 0, src, NULL, 0, NULL); /* the encoder, once */
     int n = 0;
     out[n++] = m->cfg.dec_start_id;
@@ -662,6 +742,7 @@ static fl_status s2s_generate(fl_model *m, const int32_t *src, const uint8_t *sr
         if (best == m->cfg.eos_id) break;
     }
     free(lg);
+    roots_release(m);
     *n_out = n;
     return s;
 }
@@ -698,6 +779,7 @@ fl_status fl_s2s_forward_head(fl_model *m, float *logits_out) {
     a->head.open = 0;
     s2s_lend(m, 1);
     fl_status s = head_run(m, a->head.targets, a->head.N, a->head.grad_scale, logits_out);
+    if (s != FL_OK || a->head.grad_scale <= 0) roots_release(m);
     s2s_lend(m, 0);
     m->fwd_train = s == FL_OK && a->head.grad_scale > 0;
     return s;

@@ -20,16 +20,17 @@
  * bench-step times): iter0: global micro-batches before this step; step_valid: the valid targets
  * of the whole step (0: nothing to learn, no update). (loss sum, valid) per micro-batch go to this
  * rank's slots of t->buf.mb_stats. A diverged micro-batch or update is said with its step and iteration. */
-static fl_status train_step(trainer *t, long iter0, long step_valid, float lr, fl_step_result *sr) {
+/* One optimizer step through fl_step_run. On failure *fail_iter is the global iteration (1-based) that failed, so
+ * the caller (the loop, the rehearsal) can report a divergence where it acts on it (fl_tr_diverged). */
+static fl_status train_step(trainer *t, long iter0, long step_valid, float lr, fl_step_result *sr, long *fail_iter) {
     const fl_run_config *cfg = t->cfg;
     fl_step_ctx c = {.mbs = t->buf.mbs, .n_micro = t->sch.accum, .step_valid = step_valid, .skip_empty = 1, .lr = lr,
                      .max_norm = cfg->train.max_norm, .dp = &t->dp, .seeded = 1,
                      .seed = cfg->seed * 0x9e3779b97f4a7c15ULL, .iter0 = iter0,
                      .mb_stats = t->buf.mb_stats + (size_t)t->dp.rank * 2 * t->sch.accum, .mb_ms = t->buf.mb_ms};
     fl_status s = fl_step_run(&t->model, &t->opt, &c, sr);
-    if (s == FL_OK) return s;
-    long it = c.failed_k < t->sch.accum ? iter0 + (long)c.failed_k * t->dp.world + t->dp.rank + 1 : iter0 + t->sch.G;
-    return fl_tr_diverged(t, s, t->st.step + 1, it);
+    *fail_iter = c.failed_k < t->sch.accum ? iter0 + (long)c.failed_k * t->dp.world + t->dp.rank + 1 : iter0 + t->sch.G;
+    return s;
 }
 
 /* The pool's memory record into r: the all-time peaks, the snapshots, and on FL_ERR_OOM the
@@ -142,7 +143,9 @@ fl_status fl_trainer_rehearse_comm(const fl_run_config *cfg, const fl_model_conf
     for (int k = 0; s2s && k < accum; k++)
         t.buf.mbs[k].src = t.buf.src + k * pers, t.buf.mbs[k].src_mask = t.buf.src_mask + k * pers, t.buf.mbs[k].Ts = Ts;
     fl_step_result sr;
-    s = train_step(&t, 0, (long)(accum * per), cfg->optimizer.lr, &sr);
+    long fail_iter;
+    s = train_step(&t, 0, (long)(accum * per), cfg->optimizer.lr, &sr, &fail_iter);
+    if (s != FL_OK) s = fl_tr_diverged(&t, s, t.st.step + 1, fail_iter);
     if (s != FL_OK || gen_prompt <= 0 || s2s) goto done; /* an encoder-decoder run has no evaluation yet */
     /* the evaluation (validate, then generate_example): one forward without gradients, then the
      * sample, snapshotted at its first token ("eval_generate": the KV cache, the decode scratch,
@@ -501,7 +504,9 @@ static fl_status loop_step(trainer *t, run_loop *L, int *brk) {
     const unsigned long long sent0 = fl_dp_sent(&t->dp); /* this rank's traffic before the step: the step's bytes go to the log */
     double step_loss;
     fl_step_result sr;
-    FL_TRY(train_step(t, iter0, step_valid, lr, &sr));
+    long fail_iter;
+    fl_status s = train_step(t, iter0, step_valid, lr, &sr, &fail_iter);
+    if (s != FL_OK) return fl_tr_diverged(t, s, t->st.step + 1, fail_iter); /* a divergence says where and what to try */
     FL_TRY(log_iterations(t, L, lr, tokens0, sent0, &step_loss));
     FL_TRY(check_step(t, L, &sr, step_loss, step_valid));
     t->st.step++;

@@ -21,8 +21,8 @@ long fl_tr_val_batches(const trainer *t) {
 static fl_status validate_s2s(trainer *t, long n, double *sum, long *cnt) {
     fl_loader_state s0 = {t->cfg->seed, 0, 0};
     FL_TRY(fl_s2s_loader_set_state(t->in.s2s_val, &s0));
+    fl_s2s_batch b;
     for (long k = 0; k < n; k++) {
-        fl_s2s_batch b;
         int ne;
         FL_TRY(fl_s2s_loader_next(t->in.s2s_val, &b, &ne));
         if (!fl_dp_mine(&t->dp, k)) continue;
@@ -30,6 +30,10 @@ static fl_status validate_s2s(trainer *t, long n, double *sum, long *cnt) {
         *sum += t->model.loss_sum;
         *cnt += t->model.n_valid;
     }
+    /* FULL_SHARD: every rank runs as many forwards (each gathers every unit from all ranks); a rank without a batch
+     * in the last round runs the last one again and discards it, as the decoder-only validation */
+    if (n > 0 && t->dp.fsdp && n % t->dp.world && t->dp.rank >= n % t->dp.world)
+        FL_TRY(fl_model_forward_s2s(&t->model, b.src, b.src_mask, b.dec_in, b.labels, b.B, b.Ts, b.Tt, 0.0f, NULL));
     return FL_OK;
 }
 
@@ -221,7 +225,14 @@ out:
 fl_status fl_tr_generate_example_s2s(trainer *t) {
     const fl_run_config *c = t->cfg;
     FILE *fo = t->out;
-    if (!fo || c->eval.max_new_tokens <= 0) return FL_OK;
+    if (c->eval.max_new_tokens <= 0) return FL_OK;
+    int lead = fo != NULL;
+    if (t->dp.fsdp && t->dp.world > 1) { /* sharded: every rank decodes in step (fl_tr_generate_example's reason) */
+        double v = lead;
+        FL_TRY(fl_dp_sum(&t->dp, &v, 1));
+        lead = v > 0;
+    }
+    if (!lead) return FL_OK;
     const char *instruction = "Recommend a movie for me to watch during the weekend and explain the reason.";
     int32_t *ids = NULL, *gen = NULL;
     size_t n = 0, len = 0;
@@ -229,8 +240,9 @@ fl_status fl_tr_generate_example_s2s(trainer *t) {
     int n_out = 0;
     fl_status s = fl_tok_encode(t->in.tok, instruction, strlen(instruction), -1, 0, &ids, &n);
     if (s == FL_OK && ((int)n > t->sch.Ts || c->eval.max_new_tokens > t->sch.T)) {
-        fprintf(fo, "(sample generation skipped: a source of %zu tokens and eval.max_new_tokens %d do not fit the "
-                "training arena's source %d / target %d tokens)\n", n, c->eval.max_new_tokens, t->sch.Ts, t->sch.T);
+        if (fo) fprintf(fo, "(sample generation skipped: a source of %zu tokens and eval.max_new_tokens %d do not fit "
+                        "the training arena's source %d / target %d tokens)\n", n, c->eval.max_new_tokens, t->sch.Ts,
+                        t->sch.T);
         goto out;
     }
     gen = malloc(((size_t)c->eval.max_new_tokens + 1) * sizeof *gen);
@@ -243,7 +255,7 @@ fl_status fl_tr_generate_example_s2s(trainer *t) {
     }
     /* gen[0] is the decoder's start token */
     if (s == FL_OK) s = fl_tok_decode(t->in.tok, gen + 1, (size_t)(n_out - 1), 1, &text, &len);
-    if (s == FL_OK) fprintf(fo, "%s\n%.*s\n", instruction, (int)len, text);
+    if (s == FL_OK && fo) fprintf(fo, "%s\n%.*s\n", instruction, (int)len, text);
 out:
     free(text);
     free(gen);

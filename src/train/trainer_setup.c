@@ -235,16 +235,10 @@ fl_status fl_tr_check_s2s(const trainer *t, const fl_precision *prec, const fl_s
     if (strcmp(prec->name, "32-true") && strcmp(prec->name, "bf16-mixed") && strcmp(prec->name, "bf16-true"))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: an encoder-decoder (%s) trains in 32-true, bf16-mixed or "
                          "bf16-true only so far", prec->name, m);
-    /* several ranks: DDP and ZeRO-1/2 (with the optimizer offloaded too) keep the whole model on every rank; the
-     * sharded stores (FULL_SHARD / ZeRO-3) need the passes to gather each group, which they do not do yet */
+    /* DDP and ZeRO-1/2 (with the optimizer offloaded too) keep the whole model on every rank; FULL_SHARD / ZeRO-3
+     * shard it, the passes (seq2seq.c) gathering each layout group (a block of either stack) around its use */
     const int sharded = sc->stage >= 3 && c->command != FL_CMD_FINETUNE_LORA; /* LoRA: the adapters' ZeRO-2 */
-    if (t->dp.world > 1 && sharded)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%d ranks with --strategy %s (%s: parameters sharded): an encoder-decoder "
-                         "(%s) trains with ddp, deepspeed_stage_1, deepspeed_stage_2 or deepspeed_stage_2_offload only "
-                         "so far (give --strategy)", t->dp.world, c->strategy, sc->desc, m);
-    if (sc->offload && sharded)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s (ZeRO-3 offload): not supported for an encoder-decoder (%s) "
-                         "yet (deepspeed_stage_2_offload is)", c->strategy, m);
+    (void)sharded;
     if (c->command == FL_CMD_PRETRAIN)
         return fl_errorf(FL_ERR_UNSUPPORTED, "pretrain: an encoder-decoder (%s) is fine-tuned only (finetune_full, "
                          "finetune_lora) so far", m);

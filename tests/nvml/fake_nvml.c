@@ -15,10 +15,13 @@ int nvmlDeviceGetHandleByIndex_v2(unsigned i, void **h) {
 }
 int nvmlDeviceGetUtilizationRates(void *h, nvml_util *u) {
     (void)h;
-    u->gpu = calls++ % 2 ? 30 : 10;
+    u->gpu = __atomic_fetch_add(&calls, 1, __ATOMIC_SEQ_CST) % 2 ? 30 : 10;
     u->memory = 0;
     return 0;
 }
+/* How many utilization samples were taken so far (the test waits for enough of them instead of sleeping a fixed
+ * time, which a loaded machine can stretch past the sampler's first few periods). */
+int fake_nvml_calls(void) { return __atomic_load_n(&calls, __ATOMIC_SEQ_CST); }
 int nvmlDeviceGetMemoryInfo(void *h, nvml_mem *m) {
     (void)h;
     m->total = 16ULL << 30, m->used = 5ULL << 30, m->free = m->total - m->used;

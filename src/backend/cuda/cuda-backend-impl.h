@@ -56,7 +56,9 @@ typedef struct {
     void *own_scratch;     /* allocated on first use when nothing is lent */
     double *scalars;       /* device: [0] sumsq result, [1..PARTS] partials; int flag after */
     fl_dtype compute;      /* set_compute_dtype: FL_BF16 = tensor-core attention where it applies */
-    int attn;              /* FITLLM_CUDA_ATTN: FLB_ATTN_OWN (auto), _LEGACY or _FP32 (cuda-work-ops-impl.h) */
+    int attn;              /* FITLLM_CUDA_ATTN: fl_cudnn_attn_choice (cudnn-impl.h; cuda-work-ops-impl.h) */
+    int det;               /* FITLLM_CUDA_DETERMINISTIC=1: the fa2 backward's dq in key-block order, no cuDNN backward */
+    struct flb_cudnn *dnn; /* cuDNN's attention (the plugin, when it loaded: cuda-cudnn-impl.h), else NULL */
     fl_status err;         /* sticky: the first failure */
     char errmsg[384];
     char devname[256];     /* be->device_name */
@@ -571,15 +573,21 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
                          (2 + FL_CU_SUMSQ_PARTS) * sizeof(double));
     }
     const char *ea = getenv("FITLLM_CUDA_ATTN");
-    im->attn = flb_attn_choice(ea);
-    if (im->attn < 0) {
+    im->attn = fl_cudnn_attn_parse(ea);
+    const char *ed = getenv("FITLLM_CUDA_DETERMINISTIC");
+    im->det = ed && *ed && strcmp(ed, "0") != 0;
+    s = im->attn < 0 ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_ATTN=%s: expected 'auto' (cuDNN's fused "
+                                 "attention where it loads and takes the shape, else 'own'), 'cudnn' (cuDNN, "
+                                 "experimental), 'own' (bf16 runs: the FlashAttention-2-structured kernels, "
+                                 "experimental), 'legacy' (bf16 runs: the earlier tensor-core kernels) or 'fp32' "
+                                 "(the fp32 kernels always)", FLB_NAME, ea)
+                     : flb_attn_init(im);
+    if (s != FL_OK) {
         flb_dev_free(im->scalars);
         flb_device_free(im->stream, &im->blas);
         free(im);
         be->impl = NULL;
-        return fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_ATTN=%s: expected 'auto' or 'own' (bf16 runs: "
-                         "the FlashAttention-2-structured kernels, experimental), 'legacy' (bf16 runs: the earlier "
-                         "tensor-core kernels) or 'fp32' (the fp32 kernels always)", FLB_NAME, ea);
+        return s;
     }
     im->compute = FL_F32;
     flb_device_name(im->devname, sizeof im->devname);
@@ -658,6 +666,7 @@ void FLB_PREFIX(backend_free)(fl_backend *be) {
     flb_stream_sync(im->stream);
     if (im->own_scratch) flb_dev_free(im->own_scratch);
     if (im->scalars) flb_dev_free(im->scalars);
+    flb_attn_free(im);
     if (im->marks)
         for (int i = 0; i < FL_PROF_MAX_MARKS; i++)
             if (im->marks[i]) flb_mark_free(im->marks[i]);

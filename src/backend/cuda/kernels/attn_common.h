@@ -12,6 +12,7 @@ struct fl_cu_attn_p {
     const float *q, *k, *v, *bias, *dout, *out, *lse;
     const uint8_t *kmask;
     float *o, *l, *dq, *dk, *dv, *dbias, *Dsum; /* forward outputs; gradients; D scratch (B,NH,Tq) */
+    int *dq_lock; /* the fa2 backward's deterministic dq: one counter per (b, h, query tile), else NULL */
     size_t ldq, ldk, ldv, ldo;
     int B, Tq, Tk, NH, NKV, HD, rep, causal;
     float scale;

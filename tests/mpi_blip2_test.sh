@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# BLIP-2 image-caption fine-tuning over 2 MPI ranks (DDP; run by tests/mpi_test.sh, which counts its ok / FAIL lines):
+# the tiny OPT and Flan-T5 fixtures on the 14 shipped test images with token-id captions (as tests/cli_test.sh),
+# micro-batch 2, global batch 4 (one micro-batch per rank per step), 6 steps.
+#   - against one process (two micro-batches accumulated): rank 0 runs global micro-batch 0 and rank 1 micro-batch 1,
+#     their gradients and losses summed by the all-reduce, so each step's loss equals one process's within fp32
+#     reduction noise (1e-6 relative: 8 fp32 roundings; printed to 6 decimals), full fine-tuning and LoRA, both
+#     variants; rank 0 alone prints and writes;
+#   - started without a launcher (--devices 2: fitllm runs mpirun itself): the explicit run's losses;
+#   - DDP's step checkpoint resumes in one process (its weights are one process's: the same training state);
+#   - rank 0's memory report = `plan --devices 2` (every phase, reserved and live per tag);
+#   - what DDP does not run is refused on every rank, exit 2, naming the option; a corrupt image read by one rank ends
+#     the job non-zero within seconds, naming the file.
+# Usage: tests/mpi_blip2_test.sh [build-dir]; skips (exit 0) without MPI or mpirun.
+set -u
+BUILD=${1:-build}
+FL=$BUILD/fitllm
+if [ ! -x "$BUILD/fitllm_comm_mpi_test" ] || ! command -v mpirun >/dev/null 2>&1; then
+    echo "skip BLIP-2 MPI tests: no MPI build or no mpirun"
+    exit 0
+fi
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+export OMP_NUM_THREADS=1
+pass=0; fail=0
+T=$(mktemp -d /tmp/fitllm-mpi-b2-XXXXXX)
+trap 'rm -rf "$T"' EXIT
+ok()  { echo "ok   $1"; pass=$((pass+1)); }
+bad() { echo "FAIL $1: $2"; sed 's/^/     /' "$T/out" | tail -15; fail=$((fail+1)); }
+
+IMG=tests/fixtures/images
+mkdir -p "$T/caps"; k=0
+for f in "$IMG"/*.png "$IMG"/*.jpg; do
+    case "$f" in *bad_*) continue ;; esac
+    k=$((k+1)); cp "$f" "$T/caps/"; b=$(basename "$f"); printf '%d %d 9 11 %d\n' $((k*3)) $((k+40)) $((k*2+20)) > "$T/caps/${b%.*}.txt"
+done
+RUN=(--data JSON --data.json_path "$T/caps" --train.max_steps 6 --train.micro_batch_size 2 --train.global_batch_size 4
+     --optimizer.lr 0.003 --train.lr_warmup_steps 0 --threads 1 --quiet true)
+losses() { grep -E '^step [0-9]+/6 loss' "$1" | awk '{ print $4 }'; }
+# every line of a and b within 1e-6 relative (+ the printed 6 decimals' half unit)
+same() { paste -d' ' <(printf '%s\n' "$1") <(printf '%s\n' "$2") |
+         awk 'NF != 2 { bad = 1 } { d = $1 - $2; if (d < 0) d = -d; if (d > 1e-6 * $1 + 5e-7) bad = 1; n++ } END { exit bad || n != 6 }'; }
+
+for m in opt t5; do
+    for v in full lora; do
+        c=finetune_full; x=(); [ $v = lora ] && c=finetune_lora && x=(--lora_r 4)
+        M=tests/fixtures/blip2-tiny-$m
+        timeout 300 "$FL" $c "$M" "${RUN[@]}" "${x[@]}" --out_dir "$T/one-$m-$v" >"$T/one" 2>&1 || { cp "$T/one" "$T/out"; bad "blip2_one_${m}_$v" "exit $?"; continue; }
+        cp "$T/one" "$T/one-$m-$v.log"
+        timeout 300 mpirun -np 2 "$FL" $c "$M" "${RUN[@]}" "${x[@]}" --devices 2 --train.save_interval 3 --out_dir "$T/ddp-$m-$v" >"$T/out" 2>&1; rc=$?
+        a=$(losses "$T/one"); b=$(losses "$T/out"); cp "$T/out" "$T/ddp-$m-$v.log"
+        if [ $rc -eq 0 ] && same "$a" "$b" && [ "$(grep -c 'over 2 ranks (DDP)' "$T/out")" = 1 ] && [ "$(grep -c '^saved ' "$T/out")" = 3 ] \
+            && [ -f "$T/ddp-$m-$v/step-000003/COMMITTED" ] && [ -d "$T/ddp-$m-$v/final" ]; then
+            ok "blip2_ddp_np2_${m}_$v (losses = one process's: $(tr '\n' ' ' <<<"$b"))"
+        else
+            echo "one process: $a" >>"$T/out"; bad "blip2_ddp_np2_${m}_$v" "exit $rc"
+        fi
+    done
+done
+# the launcher started by fitllm itself: the explicit run's losses
+timeout 300 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --devices 2 --out_dir "$T/self" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 0 ] && grep -q "^fitllm: starting 2 ranks: .*mpirun -np 2" "$T/out" && [ -n "$(losses "$T/out")" ] &&
+    [ "$(losses "$T/out")" = "$(losses "$T/ddp-opt-full.log")" ]; then
+    ok "blip2_ddp_self_launched"
+else bad "blip2_ddp_self_launched" "exit $rc"; fi
+# DDP's checkpoint in one process: steps 4-6 as one process's within reduction noise
+timeout 300 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --resume "$T/ddp-opt-full/step-000003" --out_dir "$T/res" >"$T/out" 2>&1; rc=$?
+a=$(grep -E '^step [4-6]/6 loss' "$T/out" | awk '{ print $4 }'); b=$(losses "$T/one-opt-full.log" | tail -3)
+if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000003 (step 3)" "$T/out" && [ "$(grep -c . <<<"$a")" = 3 ] &&
+    paste -d' ' <(printf '%s\n' "$a") <(printf '%s\n' "$b") | awk '{ d = $1 - $2; if (d < 0) d = -d; if (d > 1e-5 * $1) bad = 1 } END { exit bad }'; then
+    ok "blip2_ddp_checkpoint_resumes_in_one_process"
+else bad "blip2_ddp_checkpoint_resumes_in_one_process" "exit $rc"; fi
+# rank 0's memory report (every phase's reserved and live bytes per tag, the peak) = `plan --devices 2`
+PR=(--data JSON --data.json_path "$T/caps" --train.max_steps 2 --train.micro_batch_size 2 --train.global_batch_size 8 --train.max_seq_length 4 --threads 1)
+planned=$("$FL" plan tests/fixtures/blip2-tiny-opt "${PR[@]}" --devices 2 2>&1 | awk '/^(after_|before_)/ { print; getline; print } /^peak/')
+timeout 300 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${PR[@]}" --devices 2 --out_dir "$T/pm" >"$T/out" 2>&1; rc=$?
+measured=$(awk '/^(after_|before_)/ { print; getline; print } /^peak/' "$T/out")
+if [ $rc -eq 0 ] && [ "$(grep -c . <<<"$planned")" = 11 ] && [ "$planned" = "$measured" ]; then ok "blip2_ddp_rank0_peaks_equal_plan"
+else printf 'planned:\n%s\n' "$planned" >>"$T/out"; bad "blip2_ddp_rank0_peaks_equal_plan" "exit $rc"; fi
+# refusals: every rank refuses the same way, exit 2, the option named once
+for st in deepspeed_stage_2 fsdp; do
+    timeout 120 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --devices 2 --strategy $st --out_dir "$T/x" >"$T/out" 2>&1; rc=$?
+    if [ $rc -eq 2 ] && [ "$(grep -c -- "--strategy $st: BLIP-2 fine-tuning runs one process or DDP over several" "$T/out")" = 1 ]; then
+        ok "blip2_ddp_refuses_$st"; else bad "blip2_ddp_refuses_$st" "exit $rc"; fi
+done
+timeout 120 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --devices 2 --train.global_batch_size 6 --out_dir "$T/x" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 2 ] && grep -q "train.global_batch_size 6 is not divisible by devices x micro_batch_size = 2 x 2" "$T/out"; then
+    ok "blip2_ddp_refuses_uneven_split"; else bad "blip2_ddp_refuses_uneven_split" "exit $rc"; fi
+# a corrupt image read by one rank: the job ends, non-zero, within the timeout, naming the file
+mkdir -p "$T/bad" && cp "$IMG/one_1x1.png" "$IMG/rgb_13x7.png" "$T/bad/" && printf '3 4 5\n' > "$T/bad/one_1x1.txt"
+head -c 300 "$IMG/rgb420_97x61.jpg" > "$T/bad/zz.jpg"; printf '5 6 7\n' > "$T/bad/zz.txt"; printf '7 8 9\n' > "$T/bad/rgb_13x7.txt"
+cp "$IMG/one_1x1.png" "$T/bad/aa.png"; printf '9 10 11\n' > "$T/bad/aa.txt"
+timeout 120 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt --data JSON --data.json_path "$T/bad" --train.max_steps 4 \
+    --train.micro_batch_size 1 --train.global_batch_size 2 --threads 1 --devices 2 --out_dir "$T/x2" >"$T/out" 2>&1; rc=$?
+if [ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -q "zz.jpg: corrupt JPEG" "$T/out" && [ ! -d "$T/x2/final" ]; then
+    ok "blip2_ddp_corrupt_image_ends_job (exit $rc)"; else bad "blip2_ddp_corrupt_image_ends_job" "exit $rc"; fi
+
+echo "BLIP-2 MPI tests: $pass passed, $fail failed"
+[ $fail -eq 0 ]
