@@ -345,6 +345,12 @@ FL_TEST(poff_cuda_emu_same_bits) {
     po_case("cuda-emu", ZR_ADAMW, 2, "fsdp_cpu_offload", "", 2, 0);
 }
 
+/* issue 34's Verify: the CUDA emulator at 3 ranks too (the NCCL stand-in carries the gathers of device buffers;
+ * the NVMe tier) */
+FL_TEST(poff_cuda_emu_three_ranks_same_bits) {
+    po_case("cuda-emu", ZR_SGDM, 3, "deepspeed_stage_3_offload_nvme", "", 2, 0);
+}
+
 /* A checkpoint at step 2 (global batch 12, 4 steps), saved by `save_strategy` + `save_param`, resumed by
  * `res_strategy` + `res_param` at the same world size: the uninterrupted run's bits. */
 static void po_resume(const char *backend, int sc, int world, const char *save_strategy, const char *save_param,
@@ -531,6 +537,35 @@ FL_TEST(poff_nvme_faults_end_cleanly) {
     if (f) fclose(f);
     FL_CHECKF(po_dir_empty(j->cfg.nvme_path), "nvme write failure: files left in %s", j->cfg.nvme_path);
     unsetenv("FITLLM_BACKEND");
+    po_free(j);
+}
+
+/* The disk failing a write-back in the middle of a run whose updates run unit by unit on the fetch worker
+ * (--offload_update_overlap; SGD with momentum, no clipping): the 376th release of each rank's disk pool is one of
+ * unit 0's update's (the last unit: every release of the model's thread in that step came before it was queued, so
+ * the count is the same every run): the worker's error comes back through the step, and the run ends with the
+ * disk's error naming the folder and the unit, after step 2's committed checkpoint, no file left */
+FL_TEST(poff_update_overlap_disk_fails_mid_run) {
+    pojob *j = po_new(ZR_SGDM, 2, "deepspeed_stage_3_offload_nvme", "", "fault-upd");
+    j->cfg.train.save_interval = 2;
+    j->cfg.train.max_steps = 12;
+    const unsigned long n0 = fl_fetch_run_count();
+    setenv("FITLLM_TEST_NVME_FAIL_AFTER", "375", 1);
+    setenv("FITLLM_BACKEND", "cpu", 1);
+    fl_status s = fl_comm_threads_run(2, porank, j);
+    unsetenv("FITLLM_BACKEND");
+    unsetenv("FITLLM_TEST_NVME_FAIL_AFTER");
+    char last[800];
+    snprintf(last, sizeof last, "%s/step-000002/COMMITTED", j->cfg.out_dir);
+    FILE *f = fopen(last, "r");
+    FL_CHECKF(s == FL_ERR_IO && strstr(fl_error_message(), "injected") && strstr(fl_error_message(), j->cfg.nvme_path) &&
+                  strstr(fl_error_message(), "the optimizer's update of unit 0 (on the fetch worker)") && f != NULL &&
+                  j->rec[0].steps >= 2 && j->rec[0].steps < 12 && fl_fetch_run_count() > n0,
+              "nvme write failure with the update on the worker: %s (%s), steps %ld, step 2 committed %d, updates %lu",
+              fl_status_name(s), fl_error_message(), j->rec[0].steps, f != NULL, fl_fetch_run_count() - n0);
+    if (f) fclose(f);
+    FL_CHECKF(po_dir_empty(j->cfg.nvme_path), "nvme write failure (update on the worker): files left in %s",
+              j->cfg.nvme_path);
     po_free(j);
 }
 
