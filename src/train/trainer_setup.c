@@ -386,6 +386,7 @@ fl_status fl_tr_setup_offload(trainer *t, const fl_strategy_choice *sc) {
     }
     t->hw.off.pool = &t->hw.opool;
     t->dp.offload = &t->hw.off;
+    t->dp.update_overlap = t->cfg->offload_update_overlap; /* FULL_SHARD: the units' updates beside the backward */
     if (fl_cfg_offload_nvme(t->cfg) || sc->param_offload == 2) {
         /* NVMe (ZeRO-Infinity's offload_optimizer / offload_param device nvme): files under nvme_path (out_dir by
          * default, made here: the files are unlinked at creation, so an OOM still leaves no files); the plan's
