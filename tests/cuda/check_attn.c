@@ -296,7 +296,7 @@ static void a_round_bf16(float *x, size_t n) {
 }
 
 static void check_large(int B, int T, int NH, int NKV, int HD, int tc) {
-    char nm[96], op[128];
+    char nm[96], op[160];
     snprintf(nm, sizeof nm, "attn%s B%d T%d %d/%d HD%d", tc == 3 ? "_fa2det" : tc == 2 ? "_fa2" : tc ? "_tc" : "", B,
              T, NH, NKV, HD);
     unsigned s = (unsigned)(T + NKV * 7 + HD);
@@ -308,7 +308,7 @@ static void check_large(int B, int T, int NH, int NKV, int HD, int tc) {
      * a masking or a fragment-layout error is 1e-1 or more */
     const double tol = tc ? 1e-2 : 1e-4, tol_lse = tc ? 1e-4 : 1e-5;
     float *gx = a_dev(qkv, nx * 4), *gdo = a_dev(dout, no * 4), *go = a_dev(NULL, no * 4), *gl = a_dev(NULL, nl * 4);
-    float *gdx = a_dev(NULL, nx * 4), *gdx2 = a_dev(NULL, nx * 4), *gw = a_dev(NULL, fl_cu_attention_work_bytes(B, NH, T));
+    float *gdx = a_dev(NULL, nx * 4), *gdx2 = a_dev(NULL, nx * 4), *gw = a_dev(NULL, fl_cu_attention_work_bytes_det(B, NH, T));
     cudaMemset(gdx, 0, nx * 4);
     cudaMemset(gdx2, 0, nx * 4);
     int rc = a_fwd(tc, go, gl, gx, B, T, NH, NKV, HD);

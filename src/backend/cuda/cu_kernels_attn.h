@@ -28,10 +28,14 @@ extern "C" {
 #define FL_CU_ATTN_UNSUPPORTED (-1)
 #define FL_CU_ATTN_INVALID (-2)
 
-/* Bytes of device scratch the backward launchers take as `work`: the per-row D = dout . out of
- * B*NH*Tq query rows, then the fa2 backward's deterministic-dq counters (one int per query tile of
- * at least 16 rows). Tq = T for the fused op. */
+/* Bytes of device scratch the backward launchers take as `work` (the per-row D = dout . out of
+ * B*NH*Tq query rows). Tq = T for the fused op. */
 static inline size_t fl_cu_attention_work_bytes(int B, int NH, int Tq) {
+    return (B > 0 && NH > 0 && Tq > 0) ? (size_t)B * (size_t)NH * (size_t)Tq * sizeof(float) : 0;
+}
+/* The same for attention_backward_fa2_ex with deterministic 1: then the dq counters (one int per query
+ * tile of at least 16 rows) after D's rows. */
+static inline size_t fl_cu_attention_work_bytes_det(int B, int NH, int Tq) {
     return (B > 0 && NH > 0 && Tq > 0) ? (size_t)B * (size_t)NH * ((size_t)Tq + ((size_t)Tq + 15) / 16) * sizeof(float)
                                        : 0;
 }

@@ -111,7 +111,8 @@ static fl_status flb_attention_backward(const fl_backend *be, const fl_attn_desc
         flb_nan_fill(be, dq, (size_t)a->B * a->Tq * a->ldq); /* NaN, as forward */
     FL_TRY(st);
     if (!dq || !dk || !dv || !dout) return fl_errorf(FL_ERR_INVALID, "attention_backward: NULL gradient tensor");
-    void *work = flb_work(be, fl_cu_attention_work_bytes(a->B, a->NH, a->Tq), "attention_backward");
+    void *work = flb_work(be, FLB_IMPL(be)->det ? fl_cu_attention_work_bytes_det(a->B, a->NH, a->Tq)
+                                                : fl_cu_attention_work_bytes(a->B, a->NH, a->Tq), "attention_backward");
     if (!work) return flb_sticky(be);
     const int tc = flb_attn_tc(be, a, bias); /* no bias: no dbias either (checked above) */
     if (tc == FLB_ATTN_OWN + 1 && flb_cudnn_backward(be, a, dq, dk, dv, dout, q, k, v, bias, kmask, out, lse, work, &st))
