@@ -279,6 +279,17 @@ elif [ $gok = 1 ]; then
     bad "sharded_eval_sample_np3" "samples or weights differ from DDP's, or missing: '$(cat -v "$T/g-ddp.txt")' vs $(:
         )'$(cat -v "$T/g-deepspeed_stage_3_offload_nvme.txt")', nvme files: $(ls -A "$T/gnv" | wc -l)"
 fi
+# the ranks must pick the same token at every step of a sharded sample: rank 1 sampling with another seed
+# (FITLLM_TEST_SAMPLE_SEED_SKEW=1) ends the run, non-zero, with an error naming rank 1 and the step (not a hang in
+# mismatched gathers, not rank 0's text printed as the model's)
+timeout -k 15 300 mpirun -np 3 -x FITLLM_TEST_SAMPLE_SEED_SKEW=1 "$FL" finetune_full "${ZARGS[@]}" --eval.interval 2 \
+    --eval.max_new_tokens 8 --strategy fsdp_cpu_offload --out_dir "$T/g-skew" >"$T/out" 2>&1; rc=$?
+if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $rc -ne 137 ] \
+    && grep -q "sharded generation (the evaluation sample after step 2): rank 1 picked token" "$T/out"; then
+    ok "sharded_eval_sample_ranks_disagree_np3 (exit $rc, rank 1 and step 2 named)"
+else
+    bad "sharded_eval_sample_ranks_disagree_np3" "exit $rc"
+fi
 
 # sharded checkpoints (--fsdp.state_dict_type sharded) through the CLI: saved by ZeRO-2 at 3 ranks (each rank writes
 # its ranges; no model.safetensors in a step checkpoint), resumed by ZeRO-1 at 2 ranks: the bits of the 2-rank resume

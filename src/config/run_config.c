@@ -33,6 +33,7 @@ void fl_cfg_defaults(fl_run_config *c, fl_cmd_kind cmd) {
     snprintf(c->state_dict_type, sizeof c->state_dict_type, "full");
     c->offload_prefetch = 1; /* the next unit, as FSDP's gather */
     c->offload_overlap = 1;
+    c->offload_update_overlap = 1;
     c->bucket_size = (size_t)256 << 20; /* between PyTorch DDP's 25 MB and Lightning DeepSpeed's 2e8 elements */
     snprintf(c->resume, sizeof c->resume, "false");
     c->seed = cmd == FL_CMD_PRETRAIN ? 42 : 1337;
@@ -88,6 +89,7 @@ static const fl_cfg_key k_keys[] = {
     {"offload_param_device", FL_CK_STR32, OFF(offload_param_device), "none (default, but cpu under fsdp_cpu_offload and nvme under deepspeed_stage_3_offload_nvme: the parameters' shards on the device) | cpu | nvme: parameter offload (DeepSpeed's offload_param, Lightning's fsdp_cpu_offload), with the ZeRO-3 offload strategies only: each rank's parameter and gradient shards live in host memory (cpu) or in files under nvme_path (nvme), each unit is copied to the device ahead of its forward and backward and dropped after, its gradient reduced and sent back to the host shard; the update runs on the host. Same bits as the device-resident run"},
     {"offload_prefetch", FL_CK_INT, OFF(offload_prefetch), "parameter offload (offload_param_device cpu|nvme): how far ahead units are fetched; 1 (default): the next unit's copy to the device and its all-gather are posted while this one computes, in forward and backward (FSDP's prefetch), and on nvme its piece is read from the files ahead; N > 1: on nvme the next N units' pieces are read ahead; 0: each unit fetched when it is needed (least device memory, no overlap). Same bits at any depth"},
     {"offload_overlap", FL_CK_BOOL, OFF(offload_overlap), "parameter offload with offload_prefetch >= 1: true (default): a worker thread copies each unit fetched ahead out of the host tier or the NVMe files while the unit before it computes (on a GPU into page-locked staging, then up: EXPERIMENTAL); false: the copy runs on the model's thread when the unit is posted. Same bits either way"},
+    {"offload_update_overlap", FL_CK_BOOL, OFF(offload_update_overlap), "ZeRO-3 / FULL_SHARD with the optimizer offloaded (deepspeed_stage_3_offload, fsdp_cpu_offload, ..._nvme), without gradient clipping (train.max_norm null or 0) and loss scaling (16-mixed / 16-true): true (default): each unit's update runs on the host as soon as its gradient is final, on the fetch worker thread, beside the rest of the backward, its fetches and reductions; false: the whole update after the backward. With clipping or loss scaling the update needs every unit's gradient first and runs after the backward either way. Same bits either way"},
     {"bucket_size", FL_CK_BYTES, OFF(bucket_size), "data parallel: the bytes of one bucket of the gradient reductions (ZeRO-2's reduce-scatter, FULL_SHARD's per unit, DDP/ZeRO-1's all-reduce per layer group; DeepSpeed's reduce_bucket_size in bytes): a reduction larger than it runs bucket by bucket, so its scratch (under twice the bucket) does not grow with the model; same bits at any size; null: one collective each"},
     {"fsdp.state_dict_type", FL_CK_STR32, OFF(state_dict_type), "checkpoints of every strategy: full (consolidated, one file set) | sharded (each rank writes its element ranges; resumable at any world size; fitllm merge_shards consolidates)"},
     {"resume", FL_CK_RESUME, OFF(resume), "false | true | auto | path to a checkpoint folder"},
@@ -136,6 +138,7 @@ static const fl_cfg_key k_keys[] = {
     {"train.beta2", FL_CK_FLOAT, OFF(optimizer.beta2), "(older LitGPT recipes) AdamW beta2"},
     {"train.activation_checkpointing", FL_CK_BOOL_OPT, OFF(train.activation_checkpointing), "recompute blocks in backward (null: on where --strategy auto shards finetune_full over several devices, as LitGPT's FSDP; off otherwise)"},
     {"train.keep_checkpoints", FL_CK_INT, OFF(train.keep_checkpoints), "keep only the newest N step-* checkpoints, 0 = all (fitllm)"},
+    {"train.memory_snapshot_interval", FL_CK_INT, OFF(train.memory_snapshot_interval), "BLIP-2 fine-tuning: print the memory (allocated and its peak so far, per tag) at the four phases of steps 1, 2 and every N-th step, 0 = off (fitllm)"},
     {"train.save_on_signal", FL_CK_BOOL, OFF(train.save_on_signal), "on SIGINT (Ctrl-C), SIGTERM or SIGUSR1: finish the step, commit a step-* checkpoint, then stop (fitllm)"},
     {"train.divergence_check", FL_CK_BOOL, OFF(train.divergence_check), "stop with exit 1, no final/, when the loss stays above a uniform guess's ln(vocab_size) + 2 (20 steps of the smoothed training loss, or a validation) after warm-up (fitllm)"},
     {"eval.interval", FL_CK_POS, OFF(eval.interval), "optimizer steps between evaluations"},
@@ -701,6 +704,9 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
     if (t->epochs == 0) return fl_errorf(FL_ERR_INVALID, "train.epochs must be positive or null");
     if (t->max_time != -1 && !(t->max_time > 0))
         return fl_errorf(FL_ERR_INVALID, "train.max_time must be a positive number of seconds or null");
+    if (c->train.memory_snapshot_interval < 0)
+        return fl_errorf(FL_ERR_INVALID, "train.memory_snapshot_interval %d: give 0 (off) or the steps between snapshots",
+                         c->train.memory_snapshot_interval);
     if (c->eval.interval <= 0) return fl_errorf(FL_ERR_INVALID, "eval.interval must be positive");
     if (c->eval.max_iters <= 0) return fl_errorf(FL_ERR_INVALID, "eval.max_iters must be positive");
     if (!(c->optimizer.lr > 0)) return fl_errorf(FL_ERR_INVALID, "optimizer.lr must be positive");

@@ -1,7 +1,6 @@
 /* Parameter lookup shared by the training forward/backward (transformer.c)
  * and generation (generate.c): pointers of one block's parameters and
- * gradients, of the embeddings/final norm/head, and the norm dispatch.
- * Moved verbatim out of transformer.c. */
+ * gradients, of the embeddings/final norm/head (the ops that read them run in exec.c). */
 #include <stdio.h>
 #include <string.h>
 
@@ -89,36 +88,6 @@ void fl_get_block(const fl_model *m, const fl_block_graph *gr, int l, fl_block_p
 #undef R
 }
 
-int fl_norm_forward_t(const fl_model *m, float *out, void *out16, float *mean, float *rstd, const float *x,
-                      const void *w, fl_dtype wt, const float *b, int N) {
-    const fl_backend *be = m->be;
-    if (wt != FL_F32) { /* norm_weight's 16-bit binding */
-        be->rmsnorm_forward_w16(be, out, out16, rstd, x, w, wt, N, m->cfg.dim, m->cfg.norm_eps);
-        return out16 != NULL;
-    }
-    if (fl_arch_get(m->cfg.arch)->layernorm) be->layernorm_forward(be, out, mean, rstd, x, w, b, N, m->cfg.dim, m->cfg.norm_eps);
-    else be->rmsnorm_forward(be, out, rstd, x, w, N, m->cfg.dim, m->cfg.norm_eps);
-    return 0;
-}
-
-void fl_norm_backward_t(const fl_model *m, float *dx, float *dw, float *db, const float *dout, const float *x,
-                        const void *w, fl_dtype wt, const float *mean, const float *rstd, int N) {
-    const fl_backend *be = m->be;
-    if (wt != FL_F32) be->rmsnorm_backward_w16(be, dx, dw, dout, x, w, wt, rstd, N, m->cfg.dim);
-    else if (fl_arch_get(m->cfg.arch)->layernorm) be->layernorm_backward(be, dx, dw, db, dout, x, w, mean, rstd, N, m->cfg.dim);
-    else be->rmsnorm_backward(be, dx, dw, dout, x, w, rstd, N, m->cfg.dim);
-}
-
-void fl_norm_forward(const fl_model *m, float *out, float *mean, float *rstd, const float *x, const float *w,
-                     const float *b, int N) {
-    fl_norm_forward_t(m, out, NULL, mean, rstd, x, w, FL_F32, b, N);
-}
-
-void fl_norm_backward(const fl_model *m, float *dx, float *dw, float *db, const float *dout, const float *x,
-                      const float *w, const float *mean, const float *rstd, int N) {
-    fl_norm_backward_t(m, dx, dw, db, dout, x, w, FL_F32, mean, rstd, N);
-}
-
 size_t fl_outer_1d(const fl_model *m) {
     const fl_param_layout *lay = &m->layout;
     size_t n = 0;
@@ -156,50 +125,4 @@ void fl_get_outer(const fl_model *m, fl_outer_params *o) {
     o->dhead = f32 ? G(m, hd) : m->store->g16 ? m->store->gstage : NULL; /* 16-bit: the head is staged alone */
     o->head_off = hd;
     o->head_idx = ihd;
-}
-
-/* out (n, C) = wte[ids] (+ wpe[pos0 ..]) for one sequence of n rows at position pos0,
- * or (B, T) rows (pos0 = 0) */
-fl_status fl_embed_forward(const fl_model *m, const fl_outer_params *op, float *out, const int32_t *dids,
-                           const int32_t *ids, int B, int T, int pos0) {
-    const fl_backend *be = m->be;
-    const int C = m->cfg.dim;
-    if (fl_tp_vocab_split(m)) return fl_tp_embed_forward(m, op, out, ids, B, T, pos0);
-    if (m->store->dtype == FL_F32) {
-        be->embedding_forward(be, out, dids, op->wte, op->wpe ? op->wpe + (size_t)pos0 * C : NULL, B, T, C);
-        return FL_OK;
-    }
-    if (be->embedding_forward16 && (m->store->dtype == FL_BF16 || m->store->dtype == FL_F16)) { /* one launch, not one convert per token (+ one per position row) */
-        const void *wpe = op->wpe_off != (size_t)-1 ? paddr(m, op->wpe_off + (size_t)pos0 * C) : NULL;
-        be->embedding_forward16(be, out, dids, paddr(m, op->wte_off), wpe, m->store->dtype, B, T, C);
-        return FL_OK;
-    }
-    float *row = m->store->pstage + fl_pstage_block_start(m) - C; /* one fp32 row */
-    for (int b = 0; b < B; b++)
-        for (int t = 0; t < T; t++) {
-            float *o = out + ((size_t)b * T + t) * C;
-            be->convert(be, o, FL_F32, paddr(m, op->wte_off + (size_t)ids[b * T + t] * C), m->store->dtype, C);
-            if (op->wpe_off != (size_t)-1) {
-                be->convert(be, row, FL_F32, paddr(m, op->wpe_off + (size_t)(pos0 + t) * C), m->store->dtype, C);
-                be->add(be, o, o, row, C);
-            }
-        }
-    return FL_OK;
-}
-
-/* Embedding backward into the gradients (fp32: in place; 16-bit: through gstage, group 0). */
-fl_status fl_embed_backward(fl_model *m, const fl_outer_params *op, const float *dout, const int32_t *ids, int B,
-                            int T) {
-    const fl_backend *be = m->be;
-    const int tpv = fl_tp_vocab_split(m);
-    if (!m->store->g16) {
-        if (tpv) return fl_tp_embed_backward(m, op, dout, ids, B, T);
-        be->embedding_backward(be, op->dwte, op->dwpe, dout, ids, B, T, m->cfg.dim);
-        return FL_OK;
-    }
-    size_t n0 = fl_group_numel(m, 0);
-    fl_store_stage_begin(m->store, n0);
-    if (tpv) FL_TRY(fl_tp_embed_backward(m, op, dout, ids, B, T));
-    else be->embedding_backward(be, op->dwte, op->dwpe, dout, ids, B, T, m->cfg.dim);
-    return fl_store_stage_flush(m->store, m->layout.group_offset[0], n0);
 }

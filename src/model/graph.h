@@ -96,6 +96,9 @@ typedef struct {
     uint8_t acc2;        /* derived: the backward adds to d(in2) */
 } fl_gop;
 
+/* An op that changes its input in place (in == out): RoPE, ALLREDUCE. */
+static inline int fl_gop_modifies(const fl_gop *o) { return o->kind == FL_GOP_ROPE || o->kind == FL_GOP_ALLREDUCE; }
+
 #define FL_GRAPH_MAX_NORMS 3   /* T5's decoder block: self-attention, cross-attention, FFN */
 #define FL_GRAPH_MAX_LINEARS 8 /* T5's decoder block: 7 (0 qkv, 1 o, 2 fc, 3 proj as the decoders', 4.. its own) */
 _Static_assert(FL_GRAPH_MAX_LINEARS == FL_MODEL_BLOCK_LINEARS, "the adapters' linear index (fitllm/model.h)");

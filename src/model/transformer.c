@@ -172,95 +172,6 @@ static fl_status forward_body(fl_model *m, const pass *p) {
     return FL_OK;
 }
 
-/* HEAD_LM: logits (rows, V) = lnf @ head^T, chunked over rows, so at most (rows, V) logits exist; with targets the
- * per-token losses, and in training the head's backward too (dlogits overwrite the logits chunk), leaving d(lnf)
- * (N, C) in buf1 for the backward; an lm_head adapter gets its gradients here, chunk by chunk (the base head is
- * frozen). */
-static fl_status head_loss(fl_model *m, const pass *p, float *logits_out) {
-    const fl_backend *be = m->be;
-    fl_acts *a = m->acts;
-    fl_dims d = fl_model_dims(&m->cfg);
-    const int N = p->B * p->T, R = m->sizes.logits_chunk_rows, train = p->grad_scale > 0;
-    const int32_t *tg = a->targets && p->targets ? a->targets : p->targets; /* device memory on a device backend */
-    fl_outer_params op;
-    fl_get_outer(m, &op);
-    fl_linear head = {.in = d.C, .out = d.V, .w = op.head, .dw = op.dhead};
-    fl_linear_set_weight(m, &head, op.head_idx);
-    fl_linear_set_dw_scratch(m, &head);
-    float *dlnf = a->buf1; // (N, C)
-    /* 16-bit storage: the head's gradient accumulates over the chunks in fp32, then is added once */
-    const int stage_head = train && p->targets && head.dw && m->store->g16;
-    if (stage_head) fl_store_stage_begin(m->store, (size_t)d.V * d.C);
-    /* A 16-bit head on a backend whose 16-bit GEMM widens (fl_act_opts.head_widen): widen the weight once here
-     * instead of in every chunk's GEMMs, then run fp32 GEMMs on the same values: a BF16 head's GEMM operands are
-     * rounded to bf16 first (its chunk's rows into head_x; the logits' gradient in place, which only this head's
-     * dx and dW read), as the bf16 GEMM rounds an F32 A. An F16 GEMM does not round its F32 A, so nothing else
-     * changes. Not with a LoRA adapter on lm_head (its branch reads the unrounded x and dy). */
-    fl_linear hw = head;
-    const int wide = a->head_w && head.wc && head.wct == a->head_dt && head.n_q4 == 0 && !fl_model_head_adapted(m);
-    const int round_bf16 = wide && a->head_dt == FL_BF16;
-    if (wide) {
-        FL_TRY(be->convert(be, a->head_w, FL_F32, head.wc, head.wct, (size_t)d.V * d.C)); // (V, C)
-        hw.wc = a->head_w;
-        hw.wct = FL_F32;
-        hw.xb16 = hw.dyb16 = NULL; /* dW += dy^T x in fp32 on the rounded operands */
-    }
-    for (int r0 = 0; r0 < N; r0 += R) {
-        int rows = N - r0 < R ? N - r0 : R;
-        const float *xr = a->lnf + (size_t)r0 * d.C;
-        if (round_bf16) { /* x (rows, C) -> bf16 -> fp32 */
-            FL_TRY(be->convert(be, a->head_t16, FL_BF16, xr, FL_F32, (size_t)rows * d.C));
-            FL_TRY(be->convert(be, a->head_x, FL_F32, a->head_t16, FL_BF16, (size_t)rows * d.C));
-            xr = a->head_x;
-        }
-        fl_model_bind_adapters(m, -1, 0, &head, r0); /* head adapters: this chunk, the batch's dropout mask */
-        FL_TRY(fl_linear_forward(be, a->logits, xr, wide ? &hw : &head, rows)); // (rows, V)
-        if (logits_out) FL_TRY(fl_head_logits_out(m, logits_out + (size_t)r0 * m->cfg.vocab_size, a->logits, rows));
-        if (!p->targets) continue;
-        FL_TRY(fl_head_cross_entropy(m, a->losses + r0, train ? a->logits : NULL, a->logits, tg + r0, p->targets + r0,
-                                     rows, p->grad_scale)); /* tensor parallel: over the group's vocabulary slices */
-        if (!train) continue;
-        if (round_bf16) { /* dlogits (rows, V) -> bf16 -> fp32, in place */
-            FL_TRY(be->convert(be, a->head_t16, FL_BF16, a->logits, FL_F32, (size_t)rows * d.V));
-            FL_TRY(be->convert(be, a->logits, FL_F32, a->head_t16, FL_BF16, (size_t)rows * d.V));
-        }
-        FL_TRY(fl_linear_backward(be, dlnf + (size_t)r0 * d.C, 0, a->logits, xr, wide ? &hw : &head, rows));
-    }
-    if (train && p->targets) FL_TRY(fl_tp_head_dx_sum(m, dlnf, N)); /* a vocabulary slice's part of d(lnf) */
-    if (stage_head) FL_TRY(fl_store_stage_flush(m->store, op.head_off, (size_t)d.V * d.C));
-    return FL_OK;
-}
-
-/* The per-token losses come to the host in slices (a device's arena is not host memory), on a device in one copy
- * per micro-batch (each copy waits for the device: issue 30 item 5): m->loss_sum, n_valid. */
-static fl_status sum_losses(fl_model *m, const int32_t *targets, int N) {
-    const fl_backend *be = m->be;
-    const int V = m->cfg.vocab_size;
-    float lstack[1024], *lheap = NULL, *lbuf = lstack;
-    int slice = 1024;
-    if (N > slice && !fl_backend_host_memory(be) && (lheap = malloc((size_t)N * sizeof *lheap))) {
-        lbuf = lheap;
-        slice = N;
-    }
-    fl_status s = FL_OK;
-    for (int i0 = 0; s == FL_OK && i0 < N; i0 += slice) {
-        int n = N - i0 < slice ? N - i0 : slice;
-        s = be->to_host(be, lbuf, m->acts->losses + i0, (size_t)n * sizeof(float));
-        for (int i = i0; s == FL_OK && i < i0 + n; i++)
-            if (targets[i] != FL_IGNORE_INDEX) {
-                if (targets[i] < 0 || targets[i] >= V)
-                    s = fl_errorf(FL_ERR_INVALID, "target id %d at position %d is outside the vocabulary [0, %d)",
-                                  targets[i], i, V);
-                else {
-                    m->loss_sum += lbuf[i - i0];
-                    m->n_valid++;
-                }
-            }
-    }
-    free(lheap);
-    return s;
-}
-
 /* The table's end: HEAD_LM (the loss) or OUTPUT (the last hidden states (N, C), the final norm's when there is
  * one, into hidden). */
 static fl_status forward_end(fl_model *m, const pass *p, float *logits_out, float *hidden) {
@@ -270,8 +181,9 @@ static fl_status forward_end(fl_model *m, const pass *p, float *logits_out, floa
         m->loss_sum = 0;
         m->n_valid = 0;
         m->have_targets = p->targets != NULL && !m->stage.out;
-        if (!m->stage.out) FL_TRY(head_loss(m, p, logits_out)); /* an earlier pipeline stage has no head */
-        if (p->targets && !m->stage.out) FL_TRY(sum_losses(m, p->targets, N));
+        if (!m->stage.out) /* the executor (exec.c); an earlier pipeline stage has no head */
+            FL_TRY(fl_lm_head_loss(m, p->targets, N, p->grad_scale, logits_out));
+        if (p->targets && !m->stage.out) FL_TRY(fl_lm_sum_losses(m, p->targets, N));
     } else if (hidden) {
         const float *out = has_final_norm(a->mgraph) ? a->lnf : a->res[m->cfg.n_layers];
         FL_TRY(m->be->to_host(m->be, hidden, out, (size_t)N * m->cfg.dim * sizeof(float)));

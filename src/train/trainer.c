@@ -28,22 +28,27 @@ static fl_step_ctx step_ctx(trainer *t, long iter0, long step_valid, float lr) {
                          .mb_stats = t->buf.mb_stats + (size_t)t->dp.rank * 2 * t->sch.accum, .mb_ms = t->buf.mb_ms};
 }
 
-static fl_status step_failed(const trainer *t, fl_status s, const fl_step_ctx *c, long iter0) {
-    if (s == FL_OK) return s;
-    long it = c->failed_k < t->sch.accum ? iter0 + (long)c->failed_k * t->dp.world + t->dp.rank + 1 : iter0 + t->sch.G;
-    return fl_tr_diverged(t, s, t->st.step + 1, it);
+/* The global iteration (1-based) a failed step failed at, so the caller (the loop, the rehearsal) can report a
+ * divergence where it acts on it (fl_tr_diverged). */
+static long failed_iter(const trainer *t, const fl_step_ctx *c, long iter0) {
+    return c->failed_k < t->sch.accum ? iter0 + (long)c->failed_k * t->dp.world + t->dp.rank + 1 : iter0 + t->sch.G;
 }
 
-static fl_status train_step(trainer *t, long iter0, long step_valid, float lr, fl_step_result *sr) {
+/* One optimizer step through fl_step_run; on failure *fail_iter says where. */
+static fl_status train_step(trainer *t, long iter0, long step_valid, float lr, fl_step_result *sr, long *fail_iter) {
     fl_step_ctx c = step_ctx(t, iter0, step_valid, lr);
-    return step_failed(t, fl_step_run(&t->model, &t->opt, &c, sr), &c, iter0);
+    fl_status s = fl_step_run(&t->model, &t->opt, &c, sr);
+    *fail_iter = failed_iter(t, &c, iter0);
+    return s;
 }
 
 /* The same step as this rank's stage of a pipeline (--pipeline_parallel; fl_pp_step_run, src/train/pp_step.c): its
  * own path (tools/callpath.py --func train_step_pp), so train_step's count stays the one-stack step's. */
-static fl_status train_step_pp(trainer *t, long iter0, long step_valid, float lr, fl_step_result *sr) {
+static fl_status train_step_pp(trainer *t, long iter0, long step_valid, float lr, fl_step_result *sr, long *fail_iter) {
     fl_step_ctx c = step_ctx(t, iter0, step_valid, lr);
-    return step_failed(t, fl_pp_step_run(&t->pp.rt, &t->opt, &c, sr), &c, iter0);
+    fl_status s = fl_pp_step_run(&t->pp.rt, &t->opt, &c, sr);
+    *fail_iter = failed_iter(t, &c, iter0);
+    return s;
 }
 
 /* The pool's memory record into r: the all-time peaks, the snapshots, and on FL_ERR_OOM the
@@ -156,7 +161,9 @@ fl_status fl_trainer_rehearse_comm(const fl_run_config *cfg, const fl_model_conf
     for (int k = 0; s2s && k < accum; k++)
         t.buf.mbs[k].src = t.buf.src + k * pers, t.buf.mbs[k].src_mask = t.buf.src_mask + k * pers, t.buf.mbs[k].Ts = Ts;
     fl_step_result sr;
-    s = (t.pp.size > 1 ? train_step_pp : train_step)(&t, 0, (long)(accum * per), cfg->optimizer.lr, &sr);
+    long fail_iter;
+    s = (t.pp.size > 1 ? train_step_pp : train_step)(&t, 0, (long)(accum * per), cfg->optimizer.lr, &sr, &fail_iter);
+    if (s != FL_OK) s = fl_tr_diverged(&t, s, t.st.step + 1, fail_iter);
     if (s != FL_OK || gen_prompt <= 0 || s2s) goto done; /* an encoder-decoder run has no evaluation yet */
     /* the evaluation (validate, then generate_example): one forward without gradients, then the
      * sample, snapshotted at its first token ("eval_generate": the KV cache, the decode scratch,
@@ -517,7 +524,9 @@ static fl_status loop_step(trainer *t, run_loop *L, int *brk) {
     const unsigned long long sent0 = fl_dp_sent(&t->dp); /* this rank's traffic before the step: the step's bytes go to the log */
     double step_loss;
     fl_step_result sr;
-    FL_TRY((t->pp.size > 1 ? train_step_pp : train_step)(t, iter0, step_valid, lr, &sr));
+    long fail_iter;
+    fl_status s = (t->pp.size > 1 ? train_step_pp : train_step)(t, iter0, step_valid, lr, &sr, &fail_iter);
+    if (s != FL_OK) return fl_tr_diverged(t, s, t->st.step + 1, fail_iter); /* a divergence says where and what to try */
     FL_TRY(log_iterations(t, L, lr, tokens0, sent0, &step_loss));
     FL_TRY(check_step(t, L, &sr, step_loss, step_valid));
     t->st.step++;

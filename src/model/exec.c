@@ -1,0 +1,674 @@
+/* The graph executor: every backend op a model pass issues runs here, from the tables the model files
+ * describe (graph.c: the block table and the model table; arch_*.c: an architecture's own). What a pass
+ * reads top to bottom (transformer.c's stack interpreter, seq2seq.c's, generation, BLIP-2's) calls these:
+ *   - the block table's ops in order (fl_block_forward: training, the checkpointed recompute, prefill,
+ *     decode) and in reverse, each op's own backward (fl_block_backward);
+ *   - the ops around the blocks: the norm (RMSNorm / LayerNorm, fp32 or 16-bit weights), the linear layer
+ *     (dense in any dtype, 4-bit, with its adapters' branches), the embeddings forward and backward, and
+ *     the chunked LM head with its cross-entropy and backward: one stack's HEAD_LM (fl_lm_head_loss, with the
+ *     widened 16-bit head and the vocabulary-parallel cross-entropy; fl_lm_sum_losses) and the stacks of
+ *     seq2seq.c / blip2_pass.c (fl_head_loss).
+ * The model files describe (which slot, which weight, which op kind); the executor turns a description
+ * into backend calls. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fitllm/comm.h"
+#include "model-impl.h"
+#include "store.h"
+
+/* ---- running ------------------------------------------------------------------------------ */
+
+static void rope(const fl_model *m, float *x, int bwd, const fl_block_ctx *c, size_t row) {
+    const fl_backend *be = m->be;
+    fl_dims d = fl_model_dims(&m->cfg);
+    void (*f)(const fl_backend *, float *, int, int, int, int, size_t, const float *, const float *, int) =
+        bwd ? be->rope_backward : be->rope_forward;
+    f(be, x, c->B, c->T, d.NH, d.HD, row, c->rope_cos, c->rope_sin, c->pos0);        /* q heads */
+    f(be, x + d.QD, c->B, c->T, d.NKV, d.HD, row, c->rope_cos, c->rope_sin, c->pos0); /* k heads */
+}
+
+/* Generation: append the rows' K and V (after RoPE) to the layer's cache, (NKV, max_T, HD) per layer. */
+static fl_status kv_append(const fl_model *m, const float *qkv, const fl_block_ctx *c) {
+    const fl_backend *be = m->be;
+    fl_dims d = fl_model_dims(&m->cfg);
+    fl_kv_cache *kv = c->kv;
+    float *kc = kv->k + fl_kv_cache_index(kv, c->layer, 0, 0), *vc = kv->v + fl_kv_cache_index(kv, c->layer, 0, 0);
+    const size_t head_stride = (size_t)kv->max_T * d.HD;
+    for (int t = 0; t < c->T; t++) {
+        const float *row = qkv + (size_t)t * d.QKV;
+        for (int h = 0; h < d.NKV; h++) {
+            size_t dst = (size_t)h * head_stride + (size_t)(c->pos0 + t) * d.HD;
+            FL_TRY(be->copy(be, kc + dst, row + d.QD + (size_t)h * d.HD, (size_t)d.HD * sizeof(float)));
+            FL_TRY(be->copy(be, vc + dst, row + d.QD + d.KVD + (size_t)h * d.HD, (size_t)d.HD * sizeof(float)));
+        }
+    }
+    return FL_OK;
+}
+
+/* Slot k holds its final values once op i has run: no later op writes it (an output, or RoPE's / ALLREDUCE's
+ * in-place change). */
+static int final_after(const fl_block_graph *g, int i, int k) {
+    for (int j = i + 1; j < g->n_ops; j++)
+        if (g->op[j].out == k || (fl_gop_modifies(&g->op[j]) && g->op[j].in == k)) return 0;
+    return 1;
+}
+
+/* Rows of slot k in this pass: the block's B x T, or B x Tk for a stream from outside and what is computed from it. */
+static int rows(const fl_block_graph *g, int k, const fl_block_ctx *x) { return x->B * (g->slot[k].xrows ? x->Tk : x->T); }
+
+/* bf16 activations stored end to end (fl_block_ctx.store16): slot k, just written for the last time in the
+ * block, is stored in bf16 (its s16 copy) and the fp32 view the later ops read holds the same value (round on
+ * store, widen on load: the CPU backend computes in fp32, what it keeps is bf16). A slot written by several ops
+ * (a LINEAR's output then RoPE, or the residual add) is stored once, after the last: the ops between act as one
+ * fused kernel (bias + residual epilogue, RoPE in the attention's input preparation) that keeps its
+ * intermediate in registers. Statistics stay fp32. */
+static int stored16(const fl_block_graph *g, int k, const fl_block_ctx *x) {
+    const uint8_t kind = g->slot[k].kind;
+    return (kind == FL_GSLOT_WIDE || kind == FL_GSLOT_STREAM) && x->s16[k];
+}
+static fl_status store16(const fl_backend *be, const fl_block_graph *g, int k, float *const *s, const fl_block_ctx *x) {
+    if (!stored16(g, k, x)) return FL_OK;
+    const size_t n = (size_t)rows(g, k, x) * g->slot[k].width;
+    if (be->round16) return be->round16(be, x->s16[k], FL_BF16, s[k], n); /* one kernel */
+    FL_TRY(be->convert(be, x->s16[k], FL_BF16, s[k], FL_F32, n));
+    return be->convert(be, s[k], FL_F32, x->s16[k], FL_BF16, n);
+}
+
+/* The general attention op's shape and q/k/v views for an ATTN op that is not the fused causal one:
+ * self-attention over the fused q|k|v rows, or cross-attention of q rows to fused k|v rows. */
+static void attn_views(const fl_model *m, const fl_block_graph *g, const fl_gop *o, const fl_block_ctx *x,
+                       float *const *s, fl_attn_desc *a, float **q, float **k, float **v) {
+    fl_dims d = fl_model_dims(&m->cfg);
+    memset(a, 0, sizeof *a);
+    a->B = x->B, a->Tq = x->T, a->NH = d.NH, a->NKV = d.NKV, a->HD = d.HD;
+    a->ldo = (size_t)g->slot[o->out].width;
+    a->scale = o->attn_flags & FL_GATTN_NOSCALE ? 1.0f : 1.0f / sqrtf((float)d.HD);
+    a->causal = o->attn == FL_ATTN_CAUSAL;
+    *q = s[o->in];
+    a->ldq = (size_t)g->slot[o->in].width;
+    if (o->attn == FL_ATTN_CROSS) { /* k | v of the stream's rows */
+        a->Tk = x->Tk;
+        *k = s[o->in2];
+        a->ldk = a->ldv = (size_t)g->slot[o->in2].width;
+    } else {
+        a->Tk = x->T;
+        *k = *q + d.QD;
+        a->ldk = a->ldv = a->ldq;
+        if (x->kv_rows > x->T) { /* incremental decoding: the keys from the slot's first row (causal: bottom-right) */
+            a->Tk = x->kv_rows;
+            *k -= (size_t)(x->kv_rows - x->T) * a->ldq;
+        }
+    }
+    *v = *k + d.KVD;
+}
+
+static fl_status attn_forward(const fl_model *m, const fl_block_graph *g, const fl_gop *o, float *const *s,
+                              const fl_block_ctx *x) {
+    const fl_backend *be = m->be;
+    fl_dims d = fl_model_dims(&m->cfg);
+    float *in = s[o->in], *out = s[o->out], *lse = o->a1 >= 0 ? s[o->a1] : NULL;
+    if (o->attn == FL_ATTN_CAUSAL && !o->attn_flags) { /* the decoder's fused causal kernels */
+        if (x->kv) FL_TRY(kv_append(m, in, x));
+        if (x->kv && x->T == 1) {
+            fl_kv_cache *kv = x->kv;
+            be->attention_decode(be, out, in, kv->k + fl_kv_cache_index(kv, x->layer, 0, 0),
+                                 kv->v + fl_kv_cache_index(kv, x->layer, 0, 0), x->pos0 + 1, d.NH, d.NKV, d.HD,
+                                 (size_t)kv->max_T * d.HD);
+        } else {
+            FL_TRY(fl_attention_qkv_forward(be, out, lse, in, x->B, x->T, d.NH, d.NKV, d.HD)); // (N, QD)
+        }
+        return FL_OK;
+    }
+    if (x->kv) return fl_errorf(FL_ERR_UNSUPPORTED, "generation with a KV cache runs causal self-attention only");
+    if (x->kv_rows > x->T && x->B != 1)
+        return fl_errorf(FL_ERR_INVALID, "incremental decoding (kv_rows) runs one sequence (B %d)", x->B);
+    fl_attn_desc a;
+    float *q, *k, *v;
+    attn_views(m, g, o, x, s, &a, &q, &k, &v);
+    return be->attention_forward(be, &a, out, lse, q, k, v, o->attn_flags & FL_GATTN_BIAS ? x->attn_bias : NULL,
+                                    o->attn_flags & FL_GATTN_MASK ? x->kmask : NULL);
+}
+
+/* The gradient buffer of slot k: a stream from outside accumulates into the caller's. */
+static float *dslot(const fl_block_graph *g, int k, float *const *gb, const fl_block_ctx *x) {
+    return g->slot[k].kind == FL_GSLOT_XSTREAM ? (x->dxs ? x->dxs[k] : NULL) : gb[g->slot[k].grad];
+}
+
+static fl_status attn_backward(const fl_model *m, const fl_block_graph *g, const fl_gop *o, float *const *s,
+                               float *const *gb, const fl_block_ctx *x, float *din, float *dout) {
+    const fl_backend *be = m->be;
+    fl_dims d = fl_model_dims(&m->cfg);
+    const float *lse = o->a1 >= 0 ? s[o->a1] : NULL;
+    if (o->attn == FL_ATTN_CAUSAL && !o->attn_flags) {
+        return fl_attention_qkv_backward(be, din, dout, s[o->in], s[o->out], lse, x->B, x->T, d.NH, d.NKV, d.HD);
+    }
+    fl_attn_desc a;
+    float *q, *k, *v, *dk, *dv;
+    attn_views(m, g, o, x, s, &a, &q, &k, &v);
+    if (o->attn == FL_ATTN_CROSS) {
+        dk = dslot(g, o->in2, gb, x);
+        if (!o->acc2) be->zero(be, dk, (size_t)rows(g, o->in2, x) * g->slot[o->in2].width * sizeof(float));
+    } else {
+        dk = din + d.QD;
+    }
+    dv = dk + d.KVD;
+    const float *bias = o->attn_flags & FL_GATTN_BIAS ? x->attn_bias : NULL;
+    return be->attention_backward(be, &a, din, dk, dv, bias ? x->dattn_bias : NULL, dout, q, k, v, bias,
+                                     o->attn_flags & FL_GATTN_MASK ? x->kmask : NULL, s[o->out], lse);
+}
+
+/* ALLREDUCE: the slot summed over the communicator's ranks (no communicator or one rank: nothing to do). */
+static fl_status allreduce(struct fl_comm *c, float *p, size_t n) {
+    if (!c || fl_comm_size(c) <= 1) return FL_OK;
+    return fl_comm_all_reduce(c, p, p, n, FL_F32, FL_COMM_SUM);
+}
+
+/* bf16 stored, fused (issue 30 item 1): ops that write their stored output's bf16 copy themselves where the
+ * backend has the optional variant (act_forward16, add16, rope_forward16: the fp32 op's value, then round16's
+ * bits), and a plain linear feeding an activation stored by the GEMM in bf16 only (fl_linear_forward16), its fp32
+ * view filled by that activation, its one reader. Backends without them (cpu, ref, opaque): the fp32 op, then
+ * store16. */
+static int act16_kind(uint8_t k) {
+    return k == FL_GOP_SWIGLU ? FL_ACT16_SWIGLU : k == FL_GOP_GELU ? FL_ACT16_GELU : k == FL_GOP_RELU ? FL_ACT16_RELU : -1;
+}
+/* no op after op j reads slot k */
+static int unread_after(const fl_block_graph *g, int j, int k) {
+    for (int i = j + 1; i < g->n_ops; i++) {
+        const fl_gop *o = &g->op[i];
+        if (o->in == k || (o->kind == FL_GOP_ATTN && o->attn == FL_ATTN_CROSS && o->in2 == k)) return 0;
+    }
+    return 1;
+}
+/* op i is a LINEAR whose output only op i + 1 reads, an activation with a bf16 input variant */
+static int gemm_to_act16(const fl_backend *be, const fl_block_graph *g, int i) {
+    const fl_gop *o = &g->op[i], *nx = i + 1 < g->n_ops ? &g->op[i + 1] : NULL;
+    return be->act_forward16 && nx && act16_kind(nx->kind) >= 0 && nx->in == o->out &&
+           g->slot[o->out].kind == FL_GSLOT_WIDE && unread_after(g, i + 1, o->out);
+}
+/* Backward, bf16 compute: op i (an activation or ROPE) is the last to write d(in) and op i - 1, next in the
+ * backward's order, is the LINEAR that made in and reads its dy in bf16: op i writes that copy into the linear's
+ * dyb16 as it writes d(in) (act_backward16 / rope_backward16), and the linear skips its convert. NULL: no such
+ * pair, or the backend lacks the op (cpu, ref, opaque). */
+static void *dy16_for(const fl_backend *be, const fl_block_graph *g, const fl_block_params *bp, int i) {
+    const fl_gop *o = &g->op[i], *pv = i > 0 ? &g->op[i - 1] : NULL;
+    if (!pv || pv->kind != FL_GOP_LINEAR || pv->out != o->in || !fl_linear_wants_dy16(&bp->lin[pv->p])) return NULL;
+    const int ok = (act16_kind(o->kind) >= 0 && be->act_backward16) || (o->kind == FL_GOP_ROPE && be->rope_backward16);
+    return ok ? bp->lin[pv->p].dyb16 : NULL;
+}
+
+fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
+                           const fl_block_ctx *x) {
+    const fl_backend *be = m->be;
+    int pend16 = -1; /* a slot stored in bf16 only so far (gemm_to_act16) */
+#define S(k) ((k) >= 0 ? s[k] : NULL)
+    for (int i = 0; i < g->n_ops; i++) {
+        const fl_gop *o = &g->op[i];
+        float *in = s[o->in], *out = s[o->out];
+        const int N = rows(g, o->in, x);
+        const size_t wi = (size_t)g->slot[o->in].width, wo = (size_t)g->slot[o->out].width;
+        const int last = x->store16 && final_after(g, i, o->out); /* the output is stored in bf16 after this op */
+        void *o16 = last && stored16(g, o->out, x) ? x->s16[o->out] : NULL; /* its bf16 copy */
+        int done16 = 0; /* the op wrote that bf16 copy itself */
+        if (act16_kind(o->kind) >= 0 && be->act_forward16 && (o16 || pend16 == o->in)) {
+            const void *in16 = pend16 == o->in ? x->s16[o->in] : NULL; /* its fp32 view is filled here */
+            FL_TRY(be->act_forward16(be, act16_kind(o->kind), out, o16, in, in16, N,
+                                     o->kind == FL_GOP_SWIGLU ? (int)wo : (int)wi));
+            pend16 = -1;
+            continue;
+        }
+        switch ((fl_gop_kind)o->kind) {
+        case FL_GOP_NORM: {
+            done16 = fl_norm_forward_t(m, out, o16, S(o->a1), S(o->a2), in, bp->norm_w[o->p], bp->norm_wt,
+                                       bp->norm_b[o->p], N);
+            break;
+        }
+        case FL_GOP_LINEAR: { // (N, wo)
+            const fl_linear *lin = &bp->lin[o->p];
+            if (x->xs_ready && g->slot[o->in].kind == FL_GSLOT_XSTREAM) break; /* kept from an earlier pass */
+            /* stored in bf16: the input's copy is the GEMM's bf16 operand (a BF16 weight rounds an F32 x to it);
+             * a slot still to be changed by a later op is not stored yet (the GEMM rounds the fp32 view itself) */
+            const void *in16 = x->store16 && lin->n_q4 == 0 && lin->wc && lin->wct == FL_BF16 &&
+                                       final_after(g, i, o->in)
+                                   ? x->s16[o->in]
+                                   : NULL;
+            if (o16 && in16 && fl_linear_plain16(lin) && gemm_to_act16(be, g, i)) { /* bf16 only: see act16_kind */
+                FL_TRY(fl_linear_forward16(be, o16, in16, lin, N));
+                pend16 = o->out, done16 = 1;
+                break;
+            }
+            FL_TRY(fl_linear_forward_ex(be, out, in, in16, lin, N));
+            break;
+        }
+        case FL_GOP_ROPE: {
+            fl_dims d = fl_model_dims(&m->cfg);
+            if (o16 && be->rope_forward16 && d.QD == d.NH * d.HD) { /* the q and k heads are consecutive */
+                FL_TRY(be->rope_forward16(be, in, o16, x->B, x->T, d.NH + d.NKV, d.HD, (int)wi, x->rope_cos,
+                                          x->rope_sin, x->pos0));
+                done16 = 1;
+            } else
+                rope(m, in, 0, x, wi);
+            break;
+        }
+        case FL_GOP_ATTN: FL_TRY(attn_forward(m, g, o, s, x)); break;
+        case FL_GOP_ADD: {
+            /* a residual add straight into an RMSNorm of its sum: one fused op (issue 30 item 4; the CPU's is the
+             * two ops, the same bits). Not when bf16 is stored (store16): the sum must be rounded to bf16 before
+             * the norm reads it, and the fused op has no bf16 variant yet. */
+            const fl_gop *nx = i + 1 < g->n_ops && !x->store16 ? &g->op[i + 1] : NULL;
+            if (nx && nx->kind == FL_GOP_NORM && nx->in == o->out && !fl_arch_get(m->cfg.arch)->layernorm &&
+                bp->norm_wt == FL_F32 &&
+                wo == (size_t)m->cfg.dim && rows(g, nx->in, x) == N) {
+                FL_TRY(be->add_rmsnorm_forward(be, out, s[nx->out], S(nx->a2), out, in, bp->norm_w[nx->p], FL_F32, N,
+                                               m->cfg.dim, m->cfg.norm_eps));
+                i++; /* the norm is done */
+                break;
+            }
+            if (o16 && be->add16) {
+                FL_TRY(be->add16(be, out, o16, out, in, (size_t)N * wo));
+                done16 = 1;
+            } else
+                be->add(be, out, out, in, (size_t)N * wo);
+            break;
+        }
+        case FL_GOP_SWIGLU: be->swiglu_forward(be, out, in, N, (int)wo); break;
+        case FL_GOP_GELU: be->gelu_forward(be, out, in, (size_t)N * wi); break;
+        case FL_GOP_RELU: be->relu_forward(be, out, in, (size_t)N * wi); break;
+        case FL_GOP_GELU_ERF: be->gelu_erf_forward(be, out, in, (size_t)N * wi); break;
+        case FL_GOP_GEGLU:
+            if (!be->geglu_forward)
+                return fl_errorf(FL_ERR_UNSUPPORTED, "backend %s has no geglu op (T5 v1.1's gated-GELU FFN)", be->name);
+            be->geglu_forward(be, out, in, N, (int)wo);
+            break;
+        case FL_GOP_ALLREDUCE:
+            if (o->p == FL_GAR_FWD) FL_TRY(allreduce(x->comm, out, (size_t)N * wo));
+            break;
+        }
+        if (last && !done16) FL_TRY(store16(be, g, o->out, s, x)); /* ROPE: in place */
+    }
+    return FL_OK;
+#undef S
+}
+
+/* Slots whose gradient something reads (bit k: slot k), when d(input) is not read: in the forward's
+ * order, an op's output needs its gradient when the op trains a parameter (or LoRA adapter) or its
+ * input needs one. */
+static int op_trains(const fl_block_params *bp, const fl_gop *o) {
+    if (o->kind == FL_GOP_LINEAR) {
+        const fl_linear *l = &bp->lin[o->p];
+        return l->dw || l->db || l->n_adapters > 0;
+    }
+    return o->kind == FL_GOP_NORM && (bp->d_norm_w[o->p] || bp->d_norm_b[o->p]);
+}
+
+static unsigned grads_needed(const fl_block_graph *g, const fl_block_params *bp) {
+    unsigned need = 0;
+    for (int i = 0; i < g->n_ops; i++) {
+        const fl_gop *o = &g->op[i];
+        if (op_trains(bp, o) || (need >> o->in & 1u)) need |= 1u << o->out;
+    }
+    return need;
+}
+
+fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
+                            float *const *gb, const fl_block_ctx *x) {
+    const fl_backend *be = m->be;
+    const unsigned need = x->no_din ? grads_needed(g, bp) : ~0u;
+    int dy16_ready = 0; /* the next op's (a LINEAR's) dy already in its dyb16 (dy16_for) */
+#define S(k) ((k) >= 0 ? s[k] : NULL)
+    for (int i = g->n_ops - 1; i >= 0; i--) {
+        const fl_gop *o = &g->op[i];
+        const fl_gslot *si = &g->slot[o->in], *so = &g->slot[o->out];
+        const int ready = dy16_ready; /* this op's dout was rounded into its dyb16 by the op before (dy16_for) */
+        dy16_ready = 0;
+        if (o->kind == FL_GOP_ADD) continue; /* both sides on one residual path: d(in) += d(out) is the identity */
+        /* nothing reads d(in): only an op that trains runs (a LINEAR without its dx) */
+        const int need_in = need >> o->in & 1u;
+        if (!need_in && !op_trains(bp, o)) continue;
+        float *din = need_in || o->kind != FL_GOP_LINEAR ? dslot(g, o->in, gb, x) : NULL, *dout = dslot(g, o->out, gb, x);
+        const int N = rows(g, o->in, x);
+        const size_t wi = (size_t)si->width, wo = (size_t)so->width;
+        /* ops whose backward accumulates into d(in): a gradient not started yet starts from zero (a
+         * LINEAR overwrites it instead; o->acc: the residual path, or another reader's part already there) */
+        if (!o->acc && o->kind != FL_GOP_LINEAR && !fl_gop_modifies(o)) be->zero(be, din, (size_t)N * wi * sizeof(float));
+        /* the LINEAR next in this order made in and reads d(in) in bf16: this op writes that copy (dy16) */
+        void *dy16 = dy16_for(be, g, bp, i);
+        if (dy16 && act16_kind(o->kind) >= 0) {
+            FL_TRY(be->act_backward16(be, act16_kind(o->kind), din, dy16, dout, s[o->in], N,
+                                      o->kind == FL_GOP_SWIGLU ? (int)wo : (int)wi));
+            dy16_ready = 1;
+            continue;
+        }
+        switch ((fl_gop_kind)o->kind) {
+        case FL_GOP_NORM:
+            fl_norm_backward_t(m, din, bp->d_norm_w[o->p], bp->d_norm_b[o->p], dout, s[o->in], bp->norm_w[o->p],
+                               bp->norm_wt, S(o->a1), S(o->a2), N);
+            break;
+        case FL_GOP_LINEAR:
+            FL_TRY(fl_linear_backward_dy16(be, din, o->acc, dout, ready, s[o->in], x->s16 ? x->s16[o->in] : NULL,
+                                           &bp->lin[o->p], N));
+            break;
+        case FL_GOP_ROPE: {
+            fl_dims d = fl_model_dims(&m->cfg);
+            if (dy16 && d.QD == d.NH * d.HD) {
+                FL_TRY(be->rope_backward16(be, din, dy16, x->B, x->T, d.NH + d.NKV, d.HD, (int)wi, x->rope_cos,
+                                           x->rope_sin, x->pos0));
+                dy16_ready = 1;
+            } else
+                rope(m, din, 1, x, wi);
+            break;
+        }
+        case FL_GOP_ATTN: FL_TRY(attn_backward(m, g, o, s, gb, x, din, dout)); break;
+        case FL_GOP_SWIGLU: be->swiglu_backward(be, din, dout, s[o->in], N, (int)wo); break;
+        case FL_GOP_GELU: be->gelu_backward(be, din, dout, s[o->in], (size_t)N * wi); break;
+        case FL_GOP_RELU: be->relu_backward(be, din, dout, s[o->in], (size_t)N * wi); break;
+        case FL_GOP_GELU_ERF: be->gelu_erf_backward(be, din, dout, s[o->in], (size_t)N * wi); break;
+        case FL_GOP_GEGLU: be->geglu_backward(be, din, dout, s[o->in], N, (int)wo); break;
+        case FL_GOP_ALLREDUCE:
+            if (o->p == FL_GAR_BWD) FL_TRY(allreduce(x->comm, din, (size_t)N * wi));
+            break;
+        case FL_GOP_ADD: break;
+        }
+    }
+    if (g->slot[FL_GSLOT_IN].grad != FL_GBUF_RES && !x->no_din) /* d(input) ended elsewhere (assign_grads) */
+        FL_TRY(be->copy(be, gb[FL_GBUF_RES], gb[g->slot[FL_GSLOT_IN].grad],
+                        (size_t)x->B * x->T * g->slot[FL_GSLOT_IN].width * sizeof(float)));
+    return FL_OK;
+#undef S
+}
+
+/* ---- the ops around the blocks --------------------------------------------------------------- */
+
+int fl_norm_forward_t(const fl_model *m, float *out, void *out16, float *mean, float *rstd, const float *x,
+                      const void *w, fl_dtype wt, const float *b, int N) {
+    const fl_backend *be = m->be;
+    if (wt != FL_F32) { /* norm_weight's 16-bit binding */
+        be->rmsnorm_forward_w16(be, out, out16, rstd, x, w, wt, N, m->cfg.dim, m->cfg.norm_eps);
+        return out16 != NULL;
+    }
+    if (fl_arch_get(m->cfg.arch)->layernorm) be->layernorm_forward(be, out, mean, rstd, x, w, b, N, m->cfg.dim, m->cfg.norm_eps);
+    else be->rmsnorm_forward(be, out, rstd, x, w, N, m->cfg.dim, m->cfg.norm_eps);
+    return 0;
+}
+
+void fl_norm_backward_t(const fl_model *m, float *dx, float *dw, float *db, const float *dout, const float *x,
+                        const void *w, fl_dtype wt, const float *mean, const float *rstd, int N) {
+    const fl_backend *be = m->be;
+    if (wt != FL_F32) be->rmsnorm_backward_w16(be, dx, dw, dout, x, w, wt, rstd, N, m->cfg.dim);
+    else if (fl_arch_get(m->cfg.arch)->layernorm) be->layernorm_backward(be, dx, dw, db, dout, x, w, mean, rstd, N, m->cfg.dim);
+    else be->rmsnorm_backward(be, dx, dw, dout, x, w, rstd, N, m->cfg.dim);
+}
+
+void fl_norm_forward(const fl_model *m, float *out, float *mean, float *rstd, const float *x, const float *w,
+                     const float *b, int N) {
+    fl_norm_forward_t(m, out, NULL, mean, rstd, x, w, FL_F32, b, N);
+}
+
+void fl_norm_backward(const fl_model *m, float *dx, float *dw, float *db, const float *dout, const float *x,
+                      const float *w, const float *mean, const float *rstd, int N) {
+    fl_norm_backward_t(m, dx, dw, db, dout, x, w, FL_F32, mean, rstd, N);
+}
+
+/* out (n, C) = wte[ids] (+ wpe[pos0 ..]) for one sequence of n rows at position pos0,
+ * or (B, T) rows (pos0 = 0) */
+fl_status fl_embed_forward(const fl_model *m, const fl_outer_params *op, float *out, const int32_t *dids,
+                           const int32_t *ids, int B, int T, int pos0) {
+    const fl_backend *be = m->be;
+    const int C = m->cfg.dim;
+    if (fl_tp_vocab_split(m)) return fl_tp_embed_forward(m, op, out, ids, B, T, pos0);
+    if (m->store->dtype == FL_F32) {
+        be->embedding_forward(be, out, dids, op->wte, op->wpe ? op->wpe + (size_t)pos0 * C : NULL, B, T, C);
+        return FL_OK;
+    }
+    if (be->embedding_forward16 && (m->store->dtype == FL_BF16 || m->store->dtype == FL_F16)) { /* one launch, not one convert per token (+ one per position row) */
+        const void *wpe = op->wpe_off != (size_t)-1 ? fl_store_param_at(m->store, op->wpe_off + (size_t)pos0 * C) : NULL;
+        be->embedding_forward16(be, out, dids, fl_store_param_at(m->store, op->wte_off), wpe, m->store->dtype, B, T, C);
+        return FL_OK;
+    }
+    float *row = m->store->pstage + fl_pstage_block_start(m) - C; /* one fp32 row */
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            float *o = out + ((size_t)b * T + t) * C;
+            be->convert(be, o, FL_F32, fl_store_param_at(m->store, op->wte_off + (size_t)ids[b * T + t] * C), m->store->dtype, C);
+            if (op->wpe_off != (size_t)-1) {
+                be->convert(be, row, FL_F32, fl_store_param_at(m->store, op->wpe_off + (size_t)(pos0 + t) * C), m->store->dtype, C);
+                be->add(be, o, o, row, C);
+            }
+        }
+    return FL_OK;
+}
+
+/* Embedding backward into the gradients (fp32: in place; 16-bit: through gstage, group 0). */
+fl_status fl_embed_backward(fl_model *m, const fl_outer_params *op, const float *dout, const int32_t *ids, int B,
+                            int T) {
+    const fl_backend *be = m->be;
+    const int tpv = fl_tp_vocab_split(m);
+    if (!m->store->g16) {
+        if (tpv) return fl_tp_embed_backward(m, op, dout, ids, B, T);
+        be->embedding_backward(be, op->dwte, op->dwpe, dout, ids, B, T, m->cfg.dim);
+        return FL_OK;
+    }
+    size_t n0 = fl_group_numel(m, 0);
+    fl_store_stage_begin(m->store, n0);
+    if (tpv) FL_TRY(fl_tp_embed_backward(m, op, dout, ids, B, T));
+    else be->embedding_backward(be, op->dwte, op->dwpe, dout, ids, B, T, m->cfg.dim);
+    return fl_store_stage_flush(m->store, m->layout.group_offset[0], n0);
+}
+
+/* ---- the linear layer: y = x W^T, dx = dy W, dW += dy^T x ---------------------------------------- */
+
+fl_status fl_linear_forward(const fl_backend *be, float *y, const float *x, const fl_linear *lin, int N) {
+    return fl_linear_forward_ex(be, y, x, NULL, lin, N);
+}
+
+fl_status fl_linear_forward_ex(const fl_backend *be, float *y, const float *x, const void *x16, const fl_linear *lin,
+                               int N) {
+    /* y (N,out) = x (N,in) @ W^T (in,out) */
+    if (lin->n_q4) { /* 4-bit base: each part fills its rows of the (fused) output, dequantized tile by tile */
+        for (int k = 0, r0 = 0; k < lin->n_q4; r0 += lin->q4[k]->rows, k++)
+            FL_TRY(be->q4_matmul_forward(be, y + r0, lin->out, x, lin->q4[k], N, 0.0f));
+    } else {
+        /* mixed precision: the weight's compute copy (bf16), fp32 accumulation */
+        const void *w = lin->wc ? lin->wc : (const void *)lin->w;
+        fl_dtype wt = lin->wc ? lin->wct : FL_F32;
+        /* a BF16 weight's GEMM rounds an F32 x to bf16: x16 is that operand already */
+        const int a16 = x16 && wt == FL_BF16;
+        FL_TRY(be->gemm(be, 0, 1, N, lin->out, lin->in, 1.0f, a16 ? x16 : (const void *)x, a16 ? FL_BF16 : FL_F32,
+                        lin->in, w, wt, lin->in, 0.0f, y, FL_F32, lin->out));
+    }
+    if (lin->b) be->bias_forward(be, y, lin->b, N, lin->out);
+    for (int k = 0; k < lin->n_adapters; k++) { /* the adapters' branches (LoRA: y[:, rows] += scaling drop(x) A^T B^T) */
+        const fl_linear_adapter *a = lin->adapters[k];
+        FL_TRY(a->ops->forward(a, be, y, lin->out, x, N, lin->row_base));
+    }
+    return FL_OK;
+}
+
+fl_status fl_linear_backward(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, const float *x,
+                             const fl_linear *lin, int N) {
+    return fl_linear_backward_ex(be, dx, dx_accumulate, dy, x, NULL, lin, N);
+}
+
+int fl_linear_plain16(const fl_linear *lin) {
+    return lin->n_q4 == 0 && lin->wc && lin->wct == FL_BF16 && !lin->b && lin->n_adapters == 0;
+}
+
+fl_status fl_linear_forward16(const fl_backend *be, void *y16, const void *x16, const fl_linear *lin, int N) {
+    if (!fl_linear_plain16(lin) || !x16)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "a bf16-output linear takes a bf16 input and weight, no bias or adapter");
+    return be->gemm(be, 0, 1, N, lin->out, lin->in, 1.0f, x16, FL_BF16, lin->in, lin->wc, FL_BF16, lin->in, 0.0f, y16,
+                    FL_BF16, lin->out);
+}
+
+fl_status fl_linear_backward_ex(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, const float *x,
+                                const void *x16, const fl_linear *lin, int N) {
+    return fl_linear_backward_dy16(be, dx, dx_accumulate, dy, 0, x, x16, lin, N);
+}
+
+int fl_linear_wants_dy16(const fl_linear *lin) { return lin->dw && lin->xb16; }
+
+fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, int dy16_ready,
+                                  const float *x, const void *x16, const fl_linear *lin, int N) {
+    const void *w = lin->wc ? lin->wc : (const void *)lin->w;
+    fl_dtype wt = lin->wc ? lin->wct : FL_F32;
+    /* bf16 compute with a trainable weight (lin->xb16 set only with a BF16 weight): dy rounded to bf16
+     * once, here (or by the op that made dy: dy16_ready); the dx GEMM reads that copy, the same operand its own
+     * rounding of an F32 dy gives */
+    const int dy16 = fl_linear_wants_dy16(lin);
+    if (dy16 && !dy16_ready) FL_TRY(be->convert(be, lin->dyb16, FL_BF16, dy, FL_F32, (size_t)N * lin->out));
+    if (dx && lin->n_q4) { /* dx (N,in) = sum over parts of dy[:, rows] @ deq(W_part) */
+        for (int k = 0, r0 = 0; k < lin->n_q4; r0 += lin->q4[k]->rows, k++)
+            FL_TRY(be->q4_matmul_backward(be, dx, dy + r0, lin->out, lin->q4[k], N,
+                                          (k > 0 || dx_accumulate) ? 1.0f : 0.0f));
+    } else if (dx) /* dx (N,in) = dy (N,out) @ W (out,in) */
+        FL_TRY(be->gemm(be, 0, 0, N, lin->in, lin->out, 1.0f, dy16 ? (const void *)lin->dyb16 : (const void *)dy,
+                        dy16 ? FL_BF16 : FL_F32, lin->out, w, wt, lin->in, dx_accumulate ? 1.0f : 0.0f, dx, FL_F32,
+                        lin->in));
+    if (dy16) { /* dW += bf16(dy)^T @ bf16(x), fp32 accumulation; bf16(x): the saved copy when there is one */
+        if (!x16) FL_TRY(be->convert(be, lin->xb16, FL_BF16, x, FL_F32, (size_t)N * lin->in));
+        FL_TRY(be->gemm(be, 1, 0, lin->out, lin->in, N, 1.0f, lin->dyb16, FL_BF16, lin->out, x16 ? x16 : lin->xb16,
+                        FL_BF16, lin->in, 1.0f, lin->dw, FL_F32, lin->in));
+    } else if (lin->dw) /* dW (out,in) += dy^T (out,N) @ x (N,in) */
+        FL_TRY(be->gemm(be, 1, 0, lin->out, lin->in, N, 1.0f, dy, FL_F32, lin->out, x, FL_F32, lin->in, 1.0f,
+                        lin->dw, FL_F32, lin->in));
+    if (lin->db) be->bias_backward(be, lin->db, dy, N, lin->out);
+    for (int k = 0; k < lin->n_adapters; k++) { /* after the base dx: each adapter's branch adds to it */
+        const fl_linear_adapter *a = lin->adapters[k];
+        FL_TRY(a->ops->backward(a, be, dx, dy, lin->out, x, N, lin->row_base));
+    }
+    return FL_OK;
+}
+
+/* ---- the decoders' and encoders' head (transformer.c's HEAD_LM) --------------------------------------- */
+
+/* HEAD_LM: logits (rows, V) = lnf @ head^T, chunked over rows, so at most (rows, V) logits exist; with targets the
+ * per-token losses, and in training the head's backward too (dlogits overwrite the logits chunk), leaving d(lnf)
+ * (N, C) in buf1 for the backward; an lm_head adapter gets its gradients here, chunk by chunk (the base head is
+ * frozen). */
+fl_status fl_lm_head_loss(fl_model *m, const int32_t *targets, int N, float grad_scale, float *logits_out) {
+    const fl_backend *be = m->be;
+    fl_acts *a = m->acts;
+    fl_dims d = fl_model_dims(&m->cfg);
+    const int R = m->sizes.logits_chunk_rows, train = grad_scale > 0;
+    const int32_t *tg = a->targets && targets ? a->targets : targets; /* device memory on a device backend */
+    fl_outer_params op;
+    fl_get_outer(m, &op);
+    fl_linear head = {.in = d.C, .out = d.V, .w = op.head, .dw = op.dhead};
+    fl_linear_set_weight(m, &head, op.head_idx);
+    fl_linear_set_dw_scratch(m, &head);
+    float *dlnf = a->buf1; // (N, C)
+    /* 16-bit storage: the head's gradient accumulates over the chunks in fp32, then is added once */
+    const int stage_head = train && targets && head.dw && m->store->g16;
+    if (stage_head) fl_store_stage_begin(m->store, (size_t)d.V * d.C);
+    /* A 16-bit head on a backend whose 16-bit GEMM widens (fl_act_opts.head_widen): widen the weight once here
+     * instead of in every chunk's GEMMs, then run fp32 GEMMs on the same values: a BF16 head's GEMM operands are
+     * rounded to bf16 first (its chunk's rows into head_x; the logits' gradient in place, which only this head's
+     * dx and dW read), as the bf16 GEMM rounds an F32 A. An F16 GEMM does not round its F32 A, so nothing else
+     * changes. Not with a LoRA adapter on lm_head (its branch reads the unrounded x and dy). */
+    fl_linear hw = head;
+    const int wide = a->head_w && head.wc && head.wct == a->head_dt && head.n_q4 == 0 && !fl_model_head_adapted(m);
+    const int round_bf16 = wide && a->head_dt == FL_BF16;
+    if (wide) {
+        FL_TRY(be->convert(be, a->head_w, FL_F32, head.wc, head.wct, (size_t)d.V * d.C)); // (V, C)
+        hw.wc = a->head_w;
+        hw.wct = FL_F32;
+        hw.xb16 = hw.dyb16 = NULL; /* dW += dy^T x in fp32 on the rounded operands */
+    }
+    for (int r0 = 0; r0 < N; r0 += R) {
+        int rows = N - r0 < R ? N - r0 : R;
+        const float *xr = a->lnf + (size_t)r0 * d.C;
+        if (round_bf16) { /* x (rows, C) -> bf16 -> fp32 */
+            FL_TRY(be->convert(be, a->head_t16, FL_BF16, xr, FL_F32, (size_t)rows * d.C));
+            FL_TRY(be->convert(be, a->head_x, FL_F32, a->head_t16, FL_BF16, (size_t)rows * d.C));
+            xr = a->head_x;
+        }
+        fl_model_bind_adapters(m, -1, 0, &head, r0); /* head adapters: this chunk, the batch's dropout mask */
+        FL_TRY(fl_linear_forward(be, a->logits, xr, wide ? &hw : &head, rows)); // (rows, V)
+        if (logits_out) FL_TRY(fl_head_logits_out(m, logits_out + (size_t)r0 * m->cfg.vocab_size, a->logits, rows));
+        if (!targets) continue;
+        FL_TRY(fl_head_cross_entropy(m, a->losses + r0, train ? a->logits : NULL, a->logits, tg + r0, targets + r0,
+                                     rows, grad_scale)); /* tensor parallel: over the group's vocabulary slices */
+        if (!train) continue;
+        if (round_bf16) { /* dlogits (rows, V) -> bf16 -> fp32, in place */
+            FL_TRY(be->convert(be, a->head_t16, FL_BF16, a->logits, FL_F32, (size_t)rows * d.V));
+            FL_TRY(be->convert(be, a->logits, FL_F32, a->head_t16, FL_BF16, (size_t)rows * d.V));
+        }
+        FL_TRY(fl_linear_backward(be, dlnf + (size_t)r0 * d.C, 0, a->logits, xr, wide ? &hw : &head, rows));
+    }
+    if (train && targets) FL_TRY(fl_tp_head_dx_sum(m, dlnf, N)); /* a vocabulary slice's part of d(lnf) */
+    if (stage_head) FL_TRY(fl_store_stage_flush(m->store, op.head_off, (size_t)d.V * d.C));
+    return FL_OK;
+}
+
+/* The per-token losses come to the host in slices (a device's arena is not host memory), on a device in one copy
+ * per micro-batch (each copy waits for the device: issue 30 item 5): m->loss_sum, n_valid. */
+fl_status fl_lm_sum_losses(fl_model *m, const int32_t *targets, int N) {
+    const fl_backend *be = m->be;
+    const int V = m->cfg.vocab_size;
+    float lstack[1024], *lheap = NULL, *lbuf = lstack;
+    int slice = 1024;
+    if (N > slice && !fl_backend_host_memory(be) && (lheap = malloc((size_t)N * sizeof *lheap))) {
+        lbuf = lheap;
+        slice = N;
+    }
+    fl_status s = FL_OK;
+    for (int i0 = 0; s == FL_OK && i0 < N; i0 += slice) {
+        int n = N - i0 < slice ? N - i0 : slice;
+        s = be->to_host(be, lbuf, m->acts->losses + i0, (size_t)n * sizeof(float));
+        for (int i = i0; s == FL_OK && i < i0 + n; i++)
+            if (targets[i] != FL_IGNORE_INDEX) {
+                if (targets[i] < 0 || targets[i] >= V)
+                    s = fl_errorf(FL_ERR_INVALID, "target id %d at position %d is outside the vocabulary [0, %d)",
+                                  targets[i], i, V);
+                else {
+                    m->loss_sum += lbuf[i - i0];
+                    m->n_valid++;
+                }
+            }
+    }
+    free(lheap);
+    return s;
+}
+
+/* ---- the chunked LM head and cross-entropy over a stack's final norm output, shared by the interpreters of
+ * several stacks (seq2seq.c, blip2_pass.c): at most `chunk` rows of (rows, V) logits exist at once; in training
+ * the head's backward runs chunk by chunk too (the logits' gradient overwrites them), leaving d(the head's
+ * input) in dx. */
+
+fl_status fl_head_loss(fl_model *m, const fl_head_bufs *h, const int32_t *targets, int N, float grad_scale,
+                       float *logits_out, double *loss_sum, long *n_valid) {
+    const fl_backend *be = m->be;
+    const int C = m->cfg.dim, V = m->cfg.vocab_size, train = grad_scale > 0 && targets;
+    fl_outer_params op;
+    fl_get_outer(m, &op);
+    fl_linear head = {.in = C, .out = V, .w = op.head, .dw = op.dhead};
+    fl_linear_set_weight(m, &head, op.head_idx);
+    const int32_t *tg = targets;
+    if (targets && h->dtargets) {
+        FL_TRY(be->to_device(be, h->dtargets, targets, (size_t)N * sizeof *targets));
+        tg = h->dtargets;
+    }
+    for (int r0 = 0; r0 < N; r0 += h->chunk) {
+        const int rows = N - r0 < h->chunk ? N - r0 : h->chunk;
+        const float *xr = h->x + (size_t)r0 * C;
+        fl_model_bind_adapters(m, -1, 0, &head, r0); /* head adapters: this chunk */
+        FL_TRY(fl_linear_forward(be, h->logits, xr, &head, rows)); // (rows, V)
+        if (logits_out) FL_TRY(be->to_host(be, logits_out + (size_t)r0 * V, h->logits, (size_t)rows * V * sizeof(float)));
+        if (!targets) continue;
+        be->cross_entropy(be, h->losses + r0, train ? h->logits : NULL, h->logits, tg + r0, rows, V, grad_scale,
+                          FL_IGNORE_INDEX);
+        if (train) FL_TRY(fl_linear_backward(be, h->dx + (size_t)r0 * C, 0, h->logits, xr, &head, rows));
+    }
+    if (!targets) return FL_OK;
+    float *l = malloc((size_t)N * sizeof *l);
+    if (!l) return fl_errorf(FL_ERR_OOM, "losses: out of host memory");
+    fl_status s = be->to_host(be, l, h->losses, (size_t)N * sizeof *l);
+    for (int i = 0; s == FL_OK && i < N; i++)
+        if (targets[i] != FL_IGNORE_INDEX) {
+            *loss_sum += l[i];
+            (*n_valid)++;
+        }
+    free(l);
+    return s;
+}
