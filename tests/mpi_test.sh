@@ -542,6 +542,7 @@ for grid in "2 2 1f1b" "4 4 gpipe" "4 2 1f1b"; do
     w=$(loss_rel "$T/pp$1-$2-$3" "$T/tp-one" 2>/dev/null)
     if [ $rc -eq 0 ] && [ "$(grep -c "Saved the final model" "$T/out")" = 1 ] \
         && grep -q "^pipeline parallel (EXPERIMENTAL): $2 stages x $(($1 / $2)) pipeline" "$T/out" \
+        && grep -q "^model: micro, 260032 parameters" "$T/out" \
         && [ "$(ls "$T/pp$1-$2-$3/final")" = "$(ls "$T/tp-one/final")" ] \
         && [ "$(stat -c %s "$T/pp$1-$2-$3/final/model.safetensors")" = "$(stat -c %s "$T/tp-one/final/model.safetensors")" ] \
         && awk -v w="$w" 'BEGIN { exit !(w <= 1e-6) }'; then

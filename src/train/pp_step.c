@@ -8,6 +8,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "fitllm/pp.h"
 #include "dp.h"
@@ -222,10 +223,27 @@ static fl_status schedule(run *r, const fl_pp_op *ops, int n_ops) {
     return FL_OK;
 }
 
+static double now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+}
+
 fl_status fl_pp_step_run(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, fl_step_result *res) {
     fl_step_result rs = {0};
     const int M = c->n_micro;
+    const double t0 = now_ms();
     c->failed_k = -1;
+    if (c->step_valid <= 0 && c->skip_empty) { /* every target masked (the count is the step's over every rank): no
+                                                * forward and no update on any stage, as fl_step_run */
+        for (int k = 0; k < M; k++) {
+            if (c->mb_stats) c->mb_stats[2 * k] = c->mb_stats[2 * k + 1] = 0;
+            if (c->mb_ms) c->mb_ms[k] = 0;
+        }
+        rs.loss = NAN;
+        if (res) *res = rs;
+        return FL_OK;
+    }
     if (M < 1 || M > 64)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel: %d micro-batches per step (gradient accumulation "
                          "steps): 1 to 64", M);
@@ -272,6 +290,9 @@ fl_status fl_pp_step_run(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
     free(ops);
     free(stats);
     if (s != FL_OK) return s;
+    /* the stages interleave the micro-batches: each is given an equal share of the step's time */
+    rs.ms_total = now_ms() - t0;
+    for (int k = 0; c->mb_ms && k < M; k++) c->mb_ms[k] = rs.ms_total / M;
     rs.loss = loss_sum / (double)c->step_valid;
     rs.n_valid = c->step_valid;
     rs.grad_norm = norm;
