@@ -322,8 +322,9 @@ FL_TEST(poff_sharded_sample_ranks_must_agree) {
                       "agreeing ranks: %s (%s), sample printed %d", fl_status_name(s), fl_error_message(),
                       strstr(text, "Recommend a movie") != NULL);
         } else {
-            /* (a rank still inside the last gather when the other ends may see the broken group instead) */
-            FL_CHECKF(s == FL_ERR_INTERNAL && j->st[0] != FL_OK && j->st[1] != FL_OK &&
+            /* (a rank still inside the last gather when the other ends sees the broken group instead: the run's
+             * status is then the comm's IO error, whose message carries the aborting rank's reason) */
+            FL_CHECKF((s == FL_ERR_INTERNAL || s == FL_ERR_IO) && j->st[0] != FL_OK && j->st[1] != FL_OK &&
                           strstr(fl_error_message(), "sharded generation (the evaluation sample after step 2): rank 1 picked"),
                       "ranks sampling apart: %s / %s (%s)", fl_status_name(j->st[0]), fl_status_name(j->st[1]),
                       fl_error_message());
