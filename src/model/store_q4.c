@@ -27,12 +27,13 @@ size_t fl_store_q4_plan(const fl_param_layout *lay, const fl_model_storage *st, 
 
 fl_status fl_store_q4_bind(fl_param_store *s) {
     fl_status st = FL_OK;
-    for (int i = 0, off = 0; st == FL_OK && s->q4 && i < s->lay->n; i++) {
+    size_t off = 0; /* bytes: a 7B model's 4-bit store passes 2 GiB */
+    for (int i = 0; st == FL_OK && s->q4 && i < s->lay->n; i++) {
         const fl_param_info *p = &s->lay->params[i];
         if (s->soff[i] != (size_t)-1) continue;
         st = fl_q4_bind(&s->q4[i], (int)p->shape[0], (int)p->shape[1], (fl_q4_type)s->storage.q4_type,
                         s->storage.q4_double_quant, (char *)s->q4_mem + off);
-        off += (int)fl_q4_bytes(p->numel, s->storage.q4_double_quant);
+        off += fl_q4_bytes(p->numel, s->storage.q4_double_quant);
     }
     return st;
 }
