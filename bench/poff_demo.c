@@ -4,7 +4,11 @@
  * process caused (/proc/self/io read_bytes / write_bytes), then the peak RSS (getrusage) and the tiers' bytes.
  * The step hook stops the run after the last step, so no checkpoint is written (as the lab does).
  * Usage: poff_demo CONFIG_JSON NVME_DIR [STEPS=2] [T=16] [OUT_DIR=/tmp/poff-demo-out] [OVERLAP=true]
- * (OVERLAP: --offload_overlap, the fetch worker thread; false: the copies on the model's thread). */
+ *                  [UPDATE_OVERLAP=true] [MAX_NORM=1.0] [TIER=nvme]
+ * (OVERLAP: --offload_overlap, the fetch worker thread; false: the copies on the model's thread. UPDATE_OVERLAP:
+ * --offload_update_overlap, each unit's update on that worker beside the backward, which needs MAX_NORM 0 (no
+ * clipping; pretrain's default clips at 1.0). TIER nvme: everything in files under NVME_DIR
+ * (deepspeed_stage_3_offload_nvme); cpu: the parameters and the state in host memory (fsdp_cpu_offload).) */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -61,7 +65,8 @@ static int hook(void *ud, long step, double loss, const void *params, size_t byt
 
 int main(int argc, char **argv) {
     if (argc < 3) {
-        fprintf(stderr, "usage: %s CONFIG_JSON NVME_DIR [STEPS] [T] [OUT_DIR] [OVERLAP true|false]\n", argv[0]);
+        fprintf(stderr, "usage: %s CONFIG_JSON NVME_DIR [STEPS] [T] [OUT_DIR] [OVERLAP true|false] [UPDATE_OVERLAP "
+                "true|false] [MAX_NORM] [TIER nvme|cpu]\n", argv[0]);
         return 2;
     }
     demo d = {.steps = argc > 3 ? atol(argv[3]) : 2};
@@ -75,13 +80,20 @@ int main(int argc, char **argv) {
                            {"train.global_batch_size", "1"}, {"train.max_seq_length", seq}, {"train.max_steps", "1000"},
                            {"eval.interval", "100000"}, {"eval.initial_validation", "false"},
                            {"eval.final_validation", "false"}, {"eval.max_new_tokens", "0"},
-                           {"strategy", "deepspeed_stage_3_offload_nvme"}, {"nvme_path", argv[2]}, {"out_dir", out},
-                           {"overwrite", "true"}, {"offload_overlap", argc > 6 ? argv[6] : "true"}};
+                           {"out_dir", out}, {"overwrite", "true"}, {"offload_overlap", argc > 6 ? argv[6] : "true"},
+                           {"offload_update_overlap", argc > 7 ? argv[7] : "true"},
+                           {"train.max_norm", argc > 8 ? argv[8] : "1.0"}};
+    const int nvme = argc <= 9 || strcmp(argv[9], "cpu") != 0;
     for (size_t i = 0; i < sizeof kv / sizeof kv[0]; i++)
         if (fl_cfg_set(&c, kv[i][0], kv[i][1]) != FL_OK) {
             fprintf(stderr, "%s: %s\n", kv[i][0], fl_error_message());
             return 2;
         }
+    if (fl_cfg_set(&c, "strategy", nvme ? "deepspeed_stage_3_offload_nvme" : "fsdp_cpu_offload") != FL_OK ||
+        (nvme && fl_cfg_set(&c, "nvme_path", argv[2]) != FL_OK)) {
+        fprintf(stderr, "strategy: %s\n", fl_error_message());
+        return 2;
+    }
     d.t0 = d.last = now();
     io_bytes(&d.r0, &d.w0);
     fl_trainer_result res;

@@ -219,6 +219,19 @@ expect blip2_finetune_vision_too 0 "trains vision qformer lm" -- "$FITLLM" finet
 expect blip2_finetune_memory_by_part 0 "memory by part \(MiB\): vision PARAMS 0\.0[0-9]+ GRADS 0\.000 OPTIM 0\.000; qformer PARAMS [0-9.]+ GRADS 0\.0[1-9][0-9]* OPTIM" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps 1 --out_dir "$T/b2mem"
 expect blip2_finetune_bad_part 2 "blip2.train: unknown part 'text'" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --blip2.train text --out_dir "$T/b2x"
 expect blip2_finetune_precision 2 "--precision bf16-true: BLIP-2 fine-tuning runs 32-true and bf16-mixed only" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --precision bf16-true --out_dir "$T/b2x"
+# what the loop does not do is refused by name, exit 2, no folder written
+for v in "--train.activation_checkpointing true|--train.activation_checkpointing true: BLIP-2 fine-tuning keeps every activation" \
+         "--train.max_time 60|--train.max_time: BLIP-2 fine-tuning stops at train.max_steps" \
+         "--train.max_tokens 1000|--train.max_tokens: BLIP-2 fine-tuning stops at train.max_steps" \
+         "--train.lr_warmup_fraction 0.1|--train.lr_warmup_fraction: BLIP-2 fine-tuning warms up over" \
+         "--eval.initial_validation true|--eval.initial_validation true: BLIP-2 fine-tuning validates every" \
+         "--optimizer bnb.optim.AdamW8bit|--optimizer AdamW8bit: BLIP-2 runs AdamW or SGD so far" \
+         "--strategy deepspeed_stage_2_offload|--strategy deepspeed_stage_2_offload: BLIP-2 fine-tuning runs one process or DDP"; do
+    read -r -a opt <<<"${v%%|*}"
+    expect "blip2_finetune_refuses_${opt[0]#--}" 2 "${v#*|}" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" "${opt[@]}" --out_dir "$T/b2ref"
+done
+expect blip2_finetune_refuses_qlora 2 "--quantize bnb.nf4: QLoRA on BLIP-2 is not built yet" -- "$FITLLM" finetune_lora "$B2" "${B2RUN[@]}" --quantize bnb.nf4 --out_dir "$T/b2ref"
+expect blip2_refused_runs_write_nothing 1 "" -- test -e "$T/b2ref"
 expect blip2_finetune_precision_16mixed 2 "--precision 16-mixed: BLIP-2 fine-tuning runs 32-true and bf16-mixed only" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --precision 16-mixed --out_dir "$T/b2x"
 # bf16-mixed (tests/test_blip2_prec.c: within 2 x PyTorch autocast's bf16 error of the float64 run): the loss falls as
 # under 32-true (step 8 below step 1 by > 0.5 nats), both variants
@@ -268,6 +281,15 @@ for m in "$B2" tests/fixtures/blip2-tiny-t5; do
         expect "blip2_plan_equals_measured_${m##*-}_$v" 0 "" -- bash -c '[ "$(grep -c . <<<"$1")" = 11 ] && [ "$1" = "$2" ] || { echo "planned:"; echo "$1"; echo "measured:"; echo "$2"; exit 1; }' _ "$planned" "$measured"
     done
 done
+# ACTS by part (the first step's arena: each part's residual stream, saved slots and norms, the adapters' share): the
+# four add up to the after_fwd row's ACTS (KiB; the parts printed in MiB to 3 decimals)
+b2out=$("$FITLLM" finetune_lora "$B2" "${B2RUN[@]}" --train.max_steps 1 --lora_r 4 --out_dir "$T/b2ap" 2>&1)
+expect blip2_acts_by_part_sum 0 "" -- bash -c 'a=$(sed -n "s/^activations by part.*: vision ACTS \([0-9.]*\); qformer ACTS \([0-9.]*\); lm ACTS \([0-9.]*\); LoRA adapters ACTS \([0-9.]*\)$/\1 \2 \3 \4/p" <<<"$1"); t=$(awk "/^after_fwd/ && \$10 == \"KiB\" { print \$9 }" <<<"$1"); awk -v a="$a" -v t="$t" "BEGIN { n = split(a, v, \" \"); s = 0; for (i = 1; i <= n; i++) s += v[i] * 1024; d = s - t; exit !(n == 4 && v[1] > 0 && v[4] > 0 && d < 2.1 && d > -2.1) }"' _ "$b2out"
+# train.memory_snapshot_interval N: the course's per-phase memory lines (allocated, the peak so far, per tag) at the
+# four phases of steps 1, 2 and every N-th (8 steps, N 3: steps 1, 2, 3, 6 = 16 lines); off by default
+b2out=$("$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps 6 --train.memory_snapshot_interval 3 --out_dir "$T/b2ms" 2>&1)
+expect blip2_memory_snapshot_interval 0 "" -- bash -c '[ "$(grep -cE "^memory step [1236] (before_fwd|after_fwd|after_bwd|after_opt_step) +allocated [0-9.]+ KiB, peak [0-9.]+ KiB: PARAMS" <<<"$1")" = 16 ] && [ "$(grep -c "^memory step" <<<"$1")" = 16 ]' _ "$b2out"
+expect blip2_memory_snapshot_off 1 "" -- grep -q "^memory step" <<<"$("$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps 2 --out_dir "$T/b2ms2" 2>&1)"
 # step checkpoints and resume (train.save_interval, --resume PATH|true|auto): out_dir/step-N is an HF BLIP-2 folder
 # (under LoRA the PEFT adapter) + training_state.safetensors + COMMITTED; a run resumed from step 3 gives steps 4-6
 # and the final weights of the uninterrupted run bit for bit (OPT and T5 x full AdamW with clipping, LoRA with
@@ -312,7 +334,9 @@ expect blip2_plan_seq_len 0 "captions of 7 tokens" -- "$FITLLM" plan "$B2" --seq
 # bench-step times fine-tuning steps on random pixels and captions (the folder's weights, or a preset's random ones)
 expect blip2_bench_step 0 "^RESULT impl=fitllm shape=.*blip2-tiny-opt median_ms=[0-9.]+ tok_s=[0-9.]+ images_s=" -- "$FITLLM" bench-step "$B2" --micro-batch 2 --seq 6 --steps 2 --warmup 1
 expect blip2_bench_step_t5_lora 0 "trains lm \(LoRA\)" -- "$FITLLM" bench-step tests/fixtures/blip2-tiny-t5 --micro-batch 2 --seq 6 --steps 1 --warmup 0 --lora 4
-expect blip2_bench_step_refuses_act_ckpt 2 "--act-ckpt: BLIP-2 steps run 32-true without activation checkpointing" -- "$FITLLM" bench-step blip2-micro --act-ckpt
+expect blip2_bench_step_refuses_act_ckpt 2 "--act-ckpt: BLIP-2 steps run 32-true or bf16-mixed without activation checkpointing" -- "$FITLLM" bench-step blip2-micro --act-ckpt
+expect blip2_bench_step_refuses_bf16_true 2 "--precision: BLIP-2 steps run 32-true or bf16-mixed" -- "$FITLLM" bench-step blip2-micro --precision bf16-true
+expect blip2_bench_step_bf16_mixed 0 "bf16-mixed, AdamW" -- "$FITLLM" bench-step blip2-micro --micro-batch 1 --seq 4 --steps 1 --warmup 0 --precision bf16-mixed
 # T5 folders (issue 31): tokenizer.json (Unigram) and a folder with only spiece.model give HF's ids
 expect tokenize_t5_folder 0 "^63 46 9 153 123 499 1$" -- "$FITLLM" tokenize tests/fixtures/t5-tok --text "Hello  world <extra_id_0>"
 mkdir -p "$T/t5spm" && cp tests/fixtures/t5-tok/spiece.model "$T/t5spm/"
@@ -418,6 +442,9 @@ expect t5_finetune_val_final 0 "^Final evaluation \| val loss: [0-9.]+ \| val pp
 # (--target-len, else data.max_target_length), planned = measured per tag (tests/test_plan.c plan_equals_runtime_t5);
 # a shorter source is suggested when it does not fit; bench-step times a T5 step with a source of --source-seq
 expect plan_t5_lengths 0 "source 8, target 4, precision 32-true" -- "$FITLLM" plan "$T/t5m" --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json --data.max_source_length 8 --data.max_target_length 4
+# train.max_seq_length (LitGPT's sample limit) caps the source in training and in the plan alike
+expect t5_finetune_max_seq_length_caps_source 0 "\(8 sources, 0 targets truncated\); longest source 8, target 15 tokens" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5msl" --train.max_steps 1 --train.max_seq_length 8
+expect plan_t5_max_seq_length_caps_source 0 "source 8 tokens \(train.max_seq_length\), target 4" -- "$FITLLM" plan "$T/t5m" --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json --train.max_seq_length 8 --data.max_target_length 4
 expect plan_t5_len_options 0 "global batch 16, source 64, target 16," -- "$FITLLM" plan t5-small --seq-len 64 --target-len 16
 expect plan_t5_needs_source 2 "an encoder-decoder \(t5-small\) needs a source length: give --seq-len or --data.max_source_length" -- "$FITLLM" plan t5-small --data.max_source_length 0
 expect plan_t5_suggests_source 3 "max_seq_length +fits: --data.max_source_length 881 " -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB
@@ -578,6 +605,15 @@ expect tp_plan_zero3_refused 2 "--tensor_parallel 2 with --strategy deepspeed_st
 # slice) + 5 x (2 x 64 norms + q 32 x 64 + k, v 16 x 64 + o 64 x 32 + gate, up 86 x 64 + down 64 x 86) + 64 =
 # 130368 floats = 509.25 KiB (573.25 KiB with the embeddings whole)
 expect tp_plan_slice 0 "^after_load +reserved +509\.25 KiB" -- "$FITLLM" plan micro --devices 4 --tensor_parallel 2 --strategy ddp
+# --pipeline_parallel (EXPERIMENTAL; the runs: tests/mpi_test.sh, tests/test_pp_train.c): a grid it does not divide, an
+# unknown schedule, the plan of one stage, the help's label
+expect pp_not_dividing_devices 2 "--pipeline_parallel 2 does not divide devices x num_nodes = 1 ranks" -- \
+    "$FITLLM" finetune_full micro --pipeline_parallel 2 --out_dir "$T/pp1"
+expect pp_unknown_schedule 2 "--pipeline_schedule 'interleaved': expected gpipe or 1f1b" -- \
+    "$FITLLM" finetune_full micro --devices 2 --pipeline_parallel 2 --pipeline_schedule interleaved --out_dir "$T/pp2"
+expect pp_plan_stage 0 "pipeline parallel 2 \(EXPERIMENTAL, schedule 1f1b\): rank 1 is stage 1" -- \
+    "$FITLLM" plan micro --devices 2 --pipeline_parallel 2 --rank 1
+expect pp_help_experimental 0 "pipeline_parallel.*EXPERIMENTAL" -- "$FITLLM" finetune_full --help
 # --bucket_size: ZeRO-2 offload of a 7B model at micro 4 over 4 MPI ranks planned a 19.99 GiB WORKSPACE peak (the
 # whole buffer's reduce-scatter scratch, 3/4 of 25.1 GiB of gradients); in buckets of 256 MiB (the default) 1.57 GiB
 expect plan_bucket_bounds_zero2_workspace 0 "^peak +reserved +25\.10 GiB +25\.10 GiB +0 B +64\.84 GiB +1\.57 GiB" -- \
@@ -679,6 +715,17 @@ for _ in $(seq 300); do [ -e "$T/s2x/step-000002/COMMITTED" ] && break; sleep 0.
 sleep 0.5; kill -TERM $BG
 wait_for "$T/sigterm_twice.err" "SIGTERM: stopping after this step"; kill -TERM $BG
 stopped sigterm_twice 143 "stopped at once by SIGTERM; the last committed checkpoint is '.*/step-0+[1-9]'"
+# BLIP-2 fine-tuning under a stop signal (its own loop, the trainer's handler): after the step, that step's checkpoint
+# committed (train.save_on_signal), exit 143, no final/; --resume auto goes on from it; save_on_signal false: none
+start_run blip2_sigterm "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps 100000 --train.save_interval 1000000 --out_dir "$T/b2sig"
+wait_for "$T/blip2_sigterm.log" "^step 3/100000 " && kill -TERM $BG
+stopped blip2_sigterm 143 "stopped by SIGTERM after step [0-9]+; the last checkpoint is '.*/b2sig/step-0+[1-9][0-9]*': to continue, run the same command with --resume auto"
+b2s=$(ls -d "$T/b2sig"/step-* 2>/dev/null | head -1); b2s=$((10#${b2s##*step-}))
+expect blip2_sigterm_no_final 1 "" -- test -e "$T/b2sig/final"
+expect blip2_sigterm_resumes 0 "^step $((b2s + 2))/$((b2s + 2)) loss" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps $((b2s + 2)) --train.save_interval 1000000 --resume auto --out_dir "$T/b2sig"
+start_run blip2_sigterm_no_save "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --train.max_steps 100000 --train.save_interval 1000000 --train.save_on_signal false --out_dir "$T/b2sns"
+wait_for "$T/blip2_sigterm_no_save.log" "^step 3/100000 " && kill -TERM $BG
+stopped blip2_sigterm_no_save 143 "stopped by SIGTERM after step [0-9]+, before any checkpoint was committed \(train.save_interval 1000000, train.save_on_signal false\)"
 # --devices 2: the launcher stays, forwards the stop to the ranks and exits as one process would
 if "$FITLLM" --version | grep -q "comm: *MPI (Open MPI" && command -v mpirun >/dev/null; then
     MPIENV=("${NOLAUNCH[@]}" OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1)
@@ -855,6 +902,16 @@ expect lab_course_report 0 "" -- bash -c "grep -q '^## The course.s runs beside 
 expect lab_peer_pytorch 0 "reduced-batch +29.59 +14.82 +1.57 \| +28.71 +0.970 \| +30.41 +0.973" -- "$FITLLM" lab --only baseline --peer pytorch --out_dir "$T/lab-peer"
 expect lab_peer_pytorch_files 0 "" -- bash -c "grep -q '^### PyTorch beside fitllm' '$T/lab-peer/report.md' && grep -q '\"pytorch\": {\"params\"' '$T/lab-peer/results.json'"
 expect lab_peer_bad 2 "--peer: 'tensorflow' is not pytorch" -- "$FITLLM" lab --peer tensorflow
+# --peer pytorch for the lab's own rows at the real scale: QLoRA (PEFT + bitsandbytes NF4, measured categories;
+# modelled: the peak, the dequantized weight, CUDA's dropout mask) on open-llama-7b at T 1024; at --scale real the
+# 4-rank rows (n/a on one device) still get PyTorch's per-rank figure (DDP's buckets modelled)
+expect lab_peer_rows 0 "qlora +open-llama-7b +1024 +14.39 fits +\| +[0-9.]+ fits +[0-9.]+ .*measured: 32-true, adamw, QLoRA NF4 r16; modelled: the peak, the dequantized weight, CUDA's dropout mask" -- bash -c "'$FITLLM' lab --only qlora --steps 1 --peer pytorch --out_dir '$T/lab-peer-rows' | tr '\n' ' '"
+expect lab_peer_rows_files 0 "" -- bash -c "grep -q '^### PyTorch would need' '$T/lab-peer-rows/report.md' && grep -q '\"pytorch_basis\": \"measured: 32-true, adamw, QLoRA NF4 r16' '$T/lab-peer-rows/results.json'"
+expect lab_peer_rows_real 0 "ddp +tinyllama-1.1b +[0-9]+ +[0-9.]+ fits .*modelled: the peak, DDP's gradient buckets" -- bash -c "'$FITLLM' lab --scale real --only ddp --peer pytorch --out_dir '$T/lab-peer-real' | tr '\n' ' '"
+# --plan-only: no row trains, the real scale's verdicts are the plans' (seconds); where the plan differs from the
+# course's table the row says why (the baseline fits: PyTorch's fp32 logits, its modelled peak at T 511)
+expect lab_plan_only 0 "--plan-only: no row +trained.* baseline \(the course's run\): fitllm fits where the course ran out of memory: .* at T 511" -- bash -c "'$FITLLM' lab --scale real --plan-only --only baseline,reduced-batch --out_dir '$T/lab-plan-only' | tr '\n' ' '"
+expect lab_plan_only_json 0 "" -- bash -c "grep -q '\"course_why\": \"fitllm is leaner than the course' '$T/lab-plan-only/results.json' && grep -q '\"course_gb\": 30.41' '$T/lab-plan-only/results.json'"
 expect lab_run_oom 0 "baseline +OOM .*ACTS 312.64 MiB requested, 232.75 MiB available$" -- "$FITLLM" lab --only baseline --run-oom --out_dir "$T/lab-oom2"
 # --scale real (an 80 GB GPU's run; here only what needs no memory): a bad scale, the fsdp suite refused,
 # the 4-rank rows n/a naming the launch they need, the report saying which scale it is

@@ -5,7 +5,7 @@
 #   - against one process (two micro-batches accumulated): rank 0 runs global micro-batch 0 and rank 1 micro-batch 1,
 #     their gradients and losses summed by the all-reduce, so each step's loss equals one process's within fp32
 #     reduction noise (1e-6 relative: 8 fp32 roundings; printed to 6 decimals), full fine-tuning and LoRA, both
-#     variants; rank 0 alone prints and writes;
+#     variants, and bf16-mixed; rank 0 alone prints and writes;
 #   - started without a launcher (--devices 2: fitllm runs mpirun itself): the explicit run's losses;
 #   - DDP's step checkpoint resumes in one process (its weights are one process's: the same training state);
 #   - rank 0's memory report = `plan --devices 2` (every phase, reserved and live per tag);
@@ -41,8 +41,9 @@ same() { paste -d' ' <(printf '%s\n' "$1") <(printf '%s\n' "$2") |
          awk 'NF != 2 { bad = 1 } { d = $1 - $2; if (d < 0) d = -d; if (d > 1e-6 * $1 + 5e-7) bad = 1; n++ } END { exit bad || n != 6 }'; }
 
 for m in opt t5; do
-    for v in full lora; do
+    for v in full lora mixed; do
         c=finetune_full; x=(); [ $v = lora ] && c=finetune_lora && x=(--lora_r 4)
+        [ $v = mixed ] && x=(--precision bf16-mixed)
         M=tests/fixtures/blip2-tiny-$m
         timeout 300 "$FL" $c "$M" "${RUN[@]}" "${x[@]}" --out_dir "$T/one-$m-$v" >"$T/one" 2>&1 || { cp "$T/one" "$T/out"; bad "blip2_one_${m}_$v" "exit $?"; continue; }
         cp "$T/one" "$T/one-$m-$v.log"
@@ -85,6 +86,10 @@ done
 timeout 120 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --devices 2 --train.global_batch_size 6 --out_dir "$T/x" >"$T/out" 2>&1; rc=$?
 if [ $rc -eq 2 ] && grep -q "train.global_batch_size 6 is not divisible by devices x micro_batch_size = 2 x 2" "$T/out"; then
     ok "blip2_ddp_refuses_uneven_split"; else bad "blip2_ddp_refuses_uneven_split" "exit $rc"; fi
+# a set-up error every rank hits (an unknown part): the ranks agree, every one returns, rank 0 says it once, exit 2
+timeout 120 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --devices 2 --blip2.train text --out_dir "$T/x" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 2 ] && [ "$(grep -c "blip2.train: unknown part 'text'" "$T/out")" = 1 ]; then
+    ok "blip2_ddp_setup_error_said_once"; else bad "blip2_ddp_setup_error_said_once" "exit $rc"; fi
 # a corrupt image read by one rank: the job ends, non-zero, within the timeout, naming the file
 mkdir -p "$T/bad" && cp "$IMG/one_1x1.png" "$IMG/rgb_13x7.png" "$T/bad/" && printf '3 4 5\n' > "$T/bad/one_1x1.txt"
 head -c 300 "$IMG/rgb420_97x61.jpg" > "$T/bad/zz.jpg"; printf '5 6 7\n' > "$T/bad/zz.txt"; printf '7 8 9\n' > "$T/bad/rgb_13x7.txt"

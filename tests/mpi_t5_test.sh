@@ -115,6 +115,19 @@ for st in fsdp_cpu_offload deepspeed_stage_3_offload_nvme; do
         --out_dir "$T/a1-$st" >"$T/out" 2>&1 || { fsame=0; echo "     $st: exit $?"; tail -3 "$T/out"; }
     cmp -s "$T/a1-32-true-deepspeed_stage_2/final/model.safetensors" "$T/a1-$st/final/model.safetensors" || { fsame=0; echo "     $st differs"; }
 done
+# HYBRID_SHARD as 2 nodes x 1 rank (DDP's order: ZeRO-2's bits); sharded checkpoints saved by FULL_SHARD and resumed
+hsame=1
+timeout 300 mpirun -np 2 "$FL" finetune_full "${T5M[@]}" "${A1[@]}" --devices 1 --num_nodes 2 --strategy fsdp \
+    --fsdp.sharding_strategy HYBRID_SHARD --out_dir "$T/a1-hybrid" >"$T/out" 2>&1 || { hsame=0; echo "     hybrid: exit $?"; tail -3 "$T/out"; }
+cmp -s "$T/a1-32-true-deepspeed_stage_2/final/model.safetensors" "$T/a1-hybrid/final/model.safetensors" || { hsame=0; echo "     hybrid differs"; }
+timeout 300 mpirun -np 2 "$FL" finetune_full "${T5M[@]}" "${A1[@]}" --devices 2 --strategy fsdp --fsdp.state_dict_type sharded \
+    --out_dir "$T/a1-sh" >"$T/out" 2>&1 || { hsame=0; echo "     sharded save: exit $?"; tail -3 "$T/out"; }
+[ -f "$T/a1-sh/step-000003/shard-00001-of-00002.safetensors" ] || { hsame=0; echo "     no sharded checkpoint"; }
+timeout 300 mpirun -np 2 "$FL" finetune_full "${T5M[@]}" "${A1[@]}" --devices 2 --strategy fsdp --resume "$T/a1-sh/step-000003" \
+    --out_dir "$T/a1-shr" >"$T/out" 2>&1 || { hsame=0; echo "     sharded resume: exit $?"; tail -3 "$T/out"; }
+cmp -s "$T/a1-32-true-fsdp/final/model.safetensors" "$T/a1-shr/final/model.safetensors" || { hsame=0; echo "     sharded resume differs"; }
+if [ $hsame = 1 ]; then ok "t5_fsdp_hybrid_and_sharded_ckpt (HYBRID 2 x 1 = ZeRO-2's bits; a sharded step-3 checkpoint resumed = the uninterrupted run's bits)"
+else bad "t5_fsdp_hybrid_and_sharded_ckpt" "see above"; fi
 A3=(--train.global_batch_size 3 --train.max_steps 4)
 for st in deepspeed_stage_2 fsdp; do
     timeout 300 mpirun -np 3 "$FL" finetune_full "${T5M[@]}" "${A3[@]}" --devices 3 --strategy $st --out_dir "$T/a3-$st" >"$T/out" 2>&1 \

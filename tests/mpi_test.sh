@@ -279,6 +279,17 @@ elif [ $gok = 1 ]; then
     bad "sharded_eval_sample_np3" "samples or weights differ from DDP's, or missing: '$(cat -v "$T/g-ddp.txt")' vs $(:
         )'$(cat -v "$T/g-deepspeed_stage_3_offload_nvme.txt")', nvme files: $(ls -A "$T/gnv" | wc -l)"
 fi
+# the ranks must pick the same token at every step of a sharded sample: rank 1 sampling with another seed
+# (FITLLM_TEST_SAMPLE_SEED_SKEW=1) ends the run, non-zero, with an error naming rank 1 and the step (not a hang in
+# mismatched gathers, not rank 0's text printed as the model's)
+timeout -k 15 300 mpirun -np 3 -x FITLLM_TEST_SAMPLE_SEED_SKEW=1 "$FL" finetune_full "${ZARGS[@]}" --eval.interval 2 \
+    --eval.max_new_tokens 8 --strategy fsdp_cpu_offload --out_dir "$T/g-skew" >"$T/out" 2>&1; rc=$?
+if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $rc -ne 137 ] \
+    && grep -q "sharded generation (the evaluation sample after step 2): rank 1 picked token" "$T/out"; then
+    ok "sharded_eval_sample_ranks_disagree_np3 (exit $rc, rank 1 and step 2 named)"
+else
+    bad "sharded_eval_sample_ranks_disagree_np3" "exit $rc"
+fi
 
 # sharded checkpoints (--fsdp.state_dict_type sharded) through the CLI: saved by ZeRO-2 at 3 ranks (each rank writes
 # its ranges; no model.safetensors in a step checkpoint), resumed by ZeRO-1 at 2 ranks: the bits of the 2-rank resume
@@ -518,6 +529,52 @@ if [ $rc -eq 0 ] && [ "$(grep -c "Resuming training from .*step-000002 (step 2, 
 else
     bad "tp_cli_checkpoint_resumes_at_tp1_and_tp4" "exit $rc, losses within '$w' / '$w4'"
 fi
+# pipeline parallelism through the CLI (--pipeline_parallel, EXPERIMENTAL; tests/test_pp_model.c has the bit-identity
+# of untied models): micro ties lm_head to its token table, so its two gradients are summed across the first and last
+# stage instead of micro-batch by micro-batch, and clipping's norm is a sum over the stages: PP 2 (1F1B), PP 4 (GPipe)
+# and DP 2 x PP 2 train one process's losses within 1e-6 relative at every step, rank 0 alone reports, and the final
+# folder holds the files and the tensor layout one process writes; PP 2's step-2 checkpoint resumes in one process
+# and continues PP 2's losses within 1e-6; the refusals name the option
+for grid in "2 2 1f1b" "4 4 gpipe" "4 2 1f1b"; do
+    set -- $grid
+    timeout 300 mpirun -np $1 "$FL" finetune_full "${TARGS[@]}" --devices $1 --pipeline_parallel $2 --pipeline_schedule $3 \
+        --strategy ddp --out_dir "$T/pp$1-$2-$3" >"$T/out" 2>&1; rc=$?
+    w=$(loss_rel "$T/pp$1-$2-$3" "$T/tp-one" 2>/dev/null)
+    if [ $rc -eq 0 ] && [ "$(grep -c "Saved the final model" "$T/out")" = 1 ] \
+        && grep -q "^pipeline parallel (EXPERIMENTAL): $2 stages x $(($1 / $2)) pipeline" "$T/out" \
+        && grep -q "^model: micro, 260032 parameters" "$T/out" \
+        && [ "$(ls "$T/pp$1-$2-$3/final")" = "$(ls "$T/tp-one/final")" ] \
+        && [ "$(stat -c %s "$T/pp$1-$2-$3/final/model.safetensors")" = "$(stat -c %s "$T/tp-one/final/model.safetensors")" ] \
+        && awk -v w="$w" 'BEGIN { exit !(w <= 1e-6) }'; then
+        ok "pp_cli_np$1_pp$2_$3 (losses within $w of one process)"
+    else
+        bad "pp_cli_np$1_pp$2_$3" "exit $rc, losses within '$w'"
+    fi
+done
+timeout 300 "$FL" finetune_full "${TARGS[@]}" --resume "$T/pp2-2-1f1b/step-000002" --out_dir "$T/pp-r1" >"$T/out" 2>&1; rc=$?
+w=$(loss_rel "$T/pp-r1" "$T/pp2-2-1f1b" 12 2>/dev/null) # resumed at iteration 8
+if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000002 (step 2, iter 8)" "$T/out" \
+    && awk -v a="$w" 'BEGIN { exit !(a <= 1e-6) }'; then
+    ok "pp_cli_checkpoint_resumes_in_one_process (later losses within $w)"
+else
+    bad "pp_cli_checkpoint_resumes_in_one_process" "exit $rc, losses within '$w'"
+fi
+pp_refused() { # name, pattern, ranks, arguments...
+    local name=$1 pat=$2 np=$3; shift 3
+    timeout 120 mpirun -np "$np" "$FL" "$@" --threads 1 >"$T/out" 2>&1; local rc=$?
+    if [ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -q -- "$pat" "$T/out"; then ok "$name"; else bad "$name" "exit $rc"; fi
+}
+pp_refused pp_more_stages_than_layers "--pipeline_parallel 6: the model has 5 layers" 6 finetune_full micro --devices 6 \
+    --pipeline_parallel 6 --train.global_batch_size 6 --out_dir "$T/pp-x1"
+pp_refused pp_lora_refused "--pipeline_parallel 2: finetune_lora is not pipelined yet" 2 finetune_lora micro --devices 2 \
+    --pipeline_parallel 2 --out_dir "$T/pp-x2"
+pp_refused pp_zero2_refused "--pipeline_parallel 2 with --strategy deepspeed_stage_2: the data-parallel axis runs DDP only" 4 \
+    finetune_full micro --devices 4 --pipeline_parallel 2 --strategy deepspeed_stage_2 --out_dir "$T/pp-x3"
+pp_refused pp_t5_refused "--pipeline_parallel: T5 is not split into stages" 2 finetune_full t5-micro --devices 2 \
+    --pipeline_parallel 2 --out_dir "$T/pp-x5"
+pp_refused pp_offload_refused "--pipeline_parallel 2 with --strategy deepspeed_stage_2_offload: offload is not combined" 2 \
+    finetune_full micro --devices 2 --pipeline_parallel 2 --strategy deepspeed_stage_2_offload --out_dir "$T/pp-x4"
+
 # a rank of the grid killed during training (rank 3: the second tensor-parallel rank of data-parallel group 1):
 # the whole job ends within seconds, non-zero, the launcher naming the rank
 timeout 300 mpirun -np 4 "$FL" finetune_full "${TARGS[@]}" --devices 4 --tensor_parallel 2 --strategy ddp \

@@ -104,7 +104,7 @@ static int check_grads(fl_blip2 *b, const fl_backend *be, const fl_st_file *x, d
         const fl_model *m = fl_blip2_part(b, k);
         for (int i = 0; i < m->layout.n; i++) {
             const fl_param_info *p = &m->layout.params[i];
-            char gk[200], nk[200];
+            char gk[200], nk[208];
             snprintf(gk, sizeof gk, "grad.%s%s", k == FL_BLIP2_TEXT ? "language_model." : "", p->name);
             snprintf(nk, sizeof nk, "noise.%s", gk + 5);
             const fl_st_tensor *g = fl_st_find(x, gk), *gn = fl_st_find(x, nk);

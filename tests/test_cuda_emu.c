@@ -22,6 +22,7 @@
 #ifdef FL_HAVE_CUDA_EMU
 #include "backend/cuda/cu_kernels.h"
 #include "backend/cuda/emu/cu_emu.h"
+#include "cuda_emu_test.h"
 
 static const uint64_t k_seeds[] = {0x1234567ull, 0xfeedbeefull};
 
@@ -44,13 +45,6 @@ static int grad_close(const char *what, const float *got, const float *want, siz
     }
     return 1;
 }
-#define EMU_OK(call)                                                                                   \
-    do {                                                                                               \
-        fl_cu_emu_clear_error();                                                                       \
-        int rc_ = (call);                                                                              \
-        FL_CHECKF(rc_ == 0 && !fl_cu_emu_error(), "%s -> %d (%s)", #call, rc_,                          \
-                  fl_cu_emu_error() ? fl_cu_emu_error() : "no emulator error");                        \
-    } while (0)
 
 /* ---- the emulator ------------------------------------------------------------------------- */
 

@@ -27,6 +27,7 @@
 #include "backend/cuda/cu_kernels.h"
 #include "backend/cuda/cu_kernels_train.h"
 #include "backend/cuda/emu/cu_emu.h"
+#include "cuda_emu_test.h"
 
 static const uint64_t k_seeds[] = {0x51ed5eedull, 0xc0ffee11ull};
 
@@ -40,13 +41,6 @@ static fl_backend cpu2(void) {
     fl_cpu_backend_init(&be, 2);
     return be;
 }
-#define EMU_OK(call)                                                                                   \
-    do {                                                                                               \
-        fl_cu_emu_clear_error();                                                                       \
-        int rc_ = (call);                                                                              \
-        FL_CHECKF(rc_ == 0 && !fl_cu_emu_error(), "%s -> %d (%s)", #call, rc_,                          \
-                  fl_cu_emu_error() ? fl_cu_emu_error() : "no emulator error");                        \
-    } while (0)
 
 /* ---- embeddings ------------------------------------------------------------------------------ */
 

@@ -202,6 +202,137 @@ FL_TEST(poff_overlap_keeps_the_bits) {
     po_overlap("cuda-emu", ZR_ADAMW, 2, "deepspeed_stage_3_offload_nvme", 2, 0);
 }
 
+/* --offload_update_overlap: without clipping and loss scaling each unit's host update is queued on the fetch
+ * worker as its gradient becomes final (the last micro-batch's reduction; these runs accumulate 2), beside the
+ * rest of the backward. Anchors: the same run with the switch off and the device-resident deepspeed_stage_3 run
+ * (at one rank the plain run): every step's loss and the whole parameters bit for bit; the worker ran at least one
+ * update per unit, step and rank (its count of function jobs); the plan of every tier = measured (cpu). With
+ * clipping on (ZR_ADAMW's max_norm) nothing is queued. */
+static void po_upd(const char *backend, int sc, int world, const char *strategy, const char *param, long steps,
+                   int plan) {
+    char what[200];
+    snprintf(what, sizeof what, "%s %s (max_norm 0) at %d ranks, %s param %s: offload_update_overlap on against off "
+             "and the device run", backend, zr_names[sc], world, strategy, param[0] ? param : "(strategy's)");
+    pojob *a = po_new(sc, world, strategy, param, "uo-on"), *b = po_new(sc, world, strategy, param, "uo-off");
+    pojob *d = po_new(sc, world, "deepspeed_stage_3", "", "uo-dev");
+    a->cfg.train.max_norm = b->cfg.train.max_norm = d->cfg.train.max_norm = 0.0f; /* no clipping */
+    b->cfg.offload_update_overlap = 0;
+    if (steps) a->cfg.train.max_steps = b->cfg.train.max_steps = d->cfg.train.max_steps = steps;
+    const unsigned long n0 = fl_fetch_run_count();
+    if (po_run(a, world, backend) == FL_OK) {
+        const unsigned long n1 = fl_fetch_run_count();
+        const long units = 2 + 2; /* micro: 2 blocks, the embeddings and the head group */
+        FL_CHECKF(n1 - n0 >= (unsigned long)(world * units * a->rec[0].steps), "%s: the worker ran %lu updates in %ld "
+                  "steps", what, n1 - n0, a->rec[0].steps);
+        if (po_run(b, world, backend) == FL_OK && po_run(d, world, backend) == FL_OK) {
+            FL_CHECKF(fl_fetch_run_count() == n1, "%s: updates queued with offload_update_overlap false", what);
+            for (int r = 0; r < world; r++) {
+                FL_CHECKF(zr_same(&a->rec[r], &b->rec[r]), "%s rank %d: the parameters or losses differ from the "
+                          "switch-off run's", what, r);
+                FL_CHECKF(zr_same(&a->rec[r], &d->rec[r]), "%s rank %d: the parameters or losses differ from the "
+                          "device-resident run's", what, r);
+            }
+            if (plan) po_check_plan(a, world, what);
+        }
+    }
+    if (a->cfg.nvme_path[0]) FL_CHECKF(po_dir_empty(a->cfg.nvme_path), "%s: files left in %s", what, a->cfg.nvme_path);
+    po_free(a);
+    po_free(b);
+    po_free(d);
+}
+
+FL_TEST(poff_update_overlap_keeps_the_bits) {
+    for (int world = 1; world <= 3; world++) po_upd("cpu", ZR_ADAMW, world, "deepspeed_stage_3_offload", "cpu", 0, 1);
+    po_upd("cpu", ZR_ADAMW, 2, "deepspeed_stage_3_offload_nvme", "", 0, 1);
+    po_upd("cpu", ZR_SGDM, 3, "fsdp_cpu_offload", "", 0, 1);
+    po_upd("cpu", ZR_BF16, 2, "deepspeed_stage_3_offload_nvme", "", 0, 1);
+    po_upd("cpu", ZR_ADAMW, 2, "deepspeed_stage_3_offload", "", 0, 1); /* the optimizer alone offloaded */
+    po_upd("opaque", ZR_ADAMW, 2, "fsdp_cpu_offload", "", 3, 0);
+    po_upd("opaque", ZR_BF16, 1, "deepspeed_stage_3_offload_nvme", "", 3, 0);
+    /* clipping on: the update needs every shard's gradient first; nothing is queued */
+    pojob *c = po_new(ZR_ADAMW, 2, "fsdp_cpu_offload", "", "uo-clip");
+    c->cfg.train.max_steps = 2;
+    const unsigned long n0 = fl_fetch_run_count();
+    if (po_run(c, 2, "cpu") == FL_OK)
+        FL_CHECKF(fl_fetch_run_count() == n0, "clipping on: %lu updates queued", fl_fetch_run_count() - n0);
+    po_free(c);
+}
+
+/* A function job on the fetch worker (fl_fetch_post_run) runs in post order with the copies, and its failure
+ * comes back with its message (the worker's thread-local message would otherwise be lost) */
+static fl_status po_job_fails(void *ud) {
+    return fl_errorf(FL_ERR_IO, "unit %d: the disk is full", *(int *)ud);
+}
+static fl_status po_job_copies(void *ud) {
+    int *v = ud;
+    v[1] = v[0] + 1; /* after the copy posted before it */
+    return FL_OK;
+}
+
+FL_TEST(poff_fetch_worker_runs_functions_in_order) {
+    fl_fetch *w = NULL;
+    FL_REQUIRE_OK(fl_fetch_start(&w));
+    fl_fetch_job j[3];
+    memset(j, 0, sizeof j);
+    int src = 41, v[2] = {0, 0}, unit = 7;
+    fl_fetch_post(w, &j[0], &v[0], &src, sizeof src);
+    fl_fetch_post_run(w, &j[1], po_job_copies, v);
+    fl_fetch_post_run(w, &j[2], po_job_fails, &unit);
+    for (int k = 0; k < 3; k++) fl_fetch_wait(w, &j[k]);
+    FL_CHECKF(v[0] == 41 && v[1] == 42 && j[1].st == FL_OK, "the function ran out of order: %d %d", v[0], v[1]);
+    FL_CHECKF(j[2].st == FL_ERR_IO && !strcmp(j[2].msg, "unit 7: the disk is full"), "the failure came back as %s '%s'",
+              fl_status_name(j[2].st), j[2].msg);
+    fl_fetch_stop(w);
+}
+
+/* Sharded generation: the evaluation sample under parameter offload at 2 thread ranks decodes in step (each token
+ * gathers the units from both ranks); the ranks' picks are compared after each token. Agreeing ranks run through;
+ * a rank whose sampler went apart (FITLLM_TEST_SAMPLE_SEED_SKEW=1: rank 1 samples with seed + 1) ends the run on
+ * every rank with an error naming that rank and the step, not a hang in mismatched collectives. */
+static FILE *g_po_out; /* rank 0's output (the sample is decoded where a rank prints) */
+
+static fl_status porank_out(fl_comm *c, int rank, void *ud) {
+    pojob *j = ud;
+    poarg a = {j, rank};
+    j->st[rank] = fl_trainer_run_comm(&j->cfg, c, rank == 0 ? g_po_out : NULL, 0, po_hook, &a, &j->res[rank]);
+    return j->st[rank];
+}
+
+FL_TEST(poff_sharded_sample_ranks_must_agree) {
+    for (int skew = 0; skew <= 1; skew++) {
+        g_po_out = tmpfile();
+        FL_REQUIRE(g_po_out);
+        pojob *j = po_new(ZR_SGDM, 2, "fsdp_cpu_offload", "", skew ? "agree-skew" : "agree");
+        j->cfg.train.max_steps = 2;
+        j->cfg.eval.interval = 2;
+        j->cfg.eval.max_new_tokens = 8;
+        j->cfg.eval.final_validation = 0;
+        if (skew) setenv("FITLLM_TEST_SAMPLE_SEED_SKEW", "1", 1);
+        setenv("FITLLM_BACKEND", "cpu", 1);
+        fl_status s = fl_comm_threads_run(2, porank_out, j);
+        unsetenv("FITLLM_BACKEND");
+        unsetenv("FITLLM_TEST_SAMPLE_SEED_SKEW");
+        char text[65536];
+        rewind(g_po_out);
+        const size_t got = fread(text, 1, sizeof text - 1, g_po_out);
+        text[got] = 0;
+        fclose(g_po_out);
+        if (!skew) {
+            FL_CHECKF(s == FL_OK && j->rec[0].steps == 2 && strstr(text, "Recommend a movie"),
+                      "agreeing ranks: %s (%s), sample printed %d", fl_status_name(s), fl_error_message(),
+                      strstr(text, "Recommend a movie") != NULL);
+        } else {
+            /* (a rank still inside the last gather when the other ends sees the broken group instead: the run's
+             * status is then the comm's IO error, whose message carries the aborting rank's reason) */
+            FL_CHECKF((s == FL_ERR_INTERNAL || s == FL_ERR_IO) && j->st[0] != FL_OK && j->st[1] != FL_OK &&
+                          strstr(fl_error_message(), "sharded generation (the evaluation sample after step 2): rank 1 picked"),
+                      "ranks sampling apart: %s / %s (%s)", fl_status_name(j->st[0]), fl_status_name(j->st[1]),
+                      fl_error_message());
+        }
+        po_free(j);
+    }
+}
+
 /* opaque: every unit's piece goes up through the backend's copies and the gathers and reductions through
  * the device communicator (the NCCL stand-in at 2 and 3 ranks); the CUDA emulator likewise (slow: small) */
 FL_TEST(poff_opaque_same_bits) {
@@ -213,6 +344,12 @@ FL_TEST(poff_opaque_same_bits) {
 FL_TEST(poff_cuda_emu_same_bits) {
     po_case("cuda-emu", ZR_ADAMW, 1, "fsdp_cpu_offload", "", 2, 0);
     po_case("cuda-emu", ZR_ADAMW, 2, "fsdp_cpu_offload", "", 2, 0);
+}
+
+/* issue 34's Verify: the CUDA emulator at 3 ranks too (the NCCL stand-in carries the gathers of device buffers;
+ * the NVMe tier) */
+FL_TEST(poff_cuda_emu_three_ranks_same_bits) {
+    po_case("cuda-emu", ZR_SGDM, 3, "deepspeed_stage_3_offload_nvme", "", 2, 0);
 }
 
 /* A checkpoint at step 2 (global batch 12, 4 steps), saved by `save_strategy` + `save_param`, resumed by
@@ -401,6 +538,35 @@ FL_TEST(poff_nvme_faults_end_cleanly) {
     if (f) fclose(f);
     FL_CHECKF(po_dir_empty(j->cfg.nvme_path), "nvme write failure: files left in %s", j->cfg.nvme_path);
     unsetenv("FITLLM_BACKEND");
+    po_free(j);
+}
+
+/* The disk failing a write-back in the middle of a run whose updates run unit by unit on the fetch worker
+ * (--offload_update_overlap; SGD with momentum, no clipping): the 376th release of each rank's disk pool is one of
+ * unit 0's update's (the last unit: every release of the model's thread in that step came before it was queued, so
+ * the count is the same every run): the worker's error comes back through the step, and the run ends with the
+ * disk's error naming the folder and the unit, after step 2's committed checkpoint, no file left */
+FL_TEST(poff_update_overlap_disk_fails_mid_run) {
+    pojob *j = po_new(ZR_SGDM, 2, "deepspeed_stage_3_offload_nvme", "", "fault-upd");
+    j->cfg.train.save_interval = 2;
+    j->cfg.train.max_steps = 12;
+    const unsigned long n0 = fl_fetch_run_count();
+    setenv("FITLLM_TEST_NVME_FAIL_AFTER", "375", 1);
+    setenv("FITLLM_BACKEND", "cpu", 1);
+    fl_status s = fl_comm_threads_run(2, porank, j);
+    unsetenv("FITLLM_BACKEND");
+    unsetenv("FITLLM_TEST_NVME_FAIL_AFTER");
+    char last[800];
+    snprintf(last, sizeof last, "%s/step-000002/COMMITTED", j->cfg.out_dir);
+    FILE *f = fopen(last, "r");
+    FL_CHECKF(s == FL_ERR_IO && strstr(fl_error_message(), "injected") && strstr(fl_error_message(), j->cfg.nvme_path) &&
+                  strstr(fl_error_message(), "the optimizer's update of unit 0 (on the fetch worker)") && f != NULL &&
+                  j->rec[0].steps >= 2 && j->rec[0].steps < 12 && fl_fetch_run_count() > n0,
+              "nvme write failure with the update on the worker: %s (%s), steps %ld, step 2 committed %d, updates %lu",
+              fl_status_name(s), fl_error_message(), j->rec[0].steps, f != NULL, fl_fetch_run_count() - n0);
+    if (f) fclose(f);
+    FL_CHECKF(po_dir_empty(j->cfg.nvme_path), "nvme write failure (update on the worker): files left in %s",
+              j->cfg.nvme_path);
     po_free(j);
 }
 

@@ -41,6 +41,8 @@ extern "C" {
 #define FL_IGNORE_INDEX (-100)
 /* Segments one fl_backend.convert_many call takes at most. */
 #define FL_CONVERT_MANY_MAX 16
+/* fl_backend.act_forward16's kinds */
+enum { FL_ACT16_SWIGLU = 0, FL_ACT16_GELU = 1, FL_ACT16_RELU = 2 };
 
 typedef struct fl_backend fl_backend;
 struct fl_comm; /* fitllm/comm.h */
@@ -152,6 +154,31 @@ struct fl_backend {
                                 const void *w, fl_dtype wt, int N, int C, float eps);
     void (*rmsnorm_backward_w16)(const fl_backend *be, float *dinp, float *dw, const float *dout, const float *inp,
                                  const void *w, fl_dtype wt, const float *rstd, int N, int C);
+    /* Optional bf16-stored outputs (NULL: the fp32 op, then round16; issue 30 item 1). Each writes out16, the
+     * output's bf16 copy (RNE), and leaves in the fp32 output its exact widening: the fp32 op's value rounded as
+     * round16 rounds it, without the round16 launch. UNSUPPORTED for a kind or dtype they do not take.
+     * act_forward16: kind FL_ACT16_SWIGLU (out (N,F) from [gate | up] rows (N,2F)), FL_ACT16_GELU (tanh),
+     * FL_ACT16_RELU (out and in (N,F)); in16 (NULL or the input's bf16 copy, of in's shape): the input is read
+     * from it and its exact widening written to in (an input a GEMM stored in bf16 only, graph.c).
+     * add16: out = a + b (out may alias a or b), n elements.
+     * rope_forward16: rope_forward over nh heads at the start of contiguous rows of `width` floats (the fused
+     * q|k|v rows: q and k heads are consecutive), then every element of the rows stored as above (x16 (B T,
+     * width)). */
+    fl_status (*act_forward16)(const fl_backend *be, int kind, float *out, void *out16, float *in, const void *in16,
+                               int N, int F);
+    fl_status (*add16)(const fl_backend *be, float *out, void *out16, const float *a, const float *b, size_t n);
+    fl_status (*rope_forward16)(const fl_backend *be, float *x, void *x16, int B, int T, int nh, int HD, int width,
+                                const float *cos_t, const float *sin_t, int pos0);
+    /* Optional backward halves (NULL: the fp32 op, then the LINEAR below rounds its dy with a convert): the fp32
+     * op's gradient, and a bf16 copy of it (RNE) in d16, the gradient itself NOT rounded: the dy16 operand of
+     * the LINEAR that made the op's input (graph.c hands it that LINEAR's dyb16 scratch).
+     * act_backward16: swiglu_backward / gelu_backward / relu_backward by kind (din += ..., shapes as
+     * act_forward16), then din16 = bf16(din). rope_backward16: rope_backward over rows as rope_forward16's,
+     * then dx16 (B T, width) = bf16(dx), every element of the rows. */
+    fl_status (*act_backward16)(const fl_backend *be, int kind, float *din, void *din16, const float *dout,
+                                const float *in, int N, int F);
+    fl_status (*rope_backward16)(const fl_backend *be, float *dx, void *dx16, int B, int T, int nh, int HD, int width,
+                                 const float *cos_t, const float *sin_t, int pos0);
 
     /* ---- matmul ---------------------------------------------------------
      * C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C, row-major, with

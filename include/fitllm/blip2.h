@@ -66,6 +66,9 @@ fl_status fl_blip2_alloc_grads_parts(fl_blip2 *b, int parts);
  * preprocessor_config.json and tokenizer files copied. */
 fl_status fl_blip2_save(const fl_blip2 *b, const char *src_dir, const char *dst_dir);
 void fl_blip2_zero_grads(fl_blip2 *b);
+/* ACTS bytes of part k in the arena allocated now: its residual stream, saved slots and norms (the Flan-T5 language
+ * model: its own encoder-decoder arena); LoRA adapters' activations not included. 0 without an arena. */
+size_t fl_blip2_acts_bytes(const fl_blip2 *b, int part);
 /* The arena for B images and T language-model ids per sequence. */
 fl_status fl_blip2_alloc_acts(fl_blip2 *b, int B, int T);
 

@@ -54,6 +54,8 @@ typedef struct {
     int save_on_signal;       /* fitllm: a stop by SIGINT/SIGTERM/SIGUSR1 commits a checkpoint of the step (default 1) */
     int divergence_check;     /* fitllm: stop a run whose loss stays above ln(vocab) + margin (default 1;
                                * fl_diverge in src/train/divergence.h) */
+    int memory_snapshot_interval; /* fitllm, BLIP-2 fine-tuning: the memory at the four phases of steps 1, 2 and every
+                                   * N-th step printed as the course does (0 = off) */
 } fl_train_args;
 
 typedef struct {
@@ -82,6 +84,9 @@ typedef struct {
     int devices, num_nodes;           /* ranks = devices x num_nodes (data parallel over MPI) */
     int tensor_parallel;              /* tensor_parallel: ranks per tensor-parallel group (1: none); the ranks are
                                        * (devices x num_nodes / tensor_parallel) data-parallel groups of it */
+    int pipeline_parallel;            /* pipeline_parallel: stages per pipeline (1: none; EXPERIMENTAL), each a
+                                       * contiguous block range; (devices x num_nodes / pipeline_parallel) pipelines */
+    char pipeline_schedule[32];       /* gpipe | 1f1b (default) */
     char strategy[32];                /* auto, ddp, deepspeed_stage_1, _2, _3, their _offload, fsdp (Lightning's names) */
     char sharding_strategy[32];       /* fsdp.sharding_strategy: "" (FULL_SHARD), FULL_SHARD, NO_SHARD, SHARD_GRAD_OP,
                                        * HYBRID_SHARD */
@@ -103,6 +108,10 @@ typedef struct {
     int offload_overlap;              /* offload_overlap: parameter offload's fetches ahead copied out of the tier by a
                                        * worker thread while the unit before computes (default 1; 0: by the model's
                                        * thread when posted). Same bits either way */
+    int offload_update_overlap;       /* offload_update_overlap: ZeRO-3 / FULL_SHARD with the optimizer offloaded, no
+                                       * clipping, no loss scaling: each unit's host update queued on the fetch worker
+                                       * as its gradient is final, beside the rest of the backward (default 1; 0: the
+                                       * update after the backward). Same bits either way */
     size_t bucket_size;               /* bucket_size: bytes of one bucket of the data-parallel gradient reductions
                                        * (src/train/dp_bucket.c; default 256 MiB; 0 / null: one collective each) */
     char state_dict_type[32];         /* fsdp.state_dict_type: "full" (one consolidated checkpoint, the default) or

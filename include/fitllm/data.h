@@ -129,6 +129,9 @@ typedef struct {
 } fl_s2s_config;
 
 void fl_s2s_config_default(fl_s2s_config *c);
+/* The source limit a training run cuts to: data.max_source_length (max_source, <= 0: none) capped by
+ * train.max_seq_length (max_seq, LitGPT's sample limit; <= 0: none), as the trainer and the planner read them. */
+int fl_s2s_source_limit(int max_source, int max_seq);
 
 typedef struct {
     size_t n_records;

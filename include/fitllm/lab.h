@@ -41,12 +41,32 @@ extern "C" {
 typedef enum { FL_LAB_FITS = 0, FL_LAB_OOM, FL_LAB_NA, FL_LAB_ERROR, FL_LAB_VERDICT_COUNT } fl_lab_verdict;
 const char *fl_lab_verdict_name(fl_lab_verdict v); /* "fits", "OOM", "n/a", "error" */
 
-/* `--peer pytorch`: what PyTorch (HF LlamaForCausalLM, sdpa, torch.optim.AdamW) allocates for one step, bytes.
- * params, grads, optim, saved (autograd's saved tensors) and logits are fitted byte for byte to measurements
- * (tests/ref/pytorch_alloc.py); transient and peak are modelled (src/lab/lab_peer.c). */
+/* `--peer pytorch`: what PyTorch (HF LlamaForCausalLM, sdpa; torch.optim.AdamW, SGD or bitsandbytes' AdamW8bit;
+ * autocast; HF checkpointing; PEFT LoRA, bitsandbytes NF4) allocates for one step on one device, bytes. params,
+ * quant, grads, optim, saved (autograd's saved tensors) and logits are fitted byte for byte to measurements
+ * (tests/ref/pytorch_alloc.py); transient, recompute, step_temp, comm, host and peak are modelled
+ * (src/lab/lab_peer.c). */
 typedef struct {
-    size_t params, grads, optim, saved, logits, transient, step_temp, peak;
+    size_t params, quant, grads, optim, saved, logits, transient, step_temp, peak;
+    size_t trainable;      /* trainable parameters (LoRA: the adapters) */
+    size_t recompute;      /* checkpointing: one layer's saved tensors, live while it is recomputed in backward */
+    size_t comm;           /* DDP's gradient buckets; FSDP's gathered blocks and their full gradients */
+    size_t host;           /* ZeRO-2 offload: what the host holds (state, fp32 gradients, fp32 master) */
 } fl_lab_peer;
+
+/* One step's setup for fl_lab_peer_pytorch_setup (zero: a full fine-tune with AdamW on one device). */
+typedef struct {
+    const char *precision;   /* 32-true, bf16-true, bf16-mixed (autocast bf16), 16-mixed (autocast fp16) */
+    int B, T;
+    int act_ckpt;            /* HF gradient checkpointing (reentrant): each layer's input saved, recomputed */
+    int lora_r;              /* > 0: PEFT LoRA of rank r on query and value (dropout > 0), fp32 adapters */
+    int nf4;                 /* with lora_r, 32-true: QLoRA, the linears in bitsandbytes NF4 (fp32 compute) */
+    const char *optim;       /* "adamw" (NULL), "sgd" (no momentum), "adamw8bit" (bitsandbytes) */
+    int cpu_dropout;         /* 1: dropout as the CPU runs it (fp32 noise: the fixture's); 0: CUDA's bool mask */
+    int offload;             /* DeepSpeed ZeRO-2 offload: the optimizer on the host (modelled) */
+    int ranks;               /* > 1: per rank under strategy "ddp" or "fsdp" (modelled) */
+    const char *strategy;
+} fl_lab_peer_setup;
 
 
 typedef struct {
@@ -79,6 +99,8 @@ typedef struct {
                             * verdict is the run's: tests/test_plan.c); 0 (default): such a row is decided by its plan
                             * before any model memory is touched (fl_lab_row.ran 0), so it costs the plan's < 1 s
                             * instead of the model's load and random init */
+    int plan_only;         /* 1: no row trains: each row's verdict and memory are its plan's (seconds for the whole
+                            * suite at any scale; `--plan-only`) */
 } fl_lab_opts;
 
 void fl_lab_opts_default(fl_lab_opts *o);
@@ -130,6 +152,17 @@ typedef struct {
     double mfu;                /* tflops / the device's peak at the row's precision (0: no peak known) */
     int prefetch;              /* fsdp rows: fsdp.backward_prefetch on */
     int largest;               /* fsdp sweep: 1 on the largest micro batch that fits for its checkpointing setting */
+    /* --peer pytorch: what PyTorch would need for the row at the real scale (the real model, the real plan's T and
+     * the row's micro batch, per rank), fl_lab_peer_pytorch_setup; peer_note: what of it is measured / modelled, or
+     * why it is not modelled */
+    int peer_ok;
+    fl_lab_peer peer;
+    int peer_T;
+    char peer_note[256];
+    /* real scale (quick, full): the course's memory reading of the same run (GB, 0: none) and, where the row's plan
+     * differs from the course (verdict, or leaner by more than 5%), why in bytes (fl_lab_row_course_diff) */
+    double course_gb;
+    char course_why[640];
 } fl_lab_row;
 
 /* One of the course's runs at its own settings (max_seq_length 512, its 80 GB GPU) beside fitllm's plan of it
@@ -171,6 +204,7 @@ typedef struct {
     int n_errors;
     int sweep;                 /* 1: the fsdp suite (report.md gets the sweep tables, sweep.png) */
     int real_scale;            /* 1: rows ran the real models at ref_T on ref_device (fl_lab_opts.real_scale) */
+    int plan_only;             /* fl_lab_opts.plan_only: the rows' verdicts are their plans' */
     size_t capacity;           /* real scale: the memory of the device the rows run on (GPU memory, or the host's
                                 * RAM for the CPU); rows are n/a when it is below the budget */
     int no_prefetch;           /* fsdp suite: every row ran with --fsdp.backward_prefetch off */
@@ -191,9 +225,12 @@ typedef struct {
                                 * theirs, not ref_T); "" at lab scale (Synthetic, whose samples are longer than T) */
 } fl_lab_report;
 
-/* LLaMA shapes, 32-true or bf16-true, AdamW (else FL_ERR_UNSUPPORTED naming what is not modelled). */
+/* LLaMA shapes, a full fine-tune with AdamW at precision (else FL_ERR_UNSUPPORTED naming what is not modelled). */
 fl_status fl_lab_peer_pytorch(const fl_model_config *mc, size_t n_params, int B, int T, const char *precision,
                               fl_lab_peer *out);
+/* The same for a setup (FL_ERR_UNSUPPORTED naming what is not modelled). */
+fl_status fl_lab_peer_pytorch_setup(const fl_model_config *mc, size_t n_params, const fl_lab_peer_setup *u,
+                                    fl_lab_peer *out);
 
 /* The scaling alone (budget, T, ratios), without running anything. */
 fl_status fl_lab_scale(fl_lab_report *rep);

@@ -407,6 +407,11 @@ typedef struct {
      * token table. A decoder-only model's fl_model_prefill (one sequence) takes them the same way, plus the row's
      * learned position (BLIP-2's OPT captioning with the KV cache). n 0: none. */
     struct { const int *rows; int n; const float *src; float *dsrc; } emb_inject;
+    /* Pipeline parallelism (fitllm/pp.h, src/model/stage.c): this model is a stage of a deeper one. in: its
+     * blocks' input res[0] is the previous stage's output (fl_model_stage_input), not the embeddings (which it
+     * neither runs nor trains); out: its forward ends after the blocks (no final norm, head or loss) and its
+     * backward starts from the next stage's d(output) (fl_model_stage_dout). Both 0: a whole model. */
+    struct { int in, out; } stage;
 } fl_model;
 
 /* ---- adapters on LINEAR ops: a graph rewrite --------------------------------------------------

@@ -148,6 +148,11 @@ typedef struct {
  * an error only when the config is invalid or the model cannot be resolved
  * (preset name, HF folder with config.json, or a config.json file). */
 fl_status fl_plan_run(const fl_run_config *cfg, const fl_plan_opts *opts, fl_plan *out);
+/* For planners of their own (the BLIP-2 fine-tuning's, src/cli/cmd_blip2_plan.c): a note (up to FL_PLAN_MAX_NOTES),
+ * and the verdict's record of a rehearsal that ran out of memory (the pool's oom, the snapshots it took before, its
+ * ranks: the phase it failed in; oom_what from this thread's error message). */
+void fl_plan_note(fl_plan *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void fl_plan_set_oom(fl_plan *p, const fl_mem_oom *oom, int n_phases, int ranks);
 
 /* "The largest model that fits" a machine (src/plan/plan_fit.c; `fitllm plan --largest`): the LLaMA presets from
  * 1.1 B to 13 B, each planned with the run's options (precision, batch, T, optimizer), as given, then with ZeRO-3

@@ -1,5 +1,5 @@
-/* fitllm: pipeline parallelism's building blocks (issue 35 item 2; EXPERIMENTAL: the trainer does not run
- * --pipeline_parallel yet).
+/* fitllm: pipeline parallelism (issue 35 item 2; EXPERIMENTAL): the schedules, the stage split, a model stage
+ * and the pipelined training step.
  *
  * A pipeline of S stages holds contiguous blocks of the model's layers (fl_pp_split balances them by a per-layer
  * cost); a step's M micro-batches (the gradient accumulation steps) flow forward through the stages and their
@@ -14,7 +14,10 @@
 #ifndef FITLLM_PP_H
 #define FITLLM_PP_H
 
+#include "fitllm/comm.h"
+#include "fitllm/model.h"
 #include "fitllm/status.h"
+#include "fitllm/train.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -44,6 +47,71 @@ int fl_pp_in_flight(const fl_pp_op *ops, int n);
  * can (stage 0 keeps the most micro-batches' activations under 1F1B). FL_ERR_INVALID naming --pipeline_parallel when stages exceeds n_layers or is below 1, or a cost is negative
  * or not finite. */
 fl_status fl_pp_split(int n_layers, const double *cost, int stages, int *first);
+
+/* ---- a model stage (src/model/stage.c) ----
+ * Stage s of a decoder-only model (LLaMA, GPT-2, OPT) holds its blocks [first, last) as an ordinary model of
+ * last - first layers (fl_pp_stage_config), whose blocks run the unchanged forward and backward; the first stage
+ * runs the embeddings, the last the final norm, head and loss (fl_model_set_stage). Its embeddings and head
+ * entries exist on every stage but are read and trained only where they run (fl_pp_stage_owns). */
+fl_status fl_pp_stage_config(const fl_model_config *whole, int first, int last, fl_model_config *out);
+/* The whole layout's entry of the stage's entry i (-1: none), and whether the stage trains entry i. */
+int fl_pp_stage_entry(const fl_param_layout *whole, const fl_param_layout *stage, int first, int i);
+int fl_pp_stage_owns(const fl_model *stage, int i);
+int fl_pp_layout_owns(const fl_param_layout *stage, int in, int out, int i); /* the same, of a stage's layout */
+/* The stage's parameters copied out of a model of the whole config (fp32 through the host, entry by entry). */
+fl_status fl_pp_stage_take(const fl_model *whole, fl_model *stage, int first);
+/* in: the blocks' input comes from the previous stage; out: the forward ends after the blocks. A model that ties
+ * lm_head to the token embeddings holds them on the first stage (the embeddings) and the last (the head): the
+ * step sums their two gradients (fl_pp_step_run), so both update alike. */
+fl_status fl_model_set_stage(fl_model *m, int in, int out);
+/* The stream between stages, (B T, C) fp32 in host memory: the input of a later stage's forward (before
+ * fl_model_forward_body), an earlier stage's output (after its forward), d(output) (before fl_model_backward)
+ * and a later stage's d(input) (after it). */
+fl_status fl_model_stage_input(fl_model *m, const float *x, int B, int T);
+fl_status fl_model_stage_output(const fl_model *m, float *y);
+fl_status fl_model_stage_dout(fl_model *m, const float *dy);
+fl_status fl_model_stage_dinput(const fl_model *m, float *dx, int B, int T);
+/* A micro-batch in flight parked between its forward and backward: the ACTS arena, the token ids, the head's
+ * d(lnf) (ACTS-tagged from the model's pool: fl_model_stage_stash_bytes each). */
+typedef struct fl_stage_stash fl_stage_stash;
+size_t fl_model_stage_stash_bytes(const fl_model *m);
+fl_status fl_model_stage_stash_new(fl_model *m, fl_stage_stash **out);
+void fl_model_stage_stash_free(fl_model *m, fl_stage_stash *s);
+fl_status fl_model_stage_stash_save(fl_model *m, fl_stage_stash *s);
+fl_status fl_model_stage_stash_restore(fl_model *m, const fl_stage_stash *s);
+/* The arena's micro-batch and the stash's exchanged (through scratch, the backend's memory, of scratch_bytes): a
+ * schedule that needs another micro-batch's activations back parks the current one in the slot it frees. */
+fl_status fl_model_stage_stash_swap(fl_model *m, fl_stage_stash *s, void *scratch, size_t scratch_bytes);
+
+/* ---- the pipelined step (src/train/pp_step.c) ---- */
+typedef struct {
+    fl_comm *comm;             /* the pipeline group (borrowed): rank s is stage s */
+    int stages, stage;
+    fl_pp_schedule kind;
+    fl_model *m;               /* this stage (fl_model_set_stage done by fl_pp_init) */
+    fl_stage_stash **stash;    /* slots for micro-batches in flight beyond the arena's one */
+    int n_stash;
+    int peak_in_flight;        /* the most micro-batches whose forward ran and backward did not, measured */
+    float *hx;                 /* host staging of one micro-batch's (B T, C) stream */
+    void *swap;                /* the stash swap's scratch (WORKSPACE of the model's pool) */
+    size_t swap_bytes;
+    size_t hx_n;
+    fl_optim_dist dist;        /* the optimizer's hooks: the clipping norm and overflow verdict over the stages */
+    const fl_optim_dist *inner; /* the data-parallel axis' (DDP), or NULL */
+} fl_pp;
+
+/* m is stage fl_comm_rank(comm) of fl_comm_size(comm) (its arena allocated). */
+fl_status fl_pp_init(fl_pp *p, fl_model *m, fl_comm *comm, fl_pp_schedule kind);
+void fl_pp_free(fl_pp *p);
+/* The optimizer's norm and fp16 overflow verdict over every stage (composed with DDP's hooks when present). */
+fl_status fl_pp_optim_attach(fl_pp *p, fl_optimizer *o);
+/* fl_step_run's step as stage p->stage of the pipeline: every stage is given the same micro-batches (the ids on the
+ * first, the targets on the last are what is read); the losses come back on every stage (c->mb_stats, res->loss). A
+ * non-finite loss (no loss scaling) fails every stage after the schedule, before the update (c->failed_k). */
+fl_status fl_pp_step_run(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, fl_step_result *res);
+/* An inference forward with targets through the stages (validation): every stage's m->loss_sum and m->n_valid
+ * are the last stage's afterwards. */
+fl_status fl_pp_eval(fl_pp *p, const int32_t *ids, const int32_t *targets, int B, int T);
 
 #ifdef __cplusplus
 }

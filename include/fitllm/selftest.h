@@ -26,6 +26,14 @@ typedef struct {
 fl_status fl_backend_selftest(const fl_backend *dev, const fl_backend *ref, const char *only, int small, FILE *out,
                               fl_selftest_result *res);
 
+/* The attention kernels a bf16 run may get on a backend with FL_CAP_COMPUTE_BF16 (cuda, cuda-emu), one
+ * after the other: FITLLM_CUDA_ATTN=cudnn (cuDNN's fused SDPA, EXPERIMENTAL; "not available" and no
+ * failure where it does not load), own and legacy, each a fresh backend `name`, forward + backward
+ * at causal grouped-head shapes (HD 64 and 128), every output against a float64 reference of the same
+ * bf16-rounded inputs within a bf16 bound, with the median time and TFLOP/s. The environment's
+ * FITLLM_CUDA_ATTN is put back after. FL_OK when it ran (mismatches in res->n_fail). */
+fl_status fl_selftest_attention_choices(const char *name, int small, FILE *out, fl_selftest_result *res);
+
 #ifdef __cplusplus
 }
 #endif

@@ -117,6 +117,9 @@ typedef struct {
                                 * (or NVMe files): the norm, the overflow check and the update run on be, in place */
     struct fl_mem_pool *ppool; /* parameter offload on NVMe: their disk pool (the update reads ahead and drops their
                                 * pieces as it does the state's), else NULL */
+    int updated;               /* this step's update already ran unit by unit beside the backward (FULL_SHARD with
+                                * the optimizer offloaded, no clipping or loss scaling: src/train/fsdp.c): the next
+                                * fl_optim_step only counts it and reports the norm */
 } fl_optim_home;
 
 typedef struct fl_optimizer {

@@ -155,6 +155,8 @@ int fl_cmd_download(int argc, char **argv);
 /* finetune_full / finetune_lora on a BLIP-2 folder (cmd_blip2_train.c): image-caption fine-tuning, in one process
  * (comm NULL) or DDP over comm's ranks; the exit code. */
 int fl_cli_blip2_train(const char *cmd, const fl_run_config *cfg, fl_comm *comm);
+/* The first stop signal's number (SIGINT, SIGTERM, SIGUSR1; SIGUSR2: fitllm's launcher), 0 = none (cmd_train.c). */
+int fl_cli_interrupted(void);
 /* The fine-tuning's own set-up and `steps` steps of synthetic captions, L tokens each (random ids and pixels, no data
  * read), on `be` (plan: the null backend) with a pool of `budget` bytes (0: the run's max_memory); given: the shape
  * (NULL: cfg->checkpoint_dir's folder, weights read). rec gets the pool's snapshots and peaks (and its OOM record),
@@ -181,6 +183,7 @@ typedef struct {
     int B, L, steps, warmup, threads, seed, lora_r, sgd, random_init;
     float lr;
     size_t budget;
+    const char *precision; /* 32-true or bf16-mixed */
 } fl_cli_b2_bench;
 int fl_cli_blip2_bench(const fl_cli_b2_bench *o);
 int fl_cli_blip2_loss(const char *cmd, const char *dir, const char *image, const int32_t *caption, int n,

@@ -3,7 +3,6 @@
  * fl_cli_blip2_rehearse) on synthetic captions of L tokens: plan on the null backend (no memory touched, nothing
  * computed: the pool's allocations, budget check, snapshots and OOM record are the run's own, so planned = measured
  * per tag when the captions are L tokens long), bench-step on the real backend with random pixels and ids. */
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -55,14 +54,7 @@ static int rehearse(const fl_run_config *c, const fl_blip2_config *bc, int cuda,
     return s == FL_OK ? 1 : s == FL_ERR_OOM && rec->oom.valid ? 0 : -1;
 }
 
-static void note(fl_plan *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void note(fl_plan *p, const char *fmt, ...) {
-    if (p->n_notes >= FL_PLAN_MAX_NOTES) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(p->notes[p->n_notes++], sizeof p->notes[0], fmt, ap);
-    va_end(ap);
-}
+#define note(...) fl_plan_note(__VA_ARGS__)
 
 /* The plan's header: the shape, the run, the parts. */
 static void describe(fl_plan *p, const fl_run_config *c, const fl_blip2_config *bc, const char *src, int L, int B,
@@ -93,18 +85,6 @@ static void copy_rec(fl_plan *p, const fl_cli_b2_rec *r) {
     memcpy(p->phases, r->phases, (size_t)p->n_phases * sizeof *p->phases);
     memcpy(p->peak, r->peak, sizeof p->peak);
     p->peak_total = r->peak_total;
-}
-
-/* What failed, as the allocation site says it (the message up to the pool's own words), and the phase it is in. */
-static void oom_record(fl_plan *p, const fl_cli_b2_rec *r) {
-    static const char *const steps[] = {"after_load", "before_fwd", "after_fwd", "after_bwd", "after_opt_step"};
-    const char *m = fl_error_message(), *e = strstr(m, "out of memory on ");
-    size_t n = e ? (size_t)(e - m) : strlen(m);
-    while (n && (m[n - 1] == ' ' || m[n - 1] == ':')) n--;
-    if (n) snprintf(p->oom_what, sizeof p->oom_what, "%.*s", (int)n, m);
-    else snprintf(p->oom_what, sizeof p->oom_what, "%s buffer", fl_mem_tag_name(r->oom.tag));
-    p->oom = r->oom;
-    snprintf(p->oom_step, sizeof p->oom_step, "%s", steps[r->n_phases < 5 ? r->n_phases : 4]);
 }
 
 int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_len, int json, int cuda) {
@@ -164,7 +144,7 @@ int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_le
         note(p, "no budget given (--device-memory or --max-memory): the plan cannot say whether it fits");
     } else {
         fits = rehearse(cfg, &bc, cuda, p->budget, L, &rec, NULL);
-        if (!fits) oom_record(p, &rec);
+        if (!fits) fl_plan_set_oom(p, &rec.oom, rec.n_phases, 1);
         p->verdict = fits == 1 ? FL_PLAN_FITS : FL_PLAN_OOM;
         /* the largest micro-batch dividing the global batch that fits */
         p->max_micro_batch_size = 0;
@@ -202,6 +182,7 @@ int fl_cli_blip2_bench(const fl_cli_b2_bench *o) {
     c.optimizer.lr = o->lr;
     if (!o->sgd) c.optimizer.weight_decay = 0.1f;
     if (o->lora_r) c.lora.r = o->lora_r, c.lora.alpha = 2.0f * (float)o->lora_r;
+    snprintf(c.precision, sizeof c.precision, "%s", o->precision ? o->precision : "32-true");
     fl_blip2_config bc;
     const char *src = "";
     fl_status s = resolve(o->model, &bc, &src);
@@ -217,9 +198,9 @@ int fl_cli_blip2_bench(const fl_cli_b2_bench *o) {
     const int s2s = fl_model_is_s2s(&bc.text), rows = bc.n_queries + L;
     if (s == FL_OK)
         printf("bench-step: %s (BLIP-2 with %s, %zu params), B=%d, captions of %d tokens (%d language-model rows%s), "
-               "%s, trains %s%s, %s weights\n", o->model, fl_arch_get(bc.text.arch)->display,
+               "%s, %s, trains %s%s, %s weights\n", o->model, fl_arch_get(bc.text.arch)->display,
                fl_blip2_param_count(&bc), o->B, L, s2s ? L : rows, s2s ? " + the source's query placeholders" : "",
-               fl_optim_name(c.optimizer.kind), o->lora_r ? "lm (LoRA)" : "qformer,lm", "",
+               c.precision, fl_optim_name(c.optimizer.kind), o->lora_r ? "lm (LoRA)" : "qformer,lm", "",
                folder && !o->random_init ? "the folder's" : "random");
     if (s == FL_OK) s = fl_cli_blip2_rehearse(&c, folder && !o->random_init ? NULL : &bc, NULL, o->budget, L, &rec);
     if (s != FL_OK) {

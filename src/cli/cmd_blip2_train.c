@@ -9,6 +9,7 @@
 #include <ctype.h>
 #include <limits.h>
 #include <math.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -49,6 +50,10 @@ typedef struct {
     uint64_t rng;
     int pools_ok;
     fl_comm *comm;                /* DDP over several ranks (NULL: one process) */
+    size_t acts_part[FL_BLIP2_PARTS], acts_total; /* ACTS by part and in all at the first step's after_fwd */
+    int snapline;                 /* this step prints the per-phase lines (train.memory_snapshot_interval) */
+    int stopped;                  /* the signal that stopped the run after a step (its checkpoint committed) */
+    long steps_done;
     int rank, world;
 } b2run;
 
@@ -79,6 +84,19 @@ static fl_status check_run(const fl_run_config *c, int synth) {
     if (strcmp(c->strategy, "auto") && strcmp(c->strategy, "ddp"))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s: BLIP-2 fine-tuning runs one process or DDP over several "
                          "(--strategy auto or ddp) so far", c->strategy);
+    /* what the trainer does that this loop does not: refused rather than ignored */
+    if (c->train.activation_checkpointing == 1)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--train.activation_checkpointing true: BLIP-2 fine-tuning keeps every "
+                         "activation so far");
+    if (c->train.max_time > 0 || c->train.max_tokens > 0)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--train.%s: BLIP-2 fine-tuning stops at train.max_steps or "
+                         "train.epochs so far", c->train.max_time > 0 ? "max_time" : "max_tokens");
+    if (c->train.lr_warmup_fraction >= 0)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--train.lr_warmup_fraction: BLIP-2 fine-tuning warms up over "
+                         "train.lr_warmup_steps");
+    if (c->eval.initial_validation)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--eval.initial_validation true: BLIP-2 fine-tuning validates every "
+                         "eval.interval steps and at the end");
     if (c->lora.quantize[0])
         return fl_errorf(FL_ERR_UNSUPPORTED, "--quantize %s: QLoRA on BLIP-2 is not built yet", c->lora.quantize);
     if (c->optimizer.kind == FL_OPT_ADAMW8BIT)
@@ -433,6 +451,15 @@ static void say(const b2run *r, const char *fmt, ...) {
     va_end(ap);
 }
 
+/* A stop signal (SIGINT, SIGTERM, SIGUSR1: after this step; the CLI's handler) into r->stopped; DDP: any rank's
+ * stops every rank at the same step. */
+static fl_status stop_signal(b2run *r) {
+    float sig = (float)fl_cli_interrupted();
+    if (r->world > 1) FL_TRY(fl_comm_all_reduce(r->comm, &sig, &sig, 1, FL_F32, FL_COMM_MAX));
+    r->stopped = (int)sig;
+    return FL_OK;
+}
+
 /* DDP: every trained part's gradients (the adapters' under LoRA) and the micro-batches' losses (each known to one
  * rank, 0 on the others: their sum is exact) summed over the ranks, so every rank updates the same weights. */
 static fl_status reduce(b2run *r, float *ml, int accum) {
@@ -445,6 +472,18 @@ static fl_status reduce(b2run *r, float *ml, int accum) {
 /* One optimizer step over `accum` micro-batches of B records (an epoch's tail that does not fill one is dropped).
  * snap: the memory snapshots of the session's first step (before_fwd once the first micro-batch's arena exists,
  * after_fwd after its forward, after_bwd after the last backward, after_opt_step), the phases plan rehearses. */
+/* train.memory_snapshot_interval: the course's per-phase line (allocated now and the peak so far, per tag and in all;
+ * this pool reserves what it allocates, so reserved = allocated) */
+static void phase_line(b2run *r, long step, const char *phase) {
+    if (!r->snapline || r->rank) return;
+    char a[32], pk[32];
+    printf("memory step %ld %-14s allocated %s, peak %s:", step, phase, fl_fmt_bytes(r->pool.cur_total, a, sizeof a),
+           fl_fmt_bytes(r->pool.peak_total, pk, sizeof pk));
+    for (int t = 0; t < FL_TAG_COUNT; t++)
+        if (r->pool.cur[t]) printf(" %s %s", fl_mem_tag_name((fl_mem_tag)t), fl_fmt_bytes(r->pool.cur[t], a, sizeof a));
+    printf("\n");
+}
+
 static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, int snap, double *loss) {
     const fl_blip2_config *bc = fl_blip2_get_config(r->b);
     const int S = bc->vision.image_size, s2s = fl_model_is_s2s(&bc->text), NQ = bc->n_queries;
@@ -479,12 +518,19 @@ static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, 
         fl_model_lora_set_seed(fl_blip2_part(r->b, FL_BLIP2_TEXT), r->cfg->seed * 1000003u + (uint64_t)it * accum + a);
         if (s == FL_OK) s = s2s ? fl_blip2_alloc_acts_s2s(r->b, B, NQ, T) : fl_blip2_alloc_acts(r->b, B, T);
         if (s == FL_OK && snap && a == mine) fl_mem_snapshot(&r->pool, "before_fwd");
+        if (s == FL_OK && a == mine) phase_line(r, it + 1, "before_fwd");
         if (s == FL_OK)
             s = s2s ? fl_blip2_forward_s2s(r->b, px, ids + (size_t)B * T, ids, tg, B, NQ, T, 1.0f / (float)vsum, NULL, &l)
                     : fl_blip2_forward(r->b, px, ids, tg, B, T, 1.0f / (float)vsum, NULL, &l);
-        if (s == FL_OK && snap && a == mine) fl_mem_snapshot(&r->pool, "after_fwd");
+        if (s == FL_OK && a == mine) phase_line(r, it + 1, "after_fwd");
+        if (s == FL_OK && snap && a == mine) {
+            fl_mem_snapshot(&r->pool, "after_fwd");
+            for (int k = 0; k < FL_BLIP2_PARTS; k++) r->acts_part[k] = fl_blip2_acts_bytes(r->b, k);
+            r->acts_total = r->pool.cur[FL_TAG_ACTS];
+        }
         if (s == FL_OK) s = fl_blip2_backward(r->b);
         if (s == FL_OK && snap && a == last) fl_mem_snapshot(&r->pool, "after_bwd");
+        if (s == FL_OK && a == last) phase_line(r, it + 1, "after_bwd");
         ml[a] = l;
         free(ids), free(tg);
     }
@@ -494,6 +540,7 @@ static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, 
     for (int k = 0; s == FL_OK && k < FL_BLIP2_PARTS; k++)
         if (r->has_opt[k]) s = fl_optim_step(&r->opt[k], (float)lr, 0.0f, NULL);
     if (s == FL_OK && snap) fl_mem_snapshot(&r->pool, "after_opt_step");
+    if (s == FL_OK) phase_line(r, it + 1, "after_opt_step");
     free(px), free(starts), free(mv), free(ml);
     *loss = vsum ? lsum / (double)vsum : 0;
     p->epoch_sum += lsum;
@@ -522,13 +569,21 @@ static void memory_report(b2run *r) {
         const fl_model *m = fl_blip2_part(r->b, k);
         fl_lora_adapters ad;
         const int lora = fl_model_lora_adapters(m, &ad);
-        const size_t pb = m->layout.numel * sizeof(float) + (lora ? ad.numel * sizeof(float) : 0);
+        const size_t pb = m->layout.numel * sizeof(float) + (lora ? ad.numel * sizeof(float) : 0) +
+                          (m->prec.name ? fl_precision_copy_bytes(&m->prec, m->layout.numel) : 0); /* bf16-mixed copy */
         const size_t gb = fl_model_grads_f32(m) ? m->layout.numel * sizeof(float) : lora ? ad.numel * sizeof(float) : 0;
         const size_t ob = r->has_opt[k] ? fl_optim_state_bytes(&r->opt[k].cfg, r->opt[k].w.n) : 0;
         printf("%s %s PARAMS %.3f GRADS %.3f OPTIM %.3f%s", k ? ";" : "", name[k], pb / 1048576.0, gb / 1048576.0,
                ob / 1048576.0, lora ? " (LoRA)" : "");
     }
     printf("\n");
+    size_t parts = 0;
+    printf("activations by part (MiB, the first step's arena):");
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        printf("%s %s ACTS %.3f", k ? ";" : "", name[k], r->acts_part[k] / 1048576.0);
+        parts += r->acts_part[k];
+    }
+    printf("; LoRA adapters ACTS %.3f\n", (r->acts_total > parts ? r->acts_total - parts : 0) / 1048576.0);
     fl_mem_print_report(&r->pool, stdout);
 }
 
@@ -592,7 +647,9 @@ static fl_status save_step(b2run *r, const b2pos *p) {
     char name[40], tmp[4096], dst[4096], path[4200];
     snprintf(name, sizeof name, "step-%06ld", p->step);
     FL_TRY(fl_fs_join(dst, sizeof dst, r->cfg->out_dir, name));
-    snprintf(tmp, sizeof tmp, "%s/.tmp-%s", r->cfg->out_dir, name);
+    char tname[48];
+    snprintf(tname, sizeof tname, ".tmp-%s", name);
+    FL_TRY(fl_fs_join(tmp, sizeof tmp, r->cfg->out_dir, tname)); /* a too-long out_dir is refused, not cut */
     fl_fs_remove_dir(tmp);
     fl_status s = fl_fs_mkdir_p(tmp);
     if (s == FL_OK) s = fl_blip2_part(r->b, FL_BLIP2_TEXT)->adapt ? save_adapter(r, tmp)
@@ -737,16 +794,27 @@ static fl_status train(b2run *r) {
     for (long it = p.step; s == FL_OK && it < max_steps; it++) {
         const double lr = fl_lr_schedule(c->optimizer.lr, c->train.min_lr, it, warm, max_steps);
         double loss = 0, vl = 0;
+        const int every = c->train.memory_snapshot_interval;
+        r->snapline = every > 0 && (it < 2 || (it + 1) % every == 0); /* steps 1, 2 and every N-th */
         s = step(r, &p, B, accum, it, lr, it == first, &loss);
         p.step = it + 1;
+        r->steps_done = p.step;
         if (s == FL_OK && (it % (c->train.log_interval > 0 ? c->train.log_interval : 1) == 0 || it + 1 == max_steps))
             say(r, "step %ld/%ld loss %.6f lr %.3g\n", it + 1, max_steps, loss, lr);
         if (s == FL_OK && r->n_val && p.step % c->eval.interval == 0 && p.step < max_steps) {
             s = validate(r, B, &vl);
             if (s == FL_OK) say(r, "step %ld val loss %.6f\n", p.step, vl);
         }
-        if (s == FL_OK && c->train.save_interval > 0 && p.step % c->train.save_interval == 0 && !r->rank)
-            s = save_step(r, &p); /* DDP: rank 0 writes (every rank holds the same weights) */
+        const int saved = c->train.save_interval > 0 && p.step % c->train.save_interval == 0;
+        if (s == FL_OK && saved && !r->rank) s = save_step(r, &p); /* DDP: rank 0 writes (every rank: the same weights) */
+        if (s == FL_OK && p.step < max_steps && (s = stop_signal(r)) == FL_OK && r->stopped) {
+            if (c->train.save_on_signal && !saved && !r->rank) s = save_step(r, &p);
+            break;
+        }
+    }
+    if (r->stopped) { /* no final evaluation or folder: the run goes on from its checkpoint (--resume auto) */
+        free(p.order);
+        return s;
     }
     if (s == FL_OK && p.epoch_n) say(r, "epoch %ld average loss %.4f\n", p.epoch + 1, p.epoch_sum / (double)p.epoch_n);
     if (s == FL_OK && r->n_val && c->eval.final_validation) {
@@ -775,26 +843,69 @@ static void close_run(b2run *r) {
     if (r->be.name && !r->borrowed) fl_backend_free(&r->be);
 }
 
+/* Stopped by a signal: rank 0 names the checkpoint to continue from; the exit status the shell's for a process killed
+ * by it (130 SIGINT, 143 SIGTERM, 138 SIGUSR1), 0 for fitllm's launcher's request (it reports itself). */
+static int stopped_message(const b2run *r, const char *cmd) {
+    const int sig = r->stopped;
+    if (sig == SIGUSR2) return 0;
+    char last[4400];
+    if (!r->rank) {
+        fflush(stdout);
+        if (fl_ckpt_find_latest(r->cfg->out_dir, last, sizeof last) == FL_OK)
+            fprintf(stderr, "fitllm %s: stopped by %s after step %ld; the last checkpoint is '%s': to continue, run the "
+                    "same command with --resume auto (out_dir '%s')\n", cmd, fl_cli_signal_name(sig), r->steps_done,
+                    last, r->cfg->out_dir);
+        else
+            fprintf(stderr, "fitllm %s: stopped by %s after step %ld, before any checkpoint was committed "
+                    "(train.save_interval %d, train.save_on_signal %s): nothing to resume from\n", cmd,
+                    fl_cli_signal_name(sig), r->steps_done, r->cfg->train.save_interval,
+                    r->cfg->train.save_on_signal ? "true" : "false");
+    }
+    return 128 + sig;
+}
+
+/* DDP: the ranks' set-up agreed on (a MAX all-reduce of {failed, rank 0 failed}), so that a rank whose set-up failed
+ * alone (a file it could not read) does not leave the others waiting in the first reduction: every rank returns, the
+ * failed ones say why (rank 0 for all when it failed too), rank 0 that another failed. *quiet: this rank says nothing. */
+static fl_status agree_setup(b2run *r, fl_status s, int *quiet) {
+    *quiet = 0;
+    if (r->world <= 1) return s;
+    float v[2] = {s != FL_OK ? 1.0f : 0.0f, !r->rank && s != FL_OK ? 1.0f : 0.0f};
+    fl_status c = fl_comm_all_reduce(r->comm, v, v, 2, FL_F32, FL_COMM_MAX);
+    if (s != FL_OK) {
+        *quiet = r->rank && v[1] > 0;
+        return s;
+    }
+    if (c != FL_OK) return c;
+    if (v[0] > 0) {
+        *quiet = r->rank != 0;
+        return fl_errorf(FL_ERR_INVALID, "another rank's set-up failed (its message above)");
+    }
+    return FL_OK;
+}
+
 int fl_cli_blip2_train(const char *cmd, const fl_run_config *cfg, fl_comm *comm) {
     b2run r;
     memset(&r, 0, sizeof r);
     r.cfg = cfg;
     r.lora = cfg->command == FL_CMD_FINETUNE_LORA;
     r.comm = comm, r.rank = comm ? fl_comm_rank(comm) : 0, r.world = comm ? fl_comm_size(comm) : 1;
-    fl_status s = setup(&r);
+    int quiet = 0;
+    fl_status s = agree_setup(&r, setup(&r), &quiet);
+    const int set_up = s == FL_OK;
     if (s == FL_OK) s = train(&r);
     /* the training commands' exit codes: configuration problems (bad values, a missing file, what is not built) 2.
-     * DDP: every rank fails the same way at set-up (rank 0 says so); a rank's own failure in a step (an image it
-     * read) ends the job (fl_comm_abort names the rank), as the others wait in the next reduction */
+     * DDP: a failure in training (an image one rank read) ends the job (fl_comm_abort names the rank: the others
+     * wait in the next reduction); one every rank hits the same way before any reduction (a refused --resume) is
+     * rank 0's to say */
     const int usage = s == FL_ERR_INVALID || s == FL_ERR_NOT_FOUND || s == FL_ERR_UNSUPPORTED;
     int rc = 0;
-    if (s != FL_OK && r.world > 1 && r.rank) {
-        rc = usage ? FL_EXIT_USAGE : FL_EXIT_RUNTIME;
-        if (!usage) fl_comm_abort(comm, rc, fl_error_message());
-    } else if (s != FL_OK) {
-        rc = usage ? (fl_cli_fail(cmd, s, NULL), FL_EXIT_USAGE) : fl_cli_fail(cmd, s, r.b ? &r.pool : NULL);
-        if (r.world > 1 && !usage) fl_comm_abort(comm, rc, fl_error_message());
+    if (s != FL_OK) {
+        rc = usage ? FL_EXIT_USAGE : s == FL_ERR_OOM ? FL_EXIT_OOM : FL_EXIT_RUNTIME;
+        if (!quiet && (!r.rank || !set_up || !usage)) fl_cli_fail(cmd, s, r.b && !usage ? &r.pool : NULL);
+        if (r.world > 1 && set_up && !usage) fl_comm_abort(comm, rc, fl_error_message());
     }
+    if (s == FL_OK && r.stopped) rc = stopped_message(&r, cmd);
     close_run(&r);
     return rc;
 }

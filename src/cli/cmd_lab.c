@@ -5,14 +5,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cli.h"
 #include "fitllm/lab.h"
 
 static void help(void) {
     printf("usage: fitllm lab [--suite quick|full|fsdp] [--only name,name] [--out_dir DIR] [--threads N] [--steps N]\n"
-           "                  [--keep-runs] [--run-oom] [--scale lab|real] [--lengths TABLE|fixed] [--peer pytorch]\n"
-           "                  [--peak-tflops X]\n"
+           "                  [--keep-runs] [--run-oom] [--plan-only] [--scale lab|real] [--lengths TABLE|fixed]\n"
+           "                  [--peer pytorch] [--peak-tflops X]\n"
            "                  fsdp suite: [--model gpt2-xl|gpt2-xxl] [--precision LIST] [--fsdp.backward_prefetch on|off]\n\n"
            "Runs the memory lab's sequence of experiments (baseline, reduced batch, gradient accumulation, LR\n"
            "scaling, bf16-true, bf16-mixed, larger models, SGD, 8-bit Adam, activation checkpointing, CPU offload,\n"
@@ -41,6 +42,8 @@ static void help(void) {
            "  --run-oom         (default off)  also train the rows the plan says OOM, to see the allocator refuse\n"
            "                    them; off: such a row is decided by its plan before any model memory is touched\n"
            "                    (under a second; its note says \"planned; not run\")\n"
+           "  --plan-only       (default off)  train no row: every verdict and peak is the row's plan (seconds for\n"
+           "                    the whole suite, at either scale; e.g. --scale real on a machine without 80 GB)\n"
            "  --scale S         (default lab)  lab: the scaled models and budget above; real: the lab's real models\n"
            "                    (tinyllama-1.1b, open-llama-3b, open-llama-7b) at the course's settings (sample lengths\n"
            "                    drawn from --lengths, cut to max_seq_length 512) with an 80 GB budget, for\n"
@@ -52,10 +55,12 @@ static void help(void) {
            "                    draw from (Alpaca's measured lengths: median 118, p95 320, max 406 tokens); each\n"
            "                    micro batch is padded to its longest sample, no packing; fixed: every sample 1025\n"
            "                    tokens (T = 1024)\n"
-           "  --peer pytorch    (default off)  quick/full: beside each of the course's runs, what PyTorch (HF\n"
-           "                    Llama, sdpa, AdamW) would allocate: parameters, gradients, AdamW state, saved\n"
-           "                    tensors and logits as measured with torch (tests/ref/pytorch_alloc.py), the peak\n"
-           "                    modelled; fitllm / PyTorch and PyTorch / the course's reading as ratios\n"
+           "  --peer pytorch    (default off)  quick/full: beside each lab row (at the real scale) and each of the\n"
+           "                    course's runs, what PyTorch (HF Llama, sdpa; the row's optimizer, autocast, HF\n"
+           "                    checkpointing, PEFT LoRA, bitsandbytes NF4) would need: parameters, gradients,\n"
+           "                    optimizer state, saved tensors and logits as measured with torch\n"
+           "                    (tests/ref/pytorch_alloc.py), the peak and DeepSpeed / DDP / FSDP modelled (each row\n"
+           "                    says which); fitllm / PyTorch and PyTorch / the course's reading as ratios\n"
            "  --peak-tflops X   (default: H100/H200/A100/V100 by name, none on a CPU)  the device's peak for MFU\n"
            "  --model M         (default gpt2-xl)  fsdp suite: gpt2-xl or gpt2-xxl (the course's ~3 B GPT;\n"
            "                    GPT-3 2.7B's shape, 2.65 B parameters)\n"
@@ -99,6 +104,7 @@ int fl_cmd_lab(int argc, char **argv) {
             i++;
         }
         else if (!strcmp(a, "--run-oom")) o.run_oom = 1;
+        else if (!strcmp(a, "--plan-only")) o.plan_only = 1;
         else if (!strcmp(a, "--model")) {
             if (!v || (strcmp(v, "gpt2-xl") && strcmp(v, "gpt2-xxl")))
                 return fl_cli_usage(cmd, "--model: '%s' is not gpt2-xl or gpt2-xxl (the fsdp suite's models)", v ? v : "");
@@ -127,7 +133,7 @@ int fl_cmd_lab(int argc, char **argv) {
             o.real_scale = !strcmp(v, "real");
             i++;
         }
-        else return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--help", "--fsdp.backward_prefetch", "--keep-runs", "--lengths", "--model", "--peer", "--only", "--out_dir", "--peak-tflops", "--precision", "--run-oom", "--scale", "--steps", "--suite", "--threads", NULL});
+        else return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--help", "--fsdp.backward_prefetch", "--keep-runs", "--lengths", "--model", "--peer", "--only", "--plan-only", "--out_dir", "--peak-tflops", "--precision", "--run-oom", "--scale", "--steps", "--suite", "--threads", NULL});
     }
     char runs[4200];
     if (keep) {
@@ -149,8 +155,16 @@ int fl_cmd_lab(int argc, char **argv) {
         fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
         return FL_EXIT_RUNTIME;
     }
+    char pngs[128] = ""; /* the charts gnuplot drew (step_time.png needs a row that trained; sweep.png the fsdp suite) */
+    static const char *const k_png[] = {"memory.png", "phases.png", "step_time.png", "sweep.png"};
+    for (size_t i = 0; charts && i < sizeof k_png / sizeof k_png[0]; i++) {
+        char path[FL_CFG_PATH + 32];
+        snprintf(path, sizeof path, "%s/%s", out_dir, k_png[i]);
+        if (access(path, R_OK) == 0)
+            snprintf(pngs + strlen(pngs), sizeof pngs - strlen(pngs), ", %s", k_png[i]);
+    }
     printf("\nwrote %s/report.md, results.csv, results.json%s (%.1f s)\n", out_dir,
-           charts ? ", memory.png, step_time.png" : " (no charts: see report.md)", rep.wall_s);
+           charts ? pngs : " (no charts: see report.md)", rep.wall_s);
     int errors = rep.n_errors;
     fl_lab_report_free(&rep);
     if (errors) {

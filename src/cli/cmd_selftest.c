@@ -120,7 +120,10 @@ static void help(void) {
            "error as a fraction of its bound; median time of 5 runs on the tested backend). Then trains the\n"
            "micro preset 4 steps (AdamW, clipping, a checkpoint) on both backends, and once more with CPU\n"
            "offload (deepspeed_stage_2_offload) on the tested one, comparing every step's loss within 1e-5\n"
-           "(relative). Exits 1 on any mismatch.\n\n"
+           "(relative). On a GPU backend, the attention kernels a bf16 run may get side by side against float64,\n"
+           "with their time and TFLOP/s: FITLLM_CUDA_ATTN=cudnn (NVIDIA cuDNN's fused attention, opened at run\n"
+           "time; EXPERIMENTAL), own and legacy (--only attention_choices runs just these). Exits 1 on any\n"
+           "mismatch.\n\n"
            "  --accelerator A   cuda (default when this build has CUDA and a GPU is visible; EXPERIMENTAL) or\n"
            "                    cpu (the CPU backend against the portable reference backend)\n"
            "  --backend NAME    any backend of this build by name (fitllm --version lists them)\n"
@@ -171,9 +174,18 @@ int fl_cmd_selftest(int argc, char **argv) {
     }
     fl_selftest_result res;
     s = fl_backend_selftest(&dev, &ref, only, small, stdout, &res);
+    const int bf16_attn = (dev.caps & FL_CAP_COMPUTE_BF16) != 0;
     fl_backend_free(&dev);
     fl_backend_free(&ref);
     if (s != FL_OK) return fl_cli_fail(cmd, s, NULL);
+    /* the attention kernels a bf16 run may get (cuDNN, own, legacy) side by side against float64 */
+    if (s == FL_OK && bf16_attn && (!only || strstr("attention_choices", only))) {
+        fl_selftest_result ra;
+        if (fl_selftest_attention_choices(name, small, stdout, &ra) == FL_OK) {
+            res.n_cases += ra.n_cases;
+            res.n_fail += ra.n_fail;
+        }
+    }
     /* the ops together: training runs on both backends */
     int n_train = 0, train_bad = st_train_cases(name, ref_name, only, threads, stdout, &n_train);
     if (n_train) printf("selftest: training runs %s\n", train_bad ? "FAILED" : "ok");

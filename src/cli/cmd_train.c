@@ -346,6 +346,7 @@ static int join_ranks(const char *cmd, const fl_run_config *cfg, int argc, char 
 }
 
 static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_comm *comm);
+static int blip2_run(const char *cmd, const fl_run_config *cfg, fl_comm *comm);
 
 static int run(const char *cmd, fl_cmd_kind kind, int argc, char **argv) {
     /* the log a line at a time also into a file or a pipe (mpirun's): a process killed at any moment
@@ -365,7 +366,7 @@ static int run(const char *cmd, fl_cmd_kind kind, int argc, char **argv) {
         fl_comm_destroy(comm);
         return rc;
     }
-    rc = blip2 ? fl_cli_blip2_train(cmd, &cfg, comm) : train(cmd, kind, &cfg, comm);
+    rc = blip2 ? blip2_run(cmd, &cfg, comm) : train(cmd, kind, &cfg, comm);
     fl_comm_destroy(comm);
     return rc;
 }
@@ -416,9 +417,10 @@ static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_co
          * it ends the job, naming the rank (the others may be waiting for it in a collective) */
         if (res.error_all_ranks && rank != 0) return code;
         if (!res.error_all_ranks) {
-            char msg[1200 + FL_CFG_PATH * 3], where[FL_CFG_PATH * 2];
+            char msg[1200 + FL_CFG_PATH * 3], where[FL_CFG_PATH * 2], err[1024];
+            snprintf(err, sizeof err, "%s", fl_error_message()); /* before the checkpoint scan sets another */
             fl_cli_last_checkpoint(cfg.out_dir, where, sizeof where);
-            snprintf(msg, sizeof msg, "fitllm %s: error: %s; %s", cmd, fl_error_message(), where);
+            snprintf(msg, sizeof msg, "fitllm %s: error: %s; %s", cmd, err, where);
             fl_comm_abort(comm, code, msg); /* MPI: does not return */
         }
     }
@@ -464,6 +466,25 @@ static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_co
         return code;
     }
     return 0;
+}
+
+int fl_cli_interrupted(void) { return g_interrupted; }
+
+/* BLIP-2's loop (cmd_blip2_train.c) under the same signal handling: it polls fl_cli_interrupted after each step. */
+static int blip2_run(const char *cmd, const fl_run_config *cfg, fl_comm *comm) {
+    const int rank = comm ? fl_comm_rank(comm) : 0, world = comm ? fl_comm_size(comm) : 1;
+    const int launched = getenv("FITLLM_LAUNCHED") != NULL && world > 1;
+    snprintf(g_resume_msg, sizeof g_resume_msg,
+             "fitllm %s: stopped at once; to continue from the last step-* checkpoint in '%s', run the same command "
+             "with --resume auto\n", cmd, cfg->out_dir);
+    g_world = world;
+    g_rank0 = rank == 0;
+    g_cmd_name = cmd;
+    g_out_dir = cfg->out_dir;
+    signals_begin(cfg->threads > 0 ? cfg->threads : fl_cpu_default_threads(), launched);
+    const int rc = fl_cli_blip2_train(cmd, cfg, comm);
+    signals_end(launched);
+    return rc;
 }
 
 int fl_cmd_finetune_full(int argc, char **argv) { return run("finetune_full", FL_CMD_FINETUNE_FULL, argc, argv); }

@@ -131,10 +131,14 @@ static void usage(FILE *f) {
                "               (one GPU; `fitllm selftest --accelerator cuda` checks it against the CPU)\n");
     fprintf(f, "\n  FITLLM_BACKEND=opaque (environment; a testing aid): run on the test backend whose tensor memory the\n"
                "               host cannot read outside its ops (same results as the CPU; default: cpu)\n");
-    fprintf(f, "\n  FITLLM_CUDA_ATTN=own|legacy|fp32 (environment): a bf16 run's attention on the GPU at head size 64 or\n"
-               "               128: own (default) = FlashAttention-2-structured kernels, EXPERIMENTAL (checked on the\n"
-               "               CUDA emulator, not yet timed on a GPU); legacy = the earlier tensor-core kernels; fp32 =\n"
-               "               the fp32 kernels\n");
+    fprintf(f, "\n  FITLLM_CUDA_ATTN=auto|cudnn|own|legacy|fp32 (environment): a bf16 run's attention on the GPU at\n"
+               "               head size 64 or 128: auto (default) = NVIDIA cuDNN's fused attention where libcudnn.so.9\n"
+               "               loads and takes the shape (EXPERIMENTAL: not yet run on a GPU; FITLLM_CUDNN_LIB names the\n"
+               "               file), else own, said once; cudnn = require it; own = FlashAttention-2-structured\n"
+               "               kernels, EXPERIMENTAL (checked on the CUDA emulator, not yet timed on a GPU); legacy =\n"
+               "               the earlier tensor-core kernels; fp32 = the fp32 kernels. `fitllm selftest` compares them\n");
+    fprintf(f, "\n  FITLLM_CUDA_DETERMINISTIC=1 (environment): the own attention backward adds dq across key blocks in a\n"
+               "               fixed order (the same bits every run, somewhat slower; cuDNN's backward is then not used)\n");
     fprintf(f, "\nexit codes: 0 ok, 1 runtime error, 2 usage error, 3 out of memory\n");
 }
 

@@ -182,11 +182,17 @@ static void on_term(int sig) {
 
 void fl_cli_last_checkpoint(const char *out_dir, char *buf, size_t n) {
     char last[FL_CLI_PATH + 300];
+    /* the callers print the error that ended the run beside this: looking for the checkpoint must not replace it
+     * (none committed sets this thread's message; a failed eval sample's error was printed as "no committed
+     * checkpoint" so) */
+    char *keep = strdup(fl_error_message());
     if (fl_ckpt_find_latest(out_dir, last, sizeof last) == FL_OK)
         snprintf(buf, n, "the last committed checkpoint is '%s' (to continue from it, run the same command with "
                  "--resume auto)", last);
     else
         snprintf(buf, n, "no checkpoint was committed in '%s' (a new run starts over: --overwrite)", out_dir);
+    if (keep) (void)fl_errorf(FL_ERR_INTERNAL, "%s", keep);
+    free(keep);
 }
 
 void fl_cli_faults_begin(const char *cmd, const fl_run_config *cfg, int rank, int size) {

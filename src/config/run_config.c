@@ -27,10 +27,13 @@ void fl_cfg_defaults(fl_run_config *c, fl_cmd_kind cmd) {
     c->devices = 1;
     c->num_nodes = 1;
     c->tensor_parallel = 1;
+    c->pipeline_parallel = 1;
+    snprintf(c->pipeline_schedule, sizeof c->pipeline_schedule, "1f1b");
     snprintf(c->strategy, sizeof c->strategy, "auto");
     snprintf(c->state_dict_type, sizeof c->state_dict_type, "full");
     c->offload_prefetch = 1; /* the next unit, as FSDP's gather */
     c->offload_overlap = 1;
+    c->offload_update_overlap = 1;
     c->bucket_size = (size_t)256 << 20; /* between PyTorch DDP's 25 MB and Lightning DeepSpeed's 2e8 elements */
     snprintf(c->resume, sizeof c->resume, "false");
     c->seed = cmd == FL_CMD_PRETRAIN ? 42 : 1337;
@@ -76,6 +79,8 @@ static const fl_cfg_key k_keys[] = {
     {"devices", FL_CK_DEVICES, OFF(devices), "devices (ranks) per node, or auto (1 CPU device); > 1: data parallel over devices x num_nodes ranks"},
     {"num_nodes", FL_CK_POS, OFF(num_nodes), "number of nodes"},
     {"tensor_parallel", FL_CK_POS, OFF(tensor_parallel), "ranks per tensor-parallel group (Megatron-style: attention heads and MLP columns split over them, and the token embeddings, lm_head and cross-entropy vocabulary-parallel (V/N rows each; the counts differ by one when N does not divide the vocabulary); finetune_full and pretrain of LLaMA, GPT-2, OPT; checkpoints consolidated, resumable at any size); devices x num_nodes = data-parallel groups x tensor_parallel (DDP, ZeRO-1 or ZeRO-2 on the data-parallel axis); default 1"},
+    {"pipeline_parallel", FL_CK_POS, OFF(pipeline_parallel), "EXPERIMENTAL: stages per pipeline (GPipe / 1F1B pipeline parallelism): each rank of a pipeline holds a contiguous range of the decoder's blocks (balanced by count; the first also runs the embeddings, the last the final norm, lm_head and loss), the micro-batches of a step are its gradient accumulation steps, activations and their gradients travel between neighbouring stages; finetune_full and pretrain of LLaMA, GPT-2, OPT; devices x num_nodes = pipelines (DDP between them) x pipeline_parallel; checkpoints consolidated as one process writes them; default 1"},
+    {"pipeline_schedule", FL_CK_STR32, OFF(pipeline_schedule), "EXPERIMENTAL, with --pipeline_parallel: gpipe (every forward, then every backward: each stage keeps all the step's micro-batches in flight) | 1f1b (default: stage s keeps at most min(stages - s, micro-batches) in flight)"},
     {"strategy", FL_CK_STR32, OFF(strategy), "auto | ddp | deepspeed_stage_1 | deepspeed_stage_2 | deepspeed_stage_3 | deepspeed_stage_1_offload | deepspeed_stage_2_offload | deepspeed_stage_3_offload | deepspeed_stage_3_offload_nvme | fsdp | fsdp_cpu_offload (auto, as LitGPT: fsdp FULL_SHARD for finetune_full and pretrain, ddp over the adapters for adapter fine-tuning, on CPUs and GPUs; ZeRO-1/2 shard the optimizer state / gradients; ZeRO-3 = fsdp FULL_SHARD also the parameters, gathered block by block; *_offload: ZeRO-Offload, the optimizer state in host memory outside the device budget and the update on the host's cores, AdamW or SGD, one device or several; deepspeed_stage_3_offload: ZeRO-3 with the optimizer offloaded, the parameters' shards on the devices unless --offload_param_device cpu|nvme; fsdp_cpu_offload: FULL_SHARD with the parameters' and gradients' shards and the optimizer in host memory (Lightning's FSDP cpu_offload); deepspeed_stage_3_offload_nvme: ZeRO-3 with the parameters and the optimizer state in NVMe files under nvme_path (ZeRO-Infinity); one process or several)"},
     {"fsdp.sharding_strategy", FL_CK_STR32, OFF(sharding_strategy), "--strategy fsdp: FULL_SHARD (default; = ZeRO-3: parameters, gradients and optimizer state divided by the ranks) | SHARD_GRAD_OP (= ZeRO-2) | NO_SHARD (= ddp) | HYBRID_SHARD (FULL_SHARD within each node of --devices ranks, replicated across --num_nodes; pretrain's auto across nodes)"},
     {"fsdp.backward_prefetch", FL_CK_STR32, OFF(backward_prefetch), "--strategy fsdp FULL_SHARD / HYBRID_SHARD: BACKWARD_PRE or true (default: in backward the next unit's all-gather is posted while this one computes, PyTorch FSDP's default) | off or false (PyTorch's None: each unit gathered when its backward starts; less GATHER memory, no overlap)"},
@@ -84,6 +89,7 @@ static const fl_cfg_key k_keys[] = {
     {"offload_param_device", FL_CK_STR32, OFF(offload_param_device), "none (default, but cpu under fsdp_cpu_offload and nvme under deepspeed_stage_3_offload_nvme: the parameters' shards on the device) | cpu | nvme: parameter offload (DeepSpeed's offload_param, Lightning's fsdp_cpu_offload), with the ZeRO-3 offload strategies only: each rank's parameter and gradient shards live in host memory (cpu) or in files under nvme_path (nvme), each unit is copied to the device ahead of its forward and backward and dropped after, its gradient reduced and sent back to the host shard; the update runs on the host. Same bits as the device-resident run"},
     {"offload_prefetch", FL_CK_INT, OFF(offload_prefetch), "parameter offload (offload_param_device cpu|nvme): how far ahead units are fetched; 1 (default): the next unit's copy to the device and its all-gather are posted while this one computes, in forward and backward (FSDP's prefetch), and on nvme its piece is read from the files ahead; N > 1: on nvme the next N units' pieces are read ahead; 0: each unit fetched when it is needed (least device memory, no overlap). Same bits at any depth"},
     {"offload_overlap", FL_CK_BOOL, OFF(offload_overlap), "parameter offload with offload_prefetch >= 1: true (default): a worker thread copies each unit fetched ahead out of the host tier or the NVMe files while the unit before it computes (on a GPU into page-locked staging, then up: EXPERIMENTAL); false: the copy runs on the model's thread when the unit is posted. Same bits either way"},
+    {"offload_update_overlap", FL_CK_BOOL, OFF(offload_update_overlap), "ZeRO-3 / FULL_SHARD with the optimizer offloaded (deepspeed_stage_3_offload, fsdp_cpu_offload, ..._nvme), without gradient clipping (train.max_norm null or 0) and loss scaling (16-mixed / 16-true): true (default): each unit's update runs on the host as soon as its gradient is final, on the fetch worker thread, beside the rest of the backward, its fetches and reductions; false: the whole update after the backward. With clipping or loss scaling the update needs every unit's gradient first and runs after the backward either way. Same bits either way"},
     {"bucket_size", FL_CK_BYTES, OFF(bucket_size), "data parallel: the bytes of one bucket of the gradient reductions (ZeRO-2's reduce-scatter, FULL_SHARD's per unit, DDP/ZeRO-1's all-reduce per layer group; DeepSpeed's reduce_bucket_size in bytes): a reduction larger than it runs bucket by bucket, so its scratch (under twice the bucket) does not grow with the model; same bits at any size; null: one collective each"},
     {"fsdp.state_dict_type", FL_CK_STR32, OFF(state_dict_type), "checkpoints of every strategy: full (consolidated, one file set) | sharded (each rank writes its element ranges; resumable at any world size; fitllm merge_shards consolidates)"},
     {"resume", FL_CK_RESUME, OFF(resume), "false | true | auto | path to a checkpoint folder"},
@@ -132,6 +138,7 @@ static const fl_cfg_key k_keys[] = {
     {"train.beta2", FL_CK_FLOAT, OFF(optimizer.beta2), "(older LitGPT recipes) AdamW beta2"},
     {"train.activation_checkpointing", FL_CK_BOOL_OPT, OFF(train.activation_checkpointing), "recompute blocks in backward (null: on where --strategy auto shards finetune_full over several devices, as LitGPT's FSDP; off otherwise)"},
     {"train.keep_checkpoints", FL_CK_INT, OFF(train.keep_checkpoints), "keep only the newest N step-* checkpoints, 0 = all (fitllm)"},
+    {"train.memory_snapshot_interval", FL_CK_INT, OFF(train.memory_snapshot_interval), "BLIP-2 fine-tuning: print the memory (allocated and its peak so far, per tag) at the four phases of steps 1, 2 and every N-th step, 0 = off (fitllm)"},
     {"train.save_on_signal", FL_CK_BOOL, OFF(train.save_on_signal), "on SIGINT (Ctrl-C), SIGTERM or SIGUSR1: finish the step, commit a step-* checkpoint, then stop (fitllm)"},
     {"train.divergence_check", FL_CK_BOOL, OFF(train.divergence_check), "stop with exit 1, no final/, when the loss stays above a uniform guess's ln(vocab_size) + 2 (20 steps of the smoothed training loss, or a validation) after warm-up (fitllm)"},
     {"eval.interval", FL_CK_POS, OFF(eval.interval), "optimizer steps between evaluations"},
@@ -593,7 +600,7 @@ fl_status fl_cfg_set(fl_run_config *c, const char *key_in, const char *v) {
 }
 
 int fl_cfg_dp_ranks(const fl_run_config *c) {
-    const int tp = c->tensor_parallel > 1 ? c->tensor_parallel : 1;
+    const int tp = (c->tensor_parallel > 1 ? c->tensor_parallel : 1) * (c->pipeline_parallel > 1 ? c->pipeline_parallel : 1);
     return c->devices * c->num_nodes / tp > 0 ? c->devices * c->num_nodes / tp : 1;
 }
 
@@ -672,12 +679,18 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
         return fl_errorf(FL_ERR_INVALID, "tensor_parallel %d does not divide devices x num_nodes = %d ranks (the ranks "
                          "are data-parallel groups of tensor_parallel ranks each)", c->tensor_parallel,
                          c->devices * c->num_nodes);
+    if (c->pipeline_parallel > 1 && (c->devices * c->num_nodes) % c->pipeline_parallel)
+        return fl_errorf(FL_ERR_INVALID, "--pipeline_parallel %d does not divide devices x num_nodes = %d ranks (the "
+                         "ranks are pipelines of pipeline_parallel stages each)", c->pipeline_parallel,
+                         c->devices * c->num_nodes);
+    if (strcmp(c->pipeline_schedule, "gpipe") && strcmp(c->pipeline_schedule, "1f1b"))
+        return fl_errorf(FL_ERR_INVALID, "--pipeline_schedule '%s': expected gpipe or 1f1b", c->pipeline_schedule);
     const int dpr = fl_cfg_dp_ranks(c);
     int per_rank = t->global_batch_size / dpr;
     if (t->global_batch_size % dpr || per_rank % t->micro_batch_size)
         return fl_errorf(FL_ERR_INVALID,
                          "train.global_batch_size %d is not divisible by %s x micro_batch_size = %d x %d",
-                         t->global_batch_size, c->tensor_parallel > 1 ? "data-parallel ranks" : "devices", dpr,
+                         t->global_batch_size, c->tensor_parallel > 1 || c->pipeline_parallel > 1 ? "data-parallel ranks" : "devices", dpr,
                          t->micro_batch_size);
     if (t->log_interval <= 0) return fl_errorf(FL_ERR_INVALID, "train.log_interval must be positive");
     if (t->lr_warmup_fraction >= 0 && t->lr_warmup_steps > 0)
@@ -691,6 +704,9 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
     if (t->epochs == 0) return fl_errorf(FL_ERR_INVALID, "train.epochs must be positive or null");
     if (t->max_time != -1 && !(t->max_time > 0))
         return fl_errorf(FL_ERR_INVALID, "train.max_time must be a positive number of seconds or null");
+    if (c->train.memory_snapshot_interval < 0)
+        return fl_errorf(FL_ERR_INVALID, "train.memory_snapshot_interval %d: give 0 (off) or the steps between snapshots",
+                         c->train.memory_snapshot_interval);
     if (c->eval.interval <= 0) return fl_errorf(FL_ERR_INVALID, "eval.interval must be positive");
     if (c->eval.max_iters <= 0) return fl_errorf(FL_ERR_INVALID, "eval.max_iters must be positive");
     if (!(c->optimizer.lr > 0)) return fl_errorf(FL_ERR_INVALID, "optimizer.lr must be positive");
@@ -903,6 +919,7 @@ void fl_cfg_write_yaml(const fl_run_config *c, FILE *f) {
         if (!dumped(k) || !key_applies(k, c->command)) continue;
         if (strchr(k->name, '.')) continue; /* written with its group */
         if (!strcmp(k->name, "tensor_parallel") && c->tensor_parallel == 1) continue; /* only when given */
+        if (!strncmp(k->name, "pipeline_", 9) && c->pipeline_parallel == 1) continue;
         if (k->type == FL_CK_MODEL_CONFIG && c->n_model_fields) {
             write_model_fields(c, f);
             continue;

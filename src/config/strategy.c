@@ -87,7 +87,7 @@ fl_status fl_cfg_check_strategy(const char *s) {
  * FULL_SHARD where an explicit fsdp is refused. */
 static const char *full_shard_refusal(const fl_run_config *c, int device_comm) {
     (void)device_comm;
-    return c->tensor_parallel > 1 ? "--tensor_parallel" : NULL;
+    return c->tensor_parallel > 1 ? "--tensor_parallel" : c->pipeline_parallel > 1 ? "--pipeline_parallel" : NULL;
 }
 
 static fl_status resolve_strategy(const fl_run_config *c, int device_comm, fl_strategy_choice *out) {

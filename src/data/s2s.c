@@ -36,6 +36,11 @@ void fl_s2s_config_default(fl_s2s_config *c) {
     c->max_target_length = 128;
 }
 
+int fl_s2s_source_limit(int max_source, int max_seq) {
+    if (max_seq <= 0) return max_source;
+    return max_source <= 0 || max_seq < max_source ? max_seq : max_source;
+}
+
 void fl_s2s_free(fl_s2s_data *d) {
     if (!d) return;
     free(d->tok);

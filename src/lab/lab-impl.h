@@ -22,6 +22,8 @@ typedef struct {
 } lab_exp;
 
 
+/* a row with timings: it fit and trained (not --plan-only) */
+#define FL_LAB_TIMED(r) ((r)->verdict == FL_LAB_FITS && (r)->ran)
 #define FL_LAB_MIB(x) ((double)(x) / 1048576.0)
 #define REF_SWEEP_T_PUBLIC 128 /* the course's FSDP benchmark's sequence length */
 
@@ -42,6 +44,13 @@ int fl_lab_course_fsdp(const fl_lab_report *rep, const fl_lab_row *r, double *me
 /* lab_course.c: the course's runs table, console and report.md */
 void fl_lab_course_print(const fl_lab_report *rep, FILE *f);
 void fl_lab_course_md(FILE *f, const fl_lab_report *rep);
+/* lab_peer_rows.c: --peer pytorch for the lab's rows (at the real scale: the plan p of the real model) */
+void fl_lab_row_peer(const lab_exp *e, int ranks, const fl_plan *p, fl_lab_row *r);
+void fl_lab_peer_rows_print(const fl_lab_report *rep, FILE *f);
+void fl_lab_peer_rows_md(FILE *f, const fl_lab_report *rep);
+void fl_lab_peer_json(FILE *f, const fl_lab_peer *q);
+/* real scale: where the row's plan p differs from the course (its verdict e->expected; its memory reading), why */
+void fl_lab_row_course_diff(const lab_exp *e, const fl_plan *p, fl_lab_row *r);
 /* lab_gpu.c: GPU utilization and memory through NVML (fitllm/gpu_monitor.h) */
 #include "fitllm/gpu_monitor.h"
 void fl_lab_gpu_stop(fl_gpu_monitor *g, fl_lab_row *r); /* fl_gpu_monitor_stop into the row's gpu_* */

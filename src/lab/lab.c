@@ -471,6 +471,7 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
     if (!rep->real_scale) {
         apply_row(c, e, e->ref_model, rep->ref_T, steps, rep->ref_device, out, threads, rep);
         plan_row(c, p, &r->ref_planned, &r->ref_peak);
+        if (rep->peer_pytorch && r->ref_planned != FL_PLAN_VERDICT_COUNT) fl_lab_row_peer(e, r->ranks, p, r);
     }
     /* the scale the row runs at */
     apply_row(c, e, model, rep->T, steps, rep->budget, out, threads, rep);
@@ -480,6 +481,8 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
     if (rep->real_scale) {
         r->ref_planned = r->planned;
         r->ref_peak = r->planned_peak;
+        if (rep->peer_pytorch && r->planned != FL_PLAN_VERDICT_COUNT) fl_lab_row_peer(e, r->ranks, p, r);
+        if (!rep->sweep && r->planned != FL_PLAN_VERDICT_COUNT) fl_lab_row_course_diff(e, p, r);
     }
     if (r->planned == FL_PLAN_OOM || r->planned == FL_PLAN_FITS) {
         memcpy(r->planned_tag, p->peak, sizeof r->planned_tag);
@@ -488,6 +491,19 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
         r->phases_planned = 1;
     }
     r->prefetch = !rep->no_prefetch;
+    if (rep->plan_only && (r->planned == FL_PLAN_FITS || r->planned == FL_PLAN_OOM) &&
+        (!e->technique[0] || fl_plan_technique_available(e->technique) == 1)) { /* --plan-only: the plan's verdict */
+        if (r->planned == FL_PLAN_OOM) {
+            memcpy(r->peak, p->oom.cur, sizeof r->peak);
+            r->peak_total = r->peak_min = r->peak_max = p->oom.in_use;
+            set_oom(r, &p->oom, " (planned; not run)");
+        } else {
+            r->verdict = FL_LAB_FITS;
+            memcpy(r->peak, p->peak, sizeof r->peak);
+            r->peak_total = r->peak_min = r->peak_max = r->planned_peak; /* the legend says planned */
+        }
+        goto done;
+    }
     if (rep->real_scale && r->ranks > 1 && rep->sweep && rep->capacity < (size_t)r->ranks * rep->budget) {
         char a[32], b[32];
         r->verdict = FL_LAB_NA;
@@ -728,6 +744,8 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
     if (o->peer && strcmp(o->peer, "pytorch"))
         return fl_errorf(FL_ERR_INVALID, "--peer: '%s' is not pytorch (the one peer modelled)", o->peer);
     snprintf(rep->suite, sizeof rep->suite, "%s", o->suite ? o->suite : "quick");
+    rep->peer_pytorch = o->peer != NULL; /* the rows' and the course's runs carry PyTorch's allocation */
+    rep->plan_only = o->plan_only;
     int precs = 0;
     rep->no_prefetch = bit == SUITE_FSDP && o->no_backward_prefetch;
     if (bit == SUITE_FSDP) FL_TRY(sweep_setup(o, rep, &precs));
@@ -843,7 +861,6 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
         }
         if (best >= 0) rep->rows[best].largest = 1;
     }
-    rep->peer_pytorch = o->peer != NULL;
     if (bit == SUITE_QUICK || bit == SUITE_FULL) FL_TRY(fl_lab_course_plans(rep)); /* plans only: < 2 s */
     rep->wall_s = now_s() - t0;
     if (!o->run_dir) nftw(tmp, rm_entry, 16, FTW_DEPTH | FTW_PHYS);

@@ -144,7 +144,8 @@ fl_status fl_lab_course_plans(fl_lab_report *rep) {
 
 /* --peer pytorch in the console: PyTorch's modelled allocation of each course run beside fitllm's plan, as ratios. */
 static void peer_print(const fl_lab_report *rep, FILE *f) {
-    fl_lab_wrap(f, "", "\nPyTorch beside fitllm (--peer pytorch). MEASURED with torch on the CPU and reproduced byte for "
+    fputc('\n', f);
+    fl_lab_wrap(f, "", "PyTorch beside fitllm (--peer pytorch). MEASURED with torch on the CPU and reproduced byte for "
                 "byte (tests/ref/pytorch_alloc.py): parameters, gradients, AdamW state, autograd's saved tensors, "
                 "logits. MODELLED: which are live at once (the peak), the logits' gradients and AdamW's step temporary; not counted: the "
                 "caching allocator's rounding and fragmentation, the CUDA context. GB = 1e9 bytes:", 120, 0);
@@ -171,9 +172,10 @@ static void peer_print(const fl_lab_report *rep, FILE *f) {
 /* The console's course table (120 columns) and report.md's. */
 void fl_lab_course_print(const fl_lab_report *rep, FILE *f) {
     if (!rep->n_course) return;
-    fprintf(f, "\nthe course's runs (its 80 GB GPU, max_seq_length 512; the offload rows: the device their step names) "
-               "beside fitllm's plan of the same run:\n"
-               "%-17s %-16s %-10s %7s | %-7s %9s | %-7s %9s %7s\n", "run", "model", "precision", "BxAcc", "course",
+    fputc('\n', f);
+    fl_lab_wrap(f, "", "the course's runs (its 80 GB GPU, max_seq_length 512; the offload rows: the device their step "
+                "names) beside fitllm's plan of the same run:", 120, 0);
+    fprintf(f, "%-17s %-16s %-10s %7s | %-7s %9s | %-7s %9s %7s\n", "run", "model", "precision", "BxAcc", "course",
             "GB", "fitllm", "GB", "diff");
     for (int i = 0; i < rep->n_course; i++) {
         const fl_lab_course *c = &rep->course[i];

@@ -1,54 +1,199 @@
-/* `fitllm lab --peer pytorch` (issue 33): what PyTorch would allocate for a LLaMA full fine-tune step, beside
- * fitllm's plan. MEASURED (tests/ref/pytorch_alloc.py, HF LlamaForCausalLM with sdpa, torch.optim.AdamW; fixture
- * tests/fixtures/pytorch-alloc.json, reproduced byte for byte by fl_lab_peer_pytorch in tests/test_lab.c): the
- * parameters, gradients and AdamW state, the storages autograd saves in the forward, and the returned logits.
- * MODELLED (no GPU here): which of them are live at once (the peak), the backward's transient logits
- * gradients and the optimizer step's parameter-sized temporary; the CUDA caching allocator's rounding (512-byte blocks, segments) and fragmentation are not counted. */
+/* `fitllm lab --peer pytorch` (issue 33): what PyTorch would allocate for a LLaMA fine-tune step, beside fitllm's
+ * plan. MEASURED (tests/ref/pytorch_alloc.py on the CPU: HF LlamaForCausalLM with sdpa, torch.optim.AdamW / SGD,
+ * bitsandbytes' AdamW8bit, autocast for bf16-mixed and 16-mixed, HF gradient checkpointing, PEFT LoRA on query and
+ * value, bitsandbytes NF4 for QLoRA; fixture tests/fixtures/pytorch-alloc.json, reproduced byte for byte by
+ * fl_lab_peer_pytorch_setup in tests/test_lab.c): the parameters (and QLoRA's quantization state), gradients and
+ * optimizer state, the storages autograd saves in the forward, and the returned logits.
+ * MODELLED (no GPU here): which of them are live at once (the peak), the backward's transient logits gradients,
+ * the optimizer step's temporary, the recomputation of one layer under checkpointing, QLoRA's dequantized weight,
+ * CUDA's dropout mask (a bool per element, where the CPU keeps an fp32 noise tensor), and the strategies DeepSpeed
+ * and torch.distributed add (ZeRO-2 offload, DDP's gradient buckets, FSDP's shards and gathered units). The CUDA
+ * caching allocator's rounding (512-byte blocks, segments) and fragmentation are not counted. */
 #include <string.h>
 
 #include "lab-impl.h"
 
-/* Saved for backward, per token (B x T of them), as measured: per layer, RMSNorm x 2 (its fp32 upcast input and
- * fp32 rsqrt), the q/k/v/o projections' and the MLP's inputs in the model dtype (e), sdpa's q, k, v, out (k and v
- * with the KV heads) and its fp32 logsumexp per head, SwiGLU's gate, up and product; once: the final norm, the
- * head's input, the rotary cos/sin (T x head_dim each), the ids and shifted labels (int64: HF pads the labels
- * by one and shifts them, a view of the T + 1 padded ones at B 1, a copy of B x T otherwise), the loss's fp32
- * log-softmax (B x T x V). */
-static size_t saved_bytes(const fl_model_config *mc, size_t B, size_t T, size_t e) {
-    const size_t BT = B * T, d = (size_t)mc->dim, ff = (size_t)mc->ffn_dim, H = (size_t)mc->n_heads,
-                 KV = (size_t)mc->n_kv_heads, hd = (size_t)mc->head_dim, V = (size_t)mc->vocab_size;
-    size_t layer = BT * d * (2 * 4 + 4 * e) + BT * ff * 4 * e + BT * hd * (2 * H + 2 * KV) * e + B * H * T * 4 + 2 * BT * 4;
-    size_t labels = (B == 1 ? T + 1 : BT) * 8;
-    size_t once = BT * d * (4 + 2 * e) + BT * 4 + 2 * T * hd * e + BT * 8 + labels + 4 + BT * V * 4;
-    return (size_t)mc->n_layers * layer + once;
+typedef struct {
+    size_t B, T, BT, d, ff, H, KV, hd, V, L;
+    size_t e;     /* the parameters' dtype: 4 (32-true, the mixed precisions, QLoRA's unquantized ones) or 2 */
+    size_t a;     /* the linears' outputs: e, or 2 under autocast */
+    int mixed, ckpt, lora_r, cpu_dropout;
+} shape;
+
+static size_t labels_bytes(const shape *s) { /* HF pads the labels by one and shifts them: a view of the T + 1
+                                              * padded ones at B 1, a copy of B x T otherwise (int64) */
+    return (s->B == 1 ? s->T + 1 : s->BT) * 8;
 }
 
-fl_status fl_lab_peer_pytorch(const fl_model_config *mc, size_t n_params, int B, int T, const char *precision,
-                              fl_lab_peer *out) {
-    memset(out, 0, sizeof *out);
-    size_t e = !strcmp(precision, "32-true") ? 4 : !strcmp(precision, "bf16-true") ? 2 : 0;
-    if (!e)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: precision %s is not modelled (32-true and bf16-true are: "
-                         "autocast's copies were not measured)", precision);
+/* Per layer, full fine-tune: RMSNorm x 2 (its fp32 upcast input, fp32 rsqrt, and its output: under autocast the
+ * fp32 normed input alone, as the 16-bit casts of the linears' input are what they save: q, k and v each cast it,
+ * gate and up each too), sdpa's q, k, v, out (k and v with the KV heads) and its fp32 logsumexp per head, SwiGLU's
+ * gate, up and product and down's input; under autocast the 16-bit copy of every linear weight (its cache). */
+static size_t layer_full(const shape *s) {
+    size_t norms = s->mixed ? s->BT * s->d * (2 * 4 + 2 * 4 + 5 * 2) : s->BT * s->d * (2 * 4 + 4 * s->e);
+    size_t w = s->mixed ? (s->d * s->hd * (2 * s->H + 2 * s->KV) + 3 * s->d * s->ff) * 2 : 0;
+    return norms + s->BT * s->ff * 4 * s->a + s->BT * s->hd * (2 * s->H + 2 * s->KV) * s->a + s->B * s->H * s->T * 4 +
+           2 * s->BT * 4 + w;
+}
+
+/* Per layer l, LoRA (PEFT) on a frozen base: a norm saves its fp32 input and rsqrt only where its input needs a
+ * gradient (not layer 0's first: the embeddings are frozen); q and v's adapters (fp32) save the dropped input and
+ * A's output, and dropout its noise (CPU: fp32) or mask (CUDA: bool) where its input needs a gradient; sdpa as
+ * above; SwiGLU's three (down's input not: its weight is frozen). */
+static size_t layer_lora(const shape *s, size_t l) {
+    size_t norm = s->BT * s->d * 4 + s->BT * 4;
+    size_t drop = l ? s->BT * s->d * (s->cpu_dropout ? 4 : 1) : 0;
+    return (l ? 2 : 1) * norm + 2 * (s->BT * s->d * 4 + s->BT * (size_t)s->lora_r * 4 + drop) +
+           s->BT * s->hd * (2 * s->H + 2 * s->KV) * s->e + s->B * s->H * s->T * 4 + 3 * s->BT * s->ff * s->e;
+}
+
+/* Saved for backward over the step. Once: the final norm (as a layer's), the head's input, the rotary cos/sin
+ * (T x head_dim each, in the hidden states' dtype), the ids (not with frozen embeddings), the shifted labels, the
+ * loss's fp32 log-softmax (B x T x V) and a fp32 scalar; under autocast the head weight's 16-bit copy. With
+ * checkpointing (HF's reentrant): each layer's input instead of its tensors, and no cos/sin. */
+static size_t saved_bytes(const shape *s) {
+    const size_t h = s->mixed ? 4 : s->e; /* the hidden states' dtype */
+    size_t once = s->BT * 4 + labels_bytes(s) + 4 + s->BT * s->V * 4 + (s->ckpt ? 0 : 2 * s->T * s->hd * h);
+    if (s->lora_r) {
+        size_t layers = 0;
+        for (size_t l = 0; l < s->L; l++) layers += layer_lora(s, l);
+        return layers + once + s->BT * s->d * 4;
+    }
+    once += s->BT * 8 + (s->mixed ? s->BT * s->d * (4 + 4 + 2) + s->d * s->V * 2 : s->BT * s->d * (4 + 2 * s->e));
+    return once + s->L * (s->ckpt ? s->BT * s->d * h : layer_full(s));
+}
+
+/* bitsandbytes' AdamW8bit state of one tensor of n elements: from 4096 elements two uint8 states and fp32 absmax
+ * per 256-block (the two 256-entry fp32 maps are shared by every tensor: counted once by the caller); below, two
+ * fp32 states. */
+static size_t adam8bit_tensor(size_t n) {
+    return n >= 4096 ? 2 * n + 2 * ((n + 255) / 256) * 4 : 8 * n;
+}
+
+static size_t adam8bit_state(const fl_model_config *mc, const shape *s) {
+    const size_t lin[7] = {s->d * s->H * s->hd, s->d * s->KV * s->hd, s->d * s->KV * s->hd, s->H * s->hd * s->d,
+                           s->d * s->ff, s->d * s->ff, s->ff * s->d};
+    size_t layer = 2 * adam8bit_tensor(s->d), total = 2048;
+    for (int i = 0; i < 7; i++) layer += adam8bit_tensor(lin[i]);
+    total += s->L * layer + adam8bit_tensor(s->d) + adam8bit_tensor(s->V * s->d);
+    if (!mc->tie_embeddings) total += adam8bit_tensor(s->V * s->d);
+    return total;
+}
+
+/* QLoRA: bitsandbytes NF4 weights (4 bits each, packed) and their state (fp32 absmax per 64-block, the 16-entry
+ * fp32 code) per linear; the rest (embeddings, head, norms) stays fp32. */
+static void nf4_bytes(const shape *s, size_t n_params, size_t *params, size_t *quant) {
+    const size_t lin[7] = {s->d * s->H * s->hd, s->d * s->KV * s->hd, s->d * s->KV * s->hd, s->H * s->hd * s->d,
+                           s->d * s->ff, s->d * s->ff, s->ff * s->d};
+    size_t n_lin = 0, q = 0;
+    for (int i = 0; i < 7; i++) n_lin += lin[i], q += (lin[i] + 63) / 64 * 4 + 16 * 4;
+    *params = (n_params - s->L * n_lin) * 4 + s->L * n_lin / 2;
+    *quant = s->L * q;
+}
+
+static fl_status check_setup(const fl_model_config *mc, const fl_lab_peer_setup *u, const char **optim) {
+    const char *p = u->precision ? u->precision : "";
+    *optim = u->optim ? u->optim : "adamw";
     if (mc->arch != FL_ARCH_LLAMA)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: %s is not modelled (LLaMA's shape is)", mc->name);
-    const size_t tensors = 9 * (size_t)mc->n_layers + (mc->tie_embeddings ? 2 : 3);
-    out->params = out->grads = n_params * e;
-    out->optim = 2 * n_params * e + 4 * tensors; /* exp_avg, exp_avg_sq and a fp32 step count per tensor */
-    out->saved = saved_bytes(mc, (size_t)B, (size_t)T, e);
-    const size_t BTV = (size_t)B * T * mc->vocab_size;
-    out->logits = BTV * e;
-    out->transient = BTV * 4 + BTV * e; /* modelled: the fp32 log-softmax input's gradient, then the logits' */
-    /* modelled peak (zero_grad(set_to_none=True): no gradient is live when backward starts; the state is, from the
-     * second step on): start of backward (everything saved, the logits and their gradients) or its end (the
-     * gradients, the saved tensors freed) */
-    size_t start = out->params + out->optim + out->saved + out->logits + out->transient;
-    size_t end = out->params + out->optim + out->grads + out->logits;
+    if (strcmp(p, "32-true") && strcmp(p, "bf16-true") && strcmp(p, "bf16-mixed") && strcmp(p, "16-mixed"))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: precision %s is not modelled (32-true, bf16-true, "
+                         "bf16-mixed and 16-mixed are)", p);
+    if (strcmp(*optim, "adamw") && strcmp(*optim, "sgd") && strcmp(*optim, "adamw8bit"))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: optimizer %s is not modelled (adamw, sgd, adamw8bit are)",
+                         *optim);
+    if (u->lora_r && (u->act_ckpt || strstr(p, "mixed") || strcmp(*optim, "adamw") || u->ranks > 1))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: LoRA with %s is not modelled (measured: LoRA and QLoRA "
+                         "alone, AdamW, 32-true or bf16-true)", u->act_ckpt ? "activation checkpointing" :
+                         u->ranks > 1 ? "several ranks" : strstr(p, "mixed") ? p : *optim);
+    if (u->nf4 && (!u->lora_r || strcmp(p, "32-true")))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: NF4 is modelled as QLoRA with fp32 compute (32-true)");
+    if ((u->lora_r || u->act_ckpt || strcmp(*optim, "adamw")) && (u->offload || u->ranks > 1))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: a strategy with this setup is not modelled");
+    if (u->ranks > 1 && (!u->strategy || (strcmp(u->strategy, "ddp") && strcmp(u->strategy, "fsdp"))))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: %d ranks under %s are not modelled (ddp and fsdp are)",
+                         u->ranks, u->strategy ? u->strategy : "(none)");
+    return FL_OK;
+}
+
+/* The categories the fixture measures. */
+static void categories(const fl_model_config *mc, size_t n_params, const fl_lab_peer_setup *u, const shape *s,
+                       const char *optim, fl_lab_peer *out) {
+    const size_t tensors = 9 * s->L + (mc->tie_embeddings ? 2 : 3);
+    size_t trainable = n_params, state_e = s->e;
+    out->params = n_params * s->e;
+    if (u->lora_r) {
+        trainable = s->L * (size_t)u->lora_r * (2 * s->d + s->H * s->hd + s->KV * s->hd);
+        state_e = 4; /* PEFT keeps the adapters in fp32 on a 16-bit base */
+        if (u->nf4) nf4_bytes(s, n_params, &out->params, &out->quant);
+        out->params += trainable * 4;
+    }
+    out->trainable = trainable;
+    out->grads = trainable * state_e;
+    if (!strcmp(optim, "sgd")) out->optim = 0; /* no momentum: stateless */
+    else if (!strcmp(optim, "adamw8bit")) out->optim = adam8bit_state(mc, s);
+    else out->optim = 2 * trainable * state_e + 4 * (u->lora_r ? 4 * s->L : tensors); /* + a fp32 step per tensor */
+    out->saved = saved_bytes(s);
+    out->logits = s->BT * s->V * s->a;
+}
+
+fl_status fl_lab_peer_pytorch_setup(const fl_model_config *mc, size_t n_params, const fl_lab_peer_setup *u,
+                                    fl_lab_peer *out) {
+    memset(out, 0, sizeof *out);
+    const char *optim;
+    FL_TRY(check_setup(mc, u, &optim));
+    const char *p = u->precision;
+    shape s = {(size_t)u->B, (size_t)u->T, (size_t)u->B * u->T, (size_t)mc->dim, (size_t)mc->ffn_dim,
+               (size_t)mc->n_heads, (size_t)mc->n_kv_heads, (size_t)mc->head_dim, (size_t)mc->vocab_size,
+               (size_t)mc->n_layers, !strcmp(p, "bf16-true") ? 2 : 4, 0, strstr(p, "mixed") != NULL, u->act_ckpt,
+               u->lora_r, u->cpu_dropout};
+    s.a = s.mixed ? 2 : s.e;
+    categories(mc, n_params, u, &s, optim, out);
+    const size_t BTV = s.BT * s.V;
+    /* modelled: the fp32 log-softmax input's gradient, then the logits' (in their dtype); QLoRA dequantizes one
+     * linear at a time (fp32 compute) */
+    out->transient = BTV * 4 + BTV * s.a + (u->nf4 ? s.d * s.ff * 4 : 0);
+    /* modelled: checkpointing recomputes one layer's forward in backward, its saved tensors live beside the rest */
+    if (u->act_ckpt) {
+        shape f = s;
+        f.ckpt = 0;
+        out->recompute = layer_full(&f);
+    }
     /* modelled: AdamW's step (foreach, the default on a GPU) takes sqrt(exp_avg_sq) of every tensor at once, one
-     * parameter-sized temporary beside the gradients and the state */
-    out->step_temp = n_params * e;
-    size_t step = out->params + out->optim + out->grads + out->step_temp;
+     * trainable-sized temporary; SGD and bitsandbytes' 8-bit kernel update in place */
+    out->step_temp = strcmp(optim, "adamw") ? 0 : out->grads;
+    size_t dev_optim = out->optim, dev_grads = out->grads, comm = 0;
+    if (u->offload) { /* modelled: DeepSpeed ZeRO-2 offload (one device): the state, fp32 gradients and update on the
+                       * host, the gradients leave the device through its reduce bucket (Lightning's 2e8 elements) */
+        out->host = out->optim + out->grads + n_params * 4 * (s.e == 2);
+        dev_optim = 0;
+        dev_grads = n_params < 200000000 ? out->grads : (size_t)200000000 * s.e;
+        out->step_temp = 0;
+    } else if (u->ranks > 1 && !strcmp(u->strategy, "ddp")) {
+        comm = out->grads; /* modelled: DDP's gradient buckets, a gradient-sized copy (not bucket views) */
+    } else if (u->ranks > 1) { /* modelled: FSDP FULL_SHARD per block: parameters, gradients and state sharded, two
+                                * blocks gathered (the current and the prefetched one) and one block's full
+                                * gradients before their reduce-scatter */
+        const size_t R = (size_t)u->ranks, unit = n_params / (s.L ? s.L : 1) > s.V * s.d ? n_params / s.L : s.V * s.d;
+        out->params /= R, dev_grads = out->grads / R, dev_optim = out->optim / R, out->step_temp /= R;
+        comm = 3 * unit * s.e;
+    }
+    out->comm = comm;
+    size_t base = out->params + out->quant + dev_optim + comm;
+    size_t start = base + out->saved + out->logits + out->transient;
+    size_t recompute = base + out->saved + out->recompute + (s.V * s.d + s.d) * s.e; /* with the head's gradients */
+    size_t end = base + dev_grads + out->logits;
+    size_t step = base + dev_grads + out->step_temp;
     out->peak = start > end ? start : end;
     if (step > out->peak) out->peak = step;
+    if (u->act_ckpt && recompute > out->peak) out->peak = recompute;
     return FL_OK;
+}
+
+/* The full fine-tune with AdamW at one precision, CUDA's dropout (none in a full fine-tune). */
+fl_status fl_lab_peer_pytorch(const fl_model_config *mc, size_t n_params, int B, int T, const char *precision,
+                              fl_lab_peer *out) {
+    fl_lab_peer_setup u = {0};
+    u.precision = precision, u.B = B, u.T = T;
+    return fl_lab_peer_pytorch_setup(mc, n_params, &u, out);
 }

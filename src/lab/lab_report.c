@@ -102,18 +102,19 @@ void fl_lab_print_table(const fl_lab_report *rep, FILE *f) {
         if (r->planned == FL_PLAN_FITS || r->planned == FL_PLAN_OOM) mib(pl, sizeof pl, r->planned_peak);
         fprintf(f, "%-17s %-14s %-7s %-10s %-9s %-7s %-3s %13s %7s", r->name, r->model, bx, r->precision, r->optimizer,
                 fl_lab_verdict_name(r->verdict), match(r), pk, pl);
-        if (r->verdict == FL_LAB_FITS) fprintf(f, " %9.2f %7.0f %6.3f\n", ms_per_sample(r), r->tok_s, r->final_loss);
+        if (FL_LAB_TIMED(r)) fprintf(f, " %9.2f %7.0f %6.3f\n", ms_per_sample(r), r->tok_s, r->final_loss);
         else fprintf(f, " %9s %7s %6s\n", "-", "-", "-");
     }
-    char legend[600];
+    char legend[700];
     snprintf(legend, sizeof legend, "MiB; fits: the all-time peak; OOM: what was live when the allocation failed; "
              "planned: the planner's peak for the whole run; budget %s per device; several ranks (BxAccxRanks): "
              "memory per rank, min-max over the ranks; ms/sample = ms per optimizer step / samples per step. Bytes "
-             "per tag, phases and notes in full: report.md.)", fl_fmt_bytes(rep->budget, a, sizeof a));
+             "per tag, phases and notes in full: report.md.%s)", fl_fmt_bytes(rep->budget, a, sizeof a),
+             rep->plan_only ? " --plan-only: no row trained, every verdict and peak is the row's plan" : "");
     fl_lab_wrap(f, "(", legend, 119, 1);
     char prefix[64];
     for (int i = 0; i < rep->n; i++)
-        if (rep->rows[i].verdict == FL_LAB_FITS && rep->rows[i].time_note[0]) {
+        if (FL_LAB_TIMED(&rep->rows[i]) && rep->rows[i].time_note[0]) {
             snprintf(prefix, sizeof prefix, "  %s: extra time per sample: ", rep->rows[i].name);
             fl_lab_wrap(f, prefix, rep->rows[i].time_note, 120, 4);
         }
@@ -121,6 +122,11 @@ void fl_lab_print_table(const fl_lab_report *rep, FILE *f) {
         if (rep->rows[i].note[0]) {
             snprintf(prefix, sizeof prefix, "  %s: ", rep->rows[i].name);
             fl_lab_wrap(f, prefix, rep->rows[i].note, 120, 4);
+        }
+    for (int i = 0; i < rep->n; i++)
+        if (rep->rows[i].course_why[0]) { /* real scale: where the plan differs from the course, why */
+            snprintf(prefix, sizeof prefix, "  %s (the course's run): ", rep->rows[i].name);
+            fl_lab_wrap(f, prefix, rep->rows[i].course_why, 120, 4);
         }
     char line[300];
     snprintf(line, sizeof line, "%s", rep->gpu_note[0] ? rep->gpu_note : "not sampled");
@@ -132,6 +138,7 @@ void fl_lab_print_table(const fl_lab_report *rep, FILE *f) {
             fprintf(f, "    %s: GPU util %s %%, device memory %s (%ld samples)\n", rep->rows[i].name, gu, gm,
                     rep->rows[i].gpu_samples);
         }
+    fl_lab_peer_rows_print(rep, f);
     fl_lab_course_print(rep, f);
     if (rep->sweep) fl_lab_sweep_print(rep, f);
 }
@@ -207,10 +214,10 @@ static fl_status write_csv(const fl_lab_report *rep, const char *dir) {
         for (int t = 0; t < LAB_TAGS; t++) fprintf(f, ",%zu", r->peak[t]);
         fprintf(f, ",%zu,%s,%zu,%s,%zu", r->peak_total, fl_lab_plan_name(r->planned), r->planned_peak,
                 fl_lab_plan_name(r->ref_planned), r->ref_peak);
-        if (r->verdict == FL_LAB_FITS) fprintf(f, ",%.3f,%.1f,%.5f", r->step_ms, r->tok_s, r->final_loss);
+        if (FL_LAB_TIMED(r)) fprintf(f, ",%.3f,%.1f,%.5f", r->step_ms, r->tok_s, r->final_loss);
         else fprintf(f, ",,,");
         fprintf(f, ",%.2f,", r->wall_s);
-        if (r->verdict == FL_LAB_FITS) fprintf(f, "%.4f,%.6f", ms_per_sample(r), r->tflops);
+        if (FL_LAB_TIMED(r)) fprintf(f, "%.4f,%.6f", ms_per_sample(r), r->tflops);
         else fputc(',', f);
         fprintf(f, ",%d,%zu,%zu,%d,%d,\"%s\",\"", r->largest, r->peak_min, r->peak_max, r->ranks > 1 ? r->ranks : 1,
                 r->ran, r->lab_step);
@@ -287,15 +294,15 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
         fprintf(f, "\"total\": %zu}, \"planned_verdict\": \"%s\", \"planned_peak\": %zu, \"ref_planned_verdict\": "
                    "\"%s\", \"ref_planned_peak\": %zu, \"steps\": %ld, \"step_ms\": ",
                 r->peak_total, fl_lab_plan_name(r->planned), r->planned_peak, fl_lab_plan_name(r->ref_planned), r->ref_peak, r->steps);
-        jnum(f, r->verdict == FL_LAB_FITS ? r->step_ms : NAN);
+        jnum(f, FL_LAB_TIMED(r) ? r->step_ms : NAN);
         fprintf(f, ", \"ms_per_sample\": ");
-        jnum(f, r->verdict == FL_LAB_FITS ? ms_per_sample(r) : NAN);
+        jnum(f, FL_LAB_TIMED(r) ? ms_per_sample(r) : NAN);
         fprintf(f, ", \"time_note\": ");
         jstr(f, r->time_note);
         fprintf(f, ", \"tok_s\": ");
-        jnum(f, r->verdict == FL_LAB_FITS ? r->tok_s : NAN);
+        jnum(f, FL_LAB_TIMED(r) ? r->tok_s : NAN);
         fprintf(f, ", \"tflops\": ");
-        jnum(f, r->verdict == FL_LAB_FITS ? r->tflops : NAN);
+        jnum(f, FL_LAB_TIMED(r) ? r->tflops : NAN);
         fprintf(f, ", \"largest_fitting\": %s, \"peak_min\": %zu, \"peak_max\": %zu, \"ran\": %s",
                 r->largest ? "true" : "false", r->peak_min, r->peak_max, r->ran ? "true" : "false");
         fprintf(f, ", \"mfu\": ");
@@ -313,6 +320,19 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
             else fprintf(f, "{\"verdict\": \"fits\", \"memory_mb\": %g, \"gpu_util_pct\": %g, \"tflops\": %g, "
                             "\"iteration_ms\": %g}", cm, cu, ct, ci);
         } else fprintf(f, "null");
+        if (rep->real_scale && !rep->sweep) { /* the course's reading and why the plan differs (lab_peer_rows.c) */
+            fprintf(f, ", \"course_gb\": ");
+            jnum(f, r->course_gb > 0 ? r->course_gb : NAN);
+            fprintf(f, ", \"course_why\": ");
+            jstr(f, r->course_why);
+        }
+        if (r->peer_ok || r->peer_note[0]) { /* --peer pytorch at the real scale (lab_peer_rows.c) */
+            fprintf(f, ", \"pytorch\": ");
+            if (r->peer_ok) fl_lab_peer_json(f, &r->peer);
+            else fprintf(f, "null");
+            fprintf(f, ", \"pytorch_seq_len\": %d, \"pytorch_basis\": ", r->peer_T);
+            jstr(f, r->peer_note);
+        }
         fprintf(f, ", \"final_loss\": ");
         jnum(f, r->final_loss);
         fprintf(f, ", \"wall_s\": %.2f, \"note\": ", r->wall_s);
@@ -345,11 +365,10 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
         if (c->offload)
             fprintf(f, ", \"host_peak\": %zu, \"device_only_verdict\": \"%s\", \"device_only_peak\": %zu",
                     c->host_peak, fl_lab_plan_name(c->plain), c->plain_peak);
-        if (c->peer_ok) /* --peer pytorch: measured categories, modelled peak (src/lab/lab_peer.c) */
-            fprintf(f, ", \"pytorch\": {\"params\": %zu, \"grads\": %zu, \"optim\": %zu, \"saved\": %zu, "
-                       "\"logits\": %zu, \"transient\": %zu, \"step_temp\": %zu, \"peak\": %zu}", c->peer.params,
-                    c->peer.grads, c->peer.optim, c->peer.saved, c->peer.logits, c->peer.transient, c->peer.step_temp,
-                    c->peer.peak);
+        if (c->peer_ok) { /* --peer pytorch: measured categories, modelled peak (src/lab/lab_peer.c) */
+            fprintf(f, ", \"pytorch\": ");
+            fl_lab_peer_json(f, &c->peer);
+        }
         fputc('}', f);
     }
     fprintf(f, "\n  ]\n}\n");
@@ -429,7 +448,7 @@ static int write_chart_data(const fl_lab_report *rep, const char *dir, char *why
     fprintf(f, "# experiment ms_per_sample tokens_per_s (runs that fit; ms per optimizer step / (micro batch x "
                "accumulation))\n");
     for (int i = 0; i < rep->n; i++)
-        if (rep->rows[i].verdict == FL_LAB_FITS) {
+        if (FL_LAB_TIMED(&rep->rows[i])) {
             const fl_lab_row *r = &rep->rows[i];
             fprintf(f, "\"%s%s%s\" %.4f %.1f\n", r->name, r->time_note[0] ? ": " : "", r->time_note, ms_per_sample(r),
                     r->tok_s);
@@ -527,7 +546,7 @@ static void write_step_time_script(const fl_lab_report *rep, FILE *f) {
     double xmax = 0;
     int n = 0;
     for (int i = 0; i < rep->n; i++)
-        if (rep->rows[i].verdict == FL_LAB_FITS) {
+        if (FL_LAB_TIMED(&rep->rows[i])) {
             if (ms_per_sample(&rep->rows[i]) > xmax) xmax = ms_per_sample(&rep->rows[i]);
             n++;
         }
@@ -539,7 +558,7 @@ static void write_step_time_script(const fl_lab_report *rep, FILE *f) {
             120 + 44 * n, rep->threads ? "fixed" : "all", n - 1, xmax > 0 ? xmax * 1.9 : 1);
     int k = 0;
     for (int i = 0; i < rep->n; i++)
-        if (rep->rows[i].verdict == FL_LAB_FITS) {
+        if (FL_LAB_TIMED(&rep->rows[i])) {
             fprintf(f, "%s", k ? ", " : "");
             gp_str(f, rep->rows[i].name);
             fprintf(f, " %d", k++);
@@ -548,7 +567,7 @@ static void write_step_time_script(const fl_lab_report *rep, FILE *f) {
     k = 0;
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
-        if (r->verdict != FL_LAB_FITS) continue;
+        if (!FL_LAB_TIMED(r)) continue;
         char w[700];
         wrap_gp(r->time_note, 60, w, sizeof w);
         if (w[0])
@@ -683,7 +702,7 @@ static void md_results(FILE *f, const fl_lab_report *rep) {
         if (r->planned == FL_PLAN_FITS || r->planned == FL_PLAN_OOM)
             fprintf(f, " %.2f (%s) |", MIB(r->planned_peak), fl_lab_plan_name(r->planned));
         else fprintf(f, " %s |", fl_lab_plan_name(r->planned));
-        if (r->verdict == FL_LAB_FITS)
+        if (FL_LAB_TIMED(r))
         {
             char gu[48], gm[64];
             fl_lab_gpu_cells(r, gu, sizeof gu, gm, sizeof gm);
@@ -701,6 +720,11 @@ static void md_results(FILE *f, const fl_lab_report *rep) {
         if (rep->rows[i].note[0]) {
             if (!notes++) fprintf(f, "Notes:\n\n");
             fprintf(f, "- **%s**: %s\n", rep->rows[i].name, rep->rows[i].note);
+        }
+    for (int i = 0; i < rep->n; i++)
+        if (rep->rows[i].course_why[0]) {
+            if (!notes++) fprintf(f, "Notes:\n\n");
+            fprintf(f, "- **%s** (the course's run): %s\n", rep->rows[i].name, rep->rows[i].course_why);
         }
     if (notes) fprintf(f, "\n");
     const fl_lab_row *rb = row_named(rep, "reduced-batch"), *ga = row_named(rep, "grad-accum");
@@ -757,6 +781,7 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
             rep->gpu_note[0] ? rep->gpu_note : "not sampled");
     md_scaling(f, rep);
     md_results(f, rep);
+    fl_lab_peer_rows_md(f, rep);
     fl_lab_course_md(f, rep);
     if (rep->sweep) fl_lab_sweep_md(f, rep, charts);
     md_phases(f, rep, charts);

@@ -77,7 +77,7 @@ void fl_lab_sweep_print(const fl_lab_report *rep, FILE *f) {
             fprintf(f, "%5d%s %-7s %13s %8.1f", r->B, r->largest ? "*" : " ", fl_lab_verdict_name(r->verdict), pk,
                     FL_LAB_MIB(r->planned_peak));
             if (r->mfu > 0) snprintf(mfu, sizeof mfu, "%.1f%%", 100 * r->mfu);
-            if (r->verdict == FL_LAB_FITS) fprintf(f, " %9.1f %8.0f %8.4f %6s |", r->step_ms, r->tok_s, r->tflops, mfu);
+            if (FL_LAB_TIMED(r)) fprintf(f, " %9.1f %8.0f %8.4f %6s |", r->step_ms, r->tok_s, r->tflops, mfu);
             else fprintf(f, " %9s %8s %8s %6s |", "-", "-", "-", "-");
             fprintf(f, " %-4s %7.2f |", fl_lab_plan_name(r->ref_planned), (double)r->ref_peak / 1073741824.0);
             const course_row *c = course_of(rep, r);
@@ -131,7 +131,7 @@ void fl_lab_sweep_md(FILE *f, const fl_lab_report *rep, int charts) {
                     fl_lab_plan_name(r->planned));
             for (size_t t = 0; t < sizeof tags / sizeof tags[0]; t++) fprintf(f, " %.2f |", FL_LAB_MIB(r->peak[tags[t]]));
             fprintf(f, " %s%s%s | %.2f |", bo, pk, bo, FL_LAB_MIB(r->planned_peak));
-            if (r->verdict == FL_LAB_FITS) {
+            if (FL_LAB_TIMED(r)) {
                 fprintf(f, " %.1f | %.0f | %.4f |", r->step_ms, r->tok_s, r->tflops);
                 if (r->mfu > 0) fprintf(f, " %.2f%% |", 100 * r->mfu);
                 else fprintf(f, " - |");

@@ -6,6 +6,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,8 +27,8 @@ typedef struct {
     disk_file *f;
     int n, cap;
     char why[4400]; /* the last failure, for the pool's OOM message */
-    long fail_after; /* fault injection (FITLLM_TEST_NVME_FAIL_AFTER): releases left before one fails as a full
-                      * disk would, -1 off */
+    atomic_long fail_after; /* fault injection (FITLLM_TEST_NVME_FAIL_AFTER): releases left before one fails as a
+                             * full disk would, -1 off (atomic: the fetch worker's unit updates release too) */
 } disk_ud;
 
 static size_t page_size(void) {
@@ -165,10 +166,12 @@ static fl_status drop(fl_mem_pool *p, const void *ptr, size_t bytes, int counted
     const disk_file *f = find(p, ptr, bytes, 1, &lo, &hi);
     if (!f) return FL_OK;
     disk_ud *d = p->raw_ud;
-    if (counted && d->fail_after == 0)
+    long left = counted ? atomic_load(&d->fail_after) : -1;
+    while (left > 0 && !atomic_compare_exchange_weak(&d->fail_after, &left, left - 1)) {
+    }
+    if (left == 0)
         return fl_errorf(FL_ERR_IO, "nvme offload: writing back to its file in '%s': %s (injected: "
                          "FITLLM_TEST_NVME_FAIL_AFTER)", d->dir, strerror(ENOSPC));
-    if (counted && d->fail_after > 0) d->fail_after--;
     if (msync((void *)lo, hi - lo, MS_SYNC) != 0)
         return fl_errorf(FL_ERR_IO, "nvme offload: writing back to its file in '%s': %s", d->dir, strerror(errno));
     (void)madvise((void *)lo, hi - lo, MADV_DONTNEED);

@@ -26,6 +26,7 @@ struct fl_blip2 {
     int B, T, TL;
     fl_b2_stack st[FL_BLIP2_PARTS];
     void *acts, *work;
+    size_t acts_part[FL_BLIP2_PARTS]; /* each part's share of acts (carve_acts) */
     float *patches, *pe;    /* (B P, 3 p p) the pixels patch by patch, (B P, Cv) their projection */
     float *qproj, *dqproj;  /* (B NQ, Ct) the projected queries, their gradient */
     float *dimg;            /* (B (P + 1), Cv) d(image features) */

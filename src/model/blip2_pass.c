@@ -32,7 +32,7 @@ static size_t carve_acts(fl_blip2 *b, char *base) {
     const size_t B = (size_t)b->B, T0 = (size_t)b->st[0].T;
     for (int k = 0; k < parts_here(b); k++) {
         fl_b2_stack *st = &b->st[k];
-        const size_t C = (size_t)b->part[k].cfg.dim, N = B * (size_t)st->T;
+        const size_t C = (size_t)b->part[k].cfg.dim, N = B * (size_t)st->T, off0 = cv.off;
         for (int l = 0; l <= st->L; l++) {
             float *r = TAKEF(&cv, N * C);
             if (base) st->res[l] = r;
@@ -55,6 +55,7 @@ static size_t carve_acts(fl_blip2 *b, char *base) {
         float *ni = k == FL_BLIP2_QFORMER ? TAKEF(&cv, N * C) : NULL;
         float *no = TAKEF(&cv, N * C), *nm = TAKEF(&cv, N), *nr = TAKEF(&cv, N);
         if (base) st->nin = ni, st->nout = no, st->nmean = nm, st->nrstd = nr;
+        b->acts_part[k] = cv.off - off0;
     }
     return cv.off;
 }
@@ -94,6 +95,12 @@ static size_t carve_work(fl_blip2 *b, char *base) {
         b->logits = lg, b->losses = ls, b->ids = ids, b->dtargets = tg;
     }
     return cv.off;
+}
+
+size_t fl_blip2_acts_bytes(const fl_blip2 *b, int part) {
+    if (!b->acts || part < 0 || part >= FL_BLIP2_PARTS) return 0;
+    const fl_model *m = &b->part[part];
+    return (part < parts_here(b) ? b->acts_part[part] : 0) + (m->acts_arena ? m->sizes.acts_bytes : 0);
 }
 
 void fl_blip2_free_acts(fl_blip2 *b) {

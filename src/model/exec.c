@@ -20,13 +20,23 @@
 
 /* ---- running ------------------------------------------------------------------------------ */
 
-static void rope(const fl_model *m, float *x, int bwd, const fl_block_ctx *c, size_t row) {
+/* x16 (NULL or): the q|k|v rows' bf16 copy, written in the same pass where the backend has the variant (forward:
+ * stored, x rounded too; backward: the next LINEAR's dy, x not rounded; issue 30 item 1): *done16 = 1. */
+static fl_status rope(const fl_model *m, float *x, void *x16, int *done16, int bwd, const fl_block_ctx *c,
+                      size_t row) {
     const fl_backend *be = m->be;
     fl_dims d = fl_model_dims(&m->cfg);
+    fl_status (*f16)(const fl_backend *, float *, void *, int, int, int, int, int, const float *, const float *, int) =
+        bwd ? be->rope_backward16 : be->rope_forward16;
+    if (x16 && f16 && d.QD == d.NH * d.HD) { /* the q and k heads are consecutive: one pass over the rows */
+        *done16 = 1;
+        return f16(be, x, x16, c->B, c->T, d.NH + d.NKV, d.HD, (int)row, c->rope_cos, c->rope_sin, c->pos0);
+    }
     void (*f)(const fl_backend *, float *, int, int, int, int, size_t, const float *, const float *, int) =
         bwd ? be->rope_backward : be->rope_forward;
     f(be, x, c->B, c->T, d.NH, d.HD, row, c->rope_cos, c->rope_sin, c->pos0);        /* q heads */
     f(be, x + d.QD, c->B, c->T, d.NKV, d.HD, row, c->rope_cos, c->rope_sin, c->pos0); /* k heads */
+    return FL_OK;
 }
 
 /* Generation: append the rows' K and V (after RoPE) to the layer's cache, (NKV, max_T, HD) per layer. */
@@ -165,9 +175,43 @@ static fl_status allreduce(struct fl_comm *c, float *p, size_t n) {
     return fl_comm_all_reduce(c, p, p, n, FL_F32, FL_COMM_SUM);
 }
 
+/* bf16 stored, fused (issue 30 item 1): ops that write their stored output's bf16 copy themselves where the
+ * backend has the optional variant (act_forward16, add16, rope_forward16: the fp32 op's value, then round16's
+ * bits), and a plain linear feeding an activation stored by the GEMM in bf16 only (fl_linear_forward16), its fp32
+ * view filled by that activation, its one reader. Backends without them (cpu, ref, opaque): the fp32 op, then
+ * store16. */
+static int act16_kind(uint8_t k) {
+    return k == FL_GOP_SWIGLU ? FL_ACT16_SWIGLU : k == FL_GOP_GELU ? FL_ACT16_GELU : k == FL_GOP_RELU ? FL_ACT16_RELU : -1;
+}
+/* no op after op j reads slot k */
+static int unread_after(const fl_block_graph *g, int j, int k) {
+    for (int i = j + 1; i < g->n_ops; i++) {
+        const fl_gop *o = &g->op[i];
+        if (o->in == k || (o->kind == FL_GOP_ATTN && o->attn == FL_ATTN_CROSS && o->in2 == k)) return 0;
+    }
+    return 1;
+}
+/* op i is a LINEAR whose output only op i + 1 reads, an activation with a bf16 input variant */
+static int gemm_to_act16(const fl_backend *be, const fl_block_graph *g, int i) {
+    const fl_gop *o = &g->op[i], *nx = i + 1 < g->n_ops ? &g->op[i + 1] : NULL;
+    return be->act_forward16 && nx && act16_kind(nx->kind) >= 0 && nx->in == o->out &&
+           g->slot[o->out].kind == FL_GSLOT_WIDE && unread_after(g, i + 1, o->out);
+}
+/* Backward, bf16 compute: op i (an activation or ROPE) is the last to write d(in) and op i - 1, next in the
+ * backward's order, is the LINEAR that made in and reads its dy in bf16: op i writes that copy into the linear's
+ * dyb16 as it writes d(in) (act_backward16 / rope_backward16), and the linear skips its convert. NULL: no such
+ * pair, or the backend lacks the op (cpu, ref, opaque). */
+static void *dy16_for(const fl_backend *be, const fl_block_graph *g, const fl_block_params *bp, int i) {
+    const fl_gop *o = &g->op[i], *pv = i > 0 ? &g->op[i - 1] : NULL;
+    if (!pv || pv->kind != FL_GOP_LINEAR || pv->out != o->in || !fl_linear_wants_dy16(&bp->lin[pv->p])) return NULL;
+    const int ok = (act16_kind(o->kind) >= 0 && be->act_backward16) || (o->kind == FL_GOP_ROPE && be->rope_backward16);
+    return ok ? bp->lin[pv->p].dyb16 : NULL;
+}
+
 fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
                            const fl_block_ctx *x) {
     const fl_backend *be = m->be;
+    int pend16 = -1; /* a slot stored in bf16 only so far (gemm_to_act16) */
 #define S(k) ((k) >= 0 ? s[k] : NULL)
     for (int i = 0; i < g->n_ops; i++) {
         const fl_gop *o = &g->op[i];
@@ -175,10 +219,17 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
         const int N = rows(g, o->in, x);
         const size_t wi = (size_t)g->slot[o->in].width, wo = (size_t)g->slot[o->out].width;
         const int last = x->store16 && final_after(g, i, o->out); /* the output is stored in bf16 after this op */
+        void *o16 = last && stored16(g, o->out, x) ? x->s16[o->out] : NULL; /* its bf16 copy */
         int done16 = 0; /* the op wrote that bf16 copy itself */
+        if (act16_kind(o->kind) >= 0 && be->act_forward16 && (o16 || pend16 == o->in)) {
+            const void *in16 = pend16 == o->in ? x->s16[o->in] : NULL; /* its fp32 view is filled here */
+            FL_TRY(be->act_forward16(be, act16_kind(o->kind), out, o16, in, in16, N,
+                                     o->kind == FL_GOP_SWIGLU ? (int)wo : (int)wi));
+            pend16 = -1;
+            continue;
+        }
         switch ((fl_gop_kind)o->kind) {
         case FL_GOP_NORM: {
-            void *o16 = last && stored16(g, o->out, x) ? x->s16[o->out] : NULL;
             done16 = fl_norm_forward_t(m, out, o16, S(o->a1), S(o->a2), in, bp->norm_w[o->p], bp->norm_wt,
                                        bp->norm_b[o->p], N);
             break;
@@ -192,10 +243,15 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
                                        final_after(g, i, o->in)
                                    ? x->s16[o->in]
                                    : NULL;
+            if (o16 && in16 && fl_linear_plain16(lin) && gemm_to_act16(be, g, i)) { /* bf16 only: see act16_kind */
+                FL_TRY(fl_linear_forward16(be, o16, in16, lin, N));
+                pend16 = o->out, done16 = 1;
+                break;
+            }
             FL_TRY(fl_linear_forward_ex(be, out, in, in16, lin, N));
             break;
         }
-        case FL_GOP_ROPE: rope(m, in, 0, x, wi); break;
+        case FL_GOP_ROPE: FL_TRY(rope(m, in, o16, &done16, 0, x, wi)); break;
         case FL_GOP_ATTN: FL_TRY(attn_forward(m, g, o, s, x)); break;
         case FL_GOP_ADD: {
             /* a residual add straight into an RMSNorm of its sum: one fused op (issue 30 item 4; the CPU's is the
@@ -210,7 +266,11 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
                 i++; /* the norm is done */
                 break;
             }
-            be->add(be, out, out, in, (size_t)N * wo);
+            if (o16 && be->add16) {
+                FL_TRY(be->add16(be, out, o16, out, in, (size_t)N * wo));
+                done16 = 1;
+            } else
+                be->add(be, out, out, in, (size_t)N * wo);
             break;
         }
         case FL_GOP_SWIGLU: be->swiglu_forward(be, out, in, N, (int)wo); break;
@@ -256,10 +316,13 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
                             float *const *gb, const fl_block_ctx *x) {
     const fl_backend *be = m->be;
     const unsigned need = x->no_din ? grads_needed(g, bp) : ~0u;
+    int dy16_ready = 0; /* the next op's (a LINEAR's) dy already in its dyb16 (dy16_for) */
 #define S(k) ((k) >= 0 ? s[k] : NULL)
     for (int i = g->n_ops - 1; i >= 0; i--) {
         const fl_gop *o = &g->op[i];
         const fl_gslot *si = &g->slot[o->in], *so = &g->slot[o->out];
+        const int ready = dy16_ready; /* this op's dout was rounded into its dyb16 by the op before (dy16_for) */
+        dy16_ready = 0;
         if (o->kind == FL_GOP_ADD) continue; /* both sides on one residual path: d(in) += d(out) is the identity */
         /* nothing reads d(in): only an op that trains runs (a LINEAR without its dx) */
         const int need_in = need >> o->in & 1u;
@@ -270,16 +333,24 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         /* ops whose backward accumulates into d(in): a gradient not started yet starts from zero (a
          * LINEAR overwrites it instead; o->acc: the residual path, or another reader's part already there) */
         if (!o->acc && o->kind != FL_GOP_LINEAR && !fl_gop_modifies(o)) be->zero(be, din, (size_t)N * wi * sizeof(float));
+        /* the LINEAR next in this order made in and reads d(in) in bf16: this op writes that copy (dy16) */
+        void *dy16 = dy16_for(be, g, bp, i);
+        if (dy16 && act16_kind(o->kind) >= 0) {
+            FL_TRY(be->act_backward16(be, act16_kind(o->kind), din, dy16, dout, s[o->in], N,
+                                      o->kind == FL_GOP_SWIGLU ? (int)wo : (int)wi));
+            dy16_ready = 1;
+            continue;
+        }
         switch ((fl_gop_kind)o->kind) {
         case FL_GOP_NORM:
             fl_norm_backward_t(m, din, bp->d_norm_w[o->p], bp->d_norm_b[o->p], dout, s[o->in], bp->norm_w[o->p],
                                bp->norm_wt, S(o->a1), S(o->a2), N);
             break;
         case FL_GOP_LINEAR:
-            FL_TRY(fl_linear_backward_ex(be, din, o->acc, dout, s[o->in], x->s16 ? x->s16[o->in] : NULL,
-                                         &bp->lin[o->p], N));
+            FL_TRY(fl_linear_backward_dy16(be, din, o->acc, dout, ready, s[o->in], x->s16 ? x->s16[o->in] : NULL,
+                                           &bp->lin[o->p], N));
             break;
-        case FL_GOP_ROPE: rope(m, din, 1, x, wi); break;
+        case FL_GOP_ROPE: FL_TRY(rope(m, din, dy16, &dy16_ready, 1, x, wi)); break;
         case FL_GOP_ATTN: FL_TRY(attn_backward(m, g, o, s, gb, x, din, dout)); break;
         case FL_GOP_SWIGLU: be->swiglu_backward(be, din, dout, s[o->in], N, (int)wo); break;
         case FL_GOP_GELU: be->gelu_backward(be, din, dout, s[o->in], (size_t)N * wi); break;
@@ -411,14 +482,33 @@ fl_status fl_linear_backward(const fl_backend *be, float *dx, int dx_accumulate,
     return fl_linear_backward_ex(be, dx, dx_accumulate, dy, x, NULL, lin, N);
 }
 
+int fl_linear_plain16(const fl_linear *lin) {
+    return lin->n_q4 == 0 && lin->wc && lin->wct == FL_BF16 && !lin->b && lin->n_adapters == 0;
+}
+
+fl_status fl_linear_forward16(const fl_backend *be, void *y16, const void *x16, const fl_linear *lin, int N) {
+    if (!fl_linear_plain16(lin) || !x16)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "a bf16-output linear takes a bf16 input and weight, no bias or adapter");
+    return be->gemm(be, 0, 1, N, lin->out, lin->in, 1.0f, x16, FL_BF16, lin->in, lin->wc, FL_BF16, lin->in, 0.0f, y16,
+                    FL_BF16, lin->out);
+}
+
 fl_status fl_linear_backward_ex(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, const float *x,
                                 const void *x16, const fl_linear *lin, int N) {
+    return fl_linear_backward_dy16(be, dx, dx_accumulate, dy, 0, x, x16, lin, N);
+}
+
+int fl_linear_wants_dy16(const fl_linear *lin) { return lin->dw && lin->xb16; }
+
+fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, int dy16_ready,
+                                  const float *x, const void *x16, const fl_linear *lin, int N) {
     const void *w = lin->wc ? lin->wc : (const void *)lin->w;
     fl_dtype wt = lin->wc ? lin->wct : FL_F32;
     /* bf16 compute with a trainable weight (lin->xb16 set only with a BF16 weight): dy rounded to bf16
-     * once, here; the dx GEMM reads that copy, the same operand its own rounding of an F32 dy gives */
-    const int dy16 = lin->dw && lin->xb16;
-    if (dy16) FL_TRY(be->convert(be, lin->dyb16, FL_BF16, dy, FL_F32, (size_t)N * lin->out));
+     * once, here (or by the op that made dy: dy16_ready); the dx GEMM reads that copy, the same operand its own
+     * rounding of an F32 dy gives */
+    const int dy16 = fl_linear_wants_dy16(lin);
+    if (dy16 && !dy16_ready) FL_TRY(be->convert(be, lin->dyb16, FL_BF16, dy, FL_F32, (size_t)N * lin->out));
     if (dx && lin->n_q4) { /* dx (N,in) = sum over parts of dy[:, rows] @ deq(W_part) */
         for (int k = 0, r0 = 0; k < lin->n_q4; r0 += lin->q4[k]->rows, k++)
             FL_TRY(be->q4_matmul_backward(be, dx, dy + r0, lin->out, lin->q4[k], N,

@@ -156,10 +156,20 @@ fl_status fl_linear_backward(const fl_backend *be, float *dx, int dx_accumulate,
  * BF16 weight's GEMM reads instead of rounding x itself. */
 fl_status fl_linear_forward_ex(const fl_backend *be, float *y, const float *x, const void *x16, const fl_linear *lin,
                                int N);
+/* y16 (N,out) bf16 = round(x16 W^T): a plain linear (a BF16 weight, no bias, adapter or 4-bit base) whose
+ * output is stored in bf16 only (the GEMM rounds its fp32 sums once: fl_linear_forward_ex's value, rounded).
+ * FL_ERR_UNSUPPORTED for any other linear (fl_linear_plain16 says which take it). */
+int fl_linear_plain16(const fl_linear *lin);
+fl_status fl_linear_forward16(const fl_backend *be, void *y16, const void *x16, const fl_linear *lin, int N);
 /* The same, with x16: bf16(x) already at hand (NULL: none), what a bf16 weight-gradient GEMM reads
  * instead of rounding x itself (lin->xb16 set). */
 fl_status fl_linear_backward_ex(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, const float *x,
                                 const void *x16, const fl_linear *lin, int N);
+/* The same, where the op that made dy may have written its bf16 copy into lin->dyb16 already (dy16_ready: the
+ * convert is skipped; fl_linear_wants_dy16 says whether the linear reads that copy). */
+int fl_linear_wants_dy16(const fl_linear *lin);
+fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, int dy16_ready,
+                                  const float *x, const void *x16, const fl_linear *lin, int N);
 
 #include "graph.h"
 

@@ -11,7 +11,9 @@
  * (ACTS); the relative bias (NH, T, T), its gradient and bucket indices, the ids, the key padding mask, d(stream)
  * of the earlier stack, the backward's gradient buffers (rows B x max(T) of the stacks), one logits chunk and the
  * per-token losses (WORKSPACE). Activation checkpointing: one block's slots per stack, shared by its blocks and
- * recomputed in the backward. fp32 storage and activations; what is not done is refused by name. */
+ * recomputed in the backward; the bf16 policies without checkpointing: the WIDE slots saved in bf16 (one fp32 buffer
+ * of them per stack, the block being computed). Sharded stores (FSDP / ZeRO-3): each layout group gathered around
+ * its use. What is not done is refused by name. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>

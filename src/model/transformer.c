@@ -143,7 +143,9 @@ static fl_status forward_body(fl_model *m, const pass *p) {
     for (int i = 0; i < mg->n_ops; i++) {
         const int rw = mg->op[i].role_w, rb = mg->op[i].role_b;
         switch ((fl_mop_kind)mg->op[i].kind) {
-        case FL_MOP_EMBED: FL_TRY(fl_embed_forward(m, &op, e, a->ids, p->ids, B, T, 0)); break;
+        case FL_MOP_EMBED: /* a later pipeline stage: res[0] holds the previous stage's output (stage.c) */
+            if (!m->stage.in) FL_TRY(fl_embed_forward(m, &op, e, a->ids, p->ids, B, T, 0));
+            break;
         case FL_MOP_EMBED_TYPE: /* through buf1 (N, C) */
             be->embedding_forward(be, a->buf1, a->type_ids, role_param(m, 0, FL_ROLE_TYPE_EMBED, 0), NULL, B, T, C);
             be->add(be, e, e, a->buf1, (size_t)N * C);
@@ -152,7 +154,7 @@ static fl_status forward_body(fl_model *m, const pass *p) {
             if (!after)
                 fl_norm_forward(m, a->res[0], a->emb_mean, a->emb_rstd, e, role_param(m, 0, rw, 0),
                                 role_param(m, 0, rb, 0), N);
-            else
+            else if (!m->stage.out) /* an earlier pipeline stage ends at res[L] */
                 (void)fl_norm_forward_t(m, a->lnf, NULL, a->lnf_mean, a->lnf_rstd, a->res[L], op.lnf_w, op.lnf_wt,
                                         op.lnf_b, N);
             break;
@@ -178,9 +180,10 @@ static fl_status forward_end(fl_model *m, const pass *p, float *logits_out, floa
     if (end_op(a->mgraph) == FL_MOP_HEAD_LM) {
         m->loss_sum = 0;
         m->n_valid = 0;
-        m->have_targets = p->targets != NULL;
-        FL_TRY(fl_lm_head_loss(m, p->targets, N, p->grad_scale, logits_out)); /* the executor (exec.c) */
-        if (p->targets) FL_TRY(fl_lm_sum_losses(m, p->targets, N));
+        m->have_targets = p->targets != NULL && !m->stage.out;
+        if (!m->stage.out) /* the executor (exec.c); an earlier pipeline stage has no head */
+            FL_TRY(fl_lm_head_loss(m, p->targets, N, p->grad_scale, logits_out));
+        if (p->targets && !m->stage.out) FL_TRY(fl_lm_sum_losses(m, p->targets, N));
     } else if (hidden) {
         const float *out = has_final_norm(a->mgraph) ? a->lnf : a->res[m->cfg.n_layers];
         FL_TRY(m->be->to_host(m->be, hidden, out, (size_t)N * m->cfg.dim * sizeof(float)));
@@ -244,7 +247,8 @@ static fl_status run_backward(fl_model *m, const float *dhidden) {
     fl_outer_params op;
     fl_get_outer(m, &op);
     m->ckpt_recomputed = 0;
-    if (has_final_norm(mg)) { /* d(lnf) (N, C) in buf1 -> d res[L] in dres */
+    if (m->stage.out) { /* an earlier pipeline stage: d res[L] is already in dres (fl_model_stage_dout) */
+    } else if (has_final_norm(mg)) { /* d(lnf) (N, C) in buf1 -> d res[L] in dres */
         if (dhidden) FL_TRY(be->to_device(be, a->buf1, dhidden, nc * sizeof(float)));
         be->zero(be, a->dres, nc * sizeof(float));
         /* the final norm's parameters open the head group (16-bit storage: staged) */
@@ -260,7 +264,13 @@ static fl_status run_backward(fl_model *m, const float *dhidden) {
     PP_RELEASE(HG);
     PP_READY(HG);
     FL_TRY(blocks_backward(m, B, T)); // d res[0] in dres
-    const float *de = a->dres;        // d(the embeddings' sum)
+    if (m->stage.in) { /* a later pipeline stage: d res[0] goes to the previous one (fl_model_stage_dinput); the
+                        * embeddings' gradients (none here) are ready as they are */
+        PP_READY(0);
+        m->fwd_train = 0;
+        return FL_OK;
+    }
+    const float *de = a->dres; // d(the embeddings' sum)
     for (int i = 0; i < mg->n_ops && mg->op[i].kind != FL_MOP_BLOCKS; i++)
         if (mg->op[i].kind == FL_MOP_NORM) { /* the embedding norm: d(its input) into buf1 */
             const int rw = mg->op[i].role_w, rb = mg->op[i].role_b;

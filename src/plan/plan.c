@@ -215,17 +215,7 @@ static int rehearsal_result(const plan_ctx *x, fl_status s, const fl_trainer_res
             memcpy(out->nvme_peak, r->nvme_peak, sizeof out->nvme_peak);
             out->nvme_peak_total = r->nvme_peak_total;
         } else if (oom) {
-            /* what failed, as the allocation site says it: the message up to the pool's own words */
-            const char *m = fl_error_message(), *e = strstr(m, "out of memory on ");
-            size_t n = e ? (size_t)(e - m) : strlen(m);
-            while (n && (m[n - 1] == ' ' || m[n - 1] == ':')) n--;
-            if (n) snprintf(out->oom_what, sizeof out->oom_what, "%.*s", (int)n, m);
-            else snprintf(out->oom_what, sizeof out->oom_what, "%s buffer", fl_mem_tag_name(r->oom.tag));
-            out->oom = r->oom;
-            const char *const *steps = ranks > 1 ? k_steps_dp : k_steps;
-            const int ns = ranks > 1 ? (int)(sizeof k_steps_dp / sizeof *k_steps_dp)
-                                     : (int)(sizeof k_steps / sizeof *k_steps);
-            snprintf(out->oom_step, sizeof out->oom_step, "%s", steps[r->n_phases < ns ? r->n_phases : ns - 1]);
+            fl_plan_set_oom(out, &r->oom, r->n_phases, ranks);
         }
     }
     return s == FL_OK;
@@ -319,13 +309,26 @@ static int simulate(const plan_ctx *x, const fl_run_config *c, const fl_optim_co
 
 /* ---- the plan -------------------------------------------------------------------------- */
 
-static void note(fl_plan *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void note(fl_plan *p, const char *fmt, ...) {
+void fl_plan_note(fl_plan *p, const char *fmt, ...) {
     if (p->n_notes >= FL_PLAN_MAX_NOTES) return;
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(p->notes[p->n_notes++], sizeof p->notes[0], fmt, ap);
     va_end(ap);
+}
+#define note(...) fl_plan_note(__VA_ARGS__) /* this file's short name for it */
+
+void fl_plan_set_oom(fl_plan *p, const fl_mem_oom *oom, int n_phases, int ranks) {
+    /* what failed, as the allocation site says it (this thread's message): up to the pool's own words */
+    const char *m = fl_error_message(), *e = strstr(m, "out of memory on ");
+    size_t n = e ? (size_t)(e - m) : strlen(m);
+    while (n && (m[n - 1] == ' ' || m[n - 1] == ':')) n--;
+    if (n) snprintf(p->oom_what, sizeof p->oom_what, "%.*s", (int)n, m);
+    else snprintf(p->oom_what, sizeof p->oom_what, "%s buffer", fl_mem_tag_name(oom->tag));
+    p->oom = *oom;
+    const char *const *steps = ranks > 1 ? k_steps_dp : k_steps;
+    const int ns = ranks > 1 ? (int)(sizeof k_steps_dp / sizeof *k_steps_dp) : (int)(sizeof k_steps / sizeof *k_steps);
+    snprintf(p->oom_step, sizeof p->oom_step, "%s", steps[n_phases < ns ? n_phases : ns - 1]);
 }
 
 static fl_plan_suggestion *sugg(fl_plan *p, const char *technique) {
@@ -558,10 +561,12 @@ static void suggest(fl_plan *p, const plan_ctx *x, const fl_run_config *c) {
     }
 }
 
-/* An encoder-decoder's two lengths: the source's (--seq-len, else data.max_source_length) and the target's
+/* An encoder-decoder's two lengths: the source's (--seq-len, else data.max_source_length capped by
+ * train.max_seq_length) and the target's
  * (--target-len, else data.max_target_length); the trainer sizes for the longest pair cut to those limits. */
 static fl_status s2s_lengths(const fl_run_config *c, const fl_plan_opts *o, plan_ctx *x, fl_plan *p) {
-    x->Ts = o->seq_len > 0 ? o->seq_len : c->data.max_source_length;
+    const int lim = fl_s2s_source_limit(c->data.max_source_length, c->train.max_seq_length); /* the trainer's */
+    x->Ts = o->seq_len > 0 ? o->seq_len : lim;
     x->T = o->target_len > 0 ? o->target_len : c->data.max_target_length;
     if (x->Ts <= 0 || x->T <= 0)
         return fl_errorf(FL_ERR_INVALID, "plan: an encoder-decoder (%s) needs a %s length: give %s (data.%s is no "
@@ -570,7 +575,7 @@ static fl_status s2s_lengths(const fl_run_config *c, const fl_plan_opts *o, plan
                          x->Ts <= 0 ? "max_source_length" : "max_target_length");
     note(p, "source %d tokens (%s), target %d (%s): the trainer sizes activations for the longest source and target, "
             "cut to data.max_source_length / max_target_length, so shorter pairs need less", x->Ts,
-         o->seq_len > 0 ? "--seq-len" : "data.max_source_length", x->T,
+         o->seq_len > 0 ? "--seq-len" : lim != c->data.max_source_length ? "train.max_seq_length" : "data.max_source_length", x->T,
          o->target_len > 0 ? "--target-len" : "data.max_target_length");
     return FL_OK;
 }
@@ -721,7 +726,15 @@ static void strategy_notes(fl_plan *p, const fl_run_config *c, const fl_strategy
                            int fsdp) {
     const fl_strategy_choice sc = *scp;
     const fl_plan_opts opts = *o;
-    if (c->tensor_parallel > 1)
+    if (c->pipeline_parallel > 1)
+        note(p, "pipeline parallel %d (EXPERIMENTAL, schedule %s)%s: rank %d is stage %d: its contiguous range of the "
+                "blocks (balanced by count), a copy of the embeddings and head (run and trained on the first / last stage "
+                "only), their gradients and optimizer state, and the activations of the micro-batches it keeps in flight "
+                "(the arena's one and a stash per further one: 1F1B at most min(stages - stage, micro-batches), GPipe all); "
+                "the whole model the run loads, and the checkpoints' gathered copy, are outside the pool; no sample "
+                "generation", c->pipeline_parallel, c->pipeline_schedule, fl_cfg_dp_ranks(c) > 1 ? " x DDP" : "", p->rank,
+             p->rank % c->pipeline_parallel);
+    else if (c->tensor_parallel > 1)
         note(p, "tensor parallel %d%s: rank %d's memory: its slice of the model (1/%d of the attention heads, key/value "
                 "heads and MLP columns; norms, embeddings and the head whole), its gradients and optimizer state, its "
                 "heads' activations; the whole model the run loads and slices, and the checkpoints' gathered copy, "

@@ -163,6 +163,7 @@ void fl_dp_buckets_arm(fl_dp *dp, fl_optimizer *o, int last) {
 }
 
 fl_status fl_dp_reduce_grads(fl_dp *dp, fl_optimizer *o) {
+    FL_TRY(fl_fsdp_update_wait(dp, o)); /* FULL_SHARD offload: the units' updates run beside the backward (any world) */
     if (!dp->comm) return FL_OK;
     FL_TRY(fl_dp_check(dp, o));
     if (dp->fsdp) {

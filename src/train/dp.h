@@ -59,6 +59,7 @@ typedef struct fl_dp {
         fl_mem_pool *pool, *host;
         int disk, prefetch, overlap;
     } ptier;
+    int update_overlap; /* --offload_update_overlap: fl_fsdp_update_arm may run the update unit by unit */
 } fl_dp;
 
 /* The parameter-offload fetch worker (fetch.c): one thread copying units' pieces out of the tier in post order.
@@ -71,13 +72,20 @@ typedef struct fl_fetch_job {
     size_t bytes;
     int state;
     struct fl_fetch_job *next;
+    fl_status (*run)(void *ud); /* fl_fetch_post_run: a function in place of the copy, its status and message */
+    void *ud;
+    fl_status st;
+    char msg[512];
 } fl_fetch_job;
 fl_status fl_fetch_start(fl_fetch **out);
 void fl_fetch_post(fl_fetch *w, fl_fetch_job *j, void *dst, const void *src, size_t bytes);
+/* run(ud) on the worker, in post order with the copies (its status and error message: j->st, j->msg) */
+void fl_fetch_post_run(fl_fetch *w, fl_fetch_job *j, fl_status (*run)(void *ud), void *ud);
 void fl_fetch_wait(fl_fetch *w, fl_fetch_job *j);
 int fl_fetch_posted(fl_fetch *w, const fl_fetch_job *j); /* posted and not yet waited for */
 void fl_fetch_stop(fl_fetch *w); /* runs the queued jobs, then joins */
-unsigned long fl_fetch_count(void); /* jobs done so far by every worker of the process */
+unsigned long fl_fetch_count(void); /* copy jobs done so far by every worker of the process */
+unsigned long fl_fetch_run_count(void); /* function jobs (fl_fetch_post_run) done so far */
 
 /* A checkpoint writer's source for one optimizer state array arr of o (es-byte elements): t->data read
  * through the state's backend, or in an NVMe tier a fill_range producer that streams it from its files a
@@ -90,6 +98,22 @@ typedef struct {
 void fl_optim_state_source(const fl_optimizer *o, fl_st_write_tensor *t, const void *arr, size_t es,
                            fl_optim_state_src *src);
 
+/* The optimizer update of elements [a, a + n) of o's range as update number `step`, unscaled (no clipping, no loss
+ * scaling), in place on the host (optim.c; not where the update is staged through the host tier). Elementwise: the
+ * parts together are the whole update's bits. Safe on a second thread while the model computes (it allocates
+ * nothing; NVMe: the same residency hints as the whole update, on the part's pages). */
+fl_status fl_optim_update_part(const fl_optimizer *o, size_t a, size_t n, float lr, int step);
+/* FULL_SHARD / ZeRO-3 with the optimizer offloaded (--offload_update_overlap, fsdp.c): before the LAST micro-batch
+ * of a step, arm the unit-by-unit update: when a unit's gradient is final (its reduction in that backward) its
+ * update is queued on the fetch worker, so it runs beside the next units' backward, fetches and reductions. Only
+ * where nothing needs every shard's gradient first: no clipping (max_norm <= 0), no loss scaling; AdamW or SGD
+ * updated in place on the CPU backend's kernels (the host backend; not staged). Otherwise a no-op and the update
+ * runs after the backward as before. fl_dp_reduce_grads waits for the queued updates and marks the step updated
+ * (o->home.updated). Same bits either way (elementwise). */
+fl_status fl_fsdp_update_arm(fl_dp *dp, fl_optimizer *o, float lr, float max_norm);
+/* Wait for the units' updates fl_fsdp_update_arm queued (none armed: nothing): the first failure (status and
+ * message), a unit whose update was not queued (FL_ERR_INTERNAL); then o->home.updated = 1. */
+fl_status fl_fsdp_update_wait(fl_dp *dp, fl_optimizer *o);
 /* comm may be NULL (rank 0 of 1). */
 void fl_dp_init(fl_dp *dp, fl_comm *comm, fl_mem_pool *pool);
 /* Detach the scratch pool before it is freed; give back FSDP's bookkeeping (fl_fsdp_free) and destroy

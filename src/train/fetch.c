@@ -7,8 +7,11 @@
  * Jobs are served in the order they are posted (FIFO); fl_fetch_wait blocks until the job is done. A job copies
  * bytes and nothing else (no pool, no backend, no collective), so the bytes that arrive are the bytes the
  * synchronous copy would have moved: the overlap changes when a copy happens, never what it copies. The caller
- * owns the job (it lives until it is waited for) and the two buffers (neither touched by the model until then). */
+ * owns the job (it lives until it is waited for) and the two buffers (neither touched by the model until then).
+ * A job may instead run a function (fl_fetch_post_run: a unit's host optimizer update, fsdp.c): it runs in the same
+ * FIFO, so a fetch posted after it waits for it, and its status and error message come back in the job. */
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -23,11 +26,19 @@ struct fl_fetch {
 };
 
 static pthread_mutex_t g_count_mu = PTHREAD_MUTEX_INITIALIZER;
-static unsigned long g_count; /* jobs done by every worker of the process (the tests' evidence that it ran) */
+static unsigned long g_count; /* copies done by every worker of the process (the tests' evidence that it ran) */
+static unsigned long g_runs;  /* functions run (fl_fetch_post_run) */
 
 unsigned long fl_fetch_count(void) {
     pthread_mutex_lock(&g_count_mu);
     unsigned long n = g_count;
+    pthread_mutex_unlock(&g_count_mu);
+    return n;
+}
+
+unsigned long fl_fetch_run_count(void) {
+    pthread_mutex_lock(&g_count_mu);
+    unsigned long n = g_runs;
     pthread_mutex_unlock(&g_count_mu);
     return n;
 }
@@ -42,9 +53,15 @@ static void *worker(void *arg) {
         w->head = j->next;
         if (!w->head) w->tail = NULL;
         pthread_mutex_unlock(&w->mu);
-        if (j->bytes) memcpy(j->dst, j->src, j->bytes);
+        if (j->run) { /* a unit's optimizer update (fsdp.c): its status and message travel back in the job */
+            j->st = j->run(j->ud);
+            if (j->st != FL_OK) snprintf(j->msg, sizeof j->msg, "%s", fl_error_message());
+        } else if (j->bytes) {
+            memcpy(j->dst, j->src, j->bytes);
+        }
         pthread_mutex_lock(&g_count_mu);
-        g_count++;
+        g_count += j->run == NULL;
+        g_runs += j->run != NULL;
         pthread_mutex_unlock(&g_count_mu);
         pthread_mutex_lock(&w->mu);
         j->state = 2;
@@ -70,8 +87,7 @@ fl_status fl_fetch_start(fl_fetch **out) {
     return FL_OK;
 }
 
-void fl_fetch_post(fl_fetch *w, fl_fetch_job *j, void *dst, const void *src, size_t bytes) {
-    j->dst = dst, j->src = src, j->bytes = bytes, j->next = NULL;
+static void enqueue(fl_fetch *w, fl_fetch_job *j) {
     pthread_mutex_lock(&w->mu);
     j->state = 1;
     if (w->tail) w->tail->next = j;
@@ -79,6 +95,17 @@ void fl_fetch_post(fl_fetch *w, fl_fetch_job *j, void *dst, const void *src, siz
     w->tail = j;
     pthread_cond_signal(&w->work);
     pthread_mutex_unlock(&w->mu);
+}
+
+void fl_fetch_post(fl_fetch *w, fl_fetch_job *j, void *dst, const void *src, size_t bytes) {
+    j->dst = dst, j->src = src, j->bytes = bytes, j->next = NULL, j->run = NULL, j->ud = NULL;
+    enqueue(w, j);
+}
+
+void fl_fetch_post_run(fl_fetch *w, fl_fetch_job *j, fl_status (*run)(void *ud), void *ud) {
+    j->dst = NULL, j->src = NULL, j->bytes = 0, j->next = NULL, j->run = run, j->ud = ud, j->st = FL_OK;
+    j->msg[0] = '\0';
+    enqueue(w, j);
 }
 
 void fl_fetch_wait(fl_fetch *w, fl_fetch_job *j) {

@@ -106,6 +106,19 @@ struct fl_fsdp {
     fl_fetch_job *job;      /* (G) */
     void **hslot;           /* (G) */
     int direct;
+    int afetch;             /* the fetches ahead go through fw (fw may run the updates alone: afetch 0) */
+    /* --offload_update_overlap (fl_fsdp_update_arm): this step's units' updates on fw, queued as each unit's
+     * gradient becomes final; the optimizer, lr and update number of the step, each unit's job and argument */
+    int uarmed, ustep, uposted;
+    float ulr;
+    const fl_optimizer *uo;
+    fl_fetch_job *ujob;     /* (G) */
+    struct fsdp_unit_upd *uarg; /* (G) */
+};
+
+struct fsdp_unit_upd {
+    struct fl_fsdp *f;
+    int g;
 };
 
 #define FSDP_BLOCK_LIMIT 2 /* limit_all_gathers: blocks gathered at once */
@@ -207,7 +220,7 @@ static fl_status post(struct fl_fsdp *f, int g) {
     const void *src = shard + f->loc[g] * f->es;
     if (f->tbe) { /* parameter offload: the piece comes up from the host tier (NVMe: read from its file) */
         test_fetch_hold(f);
-        if (f->fw) return post_async(f, g, src);
+        if (f->afetch) return post_async(f, g, src);
         if (!f->sc) /* one rank: the piece is the unit */
             return fl_error_prefix(m->be->to_device(m->be, f->pbuf[g], src, f->n[g] * f->es),
                                    "parameter offload: fetching unit %d (%zu elements) from the host", g, f->n[g]);
@@ -328,6 +341,27 @@ static fl_status grads_down(struct fl_fsdp *f, int g, const void *red, char *dst
     return fl_error_prefix(s, "parameter offload: unit %d's gradient piece to the host", g);
 }
 
+/* --offload_update_overlap: unit g's update on the fetch worker (its piece of the shard: the optimizer's range is
+ * the shard, so the unit's elements are [loc[g], loc[g] + clen[g]) of it) */
+static fl_status unit_update(void *ud) {
+    const struct fsdp_unit_upd *u = ud;
+    const struct fl_fsdp *f = u->f;
+    return fl_error_prefix(fl_optim_update_part(f->uo, f->loc[u->g], f->clen[u->g], f->ulr, f->ustep),
+                           "the optimizer's update of unit %d (on the fetch worker)", u->g);
+}
+
+/* The unit's gradient is final (the last micro-batch's reduction): its update is queued. Nothing reads or writes
+ * the unit's piece of the parameters, gradients or state until the step ends (the backward walks the other units;
+ * the next forward's fetches queue behind it), so the worker owns them meanwhile. */
+static fl_status post_update(struct fl_fsdp *f, int g) {
+    if (fl_fetch_posted(f->fw, &f->ujob[g]) || f->uarg[g].f)
+        return fl_errorf(FL_ERR_INTERNAL, "FSDP: unit %d's gradient was reduced twice in the step's last backward", g);
+    f->uarg[g] = (struct fsdp_unit_upd){f, g};
+    fl_fetch_post_run(f->fw, &f->ujob[g], unit_update, &f->uarg[g]);
+    f->uposted++;
+    return FL_OK;
+}
+
 static fl_status pp_grads_ready(void *ud, int g) {
     struct fl_fsdp *f = ud;
     fl_model *m = f->m;
@@ -372,6 +406,7 @@ static fl_status pp_grads_ready(void *ud, int g) {
     }
     fl_mem_free(m->pool, f->views[g].g);
     f->views[g].g = NULL;
+    if (s == FL_OK && f->uarmed) s = post_update(f, g);
     return fl_error_prefix(s, "FSDP: reduce-scattering unit %d's gradients (%zu elements)", g, f->n[g]);
 }
 
@@ -392,7 +427,7 @@ void fl_fsdp_free(fl_dp *dp) {
     fl_fetch_stop(f->fw);
     if (f->m && fl_model_provider(f->m) == &f->pp) fl_model_store_unshard(f->m);
     free(f->n), free(f->coff), free(f->clen), free(f->foff), free(f->loc), free(f->views), free(f->pbuf), free(f->cbuf);
-    free(f->req), free(f->fresh), free(f->sbuf), free(f->job), free(f->hslot);
+    free(f->req), free(f->fresh), free(f->sbuf), free(f->job), free(f->hslot), free(f->ujob), free(f->uarg);
     fl_comm_destroy(f->own);
     free(f);
     dp->fsdp = NULL;
@@ -437,8 +472,9 @@ static fl_status shard_model(void *ud, void *mp) {
     f->pbuf = calloc(G, sizeof *f->pbuf), f->cbuf = calloc(G, sizeof *f->cbuf), f->req = calloc(G, sizeof *f->req);
     f->fresh = calloc(G, sizeof *f->fresh), f->sbuf = calloc(G, sizeof *f->sbuf);
     f->job = calloc(G, sizeof *f->job), f->hslot = calloc(G, sizeof *f->hslot);
+    f->ujob = calloc(G, sizeof *f->ujob), f->uarg = calloc(G, sizeof *f->uarg);
     if (!f->n || !f->coff || !f->clen || !f->foff || !f->loc || !f->views || !f->pbuf || !f->cbuf || !f->req ||
-        !f->fresh || !f->sbuf || !f->job || !f->hslot) {
+        !f->fresh || !f->sbuf || !f->job || !f->hslot || !f->ujob || !f->uarg) {
         fl_fsdp_free(dp);
         return fl_errorf(FL_ERR_OOM, "FSDP bookkeeping: out of host memory");
     }
@@ -531,8 +567,49 @@ fl_status fl_fsdp_init(fl_dp *dp, const fl_run_config *cfg, fl_model *m) {
     f->no_bwd_prefetch = fl_cfg_backward_prefetch(cfg) == 0;
     /* --offload_overlap: only where something is fetched ahead (prefetch 0 waits for each unit when it is needed) */
     f->direct = fl_backend_host_memory(m->be);
-    if (f->tbe && dp->ptier.overlap && dp->ptier.prefetch > 0 && !f->fw) FL_TRY(fl_fetch_start(&f->fw));
+    f->afetch = f->tbe && dp->ptier.overlap && dp->ptier.prefetch > 0;
+    if (f->afetch && !f->fw) FL_TRY(fl_fetch_start(&f->fw));
     return FL_OK;
+}
+
+fl_status fl_fsdp_update_arm(fl_dp *dp, fl_optimizer *o, float lr, float max_norm) {
+    struct fl_fsdp *f = dp->fsdp;
+    if (!f) return FL_OK;
+    f->uarmed = 0;
+    /* the update runs on the host in place (not staged through the host tier), elementwise (AdamW, SGD), on the
+     * CPU backend's kernels (which run on any thread; the plan's null backend computes nothing), and needs no
+     * total over every shard's gradient first (clipping's norm, fp16's overflow verdict) */
+    const fl_backend *hb = o->home.be;
+    const int cpu = hb && (!strcmp(hb->name, "cpu") || fl_backend_discards(hb));
+    if (!dp->update_overlap || !dp->offload || fl_model_provider(f->m) != &f->pp || o->model != f->m || o->home.hp ||
+        !cpu || o->amp.on || max_norm > 0 || (o->cfg.kind != FL_OPT_ADAMW && o->cfg.kind != FL_OPT_SGD) ||
+        o->shard.off != 0 || o->shard.len != f->loc[f->G])
+        return FL_OK;
+    if (!f->fw) FL_TRY(fl_fetch_start(&f->fw)); /* the updates alone (no fetch ahead): a worker all the same */
+    f->uo = o;
+    f->ulr = lr;
+    f->ustep = o->step + 1; /* fl_optim_step counts it when the step ends */
+    f->uposted = 0;
+    memset(f->uarg, 0, (size_t)f->G * sizeof *f->uarg);
+    f->uarmed = 1;
+    return FL_OK;
+}
+
+fl_status fl_fsdp_update_wait(fl_dp *dp, fl_optimizer *o) {
+    struct fl_fsdp *f = dp->fsdp;
+    if (!f || !f->uarmed) return FL_OK;
+    f->uarmed = 0;
+    fl_status s = FL_OK;
+    for (int g = 0; g < f->G; g++) { /* every queued job waited for, failed or not */
+        if (!f->uarg[g].f) continue;
+        fl_fetch_wait(f->fw, &f->ujob[g]);
+        if (s == FL_OK && f->ujob[g].st != FL_OK) s = fl_errorf(f->ujob[g].st, "%s", f->ujob[g].msg);
+    }
+    if (s == FL_OK && f->uposted != f->G)
+        s = fl_errorf(FL_ERR_INTERNAL, "FSDP: %d of %d units' updates were queued in the step's last backward",
+                      f->uposted, f->G);
+    if (s == FL_OK) o->home.updated = 1;
+    return s;
 }
 
 int fl_fsdp_ranges(const fl_dp *dp, size_t *flat_off, size_t *shard_off, size_t *len) {

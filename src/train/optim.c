@@ -620,17 +620,17 @@ double fl_grad_norm(const fl_model *m) {
 /* AdamW / SGD on be over n elements of parameters p and gradients g (this rank's range, or one piece of
  * it) with the state from element st of the rank's state arrays */
 static fl_status update_range(const fl_optimizer *o, const fl_backend *be, void *p, const void *g, size_t st, size_t n,
-                              float lr, float scale) {
+                              float lr, float scale, int step) {
     const fl_optim_config *c = &o->cfg;
     const size_t ses = c->state_dtype == FL_BF16 ? 2 : 4;
     void *m = o->st.m ? (char *)o->st.m + st * ses : NULL, *v = o->st.v ? (char *)o->st.v + st * ses : NULL;
     void *buf = o->st.buf ? (char *)o->st.buf + st * ses : NULL;
     if (c->kind == FL_OPT_ADAMW)
         return be->adamw_update(be, p, o->w.pt, g, o->w.gt, m, v, c->state_dtype, n, lr, c->beta1, c->beta2, c->eps,
-                                c->weight_decay, o->step, scale);
+                                c->weight_decay, step, scale);
     if (c->kind == FL_OPT_SGD)
         return be->sgd_update(be, p, o->w.pt, g, o->w.gt, buf, c->state_dtype, n, lr, c->momentum, c->dampening,
-                              c->weight_decay, c->nesterov, o->step == 1, scale);
+                              c->weight_decay, c->nesterov, step == 1, scale);
     return fl_errorf(FL_ERR_INTERNAL, "optimizer update: %s is not elementwise", fl_optim_name(c->kind));
 }
 
@@ -662,24 +662,25 @@ static fl_status state_range(const fl_optimizer *o, size_t a, size_t len, int wh
  *   NVMe (the state in a disk pool): before piece k, the read-ahead of piece k + 1's state starts; after
  *   it, piece k's write-back starts and piece k - 1's is waited for and its pages dropped, so the process
  *   holds about three pieces of the state while the disk reads and writes beside the update. */
-static fl_status offload_update(const fl_optimizer *o, float lr, float scale) {
+static fl_status offload_update(const fl_optimizer *o, size_t a0, size_t n, float lr, float scale, int step) {
     const fl_backend *be = o->model->be;
-    const size_t pes = fl_dtype_size(o->w.pt), ges = fl_dtype_size(o->w.gt), P = o->home.piece ? o->home.piece : o->shard.len;
+    const size_t pes = fl_dtype_size(o->w.pt), ges = fl_dtype_size(o->w.gt), P = o->home.piece ? o->home.piece : n;
+    const size_t end = a0 + n;
     size_t prev = 0, prev_len = 0;
-    for (size_t a = 0; a < o->shard.len; a += P) {
-        const size_t len = o->shard.len - a < P ? o->shard.len - a : P, at = o->shard.off + a;
+    for (size_t a = a0; a < end; a += P) {
+        const size_t len = end - a < P ? end - a : P, at = o->shard.off + a;
         char *p = (char *)o->w.p + at * pes;
         if (o->home.disk || o->home.ppool) {
-            if (a == 0) FL_TRY(state_range(o, a, len, 0));
-            FL_TRY(state_range(o, a + len, o->shard.len - a - len < P ? o->shard.len - a - len : P, 0));
+            if (a == a0) FL_TRY(state_range(o, a, len, 0));
+            FL_TRY(state_range(o, a + len, end - a - len < P ? end - a - len : P, 0));
         }
         if (o->home.hp) {
             FL_TRY(fl_error_prefix(be->to_host(be, o->home.hg, g_at(o, at), len * ges), "CPU offload: gradients to the host"));
             FL_TRY(fl_error_prefix(be->to_host(be, o->home.hp, p, len * pes), "CPU offload: parameters to the host"));
-            FL_TRY(update_range(o, o->home.be, o->home.hp, o->home.hg, a, len, lr, scale));
+            FL_TRY(update_range(o, o->home.be, o->home.hp, o->home.hg, a, len, lr, scale, step));
             FL_TRY(fl_error_prefix(be->to_device(be, p, o->home.hp, len * pes), "CPU offload: parameters to the device"));
         } else { /* host memory: in place */
-            FL_TRY(update_range(o, o->home.be, p, g_at(o, at), a, len, lr, scale));
+            FL_TRY(update_range(o, o->home.be, p, g_at(o, at), a, len, lr, scale, step));
         }
         if (o->home.disk || o->home.ppool) {
             FL_TRY(state_range(o, a, len, 1));
@@ -691,6 +692,36 @@ static fl_status offload_update(const fl_optimizer *o, float lr, float scale) {
     return o->home.hp ? fl_error_prefix(be->sync(be), "CPU offload: the updated parameters") : FL_OK;
 }
 
+/* The update of elements [a, a + n) of the rank's range as update `step`, unscaled, where the update runs on host
+ * memory in place (fsdp.c's unit-by-unit update on the fetch worker; not staged). Elementwise, so the units' calls
+ * together give the bits of the whole range's (the offload's pieces already rely on it). */
+fl_status fl_optim_update_part(const fl_optimizer *o, size_t a, size_t n, float lr, int step) {
+    if (o->home.hp || o->cfg.kind == FL_OPT_ADAMW8BIT || a + n > o->shard.len)
+        return fl_errorf(FL_ERR_INTERNAL, "optimizer: a part of the update [%zu, %zu) cannot run on its own", a, a + n);
+    if (!n) return FL_OK;
+    if (o->home.disk || o->home.ppool) return offload_update(o, a, n, lr, 1.0f, step);
+    const size_t at = o->shard.off + a;
+    return update_range(o, o->home.be, (char *)o->w.p + at * fl_dtype_size(o->w.pt), g_at(o, at), a, n, lr, 1.0f, step);
+}
+
+/* The step whose update already ran part by part (o->home.updated): the norm it reports, the count. The gradients
+ * are what they were (an update writes the parameters and the state only), so the norm is the one the whole
+ * update would have reported; a non-finite one still ends the run (the weights moved already: the run stops
+ * without saving them, as a refused update does). */
+static fl_status step_updated(fl_optimizer *o, float max_norm, double *norm_out) {
+    o->home.updated = 0;
+    if (o->amp.on || max_norm > 0)
+        return fl_errorf(FL_ERR_INTERNAL, "optimizer: an update run ahead with loss scaling or clipping on");
+    if (norm_out) {
+        double sq;
+        FL_TRY(grad_sumsq(o, &sq));
+        *norm_out = sqrt(sq);
+        if (!isfinite(*norm_out)) return fl_errorf(FL_ERR_NONFINITE, "the gradient norm is %s", isnan(*norm_out) ? "NaN" : "inf");
+    }
+    o->step++;
+    return FL_OK;
+}
+
 fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_out) {
     fl_model *m = o->model;
     const fl_backend *be = m->be;
@@ -698,6 +729,7 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
     double norm = -1.0;
     float scale = 1.0f;
     o->amp.skipped = 0;
+    if (o->home.updated) return step_updated(o, max_norm, norm_out); /* FULL_SHARD offload, unit by unit (fsdp.c) */
     if (o->amp.on) {
         float inv = fl_loss_scale_inv(&o->amp.ls);
         int found;
@@ -728,9 +760,9 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
     size_t n = o->shard.len;
     void *p = (char *)o->w.p + o->shard.off * fl_dtype_size(o->w.pt), *g = (void *)g_at(o, o->shard.off);
     if (c->kind != FL_OPT_ADAMW8BIT && (o->home.hp || o->home.disk || o->home.ppool)) {
-        FL_TRY(offload_update(o, lr, scale));
+        FL_TRY(offload_update(o, 0, n, lr, scale, o->step));
     } else if (c->kind != FL_OPT_ADAMW8BIT) {
-        FL_TRY(update_range(o, o->home.be, p, g, 0, n, lr, scale)); /* offload on host memory: in place, host state */
+        FL_TRY(update_range(o, o->home.be, p, g, 0, n, lr, scale, o->step)); /* offload on host memory: in place, host state */
     } else if (o->q8.p_s) { /* FULL_SHARD: pieces of units, blocks cut by rank edges (above) */
         FL_TRY(fsdp8_step(o, lr, scale));
     } else {

@@ -116,7 +116,8 @@ fl_status fl_step_run(fl_model *m, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
                             * world size, draws the same */
                 fl_model_adapters_seed(m, c->seed + (uint64_t)(c->iter0 + (long)k * world + rank));
             if (c->dp) fl_dp_buckets_arm(c->dp, o, k == c->n_micro - 1); /* the last backward reduces block by block */
-            fl_status s = micro(m, o, &c->mbs[k], k, c->step_valid, &ls_k, &nv_k, &r);
+            fl_status s = c->dp && o && k == c->n_micro - 1 ? fl_fsdp_update_arm(c->dp, o, c->lr, c->max_norm) : FL_OK;
+            if (s == FL_OK) s = micro(m, o, &c->mbs[k], k, c->step_valid, &ls_k, &nv_k, &r);
             if (s != FL_OK) {
                 c->failed_k = k;
                 return s;

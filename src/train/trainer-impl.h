@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "fitllm/generate.h"
+#include "fitllm/pp.h"
 #include "fitllm/tp.h"
 #include "fitllm/trainer.h"
 #include "dp.h"
@@ -77,6 +78,18 @@ typedef struct {
     fl_tp_dist dist;            /* the optimizer's hooks over the group */
 } trainer_tp;
 
+/* Pipeline parallelism (--pipeline_parallel S > 1, trainer_pp.c): world rank w is stage w % S of pipeline w / S;
+ * the run's fl_dp is the data-parallel axis (the ranks of one stage across the pipelines). */
+typedef struct {
+    int size, stage;            /* stages per pipeline (1: none) and this rank's */
+    int first, last;            /* this stage's blocks [first, last) of the whole model */
+    fl_comm *grp, *dpc;         /* the pipeline and the data-parallel axis (owned) */
+    fl_model_config whole;      /* the whole model's config (checkpoints) */
+    size_t whole_numel;
+    fl_pp rt;                   /* the pipelined step (fitllm/pp.h) */
+    int rt_ok;
+} trainer_pp;
+
 typedef struct {
     const fl_run_config *cfg;
     FILE *out;
@@ -92,6 +105,7 @@ typedef struct {
     trainer_bufs buf;
     fl_dp dp;                   /* data parallel: rank, world, communicator (see dp.h) */
     trainer_tp tp;              /* tensor parallel (size 1: none) */
+    trainer_pp pp;              /* pipeline parallel (size 1: none) */
     trainer_sched sch;
     fl_train_state st;
 } trainer;
@@ -167,6 +181,33 @@ void fl_tr_tp_end(trainer *t);
 fl_status fl_tr_sum_all(trainer *t, double *v, int n);
 /* The run header's line (the lead). */
 void fl_tr_tp_print(const trainer *t, fl_comm *world);
+/* A whole model (and optimizer, o given) of cfg in pools of its own, outside the run's budget: checkpoint staging. */
+typedef struct {
+    fl_mem_pool pool, hpool;
+    int pool_ok;
+    fl_model m;
+    int m_ok;
+    fl_optimizer o;
+    int o_ok;
+} tp_whole;
+fl_status fl_tr_whole_make(trainer *t, tp_whole *w, const fl_model_config *cfg, const fl_optimizer *o);
+void fl_tr_whole_free(tp_whole *w);
+
+/* ---- pipeline parallelism (trainer_pp.c; EXPERIMENTAL) ---- */
+/* fl_tr_tp_begin's counterpart (it calls this under --pipeline_parallel): refusals, the pipeline and the
+ * data-parallel axis split from world. */
+fl_status fl_tr_pp_begin(trainer *t, fl_comm *world, const fl_model_config *given, fl_comm **dp_comm);
+fl_status fl_tr_pp_check(const trainer *t, const fl_strategy_choice *sc);
+/* The whole model loaded outside the pool, this stage's blocks taken into the run's pool. */
+fl_status fl_tr_pp_load(trainer *t, const fl_model_config *given);
+/* After the optimizer: the pipelined step (fl_pp_init) and its hooks. */
+fl_status fl_tr_pp_attach(trainer *t);
+/* Consolidated checkpoints (the first pipeline gathers on its stage 0, which writes as one process does); the
+ * load reads the whole checkpoint and takes the stage. */
+fl_status fl_tr_pp_save(trainer *t, int lead, const char *name, const fl_optimizer *o, const fl_train_state *st);
+fl_status fl_tr_pp_ckpt_load(trainer *t, const char *path);
+void fl_tr_pp_end(trainer *t);
+void fl_tr_pp_print(const trainer *t);
 /* The model of load_model (trainer_setup.c) into m from pool (*ok: m is to be freed). */
 fl_status fl_tr_load_model(trainer *t, const fl_model_config *given, fl_model *m, fl_mem_pool *pool, int *ok);
 

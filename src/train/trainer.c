@@ -20,16 +20,34 @@
  * bench-step times): iter0: global micro-batches before this step; step_valid: the valid targets
  * of the whole step (0: nothing to learn, no update). (loss sum, valid) per micro-batch go to this
  * rank's slots of t->buf.mb_stats. A diverged micro-batch or update is said with its step and iteration. */
-/* One optimizer step through fl_step_run. On failure *fail_iter is the global iteration (1-based) that failed, so
- * the caller (the loop, the rehearsal) can report a divergence where it acts on it (fl_tr_diverged). */
-static fl_status train_step(trainer *t, long iter0, long step_valid, float lr, fl_step_result *sr, long *fail_iter) {
+static fl_step_ctx step_ctx(trainer *t, long iter0, long step_valid, float lr) {
     const fl_run_config *cfg = t->cfg;
-    fl_step_ctx c = {.mbs = t->buf.mbs, .n_micro = t->sch.accum, .step_valid = step_valid, .skip_empty = 1, .lr = lr,
-                     .max_norm = cfg->train.max_norm, .dp = &t->dp, .seeded = 1,
-                     .seed = cfg->seed * 0x9e3779b97f4a7c15ULL, .iter0 = iter0,
-                     .mb_stats = t->buf.mb_stats + (size_t)t->dp.rank * 2 * t->sch.accum, .mb_ms = t->buf.mb_ms};
+    return (fl_step_ctx){.mbs = t->buf.mbs, .n_micro = t->sch.accum, .step_valid = step_valid, .skip_empty = 1, .lr = lr,
+                         .max_norm = cfg->train.max_norm, .dp = &t->dp, .seeded = 1,
+                         .seed = cfg->seed * 0x9e3779b97f4a7c15ULL, .iter0 = iter0,
+                         .mb_stats = t->buf.mb_stats + (size_t)t->dp.rank * 2 * t->sch.accum, .mb_ms = t->buf.mb_ms};
+}
+
+/* The global iteration (1-based) a failed step failed at, so the caller (the loop, the rehearsal) can report a
+ * divergence where it acts on it (fl_tr_diverged). */
+static long failed_iter(const trainer *t, const fl_step_ctx *c, long iter0) {
+    return c->failed_k < t->sch.accum ? iter0 + (long)c->failed_k * t->dp.world + t->dp.rank + 1 : iter0 + t->sch.G;
+}
+
+/* One optimizer step through fl_step_run; on failure *fail_iter says where. */
+static fl_status train_step(trainer *t, long iter0, long step_valid, float lr, fl_step_result *sr, long *fail_iter) {
+    fl_step_ctx c = step_ctx(t, iter0, step_valid, lr);
     fl_status s = fl_step_run(&t->model, &t->opt, &c, sr);
-    *fail_iter = c.failed_k < t->sch.accum ? iter0 + (long)c.failed_k * t->dp.world + t->dp.rank + 1 : iter0 + t->sch.G;
+    *fail_iter = failed_iter(t, &c, iter0);
+    return s;
+}
+
+/* The same step as this rank's stage of a pipeline (--pipeline_parallel; fl_pp_step_run, src/train/pp_step.c): its
+ * own path (tools/callpath.py --func train_step_pp), so train_step's count stays the one-stack step's. */
+static fl_status train_step_pp(trainer *t, long iter0, long step_valid, float lr, fl_step_result *sr, long *fail_iter) {
+    fl_step_ctx c = step_ctx(t, iter0, step_valid, lr);
+    fl_status s = fl_pp_step_run(&t->pp.rt, &t->opt, &c, sr);
+    *fail_iter = failed_iter(t, &c, iter0);
     return s;
 }
 
@@ -144,7 +162,7 @@ fl_status fl_trainer_rehearse_comm(const fl_run_config *cfg, const fl_model_conf
         t.buf.mbs[k].src = t.buf.src + k * pers, t.buf.mbs[k].src_mask = t.buf.src_mask + k * pers, t.buf.mbs[k].Ts = Ts;
     fl_step_result sr;
     long fail_iter;
-    s = train_step(&t, 0, (long)(accum * per), cfg->optimizer.lr, &sr, &fail_iter);
+    s = (t.pp.size > 1 ? train_step_pp : train_step)(&t, 0, (long)(accum * per), cfg->optimizer.lr, &sr, &fail_iter);
     if (s != FL_OK) s = fl_tr_diverged(&t, s, t.st.step + 1, fail_iter);
     if (s != FL_OK || gen_prompt <= 0 || s2s) goto done; /* an encoder-decoder run has no evaluation yet */
     /* the evaluation (validate, then generate_example): one forward without gradients, then the
@@ -152,8 +170,10 @@ fl_status fl_trainer_rehearse_comm(const fl_run_config *cfg, const fl_model_conf
      * the sampler and its logits held) */
     fl_mem_set_phase(&t.hw.pool, "validation");
     fl_model_lora_set_train(&t.model, 0);
-    s = fl_model_forward(&t.model, t.buf.ids, t.buf.tgt, B, T, 0.0f, NULL);
+    s = t.pp.size > 1 ? fl_pp_eval(&t.pp.rt, t.buf.ids, t.buf.tgt, B, T) /* the stages in turn; no sample */
+                      : fl_model_forward(&t.model, t.buf.ids, t.buf.tgt, B, T, 0.0f, NULL);
     fl_model_lora_set_train(&t.model, 1);
+    if (t.pp.size > 1) goto done;
     prompt = calloc((size_t)gen_prompt, sizeof *prompt);
     gen = malloc(((size_t)cfg->eval.max_new_tokens + 1) * sizeof *gen);
     if (s == FL_OK && (!prompt || !gen)) s = fl_errorf(FL_ERR_OOM, "out of host memory");
@@ -200,7 +220,7 @@ typedef struct {
 static fl_status run_checks(trainer *t, fl_comm *comm, fl_precision *prec) {
     const fl_run_config *cfg = t->cfg;
     FL_TRY(fl_cfg_validate(cfg));
-    const int ranks = t->dp.world * (t->tp.size > 1 ? t->tp.size : 1); /* the grid: data x tensor parallel */
+    const int ranks = t->dp.world * (t->tp.size > 1 ? t->tp.size : 1) * (t->pp.size > 1 ? t->pp.size : 1); /* the grid */
     if (cfg->devices * cfg->num_nodes != ranks)
         return fl_errorf(FL_ERR_INVALID, "devices x num_nodes = %d x %d = %d ranks, but this run has %d (%s): give "
                          "--devices %d, or launch %d ranks (mpirun -np %d)", cfg->devices, cfg->num_nodes,
@@ -505,7 +525,7 @@ static fl_status loop_step(trainer *t, run_loop *L, int *brk) {
     double step_loss;
     fl_step_result sr;
     long fail_iter;
-    fl_status s = train_step(t, iter0, step_valid, lr, &sr, &fail_iter);
+    fl_status s = (t->pp.size > 1 ? train_step_pp : train_step)(t, iter0, step_valid, lr, &sr, &fail_iter);
     if (s != FL_OK) return fl_tr_diverged(t, s, t->st.step + 1, fail_iter); /* a divergence says where and what to try */
     FL_TRY(log_iterations(t, L, lr, tokens0, sent0, &step_loss));
     FL_TRY(check_step(t, L, &sr, step_loss, step_valid));
@@ -545,6 +565,7 @@ static fl_status finish(trainer *t, run_loop *L) {
     FL_TRY(fl_tr_diverged(t, fl_tr_check_weights(t), t->st.step, t->st.iter));
     if (t->model.lora && L->lead) FL_TRY(fl_model_lora_merge(&t->model));
     if (t->tp.size > 1) FL_TRY(fl_tr_tp_save(t, L->lead, "final", &t->opt, &t->st));
+    else if (t->pp.size > 1) FL_TRY(fl_tr_pp_save(t, L->lead, "final", &t->opt, &t->st));
     else FL_TRY(fl_dp_ckpt_save(&t->dp, L->lead, cfg->out_dir, "final", &t->model, t->model.lora ? NULL : &t->opt,
                                 t->model.lora ? NULL : &t->st, cfg, t->in.tok_dir[0] ? t->in.tok_dir : NULL));
     snprintf(r->final_dir, sizeof r->final_dir, "%s/final", cfg->out_dir);

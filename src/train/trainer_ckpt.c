@@ -55,6 +55,7 @@ fl_status fl_tr_save_step(trainer *t, int lead, int rotate) {
     /* the ranks hold the same weights (and, but under ZeRO, state): one writer, the single-process
      * format; ZeRO's state chunks travel to rank 0 first (collective) */
     if (t->tp.size > 1) FL_TRY(fl_tr_tp_save(t, lead, name, &t->opt, &t->st)); /* gathered from the slices */
+    else if (t->pp.size > 1) FL_TRY(fl_tr_pp_save(t, lead, name, &t->opt, &t->st)); /* from the stages */
     else FL_TRY(fl_dp_ckpt_save(&t->dp, lead, cfg->out_dir, name, &t->model, &t->opt, &t->st, cfg,
                                 t->in.tok_dir[0] ? t->in.tok_dir : NULL));
     if (lead && rotate) fl_ckpt_rotate(cfg->out_dir, cfg->train.keep_checkpoints);
@@ -74,6 +75,7 @@ fl_status fl_tr_resume(trainer *t, int *resumed) {
         snprintf(path, sizeof path, "%s", r);
     }
     if (t->tp.size > 1) FL_TRY(fl_tr_tp_ckpt_load(t, path)); /* the whole checkpoint, then this rank's slice */
+    else if (t->pp.size > 1) FL_TRY(fl_tr_pp_ckpt_load(t, path)); /* the whole checkpoint, then this stage */
     else FL_TRY(fl_dp_ckpt_load(&t->dp, path, &t->model, &t->opt, &t->st)); /* ZeRO: each rank keeps its chunk */
     FL_TRY(fl_tr_loader_set_state(t, &t->st.loader));
     if (t->out) fprintf(t->out, "Resuming training from %s (step %ld, iter %ld)\n", path, t->st.step, t->st.iter);

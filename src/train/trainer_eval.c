@@ -69,7 +69,8 @@ fl_status fl_tr_validate(trainer *t, int max_iters, double *loss) {
         int ne;
         FL_TRY(fl_loader_next(t->in.val, &b, &ne));
         if (!fl_dp_mine(&t->dp, k)) continue; /* data parallel: each rank evaluates its share */
-        FL_TRY(fl_model_forward(&t->model, b.ids, b.targets, b.B, b.T, 0.0f, NULL));
+        if (t->pp.size > 1) FL_TRY(fl_pp_eval(&t->pp.rt, b.ids, b.targets, b.B, b.T)); /* the stages in turn */
+        else FL_TRY(fl_model_forward(&t->model, b.ids, b.targets, b.B, b.T, 0.0f, NULL));
         sum += t->model.loss_sum;
         cnt += t->model.n_valid;
     }
@@ -101,6 +102,13 @@ static fl_gen_params eval_gen_params(const fl_run_config *c) {
     return gp;
 }
 
+/* The tests' stand-in for ranks whose sampling went apart (tests/mpi_test.sh, tests/test_poff.c): with
+ * FITLLM_TEST_SAMPLE_SEED_SKEW=R rank R samples the evaluation sample with seed + 1. */
+static uint64_t test_seed_skew(const trainer *t) {
+    const char *e = getenv("FITLLM_TEST_SAMPLE_SEED_SKEW");
+    return e && e[0] && atoi(e) == t->dp.rank && t->dp.world > 1 ? 1 : 0;
+}
+
 fl_status fl_tr_sample_tokens(trainer *t, const int32_t *ids, int n, const int32_t *eos, int32_t *gen, int *n_out,
                                fl_gen_callback cb, void *ud) {
     const fl_run_config *c = t->cfg;
@@ -110,12 +118,41 @@ fl_status fl_tr_sample_tokens(trainer *t, const int32_t *ids, int n, const int32
     fl_status s = fl_kv_cache_init(&kv, &t->model, n + c->eval.max_new_tokens);
     if (s == FL_OK) {
         fl_gen_params gp = eval_gen_params(c);
+        gp.seed += test_seed_skew(t);
         fl_gen_stop why;
         s = fl_generate(&t->model, &kv, ids, n, &gp, eos, eos ? 1 : 0, gen, n_out, &why, cb, ud);
         fl_kv_cache_free(&kv);
     }
     fl_model_lora_set_train(&t->model, 1);
     return s;
+}
+
+/* Sharded decoding's agreement (FULL_SHARD / ZeRO-3, parameter offload, several ranks): every rank decodes the
+ * sample in step because each token's forward gathers the units from all ranks, which holds only while they pick
+ * the same tokens (the same gathered bits, the same sampler seed). After each token the ranks' picks are gathered
+ * (one word each); every rank sees the same picks, so on a disagreement all stop at the same token, and the run
+ * ends with an error naming the first rank that differs from rank 0 and the step, where a silent divergence would
+ * leave the ranks in different collectives (a hang) or print rank 0's text as if it were the model's. */
+typedef struct {
+    trainer *t;
+    int k;       /* tokens checked */
+    fl_status s; /* the disagreement, or the gather's failure */
+} tok_agree;
+
+static int agree_token(void *ud, int32_t id) {
+    tok_agree *a = ud;
+    fl_dp *dp = &a->t->dp;
+    double mine = (double)id, stack[16], *all = dp->world <= 16 ? stack : malloc((size_t)dp->world * sizeof *all);
+    a->s = all ? fl_dp_gather(dp, &mine, 1, all) : fl_errorf(FL_ERR_OOM, "out of host memory");
+    for (int r = 1; a->s == FL_OK && r < dp->world; r++)
+        if (all[r] != all[0])
+            a->s = fl_errorf(FL_ERR_INTERNAL, "sharded generation (the evaluation sample after step %ld): rank %d picked "
+                             "token %.0f where rank 0 picked %.0f (generated token %d); the ranks must decode in step "
+                             "(the same gathered parameters, the same sampler seed): their sampling went apart",
+                             a->t->st.step, r, all[r], all[0], a->k + 1);
+    if (all != stack) free(all);
+    a->k++;
+    return a->s != FL_OK;
 }
 
 /* LitGPT's generate_example: the fixed instruction through the prompt style,
@@ -126,7 +163,7 @@ fl_status fl_tr_generate_example(trainer *t) {
     const fl_run_config *c = t->cfg;
     /* tensor parallel: the lead's group decodes with it (its blocks' sums), silently */
     FILE *fo = t->out;
-    if (c->eval.max_new_tokens <= 0) return FL_OK;
+    if (c->eval.max_new_tokens <= 0 || t->pp.size > 1) return FL_OK; /* pipelined decoding: not built */
     int lead = fo || (t->tp.size > 1 && t->dp.rank == 0);
     if (t->dp.fsdp && t->dp.world > 1) {
         /* sharded parameters (FULL_SHARD / ZeRO-3, parameter offload): every unit the decoding reads is gathered
@@ -167,7 +204,11 @@ fl_status fl_tr_generate_example(trainer *t) {
     gen = malloc((size_t)c->eval.max_new_tokens * sizeof *gen);
     if (s == FL_OK && !gen) s = fl_errorf(FL_ERR_OOM, "out of host memory");
     if (s == FL_OK) eos = fl_tok_eos_id(t->in.tok);
-    if (s == FL_OK) s = fl_tr_sample_tokens(t, ids, (int)n, eos >= 0 ? &eos : NULL, gen, &n_out, NULL, NULL);
+    tok_agree ag = {t, 0, FL_OK};
+    const int check = t->dp.fsdp && t->dp.world > 1; /* sharded: every rank decodes (above) */
+    if (s == FL_OK)
+        s = fl_tr_sample_tokens(t, ids, (int)n, eos >= 0 ? &eos : NULL, gen, &n_out, check ? agree_token : NULL, &ag);
+    if (s == FL_OK) s = ag.s;
     if (s == FL_OK) s = fl_tok_decode(t->in.tok, gen, (size_t)n_out, 1, &text, &len);
     /* pretrain: the text prefix and its continuation read as one text */
     if (s == FL_OK && fo) fprintf(fo, "%s%s%s\n", instruction, c->command == FL_CMD_PRETRAIN ? "" : "\n", text);

@@ -138,7 +138,7 @@ void fl_tr_print_header(trainer *t, fl_comm *comm, const fl_precision *prec, con
     const fl_run_config *cfg = t->cfg;
     if (!t->out) return;
     fprintf(t->out, "model: %s, %zu parameters (%s); tokenizer: %s%s%s%s\n", t->model.cfg.name[0] ? t->model.cfg.name : "?",
-            t->tp.size > 1 ? t->tp.whole_numel : t->model.layout.numel,
+            t->tp.size > 1 ? t->tp.whole_numel : t->pp.size > 1 ? t->pp.whole_numel : t->model.layout.numel,
             cfg->checkpoint_dir[0] ? cfg->checkpoint_dir : cfg->model_name,
             fl_tok_kind(t->in.tok), t->in.tok_dir[0] ? " from '" : " (built in: no tokenizer files with the model; "
             "--tokenizer_dir gives one", t->in.tok_dir[0] ? t->in.tok_dir : "", t->in.tok_dir[0] ? "'" : ")");
@@ -208,6 +208,11 @@ void fl_tr_print_memory(trainer *t) {
                 "parameters%s; ACTS its heads' and MLP columns' activations; the whole model was loaded outside the "
                 "pool and freed)\n", t->tp.size, t->dp.world > 1 ? " x " : "", t->dp.world > 1 ? fl_dp_stage_name(&t->dp) : "",
                 t->model.layout.numel, t->tp.whole_numel, t->dp.stage ? " (OPTIM: its chunk's state)" : "");
+    else if (t->pp.size > 1)
+        fprintf(t->out, "memory of rank 0 (pipeline stage 0 of %d%s: PARAMS, GRADS and OPTIM hold blocks [%d, %d) and "
+                "copies of the embeddings and head, %zu of %zu parameters; ACTS its arena and a stash per further "
+                "micro-batch in flight; the whole model was loaded outside the pool and freed)\n", t->pp.size,
+                t->dp.world > 1 ? " x DDP" : "", t->pp.first, t->pp.last, t->model.layout.numel, t->pp.whole_numel);
     else if (t->dp.world > 1 && !t->dp.stage)
         fprintf(t->out, "memory of rank 0 (DDP: every rank holds the same; WORKSPACE includes the all-reduce's "
                 "scratch)\n");

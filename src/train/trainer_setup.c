@@ -174,7 +174,8 @@ fl_status fl_tr_load_tokenizer(trainer *t) {
 static int ds_truncated(const fl_dataset *d) { return fl_data_get_stats(d)->n_truncated > 0; }
 
 /* An encoder-decoder's data: the pairs of data.json_path (fl_s2s_load, cut to data.max_source_length /
- * max_target_length tokens: 512 / 128 as HF's run_summarization), tokenized by the model folder's tokenizer; the decoder starts
+ * max_target_length tokens: 512 / 128 as HF's run_summarization; train.max_seq_length, LitGPT's sample limit, caps
+ * the source too), tokenized by the model folder's tokenizer; the decoder starts
  * from config.json's decoder_start_token_id. (B, Ts, T): the longest source and target. */
 static fl_status load_data_s2s(trainer *t) {
     const fl_run_config *c = t->cfg;
@@ -184,7 +185,7 @@ static fl_status load_data_s2s(trainer *t) {
                          "not supported for it", t->model.cfg.name, fl_data_kind_name(c->data.kind));
     fl_s2s_config sc;
     fl_s2s_config_default(&sc);
-    sc.max_source_length = c->data.max_source_length;
+    sc.max_source_length = fl_s2s_source_limit(c->data.max_source_length, c->train.max_seq_length);
     sc.max_target_length = c->data.max_target_length;
     fl_s2s_data *all = NULL;
     FL_TRY(fl_s2s_load(&all, c->data.json_path, &sc, t->in.tok));
@@ -227,7 +228,7 @@ fl_status fl_tr_check_s2s(const trainer *t, const fl_precision *prec, const fl_s
                          prec->name);
     /* fp16 (16-true, 16-mixed): T5 is known to overflow fp16's range (transformers clamps its hidden states under
      * fp16; Flan-T5 was trained in bf16): refused rather than left to skip steps under loss scaling. bf16-true
-     * stores the parameters in bf16 (seq2seq.c stages them); the encoder-decoder arena keeps fp32 saved activations. */
+     * stores the parameters in bf16 (seq2seq.c stages them); both bf16 policies save the blocks' activations in bf16. */
     if (prec->param_dtype == FL_F16 || prec->compute_dtype == FL_F16)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: T5 is known to overflow fp16's range (65504; transformers "
                          "clamps its hidden states under fp16); an encoder-decoder (%s) trains in 32-true, bf16-mixed or bf16-true",
@@ -235,10 +236,10 @@ fl_status fl_tr_check_s2s(const trainer *t, const fl_precision *prec, const fl_s
     if (strcmp(prec->name, "32-true") && strcmp(prec->name, "bf16-mixed") && strcmp(prec->name, "bf16-true"))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: an encoder-decoder (%s) trains in 32-true, bf16-mixed or "
                          "bf16-true only so far", prec->name, m);
-    /* DDP and ZeRO-1/2 (with the optimizer offloaded too) keep the whole model on every rank; FULL_SHARD / ZeRO-3
-     * shard it, the passes (seq2seq.c) gathering each layout group (a block of either stack) around its use */
-    const int sharded = sc->stage >= 3 && c->command != FL_CMD_FINETUNE_LORA; /* LoRA: the adapters' ZeRO-2 */
-    (void)sharded;
+    /* every strategy runs: DDP and ZeRO-1/2 (the optimizer offloaded too) keep the whole model on every rank;
+     * FULL_SHARD / ZeRO-3 (and its parameter offload) shard it, the passes (seq2seq.c) gathering each layout group
+     * (a block of either stack) around its use */
+    (void)sc;
     if (c->command == FL_CMD_PRETRAIN)
         return fl_errorf(FL_ERR_UNSUPPORTED, "pretrain: an encoder-decoder (%s) is fine-tuned only (finetune_full, "
                          "finetune_lora) so far", m);
@@ -359,6 +360,7 @@ fl_status fl_trainer_storage(const fl_run_config *c, const fl_precision *p, fl_m
 fl_status fl_tr_setup_model(trainer *t, const fl_precision *prec, const fl_model_config *given) {
     fl_mem_set_phase(&t->hw.pool, "model load");
     if (t->tp.size > 1) FL_TRY(fl_tr_tp_load(t, given)); /* the whole model outside the pool, then the slice */
+    else if (t->pp.size > 1) FL_TRY(fl_tr_pp_load(t, given)); /* the same, then the stage's blocks */
     else FL_TRY(fl_tr_load_model(t, given, &t->model, &t->hw.pool, &t->model_ok));
     FL_TRY(fl_model_set_precision(&t->model, prec));
     fl_mem_snapshot(&t->hw.pool, "after_load");
@@ -384,6 +386,7 @@ fl_status fl_tr_setup_offload(trainer *t, const fl_strategy_choice *sc) {
     }
     t->hw.off.pool = &t->hw.opool;
     t->dp.offload = &t->hw.off;
+    t->dp.update_overlap = t->cfg->offload_update_overlap; /* FULL_SHARD: the units' updates beside the backward */
     if (fl_cfg_offload_nvme(t->cfg) || sc->param_offload == 2) {
         /* NVMe (ZeRO-Infinity's offload_optimizer / offload_param device nvme): files under nvme_path (out_dir by
          * default, made here: the files are unlinked at creation, so an OOM still leaves no files); the plan's
@@ -484,6 +487,8 @@ void fl_tr_cleanup(trainer *t) {
     fl_tok_free(t->in.tok);
     fl_fsdp_free(&t->dp);
     fl_optim_free(&t->opt);
+    if (t->pp.rt_ok) fl_pp_free(&t->pp.rt); /* its stash is in the model's pool */
+    t->pp.rt_ok = 0;
     if (t->model_ok) fl_model_free(&t->model);
     if (t->hw.pool_ok) fl_backend_pools_free(&t->hw.pool, &t->hw.hpool);
     if (t->hw.dpool_ok) fl_mem_pool_free(&t->hw.dpool);

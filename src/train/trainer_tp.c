@@ -19,6 +19,8 @@ fl_status fl_tr_tp_begin(trainer *t, fl_comm *world, const fl_model_config *give
     const int n = t->cfg->tensor_parallel > 1 ? t->cfg->tensor_parallel : 1;
     *dp_comm = world;
     t->tp.size = 1;
+    t->pp.size = 1;
+    if (t->cfg->pipeline_parallel > 1) return fl_tr_pp_begin(t, world, given, dp_comm); /* trainer_pp.c */
     if (n == 1) return FL_OK;
     const int W = world ? fl_comm_size(world) : 1, w = world ? fl_comm_rank(world) : 0;
     if (W % n)
@@ -47,6 +49,7 @@ int fl_tr_tp_lead(const trainer *t) {
 }
 
 void fl_tr_tp_end(trainer *t) {
+    fl_tr_pp_end(t);
     fl_comm_destroy(t->tp.dgrp); /* split over grp: first */
     fl_comm_destroy(t->tp.grp);
     fl_comm_destroy(t->tp.dpc);
@@ -54,6 +57,7 @@ void fl_tr_tp_end(trainer *t) {
 }
 
 fl_status fl_tr_tp_check(const trainer *t, const fl_strategy_choice *sc) {
+    if (t->pp.size > 1) return fl_tr_pp_check(t, sc);
     return t->tp.size <= 1 ? FL_OK : tp_check(t->cfg, t->tp.size, t->dp.world, sc);
 }
 
@@ -78,17 +82,7 @@ static fl_status tp_check(const fl_run_config *c, int n, int dp_world, const fl_
     return FL_OK;
 }
 
-/* A whole model of t->tp.whole in its own pools (outside the run's budget: checkpoint I/O staging). */
-typedef struct {
-    fl_mem_pool pool, hpool;
-    int pool_ok;
-    fl_model m;
-    int m_ok;
-    fl_optimizer o;
-    int o_ok;
-} tp_whole;
-
-static void whole_free(tp_whole *w) {
+void fl_tr_whole_free(tp_whole *w) {
     if (w->o_ok) fl_optim_free(&w->o);
     if (w->m_ok) fl_model_free(&w->m);
     if (w->pool_ok) fl_backend_pools_free(&w->pool, &w->hpool);
@@ -102,10 +96,9 @@ static fl_status whole_pools(trainer *t, tp_whole *w) {
     return FL_OK;
 }
 
-/* the whole model, created (no weights) with the run's storage, and its optimizer when o is given */
-static fl_status whole_make(trainer *t, tp_whole *w, const fl_optimizer *o) {
+fl_status fl_tr_whole_make(trainer *t, tp_whole *w, const fl_model_config *cfg, const fl_optimizer *o) {
     FL_TRY(whole_pools(t, w));
-    FL_TRY(fl_model_init_ex(&w->m, &t->tp.whole, &t->hw.be, &w->pool, &t->stg));
+    FL_TRY(fl_model_init_ex(&w->m, cfg, &t->hw.be, &w->pool, &t->stg));
     w->m_ok = 1;
     if (!o) return FL_OK;
     FL_TRY(fl_model_set_precision(&w->m, &t->model.prec)); /* the state's dtype and loss scaling follow it */
@@ -113,6 +106,9 @@ static fl_status whole_make(trainer *t, tp_whole *w, const fl_optimizer *o) {
     w->o_ok = 1;
     return FL_OK;
 }
+
+static void whole_free(tp_whole *w) { fl_tr_whole_free(w); }
+static fl_status whole_make(trainer *t, tp_whole *w, const fl_optimizer *o) { return fl_tr_whole_make(t, w, &t->tp.whole, o); }
 
 static fl_status attach_group(trainer *t);
 
@@ -159,6 +155,7 @@ static fl_status attach_group(trainer *t) {
 }
 
 fl_status fl_tr_tp_attach(trainer *t) {
+    if (t->pp.size > 1) return fl_tr_pp_attach(t);
     if (t->tp.size <= 1) return FL_OK;
     return fl_tp_optim_attach(&t->opt, t->tp.grp, &t->tp.dist);
 }
@@ -269,6 +266,7 @@ fl_status fl_tr_tp_ckpt_load(trainer *t, const char *path) {
 }
 
 void fl_tr_tp_print(const trainer *t, fl_comm *world) {
+    fl_tr_pp_print(t);
     if (t->tp.size <= 1 || !t->out) return;
     const fl_model_config *w = &t->tp.whole, *p = &t->model.cfg;
     const int vr = fl_config_vocab_rows(p, NULL); /* rank 0's: V / N rounded down */

@@ -273,19 +273,22 @@ static void a_err_report(const char *op, a_err e, double tol) {
     if (!ok) a_fail++;
 }
 
-/* the fused ops, fp32 (tc 0) or tensor-core kernels (tc 1: attention_tc.cu, 2: attn_fa2.cu; inputs
+/* the fused ops, fp32 (tc 0) or tensor-core kernels (tc 1: attention_tc.cu, 2: attn_fa2.cu, 3: attn_fa2.cu with
+ * the deterministic dq of FITLLM_CUDA_DETERMINISTIC; inputs
  * rounded to bf16 first, so that the bf16 error left is P's and dS's rounding, <= 2^-8 of the
  * |term| sums per element) */
 static int a_fwd(int tc, float *o, float *l, const float *x, int B, int T, int NH, int NKV, int HD) {
     if (!tc) return fl_cuk_attention_forward(o, l, x, B, T, NH, NKV, HD, NULL);
     const fl_attn_desc a = fl_attn_desc_qkv(B, T, NH, NKV, HD);
-    return (tc == 2 ? fl_cuk_attention_forward_fa2 : fl_cuk_attention_forward_tc)(&a, o, l, x, x + (size_t)NH * HD, x + (size_t)(NH + NKV) * HD, NULL, NULL);
+    return (tc >= 2 ? fl_cuk_attention_forward_fa2 : fl_cuk_attention_forward_tc)(&a, o, l, x, x + (size_t)NH * HD, x + (size_t)(NH + NKV) * HD, NULL, NULL);
 }
 static int a_bwd(int tc, float *dx, const float *dout, const float *x, const float *o, const float *l, int B, int T,
                  int NH, int NKV, int HD, void *w) {
     if (!tc) return fl_cuk_attention_backward(dx, dout, x, o, l, B, T, NH, NKV, HD, w, NULL);
     const fl_attn_desc a = fl_attn_desc_qkv(B, T, NH, NKV, HD);
     const size_t ko = (size_t)NH * HD, vo = (size_t)(NH + NKV) * HD;
+    if (tc == 3)
+        return fl_cuk_attention_backward_fa2_ex(&a, dx, dx + ko, dx + vo, dout, x, x + ko, x + vo, NULL, o, l, w, 1, NULL);
     return (tc == 2 ? fl_cuk_attention_backward_fa2 : fl_cuk_attention_backward_tc)(&a, dx, dx + ko, dx + vo, dout, x, x + ko, x + vo, NULL, o, l, w, NULL);
 }
 static void a_round_bf16(float *x, size_t n) {
@@ -293,8 +296,9 @@ static void a_round_bf16(float *x, size_t n) {
 }
 
 static void check_large(int B, int T, int NH, int NKV, int HD, int tc) {
-    char nm[96], op[128];
-    snprintf(nm, sizeof nm, "attn%s B%d T%d %d/%d HD%d", tc == 2 ? "_fa2" : tc ? "_tc" : "", B, T, NH, NKV, HD);
+    char nm[96], op[160];
+    snprintf(nm, sizeof nm, "attn%s B%d T%d %d/%d HD%d", tc == 3 ? "_fa2det" : tc == 2 ? "_fa2" : tc ? "_tc" : "", B,
+             T, NH, NKV, HD);
     unsigned s = (unsigned)(T + NKV * 7 + HD);
     const size_t W = (size_t)(NH + 2 * NKV) * HD, OW = (size_t)NH * HD;
     const size_t nx = (size_t)B * T * W, no = (size_t)B * T * OW, nl = (size_t)B * NH * T;
@@ -304,7 +308,7 @@ static void check_large(int B, int T, int NH, int NKV, int HD, int tc) {
      * a masking or a fragment-layout error is 1e-1 or more */
     const double tol = tc ? 1e-2 : 1e-4, tol_lse = tc ? 1e-4 : 1e-5;
     float *gx = a_dev(qkv, nx * 4), *gdo = a_dev(dout, no * 4), *go = a_dev(NULL, no * 4), *gl = a_dev(NULL, nl * 4);
-    float *gdx = a_dev(NULL, nx * 4), *gdx2 = a_dev(NULL, nx * 4), *gw = a_dev(NULL, fl_cu_attention_work_bytes(B, NH, T));
+    float *gdx = a_dev(NULL, nx * 4), *gdx2 = a_dev(NULL, nx * 4), *gw = a_dev(NULL, fl_cu_attention_work_bytes_det(B, NH, T));
     cudaMemset(gdx, 0, nx * 4);
     cudaMemset(gdx2, 0, nx * 4);
     int rc = a_fwd(tc, go, gl, gx, B, T, NH, NKV, HD);
@@ -437,7 +441,7 @@ int fl_cuda_check_attn(void) {
     check_decode(1, 6, 2, 64);
     check_decode(77, 8, 2, 128);
     check_decode(300, 4, 4, 256);
-    for (int tc = 0; tc < 3; tc++) {
+    for (int tc = 0; tc < 4; tc++) { /* 3: the deterministic dq, whose bits must repeat too */
         check_large(2, 1024, 16, 4, 64, tc);
         check_large(2, 1024, 16, 16, 64, tc);
         check_large(2, 1024, 16, 4, 128, tc);

@@ -8,7 +8,12 @@
 #   2. bench-step tinyllama-1.1b bf16-true B 4 T 2048 (5 steps after 2 warm-ups): the step, its MFU (the GPU's
 #      dense bf16 peak from the table), then the same with --profile (per-op times by group, CUDA events);
 #   3. the same for LoRA r 8 (q, v);
-#   4. a 6-step finetune_full of the `small` preset on Synthetic data: the trainer's summary with its MFU row.
+#   4. a 6-step finetune_full of the `small` preset on Synthetic data: the trainer's summary with its MFU row;
+#   5. attention alone at TinyLlama's shape (B 4, T 2048, 32/4 heads, HD 64, causal, bf16, forward + backward):
+#      `fitllm selftest --only attention_choices` (cuDNN's fused SDPA, the own FA2-structured and the legacy
+#      kernels, each checked against float64 at smaller shapes, then timed: TFLOP/s), bench/sdpa_torch.py
+#      (PyTorch's sdpa: flash, cudnn, efficient backends) beside it, and the TinyLlama step with
+#      FITLLM_CUDA_ATTN=own against the default (auto: cuDNN where it loads).
 # Each step has its own timeout. Compare with docs/BENCHMARKS.md "GPU" (H100: 356 ms, 15.7% MFU at 58c0c5e's
 # kernels; the issue's H200: 302 ms, 18.5%).
 set -u
@@ -22,6 +27,11 @@ if [ -f .gpupack/libs.tar.xz ] && [ "$BIN" = .gpupack/bin ]; then # the pack's l
     tar -xJf .gpupack/libs.tar.xz -C "$LIB"
     for f in "$LIB"/*; do if ldconfig -p | grep -q "/$(basename "$f")\$"; then rm -f "$f"; fi; done
     export LD_LIBRARY_PATH="$LIB:/usr/local/cuda/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+# cuDNN for the attention (opened at run time): the system's, else the one inside PyTorch's wheel
+if ! ldconfig -p | grep -q 'libcudnn.so.9' && [ -z "${FITLLM_CUDNN_LIB:-}" ]; then
+    D=$(python3 -c "import nvidia.cudnn, os; print(os.path.join(list(nvidia.cudnn.__path__)[0], 'lib'))" 2>/dev/null)
+    [ -n "$D" ] && [ -f "$D/libcudnn.so.9" ] && export LD_LIBRARY_PATH="$D${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader; "$F" --version | grep -i cuda; } \
     | tee "$OUT/env.txt"
@@ -54,3 +64,14 @@ timeout 60 "$F" finetune_full small --accelerator cuda --precision bf16-true --d
     --eval.interval 100 --train.log_interval 1 --overwrite true --out_dir "$OUT/small-run" >"$OUT/train.log" 2>&1
 echo "finetune_full exit $?" >>"$OUT/train.log"
 grep -E "TFLOP/s|MFU|exit" "$OUT/train.log"
+echo "== 5. attention: cuDNN vs own vs PyTorch sdpa (TinyLlama shape, forward + backward)"
+timeout 120 "$F" selftest --accelerator cuda --only attention_choices >"$OUT/attn_choices.log" 2>&1
+echo "selftest attention_choices exit $?" >>"$OUT/attn_choices.log"
+grep -E "attention |not available|cuDNN|exit" "$OUT/attn_choices.log"
+if python3 -c "import torch" 2>/dev/null; then
+    timeout 90 python3 "$(dirname "$0")/../../bench/sdpa_torch.py" >"$OUT/sdpa_torch.log" 2>&1
+    echo "sdpa_torch exit $?" >>"$OUT/sdpa_torch.log"
+    cat "$OUT/sdpa_torch.log"
+fi
+FITLLM_CUDA_ATTN=own bench full-own 60
+grep -E "cuDNN" "$OUT/full.log" "$OUT/full-own.log" | head -5

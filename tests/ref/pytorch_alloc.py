@@ -1,64 +1,127 @@
 #!/usr/bin/env python3
-# What PyTorch allocates for a LLaMA full fine-tune step, measured on the CPU for small shapes: the anchor of
-# the lab's `--peer pytorch` allocation model (src/lab/lab_peer.c; issue 33). Per configuration it records
-#   params     bytes of the parameters (model dtype: 32-true fp32, bf16-true bf16)
+# What PyTorch allocates for a LLaMA fine-tune step, measured on the CPU for small shapes: the anchor of the lab's
+# `--peer pytorch` allocation model (src/lab/lab_peer.c; issue 33). Per configuration it records
+#   params     bytes of the parameters (model dtype: 32-true, the mixed precisions and QLoRA's unquantized ones fp32,
+#              bf16-true bf16; QLoRA's quantized linears: bitsandbytes' packed 4-bit uint8, n / 2 bytes)
+#   quant      QLoRA: bytes of the 4-bit weights' quantization state (absmax, fp32 per 64-block, and the NF4 code)
+#   trainable  number of trainable parameters (LoRA: the adapters)
 #   grads      bytes of the .grad tensors after backward
-#   optim      bytes of torch.optim.AdamW's state after one step (exp_avg, exp_avg_sq in the parameter dtype;
-#              the step counters, one fp32 scalar per parameter, counted too)
+#   optim      bytes of the optimizer's state after one step (AdamW: exp_avg, exp_avg_sq in the parameter dtype and a
+#              fp32 step counter per tensor; SGD without momentum: none; bitsandbytes' AdamW8bit: per tensor of at
+#              least 4096 elements two uint8 states, two 256-entry fp32 maps and fp32 absmax per 256-block, smaller
+#              tensors fp32 states)
 #   saved      bytes of the distinct storages autograd saves for backward during the forward (saved_tensors_hooks;
-#              parameters excluded): what a training step keeps alive between forward and backward
+#              parameters excluded): what a training step keeps alive between forward and backward. Under autocast
+#              (bf16-mixed, 16-mixed) that includes the 16-bit copies of every linear's weight (autocast's cache);
+#              with activation checkpointing (HF gradient_checkpointing_enable, reentrant) each layer's input
 #   logits     bytes of the (B, T, V) logits the forward returns (HF keeps them in the output)
 # with HF transformers' LlamaForCausalLM, attn_implementation="sdpa" (on the CPU: the flash kernel, which saves
-# q, k, v, out and the fp32 logsumexp, as the GPU's flash / memory-efficient kernels do) and its own loss
-# (logits upcast to fp32, cross entropy over the shifted labels). Only the forward's saved tensors and the
-# state sizes are measured here; the peak (what is live at once in backward) and the CUDA caching allocator's
-# rounding are modelled in C, not measured (no GPU).
-# Pinned: torch==2.15.0, transformers==5.23.0 (the venv /work/venv-graph). Run:
+# q, k, v, out and the fp32 logsumexp, as the GPU's flash / memory-efficient kernels do) and its own loss (logits
+# upcast to fp32, cross entropy over the shifted labels); LoRA through PEFT (the lab's: query and value, dropout
+# 0.05), QLoRA through bitsandbytes (NF4, no double quantization, compute dtype fp32: the lab's 32-true row).
+# Autocast runs on the CPU here (torch.autocast("cpu")): its cast lists differ from CUDA's in ops this model does not
+# use; linear, matmul and scaled_dot_product_attention run in 16 bits on both. Only the forward's saved tensors and
+# the state sizes are measured here; the peak (what is live at once in backward), the recomputation under
+# checkpointing and the CUDA caching allocator's rounding are modelled in C, not measured (no GPU).
+# Pinned: torch==2.15.0, transformers==5.23.0, peft==0.21.2, bitsandbytes==0.50.2 (the venv /work/venv-graph). Run:
 #   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py > tests/fixtures/pytorch-alloc.json
-import json, sys
+# (FL_ALLOC_VERBOSE=1: every saved tensor's shape and dtype on stderr.)
+import contextlib, json, os, sys, tempfile, warnings
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
+import peft
+import bitsandbytes
+from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
-assert torch.__version__.startswith("2.15.0") and transformers.__version__ == "5.23.0", (torch.__version__,
-                                                                                     transformers.__version__)
+assert (torch.__version__.startswith("2.15.0") and transformers.__version__ == "5.23.0" and peft.__version__ == "0.21.2"
+        and bitsandbytes.__version__ == "0.50.2"), (torch.__version__, transformers.__version__, peft.__version__,
+                                                    bitsandbytes.__version__)
+warnings.filterwarnings("ignore")
+transformers.logging.set_verbosity_error()
+DT = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "bf16-mixed": torch.float32, "16-mixed": torch.float32}
+AMP = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
-def measure(B, T, dtype, L, H, KV, d, ff, V, hd):
+def build(cfg, prec, quant):
     torch.manual_seed(0)
+    if not quant:
+        return LlamaForCausalLM(cfg).to(DT[prec])
+    d = tempfile.mkdtemp()
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
+                           bnb_4bit_use_double_quant=False)
+    return LlamaForCausalLM.from_pretrained(d, quantization_config=q, dtype=torch.float32, device_map="cpu")
+
+
+def measure(B, T, prec, L, H, KV, d, ff, V, hd, ckpt=0, lora_r=0, quant="", optim="adamw"):
     cfg = LlamaConfig(vocab_size=V, hidden_size=d, intermediate_size=ff, num_hidden_layers=L, num_attention_heads=H,
                       num_key_value_heads=KV, head_dim=hd, max_position_embeddings=256, attn_implementation="sdpa",
-                      tie_word_embeddings=False)
-    m = LlamaForCausalLM(cfg).to(dtype)
+                      tie_word_embeddings=False, use_cache=False)
+    m = build(cfg, prec, quant)
+    if ckpt:
+        m.gradient_checkpointing_enable()
+    if lora_r:
+        m = peft.get_peft_model(m, peft.LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.05,
+                                                   target_modules=["q_proj", "v_proj"]))
+    m.train()
     pids = {p.untyped_storage().data_ptr() for p in m.parameters()}
     seen = {}
 
     def pack(t):
         s = t.untyped_storage()
-        if s.data_ptr() not in pids:
-            seen.setdefault(s.data_ptr(), s.nbytes())
+        if s.data_ptr() not in pids and s.data_ptr() not in seen:
+            seen[s.data_ptr()] = s.nbytes()
+            if os.environ.get("FL_ALLOC_VERBOSE"):
+                print("  saved", tuple(t.shape), t.dtype, s.nbytes(), file=sys.stderr)
         return t
 
+    torch.manual_seed(1)
     x = torch.randint(0, V, (B, T))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    amp = torch.autocast("cpu", dtype=AMP[prec]) if prec in AMP else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp:
         out = m(input_ids=x, labels=x)
     saved = sum(seen.values())
     logits = out.logits.untyped_storage().nbytes()
     out.loss.backward()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    train = [p for p in m.parameters() if p.requires_grad]
+    opt = {"adamw": lambda: torch.optim.AdamW(train, lr=1e-3), "sgd": lambda: torch.optim.SGD(train, lr=1e-3),
+           "adamw8bit": lambda: bitsandbytes.optim.AdamW8bit(train, lr=1e-3)}[optim]()
     opt.step()
     params = sum(p.untyped_storage().nbytes() for p in m.parameters())
-    grads = sum(p.grad.untyped_storage().nbytes() for p in m.parameters())
-    optim = sum(v.untyped_storage().nbytes() for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
-    return dict(B=B, T=T, precision="32-true" if dtype == torch.float32 else "bf16-true", layers=L, heads=H,
-                kv_heads=KV, dim=d, ffn=ff, vocab=V, head_dim=hd, n_params=sum(p.numel() for p in m.parameters()),
-                params=params, grads=grads, optim=optim, saved=saved, logits=logits)
+    qs_seen = {}  # by storage: PEFT's wrapper shows its base layer's weight as its own
+    for mod in m.modules():
+        qs = getattr(getattr(mod, "weight", None), "quant_state", None)
+        for t in (qs.absmax, qs.code) if qs is not None else ():
+            qs_seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    qstate = sum(qs_seen.values())
+    grads = sum(p.grad.untyped_storage().nbytes() for p in train)
+    ostate = sum({v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for st in opt.state.values()
+                  for v in st.values() if torch.is_tensor(v)}.values())
+    n_params = sum(p.numel() for p in m.parameters()) if not quant else None
+    return dict(B=B, T=T, precision=prec, ckpt=ckpt, lora_r=lora_r, quant=quant, optimizer=optim, layers=L, heads=H,
+                kv_heads=KV, dim=d, ffn=ff, vocab=V, head_dim=hd,
+                n_params=sum(p.numel() for p in LlamaForCausalLM(cfg).parameters()),
+                trainable=sum(p.numel() for p in train), params=params, quant_state=qstate, grads=grads,
+                optim=ostate, saved=saved, logits=logits)
 
 
+SHAPES = ((2, 24, 1, 4, 4, 64, 172, 512, 16), (2, 24, 2, 4, 4, 64, 172, 512, 16), (1, 37, 2, 4, 2, 64, 172, 512, 16),
+          (3, 20, 3, 8, 2, 96, 256, 300, 12))
 rows = []
-for dtype in (torch.float32, torch.bfloat16):
-    for (B, T, L, H, KV, d, ff, V, hd) in ((2, 24, 1, 4, 4, 64, 172, 512, 16), (2, 24, 2, 4, 4, 64, 172, 512, 16),
-                                          (1, 37, 2, 4, 2, 64, 172, 512, 16), (3, 20, 3, 8, 2, 96, 256, 300, 12)):
-        rows.append(measure(B, T, dtype, L, H, KV, d, ff, V, hd))
-json.dump({"torch": torch.__version__, "transformers": transformers.__version__, "rows": rows}, sys.stdout, indent=1)
-print()
+for prec in ("32-true", "bf16-true"):  # full fine-tunes (the first anchor)
+    for s in SHAPES:
+        rows.append(measure(*s[:2], prec, *s[2:]))
+for prec in ("bf16-mixed", "16-mixed"):  # autocast
+    for s in SHAPES[1:]:
+        rows.append(measure(*s[:2], prec, *s[2:]))
+for s in SHAPES[1:]:  # the other lab rows' setups, each at three shapes
+    rows.append(measure(*s[:2], "32-true", *s[2:], ckpt=1))
+    rows.append(measure(*s[:2], "32-true", *s[2:], optim="sgd"))
+    rows.append(measure(*s[:2], "32-true", *s[2:], optim="adamw8bit"))
+    rows.append(measure(*s[:2], "32-true", *s[2:], lora_r=4))
+    rows.append(measure(*s[:2], "32-true", *s[2:], lora_r=8, quant="nf4"))
+rows.append(measure(2, 24, "bf16-mixed", 2, 4, 2, 64, 192, 512, 16, ckpt=1))
+rows.append(measure(2, 24, "bf16-true", 2, 4, 2, 64, 192, 512, 16, lora_r=4))
+head = json.dumps({"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
+                   "bitsandbytes": bitsandbytes.__version__})
+print(head[:-1] + ', "rows": [\n ' + ",\n ".join(json.dumps(r) for r in rows) + "\n]}")

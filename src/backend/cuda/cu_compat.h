@@ -167,6 +167,14 @@ FL_CU_DEV uint16_t fl_cu_f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* A bf16-stored output (o16 != NULL): o16[i] = bf16(v) and the fp32 view gets widen(o16[i]) (returned): round16's
+ * bits inside the kernel that makes v (issue 30 item 1); o16 NULL: v. */
+FL_CU_DEV float fl_cu_keep16(uint16_t *o16, size_t i, float v) {
+    if (!o16) return v;
+    o16[i] = fl_cu_f32_to_bf16(v);
+    return fl_cu_bf16_to_f32(o16[i]);
+}
+
 /* Sum over a warp (every lane gets it). */
 FL_CU_DEV float fl_cu_warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FL_CU_FULL_MASK, v, o);

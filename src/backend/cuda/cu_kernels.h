@@ -23,6 +23,10 @@ extern "C" {
 #define FL_CU_SUMSQ_PARTS 1024
 /* Segments one convert_many launch takes (backend.h's FL_CONVERT_MANY_MAX) */
 #define FL_CU_CONVERT_MANY_MAX 16
+/* act_forward16's kinds (backend.h's FL_ACT16_*) */
+#define FL_CU_ACT16_SWIGLU 0
+#define FL_CU_ACT16_GELU 1
+#define FL_CU_ACT16_RELU 2
 
 #define FL_CU_DECLARE_KERNELS(P)                                                                              \
     int P##rmsnorm_forward(float *out, float *rstd, const float *inp, const float *w, int N, int C, float eps,  \
@@ -54,6 +58,15 @@ extern "C" {
                         const size_t *n, void *stream);                                                        \
     /* dst (dt BF16/F16) = round(x), then x = widen(dst): a stored slot and its equal fp32 view */             \
     int P##round16(void *dst, fl_dtype dt, float *x, size_t n, void *stream);                                  \
+    /* bf16-stored outputs (backend.h's act_forward16 / add16 / rope_forward16; out16 bf16, -1: kind/shape refused) */ \
+    int P##act_forward16(int kind, float *out, void *out16, float *in, const void *in16, int N, int F, void *stream); \
+    int P##add16(float *out, void *out16, const float *a, const float *b, size_t n, void *stream);              \
+    int P##rope_forward16(float *x, void *x16, int B, int T, int nh, int HD, int width, const float *cos_t,     \
+                          const float *sin_t, int pos0, void *stream);                                         \
+    int P##act_backward16(int kind, float *din, void *din16, const float *dout, const float *in, int N, int F,   \
+                          void *stream);                                                                       \
+    int P##rope_backward16(float *dx, void *dx16, int B, int T, int nh, int HD, int width, const float *cos_t,  \
+                           const float *sin_t, int pos0, void *stream);                                        \
     int P##layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *w,            \
                              const float *b, int N, int C, float eps, void *stream);                           \
     int P##layernorm_backward(float *dinp, float *dw, float *db, const float *dout, const float *inp,            \

@@ -33,6 +33,12 @@ extern "C" {
 static inline size_t fl_cu_attention_work_bytes(int B, int NH, int Tq) {
     return (B > 0 && NH > 0 && Tq > 0) ? (size_t)B * (size_t)NH * (size_t)Tq * sizeof(float) : 0;
 }
+/* The same for attention_backward_fa2_ex with deterministic 1: then the dq counters (one int per query
+ * tile of at least 16 rows) after D's rows. */
+static inline size_t fl_cu_attention_work_bytes_det(int B, int NH, int Tq) {
+    return (B > 0 && NH > 0 && Tq > 0) ? (size_t)B * (size_t)NH * ((size_t)Tq + ((size_t)Tq + 15) / 16) * sizeof(float)
+                                       : 0;
+}
 
 /* The tensor-core kernels (kernels/attention_tc.cu: bf16 operands, fp32 accumulation and softmax;
  * for runs whose compute dtype is bf16) take these shapes: HD 64 or 128, no bias. Anything else
@@ -71,6 +77,16 @@ static inline int fl_cu_attention_tc_supported(const fl_attn_desc *a, const floa
     int P##attention_backward_fa2(const fl_attn_desc *a, float *dq, float *dk, float *dv, const float *dout,    \
                                   const float *q, const float *k, const float *v, const uint8_t *kmask,        \
                                   const float *out, const float *lse, void *work, void *stream);               \
+    /* _fa2 backward with deterministic 1: dq's adds across key blocks in key-block order (a counter per     \
+     * query tile; the same bits every run, at some speed), 0: atomics, as attention_backward_fa2 */        \
+    int P##attention_backward_fa2_ex(const fl_attn_desc *a, float *dq, float *dk, float *dv, const float *dout, \
+                                     const float *q, const float *k, const float *v, const uint8_t *kmask,     \
+                                     const float *out, const float *lse, void *work, int deterministic,        \
+                                     void *stream);                                                          \
+    /* dst (rows, cols; fp32, row stride ldd) += src (rows, cols; bf16 or fp16, row stride lds): cuDNN's      \
+     * 16-bit attention gradients into the fp32 ones (kernels/attn_cudnn.cu) */                           \
+    int P##attention_acc2d(float *dst, size_t ldd, const uint16_t *src, fl_dtype st, size_t lds, int rows,     \
+                           int cols, void *stream);                                                         \
     /* one warp: d (16x8) = a (16x16) b (16x8) + c through fl_cu_mma_bf16_16816 (row-major, bf16 a, b) */     \
     int P##mma_bf16_check(float *d, const uint16_t *a, const uint16_t *b, const float *c, void *stream);
 

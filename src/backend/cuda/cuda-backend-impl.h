@@ -56,7 +56,9 @@ typedef struct {
     void *own_scratch;     /* allocated on first use when nothing is lent */
     double *scalars;       /* device: [0] sumsq result, [1..PARTS] partials; int flag after */
     fl_dtype compute;      /* set_compute_dtype: FL_BF16 = tensor-core attention where it applies */
-    int attn;              /* FITLLM_CUDA_ATTN: FLB_ATTN_OWN (auto), _LEGACY or _FP32 (cuda-work-ops-impl.h) */
+    int attn;              /* FITLLM_CUDA_ATTN: fl_cudnn_attn_choice (cudnn-impl.h; cuda-work-ops-impl.h) */
+    int det;               /* FITLLM_CUDA_DETERMINISTIC=1: the fa2 backward's dq in key-block order, no cuDNN backward */
+    struct flb_cudnn *dnn; /* cuDNN's attention (the plugin, when it loaded: cuda-cudnn-impl.h), else NULL */
     fl_status err;         /* sticky: the first failure */
     char errmsg[384];
     char devname[256];     /* be->device_name */
@@ -339,6 +341,52 @@ static fl_status flb_round16(const fl_backend *be, void *dst, fl_dtype dt, float
     FLB_RUN_S(be, FLB_K(round16)(dst, dt, x, n, STREAM), "round16");
     return FL_OK;
 }
+/* bf16-stored outputs (backend.h act_forward16 / add16 / rope_forward16): refused shapes and kinds answer
+ * UNSUPPORTED here, before any launch */
+_Static_assert(FL_CU_ACT16_SWIGLU == FL_ACT16_SWIGLU && FL_CU_ACT16_GELU == FL_ACT16_GELU &&
+                   FL_CU_ACT16_RELU == FL_ACT16_RELU,
+               "act_forward16: the kernels' kinds");
+static fl_status flb_act_forward16(const fl_backend *be, int kind, float *out, void *out16, float *in,
+                                   const void *in16, int N, int F) {
+    FL_TRY(flb_sticky(be));
+    if (kind != FL_ACT16_SWIGLU && kind != FL_ACT16_GELU && kind != FL_ACT16_RELU)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s act_forward16: kind %d", FLB_NAME, kind);
+    FLB_RUN_S(be, FLB_K(act_forward16)(kind, out, out16, in, in16, N, F, STREAM), "act_forward16");
+    return FL_OK;
+}
+static fl_status flb_add16(const fl_backend *be, float *out, void *out16, const float *a, const float *b, size_t n) {
+    FL_TRY(flb_sticky(be));
+    FLB_RUN_S(be, FLB_K(add16)(out, out16, a, b, n, STREAM), "add16");
+    return FL_OK;
+}
+static fl_status flb_rope16(const fl_backend *be, float *x, void *x16, int B, int T, int nh, int HD, int width,
+                            const float *cos_t, const float *sin_t, int pos0, int backward) {
+    FL_TRY(flb_sticky(be));
+    if (B < 0 || T < 0 || nh < 0 || HD < 0 || HD % 2 || width < nh * HD)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s rope_%s16: %d heads of %d in rows of %d", FLB_NAME,
+                         backward ? "backward" : "forward", nh, HD, width);
+    if (backward)
+        FLB_RUN_S(be, FLB_K(rope_backward16)(x, x16, B, T, nh, HD, width, cos_t, sin_t, pos0, STREAM), "rope_backward16");
+    else
+        FLB_RUN_S(be, FLB_K(rope_forward16)(x, x16, B, T, nh, HD, width, cos_t, sin_t, pos0, STREAM), "rope_forward16");
+    return FL_OK;
+}
+static fl_status flb_rope_forward16(const fl_backend *be, float *x, void *x16, int B, int T, int nh, int HD,
+                                    int width, const float *cos_t, const float *sin_t, int pos0) {
+    return flb_rope16(be, x, x16, B, T, nh, HD, width, cos_t, sin_t, pos0, 0);
+}
+static fl_status flb_rope_backward16(const fl_backend *be, float *dx, void *dx16, int B, int T, int nh, int HD,
+                                     int width, const float *cos_t, const float *sin_t, int pos0) {
+    return flb_rope16(be, dx, dx16, B, T, nh, HD, width, cos_t, sin_t, pos0, 1);
+}
+static fl_status flb_act_backward16(const fl_backend *be, int kind, float *din, void *din16, const float *dout,
+                                    const float *in, int N, int F) {
+    FL_TRY(flb_sticky(be));
+    if ((kind != FL_ACT16_SWIGLU && kind != FL_ACT16_GELU && kind != FL_ACT16_RELU) || !din16)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s act_backward16: kind %d%s", FLB_NAME, kind, din16 ? "" : ", no copy");
+    FLB_RUN_S(be, FLB_K(act_backward16)(kind, din, din16, dout, in, N, F, STREAM), "act_backward16");
+    return FL_OK;
+}
 _Static_assert(FL_CU_CONVERT_MANY_MAX == FL_CONVERT_MANY_MAX, "convert_many: the kernel's segment list");
 static fl_status flb_convert_many(const fl_backend *be, int count, void *const *dst, fl_dtype dt,
                                   const void *const *src, fl_dtype st, const size_t *len) {
@@ -571,15 +619,21 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
                          (2 + FL_CU_SUMSQ_PARTS) * sizeof(double));
     }
     const char *ea = getenv("FITLLM_CUDA_ATTN");
-    im->attn = flb_attn_choice(ea);
-    if (im->attn < 0) {
+    im->attn = fl_cudnn_attn_parse(ea);
+    const char *ed = getenv("FITLLM_CUDA_DETERMINISTIC");
+    im->det = ed && *ed && strcmp(ed, "0") != 0;
+    s = im->attn < 0 ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_ATTN=%s: expected 'auto' (cuDNN's fused "
+                                 "attention where it loads and takes the shape, else 'own'), 'cudnn' (cuDNN, "
+                                 "experimental), 'own' (bf16 runs: the FlashAttention-2-structured kernels, "
+                                 "experimental), 'legacy' (bf16 runs: the earlier tensor-core kernels) or 'fp32' "
+                                 "(the fp32 kernels always)", FLB_NAME, ea)
+                     : flb_attn_init(im);
+    if (s != FL_OK) {
         flb_dev_free(im->scalars);
         flb_device_free(im->stream, &im->blas);
         free(im);
         be->impl = NULL;
-        return fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_ATTN=%s: expected 'auto' or 'own' (bf16 runs: "
-                         "the FlashAttention-2-structured kernels, experimental), 'legacy' (bf16 runs: the earlier "
-                         "tensor-core kernels) or 'fp32' (the fp32 kernels always)", FLB_NAME, ea);
+        return s;
     }
     im->compute = FL_F32;
     flb_device_name(im->devname, sizeof im->devname);
@@ -633,6 +687,11 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->convert = flb_convert;
     be->round16 = flb_round16;
     be->convert_many = flb_convert_many;
+    be->act_forward16 = flb_act_forward16;
+    be->add16 = flb_add16;
+    be->rope_forward16 = flb_rope_forward16;
+    be->act_backward16 = flb_act_backward16;
+    be->rope_backward16 = flb_rope_backward16;
     be->check_finite = flb_check_finite;
     be->adam8bit_update = flb_adam8bit_update;
     be->q4_matmul_forward = flb_q4_matmul_forward;
@@ -658,6 +717,7 @@ void FLB_PREFIX(backend_free)(fl_backend *be) {
     flb_stream_sync(im->stream);
     if (im->own_scratch) flb_dev_free(im->own_scratch);
     if (im->scalars) flb_dev_free(im->scalars);
+    flb_attn_free(im);
     if (im->marks)
         for (int i = 0; i < FL_PROF_MAX_MARKS; i++)
             if (im->marks[i]) flb_mark_free(im->marks[i]);

@@ -4,6 +4,7 @@
  * (cu_kernels_train.h). */
 #include "backend/cuda/cu_kernels_attn.h"
 #include "backend/cuda/cu_kernels_train.h"
+#include "backend/cuda/cudnn-impl.h"
 
 /* the work area of the scratch (after the GEMM's workspace and panels), or NULL with the sticky
  * error set when `bytes` does not fit */
@@ -43,23 +44,19 @@ static void flb_embedding_backward(const fl_backend *be, float *dwte, float *dwp
     }
     FLB_RUN(be, FLB_K(embedding_backward)(dwte, dwpe, dout, ids, B, T, C, work, STREAM), "embedding_backward");
 }
-/* FITLLM_CUDA_ATTN (read at init; -1: not a known value): which tensor-core kernels a bf16 run's
- * attention of a shape they take (HD 64 / 128, no bias) gets: the FlashAttention-2-structured ones
- * (kernels/attn_fa2.cu; "own", the default; experimental: not yet timed on a GPU), the earlier ones
- * (kernels/attention_tc.cu; "legacy"), or none ("fp32": the fp32 kernels whatever the dtype). Other
- * shapes and fp32 runs take the fp32 kernels. */
-enum { FLB_ATTN_OWN = 0, FLB_ATTN_LEGACY = 1, FLB_ATTN_FP32 = 2 };
-static int flb_attn_choice(const char *env) {
-    if (!env || !*env || !strcmp(env, "auto") || !strcmp(env, "own")) return FLB_ATTN_OWN;
-    if (!strcmp(env, "legacy")) return FLB_ATTN_LEGACY;
-    if (!strcmp(env, "fp32")) return FLB_ATTN_FP32;
-    return -1;
-}
+/* FITLLM_CUDA_ATTN (read at init: fl_cudnn_attn_parse, cudnn-impl.h): which kernels a bf16 run's
+ * attention of a shape the tensor-core kernels take (HD 64 / 128, no bias) gets: cuDNN's fused SDPA
+ * graphs ("auto", the default, and "cudnn"; the plugin only, EXPERIMENTAL: cuda-cudnn-impl.h), the
+ * FlashAttention-2-structured ones (kernels/attn_fa2.cu; "own", and "auto" where cuDNN is absent
+ * or refuses the shape; experimental: not yet timed on a GPU), the earlier ones
+ * (kernels/attention_tc.cu; "legacy"), or none ("fp32": the fp32 kernels whatever the dtype).
+ * Other shapes and fp32 runs take the fp32 kernels. */
+enum { FLB_ATTN_OWN = 0, FLB_ATTN_LEGACY = 1 };
 /* 0: the fp32 kernels; else the FLB_ATTN_* + 1 of the tensor-core kernels to run */
 static int flb_attn_tc(const fl_backend *be, const fl_attn_desc *a, const float *bias) {
     const flb_impl *im = FLB_IMPL(be);
-    if (im->compute != FL_BF16 || im->attn == FLB_ATTN_FP32 || !fl_cu_attention_tc_supported(a, bias)) return 0;
-    return im->attn + 1;
+    if (im->compute != FL_BF16 || im->attn == FL_CUDNN_ATTN_FP32 || !fl_cu_attention_tc_supported(a, bias)) return 0;
+    return (im->attn == FL_CUDNN_ATTN_LEGACY ? FLB_ATTN_LEGACY : FLB_ATTN_OWN) + 1;
 }
 static void flb_attention_decode(const fl_backend *be, float *out, const float *q, const float *kcache,
                                  const float *vcache, int T, int NH, int NKV, int HD, size_t head_stride) {
@@ -76,6 +73,8 @@ static fl_status flb_attn_status(const fl_backend *be, int rc, const char *op) {
     flb_launch(be, rc, op);
     return flb_sticky(be);
 }
+#include "backend/cuda/cuda-cudnn-impl.h"
+
 /* The fused-QKV causal shape (fl_attn_is_qkv) needs no kernel of its own here: the general
  * kernels take its descriptor (the fused launchers of cu_kernels_attn.h build the same one). */
 static fl_status flb_attention_forward(const fl_backend *be, const fl_attn_desc *a, float *out, float *lse,
@@ -91,6 +90,7 @@ static fl_status flb_attention_forward(const fl_backend *be, const fl_attn_desc 
     }
     FL_TRY(st);
     const int tc = flb_attn_tc(be, a, bias);
+    if (tc == FLB_ATTN_OWN + 1 && flb_cudnn_forward(be, a, out, lse, q, k, v, bias, kmask, &st)) return st;
     if (tc == FLB_ATTN_OWN + 1)
         return flb_attn_status(be, FLB_K(attention_forward_fa2)(a, out, lse, q, k, v, kmask, STREAM),
                                "attention_forward");
@@ -111,13 +111,16 @@ static fl_status flb_attention_backward(const fl_backend *be, const fl_attn_desc
         flb_nan_fill(be, dq, (size_t)a->B * a->Tq * a->ldq); /* NaN, as forward */
     FL_TRY(st);
     if (!dq || !dk || !dv || !dout) return fl_errorf(FL_ERR_INVALID, "attention_backward: NULL gradient tensor");
-    void *work = flb_work(be, fl_cu_attention_work_bytes(a->B, a->NH, a->Tq), "attention_backward");
+    void *work = flb_work(be, FLB_IMPL(be)->det ? fl_cu_attention_work_bytes_det(a->B, a->NH, a->Tq)
+                                                : fl_cu_attention_work_bytes(a->B, a->NH, a->Tq), "attention_backward");
     if (!work) return flb_sticky(be);
     const int tc = flb_attn_tc(be, a, bias); /* no bias: no dbias either (checked above) */
+    if (tc == FLB_ATTN_OWN + 1 && flb_cudnn_backward(be, a, dq, dk, dv, dout, q, k, v, bias, kmask, out, lse, work, &st))
+        return st;
     if (tc == FLB_ATTN_OWN + 1)
         return flb_attn_status(be,
-                               FLB_K(attention_backward_fa2)(a, dq, dk, dv, dout, q, k, v, kmask, out, lse, work,
-                                                             STREAM),
+                               FLB_K(attention_backward_fa2_ex)(a, dq, dk, dv, dout, q, k, v, kmask, out, lse, work,
+                                                                FLB_IMPL(be)->det, STREAM),
                                "attention_backward");
     if (tc)
         return flb_attn_status(be,

@@ -218,3 +218,67 @@ extern "C" int FL_CUK(geglu_backward)(float *dgu, const float *dout, const float
                  N, F);
     return fl_cu_launch_error();
 }
+
+/* ---- bf16-stored outputs (act_forward16, issue 30 item 1) -------------------------------------------------
+ * The forward's value as above, stored in bf16 (o16) with its exact widening in the fp32 out (fl_cu_keep16:
+ * round16's bits, no round16 launch). in16 (NULL or): the input's bf16 copy, read instead of in, whose exact
+ * widening is written to in (the fp32 view of an input a GEMM wrote in bf16 only). One element (SwiGLU: one
+ * output and its gate/up pair) per thread. */
+FL_CU_DEV float act_in(float *in, const uint16_t *in16, size_t i) {
+    if (!in16) return in[i];
+    const float v = fl_cu_bf16_to_f32(in16[i]);
+    in[i] = v;
+    return v;
+}
+__global__ static void fl_cu_act16_k(int kind, float *out, uint16_t *o16, float *in, const uint16_t *in16, int N,
+                                     int F) {
+    const size_t total = (size_t)N * F;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        float y;
+        if (kind == FL_CU_ACT16_SWIGLU) {
+            const size_t n = i / F, f = i % F;
+            y = swiglu_f(act_in(in, in16, n * 2 * F + f), act_in(in, in16, n * 2 * F + F + f));
+        } else {
+            const float x = act_in(in, in16, i);
+            y = kind == FL_CU_ACT16_GELU ? gelu_f(x) : x < 0.0f ? 0.0f : x;
+        }
+        out[i] = fl_cu_keep16(o16, i, y);
+    }
+}
+
+extern "C" int FL_CUK(act_forward16)(int kind, float *out, void *out16, float *in, const void *in16, int N, int F,
+                                     void *stream) {
+    if (kind != FL_CU_ACT16_SWIGLU && kind != FL_CU_ACT16_GELU && kind != FL_CU_ACT16_RELU) return -1;
+    if (N <= 0 || F <= 0) return 0;
+    FL_CU_LAUNCH(fl_cu_act16_k, dim3(act_blocks((size_t)N * F)), dim3(256), 0, (fl_cu_stream)stream, kind, out,
+                 (uint16_t *)out16, in, (const uint16_t *)in16, N, F);
+    return fl_cu_launch_error();
+}
+
+/* act_backward16: the fp32 backward's update of din (the same formulas, one element (SwiGLU: one gate/up pair)
+ * per thread), then a bf16 copy of the result in d16 (the next LINEAR's dy operand), din not rounded */
+__global__ static void fl_cu_act16_bwd_k(int kind, float *din, uint16_t *d16, const float *dout, const float *in,
+                                         int N, int F) {
+    const size_t total = (size_t)N * F;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (size_t)gridDim.x * blockDim.x) {
+        if (kind == FL_CU_ACT16_SWIGLU) {
+            const size_t n = i / F, f = i % F, ig = n * 2 * F + f, iu = ig + F;
+            swiglu_b(in[ig], in[iu], dout[i], &din[ig], &din[iu]);
+            d16[ig] = fl_cu_f32_to_bf16(din[ig]);
+            d16[iu] = fl_cu_f32_to_bf16(din[iu]);
+        } else {
+            if (kind == FL_CU_ACT16_GELU) din[i] += gelu_grad(in[i]) * dout[i];
+            else din[i] += in[i] <= 0.0f ? 0.0f : dout[i];
+            d16[i] = fl_cu_f32_to_bf16(din[i]);
+        }
+    }
+}
+
+extern "C" int FL_CUK(act_backward16)(int kind, float *din, void *din16, const float *dout, const float *in, int N,
+                                      int F, void *stream) {
+    if ((kind != FL_CU_ACT16_SWIGLU && kind != FL_CU_ACT16_GELU && kind != FL_CU_ACT16_RELU) || !din16) return -1;
+    if (N <= 0 || F <= 0) return 0;
+    FL_CU_LAUNCH(fl_cu_act16_bwd_k, dim3(act_blocks((size_t)N * F)), dim3(256), 0, (fl_cu_stream)stream, kind, din,
+                 (uint16_t *)din16, dout, in, N, F);
+    return fl_cu_launch_error();
+}

@@ -122,17 +122,9 @@ template <class C> static int fl_cu_attn_fwd_launch(const fl_cu_attn_p &p, void 
 extern "C" int FL_CUK(attention_forward_ex)(const fl_attn_desc *a, float *out, float *lse, const float *q,
                                             const float *k, const float *v, const float *bias,
                                             const uint8_t *kmask, void *stream) {
-    int rc = fl_cu_attn_check(a, out, lse, q, k, v, bias, NULL);
-    if (rc) return rc;
-    if (a->B == 0 || a->Tq == 0) return 0;
-    fl_cu_attn_p p = fl_cu_attn_params(a);
-    p.q = q;
-    p.k = k;
-    p.v = v;
-    p.bias = bias;
-    p.kmask = kmask;
-    p.o = out;
-    p.l = lse;
+    fl_cu_attn_p p;
+    int rc = fl_cu_attn_fwd_setup(&p, a, out, lse, q, k, v, bias, kmask, 0);
+    if (rc) return rc < 0 ? rc : 0;
     switch (fl_cu_attn_bucket(a->HD)) {
     case 32: return fl_cu_attn_fwd_launch<fl_cu_attn_cfg<32> >(p, stream);
     case 64: return fl_cu_attn_fwd_launch<fl_cu_attn_cfg<64> >(p, stream);

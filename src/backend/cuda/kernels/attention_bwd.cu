@@ -251,25 +251,9 @@ extern "C" int FL_CUK(attention_backward_ex)(const fl_attn_desc *a, float *dq, f
                                              const float *dout, const float *q, const float *k, const float *v,
                                              const float *bias, const uint8_t *kmask, const float *out,
                                              const float *lse, void *work, void *stream) {
-    int rc = fl_cu_attn_check(a, out, lse, q, k, v, bias, dbias);
-    if (rc) return rc;
-    if (!dq || !dk || !dv || !dout) return FL_CU_ATTN_INVALID;
-    if (a->B == 0 || a->Tq == 0) return 0;
-    if (!work) return FL_CU_ATTN_INVALID;
-    fl_cu_attn_p p = fl_cu_attn_params(a);
-    p.q = q;
-    p.k = k;
-    p.v = v;
-    p.bias = bias;
-    p.kmask = kmask;
-    p.dout = dout;
-    p.out = out;
-    p.lse = lse;
-    p.dq = dq;
-    p.dk = dk;
-    p.dv = dv;
-    p.dbias = dbias;
-    p.Dsum = (float *)work;
+    fl_cu_attn_p p;
+    int rc = fl_cu_attn_bwd_setup(&p, a, dq, dk, dv, dbias, dout, q, k, v, bias, kmask, out, lse, work, 0);
+    if (rc) return rc < 0 ? rc : 0;
     switch (fl_cu_attn_bucket(a->HD)) {
     case 32: return fl_cu_attn_bwd_launch<fl_cu_attn_cfg<32> >(p, stream);
     case 64: return fl_cu_attn_bwd_launch<fl_cu_attn_cfg<64> >(p, stream);

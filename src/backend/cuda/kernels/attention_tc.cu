@@ -377,41 +377,18 @@ template <int D> static int fl_cu_tc_bwd_launch(const fl_cu_attn_p &p, void *str
 
 extern "C" int FL_CUK(attention_forward_tc)(const fl_attn_desc *a, float *out, float *lse, const float *q,
                                             const float *k, const float *v, const uint8_t *kmask, void *stream) {
-    int rc = fl_cu_attn_check(a, out, lse, q, k, v, NULL, NULL);
-    if (rc) return rc;
-    if (!fl_cu_attention_tc_supported(a, NULL)) return FL_CU_ATTN_UNSUPPORTED;
-    if (a->B == 0 || a->Tq == 0) return 0;
-    fl_cu_attn_p p = fl_cu_attn_params(a);
-    p.q = q;
-    p.k = k;
-    p.v = v;
-    p.kmask = kmask;
-    p.o = out;
-    p.l = lse;
+    fl_cu_attn_p p;
+    int rc = fl_cu_attn_fwd_setup(&p, a, out, lse, q, k, v, NULL, kmask, 1);
+    if (rc) return rc < 0 ? rc : 0;
     return a->HD == 64 ? fl_cu_tc_fwd_launch<64>(p, stream) : fl_cu_tc_fwd_launch<128>(p, stream);
 }
 
 extern "C" int FL_CUK(attention_backward_tc)(const fl_attn_desc *a, float *dq, float *dk, float *dv, const float *dout,
                                              const float *q, const float *k, const float *v, const uint8_t *kmask,
                                              const float *out, const float *lse, void *work, void *stream) {
-    int rc = fl_cu_attn_check(a, out, lse, q, k, v, NULL, NULL);
-    if (rc) return rc;
-    if (!dq || !dk || !dv || !dout) return FL_CU_ATTN_INVALID;
-    if (!fl_cu_attention_tc_supported(a, NULL)) return FL_CU_ATTN_UNSUPPORTED;
-    if (a->B == 0 || a->Tq == 0) return 0;
-    if (!work) return FL_CU_ATTN_INVALID;
-    fl_cu_attn_p p = fl_cu_attn_params(a);
-    p.q = q;
-    p.k = k;
-    p.v = v;
-    p.kmask = kmask;
-    p.dout = dout;
-    p.out = out;
-    p.lse = lse;
-    p.dq = dq;
-    p.dk = dk;
-    p.dv = dv;
-    p.Dsum = (float *)work;
+    fl_cu_attn_p p;
+    int rc = fl_cu_attn_bwd_setup(&p, a, dq, dk, dv, NULL, dout, q, k, v, NULL, kmask, out, lse, work, 1);
+    if (rc) return rc < 0 ? rc : 0;
     return a->HD == 64 ? fl_cu_tc_bwd_launch<64>(p, stream) : fl_cu_tc_bwd_launch<128>(p, stream);
 }
 

@@ -243,7 +243,9 @@ template <int D> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
     for (int dt = 0; dt < DT; dt++)
         FL_CU_UNROLL
         for (int i = 0; i < 4; i++) ak[dt][i] = av[dt][i] = 0.0f;
-    const int tstart = fl_cu_attn_first_row(p, k0);
+    int tstart = fl_cu_attn_first_row(p, k0);
+    if (p.dq_lock) tstart -= tstart % BQ; /* deterministic dq: tiles at multiples of BQ, one counter each */
+    const int ntiles = (p.Tq + BQ - 1) / BQ;
     for (int h = kvh * p.rep; h < (kvh + 1) * p.rep; h++) {
         for (int t0 = tstart; t0 < p.Tq; t0 += BQ) {
             const int rn = p.Tq - t0 < BQ ? p.Tq - t0 : BQ;
@@ -320,7 +322,10 @@ template <int D> __global__ static void fl_cu_fa_bwd_k(fl_cu_attn_p p) {
                 *reinterpret_cast<uint32_t *>(dSs + j1 * SP + c) = fl_cu_pack_bf16(dp[nt][2], dp[nt][3]);
             }
             __syncthreads(); /* dS^T of every warp */
+            int *lock = p.dq_lock ? p.dq_lock + ((size_t)b * p.NH + h) * ntiles + t0 / BQ : NULL;
+            if (lock) fl_cu_dq_wait(lock, (int)blockIdx.x); /* key blocks 0..x-1 all visit this tile */
             fl_cu_fa_dq_tile<D, BQ, BK>(p, dSs, Ks, p.dq + ((size_t)b * p.Tq + t0) * p.ldq + (size_t)h * D, rn);
+            if (lock) fl_cu_dq_post(lock);
         }
     }
     float *dK = p.dk + ((size_t)b * p.Tk + k0) * p.ldk + (size_t)kvh * D;
@@ -349,10 +354,20 @@ template <int D> static int fl_cu_fa_fwd_launch(const fl_cu_attn_p &p, void *str
     return fl_cu_launch_error();
 }
 
+__global__ static void fl_cu_fa_zero_k(int *x, size_t n) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) x[i] = 0;
+}
+
 template <int D> static int fl_cu_fa_bwd_launch(const fl_cu_attn_p &p, void *stream) {
     enum { BQ = fl_cu_fa_cfg<D>::BBQ, P = D + FL_CU_TC_PAD };
     int rc = fl_cu_attn_dsum_launch(p, stream);
     if (rc || p.Tk == 0) return rc;
+    if (p.dq_lock) {
+        const size_t n = (size_t)p.B * p.NH * ((p.Tq + BQ - 1) / BQ);
+        FL_CU_LAUNCH(fl_cu_fa_zero_k, dim3((unsigned)((n + 255) / 256 < 1024 ? (n + 255) / 256 : 1024)), dim3(256), 0,
+                     (fl_cu_stream)stream, p.dq_lock, n);
+        if ((rc = fl_cu_launch_error())) return rc;
+    }
     const size_t smem = 2 * (2 * (size_t)64 * P + 2 * (size_t)BQ * P + (size_t)64 * (BQ + FL_CU_TC_PAD));
     if (FL_CU_ATTN_SMEM_OPTIN(fl_cu_fa_bwd_k<D>, smem)) return fl_cu_launch_error();
     dim3 grid((unsigned)((p.Tk + 63) / 64), (unsigned)p.NKV, (unsigned)p.B);
@@ -362,17 +377,9 @@ template <int D> static int fl_cu_fa_bwd_launch(const fl_cu_attn_p &p, void *str
 
 extern "C" int FL_CUK(attention_forward_fa2)(const fl_attn_desc *a, float *out, float *lse, const float *q,
                                              const float *k, const float *v, const uint8_t *kmask, void *stream) {
-    int rc = fl_cu_attn_check(a, out, lse, q, k, v, NULL, NULL);
-    if (rc) return rc;
-    if (!fl_cu_attention_tc_supported(a, NULL)) return FL_CU_ATTN_UNSUPPORTED;
-    if (a->B == 0 || a->Tq == 0) return 0;
-    fl_cu_attn_p p = fl_cu_attn_params(a);
-    p.q = q;
-    p.k = k;
-    p.v = v;
-    p.kmask = kmask;
-    p.o = out;
-    p.l = lse;
+    fl_cu_attn_p p;
+    int rc = fl_cu_attn_fwd_setup(&p, a, out, lse, q, k, v, NULL, kmask, 1);
+    if (rc) return rc < 0 ? rc : 0;
     return a->HD == 64 ? fl_cu_fa_fwd_launch<64>(p, stream) : fl_cu_fa_fwd_launch<128>(p, stream);
 }
 
@@ -380,23 +387,17 @@ extern "C" int FL_CUK(attention_backward_fa2)(const fl_attn_desc *a, float *dq, 
                                               const float *dout, const float *q, const float *k, const float *v,
                                               const uint8_t *kmask, const float *out, const float *lse, void *work,
                                               void *stream) {
-    int rc = fl_cu_attn_check(a, out, lse, q, k, v, NULL, NULL);
-    if (rc) return rc;
-    if (!dq || !dk || !dv || !dout) return FL_CU_ATTN_INVALID;
-    if (!fl_cu_attention_tc_supported(a, NULL)) return FL_CU_ATTN_UNSUPPORTED;
-    if (a->B == 0 || a->Tq == 0) return 0;
-    if (!work) return FL_CU_ATTN_INVALID;
-    fl_cu_attn_p p = fl_cu_attn_params(a);
-    p.q = q;
-    p.k = k;
-    p.v = v;
-    p.kmask = kmask;
-    p.dout = dout;
-    p.out = out;
-    p.lse = lse;
-    p.dq = dq;
-    p.dk = dk;
-    p.dv = dv;
-    p.Dsum = (float *)work;
+    return FL_CUK(attention_backward_fa2_ex)(a, dq, dk, dv, dout, q, k, v, kmask, out, lse, work, 0, stream);
+}
+
+extern "C" int FL_CUK(attention_backward_fa2_ex)(const fl_attn_desc *a, float *dq, float *dk, float *dv,
+                                                 const float *dout, const float *q, const float *k, const float *v,
+                                                 const uint8_t *kmask, const float *out, const float *lse, void *work,
+                                                 int deterministic, void *stream) {
+    fl_cu_attn_p p;
+    int rc = fl_cu_attn_bwd_setup(&p, a, dq, dk, dv, NULL, dout, q, k, v, NULL, kmask, out, lse, work, 1);
+    if (rc) return rc < 0 ? rc : 0;
+    /* the counters after D's rows (work of fl_cu_attention_work_bytes_det) */
+    if (deterministic) p.dq_lock = (int *)(p.Dsum + (size_t)a->B * a->NH * a->Tq);
     return a->HD == 64 ? fl_cu_fa_bwd_launch<64>(p, stream) : fl_cu_fa_bwd_launch<128>(p, stream);
 }

@@ -95,6 +95,22 @@ FL_CU_DEV void fl_cu_ldm_x4(uint32_t r[4], const uint16_t *row, int trans) {
 }
 /* dq accumulation across key blocks (FlashAttention-2's): the order of the adds varies per run */
 FL_CU_DEV void fl_cu_atomic_add(float *p, float v) { atomicAdd(p, v); }
+/* The deterministic dq (attn_fa2.cu): a block adds its dq contribution to a query tile only when the
+ * tile's counter says every earlier key block has added its own (they run the tiles in the same
+ * order, and a block is scheduled no later than any block after it: no cycle), then counts itself. */
+FL_CU_DEV void fl_cu_dq_wait(int *lock, int want) {
+    if (threadIdx.x == 0) {
+        while (atomicAdd(lock, 0) < want) {
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+FL_CU_DEV void fl_cu_dq_post(int *lock) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) atomicAdd(lock, 1);
+}
 #else
 FL_CU_DEV void fl_cu_ldm_x4(uint32_t r[4], const uint16_t *row, int trans) {
     const uint16_t *all[32];
@@ -109,6 +125,16 @@ FL_CU_DEV void fl_cu_ldm_x4(uint32_t r[4], const uint16_t *row, int trans) {
 }
 /* the blocks of a launch run one after another and fibers switch only at barriers: a plain add */
 FL_CU_DEV void fl_cu_atomic_add(float *p, float v) { *p += v; }
+/* blocks in launch order: the earlier key blocks are done when a block gets here (the tests check
+ * each counter's final value: the number of key blocks that added to its tile) */
+FL_CU_DEV void fl_cu_dq_wait(int *lock, int want) {
+    (void)lock, (void)want;
+    __syncthreads();
+}
+FL_CU_DEV void fl_cu_dq_post(int *lock) {
+    __syncthreads();
+    if (threadIdx.x == 0) *lock += 1;
+}
 #endif
 FL_CU_DEV void fl_cu_ldm_a(uint32_t a[4], const uint16_t *s, int P, int r0, int k0) {
     const int l = threadIdx.x & 31, m = l >> 3;

@@ -22,22 +22,35 @@ static int is_float(fl_dtype t) { return t == FL_F32 || t == FL_BF16 || t == FL_
 #define FL_CU_GRID_STRIDE(i, n)                                                                   \
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (size_t)gridDim.x * blockDim.x)
 
-/* ---- RoPE: one thread per (row, head, pair j); sign +1 forward, -1 backward (the transpose) -------- */
-__global__ static void fl_cu_rope_k(float *x, int B, int T, int nh, int HD, size_t row_stride, const float *cos_t,
-                                    const float *sin_t, int pos0, float sign) {
-    int H = HD / 2;
-    size_t total = (size_t)B * T * nh * H;
+/* ---- RoPE: one thread per (row, head, pair j); sign +1 forward, -1 backward (the transpose) --------
+ * x16 (rope_forward16 / rope_backward16): the rows are contiguous, `width` floats each, and every element of
+ * them is stored in bf16, with its exact widening left in x (keep, the forward: fl_cu_keep16) or x unrounded
+ * (the backward's dy16 copy): a thread per rotated pair, then one per element past the nh heads. */
+FL_CU_DEV float rope16(uint16_t *r16, size_t c, float v, int keep) {
+    if (keep || !r16) return fl_cu_keep16(r16, c, v);
+    r16[c] = fl_cu_f32_to_bf16(v);
+    return v;
+}
+__global__ static void fl_cu_rope_k(float *x, uint16_t *x16, int B, int T, int nh, int HD, size_t row_stride,
+                                    int width, const float *cos_t, const float *sin_t, int pos0, float sign, int keep) {
+    const int H = HD / 2;
+    const size_t pairs = (size_t)nh * H, items = pairs + (x16 ? (size_t)width - (size_t)nh * HD : 0);
+    const size_t total = (size_t)B * T * items;
     FL_CU_GRID_STRIDE(i, total) {
-        int j = (int)(i % H);
-        size_t rest = i / H;
-        int h = (int)(rest % nh);
-        size_t n = rest / nh;
-        int t = (int)(n % T);
+        const size_t n = i / items, r = i % items;
+        float *row = x + n * row_stride;
+        uint16_t *r16 = x16 ? x16 + n * (size_t)width : NULL;
+        if (r >= pairs) { /* past the rotated heads: stored only */
+            const size_t c = (size_t)nh * HD + (r - pairs);
+            row[c] = rope16(r16, c, row[c], keep);
+            continue;
+        }
+        const int j = (int)(r % H), h = (int)(r / H), t = (int)(n % T);
         float c = cos_t[(size_t)(pos0 + t) * H + j], sn = sign * sin_t[(size_t)(pos0 + t) * H + j];
-        float *a = x + n * row_stride + (size_t)h * HD;
-        float x0 = a[j], x1 = a[j + H];
-        a[j] = x0 * c - x1 * sn;
-        a[j + H] = x1 * c + x0 * sn;
+        const size_t o = (size_t)h * HD;
+        float x0 = row[o + j], x1 = row[o + j + H];
+        row[o + j] = rope16(r16, o + j, x0 * c - x1 * sn, keep);
+        row[o + j + H] = rope16(r16, o + j + H, x1 * c + x0 * sn, keep);
     }
 }
 
@@ -45,9 +58,27 @@ extern "C" int FL_CUK(rope)(float *x, int B, int T, int nh, int HD, size_t row_s
                             const float *sin_t, int pos0, int backward, void *stream) {
     size_t total = (size_t)B * T * nh * (HD / 2);
     if (total == 0) return 0;
-    FL_CU_LAUNCH(fl_cu_rope_k, dim3(ew_grid(total)), dim3(256), 0, (fl_cu_stream)stream, x, B, T, nh, HD, row_stride,
-                 cos_t, sin_t, pos0, backward ? -1.0f : 1.0f);
+    FL_CU_LAUNCH(fl_cu_rope_k, dim3(ew_grid(total)), dim3(256), 0, (fl_cu_stream)stream, x, (uint16_t *)NULL, B, T, nh,
+                 HD, row_stride, 0, cos_t, sin_t, pos0, backward ? -1.0f : 1.0f, 1);
     return fl_cu_launch_error();
+}
+
+static int rope16_launch(float *x, void *x16, int B, int T, int nh, int HD, int width, const float *cos_t,
+                         const float *sin_t, int pos0, int backward, void *stream) {
+    if (B < 0 || T < 0 || nh < 0 || HD < 0 || HD % 2 || width < nh * HD) return -1;
+    const size_t total = (size_t)B * T * ((size_t)nh * (HD / 2) + (size_t)(width - nh * HD));
+    if (total == 0) return 0;
+    FL_CU_LAUNCH(fl_cu_rope_k, dim3(ew_grid(total)), dim3(256), 0, (fl_cu_stream)stream, x, (uint16_t *)x16, B, T, nh,
+                 HD, (size_t)width, width, cos_t, sin_t, pos0, backward ? -1.0f : 1.0f, !backward);
+    return fl_cu_launch_error();
+}
+extern "C" int FL_CUK(rope_forward16)(float *x, void *x16, int B, int T, int nh, int HD, int width,
+                                      const float *cos_t, const float *sin_t, int pos0, void *stream) {
+    return rope16_launch(x, x16, B, T, nh, HD, width, cos_t, sin_t, pos0, 0, stream);
+}
+extern "C" int FL_CUK(rope_backward16)(float *dx, void *dx16, int B, int T, int nh, int HD, int width,
+                                       const float *cos_t, const float *sin_t, int pos0, void *stream) {
+    return rope16_launch(dx, dx16, B, T, nh, HD, width, cos_t, sin_t, pos0, 1, stream);
 }
 
 /* ---- SGD (torch.optim.SGD), any storage dtype as sgd_update_ex ----------------------------------- */
@@ -149,8 +180,9 @@ extern "C" int FL_CUK(sumsq_ex)(double *out, double *work, const void *x, fl_dty
 }
 
 /* ---- add, scale, bias ---------------------------------------------------------------------------- */
-__global__ static void fl_cu_add_k(float *out, const float *a, const float *b, size_t n) {
-    FL_CU_GRID_STRIDE(i, n) out[i] = a[i] + b[i];
+/* o16 (add16): the sum stored in bf16 too, out its exact widening */
+__global__ static void fl_cu_add_k(float *out, uint16_t *o16, const float *a, const float *b, size_t n) {
+    FL_CU_GRID_STRIDE(i, n) out[i] = fl_cu_keep16(o16, i, a[i] + b[i]);
 }
 __global__ static void fl_cu_scale_k(float *x, size_t n, float s) {
     FL_CU_GRID_STRIDE(i, n) x[i] *= s;
@@ -160,7 +192,11 @@ __global__ static void fl_cu_bias_fwd_k(float *y, const float *b, int N, int OC)
 }
 
 extern "C" int FL_CUK(add)(float *out, const float *a, const float *b, size_t n, void *stream) {
-    if (n) FL_CU_LAUNCH(fl_cu_add_k, dim3(ew_grid(n)), dim3(256), 0, (fl_cu_stream)stream, out, a, b, n);
+    if (n) FL_CU_LAUNCH(fl_cu_add_k, dim3(ew_grid(n)), dim3(256), 0, (fl_cu_stream)stream, out, (uint16_t *)NULL, a, b, n);
+    return fl_cu_launch_error();
+}
+extern "C" int FL_CUK(add16)(float *out, void *out16, const float *a, const float *b, size_t n, void *stream) {
+    if (n) FL_CU_LAUNCH(fl_cu_add_k, dim3(ew_grid(n)), dim3(256), 0, (fl_cu_stream)stream, out, (uint16_t *)out16, a, b, n);
     return fl_cu_launch_error();
 }
 extern "C" int FL_CUK(scale)(float *x, size_t n, float s, void *stream) {

@@ -35,12 +35,6 @@ FL_CU_DEV void nw4(const void *w, int wt, int c, float *g) {
     }
 }
 
-/* A bf16-stored output (o16 != NULL): o16 = bf16(v) and the fp32 view o = widen(o16), round16's bits */
-FL_CU_DEV float out16(uint16_t *o16, int c, float v) {
-    if (!o16) return v;
-    o16[c] = fl_cu_f32_to_bf16(v);
-    return fl_cu_bf16_to_f32(o16[c]);
-}
 
 /* o = x * r * w over a row (the calling thread's columns; vec: 4 at a time, 128-bit accesses); o16: the
  * row's bf16 copy too (NULL: none) */
@@ -50,11 +44,11 @@ FL_CU_DEV void rms_scale_row(float *o, uint16_t *o16, const float *x, const void
             float v[4], g[4];
             fl_cu_ld4(x + c, v);
             nw4(w, wt, c, g);
-            for (int k = 0; k < 4; k++) v[k] = out16(o16, c + k, v[k] * r * g[k]);
+            for (int k = 0; k < 4; k++) v[k] = fl_cu_keep16(o16, (size_t)c + k, v[k] * r * g[k]);
             fl_cu_st4(o + c, v);
         }
     } else {
-        for (int c = threadIdx.x; c < C; c += blockDim.x) o[c] = out16(o16, c, x[c] * r * nw(w, wt, c));
+        for (int c = threadIdx.x; c < C; c += blockDim.x) o[c] = fl_cu_keep16(o16, (size_t)c, x[c] * r * nw(w, wt, c));
     }
 }
 

@@ -1,0 +1,211 @@
+/* fitllm CUDA backend object: cuDNN's fused attention (EXPERIMENTAL; included by
+ * cuda-work-ops-impl.h). Only the plugin defines FLB_HAVE_CUDNN (backend_cudart.c): the emulator has
+ * no cuDNN, so there "auto" is "own" and "cudnn" refuses to start.
+ *
+ * The attention ops take fp32 operands with row strides (fl_attn_desc); cuDNN's graphs take 16-bit
+ * ones. So a call copies Q, K, V (and O, dO backward) into compact bf16 buffers (convert2d), runs the
+ * plan (cached per shape), and brings the result back: O to fp32 with ldo, dQ/dK/dV added into the
+ * fp32 gradients (attention_acc2d: the op accumulates); the log-sum-exp is written by cuDNN in place
+ * (fp32 (B, NH, Tq), the contract's layout). The bf16 copies and cuDNN's workspace live in one
+ * device buffer of the backend's own, grown on demand (outside the pools: the planner does not count
+ * it yet). A shape cuDNN refuses (cudnn-impl.h's fl_cudnn_sdpa_refuse, or no engine for the graph)
+ * runs the own kernels, said once on stderr. */
+
+#ifdef FLB_HAVE_CUDNN
+#include "backend/cuda/cudnn-impl.h"
+
+#define FLB_DNN_PLANS 16
+typedef struct flb_cudnn {
+    fl_cudnn_api api;
+    void *handle;
+    struct {
+        fl_cudnn_sdpa_layout L;
+        int backward;
+        fl_cudnn_plan *plan; /* NULL: this layout was refused (remembered: no rebuild per call) */
+    } plans[FLB_DNN_PLANS];
+    int nplans;
+    void *buf; /* device: the 16-bit copies, then cuDNN's workspace */
+    size_t buf_bytes;
+    int said; /* a refusal said once */
+} flb_cudnn;
+
+static void flb_dnn_say(flb_impl *im, const char *what, const char *why) {
+    if (im->dnn->said) return;
+    im->dnn->said = 1;
+    fprintf(stderr, "fitllm: %s backend: cuDNN attention %s (%s): the own FlashAttention-2-structured kernels run it "
+            "(FITLLM_CUDA_ATTN=own silences this)\n", FLB_NAME, what, why);
+}
+
+static fl_status flb_attn_init(flb_impl *im) {
+    if (!fl_cudnn_attn_wants(im->attn)) return FL_OK;
+    char why[400];
+    flb_cudnn *d = (flb_cudnn *)calloc(1, sizeof *d);
+    if (!d) return fl_errorf(FL_ERR_OOM, "%s backend: out of host memory", FLB_NAME);
+    int rc = fl_cudnn_load(&d->api, NULL, why, sizeof why);
+    if (rc == 0 && (rc = d->api.create(&d->handle)) != 0) {
+        char b[48];
+        snprintf(why, sizeof why, "cudnnCreate: %s", fl_cudnn_status_name(&d->api, rc, b, sizeof b));
+    } else if (rc == 0 && (rc = d->api.set_stream(d->handle, im->stream)) != 0) {
+        char b[48];
+        snprintf(why, sizeof why, "cudnnSetStream: %s", fl_cudnn_status_name(&d->api, rc, b, sizeof b));
+    }
+    if (rc != 0) {
+        if (d->handle) d->api.destroy(d->handle);
+        fl_cudnn_unload(&d->api);
+        free(d);
+        if (im->attn == FL_CUDNN_ATTN_CUDNN)
+            return fl_errorf(FL_ERR_UNSUPPORTED, "%s backend: FITLLM_CUDA_ATTN=cudnn: %s", FLB_NAME, why);
+        fprintf(stderr, "fitllm: %s backend: cuDNN attention not used (%s): the own FlashAttention-2-structured "
+                "kernels run (FITLLM_CUDA_ATTN=own silences this)\n", FLB_NAME, why);
+        im->attn = FL_CUDNN_ATTN_OWN;
+        return FL_OK;
+    }
+    im->dnn = d;
+    return FL_OK;
+}
+static void flb_attn_free(flb_impl *im) {
+    flb_cudnn *d = im->dnn;
+    if (!d) return;
+    for (int i = 0; i < d->nplans; i++) fl_cudnn_plan_free(&d->api, d->plans[i].plan);
+    if (d->buf) flb_dev_free(d->buf);
+    d->api.destroy(d->handle);
+    fl_cudnn_unload(&d->api);
+    free(d);
+    im->dnn = NULL;
+}
+
+/* the cached plan of a layout (built on first use), or NULL when cuDNN refuses it (said once) */
+static fl_cudnn_plan *flb_dnn_plan(flb_impl *im, const fl_cudnn_sdpa_layout *L, int backward) {
+    flb_cudnn *d = im->dnn;
+    for (int i = 0; i < d->nplans; i++)
+        if (d->plans[i].backward == backward && !memcmp(&d->plans[i].L, L, sizeof *L)) return d->plans[i].plan;
+    char why[400];
+    fl_cudnn_plan *p = NULL;
+    if (fl_cudnn_sdpa_build(&d->api, d->handle, L, backward, &p, why, sizeof why) != 0) {
+        flb_dnn_say(im, backward ? "backward graph refused" : "forward graph refused", why);
+        p = NULL;
+    }
+    int slot = d->nplans < FLB_DNN_PLANS ? d->nplans++ : FLB_DNN_PLANS - 1; /* full: the last slot is reused */
+    if (slot == FLB_DNN_PLANS - 1 && d->plans[slot].plan) fl_cudnn_plan_free(&d->api, d->plans[slot].plan);
+    d->plans[slot].L = *L;
+    d->plans[slot].backward = backward;
+    d->plans[slot].plan = p;
+    return p;
+}
+/* the backend's cuDNN buffer of at least `bytes` (grown: the stream waits for the old one's users) */
+static char *flb_dnn_buf(const fl_backend *be, size_t bytes) {
+    flb_impl *im = FLB_IMPL(be);
+    flb_cudnn *d = im->dnn;
+    if (d->buf_bytes >= bytes) return (char *)d->buf;
+    flb_stream_sync(im->stream);
+    if (d->buf) flb_dev_free(d->buf);
+    d->buf = flb_dev_alloc(bytes);
+    d->buf_bytes = d->buf ? bytes : 0;
+    if (!d->buf) {
+        char why[128];
+        snprintf(why, sizeof why, "cannot allocate %zu bytes of device memory for cuDNN's attention", bytes);
+        flb_set_error(be, FL_ERR_OOM, "attention", why);
+    }
+    return (char *)d->buf;
+}
+static size_t flb_al256(size_t b) { return (b + 255) & ~(size_t)255; }
+
+/* 1: cuDNN ran it (or failed: *st says); 0: run the own kernels */
+static int flb_cudnn_forward(const fl_backend *be, const fl_attn_desc *a, float *out, float *lse, const float *q,
+                             const float *k, const float *v, const float *bias, const uint8_t *kmask, fl_status *st) {
+    flb_impl *im = FLB_IMPL(be);
+    if (!im->dnn || im->compute != FL_BF16) return 0;
+    const char *no = fl_cudnn_sdpa_refuse(a, bias, kmask);
+    if (no) {
+        flb_dnn_say(im, "refused a shape", no);
+        return 0;
+    }
+    fl_cudnn_sdpa_layout L;
+    fl_cudnn_sdpa_layout_of(a, FL_BF16, &L);
+    fl_cudnn_plan *p = flb_dnn_plan(im, &L, 0);
+    if (!p) return 0;
+    const int rq = a->B * a->Tq, rk = a->B * a->Tk, cq = a->NH * a->HD, ck = a->NKV * a->HD;
+    const size_t bq = flb_al256((size_t)rq * cq * 2), bk = flb_al256((size_t)rk * ck * 2);
+    char *buf = flb_dnn_buf(be, 2 * bq + 2 * bk + fl_cudnn_plan_workspace(p));
+    if (!buf) return (*st = flb_sticky(be)), 1;
+    void *ptr[FL_CUDNN_UID_COUNT] = {0};
+    ptr[FL_CUDNN_UID_Q] = buf;
+    ptr[FL_CUDNN_UID_K] = buf + bq;
+    ptr[FL_CUDNN_UID_V] = buf + bq + bk;
+    ptr[FL_CUDNN_UID_O] = buf + bq + 2 * bk;
+    ptr[FL_CUDNN_UID_STATS] = lse;
+    int rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_Q], FL_BF16, (size_t)cq, q, FL_F32, a->ldq, rq, cq, STREAM);
+    if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_K], FL_BF16, (size_t)ck, k, FL_F32, a->ldk, rk, ck, STREAM);
+    if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_V], FL_BF16, (size_t)ck, v, FL_F32, a->ldv, rk, ck, STREAM);
+    if (rc) return (*st = flb_attn_status(be, rc, "attention_forward (cuDNN)")), 1;
+    int s = fl_cudnn_plan_run(&im->dnn->api, im->dnn->handle, p, ptr, buf + 2 * bq + 2 * bk);
+    if (s) {
+        char b[48], why[96];
+        snprintf(why, sizeof why, "cudnnBackendExecute: %s", fl_cudnn_status_name(&im->dnn->api, s, b, sizeof b));
+        flb_set_error(be, FL_ERR_UNSUPPORTED, "attention_forward (cuDNN)", why);
+        return (*st = flb_sticky(be)), 1;
+    }
+    rc = FLB_K(convert2d)(out, FL_F32, a->ldo, ptr[FL_CUDNN_UID_O], FL_BF16, (size_t)cq, rq, cq, STREAM);
+    *st = flb_attn_status(be, rc, "attention_forward (cuDNN)");
+    return 1;
+}
+
+static int flb_cudnn_backward(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk, float *dv,
+                              const float *dout, const float *q, const float *k, const float *v, const float *bias,
+                              const uint8_t *kmask, const float *out, const float *lse, void *work, fl_status *st) {
+    flb_impl *im = FLB_IMPL(be);
+    /* FITLLM_CUDA_DETERMINISTIC: the own backward, whose dq adds run in a fixed order */
+    if (!im->dnn || im->det || im->compute != FL_BF16 || fl_cudnn_sdpa_refuse(a, bias, kmask)) return 0;
+    fl_cudnn_sdpa_layout L;
+    fl_cudnn_sdpa_layout_of(a, FL_BF16, &L);
+    fl_cudnn_plan *p = flb_dnn_plan(im, &L, 1);
+    if (!p) return 0;
+    const int rq = a->B * a->Tq, rk = a->B * a->Tk, cq = a->NH * a->HD, ck = a->NKV * a->HD;
+    const size_t bq = flb_al256((size_t)rq * cq * 2), bk = flb_al256((size_t)rk * ck * 2);
+    const size_t used = 4 * bq + 4 * bk; /* q o do dq | k v dk dv */
+    char *buf = flb_dnn_buf(be, used + fl_cudnn_plan_workspace(p));
+    if (!buf) return (*st = flb_sticky(be)), 1;
+    void *ptr[FL_CUDNN_UID_COUNT] = {0};
+    ptr[FL_CUDNN_UID_Q] = buf;
+    ptr[FL_CUDNN_UID_O] = buf + bq;
+    ptr[FL_CUDNN_UID_DO] = buf + 2 * bq;
+    ptr[FL_CUDNN_UID_DQ] = buf + 3 * bq;
+    ptr[FL_CUDNN_UID_K] = buf + 4 * bq;
+    ptr[FL_CUDNN_UID_V] = buf + 4 * bq + bk;
+    ptr[FL_CUDNN_UID_DK] = buf + 4 * bq + 2 * bk;
+    ptr[FL_CUDNN_UID_DV] = buf + 4 * bq + 3 * bk;
+    ptr[FL_CUDNN_UID_STATS] = (void *)lse;
+    ptr[FL_CUDNN_UID_DSUM] = work; /* rowsum(dO * O), B*NH*Tq floats: the op's work area */
+    int rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_Q], FL_BF16, (size_t)cq, q, FL_F32, a->ldq, rq, cq, STREAM);
+    if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_O], FL_BF16, (size_t)cq, out, FL_F32, a->ldo, rq, cq, STREAM);
+    if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_DO], FL_BF16, (size_t)cq, dout, FL_F32, a->ldo, rq, cq, STREAM);
+    if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_K], FL_BF16, (size_t)ck, k, FL_F32, a->ldk, rk, ck, STREAM);
+    if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_V], FL_BF16, (size_t)ck, v, FL_F32, a->ldv, rk, ck, STREAM);
+    if (rc) return (*st = flb_attn_status(be, rc, "attention_backward (cuDNN)")), 1;
+    int s = fl_cudnn_plan_run(&im->dnn->api, im->dnn->handle, p, ptr, buf + used);
+    if (s) {
+        char b[48], why[96];
+        snprintf(why, sizeof why, "cudnnBackendExecute: %s", fl_cudnn_status_name(&im->dnn->api, s, b, sizeof b));
+        flb_set_error(be, FL_ERR_UNSUPPORTED, "attention_backward (cuDNN)", why);
+        return (*st = flb_sticky(be)), 1;
+    }
+    rc = FLB_K(attention_acc2d)(dq, a->ldq, (const uint16_t *)ptr[FL_CUDNN_UID_DQ], FL_BF16, (size_t)cq, rq, cq, STREAM);
+    if (!rc) rc = FLB_K(attention_acc2d)(dk, a->ldk, (const uint16_t *)ptr[FL_CUDNN_UID_DK], FL_BF16, (size_t)ck, rk, ck,
+                                         STREAM);
+    if (!rc) rc = FLB_K(attention_acc2d)(dv, a->ldv, (const uint16_t *)ptr[FL_CUDNN_UID_DV], FL_BF16, (size_t)ck, rk, ck,
+                                         STREAM);
+    *st = flb_attn_status(be, rc, "attention_backward (cuDNN)");
+    return 1;
+}
+#else /* the emulator: no cuDNN */
+static fl_status flb_attn_init(flb_impl *im) {
+    if (im->attn == FL_CUDNN_ATTN_CUDNN)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s backend: FITLLM_CUDA_ATTN=cudnn: cuDNN's attention runs in the CUDA "
+                         "plugin on a GPU only (use auto or own here)", FLB_NAME);
+    if (im->attn == FL_CUDNN_ATTN_AUTO) im->attn = FL_CUDNN_ATTN_OWN; /* nothing to say: no cuDNN is expected */
+    return FL_OK;
+}
+static void flb_attn_free(flb_impl *im) { (void)im; }
+#define flb_cudnn_forward(be, a, out, lse, q, k, v, bias, kmask, st) 0
+#define flb_cudnn_backward(be, a, dq, dk, dv, dout, q, k, v, bias, kmask, out, lse, work, st) 0
+#endif

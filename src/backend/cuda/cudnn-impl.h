@@ -1,0 +1,129 @@
+/* fitllm: NVIDIA cuDNN's fused scaled-dot-product attention, opened at run time (EXPERIMENTAL: built
+ * and checked without a GPU; `fitllm selftest --accelerator cuda` compares it on the user's GPU).
+ *
+ * Why dlopen: cuDNN is large (about 1 GB with its engines) and optional. It ships with the CUDA
+ * toolkit and inside PyTorch's wheels; fitllm links nothing of it, so a machine without it runs the
+ * own attention kernels (kernels/attn_fa2.cu) and says once why. Only the C backend API is used
+ * (cudnnBackend* descriptors; no C++ frontend): the SDPA forward and backward are built as operation
+ * graphs of matmul / pointwise / reduction / reshape nodes, which cuDNN's fused-attention engines
+ * recognize (cudnn_sdpa.c).
+ *
+ * Three layers, each testable here:
+ *   cudnn_load.c  the library and its symbols (fl_cudnn_api: plain function pointers, so a test can
+ *                 inject fakes), its version, and the reason when any is missing;
+ *   cudnn_sdpa.c  pure mapping of an attention call (fl_attn_desc) to the graph's tensors (dims,
+ *                 strides, unique ids; fl_cudnn_sdpa_layout), the shape check (fl_cudnn_sdpa_refuse),
+ *                 and the graph building / plan cache / execution through fl_cudnn_api;
+ *   the backend   (cuda-work-ops-impl.h, the plugin only): FITLLM_CUDA_ATTN's choice, the bf16 copies
+ *                 of the fp32 operands, and the fall-back to the own kernels. */
+#ifndef FL_CUDNN_IMPL_H
+#define FL_CUDNN_IMPL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fitllm/backend.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* the oldest cuDNN taken: 9.0 (the fused flash-attention graphs with grouped K/V heads, backward
+ * included) */
+#define FL_CUDNN_MIN_VERSION 90000
+
+/* The subset of cuDNN's C API fitllm calls, as plain C types (cudnnStatus_t and the enums are ints;
+ * handles and descriptors pointers): filled by fl_cudnn_load, or by a test. Every call returns a
+ * cudnnStatus_t (0 = CUDNN_STATUS_SUCCESS). */
+typedef struct fl_cudnn_api {
+    void *lib; /* dlopen handle (NULL: injected) */
+    size_t version; /* cudnnGetVersion(): 91900 for 9.19.0 */
+    size_t (*get_version)(void);
+    const char *(*error_string)(int status);
+    int (*create)(void **handle);
+    int (*destroy)(void *handle);
+    int (*set_stream)(void *handle, void *stream);
+    int (*be_create)(int type, void **desc);
+    int (*be_destroy)(void *desc);
+    int (*be_set)(void *desc, int name, int type, int64_t count, const void *values);
+    int (*be_get)(void *desc, int name, int type, int64_t requested, int64_t *count, void *values);
+    int (*be_finalize)(void *desc);
+    int (*be_execute)(void *handle, void *plan, void *variant_pack);
+} fl_cudnn_api;
+
+/* The library: `path` (NULL: $FITLLM_CUDNN_LIB, else libcudnn.so.9 then libcudnn.so on the loader's
+ * search path) opened and every symbol above resolved, and its version checked. 0, or -1 with the
+ * reason in why (the file not found, a missing symbol, a version below FL_CUDNN_MIN_VERSION);
+ * nothing stays mapped on failure. */
+int fl_cudnn_load(fl_cudnn_api *api, const char *path, char *why, size_t n);
+void fl_cudnn_unload(fl_cudnn_api *api);
+/* "CUDNN_STATUS_NOT_SUPPORTED" (the library's own name when loaded), else "cudnn status N" */
+const char *fl_cudnn_status_name(const fl_cudnn_api *api, int status, char *buf, size_t n);
+
+/* FITLLM_CUDA_ATTN: which attention kernels a bf16 run gets for the shapes they take. */
+typedef enum {
+    FL_CUDNN_ATTN_AUTO = 0, /* cuDNN when it loads and accepts the shape, else OWN (said once) */
+    FL_CUDNN_ATTN_CUDNN,    /* cuDNN: the backend fails to start without it; a refused shape: OWN, said once */
+    FL_CUDNN_ATTN_OWN,      /* kernels/attn_fa2.cu */
+    FL_CUDNN_ATTN_LEGACY,   /* kernels/attention_tc.cu */
+    FL_CUDNN_ATTN_FP32      /* the fp32 kernels whatever the dtype */
+} fl_cudnn_attn_choice;
+/* NULL / "" / "auto" -> AUTO, ...; -1 for anything else */
+int fl_cudnn_attn_parse(const char *env);
+/* whether a choice tries cuDNN at all */
+static inline int fl_cudnn_attn_wants(int choice) {
+    return choice == FL_CUDNN_ATTN_AUTO || choice == FL_CUDNN_ATTN_CUDNN;
+}
+
+/* ---- the SDPA graphs (cudnn_sdpa.c) ---------------------------------------------------------- */
+
+/* unique ids of the graph's non-virtual tensors (the variant pack's keys) */
+enum {
+    FL_CUDNN_UID_Q = 1, FL_CUDNN_UID_K, FL_CUDNN_UID_V, FL_CUDNN_UID_O, FL_CUDNN_UID_STATS, FL_CUDNN_UID_SCALE,
+    FL_CUDNN_UID_NEG, FL_CUDNN_UID_DO, FL_CUDNN_UID_DQ, FL_CUDNN_UID_DK, FL_CUDNN_UID_DV, FL_CUDNN_UID_DSUM,
+    FL_CUDNN_UID_COUNT
+};
+
+/* One 4-d tensor of the graph: dims (b, h, s, d) and strides in elements. */
+typedef struct {
+    int64_t dim[4], stride[4];
+} fl_cudnn_t4;
+
+/* What the graphs see of one attention call. q, k, v, o (and their gradients) are the bf16 (or
+ * fp16) copies the backend makes: compact rows, (B, T, heads, HD), so (b, h, s, d) strides are
+ * (T*H*HD, HD, H*HD, 1); stats is the fp32 (B, NH, Tq) log-sum-exp of the fl_attn_desc contract
+ * (natural log of the scaled scores' row sum), viewed (B, NH, Tq, 1). */
+typedef struct {
+    fl_cudnn_t4 q, k, v, o, stats;
+    int io_dtype; /* cudnnDataType_t of q, k, v, o: CUDNN_DATA_BFLOAT16 or CUDNN_DATA_HALF */
+    int causal;
+    float scale;
+} fl_cudnn_sdpa_layout;
+
+/* The layout of a call with 16-bit copies of type `dt` (FL_BF16 / FL_F16). Pure. */
+void fl_cudnn_sdpa_layout_of(const fl_attn_desc *a, fl_dtype dt, fl_cudnn_sdpa_layout *L);
+/* NULL when cuDNN's graphs take the call, else why not (a phrase): the head size (64, 128), a bias,
+ * a key mask, causal with Tq != Tk (the graphs' mask is top-left aligned), NH % NKV, an empty shape,
+ * a non-compact output row (ldo != NH*HD). Pure. */
+const char *fl_cudnn_sdpa_refuse(const fl_attn_desc *a, const float *bias, const uint8_t *kmask);
+
+/* A built plan (forward or backward) and the workspace bytes it needs. */
+typedef struct fl_cudnn_plan fl_cudnn_plan;
+/* The SDPA graphs through `api` on `handle` (NULL: the descriptors are built and finalized up to the
+ * operation graph, which needs a handle: what the tests do with the real library and no GPU).
+ * 0 and *out (NULL when handle is NULL), or -1 and why (the descriptor or node that failed and
+ * cuDNN's status: a shape no engine takes ends here). */
+int fl_cudnn_sdpa_build(const fl_cudnn_api *api, void *handle, const fl_cudnn_sdpa_layout *L, int backward,
+                        fl_cudnn_plan **out, char *why, size_t n);
+size_t fl_cudnn_plan_workspace(const fl_cudnn_plan *p);
+void fl_cudnn_plan_free(const fl_cudnn_api *api, fl_cudnn_plan *p);
+/* Runs a plan. ptr[uid] for each FL_CUDNN_UID_* the graph reads or writes (device pointers; SCALE
+ * and NEG are taken from the plan itself), workspace of fl_cudnn_plan_workspace bytes. 0 or the
+ * cuDNN status. */
+int fl_cudnn_plan_run(const fl_cudnn_api *api, void *handle, fl_cudnn_plan *p, void *const ptr[FL_CUDNN_UID_COUNT],
+                      void *workspace);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,57 @@
+/* cuDNN's fused scaled-dot-product attention as backend-API operation graphs (contract: cudnn-impl.h;
+ * EXPERIMENTAL: the descriptors are finalized against the real library in the tests, which needs no
+ * GPU, but the graphs have not yet run on one: `fitllm selftest --accelerator cuda` checks them).
+ *
+ * Forward (tensors (b, h, s, d); S and P fp32, virtual):
+ *   S = Q . K^T          matmul (K^T: a reshape of K; grouped K/V heads broadcast over the batch dim h)
+ *   S = S * scale        pointwise MUL by a by-value scalar
+ *   causal: S = (row >= col) ? S : lowest     GEN_INDEX (axis 2, 3), CMP_GE, BINARY_SELECT
+ *   M = max_row S; E = exp(S - M); Z = sum_row E;  stats = M + log Z  (written out, fp32)
+ *   P = E / Z;  O = P . V
+ * Backward (stats, O, dO in; dQ, dK, dV out; Dsum = rowsum(dO * O) a tensor of our own work area):
+ *   Dsum = sum_d (dO * O)
+ *   S as forward (scale, mask); P = exp(S - stats)
+ *   dV = P^T . dO                  (P^T a reshape; grouped heads: summed over the group by a reduction)
+ *   dP = dO . V^T;  dS = P * (dP - Dsum) * scale
+ *   dQ = dS . K;  dK = dS^T . Q    (grouped heads: summed as dV)
+ * The engines that fuse these are found by cuDNN's heuristics (mode A); the first configuration that
+ * finalizes into an execution plan is kept. */
+#include <float.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/cuda/cudnn-impl.h"
+
+/* ---- pure: the layout and the shape check (every build) ------------------------------------------ */
+
+static void t4(fl_cudnn_t4 *t, int64_t b, int64_t h, int64_t s, int64_t d, int64_t sb, int64_t sh, int64_t ss,
+               int64_t sd) {
+    t->dim[0] = b, t->dim[1] = h, t->dim[2] = s, t->dim[3] = d;
+    t->stride[0] = sb, t->stride[1] = sh, t->stride[2] = ss, t->stride[3] = sd;
+}
+
+void fl_cudnn_sdpa_layout_of(const fl_attn_desc *a, fl_dtype dt, fl_cudnn_sdpa_layout *L) {
+    memset(L, 0, sizeof *L); /* the plan cache compares layouts bytewise */
+    const int64_t B = a->B, Tq = a->Tq, Tk = a->Tk, NH = a->NH, NKV = a->NKV, HD = a->HD;
+    /* compact rows (B, T, heads, HD) viewed (b, h, s, d) */
+    t4(&L->q, B, NH, Tq, HD, Tq * NH * HD, HD, NH * HD, 1);
+    t4(&L->o, B, NH, Tq, HD, Tq * NH * HD, HD, NH * HD, 1);
+    t4(&L->k, B, NKV, Tk, HD, Tk * NKV * HD, HD, NKV * HD, 1);
+    t4(&L->v, B, NKV, Tk, HD, Tk * NKV * HD, HD, NKV * HD, 1);
+    t4(&L->stats, B, NH, Tq, 1, NH * Tq, Tq, 1, 1); /* the contract's lse (B, NH, Tq) */
+    L->io_dtype = dt == FL_F16 ? 2 /* CUDNN_DATA_HALF */ : 9 /* CUDNN_DATA_BFLOAT16 */;
+    L->causal = a->causal ? 1 : 0;
+    L->scale = a->scale;
+}
+
+const char *fl_cudnn_sdpa_refuse(const fl_attn_desc *a, const float *bias, const uint8_t *kmask) {
+    if (!a || a->B <= 0 || a->Tq <= 0 || a->Tk <= 0 || a->NH <= 0 || a->NKV <= 0) return "an empty shape";
+    if (a->HD != 64 && a->HD != 128) return "head size not 64 or 128";
+    if (a->NH % a->NKV) return "query heads not a multiple of key/value heads";
+    if (bias) return "an attention bias";
+    if (kmask) return "a key padding mask";
+    if (a->causal && a->Tq != a->Tk) return "causal with Tq != Tk (bottom-right alignment)";
+    if (a->ldo != (size_t)a->NH * a->HD) return "output rows with a stride";
+    return NULL;
+}

@@ -1,0 +1,177 @@
+/* fitllm selftest: the attention kernels a bf16 run may get (FITLLM_CUDA_ATTN=cudnn / own / legacy)
+ * side by side against float64 (include/fitllm/selftest.h: fl_selftest_attention_choices).
+ *
+ * The anchor is independent of every kernel: a float64 softmax attention written here from the
+ * fl_attn_desc contract (causal, grouped heads), on the inputs rounded to bf16 as the kernels read
+ * them. The kernels round P, dO and dS to bf16 too (FlashAttention's and cuDNN's scheme) and
+ * accumulate in fp32, so each output element must be within 8 u * max|ref| of the tensor (u = 2^-8,
+ * bf16's unit roundoff; a wrong mask, scale or lost tile is off by O(max|ref|)). The log-sum-exp is
+ * fp32 arithmetic on exact bf16 products: within 8 u (1 + |lse|). Timings: median of 5 forward +
+ * backward calls, with TFLOP/s counted as FlashAttention does (causal: half of 4 B NH T^2 HD forward,
+ * 2.5 times that backward). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fitllm/dtype.h"
+#include "fitllm/selftest.h"
+
+#include "backend/selftest-impl.h"
+
+typedef struct {
+    int B, T, NH, NKV, HD, check; /* check 0: timed only (too large for the float64 reference) */
+} at_shape;
+
+/* float64 forward + backward of one causal grouped-head attention (q, k, v, dout rounded already) */
+static void at_ref(const at_shape *s, const float *q, const float *k, const float *v, const float *dout, double *out,
+                   double *lse, double *dq, double *dk, double *dv) {
+    const int B = s->B, T = s->T, NH = s->NH, NKV = s->NKV, HD = s->HD, G = NH / NKV;
+    const double sc = 1.0 / sqrt((double)HD);
+    double *p = malloc(sizeof(double) * T), *dp = malloc(sizeof(double) * T);
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < NH; h++)
+            for (int t = 0; t < T; t++) {
+                const float *qr = q + ((size_t)(b * T + t) * NH + h) * HD, *dor = dout + ((size_t)(b * T + t) * NH + h) * HD;
+                double mx = -INFINITY, z = 0;
+                for (int j = 0; j <= t; j++) {
+                    const float *kr = k + ((size_t)(b * T + j) * NKV + h / G) * HD;
+                    double d = 0;
+                    for (int e = 0; e < HD; e++) d += (double)qr[e] * kr[e];
+                    p[j] = d * sc;
+                    mx = fmax(mx, p[j]);
+                }
+                for (int j = 0; j <= t; j++) z += (p[j] = exp(p[j] - mx));
+                double *o = out + ((size_t)(b * T + t) * NH + h) * HD, D = 0;
+                lse[((size_t)b * NH + h) * T + t] = mx + log(z);
+                for (int e = 0; e < HD; e++) o[e] = 0;
+                for (int j = 0; j <= t; j++) {
+                    const float *vr = v + ((size_t)(b * T + j) * NKV + h / G) * HD;
+                    p[j] /= z;
+                    double d = 0;
+                    for (int e = 0; e < HD; e++) o[e] += p[j] * vr[e], d += (double)dor[e] * vr[e];
+                    dp[j] = d;
+                    D += p[j] * d;
+                }
+                double *dqr = dq + ((size_t)(b * T + t) * NH + h) * HD;
+                for (int j = 0; j <= t; j++) {
+                    const size_t kv = ((size_t)(b * T + j) * NKV + h / G) * HD;
+                    const double ds = p[j] * (dp[j] - D) * sc;
+                    for (int e = 0; e < HD; e++) {
+                        dqr[e] += ds * k[kv + e];
+                        dk[kv + e] += ds * qr[e];
+                        dv[kv + e] += p[j] * dor[e];
+                    }
+                }
+            }
+    free(p), free(dp);
+}
+
+/* worst |dev - ref| / bound over n elements; bound = 8 u max|ref| (lse: 8 u (1 + |ref|)) */
+static double at_worst(const float *dev, const double *ref, size_t n, int per_elem) {
+    const double u = 1.0 / 256;
+    double mx = 0, w = 0;
+    for (size_t i = 0; i < n; i++) mx = fmax(mx, fabs(ref[i]));
+    for (size_t i = 0; i < n; i++) {
+        double bound = 8 * u * (per_elem ? 1 + fabs(ref[i]) : mx) + 1e-30, d = fabs(dev[i] - ref[i]);
+        w = d != d ? INFINITY : fmax(w, d / bound);
+    }
+    return w;
+}
+
+typedef struct {
+    const fl_backend *be;
+    fl_attn_desc a;
+    float *d[9]; /* device: q k v out lse dout dq dk dv */
+} at_run;
+static void at_step(st_ctx *c, void *arg) {
+    (void)c;
+    at_run *r = arg;
+    const fl_backend *be = r->be;
+    if (be->attention_forward(be, &r->a, r->d[3], r->d[4], r->d[0], r->d[1], r->d[2], NULL, NULL) == FL_OK)
+        be->attention_backward(be, &r->a, r->d[6], r->d[7], r->d[8], NULL, r->d[5], r->d[0], r->d[1], r->d[2], NULL,
+                               NULL, r->d[3], r->d[4]);
+}
+
+/* one choice at one shape: 0 ok (or not compared), 1 mismatch or failure */
+static int at_case(st_ctx *c, const char *choice, const at_shape *s, FILE *out) {
+    const fl_backend *be = c->dev;
+    const size_t nq = (size_t)s->B * s->T * s->NH * s->HD, nk = (size_t)s->B * s->T * s->NKV * s->HD,
+                 nl = (size_t)s->B * s->NH * s->T;
+    float *h[9] = {0};
+    const size_t len[9] = {nq, nk, nk, nq, nl, nq, nq, nk, nk};
+    st_bufs bufs = {0};
+    at_run r = {be, {s->B, s->T, s->T, s->NH, s->NKV, s->HD, (size_t)s->NH * s->HD, (size_t)s->NKV * s->HD,
+                     (size_t)s->NKV * s->HD, (size_t)s->NH * s->HD, (float)(1.0 / sqrt((double)s->HD)), 1}, {0}};
+    for (int i = 0; i < 9; i++) {
+        h[i] = i < 3 || i == 5 ? fl_st_frand(c, len[i], -1.0f, 1.0f) : calloc(len[i], sizeof(float));
+        if (i < 3 || i == 5)
+            for (size_t e = 0; h[i] && e < len[i]; e++) h[i][e] = fl_bf16_to_f32(fl_f32_to_bf16(h[i][e]));
+        r.d[i] = fl_st_up(c, &bufs, h[i], len[i] * sizeof(float));
+    }
+    char name[96];
+    snprintf(name, sizeof name, "attention %-6s B%d T%d NH%d NKV%d HD%d causal", choice, s->B, s->T, s->NH, s->NKV, s->HD);
+    int bad = bufs.failed;
+    if (!bad) at_step(c, &r);
+    fl_status st = bad ? FL_ERR_OOM : be->sync(be);
+    double worst = 0;
+    if (st == FL_OK && s->check) {
+        double *ref[9] = {0};
+        for (int i = 3; i < 9; i++) ref[i] = i == 5 ? NULL : calloc(len[i], sizeof(double));
+        at_ref(s, h[0], h[1], h[2], h[5], ref[3], ref[4], ref[6], ref[7], ref[8]);
+        for (int i = 3; i < 9; i++) {
+            if (i == 5) continue;
+            fl_st_down(c, &bufs, h[i], r.d[i], len[i] * sizeof(float));
+            worst = fmax(worst, at_worst(h[i], ref[i], len[i], i == 4));
+            free(ref[i]);
+        }
+        bad = bufs.failed || !(worst <= 1.0);
+    }
+    double t = st == FL_OK ? fl_st_time(c, at_step, &r) : -1;
+    double flop = 7.0 * s->B * s->NH * (double)s->T * s->T * s->HD; /* causal forward 2, backward 5 */
+    if (st != FL_OK) fprintf(out, "  %-52s FAIL  (%s)\n", name, fl_error_message());
+    else if (s->check)
+        fprintf(out, "  %-52s %s  worst %.2e of bound  %10.1f us  %6.1f TFLOP/s\n", name, bad ? "FAIL" : "ok  ", worst,
+                t * 1e6, flop / t * 1e-12);
+    else fprintf(out, "  %-52s time  %10.1f us  %6.1f TFLOP/s (forward + backward)\n", name, t * 1e6, flop / t * 1e-12);
+    fl_st_free(c, &bufs);
+    for (int i = 0; i < 9; i++) free(h[i]);
+    return st != FL_OK || bad;
+}
+
+fl_status fl_selftest_attention_choices(const char *name, int small, FILE *out, fl_selftest_result *res) {
+    static const char *choices[] = {"cudnn", "own", "legacy"};
+    const at_shape small_shapes[] = {{1, 40, 4, 2, 64, 1}, {1, 33, 2, 1, 128, 1}};
+    const at_shape big_shapes[] = {{1, 512, 8, 2, 64, 1}, {1, 256, 4, 4, 128, 1}, {4, 2048, 32, 4, 64, 0}};
+    const at_shape *shapes = small ? small_shapes : big_shapes;
+    const int nshapes = small ? 2 : 3;
+    memset(res, 0, sizeof *res);
+    const char *env = getenv("FITLLM_CUDA_ATTN");
+    char *saved = env ? strdup(env) : NULL;
+    fprintf(out, "selftest: attention kernels of bf16 runs (FITLLM_CUDA_ATTN) against float64 (bound: 8 u max|ref|, "
+                 "u = 2^-8)\n");
+    for (int k = 0; k < 3; k++) {
+        setenv("FITLLM_CUDA_ATTN", choices[k], 1);
+        fl_backend be;
+        if (fl_backend_init_by_name(name, &be, 0) != FL_OK) {
+            fprintf(out, "  attention %-6s not available: %s\n", choices[k], fl_error_message());
+            continue;
+        }
+        st_ctx c;
+        memset(&c, 0, sizeof c);
+        c.dev = &be, c.out = out, c.rng = 0xa77e;
+        if (be.pool_init(&be, &c.pool, "selftest-attn", 0) == FL_OK) {
+            if (be.set_compute_dtype) be.set_compute_dtype(&be, FL_BF16);
+            for (int i = 0; i < nshapes; i++) {
+                res->n_cases += shapes[i].check;
+                res->n_fail += at_case(&c, choices[k], &shapes[i], out);
+            }
+            if (be.set_compute_dtype) be.set_compute_dtype(&be, FL_F32);
+            fl_mem_pool_free(&c.pool);
+        }
+        fl_backend_free(&be);
+    }
+    if (saved) setenv("FITLLM_CUDA_ATTN", saved, 1);
+    else unsetenv("FITLLM_CUDA_ATTN");
+    free(saved);
+    return FL_OK;
+}

@@ -1,0 +1,276 @@
+/* The trainer's pipeline parallelism (--pipeline_parallel S, --pipeline_schedule gpipe|1f1b; EXPERIMENTAL;
+ * src/train/trainer-impl.h, docs/ARCHITECTURE.md "Pipeline parallelism").
+ *
+ * The grid. World rank w is stage w % S of pipeline w / S, and rank w / S of the data-parallel axis (the ranks
+ * of stage w % S across the pipelines): the S stages of a pipeline train the same micro-batches (the data is
+ * split over the pipelines as DDP splits it over ranks), so the trainer's data-parallel context (t->dp) is the
+ * axis and the loop, the loss statistics and DDP's reduction run over it unchanged. Every stage gets every
+ * micro-batch's losses from the last stage (fl_pp_step_run), so every rank logs and decides alike; the lead is
+ * world rank 0 (stage 0 of pipeline 0). Set-up agreements and stop decisions run over the whole grid
+ * (t->tp.world is the grid here too). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "trainer-impl.h"
+#include "fitllm/checkpoint.h"
+
+enum { TAG_CKPT = 3 };
+
+fl_status fl_tr_pp_check(const trainer *t, const fl_strategy_choice *sc) {
+    const fl_run_config *c = t->cfg;
+    const int n = c->pipeline_parallel;
+    if (n <= 1) return FL_OK;
+    if (c->tensor_parallel > 1)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with --tensor_parallel %d: not combined yet (one "
+                         "of them, with data parallelism)", n, c->tensor_parallel);
+    if (c->command == FL_CMD_FINETUNE_LORA)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: finetune_lora is not pipelined yet; finetune_full "
+                         "and pretrain are", n);
+    if (sc->offload)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with --strategy %s: offload is not combined with "
+                         "pipeline parallelism yet", n, c->strategy);
+    if (sc->stage > 0)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with --strategy %s%s%s: the data-parallel axis "
+                         "runs DDP only so far (give --strategy ddp)", n, c->strategy, sc->sharding[0] ? " " : "",
+                         sc->sharding);
+    if (c->optimizer.kind == FL_OPT_ADAMW8BIT)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: AdamW8bit's block-wise state is not gathered into "
+                         "checkpoints yet (AdamW and SGD are)", n);
+    if (!strcmp(c->state_dict_type, "sharded"))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: fsdp.state_dict_type sharded is not written yet "
+                         "(full: consolidated)", n);
+    return FL_OK;
+}
+
+fl_status fl_tr_pp_begin(trainer *t, fl_comm *world, const fl_model_config *given, fl_comm **dp_comm) {
+    const int n = t->cfg->pipeline_parallel;
+    const int W = world ? fl_comm_size(world) : 1, w = world ? fl_comm_rank(world) : 0;
+    (void)given;
+    if (W % n)
+        return fl_errorf(FL_ERR_INVALID, "--pipeline_parallel %d: this run has %d rank%s, not a multiple of it (launch "
+                         "pipelines x %d ranks: --devices %d, %d, ...)", n, W, W == 1 ? "" : "s", n, n, 2 * n);
+    fl_pp_schedule k;
+    FL_TRY(fl_error_prefix(fl_pp_schedule_parse(t->cfg->pipeline_schedule, &k), "--pipeline_schedule"));
+    fl_strategy_choice sc;
+    FL_TRY(fl_cfg_resolve_strategy(t->cfg, 0, &sc));
+    FL_TRY(fl_tr_pp_check(t, &sc));
+    FL_TRY(fl_error_prefix(fl_comm_split(world, w / n, w, &t->pp.grp), "--pipeline_parallel %d: the pipeline", n));
+    FL_TRY(fl_error_prefix(fl_comm_split(world, w % n, w, &t->pp.dpc), "--pipeline_parallel %d: the data-parallel axis", n));
+    t->pp.size = n;
+    t->pp.stage = w % n;
+    t->tp.world = world; /* the grid: agreements, stop decisions, the lead */
+    fl_dp_init(&t->dp, t->pp.dpc, NULL);
+    t->dp.grid = world;
+    *dp_comm = t->pp.dpc;
+    return FL_OK;
+}
+
+void fl_tr_pp_end(trainer *t) {
+    if (t->pp.rt_ok) fl_pp_free(&t->pp.rt);
+    t->pp.rt_ok = 0;
+    fl_comm_destroy(t->pp.grp);
+    fl_comm_destroy(t->pp.dpc);
+    t->pp.grp = t->pp.dpc = NULL;
+}
+
+/* this stage's blocks [first, last) of a model of n_layers (the balanced split) */
+static fl_status stage_range(trainer *t, int n_layers) {
+    int first[65];
+    if (t->pp.size > 64) return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: at most 64 stages", t->pp.size);
+    FL_TRY(fl_pp_split(n_layers, NULL, t->pp.size, first));
+    t->pp.first = first[t->pp.stage];
+    t->pp.last = first[t->pp.stage + 1];
+    return FL_OK;
+}
+
+/* the planner's rehearsal: the stage of the given shape made directly (no whole copy: it is outside the pool) */
+static fl_status plan_stage(trainer *t, const fl_model_config *given) {
+    fl_model_config sc;
+    FL_TRY(stage_range(t, given->n_layers));
+    FL_TRY(fl_pp_stage_config(given, t->pp.first, t->pp.last, &sc));
+    t->pp.whole = *given;
+    FL_TRY(fl_model_init_ex(&t->model, &sc, &t->hw.be, &t->hw.pool, &t->stg));
+    t->model_ok = 1;
+    fl_model_init_random_ex(&t->model, t->cfg->seed);
+    return FL_OK;
+}
+
+fl_status fl_tr_pp_load(trainer *t, const fl_model_config *given) {
+    if (fl_backend_discards(&t->hw.be)) return plan_stage(t, given);
+    tp_whole w;
+    memset(&w, 0, sizeof w);
+    fl_status s = fl_backend_pools_init(&t->hw.be, &w.pool, &w.hpool, "pipeline parallel (whole model)", 0);
+    w.pool_ok = s == FL_OK;
+    if (s == FL_OK) s = fl_tr_load_model(t, given, &w.m, &w.pool, &w.m_ok);
+    if (s == FL_OK) s = stage_range(t, w.m.cfg.n_layers);
+    fl_model_config sc;
+    if (s == FL_OK) s = fl_pp_stage_config(&w.m.cfg, t->pp.first, t->pp.last, &sc);
+    if (s == FL_OK) {
+        t->pp.whole = w.m.cfg;
+        t->pp.whole_numel = w.m.layout.numel;
+        s = fl_model_init_ex(&t->model, &sc, &t->hw.be, &t->hw.pool, &t->stg);
+    }
+    if (s == FL_OK) {
+        t->model_ok = 1;
+        s = fl_pp_stage_take(&w.m, &t->model, t->pp.first);
+    }
+    fl_tr_whole_free(&w);
+    return s;
+}
+
+fl_status fl_tr_pp_attach(trainer *t) {
+    fl_pp_schedule k;
+    FL_TRY(fl_pp_schedule_parse(t->cfg->pipeline_schedule, &k));
+    FL_TRY(fl_pp_init(&t->pp.rt, &t->model, t->pp.grp, k));
+    t->pp.rt_ok = 1;
+    return fl_pp_optim_attach(&t->pp.rt, &t->opt);
+}
+
+/* ---- consolidated checkpoints ---- */
+
+/* the optimizer's state arrays (AdamW's m, v; SGD's momentum) */
+static void arrays(const fl_optimizer *o, void *arr[3]) { arr[0] = o->st.m, arr[1] = o->st.v, arr[2] = o->st.buf; }
+
+/* entry p of a state array (dt, the optimizer's memory) <-> fp32 host */
+static fl_status arr_read(const fl_optimizer *o, const void *arr, fl_dtype dt, const fl_param_info *p, float *out) {
+    const size_t es = fl_dtype_size(dt);
+    FL_TRY(fl_optim_state_read(o, out, (const char *)arr + p->offset * es, p->numel * es));
+    if (dt == FL_BF16) /* widened in place, from the end */
+        for (size_t k = p->numel; k-- > 0;) out[k] = fl_bf16_to_f32(((const uint16_t *)out)[k]);
+    return FL_OK;
+}
+
+static fl_status arr_write(const fl_optimizer *o, void *arr, fl_dtype dt, const fl_param_info *p, float *in) {
+    if (dt == FL_BF16) fl_convert(in, FL_BF16, in, FL_F32, p->numel); /* narrowed in place, from the start */
+    return fl_optim_state_write(o, (char *)arr + p->offset * fl_dtype_size(dt), in, p->numel * fl_dtype_size(dt));
+}
+
+/* one stage's entries (parameters, then each state array) into the whole model, in the order every stage sends them:
+ * stage 0's own from its model (src), a later stage's received (src NULL) */
+static fl_status take_stage(trainer *t, tp_whole *w, int s, const int *first, const fl_model *src,
+                            const fl_optimizer *so, float *buf, fl_dtype dt) {
+    fl_model_config sc;
+    fl_param_layout lay;
+    FL_TRY(fl_pp_stage_config(&t->pp.whole, first[s], first[s + 1], &sc));
+    FL_TRY(fl_layout_build(&lay, &sc));
+    const int S = t->pp.size;
+    void *dst[3] = {NULL, NULL, NULL}, *sarr[3] = {NULL, NULL, NULL};
+    if (w->o_ok) arrays(&w->o, dst);
+    if (so) arrays(so, sarr);
+    fl_status st = FL_OK;
+    for (int a = -1; a < 3 && st == FL_OK; a++) {
+        if (a >= 0 && !dst[a]) continue;
+        for (int i = 0; i < lay.n && st == FL_OK; i++) {
+            if (!fl_pp_layout_owns(&lay, s > 0, s < S - 1, i)) continue;
+            const int j = fl_pp_stage_entry(&w->m.layout, &lay, first[s], i);
+            const fl_param_info *p = &w->m.layout.params[j];
+            if (!src) st = fl_comm_recv(t->pp.grp, buf, p->numel, FL_F32, s, TAG_CKPT);
+            else if (a < 0) fl_model_read_param(src, i, buf);
+            else st = arr_read(so, sarr[a], dt, &src->layout.params[i], buf);
+            if (st != FL_OK) break;
+            if (a < 0) fl_model_write_param(&w->m, j, buf);
+            else st = arr_write(&w->o, dst[a], dt, p, buf);
+        }
+    }
+    fl_layout_free(&lay);
+    return st;
+}
+
+/* a later stage: its entries to stage 0, in take_stage's order */
+static fl_status give_stage(trainer *t, const fl_optimizer *o, float *buf, fl_dtype dt) {
+    void *arr[3] = {NULL, NULL, NULL};
+    if (o) arrays(o, arr);
+    for (int a = -1; a < 3; a++) {
+        if (a >= 0 && !arr[a]) continue;
+        for (int i = 0; i < t->model.layout.n; i++) {
+            if (!fl_pp_stage_owns(&t->model, i)) continue;
+            const fl_param_info *p = &t->model.layout.params[i];
+            if (a < 0) fl_model_read_param(&t->model, i, buf);
+            else FL_TRY(arr_read(o, arr[a], dt, p, buf));
+            FL_TRY(fl_comm_send(t->pp.grp, buf, p->numel, FL_F32, 0, TAG_CKPT));
+        }
+    }
+    return FL_OK;
+}
+
+static fl_status pp_save(trainer *t, int lead, const char *name, const fl_optimizer *o, const fl_train_state *st) {
+    if (t->dp.rank != 0) return FL_OK; /* the first pipeline gathers and writes */
+    const fl_dtype dt = o && o->cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
+    size_t most = 1;
+    for (int i = 0; i < t->model.layout.n; i++)
+        if (t->model.layout.params[i].numel > most) most = t->model.layout.params[i].numel;
+    float *buf = malloc(most * sizeof *buf);
+    if (!buf) return fl_errorf(FL_ERR_OOM, "pipeline checkpoint: out of host memory");
+    fl_status s;
+    if (t->pp.stage > 0) {
+        s = give_stage(t, o, buf, dt);
+        free(buf);
+        return s;
+    }
+    int first[65];
+    tp_whole w;
+    memset(&w, 0, sizeof w);
+    s = fl_pp_split(t->pp.whole.n_layers, NULL, t->pp.size, first);
+    if (s == FL_OK) s = fl_tr_whole_make(t, &w, &t->pp.whole, o);
+    for (int k = 0; s == FL_OK && k < t->pp.size; k++)
+        s = take_stage(t, &w, k, first, k == 0 ? &t->model : NULL, k == 0 ? o : NULL, buf, dt);
+    free(buf);
+    if (s == FL_OK && o) {
+        w.o.step = o->step;
+        w.o.amp = o->amp;
+    }
+    if (s == FL_OK && lead)
+        s = fl_ckpt_save(t->cfg->out_dir, name, &w.m, o ? &w.o : NULL, st, t->cfg, t->in.tok_dir[0] ? t->in.tok_dir : NULL);
+    fl_tr_whole_free(&w);
+    return s;
+}
+
+fl_status fl_tr_pp_save(trainer *t, int lead, const char *name, const fl_optimizer *o, const fl_train_state *st) {
+    fl_status s = pp_save(t, lead, name, o, st);
+    /* a failed gather or write fails every rank of the grid at once */
+    fl_dp g;
+    memset(&g, 0, sizeof g);
+    fl_dp_init(&g, t->tp.world, NULL);
+    return fl_dp_agree(&g, s);
+}
+
+fl_status fl_tr_pp_ckpt_load(trainer *t, const char *path) {
+    tp_whole w;
+    memset(&w, 0, sizeof w);
+    fl_status s = fl_tr_whole_make(t, &w, &t->pp.whole, &t->opt);
+    if (s == FL_OK) s = fl_ckpt_load(path, &w.m, &w.o, &t->st);
+    if (s == FL_OK) s = fl_pp_stage_take(&w.m, &t->model, t->pp.first);
+    const fl_dtype dt = t->opt.cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
+    void *src[3], *dst[3];
+    arrays(&w.o, src);
+    arrays(&t->opt, dst);
+    size_t most = 1;
+    for (int i = 0; i < w.m.layout.n; i++)
+        if (w.m.layout.params[i].numel > most) most = w.m.layout.params[i].numel;
+    float *buf = malloc(most * sizeof *buf);
+    if (s == FL_OK && !buf) s = fl_errorf(FL_ERR_OOM, "pipeline resume: out of host memory");
+    for (int a = 0; a < 3 && s == FL_OK; a++)
+        for (int i = 0; src[a] && dst[a] && i < t->model.layout.n && s == FL_OK; i++) {
+            const int j = fl_pp_stage_entry(&w.m.layout, &t->model.layout, t->pp.first, i);
+            s = arr_read(&w.o, src[a], dt, &w.m.layout.params[j], buf);
+            if (s == FL_OK) s = arr_write(&t->opt, dst[a], dt, &t->model.layout.params[i], buf);
+        }
+    free(buf);
+    if (s == FL_OK) {
+        t->opt.step = w.o.step;
+        t->opt.amp.ls = w.o.amp.ls;
+    }
+    fl_tr_whole_free(&w);
+    return s;
+}
+
+void fl_tr_pp_print(const trainer *t) {
+    if (t->pp.size <= 1 || !t->out) return;
+    fprintf(t->out, "pipeline parallel (EXPERIMENTAL): %d stages x %d pipeline%s, schedule %s, %d micro-batches per "
+            "step; stage 0 holds blocks [%d, %d) of %d and the embeddings, the last stage the final norm, lm_head and "
+            "loss; activations and their gradients between neighbouring stages; stage 0 writes consolidated "
+            "checkpoints; no sample generation\n",
+            t->pp.size, t->dp.world, t->dp.world == 1 ? "" : "s", t->cfg->pipeline_schedule, t->sch.accum, t->pp.first,
+            t->pp.last, t->pp.whole.n_layers);
+}

@@ -1,0 +1,88 @@
+/* The deterministic dq of the FlashAttention-2-structured backward (kernels/attn_fa2.cu,
+ * FITLLM_CUDA_DETERMINISTIC=1): each key block adds its dq contribution to a query tile in key-block
+ * order, waiting on a counter per (b, h, query tile) in the work area. On a GPU that fixes the order
+ * of the fp32 adds (the same bits every run); the emulator runs the blocks in order anyway, so here:
+ *  - the values equal the atomic path's exactly (the tiles realigned to multiples of the tile height,
+ *    rows before a block's first visible row add zeros),
+ *  - every counter ends at the number of key blocks that visited its tile, computed here from the
+ *    causal limits (a block that skipped its turn, or posted twice, would hang or corrupt the GPU run).
+ * Not checked here: the order itself on a GPU (tests/cuda/check_attn.c's dq-bits comparison on a GPU). */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fitllm/backend.h"
+#include "test.h"
+
+#ifdef FL_HAVE_CUDA_EMU
+#include "backend/cuda/cu_kernels_attn.h"
+
+static float *det_rand(size_t n, uint64_t *s) {
+    float *x = malloc(n * sizeof(float) + 4);
+    for (size_t i = 0; i < n; i++) {
+        *s = *s * 6364136223846793005ULL + 1442695040888963407ULL;
+        x[i] = (float)((*s >> 40) & 0xffff) / 32768.0f - 1.0f;
+    }
+    return x;
+}
+
+/* B, Tq, Tk, NH, NKV, HD, causal */
+static void det_case(const int c[7]) {
+    const int B = c[0], Tq = c[1], Tk = c[2], NH = c[3], NKV = c[4], HD = c[5];
+    fl_attn_desc a = {B, Tq, Tk, NH, NKV, HD, (size_t)NH * HD, (size_t)NKV * HD, (size_t)NKV * HD, (size_t)NH * HD,
+                      (float)(1.0 / sqrt((double)HD)), c[6]};
+    const size_t nq = (size_t)B * Tq * NH * HD, nk = (size_t)B * Tk * NKV * HD, nl = (size_t)B * NH * Tq;
+    uint64_t s = 0x1234 + (uint64_t)Tq * 7 + Tk;
+    float *q = det_rand(nq, &s), *k = det_rand(nk, &s), *v = det_rand(nk, &s), *dout = det_rand(nq, &s);
+    float *out = calloc(nq, 4), *lse = calloc(nl, 4);
+    float *g[2][3];
+    for (int r = 0; r < 2; r++) g[r][0] = det_rand(nq, &s), g[r][1] = det_rand(nk, &s), g[r][2] = det_rand(nk, &s);
+    for (int i = 0; i < 3; i++) memcpy(g[1][i], g[0][i], (i ? nk : nq) * 4); /* the same pre-filled gradients */
+    const size_t wb = fl_cu_attention_work_bytes_det(B, NH, Tq);
+    float *work = malloc(wb);
+    FL_REQUIRE(fl_cuemu_attention_forward_fa2(&a, out, lse, q, k, v, NULL, NULL) == 0);
+    FL_REQUIRE(fl_cuemu_attention_backward_fa2(&a, g[0][0], g[0][1], g[0][2], dout, q, k, v, NULL, out, lse, work,
+                                               NULL) == 0);
+    memset(work, 0x7f, wb); /* the launch zeroes its counters itself */
+    FL_REQUIRE(fl_cuemu_attention_backward_fa2_ex(&a, g[1][0], g[1][1], g[1][2], dout, q, k, v, NULL, out, lse, work, 1,
+                                                  NULL) == 0);
+    for (int i = 0; i < 3; i++) {
+        size_t n = i ? nk : nq, bad = 0;
+        for (size_t e = 0; e < n; e++) bad += !(g[0][i][e] == g[1][i][e]);
+        FL_CHECKF(bad == 0, "B%d Tq%d Tk%d %d/%d HD%d: %zu of %zu %s values differ", B, Tq, Tk, NH, NKV, HD, bad, n,
+                  i == 0 ? "dq" : i == 1 ? "dk" : "dv");
+    }
+    /* the counters: BQ = 64 rows (HD 64) or 32 (HD 128); key block kb visits tiles from its first visible
+     * row rounded down to a tile */
+    const int BQ = HD == 64 ? 64 : 32, nt = (Tq + BQ - 1) / BQ, nkb = (Tk + 63) / 64;
+    const int *cnt = (const int *)(work + nl);
+    int bad = 0;
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < NH; h++)
+            for (int t = 0; t < nt; t++) {
+                int want = 0;
+                for (int kb = 0; kb < nkb; kb++) {
+                    long fr = c[6] ? (long)kb * 64 - (Tk - Tq) : 0;
+                    fr = fr < 0 ? 0 : fr > Tq ? Tq : fr;
+                    want += t * BQ >= fr - fr % BQ;
+                }
+                bad += cnt[((size_t)b * NH + h) * nt + t] != want;
+            }
+    FL_CHECKF(bad == 0, "B%d Tq%d Tk%d: %d tile counters off", B, Tq, Tk, bad);
+    free(q), free(k), free(v), free(dout), free(out), free(lse), free(work);
+    for (int r = 0; r < 2; r++)
+        for (int i = 0; i < 3; i++) free(g[r][i]);
+}
+
+FL_TEST(cuda_attn_fa2_deterministic) {
+    const int cases[][7] = {
+        {1, 131, 131, 4, 1, 64, 1},  /* 3 key blocks, GQA 4:1, tiles starting mid-way realigned */
+        {2, 77, 200, 2, 1, 128, 1},  /* causal Tq < Tk: blocks no row sees, 32-row tiles */
+        {1, 200, 70, 2, 2, 64, 1},   /* causal Tq > Tk */
+        {1, 67, 131, 2, 2, 64, 0},   /* non-causal: every block visits every tile */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) det_case(cases[i]);
+}
+#endif

@@ -1,0 +1,239 @@
+/* The CUDA kernels that write a bf16-stored activation themselves (issue 30 item 1: act_forward16, add16,
+ * rope_forward16, and the backward halves act_backward16 / rope_backward16 that leave a bf16 copy of the
+ * gradient for the next LINEAR; backend.h), under the CPU emulator. Anchors:
+ *   - bits: each is the fp32 kernel of the same op (checked against float64 and the CPU backend in
+ *     test_cuda_emu.c / test_ops.c) followed by round16 (checked against the CPU's RNE in test_cuda_more.c):
+ *     the bf16 copy must be that rounding bit for bit and the fp32 view its exact widening; with a bf16-only
+ *     input (act_forward16's in16) the fp32 input view must be the exact widening too;
+ *   - float64: the stored value within one bf16 rounding (2^-8 relative) plus the fp32 op's own error (near64:
+ *     a derived bound, no tuned tolerance);
+ *   - odd shapes (partial warps, one element, more elements than one grid stride), aliasing (add16 in place),
+ *     two emulator shuffle seeds (the same bits), and refused kinds / shapes. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fitllm/backend.h"
+#include "fitllm/dtype.h"
+#include "test.h"
+
+#ifdef FL_HAVE_CUDA_EMU
+#include "backend/cuda/cu_kernels.h"
+#include "backend/cuda/emu/cu_emu.h"
+#include "cuda_emu_test.h"
+
+static const uint64_t k_seeds[] = {0x51ed5eedull, 0xc0ffee11ull};
+
+
+/* want16 = RNE(y), y = its widening (what round16 leaves) */
+static void round_ref(float *y, uint16_t *want16, size_t n) {
+    FL_REQUIRE_OK(fl_convert(want16, FL_BF16, y, FL_F32, n));
+    FL_REQUIRE_OK(fl_convert(y, FL_F32, want16, FL_BF16, n));
+}
+
+/* |got - want64| <= 2^-8 |want| + 1e-6 |want| + atol: one bf16 rounding (half an ulp: 2^-9 relative, taken
+ * twice for the fp32 value's own error) of an fp32 result within a few ulps relative (plus atol: the fp32
+ * op's absolute error where terms cancel) of want */
+static int near64(const char *what, const float *got, const double *want, size_t n, double atol) {
+    for (size_t i = 0; i < n; i++) {
+        const double w = want[i], tol = ldexp(fabs(w), -8) + 1e-6 * fabs(w) + atol;
+        if (!(fabs((double)got[i] - w) <= tol)) {
+            fprintf(stderr, "      %s[%zu] = %.9g, float64 %.9g (tolerance %.3g)\n", what, i, got[i], w, tol);
+            return 0;
+        }
+    }
+    return 1;
+}
+
+static double act64(int kind, double g, double u) {
+    if (kind == FL_CU_ACT16_SWIGLU) return g / (1.0 + exp(-g)) * u;
+    if (kind == FL_CU_ACT16_GELU) return 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)));
+    return g < 0 ? 0.0 : g;
+}
+
+/* act_forward16 of kind over N rows of F outputs; bf16_in: the input given as its bf16 copy only */
+static void act16_case(int kind, int N, int F, int bf16_in) {
+    const int W = kind == FL_CU_ACT16_SWIGLU ? 2 * F : F; /* input row width */
+    const size_t ni = (size_t)N * W, no = (size_t)N * F;
+    fl_test_rng r = {(uint64_t)(kind * 1009 + N * 31 + F + bf16_in)};
+    float *x = fl_test_frand(&r, ni, -6, 6), *y1 = malloc(no * 4), *y2 = malloc(no * 4), *xin = malloc(ni * 4);
+    uint16_t *x16 = malloc(ni * 2), *want16 = malloc(no * 2), *got16 = malloc(no * 2);
+    if (bf16_in) round_ref(x, x16, ni); /* x: the widened input the fp32 kernel sees */
+    /* the fp32 kernel, then the rounding */
+    if (kind == FL_CU_ACT16_SWIGLU) EMU_OK(fl_cuemu_swiglu_forward(y1, x, N, F, NULL));
+    else if (kind == FL_CU_ACT16_GELU) EMU_OK(fl_cuemu_gelu_forward(y1, x, no, NULL));
+    else EMU_OK(fl_cuemu_relu_forward(y1, x, no, NULL));
+    round_ref(y1, want16, no);
+    for (int k = 0; k < 2; k++) {
+        fl_cu_emu_set_seed(k_seeds[k]);
+        memset(y2, 0xff, no * 4);
+        memset(got16, 0xff, no * 2);
+        if (bf16_in) memset(xin, 0xff, ni * 4);
+        else memcpy(xin, x, ni * 4);
+        EMU_OK(fl_cuemu_act_forward16(kind, y2, got16, xin, bf16_in ? x16 : NULL, N, F, NULL));
+        FL_CHECKF(!memcmp(got16, want16, no * 2) && !memcmp(y2, y1, no * 4) && !memcmp(xin, x, ni * 4),
+                  "act_forward16 kind %d N=%d F=%d in16=%d: not the fp32 kernel's value rounded (or the input view)", kind,
+                  N, F, bf16_in);
+    }
+    double *want = malloc(no * sizeof(double));
+    for (int n = 0; n < N; n++)
+        for (int f = 0; f < F; f++) {
+            const float *row = x + (size_t)n * W;
+            want[(size_t)n * F + f] = act64(kind, row[f], kind == FL_CU_ACT16_SWIGLU ? row[F + f] : 1.0);
+        }
+    FL_CHECK(near64("act_forward16", y2, want, no, 1e-12));
+    /* out16 NULL: the fp32 kernel's bits (the bf16-input-only use) */
+    if (bf16_in) {
+        EMU_OK(fl_cuemu_act_forward16(kind, y2, NULL, xin, x16, N, F, NULL));
+        float *y0 = malloc(no * 4);
+        if (kind == FL_CU_ACT16_SWIGLU) EMU_OK(fl_cuemu_swiglu_forward(y0, x, N, F, NULL));
+        else if (kind == FL_CU_ACT16_GELU) EMU_OK(fl_cuemu_gelu_forward(y0, x, no, NULL));
+        else EMU_OK(fl_cuemu_relu_forward(y0, x, no, NULL));
+        FL_CHECKF(!memcmp(y0, y2, no * 4), "act_forward16 kind %d without out16: not the fp32 kernel's bits", kind);
+        free(y0);
+    }
+    free(want); free(x); free(y1); free(y2); free(xin); free(x16); free(want16); free(got16);
+}
+
+FL_TEST(cuda_bf16_act_forward16) {
+    for (int in16 = 0; in16 < 2; in16++) {
+        act16_case(FL_CU_ACT16_SWIGLU, 3, 37, in16); /* partial warp */
+        act16_case(FL_CU_ACT16_SWIGLU, 1, 1, in16);
+        act16_case(FL_CU_ACT16_GELU, 130, 300, in16); /* several blocks */
+        act16_case(FL_CU_ACT16_RELU, 7, 33, in16);
+    }
+    act16_case(FL_CU_ACT16_SWIGLU, 5, 60001, 1); /* more than one grid stride (1024 x 256) */
+    float y = 0, x = 0;
+    uint16_t y16 = 0;
+    FL_CHECK(fl_cuemu_act_forward16(7, &y, &y16, &x, NULL, 1, 1, NULL) != 0); /* no such kind */
+}
+
+/* add16: out = a + b stored; in place (out == a) as the graph's residual add */
+static void add16_case(size_t n) {
+    fl_test_rng r = {n * 7 + 1};
+    float *a = fl_test_frand(&r, n, -50, 50), *b = fl_test_frand(&r, n, -50, 50), *want = malloc(n * 4);
+    float *got = malloc(n * 4);
+    uint16_t *w16 = malloc(n * 2), *g16 = malloc(n * 2);
+    double *w64 = malloc(n * sizeof(double));
+    for (size_t i = 0; i < n; i++) want[i] = a[i] + b[i], w64[i] = (double)a[i] + b[i];
+    round_ref(want, w16, n);
+    for (int k = 0; k < 2; k++) {
+        fl_cu_emu_set_seed(k_seeds[k]);
+        memcpy(got, a, n * 4);
+        memset(g16, 0xff, n * 2);
+        EMU_OK(fl_cuemu_add16(got, g16, got, b, n, NULL));
+        FL_CHECKF(!memcmp(got, want, n * 4) && !memcmp(g16, w16, n * 2), "add16 n=%zu: not (a + b) rounded", n);
+    }
+    FL_CHECK(near64("add16", got, w64, n, 0));
+    free(a); free(b); free(want); free(got); free(w16); free(g16); free(w64);
+}
+
+FL_TEST(cuda_bf16_add16) {
+    add16_case(1);
+    add16_case(37);
+    add16_case(300001);
+}
+
+/* rope_forward16 / rope_backward16 (bwd) from x under both seeds: got and g16 equal want and w16 bit for bit */
+static void rope16_same(int bwd, const float *x, float *got, uint16_t *g16, const float *want, const uint16_t *w16,
+                        int B, int T, int nh, int HD, int width, const float *cs, const float *sn, int pos0) {
+    const size_t n = (size_t)B * T * width;
+    for (int k = 0; k < 2; k++) {
+        fl_cu_emu_set_seed(k_seeds[k]);
+        memcpy(got, x, n * 4);
+        memset(g16, 0xff, n * 2);
+        if (bwd) EMU_OK(fl_cuemu_rope_backward16(got, g16, B, T, nh, HD, width, cs, sn, pos0, NULL));
+        else EMU_OK(fl_cuemu_rope_forward16(got, g16, B, T, nh, HD, width, cs, sn, pos0, NULL));
+        FL_CHECKF(!memcmp(got, want, n * 4) && !memcmp(g16, w16, n * 2),
+                  "rope_%s16 B=%d T=%d nh=%d HD=%d width=%d: not the fp32 rope + its bf16 copy (forward: x rounded)",
+                  bwd ? "backward" : "forward", B, T, nh, HD, width);
+    }
+}
+
+/* rope_forward16 over fused q|k|v rows: nh rotated heads of HD, then tail floats stored only */
+static void rope16_case(int B, int T, int nh, int HD, int tail, int pos0) {
+    const int width = nh * HD + tail, H = HD / 2, maxT = pos0 + T;
+    const size_t n = (size_t)B * T * width;
+    fl_test_rng r = {(uint64_t)(B * 131 + T * 17 + nh * 5 + HD + tail)};
+    float *x = fl_test_frand(&r, n, -3, 3), *cs = malloc((size_t)maxT * H * 4), *sn = malloc((size_t)maxT * H * 4);
+    for (int t = 0; t < maxT; t++)
+        for (int j = 0; j < H; j++) {
+            const double th = t * pow(10000.0, -2.0 * j / HD);
+            cs[(size_t)t * H + j] = (float)cos(th), sn[(size_t)t * H + j] = (float)sin(th);
+        }
+    float *want = malloc(n * 4), *got = malloc(n * 4);
+    uint16_t *w16 = malloc(n * 2), *g16 = malloc(n * 2);
+    memcpy(want, x, n * 4);
+    EMU_OK(fl_cuemu_rope(want, B, T, nh, HD, (size_t)width, cs, sn, pos0, 0, NULL));
+    double *w64 = malloc(n * sizeof(double));
+    for (size_t i = 0; i < n; i++) w64[i] = want[i]; /* the fp32 rotation: float64 checked below on the rotated part */
+    for (size_t row = 0; row < (size_t)B * T; row++) {
+        const int t = (int)(row % T);
+        for (int h = 0; h < nh; h++)
+            for (int j = 0; j < H; j++) {
+                const double c = cs[(size_t)(pos0 + t) * H + j], s = sn[(size_t)(pos0 + t) * H + j];
+                const float *a = x + row * width + (size_t)h * HD;
+                w64[row * width + (size_t)h * HD + j] = a[j] * c - a[j + H] * s;
+                w64[row * width + (size_t)h * HD + j + H] = a[j + H] * c + a[j] * s;
+            }
+    }
+    round_ref(want, w16, n);
+    rope16_same(0, x, got, g16, want, w16, B, T, nh, HD, width, cs, sn, pos0);
+    /* |x0 c| + |x1 s| <= 2 * 3: two products and a sum rounded in fp32, 3 * 2^-24 * 6 */
+    FL_CHECK(near64("rope_forward16", got, w64, n, 3 * 6 * ldexp(1, -24)));
+    /* the backward: rope_backward's bits in dx (unrounded) and their bf16 copy over the whole rows */
+    memcpy(want, x, n * 4);
+    EMU_OK(fl_cuemu_rope(want, B, T, nh, HD, (size_t)width, cs, sn, pos0, 1, NULL));
+    FL_REQUIRE_OK(fl_convert(w16, FL_BF16, want, FL_F32, n));
+    rope16_same(1, x, got, g16, want, w16, B, T, nh, HD, width, cs, sn, pos0);
+    FL_CHECK(fl_cuemu_rope_forward16(got, g16, B, T, nh, HD + 1, width, cs, sn, pos0, NULL) != 0); /* odd HD */
+    FL_CHECK(fl_cuemu_rope_forward16(got, g16, B, T, nh + 1, HD, nh * HD, cs, sn, pos0, NULL) != 0); /* too narrow */
+    free(x); free(cs); free(sn); free(want); free(got); free(w16); free(g16); free(w64);
+}
+
+FL_TEST(cuda_bf16_rope_forward16) {
+    rope16_case(2, 5, 3, 8, 8, 3);     /* GQA 2:1 q|k|v: 3 rotated heads, V stored only; pos0 > 0 */
+    rope16_case(1, 7, 2, 6, 0, 0);     /* no tail */
+    rope16_case(3, 33, 12, 64, 256, 0); /* head size 64, several blocks */
+}
+
+/* act_backward16: din += the fp32 backward's terms (accumulating into a nonzero din) and din16 = RNE(din), din
+ * itself unrounded: the bits of the fp32 kernel followed by a convert */
+static void act16_bwd_case(int kind, int N, int F) {
+    const int W = kind == FL_CU_ACT16_SWIGLU ? 2 * F : F;
+    const size_t ni = (size_t)N * W, no = (size_t)N * F;
+    fl_test_rng r = {(uint64_t)(kind * 7919 + N * 13 + F)};
+    float *x = fl_test_frand(&r, ni, -6, 6), *dy = fl_test_frand(&r, no, -1, 1), *d0 = fl_test_frand(&r, ni, -1, 1);
+    float *want = malloc(ni * 4), *got = malloc(ni * 4);
+    uint16_t *w16 = malloc(ni * 2), *g16 = malloc(ni * 2);
+    memcpy(want, d0, ni * 4);
+    if (kind == FL_CU_ACT16_SWIGLU) EMU_OK(fl_cuemu_swiglu_backward(want, dy, x, N, F, NULL));
+    else if (kind == FL_CU_ACT16_GELU) EMU_OK(fl_cuemu_gelu_backward(want, dy, x, no, NULL));
+    else EMU_OK(fl_cuemu_relu_backward(want, dy, x, no, NULL));
+    FL_REQUIRE_OK(fl_convert(w16, FL_BF16, want, FL_F32, ni));
+    for (int k = 0; k < 2; k++) {
+        fl_cu_emu_set_seed(k_seeds[k]);
+        memcpy(got, d0, ni * 4);
+        memset(g16, 0xff, ni * 2);
+        EMU_OK(fl_cuemu_act_backward16(kind, got, g16, dy, x, N, F, NULL));
+        FL_CHECKF(!memcmp(got, want, ni * 4) && !memcmp(g16, w16, ni * 2),
+                  "act_backward16 kind %d N=%d F=%d: not the fp32 backward + its bf16 copy", kind, N, F);
+    }
+    FL_CHECK(fl_cuemu_act_backward16(kind, got, NULL, dy, x, N, F, NULL) != 0); /* the copy is the point */
+    free(x); free(dy); free(d0); free(want); free(got); free(w16); free(g16);
+}
+
+FL_TEST(cuda_bf16_act_backward16) {
+    act16_bwd_case(FL_CU_ACT16_SWIGLU, 3, 37);
+    act16_bwd_case(FL_CU_ACT16_SWIGLU, 2, 60001); /* more than one grid stride */
+    act16_bwd_case(FL_CU_ACT16_GELU, 130, 300);
+    act16_bwd_case(FL_CU_ACT16_RELU, 7, 33);
+    act16_bwd_case(FL_CU_ACT16_SWIGLU, 1, 1);
+}
+#else
+FL_TEST(cuda_bf16_act_forward16) { fl_test_skip("no CUDA emulator in this build"); }
+FL_TEST(cuda_bf16_add16) { fl_test_skip("no CUDA emulator in this build"); }
+FL_TEST(cuda_bf16_rope_forward16) { fl_test_skip("no CUDA emulator in this build"); }
+FL_TEST(cuda_bf16_act_backward16) { fl_test_skip("no CUDA emulator in this build"); }
+#endif

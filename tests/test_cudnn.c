@@ -1,0 +1,337 @@
+/* cuDNN's fused attention (src/backend/cuda/cudnn_*.c, cuda-cudnn-impl.h): what can be checked without
+ * a GPU. The loader's failures (no library, a library without cuDNN's symbols, one too old, a handle
+ * refused) with a stand-in library (tests/cuda/fake_cudnn.c) and a file that is not cuDNN; the
+ * FITLLM_CUDA_ATTN choice; the shape check and the layout (pure functions, against values written
+ * here from the fl_attn_desc contract); the graphs' descriptors through injected functions that
+ * record them (every tensor's dims and strides, the variant pack's ids and pointers); and, where the
+ * real libcudnn.so.9 is installed, every tensor and operation descriptor of both graphs finalized by
+ * cuDNN itself (that needs no GPU; the operation graph, the engines and the run do:
+ * `fitllm selftest --accelerator cuda`). */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend/cuda/cudnn-impl.h"
+#include "fitllm/backend.h"
+#include "test.h"
+
+FL_TEST(cudnn_attn_choice) {
+    FL_CHECK(fl_cudnn_attn_parse(NULL) == FL_CUDNN_ATTN_AUTO);
+    FL_CHECK(fl_cudnn_attn_parse("") == FL_CUDNN_ATTN_AUTO);
+    FL_CHECK(fl_cudnn_attn_parse("auto") == FL_CUDNN_ATTN_AUTO);
+    FL_CHECK(fl_cudnn_attn_parse("cudnn") == FL_CUDNN_ATTN_CUDNN);
+    FL_CHECK(fl_cudnn_attn_parse("own") == FL_CUDNN_ATTN_OWN);
+    FL_CHECK(fl_cudnn_attn_parse("legacy") == FL_CUDNN_ATTN_LEGACY);
+    FL_CHECK(fl_cudnn_attn_parse("fp32") == FL_CUDNN_ATTN_FP32);
+    FL_CHECK(fl_cudnn_attn_parse("CUDNN") == -1);
+    FL_CHECK(fl_cudnn_attn_wants(FL_CUDNN_ATTN_AUTO) && fl_cudnn_attn_wants(FL_CUDNN_ATTN_CUDNN));
+    FL_CHECK(!fl_cudnn_attn_wants(FL_CUDNN_ATTN_OWN) && !fl_cudnn_attn_wants(FL_CUDNN_ATTN_FP32));
+}
+
+FL_TEST(cudnn_load_failures) {
+    fl_cudnn_api api;
+    char why[512];
+    FL_CHECK(fl_cudnn_load(&api, "/nonexistent/libcudnn.so.9", why, sizeof why) == -1);
+    FL_CHECKF(strstr(why, "cuDNN not found") && strstr(why, "/nonexistent/libcudnn.so.9"), "%s", why);
+    FL_CHECK(api.lib == NULL && api.be_execute == NULL);
+    setenv("FITLLM_CUDNN_LIB", "/nonexistent/x.so", 1); /* the variable names the file */
+    FL_CHECK(fl_cudnn_load(&api, NULL, why, sizeof why) == -1 && strstr(why, "/nonexistent/x.so"));
+    unsetenv("FITLLM_CUDNN_LIB");
+#ifdef FL_FAKE_NVML
+    FL_CHECK(fl_cudnn_load(&api, FL_FAKE_NVML, why, sizeof why) == -1); /* a library, not cuDNN */
+    FL_CHECKF(strstr(why, "has no cudnnGetVersion"), "%s", why);
+#endif
+#ifdef FL_FAKE_CUDNN
+    setenv("FITLLM_FAKE_CUDNN_VERSION", "8907", 1);
+    FL_CHECK(fl_cudnn_load(&api, FL_FAKE_CUDNN, why, sizeof why) == -1);
+    FL_CHECKF(strstr(why, "cuDNN 0.89.7 is too old") || strstr(why, "too old"), "%s", why);
+    unsetenv("FITLLM_FAKE_CUDNN_VERSION");
+    FL_REQUIRE(fl_cudnn_load(&api, FL_FAKE_CUDNN, why, sizeof why) == 0);
+    FL_CHECK(api.version == 91900 && api.lib);
+    void *h = (void *)1;
+    int s = api.create(&h);
+    char b[48];
+    FL_CHECK(s == 1001 && !strcmp(fl_cudnn_status_name(&api, s, b, sizeof b), "CUDNN_STATUS_NOT_INITIALIZED"));
+    fl_cudnn_unload(&api);
+    FL_CHECK(api.lib == NULL);
+#endif
+}
+
+static fl_attn_desc desc(int B, int Tq, int Tk, int NH, int NKV, int HD, int causal) {
+    fl_attn_desc a = {B, Tq, Tk, NH, NKV, HD, (size_t)NH * HD, (size_t)NKV * HD, (size_t)NKV * HD, (size_t)NH * HD,
+                      0.125f, causal};
+    return a;
+}
+
+FL_TEST(cudnn_refuse_and_layout) {
+    fl_attn_desc a = desc(2, 16, 16, 8, 2, 64, 1);
+    FL_CHECK(fl_cudnn_sdpa_refuse(&a, NULL, NULL) == NULL);
+    a.HD = 128, a.ldq = a.ldo = 8 * 128, a.ldk = a.ldv = 2 * 128;
+    FL_CHECK(fl_cudnn_sdpa_refuse(&a, NULL, NULL) == NULL);
+    a.HD = 96;
+    FL_CHECK(strstr(fl_cudnn_sdpa_refuse(&a, NULL, NULL), "head size"));
+    a = desc(2, 16, 16, 8, 3, 64, 1);
+    FL_CHECK(strstr(fl_cudnn_sdpa_refuse(&a, NULL, NULL), "multiple"));
+    a = desc(2, 16, 16, 8, 2, 64, 1);
+    float bias = 0;
+    uint8_t mask = 1;
+    FL_CHECK(strstr(fl_cudnn_sdpa_refuse(&a, &bias, NULL), "bias"));
+    FL_CHECK(strstr(fl_cudnn_sdpa_refuse(&a, NULL, &mask), "mask"));
+    a.Tq = 8;
+    FL_CHECK(strstr(fl_cudnn_sdpa_refuse(&a, NULL, NULL), "Tq != Tk"));
+    a.causal = 0; /* cross-attention shapes are fine without the mask */
+    FL_CHECK(fl_cudnn_sdpa_refuse(&a, NULL, NULL) == NULL);
+    a.ldo += 64;
+    FL_CHECK(strstr(fl_cudnn_sdpa_refuse(&a, NULL, NULL), "stride"));
+    a = desc(0, 16, 16, 8, 2, 64, 1);
+    FL_CHECK(strstr(fl_cudnn_sdpa_refuse(&a, NULL, NULL), "empty"));
+    /* the layout: element (b, h, t, d) of the compact (B, T, heads, HD) copy at b*T*H*HD + t*H*HD + h*HD + d */
+    a = desc(3, 5, 7, 4, 2, 64, 0);
+    fl_cudnn_sdpa_layout L;
+    fl_cudnn_sdpa_layout_of(&a, FL_BF16, &L);
+    const int64_t q[8] = {3, 4, 5, 64, 5 * 4 * 64, 64, 4 * 64, 1}, k[8] = {3, 2, 7, 64, 7 * 2 * 64, 64, 2 * 64, 1};
+    const int64_t st[8] = {3, 4, 5, 1, 4 * 5, 5, 1, 1}; /* lse (B, NH, Tq) */
+    FL_CHECK(!memcmp(L.q.dim, q, 32) && !memcmp(L.q.stride, q + 4, 32));
+    FL_CHECK(!memcmp(L.o.dim, q, 32) && !memcmp(L.o.stride, q + 4, 32));
+    FL_CHECK(!memcmp(L.k.dim, k, 32) && !memcmp(L.k.stride, k + 4, 32));
+    FL_CHECK(!memcmp(L.v.dim, k, 32) && !memcmp(L.v.stride, k + 4, 32));
+    FL_CHECK(!memcmp(L.stats.dim, st, 32) && !memcmp(L.stats.stride, st + 4, 32));
+    FL_CHECK(L.io_dtype == 9 && L.causal == 0 && L.scale == 0.125f); /* CUDNN_DATA_BFLOAT16 */
+    fl_cudnn_sdpa_layout_of(&a, FL_F16, &L);
+    FL_CHECK(L.io_dtype == 2); /* CUDNN_DATA_HALF */
+}
+
+#ifdef FL_HAVE_CUDNN_H
+#include <stdbool.h>
+#include <cudnn_backend.h>
+
+/* ---- injected functions: descriptors that record what is set on them -------------------------- */
+typedef struct {
+    int type, dt, virt, byval, fin;
+    int64_t uid, dim[4], stride[4], nuid;
+    int64_t uids[16];
+    void *ptrs[16];
+    void *ws;
+} fk_desc;
+static int fk_ndesc, fk_live, fk_cfgs;
+static fk_desc *fk_all[512];
+static int fk_create(int type, void **d) {
+    fk_desc *x = calloc(1, sizeof *x);
+    x->type = type;
+    if (fk_ndesc < 512) fk_all[fk_ndesc++] = x;
+    fk_live++;
+    *d = x;
+    return 0;
+}
+static int fk_destroy(void *d) {
+    fk_live--;
+    for (int i = 0; i < fk_ndesc; i++)
+        if (fk_all[i] == d) fk_all[i] = fk_all[--fk_ndesc];
+    free(d);
+    return 0;
+}
+static int fk_set(void *d, int name, int type, int64_t n, const void *v) {
+    fk_desc *x = d;
+    (void)type;
+    if (name == CUDNN_ATTR_TENSOR_DATA_TYPE) x->dt = *(const int *)v;
+    if (name == CUDNN_ATTR_TENSOR_DIMENSIONS && n == 4) memcpy(x->dim, v, 32);
+    if (name == CUDNN_ATTR_TENSOR_STRIDES && n == 4) memcpy(x->stride, v, 32);
+    if (name == CUDNN_ATTR_TENSOR_UNIQUE_ID) x->uid = *(const int64_t *)v;
+    if (name == CUDNN_ATTR_TENSOR_IS_VIRTUAL) x->virt = *(const bool *)v;
+    if (name == CUDNN_ATTR_TENSOR_IS_BY_VALUE) x->byval = *(const bool *)v;
+    if (name == CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS && n <= 16) memcpy(x->uids, v, (size_t)n * 8), x->nuid = n;
+    if (name == CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS && n <= 16) memcpy(x->ptrs, v, (size_t)n * sizeof(void *));
+    if (name == CUDNN_ATTR_VARIANT_PACK_WORKSPACE) x->ws = *(void *const *)v;
+    return 0;
+}
+static int fk_get(void *d, int name, int type, int64_t req, int64_t *n, void *v) {
+    (void)d, (void)type, (void)req;
+    if (name == CUDNN_ATTR_ENGINEHEUR_RESULTS) *n = fk_cfgs;
+    if (name == CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE) *(int64_t *)v = 4096, *n = 1;
+    return 0;
+}
+static int fk_fin(void *d) { ((fk_desc *)d)->fin = 1; return 0; }
+static fk_desc fk_last_pack;
+static int fk_exec(void *h, void *p, void *vp) { (void)h, (void)p; fk_last_pack = *(fk_desc *)vp; return 0; }
+static const char *fk_err(int s) { return s == 3000 ? "CUDNN_STATUS_NOT_SUPPORTED" : "fake"; }
+
+static const fk_desc *fk_tensor(int64_t uid) {
+    for (int i = 0; i < fk_ndesc; i++)
+        if (fk_all[i]->type == CUDNN_BACKEND_TENSOR_DESCRIPTOR && fk_all[i]->uid == uid) return fk_all[i];
+    return NULL;
+}
+
+FL_TEST(cudnn_graph_injected) {
+    fl_cudnn_api api = {0};
+    api.error_string = fk_err, api.be_create = fk_create, api.be_destroy = fk_destroy, api.be_set = fk_set;
+    api.be_get = fk_get, api.be_finalize = fk_fin, api.be_execute = fk_exec;
+    fl_attn_desc a = desc(2, 33, 33, 8, 2, 64, 1);
+    fl_cudnn_sdpa_layout L;
+    fl_cudnn_sdpa_layout_of(&a, FL_BF16, &L);
+    char why[256];
+    fl_cudnn_plan *p = NULL;
+    /* no engine for the graph: refused with the reason; every descriptor destroyed */
+    fk_cfgs = 0;
+    FL_CHECK(fl_cudnn_sdpa_build(&api, (void *)0x1, &L, 0, &p, why, sizeof why) == -1 && !p);
+    FL_CHECKF(strstr(why, "no engine"), "%s", why);
+    FL_CHECK(fk_live == 0);
+    for (int bwd = 0; bwd < 2; bwd++) {
+        fk_cfgs = 1;
+        FL_REQUIRE(fl_cudnn_sdpa_build(&api, (void *)0x1, &L, bwd, &p, why, sizeof why) == 0 && p);
+        FL_CHECK(fk_live == 1 && fl_cudnn_plan_workspace(p) == 4096); /* the plan only */
+        /* the tensors as the graph saw them: rebuild without a handle and look before they are freed */
+        fl_cudnn_plan_free(&api, p);
+        FL_CHECK(fk_live == 0);
+    }
+    /* the variant pack: each uid with its pointer, the scalars by value (host) */
+    fk_cfgs = 1;
+    FL_REQUIRE(fl_cudnn_sdpa_build(&api, (void *)0x1, &L, 1, &p, why, sizeof why) == 0);
+    void *ptr[FL_CUDNN_UID_COUNT] = {0};
+    for (int u = 1; u < FL_CUDNN_UID_COUNT; u++) ptr[u] = (void *)(uintptr_t)(0x1000 * u);
+    FL_CHECK(fl_cudnn_plan_run(&api, (void *)0x1, p, ptr, (void *)0x99) == 0);
+    FL_CHECK(fk_last_pack.nuid == 12 && fk_last_pack.ws == (void *)0x99);
+    int seen = 0;
+    for (int i = 0; i < fk_last_pack.nuid; i++) {
+        int64_t u = fk_last_pack.uids[i];
+        seen |= 1 << u;
+        if (u == FL_CUDNN_UID_SCALE) FL_CHECK(*(const float *)fk_last_pack.ptrs[i] == 0.125f);
+        else if (u == FL_CUDNN_UID_NEG) FL_CHECK(*(const float *)fk_last_pack.ptrs[i] < -1e38f);
+        else FL_CHECK(fk_last_pack.ptrs[i] == ptr[u]);
+    }
+    FL_CHECK(seen == ((1 << FL_CUDNN_UID_COUNT) - 2)); /* every uid 1..COUNT-1 once */
+    fl_cudnn_plan_free(&api, p);
+}
+
+/* the non-virtual tensors of a graph built without a handle, caught before the builder frees them */
+static int fk_keep;
+static int fk_destroy_keep(void *d) {
+    if (fk_keep) return 0;
+    return fk_destroy(d);
+}
+FL_TEST(cudnn_graph_tensors) {
+    fl_cudnn_api api = {0};
+    api.error_string = fk_err, api.be_create = fk_create, api.be_destroy = fk_destroy_keep, api.be_set = fk_set;
+    api.be_get = fk_get, api.be_finalize = fk_fin, api.be_execute = fk_exec;
+    fl_attn_desc a = desc(2, 40, 40, 6, 3, 128, 1);
+    fl_cudnn_sdpa_layout L;
+    fl_cudnn_sdpa_layout_of(&a, FL_BF16, &L);
+    char why[256];
+    fl_cudnn_plan *p = NULL;
+    fk_keep = 1;
+    FL_REQUIRE(fl_cudnn_sdpa_build(&api, NULL, &L, 1, &p, why, sizeof why) == 0 && !p);
+    const struct { int64_t uid; const fl_cudnn_t4 *t; int dt; } want[] = {
+        {FL_CUDNN_UID_Q, &L.q, 9}, {FL_CUDNN_UID_K, &L.k, 9}, {FL_CUDNN_UID_V, &L.v, 9}, {FL_CUDNN_UID_O, &L.o, 9},
+        {FL_CUDNN_UID_DO, &L.o, 9}, {FL_CUDNN_UID_DQ, &L.q, 9}, {FL_CUDNN_UID_DK, &L.k, 9},
+        {FL_CUDNN_UID_DV, &L.v, 9}, {FL_CUDNN_UID_STATS, &L.stats, 0}, {FL_CUDNN_UID_DSUM, &L.stats, 0}};
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        const fk_desc *t = fk_tensor(want[i].uid);
+        FL_CHECKF(t && !t->virt && t->fin && t->dt == want[i].dt && !memcmp(t->dim, want[i].t->dim, 32) &&
+                      !memcmp(t->stride, want[i].t->stride, 32),
+                  "tensor uid %lld", (long long)want[i].uid);
+    }
+    const fk_desc *sc = fk_tensor(FL_CUDNN_UID_SCALE), *ng = fk_tensor(FL_CUDNN_UID_NEG);
+    FL_CHECK(sc && sc->byval && ng && ng->byval && sc->dt == 0);
+    /* grouped heads (6 / 3): dK, dV summed from full-head virtual tensors by a reduction each */
+    int red = 0;
+    for (int i = 0; i < fk_ndesc; i++) red += fk_all[i]->type == CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR;
+    FL_CHECK(red == 3); /* Dsum, dV, dK */
+    fk_keep = 0;
+    while (fk_ndesc) fk_destroy(fk_all[fk_ndesc - 1]);
+    fk_live = 0;
+}
+
+/* the real library, where installed: every descriptor short of the operation graph finalized by cuDNN */
+FL_TEST(cudnn_graph_real_library) {
+    fl_cudnn_api api;
+    char why[512];
+    if (fl_cudnn_load(&api, NULL, why, sizeof why) != 0 &&
+        fl_cudnn_load(&api, "/usr/local/cuda/lib/libcudnn.so.9", why, sizeof why) != 0) {
+        printf("      skipped: %s\n", why);
+        return;
+    }
+    printf("      cuDNN %zu\n", api.version);
+    const int shapes[][7] = {{2, 64, 64, 8, 2, 64, 1}, {1, 128, 128, 4, 4, 128, 1}, {2, 17, 40, 8, 1, 64, 0}};
+    for (int i = 0; i < 3; i++)
+        for (int bwd = 0; bwd < 2; bwd++) {
+            const int *s = shapes[i];
+            fl_attn_desc a = desc(s[0], s[1], s[2], s[3], s[4], s[5], s[6]);
+            fl_cudnn_sdpa_layout L;
+            fl_cudnn_sdpa_layout_of(&a, i == 2 ? FL_F16 : FL_BF16, &L);
+            fl_cudnn_plan *p = NULL;
+            FL_CHECKF(fl_cudnn_sdpa_build(&api, NULL, &L, bwd, &p, why, sizeof why) == 0, "shape %d %s: %s", i,
+                      bwd ? "backward" : "forward", why);
+        }
+    /* no GPU here: the handle is refused, and says so by name */
+    void *h = NULL;
+    int st = api.create(&h);
+    if (st) {
+        char b[64];
+        printf("      cudnnCreate without a GPU: %s\n", fl_cudnn_status_name(&api, st, b, sizeof b));
+    } else api.destroy(h);
+    fl_cudnn_unload(&api);
+}
+#endif
+
+#ifdef FL_HAVE_CUDA_EMU
+#include "backend/cuda/cu_kernels_attn.h"
+#include "fitllm/dtype.h"
+
+/* the emulator has no cuDNN: "cudnn" refuses to start, naming why; "auto" runs the own kernels
+ * (tests/test_cuda_attn.c's dispatch test checks their bits) */
+FL_TEST(cudnn_emu_choice) {
+    fl_backend be;
+    setenv("FITLLM_CUDA_ATTN", "cudnn", 1);
+    FL_CHECK(fl_backend_init_by_name("cuda-emu", &be, 1) == FL_ERR_UNSUPPORTED);
+    FL_CHECKF(strstr(fl_error_message(), "FITLLM_CUDA_ATTN=cudnn") && strstr(fl_error_message(), "GPU"), "%s",
+              fl_error_message());
+    setenv("FITLLM_CUDA_ATTN", "auto", 1);
+    FL_REQUIRE_OK(fl_backend_init_by_name("cuda-emu", &be, 1));
+    fl_backend_free(&be);
+    unsetenv("FITLLM_CUDA_ATTN");
+}
+
+/* the kernel that adds cuDNN's 16-bit gradients into the fp32 ones: strided rows, both 16-bit types,
+ * partial blocks; exact (a 16-bit value widens exactly, one fp32 add) */
+FL_TEST(cudnn_acc2d_kernel) {
+    const int rows = 5, cols = 300, ldd = 333, lds = 301;
+    float *dst = malloc(sizeof(float) * rows * ldd), *want = malloc(sizeof(float) * rows * ldd);
+    uint16_t *src = malloc(2 * (size_t)rows * lds);
+    for (int t = 0; t < 2; t++) {
+        fl_dtype st = t ? FL_F16 : FL_BF16;
+        for (int i = 0; i < rows * ldd; i++) dst[i] = want[i] = 0.01f * (float)(i % 97) - 0.3f;
+        for (int r = 0; r < rows; r++)
+            for (int c = 0; c < lds; c++) {
+                float x = 0.5f * (float)((r * 31 + c * 7) % 19) - 4.0f;
+                src[r * lds + c] = t ? fl_f32_to_f16(x) : fl_f32_to_bf16(x);
+                if (c < cols) want[r * ldd + c] += t ? fl_f16_to_f32(src[r * lds + c]) : fl_bf16_to_f32(src[r * lds + c]);
+            }
+        FL_CHECK(fl_cuemu_attention_acc2d(dst, ldd, src, st, lds, rows, cols, NULL) == 0);
+        FL_CHECK(!memcmp(dst, want, sizeof(float) * rows * ldd)); /* the gaps between rows untouched */
+    }
+    FL_CHECK(fl_cuemu_attention_acc2d(dst, ldd, src, FL_F32, lds, rows, cols, NULL) == FL_CU_ATTN_INVALID);
+    FL_CHECK(fl_cuemu_attention_acc2d(dst, 10, src, FL_BF16, lds, rows, cols, NULL) == FL_CU_ATTN_INVALID);
+    free(dst), free(want), free(src);
+}
+#endif
+
+#ifdef FL_HAVE_CUDA_EMU
+#include "fitllm/selftest.h"
+/* `selftest`'s attention section on the emulator: cuDNN not available (said, not a failure), the own
+ * and legacy kernels within the bf16 bound of float64 */
+FL_TEST(cudnn_selftest_choices_emu) {
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    fl_selftest_result r;
+    setenv("FITLLM_CUDA_ATTN", "fp32", 1); /* put back after */
+    FL_REQUIRE_OK(fl_selftest_attention_choices("cuda-emu", 1, f, &r));
+    fclose(f);
+    FL_CHECK(!strcmp(getenv("FITLLM_CUDA_ATTN"), "fp32"));
+    unsetenv("FITLLM_CUDA_ATTN");
+    FL_CHECKF(r.n_cases == 4 && r.n_fail == 0, "%d cases, %d failed:\n%s", r.n_cases, r.n_fail, buf);
+    FL_CHECKF(strstr(buf, "cudnn  not available") && strstr(buf, "attention own    B1 T40") &&
+                  strstr(buf, "attention legacy B1 T33"), "%s", buf);
+    free(buf);
+}
+#endif

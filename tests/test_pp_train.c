@@ -1,0 +1,150 @@
+/* The trainer's pipeline parallelism (--pipeline_parallel, EXPERIMENTAL; src/train/trainer_pp.c) with its ranks as
+ * threads: the step losses of PP 2, PP 5 (one block per stage), GPipe and DP 2 x PP 2 against one process's (micro ties
+ * lm_head to its token table and clips at max_norm 0.5: its two halves of that gradient are summed across the first
+ * and last stage and the norm over the stages, so the bar is ddp_ref.h's 1e-6 relative; tests/test_pp_model.c has the
+ * bit-identity of untied models); every rank's plan = its measured peaks per tag; the refusals name the option. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ddp_ref.h"
+#include "fitllm/comm.h"
+#include "fitllm/plan.h"
+#include "test.h"
+
+#define PP_MAX_RANKS 5
+typedef struct {
+    fl_run_config cfg[PP_MAX_RANKS];
+    dr_rec rec[PP_MAX_RANKS];
+    fl_status st[PP_MAX_RANKS];
+    char msg[PP_MAX_RANKS][600];
+    fl_trainer_result res[PP_MAX_RANKS];
+} pp_job;
+
+static fl_status pp_rank(fl_comm *c, int rank, void *ud) {
+    pp_job *j = ud;
+    fl_status s = fl_trainer_run_comm(&j->cfg[rank], c, NULL, 0, dr_record, &j->rec[rank], &j->res[rank]);
+    j->st[rank] = s;
+    snprintf(j->msg[rank], sizeof j->msg[rank], "%s", s != FL_OK ? fl_error_message() : "");
+    return s;
+}
+
+static void pp_config(fl_run_config *c, int dp, int pp, const char *schedule, const char *out) {
+    dr_config(c, DR_ADAMW, dp, dp * pp, 1, 0, out);
+    c->pipeline_parallel = pp;
+    snprintf(c->pipeline_schedule, sizeof c->pipeline_schedule, "%s", schedule);
+}
+
+static void backend_on(void) { setenv("FITLLM_BACKEND", "cpu", 1); }
+static void backend_off(void) { unsetenv("FITLLM_BACKEND"); }
+
+/* one process of dp ranks' global batch (micro dp x 2: ddp_ref.h's equivalence) */
+static void one_process(int dp, dr_rec *rec) {
+    fl_run_config c;
+    char out[700];
+    snprintf(out, sizeof out, "%s/pp-one-%d", fl_test_tmpdir(), dp);
+    dr_config(&c, DR_ADAMW, dp, 1, dp, 0, out);
+    backend_on();
+    fl_trainer_result r;
+    FL_REQUIRE_OK(fl_trainer_run_comm(&c, NULL, NULL, 0, dr_record, rec, &r));
+    backend_off();
+}
+
+static void run_grid(pp_job *j, int dp, int pp, const char *schedule, const char *tag, long steps) {
+    char out[700];
+    snprintf(out, sizeof out, "%s/pp-%s-%d-%d", fl_test_tmpdir(), tag, dp, pp);
+    for (int r = 0; r < dp * pp; r++) {
+        pp_config(&j->cfg[r], dp, pp, schedule, out);
+        if (steps) j->cfg[r].train.max_steps = steps;
+    }
+    backend_on();
+    fl_status s = fl_comm_threads_run(dp * pp, pp_rank, j);
+    backend_off();
+    FL_CHECKF(s == FL_OK, "DP %d x PP %d %s: %s", dp, pp, schedule, j->msg[0]);
+}
+
+FL_TEST(pp_train_threads_losses_match_one_process) {
+    const struct { int dp, pp; const char *sched; } grids[4] = {{1, 2, "1f1b"}, {1, 5, "1f1b"}, {1, 3, "gpipe"}, {2, 2, "1f1b"}};
+    dr_rec one[3];
+    memset(one, 0, sizeof one);
+    one_process(1, &one[1]);
+    one_process(2, &one[2]);
+    for (int g = 0; g < 4; g++) {
+        pp_job *j = calloc(1, sizeof *j);
+        FL_REQUIRE(j != NULL);
+        run_grid(j, grids[g].dp, grids[g].pp, grids[g].sched, "loss", 0);
+        const int W = grids[g].dp * grids[g].pp;
+        for (int r = 0; r < W; r++) {
+            const double w = dr_loss_rel(&j->rec[r], &one[grids[g].dp], j->cfg[r].train.max_steps);
+            FL_CHECKF(w <= 1e-6, "DP %d x PP %d %s rank %d: losses %.3g relative from one process's", grids[g].dp,
+                      grids[g].pp, grids[g].sched, r, w);
+            FL_CHECKF(j->rec[r].loss[0] == one[grids[g].dp].loss[0] || grids[g].dp > 1,
+                      "PP %d: the first step's loss %.9g, one process %.9g (before any update: the same bits)",
+                      grids[g].pp, j->rec[r].loss[0], one[grids[g].dp].loss[0]);
+        }
+        for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+        free(j);
+    }
+    dr_free(&one[1]);
+    dr_free(&one[2]);
+}
+
+/* plan per rank = measured: PP 2 (1F1B: stage 0 keeps 2 micro-batches in flight, stage 1 one) and DP 2 x PP 2, each
+ * tag's peak and the total */
+FL_TEST(pp_train_threads_plan_equals_measured) {
+    const int grids[2][2] = {{1, 2}, {2, 2}};
+    for (int g = 0; g < 2; g++) {
+        const int dp = grids[g][0], pp = grids[g][1], W = dp * pp;
+        pp_job *j = calloc(1, sizeof *j);
+        FL_REQUIRE(j != NULL);
+        run_grid(j, dp, pp, "1f1b", "plan", 1);
+        for (int r = 0; r < W; r++) {
+            fl_plan_opts po;
+            fl_plan_opts_default(&po);
+            po.no_suggestions = 1;
+            po.generation = 0;
+            po.comm_threads = 1;
+            po.rank = r;
+            fl_plan *pl = calloc(1, sizeof *pl);
+            FL_REQUIRE(pl != NULL);
+            FL_REQUIRE_OK(fl_plan_run(&j->cfg[r], &po, pl));
+            for (int k = 0; k < FL_TAG_COUNT; k++)
+                FL_CHECKF(pl->peak[k] == j->res[r].peak[k], "DP %d x PP %d rank %d: tag %s planned %zu, measured %zu", dp,
+                          pp, r, fl_mem_tag_name((fl_mem_tag)k), pl->peak[k], j->res[r].peak[k]);
+            FL_CHECKF(pl->peak_total == j->res[r].peak_total, "DP %d x PP %d rank %d: peak planned %zu, measured %zu",
+                      dp, pp, r, pl->peak_total, j->res[r].peak_total);
+            free(pl);
+        }
+        /* 1F1B: stage 0 holds one stash beside its arena, the last stage none */
+        FL_CHECKF(j->res[0].peak[FL_TAG_ACTS] > j->res[1].peak[FL_TAG_ACTS], "PP 2: ACTS stage 0 %zu, stage 1 %zu",
+                  j->res[0].peak[FL_TAG_ACTS], j->res[1].peak[FL_TAG_ACTS]);
+        for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+        free(j);
+    }
+}
+
+static void expect_refusal(int W, int pp, const char *strategy, int lora, const char *want) {
+    pp_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    char out[700];
+    snprintf(out, sizeof out, "%s/pp-refuse", fl_test_tmpdir());
+    for (int r = 0; r < W; r++) {
+        if (lora) dr_config(&j->cfg[r], DR_LORA, W / pp, W, 1, 0, out);
+        else pp_config(&j->cfg[r], W / pp, pp, "1f1b", out);
+        j->cfg[r].pipeline_parallel = pp;
+        if (strategy) snprintf(j->cfg[r].strategy, sizeof j->cfg[r].strategy, "%s", strategy);
+    }
+    backend_on();
+    fl_status s = fl_comm_threads_run(W, pp_rank, j);
+    backend_off();
+    FL_CHECKF(s != FL_OK && strstr(j->msg[0], want), "PP %d of %d ranks: '%s', want '%s'", pp, W, j->msg[0], want);
+    free(j);
+}
+
+FL_TEST(pp_train_threads_refusals) {
+    expect_refusal(2, 2, NULL, 1, "--pipeline_parallel 2: finetune_lora is not pipelined yet");
+    expect_refusal(4, 2, "deepspeed_stage_2", 0, "--pipeline_parallel 2 with --strategy deepspeed_stage_2");
+    expect_refusal(2, 2, "deepspeed_stage_2_offload", 0, "offload is not combined with pipeline parallelism");
+    expect_refusal(2, 2, "fsdp", 0, "the data-parallel axis runs DDP only");
+}
