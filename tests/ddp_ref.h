@@ -76,7 +76,7 @@ typedef struct {
     long steps;
 } dr_rec;
 
-static int dr_record(void *ud, long step, double loss, const void *params, size_t bytes) {
+static inline int dr_record(void *ud, long step, double loss, const void *params, size_t bytes) {
     dr_rec *r = ud;
     if (step <= DR_MAX_STEPS) r->loss[step - 1] = loss;
     r->steps = step;
@@ -87,14 +87,14 @@ static int dr_record(void *ud, long step, double loss, const void *params, size_
     return 0;
 }
 
-static void dr_free(dr_rec *r) {
+static inline void dr_free(dr_rec *r) {
     free(r->params);
     memset(r, 0, sizeof *r);
 }
 
 /* Scenario sc for `world` ranks; micro_mult 1 (DDP and ref) or world (control: micro N*b). For
  * the single-process runs pass world_ranks 1 and the DDP world as `world`. */
-static void dr_config(fl_run_config *c, int sc, int world, int ranks, int micro_mult, int dropout, const char *out) {
+static inline void dr_config(fl_run_config *c, int sc, int world, int ranks, int micro_mult, int dropout, const char *out) {
     fl_cfg_defaults(c, sc == DR_LORA ? FL_CMD_FINETUNE_LORA : FL_CMD_FINETUNE_FULL);
     snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "micro");
     snprintf(c->out_dir, sizeof c->out_dir, "%s", out);
@@ -138,7 +138,7 @@ static void dr_config(fl_run_config *c, int sc, int world, int ranks, int micro_
 }
 
 /* D: max |a - b| over the parameters (-1 when the runs do not match in size). */
-static double dr_max_diff(const dr_rec *a, const dr_rec *b) {
+static inline double dr_max_diff(const dr_rec *a, const dr_rec *b) {
     if (!a->params || !b->params || a->numel != b->numel) return -1;
     double d = 0;
     for (size_t i = 0; i < a->numel; i++) {
@@ -151,7 +151,7 @@ static double dr_max_diff(const dr_rec *a, const dr_rec *b) {
 /* Step losses of a and b within 1e-6 relative at every step (N ranks x micro b against one process
  * x micro N*b: issue #14's equivalence). Returns the worst relative difference, or 1 when a step
  * is missing. */
-static double dr_loss_rel(const dr_rec *a, const dr_rec *b, long steps) {
+static inline double dr_loss_rel(const dr_rec *a, const dr_rec *b, long steps) {
     if (a->steps != steps || b->steps != steps) return 1;
     double w = 0;
     for (long s = 0; s < steps; s++) {
@@ -163,7 +163,7 @@ static double dr_loss_rel(const dr_rec *a, const dr_rec *b, long steps) {
 
 /* The AdamW term of the parameter bound (above): sum over steps of 2 lr kappa_t (lr at its
  * largest: the schedule only lowers it); 0 for SGD. */
-static double dr_floor(const fl_run_config *c) {
+static inline double dr_floor(const fl_run_config *c) {
     if (c->optimizer.kind == FL_OPT_SGD) return 0.0;
     const double b1 = c->optimizer.beta1, b2 = c->optimizer.beta2, r = b1 * b1 / b2;
     double sum = 0, geo = 0, rk = 1;
@@ -181,7 +181,7 @@ static inline double dr_round16_factor(long K, long a) { return (double)(K + a +
 
 /* The checks above, dctl = D of the control pair; writes the findings (or the figures when all
  * pass) to `why`. Returns the number of failures. */
-static int dr_compare(const dr_rec *ddp, const dr_rec *ref, double dctl, double floor, long steps, char *why,
+static inline int dr_compare(const dr_rec *ddp, const dr_rec *ref, double dctl, double floor, long steps, char *why,
                       size_t n) {
     int bad = 0;
     size_t o = 0;

@@ -11,6 +11,7 @@
 #include "ddp_ref.h"
 #include "fitllm/comm.h"
 #include "fitllm/plan.h"
+#include "plan_ref.h"
 #include "test.h"
 
 #define PP_MAX_RANKS 5
@@ -99,23 +100,9 @@ FL_TEST(pp_train_threads_plan_equals_measured) {
         pp_job *j = calloc(1, sizeof *j);
         FL_REQUIRE(j != NULL);
         run_grid(j, dp, pp, "1f1b", "plan", 1);
-        for (int r = 0; r < W; r++) {
-            fl_plan_opts po;
-            fl_plan_opts_default(&po);
-            po.no_suggestions = 1;
-            po.generation = 0;
-            po.comm_threads = 1;
-            po.rank = r;
-            fl_plan *pl = calloc(1, sizeof *pl);
-            FL_REQUIRE(pl != NULL);
-            FL_REQUIRE_OK(fl_plan_run(&j->cfg[r], &po, pl));
-            for (int k = 0; k < FL_TAG_COUNT; k++)
-                FL_CHECKF(pl->peak[k] == j->res[r].peak[k], "DP %d x PP %d rank %d: tag %s planned %zu, measured %zu", dp,
-                          pp, r, fl_mem_tag_name((fl_mem_tag)k), pl->peak[k], j->res[r].peak[k]);
-            FL_CHECKF(pl->peak_total == j->res[r].peak_total, "DP %d x PP %d rank %d: peak planned %zu, measured %zu",
-                      dp, pp, r, pl->peak_total, j->res[r].peak_total);
-            free(pl);
-        }
+        char grid[48];
+        snprintf(grid, sizeof grid, "DP %d x PP %d", dp, pp);
+        for (int r = 0; r < W; r++) (void)plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], grid);
         /* 1F1B: stage 0 holds one stash beside its arena, the last stage none */
         FL_CHECKF(j->res[0].peak[FL_TAG_ACTS] > j->res[1].peak[FL_TAG_ACTS], "PP 2: ACTS stage 0 %zu, stage 1 %zu",
                   j->res[0].peak[FL_TAG_ACTS], j->res[1].peak[FL_TAG_ACTS]);

@@ -25,6 +25,7 @@
 #include "fitllm/model.h"
 #include "fitllm/plan.h"
 #include "fitllm/comm_nccl.h"
+#include "plan_ref.h"
 #include "test.h"
 
 /* The runs take FITLLM_TEST_BACKEND's backend (the trainer reads FITLLM_BACKEND); forced: that one. On a backend
@@ -252,24 +253,13 @@ FL_TEST(tp_train_threads_plan_equals_measured) {
         backend_off();
         FL_CHECKF(s == FL_OK, "DP %d x TP %d: %s", dp, tp, j->msg[0]);
         for (int r = 0; r < W && s == FL_OK; r++) {
-            fl_plan_opts po;
-            fl_plan_opts_default(&po);
-            po.no_suggestions = 1;
-            po.generation = 0;
-            po.comm_threads = 1;
-            po.rank = r;
-            fl_plan *pl = calloc(1, sizeof *pl);
-            FL_REQUIRE(pl != NULL);
-            FL_REQUIRE_OK(fl_plan_run(&j->cfg[r], &po, pl));
-            for (int k = 0; k < FL_TAG_COUNT; k++)
-                FL_CHECKF(pl->peak[k] == j->res[r].peak[k], "DP %d x TP %d rank %d: tag %s planned %zu, measured %zu", dp,
-                          tp, r, fl_mem_tag_name((fl_mem_tag)k), pl->peak[k], j->res[r].peak[k]);
-            FL_CHECKF(pl->peak_total == j->res[r].peak_total, "DP %d x TP %d rank %d: peak planned %zu, measured %zu",
-                      dp, tp, r, pl->peak_total, j->res[r].peak_total);
+            char grid[48];
+            snprintf(grid, sizeof grid, "DP %d x TP %d", dp, tp);
+            const size_t total = plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], grid);
             if (getenv("FL_TEST_VERBOSE") && r == 0)
                 printf("    DP %d x TP %d %s rank 0: planned = measured = %zu bytes (PARAMS %zu, OPTIM %zu)\n", dp, tp,
-                       g_strategy ? g_strategy : "ddp", pl->peak_total, pl->peak[FL_TAG_PARAMS], pl->peak[FL_TAG_OPTIM]);
-            free(pl);
+                       g_strategy ? g_strategy : "ddp", total, j->res[r].peak[FL_TAG_PARAMS],
+                       j->res[r].peak[FL_TAG_OPTIM]);
         }
         for (int r = 0; r < 4; r++) dr_free(&j->rec[r]);
         free(j);

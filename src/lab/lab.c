@@ -430,6 +430,62 @@ static double mean_input(const fl_lab_report *rep, const fl_run_config *c) {
     return n > 0 ? sum / n : 0;
 }
 
+/* At the real scale a row this machine cannot hold says so (1; the note says what it needs) instead of running. */
+static int real_scale_refused(const lab_exp *e, const fl_lab_report *rep, fl_lab_row *r) {
+    if (rep->real_scale && r->ranks > 1 && rep->sweep && rep->capacity < (size_t)r->ranks * rep->budget) {
+        char a[32], b[32];
+        r->verdict = FL_LAB_NA;
+        snprintf(r->note, sizeof r->note, "at real scale the %d ranks of %s each need one device; the %s backend has %s "
+                 "(%d ranks share a GPU of at least %d x the budget through the staged communicator; or mpirun -np %d)",
+                 r->ranks, fl_fmt_bytes(rep->budget, a, sizeof a), fl_backend_default_name(),
+                 fl_fmt_bytes(rep->capacity, b, sizeof b), r->ranks, r->ranks, r->ranks);
+        return 1;
+    }
+    if (rep->real_scale && r->ranks > 1 && !rep->sweep) { /* one process cannot stand in for 4 devices of 80 GB */
+        r->verdict = FL_LAB_NA;
+        snprintf(r->note, sizeof r->note, "at real scale the %d ranks need %d devices (mpirun -np %d fitllm "
+                 "finetune_full %s --devices %d ...); the lab's thread ranks would share this one", r->ranks, r->ranks,
+                 r->ranks, e->ref_model, r->ranks);
+        return 1;
+    }
+    if (rep->real_scale && !rep->sweep && rep->capacity < rep->budget) { /* the pool would grow past the machine: refuse, not crash */
+        char a[32], b[32];
+        r->verdict = FL_LAB_NA;
+        snprintf(r->note, sizeof r->note, "at real scale this row needs the %s device: the %s backend has %s (%s); run "
+                 "it on an 80 GB GPU (--accelerator cuda)", fl_fmt_bytes(rep->budget, a, sizeof a),
+                 fl_backend_default_name(), fl_fmt_bytes(rep->capacity, b, sizeof b),
+                 backend_has(FL_CAP_DEVICE_MEMORY) ? "GPU memory" : "the machine's RAM");
+        return 1;
+    }
+    return 0;
+}
+
+/* A row that trained: its phases, step time, tokens/s, TFLOP/s and MFU from the log and the trainer's result. */
+static void row_measured(const lab_exp *e, const fl_lab_report *rep, const char *model, const fl_run_config *c,
+                         const step_log *log, const fl_trainer_result *res, fl_lab_row *r) {
+    r->verdict = FL_LAB_FITS;
+    r->n_phases = res->n_phases < FL_PLAN_MAX_PHASES ? res->n_phases : FL_PLAN_MAX_PHASES;
+    memcpy(r->phases, res->phases, (size_t)r->n_phases * sizeof r->phases[0]);
+    r->phases_planned = 0;
+    r->steps = log->steps;
+    r->final_loss = log->last_loss;
+    if (log->steps >= 2) r->step_ms = 1e3 * (log->t[log->steps - 1] - log->t[0]) / (double)(log->steps - 1);
+    else r->step_ms = 1e3 * res->train_seconds;
+    /* several ranks: the global batch; drawn lengths: the samples' own tokens, no padding (their mean) */
+    double Tm = rep->lengths[0] ? mean_input(rep, c) : rep->T;
+    double tokens_per_step = (double)e->global * Tm;
+    r->tok_s = r->step_ms > 0 ? tokens_per_step / (r->step_ms / 1e3) : 0;
+    fl_model_config mc; /* model FLOPs of the global batch (the MFU convention: no recompute) */
+    if (r->step_ms > 0 && fl_preset_find(model, &mc) == FL_OK)
+        r->tflops = fl_model_train_flops(&mc, e->B, (int)(Tm + 0.5)) * (double)e->global / e->B / (r->step_ms / 1e3) / 1e12;
+    if (row_peak(rep, e->precision) > 0) r->mfu = r->tflops / row_peak(rep, e->precision);
+    if (res->offload) { /* CPU offload: what the host tier took instead of the device */
+        char a[32], b[32];
+        snprintf(r->note, sizeof r->note, "host tier (outside the device budget): OPTIM %s, total %s",
+                 fl_fmt_bytes(res->host_peak[FL_TAG_OPTIM], a, sizeof a), fl_fmt_bytes(res->host_peak_total, b, sizeof b));
+    }
+}
+
 static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, const char *run_dir, int threads,
                     int run_oom, fl_lab_row *r) {
     memset(r, 0, sizeof *r);
@@ -504,31 +560,7 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
         }
         goto done;
     }
-    if (rep->real_scale && r->ranks > 1 && rep->sweep && rep->capacity < (size_t)r->ranks * rep->budget) {
-        char a[32], b[32];
-        r->verdict = FL_LAB_NA;
-        snprintf(r->note, sizeof r->note, "at real scale the %d ranks of %s each need one device; the %s backend has %s "
-                 "(%d ranks share a GPU of at least %d x the budget through the staged communicator; or mpirun -np %d)",
-                 r->ranks, fl_fmt_bytes(rep->budget, a, sizeof a), fl_backend_default_name(),
-                 fl_fmt_bytes(rep->capacity, b, sizeof b), r->ranks, r->ranks, r->ranks);
-        goto done;
-    }
-    if (rep->real_scale && r->ranks > 1 && !rep->sweep) { /* one process cannot stand in for 4 devices of 80 GB */
-        r->verdict = FL_LAB_NA;
-        snprintf(r->note, sizeof r->note, "at real scale the %d ranks need %d devices (mpirun -np %d fitllm "
-                 "finetune_full %s --devices %d ...); the lab's thread ranks would share this one", r->ranks, r->ranks,
-                 r->ranks, e->ref_model, r->ranks);
-        goto done;
-    }
-    if (rep->real_scale && !rep->sweep && rep->capacity < rep->budget) { /* the pool would grow past the machine: refuse, not crash */
-        char a[32], b[32];
-        r->verdict = FL_LAB_NA;
-        snprintf(r->note, sizeof r->note, "at real scale this row needs the %s device: the %s backend has %s (%s); run "
-                 "it on an 80 GB GPU (--accelerator cuda)", fl_fmt_bytes(rep->budget, a, sizeof a),
-                 fl_backend_default_name(), fl_fmt_bytes(rep->capacity, b, sizeof b),
-                 backend_has(FL_CAP_DEVICE_MEMORY) ? "GPU memory" : "the machine's RAM");
-        goto done;
-    }
+    if (real_scale_refused(e, rep, r)) goto done;
     int avail = e->technique[0] ? fl_plan_technique_available(e->technique) : 1;
     if (avail != 1 || r->planned == FL_PLAN_UNAVAILABLE) {
         r->verdict = FL_LAB_NA;
@@ -561,27 +593,7 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
     memcpy(r->peak, res.peak, sizeof r->peak);
     r->peak_total = res.peak_total;
     if (s == FL_OK) {
-        r->verdict = FL_LAB_FITS;
-        r->n_phases = res.n_phases < FL_PLAN_MAX_PHASES ? res.n_phases : FL_PLAN_MAX_PHASES;
-        memcpy(r->phases, res.phases, (size_t)r->n_phases * sizeof r->phases[0]);
-        r->phases_planned = 0;
-        r->steps = log.steps;
-        r->final_loss = log.last_loss;
-        if (log.steps >= 2) r->step_ms = 1e3 * (log.t[log.steps - 1] - log.t[0]) / (double)(log.steps - 1);
-        else r->step_ms = 1e3 * res.train_seconds;
-        /* several ranks: the global batch; drawn lengths: the samples' own tokens, no padding (their mean) */
-        double Tm = rep->lengths[0] ? mean_input(rep, c) : rep->T;
-        double tokens_per_step = (double)e->global * Tm;
-        r->tok_s = r->step_ms > 0 ? tokens_per_step / (r->step_ms / 1e3) : 0;
-        fl_model_config mc; /* model FLOPs of the global batch (the MFU convention: no recompute) */
-        if (r->step_ms > 0 && fl_preset_find(model, &mc) == FL_OK)
-            r->tflops = fl_model_train_flops(&mc, e->B, (int)(Tm + 0.5)) * (double)e->global / e->B / (r->step_ms / 1e3) / 1e12;
-        if (row_peak(rep, e->precision) > 0) r->mfu = r->tflops / row_peak(rep, e->precision);
-        if (res.offload) { /* CPU offload: what the host tier took instead of the device */
-            char a[32], b[32];
-            snprintf(r->note, sizeof r->note, "host tier (outside the device budget): OPTIM %s, total %s",
-                     fl_fmt_bytes(res.host_peak[FL_TAG_OPTIM], a, sizeof a), fl_fmt_bytes(res.host_peak_total, b, sizeof b));
-        }
+        row_measured(e, rep, model, c, &log, &res, r);
     } else if (s == FL_ERR_OOM) {
         set_oom(r, &res.oom, "");
     } else if (s == FL_ERR_UNSUPPORTED) {
