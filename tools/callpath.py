@@ -83,6 +83,45 @@ def match_paren(s, i):
     return len(s)
 
 
+
+DEF_RE = re.compile(r"(\w+)\s*\(")
+
+
+def top_level_defs(text, keywords=None):
+    """Top-level function definitions of stripped text (NAME(...) { at brace depth 0): (name, start of the name,
+    its opening brace, its closing brace, the end of its parameter list), in source order. Shared with
+    tools/sizecheck.py."""
+    keywords = KEYWORDS if keywords is None else keywords
+    depth, i, n = 0, 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+        elif depth == 0:
+            m = DEF_RE.match(text, i)
+            if m and (i == 0 or not (text[i - 1].isalnum() or text[i - 1] == "_")):
+                end = match_paren(text, m.end() - 1)
+                k = end
+                while k < n and text[k] in " \t\n":
+                    k += 1
+                if k < n and text[k] == "{" and m.group(1) not in keywords:
+                    d = 0
+                    for j in range(k, n):
+                        if text[j] == "{":
+                            d += 1
+                        elif text[j] == "}":
+                            d -= 1
+                            if d == 0:
+                                break
+                    yield m.group(1), i, k, j, end
+                    i = j + 1
+                    continue
+                i = m.end()
+                continue
+        i += 1
+
 def scan(root):
     funcs = {}     # name -> {file: body}  (static and global definitions)
     statics = {}   # (file, name) -> body
@@ -93,8 +132,6 @@ def scan(root):
                 if not f.endswith((".c", ".h")):
                     continue
                 path = os.path.relpath(os.path.join(d, f), root)
-                if "/cuda/" in path and f.endswith(".h") is False:
-                    pass
                 text = strip(open(os.path.join(root, path), errors="replace").read())
                 lines = []
                 for line in text.split("\n"):
@@ -103,45 +140,13 @@ def scan(root):
                         macros.setdefault(m.group(1), (path, m.group(3)))
                     lines.append("" if line.lstrip().startswith("#") else line)
                 text = "\n".join(lines)
-                depth, i = 0, 0
-                for m in re.finditer(r"[{}]|(\b\w+)\s*\(", text):
-                    pass
-                # top-level definitions: NAME(...) { at brace depth 0
-                i, n = 0, len(text)
-                while i < n:
-                    c = text[i]
-                    if c == "{":
-                        depth += 1
-                    elif c == "}":
-                        depth -= 1
-                    elif depth == 0:
-                        m = re.compile(r"(\w+)\s*\(").match(text, i)
-                        if m and (i == 0 or not (text[i - 1].isalnum() or text[i - 1] == "_")):
-                            name = m.group(1)
-                            end = match_paren(text, m.end() - 1)
-                            k = end
-                            while k < n and text[k] in " \t\n":
-                                k += 1
-                            if k < n and text[k] == "{" and name not in KEYWORDS:
-                                b, depth2 = k, 0
-                                for j in range(k, n):
-                                    if text[j] == "{":
-                                        depth2 += 1
-                                    elif text[j] == "}":
-                                        depth2 -= 1
-                                        if depth2 == 0:
-                                            break
-                                body = text[k + 1:j]
-                                head = text[max(0, text.rfind("\n", 0, i)):i]
-                                if re.search(r"\bstatic\b", head):
-                                    statics[(path, name)] = body
-                                else:
-                                    funcs.setdefault(name, {})[path] = body
-                                i = j + 1
-                                continue
-                            i = m.end()
-                            continue
-                    i += 1
+                for name, i, k, j, _ in top_level_defs(text):
+                    body = text[k + 1:j]
+                    head = text[max(0, text.rfind("\n", 0, i)):i]
+                    if re.search(r"\bstatic\b", head):
+                        statics[(path, name)] = body
+                    else:
+                        funcs.setdefault(name, {})[path] = body
     return funcs, statics, macros
 
 

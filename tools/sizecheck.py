@@ -19,8 +19,6 @@ spec = importlib.util.spec_from_file_location("callpath", os.path.join(HERE, "ca
 callpath = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(callpath)
 
-DEF = re.compile(r"(\w+)\s*\(")
-KEYWORDS = callpath.KEYWORDS | {"FL_TEST"}
 
 
 def blank(text):
@@ -37,38 +35,11 @@ def blank(text):
 
 def functions(text):
     """(name, first line, last line) of each top-level function definition (a name, its parameters, a brace)."""
-    out, depth, i, n = [], 0, 0, len(text)
-    while i < n:
-        c = text[i]
-        if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-        elif depth == 0:
-            m = DEF.match(text, i)
-            if m and (i == 0 or not (text[i - 1].isalnum() or text[i - 1] == "_")):
-                end = callpath.match_paren(text, m.end() - 1)
-                k = end
-                while k < n and text[k] in " \t\n":
-                    k += 1
-                if k < n and text[k] == "{" and m.group(1) not in callpath.KEYWORDS:
-                    d = 0
-                    for j in range(k, n):
-                        if text[j] == "{":
-                            d += 1
-                        elif text[j] == "}":
-                            d -= 1
-                            if d == 0:
-                                break
-                    name = m.group(1)
-                    if name == "FL_TEST":  # a test: named by its argument
-                        name = text[m.end():end - 1].strip()
-                    out.append((name, text.count("\n", 0, i) + 1, text.count("\n", 0, j) + 1))
-                    i = j + 1
-                    continue
-                i = m.end()
-                continue
-        i += 1
+    out = []
+    for name, i, _, j, end in callpath.top_level_defs(text, callpath.KEYWORDS):
+        if name == "FL_TEST":  # a test: named by its argument
+            name = text[i + len(name):end - 1].split("(", 1)[1].strip()
+        out.append((name, text.count("\n", 0, i) + 1, text.count("\n", 0, j) + 1))
     return out
 
 
