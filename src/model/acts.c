@@ -188,7 +188,8 @@ static fl_status convert_saved(fl_model *m, int l, int N, int narrow, unsigned d
         len[cnt++] = (size_t)N * g->slot[sl].width;
     }
     const fl_dtype dt = narrow ? a->act_dtype : FL_F32, st = narrow ? FL_F32 : a->act_dtype;
-    if (be->convert_many && cnt > 1 && cnt <= FL_CONVERT_MANY_MAX) return FL_RUN(be, convert_many, cnt, dst, dt, src, st, len);
+    if (be->convert_many && cnt > 1 && cnt <= FL_CONVERT_MANY_MAX)
+        return FL_RUN(be, convert_many, cnt, dst, dt, src, st, len);
     for (int k = 0; k < cnt; k++) FL_TRY(FL_RUN(be, convert, dst[k], dt, src[k], st, len[k]));
     return FL_OK;
 }

@@ -126,8 +126,8 @@ static fl_status attn_forward(const fl_model *m, const fl_block_graph *g, const 
         if (x->kv && x->T == 1) {
             fl_kv_cache *kv = x->kv;
             FL_RUN(be, attention_decode, out, in, kv->k + fl_kv_cache_index(kv, x->layer, 0, 0),
-                                 kv->v + fl_kv_cache_index(kv, x->layer, 0, 0), x->pos0 + 1, d.NH, d.NKV, d.HD,
-                                 (size_t)kv->max_T * d.HD);
+                   kv->v + fl_kv_cache_index(kv, x->layer, 0, 0), x->pos0 + 1, d.NH, d.NKV, d.HD,
+                   (size_t)kv->max_T * d.HD);
         } else {
             FL_TRY(FL_RUN(be, attention_qkv_forward, out, lse, in, x->B, x->T, d.NH, d.NKV, d.HD)); // (N, QD)
         }
@@ -140,7 +140,7 @@ static fl_status attn_forward(const fl_model *m, const fl_block_graph *g, const 
     float *q, *k, *v;
     attn_views(m, g, o, x, s, &a, &q, &k, &v);
     return FL_RUN(be, attention_forward, &a, out, lse, q, k, v, o->attn_flags & FL_GATTN_BIAS ? x->attn_bias : NULL,
-                                    o->attn_flags & FL_GATTN_MASK ? x->kmask : NULL);
+                  o->attn_flags & FL_GATTN_MASK ? x->kmask : NULL);
 }
 
 /* The gradient buffer of slot k: a stream from outside accumulates into the caller's. */
@@ -168,7 +168,7 @@ static fl_status attn_backward(const fl_model *m, const fl_block_graph *g, const
     dv = dk + d.KVD;
     const float *bias = o->attn_flags & FL_GATTN_BIAS ? x->attn_bias : NULL;
     return FL_RUN(be, attention_backward, &a, din, dk, dv, bias ? x->dattn_bias : NULL, dout, q, k, v, bias,
-                                     o->attn_flags & FL_GATTN_MASK ? x->kmask : NULL, s[o->out], lse);
+                  o->attn_flags & FL_GATTN_MASK ? x->kmask : NULL, s[o->out], lse);
 }
 
 /* ALLREDUCE: the slot summed over the communicator's ranks (no communicator or one rank: nothing to do). */
@@ -226,7 +226,7 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
         if (act16_kind(o->kind) >= 0 && be->act_forward16 && (o16 || pend16 == o->in)) {
             const void *in16 = pend16 == o->in ? x->s16[o->in] : NULL; /* its fp32 view is filled here */
             FL_TRY(FL_RUN(be, act_forward16, act16_kind(o->kind), out, o16, in, in16, N,
-                                     o->kind == FL_GOP_SWIGLU ? (int)wo : (int)wi));
+                          o->kind == FL_GOP_SWIGLU ? (int)wo : (int)wi));
             pend16 = -1;
             continue;
         }
@@ -263,8 +263,8 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
             if (nx && nx->kind == FL_GOP_NORM && nx->in == o->out && !fl_arch_get(m->cfg.arch)->layernorm &&
                 bp->norm_wt == FL_F32 &&
                 wo == (size_t)m->cfg.dim && rows(g, nx->in, x) == N) {
-                FL_TRY(FL_RUN(be, add_rmsnorm_forward, out, s[nx->out], S(nx->a2), out, in, bp->norm_w[nx->p], FL_F32, N,
-                                               m->cfg.dim, m->cfg.norm_eps));
+                FL_TRY(FL_RUN(be, add_rmsnorm_forward, out, s[nx->out], S(nx->a2), out, in, bp->norm_w[nx->p], FL_F32,
+                              N, m->cfg.dim, m->cfg.norm_eps));
                 i++; /* the norm is done */
                 break;
             }
@@ -334,12 +334,13 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         const size_t wi = (size_t)si->width, wo = (size_t)so->width;
         /* ops whose backward accumulates into d(in): a gradient not started yet starts from zero (a
          * LINEAR overwrites it instead; o->acc: the residual path, or another reader's part already there) */
-        if (!o->acc && o->kind != FL_GOP_LINEAR && !fl_gop_modifies(o)) FL_RUN(be, zero, din, (size_t)N * wi * sizeof(float));
+        if (!o->acc && o->kind != FL_GOP_LINEAR && !fl_gop_modifies(o))
+            FL_RUN(be, zero, din, (size_t)N * wi * sizeof(float));
         /* the LINEAR next in this order made in and reads d(in) in bf16: this op writes that copy (dy16) */
         void *dy16 = dy16_for(be, g, bp, i);
         if (dy16 && act16_kind(o->kind) >= 0) {
             FL_TRY(FL_RUN(be, act_backward16, act16_kind(o->kind), din, dy16, dout, s[o->in], N,
-                                      o->kind == FL_GOP_SWIGLU ? (int)wo : (int)wi));
+                          o->kind == FL_GOP_SWIGLU ? (int)wo : (int)wi));
             dy16_ready = 1;
             continue;
         }
@@ -367,7 +368,7 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
     }
     if (g->slot[FL_GSLOT_IN].grad != FL_GBUF_RES && !x->no_din) /* d(input) ended elsewhere (assign_grads) */
         FL_TRY(FL_RUN(be, copy, gb[FL_GBUF_RES], gb[g->slot[FL_GSLOT_IN].grad],
-                        (size_t)x->B * x->T * g->slot[FL_GSLOT_IN].width * sizeof(float)));
+                      (size_t)x->B * x->T * g->slot[FL_GSLOT_IN].width * sizeof(float)));
     return FL_OK;
 #undef S
 }
@@ -381,17 +382,22 @@ int fl_norm_forward_t(const fl_model *m, float *out, void *out16, float *mean, f
         FL_RUN(be, rmsnorm_forward_w16, out, out16, rstd, x, w, wt, N, m->cfg.dim, m->cfg.norm_eps);
         return out16 != NULL;
     }
-    if (fl_arch_get(m->cfg.arch)->layernorm) FL_RUN(be, layernorm_forward, out, mean, rstd, x, w, b, N, m->cfg.dim, m->cfg.norm_eps);
-    else FL_RUN(be, rmsnorm_forward, out, rstd, x, w, N, m->cfg.dim, m->cfg.norm_eps);
+    if (fl_arch_get(m->cfg.arch)->layernorm)
+        FL_RUN(be, layernorm_forward, out, mean, rstd, x, w, b, N, m->cfg.dim, m->cfg.norm_eps);
+    else
+        FL_RUN(be, rmsnorm_forward, out, rstd, x, w, N, m->cfg.dim, m->cfg.norm_eps);
     return 0;
 }
 
 void fl_norm_backward_t(const fl_model *m, float *dx, float *dw, float *db, const float *dout, const float *x,
                         const void *w, fl_dtype wt, const float *mean, const float *rstd, int N) {
     const fl_backend *be = m->be;
-    if (wt != FL_F32) FL_RUN(be, rmsnorm_backward_w16, dx, dw, dout, x, w, wt, rstd, N, m->cfg.dim);
-    else if (fl_arch_get(m->cfg.arch)->layernorm) FL_RUN(be, layernorm_backward, dx, dw, db, dout, x, w, mean, rstd, N, m->cfg.dim);
-    else FL_RUN(be, rmsnorm_backward, dx, dw, dout, x, w, rstd, N, m->cfg.dim);
+    if (wt != FL_F32)
+        FL_RUN(be, rmsnorm_backward_w16, dx, dw, dout, x, w, wt, rstd, N, m->cfg.dim);
+    else if (fl_arch_get(m->cfg.arch)->layernorm)
+        FL_RUN(be, layernorm_backward, dx, dw, db, dout, x, w, mean, rstd, N, m->cfg.dim);
+    else
+        FL_RUN(be, rmsnorm_backward, dx, dw, dout, x, w, rstd, N, m->cfg.dim);
 }
 
 void fl_norm_forward(const fl_model *m, float *out, float *mean, float *rstd, const float *x, const float *w,
@@ -417,16 +423,19 @@ fl_status fl_embed_forward(const fl_model *m, const fl_outer_params *op, float *
     }
     if (be->embedding_forward16 && (m->store->dtype == FL_BF16 || m->store->dtype == FL_F16)) { /* one launch, not one convert per token (+ one per position row) */
         const void *wpe = op->wpe_off != (size_t)-1 ? fl_store_param_at(m->store, op->wpe_off + (size_t)pos0 * C) : NULL;
-        FL_RUN(be, embedding_forward16, out, dids, fl_store_param_at(m->store, op->wte_off), wpe, m->store->dtype, B, T, C);
+        FL_RUN(be, embedding_forward16, out, dids, fl_store_param_at(m->store, op->wte_off), wpe, m->store->dtype, B, T,
+               C);
         return FL_OK;
     }
     float *row = m->store->pstage + fl_pstage_block_start(m) - C; /* one fp32 row */
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++) {
             float *o = out + ((size_t)b * T + t) * C;
-            FL_RUN(be, convert, o, FL_F32, fl_store_param_at(m->store, op->wte_off + (size_t)ids[b * T + t] * C), m->store->dtype, C);
+            FL_RUN(be, convert, o, FL_F32, fl_store_param_at(m->store, op->wte_off + (size_t)ids[b * T + t] * C),
+                   m->store->dtype, C);
             if (op->wpe_off != (size_t)-1) {
-                FL_RUN(be, convert, row, FL_F32, fl_store_param_at(m->store, op->wpe_off + (size_t)(pos0 + t) * C), m->store->dtype, C);
+                FL_RUN(be, convert, row, FL_F32, fl_store_param_at(m->store, op->wpe_off + (size_t)(pos0 + t) * C),
+                       m->store->dtype, C);
                 FL_RUN(be, add, o, o, row, C);
             }
         }
@@ -446,7 +455,8 @@ fl_status fl_embed_backward(fl_model *m, const fl_outer_params *op, const float 
     size_t n0 = fl_group_numel(m, 0);
     fl_store_stage_begin(m->store, n0);
     if (tpv) FL_TRY(fl_tp_embed_backward(m, op, dout, ids, B, T));
-    else FL_RUN(be, embedding_backward, op->dwte, op->dwpe, dout, ids, B, T, m->cfg.dim);
+    else
+        FL_RUN(be, embedding_backward, op->dwte, op->dwpe, dout, ids, B, T, m->cfg.dim);
     return fl_store_stage_flush(m->store, m->layout.group_offset[0], n0);
 }
 
@@ -469,7 +479,7 @@ fl_status fl_linear_forward_ex(const fl_backend *be, float *y, const float *x, c
         /* a BF16 weight's GEMM rounds an F32 x to bf16: x16 is that operand already */
         const int a16 = x16 && wt == FL_BF16;
         FL_TRY(FL_RUN(be, gemm, 0, 1, N, lin->out, lin->in, 1.0f, a16 ? x16 : (const void *)x, a16 ? FL_BF16 : FL_F32,
-                        lin->in, w, wt, lin->in, 0.0f, y, FL_F32, lin->out));
+                      lin->in, w, wt, lin->in, 0.0f, y, FL_F32, lin->out));
     }
     if (lin->b) FL_RUN(be, bias_forward, y, lin->b, N, lin->out);
     for (int k = 0; k < lin->n_adapters; k++) { /* the adapters' branches (LoRA: y[:, rows] += scaling drop(x) A^T B^T) */
@@ -491,8 +501,8 @@ int fl_linear_plain16(const fl_linear *lin) {
 fl_status fl_linear_forward16(const fl_backend *be, void *y16, const void *x16, const fl_linear *lin, int N) {
     if (!fl_linear_plain16(lin) || !x16)
         return fl_errorf(FL_ERR_UNSUPPORTED, "a bf16-output linear takes a bf16 input and weight, no bias or adapter");
-    return FL_RUN(be, gemm, 0, 1, N, lin->out, lin->in, 1.0f, x16, FL_BF16, lin->in, lin->wc, FL_BF16, lin->in, 0.0f, y16,
-                    FL_BF16, lin->out);
+    return FL_RUN(be, gemm, 0, 1, N, lin->out, lin->in, 1.0f, x16, FL_BF16, lin->in, lin->wc, FL_BF16, lin->in, 0.0f,
+                  y16, FL_BF16, lin->out);
 }
 
 fl_status fl_linear_backward_ex(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, const float *x,
@@ -514,18 +524,18 @@ fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumu
     if (dx && lin->n_q4) { /* dx (N,in) = sum over parts of dy[:, rows] @ deq(W_part) */
         for (int k = 0, r0 = 0; k < lin->n_q4; r0 += lin->q4[k]->rows, k++)
             FL_TRY(FL_RUN(be, q4_matmul_backward, dx, dy + r0, lin->out, lin->q4[k], N,
-                                          (k > 0 || dx_accumulate) ? 1.0f : 0.0f));
+                          (k > 0 || dx_accumulate) ? 1.0f : 0.0f));
     } else if (dx) /* dx (N,in) = dy (N,out) @ W (out,in) */
         FL_TRY(FL_RUN(be, gemm, 0, 0, N, lin->in, lin->out, 1.0f, dy16 ? (const void *)lin->dyb16 : (const void *)dy,
-                        dy16 ? FL_BF16 : FL_F32, lin->out, w, wt, lin->in, dx_accumulate ? 1.0f : 0.0f, dx, FL_F32,
-                        lin->in));
+                      dy16 ? FL_BF16 : FL_F32, lin->out, w, wt, lin->in, dx_accumulate ? 1.0f : 0.0f, dx, FL_F32,
+                      lin->in));
     if (dy16) { /* dW += bf16(dy)^T @ bf16(x), fp32 accumulation; bf16(x): the saved copy when there is one */
         if (!x16) FL_TRY(FL_RUN(be, convert, lin->xb16, FL_BF16, x, FL_F32, (size_t)N * lin->in));
         FL_TRY(FL_RUN(be, gemm, 1, 0, lin->out, lin->in, N, 1.0f, lin->dyb16, FL_BF16, lin->out, x16 ? x16 : lin->xb16,
-                        FL_BF16, lin->in, 1.0f, lin->dw, FL_F32, lin->in));
+                      FL_BF16, lin->in, 1.0f, lin->dw, FL_F32, lin->in));
     } else if (lin->dw) /* dW (out,in) += dy^T (out,N) @ x (N,in) */
         FL_TRY(FL_RUN(be, gemm, 1, 0, lin->out, lin->in, N, 1.0f, dy, FL_F32, lin->out, x, FL_F32, lin->in, 1.0f,
-                        lin->dw, FL_F32, lin->in));
+                      lin->dw, FL_F32, lin->in));
     if (lin->db) FL_RUN(be, bias_backward, lin->db, dy, N, lin->out);
     for (int k = 0; k < lin->n_adapters; k++) { /* after the base dx: each adapter's branch adds to it */
         const fl_linear_adapter *a = lin->adapters[k];
@@ -648,10 +658,11 @@ fl_status fl_head_loss(fl_model *m, const fl_head_bufs *h, const int32_t *target
         const float *xr = h->x + (size_t)r0 * C;
         fl_model_bind_adapters(m, -1, 0, &head, r0); /* head adapters: this chunk */
         FL_TRY(fl_linear_forward(be, h->logits, xr, &head, rows)); // (rows, V)
-        if (logits_out) FL_TRY(FL_RUN(be, to_host, logits_out + (size_t)r0 * V, h->logits, (size_t)rows * V * sizeof(float)));
+        if (logits_out)
+            FL_TRY(FL_RUN(be, to_host, logits_out + (size_t)r0 * V, h->logits, (size_t)rows * V * sizeof(float)));
         if (!targets) continue;
         FL_RUN(be, cross_entropy, h->losses + r0, train ? h->logits : NULL, h->logits, tg + r0, rows, V, grad_scale,
-                          FL_IGNORE_INDEX);
+               FL_IGNORE_INDEX);
         if (train) FL_TRY(fl_linear_backward(be, h->dx + (size_t)r0 * C, 0, h->logits, xr, &head, rows));
     }
     if (!targets) return FL_OK;

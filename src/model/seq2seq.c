@@ -311,7 +311,8 @@ static fl_status relbias_forward(fl_model *m, s2s_stack *st, int T, int bidir) {
     float *tab;
     FL_TRY(relbias_table(m, st, 0, &tab));
     for (int h = 0; h < NH; h++)
-        FL_RUN(be, embedding_forward, st->bias + (size_t)h * T * T, st->buckets, tab + (size_t)h * nb, NULL, 1, T * T, 1);
+        FL_RUN(be, embedding_forward, st->bias + (size_t)h * T * T, st->buckets, tab + (size_t)h * nb, NULL, 1, T * T,
+               1);
     return FL_OK;
 }
 
@@ -321,7 +322,7 @@ static void relbias_backward(fl_model *m, s2s_stack *st, int T) {
     const int nb = m->cfg.rel_buckets;
     for (int h = 0; h < m->cfg.n_heads; h++)
         FL_RUN(m->be, embedding_backward, dtab + (size_t)h * nb, NULL, st->dbias + (size_t)h * T * T, st->buckets, 1,
-                                  T * T, 1);
+               T * T, 1);
 }
 
 /* ---- rows from the caller (fl_model.emb_inject: BLIP-2's queries) ----------------------------------- */
@@ -421,8 +422,10 @@ static fl_status saved16(const fl_model *m, const s2s_stack *st, int l, int narr
         const int sl = st->g.prod[k];
         if (st->g.slot[sl].kind != FL_GSLOT_WIDE) continue;
         const size_t n = (size_t)a->Bp * (size_t)slot_T(a, s, sl, a->T) * (size_t)st->g.slot[sl].width;
-        if (narrow) FL_TRY(FL_RUN(m->be, convert, la->s16[sl], a->act16, la->s[sl], FL_F32, n));
-        else FL_TRY(FL_RUN(m->be, convert, la->s[sl], FL_F32, la->s16[sl], a->act16, n));
+        if (narrow)
+            FL_TRY(FL_RUN(m->be, convert, la->s16[sl], a->act16, la->s[sl], FL_F32, n));
+        else
+            FL_TRY(FL_RUN(m->be, convert, la->s[sl], FL_F32, la->s16[sl], a->act16, n));
     }
     return FL_OK;
 }

@@ -35,10 +35,13 @@ fl_status fl_tp_embed_forward(const fl_model *m, const fl_outer_params *op, floa
     for (int r = 0; r < N; r++) {
         float *o = out + (size_t)r * C;
         const int id = ids[r] - lo;
-        if (id < 0 || id >= n) FL_RUN(be, zero, o, (size_t)C * sizeof(float));
-        else if (f32) FL_TRY(FL_RUN(be, copy, o, op->wte + (size_t)id * C, (size_t)C * sizeof(float)));
-        else FL_TRY(FL_RUN(be, convert, o, FL_F32, fl_store_param_at(m->store, op->wte_off + (size_t)id * C),
-                                m->store->dtype, C));
+        if (id < 0 || id >= n)
+            FL_RUN(be, zero, o, (size_t)C * sizeof(float));
+        else if (f32)
+            FL_TRY(FL_RUN(be, copy, o, op->wte + (size_t)id * C, (size_t)C * sizeof(float)));
+        else
+            FL_TRY(FL_RUN(be, convert, o, FL_F32, fl_store_param_at(m->store, op->wte_off + (size_t)id * C),
+                          m->store->dtype, C));
     }
     if (m->tp_comm && fl_comm_size(m->tp_comm) > 1)
         FL_TRY(fl_error_prefix(fl_comm_all_reduce(m->tp_comm, out, out, (size_t)N * C, FL_F32, FL_COMM_SUM),
@@ -50,8 +53,8 @@ fl_status fl_tp_embed_forward(const fl_model *m, const fl_outer_params *op, floa
             float *o = out + ((size_t)b * T + t) * C;
             const float *p = op->wpe ? op->wpe + (size_t)(pos0 + t) * C : row;
             if (!f32)
-                FL_TRY(FL_RUN(be, convert, row, FL_F32, fl_store_param_at(m->store, op->wpe_off + (size_t)(pos0 + t) * C),
-                                   m->store->dtype, C));
+                FL_TRY(FL_RUN(be, convert, row, FL_F32,
+                              fl_store_param_at(m->store, op->wpe_off + (size_t)(pos0 + t) * C), m->store->dtype, C));
             FL_RUN(be, add, o, o, p, C); /* (e + 0 + ...) + p: the single process's e + p */
         }
     return FL_OK;
@@ -70,7 +73,8 @@ fl_status fl_tp_embed_backward(fl_model *m, const fl_outer_params *op, const flo
         fl_status s = FL_RUN(be, to_host, ids, dids, (size_t)N * sizeof *ids);
         for (int r = 0; s == FL_OK && r < N; r++) {
             const int id = ids[r] - lo;
-            if (id >= 0 && id < n) FL_RUN(be, add, op->dwte + (size_t)id * C, op->dwte + (size_t)id * C, dout + (size_t)r * C, C);
+            if (id >= 0 && id < n)
+                FL_RUN(be, add, op->dwte + (size_t)id * C, op->dwte + (size_t)id * C, dout + (size_t)r * C, C);
         }
         free(ids);
         FL_TRY(s);

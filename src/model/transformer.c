@@ -82,8 +82,10 @@ static fl_status upload(fl_model *m, const pass *p) {
     }
     FL_TRY(FL_RUN(be, to_device, a->ids, p->ids, (size_t)N * sizeof *p->ids)); /* host ids -> the arena */
     if (a->type_ids) {
-        if (p->type_ids) FL_TRY(FL_RUN(be, to_device, a->type_ids, p->type_ids, (size_t)N * sizeof *p->type_ids));
-        else FL_RUN(be, zero, a->type_ids, (size_t)N * sizeof(int32_t));
+        if (p->type_ids)
+            FL_TRY(FL_RUN(be, to_device, a->type_ids, p->type_ids, (size_t)N * sizeof *p->type_ids));
+        else
+            FL_RUN(be, zero, a->type_ids, (size_t)N * sizeof(int32_t));
     }
     a->kmask_on = p->kmask != NULL;
     if (p->kmask) FL_TRY(FL_RUN(be, to_device, a->kmask, p->kmask, (size_t)N));
@@ -286,7 +288,8 @@ static fl_status run_backward(fl_model *m, const float *dhidden) {
     for (int i = 0; i < mg->n_ops && mg->op[i].kind != FL_MOP_BLOCKS; i++) {
         if (mg->op[i].kind == FL_MOP_EMBED) FL_TRY(fl_embed_backward(m, &op, de, a->ids, B, T));
         if (mg->op[i].kind == FL_MOP_EMBED_TYPE)
-            FL_RUN(be, embedding_backward, role_param(m, 0, FL_ROLE_TYPE_EMBED, 1), NULL, de, a->type_ids, B, T, m->cfg.dim);
+            FL_RUN(be, embedding_backward, role_param(m, 0, FL_ROLE_TYPE_EMBED, 1), NULL, de, a->type_ids, B, T,
+                   m->cfg.dim);
     }
     PP_READY(0);
     m->fwd_train = 0;
@@ -306,8 +309,7 @@ static void lend_scratch(const fl_model *m, int on) {
 /* The precision's compute dtype told to the backend for the call (fl_backend.set_compute_dtype:
  * bf16 runs may take its tensor-core attention), FL_F32 again after. */
 void fl_model_tell_compute_dtype(const fl_model *m, int on) {
-    if (m->be->set_compute_dtype)
-        FL_RUN(m->be, set_compute_dtype, on && m->prec.name ? m->prec.compute_dtype : FL_F32);
+    if (m->be->set_compute_dtype) FL_RUN(m->be, set_compute_dtype, on && m->prec.name ? m->prec.compute_dtype : FL_F32);
 }
 
 static void around(const fl_model *m, int on, int compute) {

@@ -312,8 +312,9 @@ static fl_status fsdp8_step(fl_optimizer *o, float lr, float scale) {
     float *hpart = S ? malloc(2 * S * sizeof *hpart) : NULL; /* the slots in host memory */
     if (S && !hpart) return fl_errorf(FL_ERR_OOM, "8-bit AdamW (FULL_SHARD): out of host memory");
     fl_status s = FL_OK;
-#define UPDATE(pp, gg, st) \
-    FL_RUN(be, adam8bit_update, pp, o->w.pt, gg, o->w.gt, st, lr, c->beta1, c->beta2, c->eps, c->weight_decay, o->step, scale)
+#define UPDATE(pp, gg, st)                                                                                             \
+    FL_RUN(be, adam8bit_update, pp, o->w.pt, gg, o->w.gt, st, lr, c->beta1, c->beta2, c->eps, c->weight_decay,         \
+           o->step, scale)
 #define TRY8(x) do { if ((s = (x)) != FL_OK) goto done; } while (0)
     for (size_t k = 0; k < 2 * S; k++) hpart[k] = -3.40282347e+38f; /* no part here: the max's identity */
     /* pass 1: each cut part updated on a copy, for its absmax */
@@ -618,8 +619,10 @@ double fl_grad_norm(const fl_model *m) {
     size_t n = fl_model_store_numel(m); /* sharded: this rank's shard only */
     fl_lora_adapters ad;
     double v = 0.0;
-    if (fl_model_lora_adapters(m, &ad)) (void)FL_RUN(m->be, sumsq, ad.grads, FL_F32, ad.numel, &v);
-    else (void)FL_RUN(m->be, sumsq, fl_model_grads_data(m), fl_model_store_dtype(m), n, &v);
+    if (fl_model_lora_adapters(m, &ad))
+        (void)FL_RUN(m->be, sumsq, ad.grads, FL_F32, ad.numel, &v);
+    else
+        (void)FL_RUN(m->be, sumsq, fl_model_grads_data(m), fl_model_store_dtype(m), n, &v);
     return sqrt(v);
 }
 
@@ -633,10 +636,10 @@ static fl_status update_range(const fl_optimizer *o, const fl_backend *be, void 
     void *buf = o->st.buf ? (char *)o->st.buf + st * ses : NULL;
     if (c->kind == FL_OPT_ADAMW)
         return FL_RUN(be, adamw_update, p, o->w.pt, g, o->w.gt, m, v, c->state_dtype, n, lr, c->beta1, c->beta2, c->eps,
-                                c->weight_decay, step, scale);
+                      c->weight_decay, step, scale);
     if (c->kind == FL_OPT_SGD)
         return FL_RUN(be, sgd_update, p, o->w.pt, g, o->w.gt, buf, c->state_dtype, n, lr, c->momentum, c->dampening,
-                              c->weight_decay, c->nesterov, step == 1, scale);
+                      c->weight_decay, c->nesterov, step == 1, scale);
     return fl_errorf(FL_ERR_INTERNAL, "optimizer update: %s is not elementwise", fl_optim_name(c->kind));
 }
 
@@ -681,10 +684,13 @@ static fl_status offload_update(const fl_optimizer *o, size_t a0, size_t n, floa
             FL_TRY(state_range(o, a + len, end - a - len < P ? end - a - len : P, 0));
         }
         if (o->home.hp) {
-            FL_TRY(fl_error_prefix(FL_RUN(be, to_host, o->home.hg, g_at(o, at), len * ges), "CPU offload: gradients to the host"));
-            FL_TRY(fl_error_prefix(FL_RUN(be, to_host, o->home.hp, p, len * pes), "CPU offload: parameters to the host"));
+            FL_TRY(fl_error_prefix(FL_RUN(be, to_host, o->home.hg, g_at(o, at), len * ges),
+                                   "CPU offload: gradients to the host"));
+            FL_TRY(
+                fl_error_prefix(FL_RUN(be, to_host, o->home.hp, p, len * pes), "CPU offload: parameters to the host"));
             FL_TRY(update_range(o, o->home.be, o->home.hp, o->home.hg, a, len, lr, scale, step));
-            FL_TRY(fl_error_prefix(FL_RUN(be, to_device, p, o->home.hp, len * pes), "CPU offload: parameters to the device"));
+            FL_TRY(fl_error_prefix(FL_RUN(be, to_device, p, o->home.hp, len * pes),
+                                   "CPU offload: parameters to the device"));
         } else { /* host memory: in place */
             FL_TRY(update_range(o, o->home.be, p, g_at(o, at), a, len, lr, scale, step));
         }
@@ -777,8 +783,8 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
             if (!o->q8.p_n[i]) continue; /* ZeRO: not in this rank's chunk */
             size_t off = o->w.t_off[i] + o->q8.p_a[i];
             FL_TRY(FL_RUN(be, adam8bit_update, (char *)o->w.p + off * fl_dtype_size(o->w.pt), o->w.pt,
-                                       (const char *)o->w.g + off * fl_dtype_size(o->w.gt), o->w.gt, &o->q8.st[i], lr, c->beta1,
-                                       c->beta2, c->eps, c->weight_decay, o->step, scale));
+                          (const char *)o->w.g + off * fl_dtype_size(o->w.gt), o->w.gt, &o->q8.st[i], lr, c->beta1,
+                          c->beta2, c->eps, c->weight_decay, o->step, scale));
         }
     }
     /* ZeRO: every rank's updated range to every rank before anything reads the weights */
