@@ -392,20 +392,26 @@ t5_sample=$("$FITLLM" finetune_full "${T5E[@]}" --eval.max_new_tokens 5 --out_di
 expect t5_eval_sample_is_generate 0 "" -- bash -c '[ -n "$1" ] && [ "$1" = "$("$2" generate "$3" --prompt "Recommend a movie for me to watch during the weekend and explain the reason." --max_new_tokens 5 --temperature 0.8 --seed 1337 2>/dev/null)" ]' _ "$t5_sample" "$FITLLM" "$T/t5ev/final"
 expect t5_eval_sample_skipped 0 "sample generation skipped: a source of [0-9]+ tokens and eval.max_new_tokens 50 do not fit the training arena's source 40 / target 15 tokens" -- "$FITLLM" finetune_full "${T5E[@]}" --eval.max_new_tokens 50 --out_dir "$T/t5ev2"
 expect t5_eval_sample_trains_nothing 0 "" -- cmp "$T/t5ev/final/model.safetensors" "$T/t5ev2/final/model.safetensors"
-expect t5_finetune_refuses_16true 2 "--precision 16-true: T5 is known to overflow fp16's range" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x1" --precision 16-true
-expect t5_finetune_refuses_qlora 2 "--quantize bnb.nf4 \(QLoRA\): an encoder-decoder" -- "$FITLLM" finetune_lora "${T5A[@]}" --out_dir "$T/t5x2" --quantize bnb.nf4 --precision bf16-true
+expect t5_finetune_refuses_qlora_mixed 2 "quantize 'bnb.nf4' with precision 'bf16-mixed': quantization and mixed precision are not supported together" -- "$FITLLM" finetune_lora "${T5A[@]}" --out_dir "$T/t5x2" --quantize bnb.nf4 --precision bf16-mixed
 expect t5_finetune_refuses_synthetic 2 "trains on input/output pairs: give --data JSON.*--data Synthetic is not supported" -- "$FITLLM" finetune_full --checkpoint_dir "$T/t5m" --init random --out_dir "$T/t5x3"
 # T5 precisions and optimizers (issue 31 item 2): bf16-mixed (tests/test_t5_prec.c: within 2 x PyTorch autocast's
 # bf16 error), 8-bit AdamW, QLoRA on NF4 (the dequantized model's logits and adapter gradients) train and the loss
 # falls; bf16-true (bf16 storage: tests/test_t5_bf16true.c, the bf16-mixed pass's bits and bf16(its gradients)) too,
-# its peaks per tag = plan's; fp16 is refused naming the overflow
+# its peaks per tag = plan's; 16-mixed / 16-true likewise (tests/test_t5_prec.c: within 2 x PyTorch's fp16 autocast
+# error, overflowing steps skipped), QLoRA under 16-true and bf16-true too
 T5Q=(--train.max_steps 12 --train.save_interval 0 --overwrite true)
-for v in bf16mixed bf16true adam8bit qlora; do
+for v in bf16mixed bf16true adam8bit qlora fp16mixed fp16true qlorabf16true qlorafp16true; do
     case $v in
         bf16mixed) cmd=finetune_full; extra=(--precision bf16-mixed) ;;
         bf16true) cmd=finetune_full; extra=(--precision bf16-true) ;;
         adam8bit) cmd=finetune_full; extra=(--optimizer bnb.optim.AdamW8bit) ;;
         qlora) cmd=finetune_lora; extra=(--quantize bnb.nf4-dq --lora_mlp true --optimizer.lr 1e-2) ;;
+        fp16mixed) cmd=finetune_full; extra=(--precision 16-mixed) ;;
+        fp16true) cmd=finetune_full; extra=(--precision 16-true) ;;
+        qlorabf16true) cmd=finetune_lora; extra=(--quantize bnb.nf4-dq --lora_mlp true --lora_query true --lora_value true
+                                                 --optimizer.lr 2e-2 --train.max_steps 20 --precision bf16-true) ;;
+        qlorafp16true) cmd=finetune_lora; extra=(--quantize bnb.fp4 --lora_mlp true --lora_query true --lora_value true
+                                                 --optimizer.lr 2e-2 --train.max_steps 20 --precision 16-true) ;;
     esac
     expect "t5_finetune_$v" 0 "Saved|saved" -- "$FITLLM" $cmd "${T5A[@]}" "${T5Q[@]}" "${extra[@]}" --out_dir "$T/t5$v"
     l=$(awk -F, 'NR > 1 && $4 != "" { print $4 }' "$T/t5$v/logs/metrics.csv" 2>/dev/null)
@@ -418,8 +424,8 @@ t5_measured=$(awk '/^\| peak (PARAMS|GRADS|OPTIM|ACTS|WORKSPACE|OTHER|GATHER) / 
 expect t5_bf16true_peaks_equal_plan 0 "" -- bash -c '[ -n "$1" ] && [ "$1" = "$2" ] || { echo "planned $1 measured $2"; exit 1; }' _ "$t5_planned" "$t5_measured"
 expect t5_bf16true_stores_bf16 0 '"dtype":"BF16"' -- bash -c 'head -c 300 "$1" | tr -d "\\0"' _ "$T/t5bf16true/final/model.safetensors"
 expect t5_finetune_qlora_loads 0 "source \+ 3 new tokens \(greedy" -- "$FITLLM" generate "$T/t5qlora/final" --prompt "question: what colour is the sky?" --max_new_tokens 3 --temperature 0
-expect t5_finetune_refuses_fp16 2 "--precision 16-mixed: T5 is known to overflow fp16's range" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x4" --precision 16-mixed
-expect t5_finetune_refuses_qlora_bf16 2 "QLoRA in 32-true only so far .*got --precision bf16-true" -- "$FITLLM" finetune_lora "${T5A[@]}" --out_dir "$T/t5x5" --quantize bnb.nf4 --precision bf16-true
+expect t5_fp16true_stores_fp16 0 '"dtype":"F16"' -- bash -c 'head -c 300 "$1" | tr -d "\\0"' _ "$T/t5fp16true/final/model.safetensors"
+expect t5_finetune_qlora_fp16true_loads 0 "source \+ 3 new tokens \(greedy" -- "$FITLLM" generate "$T/t5qlorafp16true/final" --prompt "question: what colour is the sky?" --max_new_tokens 3 --temperature 0
 # ZeRO-3 with the optimizer and the parameters offloaded (the sharded store gathered by the encoder-decoder passes
 # unit by unit; one process: each unit copied up from the host tier / NVMe files and its gradient back): the plain
 # run's weights bit for bit
@@ -431,7 +437,7 @@ for st in deepspeed_stage_3_offload fsdp_cpu_offload deepspeed_stage_3_offload_n
 done
 expect t5_finetune_zero3_poff_cpu 0 "Saved|saved" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x6" --strategy deepspeed_stage_3_offload --offload_param_device cpu
 expect t5_finetune_zero3_poff_cpu_bitexact 0 "" -- cmp "$T/t5run/final/model.safetensors" "$T/t5x6/final/model.safetensors"
-expect t5_refuses_fp16_no_folder 2 "--precision 16-true: T5 is known to overflow" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5x7" --precision 16-true
+expect t5_refuses_no_folder 2 "pretrain: an encoder-decoder" -- "$FITLLM" pretrain --model_config "$T/t5m/config.json" --tokenizer_dir "$T/t5m" --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json --out_dir "$T/t5x7"
 expect t5_refused_run_leaves_no_folder 1 "" -- test -e "$T/t5x7/final"
 # a validation split (data.val_split_fraction: LitGPT's random_split, tests/test_s2s.c against torch): the val loss
 # at each evaluation, the final evaluation, val_loss in the metrics
@@ -449,7 +455,7 @@ expect plan_t5_len_options 0 "global batch 16, source 64, target 16," -- "$FITLL
 expect plan_t5_needs_source 2 "an encoder-decoder \(t5-small\) needs a source length: give --seq-len or --data.max_source_length" -- "$FITLLM" plan t5-small --data.max_source_length 0
 expect plan_t5_suggests_source 3 "max_seq_length +fits: --data.max_source_length 881 " -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB
 expect plan_t5_bf16true_variant 3 "bf16-true +does not fit: bf16 parameters" -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB
-expect plan_t5_refused_variant 3 "qlora +not with this run: .*QLoRA\): an encoder-decoder \(t5-small\) runs QLoRA in 32-true only" -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB --precision bf16-mixed
+expect plan_t5_qlora_variant 3 "qlora +does not fit: LoRA on a 4-bit base" -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB --precision bf16-mixed
 expect plan_t5_param_offload_variant 3 "param_offload +does not fit: the parameters, gradients and optimizer state in files" -- "$FITLLM" plan t5-small --seq-len 4096 --target-len 64 --train.micro_batch_size 4 --train.global_batch_size 4 --device-memory 2GB
 expect bench_step_t5 0 "t5, 238592 params, L=2\+2 C=64 .*B=2 source 24 target 16, 32-true" -- "$FITLLM" bench-step t5-micro --micro-batch 2 --seq 16 --source-seq 24 --steps 2 --warmup 1 --threads 2
 expect bench_step_source_seq_decoder_only 1 "--source-seq: micro is not an encoder-decoder" -- "$FITLLM" bench-step micro --source-seq 4 --steps 1
