@@ -325,6 +325,8 @@ for m in "$B2" tests/fixtures/blip2-tiny-t5; do
 done
 expect blip2_step_checkpoint_loads 0 "^loss [0-9.]+  ppl" -- "$FITLLM" loss "$T/b2ra/step-000003" --image "$IMG/palette_45x31.png" --tokens-file "$T/t5src.txt" --target-tokens-file "$T/t5tgt.txt"
 expect blip2_resume_true_newest 0 "Resuming training from .*b2ra/step-000006 \(step 6\)" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --train.max_steps 6 --train.global_batch_size 4 --blip2.train vision,qformer,lm --resume true --out_dir "$T/b2ra"
+# logs/metrics.csv (LitGPT's columns): one row per step; the resume from the last step keeps rows 1-6 once each
+expect blip2_metrics_rows_kept_on_resume 0 "" -- bash -c '[ "$(awk -F, "NR > 1 && \$4 != \"\" { printf \"%s \", \$1 }" "$1")" = "1 2 3 4 5 6 " ]' _ "$T/b2ra/logs/metrics.csv"
 expect blip2_resume_other_parts 2 "training_state.safetensors: saved by a run training other parts \(blip2.train or LoRA changed\)" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --resume "$T/b2ra/step-000003" --out_dir "$T/b2x"
 expect blip2_resume_other_optimizer 2 "saved with optimizer AdamW, this run uses SGD" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --blip2.train vision,qformer,lm --optimizer SGD --resume "$T/b2ra/step-000003" --out_dir "$T/b2x"
 expect blip2_resume_other_data 2 "saved with 14 training records, this run has 11 \(data changed\)" -- "$FITLLM" finetune_full tests/fixtures/blip2-tiny-t5 "${B2RUN[@]}" --blip2.train vision,qformer,lm --data.val_split_fraction 0.25 --resume "$T/b2ra/step-000003" --out_dir "$T/b2x"
@@ -337,6 +339,9 @@ b2out=$("$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --data.val_split_fraction 0.
 expect blip2_val_split 0 "^11 train / 3 val records \(data.val_split_fraction 0.25\)" -- printf '%s\n' "$b2out"
 expect blip2_val_every_interval 0 "" -- bash -c '[ "$(grep -cE "^step [246] val loss [0-9.]+$" <<<"$1")" = 3 ]' _ "$b2out"
 expect blip2_val_final 0 "^Final evaluation \| val loss: [0-9.]+ \| val ppl: [0-9.]+" -- printf '%s\n' "$b2out"
+# metrics.csv of the validated run: 8 step rows (loss, iter_time, learning_rate, the step's caption targets) and the
+# val_loss rows of steps 2, 4, 6 and the final evaluation
+expect blip2_metrics_csv 0 "" -- bash -c 'h=$(head -1 "$1"); [ "${h%%,mem_params*}" = "iter,step,epoch,loss,iter_time,tokens,total_tokens,learning_rate,val_loss,val_ppl,tok_s" ] && [ "$(awk -F, "NR > 1 && \$4 != \"\" && \$5 > 0 && \$6 > 0 && \$8 > 0" "$1" | wc -l)" = 8 ] && [ "$(awk -F, "NR > 1 && \$9 != \"\" { printf \"%s \", \$2 }" "$1")" = "2 4 6 8 " ]' _ "$T/b2val/logs/metrics.csv"
 # the lab's real shapes anywhere: blip2-opt-2.7b at micro batch 8 fits 80 GB (16 is the largest micro-batch of a global
 # 64), 64 at once is out of memory in its activations (the course's baseline 64/1 32-true OOM); refusals name the option
 expect blip2_plan_opt27b_fits 0 "largest micro_batch_size that fits: 16 \(accumulation 4 for global batch 64\)" -- "$FITLLM" plan blip2-opt-2.7b --device-memory 80GB --train.micro_batch_size 8 --train.global_batch_size 64

@@ -130,7 +130,7 @@ static fl_status write_state(b2run *r, const b2pos *p, const char *path, const b
     }
     t[nt++] = (fl_st_write_tensor){.name = "order", .dtype = FL_I64, .ndim = 1, .shape = {(int64_t)r->n_rec},
                                    .data = order, .src_dtype = FL_I64};
-    char v[10][64];
+    char v[11][64];
     snprintf(v[0], sizeof v[0], "%s", B2_FORMAT);
     snprintf(v[1], sizeof v[1], "%ld", p->step);
     snprintf(v[2], sizeof v[2], "%ld", p->epoch);
@@ -144,11 +144,12 @@ static fl_status write_state(b2run *r, const b2pos *p, const char *path, const b
     for (int k = 0; k < FL_BLIP2_PARTS; k++)
         if (r->has_opt[k]) ostep = r->opt[k].step;
     snprintf(v[9], sizeof v[9], "%d", ostep);
-    static const char *const keys[10] = {"format", "step", "epoch", "pos", "epoch_sum", "epoch_n", "parts", "records",
-                                         "optimizer", "optimizer_step"};
-    const char *vals[10];
-    for (int i = 0; i < 10; i++) vals[i] = v[i];
-    fl_status s = fl_st_write(path, t, nt, keys, vals, 10);
+    snprintf(v[10], sizeof v[10], "%lld", p->tokens);
+    static const char *const keys[11] = {"format", "step", "epoch", "pos", "epoch_sum", "epoch_n", "parts", "records",
+                                         "optimizer", "optimizer_step", "tokens"};
+    const char *vals[11];
+    for (int i = 0; i < 11; i++) vals[i] = v[i];
+    fl_status s = fl_st_write(path, t, nt, keys, vals, 11);
     free(order);
     return s;
 }
@@ -274,6 +275,7 @@ fl_status fl_b2t_resume(b2run *r, b2pos *p, int *resumed) {
         p->pos = (size_t)strtoull(meta_of(&f, "pos"), NULL, 10);
         p->epoch_sum = strtod(meta_of(&f, "epoch_sum"), NULL);
         p->epoch_n = atol(meta_of(&f, "epoch_n"));
+        p->tokens = atoll(meta_of(&f, "tokens")); /* absent in an older checkpoint: 0 */
         fl_b2t_say(r, "Resuming training from %s (step %ld)\n", dir, p->step);
         *resumed = 1;
     }

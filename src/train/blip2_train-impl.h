@@ -10,6 +10,7 @@
 #include "fitllm/image.h"
 #include "fitllm/train.h"
 #include "dp.h"
+#include "metrics.h"
 
 typedef struct {
     const fl_run_config *cfg;
@@ -49,6 +50,7 @@ typedef struct {
     fl_backend hbe;
     fl_optim_offload off;
     int opool_ok, hbe_ok;
+    fl_metrics metrics;           /* out_dir/logs/metrics.csv (rank 0 of a run) */
 } b2run;
 
 typedef struct {
@@ -57,6 +59,7 @@ typedef struct {
     double epoch_sum;
     long epoch_n;
     long step; /* optimizer steps done */
+    long long tokens; /* the valid caption targets of every step so far (metrics.csv's total_tokens) */
 } b2pos;
 
 /* What the run prints: rank 0's lines only (DDP), to the options' out (NULL: nothing). */

@@ -434,6 +434,7 @@ static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, 
     *loss = vsum ? lsum / (double)vsum : 0;
     p->epoch_sum += lsum;
     p->epoch_n += vsum;
+    p->tokens += vsum;
     return s;
 }
 
@@ -507,6 +508,16 @@ static void record_step(b2run *r, long k, double ms, double loss) {
     else res->step_ms_mean = k == 1 ? ms : (res->step_ms_mean * (double)(k - 1) + ms) / (double)k;
 }
 
+/* A row of metrics.csv (rank 0): a step's (loss, its time, the LR, its valid targets and their rate) or a
+ * validation's (val_loss), with the pool's bytes per tag now and its peak. */
+static void metrics_row(b2run *r, const b2pos *p, double loss, double secs, double lr, long long tokens, double val) {
+    fl_metrics_values mv = {p->step, p->step, p->epoch, loss, secs, lr, val, secs > 0 ? (double)tokens / secs : NAN,
+                            tokens, p->tokens, {0}, 0, NAN};
+    for (int k = 0; k < 6; k++) mv.mem[k] = (double)r->pool.cur[k];
+    mv.mem_peak = (double)r->pool.peak_total;
+    fl_metrics_row(&r->metrics, &mv);
+}
+
 static fl_status train(b2run *r) {
     const fl_run_config *c = r->cfg;
     int B = 1, accum = 1;
@@ -537,6 +548,9 @@ static fl_status train(b2run *r) {
     int resumed = 0;
     fl_status s = fl_b2t_resume(r, &p, &resumed);
     r->steps_done = p.step;
+    /* logs/metrics.csv (LitGPT's columns; a resumed run keeps the rows up to its checkpoint's step) */
+    if (s == FL_OK && !r->rank) s = fl_fs_mkdir_p(c->out_dir);
+    if (s == FL_OK && !r->rank) s = fl_metrics_open(&r->metrics, c->out_dir, c->logger_name, resumed, resumed ? p.step : -1);
     const long first = p.step;
     for (long it = p.step; s == FL_OK && it < max_steps; it++) {
         const double lr = fl_lr_schedule(c->optimizer.lr, c->train.min_lr, it, warm, max_steps);
@@ -544,15 +558,19 @@ static fl_status train(b2run *r) {
         const int every = c->train.memory_snapshot_interval;
         r->snapline = every > 0 && (it < 2 || (it + 1) % every == 0); /* steps 1, 2 and every N-th */
         const double t0 = now_ms();
+        const long long tok0 = p.tokens;
         s = step(r, &p, B, accum, it, lr, it == first, &loss);
-        if (s == FL_OK) record_step(r, it - first, now_ms() - t0, loss);
+        const double ms = now_ms() - t0;
+        if (s == FL_OK) record_step(r, it - first, ms, loss);
         p.step = it + 1;
+        if (s == FL_OK) metrics_row(r, &p, loss, ms / 1e3, lr, p.tokens - tok0, NAN);
         r->steps_done = p.step;
         if (s == FL_OK && (it % (c->train.log_interval > 0 ? c->train.log_interval : 1) == 0 || it + 1 == max_steps))
             fl_b2t_say(r, "step %ld/%ld loss %.6f lr %.3g\n", it + 1, max_steps, loss, lr);
         if (s == FL_OK && r->n_val && p.step % c->eval.interval == 0 && p.step < max_steps) {
             s = validate(r, B, &vl);
             if (s == FL_OK) fl_b2t_say(r, "step %ld val loss %.6f\n", p.step, vl);
+            if (s == FL_OK) metrics_row(r, &p, NAN, NAN, NAN, p.tokens, vl);
         }
         const int saved = c->train.save_interval > 0 && p.step % c->train.save_interval == 0;
         if (s == FL_OK && saved) s = fl_b2t_save_step(r, &p); /* rank 0 writes (ZeRO: the state gathered first) */
@@ -569,6 +587,8 @@ static fl_status train(b2run *r) {
     if (s == FL_OK && r->n_val && c->eval.final_validation) {
         double vl = 0;
         s = validate(r, B, &vl);
+        if (s == FL_OK) r->res->val_loss = vl;
+        if (s == FL_OK) metrics_row(r, &p, NAN, NAN, NAN, p.tokens, vl);
         if (s == FL_OK) fl_b2t_say(r, "Final evaluation | val loss: %.3f | val ppl: %.3f\n", vl, exp(vl));
     }
     if (s == FL_OK) fl_mem_snapshot(&r->pool, "end");
@@ -589,6 +609,7 @@ static void close_run(b2run *r) {
     free(r->ids), free(r->n_ids);
     fl_img_captions_free(&r->caps);
     fl_blip2_free(r->b);
+    fl_metrics_close(&r->metrics);
     fl_b2t_dist_free(r);
     if (r->pools_ok) fl_backend_pools_free(&r->pool, &r->hpool);
     if (r->be.name && !r->borrowed) fl_backend_free(&r->be);
