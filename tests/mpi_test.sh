@@ -533,7 +533,8 @@ fi
 # of untied models): micro ties lm_head to its token table, so its two gradients are summed across the first and last
 # stage instead of micro-batch by micro-batch, and clipping's norm is a sum over the stages: PP 2 (1F1B), PP 4 (GPipe)
 # and DP 2 x PP 2 train one process's losses within 1e-6 relative at every step, rank 0 alone reports, and the final
-# folder holds the files and the tensor layout one process writes; PP 2's step-2 checkpoint resumes in one process
+# folder holds the files and the tensor layout one process writes, the lead prints the stages' measured times and the
+# schedule simulated on them; PP 2's step-2 checkpoint resumes in one process
 # and continues PP 2's losses within 1e-6; the refusals name the option
 for grid in "2 2 1f1b" "4 4 gpipe" "4 2 1f1b"; do
     set -- $grid
@@ -542,6 +543,7 @@ for grid in "2 2 1f1b" "4 4 gpipe" "4 2 1f1b"; do
     w=$(loss_rel "$T/pp$1-$2-$3" "$T/tp-one" 2>/dev/null)
     if [ $rc -eq 0 ] && [ "$(grep -c "Saved the final model" "$T/out")" = 1 ] \
         && grep -q "^pipeline parallel (EXPERIMENTAL): $2 stages x $(($1 / $2)) pipeline" "$T/out" \
+        && [ "$(grep -cE "^pipeline timing \(EXPERIMENTAL\): forward \+ backward of a micro-batch per stage \(ms\):( [0-9.]+ \+ [0-9.]+){$2}; the $3 schedule on these times: [0-9.]+ ms per step, bubble [0-9.]+%" "$T/out")" = 1 ] \
         && grep -q "^model: micro, 260032 parameters" "$T/out" \
         && [ "$(ls "$T/pp$1-$2-$3/final")" = "$(ls "$T/tp-one/final")" ] \
         && [ "$(stat -c %s "$T/pp$1-$2-$3/final/model.safetensors")" = "$(stat -c %s "$T/tp-one/final/model.safetensors")" ] \

@@ -100,6 +100,12 @@ fl_status fl_pp_optim_attach(fl_pp *p, fl_optimizer *o) {
     return FL_OK;
 }
 
+static double now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+}
+
 /* the arena's micro-batch parked in a free stash slot (one more slot when all are taken) */
 static fl_status park(fl_pp *p, int mb, int *slot_of) {
     int free_slot = -1;
@@ -141,8 +147,11 @@ static fl_status fwd(run *r, int k) {
         FL_TRY(fl_comm_recv(p->comm, p->hx, n, FL_F32, p->stage - 1, TAG_ACT));
         FL_TRY(fl_model_stage_input(m, p->hx, mb->B, mb->T));
     }
+    const double t0 = now_ms();
     FL_TRY(fl_model_forward_body(m, mb->ids, mb->targets, mb->B, mb->T, r->grad_scale));
     FL_TRY(fl_model_forward_head(m, NULL));
+    p->fwd_ms += now_ms() - t0;
+    p->n_fwd++;
     r->live = k;
     if (p->stage < p->stages - 1) {
         FL_TRY(fl_model_stage_output(m, p->hx));
@@ -172,7 +181,10 @@ static fl_status bwd(run *r, int k) {
         FL_TRY(fl_model_stage_dout(m, p->hx));
     }
     if (r->c->dp) fl_dp_buckets_arm(r->c->dp, r->o, k == r->c->n_micro - 1); /* the last backward reduces */
+    const double t0 = now_ms();
     FL_TRY(fl_model_backward(m));
+    p->bwd_ms += now_ms() - t0;
+    p->n_bwd++;
     r->live = -1;
     if (p->stage > 0) {
         FL_TRY(fl_model_stage_dinput(m, p->hx, mb->B, mb->T));
@@ -221,12 +233,6 @@ static fl_status schedule(run *r, const fl_pp_op *ops, int n_ops) {
         if (in_flight > r->p->peak_in_flight) r->p->peak_in_flight = in_flight;
     }
     return FL_OK;
-}
-
-static double now_ms(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
 }
 
 fl_status fl_pp_step_run(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, fl_step_result *res) {
@@ -292,6 +298,8 @@ fl_status fl_pp_step_run(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
     if (s != FL_OK) return s;
     /* the stages interleave the micro-batches: each is given an equal share of the step's time */
     rs.ms_total = now_ms() - t0;
+    p->step_ms += rs.ms_total;
+    p->n_steps++;
     for (int k = 0; c->mb_ms && k < M; k++) c->mb_ms[k] = rs.ms_total / M;
     rs.loss = loss_sum / (double)c->step_valid;
     rs.n_valid = c->step_valid;
@@ -300,6 +308,23 @@ fl_status fl_pp_step_run(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
     rs.loss_scale = o->amp.on ? fl_loss_scale_value(&o->amp.ls) : 0.0f;
     if (res) *res = rs;
     return FL_OK;
+}
+
+fl_status fl_pp_timing(fl_pp *p, double *fwd, double *bwd, double *step_ms) {
+    const int S = p->stages;
+    /* per stage: its means (forward, backward, step), all-gathered as the bits of doubles */
+    double mine[3] = {p->n_fwd ? p->fwd_ms / p->n_fwd : 0, p->n_bwd ? p->bwd_ms / p->n_bwd : 0,
+                      p->n_steps ? p->step_ms / p->n_steps : 0};
+    double *all = malloc((size_t)3 * S * sizeof *all);
+    if (!all) return fl_errorf(FL_ERR_OOM, "pipeline timing: out of host memory");
+    fl_status s = fl_comm_all_gather(p->comm, mine, all, (size_t)6 * S, FL_F32);
+    *step_ms = 0;
+    for (int k = 0; s == FL_OK && k < S; k++) {
+        fwd[k] = all[3 * k], bwd[k] = all[3 * k + 1];
+        if (all[3 * k + 2] > *step_ms) *step_ms = all[3 * k + 2]; /* the slowest stage's view of the step */
+    }
+    free(all);
+    return fl_error_prefix(s, "pipeline timing");
 }
 
 fl_status fl_pp_eval(fl_pp *p, const int32_t *ids, const int32_t *targets, int B, int T) {

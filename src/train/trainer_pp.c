@@ -74,20 +74,22 @@ void fl_tr_pp_end(trainer *t) {
     t->pp.grp = t->pp.dpc = NULL;
 }
 
-/* this stage's blocks [first, last) of a model of n_layers (the balanced split) */
-static fl_status stage_range(trainer *t, int n_layers) {
-    int first[65];
+/* the stages' blocks, balanced by the planner's per-block cost (fl_pp_block_costs: the head's FLOPs on the last
+ * block) at the run's sequence length (train.max_seq_length, else the model's context): every rank computes the same
+ * split from the same config, and the checkpoints gather by it */
+static fl_status stage_range(trainer *t, const fl_model_config *whole) {
     if (t->pp.size > 64) return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: at most 64 stages", t->pp.size);
-    FL_TRY(fl_pp_split(n_layers, NULL, t->pp.size, first));
-    t->pp.first = first[t->pp.stage];
-    t->pp.last = first[t->pp.stage + 1];
+    const int T = t->cfg->train.max_seq_length > 0 ? t->cfg->train.max_seq_length : whole->max_seq;
+    FL_TRY(fl_pp_split_model(whole, T, t->pp.size, t->pp.split));
+    t->pp.first = t->pp.split[t->pp.stage];
+    t->pp.last = t->pp.split[t->pp.stage + 1];
     return FL_OK;
 }
 
 /* the planner's rehearsal: the stage of the given shape made directly (no whole copy: it is outside the pool) */
 static fl_status plan_stage(trainer *t, const fl_model_config *given) {
     fl_model_config sc;
-    FL_TRY(stage_range(t, given->n_layers));
+    FL_TRY(stage_range(t, given));
     FL_TRY(fl_pp_stage_config(given, t->pp.first, t->pp.last, &sc));
     t->pp.whole = *given;
     FL_TRY(fl_model_init_ex(&t->model, &sc, &t->hw.be, &t->hw.pool, &t->stg));
@@ -103,7 +105,7 @@ fl_status fl_tr_pp_load(trainer *t, const fl_model_config *given) {
     fl_status s = fl_backend_pools_init(&t->hw.be, &w.pool, &w.hpool, "pipeline parallel (whole model)", 0);
     w.pool_ok = s == FL_OK;
     if (s == FL_OK) s = fl_tr_load_model(t, given, &w.m, &w.pool, &w.m_ok);
-    if (s == FL_OK) s = stage_range(t, w.m.cfg.n_layers);
+    if (s == FL_OK) s = stage_range(t, &w.m.cfg);
     fl_model_config sc;
     if (s == FL_OK) s = fl_pp_stage_config(&w.m.cfg, t->pp.first, t->pp.last, &sc);
     if (s == FL_OK) {
@@ -208,13 +210,11 @@ static fl_status pp_save(trainer *t, int lead, const char *name, const fl_optimi
         free(buf);
         return s;
     }
-    int first[65];
     tp_whole w;
     memset(&w, 0, sizeof w);
-    s = fl_pp_split(t->pp.whole.n_layers, NULL, t->pp.size, first);
-    if (s == FL_OK) s = fl_tr_whole_make(t, &w, &t->pp.whole, o);
+    s = fl_tr_whole_make(t, &w, &t->pp.whole, o);
     for (int k = 0; s == FL_OK && k < t->pp.size; k++)
-        s = take_stage(t, &w, k, first, k == 0 ? &t->model : NULL, k == 0 ? o : NULL, buf, dt);
+        s = take_stage(t, &w, k, t->pp.split, k == 0 ? &t->model : NULL, k == 0 ? o : NULL, buf, dt);
     free(buf);
     if (s == FL_OK && o) {
         w.o.step = o->step;
@@ -273,4 +273,30 @@ void fl_tr_pp_print(const trainer *t) {
             "checkpoints; no sample generation\n",
             t->pp.size, t->dp.world, t->dp.world == 1 ? "" : "s", t->cfg->pipeline_schedule, t->sch.accum, t->pp.first,
             t->pp.last, t->pp.whole.n_layers);
+}
+
+/* The end of a run: the stages' measured compute per micro-batch, the schedule simulated on those times (the step
+ * the pipeline could take with free sends, and its bubble) beside the measured step, and a block's time (a stage's
+ * compute over its cost in blocks, the slowest stage's) that `plan --block-ms` turns into an expected step time. */
+fl_status fl_tr_pp_report(trainer *t) {
+    if (t->pp.size <= 1 || !t->pp.rt_ok) return FL_OK;
+    const int S = t->pp.size;
+    double fwd[64], bwd[64], step = 0, span = 0, bubble = 0;
+    FL_TRY(fl_pp_timing(&t->pp.rt, fwd, bwd, &step));
+    if (!t->out || t->pp.rt.n_steps == 0) return FL_OK;
+    FL_TRY(fl_pp_simulate(t->pp.rt.kind, S, t->sch.accum, fwd, bwd, &span, &bubble));
+    fl_pp_estimate e;
+    const int T = t->cfg->train.max_seq_length > 0 ? t->cfg->train.max_seq_length : t->pp.whole.max_seq;
+    FL_TRY(fl_pp_estimate_step(&t->pp.whole, T, S, t->sch.accum, t->pp.rt.kind, &e));
+    double block = 0;
+    for (int s = 0; s < S; s++) {
+        const double b = (fwd[s] + bwd[s]) / (e.fwd[s] + e.bwd[s]);
+        if (b > block) block = b;
+    }
+    fprintf(t->out, "pipeline timing (EXPERIMENTAL): forward + backward of a micro-batch per stage (ms):");
+    for (int s = 0; s < S; s++) fprintf(t->out, " %.3f + %.3f", fwd[s], bwd[s]);
+    fprintf(t->out, "; the %s schedule on these times: %.3f ms per step, bubble %.1f%%; measured %.3f ms per step "
+            "(with the sends, waits, the losses' broadcast and the update); a block's forward + backward %.3f ms "
+            "(plan --block-ms)\n", t->cfg->pipeline_schedule, span, 100 * bubble, step, block);
+    return FL_OK;
 }
