@@ -53,17 +53,23 @@ static fl_status sum_stages(fl_comm *c, double v, double *out) {
     return s;
 }
 
-/* the whole model's squared gradient norm: each stage's trained entries (under DDP every data-parallel rank holds
- * the same reduced gradient), summed over the stages */
+/* the whole model's squared gradient norm: each stage's trained entries, summed over the stages. Under DDP every
+ * data-parallel rank holds the same reduced gradient; under ZeRO-1/2 a rank adds the part of each entry in its chunk
+ * [off, off + len) of the stage's buffer (ZeRO-2 holds no other reduced gradient) and the axis sums the chunks in
+ * rank order first */
 static fl_status pp_grad_sumsq(void *ud, const fl_optimizer *o, double *out) {
     const fl_pp *p = ud;
     const fl_model *m = p->m;
     const size_t es = fl_dtype_size(o->w.gt);
+    const int zero = p->inner && p->inner->stage > 0;
+    const size_t c0 = zero ? o->shard.off : 0, c1 = zero ? o->shard.off + o->shard.len : o->w.n;
     double v = 0;
-    for (int i = 0; i < m->layout.n; i++)
-        if (fl_pp_stage_owns(m, i))
-            v += m->be->sumsq(m->be, (const char *)o->w.g + m->layout.params[i].offset * es, o->w.gt,
-                              m->layout.params[i].numel);
+    for (int i = 0; i < m->layout.n; i++) {
+        const fl_param_info *e = &m->layout.params[i];
+        const size_t a = e->offset > c0 ? e->offset : c0, b = e->offset + e->numel < c1 ? e->offset + e->numel : c1;
+        if (fl_pp_stage_owns(m, i) && a < b) v += m->be->sumsq(m->be, (const char *)o->w.g + a * es, o->w.gt, b - a);
+    }
+    if (zero) FL_TRY(p->inner->sum(p->inner->ud, &v, 1));
     return fl_error_prefix(sum_stages(p->comm, v, out), "pipeline: the gradient norm");
 }
 
@@ -75,16 +81,28 @@ static fl_status pp_any(void *ud, int *flag) {
     return FL_OK;
 }
 
+/* the data-parallel hooks (DDP, ZeRO-1/2) under the pipeline's: a sum is the whole grid's (the axis, then the
+ * stages): its users decide for every rank (ZeRO-2's overflow verdict) */
 static fl_status inner_sum(void *ud, double *v, int n) {
     const fl_pp *p = ud;
-    return p->inner->sum(p->inner->ud, v, n);
+    FL_TRY(p->inner->sum(p->inner->ud, v, n));
+    for (int k = 0; k < n; k++) FL_TRY(fl_error_prefix(sum_stages(p->comm, v[k], &v[k]), "pipeline: a sum"));
+    return FL_OK;
+}
+static fl_status inner_gather(void *ud, fl_optimizer *o) {
+    const fl_optim_dist *in = ((const fl_pp *)ud)->inner;
+    return in->gather ? in->gather(in->ud, o) : FL_OK;
+}
+static fl_status inner_max(void *ud, float *v, size_t n) {
+    const fl_optim_dist *in = ((const fl_pp *)ud)->inner;
+    return in->max(in->ud, v, n);
 }
 
 fl_status fl_pp_optim_attach(fl_pp *p, fl_optimizer *o) {
     const fl_optim_dist *in = o->shard.dist;
-    if (in && (in->stage > 0 || in->grad_sumsq))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: the data-parallel axis runs DDP only so far (its "
-                         "optimizer is at ZeRO stage %d)", p->stages, in->stage);
+    if (in && (in->stage > 2 || in->grad_sumsq))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: the data-parallel axis runs DDP, ZeRO-1 or ZeRO-2 "
+                         "(its optimizer is at stage %d)", p->stages, in->stage);
     if (o->w.n != p->m->layout.numel || o->w.p != fl_model_params_data(p->m))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: the optimizer must train the stage's parameters "
                          "(not LoRA adapters)", p->stages);
@@ -92,8 +110,9 @@ fl_status fl_pp_optim_attach(fl_pp *p, fl_optimizer *o) {
     memset(&p->dist, 0, sizeof p->dist);
     p->dist.world = in ? in->world : 1;
     p->dist.rank = in ? in->rank : 0;
+    p->dist.stage = in ? in->stage : 0;
     p->dist.ud = p;
-    if (in) p->dist.sum = inner_sum;
+    if (in) p->dist.sum = inner_sum, p->dist.gather = inner_gather, p->dist.max = inner_max;
     p->dist.grad_sumsq = pp_grad_sumsq;
     p->dist.any = pp_any;
     o->shard.dist = &p->dist;
@@ -193,6 +212,18 @@ static fl_status bwd(run *r, int k) {
     return FL_OK;
 }
 
+/* ZeRO-2: a rank holds the reduced gradient of its chunk [off, off + len) of the stage's buffer alone, and the first
+ * and last stage's chunks cut the table at different places (their layouts differ): the table's reduced gradient
+ * a[0 .. n) (at element off0 of the buffer) made whole on every rank of the axis, each rank's part kept, the rest
+ * zeroed and the axis summed (x + 0 == x: the same bits as the all-reduce DDP runs) */
+static fl_status whole_reduced(fl_pp *p, const fl_optimizer *o, float *a, size_t off0, size_t n) {
+    const fl_dp *dp = p->inner->ud;
+    const size_t c0 = o->shard.off, c1 = o->shard.off + o->shard.len;
+    for (size_t k = 0; k < n; k++)
+        if (off0 + k < c0 || off0 + k >= c1) a[k] = 0;
+    return dp->comm ? fl_comm_all_reduce(dp->comm, a, a, n, FL_F32, FL_COMM_SUM) : FL_OK;
+}
+
 /* Tied embeddings: the first stage's gradient of the token table (its embeddings') and the last stage's (its
  * head's) swapped and added (a + b == b + a in IEEE arithmetic: both get the same bits), so both copies update
  * alike. One process adds the two micro-batch by micro-batch, so this sum differs from it by rounding. */
@@ -209,6 +240,7 @@ static fl_status tied_sum(fl_pp *p, fl_optimizer *o) {
     fl_status s = a && b && raw ? FL_OK : fl_errorf(FL_ERR_OOM, "pipeline: out of host memory (tied embeddings)");
     if (s == FL_OK) s = m->be->to_host(m->be, raw, g, n * es);
     if (s == FL_OK) fl_convert(a, FL_F32, raw, o->w.gt, n);
+    if (s == FL_OK && p->inner && p->inner->stage == 2) s = whole_reduced(p, o, a, m->layout.params[i].offset, n);
     if (s == FL_OK) s = fl_comm_send(p->comm, a, n, FL_F32, peer, TAG_TIED);
     if (s == FL_OK) s = fl_comm_recv(p->comm, b, n, FL_F32, peer, TAG_TIED);
     for (size_t k = 0; s == FL_OK && k < n; k++) a[k] += b[k];

@@ -209,6 +209,9 @@ fl_status fl_tr_pp_save(trainer *t, int lead, const char *name, const fl_optimiz
 fl_status fl_tr_pp_ckpt_load(trainer *t, const char *path);
 void fl_tr_pp_end(trainer *t);
 void fl_tr_pp_print(const trainer *t);
+/* The stage's or slice's whole state array arr of o into host memory *full (malloc'd): ZeRO's chunks all-gathered
+ * over the data axis (a collective of it), else a copy. */
+fl_status fl_tr_state_whole(const fl_optimizer *o, fl_comm *axis, const void *arr, fl_dtype dt, void **full);
 /* At the end of a run (every rank of the grid): the measured stage times and the schedule on them (the lead prints). */
 fl_status fl_tr_pp_report(trainer *t);
 /* The model of load_model (trainer_setup.c) into m from pool (*ok: m is to be freed). */
