@@ -640,6 +640,16 @@ expect pp_unknown_schedule 2 "--pipeline_schedule 'interleaved': expected gpipe 
 expect pp_plan_stage 0 "pipeline parallel 2 \(EXPERIMENTAL, schedule 1f1b\): rank 1 is stage 1" -- \
     "$FITLLM" plan micro --devices 2 --pipeline_parallel 2 --rank 1
 expect pp_help_experimental 0 "pipeline_parallel.*EXPERIMENTAL" -- "$FITLLM" finetune_full --help
+# the plan's pipeline step: the split by the blocks' training FLOPs (micro's lm_head puts block 4 alone on the last
+# stage), the bubble and the expected step in block times, in ms with --block-ms; a bad --block-ms refused
+PPPLAN=(plan micro --devices 4 --pipeline_parallel 4 --pipeline_schedule gpipe --strategy ddp --train.micro_batch_size 2
+        --train.global_batch_size 8 --train.max_seq_length 48)
+expect pp_plan_split_by_cost 0 "blocks per stage \(balanced by training FLOPs at T = 48, lm_head's on the last\): \[0, 1\) \[1, 2\) \[2, 4\) \[4, 5\)" -- \
+    "$FITLLM" "${PPPLAN[@]}"
+expect pp_plan_bubble 0 "pipeline: expected step [0-9.]+ block times \(.*\), bubble [0-9.]+% \(equal stages: 42.9%\)" -- \
+    "$FITLLM" "${PPPLAN[@]}"
+expect pp_plan_block_ms 0 "pipeline: expected step [0-9.]+ ms .* at --block-ms" -- "$FITLLM" "${PPPLAN[@]}" --block-ms 6
+expect pp_plan_block_ms_refused 2 "--block-ms: '0' is not a positive time in milliseconds" -- "$FITLLM" "${PPPLAN[@]}" --block-ms 0
 # --bucket_size: ZeRO-2 offload of a 7B model at micro 4 over 4 MPI ranks planned a 19.99 GiB WORKSPACE peak (the
 # whole buffer's reduce-scatter scratch, 3/4 of 25.1 GiB of gradients); in buckets of 256 MiB (the default) 1.57 GiB
 expect plan_bucket_bounds_zero2_workspace 0 "^peak +reserved +25\.10 GiB +25\.10 GiB +0 B +64\.84 GiB +1\.57 GiB" -- \
