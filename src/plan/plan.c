@@ -184,6 +184,7 @@ typedef struct {
     int rank;            /* the rank planned (ZeRO: ranks differ by their chunk) */
     int cuda;            /* plan for the CUDA backend's scratch and widening */
     int comm_threads;    /* the ranks are threads (fl_plan_opts.comm_threads): no reduction scratch */
+    size_t *rank_peaks, *rank_host_peaks; /* fl_plan_opts': every rank's peaks of the run without a budget */
 } plan_ctx;
 
 /* The snapshot an allocation that fails before snapshot i precedes (one process; several ranks
@@ -268,6 +269,8 @@ static fl_status rehearse_rank(fl_comm *comm, int rank, void *ud) {
     const int me = rank == k->x->rank;
     fl_trainer_result r;
     fl_status s = rehearse_on_null(k->x, k->v, comm, me ? k->budget : 0, k->B, k->accum, &r);
+    if (!k->budget && s == FL_OK && k->x->rank_peaks) /* every rank's own need (fl_plan_opts.rank_peaks) */
+        k->x->rank_peaks[rank] = r.peak_total, k->x->rank_host_peaks[rank] = r.host_peak_total;
     if (me) {
         k->s = s;
         k->r = r;
@@ -636,6 +639,9 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     x.rank = p->rank;
     x.cuda = opts.cuda;
     x.comm_threads = opts.comm_threads;
+    x.rank_peaks = opts.rank_peaks, x.rank_host_peaks = opts.rank_host_peaks;
+    if (!x.rank_peaks != !x.rank_host_peaks)
+        return fl_errorf(FL_ERR_INVALID, "plan: rank_peaks and rank_host_peaks go together");
     FL_TRY(resolve_model(c, &x.mc, p->model_source, sizeof p->model_source));
     p->model = x.mc;
     p->n_params = fl_sizing_param_count(&x.mc);
