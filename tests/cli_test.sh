@@ -567,6 +567,10 @@ expect plan_suggest_grid_refusals 0 " 1 +8 +1 .*not with this run: --tensor_para
     "$FITLLM" plan --suggest "${GRID[@]}" --device-memory 3MiB
 expect plan_suggest_grid_none 3 "suggested grid: none fits" -- "$FITLLM" plan --suggest "${GRID[@]}" --device-memory 1MiB
 expect plan_suggest_grid_no_memory 2 "each rank's memory is needed \(--device-memory SIZE" -- "$FITLLM" plan --suggest "${GRID[@]}"
+# the lab's grid rows (full suite): lab-7b, which no single 298 MiB device holds, split by TP 2 and PP 2; each rank's
+# measured peak equals its plan (PP: the largest stage's)
+expect lab_grid_rows 0 "tp-2 +lab-7b +1x4x2 +32-true +AdamW +fits +yes +([0-9.]+) +\1 .*pp-2 +lab-7b +1x4x2 +32-true +AdamW +fits +yes +[0-9.]+-([0-9.]+) +\2 " -- \
+    bash -c "'$FITLLM' lab --only tp-2,pp-2 --steps 1 --out_dir '$T/lab-grid' | tr '\n' ' '"
 expect plan_suggest_and_largest 2 "--largest and --suggest are two questions" -- "$FITLLM" plan --suggest --largest "${GRID[@]}" \
     --device-memory 3MiB
 expect plan_largest_needs_host_memory 2 "a CPU machine needs its host memory \(--host-memory SIZE\)" -- "$FITLLM" plan --largest tiny

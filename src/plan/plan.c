@@ -50,6 +50,8 @@ static const fl_plan_technique k_tech[] = {
      "ZeRO-3 with the parameters' and gradients' shards in host memory (or NVMe files), each unit fetched ahead of its use"},
     {"ddp", 1, "mpirun -np N fitllm ... --devices N (--strategy ddp)", "each rank holds everything; the lab runs its ranks as threads of one process"},
     {"fsdp", 1, "mpirun -np N fitllm ... --devices N --strategy fsdp", "FULL_SHARD / ZeRO-3: parameters, gradients and optimizer state divided by the ranks, units gathered block by block"},
+    {"tensor_parallel", 1, "mpirun -np N fitllm ... --devices N --tensor_parallel N", "Megatron-style: heads, MLP columns and the vocabulary split over the group; the lab runs its ranks as threads"},
+    {"pipeline_parallel", 1, "mpirun -np N fitllm ... --devices N --pipeline_parallel N", "contiguous block ranges per stage, micro-batches through the stages (GPipe / 1F1B)"},
 };
 #define N_TECH (int)(sizeof k_tech / sizeof k_tech[0])
 
