@@ -584,6 +584,21 @@ expect plan_largest_gpu 0 "open-llama-13b +13.02 B parameters: fits --strategy d
     "$FITLLM" plan --largest tiny --accelerator cuda --device-memory 24GB --host-memory 128GB --precision bf16-true \
     --train.micro_batch_size 1 --train.max_seq_length 512
 expect plan_largest_none 3 "largest model that fits: none of the presets" -- "$FITLLM" plan --largest tiny --host-memory 1GB --disk 1GB
+# the DP x TP x PP grid for micro on 8 CPU ranks of 3 MiB under DDP (DP 8 needs 4.86 MiB, PP 2 3.59, TP 2 2.52, TP 4 1.35:
+# tests/test_plan_grid.c checks each against the per-rank plans); TP 8 and PP 8 are refused with the trainer's words
+GRID=(micro --devices 8 --strategy ddp --train.micro_batch_size 1 --train.global_batch_size 16 --train.max_seq_length 33)
+expect plan_suggest_grid 0 "suggested grid: DP 4 x TP 2 x PP 1: --tensor_parallel 2 \(largest rank 0 needs 2.52 MiB\)" -- \
+    "$FITLLM" plan --suggest "${GRID[@]}" --device-memory 3MiB
+expect plan_suggest_grid_refusals 0 " 1 +8 +1 .*not with this run: --tensor_parallel 8: the model's 4 key/value heads" -- \
+    "$FITLLM" plan --suggest "${GRID[@]}" --device-memory 3MiB
+expect plan_suggest_grid_none 3 "suggested grid: none fits" -- "$FITLLM" plan --suggest "${GRID[@]}" --device-memory 1MiB
+expect plan_suggest_grid_no_memory 2 "each rank's memory is needed \(--device-memory SIZE" -- "$FITLLM" plan --suggest "${GRID[@]}"
+# the lab's grid rows (full suite): lab-7b, which no single 298 MiB device holds, split by TP 2 and PP 2; each rank's
+# measured peak equals its plan (PP: the largest stage's)
+expect lab_grid_rows 0 "tp-2 +lab-7b +1x4x2 +32-true +AdamW +fits +yes +([0-9.]+) +\1 .*pp-2 +lab-7b +1x4x2 +32-true +AdamW +fits +yes +[0-9.]+-([0-9.]+) +\2 " -- \
+    bash -c "'$FITLLM' lab --only tp-2,pp-2 --steps 1 --out_dir '$T/lab-grid' | tr '\n' ' '"
+expect plan_suggest_and_largest 2 "--largest and --suggest are two questions" -- "$FITLLM" plan --suggest --largest "${GRID[@]}" \
+    --device-memory 3MiB
 expect plan_largest_needs_host_memory 2 "a CPU machine needs its host memory \(--host-memory SIZE\)" -- "$FITLLM" plan --largest tiny
 expect plan_largest_bad_disk 2 "--disk" -- "$FITLLM" plan --largest tiny --host-memory 8GB --disk lots
 expect offload_param_device_needs_zero3_offload 2 "offload_param_device cpu offloads ZeRO-3's parameter shards.*strategy is 'deepspeed_stage_3'" -- \

@@ -99,7 +99,11 @@ fl_status fl_tp_cross_entropy(fl_model *m, float *loss, float *dlogits, const fl
     fl_status s = h && l && mine && all ? FL_OK : fl_errorf(FL_ERR_OOM, "tensor parallel: out of host memory for the "
                                                             "cross-entropy's logits chunk");
     if (s == FL_OK) s = FL_RUN(be, to_host, h, logits, (size_t)rows * n * sizeof *h);
-    for (int i = 0; s == FL_OK && i < rows; i++) {
+    /* the planner's null backend discards: its logits are no numbers, so the statistics' exp over every column (a 7B
+     * plan's whole cost) are skipped; the group's all-gather still runs, as its scratch is the run's */
+    const int compute = !fl_backend_discards(be);
+    if (!compute) memset(mine, 0, (size_t)rows * 3 * sizeof *mine);
+    for (int i = 0; compute && s == FL_OK && i < rows; i++) {
         const float *x = h + (size_t)i * n;
         float mx = -INFINITY;
         for (int v = 0; v < n; v++) mx = x[v] > mx ? x[v] : mx;
@@ -118,7 +122,7 @@ fl_status fl_tp_cross_entropy(fl_model *m, float *loss, float *dlogits, const fl
                 if (k == me) memcpy(a, mine + 3 * i, 3 * sizeof *a);
                 else a[0] = -INFINITY, a[1] = a[2] = 0;
             }
-    for (int i = 0; s == FL_OK && i < rows; i++) {
+    for (int i = 0; compute && s == FL_OK && i < rows; i++) {
         const int tg = targets[i];
         float *dx = h + (size_t)i * n;
         if (tg == FL_IGNORE_INDEX) {
@@ -139,6 +143,7 @@ fl_status fl_tp_cross_entropy(fl_model *m, float *loss, float *dlogits, const fl
         for (int v = 0; v < n; v++) dx[v] = grad_scale * (float)exp((double)dx[v] - lse);
         if (owner == me) dx[tg - lo] -= grad_scale;
     }
+    if (!compute) memset(l, 0, (size_t)rows * sizeof *l);
     if (s == FL_OK) s = FL_RUN(be, to_device, loss, l, (size_t)rows * sizeof *l);
     if (s == FL_OK && dlogits) s = FL_RUN(be, to_device, dlogits, h, (size_t)rows * n * sizeof *h);
     free(h), free(l), free(mine), free(all);
