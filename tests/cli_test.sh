@@ -938,6 +938,16 @@ expect lab_real_text_T 0 "longest input 512" -- "$FITLLM" finetune_full micro --
     --data.train_data_path "$T/labreal4/runs/real-scale-text" --train.max_seq_length 1025 --train.max_steps 1 \
     --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/labreal5"
 expect lab_real_report 0 "" -- bash -c "grep -q '^## Scale: real' '$T/labreal/report.md' && grep -q '\"scale\": \"real\"' '$T/labreal/results.json' && grep -q 'real scale: tinyllama-1.1b' <('$FITLLM' lab --scale real --only ddp --out_dir '$T/labreal2')"
+# issue 33: the rows on the course's own data (--data: Alpaca-style records; at --scale real the recipes'
+# data/alpaca2k/alpaca2k.json when the working directory has it): short records make batches shorter than T (the
+# metrics' tokens), the real scale plans at max_seq_length 512 with the given tokenizer; bad paths name themselves
+printf '[{"instruction": "Say hi.", "input": "", "output": "hi"}, {"instruction": "Add 1 and 2.", "input": "", "output": "3"}]\n' >"$T/lab-short.json"
+expect lab_data_rows 0 "the rows fine-tune on .*lab-short.json \(tokenizer: the built-in +bytes\).* reduced-batch +fits" -- bash -c "'$FITLLM' lab --only reduced-batch --steps 1 --data '$T/lab-short.json' --keep-runs --out_dir '$T/labdata' | tr '\n' ' '"
+expect lab_data_tokens 0 "" -- bash -c "awk -F, 'NR == 2 { exit !(\$6 > 0 && \$6 < 8 * 62) }' '$T/labdata/runs/reduced-batch/logs/metrics.csv'"
+expect lab_data_auto 0 "real scale: the rows fine-tune on data/alpaca2k/alpaca2k.json \(tokenizer: .*llama2-tokenizer\), each sample cut +to +max_seq_length +512" -- bash -c "mkdir -p '$T/labauto/data/alpaca2k' && cp '$T/lab-short.json' '$T/labauto/data/alpaca2k/alpaca2k.json' && cd '$T/labauto' && '$(readlink -f "$FITLLM")' lab --scale real --plan-only --only reduced-batch --tokenizer '$(readlink -f "$DATA")/llama2-tokenizer' --out_dir '$T/labauto/out' | tr '\n' ' '"
+expect lab_data_missing 1 "lab --data .*/nope.json: no such file" -- "$FITLLM" lab --only baseline --data "$T/nope.json" --out_dir "$T/labdx"
+expect lab_tokenizer_alone 2 "lab --tokenizer .*: only with --data" -- "$FITLLM" lab --only baseline --tokenizer "$T" --out_dir "$T/labdx"
+expect lab_data_fsdp 2 "lab --data / --tokenizer: the quick and full suites' rows" -- "$FITLLM" lab --suite fsdp --only b1 --data "$T/lab-short.json" --out_dir "$T/labdx"
 t0=$(date +%s)
 expect lab_quick 0 "wrote" -- "$FITLLM" lab --suite quick --steps 2 --out_dir "$T/lab"
 echo "     (quick suite: $(( $(date +%s) - t0 )) s)"

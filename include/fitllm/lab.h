@@ -101,6 +101,12 @@ typedef struct {
                             * instead of the model's load and random init */
     int plan_only;         /* 1: no row trains: each row's verdict and memory are its plan's (seconds for the whole
                             * suite at any scale; `--plan-only`) */
+    const char *data;      /* quick/full suites: the course's own data, an Alpaca-style JSON / JSONL file (the recipes'
+                            * data/alpaca2k/alpaca2k.json) the rows fine-tune on instead of Synthetic, each sample cut
+                            * to max_seq_length (real scale: the course's 512; lab scale: T + 1); NULL = at the real
+                            * scale data/alpaca2k/alpaca2k.json when it is present in the working directory, else none */
+    const char *tokenizer; /* with data: the tokenizer folder (the real model's, e.g. TinyLlama's); NULL = the built-in
+                            * bytes (each byte a token: samples about 4x longer than with the LLaMA tokenizer) */
 } fl_lab_opts;
 
 void fl_lab_opts_default(fl_lab_opts *o);
@@ -223,6 +229,8 @@ typedef struct {
     char text_dir[4200];       /* real scale: TextFiles folder of byte text the rows train on (every sample
                                 * ref_T + 1 tokens: Synthetic's records are ~200 tokens, so the run's T would be
                                 * theirs, not ref_T); "" at lab scale (Synthetic, whose samples are longer than T) */
+    char data[4096];           /* fl_lab_opts.data as used ("" = synthetic): the rows' Alpaca-style JSON */
+    char tokenizer[4096];      /* with data: its tokenizer folder ("" = the built-in bytes) */
 } fl_lab_report;
 
 /* LLaMA shapes, a full fine-tune with AdamW at precision (else FL_ERR_UNSUPPORTED naming what is not modelled). */

@@ -55,6 +55,11 @@ static void help(void) {
            "                    draw from (Alpaca's measured lengths: median 118, p95 320, max 406 tokens); each\n"
            "                    micro batch is padded to its longest sample, no packing; fixed: every sample 1025\n"
            "                    tokens (T = 1024)\n"
+           "  --data FILE       (default: at --scale real, data/alpaca2k/alpaca2k.json when the working directory\n"
+           "                    has it, else synthetic)  quick/full: the rows fine-tune on this Alpaca-style JSON /\n"
+           "                    JSONL file (the course's Alpaca2k), each sample cut to max_seq_length (real scale:\n"
+           "                    512; lab scale: T + 1), padded to the micro batch's longest\n"
+           "  --tokenizer DIR   (default: the built-in bytes)  with --data: the tokenizer folder (the real model's)\n"
            "  --peer pytorch    (default off)  quick/full: beside each lab row (at the real scale) and each of the\n"
            "                    course's runs, what PyTorch (HF Llama, sdpa; the row's optimizer, autocast, HF\n"
            "                    checkpointing, PEFT LoRA, bitsandbytes NF4) would need: parameters, gradients,\n"
@@ -98,6 +103,11 @@ int fl_cmd_lab(int argc, char **argv) {
             if (!v || strcmp(v, "pytorch")) return fl_cli_usage(cmd, "--peer: '%s' is not pytorch", v ? v : "");
             o.peer = v;
             i++;
+        } else if (!strcmp(a, "--data") || !strcmp(a, "--tokenizer")) {
+            if (!v || !*v) return fl_cli_usage(cmd, "%s needs a %s", a, a[2] == 'd' ? "JSON file" : "folder");
+            if (a[2] == 'd') o.data = v;
+            else o.tokenizer = v;
+            i++;
         } else if (!strcmp(a, "--lengths")) {
             if (!v || !*v) return fl_cli_usage(cmd, "--lengths needs a length table (quantile<TAB>length lines) or fixed");
             o.lengths = v;
@@ -133,7 +143,7 @@ int fl_cmd_lab(int argc, char **argv) {
             o.real_scale = !strcmp(v, "real");
             i++;
         }
-        else return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--help", "--fsdp.backward_prefetch", "--keep-runs", "--lengths", "--model", "--peer", "--only", "--plan-only", "--out_dir", "--peak-tflops", "--precision", "--run-oom", "--scale", "--steps", "--suite", "--threads", NULL});
+        else return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--data", "--help", "--fsdp.backward_prefetch", "--keep-runs", "--lengths", "--model", "--peer", "--only", "--plan-only", "--out_dir", "--peak-tflops", "--precision", "--run-oom", "--scale", "--steps", "--suite", "--threads", "--tokenizer", NULL});
     }
     char runs[4200];
     if (keep) {

@@ -779,6 +779,11 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
             cpu, cores, ram, os, rep->threads ? "fixed" : "all cores", rep->wall_s);
     fprintf(f, "- GPU utilization and memory (mean +- standard deviation): %s\n\n",
             rep->gpu_note[0] ? rep->gpu_note : "not sampled");
+    if (rep->data[0])
+        fprintf(f, "- data: the rows fine-tune on `%s` (the course's own records; tokenizer: %s), each sample cut to "
+                   "max_seq_length %d, each micro batch padded to its longest; the plans size T for that cut (an upper "
+                   "bound: shorter batches need less); tok/s counts the samples' own tokens\n\n", rep->data,
+                rep->tokenizer[0] ? rep->tokenizer : "the built-in bytes", rep->real_scale ? 512 : rep->T + 1);
     md_scaling(f, rep);
     md_results(f, rep);
     fl_lab_peer_rows_md(f, rep);
