@@ -190,7 +190,7 @@ expect blip2_t5_loss_needs_target 1 "give the target with --target-tokens-file" 
 expect blip2_opt_loss_no_target 1 "has a decoder-only language model" -- "$FITLLM" loss "$B2" --image "$IMG/palette_45x31.png" --tokens-file "$T/cap.txt" --target-tokens-file "$T/t5tgt.txt"
 mkdir -p "$T/b2np" && cp "$B2/config.json" "$B2/model.safetensors" "$T/b2np/"
 expect blip2_no_processor 1 "no preprocessor_config.json" -- "$FITLLM" loss "$T/b2np" --image "$IMG/one_1x1.png" --tokens-file "$T/cap.txt"
-# BLIP-2 image-caption fine-tuning (issue 32 item 3, src/cli/cmd_blip2_train.c): the 14 shipped test images, each
+# BLIP-2 image-caption fine-tuning (issue 32 item 3, fl_blip2_train: src/train/blip2_train.c): the 14 shipped test images, each
 # with a NAME.txt caption of token ids (the fixture has no tokenizer); 8 AdamW steps of micro batch 2 on the Q-Former
 # and the language model (vision frozen). The loss falls (step 8 below step 1 by > 0.5 nats), the saved folder
 # reloads with a lower caption loss than the base (transformers loads it and gives the same loss:
