@@ -70,8 +70,9 @@ typedef struct {
 
 
 typedef struct {
-    const char *suite;     /* "quick" (default), "full", "ci" (the unit tests' subset) or "fsdp" (the batch-size
-                            * sweep of the course's GPT-2-XL FSDP benchmark, 4 ranks FULL_SHARD, T 128 scaled) */
+    const char *suite;     /* "quick" (default), "full", "ci" (the unit tests' subset), "fsdp" (the batch-size
+                            * sweep of the course's GPT-2-XL FSDP benchmark, 4 ranks FULL_SHARD, T 128 scaled) or
+                            * "blip2" (the course's BLIP-2 image-caption sequence, src/lab/lab_blip2.c) */
     const char *only;      /* comma-separated experiment names, NULL = all of the suite (fsdp: [amp-]b<B>[-ckpt],
                             * B of the course's list 1 2 4 7 8 9, with checkpointing also 16 32 64; amp- = 16-mixed) */
     const char *precisions; /* fsdp suite: comma-separated, of 32-true and 16-mixed (the course's AMP); NULL both */
@@ -211,6 +212,7 @@ typedef struct {
     int sweep;                 /* 1: the fsdp suite (report.md gets the sweep tables, sweep.png) */
     int real_scale;            /* 1: rows ran the real models at ref_T on ref_device (fl_lab_opts.real_scale) */
     int plan_only;             /* fl_lab_opts.plan_only: the rows' verdicts are their plans' */
+    int blip2;                 /* the blip2 suite: T is the captions' tokens, ref_model blip2-opt-2.7b (src/lab/lab_blip2.c) */
     size_t capacity;           /* real scale: the memory of the device the rows run on (GPU memory, or the host's
                                 * RAM for the CPU); rows are n/a when it is below the budget */
     int no_prefetch;           /* fsdp suite: every row ran with --fsdp.backward_prefetch off */
@@ -262,7 +264,7 @@ void fl_lab_print_table(const fl_lab_report *rep, FILE *f);
  * a missing gnuplot is noted in report.md, not an error. */
 fl_status fl_lab_write(const fl_lab_report *rep, const char *dir, int *charts_out);
 /* Names of the experiments of a suite ("quick", "full", "ci", "fsdp": its candidate rows [amp-]b<B>[-ckpt], run
- * per setting up to the first the plan says OOM), NULL-terminated; NULL if no such suite. */
+ * per setting up to the first the plan says OOM; "blip2"), NULL-terminated; NULL if no such suite. */
 const char *const *fl_lab_experiments(const char *suite);
 
 #ifdef __cplusplus

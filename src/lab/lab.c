@@ -137,6 +137,7 @@ static lab_exp sweep_exp(int i, const char *model, const char *lab_model) {
 const char *const *fl_lab_experiments(const char *suite) {
     static const char *names[3][N_EXPS + 1];
     static const char *sweep[SWEEP_N + 1];
+    if (suite && !strcmp(suite, "blip2")) return fl_lab_blip2_names();
     int bit = suite_bit(suite), idx = bit == SUITE_QUICK ? 0 : bit == SUITE_FULL ? 1 : 2;
     if (!bit) return NULL;
     if (bit == SUITE_FSDP) {
@@ -760,10 +761,53 @@ static fl_status sweep_setup(const fl_lab_opts *o, fl_lab_report *rep, int *prec
     return FL_OK;
 }
 
+/* The suite's banner, wrapped at 120 columns: its scale, data and budget. */
+static void banner(const fl_lab_opts *o, const fl_lab_report *rep, long steps, FILE *out) {
+    char a[32];
+    char line[900];
+    if (rep->sweep)
+        snprintf(line, sizeof line, "suite fsdp: %s%s, 4 ranks FULL_SHARD, T = %d, budget %s per rank (%s), "
+                 "backward prefetch %s, %ld steps per run", rep->real_scale ? "" : "lab-", rep->sweep_model, rep->T,
+                 fl_fmt_bytes(rep->budget, a, sizeof a), rep->real_scale ? "the course's 16 GB V100"
+                 : "16 GiB scaled as the lab's model to the real one", rep->no_prefetch ? "off" : "on", steps);
+    else if (rep->data[0])
+        snprintf(line, sizeof line, "suite %s, %s scale: the rows fine-tune on %.300s (tokenizer: %.300s), each sample cut "
+                 "to max_seq_length %d, no packing, each micro batch padded to its longest sample; budget %s per "
+                 "device, %ld steps per run", rep->suite, rep->real_scale ? "real" : "lab", rep->data,
+                 rep->tokenizer[0] ? rep->tokenizer : "the built-in bytes",
+                 rep->real_scale ? COURSE_MAX_SEQ_LENGTH : rep->T + 1, fl_fmt_bytes(rep->budget, a, sizeof a), steps);
+    else if (rep->real_scale && rep->lengths[0])
+        snprintf(line, sizeof line, "suite %s, real scale: %s, open-llama-3b and open-llama-7b; sample lengths "
+                 "drawn from %s (median %d, p95 %d, max %d tokens), cut to max_seq_length %d, no packing, each "
+                 "micro batch padded to its longest (T = the row's longest sample - 1); budget %s per device (80 "
+                 "GB), %ld steps per run", rep->suite, REF_MODEL, rep->lengths, fl_lengths_at(&rep->table, 0.5),
+                 fl_lengths_at(&rep->table, 0.95), rep->table.len[rep->table.n - 1], rep->max_seq_length,
+                 fl_fmt_bytes(rep->budget, a, sizeof a), steps);
+    else if (rep->real_scale)
+        snprintf(line, sizeof line, "suite %s, real scale: %s, open-llama-3b and open-llama-7b at T = %d (every "
+                 "sample %d tokens: %s), budget %s per device (80 GB), %ld steps per run", rep->suite, REF_MODEL,
+                 rep->T, rep->T + 1, o->lengths && !strcmp(o->lengths, "fixed") ? "--lengths fixed"
+                 : "recipes/data/alpaca-lengths.tsv not found; give --lengths", fl_fmt_bytes(rep->budget, a, sizeof a), steps);
+    else
+        snprintf(line, sizeof line, "suite %s: budget %s (80 GB x params(%s)/params(%s) = 80 GB x %.5f), T = %d "
+                 "(activations per parameter of one sample as %s at T = %d), %ld steps per run", rep->suite,
+                 fl_fmt_bytes(rep->budget, a, sizeof a), LAB_MODEL, REF_MODEL, rep->param_ratio, rep->T, REF_MODEL,
+                 REF_T, steps);
+    fl_lab_wrap(out, "fitllm lab, ", line, 120, 4);
+    fflush(out);
+}
+
 fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
     memset(rep, 0, sizeof *rep);
     int bit = suite_bit(o->suite);
-    if (!bit) return fl_errorf(FL_ERR_INVALID, "unknown suite '%s' (quick, full, ci, fsdp)", o->suite);
+    if (o->suite && !strcmp(o->suite, "blip2")) { /* lab_blip2.c */
+        snprintf(rep->suite, sizeof rep->suite, "blip2");
+        rep->plan_only = o->plan_only;
+        rep->real_scale = o->real_scale;
+        snprintf(rep->gpu_note, sizeof rep->gpu_note, "not sampled in the blip2 suite");
+        return fl_lab_blip2_run(o, out, rep);
+    }
+    if (!bit) return fl_errorf(FL_ERR_INVALID, "unknown suite '%s' (quick, full, ci, fsdp, blip2)", o->suite);
     if (o->only && *o->only) { /* every name must exist */
         char buf[1024];
         snprintf(buf, sizeof buf, "%s", o->only);
@@ -839,39 +883,7 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
     rep->rows = calloc(N_EXPS > SWEEP_N ? N_EXPS : SWEEP_N, sizeof *rep->rows);
     if (!rep->rows) return fl_errorf(FL_ERR_OOM, "out of host memory");
     char a[32];
-    if (out) { /* the banner, wrapped at 120 columns */
-        char line[900];
-        if (rep->sweep)
-            snprintf(line, sizeof line, "suite fsdp: %s%s, 4 ranks FULL_SHARD, T = %d, budget %s per rank (%s), "
-                     "backward prefetch %s, %ld steps per run", rep->real_scale ? "" : "lab-", rep->sweep_model, rep->T,
-                     fl_fmt_bytes(rep->budget, a, sizeof a), rep->real_scale ? "the course's 16 GB V100"
-                     : "16 GiB scaled as the lab's model to the real one", rep->no_prefetch ? "off" : "on", steps);
-        else if (rep->data[0])
-            snprintf(line, sizeof line, "suite %s, %s scale: the rows fine-tune on %.300s (tokenizer: %.300s), each sample cut "
-                     "to max_seq_length %d, no packing, each micro batch padded to its longest sample; budget %s per "
-                     "device, %ld steps per run", rep->suite, rep->real_scale ? "real" : "lab", rep->data,
-                     rep->tokenizer[0] ? rep->tokenizer : "the built-in bytes",
-                     rep->real_scale ? COURSE_MAX_SEQ_LENGTH : rep->T + 1, fl_fmt_bytes(rep->budget, a, sizeof a), steps);
-        else if (rep->real_scale && rep->lengths[0])
-            snprintf(line, sizeof line, "suite %s, real scale: %s, open-llama-3b and open-llama-7b; sample lengths "
-                     "drawn from %s (median %d, p95 %d, max %d tokens), cut to max_seq_length %d, no packing, each "
-                     "micro batch padded to its longest (T = the row's longest sample - 1); budget %s per device (80 "
-                     "GB), %ld steps per run", rep->suite, REF_MODEL, rep->lengths, fl_lengths_at(&rep->table, 0.5),
-                     fl_lengths_at(&rep->table, 0.95), rep->table.len[rep->table.n - 1], rep->max_seq_length,
-                     fl_fmt_bytes(rep->budget, a, sizeof a), steps);
-        else if (rep->real_scale)
-            snprintf(line, sizeof line, "suite %s, real scale: %s, open-llama-3b and open-llama-7b at T = %d (every "
-                     "sample %d tokens: %s), budget %s per device (80 GB), %ld steps per run", rep->suite, REF_MODEL,
-                     rep->T, rep->T + 1, o->lengths && !strcmp(o->lengths, "fixed") ? "--lengths fixed"
-                     : "recipes/data/alpaca-lengths.tsv not found; give --lengths", fl_fmt_bytes(rep->budget, a, sizeof a), steps);
-        else
-            snprintf(line, sizeof line, "suite %s: budget %s (80 GB x params(%s)/params(%s) = 80 GB x %.5f), T = %d "
-                     "(activations per parameter of one sample as %s at T = %d), %ld steps per run", rep->suite,
-                     fl_fmt_bytes(rep->budget, a, sizeof a), LAB_MODEL, REF_MODEL, rep->param_ratio, rep->T, REF_MODEL,
-                     REF_T, steps);
-        fl_lab_wrap(out, "fitllm lab, ", line, 120, 4);
-        fflush(out);
-    }
+    if (out) banner(o, rep, steps, out);
     double t0 = now_s();
     int n_cand = bit == SUITE_FSDP ? SWEEP_N : N_EXPS, stopped = 0, group = -1;
     char lab_model[40];
