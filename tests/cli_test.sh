@@ -901,6 +901,8 @@ expect lab_course_report 0 "" -- bash -c "grep -q '^## The course.s runs beside 
 # modelled peak: tests/test_lab.c lab_peer_pytorch_matches_torch), as ratios, in the console, report.md and JSON
 expect lab_peer_pytorch 0 "reduced-batch +29.59 +14.82 +1.57 \| +28.71 +0.970 \| +30.41 +0.973" -- "$FITLLM" lab --only baseline --peer pytorch --out_dir "$T/lab-peer"
 expect lab_peer_pytorch_files 0 "" -- bash -c "grep -q '^### PyTorch beside fitllm' '$T/lab-peer/report.md' && grep -q '\"pytorch\": {\"params\"' '$T/lab-peer/results.json'"
+# GPT-2 in the PyTorch model (tests/fixtures/pytorch-alloc-gpt2.json): the fsdp suite's rows, checkpointed ones too
+expect lab_peer_fsdp_gpt2 0 "amp-b8-ckpt +gpt2-xl +128 +[0-9.]+ fits +\| +[0-9.]+ fits .*measured: 16-mixed, adamw, checkpointing; modelled: the peak, one layer's recompute, FSDP's shards" -- bash -c "'$FITLLM' lab --suite fsdp --peer pytorch --plan-only --only amp-b8-ckpt --out_dir '$T/lab-peer-fsdp' | tr '\n' ' '"
 expect lab_peer_bad 2 "--peer: 'tensorflow' is not pytorch" -- "$FITLLM" lab --peer tensorflow
 # --peer pytorch for the lab's own rows at the real scale: QLoRA (PEFT + bitsandbytes NF4, measured categories;
 # modelled: the peak, the dequantized weight, CUDA's dropout mask) on open-llama-7b at T 1024; at --scale real the

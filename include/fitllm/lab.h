@@ -41,7 +41,8 @@ extern "C" {
 typedef enum { FL_LAB_FITS = 0, FL_LAB_OOM, FL_LAB_NA, FL_LAB_ERROR, FL_LAB_VERDICT_COUNT } fl_lab_verdict;
 const char *fl_lab_verdict_name(fl_lab_verdict v); /* "fits", "OOM", "n/a", "error" */
 
-/* `--peer pytorch`: what PyTorch (HF LlamaForCausalLM, sdpa; torch.optim.AdamW, SGD or bitsandbytes' AdamW8bit;
+/* `--peer pytorch`: what PyTorch (HF LlamaForCausalLM or GPT2LMHeadModel (full fine-tunes, AdamW or SGD), sdpa;
+ * torch.optim.AdamW, SGD or bitsandbytes' AdamW8bit;
  * autocast; HF checkpointing; PEFT LoRA, bitsandbytes NF4) allocates for one step on one device, bytes. params,
  * quant, grads, optim, saved (autograd's saved tensors) and logits are fitted byte for byte to measurements
  * (tests/ref/pytorch_alloc.py); transient, recompute, step_temp, comm, host and peak are modelled
@@ -235,7 +236,8 @@ typedef struct {
     char tokenizer[4096];      /* with data: its tokenizer folder ("" = the built-in bytes) */
 } fl_lab_report;
 
-/* LLaMA shapes, a full fine-tune with AdamW at precision (else FL_ERR_UNSUPPORTED naming what is not modelled). */
+/* LLaMA or GPT-2 shapes, a full fine-tune with AdamW at precision (else FL_ERR_UNSUPPORTED naming what is not
+ * modelled). */
 fl_status fl_lab_peer_pytorch(const fl_model_config *mc, size_t n_params, int B, int T, const char *precision,
                               fl_lab_peer *out);
 /* The same for a setup (FL_ERR_UNSUPPORTED naming what is not modelled). */
