@@ -546,6 +546,21 @@ fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumu
 
 /* ---- the decoders' and encoders' head (transformer.c's HEAD_LM) --------------------------------------- */
 
+/* One training chunk of a bf16 head on a backend with cross_entropy_dbf16 (issue 30 item 4): the chunk's input
+ * rounded to bf16 once (xb16) for the forward and dW GEMMs, the loss's gradient written as bf16 straight into
+ * dyb16 for the dx and dW GEMMs. Those are the operands the generic path's GEMMs round from fp32 (the same bits),
+ * without its fp32 gradient's (rows, V) write and the converts that read it back. */
+static fl_status head_chunk_dbf16(fl_model *m, const fl_linear *head, float *dx, const float *x, const int32_t *tg,
+                                  float *losses, int rows, float grad_scale, float *logits_out) {
+    const fl_backend *be = m->be;
+    float *logits = m->acts->logits;
+    FL_TRY(be->convert(be, head->xb16, FL_BF16, x, FL_F32, (size_t)rows * head->in));
+    FL_TRY(fl_linear_forward_ex(be, logits, x, head->xb16, head, rows)); // (rows, V) fp32
+    if (logits_out) FL_TRY(fl_head_logits_out(m, logits_out, logits, rows));
+    FL_TRY(be->cross_entropy_dbf16(be, losses, head->dyb16, logits, tg, rows, head->out, grad_scale, FL_IGNORE_INDEX));
+    return fl_linear_backward_dy16(be, dx, 0, logits, 1, x, head->xb16, head, rows); /* dx, dW from dyb16 */
+}
+
 /* HEAD_LM: logits (rows, V) = lnf @ head^T, chunked over rows, so at most (rows, V) logits exist; with targets the
  * per-token losses, and in training the head's backward too (dlogits overwrite the logits chunk), leaving d(lnf)
  * (N, C) in buf1 for the backward; an lm_head adapter gets its gradients here, chunk by chunk (the base head is
@@ -579,9 +594,18 @@ fl_status fl_lm_head_loss(fl_model *m, const int32_t *targets, int N, float grad
         hw.wct = FL_F32;
         hw.xb16 = hw.dyb16 = NULL; /* dW += dy^T x in fp32 on the rounded operands */
     }
+    /* the bf16 head's training chunks through cross_entropy_dbf16 (a plain trained bf16 weight, one vocabulary; a
+     * frozen head has no bf16 scratch: fl_linear_wants_dy16) */
+    const int dbf16 = train && targets && be->cross_entropy_dbf16 && !wide && fl_linear_wants_dy16(&head) && head.wc &&
+                      head.wct == FL_BF16 && head.n_q4 == 0 && !fl_model_head_adapted(m) && !fl_tp_vocab_split(m);
     for (int r0 = 0; r0 < N; r0 += R) {
         int rows = N - r0 < R ? N - r0 : R;
         const float *xr = a->lnf + (size_t)r0 * d.C;
+        if (dbf16) {
+            FL_TRY(head_chunk_dbf16(m, &head, dlnf + (size_t)r0 * d.C, xr, tg + r0, a->losses + r0, rows, grad_scale,
+                                    logits_out ? logits_out + (size_t)r0 * m->cfg.vocab_size : NULL));
+            continue;
+        }
         if (round_bf16) { /* x (rows, C) -> bf16 -> fp32 */
             FL_TRY(FL_RUN(be, convert, a->head_t16, FL_BF16, xr, FL_F32, (size_t)rows * d.C));
             FL_TRY(FL_RUN(be, convert, a->head_x, FL_F32, a->head_t16, FL_BF16, (size_t)rows * d.C));
