@@ -20,7 +20,7 @@
 #include "backend/cuda/emu/cu_emu.h"
 #endif
 
-#define FL_BF16_CONVERT_CEIL 98
+#define FL_BF16_CONVERT_CEIL 58
 #define FL_BF16_CONVERT2D_CEIL 5
 #ifdef FL_HAVE_CUDA_EMU
 typedef struct {
