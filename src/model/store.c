@@ -39,9 +39,9 @@ const float *fl_store_bind_1d(const fl_param_store *s, int i, float **cur) { ret
 void fl_store_widen_flush(const fl_param_store *s, fl_store_widen *w) {
     const fl_backend *be = s->be;
     if (w->n > 1 && be->convert_many)
-        (void)be->convert_many(be, w->n, w->dst, FL_F32, w->src, s->dtype, w->len);
+        (void)FL_RUN(be, convert_many, w->n, w->dst, FL_F32, (const void *const *)w->src, s->dtype, w->len);
     else
-        for (int k = 0; k < w->n; k++) (void)be->convert(be, w->dst[k], FL_F32, w->src[k], s->dtype, w->len[k]);
+        for (int k = 0; k < w->n; k++) (void)FL_RUN(be, convert, w->dst[k], FL_F32, w->src[k], s->dtype, w->len[k]);
     w->n = 0;
 }
 
@@ -54,7 +54,7 @@ const float *fl_store_bind_1d_w(const fl_param_store *s, int i, float **cur, fl_
     *cur += p->numel;
     if (!src) return NULL; /* sharded: its group is not gathered */
     if (!w) {
-        s->be->convert(s->be, v, FL_F32, src, s->dtype, p->numel);
+        FL_RUN(s->be, convert, v, FL_F32, src, s->dtype, p->numel);
         return v;
     }
     if (w->n == FL_CONVERT_MANY_MAX) fl_store_widen_flush(s, w);
@@ -70,7 +70,7 @@ float *fl_store_grad(const fl_param_store *s, size_t off) {
 }
 
 void fl_store_stage_begin(fl_param_store *s, size_t n) {
-    if (s->g16) s->be->zero(s->be, s->gstage, n * sizeof(float));
+    if (s->g16) FL_RUN(s->be, zero, s->gstage, n * sizeof(float));
 }
 
 fl_status fl_store_stage_flush(fl_param_store *s, size_t off, size_t n) {
@@ -80,7 +80,7 @@ fl_status fl_store_stage_flush(fl_param_store *s, size_t off, size_t n) {
     void *dst = s->ops->grad_at(s, off);
     if (!dst)
         return fl_errorf(FL_ERR_INTERNAL, "sharded gradients: group %d has no gradient buffer", fl_store_group_of(s, off));
-    return s->be->accumulate16(s->be, dst, s->dtype, s->gstage, n);
+    return FL_RUN(s->be, accumulate16, dst, s->dtype, s->gstage, n);
 }
 
 fl_status fl_store_grads_ready(fl_param_store *s, int g) {
