@@ -265,9 +265,9 @@ static void run_case(const attn_case *cs) {
     float *out1 = fl_test_frand(&rng, no, 7, 8), *out2 = fl_test_fdup(out1, no), *outc = fl_test_fdup(out1, no), *out0 = fl_test_fdup(out1, no);
     float *lse1 = malloc(nl * 4), *lse2 = malloc(nl * 4), *lsec = malloc(nl * 4);
     fl_cu_emu_set_seed(k_seed_a);
-    int rc = emu_call(fl_cuemu_attention_forward_ex(&a, out1, lse1, q, k, v, bias, kmask, NULL), name);
+    int rc = emu_call(fl_cuemu_attention_forward_ex(&a, out1, NULL, lse1, q, k, v, bias, kmask, NULL), name);
     fl_cu_emu_set_seed(k_seed_b);
-    rc |= emu_call(fl_cuemu_attention_forward_ex(&a, out2, lse2, q, k, v, bias, kmask, NULL), name);
+    rc |= emu_call(fl_cuemu_attention_forward_ex(&a, out2, NULL, lse2, q, k, v, bias, kmask, NULL), name);
     FL_CHECKF(rc == 0, "%s: forward launcher -> %d", name, rc);
     FL_CHECKF(!memcmp(out1, out2, no * 4) && !memcmp(lse1, lse2, nl * 4), "%s: forward bits differ between runs", name);
     fl_backend be;
@@ -370,13 +370,13 @@ FL_TEST(cuda_attn_ex_wide_heads) {
 FL_TEST(cuda_attn_errors) {
     float x[64] = {0}, work[16];
     fl_attn_desc a = {2, 3, 3, 4, 4, 300, 1200, 1200, 1200, 1200, 0.1f, 1};
-    FL_CHECK(fl_cuemu_attention_forward_ex(&a, x, x, x, x, x, NULL, NULL, NULL) == FL_CU_ATTN_UNSUPPORTED);
+    FL_CHECK(fl_cuemu_attention_forward_ex(&a, x, NULL, x, x, x, x, NULL, NULL, NULL) == FL_CU_ATTN_UNSUPPORTED);
     FL_CHECK(fl_cuemu_attention_forward(x, x, x, 1, 2, 2, 2, 300, NULL) == FL_CU_ATTN_UNSUPPORTED);
     FL_CHECK(fl_cuemu_attention_decode(x, x, x, x, 2, 2, 2, 300, 600, NULL) == FL_CU_ATTN_UNSUPPORTED);
     a.HD = 8, a.NKV = 3; /* NH % NKV */
-    FL_CHECK(fl_cuemu_attention_forward_ex(&a, x, x, x, x, x, NULL, NULL, NULL) == FL_CU_ATTN_INVALID);
+    FL_CHECK(fl_cuemu_attention_forward_ex(&a, x, NULL, x, x, x, x, NULL, NULL, NULL) == FL_CU_ATTN_INVALID);
     a.NKV = 4, a.ldk = 8; /* stride < NKV*HD */
-    FL_CHECK(fl_cuemu_attention_forward_ex(&a, x, x, x, x, x, NULL, NULL, NULL) == FL_CU_ATTN_INVALID);
+    FL_CHECK(fl_cuemu_attention_forward_ex(&a, x, NULL, x, x, x, x, NULL, NULL, NULL) == FL_CU_ATTN_INVALID);
     a.ldk = 32;
     FL_CHECK(fl_cuemu_attention_backward_ex(&a, x, x, x, x /*dbias without bias*/, x, x, x, x, NULL, NULL, x, x, work,
                                             NULL) == FL_CU_ATTN_INVALID);
@@ -569,8 +569,8 @@ typedef struct {
  * (_fa2, "own") launchers; the same semantics, roundings and bound, except that _fa2 adds dq's
  * contribution of each 64-key block into dq separately: one more fp32 rounding of the running
  * sum per key block, within nkb u (|dq0| + M) (the partial sums never exceed |dq0| + M). */
-typedef int (*tc_fwd_fn)(const fl_attn_desc *, float *, float *, const float *, const float *, const float *,
-                         const uint8_t *, void *);
+typedef int (*tc_fwd_fn)(const fl_attn_desc *, float *, void *, float *, const float *, const float *,
+                         const float *, const uint8_t *, void *);
 typedef int (*tc_bwd_fn)(const fl_attn_desc *, float *, float *, float *, const float *, const float *,
                          const float *, const float *, const uint8_t *, const float *, const float *, void *, void *);
 static tc_fwd_fn g_tc_fwd = fl_cuemu_attention_forward_tc;
@@ -647,9 +647,9 @@ static void tc_run(const tc_case *cs) {
     float *out1 = fl_test_frand(&rng, no, 7, 8), *out2 = fl_test_fdup(out1, no), *out0 = fl_test_fdup(out1, no);
     float *lse1 = malloc(nl * 4), *lse2 = malloc(nl * 4);
     fl_cu_emu_set_seed(k_seed_a);
-    int rc = emu_call(g_tc_fwd(&a, out1, lse1, q, k, v, kmask, NULL), name);
+    int rc = emu_call(g_tc_fwd(&a, out1, NULL, lse1, q, k, v, kmask, NULL), name);
     fl_cu_emu_set_seed(k_seed_b);
-    rc |= emu_call(g_tc_fwd(&a, out2, lse2, q, k, v, kmask, NULL), name);
+    rc |= emu_call(g_tc_fwd(&a, out2, NULL, lse2, q, k, v, kmask, NULL), name);
     FL_CHECKF(rc == 0, "%s: forward launcher -> %d", name, rc);
     FL_CHECKF(!memcmp(out1, out2, no * 4) && !memcmp(lse1, lse2, nl * 4), "%s: forward bits differ between runs", name);
     const size_t rows = (size_t)a.B * a.Tq, krows = (size_t)a.B * a.Tk;
@@ -702,7 +702,7 @@ static void tc_run(const tc_case *cs) {
     if (cs->exact_in && cs->strided) { /* the tc backward after the fp32 forward: the same bound */
         float *o3 = fl_test_fdup(out0, no), *l3 = malloc(nl * 4);
         float *dq3 = fl_test_fdup(dq0, nq), *dk3 = fl_test_fdup(dk0, nk), *dv3 = fl_test_fdup(dv0, nv);
-        rc = emu_call(fl_cuemu_attention_forward_ex(&a, o3, l3, q, k, v, NULL, kmask, NULL), name);
+        rc = emu_call(fl_cuemu_attention_forward_ex(&a, o3, NULL, l3, q, k, v, NULL, kmask, NULL), name);
         rc |= emu_call(g_tc_bwd(&a, dq3, dk3, dv3, dout, q, k, v, kmask, o3, l3, work, NULL), name);
         FL_CHECK(rc == 0);
         double w3 = 0;
@@ -756,12 +756,12 @@ FL_TEST(cuda_attn_tc_unsupported) {
     float x[64] = {0}, work[16];
     fl_attn_desc a = {1, 3, 3, 2, 2, 80, 160, 160, 160, 160, 0.1f, 1};
     FL_CHECK(!fl_cu_attention_tc_supported(&a, NULL));
-    FL_CHECK(fl_cuemu_attention_forward_tc(&a, x, x, x, x, x, NULL, NULL) == FL_CU_ATTN_UNSUPPORTED);
+    FL_CHECK(fl_cuemu_attention_forward_tc(&a, x, NULL, x, x, x, x, NULL, NULL) == FL_CU_ATTN_UNSUPPORTED);
     FL_CHECK(fl_cuemu_attention_backward_tc(&a, x, x, x, x, x, x, x, NULL, x, x, work, NULL) == FL_CU_ATTN_UNSUPPORTED);
     a.HD = 64, a.ldq = a.ldk = a.ldv = a.ldo = 128;
     FL_CHECK(fl_cu_attention_tc_supported(&a, NULL) && !fl_cu_attention_tc_supported(&a, x));
     a.NKV = 3; /* NH % NKV: invalid before unsupported */
-    FL_CHECK(fl_cuemu_attention_forward_tc(&a, x, x, x, x, x, NULL, NULL) == FL_CU_ATTN_INVALID);
+    FL_CHECK(fl_cuemu_attention_forward_tc(&a, x, NULL, x, x, x, x, NULL, NULL) == FL_CU_ATTN_INVALID);
     for (int i = 0; i < 64; i++) FL_CHECKF(x[i] == 0.0f, "an error path wrote x[%d]", i);
 }
 
@@ -798,7 +798,7 @@ static void dispatch_case(const char *env, int HD, int use_bias) {
         fl_attention_qkv_backward(&be, g1, dout, qkv, o1, l1, B, T, NH, NKV, HD);
         FL_CHECK(be.sync(&be) == FL_OK);
         if (expect_tc) {
-            FL_CHECK(fwd(&a, o2, l2, q, k, v, NULL, NULL) == 0);
+            FL_CHECK(fwd(&a, o2, NULL, l2, q, k, v, NULL, NULL) == 0);
             FL_CHECK(bwd(&a, g2, g2 + OW, g2 + OW + NKV * HD, dout, q, k, v, NULL, o2, l2, work, NULL) == 0);
         } else {
             FL_CHECK(fl_cuemu_attention_forward(o2, l2, qkv, B, T, NH, NKV, HD, NULL) == 0);
@@ -808,7 +808,7 @@ static void dispatch_case(const char *env, int HD, int use_bias) {
         FL_CHECK(be.attention_forward(&be, &a, o1, l1, q, k, v, bias, NULL) == FL_OK);
         FL_CHECK(be.attention_backward(&be, &a, g1, g1 + OW, g1 + OW + NKV * HD, NULL, dout, q, k, v, bias, NULL,
                                           o1, l1) == FL_OK);
-        FL_CHECK(fl_cuemu_attention_forward_ex(&a, o2, l2, q, k, v, bias, NULL, NULL) == 0);
+        FL_CHECK(fl_cuemu_attention_forward_ex(&a, o2, NULL, l2, q, k, v, bias, NULL, NULL) == 0);
         FL_CHECK(fl_cuemu_attention_backward_ex(&a, g2, g2 + OW, g2 + OW + NKV * HD, NULL, dout, q, k, v, bias, NULL,
                                                 o2, l2, work, NULL) == 0);
     }

@@ -42,7 +42,7 @@ static void det_case(const int c[7]) {
     for (int i = 0; i < 3; i++) memcpy(g[1][i], g[0][i], (i ? nk : nq) * 4); /* the same pre-filled gradients */
     const size_t wb = fl_cu_attention_work_bytes_det(B, NH, Tq);
     float *work = malloc(wb);
-    FL_REQUIRE(fl_cuemu_attention_forward_fa2(&a, out, lse, q, k, v, NULL, NULL) == 0);
+    FL_REQUIRE(fl_cuemu_attention_forward_fa2(&a, out, NULL, lse, q, k, v, NULL, NULL) == 0);
     FL_REQUIRE(fl_cuemu_attention_backward_fa2(&a, g[0][0], g[0][1], g[0][2], dout, q, k, v, NULL, out, lse, work,
                                                NULL) == 0);
     memset(work, 0x7f, wb); /* the launch zeroes its counters itself */

@@ -20,6 +20,7 @@
 
 #ifdef FL_HAVE_CUDA_EMU
 #include "backend/cuda/cu_kernels.h"
+#include "backend/cuda/cu_kernels_attn.h"
 #include "backend/cuda/emu/cu_emu.h"
 #include "cuda_emu_test.h"
 
@@ -231,8 +232,58 @@ FL_TEST(cuda_bf16_act_backward16) {
     act16_bwd_case(FL_CU_ACT16_RELU, 7, 33);
     act16_bwd_case(FL_CU_ACT16_SWIGLU, 1, 1);
 }
+/* attention_forward16 (the three forward kernels' out16): out16 = RNE(out of the same launcher without it) and out
+ * its exact widening, lse unchanged, the padding columns of a strided out16 untouched; causal GQA with a partial
+ * query tile, fp32 kernels at odd HD (8, 24) and the tensor-core ones (tc, fa2) at HD 64; two shuffle seeds. */
+typedef int (*fwd16_fn)(const fl_attn_desc *, float *, void *, float *, const float *, const float *, const float *,
+                        const uint8_t *, void *);
+static int fwd16_ex(const fl_attn_desc *a, float *o, void *o16, float *l, const float *q, const float *k,
+                    const float *v, const uint8_t *m, void *st) {
+    return fl_cuemu_attention_forward_ex(a, o, o16, l, q, k, v, NULL, m, st);
+}
+static void attn16_case(fwd16_fn f, const char *kn, int B, int T, int NH, int NKV, int HD, int pad) {
+    fl_test_rng r = {(uint64_t)(B * 131 + T * 7 + HD + pad)};
+    fl_attn_desc a = {.B = B, .Tq = T, .Tk = T, .NH = NH, .NKV = NKV, .HD = HD, .scale = 1.0f / sqrtf((float)HD),
+                      .causal = 1};
+    const size_t W = (size_t)(NH + 2 * NKV) * HD, N = (size_t)B * T;
+    a.ldq = a.ldk = a.ldv = W;
+    a.ldo = (size_t)NH * HD + (size_t)pad;
+    float *qkv = fl_test_frand(&r, N * W, -1, 1), *q = qkv, *k = qkv + (size_t)NH * HD, *v = k + (size_t)NKV * HD;
+    const size_t no = N * a.ldo, nl = (size_t)B * NH * T;
+    float *o1 = malloc(no * 4), *o2 = malloc(no * 4), *l1 = malloc(nl * 4), *l2 = malloc(nl * 4);
+    uint16_t *w16 = malloc(no * 2), *g16 = malloc(no * 2);
+    memset(o1, 0, no * 4);
+    EMU_OK(f(&a, o1, NULL, l1, q, k, v, NULL, NULL));
+    round_ref(o1, w16, no);
+    for (int s = 0; s < 2; s++) {
+        fl_cu_emu_set_seed(k_seeds[s]);
+        memset(o2, 0, no * 4);
+        memset(g16, 0xab, no * 2);
+        EMU_OK(f(&a, o2, g16, l2, q, k, v, NULL, NULL));
+        int ok = !memcmp(l1, l2, nl * 4), pad_ok = 1;
+        for (size_t n = 0; n < N; n++)
+            for (size_t c = 0; c < a.ldo; c++) {
+                const size_t i = n * a.ldo + c;
+                if (c < (size_t)NH * HD) ok &= o2[i] == o1[i] && g16[i] == w16[i];
+                else pad_ok &= g16[i] == 0xabab && o2[i] == 0.0f;
+            }
+        FL_CHECKF(ok && pad_ok, "attention_forward16 %s B%d T%d NH%d/%d HD%d pad %d: %s", kn, B, T, NH, NKV, HD, pad,
+                  ok ? "wrote the padding" : "out16 not RNE(out), out not its widening, or lse changed");
+    }
+    free(qkv); free(o1); free(o2); free(l1); free(l2); free(w16); free(g16);
+}
+
+FL_TEST(cuda_bf16_attention_forward16) {
+    attn16_case(fwd16_ex, "fp32", 2, 7, 4, 2, 8, 0);
+    attn16_case(fwd16_ex, "fp32", 1, 70, 3, 1, 24, 5);  /* 2 query tiles, a partial one; strided out */
+    attn16_case(fl_cuemu_attention_forward_tc, "tc", 1, 19, 2, 1, 64, 8);
+    attn16_case(fl_cuemu_attention_forward_fa2, "fa2", 2, 67, 2, 2, 64, 0);
+    attn16_case(fl_cuemu_attention_forward_fa2, "fa2", 1, 33, 2, 1, 128, 8);
+}
+
 #else
 FL_TEST(cuda_bf16_act_forward16) { fl_test_skip("no CUDA emulator in this build"); }
+FL_TEST(cuda_bf16_attention_forward16) { fl_test_skip("no CUDA emulator in this build"); }
 FL_TEST(cuda_bf16_add16) { fl_test_skip("no CUDA emulator in this build"); }
 FL_TEST(cuda_bf16_rope_forward16) { fl_test_skip("no CUDA emulator in this build"); }
 FL_TEST(cuda_bf16_act_backward16) { fl_test_skip("no CUDA emulator in this build"); }

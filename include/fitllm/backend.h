@@ -150,11 +150,13 @@ struct fl_backend {
     /* Optional (NULL: the caller widens w to fp32 first, one convert launch per norm and pass): rmsnorm_forward /
      * rmsnorm_backward (below) over a 16-bit weight, w of wt in {BF16, F16} (bf16/fp16 storage), each
      * element widened exactly in the kernel: the bits of widening first. out16 (NULL or (N,C) bf16): the output stored in bf16 too, out
-     * then holding its exact widening (round16's bits: a bf16-stored slot without the round16 launch). */
+     * then holding its exact widening (round16's bits: a bf16-stored slot without the round16 launch). dinp16
+     * (NULL or (N,C) bf16): bf16(dinp) (RNE) after the accumulation, dinp NOT rounded: the residual gradient the
+     * norm finishes is the next LINEAR's dy, whose bf16 operand it writes (its dyb16; exec.c). */
     void (*rmsnorm_forward_w16)(const fl_backend *be, float *out, void *out16, float *rstd, const float *inp,
                                 const void *w, fl_dtype wt, int N, int C, float eps);
-    void (*rmsnorm_backward_w16)(const fl_backend *be, float *dinp, float *dw, const float *dout, const float *inp,
-                                 const void *w, fl_dtype wt, const float *rstd, int N, int C);
+    void (*rmsnorm_backward_w16)(const fl_backend *be, float *dinp, void *dinp16, float *dw, const float *dout,
+                                 const float *inp, const void *w, fl_dtype wt, const float *rstd, int N, int C);
     /* Optional bf16-stored outputs (NULL: the fp32 op, then round16; issue 30 item 1). Each writes out16, the
      * output's bf16 copy (RNE), and leaves in the fp32 output its exact widening: the fp32 op's value rounded as
      * round16 rounds it, without the round16 launch. UNSUPPORTED for a kind or dtype they do not take.
@@ -435,6 +437,12 @@ struct fl_backend {
                                     const float *dout /*like out*/, const float *q, const float *k, const float *v,
                                     const float *bias, const uint8_t *kmask, const float *out,
                                     const float *lse /*(B,NH,Tq)*/);
+    /* Optional (NULL: attention_forward, then the caller rounds; issue 30 item 1): attention_forward that also
+     * writes out16, the output's bf16 copy (RNE) in out's layout (ldo), leaving in out its exact widening: a
+     * bf16-stored attention output without the round16 launch (exec.c). */
+    fl_status (*attention_forward16)(const fl_backend *be, const fl_attn_desc *a, float *out, void *out16, float *lse,
+                                     const float *q, const float *k, const float *v, const float *bias,
+                                     const uint8_t *kmask);
 
     /* ---- scratch -------------------------------------------------------------------------
      * Ops never allocate: the few that need a large scratch (the CPU's 16-bit GEMM widening

@@ -170,6 +170,10 @@ static fl_status run_kernels2(const fl_backend *be, const fl_oprec *op) {
         DOOR(attention_forward);
         return be->attention_forward(be, r->a, r->out, r->lse, r->q, r->k, r->v, r->bias, r->kmask);
     }
+    case FL_OPK_attention_forward16: {
+        DOOR(attention_forward16);
+        return be->attention_forward16(be, r->a, r->out, r->out16, r->lse, r->q, r->k, r->v, r->bias, r->kmask);
+    }
     case FL_OPK_attention_backward: {
         DOOR(attention_backward);
         return be->attention_backward(be, r->a, r->dq, r->dk, r->dv, r->dbias, r->dout, r->q, r->k, r->v, r->bias,
@@ -249,7 +253,7 @@ fl_status fl_backend_run_slots(const fl_backend *be, const fl_oprec *op) {
     }
     case FL_OPK_rmsnorm_backward_w16: {
         DOOR(rmsnorm_backward_w16);
-        be->rmsnorm_backward_w16(be, r->dinp, r->dw, r->dout, r->inp, r->w, r->wt, r->rstd, r->N, r->C);
+        be->rmsnorm_backward_w16(be, r->dinp, r->dinp16, r->dw, r->dout, r->inp, r->w, r->wt, r->rstd, r->N, r->C);
         return FL_OK;
     }
     case FL_OPK_add_rmsnorm_forward: {

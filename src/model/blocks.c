@@ -12,7 +12,7 @@ static size_t loff(const fl_model *m, int i) { return i < 0 ? (size_t)-1 : m->la
 
 /* The stored views come from the parameter store (store.h): whichever implementation holds the
  * entry (dense fp32 or 16-bit, 4-bit, an FSDP shard's gathered group) binds it. */
-#define P1(m, i, cur) fl_store_bind_1d((m)->store, (i), (cur))
+#define P1(m, i, cur) fl_store_bind_1d_w((m)->store, (i), (cur), wb) /* wb: the caller's widen list */
 #define G(m, off) fl_store_grad((m)->store, (off))
 #define paddr(m, so) fl_store_param_at((m)->store, (so))
 
@@ -33,7 +33,8 @@ void fl_linear_set_dw_scratch(const fl_model *m, fl_linear *lin) {
 }
 
 /* A linear layer from its weight and bias entries (indices; bias -1: none). */
-static void set_linear(const fl_model *m, fl_linear *lin, int in, int out, int wi, int bi, float **cur) {
+static void set_linear(const fl_model *m, fl_linear *lin, int in, int out, int wi, int bi, float **cur,
+                       fl_store_widen *wb) {
     lin->in = in;
     lin->out = out;
     fl_linear_set_weight(m, lin, wi);
@@ -50,7 +51,7 @@ size_t fl_group_numel(const fl_model *m, int g) {
 /* A norm weight (layout entry i) as the norm kernels read it: the stored 16-bit values when the storage is
  * 16-bit, the architecture's norm is RMSNorm and the backend's RMSNorm reads a 16-bit weight (*wt = the
  * storage dtype: no widening launch per norm and pass); else its fp32 view (fl_store_bind_1d, *wt = F32). */
-static const void *norm_weight(const fl_model *m, int i, float **cur, fl_dtype *wt) {
+static const void *norm_weight(const fl_model *m, int i, float **cur, fl_dtype *wt, fl_store_widen *wb) {
     const fl_param_store *s = m->store;
     if (i >= 0 && s->dtype != FL_F32 && m->be->rmsnorm_forward_w16 && m->be->rmsnorm_backward_w16 &&
         !fl_arch_get(m->cfg.arch)->layernorm) {
@@ -64,6 +65,7 @@ static const void *norm_weight(const fl_model *m, int i, float **cur, fl_dtype *
 void fl_get_block(const fl_model *m, const fl_block_graph *gr, int l, fl_block_params *bp) {
     memset(bp, 0, sizeof *bp);
     float *cur0 = m->store->pstage ? m->store->pstage + fl_pstage_block_start(m) : NULL, **cur = &cur0;
+    fl_store_widen w = {0}, *wb = &w; /* the block's 1-D parameters widened in one launch (16-bit storage) */
     const int g = l + 1;
 #define R(role) ((role) < 0 ? -1 : fl_layout_role(&m->layout, g, (fl_param_role)(role)))
     /* the graph's parameters: the norms' (in op order), then the linears' (weight: a fused (QKV, C) or
@@ -71,7 +73,7 @@ void fl_get_block(const fl_model *m, const fl_block_graph *gr, int l, fl_block_p
     for (int i = 0; i < gr->n_ops; i++) {
         const fl_gop *o = &gr->op[i];
         if (o->kind != FL_GOP_NORM) continue;
-        bp->norm_w[o->p] = norm_weight(m, R(o->role_w), cur, &bp->norm_wt); /* the same wt for every norm */
+        bp->norm_w[o->p] = norm_weight(m, R(o->role_w), cur, &bp->norm_wt, wb); /* the same wt for every norm */
         bp->d_norm_w[o->p] = G(m, loff(m, R(o->role_w)));
         bp->norm_b[o->p] = P1(m, R(o->role_b), cur); bp->d_norm_b[o->p] = G(m, loff(m, R(o->role_b)));
     }
@@ -82,9 +84,10 @@ void fl_get_block(const fl_model *m, const fl_block_graph *gr, int l, fl_block_p
         const int bias_here = !(m->cfg.tp_size > 1 && m->cfg.tp_rank != 0 &&
                                 (o->role_w == FL_ROLE_O_W || o->role_w == FL_ROLE_PROJ_W));
         set_linear(m, &bp->lin[o->p], gr->slot[o->in].width, gr->slot[o->out].width, R(o->role_w),
-                   bias_here ? R(o->role_b) : -1, cur);
+                   bias_here ? R(o->role_b) : -1, cur, wb);
         fl_model_bind_adapters(m, l, o->p, &bp->lin[o->p], 0); /* the adapters the rewrite attached to it */
     }
+    fl_store_widen_flush(m->store, wb);
 #undef R
 }
 
@@ -119,8 +122,10 @@ void fl_get_outer(const fl_model *m, fl_outer_params *o) {
     o->dwte = G(m, wte);
     o->wpe = (f32 && iwpe >= 0) ? paddr(m, o->wpe_off) : NULL;
     o->dwpe = G(m, wpe);
-    o->lnf_w = norm_weight(m, ilw, cur, &o->lnf_wt); o->dlnf_w = G(m, loff(m, ilw));
+    fl_store_widen w = {0}, *wb = &w; /* the final norm's weight and bias: one launch */
+    o->lnf_w = norm_weight(m, ilw, cur, &o->lnf_wt, wb); o->dlnf_w = G(m, loff(m, ilw));
     o->lnf_b = P1(m, ilb, cur); o->dlnf_b = G(m, loff(m, ilb));
+    fl_store_widen_flush(m->store, wb);
     o->head = f32 && ihd >= 0 ? paddr(m, fl_model_store_off(m, ihd)) : NULL; /* an encoder has none */
     o->dhead = f32 ? G(m, hd) : m->store->g16 ? m->store->gstage : NULL; /* 16-bit: the head is staged alone */
     o->head_off = hd;

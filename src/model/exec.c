@@ -116,8 +116,10 @@ static void attn_views(const fl_model *m, const fl_block_graph *g, const fl_gop 
     *v = *k + d.KVD;
 }
 
+/* o16 (NULL or): the output's bf16 copy, written by the op itself where the backend has attention_forward16
+ * (*done16 = 1: no round16 after it) */
 static fl_status attn_forward(const fl_model *m, const fl_block_graph *g, const fl_gop *o, float *const *s,
-                              const fl_block_ctx *x) {
+                              const fl_block_ctx *x, void *o16, int *done16) {
     const fl_backend *be = m->be;
     fl_dims d = fl_model_dims(&m->cfg);
     float *in = s[o->in], *out = s[o->out], *lse = o->a1 >= 0 ? s[o->a1] : NULL;
@@ -128,6 +130,10 @@ static fl_status attn_forward(const fl_model *m, const fl_block_graph *g, const 
             FL_RUN(be, attention_decode, out, in, kv->k + fl_kv_cache_index(kv, x->layer, 0, 0),
                    kv->v + fl_kv_cache_index(kv, x->layer, 0, 0), x->pos0 + 1, d.NH, d.NKV, d.HD,
                    (size_t)kv->max_T * d.HD);
+        } else if (o16 && be->attention_forward16) { /* (N, QD) and its stored copy */
+            const fl_attn_desc a = fl_attn_desc_qkv(x->B, x->T, d.NH, d.NKV, d.HD);
+            FL_TRY(FL_RUN(be, attention_forward16, &a, out, o16, lse, in, in + d.QD, in + d.QD + d.KVD, NULL, NULL));
+            *done16 = 1;
         } else {
             FL_TRY(FL_RUN(be, attention_qkv_forward, out, lse, in, x->B, x->T, d.NH, d.NKV, d.HD)); // (N, QD)
         }
@@ -139,8 +145,13 @@ static fl_status attn_forward(const fl_model *m, const fl_block_graph *g, const 
     fl_attn_desc a;
     float *q, *k, *v;
     attn_views(m, g, o, x, s, &a, &q, &k, &v);
-    return FL_RUN(be, attention_forward, &a, out, lse, q, k, v, o->attn_flags & FL_GATTN_BIAS ? x->attn_bias : NULL,
-                  o->attn_flags & FL_GATTN_MASK ? x->kmask : NULL);
+    const float *bias = o->attn_flags & FL_GATTN_BIAS ? x->attn_bias : NULL;
+    const uint8_t *kmask = o->attn_flags & FL_GATTN_MASK ? x->kmask : NULL;
+    if (o16 && be->attention_forward16) {
+        *done16 = 1;
+        return FL_RUN(be, attention_forward16, &a, out, o16, lse, q, k, v, bias, kmask);
+    }
+    return FL_RUN(be, attention_forward, &a, out, lse, q, k, v, bias, kmask);
 }
 
 /* The gradient buffer of slot k: a stream from outside accumulates into the caller's. */
@@ -210,6 +221,34 @@ static void *dy16_for(const fl_backend *be, const fl_block_graph *g, const fl_bl
     return ok ? bp->lin[pv->p].dyb16 : NULL;
 }
 
+/* The next op after op i in the backward's order that is not an ADD (whose backward is the identity on the
+ * residual gradient's one buffer); -1: none */
+static int next_bwd(const fl_block_graph *g, int i) {
+    int j = i - 1;
+    while (j >= 0 && g->op[j].kind == FL_GOP_ADD) j--;
+    return j;
+}
+void *fl_block_dout16(const fl_block_graph *g, const fl_block_params *bp) {
+    const int j = next_bwd(g, g->n_ops);
+    const fl_gop *o = j >= 0 ? &g->op[j] : NULL;
+    if (!o || o->kind != FL_GOP_LINEAR || o->out != FL_GSLOT_OUT || !fl_linear_wants_dy16(&bp->lin[o->p])) return NULL;
+    return bp->lin[o->p].dyb16;
+}
+/* A NORM (op i, 16-bit RMSNorm weight: the backend's w16 kernel) finishes the residual gradient d(in), which the
+ * next LINEAR in the backward's order reads as its dy (a pre-norm block: the attention's output projection; the
+ * block's input gradient: the previous block's last projection, x->din16): the norm writes that LINEAR's bf16 dy
+ * as it accumulates (rmsnorm_backward_w16's dinp16). NULL: no such pair. */
+static void *norm_dy16_for(const fl_backend *be, const fl_block_graph *g, const fl_block_params *bp, int i,
+                           const fl_block_ctx *x) {
+    const fl_gop *o = &g->op[i];
+    if (bp->norm_wt == FL_F32 || !be->rmsnorm_backward_w16) return NULL;
+    const int j = next_bwd(g, i);
+    if (j < 0) return o->in == FL_GSLOT_IN && !x->no_din ? x->din16 : NULL;
+    const fl_gop *pv = &g->op[j];
+    if (pv->kind != FL_GOP_LINEAR || pv->out != o->in || !fl_linear_wants_dy16(&bp->lin[pv->p])) return NULL;
+    return bp->lin[pv->p].dyb16;
+}
+
 fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
                            const fl_block_ctx *x) {
     const fl_backend *be = m->be;
@@ -254,7 +293,7 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
             break;
         }
         case FL_GOP_ROPE: FL_TRY(rope(m, in, o16, &done16, 0, x, wi)); break;
-        case FL_GOP_ATTN: FL_TRY(attn_forward(m, g, o, s, x)); break;
+        case FL_GOP_ATTN: FL_TRY(attn_forward(m, g, o, s, x, o16, &done16)); break;
         case FL_GOP_ADD: {
             /* a residual add straight into an RMSNorm of its sum: one fused op (issue 30 item 4; the CPU's is the
              * two ops, the same bits). Not when bf16 is stored (store16): the sum must be rounded to bf16 before
@@ -318,14 +357,15 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
                             float *const *gb, const fl_block_ctx *x) {
     const fl_backend *be = m->be;
     const unsigned need = x->no_din ? grads_needed(g, bp) : ~0u;
-    int dy16_ready = 0; /* the next op's (a LINEAR's) dy already in its dyb16 (dy16_for) */
+    /* the next op's (a LINEAR's) dy already in its dyb16 (dy16_for, norm_dy16_for; the caller's for the first) */
+    int dy16_ready = x->dout16_ready && x->s16 && fl_block_dout16(g, bp);
 #define S(k) ((k) >= 0 ? s[k] : NULL)
     for (int i = g->n_ops - 1; i >= 0; i--) {
         const fl_gop *o = &g->op[i];
         const fl_gslot *si = &g->slot[o->in], *so = &g->slot[o->out];
+        if (o->kind == FL_GOP_ADD) continue; /* both sides on one residual path: d(in) += d(out) is the identity */
         const int ready = dy16_ready; /* this op's dout was rounded into its dyb16 by the op before (dy16_for) */
         dy16_ready = 0;
-        if (o->kind == FL_GOP_ADD) continue; /* both sides on one residual path: d(in) += d(out) is the identity */
         /* nothing reads d(in): only an op that trains runs (a LINEAR without its dx) */
         const int need_in = need >> o->in & 1u;
         if (!need_in && !op_trains(bp, o)) continue;
@@ -345,10 +385,14 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
             continue;
         }
         switch ((fl_gop_kind)o->kind) {
-        case FL_GOP_NORM:
-            fl_norm_backward_t(m, din, bp->d_norm_w[o->p], bp->d_norm_b[o->p], dout, s[o->in], bp->norm_w[o->p],
+        case FL_GOP_NORM: {
+            void *d16 = x->s16 ? norm_dy16_for(be, g, bp, i, x) : NULL;
+            fl_norm_backward_t(m, din, d16, bp->d_norm_w[o->p], bp->d_norm_b[o->p], dout, s[o->in], bp->norm_w[o->p],
                                bp->norm_wt, S(o->a1), S(o->a2), N);
+            dy16_ready = d16 != NULL;
+            if (d16 && d16 == x->din16 && x->din16_done) *x->din16_done = 1;
             break;
+        }
         case FL_GOP_LINEAR:
             FL_TRY(fl_linear_backward_dy16(be, din, o->acc, dout, ready, s[o->in], x->s16 ? x->s16[o->in] : NULL,
                                            &bp->lin[o->p], N));
@@ -389,11 +433,11 @@ int fl_norm_forward_t(const fl_model *m, float *out, void *out16, float *mean, f
     return 0;
 }
 
-void fl_norm_backward_t(const fl_model *m, float *dx, float *dw, float *db, const float *dout, const float *x,
-                        const void *w, fl_dtype wt, const float *mean, const float *rstd, int N) {
+void fl_norm_backward_t(const fl_model *m, float *dx, void *dx16, float *dw, float *db, const float *dout,
+                        const float *x, const void *w, fl_dtype wt, const float *mean, const float *rstd, int N) {
     const fl_backend *be = m->be;
     if (wt != FL_F32)
-        FL_RUN(be, rmsnorm_backward_w16, dx, dw, dout, x, w, wt, rstd, N, m->cfg.dim);
+        FL_RUN(be, rmsnorm_backward_w16, dx, dx16, dw, dout, x, w, wt, rstd, N, m->cfg.dim);
     else if (fl_arch_get(m->cfg.arch)->layernorm)
         FL_RUN(be, layernorm_backward, dx, dw, db, dout, x, w, mean, rstd, N, m->cfg.dim);
     else
@@ -407,7 +451,7 @@ void fl_norm_forward(const fl_model *m, float *out, float *mean, float *rstd, co
 
 void fl_norm_backward(const fl_model *m, float *dx, float *dw, float *db, const float *dout, const float *x,
                       const float *w, const float *mean, const float *rstd, int N) {
-    fl_norm_backward_t(m, dx, dw, db, dout, x, w, FL_F32, mean, rstd, N);
+    fl_norm_backward_t(m, dx, NULL, dw, db, dout, x, w, FL_F32, mean, rstd, N);
 }
 
 /* out (n, C) = wte[ids] (+ wpe[pos0 ..]) for one sequence of n rows at position pos0,

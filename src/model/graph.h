@@ -178,6 +178,13 @@ typedef struct {
                                          * 0: this pass's rows */
     int xs_ready;                       /* LINEARs reading an XSTREAM slot are skipped: their output (the cross
                                          * k|v) is kept from an earlier pass */
+    /* backward, bf16 compute (issue 30 item 1): the residual gradient's bf16 copy passed between blocks, so the
+     * LINEAR reading it as dy skips its convert. dout16_ready: d(output)'s copy is already in the dyb16 of the
+     * block's first LINEAR in the backward's order (fl_block_dout16: the caller compares the pointers); din16
+     * (NULL or): the norm that finishes d(input) writes its copy there, and sets *din16_done. */
+    int dout16_ready;
+    void *din16;
+    int *din16_done;
 } fl_block_ctx;
 
 /* s: the slots' buffers (s[FL_GSLOT_IN] the input rows, s[FL_GSLOT_OUT] where the output goes; may alias
@@ -188,6 +195,10 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
  * gb[1 .. n_gbuf-1]: (N, gbuf_width) scratch. Parameter gradients accumulate (+=). */
 fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
                             float *const *gb, const fl_block_ctx *x);
+
+/* The dyb16 of the block's first LINEAR in the backward's order when it reads d(output) as a bf16 dy
+ * (fl_block_ctx.dout16_ready), else NULL. */
+void *fl_block_dout16(const fl_block_graph *g, const fl_block_params *bp);
 
 /* Inference scratch for n rows: the floats of the graph's shared buffers (64-byte aligned views), and with a
  * base, the slot views (s[FL_GSLOT_IN] and s[FL_GSLOT_OUT] point to the same buffer). */

@@ -240,8 +240,9 @@ void fl_norm_backward(const fl_model *m, float *dx, float *dw, float *db, const 
  * bf16 copy (out its widening: a stored slot, no round16). Returns whether out16 was written. */
 int fl_norm_forward_t(const fl_model *m, float *out, void *out16, float *mean, float *rstd, const float *x,
                       const void *w, fl_dtype wt, const float *b, int N);
-void fl_norm_backward_t(const fl_model *m, float *dx, float *dw, float *db, const float *dout, const float *x,
-                        const void *w, fl_dtype wt, const float *mean, const float *rstd, int N);
+/* dx16 (NULL or, 16-bit w only): bf16(dx) after the accumulation, dx not rounded (the next LINEAR's bf16 dy) */
+void fl_norm_backward_t(const fl_model *m, float *dx, void *dx16, float *dw, float *db, const float *dout,
+                        const float *x, const void *w, fl_dtype wt, const float *mean, const float *rstd, int N);
 
 /* BLIP-2 (arch_blip2.c): does Q-Former block l cross-attend to the image features; a Q-Former block's graph with or
  * without the cross-attention (the stack alternates them, so src/model/blip2.c builds both). */

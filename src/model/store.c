@@ -34,7 +34,18 @@ void fl_store_bind_weight(const fl_param_store *s, int wi, int out, fl_weight_vi
     v->wc = s->ops->compute_at(s, so);
 }
 
-const float *fl_store_bind_1d(const fl_param_store *s, int i, float **cur) {
+const float *fl_store_bind_1d(const fl_param_store *s, int i, float **cur) { return fl_store_bind_1d_w(s, i, cur, NULL); }
+
+void fl_store_widen_flush(const fl_param_store *s, fl_store_widen *w) {
+    const fl_backend *be = s->be;
+    if (w->n > 1 && be->convert_many)
+        (void)FL_RUN(be, convert_many, w->n, w->dst, FL_F32, (const void *const *)w->src, s->dtype, w->len);
+    else
+        for (int k = 0; k < w->n; k++) (void)FL_RUN(be, convert, w->dst[k], FL_F32, w->src[k], s->dtype, w->len[k]);
+    w->n = 0;
+}
+
+const float *fl_store_bind_1d_w(const fl_param_store *s, int i, float **cur, fl_store_widen *w) {
     if (i < 0) return NULL;
     const fl_param_info *p = &s->lay->params[i];
     const void *src = s->ops->param_at(s, fl_store_off(s, i));
@@ -42,7 +53,12 @@ const float *fl_store_bind_1d(const fl_param_store *s, int i, float **cur) {
     float *v = *cur;
     *cur += p->numel;
     if (!src) return NULL; /* sharded: its group is not gathered */
-    FL_RUN(s->be, convert, v, FL_F32, src, s->dtype, p->numel);
+    if (!w) {
+        FL_RUN(s->be, convert, v, FL_F32, src, s->dtype, p->numel);
+        return v;
+    }
+    if (w->n == FL_CONVERT_MANY_MAX) fl_store_widen_flush(s, w);
+    w->dst[w->n] = v, w->src[w->n] = src, w->len[w->n++] = p->numel;
     return v;
 }
 

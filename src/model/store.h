@@ -137,6 +137,17 @@ int fl_store_group_of(const fl_param_store *s, size_t off);
 void fl_store_bind_weight(const fl_param_store *s, int wi, int out, fl_weight_view *v);
 /* fp32 view of 1-D entry i (-1: NULL): in place (fp32) or widened into the next pstage slot (*cur). */
 const float *fl_store_bind_1d(const fl_param_store *s, int i, float **cur);
+/* The same with the widening deferred into w (NULL: at once): the 1-D entries a block binds are widened by one
+ * fl_store_widen_flush (the backend's convert_many: one launch, convert's bits) instead of one convert each (a
+ * GPT-2 block of a 16-bit store: 8 launches per pass; issue 30 item 1). */
+typedef struct {
+    int n;
+    void *dst[FL_CONVERT_MANY_MAX];
+    const void *src[FL_CONVERT_MANY_MAX];
+    size_t len[FL_CONVERT_MANY_MAX];
+} fl_store_widen;
+const float *fl_store_bind_1d_w(const fl_param_store *s, int i, float **cur, fl_store_widen *w);
+void fl_store_widen_flush(const fl_param_store *s, fl_store_widen *w);
 /* fp32 gradient of the entry at layout offset off (-1: NULL): in place (fp32) or its place in gstage (16-bit). */
 float *fl_store_grad(const fl_param_store *s, size_t off);
 /* 16-bit storage: gstage zeroed over n elements / added into the gradient at layout offset off (no-ops in fp32). */

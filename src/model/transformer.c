@@ -200,8 +200,9 @@ static fl_status forward_end(fl_model *m, const pass *p, float *logits_out, floa
     return FL_OK;
 }
 
-/* BLOCKS backward, L-1 down to 0: d res[L] in dres becomes d res[0]. */
-static fl_status blocks_backward(fl_model *m, int B, int T) {
+/* BLOCKS backward, L-1 down to 0: d res[L] in dres becomes d res[0]. dres16: d res[L]'s bf16 copy is in the
+ * acts' dyb16 (the final norm's backward wrote it), passed on block to block (fl_block_ctx.din16). */
+static fl_status blocks_backward(fl_model *m, int B, int T, int dres16) {
     fl_acts *a = m->acts;
     const int L = m->cfg.n_layers, N = B * T;
     float *const gb[FL_GRAPH_MAX_GBUF] = {a->dres, a->buf1, a->buf2, a->gbuf_more[0], a->gbuf_more[1]};
@@ -228,6 +229,13 @@ static fl_status blocks_backward(fl_model *m, int B, int T) {
         if (a->act_dtype == FL_BF16) x.s16 = a->layer[l].s16;
         /* LoRA: the embeddings are frozen, so block 0's input gradient has no reader */
         x.no_din = l == 0 && m->adapt && !m->keep_block0_din;
+        /* the residual gradient's bf16 copy, where the norms write it (the copy lives in the shared dyb16,
+         * which nothing between two blocks' backwards writes) */
+        void *dy16 = x.s16 ? fl_block_dout16(a->graph, &bp) : NULL;
+        x.dout16_ready = dres16 && dy16 == a->dyb16;
+        x.din16 = l > 0 ? dy16 : NULL;
+        dres16 = 0;
+        x.din16_done = &dres16;
         FL_TRY(fl_block_backward(m, a->graph, &bp, a->layer[l].s, gb, &x));
         FL_TRY(fl_store_stage_flush(m->store, m->layout.group_offset[l + 1], gn));
         PP_RELEASE(l + 1);
@@ -249,6 +257,7 @@ static fl_status run_backward(fl_model *m, const float *dhidden) {
     fl_outer_params op;
     fl_get_outer(m, &op);
     m->ckpt_recomputed = 0;
+    int dres16 = 0; /* d res[L]'s bf16 copy in dyb16 (blocks_backward) */
     if (m->stage.out) { /* an earlier pipeline stage: d res[L] is already in dres (fl_model_stage_dout) */
     } else if (has_final_norm(mg)) { /* d(lnf) (N, C) in buf1 -> d res[L] in dres */
         if (dhidden) FL_TRY(FL_RUN(be, to_device, a->buf1, dhidden, nc * sizeof(float)));
@@ -256,8 +265,9 @@ static fl_status run_backward(fl_model *m, const float *dhidden) {
         /* the final norm's parameters open the head group (16-bit storage: staged) */
         const size_t n_lnf = fl_outer_1d(m);
         fl_store_stage_begin(m->store, n_lnf);
-        fl_norm_backward_t(m, a->dres, op.dlnf_w, op.dlnf_b, a->buf1, a->res[L], op.lnf_w, op.lnf_wt, a->lnf_mean,
-                           a->lnf_rstd, N);
+        dres16 = a->act_dtype == FL_BF16 && a->dyb16 && op.lnf_wt != FL_F32; /* the last block's bf16 dy too */
+        fl_norm_backward_t(m, a->dres, dres16 ? a->dyb16 : NULL, op.dlnf_w, op.dlnf_b, a->buf1, a->res[L], op.lnf_w,
+                           op.lnf_wt, a->lnf_mean, a->lnf_rstd, N);
         FL_TRY(fl_store_stage_flush(m->store, m->layout.group_offset[HG], n_lnf));
     } else {
         FL_TRY(FL_RUN(be, to_device, a->dres, dhidden, nc * sizeof(float)));
@@ -265,7 +275,7 @@ static fl_status run_backward(fl_model *m, const float *dhidden) {
     /* the head's gradient was completed in the forward */
     PP_RELEASE(HG);
     PP_READY(HG);
-    FL_TRY(blocks_backward(m, B, T)); // d res[0] in dres
+    FL_TRY(blocks_backward(m, B, T, dres16)); // d res[0] in dres
     if (m->stage.in) { /* a later pipeline stage: d res[0] goes to the previous one (fl_model_stage_dinput); the
                         * embeddings' gradients (none here) are ready as they are */
         PP_READY(0);

@@ -98,7 +98,7 @@ static void check_ex(int B, int Tq, int Tk, int NH, int NKV, int HD, int causal,
     }
     float *out = malloc(no * 4), *lse = malloc(nl * 4), *work = malloc(fl_cu_attention_work_bytes(B, NH, Tq));
     float *dq = calloc(nq, 4), *dk = calloc(nk, 4), *dv = calloc(nv, 4), *db = use_bias ? calloc(nb, 4) : NULL;
-    int rc = fl_cuemu_attention_forward_ex(&a, out, lse, q, k, v, bias, mask, NULL);
+    int rc = fl_cuemu_attention_forward_ex(&a, out, NULL, lse, q, k, v, bias, mask, NULL);
     rc |= fl_cuemu_attention_backward_ex(&a, dq, dk, dv, db, dout, q, k, v, bias, mask, out, lse, work, NULL);
     float *gq = a_dev(q, nq * 4), *gk = a_dev(k, nk * 4), *gv = a_dev(v, nv * 4), *gdo = a_dev(dout, no * 4);
     float *gb = bias ? a_dev(bias, nb * 4) : NULL, *go = a_dev(NULL, no * 4), *gl = a_dev(NULL, nl * 4);
@@ -111,7 +111,7 @@ static void check_ex(int B, int Tq, int Tk, int NH, int NKV, int HD, int causal,
     cudaMemset(gdk, 0, nk * 4);
     cudaMemset(gdv, 0, nv * 4);
     if (gdb) cudaMemset(gdb, 0, nb * 4);
-    rc |= fl_cuk_attention_forward_ex(&a, go, gl, gq, gk, gv, gb, gm, NULL);
+    rc |= fl_cuk_attention_forward_ex(&a, go, NULL, gl, gq, gk, gv, gb, gm, NULL);
     rc |= fl_cuk_attention_backward_ex(&a, gdq, gdk, gdv, gdb, gdo, gq, gk, gv, gb, gm, go, gl, gw, NULL);
     if (rc || cudaDeviceSynchronize() != cudaSuccess) {
         printf("%-40s FAIL (launch: %d, %s)\n", nm, rc, cudaGetErrorString(cudaGetLastError()));
@@ -230,7 +230,7 @@ static void check_tc_ex(int fa2, int B, int Tq, int Tk, int NH, int NKV, int HD,
     }
     float *out = malloc(no * 4), *lse = malloc(nl * 4), *work = malloc(fl_cu_attention_work_bytes(B, NH, Tq));
     float *dq = calloc(nq, 4), *dk = calloc(nk, 4), *dv = calloc(nv, 4);
-    int rc = (fa2 ? fl_cuemu_attention_forward_fa2 : fl_cuemu_attention_forward_tc)(&a, out, lse, q, k, v, mask, NULL);
+    int rc = (fa2 ? fl_cuemu_attention_forward_fa2 : fl_cuemu_attention_forward_tc)(&a, out, NULL, lse, q, k, v, mask, NULL);
     rc |= (fa2 ? fl_cuemu_attention_backward_fa2 : fl_cuemu_attention_backward_tc)(&a, dq, dk, dv, dout, q, k, v, mask,
                                                                                  out, lse, work, NULL);
     float *gq = a_dev(q, nq * 4), *gk = a_dev(k, nk * 4), *gv = a_dev(v, nv * 4), *gdo = a_dev(dout, no * 4);
@@ -238,7 +238,7 @@ static void check_tc_ex(int fa2, int B, int Tq, int Tk, int NH, int NKV, int HD,
     uint8_t *gm = mask ? a_dev(mask, (size_t)B * Tk) : NULL;
     float *gdq = a_dev(NULL, nq * 4), *gdk = a_dev(NULL, nk * 4), *gdv = a_dev(NULL, nv * 4);
     cudaMemset(gdq, 0, nq * 4), cudaMemset(gdk, 0, nk * 4), cudaMemset(gdv, 0, nv * 4);
-    rc |= (fa2 ? fl_cuk_attention_forward_fa2 : fl_cuk_attention_forward_tc)(&a, go, gl, gq, gk, gv, gm, NULL);
+    rc |= (fa2 ? fl_cuk_attention_forward_fa2 : fl_cuk_attention_forward_tc)(&a, go, NULL, gl, gq, gk, gv, gm, NULL);
     rc |= (fa2 ? fl_cuk_attention_backward_fa2 : fl_cuk_attention_backward_tc)(&a, gdq, gdk, gdv, gdo, gq, gk, gv, gm,
                                                                              go, gl, gw, NULL);
     if (rc || cudaDeviceSynchronize() != cudaSuccess) {
@@ -280,7 +280,7 @@ static void a_err_report(const char *op, a_err e, double tol) {
 static int a_fwd(int tc, float *o, float *l, const float *x, int B, int T, int NH, int NKV, int HD) {
     if (!tc) return fl_cuk_attention_forward(o, l, x, B, T, NH, NKV, HD, NULL);
     const fl_attn_desc a = fl_attn_desc_qkv(B, T, NH, NKV, HD);
-    return (tc >= 2 ? fl_cuk_attention_forward_fa2 : fl_cuk_attention_forward_tc)(&a, o, l, x, x + (size_t)NH * HD, x + (size_t)(NH + NKV) * HD, NULL, NULL);
+    return (tc >= 2 ? fl_cuk_attention_forward_fa2 : fl_cuk_attention_forward_tc)(&a, o, NULL, l, x, x + (size_t)NH * HD, x + (size_t)(NH + NKV) * HD, NULL, NULL);
 }
 static int a_bwd(int tc, float *dx, const float *dout, const float *x, const float *o, const float *l, int B, int T,
                  int NH, int NKV, int HD, void *w) {

@@ -38,11 +38,12 @@ extern "C" {
     int P##rmsnorm_backward(float *dinp, float *dw, const float *dout, const float *inp, const float *w,        \
                             const float *rstd, int N, int C, void *stream);                                    \
     /* the same two over a 16-bit weight (wt BF16/F16; -1 otherwise), widened exactly in the kernel; out16    \
-     * (NULL or) the output's bf16 copy, out then its exact widening (round16's bits) */                      \
+     * (NULL or) the output's bf16 copy, out then its exact widening (round16's bits); dinp16 (NULL or) bf16  \
+     * of dinp after the accumulation, dinp not rounded (the next LINEAR's dy operand) */                     \
     int P##rmsnorm_forward_w16(float *out, void *out16, float *rstd, const float *inp, const void *w,           \
                                fl_dtype wt, int N, int C, float eps, void *stream);                            \
-    int P##rmsnorm_backward_w16(float *dinp, float *dw, const float *dout, const float *inp, const void *w,     \
-                                fl_dtype wt, const float *rstd, int N, int C, void *stream);                   \
+    int P##rmsnorm_backward_w16(float *dinp, void *dinp16, float *dw, const float *dout, const float *inp,      \
+                                const void *w, fl_dtype wt, const float *rstd, int N, int C, void *stream);    \
     int P##cross_entropy(float *loss, float *dlogits, const float *logits, const int32_t *targets, int N, int V, \
                          float grad_scale, int ignore_index, void *stream);                                    \
     /* the same with the gradient written as bf16 only (dlogits16 (N, V), not overlapping logits) */         \

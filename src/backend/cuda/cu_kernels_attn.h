@@ -58,22 +58,24 @@ static inline int fl_cu_attention_tc_supported(const fl_attn_desc *a, const floa
     int P##attention_decode(float *out /*(NH*HD)*/, const float *q /*(NH*HD)*/, const float *kcache,           \
                             const float *vcache, int T, int NH, int NKV, int HD, size_t head_stride,            \
                             void *stream);                                                                     \
-    int P##attention_forward_ex(const fl_attn_desc *a, float *out, float *lse, const float *q, const float *k,  \
-                                const float *v, const float *bias, const uint8_t *kmask, void *stream);         \
+    /* out16 (NULL or, the forwards): the output's bf16 copy (out's layout), out then its exact widening */  \
+    int P##attention_forward_ex(const fl_attn_desc *a, float *out, void *out16, float *lse, const float *q,     \
+                                const float *k, const float *v, const float *bias, const uint8_t *kmask,       \
+                                void *stream);                                                                 \
     int P##attention_backward_ex(const fl_attn_desc *a, float *dq, float *dk, float *dv, float *dbias,          \
                                  const float *dout, const float *q, const float *k, const float *v,            \
                                  const float *bias, const uint8_t *kmask, const float *out, const float *lse,  \
                                  void *work, void *stream);                                                    \
     /* tensor cores (bf16): the attention ops without bias and dbias */            \
-    int P##attention_forward_tc(const fl_attn_desc *a, float *out, float *lse, const float *q, const float *k,  \
-                                const float *v, const uint8_t *kmask, void *stream);                           \
+    int P##attention_forward_tc(const fl_attn_desc *a, float *out, void *out16, float *lse, const float *q,     \
+                                const float *k, const float *v, const uint8_t *kmask, void *stream);           \
     int P##attention_backward_tc(const fl_attn_desc *a, float *dq, float *dk, float *dv, const float *dout,     \
                                  const float *q, const float *k, const float *v, const uint8_t *kmask,         \
                                  const float *out, const float *lse, void *work, void *stream);                \
     /* FlashAttention-2-structured tensor-core kernels (kernels/attn_fa2.cu; EXPERIMENTAL): the _tc     \
      * semantics and shapes; the backward's dq adds run in a varying order on a GPU (atomics) */          \
-    int P##attention_forward_fa2(const fl_attn_desc *a, float *out, float *lse, const float *q, const float *k, \
-                                 const float *v, const uint8_t *kmask, void *stream);                          \
+    int P##attention_forward_fa2(const fl_attn_desc *a, float *out, void *out16, float *lse, const float *q,    \
+                                 const float *k, const float *v, const uint8_t *kmask, void *stream);          \
     int P##attention_backward_fa2(const fl_attn_desc *a, float *dq, float *dk, float *dv, const float *dout,    \
                                   const float *q, const float *k, const float *v, const uint8_t *kmask,        \
                                   const float *out, const float *lse, void *work, void *stream);               \

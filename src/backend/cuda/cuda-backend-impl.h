@@ -243,9 +243,10 @@ static void flb_rmsnorm_forward_w16(const fl_backend *be, float *out, void *out1
                                     const void *w, fl_dtype wt, int N, int C, float eps) {
     FLB_RUN(be, FLB_K(rmsnorm_forward_w16)(out, out16, rstd, inp, w, wt, N, C, eps, STREAM), "rmsnorm_forward_w16");
 }
-static void flb_rmsnorm_backward_w16(const fl_backend *be, float *dinp, float *dw, const float *dout,
+static void flb_rmsnorm_backward_w16(const fl_backend *be, float *dinp, void *dinp16, float *dw, const float *dout,
                                      const float *inp, const void *w, fl_dtype wt, const float *rstd, int N, int C) {
-    FLB_RUN(be, FLB_K(rmsnorm_backward_w16)(dinp, dw, dout, inp, w, wt, rstd, N, C, STREAM), "rmsnorm_backward_w16");
+    FLB_RUN(be, FLB_K(rmsnorm_backward_w16)(dinp, dinp16, dw, dout, inp, w, wt, rstd, N, C, STREAM),
+            "rmsnorm_backward_w16");
 }
 static void flb_layernorm_forward(const fl_backend *be, float *out, float *mean, float *rstd, const float *inp,
                                   const float *w, const float *b, int N, int C, float eps) {
@@ -677,6 +678,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->rope_forward = flb_rope_forward;
     be->rope_backward = flb_rope_backward;
     be->attention_forward = flb_attention_forward;
+    be->attention_forward16 = flb_attention_forward16;
     be->attention_backward = flb_attention_backward;
     be->swiglu_forward = flb_swiglu_forward;
     be->swiglu_backward = flb_swiglu_backward;

@@ -111,8 +111,9 @@ static char *flb_dnn_buf(const fl_backend *be, size_t bytes) {
 static size_t flb_al256(size_t b) { return (b + 255) & ~(size_t)255; }
 
 /* 1: cuDNN ran it (or failed: *st says); 0: run the own kernels */
-static int flb_cudnn_forward(const fl_backend *be, const fl_attn_desc *a, float *out, float *lse, const float *q,
-                             const float *k, const float *v, const float *bias, const uint8_t *kmask, fl_status *st) {
+static int flb_cudnn_forward(const fl_backend *be, const fl_attn_desc *a, float *out, void *out16, float *lse,
+                             const float *q, const float *k, const float *v, const float *bias, const uint8_t *kmask,
+                             fl_status *st) {
     flb_impl *im = FLB_IMPL(be);
     if (!im->dnn || im->compute != FL_BF16) return 0;
     const char *no = fl_cudnn_sdpa_refuse(a, bias, kmask);
@@ -132,7 +133,8 @@ static int flb_cudnn_forward(const fl_backend *be, const fl_attn_desc *a, float 
     ptr[FL_CUDNN_UID_Q] = buf;
     ptr[FL_CUDNN_UID_K] = buf + bq;
     ptr[FL_CUDNN_UID_V] = buf + bq + bk;
-    ptr[FL_CUDNN_UID_O] = buf + bq + 2 * bk;
+    /* out16 (bf16 stored): cuDNN's bf16 O goes there directly (the refused shapes leave compact rows, ldo = cq) */
+    ptr[FL_CUDNN_UID_O] = out16 && a->ldo == (size_t)cq ? out16 : (void *)(buf + bq + 2 * bk);
     ptr[FL_CUDNN_UID_STATS] = lse;
     int rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_Q], FL_BF16, (size_t)cq, q, FL_F32, a->ldq, rq, cq, STREAM);
     if (!rc) rc = FLB_K(convert2d)(ptr[FL_CUDNN_UID_K], FL_BF16, (size_t)ck, k, FL_F32, a->ldk, rk, ck, STREAM);
@@ -146,6 +148,8 @@ static int flb_cudnn_forward(const fl_backend *be, const fl_attn_desc *a, float 
         return (*st = flb_sticky(be)), 1;
     }
     rc = FLB_K(convert2d)(out, FL_F32, a->ldo, ptr[FL_CUDNN_UID_O], FL_BF16, (size_t)cq, rq, cq, STREAM);
+    if (!rc && out16 && ptr[FL_CUDNN_UID_O] != out16) /* not compact (not taken today): the copy */
+        rc = FLB_K(convert2d)(out16, FL_BF16, a->ldo, ptr[FL_CUDNN_UID_O], FL_BF16, (size_t)cq, rq, cq, STREAM);
     *st = flb_attn_status(be, rc, "attention_forward (cuDNN)");
     return 1;
 }
@@ -206,6 +210,6 @@ static fl_status flb_attn_init(flb_impl *im) {
     return FL_OK;
 }
 static void flb_attn_free(flb_impl *im) { (void)im; }
-#define flb_cudnn_forward(be, a, out, lse, q, k, v, bias, kmask, st) 0
+#define flb_cudnn_forward(be, a, out, out16, lse, q, k, v, bias, kmask, st) 0
 #define flb_cudnn_backward(be, a, dq, dk, dv, dout, q, k, v, bias, kmask, out, lse, work, st) 0
 #endif

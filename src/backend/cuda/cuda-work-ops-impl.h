@@ -77,9 +77,9 @@ static fl_status flb_attn_status(const fl_backend *be, int rc, const char *op) {
 
 /* The fused-QKV causal shape (fl_attn_is_qkv) needs no kernel of its own here: the general
  * kernels take its descriptor (the fused launchers of cu_kernels_attn.h build the same one). */
-static fl_status flb_attention_forward(const fl_backend *be, const fl_attn_desc *a, float *out, float *lse,
-                                       const float *q, const float *k, const float *v, const float *bias,
-                                       const uint8_t *kmask) {
+static fl_status flb_attention_forward16(const fl_backend *be, const fl_attn_desc *a, float *out, void *out16,
+                                         float *lse, const float *q, const float *k, const float *v, const float *bias,
+                                         const uint8_t *kmask) {
     FL_TRY(flb_sticky(be));
     fl_status st = fl_attn_check_args("attention_forward", a, FL_CU_ATTN_MAX_HD, "the CUDA kernels' tiles", out, lse,
                                       q, k, v, bias, NULL);
@@ -90,15 +90,20 @@ static fl_status flb_attention_forward(const fl_backend *be, const fl_attn_desc 
     }
     FL_TRY(st);
     const int tc = flb_attn_tc(be, a, bias);
-    if (tc == FLB_ATTN_OWN + 1 && flb_cudnn_forward(be, a, out, lse, q, k, v, bias, kmask, &st)) return st;
+    if (tc == FLB_ATTN_OWN + 1 && flb_cudnn_forward(be, a, out, out16, lse, q, k, v, bias, kmask, &st)) return st;
     if (tc == FLB_ATTN_OWN + 1)
-        return flb_attn_status(be, FLB_K(attention_forward_fa2)(a, out, lse, q, k, v, kmask, STREAM),
+        return flb_attn_status(be, FLB_K(attention_forward_fa2)(a, out, out16, lse, q, k, v, kmask, STREAM),
                                "attention_forward");
     if (tc)
-        return flb_attn_status(be, FLB_K(attention_forward_tc)(a, out, lse, q, k, v, kmask, STREAM),
+        return flb_attn_status(be, FLB_K(attention_forward_tc)(a, out, out16, lse, q, k, v, kmask, STREAM),
                                "attention_forward");
-    return flb_attn_status(be, FLB_K(attention_forward_ex)(a, out, lse, q, k, v, bias, kmask, STREAM),
+    return flb_attn_status(be, FLB_K(attention_forward_ex)(a, out, out16, lse, q, k, v, bias, kmask, STREAM),
                            "attention_forward");
+}
+static fl_status flb_attention_forward(const fl_backend *be, const fl_attn_desc *a, float *out, float *lse,
+                                       const float *q, const float *k, const float *v, const float *bias,
+                                       const uint8_t *kmask) {
+    return flb_attention_forward16(be, a, out, NULL, lse, q, k, v, bias, kmask);
 }
 static fl_status flb_attention_backward(const fl_backend *be, const fl_attn_desc *a, float *dq, float *dk,
                                            float *dv, float *dbias, const float *dout, const float *q, const float *k,

@@ -100,11 +100,13 @@ template <class C> __global__ static void fl_cu_attn_fwd_k(fl_cu_attn_p p) {
         const int r = ry * RPT + i;
         const float lsum = fl_cu_attn_sum8(l[i]);
         if (r >= qn) continue;
-        float *dst = p.o + ((size_t)b * p.Tq + q0 + r) * p.ldo + (size_t)h * HD;
+        const size_t at = ((size_t)b * p.Tq + q0 + r) * p.ldo + (size_t)h * HD;
+        float *dst = p.o + at;
+        uint16_t *dst16 = p.o16 ? p.o16 + at : NULL;
         const float inv = lsum > 0.0f ? 1.0f / lsum : 0.0f; /* no visible key: out 0 */
         for (int c = 0; c < DPT; c++) {
             int d = tx + 8 * c;
-            if (d < HD) dst[d] = o[i][c] * inv;
+            if (d < HD) dst[d] = fl_cu_keep16(dst16, (size_t)d, o[i][c] * inv);
         }
         if (tx == 0) p.l[((size_t)b * p.NH + h) * p.Tq + q0 + r] = lsum > 0.0f ? m[i] + logf(lsum) : -INFINITY;
     }
@@ -119,11 +121,11 @@ template <class C> static int fl_cu_attn_fwd_launch(const fl_cu_attn_p &p, void 
     return fl_cu_launch_error();
 }
 
-extern "C" int FL_CUK(attention_forward_ex)(const fl_attn_desc *a, float *out, float *lse, const float *q,
-                                            const float *k, const float *v, const float *bias,
+extern "C" int FL_CUK(attention_forward_ex)(const fl_attn_desc *a, float *out, void *out16, float *lse,
+                                            const float *q, const float *k, const float *v, const float *bias,
                                             const uint8_t *kmask, void *stream) {
     fl_cu_attn_p p;
-    int rc = fl_cu_attn_fwd_setup(&p, a, out, lse, q, k, v, bias, kmask, 0);
+    int rc = fl_cu_attn_fwd_setup(&p, a, out, out16, lse, q, k, v, bias, kmask, 0);
     if (rc) return rc < 0 ? rc : 0;
     switch (fl_cu_attn_bucket(a->HD)) {
     case 32: return fl_cu_attn_fwd_launch<fl_cu_attn_cfg<32> >(p, stream);
@@ -137,7 +139,7 @@ extern "C" int FL_CUK(attention_forward)(float *out, float *lse, const float *qk
                                          int HD, void *stream) {
     fl_attn_desc a = fl_attn_desc_qkv(B, T, NH, NKV, HD);
     if (!qkv || NKV <= 0 || HD <= 0) return HD > FL_CU_ATTN_MAX_HD ? FL_CU_ATTN_UNSUPPORTED : FL_CU_ATTN_INVALID;
-    return FL_CUK(attention_forward_ex)(&a, out, lse, qkv, qkv + (size_t)NH * HD, qkv + (size_t)(NH + NKV) * HD,
+    return FL_CUK(attention_forward_ex)(&a, out, NULL, lse, qkv, qkv + (size_t)NH * HD, qkv + (size_t)(NH + NKV) * HD,
                                         NULL, NULL, stream);
 }
 

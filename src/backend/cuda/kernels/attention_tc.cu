@@ -142,16 +142,19 @@ template <int D> __global__ static void fl_cu_tc_fwd_k(fl_cu_attn_p p) {
         l1 += __shfl_xor_sync(FL_CU_FULL_MASK, l1, off);
     }
     const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f; /* no visible key: 0 */
-    float *O = p.o + ((size_t)b * p.Tq + q0) * p.ldo + (size_t)h * D;
+    const size_t at = ((size_t)b * p.Tq + q0) * p.ldo + (size_t)h * D;
+    float *O = p.o + at;
+    uint16_t *O16 = p.o16 ? p.o16 + at : NULL; /* bf16 stored: the output's copy too */
     for (int dt = 0; dt < DT; dt++) {
         const int d = dt * 8 + 2 * tq;
+        const size_t i0 = (size_t)r0 * p.ldo + d, i1 = (size_t)r1 * p.ldo + d;
         if (r0 < qn) {
-            O[(size_t)r0 * p.ldo + d] = o[dt][0] * inv0;
-            O[(size_t)r0 * p.ldo + d + 1] = o[dt][1] * inv0;
+            O[i0] = fl_cu_keep16(O16, i0, o[dt][0] * inv0);
+            O[i0 + 1] = fl_cu_keep16(O16, i0 + 1, o[dt][1] * inv0);
         }
         if (r1 < qn) {
-            O[(size_t)r1 * p.ldo + d] = o[dt][2] * inv1;
-            O[(size_t)r1 * p.ldo + d + 1] = o[dt][3] * inv1;
+            O[i1] = fl_cu_keep16(O16, i1, o[dt][2] * inv1);
+            O[i1 + 1] = fl_cu_keep16(O16, i1 + 1, o[dt][3] * inv1);
         }
     }
     if (tq == 0) {
@@ -375,10 +378,10 @@ template <int D> static int fl_cu_tc_bwd_launch(const fl_cu_attn_p &p, void *str
     return fl_cu_launch_error();
 }
 
-extern "C" int FL_CUK(attention_forward_tc)(const fl_attn_desc *a, float *out, float *lse, const float *q,
-                                            const float *k, const float *v, const uint8_t *kmask, void *stream) {
+extern "C" int FL_CUK(attention_forward_tc)(const fl_attn_desc *a, float *out, void *out16, float *lse,
+                                            const float *q, const float *k, const float *v, const uint8_t *kmask, void *stream) {
     fl_cu_attn_p p;
-    int rc = fl_cu_attn_fwd_setup(&p, a, out, lse, q, k, v, NULL, kmask, 1);
+    int rc = fl_cu_attn_fwd_setup(&p, a, out, out16, lse, q, k, v, NULL, kmask, 1);
     if (rc) return rc < 0 ? rc : 0;
     return a->HD == 64 ? fl_cu_tc_fwd_launch<64>(p, stream) : fl_cu_tc_fwd_launch<128>(p, stream);
 }

@@ -12,6 +12,7 @@ struct fl_cu_attn_p {
     const float *q, *k, *v, *bias, *dout, *out, *lse;
     const uint8_t *kmask;
     float *o, *l, *dq, *dk, *dv, *dbias, *Dsum; /* forward outputs; gradients; D scratch (B,NH,Tq) */
+    uint16_t *o16; /* forward: NULL or the output's bf16 copy (out's layout), o then its widening (issue 30 item 1) */
     int *dq_lock; /* the fa2 backward's deterministic dq: one counter per (b, h, query tile), else NULL */
     size_t ldq, ldk, ldv, ldo;
     int B, Tq, Tk, NH, NKV, HD, rep, causal;
@@ -148,15 +149,16 @@ static inline fl_cu_attn_p fl_cu_attn_params(const fl_attn_desc *a) {
  * argument checks in their one order and the parameter block. tc: the tensor-core kernels' shapes
  * only (fl_cu_attention_tc_supported). Returns 0 (*p ready), 1 (nothing to run: B or Tq is 0), or
  * an FL_CU_ATTN_* code. */
-static inline int fl_cu_attn_fwd_setup(fl_cu_attn_p *p, const fl_attn_desc *a, float *out, float *lse, const float *q,
-                                       const float *k, const float *v, const float *bias, const uint8_t *kmask,
-                                       int tc) {
+static inline int fl_cu_attn_fwd_setup(fl_cu_attn_p *p, const fl_attn_desc *a, float *out, void *out16, float *lse,
+                                       const float *q, const float *k, const float *v, const float *bias,
+                                       const uint8_t *kmask, int tc) {
     int rc = fl_cu_attn_check(a, out, lse, q, k, v, bias, NULL);
     if (rc) return rc;
     if (tc && !fl_cu_attention_tc_supported(a, bias)) return FL_CU_ATTN_UNSUPPORTED;
     if (a->B == 0 || a->Tq == 0) return 1;
     *p = fl_cu_attn_params(a);
     p->q = q, p->k = k, p->v = v, p->bias = bias, p->kmask = kmask, p->o = out, p->l = lse;
+    p->o16 = (uint16_t *)out16;
     return 0;
 }
 static inline int fl_cu_attn_bwd_setup(fl_cu_attn_p *p, const fl_attn_desc *a, float *dq, float *dk, float *dv,

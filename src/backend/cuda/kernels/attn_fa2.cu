@@ -159,7 +159,9 @@ template <int D> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
                 }
             }
     }
-    float *O = p.o + ((size_t)b * p.Tq + q0) * p.ldo + (size_t)h * D;
+    const size_t at = ((size_t)b * p.Tq + q0) * p.ldo + (size_t)h * D;
+    float *O = p.o + at;
+    uint16_t *O16 = p.o16 ? p.o16 + at : NULL; /* bf16 stored: the output's copy too */
     float *L = p.l + ((size_t)b * p.NH + h) * p.Tq + q0;
     FL_CU_UNROLL
     for (int mt = 0; mt < MT; mt++)
@@ -173,8 +175,9 @@ template <int D> __global__ static void fl_cu_fa_fwd_k(fl_cu_attn_p p) {
             FL_CU_UNROLL
             for (int dt = 0; dt < DT; dt++) {
                 const int d = dt * 8 + 2 * tq;
-                O[(size_t)r * p.ldo + d] = o[mt][dt][2 * x] * inv;
-                O[(size_t)r * p.ldo + d + 1] = o[mt][dt][2 * x + 1] * inv;
+                const size_t i = (size_t)r * p.ldo + d;
+                O[i] = fl_cu_keep16(O16, i, o[mt][dt][2 * x] * inv);
+                O[i + 1] = fl_cu_keep16(O16, i + 1, o[mt][dt][2 * x + 1] * inv);
             }
             if (tq == 0) L[r] = l > 0.0f ? m_[mt][x] * FL_CU_LN2 + logf(l) : -INFINITY;
         }
@@ -375,10 +378,10 @@ template <int D> static int fl_cu_fa_bwd_launch(const fl_cu_attn_p &p, void *str
     return fl_cu_launch_error();
 }
 
-extern "C" int FL_CUK(attention_forward_fa2)(const fl_attn_desc *a, float *out, float *lse, const float *q,
-                                             const float *k, const float *v, const uint8_t *kmask, void *stream) {
+extern "C" int FL_CUK(attention_forward_fa2)(const fl_attn_desc *a, float *out, void *out16, float *lse,
+                                             const float *q, const float *k, const float *v, const uint8_t *kmask, void *stream) {
     fl_cu_attn_p p;
-    int rc = fl_cu_attn_fwd_setup(&p, a, out, lse, q, k, v, NULL, kmask, 1);
+    int rc = fl_cu_attn_fwd_setup(&p, a, out, out16, lse, q, k, v, NULL, kmask, 1);
     if (rc) return rc < 0 ? rc : 0;
     return a->HD == 64 ? fl_cu_fa_fwd_launch<64>(p, stream) : fl_cu_fa_fwd_launch<128>(p, stream);
 }

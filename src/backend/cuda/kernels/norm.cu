@@ -111,13 +111,18 @@ __global__ static void fl_cu_add_rmsnorm_fwd_k(float *res, float *out, float *rs
     if (threadIdx.x == 0 && rstd) rstd[row] = r;
 }
 
-/* dx += r * (dy*w - x*r * mean(dy*w * x*r)) */
-__global__ static void fl_cu_rmsnorm_bwd_dx_k(float *dinp, const float *dout, const float *inp, const void *w, int wt,
-                                              const float *rstd, int C, int vec) {
+/* dx += r * (dy*w - x*r * mean(dy*w * x*r)); dx16 (NULL or): bf16(dx) after the add, dx itself not rounded (the
+ * residual gradient a norm backward finishes is the next LINEAR's dy: its bf16 operand without a convert) */
+FL_CU_DEV void keep16_only(uint16_t *o16, size_t i, float v) {
+    if (o16) o16[i] = fl_cu_f32_to_bf16(v);
+}
+__global__ static void fl_cu_rmsnorm_bwd_dx_k(float *dinp, uint16_t *dinp16, const float *dout, const float *inp,
+                                              const void *w, int wt, const float *rstd, int C, int vec) {
     __shared__ float buf[32];
     size_t row = blockIdx.x;
     const float *x = inp + row * C, *dy = dout + row * C;
     float *dx = dinp + row * C;
+    uint16_t *dx16 = dinp16 ? dinp16 + row * C : NULL;
     float r = rstd[row], dot = 0.0f;
     if (vec) {
         for (int c = 4 * (int)threadIdx.x; c < C; c += 4 * (int)blockDim.x) {
@@ -138,11 +143,17 @@ __global__ static void fl_cu_rmsnorm_bwd_dx_k(float *dinp, const float *dout, co
             fl_cu_ld4(dy + c, dv);
             nw4(w, wt, c, g);
             fl_cu_ld4(dx + c, o);
-            for (int k = 0; k < 4; k++) o[k] += r * (dv[k] * g[k] - xv[k] * r * mdot);
+            for (int k = 0; k < 4; k++) {
+                o[k] += r * (dv[k] * g[k] - xv[k] * r * mdot);
+                keep16_only(dx16, (size_t)c + k, o[k]);
+            }
             fl_cu_st4(dx + c, o);
         }
     } else {
-        for (int c = threadIdx.x; c < C; c += blockDim.x) dx[c] += r * (dy[c] * nw(w, wt, c) - x[c] * r * mdot);
+        for (int c = threadIdx.x; c < C; c += blockDim.x) {
+            dx[c] += r * (dy[c] * nw(w, wt, c) - x[c] * r * mdot);
+            keep16_only(dx16, (size_t)c, dx[c]);
+        }
     }
 }
 
@@ -235,13 +246,13 @@ extern "C" int FL_CUK(add_rmsnorm_forward)(float *res, float *out, float *rstd, 
     return fl_cu_launch_error();
 }
 
-static int rmsnorm_bwd(float *dinp, float *dw, const float *dout, const float *inp, const void *w, fl_dtype wt,
-                       const float *rstd, int N, int C, void *stream) {
+static int rmsnorm_bwd(float *dinp, void *dinp16, float *dw, const float *dout, const float *inp, const void *w,
+                       fl_dtype wt, const float *rstd, int N, int C, void *stream) {
     if (N <= 0 || C <= 0) return 0;
     const int vec = C % 4 == 0 && fl_cu_aligned16(dinp, dout, inp, wt == FL_F32 ? w : NULL, NULL);
     if (dinp)
         FL_CU_LAUNCH(fl_cu_rmsnorm_bwd_dx_k, dim3((unsigned)N), dim3(row_threads(vec ? C / 4 : C)), 0,
-                     (fl_cu_stream)stream, dinp, dout, inp, w, (int)wt, rstd, C, vec);
+                     (fl_cu_stream)stream, dinp, (uint16_t *)dinp16, dout, inp, w, (int)wt, rstd, C, vec);
     if (dw)
         FL_CU_LAUNCH(fl_cu_colsum_k, dim3(colsum_blocks(C)), dim3(cs_threads(N)), 0,
                      (fl_cu_stream)stream, dw, (float *)NULL, dout, inp, (const float *)NULL, rstd, N, C);
@@ -249,12 +260,12 @@ static int rmsnorm_bwd(float *dinp, float *dw, const float *dout, const float *i
 }
 extern "C" int FL_CUK(rmsnorm_backward)(float *dinp, float *dw, const float *dout, const float *inp, const float *w,
                                         const float *rstd, int N, int C, void *stream) {
-    return rmsnorm_bwd(dinp, dw, dout, inp, w, FL_F32, rstd, N, C, stream);
+    return rmsnorm_bwd(dinp, NULL, dw, dout, inp, w, FL_F32, rstd, N, C, stream);
 }
-extern "C" int FL_CUK(rmsnorm_backward_w16)(float *dinp, float *dw, const float *dout, const float *inp, const void *w,
-                                            fl_dtype wt, const float *rstd, int N, int C, void *stream) {
+extern "C" int FL_CUK(rmsnorm_backward_w16)(float *dinp, void *dinp16, float *dw, const float *dout, const float *inp,
+                                            const void *w, fl_dtype wt, const float *rstd, int N, int C, void *stream) {
     if (wt != FL_BF16 && wt != FL_F16) return -1;
-    return rmsnorm_bwd(dinp, dw, dout, inp, w, wt, rstd, N, C, stream);
+    return rmsnorm_bwd(dinp, dinp16, dw, dout, inp, w, wt, rstd, N, C, stream);
 }
 
 /* ---- LayerNorm (GPT-2): two block sums per row (mean, then the two-pass variance) ---------------- */
