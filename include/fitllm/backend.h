@@ -46,6 +46,7 @@ enum { FL_ACT16_SWIGLU = 0, FL_ACT16_GELU = 1, FL_ACT16_RELU = 2 };
 
 typedef struct fl_backend fl_backend;
 struct fl_comm; /* fitllm/comm.h */
+typedef struct fl_oprec fl_oprec; /* an op record: fitllm/backend_op.h */
 
 /* Ops whose support depends on dtypes (fl_backend.supports_op: a, b, c as listed; every other
  * op is F32 and always implemented). */
@@ -179,6 +180,12 @@ struct fl_backend {
                                 const float *in, int N, int F);
     fl_status (*rope_backward16)(const fl_backend *be, float *dx, void *dx16, int B, int T, int nh, int HD, int width,
                                  const float *cos_t, const float *sin_t, int pos0);
+
+    /* The one door (issue 29, fitllm/backend_op.h): run the op record `op` (its kind names the slot below whose
+     * arguments the record holds). The model and the trainer issue their per-step ops through it (FL_RUN), so
+     * they reach the backend by one entry; every backend of this tree installs fl_backend_run_slots, a switch
+     * over the kinds calling its own slots (the same bits as calling them). */
+    fl_status (*run)(const fl_backend *be, const fl_oprec *op);
 
     /* ---- matmul ---------------------------------------------------------
      * C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C, row-major, with
@@ -679,4 +686,6 @@ fl_status fl_attention_qkv_backward(const fl_backend *be, float *dqkv /*(B,T,(NH
 #ifdef __cplusplus
 }
 #endif
+/* the op records of fl_backend.run and FL_RUN */
+#include "fitllm/backend_op.h"
 #endif

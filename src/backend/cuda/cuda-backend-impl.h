@@ -725,6 +725,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->copy = flb_copy;
     be->sync = flb_sync;
     be->supports_op = flb_supports_op;
+    be->run = fl_backend_run_slots;
     be->rope_tables = flb_rope_tables;
     be->pool_init = flb_pool_init;
     be->host_pool_init = flb_host_pool_init;
