@@ -192,6 +192,14 @@ struct fl_backend {
                                      const float *logits /*(N,V)*/, const int32_t *targets /*(N)*/, int N, int V,
                                      float grad_scale, int ignore_index);
 
+    /* Optional: the op scratch a model's self-attention needs BEYOND scratch_bytes under bf16 compute, for B
+     * sequences of T, NH query and NKV key/value heads of size HD (causal, compact output rows); the model lends
+     * scratch_bytes + this (set_scratch with the sum, from its WORKSPACE), so the planner counts it. cuda with
+     * cuDNN's fused attention loaded: the bf16 copies of its operands and an allowance for cuDNN's workspace
+     * (fl_cudnn_sdpa_scratch_bytes), which otherwise live in a buffer of the backend's own, outside the pools.
+     * 0 for a shape it does not take; NULL: none (every other backend). A pure function: fl_backend_facts has it. */
+    size_t (*attn_scratch_bytes)(int B, int T, int NH, int NKV, int HD);
+
     /* The one door (issue 29, fitllm/backend_op.h): run the op record `op` (its kind names the slot below whose
      * arguments the record holds). The model and the trainer issue their per-step ops through it (FL_RUN), so
      * they reach the backend by one entry; every backend of this tree installs fl_backend_run_slots, a switch
@@ -612,6 +620,8 @@ typedef struct {
     fl_device device;       /* its pools' device */
     size_t scratch_bytes;   /* as fl_backend.scratch_bytes */
     unsigned gemm_widens16; /* as fl_backend.gemm_widens16 */
+    /* as fl_backend.attn_scratch_bytes (cuda: when FITLLM_CUDA_ATTN takes cuDNN and a cuDNN library loads here) */
+    size_t (*attn_scratch_bytes)(int B, int T, int NH, int NKV, int HD);
     /* as fl_backend.supports_op, without a backend; NULL: not known here (a backend registered with
      * fl_backend_register): every op */
     int (*supports_op)(fl_op op, fl_dtype a, fl_dtype b, fl_dtype c);
