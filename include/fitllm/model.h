@@ -636,6 +636,14 @@ fl_status fl_model_backward_s2s(fl_model *m);
  * decoder reruns its whole prefix (the reference). The arena must hold source >= Ts and target >= max_new. */
 fl_status fl_model_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, int max_new,
                                 int kv_cache, int32_t *out, int *n_out);
+/* The same for B sources at once (src (B, Ts) right-padded, src_mask (B, Ts) 0 at the padding, or NULL): the encoder
+ * once over the batch, the decoder token by token for the sequences not yet ended (with the cache: each in its own
+ * rows of the arena, so the ids are each source's alone); row b of out (B rows of max_new + 1) gets the start token,
+ * its ids and pad_id after its eos (transformers' generate on a padded batch); *n_out the rows' common length (1 + the
+ * steps until every row has ended, at most max_new). The arena must hold batch >= B. A mask row of zeros is refused
+ * naming the row. */
+fl_status fl_model_generate_s2s_batch(fl_model *m, const int32_t *src, const uint8_t *src_mask, int B, int Ts,
+                                      int max_new, int kv_cache, int32_t *out, int *n_out);
 /* The model has two stacks (an encoder-decoder: fl_model_forward_s2s). */
 int fl_model_is_s2s(const fl_model_config *c);
 
