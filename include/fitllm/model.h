@@ -65,6 +65,8 @@ typedef struct {
     int ffn_gated;       /* T5 v1.1 / Flan: gated-GELU FFN (wi_0 | wi_1 fused, GEGLU); 0: ReLU (v1.0) */
     int head_scale;      /* T5 v1.0: the decoder output is scaled by dim^-0.5 before the (tied) head */
     int dec_start_id, pad_id, eos_id; /* T5: decoder_start_token_id, pad_token_id, eos_token_id */
+    float dropout_rate;  /* T5: config.json's dropout_rate (transformers' default 0.1), read and written back; NOT
+                          * applied yet: the trainer says so at set-up (the passes have no dropout) */
     /* Tensor parallelism (src/model/tp.c, fitllm/tp.h): this config is rank tp_rank's slice of a model split
      * over tp_size ranks (n_heads, n_kv_heads and ffn_dim are the rank's; head_dim and everything else the
      * model's); 0 or 1: the whole model. Never read from or written to config.json. The token embeddings and
