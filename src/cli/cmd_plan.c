@@ -202,7 +202,7 @@ static int largest(const fl_run_config *cfg, const plan_args *a) {
 
 int fl_cmd_plan(int argc, char **argv) {
     const char *cmd = "plan";
-    plan_args a = {0, 1, 0, 0, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+    plan_args a = {.devices = 1, .generation = -1};
     fl_run_config cfg;
     /* --lora first: the LoRA options (and a YAML recipe's) are only accepted for a finetune_lora plan */
     fl_cmd_kind kind = FL_CMD_FINETUNE_FULL;
