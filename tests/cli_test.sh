@@ -392,6 +392,12 @@ expect t5_finetune_resume 0 "Resuming training from .*step-000010 \(step 10, ite
 expect t5_finetune_resume_bitexact 0 "" -- cmp "$T/t5run/final/model.safetensors" "$T/t5res/final/model.safetensors"
 expect t5_finetune_loss_back 0 "^loss [0-9.]+  ppl .* model .*t5run/final" -- "$FITLLM" loss "$T/t5run/final" --tokens-file "$T/t5src.txt" --target-tokens-file "$T/t5tgt.txt"
 expect t5_finetune_generate 0 "source \+ 5 new tokens \(greedy" -- "$FITLLM" generate "$T/t5run/final" --prompt "question: what is two plus two?" --max_new_tokens 5 --temperature 0
+# several --prompt: one batch (the sources padded and masked); each line = that prompt decoded alone
+t5_p=("question: what is two plus two?" "question: what colour is the sky?" "hi")
+t5_alone=$(for p in "${t5_p[@]}"; do "$FITLLM" generate "$T/t5run/final" --prompt "$p" --max_new_tokens 6 --temperature 0 2>/dev/null; done)
+expect t5_generate_batch 0 "3 sources \(longest [0-9]+ tokens, padded\) \+ [0-9]+ new tokens at most \(greedy\)" -- "$FITLLM" generate "$T/t5run/final" --prompt "${t5_p[0]}" --prompt "${t5_p[1]}" --prompt "${t5_p[2]}" --max_new_tokens 6 --temperature 0
+expect t5_generate_batch_rows_alone 0 "" -- bash -c '[ "$(printf "%s\n" "$1" | wc -l)" = 3 ] && [ "$1" = "$("$2" generate "$3" --prompt "$4" --prompt "$5" --prompt "$6" --max_new_tokens 6 --temperature 0 2>/dev/null)" ]' _ "$t5_alone" "$FITLLM" "$T/t5run/final" "${t5_p[@]}"
+expect t5_generate_batch_decoder_only 1 "2 --prompt: several prompts are decoded as one batch for an encoder-decoder \(T5\) only" -- "$FITLLM" generate micro --prompt a --prompt b --max_new_tokens 2
 expect t5_finetune_lora 0 "Saved the PEFT adapter" -- "$FITLLM" finetune_lora "${T5A[@]}" --out_dir "$T/t5lora" --lora_query true --lora_key true --lora_value true --lora_projection true --lora_mlp true
 expect t5_finetune_lora_targets 0 '"target_modules": \["q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo"\]' -- cat "$T/t5lora/final/adapter/adapter_config.json"
 # a LoRA run (dropout 0.1: its masks are seeded by the global micro-batch) resumed from step 10 ends on the
@@ -481,6 +487,12 @@ expect bench_step_t5 0 "t5, 238592 params, L=2\+2 C=64 .*B=2 source 24 target 16
 expect bench_step_source_seq_decoder_only 1 "--source-seq: micro is not an encoder-decoder" -- "$FITLLM" bench-step micro --source-seq 4 --steps 1
 expect t5_finetune_act_ckpt 0 "precision 32-true, activation checkpointing" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5ckpt" --train.activation_checkpointing true
 expect t5_finetune_act_ckpt_bitexact 0 "" -- cmp "$T/t5run/final/model.safetensors" "$T/t5ckpt/final/model.safetensors"
+# config.json's dropout_rate: read, written back, range-checked; not applied yet, which training says
+mkdir -p "$T/t5d" && cp "$T/t5m"/* "$T/t5d/" && sed -i 's/"dropout_rate": 0.0/"dropout_rate": 0.1/' "$T/t5d/config.json"
+expect t5_dropout_rate_noted 0 "note: config.json dropout_rate 0.1 is not applied: fitllm trains an encoder-decoder without dropout" -- "$FITLLM" finetune_full --checkpoint_dir "$T/t5d" --init random --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json --train.max_steps 1 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/t5dr"
+expect t5_dropout_rate_written_back 0 '"dropout_rate": 0.1,' -- cat "$T/t5dr/final/config.json"
+sed -i 's/"dropout_rate": 0.1/"dropout_rate": 1.5/' "$T/t5d/config.json"
+expect t5_dropout_rate_range 1 "config.json: key 'dropout_rate' = 1.5 must be in \[0, 1\)" -- "$FITLLM" loss "$T/t5d" --tokens-file "$T/t5src.txt" --target-tokens-file "$T/t5tgt.txt"
 expect t5_pretrain_refused 2 "pretrain: an encoder-decoder \(t5\) is fine-tuned only" -- "$FITLLM" pretrain --model_config "$T/t5m/config.json" --tokenizer_dir "$T/t5m" --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json --out_dir "$T/t5x5"
 # LitGPT recipes: a command-line value overrides the recipe's however it is spelled; names of models
 R=tests/fixtures/litgpt-recipes
