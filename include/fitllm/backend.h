@@ -310,6 +310,11 @@ struct fl_backend {
     void (*scale)(const fl_backend *be, float *x, size_t n, float s);
     /* x = 0 (device memset) */
     void (*zero)(const fl_backend *be, void *x, size_t bytes);
+    /* optional: elements [k0, k1) of a tensor's random-init stream (fl_model_init_random: splitmix64 as a counter from
+     * state s, one Box-Muller pair per two elements; kind 0 zeros, 1 ones, 2 normal(0, sd)) written to dst[0 .. k1-k0)
+     * in dtype dt on the device, the same values as the host's stream. NULL: generated on the host and copied. */
+    fl_status (*init_random)(const fl_backend *be, void *dst, fl_dtype dt, size_t k0, size_t k1, size_t numel,
+                             int kind, double sd, uint64_t s);
 
     /* ---- attention of one new query against a KV cache (generation) ------
      * For each query head h (kv head g = h / (NH/NKV)): out[h] = softmax(q[h] .
