@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "fitllm/blip2_train.h"
+#include "fitllm/comm.h"
 #include "fitllm/config.h"
 #include "test.h"
 
@@ -135,4 +136,49 @@ FL_TEST(blip2_train_entry_rehearsal_and_oom) {
     o.rehearse_steps = 1;
     snprintf(c.precision, sizeof c.precision, "16-mixed");
     FL_CHECK(fl_blip2_train(&c, &o, &r) == FL_ERR_UNSUPPORTED && strstr(fl_error_message(), "--precision 16-mixed"));
+}
+
+/* Data parallelism through the entry (the lab's rows run their ranks as threads): 2 ranks on the threads
+ * communicator, a rehearsal of blip2-micro; ZeRO-2 and ZeRO-2 with CPU offload give DDP's losses bit for bit, each
+ * rank holding about half of each trained part's optimizer state (offload: in the host tier, none on the device). */
+typedef struct {
+    const fl_run_config *c;
+    const fl_blip2_config *bc;
+    double loss[2][3];
+    fl_blip2_train_result res[2];
+} ranks_ctx;
+
+static fl_status rank_fn(fl_comm *comm, int rank, void *ud) {
+    ranks_ctx *x = ud;
+    const fl_blip2_train_opts o = {.shape = x->bc, .synth_len = 6, .rehearse_steps = 3, .comm = comm,
+                                   .step_loss = x->loss[rank], .n_step_out = 3};
+    return fl_blip2_train(x->c, &o, &x->res[rank]);
+}
+
+FL_TEST(blip2_train_entry_zero_over_threads) {
+    fl_blip2_config bc;
+    FL_REQUIRE_OK(fl_blip2_preset("blip2-micro", &bc));
+    static const char *const st[3] = {"ddp", "deepspeed_stage_2", "deepspeed_stage_2_offload"};
+    ranks_ctx *x = calloc(3, sizeof *x);
+    FL_REQUIRE(x != NULL);
+    for (int k = 0; k < 3; k++) {
+        fl_run_config c;
+        fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
+        c.train.micro_batch_size = 1, c.train.global_batch_size = 2;
+        c.optimizer.lr = 0.002f;
+        c.threads = 1;
+        snprintf(c.strategy, sizeof c.strategy, "%s", st[k]);
+        x[k].c = &c, x[k].bc = &bc;
+        FL_CHECKF(fl_comm_threads_run(2, rank_fn, &x[k]) == FL_OK, "%s: %s", st[k], fl_error_message());
+    }
+    for (int k = 1; k < 3; k++) {
+        FL_CHECKF(!memcmp(x[k].loss, x[0].loss, sizeof x[0].loss), "%s: losses %.9g %.9g %.9g, DDP's %.9g %.9g %.9g",
+                  st[k], x[k].loss[0][0], x[k].loss[0][1], x[k].loss[0][2], x[0].loss[0][0], x[0].loss[0][1],
+                  x[0].loss[0][2]);
+        const size_t z = x[k].res[0].part_optim[FL_BLIP2_TEXT], d = x[0].res[0].part_optim[FL_BLIP2_TEXT];
+        FL_CHECKF(z > 0 && z <= d / 2 + 8, "%s: rank 0's lm OPTIM %zu bytes, DDP's %zu", st[k], z, d);
+    }
+    FL_CHECK(x[0].loss[0][2] < x[0].loss[0][0] && !x[0].res[0].offload && !x[1].res[1].offload);
+    FL_CHECK(x[2].res[0].offload && x[2].res[0].peak[FL_TAG_OPTIM] == 0 && x[2].res[0].host_peak[FL_TAG_OPTIM] > 0);
+    free(x);
 }

@@ -44,6 +44,8 @@ typedef struct {
     size_t budget;                /* the device pool's bytes; 0: cfg->max_memory */
     int synth_len;                /* a rehearsal's caption length (>= 2 tokens); 0 in a run */
     long rehearse_steps;          /* > 0: a rehearsal of this many steps (above); 0: the run */
+    int plan_world;               /* a rehearsal without comm standing for rank 0 of this many data-parallel ranks
+                                   * (plan --devices N): under ZeRO its chunk of the optimizer state; 0, 1: none */
     fl_comm *comm;                /* DDP over comm's ranks (every rank calls with the same cfg); NULL: one process */
     FILE *out;                    /* progress lines (rank 0); NULL: silent */
     FILE *report;                 /* the memory report at the end (per part, per tag, the snapshots); NULL: none */
@@ -65,7 +67,8 @@ typedef struct {
     double step_ms_mean;          /* mean step time of this session's steps after the first (the first's alone when
                                    * only one ran) */
     size_t trained;               /* trained parameters (the LoRA adapters under LoRA) */
-    size_t part_params[FL_BLIP2_PARTS], part_grads[FL_BLIP2_PARTS], part_optim[FL_BLIP2_PARTS]; /* bytes per part */
+    size_t part_params[FL_BLIP2_PARTS], part_grads[FL_BLIP2_PARTS]; /* bytes per part */
+    size_t part_optim[FL_BLIP2_PARTS]; /* this rank's optimizer state per part (ZeRO: its chunk; offload: on the host) */
     size_t part_acts[FL_BLIP2_PARTS], lora_acts; /* the first step's arena per part; the LoRA adapters' ACTS */
     /* the pool: its snapshots (after_load, before_fwd, after_fwd, after_bwd, after_opt_step of the first step, end),
      * peaks per tag and in all; an out-of-memory failure's record (oom.valid) */
@@ -73,6 +76,10 @@ typedef struct {
     int n_phases;
     size_t peak[FL_TAG_COUNT], peak_total;
     fl_mem_oom oom;
+    /* CPU offload (--strategy deepspeed_stage_{1,2}_offload): 1, and the host tier's peaks (the optimizer state,
+     * outside the device pool and its budget); 0 otherwise */
+    int offload;
+    size_t host_peak[FL_TAG_COUNT], host_peak_total;
     int stopped;                  /* the stop callback's value that ended the run (0: it ran to the end) */
     int set_up;                   /* 1 when set-up succeeded (on every rank under DDP): a failure after it is the run's */
     int quiet;                    /* DDP: 1 when another rank reports this failure (it failed there first) */

@@ -41,13 +41,14 @@ static int caption_len(const fl_run_config *c, const fl_blip2_config *bc, int se
 }
 
 /* One rehearsal on the null backend standing in for the CPU or a GPU; 1 fits, 0 out of memory, -1 another error. */
-static int rehearse(const fl_run_config *c, const fl_blip2_config *bc, int cuda, size_t budget, int L,
+static int rehearse(const fl_run_config *c, const fl_blip2_config *bc, int cuda, size_t budget, int L, int world,
                     fl_blip2_train_result *rec, fl_status *err) {
     memset(rec, 0, sizeof *rec);
     fl_backend be;
     fl_status s = fl_null_backend_init_for(&be, cuda ? "cuda" : "cpu");
     if (s == FL_OK) {
-        const fl_blip2_train_opts o = {.shape = bc, .be = &be, .budget = budget, .synth_len = L, .rehearse_steps = 1};
+        const fl_blip2_train_opts o = {.shape = bc, .be = &be, .budget = budget, .synth_len = L, .rehearse_steps = 1,
+                                       .plan_world = world};
         s = fl_blip2_train(c, &o, rec);
         fl_null_backend_free(&be);
     }
@@ -86,6 +87,9 @@ static void copy_rec(fl_plan *p, const fl_blip2_train_result *r) {
     memcpy(p->phases, r->phases, (size_t)p->n_phases * sizeof *p->phases);
     memcpy(p->peak, r->peak, sizeof p->peak);
     p->peak_total = r->peak_total;
+    p->offload = r->offload; /* CPU offload: the optimizer state in the host tier, outside the budget */
+    memcpy(p->host_peak, r->host_peak, sizeof p->host_peak);
+    p->host_peak_total = r->host_peak_total;
 }
 
 int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_len, int json, int cuda) {
@@ -106,9 +110,6 @@ int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_le
         one.devices = one.num_nodes = 1;
         one.train.global_batch_size = B * accum;
     }
-    if (s == FL_OK && world > 1 && strcmp(cfg->strategy, "auto") && strcmp(cfg->strategy, "ddp"))
-        s = fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s: BLIP-2 fine-tuning runs one process or DDP over several "
-                      "(--strategy auto or ddp) so far", cfg->strategy);
     if (s == FL_OK && cfg->tensor_parallel > 1)
         s = fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: BLIP-2 fine-tuning runs data-parallel (DDP) only so far",
                       cfg->tensor_parallel);
@@ -121,7 +122,13 @@ int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_le
     }
     const int L = caption_len(cfg, &bc, seq_len);
     describe(p, cfg, &bc, src, L, B, accum);
-    if (world > 1) {
+    int stage = 0;
+    if (world > 1 && fl_cfg_zero_stage(cfg->strategy, cfg->sharding_strategy, &stage) == FL_OK && (stage == 1 || stage == 2)) {
+        p->devices = world;
+        note(p, "ZeRO-%d over %d ranks: each rank holds the whole model and its gradients, the optimizer state of its "
+                "chunk of each trained part (this plan is rank 0's) and runs %d of the step's %d micro-batches (the "
+                "reductions' MPI scratch is outside the pool)", stage, world, accum, accum * world);
+    } else if (world > 1) {
         p->devices = world;
         note(p, "DDP over %d ranks: each rank holds the whole model, its gradients and optimizer state and runs %d of "
                 "the step's %d micro-batches (this plan is one rank's; the reductions' MPI scratch is outside the pool)",
@@ -129,7 +136,7 @@ int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_le
     }
     p->budget = device_memory ? device_memory : cfg->max_memory;
     fl_blip2_train_result rec;
-    int fits = rehearse(cfg, &bc, cuda, 0, L, &rec, &s); /* what the run needs */
+    int fits = rehearse(cfg, &bc, cuda, 0, L, world, &rec, &s); /* what the run needs */
     if (fits < 0) {
         fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
         free(p);
@@ -144,7 +151,7 @@ int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_le
     if (!p->budget) {
         note(p, "no budget given (--device-memory or --max-memory): the plan cannot say whether it fits");
     } else {
-        fits = rehearse(cfg, &bc, cuda, p->budget, L, &rec, NULL);
+        fits = rehearse(cfg, &bc, cuda, p->budget, L, world, &rec, NULL);
         if (!fits) fl_plan_set_oom(p, &rec.oom, rec.n_phases, 1);
         p->verdict = fits == 1 ? FL_PLAN_FITS : FL_PLAN_OOM;
         /* the largest micro-batch dividing the global batch that fits */
@@ -154,7 +161,7 @@ int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_le
             fl_run_config v = *cfg;
             v.train.micro_batch_size = b;
             v.train.global_batch_size = p->global_batch;
-            if (rehearse(&v, &bc, cuda, p->budget, L, &rec, NULL) == 1) p->max_micro_batch_size = b;
+            if (rehearse(&v, &bc, cuda, p->budget, L, world, &rec, NULL) == 1) p->max_micro_batch_size = b;
         }
     }
     if (json) fl_plan_write_json(p, stdout);

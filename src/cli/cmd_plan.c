@@ -3,6 +3,7 @@
  * --config YAML, dotted overrides) plus --device-memory, --devices, --seq-len
  * and --json. Exit codes: 0 fits, 3 out of memory, 2 usage / config / a
  * technique this build does not have, 1 runtime error (e.g. unreadable model). */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,14 +19,16 @@ typedef struct {
     int rank;
     int cuda;
     int largest;               /* --largest: the largest preset that fits the machine (fl_plan_largest) */
+    int suggest;               /* --suggest: the DP x TP x PP grid to run (fl_plan_suggest_grid) */
     size_t host_memory, disk;  /* --host-memory, --disk: the machine's (--largest) */
+    float block_ms;            /* --block-ms: a pipeline block's measured time */
 } plan_args;
 
 static void help(const char *cmd, fl_cmd_kind kind) {
     (void)kind;
     printf("usage: fitllm %s <checkpoint_dir | ORG/NAME | preset> [--config recipe.yaml] [--<option> VALUE ...]\n"
            "          [--device-memory SIZE] [--devices 1] [--rank 0] [--seq-len T] [--target-len T] [--generation auto|on|off]\n"
-           "          [--json]\n\n",
+           "          [--block-ms MS] [--json]\n\n",
            cmd);
     printf("Predicts the bytes per tag (PARAMS, GRADS, OPTIM, ACTS, WORKSPACE, OTHER) at each phase of a\n"
            "training step of `fitllm finetune_full` with the same arguments, reserved (allocated) and live\n"
@@ -57,6 +60,9 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "                                 data.max_source_length, capped by train.max_seq_length); with\n"
            "                                 --data.lengths TABLE (Synthetic data,\n"
            "                                 e.g. recipes/data/alpaca-lengths.tsv): the longest drawn sample - 1\n"
+           "  --block-ms MS                  (--pipeline_parallel; default none)  one block's forward + backward of a\n"
+           "                                 micro-batch, measured (a pipelined run's \"pipeline timing\" line): the\n"
+           "                                 expected step time in ms (without it: in units of that time)\n"
            "  --target-len T                 (default data.max_target_length)  an encoder-decoder's target length\n"
            "  --generation auto|on|off       (default auto)  include the sample generated at each evaluation\n"
            "                                 (auto: eval.max_new_tokens > 0, a validation split, and\n"
@@ -68,7 +74,15 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "                                 host memory, then both on NVMe (the first that fits is named); with\n"
            "                                 --devices, --device-memory (GPUs, --accelerator cuda), --host-memory,\n"
            "                                 --disk; exit 0 when one fits, 3 when none does\n"
-           "  --host-memory SIZE             (--largest)  the host's RAM (a CPU machine: its \"device\"; required there)\n"
+           "  --suggest                      (default off)  the DP x TP x PP grid to run instead of the table: every\n"
+           "                                 grid of --devices x --num_nodes ranks (--tensor_parallel x\n"
+           "                                 --pipeline_parallel dividing them), each rank of a model replica planned\n"
+           "                                 with the run's options; the suggestion is the grid with the fewest\n"
+           "                                 model-parallel ranks whose largest rank fits --device-memory (CPU ranks:\n"
+           "                                 or --host-memory shared by them), then TP within a node, then the\n"
+           "                                 smallest pipeline bubble, then the smallest peak; grids the trainer\n"
+           "                                 refuses are listed with the reason; exit 0 when one fits, 3 when none\n"
+           "  --host-memory SIZE             (--largest, --suggest)  the host's RAM (a CPU machine: its \"device\"; required there)\n"
            "  --disk SIZE                    (--largest, default not limited)  the NVMe folder's free space\n"
            "  --json                         (default off)  machine-readable output (schema version %d,\n"
            "                                 docs/ARCHITECTURE.md \"Planner and lab\")\n\n"
@@ -87,6 +101,7 @@ static int extra(void *ud, int argc, char **argv, int *i) {
     if (!strcmp(arg, "--json")) { a->json = 1; return 1; }
     if (!strcmp(arg, "--lora")) { a->lora = 1; return 1; }
     if (!strcmp(arg, "--largest")) { a->largest = 1; return 1; }
+    if (!strcmp(arg, "--suggest")) { a->suggest = 1; return 1; }
     if (!strcmp(arg, "--host-memory") || !strcmp(arg, "--disk")) {
         size_t *dst = arg[2] == 'h' ? &a->host_memory : &a->disk;
         if (!v || fl_parse_bytes(v, dst) || *dst == 0) {
@@ -125,6 +140,15 @@ static int extra(void *ud, int argc, char **argv, int *i) {
         (*i)++;
         return 1;
     }
+    if (!strcmp(arg, "--block-ms")) {
+        if (fl_cli_float("plan", arg, v, &a->block_ms)) return -1;
+        if (!(a->block_ms > 0) || !isfinite(a->block_ms)) {
+            fl_cli_usage("plan", "--block-ms: '%s' is not a positive time in milliseconds", v);
+            return -1;
+        }
+        (*i)++;
+        return 1;
+    }
     if (!strcmp(arg, "--seq-len")) {
         if (fl_cli_int("plan", arg, v, 1, 1 << 24, &a->seq_len)) return -1;
         (*i)++;
@@ -146,6 +170,21 @@ static int extra(void *ud, int argc, char **argv, int *i) {
     return 0;
 }
 
+static int suggest_grid(const fl_run_config *cfg, const plan_args *a) {
+    fl_plan_machine mc = {a->device_memory, a->host_memory, a->disk, cfg->devices, a->cuda, a->seq_len};
+    fl_plan_grid *g = malloc(sizeof *g);
+    fl_status s = g ? fl_plan_suggest_grid(cfg, &mc, g) : fl_errorf(FL_ERR_OOM, "out of host memory");
+    if (s != FL_OK) {
+        free(g);
+        fprintf(stderr, "fitllm plan: error: %s\n", fl_error_message());
+        return s == FL_ERR_INVALID || s == FL_ERR_UNSUPPORTED ? FL_EXIT_USAGE : FL_EXIT_RUNTIME;
+    }
+    fl_plan_grid_print(g, &mc, stdout);
+    int rc = g->best >= 0 ? FL_EXIT_OK : FL_EXIT_OOM;
+    free(g);
+    return rc;
+}
+
 static int largest(const fl_run_config *cfg, const plan_args *a) {
     fl_plan_machine mc = {a->device_memory, a->host_memory, a->disk, cfg->devices, a->cuda, a->seq_len};
     fl_plan_fit *f = malloc(sizeof *f);
@@ -163,7 +202,7 @@ static int largest(const fl_run_config *cfg, const plan_args *a) {
 
 int fl_cmd_plan(int argc, char **argv) {
     const char *cmd = "plan";
-    plan_args a = {0, 1, 0, 0, -1, 0, 0, 0, 0, 0, 0, 0};
+    plan_args a = {.devices = 1, .generation = -1};
     fl_run_config cfg;
     /* --lora first: the LoRA options (and a YAML recipe's) are only accepted for a finetune_lora plan */
     fl_cmd_kind kind = FL_CMD_FINETUNE_FULL;
@@ -176,11 +215,17 @@ int fl_cmd_plan(int argc, char **argv) {
     o.device_memory = a.device_memory;
     o.devices = cfg.devices; /* --devices is the training option (merged with a recipe's devices:) */
     o.seq_len = a.seq_len;
+    o.block_ms = a.block_ms;
     o.target_len = a.target_len;
     o.rank = a.rank;
     o.cuda = a.cuda;
     o.generation = a.generation;
+    if (a.largest && a.suggest) {
+        fl_cli_usage("plan", "--largest and --suggest are two questions: ask one at a time");
+        return FL_EXIT_USAGE;
+    }
     if (a.largest) return largest(&cfg, &a);
+    if (a.suggest) return suggest_grid(&cfg, &a);
     if (fl_cli_is_blip2(cfg.checkpoint_dir)) { /* image-caption fine-tuning: its own loop (cmd_blip2_plan.c) */
         if (a.target_len || a.rank || a.generation >= 0) {
             fprintf(stderr, "fitllm plan: error: %s: a BLIP-2 plan sizes the caption with --seq-len (no --target-len, "

@@ -78,7 +78,7 @@ static void help(const char *cmd, fl_cmd_kind kind) {
 static int unknown_flag(const char *cmd, const char *key) {
     static const char *const run_flags[] = {"accelerator", "config", "max-memory", "help", NULL};
     static const char *const plan_flags[] = {"accelerator", "config", "max-memory", "help", "device-memory", "seq-len",
-                                             "generation", "json", "lora", "rank", NULL};
+                                             "generation", "json", "lora", "rank", "block-ms", NULL};
     const char *m = fl_error_message();
     if (strncmp(m, "unknown option", 14) || strstr(m, "did you mean")) return 0;
     const char *near = fl_cli_nearest(key, strcmp(cmd, "plan") ? run_flags : plan_flags);

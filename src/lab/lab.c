@@ -75,6 +75,18 @@ static const lab_exp k_exps[] = {
     /* micro batch 0: the largest power of two the planner fits per rank (pick_batch) */
     {"fsdp-larger-batch", "4x FSDP, larger micro batch", "fits: the shards leave room for activations",
      "open-llama-7b", "lab-7b", 0, 0, 1, "32-true", FL_OPT_ADAMW, 0, "fsdp", FL_LAB_FITS, SUITE_QUICK | SUITE_FULL},
+    /* issue 35: what each split of the 7B model that does not fit one device buys, per rank (4 sequences a step). In no
+     * suite (run by name: --only tp-2,tp-4,pp-2,pp-4,dp2-tp2): the suites are the course's rows, which has no such */
+    {"tp-2", "7B, 2x tensor parallel", "fits: each rank holds half of every block", "open-llama-7b", "lab-7b", 1, 4, 1,
+     "32-true", FL_OPT_ADAMW, 0, "tensor_parallel", FL_LAB_FITS, 0},
+    {"tp-4", "7B, 4x tensor parallel", "a quarter of every block per rank", "open-llama-7b", "lab-7b", 1, 4, 1,
+     "32-true", FL_OPT_ADAMW, 0, "tensor_parallel", FL_LAB_FITS, 0},
+    {"pp-2", "7B, 2 pipeline stages (1F1B)", "fits: each rank holds half the blocks", "open-llama-7b", "lab-7b", 1, 4,
+     1, "32-true", FL_OPT_ADAMW, 0, "pipeline_parallel", FL_LAB_FITS, 0},
+    {"pp-4", "7B, 4 pipeline stages (1F1B)", "a quarter of the blocks per rank", "open-llama-7b", "lab-7b", 1, 4, 1,
+     "32-true", FL_OPT_ADAMW, 0, "pipeline_parallel", FL_LAB_FITS, 0},
+    {"dp2-tp2", "7B, 2x DDP of 2x tensor parallel", "TP 2's memory per rank, twice the samples", "open-llama-7b",
+     "lab-7b", 1, 4, 1, "32-true", FL_OPT_ADAMW, 0, "tensor_parallel", FL_LAB_FITS, 0},
 };
 #define N_EXPS (int)(sizeof k_exps / sizeof k_exps[0])
 
@@ -232,8 +244,24 @@ static int on_step(void *ud, long step, double loss, const void *p, size_t n) {
     return step >= l->want; /* stop after the last step: no final checkpoint to write */
 }
 
-/* The lab's multi-device rows ("4x DDP", "4x FSDP"): their ranks. */
-static int exp_ranks(const lab_exp *e) { return !strcmp(e->technique, "ddp") || !strcmp(e->technique, "fsdp") ? 4 : 1; }
+/* The grid rows (techniques tensor_parallel, pipeline_parallel): their DP x TP x PP sizes */
+static const struct { const char *name; int dp, tp, pp; } k_grid[] = {
+    {"tp-2", 1, 2, 1}, {"tp-4", 1, 4, 1}, {"pp-2", 1, 1, 2}, {"pp-4", 1, 1, 4}, {"dp2-tp2", 2, 2, 1},
+};
+static const int *exp_grid(const lab_exp *e) { /* {dp, tp, pp}, NULL for another row */
+    for (size_t i = 0; i < sizeof k_grid / sizeof k_grid[0]; i++)
+        if (!strcmp(k_grid[i].name, e->name)) return &k_grid[i].dp;
+    return NULL;
+}
+/* A row's data-parallel ranks ("4x DDP", "4x FSDP", a grid's DP) and all its ranks (DP x TP x PP) */
+static int exp_data_ranks(const lab_exp *e) {
+    const int *g = exp_grid(e);
+    return g ? g[0] : !strcmp(e->technique, "ddp") || !strcmp(e->technique, "fsdp") ? 4 : 1;
+}
+static int exp_ranks(const lab_exp *e) {
+    const int *g = exp_grid(e);
+    return g ? g[0] * g[1] * g[2] : exp_data_ranks(e);
+}
 
 /* The model a row runs: its lab-* preset, or (--scale real) the real one. */
 static const char *row_model(const lab_exp *e, const fl_lab_report *rep) {
@@ -292,7 +320,9 @@ static void apply_row(fl_run_config *c, const lab_exp *e, const char *model, int
     int ranks = exp_ranks(e);
     if (ranks > 1) { /* data parallel: the global batch is micro batch x accumulation x ranks */
         c->devices = ranks;
-        snprintf(c->strategy, sizeof c->strategy, "%s", e->technique);
+        const int *g = exp_grid(e);
+        if (g) c->tensor_parallel = g[1], c->pipeline_parallel = g[2];
+        else snprintf(c->strategy, sizeof c->strategy, "%s", e->technique); /* a grid's data axis: auto (DDP) */
         long cores = sysconf(_SC_NPROCESSORS_ONLN);
         int all = threads > 0 ? threads : (int)(cores > 0 ? cores : 1);
         c->threads = all / ranks > 0 ? all / ranks : 1; /* the ranks share the cores */
@@ -534,7 +564,7 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
         snprintf(r->lab_step, sizeof r->lab_step, "4x FSDP, micro batch %d (the largest the plan fits)", ex.B);
     }
     r->B = e->B;
-    r->accum = e->global / (e->B * r->ranks);
+    r->accum = e->global / (e->B * exp_data_ranks(e));
     if (!rep->sweep) time_note(e, rep, r->time_note, sizeof r->time_note); /* the sweep's rows compare by batch */
     /* the real scale: the real model, T 1024, an 80 GB device (--scale real: the run's own plan, below) */
     if (!rep->real_scale) {

@@ -25,6 +25,7 @@
 #include "fitllm/generate.h"
 #include "fitllm/io.h"
 #include "fitllm/plan.h"
+#include "fitllm/pp.h"
 #include "fitllm/lengths.h"
 #include "backend/cuda/cuda-impl.h"
 #include "fitllm/trainer.h"
@@ -50,6 +51,8 @@ static const fl_plan_technique k_tech[] = {
      "ZeRO-3 with the parameters' and gradients' shards in host memory (or NVMe files), each unit fetched ahead of its use"},
     {"ddp", 1, "mpirun -np N fitllm ... --devices N (--strategy ddp)", "each rank holds everything; the lab runs its ranks as threads of one process"},
     {"fsdp", 1, "mpirun -np N fitllm ... --devices N --strategy fsdp", "FULL_SHARD / ZeRO-3: parameters, gradients and optimizer state divided by the ranks, units gathered block by block"},
+    {"tensor_parallel", 1, "mpirun -np N fitllm ... --devices N --tensor_parallel N", "Megatron-style: heads, MLP columns and the vocabulary split over the group; the lab runs its ranks as threads"},
+    {"pipeline_parallel", 1, "mpirun -np N fitllm ... --devices N --pipeline_parallel N", "contiguous block ranges per stage, micro-batches through the stages (GPipe / 1F1B)"},
 };
 #define N_TECH (int)(sizeof k_tech / sizeof k_tech[0])
 
@@ -184,6 +187,7 @@ typedef struct {
     int rank;            /* the rank planned (ZeRO: ranks differ by their chunk) */
     int cuda;            /* plan for the CUDA backend's scratch and widening */
     int comm_threads;    /* the ranks are threads (fl_plan_opts.comm_threads): no reduction scratch */
+    size_t *rank_peaks, *rank_host_peaks; /* fl_plan_opts': every rank's peaks of the run without a budget */
 } plan_ctx;
 
 /* The snapshot an allocation that fails before snapshot i precedes (one process; several ranks
@@ -268,6 +272,8 @@ static fl_status rehearse_rank(fl_comm *comm, int rank, void *ud) {
     const int me = rank == k->x->rank;
     fl_trainer_result r;
     fl_status s = rehearse_on_null(k->x, k->v, comm, me ? k->budget : 0, k->B, k->accum, &r);
+    if (!k->budget && s == FL_OK && k->x->rank_peaks) /* every rank's own need (fl_plan_opts.rank_peaks) */
+        k->x->rank_peaks[rank] = r.peak_total, k->x->rank_host_peaks[rank] = r.host_peak_total;
     if (me) {
         k->s = s;
         k->r = r;
@@ -636,6 +642,9 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     x.rank = p->rank;
     x.cuda = opts.cuda;
     x.comm_threads = opts.comm_threads;
+    x.rank_peaks = opts.rank_peaks, x.rank_host_peaks = opts.rank_host_peaks;
+    if (!x.rank_peaks != !x.rank_host_peaks)
+        return fl_errorf(FL_ERR_INVALID, "plan: rank_peaks and rank_host_peaks go together");
     FL_TRY(resolve_model(c, &x.mc, p->model_source, sizeof p->model_source));
     p->model = x.mc;
     p->n_params = fl_sizing_param_count(&x.mc);
@@ -665,6 +674,14 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     p->B = c->train.micro_batch_size;
     p->global_batch = c->train.global_batch_size / fl_cfg_dp_ranks(c); /* per data-parallel rank */
     p->accum = p->global_batch / p->B;
+    if (c->pipeline_parallel > 1) { /* the bubble and the expected step (fitllm/pp.h) */
+        char pp[1200];
+        fl_pp_schedule k;
+        FL_TRY(fl_pp_schedule_parse(c->pipeline_schedule, &k));
+        FL_TRY(fl_pp_estimate_text(&x.mc, c->train.max_seq_length > 0 ? c->train.max_seq_length : ctx,
+                                   c->pipeline_parallel, p->accum, k, opts.block_ms, pp, sizeof pp));
+        for (char *line = strtok(pp, "\n"); line; line = strtok(NULL, "\n")) note(p, "%s", line);
+    }
     snprintf(p->precision, sizeof p->precision, "%s", c->precision);
     snprintf(p->optimizer, sizeof p->optimizer, "%s%s", fl_optim_name(c->optimizer.kind),
              c->optimizer.kind == FL_OPT_SGD && c->optimizer.momentum != 0.0f ? "+momentum" : "");
@@ -728,11 +745,11 @@ static void strategy_notes(fl_plan *p, const fl_run_config *c, const fl_strategy
     const fl_plan_opts opts = *o;
     if (c->pipeline_parallel > 1)
         note(p, "pipeline parallel %d (EXPERIMENTAL, schedule %s)%s: rank %d is stage %d: its contiguous range of the "
-                "blocks (balanced by count), a copy of the embeddings and head (run and trained on the first / last stage "
+                "blocks (balanced by their training FLOPs, lm_head's on the last stage), a copy of the embeddings and head (run and trained on the first / last stage "
                 "only), their gradients and optimizer state, and the activations of the micro-batches it keeps in flight "
                 "(the arena's one and a stash per further one: 1F1B at most min(stages - stage, micro-batches), GPipe all); "
                 "the whole model the run loads, and the checkpoints' gathered copy, are outside the pool; no sample "
-                "generation", c->pipeline_parallel, c->pipeline_schedule, fl_cfg_dp_ranks(c) > 1 ? " x DDP" : "", p->rank,
+                "generation", c->pipeline_parallel, c->pipeline_schedule, fl_cfg_dp_ranks(c) > 1 ? (p->zero_stage == 1 ? " x ZeRO-1" : p->zero_stage == 2 ? " x ZeRO-2" : " x DDP") : "", p->rank,
              p->rank % c->pipeline_parallel);
     else if (c->tensor_parallel > 1)
         note(p, "tensor parallel %d%s: rank %d's memory: its slice of the model (1/%d of the attention heads, key/value "

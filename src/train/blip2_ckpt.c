@@ -67,11 +67,41 @@ static const char *const k_part[FL_BLIP2_PARTS] = {"vision", "qformer", "lm"};
 #define B2_STATE "training_state.safetensors"
 #define B2_FORMAT "fitllm-blip2-training-state"
 
+/* ZeRO at several ranks: each trained part's optimizer state arrays (m, v, buf) gathered whole into host memory on
+ * every rank (collective; checkpoint I/O staging outside the pools), what rank 0 writes. NULLs otherwise. */
+typedef struct {
+    float *a[FL_BLIP2_PARTS][3];
+} b2gathered;
+static fl_status save_step_files(b2run *r, const b2pos *p, const b2gathered *g);
+
+static void gathered_free(b2gathered *g) {
+    for (int k = 0; k < FL_BLIP2_PARTS; k++)
+        for (int j = 0; j < 3; j++) free(g->a[k][j]);
+}
+
+static fl_status gather_state(b2run *r, b2gathered *g) {
+    memset(g, 0, sizeof *g);
+    if (!fl_b2t_sharded(r)) return FL_OK;
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        if (!r->has_opt[k]) continue;
+        const fl_optimizer *o = &r->opt[k];
+        const void *arr[3] = {o->st.m, o->st.v, o->st.buf};
+        for (int j = 0; j < 3; j++) {
+            if (!arr[j]) continue;
+            if (!(g->a[k][j] = malloc(o->w.n * sizeof(float) + 1))) return fl_errorf(FL_ERR_OOM, "out of host memory");
+            FL_TRY(fl_optim_state_read(o, g->a[k][j] + o->shard.off, arr[j], o->shard.len * sizeof(float)));
+            FL_TRY(fl_error_prefix(fl_comm_all_gather(r->dp.comm, g->a[k][j] + o->shard.off, g->a[k][j], o->w.n, FL_F32),
+                                   "%s: gathering the optimizer state for a checkpoint", fl_dp_stage_name(&r->dp)));
+        }
+    }
+    return FL_OK;
+}
+
 /* training_state.safetensors: each trained part's parameters (its LoRA adapters under LoRA) and optimizer state, the
  * epoch's record order; the metadata the position in the data, the step and the run's shape (checked on resume). */
-static fl_status write_state(b2run *r, const b2pos *p, const char *path) {
-    fl_st_write_tensor t[4 * FL_BLIP2_PARTS + 1];
-    char names[4 * FL_BLIP2_PARTS][48];
+static fl_status write_state(b2run *r, const b2pos *p, const char *path, const b2gathered *g) {
+    fl_st_write_tensor t[5 * FL_BLIP2_PARTS + 1];
+    char names[5 * FL_BLIP2_PARTS][48];
     int nt = 0;
     int64_t *order = malloc(r->n_rec * sizeof *order + 1);
     if (!order) return fl_errorf(FL_ERR_OOM, "out of host memory");
@@ -84,14 +114,23 @@ static fl_status write_state(b2run *r, const b2pos *p, const char *path) {
         for (int j = 0; j < 4; j++) {
             if (!src[j]) continue;
             snprintf(names[nt], sizeof names[nt], "%s.%s", k_part[k], what[j]);
+            const int host = j && g->a[k][j - 1]; /* ZeRO: the gathered state, in host memory */
             t[nt] = (fl_st_write_tensor){.name = names[nt], .dtype = FL_F32, .ndim = 1, .shape = {(int64_t)o->w.n},
-                                         .data = src[j], .src_dtype = FL_F32, .be = &r->be};
+                                         .data = host ? g->a[k][j - 1] : src[j], .src_dtype = FL_F32,
+                                         .be = host ? NULL : j ? o->home.be : &r->be};
+            nt++;
+        }
+        if (o->q8.state) { /* 8-bit AdamW: the block-wise state of every tensor, bound in layout order: one blob */
+            snprintf(names[nt], sizeof names[nt], "%s.state8", k_part[k]);
+            t[nt] = (fl_st_write_tensor){.name = names[nt], .dtype = FL_U8, .ndim = 1,
+                                         .shape = {(int64_t)o->q8.state_bytes}, .data = o->q8.state,
+                                         .src_dtype = FL_U8, .be = &r->be};
             nt++;
         }
     }
     t[nt++] = (fl_st_write_tensor){.name = "order", .dtype = FL_I64, .ndim = 1, .shape = {(int64_t)r->n_rec},
                                    .data = order, .src_dtype = FL_I64};
-    char v[10][64];
+    char v[11][64];
     snprintf(v[0], sizeof v[0], "%s", B2_FORMAT);
     snprintf(v[1], sizeof v[1], "%ld", p->step);
     snprintf(v[2], sizeof v[2], "%ld", p->epoch);
@@ -105,19 +144,29 @@ static fl_status write_state(b2run *r, const b2pos *p, const char *path) {
     for (int k = 0; k < FL_BLIP2_PARTS; k++)
         if (r->has_opt[k]) ostep = r->opt[k].step;
     snprintf(v[9], sizeof v[9], "%d", ostep);
-    static const char *const keys[10] = {"format", "step", "epoch", "pos", "epoch_sum", "epoch_n", "parts", "records",
-                                         "optimizer", "optimizer_step"};
-    const char *vals[10];
-    for (int i = 0; i < 10; i++) vals[i] = v[i];
-    fl_status s = fl_st_write(path, t, nt, keys, vals, 10);
+    snprintf(v[10], sizeof v[10], "%lld", p->tokens);
+    static const char *const keys[11] = {"format", "step", "epoch", "pos", "epoch_sum", "epoch_n", "parts", "records",
+                                         "optimizer", "optimizer_step", "tokens"};
+    const char *vals[11];
+    for (int i = 0; i < 11; i++) vals[i] = v[i];
+    fl_status s = fl_st_write(path, t, nt, keys, vals, 11);
     free(order);
     return s;
 }
 
 /* out_dir/step-NNNNNN: the model as an HF BLIP-2 folder (under LoRA the PEFT adapter of the language model), the
  * training state, then COMMITTED: built in .tmp-step-NNNNNN, renamed into place (what --resume true picks:
- * fl_ckpt_find_latest), the newest train.keep_checkpoints kept. */
+ * fl_ckpt_find_latest), the newest train.keep_checkpoints kept. Every rank calls it; rank 0 writes (under DDP every
+ * rank holds the same weights and state; under ZeRO the state is gathered first). */
 fl_status fl_b2t_save_step(b2run *r, const b2pos *p) {
+    b2gathered g;
+    fl_status s = gather_state(r, &g);
+    if (s == FL_OK && !r->rank) s = save_step_files(r, p, &g);
+    gathered_free(&g);
+    return s;
+}
+
+static fl_status save_step_files(b2run *r, const b2pos *p, const b2gathered *g) {
     char name[40], tmp[4096], dst[4096], path[4200];
     snprintf(name, sizeof name, "step-%06ld", p->step);
     FL_TRY(fl_fs_join(dst, sizeof dst, r->cfg->out_dir, name));
@@ -129,7 +178,7 @@ fl_status fl_b2t_save_step(b2run *r, const b2pos *p) {
     if (s == FL_OK) s = fl_blip2_part(r->b, FL_BLIP2_TEXT)->adapt ? save_adapter(r, tmp)
                                                                   : fl_blip2_save(r->b, r->cfg->checkpoint_dir, tmp);
     if (s == FL_OK) s = fl_fs_join(path, sizeof path, tmp, B2_STATE);
-    if (s == FL_OK) s = write_state(r, p, path);
+    if (s == FL_OK) s = write_state(r, p, path, g);
     if (s == FL_OK) {
         fl_fs_sync_dir(tmp);
         fl_fs_remove_dir(dst); /* a run writing into an out_dir that has this step already */
@@ -159,12 +208,14 @@ static const char *meta_of(const fl_st_file *f, const char *key) {
 static fl_status load_tensor(b2run *r, const fl_st_file *f, const char *path, const char *name, void *dst, size_t n,
                              fl_dtype dt, const fl_optimizer *o) {
     const fl_st_tensor *t = fl_st_find(f, name);
-    const size_t es = dt == FL_I64 ? 8 : 4;
+    const size_t es = fl_dtype_size(dt);
     if (!t || t->dtype != dt || t->end - t->begin != n * es)
         return fl_errorf(FL_ERR_FORMAT, "%s: tensor %s is %s (this run has %zu elements of it: another run's "
                          "checkpoint?)", path, name, t ? "of another size or dtype" : "missing", n);
     if (!dst) return FL_OK;
-    return o ? fl_optim_state_write(o, dst, t->data, n * es) : r->be.to_device(&r->be, dst, t->data, n * es);
+    /* an optimizer's state: this rank's range of it (ZeRO: its chunk; else all of it) */
+    return o ? fl_optim_state_write(o, dst, (const char *)t->data + o->shard.off * es, o->shard.len * es)
+             : r->be.to_device(&r->be, dst, t->data, n * es);
 }
 
 /* --resume true|auto (the newest committed step-* in out_dir; auto: none is a fresh start) or a checkpoint folder:
@@ -209,6 +260,9 @@ fl_status fl_b2t_resume(b2run *r, b2pos *p, int *resumed) {
             snprintf(name, sizeof name, "%s.%s", k_part[k], what[j]);
             if (dst[j]) s = load_tensor(r, &f, path, name, dst[j], o->w.n, FL_F32, j ? o : NULL);
         }
+        char name[48];
+        snprintf(name, sizeof name, "%s.state8", k_part[k]);
+        if (s == FL_OK && o->q8.state) s = load_tensor(r, &f, path, name, o->q8.state, o->q8.state_bytes, FL_U8, NULL);
         o->step = atoi(meta_of(&f, "optimizer_step"));
         fl_model_sync_compute_copy(fl_blip2_part(r->b, k)); /* bf16-mixed: the copy of the restored weights */
     }
@@ -221,6 +275,7 @@ fl_status fl_b2t_resume(b2run *r, b2pos *p, int *resumed) {
         p->pos = (size_t)strtoull(meta_of(&f, "pos"), NULL, 10);
         p->epoch_sum = strtod(meta_of(&f, "epoch_sum"), NULL);
         p->epoch_n = atol(meta_of(&f, "epoch_n"));
+        p->tokens = atoll(meta_of(&f, "tokens")); /* absent in an older checkpoint: 0 */
         fl_b2t_say(r, "Resuming training from %s (step %ld)\n", dir, p->step);
         *resumed = 1;
     }

@@ -9,6 +9,8 @@
 #include "fitllm/blip2_train.h"
 #include "fitllm/image.h"
 #include "fitllm/train.h"
+#include "dp.h"
+#include "metrics.h"
 
 typedef struct {
     const fl_run_config *cfg;
@@ -40,6 +42,15 @@ typedef struct {
     int stopped;                  /* the stop callback's value that stopped the run after a step */
     long steps_done;
     int rank, world;
+    /* strategies (blip2_dist.c): the data-parallel context, the configuration fl_dp_optim_init reads, CPU offload's
+     * host tier and the backend its update runs on */
+    fl_dp dp;
+    fl_run_config dcfg;
+    fl_mem_pool opool;
+    fl_backend hbe;
+    fl_optim_offload off;
+    int opool_ok, hbe_ok;
+    fl_metrics metrics;           /* out_dir/logs/metrics.csv (rank 0 of a run) */
 } b2run;
 
 typedef struct {
@@ -48,10 +59,26 @@ typedef struct {
     double epoch_sum;
     long epoch_n;
     long step; /* optimizer steps done */
+    long long tokens; /* the valid caption targets of every step so far (metrics.csv's total_tokens) */
 } b2pos;
 
 /* What the run prints: rank 0's lines only (DDP), to the options' out (NULL: nothing). */
 void fl_b2t_say(const b2run *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* ---- strategies (blip2_dist.c) ---- */
+/* What --strategy (and its offload options) this run supports; the rest refused by name. */
+fl_status fl_b2t_check_strategy(const fl_run_config *c);
+/* The data-parallel context and CPU offload's host tier (after the backend and pools, before the optimizers). */
+fl_status fl_b2t_dist_setup(b2run *r);
+/* Part k's optimizer under the run's strategy (ZeRO: this rank's chunk; offload: the host tier). */
+fl_status fl_b2t_optim_init(b2run *r, int k);
+/* The step's gradient reductions (every trained part) and the micro-batches' losses summed over the ranks. */
+fl_status fl_b2t_reduce(b2run *r, float *ml, int accum);
+/* Clipping by the norm over every trained part's gradients. */
+fl_status fl_b2t_clip(b2run *r, float max_norm);
+/* 1 when the optimizer state is divided over the ranks (ZeRO-1/2 at several ranks). */
+int fl_b2t_sharded(const b2run *r);
+void fl_b2t_dist_free(b2run *r);
 
 /* ---- checkpoints (blip2_ckpt.c) ---- */
 /* out_dir/step-NNNNNN (an HF BLIP-2 folder, or the PEFT adapter under LoRA, + training_state.safetensors), committed. */

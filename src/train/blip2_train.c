@@ -44,9 +44,7 @@ static fl_status check_run(const fl_run_config *c, int synth) {
     if (strcmp(c->precision, "32-true") && strcmp(c->precision, "bf16-mixed"))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: BLIP-2 fine-tuning runs 32-true and bf16-mixed only so far",
                          c->precision);
-    if (strcmp(c->strategy, "auto") && strcmp(c->strategy, "ddp"))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s: BLIP-2 fine-tuning runs one process or DDP over several "
-                         "(--strategy auto or ddp) so far", c->strategy);
+    FL_TRY(fl_b2t_check_strategy(c));
     /* what the trainer does that this loop does not: refused rather than ignored */
     if (c->train.activation_checkpointing == 1)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--train.activation_checkpointing true: BLIP-2 fine-tuning keeps every "
@@ -62,8 +60,6 @@ static fl_status check_run(const fl_run_config *c, int synth) {
                          "eval.interval steps and at the end");
     if (c->lora.quantize[0])
         return fl_errorf(FL_ERR_UNSUPPORTED, "--quantize %s: QLoRA on BLIP-2 is not built yet", c->lora.quantize);
-    if (c->optimizer.kind == FL_OPT_ADAMW8BIT)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--optimizer AdamW8bit: BLIP-2 runs AdamW or SGD so far");
     if (!synth && (c->data.kind != FL_DATA_JSON || !c->data.json_path[0]))
         return fl_errorf(FL_ERR_INVALID, "a BLIP-2 checkpoint trains on image captions: --data JSON --data.json_path "
                          "CAPTIONS (a .json/.jsonl of {\"image\", \"text\"} records, or an image folder)");
@@ -324,9 +320,10 @@ static fl_status setup(b2run *r) {
         FL_TRY(fl_trainer_lora_config(c, &lm->cfg, &lc));
         FL_TRY(fl_model_lora_init(lm, &lc, c->seed));
     }
+    FL_TRY(fl_b2t_dist_setup(r));
     for (int k = 0; k < FL_BLIP2_PARTS; k++) {
         if (!(r->parts & (1 << k))) continue;
-        FL_TRY(fl_optim_init(&r->opt[k], fl_blip2_part(r->b, k), &c->optimizer));
+        FL_TRY(fl_b2t_optim_init(r, k));
         r->has_opt[k] = 1;
     }
     return FL_OK;
@@ -341,27 +338,6 @@ static void reorder(size_t *order, size_t n, uint64_t seed) {
     }
 }
 
-
-/* clip_grad_norm_ over every trained part's gradients at once (the norm over all of them, in double; coef =
- * max_norm / (norm + 1e-6) when below 1), before the parts' updates. */
-static fl_status clip_all(b2run *r, float max_norm) {
-    double ss = 0;
-    for (int k = 0; k < FL_BLIP2_PARTS; k++)
-        if (r->has_opt[k]) {
-            const double n = fl_grad_norm(fl_blip2_part(r->b, k));
-            ss += n * n;
-        }
-    const float coef = max_norm / (float)(sqrt(ss) + 1e-6);
-    if (!(coef < 1.0f)) return FL_OK;
-    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
-        if (!r->has_opt[k]) continue;
-        fl_model *m = fl_blip2_part(r->b, k);
-        fl_lora_adapters ad;
-        if (fl_model_lora_adapters(m, &ad)) r->be.scale(&r->be, ad.grads, ad.numel, coef);
-        else r->be.scale(&r->be, fl_model_grads_f32(m), m->layout.numel, coef);
-    }
-    return FL_OK;
-}
 
 /* What the run prints: rank 0's lines only (DDP) */
 void fl_b2t_say(const b2run *r, const char *fmt, ...) {
@@ -379,15 +355,6 @@ static fl_status stop_signal(b2run *r) {
     if (r->world > 1) FL_TRY(fl_comm_all_reduce(r->comm, &sig, &sig, 1, FL_F32, FL_COMM_MAX));
     r->stopped = (int)sig;
     return FL_OK;
-}
-
-/* DDP: every trained part's gradients (the adapters' under LoRA) and the micro-batches' losses (each known to one
- * rank, 0 on the others: their sum is exact) summed over the ranks, so every rank updates the same weights. */
-static fl_status reduce(b2run *r, float *ml, int accum) {
-    for (int k = 0; k < FL_BLIP2_PARTS; k++)
-        if (r->has_opt[k])
-            FL_TRY(fl_comm_all_reduce(r->comm, r->opt[k].w.g, r->opt[k].w.g, r->opt[k].w.n, FL_F32, FL_COMM_SUM));
-    return fl_comm_all_reduce(r->comm, ml, ml, (size_t)accum, FL_F32, FL_COMM_SUM);
 }
 
 /* One optimizer step over `accum` micro-batches of B records (an epoch's tail that does not fill one is dropped).
@@ -456,9 +423,9 @@ static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, 
         ml[a] = l;
         free(ids), free(tg);
     }
-    if (s == FL_OK && w > 1) s = reduce(r, ml, accum);
+    if (s == FL_OK && w > 1) s = fl_b2t_reduce(r, ml, accum);
     for (int a = 0; a < accum; a++) lsum += (double)ml[a] * (double)mv[a];
-    if (s == FL_OK && r->cfg->train.max_norm > 0) s = clip_all(r, r->cfg->train.max_norm);
+    if (s == FL_OK && r->cfg->train.max_norm > 0) s = fl_b2t_clip(r, r->cfg->train.max_norm);
     for (int k = 0; s == FL_OK && k < FL_BLIP2_PARTS; k++)
         if (r->has_opt[k]) s = fl_optim_step(&r->opt[k], (float)lr, 0.0f, NULL);
     if (s == FL_OK && snap) fl_mem_snapshot(&r->pool, "after_opt_step");
@@ -467,6 +434,7 @@ static fl_status step(b2run *r, b2pos *p, int B, int accum, long it, double lr, 
     *loss = vsum ? lsum / (double)vsum : 0;
     p->epoch_sum += lsum;
     p->epoch_n += vsum;
+    p->tokens += vsum;
     return s;
 }
 
@@ -479,7 +447,8 @@ static void part_bytes(const b2run *r, int k, size_t *pb, size_t *gb, size_t *ob
     *pb = m->layout.numel * sizeof(float) + (*lora ? ad.numel * sizeof(float) : 0) +
           (m->prec.name ? fl_precision_copy_bytes(&m->prec, m->layout.numel) : 0); /* bf16-mixed copy */
     *gb = fl_model_grads_f32(m) ? m->layout.numel * sizeof(float) : *lora ? ad.numel * sizeof(float) : 0;
-    *ob = r->has_opt[k] ? fl_optim_state_bytes(&r->opt[k].cfg, r->opt[k].w.n) : 0;
+    const fl_optimizer *o = &r->opt[k]; /* this rank's range of the state (ZeRO: its chunk); 8-bit: its blocks */
+    *ob = !r->has_opt[k] ? 0 : o->q8.state ? o->q8.state_bytes + o->q8.x_bytes : fl_optim_state_bytes(&o->cfg, o->shard.len);
 }
 
 /* The memory of the run: the pool's report (bytes per tag at the snapshots: after set-up, after step 1, at the end)
@@ -502,7 +471,14 @@ static void memory_report(b2run *r, FILE *f) {
         parts += r->acts_part[k];
     }
     fprintf(f, "; LoRA adapters ACTS %.3f\n", (r->acts_total > parts ? r->acts_total - parts : 0) / 1048576.0);
+    if (fl_b2t_sharded(r))
+        fprintf(f, "memory of rank 0 (%s: OPTIM holds its chunk of each trained part's state%s)\n",
+                fl_dp_stage_name(&r->dp), r->dp.stage == 2 ? "; GRADS: each part's reduced chunk is what stays live" : "");
     fl_mem_print_report(&r->pool, f);
+    if (r->opool_ok) {
+        fprintf(f, "\nhost tier (CPU offload: the optimizer state, outside the device's budget)\n");
+        fl_mem_print_report(&r->opool, f);
+    }
 }
 
 static size_t trained_count(const b2run *r) {
@@ -532,6 +508,16 @@ static void record_step(b2run *r, long k, double ms, double loss) {
     else res->step_ms_mean = k == 1 ? ms : (res->step_ms_mean * (double)(k - 1) + ms) / (double)k;
 }
 
+/* A row of metrics.csv (rank 0): a step's (loss, its time, the LR, its valid targets and their rate) or a
+ * validation's (val_loss), with the pool's bytes per tag now and its peak. */
+static void metrics_row(b2run *r, const b2pos *p, double loss, double secs, double lr, long long tokens, double val) {
+    fl_metrics_values mv = {p->step, p->step, p->epoch, loss, secs, lr, val, secs > 0 ? (double)tokens / secs : NAN,
+                            tokens, p->tokens, {0}, 0, NAN};
+    for (int k = 0; k < 6; k++) mv.mem[k] = (double)r->pool.cur[k];
+    mv.mem_peak = (double)r->pool.peak_total;
+    fl_metrics_row(&r->metrics, &mv);
+}
+
 static fl_status train(b2run *r) {
     const fl_run_config *c = r->cfg;
     int B = 1, accum = 1;
@@ -550,7 +536,7 @@ static fl_status train(b2run *r) {
     if (!p.order) return fl_errorf(FL_ERR_OOM, "out of host memory");
     for (size_t i = 0; i < r->n_rec; i++) p.order[i] = i;
     char ranks[48] = "";
-    if (r->world > 1) snprintf(ranks, sizeof ranks, " over %d ranks (DDP)", r->world);
+    if (r->world > 1) snprintf(ranks, sizeof ranks, " over %d ranks (%s)", r->world, fl_dp_stage_name(&r->dp));
     fl_b2t_say(r, "BLIP-2 image-caption fine-tuning: %zu records, micro batch %d x %d accumulated%s, %ld steps; trains %s%s%s"
            "%s (%zu parameters), vision tower %s\n", r->n_rec, B, accum / (r->world > 1 ? r->world : 1), ranks, max_steps,
            r->parts & (1 << FL_BLIP2_VISION) ? "vision " : "", r->parts & (1 << FL_BLIP2_QFORMER) ? "qformer " : "",
@@ -562,6 +548,9 @@ static fl_status train(b2run *r) {
     int resumed = 0;
     fl_status s = fl_b2t_resume(r, &p, &resumed);
     r->steps_done = p.step;
+    /* logs/metrics.csv (LitGPT's columns; a resumed run keeps the rows up to its checkpoint's step) */
+    if (s == FL_OK && !r->rank) s = fl_fs_mkdir_p(c->out_dir);
+    if (s == FL_OK && !r->rank) s = fl_metrics_open(&r->metrics, c->out_dir, c->logger_name, resumed, resumed ? p.step : -1);
     const long first = p.step;
     for (long it = p.step; s == FL_OK && it < max_steps; it++) {
         const double lr = fl_lr_schedule(c->optimizer.lr, c->train.min_lr, it, warm, max_steps);
@@ -569,20 +558,24 @@ static fl_status train(b2run *r) {
         const int every = c->train.memory_snapshot_interval;
         r->snapline = every > 0 && (it < 2 || (it + 1) % every == 0); /* steps 1, 2 and every N-th */
         const double t0 = now_ms();
+        const long long tok0 = p.tokens;
         s = step(r, &p, B, accum, it, lr, it == first, &loss);
-        if (s == FL_OK) record_step(r, it - first, now_ms() - t0, loss);
+        const double ms = now_ms() - t0;
+        if (s == FL_OK) record_step(r, it - first, ms, loss);
         p.step = it + 1;
+        if (s == FL_OK) metrics_row(r, &p, loss, ms / 1e3, lr, p.tokens - tok0, NAN);
         r->steps_done = p.step;
         if (s == FL_OK && (it % (c->train.log_interval > 0 ? c->train.log_interval : 1) == 0 || it + 1 == max_steps))
             fl_b2t_say(r, "step %ld/%ld loss %.6f lr %.3g\n", it + 1, max_steps, loss, lr);
         if (s == FL_OK && r->n_val && p.step % c->eval.interval == 0 && p.step < max_steps) {
             s = validate(r, B, &vl);
             if (s == FL_OK) fl_b2t_say(r, "step %ld val loss %.6f\n", p.step, vl);
+            if (s == FL_OK) metrics_row(r, &p, NAN, NAN, NAN, p.tokens, vl);
         }
         const int saved = c->train.save_interval > 0 && p.step % c->train.save_interval == 0;
-        if (s == FL_OK && saved && !r->rank) s = fl_b2t_save_step(r, &p); /* DDP: rank 0 writes (every rank: the same weights) */
+        if (s == FL_OK && saved) s = fl_b2t_save_step(r, &p); /* rank 0 writes (ZeRO: the state gathered first) */
         if (s == FL_OK && p.step < max_steps && (s = stop_signal(r)) == FL_OK && r->stopped) {
-            if (c->train.save_on_signal && !saved && !r->rank) s = fl_b2t_save_step(r, &p);
+            if (c->train.save_on_signal && !saved) s = fl_b2t_save_step(r, &p);
             break;
         }
     }
@@ -594,6 +587,8 @@ static fl_status train(b2run *r) {
     if (s == FL_OK && r->n_val && c->eval.final_validation) {
         double vl = 0;
         s = validate(r, B, &vl);
+        if (s == FL_OK) r->res->val_loss = vl;
+        if (s == FL_OK) metrics_row(r, &p, NAN, NAN, NAN, p.tokens, vl);
         if (s == FL_OK) fl_b2t_say(r, "Final evaluation | val loss: %.3f | val ppl: %.3f\n", vl, exp(vl));
     }
     if (s == FL_OK) fl_mem_snapshot(&r->pool, "end");
@@ -614,6 +609,8 @@ static void close_run(b2run *r) {
     free(r->ids), free(r->n_ids);
     fl_img_captions_free(&r->caps);
     fl_blip2_free(r->b);
+    fl_metrics_close(&r->metrics);
+    fl_b2t_dist_free(r);
     if (r->pools_ok) fl_backend_pools_free(&r->pool, &r->hpool);
     if (r->be.name && !r->borrowed) fl_backend_free(&r->be);
 }
@@ -681,6 +678,9 @@ static void fill_memory(b2run *r) {
     memcpy(res->peak, r->pool.peak, sizeof res->peak);
     res->peak_total = r->pool.peak_total;
     res->oom = r->pool.oom;
+    res->offload = r->opool_ok;
+    for (int k = 0; r->opool_ok && k < FL_TAG_COUNT; k++) res->host_peak[k] = r->opool.peak[k];
+    res->host_peak_total = r->opool_ok ? r->opool.peak_total : 0;
 }
 
 fl_status fl_blip2_train(const fl_run_config *cfg, const fl_blip2_train_opts *o, fl_blip2_train_result *res) {
