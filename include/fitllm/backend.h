@@ -191,6 +191,12 @@ struct fl_backend {
     fl_status (*cross_entropy_dbf16)(const fl_backend *be, float *loss /*(N)*/, void *dlogits16 /*(N,V) bf16*/,
                                      const float *logits /*(N,V)*/, const int32_t *targets /*(N)*/, int N, int V,
                                      float grad_scale, int ignore_index);
+    /* Optional, above gemm as the others (issue 33): elements [k0, k1) of a tensor's random-init stream
+     * (fl_model_init_random: splitmix64 as a counter from state s, one Box-Muller pair per two elements; kind 0 zeros,
+     * 1 ones, 2 normal(0, sd)) written to dst[0 .. k1-k0) in dtype dt on the device, the same values as the host's
+     * stream. NULL: generated on the host and copied. (cuda, cuda-emu) */
+    fl_status (*init_random)(const fl_backend *be, void *dst, fl_dtype dt, size_t k0, size_t k1, size_t numel,
+                             int kind, double sd, uint64_t s);
 
     /* Optional: the op scratch a model's self-attention needs BEYOND scratch_bytes under bf16 compute, for B
      * sequences of T, NH query and NKV key/value heads of size HD (causal, compact output rows); the model lends

@@ -332,6 +332,15 @@ static double flb_sumsq(const fl_backend *be, const void *x, fl_dtype t, size_t 
 static void flb_scale(const fl_backend *be, float *x, size_t n, float s) {
     FLB_RUN(be, FLB_K(scale)(x, n, s, STREAM), "scale");
 }
+static fl_status flb_init_random(const fl_backend *be, void *dst, fl_dtype dt, size_t k0, size_t k1, size_t numel,
+                                 int kind, double sd, uint64_t s) {
+    (void)numel; /* every element is a function of its index alone */
+    FL_TRY(flb_sticky(be));
+    if (!flb_float3(dt))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s init_random: %s not supported", FLB_NAME, fl_dtype_name(dt));
+    if (k1 > k0) FLB_RUN_S(be, FLB_K(init_random)(dst, dt, k0, k1 - k0, kind, sd, s, STREAM), "init_random");
+    return FL_OK;
+}
 static void flb_zero(const fl_backend *be, void *x, size_t bytes) {
     if (bytes && flb_memset(x, 0, bytes, STREAM)) flb_set_error(be, FL_ERR_IO, "zero", "memset failed");
 }
@@ -705,6 +714,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->sumsq = flb_sumsq;
     be->scale = flb_scale;
     be->zero = flb_zero;
+    be->init_random = flb_init_random;
     be->attention_decode = flb_attention_decode;
     be->convert = flb_convert;
     be->round16 = flb_round16;
