@@ -85,6 +85,9 @@ typedef struct {
     double block_ms;       /* --pipeline_parallel: > 0, one block's measured forward + backward of a micro-batch (ms;
                             * a pipelined run's "pipeline timing" line prints it): the expected step time in ms; 0:
                             * in units of that time */
+    size_t *rank_peaks;    /* several ranks: NULL, or devices x num_nodes entries that get every rank's planned peak
+                            * of the run without a budget (device bytes; the grid suggestion's largest rank) */
+    size_t *rank_host_peaks; /* with rank_peaks: every rank's host tier peak */
 } fl_plan_opts;
 
 void fl_plan_opts_default(fl_plan_opts *o);
@@ -185,6 +188,33 @@ typedef struct {
 } fl_plan_fit;
 fl_status fl_plan_largest(const fl_run_config *cfg, const fl_plan_machine *mc, fl_plan_fit *out);
 void fl_plan_fit_print(const fl_plan_fit *f, const fl_plan_machine *mc, FILE *out);
+
+/* "Which grid?" (src/plan/plan_grid.c; `fitllm plan --suggest`): every DP x TP x PP grid of the run's devices x
+ * num_nodes ranks (mc->devices per node), each rank of its first model replica planned by fl_plan_run with the run's
+ * options; a grid fits when its largest rank does (mc->device_memory per rank; CPU ranks without it: host_memory /
+ * devices, the host tier counted in it). The suggestion: the fewest model-parallel ranks (TP x PP), then no TP group
+ * wider than a node, then the smallest pipeline bubble (PP - 1) / (M + PP - 1), then the smallest peak; the chosen
+ * grid's largest rank is planned again under the budget (verdict). A grid the trainer refuses is a row (fits -1). */
+#define FL_PLAN_MAX_GRIDS 48
+typedef struct {
+    int dp, tp, pp;
+    int fits;              /* 1 every rank fits, 0 one does not, -1 the trainer refuses this grid (why) */
+    size_t peak;           /* the largest rank's planned peak (device bytes), and which world rank that is */
+    int peak_rank;
+    size_t host_peak;      /* the largest host tier of its ranks (offload) */
+    int micro_batches;     /* per step and data-parallel rank (gradient accumulation): PP's micro-batches */
+    double bubble;         /* PP's idle fraction (PP - 1) / (M + PP - 1); 0 without PP */
+    char strategy[32];     /* the data axis's strategy as resolved ("" when DP is 1) */
+    char why[256];
+} fl_plan_grid_row;
+typedef struct {
+    fl_plan_grid_row rows[FL_PLAN_MAX_GRIDS];
+    int n;
+    int best;              /* the suggested row; -1 none fits */
+    fl_plan_verdict verdict; /* the suggested grid's largest rank planned under the budget (FL_PLAN_FITS) */
+} fl_plan_grid;
+fl_status fl_plan_suggest_grid(const fl_run_config *cfg, const fl_plan_machine *mc, fl_plan_grid *out);
+void fl_plan_grid_print(const fl_plan_grid *g, const fl_plan_machine *mc, FILE *out);
 
 /* Human report: summary, the phase table (as the runtime's memory report),
  * the verdict, the largest micro batch, suggestions. */

@@ -19,6 +19,7 @@ typedef struct {
     int rank;
     int cuda;
     int largest;               /* --largest: the largest preset that fits the machine (fl_plan_largest) */
+    int suggest;               /* --suggest: the DP x TP x PP grid to run (fl_plan_suggest_grid) */
     size_t host_memory, disk;  /* --host-memory, --disk: the machine's (--largest) */
     float block_ms;            /* --block-ms: a pipeline block's measured time */
 } plan_args;
@@ -73,7 +74,15 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "                                 host memory, then both on NVMe (the first that fits is named); with\n"
            "                                 --devices, --device-memory (GPUs, --accelerator cuda), --host-memory,\n"
            "                                 --disk; exit 0 when one fits, 3 when none does\n"
-           "  --host-memory SIZE             (--largest)  the host's RAM (a CPU machine: its \"device\"; required there)\n"
+           "  --suggest                      (default off)  the DP x TP x PP grid to run instead of the table: every\n"
+           "                                 grid of --devices x --num_nodes ranks (--tensor_parallel x\n"
+           "                                 --pipeline_parallel dividing them), each rank of a model replica planned\n"
+           "                                 with the run's options; the suggestion is the grid with the fewest\n"
+           "                                 model-parallel ranks whose largest rank fits --device-memory (CPU ranks:\n"
+           "                                 or --host-memory shared by them), then TP within a node, then the\n"
+           "                                 smallest pipeline bubble, then the smallest peak; grids the trainer\n"
+           "                                 refuses are listed with the reason; exit 0 when one fits, 3 when none\n"
+           "  --host-memory SIZE             (--largest, --suggest)  the host's RAM (a CPU machine: its \"device\"; required there)\n"
            "  --disk SIZE                    (--largest, default not limited)  the NVMe folder's free space\n"
            "  --json                         (default off)  machine-readable output (schema version %d,\n"
            "                                 docs/ARCHITECTURE.md \"Planner and lab\")\n\n"
@@ -92,6 +101,7 @@ static int extra(void *ud, int argc, char **argv, int *i) {
     if (!strcmp(arg, "--json")) { a->json = 1; return 1; }
     if (!strcmp(arg, "--lora")) { a->lora = 1; return 1; }
     if (!strcmp(arg, "--largest")) { a->largest = 1; return 1; }
+    if (!strcmp(arg, "--suggest")) { a->suggest = 1; return 1; }
     if (!strcmp(arg, "--host-memory") || !strcmp(arg, "--disk")) {
         size_t *dst = arg[2] == 'h' ? &a->host_memory : &a->disk;
         if (!v || fl_parse_bytes(v, dst) || *dst == 0) {
@@ -160,6 +170,21 @@ static int extra(void *ud, int argc, char **argv, int *i) {
     return 0;
 }
 
+static int suggest_grid(const fl_run_config *cfg, const plan_args *a) {
+    fl_plan_machine mc = {a->device_memory, a->host_memory, a->disk, cfg->devices, a->cuda, a->seq_len};
+    fl_plan_grid *g = malloc(sizeof *g);
+    fl_status s = g ? fl_plan_suggest_grid(cfg, &mc, g) : fl_errorf(FL_ERR_OOM, "out of host memory");
+    if (s != FL_OK) {
+        free(g);
+        fprintf(stderr, "fitllm plan: error: %s\n", fl_error_message());
+        return s == FL_ERR_INVALID || s == FL_ERR_UNSUPPORTED ? FL_EXIT_USAGE : FL_EXIT_RUNTIME;
+    }
+    fl_plan_grid_print(g, &mc, stdout);
+    int rc = g->best >= 0 ? FL_EXIT_OK : FL_EXIT_OOM;
+    free(g);
+    return rc;
+}
+
 static int largest(const fl_run_config *cfg, const plan_args *a) {
     fl_plan_machine mc = {a->device_memory, a->host_memory, a->disk, cfg->devices, a->cuda, a->seq_len};
     fl_plan_fit *f = malloc(sizeof *f);
@@ -177,7 +202,7 @@ static int largest(const fl_run_config *cfg, const plan_args *a) {
 
 int fl_cmd_plan(int argc, char **argv) {
     const char *cmd = "plan";
-    plan_args a = {0, 1, 0, 0, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+    plan_args a = {.devices = 1, .generation = -1};
     fl_run_config cfg;
     /* --lora first: the LoRA options (and a YAML recipe's) are only accepted for a finetune_lora plan */
     fl_cmd_kind kind = FL_CMD_FINETUNE_FULL;
@@ -195,7 +220,12 @@ int fl_cmd_plan(int argc, char **argv) {
     o.rank = a.rank;
     o.cuda = a.cuda;
     o.generation = a.generation;
+    if (a.largest && a.suggest) {
+        fl_cli_usage("plan", "--largest and --suggest are two questions: ask one at a time");
+        return FL_EXIT_USAGE;
+    }
     if (a.largest) return largest(&cfg, &a);
+    if (a.suggest) return suggest_grid(&cfg, &a);
     if (fl_cli_is_blip2(cfg.checkpoint_dir)) { /* image-caption fine-tuning: its own loop (cmd_blip2_plan.c) */
         if (a.target_len || a.rank || a.generation >= 0) {
             fprintf(stderr, "fitllm plan: error: %s: a BLIP-2 plan sizes the caption with --seq-len (no --target-len, "

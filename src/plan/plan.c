@@ -51,6 +51,8 @@ static const fl_plan_technique k_tech[] = {
      "ZeRO-3 with the parameters' and gradients' shards in host memory (or NVMe files), each unit fetched ahead of its use"},
     {"ddp", 1, "mpirun -np N fitllm ... --devices N (--strategy ddp)", "each rank holds everything; the lab runs its ranks as threads of one process"},
     {"fsdp", 1, "mpirun -np N fitllm ... --devices N --strategy fsdp", "FULL_SHARD / ZeRO-3: parameters, gradients and optimizer state divided by the ranks, units gathered block by block"},
+    {"tensor_parallel", 1, "mpirun -np N fitllm ... --devices N --tensor_parallel N", "Megatron-style: heads, MLP columns and the vocabulary split over the group; the lab runs its ranks as threads"},
+    {"pipeline_parallel", 1, "mpirun -np N fitllm ... --devices N --pipeline_parallel N", "contiguous block ranges per stage, micro-batches through the stages (GPipe / 1F1B)"},
 };
 #define N_TECH (int)(sizeof k_tech / sizeof k_tech[0])
 
@@ -185,6 +187,7 @@ typedef struct {
     int rank;            /* the rank planned (ZeRO: ranks differ by their chunk) */
     int cuda;            /* plan for the CUDA backend's scratch and widening */
     int comm_threads;    /* the ranks are threads (fl_plan_opts.comm_threads): no reduction scratch */
+    size_t *rank_peaks, *rank_host_peaks; /* fl_plan_opts': every rank's peaks of the run without a budget */
 } plan_ctx;
 
 /* The snapshot an allocation that fails before snapshot i precedes (one process; several ranks
@@ -269,6 +272,8 @@ static fl_status rehearse_rank(fl_comm *comm, int rank, void *ud) {
     const int me = rank == k->x->rank;
     fl_trainer_result r;
     fl_status s = rehearse_on_null(k->x, k->v, comm, me ? k->budget : 0, k->B, k->accum, &r);
+    if (!k->budget && s == FL_OK && k->x->rank_peaks) /* every rank's own need (fl_plan_opts.rank_peaks) */
+        k->x->rank_peaks[rank] = r.peak_total, k->x->rank_host_peaks[rank] = r.host_peak_total;
     if (me) {
         k->s = s;
         k->r = r;
@@ -637,6 +642,9 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     x.rank = p->rank;
     x.cuda = opts.cuda;
     x.comm_threads = opts.comm_threads;
+    x.rank_peaks = opts.rank_peaks, x.rank_host_peaks = opts.rank_host_peaks;
+    if (!x.rank_peaks != !x.rank_host_peaks)
+        return fl_errorf(FL_ERR_INVALID, "plan: rank_peaks and rank_host_peaks go together");
     FL_TRY(resolve_model(c, &x.mc, p->model_source, sizeof p->model_source));
     p->model = x.mc;
     p->n_params = fl_sizing_param_count(&x.mc);
