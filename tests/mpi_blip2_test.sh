@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# BLIP-2 image-caption fine-tuning over 2 MPI ranks (DDP; run by tests/mpi_test.sh, which counts its ok / FAIL lines):
+# BLIP-2 image-caption fine-tuning over 2 MPI ranks (DDP, ZeRO-1/2; run by tests/mpi_test.sh, which counts its ok / FAIL lines):
 # the tiny OPT and Flan-T5 fixtures on the 14 shipped test images with token-id captions (as tests/cli_test.sh),
 # micro-batch 2, global batch 4 (one micro-batch per rank per step), 6 steps.
 #   - against one process (two micro-batches accumulated): rank 0 runs global micro-batch 0 and rank 1 micro-batch 1,
@@ -9,6 +9,7 @@
 #   - started without a launcher (--devices 2: fitllm runs mpirun itself): the explicit run's losses;
 #   - DDP's step checkpoint resumes in one process (its weights are one process's: the same training state);
 #   - rank 0's memory report = `plan --devices 2` (every phase, reserved and live per tag);
+#   - ZeRO-1 / ZeRO-2 (and with CPU offload) = DDP bit for bit, their checkpoints DDP's byte for byte;
 #   - what DDP does not run is refused on every rank, exit 2, naming the option; a corrupt image read by one rank ends
 #     the job non-zero within seconds, naming the file.
 # Usage: tests/mpi_blip2_test.sh [build-dir]; skips (exit 0) without MPI or mpirun.
@@ -77,12 +78,49 @@ timeout 300 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${PR
 measured=$(awk '/^(after_|before_)/ { print; getline; print } /^peak/' "$T/out")
 if [ $rc -eq 0 ] && [ "$(grep -c . <<<"$planned")" = 11 ] && [ "$planned" = "$measured" ]; then ok "blip2_ddp_rank0_peaks_equal_plan"
 else printf 'planned:\n%s\n' "$planned" >>"$T/out"; bad "blip2_ddp_rank0_peaks_equal_plan" "exit $rc"; fi
+# ZeRO-1 / ZeRO-2 (src/train/blip2_dist.c: each rank keeps its chunk of every trained part's optimizer state and
+# updates it, then one all-gather of the part's parameters; ZeRO-2 reduce-scatters the gradients) and their CPU
+# offload give DDP's bits: the final weights (LoRA: and the adapter) and the step-3 checkpoint (its training state
+# gathered into the one-process form, byte for byte), OPT full fine-tuning and T5 LoRA
+for m in opt t5; do
+    c=finetune_full; x=(); v=full; [ $m = t5 ] && c=finetune_lora && x=(--lora_r 4) && v=lora
+    for st in deepspeed_stage_1 deepspeed_stage_2 deepspeed_stage_2_offload; do
+        D="$T/z-$m-$st"; R="$T/ddp-$m-$v"
+        timeout 300 mpirun -np 2 "$FL" $c tests/fixtures/blip2-tiny-$m "${RUN[@]}" "${x[@]}" --devices 2 --strategy $st \
+            --train.save_interval 3 --out_dir "$D" >"$T/out" 2>&1; rc=$?
+        if [ $rc -eq 0 ] && grep -q "over 2 ranks (ZeRO-[12])" "$T/out" && cmp -s "$R/final/model.safetensors" "$D/final/model.safetensors" &&
+            cmp -s "$R/step-000003/training_state.safetensors" "$D/step-000003/training_state.safetensors" &&
+            { [ $v = full ] || cmp -s "$R/final/adapter/adapter_model.safetensors" "$D/final/adapter/adapter_model.safetensors"; }; then
+            ok "blip2_zero_${m}_${st}_ddp_bits"
+        else bad "blip2_zero_${m}_${st}_ddp_bits" "exit $rc"; fi
+    done
+done
+# rank 0's memory report under ZeRO-1 / ZeRO-2 (its chunk of each part's state) = `plan --devices 2 --strategy ...`
+for st in deepspeed_stage_1 deepspeed_stage_2; do
+    planned=$("$FL" plan tests/fixtures/blip2-tiny-opt "${PR[@]}" --devices 2 --strategy $st 2>&1 | awk '/^(after_|before_)/ { print; getline; print } /^peak/')
+    timeout 300 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${PR[@]}" --devices 2 --strategy $st --out_dir "$T/pz" >"$T/out" 2>&1; rc=$?
+    measured=$(awk '/^(after_|before_)/ { print; getline; print } /^peak/' "$T/out")
+    ddpopt=$(grep '^peak' "$T/out" | head -1 | awk '{ print $7 $8 }')
+    if [ $rc -eq 0 ] && [ "$(grep -c . <<<"$planned")" = 11 ] && [ "$planned" = "$measured" ] && grep -q "^memory of rank 0 (ZeRO-" "$T/out"; then
+        ok "blip2_${st}_rank0_peaks_equal_plan (OPTIM $ddpopt)"
+    else printf 'planned:\n%s\n' "$planned" >>"$T/out"; bad "blip2_${st}_rank0_peaks_equal_plan" "exit $rc"; fi
+done
+# a ZeRO-2 checkpoint (the gathered state) resumed under DDP: steps 4-6 give DDP's final weights bit for bit
+timeout 300 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --devices 2 \
+    --resume "$T/z-opt-deepspeed_stage_2/step-000003" --out_dir "$T/zr" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000003 (step 3)" "$T/out" &&
+    cmp -s "$T/ddp-opt-full/final/model.safetensors" "$T/zr/final/model.safetensors"; then ok "blip2_zero2_checkpoint_resumes_under_ddp"
+else bad "blip2_zero2_checkpoint_resumes_under_ddp" "exit $rc"; fi
 # refusals: every rank refuses the same way, exit 2, the option named once
-for st in deepspeed_stage_2 fsdp; do
+for st in deepspeed_stage_3 fsdp; do
     timeout 120 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --devices 2 --strategy $st --out_dir "$T/x" >"$T/out" 2>&1; rc=$?
-    if [ $rc -eq 2 ] && [ "$(grep -c -- "--strategy $st: BLIP-2 fine-tuning runs one process or DDP over several" "$T/out")" = 1 ]; then
+    if [ $rc -eq 2 ] && [ "$(grep -c -- "--strategy $st: BLIP-2 fine-tuning runs one process, DDP, ZeRO-1 or ZeRO-2" "$T/out")" = 1 ]; then
         ok "blip2_ddp_refuses_$st"; else bad "blip2_ddp_refuses_$st" "exit $rc"; fi
 done
+timeout 120 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --devices 2 --strategy deepspeed_stage_2 \
+    --optimizer bnb.optim.AdamW8bit --out_dir "$T/x" >"$T/out" 2>&1; rc=$?
+if [ $rc -eq 2 ] && [ "$(grep -c -- "with --optimizer AdamW8bit: BLIP-2 step checkpoints and --resume of the 8-bit state" "$T/out")" = 1 ]; then
+    ok "blip2_zero_refuses_8bit_checkpoints"; else bad "blip2_zero_refuses_8bit_checkpoints" "exit $rc"; fi
 timeout 120 mpirun -np 2 "$FL" finetune_full tests/fixtures/blip2-tiny-opt "${RUN[@]}" --devices 2 --train.global_batch_size 6 --out_dir "$T/x" >"$T/out" 2>&1; rc=$?
 if [ $rc -eq 2 ] && grep -q "train.global_batch_size 6 is not divisible by devices x micro_batch_size = 2 x 2" "$T/out"; then
     ok "blip2_ddp_refuses_uneven_split"; else bad "blip2_ddp_refuses_uneven_split" "exit $rc"; fi

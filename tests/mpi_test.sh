@@ -532,23 +532,26 @@ fi
 # pipeline parallelism through the CLI (--pipeline_parallel, EXPERIMENTAL; tests/test_pp_model.c has the bit-identity
 # of untied models): micro ties lm_head to its token table, so its two gradients are summed across the first and last
 # stage instead of micro-batch by micro-batch, and clipping's norm is a sum over the stages: PP 2 (1F1B), PP 4 (GPipe)
-# and DP 2 x PP 2 train one process's losses within 1e-6 relative at every step, rank 0 alone reports, and the final
-# folder holds the files and the tensor layout one process writes; PP 2's step-2 checkpoint resumes in one process
+# and DP 2 x PP 2 (DDP, and ZeRO-2 on the data axis) train one process's losses within 1e-6 relative at every step, rank 0 alone reports, and the final
+# folder holds the files and the tensor layout one process writes, the lead prints the stages' measured times and the
+# schedule simulated on them; PP 2's step-2 checkpoint resumes in one process
 # and continues PP 2's losses within 1e-6; the refusals name the option
-for grid in "2 2 1f1b" "4 4 gpipe" "4 2 1f1b"; do
+for grid in "2 2 1f1b ddp" "4 4 gpipe ddp" "4 2 1f1b ddp" "4 2 1f1b deepspeed_stage_2"; do
     set -- $grid
+    sfx=$([ "$4" = ddp ] || echo "_$4")
     timeout 300 mpirun -np $1 "$FL" finetune_full "${TARGS[@]}" --devices $1 --pipeline_parallel $2 --pipeline_schedule $3 \
-        --strategy ddp --out_dir "$T/pp$1-$2-$3" >"$T/out" 2>&1; rc=$?
-    w=$(loss_rel "$T/pp$1-$2-$3" "$T/tp-one" 2>/dev/null)
+        --strategy $4 --out_dir "$T/pp$1-$2-$3$sfx" >"$T/out" 2>&1; rc=$?
+    w=$(loss_rel "$T/pp$1-$2-$3$sfx" "$T/tp-one" 2>/dev/null)
     if [ $rc -eq 0 ] && [ "$(grep -c "Saved the final model" "$T/out")" = 1 ] \
         && grep -q "^pipeline parallel (EXPERIMENTAL): $2 stages x $(($1 / $2)) pipeline" "$T/out" \
+        && [ "$(grep -cE "^pipeline timing \(EXPERIMENTAL\): forward \+ backward of a micro-batch per stage \(ms\):( [0-9.]+ \+ [0-9.]+){$2}; the $3 schedule on these times: [0-9.]+ ms per step, bubble [0-9.]+%" "$T/out")" = 1 ] \
         && grep -q "^model: micro, 260032 parameters" "$T/out" \
-        && [ "$(ls "$T/pp$1-$2-$3/final")" = "$(ls "$T/tp-one/final")" ] \
-        && [ "$(stat -c %s "$T/pp$1-$2-$3/final/model.safetensors")" = "$(stat -c %s "$T/tp-one/final/model.safetensors")" ] \
+        && [ "$(ls "$T/pp$1-$2-$3$sfx/final")" = "$(ls "$T/tp-one/final")" ] \
+        && [ "$(stat -c %s "$T/pp$1-$2-$3$sfx/final/model.safetensors")" = "$(stat -c %s "$T/tp-one/final/model.safetensors")" ] \
         && awk -v w="$w" 'BEGIN { exit !(w <= 1e-6) }'; then
-        ok "pp_cli_np$1_pp$2_$3 (losses within $w of one process)"
+        ok "pp_cli_np$1_pp$2_$3$sfx (losses within $w of one process)"
     else
-        bad "pp_cli_np$1_pp$2_$3" "exit $rc, losses within '$w'"
+        bad "pp_cli_np$1_pp$2_$3$sfx" "exit $rc, losses within '$w'"
     fi
 done
 timeout 300 "$FL" finetune_full "${TARGS[@]}" --resume "$T/pp2-2-1f1b/step-000002" --out_dir "$T/pp-r1" >"$T/out" 2>&1; rc=$?
@@ -568,8 +571,8 @@ pp_refused pp_more_stages_than_layers "--pipeline_parallel 6: the model has 5 la
     --pipeline_parallel 6 --train.global_batch_size 6 --out_dir "$T/pp-x1"
 pp_refused pp_lora_refused "--pipeline_parallel 2: finetune_lora is not pipelined yet" 2 finetune_lora micro --devices 2 \
     --pipeline_parallel 2 --out_dir "$T/pp-x2"
-pp_refused pp_zero2_refused "--pipeline_parallel 2 with --strategy deepspeed_stage_2: the data-parallel axis runs DDP only" 4 \
-    finetune_full micro --devices 4 --pipeline_parallel 2 --strategy deepspeed_stage_2 --out_dir "$T/pp-x3"
+pp_refused pp_zero3_refused "--pipeline_parallel 2 with --strategy deepspeed_stage_3: the data-parallel axis runs DDP, ZeRO-1 or ZeRO-2" 4 \
+    finetune_full micro --devices 4 --pipeline_parallel 2 --strategy deepspeed_stage_3 --out_dir "$T/pp-x3"
 pp_refused pp_t5_refused "--pipeline_parallel: T5 is not split into stages" 2 finetune_full t5-micro --devices 2 \
     --pipeline_parallel 2 --out_dir "$T/pp-x5"
 pp_refused pp_offload_refused "--pipeline_parallel 2 with --strategy deepspeed_stage_2_offload: offload is not combined" 2 \

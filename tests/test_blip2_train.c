@@ -1,4 +1,4 @@
-/* BLIP-2 training pieces under the fine-tuning command (src/cli/cmd_blip2_train.c): frozen parts
+/* BLIP-2 training pieces under the fine-tuning (src/train/blip2_train.c): frozen parts
  * (fl_blip2_alloc_grads_parts: the trained parts' gradients are the bits of a run where every part trains), LoRA on
  * the language model (the identity at PEFT's init; the adapters' gradients against central finite differences of the
  * loss) and fl_blip2_save (the folder reloads to the same logits, bit for bit). The fixture is

@@ -207,6 +207,18 @@ static void xent_case(int N, int V, float spread, int ramp) {
         EMU_OK(fl_cuemu_cross_entropy(loss2, xa, xa, tg, N, V, gs, FL_IGNORE_INDEX, NULL));
         FL_CHECKF(memcmp(loss2, loss, (size_t)N * 4) == 0 && memcmp(xa, dl, (size_t)N * V * 4) == 0,
                   "%s: in place differs", what);
+        /* cross_entropy_dbf16 (the LM head's bf16 path): the same loss bits, the gradient only in bf16, each
+         * element the RNE of the fp32 launch's (0xffff, a NaN no finite value rounds to, marks unwritten ones) */
+        uint16_t *d16 = malloc((size_t)N * V * 2);
+        memset(d16, 0xff, (size_t)N * V * 2);
+        memset(loss2, 0xff, (size_t)N * 4);
+        EMU_OK(fl_cuemu_cross_entropy_dbf16(loss2, d16, x, tg, N, V, gs, FL_IGNORE_INDEX, NULL));
+        size_t bad16 = 0;
+        for (size_t i = 0; i < (size_t)N * V; i++) bad16 += d16[i] != fl_f32_to_bf16(dl[i]);
+        FL_CHECKF(memcmp(loss2, loss, (size_t)N * 4) == 0 && bad16 == 0,
+                  "%s: cross_entropy_dbf16: loss %s, %zu gradient elements not bf16(fp32 gradient)", what,
+                  memcmp(loss2, loss, (size_t)N * 4) ? "differs" : "equal", bad16);
+        free(d16);
         free(loss); free(dl); free(loss2); free(xa);
     }
     free(x); free(tg); free(want); free(closs); free(cdl);

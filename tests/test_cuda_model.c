@@ -61,8 +61,8 @@ static fl_status run_on(const char *backend, const char *prec, const char *opt, 
         }
     } else
         snprintf(c.checkpoint_dir, sizeof c.checkpoint_dir, "%s", fl_test_data_path("stories260K-hf"));
-    snprintf(c.out_dir, sizeof c.out_dir, "%s/%s-%s-%s%s", fl_test_tmpdir(), backend, prec, opt, lora ? "-lora" : "");
-    (void)out;
+    snprintf(c.out_dir, sizeof c.out_dir, "%s/%s-%s-%s%s%s", fl_test_tmpdir(), backend, prec, opt, lora ? "-lora" : "",
+             out ? out : "");
     c.data.kind = FL_DATA_SYNTHETIC;
     c.data.synthetic_train = 16;
     c.data.synthetic_val = 2;
@@ -166,6 +166,54 @@ FL_TEST(cuda_emu_train_lora_bf16_mixed) {
 #elif defined(FL_HAVE_CUDA_EMU)
     FL_SKIP_IF_NO_DATA();
     compare("bf16-mixed", "AdamW", 1);
+#else
+    fl_test_skip("no CUDA emulator in this build");
+#endif
+}
+
+/* Issue 30 item 4: the LM head's bf16 path (cross_entropy_dbf16 writes the loss's gradient in bf16 only, for the
+ * head's GEMMs) gives the bits of the fp32-gradient path (FITLLM_CUDA_HEAD_DBF16=0), every loss and parameter,
+ * with fewer conversion launches: full fine-tunes in bf16-true (bf16 weights and gradients) and bf16-mixed (fp32
+ * master gradients). A value other than 0 or 1 is refused by name. */
+#ifdef FL_HAVE_CUDA_EMU
+static void head_dbf16_case(const char *prec, int lora) {
+    crec on = {0}, off = {0};
+    unsigned long c0 = fl_cu_emu_convert_launches + fl_cu_emu_convert2d_launches;
+    FL_REQUIRE_OK(run_on("cuda-emu", prec, "AdamW", lora, "-dbf16", &on));
+    unsigned long c1 = fl_cu_emu_convert_launches + fl_cu_emu_convert2d_launches;
+    setenv("FITLLM_CUDA_HEAD_DBF16", "0", 1);
+    fl_status s = run_on("cuda-emu", prec, "AdamW", lora, "-f32", &off);
+    unsetenv("FITLLM_CUDA_HEAD_DBF16");
+    FL_REQUIRE_OK(s);
+    unsigned long c2 = fl_cu_emu_convert_launches + fl_cu_emu_convert2d_launches;
+    FL_REQUIRE(on.steps == 2 && off.steps == 2 && on.n == off.n);
+    FL_CHECKF(memcmp(on.loss, off.loss, 2 * sizeof on.loss[0]) == 0,
+              "%s%s: losses %.9g %.9g with the bf16 gradient, %.9g %.9g without", prec, lora ? " lora" : "",
+              on.loss[0], on.loss[1], off.loss[0], off.loss[1]);
+    FL_CHECKF(memcmp(on.params, off.params, on.n) == 0, "%s%s: trained parameters differ", prec, lora ? " lora" : "");
+    FL_CHECKF(c1 - c0 < c2 - c1, "%s%s: %lu conversion launches with the bf16 gradient, %lu without", prec,
+              lora ? " lora" : "", c1 - c0, c2 - c1);
+    printf("      %s%s 2 steps: the same bits; conversion launches %lu (bf16 gradient) vs %lu\n", prec,
+           lora ? " lora" : "", c1 - c0, c2 - c1);
+    free(on.params);
+    free(off.params);
+}
+#endif
+
+FL_TEST(cuda_emu_head_dbf16_same_bits) {
+#if defined(FL_HAVE_CUDA_EMU) && defined(__SANITIZE_ADDRESS__)
+    fl_test_skip("the release pass runs it (emulated kernels under ASan: minutes)");
+#elif defined(FL_HAVE_CUDA_EMU)
+    FL_SKIP_IF_NO_DATA();
+    head_dbf16_case("bf16-true", 0);
+    head_dbf16_case("bf16-mixed", 0);
+    setenv("FITLLM_CUDA_HEAD_DBF16", "yes", 1);
+    fl_backend be;
+    fl_status s = fl_backend_init_by_name("cuda-emu", &be, 1);
+    unsetenv("FITLLM_CUDA_HEAD_DBF16");
+    FL_CHECKF(s == FL_ERR_INVALID && strstr(fl_error_message(), "FITLLM_CUDA_HEAD_DBF16=yes"), "status %d: %s", (int)s,
+              fl_error_message());
+    if (s == FL_OK) fl_backend_free(&be);
 #else
     fl_test_skip("no CUDA emulator in this build");
 #endif

@@ -605,13 +605,16 @@ FL_TEST(plan_equals_runtime_t5) {
         char model[600];
         snprintf(model, sizeof model, "%s/t5m%d", fl_test_tmpdir(), v);
         t5_folder(model, fx[v]);
-        for (int mode = 0; mode < 5; mode++) /* full AdamW, SGD + momentum, LoRA (dropout), bf16-mixed AdamW8bit, QLoRA */
+        /* full AdamW, SGD + momentum, LoRA (dropout), bf16-mixed AdamW8bit, QLoRA, 16-mixed, 16-true, QLoRA bf16-true,
+         * QLoRA 16-true (fp4) */
+        for (int mode = 0; mode < 9; mode++)
             for (int ck = 0; ck < 2; ck++)
                 for (int B = 1; B <= 2; B++) {
                     fl_run_config c;
                     char out[700], w[96];
                     snprintf(out, sizeof out, "%s/t5r%d%d%d%d", fl_test_tmpdir(), v, mode, ck, B);
-                    t5_cfg(&c, model, out, B, mode == 2 || mode == 4);
+                    const int lora = mode == 2 || mode == 4 || mode == 7 || mode == 8;
+                    t5_cfg(&c, model, out, B, lora);
                     c.train.activation_checkpointing = ck;
                     if (mode == 1) {
                         fl_optim_config_default(&c.optimizer, FL_OPT_SGD);
@@ -622,7 +625,11 @@ FL_TEST(plan_equals_runtime_t5) {
                         FL_REQUIRE_OK(fl_cfg_set(&c, "optimizer", "bnb.optim.AdamW8bit"));
                         FL_REQUIRE_OK(fl_cfg_set(&c, "precision", "bf16-mixed"));
                     }
-                    if (mode == 4) snprintf(c.lora.quantize, sizeof c.lora.quantize, "bnb.nf4-dq"), c.lora.mlp = 1;
+                    if (mode == 4 || mode == 7) snprintf(c.lora.quantize, sizeof c.lora.quantize, "bnb.nf4-dq"), c.lora.mlp = 1;
+                    if (mode == 8) snprintf(c.lora.quantize, sizeof c.lora.quantize, "bnb.fp4"), c.lora.mlp = 1;
+                    static const char *const prec[9] = {NULL, NULL, NULL, NULL, NULL, "16-mixed", "16-true", "bf16-true",
+                                                        "16-true"};
+                    if (prec[mode]) FL_REQUIRE_OK(fl_cfg_set(&c, "precision", prec[mode]));
                     snprintf(w, sizeof w, "%s mode %d ckpt %d B %d", fx[v], mode, ck, B);
                     fl_plan pl;
                     fl_plan_opts o;
@@ -636,7 +643,7 @@ FL_TEST(plan_equals_runtime_t5) {
                                   fl_mem_tag_name((fl_mem_tag)t), pl.peak[t], r.peak[t]);
                     check_phases(&pl, &r, w);
                     runs++;
-                    if (mode == 2 || mode == 4) continue; /* the adapters' activations: planned == measured above */
+                    if (lora) continue; /* the adapters' activations: planned == measured above */
                     const fl_mem_phase *af = NULL;
                     for (int i = 0; i < r.n_phases; i++)
                         if (!strcmp(r.phases[i].name, "after_fwd")) af = &r.phases[i];
@@ -649,7 +656,7 @@ FL_TEST(plan_equals_runtime_t5) {
                     const size_t enc = Ns * (self + ffn), dec = Nt * (self + (C + 1 + QD + QD + NH + C) + ffn) + Ns * 2 * QD;
                     /* bf16-mixed without checkpointing: the blocks' WIDE slots in bf16, the statistics (each norm's
                      * rstd, each attention's log-sum-exp per head) and the stream in fp32 */
-                    const size_t es = mode == 3 && !ck ? 2 : 4;
+                    const size_t es = (mode == 3 || mode == 5 || mode == 6) && !ck ? 2 : 4;
                     const size_t enc_st = Ns * (1 + NH + 1), dec_st = Nt * (1 + NH + 1 + NH + 1);
                     const size_t acts = (Ns * ((Le + 1) * C + 1 + C) + Nt * ((Ld + 1) * C + 1)) * 4 +
                                         (ck ? 1 : Le) * (enc_st * 4 + (enc - enc_st) * es) +
@@ -661,5 +668,5 @@ FL_TEST(plan_equals_runtime_t5) {
                               af->live[FL_TAG_WORKSPACE], work);
                 }
     }
-    FL_CHECK(runs == 40);
+    FL_CHECK(runs == 72);
 }

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "fitllm/comm.h"
+#include "fitllm/model.h"
 #include "fitllm/pp.h"
 #include "pp_toy_ref.h"
 #include "test.h"
@@ -93,4 +94,76 @@ FL_TEST(pp_toy_pipeline_equals_single_process) {
                       fl_pp_schedule_name(k), S);
             FL_CHECKF(!memcmp(T.loss, ref_loss, sizeof ref_loss), "%s, %d stages: losses differ", fl_pp_schedule_name(k), S);
         }
+}
+
+/* the schedule simulated on per-stage times: equal stages take (M + S - 1)(f + b) with a bubble of (S - 1) /
+ * (M + S - 1) under both schedules (the textbook figures), and an unequal pair's GPipe step worked by hand */
+FL_TEST(pp_simulate_bubble) {
+    double f[5] = {1, 1, 1, 1, 1}, b[5] = {2, 2, 2, 2, 2}, span, bub;
+    for (int k = 0; k < FL_PP_SCHEDULE_COUNT; k++)
+        for (int S = 1; S <= 5; S++)
+            for (int M = 1; M <= 8; M++) {
+                FL_REQUIRE_OK(fl_pp_simulate((fl_pp_schedule)k, S, M, f, b, &span, &bub));
+                const double want = (M + S - 1) * 3.0, wb = (S - 1) / (double)(M + S - 1);
+                FL_CHECKF(span == want && fabs(bub - wb) < 1e-12, "%s S %d M %d: step %g (want %g), bubble %g (want %g)",
+                          fl_pp_schedule_name(k), S, M, span, want, bub, wb);
+            }
+    /* stage 0 forward 1, backward 2; stage 1 twice as slow; 4 micro-batches, GPipe: stage 1's forwards end at 3, 5,
+     * 7, 9, its backwards at 13, 17, 21, 25, stage 0's backwards at 15, 19, 23, 27; busy 4 x (3 + 6) of 2 x 27 */
+    double f2[2] = {1, 2}, b2[2] = {2, 4};
+    FL_REQUIRE_OK(fl_pp_simulate(FL_PP_GPIPE, 2, 4, f2, b2, &span, &bub));
+    FL_CHECKF(span == 27 && fabs(bub - 1.0 / 3) < 1e-12, "unequal GPipe: step %g (want 27), bubble %g (want 1/3)", span, bub);
+    FL_REQUIRE_OK(fl_pp_simulate(FL_PP_1F1B, 2, 4, f2, b2, &span, &bub));
+    FL_CHECKF(span == 27, "unequal 1F1B: step %g (want 27: stage 1 is busy from 1 to 25 either way)", span);
+    b2[1] = -1;
+    FL_CHECK(fl_pp_simulate(FL_PP_GPIPE, 2, 4, f2, b2, &span, &bub) == FL_ERR_INVALID &&
+             strstr(fl_error_message(), "stage 1's times"));
+    FL_CHECK(fl_pp_simulate(FL_PP_GPIPE, 0, 4, f2, b2, &span, &bub) == FL_ERR_INVALID);
+}
+
+/* the planner's per-block costs: they add up to the model's training FLOPs (fl_model_train_flops of one sequence),
+ * every block alike but the last, which carries lm_head's (the count of no blocks); a head as heavy as three blocks
+ * leaves the last stage one block where a split by count gives it two; the estimate's stage times are the split's
+ * costs in block units (a third forward) and its step is the schedule simulated on them */
+FL_TEST(pp_split_by_block_cost) {
+    fl_model_config c;
+    FL_REQUIRE_OK(fl_preset_find("micro", &c));
+    const int T = 48;
+    double cost[64], sum = 0;
+    fl_pp_block_costs(&c, T, cost);
+    for (int i = 0; i < c.n_layers; i++) sum += cost[i];
+    fl_model_config none = c;
+    none.n_layers = 0;
+    const double head = fl_model_train_flops(&none, 1, T), whole = fl_model_train_flops(&c, 1, T);
+    FL_CHECKF(fabs(sum - whole) <= 1e-12 * whole, "costs sum %.17g, the model's FLOPs %.17g", sum, whole);
+    for (int i = 1; i + 1 < c.n_layers; i++) FL_CHECK(cost[i] == cost[0]);
+    FL_CHECKF(fabs(cost[c.n_layers - 1] - cost[0] - head) <= 1e-9 * head, "last block %g, a block %g, head %g",
+              cost[c.n_layers - 1], cost[0], head);
+    /* a vocabulary making the head about three blocks: 5 blocks in 3 stages by count [0,1) [1,3) [3,5), by cost the
+     * last stage holds block 4 alone */
+    fl_model_config big = c;
+    big.vocab_size = (int)(3 * cost[0] / (6.0 * T * c.dim));
+    int first[5], byc[5];
+    FL_REQUIRE_OK(fl_pp_split_model(&big, T, 3, first));
+    FL_REQUIRE_OK(fl_pp_split(big.n_layers, NULL, 3, byc));
+    FL_CHECKF(byc[2] == 3 && first[2] == 4 && first[3] == 5, "split by count [.., %d, ..), by cost [%d, %d) [%d, %d)",
+              byc[2], first[1], first[2], first[2], first[3]);
+    fl_pp_estimate e;
+    FL_REQUIRE_OK(fl_pp_estimate_step(&big, T, 3, 4, FL_PP_1F1B, &e));
+    fl_pp_block_costs(&big, T, cost);
+    double tot = 0, f[3], b[3], span, bub;
+    for (int s = 0; s < 3; s++) {
+        double a = 0;
+        for (int i = e.first[s]; i < e.first[s + 1]; i++) a += cost[i] / cost[0];
+        FL_CHECKF(fabs(e.fwd[s] + e.bwd[s] - a) <= 1e-12 * a && fabs(e.bwd[s] - 2 * e.fwd[s]) <= 1e-12 * a,
+                  "stage %d: %g + %g, cost %g blocks", s, e.fwd[s], e.bwd[s], a);
+        f[s] = a / 3, b[s] = 2 * a / 3, tot += a;
+    }
+    FL_REQUIRE_OK(fl_pp_simulate(FL_PP_1F1B, 3, 4, f, b, &span, &bub));
+    FL_CHECKF(fabs(e.one - 4 * tot) <= 1e-9 * tot && fabs(e.step - span) <= 1e-9 * span && e.bubble == bub,
+              "one process %g (want %g), step %g (want %g)", e.one, 4 * tot, e.step, span);
+    char text[1200];
+    FL_REQUIRE_OK(fl_pp_estimate_text(&big, T, 3, 4, FL_PP_1F1B, 2.0, text, sizeof text));
+    FL_CHECKF(strstr(text, "[0, 2) [2, 4) [4, 5)") || strstr(text, "[0, 1) [1, 4) [4, 5)"), "'%s'", text);
+    FL_CHECKF(strstr(text, " ms") && strchr(text, '\n'), "'%s'", text);
 }

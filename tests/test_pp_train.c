@@ -14,7 +14,7 @@
 #include "plan_ref.h"
 #include "test.h"
 
-#define PP_MAX_RANKS 5
+#define PP_MAX_RANKS 8
 typedef struct {
     fl_run_config cfg[PP_MAX_RANKS];
     dr_rec rec[PP_MAX_RANKS];
@@ -52,17 +52,25 @@ static void one_process(int dp, dr_rec *rec) {
     backend_off();
 }
 
-static void run_grid(pp_job *j, int dp, int pp, const char *schedule, const char *tag, long steps) {
+/* strategy, sharding: the data axis' (NULL: ddp) */
+static void run_grid_on(pp_job *j, int dp, int pp, const char *schedule, const char *tag, long steps,
+                        const char *strategy, const char *sharding) {
     char out[700];
     snprintf(out, sizeof out, "%s/pp-%s-%d-%d", fl_test_tmpdir(), tag, dp, pp);
     for (int r = 0; r < dp * pp; r++) {
         pp_config(&j->cfg[r], dp, pp, schedule, out);
         if (steps) j->cfg[r].train.max_steps = steps;
+        if (strategy) snprintf(j->cfg[r].strategy, sizeof j->cfg[r].strategy, "%s", strategy);
+        if (sharding) snprintf(j->cfg[r].sharding_strategy, sizeof j->cfg[r].sharding_strategy, "%s", sharding);
     }
     backend_on();
     fl_status s = fl_comm_threads_run(dp * pp, pp_rank, j);
     backend_off();
     FL_CHECKF(s == FL_OK, "DP %d x PP %d %s: %s", dp, pp, schedule, j->msg[0]);
+}
+
+static void run_grid(pp_job *j, int dp, int pp, const char *schedule, const char *tag, long steps) {
+    run_grid_on(j, dp, pp, schedule, tag, steps, NULL, NULL);
 }
 
 FL_TEST(pp_train_threads_losses_match_one_process) {
@@ -91,17 +99,22 @@ FL_TEST(pp_train_threads_losses_match_one_process) {
     dr_free(&one[2]);
 }
 
-/* plan per rank = measured: PP 2 (1F1B: stage 0 keeps 2 micro-batches in flight, stage 1 one) and DP 2 x PP 2, each
- * tag's peak and the total */
+/* plan per rank = measured: PP 2 (1F1B: stage 0 keeps 2 micro-batches in flight, stage 1 one), DP 2 x PP 2 and DP 2
+ * x PP 2 under ZeRO-2 (OPTIM the chunk's state: half DDP's), each tag's peak and the total */
 FL_TEST(pp_train_threads_plan_equals_measured) {
-    const int grids[2][2] = {{1, 2}, {2, 2}};
-    for (int g = 0; g < 2; g++) {
+    const int grids[3][2] = {{1, 2}, {2, 2}, {2, 2}};
+    size_t optim_ddp = 0;
+    for (int g = 0; g < 3; g++) {
         const int dp = grids[g][0], pp = grids[g][1], W = dp * pp;
         pp_job *j = calloc(1, sizeof *j);
         FL_REQUIRE(j != NULL);
-        run_grid(j, dp, pp, "1f1b", "plan", 1);
+        run_grid_on(j, dp, pp, "1f1b", g == 2 ? "plan-zero2" : "plan", 1, g == 2 ? "deepspeed_stage_2" : NULL, NULL);
         char grid[48];
-        snprintf(grid, sizeof grid, "DP %d x PP %d", dp, pp);
+        snprintf(grid, sizeof grid, "DP %d x PP %d%s", dp, pp, g == 2 ? " ZeRO-2" : "");
+        if (g == 1) optim_ddp = j->res[0].peak[FL_TAG_OPTIM];
+        if (g == 2) /* AdamW's two fp32 moments of stage 0's 169152 elements, halved (84576 each) */
+            FL_CHECKF(j->res[0].peak[FL_TAG_OPTIM] * 2 == optim_ddp && optim_ddp == 2u * 169152 * 4,
+                      "ZeRO-2 OPTIM %zu, DDP %zu", j->res[0].peak[FL_TAG_OPTIM], optim_ddp);
         for (int r = 0; r < W; r++) (void)plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], grid);
         /* 1F1B: stage 0 holds one stash beside its arena, the last stage none */
         FL_CHECKF(j->res[0].peak[FL_TAG_ACTS] > j->res[1].peak[FL_TAG_ACTS], "PP 2: ACTS stage 0 %zu, stage 1 %zu",
@@ -131,7 +144,95 @@ static void expect_refusal(int W, int pp, const char *strategy, int lora, const 
 
 FL_TEST(pp_train_threads_refusals) {
     expect_refusal(2, 2, NULL, 1, "--pipeline_parallel 2: finetune_lora is not pipelined yet");
-    expect_refusal(4, 2, "deepspeed_stage_2", 0, "--pipeline_parallel 2 with --strategy deepspeed_stage_2");
+    expect_refusal(4, 2, "deepspeed_stage_3", 0, "--pipeline_parallel 2 with --strategy deepspeed_stage_3");
     expect_refusal(2, 2, "deepspeed_stage_2_offload", 0, "offload is not combined with pipeline parallelism");
-    expect_refusal(2, 2, "fsdp", 0, "the data-parallel axis runs DDP only");
+    expect_refusal(2, 2, "fsdp", 0, "the data-parallel axis runs DDP, ZeRO-1 or ZeRO-2 so far, not FULL_SHARD");
+}
+
+/* checkpoints resume on a different grid: they hold the consolidated model and optimizer (the single-process form),
+ * so PP 2's step-2 checkpoint resumes at PP 4, DP 2 x PP 2's at PP 3, a ZeRO-2 grid's at PP 3 and a DDP grid's at
+ * DP 2 x PP 3 under ZeRO-1 (one pipeline, the same global batch in
+ * twice the micro-batches: the data order is DDP's, global micro-batch j being rank j % N's), and the later steps'
+ * losses are the uninterrupted run's within the 1e-6 relative bar (the stages' split, the reduction order and the
+ * tied embeddings' sum differ by rounding only) */
+static void resume_on(const char *tag, int dp0, int pp0, const char *strategy0, int dp1, int pp1, const char *strategy1) {
+    pp_job *a = calloc(1, sizeof *a), *b = calloc(1, sizeof *b);
+    FL_REQUIRE(a != NULL && b != NULL);
+    run_grid_on(a, dp0, pp0, "1f1b", tag, 4, strategy0, NULL);
+    /* the same run again, saving at step 2 */
+    pp_job *c = calloc(1, sizeof *c);
+    FL_REQUIRE(c != NULL);
+    char out[700], ck[760];
+    snprintf(out, sizeof out, "%s/pp-%s-save-%d-%d", fl_test_tmpdir(), tag, dp0, pp0);
+    for (int r = 0; r < dp0 * pp0; r++) {
+        pp_config(&c->cfg[r], dp0, pp0, "1f1b", out);
+        c->cfg[r].train.max_steps = 2;
+        c->cfg[r].train.save_interval = 2;
+        if (strategy0) snprintf(c->cfg[r].strategy, sizeof c->cfg[r].strategy, "%s", strategy0);
+    }
+    backend_on();
+    fl_status s = fl_comm_threads_run(dp0 * pp0, pp_rank, c);
+    backend_off();
+    FL_CHECKF(s == FL_OK, "DP %d x PP %d saving: %s", dp0, pp0, c->msg[0]);
+    snprintf(ck, sizeof ck, "%s/step-000002", out);
+    snprintf(out, sizeof out, "%s/pp-%s-resumed-%d-%d", fl_test_tmpdir(), tag, dp1, pp1);
+    for (int r = 0; r < dp1 * pp1; r++) {
+        pp_config(&b->cfg[r], dp1, pp1, "gpipe", out);
+        b->cfg[r].train.global_batch_size = a->cfg[0].train.global_batch_size;
+        b->cfg[r].train.max_steps = 4;
+        snprintf(b->cfg[r].resume, sizeof b->cfg[r].resume, "%s", ck);
+        if (strategy1) snprintf(b->cfg[r].strategy, sizeof b->cfg[r].strategy, "%s", strategy1);
+    }
+    backend_on();
+    s = fl_comm_threads_run(dp1 * pp1, pp_rank, b);
+    backend_off();
+    FL_CHECKF(s == FL_OK, "resumed at DP %d x PP %d: %s", dp1, pp1, b->msg[0]);
+    for (int r = 0; r < dp1 * pp1; r++)
+        for (int k = 2; k < 4; k++) {
+            const double x = b->rec[r].loss[k], y = a->rec[0].loss[k], w = fabs(x - y) / fabs(y);
+            FL_CHECKF(b->rec[r].steps == 4 && w <= 1e-6, "DP %d x PP %d resumed at DP %d x PP %d, rank %d step %d: "
+                      "loss %.9g, uninterrupted %.9g (%.3g relative; %ld steps)", dp0, pp0, dp1, pp1, r, k + 1, x, y,
+                      w, b->rec[r].steps);
+        }
+    for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&a->rec[r]), dr_free(&b->rec[r]), dr_free(&c->rec[r]);
+    free(a), free(b), free(c);
+}
+
+FL_TEST(pp_train_threads_resume_on_another_grid) {
+    resume_on("rs1", 1, 2, NULL, 1, 4, NULL);
+    resume_on("rs2", 2, 2, NULL, 1, 3, NULL);
+    /* ZeRO-2's chunks of the optimizer state gathered into the checkpoint, and scattered again at ZeRO-1 */
+    resume_on("rs3", 2, 2, "deepspeed_stage_2", 1, 3, NULL);
+    resume_on("rs4", 2, 2, NULL, 2, 3, "deepspeed_stage_1");
+}
+
+/* ZeRO-1, ZeRO-2 and FSDP SHARD_GRAD_OP on the data axis of DP 2 x PP 2, and ZeRO-2 at DP 4 x PP 2: one process's
+ * losses within the 1e-6 relative bar. micro ties its token table (32768 elements at the start of both end stages'
+ * buffers); at DP 4 the last stage's chunks (30928 elements) cut it where the first stage's (42288) do not, so its
+ * reduced gradient must be made whole on the axis before the two stages' halves are summed (without that the losses
+ * are off by far more than the bar); the clipping norm sums the chunks over the axis, then the stages */
+FL_TEST(pp_train_threads_zero_on_the_data_axis) {
+    dr_rec one[5];
+    memset(one, 0, sizeof one);
+    one_process(2, &one[2]);
+    one_process(4, &one[4]);
+    const struct { int dp; const char *strategy, *sharding; } runs[4] = {
+        {2, "deepspeed_stage_1", NULL}, {2, "deepspeed_stage_2", NULL}, {2, "fsdp", "SHARD_GRAD_OP"},
+        {4, "deepspeed_stage_2", NULL}};
+    for (int g = 0; g < 4; g++) {
+        pp_job *j = calloc(1, sizeof *j);
+        FL_REQUIRE(j != NULL);
+        char tag[32];
+        snprintf(tag, sizeof tag, "zero%d", g);
+        run_grid_on(j, runs[g].dp, 2, "1f1b", tag, 0, runs[g].strategy, runs[g].sharding);
+        for (int r = 0; r < 2 * runs[g].dp; r++) {
+            const double w = dr_loss_rel(&j->rec[r], &one[runs[g].dp], j->cfg[r].train.max_steps);
+            FL_CHECKF(w <= 1e-6, "DP %d x PP 2 %s rank %d: losses %.3g relative from one process's", runs[g].dp,
+                      runs[g].strategy, r, w);
+        }
+        for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+        free(j);
+    }
+    dr_free(&one[2]);
+    dr_free(&one[4]);
 }

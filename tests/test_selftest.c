@@ -20,6 +20,9 @@ static void run_pair(const char *dev_name, const char *ref_name) {
     FL_CHECK(s == FL_OK);
     FL_CHECKF(r.n_cases >= 40, "%s: only %d cases ran", dev_name, r.n_cases);
     FL_CHECKF(r.n_fail == 0, "%s vs %s: %d of %d cases failed:\n%s", dev_name, ref_name, r.n_fail, r.n_cases, buf);
+    /* the optional bf16-gradient cross-entropy is checked where the backend has it */
+    FL_CHECKF(!dev.cross_entropy_dbf16 || (buf && strstr(buf, "cross_entropy_dbf16 5x1001")), "%s: no cross_entropy_dbf16 "
+              "case:\n%s", dev_name, buf);
     free(buf);
     fl_backend_free(&dev);
     fl_backend_free(&ref);

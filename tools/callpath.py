@@ -28,7 +28,8 @@ import sys
 LAYER = {"cli": 0, "lab": 1, "plan": 1, "config": 2, "train": 2, "model": 3, "lora": 3, "backend": 4,
          "comm": 5, "mem": 5, "core": 5}
 HEADER_MODULE = {"status": "core", "mem": "mem", "backend": "backend", "model": "model", "train": "train",
-                 "lora": "lora", "comm": "comm", "generate": "model", "plan": "plan", "lab": "lab"}
+                 "lora": "lora", "comm": "comm", "generate": "model", "plan": "plan", "lab": "lab",
+                 "backend_op": "backend"}
 KEYWORDS = {"if", "for", "while", "switch", "return", "sizeof", "do", "else", "case", "defined",
             "_Alignof", "_Static_assert", "__attribute__", "typeof"}
 

@@ -46,6 +46,7 @@ enum { FL_ACT16_SWIGLU = 0, FL_ACT16_GELU = 1, FL_ACT16_RELU = 2 };
 
 typedef struct fl_backend fl_backend;
 struct fl_comm; /* fitllm/comm.h */
+typedef struct fl_oprec fl_oprec; /* an op record: fitllm/backend_op.h */
 
 /* Ops whose support depends on dtypes (fl_backend.supports_op: a, b, c as listed; every other
  * op is F32 and always implemented). */
@@ -180,6 +181,12 @@ struct fl_backend {
     fl_status (*rope_backward16)(const fl_backend *be, float *dx, void *dx16, int B, int T, int nh, int HD, int width,
                                  const float *cos_t, const float *sin_t, int pos0);
 
+    /* The one door (issue 29, fitllm/backend_op.h): run the op record `op` (its kind names the slot below whose
+     * arguments the record holds). The model and the trainer issue their per-step ops through it (FL_RUN), so
+     * they reach the backend by one entry; every backend of this tree installs fl_backend_run_slots, a switch
+     * over the kinds calling its own slots (the same bits as calling them). */
+    fl_status (*run)(const fl_backend *be, const fl_oprec *op);
+
     /* ---- matmul ---------------------------------------------------------
      * C(M,N) = alpha * op(A)(M,K) @ op(B)(K,N) + beta * C, row-major, with
      * op(X) = X or X^T. lda/ldb/ldc are row strides of the stored matrices.
@@ -280,6 +287,13 @@ struct fl_backend {
     void (*cross_entropy)(const fl_backend *be, float *loss /*(N)*/, float *dlogits /*(N,V) or NULL*/,
                           const float *logits /*(N,V)*/, const int32_t *targets /*(N)*/, int N, int V,
                           float grad_scale, int ignore_index);
+    /* Optional (NULL: cross_entropy, then a convert of its gradient): cross_entropy with the logits' gradient
+     * written ONLY as bf16, dlogits16 (N, V) = RNE of the fp32 value cross_entropy would write (not
+     * overlapping logits); the loss as cross_entropy's. The LM head's bf16 GEMMs read it (fl_lm_head_loss:
+     * issue 30 item 4), so no fp32 (N, V) gradient is written and read back. (cuda, cuda-emu) */
+    fl_status (*cross_entropy_dbf16)(const fl_backend *be, float *loss /*(N)*/, void *dlogits16 /*(N,V) bf16*/,
+                                     const float *logits /*(N,V)*/, const int32_t *targets /*(N)*/, int N, int V,
+                                     float grad_scale, int ignore_index);
 
     /* ---- optimizers (flat buffers; one call per contiguous range) --------
      * AdamW exactly as torch.optim.AdamW: p *= 1 - lr*wd; m = b1 m + (1-b1) g;
@@ -663,4 +677,6 @@ fl_status fl_attention_qkv_backward(const fl_backend *be, float *dqkv /*(B,T,(NH
 #ifdef __cplusplus
 }
 #endif
+/* the op records of fl_backend.run and FL_RUN */
+#include "fitllm/backend_op.h"
 #endif

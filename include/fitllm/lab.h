@@ -41,7 +41,8 @@ extern "C" {
 typedef enum { FL_LAB_FITS = 0, FL_LAB_OOM, FL_LAB_NA, FL_LAB_ERROR, FL_LAB_VERDICT_COUNT } fl_lab_verdict;
 const char *fl_lab_verdict_name(fl_lab_verdict v); /* "fits", "OOM", "n/a", "error" */
 
-/* `--peer pytorch`: what PyTorch (HF LlamaForCausalLM, sdpa; torch.optim.AdamW, SGD or bitsandbytes' AdamW8bit;
+/* `--peer pytorch`: what PyTorch (HF LlamaForCausalLM or GPT2LMHeadModel (full fine-tunes, AdamW or SGD), sdpa;
+ * torch.optim.AdamW, SGD or bitsandbytes' AdamW8bit;
  * autocast; HF checkpointing; PEFT LoRA, bitsandbytes NF4) allocates for one step on one device, bytes. params,
  * quant, grads, optim, saved (autograd's saved tensors) and logits are fitted byte for byte to measurements
  * (tests/ref/pytorch_alloc.py); transient, recompute, step_temp, comm, host and peak are modelled
@@ -70,8 +71,9 @@ typedef struct {
 
 
 typedef struct {
-    const char *suite;     /* "quick" (default), "full", "ci" (the unit tests' subset) or "fsdp" (the batch-size
-                            * sweep of the course's GPT-2-XL FSDP benchmark, 4 ranks FULL_SHARD, T 128 scaled) */
+    const char *suite;     /* "quick" (default), "full", "ci" (the unit tests' subset), "fsdp" (the batch-size
+                            * sweep of the course's GPT-2-XL FSDP benchmark, 4 ranks FULL_SHARD, T 128 scaled) or
+                            * "blip2" (the course's BLIP-2 image-caption sequence, src/lab/lab_blip2.c) */
     const char *only;      /* comma-separated experiment names, NULL = all of the suite (fsdp: [amp-]b<B>[-ckpt],
                             * B of the course's list 1 2 4 7 8 9, with checkpointing also 16 32 64; amp- = 16-mixed) */
     const char *precisions; /* fsdp suite: comma-separated, of 32-true and 16-mixed (the course's AMP); NULL both */
@@ -101,6 +103,12 @@ typedef struct {
                             * instead of the model's load and random init */
     int plan_only;         /* 1: no row trains: each row's verdict and memory are its plan's (seconds for the whole
                             * suite at any scale; `--plan-only`) */
+    const char *data;      /* quick/full suites: the course's own data, an Alpaca-style JSON / JSONL file (the recipes'
+                            * data/alpaca2k/alpaca2k.json) the rows fine-tune on instead of Synthetic, each sample cut
+                            * to max_seq_length (real scale: the course's 512; lab scale: T + 1); NULL = at the real
+                            * scale data/alpaca2k/alpaca2k.json when it is present in the working directory, else none */
+    const char *tokenizer; /* with data: the tokenizer folder (the real model's, e.g. TinyLlama's); NULL = the built-in
+                            * bytes (each byte a token: samples about 4x longer than with the LLaMA tokenizer) */
 } fl_lab_opts;
 
 void fl_lab_opts_default(fl_lab_opts *o);
@@ -205,6 +213,7 @@ typedef struct {
     int sweep;                 /* 1: the fsdp suite (report.md gets the sweep tables, sweep.png) */
     int real_scale;            /* 1: rows ran the real models at ref_T on ref_device (fl_lab_opts.real_scale) */
     int plan_only;             /* fl_lab_opts.plan_only: the rows' verdicts are their plans' */
+    int blip2;                 /* the blip2 suite: T is the captions' tokens, ref_model blip2-opt-2.7b (src/lab/lab_blip2.c) */
     size_t capacity;           /* real scale: the memory of the device the rows run on (GPU memory, or the host's
                                 * RAM for the CPU); rows are n/a when it is below the budget */
     int no_prefetch;           /* fsdp suite: every row ran with --fsdp.backward_prefetch off */
@@ -223,9 +232,12 @@ typedef struct {
     char text_dir[4200];       /* real scale: TextFiles folder of byte text the rows train on (every sample
                                 * ref_T + 1 tokens: Synthetic's records are ~200 tokens, so the run's T would be
                                 * theirs, not ref_T); "" at lab scale (Synthetic, whose samples are longer than T) */
+    char data[4096];           /* fl_lab_opts.data as used ("" = synthetic): the rows' Alpaca-style JSON */
+    char tokenizer[4096];      /* with data: its tokenizer folder ("" = the built-in bytes) */
 } fl_lab_report;
 
-/* LLaMA shapes, a full fine-tune with AdamW at precision (else FL_ERR_UNSUPPORTED naming what is not modelled). */
+/* LLaMA or GPT-2 shapes, a full fine-tune with AdamW at precision (else FL_ERR_UNSUPPORTED naming what is not
+ * modelled). */
 fl_status fl_lab_peer_pytorch(const fl_model_config *mc, size_t n_params, int B, int T, const char *precision,
                               fl_lab_peer *out);
 /* The same for a setup (FL_ERR_UNSUPPORTED naming what is not modelled). */
@@ -254,7 +266,7 @@ void fl_lab_print_table(const fl_lab_report *rep, FILE *f);
  * a missing gnuplot is noted in report.md, not an error. */
 fl_status fl_lab_write(const fl_lab_report *rep, const char *dir, int *charts_out);
 /* Names of the experiments of a suite ("quick", "full", "ci", "fsdp": its candidate rows [amp-]b<B>[-ckpt], run
- * per setting up to the first the plan says OOM), NULL-terminated; NULL if no such suite. */
+ * per setting up to the first the plan says OOM; "blip2"), NULL-terminated; NULL if no such suite. */
 const char *const *fl_lab_experiments(const char *suite);
 
 #ifdef __cplusplus

@@ -82,6 +82,9 @@ typedef struct {
     int comm_threads;      /* several ranks: 1 = they run as threads of one process (the threads communicator
                             * reads its peers' buffers, so reductions take no receive scratch; the lab's ddp and
                             * fsdp rows); 0 = processes under MPI (the default) */
+    double block_ms;       /* --pipeline_parallel: > 0, one block's measured forward + backward of a micro-batch (ms;
+                            * a pipelined run's "pipeline timing" line prints it): the expected step time in ms; 0:
+                            * in units of that time */
     size_t *rank_peaks;    /* several ranks: NULL, or devices x num_nodes entries that get every rank's planned peak
                             * of the run without a budget (device bytes; the grid suggestion's largest rank) */
     size_t *rank_host_peaks; /* with rank_peaks: every rank's host tier peak */
@@ -91,7 +94,7 @@ void fl_plan_opts_default(fl_plan_opts *o);
 
 #define FL_PLAN_MAX_PHASES 8
 #define FL_PLAN_MAX_SUGG 16
-#define FL_PLAN_MAX_NOTES 6
+#define FL_PLAN_MAX_NOTES 12
 
 typedef struct {
     char technique[32];    /* a name from fl_plan_techniques() */

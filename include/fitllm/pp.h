@@ -48,6 +48,39 @@ int fl_pp_in_flight(const fl_pp_op *ops, int n);
  * or not finite. */
 fl_status fl_pp_split(int n_layers, const double *cost, int stages, int *first);
 
+/* The planner's per-block cost of a decoder-only model (the split's cost[]): each block's training FLOPs of one
+ * sequence of T tokens (fl_model_train_flops), the head's added to the last block's (the last stage runs it; the
+ * embeddings are a lookup): the split then gives the last stage fewer blocks when lm_head is heavy. */
+void fl_pp_block_costs(const fl_model_config *c, int T, double *cost);
+
+/* The schedule run on given per-stage times of one micro-batch's forward (fwd[s]) and backward (bwd[s]), every
+ * operation starting as soon as its stage is free and its input has arrived (sends take no time): the step's
+ * makespan, and the bubble (the fraction of stage-time idle: 1 - M sum_s (fwd[s] + bwd[s]) / (S makespan); equal
+ * stages give (S - 1) / (M + S - 1) under GPipe and 1F1B alike). FL_ERR_INVALID as fl_pp_schedule_ops, or for a
+ * negative time. */
+fl_status fl_pp_simulate(fl_pp_schedule k, int stages, int micro, const double *fwd, const double *bwd,
+                         double *makespan, double *bubble);
+
+/* The split of a decoder-only model by its per-block costs at sequence length T (fl_pp_block_costs, fl_pp_split):
+ * what the trainer runs and the planner plans. */
+fl_status fl_pp_split_model(const fl_model_config *c, int T, int stages, int *first);
+
+/* The planner's pipeline figures (stages <= 64): the split, each stage's forward and backward of one micro-batch
+ * in units of one block's forward + backward (its blocks' costs over a block's; the FLOPs convention: a third
+ * forward, two thirds backward), the schedule simulated on them (fl_pp_simulate): the step and its bubble, and
+ * one process's step (M x the whole model's cost) in the same unit. */
+typedef struct {
+    int first[65];
+    double fwd[64], bwd[64];
+    double step, one, bubble;
+} fl_pp_estimate;
+fl_status fl_pp_estimate_step(const fl_model_config *c, int T, int stages, int micro, fl_pp_schedule k,
+                              fl_pp_estimate *e);
+/* The plan's notes of it into buf (three lines): the split, each stage's time, the expected step and its bubble, in ms when
+ * block_ms > 0 (a block's measured forward + backward) else in units of a block's time. */
+fl_status fl_pp_estimate_text(const fl_model_config *c, int T, int stages, int micro, fl_pp_schedule k,
+                              double block_ms, char *buf, size_t n);
+
 /* ---- a model stage (src/model/stage.c) ----
  * Stage s of a decoder-only model (LLaMA, GPT-2, OPT) holds its blocks [first, last) as an ordinary model of
  * last - first layers (fl_pp_stage_config), whose blocks run the unchanged forward and backward; the first stage
@@ -98,6 +131,8 @@ typedef struct {
     size_t hx_n;
     fl_optim_dist dist;        /* the optimizer's hooks: the clipping norm and overflow verdict over the stages */
     const fl_optim_dist *inner; /* the data-parallel axis' (DDP), or NULL */
+    double fwd_ms, bwd_ms, step_ms; /* measured: the forwards' and backwards' compute (not the waits), the steps */
+    long n_fwd, n_bwd, n_steps;
 } fl_pp;
 
 /* m is stage fl_comm_rank(comm) of fl_comm_size(comm) (its arena allocated). */
@@ -109,6 +144,9 @@ fl_status fl_pp_optim_attach(fl_pp *p, fl_optimizer *o);
  * first, the targets on the last are what is read); the losses come back on every stage (c->mb_stats, res->loss). A
  * non-finite loss (no loss scaling) fails every stage after the schedule, before the update (c->failed_k). */
 fl_status fl_pp_step_run(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, fl_step_result *res);
+/* The run's measured means over the pipeline group (a collective of its stages): each stage's forward and
+ * backward of one micro-batch, fwd[s] and bwd[s] (p->stages entries; 0 before any step), and a step's time. */
+fl_status fl_pp_timing(fl_pp *p, double *fwd, double *bwd, double *step_ms);
 /* An inference forward with targets through the stages (validation): every stage's m->loss_sum and m->n_valid
  * are the last stage's afterwards. */
 fl_status fl_pp_eval(fl_pp *p, const int32_t *ids, const int32_t *targets, int B, int T);

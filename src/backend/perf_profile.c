@@ -27,6 +27,7 @@
     X(geglu_forward, FL_PROF_ELEM) X(geglu_backward, FL_PROF_ELEM) X(add, FL_PROF_ELEM) X(bias_forward, FL_PROF_ELEM)  \
     X(bias_backward, FL_PROF_ELEM) X(scale, FL_PROF_ELEM) X(convert, FL_PROF_ELEM) X(accumulate16, FL_PROF_ELEM)       \
     X(embedding_forward, FL_PROF_LOSS) X(embedding_backward, FL_PROF_LOSS) X(cross_entropy, FL_PROF_LOSS)              \
+    X(cross_entropy_dbf16, FL_PROF_LOSS)                                                                               \
     X(adamw_update, FL_PROF_OPTIM) X(sgd_update, FL_PROF_OPTIM) X(adam8bit_update, FL_PROF_OPTIM)                      \
     X(sumsq, FL_PROF_OPTIM) X(check_finite, FL_PROF_OPTIM)                                                             \
     X(to_device, FL_PROF_COPY) X(to_host, FL_PROF_COPY) X(copy, FL_PROF_COPY) X(zero, FL_PROF_COPY)
@@ -242,6 +243,9 @@ WRAP_V(embedding_backward, 0,
 WRAP_V(cross_entropy, 0,
        (BE, float *loss, float *dlogits, const float *logits, const int32_t *targets, int N, int V, float gs, int ii),
        (be, loss, dlogits, logits, targets, N, V, gs, ii))
+WRAP_S(cross_entropy_dbf16, 0,
+       (BE, float *loss, void *dl16, const float *logits, const int32_t *targets, int N, int V, float gs, int ii),
+       (be, loss, dl16, logits, targets, N, V, gs, ii))
 WRAP_S(adamw_update, 0,
        (BE, void *pp, fl_dtype tp, const void *g, fl_dtype tg, void *m, void *v, fl_dtype ts, size_t n, float lr,
         float b1, float b2, float eps, float wd, int step, float gs),
@@ -287,7 +291,7 @@ fl_status fl_profiler_attach(fl_backend *be, fl_profiler **out) {
     p->orig = *be;
     p->cur_shape = -1;
     g_prof[slot] = p;
-#define PROF_INSTALL(op, g) be->op = w_##op;
+#define PROF_INSTALL(op, g) be->op = p->orig.op ? w_##op : NULL; /* an optional slot stays NULL */
     PROF_OPS(PROF_INSTALL)
     *out = p;
     return FL_OK;

@@ -115,7 +115,9 @@ fl_status fl_backend_init_by_name(const char *name, fl_backend *be, int n_thread
         }
         return fl_errorf(FL_ERR_INVALID, "unknown backend '%s' (this build has: %s)", name ? name : "(null)", list);
     }
-    return e->init(be, n_threads);
+    FL_TRY(e->init(be, n_threads));
+    if (!be->run) be->run = fl_backend_run_slots; /* a backend registered from outside without a door of its own */
+    return FL_OK;
 }
 
 void fl_backend_free(fl_backend *be) {

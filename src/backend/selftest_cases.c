@@ -286,6 +286,26 @@ static void st_cases_generic(st_ctx *c) {
     }
 }
 
+/* cross_entropy_dbf16 on the device buffers of st_case_xent (d16 reuses its gradient buffer): the loss as
+ * cross_entropy's bound, the gradient within it plus one bf16 rounding (2^-8 |ref|) */
+static void st_xent_dbf16(st_ctx *c, int N, int V, const float *dx, const int32_t *dt, float *dl, uint16_t *d16,
+                          const float *lr, const float *gr, float *ld, float *gd) {
+    st_bufs b = {0};
+    fl_status s = c->dev->cross_entropy_dbf16(c->dev, dl, d16, dx, dt, N, V, 0.25f, FL_IGNORE_INDEX);
+    if (s == FL_OK) s = c->dev->sync(c->dev);
+    uint16_t *h16 = malloc((size_t)N * V * 2);
+    fl_st_down(c, &b, ld, dl, (size_t)N * 4);
+    fl_st_down(c, &b, h16, d16, (size_t)N * V * 2);
+    for (size_t i = 0; i < (size_t)N * V; i++) gd[i] = fl_bf16_to_f32(h16[i]);
+    st_cmp r = {0, 1};
+    fl_st_compare(&r, ld, lr, NULL, 20, N, 8, V, U32, 0);
+    fl_st_compare(&r, gd, gr, NULL, -1, (size_t)N * V, (8.0 * (V + 2) + 0x1p16) / (V + 2), V, U32, 1e-12);
+    char name[64];
+    snprintf(name, sizeof name, "cross_entropy_dbf16 %dx%d", N, V);
+    fl_st_report(c, name, &r, s != FL_OK || b.failed, -1);
+    free(h16);
+}
+
 /* cross-entropy: targets are int32 (a few ignored) */
 static void st_case_xent(st_ctx *c, int N, int V) {
     char name[64];
@@ -310,6 +330,8 @@ static void st_case_xent(st_ctx *c, int N, int V) {
     /* dlogits = 0.25 (p_i - y_i): p_i = exp(x_i - max) / sum carries the sum's relative error */
     fl_st_compare(&r, gd, gr, NULL, -1, (size_t)N * V, 8, V, U32, 1e-12);
     fl_st_report(c, name, &r, s != FL_OK || b.failed, -1);
+    if (c->dev->cross_entropy_dbf16 && !b.failed) /* the LM head's bf16-gradient variant (issue 30 item 4) */
+        st_xent_dbf16(c, N, V, dx, dt, dl, (uint16_t *)dg, lr, gr, ld, gd);
     fl_st_free(c, &b);
     free(x); free(tg); free(lr); free(gr); free(ld); free(gd);
 }

@@ -152,28 +152,11 @@ int fl_cmd_download(int argc, char **argv);
 /* BLIP-2 with --image (cmd_blip2.c): `fitllm loss` of a caption's ids (the mean cross-entropy of caption[1:] after
  * the query tokens; the Flan-T5 variant: of tgt given the source) and greedy captioning (prompt text with the folder's tokenizer, or ids); exit codes as the
  * commands'. */
-/* finetune_full / finetune_lora on a BLIP-2 folder (cmd_blip2_train.c): image-caption fine-tuning, in one process
- * (comm NULL) or DDP over comm's ranks; the exit code. */
+/* finetune_full / finetune_lora on a BLIP-2 folder (cmd_blip2_train.c over the library's fl_blip2_train):
+ * image-caption fine-tuning, in one process (comm NULL) or DDP over comm's ranks; the exit code. */
 int fl_cli_blip2_train(const char *cmd, const fl_run_config *cfg, fl_comm *comm);
 /* The first stop signal's number (SIGINT, SIGTERM, SIGUSR1; SIGUSR2: fitllm's launcher), 0 = none (cmd_train.c). */
 int fl_cli_interrupted(void);
-/* The fine-tuning's own set-up and `steps` steps of synthetic captions, L tokens each (random ids and pixels, no data
- * read), on `be` (plan: the null backend) with a pool of `budget` bytes (0: the run's max_memory); given: the shape
- * (NULL: cfg->checkpoint_dir's folder, weights read). rec gets the pool's snapshots and peaks (and its OOM record),
- * the step times and losses where given, the memory report where report is set. Used by plan and bench-step
- * (cmd_blip2_plan.c). */
-typedef struct {
-    int steps;                 /* in: steps to run (plan: 1) */
-    double *ms, *loss;         /* in: NULL or steps entries */
-    FILE *report;              /* in: NULL or where the memory report goes */
-    fl_mem_phase phases[8];
-    int n_phases;
-    size_t peak[FL_TAG_COUNT], peak_total;
-    fl_mem_oom oom;
-    size_t trained;            /* trained parameters (adapters under LoRA) */
-} fl_cli_b2_rec;
-fl_status fl_cli_blip2_rehearse(const fl_run_config *cfg, const fl_blip2_config *given, const fl_backend *be,
-                                size_t budget, int L, fl_cli_b2_rec *rec);
 /* `fitllm plan` of BLIP-2 fine-tuning (a folder or a preset, fl_cli_is_blip2): the exit code. */
 int fl_cli_is_blip2(const char *name);
 int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_len, int json, int cuda);

@@ -1,6 +1,6 @@
 /* `fitllm plan` and `fitllm bench-step` on BLIP-2 (a folder or a preset: blip2-opt-2.7b, ...): image-caption
- * fine-tuning's memory and speed. Both run the fine-tuning's own set-up and steps (cmd_blip2_train.c,
- * fl_cli_blip2_rehearse) on synthetic captions of L tokens: plan on the null backend (no memory touched, nothing
+ * fine-tuning's memory and speed. Both run the fine-tuning's own set-up and steps (the library's fl_blip2_train, a
+ * rehearsal: fitllm/blip2_train.h) on synthetic captions of L tokens: plan on the null backend (no memory touched, nothing
  * computed: the pool's allocations, budget check, snapshots and OOM record are the run's own, so planned = measured
  * per tag when the captions are L tokens long), bench-step on the real backend with random pixels and ids. */
 #include <stdio.h>
@@ -10,6 +10,7 @@
 #include "cli.h"
 #include "core/fs.h"
 #include "fitllm/blip2.h"
+#include "fitllm/blip2_train.h"
 #include "fitllm/plan.h"
 
 /* A BLIP-2 folder (config.json, model_type blip-2) or a BLIP-2 preset name. */
@@ -40,14 +41,15 @@ static int caption_len(const fl_run_config *c, const fl_blip2_config *bc, int se
 }
 
 /* One rehearsal on the null backend standing in for the CPU or a GPU; 1 fits, 0 out of memory, -1 another error. */
-static int rehearse(const fl_run_config *c, const fl_blip2_config *bc, int cuda, size_t budget, int L,
-                    fl_cli_b2_rec *rec, fl_status *err) {
+static int rehearse(const fl_run_config *c, const fl_blip2_config *bc, int cuda, size_t budget, int L, int world,
+                    fl_blip2_train_result *rec, fl_status *err) {
     memset(rec, 0, sizeof *rec);
-    rec->steps = 1;
     fl_backend be;
     fl_status s = fl_null_backend_init_for(&be, cuda ? "cuda" : "cpu");
     if (s == FL_OK) {
-        s = fl_cli_blip2_rehearse(c, bc, &be, budget, L, rec);
+        const fl_blip2_train_opts o = {.shape = bc, .be = &be, .budget = budget, .synth_len = L, .rehearse_steps = 1,
+                                       .plan_world = world};
+        s = fl_blip2_train(c, &o, rec);
         fl_null_backend_free(&be);
     }
     if (err) *err = s;
@@ -80,11 +82,14 @@ static void describe(fl_plan *p, const fl_run_config *c, const fl_blip2_config *
          s2s ? "the source is the query placeholders" : "the language model reads the queries' rows and the caption");
 }
 
-static void copy_rec(fl_plan *p, const fl_cli_b2_rec *r) {
+static void copy_rec(fl_plan *p, const fl_blip2_train_result *r) {
     p->n_phases = r->n_phases < FL_PLAN_MAX_PHASES ? r->n_phases : FL_PLAN_MAX_PHASES;
     memcpy(p->phases, r->phases, (size_t)p->n_phases * sizeof *p->phases);
     memcpy(p->peak, r->peak, sizeof p->peak);
     p->peak_total = r->peak_total;
+    p->offload = r->offload; /* CPU offload: the optimizer state in the host tier, outside the budget */
+    memcpy(p->host_peak, r->host_peak, sizeof p->host_peak);
+    p->host_peak_total = r->host_peak_total;
 }
 
 int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_len, int json, int cuda) {
@@ -105,9 +110,6 @@ int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_le
         one.devices = one.num_nodes = 1;
         one.train.global_batch_size = B * accum;
     }
-    if (s == FL_OK && world > 1 && strcmp(cfg->strategy, "auto") && strcmp(cfg->strategy, "ddp"))
-        s = fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s: BLIP-2 fine-tuning runs one process or DDP over several "
-                      "(--strategy auto or ddp) so far", cfg->strategy);
     if (s == FL_OK && cfg->tensor_parallel > 1)
         s = fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: BLIP-2 fine-tuning runs data-parallel (DDP) only so far",
                       cfg->tensor_parallel);
@@ -120,15 +122,21 @@ int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_le
     }
     const int L = caption_len(cfg, &bc, seq_len);
     describe(p, cfg, &bc, src, L, B, accum);
-    if (world > 1) {
+    int stage = 0;
+    if (world > 1 && fl_cfg_zero_stage(cfg->strategy, cfg->sharding_strategy, &stage) == FL_OK && (stage == 1 || stage == 2)) {
+        p->devices = world;
+        note(p, "ZeRO-%d over %d ranks: each rank holds the whole model and its gradients, the optimizer state of its "
+                "chunk of each trained part (this plan is rank 0's) and runs %d of the step's %d micro-batches (the "
+                "reductions' MPI scratch is outside the pool)", stage, world, accum, accum * world);
+    } else if (world > 1) {
         p->devices = world;
         note(p, "DDP over %d ranks: each rank holds the whole model, its gradients and optimizer state and runs %d of "
                 "the step's %d micro-batches (this plan is one rank's; the reductions' MPI scratch is outside the pool)",
              world, accum, accum * world);
     }
     p->budget = device_memory ? device_memory : cfg->max_memory;
-    fl_cli_b2_rec rec;
-    int fits = rehearse(cfg, &bc, cuda, 0, L, &rec, &s); /* what the run needs */
+    fl_blip2_train_result rec;
+    int fits = rehearse(cfg, &bc, cuda, 0, L, world, &rec, &s); /* what the run needs */
     if (fits < 0) {
         fprintf(stderr, "fitllm %s: error: %s\n", cmd, fl_error_message());
         free(p);
@@ -143,7 +151,7 @@ int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_le
     if (!p->budget) {
         note(p, "no budget given (--device-memory or --max-memory): the plan cannot say whether it fits");
     } else {
-        fits = rehearse(cfg, &bc, cuda, p->budget, L, &rec, NULL);
+        fits = rehearse(cfg, &bc, cuda, p->budget, L, world, &rec, NULL);
         if (!fits) fl_plan_set_oom(p, &rec.oom, rec.n_phases, 1);
         p->verdict = fits == 1 ? FL_PLAN_FITS : FL_PLAN_OOM;
         /* the largest micro-batch dividing the global batch that fits */
@@ -153,7 +161,7 @@ int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_le
             fl_run_config v = *cfg;
             v.train.micro_batch_size = b;
             v.train.global_batch_size = p->global_batch;
-            if (rehearse(&v, &bc, cuda, p->budget, L, &rec, NULL) == 1) p->max_micro_batch_size = b;
+            if (rehearse(&v, &bc, cuda, p->budget, L, world, &rec, NULL) == 1) p->max_micro_batch_size = b;
         }
     }
     if (json) fl_plan_write_json(p, stdout);
@@ -188,13 +196,8 @@ int fl_cli_blip2_bench(const fl_cli_b2_bench *o) {
     fl_status s = resolve(o->model, &bc, &src);
     const int folder = fl_blip2_is_folder(o->model), n = o->warmup + o->steps;
     const int L = caption_len(&c, &bc, o->L);
-    fl_cli_b2_rec rec;
-    memset(&rec, 0, sizeof rec);
-    rec.steps = n;
-    rec.ms = calloc((size_t)n, sizeof *rec.ms);
-    rec.loss = calloc((size_t)n, sizeof *rec.loss);
-    rec.report = stdout;
-    if (s == FL_OK && (!rec.ms || !rec.loss)) s = fl_errorf(FL_ERR_OOM, "out of host memory");
+    double *ms = calloc((size_t)n, sizeof *ms), *loss = calloc((size_t)n, sizeof *loss);
+    if (s == FL_OK && (!ms || !loss)) s = fl_errorf(FL_ERR_OOM, "out of host memory");
     const int s2s = fl_model_is_s2s(&bc.text), rows = bc.n_queries + L;
     if (s == FL_OK)
         printf("bench-step: %s (BLIP-2 with %s, %zu params), B=%d, captions of %d tokens (%d language-model rows%s), "
@@ -202,21 +205,24 @@ int fl_cli_blip2_bench(const fl_cli_b2_bench *o) {
                fl_blip2_param_count(&bc), o->B, L, s2s ? L : rows, s2s ? " + the source's query placeholders" : "",
                c.precision, fl_optim_name(c.optimizer.kind), o->lora_r ? "lm (LoRA)" : "qformer,lm", "",
                folder && !o->random_init ? "the folder's" : "random");
-    if (s == FL_OK) s = fl_cli_blip2_rehearse(&c, folder && !o->random_init ? NULL : &bc, NULL, o->budget, L, &rec);
+    const fl_blip2_train_opts to = {.shape = folder && !o->random_init ? NULL : &bc, .budget = o->budget,
+                                    .synth_len = L, .rehearse_steps = n, .report = stdout, .step_ms = ms,
+                                    .step_loss = loss, .n_step_out = n};
+    if (s == FL_OK) s = fl_blip2_train(&c, &to, NULL);
     if (s != FL_OK) {
-        free(rec.ms), free(rec.loss);
+        free(ms), free(loss);
         return fl_cli_fail(cmd, s, NULL);
     }
     for (int k = 0; k < n; k++)
-        printf("  step %3d  loss %.4f  %8.1f ms%s\n", k + 1, rec.loss[k], rec.ms[k], k < o->warmup ? "  [warmup]" : "");
-    qsort(rec.ms + o->warmup, (size_t)o->steps, sizeof *rec.ms, cmp_ms);
-    const double *t = rec.ms + o->warmup;
+        printf("  step %3d  loss %.4f  %8.1f ms%s\n", k + 1, loss[k], ms[k], k < o->warmup ? "  [warmup]" : "");
+    qsort(ms + o->warmup, (size_t)o->steps, sizeof *ms, cmp_ms);
+    const double *t = ms + o->warmup;
     const double med = o->steps % 2 ? t[o->steps / 2] : 0.5 * (t[o->steps / 2 - 1] + t[o->steps / 2]);
     /* tokens: the language model's rows (the caption and the queries' rows; the T5 variant's source and target) */
     const double toks = (double)o->B * (double)rows / (med / 1e3), imgs = (double)o->B / (med / 1e3);
     printf("\nmedian %.1f ms/step over %d steps, %.0f tok/s, %.1f images/s\n", med, o->steps, toks, imgs);
     printf("\nRESULT impl=fitllm shape=%s median_ms=%.2f tok_s=%.1f images_s=%.2f peak_rss_mb=%.1f\n", o->model, med,
            toks, imgs, fl_cli_peak_rss_mb());
-    free(rec.ms), free(rec.loss);
+    free(ms), free(loss);
     return 0;
 }

@@ -11,7 +11,7 @@
 #include "fitllm/lab.h"
 
 static void help(void) {
-    printf("usage: fitllm lab [--suite quick|full|fsdp] [--only name,name] [--out_dir DIR] [--threads N] [--steps N]\n"
+    printf("usage: fitllm lab [--suite quick|full|fsdp|blip2] [--only name,name] [--out_dir DIR] [--threads N] [--steps N]\n"
            "                  [--keep-runs] [--run-oom] [--plan-only] [--scale lab|real] [--lengths TABLE|fixed]\n"
            "                  [--peer pytorch] [--peak-tflops X]\n"
            "                  fsdp suite: [--model gpt2-xl|gpt2-xxl] [--precision LIST] [--fsdp.backward_prefetch on|off]\n\n"
@@ -27,9 +27,17 @@ static void help(void) {
            "                    batch 1 2 4 7 8 9 without and with activation checkpointing (then 16 32 64, then\n"
            "                    doubling), each setting up to the first the plan says OOM; per-rank memory as the\n"
            "                    min-max over the ranks, iteration time, tok/s, TFLOP/s, MFU, the largest batch that\n"
-           "                    fits marked, the real-scale plan and the course's figures beside; 2 steps each\n"
+           "                    fits marked, the real-scale plan and the course's figures beside; 2 steps each;\n"
+           "                    blip2: the course's BLIP-2 image-caption sequence (blip2-opt-2.7b batch 64 32-true\n"
+           "                    OOM, micro 8, accumulation, bf16, OPT-6.7B, Flan-T5-XXL AdamW OOM / SGD fits,\n"
+           "                    checkpointing, CPU offload, LoRA, QLoRA, DDP, FSDP) on synthetic images and captions,\n"
+           "                    every width and sequence / 16 at lab scale (--scale real: the real shapes, 80 GB);\n"
+           "                    what BLIP-2 fine-tuning refuses in this build is n/a; 3 steps each\n"
            "  --only LIST       (default: the whole suite)  comma-separated experiment names:\n                   ");
     const char *const *n = fl_lab_experiments("quick");
+    for (int i = 0; n[i]; i++) printf(" %s", n[i]);
+    n = fl_lab_experiments("blip2");
+    printf("\n                    blip2 suite:");
     for (int i = 0; n[i]; i++) printf(" %s", n[i]);
     printf("\n                    by name only (issue 35, each rank's memory and step time of a split of lab-7b):\n"
            "                    tp-2 tp-4 pp-2 pp-4 dp2-tp2");
@@ -57,8 +65,13 @@ static void help(void) {
            "                    draw from (Alpaca's measured lengths: median 118, p95 320, max 406 tokens); each\n"
            "                    micro batch is padded to its longest sample, no packing; fixed: every sample 1025\n"
            "                    tokens (T = 1024)\n"
-           "  --peer pytorch    (default off)  quick/full: beside each lab row (at the real scale) and each of the\n"
-           "                    course's runs, what PyTorch (HF Llama, sdpa; the row's optimizer, autocast, HF\n"
+           "  --data FILE       (default: at --scale real, data/alpaca2k/alpaca2k.json when the working directory\n"
+           "                    has it, else synthetic)  quick/full: the rows fine-tune on this Alpaca-style JSON /\n"
+           "                    JSONL file (the course's Alpaca2k), each sample cut to max_seq_length (real scale:\n"
+           "                    512; lab scale: T + 1), padded to the micro batch's longest\n"
+           "  --tokenizer DIR   (default: the built-in bytes)  with --data: the tokenizer folder (the real model's)\n"
+           "  --peer pytorch    (default off)  quick/full/fsdp: beside each lab row (at the real scale) and each of\n"
+           "                    the course's runs, what PyTorch (HF Llama or GPT-2, sdpa; the row's optimizer, autocast, HF\n"
            "                    checkpointing, PEFT LoRA, bitsandbytes NF4) would need: parameters, gradients,\n"
            "                    optimizer state, saved tensors and logits as measured with torch\n"
            "                    (tests/ref/pytorch_alloc.py), the peak and DeepSpeed / DDP / FSDP modelled (each row\n"
@@ -81,7 +94,7 @@ int fl_cmd_lab(int argc, char **argv) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) { help(); return 0; }
         else if (!strcmp(a, "--suite")) {
-            if (!v || !fl_lab_experiments(v)) return fl_cli_usage(cmd, "--suite: '%s' is not quick, full, ci or fsdp", v ? v : "");
+            if (!v || !fl_lab_experiments(v)) return fl_cli_usage(cmd, "--suite: '%s' is not quick, full, ci or fsdp, or blip2", v ? v : "");
             o.suite = v;
             i++;
         } else if (!strcmp(a, "--only")) {
@@ -99,6 +112,11 @@ int fl_cmd_lab(int argc, char **argv) {
         else if (!strcmp(a, "--peer")) {
             if (!v || strcmp(v, "pytorch")) return fl_cli_usage(cmd, "--peer: '%s' is not pytorch", v ? v : "");
             o.peer = v;
+            i++;
+        } else if (!strcmp(a, "--data") || !strcmp(a, "--tokenizer")) {
+            if (!v || !*v) return fl_cli_usage(cmd, "%s needs a %s", a, a[2] == 'd' ? "JSON file" : "folder");
+            if (a[2] == 'd') o.data = v;
+            else o.tokenizer = v;
             i++;
         } else if (!strcmp(a, "--lengths")) {
             if (!v || !*v) return fl_cli_usage(cmd, "--lengths needs a length table (quantile<TAB>length lines) or fixed");
@@ -135,7 +153,7 @@ int fl_cmd_lab(int argc, char **argv) {
             o.real_scale = !strcmp(v, "real");
             i++;
         }
-        else return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--help", "--fsdp.backward_prefetch", "--keep-runs", "--lengths", "--model", "--peer", "--only", "--plan-only", "--out_dir", "--peak-tflops", "--precision", "--run-oom", "--scale", "--steps", "--suite", "--threads", NULL});
+        else return fl_cli_unknown_option(cmd, a, (const char *const[]){"--accelerator", "--data", "--help", "--fsdp.backward_prefetch", "--keep-runs", "--lengths", "--model", "--peer", "--only", "--plan-only", "--out_dir", "--peak-tflops", "--precision", "--run-oom", "--scale", "--steps", "--suite", "--threads", "--tokenizer", NULL});
     }
     char runs[4200];
     if (keep) {

@@ -3,6 +3,7 @@
  * --config YAML, dotted overrides) plus --device-memory, --devices, --seq-len
  * and --json. Exit codes: 0 fits, 3 out of memory, 2 usage / config / a
  * technique this build does not have, 1 runtime error (e.g. unreadable model). */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,13 +21,14 @@ typedef struct {
     int largest;               /* --largest: the largest preset that fits the machine (fl_plan_largest) */
     int suggest;               /* --suggest: the DP x TP x PP grid to run (fl_plan_suggest_grid) */
     size_t host_memory, disk;  /* --host-memory, --disk: the machine's (--largest) */
+    float block_ms;            /* --block-ms: a pipeline block's measured time */
 } plan_args;
 
 static void help(const char *cmd, fl_cmd_kind kind) {
     (void)kind;
     printf("usage: fitllm %s <checkpoint_dir | ORG/NAME | preset> [--config recipe.yaml] [--<option> VALUE ...]\n"
            "          [--device-memory SIZE] [--devices 1] [--rank 0] [--seq-len T] [--target-len T] [--generation auto|on|off]\n"
-           "          [--json]\n\n",
+           "          [--block-ms MS] [--json]\n\n",
            cmd);
     printf("Predicts the bytes per tag (PARAMS, GRADS, OPTIM, ACTS, WORKSPACE, OTHER) at each phase of a\n"
            "training step of `fitllm finetune_full` with the same arguments, reserved (allocated) and live\n"
@@ -58,6 +60,9 @@ static void help(const char *cmd, fl_cmd_kind kind) {
            "                                 data.max_source_length, capped by train.max_seq_length); with\n"
            "                                 --data.lengths TABLE (Synthetic data,\n"
            "                                 e.g. recipes/data/alpaca-lengths.tsv): the longest drawn sample - 1\n"
+           "  --block-ms MS                  (--pipeline_parallel; default none)  one block's forward + backward of a\n"
+           "                                 micro-batch, measured (a pipelined run's \"pipeline timing\" line): the\n"
+           "                                 expected step time in ms (without it: in units of that time)\n"
            "  --target-len T                 (default data.max_target_length)  an encoder-decoder's target length\n"
            "  --generation auto|on|off       (default auto)  include the sample generated at each evaluation\n"
            "                                 (auto: eval.max_new_tokens > 0, a validation split, and\n"
@@ -135,6 +140,15 @@ static int extra(void *ud, int argc, char **argv, int *i) {
         (*i)++;
         return 1;
     }
+    if (!strcmp(arg, "--block-ms")) {
+        if (fl_cli_float("plan", arg, v, &a->block_ms)) return -1;
+        if (!(a->block_ms > 0) || !isfinite(a->block_ms)) {
+            fl_cli_usage("plan", "--block-ms: '%s' is not a positive time in milliseconds", v);
+            return -1;
+        }
+        (*i)++;
+        return 1;
+    }
     if (!strcmp(arg, "--seq-len")) {
         if (fl_cli_int("plan", arg, v, 1, 1 << 24, &a->seq_len)) return -1;
         (*i)++;
@@ -201,6 +215,7 @@ int fl_cmd_plan(int argc, char **argv) {
     o.device_memory = a.device_memory;
     o.devices = cfg.devices; /* --devices is the training option (merged with a recipe's devices:) */
     o.seq_len = a.seq_len;
+    o.block_ms = a.block_ms;
     o.target_len = a.target_len;
     o.rank = a.rank;
     o.cuda = a.cuda;

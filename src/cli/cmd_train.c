@@ -78,7 +78,7 @@ static void help(const char *cmd, fl_cmd_kind kind) {
 static int unknown_flag(const char *cmd, const char *key) {
     static const char *const run_flags[] = {"accelerator", "config", "max-memory", "help", NULL};
     static const char *const plan_flags[] = {"accelerator", "config", "max-memory", "help", "device-memory", "seq-len",
-                                             "generation", "json", "lora", "rank", NULL};
+                                             "generation", "json", "lora", "rank", "block-ms", NULL};
     const char *m = fl_error_message();
     if (strncmp(m, "unknown option", 14) || strstr(m, "did you mean")) return 0;
     const char *near = fl_cli_nearest(key, strcmp(cmd, "plan") ? run_flags : plan_flags);
@@ -357,7 +357,7 @@ static int run(const char *cmd, fl_cmd_kind kind, int argc, char **argv) {
     if (rc) return rc < 0 ? 0 : rc;
     /* a rank of fitllm's launcher: its stop request may come while MPI starts; kept for the first step */
     if (getenv("FITLLM_LAUNCHED")) signal(SIGUSR2, on_signal);
-    /* a BLIP-2 folder: image-caption fine-tuning, its own loop (cmd_blip2_train.c) */
+    /* a BLIP-2 folder: image-caption fine-tuning, its own loop (fl_blip2_train, through cmd_blip2_train.c) */
     const int blip2 = kind != FL_CMD_PRETRAIN && fl_blip2_is_folder(cfg.checkpoint_dir);
     fl_comm *comm = NULL;
     if ((rc = join_ranks(cmd, &cfg, argc, argv, &comm)) != 0) return rc < 0 ? 0 : rc;
@@ -470,7 +470,7 @@ static int train(const char *cmd, fl_cmd_kind kind, fl_run_config *cfg_in, fl_co
 
 int fl_cli_interrupted(void) { return g_interrupted; }
 
-/* BLIP-2's loop (cmd_blip2_train.c) under the same signal handling: it polls fl_cli_interrupted after each step. */
+/* BLIP-2's loop (fl_blip2_train through cmd_blip2_train.c) under the same signal handling: it polls fl_cli_interrupted after each step. */
 static int blip2_run(const char *cmd, const fl_run_config *cfg, fl_comm *comm) {
     const int rank = comm ? fl_comm_rank(comm) : 0, world = comm ? fl_comm_size(comm) : 1;
     const int launched = getenv("FITLLM_LAUNCHED") != NULL && world > 1;

@@ -55,4 +55,12 @@ void fl_lab_row_course_diff(const lab_exp *e, const fl_plan *p, fl_lab_row *r);
 #include "fitllm/gpu_monitor.h"
 void fl_lab_gpu_stop(fl_gpu_monitor *g, fl_lab_row *r); /* fl_gpu_monitor_stop into the row's gpu_* */
 
+/* lab_blip2.c: the blip2 suite (fl_lab_run's for suite "blip2"), its names, a row's shape (lab: the lab scale's) */
+#include "fitllm/blip2.h"
+fl_status fl_lab_blip2_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep);
+const char *const *fl_lab_blip2_names(void);
+fl_status fl_lab_blip2_shape(const char *real, int lab, fl_blip2_config *c);
+void fl_lab_blip2_md_scaling(FILE *f, const fl_lab_report *rep); /* report.md's scale section */
+void fl_lab_blip2_short(char *model); /* the console's name: "blip2-" and "flan-" dropped (lab-opt-2.7b, t5-xxl) */
+
 #endif

@@ -149,6 +149,7 @@ static lab_exp sweep_exp(int i, const char *model, const char *lab_model) {
 const char *const *fl_lab_experiments(const char *suite) {
     static const char *names[3][N_EXPS + 1];
     static const char *sweep[SWEEP_N + 1];
+    if (suite && !strcmp(suite, "blip2")) return fl_lab_blip2_names();
     int bit = suite_bit(suite), idx = bit == SUITE_QUICK ? 0 : bit == SUITE_FULL ? 1 : 2;
     if (!bit) return NULL;
     if (bit == SUITE_FSDP) {
@@ -296,6 +297,14 @@ static void apply_row(fl_run_config *c, const lab_exp *e, const char *model, int
         c->data.kind = FL_DATA_SYNTHETIC;
         snprintf(c->data.lengths, sizeof c->data.lengths, "%s", rep->lengths);
         c->train.max_seq_length = rep->max_seq_length;
+    }
+    if (rep->data[0]) { /* the course's own data (Alpaca2k's records, the recipe's split), cut as the recipe cuts */
+        fl_data_config_default(&c->data, FL_DATA_ALPACA);
+        snprintf(c->data.json_path, sizeof c->data.json_path, "%s", rep->data);
+        c->data.val_split_fraction = 0.03847f;
+        snprintf(c->tokenizer_dir, sizeof c->tokenizer_dir, "%s", rep->tokenizer);
+        c->train.max_seq_length = strcmp(model, e->ref_model) ? T + 1 : COURSE_MAX_SEQ_LENGTH;
+        c->train.epochs = -1; /* max_steps decides: small files are gone over again */
     }
     c->train.lr_warmup_steps = 0;
     c->train.save_interval = 0;
@@ -504,6 +513,10 @@ static void row_measured(const lab_exp *e, const fl_lab_report *rep, const char 
     /* several ranks: the global batch; drawn lengths: the samples' own tokens, no padding (their mean) */
     double Tm = rep->lengths[0] ? mean_input(rep, c) : rep->T;
     double tokens_per_step = (double)e->global * Tm;
+    if (rep->data[0] && log->steps > 0) { /* the course's data: its samples' own tokens (every rank's) */
+        tokens_per_step = (double)res->tokens_real / (double)log->steps;
+        Tm = tokens_per_step / e->global;
+    }
     r->tok_s = r->step_ms > 0 ? tokens_per_step / (r->step_ms / 1e3) : 0;
     fl_model_config mc; /* model FLOPs of the global batch (the MFU convention: no recompute) */
     if (r->step_ms > 0 && fl_preset_find(model, &mc) == FL_OK)
@@ -714,6 +727,26 @@ static fl_status real_lengths(const fl_lab_opts *o, fl_lab_report *rep) {
     return FL_OK;
 }
 
+/* The course's own data: --data, else at the real scale the recipes' data/alpaca2k/alpaca2k.json when the working
+ * directory has it; its tokenizer (--tokenizer; else the built-in bytes). */
+static fl_status course_data(const fl_lab_opts *o, fl_lab_report *rep) {
+    static const char *recipe = "data/alpaca2k/alpaca2k.json";
+    const char *d = o->data && *o->data ? o->data : rep->real_scale && access(recipe, R_OK) == 0 ? recipe : NULL;
+    const char *tok = o->tokenizer && *o->tokenizer ? o->tokenizer : "";
+    if (!d && tok[0])
+        return fl_errorf(FL_ERR_INVALID, "lab --tokenizer %s: only with --data (the course's data it tokenizes)", tok);
+    if (!d) return FL_OK;
+    if (!fl_fs_is_file(d))
+        return fl_errorf(FL_ERR_NOT_FOUND, "lab --data %s: no such file (an Alpaca-style JSON or JSONL file, e.g. the "
+                         "recipes' data/alpaca2k/alpaca2k.json)", d);
+    if (tok[0] && !fl_fs_is_dir(tok))
+        return fl_errorf(FL_ERR_NOT_FOUND, "lab --tokenizer %s: no such folder (a tokenizer folder: tokenizer.json or "
+                         "tokenizer.model)", tok);
+    snprintf(rep->data, sizeof rep->data, "%s", d);
+    snprintf(rep->tokenizer, sizeof rep->tokenizer, "%s", tok);
+    return FL_OK;
+}
+
 /* The device's peak TFLOP/s for MFU: --peak-tflops, else a known GPU's by its name (dense, SXM: 16-bit tensor
  * cores for 16-bit rows, the fp32 units for 32-true), else none (a CPU). */
 static void device_peak(const fl_lab_opts *o, fl_lab_report *rep) {
@@ -758,10 +791,53 @@ static fl_status sweep_setup(const fl_lab_opts *o, fl_lab_report *rep, int *prec
     return FL_OK;
 }
 
+/* The suite's banner, wrapped at 120 columns: its scale, data and budget. */
+static void banner(const fl_lab_opts *o, const fl_lab_report *rep, long steps, FILE *out) {
+    char a[32];
+    char line[900];
+    if (rep->sweep)
+        snprintf(line, sizeof line, "suite fsdp: %s%s, 4 ranks FULL_SHARD, T = %d, budget %s per rank (%s), "
+                 "backward prefetch %s, %ld steps per run", rep->real_scale ? "" : "lab-", rep->sweep_model, rep->T,
+                 fl_fmt_bytes(rep->budget, a, sizeof a), rep->real_scale ? "the course's 16 GB V100"
+                 : "16 GiB scaled as the lab's model to the real one", rep->no_prefetch ? "off" : "on", steps);
+    else if (rep->data[0])
+        snprintf(line, sizeof line, "suite %s, %s scale: the rows fine-tune on %.300s (tokenizer: %.300s), each sample cut "
+                 "to max_seq_length %d, no packing, each micro batch padded to its longest sample; budget %s per "
+                 "device, %ld steps per run", rep->suite, rep->real_scale ? "real" : "lab", rep->data,
+                 rep->tokenizer[0] ? rep->tokenizer : "the built-in bytes",
+                 rep->real_scale ? COURSE_MAX_SEQ_LENGTH : rep->T + 1, fl_fmt_bytes(rep->budget, a, sizeof a), steps);
+    else if (rep->real_scale && rep->lengths[0])
+        snprintf(line, sizeof line, "suite %s, real scale: %s, open-llama-3b and open-llama-7b; sample lengths "
+                 "drawn from %s (median %d, p95 %d, max %d tokens), cut to max_seq_length %d, no packing, each "
+                 "micro batch padded to its longest (T = the row's longest sample - 1); budget %s per device (80 "
+                 "GB), %ld steps per run", rep->suite, REF_MODEL, rep->lengths, fl_lengths_at(&rep->table, 0.5),
+                 fl_lengths_at(&rep->table, 0.95), rep->table.len[rep->table.n - 1], rep->max_seq_length,
+                 fl_fmt_bytes(rep->budget, a, sizeof a), steps);
+    else if (rep->real_scale)
+        snprintf(line, sizeof line, "suite %s, real scale: %s, open-llama-3b and open-llama-7b at T = %d (every "
+                 "sample %d tokens: %s), budget %s per device (80 GB), %ld steps per run", rep->suite, REF_MODEL,
+                 rep->T, rep->T + 1, o->lengths && !strcmp(o->lengths, "fixed") ? "--lengths fixed"
+                 : "recipes/data/alpaca-lengths.tsv not found; give --lengths", fl_fmt_bytes(rep->budget, a, sizeof a), steps);
+    else
+        snprintf(line, sizeof line, "suite %s: budget %s (80 GB x params(%s)/params(%s) = 80 GB x %.5f), T = %d "
+                 "(activations per parameter of one sample as %s at T = %d), %ld steps per run", rep->suite,
+                 fl_fmt_bytes(rep->budget, a, sizeof a), LAB_MODEL, REF_MODEL, rep->param_ratio, rep->T, REF_MODEL,
+                 REF_T, steps);
+    fl_lab_wrap(out, "fitllm lab, ", line, 120, 4);
+    fflush(out);
+}
+
 fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
     memset(rep, 0, sizeof *rep);
     int bit = suite_bit(o->suite);
-    if (!bit) return fl_errorf(FL_ERR_INVALID, "unknown suite '%s' (quick, full, ci, fsdp)", o->suite);
+    if (o->suite && !strcmp(o->suite, "blip2")) { /* lab_blip2.c */
+        snprintf(rep->suite, sizeof rep->suite, "blip2");
+        rep->plan_only = o->plan_only;
+        rep->real_scale = o->real_scale;
+        snprintf(rep->gpu_note, sizeof rep->gpu_note, "not sampled in the blip2 suite");
+        return fl_lab_blip2_run(o, out, rep);
+    }
+    if (!bit) return fl_errorf(FL_ERR_INVALID, "unknown suite '%s' (quick, full, ci, fsdp, blip2)", o->suite);
     if (o->only && *o->only) { /* every name must exist */
         char buf[1024];
         snprintf(buf, sizeof buf, "%s", o->only);
@@ -822,8 +898,12 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
         if (!mkdtemp(tmp)) return fl_errorf(FL_ERR_IO, "cannot create a temporary folder for the runs");
         run_dir = tmp;
     }
-    if (rep->real_scale && !rep->sweep) FL_TRY(real_lengths(o, rep));
-    if (rep->real_scale && !rep->lengths[0]) {
+    if (!rep->sweep) FL_TRY(course_data(o, rep));
+    else if ((o->data && *o->data) || (o->tokenizer && *o->tokenizer))
+        return fl_errorf(FL_ERR_INVALID, "lab --data / --tokenizer: the quick and full suites' rows fine-tune on the "
+                         "course's data; the fsdp suite's benchmark runs fixed lengths");
+    if (rep->real_scale && !rep->sweep && !rep->data[0]) FL_TRY(real_lengths(o, rep));
+    if (rep->real_scale && !rep->lengths[0] && !rep->data[0]) {
         int max_global = 1;
         for (int i = 0; i < N_EXPS; i++) max_global = k_exps[i].global > max_global ? k_exps[i].global : max_global;
         if (rep->sweep) max_global = 4 * k_sweep_b[SWEEP_B_CKPT - 1];
@@ -833,33 +913,7 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
     rep->rows = calloc(N_EXPS > SWEEP_N ? N_EXPS : SWEEP_N, sizeof *rep->rows);
     if (!rep->rows) return fl_errorf(FL_ERR_OOM, "out of host memory");
     char a[32];
-    if (out) { /* the banner, wrapped at 120 columns */
-        char line[900];
-        if (rep->sweep)
-            snprintf(line, sizeof line, "suite fsdp: %s%s, 4 ranks FULL_SHARD, T = %d, budget %s per rank (%s), "
-                     "backward prefetch %s, %ld steps per run", rep->real_scale ? "" : "lab-", rep->sweep_model, rep->T,
-                     fl_fmt_bytes(rep->budget, a, sizeof a), rep->real_scale ? "the course's 16 GB V100"
-                     : "16 GiB scaled as the lab's model to the real one", rep->no_prefetch ? "off" : "on", steps);
-        else if (rep->real_scale && rep->lengths[0])
-            snprintf(line, sizeof line, "suite %s, real scale: %s, open-llama-3b and open-llama-7b; sample lengths "
-                     "drawn from %s (median %d, p95 %d, max %d tokens), cut to max_seq_length %d, no packing, each "
-                     "micro batch padded to its longest (T = the row's longest sample - 1); budget %s per device (80 "
-                     "GB), %ld steps per run", rep->suite, REF_MODEL, rep->lengths, fl_lengths_at(&rep->table, 0.5),
-                     fl_lengths_at(&rep->table, 0.95), rep->table.len[rep->table.n - 1], rep->max_seq_length,
-                     fl_fmt_bytes(rep->budget, a, sizeof a), steps);
-        else if (rep->real_scale)
-            snprintf(line, sizeof line, "suite %s, real scale: %s, open-llama-3b and open-llama-7b at T = %d (every "
-                     "sample %d tokens: %s), budget %s per device (80 GB), %ld steps per run", rep->suite, REF_MODEL,
-                     rep->T, rep->T + 1, o->lengths && !strcmp(o->lengths, "fixed") ? "--lengths fixed"
-                     : "recipes/data/alpaca-lengths.tsv not found; give --lengths", fl_fmt_bytes(rep->budget, a, sizeof a), steps);
-        else
-            snprintf(line, sizeof line, "suite %s: budget %s (80 GB x params(%s)/params(%s) = 80 GB x %.5f), T = %d "
-                     "(activations per parameter of one sample as %s at T = %d), %ld steps per run", rep->suite,
-                     fl_fmt_bytes(rep->budget, a, sizeof a), LAB_MODEL, REF_MODEL, rep->param_ratio, rep->T, REF_MODEL,
-                     REF_T, steps);
-        fl_lab_wrap(out, "fitllm lab, ", line, 120, 4);
-        fflush(out);
-    }
+    if (out) banner(o, rep, steps, out);
     double t0 = now_s();
     int n_cand = bit == SUITE_FSDP ? SWEEP_N : N_EXPS, stopped = 0, group = -1;
     char lab_model[40];

@@ -53,9 +53,11 @@ static int any_peer(const fl_lab_report *rep) {
 void fl_lab_peer_rows_print(const fl_lab_report *rep, FILE *f) {
     if (!rep->peer_pytorch || !any_peer(rep)) return;
     fputc('\n', f);
-    fl_lab_wrap(f, "", "PyTorch would need (--peer pytorch), each row at the real scale (the real model, the real "
-                "plan's T, the row's micro batch; per rank), one 80 GB GPU per rank; GB = 1e9 bytes; fitllm: its plan "
-                "of the same run:", 120, 0);
+    char head[400], a[32];
+    snprintf(head, sizeof head, "PyTorch would need (--peer pytorch), each row at the real scale (the real model, the "
+             "real plan's T, the row's micro batch; per rank), one %s device per rank; GB = 1e9 bytes; fitllm: its plan "
+             "of the same run:", rep->ref_device == 80000000000ULL ? "80 GB" : fl_fmt_bytes(rep->ref_device, a, sizeof a));
+    fl_lab_wrap(f, "", head, 120, 0);
     fprintf(f, "%-17s %-14s %5s %9s %-7s | %9s %-7s %6s\n", "experiment", "real model", "T", "PyTorch", "verdict",
             "fitllm", "verdict", "fl/pt");
     char pre[128];

@@ -100,7 +100,10 @@ void fl_lab_print_table(const fl_lab_report *rep, FILE *f) {
         if (r->verdict == FL_LAB_FITS || r->verdict == FL_LAB_OOM) peak_cell(r, pk, sizeof pk);
         else snprintf(pk, sizeof pk, "-");
         if (r->planned == FL_PLAN_FITS || r->planned == FL_PLAN_OOM) mib(pl, sizeof pl, r->planned_peak);
-        fprintf(f, "%-17s %-14s %-7s %-10s %-9s %-7s %-3s %13s %7s", r->name, r->model, bx, r->precision, r->optimizer,
+        char ms[32]; /* blip2 suite: the BLIP-2 model by its language model (the banner names the suite) */
+        snprintf(ms, sizeof ms, "%s", r->model);
+        if (rep->blip2) fl_lab_blip2_short(ms);
+        fprintf(f, "%-17s %-14s %-7s %-10s %-9s %-7s %-3s %13s %7s", r->name, ms, bx, r->precision, r->optimizer,
                 fl_lab_verdict_name(r->verdict), match(r), pk, pl);
         if (FL_LAB_TIMED(r)) fprintf(f, " %9.2f %7.0f %6.3f\n", ms_per_sample(r), r->tok_s, r->final_loss);
         else fprintf(f, " %9s %7s %6s\n", "-", "-", "-");
@@ -263,10 +266,11 @@ static fl_status write_json(const fl_lab_report *rep, const char *dir, const cha
     jstr(f, cpu);
     fprintf(f, ", \"cores\": %ld, \"ram_gib\": %.1f, \"os\": ", cores, ram);
     jstr(f, os);
-    fprintf(f, "},\n  \"scaling\": {\"scale\": \"%s\", \"budget\": %zu, \"ref_device\": %zu, \"ref_model\": \"tinyllama-1.1b\", "
-               "\"lab_model\": \"lab-1b\", \"param_ratio\": %.8g, \"seq_len\": %d, \"ref_seq_len\": %d, "
+    fprintf(f, "},\n  \"scaling\": {\"scale\": \"%s\", \"budget\": %zu, \"ref_device\": %zu, \"ref_model\": \"%s\", "
+               "\"lab_model\": \"%s\", \"param_ratio\": %.8g, \"seq_len\": %d, \"ref_seq_len\": %d, "
                "\"act_per_param_ref\": %.8g, \"act_per_param_lab\": %.8g, \"lengths\": ",
-            rep->real_scale ? "real" : "lab", rep->budget, rep->ref_device, rep->param_ratio, rep->T, rep->ref_T,
+            rep->real_scale ? "real" : "lab", rep->budget, rep->ref_device, rep->blip2 ? "blip2-opt-2.7b" : "tinyllama-1.1b",
+            rep->blip2 ? "lab-blip2-opt-2.7b" : "lab-1b", rep->param_ratio, rep->T, rep->ref_T,
             rep->act_ratio_ref, rep->act_ratio_lab);
     if (rep->lengths[0]) { /* real scale: the drawn lengths (each row's seq_len is its longest - 1) */
         jstr(f, rep->lengths);
@@ -631,6 +635,10 @@ static const fl_lab_row *row_named(const fl_lab_report *rep, const char *name) {
 /* report.md: how the lab is scaled to this machine (and the real scale, when asked). */
 static void md_scaling(FILE *f, const fl_lab_report *rep) {
     char a[32];
+    if (rep->blip2) {
+        fl_lab_blip2_md_scaling(f, rep);
+        return;
+    }
     if (rep->real_scale && rep->lengths[0])
         fprintf(f, "## Scale: real (`--scale real`)\n\n"
                    "Every row ran the lab's real model (tinyllama-1.1b, open-llama-3b, open-llama-7b; random init) at the "
@@ -779,6 +787,11 @@ static fl_status write_md(const fl_lab_report *rep, const char *dir, const char 
             cpu, cores, ram, os, rep->threads ? "fixed" : "all cores", rep->wall_s);
     fprintf(f, "- GPU utilization and memory (mean +- standard deviation): %s\n\n",
             rep->gpu_note[0] ? rep->gpu_note : "not sampled");
+    if (rep->data[0])
+        fprintf(f, "- data: the rows fine-tune on `%s` (the course's own records; tokenizer: %s), each sample cut to "
+                   "max_seq_length %d, each micro batch padded to its longest; the plans size T for that cut (an upper "
+                   "bound: shorter batches need less); tok/s counts the samples' own tokens\n\n", rep->data,
+                rep->tokenizer[0] ? rep->tokenizer : "the built-in bytes", rep->real_scale ? 512 : rep->T + 1);
     md_scaling(f, rep);
     md_results(f, rep);
     fl_lab_peer_rows_md(f, rep);

@@ -188,8 +188,9 @@ static fl_status convert_saved(fl_model *m, int l, int N, int narrow, unsigned d
         len[cnt++] = (size_t)N * g->slot[sl].width;
     }
     const fl_dtype dt = narrow ? a->act_dtype : FL_F32, st = narrow ? FL_F32 : a->act_dtype;
-    if (be->convert_many && cnt > 1 && cnt <= FL_CONVERT_MANY_MAX) return be->convert_many(be, cnt, dst, dt, src, st, len);
-    for (int k = 0; k < cnt; k++) FL_TRY(be->convert(be, dst[k], dt, src[k], st, len[k]));
+    if (be->convert_many && cnt > 1 && cnt <= FL_CONVERT_MANY_MAX)
+        return FL_RUN(be, convert_many, cnt, dst, dt, src, st, len);
+    for (int k = 0; k < cnt; k++) FL_TRY(FL_RUN(be, convert, dst[k], dt, src[k], st, len[k]));
     return FL_OK;
 }
 
@@ -201,9 +202,9 @@ fl_status fl_acts_store_stream(fl_model *m, int l, int N) {
     if (!a || !a->res16) return FL_OK;
     const fl_backend *be = m->be;
     const size_t n = (size_t)N * m->cfg.dim;
-    if (be->round16) return be->round16(be, a->res16[l], FL_BF16, a->res[l], n); /* one kernel */
-    FL_TRY(be->convert(be, a->res16[l], FL_BF16, a->res[l], FL_F32, n));
-    return be->convert(be, a->res[l], FL_F32, a->res16[l], FL_BF16, n);
+    if (be->round16) return FL_RUN(be, round16, a->res16[l], FL_BF16, a->res[l], n); /* one kernel */
+    FL_TRY(FL_RUN(be, convert, a->res16[l], FL_BF16, a->res[l], FL_F32, n));
+    return FL_RUN(be, convert, a->res[l], FL_F32, a->res16[l], FL_BF16, n);
 }
 
 static size_t imax(size_t a, size_t b) { return a > b ? a : b; }

@@ -26,16 +26,18 @@ static fl_status rope(const fl_model *m, float *x, void *x16, int *done16, int b
                       size_t row) {
     const fl_backend *be = m->be;
     fl_dims d = fl_model_dims(&m->cfg);
-    fl_status (*f16)(const fl_backend *, float *, void *, int, int, int, int, int, const float *, const float *, int) =
-        bwd ? be->rope_backward16 : be->rope_forward16;
-    if (x16 && f16 && d.QD == d.NH * d.HD) { /* the q and k heads are consecutive: one pass over the rows */
-        *done16 = 1;
-        return f16(be, x, x16, c->B, c->T, d.NH + d.NKV, d.HD, (int)row, c->rope_cos, c->rope_sin, c->pos0);
+    if (x16 && (bwd ? be->rope_backward16 : be->rope_forward16) && d.QD == d.NH * d.HD) {
+        *done16 = 1; /* the q and k heads are consecutive: one pass over the rows */
+        const int nh = d.NH + d.NKV, w = (int)row;
+        return bwd ? FL_RUN(be, rope_backward16, x, x16, c->B, c->T, nh, d.HD, w, c->rope_cos, c->rope_sin, c->pos0)
+                   : FL_RUN(be, rope_forward16, x, x16, c->B, c->T, nh, d.HD, w, c->rope_cos, c->rope_sin, c->pos0);
     }
-    void (*f)(const fl_backend *, float *, int, int, int, int, size_t, const float *, const float *, int) =
-        bwd ? be->rope_backward : be->rope_forward;
-    f(be, x, c->B, c->T, d.NH, d.HD, row, c->rope_cos, c->rope_sin, c->pos0);        /* q heads */
-    f(be, x + d.QD, c->B, c->T, d.NKV, d.HD, row, c->rope_cos, c->rope_sin, c->pos0); /* k heads */
+    for (int k = 0; k < 2; k++) { /* the q heads, then the k heads */
+        float *xk = k ? x + d.QD : x;
+        const int nh = k ? d.NKV : d.NH;
+        FL_TRY(bwd ? FL_RUN(be, rope_backward, xk, c->B, c->T, nh, d.HD, row, c->rope_cos, c->rope_sin, c->pos0)
+                   : FL_RUN(be, rope_forward, xk, c->B, c->T, nh, d.HD, row, c->rope_cos, c->rope_sin, c->pos0));
+    }
     return FL_OK;
 }
 
@@ -50,8 +52,8 @@ static fl_status kv_append(const fl_model *m, const float *qkv, const fl_block_c
         const float *row = qkv + (size_t)t * d.QKV;
         for (int h = 0; h < d.NKV; h++) {
             size_t dst = (size_t)h * head_stride + (size_t)(c->pos0 + t) * d.HD;
-            FL_TRY(be->copy(be, kc + dst, row + d.QD + (size_t)h * d.HD, (size_t)d.HD * sizeof(float)));
-            FL_TRY(be->copy(be, vc + dst, row + d.QD + d.KVD + (size_t)h * d.HD, (size_t)d.HD * sizeof(float)));
+            FL_TRY(FL_RUN(be, copy, kc + dst, row + d.QD + (size_t)h * d.HD, (size_t)d.HD * sizeof(float)));
+            FL_TRY(FL_RUN(be, copy, vc + dst, row + d.QD + d.KVD + (size_t)h * d.HD, (size_t)d.HD * sizeof(float)));
         }
     }
     return FL_OK;
@@ -81,9 +83,9 @@ static int stored16(const fl_block_graph *g, int k, const fl_block_ctx *x) {
 static fl_status store16(const fl_backend *be, const fl_block_graph *g, int k, float *const *s, const fl_block_ctx *x) {
     if (!stored16(g, k, x)) return FL_OK;
     const size_t n = (size_t)rows(g, k, x) * g->slot[k].width;
-    if (be->round16) return be->round16(be, x->s16[k], FL_BF16, s[k], n); /* one kernel */
-    FL_TRY(be->convert(be, x->s16[k], FL_BF16, s[k], FL_F32, n));
-    return be->convert(be, s[k], FL_F32, x->s16[k], FL_BF16, n);
+    if (be->round16) return FL_RUN(be, round16, x->s16[k], FL_BF16, s[k], n); /* one kernel */
+    FL_TRY(FL_RUN(be, convert, x->s16[k], FL_BF16, s[k], FL_F32, n));
+    return FL_RUN(be, convert, s[k], FL_F32, x->s16[k], FL_BF16, n);
 }
 
 /* The general attention op's shape and q/k/v views for an ATTN op that is not the fused causal one:
@@ -123,11 +125,11 @@ static fl_status attn_forward(const fl_model *m, const fl_block_graph *g, const 
         if (x->kv) FL_TRY(kv_append(m, in, x));
         if (x->kv && x->T == 1) {
             fl_kv_cache *kv = x->kv;
-            be->attention_decode(be, out, in, kv->k + fl_kv_cache_index(kv, x->layer, 0, 0),
-                                 kv->v + fl_kv_cache_index(kv, x->layer, 0, 0), x->pos0 + 1, d.NH, d.NKV, d.HD,
-                                 (size_t)kv->max_T * d.HD);
+            FL_RUN(be, attention_decode, out, in, kv->k + fl_kv_cache_index(kv, x->layer, 0, 0),
+                   kv->v + fl_kv_cache_index(kv, x->layer, 0, 0), x->pos0 + 1, d.NH, d.NKV, d.HD,
+                   (size_t)kv->max_T * d.HD);
         } else {
-            FL_TRY(fl_attention_qkv_forward(be, out, lse, in, x->B, x->T, d.NH, d.NKV, d.HD)); // (N, QD)
+            FL_TRY(FL_RUN(be, attention_qkv_forward, out, lse, in, x->B, x->T, d.NH, d.NKV, d.HD)); // (N, QD)
         }
         return FL_OK;
     }
@@ -137,8 +139,8 @@ static fl_status attn_forward(const fl_model *m, const fl_block_graph *g, const 
     fl_attn_desc a;
     float *q, *k, *v;
     attn_views(m, g, o, x, s, &a, &q, &k, &v);
-    return be->attention_forward(be, &a, out, lse, q, k, v, o->attn_flags & FL_GATTN_BIAS ? x->attn_bias : NULL,
-                                    o->attn_flags & FL_GATTN_MASK ? x->kmask : NULL);
+    return FL_RUN(be, attention_forward, &a, out, lse, q, k, v, o->attn_flags & FL_GATTN_BIAS ? x->attn_bias : NULL,
+                  o->attn_flags & FL_GATTN_MASK ? x->kmask : NULL);
 }
 
 /* The gradient buffer of slot k: a stream from outside accumulates into the caller's. */
@@ -152,21 +154,21 @@ static fl_status attn_backward(const fl_model *m, const fl_block_graph *g, const
     fl_dims d = fl_model_dims(&m->cfg);
     const float *lse = o->a1 >= 0 ? s[o->a1] : NULL;
     if (o->attn == FL_ATTN_CAUSAL && !o->attn_flags) {
-        return fl_attention_qkv_backward(be, din, dout, s[o->in], s[o->out], lse, x->B, x->T, d.NH, d.NKV, d.HD);
+        return FL_RUN(be, attention_qkv_backward, din, dout, s[o->in], s[o->out], lse, x->B, x->T, d.NH, d.NKV, d.HD);
     }
     fl_attn_desc a;
     float *q, *k, *v, *dk, *dv;
     attn_views(m, g, o, x, s, &a, &q, &k, &v);
     if (o->attn == FL_ATTN_CROSS) {
         dk = dslot(g, o->in2, gb, x);
-        if (!o->acc2) be->zero(be, dk, (size_t)rows(g, o->in2, x) * g->slot[o->in2].width * sizeof(float));
+        if (!o->acc2) FL_RUN(be, zero, dk, (size_t)rows(g, o->in2, x) * g->slot[o->in2].width * sizeof(float));
     } else {
         dk = din + d.QD;
     }
     dv = dk + d.KVD;
     const float *bias = o->attn_flags & FL_GATTN_BIAS ? x->attn_bias : NULL;
-    return be->attention_backward(be, &a, din, dk, dv, bias ? x->dattn_bias : NULL, dout, q, k, v, bias,
-                                     o->attn_flags & FL_GATTN_MASK ? x->kmask : NULL, s[o->out], lse);
+    return FL_RUN(be, attention_backward, &a, din, dk, dv, bias ? x->dattn_bias : NULL, dout, q, k, v, bias,
+                  o->attn_flags & FL_GATTN_MASK ? x->kmask : NULL, s[o->out], lse);
 }
 
 /* ALLREDUCE: the slot summed over the communicator's ranks (no communicator or one rank: nothing to do). */
@@ -223,8 +225,8 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
         int done16 = 0; /* the op wrote that bf16 copy itself */
         if (act16_kind(o->kind) >= 0 && be->act_forward16 && (o16 || pend16 == o->in)) {
             const void *in16 = pend16 == o->in ? x->s16[o->in] : NULL; /* its fp32 view is filled here */
-            FL_TRY(be->act_forward16(be, act16_kind(o->kind), out, o16, in, in16, N,
-                                     o->kind == FL_GOP_SWIGLU ? (int)wo : (int)wi));
+            FL_TRY(FL_RUN(be, act_forward16, act16_kind(o->kind), out, o16, in, in16, N,
+                          o->kind == FL_GOP_SWIGLU ? (int)wo : (int)wi));
             pend16 = -1;
             continue;
         }
@@ -261,26 +263,26 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
             if (nx && nx->kind == FL_GOP_NORM && nx->in == o->out && !fl_arch_get(m->cfg.arch)->layernorm &&
                 bp->norm_wt == FL_F32 &&
                 wo == (size_t)m->cfg.dim && rows(g, nx->in, x) == N) {
-                FL_TRY(be->add_rmsnorm_forward(be, out, s[nx->out], S(nx->a2), out, in, bp->norm_w[nx->p], FL_F32, N,
-                                               m->cfg.dim, m->cfg.norm_eps));
+                FL_TRY(FL_RUN(be, add_rmsnorm_forward, out, s[nx->out], S(nx->a2), out, in, bp->norm_w[nx->p], FL_F32,
+                              N, m->cfg.dim, m->cfg.norm_eps));
                 i++; /* the norm is done */
                 break;
             }
             if (o16 && be->add16) {
-                FL_TRY(be->add16(be, out, o16, out, in, (size_t)N * wo));
+                FL_TRY(FL_RUN(be, add16, out, o16, out, in, (size_t)N * wo));
                 done16 = 1;
             } else
-                be->add(be, out, out, in, (size_t)N * wo);
+                FL_RUN(be, add, out, out, in, (size_t)N * wo);
             break;
         }
-        case FL_GOP_SWIGLU: be->swiglu_forward(be, out, in, N, (int)wo); break;
-        case FL_GOP_GELU: be->gelu_forward(be, out, in, (size_t)N * wi); break;
-        case FL_GOP_RELU: be->relu_forward(be, out, in, (size_t)N * wi); break;
-        case FL_GOP_GELU_ERF: be->gelu_erf_forward(be, out, in, (size_t)N * wi); break;
+        case FL_GOP_SWIGLU: FL_RUN(be, swiglu_forward, out, in, N, (int)wo); break;
+        case FL_GOP_GELU: FL_RUN(be, gelu_forward, out, in, (size_t)N * wi); break;
+        case FL_GOP_RELU: FL_RUN(be, relu_forward, out, in, (size_t)N * wi); break;
+        case FL_GOP_GELU_ERF: FL_RUN(be, gelu_erf_forward, out, in, (size_t)N * wi); break;
         case FL_GOP_GEGLU:
             if (!be->geglu_forward)
                 return fl_errorf(FL_ERR_UNSUPPORTED, "backend %s has no geglu op (T5 v1.1's gated-GELU FFN)", be->name);
-            be->geglu_forward(be, out, in, N, (int)wo);
+            FL_RUN(be, geglu_forward, out, in, N, (int)wo);
             break;
         case FL_GOP_ALLREDUCE:
             if (o->p == FL_GAR_FWD) FL_TRY(allreduce(x->comm, out, (size_t)N * wo));
@@ -332,12 +334,13 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         const size_t wi = (size_t)si->width, wo = (size_t)so->width;
         /* ops whose backward accumulates into d(in): a gradient not started yet starts from zero (a
          * LINEAR overwrites it instead; o->acc: the residual path, or another reader's part already there) */
-        if (!o->acc && o->kind != FL_GOP_LINEAR && !fl_gop_modifies(o)) be->zero(be, din, (size_t)N * wi * sizeof(float));
+        if (!o->acc && o->kind != FL_GOP_LINEAR && !fl_gop_modifies(o))
+            FL_RUN(be, zero, din, (size_t)N * wi * sizeof(float));
         /* the LINEAR next in this order made in and reads d(in) in bf16: this op writes that copy (dy16) */
         void *dy16 = dy16_for(be, g, bp, i);
         if (dy16 && act16_kind(o->kind) >= 0) {
-            FL_TRY(be->act_backward16(be, act16_kind(o->kind), din, dy16, dout, s[o->in], N,
-                                      o->kind == FL_GOP_SWIGLU ? (int)wo : (int)wi));
+            FL_TRY(FL_RUN(be, act_backward16, act16_kind(o->kind), din, dy16, dout, s[o->in], N,
+                          o->kind == FL_GOP_SWIGLU ? (int)wo : (int)wi));
             dy16_ready = 1;
             continue;
         }
@@ -352,11 +355,11 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
             break;
         case FL_GOP_ROPE: FL_TRY(rope(m, din, dy16, &dy16_ready, 1, x, wi)); break;
         case FL_GOP_ATTN: FL_TRY(attn_backward(m, g, o, s, gb, x, din, dout)); break;
-        case FL_GOP_SWIGLU: be->swiglu_backward(be, din, dout, s[o->in], N, (int)wo); break;
-        case FL_GOP_GELU: be->gelu_backward(be, din, dout, s[o->in], (size_t)N * wi); break;
-        case FL_GOP_RELU: be->relu_backward(be, din, dout, s[o->in], (size_t)N * wi); break;
-        case FL_GOP_GELU_ERF: be->gelu_erf_backward(be, din, dout, s[o->in], (size_t)N * wi); break;
-        case FL_GOP_GEGLU: be->geglu_backward(be, din, dout, s[o->in], N, (int)wo); break;
+        case FL_GOP_SWIGLU: FL_RUN(be, swiglu_backward, din, dout, s[o->in], N, (int)wo); break;
+        case FL_GOP_GELU: FL_RUN(be, gelu_backward, din, dout, s[o->in], (size_t)N * wi); break;
+        case FL_GOP_RELU: FL_RUN(be, relu_backward, din, dout, s[o->in], (size_t)N * wi); break;
+        case FL_GOP_GELU_ERF: FL_RUN(be, gelu_erf_backward, din, dout, s[o->in], (size_t)N * wi); break;
+        case FL_GOP_GEGLU: FL_RUN(be, geglu_backward, din, dout, s[o->in], N, (int)wo); break;
         case FL_GOP_ALLREDUCE:
             if (o->p == FL_GAR_BWD) FL_TRY(allreduce(x->comm, din, (size_t)N * wi));
             break;
@@ -364,8 +367,8 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         }
     }
     if (g->slot[FL_GSLOT_IN].grad != FL_GBUF_RES && !x->no_din) /* d(input) ended elsewhere (assign_grads) */
-        FL_TRY(be->copy(be, gb[FL_GBUF_RES], gb[g->slot[FL_GSLOT_IN].grad],
-                        (size_t)x->B * x->T * g->slot[FL_GSLOT_IN].width * sizeof(float)));
+        FL_TRY(FL_RUN(be, copy, gb[FL_GBUF_RES], gb[g->slot[FL_GSLOT_IN].grad],
+                      (size_t)x->B * x->T * g->slot[FL_GSLOT_IN].width * sizeof(float)));
     return FL_OK;
 #undef S
 }
@@ -376,20 +379,25 @@ int fl_norm_forward_t(const fl_model *m, float *out, void *out16, float *mean, f
                       const void *w, fl_dtype wt, const float *b, int N) {
     const fl_backend *be = m->be;
     if (wt != FL_F32) { /* norm_weight's 16-bit binding */
-        be->rmsnorm_forward_w16(be, out, out16, rstd, x, w, wt, N, m->cfg.dim, m->cfg.norm_eps);
+        FL_RUN(be, rmsnorm_forward_w16, out, out16, rstd, x, w, wt, N, m->cfg.dim, m->cfg.norm_eps);
         return out16 != NULL;
     }
-    if (fl_arch_get(m->cfg.arch)->layernorm) be->layernorm_forward(be, out, mean, rstd, x, w, b, N, m->cfg.dim, m->cfg.norm_eps);
-    else be->rmsnorm_forward(be, out, rstd, x, w, N, m->cfg.dim, m->cfg.norm_eps);
+    if (fl_arch_get(m->cfg.arch)->layernorm)
+        FL_RUN(be, layernorm_forward, out, mean, rstd, x, w, b, N, m->cfg.dim, m->cfg.norm_eps);
+    else
+        FL_RUN(be, rmsnorm_forward, out, rstd, x, w, N, m->cfg.dim, m->cfg.norm_eps);
     return 0;
 }
 
 void fl_norm_backward_t(const fl_model *m, float *dx, float *dw, float *db, const float *dout, const float *x,
                         const void *w, fl_dtype wt, const float *mean, const float *rstd, int N) {
     const fl_backend *be = m->be;
-    if (wt != FL_F32) be->rmsnorm_backward_w16(be, dx, dw, dout, x, w, wt, rstd, N, m->cfg.dim);
-    else if (fl_arch_get(m->cfg.arch)->layernorm) be->layernorm_backward(be, dx, dw, db, dout, x, w, mean, rstd, N, m->cfg.dim);
-    else be->rmsnorm_backward(be, dx, dw, dout, x, w, rstd, N, m->cfg.dim);
+    if (wt != FL_F32)
+        FL_RUN(be, rmsnorm_backward_w16, dx, dw, dout, x, w, wt, rstd, N, m->cfg.dim);
+    else if (fl_arch_get(m->cfg.arch)->layernorm)
+        FL_RUN(be, layernorm_backward, dx, dw, db, dout, x, w, mean, rstd, N, m->cfg.dim);
+    else
+        FL_RUN(be, rmsnorm_backward, dx, dw, dout, x, w, rstd, N, m->cfg.dim);
 }
 
 void fl_norm_forward(const fl_model *m, float *out, float *mean, float *rstd, const float *x, const float *w,
@@ -410,22 +418,25 @@ fl_status fl_embed_forward(const fl_model *m, const fl_outer_params *op, float *
     const int C = m->cfg.dim;
     if (fl_tp_vocab_split(m)) return fl_tp_embed_forward(m, op, out, ids, B, T, pos0);
     if (m->store->dtype == FL_F32) {
-        be->embedding_forward(be, out, dids, op->wte, op->wpe ? op->wpe + (size_t)pos0 * C : NULL, B, T, C);
+        FL_RUN(be, embedding_forward, out, dids, op->wte, op->wpe ? op->wpe + (size_t)pos0 * C : NULL, B, T, C);
         return FL_OK;
     }
     if (be->embedding_forward16 && (m->store->dtype == FL_BF16 || m->store->dtype == FL_F16)) { /* one launch, not one convert per token (+ one per position row) */
         const void *wpe = op->wpe_off != (size_t)-1 ? fl_store_param_at(m->store, op->wpe_off + (size_t)pos0 * C) : NULL;
-        be->embedding_forward16(be, out, dids, fl_store_param_at(m->store, op->wte_off), wpe, m->store->dtype, B, T, C);
+        FL_RUN(be, embedding_forward16, out, dids, fl_store_param_at(m->store, op->wte_off), wpe, m->store->dtype, B, T,
+               C);
         return FL_OK;
     }
     float *row = m->store->pstage + fl_pstage_block_start(m) - C; /* one fp32 row */
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++) {
             float *o = out + ((size_t)b * T + t) * C;
-            be->convert(be, o, FL_F32, fl_store_param_at(m->store, op->wte_off + (size_t)ids[b * T + t] * C), m->store->dtype, C);
+            FL_RUN(be, convert, o, FL_F32, fl_store_param_at(m->store, op->wte_off + (size_t)ids[b * T + t] * C),
+                   m->store->dtype, C);
             if (op->wpe_off != (size_t)-1) {
-                be->convert(be, row, FL_F32, fl_store_param_at(m->store, op->wpe_off + (size_t)(pos0 + t) * C), m->store->dtype, C);
-                be->add(be, o, o, row, C);
+                FL_RUN(be, convert, row, FL_F32, fl_store_param_at(m->store, op->wpe_off + (size_t)(pos0 + t) * C),
+                       m->store->dtype, C);
+                FL_RUN(be, add, o, o, row, C);
             }
         }
     return FL_OK;
@@ -438,13 +449,14 @@ fl_status fl_embed_backward(fl_model *m, const fl_outer_params *op, const float 
     const int tpv = fl_tp_vocab_split(m);
     if (!m->store->g16) {
         if (tpv) return fl_tp_embed_backward(m, op, dout, ids, B, T);
-        be->embedding_backward(be, op->dwte, op->dwpe, dout, ids, B, T, m->cfg.dim);
+        FL_RUN(be, embedding_backward, op->dwte, op->dwpe, dout, ids, B, T, m->cfg.dim);
         return FL_OK;
     }
     size_t n0 = fl_group_numel(m, 0);
     fl_store_stage_begin(m->store, n0);
     if (tpv) FL_TRY(fl_tp_embed_backward(m, op, dout, ids, B, T));
-    else be->embedding_backward(be, op->dwte, op->dwpe, dout, ids, B, T, m->cfg.dim);
+    else
+        FL_RUN(be, embedding_backward, op->dwte, op->dwpe, dout, ids, B, T, m->cfg.dim);
     return fl_store_stage_flush(m->store, m->layout.group_offset[0], n0);
 }
 
@@ -459,17 +471,17 @@ fl_status fl_linear_forward_ex(const fl_backend *be, float *y, const float *x, c
     /* y (N,out) = x (N,in) @ W^T (in,out) */
     if (lin->n_q4) { /* 4-bit base: each part fills its rows of the (fused) output, dequantized tile by tile */
         for (int k = 0, r0 = 0; k < lin->n_q4; r0 += lin->q4[k]->rows, k++)
-            FL_TRY(be->q4_matmul_forward(be, y + r0, lin->out, x, lin->q4[k], N, 0.0f));
+            FL_TRY(FL_RUN(be, q4_matmul_forward, y + r0, lin->out, x, lin->q4[k], N, 0.0f));
     } else {
         /* mixed precision: the weight's compute copy (bf16), fp32 accumulation */
         const void *w = lin->wc ? lin->wc : (const void *)lin->w;
         fl_dtype wt = lin->wc ? lin->wct : FL_F32;
         /* a BF16 weight's GEMM rounds an F32 x to bf16: x16 is that operand already */
         const int a16 = x16 && wt == FL_BF16;
-        FL_TRY(be->gemm(be, 0, 1, N, lin->out, lin->in, 1.0f, a16 ? x16 : (const void *)x, a16 ? FL_BF16 : FL_F32,
-                        lin->in, w, wt, lin->in, 0.0f, y, FL_F32, lin->out));
+        FL_TRY(FL_RUN(be, gemm, 0, 1, N, lin->out, lin->in, 1.0f, a16 ? x16 : (const void *)x, a16 ? FL_BF16 : FL_F32,
+                      lin->in, w, wt, lin->in, 0.0f, y, FL_F32, lin->out));
     }
-    if (lin->b) be->bias_forward(be, y, lin->b, N, lin->out);
+    if (lin->b) FL_RUN(be, bias_forward, y, lin->b, N, lin->out);
     for (int k = 0; k < lin->n_adapters; k++) { /* the adapters' branches (LoRA: y[:, rows] += scaling drop(x) A^T B^T) */
         const fl_linear_adapter *a = lin->adapters[k];
         FL_TRY(a->ops->forward(a, be, y, lin->out, x, N, lin->row_base));
@@ -489,8 +501,8 @@ int fl_linear_plain16(const fl_linear *lin) {
 fl_status fl_linear_forward16(const fl_backend *be, void *y16, const void *x16, const fl_linear *lin, int N) {
     if (!fl_linear_plain16(lin) || !x16)
         return fl_errorf(FL_ERR_UNSUPPORTED, "a bf16-output linear takes a bf16 input and weight, no bias or adapter");
-    return be->gemm(be, 0, 1, N, lin->out, lin->in, 1.0f, x16, FL_BF16, lin->in, lin->wc, FL_BF16, lin->in, 0.0f, y16,
-                    FL_BF16, lin->out);
+    return FL_RUN(be, gemm, 0, 1, N, lin->out, lin->in, 1.0f, x16, FL_BF16, lin->in, lin->wc, FL_BF16, lin->in, 0.0f,
+                  y16, FL_BF16, lin->out);
 }
 
 fl_status fl_linear_backward_ex(const fl_backend *be, float *dx, int dx_accumulate, const float *dy, const float *x,
@@ -508,23 +520,23 @@ fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumu
      * once, here (or by the op that made dy: dy16_ready); the dx GEMM reads that copy, the same operand its own
      * rounding of an F32 dy gives */
     const int dy16 = fl_linear_wants_dy16(lin);
-    if (dy16 && !dy16_ready) FL_TRY(be->convert(be, lin->dyb16, FL_BF16, dy, FL_F32, (size_t)N * lin->out));
+    if (dy16 && !dy16_ready) FL_TRY(FL_RUN(be, convert, lin->dyb16, FL_BF16, dy, FL_F32, (size_t)N * lin->out));
     if (dx && lin->n_q4) { /* dx (N,in) = sum over parts of dy[:, rows] @ deq(W_part) */
         for (int k = 0, r0 = 0; k < lin->n_q4; r0 += lin->q4[k]->rows, k++)
-            FL_TRY(be->q4_matmul_backward(be, dx, dy + r0, lin->out, lin->q4[k], N,
-                                          (k > 0 || dx_accumulate) ? 1.0f : 0.0f));
+            FL_TRY(FL_RUN(be, q4_matmul_backward, dx, dy + r0, lin->out, lin->q4[k], N,
+                          (k > 0 || dx_accumulate) ? 1.0f : 0.0f));
     } else if (dx) /* dx (N,in) = dy (N,out) @ W (out,in) */
-        FL_TRY(be->gemm(be, 0, 0, N, lin->in, lin->out, 1.0f, dy16 ? (const void *)lin->dyb16 : (const void *)dy,
-                        dy16 ? FL_BF16 : FL_F32, lin->out, w, wt, lin->in, dx_accumulate ? 1.0f : 0.0f, dx, FL_F32,
-                        lin->in));
+        FL_TRY(FL_RUN(be, gemm, 0, 0, N, lin->in, lin->out, 1.0f, dy16 ? (const void *)lin->dyb16 : (const void *)dy,
+                      dy16 ? FL_BF16 : FL_F32, lin->out, w, wt, lin->in, dx_accumulate ? 1.0f : 0.0f, dx, FL_F32,
+                      lin->in));
     if (dy16) { /* dW += bf16(dy)^T @ bf16(x), fp32 accumulation; bf16(x): the saved copy when there is one */
-        if (!x16) FL_TRY(be->convert(be, lin->xb16, FL_BF16, x, FL_F32, (size_t)N * lin->in));
-        FL_TRY(be->gemm(be, 1, 0, lin->out, lin->in, N, 1.0f, lin->dyb16, FL_BF16, lin->out, x16 ? x16 : lin->xb16,
-                        FL_BF16, lin->in, 1.0f, lin->dw, FL_F32, lin->in));
+        if (!x16) FL_TRY(FL_RUN(be, convert, lin->xb16, FL_BF16, x, FL_F32, (size_t)N * lin->in));
+        FL_TRY(FL_RUN(be, gemm, 1, 0, lin->out, lin->in, N, 1.0f, lin->dyb16, FL_BF16, lin->out, x16 ? x16 : lin->xb16,
+                      FL_BF16, lin->in, 1.0f, lin->dw, FL_F32, lin->in));
     } else if (lin->dw) /* dW (out,in) += dy^T (out,N) @ x (N,in) */
-        FL_TRY(be->gemm(be, 1, 0, lin->out, lin->in, N, 1.0f, dy, FL_F32, lin->out, x, FL_F32, lin->in, 1.0f,
-                        lin->dw, FL_F32, lin->in));
-    if (lin->db) be->bias_backward(be, lin->db, dy, N, lin->out);
+        FL_TRY(FL_RUN(be, gemm, 1, 0, lin->out, lin->in, N, 1.0f, dy, FL_F32, lin->out, x, FL_F32, lin->in, 1.0f,
+                      lin->dw, FL_F32, lin->in));
+    if (lin->db) FL_RUN(be, bias_backward, lin->db, dy, N, lin->out);
     for (int k = 0; k < lin->n_adapters; k++) { /* after the base dx: each adapter's branch adds to it */
         const fl_linear_adapter *a = lin->adapters[k];
         FL_TRY(a->ops->backward(a, be, dx, dy, lin->out, x, N, lin->row_base));
@@ -533,6 +545,21 @@ fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumu
 }
 
 /* ---- the decoders' and encoders' head (transformer.c's HEAD_LM) --------------------------------------- */
+
+/* One training chunk of a bf16 head on a backend with cross_entropy_dbf16 (issue 30 item 4): the chunk's input
+ * rounded to bf16 once (xb16) for the forward and dW GEMMs, the loss's gradient written as bf16 straight into
+ * dyb16 for the dx and dW GEMMs. Those are the operands the generic path's GEMMs round from fp32 (the same bits),
+ * without its fp32 gradient's (rows, V) write and the converts that read it back. */
+static fl_status head_chunk_dbf16(fl_model *m, const fl_linear *head, float *dx, const float *x, const int32_t *tg,
+                                  float *losses, int rows, float grad_scale, float *logits_out) {
+    const fl_backend *be = m->be;
+    float *logits = m->acts->logits;
+    FL_TRY(be->convert(be, head->xb16, FL_BF16, x, FL_F32, (size_t)rows * head->in));
+    FL_TRY(fl_linear_forward_ex(be, logits, x, head->xb16, head, rows)); // (rows, V) fp32
+    if (logits_out) FL_TRY(fl_head_logits_out(m, logits_out, logits, rows));
+    FL_TRY(be->cross_entropy_dbf16(be, losses, head->dyb16, logits, tg, rows, head->out, grad_scale, FL_IGNORE_INDEX));
+    return fl_linear_backward_dy16(be, dx, 0, logits, 1, x, head->xb16, head, rows); /* dx, dW from dyb16 */
+}
 
 /* HEAD_LM: logits (rows, V) = lnf @ head^T, chunked over rows, so at most (rows, V) logits exist; with targets the
  * per-token losses, and in training the head's backward too (dlogits overwrite the logits chunk), leaving d(lnf)
@@ -562,17 +589,26 @@ fl_status fl_lm_head_loss(fl_model *m, const int32_t *targets, int N, float grad
     const int wide = a->head_w && head.wc && head.wct == a->head_dt && head.n_q4 == 0 && !fl_model_head_adapted(m);
     const int round_bf16 = wide && a->head_dt == FL_BF16;
     if (wide) {
-        FL_TRY(be->convert(be, a->head_w, FL_F32, head.wc, head.wct, (size_t)d.V * d.C)); // (V, C)
+        FL_TRY(FL_RUN(be, convert, a->head_w, FL_F32, head.wc, head.wct, (size_t)d.V * d.C)); // (V, C)
         hw.wc = a->head_w;
         hw.wct = FL_F32;
         hw.xb16 = hw.dyb16 = NULL; /* dW += dy^T x in fp32 on the rounded operands */
     }
+    /* the bf16 head's training chunks through cross_entropy_dbf16 (a plain trained bf16 weight, one vocabulary; a
+     * frozen head has no bf16 scratch: fl_linear_wants_dy16) */
+    const int dbf16 = train && targets && be->cross_entropy_dbf16 && !wide && fl_linear_wants_dy16(&head) && head.wc &&
+                      head.wct == FL_BF16 && head.n_q4 == 0 && !fl_model_head_adapted(m) && !fl_tp_vocab_split(m);
     for (int r0 = 0; r0 < N; r0 += R) {
         int rows = N - r0 < R ? N - r0 : R;
         const float *xr = a->lnf + (size_t)r0 * d.C;
+        if (dbf16) {
+            FL_TRY(head_chunk_dbf16(m, &head, dlnf + (size_t)r0 * d.C, xr, tg + r0, a->losses + r0, rows, grad_scale,
+                                    logits_out ? logits_out + (size_t)r0 * m->cfg.vocab_size : NULL));
+            continue;
+        }
         if (round_bf16) { /* x (rows, C) -> bf16 -> fp32 */
-            FL_TRY(be->convert(be, a->head_t16, FL_BF16, xr, FL_F32, (size_t)rows * d.C));
-            FL_TRY(be->convert(be, a->head_x, FL_F32, a->head_t16, FL_BF16, (size_t)rows * d.C));
+            FL_TRY(FL_RUN(be, convert, a->head_t16, FL_BF16, xr, FL_F32, (size_t)rows * d.C));
+            FL_TRY(FL_RUN(be, convert, a->head_x, FL_F32, a->head_t16, FL_BF16, (size_t)rows * d.C));
             xr = a->head_x;
         }
         fl_model_bind_adapters(m, -1, 0, &head, r0); /* head adapters: this chunk, the batch's dropout mask */
@@ -583,8 +619,8 @@ fl_status fl_lm_head_loss(fl_model *m, const int32_t *targets, int N, float grad
                                      rows, grad_scale)); /* tensor parallel: over the group's vocabulary slices */
         if (!train) continue;
         if (round_bf16) { /* dlogits (rows, V) -> bf16 -> fp32, in place */
-            FL_TRY(be->convert(be, a->head_t16, FL_BF16, a->logits, FL_F32, (size_t)rows * d.V));
-            FL_TRY(be->convert(be, a->logits, FL_F32, a->head_t16, FL_BF16, (size_t)rows * d.V));
+            FL_TRY(FL_RUN(be, convert, a->head_t16, FL_BF16, a->logits, FL_F32, (size_t)rows * d.V));
+            FL_TRY(FL_RUN(be, convert, a->logits, FL_F32, a->head_t16, FL_BF16, (size_t)rows * d.V));
         }
         FL_TRY(fl_linear_backward(be, dlnf + (size_t)r0 * d.C, 0, a->logits, xr, wide ? &hw : &head, rows));
     }
@@ -607,7 +643,7 @@ fl_status fl_lm_sum_losses(fl_model *m, const int32_t *targets, int N) {
     fl_status s = FL_OK;
     for (int i0 = 0; s == FL_OK && i0 < N; i0 += slice) {
         int n = N - i0 < slice ? N - i0 : slice;
-        s = be->to_host(be, lbuf, m->acts->losses + i0, (size_t)n * sizeof(float));
+        s = FL_RUN(be, to_host, lbuf, m->acts->losses + i0, (size_t)n * sizeof(float));
         for (int i = i0; s == FL_OK && i < i0 + n; i++)
             if (targets[i] != FL_IGNORE_INDEX) {
                 if (targets[i] < 0 || targets[i] >= V)
@@ -638,7 +674,7 @@ fl_status fl_head_loss(fl_model *m, const fl_head_bufs *h, const int32_t *target
     fl_linear_set_weight(m, &head, op.head_idx);
     const int32_t *tg = targets;
     if (targets && h->dtargets) {
-        FL_TRY(be->to_device(be, h->dtargets, targets, (size_t)N * sizeof *targets));
+        FL_TRY(FL_RUN(be, to_device, h->dtargets, targets, (size_t)N * sizeof *targets));
         tg = h->dtargets;
     }
     for (int r0 = 0; r0 < N; r0 += h->chunk) {
@@ -646,16 +682,17 @@ fl_status fl_head_loss(fl_model *m, const fl_head_bufs *h, const int32_t *target
         const float *xr = h->x + (size_t)r0 * C;
         fl_model_bind_adapters(m, -1, 0, &head, r0); /* head adapters: this chunk */
         FL_TRY(fl_linear_forward(be, h->logits, xr, &head, rows)); // (rows, V)
-        if (logits_out) FL_TRY(be->to_host(be, logits_out + (size_t)r0 * V, h->logits, (size_t)rows * V * sizeof(float)));
+        if (logits_out)
+            FL_TRY(FL_RUN(be, to_host, logits_out + (size_t)r0 * V, h->logits, (size_t)rows * V * sizeof(float)));
         if (!targets) continue;
-        be->cross_entropy(be, h->losses + r0, train ? h->logits : NULL, h->logits, tg + r0, rows, V, grad_scale,
-                          FL_IGNORE_INDEX);
+        FL_RUN(be, cross_entropy, h->losses + r0, train ? h->logits : NULL, h->logits, tg + r0, rows, V, grad_scale,
+               FL_IGNORE_INDEX);
         if (train) FL_TRY(fl_linear_backward(be, h->dx + (size_t)r0 * C, 0, h->logits, xr, &head, rows));
     }
     if (!targets) return FL_OK;
     float *l = malloc((size_t)N * sizeof *l);
     if (!l) return fl_errorf(FL_ERR_OOM, "losses: out of host memory");
-    fl_status s = be->to_host(be, l, h->losses, (size_t)N * sizeof *l);
+    fl_status s = FL_RUN(be, to_host, l, h->losses, (size_t)N * sizeof *l);
     for (int i = 0; s == FL_OK && i < N; i++)
         if (targets[i] != FL_IGNORE_INDEX) {
             *loss_sum += l[i];

@@ -305,13 +305,14 @@ static fl_status relbias_forward(fl_model *m, s2s_stack *st, int T, int bidir) {
     if (!bk) return fl_errorf(FL_ERR_OOM, "relative position buckets: out of host memory");
     for (int i = 0; i < T; i++)
         for (int j = 0; j < T; j++) bk[(size_t)i * T + j] = rel_bucket(i, j, bidir, nb, m->cfg.rel_max_dist);
-    fl_status s = be->to_device(be, st->buckets, bk, (size_t)T * T * sizeof *bk);
+    fl_status s = FL_RUN(be, to_device, st->buckets, bk, (size_t)T * T * sizeof *bk);
     free(bk);
     FL_TRY(s);
     float *tab;
     FL_TRY(relbias_table(m, st, 0, &tab));
     for (int h = 0; h < NH; h++)
-        be->embedding_forward(be, st->bias + (size_t)h * T * T, st->buckets, tab + (size_t)h * nb, NULL, 1, T * T, 1);
+        FL_RUN(be, embedding_forward, st->bias + (size_t)h * T * T, st->buckets, tab + (size_t)h * nb, NULL, 1, T * T,
+               1);
     return FL_OK;
 }
 
@@ -320,8 +321,8 @@ static void relbias_backward(fl_model *m, s2s_stack *st, int T) {
     if (relbias_table(m, st, 1, &dtab) != FL_OK || !dtab) return; /* the base is frozen (LoRA) */
     const int nb = m->cfg.rel_buckets;
     for (int h = 0; h < m->cfg.n_heads; h++)
-        m->be->embedding_backward(m->be, dtab + (size_t)h * nb, NULL, st->dbias + (size_t)h * T * T, st->buckets, 1,
-                                  T * T, 1);
+        FL_RUN(m->be, embedding_backward, dtab + (size_t)h * nb, NULL, st->dbias + (size_t)h * T * T, st->buckets, 1,
+               T * T, 1);
 }
 
 /* ---- rows from the caller (fl_model.emb_inject: BLIP-2's queries) ----------------------------------- */
@@ -332,11 +333,11 @@ static fl_status inject_rows(fl_model *m, float *res0, float *dres0) {
     for (int i = 0; i < m->emb_inject.n; i++) {
         float *r = (dres0 ? dres0 : res0) + (size_t)m->emb_inject.rows[i] * C;
         if (!dres0) {
-            FL_TRY(be->copy(be, r, m->emb_inject.src + i * C, C * sizeof(float)));
+            FL_TRY(FL_RUN(be, copy, r, m->emb_inject.src + i * C, C * sizeof(float)));
             continue;
         }
-        FL_TRY(be->copy(be, m->emb_inject.dsrc + i * C, r, C * sizeof(float)));
-        be->zero(be, r, C * sizeof(float));
+        FL_TRY(FL_RUN(be, copy, m->emb_inject.dsrc + i * C, r, C * sizeof(float)));
+        FL_RUN(be, zero, r, C * sizeof(float));
     }
     return FL_OK;
 }
@@ -421,8 +422,10 @@ static fl_status saved16(const fl_model *m, const s2s_stack *st, int l, int narr
         const int sl = st->g.prod[k];
         if (st->g.slot[sl].kind != FL_GSLOT_WIDE) continue;
         const size_t n = (size_t)a->Bp * (size_t)slot_T(a, s, sl, a->T) * (size_t)st->g.slot[sl].width;
-        if (narrow) FL_TRY(m->be->convert(m->be, la->s16[sl], a->act16, la->s[sl], FL_F32, n));
-        else FL_TRY(m->be->convert(m->be, la->s[sl], FL_F32, la->s16[sl], a->act16, n));
+        if (narrow)
+            FL_TRY(FL_RUN(m->be, convert, la->s16[sl], a->act16, la->s[sl], FL_F32, n));
+        else
+            FL_TRY(FL_RUN(m->be, convert, la->s[sl], FL_F32, la->s16[sl], a->act16, n));
     }
     return FL_OK;
 }
@@ -447,7 +450,7 @@ static fl_status check_model(const fl_model *m, const char *fn) {
 static fl_status head_run(fl_model *m, const int32_t *targets, int N, float grad_scale, float *logits_out) {
     struct fl_s2s_acts *a = m->acts->s2s;
     float *x = a->st[a->n_stacks - 1].nout;
-    if (m->cfg.head_scale) m->be->scale(m->be, x, (size_t)N * m->cfg.dim, 1.0f / sqrtf((float)m->cfg.dim));
+    if (m->cfg.head_scale) FL_RUN(m->be, scale, x, (size_t)N * m->cfg.dim, 1.0f / sqrtf((float)m->cfg.dim));
     const fl_head_bufs h = {x, a->gb[1], a->logits, a->losses, a->targets, a->chunk};
     if (grad_scale > 0 && targets) { /* sharded: the root units' gradient buffers, open until the backward ends */
         FL_TRY(fl_store_grads_begin(m->store, m->layout.n_groups - 1));
@@ -477,7 +480,7 @@ static fl_status stack_forward(fl_model *m, const fl_model_graph *mg, int s, con
         if (mg->op[i].stack != s) continue;
         switch ((fl_mop_kind)mg->op[i].kind) {
         case FL_MOP_EMBED:
-            FL_TRY(be->to_device(be, st->ids, ids, (size_t)N * sizeof *ids));
+            FL_TRY(FL_RUN(be, to_device, st->ids, ids, (size_t)N * sizeof *ids));
             fl_embed_forward(m, &op, st->res[0], st->ids, ids, a->Bp, T, 0);
             if (s == 0) FL_TRY(inject_rows(m, st->res[0], NULL));
             break;
@@ -545,7 +548,7 @@ static fl_status s2s_forward(fl_model *m, const int32_t *src_ids, const uint8_t 
     a->Bp = B;
     a->T[0] = Ts, a->T[1] = Tt;
     a->kmask_on = src_mask != NULL;
-    fl_status s = src_mask ? m->be->to_device(m->be, a->kmask, src_mask, (size_t)B * Ts) : FL_OK;
+    fl_status s = src_mask ? FL_RUN(m->be, to_device, a->kmask, src_mask, (size_t)B * Ts) : FL_OK;
     m->loss_sum = 0;
     m->n_valid = 0;
     m->have_targets = targets != NULL;
@@ -573,7 +576,7 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, co
     int role_norm = -1;
     for (int i = 0; i < mg->n_ops; i++)
         if (mg->op[i].stack == s && mg->op[i].kind == FL_MOP_NORM) role_norm = mg->op[i].role_w;
-    be->zero(be, dres, (size_t)N * C * sizeof(float));
+    FL_RUN(be, zero, dres, (size_t)N * C * sizeof(float));
     stage_open(m, G);
     fl_norm_backward(m, dres, param_of(m, G, role_norm, 1), NULL, dnout, st->res[st->L], param_of(m, G, role_norm, 0),
                      NULL, st->nrstd, N);
@@ -584,11 +587,11 @@ static fl_status stack_backward(fl_model *m, const fl_model_graph *mg, int s, co
      * reverse), each block's after its backward (the first block's after the relative bias table it holds), the
      * shared embedding's after the first stack's embedding */
     if (s == 0) FL_TRY(fl_store_grads_ready(m->store, G));
-    be->zero(be, st->dbias, (size_t)m->cfg.n_heads * T * T * sizeof(float));
+    FL_RUN(be, zero, st->dbias, (size_t)m->cfg.n_heads * T * T * sizeof(float));
     float *dxs[FL_GRAPH_MAX_SLOTS] = {0};
     if (st->xslot >= 0) {
         dxs[st->xslot] = a->dstream;
-        be->zero(be, a->dstream, (size_t)a->Bp * a->T[s - 1] * C * sizeof(float));
+        FL_RUN(be, zero, a->dstream, (size_t)a->Bp * a->T[s - 1] * C * sizeof(float));
     }
     for (int l = st->L - 1; l >= 0; l--) {
         const int g = st->l0 + l + 1;
@@ -630,7 +633,7 @@ static fl_status s2s_backward(fl_model *m) {
     const int last = mg.n_stacks - 1, N = a->Bp * a->T[last];
     m->ckpt_recomputed = 0;
     if (s == FL_OK && m->cfg.head_scale) /* d(norm out) = scale x d(head input) */
-        m->be->scale(m->be, a->gb[1], (size_t)N * m->cfg.dim, 1.0f / sqrtf((float)m->cfg.dim));
+        FL_RUN(m->be, scale, a->gb[1], (size_t)N * m->cfg.dim, 1.0f / sqrtf((float)m->cfg.dim));
     /* the last stack from the head's d(its norm's output); each earlier one from d(its output) the later left */
     for (int k = last; s == FL_OK && k >= 0; k--) s = stack_backward(m, &mg, k, k == last ? a->gb[1] : a->dstream);
     m->fwd_train = 0;
@@ -650,20 +653,20 @@ static fl_status decode_step(fl_model *m, const fl_model_graph *mg, const int32_
     const size_t r = (size_t)n - 1;
     fl_outer_params op;
     fl_get_outer(m, &op);
-    FL_TRY(be->to_device(be, st->ids + r, tok, sizeof *tok));
+    FL_TRY(FL_RUN(be, to_device, st->ids + r, tok, sizeof *tok));
     fl_embed_forward(m, &op, st->res[0] + r * C, st->ids + r, tok, 1, 1, 0);
     /* the bias row of query n-1: (NH, 1, n) */
     int32_t *bk = malloc((size_t)n * sizeof *bk);
     if (!bk) return fl_errorf(FL_ERR_OOM, "relative position buckets: out of host memory");
     for (int j = 0; j < n; j++) bk[j] = rel_bucket(n - 1, j, 0, nb, m->cfg.rel_max_dist);
-    fl_status rc = be->to_device(be, st->buckets, bk, (size_t)n * sizeof *bk);
+    fl_status rc = FL_RUN(be, to_device, st->buckets, bk, (size_t)n * sizeof *bk);
     free(bk);
     FL_TRY(rc);
     float *tab;
     FL_TRY(block_gather(m, st->l0 + 1));
     FL_TRY(relbias_table(m, st, 0, &tab));
     for (int h = 0; h < NH; h++)
-        be->embedding_forward(be, st->bias + (size_t)h * n, st->buckets, tab + (size_t)h * nb, NULL, 1, n, 1);
+        FL_RUN(be, embedding_forward, st->bias + (size_t)h * n, st->buckets, tab + (size_t)h * nb, NULL, 1, n, 1);
     for (int l = 0; l < st->L; l++) {
         float *sv[FL_GRAPH_MAX_SLOTS];
         for (int k = 0; k < st->g.n_slots; k++) /* row n-1 of the per-row slots; the stream's rows whole */
@@ -682,12 +685,12 @@ static fl_status decode_step(fl_model *m, const fl_model_graph *mg, const int32_
         if (mg->op[i].stack == s && mg->op[i].kind == FL_MOP_NORM) role = mg->op[i].role_w;
     float *no = st->nout + r * C;
     fl_norm_forward(m, no, NULL, st->nrstd + r, st->res[st->L] + r * C, param_of(m, G, role, 0), NULL, 1);
-    if (m->cfg.head_scale) be->scale(be, no, (size_t)C, 1.0f / sqrtf((float)C));
+    if (m->cfg.head_scale) FL_RUN(be, scale, no, (size_t)C, 1.0f / sqrtf((float)C));
     fl_linear head = {.in = C, .out = m->cfg.vocab_size, .w = op.head};
     fl_linear_set_weight(m, &head, op.head_idx);
     fl_model_bind_adapters(m, -1, 0, &head, 0);
     FL_TRY(fl_linear_forward(be, a->logits, no, &head, 1));
-    return be->to_host(be, lg, a->logits, (size_t)m->cfg.vocab_size * sizeof(float));
+    return FL_RUN(be, to_host, lg, a->logits, (size_t)m->cfg.vocab_size * sizeof(float));
 }
 
 static fl_status s2s_generate(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, int max_new,
@@ -717,7 +720,7 @@ static fl_status s2s_generate(fl_model *m, const int32_t *src, const uint8_t *sr
     a->T[0] = Ts;
     a->kmask_on = src_mask != NULL;
     m->fwd_train = 0;
-    fl_status s = src_mask ? m->be->to_device(m->be, a->kmask, src_mask, (size_t)Ts) : FL_OK;
+    fl_status s = src_mask ? FL_RUN(m->be, to_device, a->kmask, src_mask, (size_t)Ts) : FL_OK;
     if (s == FL_OK) s = roots_gather(m); /* sharded: every rank decodes in step, each block gathered per token */
     if (s == FL_OK) s = stack_forward(m, &mg, 0, src, NULL, 0, NULL); /* the encoder, once */
     int n = 0;
@@ -753,7 +756,7 @@ static fl_status s2s_generate(fl_model *m, const int32_t *src, const uint8_t *sr
 
 static void s2s_lend(const fl_model *m, int on) {
     const void *sc = m->acts && m->acts->s2s ? m->acts->s2s->be_scratch : NULL;
-    if (sc) m->be->set_scratch(m->be, on ? (void *)sc : NULL, on ? m->be->scratch_bytes : 0);
+    if (sc) FL_RUN(m->be, set_scratch, on ? (void *)sc : NULL, on ? m->be->scratch_bytes : 0);
     fl_model_tell_compute_dtype(m, on);
 }
 

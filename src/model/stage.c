@@ -30,6 +30,16 @@ fl_status fl_pp_stage_config(const fl_model_config *whole, int first, int last, 
     return FL_OK;
 }
 
+void fl_pp_block_costs(const fl_model_config *c, int T, double *cost) {
+    /* one block's FLOPs: the whole count's change with one more block (its matmuls and attention); the head's: the
+     * count of no blocks (lm_head's GEMMs; the embeddings are a lookup) */
+    fl_model_config one = *c, none = *c;
+    one.n_layers = 1, none.n_layers = 0;
+    const double head = fl_model_train_flops(&none, 1, T), block = fl_model_train_flops(&one, 1, T) - head;
+    for (int i = 0; i < c->n_layers; i++) cost[i] = block;
+    if (c->n_layers > 0) cost[c->n_layers - 1] += head;
+}
+
 /* the layout group of entry i (0 embeddings, 1..L blocks, L+1 head) and its place among the group's entries */
 static int entry_group(const fl_param_layout *lay, int i, int *within) {
     int g = 0;

@@ -42,7 +42,7 @@ const float *fl_store_bind_1d(const fl_param_store *s, int i, float **cur) {
     float *v = *cur;
     *cur += p->numel;
     if (!src) return NULL; /* sharded: its group is not gathered */
-    s->be->convert(s->be, v, FL_F32, src, s->dtype, p->numel);
+    FL_RUN(s->be, convert, v, FL_F32, src, s->dtype, p->numel);
     return v;
 }
 
@@ -54,7 +54,7 @@ float *fl_store_grad(const fl_param_store *s, size_t off) {
 }
 
 void fl_store_stage_begin(fl_param_store *s, size_t n) {
-    if (s->g16) s->be->zero(s->be, s->gstage, n * sizeof(float));
+    if (s->g16) FL_RUN(s->be, zero, s->gstage, n * sizeof(float));
 }
 
 fl_status fl_store_stage_flush(fl_param_store *s, size_t off, size_t n) {
@@ -64,7 +64,7 @@ fl_status fl_store_stage_flush(fl_param_store *s, size_t off, size_t n) {
     void *dst = s->ops->grad_at(s, off);
     if (!dst)
         return fl_errorf(FL_ERR_INTERNAL, "sharded gradients: group %d has no gradient buffer", fl_store_group_of(s, off));
-    return s->be->accumulate16(s->be, dst, s->dtype, s->gstage, n);
+    return FL_RUN(s->be, accumulate16, dst, s->dtype, s->gstage, n);
 }
 
 fl_status fl_store_grads_ready(fl_param_store *s, int g) {

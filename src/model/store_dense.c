@@ -118,8 +118,8 @@ fl_status fl_store_alloc_grads(fl_param_store *s, const fl_model_config *cfg) {
 void fl_store_zero_grads(fl_param_store *s) {
     /* offloaded: not zeroed (every unit's first reduction of the step writes its piece of the host shard,
      * FSDP's `fresh`), so an NVMe tier's gradient pages are not touched for nothing */
-    if (s->grads && !s->tpool) s->be->zero(s->be, s->grads, s->numel * sizeof(float));
-    if (s->g16 && !s->tpool) s->be->zero(s->be, s->g16, s->numel * sizeof(uint16_t));
+    if (s->grads && !s->tpool) FL_RUN(s->be, zero, s->grads, s->numel * sizeof(float));
+    if (s->g16 && !s->tpool) FL_RUN(s->be, zero, s->g16, s->numel * sizeof(uint16_t));
     s->ops->zero_grads(s);
 }
 
@@ -138,5 +138,5 @@ fl_status fl_store_set_compute(fl_param_store *s, const fl_precision *p) {
 void fl_store_sync_compute(fl_param_store *s) {
     /* sharded: no whole copy (each gathered group converts its own, src/train/fsdp.c) */
     if (s->wcompute && s->params && s->ops->whole)
-        s->be->convert(s->be, s->wcompute, s->compute_dtype, s->params, FL_F32, s->dense_numel);
+        FL_RUN(s->be, convert, s->wcompute, s->compute_dtype, s->params, FL_F32, s->dense_numel);
 }

@@ -35,10 +35,13 @@ fl_status fl_tp_embed_forward(const fl_model *m, const fl_outer_params *op, floa
     for (int r = 0; r < N; r++) {
         float *o = out + (size_t)r * C;
         const int id = ids[r] - lo;
-        if (id < 0 || id >= n) be->zero(be, o, (size_t)C * sizeof(float));
-        else if (f32) FL_TRY(be->copy(be, o, op->wte + (size_t)id * C, (size_t)C * sizeof(float)));
-        else FL_TRY(be->convert(be, o, FL_F32, fl_store_param_at(m->store, op->wte_off + (size_t)id * C),
-                                m->store->dtype, C));
+        if (id < 0 || id >= n)
+            FL_RUN(be, zero, o, (size_t)C * sizeof(float));
+        else if (f32)
+            FL_TRY(FL_RUN(be, copy, o, op->wte + (size_t)id * C, (size_t)C * sizeof(float)));
+        else
+            FL_TRY(FL_RUN(be, convert, o, FL_F32, fl_store_param_at(m->store, op->wte_off + (size_t)id * C),
+                          m->store->dtype, C));
     }
     if (m->tp_comm && fl_comm_size(m->tp_comm) > 1)
         FL_TRY(fl_error_prefix(fl_comm_all_reduce(m->tp_comm, out, out, (size_t)N * C, FL_F32, FL_COMM_SUM),
@@ -50,9 +53,9 @@ fl_status fl_tp_embed_forward(const fl_model *m, const fl_outer_params *op, floa
             float *o = out + ((size_t)b * T + t) * C;
             const float *p = op->wpe ? op->wpe + (size_t)(pos0 + t) * C : row;
             if (!f32)
-                FL_TRY(be->convert(be, row, FL_F32, fl_store_param_at(m->store, op->wpe_off + (size_t)(pos0 + t) * C),
-                                   m->store->dtype, C));
-            be->add(be, o, o, p, C); /* (e + 0 + ...) + p: the single process's e + p */
+                FL_TRY(FL_RUN(be, convert, row, FL_F32,
+                              fl_store_param_at(m->store, op->wpe_off + (size_t)(pos0 + t) * C), m->store->dtype, C));
+            FL_RUN(be, add, o, o, p, C); /* (e + 0 + ...) + p: the single process's e + p */
         }
     return FL_OK;
 }
@@ -67,15 +70,16 @@ fl_status fl_tp_embed_backward(fl_model *m, const fl_outer_params *op, const flo
     if (op->dwte) {
         int32_t *ids = malloc((size_t)N * sizeof *ids);
         if (!ids) return fl_errorf(FL_ERR_OOM, "tensor parallel: out of host memory for the embedding's ids");
-        fl_status s = be->to_host(be, ids, dids, (size_t)N * sizeof *ids);
+        fl_status s = FL_RUN(be, to_host, ids, dids, (size_t)N * sizeof *ids);
         for (int r = 0; s == FL_OK && r < N; r++) {
             const int id = ids[r] - lo;
-            if (id >= 0 && id < n) be->add(be, op->dwte + (size_t)id * C, op->dwte + (size_t)id * C, dout + (size_t)r * C, C);
+            if (id >= 0 && id < n)
+                FL_RUN(be, add, op->dwte + (size_t)id * C, op->dwte + (size_t)id * C, dout + (size_t)r * C, C);
         }
         free(ids);
         FL_TRY(s);
     }
-    if (op->dwpe) be->embedding_backward(be, NULL, op->dwpe, dout, dids, B, T, C);
+    if (op->dwpe) FL_RUN(be, embedding_backward, NULL, op->dwpe, dout, dids, B, T, C);
     return FL_OK;
 }
 
@@ -94,7 +98,7 @@ fl_status fl_tp_cross_entropy(fl_model *m, float *loss, float *dlogits, const fl
     double *mine = malloc((size_t)rows * 3 * sizeof *mine), *all = malloc((size_t)P * rows * 3 * sizeof *all);
     fl_status s = h && l && mine && all ? FL_OK : fl_errorf(FL_ERR_OOM, "tensor parallel: out of host memory for the "
                                                             "cross-entropy's logits chunk");
-    if (s == FL_OK) s = be->to_host(be, h, logits, (size_t)rows * n * sizeof *h);
+    if (s == FL_OK) s = FL_RUN(be, to_host, h, logits, (size_t)rows * n * sizeof *h);
     /* the planner's null backend discards: its logits are no numbers, so the statistics' exp over every column (a 7B
      * plan's whole cost) are skipped; the group's all-gather still runs, as its scratch is the run's */
     const int compute = !fl_backend_discards(be);
@@ -140,8 +144,8 @@ fl_status fl_tp_cross_entropy(fl_model *m, float *loss, float *dlogits, const fl
         if (owner == me) dx[tg - lo] -= grad_scale;
     }
     if (!compute) memset(l, 0, (size_t)rows * sizeof *l);
-    if (s == FL_OK) s = be->to_device(be, loss, l, (size_t)rows * sizeof *l);
-    if (s == FL_OK && dlogits) s = be->to_device(be, dlogits, h, (size_t)rows * n * sizeof *h);
+    if (s == FL_OK) s = FL_RUN(be, to_device, loss, l, (size_t)rows * sizeof *l);
+    if (s == FL_OK && dlogits) s = FL_RUN(be, to_device, dlogits, h, (size_t)rows * n * sizeof *h);
     free(h), free(l), free(mine), free(all);
     return s;
 }
@@ -163,7 +167,7 @@ fl_status fl_tp_logits_out(fl_model *m, float *out, const float *part, int rows)
     const int n = fl_config_vocab_rows(&m->cfg, &lo);
     float *h = malloc((size_t)rows * n * sizeof *h);
     if (!h) return fl_errorf(FL_ERR_OOM, "tensor parallel: out of host memory for the logits");
-    fl_status s = be->to_host(be, h, part, (size_t)rows * n * sizeof *h);
+    fl_status s = FL_RUN(be, to_host, h, part, (size_t)rows * n * sizeof *h);
     if (s == FL_OK) {
         memset(out, 0, (size_t)rows * V * sizeof *out);
         for (int i = 0; i < rows; i++) memcpy(out + (size_t)i * V + lo, h + (size_t)i * n, (size_t)n * sizeof *h);
@@ -178,11 +182,11 @@ fl_status fl_tp_logits_out(fl_model *m, float *out, const float *part, int rows)
 fl_status fl_head_cross_entropy(fl_model *m, float *loss, float *dlogits, const float *logits, const int32_t *dtargets,
                                 const int32_t *targets, int rows, float grad_scale) {
     if (fl_tp_vocab_split(m)) return fl_tp_cross_entropy(m, loss, dlogits, logits, targets, rows, grad_scale);
-    m->be->cross_entropy(m->be, loss, dlogits, logits, dtargets, rows, m->cfg.vocab_size, grad_scale, FL_IGNORE_INDEX);
+    FL_RUN(m->be, cross_entropy, loss, dlogits, logits, dtargets, rows, m->cfg.vocab_size, grad_scale, FL_IGNORE_INDEX);
     return FL_OK;
 }
 
 fl_status fl_head_logits_out(fl_model *m, float *out, const float *logits, int rows) {
     if (fl_tp_vocab_split(m)) return fl_tp_logits_out(m, out, logits, rows);
-    return m->be->to_host(m->be, out, logits, (size_t)rows * m->cfg.vocab_size * sizeof(float));
+    return FL_RUN(m->be, to_host, out, logits, (size_t)rows * m->cfg.vocab_size * sizeof(float));
 }

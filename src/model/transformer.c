@@ -80,14 +80,16 @@ static fl_status upload(fl_model *m, const pass *p) {
                              "(types [0, %d))", p->ids[i], ty, i, V, m->cfg.type_vocab_size);
         return fl_errorf(FL_ERR_INVALID, "token id %d at position %d is outside the vocabulary [0, %d)", p->ids[i], i, V);
     }
-    FL_TRY(be->to_device(be, a->ids, p->ids, (size_t)N * sizeof *p->ids)); /* host ids -> the arena */
+    FL_TRY(FL_RUN(be, to_device, a->ids, p->ids, (size_t)N * sizeof *p->ids)); /* host ids -> the arena */
     if (a->type_ids) {
-        if (p->type_ids) FL_TRY(be->to_device(be, a->type_ids, p->type_ids, (size_t)N * sizeof *p->type_ids));
-        else be->zero(be, a->type_ids, (size_t)N * sizeof(int32_t));
+        if (p->type_ids)
+            FL_TRY(FL_RUN(be, to_device, a->type_ids, p->type_ids, (size_t)N * sizeof *p->type_ids));
+        else
+            FL_RUN(be, zero, a->type_ids, (size_t)N * sizeof(int32_t));
     }
     a->kmask_on = p->kmask != NULL;
-    if (p->kmask) FL_TRY(be->to_device(be, a->kmask, p->kmask, (size_t)N));
-    if (p->targets && a->targets) FL_TRY(be->to_device(be, a->targets, p->targets, (size_t)N * sizeof *p->targets));
+    if (p->kmask) FL_TRY(FL_RUN(be, to_device, a->kmask, p->kmask, (size_t)N));
+    if (p->targets && a->targets) FL_TRY(FL_RUN(be, to_device, a->targets, p->targets, (size_t)N * sizeof *p->targets));
     return FL_OK;
 }
 
@@ -147,8 +149,8 @@ static fl_status forward_body(fl_model *m, const pass *p) {
             if (!m->stage.in) FL_TRY(fl_embed_forward(m, &op, e, a->ids, p->ids, B, T, 0));
             break;
         case FL_MOP_EMBED_TYPE: /* through buf1 (N, C) */
-            be->embedding_forward(be, a->buf1, a->type_ids, role_param(m, 0, FL_ROLE_TYPE_EMBED, 0), NULL, B, T, C);
-            be->add(be, e, e, a->buf1, (size_t)N * C);
+            FL_RUN(be, embedding_forward, a->buf1, a->type_ids, role_param(m, 0, FL_ROLE_TYPE_EMBED, 0), NULL, B, T, C);
+            FL_RUN(be, add, e, e, a->buf1, (size_t)N * C);
             break;
         case FL_MOP_NORM:
             if (!after)
@@ -186,7 +188,7 @@ static fl_status forward_end(fl_model *m, const pass *p, float *logits_out, floa
         if (p->targets && !m->stage.out) FL_TRY(fl_lm_sum_losses(m, p->targets, N));
     } else if (hidden) {
         const float *out = has_final_norm(a->mgraph) ? a->lnf : a->res[m->cfg.n_layers];
-        FL_TRY(m->be->to_host(m->be, hidden, out, (size_t)N * m->cfg.dim * sizeof(float)));
+        FL_TRY(FL_RUN(m->be, to_host, hidden, out, (size_t)N * m->cfg.dim * sizeof(float)));
     }
     m->fwd_B = p->B;
     m->fwd_T = p->T;
@@ -249,8 +251,8 @@ static fl_status run_backward(fl_model *m, const float *dhidden) {
     m->ckpt_recomputed = 0;
     if (m->stage.out) { /* an earlier pipeline stage: d res[L] is already in dres (fl_model_stage_dout) */
     } else if (has_final_norm(mg)) { /* d(lnf) (N, C) in buf1 -> d res[L] in dres */
-        if (dhidden) FL_TRY(be->to_device(be, a->buf1, dhidden, nc * sizeof(float)));
-        be->zero(be, a->dres, nc * sizeof(float));
+        if (dhidden) FL_TRY(FL_RUN(be, to_device, a->buf1, dhidden, nc * sizeof(float)));
+        FL_RUN(be, zero, a->dres, nc * sizeof(float));
         /* the final norm's parameters open the head group (16-bit storage: staged) */
         const size_t n_lnf = fl_outer_1d(m);
         fl_store_stage_begin(m->store, n_lnf);
@@ -258,7 +260,7 @@ static fl_status run_backward(fl_model *m, const float *dhidden) {
                            a->lnf_rstd, N);
         FL_TRY(fl_store_stage_flush(m->store, m->layout.group_offset[HG], n_lnf));
     } else {
-        FL_TRY(be->to_device(be, a->dres, dhidden, nc * sizeof(float)));
+        FL_TRY(FL_RUN(be, to_device, a->dres, dhidden, nc * sizeof(float)));
     }
     /* the head's gradient was completed in the forward */
     PP_RELEASE(HG);
@@ -274,7 +276,7 @@ static fl_status run_backward(fl_model *m, const float *dhidden) {
     for (int i = 0; i < mg->n_ops && mg->op[i].kind != FL_MOP_BLOCKS; i++)
         if (mg->op[i].kind == FL_MOP_NORM) { /* the embedding norm: d(its input) into buf1 */
             const int rw = mg->op[i].role_w, rb = mg->op[i].role_b;
-            be->zero(be, a->buf1, nc * sizeof(float));
+            FL_RUN(be, zero, a->buf1, nc * sizeof(float));
             fl_norm_backward(m, a->buf1, role_param(m, 0, rw, 1), role_param(m, 0, rb, 1), a->dres, a->emb_x,
                              role_param(m, 0, rw, 0), a->emb_mean, a->emb_rstd, N);
             de = a->buf1;
@@ -286,7 +288,8 @@ static fl_status run_backward(fl_model *m, const float *dhidden) {
     for (int i = 0; i < mg->n_ops && mg->op[i].kind != FL_MOP_BLOCKS; i++) {
         if (mg->op[i].kind == FL_MOP_EMBED) FL_TRY(fl_embed_backward(m, &op, de, a->ids, B, T));
         if (mg->op[i].kind == FL_MOP_EMBED_TYPE)
-            be->embedding_backward(be, role_param(m, 0, FL_ROLE_TYPE_EMBED, 1), NULL, de, a->type_ids, B, T, m->cfg.dim);
+            FL_RUN(be, embedding_backward, role_param(m, 0, FL_ROLE_TYPE_EMBED, 1), NULL, de, a->type_ids, B, T,
+                   m->cfg.dim);
     }
     PP_READY(0);
     m->fwd_train = 0;
@@ -300,14 +303,13 @@ static fl_status run_backward(fl_model *m, const float *dhidden) {
  * into a freed arena outlives the call. */
 static void lend_scratch(const fl_model *m, int on) {
     if (m->acts && m->acts->be_scratch)
-        m->be->set_scratch(m->be, on ? m->acts->be_scratch : NULL, on ? m->be->scratch_bytes : 0);
+        FL_RUN(m->be, set_scratch, on ? m->acts->be_scratch : NULL, on ? m->be->scratch_bytes : 0);
 }
 
 /* The precision's compute dtype told to the backend for the call (fl_backend.set_compute_dtype:
  * bf16 runs may take its tensor-core attention), FL_F32 again after. */
 void fl_model_tell_compute_dtype(const fl_model *m, int on) {
-    if (m->be->set_compute_dtype)
-        m->be->set_compute_dtype(m->be, on && m->prec.name ? m->prec.compute_dtype : FL_F32);
+    if (m->be->set_compute_dtype) FL_RUN(m->be, set_compute_dtype, on && m->prec.name ? m->prec.compute_dtype : FL_F32);
 }
 
 static void around(const fl_model *m, int on, int compute) {

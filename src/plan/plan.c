@@ -25,6 +25,7 @@
 #include "fitllm/generate.h"
 #include "fitllm/io.h"
 #include "fitllm/plan.h"
+#include "fitllm/pp.h"
 #include "fitllm/lengths.h"
 #include "backend/cuda/cuda-impl.h"
 #include "fitllm/trainer.h"
@@ -673,6 +674,14 @@ fl_status fl_plan_run(const fl_run_config *c, const fl_plan_opts *opts_in, fl_pl
     p->B = c->train.micro_batch_size;
     p->global_batch = c->train.global_batch_size / fl_cfg_dp_ranks(c); /* per data-parallel rank */
     p->accum = p->global_batch / p->B;
+    if (c->pipeline_parallel > 1) { /* the bubble and the expected step (fitllm/pp.h) */
+        char pp[1200];
+        fl_pp_schedule k;
+        FL_TRY(fl_pp_schedule_parse(c->pipeline_schedule, &k));
+        FL_TRY(fl_pp_estimate_text(&x.mc, c->train.max_seq_length > 0 ? c->train.max_seq_length : ctx,
+                                   c->pipeline_parallel, p->accum, k, opts.block_ms, pp, sizeof pp));
+        for (char *line = strtok(pp, "\n"); line; line = strtok(NULL, "\n")) note(p, "%s", line);
+    }
     snprintf(p->precision, sizeof p->precision, "%s", c->precision);
     snprintf(p->optimizer, sizeof p->optimizer, "%s%s", fl_optim_name(c->optimizer.kind),
              c->optimizer.kind == FL_OPT_SGD && c->optimizer.momentum != 0.0f ? "+momentum" : "");
@@ -736,11 +745,11 @@ static void strategy_notes(fl_plan *p, const fl_run_config *c, const fl_strategy
     const fl_plan_opts opts = *o;
     if (c->pipeline_parallel > 1)
         note(p, "pipeline parallel %d (EXPERIMENTAL, schedule %s)%s: rank %d is stage %d: its contiguous range of the "
-                "blocks (balanced by count), a copy of the embeddings and head (run and trained on the first / last stage "
+                "blocks (balanced by their training FLOPs, lm_head's on the last stage), a copy of the embeddings and head (run and trained on the first / last stage "
                 "only), their gradients and optimizer state, and the activations of the micro-batches it keeps in flight "
                 "(the arena's one and a stash per further one: 1F1B at most min(stages - stage, micro-batches), GPipe all); "
                 "the whole model the run loads, and the checkpoints' gathered copy, are outside the pool; no sample "
-                "generation", c->pipeline_parallel, c->pipeline_schedule, fl_cfg_dp_ranks(c) > 1 ? " x DDP" : "", p->rank,
+                "generation", c->pipeline_parallel, c->pipeline_schedule, fl_cfg_dp_ranks(c) > 1 ? (p->zero_stage == 1 ? " x ZeRO-1" : p->zero_stage == 2 ? " x ZeRO-2" : " x DDP") : "", p->rank,
              p->rank % c->pipeline_parallel);
     else if (c->tensor_parallel > 1)
         note(p, "tensor parallel %d%s: rank %d's memory: its slice of the model (1/%d of the attention heads, key/value "

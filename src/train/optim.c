@@ -312,8 +312,9 @@ static fl_status fsdp8_step(fl_optimizer *o, float lr, float scale) {
     float *hpart = S ? malloc(2 * S * sizeof *hpart) : NULL; /* the slots in host memory */
     if (S && !hpart) return fl_errorf(FL_ERR_OOM, "8-bit AdamW (FULL_SHARD): out of host memory");
     fl_status s = FL_OK;
-#define UPDATE(pp, gg, st) \
-    be->adam8bit_update(be, pp, o->w.pt, gg, o->w.gt, st, lr, c->beta1, c->beta2, c->eps, c->weight_decay, o->step, scale)
+#define UPDATE(pp, gg, st)                                                                                             \
+    FL_RUN(be, adam8bit_update, pp, o->w.pt, gg, o->w.gt, st, lr, c->beta1, c->beta2, c->eps, c->weight_decay,         \
+           o->step, scale)
 #define TRY8(x) do { if ((s = (x)) != FL_OK) goto done; } while (0)
     for (size_t k = 0; k < 2 * S; k++) hpart[k] = -3.40282347e+38f; /* no part here: the max's identity */
     /* pass 1: each cut part updated on a copy, for its absmax */
@@ -326,16 +327,16 @@ static fl_status fsdp8_step(fl_optimizer *o, float lr, float scale) {
             if (slot < 0 || slot >= o->q8.n_slots || v.n >= FL_ADAM8BIT_BLOCK)
                 TRY8(fl_errorf(FL_ERR_INTERNAL, "8-bit AdamW (FULL_SHARD): tensor %d's cut block has no slot", i));
             size_t at = o->q8.p_s[i] + off;
-            TRY8(be->copy(be, sp, (const char *)o->w.p + at * pes, v.n * pes));
-            TRY8(be->copy(be, sq, v.q_m, v.n));
-            TRY8(be->copy(be, sq + FL_ADAM8BIT_BLOCK, v.q_v, v.n));
-            TRY8(be->copy(be, sa, v.absmax_m, sizeof(float)));
-            TRY8(be->copy(be, sa + 1, v.absmax_v, sizeof(float)));
+            TRY8(FL_RUN(be, copy, sp, (const char *)o->w.p + at * pes, v.n * pes));
+            TRY8(FL_RUN(be, copy, sq, v.q_m, v.n));
+            TRY8(FL_RUN(be, copy, sq + FL_ADAM8BIT_BLOCK, v.q_v, v.n));
+            TRY8(FL_RUN(be, copy, sa, v.absmax_m, sizeof(float)));
+            TRY8(FL_RUN(be, copy, sa + 1, v.absmax_v, sizeof(float)));
             w = v;
             w.q_m = sq, w.q_v = sq + FL_ADAM8BIT_BLOCK, w.absmax_m = sa, w.absmax_v = sa + 1;
             TRY8(UPDATE(sp, (const char *)o->w.g + at * ges, &w));
-            TRY8(be->to_host(be, &hpart[slot], sa, sizeof(float)));
-            TRY8(be->to_host(be, &hpart[S + (size_t)slot], sa + 1, sizeof(float)));
+            TRY8(FL_RUN(be, to_host, &hpart[slot], sa, sizeof(float)));
+            TRY8(FL_RUN(be, to_host, &hpart[S + (size_t)slot], sa + 1, sizeof(float)));
         }
     /* the blocks' max over the ranks, then into x8 for the kernels */
     if (S) {
@@ -343,7 +344,7 @@ static fl_status fsdp8_step(fl_optimizer *o, float lr, float scale) {
             TRY8(fl_errorf(FL_ERR_INTERNAL, "8-bit AdamW (FULL_SHARD): %zu cut blocks but no exchange", S));
         TRY8(fl_error_prefix(o->shard.dist->max(o->shard.dist->ud, hpart, 2 * S), "8-bit AdamW (FULL_SHARD): the scales of the "
                              "blocks cut by a rank edge"));
-        TRY8(be->to_device(be, part, hpart, 2 * S * sizeof(float)));
+        TRY8(FL_RUN(be, to_device, part, hpart, 2 * S * sizeof(float)));
     }
     /* pass 2: the update, cut parts floored at their block's max */
     for (int i = 0; i < o->w.n_tensors; i++)
@@ -409,7 +410,7 @@ fl_status fl_optim_state_read(const fl_optimizer *o, void *host, const void *sta
     const fl_backend *be = o->home.be;
     for (size_t a = 0; a < bytes; a += STATE_SLICE) {
         const size_t n = bytes - a < STATE_SLICE ? bytes - a : STATE_SLICE;
-        FL_TRY(be->to_host(be, (char *)host + a, (const char *)state + a, n));
+        FL_TRY(FL_RUN(be, to_host, (char *)host + a, (const char *)state + a, n));
         if (o->home.disk) FL_TRY(fl_mem_disk_release(o->home.pool, (const char *)state + a, n));
     }
     return FL_OK;
@@ -419,7 +420,7 @@ fl_status fl_optim_state_write(const fl_optimizer *o, void *state, const void *h
     const fl_backend *be = o->home.be;
     for (size_t a = 0; a < bytes; a += STATE_SLICE) {
         const size_t n = bytes - a < STATE_SLICE ? bytes - a : STATE_SLICE;
-        FL_TRY(be->to_device(be, (char *)state + a, (const char *)host + a, n));
+        FL_TRY(FL_RUN(be, to_device, (char *)state + a, (const char *)host + a, n));
         if (o->home.disk) FL_TRY(fl_mem_disk_release(o->home.pool, (char *)state + a, n));
     }
     return FL_OK;
@@ -572,20 +573,21 @@ static fl_status found_inf(const fl_optimizer *o, float inv_scale, int *found) {
     *found = 0;
     const fl_backend *be = grads_be(o);
     if (!grads_sharded(o)) {
-        FL_TRY(be->check_finite(be, o->w.g, o->w.gt, o->w.n, inv_scale, found));
+        FL_TRY(FL_RUN(be, check_finite, o->w.g, o->w.gt, o->w.n, inv_scale, found));
         return o->shard.dist && o->shard.dist->any ? o->shard.dist->any(o->shard.dist->ud, found) : FL_OK; /* tensor parallel */
     }
-    FL_TRY(be->check_finite(be, g_at(o, o->shard.off), o->w.gt, o->shard.len, inv_scale, found));
+    FL_TRY(FL_RUN(be, check_finite, g_at(o, o->shard.off), o->w.gt, o->shard.len, inv_scale, found));
     double v = *found != 0;
     FL_TRY(o->shard.dist->sum(o->shard.dist->ud, &v, 1));
     *found = v > 0;
     return FL_OK;
 }
 
-static double chunk_sumsq(const fl_optimizer *o, size_t off, size_t len) {
+static fl_status chunk_sumsq(const fl_optimizer *o, size_t off, size_t len, double *v) {
     const fl_backend *be = grads_be(o);
-    if (!len) return 0.0;
-    return be->sumsq(be, g_at(o, off), o->w.gt, len);
+    *v = 0.0;
+    if (!len) return FL_OK;
+    return FL_RUN(be, sumsq, g_at(o, off), o->w.gt, len, v);
 }
 
 /* The squared global gradient norm: the squared norms of the world's chunks summed in rank order
@@ -594,7 +596,8 @@ static double chunk_sumsq(const fl_optimizer *o, size_t off, size_t len) {
 static fl_status grad_sumsq(const fl_optimizer *o, double *out) {
     if (o->shard.dist && o->shard.dist->grad_sumsq) return o->shard.dist->grad_sumsq(o->shard.dist->ud, o, out); /* tensor parallel */
     if (grads_sharded(o)) {
-        double v = chunk_sumsq(o, o->shard.off, o->shard.len);
+        double v;
+        FL_TRY(chunk_sumsq(o, o->shard.off, o->shard.len, &v));
         FL_TRY(o->shard.dist->sum(o->shard.dist->ud, &v, 1));
         *out = v;
         return FL_OK;
@@ -604,7 +607,9 @@ static fl_status grad_sumsq(const fl_optimizer *o, double *out) {
     for (int r = 0; r < world; r++) {
         size_t off, len;
         fl_comm_chunk(o->w.n, world, r, &off, &len);
-        acc += chunk_sumsq(o, off, len);
+        double v;
+        FL_TRY(chunk_sumsq(o, off, len, &v));
+        acc += v;
     }
     *out = acc;
     return FL_OK;
@@ -613,8 +618,12 @@ static fl_status grad_sumsq(const fl_optimizer *o, double *out) {
 double fl_grad_norm(const fl_model *m) {
     size_t n = fl_model_store_numel(m); /* sharded: this rank's shard only */
     fl_lora_adapters ad;
-    if (fl_model_lora_adapters(m, &ad)) return sqrt(m->be->sumsq(m->be, ad.grads, FL_F32, ad.numel));
-    return sqrt(m->be->sumsq(m->be, fl_model_grads_data(m), fl_model_store_dtype(m), n));
+    double v = 0.0;
+    if (fl_model_lora_adapters(m, &ad))
+        (void)FL_RUN(m->be, sumsq, ad.grads, FL_F32, ad.numel, &v);
+    else
+        (void)FL_RUN(m->be, sumsq, fl_model_grads_data(m), fl_model_store_dtype(m), n, &v);
+    return sqrt(v);
 }
 
 /* AdamW / SGD on be over n elements of parameters p and gradients g (this rank's range, or one piece of
@@ -626,11 +635,11 @@ static fl_status update_range(const fl_optimizer *o, const fl_backend *be, void 
     void *m = o->st.m ? (char *)o->st.m + st * ses : NULL, *v = o->st.v ? (char *)o->st.v + st * ses : NULL;
     void *buf = o->st.buf ? (char *)o->st.buf + st * ses : NULL;
     if (c->kind == FL_OPT_ADAMW)
-        return be->adamw_update(be, p, o->w.pt, g, o->w.gt, m, v, c->state_dtype, n, lr, c->beta1, c->beta2, c->eps,
-                                c->weight_decay, step, scale);
+        return FL_RUN(be, adamw_update, p, o->w.pt, g, o->w.gt, m, v, c->state_dtype, n, lr, c->beta1, c->beta2, c->eps,
+                      c->weight_decay, step, scale);
     if (c->kind == FL_OPT_SGD)
-        return be->sgd_update(be, p, o->w.pt, g, o->w.gt, buf, c->state_dtype, n, lr, c->momentum, c->dampening,
-                              c->weight_decay, c->nesterov, step == 1, scale);
+        return FL_RUN(be, sgd_update, p, o->w.pt, g, o->w.gt, buf, c->state_dtype, n, lr, c->momentum, c->dampening,
+                      c->weight_decay, c->nesterov, step == 1, scale);
     return fl_errorf(FL_ERR_INTERNAL, "optimizer update: %s is not elementwise", fl_optim_name(c->kind));
 }
 
@@ -675,10 +684,13 @@ static fl_status offload_update(const fl_optimizer *o, size_t a0, size_t n, floa
             FL_TRY(state_range(o, a + len, end - a - len < P ? end - a - len : P, 0));
         }
         if (o->home.hp) {
-            FL_TRY(fl_error_prefix(be->to_host(be, o->home.hg, g_at(o, at), len * ges), "CPU offload: gradients to the host"));
-            FL_TRY(fl_error_prefix(be->to_host(be, o->home.hp, p, len * pes), "CPU offload: parameters to the host"));
+            FL_TRY(fl_error_prefix(FL_RUN(be, to_host, o->home.hg, g_at(o, at), len * ges),
+                                   "CPU offload: gradients to the host"));
+            FL_TRY(
+                fl_error_prefix(FL_RUN(be, to_host, o->home.hp, p, len * pes), "CPU offload: parameters to the host"));
             FL_TRY(update_range(o, o->home.be, o->home.hp, o->home.hg, a, len, lr, scale, step));
-            FL_TRY(fl_error_prefix(be->to_device(be, p, o->home.hp, len * pes), "CPU offload: parameters to the device"));
+            FL_TRY(fl_error_prefix(FL_RUN(be, to_device, p, o->home.hp, len * pes),
+                                   "CPU offload: parameters to the device"));
         } else { /* host memory: in place */
             FL_TRY(update_range(o, o->home.be, p, g_at(o, at), a, len, lr, scale, step));
         }
@@ -689,7 +701,7 @@ static fl_status offload_update(const fl_optimizer *o, size_t a0, size_t n, floa
         }
     }
     if ((o->home.disk || o->home.ppool) && prev_len) FL_TRY(state_range(o, prev, prev_len, 2));
-    return o->home.hp ? fl_error_prefix(be->sync(be), "CPU offload: the updated parameters") : FL_OK;
+    return o->home.hp ? fl_error_prefix(FL_RUN(be, sync), "CPU offload: the updated parameters") : FL_OK;
 }
 
 /* The update of elements [a, a + n) of the rank's range as update `step`, unscaled, where the update runs on host
@@ -770,9 +782,9 @@ fl_status fl_optim_step(fl_optimizer *o, float lr, float max_norm, double *norm_
         for (int i = 0; i < o->w.n_tensors; i++) {
             if (!o->q8.p_n[i]) continue; /* ZeRO: not in this rank's chunk */
             size_t off = o->w.t_off[i] + o->q8.p_a[i];
-            FL_TRY(be->adam8bit_update(be, (char *)o->w.p + off * fl_dtype_size(o->w.pt), o->w.pt,
-                                       (const char *)o->w.g + off * fl_dtype_size(o->w.gt), o->w.gt, &o->q8.st[i], lr, c->beta1,
-                                       c->beta2, c->eps, c->weight_decay, o->step, scale));
+            FL_TRY(FL_RUN(be, adam8bit_update, (char *)o->w.p + off * fl_dtype_size(o->w.pt), o->w.pt,
+                          (const char *)o->w.g + off * fl_dtype_size(o->w.gt), o->w.gt, &o->q8.st[i], lr, c->beta1,
+                          c->beta2, c->eps, c->weight_decay, o->step, scale));
         }
     }
     /* ZeRO: every rank's updated range to every rank before anything reads the weights */

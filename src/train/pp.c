@@ -112,3 +112,109 @@ fl_status fl_pp_split(int n_layers, const double *cost, int stages, int *first) 
     free(rf);
     return ok ? FL_OK : fl_errorf(FL_ERR_INVALID, "pipeline split: no split of %d layers into %d stages", n_layers, stages);
 }
+
+fl_status fl_pp_simulate(fl_pp_schedule k, int stages, int micro, const double *fwd, const double *bwd,
+                         double *makespan, double *bubble) {
+    if (stages < 1 || micro < 1)
+        return fl_errorf(FL_ERR_INVALID, "pipeline simulation: %d stages, %d micro-batches (at least one each)",
+                         stages, micro);
+    for (int s = 0; s < stages; s++)
+        if (!(fwd[s] >= 0) || !(bwd[s] >= 0))
+            return fl_errorf(FL_ERR_INVALID, "pipeline simulation: stage %d's times %g, %g", s, fwd[s], bwd[s]);
+    const size_t n2 = (size_t)2 * micro;
+    fl_pp_op *ops = malloc((size_t)stages * n2 * sizeof *ops);
+    double *done = malloc((size_t)stages * n2 * sizeof *done), *clock = calloc((size_t)stages, sizeof *clock);
+    int *next = calloc((size_t)stages, sizeof *next);
+    fl_status st = ops && done && clock && next ? FL_OK : fl_errorf(FL_ERR_OOM, "pipeline simulation: out of memory");
+    for (int s = 0; st == FL_OK && s < stages; s++) st = fl_pp_schedule_ops(k, stages, s, micro, ops + (size_t)s * n2);
+    /* done[s][2 j + kind]: when stage s finished micro-batch j's forward (kind 0) or backward (1); -1 not yet */
+    for (size_t i = 0; done && i < (size_t)stages * n2; i++) done[i] = -1;
+    int progress = 1, left = stages * (int)n2;
+    while (st == FL_OK && progress && left > 0) {
+        progress = 0;
+        for (int s = 0; s < stages; s++)
+            while (next[s] < (int)n2) {
+                const fl_pp_op o = ops[(size_t)s * n2 + next[s]];
+                /* forward j needs stage s - 1's forward j; backward j stage s + 1's backward j (the last stage:
+                 * its own forward j, which its order already ran) */
+                const int from = o.kind == FL_PP_FWD ? s - 1 : s + 1;
+                double ready = 0;
+                if (from >= 0 && from < stages) {
+                    ready = done[(size_t)from * n2 + 2 * o.mb + o.kind];
+                    if (ready < 0) break;
+                }
+                const double t0 = clock[s] > ready ? clock[s] : ready;
+                clock[s] = t0 + (o.kind == FL_PP_FWD ? fwd[s] : bwd[s]);
+                done[(size_t)s * n2 + 2 * o.mb + o.kind] = clock[s];
+                next[s]++, left--, progress = 1;
+            }
+    }
+    if (st == FL_OK && left > 0) st = fl_errorf(FL_ERR_INTERNAL, "pipeline simulation: the schedule deadlocks");
+    double span = 0, busy = 0;
+    for (int s = 0; st == FL_OK && s < stages; s++) {
+        if (clock[s] > span) span = clock[s];
+        busy += micro * (fwd[s] + bwd[s]);
+    }
+    if (st == FL_OK) {
+        *makespan = span;
+        *bubble = span > 0 ? 1 - busy / (stages * span) : 0;
+    }
+    free(ops), free(done), free(clock), free(next);
+    return st;
+}
+
+fl_status fl_pp_split_model(const fl_model_config *c, int T, int stages, int *first) {
+    const int L = c->n_layers;
+    double *cost = malloc(((size_t)(L > 0 ? L : 0) + 1) * sizeof *cost);
+    if (!cost) return fl_errorf(FL_ERR_OOM, "pipeline split: out of host memory");
+    fl_pp_block_costs(c, T > 0 ? T : 1, cost);
+    fl_status s = fl_pp_split(L, cost, stages, first);
+    free(cost);
+    return s;
+}
+
+fl_status fl_pp_estimate_step(const fl_model_config *c, int T, int stages, int micro, fl_pp_schedule k,
+                              fl_pp_estimate *e) {
+    memset(e, 0, sizeof *e);
+    if (stages > 64) return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: at most 64 stages", stages);
+    const int L = c->n_layers;
+    FL_TRY(fl_pp_split_model(c, T, stages, e->first));
+    double *cost = malloc((size_t)L * sizeof *cost + 1);
+    if (!cost) return fl_errorf(FL_ERR_OOM, "pipeline estimate: out of host memory");
+    fl_pp_block_costs(c, T > 0 ? T : 1, cost);
+    const double unit = cost[0] > 0 ? cost[0] : 1; /* a block's (the first is never the head's) */
+    double total = 0;
+    for (int s = 0; s < stages; s++) {
+        double a = 0;
+        for (int i = e->first[s]; i < e->first[s + 1]; i++) a += cost[i] / unit;
+        e->fwd[s] = a / 3, e->bwd[s] = 2 * a / 3;
+        total += a;
+    }
+    free(cost);
+    e->one = micro * total;
+    return fl_pp_simulate(k, stages, micro, e->fwd, e->bwd, &e->step, &e->bubble);
+}
+
+fl_status fl_pp_estimate_text(const fl_model_config *c, int T, int stages, int micro, fl_pp_schedule k,
+                              double block_ms, char *buf, size_t n) {
+    fl_pp_estimate e;
+    FL_TRY(fl_pp_estimate_step(c, T, stages, micro, k, &e));
+    const double u = block_ms > 0 ? block_ms : 1;
+    const char *unit = block_ms > 0 ? " ms" : " block times";
+    /* three lines (the plan's notes are short) */
+    size_t at = (size_t)snprintf(buf, n, "pipeline step (EXPERIMENTAL): %s, %d stages, %d micro-batches; blocks "
+                                 "per stage (balanced by training FLOPs at T = %d, lm_head's on the last):",
+                                 fl_pp_schedule_name(k), stages, micro, T);
+    for (int s = 0; s < stages && at < n; s++)
+        at += (size_t)snprintf(buf + at, n - at, " [%d, %d)", e.first[s], e.first[s + 1]);
+    if (at < n)
+        at += (size_t)snprintf(buf + at, n - at, "\npipeline: a micro-batch's forward + backward per stage (%s):",
+                               unit + 1);
+    for (int s = 0; s < stages && at < n; s++)
+        at += (size_t)snprintf(buf + at, n - at, " %.3g", u * (e.fwd[s] + e.bwd[s]));
+    if (at < n)
+        snprintf(buf + at, n - at, "\npipeline: expected step %.4g%s (the schedule on those times, sends free; one "
+                 "process %.4g), bubble %.1f%% (equal stages: %.1f%%)%s", u * e.step, unit, u * e.one, 100 * e.bubble,
+                 100.0 * (stages - 1) / (micro + stages - 1), block_ms > 0 ? " at --block-ms" : "; --block-ms MS: in ms");
+    return FL_OK;
+}

@@ -53,17 +53,23 @@ static fl_status sum_stages(fl_comm *c, double v, double *out) {
     return s;
 }
 
-/* the whole model's squared gradient norm: each stage's trained entries (under DDP every data-parallel rank holds
- * the same reduced gradient), summed over the stages */
+/* the whole model's squared gradient norm: each stage's trained entries, summed over the stages. Under DDP every
+ * data-parallel rank holds the same reduced gradient; under ZeRO-1/2 a rank adds the part of each entry in its chunk
+ * [off, off + len) of the stage's buffer (ZeRO-2 holds no other reduced gradient) and the axis sums the chunks in
+ * rank order first */
 static fl_status pp_grad_sumsq(void *ud, const fl_optimizer *o, double *out) {
     const fl_pp *p = ud;
     const fl_model *m = p->m;
     const size_t es = fl_dtype_size(o->w.gt);
+    const int zero = p->inner && p->inner->stage > 0;
+    const size_t c0 = zero ? o->shard.off : 0, c1 = zero ? o->shard.off + o->shard.len : o->w.n;
     double v = 0;
-    for (int i = 0; i < m->layout.n; i++)
-        if (fl_pp_stage_owns(m, i))
-            v += m->be->sumsq(m->be, (const char *)o->w.g + m->layout.params[i].offset * es, o->w.gt,
-                              m->layout.params[i].numel);
+    for (int i = 0; i < m->layout.n; i++) {
+        const fl_param_info *e = &m->layout.params[i];
+        const size_t a = e->offset > c0 ? e->offset : c0, b = e->offset + e->numel < c1 ? e->offset + e->numel : c1;
+        if (fl_pp_stage_owns(m, i) && a < b) v += m->be->sumsq(m->be, (const char *)o->w.g + a * es, o->w.gt, b - a);
+    }
+    if (zero) FL_TRY(p->inner->sum(p->inner->ud, &v, 1));
     return fl_error_prefix(sum_stages(p->comm, v, out), "pipeline: the gradient norm");
 }
 
@@ -75,16 +81,28 @@ static fl_status pp_any(void *ud, int *flag) {
     return FL_OK;
 }
 
+/* the data-parallel hooks (DDP, ZeRO-1/2) under the pipeline's: a sum is the whole grid's (the axis, then the
+ * stages): its users decide for every rank (ZeRO-2's overflow verdict) */
 static fl_status inner_sum(void *ud, double *v, int n) {
     const fl_pp *p = ud;
-    return p->inner->sum(p->inner->ud, v, n);
+    FL_TRY(p->inner->sum(p->inner->ud, v, n));
+    for (int k = 0; k < n; k++) FL_TRY(fl_error_prefix(sum_stages(p->comm, v[k], &v[k]), "pipeline: a sum"));
+    return FL_OK;
+}
+static fl_status inner_gather(void *ud, fl_optimizer *o) {
+    const fl_optim_dist *in = ((const fl_pp *)ud)->inner;
+    return in->gather ? in->gather(in->ud, o) : FL_OK;
+}
+static fl_status inner_max(void *ud, float *v, size_t n) {
+    const fl_optim_dist *in = ((const fl_pp *)ud)->inner;
+    return in->max(in->ud, v, n);
 }
 
 fl_status fl_pp_optim_attach(fl_pp *p, fl_optimizer *o) {
     const fl_optim_dist *in = o->shard.dist;
-    if (in && (in->stage > 0 || in->grad_sumsq))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: the data-parallel axis runs DDP only so far (its "
-                         "optimizer is at ZeRO stage %d)", p->stages, in->stage);
+    if (in && (in->stage > 2 || in->grad_sumsq))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: the data-parallel axis runs DDP, ZeRO-1 or ZeRO-2 "
+                         "(its optimizer is at stage %d)", p->stages, in->stage);
     if (o->w.n != p->m->layout.numel || o->w.p != fl_model_params_data(p->m))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: the optimizer must train the stage's parameters "
                          "(not LoRA adapters)", p->stages);
@@ -92,12 +110,19 @@ fl_status fl_pp_optim_attach(fl_pp *p, fl_optimizer *o) {
     memset(&p->dist, 0, sizeof p->dist);
     p->dist.world = in ? in->world : 1;
     p->dist.rank = in ? in->rank : 0;
+    p->dist.stage = in ? in->stage : 0;
     p->dist.ud = p;
-    if (in) p->dist.sum = inner_sum;
+    if (in) p->dist.sum = inner_sum, p->dist.gather = inner_gather, p->dist.max = inner_max;
     p->dist.grad_sumsq = pp_grad_sumsq;
     p->dist.any = pp_any;
     o->shard.dist = &p->dist;
     return FL_OK;
+}
+
+static double now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
 }
 
 /* the arena's micro-batch parked in a free stash slot (one more slot when all are taken) */
@@ -141,8 +166,11 @@ static fl_status fwd(run *r, int k) {
         FL_TRY(fl_comm_recv(p->comm, p->hx, n, FL_F32, p->stage - 1, TAG_ACT));
         FL_TRY(fl_model_stage_input(m, p->hx, mb->B, mb->T));
     }
+    const double t0 = now_ms();
     FL_TRY(fl_model_forward_body(m, mb->ids, mb->targets, mb->B, mb->T, r->grad_scale));
     FL_TRY(fl_model_forward_head(m, NULL));
+    p->fwd_ms += now_ms() - t0;
+    p->n_fwd++;
     r->live = k;
     if (p->stage < p->stages - 1) {
         FL_TRY(fl_model_stage_output(m, p->hx));
@@ -172,13 +200,28 @@ static fl_status bwd(run *r, int k) {
         FL_TRY(fl_model_stage_dout(m, p->hx));
     }
     if (r->c->dp) fl_dp_buckets_arm(r->c->dp, r->o, k == r->c->n_micro - 1); /* the last backward reduces */
+    const double t0 = now_ms();
     FL_TRY(fl_model_backward(m));
+    p->bwd_ms += now_ms() - t0;
+    p->n_bwd++;
     r->live = -1;
     if (p->stage > 0) {
         FL_TRY(fl_model_stage_dinput(m, p->hx, mb->B, mb->T));
         FL_TRY(fl_comm_send(p->comm, p->hx, n, FL_F32, p->stage - 1, TAG_GRAD));
     }
     return FL_OK;
+}
+
+/* ZeRO-2: a rank holds the reduced gradient of its chunk [off, off + len) of the stage's buffer alone, and the first
+ * and last stage's chunks cut the table at different places (their layouts differ): the table's reduced gradient
+ * a[0 .. n) (at element off0 of the buffer) made whole on every rank of the axis, each rank's part kept, the rest
+ * zeroed and the axis summed (x + 0 == x: the same bits as the all-reduce DDP runs) */
+static fl_status whole_reduced(fl_pp *p, const fl_optimizer *o, float *a, size_t off0, size_t n) {
+    const fl_dp *dp = p->inner->ud;
+    const size_t c0 = o->shard.off, c1 = o->shard.off + o->shard.len;
+    for (size_t k = 0; k < n; k++)
+        if (off0 + k < c0 || off0 + k >= c1) a[k] = 0;
+    return dp->comm ? fl_comm_all_reduce(dp->comm, a, a, n, FL_F32, FL_COMM_SUM) : FL_OK;
 }
 
 /* Tied embeddings: the first stage's gradient of the token table (its embeddings') and the last stage's (its
@@ -197,6 +240,7 @@ static fl_status tied_sum(fl_pp *p, fl_optimizer *o) {
     fl_status s = a && b && raw ? FL_OK : fl_errorf(FL_ERR_OOM, "pipeline: out of host memory (tied embeddings)");
     if (s == FL_OK) s = m->be->to_host(m->be, raw, g, n * es);
     if (s == FL_OK) fl_convert(a, FL_F32, raw, o->w.gt, n);
+    if (s == FL_OK && p->inner && p->inner->stage == 2) s = whole_reduced(p, o, a, m->layout.params[i].offset, n);
     if (s == FL_OK) s = fl_comm_send(p->comm, a, n, FL_F32, peer, TAG_TIED);
     if (s == FL_OK) s = fl_comm_recv(p->comm, b, n, FL_F32, peer, TAG_TIED);
     for (size_t k = 0; s == FL_OK && k < n; k++) a[k] += b[k];
@@ -221,12 +265,6 @@ static fl_status schedule(run *r, const fl_pp_op *ops, int n_ops) {
         if (in_flight > r->p->peak_in_flight) r->p->peak_in_flight = in_flight;
     }
     return FL_OK;
-}
-
-static double now_ms(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
 }
 
 fl_status fl_pp_step_run(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, fl_step_result *res) {
@@ -292,6 +330,8 @@ fl_status fl_pp_step_run(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
     if (s != FL_OK) return s;
     /* the stages interleave the micro-batches: each is given an equal share of the step's time */
     rs.ms_total = now_ms() - t0;
+    p->step_ms += rs.ms_total;
+    p->n_steps++;
     for (int k = 0; c->mb_ms && k < M; k++) c->mb_ms[k] = rs.ms_total / M;
     rs.loss = loss_sum / (double)c->step_valid;
     rs.n_valid = c->step_valid;
@@ -300,6 +340,23 @@ fl_status fl_pp_step_run(fl_pp *p, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
     rs.loss_scale = o->amp.on ? fl_loss_scale_value(&o->amp.ls) : 0.0f;
     if (res) *res = rs;
     return FL_OK;
+}
+
+fl_status fl_pp_timing(fl_pp *p, double *fwd, double *bwd, double *step_ms) {
+    const int S = p->stages;
+    /* per stage: its means (forward, backward, step), all-gathered as the bits of doubles */
+    double mine[3] = {p->n_fwd ? p->fwd_ms / p->n_fwd : 0, p->n_bwd ? p->bwd_ms / p->n_bwd : 0,
+                      p->n_steps ? p->step_ms / p->n_steps : 0};
+    double *all = malloc((size_t)3 * S * sizeof *all);
+    if (!all) return fl_errorf(FL_ERR_OOM, "pipeline timing: out of host memory");
+    fl_status s = fl_comm_all_gather(p->comm, mine, all, (size_t)6 * S, FL_F32);
+    *step_ms = 0;
+    for (int k = 0; s == FL_OK && k < S; k++) {
+        fwd[k] = all[3 * k], bwd[k] = all[3 * k + 1];
+        if (all[3 * k + 2] > *step_ms) *step_ms = all[3 * k + 2]; /* the slowest stage's view of the step */
+    }
+    free(all);
+    return fl_error_prefix(s, "pipeline timing");
 }
 
 fl_status fl_pp_eval(fl_pp *p, const int32_t *ids, const int32_t *targets, int B, int T) {

@@ -83,6 +83,7 @@ typedef struct {
 typedef struct {
     int size, stage;            /* stages per pipeline (1: none) and this rank's */
     int first, last;            /* this stage's blocks [first, last) of the whole model */
+    int split[65];              /* every stage's first block, split[size] = the blocks (fl_tr_pp_split) */
     fl_comm *grp, *dpc;         /* the pipeline and the data-parallel axis (owned) */
     fl_model_config whole;      /* the whole model's config (checkpoints) */
     size_t whole_numel;
@@ -208,6 +209,11 @@ fl_status fl_tr_pp_save(trainer *t, int lead, const char *name, const fl_optimiz
 fl_status fl_tr_pp_ckpt_load(trainer *t, const char *path);
 void fl_tr_pp_end(trainer *t);
 void fl_tr_pp_print(const trainer *t);
+/* The stage's or slice's whole state array arr of o into host memory *full (malloc'd): ZeRO's chunks all-gathered
+ * over the data axis (a collective of it), else a copy. */
+fl_status fl_tr_state_whole(const fl_optimizer *o, fl_comm *axis, const void *arr, fl_dtype dt, void **full);
+/* At the end of a run (every rank of the grid): the measured stage times and the schedule on them (the lead prints). */
+fl_status fl_tr_pp_report(trainer *t);
 /* The model of load_model (trainer_setup.c) into m from pool (*ok: m is to be freed). */
 fl_status fl_tr_load_model(trainer *t, const fl_model_config *given, fl_model *m, fl_mem_pool *pool, int *ok);
 

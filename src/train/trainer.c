@@ -561,6 +561,7 @@ static fl_status finish(trainer *t, run_loop *L) {
             FL_TRY(fl_trainer_diverge_error(&L->dv, cfg->out_dir, cfg->optimizer.lr, t->st.step, t->st.iter));
         if (!have_final) fl_tr_val_row(t, L->val_loss);
     }
+    FL_TRY(fl_tr_pp_report(t)); /* pipeline parallel: the stages' times and the schedule on them */
     fl_mem_set_phase(&t->hw.pool, "checkpoint");
     FL_TRY(fl_tr_diverged(t, fl_tr_check_weights(t), t->st.step, t->st.iter));
     if (t->model.lora && L->lead) FL_TRY(fl_model_lora_merge(&t->model));

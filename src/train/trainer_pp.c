@@ -30,10 +30,11 @@ fl_status fl_tr_pp_check(const trainer *t, const fl_strategy_choice *sc) {
     if (sc->offload)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with --strategy %s: offload is not combined with "
                          "pipeline parallelism yet", n, c->strategy);
-    if (sc->stage > 0)
+    if (sc->stage > 2)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with --strategy %s%s%s: the data-parallel axis "
-                         "runs DDP only so far (give --strategy ddp)", n, c->strategy, sc->sharding[0] ? " " : "",
-                         sc->sharding);
+                         "runs DDP, ZeRO-1 or ZeRO-2 so far, not FULL_SHARD (give --strategy ddp, deepspeed_stage_1, "
+                         "deepspeed_stage_2, or fsdp with --fsdp.sharding_strategy SHARD_GRAD_OP)", n, c->strategy,
+                         sc->sharding[0] ? " " : "", sc->sharding);
     if (c->optimizer.kind == FL_OPT_ADAMW8BIT)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: AdamW8bit's block-wise state is not gathered into "
                          "checkpoints yet (AdamW and SGD are)", n);
@@ -74,20 +75,22 @@ void fl_tr_pp_end(trainer *t) {
     t->pp.grp = t->pp.dpc = NULL;
 }
 
-/* this stage's blocks [first, last) of a model of n_layers (the balanced split) */
-static fl_status stage_range(trainer *t, int n_layers) {
-    int first[65];
+/* the stages' blocks, balanced by the planner's per-block cost (fl_pp_block_costs: the head's FLOPs on the last
+ * block) at the run's sequence length (train.max_seq_length, else the model's context): every rank computes the same
+ * split from the same config, and the checkpoints gather by it */
+static fl_status stage_range(trainer *t, const fl_model_config *whole) {
     if (t->pp.size > 64) return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: at most 64 stages", t->pp.size);
-    FL_TRY(fl_pp_split(n_layers, NULL, t->pp.size, first));
-    t->pp.first = first[t->pp.stage];
-    t->pp.last = first[t->pp.stage + 1];
+    const int T = t->cfg->train.max_seq_length > 0 ? t->cfg->train.max_seq_length : whole->max_seq;
+    FL_TRY(fl_pp_split_model(whole, T, t->pp.size, t->pp.split));
+    t->pp.first = t->pp.split[t->pp.stage];
+    t->pp.last = t->pp.split[t->pp.stage + 1];
     return FL_OK;
 }
 
 /* the planner's rehearsal: the stage of the given shape made directly (no whole copy: it is outside the pool) */
 static fl_status plan_stage(trainer *t, const fl_model_config *given) {
     fl_model_config sc;
-    FL_TRY(stage_range(t, given->n_layers));
+    FL_TRY(stage_range(t, given));
     FL_TRY(fl_pp_stage_config(given, t->pp.first, t->pp.last, &sc));
     t->pp.whole = *given;
     FL_TRY(fl_model_init_ex(&t->model, &sc, &t->hw.be, &t->hw.pool, &t->stg));
@@ -103,7 +106,7 @@ fl_status fl_tr_pp_load(trainer *t, const fl_model_config *given) {
     fl_status s = fl_backend_pools_init(&t->hw.be, &w.pool, &w.hpool, "pipeline parallel (whole model)", 0);
     w.pool_ok = s == FL_OK;
     if (s == FL_OK) s = fl_tr_load_model(t, given, &w.m, &w.pool, &w.m_ok);
-    if (s == FL_OK) s = stage_range(t, w.m.cfg.n_layers);
+    if (s == FL_OK) s = stage_range(t, &w.m.cfg);
     fl_model_config sc;
     if (s == FL_OK) s = fl_pp_stage_config(&w.m.cfg, t->pp.first, t->pp.last, &sc);
     if (s == FL_OK) {
@@ -132,24 +135,45 @@ fl_status fl_tr_pp_attach(trainer *t) {
 /* the optimizer's state arrays (AdamW's m, v; SGD's momentum) */
 static void arrays(const fl_optimizer *o, void *arr[3]) { arr[0] = o->st.m, arr[1] = o->st.v, arr[2] = o->st.buf; }
 
-/* entry p of a state array (dt, the optimizer's memory) <-> fp32 host */
-static fl_status arr_read(const fl_optimizer *o, const void *arr, fl_dtype dt, const fl_param_info *p, float *out) {
+/* ZeRO-1/2 on the data axis: a rank holds state for its chunk [off, off + len) of the stage's elements alone */
+static int state_chunked(const fl_optimizer *o) { return o->shard.off != 0 || o->shard.len != o->w.n; }
+
+fl_status fl_tr_state_whole(const fl_optimizer *o, fl_comm *axis, const void *arr, fl_dtype dt, void **full) {
+    const size_t es = fl_dtype_size(dt), n = o->w.n, len = o->shard.len;
+    char *h = malloc(n * es + 4), *c = state_chunked(o) ? malloc(len * es + 4) : NULL;
+    fl_status s = h && (c || !state_chunked(o)) ? FL_OK : fl_errorf(FL_ERR_OOM, "checkpoint: out of host memory "
+                                                                          "staging the optimizer state");
+    if (s == FL_OK) s = fl_optim_state_read(o, c ? c : h, arr, (c ? len : n) * es);
+    if (s == FL_OK && c) /* a copy of bits: BF16 travels as BF16 words */
+        s = fl_comm_all_gather(axis, c, h, n, dt == FL_F32 ? FL_F32 : FL_BF16);
+    free(c);
+    if (s != FL_OK) free(h), h = NULL;
+    *full = h;
+    return s;
+}
+
+/* entry p of a state array (dt: the optimizer's memory arr, or the whole array staged in host memory) <-> fp32 host */
+static fl_status arr_read(const fl_optimizer *o, const void *arr, const char *host, fl_dtype dt, const fl_param_info *p,
+                          float *out) {
     const size_t es = fl_dtype_size(dt);
-    FL_TRY(fl_optim_state_read(o, out, (const char *)arr + p->offset * es, p->numel * es));
+    if (host) memcpy(out, host + p->offset * es, p->numel * es);
+    else FL_TRY(fl_optim_state_read(o, out, (const char *)arr + p->offset * es, p->numel * es));
     if (dt == FL_BF16) /* widened in place, from the end */
         for (size_t k = p->numel; k-- > 0;) out[k] = fl_bf16_to_f32(((const uint16_t *)out)[k]);
     return FL_OK;
 }
 
-static fl_status arr_write(const fl_optimizer *o, void *arr, fl_dtype dt, const fl_param_info *p, float *in) {
+static fl_status arr_write(const fl_optimizer *o, void *arr, char *host, fl_dtype dt, const fl_param_info *p, float *in) {
+    const size_t es = fl_dtype_size(dt);
     if (dt == FL_BF16) fl_convert(in, FL_BF16, in, FL_F32, p->numel); /* narrowed in place, from the start */
-    return fl_optim_state_write(o, (char *)arr + p->offset * fl_dtype_size(dt), in, p->numel * fl_dtype_size(dt));
+    if (host) memcpy(host + p->offset * es, in, p->numel * es);
+    return host ? FL_OK : fl_optim_state_write(o, (char *)arr + p->offset * es, in, p->numel * es);
 }
 
 /* one stage's entries (parameters, then each state array) into the whole model, in the order every stage sends them:
  * stage 0's own from its model (src), a later stage's received (src NULL) */
 static fl_status take_stage(trainer *t, tp_whole *w, int s, const int *first, const fl_model *src,
-                            const fl_optimizer *so, float *buf, fl_dtype dt) {
+                            const fl_optimizer *so, char *const *full, float *buf, fl_dtype dt) {
     fl_model_config sc;
     fl_param_layout lay;
     FL_TRY(fl_pp_stage_config(&t->pp.whole, first[s], first[s + 1], &sc));
@@ -167,10 +191,10 @@ static fl_status take_stage(trainer *t, tp_whole *w, int s, const int *first, co
             const fl_param_info *p = &w->m.layout.params[j];
             if (!src) st = fl_comm_recv(t->pp.grp, buf, p->numel, FL_F32, s, TAG_CKPT);
             else if (a < 0) fl_model_read_param(src, i, buf);
-            else st = arr_read(so, sarr[a], dt, &src->layout.params[i], buf);
+            else st = arr_read(so, sarr[a], full[a], dt, &src->layout.params[i], buf);
             if (st != FL_OK) break;
             if (a < 0) fl_model_write_param(&w->m, j, buf);
-            else st = arr_write(&w->o, dst[a], dt, p, buf);
+            else st = arr_write(&w->o, dst[a], NULL, dt, p, buf);
         }
     }
     fl_layout_free(&lay);
@@ -178,7 +202,7 @@ static fl_status take_stage(trainer *t, tp_whole *w, int s, const int *first, co
 }
 
 /* a later stage: its entries to stage 0, in take_stage's order */
-static fl_status give_stage(trainer *t, const fl_optimizer *o, float *buf, fl_dtype dt) {
+static fl_status give_stage(trainer *t, const fl_optimizer *o, char *const *full, float *buf, fl_dtype dt) {
     void *arr[3] = {NULL, NULL, NULL};
     if (o) arrays(o, arr);
     for (int a = -1; a < 3; a++) {
@@ -187,7 +211,7 @@ static fl_status give_stage(trainer *t, const fl_optimizer *o, float *buf, fl_dt
             if (!fl_pp_stage_owns(&t->model, i)) continue;
             const fl_param_info *p = &t->model.layout.params[i];
             if (a < 0) fl_model_read_param(&t->model, i, buf);
-            else FL_TRY(arr_read(o, arr[a], dt, p, buf));
+            else FL_TRY(arr_read(o, arr[a], full[a], dt, p, buf));
             FL_TRY(fl_comm_send(t->pp.grp, buf, p->numel, FL_F32, 0, TAG_CKPT));
         }
     }
@@ -195,27 +219,32 @@ static fl_status give_stage(trainer *t, const fl_optimizer *o, float *buf, fl_dt
 }
 
 static fl_status pp_save(trainer *t, int lead, const char *name, const fl_optimizer *o, const fl_train_state *st) {
-    if (t->dp.rank != 0) return FL_OK; /* the first pipeline gathers and writes */
     const fl_dtype dt = o && o->cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
+    char *full[3] = {NULL, NULL, NULL};
+    void *arr[3] = {NULL, NULL, NULL};
+    fl_status s = FL_OK;
+    if (o) arrays(o, arr);
+    /* ZeRO: every rank of the axis gives its chunks first (the same arrays in the same order on every rank) */
+    for (int a = 0; a < 3 && o && state_chunked(o) && s == FL_OK; a++)
+        if (arr[a]) s = fl_tr_state_whole(o, t->pp.dpc, arr[a], dt, (void **)&full[a]);
     size_t most = 1;
     for (int i = 0; i < t->model.layout.n; i++)
         if (t->model.layout.params[i].numel > most) most = t->model.layout.params[i].numel;
-    float *buf = malloc(most * sizeof *buf);
-    if (!buf) return fl_errorf(FL_ERR_OOM, "pipeline checkpoint: out of host memory");
-    fl_status s;
-    if (t->pp.stage > 0) {
-        s = give_stage(t, o, buf, dt);
+    float *buf = t->dp.rank == 0 && s == FL_OK ? malloc(most * sizeof *buf) : NULL;
+    if (t->dp.rank == 0 && s == FL_OK && !buf) s = fl_errorf(FL_ERR_OOM, "pipeline checkpoint: out of host memory");
+    if (t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0) s = give_stage(t, o, full, buf, dt);
+    if (t->dp.rank != 0 || s != FL_OK || t->pp.stage > 0) { /* the first pipeline gathers, its stage 0 writes */
+        for (int a = 0; a < 3; a++) free(full[a]);
         free(buf);
         return s;
     }
-    int first[65];
     tp_whole w;
     memset(&w, 0, sizeof w);
-    s = fl_pp_split(t->pp.whole.n_layers, NULL, t->pp.size, first);
-    if (s == FL_OK) s = fl_tr_whole_make(t, &w, &t->pp.whole, o);
+    s = fl_tr_whole_make(t, &w, &t->pp.whole, o);
     for (int k = 0; s == FL_OK && k < t->pp.size; k++)
-        s = take_stage(t, &w, k, first, k == 0 ? &t->model : NULL, k == 0 ? o : NULL, buf, dt);
+        s = take_stage(t, &w, k, t->pp.split, k == 0 ? &t->model : NULL, k == 0 ? o : NULL, full, buf, dt);
     free(buf);
+    for (int a = 0; a < 3; a++) free(full[a]);
     if (s == FL_OK && o) {
         w.o.step = o->step;
         w.o.amp = o->amp;
@@ -249,13 +278,21 @@ fl_status fl_tr_pp_ckpt_load(trainer *t, const char *path) {
     for (int i = 0; i < w.m.layout.n; i++)
         if (w.m.layout.params[i].numel > most) most = w.m.layout.params[i].numel;
     float *buf = malloc(most * sizeof *buf);
-    if (s == FL_OK && !buf) s = fl_errorf(FL_ERR_OOM, "pipeline resume: out of host memory");
-    for (int a = 0; a < 3 && s == FL_OK; a++)
-        for (int i = 0; src[a] && dst[a] && i < t->model.layout.n && s == FL_OK; i++) {
+    /* ZeRO on the data axis: the stage's whole array in host memory, then this rank's chunk */
+    const fl_optimizer *o = &t->opt;
+    const size_t es = fl_dtype_size(dt);
+    char *h = state_chunked(o) ? malloc(o->w.n * es + 4) : NULL;
+    if (s == FL_OK && (!buf || (state_chunked(o) && !h))) s = fl_errorf(FL_ERR_OOM, "pipeline resume: out of host memory");
+    for (int a = 0; a < 3 && s == FL_OK; a++) {
+        if (!src[a] || !dst[a]) continue;
+        for (int i = 0; i < t->model.layout.n && s == FL_OK; i++) {
             const int j = fl_pp_stage_entry(&w.m.layout, &t->model.layout, t->pp.first, i);
-            s = arr_read(&w.o, src[a], dt, &w.m.layout.params[j], buf);
-            if (s == FL_OK) s = arr_write(&t->opt, dst[a], dt, &t->model.layout.params[i], buf);
+            s = arr_read(&w.o, src[a], NULL, dt, &w.m.layout.params[j], buf);
+            if (s == FL_OK) s = arr_write(&t->opt, dst[a], h, dt, &t->model.layout.params[i], buf);
         }
+        if (s == FL_OK && h) s = o->home.be->to_device(o->home.be, dst[a], h + o->shard.off * es, o->shard.len * es);
+    }
+    free(h);
     free(buf);
     if (s == FL_OK) {
         t->opt.step = w.o.step;
@@ -273,4 +310,30 @@ void fl_tr_pp_print(const trainer *t) {
             "checkpoints; no sample generation\n",
             t->pp.size, t->dp.world, t->dp.world == 1 ? "" : "s", t->cfg->pipeline_schedule, t->sch.accum, t->pp.first,
             t->pp.last, t->pp.whole.n_layers);
+}
+
+/* The end of a run: the stages' measured compute per micro-batch, the schedule simulated on those times (the step
+ * the pipeline could take with free sends, and its bubble) beside the measured step, and a block's time (a stage's
+ * compute over its cost in blocks, the slowest stage's) that `plan --block-ms` turns into an expected step time. */
+fl_status fl_tr_pp_report(trainer *t) {
+    if (t->pp.size <= 1 || !t->pp.rt_ok) return FL_OK;
+    const int S = t->pp.size;
+    double fwd[64], bwd[64], step = 0, span = 0, bubble = 0;
+    FL_TRY(fl_pp_timing(&t->pp.rt, fwd, bwd, &step));
+    if (!t->out || t->pp.rt.n_steps == 0) return FL_OK;
+    FL_TRY(fl_pp_simulate(t->pp.rt.kind, S, t->sch.accum, fwd, bwd, &span, &bubble));
+    fl_pp_estimate e;
+    const int T = t->cfg->train.max_seq_length > 0 ? t->cfg->train.max_seq_length : t->pp.whole.max_seq;
+    FL_TRY(fl_pp_estimate_step(&t->pp.whole, T, S, t->sch.accum, t->pp.rt.kind, &e));
+    double block = 0;
+    for (int s = 0; s < S; s++) {
+        const double b = (fwd[s] + bwd[s]) / (e.fwd[s] + e.bwd[s]);
+        if (b > block) block = b;
+    }
+    fprintf(t->out, "pipeline timing (EXPERIMENTAL): forward + backward of a micro-batch per stage (ms):");
+    for (int s = 0; s < S; s++) fprintf(t->out, " %.3f + %.3f", fwd[s], bwd[s]);
+    fprintf(t->out, "; the %s schedule on these times: %.3f ms per step, bubble %.1f%%; measured %.3f ms per step "
+            "(with the sends, waits, the losses' broadcast and the update); a block's forward + backward %.3f ms "
+            "(plan --block-ms)\n", t->cfg->pipeline_schedule, span, 100 * bubble, step, block);
+    return FL_OK;
 }

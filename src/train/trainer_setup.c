@@ -222,20 +222,10 @@ fl_status fl_tr_check_s2s(const trainer *t, const fl_precision *prec, const fl_s
     const fl_run_config *c = t->cfg;
     const char *m = t->model.cfg.name[0] ? t->model.cfg.name : "encoder-decoder";
     if (!fl_model_is_s2s(&t->model.cfg)) return FL_OK;
-    if (c->lora.quantize[0] && strcmp(prec->name, "32-true"))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--quantize %s (QLoRA): an encoder-decoder (%s) runs QLoRA in 32-true only "
-                         "so far (the 4-bit base linears, the rest fp32; got --precision %s)", c->lora.quantize, m,
-                         prec->name);
-    /* fp16 (16-true, 16-mixed): T5 is known to overflow fp16's range (transformers clamps its hidden states under
-     * fp16; Flan-T5 was trained in bf16): refused rather than left to skip steps under loss scaling. bf16-true
-     * stores the parameters in bf16 (seq2seq.c stages them); both bf16 policies save the blocks' activations in bf16. */
-    if (prec->param_dtype == FL_F16 || prec->compute_dtype == FL_F16)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: T5 is known to overflow fp16's range (65504; transformers "
-                         "clamps its hidden states under fp16); an encoder-decoder (%s) trains in 32-true, bf16-mixed or bf16-true",
-                         prec->name, m);
-    if (strcmp(prec->name, "32-true") && strcmp(prec->name, "bf16-mixed") && strcmp(prec->name, "bf16-true"))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--precision %s: an encoder-decoder (%s) trains in 32-true, bf16-mixed or "
-                         "bf16-true only so far", prec->name, m);
+    /* every policy runs: the mixed ones read the compute-dtype copy of the weights in the matmuls, the *-true ones
+     * store the parameters in 16 bits (seq2seq.c stages them), all 16-bit ones save the blocks' activations in their
+     * dtype; fp16 (16-true, 16-mixed) scales the loss dynamically as a decoder-only model (a step whose gradients
+     * overflow is skipped and the scale halved) */
     /* every strategy runs: DDP and ZeRO-1/2 (the optimizer offloaded too) keep the whole model on every rank;
      * FULL_SHARD / ZeRO-3 (and its parameter offload) shard it, the passes (seq2seq.c) gathering each layout group
      * (a block of either stack) around its use */

@@ -169,20 +169,9 @@ static int state_arrays(const fl_optimizer *o, void *arr[3]) {
 /* ZeRO-1/2 on the data axis: a rank holds state for its chunk [off, off + len) of the slice's elements alone */
 static int state_chunked(const fl_optimizer *o) { return o->shard.off != 0 || o->shard.len != o->w.n; }
 
-/* The slice's whole state array arr of o into host memory *full (malloc'd): ZeRO's chunks all-gathered over the
- * data axis (collective over it), else a copy. */
+/* The slice's whole state array arr of o into host memory *full (fl_tr_state_whole over the data axis) */
 static fl_status state_whole(trainer *t, const fl_optimizer *o, const void *arr, fl_dtype dt, void **full) {
-    const size_t es = fl_dtype_size(dt), n = o->w.n, len = o->shard.len;
-    char *h = malloc(n * es + 4), *c = state_chunked(o) ? malloc(len * es + 4) : NULL;
-    fl_status s = h && (c || !state_chunked(o)) ? FL_OK : fl_errorf(FL_ERR_OOM, "tensor parallel checkpoint: out of "
-                                                                          "host memory staging the optimizer state");
-    if (s == FL_OK) s = fl_optim_state_read(o, c ? c : h, arr, (c ? len : n) * es);
-    if (s == FL_OK && c) /* a copy of bits: BF16 travels as BF16 words */
-        s = fl_comm_all_gather(t->tp.dpc, c, h, n, dt == FL_F32 ? FL_F32 : FL_BF16);
-    free(c);
-    if (s != FL_OK) free(h), h = NULL;
-    *full = h;
-    return s;
+    return fl_error_prefix(fl_tr_state_whole(o, t->tp.dpc, arr, dt, full), "tensor parallel");
 }
 
 static fl_status tp_save(trainer *t, int lead, const char *name, const fl_optimizer *o, const fl_train_state *st) {

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Checks a folder written by `fitllm finetune_full|finetune_lora` on a BLIP-2 checkpoint (src/cli/cmd_blip2_train.c)
+"""Checks a folder written by `fitllm finetune_full|finetune_lora` on a BLIP-2 checkpoint (src/train/blip2_train.c through src/cli/cmd_blip2_train.c)
 with transformers: the final folder loads into Blip2ForConditionalGeneration (every tensor, no missing or unexpected
 key), its caption loss on an image equals the one `fitllm loss FOLDER --image` printed, and under LoRA the PEFT
 adapter (final/adapter) applied to the base checkpoint gives the same loss (within fp32 noise, 1e-4 relative).

@@ -23,15 +23,18 @@
 # use; linear, matmul and scaled_dot_product_attention run in 16 bits on both. Only the forward's saved tensors and
 # the state sizes are measured here; the peak (what is live at once in backward), the recomputation under
 # checkpointing and the CUDA caching allocator's rounding are modelled in C, not measured (no GPU).
+# GPT-2 (`gpt2` as the first argument; the fsdp suite's gpt2-xl): HF GPT2LMHeadModel with sdpa, tied head, dropout
+# off (fitllm's GPT-2 has none), full fine-tunes at every precision, checkpointing and SGD.
 # Pinned: torch==2.15.0, transformers==5.23.0, peft==0.21.2, bitsandbytes==0.50.2 (the venv /work/venv-graph). Run:
 #   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py > tests/fixtures/pytorch-alloc.json
+#   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py gpt2 > tests/fixtures/pytorch-alloc-gpt2.json
 # (FL_ALLOC_VERBOSE=1: every saved tensor's shape and dtype on stderr.)
 import contextlib, json, os, sys, tempfile, warnings
 import torch
 import transformers
 import peft
 import bitsandbytes
-from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+from transformers import BitsAndBytesConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 assert (torch.__version__.startswith("2.15.0") and transformers.__version__ == "5.23.0" and peft.__version__ == "0.21.2"
         and bitsandbytes.__version__ == "0.50.2"), (torch.__version__, transformers.__version__, peft.__version__,
@@ -44,6 +47,8 @@ AMP = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 def build(cfg, prec, quant):
     torch.manual_seed(0)
+    if isinstance(cfg, GPT2Config):
+        return GPT2LMHeadModel(cfg).to(DT[prec])
     if not quant:
         return LlamaForCausalLM(cfg).to(DT[prec])
     d = tempfile.mkdtemp()
@@ -53,10 +58,14 @@ def build(cfg, prec, quant):
     return LlamaForCausalLM.from_pretrained(d, quantization_config=q, dtype=torch.float32, device_map="cpu")
 
 
-def measure(B, T, prec, L, H, KV, d, ff, V, hd, ckpt=0, lora_r=0, quant="", optim="adamw"):
-    cfg = LlamaConfig(vocab_size=V, hidden_size=d, intermediate_size=ff, num_hidden_layers=L, num_attention_heads=H,
-                      num_key_value_heads=KV, head_dim=hd, max_position_embeddings=256, attn_implementation="sdpa",
-                      tie_word_embeddings=False, use_cache=False)
+def measure(B, T, prec, L, H, KV, d, ff, V, hd, ckpt=0, lora_r=0, quant="", optim="adamw", arch="llama"):
+    if arch == "gpt2":  # n_inner = ff; dropout off
+        cfg = GPT2Config(vocab_size=V, n_embd=d, n_inner=ff, n_layer=L, n_head=H, n_positions=256, resid_pdrop=0.0,
+                         embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa", use_cache=False)
+    else:
+        cfg = LlamaConfig(vocab_size=V, hidden_size=d, intermediate_size=ff, num_hidden_layers=L,
+                          num_attention_heads=H, num_key_value_heads=KV, head_dim=hd, max_position_embeddings=256,
+                          attn_implementation="sdpa", tie_word_embeddings=False, use_cache=False)
     m = build(cfg, prec, quant)
     if ckpt:
         m.gradient_checkpointing_enable()
@@ -97,10 +106,11 @@ def measure(B, T, prec, L, H, KV, d, ff, V, hd, ckpt=0, lora_r=0, quant="", opti
     grads = sum(p.grad.untyped_storage().nbytes() for p in train)
     ostate = sum({v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for st in opt.state.values()
                   for v in st.values() if torch.is_tensor(v)}.values())
-    n_params = sum(p.numel() for p in m.parameters()) if not quant else None
-    return dict(B=B, T=T, precision=prec, ckpt=ckpt, lora_r=lora_r, quant=quant, optimizer=optim, layers=L, heads=H,
-                kv_heads=KV, dim=d, ffn=ff, vocab=V, head_dim=hd,
-                n_params=sum(p.numel() for p in LlamaForCausalLM(cfg).parameters()),
+    full = GPT2LMHeadModel(cfg) if arch == "gpt2" else LlamaForCausalLM(cfg)
+    row = dict(arch=arch) if arch != "llama" else {}
+    return dict(row, B=B, T=T, precision=prec, ckpt=ckpt, lora_r=lora_r, quant=quant, optimizer=optim, layers=L,
+                heads=H, kv_heads=KV, dim=d, ffn=ff, vocab=V, head_dim=hd,
+                n_params=sum(p.numel() for p in full.parameters()),
                 trainable=sum(p.numel() for p in train), params=params, quant_state=qstate, grads=grads,
                 optim=ostate, saved=saved, logits=logits)
 
@@ -108,10 +118,20 @@ def measure(B, T, prec, L, H, KV, d, ff, V, hd, ckpt=0, lora_r=0, quant="", opti
 SHAPES = ((2, 24, 1, 4, 4, 64, 172, 512, 16), (2, 24, 2, 4, 4, 64, 172, 512, 16), (1, 37, 2, 4, 2, 64, 172, 512, 16),
           (3, 20, 3, 8, 2, 96, 256, 300, 12))
 rows = []
-for prec in ("32-true", "bf16-true"):  # full fine-tunes (the first anchor)
+if sys.argv[1:] == ["gpt2"]:  # GPT-2: every precision at three shapes, then checkpointing and SGD
+    G = ((2, 24, 1, 4, 4, 64, 256, 512, 16), (1, 37, 2, 4, 4, 64, 172, 300, 16), (3, 20, 3, 6, 6, 96, 384, 300, 16))
+    for prec in ("32-true", "bf16-true", "bf16-mixed", "16-mixed"):
+        for s in G:
+            rows.append(measure(*s[:2], prec, *s[2:], arch="gpt2"))
+    for s in G[1:]:
+        rows.append(measure(*s[:2], "32-true", *s[2:], ckpt=1, arch="gpt2"))
+        rows.append(measure(*s[:2], "16-mixed", *s[2:], ckpt=1, arch="gpt2"))
+        rows.append(measure(*s[:2], "32-true", *s[2:], optim="sgd", arch="gpt2"))
+    SHAPES = ()
+for prec in ("32-true", "bf16-true") if not rows else ():  # full fine-tunes (the first anchor)
     for s in SHAPES:
         rows.append(measure(*s[:2], prec, *s[2:]))
-for prec in ("bf16-mixed", "16-mixed"):  # autocast
+for prec in ("bf16-mixed", "16-mixed") if SHAPES else ():  # autocast
     for s in SHAPES[1:]:
         rows.append(measure(*s[:2], prec, *s[2:]))
 for s in SHAPES[1:]:  # the other lab rows' setups, each at three shapes
@@ -120,8 +140,9 @@ for s in SHAPES[1:]:  # the other lab rows' setups, each at three shapes
     rows.append(measure(*s[:2], "32-true", *s[2:], optim="adamw8bit"))
     rows.append(measure(*s[:2], "32-true", *s[2:], lora_r=4))
     rows.append(measure(*s[:2], "32-true", *s[2:], lora_r=8, quant="nf4"))
-rows.append(measure(2, 24, "bf16-mixed", 2, 4, 2, 64, 192, 512, 16, ckpt=1))
-rows.append(measure(2, 24, "bf16-true", 2, 4, 2, 64, 192, 512, 16, lora_r=4))
+if SHAPES:
+    rows.append(measure(2, 24, "bf16-mixed", 2, 4, 2, 64, 192, 512, 16, ckpt=1))
+    rows.append(measure(2, 24, "bf16-true", 2, 4, 2, 64, 192, 512, 16, lora_r=4))
 head = json.dumps({"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
                    "bitsandbytes": bitsandbytes.__version__})
 print(head[:-1] + ', "rows": [\n ' + ",\n ".join(json.dumps(r) for r in rows) + "\n]}")

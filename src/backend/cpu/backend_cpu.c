@@ -66,6 +66,7 @@ static void fill_ops(fl_backend *be) {
     be->copy = fl_cpu_copy;
     be->sync = fl_cpu_sync;
     be->supports_op = fl_cpu_supports_op;
+    be->run = fl_backend_run_slots;
     be->rope_tables = fl_cpu_rope_tables;
     be->pool_init = fl_cpu_pool_init;
     be->host_pool_init = fl_cpu_pool_init;

@@ -45,6 +45,9 @@ extern "C" {
                                 fl_dtype wt, const float *rstd, int N, int C, void *stream);                   \
     int P##cross_entropy(float *loss, float *dlogits, const float *logits, const int32_t *targets, int N, int V, \
                          float grad_scale, int ignore_index, void *stream);                                    \
+    /* the same with the gradient written as bf16 only (dlogits16 (N, V), not overlapping logits) */         \
+    int P##cross_entropy_dbf16(float *loss, void *dlogits16, const float *logits, const int32_t *targets, int N, \
+                               int V, float grad_scale, int ignore_index, void *stream);                       \
     int P##adamw_update(float *p, const float *g, float *m, float *v, size_t n, float lr, float beta1,          \
                         float beta2, float eps, float weight_decay, int step, float grad_scale, void *stream);  \
     /* dtypes as the backend's adamw_update; unsupported ones return -1 (checked on the host) */             \

@@ -308,6 +308,13 @@ static void flb_cross_entropy(const fl_backend *be, float *loss, float *dlogits,
     FLB_RUN(be, FLB_K(cross_entropy)(loss, dlogits, logits, targets, N, V, grad_scale, ignore_index, STREAM),
             "cross_entropy");
 }
+static fl_status flb_cross_entropy_dbf16(const fl_backend *be, float *loss, void *dlogits16, const float *logits,
+                                         const int32_t *targets, int N, int V, float grad_scale, int ignore_index) {
+    FL_TRY(flb_sticky(be));
+    FLB_RUN_S(be, FLB_K(cross_entropy_dbf16)(loss, dlogits16, logits, targets, N, V, grad_scale, ignore_index, STREAM),
+              "cross_entropy_dbf16");
+    return FL_OK;
+}
 static double flb_sumsq(const fl_backend *be, const void *x, fl_dtype t, size_t n) {
     const char *op = "sumsq";
     flb_impl *im = FLB_IMPL(be);
@@ -622,12 +629,19 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     im->attn = fl_cudnn_attn_parse(ea);
     const char *ed = getenv("FITLLM_CUDA_DETERMINISTIC");
     im->det = ed && *ed && strcmp(ed, "0") != 0;
+    /* FITLLM_CUDA_HEAD_DBF16=0: the LM head's loss gradient in fp32 then converted (the same bits; for A/B timing) */
+    const char *eh = getenv("FITLLM_CUDA_HEAD_DBF16");
+    const int head_dbf16 = !eh || !*eh || !strcmp(eh, "1");
     s = im->attn < 0 ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_ATTN=%s: expected 'auto' (cuDNN's fused "
                                  "attention where it loads and takes the shape, else 'own'), 'cudnn' (cuDNN, "
                                  "experimental), 'own' (bf16 runs: the FlashAttention-2-structured kernels, "
                                  "experimental), 'legacy' (bf16 runs: the earlier tensor-core kernels) or 'fp32' "
                                  "(the fp32 kernels always)", FLB_NAME, ea)
-                     : flb_attn_init(im);
+        : eh && *eh && !head_dbf16 && strcmp(eh, "0")
+            ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_HEAD_DBF16=%s: expected 1 (the default: the "
+                        "cross-entropy writes the LM head's gradient in bf16) or 0 (in fp32, then converted)",
+                        FLB_NAME, eh)
+            : flb_attn_init(im);
     if (s != FL_OK) {
         flb_dev_free(im->scalars);
         flb_device_free(im->stream, &im->blas);
@@ -678,6 +692,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->bias_forward = flb_bias_forward;
     be->bias_backward = flb_bias_backward;
     be->cross_entropy = flb_cross_entropy;
+    be->cross_entropy_dbf16 = head_dbf16 ? flb_cross_entropy_dbf16 : NULL;
     be->adamw_update = flb_adamw_update;
     be->sgd_update = flb_sgd_update;
     be->sumsq = flb_sumsq;
@@ -705,6 +720,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->copy = flb_copy;
     be->sync = flb_sync;
     be->supports_op = flb_supports_op;
+    be->run = fl_backend_run_slots;
     be->rope_tables = flb_rope_tables;
     be->pool_init = flb_pool_init;
     be->host_pool_init = flb_host_pool_init;

@@ -313,6 +313,7 @@ fl_status fl_null_backend_init_for(fl_backend *be, const char *planned) {
     be->copy = n_copy;
     be->sync = n_sync;
     be->supports_op = n_supports_op;
+    be->run = fl_backend_run_slots;
     be->rope_tables = n_rope_tables;
     be->pool_init = nul_pool_init;
     be->host_pool_init = nul_pool_init; /* the host tier of a planned offload: counted, never touched */

@@ -579,6 +579,7 @@ fl_status fl_opaque_backend_init(fl_backend *be, int n_threads) {
     be->copy = op_copy;
     be->sync = op_sync;
     be->supports_op = op_supports_op;
+    be->run = fl_backend_run_slots;
     be->rope_tables = op_rope_tables;
     be->pool_init = opq_pool_init;
     be->host_pool_init = opq_host_pool_init;

@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Pipeline-parallel step benchmark: fitllm --pipeline_parallel (mpirun) vs torch.distributed.pipelining (gloo),
+# S processes x 1 thread, the same LLaMA shape, micro-batches and schedule, alternating rounds (ABAB).
+#
+#   bench/run_pp_bench.sh                       # tiny, 2 stages, B=2, 4 micro-batches, T=128, 3 rounds
+#   ROUNDS=1 STEPS=3 bench/run_pp_bench.sh      # quick look
+#
+# fitllm: `mpirun -np S fitllm pretrain --model_name SHAPE --devices S --pipeline_parallel S --pipeline_schedule K`
+#   on TextFiles (tinystories text, llama2 tokenizer) so that every sample is exactly T tokens; micro-batch B, global
+#   batch MICRO x B (MICRO micro-batches per step). Its split is its own (the blocks' training FLOPs, lm_head's on
+#   the last stage: tiny at 2 stages is [0, 5) [5, 6), the head weighing ~9 blocks), printed by `fitllm plan`.
+#   Step time = logs/metrics.csv iter_time x MICRO (a pipelined step gives each micro-batch an equal share), median
+#   over the steps after WARMUP. Memory: each rank's peak resident set (/usr/bin/time %M) and its pool peak (the
+#   result box's "peak total, ranks min - max").
+# torch: bench/bench_pp_torch.py with the same split (SPLIT, default fitllm's) and schedule; with EVEN=1 also the
+#   count-balanced split 0,3,6 (what a split by layer count gives), to show what the cost balance buys.
+# Env: FITLLM (./build/fitllm), FITLLM_PY (/work/venv-graph/bin/python), SHAPE (tiny), STAGES (2), BATCH (2),
+#   MICRO (4), SEQ (128), STEPS (6 timed), WARMUP (2), ROUNDS (3), SCHEDULES ("1f1b gpipe"), SPLIT (0,5,6),
+#   EVEN (1), DATA (/work/shared/data or ../shared/data), OUT (bench/out/pp-<date>.txt).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+FITLLM=${FITLLM:-./build/fitllm}
+PY=${FITLLM_PY:-/work/venv-graph/bin/python}
+SHAPE=${SHAPE:-tiny}
+STAGES=${STAGES:-2}
+BATCH=${BATCH:-2}
+MICRO=${MICRO:-4}
+SEQ=${SEQ:-128}
+STEPS=${STEPS:-6}
+WARMUP=${WARMUP:-2}
+ROUNDS=${ROUNDS:-3}
+SCHEDULES=${SCHEDULES:-1f1b gpipe}
+SPLIT=${SPLIT:-0,5,6}
+EVEN=${EVEN:-1}
+DATA=${DATA:-$( [ -d ../shared/data ] && echo ../shared/data || echo /work/shared/data )}
+OUT=${OUT:-bench/out/pp-$(date -u +%Y%m%dT%H%M%SZ).txt}
+MPIRUN=(mpirun --oversubscribe -np "$STAGES")
+[ "$(id -u)" = 0 ] && MPIRUN+=(--allow-run-as-root)
+
+[ -x "$FITLLM" ] || { echo "error: $FITLLM not found (cmake --build build --target fitllm_cli)" >&2; exit 2; }
+command -v mpirun >/dev/null || { echo "error: mpirun not found (apt-get install openmpi-bin)" >&2; exit 2; }
+[ -x /usr/bin/time ] || { echo "error: /usr/bin/time not found (apt-get install time)" >&2; exit 2; }
+[ -d "$DATA/text" ] && [ -d "$DATA/llama2-tokenizer" ] || { echo "error: $DATA/text or $DATA/llama2-tokenizer missing" >&2; exit 2; }
+"$PY" -c 'import torch.distributed.pipelining, transformers' 2>/dev/null || { echo "error: $PY cannot import torch.distributed.pipelining + transformers" >&2; exit 2; }
+
+mkdir -p "$(dirname "$OUT")"
+TMP=$(mktemp -d /tmp/pp-bench-XXXXXX)
+trap 'rm -rf "$TMP"' EXIT
+{
+    echo "# $(date -u +%FT%TZ) host=$(hostname) nproc=$(nproc) cpu=$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1)"
+    echo "# shape=$SHAPE stages=$STAGES threads/rank=1 B=$BATCH micro=$MICRO T=$SEQ global_batch=$((MICRO * BATCH)) steps=$STEPS warmup=$WARMUP rounds=$ROUNDS split=$SPLIT loadavg=$(cut -d' ' -f1-3 /proc/loadavg)"
+} | tee -a "$OUT"
+
+fitllm_one() { # schedule -> prints "RESULT impl=fitllm-pp-<schedule> ..."
+    local k=$1 d="$TMP/f-$1-$RANDOM"
+    OMP_NUM_THREADS=1 "${MPIRUN[@]}" /usr/bin/time -f "MAXRSS_KB %M" "$FITLLM" pretrain --model_name "$SHAPE" \
+        --data TextFiles --data.train_data_path "$DATA/text" --tokenizer_dir "$DATA/llama2-tokenizer" \
+        --train.max_seq_length "$SEQ" --train.micro_batch_size "$BATCH" --train.global_batch_size $((MICRO * BATCH)) \
+        --train.max_steps $((STEPS + WARMUP)) --train.lr_warmup_steps 0 --threads 1 --devices "$STAGES" \
+        --pipeline_parallel "$STAGES" --pipeline_schedule "$k" --strategy ddp \
+        --eval.interval 100000 --eval.final_validation false --eval.max_new_tokens 0 --train.save_interval 100000 \
+        --out_dir "$d" >"$d.log" 2>&1 || { echo "fitllm $k failed:" >&2; tail -5 "$d.log" >&2; return 1; }
+    "$PY" - "$d/logs/metrics.csv" "$d.log" "$k" "$WARMUP" "$((MICRO * BATCH * SEQ))" "$MICRO" <<'EOF'
+import csv, re, statistics, sys
+path, log, k, warm, tok, m = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+rows = [r for r in csv.DictReader(open(path)) if r["iter_time"] not in ("", "nan") and int(r["iter"]) % m == 0]
+t = [m * float(r["iter_time"]) for r in rows][warm:]
+med = statistics.median(t)
+text = open(log).read()
+rss = [int(v) / 1024 for v in re.findall(r"MAXRSS_KB (\d+)", text)]
+pool = re.search(r"peak total, ranks min - max +([0-9.]+ \w+) - ([0-9.]+ \w+)", text)
+split = re.search(r"stage 0 holds blocks \[(\d+), (\d+)\)", text)
+print(f"RESULT impl=fitllm-pp-{k} median_ms={med*1e3:.1f} tok_s={tok/med:.1f} steps={len(t)} "
+      f"stage0_blocks=[{split.group(1)},{split.group(2)}) rss_mib={'/'.join(f'{v:.0f}' for v in sorted(rss))} "
+      f"pool_peak={pool.group(1)}..{pool.group(2)} losses={[round(float(r['loss']), 6) for r in rows]}"
+      if pool and split else "RESULT impl=fitllm-pp-%s parse-error" % k)
+EOF
+}
+
+torch_one() { # schedule split
+    OMP_NUM_THREADS=1 "$PY" bench/bench_pp_torch.py --shape "$SHAPE" --batch "$BATCH" --micro "$MICRO" --seq "$SEQ" \
+        --split "$2" --schedule "$1" --steps "$STEPS" --warmup "$WARMUP" --threads 1 2>"$TMP/t.err" | grep '^RESULT' \
+        || { echo "torch $1 $2 failed:" >&2; tail -5 "$TMP/t.err" >&2; return 1; }
+}
+
+for r in $(seq "$ROUNDS"); do
+    for k in $SCHEDULES; do
+        torch_one "$k" "$SPLIT" | sed "s/^/round=$r /" | tee -a "$OUT"
+        fitllm_one "$k" | sed "s/^/round=$r /" | tee -a "$OUT"
+        if [ "$EVEN" = 1 ]; then torch_one "$k" 0,3,6 | sed "s/^/round=$r /" | tee -a "$OUT"; fi
+    done
+done
+echo "# medians over rounds (ms/step):" | tee -a "$OUT"
+"$PY" - "$OUT" <<'EOF' | tee -a "$OUT"
+import re, statistics, sys, collections
+runs = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    m = re.match(r"round=\d+ RESULT impl=(\S+)(?:.* split=(\S+))?.* median_ms=([0-9.]+)", line)
+    if m:
+        runs[m.group(1) + (" split=" + m.group(2) if m.group(2) else "")].append(float(m.group(3)))
+for k, v in runs.items():
+    print(f"# {k}: median {statistics.median(v):.1f} ms (rounds: {' / '.join(f'{x:.1f}' for x in v)})")
+EOF

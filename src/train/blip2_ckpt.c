@@ -1,0 +1,284 @@
+/* BLIP-2 fine-tuning's checkpoints (fitllm/blip2_train.h): step checkpoints (an HF BLIP-2 folder, or the language
+ * model's PEFT adapter under LoRA, plus training_state.safetensors: each trained part's parameters and optimizer state,
+ * the data position), --resume from them bit-exactly, and the final folder. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/fs.h"
+#include "fitllm/checkpoint.h"
+#include "fitllm/io.h"
+#include "fitllm/lora.h"
+#include "fitllm/peft.h"
+#include "blip2_train-impl.h"
+
+
+/* The language model's adapters as PEFT saves them on Blip2ForConditionalGeneration (language_model.<module>). */
+static fl_status save_adapter(b2run *r, const char *dir) {
+    fl_model *lm = fl_blip2_part(r->b, FL_BLIP2_TEXT);
+    fl_lora_adapters ad;
+    if (!fl_model_lora_adapters(lm, &ad)) return FL_OK;
+    fl_peft_module *mods = calloc((size_t)ad.n_mods + 1, sizeof *mods);
+    float *host = malloc(ad.numel * sizeof(float) + 1);
+    fl_status s = mods && host ? lm->be->to_host(lm->be, host, ad.params, ad.numel * sizeof(float))
+                               : fl_errorf(FL_ERR_OOM, "out of host memory");
+    for (int j = 0; s == FL_OK && j < ad.n_mods; j++) {
+        static const char pre[] = "language_model.";
+        if (strlen(ad.mods[j].name) + sizeof pre > sizeof mods[j].name) {
+            s = fl_errorf(FL_ERR_INVALID, "LoRA module name too long for the adapter file: %s", ad.mods[j].name);
+            break;
+        }
+        memcpy(mods[j].name, pre, sizeof pre - 1);
+        memcpy(mods[j].name + sizeof pre - 1, ad.mods[j].name, strlen(ad.mods[j].name) + 1);
+        mods[j].in = ad.mods[j].in, mods[j].out = ad.mods[j].out;
+        mods[j].A = host + ad.off[2 * j], mods[j].B = host + ad.off[2 * j + 1];
+    }
+    fl_peft_config pc;
+    memset(&pc, 0, sizeof pc);
+    pc.lora = *ad.cfg;
+    pc.inference_mode = 1;
+    pc.seq2seq = fl_model_is_s2s(&lm->cfg);
+    char abs[4096]; /* an absolute path: PEFT and merge_lora find the base from anywhere */
+    const char *base = realpath(r->cfg->checkpoint_dir, abs) ? abs : r->cfg->checkpoint_dir;
+    if (s == FL_OK && strlen(base) >= sizeof pc.base_model)
+        s = fl_errorf(FL_ERR_INVALID, "base model path too long for adapter_config.json: %s", base);
+    else memcpy(pc.base_model, base, strlen(base) + 1);
+    if (s == FL_OK) s = fl_peft_save(dir, &pc, mods, ad.n_mods);
+    free(mods), free(host);
+    return s;
+}
+
+
+fl_status fl_b2t_save_final(b2run *r, const char *dir) {
+    fl_model *lm = fl_blip2_part(r->b, FL_BLIP2_TEXT);
+    FL_TRY(fl_fs_mkdir_p(dir));
+    if (lm->adapt) {
+        char ad[4096];
+        FL_TRY(fl_fs_join(ad, sizeof ad, dir, "adapter"));
+        FL_TRY(save_adapter(r, ad));
+        FL_TRY(fl_model_lora_merge(lm)); /* the folder's weights: the adapters merged */
+    }
+    return fl_blip2_save(r->b, r->cfg->checkpoint_dir, dir);
+}
+
+/* ---- step checkpoints and resume -------------------------------------------------------------------- */
+
+static const char *const k_part[FL_BLIP2_PARTS] = {"vision", "qformer", "lm"};
+#define B2_STATE "training_state.safetensors"
+#define B2_FORMAT "fitllm-blip2-training-state"
+
+/* ZeRO at several ranks: each trained part's optimizer state arrays (m, v, buf) gathered whole into host memory on
+ * every rank (collective; checkpoint I/O staging outside the pools), what rank 0 writes. NULLs otherwise. */
+typedef struct {
+    float *a[FL_BLIP2_PARTS][3];
+} b2gathered;
+static fl_status save_step_files(b2run *r, const b2pos *p, const b2gathered *g);
+
+static void gathered_free(b2gathered *g) {
+    for (int k = 0; k < FL_BLIP2_PARTS; k++)
+        for (int j = 0; j < 3; j++) free(g->a[k][j]);
+}
+
+static fl_status gather_state(b2run *r, b2gathered *g) {
+    memset(g, 0, sizeof *g);
+    if (!fl_b2t_sharded(r)) return FL_OK;
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        if (!r->has_opt[k]) continue;
+        const fl_optimizer *o = &r->opt[k];
+        const void *arr[3] = {o->st.m, o->st.v, o->st.buf};
+        for (int j = 0; j < 3; j++) {
+            if (!arr[j]) continue;
+            if (!(g->a[k][j] = malloc(o->w.n * sizeof(float) + 1))) return fl_errorf(FL_ERR_OOM, "out of host memory");
+            FL_TRY(fl_optim_state_read(o, g->a[k][j] + o->shard.off, arr[j], o->shard.len * sizeof(float)));
+            FL_TRY(fl_error_prefix(fl_comm_all_gather(r->dp.comm, g->a[k][j] + o->shard.off, g->a[k][j], o->w.n, FL_F32),
+                                   "%s: gathering the optimizer state for a checkpoint", fl_dp_stage_name(&r->dp)));
+        }
+    }
+    return FL_OK;
+}
+
+/* training_state.safetensors: each trained part's parameters (its LoRA adapters under LoRA) and optimizer state, the
+ * epoch's record order; the metadata the position in the data, the step and the run's shape (checked on resume). */
+static fl_status write_state(b2run *r, const b2pos *p, const char *path, const b2gathered *g) {
+    fl_st_write_tensor t[5 * FL_BLIP2_PARTS + 1];
+    char names[5 * FL_BLIP2_PARTS][48];
+    int nt = 0;
+    int64_t *order = malloc(r->n_rec * sizeof *order + 1);
+    if (!order) return fl_errorf(FL_ERR_OOM, "out of host memory");
+    for (size_t i = 0; i < r->n_rec; i++) order[i] = (int64_t)p->order[i];
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        if (!r->has_opt[k]) continue;
+        const fl_optimizer *o = &r->opt[k];
+        const void *src[4] = {o->w.p, o->st.m, o->st.v, o->st.buf};
+        static const char *const what[4] = {"params", "exp_avg", "exp_avg_sq", "momentum_buffer"};
+        for (int j = 0; j < 4; j++) {
+            if (!src[j]) continue;
+            snprintf(names[nt], sizeof names[nt], "%s.%s", k_part[k], what[j]);
+            const int host = j && g->a[k][j - 1]; /* ZeRO: the gathered state, in host memory */
+            t[nt] = (fl_st_write_tensor){.name = names[nt], .dtype = FL_F32, .ndim = 1, .shape = {(int64_t)o->w.n},
+                                         .data = host ? g->a[k][j - 1] : src[j], .src_dtype = FL_F32,
+                                         .be = host ? NULL : j ? o->home.be : &r->be};
+            nt++;
+        }
+        if (o->q8.state) { /* 8-bit AdamW: the block-wise state of every tensor, bound in layout order: one blob */
+            snprintf(names[nt], sizeof names[nt], "%s.state8", k_part[k]);
+            t[nt] = (fl_st_write_tensor){.name = names[nt], .dtype = FL_U8, .ndim = 1,
+                                         .shape = {(int64_t)o->q8.state_bytes}, .data = o->q8.state,
+                                         .src_dtype = FL_U8, .be = &r->be};
+            nt++;
+        }
+    }
+    t[nt++] = (fl_st_write_tensor){.name = "order", .dtype = FL_I64, .ndim = 1, .shape = {(int64_t)r->n_rec},
+                                   .data = order, .src_dtype = FL_I64};
+    char v[11][64];
+    snprintf(v[0], sizeof v[0], "%s", B2_FORMAT);
+    snprintf(v[1], sizeof v[1], "%ld", p->step);
+    snprintf(v[2], sizeof v[2], "%ld", p->epoch);
+    snprintf(v[3], sizeof v[3], "%zu", p->pos);
+    snprintf(v[4], sizeof v[4], "%a", p->epoch_sum); /* exact */
+    snprintf(v[5], sizeof v[5], "%ld", p->epoch_n);
+    snprintf(v[6], sizeof v[6], "%d", r->parts | (r->lora ? 8 : 0));
+    snprintf(v[7], sizeof v[7], "%zu", r->n_rec);
+    snprintf(v[8], sizeof v[8], "%s", fl_optim_name(r->cfg->optimizer.kind));
+    int ostep = 0;
+    for (int k = 0; k < FL_BLIP2_PARTS; k++)
+        if (r->has_opt[k]) ostep = r->opt[k].step;
+    snprintf(v[9], sizeof v[9], "%d", ostep);
+    snprintf(v[10], sizeof v[10], "%lld", p->tokens);
+    static const char *const keys[11] = {"format", "step", "epoch", "pos", "epoch_sum", "epoch_n", "parts", "records",
+                                         "optimizer", "optimizer_step", "tokens"};
+    const char *vals[11];
+    for (int i = 0; i < 11; i++) vals[i] = v[i];
+    fl_status s = fl_st_write(path, t, nt, keys, vals, 11);
+    free(order);
+    return s;
+}
+
+/* out_dir/step-NNNNNN: the model as an HF BLIP-2 folder (under LoRA the PEFT adapter of the language model), the
+ * training state, then COMMITTED: built in .tmp-step-NNNNNN, renamed into place (what --resume true picks:
+ * fl_ckpt_find_latest), the newest train.keep_checkpoints kept. Every rank calls it; rank 0 writes (under DDP every
+ * rank holds the same weights and state; under ZeRO the state is gathered first). */
+fl_status fl_b2t_save_step(b2run *r, const b2pos *p) {
+    b2gathered g;
+    fl_status s = gather_state(r, &g);
+    if (s == FL_OK && !r->rank) s = save_step_files(r, p, &g);
+    gathered_free(&g);
+    return s;
+}
+
+static fl_status save_step_files(b2run *r, const b2pos *p, const b2gathered *g) {
+    char name[40], tmp[4096], dst[4096], path[4200];
+    snprintf(name, sizeof name, "step-%06ld", p->step);
+    FL_TRY(fl_fs_join(dst, sizeof dst, r->cfg->out_dir, name));
+    char tname[48];
+    snprintf(tname, sizeof tname, ".tmp-%s", name);
+    FL_TRY(fl_fs_join(tmp, sizeof tmp, r->cfg->out_dir, tname)); /* a too-long out_dir is refused, not cut */
+    fl_fs_remove_dir(tmp);
+    fl_status s = fl_fs_mkdir_p(tmp);
+    if (s == FL_OK) s = fl_blip2_part(r->b, FL_BLIP2_TEXT)->adapt ? save_adapter(r, tmp)
+                                                                  : fl_blip2_save(r->b, r->cfg->checkpoint_dir, tmp);
+    if (s == FL_OK) s = fl_fs_join(path, sizeof path, tmp, B2_STATE);
+    if (s == FL_OK) s = write_state(r, p, path, g);
+    if (s == FL_OK) {
+        fl_fs_sync_dir(tmp);
+        fl_fs_remove_dir(dst); /* a run writing into an out_dir that has this step already */
+        if (rename(tmp, dst) != 0) s = fl_errorf(FL_ERR_IO, "%s: cannot rename %s into place", dst, tmp);
+    }
+    if (s == FL_OK) {
+        fl_fs_sync_dir(r->cfg->out_dir);
+        snprintf(path, sizeof path, "%s/COMMITTED", dst);
+        s = fl_fs_write_file_atomic(path, "fitllm checkpoint v1\n", 21);
+    }
+    if (s != FL_OK) {
+        fl_fs_remove_dir(tmp);
+        return fl_error_prefix(s, "saving checkpoint %s", dst);
+    }
+    if (r->cfg->train.keep_checkpoints > 0) fl_ckpt_rotate(r->cfg->out_dir, r->cfg->train.keep_checkpoints);
+    fl_b2t_say(r, "saved checkpoint %s\n", dst);
+    return FL_OK;
+}
+
+static const char *meta_of(const fl_st_file *f, const char *key) {
+    for (int i = 0; i < f->n_meta; i++)
+        if (!strcmp(f->meta_keys[i], key)) return f->meta_vals[i];
+    return "";
+}
+
+/* A tensor of the state into device memory (an optimizer's state through it: fl_optim_state_write). */
+static fl_status load_tensor(b2run *r, const fl_st_file *f, const char *path, const char *name, void *dst, size_t n,
+                             fl_dtype dt, const fl_optimizer *o) {
+    const fl_st_tensor *t = fl_st_find(f, name);
+    const size_t es = fl_dtype_size(dt);
+    if (!t || t->dtype != dt || t->end - t->begin != n * es)
+        return fl_errorf(FL_ERR_FORMAT, "%s: tensor %s is %s (this run has %zu elements of it: another run's "
+                         "checkpoint?)", path, name, t ? "of another size or dtype" : "missing", n);
+    if (!dst) return FL_OK;
+    /* an optimizer's state: this rank's range of it (ZeRO: its chunk; else all of it) */
+    return o ? fl_optim_state_write(o, dst, (const char *)t->data + o->shard.off * es, o->shard.len * es)
+             : r->be.to_device(&r->be, dst, t->data, n * es);
+}
+
+/* --resume true|auto (the newest committed step-* in out_dir; auto: none is a fresh start) or a checkpoint folder:
+ * the trained parts' parameters and optimizer state, the data position; the run's shape must be the checkpoint's. */
+fl_status fl_b2t_resume(b2run *r, b2pos *p, int *resumed) {
+    const char *rs = r->cfg->resume;
+    char dir[4096], path[4200];
+    *resumed = 0;
+    if (!rs[0] || !strcmp(rs, "false")) return FL_OK;
+    if (!strcmp(rs, "true") || !strcmp(rs, "auto")) {
+        fl_status s = fl_ckpt_find_latest(r->cfg->out_dir, dir, sizeof dir);
+        if (s == FL_ERR_NOT_FOUND && !strcmp(rs, "auto")) return FL_OK;
+        if (s != FL_OK) return fl_error_prefix(s, "--resume %s", rs);
+    } else {
+        snprintf(dir, sizeof dir, "%s", rs);
+    }
+    if (!fl_ckpt_is_committed(dir))
+        return fl_errorf(FL_ERR_NOT_FOUND, "--resume %s: not a committed checkpoint (no COMMITTED file)", dir);
+    FL_TRY(fl_fs_join(path, sizeof path, dir, B2_STATE));
+    fl_st_file f;
+    FL_TRY(fl_error_prefix(fl_st_open(&f, path), "--resume"));
+    char want[32];
+    snprintf(want, sizeof want, "%d", r->parts | (r->lora ? 8 : 0));
+    fl_status s = FL_OK;
+    if (strcmp(meta_of(&f, "format"), B2_FORMAT))
+        s = fl_errorf(FL_ERR_FORMAT, "%s: not a BLIP-2 training state (format '%s')", path, meta_of(&f, "format"));
+    else if (strcmp(meta_of(&f, "parts"), want))
+        s = fl_errorf(FL_ERR_INVALID, "%s: saved by a run training other parts (blip2.train or LoRA changed)", path);
+    else if (strtoull(meta_of(&f, "records"), NULL, 10) != r->n_rec)
+        s = fl_errorf(FL_ERR_INVALID, "%s: saved with %s training records, this run has %zu (data changed)", path,
+                      meta_of(&f, "records"), r->n_rec);
+    else if (strcmp(meta_of(&f, "optimizer"), fl_optim_name(r->cfg->optimizer.kind)))
+        s = fl_errorf(FL_ERR_INVALID, "%s: saved with optimizer %s, this run uses %s", path, meta_of(&f, "optimizer"),
+                      fl_optim_name(r->cfg->optimizer.kind));
+    for (int k = 0; s == FL_OK && k < FL_BLIP2_PARTS; k++) {
+        if (!r->has_opt[k]) continue;
+        fl_optimizer *o = &r->opt[k];
+        void *dst[4] = {o->w.p, o->st.m, o->st.v, o->st.buf};
+        static const char *const what[4] = {"params", "exp_avg", "exp_avg_sq", "momentum_buffer"};
+        for (int j = 0; s == FL_OK && j < 4; j++) {
+            char name[48];
+            snprintf(name, sizeof name, "%s.%s", k_part[k], what[j]);
+            if (dst[j]) s = load_tensor(r, &f, path, name, dst[j], o->w.n, FL_F32, j ? o : NULL);
+        }
+        char name[48];
+        snprintf(name, sizeof name, "%s.state8", k_part[k]);
+        if (s == FL_OK && o->q8.state) s = load_tensor(r, &f, path, name, o->q8.state, o->q8.state_bytes, FL_U8, NULL);
+        o->step = atoi(meta_of(&f, "optimizer_step"));
+        fl_model_sync_compute_copy(fl_blip2_part(r->b, k)); /* bf16-mixed: the copy of the restored weights */
+    }
+    if (s == FL_OK) s = load_tensor(r, &f, path, "order", NULL, r->n_rec, FL_I64, NULL);
+    if (s == FL_OK) {
+        const int64_t *ord = fl_st_find(&f, "order")->data;
+        for (size_t i = 0; i < r->n_rec; i++) p->order[i] = (size_t)ord[i];
+        p->step = atol(meta_of(&f, "step"));
+        p->epoch = atol(meta_of(&f, "epoch"));
+        p->pos = (size_t)strtoull(meta_of(&f, "pos"), NULL, 10);
+        p->epoch_sum = strtod(meta_of(&f, "epoch_sum"), NULL);
+        p->epoch_n = atol(meta_of(&f, "epoch_n"));
+        p->tokens = atoll(meta_of(&f, "tokens")); /* absent in an older checkpoint: 0 */
+        fl_b2t_say(r, "Resuming training from %s (step %ld)\n", dir, p->step);
+        *resumed = 1;
+    }
+    fl_st_close(&f);
+    return s;
+}

@@ -1,0 +1,126 @@
+/* BLIP-2 fine-tuning's strategies (fitllm/blip2_train.h): DDP, ZeRO-1 and ZeRO-2 over the ranks and CPU optimizer
+ * offload, through the trainer's data-parallel pieces (dp.h, zero.c) applied to each trained part's optimizer.
+ *
+ * One fl_dp for the run (its optimizer hooks shared by the parts' optimizers: they act on the optimizer they are
+ * given). Per part, fl_dp_optim_init: under ZeRO each rank keeps the optimizer state of its chunk of the part's
+ * trainable elements (fl_comm_chunk) and updates those, then one all-gather gives every rank the part's updated
+ * parameters; with offload the state lives in the host tier ("host (offload)", outside the device pool and its
+ * budget) and the update runs on the host's kernels. The gradients: DDP and ZeRO-1 all-reduce each part's (the bits of
+ * DDP: ZeRO-1 = DDP bit for bit), ZeRO-2 reduce-scatters them (each rank the sum of its chunk, the same rank-order sum
+ * per element). Clipping's norm: DDP and ZeRO-1 every trained part's whole gradient, ZeRO-2 the squared norms of the
+ * chunks summed over the ranks in rank order (fl_dp_sum): equal to DDP's within the rounding of the sum's order.
+ * Step checkpoints under ZeRO gather each part's state to every rank (blip2_ckpt.c) and rank 0 writes the one-process
+ * form; a resume takes each rank's chunk of it, so they resume at any world size. What is not built is refused by
+ * name: FSDP / ZeRO-3 (the parameters sharded), NVMe and parameter offload, checkpoints of 8-bit AdamW's state divided
+ * over the ranks. */
+#include <math.h>
+#include <string.h>
+
+#include "blip2_train-impl.h"
+
+fl_status fl_b2t_check_strategy(const fl_run_config *c) {
+    int stage = 0;
+    FL_TRY(fl_error_prefix(fl_cfg_zero_stage(c->strategy, c->sharding_strategy, &stage), "--strategy"));
+    if (stage == 3)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s: BLIP-2 fine-tuning runs one process, DDP, ZeRO-1 or ZeRO-2 "
+                         "(ddp, deepspeed_stage_1, deepspeed_stage_2, their _offload forms, fsdp with "
+                         "--fsdp.sharding_strategy NO_SHARD or SHARD_GRAD_OP) so far; FSDP / ZeRO-3 (the parameters "
+                         "sharded) is not built for BLIP-2", c->strategy);
+    if (fl_cfg_param_offload(c) || fl_cfg_offload_nvme(c))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s: BLIP-2 fine-tuning offloads the optimizer to host memory "
+                         "(deepspeed_stage_1_offload, deepspeed_stage_2_offload) so far: NVMe and parameter offload are "
+                         "not built for it", c->strategy);
+    return FL_OK;
+}
+
+/* 1 when the run's state is divided over several ranks (ZeRO-1/2 at world > 1) */
+int fl_b2t_sharded(const b2run *r) { return r->dp.comm && r->dp.stage >= 1; }
+
+fl_status fl_b2t_dist_setup(b2run *r) {
+    const fl_run_config *c = r->cfg;
+    memset(&r->dp, 0, sizeof r->dp);
+    /* not fl_dp_init: the reductions' MPI scratch stays outside the pool, as the DDP runs' before (and the plan's) */
+    r->dp.comm = r->world > 1 ? r->comm : NULL;
+    r->dp.rank = r->rank, r->dp.world = r->world;
+    r->dcfg = *c; /* fl_dp_optim_init's view: auto is DDP here (not the trainer's FSDP for finetune_full) */
+    if (!strcmp(r->dcfg.strategy, "auto")) snprintf(r->dcfg.strategy, sizeof r->dcfg.strategy, "ddp");
+    if (fl_cfg_offload(c->strategy)) {
+        const fl_backend *be = &r->be;
+        FL_TRY(be->host_pool_init ? be->host_pool_init(be, &r->opool, "host (offload)", 0)
+                                  : fl_mem_pool_init(&r->opool, "host (offload)", 0));
+        r->opool_ok = 1;
+        if (fl_backend_host_memory(be) || fl_backend_discards(be)) {
+            r->off.be = be; /* the update in place on host memory (or nothing computed: the plan) */
+        } else {
+            FL_TRY(fl_error_prefix(fl_cpu_backend_init(&r->hbe, c->threads), "CPU offload: the host's optimizer"));
+            r->hbe_ok = 1;
+            r->off.be = &r->hbe;
+        }
+        r->off.pool = &r->opool;
+        r->dp.offload = &r->off;
+    }
+    if (r->world > 1) {
+        int stage = 0;
+        FL_TRY(fl_cfg_zero_stage(r->dcfg.strategy, r->dcfg.sharding_strategy, &stage));
+        const int ckpt = c->train.save_interval > 0 || c->train.save_on_signal || (c->resume[0] && strcmp(c->resume, "false"));
+        if (stage >= 1 && c->optimizer.kind == FL_OPT_ADAMW8BIT && ckpt)
+            return fl_errorf(FL_ERR_UNSUPPORTED, "--strategy %s over %d ranks with --optimizer AdamW8bit: BLIP-2 step "
+                             "checkpoints and --resume of the 8-bit state divided over the ranks are not built yet: use "
+                             "--train.save_interval 0 --train.save_on_signal false without --resume, --strategy ddp, or "
+                             "AdamW", c->strategy, r->world);
+    }
+    return FL_OK;
+}
+
+fl_status fl_b2t_optim_init(b2run *r, int k) {
+    fl_model *m = fl_blip2_part(r->b, k);
+    int stage = 0;
+    FL_TRY(fl_cfg_zero_stage(r->dcfg.strategy, r->dcfg.sharding_strategy, &stage));
+    /* plan --devices N under ZeRO: rank 0's chunk of the state, no communicator (the plan's rank moves nothing) */
+    if (!r->dp.comm && r->o->plan_world > 1 && stage >= 1)
+        return fl_optim_init_offload(&r->opt[k], m, &r->dcfg.optimizer, r->o->plan_world, 0, r->dp.offload);
+    return fl_dp_optim_init(&r->dp, &r->dcfg, &r->opt[k], m);
+}
+
+/* DDP / ZeRO: every trained part's gradients (the adapters' under LoRA) reduced as the stage does, and the
+ * micro-batches' losses (each known to one rank, 0 on the others: their sum is exact) summed over the ranks. */
+fl_status fl_b2t_reduce(b2run *r, float *ml, int accum) {
+    for (int k = 0; k < FL_BLIP2_PARTS; k++)
+        if (r->has_opt[k]) FL_TRY(fl_dp_reduce_grads(&r->dp, &r->opt[k]));
+    return fl_comm_all_reduce(r->comm, ml, ml, (size_t)accum, FL_F32, FL_COMM_SUM);
+}
+
+/* clip_grad_norm_ over every trained part's gradients at once (the norm over all of them, in double; coef =
+ * max_norm / (norm + 1e-6) when below 1), before the parts' updates. */
+fl_status fl_b2t_clip(b2run *r, float max_norm) {
+    double ss = 0;
+    const int chunks = r->dp.comm && r->dp.stage == 2; /* ZeRO-2: each rank holds its chunk of the sums */
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        if (!r->has_opt[k]) continue;
+        const fl_optimizer *o = &r->opt[k];
+        if (chunks) {
+            const size_t es = fl_dtype_size(o->w.gt);
+            if (o->shard.len) ss += r->be.sumsq(&r->be, (const char *)o->w.g + o->shard.off * es, o->w.gt, o->shard.len);
+        } else {
+            const double n = fl_grad_norm(fl_blip2_part(r->b, k));
+            ss += n * n;
+        }
+    }
+    if (chunks) FL_TRY(fl_dp_sum(&r->dp, &ss, 1));
+    const float coef = max_norm / (float)(sqrt(ss) + 1e-6);
+    if (!(coef < 1.0f)) return FL_OK;
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) {
+        if (!r->has_opt[k]) continue;
+        fl_model *m = fl_blip2_part(r->b, k);
+        fl_lora_adapters ad;
+        if (fl_model_lora_adapters(m, &ad)) r->be.scale(&r->be, ad.grads, ad.numel, coef);
+        else r->be.scale(&r->be, fl_model_grads_f32(m), m->layout.numel, coef);
+    }
+    return FL_OK;
+}
+
+void fl_b2t_dist_free(b2run *r) {
+    if (r->opool_ok) fl_mem_pool_free(&r->opool);
+    if (r->hbe_ok) fl_backend_free(&r->hbe);
+    r->opool_ok = r->hbe_ok = 0;
+}

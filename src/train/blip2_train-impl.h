@@ -1,0 +1,91 @@
+/* BLIP-2 image-caption fine-tuning (fitllm/blip2_train.h): the run's state shared by the loop (blip2_train.c) and its
+ * checkpoints (blip2_ckpt.c). Private to src/train. */
+#ifndef FL_BLIP2_TRAIN_IMPL_H
+#define FL_BLIP2_TRAIN_IMPL_H
+
+#include <stdint.h>
+
+#include "fitllm/blip2.h"
+#include "fitllm/blip2_train.h"
+#include "fitllm/image.h"
+#include "fitllm/train.h"
+#include "dp.h"
+#include "metrics.h"
+
+typedef struct {
+    const fl_run_config *cfg;
+    const fl_blip2_train_opts *o; /* the caller's options (never NULL here: defaults filled in) */
+    fl_blip2_train_result *res;   /* what the call reports (never NULL here) */
+    int lora;                /* finetune_lora: adapters on the language model */
+    int parts;               /* 1 << FL_BLIP2_* of the parts that train */
+    fl_backend be;
+    fl_mem_pool pool, hpool;
+    fl_blip2 *b;
+    fl_img_proc proc;
+    fl_img_captions caps;
+    int32_t **ids;           /* per record: the caption's ids (BOS first when the language model has one) */
+    int *n_ids;
+    size_t n_rec;            /* training records (the captions', or the synthetic ones) */
+    size_t n_val;            /* validation records: ids[n_rec, n_rec + n_val) (data.val_split_fraction) */
+    fl_optimizer opt[FL_BLIP2_PARTS];
+    int has_opt[FL_BLIP2_PARTS];
+    /* plan / bench-step / the lab: no data read */
+    const fl_blip2_config *given; /* a preset's (or config.json's) shape instead of the folder's weights */
+    const fl_backend *borrowed;   /* the backend to run on (plan: the null backend), else the run's own */
+    int synth;                    /* > 0: every caption this many tokens, random ids and pixels (no data read) */
+    size_t budget;                /* the pool's (plan --device-memory); 0: the run's max_memory */
+    uint64_t rng;
+    int pools_ok;
+    fl_comm *comm;                /* DDP over several ranks (NULL: one process) */
+    size_t acts_part[FL_BLIP2_PARTS], acts_total; /* ACTS by part and in all at the first step's after_fwd */
+    int snapline;                 /* this step prints the per-phase lines (train.memory_snapshot_interval) */
+    int stopped;                  /* the stop callback's value that stopped the run after a step */
+    long steps_done;
+    int rank, world;
+    /* strategies (blip2_dist.c): the data-parallel context, the configuration fl_dp_optim_init reads, CPU offload's
+     * host tier and the backend its update runs on */
+    fl_dp dp;
+    fl_run_config dcfg;
+    fl_mem_pool opool;
+    fl_backend hbe;
+    fl_optim_offload off;
+    int opool_ok, hbe_ok;
+    fl_metrics metrics;           /* out_dir/logs/metrics.csv (rank 0 of a run) */
+} b2run;
+
+typedef struct {
+    size_t *order, pos;
+    long epoch;
+    double epoch_sum;
+    long epoch_n;
+    long step; /* optimizer steps done */
+    long long tokens; /* the valid caption targets of every step so far (metrics.csv's total_tokens) */
+} b2pos;
+
+/* What the run prints: rank 0's lines only (DDP), to the options' out (NULL: nothing). */
+void fl_b2t_say(const b2run *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* ---- strategies (blip2_dist.c) ---- */
+/* What --strategy (and its offload options) this run supports; the rest refused by name. */
+fl_status fl_b2t_check_strategy(const fl_run_config *c);
+/* The data-parallel context and CPU offload's host tier (after the backend and pools, before the optimizers). */
+fl_status fl_b2t_dist_setup(b2run *r);
+/* Part k's optimizer under the run's strategy (ZeRO: this rank's chunk; offload: the host tier). */
+fl_status fl_b2t_optim_init(b2run *r, int k);
+/* The step's gradient reductions (every trained part) and the micro-batches' losses summed over the ranks. */
+fl_status fl_b2t_reduce(b2run *r, float *ml, int accum);
+/* Clipping by the norm over every trained part's gradients. */
+fl_status fl_b2t_clip(b2run *r, float max_norm);
+/* 1 when the optimizer state is divided over the ranks (ZeRO-1/2 at several ranks). */
+int fl_b2t_sharded(const b2run *r);
+void fl_b2t_dist_free(b2run *r);
+
+/* ---- checkpoints (blip2_ckpt.c) ---- */
+/* out_dir/step-NNNNNN (an HF BLIP-2 folder, or the PEFT adapter under LoRA, + training_state.safetensors), committed. */
+fl_status fl_b2t_save_step(b2run *r, const b2pos *p);
+/* --resume: the trained parts' parameters and optimizer state, the data position (*resumed 1 when one was read). */
+fl_status fl_b2t_resume(b2run *r, b2pos *p, int *resumed);
+/* The final folder dir: the weights (LoRA merged), adapter/ (PEFT) under LoRA. */
+fl_status fl_b2t_save_final(b2run *r, const char *dir);
+
+#endif

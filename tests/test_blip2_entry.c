@@ -1,0 +1,184 @@
+/* BLIP-2 fine-tuning as a library call (fitllm/blip2_train.h, src/train/blip2_train.c): a run on the shipped tiny
+ * OPT folder (tests/fixtures/blip2-tiny-opt) and captions of token ids over the shipped images; a stop after step 2
+ * resumed to the end equals the uninterrupted run bit for bit; a rehearsal's result (steps, losses, times, snapshots,
+ * peaks per tag, bytes per part) and its OOM verdict under a budget below its own peak; refusals by name. The CLI
+ * suite checks the commands over this entry (tests/cli_test.sh blip2_*). */
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fitllm/blip2_train.h"
+#include "fitllm/comm.h"
+#include "fitllm/config.h"
+#include "test.h"
+
+#define FIX "tests/fixtures/blip2-tiny-opt"
+
+/* captions.jsonl in dir: 8 of the shipped images, each captioned with 5 token ids (the fixture has no tokenizer) */
+static int write_captions(const char *dir, char *path, size_t n) {
+    static const char *const img[8] = {"palette_45x31.png", "rgb_13x7.png", "rgba_37x53.png", "one_1x1.png",
+                                       "prog_50x33.jpg", "rgb420_97x61.jpg", "palette_45x31.png", "rgb_13x7.png"};
+    char cwd[PATH_MAX];
+    if (!realpath(".", cwd)) return 0;
+    snprintf(path, n, "%s/captions.jsonl", dir);
+    FILE *f = fopen(path, "w");
+    if (!f) return 0;
+    for (int k = 0; k < 8; k++)
+        fprintf(f, "{\"image\": \"%s/tests/fixtures/images/%s\", \"text\": \"%d %d 9 11 %d\"}\n", cwd, img[k],
+                3 * (k + 1), k + 41, 2 * k + 22);
+    return fclose(f) == 0;
+}
+
+static void run_config(fl_run_config *c, const char *captions, const char *out_dir, long max_steps) {
+    fl_cfg_defaults(c, FL_CMD_FINETUNE_FULL);
+    snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "%s", FIX);
+    c->data.kind = FL_DATA_JSON;
+    snprintf(c->data.json_path, sizeof c->data.json_path, "%s", captions);
+    snprintf(c->out_dir, sizeof c->out_dir, "%s", out_dir);
+    c->train.max_steps = max_steps;
+    c->train.micro_batch_size = 2;
+    c->train.global_batch_size = 4;
+    c->train.lr_warmup_steps = 0;
+    c->train.save_interval = 100;
+    c->optimizer.lr = 0.003f;
+    c->threads = 2;
+}
+
+static int stop_after_2(void *ud) {
+    int *calls = ud;
+    return ++*calls == 2 ? 15 : 0; /* after the second step, as SIGTERM would */
+}
+
+FL_TEST(blip2_train_entry_run_stop_resume) {
+    const char *tmp = fl_test_tmpdir();
+    char caps[4200], a[4200], b[4200], fa[4300], fb[4300];
+    FL_REQUIRE(write_captions(tmp, caps, sizeof caps));
+    snprintf(a, sizeof a, "%s/straight", tmp);
+    snprintf(b, sizeof b, "%s/stopped", tmp);
+    fl_run_config c;
+    run_config(&c, caps, a, 4);
+    fl_backend be;
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
+    double loss[4] = {0}, ms[4] = {0};
+    fl_blip2_train_opts o = {.be = &be, .step_ms = ms, .step_loss = loss, .n_step_out = 4};
+    fl_blip2_train_result r;
+    FL_REQUIRE_OK(fl_blip2_train(&c, &o, &r));
+    FL_CHECKF(r.steps == 4 && r.session_steps == 4 && r.stopped == 0 && r.set_up, "steps %ld/%ld", r.steps,
+              r.session_steps);
+    FL_CHECKF(loss[3] < loss[0] && r.last_loss == loss[3] && isnan(r.val_loss), "loss %g -> %g", loss[0], loss[3]);
+    FL_CHECK(ms[0] > 0 && r.step_ms_mean > 0 && r.train_seconds > 0);
+    FL_CHECKF(strstr(r.final_dir, "straight/final") != NULL, "final_dir '%s'", r.final_dir);
+    /* the default parts: the vision tower frozen (no gradients, no state), the Q-Former and OPT trained */
+    FL_CHECK(r.part_params[FL_BLIP2_VISION] > 0 && r.part_grads[FL_BLIP2_VISION] == 0 && r.part_optim[FL_BLIP2_VISION] == 0);
+    FL_CHECK(r.part_grads[FL_BLIP2_QFORMER] > 0 && r.part_optim[FL_BLIP2_QFORMER] == 2 * r.part_grads[FL_BLIP2_QFORMER]);
+    FL_CHECK(r.part_grads[FL_BLIP2_TEXT] > 0 && r.trained * 4 == r.part_grads[FL_BLIP2_QFORMER] + r.part_grads[FL_BLIP2_TEXT]);
+    size_t acts = 0;
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) acts += r.part_acts[k];
+    FL_CHECKF(acts > 0 && acts <= r.peak[FL_TAG_ACTS] && r.peak[FL_TAG_OPTIM] > 0, "acts %zu, peak ACTS %zu", acts,
+              r.peak[FL_TAG_ACTS]);
+    FL_CHECKF(r.n_phases >= 6 && !strcmp(r.phases[0].name, "after_load") && !strcmp(r.phases[4].name, "after_opt_step"),
+              "%d phases", r.n_phases);
+
+    /* stopped after step 2 (its checkpoint committed: train.save_on_signal), then resumed to step 4 */
+    int calls = 0;
+    run_config(&c, caps, b, 4);
+    fl_blip2_train_opts os = {.be = &be, .stop = stop_after_2, .stop_ud = &calls};
+    FL_REQUIRE_OK(fl_blip2_train(&c, &os, &r));
+    FL_CHECKF(r.stopped == 15 && r.steps == 2 && !r.final_dir[0], "stopped %d at %ld", r.stopped, r.steps);
+    snprintf(c.resume, sizeof c.resume, "auto");
+    fl_blip2_train_opts on = {.be = &be};
+    FL_REQUIRE_OK(fl_blip2_train(&c, &on, &r));
+    FL_CHECKF(r.steps == 4 && r.session_steps == 2, "resumed: %ld steps, %ld this session", r.steps, r.session_steps);
+    snprintf(fa, sizeof fa, "%s/final/model.safetensors", a);
+    snprintf(fb, sizeof fb, "%s/final/model.safetensors", b);
+    size_t na = 0, nb = 0;
+    unsigned char *da = fl_test_st_data(fa, &na), *db = fl_test_st_data(fb, &nb);
+    FL_CHECKF(da && db && na == nb && !memcmp(da, db, na), "%s and %s differ", fa, fb);
+    free(da), free(db);
+    fl_backend_free(&be);
+}
+
+FL_TEST(blip2_train_entry_rehearsal_and_oom) {
+    fl_blip2_config bc;
+    FL_REQUIRE_OK(fl_blip2_preset("blip2-micro", &bc));
+    fl_run_config c;
+    fl_cfg_defaults(&c, FL_CMD_FINETUNE_LORA);
+    c.train.micro_batch_size = c.train.global_batch_size = 2;
+    c.optimizer.lr = 0.002f;
+    c.threads = 2;
+    double loss[3], ms[3];
+    fl_blip2_train_opts o = {.shape = &bc, .synth_len = 6, .rehearse_steps = 3, .step_ms = ms, .step_loss = loss,
+                             .n_step_out = 3};
+    fl_blip2_train_result r;
+    FL_REQUIRE_OK(fl_blip2_train(&c, &o, &r));
+    FL_CHECKF(r.steps == 3 && r.session_steps == 3 && isfinite(loss[0]) && loss[2] < loss[0], "loss %g -> %g", loss[0],
+              loss[2]);
+    /* LoRA on the language model: only its adapters train, the rest is frozen */
+    FL_CHECKF(r.trained > 0 && r.part_grads[FL_BLIP2_QFORMER] == 0 && r.part_grads[FL_BLIP2_TEXT] == r.trained * 4,
+              "trained %zu, lm grads %zu", r.trained, r.part_grads[FL_BLIP2_TEXT]);
+    FL_CHECKF(r.n_phases == 5 && !strcmp(r.phases[1].name, "before_fwd"), "%d phases", r.n_phases);
+    FL_CHECK(r.peak_total > 0 && !r.oom.valid && !r.final_dir[0]);
+    /* the same rehearsal under a budget below its own peak: out of memory, the failed allocation recorded */
+    const size_t need = r.peak_total;
+    o.budget = need - need / 8;
+    FL_CHECK(fl_blip2_train(&c, &o, &r) == FL_ERR_OOM && r.oom.valid && r.oom.budget == need - need / 8);
+    o.budget = need;
+    FL_CHECK(fl_blip2_train(&c, &o, &r) == FL_OK);
+
+    /* refusals, by name */
+    o.budget = 0;
+    o.synth_len = 1;
+    FL_CHECK(fl_blip2_train(&c, &o, &r) == FL_ERR_INVALID && strstr(fl_error_message(), "a caption of 1 tokens"));
+    o.synth_len = 6, o.rehearse_steps = 0;
+    FL_CHECK(fl_blip2_train(&c, &o, &r) == FL_ERR_INVALID && strstr(fl_error_message(), "are for rehearsals"));
+    o.rehearse_steps = 1;
+    snprintf(c.precision, sizeof c.precision, "16-mixed");
+    FL_CHECK(fl_blip2_train(&c, &o, &r) == FL_ERR_UNSUPPORTED && strstr(fl_error_message(), "--precision 16-mixed"));
+}
+
+/* Data parallelism through the entry (the lab's rows run their ranks as threads): 2 ranks on the threads
+ * communicator, a rehearsal of blip2-micro; ZeRO-2 and ZeRO-2 with CPU offload give DDP's losses bit for bit, each
+ * rank holding about half of each trained part's optimizer state (offload: in the host tier, none on the device). */
+typedef struct {
+    const fl_run_config *c;
+    const fl_blip2_config *bc;
+    double loss[2][3];
+    fl_blip2_train_result res[2];
+} ranks_ctx;
+
+static fl_status rank_fn(fl_comm *comm, int rank, void *ud) {
+    ranks_ctx *x = ud;
+    const fl_blip2_train_opts o = {.shape = x->bc, .synth_len = 6, .rehearse_steps = 3, .comm = comm,
+                                   .step_loss = x->loss[rank], .n_step_out = 3};
+    return fl_blip2_train(x->c, &o, &x->res[rank]);
+}
+
+FL_TEST(blip2_train_entry_zero_over_threads) {
+    fl_blip2_config bc;
+    FL_REQUIRE_OK(fl_blip2_preset("blip2-micro", &bc));
+    static const char *const st[3] = {"ddp", "deepspeed_stage_2", "deepspeed_stage_2_offload"};
+    ranks_ctx *x = calloc(3, sizeof *x);
+    FL_REQUIRE(x != NULL);
+    for (int k = 0; k < 3; k++) {
+        fl_run_config c;
+        fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
+        c.train.micro_batch_size = 1, c.train.global_batch_size = 2;
+        c.optimizer.lr = 0.002f;
+        c.threads = 1;
+        snprintf(c.strategy, sizeof c.strategy, "%s", st[k]);
+        x[k].c = &c, x[k].bc = &bc;
+        FL_CHECKF(fl_comm_threads_run(2, rank_fn, &x[k]) == FL_OK, "%s: %s", st[k], fl_error_message());
+    }
+    for (int k = 1; k < 3; k++) {
+        FL_CHECKF(!memcmp(x[k].loss, x[0].loss, sizeof x[0].loss), "%s: losses %.9g %.9g %.9g, DDP's %.9g %.9g %.9g",
+                  st[k], x[k].loss[0][0], x[k].loss[0][1], x[k].loss[0][2], x[0].loss[0][0], x[0].loss[0][1],
+                  x[0].loss[0][2]);
+        const size_t z = x[k].res[0].part_optim[FL_BLIP2_TEXT], d = x[0].res[0].part_optim[FL_BLIP2_TEXT];
+        FL_CHECKF(z > 0 && z <= d / 2 + 8, "%s: rank 0's lm OPTIM %zu bytes, DDP's %zu", st[k], z, d);
+    }
+    FL_CHECK(x[0].loss[0][2] < x[0].loss[0][0] && !x[0].res[0].offload && !x[1].res[1].offload);
+    FL_CHECK(x[2].res[0].offload && x[2].res[0].peak[FL_TAG_OPTIM] == 0 && x[2].res[0].host_peak[FL_TAG_OPTIM] > 0);
+    free(x);
+}
