@@ -179,7 +179,8 @@ static int suggest_grid(const fl_run_config *cfg, const plan_args *a) {
         fprintf(stderr, "fitllm plan: error: %s\n", fl_error_message());
         return s == FL_ERR_INVALID || s == FL_ERR_UNSUPPORTED ? FL_EXIT_USAGE : FL_EXIT_RUNTIME;
     }
-    fl_plan_grid_print(g, &mc, stdout);
+    if (a->json) fl_plan_grid_write_json(g, &mc, stdout);
+    else fl_plan_grid_print(g, &mc, stdout);
     int rc = g->best >= 0 ? FL_EXIT_OK : FL_EXIT_OOM;
     free(g);
     return rc;
@@ -202,7 +203,7 @@ static int largest(const fl_run_config *cfg, const plan_args *a) {
 
 int fl_cmd_plan(int argc, char **argv) {
     const char *cmd = "plan";
-    plan_args a = {0, 1, 0, 0, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+    plan_args a = {.devices = 1, .generation = -1};
     fl_run_config cfg;
     /* --lora first: the LoRA options (and a YAML recipe's) are only accepted for a finetune_lora plan */
     fl_cmd_kind kind = FL_CMD_FINETUNE_FULL;
