@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_step_torch import SHAPES  # noqa: E402  (one source for the shapes)
+from bench_step_torch import SHAPES, llama_config  # noqa: E402  (one source for the shapes and their config)
 
 
 def local_bytes(t):
@@ -69,16 +69,11 @@ def worker(rank, args, store_path):
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=args.world)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
     import transformers
 
     s = SHAPES[args.shape]
-    cfg = LlamaConfig(**s, max_position_embeddings=max(1024, args.seq), rms_norm_eps=1e-5,
-                      rope_theta=10000.0, tie_word_embeddings=False,
-                      attention_bias=False, mlp_bias=False, hidden_act="silu",
-                      bos_token_id=1, eos_token_id=2, use_cache=False,
-                      attn_implementation="sdpa")
-    cfg._attn_implementation = "sdpa"
+    cfg = llama_config(s, args.seq)
     torch.manual_seed(args.seed)  # the same whole model on every rank, then each keeps its shards
     model = LlamaForCausalLM(cfg).float()
     model.train()

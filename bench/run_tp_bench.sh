@@ -84,16 +84,4 @@ for r in $(seq "$ROUNDS"); do
 done
 echo "# end $(date -u +%TZ) loadavg=$(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT"
 
-"$PY" - "$OUT" <<'EOF'
-import re, statistics, sys
-med = {}
-for line in open(sys.argv[1]):
-    m = re.search(r"RESULT impl=(\S+).*?median_ms=([\d.]+)", line)
-    if m:
-        med.setdefault(m.group(1), []).append(float(m.group(2)))
-print("\nimpl              median over rounds (ms/step)   rounds")
-for k, v in med.items():
-    print(f"{k:<18}{statistics.median(v):>12.1f}   {v}")
-if "fitllm-tp" in med and "torch-tp" in med:
-    print(f"fitllm-tp / torch-tp = {statistics.median(med['fitllm-tp']) / statistics.median(med['torch-tp']):.3f}")
-EOF
+"$PY" bench/rounds_summary.py "$OUT" fitllm-tp/torch-tp
