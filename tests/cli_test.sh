@@ -617,6 +617,8 @@ expect plan_suggest_grid 0 "suggested grid: DP 4 x TP 2 x PP 1: --tensor_paralle
     "$FITLLM" plan --suggest "${GRID[@]}" --device-memory 3MiB
 expect plan_suggest_grid_refusals 0 " 1 +8 +1 .*not with this run: --tensor_parallel 8: the model's 4 key/value heads" -- \
     "$FITLLM" plan --suggest "${GRID[@]}" --device-memory 3MiB
+expect plan_suggest_grid_json 0 '"suggested": \{"dp": 4, "tp": 2, "pp": 1\}' -- bash -c "'$FITLLM' plan --suggest ${GRID[*]} \
+    --device-memory 3MiB --json | tr '\n' ' ' | grep '\"kind\": \"grid_suggestion\"' | grep '\"dp\": 1, \"tp\": 8, \"pp\": 1, \"verdict\": \"refused\", \"why\": \"--tensor_parallel 8'"
 expect plan_suggest_grid_none 3 "suggested grid: none fits" -- "$FITLLM" plan --suggest "${GRID[@]}" --device-memory 1MiB
 expect plan_suggest_grid_no_memory 2 "each rank's memory is needed \(--device-memory SIZE" -- "$FITLLM" plan --suggest "${GRID[@]}"
 # the lab's grid rows (full suite): lab-7b, which no single 298 MiB device holds, split by TP 2 and PP 2; each rank's
