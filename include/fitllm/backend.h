@@ -206,6 +206,13 @@ struct fl_backend {
      * 0 for a shape it does not take; NULL: none (every other backend). A pure function: fl_backend_facts has it. */
     size_t (*attn_scratch_bytes)(int B, int T, int NH, int NKV, int HD);
 
+    /* Optional (NULL: attention_forward, then the caller rounds; issue 30 item 1): attention_forward that also
+     * writes out16, the output's bf16 copy (RNE) in out's layout (ldo), leaving in out its exact widening: a
+     * bf16-stored attention output without the round16 launch (exec.c). */
+    fl_status (*attention_forward16)(const fl_backend *be, const fl_attn_desc *a, float *out, void *out16, float *lse,
+                                     const float *q, const float *k, const float *v, const float *bias,
+                                     const uint8_t *kmask);
+
     /* The one door (issue 29, fitllm/backend_op.h): run the op record `op` (its kind names the slot below whose
      * arguments the record holds). The model and the trainer issue their per-step ops through it (FL_RUN), so
      * they reach the backend by one entry; every backend of this tree installs fl_backend_run_slots, a switch
@@ -451,12 +458,6 @@ struct fl_backend {
                                     const float *dout /*like out*/, const float *q, const float *k, const float *v,
                                     const float *bias, const uint8_t *kmask, const float *out,
                                     const float *lse /*(B,NH,Tq)*/);
-    /* Optional (NULL: attention_forward, then the caller rounds; issue 30 item 1): attention_forward that also
-     * writes out16, the output's bf16 copy (RNE) in out's layout (ldo), leaving in out its exact widening: a
-     * bf16-stored attention output without the round16 launch (exec.c). */
-    fl_status (*attention_forward16)(const fl_backend *be, const fl_attn_desc *a, float *out, void *out16, float *lse,
-                                     const float *q, const float *k, const float *v, const float *bias,
-                                     const uint8_t *kmask);
 
     /* ---- scratch -------------------------------------------------------------------------
      * Ops never allocate: the few that need a large scratch (the CPU's 16-bit GEMM widening
