@@ -42,6 +42,19 @@ import time
 import torch
 import torch.nn.functional as F
 
+def llama_config(s, seq):
+    """The benchmarks' LlamaConfig of shape s (a SHAPES entry) for sequences of seq tokens: fp32 rmsnorm 1e-5,
+    rope 10000, untied head, no biases, SiLU, sdpa (as fitllm's LLaMA presets)"""
+    from transformers import LlamaConfig
+    cfg = LlamaConfig(**s, max_position_embeddings=max(1024, seq), rms_norm_eps=1e-5,
+                      rope_theta=10000.0, tie_word_embeddings=False,
+                      attention_bias=False, mlp_bias=False, hidden_act="silu",
+                      bos_token_id=1, eos_token_id=2, use_cache=False,
+                      attn_implementation="sdpa")
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
 SHAPES = {
     "tiny": dict(hidden_size=288, num_hidden_layers=6, num_attention_heads=6,
                  num_key_value_heads=6, intermediate_size=768, vocab_size=32000),
@@ -143,11 +156,7 @@ def main():
                         activation_function="relu", dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
                         layerdrop=0.0, tie_word_embeddings=True, use_cache=False, attn_implementation="sdpa")
     else:
-        cfg = LlamaConfig(**s, max_position_embeddings=max(1024, args.seq), rms_norm_eps=1e-5,
-                          rope_theta=10000.0, tie_word_embeddings=False,
-                          attention_bias=False, mlp_bias=False, hidden_act="silu",
-                          bos_token_id=1, eos_token_id=2, use_cache=False,
-                          attn_implementation="sdpa")
+        cfg = llama_config(s, args.seq)
     cfg._attn_implementation = "sdpa"
     bf16_true = args.precision == "bf16-true"
     if args.save_random:  # child process of the --quantize path: write the random fp32 model

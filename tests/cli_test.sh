@@ -220,8 +220,7 @@ expect blip2_finetune_memory_by_part 0 "memory by part \(MiB\): vision PARAMS 0\
 expect blip2_finetune_bad_part 2 "blip2.train: unknown part 'text'" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --blip2.train text --out_dir "$T/b2x"
 expect blip2_finetune_precision 2 "--precision bf16-true: BLIP-2 fine-tuning runs 32-true and bf16-mixed only" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --precision bf16-true --out_dir "$T/b2x"
 # what the loop does not do is refused by name, exit 2, no folder written
-for v in "--train.activation_checkpointing true|--train.activation_checkpointing true: BLIP-2 fine-tuning keeps every activation" \
-         "--train.max_time 60|--train.max_time: BLIP-2 fine-tuning stops at train.max_steps" \
+for v in "--train.max_time 60|--train.max_time: BLIP-2 fine-tuning stops at train.max_steps" \
          "--train.max_tokens 1000|--train.max_tokens: BLIP-2 fine-tuning stops at train.max_steps" \
          "--train.lr_warmup_fraction 0.1|--train.lr_warmup_fraction: BLIP-2 fine-tuning warms up over" \
          "--eval.initial_validation true|--eval.initial_validation true: BLIP-2 fine-tuning validates every" \
@@ -233,6 +232,18 @@ done
 expect blip2_finetune_refuses_qlora 2 "--quantize bnb.nf4: QLoRA on BLIP-2 is not built yet" -- "$FITLLM" finetune_lora "$B2" "${B2RUN[@]}" --quantize bnb.nf4 --out_dir "$T/b2ref"
 expect blip2_refused_runs_write_nothing 1 "" -- test -e "$T/b2ref"
 expect blip2_finetune_precision_16mixed 2 "--precision 16-mixed: BLIP-2 fine-tuning runs 32-true and bf16-mixed only" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --precision 16-mixed --out_dir "$T/b2x"
+# activation checkpointing on the three stacks (train.activation_checkpointing true: each keeps its blocks' inputs and
+# one block's slots per block graph, recomputed in the backward): the same final weights bit for bit as without it,
+# OPT and T5, every part trained, LoRA with dropout; ACTS smaller (the first peak row's ACTS column)
+for m in "$B2" tests/fixtures/blip2-tiny-t5; do
+    for v in all lora; do
+        c=finetune_full; x=(--blip2.train vision,qformer,lm); [ $v = lora ] && c=finetune_lora && x=(--lora_r 4 --lora_dropout 0.1)
+        rm -rf "$T/b2c0" "$T/b2c1"
+        a=$("$FITLLM" $c "$m" "${B2RUN[@]}" --train.max_steps 3 "${x[@]}" --out_dir "$T/b2c0" 2>&1 | awk '/^peak/ { print $9 $10; exit }')
+        b=$("$FITLLM" $c "$m" "${B2RUN[@]}" --train.max_steps 3 "${x[@]}" --train.activation_checkpointing true --out_dir "$T/b2c1" 2>&1 | awk '/^peak/ { print $9 $10; exit }')
+        expect "blip2_act_ckpt_same_bits_${m##*-}_$v" 0 "" -- bash -c 'cmp "$1/final/model.safetensors" "$2/final/model.safetensors" && [ "${3%KiB}" != "$3" ] && [ "${4%KiB}" != "$4" ] && awk -v a="${3%KiB}" -v b="${4%KiB}" "BEGIN { exit !(b < 0.8 * a) }" || { echo "ACTS $3 -> $4"; exit 1; }' _ "$T/b2c0" "$T/b2c1" "$a" "$b"
+    done
+done
 # CPU optimizer offload (deepspeed_stage_{1,2}_offload, one process: the state in the host tier, the update on the
 # host's kernels): the same bits as the run without it (the CPU backend's kernels either way), OPTIM 0 in the device
 # pool and the state in the host tier's report
@@ -271,10 +282,12 @@ expect blip2_finetune_jsonl_key 1 'c.jsonl: line 2: key "text" \(or "caption"\):
 # BLIP-2 memory (issue 32 item 5, src/cli/cmd_blip2_plan.c): plan runs the fine-tuning's own set-up and first step on
 # the null backend, so with captions cut to train.max_seq_length (every micro-batch that long) each phase's reserved
 # and live bytes per tag and the peak equal the run's memory report, for both variants: full, LoRA, the vision tower
-# trained too, SGD with momentum, gradient accumulation, bf16-mixed, 8-bit AdamW, CPU offload (its host tier: below)
+# trained too, SGD with momentum, gradient accumulation, bf16-mixed, 8-bit AdamW, CPU offload (its host tier: below),
+# activation checkpointing
 for m in "$B2" tests/fixtures/blip2-tiny-t5; do
-    for v in full lora vis sgd accum mixed q8 offload; do
+    for v in full lora vis sgd accum mixed q8 offload ckpt; do
         case $v in
+            ckpt) c=finetune_full; x=(--train.activation_checkpointing true --blip2.train vision,qformer,lm) ;;
             full) c=finetune_full; x=() ;; lora) c=finetune_lora; x=(--lora_r 4) ;;
             q8) c=finetune_full; x=(--optimizer bnb.optim.AdamW8bit) ;;
             offload) c=finetune_full; x=(--strategy deepspeed_stage_2_offload) ;;
@@ -354,7 +367,8 @@ expect blip2_plan_seq_len 0 "captions of 7 tokens" -- "$FITLLM" plan "$B2" --seq
 # bench-step times fine-tuning steps on random pixels and captions (the folder's weights, or a preset's random ones)
 expect blip2_bench_step 0 "^RESULT impl=fitllm shape=.*blip2-tiny-opt median_ms=[0-9.]+ tok_s=[0-9.]+ images_s=" -- "$FITLLM" bench-step "$B2" --micro-batch 2 --seq 6 --steps 2 --warmup 1
 expect blip2_bench_step_t5_lora 0 "trains lm \(LoRA\)" -- "$FITLLM" bench-step tests/fixtures/blip2-tiny-t5 --micro-batch 2 --seq 6 --steps 1 --warmup 0 --lora 4
-expect blip2_bench_step_refuses_act_ckpt 2 "--act-ckpt: BLIP-2 steps run 32-true or bf16-mixed without activation checkpointing" -- "$FITLLM" bench-step blip2-micro --act-ckpt
+expect blip2_bench_step_act_ckpt 0 "AdamW, trains .*, activation checkpointing" -- "$FITLLM" bench-step blip2-micro --micro-batch 1 --seq 4 --steps 1 --warmup 0 --act-ckpt
+expect blip2_bench_step_refuses_quantize 2 "--quantize: BLIP-2 steps run 32-true or bf16-mixed without quantization" -- "$FITLLM" bench-step blip2-micro --lora 4 --quantize bnb.nf4
 expect blip2_bench_step_refuses_bf16_true 2 "--precision: BLIP-2 steps run 32-true or bf16-mixed" -- "$FITLLM" bench-step blip2-micro --precision bf16-true
 expect blip2_bench_step_bf16_mixed 0 "bf16-mixed, AdamW" -- "$FITLLM" bench-step blip2-micro --micro-batch 1 --seq 4 --steps 1 --warmup 0 --precision bf16-mixed
 # T5 folders (issue 31): tokenizer.json (Unigram) and a folder with only spiece.model give HF's ids
@@ -392,6 +406,12 @@ expect t5_finetune_resume 0 "Resuming training from .*step-000010 \(step 10, ite
 expect t5_finetune_resume_bitexact 0 "" -- cmp "$T/t5run/final/model.safetensors" "$T/t5res/final/model.safetensors"
 expect t5_finetune_loss_back 0 "^loss [0-9.]+  ppl .* model .*t5run/final" -- "$FITLLM" loss "$T/t5run/final" --tokens-file "$T/t5src.txt" --target-tokens-file "$T/t5tgt.txt"
 expect t5_finetune_generate 0 "source \+ 5 new tokens \(greedy" -- "$FITLLM" generate "$T/t5run/final" --prompt "question: what is two plus two?" --max_new_tokens 5 --temperature 0
+# several --prompt: one batch (the sources padded and masked); each line = that prompt decoded alone
+t5_p=("question: what is two plus two?" "question: what colour is the sky?" "hi")
+t5_alone=$(for p in "${t5_p[@]}"; do "$FITLLM" generate "$T/t5run/final" --prompt "$p" --max_new_tokens 6 --temperature 0 2>/dev/null; done)
+expect t5_generate_batch 0 "3 sources \(longest [0-9]+ tokens, padded\) \+ [0-9]+ new tokens at most \(greedy\)" -- "$FITLLM" generate "$T/t5run/final" --prompt "${t5_p[0]}" --prompt "${t5_p[1]}" --prompt "${t5_p[2]}" --max_new_tokens 6 --temperature 0
+expect t5_generate_batch_rows_alone 0 "" -- bash -c '[ "$(printf "%s\n" "$1" | wc -l)" = 3 ] && [ "$1" = "$("$2" generate "$3" --prompt "$4" --prompt "$5" --prompt "$6" --max_new_tokens 6 --temperature 0 2>/dev/null)" ]' _ "$t5_alone" "$FITLLM" "$T/t5run/final" "${t5_p[@]}"
+expect t5_generate_batch_decoder_only 1 "2 --prompt: several prompts are decoded as one batch for an encoder-decoder \(T5\) only" -- "$FITLLM" generate micro --prompt a --prompt b --max_new_tokens 2
 expect t5_finetune_lora 0 "Saved the PEFT adapter" -- "$FITLLM" finetune_lora "${T5A[@]}" --out_dir "$T/t5lora" --lora_query true --lora_key true --lora_value true --lora_projection true --lora_mlp true
 expect t5_finetune_lora_targets 0 '"target_modules": \["q", "k", "v", "o", "wi", "wi_0", "wi_1", "wo"\]' -- cat "$T/t5lora/final/adapter/adapter_config.json"
 # a LoRA run (dropout 0.1: its masks are seeded by the global micro-batch) resumed from step 10 ends on the
@@ -481,6 +501,12 @@ expect bench_step_t5 0 "t5, 238592 params, L=2\+2 C=64 .*B=2 source 24 target 16
 expect bench_step_source_seq_decoder_only 1 "--source-seq: micro is not an encoder-decoder" -- "$FITLLM" bench-step micro --source-seq 4 --steps 1
 expect t5_finetune_act_ckpt 0 "precision 32-true, activation checkpointing" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5ckpt" --train.activation_checkpointing true
 expect t5_finetune_act_ckpt_bitexact 0 "" -- cmp "$T/t5run/final/model.safetensors" "$T/t5ckpt/final/model.safetensors"
+# config.json's dropout_rate: read, written back, range-checked; not applied yet, which training says
+mkdir -p "$T/t5d" && cp "$T/t5m"/* "$T/t5d/" && sed -i 's/"dropout_rate": 0.0/"dropout_rate": 0.1/' "$T/t5d/config.json"
+expect t5_dropout_rate_noted 0 "note: config.json dropout_rate 0.1 is not applied: fitllm trains an encoder-decoder without dropout" -- "$FITLLM" finetune_full --checkpoint_dir "$T/t5d" --init random --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json --train.max_steps 1 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/t5dr"
+expect t5_dropout_rate_written_back 0 '"dropout_rate": 0.1,' -- cat "$T/t5dr/final/config.json"
+sed -i 's/"dropout_rate": 0.1/"dropout_rate": 1.5/' "$T/t5d/config.json"
+expect t5_dropout_rate_range 1 "config.json: key 'dropout_rate' = 1.5 must be in \[0, 1\)" -- "$FITLLM" loss "$T/t5d" --tokens-file "$T/t5src.txt" --target-tokens-file "$T/t5tgt.txt"
 expect t5_pretrain_refused 2 "pretrain: an encoder-decoder \(t5\) is fine-tuned only" -- "$FITLLM" pretrain --model_config "$T/t5m/config.json" --tokenizer_dir "$T/t5m" --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json --out_dir "$T/t5x5"
 # LitGPT recipes: a command-line value overrides the recipe's however it is spelled; names of models
 R=tests/fixtures/litgpt-recipes
@@ -591,6 +617,8 @@ expect plan_suggest_grid 0 "suggested grid: DP 4 x TP 2 x PP 1: --tensor_paralle
     "$FITLLM" plan --suggest "${GRID[@]}" --device-memory 3MiB
 expect plan_suggest_grid_refusals 0 " 1 +8 +1 .*not with this run: --tensor_parallel 8: the model's 4 key/value heads" -- \
     "$FITLLM" plan --suggest "${GRID[@]}" --device-memory 3MiB
+expect plan_suggest_grid_json 0 '"suggested": \{"dp": 4, "tp": 2, "pp": 1\}' -- bash -c "'$FITLLM' plan --suggest ${GRID[*]} \
+    --device-memory 3MiB --json | tr '\n' ' ' | grep '\"kind\": \"grid_suggestion\"' | grep '\"dp\": 1, \"tp\": 8, \"pp\": 1, \"verdict\": \"refused\", \"why\": \"--tensor_parallel 8'"
 expect plan_suggest_grid_none 3 "suggested grid: none fits" -- "$FITLLM" plan --suggest "${GRID[@]}" --device-memory 1MiB
 expect plan_suggest_grid_no_memory 2 "each rank's memory is needed \(--device-memory SIZE" -- "$FITLLM" plan --suggest "${GRID[@]}"
 # the lab's grid rows (full suite): lab-7b, which no single 298 MiB device holds, split by TP 2 and PP 2; each rank's

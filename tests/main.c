@@ -1,6 +1,7 @@
 /* Test runner: runs every FL_TEST (or those whose name contains an argv
  * filter) and prints a summary line "N passed, N failed, N skipped". */
 #define _XOPEN_SOURCE 700
+#include <errno.h>
 #include <math.h>
 #include <ftw.h>
 #include <stdarg.h>
@@ -426,6 +427,31 @@ char *fl_test_slurp(const char *path, size_t *len) {
     fclose(f);
     if (b) b[sz] = 0, *len = (size_t)sz;
     return b;
+}
+
+int fl_test_t5_folder(const char *dir, const char *fixture) {
+    static const char *tok[] = {"spiece.model", "tokenizer.json", "tokenizer_config.json"};
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST) return -1;
+    for (int i = 0; i < 4; i++) {
+        char p[1200];
+        size_t n = 0;
+        if (i < 3) snprintf(p, sizeof p, "tests/fixtures/t5-tok/%s", tok[i]);
+        else snprintf(p, sizeof p, "tests/fixtures/%s/config.json", fixture);
+        char *s = fl_test_slurp(p, &n);
+        if (!s) return -1;
+        char *v = i == 3 ? strstr(s, "\"vocab_size\": 97") : NULL;
+        snprintf(p, sizeof p, "%s/%s", dir, i < 3 ? tok[i] : "config.json");
+        FILE *f = i < 3 || v ? fopen(p, "wb") : NULL;
+        if (!f) {
+            free(s);
+            return -1;
+        }
+        if (v) fprintf(f, "%.*s\"vocab_size\": 500%s", (int)(v - s), s, v + 16);
+        else fwrite(s, 1, n, f);
+        fclose(f);
+        free(s);
+    }
+    return 0;
 }
 
 unsigned char *fl_test_st_data(const char *path, size_t *len) {

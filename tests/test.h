@@ -34,6 +34,10 @@ unsigned char *fl_test_st_data(const char *path, size_t *len);
 /* A whole file, malloc'd with a terminating NUL after its *len bytes; NULL (and *len untouched) if it
  * cannot be read. */
 char *fl_test_slurp(const char *path, size_t *len);
+/* A T5 model folder at dir for the trainer: tests/fixtures/<fixture>'s config.json (t5-tiny-relu / t5-tiny-gated) at
+ * vocab 500 with the t5-tok Unigram tokenizer (tests/fixtures/t5-pairs' pairs tokenize within it); 0, or -1 when a
+ * file cannot be read or written. */
+int fl_test_t5_folder(const char *dir, const char *fixture);
 
 /* ---- backends ---------------------------------------------------------------------------
  * "The test backend" of tests that are not about one backend's ops (models, trainer, LoRA,

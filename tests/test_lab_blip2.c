@@ -15,7 +15,8 @@ static const fl_lab_row *b2row(const fl_lab_report *r, const char *name) {
 
 /* Every available row's verdict is the course's; the rows BLIP-2 fine-tuning has in this build are available. */
 static void check_verdicts(const fl_lab_report *rep, const char *scale) {
-    static const char *const built[] = {"baseline", "reduced-batch", "grad-accum", "bf16-mixed", "lora", "ddp"};
+    static const char *const built[] = {"baseline", "reduced-batch", "grad-accum", "bf16-mixed", "cpu-offload", "lora",
+                                        "ddp"};
     FL_CHECK(rep->n == 14 && rep->n_errors == 0 && rep->blip2);
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
@@ -31,6 +32,13 @@ static void check_verdicts(const fl_lab_report *rep, const char *scale) {
         const fl_lab_row *r = b2row(rep, built[k]);
         FL_CHECKF(r && r->verdict != FL_LAB_NA, "%s %s: %s", scale, built[k], r ? r->note : "missing");
     }
+    /* the course's offload: the optimizer state leaves the device for the host tier */
+    const fl_lab_row *off = b2row(rep, "cpu-offload"), *rb = b2row(rep, "reduced-batch");
+    FL_REQUIRE(off && rb);
+    FL_CHECKF(off->peak[FL_TAG_OPTIM] < rb->peak[FL_TAG_OPTIM] / 100 && strstr(off->note, "host tier") &&
+                  off->peak_total < rb->peak_total,
+              "%s: device OPTIM %zu (without offload %zu): %s", scale, off->peak[FL_TAG_OPTIM], rb->peak[FL_TAG_OPTIM],
+              off->note);
 }
 
 FL_TEST(lab_blip2_real_scale_verdicts) {
@@ -72,7 +80,7 @@ FL_TEST(lab_blip2_lab_scale_trains_as_planned) {
 #if defined(__SANITIZE_ADDRESS__)
     o.only = "baseline,reduced-batch";
 #else
-    o.only = "baseline,reduced-batch,lora,ddp";
+    o.only = "baseline,reduced-batch,cpu-offload,lora,ddp";
 #endif
     fl_lab_report ran;
     FL_REQUIRE_OK(fl_lab_run(&o, NULL, &ran));

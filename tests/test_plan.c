@@ -544,28 +544,6 @@ FL_TEST(plan_equals_runtime_generation_large_vocab) {
 
 /* A T5 folder at `dir` with tests/fixtures/<fixture>'s config.json at vocabulary 500 and the t5-tok Unigram
  * tokenizer (as the CLI suite's T5 training cases); weights: --init random. */
-static void t5_folder(const char *dir, const char *fixture) {
-    char p[700];
-    FL_REQUIRE(mkdir(dir, 0755) == 0 || errno == EEXIST);
-    static const char *tok[] = {"spiece.model", "tokenizer.json", "tokenizer_config.json"};
-    for (int i = 0; i < 4; i++) {
-        size_t n = 0;
-        if (i < 3) snprintf(p, sizeof p, "tests/fixtures/t5-tok/%s", tok[i]);
-        else snprintf(p, sizeof p, "tests/fixtures/%s/config.json", fixture);
-        char *s = fl_test_slurp(p, &n);
-        FL_REQUIRE(s != NULL);
-        char *v = i == 3 ? strstr(s, "\"vocab_size\": 97") : NULL;
-        if (i == 3) FL_REQUIRE(v != NULL);
-        snprintf(p, sizeof p, "%s/%s", dir, i < 3 ? tok[i] : "config.json");
-        FILE *f = fopen(p, "wb");
-        FL_REQUIRE(f != NULL);
-        if (v) fprintf(f, "%.*s\"vocab_size\": 500%s", (int)(v - s), s, v + 16);
-        else fwrite(s, 1, n, f);
-        fclose(f);
-        free(s);
-    }
-}
-
 /* A 1-step T5 run on tests/fixtures/t5-pairs cut to sources of 8 and targets of 4 tokens (every pair is longer:
  * the trainer's arena is then exactly the plan's limits). */
 static void t5_cfg(fl_run_config *c, const char *model, const char *out, int B, int lora) {
@@ -604,7 +582,7 @@ FL_TEST(plan_equals_runtime_t5) {
     for (int v = 0; v < 2; v++) {
         char model[600];
         snprintf(model, sizeof model, "%s/t5m%d", fl_test_tmpdir(), v);
-        t5_folder(model, fx[v]);
+        FL_REQUIRE(fl_test_t5_folder(model, fx[v]) == 0);
         /* full AdamW, SGD + momentum, LoRA (dropout), bf16-mixed AdamW8bit, QLoRA, 16-mixed, 16-true, QLoRA bf16-true,
          * QLoRA 16-true (fp4) */
         for (int mode = 0; mode < 9; mode++)

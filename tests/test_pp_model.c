@@ -248,3 +248,27 @@ FL_TEST(pp_model_tied_and_clipped_within_noise) {
     check_pipeline(&c, 2, 0, want, wp);
     free(wp);
 }
+
+/* GPT-2 (learned positions, LayerNorm with biases, GELU) and OPT (learned positions at an offset of 2, ReLU, its
+ * final LayerNorm) split into stages as LLaMA is: with a head of their own, the same bits as one process under
+ * both schedules at 2 and 3 stages of 4 blocks (their embeddings group holds the position table too, run on the first stage) */
+FL_TEST(pp_model_gpt2_and_opt_equal_single_process) {
+    static pp_case c;
+    const char *presets[2] = {"gpt2-micro", "opt-micro"};
+    for (int m = 0; m < 2; m++) {
+        memset(&c, 0, sizeof c);
+        FL_REQUIRE_OK(fl_preset_find(presets[m], &c.cfg));
+        c.cfg.tie_embeddings = 0;
+        c.cfg.n_layers = 4; /* the presets' 2 blocks allow one split only */
+        case_data(&c);
+        double want[PSTEPS];
+        float *wp = NULL;
+        single(&c, want, &wp);
+        for (int k = 0; k < FL_PP_SCHEDULE_COUNT; k++)
+            for (int S = 2; S <= 3 && S <= c.cfg.n_layers; S++) {
+                c.kind = (fl_pp_schedule)k;
+                check_pipeline(&c, S, 1, want, wp);
+            }
+        free(wp);
+    }
+}

@@ -10,6 +10,7 @@
 
 #include "ddp_ref.h"
 #include "fitllm/comm.h"
+#include "fitllm/io.h"
 #include "fitllm/plan.h"
 #include "plan_ref.h"
 #include "test.h"
@@ -235,4 +236,42 @@ FL_TEST(pp_train_threads_zero_on_the_data_axis) {
     }
     dr_free(&one[2]);
     dr_free(&one[4]);
+}
+
+/* A rank that fails after set-up ends its whole grid: stage 0's last checkpoint write fails (disk full, injected) in
+ * the final save of DP 2 x PP 2 while the other stages and pipeline wait, and every rank returns that failure, naming
+ * rank 0 (the save's agreement over the grid); no rank reports success. */
+FL_TEST(pp_train_threads_failing_rank_stops_the_grid) {
+    pp_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    long writes = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        const long big = 1000000;
+        fl_io_fail_writes_after(pass ? writes - 1 : big); /* pass 1: the run's last write fails */
+        char tag[16];
+        snprintf(tag, sizeof tag, "fail%d", pass);
+        char out[700];
+        snprintf(out, sizeof out, "%s/pp-%s-2-2", fl_test_tmpdir(), tag);
+        for (int r = 0; r < 4; r++) {
+            pp_config(&j->cfg[r], 2, 2, "1f1b", out);
+            j->cfg[r].train.max_steps = 3;
+            dr_free(&j->rec[r]);
+        }
+        backend_on();
+        fl_status s = fl_comm_threads_run(4, pp_rank, j);
+        backend_off();
+        const long left = fl_io_writes_left();
+        fl_io_fail_writes_after(-1);
+        if (!pass) {
+            FL_REQUIRE_OK(s);
+            writes = big - left;
+            continue;
+        }
+        FL_CHECK(s != FL_OK);
+        for (int r = 0; r < 4; r++)
+            FL_CHECKF(j->st[r] != FL_OK && strstr(j->msg[r], "rank 0 of 4") && j->rec[r].steps == 3,
+                      "rank %d (%ld steps): '%s'", r, j->rec[r].steps, j->msg[r]);
+    }
+    for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+    free(j);
 }

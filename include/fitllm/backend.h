@@ -189,6 +189,29 @@ struct fl_backend {
                                      const float *q, const float *k, const float *v, const float *bias,
                                      const uint8_t *kmask);
 
+    /* Optional, with the optional slots above gemm (ops_backend_vtables checks gemm..impl are all set; NULL:
+     * cross_entropy, then a convert of its gradient): cross_entropy with the logits' gradient
+     * written ONLY as bf16, dlogits16 (N, V) = RNE of the fp32 value cross_entropy would write (not
+     * overlapping logits); the loss as cross_entropy's. The LM head's bf16 GEMMs read it (fl_lm_head_loss:
+     * issue 30 item 4), so no fp32 (N, V) gradient is written and read back. (cuda, cuda-emu) */
+    fl_status (*cross_entropy_dbf16)(const fl_backend *be, float *loss /*(N)*/, void *dlogits16 /*(N,V) bf16*/,
+                                     const float *logits /*(N,V)*/, const int32_t *targets /*(N)*/, int N, int V,
+                                     float grad_scale, int ignore_index);
+    /* Optional, above gemm as the others (issue 33): elements [k0, k1) of a tensor's random-init stream
+     * (fl_model_init_random: splitmix64 as a counter from state s, one Box-Muller pair per two elements; kind 0 zeros,
+     * 1 ones, 2 normal(0, sd)) written to dst[0 .. k1-k0) in dtype dt on the device, the same values as the host's
+     * stream. NULL: generated on the host and copied. (cuda, cuda-emu) */
+    fl_status (*init_random)(const fl_backend *be, void *dst, fl_dtype dt, size_t k0, size_t k1, size_t numel,
+                             int kind, double sd, uint64_t s);
+
+    /* Optional: the op scratch a model's self-attention needs BEYOND scratch_bytes under bf16 compute, for B
+     * sequences of T, NH query and NKV key/value heads of size HD (causal, compact output rows); the model lends
+     * scratch_bytes + this (set_scratch with the sum, from its WORKSPACE), so the planner counts it. cuda with
+     * cuDNN's fused attention loaded: the bf16 copies of its operands and an allowance for cuDNN's workspace
+     * (fl_cudnn_sdpa_scratch_bytes), which otherwise live in a buffer of the backend's own, outside the pools.
+     * 0 for a shape it does not take; NULL: none (every other backend). A pure function: fl_backend_facts has it. */
+    size_t (*attn_scratch_bytes)(int B, int T, int NH, int NKV, int HD);
+
     /* The one door (issue 29, fitllm/backend_op.h): run the op record `op` (its kind names the slot below whose
      * arguments the record holds). The model and the trainer issue their per-step ops through it (FL_RUN), so
      * they reach the backend by one entry; every backend of this tree installs fl_backend_run_slots, a switch
@@ -295,13 +318,6 @@ struct fl_backend {
     void (*cross_entropy)(const fl_backend *be, float *loss /*(N)*/, float *dlogits /*(N,V) or NULL*/,
                           const float *logits /*(N,V)*/, const int32_t *targets /*(N)*/, int N, int V,
                           float grad_scale, int ignore_index);
-    /* Optional (NULL: cross_entropy, then a convert of its gradient): cross_entropy with the logits' gradient
-     * written ONLY as bf16, dlogits16 (N, V) = RNE of the fp32 value cross_entropy would write (not
-     * overlapping logits); the loss as cross_entropy's. The LM head's bf16 GEMMs read it (fl_lm_head_loss:
-     * issue 30 item 4), so no fp32 (N, V) gradient is written and read back. (cuda, cuda-emu) */
-    fl_status (*cross_entropy_dbf16)(const fl_backend *be, float *loss /*(N)*/, void *dlogits16 /*(N,V) bf16*/,
-                                     const float *logits /*(N,V)*/, const int32_t *targets /*(N)*/, int N, int V,
-                                     float grad_scale, int ignore_index);
 
     /* ---- optimizers (flat buffers; one call per contiguous range) --------
      * AdamW exactly as torch.optim.AdamW: p *= 1 - lr*wd; m = b1 m + (1-b1) g;
@@ -610,6 +626,8 @@ typedef struct {
     fl_device device;       /* its pools' device */
     size_t scratch_bytes;   /* as fl_backend.scratch_bytes */
     unsigned gemm_widens16; /* as fl_backend.gemm_widens16 */
+    /* as fl_backend.attn_scratch_bytes (cuda: when FITLLM_CUDA_ATTN takes cuDNN and a cuDNN library loads here) */
+    size_t (*attn_scratch_bytes)(int B, int T, int NH, int NKV, int HD);
     /* as fl_backend.supports_op, without a backend; NULL: not known here (a backend registered with
      * fl_backend_register): every op */
     int (*supports_op)(fl_op op, fl_dtype a, fl_dtype b, fl_dtype c);

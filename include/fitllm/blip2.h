@@ -69,6 +69,11 @@ void fl_blip2_zero_grads(fl_blip2 *b);
 /* ACTS bytes of part k in the arena allocated now: its residual stream, saved slots and norms (the Flan-T5 language
  * model: its own encoder-decoder arena); LoRA adapters' activations not included. 0 without an arena. */
 size_t fl_blip2_acts_bytes(const fl_blip2 *b, int part);
+/* Activation checkpointing on all three stacks (before the arena): each stack keeps its blocks' inputs (the residual
+ * stream) and one block's saved slots per block graph, shared by its blocks and recomputed from the block's input in
+ * the backward, as transformers' gradient_checkpointing (the Flan-T5 language model: its own arena's checkpointing).
+ * The same gradients bit for bit; ACTS shrinks to the residual streams, the norms and one block per graph. */
+fl_status fl_blip2_set_act_ckpt(fl_blip2 *b, int on);
 /* The arena for B images and T language-model ids per sequence. */
 fl_status fl_blip2_alloc_acts(fl_blip2 *b, int B, int T);
 

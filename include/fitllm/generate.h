@@ -123,6 +123,10 @@ int32_t fl_sampler_sample(fl_sampler *s, float *logits);
  * target >= max_new_tokens; the sampler's probabilities and indices are WORKSPACE while it runs. */
 fl_status fl_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, const fl_gen_params *gp,
                           int32_t *out, int *n_out);
+/* fl_generate_s2s for B sources (B, Ts) with their mask (B, Ts) or NULL, as fl_model_generate_s2s_batch lays out
+ * out (B rows of max_new_tokens + 1, pad after each row's eos) and *n_out; the sampler draws row by row each step. */
+fl_status fl_generate_s2s_batch(fl_model *m, const int32_t *src, const uint8_t *src_mask, int B, int Ts,
+                                const fl_gen_params *gp, int32_t *out, int *n_out);
 
 /* ---- the generation loop ------------------------------------------------- */
 

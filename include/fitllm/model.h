@@ -65,6 +65,8 @@ typedef struct {
     int ffn_gated;       /* T5 v1.1 / Flan: gated-GELU FFN (wi_0 | wi_1 fused, GEGLU); 0: ReLU (v1.0) */
     int head_scale;      /* T5 v1.0: the decoder output is scaled by dim^-0.5 before the (tied) head */
     int dec_start_id, pad_id, eos_id; /* T5: decoder_start_token_id, pad_token_id, eos_token_id */
+    float dropout_rate;  /* T5: config.json's dropout_rate (transformers' default 0.1), read and written back; NOT
+                          * applied yet: the trainer says so at set-up (the passes have no dropout) */
     /* Tensor parallelism (src/model/tp.c, fitllm/tp.h): this config is rank tp_rank's slice of a model split
      * over tp_size ranks (n_heads, n_kv_heads and ffn_dim are the rank's; head_dim and everything else the
      * model's); 0 or 1: the whole model. Never read from or written to config.json. The token embeddings and
@@ -636,6 +638,14 @@ fl_status fl_model_backward_s2s(fl_model *m);
  * decoder reruns its whole prefix (the reference). The arena must hold source >= Ts and target >= max_new. */
 fl_status fl_model_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, int max_new,
                                 int kv_cache, int32_t *out, int *n_out);
+/* The same for B sources at once (src (B, Ts) right-padded, src_mask (B, Ts) 0 at the padding, or NULL): the encoder
+ * once over the batch, the decoder token by token for the sequences not yet ended (with the cache: each in its own
+ * rows of the arena, so the ids are each source's alone); row b of out (B rows of max_new + 1) gets the start token,
+ * its ids and pad_id after its eos (transformers' generate on a padded batch); *n_out the rows' common length (1 + the
+ * steps until every row has ended, at most max_new). The arena must hold batch >= B. A mask row of zeros is refused
+ * naming the row. */
+fl_status fl_model_generate_s2s_batch(fl_model *m, const int32_t *src, const uint8_t *src_mask, int B, int Ts,
+                                      int max_new, int kv_cache, int32_t *out, int *n_out);
 /* The model has two stacks (an encoder-decoder: fl_model_forward_s2s). */
 int fl_model_is_s2s(const fl_model_config *c);
 

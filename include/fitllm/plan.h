@@ -215,6 +215,8 @@ typedef struct {
 } fl_plan_grid;
 fl_status fl_plan_suggest_grid(const fl_run_config *cfg, const fl_plan_machine *mc, fl_plan_grid *out);
 void fl_plan_grid_print(const fl_plan_grid *g, const fl_plan_machine *mc, FILE *out);
+/* The same as JSON (plan --suggest --json; "version" FL_PLAN_JSON_VERSION, "kind" "grid_suggestion") */
+void fl_plan_grid_write_json(const fl_plan_grid *g, const fl_plan_machine *mc, FILE *out);
 
 /* Human report: summary, the phase table (as the runtime's memory report),
  * the verdict, the largest micro batch, suggestions. */

@@ -58,6 +58,7 @@ static void cuda_facts(fl_backend_facts *f) {
     f->supports_op = fl_cuda_supports_op;
     f->memory_capacity = cuda_memory;
     f->describe = fl_cuda_describe;
+    f->attn_scratch_bytes = fl_cuda_planned_attn_scratch();
 }
 
 #define MAX_BACKENDS 8
@@ -145,6 +146,7 @@ fl_status fl_backend_facts_of(const char *name, fl_backend_facts *f) {
     f->device = be.device;
     f->scratch_bytes = be.scratch_bytes;
     f->gemm_widens16 = be.gemm_widens16;
+    f->attn_scratch_bytes = be.attn_scratch_bytes;
     fl_backend_free(&be);
     return FL_OK;
 }

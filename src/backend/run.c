@@ -207,6 +207,11 @@ static fl_status run_kernels2(const fl_backend *be, const fl_oprec *op) {
         be->cross_entropy(be, r->loss, r->dlogits, r->logits, r->targets, r->N, r->V, r->grad_scale, r->ignore_index);
         return FL_OK;
     }
+    case FL_OPK_cross_entropy_dbf16: {
+        DOOR(cross_entropy_dbf16);
+        return be->cross_entropy_dbf16(be, r->loss, r->dlogits16, r->logits, r->targets, r->N, r->V, r->grad_scale,
+                                       r->ignore_index);
+    }
     default:
         return run_memory(be, op);
     }

@@ -163,7 +163,7 @@ int fl_cli_blip2_plan(const fl_run_config *cfg, size_t device_memory, int seq_le
 /* `fitllm bench-step` of BLIP-2 fine-tuning: the exit code. */
 typedef struct {
     const char *model;
-    int B, L, steps, warmup, threads, seed, lora_r, sgd, random_init;
+    int B, L, steps, warmup, threads, seed, lora_r, sgd, random_init, act_ckpt;
     float lr;
     size_t budget;
     const char *precision; /* 32-true or bf16-mixed */

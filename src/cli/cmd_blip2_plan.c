@@ -191,6 +191,7 @@ int fl_cli_blip2_bench(const fl_cli_b2_bench *o) {
     if (!o->sgd) c.optimizer.weight_decay = 0.1f;
     if (o->lora_r) c.lora.r = o->lora_r, c.lora.alpha = 2.0f * (float)o->lora_r;
     snprintf(c.precision, sizeof c.precision, "%s", o->precision ? o->precision : "32-true");
+    c.train.activation_checkpointing = o->act_ckpt ? 1 : 0;
     fl_blip2_config bc;
     const char *src = "";
     fl_status s = resolve(o->model, &bc, &src);
@@ -201,10 +202,10 @@ int fl_cli_blip2_bench(const fl_cli_b2_bench *o) {
     const int s2s = fl_model_is_s2s(&bc.text), rows = bc.n_queries + L;
     if (s == FL_OK)
         printf("bench-step: %s (BLIP-2 with %s, %zu params), B=%d, captions of %d tokens (%d language-model rows%s), "
-               "%s, %s, trains %s%s, %s weights\n", o->model, fl_arch_get(bc.text.arch)->display,
+               "%s, %s, trains %s%s, %s weights%s\n", o->model, fl_arch_get(bc.text.arch)->display,
                fl_blip2_param_count(&bc), o->B, L, s2s ? L : rows, s2s ? " + the source's query placeholders" : "",
                c.precision, fl_optim_name(c.optimizer.kind), o->lora_r ? "lm (LoRA)" : "qformer,lm", "",
-               folder && !o->random_init ? "the folder's" : "random");
+               folder && !o->random_init ? "the folder's" : "random", o->act_ckpt ? ", activation checkpointing" : "");
     const fl_blip2_train_opts to = {.shape = folder && !o->random_init ? NULL : &bc, .budget = o->budget,
                                     .synth_len = L, .rehearse_steps = n, .report = stdout, .step_ms = ms,
                                     .step_loss = loss, .n_step_out = n};

@@ -58,7 +58,8 @@ static void help(void) {
            "tokenizer) or --prompt-ids when given; the new ids (or, with a tokenizer, their text) print at the end.\n"
            "An encoder-decoder (T5): the prompt is the source, decoded with the decoder's KV cache, greedily\n"
            "(--temperature 0) or sampled (--temperature, --top_k, --top_p, --seed); the generated ids (or text)\n"
-           "print at the end.\n",
+           "print at the end. Several --prompt (up to 256; an encoder-decoder only) are decoded as one batch, the\n"
+           "sources padded to the longest and masked there; one line of text per prompt, in order.\n",
            DEFAULT_PROMPT, d.max_new_tokens, d.temperature, d.top_k, d.top_p, (unsigned long long)d.seed);
 }
 
@@ -281,9 +282,13 @@ static int opt(const char *a, const char *under) {
     return !strcmp(a, dash);
 }
 
+#define GEN_MAX_PROMPTS 256 /* several --prompt: an encoder-decoder decodes them as one batch */
+
 /* generate's options. */
 typedef struct {
     const char *model_path, *prompt, *prompt_ids, *tok_path, *adapter, *image;
+    const char *prompts[GEN_MAX_PROMPTS];
+    int n_prompts;
     int threads, seed, temp_given;
     fl_gen_params gp;
     char named[FL_CLI_PATH], tok_named[FL_CLI_PATH]; /* Hugging Face repo ids: their downloaded folders */
@@ -297,7 +302,12 @@ static int parse_opts(int argc, char **argv, const char *cmd, gen_opts *o) {
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) { help(); return 0; }
-        else if (opt(a, "--prompt") && v) { o->prompt = v; i++; }
+        else if (opt(a, "--prompt") && v) {
+            if (o->n_prompts == GEN_MAX_PROMPTS) return fl_cli_usage(cmd, "more than %d --prompt", GEN_MAX_PROMPTS);
+            o->prompts[o->n_prompts++] = v;
+            if (!o->prompt) o->prompt = v;
+            i++;
+        }
         else if (opt(a, "--prompt_ids") && v) { o->prompt_ids = v; i++; }
         else if (opt(a, "--image") && v) { o->image = v; i++; }
         else if (opt(a, "--tokenizer") && v) { o->tok_path = v; i++; }
@@ -321,6 +331,7 @@ static int parse_opts(int argc, char **argv, const char *cmd, gen_opts *o) {
     if (!named_rc && o->tok_path) named_rc = fl_cli_model_arg(cmd, &o->tok_path, o->tok_named, sizeof o->tok_named);
     if (named_rc) return named_rc;
     if (o->prompt && o->prompt_ids) return fl_cli_usage(cmd, "give --prompt or --prompt-ids, not both");
+    if (o->n_prompts > 1 && o->image) return fl_cli_usage(cmd, "--image captions one image: give one --prompt");
     if (o->seed >= 0) o->gp.seed = (uint64_t)o->seed;
     if (fl_gen_params_validate(&o->gp) != FL_OK) return fl_cli_usage(cmd, "%s", fl_error_message());
     if (!o->prompt_ids && !o->prompt && !o->image) o->prompt = DEFAULT_PROMPT;
@@ -357,6 +368,61 @@ static fl_status s2s_generate(fl_model *m, const int32_t *ids, int n_ids, const 
         fprintf(stderr, "%d source + %d new tokens (%s, stop: %s); %.1f ms\n", n_ids, n - 1, how,
                 out[n - 1] == m->cfg.eos_id ? "EOS" : "max_new_tokens", t1 - t0);
     free(out);
+    return s;
+}
+
+/* Several --prompt on an encoder-decoder: the sources encoded, right-padded to the longest with the pad id and masked
+ * there, decoded as one batch (fl_generate_s2s_batch: each row's ids are its source's alone); one line of text per
+ * prompt, in order. */
+static fl_status s2s_generate_batch(fl_model *m, const char *const *prompts, int B, const fl_gen_params *gp,
+                                    const fl_tokenizer *tok) {
+    if (gp->max_new_tokens <= 0) return fl_errorf(FL_ERR_INVALID, "--max_new_tokens must be positive");
+    int32_t *ids[GEN_MAX_PROMPTS] = {0};
+    size_t len[GEN_MAX_PROMPTS] = {0};
+    int Ts = 0;
+    fl_status s = FL_OK;
+    for (int b = 0; s == FL_OK && b < B; b++) {
+        s = fl_tok_encode(tok, prompts[b], strlen(prompts[b]), -1, 0, &ids[b], &len[b]);
+        if (s == FL_OK && len[b] == 0) s = fl_errorf(FL_ERR_INVALID, "--prompt %d encodes to no tokens", b + 1);
+        for (size_t i = 0; s == FL_OK && i < len[b]; i++)
+            if (ids[b][i] >= m->cfg.vocab_size)
+                s = fl_errorf(FL_ERR_INVALID, "--prompt %d: token id %d is outside the model's vocabulary [0, %d)", b + 1,
+                              (int)ids[b][i], m->cfg.vocab_size);
+        if (s == FL_OK && (int)len[b] > Ts) Ts = (int)len[b];
+    }
+    const int W = gp->max_new_tokens + 1;
+    int32_t *src = s == FL_OK ? malloc((size_t)B * Ts * sizeof *src) : NULL, *out = malloc((size_t)B * W * sizeof *out);
+    uint8_t *mask = s == FL_OK ? calloc((size_t)B * Ts, 1) : NULL;
+    if (s == FL_OK && (!src || !out || !mask)) s = fl_errorf(FL_ERR_OOM, "out of host memory");
+    for (int b = 0; s == FL_OK && b < B; b++)
+        for (int i = 0; i < Ts; i++) {
+            const int in = i < (int)len[b];
+            src[(size_t)b * Ts + i] = in ? ids[b][i] : m->cfg.pad_id;
+            mask[(size_t)b * Ts + i] = (uint8_t)in;
+        }
+    int n = 0;
+    double t0 = fl_cli_now_ms();
+    if (s == FL_OK) s = fl_model_alloc_acts_s2s(m, B, Ts, gp->max_new_tokens);
+    if (s == FL_OK) s = fl_generate_s2s_batch(m, src, mask, B, Ts, gp, out, &n);
+    double t1 = fl_cli_now_ms();
+    int ended = 0;
+    for (int b = 0; s == FL_OK && b < B; b++) { /* the row up to its eos (pad after it) */
+        const int32_t *o = out + (size_t)b * W;
+        int k = 1; /* o[1 .. k]: up to its eos, included (decoded as nothing: a special token), else the whole row */
+        while (k < n - 1 && o[k] != m->cfg.eos_id) k++;
+        ended += k < n && o[k] == m->cfg.eos_id;
+        char *text = NULL;
+        size_t tl = 0;
+        s = fl_tok_decode(tok, o + 1, (size_t)(n > 1 ? k : 0), 1, &text, &tl);
+        if (s == FL_OK) printf("%.*s\n", (int)tl, text);
+        free(text);
+    }
+    fflush(stdout);
+    if (s == FL_OK)
+        fprintf(stderr, "%d sources (longest %d tokens, padded) + %d new tokens at most (%s); %d ended on EOS; %.1f ms\n",
+                B, Ts, n - 1, gp->temperature == 0.0f ? "greedy" : "sampled", ended, t1 - t0);
+    for (int b = 0; b < B; b++) free(ids[b]);
+    free(src), free(mask), free(out);
     return s;
 }
 
@@ -448,8 +514,13 @@ int fl_cmd_generate(int argc, char **argv) {
                           m.cfg.vocab_size);
             goto fail;
         }
-    if (fl_model_is_s2s(&m.cfg)) { /* an encoder-decoder: the prompt is the source */
-        s = s2s_generate(&m, ids, n_ids, &o.gp, tok);
+    if (o.n_prompts > 1 && !fl_model_is_s2s(&m.cfg)) {
+        s = fl_errorf(FL_ERR_UNSUPPORTED, "%d --prompt: several prompts are decoded as one batch for an encoder-decoder "
+                      "(T5) only so far; give one --prompt", o.n_prompts);
+        goto fail;
+    }
+    if (fl_model_is_s2s(&m.cfg)) { /* an encoder-decoder: the prompt is the source (several: one batch) */
+        s = o.n_prompts > 1 ? s2s_generate_batch(&m, o.prompts, o.n_prompts, &o.gp, tok) : s2s_generate(&m, ids, n_ids, &o.gp, tok);
         if (s != FL_OK) goto fail;
         goto done;
     }

@@ -179,7 +179,8 @@ static int suggest_grid(const fl_run_config *cfg, const plan_args *a) {
         fprintf(stderr, "fitllm plan: error: %s\n", fl_error_message());
         return s == FL_ERR_INVALID || s == FL_ERR_UNSUPPORTED ? FL_EXIT_USAGE : FL_EXIT_RUNTIME;
     }
-    fl_plan_grid_print(g, &mc, stdout);
+    if (a->json) fl_plan_grid_write_json(g, &mc, stdout);
+    else fl_plan_grid_print(g, &mc, stdout);
     int rc = g->best >= 0 ? FL_EXIT_OK : FL_EXIT_OOM;
     free(g);
     return rc;

@@ -139,6 +139,8 @@ static void usage(FILE *f) {
                "               the earlier tensor-core kernels; fp32 = the fp32 kernels. `fitllm selftest` compares them\n");
     fprintf(f, "\n  FITLLM_CUDA_DETERMINISTIC=1 (environment): the own attention backward adds dq across key blocks in a\n"
                "               fixed order (the same bits every run, somewhat slower; cuDNN's backward is then not used)\n");
+    fprintf(f, "\n  FITLLM_CUDA_HEAD_DBF16=1|0 (environment): 1 (default) = the LM head's cross-entropy writes its gradient\n"
+               "               in bf16 for the head's bf16 GEMMs; 0 = in fp32, then converted (the same bits; for timing)\n");
     fprintf(f, "\nexit codes: 0 ok, 1 runtime error, 2 usage error, 3 out of memory\n");
 }
 

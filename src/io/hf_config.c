@@ -249,6 +249,10 @@ static fl_status fl_hf_parse_t5(const char *path, const fl_json *r, fl_model_con
     FL_TRY(fl_hf_int(path, r, "relative_attention_num_buckets", &buckets, &c->rel_buckets));
     FL_TRY(fl_hf_int(path, r, "relative_attention_max_distance", &maxd, &c->rel_max_dist));
     FL_TRY(fl_hf_float(path, r, "layer_norm_epsilon", &eps, &c->norm_eps));
+    const float drop = 0.1f;
+    FL_TRY(fl_hf_float(path, r, "dropout_rate", &drop, &c->dropout_rate));
+    if (c->dropout_rate < 0 || c->dropout_rate >= 1)
+        return fl_errorf(FL_ERR_FORMAT, "%s: key 'dropout_rate' = %g must be in [0, 1)", path, (double)c->dropout_rate);
     FL_TRY(fl_hf_int(path, r, "vocab_size", NULL, &c->vocab_size));
     FL_TRY(fl_hf_int(path, r, "n_positions", &npos, &c->max_seq)); /* informational: relative positions have no table */
     FL_TRY(fl_hf_bool(path, r, "tie_word_embeddings", 1, &c->tie_embeddings));
@@ -498,7 +502,7 @@ fl_status fl_hf_save_config(const char *path, const fl_model_config *c) {
                      "  \"pad_token_id\": %d,\n"
                      "  \"eos_token_id\": %d,\n"
                      "  \"is_encoder_decoder\": true,\n"
-                     "  \"dropout_rate\": 0.1,\n"
+                     "  \"dropout_rate\": %g,\n"
                      "  \"initializer_factor\": 1.0,\n"
                      "  \"use_cache\": true,\n"
                      "  \"torch_dtype\": \"float32\"\n"
@@ -506,7 +510,8 @@ fl_status fl_hf_save_config(const char *path, const fl_model_config *c) {
                      c->dim, c->head_dim, c->ffn_dim, c->n_layers, c->n_dec_layers, c->n_heads, c->rel_buckets,
                      c->rel_max_dist, c->ffn_gated ? "gated-gelu" : "relu", c->ffn_gated ? "gelu_new" : "relu",
                      c->ffn_gated ? "true" : "false", eps, c->vocab_size, c->max_seq,
-                     c->tie_embeddings ? "true" : "false", sc, c->dec_start_id, c->pad_id, c->eos_id);
+                     c->tie_embeddings ? "true" : "false", sc, c->dec_start_id, c->pad_id, c->eos_id,
+                     (double)c->dropout_rate);
     } else {
         return fl_errorf(FL_ERR_UNSUPPORTED, "%s: cannot write a config for architecture %d", path, (int)c->arch);
     }

@@ -52,8 +52,8 @@ static const lab_exp k_b2[] = {
      1, 1, 10, "bf16-true", FL_OPT_SGD, 0, "", FL_LAB_FITS, 0},
     {"act-ckpt", "activation checkpointing, batch 64", "activations shrink, slower", B2_REF, "", 64, 64, 1, "32-true",
      FL_OPT_ADAMW, 1, "activation_checkpointing", FL_LAB_FITS, 0},
-    {"cpu-offload", "Flan-T5-XXL, ZeRO-2 offload, CPU Adam", "device optimizer memory ~0, slow", "blip2-flan-t5-xxl", "",
-     1, 1, 1, "bf16-true", FL_OPT_ADAMW, 0, "cpu_offload", FL_LAB_FITS, 0},
+    {"cpu-offload", "ZeRO-2 offload, CPU Adam, micro 8", "device optimizer memory ~0, slow", B2_REF, "", 8, 64, 1,
+     "32-true", FL_OPT_ADAMW, 0, "cpu_offload", FL_LAB_FITS, 0},
     {"lora", "Flan-T5-XXL, LoRA r16 alpha32 on q, v", "small grads/optim state, fits easily", "blip2-flan-t5-xxl", "",
      4, 4, 1, "32-true", FL_OPT_ADAMW, 0, "lora", FL_LAB_FITS, 0},
     {"qlora", "Flan-T5-XXL, QLoRA (NF4 base, r16)", "smaller still, slower than LoRA", "blip2-flan-t5-xxl", "", 4, 4,
@@ -239,6 +239,15 @@ static void copy_phases(fl_lab_row *r, const fl_blip2_train_result *res, int pla
     r->phases_planned = planned;
 }
 
+/* CPU offload: what the host tier took instead of the device (the row's note) */
+static void offload_note(const fl_blip2_train_result *res, fl_lab_row *r) {
+    char a[32], b[32], d[32];
+    if (res->offload)
+        snprintf(r->note, sizeof r->note, "device OPTIM %s; host tier (outside the device budget): OPTIM %s, total %s",
+                 fl_fmt_bytes(res->peak[FL_TAG_OPTIM], d, sizeof d), fl_fmt_bytes(res->host_peak[FL_TAG_OPTIM], a, sizeof a),
+                 fl_fmt_bytes(res->host_peak_total, b, sizeof b));
+}
+
 /* The row's plan at its scale (and, at lab scale, at the real one): its verdict, peaks and phases; 0 when the fine-
  * tuning refuses the row (n/a, the note says why). */
 static int b2_plan_row(const lab_exp *e, const fl_lab_report *rep, const fl_blip2_config *shape, int cuda,
@@ -259,6 +268,7 @@ static int b2_plan_row(const lab_exp *e, const fl_lab_report *rep, const fl_blip
             memcpy(r->peak, res->peak, sizeof r->peak);
             r->peak_total = r->peak_min = r->peak_max = res->peak_total;
             copy_phases(r, res, 1);
+            offload_note(res, r);
         } else {
             memcpy(r->peak, res->oom.cur, sizeof r->peak);
             r->peak_total = r->peak_min = r->peak_max = res->oom.in_use;
@@ -305,11 +315,7 @@ static void b2_measured(const lab_exp *e, const fl_blip2_config *shape, const b2
     r->step_ms = res->step_ms_mean;
     const double rows = fl_model_is_s2s(&shape->text) ? r->T : shape->n_queries + r->T;
     r->tok_s = r->step_ms > 0 ? (double)e->global * rows / (r->step_ms / 1e3) : 0;
-    if (!strcmp(e->technique, "cpu_offload")) {
-        char a[32];
-        snprintf(r->note, sizeof r->note, "device OPTIM %s (the optimizer state and its update on the host)",
-                 fl_fmt_bytes(res->peak[FL_TAG_OPTIM], a, sizeof a));
-    }
+    offload_note(res, r);
 }
 
 static void b2_row(const lab_exp *e, const fl_lab_report *rep, const fl_lab_opts *o, long steps, fl_lab_row *r) {

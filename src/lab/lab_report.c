@@ -722,7 +722,10 @@ static void md_results(FILE *f, const fl_lab_report *rep) {
                "when the allocation failed (the planned column is what the whole run would need). \"as in the lab\": "
                "whether the verdict is the lab's (%s). Several ranks: the bytes per tag are rank 0's, the peak the least-most over the ranks. ms/sample = ms per optimizer step / (micro batch x accumulation): "
                "rows with different samples per step compare per sample; \"extra time per sample\" names the work "
-               "the row does beyond fp32 AdamW on lab-1b (its technique on this CPU, a larger model).\n\n", "OOM for baseline and the largest model, fits otherwise");
+               "the row does beyond fp32 AdamW on %s (its technique on this CPU, a larger model).\n\n",
+            rep->blip2 ? "OOM for the baseline and Flan-T5-XXL with AdamW, fits otherwise"
+                       : "OOM for baseline and the largest model, fits otherwise",
+            rep->blip2 ? "the BLIP-2 OPT-2.7B model" : "lab-1b");
     int notes = 0;
     for (int i = 0; i < rep->n; i++)
         if (rep->rows[i].note[0]) {

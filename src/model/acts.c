@@ -253,6 +253,7 @@ static size_t carve_work(const fl_model_config *c, const fl_block_graph *g, cons
         a->type_ids = types;
         a->kmask = kmask;
         a->be_scratch = bes;
+        a->be_scratch_bytes = be_scratch;
         a->head_dt = hw ? head_widen : FL_F32;
         a->head_w = head_w; a->head_x = head_x; a->head_t16 = head_t16;
         a->xb16 = xb16;
@@ -374,6 +375,9 @@ fl_status fl_model_alloc_acts(fl_model *m, int B, int T) {
     fl_dtype head_widen = fl_head_widen_dtype(m->prec.name ? m->prec.compute_dtype : FL_F32, m->be->gemm_widens16);
     size_t bes = fl_model_backend_scratch(m->prec.name ? m->prec.compute_dtype : FL_F32, fl_model_quant4(m),
                                           m->be->scratch_bytes);
+    /* bf16 compute: the attention's scratch (cuda: cuDNN's operand copies), lent with the rest, so it is planned */
+    if (bes && m->prec.name && m->prec.compute_dtype == FL_BF16 && m->be->attn_scratch_bytes)
+        bes += m->be->attn_scratch_bytes(B, T, m->cfg.n_heads, m->cfg.n_kv_heads, m->cfg.head_dim);
     fl_act_opts ao = {m->act_ckpt, m->act_dtype, dw_bf16, head_widen, bes};
     fl_sizing_acts_ex(&m->cfg, B, T, &ao, &m->sizes);
     fl_acts *a = calloc(1, sizeof *a);

@@ -37,15 +37,22 @@ static size_t carve_acts(fl_blip2 *b, char *base) {
             float *r = TAKEF(&cv, N * C);
             if (base) st->res[l] = r;
         }
+        /* activation checkpointing: one block's slots per block graph (the Q-Former has two), shared by the stack's
+         * blocks of that graph and recomputed from their saved input in the backward */
+        fl_layer_acts shared[2];
+        int have[2] = {0, 0};
         for (int l = 0; l < st->L; l++) {
-            const fl_block_graph *g = &st->g[k == FL_BLIP2_QFORMER && fl_blip2_has_xattn(&b->part[k].cfg, l)];
+            const int v = k == FL_BLIP2_QFORMER && fl_blip2_has_xattn(&b->part[k].cfg, l);
+            const fl_block_graph *g = &st->g[v];
             fl_layer_acts la;
             memset(&la, 0, sizeof la);
-            for (int j = 0; j < g->n_prod; j++) {
+            if (b->part[k].act_ckpt && have[v]) la = shared[v];
+            for (int j = 0; !(b->part[k].act_ckpt && have[v]) && j < g->n_prod; j++) {
                 const int sl = g->prod[j];
                 if (g->slot[sl].kind == FL_GSLOT_XSTREAM) continue;
                 la.s[sl] = TAKEF(&cv, (g->slot[sl].xrows ? B * T0 : N) * (size_t)g->slot[sl].width);
             }
+            shared[v] = la, have[v] = 1;
             if (!base) continue;
             la.s[FL_GSLOT_IN] = st->res[l];
             la.s[FL_GSLOT_OUT] = st->res[l + 1];
@@ -361,13 +368,29 @@ static fl_status blocks_backward(fl_blip2 *b, int k) {
         dxs[st->xslot] = b->dimg;
         b->be->zero(b->be, b->dimg, (size_t)b->Bp * b->st[0].T * b->cfg.vision.dim * sizeof(float));
     }
+    const fl_block_graph *live[2] = {NULL, NULL}; /* checkpointing: the graphs whose shared slots hold a block now */
     for (int l = st->L - 1; l >= 0; l--) {
         const fl_block_graph *g = graph_of(b, k, l);
         fl_block_params bp;
         fl_get_block(&b->part[k], g, l, &bp);
+        /* checkpointing: the block's slots again from its saved input, but for the last block of its graph, whose
+         * slots the forward left there (the same ops in the same order: the same bits) */
+        const int v = g == &st->g[1];
+        if (b->part[k].act_ckpt && live[v]) {
+            fl_block_ctx fx = ctx_of(b, k, NULL);
+            FL_TRY(fl_block_forward(&b->part[k], g, &bp, st->layer[l].s, &fx));
+            b->part[k].ckpt_recomputed++;
+        }
+        live[v] = g;
         fl_block_ctx x = ctx_of(b, k, dxs);
         FL_TRY(fl_block_backward(&b->part[k], g, &bp, st->layer[l].s, b->gb, &x));
     }
+    return FL_OK;
+}
+
+fl_status fl_blip2_set_act_ckpt(fl_blip2 *b, int on) {
+    if (b->acts) return fl_errorf(FL_ERR_INVALID, "fl_blip2_set_act_ckpt: before the arena (fl_blip2_alloc_acts)");
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) b->part[k].act_ckpt = on != 0;
     return FL_OK;
 }
 
@@ -522,6 +545,7 @@ fl_status fl_blip2_backward(fl_blip2 *b) {
     if (!b->fwd_train) return fl_errorf(FL_ERR_INVALID, "fl_blip2_backward: needs a preceding training forward");
     const fl_backend *be = b->be;
     b->fwd_train = 0;
+    for (int k = 0; k < parts_here(b); k++) b->part[k].ckpt_recomputed = 0;
     /* the language model: d(final norm out) in gb[1] from the head */
     fl_model *lm = &b->part[2], *qf = &b->part[1], *vm = &b->part[0];
     fl_b2_stack *st = &b->st[2];

@@ -598,10 +598,11 @@ static fl_status head_chunk_dbf16(fl_model *m, const fl_linear *head, float *dx,
                                   float *losses, int rows, float grad_scale, float *logits_out) {
     const fl_backend *be = m->be;
     float *logits = m->acts->logits;
-    FL_TRY(be->convert(be, head->xb16, FL_BF16, x, FL_F32, (size_t)rows * head->in));
+    FL_TRY(FL_RUN(be, convert, head->xb16, FL_BF16, x, FL_F32, (size_t)rows * head->in));
     FL_TRY(fl_linear_forward_ex(be, logits, x, head->xb16, head, rows)); // (rows, V) fp32
     if (logits_out) FL_TRY(fl_head_logits_out(m, logits_out, logits, rows));
-    FL_TRY(be->cross_entropy_dbf16(be, losses, head->dyb16, logits, tg, rows, head->out, grad_scale, FL_IGNORE_INDEX));
+    FL_TRY(FL_RUN(be, cross_entropy_dbf16, losses, head->dyb16, logits, tg, rows, head->out, grad_scale,
+                  FL_IGNORE_INDEX));
     return fl_linear_backward_dy16(be, dx, 0, logits, 1, x, head->xb16, head, rows); /* dx, dW from dyb16 */
 }
 

@@ -57,6 +57,7 @@ struct fl_acts {
     struct fl_s2s_acts *s2s; /* an encoder-decoder's stacks (seq2seq.c; then the views above are unused), or NULL */
     void *be_scratch;       /* the backend's scratch (fl_backend.scratch_bytes), lent to its ops in each
                              * forward and backward (fl_act_opts.backend_scratch), or NULL */
+    size_t be_scratch_bytes; /* its bytes: scratch_bytes + the attention's (fl_backend.attn_scratch_bytes) */
 };
 
 typedef struct fl_fwd_pass fl_fwd_pass;

@@ -409,6 +409,16 @@ fl_status fl_model_init_random_ex(fl_model *m, uint64_t seed) {
             size_t a, b;
             char *dst = fl_model_param_piece(m, i, &a, &b, &dt);
             const size_t a0 = a & ~(size_t)1, es = fl_dtype_size(dt);
+            const fl_backend *dbe = fl_model_params_be(m);
+            if (dbe && dbe->init_random && !m->store->tpool) { /* on the device: no host stream, no copy */
+                fl_status st = dbe->init_random(dbe, dst, dt, a, b, p->numel, kind, sd, s);
+                if (st != FL_OK) {
+                    free(slice);
+                    fl_mem_free(fl_mem_host_pool(m->pool), q4tmp);
+                    return st;
+                }
+                continue;
+            }
             uint16_t *s16 = (uint16_t *)(slice + BLOCK);
             /* a block in at least nt slices (more than NS threads, e.g. a GPU machine's host cores, all work);
              * even lengths keep every slice's start on a pair of the stream */

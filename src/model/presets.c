@@ -31,7 +31,7 @@ typedef struct {
     {nm, {.arch = FL_ARCH_T5, .name = nm, .vocab_size = 32128, .dim = C, .ffn_dim = F, .n_layers = L,                 \
           .n_dec_layers = L, .n_heads = NH, .n_kv_heads = NH, .head_dim = 64, .max_seq = 512, .norm_eps = 1e-6f,    \
           .tie_embeddings = !(GATED), .head_scale = !(GATED), .ffn_gated = GATED, .rel_buckets = 32,                 \
-          .rel_max_dist = 128, .dec_start_id = 0, .pad_id = 0, .eos_id = 1}}
+          .rel_max_dist = 128, .dec_start_id = 0, .pad_id = 0, .eos_id = 1, .dropout_rate = 0.1f}}
 
 #define OPT(nm, C, F, L, NH)                                                                                          \
     {nm, {.arch = FL_ARCH_OPT, .name = nm, .vocab_size = 50272, .dim = C, .ffn_dim = F, .n_layers = L, .n_heads = NH,  \
@@ -90,7 +90,8 @@ static const preset k_presets[] = {
     /* T5 v1.0 (ReLU, tied head) and Flan-T5 (gated-GELU, lm_head); t5-micro a Flan-T5 shape for CPU tests */
     {"t5-micro", {.arch = FL_ARCH_T5, .name = "t5-micro", .vocab_size = 512, .dim = 64, .ffn_dim = 96, .n_layers = 2,
                   .n_dec_layers = 2, .n_heads = 4, .n_kv_heads = 4, .head_dim = 16, .max_seq = 512, .norm_eps = 1e-6f,
-                  .ffn_gated = 1, .rel_buckets = 32, .rel_max_dist = 128, .dec_start_id = 0, .pad_id = 0, .eos_id = 1}},
+                  .ffn_gated = 1, .rel_buckets = 32, .rel_max_dist = 128, .dec_start_id = 0, .pad_id = 0, .eos_id = 1,
+                  .dropout_rate = 0.1f}},
     T5("t5-small", 512, 2048, 6, 8, 0),
     T5("flan-t5-small", 512, 1024, 8, 6, 1),
     T5("flan-t5-base", 768, 2048, 12, 12, 1),

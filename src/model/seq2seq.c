@@ -642,20 +642,11 @@ static fl_status s2s_backward(fl_model *m) {
 
 /* ---- greedy decoding ------------------------------------------------------------------------ */
 
-/* One decoder token with the cache (B = 1): row n-1 of the last stack, its blocks' per-row slots viewed at that row
- * (the q|k|v slot's earlier rows are the cache the earlier steps wrote), the cross k|v kept from the first step; the
- * logits of the row into lg (V). */
-static fl_status decode_step(fl_model *m, const fl_model_graph *mg, const int32_t *tok, int n, float *lg) {
+/* The relative bias row of decoder query n-1, (NH, 1, n) in the last stack's bias: the same for every sequence of a
+ * batch (the positions are). */
+static fl_status decode_bias(fl_model *m, s2s_stack *st, int n) {
     const fl_backend *be = m->be;
-    struct fl_s2s_acts *a = m->acts->s2s;
-    const int s = mg->n_stacks - 1, C = m->cfg.dim, NH = m->cfg.n_heads, nb = m->cfg.rel_buckets;
-    s2s_stack *st = &a->st[s];
-    const size_t r = (size_t)n - 1;
-    fl_outer_params op;
-    fl_get_outer(m, &op);
-    FL_TRY(FL_RUN(be, to_device, st->ids + r, tok, sizeof *tok));
-    fl_embed_forward(m, &op, st->res[0] + r * C, st->ids + r, tok, 1, 1, 0);
-    /* the bias row of query n-1: (NH, 1, n) */
+    const int NH = m->cfg.n_heads, nb = m->cfg.rel_buckets;
     int32_t *bk = malloc((size_t)n * sizeof *bk);
     if (!bk) return fl_errorf(FL_ERR_OOM, "relative position buckets: out of host memory");
     for (int j = 0; j < n; j++) bk[j] = rel_bucket(n - 1, j, 0, nb, m->cfg.rel_max_dist);
@@ -667,15 +658,33 @@ static fl_status decode_step(fl_model *m, const fl_model_graph *mg, const int32_
     FL_TRY(relbias_table(m, st, 0, &tab));
     for (int h = 0; h < NH; h++)
         FL_RUN(be, embedding_forward, st->bias + (size_t)h * n, st->buckets, tab + (size_t)h * nb, NULL, 1, n, 1);
+    return FL_OK;
+}
+
+/* One decoder token of sequence b of the batch with the cache: row n-1 of that sequence's region of the last stack
+ * (b x the arena's target rows on), its blocks' per-row slots viewed at that row (the q|k|v slot's earlier rows are
+ * the cache the earlier steps wrote), the encoder's output, its cross k|v (computed at the first step, kept after) and
+ * the source mask at the sequence's rows of the (B, Ts) encoder pass; the bias row from decode_bias; the logits of
+ * the row into lg (V). With B 1 the regions are the arena's first rows. */
+static fl_status decode_step(fl_model *m, const fl_model_graph *mg, int b, const int32_t *tok, int n, float *lg) {
+    const fl_backend *be = m->be;
+    struct fl_s2s_acts *a = m->acts->s2s;
+    const int s = mg->n_stacks - 1, C = m->cfg.dim, Ts = a->T[s - 1];
+    s2s_stack *st = &a->st[s];
+    const size_t r = (size_t)b * st->Tmax + (size_t)n - 1, xr = (size_t)b * Ts; /* this row; the sequence's source */
+    fl_outer_params op;
+    fl_get_outer(m, &op);
+    FL_TRY(FL_RUN(be, to_device, st->ids + r, tok, sizeof *tok));
+    fl_embed_forward(m, &op, st->res[0] + r * C, st->ids + r, tok, 1, 1, 0);
     for (int l = 0; l < st->L; l++) {
         float *sv[FL_GRAPH_MAX_SLOTS];
-        for (int k = 0; k < st->g.n_slots; k++) /* row n-1 of the per-row slots; the stream's rows whole */
-            sv[k] = st->g.slot[k].xrows ? st->layer[l].s[k] : st->layer[l].s[k] + r * st->g.slot[k].width;
+        for (int k = 0; k < st->g.n_slots; k++) /* row r of the per-row slots; the sequence's source rows of the rest */
+            sv[k] = st->layer[l].s[k] + (st->g.slot[k].xrows ? xr : r) * st->g.slot[k].width;
         FL_TRY(block_gather(m, st->l0 + l + 1));
         fl_block_params bp;
         fl_get_block(m, &st->g, st->l0 + l, &bp);
-        fl_block_ctx x = {.B = 1, .T = 1, .attn_bias = st->bias, .Tk = a->T[s - 1], .kv_rows = n, .xs_ready = n > 1};
-        x.kmask = a->kmask_on ? a->kmask : NULL;
+        fl_block_ctx x = {.B = 1, .T = 1, .attn_bias = st->bias, .Tk = Ts, .kv_rows = n, .xs_ready = n > 1};
+        x.kmask = a->kmask_on ? a->kmask + xr : NULL;
         FL_TRY(fl_block_forward(m, &st->g, &bp, sv, &x));
         fl_store_release(m->store, st->l0 + l + 1);
     }
@@ -693,19 +702,40 @@ static fl_status decode_step(fl_model *m, const fl_model_graph *mg, const int32_
     return FL_RUN(be, to_host, lg, a->logits, (size_t)m->cfg.vocab_size * sizeof(float));
 }
 
-static fl_status s2s_generate(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, int max_new,
+static fl_status check_sources(const fl_model *m, const int32_t *src, const uint8_t *src_mask, int B, int Ts,
+                               int max_new) {
+    const struct fl_s2s_acts *a = m->acts->s2s;
+    const int V = m->cfg.vocab_size;
+    if (B <= 0 || B > a->B || Ts <= 0 || Ts > a->st[0].Tmax || max_new <= 0 || max_new > a->st[1].Tmax)
+        return fl_errorf(FL_ERR_INVALID, "fl_model_generate_s2s: %d source(s) of %d tokens and %d new tokens need an "
+                         "arena of batch >= %d, source >= %d and target >= %d (it has %d, %d, %d)", B, Ts, max_new, B,
+                         Ts, max_new, a->B, a->st[0].Tmax, a->st[1].Tmax);
+    for (int i = 0; i < B * Ts; i++)
+        if (src[i] < 0 || src[i] >= V)
+            return fl_errorf(FL_ERR_INVALID, "source token id %d at position %d (of source %d) is outside the "
+                             "vocabulary [0, %d)", src[i], i % Ts, i / Ts, V);
+    for (int b = 0; src_mask && b < B; b++) {
+        int any = 0;
+        for (int i = 0; i < Ts; i++) any |= src_mask[(size_t)b * Ts + i] != 0;
+        if (!any) return fl_errorf(FL_ERR_INVALID, "source %d: its mask hides every token (nothing to attend to)", b);
+    }
+    return FL_OK;
+}
+
+/* Decoding B sources (B, Ts) at once: the encoder once over the batch (src_mask (B, Ts) masks each row's padding),
+ * then the decoder token by token for every sequence not yet ended, from the start token; row b of out (stride
+ * max_new + 1) gets the start token and its ids, then pad_id after its eos (generate's padded batch); *n_out the
+ * common length (1 + the steps taken: until every row has ended or max_new). With the cache each sequence runs its
+ * new row alone in its own region of the arena (decode_step); without it (kv_cache 0, 16-bit saved activations,
+ * checkpointing) the decoder reruns the batch's whole prefix for each token. Tokens are chosen row by row (the
+ * sampler's draws in row order; greedy: the first of equal maxima). */
+static fl_status s2s_generate(fl_model *m, const int32_t *src, const uint8_t *src_mask, int B, int Ts, int max_new,
                               int kv_cache, fl_sampler *sp, int32_t *out, int *n_out) {
     FL_TRY(check_model(m, "fl_model_generate_s2s"));
     struct fl_s2s_acts *a = m->acts->s2s;
-    const int V = m->cfg.vocab_size;
+    const int V = m->cfg.vocab_size, W = max_new + 1;
     *n_out = 0;
-    if (Ts <= 0 || Ts > a->st[0].Tmax || max_new <= 0 || max_new > a->st[1].Tmax)
-        return fl_errorf(FL_ERR_INVALID, "fl_model_generate_s2s: source %d and %d new tokens need an arena of source >= "
-                         "%d and target >= %d (it has %d, %d)", Ts, max_new, Ts, max_new, a->st[0].Tmax, a->st[1].Tmax);
-    for (int i = 0; i < Ts; i++)
-        if (src[i] < 0 || src[i] >= V)
-            return fl_errorf(FL_ERR_INVALID, "source token id %d at position %d is outside the vocabulary [0, %d)",
-                             src[i], i, V);
+    FL_TRY(check_sources(m, src, src_mask, B, Ts, max_new));
     /* 16-bit saved activations: the blocks share one fp32 buffer of the WIDE slots (q|k|v among them), so the decoder
      * reruns its prefix for each token (the cache's ids: the same computation on the same keys) */
     if (a->act16) kv_cache = 0;
@@ -714,39 +744,57 @@ static fl_status s2s_generate(fl_model *m, const int32_t *src, const uint8_t *sr
                          "checkpointing (or kv_cache 0)");
     fl_model_graph mg;
     FL_TRY(fl_model_graph_build(&m->cfg, &mg));
-    float *lg = malloc((size_t)max_new * V * sizeof(float));
-    if (!lg) return fl_errorf(FL_ERR_OOM, "fl_model_generate_s2s: logits: out of host memory");
-    a->Bp = 1;
+    /* the logits: one row per sequence with the cache, else every row of the batch's prefix */
+    const size_t nlg = kv_cache ? (size_t)B * V : (size_t)B * max_new * V;
+    float *lg = malloc(nlg * sizeof(float));
+    int32_t *dec = kv_cache ? NULL : malloc((size_t)B * max_new * sizeof *dec);
+    uint8_t *done = calloc((size_t)B, 1);
+    if (!lg || (!kv_cache && !dec) || !done) {
+        free(lg), free(dec), free(done);
+        return fl_errorf(FL_ERR_OOM, "fl_model_generate_s2s: logits: out of host memory");
+    }
+    a->Bp = B;
     a->T[0] = Ts;
     a->kmask_on = src_mask != NULL;
     m->fwd_train = 0;
-    fl_status s = src_mask ? FL_RUN(m->be, to_device, a->kmask, src_mask, (size_t)Ts) : FL_OK;
+    fl_status s = src_mask ? FL_RUN(m->be, to_device, a->kmask, src_mask, (size_t)B * Ts) : FL_OK;
     if (s == FL_OK) s = roots_gather(m); /* sharded: every rank decodes in step, each block gathered per token */
     if (s == FL_OK) s = stack_forward(m, &mg, 0, src, NULL, 0, NULL); /* the encoder, once */
-    int n = 0;
-    out[n++] = m->cfg.dec_start_id;
-    /* each token: with the cache the new row alone (its keys: the earlier rows' k, v kept in the blocks' q|k|v slots;
-     * the cross k|v from the first step), else the decoder over its whole prefix; the last row's argmax, or the
-     * sampler's choice */
-    while (s == FL_OK && n <= max_new) {
+    int n = 0, left = B;
+    for (int b = 0; b < B; b++) out[(size_t)b * W] = m->cfg.dec_start_id;
+    n = 1;
+    /* each token: with the cache each live sequence's new row alone (its keys: the earlier rows' k, v kept in the
+     * blocks' q|k|v slots; the cross k|v from the first step), else the decoder over the batch's whole prefix (an
+     * ended row fed pad, as generate); each row's last logits chosen from */
+    while (s == FL_OK && n <= max_new && left > 0) {
         a->T[1] = n;
-        float *row = lg;
         if (kv_cache) {
-            s = decode_step(m, &mg, out + n - 1, n, lg);
+            s = decode_bias(m, &a->st[mg.n_stacks - 1], n);
+            for (int b = 0; s == FL_OK && b < B; b++)
+                if (!done[b]) s = decode_step(m, &mg, b, out + (size_t)b * W + n - 1, n, lg + (size_t)b * V);
         } else {
-            s = stack_forward(m, &mg, mg.n_stacks - 1, out, NULL, 0, lg);
-            row = lg + (size_t)(n - 1) * V;
+            for (int b = 0; b < B; b++) memcpy(dec + (size_t)b * n, out + (size_t)b * W, (size_t)n * sizeof *dec);
+            s = stack_forward(m, &mg, mg.n_stacks - 1, dec, NULL, 0, lg);
         }
         if (s != FL_OK) break;
-        int best = 0;
-        if (sp) best = fl_sampler_sample(sp, row);
-        else
-            for (int v = 1; v < V; v++)
-                if (row[v] > row[best]) best = v; /* the first of equal maxima, as torch.argmax */
-        out[n++] = best;
-        if (best == m->cfg.eos_id) break;
+        for (int b = 0; b < B; b++) {
+            int32_t *o = out + (size_t)b * W;
+            if (done[b]) {
+                o[n] = m->cfg.pad_id;
+                continue;
+            }
+            float *row = kv_cache ? lg + (size_t)b * V : lg + ((size_t)b * n + (size_t)(n - 1)) * V;
+            int best = 0;
+            if (sp) best = fl_sampler_sample(sp, row);
+            else
+                for (int v = 1; v < V; v++)
+                    if (row[v] > row[best]) best = v; /* the first of equal maxima, as torch.argmax */
+            o[n] = best;
+            if (best == m->cfg.eos_id) done[b] = 1, left--;
+        }
+        n++;
     }
-    free(lg);
+    free(lg), free(dec), free(done);
     roots_release(m);
     *n_out = n;
     return s;
@@ -797,23 +845,33 @@ fl_status fl_model_backward_s2s(fl_model *m) {
     return s;
 }
 
-fl_status fl_model_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, int max_new,
-                                int kv_cache, int32_t *out, int *n_out) {
+fl_status fl_model_generate_s2s_batch(fl_model *m, const int32_t *src, const uint8_t *src_mask, int B, int Ts,
+                                      int max_new, int kv_cache, int32_t *out, int *n_out) {
     s2s_lend(m, 1);
-    fl_status s = s2s_generate(m, src, src_mask, Ts, max_new, kv_cache, NULL, out, n_out);
+    fl_status s = s2s_generate(m, src, src_mask, B, Ts, max_new, kv_cache, NULL, out, n_out);
     s2s_lend(m, 0);
     return s;
 }
 
-fl_status fl_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, const fl_gen_params *gp,
-                          int32_t *out, int *n_out) {
+fl_status fl_model_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, int max_new,
+                                int kv_cache, int32_t *out, int *n_out) {
+    return fl_model_generate_s2s_batch(m, src, src_mask, 1, Ts, max_new, kv_cache, out, n_out);
+}
+
+fl_status fl_generate_s2s_batch(fl_model *m, const int32_t *src, const uint8_t *src_mask, int B, int Ts,
+                                const fl_gen_params *gp, int32_t *out, int *n_out) {
     *n_out = 0;
     FL_TRY(fl_gen_params_validate(gp));
     fl_sampler sp;
     FL_TRY(fl_sampler_init(&sp, fl_mem_host_pool(m->pool), m->cfg.vocab_size, gp));
     s2s_lend(m, 1);
-    fl_status s = s2s_generate(m, src, src_mask, Ts, gp->max_new_tokens, !m->act_ckpt, &sp, out, n_out);
+    fl_status s = s2s_generate(m, src, src_mask, B, Ts, gp->max_new_tokens, !m->act_ckpt, &sp, out, n_out);
     s2s_lend(m, 0);
     fl_sampler_free(&sp);
     return s;
+}
+
+fl_status fl_generate_s2s(fl_model *m, const int32_t *src, const uint8_t *src_mask, int Ts, const fl_gen_params *gp,
+                          int32_t *out, int *n_out) {
+    return fl_generate_s2s_batch(m, src, src_mask, 1, Ts, gp, out, n_out);
 }

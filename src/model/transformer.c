@@ -313,7 +313,7 @@ static fl_status run_backward(fl_model *m, const float *dhidden) {
  * into a freed arena outlives the call. */
 static void lend_scratch(const fl_model *m, int on) {
     if (m->acts && m->acts->be_scratch)
-        FL_RUN(m->be, set_scratch, on ? m->acts->be_scratch : NULL, on ? m->be->scratch_bytes : 0);
+        FL_RUN(m->be, set_scratch, on ? m->acts->be_scratch : NULL, on ? m->acts->be_scratch_bytes : 0);
 }
 
 /* The precision's compute dtype told to the backend for the call (fl_backend.set_compute_dtype:

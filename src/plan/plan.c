@@ -25,6 +25,7 @@
 #include "fitllm/generate.h"
 #include "fitllm/io.h"
 #include "fitllm/plan.h"
+#include "plan-impl.h"
 #include "fitllm/pp.h"
 #include "fitllm/lengths.h"
 #include "backend/cuda/cuda-impl.h"
@@ -892,7 +893,7 @@ void fl_plan_print(const fl_plan *p, FILE *f) {
     }
 }
 
-static void jstr(FILE *f, const char *s) {
+void fl_plan_json_str(FILE *f, const char *s) {
     fputc('"', f);
     for (; *s; s++) {
         unsigned char ch = (unsigned char)*s;
@@ -912,9 +913,9 @@ static void jtags(FILE *f, const size_t *b, size_t total) {
 
 void fl_plan_write_json(const fl_plan *p, FILE *f) {
     fprintf(f, "{\n  \"version\": %d,\n  \"model\": {\"name\": ", FL_PLAN_JSON_VERSION);
-    jstr(f, p->model.name);
+    fl_plan_json_str(f, p->model.name);
     fprintf(f, ", \"source\": ");
-    jstr(f, p->model_source);
+    fl_plan_json_str(f, p->model_source);
     fprintf(f, ", \"arch\": \"%s\", \"params\": %zu, \"vocab_size\": %d, \"dim\": %d, \"n_layers\": %d, "
                "\"n_heads\": %d, \"n_kv_heads\": %d, \"ffn_dim\": %d, \"context\": %d},\n",
             fl_arch_get(p->model.arch)->name, p->n_params, p->model.vocab_size, p->model.dim,
@@ -924,9 +925,9 @@ void fl_plan_write_json(const fl_plan *p, FILE *f) {
             p->B, p->accum, p->global_batch, p->T);
     if (p->Ts) fprintf(f, "\"source_len\": %d, \"precision\": ", p->Ts); /* an encoder-decoder: seq_len is the target's */
     else fprintf(f, "\"source_len\": null, \"precision\": ");
-    jstr(f, p->precision);
+    fl_plan_json_str(f, p->precision);
     fprintf(f, ", \"optimizer\": ");
-    jstr(f, p->optimizer);
+    fl_plan_json_str(f, p->optimizer);
     fprintf(f, ", \"activation_checkpointing\": %s, \"eval_generation\": %s, \"devices\": %d, \"rank\": %d, "
                "\"zero_stage\": %d, \"bucket_size\": %zu},\n",
             p->act_ckpt ? "true" : "false", p->generation ? "true" : "false", p->devices > 0 ? p->devices : 1, p->rank,
@@ -938,7 +939,7 @@ void fl_plan_write_json(const fl_plan *p, FILE *f) {
     fprintf(f, "],\n  \"phases\": [");
     for (int i = 0; i < p->n_phases; i++) {
         fprintf(f, "%s\n    {\"name\": ", i ? "," : "");
-        jstr(f, p->phases[i].name);
+        fl_plan_json_str(f, p->phases[i].name);
         fprintf(f, ", \"bytes\": ");
         jtags(f, p->phases[i].cur, p->phases[i].cur_total);
         fprintf(f, ", \"live\": ");
@@ -958,18 +959,18 @@ void fl_plan_write_json(const fl_plan *p, FILE *f) {
     if (p->verdict == FL_PLAN_OOM) {
         const fl_mem_oom *o = &p->oom;
         fprintf(f, "  \"oom\": {\"phase\": ");
-        jstr(f, o->phase);
+        fl_plan_json_str(f, o->phase);
         fprintf(f, ", \"step\": ");
-        jstr(f, p->oom_step);
+        fl_plan_json_str(f, p->oom_step);
         fprintf(f, ", \"tag\": \"%s\", \"what\": ", fl_mem_tag_name(o->tag));
-        jstr(f, p->oom_what);
+        fl_plan_json_str(f, p->oom_what);
         fprintf(f, ", \"requested\": %zu, \"available\": %zu, \"in_use\": %zu, \"budget\": %zu},\n", o->requested,
                 o->budget > o->in_use ? o->budget - o->in_use : 0, o->in_use, o->budget);
     } else {
         fprintf(f, "  \"oom\": null,\n");
     }
     fprintf(f, "  \"unavailable\": ");
-    if (p->verdict == FL_PLAN_UNAVAILABLE) jstr(f, p->unavailable);
+    if (p->verdict == FL_PLAN_UNAVAILABLE) fl_plan_json_str(f, p->unavailable);
     else fprintf(f, "null");
     if (p->max_micro_batch_size >= 0) fprintf(f, ",\n  \"max_micro_batch_size\": %d", p->max_micro_batch_size);
     else fprintf(f, ",\n  \"max_micro_batch_size\": null");
@@ -977,21 +978,21 @@ void fl_plan_write_json(const fl_plan *p, FILE *f) {
     for (int i = 0; i < p->n_sugg; i++) {
         const fl_plan_suggestion *s = &p->sugg[i];
         fprintf(f, "%s\n    {\"technique\": ", i ? "," : "");
-        jstr(f, s->technique);
+        fl_plan_json_str(f, s->technique);
         fprintf(f, ", \"available\": %s, \"fits\": %s, \"peak\": ", s->available ? "true" : "false",
                 s->fits < 0 ? "null" : s->fits ? "true" : "false");
         if (s->fits == 1) fprintf(f, "%zu", s->peak);
         else fprintf(f, "null");
         fprintf(f, ", \"change\": ");
-        jstr(f, s->change);
+        fl_plan_json_str(f, s->change);
         fprintf(f, ", \"note\": ");
-        jstr(f, s->note);
+        fl_plan_json_str(f, s->note);
         fputc('}', f);
     }
     fprintf(f, "%s],\n  \"notes\": [", p->n_sugg ? "\n  " : "");
     for (int i = 0; i < p->n_notes; i++) {
         fprintf(f, "%s\n    ", i ? "," : "");
-        jstr(f, p->notes[i]);
+        fl_plan_json_str(f, p->notes[i]);
     }
     fprintf(f, "%s]\n}\n", p->n_notes ? "\n  " : "");
 }

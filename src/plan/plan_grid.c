@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "fitllm/plan.h"
+#include "plan-impl.h"
 
 /* the grid's need: one rehearsal of every rank without a budget (fl_plan_opts.rank_peaks); the largest rank's peak */
 static fl_status plan_ranks(const fl_run_config *c, const fl_plan_machine *mc, fl_plan *p, fl_plan_grid_row *r) {
@@ -171,4 +172,29 @@ void fl_plan_grid_print(const fl_plan_grid *g, const fl_plan_machine *mc, FILE *
     grid_options(r, opt, sizeof opt);
     fprintf(out, "suggested grid: DP %d x TP %d x PP %d: %s (largest rank %d needs %s)\n", r->dp, r->tp, r->pp, opt,
             r->peak_rank, fl_fmt_bytes(r->peak, a, sizeof a));
+}
+
+/* `plan --suggest --json`: the machine, every grid's row and the suggestion (schema: docs/ARCHITECTURE.md "Which grid") */
+void fl_plan_grid_write_json(const fl_plan_grid *g, const fl_plan_machine *mc, FILE *out) {
+    fprintf(out, "{\n  \"version\": %d,\n  \"kind\": \"grid_suggestion\",\n  \"rank_budget\": %zu,\n  \"cuda\": %s,\n"
+            "  \"grids\": [", FL_PLAN_JSON_VERSION, rank_budget(mc), mc->cuda ? "true" : "false");
+    for (int i = 0; i < g->n; i++) {
+        const fl_plan_grid_row *r = &g->rows[i];
+        fprintf(out, "%s\n    {\"dp\": %d, \"tp\": %d, \"pp\": %d, \"verdict\": \"%s\"", i ? "," : "", r->dp, r->tp,
+                r->pp, r->fits < 0 ? "refused" : r->fits ? "fits" : "oom");
+        if (r->fits < 0) {
+            fputs(", \"why\": ", out);
+            fl_plan_json_str(out, r->why);
+        } else {
+            fprintf(out, ", \"peak\": %zu, \"peak_rank\": %d, \"host_peak\": %zu, \"micro_batches\": %d, "
+                    "\"bubble\": %.6f, \"strategy\": ", r->peak, r->peak_rank, r->host_peak, r->micro_batches, r->bubble);
+            fl_plan_json_str(out, r->strategy);
+        }
+        fputc('}', out);
+    }
+    fprintf(out, "\n  ],\n  \"suggested\": ");
+    if (g->best < 0) fputs("null", out);
+    else fprintf(out, "{\"dp\": %d, \"tp\": %d, \"pp\": %d}", g->rows[g->best].dp, g->rows[g->best].tp,
+                 g->rows[g->best].pp);
+    fputs("\n}\n", out);
 }

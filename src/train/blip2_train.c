@@ -46,9 +46,6 @@ static fl_status check_run(const fl_run_config *c, int synth) {
                          c->precision);
     FL_TRY(fl_b2t_check_strategy(c));
     /* what the trainer does that this loop does not: refused rather than ignored */
-    if (c->train.activation_checkpointing == 1)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--train.activation_checkpointing true: BLIP-2 fine-tuning keeps every "
-                         "activation so far");
     if (c->train.max_time > 0 || c->train.max_tokens > 0)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--train.%s: BLIP-2 fine-tuning stops at train.max_steps or "
                          "train.epochs so far", c->train.max_time > 0 ? "max_time" : "max_tokens");
@@ -293,6 +290,8 @@ static fl_status setup(b2run *r) {
     fl_precision prec;
     FL_TRY(fl_precision_find(c->precision, &prec));
     FL_TRY(fl_blip2_set_precision(r->b, &prec)); /* bf16-mixed: the parts' bf16 weight copies */
+    /* train.activation_checkpointing true: every stack keeps its blocks' inputs, recomputes their slots in backward */
+    FL_TRY(fl_blip2_set_act_ckpt(r->b, c->train.activation_checkpointing == 1));
     const fl_blip2_config *bc = fl_blip2_get_config(r->b);
     if (fl_model_is_s2s(&bc->text) && !(r->parts & (1 << FL_BLIP2_TEXT)))
         return fl_errorf(FL_ERR_UNSUPPORTED, "blip2.train %s: the Flan-T5 variant trains its language model (lm, or "

@@ -209,6 +209,11 @@ static fl_status load_data_s2s(trainer *t) {
     if (!fl_s2s_count(t->in.s2s))
         return fl_errorf(FL_ERR_INVALID, "'%s': data.val_split_fraction %g leaves no training pairs of %zu",
                          c->data.json_path, (double)c->data.val_split_fraction, n);
+    /* T5's dropout (config.json dropout_rate: after the embeddings, on the attention weights, after each sublayer,
+     * inside the FFN, after the final norms) is not implemented: said, not silently dropped */
+    if (t->model.cfg.dropout_rate > 0)
+        add_note(t, "config.json dropout_rate %g is not applied: fitllm trains an encoder-decoder without dropout so "
+                 "far (as dropout_rate 0)", (double)t->model.cfg.dropout_rate);
     t->sch.B = c->train.micro_batch_size;
     t->sch.Ts = ls;
     t->sch.T = lt;

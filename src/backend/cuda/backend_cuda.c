@@ -4,10 +4,13 @@
  * build (a GPU run is planned anywhere). */
 #include "backend/cuda/cuda-impl.h"
 
+#include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "backend/cuda/cu_plugin.h"
+#include "backend/cuda/cudnn-impl.h"
 
 fl_status fl_cuda_backend_init(fl_backend *be, int n_threads) {
     const fl_cuda_plugin *p;
@@ -28,6 +31,20 @@ size_t fl_cuda_scratch_bytes(void) {
     return (size_t)FL_CUDA_LT_WS_BYTES + (size_t)FL_CUDA_PANEL_BYTES + (size_t)FL_CUDA_WORK_BYTES + 256;
 }
 unsigned fl_cuda_gemm_widens16(void) { return 1u << FL_F16; }
+
+static int g_cudnn_here = -1; /* whether a cuDNN library loads on this machine: -1 not yet probed */
+static void probe_cudnn(void) {
+    fl_cudnn_api api;
+    char why[256];
+    g_cudnn_here = fl_cudnn_load(&api, NULL, why, sizeof why) == 0;
+    if (g_cudnn_here) fl_cudnn_unload(&api);
+}
+size_t (*fl_cuda_planned_attn_scratch(void))(int B, int T, int NH, int NKV, int HD) {
+    if (!fl_cudnn_attn_wants(fl_cudnn_attn_parse(getenv("FITLLM_CUDA_ATTN")))) return NULL;
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, probe_cudnn);
+    return g_cudnn_here ? fl_cudnn_sdpa_scratch_bytes : NULL;
+}
 
 static int fl_float_dt(fl_dtype t) { return t == FL_F32 || t == FL_BF16 || t == FL_F16; }
 

@@ -98,6 +98,8 @@ extern "C" {
     int P##sumsq_ex(double *out, double *work, const void *x, fl_dtype t, size_t n, void *stream);              \
     int P##add(float *out, const float *a, const float *b, size_t n, void *stream);                             \
     int P##scale(float *x, size_t n, float s, void *stream);                                                    \
+    /* elements [k0, k0 + n) of fl_model_init_random's stream (kind 0 zeros, 1 ones, 2 normal(0, sd)) from state s */ \
+    int P##init_random(void *dst, fl_dtype dt, size_t k0, size_t n, int kind, double sd, uint64_t s, void *stream);  \
     int P##bias_forward(float *y, const float *b, int N, int OC, void *stream);                                 \
     int P##bias_backward(float *db, const float *dy, int N, int OC, void *stream);                              \
     /* emulator self-test kernels (tests/test_cuda_emu.c): out[i] = in[i-1] of a block-wide shift through     \

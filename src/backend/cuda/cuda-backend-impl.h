@@ -54,6 +54,7 @@ typedef struct {
     fl_cu_blas blas;       /* real build: the cuBLASLt handle (stand-in: unused) */
     void *scratch;         /* lent by the caller (set_scratch), or own_scratch */
     void *own_scratch;     /* allocated on first use when nothing is lent */
+    size_t scratch_lent;   /* bytes lent with scratch (beyond FLB_SCRATCH_BYTES: attn_scratch_bytes' region) */
     double *scalars;       /* device: [0] sumsq result, [1..PARTS] partials; int flag after */
     fl_dtype compute;      /* set_compute_dtype: FL_BF16 = tensor-core attention where it applies */
     int attn;              /* FITLLM_CUDA_ATTN: fl_cudnn_attn_choice (cudnn-impl.h; cuda-work-ops-impl.h) */
@@ -331,6 +332,15 @@ static double flb_sumsq(const fl_backend *be, const void *x, fl_dtype t, size_t 
 static void flb_scale(const fl_backend *be, float *x, size_t n, float s) {
     FLB_RUN(be, FLB_K(scale)(x, n, s, STREAM), "scale");
 }
+static fl_status flb_init_random(const fl_backend *be, void *dst, fl_dtype dt, size_t k0, size_t k1, size_t numel,
+                                 int kind, double sd, uint64_t s) {
+    (void)numel; /* every element is a function of its index alone */
+    FL_TRY(flb_sticky(be));
+    if (!flb_float3(dt))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s init_random: %s not supported", FLB_NAME, fl_dtype_name(dt));
+    if (k1 > k0) FLB_RUN_S(be, FLB_K(init_random)(dst, dt, k0, k1 - k0, kind, sd, s, STREAM), "init_random");
+    return FL_OK;
+}
 static void flb_zero(const fl_backend *be, void *x, size_t bytes) {
     if (bytes && flb_memset(x, 0, bytes, STREAM)) flb_set_error(be, FL_ERR_IO, "zero", "memset failed");
 }
@@ -526,6 +536,7 @@ static fl_status flb_mark_ms(const fl_backend *be, int i, int j, float *ms) {
 static void flb_set_scratch(const fl_backend *be, void *p, size_t bytes) {
     flb_impl *im = FLB_IMPL(be);
     im->scratch = (p && bytes >= FLB_SCRATCH_BYTES) ? p : NULL;
+    im->scratch_lent = im->scratch ? bytes : 0;
 }
 static void flb_set_compute_dtype(const fl_backend *be, fl_dtype t) { FLB_IMPL(be)->compute = t; }
 static fl_status flb_to_device(const fl_backend *be, void *dst, const void *src, size_t bytes) {
@@ -695,11 +706,15 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->bias_backward = flb_bias_backward;
     be->cross_entropy = flb_cross_entropy;
     be->cross_entropy_dbf16 = head_dbf16 ? flb_cross_entropy_dbf16 : NULL;
+#ifdef FLB_HAVE_CUDNN /* cuDNN's attention copies in the model's lent scratch (the planner counts them) */
+    be->attn_scratch_bytes = im->dnn ? fl_cudnn_sdpa_scratch_bytes : NULL;
+#endif
     be->adamw_update = flb_adamw_update;
     be->sgd_update = flb_sgd_update;
     be->sumsq = flb_sumsq;
     be->scale = flb_scale;
     be->zero = flb_zero;
+    be->init_random = flb_init_random;
     be->attention_decode = flb_attention_decode;
     be->convert = flb_convert;
     be->round16 = flb_round16;

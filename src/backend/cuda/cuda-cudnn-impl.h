@@ -6,9 +6,11 @@
  * ones. So a call copies Q, K, V (and O, dO backward) into compact bf16 buffers (convert2d), runs the
  * plan (cached per shape), and brings the result back: O to fp32 with ldo, dQ/dK/dV added into the
  * fp32 gradients (attention_acc2d: the op accumulates); the log-sum-exp is written by cuDNN in place
- * (fp32 (B, NH, Tq), the contract's layout). The bf16 copies and cuDNN's workspace live in one
- * device buffer of the backend's own, grown on demand (outside the pools: the planner does not count
- * it yet). A shape cuDNN refuses (cudnn-impl.h's fl_cudnn_sdpa_refuse, or no engine for the graph)
+ * (fp32 (B, NH, Tq), the contract's layout). The bf16 copies and cuDNN's workspace live in the region of
+ * the op scratch beyond FLB_SCRATCH_BYTES, which a model lends for its attention shape
+ * (fl_backend.attn_scratch_bytes: in its WORKSPACE, so the planner counts it), else (a call outside a model,
+ * a larger workspace than the allowance) in a device buffer of the backend's own, grown on demand, outside
+ * the pools (said once when a model lent a region too small). A shape cuDNN refuses (cudnn-impl.h's fl_cudnn_sdpa_refuse, or no engine for the graph)
  * runs the own kernels, said once on stderr. */
 
 #ifdef FLB_HAVE_CUDNN
@@ -24,9 +26,10 @@ typedef struct flb_cudnn {
         fl_cudnn_plan *plan; /* NULL: this layout was refused (remembered: no rebuild per call) */
     } plans[FLB_DNN_PLANS];
     int nplans;
-    void *buf; /* device: the 16-bit copies, then cuDNN's workspace */
+    void *buf; /* device: the 16-bit copies, then cuDNN's workspace (when the lent scratch is too small) */
     size_t buf_bytes;
-    int said; /* a refusal said once */
+    int said;     /* a refusal said once */
+    int said_buf; /* a lent region too small, said once */
 } flb_cudnn;
 
 static void flb_dnn_say(flb_impl *im, const char *what, const char *why) {
@@ -92,10 +95,21 @@ static fl_cudnn_plan *flb_dnn_plan(flb_impl *im, const fl_cudnn_sdpa_layout *L, 
     d->plans[slot].plan = p;
     return p;
 }
-/* the backend's cuDNN buffer of at least `bytes` (grown: the stream waits for the old one's users) */
+/* a cuDNN buffer of at least `bytes`: the lent scratch's region beyond FLB_SCRATCH_BYTES (flb_scratch's start is
+ * at most 255 bytes into the lent block, FLB_SCRATCH_BYTES - 256 its own part), else the backend's own (grown: the
+ * stream waits for the old one's users) */
 static char *flb_dnn_buf(const fl_backend *be, size_t bytes) {
     flb_impl *im = FLB_IMPL(be);
     flb_cudnn *d = im->dnn;
+    if (im->scratch && im->scratch_lent >= FLB_SCRATCH_BYTES + bytes) {
+        char *s = (char *)flb_scratch(be);
+        return s ? s + FLB_SCRATCH_BYTES - 256 : NULL;
+    }
+    if (im->scratch_lent > FLB_SCRATCH_BYTES && !d->said_buf) {
+        d->said_buf = 1;
+        fprintf(stderr, "fitllm: %s backend: cuDNN's attention needs %zu bytes, the model lent %zu: a buffer outside "
+                "the memory plan holds them\n", FLB_NAME, bytes, im->scratch_lent - FLB_SCRATCH_BYTES);
+    }
     if (d->buf_bytes >= bytes) return (char *)d->buf;
     flb_stream_sync(im->stream);
     if (d->buf) flb_dev_free(d->buf);
@@ -127,7 +141,7 @@ static int flb_cudnn_forward(const fl_backend *be, const fl_attn_desc *a, float 
     if (!p) return 0;
     const int rq = a->B * a->Tq, rk = a->B * a->Tk, cq = a->NH * a->HD, ck = a->NKV * a->HD;
     const size_t bq = flb_al256((size_t)rq * cq * 2), bk = flb_al256((size_t)rk * ck * 2);
-    char *buf = flb_dnn_buf(be, 2 * bq + 2 * bk + fl_cudnn_plan_workspace(p));
+    char *buf = flb_dnn_buf(be, fl_cudnn_sdpa_copy_bytes(a, 0) + fl_cudnn_plan_workspace(p)); /* 2 bq + 2 bk + ws */
     if (!buf) return (*st = flb_sticky(be)), 1;
     void *ptr[FL_CUDNN_UID_COUNT] = {0};
     ptr[FL_CUDNN_UID_Q] = buf;
@@ -166,7 +180,7 @@ static int flb_cudnn_backward(const fl_backend *be, const fl_attn_desc *a, float
     if (!p) return 0;
     const int rq = a->B * a->Tq, rk = a->B * a->Tk, cq = a->NH * a->HD, ck = a->NKV * a->HD;
     const size_t bq = flb_al256((size_t)rq * cq * 2), bk = flb_al256((size_t)rk * ck * 2);
-    const size_t used = 4 * bq + 4 * bk; /* q o do dq | k v dk dv */
+    const size_t used = fl_cudnn_sdpa_copy_bytes(a, 1); /* 4 bq + 4 bk: q o do dq | k v dk dv */
     char *buf = flb_dnn_buf(be, used + fl_cudnn_plan_workspace(p));
     if (!buf) return (*st = flb_sticky(be)), 1;
     void *ptr[FL_CUDNN_UID_COUNT] = {0};

@@ -18,6 +18,9 @@ extern "C" {
 size_t fl_cuda_scratch_bytes(void);
 /* gemm_widens16 of the real backend: an F16 B is widened per call (bf16 is native) */
 unsigned fl_cuda_gemm_widens16(void);
+/* attn_scratch_bytes of the real backend as a plan here sees it: fl_cudnn_sdpa_scratch_bytes when FITLLM_CUDA_ATTN
+ * takes cuDNN (auto, cudnn) and a cuDNN library loads on this machine (probed once), else NULL */
+size_t (*fl_cuda_planned_attn_scratch(void))(int B, int T, int NH, int NKV, int HD);
 /* supports_op of the real backend (and its emulated twin), in any build: the planner's null backend asks
  * it when it stands in for a GPU */
 int fl_cuda_supports_op(fl_op op, fl_dtype a, fl_dtype b, fl_dtype c);

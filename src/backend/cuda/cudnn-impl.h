@@ -106,6 +106,14 @@ void fl_cudnn_sdpa_layout_of(const fl_attn_desc *a, fl_dtype dt, fl_cudnn_sdpa_l
  * a key mask, causal with Tq != Tk (the graphs' mask is top-left aligned), NH % NKV, an empty shape,
  * a non-compact output row (ldo != NH*HD). Pure. */
 const char *fl_cudnn_sdpa_refuse(const fl_attn_desc *a, const float *bias, const uint8_t *kmask);
+/* The backend's cuDNN buffer for one call (cuda-cudnn-impl.h): the bf16 copies, each 256-aligned (forward q k v o;
+ * backward q o dO dQ k v dK dV), before cuDNN's workspace. */
+size_t fl_cudnn_sdpa_copy_bytes(const fl_attn_desc *a, int backward);
+/* fl_backend.attn_scratch_bytes of the cuda backend with cuDNN: a model's causal self-attention (B, T, NH, NKV,
+ * HD) lends the backward's copies (the larger) plus an allowance for cuDNN's workspace, an fp32 array of dQ's
+ * size (FlashAttention-2-style backward engines accumulate dQ in fp32). An estimate until timed on a GPU: a plan
+ * asking more makes the backend grow a buffer of its own, outside the pools, said once. 0: a refused shape. */
+size_t fl_cudnn_sdpa_scratch_bytes(int B, int T, int NH, int NKV, int HD);
 
 /* A built plan (forward or backward) and the workspace bytes it needs. */
 typedef struct fl_cudnn_plan fl_cudnn_plan;

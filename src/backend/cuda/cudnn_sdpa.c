@@ -55,3 +55,17 @@ const char *fl_cudnn_sdpa_refuse(const fl_attn_desc *a, const float *bias, const
     if (a->ldo != (size_t)a->NH * a->HD) return "output rows with a stride";
     return NULL;
 }
+
+static size_t al256(size_t b) { return (b + 255) & ~(size_t)255; }
+
+size_t fl_cudnn_sdpa_copy_bytes(const fl_attn_desc *a, int backward) {
+    const size_t bq = al256((size_t)a->B * a->Tq * a->NH * a->HD * 2), bk = al256((size_t)a->B * a->Tk * a->NKV * a->HD * 2);
+    return backward ? 4 * bq + 4 * bk : 2 * bq + 2 * bk;
+}
+
+size_t fl_cudnn_sdpa_scratch_bytes(int B, int T, int NH, int NKV, int HD) {
+    fl_attn_desc a = {0};
+    a.B = B, a.Tq = a.Tk = T, a.NH = NH, a.NKV = NKV, a.HD = HD, a.causal = 1, a.ldo = (size_t)NH * HD;
+    if (fl_cudnn_sdpa_refuse(&a, NULL, NULL)) return 0;
+    return fl_cudnn_sdpa_copy_bytes(&a, 1) + al256((size_t)B * T * NH * HD * sizeof(float));
+}
