@@ -182,6 +182,12 @@ struct fl_backend {
                                 const float *in, int N, int F);
     fl_status (*rope_backward16)(const fl_backend *be, float *dx, void *dx16, int B, int T, int nh, int HD, int width,
                                  const float *cos_t, const float *sin_t, int pos0);
+    /* Optional (NULL: attention_forward (below), then the caller rounds; issue 30 item 1): attention_forward that also
+     * writes out16, the output's bf16 copy (RNE) in out's layout (ldo), leaving in out its exact widening: a
+     * bf16-stored attention output without the round16 launch (exec.c). */
+    fl_status (*attention_forward16)(const fl_backend *be, const fl_attn_desc *a, float *out, void *out16, float *lse,
+                                     const float *q, const float *k, const float *v, const float *bias,
+                                     const uint8_t *kmask);
 
     /* Optional, with the optional slots above gemm (ops_backend_vtables checks gemm..impl are all set; NULL:
      * cross_entropy, then a convert of its gradient): cross_entropy with the logits' gradient
