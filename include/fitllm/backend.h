@@ -180,6 +180,20 @@ struct fl_backend {
                                 const float *in, int N, int F);
     fl_status (*rope_backward16)(const fl_backend *be, float *dx, void *dx16, int B, int T, int nh, int HD, int width,
                                  const float *cos_t, const float *sin_t, int pos0);
+    /* Optional (NULL: the cross_entropy op below, then a convert of its gradient): cross_entropy with the logits' gradient
+     * written ONLY as bf16, dlogits16 (N, V) = RNE of the fp32 value cross_entropy would write (not
+     * overlapping logits); the loss as cross_entropy's. The LM head's bf16 GEMMs read it (fl_lm_head_loss:
+     * issue 30 item 4), so no fp32 (N, V) gradient is written and read back. (cuda, cuda-emu) */
+    fl_status (*cross_entropy_dbf16)(const fl_backend *be, float *loss /*(N)*/, void *dlogits16 /*(N,V) bf16*/,
+                                     const float *logits /*(N,V)*/, const int32_t *targets /*(N)*/, int N, int V,
+                                     float grad_scale, int ignore_index);
+    /* Optional: the op scratch a model's self-attention needs BEYOND scratch_bytes under bf16 compute, for B
+     * sequences of T, NH query and NKV key/value heads of size HD (causal, compact output rows); the model lends
+     * scratch_bytes + this (set_scratch with the sum, from its WORKSPACE), so the planner counts it. cuda with
+     * cuDNN's fused attention loaded: the bf16 copies of its operands and an allowance for cuDNN's workspace
+     * (fl_cudnn_sdpa_scratch_bytes), which otherwise live in a buffer of the backend's own, outside the pools.
+     * 0 for a shape it does not take; NULL: none (every other backend). A pure function: fl_backend_facts has it. */
+    size_t (*attn_scratch_bytes)(int B, int T, int NH, int NKV, int HD);
 
     /* The one door (issue 29, fitllm/backend_op.h): run the op record `op` (its kind names the slot below whose
      * arguments the record holds). The model and the trainer issue their per-step ops through it (FL_RUN), so
@@ -287,13 +301,6 @@ struct fl_backend {
     void (*cross_entropy)(const fl_backend *be, float *loss /*(N)*/, float *dlogits /*(N,V) or NULL*/,
                           const float *logits /*(N,V)*/, const int32_t *targets /*(N)*/, int N, int V,
                           float grad_scale, int ignore_index);
-    /* Optional (NULL: cross_entropy, then a convert of its gradient): cross_entropy with the logits' gradient
-     * written ONLY as bf16, dlogits16 (N, V) = RNE of the fp32 value cross_entropy would write (not
-     * overlapping logits); the loss as cross_entropy's. The LM head's bf16 GEMMs read it (fl_lm_head_loss:
-     * issue 30 item 4), so no fp32 (N, V) gradient is written and read back. (cuda, cuda-emu) */
-    fl_status (*cross_entropy_dbf16)(const fl_backend *be, float *loss /*(N)*/, void *dlogits16 /*(N,V) bf16*/,
-                                     const float *logits /*(N,V)*/, const int32_t *targets /*(N)*/, int N, int V,
-                                     float grad_scale, int ignore_index);
 
     /* ---- optimizers (flat buffers; one call per contiguous range) --------
      * AdamW exactly as torch.optim.AdamW: p *= 1 - lr*wd; m = b1 m + (1-b1) g;
@@ -442,13 +449,6 @@ struct fl_backend {
      * backward), taken back with set_scratch(be, NULL, 0). Without a lent scratch the CPU
      * backend falls back to a process-wide buffer allocated on first use (op tests, tools). */
     void (*set_scratch)(const fl_backend *be, void *p, size_t bytes);
-    /* Optional: the op scratch a model's self-attention needs BEYOND scratch_bytes under bf16 compute, for B
-     * sequences of T, NH query and NKV key/value heads of size HD (causal, compact output rows); the model lends
-     * scratch_bytes + this (set_scratch with the sum, from its WORKSPACE), so the planner counts it. cuda with
-     * cuDNN's fused attention loaded: the bf16 copies of its operands and an allowance for cuDNN's workspace
-     * (fl_cudnn_sdpa_scratch_bytes), which otherwise live in a buffer of the backend's own, outside the pools.
-     * 0 for a shape it does not take; NULL: none (every other backend). A pure function: fl_backend_facts has it. */
-    size_t (*attn_scratch_bytes)(int B, int T, int NH, int NKV, int HD);
 
     /* ---- memory: host <-> device -----------------------------------------------------------
      * Device buffers come from the device's accounting pool (fl_mem_alloc on the pool created
