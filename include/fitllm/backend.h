@@ -189,8 +189,8 @@ struct fl_backend {
                                      const float *q, const float *k, const float *v, const float *bias,
                                      const uint8_t *kmask);
 
-    /* Optional, with the optional slots above gemm (ops_backend_vtables checks gemm..impl are all set; NULL:
-     * cross_entropy, then a convert of its gradient): cross_entropy with the logits' gradient
+    /* Optional (NULL: the cross_entropy op below, then a convert of its gradient): cross_entropy with the logits'
+     * gradient
      * written ONLY as bf16, dlogits16 (N, V) = RNE of the fp32 value cross_entropy would write (not
      * overlapping logits); the loss as cross_entropy's. The LM head's bf16 GEMMs read it (fl_lm_head_loss:
      * issue 30 item 4), so no fp32 (N, V) gradient is written and read back. (cuda, cuda-emu) */
@@ -211,13 +211,6 @@ struct fl_backend {
      * (fl_cudnn_sdpa_scratch_bytes), which otherwise live in a buffer of the backend's own, outside the pools.
      * 0 for a shape it does not take; NULL: none (every other backend). A pure function: fl_backend_facts has it. */
     size_t (*attn_scratch_bytes)(int B, int T, int NH, int NKV, int HD);
-
-    /* Optional (NULL: attention_forward, then the caller rounds; issue 30 item 1): attention_forward that also
-     * writes out16, the output's bf16 copy (RNE) in out's layout (ldo), leaving in out its exact widening: a
-     * bf16-stored attention output without the round16 launch (exec.c). */
-    fl_status (*attention_forward16)(const fl_backend *be, const fl_attn_desc *a, float *out, void *out16, float *lse,
-                                     const float *q, const float *k, const float *v, const float *bias,
-                                     const uint8_t *kmask);
 
     /* The one door (issue 29, fitllm/backend_op.h): run the op record `op` (its kind names the slot below whose
      * arguments the record holds). The model and the trainer issue their per-step ops through it (FL_RUN), so
