@@ -268,20 +268,42 @@ FL_TEST(tp_train_threads_plan_equals_measured) {
     g_strategy = NULL;
 }
 
+/* The uninterrupted TP 2 run of the resume tests (its step checkpoints under out): the job, its losses in *full */
+static tp_job *uninterrupted_tp2(const char *out, dr_rec *full, long *steps) {
+    tp_job *j = calloc(1, sizeof *j);
+    if (!j) return NULL;
+    for (int r = 0; r < 2; r++) tp_config(&j->cfg[r], DR_ADAMW, 1, 2, out);
+    backend_on();
+    if (fl_comm_threads_run(2, tp_rank, j) != FL_OK) {
+        free(j);
+        return NULL;
+    }
+    *full = j->rec[0];
+    memset(&j->rec[0], 0, sizeof j->rec[0]);
+    *steps = j->cfg[0].train.max_steps;
+    return j;
+}
+
+/* the largest relative difference of a's step losses [from, steps) from full's */
+static double later_diff(const dr_rec *a, const dr_rec *full, long from, long steps) {
+    double w = 0;
+    for (long st = from; st < steps; st++) {
+        const double r = fabs(a->loss[st] - full->loss[st]) / fabs(full->loss[st]);
+        if (!(r <= w)) w = r;
+    }
+    return w;
+}
+
 /* A checkpoint of TP 2 resumes in one process and at TP 4; one process's resumes at TP 2 and at DP 2 x TP 2 under
  * ZeRO-2 (each rank keeping its chunk of its slice's state): every resumed run's later step losses within 1e-6
  * of the uninterrupted TP 2 run's (the state is consolidated: any grid reads it). */
 FL_TEST(tp_train_threads_checkpoints_resume_at_any_size) {
     char out[700], from[800];
-    tp_job *j = calloc(1, sizeof *j);
-    FL_REQUIRE(j != NULL);
     snprintf(out, sizeof out, "%s/tp-resume-2", fl_test_tmpdir());
-    for (int r = 0; r < 2; r++) tp_config(&j->cfg[r], DR_ADAMW, 1, 2, out);
-    backend_on();
-    FL_REQUIRE_OK(fl_comm_threads_run(2, tp_rank, j));
-    dr_rec full = j->rec[0];
-    memset(&j->rec[0], 0, sizeof j->rec[0]);
-    const long steps = j->cfg[0].train.max_steps;
+    dr_rec full;
+    long steps;
+    tp_job *j = uninterrupted_tp2(out, &full, &steps);
+    FL_REQUIRE(j != NULL);
     snprintf(from, sizeof from, "%s/step-000004", out);
     const int sizes[4] = {1, 4, 2, 2};
     long from_step = 4;
@@ -300,11 +322,7 @@ FL_TEST(tp_train_threads_checkpoints_resume_at_any_size) {
         fl_status s = tp == 1 ? fl_trainer_run(&j->cfg[0], NULL, 0, dr_record, &j->rec[0], NULL)
                               : fl_comm_threads_run(dp * tp, tp_rank, j);
         FL_CHECKF(s == FL_OK, "resumed at DP %d x TP %d: %s", dp, tp, j->msg[0][0] ? j->msg[0] : fl_error_message());
-        double w = 0;
-        for (long st = from_step; st < steps; st++) {
-            const double r = fabs(j->rec[0].loss[st] - full.loss[st]) / fabs(full.loss[st]);
-            if (!(r <= w)) w = r;
-        }
+        const double w = s == FL_OK ? later_diff(&j->rec[0], &full, from_step, steps) : 0;
         FL_CHECKF(s != FL_OK || (j->rec[0].steps == steps && w <= 1e-6), "resumed at TP %d from '%s': steps %ld, later "
                   "losses differ by %.3g relative from the uninterrupted TP 2 run", tp, from, j->rec[0].steps, w);
         if (getenv("FL_TEST_VERBOSE")) printf("    resumed at DP %d x TP %d: later losses within %.3g relative\n", dp, tp, w);
@@ -327,15 +345,11 @@ FL_TEST(tp_train_threads_checkpoints_resume_at_any_size) {
  * misses by 7e-3, tp_train_threads_checkpoints_resume_at_any_size's note). */
 FL_TEST(tp_train_threads_checkpoints_resume_across_grids) {
     char out[700], from[800], o2[760];
-    tp_job *j = calloc(1, sizeof *j);
-    FL_REQUIRE(j != NULL);
     snprintf(out, sizeof out, "%s/tp-xgrid", fl_test_tmpdir());
-    for (int r = 0; r < 2; r++) tp_config(&j->cfg[r], DR_ADAMW, 1, 2, out);
-    backend_on();
-    FL_REQUIRE_OK(fl_comm_threads_run(2, tp_rank, j));
-    dr_rec full = j->rec[0];
-    memset(&j->rec[0], 0, sizeof j->rec[0]);
-    const long steps = j->cfg[0].train.max_steps;
+    dr_rec full;
+    long steps;
+    tp_job *j = uninterrupted_tp2(out, &full, &steps);
+    FL_REQUIRE(j != NULL);
     for (int k = 0; k < 2; k++) { /* k 0: TP 2's step 4 at PP 2; k 1: PP 2's step 5 at TP 2 */
         const long from_step = 4 + k;
         snprintf(from, sizeof from, k ? "%s-pp2/step-000005" : "%s/step-000004", out);
@@ -349,11 +363,7 @@ FL_TEST(tp_train_threads_checkpoints_resume_across_grids) {
         }
         fl_status s = fl_comm_threads_run(2, tp_rank, j);
         FL_CHECKF(s == FL_OK, "resumed at %s: %s", k ? "TP 2" : "PP 2", j->msg[0][0] ? j->msg[0] : fl_error_message());
-        double w = 0;
-        for (long st = from_step; st < steps && s == FL_OK; st++) {
-            const double r = fabs(j->rec[0].loss[st] - full.loss[st]) / fabs(full.loss[st]);
-            if (!(r <= w)) w = r;
-        }
+        const double w = s == FL_OK ? later_diff(&j->rec[0], &full, from_step, steps) : 0;
         FL_CHECKF(s != FL_OK || (j->rec[0].steps == steps && w <= 1e-6), "%s resumed from '%s': steps %ld, later losses "
                   "differ by %.3g relative from the uninterrupted TP 2 run", k ? "TP 2" : "PP 2", from, j->rec[0].steps, w);
         if (getenv("FL_TEST_VERBOSE")) printf("    %s from %s: later losses within %.3g relative\n", k ? "TP 2" : "PP 2", from, w);

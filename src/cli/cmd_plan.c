@@ -170,15 +170,18 @@ static int extra(void *ud, int argc, char **argv, int *i) {
     return 0;
 }
 
+/* --largest's and --suggest's failure: the message, and the exit code of a usage error or a runtime one */
+static int machine_failed(fl_status s, void *buf) {
+    free(buf);
+    fprintf(stderr, "fitllm plan: error: %s\n", fl_error_message());
+    return s == FL_ERR_INVALID || s == FL_ERR_UNSUPPORTED ? FL_EXIT_USAGE : FL_EXIT_RUNTIME;
+}
+
 static int suggest_grid(const fl_run_config *cfg, const plan_args *a) {
     fl_plan_machine mc = {a->device_memory, a->host_memory, a->disk, cfg->devices, a->cuda, a->seq_len};
     fl_plan_grid *g = malloc(sizeof *g);
     fl_status s = g ? fl_plan_suggest_grid(cfg, &mc, g) : fl_errorf(FL_ERR_OOM, "out of host memory");
-    if (s != FL_OK) {
-        free(g);
-        fprintf(stderr, "fitllm plan: error: %s\n", fl_error_message());
-        return s == FL_ERR_INVALID || s == FL_ERR_UNSUPPORTED ? FL_EXIT_USAGE : FL_EXIT_RUNTIME;
-    }
+    if (s != FL_OK) return machine_failed(s, g);
     if (a->json) fl_plan_grid_write_json(g, &mc, stdout);
     else fl_plan_grid_print(g, &mc, stdout);
     int rc = g->best >= 0 ? FL_EXIT_OK : FL_EXIT_OOM;
@@ -190,11 +193,7 @@ static int largest(const fl_run_config *cfg, const plan_args *a) {
     fl_plan_machine mc = {a->device_memory, a->host_memory, a->disk, cfg->devices, a->cuda, a->seq_len};
     fl_plan_fit *f = malloc(sizeof *f);
     fl_status s = f ? fl_plan_largest(cfg, &mc, f) : fl_errorf(FL_ERR_OOM, "out of host memory");
-    if (s != FL_OK) {
-        free(f);
-        fprintf(stderr, "fitllm plan: error: %s\n", fl_error_message());
-        return s == FL_ERR_INVALID || s == FL_ERR_UNSUPPORTED ? FL_EXIT_USAGE : FL_EXIT_RUNTIME;
-    }
+    if (s != FL_OK) return machine_failed(s, f);
     fl_plan_fit_print(f, &mc, stdout);
     int rc = f->best >= 0 ? FL_EXIT_OK : FL_EXIT_OOM;
     free(f);
