@@ -34,9 +34,12 @@
 #define SLOTS 64
 #define FAMILY_POLL_MS 20
 
+struct group;
 typedef struct {
     pthread_mutex_t mu; /* a leaf lock: taken with a group's lock held, never the other way */
     int broken, groups;
+    int handles;        /* the family's live handles (attach .. t_destroy) */
+    struct group *all;  /* every group of the family, linked by fam_next */
     char why[1024];
 } family;
 
@@ -61,7 +64,7 @@ typedef struct msg {
     unsigned char data[];
 } msg;
 
-typedef struct {
+typedef struct group {
     int n;
     double timeout_s;
     msg *mail; /* every rank's messages in flight, oldest first */
@@ -72,6 +75,7 @@ typedef struct {
     char why[1024]; /* the cause, reported by every rank */
     int refs;
     family *fam;
+    struct group *fam_next;
 } group;
 
 typedef struct treq {
@@ -385,7 +389,8 @@ static int t_release(fl_comm *c, const char *msg) {
     return 1;
 }
 
-static void group_free(group *g) {
+/* A group's memory (unlinked from its family already). */
+static void group_release(group *g) {
     while (g->mail) { /* sent, never received (a rank failed) */
         msg *x = g->mail;
         g->mail = x->next;
@@ -397,14 +402,41 @@ static void group_free(group *g) {
     }
     pthread_mutex_destroy(&g->mu);
     pthread_cond_destroy(&g->cv);
-    pthread_mutex_lock(&g->fam->mu);
-    int last = --g->fam->groups == 0;
-    pthread_mutex_unlock(&g->fam->mu);
-    if (last) {
-        pthread_mutex_destroy(&g->fam->mu);
-        free(g->fam);
-    }
     free(g);
+}
+
+/* Takes g out of its family's list. Lock of the family held. */
+static void family_unlink(family *f, group *g) {
+    for (group **p = &f->all; *p; p = &(*p)->fam_next)
+        if (*p == g) {
+            *p = g->fam_next;
+            f->groups--;
+            return;
+        }
+}
+
+/* The family's end, once no handle is left: the groups still listed are orphans (a split whose
+ * all-gather failed on some ranks and not on others: the ranks that never learnt the group's
+ * address cannot give back their references), freed with it. */
+static void family_free(family *f) {
+    while (f->all) {
+        group *g = f->all;
+        f->all = g->fam_next;
+        group_release(g);
+    }
+    pthread_mutex_destroy(&f->mu);
+    free(f);
+}
+
+/* Frees g, which no handle holds. */
+static void group_free(group *g) {
+    family *f = g->fam;
+    pthread_mutex_lock(&f->mu);
+    family_unlink(f, g);
+    int done = f->groups == 0 && f->handles == 0;
+    pthread_mutex_unlock(&f->mu);
+    group_release(g);
+    if (done) family_free(f);
 }
 
 /* A group of n with no handles yet (refs = n: each member's handle holds one), in family fam
@@ -423,6 +455,8 @@ static group *group_new(int n, double timeout_s, family *fam) {
     g->fam = fam;
     pthread_mutex_lock(&fam->mu);
     fam->groups++;
+    g->fam_next = fam->all;
+    fam->all = g;
     pthread_mutex_unlock(&fam->mu);
     g->n = n;
     g->refs = n;
@@ -461,7 +495,13 @@ static void t_destroy(fl_comm *c) {
     }
     int last = --g->refs == 0;
     pthread_mutex_unlock(&g->mu);
-    if (last) group_free(g);
+    family *f = g->fam;
+    pthread_mutex_lock(&f->mu);
+    if (last) family_unlink(f, g);
+    int done = --f->handles == 0; /* nobody can attach to or give back a group of the family any more */
+    pthread_mutex_unlock(&f->mu);
+    if (last) group_release(g);
+    if (done) family_free(f);
     free(t);
     free(c);
 }
@@ -556,6 +596,9 @@ static fl_status attach(group *g, int r, fl_comm **out) {
     }
     t->g = g;
     (*out)->impl = t;
+    pthread_mutex_lock(&g->fam->mu);
+    g->fam->handles++;
+    pthread_mutex_unlock(&g->fam->mu);
     return FL_OK;
 }
 
@@ -584,8 +627,16 @@ static fl_status t_split(fl_comm *c, int color, int key, fl_comm **out) {
     fl_status s = fl_comm_all_gather(c, &all[c->size], all, (size_t)c->size * 2, FL_F32);
     group *g = s == FL_OK ? (group *)(uintptr_t)all[leader] : NULL;
     free(all);
-    if (s != FL_OK) { /* nobody attaches: the leader's group goes */
-        if (mine) group_free(mine);
+    if (s != FL_OK) {
+        /* Some ranks may have completed the all-gather before the failure and attached to the leader's
+         * group: it is broken (their calls fail at once) and only the leader's reference is given back;
+         * the references of ranks that never learnt its address go with the family (family_free). */
+        if (mine) {
+            pthread_mutex_lock(&mine->mu);
+            break_group(mine, "rank %d: the split of color %d failed", c->rank, color);
+            pthread_mutex_unlock(&mine->mu);
+            drop_ref(mine);
+        }
         return s;
     }
     if (!g) return fl_comm_fail(c, FL_ERR_OOM, "split", "rank %d could not allocate the group of color %d", leader, color);
@@ -605,9 +656,11 @@ fl_status fl_comm_threads_create(int n, double timeout_s, fl_comm **comms) {
     for (int r = 0; r < n; r++) comms[r] = NULL;
     for (int r = 0; ok && r < n; r++) ok = attach(g, r, &comms[r]) == FL_OK;
     if (!ok) {
+        /* the references without a handle first: the last handle's t_destroy ends the family */
+        for (int r = 0; r < n; r++)
+            if (!comms[r]) drop_ref(g); /* the last one frees the group when nothing attached */
         for (int r = 0; r < n; r++) {
             if (comms[r]) t_destroy(comms[r]); /* gives back its reference */
-            else drop_ref(g);                  /* the last one frees the group */
             comms[r] = NULL;
         }
         return fl_errorf(FL_ERR_OOM, "comm threads: cannot allocate a group of %d", n);

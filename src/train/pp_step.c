@@ -36,8 +36,9 @@ fl_status fl_pp_init(fl_pp *p, fl_model *m, fl_comm *comm, fl_pp_schedule kind) 
     if (!p->hx) return fl_errorf(FL_ERR_OOM, "pipeline stage %d: out of host memory for the stream's staging", p->stage);
     const size_t chunk = (size_t)1 << 20;
     p->swap_bytes = m->sizes.acts_bytes < chunk ? m->sizes.acts_bytes : chunk;
-    if (p->stages > 1) FL_TRY(fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, p->swap_bytes, &p->swap));
-    return FL_OK;
+    fl_status s = p->stages > 1 ? fl_mem_alloc(m->pool, FL_TAG_WORKSPACE, p->swap_bytes, &p->swap) : FL_OK;
+    if (s != FL_OK) fl_pp_free(p); /* the caller frees only a stage that started (a plan's OOM ends here) */
+    return s;
 }
 
 /* v summed over the stages in stage order (one double per stage, all-gathered as bits) */
