@@ -493,9 +493,9 @@ static void t_destroy(fl_comm *c) {
         t->head = r->next;
         free(r);
     }
+    family *f = g->fam; /* read before the reference goes: another rank's t_destroy may free g then */
     int last = --g->refs == 0;
     pthread_mutex_unlock(&g->mu);
-    family *f = g->fam;
     pthread_mutex_lock(&f->mu);
     if (last) family_unlink(f, g);
     int done = --f->handles == 0; /* nobody can attach to or give back a group of the family any more */
