@@ -28,6 +28,8 @@ typedef struct {
 #define REF_SWEEP_T_PUBLIC 128 /* the course's FSDP benchmark's sequence length */
 
 const char *fl_lab_plan_name(fl_plan_verdict v);
+/* an OOM verdict, the run's or (suffix " (planned; not run)") its plan's: the note names the allocation that failed */
+void fl_lab_set_oom(fl_lab_row *r, const fl_mem_oom *oom, const char *suffix);
 void fl_lab_gpu_cells(const fl_lab_row *r, char *u, size_t un, char *m, size_t mn); /* "mean +- std" or "-" */
 /* text in lines of at most width columns, the first after prefix, the rest indented (never cut) */
 void fl_lab_wrap(FILE *f, const char *prefix, const char *text, int width, int indent); /* "fits", "OOM", "n/a", "?" */

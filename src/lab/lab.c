@@ -449,7 +449,7 @@ static int pick_batch(const lab_exp *e, const fl_lab_report *rep, long steps, co
 }
 
 /* An OOM verdict, the run's or (suffix " (planned; not run)") its plan's: the allocation that failed. */
-static void set_oom(fl_lab_row *r, const fl_mem_oom *oom, const char *suffix) {
+void fl_lab_set_oom(fl_lab_row *r, const fl_mem_oom *oom, const char *suffix) {
     char a[32], b[32];
     r->verdict = FL_LAB_OOM;
     r->oom = *oom;
@@ -595,7 +595,7 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
         if (r->planned == FL_PLAN_OOM) {
             memcpy(r->peak, p->oom.cur, sizeof r->peak);
             r->peak_total = r->peak_min = r->peak_max = p->oom.in_use;
-            set_oom(r, &p->oom, " (planned; not run)");
+            fl_lab_set_oom(r, &p->oom, " (planned; not run)");
         } else {
             r->verdict = FL_LAB_FITS;
             memcpy(r->peak, p->peak, sizeof r->peak);
@@ -620,7 +620,7 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
     if (r->planned == FL_PLAN_OOM && !run_oom) { /* the plan's verdict: no model memory touched, < 1 s */
         memcpy(r->peak, p->oom.cur, sizeof r->peak);
         r->peak_total = r->peak_min = r->peak_max = p->oom.in_use;
-        set_oom(r, &p->oom, " (planned; not run)");
+        fl_lab_set_oom(r, &p->oom, " (planned; not run)");
         goto done;
     }
     r->ran = 1;
@@ -638,7 +638,7 @@ static void run_row(const lab_exp *e0, const fl_lab_report *rep, long steps, con
     if (s == FL_OK) {
         row_measured(e, rep, model, c, &log, &res, r);
     } else if (s == FL_ERR_OOM) {
-        set_oom(r, &res.oom, "");
+        fl_lab_set_oom(r, &res.oom, "");
     } else if (s == FL_ERR_UNSUPPORTED) {
         r->verdict = FL_LAB_NA;
         snprintf(r->note, sizeof r->note, "%s", fl_error_message());

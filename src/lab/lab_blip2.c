@@ -224,15 +224,6 @@ static fl_status b2_train(b2_ranks_run *x, int ranks, fl_lab_row *r) {
     return s;
 }
 
-static void b2_oom(fl_lab_row *r, const fl_mem_oom *oom, const char *suffix) {
-    char a[32], b[32];
-    r->verdict = FL_LAB_OOM;
-    r->oom = *oom;
-    snprintf(r->note, sizeof r->note, "OOM during %s: %s %s requested, %s available%s", oom->phase,
-             fl_mem_tag_name(oom->tag), fl_fmt_bytes(oom->requested, a, sizeof a),
-             fl_fmt_bytes(oom->budget > oom->in_use ? oom->budget - oom->in_use : 0, b, sizeof b), suffix);
-}
-
 static void copy_phases(fl_lab_row *r, const fl_blip2_train_result *res, int planned) {
     r->n_phases = res->n_phases < FL_PLAN_MAX_PHASES ? res->n_phases : FL_PLAN_MAX_PHASES;
     memcpy(r->phases, res->phases, (size_t)r->n_phases * sizeof r->phases[0]);
@@ -352,7 +343,7 @@ static void b2_row(const lab_exp *e, const fl_lab_report *rep, const fl_lab_opts
     b2_config(c, e, r->T, steps, rep->budget, o->threads, 1);
     if (!b2_plan_row(e, rep, &shape, cuda, c, r)) goto done;
     if (r->planned == FL_PLAN_OOM && !o->run_oom) { /* the plan's verdict: no model memory touched */
-        b2_oom(r, &r->oom, " (planned; not run)");
+        fl_lab_set_oom(r, &r->oom, " (planned; not run)");
         goto done;
     }
     if (o->plan_only) {
@@ -381,7 +372,7 @@ static void b2_row(const lab_exp *e, const fl_lab_report *rep, const fl_lab_opts
     else if (s == FL_ERR_OOM && x->res[0].oom.valid) {
         memcpy(r->peak, x->res[0].oom.cur, sizeof r->peak);
         r->peak_total = x->res[0].oom.in_use;
-        b2_oom(r, &x->res[0].oom, "");
+        fl_lab_set_oom(r, &x->res[0].oom, "");
     } else {
         r->verdict = s == FL_ERR_UNSUPPORTED ? FL_LAB_NA : FL_LAB_ERROR;
         snprintf(r->note, sizeof r->note, "%s: %s", fl_status_name(s), fl_error_message());
