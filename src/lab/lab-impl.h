@@ -28,6 +28,7 @@ typedef struct {
 #define REF_SWEEP_T_PUBLIC 128 /* the course's FSDP benchmark's sequence length */
 
 const char *fl_lab_plan_name(fl_plan_verdict v);
+int fl_lab_in_list(const char *list, const char *name); /* name is one of a comma-separated list */
 /* an OOM verdict, the run's or (suffix " (planned; not run)") its plan's: the note names the allocation that failed */
 void fl_lab_set_oom(fl_lab_row *r, const fl_mem_oom *oom, const char *suffix);
 void fl_lab_gpu_cells(const fl_lab_row *r, char *u, size_t un, char *m, size_t mn); /* "mean +- std" or "-" */

@@ -659,7 +659,7 @@ static int rm_entry(const char *path, const struct stat *st, int flag, struct FT
     return remove(path);
 }
 
-static int in_list(const char *list, const char *name) {
+int fl_lab_in_list(const char *list, const char *name) {
     size_t n = strlen(name);
     for (const char *p = list; *p;) {
         const char *q = strchr(p, ',');
@@ -928,8 +928,8 @@ fl_status fl_lab_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
             if (group != 2 * prec + ck) stopped = 0, group = 2 * prec + ck; /* each setting starts at batch 1 */
             sx = sweep_exp(i, rep->sweep_model, lab_model);
             e = &sx;
-            if (o->only && *o->only ? !in_list(o->only, e->name) : stopped) continue;
-        } else if (o->only && *o->only ? !in_list(o->only, e->name) : !(e->suites & bit)) continue;
+            if (o->only && *o->only ? !fl_lab_in_list(o->only, e->name) : stopped) continue;
+        } else if (o->only && *o->only ? !fl_lab_in_list(o->only, e->name) : !(e->suites & bit)) continue;
         fl_lab_row *r = &rep->rows[rep->n++];
         run_row(e, rep, steps, run_dir, o->threads, o->run_oom, r);
         if (bit == SUITE_FSDP) { /* the sweep's reference is the plan: planned == measured */

@@ -393,18 +393,6 @@ void fl_lab_blip2_short(char *model) {
 
 /* ---- the suite ----------------------------------------------------------------------------------------------- */
 
-static int in_list(const char *list, const char *name) {
-    size_t n = strlen(name);
-    for (const char *p = list; *p;) {
-        const char *q = strchr(p, ',');
-        size_t len = q ? (size_t)(q - p) : strlen(p);
-        if (len == n && !strncmp(p, name, n)) return 1;
-        if (!q) break;
-        p = q + 1;
-    }
-    return 0;
-}
-
 fl_status fl_lab_blip2_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
     if (o->peer) /* refused by name: what is not modelled is not printed */
         return fl_errorf(FL_ERR_INVALID, "--peer %s: PyTorch's allocations are modelled for the quick and full suites' "
@@ -446,7 +434,7 @@ fl_status fl_lab_blip2_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) 
     }
     const double t0 = now_s();
     for (int i = 0; i < N_B2; i++) {
-        if (o->only && *o->only && !in_list(o->only, k_b2[i].name)) continue;
+        if (o->only && *o->only && !fl_lab_in_list(o->only, k_b2[i].name)) continue;
         fl_lab_row *r = &rep->rows[rep->n++];
         b2_row(&k_b2[i], rep, o, steps, r);
         if (r->verdict == FL_LAB_ERROR) rep->n_errors++;
