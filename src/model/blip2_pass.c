@@ -530,7 +530,7 @@ static fl_status place_queries(fl_blip2 *b, const int32_t *ids, int B, int T) {
 }
 
 /* Part m has something to train: its gradient buffers, or LoRA adapters (the base frozen). */
-static int part_trains(const fl_model *m) { return fl_model_grads_f32(m) != NULL || m->adapt != NULL; }
+static int part_trains(const fl_model *m) { return fl_model_grads_data(m) != NULL || m->adapt != NULL; }
 
 /* The image parts: checks, the queries' rows among the language model's, the vision tower, the Q-Former and the
  * projection (qproj). */
