@@ -229,7 +229,13 @@ for v in "--train.max_time 60|--train.max_time: BLIP-2 fine-tuning stops at trai
     read -r -a opt <<<"${v%%|*}"
     expect "blip2_finetune_refuses_${opt[0]#--}" 2 "${v#*|}" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" "${opt[@]}" --out_dir "$T/b2ref"
 done
-expect blip2_finetune_refuses_qlora 2 "--quantize bnb.nf4: QLoRA on BLIP-2 is not built yet" -- "$FITLLM" finetune_lora "$B2" "${B2RUN[@]}" --quantize bnb.nf4 --out_dir "$T/b2ref"
+# QLoRA (tests/test_blip2_qlora.c: the dequantized model's logits and loss bit for bit, the adapters' gradients within
+# fp32 noise): every part's block linears in 4 bits, the adapters on the language model; the loss falls, both variants
+for m in "$B2" tests/fixtures/blip2-tiny-t5; do
+    b2out=$("$FITLLM" finetune_lora "$m" "${B2RUN[@]}" --optimizer.lr 0.02 --lora_r 4 --quantize bnb.nf4 --precision bf16-true --out_dir "$T/b2q" 2>&1); rc=$?
+    l1=$(sed -n 's/^step 1\/8 loss \([0-9.]*\).*/\1/p' <<<"$b2out"); l8=$(sed -n 's/^step 8\/8 loss \([0-9.]*\).*/\1/p' <<<"$b2out")
+    expect "blip2_finetune_qlora_${m##*-}" 0 "" -- awk -v rc=$rc -v a="$l1" -v b="$l8" 'BEGIN { exit !(rc == 0 && a > 3 && b < a - 0.5) }'
+done
 expect blip2_refused_runs_write_nothing 1 "" -- test -e "$T/b2ref"
 expect blip2_finetune_precision_16mixed 2 "--precision 16-mixed: BLIP-2 fine-tuning runs 32-true, bf16-true and bf16-mixed only" -- "$FITLLM" finetune_full "$B2" "${B2RUN[@]}" --precision 16-mixed --out_dir "$T/b2x"
 # activation checkpointing on the three stacks (train.activation_checkpointing true: each keeps its blocks' inputs and
@@ -290,8 +296,9 @@ expect blip2_finetune_jsonl_key 1 'c.jsonl: line 2: key "text" \(or "caption"\):
 # trained too, SGD with momentum, gradient accumulation, bf16-mixed, 8-bit AdamW, CPU offload (its host tier: below),
 # activation checkpointing
 for m in "$B2" tests/fixtures/blip2-tiny-t5; do
-    for v in full lora vis sgd accum mixed q8 offload ckpt btrue; do
+    for v in full lora vis sgd accum mixed q8 offload ckpt btrue qlora; do
         case $v in
+            qlora) c=finetune_lora; x=(--lora_r 4 --quantize bnb.nf4-dq --precision bf16-true) ;;
             btrue) c=finetune_full; x=(--precision bf16-true --blip2.train vision,qformer,lm) ;;
             ckpt) c=finetune_full; x=(--train.activation_checkpointing true --blip2.train vision,qformer,lm) ;;
             full) c=finetune_full; x=() ;; lora) c=finetune_lora; x=(--lora_r 4) ;;
@@ -327,8 +334,9 @@ expect blip2_memory_snapshot_off 1 "" -- grep -q "^memory step" <<<"$("$FITLLM" 
 # dropout, bf16-mixed, SGD + momentum, the vision tower trained, 8-bit AdamW, SGD + momentum offloaded to the host); a
 # checkpoint of another run is refused by name
 for m in "$B2" tests/fixtures/blip2-tiny-t5; do
-    for v in full lora mixed sgd q8 offload vis btrue; do
+    for v in full lora mixed sgd q8 offload vis btrue qlora; do
         case $v in
+            qlora) c=finetune_lora; x=(--lora_r 4 --lora_dropout 0.1 --quantize bnb.nf4) ;;
             btrue) c=finetune_full; x=(--precision bf16-true --train.max_norm 1.0 --blip2.train vision,qformer,lm) ;;
             full) c=finetune_full; x=(--train.max_norm 1.0) ;; lora) c=finetune_lora; x=(--lora_r 4 --lora_dropout 0.1) ;;
             q8) c=finetune_full; x=(--optimizer bnb.optim.AdamW8bit) ;;

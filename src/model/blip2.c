@@ -354,11 +354,11 @@ static fl_status load_part(fl_model *m, const st_set *f, const char *prefix, con
             return fl_errorf(FL_ERR_FORMAT, "%s: tensor '%s' has a shape that does not match config.json (%lld x %lld "
                              "expected)", dir, name, (long long)p->shape[0], (long long)(p->ndim == 2 ? p->shape[1] : 1));
         const int tr = p->ndim == 2 && p->transposed_on_disk;
-        if (!split && !tr) { /* the common case, slice by slice */
+        if (!split && !tr && !fl_model_param_is_q4(m, i)) { /* the common case, slice by slice */
             s = copy_slices(m, i, t, dir);
             continue;
         }
-        float *buf = malloc(p->numel * sizeof *buf); /* small: a (3C) bias, a relative bias table */
+        float *buf = malloc(p->numel * sizeof *buf); /* a (3C) bias, a relative bias table; QLoRA: a 4-bit weight, whole */
         if (!buf) return fl_errorf(FL_ERR_OOM, "%s: out of memory loading '%s'", dir, name);
         s = split ? load_split_qkv_bias(f, p, buf, dir) : read_f32(t, 0, buf, p->numel, dir);
         if (s == FL_OK && tr) s = transpose(buf, p->shape[1], p->shape[0]);
