@@ -334,7 +334,7 @@ expect blip2_memory_snapshot_off 1 "" -- grep -q "^memory step" <<<"$("$FITLLM" 
 # dropout, bf16-mixed, SGD + momentum, the vision tower trained, 8-bit AdamW, SGD + momentum offloaded to the host); a
 # checkpoint of another run is refused by name
 for m in "$B2" tests/fixtures/blip2-tiny-t5; do
-    for v in full lora mixed sgd q8 offload vis btrue qlora; do
+    for v in full lora mixed sgd q8 offload btrue qlora vis; do
         case $v in
             qlora) c=finetune_lora; x=(--lora_r 4 --lora_dropout 0.1 --quantize bnb.nf4) ;;
             btrue) c=finetune_full; x=(--precision bf16-true --train.max_norm 1.0 --blip2.train vision,qformer,lm) ;;

@@ -18,61 +18,8 @@
 #include "fitllm/blip2.h"
 #include "fitllm/io.h"
 #include "fitllm/train.h"
+#include "blip2_batch.h"
 #include "test.h"
-
-typedef struct {
-    int t5, B, T, Tt, n_valid;
-    const int32_t *ids, *dec;
-    int32_t *tg;
-    const float *px;
-    fl_st_file x;
-} batch;
-
-static void open_batch(batch *c, const char *dir, int t5) {
-    char p[300];
-    memset(c, 0, sizeof *c);
-    c->t5 = t5;
-    snprintf(p, sizeof p, "%s/expected.safetensors", dir);
-    FL_REQUIRE_OK(fl_st_open(&c->x, p));
-    const fl_st_tensor *px = fl_st_find(&c->x, "pixels"), *ids = fl_st_find(&c->x, "ids"), *lab = fl_st_find(&c->x, "labels");
-    FL_REQUIRE(px && ids && lab);
-    c->px = px->data, c->ids = ids->data;
-    c->B = (int)ids->shape[0], c->T = (int)ids->shape[1];
-    const int TC = (int)lab->shape[1], NQ = c->T - TC;
-    const int32_t *l = lab->data;
-    if (t5) {
-        const fl_st_tensor *dec = fl_st_find(&c->x, "dec");
-        FL_REQUIRE(dec);
-        c->dec = dec->data, c->Tt = TC;
-        FL_REQUIRE(c->tg = malloc((size_t)c->B * TC * sizeof *c->tg));
-        for (int i = 0; i < c->B * TC; i++) c->tg[i] = l[i], c->n_valid += l[i] != FL_IGNORE_INDEX;
-        return;
-    }
-    FL_REQUIRE(c->tg = malloc((size_t)c->B * c->T * sizeof *c->tg)); /* row NQ + i predicts caption[i + 1] */
-    for (int b = 0; b < c->B; b++)
-        for (int t = 0; t < c->T; t++) {
-            const int i = t - NQ, v = i >= 0 && i + 1 < TC ? l[b * TC + i + 1] : FL_IGNORE_INDEX;
-            c->tg[b * c->T + t] = v;
-            c->n_valid += v != FL_IGNORE_INDEX;
-        }
-}
-
-/* one training forward (logits into lg, may be NULL) and backward; the mean loss */
-static void fwd_bwd(fl_blip2 *b, const batch *c, float *lg, float *out) {
-    float loss = 0;
-    *out = NAN;
-    fl_blip2_zero_grads(b);
-    if (c->t5) {
-        FL_REQUIRE_OK(fl_blip2_alloc_acts_s2s(b, c->B, c->T, c->Tt));
-        FL_REQUIRE_OK(fl_blip2_forward_s2s(b, c->px, c->ids, c->dec, c->tg, c->B, c->T, c->Tt, 1.0f / (float)c->n_valid,
-                                           lg, &loss));
-    } else {
-        FL_REQUIRE_OK(fl_blip2_alloc_acts(b, c->B, c->T));
-        FL_REQUIRE_OK(fl_blip2_forward(b, c->px, c->ids, c->tg, c->B, c->T, 1.0f / (float)c->n_valid, lg, &loss));
-    }
-    FL_REQUIRE_OK(fl_blip2_backward(b));
-    *out = loss;
-}
 
 static void set_prec(fl_blip2 *b, const char *name) {
     fl_precision p;
@@ -111,20 +58,18 @@ static void cmp_part(const fl_backend *be, fl_model *a, fl_model *m, const char 
 }
 
 static void vs_mixed(const char *dir, int t5) {
-    fl_backend be;
-    fl_mem_pool pool, host;
-    FL_REQUIRE_OK(fl_test_backend(&be, 2));
-    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, be.name, 0));
-    batch c;
-    open_batch(&c, dir, t5);
+    b2_env env;
+    b2_env_open(&env);
+    b2_batch c;
+    b2_batch_open(&c, dir, t5);
     fl_precision bt;
     FL_REQUIRE_OK(fl_precision_find("bf16-true", &bt));
     fl_model_storage st[FL_BLIP2_PARTS];
     for (int k = 0; k < FL_BLIP2_PARTS; k++) fl_model_storage_for(&bt, &st[k]);
     /* A: fp32 storage holding the bf16-rounded weights, bf16-mixed (its bf16 copy equals the master) */
     fl_blip2 *a = NULL, *b = NULL;
-    FL_REQUIRE_OK(fl_blip2_load(&a, dir, &be, &pool));
-    FL_REQUIRE_OK(fl_blip2_load_ex(&b, dir, &be, &pool, st)); /* B: the loader rounds to nearest even */
+    FL_REQUIRE_OK(fl_blip2_load(&a, dir, &env.be, &env.pool));
+    FL_REQUIRE_OK(fl_blip2_load_ex(&b, dir, &env.be, &env.pool, st)); /* B: the loader rounds to nearest even */
     for (int k = 0; k < FL_BLIP2_PARTS; k++) {
         fl_model *ma = fl_blip2_part(a, k), *mb = fl_blip2_part(b, k);
         FL_CHECK(fl_model_params_f32(mb) == NULL && fl_model_params_16(mb) != NULL);
@@ -143,12 +88,12 @@ static void vs_mixed(const char *dir, int t5) {
     }
     set_prec(a, "bf16-mixed");
     set_prec(b, "bf16-true");
-    const size_t nl = (size_t)c.B * (t5 ? c.Tt : c.T) * (size_t)fl_blip2_get_config(a)->text.vocab_size;
+    const size_t nl = b2_batch_logits(&c, a);
     float *la = malloc(nl * sizeof *la), *lb = malloc(nl * sizeof *lb);
     FL_REQUIRE(la && lb);
     float lossa, lossb;
-    fwd_bwd(a, &c, la, &lossa);
-    fwd_bwd(b, &c, lb, &lossb);
+    b2_batch_fwd_bwd(a, &c, la, &lossa);
+    b2_batch_fwd_bwd(b, &c, lb, &lossb);
     FL_CHECKF(memcmp(la, lb, nl * sizeof *la) == 0, "%s: bf16-true logits differ from bf16-mixed's", dir);
     FL_CHECKF(lossa == lossb, "%s: loss %.9g (bf16-true) vs %.9g (bf16-mixed)", dir, lossb, lossa);
     static const char *const what[FL_BLIP2_PARTS] = {"vision tower", "Q-Former", "language model"};
@@ -156,7 +101,7 @@ static void vs_mixed(const char *dir, int t5) {
     int zero = 0, n = 0;
     double worst = 0;
     for (int k = 0; k < FL_BLIP2_PARTS; k++) {
-        cmp_part(&be, fl_blip2_part(a, k), fl_blip2_part(b, k), what[k], &mism, &worst, &zero);
+        cmp_part(&env.be, fl_blip2_part(a, k), fl_blip2_part(b, k), what[k], &mism, &worst, &zero);
         n += fl_blip2_part(a, k)->layout.n;
     }
     const int adds = t5 ? 3 : 2; /* T5: encoder, decoder, head; OPT: the tied head, then the lookup */
@@ -175,19 +120,18 @@ static void vs_mixed(const char *dir, int t5) {
     FL_CHECK(o[0].cfg.state_dtype == FL_BF16 && o[0].w.pt == FL_BF16);
     float first = 0, last = 0;
     for (int s = 0; s < 6; s++) {
-        fwd_bwd(b, &c, NULL, &last);
+        b2_batch_fwd_bwd(b, &c, NULL, &last);
         if (!s) first = last;
         for (int k = 0; k < FL_BLIP2_PARTS; k++) FL_REQUIRE_OK(fl_optim_step(&o[k], oc.lr, 1.0f, NULL));
     }
     FL_CHECKF(last < first - 0.5f, "%s: bf16-true AdamW: loss %.4f -> %.4f", dir, first, last);
     printf("      %s bf16-true, 6 AdamW steps: %.4f -> %.4f\n", t5 ? "T5" : "OPT", first, last);
     for (int k = 0; k < FL_BLIP2_PARTS; k++) fl_optim_free(&o[k]);
-    free(la), free(lb), free(c.tg);
-    fl_st_close(&c.x);
+    free(la), free(lb);
+    b2_batch_close(&c);
     fl_blip2_free(a);
     fl_blip2_free(b);
-    fl_backend_pools_free(&pool, &host);
-    fl_backend_free(&be);
+    b2_env_close(&env);
 }
 
 FL_TEST(blip2_opt_bf16_true_vs_mixed) { vs_mixed("tests/fixtures/blip2-tiny-opt", 0); }

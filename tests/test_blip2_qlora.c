@@ -20,63 +20,8 @@
 #include "fitllm/lora.h"
 #include "fitllm/quant4.h"
 #include "fitllm/train.h"
+#include "blip2_batch.h"
 #include "test.h"
-
-typedef struct {
-    int t5, B, T, Tt, n_valid;
-    const int32_t *ids, *dec;
-    int32_t *tg;
-    const float *px;
-    fl_st_file x;
-} qbatch;
-
-static void open_qbatch(qbatch *c, const char *dir, int t5) {
-    char p[300];
-    memset(c, 0, sizeof *c);
-    c->t5 = t5;
-    snprintf(p, sizeof p, "%s/expected.safetensors", dir);
-    FL_REQUIRE_OK(fl_st_open(&c->x, p));
-    const fl_st_tensor *px = fl_st_find(&c->x, "pixels"), *ids = fl_st_find(&c->x, "ids"), *lab = fl_st_find(&c->x, "labels");
-    FL_REQUIRE(px && ids && lab);
-    c->px = px->data, c->ids = ids->data;
-    c->B = (int)ids->shape[0], c->T = (int)ids->shape[1];
-    const int TC = (int)lab->shape[1], NQ = c->T - TC;
-    const int32_t *l = lab->data;
-    if (t5) {
-        const fl_st_tensor *dec = fl_st_find(&c->x, "dec");
-        FL_REQUIRE(dec);
-        c->dec = dec->data, c->Tt = TC;
-        FL_REQUIRE(c->tg = malloc((size_t)c->B * TC * sizeof *c->tg));
-        for (int i = 0; i < c->B * TC; i++) c->tg[i] = l[i], c->n_valid += l[i] != FL_IGNORE_INDEX;
-        return;
-    }
-    FL_REQUIRE(c->tg = malloc((size_t)c->B * c->T * sizeof *c->tg));
-    for (int b = 0; b < c->B; b++)
-        for (int t = 0; t < c->T; t++) {
-            const int i = t - NQ, v = i >= 0 && i + 1 < TC ? l[b * TC + i + 1] : FL_IGNORE_INDEX;
-            c->tg[b * c->T + t] = v;
-            c->n_valid += v != FL_IGNORE_INDEX;
-        }
-}
-
-static void qfwd_bwd(fl_blip2 *b, const qbatch *c, float *lg, float *out) {
-    float loss = 0;
-    *out = NAN;
-    fl_blip2_zero_grads(b);
-    fl_model *lm = fl_blip2_part(b, FL_BLIP2_TEXT);
-    fl_lora_adapters ad;
-    if (fl_model_lora_adapters(lm, &ad)) FL_RUN(lm->be, zero, ad.grads, ad.numel * sizeof(float));
-    if (c->t5) {
-        FL_REQUIRE_OK(fl_blip2_alloc_acts_s2s(b, c->B, c->T, c->Tt));
-        FL_REQUIRE_OK(fl_blip2_forward_s2s(b, c->px, c->ids, c->dec, c->tg, c->B, c->T, c->Tt, 1.0f / (float)c->n_valid,
-                                           lg, &loss));
-    } else {
-        FL_REQUIRE_OK(fl_blip2_alloc_acts(b, c->B, c->T));
-        FL_REQUIRE_OK(fl_blip2_forward(b, c->px, c->ids, c->tg, c->B, c->T, 1.0f / (float)c->n_valid, lg, &loss));
-    }
-    FL_REQUIRE_OK(fl_blip2_backward(b));
-    *out = loss;
-}
 
 /* LoRA r 4 on the language model's attention (OPT q_proj, v_proj; T5 q, v), B set away from 0 (PEFT's init has B = 0,
  * where A gets no gradient) */
@@ -104,12 +49,10 @@ static double rel_err(const float *a, const float *b, size_t n) {
 }
 
 static void vs_dequantized(const char *dir, int t5, const char *mode) {
-    fl_backend be;
-    fl_mem_pool pool, host;
-    FL_REQUIRE_OK(fl_test_backend(&be, 2));
-    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, be.name, 0));
-    qbatch c;
-    open_qbatch(&c, dir, t5);
+    b2_env env;
+    b2_env_open(&env);
+    b2_batch c;
+    b2_batch_open(&c, dir, t5);
     fl_model_storage st[FL_BLIP2_PARTS];
     memset(st, 0, sizeof st);
     for (int k = 0; k < FL_BLIP2_PARTS; k++) {
@@ -118,9 +61,9 @@ static void vs_dequantized(const char *dir, int t5, const char *mode) {
         st[k].param_dtype = FL_F32, st[k].quant4 = 1, st[k].q4_type = qt;
     }
     fl_blip2 *q = NULL, *d = NULL, *o = NULL;
-    FL_REQUIRE_OK(fl_blip2_load_ex(&q, dir, &be, &pool, st));
-    FL_REQUIRE_OK(fl_blip2_load(&d, dir, &be, &pool));
-    FL_REQUIRE_OK(fl_blip2_load(&o, dir, &be, &pool));
+    FL_REQUIRE_OK(fl_blip2_load_ex(&q, dir, &env.be, &env.pool, st));
+    FL_REQUIRE_OK(fl_blip2_load(&d, dir, &env.be, &env.pool));
+    FL_REQUIRE_OK(fl_blip2_load(&o, dir, &env.be, &env.pool));
     int nq = 0;
     for (int k = 0; k < FL_BLIP2_PARTS; k++) { /* d: the dequantized values in fp32 */
         fl_model *mq = fl_blip2_part(q, k), *md = fl_blip2_part(d, k);
@@ -136,21 +79,21 @@ static void vs_dequantized(const char *dir, int t5, const char *mode) {
         }
     }
     add_lora(q, t5), add_lora(d, t5), add_lora(o, t5);
-    const size_t nl = (size_t)c.B * (t5 ? c.Tt : c.T) * (size_t)fl_blip2_get_config(q)->text.vocab_size;
+    const size_t nl = b2_batch_logits(&c, q);
     float *lq = malloc(nl * sizeof *lq), *ld = malloc(nl * sizeof *ld), *lo = malloc(nl * sizeof *lo);
     FL_REQUIRE(lq && ld && lo);
     float lossq, lossd, losso;
-    qfwd_bwd(q, &c, lq, &lossq);
-    qfwd_bwd(d, &c, ld, &lossd);
-    qfwd_bwd(o, &c, lo, &losso);
+    b2_batch_fwd_bwd(q, &c, lq, &lossq);
+    b2_batch_fwd_bwd(d, &c, ld, &lossd);
+    b2_batch_fwd_bwd(o, &c, lo, &losso);
     fl_lora_adapters aq, ad;
     FL_REQUIRE(fl_model_lora_adapters(fl_blip2_part(q, 2), &aq) && fl_model_lora_adapters(fl_blip2_part(d, 2), &ad));
     FL_REQUIRE(aq.numel == ad.numel);
     float *gq = malloc(aq.numel * sizeof *gq), *gd = malloc(aq.numel * sizeof *gd);
     FL_REQUIRE(gq && gd);
-    FL_REQUIRE_OK(be.to_host(&be, gq, aq.grads, aq.numel * sizeof *gq));
-    FL_REQUIRE_OK(be.to_host(&be, gd, ad.grads, ad.numel * sizeof *gd));
-    const int bits = !strcmp(be.name, "cpu");
+    FL_REQUIRE_OK(env.be.to_host(&env.be, gq, aq.grads, aq.numel * sizeof *gq));
+    FL_REQUIRE_OK(env.be.to_host(&env.be, gd, ad.grads, ad.numel * sizeof *gd));
+    const int bits = !strcmp(env.be.name, "cpu");
     const double el = rel_err(lq, ld, nl), eg = rel_err(gq, gd, aq.numel), eo = rel_err(lq, lo, nl);
     if (bits) {
         FL_CHECKF(memcmp(lq, ld, nl * sizeof *lq) == 0 && lossq == lossd, "%s %s: logits %.3g, loss %.9g vs %.9g", dir,
@@ -175,17 +118,16 @@ static void vs_dequantized(const char *dir, int t5, const char *mode) {
     FL_REQUIRE_OK(fl_optim_init(&opt, fl_blip2_part(q, FL_BLIP2_TEXT), &oc));
     float first = 0, last = 0;
     for (int s = 0; s < 6; s++) {
-        qfwd_bwd(q, &c, NULL, &last);
+        b2_batch_fwd_bwd(q, &c, NULL, &last);
         if (!s) first = last;
         FL_REQUIRE_OK(fl_optim_step(&opt, oc.lr, 0.0f, NULL));
     }
     FL_CHECKF(last < first - 0.2f, "%s %s: QLoRA AdamW: loss %.4f -> %.4f", dir, mode, first, last);
     fl_optim_free(&opt);
-    free(lq), free(ld), free(lo), free(gq), free(gd), free(c.tg);
-    fl_st_close(&c.x);
+    free(lq), free(ld), free(lo), free(gq), free(gd);
+    b2_batch_close(&c);
     fl_blip2_free(q), fl_blip2_free(d), fl_blip2_free(o);
-    fl_backend_pools_free(&pool, &host);
-    fl_backend_free(&be);
+    b2_env_close(&env);
 }
 
 FL_TEST(blip2_opt_qlora_nf4_dq_vs_dequantized) { vs_dequantized("tests/fixtures/blip2-tiny-opt", 0, "bnb.nf4-dq"); }
