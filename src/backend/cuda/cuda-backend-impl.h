@@ -245,8 +245,9 @@ static void flb_rmsnorm_forward_w16(const fl_backend *be, float *out, void *out1
     FLB_RUN(be, FLB_K(rmsnorm_forward_w16)(out, out16, rstd, inp, w, wt, N, C, eps, STREAM), "rmsnorm_forward_w16");
 }
 static void flb_rmsnorm_backward_w16(const fl_backend *be, float *dinp, void *dinp16, float *dw, const float *dout,
-                                     const float *inp, const void *w, fl_dtype wt, const float *rstd, int N, int C) {
-    FLB_RUN(be, FLB_K(rmsnorm_backward_w16)(dinp, dinp16, dw, dout, inp, w, wt, rstd, N, C, STREAM),
+                                     const float *inp, const void *inp16, const void *w, fl_dtype wt,
+                                     const float *rstd, int N, int C) {
+    FLB_RUN(be, FLB_K(rmsnorm_backward_w16)(dinp, dinp16, dw, dout, inp, inp16, w, wt, rstd, N, C, STREAM),
             "rmsnorm_backward_w16");
 }
 static void flb_layernorm_forward(const fl_backend *be, float *out, float *mean, float *rstd, const float *inp,
@@ -398,11 +399,12 @@ static fl_status flb_rope_backward16(const fl_backend *be, float *dx, void *dx16
     return flb_rope16(be, dx, dx16, B, T, nh, HD, width, cos_t, sin_t, pos0, 1);
 }
 static fl_status flb_act_backward16(const fl_backend *be, int kind, float *din, void *din16, const float *dout,
-                                    const float *in, int N, int F) {
+                                    const float *in, const void *in16, int N, int F) {
     FL_TRY(flb_sticky(be));
-    if ((kind != FL_ACT16_SWIGLU && kind != FL_ACT16_GELU && kind != FL_ACT16_RELU) || !din16)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s act_backward16: kind %d%s", FLB_NAME, kind, din16 ? "" : ", no copy");
-    FLB_RUN_S(be, FLB_K(act_backward16)(kind, din, din16, dout, in, N, F, STREAM), "act_backward16");
+    if ((kind != FL_ACT16_SWIGLU && kind != FL_ACT16_GELU && kind != FL_ACT16_RELU) || (!din16 && !in16))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s act_backward16: kind %d%s", FLB_NAME, kind,
+                         din16 || in16 ? "" : ", neither a bf16 copy nor a bf16 input");
+    FLB_RUN_S(be, FLB_K(act_backward16)(kind, din, din16, dout, in, in16, N, F, STREAM), "act_backward16");
     return FL_OK;
 }
 _Static_assert(FL_CU_CONVERT_MANY_MAX == FL_CONVERT_MANY_MAX, "convert_many: the kernel's segment list");
@@ -691,6 +693,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->attention_forward = flb_attention_forward;
     be->attention_forward16 = flb_attention_forward16;
     be->attention_backward = flb_attention_backward;
+    be->attention_backward16 = flb_attention_backward16;
     be->swiglu_forward = flb_swiglu_forward;
     be->swiglu_backward = flb_swiglu_backward;
     be->gelu_forward = flb_gelu_forward;
