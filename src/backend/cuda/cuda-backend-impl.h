@@ -46,6 +46,8 @@
 #include "fitllm/lora.h"
 #include "fitllm/perf.h"
 
+#include "backend/cuda/cuda-stage-impl.h"
+
 /* + 256: the lent region is re-aligned to 256 bytes (cuBLASLt's workspace, the panels) */
 #define FLB_SCRATCH_BYTES ((size_t)FLB_LT_WS_BYTES + (size_t)FLB_PANEL_BYTES + (size_t)FLB_WORK_BYTES + 256)
 
@@ -66,6 +68,7 @@ typedef struct {
     char devname[256];     /* be->device_name */
     void **marks;          /* FL_PROF_MAX_MARKS markers, made on first use (profiling only) */
     fl_cu_counters count;  /* host round trips (FLB_PREFIX(backend_counters)) */
+    flb_stage stage;       /* the page-locked ring of small uploads (cuda-stage-impl.h) */
 } flb_impl;
 
 #define FLB_IMPL(be) ((flb_impl *)(be)->impl)
@@ -615,8 +618,9 @@ static void flb_set_scratch(const fl_backend *be, void *p, size_t bytes) {
 static void flb_set_compute_dtype(const fl_backend *be, fl_dtype t) { FLB_IMPL(be)->compute = t; }
 static fl_status flb_to_device(const fl_backend *be, void *dst, const void *src, size_t bytes) {
     FL_TRY(flb_sticky(be));
-    FLB_IMPL(be)->count.h2d += bytes > 0;
-    if (bytes && flb_h2d(dst, src, bytes, STREAM))
+    flb_impl *im = FLB_IMPL(be);
+    im->count.h2d += bytes > 0;
+    if (bytes && flb_stage_copy(&im->stage, &im->count, dst, src, bytes, STREAM))
         return fl_errorf(FL_ERR_IO, "%s to_device: copy of %zu bytes failed", FLB_NAME, bytes);
     return FL_OK;
 }
@@ -721,6 +725,9 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     /* FITLLM_CUDA_EPILOGUE=0: a linear's bias and GELU as kernels after the GEMM (A/B timing; issue 30 item 3) */
     const char *ee = getenv("FITLLM_CUDA_EPILOGUE");
     im->epi = !ee || !*ee || !strcmp(ee, "1");
+    /* FITLLM_CUDA_PINNED=0: the inputs' uploads straight from the caller's pageable memory (A/B) */
+    const char *ep = getenv("FITLLM_CUDA_PINNED");
+    im->stage.on = !ep || !*ep || !strcmp(ep, "1");
     s = im->attn < 0 ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_ATTN=%s: expected 'auto' (cuDNN's fused "
                                  "attention where it loads and takes the shape, else 'own'), 'cudnn' (cuDNN, "
                                  "experimental), 'own' (bf16 runs: the FlashAttention-2-structured kernels, "
@@ -733,6 +740,9 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
         : ee && *ee && !im->epi && strcmp(ee, "0")
             ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_EPILOGUE=%s: expected 1 (the default: a linear's bias "
                         "and GPT-2's GELU in cuBLASLt's epilogue) or 0 (as kernels after the GEMM)", FLB_NAME, ee)
+        : ep && *ep && !im->stage.on && strcmp(ep, "0")
+            ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_PINNED=%s: expected 1 (the default: small uploads "
+                        "through a page-locked ring) or 0 (straight from the caller's memory)", FLB_NAME, ep)
             : flb_attn_init(im);
     if (s != FL_OK) {
         flb_dev_free(im->scalars);
@@ -831,6 +841,7 @@ void FLB_PREFIX(backend_free)(fl_backend *be) {
     flb_stream_sync(im->stream);
     if (im->own_scratch) flb_dev_free(im->own_scratch);
     if (im->scalars) flb_dev_free(im->scalars);
+    flb_stage_free(&im->stage);
     flb_attn_free(im);
     if (im->marks)
         for (int i = 0; i < FL_PROF_MAX_MARKS; i++)
