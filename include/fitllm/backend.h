@@ -43,6 +43,8 @@ extern "C" {
 #define FL_CONVERT_MANY_MAX 16
 /* fl_backend.act_forward16's kinds */
 enum { FL_ACT16_SWIGLU = 0, FL_ACT16_GELU = 1, FL_ACT16_RELU = 2 };
+/* gemm_epilogue's epilogues */
+enum { FL_GEMM_EPI_BIAS = 1, FL_GEMM_EPI_BIAS_GELU = 2 };
 
 typedef struct fl_backend fl_backend;
 struct fl_comm; /* fitllm/comm.h */
@@ -216,6 +218,17 @@ struct fl_backend {
      * stream. NULL: generated on the host and copied. (cuda, cuda-emu) */
     fl_status (*init_random)(const fl_backend *be, void *dst, fl_dtype dt, size_t k0, size_t k1, size_t numel,
                              int kind, double sd, uint64_t s);
+
+    /* Optional (issue 30 item 3): gemm (row-major, the gemm slot's types and semantics) with an F32 C and an epilogue
+     * fused into the matmul where the backend can (cuBLASLt's), for a linear's bias and GPT-2's GELU:
+     * FL_GEMM_EPI_BIAS: C = alpha op(A) op(B) + beta C, then C[i, j] += bias[j] (gemm then bias_forward);
+     * FL_GEMM_EPI_BIAS_GELU (beta 0): aux[i, j] = alpha op(A) op(B) + bias[j] (row stride ldaux, the pre-activation
+     * the backward reads) and C = gelu_tanh(aux) (gelu_forward's). bias (N) fp32. cuda-emu: the bits of the three ops
+     * (checked); cuda: cuBLASLt's epilogue (its GELU within fp32 rounding of gelu_forward's), the three ops where
+     * cuBLASLt refuses it or FITLLM_CUDA_EPILOGUE=0. NULL: callers run the separate ops. (cuda, cuda-emu) */
+    fl_status (*gemm_epilogue)(const fl_backend *be, int epi, const float *bias /*(N)*/, float *aux /*(M,ldaux)*/,
+                               int ldaux, int trans_a, int trans_b, int M, int N, int K, float alpha, const void *A,
+                               fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta, float *C, int ldc);
 
     /* Optional: the op scratch a model's self-attention needs BEYOND scratch_bytes under bf16 compute, for B
      * sequences of T, NH query and NKV key/value heads of size HD (causal, compact output rows); the model lends

@@ -44,7 +44,7 @@ extern "C" {
     X(cross_entropy_dbf16) X(convert) X(convert_many) X(round16) X(accumulate16) X(adamw_update) X(sgd_update)       \
     X(adam8bit_update) X(sumsq)                                                                                      \
     X(check_finite) X(scale) X(zero) X(copy) X(to_device) X(to_host) X(sync) X(set_scratch) X(set_compute_dtype)     \
-    X(attention_qkv_forward) X(attention_qkv_backward)
+    X(attention_qkv_forward) X(attention_qkv_backward) X(gemm_epilogue)
 
 typedef enum {
 #define FL_OPK_ENUM_(slot) FL_OPK_##slot,
@@ -134,6 +134,9 @@ struct fl_op_set_scratch { void *p; size_t bytes; };
 struct fl_op_set_compute_dtype { fl_dtype t; };
 struct fl_op_attention_qkv_forward { float *out, *lse; const float *qkv; int B, T, NH, NKV, HD; };
 struct fl_op_attention_qkv_backward { float *dqkv; const float *dout, *qkv, *out, *lse; int B, T, NH, NKV, HD; };
+struct fl_op_gemm_epilogue { int epi; const float *bias; float *aux; int ldaux; int trans_a, trans_b, M, N, K;
+    float alpha; const void *A; fl_dtype ta; int lda; const void *B; fl_dtype tb; int ldb; float beta; float *C;
+    int ldc; };
 
 struct fl_oprec {
     fl_opk kind;
@@ -199,6 +202,7 @@ struct fl_oprec {
         struct fl_op_set_compute_dtype set_compute_dtype;
         struct fl_op_attention_qkv_forward attention_qkv_forward;
         struct fl_op_attention_qkv_backward attention_qkv_backward;
+        struct fl_op_gemm_epilogue gemm_epilogue;
     };
 };
 
