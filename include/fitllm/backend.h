@@ -203,6 +203,13 @@ struct fl_backend {
      * stream. NULL: generated on the host and copied. (cuda, cuda-emu) */
     fl_status (*init_random)(const fl_backend *be, void *dst, fl_dtype dt, size_t k0, size_t k1, size_t numel,
                              int kind, double sd, uint64_t s);
+    /* Optional (issue 31: T5's dropout in training): y[i] = keep(seed, i) ? x[i] * fl_lora_dropout_scale(p) : 0
+     * (accumulate 0; y may be x: in place) or y[i] += that (accumulate 1), the mask of fitllm/lora.h's
+     * fl_lora_dropout_keep, a function of (seed, i) only: the backward is the same call on the gradient (the mask
+     * regenerated, nothing saved). p in [0, 1); p 0 copies (or adds) x. NULL: a model that drops refuses by name.
+     * (cpu, ref, opaque, null, cuda, cuda-emu) */
+    fl_status (*dropout)(const fl_backend *be, float *y, const float *x, size_t n, float p, uint64_t seed,
+                         int accumulate);
 
     /* Optional: the op scratch a model's self-attention needs BEYOND scratch_bytes under bf16 compute, for B
      * sequences of T, NH query and NKV key/value heads of size HD (causal, compact output rows); the model lends
