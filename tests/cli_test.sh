@@ -501,14 +501,14 @@ expect bench_step_t5 0 "t5, 238592 params, L=2\+2 C=64 .*B=2 source 24 target 16
 expect bench_step_source_seq_decoder_only 1 "--source-seq: micro is not an encoder-decoder" -- "$FITLLM" bench-step micro --source-seq 4 --steps 1
 expect t5_finetune_act_ckpt 0 "precision 32-true, activation checkpointing" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5ckpt" --train.activation_checkpointing true
 expect t5_finetune_act_ckpt_bitexact 0 "" -- cmp "$T/t5run/final/model.safetensors" "$T/t5ckpt/final/model.safetensors"
-# config.json's dropout_rate: read, written back, range-checked; applied in training (tests/test_t5_dropout.c) but
-# not on the attention weights yet, which training says. The masks follow the run's seed and the global micro-batch:
+# config.json's dropout_rate: read, written back, range-checked; applied in training (tests/test_t5_dropout.c, and
+# against transformers: tests/test_t5.c), which training says. The masks follow the run's seed and the global micro-batch:
 # a run resumed from step 2 ends on the uninterrupted run's bits, activation checkpointing gives the same bits, and
 # the weights are not those of the same run without dropout
 mkdir -p "$T/t5d" && cp "$T/t5m"/* "$T/t5d/" && sed -i 's/"dropout_rate": 0.0/"dropout_rate": 0.1/' "$T/t5d/config.json"
 T5D=(--init random --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json --train.max_steps 4
      --train.global_batch_size 4 --train.micro_batch_size 2 --train.save_interval 2)
-expect t5_dropout_rate_noted 0 "note: config.json dropout_rate 0.1 is applied in training \(embeddings, sublayer outputs, FFN, final norms\) but not on the attention weights yet" -- "$FITLLM" finetune_full --checkpoint_dir "$T/t5d" "${T5D[@]}" --out_dir "$T/t5dr"
+expect t5_dropout_rate_noted 0 "note: config.json dropout_rate 0.1 is applied in training \(embeddings, attention weights, sublayer outputs, FFN, final norms; not in evaluation or generation\)" -- "$FITLLM" finetune_full --checkpoint_dir "$T/t5d" "${T5D[@]}" --out_dir "$T/t5dr"
 mkdir -p "$T/t5dr2" && cp -r "$T/t5dr/step-000002" "$T/t5dr2/"
 expect t5_dropout_resume 0 "Resuming training from .*step-000002 \(step 2, iter 4\)" -- "$FITLLM" finetune_full --checkpoint_dir "$T/t5d" "${T5D[@]}" --out_dir "$T/t5dr2" --resume auto
 expect t5_dropout_resume_bitexact 0 "" -- cmp "$T/t5dr/final/model.safetensors" "$T/t5dr2/final/model.safetensors"

@@ -1,6 +1,8 @@
 /* T5's dropout in training (issue 31; src/model/seq2seq.c, the block graphs' DROPOUT ops in src/model/arch_t5.c,
- * backend.h's dropout op): transformers' T5 drops after the embeddings, after each sublayer (self-attention,
- * cross-attention, FFN) before its residual add, inside the FFN before wo, and after each stack's final norm.
+ * backend.h's dropout op, the attention ops' fl_attn_desc.drop_p): transformers' T5 drops after the embeddings, on
+ * the attention weights, after each sublayer (self-attention, cross-attention, FFN) before its residual add, inside
+ * the FFN before wo, and after each stack's final norm (the places and masks against transformers: tests/test_t5.c
+ * t5_*_dropout_vs_transformers).
  *
  * Anchors, none of them fitllm's own output:
  *   - the mask statistics: the op on 2^20 ones keeps a fraction within 4.5 sigma of 1 - p (binomial), every kept
@@ -190,7 +192,8 @@ FL_TEST(t5_dropout_off_same_bits_on_deterministic) {
 
 /* central finite differences of the training loss on a fixed mask (p 0.5: every site's mask moves the gradient
  * far) at each tensor's two largest gradient entries: tensors behind every site (the shared embedding: the
- * embeddings' dropout; o / EncDecAttention.o / wo: the sublayers'; wi_0 / wi_1: the FFN's; the final norms) */
+ * embeddings' dropout; o / EncDecAttention.o / wo: the sublayers'; wi_0 / wi_1: the FFN's; the final norms; the
+ * relative bias and a cross-attention q: the attention weights') */
 FL_TEST(t5_dropout_gradients_finite_differences) {
     fl_backend be;
     fl_mem_pool pool, host;
@@ -222,6 +225,8 @@ FL_TEST(t5_dropout_gradients_finite_differences) {
         "decoder.block.2.layer.2.DenseReluDense.wo.weight",
         "encoder.final_layer_norm.weight",
         "decoder.final_layer_norm.weight",
+        "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+        "decoder.block.1.layer.1.EncDecAttention.q.weight",
     };
     const double h = 2e-3;
     double worst = 0, far_min = INFINITY;
@@ -265,6 +270,143 @@ FL_TEST(t5_dropout_gradients_finite_differences) {
     fl_model_free(&m);
     free(g), free(gn), free(w);
     fl_st_close(&x);
+    fl_backend_pools_free(&pool, &host);
+    fl_backend_free(&be);
+}
+
+/* ---- the attention op's dropout against a float64 loop (fl_attn_desc.drop_p) ------------------------------------ */
+
+/* the float64 attention of one (b, h, t) row with the weights dropped by factor f (fitllm/lora.h's mask); backward
+ * given dO: dq, dk, dv, dbias added */
+typedef struct {
+    int B, Tq, Tk, NH, HD, causal;
+    float p;
+    uint64_t seed;
+} ref_attn;
+
+static double ref_factor(const ref_attn *r, int b, int h, int t, int j) {
+    const size_t i = (((size_t)b * r->NH + h) * r->Tq + t) * r->Tk + j;
+    return fl_lora_dropout_keep(r->seed, i, r->p) ? (double)fl_lora_dropout_scale(r->p) : 0.0;
+}
+
+static void ref_attention(const ref_attn *r, const float *q, const float *k, const float *v, const float *bias,
+                          const uint8_t *km, const float *dO, double *out, double *dq, double *dk, double *dv,
+                          double *dbias) {
+    const int C = r->NH * r->HD, HD = r->HD;
+    double P[128], S[128];
+    for (int b = 0; b < r->B; b++)
+        for (int h = 0; h < r->NH; h++)
+            for (int t = 0; t < r->Tq; t++) {
+                const float *qr = q + ((size_t)b * r->Tq + t) * C + h * HD, *g = dO + ((size_t)b * r->Tq + t) * C + h * HD;
+                double mx = -INFINITY, sum = 0, D = 0;
+                for (int j = 0; j < r->Tk; j++) {
+                    const int vis = km[b * r->Tk + j] && (!r->causal || j <= t + r->Tk - r->Tq);
+                    double s = bias[((size_t)h * r->Tq + t) * r->Tk + j];
+                    for (int d = 0; d < HD; d++) s += (double)qr[d] * k[((size_t)b * r->Tk + j) * C + h * HD + d];
+                    S[j] = vis ? s : -INFINITY;
+                    if (S[j] > mx) mx = S[j];
+                }
+                for (int j = 0; j < r->Tk; j++) sum += P[j] = S[j] == -INFINITY ? 0 : exp(S[j] - mx);
+                double *o = out + ((size_t)b * r->Tq + t) * C + h * HD;
+                for (int j = 0; j < r->Tk; j++) {
+                    P[j] /= sum;
+                    const double pd = P[j] * ref_factor(r, b, h, t, j);
+                    for (int d = 0; d < HD; d++) {
+                        o[d] += pd * v[((size_t)b * r->Tk + j) * C + h * HD + d];
+                        dv[((size_t)b * r->Tk + j) * C + h * HD + d] += pd * g[d];
+                    }
+                }
+                for (int d = 0; d < HD; d++) D += g[d] * o[d];
+                for (int j = 0; j < r->Tk; j++) {
+                    double dpd = 0;
+                    for (int d = 0; d < HD; d++) dpd += g[d] * (double)v[((size_t)b * r->Tk + j) * C + h * HD + d];
+                    const double ds = P[j] * (ref_factor(r, b, h, t, j) * dpd - D);
+                    dbias[((size_t)h * r->Tq + t) * r->Tk + j] += ds;
+                    for (int d = 0; d < HD; d++) {
+                        dq[((size_t)b * r->Tq + t) * C + h * HD + d] += ds * k[((size_t)b * r->Tk + j) * C + h * HD + d];
+                        dk[((size_t)b * r->Tk + j) * C + h * HD + d] += ds * qr[d];
+                    }
+                }
+            }
+}
+
+static float urand(uint64_t *s) { /* [-1, 1) */
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ULL);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return (float)((z ^ (z >> 31)) >> 40) * (2.0f / 16777216.0f) - 1.0f;
+}
+
+static float *dev_copy(fl_backend *be, fl_mem_pool *pool, const void *h, size_t bytes) {
+    void *d = NULL;
+    FL_REQUIRE_OK_R(fl_mem_alloc(pool, FL_TAG_OTHER, bytes, &d), NULL);
+    FL_REQUIRE_OK_R(be->to_device(be, d, h, bytes), NULL);
+    return d;
+}
+
+static double max_err(const float *dev_host, const double *ref, size_t n, double *scale) {
+    double e = 0;
+    *scale = 0;
+    for (size_t i = 0; i < n; i++) e = fmax(e, fabs(dev_host[i] - ref[i])), *scale = fmax(*scale, fabs(ref[i]));
+    return e;
+}
+
+/* several key and query tiles (Tq 40, Tk 70 / 40 causal), a key padding mask and a bias, p 0.3: out and every
+ * gradient within 1e-5 of their scale of the float64 loop with the same mask (fp32 sums of ~70 terms: ~1e-6); the
+ * undropped result is far (the test can fail) */
+FL_TEST(t5_dropout_attention_op_vs_float64) {
+    fl_backend be;
+    fl_mem_pool pool, host;
+    FL_REQUIRE_OK(fl_test_backend(&be, 2));
+    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, be.name, 0));
+    for (int causal = 0; causal < 2; causal++) {
+        ref_attn r = {2, 40, causal ? 40 : 70, 2, 12, causal, 0.3f, 0x5eed + causal};
+        const int C = r.NH * r.HD;
+        const size_t nq = (size_t)r.B * r.Tq * C, nk = (size_t)r.B * r.Tk * C, nb = (size_t)r.NH * r.Tq * r.Tk;
+        float *hq = malloc(nq * 4), *hk = malloc(nk * 4), *hv = malloc(nk * 4), *hb = malloc(nb * 4), *hg = malloc(nq * 4);
+        uint8_t *hm = malloc((size_t)r.B * r.Tk);
+        double *ro = calloc(nq, 8), *rdq = calloc(nq, 8), *rdk = calloc(nk, 8), *rdv = calloc(nk, 8), *rdb = calloc(nb, 8);
+        float *got = malloc((nb > nk ? nb : nk) * 4);
+        FL_REQUIRE(hq && hk && hv && hb && hg && hm && ro && rdq && rdk && rdv && rdb && got);
+        uint64_t s = 99 + causal;
+        for (size_t i = 0; i < nq; i++) hq[i] = urand(&s) * 0.5f, hg[i] = urand(&s);
+        for (size_t i = 0; i < nk; i++) hk[i] = urand(&s) * 0.5f, hv[i] = urand(&s);
+        for (size_t i = 0; i < nb; i++) hb[i] = urand(&s);
+        for (int i = 0; i < r.B * r.Tk; i++) hm[i] = i % r.Tk < r.Tk - 5 * (i / r.Tk); /* row 1: its last 5 padded */
+        ref_attention(&r, hq, hk, hv, hb, hm, hg, ro, rdq, rdk, rdv, rdb);
+        fl_attn_desc a = {r.B, r.Tq, r.Tk, r.NH, r.NH, r.HD, C, C, C, C, 1.0f, causal, r.p, r.seed};
+        float *q = dev_copy(&be, &pool, hq, nq * 4), *k = dev_copy(&be, &pool, hk, nk * 4),
+              *v = dev_copy(&be, &pool, hv, nk * 4), *bias = dev_copy(&be, &pool, hb, nb * 4),
+              *g = dev_copy(&be, &pool, hg, nq * 4);
+        uint8_t *km = (uint8_t *)dev_copy(&be, &pool, hm, (size_t)r.B * r.Tk);
+        memset(got, 0, (nb > nk ? nb : nk) * 4);
+        float *out = dev_copy(&be, &pool, got, nq * 4), *dq = dev_copy(&be, &pool, got, nq * 4),
+              *dk = dev_copy(&be, &pool, got, nk * 4), *dv = dev_copy(&be, &pool, got, nk * 4),
+              *db = dev_copy(&be, &pool, got, nb * 4), *lse = dev_copy(&be, &pool, got, (size_t)r.B * r.NH * r.Tq * 4);
+        FL_REQUIRE_OK(FL_RUN(&be, attention_forward, &a, out, lse, q, k, v, bias, km));
+        FL_REQUIRE_OK(FL_RUN(&be, attention_backward, &a, dq, dk, dv, db, g, q, k, v, bias, km, out, lse));
+        const struct { const char *name; float *d; const double *ref; size_t n; } cmp[5] = {
+            {"out", out, ro, nq}, {"dq", dq, rdq, nq}, {"dk", dk, rdk, nk}, {"dv", dv, rdv, nk}, {"dbias", db, rdb, nb}};
+        for (int i = 0; i < 5; i++) {
+            FL_REQUIRE_OK(be.to_host(&be, got, cmp[i].d, cmp[i].n * 4));
+            double sc, e = max_err(got, cmp[i].ref, cmp[i].n, &sc);
+            printf("      %s p %.1f: %s error %.2g (scale %.2g)\n", causal ? "causal" : "bidirectional", r.p,
+                   cmp[i].name, e, sc);
+            FL_CHECKF(e <= 1e-5 * sc, "%s %s: error %.3g of scale %.3g", causal ? "causal" : "bidir", cmp[i].name, e, sc);
+        }
+        /* without dropout the output is far from the dropped reference */
+        a.drop_p = 0;
+        FL_REQUIRE_OK(FL_RUN(&be, attention_forward, &a, out, lse, q, k, v, bias, km));
+        FL_REQUIRE_OK(be.to_host(&be, got, out, nq * 4));
+        double sc, e = max_err(got, ro, nq, &sc);
+        FL_CHECKF(e > 100 * 1e-5 * sc, "undropped output %.3g from the dropped reference", e);
+        a.drop_p = 1.0f;
+        FL_CHECK(FL_RUN(&be, attention_forward, &a, out, lse, q, k, v, bias, km) == FL_ERR_INVALID);
+        free(hq), free(hk), free(hv), free(hb), free(hg), free(hm), free(ro), free(rdq), free(rdk), free(rdv), free(rdb);
+        free(got);
+        void *dev[12] = {q, k, v, bias, g, km, out, dq, dk, dv, db, lse};
+        for (int i = 0; i < 12; i++) fl_mem_free(&pool, dev[i]);
+    }
     fl_backend_pools_free(&pool, &host);
     fl_backend_free(&be);
 }

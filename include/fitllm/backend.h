@@ -95,6 +95,12 @@ typedef struct {
     float scale;               /* scores = scale * q.k + bias (1/sqrt(HD) usually; T5: 1) */
     int causal;                /* 1: query t sees keys j <= t + Tk - Tq (bottom-right aligned, as
                                 * flash-attention 2.1+; the usual j <= t when Tq == Tk); 0: all keys */
+    /* dropout on the attention weights (training; T5, issue 31): softmax(s)_j of query row t of head h, batch b is
+     * multiplied by keep(drop_seed, ((b*NH + h)*Tq + t)*Tk + j) / (1 - drop_p) (fitllm/lora.h's mask) before it
+     * weighs v_j; lse stays the undropped softmax's, the backward regenerates the mask. drop_p 0 (a zeroed
+     * descriptor): none; in [0, 1), else FL_ERR_INVALID. cpu, ref, opaque, cuda (its fp32 kernels) */
+    float drop_p;
+    uint64_t drop_seed;
 } fl_attn_desc;
 
 struct fl_backend {

@@ -114,6 +114,10 @@ static void attn_views(const fl_model *m, const fl_block_graph *g, const fl_gop 
         }
     }
     *v = *k + d.KVD;
+    if (o->p >= 0 && x->drop_p > 0) { /* dropout on the weights (T5): the op's site of the block's seed */
+        a->drop_p = x->drop_p;
+        a->drop_seed = fl_dropout_seed(x->drop_seed, (uint64_t)o->p);
+    }
 }
 
 /* o16 (NULL or): the output's bf16 copy, written by the op itself where the backend has attention_forward16

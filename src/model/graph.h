@@ -94,7 +94,9 @@ typedef struct {
     uint8_t kind;        /* fl_gop_kind */
     int8_t in, out;      /* slots (ROPE: in == out) */
     int8_t a1, a2;       /* auxiliary output slots (statistics), -1 if none */
-    int8_t p;            /* NORM: norm index (fl_block_params.norm_*), LINEAR: linear index (lin[], LoRA kind) */
+    int8_t p;            /* NORM: norm index (fl_block_params.norm_*), LINEAR: linear index (lin[], LoRA kind);
+                          * DROPOUT, ATTN: the dropout site (its mask's seed within the block; ATTN -1: no dropout on
+                          * its weights) */
     int8_t role_w, role_b; /* NORM / LINEAR: the parameters' fl_param_role (role_b -1: none) */
     uint8_t acc;         /* derived: the backward adds to d(in) (the residual path, or a slot's later reader in
                           * the backward's order: its gradients are summed) instead of starting it */

@@ -209,12 +209,11 @@ static fl_status load_data_s2s(trainer *t) {
     if (!fl_s2s_count(t->in.s2s))
         return fl_errorf(FL_ERR_INVALID, "'%s': data.val_split_fraction %g leaves no training pairs of %zu",
                          c->data.json_path, (double)c->data.val_split_fraction, n);
-    /* T5's dropout (config.json dropout_rate) in the training passes (fl_model_set_dropout before the arena): after
-     * the embeddings, each sublayer, inside the FFN and after the final norms, as transformers; not yet on the
-     * attention weights, which the note says (not silently dropped) */
+    /* T5's dropout (config.json dropout_rate) in the training passes (fl_model_set_dropout before the arena), where
+     * transformers drops: said once, since it changes what training computes */
     if (t->model.cfg.dropout_rate > 0)
-        add_note(t, "config.json dropout_rate %g is applied in training (embeddings, sublayer outputs, FFN, final "
-                 "norms) but not on the attention weights yet", (double)t->model.cfg.dropout_rate);
+        add_note(t, "config.json dropout_rate %g is applied in training (embeddings, attention weights, sublayer "
+                 "outputs, FFN, final norms; not in evaluation or generation)", (double)t->model.cfg.dropout_rate);
     t->sch.B = c->train.micro_batch_size;
     t->sch.Ts = ls;
     t->sch.T = lt;

@@ -15,9 +15,10 @@ multiplied by the float32 1 / (1 - p). The seeds (src/model/seq2seq.c, src/model
 arch_t5.c): for the micro-batch seed S, stack s's embedding uses fl_dropout_seed(S, 2s), its final norm's output
 fl_dropout_seed(S, 2s + 1); block b (0 .. Le-1 the encoder's, Le .. the decoder's) has the seed
 fl_dropout_seed(S, 16 + b) and its sites fl_dropout_seed(that, site): 0 self-attention output, 1 cross-attention
-output, 2 the FFN's activation, 3 the FFN's output. The element index runs over the (B, T, width) tensor row-major.
-The attention weights are not dropped (fitllm does not yet: the config's dropout_rate stays 0 for transformers'
-attention dropout).
+output, 2 the FFN's activation, 3 the FFN's output, 4 the self-attention's weights, 5 the cross-attention's weights.
+The element index runs over the (B, T, width) tensor row-major, for the weights over (B, NH, Tq, Tk). transformers'
+eager attention drops its weights with nn.functional.dropout (p = the config's dropout_rate, 0 in the fixture):
+patched here to fitllm's mask of the attention module that is running.
 
 Writes expected-dropout.safetensors into tests/fixtures/t5-tiny-relu and t5-tiny-gated: loss (F64 [1]: float64
 run), grad.<name> (F32: the float64 gradients of the mean loss), noise.loss / noise.<name> (F32 [1]: max |PyTorch
@@ -72,15 +73,40 @@ class FitDrop(torch.nn.Module):
         return x * (m.to(x.dtype) * float(sc))
 
 
+CUR = []  # the T5Attention running (its weights' seed): set around its forward
+
+
+def attn_dropout(x, p=0.5, training=False, inplace=False):
+    if not CUR:
+        raise RuntimeError("nn.functional.dropout outside a T5Attention")
+    return CUR[-1].fit_drop(x) if training and p > 0 else x
+
+
+def wrap_attention(att, seed):
+    att.fit_drop = FitDrop([seed])
+    fwd = att.forward
+
+    def forward(*a, **kw):
+        CUR.append(att)
+        try:
+            return fwd(*a, **kw)
+        finally:
+            CUR.pop()
+    att.forward = forward
+
+
 def install(m):
+    torch.nn.functional.dropout = attn_dropout  # only the eager attention calls it (the modules below are replaced)
     le = len(m.encoder.block)
     for s, stack in enumerate([m.encoder, m.decoder]):
         stack.dropout = FitDrop([dropout_seed(SEED, 2 * s), dropout_seed(SEED, 2 * s + 1)])
         for l, blk in enumerate(stack.block):
             bs = dropout_seed(SEED, 16 + (le if s else 0) + l)
             blk.layer[0].dropout = FitDrop([dropout_seed(bs, 0)])
+            wrap_attention(blk.layer[0].SelfAttention, dropout_seed(bs, 4))
             if s:
                 blk.layer[1].dropout = FitDrop([dropout_seed(bs, 1)])
+                wrap_attention(blk.layer[1].EncDecAttention, dropout_seed(bs, 5))
             ff = blk.layer[-1]
             ff.dropout = FitDrop([dropout_seed(bs, 3)])
             ff.DenseReluDense.dropout = FitDrop([dropout_seed(bs, 2)])
@@ -93,7 +119,9 @@ def params(m):
 
 def run(d, batch, dtype):
     m = T5ForConditionalGeneration.from_pretrained(d, attn_implementation="eager").to(dtype)
-    assert m.config.dropout_rate == 0.0  # no attention-weight dropout (fitllm has none yet)
+    for mod in m.modules():  # the attention's p (the eager function passes it to the patched dropout)
+        if hasattr(mod, "has_relative_attention_bias"):
+            mod.dropout = P
     install(m)
     m.train()
     src, mask, dec, labels = batch
