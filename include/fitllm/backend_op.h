@@ -40,7 +40,7 @@ extern "C" {
     X(gelu_erf_backward) X(geglu_forward) X(geglu_backward) X(act_forward16) X(act_backward16) X(add) X(add16)       \
     X(bias_forward) X(bias_backward) X(attention_forward) X(attention_backward) X(attention_decode)                  \
     X(attention_forward16) X(attention_backward16)                                                                   \
-    X(q4_matmul_forward) X(q4_matmul_backward) X(lora_forward) X(lora_backward) X(cross_entropy)                     \
+    X(q4_matmul_forward) X(q4_matmul_backward) X(lora_forward) X(lora_backward) X(dropout) X(cross_entropy)          \
     X(cross_entropy_dbf16) X(convert) X(convert_many) X(round16) X(accumulate16) X(adamw_update) X(sgd_update)       \
     X(adam8bit_update) X(sumsq)                                                                                      \
     X(check_finite) X(scale) X(zero) X(copy) X(to_device) X(to_host) X(sync) X(set_scratch) X(set_compute_dtype)     \
@@ -107,6 +107,7 @@ struct fl_op_lora_forward { float *y; int ldy; float *h, *xd; const float *x, *A
     float scaling, dropout; uint64_t seed; };
 struct fl_op_lora_backward { float *dx, *dA, *dB; const float *dy; int ldy; const float *xb, *h, *A, *B;
     int N, in, out, r; float scaling, dropout; uint64_t seed; float *work; };
+struct fl_op_dropout { float *y; const float *x; size_t n; float p; uint64_t seed; int accumulate; };
 struct fl_op_cross_entropy { float *loss, *dlogits; const float *logits; const int32_t *targets; int N, V;
     float grad_scale; int ignore_index; };
 struct fl_op_cross_entropy_dbf16 { float *loss; void *dlogits16; const float *logits; const int32_t *targets;
@@ -181,6 +182,7 @@ struct fl_oprec {
         struct fl_op_q4_matmul_backward q4_matmul_backward;
         struct fl_op_lora_forward lora_forward;
         struct fl_op_lora_backward lora_backward;
+        struct fl_op_dropout dropout;
         struct fl_op_cross_entropy cross_entropy;
         struct fl_op_cross_entropy_dbf16 cross_entropy_dbf16;
         struct fl_op_convert convert;

@@ -114,6 +114,10 @@ static void attn_views(const fl_model *m, const fl_block_graph *g, const fl_gop 
         }
     }
     *v = *k + d.KVD;
+    if (o->p >= 0 && x->drop_p > 0) { /* dropout on the weights (T5): the op's site of the block's seed */
+        a->drop_p = x->drop_p;
+        a->drop_seed = fl_dropout_seed(x->drop_seed, (uint64_t)o->p);
+    }
 }
 
 /* o16 (NULL or): the output's bf16 copy, written by the op itself where the backend has attention_forward16
@@ -353,6 +357,10 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
         case FL_GOP_ALLREDUCE:
             if (o->p == FL_GAR_FWD) FL_TRY(allreduce(x->comm, out, (size_t)N * wo));
             break;
+        case FL_GOP_DROPOUT:
+            if (x->drop_p > 0 || in != out)
+                FL_TRY(FL_RUN(be, dropout, out, in, (size_t)N * wo, x->drop_p, fl_dropout_seed(x->drop_seed, o->p), 0));
+            break;
         }
         if (last && !done16) FL_TRY(store16(be, g, o->out, s, x)); /* ROPE: in place */
     }
@@ -450,7 +458,7 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         const size_t wi = (size_t)si->width, wo = (size_t)so->width;
         /* ops whose backward accumulates into d(in): a gradient not started yet starts from zero (a
          * LINEAR overwrites it instead; o->acc: the residual path, or another reader's part already there) */
-        if (!o->acc && o->kind != FL_GOP_LINEAR && !fl_gop_modifies(o))
+        if (!o->acc && o->kind != FL_GOP_LINEAR && o->kind != FL_GOP_DROPOUT && !fl_gop_modifies(o))
             FL_RUN(be, zero, din, (size_t)N * wi * sizeof(float));
         /* the LINEAR next in this order made in and reads d(in) in bf16: this op writes that copy (dy16) */
         void *dy16 = dy16_for(be, g, bp, i);
@@ -487,6 +495,11 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         case FL_GOP_GEGLU: FL_RUN(be, geglu_backward, din, dout, s[o->in], N, (int)wo); break;
         case FL_GOP_ALLREDUCE:
             if (o->p == FL_GAR_BWD) FL_TRY(allreduce(x->comm, din, (size_t)N * wi));
+            break;
+        case FL_GOP_DROPOUT: /* d(in) (+)= the forward's mask on d(out); in place: masked where it is */
+            if (x->drop_p > 0 || din != dout)
+                FL_TRY(FL_RUN(be, dropout, din, dout, (size_t)N * wi, x->drop_p, fl_dropout_seed(x->drop_seed, o->p),
+                              o->acc && din != dout));
             break;
         case FL_GOP_ADD: break;
         }

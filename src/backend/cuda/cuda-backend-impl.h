@@ -586,6 +586,21 @@ static fl_status flb_lora_backward(const fl_backend *be, float *dx, float *dA, f
     return FL_OK;
 }
 
+/* backend.h dropout (T5's dropout in training): the LoRA dropout kernels on any tensor (the same mask bits) */
+static fl_status flb_dropout(const fl_backend *be, float *y, const float *x, size_t n, float p, uint64_t seed,
+                             int accumulate) {
+    FL_TRY(flb_sticky(be));
+    if (!(p >= 0.0f && p < 1.0f)) return fl_errorf(FL_ERR_INVALID, "dropout: p %g outside [0, 1)", (double)p);
+    if (n == 0) return FL_OK;
+    if (p == 0.0f) { /* no mask: a copy or a sum */
+        if (accumulate) return be->add(be, y, y, x, n), FL_OK;
+        return y == x ? FL_OK : be->copy(be, y, x, n * sizeof(float));
+    }
+    if (accumulate) FLB_RUN_S(be, FLB_K(lora_dropout_dx)(y, x, n, p, seed, STREAM), "dropout (accumulate)");
+    else FLB_RUN_S(be, FLB_K(lora_dropout)(y, x, n, p, seed, STREAM), "dropout");
+    return FL_OK;
+}
+
 /* ============================== profiling markers ============================== */
 
 /* Marker i recorded on the stream (made on first use: a profiled step needs ~2 per op). */
@@ -823,6 +838,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->q4_matmul_forward = flb_q4_matmul_forward;
     be->q4_matmul_backward = flb_q4_matmul_backward;
     be->lora_forward = flb_lora_forward;
+    be->dropout = flb_dropout;
     be->lora_backward = flb_lora_backward;
     be->accumulate16 = flb_accumulate16;
     be->set_scratch = flb_set_scratch;
