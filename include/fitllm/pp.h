@@ -151,6 +151,7 @@ typedef struct {
     size_t hx_n;
     fl_optim_dist dist;        /* the optimizer's hooks: the clipping norm and overflow verdict over the stages */
     const fl_optim_dist *inner; /* the data-parallel axis' (DDP), or NULL */
+    int adapters;              /* the optimizer trains the stage's LoRA adapters (fl_pp_optim_attach) */
     double fwd_ms, bwd_ms, step_ms; /* measured: the forwards' and backwards' compute (not the waits), the steps */
     long n_fwd, n_bwd, n_steps;
 } fl_pp;

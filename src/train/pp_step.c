@@ -10,6 +10,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "fitllm/lora.h"
 #include "fitllm/pp.h"
 #include "dp.h"
 
@@ -65,7 +66,9 @@ static fl_status pp_grad_sumsq(void *ud, const fl_optimizer *o, double *out) {
     const int zero = p->inner && p->inner->stage > 0;
     const size_t c0 = zero ? o->shard.off : 0, c1 = zero ? o->shard.off + o->shard.len : o->w.n;
     double v = 0;
-    for (int i = 0; i < m->layout.n; i++) {
+    /* LoRA: every adapter of the stage (a head adapter that only the last stage runs has a zero gradient elsewhere) */
+    if (p->adapters && c0 < c1) v = m->be->sumsq(m->be, (const char *)o->w.g + c0 * es, o->w.gt, c1 - c0);
+    for (int i = 0; !p->adapters && i < m->layout.n; i++) {
         const fl_param_info *e = &m->layout.params[i];
         const size_t a = e->offset > c0 ? e->offset : c0, b = e->offset + e->numel < c1 ? e->offset + e->numel : c1;
         if (fl_pp_stage_owns(m, i) && a < b) v += m->be->sumsq(m->be, (const char *)o->w.g + a * es, o->w.gt, b - a);
@@ -104,9 +107,12 @@ fl_status fl_pp_optim_attach(fl_pp *p, fl_optimizer *o) {
     if (in && (in->stage > 2 || in->grad_sumsq))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: the data-parallel axis runs DDP, ZeRO-1 or ZeRO-2 "
                          "(its optimizer is at stage %d)", p->stages, in->stage);
-    if (o->w.n != p->m->layout.numel || o->w.p != fl_model_params_data(p->m))
+    fl_lora_adapters ad;
+    p->adapters = fl_model_lora_adapters(p->m, &ad);
+    if (p->adapters ? o->w.n != ad.numel || o->w.p != ad.params
+                    : o->w.n != p->m->layout.numel || o->w.p != fl_model_params_data(p->m))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: the optimizer must train the stage's parameters "
-                         "(not LoRA adapters)", p->stages);
+                         "or its LoRA adapters", p->stages);
     p->inner = in;
     memset(&p->dist, 0, sizeof p->dist);
     p->dist.world = in ? in->world : 1;
@@ -156,10 +162,19 @@ typedef struct {
     double *stats;   /* (2 M) loss sum and valid targets (the last stage's) */
 } run;
 
+/* LoRA's dropout masks of micro-batch k: fl_step_run's seed (run seed, global micro-batch), set before its forward and
+ * again before its backward (which draws the same masks again), as other micro-batches ran in between */
+static void seed_micro(run *r, int k) {
+    const fl_step_ctx *c = r->c;
+    const int world = c->dp ? c->dp->world : 1, rank = c->dp ? c->dp->rank : 0;
+    if (c->seeded) fl_model_adapters_seed(r->p->m, c->seed + (uint64_t)(c->iter0 + (long)k * world + rank));
+}
+
 static fl_status fwd(run *r, int k) {
     fl_pp *p = r->p;
     fl_model *m = p->m;
     const fl_micro_batch *mb = &r->c->mbs[k];
+    seed_micro(r, k);
     const size_t n = (size_t)mb->B * mb->T * m->cfg.dim;
     if (r->live >= 0) FL_TRY(park(p, r->live, r->slot_of)); /* its backward comes later */
     r->live = -1;
@@ -200,6 +215,7 @@ static fl_status bwd(run *r, int k) {
         FL_TRY(fl_comm_recv(p->comm, p->hx, n, FL_F32, p->stage + 1, TAG_GRAD));
         FL_TRY(fl_model_stage_dout(m, p->hx));
     }
+    seed_micro(r, k);
     if (r->c->dp) fl_dp_buckets_arm(r->c->dp, r->o, k == r->c->n_micro - 1); /* the last backward reduces */
     const double t0 = now_ms();
     FL_TRY(fl_model_backward(m));
@@ -231,7 +247,7 @@ static fl_status whole_reduced(fl_pp *p, const fl_optimizer *o, float *a, size_t
 static fl_status tied_sum(fl_pp *p, fl_optimizer *o) {
     fl_model *m = p->m;
     const int S = p->stages, peer = p->stage == 0 ? S - 1 : 0;
-    if (!m->cfg.tie_embeddings || S < 2 || (p->stage != 0 && p->stage != S - 1)) return FL_OK;
+    if (!m->cfg.tie_embeddings || S < 2 || (p->stage != 0 && p->stage != S - 1) || p->adapters) return FL_OK;
     const int i = fl_layout_role(&m->layout, 0, FL_ROLE_EMBED);
     if (i < 0) return FL_OK;
     const size_t n = m->layout.params[i].numel, es = fl_dtype_size(o->w.gt);
