@@ -562,6 +562,18 @@ if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000002 (step 2, iter 
 else
     bad "pp_cli_checkpoint_resumes_in_one_process" "exit $rc, losses within '$w'"
 fi
+# LoRA on the stages (dropout 0.05, LitGPT's default): PP 2 under mpirun logs one process's losses exactly, and its
+# final/ (stage 0 merges the gathered adapters into the gathered base) and final/adapter are one process's bytes
+timeout 300 "$FL" finetune_lora "${TARGS[@]}" --out_dir "$T/pp-lora-one" >"$T/out" 2>&1 || bad "pp_cli_lora_one_process" "exit $?"
+timeout 300 mpirun -np 2 "$FL" finetune_lora "${TARGS[@]}" --devices 2 --pipeline_parallel 2 --out_dir "$T/pp-lora2" \
+    >"$T/out" 2>&1; rc=$?
+w=$(loss_rel "$T/pp-lora2" "$T/pp-lora-one" 2>/dev/null)
+if [ $rc -eq 0 ] && [ "$w" = 0 ] && cmp -s "$T/pp-lora2/final/model.safetensors" "$T/pp-lora-one/final/model.safetensors" \
+    && cmp -s "$T/pp-lora2/final/adapter/adapter_model.safetensors" "$T/pp-lora-one/final/adapter/adapter_model.safetensors"; then
+    ok "pp_cli_np2_pp2_lora (losses and final/ one process's bits)"
+else
+    bad "pp_cli_np2_pp2_lora" "exit $rc, losses within '$w'"
+fi
 pp_refused() { # name, pattern, ranks, arguments...
     local name=$1 pat=$2 np=$3; shift 3
     timeout 120 mpirun -np "$np" "$FL" "$@" --threads 1 >"$T/out" 2>&1; local rc=$?
@@ -569,8 +581,8 @@ pp_refused() { # name, pattern, ranks, arguments...
 }
 pp_refused pp_more_stages_than_layers "--pipeline_parallel 6: the model has 5 layers" 6 finetune_full micro --devices 6 \
     --pipeline_parallel 6 --train.global_batch_size 6 --out_dir "$T/pp-x1"
-pp_refused pp_lora_refused "--pipeline_parallel 2: finetune_lora is not pipelined yet" 2 finetune_lora micro --devices 2 \
-    --pipeline_parallel 2 --out_dir "$T/pp-x2"
+pp_refused pp_qlora_refused "--pipeline_parallel 2 with --quantize bnb.nf4: QLoRA's 4-bit base is not split" 2 finetune_lora \
+    micro --devices 2 --pipeline_parallel 2 --quantize bnb.nf4 --out_dir "$T/pp-x2"
 pp_refused pp_zero3_refused "--pipeline_parallel 2 with --strategy deepspeed_stage_3: the data-parallel axis runs DDP, ZeRO-1 or ZeRO-2" 4 \
     finetune_full micro --devices 4 --pipeline_parallel 2 --strategy deepspeed_stage_3 --out_dir "$T/pp-x3"
 pp_refused pp_t5_refused "--pipeline_parallel: T5 is not split into stages" 2 finetune_full t5-micro --devices 2 \
