@@ -22,12 +22,13 @@ fl_status fl_tr_pp_check(const trainer *t, const fl_strategy_choice *sc) {
     const fl_run_config *c = t->cfg;
     const int n = c->pipeline_parallel;
     if (n <= 1) return FL_OK;
-    if (c->tensor_parallel > 1)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with --tensor_parallel %d: not combined yet (one "
-                         "of them, with data parallelism)", n, c->tensor_parallel);
     if (c->command == FL_CMD_FINETUNE_LORA && c->lora.quantize[0])
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with --quantize %s: QLoRA's 4-bit base is not split "
                          "into stages yet (LoRA on a 16/32-bit base is)", n, c->lora.quantize);
+    if (c->command == FL_CMD_FINETUNE_LORA && c->tensor_parallel > 1)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with --tensor_parallel %d: finetune_lora is not "
+                         "combined with both yet (LoRA runs with pipeline parallelism and data parallelism)", n,
+                         c->tensor_parallel);
     if (sc->offload)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with --strategy %s: offload is not combined with "
                          "pipeline parallelism yet", n, c->strategy);
@@ -79,7 +80,7 @@ void fl_tr_pp_end(trainer *t) {
 /* the stages' blocks, balanced by the planner's per-block cost (fl_pp_block_costs: the head's FLOPs on the last
  * block) at the run's sequence length (train.max_seq_length, else the model's context): every rank computes the same
  * split from the same config, and the checkpoints gather by it */
-static fl_status stage_range(trainer *t, const fl_model_config *whole) {
+fl_status fl_tr_pp_stage_range(trainer *t, const fl_model_config *whole) {
     if (t->pp.size > 64) return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: at most 64 stages", t->pp.size);
     const int T = t->cfg->train.max_seq_length > 0 ? t->cfg->train.max_seq_length : whole->max_seq;
     FL_TRY(fl_pp_split_model(whole, T, t->pp.size, t->pp.split));
@@ -91,7 +92,7 @@ static fl_status stage_range(trainer *t, const fl_model_config *whole) {
 /* the planner's rehearsal: the stage of the given shape made directly (no whole copy: it is outside the pool) */
 static fl_status plan_stage(trainer *t, const fl_model_config *given) {
     fl_model_config sc;
-    FL_TRY(stage_range(t, given));
+    FL_TRY(fl_tr_pp_stage_range(t, given));
     FL_TRY(fl_pp_stage_config(given, t->pp.first, t->pp.last, &sc));
     t->pp.whole = *given;
     FL_TRY(fl_model_init_ex(&t->model, &sc, &t->hw.be, &t->hw.pool, &t->stg));
@@ -107,7 +108,7 @@ fl_status fl_tr_pp_load(trainer *t, const fl_model_config *given) {
     fl_status s = fl_backend_pools_init(&t->hw.be, &w.pool, &w.hpool, "pipeline parallel (whole model)", 0);
     w.pool_ok = s == FL_OK;
     if (s == FL_OK) s = fl_tr_load_model(t, given, &w.m, &w.pool, &w.m_ok);
-    if (s == FL_OK) s = stage_range(t, &w.m.cfg);
+    if (s == FL_OK) s = fl_tr_pp_stage_range(t, &w.m.cfg);
     fl_model_config sc;
     if (s == FL_OK) s = fl_pp_stage_config(&w.m.cfg, t->pp.first, t->pp.last, &sc);
     if (s == FL_OK) {
@@ -212,16 +213,17 @@ static fl_status take_stage(trainer *t, tp_whole *w, int s, const int *first, co
     return st;
 }
 
-/* a later stage: its entries to stage 0, in take_stage's order */
-static fl_status give_stage(trainer *t, const fl_optimizer *o, char *const *full, float *buf, fl_dtype dt) {
+/* a later stage (its model m): its entries to stage 0, in take_stage's order */
+static fl_status give_stage(trainer *t, const fl_model *m, const fl_optimizer *o, char *const *full, float *buf,
+                            fl_dtype dt) {
     void *arr[3] = {NULL, NULL, NULL};
     if (o) arrays(o, arr);
     for (int a = -1; a < 3; a++) {
         if (a >= 0 && !arr[a]) continue;
-        for (int i = 0; i < t->model.layout.n; i++) {
-            if (!fl_pp_stage_owns(&t->model, i)) continue;
-            const fl_param_info *p = &t->model.layout.params[i];
-            if (a < 0) fl_model_read_param(&t->model, i, buf);
+        for (int i = 0; i < m->layout.n; i++) {
+            if (!fl_pp_stage_owns(m, i)) continue;
+            const fl_param_info *p = &m->layout.params[i];
+            if (a < 0) fl_model_read_param(m, i, buf);
             else FL_TRY(arr_read(o, arr[a], full[a], dt, p, buf));
             FL_TRY(fl_comm_send(t->pp.grp, buf, p->numel, FL_F32, 0, TAG_CKPT));
         }
@@ -316,7 +318,8 @@ static fl_status lora_gather(trainer *t, tp_whole *w, const fl_optimizer *o, cha
     return st;
 }
 
-static fl_status pp_save(trainer *t, int lead, const char *name, const fl_optimizer *o, const fl_train_state *st) {
+fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_model *m, const fl_optimizer *o,
+                              const fl_train_state *st) {
     const fl_dtype dt = o && o->cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
     char *full[3] = {NULL, NULL, NULL};
     void *arr[3] = {NULL, NULL, NULL};
@@ -328,13 +331,13 @@ static fl_status pp_save(trainer *t, int lead, const char *name, const fl_optimi
     /* LoRA: the adapters (and their state) of every stage; the final save (no optimizer) also the frozen base, which
      * stage 0 merges them into as one process does */
     fl_lora_adapters ad;
-    const int lora = fl_model_lora_adapters(&t->model, &ad);
+    const int lora = fl_model_lora_adapters(m, &ad);
     size_t most = lora ? ad.numel + 1 : 1;
-    for (int i = 0; i < t->model.layout.n; i++)
-        if (t->model.layout.params[i].numel > most) most = t->model.layout.params[i].numel;
+    for (int i = 0; i < m->layout.n; i++)
+        if (m->layout.params[i].numel > most) most = m->layout.params[i].numel;
     float *buf = t->dp.rank == 0 && s == FL_OK ? malloc(most * sizeof *buf) : NULL;
     if (t->dp.rank == 0 && s == FL_OK && !buf) s = fl_errorf(FL_ERR_OOM, "pipeline checkpoint: out of host memory");
-    if (t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && (!lora || !o)) s = give_stage(t, lora ? NULL : o, full, buf, dt);
+    if (t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && (!lora || !o)) s = give_stage(t, m, lora ? NULL : o, full, buf, dt);
     if (t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && lora) s = lora_gather(t, NULL, o, full, buf, dt);
     if (t->dp.rank != 0 || s != FL_OK || t->pp.stage > 0) { /* the first pipeline gathers, its stage 0 writes */
         for (int a = 0; a < 3; a++) free(full[a]);
@@ -345,7 +348,7 @@ static fl_status pp_save(trainer *t, int lead, const char *name, const fl_optimi
     memset(&w, 0, sizeof w);
     s = lora ? lora_whole(t, &w, o) : fl_tr_whole_make(t, &w, &t->pp.whole, o);
     for (int k = 0; s == FL_OK && k < t->pp.size && (!lora || !o); k++)
-        s = take_stage(t, &w, k, t->pp.split, k == 0 ? &t->model : NULL, k == 0 && !lora ? o : NULL, full, buf, dt);
+        s = take_stage(t, &w, k, t->pp.split, k == 0 ? m : NULL, k == 0 && !lora ? o : NULL, full, buf, dt);
     if (s == FL_OK && lora) s = lora_gather(t, &w, o, full, buf, dt);
     if (s == FL_OK && lora && !o) s = fl_model_lora_merge(&w.m); /* final/: the merged model and the adapter */
     free(buf);
@@ -361,7 +364,7 @@ static fl_status pp_save(trainer *t, int lead, const char *name, const fl_optimi
 }
 
 fl_status fl_tr_pp_save(trainer *t, int lead, const char *name, const fl_optimizer *o, const fl_train_state *st) {
-    fl_status s = pp_save(t, lead, name, o, st);
+    fl_status s = fl_tr_pp_save_stage(t, lead, name, &t->model, o, st);
     /* a failed gather or write fails every rank of the grid at once */
     fl_dp g;
     memset(&g, 0, sizeof g);
