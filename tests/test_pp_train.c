@@ -132,8 +132,9 @@ static void expect_refusal(int W, int pp, const char *strategy, int lora, const 
     snprintf(out, sizeof out, "%s/pp-refuse", fl_test_tmpdir());
     for (int r = 0; r < W; r++) {
         if (lora) dr_config(&j->cfg[r], DR_LORA, W / pp, W, 1, 0, out);
-        if (lora == 2) snprintf(j->cfg[r].lora.quantize, sizeof j->cfg[r].lora.quantize, "bnb.nf4");
         else pp_config(&j->cfg[r], W / pp, pp, "1f1b", out);
+        if (lora == 2) snprintf(j->cfg[r].lora.quantize, sizeof j->cfg[r].lora.quantize, "bnb.nf4");
+        if (lora == 3) j->cfg[r].tensor_parallel = 2;
         j->cfg[r].pipeline_parallel = pp;
         if (strategy) snprintf(j->cfg[r].strategy, sizeof j->cfg[r].strategy, "%s", strategy);
     }
@@ -146,6 +147,7 @@ static void expect_refusal(int W, int pp, const char *strategy, int lora, const 
 
 FL_TEST(pp_train_threads_refusals) {
     expect_refusal(2, 2, NULL, 2, "--pipeline_parallel 2 with --quantize bnb.nf4: QLoRA's 4-bit base is not split");
+    expect_refusal(4, 2, NULL, 3, "--pipeline_parallel 2 with --tensor_parallel 2: finetune_lora is not combined with both");
     expect_refusal(4, 2, "deepspeed_stage_3", 0, "--pipeline_parallel 2 with --strategy deepspeed_stage_3");
     expect_refusal(2, 2, "deepspeed_stage_2_offload", 0, "offload is not combined with pipeline parallelism");
     expect_refusal(2, 2, "fsdp", 0, "the data-parallel axis runs DDP, ZeRO-1 or ZeRO-2 so far, not FULL_SHARD");
