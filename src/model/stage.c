@@ -17,6 +17,7 @@
 
 #include "fitllm/pp.h"
 #include "model-impl.h"
+#include "store.h"
 
 fl_status fl_pp_stage_config(const fl_model_config *whole, int first, int last, fl_model_config *out) {
     if (first < 0 || last <= first || last > whole->n_layers)
@@ -70,6 +71,22 @@ int fl_pp_layout_owns(const fl_param_layout *lay, int in, int out, int i) {
 
 int fl_pp_stage_owns(const fl_model *m, int i) { return fl_pp_layout_owns(&m->layout, m->stage.in, m->stage.out, i); }
 
+/* a sharded stage (FSDP FULL_SHARD on the data axis): entry i's piece this rank holds, from the whole entry w */
+static fl_status write_piece(fl_model *m, int i, const float *w) {
+    size_t k0, k1;
+    fl_dtype dt;
+    char *dst = fl_model_param_piece(m, i, &k0, &k1, &dt);
+    if (!dst || k1 <= k0) return FL_OK;
+    const size_t n = k1 - k0, es = fl_dtype_size(dt);
+    const fl_backend *be = fl_model_params_be(m);
+    void *tmp = malloc(n * es + 4);
+    if (!tmp) return fl_errorf(FL_ERR_OOM, "pipeline stage: out of host memory staging a piece of %s", m->layout.params[i].name);
+    fl_convert(tmp, dt, w + k0, FL_F32, n);
+    fl_status s = be ? be->to_device(be, dst, tmp, n * es) : (memcpy(dst, tmp, n * es), FL_OK);
+    free(tmp);
+    return s;
+}
+
 fl_status fl_pp_stage_take(const fl_model *whole, fl_model *stage, int first) {
     size_t most = 0;
     for (int i = 0; i < whole->layout.n; i++)
@@ -84,7 +101,15 @@ fl_status fl_pp_stage_take(const fl_model *whole, fl_model *stage, int first) {
                              stage->layout.params[i].name);
         }
         fl_model_read_param(whole, j, w);
-        fl_model_write_param(stage, i, w);
+        if (fl_model_provider(stage)) { /* sharded: its piece (write_param writes nothing there) */
+            fl_status s = write_piece(stage, i, w);
+            if (s != FL_OK) {
+                free(w);
+                return s;
+            }
+        } else {
+            fl_model_write_param(stage, i, w);
+        }
     }
     free(w);
     fl_model_sync_compute_copy(stage); /* bf16-mixed: the copy the matmuls read */
@@ -98,6 +123,12 @@ fl_status fl_model_set_stage(fl_model *m, int in, int out) {
      * whose gradient flows only to its input, which one process skips at the embeddings */
     if (m->stage.in) m->keep_block0_din = 1;
     return FL_OK;
+}
+
+fl_status fl_model_stage_open_grads(fl_model *m) {
+    if (!fl_store_sharded(m->store) || !m->fwd_train) return FL_OK;
+    FL_TRY(fl_store_grads_begin(m->store, m->cfg.n_layers + 1));
+    return m->stage.in ? fl_store_grads_begin(m->store, 0) : FL_OK;
 }
 
 static size_t stream_bytes(const fl_model *m, int B, int T) { return (size_t)B * T * m->cfg.dim * sizeof(float); }

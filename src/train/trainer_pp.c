@@ -32,10 +32,9 @@ fl_status fl_tr_pp_check(const trainer *t, const fl_strategy_choice *sc) {
     if (sc->offload)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with --strategy %s: offload is not combined with "
                          "pipeline parallelism yet", n, c->strategy);
-    if (sc->stage > 2)
+    if (sc->stage > 2 && fl_cfg_hybrid_shard(sc->strategy, sc->sharding))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d with --strategy %s%s%s: the data-parallel axis "
-                         "runs DDP, ZeRO-1 or ZeRO-2 so far, not FULL_SHARD (give --strategy ddp, deepspeed_stage_1, "
-                         "deepspeed_stage_2, or fsdp with --fsdp.sharding_strategy SHARD_GRAD_OP)", n, c->strategy,
+                         "runs DDP, ZeRO-1, ZeRO-2 or FULL_SHARD / ZeRO-3 so far, not HYBRID_SHARD", n, c->strategy,
                          sc->sharding[0] ? " " : "", sc->sharding);
     if (c->optimizer.kind == FL_OPT_ADAMW8BIT)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: AdamW8bit's block-wise state is not gathered into "
@@ -101,13 +100,26 @@ static fl_status plan_stage(trainer *t, const fl_model_config *given) {
     return FL_OK;
 }
 
+/* whole models are never sharded: FULL_SHARD on the data axis (fl_fsdp_prepare's storage hook in t->stg) shards the
+ * stage alone */
+static fl_status whole_unsharded(trainer *t, tp_whole *w, const fl_optimizer *o) {
+    const fl_model_storage keep = t->stg;
+    t->stg.shard = NULL;
+    fl_status s = fl_tr_whole_make(t, w, &t->pp.whole, o);
+    t->stg = keep;
+    return s;
+}
+
 fl_status fl_tr_pp_load(trainer *t, const fl_model_config *given) {
     if (fl_backend_discards(&t->hw.be)) return plan_stage(t, given);
     tp_whole w;
     memset(&w, 0, sizeof w);
     fl_status s = fl_backend_pools_init(&t->hw.be, &w.pool, &w.hpool, "pipeline parallel (whole model)", 0);
     w.pool_ok = s == FL_OK;
+    const fl_model_storage keep = t->stg; /* the whole model unsharded (whole_unsharded) */
+    t->stg.shard = NULL;
     if (s == FL_OK) s = fl_tr_load_model(t, given, &w.m, &w.pool, &w.m_ok);
+    t->stg = keep;
     if (s == FL_OK) s = fl_tr_pp_stage_range(t, &w.m.cfg);
     fl_model_config sc;
     if (s == FL_OK) s = fl_pp_stage_config(&w.m.cfg, t->pp.first, t->pp.last, &sc);
@@ -184,8 +196,17 @@ static fl_status arr_write(const fl_optimizer *o, void *arr, char *host, fl_dtyp
 
 /* one stage's entries (parameters, then each state array) into the whole model, in the order every stage sends them:
  * stage 0's own from its model (src), a later stage's received (src NULL) */
+/* entry i of m as fp32: from pw (FULL_SHARD: the stage's parameters gathered over the data axis, the store's dtype)
+ * or the model */
+static void read_entry(const fl_model *m, const char *pw, int i, float *buf) {
+    const fl_param_info *p = &m->layout.params[i];
+    const fl_dtype pt = fl_model_store_dtype(m);
+    if (pw) fl_convert(buf, FL_F32, pw + p->offset * fl_dtype_size(pt), pt, p->numel);
+    else fl_model_read_param(m, i, buf);
+}
+
 static fl_status take_stage(trainer *t, tp_whole *w, int s, const int *first, const fl_model *src,
-                            const fl_optimizer *so, char *const *full, float *buf, fl_dtype dt) {
+                            const fl_optimizer *so, char *const *full, float *buf, fl_dtype dt, const char *pw) {
     fl_model_config sc;
     fl_param_layout lay;
     FL_TRY(fl_pp_stage_config(&t->pp.whole, first[s], first[s + 1], &sc));
@@ -202,7 +223,7 @@ static fl_status take_stage(trainer *t, tp_whole *w, int s, const int *first, co
             const int j = fl_pp_stage_entry(&w->m.layout, &lay, first[s], i);
             const fl_param_info *p = &w->m.layout.params[j];
             if (!src) st = fl_comm_recv(t->pp.grp, buf, p->numel, FL_F32, s, TAG_CKPT);
-            else if (a < 0) fl_model_read_param(src, i, buf);
+            else if (a < 0) read_entry(src, pw, i, buf);
             else st = arr_read(so, sarr[a], full[a], dt, &src->layout.params[i], buf);
             if (st != FL_OK) break;
             if (a < 0) fl_model_write_param(&w->m, j, buf);
@@ -215,7 +236,7 @@ static fl_status take_stage(trainer *t, tp_whole *w, int s, const int *first, co
 
 /* a later stage (its model m): its entries to stage 0, in take_stage's order */
 static fl_status give_stage(trainer *t, const fl_model *m, const fl_optimizer *o, char *const *full, float *buf,
-                            fl_dtype dt) {
+                            fl_dtype dt, const char *pw) {
     void *arr[3] = {NULL, NULL, NULL};
     if (o) arrays(o, arr);
     for (int a = -1; a < 3; a++) {
@@ -223,7 +244,7 @@ static fl_status give_stage(trainer *t, const fl_model *m, const fl_optimizer *o
         for (int i = 0; i < m->layout.n; i++) {
             if (!fl_pp_stage_owns(m, i)) continue;
             const fl_param_info *p = &m->layout.params[i];
-            if (a < 0) fl_model_read_param(m, i, buf);
+            if (a < 0) read_entry(m, pw, i, buf);
             else FL_TRY(arr_read(o, arr[a], full[a], dt, p, buf));
             FL_TRY(fl_comm_send(t->pp.grp, buf, p->numel, FL_F32, 0, TAG_CKPT));
         }
@@ -235,7 +256,7 @@ static fl_status give_stage(trainer *t, const fl_model *m, const fl_optimizer *o
 
 /* the whole model (the run's precision) with the run's adapters attached, and an optimizer over them when o */
 static fl_status lora_whole(trainer *t, tp_whole *w, const fl_optimizer *o) {
-    FL_TRY(fl_tr_whole_make(t, w, &t->pp.whole, NULL));
+    FL_TRY(whole_unsharded(t, w, NULL));
     FL_TRY(fl_model_set_precision(&w->m, &t->model.prec));
     fl_lora_config lc;
     FL_TRY(fl_trainer_lora_config(t->cfg, &w->m.cfg, &lc));
@@ -328,6 +349,18 @@ fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_m
     /* ZeRO: every rank of the axis gives its chunks first (the same arrays in the same order on every rank) */
     for (int a = 0; a < 3 && o && state_chunked(o) && s == FL_OK; a++)
         if (arr[a]) s = fl_tr_state_whole(o, t->pp.dpc, arr[a], dt, (void **)&full[a]);
+    /* FULL_SHARD on the data axis: the stage's parameters and state gathered unit by unit over the axis first */
+    const int fsdp = t->dp.fsdp && m == &t->model;
+    char *pw = NULL;
+    size_t pb = 0;
+    if (fsdp && s == FL_OK) s = fl_fsdp_whole_params(&t->dp, (void **)&pw, &pb);
+    for (int a = 0; a < 3 && fsdp && o && s == FL_OK; a++) {
+        if (!arr[a]) continue;
+        full[a] = malloc(m->layout.numel * fl_dtype_size(dt) + 4);
+        /* a failed allocation still takes part in the gathers (collective) */
+        const fl_status g = fl_fsdp_whole_array(&t->dp, arr[a], fl_dtype_size(dt), full[a]);
+        s = !full[a] ? fl_errorf(FL_ERR_OOM, "pipeline checkpoint: out of host memory") : g;
+    }
     /* LoRA: the adapters (and their state) of every stage; the final save (no optimizer) also the frozen base, which
      * stage 0 merges them into as one process does */
     fl_lora_adapters ad;
@@ -337,21 +370,23 @@ fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_m
         if (m->layout.params[i].numel > most) most = m->layout.params[i].numel;
     float *buf = t->dp.rank == 0 && s == FL_OK ? malloc(most * sizeof *buf) : NULL;
     if (t->dp.rank == 0 && s == FL_OK && !buf) s = fl_errorf(FL_ERR_OOM, "pipeline checkpoint: out of host memory");
-    if (t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && (!lora || !o)) s = give_stage(t, m, lora ? NULL : o, full, buf, dt);
+    if (t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && (!lora || !o)) s = give_stage(t, m, lora ? NULL : o, full, buf, dt, pw);
     if (t->dp.rank == 0 && s == FL_OK && t->pp.stage > 0 && lora) s = lora_gather(t, NULL, o, full, buf, dt);
     if (t->dp.rank != 0 || s != FL_OK || t->pp.stage > 0) { /* the first pipeline gathers, its stage 0 writes */
         for (int a = 0; a < 3; a++) free(full[a]);
         free(buf);
+        free(pw);
         return s;
     }
     tp_whole w;
     memset(&w, 0, sizeof w);
-    s = lora ? lora_whole(t, &w, o) : fl_tr_whole_make(t, &w, &t->pp.whole, o);
+    s = lora ? lora_whole(t, &w, o) : whole_unsharded(t, &w, o);
     for (int k = 0; s == FL_OK && k < t->pp.size && (!lora || !o); k++)
-        s = take_stage(t, &w, k, t->pp.split, k == 0 ? m : NULL, k == 0 && !lora ? o : NULL, full, buf, dt);
+        s = take_stage(t, &w, k, t->pp.split, k == 0 ? m : NULL, k == 0 && !lora ? o : NULL, full, buf, dt, pw);
     if (s == FL_OK && lora) s = lora_gather(t, &w, o, full, buf, dt);
     if (s == FL_OK && lora && !o) s = fl_model_lora_merge(&w.m); /* final/: the merged model and the adapter */
     free(buf);
+    free(pw);
     for (int a = 0; a < 3; a++) free(full[a]);
     if (s == FL_OK && o) {
         w.o.step = o->step;
@@ -414,9 +449,9 @@ fl_status fl_tr_pp_ckpt_load(trainer *t, const char *path) {
     if (t->model.lora) return lora_resume(t, path);
     tp_whole w;
     memset(&w, 0, sizeof w);
-    fl_status s = fl_tr_whole_make(t, &w, &t->pp.whole, &t->opt);
+    fl_status s = whole_unsharded(t, &w, &t->opt);
     if (s == FL_OK) s = fl_ckpt_load(path, &w.m, &w.o, &t->st);
-    if (s == FL_OK) s = fl_pp_stage_take(&w.m, &t->model, t->pp.first);
+    if (s == FL_OK) s = fl_pp_stage_take(&w.m, &t->model, t->pp.first); /* FULL_SHARD: the rank's pieces */
     const fl_dtype dt = t->opt.cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
     void *src[3], *dst[3];
     arrays(&w.o, src);
@@ -428,8 +463,12 @@ fl_status fl_tr_pp_ckpt_load(trainer *t, const char *path) {
     /* ZeRO on the data axis: the stage's whole array in host memory, then this rank's chunk */
     const fl_optimizer *o = &t->opt;
     const size_t es = fl_dtype_size(dt);
-    char *h = state_chunked(o) ? malloc(o->w.n * es + 4) : NULL;
-    if (s == FL_OK && (!buf || (state_chunked(o) && !h))) s = fl_errorf(FL_ERR_OOM, "pipeline resume: out of host memory");
+    /* FULL_SHARD on the data axis: the stage's whole array in host memory, then the rank's piece of each unit */
+    size_t fo[1024], so[1024], ln[1024];
+    const int G = t->dp.fsdp && t->model.layout.n_groups <= 1024 ? fl_fsdp_ranges(&t->dp, fo, so, ln) : 0;
+    const int staged = state_chunked(o) || G > 0;
+    char *h = staged ? malloc((G ? t->model.layout.numel : o->w.n) * es + 4) : NULL;
+    if (s == FL_OK && (!buf || (staged && !h))) s = fl_errorf(FL_ERR_OOM, "pipeline resume: out of host memory");
     for (int a = 0; a < 3 && s == FL_OK; a++) {
         if (!src[a] || !dst[a]) continue;
         for (int i = 0; i < t->model.layout.n && s == FL_OK; i++) {
@@ -437,7 +476,9 @@ fl_status fl_tr_pp_ckpt_load(trainer *t, const char *path) {
             s = arr_read(&w.o, src[a], NULL, dt, &w.m.layout.params[j], buf);
             if (s == FL_OK) s = arr_write(&t->opt, dst[a], h, dt, &t->model.layout.params[i], buf);
         }
-        if (s == FL_OK && h) s = o->home.be->to_device(o->home.be, dst[a], h + o->shard.off * es, o->shard.len * es);
+        for (int g = 0; g < G && s == FL_OK; g++)
+            s = o->home.be->to_device(o->home.be, (char *)dst[a] + so[g] * es, h + fo[g] * es, ln[g] * es);
+        if (s == FL_OK && h && !G) s = o->home.be->to_device(o->home.be, dst[a], h + o->shard.off * es, o->shard.len * es);
     }
     free(h);
     free(buf);
