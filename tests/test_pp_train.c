@@ -288,7 +288,7 @@ FL_TEST(pp_train_threads_failing_rank_stops_the_grid) {
  * adapters' activations of a micro-batch in flight, a later stage's block 0 hands d(input) back; no tied sum and no
  * clipping enter, so PP 2 (1F1B) and PP 3 (GPipe) give one process's losses bit for bit, DP 2 x PP 2 DDP's. */
 static void lora_grid_from(pp_job *j, int dp, int pp, const char *schedule, const char *tag, long steps, int save,
-                           const char *resume) {
+                           const char *resume, const char *strategy) {
     char out[700];
     snprintf(out, sizeof out, "%s/pp-lora-%s-%d-%d", fl_test_tmpdir(), tag, dp, pp);
     for (int r = 0; r < dp * pp; r++) {
@@ -298,6 +298,7 @@ static void lora_grid_from(pp_job *j, int dp, int pp, const char *schedule, cons
         if (steps) j->cfg[r].train.max_steps = steps;
         j->cfg[r].train.save_interval = save;
         if (resume) snprintf(j->cfg[r].resume, sizeof j->cfg[r].resume, "%s", resume);
+        if (strategy) snprintf(j->cfg[r].strategy, sizeof j->cfg[r].strategy, "%s", strategy);
     }
     backend_on();
     fl_status s = fl_comm_threads_run(dp * pp, pp_rank, j);
@@ -305,7 +306,7 @@ static void lora_grid_from(pp_job *j, int dp, int pp, const char *schedule, cons
     FL_CHECKF(s == FL_OK, "LoRA DP %d x PP %d %s: %s", dp, pp, schedule, j->msg[0]);
 }
 static void lora_grid(pp_job *j, int dp, int pp, const char *schedule, const char *tag, long steps, int save) {
-    lora_grid_from(j, dp, pp, schedule, tag, steps, save, NULL);
+    lora_grid_from(j, dp, pp, schedule, tag, steps, save, NULL, NULL);
 }
 
 /* dir_a/name and dir_b/name hold the same bytes */
@@ -341,11 +342,13 @@ FL_TEST(pp_train_threads_lora_equals_one_process) {
     memset(&ref->rec[0], 0, sizeof ref->rec[0]);
     for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&ref->rec[r]);
     free(ref);
-    const struct { int dp, pp; const char *sched; } grids[3] = {{1, 2, "1f1b"}, {1, 3, "gpipe"}, {2, 2, "1f1b"}};
-    for (int g = 0; g < 3; g++) {
+    /* and under fsdp (LoRA's adapters train as ZeRO-2 there: the same bits as DDP without clipping) */
+    const struct { int dp, pp; const char *sched, *strategy; } grids[4] = {
+        {1, 2, "1f1b", NULL}, {1, 3, "gpipe", NULL}, {2, 2, "1f1b", NULL}, {2, 2, "1f1b", "fsdp"}};
+    for (int g = 0; g < 4; g++) {
         pp_job *j = calloc(1, sizeof *j);
         FL_REQUIRE(j != NULL);
-        lora_grid(j, grids[g].dp, grids[g].pp, grids[g].sched, "l", 0, 0);
+        lora_grid_from(j, grids[g].dp, grids[g].pp, grids[g].sched, "l", 0, 0, NULL, grids[g].strategy);
         for (int r = 0; r < grids[g].dp * grids[g].pp; r++) {
             const dr_rec *a = &j->rec[r], *b = &one[grids[g].dp];
             FL_CHECKF(a->steps == b->steps && a->steps > 0, "rank %d: %ld steps, one process %ld", r, a->steps, b->steps);
@@ -380,7 +383,7 @@ FL_TEST(pp_train_threads_lora_resume_on_another_grid) {
         char ck[800];
         snprintf(ck, sizeof ck, "%s/step-000002", b->cfg[0].out_dir);
         for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&b->rec[r]);
-        lora_grid_from(b, 1, to[c], "gpipe", "lr-resumed", 0, 0, ck);
+        lora_grid_from(b, 1, to[c], "gpipe", "lr-resumed", 0, 0, ck, NULL);
         for (int r = 0; r < to[c]; r++) {
             FL_CHECKF(b->rec[r].steps == a->rec[0].steps, "PP %d -> %d rank %d: %ld steps, want %ld", from[c], to[c], r,
                       b->rec[r].steps, a->rec[0].steps);
