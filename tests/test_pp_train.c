@@ -53,6 +53,14 @@ static void one_process(int dp, dr_rec *rec) {
     backend_off();
 }
 
+/* the job's W ranks as threads on the cpu backend */
+static fl_status run_job(pp_job *j, int W) {
+    backend_on();
+    fl_status s = fl_comm_threads_run(W, pp_rank, j);
+    backend_off();
+    return s;
+}
+
 /* strategy, sharding: the data axis' (NULL: ddp) */
 static void run_grid_on(pp_job *j, int dp, int pp, const char *schedule, const char *tag, long steps,
                         const char *strategy, const char *sharding) {
@@ -64,9 +72,7 @@ static void run_grid_on(pp_job *j, int dp, int pp, const char *schedule, const c
         if (strategy) snprintf(j->cfg[r].strategy, sizeof j->cfg[r].strategy, "%s", strategy);
         if (sharding) snprintf(j->cfg[r].sharding_strategy, sizeof j->cfg[r].sharding_strategy, "%s", sharding);
     }
-    backend_on();
-    fl_status s = fl_comm_threads_run(dp * pp, pp_rank, j);
-    backend_off();
+    fl_status s = run_job(j, dp * pp);
     FL_CHECKF(s == FL_OK, "DP %d x PP %d %s: %s", dp, pp, schedule, j->msg[0]);
 }
 
@@ -300,9 +306,7 @@ static void lora_grid_from(pp_job *j, int dp, int pp, const char *schedule, cons
         if (resume) snprintf(j->cfg[r].resume, sizeof j->cfg[r].resume, "%s", resume);
         if (strategy) snprintf(j->cfg[r].strategy, sizeof j->cfg[r].strategy, "%s", strategy);
     }
-    backend_on();
-    fl_status s = fl_comm_threads_run(dp * pp, pp_rank, j);
-    backend_off();
+    fl_status s = run_job(j, dp * pp);
     FL_CHECKF(s == FL_OK, "LoRA DP %d x PP %d %s: %s", dp, pp, schedule, j->msg[0]);
 }
 static void lora_grid(pp_job *j, int dp, int pp, const char *schedule, const char *tag, long steps, int save) {
