@@ -315,7 +315,7 @@ static void lora_grid(pp_job *j, int dp, int pp, const char *schedule, const cha
 
 /* dir_a/name and dir_b/name hold the same bytes */
 static int same_file(const char *dir_a, const char *dir_b, const char *name) {
-    char pa[1600], pb[1600];
+    char pa[4400], pb[4400];
     snprintf(pa, sizeof pa, "%s/%s", dir_a, name);
     snprintf(pb, sizeof pb, "%s/%s", dir_b, name);
     FILE *fa = fopen(pa, "rb"), *fb = fopen(pb, "rb");
@@ -337,7 +337,7 @@ FL_TEST(pp_train_threads_lora_equals_one_process) {
     FL_REQUIRE(ref != NULL);
     dr_rec one[3];
     lora_grid(ref, 1, 1, "1f1b", "l-one", 0, 0);
-    char one_dir[700];
+    char one_dir[sizeof ((fl_run_config *)0)->out_dir];
     snprintf(one_dir, sizeof one_dir, "%s", ref->cfg[0].out_dir);
     one[1] = ref->rec[0];
     memset(&ref->rec[0], 0, sizeof ref->rec[0]);
@@ -384,7 +384,7 @@ FL_TEST(pp_train_threads_lora_resume_on_another_grid) {
     const int from[3] = {2, 2, 1}, to[3] = {1, 3, 2};
     for (int c = 0; c < 3; c++) {
         lora_grid(b, 1, from[c], "1f1b", "lr-save", 2, 2);
-        char ck[800];
+        char ck[sizeof ((fl_run_config *)0)->out_dir + 32];
         snprintf(ck, sizeof ck, "%s/step-000002", b->cfg[0].out_dir);
         for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&b->rec[r]);
         lora_grid_from(b, 1, to[c], "gpipe", "lr-resumed", 0, 0, ck, NULL);
