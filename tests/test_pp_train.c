@@ -360,6 +360,9 @@ FL_TEST(pp_train_threads_lora_equals_one_process) {
                 FL_CHECKF(a->loss[k] == b->loss[k], "LoRA DP %d x PP %d %s rank %d step %ld: loss %.9g, DP %d alone %.9g",
                           grids[g].dp, grids[g].pp, grids[g].sched, r, k + 1, a->loss[k], grids[g].dp, b->loss[k]);
         }
+        /* plan per rank = measured (the stash parks the adapters' activations too: ACTS) */
+        for (int r = 0; g == 0 && r < grids[g].dp * grids[g].pp; r++)
+            (void)plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], "LoRA PP 2");
         /* final/: the merged model (stage 0 merges the gathered adapters into the gathered base) and the PEFT adapter,
          * the single process's bytes */
         const char *files[2] = {"final/model.safetensors", "final/adapter/adapter_model.safetensors"};
