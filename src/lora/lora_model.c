@@ -51,7 +51,7 @@ static uint64_t slot_seed(const fl_lora_slot *a, int row_base) {
 static fl_status slot_forward(const fl_linear_adapter *ad, const fl_backend *be, float *y, int ldy, const float *x,
                               int N, int row_base) {
     const fl_lora_slot *a = (const fl_lora_slot *)ad;
-    return be->lora_forward(be, y + a->row0, ldy, a->h, a->xd, x, a->A, a->B, N, a->in, a->out, a->r, a->scaling,
+    return FL_RUN(be, lora_forward, y + a->row0, ldy, a->h, a->xd, x, a->A, a->B, N, a->in, a->out, a->r, a->scaling,
                             a->dropout, slot_seed(a, row_base));
 }
 
@@ -59,7 +59,7 @@ static fl_status slot_forward(const fl_linear_adapter *ad, const fl_backend *be,
 static fl_status slot_backward(const fl_linear_adapter *ad, const fl_backend *be, float *dx, const float *dy, int ldy,
                                const float *x, int N, int row_base) {
     const fl_lora_slot *a = (const fl_lora_slot *)ad;
-    return be->lora_backward(be, dx, a->dA, a->dB, dy + a->row0, ldy, a->xd ? a->xd : x, a->h, a->A, a->B, N, a->in,
+    return FL_RUN(be, lora_backward, dx, a->dA, a->dB, dy + a->row0, ldy, a->xd ? a->xd : x, a->h, a->A, a->B, N, a->in,
                              a->out, a->r, a->scaling, a->dropout, slot_seed(a, row_base), a->st->work);
 }
 
@@ -145,7 +145,7 @@ fl_status fl_model_lora_init_at(fl_model *m, const fl_lora_config *cfg, uint64_t
             }
             st->count[l * K + k] = n - st->first[l * K + k];
         }
-    s = m->be->to_device(m->be, st->params, host, st->numel * sizeof(float));
+    s = FL_RUN(m->be, to_device, st->params, host, st->numel * sizeof(float));
     free(host);
     /* the rewrite: each slot attached to its LINEAR (block l's linear k; the lm_head: block -1), in slot order */
     fl_adapter_hooks h = {st->grads, st->numel, fl_lora_sizing_head_grads(&st->cfg, st->mods, st->n_mods),
@@ -276,7 +276,7 @@ fl_status fl_model_lora_merge(fl_model *m) {
     const int dev = m->be && !fl_backend_host_memory(m->be);
     float *ad = dev ? malloc(st->numel * sizeof(float) + 1) : st->params;
     if (!ad) return fl_errorf(FL_ERR_OOM, "merging LoRA: out of host memory");
-    fl_status s = dev ? m->be->to_host(m->be, ad, st->params, st->numel * sizeof(float)) : FL_OK;
+    fl_status s = dev ? FL_RUN(m->be, to_host, ad, st->params, st->numel * sizeof(float)) : FL_OK;
     for (int j = 0; j < st->n_mods && s == FL_OK; j++) {
         const fl_lora_module *md = &st->mods[j];
         const fl_param_info *p = &m->layout.params[md->param_index];
@@ -313,8 +313,8 @@ static void lora_add_merged(const fl_model *m, int i, float *dst) {
         if (m->be && !fl_backend_host_memory(m->be)) { /* device memory: this module's A and B to the host */
             size_t na = (size_t)st->cfg.r * md->in, nb = (size_t)md->out * st->cfg.r;
             ab = malloc((na + nb) * sizeof(float));
-            if (!ab || m->be->to_host(m->be, ab, A, na * sizeof(float)) != FL_OK ||
-                m->be->to_host(m->be, ab + na, B, nb * sizeof(float)) != FL_OK) {
+            if (!ab || FL_RUN(m->be, to_host, ab, A, na * sizeof(float)) != FL_OK ||
+                FL_RUN(m->be, to_host, ab + na, B, nb * sizeof(float)) != FL_OK) {
                 free(ab);
                 continue; /* out of host memory: the weight reads back unmerged */
             }

@@ -82,7 +82,7 @@ static fl_status write_piece(fl_model *m, int i, const float *w) {
     void *tmp = malloc(n * es + 4);
     if (!tmp) return fl_errorf(FL_ERR_OOM, "pipeline stage: out of host memory staging a piece of %s", m->layout.params[i].name);
     fl_convert(tmp, dt, w + k0, FL_F32, n);
-    fl_status s = be ? be->to_device(be, dst, tmp, n * es) : (memcpy(dst, tmp, n * es), FL_OK);
+    fl_status s = be ? FL_RUN(be, to_device, dst, tmp, n * es) : (memcpy(dst, tmp, n * es), FL_OK);
     free(tmp);
     return s;
 }
@@ -136,23 +136,23 @@ static size_t stream_bytes(const fl_model *m, int B, int T) { return (size_t)B *
 fl_status fl_model_stage_input(fl_model *m, const float *x, int B, int T) {
     if (!m->acts || !m->stage.in || B * T > m->B * m->T)
         return fl_errorf(FL_ERR_INVALID, "fl_model_stage_input: a later stage with an arena of at least (%d, %d) rows", B, T);
-    return m->be->to_device(m->be, m->acts->res[0], x, stream_bytes(m, B, T));
+    return FL_RUN(m->be, to_device, m->acts->res[0], x, stream_bytes(m, B, T));
 }
 
 fl_status fl_model_stage_output(const fl_model *m, float *y) {
     if (!m->acts || !m->stage.out) return fl_errorf(FL_ERR_INVALID, "fl_model_stage_output: not an earlier stage");
-    return m->be->to_host(m->be, y, m->acts->res[m->cfg.n_layers], stream_bytes(m, m->fwd_B, m->fwd_T));
+    return FL_RUN(m->be, to_host, y, m->acts->res[m->cfg.n_layers], stream_bytes(m, m->fwd_B, m->fwd_T));
 }
 
 fl_status fl_model_stage_dout(fl_model *m, const float *dy) {
     if (!m->acts || !m->stage.out || !m->fwd_train)
         return fl_errorf(FL_ERR_INVALID, "fl_model_stage_dout: an earlier stage after a training forward");
-    return m->be->to_device(m->be, m->acts->dres, dy, stream_bytes(m, m->fwd_B, m->fwd_T));
+    return FL_RUN(m->be, to_device, m->acts->dres, dy, stream_bytes(m, m->fwd_B, m->fwd_T));
 }
 
 fl_status fl_model_stage_dinput(const fl_model *m, float *dx, int B, int T) {
     if (!m->acts || !m->stage.in) return fl_errorf(FL_ERR_INVALID, "fl_model_stage_dinput: not a later stage");
-    return m->be->to_host(m->be, dx, m->acts->dres, stream_bytes(m, B, T));
+    return FL_RUN(m->be, to_host, dx, m->acts->dres, stream_bytes(m, B, T));
 }
 
 /* ---- the stash of a micro-batch in flight ---- */
@@ -209,13 +209,13 @@ fl_status fl_model_stage_stash_new(fl_model *m, fl_stage_stash **out) {
 fl_status fl_model_stage_stash_save(fl_model *m, fl_stage_stash *s) {
     const fl_backend *be = m->be;
     const size_t N = (size_t)m->fwd_B * m->fwd_T;
-    FL_TRY(be->copy(be, s->acts, m->acts_arena, m->sizes.acts_bytes));
-    FL_TRY(be->copy(be, s->ids, m->acts->ids, N * sizeof(int32_t)));
-    if (s->dlnf) FL_TRY(be->copy(be, s->dlnf, m->acts->buf1, N * m->cfg.dim * sizeof(float)));
+    FL_TRY(FL_RUN(be, copy, s->acts, m->acts_arena, m->sizes.acts_bytes));
+    FL_TRY(FL_RUN(be, copy, s->ids, m->acts->ids, N * sizeof(int32_t)));
+    if (s->dlnf) FL_TRY(FL_RUN(be, copy, s->dlnf, m->acts->buf1, N * m->cfg.dim * sizeof(float)));
     void *ad;
     if (s->ad) {
         if (adapter_region(m, &ad) != s->ad_bytes) return fl_errorf(FL_ERR_INTERNAL, "pipeline stash: the adapters' arena changed");
-        FL_TRY(be->copy(be, s->ad, ad, s->ad_bytes));
+        FL_TRY(FL_RUN(be, copy, s->ad, ad, s->ad_bytes));
     }
     s->fwd_B = m->fwd_B, s->fwd_T = m->fwd_T, s->fwd_train = m->fwd_train;
     return FL_OK;
@@ -230,7 +230,7 @@ static fl_status after_restore(fl_model *m) {
     const int L = m->cfg.n_layers;
     m->ckpt_last_live = 0;
     if (m->acts->res16 && !m->stage.out)
-        FL_TRY(m->be->convert(m->be, m->acts->res[L], FL_F32, m->acts->res16[L], FL_BF16,
+        FL_TRY(FL_RUN(m->be, convert, m->acts->res[L], FL_F32, m->acts->res16[L], FL_BF16,
                               (size_t)m->fwd_B * m->fwd_T * m->cfg.dim));
     return FL_OK;
 }
@@ -238,12 +238,12 @@ static fl_status after_restore(fl_model *m) {
 fl_status fl_model_stage_stash_restore(fl_model *m, const fl_stage_stash *s) {
     const fl_backend *be = m->be;
     const size_t N = (size_t)s->fwd_B * s->fwd_T;
-    FL_TRY(be->copy(be, m->acts_arena, s->acts, m->sizes.acts_bytes));
-    FL_TRY(be->copy(be, m->acts->ids, s->ids, N * sizeof(int32_t)));
-    if (s->dlnf) FL_TRY(be->copy(be, m->acts->buf1, s->dlnf, N * m->cfg.dim * sizeof(float)));
+    FL_TRY(FL_RUN(be, copy, m->acts_arena, s->acts, m->sizes.acts_bytes));
+    FL_TRY(FL_RUN(be, copy, m->acts->ids, s->ids, N * sizeof(int32_t)));
+    if (s->dlnf) FL_TRY(FL_RUN(be, copy, m->acts->buf1, s->dlnf, N * m->cfg.dim * sizeof(float)));
     void *ad;
     if (s->ad && adapter_region(m, &ad) != s->ad_bytes) return fl_errorf(FL_ERR_INTERNAL, "pipeline stash: the adapters' arena changed");
-    if (s->ad) FL_TRY(be->copy(be, ad, s->ad, s->ad_bytes));
+    if (s->ad) FL_TRY(FL_RUN(be, copy, ad, s->ad, s->ad_bytes));
     m->fwd_B = s->fwd_B, m->fwd_T = s->fwd_T, m->fwd_train = s->fwd_train;
     return after_restore(m);
 }
@@ -252,9 +252,9 @@ fl_status fl_model_stage_stash_restore(fl_model *m, const fl_stage_stash *s) {
 static fl_status swap_bytes(const fl_backend *be, void *a, void *b, size_t n, void *scratch, size_t sb) {
     for (size_t o = 0; o < n; o += sb) {
         const size_t k = n - o < sb ? n - o : sb;
-        FL_TRY(be->copy(be, scratch, (char *)a + o, k));
-        FL_TRY(be->copy(be, (char *)a + o, (char *)b + o, k));
-        FL_TRY(be->copy(be, (char *)b + o, scratch, k));
+        FL_TRY(FL_RUN(be, copy, scratch, (char *)a + o, k));
+        FL_TRY(FL_RUN(be, copy, (char *)a + o, (char *)b + o, k));
+        FL_TRY(FL_RUN(be, copy, (char *)b + o, scratch, k));
     }
     return FL_OK;
 }
