@@ -53,6 +53,14 @@ static void one_process(int dp, dr_rec *rec) {
     backend_off();
 }
 
+/* the job's W ranks as threads on the cpu backend */
+static fl_status run_job(pp_job *j, int W) {
+    backend_on();
+    fl_status s = fl_comm_threads_run(W, pp_rank, j);
+    backend_off();
+    return s;
+}
+
 /* strategy, sharding: the data axis' (NULL: ddp) */
 static void run_grid_on(pp_job *j, int dp, int pp, const char *schedule, const char *tag, long steps,
                         const char *strategy, const char *sharding) {
@@ -64,9 +72,7 @@ static void run_grid_on(pp_job *j, int dp, int pp, const char *schedule, const c
         if (strategy) snprintf(j->cfg[r].strategy, sizeof j->cfg[r].strategy, "%s", strategy);
         if (sharding) snprintf(j->cfg[r].sharding_strategy, sizeof j->cfg[r].sharding_strategy, "%s", sharding);
     }
-    backend_on();
-    fl_status s = fl_comm_threads_run(dp * pp, pp_rank, j);
-    backend_off();
+    fl_status s = run_job(j, dp * pp);
     FL_CHECKF(s == FL_OK, "DP %d x PP %d %s: %s", dp, pp, schedule, j->msg[0]);
 }
 
@@ -288,7 +294,7 @@ FL_TEST(pp_train_threads_failing_rank_stops_the_grid) {
  * adapters' activations of a micro-batch in flight, a later stage's block 0 hands d(input) back; no tied sum and no
  * clipping enter, so PP 2 (1F1B) and PP 3 (GPipe) give one process's losses bit for bit, DP 2 x PP 2 DDP's. */
 static void lora_grid_from(pp_job *j, int dp, int pp, const char *schedule, const char *tag, long steps, int save,
-                           const char *resume) {
+                           const char *resume, const char *strategy) {
     char out[700];
     snprintf(out, sizeof out, "%s/pp-lora-%s-%d-%d", fl_test_tmpdir(), tag, dp, pp);
     for (int r = 0; r < dp * pp; r++) {
@@ -298,19 +304,18 @@ static void lora_grid_from(pp_job *j, int dp, int pp, const char *schedule, cons
         if (steps) j->cfg[r].train.max_steps = steps;
         j->cfg[r].train.save_interval = save;
         if (resume) snprintf(j->cfg[r].resume, sizeof j->cfg[r].resume, "%s", resume);
+        if (strategy) snprintf(j->cfg[r].strategy, sizeof j->cfg[r].strategy, "%s", strategy);
     }
-    backend_on();
-    fl_status s = fl_comm_threads_run(dp * pp, pp_rank, j);
-    backend_off();
+    fl_status s = run_job(j, dp * pp);
     FL_CHECKF(s == FL_OK, "LoRA DP %d x PP %d %s: %s", dp, pp, schedule, j->msg[0]);
 }
 static void lora_grid(pp_job *j, int dp, int pp, const char *schedule, const char *tag, long steps, int save) {
-    lora_grid_from(j, dp, pp, schedule, tag, steps, save, NULL);
+    lora_grid_from(j, dp, pp, schedule, tag, steps, save, NULL, NULL);
 }
 
 /* dir_a/name and dir_b/name hold the same bytes */
 static int same_file(const char *dir_a, const char *dir_b, const char *name) {
-    char pa[1600], pb[1600];
+    char pa[4400], pb[4400];
     snprintf(pa, sizeof pa, "%s/%s", dir_a, name);
     snprintf(pb, sizeof pb, "%s/%s", dir_b, name);
     FILE *fa = fopen(pa, "rb"), *fb = fopen(pb, "rb");
@@ -332,7 +337,7 @@ FL_TEST(pp_train_threads_lora_equals_one_process) {
     FL_REQUIRE(ref != NULL);
     dr_rec one[3];
     lora_grid(ref, 1, 1, "1f1b", "l-one", 0, 0);
-    char one_dir[700];
+    char one_dir[sizeof ((fl_run_config *)0)->out_dir];
     snprintf(one_dir, sizeof one_dir, "%s", ref->cfg[0].out_dir);
     one[1] = ref->rec[0];
     memset(&ref->rec[0], 0, sizeof ref->rec[0]);
@@ -341,11 +346,13 @@ FL_TEST(pp_train_threads_lora_equals_one_process) {
     memset(&ref->rec[0], 0, sizeof ref->rec[0]);
     for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&ref->rec[r]);
     free(ref);
-    const struct { int dp, pp; const char *sched; } grids[3] = {{1, 2, "1f1b"}, {1, 3, "gpipe"}, {2, 2, "1f1b"}};
-    for (int g = 0; g < 3; g++) {
+    /* and under fsdp (LoRA's adapters train as ZeRO-2 there: the same bits as DDP without clipping) */
+    const struct { int dp, pp; const char *sched, *strategy; } grids[4] = {
+        {1, 2, "1f1b", NULL}, {1, 3, "gpipe", NULL}, {2, 2, "1f1b", NULL}, {2, 2, "1f1b", "fsdp"}};
+    for (int g = 0; g < 4; g++) {
         pp_job *j = calloc(1, sizeof *j);
         FL_REQUIRE(j != NULL);
-        lora_grid(j, grids[g].dp, grids[g].pp, grids[g].sched, "l", 0, 0);
+        lora_grid_from(j, grids[g].dp, grids[g].pp, grids[g].sched, "l", 0, 0, NULL, grids[g].strategy);
         for (int r = 0; r < grids[g].dp * grids[g].pp; r++) {
             const dr_rec *a = &j->rec[r], *b = &one[grids[g].dp];
             FL_CHECKF(a->steps == b->steps && a->steps > 0, "rank %d: %ld steps, one process %ld", r, a->steps, b->steps);
@@ -353,6 +360,9 @@ FL_TEST(pp_train_threads_lora_equals_one_process) {
                 FL_CHECKF(a->loss[k] == b->loss[k], "LoRA DP %d x PP %d %s rank %d step %ld: loss %.9g, DP %d alone %.9g",
                           grids[g].dp, grids[g].pp, grids[g].sched, r, k + 1, a->loss[k], grids[g].dp, b->loss[k]);
         }
+        /* plan per rank = measured (the stash parks the adapters' activations too: ACTS) */
+        for (int r = 0; g == 0 && r < grids[g].dp * grids[g].pp; r++)
+            (void)plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], "LoRA PP 2");
         /* final/: the merged model (stage 0 merges the gathered adapters into the gathered base) and the PEFT adapter,
          * the single process's bytes */
         const char *files[2] = {"final/model.safetensors", "final/adapter/adapter_model.safetensors"};
@@ -377,10 +387,10 @@ FL_TEST(pp_train_threads_lora_resume_on_another_grid) {
     const int from[3] = {2, 2, 1}, to[3] = {1, 3, 2};
     for (int c = 0; c < 3; c++) {
         lora_grid(b, 1, from[c], "1f1b", "lr-save", 2, 2);
-        char ck[800];
+        char ck[sizeof ((fl_run_config *)0)->out_dir + 32];
         snprintf(ck, sizeof ck, "%s/step-000002", b->cfg[0].out_dir);
         for (int r = 0; r < PP_MAX_RANKS; r++) dr_free(&b->rec[r]);
-        lora_grid_from(b, 1, to[c], "gpipe", "lr-resumed", 0, 0, ck);
+        lora_grid_from(b, 1, to[c], "gpipe", "lr-resumed", 0, 0, ck, NULL);
         for (int r = 0; r < to[c]; r++) {
             FL_CHECKF(b->rec[r].steps == a->rec[0].steps, "PP %d -> %d rank %d: %ld steps, want %ld", from[c], to[c], r,
                       b->rec[r].steps, a->rec[0].steps);
