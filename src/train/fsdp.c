@@ -679,6 +679,10 @@ fl_status fl_fsdp_whole_params(fl_dp *dp, void **out, size_t *bytes) {
     return s;
 }
 
+fl_status fl_fsdp_whole_array(fl_dp *dp, const void *shard, size_t es, void *full) {
+    return gather_whole(dp, shard, es, full, 0);
+}
+
 fl_status fl_fsdp_sum(fl_dp *dp, double *v, int n) {
     if (!dp->node) return fl_dp_sum(dp, v, n);
     const int w = fl_comm_size(dp->node);
