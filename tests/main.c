@@ -149,8 +149,13 @@ const char *fl_test_tmpdir(void) {
     static char buf[256];
     static int k;
     if (!g_tmp_root[0]) {
-        snprintf(g_tmp_root, sizeof g_tmp_root, "/tmp/fitllm-test-%d", (int)getpid());
-        mkdir(g_tmp_root, 0700);
+        /* a fresh folder (mkdtemp), never one a killed run of a process with the same id left behind: the tests
+         * that count a folder's entries would see its files */
+        snprintf(g_tmp_root, sizeof g_tmp_root, "/tmp/fitllm-test-%d-XXXXXX", (int)getpid());
+        if (!mkdtemp(g_tmp_root)) {
+            fprintf(stderr, "fitllm_tests: cannot create a folder under /tmp: %s\n", strerror(errno));
+            exit(2);
+        }
         atexit(remove_tmp_root);
     }
     snprintf(buf, sizeof buf, "%s/%d", g_tmp_root, k++);

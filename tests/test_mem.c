@@ -1,5 +1,9 @@
 /* Allocator accounting, budgets, OOM reports, fault injection, and the exact
  * memory of a model's buffers against their analytic counts. */
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
 #include "fitllm/backend.h"
 #include "fitllm/mem.h"
 #include "fitllm/model.h"
@@ -303,4 +307,39 @@ FL_TEST(mem_account_pool_and_null_pools) {
     FL_CHECK(np.cur_total == 0);
     fl_backend_pools_free(&np, &nh);
     fl_backend_free(&nb);
+}
+
+/* NVMe residency, one entry per advice (fl_mem_disk_advise): a released range reads back the bytes written (its
+ * pages dropped, then read from the file); prefetch and write-back are hints (FL_OK); every advice is a no-op on a
+ * pool that is not on disk; the injected write failure (FITLLM_TEST_NVME_FAIL_AFTER) counts the releases of a step
+ * only, never a flush. */
+FL_TEST(mem_disk_advise) {
+    char dir[] = "/tmp/fl_diskadv_XXXXXX";
+    FL_REQUIRE(mkdtemp(dir));
+    const size_t pg = (size_t)sysconf(_SC_PAGESIZE), n = 4 * pg;
+    setenv("FITLLM_TEST_NVME_FAIL_AFTER", "1", 1); /* the second counted release fails */
+    fl_mem_pool d, h;
+    fl_status s = fl_mem_disk_pool_init(&d, "disk", dir);
+    unsetenv("FITLLM_TEST_NVME_FAIL_AFTER");
+    FL_REQUIRE_OK(s);
+    FL_REQUIRE_OK(fl_mem_pool_init(&h, "host", 0));
+    unsigned char *x, *y;
+    FL_REQUIRE_OK(fl_mem_alloc(&d, FL_TAG_OPTIM, n, (void **)&x));
+    FL_REQUIRE_OK(fl_mem_alloc(&h, FL_TAG_OPTIM, n, (void **)&y));
+    for (size_t i = 0; i < n; i++) x[i] = y[i] = (unsigned char)(i * 7 + 3);
+    const fl_disk_advice all[] = {FL_DISK_PREFETCH, FL_DISK_WRITEBACK, FL_DISK_RELEASE, FL_DISK_FLUSH};
+    for (int k = 0; k < 4; k++) FL_CHECK(fl_mem_disk_advise(&h, y, n, all[k]) == FL_OK); /* not on disk: no-op */
+    FL_CHECK(fl_mem_disk_advise(&d, x, n, FL_DISK_FLUSH) == FL_OK); /* not counted */
+    FL_CHECK(fl_mem_disk_advise(&d, x + pg, 2 * pg, FL_DISK_WRITEBACK) == FL_OK);
+    FL_CHECK(fl_mem_disk_advise(&d, x + pg, 2 * pg, FL_DISK_RELEASE) == FL_OK); /* the first counted release */
+    FL_CHECK(fl_mem_disk_advise(&d, x, n, FL_DISK_PREFETCH) == FL_OK);
+    FL_CHECK(memcmp(x, y, n) == 0); /* the dropped pages read back from the file */
+    FL_CHECK(fl_mem_disk_advise(&d, x, n, FL_DISK_FLUSH) == FL_OK);
+    FL_CHECK(fl_mem_disk_advise(&d, x, n, FL_DISK_RELEASE) == FL_ERR_IO && strstr(fl_error_message(), dir));
+    FL_CHECK(fl_mem_disk_advise(&d, x, n, FL_DISK_FLUSH) == FL_OK);
+    fl_mem_free(&d, x);
+    fl_mem_free(&h, y);
+    fl_mem_pool_free(&d);
+    fl_mem_pool_free(&h);
+    FL_CHECK(rmdir(dir) == 0); /* no file left behind */
 }

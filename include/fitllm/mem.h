@@ -145,17 +145,16 @@ void fl_mem_pool_free(fl_mem_pool *p);
  * what it touches. A fresh allocation reads as zeros (pool device FL_DEV_DISK: fl_mem_calloc and
  * fl_backend_calloc do not write it). The folder must exist and take a file (checked here). */
 fl_status fl_mem_disk_pool_init(fl_mem_pool *p, const char *name, const char *dir);
-/* Residency of [ptr, ptr + bytes) of one of a disk pool's allocations (page-aligned inwards for the
- * release, outwards for the rest). No-ops on any other pool (a plan's stand-in). prefetch: start
- * reading it in (MADV_WILLNEED: the kernel's read-ahead, asynchronous); writeback: start writing
- * its dirty pages (sync_file_range, asynchronous); release: write them back and wait, then drop the
- * pages from the process and the page cache (the next touch reads them from the file). */
-void fl_mem_disk_prefetch(fl_mem_pool *p, const void *ptr, size_t bytes);
-void fl_mem_disk_writeback(fl_mem_pool *p, const void *ptr, size_t bytes);
-fl_status fl_mem_disk_release(fl_mem_pool *p, const void *ptr, size_t bytes);
-/* release outside a training step (a fill at load: written whole, then dropped, so loading a tier larger than
- * the RAM holds one tensor's pages at a time); the tests' injected write failure does not count it */
-fl_status fl_mem_disk_flush(fl_mem_pool *p, const void *ptr, size_t bytes);
+/* Residency of [ptr, ptr + bytes) of one of a disk pool's allocations, one entry for every advice (as madvise):
+ * page-aligned inwards for a release or flush, outwards for the rest; no-ops (FL_OK) on any other pool (a plan's
+ * stand-in). FL_DISK_PREFETCH: start reading it in (MADV_WILLNEED: the kernel's read-ahead, asynchronous);
+ * FL_DISK_WRITEBACK: start writing its dirty pages (sync_file_range, asynchronous); FL_DISK_RELEASE: write them
+ * back and wait, then drop the pages from the process and the page cache (the next touch reads them from the
+ * file); FL_DISK_FLUSH: the release outside a training step (a fill at load: written whole, then dropped, so
+ * loading a tier larger than the RAM holds one tensor's pages at a time): the tests' injected write failure
+ * (FITLLM_TEST_NVME_FAIL_AFTER) does not count it. Only a release or a flush can fail (the write-back). */
+typedef enum { FL_DISK_PREFETCH, FL_DISK_WRITEBACK, FL_DISK_RELEASE, FL_DISK_FLUSH } fl_disk_advice;
+fl_status fl_mem_disk_advise(fl_mem_pool *p, const void *ptr, size_t bytes, fl_disk_advice what);
 
 /* Allocate `bytes` (may be 0: returns a unique non-NULL pointer) tagged `tag`.
  * On failure *out = NULL and FL_ERR_OOM with a message naming tag, request,

@@ -605,6 +605,21 @@ fl_status fl_model_forward(fl_model *m, const int32_t *ids, const int32_t *targe
  * cross-entropy and, in training, the head's backward) with the targets and grad_scale of the first call. */
 fl_status fl_model_forward_body(fl_model *m, const int32_t *ids, const int32_t *targets, int B, int T,
                                 float grad_scale);
+/* One micro-batch of a step; micro-batches of a step may differ in shape. */
+typedef struct {
+    const int32_t *ids;      /* (B, T) */
+    const int32_t *targets;  /* (B, T) */
+    int B, T;
+    /* an encoder-decoder's micro-batch (src non-NULL: fl_model_forward_s2s_body): ids are the decoder's
+     * input (B, T), targets its labels; src (B, Ts) the source, src_mask (B, Ts) its key mask */
+    const int32_t *src;
+    const uint8_t *src_mask;
+    int Ts;
+} fl_micro_batch;
+/* The training step's forward phase of one micro-batch, either kind (src NULL: fl_model_forward_body; otherwise
+ * fl_model_forward_s2s_body), its random draws (LoRA dropout) seeded first by *seed when seed is non-NULL
+ * (fl_model_adapters_seed): the one model entry the step (src/train/step.c) calls per micro-batch before the head. */
+fl_status fl_model_forward_micro(fl_model *m, const fl_micro_batch *mb, float grad_scale, const uint64_t *seed);
 /* The head of the forward fl_model_forward_body or, of an encoder-decoder, fl_model_forward_s2s_body began. */
 fl_status fl_model_forward_head(fl_model *m, float *logits_out);
 /* Backward through all blocks and embeddings after a forward with grad_scale

@@ -227,17 +227,7 @@ typedef struct {
     double ms_head;
 } fl_step_result;
 
-/* One micro-batch of a step; micro-batches of a step may differ in shape. */
-typedef struct {
-    const int32_t *ids;      /* (B, T) */
-    const int32_t *targets;  /* (B, T) */
-    int B, T;
-    /* an encoder-decoder's micro-batch (src non-NULL: fl_model_forward_s2s_body): ids are the decoder's
-     * input (B, T), targets its labels; src (B, Ts) the source, src_mask (B, Ts) its key mask */
-    const int32_t *src;
-    const uint8_t *src_mask;
-    int Ts;
-} fl_micro_batch;
+/* fl_micro_batch, one micro-batch of a step: fitllm/model.h (fl_model_forward_micro reads it). */
 
 struct fl_dp; /* data parallelism (src/train/dp.h) */
 

@@ -87,7 +87,7 @@ static fl_status fl_hf_copy_tensor_range(fl_model *m, int pi, const fl_st_file *
                           "file is corrupt or was saved from a diverged run", f->path, t->name, bad);
         } else if (s == FL_OK) {
             const fl_backend *pbe = fl_model_params_be(m); /* parameter offload: the host tier's */
-            if (pbe) s = pbe->to_device(pbe, dst + (a - k0) * ds, cv, n * ds);
+            if (pbe) s = FL_RUN(pbe, to_device, dst + (a - k0) * ds, cv, n * ds);
             else memcpy(dst + (a - k0) * ds, cv, n * ds); /* a model without a backend: host memory */
         }
     }

@@ -339,7 +339,7 @@ static fl_status fl_st_write_data(int fd, const char *tmp, const fl_st_write_ten
         fl_status s = FL_OK;
         for (size_t i = 0; i < numel && s == FL_OK; i += chunk) {
             size_t m = numel - i < chunk ? numel - i : chunk;
-            s = t->be->to_host(t->be, h, (const char *)t->data + i * ss, m * ss);
+            s = FL_RUN(t->be, to_host, h, (const char *)t->data + i * ss, m * ss);
             x.ndim = t->transpose2d ? t->ndim : 1;
             if (!t->transpose2d) x.shape[0] = (int64_t)m;
             if (s == FL_OK) s = fl_st_write_data(fd, tmp, &x);

@@ -148,17 +148,6 @@ static const disk_file *find(const fl_mem_pool *p, const void *ptr, size_t bytes
     return NULL;
 }
 
-void fl_mem_disk_prefetch(fl_mem_pool *p, const void *ptr, size_t bytes) {
-    uintptr_t lo, hi;
-    if (find(p, ptr, bytes, 0, &lo, &hi)) (void)madvise((void *)lo, hi - lo, MADV_WILLNEED);
-}
-
-void fl_mem_disk_writeback(fl_mem_pool *p, const void *ptr, size_t bytes) {
-    uintptr_t lo, hi;
-    const disk_file *f = find(p, ptr, bytes, 0, &lo, &hi);
-    if (f) (void)sync_file_range(f->fd, (off_t)(lo - (uintptr_t)f->base), (off_t)(hi - lo), SYNC_FILE_RANGE_WRITE);
-}
-
 /* counted: a release the tests' injected failure (FITLLM_TEST_NVME_FAIL_AFTER) counts, i.e. one of a step's */
 static fl_status drop(fl_mem_pool *p, const void *ptr, size_t bytes, int counted) {
     uintptr_t lo, hi;
@@ -179,6 +168,11 @@ static fl_status drop(fl_mem_pool *p, const void *ptr, size_t bytes, int counted
     return FL_OK;
 }
 
-fl_status fl_mem_disk_release(fl_mem_pool *p, const void *ptr, size_t bytes) { return drop(p, ptr, bytes, 1); }
-
-fl_status fl_mem_disk_flush(fl_mem_pool *p, const void *ptr, size_t bytes) { return drop(p, ptr, bytes, 0); }
+fl_status fl_mem_disk_advise(fl_mem_pool *p, const void *ptr, size_t bytes, fl_disk_advice what) {
+    if (what == FL_DISK_RELEASE || what == FL_DISK_FLUSH) return drop(p, ptr, bytes, what == FL_DISK_RELEASE);
+    uintptr_t lo, hi;
+    const disk_file *f = find(p, ptr, bytes, 0, &lo, &hi);
+    if (f && what == FL_DISK_PREFETCH) (void)madvise((void *)lo, hi - lo, MADV_WILLNEED);
+    else if (f) (void)sync_file_range(f->fd, (off_t)(lo - (uintptr_t)f->base), (off_t)(hi - lo), SYNC_FILE_RANGE_WRITE);
+    return FL_OK;
+}

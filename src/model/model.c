@@ -440,10 +440,11 @@ fl_status fl_model_init_random_ex(fl_model *m, uint64_t seed) {
                 size_t nb = (B1 - lo) * es;
                 fl_status st = FL_OK;
                 const fl_backend *pbe = fl_model_params_be(m); /* parameter offload: the host tier's */
-                if (pbe) st = pbe->to_device(pbe, dst + (lo - a) * es, h, nb);
+                if (pbe) st = FL_RUN(pbe, to_device, dst + (lo - a) * es, h, nb);
                 else memcpy(dst + (lo - a) * es, h, nb); /* no backend: host memory */
                 /* parameter offload on NVMe: each tensor's pages leave the process once written (no-op elsewhere) */
-                if (st == FL_OK && B1 >= b && m->store->tpool) st = fl_mem_disk_flush(m->store->tpool, dst, (b - a) * es);
+                if (st == FL_OK && B1 >= b && m->store->tpool)
+                    st = fl_mem_disk_advise(m->store->tpool, dst, (b - a) * es, FL_DISK_FLUSH);
                 if (st != FL_OK) {
                     free(slice);
                     fl_mem_free(fl_mem_host_pool(m->pool), q4tmp);

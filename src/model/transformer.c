@@ -376,6 +376,14 @@ fl_status fl_model_forward_body(fl_model *m, const int32_t *ids, const int32_t *
     return s;
 }
 
+fl_status fl_model_forward_micro(fl_model *m, const fl_micro_batch *mb, float grad_scale, const uint64_t *seed) {
+    if (seed) fl_model_adapters_seed(m, *seed);
+    if (mb->src) /* an encoder-decoder: its two stacks, up to the head's input */
+        return fl_model_forward_s2s_body(m, mb->src, mb->src_mask, mb->ids, mb->targets, mb->B, mb->Ts, mb->T,
+                                         grad_scale);
+    return fl_model_forward_body(m, mb->ids, mb->targets, mb->B, mb->T, grad_scale);
+}
+
 fl_status fl_model_forward_head(fl_model *m, float *logits_out) {
     if (m->acts && m->acts->s2s) return fl_s2s_forward_head(m, logits_out); /* after fl_model_forward_s2s_body */
     around(m, 1, 1);

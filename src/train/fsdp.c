@@ -241,7 +241,7 @@ static fl_status post(struct fl_fsdp *f, int g) {
 static fl_status tier_done(struct fl_fsdp *f, int g) {
     if (!f->tbe || !f->dp->ptier.disk) return FL_OK;
     const char *shard = (const char *)fl_model_params_data(f->m);
-    return fl_error_prefix(fl_mem_disk_release(f->tpool, shard + f->loc[g] * f->es, f->clen[g] * f->es),
+    return fl_error_prefix(fl_mem_disk_advise(f->tpool, shard + f->loc[g] * f->es, f->clen[g] * f->es, FL_DISK_RELEASE),
                            "parameter offload: unit %d", g);
 }
 
@@ -250,7 +250,7 @@ static void tier_read_ahead(struct fl_fsdp *f, int g, int next) {
     const char *shard = (const char *)fl_model_params_data(f->m);
     const int d = next > g ? 1 : -1;
     for (int k = 0, u = next; k < f->dp->ptier.prefetch && u >= 0 && u < f->G; k++, u += d)
-        fl_mem_disk_prefetch(f->tpool, shard + f->loc[u] * f->es, f->clen[u] * f->es);
+        fl_mem_disk_advise(f->tpool, shard + f->loc[u] * f->es, f->clen[u] * f->es, FL_DISK_PREFETCH);
 }
 
 static void free_stage(struct fl_fsdp *f, int g) {
@@ -305,7 +305,7 @@ static fl_status pp_grads_begin(void *ud, int g) {
          * arithmetic, hence its bits; grads_ready copies it back down) */
         const char *src = (const char *)fl_model_grads_data(f->m) + f->loc[g] * f->es;
         fl_status s = FL_RUN(f->m->be, to_device, f->views[g].g, src, f->n[g] * f->es);
-        if (s == FL_OK && f->dp->ptier.disk) s = fl_mem_disk_release(f->tpool, src, f->n[g] * f->es);
+        if (s == FL_OK && f->dp->ptier.disk) s = fl_mem_disk_advise(f->tpool, src, f->n[g] * f->es, FL_DISK_RELEASE);
         return fl_error_prefix(s, "parameter offload: unit %d's gradient so far to the device", g);
     }
     FL_RUN(f->m->be, zero, f->views[g].g, f->n[g] * f->es);
@@ -328,16 +328,16 @@ static fl_status grads_down(struct fl_fsdp *f, int g, const void *red, char *dst
         s = fl_mem_alloc(hp, FL_TAG_WORKSPACE, len * sizeof(float), &h);
         if (s == FL_OK && gt == FL_F32) {
             s = FL_RUN(be, to_host, h, red, len * sizeof(float));
-            if (s == FL_OK) hb->add(hb, (float *)dst, (const float *)dst, h, len);
+            if (s == FL_OK) FL_RUN(hb, add, (float *)dst, (const float *)dst, h, len);
         } else if (s == FL_OK) {
             float *gstage = fl_model_grad_stage(m);
             s = FL_RUN(be, convert, gstage, FL_F32, red, gt, len);
             if (s == FL_OK) s = FL_RUN(be, to_host, h, gstage, len * sizeof(float));
-            if (s == FL_OK) s = hb->accumulate16(hb, (uint16_t *)dst, gt, h, len);
+            if (s == FL_OK) s = FL_RUN(hb, accumulate16, (uint16_t *)dst, gt, h, len);
         }
         fl_mem_free(hp, h);
     }
-    if (s == FL_OK && f->dp->ptier.disk) s = fl_mem_disk_release(f->tpool, dst, len * f->es);
+    if (s == FL_OK && f->dp->ptier.disk) s = fl_mem_disk_advise(f->tpool, dst, len * f->es, FL_DISK_RELEASE);
     return fl_error_prefix(s, "parameter offload: unit %d's gradient piece to the host", g);
 }
 
@@ -373,7 +373,7 @@ static fl_status pp_grads_ready(void *ud, int g) {
     if (f->tbe && !f->sc) { /* parameter offload at one rank: the unit's gradient (accumulated over the step's
                              * micro-batches on the device, pp_grads_begin) replaces the host's */
         s = FL_RUN(m->be, to_host, dst, f->views[g].g, len * f->es);
-        if (s == FL_OK && f->dp->ptier.disk) s = fl_mem_disk_release(f->tpool, dst, len * f->es);
+        if (s == FL_OK && f->dp->ptier.disk) s = fl_mem_disk_advise(f->tpool, dst, len * f->es, FL_DISK_RELEASE);
         f->fresh[g] = 0;
     } else if (f->tbe) { /* reduced into device scratch (HYBRID: then over the nodes), then down to the host */
         void *tmp = NULL;
@@ -637,7 +637,8 @@ static fl_status gather_unit_host(fl_dp *dp, const void *shard, size_t es, int g
     const char *piece = (const char *)shard + f->loc[g] * es;
     /* parameter offload: the shard is host memory of the tier's backend (NVMe: its pages dropped once copied) */
     fl_status c = f->tbe ? f->tbe->to_host(f->tbe, stage, piece, f->clen[g] * es) : fl_dp_to_host(dp, stage, piece, f->clen[g] * es);
-    if (c == FL_OK && f->tbe && dp->ptier.disk) c = fl_mem_disk_release(f->tpool, piece, f->clen[g] * es);
+    if (c == FL_OK && f->tbe && dp->ptier.disk)
+        c = fl_mem_disk_advise(f->tpool, piece, f->clen[g] * es, FL_DISK_RELEASE);
     fl_status s = fl_comm_all_gather(f->hsc, stage, dst, f->n[g], es == 4 ? FL_F32 : FL_BF16); /* HYBRID: in the node */
     return c != FL_OK ? c : s;
 }

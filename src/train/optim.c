@@ -411,7 +411,7 @@ fl_status fl_optim_state_read(const fl_optimizer *o, void *host, const void *sta
     for (size_t a = 0; a < bytes; a += STATE_SLICE) {
         const size_t n = bytes - a < STATE_SLICE ? bytes - a : STATE_SLICE;
         FL_TRY(FL_RUN(be, to_host, (char *)host + a, (const char *)state + a, n));
-        if (o->home.disk) FL_TRY(fl_mem_disk_release(o->home.pool, (const char *)state + a, n));
+        if (o->home.disk) FL_TRY(fl_mem_disk_advise(o->home.pool, (const char *)state + a, n, FL_DISK_RELEASE));
     }
     return FL_OK;
 }
@@ -421,7 +421,7 @@ fl_status fl_optim_state_write(const fl_optimizer *o, void *state, const void *h
     for (size_t a = 0; a < bytes; a += STATE_SLICE) {
         const size_t n = bytes - a < STATE_SLICE ? bytes - a : STATE_SLICE;
         FL_TRY(FL_RUN(be, to_device, (char *)state + a, (const char *)host + a, n));
-        if (o->home.disk) FL_TRY(fl_mem_disk_release(o->home.pool, (char *)state + a, n));
+        if (o->home.disk) FL_TRY(fl_mem_disk_advise(o->home.pool, (char *)state + a, n, FL_DISK_RELEASE));
     }
     return FL_OK;
 }
@@ -645,7 +645,7 @@ static fl_status update_range(const fl_optimizer *o, const fl_backend *be, void 
 
 /* The state of elements [a, a + len) of the rank's range, one call per state array (NVMe offload's
  * residency hints) */
-static fl_status state_range(const fl_optimizer *o, size_t a, size_t len, int what) {
+static fl_status state_range(const fl_optimizer *o, size_t a, size_t len, fl_disk_advice what) {
     const size_t ses = o->cfg.state_dtype == FL_BF16 ? 2 : 4;
     const size_t at = o->shard.off + a, pes = fl_dtype_size(o->w.pt), ges = fl_dtype_size(o->w.gt);
     /* the state's arrays in its pool; parameter offload on NVMe: the parameters and gradients in theirs */
@@ -656,9 +656,7 @@ static fl_status state_range(const fl_optimizer *o, size_t a, size_t len, int wh
         fl_mem_pool *pool = i < 3 ? o->home.pool : o->home.ppool;
         const size_t es = i < 3 ? ses : i == 3 ? pes : ges, off = i < 3 ? a * ses : 0;
         const char *x = (const char *)arr[i] + off;
-        if (what == 0) fl_mem_disk_prefetch(pool, x, len * es);
-        else if (what == 1) fl_mem_disk_writeback(pool, x, len * es);
-        else FL_TRY(fl_mem_disk_release(pool, x, len * es));
+        FL_TRY(fl_mem_disk_advise(pool, x, len * es, what));
     }
     return FL_OK;
 }
@@ -680,8 +678,8 @@ static fl_status offload_update(const fl_optimizer *o, size_t a0, size_t n, floa
         const size_t len = end - a < P ? end - a : P, at = o->shard.off + a;
         char *p = (char *)o->w.p + at * pes;
         if (o->home.disk || o->home.ppool) {
-            if (a == a0) FL_TRY(state_range(o, a, len, 0));
-            FL_TRY(state_range(o, a + len, end - a - len < P ? end - a - len : P, 0));
+            if (a == a0) FL_TRY(state_range(o, a, len, FL_DISK_PREFETCH));
+            FL_TRY(state_range(o, a + len, end - a - len < P ? end - a - len : P, FL_DISK_PREFETCH));
         }
         if (o->home.hp) {
             FL_TRY(fl_error_prefix(FL_RUN(be, to_host, o->home.hg, g_at(o, at), len * ges),
@@ -695,12 +693,12 @@ static fl_status offload_update(const fl_optimizer *o, size_t a0, size_t n, floa
             FL_TRY(update_range(o, o->home.be, p, g_at(o, at), a, len, lr, scale, step));
         }
         if (o->home.disk || o->home.ppool) {
-            FL_TRY(state_range(o, a, len, 1));
-            if (prev_len) FL_TRY(state_range(o, prev, prev_len, 2));
+            FL_TRY(state_range(o, a, len, FL_DISK_WRITEBACK));
+            if (prev_len) FL_TRY(state_range(o, prev, prev_len, FL_DISK_RELEASE));
             prev = a, prev_len = len;
         }
     }
-    if ((o->home.disk || o->home.ppool) && prev_len) FL_TRY(state_range(o, prev, prev_len, 2));
+    if ((o->home.disk || o->home.ppool) && prev_len) FL_TRY(state_range(o, prev, prev_len, FL_DISK_RELEASE));
     return o->home.hp ? fl_error_prefix(FL_RUN(be, sync), "CPU offload: the updated parameters") : FL_OK;
 }
 

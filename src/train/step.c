@@ -33,18 +33,14 @@ static fl_status sync_device(const fl_model *m) {
 }
 
 /* Forward + backward of micro-batch k (grad scale 1/step_valid); gradients accumulate. */
-static fl_status micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb, int k, long step_valid,
-                       double *loss_sum, long *n_valid, fl_step_result *res) {
+static fl_status micro(fl_model *m, fl_optimizer *o, const fl_micro_batch *mb, const uint64_t *seed, int k,
+                       long step_valid, double *loss_sum, long *n_valid, fl_step_result *res) {
     if (step_valid <= 0) return fl_errorf(FL_ERR_INVALID, "training step has no target tokens (all are ignore_index)");
     float grad_scale = (float)(1.0 / (double)step_valid);
     if (o && o->amp.on) grad_scale *= fl_loss_scale_value(&o->amp.ls); /* fp16: scaled loss */
     double a = now_ms();
     edge(m, -1, k == 0 ? "before_fwd" : NULL, "forward");
-    if (mb->src) /* an encoder-decoder: its two stacks, up to the head's input */
-        FL_TRY(fl_model_forward_s2s_body(m, mb->src, mb->src_mask, mb->ids, mb->targets, mb->B, mb->Ts, mb->T,
-                                         grad_scale));
-    else
-        FL_TRY(fl_model_forward_body(m, mb->ids, mb->targets, mb->B, mb->T, grad_scale));
+    FL_TRY(fl_model_forward_micro(m, mb, grad_scale, seed)); /* either kind, up to the head's input */
     /* the head (lm_head + cross-entropy + its backward, chunk by chunk) timed as its own phase */
     FL_TRY(sync_device(m));
     const double h = now_ms();
@@ -112,12 +108,12 @@ fl_status fl_step_run(fl_model *m, fl_optimizer *o, fl_step_ctx *c, fl_step_resu
         double it0 = now_ms(), ls_k = 0;
         long nv_k = 0;
         if (learn) {
-            if (c->seeded) /* LoRA dropout masks depend on (seed, global micro-batch) only: a resumed run, and any
-                            * world size, draws the same */
-                fl_model_adapters_seed(m, c->seed + (uint64_t)(c->iter0 + (long)k * world + rank));
+            /* LoRA dropout masks depend on (seed, global micro-batch) only: a resumed run, and any world size,
+             * draws the same (the forward seeds the adapters before it runs) */
+            const uint64_t seed = c->seed + (uint64_t)(c->iter0 + (long)k * world + rank);
             if (c->dp) fl_dp_buckets_arm(c->dp, o, k == c->n_micro - 1); /* the last backward reduces block by block */
             fl_status s = c->dp && o && k == c->n_micro - 1 ? fl_fsdp_update_arm(c->dp, o, c->lr, c->max_norm) : FL_OK;
-            if (s == FL_OK) s = micro(m, o, &c->mbs[k], k, c->step_valid, &ls_k, &nv_k, &r);
+            if (s == FL_OK) s = micro(m, o, &c->mbs[k], c->seeded ? &seed : NULL, k, c->step_valid, &ls_k, &nv_k, &r);
             if (s != FL_OK) {
                 c->failed_k = k;
                 return s;
