@@ -517,9 +517,21 @@ expect bench_step_t5 0 "t5, 238592 params, L=2\+2 C=64 .*B=2 source 24 target 16
 expect bench_step_source_seq_decoder_only 1 "--source-seq: micro is not an encoder-decoder" -- "$FITLLM" bench-step micro --source-seq 4 --steps 1
 expect t5_finetune_act_ckpt 0 "precision 32-true, activation checkpointing" -- "$FITLLM" finetune_full "${T5A[@]}" --out_dir "$T/t5ckpt" --train.activation_checkpointing true
 expect t5_finetune_act_ckpt_bitexact 0 "" -- cmp "$T/t5run/final/model.safetensors" "$T/t5ckpt/final/model.safetensors"
-# config.json's dropout_rate: read, written back, range-checked; not applied yet, which training says
+# config.json's dropout_rate: read, written back, range-checked; applied in training (tests/test_t5_dropout.c, and
+# against transformers: tests/test_t5.c), which training says. The masks follow the run's seed and the global micro-batch:
+# a run resumed from step 2 ends on the uninterrupted run's bits, activation checkpointing gives the same bits, and
+# the weights are not those of the same run without dropout
 mkdir -p "$T/t5d" && cp "$T/t5m"/* "$T/t5d/" && sed -i 's/"dropout_rate": 0.0/"dropout_rate": 0.1/' "$T/t5d/config.json"
-expect t5_dropout_rate_noted 0 "note: config.json dropout_rate 0.1 is not applied: fitllm trains an encoder-decoder without dropout" -- "$FITLLM" finetune_full --checkpoint_dir "$T/t5d" --init random --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json --train.max_steps 1 --train.global_batch_size 2 --train.micro_batch_size 2 --out_dir "$T/t5dr"
+T5D=(--init random --data JSON --data.json_path tests/fixtures/t5-pairs/pairs.json --train.max_steps 4
+     --train.global_batch_size 4 --train.micro_batch_size 2 --train.save_interval 2)
+expect t5_dropout_rate_noted 0 "note: config.json dropout_rate 0.1 is applied in training \(embeddings, attention weights, sublayer outputs, FFN, final norms; not in evaluation or generation\)" -- "$FITLLM" finetune_full --checkpoint_dir "$T/t5d" "${T5D[@]}" --out_dir "$T/t5dr"
+mkdir -p "$T/t5dr2" && cp -r "$T/t5dr/step-000002" "$T/t5dr2/"
+expect t5_dropout_resume 0 "Resuming training from .*step-000002 \(step 2, iter 4\)" -- "$FITLLM" finetune_full --checkpoint_dir "$T/t5d" "${T5D[@]}" --out_dir "$T/t5dr2" --resume auto
+expect t5_dropout_resume_bitexact 0 "" -- cmp "$T/t5dr/final/model.safetensors" "$T/t5dr2/final/model.safetensors"
+expect t5_dropout_act_ckpt 0 "activation checkpointing" -- "$FITLLM" finetune_full --checkpoint_dir "$T/t5d" "${T5D[@]}" --out_dir "$T/t5dr3" --train.activation_checkpointing true
+expect t5_dropout_act_ckpt_bitexact 0 "" -- cmp "$T/t5dr/final/model.safetensors" "$T/t5dr3/final/model.safetensors"
+expect t5_dropout_zero_run 0 "Saved|saved" -- "$FITLLM" finetune_full --checkpoint_dir "$T/t5m" "${T5D[@]}" --out_dir "$T/t5dr0"
+expect t5_dropout_changes_training 1 "" -- cmp -s "$T/t5dr/final/model.safetensors" "$T/t5dr0/final/model.safetensors"
 expect t5_dropout_rate_written_back 0 '"dropout_rate": 0.1,' -- cat "$T/t5dr/final/config.json"
 sed -i 's/"dropout_rate": 0.1/"dropout_rate": 1.5/' "$T/t5d/config.json"
 expect t5_dropout_rate_range 1 "config.json: key 'dropout_rate' = 1.5 must be in \[0, 1\)" -- "$FITLLM" loss "$T/t5d" --tokens-file "$T/t5src.txt" --target-tokens-file "$T/t5tgt.txt"
