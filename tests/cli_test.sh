@@ -383,8 +383,9 @@ expect blip2_plan_seq_len 0 "captions of 7 tokens" -- "$FITLLM" plan "$B2" --seq
 expect blip2_bench_step 0 "^RESULT impl=fitllm shape=.*blip2-tiny-opt median_ms=[0-9.]+ tok_s=[0-9.]+ images_s=" -- "$FITLLM" bench-step "$B2" --micro-batch 2 --seq 6 --steps 2 --warmup 1
 expect blip2_bench_step_t5_lora 0 "trains lm \(LoRA\)" -- "$FITLLM" bench-step tests/fixtures/blip2-tiny-t5 --micro-batch 2 --seq 6 --steps 1 --warmup 0 --lora 4
 expect blip2_bench_step_act_ckpt 0 "AdamW, trains .*, activation checkpointing" -- "$FITLLM" bench-step blip2-micro --micro-batch 1 --seq 4 --steps 1 --warmup 0 --act-ckpt
-expect blip2_bench_step_refuses_quantize 2 "--quantize: BLIP-2 steps run 32-true or bf16-mixed without quantization" -- "$FITLLM" bench-step blip2-micro --lora 4 --quantize bnb.nf4
-expect blip2_bench_step_refuses_bf16_true 2 "--precision: BLIP-2 steps run 32-true or bf16-mixed" -- "$FITLLM" bench-step blip2-micro --precision bf16-true
+expect blip2_bench_step_refuses_quantize 2 "--quantize: BLIP-2 steps run 32-true, bf16-true or bf16-mixed without quantization" -- "$FITLLM" bench-step blip2-micro --lora 4 --quantize bnb.nf4
+expect blip2_bench_step_refuses_16_true 2 "--precision: BLIP-2 steps run 32-true, bf16-true or bf16-mixed" -- "$FITLLM" bench-step blip2-micro --precision 16-true
+expect blip2_bench_step_bf16_true 0 "bf16-true, AdamW" -- "$FITLLM" bench-step blip2-micro --micro-batch 1 --seq 4 --steps 1 --warmup 0 --precision bf16-true
 expect blip2_bench_step_bf16_mixed 0 "bf16-mixed, AdamW" -- "$FITLLM" bench-step blip2-micro --micro-batch 1 --seq 4 --steps 1 --warmup 0 --precision bf16-mixed
 # T5 folders (issue 31): tokenizer.json (Unigram) and a folder with only spiece.model give HF's ids
 expect tokenize_t5_folder 0 "^63 46 9 153 123 499 1$" -- "$FITLLM" tokenize tests/fixtures/t5-tok --text "Hello  world <extra_id_0>"

@@ -140,9 +140,10 @@ static int parse_opts(int argc, char **argv, const char *cmd, bench_opts *o) {
 /* A BLIP-2 folder or preset: image-caption fine-tuning's steps (cmd_blip2_plan.c); --seq is the caption's tokens. */
 static int blip2(const bench_opts *o, const char *cmd) {
     const char *no = o->quant ? "--quantize" : o->Ts ? "--source-seq" : o->profile ? "--profile"
-                     : strcmp(o->prec.name, "32-true") && strcmp(o->prec.name, "bf16-mixed") ? "--precision" : NULL;
-    if (no) return fl_cli_usage(cmd, "%s: BLIP-2 steps run 32-true or bf16-mixed without quantization or the op "
-                                "profile so far", no);
+                     : strcmp(o->prec.name, "32-true") && strcmp(o->prec.name, "bf16-mixed") &&
+                       strcmp(o->prec.name, "bf16-true") ? "--precision" : NULL;
+    if (no) return fl_cli_usage(cmd, "%s: BLIP-2 steps run 32-true, bf16-true or bf16-mixed without quantization or "
+                                "the op profile so far", no);
     fl_cli_b2_bench b = {.model = o->model_path, .B = o->B, .L = o->T, .steps = o->steps, .warmup = o->warmup,
                          .threads = o->threads, .seed = o->seed, .lora_r = o->lora_r, .sgd = o->okind == FL_OPT_SGD,
                          .random_init = o->random_init, .lr = o->lr, .budget = o->budget, .precision = o->prec.name,
