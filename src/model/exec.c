@@ -519,7 +519,13 @@ void fl_norm_backward(const fl_model *m, float *dx, float *dw, float *db, const 
  * or (B, T) rows (pos0 = 0) */
 fl_status fl_embed_forward(const fl_model *m, const fl_outer_params *op, float *out, const int32_t *dids,
                            const int32_t *ids, int B, int T, int pos0) {
+    return fl_embed_forward16(m, op, out, NULL, NULL, dids, ids, B, T, pos0);
+}
+
+fl_status fl_embed_forward16(const fl_model *m, const fl_outer_params *op, float *out, void *out16, int *done16,
+                             const int32_t *dids, const int32_t *ids, int B, int T, int pos0) {
     const fl_backend *be = m->be;
+    if (done16) *done16 = 0;
     const int C = m->cfg.dim;
     if (fl_tp_vocab_split(m)) return fl_tp_embed_forward(m, op, out, ids, B, T, pos0);
     if (m->store->dtype == FL_F32) {
@@ -528,8 +534,9 @@ fl_status fl_embed_forward(const fl_model *m, const fl_outer_params *op, float *
     }
     if (be->embedding_forward16 && (m->store->dtype == FL_BF16 || m->store->dtype == FL_F16)) { /* one launch, not one convert per token (+ one per position row) */
         const void *wpe = op->wpe_off != (size_t)-1 ? fl_store_param_at(m->store, op->wpe_off + (size_t)pos0 * C) : NULL;
-        FL_RUN(be, embedding_forward16, out, dids, fl_store_param_at(m->store, op->wte_off), wpe, m->store->dtype, B, T,
-               C);
+        FL_RUN(be, embedding_forward16, out, out16, dids, fl_store_param_at(m->store, op->wte_off), wpe,
+               m->store->dtype, B, T, C);
+        if (done16) *done16 = out16 != NULL;
         return FL_OK;
     }
     float *row = m->store->pstage + fl_pstage_block_start(m) - C; /* one fp32 row */
@@ -655,16 +662,44 @@ fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumu
  * rounded to bf16 once (xb16) for the forward and dW GEMMs, the loss's gradient written as bf16 straight into
  * dyb16 for the dx and dW GEMMs. Those are the operands the generic path's GEMMs round from fp32 (the same bits),
  * without its fp32 gradient's (rows, V) write and the converts that read it back. */
-static fl_status head_chunk_dbf16(fl_model *m, const fl_linear *head, float *dx, const float *x, const int32_t *tg,
-                                  float *losses, int rows, float grad_scale, float *logits_out) {
+/* x16: NULL (the chunk rounded here into xb16), or the chunk's rows of the final norm's bf16 copy */
+static fl_status head_chunk_dbf16(fl_model *m, const fl_linear *head, float *dx, const float *x, const void *x16,
+                                  const int32_t *tg, float *losses, int rows, float grad_scale, float *logits_out) {
     const fl_backend *be = m->be;
     float *logits = m->acts->logits;
-    FL_TRY(FL_RUN(be, convert, head->xb16, FL_BF16, x, FL_F32, (size_t)rows * head->in));
+    if (!x16) FL_TRY(FL_RUN(be, convert, head->xb16, FL_BF16, x, FL_F32, (size_t)rows * head->in));
+    fl_linear hx = *head;
+    if (x16) hx.xb16 = (void *)x16;
+    head = &hx;
     FL_TRY(fl_linear_forward_ex(be, logits, x, head->xb16, head, rows)); // (rows, V) fp32
     if (logits_out) FL_TRY(fl_head_logits_out(m, logits_out, logits, rows));
     FL_TRY(FL_RUN(be, cross_entropy_dbf16, losses, head->dyb16, logits, tg, rows, head->out, grad_scale,
                   FL_IGNORE_INDEX));
     return fl_linear_backward_dy16(be, dx, 0, logits, 1, x, head->xb16, head, rows); /* dx, dW from dyb16 */
+}
+
+/* The bf16 head's training chunks through cross_entropy_dbf16 (a plain trained bf16 weight, one vocabulary; a
+ * frozen head has no bf16 scratch: fl_linear_wants_dy16); wide: the head widened to fp32 (fl_act_opts.head_widen) */
+static int head_dbf16(const fl_model *m, const fl_linear *head, int train_targets, int wide) {
+    return train_targets && m->be->cross_entropy_dbf16 && !wide && fl_linear_wants_dy16(head) && head->wc &&
+           head->wct == FL_BF16 && head->n_q4 == 0 && !fl_model_head_adapted(m) && !fl_tp_vocab_split(m);
+}
+static void head_linear(fl_model *m, const fl_outer_params *op, fl_linear *head) {
+    fl_dims d = fl_model_dims(&m->cfg);
+    *head = (fl_linear){.in = d.C, .out = d.V, .w = op->head, .dw = op->dhead};
+    fl_linear_set_weight(m, head, op->head_idx);
+    fl_linear_set_dw_scratch(m, head);
+}
+static int head_wide(const fl_model *m, const fl_linear *head) {
+    const fl_acts *a = m->acts;
+    return a->head_w && head->wc && head->wct == a->head_dt && head->n_q4 == 0 && !fl_model_head_adapted(m);
+}
+void *fl_lm_head_x16(fl_model *m) {
+    fl_outer_params op;
+    fl_get_outer(m, &op);
+    fl_linear head;
+    head_linear(m, &op, &head);
+    return head_dbf16(m, &head, 1, head_wide(m, &head)) ? head.xb16 : NULL;
 }
 
 /* HEAD_LM: logits (rows, V) = lnf @ head^T, chunked over rows, so at most (rows, V) logits exist; with targets the
@@ -679,10 +714,11 @@ fl_status fl_lm_head_loss(fl_model *m, const int32_t *targets, int N, float grad
     const int32_t *tg = a->targets && targets ? a->targets : targets; /* device memory on a device backend */
     fl_outer_params op;
     fl_get_outer(m, &op);
-    fl_linear head = {.in = d.C, .out = d.V, .w = op.head, .dw = op.dhead};
-    fl_linear_set_weight(m, &head, op.head_idx);
-    fl_linear_set_dw_scratch(m, &head);
+    fl_linear head;
+    head_linear(m, &op, &head);
     float *dlnf = a->buf1; // (N, C)
+    const void *lnf16 = a->lnf16; /* the final norm's bf16 copy (fl_lm_head_x16), for this pass only */
+    a->lnf16 = NULL;
     /* 16-bit storage: the head's gradient accumulates over the chunks in fp32, then is added once */
     const int stage_head = train && targets && head.dw && m->store->g16;
     if (stage_head) fl_store_stage_begin(m->store, (size_t)d.V * d.C);
@@ -692,7 +728,7 @@ fl_status fl_lm_head_loss(fl_model *m, const int32_t *targets, int N, float grad
      * dx and dW read), as the bf16 GEMM rounds an F32 A. An F16 GEMM does not round its F32 A, so nothing else
      * changes. Not with a LoRA adapter on lm_head (its branch reads the unrounded x and dy). */
     fl_linear hw = head;
-    const int wide = a->head_w && head.wc && head.wct == a->head_dt && head.n_q4 == 0 && !fl_model_head_adapted(m);
+    const int wide = head_wide(m, &head);
     const int round_bf16 = wide && a->head_dt == FL_BF16;
     if (wide) {
         FL_TRY(FL_RUN(be, convert, a->head_w, FL_F32, head.wc, head.wct, (size_t)d.V * d.C)); // (V, C)
@@ -700,15 +736,13 @@ fl_status fl_lm_head_loss(fl_model *m, const int32_t *targets, int N, float grad
         hw.wct = FL_F32;
         hw.xb16 = hw.dyb16 = NULL; /* dW += dy^T x in fp32 on the rounded operands */
     }
-    /* the bf16 head's training chunks through cross_entropy_dbf16 (a plain trained bf16 weight, one vocabulary; a
-     * frozen head has no bf16 scratch: fl_linear_wants_dy16) */
-    const int dbf16 = train && targets && be->cross_entropy_dbf16 && !wide && fl_linear_wants_dy16(&head) && head.wc &&
-                      head.wct == FL_BF16 && head.n_q4 == 0 && !fl_model_head_adapted(m) && !fl_tp_vocab_split(m);
+    const int dbf16 = head_dbf16(m, &head, train && targets, wide);
     for (int r0 = 0; r0 < N; r0 += R) {
         int rows = N - r0 < R ? N - r0 : R;
         const float *xr = a->lnf + (size_t)r0 * d.C;
         if (dbf16) {
-            FL_TRY(head_chunk_dbf16(m, &head, dlnf + (size_t)r0 * d.C, xr, tg + r0, a->losses + r0, rows, grad_scale,
+            const void *x16 = lnf16 ? (const uint16_t *)lnf16 + (size_t)r0 * d.C : NULL;
+            FL_TRY(head_chunk_dbf16(m, &head, dlnf + (size_t)r0 * d.C, xr, x16, tg + r0, a->losses + r0, rows, grad_scale,
                                     logits_out ? logits_out + (size_t)r0 * m->cfg.vocab_size : NULL));
             continue;
         }
