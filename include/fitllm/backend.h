@@ -43,6 +43,8 @@ extern "C" {
 #define FL_CONVERT_MANY_MAX 16
 /* fl_backend.act_forward16's kinds */
 enum { FL_ACT16_SWIGLU = 0, FL_ACT16_GELU = 1, FL_ACT16_RELU = 2 };
+/* gemm_epilogue's epilogues */
+enum { FL_GEMM_EPI_BIAS = 1, FL_GEMM_EPI_BIAS_GELU = 2 };
 
 typedef struct fl_backend fl_backend;
 struct fl_comm; /* fitllm/comm.h */
@@ -95,6 +97,12 @@ typedef struct {
     float scale;               /* scores = scale * q.k + bias (1/sqrt(HD) usually; T5: 1) */
     int causal;                /* 1: query t sees keys j <= t + Tk - Tq (bottom-right aligned, as
                                 * flash-attention 2.1+; the usual j <= t when Tq == Tk); 0: all keys */
+    /* dropout on the attention weights (training; T5, issue 31): softmax(s)_j of query row t of head h, batch b is
+     * multiplied by keep(drop_seed, ((b*NH + h)*Tq + t)*Tk + j) / (1 - drop_p) (fitllm/lora.h's mask) before it
+     * weighs v_j; lse stays the undropped softmax's, the backward regenerates the mask. drop_p 0 (a zeroed
+     * descriptor): none; in [0, 1), else FL_ERR_INVALID. cpu, ref, opaque, cuda (its fp32 kernels) */
+    float drop_p;
+    uint64_t drop_seed;
 } fl_attn_desc;
 
 struct fl_backend {
@@ -218,6 +226,24 @@ struct fl_backend {
      * stream. NULL: generated on the host and copied. (cuda, cuda-emu) */
     fl_status (*init_random)(const fl_backend *be, void *dst, fl_dtype dt, size_t k0, size_t k1, size_t numel,
                              int kind, double sd, uint64_t s);
+    /* Optional (issue 31: T5's dropout in training): y[i] = keep(seed, i) ? x[i] * fl_lora_dropout_scale(p) : 0
+     * (accumulate 0; y may be x: in place) or y[i] += that (accumulate 1), the mask of fitllm/lora.h's
+     * fl_lora_dropout_keep, a function of (seed, i) only: the backward is the same call on the gradient (the mask
+     * regenerated, nothing saved). p in [0, 1); p 0 copies (or adds) x. NULL: a model that drops refuses by name.
+     * (cpu, ref, opaque, null, cuda, cuda-emu) */
+    fl_status (*dropout)(const fl_backend *be, float *y, const float *x, size_t n, float p, uint64_t seed,
+                         int accumulate);
+
+    /* Optional (issue 30 item 3): gemm (row-major, the gemm slot's types and semantics) with an F32 C and an epilogue
+     * fused into the matmul where the backend can (cuBLASLt's), for a linear's bias and GPT-2's GELU:
+     * FL_GEMM_EPI_BIAS: C = alpha op(A) op(B) + beta C, then C[i, j] += bias[j] (gemm then bias_forward);
+     * FL_GEMM_EPI_BIAS_GELU (beta 0): aux[i, j] = alpha op(A) op(B) + bias[j] (row stride ldaux, the pre-activation
+     * the backward reads) and C = gelu_tanh(aux) (gelu_forward's). bias (N) fp32. cuda-emu: the bits of the three ops
+     * (checked); cuda: cuBLASLt's epilogue (its GELU within fp32 rounding of gelu_forward's), the three ops where
+     * cuBLASLt refuses it or FITLLM_CUDA_EPILOGUE=0. NULL: callers run the separate ops. (cuda, cuda-emu) */
+    fl_status (*gemm_epilogue)(const fl_backend *be, int epi, const float *bias /*(N)*/, float *aux /*(M,ldaux)*/,
+                               int ldaux, int trans_a, int trans_b, int M, int N, int K, float alpha, const void *A,
+                               fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta, float *C, int ldc);
 
     /* Optional: the op scratch a model's self-attention needs BEYOND scratch_bytes under bf16 compute, for B
      * sequences of T, NH query and NKV key/value heads of size HD (causal, compact output rows); the model lends

@@ -40,11 +40,11 @@ extern "C" {
     X(gelu_erf_backward) X(geglu_forward) X(geglu_backward) X(act_forward16) X(act_backward16) X(add) X(add16)       \
     X(bias_forward) X(bias_backward) X(attention_forward) X(attention_backward) X(attention_decode)                  \
     X(attention_forward16) X(attention_backward16)                                                                   \
-    X(q4_matmul_forward) X(q4_matmul_backward) X(lora_forward) X(lora_backward) X(cross_entropy)                     \
+    X(q4_matmul_forward) X(q4_matmul_backward) X(lora_forward) X(lora_backward) X(dropout) X(cross_entropy)          \
     X(cross_entropy_dbf16) X(convert) X(convert_many) X(round16) X(accumulate16) X(adamw_update) X(sgd_update)       \
     X(adam8bit_update) X(sumsq)                                                                                      \
     X(check_finite) X(scale) X(zero) X(copy) X(to_device) X(to_host) X(sync) X(set_scratch) X(set_compute_dtype)     \
-    X(attention_qkv_forward) X(attention_qkv_backward)
+    X(attention_qkv_forward) X(attention_qkv_backward) X(gemm_epilogue)
 
 typedef enum {
 #define FL_OPK_ENUM_(slot) FL_OPK_##slot,
@@ -108,6 +108,7 @@ struct fl_op_lora_forward { float *y; int ldy; float *h, *xd; const float *x, *A
     float scaling, dropout; uint64_t seed; };
 struct fl_op_lora_backward { float *dx, *dA, *dB; const float *dy; int ldy; const float *xb, *h, *A, *B;
     int N, in, out, r; float scaling, dropout; uint64_t seed; float *work; };
+struct fl_op_dropout { float *y; const float *x; size_t n; float p; uint64_t seed; int accumulate; };
 struct fl_op_cross_entropy { float *loss, *dlogits; const float *logits; const int32_t *targets; int N, V;
     float grad_scale; int ignore_index; };
 struct fl_op_cross_entropy_dbf16 { float *loss; void *dlogits16; const float *logits; const int32_t *targets;
@@ -135,6 +136,9 @@ struct fl_op_set_scratch { void *p; size_t bytes; };
 struct fl_op_set_compute_dtype { fl_dtype t; };
 struct fl_op_attention_qkv_forward { float *out, *lse; const float *qkv; int B, T, NH, NKV, HD; };
 struct fl_op_attention_qkv_backward { float *dqkv; const float *dout, *qkv, *out, *lse; int B, T, NH, NKV, HD; };
+struct fl_op_gemm_epilogue { int epi; const float *bias; float *aux; int ldaux; int trans_a, trans_b, M, N, K;
+    float alpha; const void *A; fl_dtype ta; int lda; const void *B; fl_dtype tb; int ldb; float beta; float *C;
+    int ldc; };
 
 struct fl_oprec {
     fl_opk kind;
@@ -179,6 +183,7 @@ struct fl_oprec {
         struct fl_op_q4_matmul_backward q4_matmul_backward;
         struct fl_op_lora_forward lora_forward;
         struct fl_op_lora_backward lora_backward;
+        struct fl_op_dropout dropout;
         struct fl_op_cross_entropy cross_entropy;
         struct fl_op_cross_entropy_dbf16 cross_entropy_dbf16;
         struct fl_op_convert convert;
@@ -200,6 +205,7 @@ struct fl_oprec {
         struct fl_op_set_compute_dtype set_compute_dtype;
         struct fl_op_attention_qkv_forward attention_qkv_forward;
         struct fl_op_attention_qkv_backward attention_qkv_backward;
+        struct fl_op_gemm_epilogue gemm_epilogue;
     };
 };
 

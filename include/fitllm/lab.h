@@ -41,7 +41,8 @@ extern "C" {
 typedef enum { FL_LAB_FITS = 0, FL_LAB_OOM, FL_LAB_NA, FL_LAB_ERROR, FL_LAB_VERDICT_COUNT } fl_lab_verdict;
 const char *fl_lab_verdict_name(fl_lab_verdict v); /* "fits", "OOM", "n/a", "error" */
 
-/* `--peer pytorch`: what PyTorch (HF LlamaForCausalLM or GPT2LMHeadModel (full fine-tunes, AdamW or SGD), sdpa;
+/* `--peer pytorch`: what PyTorch (HF LlamaForCausalLM, or GPT2LMHeadModel or OPTForCausalLM (full fine-tunes, AdamW
+ * or SGD), sdpa;
  * torch.optim.AdamW, SGD or bitsandbytes' AdamW8bit;
  * autocast; HF checkpointing; PEFT LoRA, bitsandbytes NF4) allocates for one step on one device, bytes. params,
  * quant, grads, optim, saved (autograd's saved tensors) and logits are fitted byte for byte to measurements
@@ -59,6 +60,7 @@ typedef struct {
 typedef struct {
     const char *precision;   /* 32-true, bf16-true, bf16-mixed (autocast bf16), 16-mixed (autocast fp16) */
     int B, T;
+    int T_dec;               /* an encoder-decoder (Flan-T5): the decoder's length (the labels'); T is the encoder's */
     int act_ckpt;            /* HF gradient checkpointing (reentrant): each layer's input saved, recomputed */
     int lora_r;              /* > 0: PEFT LoRA of rank r on query and value (dropout > 0), fp32 adapters */
     int nf4;                 /* with lora_r, 32-true: QLoRA, the linears in bitsandbytes NF4 (fp32 compute) */

@@ -207,6 +207,10 @@ static fl_status run_kernels2(const fl_backend *be, const fl_oprec *op) {
         return be->lora_backward(be, r->dx, r->dA, r->dB, r->dy, r->ldy, r->xb, r->h, r->A, r->B, r->N, r->in, r->out,
             r->r, r->scaling, r->dropout, r->seed, r->work);
     }
+    case FL_OPK_dropout: {
+        DOOR(dropout);
+        return be->dropout(be, r->y, r->x, r->n, r->p, r->seed, r->accumulate);
+    }
     case FL_OPK_cross_entropy: {
         DOOR(cross_entropy);
         be->cross_entropy(be, r->loss, r->dlogits, r->logits, r->targets, r->N, r->V, r->grad_scale, r->ignore_index);
@@ -230,6 +234,11 @@ fl_status fl_backend_run_slots(const fl_backend *be, const fl_oprec *op) {
         DOOR(gemm);
         return be->gemm(be, r->trans_a, r->trans_b, r->M, r->N, r->K, r->alpha, r->A, r->ta, r->lda, r->B, r->tb,
             r->ldb, r->beta, r->C, r->tc, r->ldc);
+    }
+    case FL_OPK_gemm_epilogue: {
+        DOOR(gemm_epilogue);
+        return be->gemm_epilogue(be, r->epi, r->bias, r->aux, r->ldaux, r->trans_a, r->trans_b, r->M, r->N, r->K,
+            r->alpha, r->A, r->ta, r->lda, r->B, r->tb, r->ldb, r->beta, r->C, r->ldc);
     }
     case FL_OPK_embedding_forward: {
         DOOR(embedding_forward);

@@ -114,6 +114,10 @@ static void attn_views(const fl_model *m, const fl_block_graph *g, const fl_gop 
         }
     }
     *v = *k + d.KVD;
+    if (o->p >= 0 && x->drop_p > 0) { /* dropout on the weights (T5): the op's site of the block's seed */
+        a->drop_p = x->drop_p;
+        a->drop_seed = fl_dropout_seed(x->drop_seed, (uint64_t)o->p);
+    }
 }
 
 /* o16 (NULL or): the output's bf16 copy, written by the op itself where the backend has attention_forward16
@@ -256,6 +260,20 @@ static void *norm_dy16_for(const fl_backend *be, const fl_block_graph *g, const 
     return bp->lin[pv->p].dyb16;
 }
 
+/* A biased linear straight into the tanh GELU (GPT-2's c_fc) as one GEMM with cuBLASLt's bias + GELU epilogue
+ * (issue 30 item 3): pre = x W^T + b (the slot the GELU's backward reads), out = gelu(pre); the backend's
+ * gemm_epilogue (cuda-emu: the bits of the GEMM, bias_forward and gelu_forward). Not with adapters (LoRA adds to
+ * pre before the GELU) or a 4-bit weight. */
+static int linear_gelu_fuses(const fl_backend *be, const fl_linear *lin) {
+    return be->gemm_epilogue && lin->b && lin->n_q4 == 0 && lin->n_adapters == 0;
+}
+static fl_status linear_bias_gelu(const fl_backend *be, float *out, float *pre, const float *x, const fl_linear *lin,
+                                  int N) {
+    const void *w = lin->wc ? lin->wc : (const void *)lin->w;
+    return FL_RUN(be, gemm_epilogue, FL_GEMM_EPI_BIAS_GELU, lin->b, pre, lin->out, 0, 1, N, lin->out, lin->in, 1.0f, x,
+                  FL_F32, lin->in, w, lin->wc ? lin->wct : FL_F32, lin->in, 0.0f, out, lin->out);
+}
+
 fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
                            const fl_block_ctx *x) {
     const fl_backend *be = m->be;
@@ -296,6 +314,12 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
                 pend16 = o->out, done16 = 1;
                 break;
             }
+            const fl_gop *nx = i + 1 < g->n_ops ? &g->op[i + 1] : NULL;
+            if (!x->store16 && nx && nx->kind == FL_GOP_GELU && nx->in == o->out && linear_gelu_fuses(be, lin)) {
+                FL_TRY(linear_bias_gelu(be, s[nx->out], out, in, lin, N)); /* GPT-2's c_fc + GELU: one GEMM */
+                i++;
+                break;
+            }
             FL_TRY(fl_linear_forward_ex(be, out, in, in16, lin, N));
             break;
         }
@@ -332,6 +356,10 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
             break;
         case FL_GOP_ALLREDUCE:
             if (o->p == FL_GAR_FWD) FL_TRY(allreduce(x->comm, out, (size_t)N * wo));
+            break;
+        case FL_GOP_DROPOUT:
+            if (x->drop_p > 0 || in != out)
+                FL_TRY(FL_RUN(be, dropout, out, in, (size_t)N * wo, x->drop_p, fl_dropout_seed(x->drop_seed, o->p), 0));
             break;
         }
         if (last && !done16) FL_TRY(store16(be, g, o->out, s, x)); /* ROPE: in place */
@@ -430,7 +458,7 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         const size_t wi = (size_t)si->width, wo = (size_t)so->width;
         /* ops whose backward accumulates into d(in): a gradient not started yet starts from zero (a
          * LINEAR overwrites it instead; o->acc: the residual path, or another reader's part already there) */
-        if (!o->acc && o->kind != FL_GOP_LINEAR && !fl_gop_modifies(o))
+        if (!o->acc && o->kind != FL_GOP_LINEAR && o->kind != FL_GOP_DROPOUT && !fl_gop_modifies(o))
             FL_RUN(be, zero, din, (size_t)N * wi * sizeof(float));
         /* the LINEAR next in this order made in and reads d(in) in bf16: this op writes that copy (dy16) */
         void *dy16 = dy16_for(be, g, bp, i);
@@ -467,6 +495,11 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         case FL_GOP_GEGLU: FL_RUN(be, geglu_backward, din, dout, s[o->in], N, (int)wo); break;
         case FL_GOP_ALLREDUCE:
             if (o->p == FL_GAR_BWD) FL_TRY(allreduce(x->comm, din, (size_t)N * wi));
+            break;
+        case FL_GOP_DROPOUT: /* d(in) (+)= the forward's mask on d(out); in place: masked where it is */
+            if (x->drop_p > 0 || din != dout)
+                FL_TRY(FL_RUN(be, dropout, din, dout, (size_t)N * wi, x->drop_p, fl_dropout_seed(x->drop_seed, o->p),
+                              o->acc && din != dout));
             break;
         case FL_GOP_ADD: break;
         }
@@ -581,6 +614,7 @@ fl_status fl_linear_forward(const fl_backend *be, float *y, const float *x, cons
 fl_status fl_linear_forward_ex(const fl_backend *be, float *y, const float *x, const void *x16, const fl_linear *lin,
                                int N) {
     /* y (N,out) = x (N,in) @ W^T (in,out) */
+    int biased = 0;
     if (lin->n_q4) { /* 4-bit base: each part fills its rows of the (fused) output, dequantized tile by tile */
         for (int k = 0, r0 = 0; k < lin->n_q4; r0 += lin->q4[k]->rows, k++)
             FL_TRY(FL_RUN(be, q4_matmul_forward, y + r0, lin->out, x, lin->q4[k], N, 0.0f));
@@ -590,10 +624,16 @@ fl_status fl_linear_forward_ex(const fl_backend *be, float *y, const float *x, c
         fl_dtype wt = lin->wc ? lin->wct : FL_F32;
         /* a BF16 weight's GEMM rounds an F32 x to bf16: x16 is that operand already */
         const int a16 = x16 && wt == FL_BF16;
-        FL_TRY(FL_RUN(be, gemm, 0, 1, N, lin->out, lin->in, 1.0f, a16 ? x16 : (const void *)x, a16 ? FL_BF16 : FL_F32,
+        if (lin->b && be->gemm_epilogue) { /* the bias in the GEMM's epilogue (issue 30 item 3) */
+            FL_TRY(FL_RUN(be, gemm_epilogue, FL_GEMM_EPI_BIAS, lin->b, NULL, 0, 0, 1, N, lin->out, lin->in, 1.0f,
+                          a16 ? x16 : (const void *)x, a16 ? FL_BF16 : FL_F32, lin->in, w, wt, lin->in, 0.0f, y,
+                          lin->out));
+            biased = 1;
+        } else
+            FL_TRY(FL_RUN(be, gemm, 0, 1, N, lin->out, lin->in, 1.0f, a16 ? x16 : (const void *)x, a16 ? FL_BF16 : FL_F32,
                       lin->in, w, wt, lin->in, 0.0f, y, FL_F32, lin->out));
     }
-    if (lin->b) FL_RUN(be, bias_forward, y, lin->b, N, lin->out);
+    if (lin->b && !biased) FL_RUN(be, bias_forward, y, lin->b, N, lin->out);
     for (int k = 0; k < lin->n_adapters; k++) { /* the adapters' branches (LoRA: y[:, rows] += scaling drop(x) A^T B^T) */
         const fl_linear_adapter *a = lin->adapters[k];
         FL_TRY(a->ops->forward(a, be, y, lin->out, x, N, lin->row_base));

@@ -44,7 +44,7 @@ static inline size_t fl_cu_attention_work_bytes_det(int B, int NH, int Tq) {
  * for runs whose compute dtype is bf16) take these shapes: HD 64 or 128, no bias. Anything else
  * is FL_CU_ATTN_UNSUPPORTED from their launchers: run the fp32 kernels. */
 static inline int fl_cu_attention_tc_supported(const fl_attn_desc *a, const float *bias) {
-    return a && (a->HD == 64 || a->HD == 128) && !bias;
+    return a && (a->HD == 64 || a->HD == 128) && !bias && !(a->drop_p > 0); /* dropout: the fp32 kernels */
 }
 
 #define FL_CU_DECLARE_ATTN_KERNELS(P)                                                                          \

@@ -79,7 +79,8 @@ template <class C> __global__ static void fl_cu_attn_fwd_k(fl_cu_attn_p p) {
             float ps = 0.0f;
             for (int c = 0; c < KPT; c++) {
                 float pv = s[i][c] == -INFINITY ? 0.0f : expf(s[i][c] - mnew);
-                Ps[r * KP + tx + 8 * c] = pv;
+                /* dropout: V sees the dropped weights, l sums the softmax's own */
+                Ps[r * KP + tx + 8 * c] = p.drop_p > 0.0f ? pv * fl_cu_attn_dropf(p, b, h, q0 + r, k0 + tx + 8 * c) : pv;
                 ps += pv;
             }
             l[i] = l[i] * corr + ps;

@@ -86,7 +86,13 @@ template <class C> __global__ static void fl_cu_attn_dkdv_k(fl_cu_attn_p p) {
                         float sv = s[i][c];
                         if (p.bias) sv += p.bias[((size_t)h * p.Tq + t0 + r) * p.Tk + k0 + j];
                         pv = expf(sv - Ls[r]);
-                        ds = pv * (dp[i][c] - Ds[r]);
+                        if (p.drop_p > 0.0f) { /* dV reads the dropped weights, dS = P o (f dP - D) */
+                            const float f = fl_cu_attn_dropf(p, b, h, t0 + r, k0 + j);
+                            ds = pv * (f * dp[i][c] - Ds[r]);
+                            pv *= f;
+                        } else {
+                            ds = pv * (dp[i][c] - Ds[r]);
+                        }
                     }
                     Pt[j * QP + r] = pv;
                     St[j * QP + r] = ds;
@@ -199,7 +205,8 @@ template <class C> __global__ static void fl_cu_attn_dq_k(fl_cu_attn_p p) {
                     if (km[j] && k0 + j < lim[i]) {
                         float sv = s[i][c];
                         if (p.bias) sv += p.bias[((size_t)h * p.Tq + q0 + r) * p.Tk + k0 + j];
-                        ds = expf(sv - L[i]) * (dp[i][c] - Dr[i]);
+                        const float f = p.drop_p > 0.0f ? fl_cu_attn_dropf(p, b, h, q0 + r, k0 + j) : 1.0f;
+                        ds = expf(sv - L[i]) * (p.drop_p > 0.0f ? f * dp[i][c] - Dr[i] : dp[i][c] - Dr[i]);
                     }
                     Ss[r * KP + j] = ds;
                     if (dbr && j < kn) dbr[j] += ds;

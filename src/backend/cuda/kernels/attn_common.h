@@ -37,6 +37,8 @@ struct fl_cu_attn_p {
     size_t ldq, ldk, ldv, ldo;
     int B, Tq, Tk, NH, NKV, HD, rep, causal;
     float scale;
+    float drop_p, drop_sc; /* dropout on the weights (fl_attn_desc.drop_p; fp32 kernels only): p, 1 / (1 - p) */
+    uint64_t drop_seed;
 };
 
 /* Tile shapes per head-dimension bucket D (HD <= D; dims HD..D-1 are zero in shared memory).
@@ -78,6 +80,16 @@ FL_CU_DEV int fl_cu_attn_key_limit(const fl_cu_attn_p &p, int t) {
     if (!p.causal) return p.Tk;
     long lim = (long)t + p.Tk - p.Tq + 1;
     return lim < 0 ? 0 : lim > p.Tk ? p.Tk : (int)lim;
+}
+/* Dropout on the attention weights: the factor of key j of query row t of head h, batch b (fitllm/lora.h's mask of
+ * (drop_seed, ((b NH + h) Tq + t) Tk + j), the same integer arithmetic and float compare: the CPU's bits) */
+FL_CU_DEV float fl_cu_attn_dropf(const fl_cu_attn_p &p, int b, int h, int t, int j) {
+    const size_t i = (((size_t)b * p.NH + h) * p.Tq + t) * p.Tk + j;
+    uint64_t z = p.drop_seed + (uint64_t)(i + 1) * 0x9E3779B97F4A7C15ULL;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    z ^= z >> 31;
+    return (float)(z >> 40) * (1.0f / 16777216.0f) >= p.drop_p ? p.drop_sc : 0.0f;
 }
 /* First query row that sees key k (causal), in [0, Tq]. */
 FL_CU_DEV int fl_cu_attn_first_row(const fl_cu_attn_p &p, int k) {
@@ -142,6 +154,7 @@ static inline int fl_cu_attn_check(const fl_attn_desc *a, const void *out, const
     if (a->ldq < wq || a->ldo < wq || a->ldk < wk || a->ldv < wk) return FL_CU_ATTN_INVALID;
     if (dbias && !bias) return FL_CU_ATTN_INVALID;
     if (!(a->scale == a->scale) || a->scale - a->scale != 0.0f) return FL_CU_ATTN_INVALID; /* NaN or inf */
+    if (!(a->drop_p >= 0.0f && a->drop_p < 1.0f)) return FL_CU_ATTN_INVALID;
     if (a->B > 65535 || a->NH > 65535) return FL_CU_ATTN_INVALID;                          /* grid y / z */
     return 0;
 }
@@ -162,6 +175,9 @@ static inline fl_cu_attn_p fl_cu_attn_params(const fl_attn_desc *a) {
     p.rep = a->NH / a->NKV;
     p.causal = a->causal != 0;
     p.scale = a->scale;
+    p.drop_p = a->drop_p;
+    p.drop_sc = a->drop_p > 0.0f ? 1.0f / (1.0f - a->drop_p) : 1.0f;
+    p.drop_seed = a->drop_seed;
     return p;
 }
 
