@@ -68,8 +68,18 @@ static void rms_in16_case(fl_dtype wt, int N, int C, int with16) {
                   "rmsnorm_backward_w16 inp16 (w %s N=%d C=%d): not the bits over the widened input", fl_dtype_name(wt),
                   N, C);
     }
-    /* an fp32 weight is taken only with the bf16 input (the fp32 op is rmsnorm_backward) */
+    /* an fp32 weight is taken only with a bf16 copy to read or write (the fp32 ops are rmsnorm_forward / _backward) */
     FL_CHECK(fl_cuemu_rmsnorm_backward_w16(dx2, NULL, dw2, dy, x, NULL, w, FL_F32, rs, N, C, NULL) != 0);
+    FL_CHECK(fl_cuemu_rmsnorm_forward_w16(dx2, NULL, rs, x, w, FL_F32, N, C, 1e-5f, NULL) != 0);
+    if (wt == FL_F32) { /* bf16-mixed's forward: out16 = round16 of the fp32 kernel's output, out its widening */
+        float *o2 = malloc(nc * 4), *r2 = malloc((size_t)N * 4);
+        uint16_t *o16 = malloc(nc * 2);
+        uint16_t *w16o = stored16(o, nc); /* o: the fp32 kernel's output, now widened as round16 leaves it */
+        EMU_OK(fl_cuemu_rmsnorm_forward_w16(o2, o16, r2, x, w, FL_F32, N, C, 1e-5f, NULL));
+        FL_CHECKF(!memcmp(o16, w16o, nc * 2) && !memcmp(o2, o, nc * 4) && !memcmp(r2, rs, (size_t)N * 4),
+                  "rmsnorm_forward_w16 fp32 weight out16 (N=%d C=%d): not the fp32 kernel + round16", N, C);
+        free(o2); free(r2); free(o16); free(w16o);
+    }
     free(x); free(w); free(dy); free(dx0); free(dw0); free(rs); free(o); free(x16); free(w16);
     free(dx1); free(dw1); free(dx2); free(dw2); free(d1); free(d2);
 }

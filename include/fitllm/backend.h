@@ -165,7 +165,7 @@ struct fl_backend {
      * norm finishes is the next LINEAR's dy, whose bf16 operand it writes (its dyb16; exec.c). The backward's
      * inp16 (NULL or (N,C) bf16): the input read from its bf16 copy instead of inp (inp may be NULL), each element
      * widened exactly (the bits over inp = its widening; a bf16 run's stored input without the widen-before-backward),
-     * and then wt may be F32 too (bf16-mixed's fp32 norm weight). */
+     * and then wt may be F32 too (bf16-mixed's fp32 norm weight), as with out16 (forward) or dinp16 (backward). */
     void (*rmsnorm_forward_w16)(const fl_backend *be, float *out, void *out16, float *rstd, const float *inp,
                                 const void *w, fl_dtype wt, int N, int C, float eps);
     void (*rmsnorm_backward_w16)(const fl_backend *be, float *dinp, void *dinp16, float *dw, const float *dout,

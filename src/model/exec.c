@@ -249,10 +249,14 @@ void *fl_block_dout16(const fl_block_graph *g, const fl_block_params *bp) {
  * next LINEAR in the backward's order reads as its dy (a pre-norm block: the attention's output projection; the
  * block's input gradient: the previous block's last projection, x->din16): the norm writes that LINEAR's bf16 dy
  * as it accumulates (rmsnorm_backward_w16's dinp16). NULL: no such pair. */
-static void *norm_dy16_for(const fl_backend *be, const fl_block_graph *g, const fl_block_params *bp, int i,
-                           const fl_block_ctx *x) {
+/* The RMSNorm w16 kernels take this norm: a 16-bit weight, or (bf16-mixed) an fp32 one with a bf16 copy to write */
+static int norm16_ok(const fl_model *m, fl_dtype wt, int have) {
+    return have && (wt != FL_F32 || !fl_arch_get(m->cfg.arch)->layernorm);
+}
+static void *norm_dy16_for(const fl_model *m, const fl_backend *be, const fl_block_graph *g,
+                           const fl_block_params *bp, int i, const fl_block_ctx *x) {
     const fl_gop *o = &g->op[i];
-    if (bp->norm_wt == FL_F32 || !be->rmsnorm_backward_w16) return NULL;
+    if (!norm16_ok(m, bp->norm_wt, be->rmsnorm_backward_w16 != NULL)) return NULL;
     const int j = next_bwd(g, i);
     if (j < 0) return o->in == FL_GSLOT_IN && !x->no_din ? x->din16 : NULL;
     const fl_gop *pv = &g->op[j];
@@ -397,7 +401,7 @@ static int bwd_reads16(const fl_model *m, const fl_block_graph *g, const fl_bloc
     const fl_backend *be = m->be;
     if (!x->s16 || !stored16(g, o->in, x)) return 0;
     switch ((fl_gop_kind)o->kind) {
-    case FL_GOP_NORM: return be->rmsnorm_backward_w16 && (bp->norm_wt != FL_F32 || !fl_arch_get(m->cfg.arch)->layernorm);
+    case FL_GOP_NORM: return norm16_ok(m, bp->norm_wt, be->rmsnorm_backward_w16 != NULL);
     case FL_GOP_ATTN:
         return o->attn == FL_ATTN_CAUSAL && !o->attn_flags && !x->kv && be->attention_backward16 && stored16(g, o->out, x);
     case FL_GOP_SWIGLU:
@@ -471,7 +475,7 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         }
         switch ((fl_gop_kind)o->kind) {
         case FL_GOP_NORM: {
-            void *d16 = x->s16 ? norm_dy16_for(be, g, bp, i, x) : NULL;
+            void *d16 = x->s16 ? norm_dy16_for(m, be, g, bp, i, x) : NULL;
             if (in16) /* RMSNorm over the stored bf16 input (the weight fp32 or 16-bit) */
                 FL_RUN(be, rmsnorm_backward_w16, din, d16, bp->d_norm_w[o->p], dout, s[o->in], x->s16[o->in],
                        bp->norm_w[o->p], bp->norm_wt, S(o->a2), N, m->cfg.dim);
@@ -516,7 +520,8 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
 int fl_norm_forward_t(const fl_model *m, float *out, void *out16, float *mean, float *rstd, const float *x,
                       const void *w, fl_dtype wt, const float *b, int N) {
     const fl_backend *be = m->be;
-    if (wt != FL_F32) { /* norm_weight's 16-bit binding */
+    /* norm_weight's 16-bit binding; or an fp32 weight with a bf16 copy to store (bf16-mixed): the same kernel */
+    if (wt != FL_F32 || (out16 && norm16_ok(m, wt, be->rmsnorm_forward_w16 != NULL))) {
         FL_RUN(be, rmsnorm_forward_w16, out, out16, rstd, x, w, wt, N, m->cfg.dim, m->cfg.norm_eps);
         return out16 != NULL;
     }
@@ -530,7 +535,7 @@ int fl_norm_forward_t(const fl_model *m, float *out, void *out16, float *mean, f
 void fl_norm_backward_t(const fl_model *m, float *dx, void *dx16, float *dw, float *db, const float *dout,
                         const float *x, const void *w, fl_dtype wt, const float *mean, const float *rstd, int N) {
     const fl_backend *be = m->be;
-    if (wt != FL_F32)
+    if (wt != FL_F32 || (dx16 && norm16_ok(m, wt, be->rmsnorm_backward_w16 != NULL)))
         FL_RUN(be, rmsnorm_backward_w16, dx, dx16, dw, dout, x, NULL, w, wt, rstd, N, m->cfg.dim);
     else if (fl_arch_get(m->cfg.arch)->layernorm)
         FL_RUN(be, layernorm_backward, dx, dw, db, dout, x, w, mean, rstd, N, m->cfg.dim);
