@@ -1,6 +1,6 @@
 /* The backward kernels reading a bf16 run's stored activations directly (issue 30 item 1: no widen-before-backward):
- * rmsnorm_backward_w16's inp16, act_backward16's in16 and the attention backwards' bf16 q, k, v, out
- * (attention_backward_ex16 / _tc16 / _fa2_16, the backend's attention_backward16), under the CPU emulator.
+ * rmsnorm_backward_w16's inp16 and the attention backwards' bf16 q, k, v, out (attention_backward_ex16 / _tc16 /
+ * _fa2_16, the backend's attention_backward16), under the CPU emulator (act_backward16's in16: test_cuda_bf16.c).
  * Anchor: bits. Each must equal the fp32-input launcher of the same op run over the exactly widened copies
  * (what the widen launch left in the fp32 views; those launchers are checked against float64 and the CPU
  * backend in test_cuda_emu.c / test_cuda_attn.c / test_ops.c), bit for bit, for every output and accumulated
@@ -91,37 +91,6 @@ FL_TEST(cuda_bf16_rmsnorm_backward_in16) {
     rms_in16_case(FL_F32, 2, 5, 1);
 }
 
-/* act_backward16 with in16: the fp32 backward over the widened input (din accumulating), din16 = RNE(din) when
- * asked, none otherwise */
-static void act_in16_case(int kind, int N, int F, int with16) {
-    const int W = kind == FL_CU_ACT16_SWIGLU ? 2 * F : F;
-    const size_t ni = (size_t)N * W, no = (size_t)N * F;
-    fl_test_rng r = {(uint64_t)(kind * 101 + N * 17 + F + with16)};
-    float *x = fl_test_frand(&r, ni, -6, 6), *dy = fl_test_frand(&r, no, -1, 1), *d0 = fl_test_frand(&r, ni, -1, 1);
-    uint16_t *x16 = stored16(x, ni), *w16 = malloc(ni * 2), *g16 = malloc(ni * 2);
-    float *want = dup4(d0, ni), *got = malloc(ni * 4);
-    if (kind == FL_CU_ACT16_SWIGLU) EMU_OK(fl_cuemu_swiglu_backward(want, dy, x, N, F, NULL));
-    else if (kind == FL_CU_ACT16_GELU) EMU_OK(fl_cuemu_gelu_backward(want, dy, x, no, NULL));
-    else EMU_OK(fl_cuemu_relu_backward(want, dy, x, no, NULL));
-    FL_REQUIRE_OK(fl_convert(w16, FL_BF16, want, FL_F32, ni));
-    for (int k = 0; k < 2; k++) {
-        fl_cu_emu_set_seed(k_seeds[k]);
-        memcpy(got, d0, ni * 4);
-        memset(g16, 0xff, ni * 2);
-        EMU_OK(fl_cuemu_act_backward16(kind, got, with16 ? g16 : NULL, dy, NULL, x16, N, F, NULL));
-        FL_CHECKF(!memcmp(got, want, ni * 4) && (with16 ? !memcmp(g16, w16, ni * 2) : g16[0] == 0xffff),
-                  "act_backward16 in16 kind %d N=%d F=%d: not the fp32 backward over the widened input", kind, N, F);
-    }
-    free(x); free(dy); free(d0); free(x16); free(w16); free(g16); free(want); free(got);
-}
-
-FL_TEST(cuda_bf16_act_backward_in16) {
-    act_in16_case(FL_CU_ACT16_SWIGLU, 3, 37, 1);
-    act_in16_case(FL_CU_ACT16_SWIGLU, 2, 60001, 0); /* more than one grid stride */
-    act_in16_case(FL_CU_ACT16_GELU, 9, 300, 1);
-    act_in16_case(FL_CU_ACT16_RELU, 7, 33, 0);
-}
-
 /* The attention backwards over bf16 q|k|v rows (fused, row stride W + pad) and a bf16 output (row stride ldo):
  * dq|dk|dv (accumulating into nonzero buffers) the bits of the fp32 launcher over the widened copies. */
 typedef int (*bwd32_fn)(const fl_attn_desc *, float *, float *, float *, const float *, const float *, const float *,
@@ -185,6 +154,5 @@ FL_TEST(cuda_bf16_attention_backward16) {
 
 #else
 FL_TEST(cuda_bf16_rmsnorm_backward_in16) { fl_test_skip("no CUDA emulator in this build"); }
-FL_TEST(cuda_bf16_act_backward_in16) { fl_test_skip("no CUDA emulator in this build"); }
 FL_TEST(cuda_bf16_attention_backward16) { fl_test_skip("no CUDA emulator in this build"); }
 #endif
