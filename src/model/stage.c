@@ -82,7 +82,7 @@ static fl_status write_piece(fl_model *m, int i, const float *w) {
     void *tmp = malloc(n * es + 4);
     if (!tmp) return fl_errorf(FL_ERR_OOM, "pipeline stage: out of host memory staging a piece of %s", m->layout.params[i].name);
     fl_convert(tmp, dt, w + k0, FL_F32, n);
-    fl_status s = be ? be->to_device(be, dst, tmp, n * es) : (memcpy(dst, tmp, n * es), FL_OK);
+    fl_status s = be ? FL_RUN(be, to_device, dst, tmp, n * es) : (memcpy(dst, tmp, n * es), FL_OK);
     free(tmp);
     return s;
 }
