@@ -222,6 +222,23 @@ static void act16_bwd_case(int kind, int N, int F) {
                   "act_backward16 kind %d N=%d F=%d: not the fp32 backward + its bf16 copy", kind, N, F);
     }
     FL_CHECK(fl_cuemu_act_backward16(kind, got, NULL, dy, x, NULL, N, F, NULL) != 0); /* the copy is the point */
+    /* in16 (a bf16 run's stored input read as it is, issue 30 item 1): the fp32 backward over its exact widening,
+     * with and without the copy */
+    uint16_t *x16 = malloc(ni * 2);
+    round_ref(x, x16, ni); /* x: the widened input */
+    memcpy(want, d0, ni * 4);
+    if (kind == FL_CU_ACT16_SWIGLU) EMU_OK(fl_cuemu_swiglu_backward(want, dy, x, N, F, NULL));
+    else if (kind == FL_CU_ACT16_GELU) EMU_OK(fl_cuemu_gelu_backward(want, dy, x, no, NULL));
+    else EMU_OK(fl_cuemu_relu_backward(want, dy, x, no, NULL));
+    FL_REQUIRE_OK(fl_convert(w16, FL_BF16, want, FL_F32, ni));
+    for (int with16 = 0; with16 < 2; with16++) {
+        memcpy(got, d0, ni * 4);
+        memset(g16, 0xff, ni * 2);
+        EMU_OK(fl_cuemu_act_backward16(kind, got, with16 ? g16 : NULL, dy, NULL, x16, N, F, NULL));
+        FL_CHECKF(!memcmp(got, want, ni * 4) && (with16 ? !memcmp(g16, w16, ni * 2) : g16[0] == 0xffff),
+                  "act_backward16 in16 kind %d N=%d F=%d: not the fp32 backward over the widened input", kind, N, F);
+    }
+    free(x16);
     free(x); free(dy); free(d0); free(want); free(got); free(w16); free(g16);
 }
 

@@ -1,6 +1,6 @@
 /* The backward kernels reading a bf16 run's stored activations directly (issue 30 item 1: no widen-before-backward):
- * rmsnorm_backward_w16's inp16, act_backward16's in16 and the attention backwards' bf16 q, k, v, out
- * (attention_backward_ex16 / _tc16 / _fa2_16, the backend's attention_backward16), under the CPU emulator.
+ * rmsnorm_backward_w16's inp16 and the attention backwards' bf16 q, k, v, out (attention_backward_ex16 / _tc16 /
+ * _fa2_16, the backend's attention_backward16), under the CPU emulator (act_backward16's in16: test_cuda_bf16.c).
  * Anchor: bits. Each must equal the fp32-input launcher of the same op run over the exactly widened copies
  * (what the widen launch left in the fp32 views; those launchers are checked against float64 and the CPU
  * backend in test_cuda_emu.c / test_cuda_attn.c / test_ops.c), bit for bit, for every output and accumulated
@@ -68,8 +68,18 @@ static void rms_in16_case(fl_dtype wt, int N, int C, int with16) {
                   "rmsnorm_backward_w16 inp16 (w %s N=%d C=%d): not the bits over the widened input", fl_dtype_name(wt),
                   N, C);
     }
-    /* an fp32 weight is taken only with the bf16 input (the fp32 op is rmsnorm_backward) */
+    /* an fp32 weight is taken only with a bf16 copy to read or write (the fp32 ops are rmsnorm_forward / _backward) */
     FL_CHECK(fl_cuemu_rmsnorm_backward_w16(dx2, NULL, dw2, dy, x, NULL, w, FL_F32, rs, N, C, NULL) != 0);
+    FL_CHECK(fl_cuemu_rmsnorm_forward_w16(dx2, NULL, rs, x, w, FL_F32, N, C, 1e-5f, NULL) != 0);
+    if (wt == FL_F32) { /* bf16-mixed's forward: out16 = round16 of the fp32 kernel's output, out its widening */
+        float *o2 = malloc(nc * 4), *r2 = malloc((size_t)N * 4);
+        uint16_t *o16 = malloc(nc * 2);
+        uint16_t *w16o = stored16(o, nc); /* o: the fp32 kernel's output, now widened as round16 leaves it */
+        EMU_OK(fl_cuemu_rmsnorm_forward_w16(o2, o16, r2, x, w, FL_F32, N, C, 1e-5f, NULL));
+        FL_CHECKF(!memcmp(o16, w16o, nc * 2) && !memcmp(o2, o, nc * 4) && !memcmp(r2, rs, (size_t)N * 4),
+                  "rmsnorm_forward_w16 fp32 weight out16 (N=%d C=%d): not the fp32 kernel + round16", N, C);
+        free(o2); free(r2); free(o16); free(w16o);
+    }
     free(x); free(w); free(dy); free(dx0); free(dw0); free(rs); free(o); free(x16); free(w16);
     free(dx1); free(dw1); free(dx2); free(dw2); free(d1); free(d2);
 }
@@ -79,37 +89,6 @@ FL_TEST(cuda_bf16_rmsnorm_backward_in16) {
     rms_in16_case(FL_BF16, 3, 37, 0);   /* scalar path, partial warp */
     rms_in16_case(FL_F32, 130, 96, 0);  /* bf16-mixed: fp32 weight; several colsum row groups */
     rms_in16_case(FL_F32, 2, 5, 1);
-}
-
-/* act_backward16 with in16: the fp32 backward over the widened input (din accumulating), din16 = RNE(din) when
- * asked, none otherwise */
-static void act_in16_case(int kind, int N, int F, int with16) {
-    const int W = kind == FL_CU_ACT16_SWIGLU ? 2 * F : F;
-    const size_t ni = (size_t)N * W, no = (size_t)N * F;
-    fl_test_rng r = {(uint64_t)(kind * 101 + N * 17 + F + with16)};
-    float *x = fl_test_frand(&r, ni, -6, 6), *dy = fl_test_frand(&r, no, -1, 1), *d0 = fl_test_frand(&r, ni, -1, 1);
-    uint16_t *x16 = stored16(x, ni), *w16 = malloc(ni * 2), *g16 = malloc(ni * 2);
-    float *want = dup4(d0, ni), *got = malloc(ni * 4);
-    if (kind == FL_CU_ACT16_SWIGLU) EMU_OK(fl_cuemu_swiglu_backward(want, dy, x, N, F, NULL));
-    else if (kind == FL_CU_ACT16_GELU) EMU_OK(fl_cuemu_gelu_backward(want, dy, x, no, NULL));
-    else EMU_OK(fl_cuemu_relu_backward(want, dy, x, no, NULL));
-    FL_REQUIRE_OK(fl_convert(w16, FL_BF16, want, FL_F32, ni));
-    for (int k = 0; k < 2; k++) {
-        fl_cu_emu_set_seed(k_seeds[k]);
-        memcpy(got, d0, ni * 4);
-        memset(g16, 0xff, ni * 2);
-        EMU_OK(fl_cuemu_act_backward16(kind, got, with16 ? g16 : NULL, dy, NULL, x16, N, F, NULL));
-        FL_CHECKF(!memcmp(got, want, ni * 4) && (with16 ? !memcmp(g16, w16, ni * 2) : g16[0] == 0xffff),
-                  "act_backward16 in16 kind %d N=%d F=%d: not the fp32 backward over the widened input", kind, N, F);
-    }
-    free(x); free(dy); free(d0); free(x16); free(w16); free(g16); free(want); free(got);
-}
-
-FL_TEST(cuda_bf16_act_backward_in16) {
-    act_in16_case(FL_CU_ACT16_SWIGLU, 3, 37, 1);
-    act_in16_case(FL_CU_ACT16_SWIGLU, 2, 60001, 0); /* more than one grid stride */
-    act_in16_case(FL_CU_ACT16_GELU, 9, 300, 1);
-    act_in16_case(FL_CU_ACT16_RELU, 7, 33, 0);
 }
 
 /* The attention backwards over bf16 q|k|v rows (fused, row stride W + pad) and a bf16 output (row stride ldo):
@@ -175,6 +154,5 @@ FL_TEST(cuda_bf16_attention_backward16) {
 
 #else
 FL_TEST(cuda_bf16_rmsnorm_backward_in16) { fl_test_skip("no CUDA emulator in this build"); }
-FL_TEST(cuda_bf16_act_backward_in16) { fl_test_skip("no CUDA emulator in this build"); }
 FL_TEST(cuda_bf16_attention_backward16) { fl_test_skip("no CUDA emulator in this build"); }
 #endif

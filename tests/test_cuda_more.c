@@ -105,11 +105,21 @@ static void embedding16_case(fl_dtype dt, int B, int T, int C, int V, int with_w
     for (int k = 0; k < 2; k++) {
         fl_cu_emu_set_seed(k_seeds[k]);
         memset(out, 0xff, nc * 4);
-        EMU_OK(fl_cuemu_embedding_forward16(out, ids, wte16, with_wpe ? wpe16 : NULL, dt, B, T, C, NULL));
+        EMU_OK(fl_cuemu_embedding_forward16(out, NULL, ids, wte16, with_wpe ? wpe16 : NULL, dt, B, T, C, NULL));
         FL_CHECKF(memcmp(out, cout, nc * 4) == 0, "embedding_forward16 (%s B=%d T=%d C=%d wpe=%d): not the CPU's bits",
                   fl_dtype_name(dt), B, T, C, with_wpe);
     }
-    FL_CHECK(fl_cuemu_embedding_forward16(out, ids, wte, NULL, FL_F32, B, T, C, NULL) != 0); /* 16-bit tables only */
+    FL_CHECK(fl_cuemu_embedding_forward16(out, NULL, ids, wte, NULL, FL_F32, B, T, C, NULL) != 0); /* 16-bit tables only */
+    /* out16 (the first residual row stored in bf16): the CPU's rounding of those bits, out its exact widening */
+    uint16_t *want16 = malloc(nc * 2), *got16 = malloc(nc * 2);
+    FL_REQUIRE_OK(fl_convert(want16, FL_BF16, cout, FL_F32, nc));
+    FL_REQUIRE_OK(fl_convert(cout, FL_F32, want16, FL_BF16, nc));
+    memset(got16, 0xff, nc * 2);
+    EMU_OK(fl_cuemu_embedding_forward16(out, got16, ids, wte16, with_wpe ? wpe16 : NULL, dt, B, T, C, NULL));
+    FL_CHECKF(!memcmp(got16, want16, nc * 2) && !memcmp(out, cout, nc * 4),
+              "embedding_forward16 out16 (%s B=%d T=%d C=%d wpe=%d): not round16's bits", fl_dtype_name(dt), B, T, C,
+              with_wpe);
+    free(want16); free(got16);
     free(ids); free(wte); free(wpe); free(wte16); free(wpe16); free(out); free(cout);
 }
 

@@ -144,10 +144,12 @@ struct fl_backend {
     /* Optional 16-bit storage ops (NULL slots: cpu, ref, opaque, null; the caller converts instead; cuda and
      * cuda-emu fill them so a bf16 step launches no per-row / narrow-then-widen conversions, issue 30 item 1).
      * embedding_forward16: embedding_forward (below) over a 16-bit table, wte and wpe (NULL or) of dt in
-     * {BF16, F16}, each element widened exactly and the position row added in fp32 (the fallback's bits).
+     * {BF16, F16}, each element widened exactly and the position row added in fp32 (the fallback's bits); out16
+     * (NULL or (B T, C) bf16): the rows stored in bf16 too, out then their exact widening (round16's bits: a bf16
+     * run's first residual row without the round16 launch).
      * round16: dst (dt BF16/F16) = round(x) and x = widen(dst) in one pass, a stored 16-bit activation whose
      * fp32 view must hold the stored value (graph.c's store16, acts.c's residual rows). */
-    void (*embedding_forward16)(const fl_backend *be, float *out, const int32_t *ids, const void *wte,
+    void (*embedding_forward16)(const fl_backend *be, float *out, void *out16, const int32_t *ids, const void *wte,
                                 const void *wpe, fl_dtype dt, int B, int T, int C);
     fl_status (*round16)(const fl_backend *be, void *dst, fl_dtype dt, float *x, size_t n);
     /* Optional (NULL: one convert per segment): count <= FL_CONVERT_MANY_MAX conversions dst[k] (len[k], dt)
@@ -163,7 +165,7 @@ struct fl_backend {
      * norm finishes is the next LINEAR's dy, whose bf16 operand it writes (its dyb16; exec.c). The backward's
      * inp16 (NULL or (N,C) bf16): the input read from its bf16 copy instead of inp (inp may be NULL), each element
      * widened exactly (the bits over inp = its widening; a bf16 run's stored input without the widen-before-backward),
-     * and then wt may be F32 too (bf16-mixed's fp32 norm weight). */
+     * and then wt may be F32 too (bf16-mixed's fp32 norm weight), as with out16 (forward) or dinp16 (backward). */
     void (*rmsnorm_forward_w16)(const fl_backend *be, float *out, void *out16, float *rstd, const float *inp,
                                 const void *w, fl_dtype wt, int N, int C, float eps);
     void (*rmsnorm_backward_w16)(const fl_backend *be, float *dinp, void *dinp16, float *dw, const float *dout,

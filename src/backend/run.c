@@ -247,7 +247,7 @@ fl_status fl_backend_run_slots(const fl_backend *be, const fl_oprec *op) {
     }
     case FL_OPK_embedding_forward16: {
         DOOR(embedding_forward16);
-        be->embedding_forward16(be, r->out, r->ids, r->wte, r->wpe, r->dt, r->B, r->T, r->C);
+        be->embedding_forward16(be, r->out, r->out16, r->ids, r->wte, r->wpe, r->dt, r->B, r->T, r->C);
         return FL_OK;
     }
     case FL_OPK_embedding_backward: {

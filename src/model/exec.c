@@ -249,10 +249,14 @@ void *fl_block_dout16(const fl_block_graph *g, const fl_block_params *bp) {
  * next LINEAR in the backward's order reads as its dy (a pre-norm block: the attention's output projection; the
  * block's input gradient: the previous block's last projection, x->din16): the norm writes that LINEAR's bf16 dy
  * as it accumulates (rmsnorm_backward_w16's dinp16). NULL: no such pair. */
-static void *norm_dy16_for(const fl_backend *be, const fl_block_graph *g, const fl_block_params *bp, int i,
-                           const fl_block_ctx *x) {
+/* The RMSNorm w16 kernels take this norm: a 16-bit weight, or (bf16-mixed) an fp32 one with a bf16 copy to write */
+static int norm16_ok(const fl_model *m, fl_dtype wt, int have) {
+    return have && (wt != FL_F32 || !fl_arch_get(m->cfg.arch)->layernorm);
+}
+static void *norm_dy16_for(const fl_model *m, const fl_backend *be, const fl_block_graph *g,
+                           const fl_block_params *bp, int i, const fl_block_ctx *x) {
     const fl_gop *o = &g->op[i];
-    if (bp->norm_wt == FL_F32 || !be->rmsnorm_backward_w16) return NULL;
+    if (!norm16_ok(m, bp->norm_wt, be->rmsnorm_backward_w16 != NULL)) return NULL;
     const int j = next_bwd(g, i);
     if (j < 0) return o->in == FL_GSLOT_IN && !x->no_din ? x->din16 : NULL;
     const fl_gop *pv = &g->op[j];
@@ -397,7 +401,7 @@ static int bwd_reads16(const fl_model *m, const fl_block_graph *g, const fl_bloc
     const fl_backend *be = m->be;
     if (!x->s16 || !stored16(g, o->in, x)) return 0;
     switch ((fl_gop_kind)o->kind) {
-    case FL_GOP_NORM: return be->rmsnorm_backward_w16 && (bp->norm_wt != FL_F32 || !fl_arch_get(m->cfg.arch)->layernorm);
+    case FL_GOP_NORM: return norm16_ok(m, bp->norm_wt, be->rmsnorm_backward_w16 != NULL);
     case FL_GOP_ATTN:
         return o->attn == FL_ATTN_CAUSAL && !o->attn_flags && !x->kv && be->attention_backward16 && stored16(g, o->out, x);
     case FL_GOP_SWIGLU:
@@ -471,7 +475,7 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         }
         switch ((fl_gop_kind)o->kind) {
         case FL_GOP_NORM: {
-            void *d16 = x->s16 ? norm_dy16_for(be, g, bp, i, x) : NULL;
+            void *d16 = x->s16 ? norm_dy16_for(m, be, g, bp, i, x) : NULL;
             if (in16) /* RMSNorm over the stored bf16 input (the weight fp32 or 16-bit) */
                 FL_RUN(be, rmsnorm_backward_w16, din, d16, bp->d_norm_w[o->p], dout, s[o->in], x->s16[o->in],
                        bp->norm_w[o->p], bp->norm_wt, S(o->a2), N, m->cfg.dim);
@@ -516,7 +520,8 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
 int fl_norm_forward_t(const fl_model *m, float *out, void *out16, float *mean, float *rstd, const float *x,
                       const void *w, fl_dtype wt, const float *b, int N) {
     const fl_backend *be = m->be;
-    if (wt != FL_F32) { /* norm_weight's 16-bit binding */
+    /* norm_weight's 16-bit binding; or an fp32 weight with a bf16 copy to store (bf16-mixed): the same kernel */
+    if (wt != FL_F32 || (out16 && norm16_ok(m, wt, be->rmsnorm_forward_w16 != NULL))) {
         FL_RUN(be, rmsnorm_forward_w16, out, out16, rstd, x, w, wt, N, m->cfg.dim, m->cfg.norm_eps);
         return out16 != NULL;
     }
@@ -530,7 +535,7 @@ int fl_norm_forward_t(const fl_model *m, float *out, void *out16, float *mean, f
 void fl_norm_backward_t(const fl_model *m, float *dx, void *dx16, float *dw, float *db, const float *dout,
                         const float *x, const void *w, fl_dtype wt, const float *mean, const float *rstd, int N) {
     const fl_backend *be = m->be;
-    if (wt != FL_F32)
+    if (wt != FL_F32 || (dx16 && norm16_ok(m, wt, be->rmsnorm_backward_w16 != NULL)))
         FL_RUN(be, rmsnorm_backward_w16, dx, dx16, dw, dout, x, NULL, w, wt, rstd, N, m->cfg.dim);
     else if (fl_arch_get(m->cfg.arch)->layernorm)
         FL_RUN(be, layernorm_backward, dx, dw, db, dout, x, w, mean, rstd, N, m->cfg.dim);
@@ -552,7 +557,13 @@ void fl_norm_backward(const fl_model *m, float *dx, float *dw, float *db, const 
  * or (B, T) rows (pos0 = 0) */
 fl_status fl_embed_forward(const fl_model *m, const fl_outer_params *op, float *out, const int32_t *dids,
                            const int32_t *ids, int B, int T, int pos0) {
+    return fl_embed_forward16(m, op, out, NULL, NULL, dids, ids, B, T, pos0);
+}
+
+fl_status fl_embed_forward16(const fl_model *m, const fl_outer_params *op, float *out, void *out16, int *done16,
+                             const int32_t *dids, const int32_t *ids, int B, int T, int pos0) {
     const fl_backend *be = m->be;
+    if (done16) *done16 = 0;
     const int C = m->cfg.dim;
     if (fl_tp_vocab_split(m)) return fl_tp_embed_forward(m, op, out, ids, B, T, pos0);
     if (m->store->dtype == FL_F32) {
@@ -561,8 +572,9 @@ fl_status fl_embed_forward(const fl_model *m, const fl_outer_params *op, float *
     }
     if (be->embedding_forward16 && (m->store->dtype == FL_BF16 || m->store->dtype == FL_F16)) { /* one launch, not one convert per token (+ one per position row) */
         const void *wpe = op->wpe_off != (size_t)-1 ? fl_store_param_at(m->store, op->wpe_off + (size_t)pos0 * C) : NULL;
-        FL_RUN(be, embedding_forward16, out, dids, fl_store_param_at(m->store, op->wte_off), wpe, m->store->dtype, B, T,
-               C);
+        FL_RUN(be, embedding_forward16, out, out16, dids, fl_store_param_at(m->store, op->wte_off), wpe,
+               m->store->dtype, B, T, C);
+        if (done16) *done16 = out16 != NULL;
         return FL_OK;
     }
     float *row = m->store->pstage + fl_pstage_block_start(m) - C; /* one fp32 row */
@@ -695,16 +707,44 @@ fl_status fl_linear_backward_dy16(const fl_backend *be, float *dx, int dx_accumu
  * rounded to bf16 once (xb16) for the forward and dW GEMMs, the loss's gradient written as bf16 straight into
  * dyb16 for the dx and dW GEMMs. Those are the operands the generic path's GEMMs round from fp32 (the same bits),
  * without its fp32 gradient's (rows, V) write and the converts that read it back. */
-static fl_status head_chunk_dbf16(fl_model *m, const fl_linear *head, float *dx, const float *x, const int32_t *tg,
-                                  float *losses, int rows, float grad_scale, float *logits_out) {
+/* x16: NULL (the chunk rounded here into xb16), or the chunk's rows of the final norm's bf16 copy */
+static fl_status head_chunk_dbf16(fl_model *m, const fl_linear *head, float *dx, const float *x, const void *x16,
+                                  const int32_t *tg, float *losses, int rows, float grad_scale, float *logits_out) {
     const fl_backend *be = m->be;
     float *logits = m->acts->logits;
-    FL_TRY(FL_RUN(be, convert, head->xb16, FL_BF16, x, FL_F32, (size_t)rows * head->in));
+    if (!x16) FL_TRY(FL_RUN(be, convert, head->xb16, FL_BF16, x, FL_F32, (size_t)rows * head->in));
+    fl_linear hx = *head;
+    if (x16) hx.xb16 = (void *)x16;
+    head = &hx;
     FL_TRY(fl_linear_forward_ex(be, logits, x, head->xb16, head, rows)); // (rows, V) fp32
     if (logits_out) FL_TRY(fl_head_logits_out(m, logits_out, logits, rows));
     FL_TRY(FL_RUN(be, cross_entropy_dbf16, losses, head->dyb16, logits, tg, rows, head->out, grad_scale,
                   FL_IGNORE_INDEX));
     return fl_linear_backward_dy16(be, dx, 0, logits, 1, x, head->xb16, head, rows); /* dx, dW from dyb16 */
+}
+
+/* The bf16 head's training chunks through cross_entropy_dbf16 (a plain trained bf16 weight, one vocabulary; a
+ * frozen head has no bf16 scratch: fl_linear_wants_dy16); wide: the head widened to fp32 (fl_act_opts.head_widen) */
+static int head_dbf16(const fl_model *m, const fl_linear *head, int train_targets, int wide) {
+    return train_targets && m->be->cross_entropy_dbf16 && !wide && fl_linear_wants_dy16(head) && head->wc &&
+           head->wct == FL_BF16 && head->n_q4 == 0 && !fl_model_head_adapted(m) && !fl_tp_vocab_split(m);
+}
+static void head_linear(fl_model *m, const fl_outer_params *op, fl_linear *head) {
+    fl_dims d = fl_model_dims(&m->cfg);
+    *head = (fl_linear){.in = d.C, .out = d.V, .w = op->head, .dw = op->dhead};
+    fl_linear_set_weight(m, head, op->head_idx);
+    fl_linear_set_dw_scratch(m, head);
+}
+static int head_wide(const fl_model *m, const fl_linear *head) {
+    const fl_acts *a = m->acts;
+    return a->head_w && head->wc && head->wct == a->head_dt && head->n_q4 == 0 && !fl_model_head_adapted(m);
+}
+void *fl_lm_head_x16(fl_model *m) {
+    fl_outer_params op;
+    fl_get_outer(m, &op);
+    fl_linear head;
+    head_linear(m, &op, &head);
+    return head_dbf16(m, &head, 1, head_wide(m, &head)) ? head.xb16 : NULL;
 }
 
 /* HEAD_LM: logits (rows, V) = lnf @ head^T, chunked over rows, so at most (rows, V) logits exist; with targets the
@@ -719,10 +759,11 @@ fl_status fl_lm_head_loss(fl_model *m, const int32_t *targets, int N, float grad
     const int32_t *tg = a->targets && targets ? a->targets : targets; /* device memory on a device backend */
     fl_outer_params op;
     fl_get_outer(m, &op);
-    fl_linear head = {.in = d.C, .out = d.V, .w = op.head, .dw = op.dhead};
-    fl_linear_set_weight(m, &head, op.head_idx);
-    fl_linear_set_dw_scratch(m, &head);
+    fl_linear head;
+    head_linear(m, &op, &head);
     float *dlnf = a->buf1; // (N, C)
+    const void *lnf16 = a->lnf16; /* the final norm's bf16 copy (fl_lm_head_x16), for this pass only */
+    a->lnf16 = NULL;
     /* 16-bit storage: the head's gradient accumulates over the chunks in fp32, then is added once */
     const int stage_head = train && targets && head.dw && m->store->g16;
     if (stage_head) fl_store_stage_begin(m->store, (size_t)d.V * d.C);
@@ -732,7 +773,7 @@ fl_status fl_lm_head_loss(fl_model *m, const int32_t *targets, int N, float grad
      * dx and dW read), as the bf16 GEMM rounds an F32 A. An F16 GEMM does not round its F32 A, so nothing else
      * changes. Not with a LoRA adapter on lm_head (its branch reads the unrounded x and dy). */
     fl_linear hw = head;
-    const int wide = a->head_w && head.wc && head.wct == a->head_dt && head.n_q4 == 0 && !fl_model_head_adapted(m);
+    const int wide = head_wide(m, &head);
     const int round_bf16 = wide && a->head_dt == FL_BF16;
     if (wide) {
         FL_TRY(FL_RUN(be, convert, a->head_w, FL_F32, head.wc, head.wct, (size_t)d.V * d.C)); // (V, C)
@@ -740,15 +781,13 @@ fl_status fl_lm_head_loss(fl_model *m, const int32_t *targets, int N, float grad
         hw.wct = FL_F32;
         hw.xb16 = hw.dyb16 = NULL; /* dW += dy^T x in fp32 on the rounded operands */
     }
-    /* the bf16 head's training chunks through cross_entropy_dbf16 (a plain trained bf16 weight, one vocabulary; a
-     * frozen head has no bf16 scratch: fl_linear_wants_dy16) */
-    const int dbf16 = train && targets && be->cross_entropy_dbf16 && !wide && fl_linear_wants_dy16(&head) && head.wc &&
-                      head.wct == FL_BF16 && head.n_q4 == 0 && !fl_model_head_adapted(m) && !fl_tp_vocab_split(m);
+    const int dbf16 = head_dbf16(m, &head, train && targets, wide);
     for (int r0 = 0; r0 < N; r0 += R) {
         int rows = N - r0 < R ? N - r0 : R;
         const float *xr = a->lnf + (size_t)r0 * d.C;
         if (dbf16) {
-            FL_TRY(head_chunk_dbf16(m, &head, dlnf + (size_t)r0 * d.C, xr, tg + r0, a->losses + r0, rows, grad_scale,
+            const void *x16 = lnf16 ? (const uint16_t *)lnf16 + (size_t)r0 * d.C : NULL;
+            FL_TRY(head_chunk_dbf16(m, &head, dlnf + (size_t)r0 * d.C, xr, x16, tg + r0, a->losses + r0, rows, grad_scale,
                                     logits_out ? logits_out + (size_t)r0 * m->cfg.vocab_size : NULL));
             continue;
         }

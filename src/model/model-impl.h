@@ -31,6 +31,7 @@ struct fl_acts {
     float *lnf;             /* (N, C) */
     float *lnf_mean;        /* (N) */
     float *lnf_rstd;        /* (N) */
+    void *lnf16;            /* NULL or lnf's bf16 copy, written by the final norm for the bf16 head (fl_lm_head_x16) */
     /* workspace */
     float *dres;            /* (N, C) gradient of the residual stream */
     float *buf1;            /* (N, max(C, QD, F)) activation-gradient scratch; also dlnf */
@@ -202,6 +203,15 @@ void fl_get_outer(const fl_model *m, fl_outer_params *o);
  * 16-bit path indexes rows with them). */
 fl_status fl_embed_forward(const fl_model *m, const fl_outer_params *op, float *out, const int32_t *dids,
                            const int32_t *ids, int B, int T, int pos0);
+/* The same with out16 (NULL or (B T, C) bf16): where the backend's one-launch 16-bit lookup runs, it stores the
+ * rows in bf16 too (out then their exact widening: round16's bits) and sets *done16 (issue 30 item 1: the
+ * residual stream's first row without its round16 launch); *done16 0: out16 not written. */
+fl_status fl_embed_forward16(const fl_model *m, const fl_outer_params *op, float *out, void *out16, int *done16,
+                             const int32_t *dids, const int32_t *ids, int B, int T, int pos0);
+/* Where a training pass's bf16 head (cross_entropy_dbf16's chunks) reads the final norm's output in bf16: the
+ * (N, C) scratch the norm may store it in (its out16: lnf then the exact widening, which every reader of that
+ * head would round to the same bits), else NULL (issue 30 item 1: no convert of each chunk's input). */
+void *fl_lm_head_x16(fl_model *m);
 fl_status fl_embed_backward(fl_model *m, const fl_outer_params *op, const float *dout, const int32_t *ids, int B,
                             int T);
 

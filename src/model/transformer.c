@@ -98,11 +98,12 @@ static fl_status upload(fl_model *m, const pass *p) {
  * and only res[l] survives. With 16-bit saved activations the blocks share one fp32 buffer of the wide
  * activations, and a training forward rounds each block's into its 16-bit region (the forward itself computes
  * in fp32 either way: the same loss). */
-static fl_status blocks_forward(fl_model *m, const pass *p, fl_outer_params *op) {
+static fl_status blocks_forward(fl_model *m, const pass *p, fl_outer_params *op, int res0_stored) {
     const int L = m->cfg.n_layers, HG = L + 1, N = p->B * p->T;
     if (!m->cfg.tie_embeddings) PP_RELEASE(0); /* tied: the head reads the embeddings again */
     m->ckpt_last_live = 0;
-    FL_TRY(fl_acts_store_stream(m, 0, N)); /* bf16 stored: the stream the blocks read, as stored */
+    /* bf16 stored: the stream the blocks read, as stored (res0_stored: the embedding lookup stored it) */
+    if (!res0_stored) FL_TRY(fl_acts_store_stream(m, 0, N));
     for (int l = 0; l < L; l++) {
         PP_GATHER(l + 1, l + 2 <= L ? l + 2 : HG);
         FL_TRY(block_forward(m, l, p->B, p->T));
@@ -142,11 +143,14 @@ static fl_status forward_body(fl_model *m, const pass *p) {
     fl_get_outer(m, &op);
     float *e = fl_model_graph_has(mg, FL_MOP_NORM, -1) ? a->emb_x : a->res[0];
     int after = 0; /* past BLOCKS */
+    /* bf16 stored: the lookup stores res[0] itself when it is the whole of it (no token types added) */
+    void *e16 = a->res16 && e == a->res[0] && !fl_model_graph_has(mg, FL_MOP_EMBED_TYPE, -1) ? a->res16[0] : NULL;
+    int res0_stored = 0;
     for (int i = 0; i < mg->n_ops; i++) {
         const int rw = mg->op[i].role_w, rb = mg->op[i].role_b;
         switch ((fl_mop_kind)mg->op[i].kind) {
         case FL_MOP_EMBED: /* a later pipeline stage: res[0] holds the previous stage's output (stage.c) */
-            if (!m->stage.in) FL_TRY(fl_embed_forward(m, &op, e, a->ids, p->ids, B, T, 0));
+            if (!m->stage.in) FL_TRY(fl_embed_forward16(m, &op, e, e16, &res0_stored, a->ids, p->ids, B, T, 0));
             break;
         case FL_MOP_EMBED_TYPE: /* through buf1 (N, C) */
             FL_RUN(be, embedding_forward, a->buf1, a->type_ids, role_param(m, 0, FL_ROLE_TYPE_EMBED, 0), NULL, B, T, C);
@@ -156,12 +160,16 @@ static fl_status forward_body(fl_model *m, const pass *p) {
             if (!after)
                 fl_norm_forward(m, a->res[0], a->emb_mean, a->emb_rstd, e, role_param(m, 0, rw, 0),
                                 role_param(m, 0, rb, 0), N);
-            else if (!m->stage.out) /* an earlier pipeline stage ends at res[L] */
-                (void)fl_norm_forward_t(m, a->lnf, NULL, a->lnf_mean, a->lnf_rstd, a->res[L], op.lnf_w, op.lnf_wt,
-                                        op.lnf_b, N);
+            else if (!m->stage.out) { /* an earlier pipeline stage ends at res[L] */
+                /* the bf16 head's training chunks read the output's bf16 copy, which the norm stores */
+                void *x16 = a->act_dtype == FL_BF16 && p->grad_scale > 0 && p->targets && op.lnf_wt != FL_F32 &&
+                                    end_op(mg) == FL_MOP_HEAD_LM ? fl_lm_head_x16(m) : NULL;
+                a->lnf16 = fl_norm_forward_t(m, a->lnf, x16, a->lnf_mean, a->lnf_rstd, a->res[L], op.lnf_w, op.lnf_wt,
+                                             op.lnf_b, N) ? x16 : NULL;
+            }
             break;
         case FL_MOP_BLOCKS:
-            FL_TRY(blocks_forward(m, p, &op));
+            FL_TRY(blocks_forward(m, p, &op, res0_stored));
             after = 1;
             break;
         case FL_MOP_HEAD_LM:
@@ -268,7 +276,9 @@ static fl_status run_backward(fl_model *m, const float *dhidden) {
         /* the final norm's parameters open the head group (16-bit storage: staged) */
         const size_t n_lnf = fl_outer_1d(m);
         fl_store_stage_begin(m->store, n_lnf);
-        dres16 = a->act_dtype == FL_BF16 && a->dyb16 && op.lnf_wt != FL_F32; /* the last block's bf16 dy too */
+        /* the last block's bf16 dy too (an fp32 RMSNorm weight, bf16-mixed: through the w16 kernel) */
+        dres16 = a->act_dtype == FL_BF16 && a->dyb16 &&
+                 (op.lnf_wt != FL_F32 || (be->rmsnorm_backward_w16 && !fl_arch_get(m->cfg.arch)->layernorm));
         fl_norm_backward_t(m, a->dres, dres16 ? a->dyb16 : NULL, op.dlnf_w, op.dlnf_b, a->buf1, a->res[L], op.lnf_w,
                            op.lnf_wt, a->lnf_mean, a->lnf_rstd, N);
         FL_TRY(fl_store_stage_flush(m->store, m->layout.group_offset[HG], n_lnf));

@@ -40,7 +40,7 @@ extern "C" {
     /* the same two over a 16-bit weight (wt BF16/F16; -1 otherwise), widened exactly in the kernel; out16    \
      * (NULL or) the output's bf16 copy, out then its exact widening (round16's bits); dinp16 (NULL or) bf16  \
      * of dinp after the accumulation, dinp not rounded (the next LINEAR's dy operand); inp16 (NULL or) the   \
-     * input's bf16 copy read instead of inp (then wt may be F32 too) */                                      \
+     * input's bf16 copy read instead of inp; wt F32 too with out16 / inp16 / dinp16 (bf16-mixed) */           \
     int P##rmsnorm_forward_w16(float *out, void *out16, float *rstd, const float *inp, const void *w,           \
                                fl_dtype wt, int N, int C, float eps, void *stream);                            \
     int P##rmsnorm_backward_w16(float *dinp, void *dinp16, float *dw, const float *dout, const float *inp,      \

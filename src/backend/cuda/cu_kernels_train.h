@@ -28,9 +28,10 @@ extern "C" {
 #define FL_CU_DECLARE_KERNELS_MORE(P)                                                                          \
     int P##embedding_forward(float *out, const int32_t *ids, const float *wte, const float *wpe, int B, int T,  \
                              int C, void *stream);                                                              \
-    /* the same over a 16-bit table (dt BF16 or F16; wpe NULL or of dt): exact widening + one fp32 add */     \
-    int P##embedding_forward16(float *out, const int32_t *ids, const void *wte, const void *wpe, fl_dtype dt,    \
-                               int B, int T, int C, void *stream);                                              \
+    /* the same over a 16-bit table (dt BF16 or F16; wpe NULL or of dt): exact widening + one fp32 add; out16    \
+     * (NULL or) the rows' bf16 copy, out then its exact widening */                                          \
+    int P##embedding_forward16(float *out, void *out16, const int32_t *ids, const void *wte, const void *wpe,    \
+                               fl_dtype dt, int B, int T, int C, void *stream);                                 \
     /* dwte and/or dwpe may be NULL; work: FL_CU_EMB_WORK_INTS(B*T) ints (needed when dwte != NULL). Each    \
      * element is the CPU's fp32 sum in token order: the same bits as the CPU backend. */                    \
     int P##embedding_backward(float *dwte, float *dwpe, const float *dout, const int32_t *ids, int B, int T,     \

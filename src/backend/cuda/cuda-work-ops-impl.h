@@ -31,9 +31,9 @@ static void flb_embedding_forward(const fl_backend *be, float *out, const int32_
                                   const float *wpe, int B, int T, int C) {
     FLB_RUN(be, FLB_K(embedding_forward)(out, ids, wte, wpe, B, T, C, STREAM), "embedding_forward");
 }
-static void flb_embedding_forward16(const fl_backend *be, float *out, const int32_t *ids, const void *wte,
-                                    const void *wpe, fl_dtype dt, int B, int T, int C) {
-    FLB_RUN(be, FLB_K(embedding_forward16)(out, ids, wte, wpe, dt, B, T, C, STREAM), "embedding_forward16");
+static void flb_embedding_forward16(const fl_backend *be, float *out, void *out16, const int32_t *ids,
+                                    const void *wte, const void *wpe, fl_dtype dt, int B, int T, int C) {
+    FLB_RUN(be, FLB_K(embedding_forward16)(out, out16, ids, wte, wpe, dt, B, T, C, STREAM), "embedding_forward16");
 }
 static void flb_embedding_backward(const fl_backend *be, float *dwte, float *dwpe, const float *dout,
                                    const int32_t *ids, int B, int T, int C) {

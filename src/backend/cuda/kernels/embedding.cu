@@ -40,16 +40,19 @@ __global__ static void fl_cu_emb_fwd_k(float *out, const int32_t *ids, const flo
 /* The same over a 16-bit table (bf16 or fp16 storage): each element widened exactly, then the one
  * fp32 add of the position row: the bits of the caller's per-row convert + add, in one launch
  * instead of one or two per token. */
-__global__ static void fl_cu_emb_fwd16_k(float *out, const int32_t *ids, const uint16_t *wte, const uint16_t *wpe,
-                                         int bf, int T, int C) {
+/* out16 (NULL or): the rows stored in bf16 too, out then their exact widening (round16's bits: the residual
+ * stream's first row of a bf16 run without its round16 launch) */
+__global__ static void fl_cu_emb_fwd16_k(float *out, uint16_t *out16, const int32_t *ids, const uint16_t *wte,
+                                         const uint16_t *wpe, int bf, int T, int C) {
     size_t n = blockIdx.x;
     const uint16_t *e = wte + (size_t)ids[n] * C;
     const uint16_t *p = wpe ? wpe + (n % (size_t)T) * C : NULL;
     float *o = out + n * C;
+    uint16_t *o16 = out16 ? out16 + n * C : NULL;
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
         float v = bf ? fl_cu_bf16_to_f32(e[c]) : fl_cu_f16_to_f32(e[c]);
         if (p) v = v + (bf ? fl_cu_bf16_to_f32(p[c]) : fl_cu_f16_to_f32(p[c]));
-        o[c] = v;
+        o[c] = fl_cu_keep16(o16, (size_t)c, v);
     }
 }
 
@@ -152,13 +155,13 @@ extern "C" int FL_CUK(embedding_forward)(float *out, const int32_t *ids, const f
     return fl_cu_launch_error();
 }
 
-extern "C" int FL_CUK(embedding_forward16)(float *out, const int32_t *ids, const void *wte, const void *wpe,
-                                           fl_dtype dt, int B, int T, int C, void *stream) {
+extern "C" int FL_CUK(embedding_forward16)(float *out, void *out16, const int32_t *ids, const void *wte,
+                                           const void *wpe, fl_dtype dt, int B, int T, int C, void *stream) {
     if (dt != FL_BF16 && dt != FL_F16) return -1;
     if (B <= 0 || T <= 0 || C <= 0) return 0;
     unsigned th = ((unsigned)C + 31u) & ~31u;
     FL_CU_LAUNCH(fl_cu_emb_fwd16_k, dim3((unsigned)(B * T)), dim3(th > 256u ? 256u : th), 0, (fl_cu_stream)stream,
-                 out, ids, (const uint16_t *)wte, (const uint16_t *)wpe, dt == FL_BF16 ? 1 : 0, T, C);
+                 out, (uint16_t *)out16, ids, (const uint16_t *)wte, (const uint16_t *)wpe, dt == FL_BF16 ? 1 : 0, T, C);
     return fl_cu_launch_error();
 }
 

@@ -242,7 +242,7 @@ extern "C" int FL_CUK(rmsnorm_forward)(float *out, float *rstd, const float *inp
 }
 extern "C" int FL_CUK(rmsnorm_forward_w16)(float *out, void *out16, float *rstd, const float *inp, const void *w,
                                            fl_dtype wt, int N, int C, float eps, void *stream) {
-    if (wt != FL_BF16 && wt != FL_F16) return -1;
+    if (wt != FL_BF16 && wt != FL_F16 && !(wt == FL_F32 && out16)) return -1; /* fp32: with the bf16 copy only */
     return rmsnorm_fwd(out, out16, rstd, inp, w, wt, N, C, eps, stream);
 }
 
@@ -273,12 +273,12 @@ extern "C" int FL_CUK(rmsnorm_backward)(float *dinp, float *dw, const float *dou
                                         const float *rstd, int N, int C, void *stream) {
     return rmsnorm_bwd(dinp, NULL, dw, dout, inp, FL_F32, w, FL_F32, rstd, N, C, stream);
 }
-/* inp16 (NULL or the input's bf16 copy): read instead of inp; wt: F32 only with inp16 (a bf16-mixed run's fp32
- * norm weight over its bf16-stored input) */
+/* inp16 (NULL or the input's bf16 copy): read instead of inp; wt: F32 only with inp16 or dinp16 (a bf16-mixed run's
+ * fp32 norm weight over its bf16-stored input, or writing the next LINEAR's bf16 dy) */
 extern "C" int FL_CUK(rmsnorm_backward_w16)(float *dinp, void *dinp16, float *dw, const float *dout, const float *inp,
                                             const void *inp16, const void *w, fl_dtype wt, const float *rstd, int N,
                                             int C, void *stream) {
-    if (wt != FL_BF16 && wt != FL_F16 && !(wt == FL_F32 && inp16)) return -1;
+    if (wt != FL_BF16 && wt != FL_F16 && !(wt == FL_F32 && (inp16 || dinp16))) return -1;
     return rmsnorm_bwd(dinp, dinp16, dw, dout, inp16 ? inp16 : inp, inp16 ? FL_BF16 : FL_F32, w, wt, rstd, N, C,
                        stream);
 }
