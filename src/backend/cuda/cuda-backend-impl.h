@@ -121,16 +121,22 @@ static void *flb_scratch(const fl_backend *be) {
 
 static int flb_gemm_types_ok(fl_dtype ta, fl_dtype tb, fl_dtype tc) { return fl_cuda_supports_op(FL_OP_GEMM, ta, tb, tc); }
 
+/* The cuBLASLt context with its workspace (the scratch's head) and stream; NULL: no scratch (the sticky error). */
+static fl_cu_blas *flb_blas(const fl_backend *be) {
+    flb_impl *im = FLB_IMPL(be);
+    void *s = flb_scratch(be);
+    if (!s) return NULL;
+    im->blas.workspace = FLB_LT_WS_BYTES ? s : NULL;
+    im->blas.workspace_bytes = FLB_LT_WS_BYTES;
+    im->blas.stream = im->stream;
+    return &im->blas;
+}
+
 static fl_status flb_gemm_direct(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
                                  const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
                                  void *C, fl_dtype tc, int ldc) {
-    flb_impl *im = FLB_IMPL(be);
-    fl_cu_blas *ctx = &im->blas;
-    void *s = flb_scratch(be);
-    if (!s) return flb_sticky(be);
-    ctx->workspace = FLB_LT_WS_BYTES ? s : NULL;
-    ctx->workspace_bytes = FLB_LT_WS_BYTES;
-    ctx->stream = im->stream;
+    fl_cu_blas *ctx = flb_blas(be);
+    if (!ctx) return flb_sticky(be);
     fl_status st = fl_cu_gemm_rowmajor(flb_gemm_fn, ctx, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb,
                                        beta, C, tc, ldc, 1, 0, 0, 0);
     if (st != FL_OK) flb_set_error(be, st, "gemm", fl_error_message());

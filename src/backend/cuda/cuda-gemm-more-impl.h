@@ -11,12 +11,8 @@ static fl_status flb_epi_part(const fl_backend *be, int epi, const float *bias, 
     flb_impl *im = FLB_IMPL(be);
     const int gelu = epi == FL_GEMM_EPI_BIAS_GELU;
     if (im->epi > 0) {
-        fl_cu_blas *ctx = &im->blas;
-        void *s = flb_scratch(be);
-        if (!s) return flb_sticky(be);
-        ctx->workspace = FLB_LT_WS_BYTES ? s : NULL;
-        ctx->workspace_bytes = FLB_LT_WS_BYTES;
-        ctx->stream = im->stream;
+        fl_cu_blas *ctx = flb_blas(be);
+        if (!ctx) return flb_sticky(be);
         fl_status st = fl_cu_gemm_rowmajor_epi(flb_gemm_fn, ctx, gelu ? FL_CU_EPI_GELU_AUX_BIAS : FL_CU_EPI_BIAS, bias,
                                                aux, N, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta,
                                                C, FL_F32, N);
@@ -106,14 +102,9 @@ static fl_status flb_gemm_bench(const fl_backend *be, int epi, int trans_a, int 
     if (st == FL_OK) st = flb_init_random(be, A, ta, 0, na, na, 2, 1.0, 0x6e11);
     if (st == FL_OK) st = flb_init_random(be, B, tb, 0, nb, nb, 2, 1.0, 0x6e12);
     if (st == FL_OK && bias) st = flb_init_random(be, bias, FL_F32, 0, (size_t)N, (size_t)N, 2, 1.0, 0x6e13);
-    void *s = st == FL_OK ? flb_scratch(be) : NULL;
-    if (st == FL_OK && !s) st = flb_sticky(be);
+    fl_cu_blas *ctx = st == FL_OK ? flb_blas(be) : NULL;
+    if (st == FL_OK && !ctx) st = flb_sticky(be);
     if (st == FL_OK) {
-        flb_impl *im = FLB_IMPL(be);
-        fl_cu_blas *ctx = &im->blas;
-        ctx->workspace = FLB_LT_WS_BYTES ? s : NULL;
-        ctx->workspace_bytes = FLB_LT_WS_BYTES;
-        ctx->stream = im->stream;
         fl_cu_gemm_desc d;
         fl_cu_gemm_desc_rowmajor(&d, trans_a, trans_b, M, N, K, 1.0f, A, ta, trans_a ? M : K, B, tb, trans_b ? K : N,
                                  0.0f, C, tc, N);
