@@ -145,7 +145,7 @@ static fl_status run_kernels2(const fl_backend *be, const fl_oprec *op) {
     }
     case FL_OPK_act_backward16: {
         DOOR(act_backward16);
-        return be->act_backward16(be, r->kind, r->din, r->din16, r->dout, r->in, r->N, r->F);
+        return be->act_backward16(be, r->kind, r->din, r->din16, r->dout, r->in, r->in16, r->N, r->F);
     }
     case FL_OPK_add: {
         DOOR(add);
@@ -174,6 +174,11 @@ static fl_status run_kernels2(const fl_backend *be, const fl_oprec *op) {
         DOOR(attention_forward16);
         return be->attention_forward16(be, r->a, r->out, r->out16, r->lse, r->q, r->k, r->v, r->bias, r->kmask);
     }
+    case FL_OPK_attention_backward16: {
+        DOOR(attention_backward16);
+        return be->attention_backward16(be, r->a, r->dq, r->dk, r->dv, r->dout, r->q16, r->k16, r->v16, r->kmask,
+                                        r->out16, r->lse);
+    }
     case FL_OPK_attention_backward: {
         DOOR(attention_backward);
         return be->attention_backward(be, r->a, r->dq, r->dk, r->dv, r->dbias, r->dout, r->q, r->k, r->v, r->bias,
@@ -201,6 +206,10 @@ static fl_status run_kernels2(const fl_backend *be, const fl_oprec *op) {
         DOOR(lora_backward);
         return be->lora_backward(be, r->dx, r->dA, r->dB, r->dy, r->ldy, r->xb, r->h, r->A, r->B, r->N, r->in, r->out,
             r->r, r->scaling, r->dropout, r->seed, r->work);
+    }
+    case FL_OPK_dropout: {
+        DOOR(dropout);
+        return be->dropout(be, r->y, r->x, r->n, r->p, r->seed, r->accumulate);
     }
     case FL_OPK_cross_entropy: {
         DOOR(cross_entropy);
@@ -263,7 +272,8 @@ fl_status fl_backend_run_slots(const fl_backend *be, const fl_oprec *op) {
     }
     case FL_OPK_rmsnorm_backward_w16: {
         DOOR(rmsnorm_backward_w16);
-        be->rmsnorm_backward_w16(be, r->dinp, r->dinp16, r->dw, r->dout, r->inp, r->w, r->wt, r->rstd, r->N, r->C);
+        be->rmsnorm_backward_w16(be, r->dinp, r->dinp16, r->dw, r->dout, r->inp, r->inp16, r->w, r->wt, r->rstd, r->N,
+                                 r->C);
         return FL_OK;
     }
     case FL_OPK_add_rmsnorm_forward: {

@@ -114,6 +114,10 @@ static void attn_views(const fl_model *m, const fl_block_graph *g, const fl_gop 
         }
     }
     *v = *k + d.KVD;
+    if (o->p >= 0 && x->drop_p > 0) { /* dropout on the weights (T5): the op's site of the block's seed */
+        a->drop_p = x->drop_p;
+        a->drop_seed = fl_dropout_seed(x->drop_seed, (uint64_t)o->p);
+    }
 }
 
 /* o16 (NULL or): the output's bf16 copy, written by the op itself where the backend has attention_forward16
@@ -159,11 +163,18 @@ static float *dslot(const fl_block_graph *g, int k, float *const *gb, const fl_b
     return g->slot[k].kind == FL_GSLOT_XSTREAM ? (x->dxs ? x->dxs[k] : NULL) : gb[g->slot[k].grad];
 }
 
+/* in16: the fused causal op's q|k|v rows and output read from their bf16 copies (attention_backward16) */
 static fl_status attn_backward(const fl_model *m, const fl_block_graph *g, const fl_gop *o, float *const *s,
-                               float *const *gb, const fl_block_ctx *x, float *din, float *dout) {
+                               float *const *gb, const fl_block_ctx *x, float *din, float *dout, int in16) {
     const fl_backend *be = m->be;
     fl_dims d = fl_model_dims(&m->cfg);
     const float *lse = o->a1 >= 0 ? s[o->a1] : NULL;
+    if (o->attn == FL_ATTN_CAUSAL && !o->attn_flags && in16) {
+        const fl_attn_desc a = fl_attn_desc_qkv(x->B, x->T, d.NH, d.NKV, d.HD);
+        const uint16_t *q16 = x->s16[o->in];
+        return FL_RUN(be, attention_backward16, &a, din, din + d.QD, din + d.QD + d.KVD, dout, q16, q16 + d.QD,
+                      q16 + d.QD + d.KVD, NULL, x->s16[o->out], lse);
+    }
     if (o->attn == FL_ATTN_CAUSAL && !o->attn_flags) {
         return FL_RUN(be, attention_qkv_backward, din, dout, s[o->in], s[o->out], lse, x->B, x->T, d.NH, d.NKV, d.HD);
     }
@@ -346,6 +357,10 @@ fl_status fl_block_forward(const fl_model *m, const fl_block_graph *g, const fl_
         case FL_GOP_ALLREDUCE:
             if (o->p == FL_GAR_FWD) FL_TRY(allreduce(x->comm, out, (size_t)N * wo));
             break;
+        case FL_GOP_DROPOUT:
+            if (x->drop_p > 0 || in != out)
+                FL_TRY(FL_RUN(be, dropout, out, in, (size_t)N * wo, x->drop_p, fl_dropout_seed(x->drop_seed, o->p), 0));
+            break;
         }
         if (last && !done16) FL_TRY(store16(be, g, o->out, s, x)); /* ROPE: in place */
     }
@@ -373,6 +388,55 @@ static unsigned grads_needed(const fl_block_graph *g, const fl_block_params *bp)
     return need;
 }
 
+/* Backward, bf16 stored (issue 30 item 1): op o reads its saved input (the attention: q|k|v and its output) from
+ * the bf16 copies, through the backend's bf16-input variant (rmsnorm_backward_w16's inp16, act_backward16's in16,
+ * attention_backward16), each element widened exactly in the kernel: the bits of the fp32 views the
+ * widen-before-backward rebuilt, which are then not needed. 0: the op reads the fp32 views. */
+static int bwd_reads16(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, const fl_gop *o,
+                       const fl_block_ctx *x) {
+    const fl_backend *be = m->be;
+    if (!x->s16 || !stored16(g, o->in, x)) return 0;
+    switch ((fl_gop_kind)o->kind) {
+    case FL_GOP_NORM: return be->rmsnorm_backward_w16 && (bp->norm_wt != FL_F32 || !fl_arch_get(m->cfg.arch)->layernorm);
+    case FL_GOP_ATTN:
+        return o->attn == FL_ATTN_CAUSAL && !o->attn_flags && !x->kv && be->attention_backward16 && stored16(g, o->out, x);
+    case FL_GOP_SWIGLU:
+    case FL_GOP_GELU:
+    case FL_GOP_RELU: return be->act_backward16 != NULL;
+    default: return 0;
+    }
+}
+
+unsigned fl_block_bwd_reads32(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
+                              const fl_block_ctx *x) {
+    unsigned r = 0;
+    for (int i = 0; i < g->n_ops; i++) {
+        const fl_gop *o = &g->op[i];
+        switch ((fl_gop_kind)o->kind) {
+        case FL_GOP_LINEAR: { /* the dW GEMM reads the stored copy when there is one; the adapters read fp32 */
+            const fl_linear *l = &bp->lin[o->p];
+            const int x16 = x->s16 && x->s16[o->in];
+            if (l->n_adapters > 0 || (l->dw && !(fl_linear_wants_dy16(l) && x16))) r |= 1u << o->in;
+            break;
+        }
+        case FL_GOP_NORM:
+        case FL_GOP_ATTN:
+        case FL_GOP_SWIGLU:
+        case FL_GOP_GELU:
+        case FL_GOP_RELU:
+        case FL_GOP_GELU_ERF:
+        case FL_GOP_GEGLU:
+            if (bwd_reads16(m, g, bp, o, x)) break;
+            r |= 1u << o->in;
+            if (o->kind == FL_GOP_ATTN) r |= 1u << o->out;
+            if (o->kind == FL_GOP_ATTN && o->attn == FL_ATTN_CROSS) r |= 1u << o->in2;
+            break;
+        default: break; /* ROPE, ADD, ALLREDUCE: no saved slot read */
+        }
+    }
+    return r;
+}
+
 fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp, float *const *s,
                             float *const *gb, const fl_block_ctx *x) {
     const fl_backend *be = m->be;
@@ -394,21 +458,26 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         const size_t wi = (size_t)si->width, wo = (size_t)so->width;
         /* ops whose backward accumulates into d(in): a gradient not started yet starts from zero (a
          * LINEAR overwrites it instead; o->acc: the residual path, or another reader's part already there) */
-        if (!o->acc && o->kind != FL_GOP_LINEAR && !fl_gop_modifies(o))
+        if (!o->acc && o->kind != FL_GOP_LINEAR && o->kind != FL_GOP_DROPOUT && !fl_gop_modifies(o))
             FL_RUN(be, zero, din, (size_t)N * wi * sizeof(float));
         /* the LINEAR next in this order made in and reads d(in) in bf16: this op writes that copy (dy16) */
         void *dy16 = dy16_for(be, g, bp, i);
-        if (dy16 && act16_kind(o->kind) >= 0) {
-            FL_TRY(FL_RUN(be, act_backward16, act16_kind(o->kind), din, dy16, dout, s[o->in], N,
-                          o->kind == FL_GOP_SWIGLU ? (int)wo : (int)wi));
-            dy16_ready = 1;
+        const int in16 = bwd_reads16(m, g, bp, o, x); /* the saved input read in bf16 (its fp32 view not widened) */
+        if ((dy16 || in16) && act16_kind(o->kind) >= 0) {
+            FL_TRY(FL_RUN(be, act_backward16, act16_kind(o->kind), din, dy16, dout, s[o->in],
+                          in16 ? x->s16[o->in] : NULL, N, o->kind == FL_GOP_SWIGLU ? (int)wo : (int)wi));
+            dy16_ready = dy16 != NULL;
             continue;
         }
         switch ((fl_gop_kind)o->kind) {
         case FL_GOP_NORM: {
             void *d16 = x->s16 ? norm_dy16_for(be, g, bp, i, x) : NULL;
-            fl_norm_backward_t(m, din, d16, bp->d_norm_w[o->p], bp->d_norm_b[o->p], dout, s[o->in], bp->norm_w[o->p],
-                               bp->norm_wt, S(o->a1), S(o->a2), N);
+            if (in16) /* RMSNorm over the stored bf16 input (the weight fp32 or 16-bit) */
+                FL_RUN(be, rmsnorm_backward_w16, din, d16, bp->d_norm_w[o->p], dout, s[o->in], x->s16[o->in],
+                       bp->norm_w[o->p], bp->norm_wt, S(o->a2), N, m->cfg.dim);
+            else
+                fl_norm_backward_t(m, din, d16, bp->d_norm_w[o->p], bp->d_norm_b[o->p], dout, s[o->in],
+                                   bp->norm_w[o->p], bp->norm_wt, S(o->a1), S(o->a2), N);
             dy16_ready = d16 != NULL;
             if (d16 && d16 == x->din16 && x->din16_done) *x->din16_done = 1;
             break;
@@ -418,7 +487,7 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
                                            &bp->lin[o->p], N));
             break;
         case FL_GOP_ROPE: FL_TRY(rope(m, din, dy16, &dy16_ready, 1, x, wi)); break;
-        case FL_GOP_ATTN: FL_TRY(attn_backward(m, g, o, s, gb, x, din, dout)); break;
+        case FL_GOP_ATTN: FL_TRY(attn_backward(m, g, o, s, gb, x, din, dout, in16)); break;
         case FL_GOP_SWIGLU: FL_RUN(be, swiglu_backward, din, dout, s[o->in], N, (int)wo); break;
         case FL_GOP_GELU: FL_RUN(be, gelu_backward, din, dout, s[o->in], (size_t)N * wi); break;
         case FL_GOP_RELU: FL_RUN(be, relu_backward, din, dout, s[o->in], (size_t)N * wi); break;
@@ -426,6 +495,11 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
         case FL_GOP_GEGLU: FL_RUN(be, geglu_backward, din, dout, s[o->in], N, (int)wo); break;
         case FL_GOP_ALLREDUCE:
             if (o->p == FL_GAR_BWD) FL_TRY(allreduce(x->comm, din, (size_t)N * wi));
+            break;
+        case FL_GOP_DROPOUT: /* d(in) (+)= the forward's mask on d(out); in place: masked where it is */
+            if (x->drop_p > 0 || din != dout)
+                FL_TRY(FL_RUN(be, dropout, din, dout, (size_t)N * wi, x->drop_p, fl_dropout_seed(x->drop_seed, o->p),
+                              o->acc && din != dout));
             break;
         case FL_GOP_ADD: break;
         }
@@ -457,7 +531,7 @@ void fl_norm_backward_t(const fl_model *m, float *dx, void *dx16, float *dw, flo
                         const float *x, const void *w, fl_dtype wt, const float *mean, const float *rstd, int N) {
     const fl_backend *be = m->be;
     if (wt != FL_F32)
-        FL_RUN(be, rmsnorm_backward_w16, dx, dx16, dw, dout, x, w, wt, rstd, N, m->cfg.dim);
+        FL_RUN(be, rmsnorm_backward_w16, dx, dx16, dw, dout, x, NULL, w, wt, rstd, N, m->cfg.dim);
     else if (fl_arch_get(m->cfg.arch)->layernorm)
         FL_RUN(be, layernorm_backward, dx, dw, db, dout, x, w, mean, rstd, N, m->cfg.dim);
     else

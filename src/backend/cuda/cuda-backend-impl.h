@@ -259,8 +259,9 @@ static void flb_rmsnorm_forward_w16(const fl_backend *be, float *out, void *out1
     FLB_RUN(be, FLB_K(rmsnorm_forward_w16)(out, out16, rstd, inp, w, wt, N, C, eps, STREAM), "rmsnorm_forward_w16");
 }
 static void flb_rmsnorm_backward_w16(const fl_backend *be, float *dinp, void *dinp16, float *dw, const float *dout,
-                                     const float *inp, const void *w, fl_dtype wt, const float *rstd, int N, int C) {
-    FLB_RUN(be, FLB_K(rmsnorm_backward_w16)(dinp, dinp16, dw, dout, inp, w, wt, rstd, N, C, STREAM),
+                                     const float *inp, const void *inp16, const void *w, fl_dtype wt,
+                                     const float *rstd, int N, int C) {
+    FLB_RUN(be, FLB_K(rmsnorm_backward_w16)(dinp, dinp16, dw, dout, inp, inp16, w, wt, rstd, N, C, STREAM),
             "rmsnorm_backward_w16");
 }
 static void flb_layernorm_forward(const fl_backend *be, float *out, float *mean, float *rstd, const float *inp,
@@ -412,11 +413,12 @@ static fl_status flb_rope_backward16(const fl_backend *be, float *dx, void *dx16
     return flb_rope16(be, dx, dx16, B, T, nh, HD, width, cos_t, sin_t, pos0, 1);
 }
 static fl_status flb_act_backward16(const fl_backend *be, int kind, float *din, void *din16, const float *dout,
-                                    const float *in, int N, int F) {
+                                    const float *in, const void *in16, int N, int F) {
     FL_TRY(flb_sticky(be));
-    if ((kind != FL_ACT16_SWIGLU && kind != FL_ACT16_GELU && kind != FL_ACT16_RELU) || !din16)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s act_backward16: kind %d%s", FLB_NAME, kind, din16 ? "" : ", no copy");
-    FLB_RUN_S(be, FLB_K(act_backward16)(kind, din, din16, dout, in, N, F, STREAM), "act_backward16");
+    if ((kind != FL_ACT16_SWIGLU && kind != FL_ACT16_GELU && kind != FL_ACT16_RELU) || (!din16 && !in16))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s act_backward16: kind %d%s", FLB_NAME, kind,
+                         din16 || in16 ? "" : ", neither a bf16 copy nor a bf16 input");
+    FLB_RUN_S(be, FLB_K(act_backward16)(kind, din, din16, dout, in, in16, N, F, STREAM), "act_backward16");
     return FL_OK;
 }
 _Static_assert(FL_CU_CONVERT_MANY_MAX == FL_CONVERT_MANY_MAX, "convert_many: the kernel's segment list");
@@ -518,6 +520,21 @@ static fl_status flb_lora_backward(const fl_backend *be, float *dx, float *dA, f
     float *t = work + (size_t)N * r;
     FL_TRY(flb_gemm(be, 0, 0, N, in, r, scaling, g, FL_F32, r, A, FL_F32, in, 0.0f, t, FL_F32, in));
     FLB_RUN_S(be, FLB_K(lora_dropout_dx)(dx, t, (size_t)N * in, dropout, seed, STREAM), "lora_backward (dropout)");
+    return FL_OK;
+}
+
+/* backend.h dropout (T5's dropout in training): the LoRA dropout kernels on any tensor (the same mask bits) */
+static fl_status flb_dropout(const fl_backend *be, float *y, const float *x, size_t n, float p, uint64_t seed,
+                             int accumulate) {
+    FL_TRY(flb_sticky(be));
+    if (!(p >= 0.0f && p < 1.0f)) return fl_errorf(FL_ERR_INVALID, "dropout: p %g outside [0, 1)", (double)p);
+    if (n == 0) return FL_OK;
+    if (p == 0.0f) { /* no mask: a copy or a sum */
+        if (accumulate) return be->add(be, y, y, x, n), FL_OK;
+        return y == x ? FL_OK : be->copy(be, y, x, n * sizeof(float));
+    }
+    if (accumulate) FLB_RUN_S(be, FLB_K(lora_dropout_dx)(y, x, n, p, seed, STREAM), "dropout (accumulate)");
+    else FLB_RUN_S(be, FLB_K(lora_dropout)(y, x, n, p, seed, STREAM), "dropout");
     return FL_OK;
 }
 
@@ -731,6 +748,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->attention_forward = flb_attention_forward;
     be->attention_forward16 = flb_attention_forward16;
     be->attention_backward = flb_attention_backward;
+    be->attention_backward16 = flb_attention_backward16;
     be->swiglu_forward = flb_swiglu_forward;
     be->swiglu_backward = flb_swiglu_backward;
     be->gelu_forward = flb_gelu_forward;
@@ -769,6 +787,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->q4_matmul_forward = flb_q4_matmul_forward;
     be->q4_matmul_backward = flb_q4_matmul_backward;
     be->lora_forward = flb_lora_forward;
+    be->dropout = flb_dropout;
     be->lora_backward = flb_lora_backward;
     be->accumulate16 = flb_accumulate16;
     be->set_scratch = flb_set_scratch;
