@@ -197,11 +197,15 @@ static void profile_case(const char *name) {
     size_t len = 0;
     FILE *f = open_memstream(&buf, &len);
     FL_REQUIRE(f);
+    /* the library's own rate per shape (cuda-emu: the stand-in's loop; the CPU backends have no gemm_bench) */
+    FL_REQUIRE_OK(fl_profiler_gemm_refs(p, 1));
     fl_profiler_print(p, 2, step_ms / 2, f);
     fclose(f);
     FL_CHECKF(strstr(buf, "PROFILE gemm_ms=") && strstr(buf, "attention_backward") && strstr(buf, "adamw_update") &&
                   strstr(buf, "GEMM shapes"), "%s",
               buf);
+    FL_CHECKF(!a.be.gemm_bench == !strstr(buf, "% best"), "%s: the library's rates %s", a.be.name,
+              a.be.gemm_bench ? "missing" : "without gemm_bench");
     free(buf);
     fl_profiler_reset(p);
     FL_CHECK(fl_profiler_total_ms(p) == 0 && fl_profiler_group_calls(p, FL_PROF_GEMM) == 0);
@@ -325,6 +329,57 @@ FL_TEST(cuda_emu_pinned_uploads) {
     fl_status s = fl_backend_init_by_name("cuda-emu", &be, 1);
     unsetenv("FITLLM_CUDA_PINNED");
     FL_CHECKF(s == FL_ERR_INVALID && strstr(fl_error_message(), "FITLLM_CUDA_PINNED=yes"), "status %d: %s", (int)s,
+              fl_error_message());
+    if (s == FL_OK) fl_backend_free(&be);
+#else
+    fl_test_skip("no CUDA emulator in this build");
+#endif
+}
+
+/* Issue 30 item 5, CUDA Graphs (EXPERIMENTAL): with FITLLM_CUDA_GRAPHS=1 the backend's door checks two consecutive
+ * training steps for what blocks a capture and says it (cuda-graph-impl.h): here the loss and the gradient norm
+ * read back to the host and AdamW's step argument; the ops and their bits are those of FITLLM_CUDA_GRAPHS=0; a value
+ * other than 0 / 1 is refused by name. */
+#ifdef FL_HAVE_CUDA_EMU
+static double graph_case(int on, char *verdict, size_t vn) {
+    if (on) setenv("FITLLM_CUDA_GRAPHS", "1", 1);
+    perf_rig r;
+    fl_cuemu_set_host_memory(0);
+    const int made = rig_init_prec(&r, "cuda-emu", "32-true", 2, 16);
+    fl_cuemu_set_host_memory(1);
+    unsetenv("FITLLM_CUDA_GRAPHS");
+    FL_REQUIRE_R(made, 0);
+    int32_t ids[32], tg[32];
+    for (int i = 0; i < 32; i++) ids[i] = (i * 37 + 5) % r.m.cfg.vocab_size, tg[i] = (i * 11 + 3) % r.m.cfg.vocab_size;
+    fl_micro_batch mb = {.ids = ids, .targets = tg, .B = 2, .T = 16};
+    fl_step_ctx sc = {.mbs = &mb, .n_micro = 1, .step_valid = 32, .lr = 1e-3f, .max_norm = 1.0f};
+    fl_step_result res = {0};
+    double loss = 0;
+    for (int k = 0; k < 3; k++) {
+        FL_CHECKF(fl_step_run(&r.m, &r.o, &sc, &res) == FL_OK, "%s", fl_error_message());
+        loss += res.loss;
+    }
+    snprintf(verdict, vn, "%s", fl_cuemu_backend_graph_verdict(&r.be));
+    rig_free(&r);
+    return loss;
+}
+#endif
+
+FL_TEST(cuda_emu_graphs_verdict) {
+#ifdef FL_HAVE_CUDA_EMU
+    char on[640], off[640];
+    const double l_on = graph_case(1, on, sizeof on), l_off = graph_case(0, off, sizeof off);
+    printf("      FITLLM_CUDA_GRAPHS=1: %s\n", on);
+    FL_CHECKF(l_on == l_off && l_on > 0, "losses %.9g with the observing door, %.9g without", l_on, l_off);
+    FL_CHECKF(!off[0], "a verdict without FITLLM_CUDA_GRAPHS: %s", off);
+    FL_CHECKF(strstr(on, "capture skipped") && strstr(on, "to_host 1, sumsq 1, check_finite 0") &&
+                  strstr(on, "adamw_update takes per-step arguments (step 1 -> 2") && !strstr(on, "ops differ"),
+              "%s", on);
+    setenv("FITLLM_CUDA_GRAPHS", "2", 1);
+    fl_backend be;
+    fl_status s = fl_backend_init_by_name("cuda-emu", &be, 1);
+    unsetenv("FITLLM_CUDA_GRAPHS");
+    FL_CHECKF(s == FL_ERR_INVALID && strstr(fl_error_message(), "FITLLM_CUDA_GRAPHS=2"), "status %d: %s", (int)s,
               fl_error_message());
     if (s == FL_OK) fl_backend_free(&be);
 #else

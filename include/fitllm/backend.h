@@ -245,6 +245,13 @@ struct fl_backend {
                                int ldaux, int trans_a, int trans_b, int M, int N, int K, float alpha, const void *A,
                                fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta, float *C, int ldc);
 
+    /* Optional (issue 30 item 3; bench-step --profile): the library's own rate for one shape of gemm (row-major, the
+     * gemm slot's types; epi as gemm_epilogue's, 0 none), on operands of the backend's own: *best_ms the fastest of
+     * the library's candidate algorithms, *chosen_ms the one gemm runs, ms per call over reps calls. Not a step op
+     * (set-up / reporting code calls it directly). (cuda: cuBLASLt's heuristic candidates; cuda-emu: the stand-in) */
+    fl_status (*gemm_bench)(const fl_backend *be, int epi, int trans_a, int trans_b, int M, int N, int K, fl_dtype ta,
+                            fl_dtype tb, fl_dtype tc, int reps, double *best_ms, double *chosen_ms);
+
     /* Optional: the op scratch a model's self-attention needs BEYOND scratch_bytes under bf16 compute, for B
      * sequences of T, NH query and NKV key/value heads of size HD (causal, compact output rows); the model lends
      * scratch_bytes + this (set_scratch with the sum, from its WORKSPACE), so the planner counts it. cuda with

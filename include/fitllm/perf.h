@@ -71,6 +71,11 @@ long fl_profiler_group_calls(const fl_profiler *p, fl_prof_group g);
 double fl_profiler_flops(const fl_profiler *p, fl_prof_group g);
 /* Sum of the group times. */
 double fl_profiler_total_ms(const fl_profiler *p);
+/* The library's own rate for each GEMM shape profiled so far (the backend's gemm_bench: each shape alone, its
+ * fastest candidate algorithm and the one our gemm runs, reps calls each), shown by print beside the step's rate.
+ * A backend without gemm_bench: nothing. Runs GEMMs on the device: call it after the profiled steps. A shape the
+ * library could not time keeps no rate (the first such failure is returned, the other shapes are timed). */
+fl_status fl_profiler_gemm_refs(fl_profiler *p, int reps);
 /* The table: per group, then its ops, as ms per step over `steps` steps and the share of `step_ms` (the
  * step's measured median); then a machine-readable line "PROFILE gemm_ms=.. attn_ms=.. ...". */
 void fl_profiler_print(const fl_profiler *p, int steps, double step_ms, FILE *f);

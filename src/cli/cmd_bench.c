@@ -39,7 +39,9 @@ static void help(void) {
            "  --profile             time every backend op of the timed steps (CUDA events on a GPU, the host clock\n"
            "                        with a sync around each op elsewhere) and print them grouped as GEMM /\n"
            "                        attention / norm / elementwise / embedding+loss / optimizer / copies, with the\n"
-           "                        GEMMs' and attention's TFLOP/s; ends with a PROFILE line\n\n"
+           "                        GEMMs' and attention's TFLOP/s, then each GEMM shape's rate beside the\n"
+           "                        library's own for the shape alone (cuBLASLt's fastest candidate: %% best);\n"
+           "                        ends with a PROFILE line\n\n"
            "Phases per step: fwd = embedding + blocks + final norm; head = lm_head + cross-entropy + the\n"
            "head's backward (computed chunk by chunk inside the forward); bwd = backward of the blocks and\n"
            "embedding; opt = gradient norm + optimizer update. On a GPU, MFU = model FLOPs per step / step time /\n"
@@ -269,6 +271,8 @@ int fl_cmd_bench_step(int argc, char **argv) {
     }
     printf("\n");
     if (prof) {
+        if (fl_profiler_gemm_refs(prof, 10) != FL_OK) /* each GEMM shape alone, by the library: a report, not fatal */
+            fprintf(stderr, "bench-step: some GEMM shapes were not timed alone: %s\n", fl_error_message());
         fl_profiler_print(prof, o.steps, med, stdout);
         printf("\n");
     }

@@ -141,6 +141,12 @@ static void usage(FILE *f) {
                "               fixed order (the same bits every run, somewhat slower; cuDNN's backward is then not used)\n");
     fprintf(f, "\n  FITLLM_CUDA_HEAD_DBF16=1|0 (environment): 1 (default) = the LM head's cross-entropy writes its gradient\n"
                "               in bf16 for the head's bf16 GEMMs; 0 = in fp32, then converted (the same bits; for timing)\n");
+    fprintf(f, "\n  FITLLM_CUDA_EPILOGUE=1|0 (environment): 1 (default) = a linear's bias, and GPT-2's bias + GELU, in the\n"
+               "               GEMM's cuBLASLt epilogue (EXPERIMENTAL: not yet run on a GPU); 0 = kernels after the GEMM\n");
+    fprintf(f, "\n  FITLLM_CUDA_PINNED=1|0 (environment): 1 (default) = a step's inputs uploaded through a page-locked ring\n"
+               "               (no wait for the GPU; EXPERIMENTAL); 0 = straight from the caller's memory\n");
+    fprintf(f, "\n  FITLLM_CUDA_GRAPHS=0|1 (environment): 1 = EXPERIMENTAL: check whether the training step can be captured\n"
+               "               as a CUDA Graph and say why not (capture is not done yet); 0 (default) = off\n");
     fprintf(f, "\nexit codes: 0 ok, 1 runtime error, 2 usage error, 3 out of memory\n");
 }
 

@@ -22,6 +22,7 @@ static int g_fail;
 
 int fl_cuda_check_more(void); /* tests/cuda/check_more.c: the cu_kernels_train.h kernels */
 int fl_cuda_check_fused(void); /* tests/cuda/check_fused.c: issue 30 item 4's fused and 128-bit kernels */
+int fl_cuda_check_gemm_epi(void); /* tests/cuda/check_gemm_epi.c: issue 30 item 3's epilogues and GEMM bench */
 
 static void *dev_copy(const void *h, size_t bytes) {
     void *d = NULL;
@@ -226,6 +227,7 @@ int main(void) {
     g_fail += fl_cuda_check_attn();
     g_fail += fl_cuda_check_more();
     g_fail += fl_cuda_check_fused();
+    g_fail += fl_cuda_check_gemm_epi();
     printf("%s\n", g_fail ? "FAILED" : "all ok");
     return g_fail ? 1 : 0;
 }

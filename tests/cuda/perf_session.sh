@@ -13,7 +13,9 @@
 #      `fitllm selftest --only attention_choices` (cuDNN's fused SDPA, the own FA2-structured and the legacy
 #      kernels, each checked against float64 at smaller shapes, then timed: TFLOP/s), bench/sdpa_torch.py
 #      (PyTorch's sdpa: flash, cudnn, efficient backends) beside it, and the TinyLlama step with
-#      FITLLM_CUDA_ATTN=own against the default (auto: cuDNN where it loads).
+#      FITLLM_CUDA_ATTN=own against the default (auto: cuDNN where it loads);
+#   6. GPT-2 (124M, 32-true and bf16-true, B 8 T 1024): cuBLASLt's bias / bias+GELU epilogues against
+#      FITLLM_CUDA_EPILOGUE=0, and the TinyLlama step with FITLLM_CUDA_PINNED=0 (pageable uploads) against the ring.
 # Each step has its own timeout. Compare with docs/BENCHMARKS.md "GPU" (H100: 356 ms, 15.7% MFU at 58c0c5e's
 # kernels; the issue's H200: 302 ms, 18.5%).
 set -u
@@ -40,7 +42,7 @@ echo "== 1. fused and 128-bit kernels (fitllm_cuda_check)"
 if [ -x "$BIN/fitllm_cuda_check" ]; then
     timeout 150 "$BIN/fitllm_cuda_check" >"$OUT/cuda_check.log" 2>&1
     echo "fitllm_cuda_check exit $?" >>"$OUT/cuda_check.log"
-    grep -E "add_rmsnorm|swiglu|add\+rmsnorm|FAIL|all ok|FAILED|exit" "$OUT/cuda_check.log"
+    grep -E "add_rmsnorm|swiglu|add\+rmsnorm|gemm epilogue|gemm bench|FAIL|all ok|FAILED|exit" "$OUT/cuda_check.log"
 else
     echo "  (fitllm_cuda_check not in $BIN)"
 fi
@@ -75,3 +77,12 @@ if python3 -c "import torch" 2>/dev/null; then
 fi
 FITLLM_CUDA_ATTN=own bench full-own 60
 grep -E "cuDNN" "$OUT/full.log" "$OUT/full-own.log" | head -5
+echo "== 6. GEMM epilogues (GPT-2) and pinned uploads (A/B)"
+for p in 32-true bf16-true; do
+    for e in 1 0; do
+        FITLLM_CUDA_EPILOGUE=$e timeout 60 "$F" bench-step gpt2 --accelerator cuda --precision $p --micro-batch 8 \
+            --seq 1024 --steps 5 --warmup 2 >"$OUT/gpt2-$p-epi$e.log" 2>&1
+        echo "gpt2 $p FITLLM_CUDA_EPILOGUE=$e exit $?: $(grep -E '^median' "$OUT/gpt2-$p-epi$e.log")"
+    done
+done
+FITLLM_CUDA_PINNED=0 bench full-nopin 60

@@ -6,6 +6,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 static int type_ok(fl_dtype ta, fl_dtype tb, fl_dtype tc) {
     if (ta == FL_F32) return tb == FL_F32 && tc == FL_F32;
@@ -95,33 +96,52 @@ fl_status fl_cu_gemm_standin(void *ctx, const fl_cu_gemm_desc *d) {
     return FL_OK;
 }
 
+fl_status fl_cu_gemm_standin_bench(void *ctx, const fl_cu_gemm_desc *d, int reps, double *best_ms, double *first_ms,
+                                   int *n_algos) {
+    *best_ms = *first_ms = -1;
+    *n_algos = 0;
+    FL_TRY(fl_cu_gemm_check(d));
+    if (reps < 1) return FL_OK;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int r = 0; r < reps; r++) FL_TRY(fl_cu_gemm_standin(ctx, d));
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    *best_ms = *first_ms = ((double)(t1.tv_sec - t0.tv_sec) * 1e3 + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-6) / reps;
+    *n_algos = 1;
+    return FL_OK;
+}
+
 fl_status fl_cu_gemm_rowmajor(fl_cu_gemm_fn fn, void *ctx, int trans_a, int trans_b, int M, int N, int K, float alpha,
                               const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
                               void *C, fl_dtype tc, int ldc, int batch, int64_t stride_a, int64_t stride_b,
                               int64_t stride_c) {
+    fl_cu_gemm_desc d;
+    fl_cu_gemm_desc_rowmajor(&d, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc, ldc);
+    d.batch = batch, d.stride_a = stride_b, d.stride_b = stride_a, d.stride_c = stride_c; /* A and B swapped */
+    return fn(ctx, &d);
+}
+
+void fl_cu_gemm_desc_rowmajor(fl_cu_gemm_desc *d, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                              const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
+                              void *C, fl_dtype tc, int ldc) {
     /* Row-major X (r x c, row stride ld) is column-major X^T (c x r, leading dimension ld). So
      * C^T (N x M) = op(B)^T (N x K) @ op(A)^T (K x M): cuBLASLt's A is our B with our trans_b
      * (the stored row-major K x N, not transposed, reads as column-major N x K = op(B)^T), its
      * B is our A with our trans_a. */
-    fl_cu_gemm_desc d = {
+    *d = (fl_cu_gemm_desc){
         .trans_a = trans_b, .trans_b = trans_a, .m = N, .n = M, .k = K, .alpha = alpha, .beta = beta,
-        .A = B, .ta = tb, .lda = ldb, .stride_a = stride_b,
-        .B = A, .tb = ta, .ldb = lda, .stride_b = stride_a,
-        .C = C, .tc = tc, .ldc = ldc, .stride_c = stride_c, .batch = batch,
+        .A = B, .ta = tb, .lda = ldb, .B = A, .tb = ta, .ldb = lda, .C = C, .tc = tc, .ldc = ldc, .batch = 1,
     };
-    return fn(ctx, &d);
 }
 
 fl_status fl_cu_gemm_rowmajor_epi(fl_cu_gemm_fn fn, void *ctx, int epilogue, const float *bias, float *aux, int ldaux,
                                   int trans_a, int trans_b, int M, int N, int K, float alpha, const void *A,
                                   fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta, void *C,
                                   fl_dtype tc, int ldc) {
-    /* as fl_cu_gemm_rowmajor; the row-major output's columns are cuBLASLt's rows, so the bias is per row of C^T */
-    fl_cu_gemm_desc d = {
-        .trans_a = trans_b, .trans_b = trans_a, .m = N, .n = M, .k = K, .alpha = alpha, .beta = beta,
-        .A = B, .ta = tb, .lda = ldb, .B = A, .tb = ta, .ldb = lda, .C = C, .tc = tc, .ldc = ldc, .batch = 1,
-        .epilogue = epilogue, .bias = bias, .aux = aux, .ldaux = ldaux,
-    };
+    /* the row-major output's columns are cuBLASLt's rows, so the bias is per row of C^T */
+    fl_cu_gemm_desc d;
+    fl_cu_gemm_desc_rowmajor(&d, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C, tc, ldc);
+    d.epilogue = epilogue, d.bias = bias, d.aux = aux, d.ldaux = ldaux;
     return fn(ctx, &d);
 }
 

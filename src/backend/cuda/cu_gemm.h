@@ -72,6 +72,10 @@ fl_status fl_cu_gemm_rowmajor(fl_cu_gemm_fn fn, void *ctx, int trans_a, int tran
                               const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
                               void *C, fl_dtype tc, int ldc, int batch, int64_t stride_a, int64_t stride_b,
                               int64_t stride_c);
+/* The descriptor fl_cu_gemm_rowmajor passes (one matrix, no epilogue). */
+void fl_cu_gemm_desc_rowmajor(fl_cu_gemm_desc *d, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                              const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
+                              void *C, fl_dtype tc, int ldc);
 /* The same with an epilogue (one matrix): bias (N) per column of the row-major C, aux (M, N) with row stride ldaux
  * for FL_CU_EPI_GELU_AUX_BIAS (column-major: bias per row of C^T, aux^T with leading dimension ldaux). */
 fl_status fl_cu_gemm_rowmajor_epi(fl_cu_gemm_fn fn, void *ctx, int epilogue, const float *bias, float *aux, int ldaux,
@@ -137,6 +141,19 @@ typedef struct {
 fl_status fl_cu_blas_init(fl_cu_blas *b, void *workspace, size_t workspace_bytes, void *stream);
 void fl_cu_blas_free(fl_cu_blas *b);
 fl_status fl_cu_gemm_cublaslt(void *ctx, const fl_cu_gemm_desc *d);
+
+/* cuBLASLt's own rate for a shape (bench-step --profile; issue 30 item 3 asks each GEMM of a step to reach 80% of
+ * it): up to FL_CU_GEMM_BENCH_ALGOS of the heuristic's algorithms for d's descriptors and the workspace, each
+ * timed over reps matmuls after one warm-up (CUDA events on the stream; d's operands are overwritten in C). *best_ms
+ * the fastest, *first_ms the heuristic's first (the plan cache's choice), *n_algos how many were timed. The
+ * stand-in's version times its one loop by the host clock (best = first). ms per matmul. */
+#define FL_CU_GEMM_BENCH_ALGOS 8
+typedef fl_status (*fl_cu_gemm_bench_fn)(void *ctx, const fl_cu_gemm_desc *d, int reps, double *best_ms,
+                                         double *first_ms, int *n_algos);
+fl_status fl_cu_gemm_cublaslt_bench(void *ctx, const fl_cu_gemm_desc *d, int reps, double *best_ms, double *first_ms,
+                                    int *n_algos);
+fl_status fl_cu_gemm_standin_bench(void *ctx, const fl_cu_gemm_desc *d, int reps, double *best_ms, double *first_ms,
+                                   int *n_algos);
 
 #ifdef __cplusplus
 }

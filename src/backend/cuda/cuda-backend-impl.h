@@ -47,6 +47,7 @@
 #include "fitllm/perf.h"
 
 #include "backend/cuda/cuda-stage-impl.h"
+#include "backend/cuda/cuda-graph-impl.h"
 
 /* + 256: the lent region is re-aligned to 256 bytes (cuBLASLt's workspace, the panels) */
 #define FLB_SCRATCH_BYTES ((size_t)FLB_LT_WS_BYTES + (size_t)FLB_PANEL_BYTES + (size_t)FLB_WORK_BYTES + 256)
@@ -69,6 +70,7 @@ typedef struct {
     void **marks;          /* FL_PROF_MAX_MARKS markers, made on first use (profiling only) */
     fl_cu_counters count;  /* host round trips (FLB_PREFIX(backend_counters)) */
     flb_stage stage;       /* the page-locked ring of small uploads (cuda-stage-impl.h) */
+    flb_graph graph;       /* FITLLM_CUDA_GRAPHS=1: the steps' capture blockers (cuda-graph-impl.h) */
 } flb_impl;
 
 #define FLB_IMPL(be) ((flb_impl *)(be)->impl)
@@ -119,16 +121,22 @@ static void *flb_scratch(const fl_backend *be) {
 
 static int flb_gemm_types_ok(fl_dtype ta, fl_dtype tb, fl_dtype tc) { return fl_cuda_supports_op(FL_OP_GEMM, ta, tb, tc); }
 
+/* The cuBLASLt context with its workspace (the scratch's head) and stream; NULL: no scratch (the sticky error). */
+static fl_cu_blas *flb_blas(const fl_backend *be) {
+    flb_impl *im = FLB_IMPL(be);
+    void *s = flb_scratch(be);
+    if (!s) return NULL;
+    im->blas.workspace = FLB_LT_WS_BYTES ? s : NULL;
+    im->blas.workspace_bytes = FLB_LT_WS_BYTES;
+    im->blas.stream = im->stream;
+    return &im->blas;
+}
+
 static fl_status flb_gemm_direct(const fl_backend *be, int trans_a, int trans_b, int M, int N, int K, float alpha,
                                  const void *A, fl_dtype ta, int lda, const void *B, fl_dtype tb, int ldb, float beta,
                                  void *C, fl_dtype tc, int ldc) {
-    flb_impl *im = FLB_IMPL(be);
-    fl_cu_blas *ctx = &im->blas;
-    void *s = flb_scratch(be);
-    if (!s) return flb_sticky(be);
-    ctx->workspace = FLB_LT_WS_BYTES ? s : NULL;
-    ctx->workspace_bytes = FLB_LT_WS_BYTES;
-    ctx->stream = im->stream;
+    fl_cu_blas *ctx = flb_blas(be);
+    if (!ctx) return flb_sticky(be);
     fl_status st = fl_cu_gemm_rowmajor(flb_gemm_fn, ctx, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb,
                                        beta, C, tc, ldc, 1, 0, 0, 0);
     if (st != FL_OK) flb_set_error(be, st, "gemm", fl_error_message());
@@ -222,78 +230,7 @@ static fl_status flb_gemm(const fl_backend *be, int trans_a, int trans_b, int M,
     return FL_OK;
 }
 
-/* gemm_epilogue (issue 30 item 3): one matmul of rows of C with the bias (+ GELU) in cuBLASLt's epilogue; where
- * cuBLASLt refuses it (said once; epilogues are off for this backend from then on) or FITLLM_CUDA_EPILOGUE=0, the
- * GEMM then the bias and GELU kernels: the bits the stand-in's epilogue has (the emulator's kernels' formulas). */
-static fl_status flb_epi_part(const fl_backend *be, int epi, const float *bias, float *aux, int trans_a, int trans_b,
-                              int M, int N, int K, float alpha, const void *A, fl_dtype ta, int lda, const void *B,
-                              fl_dtype tb, int ldb, float beta, float *C) {
-    flb_impl *im = FLB_IMPL(be);
-    const int gelu = epi == FL_GEMM_EPI_BIAS_GELU;
-    if (im->epi > 0) {
-        fl_cu_blas *ctx = &im->blas;
-        void *s = flb_scratch(be);
-        if (!s) return flb_sticky(be);
-        ctx->workspace = FLB_LT_WS_BYTES ? s : NULL;
-        ctx->workspace_bytes = FLB_LT_WS_BYTES;
-        ctx->stream = im->stream;
-        fl_status st = fl_cu_gemm_rowmajor_epi(flb_gemm_fn, ctx, gelu ? FL_CU_EPI_GELU_AUX_BIAS : FL_CU_EPI_BIAS, bias,
-                                               aux, N, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta,
-                                               C, FL_F32, N);
-        if (st != FL_ERR_UNSUPPORTED) {
-            if (st != FL_OK) flb_set_error(be, st, "gemm_epilogue", fl_error_message());
-            return st;
-        }
-        fprintf(stderr, "fitllm: %s backend: cuBLASLt refused an epilogue (%s); the bias and GELU of the linears run as "
-                        "kernels after their GEMMs from here on\n", FLB_NAME, fl_error_message());
-        im->epi = 0;
-    }
-    float *y = gelu ? aux : C;
-    FL_TRY(flb_gemm_direct(be, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, y, FL_F32, N));
-    FLB_RUN_S(be, FLB_K(bias_forward)(y, bias, M, N, im->stream), "gemm_epilogue (bias)");
-    if (gelu) FLB_RUN_S(be, FLB_K(gelu_forward)(C, aux, (size_t)M * N, im->stream), "gemm_epilogue (gelu)");
-    return FL_OK;
-}
-
-static fl_status flb_gemm_epilogue(const fl_backend *be, int epi, const float *bias, float *aux, int ldaux, int trans_a,
-                                   int trans_b, int M, int N, int K, float alpha, const void *A, fl_dtype ta, int lda,
-                                   const void *B, fl_dtype tb, int ldb, float beta, float *C, int ldc) {
-    FL_TRY(flb_sticky(be));
-    const int gelu = epi == FL_GEMM_EPI_BIAS_GELU;
-    if ((epi != FL_GEMM_EPI_BIAS && !gelu) || !bias || ldc != N || (gelu && (!aux || ldaux != N || beta != 0.0f)))
-        return fl_errorf(FL_ERR_INVALID, "%s gemm_epilogue: epilogue %d, bias %s, ldc %d, ldaux %d, beta %g (expected "
-                         "bias or bias+GELU, a bias, compact rows ldc = ldaux = N = %d, beta 0 with GELU)", FLB_NAME,
-                         epi, bias ? "given" : "NULL", ldc, ldaux, (double)beta, N);
-    if (!flb_gemm_types_ok(ta, tb, FL_F32))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "%s gemm_epilogue: types A=%s B=%s not supported", FLB_NAME,
-                         fl_dtype_name(ta), fl_dtype_name(tb));
-    if (M < 0 || N < 0 || K < 0)
-        return fl_errorf(FL_ERR_INVALID, "%s gemm_epilogue: bad shape %d x %d x %d", FLB_NAME, M, N, K);
-    if (M == 0 || N == 0) return FL_OK;
-    if (K > 0 && ta == tb) /* the library's own types: one matmul */
-        return flb_epi_part(be, epi, bias, aux, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C);
-    if (K > 0 && ta == FL_F32 && tb == FL_BF16 && !trans_a) { /* flb_gemm's bf16 row panels, each with the epilogue */
-        void *s = flb_scratch(be);
-        if (!s) return flb_sticky(be);
-        char *panel = (char *)s + FLB_LT_WS_BYTES;
-        const int rows = (int)(FLB_PANEL_BYTES / ((size_t)K * 2));
-        if (rows < 1) return fl_errorf(FL_ERR_UNSUPPORTED, "%s gemm: K = %d too large for the panel", FLB_NAME, K);
-        for (int i0 = 0; i0 < M; i0 += rows) {
-            const int mr = M - i0 < rows ? M - i0 : rows;
-            FLB_RUN_S(be, FLB_K(convert2d)(panel, FL_BF16, (size_t)K, (const float *)A + (size_t)i0 * lda, FL_F32,
-                                           (size_t)lda, mr, K, FLB_IMPL(be)->stream), "gemm_epilogue (bf16 panel)");
-            FL_TRY(flb_epi_part(be, epi, bias, gelu ? aux + (size_t)i0 * N : NULL, 0, trans_b, mr, N, K, alpha, panel,
-                                FL_BF16, K, B, tb, ldb, beta, C + (size_t)i0 * N));
-        }
-        return FL_OK;
-    }
-    /* the other mixed types and K = 0: flb_gemm, then the kernels */
-    float *y = gelu ? aux : C;
-    FL_TRY(flb_gemm(be, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, y, FL_F32, N));
-    FLB_RUN_S(be, FLB_K(bias_forward)(y, bias, M, N, FLB_IMPL(be)->stream), "gemm_epilogue (bias)");
-    if (gelu) FLB_RUN_S(be, FLB_K(gelu_forward)(C, aux, (size_t)M * N, FLB_IMPL(be)->stream), "gemm_epilogue (gelu)");
-    return FL_OK;
-}
+#include "backend/cuda/cuda-gemm-more-impl.h" /* gemm_epilogue, gemm_bench */
 
 /* ============================== ops over the kernels ============================== */
 #define STREAM (FLB_IMPL(be)->stream)
@@ -712,6 +649,10 @@ static fl_status flb_comm_create_be(const fl_backend *be, struct fl_comm *host, 
     return flb_comm_create(be, FLB_IMPL(be)->stream, host, out);
 }
 
+static fl_status flb_run_graph(const fl_backend *be, const fl_oprec *op) {
+    return flb_graph_run(&FLB_IMPL(be)->graph, be, op);
+}
+
 fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     (void)n_threads;
     memset(be, 0, sizeof *be);
@@ -745,6 +686,9 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     /* FITLLM_CUDA_PINNED=0: the inputs' uploads straight from the caller's pageable memory (A/B) */
     const char *ep = getenv("FITLLM_CUDA_PINNED");
     im->stage.on = !ep || !*ep || !strcmp(ep, "1");
+    /* FITLLM_CUDA_GRAPHS=1 (experimental): the door checks whether the step could be captured (cuda-graph-impl.h) */
+    const char *eg = getenv("FITLLM_CUDA_GRAPHS");
+    im->graph.on = eg && !strcmp(eg, "1");
     s = im->attn < 0 ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_ATTN=%s: expected 'auto' (cuDNN's fused "
                                  "attention where it loads and takes the shape, else 'own'), 'cudnn' (cuDNN, "
                                  "experimental), 'own' (bf16 runs: the FlashAttention-2-structured kernels, "
@@ -760,6 +704,10 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
         : ep && *ep && !im->stage.on && strcmp(ep, "0")
             ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_PINNED=%s: expected 1 (the default: small uploads "
                         "through a page-locked ring) or 0 (straight from the caller's memory)", FLB_NAME, ep)
+        : eg && *eg && !im->graph.on && strcmp(eg, "0")
+            ? fl_errorf(FL_ERR_INVALID, "%s backend: FITLLM_CUDA_GRAPHS=%s: expected 0 (the default: the ops one by one) "
+                        "or 1 (experimental: capture the step as a CUDA Graph where it can be; today it says why not)",
+                        FLB_NAME, eg)
             : flb_attn_init(im);
     if (s != FL_OK) {
         flb_dev_free(im->scalars);
@@ -784,6 +732,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->comm_create = flb_comm_create_be; /* several ranks: NCCL (or its CPU stand-in) on this stream */
     be->gemm = flb_gemm;
     be->gemm_epilogue = flb_gemm_epilogue;
+    be->gemm_bench = flb_gemm_bench;
     be->embedding_forward = flb_embedding_forward;
     be->embedding_forward16 = flb_embedding_forward16;
     be->embedding_backward = flb_embedding_backward;
@@ -847,7 +796,7 @@ fl_status FLB_PREFIX(backend_init)(fl_backend *be, int n_threads) {
     be->copy = flb_copy;
     be->sync = flb_sync;
     be->supports_op = flb_supports_op;
-    be->run = fl_backend_run_slots;
+    be->run = im->graph.on ? flb_run_graph : fl_backend_run_slots;
     be->rope_tables = flb_rope_tables;
     be->pool_init = flb_pool_init;
     be->host_pool_init = flb_host_pool_init;
@@ -870,6 +819,9 @@ void FLB_PREFIX(backend_free)(fl_backend *be) {
     free(im);
     memset(be, 0, sizeof *be);
 }
+
+/* FITLLM_CUDA_GRAPHS=1: why the step is not captured (cuda-graph-impl.h); "" before two steps ran or without it. */
+const char *FLB_PREFIX(backend_graph_verdict)(const fl_backend *be) { return FLB_IMPL(be)->graph.verdict; }
 
 /* The backend's own error state (tests; fl_backend has no slot for it): FL_OK, or the sticky error. */
 fl_status FLB_PREFIX(backend_error)(const fl_backend *be) { return flb_sticky(be); }

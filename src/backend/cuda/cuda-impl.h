@@ -50,6 +50,10 @@ void fl_cuemu_backend_counters(const fl_backend *be, fl_cu_counters *out);
  * syncs) over the emulator's host memory; 1 (default) = host memory. Set before fl_backend_init_by_name. */
 void fl_cuemu_set_host_memory(int on);
 void fl_cudart_backend_counters(const fl_backend *be, fl_cu_counters *out);
+/* FITLLM_CUDA_GRAPHS=1: why the training step is not captured as a CUDA Graph (cuda-graph-impl.h), once two steps
+ * ran; "" otherwise. */
+const char *fl_cuemu_backend_graph_verdict(const fl_backend *be);
+const char *fl_cudart_backend_graph_verdict(const fl_backend *be);
 
 #ifdef __cplusplus
 }

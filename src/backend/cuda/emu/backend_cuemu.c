@@ -24,6 +24,7 @@ void fl_cuemu_set_host_memory(int on) { g_host_memory = on; }
 #define FLB_PANEL_BYTES (64u << 10)
 #define FLB_WORK_BYTES (1u << 20)
 #define flb_gemm_fn fl_cu_gemm_standin
+#define flb_gemm_bench_fn fl_cu_gemm_standin_bench
 
 static void *flb_dev_alloc(size_t bytes) { return aligned_alloc(256, (bytes + 255) / 256 * 256); }
 static void flb_dev_free(void *p) { free(p); }

@@ -23,6 +23,7 @@
 #define FLB_PANEL_BYTES FL_CUDA_PANEL_BYTES /* mixed-type GEMM panels */
 #define FLB_WORK_BYTES FL_CUDA_WORK_BYTES /* kernel work: attention D (B*NH*T floats), embedding ranks */
 #define flb_gemm_fn fl_cu_gemm_cublaslt
+#define flb_gemm_bench_fn fl_cu_gemm_cublaslt_bench
 #define FLB_HAVE_CUDNN 1 /* cuDNN's fused attention, opened at run time (cuda-cudnn-impl.h) */
 
 static void *flb_dev_alloc(size_t bytes) {

@@ -89,8 +89,10 @@ static cublasStatus_t lt_epilogue(cublasLtMatmulDesc_t op, const fl_cu_gemm_desc
     return st;
 }
 
-/* The descriptors and the heuristic's algorithm for d's shape (a cache miss). */
-static cublasStatus_t lt_plan_create(fl_cu_blas *b, const fl_cu_gemm_desc *d, lt_plan **out) {
+/* The descriptors and the heuristic's algorithm for d's shape (a cache miss): the first of up to n_req results
+ * (heur[0 .. *found), the heuristic's order) is the plan's. */
+static cublasStatus_t lt_plan_create(fl_cu_blas *b, const fl_cu_gemm_desc *d, lt_plan **out,
+                                     cublasLtMatmulHeuristicResult_t *heur, int n_req, int *found) {
     *out = NULL;
     lt_plan *q = calloc(1, sizeof *q);
     if (!q) return CUBLAS_STATUS_ALLOC_FAILED;
@@ -120,17 +122,16 @@ static cublasStatus_t lt_plan_create(fl_cu_blas *b, const fl_cu_gemm_desc *d, lt
         st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof al_c);
     if (st == CUBLAS_STATUS_SUCCESS)
         st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof al_c);
-    cublasLtMatmulHeuristicResult_t heur;
-    int found = 0;
+    *found = 0;
     if (st == CUBLAS_STATUS_SUCCESS)
-        st = cublasLtMatmulAlgoGetHeuristic(b->lt, q->op, q->la, q->lb, q->lc, q->lc, pref, 1, &heur, &found);
-    if (st == CUBLAS_STATUS_SUCCESS && found == 0) st = CUBLAS_STATUS_NOT_SUPPORTED;
+        st = cublasLtMatmulAlgoGetHeuristic(b->lt, q->op, q->la, q->lb, q->lc, q->lc, pref, n_req, heur, found);
+    if (st == CUBLAS_STATUS_SUCCESS && *found == 0) st = CUBLAS_STATUS_NOT_SUPPORTED;
     if (pref) cublasLtMatmulPreferenceDestroy(pref);
     if (st != CUBLAS_STATUS_SUCCESS) {
         lt_plan_destroy(q);
         return st;
     }
-    q->algo = heur.algo;
+    q->algo = heur[0].algo;
     *out = q;
     return CUBLAS_STATUS_SUCCESS;
 }
@@ -145,7 +146,9 @@ fl_status fl_cu_gemm_cublaslt(void *ctx, const fl_cu_gemm_desc *d) {
     lt_plan *q = fl_cu_gemm_cache_get(&b->plans, &key);
     cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
     if (!q) {
-        st = lt_plan_create(b, d, &q);
+        cublasLtMatmulHeuristicResult_t heur;
+        int found;
+        st = lt_plan_create(b, d, &q, &heur, 1, &found);
         if (st == CUBLAS_STATUS_SUCCESS) fl_cu_gemm_cache_put(&b->plans, &key, q);
     }
     if (st == CUBLAS_STATUS_SUCCESS && d->epilogue != FL_CU_EPI_NONE) st = lt_epilogue(q->op, d, 0);
@@ -158,5 +161,53 @@ fl_status fl_cu_gemm_cublaslt(void *ctx, const fl_cu_gemm_desc *d) {
                          d->epilogue == FL_CU_EPI_BIAS ? " bias epilogue"
                          : d->epilogue == FL_CU_EPI_GELU_AUX_BIAS ? " bias+GELU epilogue" : "",
                          cublasLtGetStatusString(st));
+    return FL_OK;
+}
+
+/* cuBLASLt's own rate for d's shape (cu_gemm.h; bench-step --profile, issue 30 item 3). */
+fl_status fl_cu_gemm_cublaslt_bench(void *ctx, const fl_cu_gemm_desc *d, int reps, double *best_ms, double *first_ms,
+                                    int *n_algos) {
+    fl_cu_blas *b = ctx;
+    *best_ms = *first_ms = -1;
+    *n_algos = 0;
+    FL_TRY(fl_cu_gemm_check(d));
+    if (d->m == 0 || d->n == 0 || reps < 1) return FL_OK;
+    cublasLtMatmulHeuristicResult_t heur[FL_CU_GEMM_BENCH_ALGOS];
+    int found = 0;
+    lt_plan *q = NULL;
+    cublasStatus_t st = lt_plan_create(b, d, &q, heur, FL_CU_GEMM_BENCH_ALGOS, &found);
+    cudaEvent_t e0 = NULL, e1 = NULL;
+    cudaError_t ce = cudaSuccess;
+    if (st == CUBLAS_STATUS_SUCCESS) ce = cudaEventCreate(&e0);
+    if (st == CUBLAS_STATUS_SUCCESS && ce == cudaSuccess) ce = cudaEventCreate(&e1);
+    cudaStream_t s = (cudaStream_t)b->stream;
+    for (int a = 0; st == CUBLAS_STATUS_SUCCESS && ce == cudaSuccess && a < found; a++) {
+        if (heur[a].workspaceSize > b->workspace_bytes) continue;
+        if (d->epilogue != FL_CU_EPI_NONE) st = lt_epilogue(q->op, d, 0);
+        for (int r = -1; st == CUBLAS_STATUS_SUCCESS && r < reps; r++) { /* r = -1: the warm-up */
+            if (r == 0) ce = cudaEventRecord(e0, s);
+            st = cublasLtMatmul(b->lt, q->op, &d->alpha, d->A, q->la, d->B, q->lb, &d->beta, d->C, q->lc, d->C, q->lc,
+                                &heur[a].algo, b->workspace, b->workspace_bytes, s);
+        }
+        float ms = 0;
+        if (st == CUBLAS_STATUS_SUCCESS && ce == cudaSuccess) ce = cudaEventRecord(e1, s);
+        if (st == CUBLAS_STATUS_SUCCESS && ce == cudaSuccess) ce = cudaEventSynchronize(e1);
+        if (st == CUBLAS_STATUS_SUCCESS && ce == cudaSuccess) ce = cudaEventElapsedTime(&ms, e0, e1);
+        if (st != CUBLAS_STATUS_SUCCESS || ce != cudaSuccess) break;
+        const double per = (double)ms / reps;
+        if (a == 0) *first_ms = per;
+        if (*best_ms < 0 || per < *best_ms) *best_ms = per;
+        (*n_algos)++;
+    }
+    if (e0) cudaEventDestroy(e0);
+    if (e1) cudaEventDestroy(e1);
+    lt_plan_destroy(q);
+    if (ce != cudaSuccess) {
+        (void)cudaGetLastError();
+        return fl_errorf(FL_ERR_IO, "cuBLASLt bench m=%d n=%d k=%d: %s", d->m, d->n, d->k, cudaGetErrorString(ce));
+    }
+    if (st != CUBLAS_STATUS_SUCCESS)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "cuBLASLt bench m=%d n=%d k=%d (%s,%s,%s): %s", d->m, d->n, d->k,
+                         fl_dtype_name(d->ta), fl_dtype_name(d->tb), fl_dtype_name(d->tc), cublasLtGetStatusString(st));
     return FL_OK;
 }

@@ -1,0 +1,123 @@
+/* fitllm CUDA backend: the GEMM slots beyond gemm (issue 30 item 3): gemm_epilogue (a linear's bias, GPT-2's bias +
+ * GELU, in cuBLASLt's epilogue) and gemm_bench (cuBLASLt's own rate for a shape, for bench-step --profile).
+ * Included by cuda-backend-impl.h after flb_gemm (written once, compiled twice). */
+
+/* gemm_epilogue (issue 30 item 3): one matmul of rows of C with the bias (+ GELU) in cuBLASLt's epilogue; where
+ * cuBLASLt refuses it (said once; epilogues are off for this backend from then on) or FITLLM_CUDA_EPILOGUE=0, the
+ * GEMM then the bias and GELU kernels: the bits the stand-in's epilogue has (the emulator's kernels' formulas). */
+static fl_status flb_epi_part(const fl_backend *be, int epi, const float *bias, float *aux, int trans_a, int trans_b,
+                              int M, int N, int K, float alpha, const void *A, fl_dtype ta, int lda, const void *B,
+                              fl_dtype tb, int ldb, float beta, float *C) {
+    flb_impl *im = FLB_IMPL(be);
+    const int gelu = epi == FL_GEMM_EPI_BIAS_GELU;
+    if (im->epi > 0) {
+        fl_cu_blas *ctx = flb_blas(be);
+        if (!ctx) return flb_sticky(be);
+        fl_status st = fl_cu_gemm_rowmajor_epi(flb_gemm_fn, ctx, gelu ? FL_CU_EPI_GELU_AUX_BIAS : FL_CU_EPI_BIAS, bias,
+                                               aux, N, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta,
+                                               C, FL_F32, N);
+        if (st != FL_ERR_UNSUPPORTED) {
+            if (st != FL_OK) flb_set_error(be, st, "gemm_epilogue", fl_error_message());
+            return st;
+        }
+        fprintf(stderr, "fitllm: %s backend: cuBLASLt refused an epilogue (%s); the bias and GELU of the linears run as "
+                        "kernels after their GEMMs from here on\n", FLB_NAME, fl_error_message());
+        im->epi = 0;
+    }
+    float *y = gelu ? aux : C;
+    FL_TRY(flb_gemm_direct(be, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, y, FL_F32, N));
+    FLB_RUN_S(be, FLB_K(bias_forward)(y, bias, M, N, im->stream), "gemm_epilogue (bias)");
+    if (gelu) FLB_RUN_S(be, FLB_K(gelu_forward)(C, aux, (size_t)M * N, im->stream), "gemm_epilogue (gelu)");
+    return FL_OK;
+}
+
+static fl_status flb_gemm_epilogue(const fl_backend *be, int epi, const float *bias, float *aux, int ldaux, int trans_a,
+                                   int trans_b, int M, int N, int K, float alpha, const void *A, fl_dtype ta, int lda,
+                                   const void *B, fl_dtype tb, int ldb, float beta, float *C, int ldc) {
+    FL_TRY(flb_sticky(be));
+    const int gelu = epi == FL_GEMM_EPI_BIAS_GELU;
+    if ((epi != FL_GEMM_EPI_BIAS && !gelu) || !bias || ldc != N || (gelu && (!aux || ldaux != N || beta != 0.0f)))
+        return fl_errorf(FL_ERR_INVALID, "%s gemm_epilogue: epilogue %d, bias %s, ldc %d, ldaux %d, beta %g (expected "
+                         "bias or bias+GELU, a bias, compact rows ldc = ldaux = N = %d, beta 0 with GELU)", FLB_NAME,
+                         epi, bias ? "given" : "NULL", ldc, ldaux, (double)beta, N);
+    if (!flb_gemm_types_ok(ta, tb, FL_F32))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s gemm_epilogue: types A=%s B=%s not supported", FLB_NAME,
+                         fl_dtype_name(ta), fl_dtype_name(tb));
+    if (M < 0 || N < 0 || K < 0)
+        return fl_errorf(FL_ERR_INVALID, "%s gemm_epilogue: bad shape %d x %d x %d", FLB_NAME, M, N, K);
+    if (M == 0 || N == 0) return FL_OK;
+    if (K > 0 && ta == tb) /* the library's own types: one matmul */
+        return flb_epi_part(be, epi, bias, aux, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, C);
+    if (K > 0 && ta == FL_F32 && tb == FL_BF16 && !trans_a) { /* flb_gemm's bf16 row panels, each with the epilogue */
+        void *s = flb_scratch(be);
+        if (!s) return flb_sticky(be);
+        char *panel = (char *)s + FLB_LT_WS_BYTES;
+        const int rows = (int)(FLB_PANEL_BYTES / ((size_t)K * 2));
+        if (rows < 1) return fl_errorf(FL_ERR_UNSUPPORTED, "%s gemm: K = %d too large for the panel", FLB_NAME, K);
+        for (int i0 = 0; i0 < M; i0 += rows) {
+            const int mr = M - i0 < rows ? M - i0 : rows;
+            FLB_RUN_S(be, FLB_K(convert2d)(panel, FL_BF16, (size_t)K, (const float *)A + (size_t)i0 * lda, FL_F32,
+                                           (size_t)lda, mr, K, FLB_IMPL(be)->stream), "gemm_epilogue (bf16 panel)");
+            FL_TRY(flb_epi_part(be, epi, bias, gelu ? aux + (size_t)i0 * N : NULL, 0, trans_b, mr, N, K, alpha, panel,
+                                FL_BF16, K, B, tb, ldb, beta, C + (size_t)i0 * N));
+        }
+        return FL_OK;
+    }
+    /* the other mixed types and K = 0: flb_gemm, then the kernels */
+    float *y = gelu ? aux : C;
+    FL_TRY(flb_gemm(be, trans_a, trans_b, M, N, K, alpha, A, ta, lda, B, tb, ldb, beta, y, FL_F32, N));
+    FLB_RUN_S(be, FLB_K(bias_forward)(y, bias, M, N, FLB_IMPL(be)->stream), "gemm_epilogue (bias)");
+    if (gelu) FLB_RUN_S(be, FLB_K(gelu_forward)(C, aux, (size_t)M * N, FLB_IMPL(be)->stream), "gemm_epilogue (gelu)");
+    return FL_OK;
+}
+
+static fl_status flb_init_random(const fl_backend *be, void *dst, fl_dtype dt, size_t k0, size_t k1, size_t numel,
+                                 int kind, double sd, uint64_t s);
+
+/* gemm_bench: the shape's operands of the backend's own (normal(0, 1): a GEMM's speed on zeros is not its speed
+ * on data), timed by the library's bench (cu_gemm.h: cuBLASLt's candidate algorithms; the stand-in's loop). The
+ * types the backend's gemm converts a panel for are timed as the matmul it runs: F32 x BF16 as BF16 x BF16, F32 x
+ * F16 as F32 x F32. */
+static fl_status flb_gemm_bench(const fl_backend *be, int epi, int trans_a, int trans_b, int M, int N, int K,
+                                fl_dtype ta, fl_dtype tb, fl_dtype tc, int reps, double *best_ms, double *chosen_ms) {
+    *best_ms = *chosen_ms = -1;
+    FL_TRY(flb_sticky(be));
+    if (!flb_gemm_types_ok(ta, tb, tc) || (epi && tc != FL_F32))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "%s gemm_bench: types A=%s B=%s C=%s%s not supported", FLB_NAME,
+                         fl_dtype_name(ta), fl_dtype_name(tb), fl_dtype_name(tc), epi ? " with an epilogue" : "");
+    if (M < 1 || N < 1 || K < 1 || reps < 1 || epi < 0 || epi > FL_GEMM_EPI_BIAS_GELU)
+        return fl_errorf(FL_ERR_INVALID, "%s gemm_bench: shape %d x %d x %d, %d repetitions, epilogue %d", FLB_NAME, M,
+                         N, K, reps, epi);
+    if (ta == FL_F32 && tb == FL_BF16) ta = FL_BF16;
+    if (ta == FL_F32 && tb == FL_F16) tb = FL_F32;
+    const size_t na = (size_t)M * K, nb = (size_t)K * N, nc = (size_t)M * N;
+    void *A = flb_dev_alloc(na * fl_dtype_size(ta)), *B = flb_dev_alloc(nb * fl_dtype_size(tb));
+    void *C = flb_dev_alloc(nc * fl_dtype_size(tc));
+    float *bias = epi ? (float *)flb_dev_alloc((size_t)N * sizeof(float)) : NULL;
+    float *aux = epi == FL_GEMM_EPI_BIAS_GELU ? (float *)flb_dev_alloc(nc * sizeof(float)) : NULL;
+    fl_status st = A && B && C && (!epi || bias) && (epi != FL_GEMM_EPI_BIAS_GELU || aux)
+                       ? FL_OK
+                       : fl_errorf(FL_ERR_OOM, "%s gemm_bench: cannot allocate the operands of %d x %d x %d", FLB_NAME,
+                                   M, N, K);
+    if (st == FL_OK) st = flb_init_random(be, A, ta, 0, na, na, 2, 1.0, 0x6e11);
+    if (st == FL_OK) st = flb_init_random(be, B, tb, 0, nb, nb, 2, 1.0, 0x6e12);
+    if (st == FL_OK && bias) st = flb_init_random(be, bias, FL_F32, 0, (size_t)N, (size_t)N, 2, 1.0, 0x6e13);
+    fl_cu_blas *ctx = st == FL_OK ? flb_blas(be) : NULL;
+    if (st == FL_OK && !ctx) st = flb_sticky(be);
+    if (st == FL_OK) {
+        fl_cu_gemm_desc d;
+        fl_cu_gemm_desc_rowmajor(&d, trans_a, trans_b, M, N, K, 1.0f, A, ta, trans_a ? M : K, B, tb, trans_b ? K : N,
+                                 0.0f, C, tc, N);
+        d.epilogue = epi == FL_GEMM_EPI_BIAS_GELU ? FL_CU_EPI_GELU_AUX_BIAS : epi ? FL_CU_EPI_BIAS : FL_CU_EPI_NONE;
+        d.bias = bias, d.aux = aux, d.ldaux = N;
+        int n_algos = 0;
+        st = flb_gemm_bench_fn(ctx, &d, reps, best_ms, chosen_ms, &n_algos);
+    }
+    (void)flb_stream_sync(FLB_IMPL(be)->stream); /* the operands are freed next */
+    if (A) flb_dev_free(A);
+    if (B) flb_dev_free(B);
+    if (C) flb_dev_free(C);
+    if (bias) flb_dev_free(bias);
+    if (aux) flb_dev_free(aux);
+    return st;
+}
