@@ -22,6 +22,8 @@
 #include "fitllm/io.h"
 #include "fitllm/lora.h"
 #include "fitllm/model.h"
+#include "fitllm/plan.h"
+#include "fitllm/trainer.h"
 #include "fitllm/train.h"
 #include "model/model-impl.h"
 #include "test.h"
@@ -414,4 +416,74 @@ FL_TEST(t5_dropout_attention_op_vs_float64) {
         for (int i = 0; i < 12; i++) fl_mem_free(&f.pool, dev[i]);
     }
     fix_close(&f, 0);
+}
+
+/* ---- memory: plan = measured with dropout, and what dropout costs --------------------------------------------- */
+
+static int stop_first(void *ud, long step, double loss, const void *p, size_t n) {
+    (void)ud, (void)step, (void)loss, (void)p, (void)n;
+    return 1;
+}
+
+/* the CLI suite's tiny T5 (the gated fixture's config at vocabulary 500, the t5-tok tokenizer) with dropout_rate p */
+static void t5_drop_folder(const char *dir, const char *rate) {
+    FL_REQUIRE(fl_test_t5_folder(dir, "t5-tiny-gated") == 0);
+    char p[700], *s, *at;
+    size_t n = 0;
+    snprintf(p, sizeof p, "%s/config.json", dir);
+    FL_REQUIRE((s = fl_test_slurp(p, &n)) && (at = strstr(s, "\"dropout_rate\": 0.0")));
+    FILE *f = fopen(p, "wb");
+    FL_REQUIRE(f);
+    fprintf(f, "%.*s\"dropout_rate\": %s%s", (int)(at - s), s, rate, at + strlen("\"dropout_rate\": 0.0"));
+    fclose(f);
+    free(s);
+}
+
+/* A 1-step run (tests/fixtures/t5-pairs, sources 8, targets 4) with dropout_rate 0.1 against plan per tag, in 32-true
+ * and bf16-mixed, with and without checkpointing, micro-batch 1 and 2; against the same run without dropout: ACTS
+ * the same (nothing saved: the masks are regenerated), WORKSPACE larger by the TEMP buffer only (B x 8 source rows x
+ * C floats, 64-byte aligned). */
+FL_TEST(t5_dropout_plan_equals_runtime) {
+    char m0[600], m1[600];
+    snprintf(m0, sizeof m0, "%s/t5drop0", fl_test_tmpdir());
+    snprintf(m1, sizeof m1, "%s/t5drop1", fl_test_tmpdir());
+    t5_drop_folder(m0, "0.0");
+    t5_drop_folder(m1, "0.1");
+    for (int bf = 0; bf < 2; bf++)
+        for (int ck = 0; ck < 2; ck++)
+            for (int B = 1; B <= 2; B++) {
+                fl_trainer_result r[2];
+                for (int d = 0; d < 2; d++) {
+                    fl_run_config c;
+                    char out[700];
+                    fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
+                    snprintf(c.checkpoint_dir, sizeof c.checkpoint_dir, "%s", d ? m1 : m0);
+                    snprintf(out, sizeof out, "%s/t5dr%d%d%d%d", fl_test_tmpdir(), bf, ck, B, d);
+                    snprintf(c.out_dir, sizeof c.out_dir, "%s", out);
+                    c.init_random = 1;
+                    c.data.kind = FL_DATA_JSON;
+                    snprintf(c.data.json_path, sizeof c.data.json_path, "tests/fixtures/t5-pairs/pairs.json");
+                    c.data.max_source_length = 8, c.data.max_target_length = 4;
+                    c.train.global_batch_size = 2, c.train.micro_batch_size = B, c.train.max_steps = 1;
+                    c.train.lr_warmup_steps = 0, c.train.save_interval = 0;
+                    c.eval.max_new_tokens = 0, c.eval.final_validation = 0;
+                    c.threads = 2, c.overwrite = 1;
+                    c.train.activation_checkpointing = ck;
+                    if (bf) FL_REQUIRE_OK(fl_cfg_set(&c, "precision", "bf16-mixed"));
+                    fl_plan pl;
+                    fl_plan_opts o;
+                    fl_plan_opts_default(&o);
+                    FL_REQUIRE_OK(fl_plan_run(&c, &o, &pl));
+                    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, stop_first, NULL, &r[d]));
+                    for (int t = 0; t < FL_TAG_COUNT; t++)
+                        FL_CHECKF(pl.peak[t] == r[d].peak[t], "dropout %d bf16 %d ckpt %d B %d: %s planned %zu, measured "
+                                  "%zu", d, bf, ck, B, fl_mem_tag_name((fl_mem_tag)t), pl.peak[t], r[d].peak[t]);
+                }
+                const size_t tmp = ((size_t)B * 8 * 36 * sizeof(float) + 63) / 64 * 64; /* C 36 */
+                FL_CHECKF(r[1].peak[FL_TAG_ACTS] == r[0].peak[FL_TAG_ACTS], "ACTS %zu with dropout, %zu without",
+                          r[1].peak[FL_TAG_ACTS], r[0].peak[FL_TAG_ACTS]);
+                FL_CHECKF(r[1].peak[FL_TAG_WORKSPACE] == r[0].peak[FL_TAG_WORKSPACE] + tmp,
+                          "WORKSPACE %zu with dropout, %zu without (+%zu expected)", r[1].peak[FL_TAG_WORKSPACE],
+                          r[0].peak[FL_TAG_WORKSPACE], tmp);
+            }
 }
