@@ -459,6 +459,9 @@ typedef struct {
     void (*read_merged)(const fl_model *m, int i, float *dst);
     /* the owner's state goes (fl_model_free, fl_model_detach_adapters) */
     void (*release)(fl_model *m);
+    /* their whole activation buffer for the arena's (B, T) and its bytes (NULL / 0: none): a pipeline stage parks it
+     * with the arena for a micro-batch in flight (fitllm/pp.h's stash) */
+    size_t (*acts_region)(const fl_model *m, void **buf);
 } fl_adapter_hooks;
 /* The rewrite: fl_model_adapters_begin freezes the base and takes the owner's hooks (copied); then each
  * fl_model_attach_adapter puts adapter a (owned by the caller, alive until release) on block `block`'s LINEAR

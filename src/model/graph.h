@@ -223,6 +223,10 @@ fl_status fl_block_backward(const fl_model *m, const fl_block_graph *g, const fl
 /* The dyb16 of the block's first LINEAR in the backward's order when it reads d(output) as a bf16 dy
  * (fl_block_ctx.dout16_ready), else NULL. */
 void *fl_block_dout16(const fl_block_graph *g, const fl_block_params *bp);
+/* The slots (bit k: slot k) whose fp32 views fl_block_backward reads with context x; a bf16-stored slot read
+ * only through the backend's bf16-input ops (issue 30 item 1) is not among them, so its widening is skipped. */
+unsigned fl_block_bwd_reads32(const fl_model *m, const fl_block_graph *g, const fl_block_params *bp,
+                              const fl_block_ctx *x);
 
 /* Inference scratch for n rows: the floats of the graph's shared buffers (64-byte aligned views), and with a
  * base, the slot views (s[FL_GSLOT_IN] and s[FL_GSLOT_OUT] point to the same buffer). */

@@ -418,7 +418,9 @@ fl_status fl_tr_setup_training(trainer *t, const fl_run_config *rcfg, const fl_s
         /* adapters only: the base stays frozen and needs no gradient buffer */
         fl_lora_config lc;
         FL_TRY(fl_trainer_lora_config(cfg, &t->model.cfg, &lc));
-        FL_TRY(fl_model_lora_init(&t->model, &lc, cfg->seed));
+        int base = 0; /* a pipeline stage's modules count from its first block's (the whole model's seeds) */
+        if (t->pp.size > 1) FL_TRY(fl_tr_pp_lora_base(t, &lc, &base));
+        FL_TRY(fl_model_lora_init_at(&t->model, &lc, cfg->seed, base));
     } else {
         FL_TRY(fl_fsdp_init(&t->dp, rcfg, &t->model)); /* FULL_SHARD: the gathered units' compute copy */
         /* (sharded: of the gradients; parameter offload on NVMe: a disk that refuses them is an I/O error) */

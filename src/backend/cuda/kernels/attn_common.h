@@ -6,10 +6,30 @@
 #include "backend/cuda/cu_compat.h"
 #include "backend/cuda/cu_kernels_attn.h"
 
+/* A read-only view of fp32 or bf16 elements (issue 30 item 1: the backward reads a bf16 run's stored q|k|v and
+ * attention output in bf16, the widen-before-backward gone): x[i] is element i widened exactly (bf16: the fp32
+ * view's value a widen launch would have written, so the same bits), x + n the view n elements on. From a
+ * const float * implicitly (fp32). The type is uniform per launch: the branch does not diverge. */
+struct fl_cu_fptr {
+    const void *p;
+    int b16;
+    fl_cu_fptr() = default;
+    __host__ __device__ fl_cu_fptr(const float *f) : p(f), b16(0) {}
+    __host__ __device__ fl_cu_fptr(const void *x, int is16) : p(x), b16(is16) {}
+    __device__ __forceinline__ float operator[](size_t i) const {
+        return b16 ? fl_cu_bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    }
+    __host__ __device__ fl_cu_fptr operator+(size_t n) const {
+        return b16 ? fl_cu_fptr((const uint16_t *)p + n, 1) : fl_cu_fptr((const float *)p + n, 0);
+    }
+};
+
 /* Everything a kernel needs, passed by value. Views as fl_attn_desc: row (b, t) of q at
- * q + (b*Tq + t)*ldq, head h at + h*HD (k, v, out, and the gradients likewise). */
+ * q + (b*Tq + t)*ldq, head h at + h*HD (k, v, out, and the gradients likewise). q, k, v, out: fp32, or bf16 in
+ * the backward of attention_backward16 (the same strides, in elements). */
 struct fl_cu_attn_p {
-    const float *q, *k, *v, *bias, *dout, *out, *lse;
+    fl_cu_fptr q, k, v, out;
+    const float *bias, *dout, *lse;
     const uint8_t *kmask;
     float *o, *l, *dq, *dk, *dv, *dbias, *Dsum; /* forward outputs; gradients; D scratch (B,NH,Tq) */
     uint16_t *o16; /* forward: NULL or the output's bf16 copy (out's layout), o then its widening (issue 30 item 1) */
@@ -81,7 +101,7 @@ FL_CU_DEV int fl_cu_attn_first_row(const fl_cu_attn_p &p, int k) {
 /* dst (R, D+1) <- rows r0..r0+n-1 of a (rows, HD) view (row stride ld) times mul; rows >= n and
  * dims >= HD zero. Consecutive threads read consecutive dims (coalesced). */
 template <int D, int R>
-FL_CU_DEV void fl_cu_attn_load_tile(float *dst, const float *src, size_t ld, int n, int HD, float mul) {
+FL_CU_DEV void fl_cu_attn_load_tile(float *dst, fl_cu_fptr src, size_t ld, int n, int HD, float mul) {
     for (int i = threadIdx.x; i < R * D; i += FL_CU_ATTN_THREADS) {
         int r = i / D, d = i % D;
         float x = 0.0f;
@@ -111,7 +131,7 @@ template <int unused_> __global__ static void fl_cu_attn_dsum_k(fl_cu_attn_p p) 
     const int t = (int)(row % p.Tq), h = (int)(row / p.Tq % p.NH);
     const size_t b = row / ((size_t)p.Tq * p.NH);
     const float *dO = p.dout + (b * p.Tq + t) * p.ldo + (size_t)h * p.HD;
-    const float *o = p.out + (b * p.Tq + t) * p.ldo + (size_t)h * p.HD;
+    const fl_cu_fptr o = p.out + ((b * p.Tq + t) * p.ldo + (size_t)h * p.HD);
     float s = 0.0f;
     for (int d = lane; d < p.HD; d += 32) s += dO[d] * o[d];
     s = fl_cu_warp_sum(s);
@@ -177,18 +197,20 @@ static inline int fl_cu_attn_fwd_setup(fl_cu_attn_p *p, const fl_attn_desc *a, f
     p->o16 = (uint16_t *)out16;
     return 0;
 }
+/* in16: q, k, v and out are bf16 (attention_backward16), else fp32 */
 static inline int fl_cu_attn_bwd_setup(fl_cu_attn_p *p, const fl_attn_desc *a, float *dq, float *dk, float *dv,
-                                       float *dbias, const float *dout, const float *q, const float *k, const float *v,
-                                       const float *bias, const uint8_t *kmask, const float *out, const float *lse,
-                                       void *work, int tc) {
-    int rc = fl_cu_attn_check(a, out, lse, q, k, v, bias, dbias);
+                                       float *dbias, const float *dout, const void *q, const void *k, const void *v,
+                                       const float *bias, const uint8_t *kmask, const void *out, const float *lse,
+                                       void *work, int tc, int in16) {
+    int rc = fl_cu_attn_check(a, out, lse, (const float *)q, (const float *)k, (const float *)v, bias, dbias);
     if (rc) return rc;
     if (!dq || !dk || !dv || !dout) return FL_CU_ATTN_INVALID;
     if (tc && !fl_cu_attention_tc_supported(a, bias)) return FL_CU_ATTN_UNSUPPORTED;
     if (a->B == 0 || a->Tq == 0) return 1;
     if (!work) return FL_CU_ATTN_INVALID;
     *p = fl_cu_attn_params(a);
-    p->q = q, p->k = k, p->v = v, p->bias = bias, p->kmask = kmask, p->dout = dout, p->out = out, p->lse = lse;
+    p->q = fl_cu_fptr(q, in16), p->k = fl_cu_fptr(k, in16), p->v = fl_cu_fptr(v, in16), p->out = fl_cu_fptr(out, in16);
+    p->bias = bias, p->kmask = kmask, p->dout = dout, p->lse = lse;
     p->dq = dq, p->dk = dk, p->dv = dv, p->dbias = dbias, p->Dsum = (float *)work;
     return 0;
 }
