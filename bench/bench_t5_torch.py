@@ -9,7 +9,7 @@ Pinned versions (tests/ref/requirements.txt): torch 2.15.0, transformers 5.23.0.
 
 One step, as fitllm's bench-step (fl_step_run) does it: zero_grad(set_to_none=True), the forward of
 T5ForConditionalGeneration with labels (its cross-entropy over the target), backward, gradient clipping to norm 1.0,
-AdamW (lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0.1), fp32 throughout, dropout 0 (fitllm has none), the
+AdamW (lr 1e-4, betas (0.9, 0.999), eps 1e-8, weight decay 0.1), fp32 throughout, dropout 0 (bench-step runs its step without dropout), the
 model randomly initialized, random source and target ids (every position real, no padding), the decoder input the
 start token then the targets but their last. Prints one line (medians over the timed steps):
     RESULT impl=torch shape=t5-small median_ms=... tok_s=... gflops=... peak_rss_mb=...

@@ -169,5 +169,26 @@ else
     bad "t5_fsdp_checkpoint_resumes_in_one_process" "exit $rc, worst relative loss difference $w"
 fi
 
+# dropout (config.json dropout_rate 0.1): the masks follow the run's seed and the global micro-batch, so DDP at 2
+# ranks draws what one process draws: its 24 losses within DDP's reduction noise of one process (1e-6 relative), and
+# FULL_SHARD (auto: checkpointing per block, each block's masks drawn again in its recompute) the same
+mkdir -p "$T/t5d" && cp "$T/t5m"/* "$T/t5d/" && sed -i 's/"dropout_rate": 0.0/"dropout_rate": 0.1/' "$T/t5d/config.json"
+T5D=("${T5M[@]}" --checkpoint_dir "$T/t5d")
+dok=1
+timeout 300 "$FL" finetune_full "${T5D[@]}" --out_dir "$T/d-one" >"$T/out" 2>&1 || { dok=0; bad "t5_dropout_one_process" "exit $?"; }
+for st in ddp auto; do
+    timeout 300 mpirun -np 2 "$FL" finetune_full "${T5D[@]}" --devices 2 --strategy $st --out_dir "$T/d-$st" >"$T/out-d-$st" 2>&1 \
+        || { dok=0; cp "$T/out-d-$st" "$T/out"; bad "t5_dropout_np2_$st" "exit $?"; }
+done
+for st in ddp auto; do
+    [ $dok = 1 ] || break
+    w=$(paste <(losses "$T/d-one") <(losses "$T/d-$st") | awk '{ d = ($1 - $2) / $1; if (d < 0) d = -d; if (d > w) w = d; n++ } END { if (n != 24) print "count " n; else printf "%.2g", w }')
+    if awk -v w="$w" 'BEGIN { exit !(w ~ /^[0-9.e+-]+$/ && w + 0 <= 1e-6) }' && ! cmp -s "$T/d-one/final/model.safetensors" "$T/t5-one/final/model.safetensors"; then
+        ok "t5_dropout_np2_${st}_vs_one_process (24 losses, worst relative difference $w)"
+    else
+        cp "$T/out-d-$st" "$T/out"; bad "t5_dropout_np2_${st}_vs_one_process" "worst relative loss difference $w"
+    fi
+done
+
 echo "T5 MPI tests: $pass passed, $fail failed"
 [ $fail -eq 0 ]

@@ -22,6 +22,8 @@
 #include "fitllm/io.h"
 #include "fitllm/lora.h"
 #include "fitllm/model.h"
+#include "fitllm/plan.h"
+#include "fitllm/trainer.h"
 #include "fitllm/train.h"
 #include "model/model-impl.h"
 #include "test.h"
@@ -41,6 +43,28 @@ static void batch(const fl_st_file *x, drop_batch *b) {
     *b = (drop_batch){(int)src->shape[0], (int)src->shape[1], (int)dec->shape[1], 0, src->data, dec->data, lab->data,
                       mask->data};
     for (int i = 0; i < b->B * b->Tt; i++) b->nv += b->lab[i] != FL_IGNORE_INDEX;
+}
+
+/* the backend (FITLLM_TEST_BACKEND), its pools, the gated fixture's batch */
+typedef struct {
+    fl_backend be;
+    fl_mem_pool pool, host;
+    fl_st_file x;
+    drop_batch b;
+} drop_fix;
+
+static void fix_open(drop_fix *f, int with_batch) {
+    FL_REQUIRE_OK(fl_test_backend(&f->be, 2));
+    FL_REQUIRE_OK(fl_backend_pools_init(&f->be, &f->pool, &f->host, f->be.name, 0));
+    if (!with_batch) return;
+    FL_REQUIRE_OK(fl_st_open(&f->x, FIX "/expected.safetensors"));
+    batch(&f->x, &f->b);
+}
+
+static void fix_close(drop_fix *f, int with_batch) {
+    if (with_batch) fl_st_close(&f->x);
+    fl_backend_pools_free(&f->pool, &f->host);
+    fl_backend_free(&f->be);
 }
 
 /* the fixture's model with dropout_rate p, dropping in training passes when on (fl_model_set_dropout), checkpointed
@@ -75,26 +99,25 @@ static double train_loss(fl_model *m, const drop_batch *b, uint64_t seed) {
 }
 
 FL_TEST(t5_dropout_mask_statistics) {
-    fl_backend be;
-    fl_mem_pool pool, host;
-    FL_REQUIRE_OK(fl_test_backend(&be, 2));
-    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, be.name, 0));
+    drop_fix f;
+    fix_open(&f, 0);
+    fl_backend *be = &f.be;
     const size_t n = (size_t)1 << 20;
     float *h = malloc(n * sizeof(float)), *h2 = malloc(n * sizeof(float)), *d = NULL;
     FL_REQUIRE(h && h2);
-    FL_REQUIRE_OK(fl_mem_alloc(&pool, FL_TAG_OTHER, n * sizeof(float), (void **)&d));
+    FL_REQUIRE_OK(fl_mem_alloc(&f.pool, FL_TAG_OTHER, n * sizeof(float), (void **)&d));
     const float ps[3] = {0.1f, 0.5f, 0.9f};
     for (int k = 0; k < 3; k++) {
         const float p = ps[k];
         for (size_t i = 0; i < n; i++) h[i] = 1.0f;
-        FL_REQUIRE_OK(be.to_device(&be, d, h, n * sizeof(float)));
-        FL_REQUIRE_OK(FL_RUN(&be, dropout, d, d, n, p, fl_dropout_seed(42, 16), 0));
-        FL_REQUIRE_OK(be.to_host(&be, h, d, n * sizeof(float)));
+        FL_REQUIRE_OK(be->to_device(be, d, h, n * sizeof(float)));
+        FL_REQUIRE_OK(FL_RUN(be, dropout, d, d, n, p, fl_dropout_seed(42, 16), 0));
+        FL_REQUIRE_OK(be->to_host(be, h, d, n * sizeof(float)));
         /* a second site of the same micro-batch */
         for (size_t i = 0; i < n; i++) h2[i] = 1.0f;
-        FL_REQUIRE_OK(be.to_device(&be, d, h2, n * sizeof(float)));
-        FL_REQUIRE_OK(FL_RUN(&be, dropout, d, d, n, p, fl_dropout_seed(42, 17), 0));
-        FL_REQUIRE_OK(be.to_host(&be, h2, d, n * sizeof(float)));
+        FL_REQUIRE_OK(be->to_device(be, d, h2, n * sizeof(float)));
+        FL_REQUIRE_OK(FL_RUN(be, dropout, d, d, n, p, fl_dropout_seed(42, 17), 0));
+        FL_REQUIRE_OK(be->to_host(be, h2, d, n * sizeof(float)));
         const float sc = fl_lora_dropout_scale(p);
         size_t kept = 0, both = 0, bad = 0;
         for (size_t i = 0; i < n; i++) {
@@ -111,22 +134,21 @@ FL_TEST(t5_dropout_mask_statistics) {
     }
     /* accumulate: y += mask(x) with the same mask */
     for (size_t i = 0; i < n; i++) h[i] = 2.0f;
-    FL_REQUIRE_OK(be.to_device(&be, d, h, n * sizeof(float)));
+    FL_REQUIRE_OK(be->to_device(be, d, h, n * sizeof(float)));
     float *x = NULL;
-    FL_REQUIRE_OK(fl_mem_alloc(&pool, FL_TAG_OTHER, n * sizeof(float), (void **)&x));
+    FL_REQUIRE_OK(fl_mem_alloc(&f.pool, FL_TAG_OTHER, n * sizeof(float), (void **)&x));
     for (size_t i = 0; i < n; i++) h2[i] = 1.0f;
-    FL_REQUIRE_OK(be.to_device(&be, x, h2, n * sizeof(float)));
-    FL_REQUIRE_OK(FL_RUN(&be, dropout, d, x, n, 0.5f, 7, 1));
-    FL_REQUIRE_OK(be.to_host(&be, h, d, n * sizeof(float)));
+    FL_REQUIRE_OK(be->to_device(be, x, h2, n * sizeof(float)));
+    FL_REQUIRE_OK(FL_RUN(be, dropout, d, x, n, 0.5f, 7, 1));
+    FL_REQUIRE_OK(be->to_host(be, h, d, n * sizeof(float)));
     size_t wrong = 0;
     for (size_t i = 0; i < n; i++) wrong += h[i] != (fl_lora_dropout_keep(7, i, 0.5f) ? 4.0f : 2.0f);
     FL_CHECKF(wrong == 0, "accumulate: %zu values off", wrong);
-    FL_CHECK(FL_RUN(&be, dropout, d, x, n, 1.0f, 7, 0) != FL_OK); /* p outside [0, 1) */
-    fl_mem_free(&pool, x);
-    fl_mem_free(&pool, d);
+    FL_CHECK(FL_RUN(be, dropout, d, x, n, 1.0f, 7, 0) != FL_OK); /* p outside [0, 1) */
+    fl_mem_free(&f.pool, x);
+    fl_mem_free(&f.pool, d);
     free(h), free(h2);
-    fl_backend_pools_free(&pool, &host);
-    fl_backend_free(&be);
+    fix_close(&f, 0);
 }
 
 static int same_bits(const float *a, const float *b, size_t n) { return memcmp(a, b, n * sizeof(float)) == 0; }
@@ -135,16 +157,11 @@ static int same_bits(const float *a, const float *b, size_t n) { return memcmp(a
  * (the graphs' DROPOUT ops copy), and without dropout_on for training; on, the same seed twice gives the same bits,
  * another seed another loss, and checkpointing the same bits */
 FL_TEST(t5_dropout_off_same_bits_on_deterministic) {
-    fl_backend be;
-    fl_mem_pool pool, host;
-    FL_REQUIRE_OK(fl_test_backend(&be, 2));
-    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, be.name, 0));
-    fl_st_file x;
-    FL_REQUIRE_OK(fl_st_open(&x, FIX "/expected.safetensors"));
-    drop_batch b;
-    batch(&x, &b);
+    drop_fix f;
+    fix_open(&f, 1);
+    const drop_batch b = f.b;
     fl_model m0, m1;
-    load(&m0, &be, &pool, &b, 0.0f, 0, 0);
+    load(&m0, &f.be, &f.pool, &b, 0.0f, 0, 0);
     const size_t P = m0.layout.numel, NL = (size_t)b.B * b.Tt * m0.cfg.vocab_size;
     float *g0 = malloc(P * sizeof(float)), *g1 = malloc(P * sizeof(float)), *g2 = malloc(P * sizeof(float));
     float *l0 = malloc(NL * sizeof(float)), *l1 = malloc(NL * sizeof(float));
@@ -154,13 +171,13 @@ FL_TEST(t5_dropout_off_same_bits_on_deterministic) {
     fl_model_free(&m0);
 
     /* dropout_rate 0.1 without dropout_on: training is today's */
-    load(&m1, &be, &pool, &b, 0.1f, 0, 0);
+    load(&m1, &f.be, &f.pool, &b, 0.1f, 0, 0);
     double a1 = train_pass(&m1, &b, 5, g1);
     FL_CHECKF(a1 == a0 && same_bits(g0, g1, P), "dropout_rate 0.1 not on: loss %.9g vs %.9g", a1, a0);
     fl_model_free(&m1);
 
     /* on: evaluation has no dropout (the graph's DROPOUT ops copy): the logits' bits; training differs */
-    load(&m1, &be, &pool, &b, 0.1f, 1, 0);
+    load(&m1, &f.be, &f.pool, &b, 0.1f, 1, 0);
     FL_REQUIRE_OK(fl_model_forward_s2s(&m1, b.src, b.mask, b.dec, b.lab, b.B, b.Ts, b.Tt, 0, l1));
     FL_CHECKF(same_bits(l0, l1, NL), "evaluation with dropout_rate 0.1 on: logits differ from dropout 0");
     a1 = train_pass(&m1, &b, 5, g1);
@@ -172,22 +189,20 @@ FL_TEST(t5_dropout_off_same_bits_on_deterministic) {
     fl_model_free(&m1);
 
     /* dropout 0 on: today's bits (the graphs are the ones without dropout) */
-    load(&m1, &be, &pool, &b, 0.0f, 1, 0);
+    load(&m1, &f.be, &f.pool, &b, 0.0f, 1, 0);
     const double a4 = train_pass(&m1, &b, 5, g2);
     FL_CHECKF(a4 == a0 && same_bits(g0, g2, P), "dropout_rate 0 on: loss %.9g vs %.9g", a4, a0);
     fl_model_free(&m1);
 
     /* activation checkpointing: the recomputed blocks draw the same masks */
-    load(&m1, &be, &pool, &b, 0.1f, 1, 1);
+    load(&m1, &f.be, &f.pool, &b, 0.1f, 1, 1);
     const double a5 = train_pass(&m1, &b, 5, g2);
     FL_CHECKF(a5 == a1 && same_bits(g1, g2, P), "checkpointing with dropout: loss %.9g vs %.9g", a5, a1);
     FL_CHECK(m1.ckpt_recomputed > 0);
     fl_model_free(&m1);
 
     free(g0), free(g1), free(g2), free(l0), free(l1);
-    fl_st_close(&x);
-    fl_backend_pools_free(&pool, &host);
-    fl_backend_free(&be);
+    fix_close(&f, 1);
 }
 
 /* central finite differences of the training loss on a fixed mask (p 0.5: every site's mask moves the gradient
@@ -195,25 +210,21 @@ FL_TEST(t5_dropout_off_same_bits_on_deterministic) {
  * embeddings' dropout; o / EncDecAttention.o / wo: the sublayers'; wi_0 / wi_1: the FFN's; the final norms; the
  * relative bias and a cross-attention q: the attention weights') */
 FL_TEST(t5_dropout_gradients_finite_differences) {
-    fl_backend be;
-    fl_mem_pool pool, host;
-    FL_REQUIRE_OK(fl_test_backend(&be, 2));
-    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, be.name, 0));
-    fl_st_file x;
-    FL_REQUIRE_OK(fl_st_open(&x, FIX "/expected.safetensors"));
-    drop_batch b;
-    batch(&x, &b);
+    drop_fix f;
+    fix_open(&f, 1);
+    const drop_batch b = f.b;
+    fl_backend *be = &f.be;
     fl_model m;
-    load(&m, &be, &pool, &b, 0.0f, 0, 0);
+    load(&m, &f.be, &f.pool, &b, 0.0f, 0, 0);
     const size_t P = m.layout.numel;
     float *g = malloc(P * sizeof(float)), *gn = malloc(P * sizeof(float)), *w = malloc(P * sizeof(float));
     FL_REQUIRE(g && gn && w);
     train_pass(&m, &b, 9, gn); /* no dropout */
     fl_model_free(&m);
-    load(&m, &be, &pool, &b, 0.5f, 1, 0);
+    load(&m, &f.be, &f.pool, &b, 0.5f, 1, 0);
     train_pass(&m, &b, 9, g);
     float *pd = fl_model_params_f32(&m);
-    FL_REQUIRE_OK(be.to_host(&be, w, pd, P * sizeof(float)));
+    FL_REQUIRE_OK(be->to_host(be, w, pd, P * sizeof(float)));
     static const char *const names[] = {
         "shared.weight",
         "encoder.block.0.layer.0.SelfAttention.o.weight",
@@ -245,12 +256,12 @@ FL_TEST(t5_dropout_gradients_finite_differences) {
             const size_t o = e->offset + best[j];
             const float w0 = w[o];
             float v = w0 + (float)h;
-            FL_REQUIRE_OK(be.to_device(&be, pd + o, &v, sizeof v));
+            FL_REQUIRE_OK(be->to_device(be, pd + o, &v, sizeof v));
             const double lp = train_loss(&m, &b, 9);
             v = w0 - (float)h;
-            FL_REQUIRE_OK(be.to_device(&be, pd + o, &v, sizeof v));
+            FL_REQUIRE_OK(be->to_device(be, pd + o, &v, sizeof v));
             const double lm = train_loss(&m, &b, 9);
-            FL_REQUIRE_OK(be.to_device(&be, pd + o, &w0, sizeof w0));
+            FL_REQUIRE_OK(be->to_device(be, pd + o, &w0, sizeof w0));
             /* the step actually taken (w0 +- h rounded to fp32) */
             const double fd = (lp - lm) / ((double)(w0 + (float)h) - (double)(w0 - (float)h));
             /* bound: the central difference's rounding (the fp32 loss to ~1e-6, over 2h = 4e-3: 2.5e-4) and its
@@ -269,9 +280,7 @@ FL_TEST(t5_dropout_gradients_finite_differences) {
     FL_CHECKF(far_min > 1.0, "the checked entries cannot tell the masks apart (%.2f)", far_min);
     fl_model_free(&m);
     free(g), free(gn), free(w);
-    fl_st_close(&x);
-    fl_backend_pools_free(&pool, &host);
-    fl_backend_free(&be);
+    fix_close(&f, 1);
 }
 
 /* ---- the attention op's dropout against a float64 loop (fl_attn_desc.drop_p) ------------------------------------ */
@@ -355,10 +364,9 @@ static double max_err(const float *dev_host, const double *ref, size_t n, double
  * gradient within 1e-5 of their scale of the float64 loop with the same mask (fp32 sums of ~70 terms: ~1e-6); the
  * undropped result is far (the test can fail) */
 FL_TEST(t5_dropout_attention_op_vs_float64) {
-    fl_backend be;
-    fl_mem_pool pool, host;
-    FL_REQUIRE_OK(fl_test_backend(&be, 2));
-    FL_REQUIRE_OK(fl_backend_pools_init(&be, &pool, &host, be.name, 0));
+    drop_fix f;
+    fix_open(&f, 0);
+    fl_backend *be = &f.be;
     for (int causal = 0; causal < 2; causal++) {
         ref_attn r = {2, 40, causal ? 40 : 70, 2, 12, causal, 0.3f, 0x5eed + causal};
         const int C = r.NH * r.HD;
@@ -375,20 +383,20 @@ FL_TEST(t5_dropout_attention_op_vs_float64) {
         for (int i = 0; i < r.B * r.Tk; i++) hm[i] = i % r.Tk < r.Tk - 5 * (i / r.Tk); /* row 1: its last 5 padded */
         ref_attention(&r, hq, hk, hv, hb, hm, hg, ro, rdq, rdk, rdv, rdb);
         fl_attn_desc a = {r.B, r.Tq, r.Tk, r.NH, r.NH, r.HD, C, C, C, C, 1.0f, causal, r.p, r.seed};
-        float *q = dev_copy(&be, &pool, hq, nq * 4), *k = dev_copy(&be, &pool, hk, nk * 4),
-              *v = dev_copy(&be, &pool, hv, nk * 4), *bias = dev_copy(&be, &pool, hb, nb * 4),
-              *g = dev_copy(&be, &pool, hg, nq * 4);
-        uint8_t *km = (uint8_t *)dev_copy(&be, &pool, hm, (size_t)r.B * r.Tk);
+        float *q = dev_copy(be, &f.pool, hq, nq * 4), *k = dev_copy(be, &f.pool, hk, nk * 4),
+              *v = dev_copy(be, &f.pool, hv, nk * 4), *bias = dev_copy(be, &f.pool, hb, nb * 4),
+              *g = dev_copy(be, &f.pool, hg, nq * 4);
+        uint8_t *km = (uint8_t *)dev_copy(be, &f.pool, hm, (size_t)r.B * r.Tk);
         memset(got, 0, (nb > nk ? nb : nk) * 4);
-        float *out = dev_copy(&be, &pool, got, nq * 4), *dq = dev_copy(&be, &pool, got, nq * 4),
-              *dk = dev_copy(&be, &pool, got, nk * 4), *dv = dev_copy(&be, &pool, got, nk * 4),
-              *db = dev_copy(&be, &pool, got, nb * 4), *lse = dev_copy(&be, &pool, got, (size_t)r.B * r.NH * r.Tq * 4);
-        FL_REQUIRE_OK(FL_RUN(&be, attention_forward, &a, out, lse, q, k, v, bias, km));
-        FL_REQUIRE_OK(FL_RUN(&be, attention_backward, &a, dq, dk, dv, db, g, q, k, v, bias, km, out, lse));
+        float *out = dev_copy(be, &f.pool, got, nq * 4), *dq = dev_copy(be, &f.pool, got, nq * 4),
+              *dk = dev_copy(be, &f.pool, got, nk * 4), *dv = dev_copy(be, &f.pool, got, nk * 4),
+              *db = dev_copy(be, &f.pool, got, nb * 4), *lse = dev_copy(be, &f.pool, got, (size_t)r.B * r.NH * r.Tq * 4);
+        FL_REQUIRE_OK(FL_RUN(be, attention_forward, &a, out, lse, q, k, v, bias, km));
+        FL_REQUIRE_OK(FL_RUN(be, attention_backward, &a, dq, dk, dv, db, g, q, k, v, bias, km, out, lse));
         const struct { const char *name; float *d; const double *ref; size_t n; } cmp[5] = {
             {"out", out, ro, nq}, {"dq", dq, rdq, nq}, {"dk", dk, rdk, nk}, {"dv", dv, rdv, nk}, {"dbias", db, rdb, nb}};
         for (int i = 0; i < 5; i++) {
-            FL_REQUIRE_OK(be.to_host(&be, got, cmp[i].d, cmp[i].n * 4));
+            FL_REQUIRE_OK(be->to_host(be, got, cmp[i].d, cmp[i].n * 4));
             double sc, e = max_err(got, cmp[i].ref, cmp[i].n, &sc);
             printf("      %s p %.1f: %s error %.2g (scale %.2g)\n", causal ? "causal" : "bidirectional", r.p,
                    cmp[i].name, e, sc);
@@ -396,17 +404,86 @@ FL_TEST(t5_dropout_attention_op_vs_float64) {
         }
         /* without dropout the output is far from the dropped reference */
         a.drop_p = 0;
-        FL_REQUIRE_OK(FL_RUN(&be, attention_forward, &a, out, lse, q, k, v, bias, km));
-        FL_REQUIRE_OK(be.to_host(&be, got, out, nq * 4));
+        FL_REQUIRE_OK(FL_RUN(be, attention_forward, &a, out, lse, q, k, v, bias, km));
+        FL_REQUIRE_OK(be->to_host(be, got, out, nq * 4));
         double sc, e = max_err(got, ro, nq, &sc);
         FL_CHECKF(e > 100 * 1e-5 * sc, "undropped output %.3g from the dropped reference", e);
         a.drop_p = 1.0f;
-        FL_CHECK(FL_RUN(&be, attention_forward, &a, out, lse, q, k, v, bias, km) == FL_ERR_INVALID);
+        FL_CHECK(FL_RUN(be, attention_forward, &a, out, lse, q, k, v, bias, km) == FL_ERR_INVALID);
         free(hq), free(hk), free(hv), free(hb), free(hg), free(hm), free(ro), free(rdq), free(rdk), free(rdv), free(rdb);
         free(got);
         void *dev[12] = {q, k, v, bias, g, km, out, dq, dk, dv, db, lse};
-        for (int i = 0; i < 12; i++) fl_mem_free(&pool, dev[i]);
+        for (int i = 0; i < 12; i++) fl_mem_free(&f.pool, dev[i]);
     }
-    fl_backend_pools_free(&pool, &host);
-    fl_backend_free(&be);
+    fix_close(&f, 0);
+}
+
+/* ---- memory: plan = measured with dropout, and what dropout costs --------------------------------------------- */
+
+static int stop_first(void *ud, long step, double loss, const void *p, size_t n) {
+    (void)ud, (void)step, (void)loss, (void)p, (void)n;
+    return 1;
+}
+
+/* the CLI suite's tiny T5 (the gated fixture's config at vocabulary 500, the t5-tok tokenizer) with dropout_rate p */
+static void t5_drop_folder(const char *dir, const char *rate) {
+    FL_REQUIRE(fl_test_t5_folder(dir, "t5-tiny-gated") == 0);
+    char p[700], *s, *at;
+    size_t n = 0;
+    snprintf(p, sizeof p, "%s/config.json", dir);
+    FL_REQUIRE((s = fl_test_slurp(p, &n)) && (at = strstr(s, "\"dropout_rate\": 0.0")));
+    FILE *f = fopen(p, "wb");
+    FL_REQUIRE(f);
+    fprintf(f, "%.*s\"dropout_rate\": %s%s", (int)(at - s), s, rate, at + strlen("\"dropout_rate\": 0.0"));
+    fclose(f);
+    free(s);
+}
+
+/* A 1-step run (tests/fixtures/t5-pairs, sources 8, targets 4) with dropout_rate 0.1 against plan per tag, in 32-true
+ * and bf16-mixed, with and without checkpointing, micro-batch 1 and 2; against the same run without dropout: ACTS
+ * the same (nothing saved: the masks are regenerated), WORKSPACE larger by the TEMP buffer only (B x 8 source rows x
+ * C floats, 64-byte aligned). */
+FL_TEST(t5_dropout_plan_equals_runtime) {
+    char m0[600], m1[600];
+    snprintf(m0, sizeof m0, "%s/t5drop0", fl_test_tmpdir());
+    snprintf(m1, sizeof m1, "%s/t5drop1", fl_test_tmpdir());
+    t5_drop_folder(m0, "0.0");
+    t5_drop_folder(m1, "0.1");
+    for (int bf = 0; bf < 2; bf++)
+        for (int ck = 0; ck < 2; ck++)
+            for (int B = 1; B <= 2; B++) {
+                fl_trainer_result r[2];
+                for (int d = 0; d < 2; d++) {
+                    fl_run_config c;
+                    char out[700];
+                    fl_cfg_defaults(&c, FL_CMD_FINETUNE_FULL);
+                    snprintf(c.checkpoint_dir, sizeof c.checkpoint_dir, "%s", d ? m1 : m0);
+                    snprintf(out, sizeof out, "%s/t5dr%d%d%d%d", fl_test_tmpdir(), bf, ck, B, d);
+                    snprintf(c.out_dir, sizeof c.out_dir, "%s", out);
+                    c.init_random = 1;
+                    c.data.kind = FL_DATA_JSON;
+                    snprintf(c.data.json_path, sizeof c.data.json_path, "tests/fixtures/t5-pairs/pairs.json");
+                    c.data.max_source_length = 8, c.data.max_target_length = 4;
+                    c.train.global_batch_size = 2, c.train.micro_batch_size = B, c.train.max_steps = 1;
+                    c.train.lr_warmup_steps = 0, c.train.save_interval = 0;
+                    c.eval.max_new_tokens = 0, c.eval.final_validation = 0;
+                    c.threads = 2, c.overwrite = 1;
+                    c.train.activation_checkpointing = ck;
+                    if (bf) FL_REQUIRE_OK(fl_cfg_set(&c, "precision", "bf16-mixed"));
+                    fl_plan pl;
+                    fl_plan_opts o;
+                    fl_plan_opts_default(&o);
+                    FL_REQUIRE_OK(fl_plan_run(&c, &o, &pl));
+                    FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, stop_first, NULL, &r[d]));
+                    for (int t = 0; t < FL_TAG_COUNT; t++)
+                        FL_CHECKF(pl.peak[t] == r[d].peak[t], "dropout %d bf16 %d ckpt %d B %d: %s planned %zu, measured "
+                                  "%zu", d, bf, ck, B, fl_mem_tag_name((fl_mem_tag)t), pl.peak[t], r[d].peak[t]);
+                }
+                const size_t tmp = ((size_t)B * 8 * 36 * sizeof(float) + 63) / 64 * 64; /* C 36 */
+                FL_CHECKF(r[1].peak[FL_TAG_ACTS] == r[0].peak[FL_TAG_ACTS], "ACTS %zu with dropout, %zu without",
+                          r[1].peak[FL_TAG_ACTS], r[0].peak[FL_TAG_ACTS]);
+                FL_CHECKF(r[1].peak[FL_TAG_WORKSPACE] == r[0].peak[FL_TAG_WORKSPACE] + tmp,
+                          "WORKSPACE %zu with dropout, %zu without (+%zu expected)", r[1].peak[FL_TAG_WORKSPACE],
+                          r[0].peak[FL_TAG_WORKSPACE], tmp);
+            }
 }
