@@ -9,7 +9,7 @@
 #include "test.h"
 
 /* micro (LLaMA: 5 layers, 8 query and 4 key/value heads, MLP 172) on 8 CPU ranks, DDP on the data axis, 16 sequences of
- * 32 tokens per step one at a time: TP 8 (4 key/value heads) and PP 8 (5 layers) are refused, TP x PP is not built */
+ * 32 tokens per step one at a time: TP 8 (4 key/value heads) and PP 8 (5 layers) are refused */
 static void grid_cfg(fl_run_config *c) {
     fl_cfg_defaults(c, FL_CMD_FINETUNE_FULL);
     snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "micro");
@@ -71,17 +71,24 @@ FL_TEST(plan_grid_suggestion_equals_per_rank_plans) {
         FL_CHECK(r->micro_batches == M);
         planned++;
     }
-    FL_CHECKF(planned == 5, "%d grids planned (DP 8, PP 2, PP 4, TP 2, TP 4)", planned);
+    FL_CHECKF(planned == 8, "%d grids planned (DP 8, PP 2, PP 4, TP 2, TP 4, TP 2 x PP 2, TP 2 x PP 4, TP 4 x PP 2)",
+              planned);
     /* the refusals, in the trainer's words */
-    const fl_plan_grid_row *t8 = find(g, 8, 1), *p8 = find(g, 1, 8), *tp2 = find(g, 2, 2);
-    FL_REQUIRE(t8 && p8 && tp2);
+    const fl_plan_grid_row *t8 = find(g, 8, 1), *p8 = find(g, 1, 8), *tp2 = find(g, 2, 2), *t4p2 = find(g, 4, 2);
+    FL_REQUIRE(t8 && p8 && tp2 && t4p2);
     FL_CHECKF(t8->fits < 0 && strstr(t8->why, "num_key_value_heads"), "TP 8: %s", t8->why);
     FL_CHECKF(p8->fits < 0 && strstr(p8->why, "5 layers"), "PP 8: %s", p8->why);
-    FL_CHECKF(tp2->fits < 0 && strstr(tp2->why, "--tensor_parallel"), "TP 2 x PP 2: %s", tp2->why);
+    size_t least = (size_t)-1; /* the smallest need of any grid */
+    for (int i = 0; i < g->n; i++)
+        if (g->rows[i].fits >= 0 && g->rows[i].peak < least) least = g->rows[i].peak;
     /* no limit that matters: data parallelism alone */
     FL_CHECK(g->best >= 0 && g->rows[g->best].tp == 1 && g->rows[g->best].pp == 1 && g->verdict == FL_PLAN_FITS);
     const fl_plan_grid_row *dp = find(g, 1, 1), *t2 = find(g, 2, 1), *t4 = find(g, 4, 1), *pp2 = find(g, 1, 2);
     FL_REQUIRE(dp && t2 && t4 && pp2 && t2->peak < pp2->peak && pp2->peak < dp->peak && t4->peak < t2->peak);
+    /* the 3D grids: TP 2 x PP 2 below TP 2 alone, TP 4 x PP 2 the least of all (below TP 4) */
+    FL_CHECKF(tp2->fits >= 0 && tp2->peak < t2->peak && t4p2->peak < t4->peak && t4p2->peak == least,
+              "TP 2 x PP 2 %zu (TP 2 %zu), TP 4 x PP 2 %zu (TP 4 %zu), the least %zu", tp2->peak, t2->peak, t4p2->peak,
+              t4->peak, least);
     FL_CHECK(!strcmp(dp->strategy, "ddp"));
     /* budgets between the needs: the fewest model-parallel ranks that fit, TP before PP at the same count */
     const size_t needs[4] = {dp->peak, pp2->peak, t2->peak, t4->peak};
@@ -96,7 +103,11 @@ FL_TEST(plan_grid_suggestion_equals_per_rank_plans) {
                   "budget %zu: suggested TP %d x PP %d, want TP %d", needs[b], h->best >= 0 ? h->rows[h->best].tp : -1,
                   h->best >= 0 ? h->rows[h->best].pp : -1, want_tp[b]);
     }
-    mc.device_memory = needs[3] - 1; /* below every grid's need */
+    mc.device_memory = needs[3] - 1; /* below every grid of 4 model-parallel ranks: the 8 of TP 4 x PP 2 */
+    FL_REQUIRE_OK(fl_plan_suggest_grid(&c, &mc, h));
+    FL_CHECKF(h->best >= 0 && h->rows[h->best].tp == 4 && h->rows[h->best].pp == 2, "below TP 4's need: suggested TP %d "
+              "x PP %d", h->best >= 0 ? h->rows[h->best].tp : -1, h->best >= 0 ? h->rows[h->best].pp : -1);
+    mc.device_memory = least - 1; /* below every grid's need */
     FL_REQUIRE_OK(fl_plan_suggest_grid(&c, &mc, h));
     FL_CHECK(h->best == -1);
     /* 8 nodes of one rank: a TP group would cross nodes, so at 2 model-parallel ranks PP 2 comes first where it fits,

@@ -35,12 +35,13 @@ static const char *g_forced;
 static void backend_on(void) { setenv("FITLLM_BACKEND", g_forced ? g_forced : fl_test_backend_name(), 1); }
 static void backend_off(void) { unsetenv("FITLLM_BACKEND"); }
 
+#define TP_MAX_RANKS 8 /* DP 2 x TP 2 x PP 2 */
 typedef struct {
-    fl_run_config cfg[4];
-    dr_rec rec[4];
-    fl_status st[4];
-    char msg[4][600];
-    fl_trainer_result res[4];
+    fl_run_config cfg[TP_MAX_RANKS];
+    dr_rec rec[TP_MAX_RANKS];
+    fl_status st[TP_MAX_RANKS];
+    char msg[TP_MAX_RANKS][600];
+    fl_trainer_result res[TP_MAX_RANKS];
 } tp_job;
 
 static fl_status tp_rank(fl_comm *c, int rank, void *ud) {
@@ -56,11 +57,17 @@ static double (*const k_no_control)(const dr_rec *, const dr_rec *) __attribute_
 
 static int g_small; /* the emulator's cut-down run */
 static const char *g_strategy; /* the data axis's (NULL: ddp) */
+static int g_pp = 1;           /* the 3D grid: stages per pipeline (1: none) */
+static const char *g_sched;    /* and their schedule (NULL: 1f1b) */
 
-/* scenario sc over dp groups x tp ranks (out: its out_dir) */
+/* scenario sc over dp groups x tp ranks (x g_pp stages: out: its out_dir) */
 static void tp_config(fl_run_config *c, int sc, int dp, int tp, const char *out) {
-    dr_config(c, sc, dp, dp * tp, 1, 1, out);
+    dr_config(c, sc, dp, dp * tp * g_pp, 1, 1, out);
     c->tensor_parallel = tp;
+    if (g_pp > 1 && tp > 1) {
+        c->pipeline_parallel = g_pp;
+        snprintf(c->pipeline_schedule, sizeof c->pipeline_schedule, "%s", g_sched ? g_sched : "1f1b");
+    }
     if (g_strategy && tp > 1) snprintf(c->strategy, sizeof c->strategy, "%s", g_strategy);
     c->train.save_interval = 1; /* step 1's state: the gradient of step 1 */
     c->train.keep_checkpoints = 0;
@@ -141,15 +148,16 @@ static void scenario(int sc, int dp, int tp) {
     char out[700], ref_out[700];
     tp_job *j = calloc(1, sizeof *j);
     FL_REQUIRE(j != NULL);
-    const int W = dp * tp;
-    snprintf(out, sizeof out, "%s/%s-dp%d-tp%d", fl_test_tmpdir(), dr_names[sc], dp, tp);
+    const int W = dp * tp * g_pp;
+    snprintf(out, sizeof out, "%s/%s-dp%d-tp%d-pp%d", fl_test_tmpdir(), dr_names[sc], dp, tp, g_pp);
     for (int r = 0; r < W; r++) tp_config(&j->cfg[r], sc, dp, tp, out);
     const long steps = j->cfg[0].train.max_steps;
     backend_on();
     const unsigned long calls0 = fl_nccl_standin_calls();
     fl_status s = fl_comm_threads_run(W, tp_rank, j);
     const unsigned long calls = fl_nccl_standin_calls() - calls0;
-    FL_CHECKF(s == FL_OK, "%s at DP %d x TP %d: %s", dr_names[sc], dp, tp, j->msg[0][0] ? j->msg[0] : fl_error_message());
+    FL_CHECKF(s == FL_OK, "%s at DP %d x TP %d x PP %d: %s", dr_names[sc], dp, tp, g_pp,
+              j->msg[0][0] ? j->msg[0] : fl_error_message());
     for (int r = 1; r < W && s == FL_OK; r++)
         FL_CHECKF(!memcmp(j->rec[r].loss, j->rec[0].loss, sizeof j->rec[0].loss), "%s: rank %d's losses differ from "
                   "rank 0's", dr_names[sc], r);
@@ -158,6 +166,7 @@ static void scenario(int sc, int dp, int tp) {
     snprintf(ref_out, sizeof ref_out, "%s/%s-one-dp%d", fl_test_tmpdir(), dr_names[sc], dp);
     tp_config(&c, sc, dp, 1, ref_out);
     c.devices = 1;
+    c.pipeline_parallel = 1;
     if (s == FL_OK) FL_REQUIRE_OK(fl_trainer_run(&c, NULL, 0, dr_record, &ref, NULL));
     backend_off();
     if (g_forced) /* the blocks' sums went through the stand-in: 4 per block and micro-batch at least */
@@ -165,8 +174,11 @@ static void scenario(int sc, int dp, int tp) {
                   dr_names[sc], g_forced, calls);
     if (s == FL_OK) {
         const double lr = dr_loss_rel(&j->rec[0], &ref, steps);
-        FL_CHECKF(lr <= 1e-6, "%s at DP %d x TP %d vs one process: step losses differ by %.3g relative", dr_names[sc],
-                  dp, tp, lr);
+        FL_CHECKF(lr <= 1e-6, "%s at DP %d x TP %d x PP %d vs one process: step losses differ by %.3g relative",
+                  dr_names[sc], dp, tp, g_pp, lr);
+        if (getenv("FL_TEST_VERBOSE"))
+            printf("    %s at DP %d x TP %d x PP %d: step losses within %.3g relative of one process\n", dr_names[sc],
+                   dp, tp, g_pp, lr);
         if (sc == DR_ADAMW && j->cfg[0].train.save_interval == 1) check_grads(out, ref_out, dr_names[sc]);
         dr_rec a = {0}, b = {0};
         final_params(out, &a);
@@ -177,12 +189,12 @@ static void scenario(int sc, int dp, int tp) {
         char why[1024];
         /* no control pair: the AdamW bound alone (SGD: 4 ulp per step, as reassociation of a plain update) */
         const int bad = dr_compare(&a, &b, 0, dr_floor(&c), steps, why, sizeof why);
-        FL_CHECKF(bad == 0, "%s at DP %d x TP %d: %s", dr_names[sc], dp, tp, why);
-        if (getenv("FL_TEST_VERBOSE")) printf("    %s at DP %d x TP %d: %s\n", dr_names[sc], dp, tp, why);
+        FL_CHECKF(bad == 0, "%s at DP %d x TP %d x PP %d: %s", dr_names[sc], dp, tp, g_pp, why);
+        if (getenv("FL_TEST_VERBOSE")) printf("    %s at DP %d x TP %d x PP %d: %s\n", dr_names[sc], dp, tp, g_pp, why);
         dr_free(&a);
         dr_free(&b);
     }
-    for (int r = 0; r < 4; r++) dr_free(&j->rec[r]);
+    for (int r = 0; r < TP_MAX_RANKS; r++) dr_free(&j->rec[r]);
     dr_free(&ref);
     free(j);
 }
@@ -204,6 +216,38 @@ FL_TEST(tp_train_threads_zero_on_the_data_axis) {
     scenario(DR_ADAMW, 2, 2);
     scenario(DR_SGD, 2, 2);
     g_strategy = NULL;
+}
+
+/* The 3D grid (--tensor_parallel with --pipeline_parallel; trainer_tp.c's tpp_begin): each rank trains its slice of
+ * its stage's blocks; the bars are the same as TP's and PP's alone (reassociation only: the blocks' sums over the
+ * group, the clipping norm summed over the group then the stages, micro's tied table summed across the first and last
+ * stage): the step losses within 1e-6 relative of one process, step 1's gradients re-assembled (the consolidated
+ * checkpoint gathers each stage's slices on the group's rank 0, then the stages on the first stage) within 1e-5 of
+ * each tensor's scale, the final weights within the AdamW bound. TP 2 x PP 2 (1F1B), DP 2 x TP 2 x PP 2, TP 4 x PP 2,
+ * and SGD at TP 2 x PP 3 under GPipe. */
+FL_TEST(tp_train_threads_tp_x_pp_matches_one_process) {
+    g_pp = 2;
+    scenario(DR_ADAMW, 1, 2);
+    scenario(DR_ADAMW, 2, 2);
+    scenario(DR_ADAMW, 1, 4);
+    g_pp = 3;
+    g_sched = "gpipe";
+    scenario(DR_SGD, 1, 2);
+    g_sched = NULL;
+    g_pp = 1;
+}
+
+/* ZeRO-1 and ZeRO-2 on the data axis of DP 2 x TP 2 x PP 2: a rank's optimizer state is its chunk of its slice of its
+ * stage; ZeRO-2's norm sums the chunks over the axis, then the group, then the stages; the tied table's reduced
+ * gradient is made whole on the axis before the first and last stage sum it. */
+FL_TEST(tp_train_threads_tp_x_pp_zero_on_the_data_axis) {
+    g_pp = 2;
+    g_strategy = "deepspeed_stage_1";
+    scenario(DR_ADAMW, 2, 2);
+    g_strategy = "deepspeed_stage_2";
+    scenario(DR_ADAMW, 2, 2);
+    g_strategy = NULL;
+    g_pp = 1;
 }
 
 /* The same on the opaque backend (its memory unreadable by the host): the blocks' all-reduces and DDP's go
@@ -235,15 +279,17 @@ FL_TEST(tp_train_nccl_standin_cuda_emu) {
  * scratch, comm_threads). On the cpu backend, whose plan this is (a device backend's host staging is planned with
  * --accelerator cuda). */
 FL_TEST(tp_train_threads_plan_equals_measured) {
-    const int grids[3][2] = {{1, 2}, {2, 2}, {2, 2}};
+    /* DP x TP x PP; the last two: the 3D grid (each rank's slice of its stage; 1F1B: stage 0 a stash beside its arena) */
+    const int grids[5][3] = {{1, 2, 1}, {2, 2, 1}, {2, 2, 1}, {1, 2, 2}, {2, 2, 2}};
     g_forced = "cpu";
-    for (int g = 0; g < 3; g++) {
-        const int dp = grids[g][0], tp = grids[g][1], W = dp * tp;
-        g_strategy = g == 2 ? "deepspeed_stage_2" : NULL; /* OPTIM: the chunk's state */
+    for (int g = 0; g < 5; g++) {
+        const int dp = grids[g][0], tp = grids[g][1], W = dp * tp * grids[g][2];
+        g_pp = grids[g][2];
+        g_strategy = g == 2 || g == 4 ? "deepspeed_stage_2" : NULL; /* OPTIM: the chunk's state */
         tp_job *j = calloc(1, sizeof *j);
         FL_REQUIRE(j != NULL);
         char out[700];
-        snprintf(out, sizeof out, "%s/tp-plan-%d-%d", fl_test_tmpdir(), dp, tp);
+        snprintf(out, sizeof out, "%s/tp-plan-%d-%d-%d", fl_test_tmpdir(), dp, tp, g_pp);
         for (int r = 0; r < W; r++) {
             tp_config(&j->cfg[r], DR_ADAMW, dp, tp, out); /* AdamW: OPTIM, ZeRO's chunk */
             j->cfg[r].train.max_steps = 1;
@@ -251,19 +297,23 @@ FL_TEST(tp_train_threads_plan_equals_measured) {
         backend_on();
         fl_status s = fl_comm_threads_run(W, tp_rank, j);
         backend_off();
-        FL_CHECKF(s == FL_OK, "DP %d x TP %d: %s", dp, tp, j->msg[0]);
+        FL_CHECKF(s == FL_OK, "DP %d x TP %d x PP %d: %s", dp, tp, g_pp, j->msg[0]);
         for (int r = 0; r < W && s == FL_OK; r++) {
             char grid[48];
-            snprintf(grid, sizeof grid, "DP %d x TP %d", dp, tp);
+            snprintf(grid, sizeof grid, "DP %d x TP %d x PP %d", dp, tp, g_pp);
             const size_t total = plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], grid);
-            if (getenv("FL_TEST_VERBOSE") && r == 0)
-                printf("    DP %d x TP %d %s rank 0: planned = measured = %zu bytes (PARAMS %zu, OPTIM %zu)\n", dp, tp,
-                       g_strategy ? g_strategy : "ddp", total, j->res[r].peak[FL_TAG_PARAMS],
-                       j->res[r].peak[FL_TAG_OPTIM]);
+            if (getenv("FL_TEST_VERBOSE") && (r == 0 || r == W - 1))
+                printf("    %s %s rank %d: planned = measured = %zu bytes (PARAMS %zu, OPTIM %zu, ACTS %zu)\n", grid,
+                       g_strategy ? g_strategy : "ddp", r, total, j->res[r].peak[FL_TAG_PARAMS],
+                       j->res[r].peak[FL_TAG_OPTIM], j->res[r].peak[FL_TAG_ACTS]);
         }
-        for (int r = 0; r < 4; r++) dr_free(&j->rec[r]);
+        if (g_pp > 1) /* 1F1B: stage 0 (ranks 0, 1) keeps a micro-batch in flight beside its arena, the last none */
+            FL_CHECKF(j->res[0].peak[FL_TAG_ACTS] > j->res[2].peak[FL_TAG_ACTS], "%s: ACTS stage 0 %zu, stage 1 %zu",
+                      "TP 2 x PP 2", j->res[0].peak[FL_TAG_ACTS], j->res[2].peak[FL_TAG_ACTS]);
+        for (int r = 0; r < TP_MAX_RANKS; r++) dr_free(&j->rec[r]);
         free(j);
     }
+    g_pp = 1;
     g_forced = NULL;
     g_strategy = NULL;
 }
@@ -340,8 +390,8 @@ FL_TEST(tp_train_threads_checkpoints_resume_at_any_size) {
 
 /* Issue 35 item 5 across the axes: the checkpoints are consolidated (one process's HF folder and training state), so a
  * tensor-parallel run's resumes on a pipeline and a pipeline's on a tensor-parallel group: TP 2's step 4 resumed at
- * PP 2 (1F1B), that run's own step 5 at TP 2, both with the later step losses within ddp_ref.h's 1e-6 relative of the
- * uninterrupted TP 2 run's (PP and TP each measured within 1e-8 of one process; without the optimizer state a resume
+ * PP 2 (1F1B), that run's own step 5 at TP 2; the 3D grid's: TP 2's step 4 at TP 2 x PP 2, that run's step 5 at TP 4;
+ * each with the later step losses within ddp_ref.h's 1e-6 relative of the uninterrupted TP 2 run's (PP and TP each measured within 1e-8 of one process; without the optimizer state a resume
  * misses by 7e-3, tp_train_threads_checkpoints_resume_at_any_size's note). */
 FL_TEST(tp_train_threads_checkpoints_resume_across_grids) {
     char out[700], from[800], o2[760];
@@ -350,26 +400,33 @@ FL_TEST(tp_train_threads_checkpoints_resume_across_grids) {
     long steps;
     tp_job *j = uninterrupted_tp2(out, &full, &steps);
     FL_REQUIRE(j != NULL);
-    for (int k = 0; k < 2; k++) { /* k 0: TP 2's step 4 at PP 2; k 1: PP 2's step 5 at TP 2 */
-        const long from_step = 4 + k;
-        snprintf(from, sizeof from, k ? "%s-pp2/step-000005" : "%s/step-000004", out);
-        snprintf(o2, sizeof o2, "%s-%s", out, k ? "tp2" : "pp2");
-        for (int r = 0; r < 2; r++) {
+    /* each: the checkpoint (under out + from), its step, the grid resuming it (the name of its out_dir) */
+    const struct { const char *from; long step; int tp, pp; const char *name; } k_case[4] = {
+        {"", 4, 1, 2, "PP 2"},            /* TP 2's step 4 at PP 2 */
+        {"-pp2", 5, 2, 1, "TP 2"},        /* that run's step 5 at TP 2 */
+        {"", 4, 2, 2, "TP 2 x PP 2"},     /* the 3D grid: TP 2's step 4 at TP 2 x PP 2 */
+        {"-tp2pp2", 5, 4, 1, "TP 4"},     /* that run's step 5 at TP 4 */
+    };
+    for (int k = 0; k < 4; k++) {
+        const int tp = k_case[k].tp, pp = k_case[k].pp, W = tp * pp;
+        snprintf(from, sizeof from, "%s%s/step-%06ld", out, k_case[k].from, k_case[k].step);
+        snprintf(o2, sizeof o2, "%s-%s%s", out, tp > 1 ? (tp == 2 ? "tp2" : "tp4") : "", pp > 1 ? "pp2" : "");
+        for (int r = 0; r < W; r++) {
             dr_free(&j->rec[r]);
-            tp_config(&j->cfg[r], DR_ADAMW, 1, k ? 2 : 1, o2);
-            j->cfg[r].devices = 2;
-            if (!k) j->cfg[r].pipeline_parallel = 2;
+            tp_config(&j->cfg[r], DR_ADAMW, 1, tp, o2);
+            j->cfg[r].devices = W;
+            j->cfg[r].pipeline_parallel = pp;
             snprintf(j->cfg[r].resume, sizeof j->cfg[r].resume, "%s", from);
         }
-        fl_status s = fl_comm_threads_run(2, tp_rank, j);
-        FL_CHECKF(s == FL_OK, "resumed at %s: %s", k ? "TP 2" : "PP 2", j->msg[0][0] ? j->msg[0] : fl_error_message());
-        const double w = s == FL_OK ? later_diff(&j->rec[0], &full, from_step, steps) : 0;
+        fl_status s = fl_comm_threads_run(W, tp_rank, j);
+        FL_CHECKF(s == FL_OK, "resumed at %s: %s", k_case[k].name, j->msg[0][0] ? j->msg[0] : fl_error_message());
+        const double w = s == FL_OK ? later_diff(&j->rec[0], &full, k_case[k].step, steps) : 0;
         FL_CHECKF(s != FL_OK || (j->rec[0].steps == steps && w <= 1e-6), "%s resumed from '%s': steps %ld, later losses "
-                  "differ by %.3g relative from the uninterrupted TP 2 run", k ? "TP 2" : "PP 2", from, j->rec[0].steps, w);
-        if (getenv("FL_TEST_VERBOSE")) printf("    %s from %s: later losses within %.3g relative\n", k ? "TP 2" : "PP 2", from, w);
+                  "differ by %.3g relative from the uninterrupted TP 2 run", k_case[k].name, from, j->rec[0].steps, w);
+        if (getenv("FL_TEST_VERBOSE")) printf("    %s from %s: later losses within %.3g relative\n", k_case[k].name, from, w);
     }
     backend_off();
-    for (int r = 0; r < 2; r++) dr_free(&j->rec[r]);
+    for (int r = 0; r < TP_MAX_RANKS; r++) dr_free(&j->rec[r]);
     dr_free(&full);
     free(j);
 }
@@ -408,6 +465,11 @@ static void e_grid(fl_run_config *c) {
     c->tensor_parallel = 2;
     c->devices = 3;
 }
+static void e_grid3d(fl_run_config *c) {
+    c->tensor_parallel = 2;
+    c->pipeline_parallel = 2;
+    c->devices = 6;
+}
 static void e_8bit(fl_run_config *c) { fl_optim_config_default(&c->optimizer, FL_OPT_ADAMW8BIT); }
 static int g_edits;
 static void e_rank(fl_run_config *c) { /* rank 1 alone was given another command line */
@@ -420,6 +482,8 @@ FL_TEST(tp_train_threads_refusals) {
     expect_refusal(2, e_lora, "--tensor_parallel 2", "finetune_lora");
     expect_refusal(4, e_zero, "not ZeRO-3", "deepspeed_stage_3");
     expect_refusal(3, e_grid, "--tensor_parallel 2: this run has 3 ranks, not a multiple", NULL);
+    expect_refusal(6, e_grid3d, "--tensor_parallel 2 with --pipeline_parallel 2: this run has 6 ranks, not a multiple "
+                   "of 4", NULL);
     expect_refusal(2, e_8bit, "AdamW8bit", NULL);
     expect_refusal(2, e_rank, "rank 1 of 2", "different configurations");
 }

@@ -83,6 +83,9 @@ typedef struct {
     fl_comm *comm;
     const fl_model *m;
     const fl_optim_dist *inner; /* DDP's hooks on the data-parallel axis (o's before the attach), or NULL */
+    fl_comm *pipe;              /* TP x PP: the pipeline of this rank's tensor-parallel rank (set after the attach;
+                                 * NULL: none). The norm then counts the entries the stage trains (fl_pp_stage_owns)
+                                 * and every sum and verdict runs over the group, then over the stages in order. */
 } fl_tp_dist;
 fl_status fl_tp_optim_attach(fl_optimizer *o, fl_comm *host_comm, fl_tp_dist *d);
 

@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fitllm/pp.h"
 #include "fitllm/tp.h"
 
 /* v (one double per rank, as pairs of F32 words: the all-gather copies bits) summed in rank order */
@@ -16,6 +17,13 @@ static fl_status sum_ranks(fl_comm *c, double v, double *out) {
     *out = acc;
     if (all != stack) free(all);
     return s;
+}
+
+/* v summed over the group in rank order, then (TP x PP) over the pipeline's stages in stage order: every rank of the
+ * model-parallel ranks gets the same bits */
+static fl_status sum_group(const fl_tp_dist *d, double v, double *out) {
+    FL_TRY(sum_ranks(d->comm, v, out));
+    return d->pipe ? sum_ranks(d->pipe, *out, out) : FL_OK;
 }
 
 /* the squared norm of the whole model's gradient: each rank's split entries, and rank 0's replicated ones (the
@@ -34,17 +42,18 @@ static fl_status tp_grad_sumsq(void *ud, const fl_optimizer *o, double *out) {
     for (int i = 0; i < m->layout.n; i++) {
         const fl_param_info *p = &m->layout.params[i];
         if (rank != 0 && fl_tp_entry_split(&m->layout, i) == FL_TP_REPLICATED) continue;
+        if (!fl_pp_stage_owns(m, i)) continue; /* TP x PP: an end this stage does not run (always owned without PP) */
         const size_t a = p->offset > c0 ? p->offset : c0, b = p->offset + p->numel < c1 ? p->offset + p->numel : c1;
         if (a < b) v += be->sumsq(be, (const char *)o->w.g + a * es, o->w.gt, b - a);
     }
     if (zero) FL_TRY(d->inner->sum(d->inner->ud, &v, 1));
-    return fl_error_prefix(sum_ranks(d->comm, v, out), "tensor parallel: the gradient norm");
+    return fl_error_prefix(sum_group(d, v, out), "tensor parallel: the gradient norm");
 }
 
 static fl_status tp_any(void *ud, int *flag) {
     const fl_tp_dist *d = ud;
     double v = *flag != 0;
-    FL_TRY(fl_error_prefix(sum_ranks(d->comm, v, &v), "tensor parallel: the overflow check"));
+    FL_TRY(fl_error_prefix(sum_group(d, v, &v), "tensor parallel: the overflow check"));
     *flag = v > 0;
     return FL_OK;
 }
@@ -54,7 +63,7 @@ static fl_status tp_any(void *ud, int *flag) {
 static fl_status inner_sum(void *ud, double *v, int n) {
     const fl_tp_dist *d = ud;
     FL_TRY(d->inner->sum(d->inner->ud, v, n));
-    for (int k = 0; k < n; k++) FL_TRY(sum_ranks(d->comm, v[k], &v[k]));
+    for (int k = 0; k < n; k++) FL_TRY(sum_group(d, v[k], &v[k]));
     return FL_OK;
 }
 static fl_status inner_gather(void *ud, fl_optimizer *o) {

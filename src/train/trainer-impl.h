@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "fitllm/generate.h"
+#include "fitllm/lora.h"
 #include "fitllm/pp.h"
 #include "fitllm/tp.h"
 #include "fitllm/trainer.h"
@@ -199,13 +200,21 @@ void fl_tr_whole_free(tp_whole *w);
  * data-parallel axis split from world. */
 fl_status fl_tr_pp_begin(trainer *t, fl_comm *world, const fl_model_config *given, fl_comm **dp_comm);
 fl_status fl_tr_pp_check(const trainer *t, const fl_strategy_choice *sc);
+/* This stage's blocks [first, last) and every stage's (t->pp.split) of the whole model's config. */
+fl_status fl_tr_pp_stage_range(trainer *t, const fl_model_config *whole);
 /* The whole model loaded outside the pool, this stage's blocks taken into the run's pool. */
 fl_status fl_tr_pp_load(trainer *t, const fl_model_config *given);
 /* After the optimizer: the pipelined step (fl_pp_init) and its hooks. */
 fl_status fl_tr_pp_attach(trainer *t);
+/* LoRA on a stage: the whole model's index of the stage's first module (the modules of the blocks before it). */
+fl_status fl_tr_pp_lora_base(const trainer *t, const fl_lora_config *lc, int *base);
 /* Consolidated checkpoints (the first pipeline gathers on its stage 0, which writes as one process does); the
  * load reads the whole checkpoint and takes the stage. */
 fl_status fl_tr_pp_save(trainer *t, int lead, const char *name, const fl_optimizer *o, const fl_train_state *st);
+/* Its gather and write without the grid's agreement, from the stage's model m and its optimizer o (TP x PP: the
+ * stage assembled from its tensor-parallel slices on their rank 0, whose first pipeline runs it). */
+fl_status fl_tr_pp_save_stage(trainer *t, int lead, const char *name, const fl_model *m, const fl_optimizer *o,
+                              const fl_train_state *st);
 fl_status fl_tr_pp_ckpt_load(trainer *t, const char *path);
 void fl_tr_pp_end(trainer *t);
 void fl_tr_pp_print(const trainer *t);

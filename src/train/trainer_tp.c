@@ -15,11 +15,48 @@
 
 static fl_status tp_check(const fl_run_config *c, int n, int dp_world, const fl_strategy_choice *sc);
 
+/* The 3D grid DP x TP x PP (--tensor_parallel N with --pipeline_parallel S): world rank w is rank w % N of the
+ * tensor-parallel group of stage (w / N) % S of pipeline w / (N S), its tensor-parallel rank's pipeline being the
+ * ranks of that rank across the stages, and rank w / (N S) of the data-parallel axis (the ranks of one stage and
+ * tensor-parallel rank across the pipelines). A tensor-parallel group is N consecutive ranks (Megatron's order:
+ * the busiest collectives within a node). Every rank holds its slice (fl_tp_config) of its stage's blocks
+ * (fl_pp_stage_config); the stream between stages travels from each tensor-parallel rank to the same rank of the
+ * next stage (the stream is replicated over a group). The data-parallel axis is t->tp.dpc here (t->pp.dpc NULL). */
+static fl_status tpp_begin(trainer *t, fl_comm *world, const fl_model_config *given, fl_comm **dp_comm) {
+    const int n = t->cfg->tensor_parallel, S = t->cfg->pipeline_parallel;
+    const int W = world ? fl_comm_size(world) : 1, w = world ? fl_comm_rank(world) : 0;
+    if (W % (n * S))
+        return fl_errorf(FL_ERR_INVALID, "--tensor_parallel %d with --pipeline_parallel %d: this run has %d rank%s, not "
+                         "a multiple of %d (launch data-parallel groups x %d ranks: --devices %d, %d, ...)", n, S, W,
+                         W == 1 ? "" : "s", n * S, n * S, n * S, 2 * n * S);
+    fl_pp_schedule k;
+    FL_TRY(fl_error_prefix(fl_pp_schedule_parse(t->cfg->pipeline_schedule, &k), "--pipeline_schedule"));
+    fl_strategy_choice sc;
+    FL_TRY(fl_cfg_resolve_strategy(t->cfg, 0, &sc));
+    FL_TRY(fl_tr_pp_check(t, &sc));
+    FL_TRY(tp_check(t->cfg, n, W / (n * S), &sc));
+    fl_model_config pc;
+    if (given) FL_TRY(fl_tp_config(given, n, 0, &pc)); /* the planner's shape */
+    const int r = w % n, st = (w / n) % S, d = w / (n * S);
+    FL_TRY(fl_error_prefix(fl_comm_split(world, w / n, w, &t->tp.grp), "--tensor_parallel %d: the group", n));
+    FL_TRY(fl_error_prefix(fl_comm_split(world, d * n + r, w, &t->pp.grp), "--pipeline_parallel %d: the pipeline", S));
+    FL_TRY(fl_error_prefix(fl_comm_split(world, w % (n * S), w, &t->tp.dpc), "--tensor_parallel %d with "
+                           "--pipeline_parallel %d: the data-parallel axis", n, S));
+    t->tp.size = n, t->tp.rank = r;
+    t->pp.size = S, t->pp.stage = st;
+    t->tp.world = world;
+    fl_dp_init(&t->dp, t->tp.dpc, NULL);
+    t->dp.grid = world;
+    *dp_comm = t->tp.dpc;
+    return FL_OK;
+}
+
 fl_status fl_tr_tp_begin(trainer *t, fl_comm *world, const fl_model_config *given, fl_comm **dp_comm) {
     const int n = t->cfg->tensor_parallel > 1 ? t->cfg->tensor_parallel : 1;
     *dp_comm = world;
     t->tp.size = 1;
     t->pp.size = 1;
+    if (t->cfg->pipeline_parallel > 1 && n > 1) return tpp_begin(t, world, given, dp_comm); /* the 3D grid */
     if (t->cfg->pipeline_parallel > 1) return fl_tr_pp_begin(t, world, given, dp_comm); /* trainer_pp.c */
     if (n == 1) return FL_OK;
     const int W = world ? fl_comm_size(world) : 1, w = world ? fl_comm_rank(world) : 0;
@@ -57,7 +94,8 @@ void fl_tr_tp_end(trainer *t) {
 }
 
 fl_status fl_tr_tp_check(const trainer *t, const fl_strategy_choice *sc) {
-    if (t->pp.size > 1) return fl_tr_pp_check(t, sc);
+    if (t->pp.size > 1) FL_TRY(fl_tr_pp_check(t, sc));
+    if (t->pp.size > 1 && t->tp.size <= 1) return FL_OK;
     return t->tp.size <= 1 ? FL_OK : tp_check(t->cfg, t->tp.size, t->dp.world, sc);
 }
 
@@ -108,35 +146,55 @@ fl_status fl_tr_whole_make(trainer *t, tp_whole *w, const fl_model_config *cfg, 
 }
 
 static void whole_free(tp_whole *w) { fl_tr_whole_free(w); }
-static fl_status whole_make(trainer *t, tp_whole *w, const fl_optimizer *o) { return fl_tr_whole_make(t, w, &t->tp.whole, o); }
 
 static fl_status attach_group(trainer *t);
 
+/* TP x PP: the stage's blocks of the whole config (t->pp's range and whole; *out: what the group slices) */
+static fl_status tpp_stage_config(trainer *t, const fl_model_config *whole, fl_model_config *out) {
+    FL_TRY(fl_tr_pp_stage_range(t, whole));
+    t->pp.whole = *whole;
+    return fl_pp_stage_config(whole, t->pp.first, t->pp.last, out);
+}
+
+/* TP x PP: the stage's blocks of the whole model w taken into a model of their own (sw, outside the pool) */
+static fl_status tpp_stage_model(trainer *t, const tp_whole *w, tp_whole *sw) {
+    fl_model_config sc;
+    FL_TRY(tpp_stage_config(t, &w->m.cfg, &sc));
+    t->pp.whole_numel = w->m.layout.numel;
+    FL_TRY(fl_tr_whole_make(t, sw, &sc, NULL));
+    return fl_pp_stage_take(&w->m, &sw->m, t->pp.first);
+}
+
 fl_status fl_tr_tp_load(trainer *t, const fl_model_config *given) {
-    tp_whole w;
+    tp_whole w, sw;
     fl_status s;
     if (fl_backend_discards(&t->hw.be)) { /* the planner's rehearsal: the slice of the given shape, no whole copy */
-        fl_model_config pc;
-        FL_TRY(fl_tp_config(given, t->tp.size, t->tp.rank, &pc));
-        t->tp.whole = *given;
+        fl_model_config pc, sc = *given;
+        if (t->pp.size > 1) FL_TRY(tpp_stage_config(t, given, &sc)); /* TP x PP: the slice of its stage */
+        FL_TRY(fl_tp_config(&sc, t->tp.size, t->tp.rank, &pc));
+        t->tp.whole = sc;
         FL_TRY(fl_model_init_ex(&t->model, &pc, &t->hw.be, &t->hw.pool, &t->stg));
         t->model_ok = 1;
         FL_TRY(fl_model_init_random_ex(&t->model, t->cfg->seed));
         return attach_group(t);
     }
+    memset(&sw, 0, sizeof sw);
     s = whole_pools(t, &w);
     if (s == FL_OK) s = fl_tr_load_model(t, given, &w.m, &w.pool, &w.m_ok);
+    if (s == FL_OK) t->tp.whole_numel = w.m.layout.numel;
+    if (s == FL_OK && t->pp.size > 1) s = tpp_stage_model(t, &w, &sw); /* TP x PP: the group slices its stage */
+    const tp_whole *src = t->pp.size > 1 ? &sw : &w;
     fl_model_config pc;
-    if (s == FL_OK) s = fl_tp_config(&w.m.cfg, t->tp.size, t->tp.rank, &pc);
+    if (s == FL_OK) s = fl_tp_config(&src->m.cfg, t->tp.size, t->tp.rank, &pc);
     if (s == FL_OK) {
-        t->tp.whole = w.m.cfg;
-        t->tp.whole_numel = w.m.layout.numel;
+        t->tp.whole = src->m.cfg;
         s = fl_model_init_ex(&t->model, &pc, &t->hw.be, &t->hw.pool, &t->stg);
     }
     if (s == FL_OK) {
         t->model_ok = 1;
-        s = fl_tp_scatter(&w.m, &t->model);
+        s = fl_tp_scatter(&src->m, &t->model);
     }
+    whole_free(&sw);
     whole_free(&w);
     if (s != FL_OK) return s;
     return attach_group(t);
@@ -155,9 +213,20 @@ static fl_status attach_group(trainer *t) {
 }
 
 fl_status fl_tr_tp_attach(trainer *t) {
-    if (t->pp.size > 1) return fl_tr_pp_attach(t);
+    if (t->pp.size > 1 && t->tp.size <= 1) return fl_tr_pp_attach(t);
     if (t->tp.size <= 1) return FL_OK;
-    return fl_tp_optim_attach(&t->opt, t->tp.grp, &t->tp.dist);
+    if (t->pp.size > 1) { /* TP x PP: the pipelined step over the stages of this tensor-parallel rank */
+        fl_pp_schedule k;
+        const fl_optim_dist *axis = t->opt.shard.dist;
+        FL_TRY(fl_pp_schedule_parse(t->cfg->pipeline_schedule, &k));
+        FL_TRY(fl_pp_init(&t->pp.rt, &t->model, t->pp.grp, k));
+        t->pp.rt_ok = 1;
+        t->pp.rt.inner = axis; /* ZeRO-2's tied table is made whole over the axis (pp_step.c) */
+    }
+    FL_TRY(fl_tp_optim_attach(&t->opt, t->tp.grp, &t->tp.dist));
+    /* TP x PP: the norm counts the entries the stage trains; the sums and verdicts run over the stages too */
+    t->tp.dist.pipe = t->pp.size > 1 ? t->pp.grp : NULL;
+    return FL_OK;
 }
 
 /* the optimizer's state arrays (AdamW's m, v; SGD's momentum) */
@@ -174,6 +243,33 @@ static fl_status state_whole(trainer *t, const fl_optimizer *o, const void *arr,
     return fl_error_prefix(fl_tr_state_whole(o, t->tp.dpc, arr, dt, full), "tensor parallel");
 }
 
+/* The slices' parameters and state arrays (full[a]: the slice's whole array a in host memory under ZeRO, else NULL)
+ * assembled into a model and optimizer of cfg on the group's rank 0 (w; collective over the group): the whole model,
+ * or (TP x PP) the stage's. A failed staging on rank 0 still runs the group's gathers (their sums are dropped). */
+static fl_status tp_assemble(trainer *t, const fl_model_config *cfg, const fl_optimizer *o, void *const *full,
+                             tp_whole *w) {
+    const fl_dtype dt = o && o->cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
+    void *src[3] = {NULL, NULL, NULL}, *dst[3] = {NULL, NULL, NULL};
+    memset(w, 0, sizeof *w);
+    fl_status s = t->tp.rank == 0 ? fl_tr_whole_make(t, w, cfg, o) : FL_OK;
+    fl_model *wm = s == FL_OK && t->tp.rank == 0 ? &w->m : NULL;
+    fl_status g = fl_tp_gather(&t->model, t->tp.grp, wm, 0);
+    if (o) {
+        state_arrays(o, src);
+        if (wm) state_arrays(&w->o, dst);
+        for (int a = 0; a < 3 && g == FL_OK; a++)
+            if (src[a])
+                g = fl_tp_gather_array(&t->model, t->tp.grp, full[a] ? NULL : o->home.be, full[a] ? full[a] : src[a], wm,
+                                       wm ? w->o.home.be : NULL, dst[a], dt);
+    }
+    if (s == FL_OK) s = g;
+    if (s == FL_OK && wm && o) {
+        w->o.step = o->step;
+        w->o.amp = o->amp; /* the loss scale */
+    }
+    return s;
+}
+
 static fl_status tp_save(trainer *t, int lead, const char *name, const fl_optimizer *o, const fl_train_state *st) {
     const fl_run_config *c = t->cfg;
     const fl_dtype dt = o && o->cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
@@ -188,26 +284,13 @@ static fl_status tp_save(trainer *t, int lead, const char *name, const fl_optimi
         return s;
     }
     tp_whole w;
-    memset(&w, 0, sizeof w);
-    s = t->tp.rank == 0 ? whole_make(t, &w, o) : FL_OK;
-    /* a failed staging on rank 0 still runs the group's gathers (their sums are then dropped) */
-    fl_model *wm = s == FL_OK && t->tp.rank == 0 ? &w.m : NULL;
-    fl_status g = fl_tp_gather(&t->model, t->tp.grp, wm, 0);
-    void *dst[3] = {NULL, NULL, NULL};
-    if (o) {
-        if (wm) state_arrays(&w.o, dst);
-        for (int a = 0; a < 3 && g == FL_OK; a++)
-            if (src[a])
-                g = fl_tp_gather_array(&t->model, t->tp.grp, full[a] ? NULL : o->home.be, full[a] ? full[a] : src[a], wm,
-                                       wm ? w.o.home.be : NULL, dst[a], dt);
-    }
+    s = tp_assemble(t, &t->tp.whole, o, full, &w);
     for (int a = 0; a < 3; a++) free(full[a]);
-    if (s == FL_OK) s = g;
-    if (s == FL_OK && wm && o) {
-        w.o.step = o->step;
-        w.o.amp = o->amp; /* the loss scale */
-    }
-    if (s == FL_OK && lead)
+    if (s == FL_OK && t->pp.size > 1 && t->tp.rank == 0) {
+        /* TP x PP: each stage assembled on its group's rank 0; their pipeline gathers it on stage 0, which writes */
+        fl_model_set_stage(&w.m, t->pp.stage > 0, t->pp.stage < t->pp.size - 1);
+        s = fl_tr_pp_save_stage(t, lead, name, &w.m, o ? &w.o : NULL, st);
+    } else if (s == FL_OK && lead)
         s = fl_ckpt_save(c->out_dir, name, &w.m, o ? &w.o : NULL, st, c, t->in.tok_dir[0] ? t->in.tok_dir : NULL);
     whole_free(&w);
     return s;
@@ -226,13 +309,12 @@ fl_status fl_tr_sum_all(trainer *t, double *v, int n) {
     return fl_dp_sum(&g, v, n);
 }
 
-fl_status fl_tr_tp_ckpt_load(trainer *t, const char *path) {
-    tp_whole w;
-    fl_status s = whole_make(t, &w, &t->opt);
-    if (s == FL_OK) s = fl_ckpt_load(path, &w.m, &w.o, &t->st);
-    if (s == FL_OK) s = fl_tp_scatter(&w.m, &t->model);
+/* The slice of w's model and optimizer state (a whole model of t->tp.whole's config) into this rank's (under ZeRO
+ * on the data axis: its chunk of the slice's arrays), the step and loss scale with them */
+static fl_status tp_take_state(trainer *t, tp_whole *w) {
+    fl_status s = fl_tp_scatter(&w->m, &t->model);
     void *src[3], *dst[3];
-    state_arrays(&w.o, src);
+    state_arrays(&w->o, src);
     state_arrays(&t->opt, dst);
     const fl_dtype dt = t->opt.cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32;
     const fl_optimizer *o = &t->opt;
@@ -242,14 +324,55 @@ fl_status fl_tr_tp_ckpt_load(trainer *t, const char *path) {
     if (s == FL_OK && state_chunked(o) && !h) s = fl_errorf(FL_ERR_OOM, "tensor parallel resume: out of host memory");
     for (int a = 0; a < 3 && s == FL_OK; a++) {
         if (!src[a] || !dst[a]) continue;
-        s = fl_tp_scatter_array(&w.m, w.o.home.be, src[a], &t->model, h ? NULL : o->home.be, h ? h : dst[a], dt);
+        s = fl_tp_scatter_array(&w->m, w->o.home.be, src[a], &t->model, h ? NULL : o->home.be, h ? h : dst[a], dt);
         if (s == FL_OK && h) s = o->home.be->to_device(o->home.be, dst[a], h + o->shard.off * es, o->shard.len * es);
     }
     free(h);
     if (s == FL_OK) {
-        t->opt.step = w.o.step;
-        t->opt.amp.ls = w.o.amp.ls;
+        t->opt.step = w->o.step;
+        t->opt.amp.ls = w->o.amp.ls;
     }
+    return s;
+}
+
+/* TP x PP: the stage's blocks of the whole checkpoint w (model and optimizer state) into sw, a model and optimizer of
+ * the stage's config (t->tp.whole), entry by entry (the state arrays' bytes: both are whole, of one dtype) */
+static fl_status tpp_stage_state(trainer *t, tp_whole *w, tp_whole *sw) {
+    FL_TRY(fl_tr_whole_make(t, sw, &t->tp.whole, &t->opt));
+    FL_TRY(fl_pp_stage_take(&w->m, &sw->m, t->pp.first));
+    const size_t es = fl_dtype_size(t->opt.cfg.state_dtype == FL_BF16 ? FL_BF16 : FL_F32);
+    void *src[3], *dst[3];
+    state_arrays(&w->o, src);
+    state_arrays(&sw->o, dst);
+    size_t most = 1;
+    for (int i = 0; i < sw->m.layout.n; i++)
+        if (sw->m.layout.params[i].numel > most) most = sw->m.layout.params[i].numel;
+    char *buf = malloc(most * es);
+    fl_status s = buf ? FL_OK : fl_errorf(FL_ERR_OOM, "tensor x pipeline parallel resume: out of host memory");
+    for (int a = 0; a < 3 && s == FL_OK; a++) {
+        if (!src[a] || !dst[a]) continue;
+        for (int i = 0; i < sw->m.layout.n && s == FL_OK; i++) {
+            const fl_param_info *p = &sw->m.layout.params[i];
+            const int j = fl_pp_stage_entry(&w->m.layout, &sw->m.layout, t->pp.first, i);
+            s = fl_optim_state_read(&w->o, buf, (const char *)src[a] + w->m.layout.params[j].offset * es, p->numel * es);
+            if (s == FL_OK) s = fl_optim_state_write(&sw->o, (char *)dst[a] + p->offset * es, buf, p->numel * es);
+        }
+    }
+    free(buf);
+    sw->o.step = w->o.step;
+    sw->o.amp.ls = w->o.amp.ls;
+    return s;
+}
+
+fl_status fl_tr_tp_ckpt_load(trainer *t, const char *path) {
+    tp_whole w, sw;
+    memset(&sw, 0, sizeof sw);
+    const fl_model_config *cfg = t->pp.size > 1 ? &t->pp.whole : &t->tp.whole;
+    fl_status s = fl_tr_whole_make(t, &w, cfg, &t->opt);
+    if (s == FL_OK) s = fl_ckpt_load(path, &w.m, &w.o, &t->st);
+    if (s == FL_OK && t->pp.size > 1) s = tpp_stage_state(t, &w, &sw); /* TP x PP: the stage first */
+    if (s == FL_OK) s = tp_take_state(t, t->pp.size > 1 ? &sw : &w);
+    whole_free(&sw);
     whole_free(&w);
     return s;
 }
