@@ -1071,7 +1071,16 @@ expect lab_blip2_real_baseline_acts 0 "baseline\\*\\*: OOM during setup: ACTS 84
 expect lab_blip2_lab 0 "reduced-batch +lab-opt-2.7b +8x1 +32-true +AdamW +fits +yes .*ddp +lab-opt-2.7b +8x2x4 .* fits +yes" -- bash -c "'$FITLLM' lab --suite blip2 --only baseline,reduced-batch,ddp --steps 2 --out_dir '$T/labb2' | tr '\n' ' '"
 expect lab_blip2_files 0 "" -- bash -c "grep -q '^## How the BLIP-2 lab is scaled' '$T/labb2/report.md' && grep -q '\"ref_model\": \"blip2-opt-2.7b\"' '$T/labb2/results.json' && grep -q '^reduced-batch,lab-blip2-opt-2.7b,blip2-opt-2.7b,8,1,4,' '$T/labb2/results.csv'"
 expect lab_blip2_bad_only 2 "unknown experiment 'nope' in suite blip2" -- "$FITLLM" lab --suite blip2 --only nope --out_dir "$T/labb2x"
-expect lab_blip2_peer 2 "--peer pytorch: PyTorch's allocations are modelled for the quick and full suites' LLaMA rows, not for BLIP-2's" -- "$FITLLM" lab --suite blip2 --peer pytorch --out_dir "$T/labb2x"
+# --peer pytorch for BLIP-2 (HF Blip2ForConditionalGeneration, tests/ref/pytorch_alloc.py blip2): every row at the
+# real shapes, even those fitllm refuses; LoRA / QLoRA rows say they are not modelled
+expect lab_blip2_peer 0 "baseline +blip2-opt-2.7b +50 +64.10 fits +\| +[0-9.]+ OOM .*bf16-true +blip2-opt-2.7b +50 +[0-9.]+ fits .*even-larger +blip2-flan-t5-xxl +50 +[0-9.]+ OOM .*lora +blip2-flan-t5-xxl +50 +BLIP-2 is modelled for the Q-Former and the language model trained in full" -- bash -c "'$FITLLM' lab --suite blip2 --scale real --plan-only --peer pytorch --out_dir '$T/labb2p' | tr '\n' ' '"
+expect lab_blip2_peer_files 0 "" -- bash -c "grep -q '^### PyTorch would need' '$T/labb2p/report.md' && grep -q '\"pytorch_basis\": \"measured: 32-true, adamw, checkpointing' '$T/labb2p/results.json' && grep -q '\"ddp \[reserved\]\"' '$T/labb2p/charts.gp' && grep -q 'the run marks no live bytes' '$T/labb2p/charts.gp'"
+# a run that marks its live bytes (the language lab's) draws them, with no [reserved] mark
+expect lab_phases_live_marked 0 "" -- bash -c "'$FITLLM' lab --suite ci --only reduced-batch --steps 1 --out_dir '$T/labph' >/dev/null && grep -q '\"reduced-batch\"' '$T/labph/charts.gp' && ! grep -q 'reserved\]' '$T/labph/charts.gp'"
+# tests/cuda/lab_session.sh (issue 33's GPU session: the plans, the quick suite, the fsdp and blip2 suites) without a
+# GPU: on the CPU with every step --plan-only, each step's exit 0 and files where the device tool fetches them
+expect lab_session_plumbing 0 "plan exit 0 .*quick exit 0, [0-9]+ s wall .*fsdp exit 0 .*blip2 exit 0, [0-9]+ s wall .*baseline +opt-2.7b +64x1" -- bash -c "OUT='$T/labsess' LAB_ACCEL=cpu LAB_EXTRA=--plan-only tests/cuda/lab_session.sh '$(dirname "$FITLLM")' 2>&1 | tr '\n' ' '"
+expect lab_session_files 0 "" -- bash -c "cd '$T/labsess' && test -s env.txt && test -s plan/report.md && test -s quick/results.json && test -s fsdp/report.md && test -s blip2/report.md && grep -q '^### PyTorch would need' blip2/report.md"
 t0=$(date +%s)
 expect lab_quick 0 "wrote" -- "$FITLLM" lab --suite quick --steps 2 --out_dir "$T/lab"
 echo "     (quick suite: $(( $(date +%s) - t0 )) s)"

@@ -774,6 +774,69 @@ FL_TEST(lab_peer_pytorch_t5_matches_torch) {
              strstr(fl_error_message(), "T5 v1.0 (ReLU, tied head) is not modelled"));
 }
 
+static int jat(const fl_json *o, const char *k, size_t i) { /* element i of array k; -1: none */
+    const fl_json *a = fl_json_get(o, k);
+    return a && i < a->len ? (int)fl_json_at(a, i)->num : -1;
+}
+
+/* BLIP-2 (HF Blip2ForConditionalGeneration with OPT and Flan-T5; the vision tower frozen, the Q-Former and the
+ * language model trained): every precision, checkpointing and SGD at two shapes each (tests/ref/pytorch_alloc.py
+ * blip2), byte for byte, the parameter count HF's; at the real shapes the parts' count is fitllm's
+ * fl_blip2_param_count; LoRA is refused by name. */
+FL_TEST(lab_peer_pytorch_blip2_matches_torch) {
+    fl_json *j = NULL;
+    FL_REQUIRE_OK(fl_json_parse_file("tests/fixtures/pytorch-alloc-blip2.json", &j));
+    const fl_json *rows = fl_json_get(j, "rows");
+    FL_REQUIRE(rows && rows->len == 24);
+    for (size_t i = 0; i < rows->len; i++) {
+        const fl_json *r = fl_json_at(rows, i);
+        const int t5 = !strcmp(fl_json_get(r, "lm")->str, "t5");
+        fl_blip2_config c;
+        memset(&c, 0, sizeof c);
+        fl_model_config *v = &c.vision, *q = &c.qformer, *t = &c.text;
+        v->arch = FL_ARCH_BLIP2_VISION, v->n_layers = jat(r, "vision", 0), v->n_heads = jat(r, "vision", 1);
+        v->dim = jat(r, "vision", 2), v->ffn_dim = jat(r, "vision", 3), v->image_size = jat(r, "vision", 4);
+        v->patch_size = jat(r, "vision", 5);
+        q->arch = FL_ARCH_BLIP2_QFORMER, q->n_layers = jat(r, "qformer", 0), q->n_heads = jat(r, "qformer", 1);
+        q->dim = jat(r, "qformer", 2), q->ffn_dim = jat(r, "qformer", 3), q->xattn_every = jat(r, "qformer", 4);
+        q->xattn_dim = v->dim, c.n_queries = q->n_queries = (int)jint(r, "queries");
+        t->arch = t5 ? FL_ARCH_T5 : FL_ARCH_OPT, t->n_layers = jat(r, "text", 0), t->n_heads = jat(r, "text", 1);
+        t->n_kv_heads = jat(r, "text", 2), t->dim = jat(r, "text", 3), t->ffn_dim = jat(r, "text", 4);
+        t->vocab_size = jat(r, "text", 5), t->head_dim = jat(r, "text", 6), t->max_seq = 256;
+        if (t5) t->n_dec_layers = jat(r, "text", 7), t->ffn_gated = 1, t->rel_buckets = 32, t->rel_max_dist = 128;
+        else t->tie_embeddings = t->attention_bias = t->mlp_bias = 1;
+        q->proj_dim = t->dim;
+        FL_REQUIRE_OK(fl_config_validate(t));
+        fl_lab_peer_setup u = {0};
+        u.precision = fl_json_get(r, "precision")->str, u.optim = fl_json_get(r, "optimizer")->str;
+        u.B = (int)jint(r, "B"), u.T = (int)jint(r, "T"), u.act_ckpt = (int)jint(r, "ckpt");
+        fl_lab_peer p;
+        FL_REQUIRE_OK(fl_lab_peer_pytorch_blip2(&c, &u, &p));
+        FL_CHECKF((long long)p.params == jint(r, "params") && (long long)p.grads == jint(r, "grads") &&
+                      (long long)p.optim == jint(r, "optim") && (long long)p.saved == jint(r, "saved") &&
+                      (long long)p.logits == jint(r, "logits") && (long long)p.trainable == jint(r, "trainable"),
+                  "row %zu (%s %s %s ckpt %d): params %zu/%lld grads %zu/%lld optim %zu/%lld saved %zu/%lld logits "
+                  "%zu/%lld trainable %zu/%lld", i, t5 ? "t5" : "opt", u.precision, u.optim, u.act_ckpt, p.params,
+                  jint(r, "params"), p.grads, jint(r, "grads"), p.optim, jint(r, "optim"), p.saved, jint(r, "saved"),
+                  p.logits, jint(r, "logits"), p.trainable, jint(r, "trainable"));
+    }
+    fl_json_free(j);
+    const char *real[] = {"blip2-opt-2.7b", "blip2-flan-t5-xxl"};
+    for (int k = 0; k < 2; k++) {
+        fl_blip2_config c;
+        FL_REQUIRE_OK(fl_blip2_preset(real[k], &c));
+        fl_lab_peer_setup u = {0};
+        u.precision = "32-true", u.B = 8, u.T = 50;
+        fl_lab_peer p;
+        FL_REQUIRE_OK(fl_lab_peer_pytorch_blip2(&c, &u, &p));
+        FL_CHECKF(p.params == 4 * fl_blip2_param_count(&c) && p.peak > p.params + p.grads + p.optim,
+                  "%s: params %zu, fitllm counts %zu", real[k], p.params / 4, fl_blip2_param_count(&c));
+        u.lora_r = 16;
+        FL_CHECK(fl_lab_peer_pytorch_blip2(&c, &u, &p) == FL_ERR_UNSUPPORTED &&
+                 strstr(fl_error_message(), "not LoRA, QLoRA or 8-bit AdamW"));
+    }
+}
+
 /* issue 33 Verify: `plan` at the real scale, at the course's settings (its recipes' models, precisions and batches;
  * Alpaca's lengths cut to max_seq_length 512; 80 GB per device), for every row of the lab (the full suite: the quick
  * suite's rows and the rest), against the course's table: the verdict equals the course's, and the memory, where the

@@ -27,6 +27,7 @@
 
 #include <stdio.h>
 
+#include "fitllm/blip2.h"
 #include "fitllm/lengths.h"
 #include "fitllm/mem.h"
 #include "fitllm/plan.h"
@@ -127,7 +128,7 @@ typedef struct {
     char technique[32];        /* technique the row needs ("" = none) */
     fl_lab_verdict verdict;
     fl_lab_verdict expected;   /* the lab's verdict (FL_LAB_FITS or FL_LAB_OOM) */
-    char note[256];
+    char note[1024];           /* refusals and errors in full (issue 33: notes are wrapped, never cut) */
     /* measured (fits: all-time peaks of the run; OOM: what was live at the failure) */
     size_t peak[FL_TAG_COUNT];
     size_t peak_total;
@@ -245,6 +246,11 @@ fl_status fl_lab_peer_pytorch(const fl_model_config *mc, size_t n_params, int B,
 /* The same for a setup (FL_ERR_UNSUPPORTED naming what is not modelled). */
 fl_status fl_lab_peer_pytorch_setup(const fl_model_config *mc, size_t n_params, const fl_lab_peer_setup *u,
                                     fl_lab_peer *out);
+/* BLIP-2 (HF Blip2ForConditionalGeneration: the vision tower frozen, the Q-Former, query tokens, projection and the
+ * language model trained in full, AdamW or SGD): u->T is the caption's length (OPT reads the queries' placeholders
+ * then the caption; Flan-T5's encoder the placeholders, its decoder the caption); the figures cover all three parts
+ * (tests/ref/pytorch_alloc.py blip2). */
+fl_status fl_lab_peer_pytorch_blip2(const fl_blip2_config *c, const fl_lab_peer_setup *u, fl_lab_peer *out);
 
 /* The scaling alone (budget, T, ratios), without running anything. */
 fl_status fl_lab_scale(fl_lab_report *rep);

@@ -336,6 +336,9 @@ static void b2_row(const lab_exp *e, const fl_lab_report *rep, const fl_lab_opts
         snprintf(r->note, sizeof r->note, "%s", fl_error_message());
         goto done;
     }
+    fl_blip2_config real; /* --peer pytorch: what PyTorch would need for the real model (even where fitllm refuses) */
+    if (rep->peer_pytorch && fl_lab_blip2_shape(e->ref_model, 0, &real) == FL_OK)
+        fl_lab_b2_row_peer(e, r->ranks, &real, B2_CAPTION, r);
     /* the plan stands in for the device the rows run on (the real scale's: an 80 GB GPU) */
     fl_backend_facts f;
     const int cuda = rep->real_scale || (fl_backend_facts_of(fl_backend_default_name(), &f) == FL_OK &&
@@ -394,9 +397,9 @@ void fl_lab_blip2_short(char *model) {
 /* ---- the suite ----------------------------------------------------------------------------------------------- */
 
 fl_status fl_lab_blip2_run(const fl_lab_opts *o, FILE *out, fl_lab_report *rep) {
-    if (o->peer) /* refused by name: what is not modelled is not printed */
-        return fl_errorf(FL_ERR_INVALID, "--peer %s: PyTorch's allocations are modelled for the quick and full suites' "
-                         "LLaMA rows, not for BLIP-2's", o->peer);
+    if (o->peer && strcmp(o->peer, "pytorch"))
+        return fl_errorf(FL_ERR_INVALID, "--peer: '%s' is not pytorch (the one peer modelled)", o->peer);
+    rep->peer_pytorch = o->peer != NULL; /* each row at the real shapes (fl_lab_peer_pytorch_blip2) */
     if ((o->data && *o->data) || (o->tokenizer && *o->tokenizer) || (o->lengths && *o->lengths))
         return fl_errorf(FL_ERR_INVALID, "lab --data / --tokenizer / --lengths: the blip2 suite trains on synthetic "
                          "images and captions of the lab's 50 tokens");

@@ -232,11 +232,8 @@ static void categories(const fl_model_config *mc, size_t n_params, const fl_lab_
     out->logits = s->B * (t5 ? s->Tt : s->T) * s->V * s->a;
 }
 
-fl_status fl_lab_peer_pytorch_setup(const fl_model_config *mc, size_t n_params, const fl_lab_peer_setup *u,
-                                    fl_lab_peer *out) {
-    memset(out, 0, sizeof *out);
-    const char *optim;
-    FL_TRY(check_setup(mc, u, &optim));
+/* The step's shape for a language model's setup. */
+static shape make_shape(const fl_model_config *mc, const fl_lab_peer_setup *u) {
     const char *p = u->precision;
     shape s = {(size_t)u->B, (size_t)u->T, (size_t)u->B * u->T, (size_t)mc->dim, (size_t)mc->ffn_dim,
                (size_t)mc->n_heads, (size_t)mc->n_kv_heads, (size_t)mc->head_dim, (size_t)mc->vocab_size,
@@ -244,7 +241,13 @@ fl_status fl_lab_peer_pytorch_setup(const fl_model_config *mc, size_t n_params, 
                u->lora_r, u->cpu_dropout, 0, 0};
     s.a = s.mixed ? 2 : s.e;
     if (mc->arch == FL_ARCH_T5) s.Tt = (size_t)u->T_dec, s.Ld = (size_t)mc->n_dec_layers;
-    categories(mc, n_params, u, &s, optim, out);
+    return s;
+}
+
+/* The modelled part (the measured categories are in *out): the transients, the strategy's state and the peak. */
+static void model_peak(const fl_model_config *mc, size_t n_params, const fl_lab_peer_setup *u, const shape *sp,
+                       const char *optim, fl_lab_peer *out) {
+    const shape s = *sp;
     const size_t BTV = s.B * (mc->arch == FL_ARCH_T5 ? s.Tt : s.T) * s.V;
     /* modelled: the fp32 log-softmax input's gradient, then the logits' (in their dtype); QLoRA dequantizes one
      * linear at a time (fp32 compute) */
@@ -285,6 +288,106 @@ fl_status fl_lab_peer_pytorch_setup(const fl_model_config *mc, size_t n_params, 
     out->peak = start > end ? start : end;
     if (step > out->peak) out->peak = step;
     if (u->act_ckpt && recompute > out->peak) out->peak = recompute;
+}
+
+fl_status fl_lab_peer_pytorch_setup(const fl_model_config *mc, size_t n_params, const fl_lab_peer_setup *u,
+                                    fl_lab_peer *out) {
+    memset(out, 0, sizeof *out);
+    const char *optim;
+    FL_TRY(check_setup(mc, u, &optim));
+    const shape s = make_shape(mc, u);
+    categories(mc, n_params, u, &s, optim, out);
+    model_peak(mc, n_params, u, &s, optim, out);
+    return FL_OK;
+}
+
+/* ---- BLIP-2 (HF Blip2ForConditionalGeneration, transformers 5) ---------------------------------------------------
+ * As fitllm's BLIP-2 fine-tuning runs it: the vision tower frozen (no gradient reaches it, so autograd saves nothing
+ * there), the Q-Former with the query tokens and the language projection, and the language model trained. OPT reads
+ * the n_queries image-token placeholders then the caption (T = n_queries + caption); Flan-T5's encoder the
+ * placeholders, its decoder the caption. bf16-true keeps the Q-Former and the query tokens in fp32, as
+ * from_pretrained(dtype=bfloat16) does (_keep_in_fp32_modules). Measured: tests/ref/pytorch_alloc.py blip2. */
+
+/* The vision tower's parameters (HF Blip2VisionModel: the patch conv with its bias, the class token, the position
+ * table, per block two LayerNorms, qkv with its bias (transformers 5 stores k's zeros too), the projection, fc1 and
+ * fc2 with biases; post_layernorm). */
+static size_t b2_vision_params(const fl_model_config *v) {
+    const size_t d = (size_t)v->dim, f = (size_t)v->ffn_dim, P = (size_t)v->patch_size, g = (size_t)v->image_size / P;
+    const size_t block = 4 * d + 3 * d * d + 3 * d + d * d + d + 2 * d * f + f + d;
+    return 3 * P * P * d + d + d + (g * g + 1) * d + (size_t)v->n_layers * block + 2 * d;
+}
+
+/* The Q-Former's cross-attention blocks (every xattn_every, from block 0). */
+static size_t b2_cross_blocks(const fl_model_config *q) {
+    const int every = q->xattn_every > 0 ? q->xattn_every : 1;
+    return (size_t)((q->n_layers + every - 1) / every);
+}
+
+/* The Q-Former's parameters and tensors (its LayerNorm; per block self-attention q, k, v and dense with biases and a
+ * LayerNorm, the query FFN's two linears and a LayerNorm; per cross block k and v from the image width) with the
+ * query tokens and the language projection. */
+static size_t b2_qformer_params(const fl_model_config *q, const fl_model_config *t, size_t *tensors) {
+    const size_t d = (size_t)q->dim, f = (size_t)q->ffn_dim, x = (size_t)q->xattn_dim, L = (size_t)q->n_layers;
+    const size_t C = b2_cross_blocks(q);
+    *tensors = 2 + 16 * L + 10 * C + 1 + 2;
+    return 2 * d + L * (4 * d * d + 4 * d + 2 * d + 2 * d * f + f + d + 2 * d) +
+           C * (2 * d * d + 2 * x * d + 4 * d + 2 * d) + (size_t)q->n_queries * d + d * (size_t)t->dim + (size_t)t->dim;
+}
+
+/* What the Q-Former saves: per LayerNorm its input (not the first's: the query tokens) and fp32 mean and rstd, and
+ * its output where the next linears take it as is (not under autocast: they save their casts and weight copies,
+ * but for the cross-attention's k and v: their input needs no gradient, so their weights are not saved);
+ * per block sdpa's q, k, v, out and fp32 logsumexp for the self-attention and, in a cross block, over the image
+ * features (k, v: n_image rows); the FFN's first output (the exact GELU's input) and the GELU's output; the image
+ * features once (fp32: the Q-Former's dtype; under autocast each cross block's k and v casts); the projection's input
+ * (the last LayerNorm's output, in the language model's dtype). Checkpointing: each block's input, the image
+ * features, the projection's input (a frozen vision block's checkpointed input is freed at once: nothing needs it). */
+static size_t b2_qformer_saved(const fl_blip2_config *c, const shape *s) {
+    const fl_model_config *q = &c->qformer, *v = &c->vision;
+    const size_t B = s->B, NQ = (size_t)c->n_queries, d = (size_t)q->dim, f = (size_t)q->ffn_dim,
+                 H = (size_t)q->n_heads, x = (size_t)q->xattn_dim, L = (size_t)q->n_layers, C = b2_cross_blocks(q),
+                 g = (size_t)v->image_size / (size_t)v->patch_size, NV = g * g + 1, qa = s->mixed ? 2 : 4;
+    const size_t rows = B * NQ * d, stats = 2 * B * NQ * 4, proj_in = rows * (s->mixed ? 2 : s->e);
+    if (s->ckpt)
+        return stats + L * rows * 4 + B * NV * x * 4 + proj_in;
+    const size_t ln = rows * 4 + stats + (s->mixed ? 0 : rows * 4); /* input, stats, output */
+    size_t self = 4 * rows * qa + B * H * NQ * 4, cross = 2 * B * NV * d * qa + 2 * rows * qa + B * H * NQ * 4,
+           ffn = 2 * B * NQ * f * qa;
+    if (s->mixed) { /* the casts of each linear's input and the weights' 16-bit copies */
+        self += 3 * rows * 2 + 4 * d * d * 2;
+        cross += rows * 2 + 2 * B * NV * x * 2 + 2 * d * d * 2; /* k, v: no copy (the image needs no gradient) */
+        ffn += rows * 2 + 2 * d * f * 2;
+    }
+    size_t b = stats + (s->mixed ? 0 : rows * 4) + L * (self + ffn + 2 * ln) + C * (cross + ln) +
+               (s->mixed ? (size_t)q->proj_dim * d * 2 : B * NV * x * 4);
+    return b - (s->mixed ? 0 : rows * 4) + proj_in; /* the last output: the projection's input in its dtype */
+}
+
+fl_status fl_lab_peer_pytorch_blip2(const fl_blip2_config *c, const fl_lab_peer_setup *u, fl_lab_peer *out) {
+    memset(out, 0, sizeof *out);
+    const fl_model_config *t = &c->text;
+    const int t5 = t->arch == FL_ARCH_T5;
+    if (u->lora_r || u->nf4 || (u->optim && strcmp(u->optim, "adamw") && strcmp(u->optim, "sgd")))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: BLIP-2 is modelled for the Q-Former and the language "
+                         "model trained in full with AdamW or SGD (measured), not LoRA, QLoRA or 8-bit AdamW");
+    fl_lab_peer_setup lu = *u; /* the language model's step: its input rows and, for Flan-T5, the decoder's */
+    lu.T = t5 ? c->n_queries : c->n_queries + u->T;
+    lu.T_dec = t5 ? u->T : 0;
+    const char *optim;
+    FL_TRY(check_setup(t, &lu, &optim));
+    const shape s = make_shape(t, &lu);
+    const size_t n_text = fl_sizing_param_count(t), n_vision = b2_vision_params(&c->vision);
+    size_t q_tensors, n_q = b2_qformer_params(&c->qformer, t, &q_tensors);
+    const size_t n_proj = (size_t)c->qformer.dim * (size_t)t->dim + (size_t)t->dim, n_qf = n_q - n_proj;
+    categories(t, n_text, &lu, &s, optim, out);
+    const size_t qe = 4; /* the Q-Former's dtype: fp32 whatever the precision (bf16-true keeps it) */
+    out->params += n_vision * s.e + n_qf * qe + n_proj * s.e;
+    out->trainable += n_q;
+    const size_t qgrads = n_qf * qe + n_proj * s.e;
+    out->grads += qgrads;
+    if (!strcmp(optim, "adamw")) out->optim += 2 * qgrads + 4 * q_tensors;
+    out->saved += b2_qformer_saved(c, &s) + (size_t)u->B * lu.T; /* + the placeholders' mask (bool) */
+    model_peak(t, n_text + n_vision + n_q, &lu, &s, optim, out);
     return FL_OK;
 }
 

@@ -30,17 +30,30 @@ static void basis(const fl_lab_peer_setup *u, const fl_lab_peer *q, char *b, siz
                              ", FSDP's shards and 2 gathered blocks") : "");
 }
 
-void fl_lab_row_peer(const lab_exp *e, int ranks, const fl_plan *p, fl_lab_row *r) {
-    fl_lab_peer_setup u;
-    row_setup(e, ranks, p->T, &u);
-    r->peer_T = p->T;
-    if (fl_lab_peer_pytorch_setup(&p->model, fl_sizing_param_count(&p->model), &u, &r->peer) != FL_OK) {
+/* The row's figure (s: the model's status) or what is not modelled, as its note. */
+static void peer_done(fl_status s, const fl_lab_peer_setup *u, fl_lab_row *r) {
+    if (s != FL_OK) {
         const char *m = fl_error_message(), *k = strstr(m, "--peer pytorch: ");
         snprintf(r->peer_note, sizeof r->peer_note, "%s", k ? k + strlen("--peer pytorch: ") : m);
         return;
     }
     r->peer_ok = 1;
-    basis(&u, &r->peer, r->peer_note, sizeof r->peer_note);
+    basis(u, &r->peer, r->peer_note, sizeof r->peer_note);
+}
+
+void fl_lab_row_peer(const lab_exp *e, int ranks, const fl_plan *p, fl_lab_row *r) {
+    fl_lab_peer_setup u;
+    row_setup(e, ranks, p->T, &u);
+    r->peer_T = p->T;
+    peer_done(fl_lab_peer_pytorch_setup(&p->model, fl_sizing_param_count(&p->model), &u, &r->peer), &u, r);
+}
+
+/* A BLIP-2 row (lab_blip2.c) at the real shapes, captions of T tokens, per rank. */
+void fl_lab_b2_row_peer(const lab_exp *e, int ranks, const fl_blip2_config *real, int T, fl_lab_row *r) {
+    fl_lab_peer_setup u;
+    row_setup(e, ranks, T, &u);
+    r->peer_T = T;
+    peer_done(fl_lab_peer_pytorch_blip2(real, &u, &r->peer), &u, r);
 }
 
 static int any_peer(const fl_lab_report *rep) {
@@ -55,17 +68,17 @@ void fl_lab_peer_rows_print(const fl_lab_report *rep, FILE *f) {
     fputc('\n', f);
     char head[400], a[32];
     snprintf(head, sizeof head, "PyTorch would need (--peer pytorch), each row at the real scale (the real model, the "
-             "real plan's T, the row's micro batch; per rank), one %s device per rank; GB = 1e9 bytes; fitllm: its plan "
+             "real plan's T (BLIP-2: the caption's tokens), the row's micro batch; per rank), one %s device per rank; GB = 1e9 bytes; fitllm: its plan "
              "of the same run:", rep->ref_device == 80000000000ULL ? "80 GB" : fl_fmt_bytes(rep->ref_device, a, sizeof a));
     fl_lab_wrap(f, "", head, 120, 0);
-    fprintf(f, "%-17s %-14s %5s %9s %-7s | %9s %-7s %6s\n", "experiment", "real model", "T", "PyTorch", "verdict",
+    fprintf(f, "%-17s %-17s %5s %9s %-7s | %9s %-7s %6s\n", "experiment", "real model", "T", "PyTorch", "verdict",
             "fitllm", "verdict", "fl/pt");
     char pre[128];
     for (int i = 0; i < rep->n; i++) {
         const fl_lab_row *r = &rep->rows[i];
         if (!r->peer_ok && !r->peer_note[0]) continue;
         if (!r->peer_ok) {
-            snprintf(pre, sizeof pre, "%-17s %-14s %5d   ", r->name, r->ref_model, r->peer_T);
+            snprintf(pre, sizeof pre, "%-17s %-17s %5d   ", r->name, r->ref_model, r->peer_T);
             fl_lab_wrap(f, pre, r->peer_note, 120, 4);
             continue;
         }
@@ -75,7 +88,7 @@ void fl_lab_peer_rows_print(const fl_lab_report *rep, FILE *f) {
             snprintf(fl, sizeof fl, "%.2f", r->ref_peak / 1e9);
             snprintf(ratio, sizeof ratio, "%.3f", (double)r->ref_peak / (double)r->peer.peak);
         }
-        fprintf(f, "%-17s %-14s %5d %9.2f %-7s | %9s %-7s %6s\n", r->name, r->ref_model, r->peer_T, r->peer.peak / 1e9,
+        fprintf(f, "%-17s %-17s %5d %9.2f %-7s | %9s %-7s %6s\n", r->name, r->ref_model, r->peer_T, r->peer.peak / 1e9,
                 r->peer.peak > rep->ref_device ? "OOM" : "fits", fl, fl_lab_plan_name(r->ref_planned), ratio);
         fl_lab_wrap(f, "    ", r->peer_note, 120, 4);
     }
@@ -84,7 +97,8 @@ void fl_lab_peer_rows_print(const fl_lab_report *rep, FILE *f) {
 void fl_lab_peer_rows_md(FILE *f, const fl_lab_report *rep) {
     if (!rep->peer_pytorch || !any_peer(rep)) return;
     fprintf(f, "### PyTorch would need (`--peer pytorch`)\n\nEach row at the real scale (its real model, the real "
-               "plan's T, the row's micro batch, per rank) as PyTorch would run it (HF LlamaForCausalLM with sdpa; the "
+               "plan's T (BLIP-2: the caption's tokens), the row's micro batch, per rank) as PyTorch would run it (HF "
+               "LlamaForCausalLM, or Blip2ForConditionalGeneration with OPT or Flan-T5, the vision tower frozen; sdpa; the "
                "row's optimizer, autocast, HF checkpointing, PEFT LoRA, bitsandbytes NF4, DeepSpeed ZeRO-2 offload, "
                "DDP, FSDP), from `fl_lab_peer_pytorch_setup` (src/lab/lab_peer.c). Each row says which categories are "
                "**measured** (tests/ref/pytorch_alloc.py on the CPU, reproduced byte for byte) and what is "

@@ -414,6 +414,19 @@ typedef struct {
     int sweep_idx[4], sweep_fit[4], n_blocks; /* sweep.dat's block per setting (fl_lab_sweep_group), whether any fit */
 } chart_data;
 
+/* Whether a row's run marks the live bytes of its gradients, activations or scratch (fl_mem_set_live): 0 when it
+ * reserves some of them in a phase and never marks any live. */
+static int tracks_live(const fl_lab_row *r) {
+    static const fl_mem_tag t[3] = {FL_TAG_GRADS, FL_TAG_ACTS, FL_TAG_WORKSPACE};
+    int reserved = 0;
+    for (int k = 0; k < r->n_phases; k++)
+        for (int j = 0; j < 3; j++) {
+            if (r->phases[k].live[t[j]]) return 1;
+            reserved |= r->phases[k].cur[t[j]] > 0;
+        }
+    return !reserved;
+}
+
 /* memory.dat, phases.dat, step_time.dat and (the fsdp suite) sweep.dat: 0 with why on failure. */
 static int write_chart_data(const fl_lab_report *rep, const char *dir, char *why, size_t wn, chart_data *d) {
     char path[4200];
@@ -429,7 +442,9 @@ static int write_chart_data(const fl_lab_report *rep, const char *dir, char *why
         fprintf(f, "\n");
     }
     fclose(f);
-    /* one block per experiment with phases (measured when it fits, planned when OOM) */
+    /* one block per experiment with phases (measured when it fits, planned when OOM); a run that marks no gradient,
+     * activation or scratch bytes live (BLIP-2 fine-tuning so far) shows its reserved bytes by tag instead, its title
+     * says so (else its whole step would look grey) */
     f = open_out(dir, "phases.dat", path, sizeof path);
     if (!f) { snprintf(why, wn, "cannot write %s", path); return 0; }
     fprintf(f, "# per experiment (blocks; OOM rows: planned): phase, live PARAMS GRADS OPTIM ACTS WORKSPACE OTHER GATHER, "
@@ -438,11 +453,12 @@ static int write_chart_data(const fl_lab_report *rep, const char *dir, char *why
         const fl_lab_row *r = &rep->rows[i];
         if (!r->n_phases || (r->verdict != FL_LAB_FITS && r->verdict != FL_LAB_OOM)) continue;
         if (d->nblk) fprintf(f, "\n\n");
+        const int live = tracks_live(r);
         for (int k = 0; k < r->n_phases; k++) {
             const fl_mem_phase *ph = &r->phases[k];
             fprintf(f, "\"%s\"", short_phase(ph->name));
-            for (int t = 0; t < LAB_TAGS; t++) fprintf(f, " %.3f", MIB(ph->live[t]));
-            fprintf(f, " %.3f\n", MIB(ph->cur_total - ph->live_total));
+            for (int t = 0; t < LAB_TAGS; t++) fprintf(f, " %.3f", MIB(live ? ph->live[t] : ph->cur[t]));
+            fprintf(f, " %.3f\n", live ? MIB(ph->cur_total - ph->live_total) : 0.0);
         }
         d->blk[d->nblk++] = r;
     }
@@ -511,21 +527,26 @@ static void write_phases_script(const fl_lab_report *rep, FILE *f, const chart_d
     for (int b = 0; b < d->nblk; b++)
         for (int k = 0; k < d->blk[b]->n_phases; k++)
             if (MIB(d->blk[b]->phases[k].cur_total) > ymax) ymax = MIB(d->blk[b]->phases[k].cur_total);
+    int untracked = 0;
+    for (int b = 0; b < d->nblk; b++) untracked |= !tracks_live(d->blk[b]);
     fprintf(f, "reset\nset terminal pngcairo size %d,%d font 'sans,10'\nset output 'phases.png'\n"
                "set multiplot layout %d,%d title \"Memory at each phase of a step (MiB; colours: live bytes by tag; "
                "light grey: reserved but holding nothing still needed; red: the budget; OOM rows: planned)\\n"
                "load: after the model load; pre: set-up done, before the forward; fwd, bwd: after the forward, the "
-               "backward; reduce: after the gradients' reduction (several ranks); opt: after the optimizer step\" "
+               "backward; reduce: after the gradients' reduction (several ranks); opt: after the optimizer step%s\" "
                "noenhanced\n"
                "set style data histograms\nset style histogram rowstacked\nset style fill solid 0.85 border -1\n"
                "set boxwidth 0.8\nset yrange [0:%.3f]\nset xtics norotate scale 0 font ',8'\nset ytics font ',8'\n"
                "set grid ytics\nunset key\nset lmargin 7\nset rmargin 1\n"
                "set arrow 1 from graph 0, first %.3f to graph 1, first %.3f nohead lw 2 dt 2 lc rgb 'red' front\n",
-            300 * cols, 250 * rows + 40, rows, cols, ymax * 1.05, MIB(rep->budget), MIB(rep->budget));
+            300 * cols, 250 * rows + 40, rows, cols,
+            untracked ? "\\n[reserved]: the run marks no live bytes, its reserved bytes by tag" : "", ymax * 1.05,
+            MIB(rep->budget), MIB(rep->budget));
     for (int b = 0; b < d->nblk; b++) {
         const fl_lab_row *r = d->blk[b];
         char t[96];
-        snprintf(t, sizeof t, "%s%s", r->name, r->verdict == FL_LAB_OOM ? " (OOM, planned)" : "");
+        snprintf(t, sizeof t, "%s%s%s", r->name, r->verdict == FL_LAB_OOM ? " (OOM, planned)" : "",
+                 tracks_live(r) ? "" : " [reserved]");
         fprintf(f, "set title ");
         gp_str(f, t);
         fprintf(f, " noenhanced font ',11'\nplot");

@@ -36,13 +36,14 @@
 #   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py opt > tests/fixtures/pytorch-alloc-opt.json
 #   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py t5 > tests/fixtures/pytorch-alloc-t5.json
 # (FL_ALLOC_VERBOSE=1: every saved tensor's shape and dtype on stderr.)
-import contextlib, json, os, sys, tempfile, warnings
+import contextlib, json, os, sys, tempfile, warnings, weakref
 import torch
 import transformers
 import peft
 import bitsandbytes
 from transformers import (BitsAndBytesConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig,
-                          OPTForCausalLM, T5Config, T5ForConditionalGeneration)
+                          OPTForCausalLM, T5Config, T5ForConditionalGeneration, Blip2Config,
+                          Blip2ForConditionalGeneration)
 
 assert (torch.__version__.startswith("2.15.0") and transformers.__version__ == "5.23.0" and peft.__version__ == "0.21.2"
         and bitsandbytes.__version__ == "0.50.2"), (torch.__version__, transformers.__version__, peft.__version__,
@@ -74,6 +75,33 @@ def build(cfg, prec, quant):
     return LlamaForCausalLM.from_pretrained(d, quantization_config=q, dtype=torch.float32, device_map="cpu")
 
 
+class Saved:
+    """saved_tensors_hooks' pack: every tensor autograd saves, held weakly; after the forward, the bytes of the distinct
+    storages still held (a graph branch nothing needs, such as a frozen checkpointed block's, is freed at once, and
+    its address may be reused), parameters excluded."""
+
+    def __init__(self, model):
+        self.pids = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.refs = []
+
+    def pack(self, t):
+        self.refs.append(weakref.ref(t))
+        return t
+
+    def total(self):
+        seen = {}
+        for r in self.refs:
+            t = r()
+            if t is None:
+                continue
+            st = t.untyped_storage()
+            if st.data_ptr() not in self.pids and st.data_ptr() not in seen:
+                seen[st.data_ptr()] = st.nbytes()
+                if os.environ.get("FL_ALLOC_VERBOSE"):
+                    print("  saved", tuple(t.shape), t.dtype, st.nbytes(), file=sys.stderr)
+        return sum(seen.values())
+
+
 def measure(B, T, prec, L, H, KV, d, ff, V, hd, ckpt=0, lora_r=0, quant="", optim="adamw", arch="llama", Tt=0, Ld=0):
     if arch == "gpt2":  # n_inner = ff; dropout off
         cfg = GPT2Config(vocab_size=V, n_embd=d, n_inner=ff, n_layer=L, n_head=H, n_positions=256, resid_pdrop=0.0,
@@ -98,24 +126,15 @@ def measure(B, T, prec, L, H, KV, d, ff, V, hd, ckpt=0, lora_r=0, quant="", opti
         m = peft.get_peft_model(m, peft.LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=0.05,
                                                    target_modules=["q_proj", "v_proj"]))
     m.train()
-    pids = {p.untyped_storage().data_ptr() for p in m.parameters()}
-    seen = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in pids and s.data_ptr() not in seen:
-            seen[s.data_ptr()] = s.nbytes()
-            if os.environ.get("FL_ALLOC_VERBOSE"):
-                print("  saved", tuple(t.shape), t.dtype, s.nbytes(), file=sys.stderr)
-        return t
+    sv = Saved(m)
 
     torch.manual_seed(1)
     x = torch.randint(0, V, (B, T))
     y = torch.randint(0, V, (B, Tt)) if Tt else x
     amp = torch.autocast("cpu", dtype=AMP[prec]) if prec in AMP else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), amp:
+    with torch.autograd.graph.saved_tensors_hooks(sv.pack, lambda t: t), amp:
         out = m(input_ids=x, labels=y)
-    saved = sum(seen.values())
+    saved = sv.total()
     logits = out.logits.untyped_storage().nbytes()
     out.loss.backward()
     train = [p for p in m.parameters() if p.requires_grad]
@@ -143,12 +162,92 @@ def measure(B, T, prec, L, H, KV, d, ff, V, hd, ckpt=0, lora_r=0, quant="", opti
                 optim=ostate, saved=saved, logits=logits)
 
 
+def measure_blip2(B, L, prec, lm, vis, qf, NQ, txt, ckpt=0, optim="adamw"):
+    """BLIP-2 (HF Blip2ForConditionalGeneration, transformers 5: NQ image-token placeholders in the ids) as fitllm's
+    BLIP-2 fine-tuning runs it: the vision tower frozen, the Q-Former (with the query tokens and the language
+    projection) and the language model trained; OPT: the ids are the placeholders then the L caption tokens, the
+    labels the caption; Flan-T5: the placeholders are the encoder's input, the caption the labels. bf16-true keeps
+    the Q-Former and the query tokens in fp32 as from_pretrained(dtype=bfloat16) does (_keep_in_fp32_modules).
+    vis: (layers, heads, dim, ffn, image, patch); qf: (layers, heads, dim, ffn, cross every); txt: measure()'s shape
+    tail (L, H, KV, d, ff, V, head_dim[, decoder layers])."""
+    Lt, H, KV, d, ff, V, hd = txt[:7]
+    vc = dict(num_hidden_layers=vis[0], num_attention_heads=vis[1], hidden_size=vis[2], intermediate_size=vis[3],
+              image_size=vis[4], patch_size=vis[5], attention_dropout=0.0)
+    qc = dict(num_hidden_layers=qf[0], num_attention_heads=qf[1], hidden_size=qf[2], intermediate_size=qf[3],
+              cross_attention_frequency=qf[4], encoder_hidden_size=vis[2], hidden_dropout_prob=0.0,
+              attention_probs_dropout_prob=0.0)
+    if lm == "opt":
+        tc = OPTConfig(vocab_size=V, hidden_size=d, ffn_dim=ff, num_hidden_layers=Lt, num_attention_heads=H,
+                       max_position_embeddings=256, word_embed_proj_dim=d, do_layer_norm_before=True, dropout=0.0,
+                       attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0)
+    else:
+        tc = T5Config(vocab_size=V, d_model=d, d_kv=hd, d_ff=ff, num_layers=Lt, num_decoder_layers=txt[7],
+                      num_heads=H, dropout_rate=0.0, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                      decoder_start_token_id=0, pad_token_id=0)
+    cfg = Blip2Config(vision_config=vc, qformer_config=qc, text_config=tc.to_dict(), num_query_tokens=NQ,
+                      image_token_index=V - 1)
+    cfg._attn_implementation = "sdpa"
+    cfg.text_config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    m = Blip2ForConditionalGeneration(cfg)
+    if lm == "t5":  # Flan-T5's own head (transformers 5 ties it)
+        lmm = m.language_model
+        lmm.lm_head.weight = torch.nn.Parameter(lmm.shared.weight.detach().clone())
+    n_params = sum(p.numel() for p in m.parameters())
+    m = m.to(DT[prec])
+    if prec == "bf16-true":
+        m.qformer.float()
+        m.query_tokens.data = m.query_tokens.data.float()
+    for p in m.vision_model.parameters():
+        p.requires_grad_(False)
+    if ckpt:
+        m.gradient_checkpointing_enable()
+    m.train()
+    sv = Saved(m)
+
+    torch.manual_seed(1)
+    px = torch.randn(B, 3, vis[4], vis[4]).to(DT[prec])
+    cap = torch.randint(0, V - 1, (B, L))
+    img = torch.full((B, NQ), V - 1)
+    ids, labels = (torch.cat([img, cap], 1), torch.cat([torch.full((B, NQ), -100), cap], 1)) if lm == "opt" else \
+        (img, cap)
+    amp = torch.autocast("cpu", dtype=AMP[prec]) if prec in AMP else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(sv.pack, lambda t: t), amp:
+        out = m(pixel_values=px, input_ids=ids, labels=labels)
+    saved = sv.total()
+    logits = out.logits.untyped_storage().nbytes()
+    out.loss.backward()
+    train = [p for p in m.parameters() if p.requires_grad]
+    opt = {"adamw": lambda: torch.optim.AdamW(train, lr=1e-3), "sgd": lambda: torch.optim.SGD(train, lr=1e-3)}[optim]()
+    opt.step()
+    params = sum(p.untyped_storage().nbytes() for p in m.parameters())
+    grads = sum(p.grad.untyped_storage().nbytes() for p in train)
+    ostate = sum({v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for st in opt.state.values()
+                  for v in st.values() if torch.is_tensor(v)}.values())
+    row = dict(arch="blip2", lm=lm, B=B, T=L, precision=prec, ckpt=ckpt, optimizer=optim, vision=list(vis),
+               qformer=list(qf), queries=NQ, text=list(txt), n_params=n_params,
+               trainable=sum(p.numel() for p in train), params=params, grads=grads, optim=ostate, saved=saved,
+               logits=logits)
+    return row
+
+
 def main():
     SHAPES = ((2, 24, 1, 4, 4, 64, 172, 512, 16), (2, 24, 2, 4, 4, 64, 172, 512, 16), (1, 37, 2, 4, 2, 64, 172, 512, 16),
               (3, 20, 3, 8, 2, 96, 256, 300, 12))
     rows = []
-    ARCH = sys.argv[1] if sys.argv[1:] in (["gpt2"], ["opt"], ["t5"]) else ""
-    if ARCH == "t5":  # Flan-T5: B, T (encoder), L, H, KV, d, ff, V, head_dim, then the decoder's T and L
+    ARCH = sys.argv[1] if sys.argv[1:] in (["gpt2"], ["opt"], ["t5"], ["blip2"]) else ""
+    if ARCH == "blip2":  # vision (L, H, d, ff, image, patch), Q-Former (L, H, d, ff, cross every), queries, text
+        VIS, QF = ((1, 2, 32, 64, 8, 4), (2, 2, 24, 48, 12, 4)), ((2, 4, 48, 96, 2), (3, 2, 32, 80, 1))
+        TXT = {"opt": ((1, 4, 4, 64, 128, 300, 16), (2, 2, 2, 48, 96, 200, 24)),
+               "t5": ((1, 4, 4, 64, 96, 300, 16, 1), (2, 2, 2, 48, 80, 200, 32, 2))}
+        for lm in ("opt", "t5"):
+            for i, (B, L, NQ) in enumerate(((2, 6, 3), (1, 5, 4))):
+                for prec in ("32-true", "bf16-true", "bf16-mixed", "16-mixed"):
+                    rows.append(measure_blip2(B, L, prec, lm, VIS[i], QF[i], NQ, TXT[lm][i]))
+                rows.append(measure_blip2(B, L, "32-true", lm, VIS[i], QF[i], NQ, TXT[lm][i], ckpt=1))
+                rows.append(measure_blip2(B, L, "32-true", lm, VIS[i], QF[i], NQ, TXT[lm][i], optim="sgd"))
+        SHAPES = ()
+    elif ARCH == "t5":  # Flan-T5: B, T (encoder), L, H, KV, d, ff, V, head_dim, then the decoder's T and L
         S = ((2, 24, 1, 4, 4, 64, 96, 512, 16, 10, 1), (1, 37, 2, 4, 4, 64, 172, 300, 16, 5, 2),
              (3, 20, 2, 4, 4, 96, 256, 300, 32, 12, 3))
         for prec in ("32-true", "bf16-true", "bf16-mixed", "16-mixed"):
