@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The MPI implementation of fl_comm and DDP / ZeRO training under mpirun (run by `make test` and ctest):
 #   - tensor parallelism at 2 and 4 ranks (tests/mpi/tp_mpi_test.c) against one process, PyTorch and float64;
-#     through the CLI (--tensor_parallel): TP 2, TP 4 and DP 2 x TP 2 (DDP, ZeRO-2) against one process's losses, the
+#     through the CLI (--tensor_parallel): TP 2, TP 4, DP 2 x TP 2 (DDP, ZeRO-2) and TP 2 x PP 2 against one process's losses, the
 #     consolidated checkpoint resumed at TP 1 and 4, a killed rank ending the grid;
 #   - DDP training at 2 and 4 ranks, ZeRO-1/2 at 2, 3 and 4 (16-true at 2) and FULL_SHARD (AdamW, 8-bit AdamW) at 2,
 #     ZeRO-3 with the optimizer offloaded (cpu, nvme) at 3 = the device-resident ZeRO-3 checkpoints
@@ -561,6 +561,30 @@ if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000002 (step 2, iter 
     ok "pp_cli_checkpoint_resumes_in_one_process (later losses within $w)"
 else
     bad "pp_cli_checkpoint_resumes_in_one_process" "exit $rc, losses within '$w'"
+fi
+# the 3D grid through the CLI (TP 2 x PP 2 at 4 ranks; tests/test_tp_train.c has the bounds' reasons): one process's
+# losses within 1e-6 relative at every step, rank 0 alone reports, the final folder holds one process's files and
+# layout; its step-2 checkpoint resumes in one process and continues its losses within 1e-6
+timeout 300 mpirun -np 4 "$FL" finetune_full "${TARGS[@]}" --devices 4 --tensor_parallel 2 --pipeline_parallel 2 \
+    --strategy ddp --out_dir "$T/tpp4" >"$T/out" 2>&1; rc=$?
+w=$(loss_rel "$T/tpp4" "$T/tp-one" 2>/dev/null)
+if [ $rc -eq 0 ] && [ "$(grep -c "Saved the final model" "$T/out")" = 1 ] \
+    && grep -q "^pipeline parallel (EXPERIMENTAL): 2 stages x 1 pipeline" "$T/out" \
+    && grep -q "^tensor parallel: 2 ranks per group x 1 data-parallel group" "$T/out" \
+    && [ "$(ls "$T/tpp4/final")" = "$(ls "$T/tp-one/final")" ] \
+    && [ "$(stat -c %s "$T/tpp4/final/model.safetensors")" = "$(stat -c %s "$T/tp-one/final/model.safetensors")" ] \
+    && awk -v w="$w" 'BEGIN { exit !(w <= 1e-6) }'; then
+    ok "tpp_cli_np4_tp2_pp2 (losses within $w of one process)"
+else
+    bad "tpp_cli_np4_tp2_pp2" "exit $rc, losses within '$w'"
+fi
+timeout 300 "$FL" finetune_full "${TARGS[@]}" --resume "$T/tpp4/step-000002" --out_dir "$T/tpp-r1" >"$T/out" 2>&1; rc=$?
+w=$(loss_rel "$T/tpp-r1" "$T/tpp4" 12 2>/dev/null) # resumed at iteration 8
+if [ $rc -eq 0 ] && grep -q "Resuming training from .*step-000002 (step 2, iter 8)" "$T/out" \
+    && awk -v a="$w" 'BEGIN { exit !(a <= 1e-6) }'; then
+    ok "tpp_cli_checkpoint_resumes_in_one_process (later losses within $w)"
+else
+    bad "tpp_cli_checkpoint_resumes_in_one_process" "exit $rc, losses within '$w'"
 fi
 pp_refused() { # name, pattern, ranks, arguments...
     local name=$1 pat=$2 np=$3; shift 3

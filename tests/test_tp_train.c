@@ -255,6 +255,9 @@ FL_TEST(tp_train_threads_tp_x_pp_zero_on_the_data_axis) {
 FL_TEST(tp_train_nccl_standin_opaque) {
     g_forced = "opaque";
     scenario(DR_ADAMW, 2, 2);
+    g_pp = 2; /* the 3D grid: the stream between stages through the host, the blocks' sums through the stand-in */
+    scenario(DR_ADAMW, 1, 2);
+    g_pp = 1;
     g_forced = NULL;
 }
 
