@@ -14,13 +14,13 @@
 
 #define TD 16
 #define TL 7
-#define TM 5
+#define TM 6 /* a multiple of 2 and 3 stages: the interleaved schedule's condition */
 
 typedef struct {
     float w[TL][TD], x[TM][TD], t[TM][TD];
     float grad[TL][TD], loss[TM]; /* the pipeline's (each stage writes its own layers' rows; the last the losses) */
     fl_pp_schedule kind;
-    int S;
+    int S, V; /* stages; chunks per stage (interleaved: virtual stage c S + s; 0 means 1) */
 } toy;
 
 static void toy_layer_fwd(const float *w, const float *x, float *y) {
@@ -46,28 +46,32 @@ static float toy_loss(const float *y, const float *t, float *dy) {
 
 static fl_status toy_rank(fl_comm *c, int s, void *ud) {
     toy *T = ud;
+    const int V = T->V > 0 ? T->V : 1, S = T->S, NV = S * V;
     int first[TL + 1];
-    fl_pp_op ops[2 * TM];
-    FL_TRY(fl_pp_split(TL, NULL, T->S, first));
-    FL_TRY(fl_pp_schedule_ops(T->kind, T->S, s, TM, ops));
-    const int l0 = first[s], nl = first[s + 1] - first[s];
-    static _Thread_local float acts[TM][TL + 1][TD]; /* per micro-batch: this stage's input and each layer's output */
+    fl_pp_op ops[2 * TM * TL];
+    FL_TRY(fl_pp_split(TL, NULL, NV, first));
+    FL_TRY(fl_pp_schedule_ops_v(T->kind, S, V, s, TM, ops));
+    /* per chunk and micro-batch: the virtual stage's input and each layer's output */
+    static _Thread_local float acts[TL][TM][TL + 1][TD];
     float dy[TD], dx[TD];
-    for (int k = 0; k < 2 * TM; k++) {
-        const int mb = ops[k].mb;
+    for (int k = 0; k < 2 * TM * V; k++) {
+        const int mb = ops[k].mb, ch = ops[k].chunk, v = ch * S + s;
+        const int l0 = first[v], nl = first[v + 1] - first[v];
+        /* a message between virtual stages v and v + 1 travels on tag 2 v' + kind (v' the receiving chunk): each
+         * tag's messages arrive in order, and each chunk runs its forwards, and its backwards, in micro-batch order */
         if (ops[k].kind == FL_PP_FWD) {
-            if (s == 0) memcpy(acts[mb][0], T->x[mb], sizeof acts[mb][0]);
-            else FL_TRY(fl_comm_recv(c, acts[mb][0], TD, FL_F32, s - 1, 0));
-            for (int l = 0; l < nl; l++) toy_layer_fwd(T->w[l0 + l], acts[mb][l], acts[mb][l + 1]);
-            if (s < T->S - 1) FL_TRY(fl_comm_send(c, acts[mb][nl], TD, FL_F32, s + 1, 0));
+            if (v == 0) memcpy(acts[ch][mb][0], T->x[mb], sizeof acts[ch][mb][0]);
+            else FL_TRY(fl_comm_recv(c, acts[ch][mb][0], TD, FL_F32, (v - 1) % S, 2 * ch));
+            for (int l = 0; l < nl; l++) toy_layer_fwd(T->w[l0 + l], acts[ch][mb][l], acts[ch][mb][l + 1]);
+            if (v < NV - 1) FL_TRY(fl_comm_send(c, acts[ch][mb][nl], TD, FL_F32, (v + 1) % S, 2 * ((v + 1) / S)));
         } else {
-            if (s == T->S - 1) T->loss[mb] = toy_loss(acts[mb][nl], T->t[mb], dy);
-            else FL_TRY(fl_comm_recv(c, dy, TD, FL_F32, s + 1, 1));
+            if (v == NV - 1) T->loss[mb] = toy_loss(acts[ch][mb][nl], T->t[mb], dy);
+            else FL_TRY(fl_comm_recv(c, dy, TD, FL_F32, (v + 1) % S, 2 * ch + 1));
             for (int l = nl - 1; l >= 0; l--) {
-                toy_layer_bwd(T->w[l0 + l], acts[mb][l], acts[mb][l + 1], dy, dx, T->grad[l0 + l]);
+                toy_layer_bwd(T->w[l0 + l], acts[ch][mb][l], acts[ch][mb][l + 1], dy, dx, T->grad[l0 + l]);
                 memcpy(dy, dx, sizeof dy);
             }
-            if (s > 0) FL_TRY(fl_comm_send(c, dy, TD, FL_F32, s - 1, 1));
+            if (v > 0) FL_TRY(fl_comm_send(c, dy, TD, FL_F32, (v - 1) % S, 2 * ((v - 1) / S) + 1));
         }
     }
     return FL_OK;

@@ -655,8 +655,9 @@ static void alloc_rows(const char *path, size_t n_rows) {
         fl_model_config mc;
         memset(&mc, 0, sizeof mc);
         const fl_json *arch = fl_json_get(r, "arch"); /* absent: LLaMA */
-        mc.arch = arch && arch->type == FL_JSON_STRING && !strcmp(arch->str, "gpt2") ? FL_ARCH_GPT2 : FL_ARCH_LLAMA;
-        mc.tie_embeddings = mc.arch == FL_ARCH_GPT2; /* HF GPT-2 ties its head; the LLaMA rows do not */
+        const char *an = arch && arch->type == FL_JSON_STRING ? arch->str : "llama";
+        mc.arch = !strcmp(an, "gpt2") ? FL_ARCH_GPT2 : !strcmp(an, "opt") ? FL_ARCH_OPT : FL_ARCH_LLAMA;
+        mc.tie_embeddings = mc.arch != FL_ARCH_LLAMA; /* HF GPT-2 and OPT tie their head; the LLaMA rows do not */
         mc.n_layers = (int)jint(r, "layers"), mc.n_heads = (int)jint(r, "heads"), mc.n_kv_heads = (int)jint(r, "kv_heads");
         mc.dim = (int)jint(r, "dim"), mc.ffn_dim = (int)jint(r, "ffn"), mc.vocab_size = (int)jint(r, "vocab");
         mc.head_dim = (int)jint(r, "head_dim");
@@ -726,6 +727,24 @@ FL_TEST(lab_peer_pytorch_gpt2_matches_torch) {
     u.ranks = 0, u.strategy = NULL, u.lora_r = 16;
     FL_CHECK(fl_lab_peer_pytorch_setup(&g, 1, &u, &p) == FL_ERR_UNSUPPORTED &&
              strstr(fl_error_message(), "GPT-2 is modelled for full fine-tunes"));
+}
+
+/* OPT (BLIP-2's language model): HF OPTForCausalLM, every precision, checkpointing, SGD (tests/ref/pytorch_alloc.py
+ * opt), byte for byte; applied to opt-2.7b it counts the same parameters as fitllm's preset. */
+FL_TEST(lab_peer_pytorch_opt_matches_torch) {
+    alloc_rows("tests/fixtures/pytorch-alloc-opt.json", 18);
+    fl_model_config o;
+    FL_REQUIRE_OK(fl_preset_find("opt-2.7b", &o));
+    fl_lab_peer_setup u = {0};
+    fl_lab_peer p;
+    u.precision = "bf16-true", u.B = 8, u.T = 64;
+    const size_t n = fl_sizing_param_count(&o);
+    FL_REQUIRE_OK(fl_lab_peer_pytorch_setup(&o, n, &u, &p));
+    FL_CHECKF(p.params == 2 * n && p.optim > 4 * n && p.peak > p.params + p.grads + p.optim, "params %zu of %zu",
+              p.params, n);
+    u.optim = "adamw8bit";
+    FL_CHECK(fl_lab_peer_pytorch_setup(&o, n, &u, &p) == FL_ERR_UNSUPPORTED &&
+             strstr(fl_error_message(), "OPT is modelled for full fine-tunes"));
 }
 
 /* issue 33 Verify: `plan` at the real scale, at the course's settings (its recipes' models, precisions and batches;

@@ -93,7 +93,18 @@ FL_TEST(pp_toy_pipeline_equals_single_process) {
             FL_CHECKF(!memcmp(T.grad, ref_grad, sizeof ref_grad), "%s, %d stages: gradients differ",
                       fl_pp_schedule_name(k), S);
             FL_CHECKF(!memcmp(T.loss, ref_loss, sizeof ref_loss), "%s, %d stages: losses differ", fl_pp_schedule_name(k), S);
-        }
+        }    /* the interleaved schedule over virtual stages: 2 stages of 2 and 3 chunks, 3 stages of 2 chunks (7 layers in 4
+     * or 6 virtual stages; 6 micro-batches): the same bits, each chunk accumulating in micro-batch order */
+    const int sv[3][2] = {{2, 2}, {2, 3}, {3, 2}};
+    for (int i = 0; i < 3; i++) {
+        memset(T.grad, 0, sizeof T.grad);
+        memset(T.loss, 0, sizeof T.loss);
+        T.kind = FL_PP_INTERLEAVED;
+        T.S = sv[i][0], T.V = sv[i][1];
+        FL_REQUIRE_OK(fl_comm_threads_run(T.S, toy_rank, &T));
+        FL_CHECKF(!memcmp(T.grad, ref_grad, sizeof ref_grad) && !memcmp(T.loss, ref_loss, sizeof ref_loss),
+                  "interleaved, %d stages of %d chunks: gradients or losses differ", T.S, T.V);
+    }
 }
 
 /* the schedule simulated on per-stage times: equal stages take (M + S - 1)(f + b) with a bubble of (S - 1) /
@@ -166,4 +177,48 @@ FL_TEST(pp_split_by_block_cost) {
     FL_REQUIRE_OK(fl_pp_estimate_text(&big, T, 3, 4, FL_PP_1F1B, 2.0, text, sizeof text));
     FL_CHECKF(strstr(text, "[0, 2) [2, 4) [4, 5)") || strstr(text, "[0, 1) [1, 4) [4, 5)"), "'%s'", text);
     FL_CHECKF(strstr(text, " ms") && strchr(text, '\n'), "'%s'", text);
+}
+
+/* the interleaved schedule (Megatron-LM's order over virtual stages): each chunk runs every micro-batch's forward
+ * and backward once, its forwards and its backwards in micro-batch order (one process's accumulation order), a
+ * backward after its forward; a rank keeps min(2 (S - s - 1) + (V - 1) S + 1, M V) chunk-micro-batches in flight;
+ * the schedule never deadlocks, and on equal virtual stages (forward 1, backward 2 each) it takes (M V + S - 1) x 3,
+ * the bubble (S - 1) / (M V + S - 1): 1/V of 1F1B's idle time (Narayanan et al. 2021) */
+FL_TEST(pp_interleaved_schedule) {
+    fl_pp_op ops[2 * 12 * 3];
+    double f[12], b[12], span, bub;
+    for (int i = 0; i < 12; i++) f[i] = 1, b[i] = 2;
+    for (int S = 1; S <= 4; S++)
+        for (int V = 1; V <= 3; V++)
+            for (int M = S; M <= 12; M += S) {
+                for (int s = 0; s < S; s++) {
+                    FL_REQUIRE_OK(fl_pp_schedule_ops_v(FL_PP_INTERLEAVED, S, V, s, M, ops));
+                    int fseen[3] = {0, 0, 0}, bseen[3] = {0, 0, 0}, bad = 0;
+                    for (int i = 0; i < 2 * M * V; i++) {
+                        const int c = ops[i].chunk;
+                        if (c < 0 || c >= V) {
+                            bad = 1;
+                            break;
+                        }
+                        if (ops[i].kind == FL_PP_FWD) bad |= ops[i].mb != fseen[c]++;
+                        else bad |= ops[i].mb != bseen[c]++ || ops[i].mb >= fseen[c];
+                    }
+                    for (int c = 0; c < V; c++) bad |= fseen[c] != M || bseen[c] != M;
+                    FL_CHECKF(!bad, "interleaved S %d V %d s %d M %d: order", S, V, s, M);
+                    int want = 2 * (S - s - 1) + (V - 1) * S + 1;
+                    if (want > M * V) want = M * V;
+                    FL_CHECKF(fl_pp_in_flight(ops, 2 * M * V) == want, "interleaved S %d V %d s %d M %d: %d in flight, "
+                              "want %d", S, V, s, M, fl_pp_in_flight(ops, 2 * M * V), want);
+                }
+                FL_REQUIRE_OK(fl_pp_simulate_v(FL_PP_INTERLEAVED, S, V, M, f, b, &span, &bub));
+                const double want = (M * V + S - 1) * 3.0, wb = (S - 1) / (double)(M * V + S - 1);
+                FL_CHECKF(span == want && fabs(bub - wb) < 1e-12, "interleaved S %d V %d M %d: step %g (want %g), "
+                          "bubble %g (want %g)", S, V, M, span, want, bub, wb);
+            }
+    FL_CHECK(fl_pp_schedule_ops_v(FL_PP_INTERLEAVED, 2, 2, 0, 3, ops) == FL_ERR_INVALID &&
+             strstr(fl_error_message(), "3 micro-batches (gradient accumulation steps) is not a multiple of the 2 stages"));
+    FL_CHECK(fl_pp_schedule_ops_v(FL_PP_1F1B, 2, 2, 0, 4, ops) == FL_ERR_INVALID &&
+             strstr(fl_error_message(), "one chunk per rank"));
+    FL_CHECK(fl_pp_schedule_ops_v(FL_PP_INTERLEAVED, 2, 0, 0, 4, ops) == FL_ERR_INVALID);
+    FL_CHECK(!strcmp(fl_pp_schedule_name(FL_PP_INTERLEAVED), "interleaved"));
 }

@@ -23,20 +23,32 @@
 extern "C" {
 #endif
 
-typedef enum { FL_PP_GPIPE = 0, FL_PP_1F1B, FL_PP_SCHEDULE_COUNT } fl_pp_schedule;
+/* FL_PP_INTERLEAVED: Megatron-LM's interleaved 1F1B over virtual stages (a rank holds `chunks` model chunks: chunk c
+ * of rank s is virtual stage c S + s); the library's schedule, simulator and the plan's estimate; the trainer does not
+ * run it yet (fl_pp_schedule_parse, which the trainer and the CLI use, accepts gpipe and 1f1b only). */
+/* FL_PP_SCHEDULE_COUNT counts the schedules the trainer runs (gpipe, 1f1b); interleaved comes after them. */
+typedef enum { FL_PP_GPIPE = 0, FL_PP_1F1B, FL_PP_SCHEDULE_COUNT, FL_PP_INTERLEAVED = FL_PP_SCHEDULE_COUNT } fl_pp_schedule;
 typedef enum { FL_PP_FWD = 0, FL_PP_BWD } fl_pp_kind;
 typedef struct {
     fl_pp_kind kind;
-    int mb; /* micro-batch 0 .. M - 1 */
+    int mb;    /* micro-batch 0 .. M - 1 */
+    int chunk; /* the rank's model chunk 0 .. chunks - 1 (virtual stage chunk S + stage); 0 but under interleaved */
 } fl_pp_op;
 
-/* "gpipe", "1f1b"; and the reverse (FL_ERR_INVALID naming the choices). */
+/* "gpipe", "1f1b", "interleaved"; and the reverse of the first two (FL_ERR_INVALID naming the choices). */
 const char *fl_pp_schedule_name(fl_pp_schedule k);
 fl_status fl_pp_schedule_parse(const char *name, fl_pp_schedule *out);
 
 /* Stage `stage`'s 2 M operations in order into ops[0 .. 2 M). FL_ERR_INVALID for stages < 1, stage outside
  * [0, stages), micro < 1. */
 fl_status fl_pp_schedule_ops(fl_pp_schedule k, int stages, int stage, int micro, fl_pp_op *ops);
+/* The same with `chunks` model chunks per rank: 2 M chunks operations. GPipe and 1F1B take chunks 1. Interleaved
+ * (Megatron-LM's order): forward i (0 .. M chunks - 1) runs chunk (i / S) % chunks on micro-batch (i / (S chunks)) S +
+ * i % S, backward i the same micro-batch on chunk chunks - 1 - (i / S) % chunks; min(2 (S - stage - 1) + (chunks -
+ * 1) S, M chunks) warm-up forwards, then one forward one backward, then the rest. Each chunk's backwards run in
+ * micro-batch order (one process's accumulation order). It needs M a multiple of S (FL_ERR_INVALID naming
+ * gradient accumulation). */
+fl_status fl_pp_schedule_ops_v(fl_pp_schedule k, int stages, int chunks, int stage, int micro, fl_pp_op *ops);
 /* The most micro-batches whose forward ran and backward did not, over ops[0 .. n): the activations a stage
  * keeps at once (the planner's "activations in flight"). */
 int fl_pp_in_flight(const fl_pp_op *ops, int n);
@@ -60,6 +72,10 @@ void fl_pp_block_costs(const fl_model_config *c, int T, double *cost);
  * negative time. */
 fl_status fl_pp_simulate(fl_pp_schedule k, int stages, int micro, const double *fwd, const double *bwd,
                          double *makespan, double *bubble);
+/* The same over virtual stages: fwd[v], bwd[v] for v = c S + s (S chunks entries); virtual stage v's forward needs
+ * v - 1's, its backward v + 1's. The bubble is 1 - M sum_v (fwd[v] + bwd[v]) / (S makespan). */
+fl_status fl_pp_simulate_v(fl_pp_schedule k, int stages, int chunks, int micro, const double *fwd, const double *bwd,
+                           double *makespan, double *bubble);
 
 /* The split of a decoder-only model by its per-block costs at sequence length T (fl_pp_block_costs, fl_pp_split):
  * what the trainer runs and the planner plans. */
@@ -76,7 +92,11 @@ typedef struct {
 } fl_pp_estimate;
 fl_status fl_pp_estimate_step(const fl_model_config *c, int T, int stages, int micro, fl_pp_schedule k,
                               fl_pp_estimate *e);
-/* The plan's notes of it into buf (three lines): the split, each stage's time, the expected step and its bubble, in ms when
+/* The same over virtual stages (interleaved: chunks per rank; stages x chunks <= 64): first[], fwd[] and bwd[] are the
+ * virtual stages' (v = c S + s), split by cost like a pipeline of stages x chunks stages. */
+fl_status fl_pp_estimate_step_v(const fl_model_config *c, int T, int stages, int chunks, int micro, fl_pp_schedule k,
+                                fl_pp_estimate *e);
+/* The plan's notes of it into buf (three lines, a fourth under 1F1B: what interleaved would give): the split, each stage's time, the expected step and its bubble, in ms when
  * block_ms > 0 (a block's measured forward + backward) else in units of a block's time. */
 fl_status fl_pp_estimate_text(const fl_model_config *c, int T, int stages, int micro, fl_pp_schedule k,
                               double block_ms, char *buf, size_t n);

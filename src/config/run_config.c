@@ -684,7 +684,9 @@ fl_status fl_cfg_validate(const fl_run_config *c) {
                          "ranks are pipelines of pipeline_parallel stages each)", c->pipeline_parallel,
                          c->devices * c->num_nodes);
     if (strcmp(c->pipeline_schedule, "gpipe") && strcmp(c->pipeline_schedule, "1f1b"))
-        return fl_errorf(FL_ERR_INVALID, "--pipeline_schedule '%s': expected gpipe or 1f1b", c->pipeline_schedule);
+        return fl_errorf(FL_ERR_INVALID, "--pipeline_schedule '%s': expected gpipe or 1f1b%s", c->pipeline_schedule,
+                         strcmp(c->pipeline_schedule, "interleaved") ? "" : " (interleaved is not run yet: `plan` under "
+                         "1f1b shows the step and bubble it would give)");
     const int dpr = fl_cfg_dp_ranks(c);
     int per_rank = t->global_batch_size / dpr;
     if (t->global_batch_size % dpr || per_rank % t->micro_batch_size)

@@ -1,5 +1,6 @@
-/* `fitllm lab --peer pytorch` (issue 33): what PyTorch would allocate for a LLaMA or GPT-2 fine-tune step, beside
- * fitllm's plan (GPT-2: HF GPT2LMHeadModel, full fine-tunes, fixture tests/fixtures/pytorch-alloc-gpt2.json). MEASURED (tests/ref/pytorch_alloc.py on the CPU: HF LlamaForCausalLM with sdpa, torch.optim.AdamW / SGD,
+/* `fitllm lab --peer pytorch` (issue 33): what PyTorch would allocate for a LLaMA, GPT-2 or OPT fine-tune step, beside
+ * fitllm's plan (GPT-2: HF GPT2LMHeadModel, OPT: HF OPTForCausalLM, full fine-tunes, fixtures
+ * tests/fixtures/pytorch-alloc-gpt2.json, pytorch-alloc-opt.json). MEASURED (tests/ref/pytorch_alloc.py on the CPU: HF LlamaForCausalLM with sdpa, torch.optim.AdamW / SGD,
  * bitsandbytes' AdamW8bit, autocast for bf16-mixed and 16-mixed, HF gradient checkpointing, PEFT LoRA on query and
  * value, bitsandbytes NF4 for QLoRA; fixture tests/fixtures/pytorch-alloc.json, reproduced byte for byte by
  * fl_lab_peer_pytorch_setup in tests/test_lab.c): the parameters (and QLoRA's quantization state), gradients and
@@ -63,27 +64,29 @@ static size_t saved_bytes(const shape *s) {
     return once + s->L * (s->ckpt ? s->BT * s->d * h : layer_full(s));
 }
 
-/* GPT-2 (HF GPT2LMHeadModel, sdpa, dropout off), per layer: each LayerNorm's input and its mean and rstd (the hidden
- * states' dtype: fp32 under autocast), c_attn's and c_fc's input (the LayerNorm's output, under autocast its 16-bit
- * cast), sdpa's q|k|v (one storage, c_attn's output), its output (c_proj's input, a view) and fp32 logsumexp per head,
- * the tanh GELU's four elementwise intermediates and its output (c_proj's input); under autocast the 16-bit copy of
- * each linear's weight. */
-static size_t layer_gpt2(const shape *s) {
+/* GPT-2 (HF GPT2LMHeadModel, sdpa, dropout off) and OPT (HF OPTForCausalLM, pre-norm, dropout off), per layer: each
+ * LayerNorm's input and its mean and rstd (the hidden states' dtype: fp32 under autocast), the attention's and the
+ * MLP's input (the LayerNorm's output, under autocast its 16-bit cast: OPT's q, k and v cast it each), sdpa's q, k, v (GPT-2: one storage, c_attn's
+ * output; OPT: three) and its output (the out projection's input, a view) and fp32 logsumexp per head, the MLP's
+ * activation: GPT-2's tanh GELU its four elementwise intermediates and its output, OPT's ReLU its output (the second
+ * linear's input); under autocast the 16-bit copy of each linear's weight. */
+static size_t layer_gpt2(const shape *s, int opt) {
     const size_t h = s->mixed ? 4 : s->e, HD = s->H * s->hd;
     size_t ln = s->BT * s->d * h + 2 * s->BT * h;
     size_t w = s->mixed ? (s->d * 3 * HD + HD * s->d + 2 * s->d * s->ff) * 2 : 0;
-    return 2 * ln + 2 * s->BT * s->d * s->a + 4 * s->BT * HD * s->a + s->B * s->H * s->T * 4 + 5 * s->BT * s->ff * s->a +
-           w;
+    return 2 * ln + (opt && s->mixed ? 4 : 2) * s->BT * s->d * s->a + 4 * s->BT * HD * s->a + s->B * s->H * s->T * 4 +
+           (opt ? 1 : 5) * s->BT * s->ff * s->a + w;
 }
 
-/* GPT-2 over the step. Once: the ids and position ids (int64, the two embeddings' backward), ln_f (as a layer's),
- * the head's input, under autocast the head weight's 16-bit copy, the loss's fp32 log-softmax, the shifted labels and
- * a scalar. Checkpointing (HF's): each block's input instead of its tensors. */
-static size_t saved_gpt2(const shape *s) {
+/* GPT-2 and OPT over the step. Once: the ids and position ids (int64, the two embeddings' backward: GPT-2's positions
+ * one row of T, OPT's from the attention mask's cumulative sum B x T), the final LayerNorm (as a layer's), the head's
+ * input, under autocast the head weight's 16-bit copy, the loss's fp32 log-softmax, the shifted labels and a scalar.
+ * Checkpointing (HF's): each block's input instead of its tensors. */
+static size_t saved_gpt2(const shape *s, int opt) {
     const size_t h = s->mixed ? 4 : s->e;
-    size_t once = s->BT * 8 + s->T * 8 + s->BT * s->d * h + 2 * s->BT * h + s->BT * s->d * s->a +
+    size_t once = s->BT * 8 + (opt ? s->BT : s->T) * 8 + s->BT * s->d * h + 2 * s->BT * h + s->BT * s->d * s->a +
                   (s->mixed ? s->d * s->V * 2 : 0) + s->BT * s->V * 4 + labels_bytes(s) + 4;
-    return once + s->L * (s->ckpt ? s->BT * s->d * h : layer_gpt2(s));
+    return once + s->L * (s->ckpt ? s->BT * s->d * h : layer_gpt2(s, opt));
 }
 
 /* bitsandbytes' AdamW8bit state of one tensor of n elements: from 4096 elements two uint8 states and fp32 absmax
@@ -117,12 +120,12 @@ static void nf4_bytes(const shape *s, size_t n_params, size_t *params, size_t *q
 static fl_status check_setup(const fl_model_config *mc, const fl_lab_peer_setup *u, const char **optim) {
     const char *p = u->precision ? u->precision : "";
     *optim = u->optim ? u->optim : "adamw";
-    if (mc->arch != FL_ARCH_LLAMA && mc->arch != FL_ARCH_GPT2)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: %s is not modelled (LLaMA's and GPT-2's shapes are)",
-                         mc->name);
-    if (mc->arch == FL_ARCH_GPT2 && (u->lora_r || u->nf4 || (u->optim && !strcmp(u->optim, "adamw8bit"))))
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: GPT-2 is modelled for full fine-tunes with AdamW or SGD "
-                         "(measured), not LoRA, QLoRA or 8-bit AdamW");
+    if (mc->arch != FL_ARCH_LLAMA && mc->arch != FL_ARCH_GPT2 && mc->arch != FL_ARCH_OPT)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: %s is not modelled (LLaMA's, GPT-2's and OPT's shapes "
+                         "are)", mc->name);
+    if (mc->arch != FL_ARCH_LLAMA && (u->lora_r || u->nf4 || (u->optim && !strcmp(u->optim, "adamw8bit"))))
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: %s is modelled for full fine-tunes with AdamW or SGD "
+                         "(measured), not LoRA, QLoRA or 8-bit AdamW", fl_arch_get(mc->arch)->display);
     if (strcmp(p, "32-true") && strcmp(p, "bf16-true") && strcmp(p, "bf16-mixed") && strcmp(p, "16-mixed"))
         return fl_errorf(FL_ERR_UNSUPPORTED, "--peer pytorch: precision %s is not modelled (32-true, bf16-true, "
                          "bf16-mixed and 16-mixed are)", p);
@@ -148,8 +151,11 @@ static fl_status check_setup(const fl_model_config *mc, const fl_lab_peer_setup 
 /* The categories the fixture measures. */
 static void categories(const fl_model_config *mc, size_t n_params, const fl_lab_peer_setup *u, const shape *s,
                        const char *optim, fl_lab_peer *out) {
-    const int gpt2 = mc->arch == FL_ARCH_GPT2; /* GPT-2: 12 tensors a layer, wte, wpe, ln_f's two (+ an untied head) */
-    const size_t tensors = gpt2 ? 12 * s->L + (mc->tie_embeddings ? 4 : 5) : 9 * s->L + (mc->tie_embeddings ? 2 : 3);
+    /* tensors: GPT-2 12 a layer, OPT 16 (q, k, v apart), and the token and position tables and the final norm's two
+     * (+ an untied head); LLaMA 9 a layer, the table and the final norm (+ the head) */
+    const int gpt2 = mc->arch == FL_ARCH_GPT2, opt = mc->arch == FL_ARCH_OPT;
+    const size_t tensors = gpt2 || opt ? (opt ? 16 : 12) * s->L + (mc->tie_embeddings ? 4 : 5) :
+                                         9 * s->L + (mc->tie_embeddings ? 2 : 3);
     size_t trainable = n_params, state_e = s->e;
     out->params = n_params * s->e;
     if (u->lora_r) {
@@ -163,7 +169,7 @@ static void categories(const fl_model_config *mc, size_t n_params, const fl_lab_
     if (!strcmp(optim, "sgd")) out->optim = 0; /* no momentum: stateless */
     else if (!strcmp(optim, "adamw8bit")) out->optim = adam8bit_state(mc, s);
     else out->optim = 2 * trainable * state_e + 4 * (u->lora_r ? 4 * s->L : tensors); /* + a fp32 step per tensor */
-    out->saved = gpt2 ? saved_gpt2(s) : saved_bytes(s);
+    out->saved = gpt2 || opt ? saved_gpt2(s, opt) : saved_bytes(s);
     out->logits = s->BT * s->V * s->a;
 }
 
@@ -187,7 +193,7 @@ fl_status fl_lab_peer_pytorch_setup(const fl_model_config *mc, size_t n_params, 
     if (u->act_ckpt) {
         shape f = s;
         f.ckpt = 0;
-        out->recompute = mc->arch == FL_ARCH_GPT2 ? layer_gpt2(&f) : layer_full(&f);
+        out->recompute = mc->arch == FL_ARCH_LLAMA ? layer_full(&f) : layer_gpt2(&f, mc->arch == FL_ARCH_OPT);
     }
     /* modelled: AdamW's step (foreach, the default on a GPU) takes sqrt(exp_avg_sq) of every tensor at once, one
      * trainable-sized temporary; SGD and bitsandbytes' 8-bit kernel update in place */

@@ -30,6 +30,7 @@ struct fl_blip2 {
     float *patches, *pe;    /* (B P, 3 p p) the pixels patch by patch, (B P, Cv) their projection */
     float *qproj, *dqproj;  /* (B NQ, Ct) the projected queries, their gradient */
     float *dimg;            /* (B (P + 1), Cv) d(image features) */
+    float *wstage;          /* 16-bit storage: the entries the passes read as fp32, widened (par), else unused */
     float *gb[FL_GRAPH_MAX_GBUF];
     int n_gb;
     float *logits, *losses;

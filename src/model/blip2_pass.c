@@ -67,6 +67,19 @@ static size_t carve_acts(fl_blip2 *b, char *base) {
     return cv.off;
 }
 
+/* 16-bit storage: the most the passes widen at once (par): the vision tower's class token, positions and patch bias,
+ * the Q-Former's query tokens and embedding norm, a language-model position row or final norm (2 Ct also covers the
+ * projection's bias); none with fp32 storage. */
+static size_t wstage_elems(const fl_blip2 *b) {
+    int st16 = 0;
+    for (int k = 0; k < FL_BLIP2_PARTS; k++) st16 |= fl_model_store_dtype(&b->part[k]) != FL_F32;
+    if (!st16) return 0;
+    const size_t Cv = (size_t)b->cfg.vision.dim, Cq = (size_t)b->cfg.qformer.dim, Ct = (size_t)b->cfg.text.dim;
+    size_t n = Cv * ((size_t)b->cfg.vision.max_seq + 2), nq = Cq * ((size_t)b->cfg.n_queries + 2);
+    if (nq > n) n = nq;
+    return 2 * Ct > n ? 2 * Ct : n;
+}
+
 /* WORKSPACE: the patches, the projected queries, d(image features), the gradient buffers, a logits chunk, ids. */
 static size_t carve_work(fl_blip2 *b, char *base) {
     fl_carver cv = {base, 0};
@@ -97,7 +110,9 @@ static size_t carve_work(fl_blip2 *b, char *base) {
     float *lg = TAKEF(&cv, (size_t)b->chunk * V), *ls = TAKEF(&cv, NL);
     int32_t *ids = fl_carve(&cv, NL * sizeof(int32_t));
     int32_t *tg = fl_backend_host_memory(b->be) ? NULL : fl_carve(&cv, NL * sizeof(int32_t));
+    float *ws = TAKEF(&cv, wstage_elems(b));
     if (base) {
+        b->wstage = ws;
         b->patches = pa, b->pe = pe, b->qproj = qp, b->dqproj = dqp, b->dimg = di, b->n_gb = ngb;
         b->logits = lg, b->losses = ls, b->ids = ids, b->dtargets = tg;
     }
@@ -198,22 +213,40 @@ fl_status fl_blip2_alloc_acts_s2s(fl_blip2 *b, int B, int Ts, int Tt) {
 
 /* ---- helpers ------------------------------------------------------------------------------------ */
 
-/* fp32 parameter / gradient of part m's entry of role r in group g (NULL if absent or no gradients) */
-static float *prm(const fl_model *m, int g, int r, int grad) {
+/* The parameter store (store.h) binds every weight these ops read, as the decoder's and T5's interpreters do:
+ * fp32 storage gives the stored entries in place (the pointers the passes always read); 16-bit storage (bf16-true)
+ * widens the entries read as fp32 (class token, positions, query tokens, norms, biases) into BLIP-2's own staging
+ * (`wstage`, WORKSPACE) and stages each layout group's gradient in fp32 (the store's gstage, added into its 16-bit
+ * gradient once per group and micro-batch); the linears read the 16-bit weights directly (fl_linear_set_weight). */
+
+/* Entry (g, r) of part m as fp32, NULL if absent: in place, or widened at *cur (advanced; bind right before use: the
+ * next binding from the same start overwrites it). */
+static const float *par(const fl_model *m, int g, int r, float **cur) {
     const int i = fl_layout_role(&m->layout, g, (fl_param_role)r);
-    if (i < 0) return NULL;
-    if (grad) return fl_model_grads_f32(m) ? fl_model_grads_f32(m) + m->layout.params[i].offset : NULL;
-    return fl_model_params_f32(m) + fl_model_store_off(m, i);
+    return i < 0 ? NULL : fl_store_bind_1d(m->store, i, cur);
 }
 
-/* A linear of the parts' outer groups (the patch embedding, the language projection). */
-static fl_linear outer_linear(const fl_model *m, int g, int rw, int rb) {
+/* Its gradient: in place (fp32), its place in the open stage of group g (16-bit), NULL without gradients. */
+static float *grd(const fl_model *m, int g, int r) {
+    const int i = fl_layout_role(&m->layout, g, (fl_param_role)r);
+    return i < 0 ? NULL : fl_store_grad(m->store, m->layout.params[i].offset);
+}
+
+/* 16-bit storage: group g's gradients (its first n elements: n 0, the whole group) staged in fp32 around their
+ * writers, added into the stored gradient once (no-ops in fp32 and without gradients) */
+static void stage_open(fl_model *m, int g, size_t n) { fl_store_stage_begin(m->store, n ? n : fl_group_numel(m, g)); }
+static fl_status stage_close(fl_model *m, int g, size_t n) {
+    return fl_store_stage_flush(m->store, m->layout.group_offset[g], n ? n : fl_group_numel(m, g));
+}
+
+/* A linear of the parts' outer groups (the patch embedding, the language projection); its bias widened at *cur. */
+static fl_linear outer_linear(const fl_model *m, int g, int rw, int rb, float **cur) {
     const int wi = fl_layout_role(&m->layout, g, (fl_param_role)rw);
     fl_linear lin = {.in = (int)m->layout.params[wi].shape[1], .out = (int)m->layout.params[wi].shape[0]};
     fl_linear_set_weight(m, &lin, wi);
-    lin.b = prm(m, g, rb, 0);
-    lin.dw = prm(m, g, rw, 1);
-    lin.db = prm(m, g, rb, 1);
+    lin.b = par(m, g, rb, cur);
+    lin.dw = grd(m, g, rw);
+    lin.db = grd(m, g, rb);
     return lin;
 }
 
@@ -250,18 +283,19 @@ static fl_status patch_forward(fl_blip2 *b, const float *pixels) {
                                pixels + (((size_t)n * 3 + ch) * S + (size_t)gy * ps + y) * S + (size_t)gx * ps,
                                (size_t)ps * sizeof *row);
             }
-    fl_status s = be->to_device(be, b->patches, h, (size_t)B * P * K * sizeof *h);
+    fl_status s = FL_RUN(be, to_device, b->patches, h, (size_t)B * P * K * sizeof *h);
     fl_mem_free(hp, h);
     FL_TRY(s);
-    fl_linear lin = outer_linear(m, 0, FL_ROLE_PATCH_W, FL_ROLE_PATCH_B);
+    float *cur = b->wstage;
+    fl_linear lin = outer_linear(m, 0, FL_ROLE_PATCH_W, FL_ROLE_PATCH_B, &cur);
     FL_TRY(fl_linear_forward(be, b->pe, b->patches, &lin, B * P)); // (B P, C)
-    const float *cls = prm(m, 0, FL_ROLE_CLS_EMBED, 0), *pos = prm(m, 0, FL_ROLE_POS_EMBED, 0);
+    const float *cls = par(m, 0, FL_ROLE_CLS_EMBED, &cur), *pos = par(m, 0, FL_ROLE_POS_EMBED, &cur);
     float *r0 = b->st[0].res[0];
     for (int n = 0; n < B; n++) {
         float *r = r0 + (size_t)n * T0 * C;
-        FL_TRY(be->copy(be, r, cls, (size_t)C * sizeof(float)));
-        FL_TRY(be->copy(be, r + C, b->pe + (size_t)n * P * C, (size_t)P * C * sizeof(float)));
-        be->add(be, r, r, pos, (size_t)T0 * C);
+        FL_TRY(FL_RUN(be, copy, r, cls, (size_t)C * sizeof(float)));
+        FL_TRY(FL_RUN(be, copy, r + C, b->pe + (size_t)n * P * C, (size_t)P * C * sizeof(float)));
+        FL_RUN(be, add, r, r, pos, (size_t)T0 * C);
     }
     return FL_OK;
 }
@@ -270,17 +304,20 @@ static fl_status patch_forward(fl_blip2 *b, const float *pixels) {
  * positions' gradients summed over the batch. */
 static fl_status patch_backward(fl_blip2 *b, const float *dres) {
     const fl_backend *be = b->be;
-    const fl_model *m = &b->part[0];
+    fl_model *m = &b->part[0];
     const int C = m->cfg.dim, P = npatch(b), T0 = P + 1, B = b->Bp;
-    float *dcls = prm(m, 0, FL_ROLE_CLS_EMBED, 1), *dpos = prm(m, 0, FL_ROLE_POS_EMBED, 1), *dpe = b->gb[1];
+    stage_open(m, 0, 0);
+    float *dcls = grd(m, 0, FL_ROLE_CLS_EMBED), *dpos = grd(m, 0, FL_ROLE_POS_EMBED), *dpe = b->gb[1];
     for (int n = 0; n < B; n++) {
         const float *d = dres + (size_t)n * T0 * C;
-        be->add(be, dcls, dcls, d, (size_t)C);
-        be->add(be, dpos, dpos, d, (size_t)T0 * C);
-        FL_TRY(be->copy(be, dpe + (size_t)n * P * C, d + C, (size_t)P * C * sizeof(float)));
+        FL_RUN(be, add, dcls, dcls, d, (size_t)C);
+        FL_RUN(be, add, dpos, dpos, d, (size_t)T0 * C);
+        FL_TRY(FL_RUN(be, copy, dpe + (size_t)n * P * C, d + C, (size_t)P * C * sizeof(float)));
     }
-    fl_linear lin = outer_linear(m, 0, FL_ROLE_PATCH_W, FL_ROLE_PATCH_B);
-    return fl_linear_backward(be, NULL, 0, dpe, b->patches, &lin, B * P);
+    float *cur = b->wstage;
+    fl_linear lin = outer_linear(m, 0, FL_ROLE_PATCH_W, FL_ROLE_PATCH_B, &cur);
+    FL_TRY(fl_linear_backward(be, NULL, 0, dpe, b->patches, &lin, B * P));
+    return stage_close(m, 0, 0);
 }
 
 /* The learned queries for every image, then the Q-Former's embedding LayerNorm into res[0]. */
@@ -289,24 +326,36 @@ static fl_status queries_forward(fl_blip2 *b) {
     const fl_model *m = &b->part[1];
     fl_b2_stack *st = &b->st[1];
     const size_t n = (size_t)st->T * m->cfg.dim;
-    const float *q = prm(m, 0, FL_ROLE_QUERY_EMBED, 0);
-    for (int i = 0; i < b->Bp; i++) FL_TRY(be->copy(be, st->nin + i * n, q, n * sizeof(float)));
-    fl_norm_forward(m, st->res[0], st->nmean, st->nrstd, st->nin, prm(m, 0, FL_ROLE_EMB_NORM_W, 0),
-                    prm(m, 0, FL_ROLE_EMB_NORM_B, 0), b->Bp * st->T);
+    float *cur = b->wstage;
+    const float *q = par(m, 0, FL_ROLE_QUERY_EMBED, &cur);
+    for (int i = 0; i < b->Bp; i++) FL_TRY(FL_RUN(be, copy, st->nin + i * n, q, n * sizeof(float)));
+    const float *w = par(m, 0, FL_ROLE_EMB_NORM_W, &cur), *bias = par(m, 0, FL_ROLE_EMB_NORM_B, &cur);
+    fl_norm_forward(m, st->res[0], st->nmean, st->nrstd, st->nin, w, bias, b->Bp * st->T);
     return FL_OK;
 }
 
-static void queries_backward(fl_blip2 *b, const float *dres) {
+static fl_status queries_backward(fl_blip2 *b, const float *dres) {
     const fl_backend *be = b->be;
     fl_model *m = &b->part[1];
     fl_b2_stack *st = &b->st[1];
     const size_t n = (size_t)st->T * m->cfg.dim;
-    float *din = b->gb[1];
-    be->zero(be, din, (size_t)b->Bp * n * sizeof(float));
-    fl_norm_backward(m, din, prm(m, 0, FL_ROLE_EMB_NORM_W, 1), prm(m, 0, FL_ROLE_EMB_NORM_B, 1), dres, st->nin,
-                     prm(m, 0, FL_ROLE_EMB_NORM_W, 0), st->nmean, st->nrstd, b->Bp * st->T);
-    float *dq = prm(m, 0, FL_ROLE_QUERY_EMBED, 1);
-    for (int i = 0; dq && i < b->Bp; i++) be->add(be, dq, dq, din + i * n, n);
+    float *din = b->gb[1], *cur = b->wstage;
+    FL_RUN(be, zero, din, (size_t)b->Bp * n * sizeof(float));
+    stage_open(m, 0, 0);
+    fl_norm_backward(m, din, grd(m, 0, FL_ROLE_EMB_NORM_W), grd(m, 0, FL_ROLE_EMB_NORM_B), dres, st->nin,
+                     par(m, 0, FL_ROLE_EMB_NORM_W, &cur), st->nmean, st->nrstd, b->Bp * st->T);
+    float *dq = grd(m, 0, FL_ROLE_QUERY_EMBED);
+    for (int i = 0; dq && i < b->Bp; i++) FL_RUN(be, add, dq, dq, din + i * n, n);
+    return stage_close(m, 0, 0);
+}
+
+/* The language model's learned position of row t as fp32 (16-bit storage: widened into the staging). */
+static const float *pos_row(const fl_blip2 *b, const fl_model *m, const fl_outer_params *op, int t) {
+    const size_t C = (size_t)m->cfg.dim;
+    if (op->wpe) return op->wpe + (size_t)t * C;
+    FL_RUN(b->be, convert, b->wstage, FL_F32, fl_store_param_at(m->store, op->wpe_off + (size_t)t * C),
+           m->store->dtype, C);
+    return b->wstage;
 }
 
 /* The language model's embeddings, the projected queries in their rows (+ the rows' positions). */
@@ -316,14 +365,14 @@ static fl_status embed_forward(fl_blip2 *b) {
     const int C = m->cfg.dim, TL = b->st[2].T, NQ = b->cfg.n_queries;
     fl_outer_params op;
     fl_get_outer(m, &op);
-    FL_TRY(be->to_device(be, b->ids, b->hids, (size_t)b->Bp * TL * sizeof(int32_t)));
+    FL_TRY(FL_RUN(be, to_device, b->ids, b->hids, (size_t)b->Bp * TL * sizeof(int32_t)));
     float *r0 = b->st[2].res[0];
     FL_TRY(fl_embed_forward(m, &op, r0, b->ids, b->hids, b->Bp, TL, 0));
     for (int i = 0; i < b->Bp * NQ; i++) {
         const int row = b->qrow[i], t = row % TL;
         float *r = r0 + (size_t)row * C;
-        FL_TRY(be->copy(be, r, b->qproj + (size_t)i * C, (size_t)C * sizeof(float)));
-        be->add(be, r, r, op.wpe + (size_t)t * C, (size_t)C);
+        FL_TRY(FL_RUN(be, copy, r, b->qproj + (size_t)i * C, (size_t)C * sizeof(float)));
+        FL_RUN(be, add, r, r, pos_row(b, m, &op, t), (size_t)C);
     }
     return FL_OK;
 }
@@ -335,15 +384,17 @@ static fl_status embed_backward(fl_blip2 *b, float *dres) {
     const int C = m->cfg.dim, TL = b->st[2].T, NQ = b->cfg.n_queries;
     fl_outer_params op;
     fl_get_outer(m, &op);
+    stage_open(m, 0, 0); /* the rows' positions and the tables' gradients: one stage of group 0 */
     for (int i = 0; i < b->Bp * NQ; i++) {
         const int row = b->qrow[i], t = row % TL;
         float *d = dres + (size_t)row * C;
-        FL_TRY(be->copy(be, b->dqproj + (size_t)i * C, d, (size_t)C * sizeof(float)));
-        if (op.dwpe) be->add(be, op.dwpe + (size_t)t * C, op.dwpe + (size_t)t * C, d, (size_t)C);
-        be->zero(be, d, (size_t)C * sizeof(float));
+        FL_TRY(FL_RUN(be, copy, b->dqproj + (size_t)i * C, d, (size_t)C * sizeof(float)));
+        if (op.dwpe) FL_RUN(be, add, op.dwpe + (size_t)t * C, op.dwpe + (size_t)t * C, d, (size_t)C);
+        FL_RUN(be, zero, d, (size_t)C * sizeof(float));
     }
     /* a frozen language model (the Q-Former trains through it): no table to update */
-    return fl_model_grads_f32(m) ? fl_embed_backward(m, &op, dres, b->ids, b->Bp, TL) : FL_OK;
+    if (op.dwte) FL_RUN(be, embedding_backward, op.dwte, op.dwpe, dres, b->ids, b->Bp, TL, C);
+    return stage_close(m, 0, 0);
 }
 
 /* ---- the passes ------------------------------------------------------------------------------------ */
@@ -366,7 +417,7 @@ static fl_status blocks_backward(fl_blip2 *b, int k) {
     float *dxs[FL_GRAPH_MAX_SLOTS] = {0};
     if (st->xslot >= 0) {
         dxs[st->xslot] = b->dimg;
-        b->be->zero(b->be, b->dimg, (size_t)b->Bp * b->st[0].T * b->cfg.vision.dim * sizeof(float));
+        FL_RUN(b->be, zero, b->dimg, (size_t)b->Bp * b->st[0].T * b->cfg.vision.dim * sizeof(float));
     }
     const fl_block_graph *live[2] = {NULL, NULL}; /* checkpointing: the graphs whose shared slots hold a block now */
     for (int l = st->L - 1; l >= 0; l--) {
@@ -383,7 +434,9 @@ static fl_status blocks_backward(fl_blip2 *b, int k) {
         }
         live[v] = g;
         fl_block_ctx x = ctx_of(b, k, dxs);
+        stage_open(&b->part[k], l + 1, 0);
         FL_TRY(fl_block_backward(&b->part[k], g, &bp, st->layer[l].s, b->gb, &x));
+        FL_TRY(stage_close(&b->part[k], l + 1, 0));
     }
     return FL_OK;
 }
@@ -396,9 +449,16 @@ fl_status fl_blip2_set_act_ckpt(fl_blip2 *b, int on) {
 
 /* The head and the loss over the language model's final norm output (d(its input) in gb[1] in training). */
 static fl_status head_loss(fl_blip2 *b, const int32_t *targets, float grad_scale, float *logits_out) {
+    fl_model *m = &b->part[2];
     const fl_head_bufs h = {b->st[2].nout, b->gb[1], b->logits, b->losses, b->dtargets, b->chunk};
-    return fl_head_loss(&b->part[2], &h, targets, b->Bp * b->st[2].T, grad_scale, logits_out, &b->loss_sum,
-                        &b->n_valid);
+    /* 16-bit storage: the head's gradient staged alone, added into its 16-bit gradient after */
+    fl_outer_params op;
+    fl_get_outer(m, &op);
+    const size_t head_n = (size_t)m->cfg.vocab_size * m->cfg.dim;
+    const int stage_head = grad_scale > 0 && targets && op.dhead && m->store->g16;
+    if (stage_head) fl_store_stage_begin(m->store, head_n);
+    FL_TRY(fl_head_loss(m, &h, targets, b->Bp * b->st[2].T, grad_scale, logits_out, &b->loss_sum, &b->n_valid));
+    return stage_head ? fl_store_stage_flush(m->store, op.head_off, head_n) : FL_OK;
 }
 
 /* Part k's model graph, forward. */
@@ -416,9 +476,11 @@ static fl_status part_forward(fl_blip2 *b, int k, const float *pixels, const int
         case FL_MOP_QUERIES: FL_TRY(queries_forward(b)); break;
         case FL_MOP_EMBED: FL_TRY(embed_forward(b)); break;
         case FL_MOP_NORM:
-            if (after) /* the final norm; QUERIES ran the embedding norm already */
-                fl_norm_forward(m, st->nout, st->nmean, st->nrstd, st->res[st->L], prm(m, G, mg.op[i].role_w, 0),
-                                prm(m, G, mg.op[i].role_b, 0), N);
+            if (after) { /* the final norm; QUERIES ran the embedding norm already */
+                float *cur = b->wstage;
+                const float *w = par(m, G, mg.op[i].role_w, &cur), *bias = par(m, G, mg.op[i].role_b, &cur);
+                fl_norm_forward(m, st->nout, st->nmean, st->nrstd, st->res[st->L], w, bias, N);
+            }
             break;
         case FL_MOP_BLOCKS:
             FL_TRY(blocks_forward(b, k));
@@ -437,7 +499,8 @@ static fl_status part_forward(fl_blip2 *b, int k, const float *pixels, const int
 /* The Q-Former's output (its last residual rows) through the language projection into qproj. */
 static fl_status project_forward(fl_blip2 *b) {
     const fl_model *m = &b->part[1];
-    fl_linear lin = outer_linear(m, m->layout.n_groups - 1, FL_ROLE_LMPROJ_W, FL_ROLE_LMPROJ_B);
+    float *cur = b->wstage;
+    fl_linear lin = outer_linear(m, m->layout.n_groups - 1, FL_ROLE_LMPROJ_W, FL_ROLE_LMPROJ_B, &cur);
     return fl_linear_forward(b->be, b->qproj, b->st[1].res[b->st[1].L], &lin, b->Bp * b->st[1].T);
 }
 
@@ -477,8 +540,9 @@ static fl_status front(fl_blip2 *b, const char *fn, const float *pixels, const i
     if (B <= 0 || T <= 0 || B > b->B || T != b->T)
         return fl_errorf(FL_ERR_INVALID, "%s: batch %d x %d does not fit the arena's %d x %d", fn, B, T, b->B, b->T);
     for (int k = 0; k < FL_BLIP2_PARTS; k++)
-        if (!fl_model_params_f32(&b->part[k]) || fl_model_provider(&b->part[k]) || fl_model_quant4(&b->part[k]))
-            return fl_errorf(FL_ERR_UNSUPPORTED, "BLIP-2 runs fp32 storage only so far");
+        if (fl_model_provider(&b->part[k]) || fl_model_quant4(&b->part[k]))
+            return fl_errorf(FL_ERR_UNSUPPORTED, "BLIP-2 runs whole fp32 or 16-bit stores only so far (not sharded "
+                             "(FSDP / ZeRO-3) or 4-bit ones)");
     int any = 0;
     for (int k = 0; k < FL_BLIP2_PARTS; k++) any |= part_trains(&b->part[k]);
     if (grad_scale > 0 && (!targets || !any))
@@ -541,6 +605,20 @@ fl_status fl_blip2_forward_s2s(fl_blip2 *b, const float *pixels, const int32_t *
     return FL_OK;
 }
 
+/* Part k's final norm backward: d(its output) in dout, d(its input) into gb[0] (zeroed by the caller). Its group's
+ * 1-D entries open it (the head after them was staged alone in the forward). */
+static fl_status final_norm_backward(fl_blip2 *b, int k, const float *dout) {
+    fl_model *m = &b->part[k];
+    const fl_b2_stack *st = &b->st[k];
+    const int G = m->layout.n_groups - 1;
+    const size_t n1 = fl_outer_1d(m);
+    float *cur = b->wstage;
+    stage_open(m, G, n1);
+    fl_norm_backward(m, b->gb[0], grd(m, G, FL_ROLE_NORM_F_W), grd(m, G, FL_ROLE_NORM_F_B), dout, st->res[st->L],
+                     par(m, G, FL_ROLE_NORM_F_W, &cur), st->nmean, st->nrstd, b->Bp * st->T);
+    return stage_close(m, G, n1);
+}
+
 fl_status fl_blip2_backward(fl_blip2 *b) {
     if (!b->fwd_train) return fl_errorf(FL_ERR_INVALID, "fl_blip2_backward: needs a preceding training forward");
     const fl_backend *be = b->be;
@@ -553,9 +631,8 @@ fl_status fl_blip2_backward(fl_blip2 *b) {
     if (fl_model_is_s2s(&lm->cfg)) { /* its own passes; the queries' rows' gradient in dqproj */
         FL_TRY(fl_model_backward_s2s(lm));
     } else {
-        be->zero(be, b->gb[0], (size_t)N * lm->cfg.dim * sizeof(float));
-        fl_norm_backward(lm, b->gb[0], prm(lm, G, FL_ROLE_NORM_F_W, 1), prm(lm, G, FL_ROLE_NORM_F_B, 1), b->gb[1],
-                         st->res[st->L], prm(lm, G, FL_ROLE_NORM_F_W, 0), st->nmean, st->nrstd, N);
+        FL_RUN(be, zero, b->gb[0], (size_t)N * lm->cfg.dim * sizeof(float));
+        FL_TRY(final_norm_backward(b, FL_BLIP2_TEXT, b->gb[1]));
         FL_TRY(blocks_backward(b, FL_BLIP2_TEXT));
         FL_TRY(embed_backward(b, b->gb[0]));
     }
@@ -564,18 +641,18 @@ fl_status fl_blip2_backward(fl_blip2 *b) {
     if (!part_trains(qf) && !part_trains(vm)) return FL_OK;
     /* the projection: d(Q-Former output) into gb[0] */
     G = qf->layout.n_groups - 1;
-    fl_linear proj = outer_linear(qf, G, FL_ROLE_LMPROJ_W, FL_ROLE_LMPROJ_B);
+    float *cur = b->wstage;
+    fl_linear proj = outer_linear(qf, G, FL_ROLE_LMPROJ_W, FL_ROLE_LMPROJ_B, &cur);
+    stage_open(qf, G, 0);
     FL_TRY(fl_linear_backward(be, b->gb[0], 0, b->dqproj, b->st[1].res[b->st[1].L], &proj, b->Bp * b->st[1].T));
+    FL_TRY(stage_close(qf, G, 0));
     FL_TRY(blocks_backward(b, FL_BLIP2_QFORMER)); /* d(image features) into dimg */
-    queries_backward(b, b->gb[0]);
+    FL_TRY(queries_backward(b, b->gb[0]));
     if (!part_trains(vm)) return FL_OK;
     /* the vision tower from d(its output) */
-    st = &b->st[0];
-    G = vm->layout.n_groups - 1;
-    N = b->Bp * st->T;
-    be->zero(be, b->gb[0], (size_t)N * vm->cfg.dim * sizeof(float));
-    fl_norm_backward(vm, b->gb[0], prm(vm, G, FL_ROLE_NORM_F_W, 1), prm(vm, G, FL_ROLE_NORM_F_B, 1), b->dimg,
-                     st->res[st->L], prm(vm, G, FL_ROLE_NORM_F_W, 0), st->nmean, st->nrstd, N);
+    N = b->Bp * b->st[0].T;
+    FL_RUN(be, zero, b->gb[0], (size_t)N * vm->cfg.dim * sizeof(float));
+    FL_TRY(final_norm_backward(b, FL_BLIP2_VISION, b->dimg));
     FL_TRY(blocks_backward(b, FL_BLIP2_VISION));
     return patch_backward(b, b->gb[0]);
 }

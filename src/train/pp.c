@@ -5,12 +5,12 @@
 
 #include "fitllm/pp.h"
 
-static const char *k_names[FL_PP_SCHEDULE_COUNT] = {"gpipe", "1f1b"};
+static const char *k_names[FL_PP_INTERLEAVED + 1] = {"gpipe", "1f1b", "interleaved"};
 
-const char *fl_pp_schedule_name(fl_pp_schedule k) { return k >= 0 && k < FL_PP_SCHEDULE_COUNT ? k_names[k] : "?"; }
+const char *fl_pp_schedule_name(fl_pp_schedule k) { return k >= 0 && k <= FL_PP_INTERLEAVED ? k_names[k] : "?"; }
 
 fl_status fl_pp_schedule_parse(const char *name, fl_pp_schedule *out) {
-    for (int k = 0; k < FL_PP_SCHEDULE_COUNT; k++)
+    for (int k = 0; k < FL_PP_SCHEDULE_COUNT; k++) /* what the trainer runs (interleaved: the library's and the plan's) */
         if (name && !strcmp(name, k_names[k])) {
             *out = (fl_pp_schedule)k;
             return FL_OK;
@@ -18,22 +18,54 @@ fl_status fl_pp_schedule_parse(const char *name, fl_pp_schedule *out) {
     return fl_errorf(FL_ERR_INVALID, "pipeline_schedule '%s': expected gpipe or 1f1b", name ? name : "(null)");
 }
 
-fl_status fl_pp_schedule_ops(fl_pp_schedule k, int stages, int stage, int micro, fl_pp_op *ops) {
-    if (stages < 1 || stage < 0 || stage >= stages || micro < 1)
-        return fl_errorf(FL_ERR_INVALID, "pipeline schedule: stage %d of %d with %d micro-batches (need 0 <= stage < "
-                         "stages and at least one micro-batch)", stage, stages, micro);
-    if (k != FL_PP_GPIPE && k != FL_PP_1F1B) return fl_errorf(FL_ERR_INVALID, "pipeline schedule: unknown kind %d", (int)k);
+/* Megatron-LM's interleaved order: forward i on micro-batch (i / (S V)) S + i % S of chunk (i / S) % V, backward i on
+ * the same micro-batch of chunk V - 1 - (i / S) % V (the chunks run in reverse); the warm-up fills the virtual stages
+ * after this rank's first chunk (2 (S - s - 1) + (V - 1) S forwards) */
+static int interleaved_ops(int S, int V, int s, int M, fl_pp_op *ops) {
+    const int n = M * V;
+    int warm = 2 * (S - s - 1) + (V - 1) * S, k = 0, f = 0, b = 0;
+    if (warm > n) warm = n;
+#define PP_IOP(kind, i, c) (fl_pp_op){kind, ((i) / (S * V)) * S + (i) % S, c}
+    while (f < warm) ops[k++] = PP_IOP(FL_PP_FWD, f, (f / S) % V), f++;
+    while (f < n) {
+        ops[k++] = PP_IOP(FL_PP_FWD, f, (f / S) % V), f++;
+        ops[k++] = PP_IOP(FL_PP_BWD, b, V - 1 - (b / S) % V), b++;
+    }
+    while (b < n) ops[k++] = PP_IOP(FL_PP_BWD, b, V - 1 - (b / S) % V), b++;
+#undef PP_IOP
+    return k;
+}
+
+fl_status fl_pp_schedule_ops_v(fl_pp_schedule k, int stages, int chunks, int stage, int micro, fl_pp_op *ops) {
+    if (stages < 1 || stage < 0 || stage >= stages || micro < 1 || chunks < 1)
+        return fl_errorf(FL_ERR_INVALID, "pipeline schedule: stage %d of %d with %d micro-batches and %d chunks (need 0 "
+                         "<= stage < stages, at least one micro-batch and one chunk)", stage, stages, micro, chunks);
+    if (k < 0 || k > FL_PP_INTERLEAVED) return fl_errorf(FL_ERR_INVALID, "pipeline schedule: unknown kind %d", (int)k);
+    if (k != FL_PP_INTERLEAVED && chunks != 1)
+        return fl_errorf(FL_ERR_INVALID, "pipeline schedule %s: one chunk per rank (%d given; interleaved runs several)",
+                         k_names[k], chunks);
+    if (k == FL_PP_INTERLEAVED) {
+        if (micro % stages)
+            return fl_errorf(FL_ERR_INVALID, "pipeline schedule interleaved: %d micro-batches (gradient accumulation "
+                             "steps) is not a multiple of the %d stages", micro, stages);
+        interleaved_ops(stages, chunks, stage, micro, ops);
+        return FL_OK;
+    }
     int n = 0, f = 0, b = 0;
     /* GPipe: every forward first. 1F1B: the warm-up forwards fill the stages after this one, so that the last
      * stage's first backward (which needs them all) can start; then one forward, one backward */
     const int warm = k == FL_PP_GPIPE ? micro : (stages - stage - 1 < micro ? stages - stage - 1 : micro);
-    while (f < warm) ops[n++] = (fl_pp_op){FL_PP_FWD, f++};
+    while (f < warm) ops[n++] = (fl_pp_op){FL_PP_FWD, f++, 0};
     while (f < micro) {
-        ops[n++] = (fl_pp_op){FL_PP_FWD, f++};
-        ops[n++] = (fl_pp_op){FL_PP_BWD, b++};
+        ops[n++] = (fl_pp_op){FL_PP_FWD, f++, 0};
+        ops[n++] = (fl_pp_op){FL_PP_BWD, b++, 0};
     }
-    while (b < micro) ops[n++] = (fl_pp_op){FL_PP_BWD, b++};
+    while (b < micro) ops[n++] = (fl_pp_op){FL_PP_BWD, b++, 0};
     return FL_OK;
+}
+
+fl_status fl_pp_schedule_ops(fl_pp_schedule k, int stages, int stage, int micro, fl_pp_op *ops) {
+    return fl_pp_schedule_ops_v(k, stages, 1, stage, micro, ops);
 }
 
 int fl_pp_in_flight(const fl_pp_op *ops, int n) {
@@ -113,54 +145,61 @@ fl_status fl_pp_split(int n_layers, const double *cost, int stages, int *first) 
     return ok ? FL_OK : fl_errorf(FL_ERR_INVALID, "pipeline split: no split of %d layers into %d stages", n_layers, stages);
 }
 
-fl_status fl_pp_simulate(fl_pp_schedule k, int stages, int micro, const double *fwd, const double *bwd,
-                         double *makespan, double *bubble) {
-    if (stages < 1 || micro < 1)
-        return fl_errorf(FL_ERR_INVALID, "pipeline simulation: %d stages, %d micro-batches (at least one each)",
-                         stages, micro);
-    for (int s = 0; s < stages; s++)
-        if (!(fwd[s] >= 0) || !(bwd[s] >= 0))
-            return fl_errorf(FL_ERR_INVALID, "pipeline simulation: stage %d's times %g, %g", s, fwd[s], bwd[s]);
-    const size_t n2 = (size_t)2 * micro;
-    fl_pp_op *ops = malloc((size_t)stages * n2 * sizeof *ops);
-    double *done = malloc((size_t)stages * n2 * sizeof *done), *clock = calloc((size_t)stages, sizeof *clock);
-    int *next = calloc((size_t)stages, sizeof *next);
+fl_status fl_pp_simulate_v(fl_pp_schedule k, int stages, int chunks, int micro, const double *fwd, const double *bwd,
+                           double *makespan, double *bubble) {
+    if (stages < 1 || micro < 1 || chunks < 1)
+        return fl_errorf(FL_ERR_INVALID, "pipeline simulation: %d stages, %d micro-batches, %d chunks (at least one "
+                         "each)", stages, micro, chunks);
+    const int S = stages, NV = stages * chunks;
+    for (int v = 0; v < NV; v++)
+        if (!(fwd[v] >= 0) || !(bwd[v] >= 0))
+            return fl_errorf(FL_ERR_INVALID, "pipeline simulation: stage %d's times %g, %g", v, fwd[v], bwd[v]);
+    const size_t n2 = (size_t)2 * micro * chunks, d2 = (size_t)2 * micro; /* a rank's operations; a virtual stage's */
+    fl_pp_op *ops = malloc((size_t)S * n2 * sizeof *ops);
+    double *done = malloc((size_t)NV * d2 * sizeof *done), *clock = calloc((size_t)S, sizeof *clock);
+    int *next = calloc((size_t)S, sizeof *next);
     fl_status st = ops && done && clock && next ? FL_OK : fl_errorf(FL_ERR_OOM, "pipeline simulation: out of memory");
-    for (int s = 0; st == FL_OK && s < stages; s++) st = fl_pp_schedule_ops(k, stages, s, micro, ops + (size_t)s * n2);
-    /* done[s][2 j + kind]: when stage s finished micro-batch j's forward (kind 0) or backward (1); -1 not yet */
-    for (size_t i = 0; done && i < (size_t)stages * n2; i++) done[i] = -1;
-    int progress = 1, left = stages * (int)n2;
+    for (int s = 0; st == FL_OK && s < S; s++) st = fl_pp_schedule_ops_v(k, S, chunks, s, micro, ops + (size_t)s * n2);
+    /* done[v][2 j + kind]: when virtual stage v finished micro-batch j's forward (kind 0) or backward (1); -1 not yet */
+    for (size_t i = 0; done && i < (size_t)NV * d2; i++) done[i] = -1;
+    int progress = 1;
+    long left = (long)S * (long)n2;
     while (st == FL_OK && progress && left > 0) {
         progress = 0;
-        for (int s = 0; s < stages; s++)
+        for (int s = 0; s < S; s++)
             while (next[s] < (int)n2) {
                 const fl_pp_op o = ops[(size_t)s * n2 + next[s]];
-                /* forward j needs stage s - 1's forward j; backward j stage s + 1's backward j (the last stage:
-                 * its own forward j, which its order already ran) */
-                const int from = o.kind == FL_PP_FWD ? s - 1 : s + 1;
+                const int v = o.chunk * S + s;
+                /* forward j needs virtual stage v - 1's forward j; backward j v + 1's backward j (the last virtual
+                 * stage: its own forward j, which its order already ran) */
+                const int from = o.kind == FL_PP_FWD ? v - 1 : v + 1;
                 double ready = 0;
-                if (from >= 0 && from < stages) {
-                    ready = done[(size_t)from * n2 + 2 * o.mb + o.kind];
+                if (from >= 0 && from < NV) {
+                    ready = done[(size_t)from * d2 + 2 * o.mb + o.kind];
                     if (ready < 0) break;
                 }
                 const double t0 = clock[s] > ready ? clock[s] : ready;
-                clock[s] = t0 + (o.kind == FL_PP_FWD ? fwd[s] : bwd[s]);
-                done[(size_t)s * n2 + 2 * o.mb + o.kind] = clock[s];
+                clock[s] = t0 + (o.kind == FL_PP_FWD ? fwd[v] : bwd[v]);
+                done[(size_t)v * d2 + 2 * o.mb + o.kind] = clock[s];
                 next[s]++, left--, progress = 1;
             }
     }
     if (st == FL_OK && left > 0) st = fl_errorf(FL_ERR_INTERNAL, "pipeline simulation: the schedule deadlocks");
     double span = 0, busy = 0;
-    for (int s = 0; st == FL_OK && s < stages; s++) {
+    for (int s = 0; st == FL_OK && s < S; s++)
         if (clock[s] > span) span = clock[s];
-        busy += micro * (fwd[s] + bwd[s]);
-    }
+    for (int v = 0; st == FL_OK && v < NV; v++) busy += micro * (fwd[v] + bwd[v]);
     if (st == FL_OK) {
         *makespan = span;
-        *bubble = span > 0 ? 1 - busy / (stages * span) : 0;
+        *bubble = span > 0 ? 1 - busy / (S * span) : 0;
     }
     free(ops), free(done), free(clock), free(next);
     return st;
+}
+
+fl_status fl_pp_simulate(fl_pp_schedule k, int stages, int micro, const double *fwd, const double *bwd,
+                         double *makespan, double *bubble) {
+    return fl_pp_simulate_v(k, stages, 1, micro, fwd, bwd, makespan, bubble);
 }
 
 fl_status fl_pp_split_model(const fl_model_config *c, int T, int stages, int *first) {
@@ -173,18 +212,19 @@ fl_status fl_pp_split_model(const fl_model_config *c, int T, int stages, int *fi
     return s;
 }
 
-fl_status fl_pp_estimate_step(const fl_model_config *c, int T, int stages, int micro, fl_pp_schedule k,
-                              fl_pp_estimate *e) {
+fl_status fl_pp_estimate_step_v(const fl_model_config *c, int T, int stages, int chunks, int micro, fl_pp_schedule k,
+                                fl_pp_estimate *e) {
     memset(e, 0, sizeof *e);
-    if (stages > 64) return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: at most 64 stages", stages);
+    const int NV = stages * (chunks > 0 ? chunks : 1);
+    if (NV > 64) return fl_errorf(FL_ERR_UNSUPPORTED, "--pipeline_parallel %d: at most 64 (virtual) stages", NV);
     const int L = c->n_layers;
-    FL_TRY(fl_pp_split_model(c, T, stages, e->first));
+    FL_TRY(fl_pp_split_model(c, T, NV, e->first));
     double *cost = malloc((size_t)L * sizeof *cost + 1);
     if (!cost) return fl_errorf(FL_ERR_OOM, "pipeline estimate: out of host memory");
     fl_pp_block_costs(c, T > 0 ? T : 1, cost);
     const double unit = cost[0] > 0 ? cost[0] : 1; /* a block's (the first is never the head's) */
     double total = 0;
-    for (int s = 0; s < stages; s++) {
+    for (int s = 0; s < NV; s++) {
         double a = 0;
         for (int i = e->first[s]; i < e->first[s + 1]; i++) a += cost[i] / unit;
         e->fwd[s] = a / 3, e->bwd[s] = 2 * a / 3;
@@ -192,7 +232,12 @@ fl_status fl_pp_estimate_step(const fl_model_config *c, int T, int stages, int m
     }
     free(cost);
     e->one = micro * total;
-    return fl_pp_simulate(k, stages, micro, e->fwd, e->bwd, &e->step, &e->bubble);
+    return fl_pp_simulate_v(k, stages, chunks, micro, e->fwd, e->bwd, &e->step, &e->bubble);
+}
+
+fl_status fl_pp_estimate_step(const fl_model_config *c, int T, int stages, int micro, fl_pp_schedule k,
+                              fl_pp_estimate *e) {
+    return fl_pp_estimate_step_v(c, T, stages, 1, micro, k, e);
 }
 
 fl_status fl_pp_estimate_text(const fl_model_config *c, int T, int stages, int micro, fl_pp_schedule k,
@@ -216,5 +261,14 @@ fl_status fl_pp_estimate_text(const fl_model_config *c, int T, int stages, int m
         snprintf(buf + at, n - at, "\npipeline: expected step %.4g%s (the schedule on those times, sends free; one "
                  "process %.4g), bubble %.1f%% (equal stages: %.1f%%)%s", u * e.step, unit, u * e.one, 100 * e.bubble,
                  100.0 * (stages - 1) / (micro + stages - 1), block_ms > 0 ? " at --block-ms" : "; --block-ms MS: in ms");
+    /* what the interleaved schedule would give (two chunks per rank: virtual stages of half the blocks), where it
+     * applies: 1F1B, micro-batches a multiple of the stages, two blocks per rank at least */
+    fl_pp_estimate v;
+    at = strlen(buf);
+    if (k == FL_PP_1F1B && stages > 1 && micro % stages == 0 && 2 * stages <= c->n_layers && at < n &&
+        fl_pp_estimate_step_v(c, T, stages, 2, micro, FL_PP_INTERLEAVED, &v) == FL_OK)
+        snprintf(buf + at, n - at, "\npipeline: interleaved 1F1B with 2 chunks per rank (virtual stages; planned, not "
+                 "run yet) would take %.4g%s, bubble %.1f%% (equal stages: %.1f%%)", u * v.step, unit, 100 * v.bubble,
+                 100.0 * (stages - 1) / (2 * micro + stages - 1));
     return FL_OK;
 }

@@ -24,17 +24,20 @@
 # the state sizes are measured here; the peak (what is live at once in backward), the recomputation under
 # checkpointing and the CUDA caching allocator's rounding are modelled in C, not measured (no GPU).
 # GPT-2 (`gpt2` as the first argument; the fsdp suite's gpt2-xl): HF GPT2LMHeadModel with sdpa, tied head, dropout
-# off (fitllm's GPT-2 has none), full fine-tunes at every precision, checkpointing and SGD.
+# off (fitllm's GPT-2 has none), full fine-tunes at every precision, checkpointing and SGD. OPT (`opt`: BLIP-2's
+# language model): HF OPTForCausalLM, pre-norm, tied head, dropout off (as fitllm's OPT), the same setups as GPT-2.
 # Pinned: torch==2.15.0, transformers==5.23.0, peft==0.21.2, bitsandbytes==0.50.2 (the venv /work/venv-graph). Run:
 #   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py > tests/fixtures/pytorch-alloc.json
 #   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py gpt2 > tests/fixtures/pytorch-alloc-gpt2.json
+#   /work/venv-graph/bin/python tests/ref/pytorch_alloc.py opt > tests/fixtures/pytorch-alloc-opt.json
 # (FL_ALLOC_VERBOSE=1: every saved tensor's shape and dtype on stderr.)
 import contextlib, json, os, sys, tempfile, warnings
 import torch
 import transformers
 import peft
 import bitsandbytes
-from transformers import BitsAndBytesConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (BitsAndBytesConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig,
+                          OPTForCausalLM)
 
 assert (torch.__version__.startswith("2.15.0") and transformers.__version__ == "5.23.0" and peft.__version__ == "0.21.2"
         and bitsandbytes.__version__ == "0.50.2"), (torch.__version__, transformers.__version__, peft.__version__,
@@ -45,10 +48,13 @@ DT = {"32-true": torch.float32, "bf16-true": torch.bfloat16, "bf16-mixed": torch
 AMP = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
+CLS = {GPT2Config: GPT2LMHeadModel, OPTConfig: OPTForCausalLM, LlamaConfig: LlamaForCausalLM}
+
+
 def build(cfg, prec, quant):
     torch.manual_seed(0)
-    if isinstance(cfg, GPT2Config):
-        return GPT2LMHeadModel(cfg).to(DT[prec])
+    if isinstance(cfg, (GPT2Config, OPTConfig)):
+        return CLS[type(cfg)](cfg).to(DT[prec])
     if not quant:
         return LlamaForCausalLM(cfg).to(DT[prec])
     d = tempfile.mkdtemp()
@@ -62,6 +68,11 @@ def measure(B, T, prec, L, H, KV, d, ff, V, hd, ckpt=0, lora_r=0, quant="", opti
     if arch == "gpt2":  # n_inner = ff; dropout off
         cfg = GPT2Config(vocab_size=V, n_embd=d, n_inner=ff, n_layer=L, n_head=H, n_positions=256, resid_pdrop=0.0,
                          embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa", use_cache=False)
+    elif arch == "opt":  # pre-norm, tied head, ReLU, biases; dropout off (fitllm's OPT has none); head_dim = d / H
+        cfg = OPTConfig(vocab_size=V, hidden_size=d, ffn_dim=ff, num_hidden_layers=L, num_attention_heads=H,
+                        max_position_embeddings=256, word_embed_proj_dim=d, do_layer_norm_before=True, dropout=0.0,
+                        attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0, attn_implementation="sdpa",
+                        use_cache=False)
     else:
         cfg = LlamaConfig(vocab_size=V, hidden_size=d, intermediate_size=ff, num_hidden_layers=L,
                           num_attention_heads=H, num_key_value_heads=KV, head_dim=hd, max_position_embeddings=256,
@@ -106,7 +117,7 @@ def measure(B, T, prec, L, H, KV, d, ff, V, hd, ckpt=0, lora_r=0, quant="", opti
     grads = sum(p.grad.untyped_storage().nbytes() for p in train)
     ostate = sum({v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for st in opt.state.values()
                   for v in st.values() if torch.is_tensor(v)}.values())
-    full = GPT2LMHeadModel(cfg) if arch == "gpt2" else LlamaForCausalLM(cfg)
+    full = CLS[type(cfg)](cfg)
     row = dict(arch=arch) if arch != "llama" else {}
     return dict(row, B=B, T=T, precision=prec, ckpt=ckpt, lora_r=lora_r, quant=quant, optimizer=optim, layers=L,
                 heads=H, kv_heads=KV, dim=d, ffn=ff, vocab=V, head_dim=hd,
@@ -118,15 +129,16 @@ def measure(B, T, prec, L, H, KV, d, ff, V, hd, ckpt=0, lora_r=0, quant="", opti
 SHAPES = ((2, 24, 1, 4, 4, 64, 172, 512, 16), (2, 24, 2, 4, 4, 64, 172, 512, 16), (1, 37, 2, 4, 2, 64, 172, 512, 16),
           (3, 20, 3, 8, 2, 96, 256, 300, 12))
 rows = []
-if sys.argv[1:] == ["gpt2"]:  # GPT-2: every precision at three shapes, then checkpointing and SGD
+ARCH = sys.argv[1] if sys.argv[1:] in (["gpt2"], ["opt"]) else ""
+if ARCH:  # GPT-2, OPT: every precision at three shapes, then checkpointing and SGD
     G = ((2, 24, 1, 4, 4, 64, 256, 512, 16), (1, 37, 2, 4, 4, 64, 172, 300, 16), (3, 20, 3, 6, 6, 96, 384, 300, 16))
     for prec in ("32-true", "bf16-true", "bf16-mixed", "16-mixed"):
         for s in G:
-            rows.append(measure(*s[:2], prec, *s[2:], arch="gpt2"))
+            rows.append(measure(*s[:2], prec, *s[2:], arch=ARCH))
     for s in G[1:]:
-        rows.append(measure(*s[:2], "32-true", *s[2:], ckpt=1, arch="gpt2"))
-        rows.append(measure(*s[:2], "16-mixed", *s[2:], ckpt=1, arch="gpt2"))
-        rows.append(measure(*s[:2], "32-true", *s[2:], optim="sgd", arch="gpt2"))
+        rows.append(measure(*s[:2], "32-true", *s[2:], ckpt=1, arch=ARCH))
+        rows.append(measure(*s[:2], "16-mixed", *s[2:], ckpt=1, arch=ARCH))
+        rows.append(measure(*s[:2], "32-true", *s[2:], optim="sgd", arch=ARCH))
     SHAPES = ()
 for prec in ("32-true", "bf16-true") if not rows else ():  # full fine-tunes (the first anchor)
     for s in SHAPES:
