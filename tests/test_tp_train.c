@@ -58,12 +58,14 @@ static double (*const k_no_control)(const dr_rec *, const dr_rec *) __attribute_
 static int g_small; /* the emulator's cut-down run */
 static const char *g_strategy; /* the data axis's (NULL: ddp) */
 static int g_pp = 1;           /* the 3D grid: stages per pipeline (1: none) */
+static int g_lora_mlp = 1, g_lora_dropout; /* DR_LORA: adapters on the MLP too (down_proj row-parallel); dropout 0.1 */
 static const char *g_sched;    /* and their schedule (NULL: 1f1b) */
 
 /* scenario sc over dp groups x tp ranks (x g_pp stages: out: its out_dir) */
 static void tp_config(fl_run_config *c, int sc, int dp, int tp, const char *out) {
     dr_config(c, sc, dp, dp * tp * g_pp, 1, 1, out);
     c->tensor_parallel = tp;
+    if (sc == DR_LORA) c->lora.mlp = g_lora_mlp, c->lora.dropout = g_lora_dropout ? 0.1f : 0.0f;
     if (g_pp > 1 && tp > 1) {
         c->pipeline_parallel = g_pp;
         snprintf(c->pipeline_schedule, sizeof c->pipeline_schedule, "%s", g_sched ? g_sched : "1f1b");
@@ -248,6 +250,22 @@ FL_TEST(tp_train_threads_tp_x_pp_zero_on_the_data_axis) {
     scenario(DR_ADAMW, 2, 2);
     g_strategy = NULL;
     g_pp = 1;
+}
+
+/* LoRA on the slices (trainer_tp.c, src/train/tp.c): on q, k, v, gate, up (column-parallel) A is whole and B the
+ * rank's rows, on o, down (row-parallel) A the rank's columns and B whole; the whole matrices' gradients are partial
+ * sums the group adds before the step (fl_optim_dist.reduce), the norm counts them once; the row-parallel A start as
+ * the whole's columns (fl_tp_lora_init). The losses within 1e-6 relative of one process and the merged final weights
+ * (every rank merges its slice, gathered) within the AdamW bound: TP 2 and TP 4 with adapters on the MLP (no dropout),
+ * DP 2 x TP 2 (DDP on the adapters' axis), and TP 2 with dropout 0.1 on q and v (their input is whole on every rank:
+ * one process's mask). */
+FL_TEST(tp_train_threads_lora_matches_one_process) {
+    scenario(DR_LORA, 1, 2);
+    scenario(DR_LORA, 2, 2);
+    scenario(DR_LORA, 1, 4);
+    g_lora_mlp = 0, g_lora_dropout = 1;
+    scenario(DR_LORA, 1, 2);
+    g_lora_mlp = 1, g_lora_dropout = 0;
 }
 
 /* The same on the opaque backend (its memory unreadable by the host): the blocks' all-reduces and DDP's go
@@ -455,9 +473,11 @@ static void expect_refusal(int W, void (*edit)(fl_run_config *), const char *a, 
 }
 
 static void e_heads(fl_run_config *c) { (void)c; }
-static void e_lora(fl_run_config *c) {
+static void e_lora(fl_run_config *c) { /* dropout on the row-parallel o_proj / down_proj */
     c->command = FL_CMD_FINETUNE_LORA;
     c->lora.r = 4;
+    c->lora.mlp = 1;
+    c->lora.dropout = 0.1f;
 }
 static void e_zero(fl_run_config *c) {
     c->tensor_parallel = 2;
@@ -482,7 +502,7 @@ static void e_rank(fl_run_config *c) { /* rank 1 alone was given another command
 FL_TEST(tp_train_threads_refusals) {
     /* micro: 8 attention heads, 4 key/value heads: 3 ranks do not split them */
     expect_refusal(3, e_heads, "--tensor_parallel 3", "num_attention_heads");
-    expect_refusal(2, e_lora, "--tensor_parallel 2", "finetune_lora");
+    expect_refusal(2, e_lora, "--tensor_parallel 2: LoRA dropout (0.1) on the row-parallel", "lora_dropout 0");
     expect_refusal(4, e_zero, "not ZeRO-3", "deepspeed_stage_3");
     expect_refusal(3, e_grid, "--tensor_parallel 2: this run has 3 ranks, not a multiple", NULL);
     expect_refusal(6, e_grid3d, "--tensor_parallel 2 with --pipeline_parallel 2: this run has 6 ranks, not a multiple "

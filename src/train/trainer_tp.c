@@ -12,6 +12,7 @@
 
 #include "trainer-impl.h"
 #include "fitllm/checkpoint.h"
+#include "fitllm/lora.h"
 
 static fl_status tp_check(const fl_run_config *c, int n, int dp_world, const fl_strategy_choice *sc);
 
@@ -100,9 +101,12 @@ fl_status fl_tr_tp_check(const trainer *t, const fl_strategy_choice *sc) {
 }
 
 static fl_status tp_check(const fl_run_config *c, int n, int dp_world, const fl_strategy_choice *sc) {
-    if (c->command == FL_CMD_FINETUNE_LORA)
-        return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: finetune_lora is not split yet (LoRA's adapters "
-                         "on the split linears); finetune_full and pretrain are", n);
+    if (c->command == FL_CMD_FINETUNE_LORA && c->lora.quantize[0])
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with --quantize %s: QLoRA's 4-bit base is not split "
+                         "yet (LoRA on the fp32 / bf16 base is)", n, c->lora.quantize);
+    if (c->command == FL_CMD_FINETUNE_LORA && dp_world > 1 && sc->stage > 0)
+        return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with finetune_lora and --strategy %s: the adapters' "
+                         "data-parallel axis runs DDP so far (give --strategy ddp)", n, c->strategy);
     if (dp_world > 1 && sc->stage > 2)
         return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d with --strategy %s%s%s: the data-parallel axis (%d "
                          "groups) runs DDP, ZeRO-1 or ZeRO-2 so far, not ZeRO-3 / FSDP FULL_SHARD (give --strategy ddp, "
@@ -138,6 +142,11 @@ fl_status fl_tr_whole_make(trainer *t, tp_whole *w, const fl_model_config *cfg, 
     FL_TRY(whole_pools(t, w));
     FL_TRY(fl_model_init_ex(&w->m, cfg, &t->hw.be, &w->pool, &t->stg));
     w->m_ok = 1;
+    if (t->model.lora) { /* a LoRA run's whole model carries the same adapters (their values: gathered or loaded) */
+        fl_lora_config lc;
+        FL_TRY(fl_trainer_lora_config(t->cfg, cfg, &lc));
+        FL_TRY(fl_model_lora_init(&w->m, &lc, t->cfg->seed));
+    }
     if (!o) return FL_OK;
     FL_TRY(fl_model_set_precision(&w->m, &t->model.prec)); /* the state's dtype and loss scaling follow it */
     FL_TRY(fl_optim_init(&w->o, &w->m, &o->cfg));
@@ -212,6 +221,24 @@ static fl_status attach_group(trainer *t) {
     return fl_model_set_tp_host(&t->model, t->tp.grp); /* the vocabulary slices' cross-entropy statistics */
 }
 
+/* LoRA on the slices: what is not split yet, refused on every rank alike (the same config and modules) */
+static fl_status lora_check(const trainer *t) {
+    fl_lora_adapters ad;
+    if (!fl_model_lora_adapters(&t->model, &ad)) return FL_OK;
+    for (int j = 0; j < ad.n_mods; j++) {
+        const fl_lora_module *md = &ad.mods[j];
+        if (md->layer < 0)
+            return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: LoRA on lm_head (the vocabulary-parallel head) is "
+                             "not split yet (the blocks' linears are)", t->tp.size);
+        if (ad.cfg->dropout > 0 && fl_tp_entry_split(&t->model.layout, md->param_index) == FL_TP_ROW)
+            return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: LoRA dropout (%g) on the row-parallel %s: its "
+                             "input is the rank's columns, whose part of one process's dropout mask is not drawn yet "
+                             "(give lora_dropout 0, or leave out the output and down projections)", t->tp.size,
+                             (double)ad.cfg->dropout, md->name);
+    }
+    return FL_OK;
+}
+
 fl_status fl_tr_tp_attach(trainer *t) {
     if (t->pp.size > 1 && t->tp.size <= 1) return fl_tr_pp_attach(t);
     if (t->tp.size <= 1) return FL_OK;
@@ -223,10 +250,11 @@ fl_status fl_tr_tp_attach(trainer *t) {
         t->pp.rt_ok = 1;
         t->pp.rt.inner = axis; /* ZeRO-2's tied table is made whole over the axis (pp_step.c) */
     }
+    FL_TRY(lora_check(t));
     FL_TRY(fl_tp_optim_attach(&t->opt, t->tp.grp, &t->tp.dist));
     /* TP x PP: the norm counts the entries the stage trains; the sums and verdicts run over the stages too */
     t->tp.dist.pipe = t->pp.size > 1 ? t->pp.grp : NULL;
-    return FL_OK;
+    return fl_tp_lora_init(&t->model, t->cfg->seed); /* LoRA: the slices of the whole's initial adapters */
 }
 
 /* the optimizer's state arrays (AdamW's m, v; SGD's momentum) */
@@ -243,6 +271,29 @@ static fl_status state_whole(trainer *t, const fl_optimizer *o, const void *arr,
     return fl_error_prefix(fl_tr_state_whole(o, t->tp.dpc, arr, dt, full), "tensor parallel");
 }
 
+/* tp_assemble's LoRA part (s: rank 0's staging, g: the base's gather): the adapters, then each state array (F32 at
+ * the adapters' offsets) gathered into the whole model's (its LoRA) and optimizer */
+static fl_status tp_assemble_lora(trainer *t, const fl_optimizer *o, tp_whole *w, fl_status s, fl_status g) {
+    fl_lora_adapters pa, wa;
+    fl_model_lora_adapters(&t->model, &pa);
+    const fl_model *wm = s == FL_OK && t->tp.rank == 0 ? &w->m : NULL;
+    if (wm) fl_model_lora_adapters(wm, &wa);
+    if (g == FL_OK)
+        g = fl_tp_lora_gather(&t->model, t->tp.grp, t->model.be, pa.params, wm, wm ? wm->be : NULL, wm ? wa.params : NULL);
+    void *src[3] = {NULL, NULL, NULL}, *dst[3] = {NULL, NULL, NULL};
+    if (o) state_arrays(o, src);
+    if (o && wm) state_arrays(&w->o, dst);
+    for (int a = 0; a < 3 && g == FL_OK; a++)
+        if (src[a])
+            g = fl_tp_lora_gather(&t->model, t->tp.grp, o->home.be, src[a], wm, wm ? w->o.home.be : NULL, dst[a]);
+    if (s == FL_OK) s = g;
+    if (s == FL_OK && wm && o) {
+        w->o.step = o->step;
+        w->o.amp = o->amp;
+    }
+    return s;
+}
+
 /* The slices' parameters and state arrays (full[a]: the slice's whole array a in host memory under ZeRO, else NULL)
  * assembled into a model and optimizer of cfg on the group's rank 0 (w; collective over the group): the whole model,
  * or (TP x PP) the stage's. A failed staging on rank 0 still runs the group's gathers (their sums are dropped). */
@@ -254,6 +305,7 @@ static fl_status tp_assemble(trainer *t, const fl_model_config *cfg, const fl_op
     fl_status s = t->tp.rank == 0 ? fl_tr_whole_make(t, w, cfg, o) : FL_OK;
     fl_model *wm = s == FL_OK && t->tp.rank == 0 ? &w->m : NULL;
     fl_status g = fl_tp_gather(&t->model, t->tp.grp, wm, 0);
+    if (t->model.lora) return tp_assemble_lora(t, o, w, s, g); /* the adapters and their optimizer state */
     if (o) {
         state_arrays(o, src);
         if (wm) state_arrays(&w->o, dst);
@@ -312,6 +364,19 @@ fl_status fl_tr_sum_all(trainer *t, double *v, int n) {
 /* The slice of w's model and optimizer state (a whole model of t->tp.whole's config) into this rank's (under ZeRO
  * on the data axis: its chunk of the slice's arrays), the step and loss scale with them */
 static fl_status tp_take_state(trainer *t, tp_whole *w) {
+    if (t->model.lora) { /* the frozen base is the run's (loaded from checkpoint_dir): the adapters and their state */
+        fl_lora_adapters pa, wa;
+        fl_model_lora_adapters(&t->model, &pa);
+        fl_model_lora_adapters(&w->m, &wa);
+        fl_status s = fl_tp_lora_scatter(&w->m, w->m.be, wa.params, &t->model, t->model.be, pa.params);
+        void *src[3], *dst[3];
+        state_arrays(&w->o, src);
+        state_arrays(&t->opt, dst);
+        for (int a = 0; a < 3 && s == FL_OK; a++)
+            if (src[a] && dst[a]) s = fl_tp_lora_scatter(&w->m, w->o.home.be, src[a], &t->model, t->opt.home.be, dst[a]);
+        if (s == FL_OK) t->opt.step = w->o.step, t->opt.amp.ls = w->o.amp.ls;
+        return s;
+    }
     fl_status s = fl_tp_scatter(&w->m, &t->model);
     void *src[3], *dst[3];
     state_arrays(&w->o, src);
