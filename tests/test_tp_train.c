@@ -300,10 +300,11 @@ FL_TEST(tp_train_nccl_standin_cuda_emu) {
  * scratch, comm_threads). On the cpu backend, whose plan this is (a device backend's host staging is planned with
  * --accelerator cuda). */
 FL_TEST(tp_train_threads_plan_equals_measured) {
-    /* DP x TP x PP; the last two: the 3D grid (each rank's slice of its stage; 1F1B: stage 0 a stash beside its arena) */
-    const int grids[5][3] = {{1, 2, 1}, {2, 2, 1}, {2, 2, 1}, {1, 2, 2}, {2, 2, 2}};
+    /* DP x TP x PP; then the 3D grid (each rank's slice of its stage; 1F1B: stage 0 a stash beside its arena); the
+     * last: LoRA at TP 2 (the slice's adapters, their gradients and state, activations) */
+    const int grids[6][3] = {{1, 2, 1}, {2, 2, 1}, {2, 2, 1}, {1, 2, 2}, {2, 2, 2}, {1, 2, 1}};
     g_forced = "cpu";
-    for (int g = 0; g < 5; g++) {
+    for (int g = 0; g < 6; g++) {
         const int dp = grids[g][0], tp = grids[g][1], W = dp * tp * grids[g][2];
         g_pp = grids[g][2];
         g_strategy = g == 2 || g == 4 ? "deepspeed_stage_2" : NULL; /* OPTIM: the chunk's state */
@@ -312,7 +313,7 @@ FL_TEST(tp_train_threads_plan_equals_measured) {
         char out[700];
         snprintf(out, sizeof out, "%s/tp-plan-%d-%d-%d", fl_test_tmpdir(), dp, tp, g_pp);
         for (int r = 0; r < W; r++) {
-            tp_config(&j->cfg[r], DR_ADAMW, dp, tp, out); /* AdamW: OPTIM, ZeRO's chunk */
+            tp_config(&j->cfg[r], g == 5 ? DR_LORA : DR_ADAMW, dp, tp, out); /* AdamW: OPTIM, ZeRO's chunk */
             j->cfg[r].train.max_steps = 1;
         }
         backend_on();
@@ -321,7 +322,7 @@ FL_TEST(tp_train_threads_plan_equals_measured) {
         FL_CHECKF(s == FL_OK, "DP %d x TP %d x PP %d: %s", dp, tp, g_pp, j->msg[0]);
         for (int r = 0; r < W && s == FL_OK; r++) {
             char grid[48];
-            snprintf(grid, sizeof grid, "DP %d x TP %d x PP %d", dp, tp, g_pp);
+            snprintf(grid, sizeof grid, "DP %d x TP %d x PP %d%s", dp, tp, g_pp, g == 5 ? " LoRA" : "");
             const size_t total = plan_rank_equals_measured(&j->cfg[r], r, &j->res[r], grid);
             if (getenv("FL_TEST_VERBOSE") && (r == 0 || r == W - 1))
                 printf("    %s %s rank %d: planned = measured = %zu bytes (PARAMS %zu, OPTIM %zu, ACTS %zu)\n", grid,
@@ -447,6 +448,53 @@ FL_TEST(tp_train_threads_checkpoints_resume_across_grids) {
         if (getenv("FL_TEST_VERBOSE")) printf("    %s from %s: later losses within %.3g relative\n", k_case[k].name, from, w);
     }
     backend_off();
+    for (int r = 0; r < TP_MAX_RANKS; r++) dr_free(&j->rec[r]);
+    dr_free(&full);
+    free(j);
+}
+
+/* LoRA's checkpoints under TP (adapter folders + training state, as one process writes them: the adapters and their
+ * AdamW state gathered from the slices): TP 2's step 3 resumed in one process, that run's step 4 at TP 2, each with
+ * the later losses within 1e-6 relative of the uninterrupted TP 2 run's; final/ and final/adapter hold one process's
+ * files. */
+FL_TEST(tp_train_threads_lora_checkpoints_resume) {
+    char out[700], from[800], o2[760];
+    snprintf(out, sizeof out, "%s/tp-lora-resume", fl_test_tmpdir());
+    tp_job *j = calloc(1, sizeof *j);
+    FL_REQUIRE(j != NULL);
+    for (int r = 0; r < 2; r++) tp_config(&j->cfg[r], DR_LORA, 1, 2, out);
+    backend_on();
+    FL_REQUIRE_OK(fl_comm_threads_run(2, tp_rank, j));
+    dr_rec full = j->rec[0];
+    memset(&j->rec[0], 0, sizeof j->rec[0]);
+    const long steps = j->cfg[0].train.max_steps;
+    for (int k = 0; k < 2; k++) { /* k 0: TP 2's step 3 in one process; k 1: that run's step 4 at TP 2 */
+        const int tp = k ? 2 : 1;
+        const long from_step = 3 + k;
+        snprintf(from, sizeof from, k ? "%s-one/step-%06ld" : "%s/step-%06ld", out, from_step);
+        snprintf(o2, sizeof o2, "%s-%s", out, k ? "tp2" : "one");
+        for (int r = 0; r < tp; r++) {
+            dr_free(&j->rec[r]);
+            tp_config(&j->cfg[r], DR_LORA, 1, tp, o2);
+            snprintf(j->cfg[r].resume, sizeof j->cfg[r].resume, "%s", from);
+        }
+        fl_status s = tp == 1 ? fl_trainer_run(&j->cfg[0], NULL, 0, dr_record, &j->rec[0], NULL)
+                              : fl_comm_threads_run(tp, tp_rank, j);
+        FL_CHECKF(s == FL_OK, "LoRA resumed at TP %d: %s", tp, j->msg[0][0] ? j->msg[0] : fl_error_message());
+        const double w = s == FL_OK ? later_diff(&j->rec[0], &full, from_step, steps) : 0;
+        FL_CHECKF(s != FL_OK || (j->rec[0].steps == steps && w <= 1e-6), "LoRA at TP %d resumed from '%s': steps %ld, "
+                  "later losses differ by %.3g relative from the uninterrupted TP 2 run", tp, from, j->rec[0].steps, w);
+        if (getenv("FL_TEST_VERBOSE")) printf("    LoRA at TP %d from %s: later losses within %.3g relative\n", tp, from, w);
+    }
+    backend_off();
+    /* the same files as one process's: the merged model, the PEFT adapter, the step folders' adapter and state */
+    const char *sub[3] = {"final", "final/adapter", "step-000004"};
+    for (int k = 0; k < 3; k++) {
+        char a[900], b[1800];
+        snprintf(a, sizeof a, "ls %s/%s > %s-ls-a 2>&1", out, sub[k], out);
+        snprintf(b, sizeof b, "ls %s-one/%s > %s-ls-b 2>&1 && cmp -s %s-ls-a %s-ls-b", out, sub[k], out, out, out);
+        FL_CHECKF(system(a) == 0 && system(b) == 0, "LoRA at TP 2: %s/ holds other files than one process's", sub[k]);
+    }
     for (int r = 0; r < TP_MAX_RANKS; r++) dr_free(&j->rec[r]);
     dr_free(&full);
     free(j);
