@@ -15,6 +15,7 @@
 #include "fitllm/lora.h"
 
 static fl_status tp_check(const fl_run_config *c, int n, int dp_world, const fl_strategy_choice *sc);
+static fl_status lora_check(const trainer *t, int n_tp, const fl_model_config *whole);
 
 /* The 3D grid DP x TP x PP (--tensor_parallel N with --pipeline_parallel S): world rank w is rank w % N of the
  * tensor-parallel group of stage (w / N) % S of pipeline w / (N S), its tensor-parallel rank's pipeline being the
@@ -71,6 +72,7 @@ fl_status fl_tr_tp_begin(trainer *t, fl_comm *world, const fl_model_config *give
     FL_TRY(tp_check(t->cfg, n, W / n, &sc));
     fl_model_config pc;
     if (given) FL_TRY(fl_tp_config(given, n, 0, &pc)); /* the planner's shape */
+    if (given) FL_TRY(lora_check(t, n, given));        /* (a run checks at its load) */
     FL_TRY(fl_error_prefix(fl_comm_split(world, w / n, w, &t->tp.grp), "--tensor_parallel %d: the group", n));
     FL_TRY(fl_error_prefix(fl_comm_split(world, w % n, w, &t->tp.dpc), "--tensor_parallel %d: the data-parallel axis", n));
     t->tp.size = n;
@@ -174,11 +176,38 @@ static fl_status tpp_stage_model(trainer *t, const tp_whole *w, tp_whole *sw) {
     return fl_pp_stage_take(&w->m, &sw->m, t->pp.first);
 }
 
+/* LoRA on the slices: what is not split yet, refused on every rank alike from the whole config (the same modules on
+ * every rank), before the group's first collective (the device communicator: attach_group) */
+static fl_status lora_check(const trainer *t, int n_tp, const fl_model_config *whole) {
+    if (t->cfg->command != FL_CMD_FINETUNE_LORA) return FL_OK;
+    fl_lora_config lc;
+    fl_param_layout lay;
+    fl_lora_module *mods = NULL;
+    int n = 0;
+    FL_TRY(fl_trainer_lora_config(t->cfg, whole, &lc));
+    FL_TRY(fl_layout_build(&lay, whole));
+    fl_status s = fl_lora_modules(&lc, &lay, whole, &mods, &n);
+    for (int j = 0; j < n && s == FL_OK; j++) {
+        if (mods[j].layer < 0)
+            s = fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: LoRA on lm_head (the vocabulary-parallel head) is "
+                          "not split yet (the blocks' linears are)", n_tp);
+        else if (lc.dropout > 0 && fl_tp_entry_split(&lay, mods[j].param_index) == FL_TP_ROW)
+            s = fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: LoRA dropout (%g) on the row-parallel %s: its "
+                          "input is the rank's columns, whose part of one process's dropout mask is not drawn yet "
+                          "(give lora_dropout 0, or leave out the output and down projections)", n_tp,
+                          (double)lc.dropout, mods[j].name);
+    }
+    free(mods);
+    fl_layout_free(&lay);
+    return s;
+}
+
 fl_status fl_tr_tp_load(trainer *t, const fl_model_config *given) {
     tp_whole w, sw;
     fl_status s;
     if (fl_backend_discards(&t->hw.be)) { /* the planner's rehearsal: the slice of the given shape, no whole copy */
         fl_model_config pc, sc = *given;
+        FL_TRY(lora_check(t, t->tp.size, given));
         if (t->pp.size > 1) FL_TRY(tpp_stage_config(t, given, &sc)); /* TP x PP: the slice of its stage */
         FL_TRY(fl_tp_config(&sc, t->tp.size, t->tp.rank, &pc));
         t->tp.whole = sc;
@@ -191,6 +220,7 @@ fl_status fl_tr_tp_load(trainer *t, const fl_model_config *given) {
     s = whole_pools(t, &w);
     if (s == FL_OK) s = fl_tr_load_model(t, given, &w.m, &w.pool, &w.m_ok);
     if (s == FL_OK) t->tp.whole_numel = w.m.layout.numel;
+    if (s == FL_OK) s = lora_check(t, t->tp.size, &w.m.cfg);
     if (s == FL_OK && t->pp.size > 1) s = tpp_stage_model(t, &w, &sw); /* TP x PP: the group slices its stage */
     const tp_whole *src = t->pp.size > 1 ? &sw : &w;
     fl_model_config pc;
@@ -221,24 +251,6 @@ static fl_status attach_group(trainer *t) {
     return fl_model_set_tp_host(&t->model, t->tp.grp); /* the vocabulary slices' cross-entropy statistics */
 }
 
-/* LoRA on the slices: what is not split yet, refused on every rank alike (the same config and modules) */
-static fl_status lora_check(const trainer *t) {
-    fl_lora_adapters ad;
-    if (!fl_model_lora_adapters(&t->model, &ad)) return FL_OK;
-    for (int j = 0; j < ad.n_mods; j++) {
-        const fl_lora_module *md = &ad.mods[j];
-        if (md->layer < 0)
-            return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: LoRA on lm_head (the vocabulary-parallel head) is "
-                             "not split yet (the blocks' linears are)", t->tp.size);
-        if (ad.cfg->dropout > 0 && fl_tp_entry_split(&t->model.layout, md->param_index) == FL_TP_ROW)
-            return fl_errorf(FL_ERR_UNSUPPORTED, "--tensor_parallel %d: LoRA dropout (%g) on the row-parallel %s: its "
-                             "input is the rank's columns, whose part of one process's dropout mask is not drawn yet "
-                             "(give lora_dropout 0, or leave out the output and down projections)", t->tp.size,
-                             (double)ad.cfg->dropout, md->name);
-    }
-    return FL_OK;
-}
-
 fl_status fl_tr_tp_attach(trainer *t) {
     if (t->pp.size > 1 && t->tp.size <= 1) return fl_tr_pp_attach(t);
     if (t->tp.size <= 1) return FL_OK;
@@ -250,7 +262,6 @@ fl_status fl_tr_tp_attach(trainer *t) {
         t->pp.rt_ok = 1;
         t->pp.rt.inner = axis; /* ZeRO-2's tied table is made whole over the axis (pp_step.c) */
     }
-    FL_TRY(lora_check(t));
     FL_TRY(fl_tp_optim_attach(&t->opt, t->tp.grp, &t->tp.dist));
     /* TP x PP: the norm counts the entries the stage trains; the sums and verdicts run over the stages too */
     t->tp.dist.pipe = t->pp.size > 1 ? t->pp.grp : NULL;
