@@ -276,6 +276,7 @@ FL_TEST(tp_train_nccl_standin_opaque) {
     g_pp = 2; /* the 3D grid: the stream between stages through the host, the blocks' sums through the stand-in */
     scenario(DR_ADAMW, 1, 2);
     g_pp = 1;
+    scenario(DR_LORA, 1, 2); /* LoRA: the adapters' group sums on device memory through the stand-in */
     g_forced = NULL;
 }
 
