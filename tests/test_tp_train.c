@@ -59,6 +59,7 @@ static int g_small; /* the emulator's cut-down run */
 static const char *g_strategy; /* the data axis's (NULL: ddp) */
 static int g_pp = 1;           /* the 3D grid: stages per pipeline (1: none) */
 static int g_lora_mlp = 1, g_lora_dropout; /* DR_LORA: adapters on the MLP too (down_proj row-parallel); dropout 0.1 */
+static const char *g_model; /* another preset than micro (NULL: micro) */
 static const char *g_sched;    /* and their schedule (NULL: 1f1b) */
 
 /* scenario sc over dp groups x tp ranks (x g_pp stages: out: its out_dir) */
@@ -66,6 +67,7 @@ static void tp_config(fl_run_config *c, int sc, int dp, int tp, const char *out)
     dr_config(c, sc, dp, dp * tp * g_pp, 1, 1, out);
     c->tensor_parallel = tp;
     if (sc == DR_LORA) c->lora.mlp = g_lora_mlp, c->lora.dropout = g_lora_dropout ? 0.1f : 0.0f;
+    if (g_model) snprintf(c->checkpoint_dir, sizeof c->checkpoint_dir, "%s", g_model);
     if (g_pp > 1 && tp > 1) {
         c->pipeline_parallel = g_pp;
         snprintf(c->pipeline_schedule, sizeof c->pipeline_schedule, "%s", g_sched ? g_sched : "1f1b");
@@ -151,7 +153,8 @@ static void scenario(int sc, int dp, int tp) {
     tp_job *j = calloc(1, sizeof *j);
     FL_REQUIRE(j != NULL);
     const int W = dp * tp * g_pp;
-    snprintf(out, sizeof out, "%s/%s-dp%d-tp%d-pp%d", fl_test_tmpdir(), dr_names[sc], dp, tp, g_pp);
+    snprintf(out, sizeof out, "%s/%s-%s-dp%d-tp%d-pp%d", fl_test_tmpdir(), dr_names[sc], g_model ? g_model : "micro", dp,
+             tp, g_pp);
     for (int r = 0; r < W; r++) tp_config(&j->cfg[r], sc, dp, tp, out);
     const long steps = j->cfg[0].train.max_steps;
     backend_on();
@@ -165,7 +168,7 @@ static void scenario(int sc, int dp, int tp) {
                   "rank 0's", dr_names[sc], r);
     fl_run_config c;
     dr_rec ref = {0};
-    snprintf(ref_out, sizeof ref_out, "%s/%s-one-dp%d", fl_test_tmpdir(), dr_names[sc], dp);
+    snprintf(ref_out, sizeof ref_out, "%s/%s-%s-one-dp%d", fl_test_tmpdir(), dr_names[sc], g_model ? g_model : "micro", dp);
     tp_config(&c, sc, dp, 1, ref_out);
     c.devices = 1;
     c.pipeline_parallel = 1;
@@ -226,7 +229,7 @@ FL_TEST(tp_train_threads_zero_on_the_data_axis) {
  * stage): the step losses within 1e-6 relative of one process, step 1's gradients re-assembled (the consolidated
  * checkpoint gathers each stage's slices on the group's rank 0, then the stages on the first stage) within 1e-5 of
  * each tensor's scale, the final weights within the AdamW bound. TP 2 x PP 2 (1F1B), DP 2 x TP 2 x PP 2, TP 4 x PP 2,
- * and SGD at TP 2 x PP 3 under GPipe. */
+ * SGD at TP 2 x PP 3 under GPipe, and GPT-2 / OPT (gpt2-micro, opt-micro) at TP 2 x PP 2 under SGD. */
 FL_TEST(tp_train_threads_tp_x_pp_matches_one_process) {
     g_pp = 2;
     scenario(DR_ADAMW, 1, 2);
@@ -236,6 +239,13 @@ FL_TEST(tp_train_threads_tp_x_pp_matches_one_process) {
     g_sched = "gpipe";
     scenario(DR_SGD, 1, 2);
     g_sched = NULL;
+    g_pp = 2; /* GPT-2 and OPT (2 blocks: one a stage; learned positions, LayerNorms, biases: the row-parallel ones on
+               * the group's rank 0; the tied table's halves summed across the stages) */
+    g_model = "gpt2-micro";
+    scenario(DR_SGD, 1, 2);
+    g_model = "opt-micro";
+    scenario(DR_SGD, 1, 2);
+    g_model = NULL;
     g_pp = 1;
 }
 
