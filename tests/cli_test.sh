@@ -625,6 +625,9 @@ expect plan_suggest_grid_no_memory 2 "each rank's memory is needed \(--device-me
 # measured peak equals its plan (PP: the largest stage's)
 expect lab_grid_rows 0 "tp-2 +lab-7b +1x4x2 +32-true +AdamW +fits +yes +([0-9.]+) +\1 .*pp-2 +lab-7b +1x4x2 +32-true +AdamW +fits +yes +[0-9.]+-([0-9.]+) +\2 " -- \
     bash -c "'$FITLLM' lab --only tp-2,pp-2 --steps 1 --out_dir '$T/lab-grid' | tr '\n' ' '"
+# the 3D grid's row (TP 2 x PP 2 of lab-7b, 4 ranks as threads): the largest rank's measured peak = its plan
+expect lab_grid_row_tp2_pp2 0 "tp2-pp2 +lab-7b +1x4x4 +32-true +AdamW +fits +yes +[0-9.]+-([0-9.]+) +\1 " -- \
+    bash -c "'$FITLLM' lab --only tp2-pp2 --steps 1 --out_dir '$T/lab-grid3' | tr '\n' ' '"
 expect plan_suggest_and_largest 2 "--largest and --suggest are two questions" -- "$FITLLM" plan --suggest --largest "${GRID[@]}" \
     --device-memory 3MiB
 expect plan_largest_needs_host_memory 2 "a CPU machine needs its host memory \(--host-memory SIZE\)" -- "$FITLLM" plan --largest tiny
